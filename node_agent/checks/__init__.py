@@ -1,0 +1,60 @@
+"""Checks: one module per check, registered here and only here.
+
+A check is a function ``run(ctx: CheckContext) -> list[Result]``. It never exits the process and
+never imports pynvml; a check that cannot run returns ``skip`` results that say why.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import Config
+from ..gpu.base import GpuBackend
+from ..inventory import Inventory
+from ..kernel_log import KernelLog
+from ..model import Result, Status
+from ..sku import Sku
+
+#: check name -> module implementing ``run(ctx)``; imported lazily (compute checks pull in torch)
+REGISTRY: dict[str, str] = {
+    "inventory": "node_agent.checks.inventory",
+    "nvml_health": "node_agent.checks.nvml_health",
+    "xid": "node_agent.checks.xid",
+}
+
+
+@dataclass
+class CheckContext:
+    """What a check may use: the node's hardware behind its interfaces, and its parameters."""
+
+    check: str
+    gpu: GpuBackend
+    kernel_log: KernelLog
+    config: Config
+    inventory: Inventory
+    sku: Sku | None
+    expected_gpus: int | None
+    mode: str = "delivery"  # delivery | service
+    params: dict[str, Any] = field(default_factory=dict)
+    state_dir: Path | None = None  # writable directory for cursors, or None
+
+    def result(self, target: str, metric: str, status: Status, detail: str,
+               value: Any = None, unit: str = "", **evidence: Any) -> Result:
+        return Result(check=self.check, target=target, metric=metric, status=status,
+                      detail=detail, value=value, unit=unit, evidence=evidence)
+
+    def skip(self, reason: str, target: str = "node", metric: str = "ran") -> Result:
+        return self.result(target, metric, Status.SKIP, reason)
+
+
+def resolve(name: str) -> Callable[[CheckContext], list[Result]]:
+    """The ``run`` function of a registered check; KeyError names the known checks."""
+    try:
+        module_name = REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown check {name!r}; known checks: {', '.join(sorted(REGISTRY))}") from None
+    return importlib.import_module(module_name).run

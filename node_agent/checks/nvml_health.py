@@ -1,0 +1,312 @@
+"""Check ``nvml_health``: passive health of every GPU as NVML reports it (no load applied).
+
+GPU count vs expected; ECC (volatile and aggregate, SRAM vs DRAM); retired pages; row remapping;
+PCIe link; clock-event (throttle) reasons; temperature and power; persistence mode; the driver's
+recovery action; NVLink state and error counters. Thresholds come from NVML itself where it
+reports them (temperatures) and from the SKU file otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..gpu.base import DeviceLost, GpuDevice, GpuError, GpuTimeout, NoPermission, NotSupported
+from ..model import Result, Status
+from . import CheckContext
+
+# Throttle reasons that mean the hardware is protecting itself. SW power cap, idle and
+# application-clock settings are normal operation (NVML nvmlClocksEventReason* docs).
+ABNORMAL_THROTTLE = ("hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
+# Recovery actions that ask for a reset or reboot (nvmlGpuRecoveryAction_t).
+_RESET_ACTIONS = {"gpu_reset", "node_reboot", "drain_and_reset", "bus_reset", "system_reboot",
+                  "drain_p2p", "recover_imex_domain"}
+
+
+class _Abort(Exception):
+    """The GPU stopped answering; the remaining readings of it are pointless."""
+
+    def __init__(self, result: Result) -> None:
+        self.result = result
+
+
+def run(ctx: CheckContext) -> list[Result]:
+    if ctx.gpu.unavailable_reason:
+        return [ctx.skip(ctx.gpu.unavailable_reason)]
+    results = [_gpu_count(ctx)]
+    for device in ctx.gpu.devices():
+        results.extend(_check_gpu(ctx, device))
+    return results
+
+
+def _gpu_count(ctx: CheckContext) -> Result:
+    seen = len(ctx.gpu.devices())
+    expected = ctx.expected_gpus
+    visible = [d.index for d in ctx.gpu.devices()]
+    if expected is None:
+        return ctx.result("node", "gpu_count", Status.PASS,
+                          f"{seen} GPUs visible (no expected count: no SKU file or "
+                          "node.expected_gpus)", value=seen, unit="GPUs", visible=visible)
+    if seen < expected:
+        return ctx.result("node", "gpu_count", Status.FAIL,
+                          f"{seen} of {expected} expected GPUs visible (visible indices "
+                          f"{visible}); a missing GPU has fallen off the bus or is not powered",
+                          value=seen, unit="GPUs", expected=expected, visible=visible)
+    if seen > expected:
+        return ctx.result("node", "gpu_count", Status.WARN,
+                          f"{seen} GPUs visible, {expected} expected: check node.expected_gpus",
+                          value=seen, unit="GPUs", expected=expected, visible=visible)
+    return ctx.result("node", "gpu_count", Status.PASS, f"{seen} of {expected} GPUs visible",
+                      value=seen, unit="GPUs", expected=expected)
+
+
+def _check_gpu(ctx: CheckContext, dev: GpuDevice) -> list[Result]:
+    target = f"gpu:{dev.index}"
+    out: list[Result] = []
+
+    def reading(metric: str, query: Callable[[], Any]) -> Any | None:
+        """The value, or None after recording a skip (unsupported) / error (query failed)."""
+        try:
+            return query()
+        except NotSupported as err:
+            out.append(ctx.result(target, metric, Status.SKIP, f"not available: {err}"))
+        except NoPermission as err:
+            out.append(ctx.result(target, metric, Status.SKIP, f"no permission: {err}"))
+        except DeviceLost as err:
+            raise _Abort(ctx.result(target, "gpu_lost", Status.FAIL,
+                                    f"GPU {dev.index} stopped answering: {err}",
+                                    error=str(err))) from err
+        except GpuTimeout as err:
+            raise _Abort(ctx.result(target, "driver_hang", Status.ERROR,
+                                    f"GPU {dev.index}: {err}", error=str(err))) from err
+        except GpuError as err:
+            out.append(ctx.result(target, metric, Status.ERROR, f"query failed: {err}",
+                                  error=str(err)))
+        return None
+
+    try:
+        for step in (_ecc, _retired_pages, _row_remap, _pcie, _throttle, _temperature, _power,
+                     _persistence, _recovery, _nvlink):
+            step(ctx, dev, target, reading, out)
+    except _Abort as abort:
+        out.append(abort.result)
+    return out
+
+
+def _ecc(ctx, dev, target, reading, out) -> None:
+    ecc = reading("ecc", dev.ecc)
+    if ecc is None:
+        return
+    if not ecc.enabled:
+        out.append(ctx.result(target, "ecc_mode", Status.WARN,
+                              "ECC is disabled: memory errors go undetected (enable with "
+                              "nvidia-smi -e 1 and reset the GPU)", value=False))
+        return
+    dbe = ecc.volatile_dbe or 0
+    out.append(ctx.result(
+        target, "ecc_dbe_volatile", Status.FAIL if dbe else Status.PASS,
+        f"{dbe} uncorrectable (double-bit) ECC errors since the driver loaded"
+        + (" — uncorrectable memory errors mean failing HBM" if dbe else ""),
+        value=dbe, unit="errors", aggregate_dbe=ecc.aggregate_dbe,
+        aggregate_dbe_sram=ecc.aggregate_dbe_sram, aggregate_dbe_dram=ecc.aggregate_dbe_dram))
+    sbe = ecc.volatile_sbe or 0
+    sbe_max = ctx.sku.limit("ecc_sbe_volatile_max") if ctx.sku else None
+    over = sbe_max is not None and sbe > sbe_max
+    out.append(ctx.result(
+        target, "ecc_sbe_volatile", Status.WARN if over else Status.PASS,
+        f"{sbe} corrected ECC errors since the driver loaded"
+        + (f", above the SKU limit {sbe_max:g}" if over else ""),
+        value=sbe, unit="errors", limit=sbe_max))
+    sram = ecc.aggregate_dbe_sram or 0
+    if sram:
+        out.append(ctx.result(
+            target, "ecc_dbe_sram_aggregate", Status.WARN,
+            f"{sram} uncorrectable SRAM ECC errors over the GPU's life (on-chip memory; "
+            "repeated ones need the GPU replaced)", value=sram, unit="errors"))
+
+
+def _retired_pages(ctx, dev, target, reading, out) -> None:
+    pages = reading("retired_pages", dev.retired_pages)
+    if pages is None:
+        return
+    total = pages.sbe + pages.dbe
+    limit = ctx.sku.limit("retired_pages_max") if ctx.sku else None
+    over = limit is not None and total > limit
+    out.append(ctx.result(target, "retired_pages", Status.FAIL if over else Status.PASS,
+                          f"{total} retired pages ({pages.sbe} single-bit, {pages.dbe} "
+                          f"double-bit)" + (f", above the limit {limit:g}" if over else ""),
+                          value=total, unit="pages", sbe=pages.sbe, dbe=pages.dbe, limit=limit))
+    if pages.pending:
+        out.append(ctx.result(target, "retired_pages_pending", Status.FAIL,
+                              "a page retirement is pending: reset the GPU to apply it",
+                              value=True))
+
+
+def _row_remap(ctx, dev, target, reading, out) -> None:
+    rows = reading("row_remap", dev.row_remap)
+    if rows is None:
+        return
+    evidence = {"corrected_rows": rows.corrected, "uncorrected_rows": rows.uncorrected}
+    if rows.failed:
+        out.append(ctx.result(target, "row_remap_failure", Status.FAIL,
+                              "row remapping failed: no spare row for an uncorrectable memory "
+                              "error (NVIDIA: replace the GPU)", value=True, **evidence))
+    if rows.pending:
+        out.append(ctx.result(target, "row_remap_pending", Status.FAIL,
+                              "a row remap is pending: reset the GPU to apply it", value=True,
+                              **evidence))
+    if not rows.failed and not rows.pending:
+        out.append(ctx.result(target, "row_remap", Status.PASS,
+                              f"{rows.corrected} rows remapped for corrected and "
+                              f"{rows.uncorrected} for uncorrected errors; none pending",
+                              value=rows.uncorrected, unit="rows", **evidence))
+
+
+def _pcie(ctx, dev, target, reading, out) -> None:
+    link = reading("pcie", dev.pcie)
+    if link is None:
+        return
+    expected_width = (ctx.sku.section("pcie").get("width") if ctx.sku else None) or link.width_max
+    evidence = {"gen_current": link.gen_current, "gen_max": link.gen_max,
+                "width_current": link.width_current, "width_max": link.width_max,
+                "width_expected": expected_width}
+    if link.width_current < expected_width:
+        out.append(ctx.result(target, "pcie_width", Status.FAIL,
+                              f"PCIe link trained at x{link.width_current} of x{expected_width}: "
+                              "a degraded link (reseat or replace the GPU or riser)",
+                              value=link.width_current, unit="lanes", **evidence))
+    else:
+        out.append(ctx.result(target, "pcie_width", Status.PASS,
+                              f"PCIe x{link.width_current}", value=link.width_current,
+                              unit="lanes", **evidence))
+    # An idle GPU lowers its link generation to save power, so the generation is only a
+    # finding when the check runs under load (the burn passes under_load: true).
+    if link.gen_current < link.gen_max and ctx.params.get("under_load"):
+        out.append(ctx.result(target, "pcie_gen", Status.FAIL,
+                              f"PCIe Gen{link.gen_current} under load, Gen{link.gen_max} "
+                              "possible", value=link.gen_current, **evidence))
+    else:
+        out.append(ctx.result(target, "pcie_gen", Status.PASS,
+                              f"PCIe Gen{link.gen_current} (max Gen{link.gen_max}; an idle GPU "
+                              "may run below max)", value=link.gen_current, **evidence))
+    if link.replay_count is not None:
+        limit = ctx.sku.limit("pcie_replay_max") if ctx.sku else None
+        over = limit is not None and link.replay_count > limit
+        out.append(ctx.result(target, "pcie_replay", Status.WARN if over else Status.PASS,
+                              f"{link.replay_count} PCIe replays"
+                              + (f", above {limit:g}: a marginal link" if over else ""),
+                              value=link.replay_count, unit="replays", limit=limit))
+
+
+def _throttle(ctx, dev, target, reading, out) -> None:
+    reasons = reading("throttle", dev.throttle_reasons)
+    if reasons is None:
+        return
+    abnormal = sorted(r for r in reasons if r in ABNORMAL_THROTTLE)
+    status = Status.WARN if abnormal else Status.PASS
+    detail = (f"clocks held down by {', '.join(abnormal)}" if abnormal
+              else f"no hardware throttling ({', '.join(sorted(reasons)) or 'no reasons'})")
+    out.append(ctx.result(target, "throttle", status, detail, value=",".join(abnormal),
+                          reasons=sorted(reasons)))
+
+
+def _temperature(ctx, dev, target, reading, out) -> None:
+    temp = reading("temperature", dev.temperature_c)
+    if temp is None:
+        return
+    limits = reading("temperature_thresholds", dev.temperature_thresholds)
+    sku_thermal = ctx.sku.section("thermal") if ctx.sku else {}
+    slowdown = (limits.slowdown_c if limits else None) or sku_thermal.get("slowdown_c")
+    shutdown = (limits.shutdown_c if limits else None) or sku_thermal.get("shutdown_c")
+    evidence = {"slowdown_c": slowdown, "shutdown_c": shutdown,
+                "threshold_source": "nvml" if limits and limits.slowdown_c else "sku"}
+    if shutdown is not None and temp >= shutdown:
+        status, detail = Status.FAIL, (f"{temp} °C at or above the shutdown threshold "
+                                       f"{shutdown} °C: cooling has failed")
+    elif slowdown is not None and temp >= slowdown:
+        status, detail = Status.WARN, (f"{temp} °C at or above the slowdown threshold "
+                                       f"{slowdown} °C: the GPU throttles")
+    else:
+        status, detail = Status.PASS, (f"{temp} °C (slowdown at {slowdown} °C)"
+                                       if slowdown else f"{temp} °C (no threshold reported)")
+    out.append(ctx.result(target, "temperature", status, detail, value=temp, unit="°C",
+                          **evidence))
+    mem_temp = reading("memory_temperature", dev.memory_temperature_c)
+    if mem_temp is not None:
+        mem_max = limits.memory_max_operating_c if limits else None
+        hot = mem_max is not None and mem_temp >= mem_max
+        out.append(ctx.result(target, "memory_temperature", Status.WARN if hot else Status.PASS,
+                              f"HBM {mem_temp} °C" + (f", at or above its max {mem_max} °C"
+                                                      if hot else ""),
+                              value=mem_temp, unit="°C", max_c=mem_max))
+
+
+def _power(ctx, dev, target, reading, out) -> None:
+    power = reading("power", dev.power)
+    if power is None:
+        return
+    evidence = {"enforced_limit_w": power.enforced_limit_w, "default_limit_w": power.default_limit_w}
+    capped = (power.enforced_limit_w is not None and power.default_limit_w
+              and power.enforced_limit_w < 0.95 * power.default_limit_w)
+    if capped:
+        out.append(ctx.result(target, "power_limit", Status.WARN,
+                              f"power limit {power.enforced_limit_w:.0f} W is below the default "
+                              f"{power.default_limit_w:.0f} W: the GPU cannot reach full speed",
+                              value=power.enforced_limit_w, unit="W", **evidence))
+    out.append(ctx.result(target, "power", Status.PASS,
+                          f"{power.usage_w:.0f} W of {power.enforced_limit_w or 0:.0f} W limit",
+                          value=power.usage_w, unit="W", **evidence))
+
+
+def _persistence(ctx, dev, target, reading, out) -> None:
+    enabled = reading("persistence_mode", dev.persistence_mode)
+    if enabled is None:
+        return
+    out.append(ctx.result(
+        target, "persistence_mode", Status.PASS if enabled else Status.WARN,
+        "persistence mode on" if enabled else
+        "persistence mode off: the driver unloads between jobs, adding start-up latency and "
+        "losing volatile error counters (nvidia-smi -pm 1 or nvidia-persistenced)",
+        value=enabled))
+
+
+def _recovery(ctx, dev, target, reading, out) -> None:
+    action = reading("recovery_action", dev.recovery_action)
+    if action is None:
+        return
+    needs = action in _RESET_ACTIONS or action.startswith("unknown")
+    out.append(ctx.result(target, "recovery_action", Status.FAIL if needs else Status.PASS,
+                          f"the driver asks for recovery action {action}" if needs
+                          else "the driver asks for no recovery action", value=action))
+
+
+def _nvlink(ctx, dev, target, reading, out) -> None:
+    links = reading("nvlink", dev.nvlinks)
+    if links is None:
+        return
+    expected = ctx.sku.section("nvlink").get("links") if ctx.sku else None
+    active = [link.link for link in links if link.active]
+    inactive = [link.link for link in links if not link.active]
+    want = expected if expected is not None else len(links)
+    if want and len(active) < want:
+        out.append(ctx.result(target, "nvlink_state", Status.FAIL,
+                              f"{len(active)} of {want} NVLinks active (down: {inactive}): a "
+                              "degraded NVLink", value=len(active), unit="links",
+                              inactive=inactive, expected=want))
+    else:
+        out.append(ctx.result(target, "nvlink_state", Status.PASS,
+                              f"{len(active)} NVLinks active", value=len(active), unit="links"))
+    replay_max = ctx.sku.limit("nvlink_replay_max") if ctx.sku else None
+    recovery_max = ctx.sku.limit("nvlink_recovery_max") if ctx.sku else None
+    noisy = []
+    for link in links:
+        if replay_max is not None and (link.replay_errors or 0) > replay_max:
+            noisy.append(f"link {link.link}: {link.replay_errors} replays")
+        if recovery_max is not None and (link.recovery_errors or 0) > recovery_max:
+            noisy.append(f"link {link.link}: {link.recovery_errors} recoveries")
+    if noisy:
+        out.append(ctx.result(target, "nvlink_errors", Status.WARN,
+                              "NVLink error counters above limits: " + "; ".join(noisy),
+                              value=len(noisy), replay_max=replay_max,
+                              recovery_max=recovery_max))
+

@@ -1,0 +1,117 @@
+"""The agent's YAML configuration: defaults, validation, clear errors (see DESIGN.md)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .yamlfile import ConfigError, load_yaml
+
+DEFAULT_CONFIG_PATH = Path("/etc/node-agent/config.yaml")
+
+DEFAULTS: dict[str, Any] = {
+    "node": {"name": None, "sku": "auto", "expected_gpus": None},
+    "state_dir": "/var/lib/node-agent",
+    "suites_dir": None,
+    "graders_dir": None,
+    "storage": {"paths": []},
+    "adapter": {
+        "name": "log",
+        "dry_run": False,
+        "webhook": {"url": None, "secret_file": None, "timeout_s": 5, "retries": 3},
+        "kubernetes": {"kubeconfig": None, "taint_key": "node-agent/health"},
+    },
+    "safety": {"max_drained_fraction": 0.1, "max_restarts": 2, "restart_window_h": 24},
+    "daemon": {"listen": "127.0.0.1:9847"},
+    "nvml": {"call_timeout_s": 10},
+}
+
+_NULLABLE_STR = {"type": ["string", "null"]}
+
+
+def _obj(props: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "additionalProperties": False, "properties": props}
+
+
+SCHEMA: dict[str, Any] = _obj({
+    "node": _obj({
+        "name": {"type": ["string", "null"], "pattern": r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"},
+        "sku": {"type": "string", "pattern": r"^[a-z0-9][a-z0-9._-]*$"},
+        "expected_gpus": {"type": ["integer", "null"], "minimum": 0},
+    }),
+    "state_dir": {"type": "string"},
+    "suites_dir": _NULLABLE_STR,
+    "graders_dir": _NULLABLE_STR,
+    "storage": _obj({"paths": {"type": "array", "items": {"type": "string"}}}),
+    "adapter": _obj({
+        "name": {"enum": ["log", "slurm", "kubernetes", "webhook"]},
+        "dry_run": {"type": "boolean"},
+        "webhook": _obj({
+            "url": _NULLABLE_STR, "secret_file": _NULLABLE_STR,
+            "timeout_s": {"type": "number", "exclusiveMinimum": 0},
+            "retries": {"type": "integer", "minimum": 0},
+        }),
+        "kubernetes": _obj({"kubeconfig": _NULLABLE_STR, "taint_key": {"type": "string"}}),
+    }),
+    "safety": _obj({
+        "max_drained_fraction": {"type": "number", "minimum": 0, "maximum": 1},
+        "max_restarts": {"type": "integer", "minimum": 0},
+        "restart_window_h": {"type": "number", "exclusiveMinimum": 0},
+    }),
+    "daemon": _obj({"listen": {"type": "string", "pattern": r"^[^:\s]+:\d{1,5}$"}}),
+    "nvml": _obj({"call_timeout_s": {"type": "number", "exclusiveMinimum": 0}}),
+})
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+@dataclass(frozen=True)
+class Config:
+    """Validated configuration; ``data`` holds every key with defaults filled in."""
+
+    data: dict[str, Any]
+    source: str
+
+    def get(self, dotted: str) -> Any:
+        node: Any = self.data
+        for part in dotted.split("."):
+            node = node[part]
+        return node
+
+    @property
+    def state_dir(self) -> Path:
+        return Path(self.data["state_dir"])
+
+
+def load_config(path: str | Path | None) -> Config:
+    """Load ``path`` (or the default file when it exists, or only defaults) and validate it.
+
+    An explicitly given file that is missing is an error; the default path may be absent.
+    """
+    if path is None:
+        if not DEFAULT_CONFIG_PATH.exists():
+            return Config(copy.deepcopy(DEFAULTS), "(defaults)")
+        path = DEFAULT_CONFIG_PATH
+    data = load_yaml(path, SCHEMA, what="config file", empty_ok=True)
+    return Config(_merge(DEFAULTS, data), str(path))
+
+
+def config_from_dict(data: dict[str, Any], source: str = "(inline)") -> Config:
+    """Build a Config from a dict (tests, embedding); validated like a file."""
+    from .yamlfile import validate
+
+    validate(data, SCHEMA, source)
+    return Config(_merge(DEFAULTS, data), source)
+
+
+__all__ = ["Config", "ConfigError", "load_config", "config_from_dict", "DEFAULTS"]

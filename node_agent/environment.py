@@ -1,0 +1,113 @@
+"""Everything one invocation works against, opened once: config, graders, SKU, GPUs, kernel log.
+
+This is the single place where the simulator or the real hardware is chosen.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import resources
+from .config import Config
+from .gpu import open_backend
+from .gpu.base import GpuBackend
+from .grading import Grader, load_grader
+from .inventory import Inventory, collect
+from .kernel_log import KernelLog, LinesKernelLog, open_kernel_log
+from .scenario import Scenario, load_scenario
+from .sku import Sku, load_skus
+from .yamlfile import ConfigError
+
+
+@dataclass
+class Environment:
+    config: Config
+    grader: Grader
+    skus: dict[str, Sku]
+    gpu: GpuBackend
+    kernel_log: KernelLog
+    inventory: Inventory
+    scenario: Scenario | None
+
+    @property
+    def simulated(self) -> bool:
+        return self.scenario is not None
+
+    @property
+    def sku(self) -> Sku | None:
+        return self.inventory.sku
+
+    @property
+    def expected_gpus(self) -> int | None:
+        configured = self.config.get("node.expected_gpus")
+        if configured is not None:
+            return configured
+        if self.scenario is not None:
+            return self.scenario.gpus
+        return self.sku.gpus_per_node if self.sku else None
+
+    def writable_state_dir(self) -> Path | None:
+        """The configured state directory if it can be created and written, else None."""
+        path = self.config.state_dir
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return None
+        return path if os.access(path, os.W_OK) else None
+
+    def close(self) -> None:
+        self.gpu.close()
+
+
+def load_data(config: Config) -> tuple[Grader, dict[str, Sku]]:
+    """Grader and SKU files, validated (ConfigError on any problem)."""
+    graders = resources.graders_dir(config)
+    skus = load_skus(graders)
+    sku_setting = config.get("node.sku")
+    if sku_setting != "auto" and sku_setting not in skus:
+        raise ConfigError(f"{config.source}: key 'node.sku': {sku_setting!r} is not a SKU file "
+                          f"in {graders / 'skus'}; expected auto or one of: "
+                          f"{', '.join(sorted(skus))}")
+    return load_grader(graders), skus
+
+
+def open_environment(config: Config, simulate: str | None = None) -> Environment:
+    """Validate everything first (ConfigError: nothing has run), then open the hardware."""
+    grader, skus = load_data(config)
+    scenario = load_scenario(simulate, skus) if simulate else None
+    if scenario is not None:
+        backend = open_backend(scenario, skus[scenario.sku])
+        kernel_log: KernelLog = LinesKernelLog(backend.kernel_log_lines(), source="simulated kernel log")
+        hostname = config.get("node.name") or scenario.hostname
+        sku_setting = scenario.sku
+    else:
+        backend = open_backend(call_timeout_s=float(config.get("nvml.call_timeout_s")))
+        kernel_log = open_kernel_log()
+        hostname = config.get("node.name")
+        sku_setting = config.get("node.sku")
+    inventory = collect(backend, skus, sku_setting, hostname=hostname)
+    return Environment(config=config, grader=grader, skus=skus, gpu=backend,
+                       kernel_log=kernel_log, inventory=inventory, scenario=scenario)
+
+
+def report_dir(env: Environment, out: str | None) -> tuple[Path, str | None]:
+    """Where reports go: ``--out``, else ``<state_dir>/reports``, else a temp dir (with a note)."""
+    if out:
+        path = Path(out)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"--out {out}: cannot create directory: {err.strerror}") from err
+        return path, None
+    state = env.writable_state_dir()
+    if state is not None:
+        path = state / "reports"
+        path.mkdir(exist_ok=True)
+        return path, None
+    path = Path(tempfile.gettempdir()) / "node-agent-reports"
+    path.mkdir(exist_ok=True)
+    return path, (f"state dir {env.config.state_dir} is not writable; report written under "
+                  f"{path} instead")

@@ -1,0 +1,46 @@
+"""GPU access: one interface, the backend chosen here and nowhere else.
+
+``open_backend()`` returns the simulator when a scenario is given, NVML when the driver loads,
+and otherwise a backend with no GPUs that says why (so checks ``skip`` with that reason).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .absent import AbsentGpuBackend
+from .base import (
+    DeviceLost,
+    GpuBackend,
+    GpuDevice,
+    GpuError,
+    GpuTimeout,
+    NoPermission,
+    NotSupported,
+)
+
+if TYPE_CHECKING:
+    from ..scenario import Scenario
+    from ..sku import Sku
+
+__all__ = [
+    "DeviceLost", "GpuBackend", "GpuDevice", "GpuError", "GpuTimeout", "NoPermission",
+    "NotSupported", "open_backend",
+]
+
+
+def open_backend(scenario: Scenario | None = None, scenario_sku: Sku | None = None,
+                 call_timeout_s: float = 10.0) -> GpuBackend:
+    """Pick the node's GPU backend: simulator, NVML, or none (with the reason)."""
+    if scenario is not None:
+        from .sim import SimGpuBackend
+
+        if scenario_sku is None:
+            raise ValueError("a simulated node needs its SKU")
+        return SimGpuBackend(scenario, scenario_sku)
+    from .nvml import NvmlUnavailable, open_nvml
+
+    try:
+        return open_nvml(call_timeout_s=call_timeout_s)
+    except NvmlUnavailable as err:
+        return AbsentGpuBackend(str(err))

@@ -1,0 +1,207 @@
+"""The contract every GPU backend satisfies (NVML, the simulator, test fakes).
+
+A reading is a value, or one of the errors below; never a silent default. A backend that cannot
+answer a question raises :class:`NotSupported`; a GPU that stopped answering raises
+:class:`DeviceLost`; a call that did not return in time raises :class:`GpuTimeout`. Checks import
+this module, never pynvml.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+class GpuError(Exception):
+    """A GPU query failed; the message says which query, on which GPU, and what to do."""
+
+
+class NotSupported(GpuError):
+    """This GPU, driver or backend does not report that value (not a failure of the GPU)."""
+
+
+class NoPermission(GpuError):
+    """The query needs privileges the agent lacks (run as root or grant the capability)."""
+
+
+class DeviceLost(GpuError):
+    """The GPU stopped answering (fell off the bus, NVML_ERROR_GPU_IS_LOST): a fault of its own."""
+
+
+class GpuTimeout(GpuError):
+    """A driver call did not return in time; the driver may be hung. Further calls fail fast."""
+
+
+# -- readings ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Identity:
+    """``nvidia-smi -q``: Product Name, GPU UUID, Bus Id, Serial Number, VBIOS Version, FB Memory."""
+
+    index: int
+    uuid: str
+    name: str
+    pci_bus_id: str  # NVML form, e.g. 00000000:3B:00.0
+    serial: str | None
+    vbios: str | None
+    memory_total_mib: int | None
+
+
+@dataclass(frozen=True)
+class TemperatureThresholds:
+    """``nvidia-smi -q -d TEMPERATURE``: GPU Shutdown/Slowdown/Max Operating Temp (°C)."""
+
+    shutdown_c: int | None
+    slowdown_c: int | None
+    gpu_max_operating_c: int | None = None
+    memory_max_operating_c: int | None = None
+
+
+@dataclass(frozen=True)
+class Power:
+    """``nvidia-smi -q -d POWER``: Power Draw, Enforced and Default Power Limit (W)."""
+
+    usage_w: float
+    enforced_limit_w: float | None
+    default_limit_w: float | None
+
+
+@dataclass(frozen=True)
+class Clocks:
+    """``nvidia-smi -q -d CLOCK``: current and max SM clock, current memory clock (MHz)."""
+
+    sm_mhz: int
+    sm_max_mhz: int | None
+    memory_mhz: int | None
+
+
+@dataclass(frozen=True)
+class PcieLink:
+    """``nvidia-smi -q -d PCIE``: link generation and width, current and max; replay counter."""
+
+    gen_current: int
+    gen_max: int
+    width_current: int
+    width_max: int
+    replay_count: int | None
+
+
+@dataclass(frozen=True)
+class EccCounts:
+    """``nvidia-smi -q -d ECC``: corrected (SBE) and uncorrected (DBE) errors.
+
+    ``volatile_*`` count since the last driver load; ``aggregate_*`` over the GPU's life.
+    ``*_sram``/``*_dram`` split aggregate uncorrected errors by location where NVML reports it.
+    """
+
+    enabled: bool
+    volatile_sbe: int | None
+    volatile_dbe: int | None
+    aggregate_sbe: int | None
+    aggregate_dbe: int | None
+    aggregate_dbe_sram: int | None = None
+    aggregate_dbe_dram: int | None = None
+
+
+@dataclass(frozen=True)
+class RetiredPages:
+    """``nvidia-smi -q -d PAGE_RETIREMENT`` (pre-Ampere; Ampere and later remap rows instead)."""
+
+    sbe: int
+    dbe: int
+    pending: bool
+
+
+@dataclass(frozen=True)
+class RowRemap:
+    """``nvidia-smi -q -d ROW_REMAPPER``: remapped rows and the pending/failure flags."""
+
+    corrected: int
+    uncorrected: int
+    pending: bool
+    failed: bool
+
+
+@dataclass(frozen=True)
+class NvLink:
+    """``nvidia-smi nvlink -s`` / ``-e``: one link's state and DL error counters."""
+
+    link: int
+    active: bool
+    replay_errors: int | None = None
+    recovery_errors: int | None = None
+    crc_errors: int | None = None
+
+
+@dataclass(frozen=True)
+class XidEvent:
+    """An XID seen as an NVML event (the kernel log carries the same codes as text)."""
+
+    gpu_index: int | None
+    code: int
+    message: str = ""
+
+
+#: names of NVML clock-event (throttle) reasons, as returned by ``throttle_reasons()``
+THROTTLE_REASONS = (
+    "gpu_idle", "applications_clocks_setting", "sw_power_cap", "hw_slowdown", "sync_boost",
+    "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown",
+    "display_clock_setting",
+)
+
+#: ``nvmlGpuRecoveryAction_t`` as names; "none" means the driver asks for nothing
+RECOVERY_ACTIONS = (
+    "none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset", "recover_imex_domain",
+    "bus_reset", "system_reboot",
+)
+
+
+@dataclass(frozen=True)
+class DriverInfo:
+    driver_version: str | None
+    cuda_version: str | None  # the CUDA version the driver supports, e.g. "12.4"
+    nvml_version: str | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+# -- the contract ---------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class GpuDevice(Protocol):
+    """One GPU. Every method returns a value or raises a :class:`GpuError` subclass."""
+
+    index: int
+
+    def identity(self) -> Identity: ...
+    def temperature_c(self) -> int: ...
+    def memory_temperature_c(self) -> int: ...
+    def temperature_thresholds(self) -> TemperatureThresholds: ...
+    def power(self) -> Power: ...
+    def clocks(self) -> Clocks: ...
+    def throttle_reasons(self) -> frozenset[str]: ...
+    def pcie(self) -> PcieLink: ...
+    def ecc(self) -> EccCounts: ...
+    def retired_pages(self) -> RetiredPages: ...
+    def row_remap(self) -> RowRemap: ...
+    def persistence_mode(self) -> bool: ...
+    def recovery_action(self) -> str: ...
+    def nvlinks(self) -> list[NvLink]: ...
+
+
+@runtime_checkable
+class GpuBackend(Protocol):
+    """The node's GPUs through one source (NVML, simulator). Chosen once in ``node_agent.gpu``."""
+
+    name: str
+    simulated: bool
+    #: None when GPUs can be queried; otherwise why not (e.g. "no NVIDIA driver: ...")
+    unavailable_reason: str | None
+
+    def driver(self) -> DriverInfo: ...
+    def devices(self) -> list[GpuDevice]: ...
+    def wait_xid_events(self, timeout_s: float) -> list[XidEvent]: ...
+    def close(self) -> None: ...

@@ -1,0 +1,247 @@
+"""The data model: Result, Grade, Report and their JSON form (schema ``node-agent.report/1``).
+
+Everything the agent measures becomes a :class:`Result`; grading turns results into a
+:class:`Grade`; a :class:`Report` carries both with the inventory, and round-trips through JSON
+so that ``node-agent grade report.json`` can re-grade a saved run.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+REPORT_SCHEMA = "node-agent.report/1"
+
+
+class Status(str, enum.Enum):
+    """Outcome of one measurement. ``skip`` always says why; ``error`` means the check broke."""
+
+    PASS = "pass"
+    WARN = "warn"
+    FAIL = "fail"
+    SKIP = "skip"
+    ERROR = "error"
+
+
+class Level(enum.IntEnum):
+    """Node grade, ordered: the worst reason decides."""
+
+    HEALTHY = 0
+    WARN = 1
+    ERROR = 2  # recoverable: drain, restart (GPU reset or reboot), re-test
+    FAULT = 3  # hardware: drain, replace
+
+    @classmethod
+    def parse(cls, text: str) -> Level:
+        try:
+            return cls[text.upper()]
+        except KeyError:
+            raise ValueError(f"unknown grade level {text!r}; expected one of "
+                             f"{', '.join(m.name for m in cls)}") from None
+
+
+class Action(str, enum.Enum):
+    NONE = "none"
+    RESTART = "restart"
+    DRAIN = "drain"
+    REPLACE = "replace"
+
+
+ACTION_FOR_LEVEL = {
+    Level.HEALTHY: Action.NONE,
+    Level.WARN: Action.NONE,  # never drain for WARN
+    Level.ERROR: Action.RESTART,
+    Level.FAULT: Action.REPLACE,
+}
+
+
+class ReportFormatError(ValueError):
+    """A saved report that cannot be read: wrong schema version, missing or mistyped field."""
+
+
+@dataclass
+class Result:
+    """One measurement or verdict of one check on one target.
+
+    ``target`` is ``node``, ``gpu:3``, ``hca:mlx5_0`` or ``disk:/scratch``; ``value`` carries
+    its ``unit``; ``evidence`` holds what a person needs to believe the status.
+    """
+
+    check: str
+    target: str
+    metric: str
+    status: Status
+    detail: str
+    value: float | int | str | bool | None = None
+    unit: str = ""
+    evidence: dict[str, Any] = field(default_factory=dict)
+    duration_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "check": self.check, "target": self.target, "metric": self.metric,
+            "value": self.value, "unit": self.unit, "status": self.status.value,
+            "detail": self.detail, "evidence": self.evidence,
+            "duration_s": round(self.duration_s, 3),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Result:
+        try:
+            return cls(
+                check=str(data["check"]), target=str(data["target"]),
+                metric=str(data["metric"]), status=Status(data["status"]),
+                detail=str(data.get("detail", "")), value=data.get("value"),
+                unit=str(data.get("unit", "")), evidence=dict(data.get("evidence") or {}),
+                duration_s=float(data.get("duration_s", 0.0)),
+            )
+        except (KeyError, ValueError, TypeError) as err:
+            raise ReportFormatError(f"result {data!r:.120}: {err}") from err
+
+
+@dataclass(frozen=True)
+class Reason:
+    """Why a grade is what it is: the rule that fired, on which target, with what evidence."""
+
+    rule: str
+    level: Level
+    target: str
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rule": self.rule, "level": self.level.name, "target": self.target,
+                "message": self.message}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Reason:
+        return cls(rule=data["rule"], level=Level.parse(data["level"]),
+                   target=data["target"], message=data["message"])
+
+
+@dataclass(frozen=True)
+class Grade:
+    level: Level
+    action: Action
+    reasons: tuple[Reason, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"level": self.level.name, "action": self.action.value,
+                "reasons": [r.to_dict() for r in self.reasons]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Grade:
+        return cls(level=Level.parse(data["level"]), action=Action(data["action"]),
+                   reasons=tuple(Reason.from_dict(r) for r in data.get("reasons", [])))
+
+
+@dataclass
+class ActionRecord:
+    """An action taken (or refused, or only logged) on the node through a scheduler adapter."""
+
+    action: str
+    adapter: str
+    outcome: str  # done | dry-run | refused | failed
+    detail: str
+    at: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class GpuInfo:
+    """Identity of one GPU, as ``nvidia-smi -q`` shows it."""
+
+    index: int
+    uuid: str
+    name: str
+    pci_bus_id: str
+    serial: str | None = None
+    vbios: str | None = None
+    memory_total_mib: int | None = None
+    sku: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class HostInfo:
+    hostname: str
+    kernel: str
+    driver: str | None = None
+    cuda: str | None = None
+    gpu_backend: str = "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Report:
+    host: HostInfo
+    gpus: list[GpuInfo]
+    suite: str
+    mode: str  # delivery | service: decides how a check that could not run is graded
+    started_at: str
+    finished_at: str
+    results: list[Result]
+    grade: Grade
+    simulated: bool = False
+    agent_version: str = ""
+    sku: str | None = None
+    actions: list[ActionRecord] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": REPORT_SCHEMA,
+            "agent_version": self.agent_version,
+            "simulated": self.simulated,
+            "host": self.host.to_dict(),
+            "gpus": [g.to_dict() for g in self.gpus],
+            "sku": self.sku,
+            "suite": self.suite,
+            "mode": self.mode,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "results": [r.to_dict() for r in self.results],
+            "grade": self.grade.to_dict(),
+            "actions": [a.to_dict() for a in self.actions],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Report:
+        if not isinstance(data, dict):
+            raise ReportFormatError("a report is a JSON object; found "
+                                    f"{type(data).__name__}")
+        schema = data.get("schema")
+        if schema != REPORT_SCHEMA:
+            raise ReportFormatError(
+                f"report schema is {schema!r}; this agent reads {REPORT_SCHEMA!r} "
+                "(re-run the suite with this agent version, or use the agent that wrote it)")
+        try:
+            return cls(
+                host=HostInfo(**data["host"]),
+                gpus=[GpuInfo(**g) for g in data.get("gpus", [])],
+                suite=data["suite"],
+                mode=data.get("mode", "delivery"),
+                started_at=data["started_at"],
+                finished_at=data["finished_at"],
+                results=[Result.from_dict(r) for r in data["results"]],
+                grade=Grade.from_dict(data["grade"]),
+                simulated=bool(data.get("simulated", False)),
+                agent_version=data.get("agent_version", ""),
+                sku=data.get("sku"),
+                actions=[ActionRecord(**a) for a in data.get("actions", [])],
+            )
+        except ReportFormatError:
+            raise
+        except (KeyError, TypeError, ValueError) as err:
+            raise ReportFormatError(f"report field missing or malformed: {err}") from err
+
+
+def utc_now() -> str:
+    """ISO-8601 UTC timestamp with seconds, e.g. ``2026-11-21T12:00:00Z``."""
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -1,0 +1,1 @@
+"""Report writers: JSON (the record), terminal table (for people at a shell)."""

@@ -1,0 +1,84 @@
+"""Run a suite: each check isolated and time-bounded; a check that hangs or crashes becomes an
+``error`` result and the run goes on.
+
+Checks run on a daemon thread the runner waits on with the check's timeout. A driver call can
+hang for good; the thread is then abandoned (it cannot be killed) and the result says so.
+Subprocesses started by checks carry their own timeouts (``node_agent.proc``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .checks import CheckContext, resolve
+from .environment import Environment
+from .model import Result, Status
+from .suite import CheckSpec, Suite
+
+#: progress(event, spec, index, total, results) — event is "start" or "done"
+Progress = Callable[[str, CheckSpec, int, int, list[Result]], None]
+
+
+@dataclass
+class _Outcome:
+    results: list[Result] | None = None
+    error: BaseException | None = None
+    trace: str = ""
+
+
+def run_check(spec: CheckSpec, env: Environment, mode: str) -> list[Result]:
+    """Run one check within its timeout; always returns at least one result."""
+    ctx = CheckContext(check=spec.check, gpu=env.gpu, kernel_log=env.kernel_log,
+                       config=env.config, inventory=env.inventory, sku=env.sku,
+                       expected_gpus=env.expected_gpus, mode=mode, params=dict(spec.params),
+                       state_dir=env.writable_state_dir())
+    outcome = _Outcome()
+
+    def target() -> None:
+        try:
+            outcome.results = list(resolve(spec.check)(ctx))
+        except BaseException as err:  # noqa: BLE001 - a check must never take the run down
+            outcome.error = err
+            outcome.trace = traceback.format_exc(limit=6)
+
+    start = time.monotonic()
+    thread = threading.Thread(target=target, name=f"check-{spec.check}", daemon=True)
+    thread.start()
+    thread.join(spec.timeout_s)
+    duration = time.monotonic() - start
+    if thread.is_alive():
+        return [ctx.result("node", "timeout", Status.ERROR,
+                           f"check {spec.check} did not finish within {spec.timeout_s:g} s "
+                           "and was abandoned (a hung driver call or tool)",
+                           timeout_s=spec.timeout_s)]
+    if outcome.error is not None:
+        err = outcome.error
+        return [ctx.result("node", "crashed", Status.ERROR,
+                           f"check {spec.check} crashed: {type(err).__name__}: {err}",
+                           traceback=outcome.trace)]
+    results = outcome.results or []
+    if not results:
+        return [ctx.result("node", "ran", Status.ERROR,
+                           f"check {spec.check} returned no results (a check must report "
+                           "something: pass, skip with its reason, or a finding)")]
+    for result in results:  # a result without its own timing carries its check's
+        result.duration_s = result.duration_s or duration
+    return results
+
+
+def run_suite(suite: Suite, env: Environment, progress: Progress | None = None) -> list[Result]:
+    """Run the suite's checks in order; returns every result."""
+    all_results: list[Result] = []
+    total = len(suite.checks)
+    for i, spec in enumerate(suite.checks, start=1):
+        if progress:
+            progress("start", spec, i, total, [])
+        results = run_check(spec, env, suite.mode)
+        all_results.extend(results)
+        if progress:
+            progress("done", spec, i, total, results)
+    return all_results

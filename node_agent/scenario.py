@@ -1,0 +1,124 @@
+"""Simulation scenarios (``--simulate scenario.yaml``): a node and the faults injected into it.
+
+Faults sit at the hardware boundary (what NVML reports, what the kernel log prints, what a
+compute device returns); everything above it is the agent's real code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .gpu.base import RECOVERY_ACTIONS, THROTTLE_REASONS
+from .yamlfile import ConfigError, load_yaml
+
+_GPU = {"type": "integer", "minimum": 0}
+
+
+def _fault(kind: str, props: dict[str, Any], required: tuple[str, ...] = ("gpu",)) -> dict:
+    return {
+        "type": "object", "additionalProperties": False,
+        "required": ["kind", *required],
+        "properties": {"kind": {"const": kind}, "gpu": _GPU, **props},
+    }
+
+
+#: every fault kind and its fields; "slow" and "sdc" act at the compute boundary
+FAULT_SCHEMAS: dict[str, dict[str, Any]] = {
+    "xid": _fault("xid", {"code": {"type": "integer", "minimum": 1}}, ("gpu", "code")),
+    "row_remap_pending": _fault("row_remap_pending", {}),
+    "row_remap_failure": _fault("row_remap_failure", {}),
+    "ecc_dbe_volatile": _fault("ecc_dbe_volatile", {"count": {"type": "integer", "minimum": 1}}),
+    "ecc_sbe_volatile": _fault("ecc_sbe_volatile", {"count": {"type": "integer", "minimum": 1}}),
+    "missing_gpu": _fault("missing_gpu", {}),
+    "gpu_lost": _fault("gpu_lost", {}),
+    "temperature": _fault("temperature", {"celsius": {"type": "number"}}, ("gpu", "celsius")),
+    "pcie_width": _fault("pcie_width", {"lanes": {"type": "integer", "minimum": 1}},
+                         ("gpu", "lanes")),
+    "throttle": _fault("throttle", {"reasons": {"type": "array", "minItems": 1,
+                                                "items": {"enum": list(THROTTLE_REASONS)}}},
+                       ("gpu", "reasons")),
+    "nvlink_down": _fault("nvlink_down", {"link": {"type": "integer", "minimum": 0}},
+                          ("gpu", "link")),
+    "recovery_action": _fault("recovery_action", {"action": {"enum": list(RECOVERY_ACTIONS)}},
+                              ("gpu", "action")),
+    "persistence_off": _fault("persistence_off", {}),
+    "driver_hang": _fault("driver_hang", {}),
+    "slow": _fault("slow", {"factor": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}},
+                   ("gpu", "factor")),
+    "sdc": _fault("sdc", {}),
+}
+
+SCENARIO_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["sku"],
+    "properties": {
+        "sku": {"type": "string"},
+        "gpus": {"type": "integer", "minimum": 0, "maximum": 64},
+        "hostname": {"type": "string"},
+        "driver": {"type": "string"},
+        "cuda": {"type": "string"},
+        "hcas": {"type": "array", "items": {"type": "string", "pattern": r"^[A-Za-z0-9_]+$"}},
+        "faults": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["kind"],
+                "properties": {"kind": {"enum": sorted(FAULT_SCHEMAS)}},
+                # the per-kind schema is checked after the kind is known (clearer messages)
+            },
+        },
+    },
+}
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    gpu: int
+    params: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    sku: str
+    gpus: int
+    source: str
+    hostname: str = "sim-node"
+    driver: str = "570.86.15"
+    cuda: str = "12.8"
+    hcas: tuple[str, ...] = ()
+    faults: tuple[Fault, ...] = field(default_factory=tuple)
+
+    def faults_on(self, gpu: int, kind: str) -> list[Fault]:
+        return [f for f in self.faults if f.gpu == gpu and f.kind == kind]
+
+    def has(self, gpu: int, kind: str) -> bool:
+        return bool(self.faults_on(gpu, kind))
+
+
+def load_scenario(path: str | Path, known_skus: dict[str, Any] | None = None) -> Scenario:
+    """Read and validate a scenario file; ConfigError (exit 2) on any problem."""
+    from .yamlfile import validate
+
+    data = load_yaml(path, SCENARIO_SCHEMA, what="scenario file")
+    source = str(path)
+    if known_skus is not None and data["sku"] not in known_skus:
+        raise ConfigError(f"{source}: key 'sku': {data['sku']!r} is not a SKU file under "
+                          f"graders/skus/; expected one of: {', '.join(sorted(known_skus))}")
+    gpus = data.get("gpus")
+    if gpus is None:
+        gpus = known_skus[data["sku"]].gpus_per_node if known_skus else 8
+    faults = []
+    for i, raw in enumerate(data.get("faults") or []):
+        validate(raw, FAULT_SCHEMAS[raw["kind"]], f"{source}: faults[{i}]")
+        if raw["gpu"] >= gpus:
+            raise ConfigError(f"{source}: faults[{i}]: key 'gpu': {raw['gpu']} is out of range "
+                              f"for a node of {gpus} GPUs (0..{gpus - 1})")
+        params = {k: v for k, v in raw.items() if k not in ("kind", "gpu")}
+        faults.append(Fault(kind=raw["kind"], gpu=raw["gpu"], params=params))
+    optional = {k: data[k] for k in ("hostname", "driver", "cuda") if k in data}
+    return Scenario(sku=data["sku"], gpus=gpus, source=source, hcas=tuple(data.get("hcas", [])),
+                    faults=tuple(faults), **optional)
