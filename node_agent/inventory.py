@@ -16,8 +16,8 @@ class Inventory:
     host: HostInfo
     gpus: list[GpuInfo]
     sku: Sku | None
-    #: GPUs whose identity could not be read: index -> the error, e.g. "GPU is lost"
-    unreadable: dict[int, str] = field(default_factory=dict)
+    #: GPUs whose identity could not be read: index -> the error (DeviceLost, GpuTimeout ...)
+    unreadable: dict[int, GpuError] = field(default_factory=dict)
     sku_problem: str | None = None
 
     def to_dict(self) -> dict:
@@ -33,12 +33,12 @@ def collect(backend: GpuBackend, skus: dict[str, Sku], sku_setting: str = "auto"
                     kernel=platform.release(), driver=driver.driver_version,
                     cuda=driver.cuda_version, gpu_backend=backend.name)
     gpus: list[GpuInfo] = []
-    unreadable: dict[int, str] = {}
+    unreadable: dict[int, GpuError] = {}
     for device in backend.devices():
         try:
             ident = device.identity()
         except GpuError as err:
-            unreadable[device.index] = str(err)
+            unreadable[device.index] = err
             continue
         gpus.append(GpuInfo(index=ident.index, uuid=ident.uuid, name=ident.name,
                             pci_bus_id=ident.pci_bus_id, serial=ident.serial, vbios=ident.vbios,

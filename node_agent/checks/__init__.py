@@ -50,6 +50,17 @@ class CheckContext:
     def skip(self, reason: str, target: str = "node", metric: str = "ran") -> Result:
         return self.result(target, metric, Status.SKIP, reason)
 
+    def gpus_unavailable(self) -> list[Result] | None:
+        """For GPU checks: None when GPUs can be queried; otherwise the one result that says
+        why — ``skip`` on a host without an NVIDIA driver, ``error`` when the driver is there
+        but broken (so a sick driver never reads as a pass)."""
+        reason = self.gpu.unavailable_reason
+        if not reason:
+            return None
+        if self.gpu.broken:
+            return [self.result("node", "gpu_backend", Status.ERROR, reason)]
+        return [self.skip(reason)]
+
 
 def resolve(name: str) -> Callable[[CheckContext], list[Result]]:
     """The ``run`` function of a registered check; KeyError names the known checks."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..gpu.base import DeviceLost, GpuTimeout
 from ..model import Result, Status
 from . import CheckContext
 
@@ -12,17 +13,23 @@ def run(ctx: CheckContext) -> list[Result]:
                           f"{inv.host.hostname}: kernel {inv.host.kernel}, driver "
                           f"{inv.host.driver or 'n/a'}, CUDA {inv.host.cuda or 'n/a'}",
                           **inv.host.to_dict())]
-    if ctx.gpu.unavailable_reason:
-        results.append(ctx.skip(ctx.gpu.unavailable_reason, metric="gpus"))
-        return results
+    unavailable = ctx.gpus_unavailable()
+    if unavailable:
+        return results + unavailable
     for gpu in inv.gpus:
         results.append(ctx.result(
             f"gpu:{gpu.index}", "identity", Status.PASS,
             f"{gpu.name} {gpu.pci_bus_id} serial {gpu.serial or 'n/a'} VBIOS {gpu.vbios or 'n/a'}",
             value=gpu.uuid, **gpu.to_dict()))
     for index, error in sorted(inv.unreadable.items()):
-        results.append(ctx.result(f"gpu:{index}", "identity", Status.FAIL,
-                                  f"GPU {index} identity unreadable: {error}", error=error))
+        if isinstance(error, GpuTimeout):
+            metric, status = "driver_hang", Status.ERROR
+        elif isinstance(error, DeviceLost):
+            metric, status = "gpu_lost", Status.FAIL
+        else:
+            metric, status = "identity", Status.FAIL
+        results.append(ctx.result(f"gpu:{index}", metric, status,
+                                  f"GPU {index} identity unreadable: {error}", error=str(error)))
     if inv.sku is not None:
         results.append(ctx.result("node", "sku", Status.PASS,
                                   f"SKU {inv.sku.id} ({inv.sku.display_name})",

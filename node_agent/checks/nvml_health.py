@@ -31,8 +31,9 @@ class _Abort(Exception):
 
 
 def run(ctx: CheckContext) -> list[Result]:
-    if ctx.gpu.unavailable_reason:
-        return [ctx.skip(ctx.gpu.unavailable_reason)]
+    unavailable = ctx.gpus_unavailable()
+    if unavailable:
+        return unavailable
     results = [_gpu_count(ctx)]
     for device in ctx.gpu.devices():
         results.extend(_check_gpu(ctx, device))

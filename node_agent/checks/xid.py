@@ -29,8 +29,9 @@ class _Seen:
 
 
 def run(ctx: CheckContext) -> list[Result]:
-    if ctx.gpu.unavailable_reason:
-        return [ctx.skip(ctx.gpu.unavailable_reason)]
+    unavailable = ctx.gpus_unavailable()
+    if unavailable:
+        return unavailable
     since = ctx.params.get("since", "boot")
     bus_to_target = {normalise_bus(g.pci_bus_id): f"gpu:{g.index}" for g in ctx.inventory.gpus}
     seen: dict[tuple[str, int], _Seen] = {}

@@ -43,4 +43,4 @@ def open_backend(scenario: Scenario | None = None, scenario_sku: Sku | None = No
     try:
         return open_nvml(call_timeout_s=call_timeout_s)
     except NvmlUnavailable as err:
-        return AbsentGpuBackend(str(err))
+        return AbsentGpuBackend(str(err), broken=err.broken)

@@ -6,13 +6,16 @@ from .base import DriverInfo, GpuDevice, XidEvent
 
 
 class AbsentGpuBackend:
-    """No NVIDIA driver (or no bindings): every GPU check skips with ``unavailable_reason``."""
+    """No usable GPU access. ``broken=False``: the host has no NVIDIA driver, GPU checks skip
+    with ``unavailable_reason``. ``broken=True``: a driver is there but NVML fails (hung,
+    version mismatch); GPU checks report an error, never a pass or a skip."""
 
     name = "none"
     simulated = False
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, broken: bool = False) -> None:
         self.unavailable_reason: str | None = reason
+        self.broken = broken
 
     def driver(self) -> DriverInfo:
         return DriverInfo(driver_version=None, cuda_version=None)

@@ -200,6 +200,8 @@ class GpuBackend(Protocol):
     simulated: bool
     #: None when GPUs can be queried; otherwise why not (e.g. "no NVIDIA driver: ...")
     unavailable_reason: str | None
+    #: True when a driver is present but unusable (hung, mismatched): an error, not a skip
+    broken: bool
 
     def driver(self) -> DriverInfo: ...
     def devices(self) -> list[GpuDevice]: ...

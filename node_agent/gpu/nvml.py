@@ -68,7 +68,15 @@ _MIB = 1024 * 1024
 
 
 class NvmlUnavailable(Exception):
-    """NVML cannot be used on this host; the message says why and what to do."""
+    """NVML cannot be used on this host; the message says why and what to do.
+
+    ``broken`` is False when the host simply has no NVIDIA driver (GPU checks skip) and True
+    when a driver is there but NVML does not work (hung, version mismatch): that is an error.
+    """
+
+    def __init__(self, message: str, broken: bool = True) -> None:
+        super().__init__(message)
+        self.broken = broken
 
 
 class NvmlInvalidArgument(GpuError):
@@ -149,6 +157,7 @@ class NvmlBackend:
     name = "nvml"
     simulated = False
     unavailable_reason: str | None = None
+    broken = False
 
     def __init__(self, lib: Any, call_timeout_s: float = 10.0) -> None:
         self._lib = lib
@@ -241,7 +250,8 @@ class NvmlBackend:
             if isinstance(err, GpuTimeout):
                 raise NvmlUnavailable(f"NVML did not initialise: {err}") from err
             code = getattr(err.__cause__, "value", None)
-            raise NvmlUnavailable(_init_failure(code, str(err))) from err
+            raise NvmlUnavailable(_init_failure(code, str(err)),
+                                  broken=code != _LIBRARY_NOT_FOUND) from err
 
     def driver(self) -> DriverInfo:
         """``nvidia-smi -q``: Driver Version, CUDA Version; and the NVML version."""
@@ -539,7 +549,8 @@ def open_nvml(call_timeout_s: float = 10.0, lib: Any = None) -> NvmlBackend:
         try:
             import pynvml as lib
         except ImportError as err:
-            raise NvmlUnavailable("nvidia-ml-py not installed: pip install nvidia-ml-py") from err
+            raise NvmlUnavailable("nvidia-ml-py not installed: pip install nvidia-ml-py",
+                                  broken=False) from err
     backend = NvmlBackend(lib, call_timeout_s)
     backend.init()
     return backend

@@ -7,6 +7,7 @@ Only NVML-level state lives here; kernel-log lines for injected XIDs come from
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 from ..scenario import Scenario
@@ -49,11 +50,13 @@ def xid_kernel_line(index: int, code: int) -> str:
 class SimGpuDevice:
     """One simulated GPU; readings are the SKU's healthy values unless a fault says otherwise."""
 
-    def __init__(self, index: int, scenario: Scenario, sku: Sku, hang: threading.Event) -> None:
+    def __init__(self, index: int, scenario: Scenario, sku: Sku, wedged: threading.Event,
+                 call_timeout_s: float) -> None:
         self.index = index
         self._scenario = scenario
         self._sku = sku
-        self._hang = hang
+        self._wedged = wedged
+        self._call_timeout_s = call_timeout_s
 
     def _fault(self, kind: str):
         faults = self._scenario.faults_on(self.index, kind)
@@ -62,9 +65,16 @@ class SimGpuDevice:
     def _answer(self) -> None:
         if self._scenario.has(self.index, "gpu_lost"):
             raise DeviceLost(f"GPU {self.index}: NVML reports GPU is lost (simulated)")
+        # As the NVML backend does: a call that hangs is abandoned after the call timeout,
+        # and from then on every call fails fast because the driver is wedged.
+        if self._wedged.is_set():
+            raise GpuTimeout(f"GPU {self.index}: an earlier NVML call hung; the driver may be "
+                             "hung (simulated)")
         if self._scenario.has(self.index, "driver_hang"):
-            self._hang.wait()  # like a driver call that never returns; the runner times it out
-            raise GpuTimeout(f"GPU {self.index}: simulated driver hang")
+            time.sleep(self._call_timeout_s)
+            self._wedged.set()
+            raise GpuTimeout(f"GPU {self.index}: NVML call did not return within "
+                             f"{self._call_timeout_s:g} s; the driver may be hung (simulated)")
 
     def identity(self) -> Identity:
         self._answer()
@@ -161,14 +171,15 @@ class SimGpuBackend:
     name = "sim"
     simulated = True
     unavailable_reason: str | None = None
+    broken = False
 
-    def __init__(self, scenario: Scenario, sku: Sku) -> None:
+    def __init__(self, scenario: Scenario, sku: Sku, call_timeout_s: float = 0.5) -> None:
         self.scenario = scenario
         self.sku = sku
-        self._hang = threading.Event()
+        self._wedged = threading.Event()
         self._xids_delivered = False
         self._devices: list[GpuDevice] = [
-            SimGpuDevice(i, scenario, sku, self._hang)
+            SimGpuDevice(i, scenario, sku, self._wedged, call_timeout_s)
             for i in range(scenario.gpus) if not scenario.has(i, "missing_gpu")
         ]
 
@@ -192,4 +203,4 @@ class SimGpuBackend:
                 if f.kind == "xid"]
 
     def close(self) -> None:
-        self._hang.set()  # release simulated hung calls so their threads end
+        pass

@@ -1,0 +1,190 @@
+"""The whole path from (simulated) hardware to verdict, through the real `node-agent` command.
+
+Each fault kind of a scenario is injected at the hardware boundary (what NVML and the kernel
+log report); checks, grading and the CLI above it are the real code.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+def reasons(report, level=None):
+    return [r for r in report["grade"]["reasons"] if level is None or r["level"] == level]
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_healthy_h100_node_grades_healthy_every_time(agent, scenario, attempt):
+    run = agent("accept", "--simulate", scenario(), "--json")
+    assert run.code == 0, run.stderr
+    report = run.json()
+    assert report["grade"] == {"level": "HEALTHY", "action": "none", "reasons": []}
+    assert report["simulated"] is True
+    assert len(report["gpus"]) == 8
+    assert not [r for r in report["results"] if r["status"] in ("fail", "error", "warn")]
+
+
+def test_quick_check_on_healthy_node_exits_0(agent, scenario):
+    run = agent("check", "--simulate", scenario(), "--json")
+    assert run.code == 0, run.stderr
+    assert run.json()["suite"] == "quick"
+
+
+def test_xid79_grades_fault_naming_gpu_and_code(agent, scenario):
+    run = agent("accept", "--simulate", scenario([{"kind": "xid", "gpu": 5, "code": 79}]), "--json")
+    assert run.code == 4, run.stderr
+    report = run.json()
+    assert report["grade"]["level"] == "FAULT"
+    assert report["grade"]["action"] == "replace"
+    (reason,) = reasons(report)
+    assert reason["target"] == "gpu:5"
+    assert "Xid 79" in reason["message"]
+
+
+@pytest.mark.parametrize("fault, rule", [
+    ({"kind": "ecc_dbe_volatile", "gpu": 1, "count": 2}, "ecc-dbe-volatile"),
+    ({"kind": "row_remap_failure", "gpu": 2}, "row-remap-failure"),
+    ({"kind": "missing_gpu", "gpu": 7}, "gpu-missing"),
+    ({"kind": "pcie_width", "gpu": 4, "lanes": 8}, "pcie-width-degraded"),
+    ({"kind": "gpu_lost", "gpu": 3}, "gpu-lost"),
+    ({"kind": "nvlink_down", "gpu": 6, "link": 3}, "nvlink-down"),
+])
+def test_hardware_faults_grade_fault_with_replace(agent, scenario, fault, rule):
+    run = agent("accept", "--simulate", scenario([fault]), "--json")
+    assert run.code == 4, run.stderr
+    report = run.json()
+    assert report["grade"]["level"] == "FAULT"
+    assert report["grade"]["action"] == "replace"
+    fired = {r["rule"]: r for r in reasons(report, "FAULT")}
+    assert rule in fired, fired
+    expected_target = "node" if fault["kind"] == "missing_gpu" else f"gpu:{fault['gpu']}"
+    assert fired[rule]["target"] == expected_target
+
+
+def test_missing_gpu_reason_says_how_many_are_visible(agent, scenario):
+    report = agent("accept", "--simulate", scenario([{"kind": "missing_gpu", "gpu": 7}]),
+                   "--json").json()
+    (reason,) = reasons(report, "FAULT")
+    assert "7 of 8" in reason["message"]
+
+
+@pytest.mark.parametrize("fault, rule", [
+    ({"kind": "row_remap_pending", "gpu": 2}, "row-remap-pending"),
+    ({"kind": "recovery_action", "gpu": 1, "action": "gpu_reset"}, "recovery-action"),
+])
+def test_recoverable_states_grade_error_with_restart(agent, scenario, fault, rule):
+    run = agent("accept", "--simulate", scenario([fault]), "--json")
+    assert run.code == 3, run.stderr
+    report = run.json()
+    assert report["grade"]["level"] == "ERROR"
+    assert report["grade"]["action"] == "restart"
+    assert [r["rule"] for r in reasons(report)] == [rule]
+    assert reasons(report)[0]["target"] == f"gpu:{fault['gpu']}"
+
+
+def test_temperature_above_slowdown_warns_with_the_threshold(agent, scenario):
+    run = agent("accept", "--simulate", scenario([{"kind": "temperature", "gpu": 0, "celsius": 91}]),
+                "--json")
+    assert run.code == 0, run.stderr
+    report = run.json()
+    assert report["grade"]["level"] == "WARN"
+    (reason,) = reasons(report)
+    assert reason["target"] == "gpu:0"
+    assert "90 °C" in reason["message"] and "91 °C" in reason["message"]
+
+
+def test_temperature_at_shutdown_threshold_is_fault(agent, scenario):
+    run = agent("accept", "--simulate", scenario([{"kind": "temperature", "gpu": 0, "celsius": 93}]))
+    assert run.code == 4
+
+
+def test_hw_slowdown_throttle_warns_naming_the_reason(agent, scenario):
+    report = agent("accept", "--simulate",
+                   scenario([{"kind": "throttle", "gpu": 2, "reasons": ["hw_slowdown"]}]),
+                   "--json").json()
+    assert report["grade"]["level"] == "WARN"
+    (reason,) = reasons(report)
+    assert reason["target"] == "gpu:2" and "hw_slowdown" in reason["message"]
+
+
+def test_several_faults_worst_decides_and_every_fault_is_a_reason(agent, scenario):
+    faults = [{"kind": "xid", "gpu": 5, "code": 79},
+              {"kind": "row_remap_pending", "gpu": 2},
+              {"kind": "temperature", "gpu": 0, "celsius": 91},
+              {"kind": "ecc_dbe_volatile", "gpu": 1, "count": 1}]
+    run = agent("accept", "--simulate", scenario(faults), "--json")
+    assert run.code == 4
+    report = run.json()
+    found = {(r["target"], r["level"]) for r in reasons(report)}
+    assert found == {("gpu:5", "FAULT"), ("gpu:1", "FAULT"), ("gpu:2", "ERROR"),
+                     ("gpu:0", "WARN")}
+    levels = [r["level"] for r in reasons(report)]
+    assert levels == sorted(levels, key=["FAULT", "ERROR", "WARN"].index), "worst first"
+
+
+def test_application_xid_13_warns_and_does_not_drain(agent, scenario):
+    run = agent("accept", "--simulate", scenario([{"kind": "xid", "gpu": 0, "code": 13}]), "--json")
+    assert run.code == 0
+    assert run.json()["grade"] == {**run.json()["grade"], "level": "WARN", "action": "none"}
+
+
+def test_a_hung_driver_grades_error_and_the_run_goes_on(agent, scenario):
+    run = agent("check", "--json", "--simulate", scenario([{"kind": "driver_hang", "gpu": 3}]),
+                timeout=60)
+    assert run.code == 3, run.stderr
+    report = run.json()
+    hung = [r for r in report["results"] if r["metric"] == "driver_hang"]
+    assert hung and all(r["status"] == "error" for r in hung)
+    assert {r["check"] for r in report["results"]} == {"inventory", "nvml_health", "xid"}
+    assert report["grade"]["level"] == "ERROR"
+    assert {r["rule"] for r in report["grade"]["reasons"]} == {"driver-hang"}
+
+
+def test_human_summary_lists_findings_and_verdict(agent, scenario):
+    run = agent("accept", "--simulate", scenario([{"kind": "pcie_width", "gpu": 4, "lanes": 8}]))
+    assert run.code == 4
+    assert "grade: FAULT" in run.stdout and "x8 of x16" in run.stdout
+    assert "report: " in run.stderr
+
+
+def test_only_runs_the_named_checks(agent, scenario):
+    report = agent("accept", "--only", "xid", "--simulate", scenario(), "--json").json()
+    assert {r["check"] for r in report["results"]} == {"xid"}
+
+
+def test_report_is_written_to_out_and_regrades_identically(agent, scenario, tmp_path):
+    out = tmp_path / "reports"
+    faults = [{"kind": "row_remap_pending", "gpu": 2}, {"kind": "xid", "gpu": 0, "code": 13}]
+    run = agent("accept", "--simulate", scenario(faults), "--out", str(out), "--json")
+    assert run.code == 3
+    (saved,) = out.glob("report-*.json")
+    assert json.loads(saved.read_text()) == run.json()
+    regrade = agent("grade", str(saved), "--json")
+    assert regrade.code == 3
+    assert regrade.json()["grade"] == run.json()["grade"]
+
+
+def test_grade_refuses_a_report_of_another_schema(agent, tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"schema": "node-agent.report/0", "results": []}))
+    run = agent("grade", str(path))
+    assert run.code == 2
+    assert "node-agent.report/0" in run.stderr and len(run.stderr.strip().splitlines()) == 1
+
+
+def test_grade_of_a_truncated_report_is_a_clear_error(agent, tmp_path):
+    path = tmp_path / "cut.json"
+    path.write_text('{"schema": "node-agent.report/1", "resu')
+    run = agent("grade", str(path))
+    assert run.code == 2 and "truncated" in run.stderr
+
+
+def test_inventory_of_simulated_node_lists_gpus(agent, scenario):
+    run = agent("inventory", "--json", "--simulate", scenario(gpus=4))
+    assert run.code == 0
+    data = run.json()
+    assert [g["index"] for g in data["gpus"]] == [0, 1, 2, 3]
+    assert data["sku"] == "h100-sxm5-80gb"
+    assert all(g["uuid"].startswith("GPU-") for g in data["gpus"])
