@@ -58,10 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="print the report alone on stdout")
         p.add_argument("--verbose", "-v", action="store_true",
                        help="list passing results too in the summary")
+        p.add_argument("--out", metavar="DIR", help="directory for the JSON report "
+                       "(default: <state_dir>/reports, or a temp dir)")
         if name == "accept":
             p.add_argument("--only", metavar="CHECK,...", help="run only these checks")
-            p.add_argument("--out", metavar="DIR", help="directory for the JSON report "
-                           "(default: <state_dir>/reports, or a temp dir)")
 
     grade = sub.add_parser("grade", help="re-grade a saved report with the current rules")
     _common(grade)
@@ -120,7 +120,7 @@ def cmd_run_suite(args: argparse.Namespace) -> int:
         suite = suite.only([n.strip() for n in only.split(",") if n.strip()])
     env = open_environment(config, args.simulate)
     try:
-        out_dir, note = report_dir(env, getattr(args, "out", None))
+        out_dir, note = report_dir(env, args.out)
         report = execute(suite, env, progress=ProgressPrinter() if sys.stderr.isatty() else None)
         path = json_report.write(report, out_dir)
     finally:
