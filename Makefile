@@ -32,6 +32,7 @@ demo: venv
 
 $(VENV)/.test-deps: $(BIN)/node-agent scripts/install-test-system-deps
 	scripts/install-test-system-deps
+	$(BIN)/pip install --quiet "$(TORCH_TEST_SPEC)"
 	$(BIN)/pip install --quiet -e '.[dev,daemon,k8s]'
 	touch $@
 

@@ -24,6 +24,9 @@ REGISTRY: dict[str, str] = {
     "inventory": "node_agent.checks.inventory",
     "nvml_health": "node_agent.checks.nvml_health",
     "xid": "node_agent.checks.xid",
+    "storage": "node_agent.checks.storage",
+    "nccl_allreduce": "node_agent.checks.nccl_allreduce",
+    "rdma": "node_agent.checks.rdma",
 }
 
 
@@ -41,6 +44,7 @@ class CheckContext:
     mode: str = "delivery"  # delivery | service
     params: dict[str, Any] = field(default_factory=dict)
     state_dir: Path | None = None  # writable directory for cursors, or None
+    timeout_s: float = 60.0  # the runner abandons the check after this; bound subprocesses below it
 
     def result(self, target: str, metric: str, status: Status, detail: str,
                value: Any = None, unit: str = "", **evidence: Any) -> Result:

@@ -52,7 +52,7 @@ def test_xid79_grades_fault_naming_gpu_and_code(agent, scenario):
     ({"kind": "nvlink_down", "gpu": 6, "link": 3}, "nvlink-down"),
 ])
 def test_hardware_faults_grade_fault_with_replace(agent, scenario, fault, rule):
-    run = agent("accept", "--simulate", scenario([fault]), "--json")
+    run = agent("check", "--simulate", scenario([fault]), "--json")
     assert run.code == 4, run.stderr
     report = run.json()
     assert report["grade"]["level"] == "FAULT"
@@ -64,7 +64,7 @@ def test_hardware_faults_grade_fault_with_replace(agent, scenario, fault, rule):
 
 
 def test_missing_gpu_reason_says_how_many_are_visible(agent, scenario):
-    report = agent("accept", "--simulate", scenario([{"kind": "missing_gpu", "gpu": 7}]),
+    report = agent("check", "--simulate", scenario([{"kind": "missing_gpu", "gpu": 7}]),
                    "--json").json()
     (reason,) = reasons(report, "FAULT")
     assert "7 of 8" in reason["message"]
@@ -75,7 +75,7 @@ def test_missing_gpu_reason_says_how_many_are_visible(agent, scenario):
     ({"kind": "recovery_action", "gpu": 1, "action": "gpu_reset"}, "recovery-action"),
 ])
 def test_recoverable_states_grade_error_with_restart(agent, scenario, fault, rule):
-    run = agent("accept", "--simulate", scenario([fault]), "--json")
+    run = agent("check", "--simulate", scenario([fault]), "--json")
     assert run.code == 3, run.stderr
     report = run.json()
     assert report["grade"]["level"] == "ERROR"
@@ -85,7 +85,7 @@ def test_recoverable_states_grade_error_with_restart(agent, scenario, fault, rul
 
 
 def test_temperature_above_slowdown_warns_with_the_threshold(agent, scenario):
-    run = agent("accept", "--simulate", scenario([{"kind": "temperature", "gpu": 0, "celsius": 91}]),
+    run = agent("check", "--simulate", scenario([{"kind": "temperature", "gpu": 0, "celsius": 91}]),
                 "--json")
     assert run.code == 0, run.stderr
     report = run.json()
@@ -96,12 +96,12 @@ def test_temperature_above_slowdown_warns_with_the_threshold(agent, scenario):
 
 
 def test_temperature_at_shutdown_threshold_is_fault(agent, scenario):
-    run = agent("accept", "--simulate", scenario([{"kind": "temperature", "gpu": 0, "celsius": 93}]))
+    run = agent("check", "--simulate", scenario([{"kind": "temperature", "gpu": 0, "celsius": 93}]))
     assert run.code == 4
 
 
 def test_hw_slowdown_throttle_warns_naming_the_reason(agent, scenario):
-    report = agent("accept", "--simulate",
+    report = agent("check", "--simulate",
                    scenario([{"kind": "throttle", "gpu": 2, "reasons": ["hw_slowdown"]}]),
                    "--json").json()
     assert report["grade"]["level"] == "WARN"
@@ -125,7 +125,7 @@ def test_several_faults_worst_decides_and_every_fault_is_a_reason(agent, scenari
 
 
 def test_application_xid_13_warns_and_does_not_drain(agent, scenario):
-    run = agent("accept", "--simulate", scenario([{"kind": "xid", "gpu": 0, "code": 13}]), "--json")
+    run = agent("check", "--simulate", scenario([{"kind": "xid", "gpu": 0, "code": 13}]), "--json")
     assert run.code == 0
     assert run.json()["grade"] == {**run.json()["grade"], "level": "WARN", "action": "none"}
 
@@ -143,7 +143,7 @@ def test_a_hung_driver_grades_error_and_the_run_goes_on(agent, scenario):
 
 
 def test_human_summary_lists_findings_and_verdict(agent, scenario):
-    run = agent("accept", "--simulate", scenario([{"kind": "pcie_width", "gpu": 4, "lanes": 8}]))
+    run = agent("check", "--simulate", scenario([{"kind": "pcie_width", "gpu": 4, "lanes": 8}]))
     assert run.code == 4
     assert "grade: FAULT" in run.stdout and "x8 of x16" in run.stdout
     assert "report: " in run.stderr

@@ -1,0 +1,246 @@
+"""Check ``nccl_allreduce``: all-reduce bandwidth and correctness across the node's ranks.
+
+With real CUDA GPUs the ranks use backend ``nccl``, one per GPU; otherwise (no GPU, or a
+simulated node) ``params.cpu_ranks`` (default 2) CPU processes use ``gloo``, which exercises the
+same path and correctness test but whose bandwidth says nothing about the node's GPUs — the SKU
+minimum ``nccl_allreduce_busbw_gbps_min`` is applied only to ``nccl`` on real GPUs.
+
+Each rank is a ``python -m node_agent.allreduce`` subprocess (see that module for the method),
+started through :func:`node_agent.proc.run` with ``MASTER_ADDR=127.0.0.1`` and a free port.
+The whole run is bounded by ``params.timeout_s`` (default: a little below the suite's
+``timeout_s``): a rank whose peer never connects is killed with its process group and the check
+reports ``error``. Where ``all_reduce_perf`` (nccl-tests) is on PATH and
+``params.use_nccl_tests`` is true, it is run on the GPUs and its table parsed instead.
+
+Params: ``sizes`` (bytes, list), ``iters``, ``warmup``, ``cpu_ranks``, ``world_size`` (GPU
+ranks; default all GPUs), ``timeout_s``, ``use_nccl_tests``, ``corrupt_rank`` (test hook).
+Results (target ``node``): ``busbw_gbps`` per size, ``busbw_peak_gbps``, ``wrong_elements``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .. import proc
+from ..model import Result, Status
+from ..parsers import ParseError
+from ..parsers.nccl_tests import parse_all_reduce_perf
+from . import CheckContext
+
+DEFAULT_SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 24)  # 1 KiB .. 16 MiB: seconds on CPU
+DEFAULT_TIMEOUT_S = 120.0
+TORCH_MISSING = "torch not installed (pip install 'node-agent[torch]')"
+
+
+@dataclass(frozen=True)
+class RankRun:
+    """What one rank process did: its proc result and the JSON line it printed (or None)."""
+
+    rank: int
+    proc: proc.ProcResult
+    doc: dict[str, Any] | None
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free at the moment of asking (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker_argv(rank: int, world_size: int, backend: str, sizes: Sequence[int], iters: int,
+                warmup: int, timeout_s: float, corrupt_rank: int | None = None,
+                python: str = sys.executable) -> list[str]:
+    argv = [python, "-m", "node_agent.allreduce", "--rank", str(rank),
+            "--world-size", str(world_size), "--backend", backend,
+            "--sizes", ",".join(str(int(s)) for s in sizes), "--iters", str(iters),
+            "--warmup", str(warmup), "--timeout-s", f"{timeout_s:g}"]
+    if corrupt_rank is not None:
+        argv += ["--corrupt-rank", str(corrupt_rank)]
+    return argv
+
+
+def run_ranks(world_size: int, backend: str, sizes: Sequence[int], iters: int, warmup: int,
+              timeout_s: float, corrupt_rank: int | None = None,
+              start_ranks: Sequence[int] | None = None) -> list[RankRun]:
+    """Start the ranks (all, or only ``start_ranks`` — a test of a peer that never connects),
+    wait for all of them within ``timeout_s``, and return what each printed.
+
+    Every rank runs through :func:`proc.run` on its own thread, so a rank still running at the
+    deadline is killed with its process group: nothing is left behind.
+    """
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               PYTHONUNBUFFERED="1")
+    # the group's own timeout ends a rank waiting for a peer a little before we kill it
+    group_timeout = max(1.0, timeout_s - 2.0)
+    ranks = list(range(world_size)) if start_ranks is None else list(start_ranks)
+    runs: dict[int, proc.ProcResult] = {}
+
+    def one(rank: int) -> None:
+        runs[rank] = proc.run(worker_argv(rank, world_size, backend, sizes, iters, warmup,
+                                          group_timeout, corrupt_rank), timeout_s, env=env)
+
+    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [RankRun(r, runs[r], _last_json(runs[r].stdout)) for r in ranks]
+
+
+def _last_json(stdout: str) -> dict[str, Any] | None:
+    for line in reversed(stdout.strip().splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                return None
+    return None
+
+
+def torch_available() -> bool:
+    """Whether torch can be imported, without importing it (that takes seconds)."""
+    return importlib.util.find_spec("torch") is not None
+
+
+def _has_real_gpus(ctx: CheckContext) -> bool:
+    return (not ctx.gpu.simulated and not ctx.gpu.unavailable_reason
+            and len(ctx.gpu.devices()) > 0)
+
+
+def run(ctx: CheckContext) -> list[Result]:
+    if not torch_available():
+        return [ctx.skip(TORCH_MISSING)]
+    p = ctx.params
+    sizes = [int(s) for s in p.get("sizes", DEFAULT_SIZES)]
+    iters, warmup = int(p.get("iters", 20)), int(p.get("warmup", 5))
+    # finish (and kill stragglers) before the runner abandons the check
+    timeout_s = float(p.get("timeout_s", max(5.0, min(DEFAULT_TIMEOUT_S, ctx.timeout_s - 10))))
+    if _has_real_gpus(ctx):
+        backend = "nccl"
+        world_size = int(p.get("world_size", len(ctx.gpu.devices())))
+        if p.get("use_nccl_tests") and proc.which("all_reduce_perf"):
+            return _run_nccl_tests(ctx, world_size, sizes, iters, warmup, timeout_s)
+    elif ctx.gpu.simulated or "cpu_ranks" in p:
+        # the same code path across real processes on the CPU (simulation, CI)
+        backend = "gloo"
+        world_size = int(p.get("cpu_ranks", 2))
+    else:
+        return ctx.gpus_unavailable() or [ctx.skip("no GPUs visible: nothing to all-reduce")]
+    start = time.monotonic()
+    runs = run_ranks(world_size, backend, sizes, iters, warmup, timeout_s,
+                     corrupt_rank=p.get("corrupt_rank"))
+    duration = time.monotonic() - start
+    failure = _failure(ctx, runs, timeout_s)
+    if failure:
+        failure.duration_s = duration
+        return [failure]
+    doc = runs[0].doc or {}
+    rows = [{"size_bytes": r["size_bytes"], "time_us": r["time_us"], "algbw": r["algbw_gbps"],
+             "busbw": r["busbw_gbps"], "wrong": r["wrong"]} for r in doc["results"]]
+    evidence = {"backend": backend, "world_size": world_size, "iters": iters, "warmup": warmup,
+                "simulated": ctx.gpu.simulated, "tool": "torch.distributed",
+                "torch": doc.get("torch")}
+    return _results(ctx, rows, evidence, graded=backend == "nccl", duration=duration)
+
+
+def _failure(ctx: CheckContext, runs: list[RankRun], timeout_s: float) -> Result | None:
+    """An error result when any rank timed out, failed, or printed no measurement."""
+    timed_out = [r.rank for r in runs if r.proc.timed_out]
+    if timed_out:
+        return ctx.result("node", "busbw_peak_gbps", Status.ERROR,
+                          f"all-reduce ranks {timed_out} did not finish within {timeout_s:g} s "
+                          "and were killed (a peer that never connected, or a hang)",
+                          timeout_s=timeout_s, timed_out_ranks=timed_out,
+                          stderr_tail=_tail(runs[0].proc.stderr))
+    for r in runs:
+        if not r.proc.ok or r.doc is None or "error" in r.doc:
+            why = (r.doc or {}).get("error") or r.proc.describe_failure()
+            return ctx.result("node", "busbw_peak_gbps", Status.ERROR,
+                              f"all-reduce rank {r.rank} failed: {why}",
+                              rank=r.rank, returncode=r.proc.returncode,
+                              stderr_tail=_tail(r.proc.stderr))
+    return None
+
+
+def _tail(text: str, lines: int = 8) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _results(ctx: CheckContext, rows: list[dict[str, Any]], evidence: dict[str, Any],
+             graded: bool, duration: float) -> list[Result]:
+    out: list[Result] = []
+    for row in rows:
+        out.append(ctx.result(
+            "node", "busbw_gbps", Status.PASS,
+            f"{row['size_bytes']} B all-reduce: busbw {row['busbw']:.3f} GB/s, algbw "
+            f"{row['algbw']:.3f} GB/s, {row['time_us']:.1f} us ({evidence['backend']})",
+            value=round(row["busbw"], 4), unit="GB/s", **row, **evidence))
+    peak = max(rows, key=lambda r: r["busbw"])
+    minimum = ctx.sku.minimum("nccl_allreduce_busbw_gbps_min") if ctx.sku else None
+    if graded and minimum is not None and peak["busbw"] < minimum:
+        status = Status.FAIL
+        detail = (f"peak all-reduce busbw {peak['busbw']:.1f} GB/s is below the SKU minimum "
+                  f"{minimum:g} GB/s (at {peak['size_bytes']} B)")
+    else:
+        status = Status.PASS
+        note = ("" if graded and minimum is not None else
+                " (not graded: backend gloo on CPU)" if not graded else " (no SKU minimum)")
+        detail = (f"peak all-reduce busbw {peak['busbw']:.3f} GB/s at {peak['size_bytes']} B"
+                  + note)
+    out.append(ctx.result("node", "busbw_peak_gbps", status, detail,
+                          value=round(peak["busbw"], 4), unit="GB/s",
+                          size_bytes=peak["size_bytes"], minimum=minimum if graded else None,
+                          **evidence))
+    known = [r["wrong"] for r in rows if r["wrong"] is not None]
+    wrong = sum(known)
+    if known:
+        out.append(ctx.result(
+            "node", "wrong_elements", Status.FAIL if wrong else Status.PASS,
+            f"{wrong} elements of the all-reduce results were wrong"
+            + (": a rank contributes or transfers corrupt data" if wrong else ""),
+            value=wrong, unit="elements",
+            wrong_by_size={r["size_bytes"]: r["wrong"] for r in rows}, **evidence))
+    for r in out:
+        r.duration_s = duration
+    return out
+
+
+def _run_nccl_tests(ctx: CheckContext, world_size: int, sizes: list[int], iters: int,
+                    warmup: int, timeout_s: float) -> list[Result]:
+    """nccl-tests' ``all_reduce_perf`` on ``world_size`` GPUs of this node, parsed."""
+    argv = [proc.which("all_reduce_perf") or "all_reduce_perf", "-b", str(min(sizes)),
+            "-e", str(max(sizes)), "-f", "2", "-g", str(world_size), "-n", str(iters),
+            "-w", str(warmup), "-c", "1"]
+    res = proc.run(argv, timeout_s)
+    if not res.ok:
+        return [ctx.result("node", "busbw_peak_gbps", Status.ERROR, res.describe_failure(),
+                           argv=list(argv), stderr_tail=_tail(res.stderr))]
+    try:
+        table = parse_all_reduce_perf(res.stdout)
+    except ParseError as err:
+        return [ctx.result("node", "busbw_peak_gbps", Status.ERROR,
+                           f"cannot read all_reduce_perf output: {err}", argv=list(argv),
+                           stdout_tail=_tail(res.stdout))]
+    rows = [{"size_bytes": r.size_bytes, "time_us": r.time_us, "algbw": r.algbw_gbps,
+             "busbw": r.busbw_gbps, "wrong": r.wrong} for r in table.rows]
+    evidence = {"backend": "nccl", "world_size": world_size, "iters": iters, "warmup": warmup,
+                "simulated": False, "tool": "all_reduce_perf",
+                "avg_busbw_gbps": table.avg_busbw_gbps, "out_of_bounds": table.out_of_bounds}
+    out = _results(ctx, rows, evidence, graded=True, duration=res.duration_s)
+    if all(r["wrong"] is None for r in rows) and table.out_of_bounds is not None:
+        # older nccl-tests: no per-size count, only the run's out-of-bounds total
+        out.append(ctx.result("node", "wrong_elements",
+                              Status.FAIL if table.out_of_bounds else Status.PASS,
+                              f"{table.out_of_bounds} out-of-bounds values (all_reduce_perf)",
+                              value=table.out_of_bounds, unit="elements", **evidence))
+    return out

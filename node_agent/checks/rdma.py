@@ -1,0 +1,221 @@
+"""Check ``rdma``: RDMA ports from sysfs, and ``ib_write_bw`` loopback bandwidth per HCA.
+
+Reads ``/sys/class/infiniband/<dev>/ports/<n>/{state,phys_state,rate,link_layer}`` and the
+counters ``link_downed``, ``symbol_error`` and ``port_rcv_errors`` under ``counters/`` (the same
+files ``ibstat`` and ``ibv_devinfo`` read). The root is ``params.sysfs_root`` (default
+``/sys/class/infiniband``) so tests point it at a fake tree: no RDMA device exists on CI.
+
+Per port (target ``hca:<dev>``, ``hca:<dev>/<port>`` beyond port 1):
+  * ``link_state`` — fail unless ``ACTIVE`` (a port that is DOWN or INIT carries no traffic).
+  * ``port_rate_gbps`` — the signalling rate (``400 Gb/sec (4X NDR)``) against the SKU's
+    ``rdma_port_gbps_min``: a link trained below it (e.g. NDR at 200) fails.
+  * ``link_errors`` — warn when ``link_downed`` or ``symbol_error`` is nonzero (flaps and bit
+    errors of a marginal cable or transceiver; IBTA PortCounters).
+  * ``write_bw_gbps`` — perftest ``ib_write_bw`` server and client on this host over the port,
+    ``--report_gbits -D <duration_s>``, JSON from ``--out_json`` where the build supports it,
+    against ``rdma_port_gbps_min``.
+No device: skip. ``ib_write_bw`` missing: the bandwidth test skips naming Debian's ``perftest``.
+Params: ``sysfs_root``, ``perftest`` (default true), ``duration_s`` (5), ``gid_index`` (RoCE),
+``tcp_port`` (18515), ``server_start_s`` (1.0: how long the server gets to listen).
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import proc
+from ..model import Result, Status
+from ..parsers import ParseError
+from ..parsers.perftest import BwRow, parse_bw_json, parse_bw_table
+from . import CheckContext
+
+SYSFS_ROOT = Path("/sys/class/infiniband")
+PERFTEST_MISSING = "ib_write_bw not installed (Debian package `perftest`: apt-get install perftest)"
+COUNTERS = ("link_downed", "symbol_error", "port_rcv_errors")
+WARN_COUNTERS = ("link_downed", "symbol_error")
+_RATE = re.compile(r"^\s*([\d.]+)\s*Gb/sec")
+
+
+@dataclass(frozen=True)
+class Port:
+    """One RDMA port as sysfs shows it."""
+
+    device: str
+    port: str
+    state: str  # "ACTIVE", "DOWN", "INIT", "ARMED" (from "4: ACTIVE")
+    phys_state: str  # "LinkUp", "Polling", "Disabled" (from "5: LinkUp")
+    rate_text: str  # "400 Gb/sec (4X NDR)"
+    rate_gbps: float | None
+    link_layer: str  # "InfiniBand" or "Ethernet"
+    counters: dict[str, int | None] = field(default_factory=dict)
+
+    @property
+    def target(self) -> str:
+        return f"hca:{self.device}" if self.port == "1" else f"hca:{self.device}/{self.port}"
+
+
+def parse_rate_gbps(text: str) -> float | None:
+    """``"400 Gb/sec (4X NDR)"`` -> 400.0; None when sysfs says something else.
+
+    >>> parse_rate_gbps("200 Gb/sec (4X HDR)")
+    200.0
+    """
+    match = _RATE.match(text)
+    return float(match.group(1)) if match else None
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+def _state_name(text: str) -> str:
+    """``"4: ACTIVE"`` -> ``"ACTIVE"`` (sysfs prints the enum value, a colon, the name)."""
+    return text.split(":", 1)[1].strip() if ":" in text else text.strip()
+
+
+def discover(root: Path = SYSFS_ROOT) -> list[Port]:
+    """Every port of every RDMA device under ``root``, sorted by device and port."""
+    ports: list[Port] = []
+    if not root.is_dir():
+        return ports
+    for dev in sorted(p for p in root.iterdir() if (p / "ports").is_dir()):
+        for port_dir in sorted((dev / "ports").iterdir(), key=lambda p: p.name):
+            counters: dict[str, int | None] = {}
+            for name in COUNTERS:
+                text = _read(port_dir / "counters" / name)
+                counters[name] = int(text) if text.isdigit() else None
+            rate_text = _read(port_dir / "rate")
+            ports.append(Port(device=dev.name, port=port_dir.name,
+                              state=_state_name(_read(port_dir / "state")),
+                              phys_state=_state_name(_read(port_dir / "phys_state")),
+                              rate_text=rate_text, rate_gbps=parse_rate_gbps(rate_text),
+                              link_layer=_read(port_dir / "link_layer"), counters=counters))
+    return ports
+
+
+def run(ctx: CheckContext) -> list[Result]:
+    root = Path(ctx.params.get("sysfs_root", SYSFS_ROOT))
+    ports = discover(root)
+    if not ports:
+        return [ctx.skip(f"no RDMA device: {root} lists no ports (no InfiniBand/RoCE HCA, or "
+                         "its driver is not loaded)")]
+    minimum = ctx.sku.minimum("rdma_port_gbps_min") if ctx.sku else None
+    results: list[Result] = []
+    for port in ports:
+        results.extend(port_results(ctx, port, minimum))
+    if ctx.params.get("perftest", True):
+        results.extend(_bandwidth(ctx, [p for p in ports if p.state == "ACTIVE"], minimum))
+    return results
+
+
+def port_results(ctx: CheckContext, port: Port, minimum: float | None) -> list[Result]:
+    """link_state, port_rate_gbps and link_errors of one port, from sysfs alone."""
+    ev = {"device": port.device, "port": port.port, "link_layer": port.link_layer,
+          "phys_state": port.phys_state}
+    out = []
+    active = port.state == "ACTIVE"
+    out.append(ctx.result(
+        port.target, "link_state", Status.PASS if active else Status.FAIL,
+        f"{port.device} port {port.port} is {port.state or 'unknown'} ({port.phys_state})"
+        + ("" if active else ": no traffic passes; check cable, switch port and subnet manager"),
+        value=port.state, **ev))
+    if port.rate_gbps is None:
+        out.append(ctx.result(port.target, "port_rate_gbps", Status.ERROR,
+                              f"cannot read the rate of {port.device} port {port.port}: "
+                              f"{port.rate_text!r}", **ev))
+    else:
+        low = minimum is not None and port.rate_gbps < minimum
+        out.append(ctx.result(
+            port.target, "port_rate_gbps", Status.FAIL if low else Status.PASS,
+            f"{port.device} port {port.port} at {port.rate_text}"
+            + (f", below the SKU minimum {minimum:g} Gb/s: the link trained at a lower speed"
+               if low else ""),
+            value=port.rate_gbps, unit="Gb/s", minimum=minimum, rate=port.rate_text, **ev))
+    noisy = {k: v for k, v in port.counters.items() if k in WARN_COUNTERS and v}
+    out.append(ctx.result(
+        port.target, "link_errors", Status.WARN if noisy else Status.PASS,
+        (f"{port.device} port {port.port} error counters nonzero: "
+         + ", ".join(f"{k}={v}" for k, v in noisy.items())
+         + " (a flapping link or bit errors: reseat or replace cable/transceiver)")
+        if noisy else f"{port.device} port {port.port}: no link-down or symbol errors",
+        value=sum(noisy.values()), unit="errors", **port.counters, **ev))
+    return out
+
+
+def _bandwidth(ctx: CheckContext, ports: list[Port], minimum: float | None) -> list[Result]:
+    if not ports:
+        return []
+    binary = proc.which("ib_write_bw")
+    if binary is None:
+        return [ctx.skip(PERFTEST_MISSING, target=p.target, metric="write_bw_gbps")
+                for p in ports]
+    help_text = proc.run([binary, "--help"], 10)
+    json_ok = "out_json" in (help_text.stdout + help_text.stderr)
+    return [_write_bw(ctx, binary, p, minimum, json_ok) for p in ports]
+
+
+def perftest_argv(binary: str, port: Port, duration_s: float, tcp_port: int,
+                  gid_index: int | None, json_file: Path | None,
+                  server: str | None = None) -> list[str]:
+    """ib_write_bw's command line; ``server`` is the address the client connects to."""
+    argv = [binary, "-d", port.device, "-i", port.port, "--report_gbits", "-D",
+            f"{duration_s:g}", "-p", str(tcp_port)]
+    if gid_index is not None:
+        argv += ["-x", str(gid_index)]
+    if json_file is not None:
+        argv += ["--out_json", f"--out_json_file={json_file}"]
+    if server:
+        argv.append(server)
+    return argv
+
+
+def _write_bw(ctx: CheckContext, binary: str, port: Port, minimum: float | None,
+              json_ok: bool) -> Result:
+    p = ctx.params
+    duration = float(p.get("duration_s", 5))
+    tcp_port = int(p.get("tcp_port", 18515))
+    gid = p.get("gid_index")
+    timeout = duration + 30
+    with tempfile.TemporaryDirectory(prefix="node-agent-perftest-") as tmp:
+        json_file = Path(tmp) / "client.json" if json_ok else None
+        server_argv = perftest_argv(binary, port, duration, tcp_port, gid, None)
+        client_argv = perftest_argv(binary, port, duration, tcp_port, gid, json_file,
+                                    server="127.0.0.1")
+        server: dict[str, proc.ProcResult] = {}
+        thread = threading.Thread(target=lambda: server.update(r=proc.run(server_argv, timeout)),
+                                  daemon=True)
+        thread.start()
+        time.sleep(float(p.get("server_start_s", 1.0)))  # let the server listen first
+        client = proc.run(client_argv, timeout)
+        thread.join()
+        json_text = json_file.read_text() if json_file and json_file.exists() else None
+    ev = {"device": port.device, "port": port.port, "duration_s": duration,
+          "argv": client_argv, "minimum": minimum}
+    if not client.ok:
+        srv = server.get("r")
+        return ctx.result(port.target, "write_bw_gbps", Status.ERROR,
+                          f"ib_write_bw on {port.device}: {client.describe_failure()}",
+                          returncode=client.returncode, stderr_tail=client.stderr[-600:],
+                          server_failure=srv.describe_failure() if srv and not srv.ok else None,
+                          **ev)
+    try:
+        row: BwRow = parse_bw_json(json_text) if json_text else parse_bw_table(client.stdout)[-1]
+    except ParseError as err:
+        return ctx.result(port.target, "write_bw_gbps", Status.ERROR,
+                          f"cannot read ib_write_bw output for {port.device}: {err}",
+                          stdout_tail=client.stdout[-600:], **ev)
+    low = minimum is not None and row.bw_avg_gbps < minimum
+    return ctx.result(
+        port.target, "write_bw_gbps", Status.FAIL if low else Status.PASS,
+        f"ib_write_bw {port.device} port {port.port}: {row.bw_avg_gbps:.1f} Gb/s average"
+        + (f", below the SKU minimum {minimum:g} Gb/s" if low else ""),
+        value=round(row.bw_avg_gbps, 2), unit="Gb/s", msg_size_bytes=row.msg_size_bytes,
+        iterations=row.iterations, source="json" if json_text else "table", **ev)

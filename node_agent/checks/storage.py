@@ -1,0 +1,150 @@
+"""Check ``storage``: fio bandwidth and IOPS on each configured path (``storage.paths``).
+
+Three fio jobs run in sequence (``stonewall``) on one file per path: sequential write and read
+with 1 MiB blocks, then random 4 KiB reads. ``--direct=1`` bypasses the page cache where the
+filesystem supports O_DIRECT (tested by opening a file with it); elsewhere (tmpfs on older
+kernels, some FUSE/overlay mounts) fio runs buffered and the evidence says so, since buffered
+figures measure memory as much as the disk. Paths default to a temporary directory.
+
+Params (suite): ``size`` (fio size, default ``64M``), ``runtime_s`` (per job, default 3),
+``ioengine`` (default ``libaio``), ``iodepth`` (default 16), minima ``read_bw_mbps_min``,
+``write_bw_mbps_min`` (MB/s = 10^6 B/s) and ``randread_iops_min``; a figure below its minimum
+fails. Results per path, target ``disk:<path>``: ``read_bw_mbps``, ``write_bw_mbps``,
+``randread_iops``, computed from fio's ``bw_bytes`` and ``iops``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .. import proc
+from ..model import Result, Status
+from ..parsers import ParseError
+from ..parsers.fio import FioJob, parse_fio_json
+from . import CheckContext
+
+FIO_MISSING = "fio not installed (Debian package `fio`: apt-get install fio)"
+
+#: metric -> (fio job, unit, param holding the minimum, words for the detail)
+METRICS = {
+    "write_bw_mbps": ("seqwrite", "MB/s", "write_bw_mbps_min", "sequential 1 MiB write"),
+    "read_bw_mbps": ("seqread", "MB/s", "read_bw_mbps_min", "sequential 1 MiB read"),
+    "randread_iops": ("randread", "IOPS", "randread_iops_min", "random 4 KiB read"),
+}
+
+
+def supports_o_direct(directory: Path) -> bool:
+    """Whether a file in ``directory`` can be opened with O_DIRECT (EINVAL means no)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    fd, probe = tempfile.mkstemp(prefix=".node-agent-odirect-", dir=directory)
+    os.close(fd)
+    try:
+        fd = os.open(probe, os.O_RDONLY | flag)
+        os.close(fd)
+        return True
+    except OSError as err:
+        if err.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return False
+        raise
+    finally:
+        os.unlink(probe)
+
+
+def fio_argv(fio: str, filename: Path, size: str, runtime_s: float, direct: bool,
+             ioengine: str = "libaio", iodepth: int = 16) -> list[str]:
+    """fio's command line: global options, then the jobs seqwrite, seqread, randread.
+
+    Writing first lays the file out, so the reads read real data.
+    """
+    return [fio, "--output-format=json", f"--filename={filename}", f"--size={size}",
+            f"--runtime={runtime_s:g}", "--time_based", f"--direct={int(direct)}",
+            f"--ioengine={ioengine}", f"--iodepth={iodepth}",
+            "--name=seqwrite", "--rw=write", "--bs=1M", "--end_fsync=1",
+            "--name=seqread", "--stonewall", "--rw=read", "--bs=1M",
+            "--name=randread", "--stonewall", "--rw=randread", "--bs=4k"]
+
+
+def figures(jobs: dict[str, FioJob]) -> dict[str, float]:
+    """MB/s (10^6 B/s) and IOPS from the three jobs, by metric name."""
+    return {"write_bw_mbps": jobs["seqwrite"].write_bw_mbps,
+            "read_bw_mbps": jobs["seqread"].read_bw_mbps,
+            "randread_iops": jobs["randread"].read_iops}
+
+
+def run(ctx: CheckContext) -> list[Result]:
+    fio = proc.which("fio")
+    if fio is None:
+        return [ctx.skip(FIO_MISSING)]
+    paths = list(ctx.config.get("storage.paths") or [])
+    if paths:
+        return [r for path in paths for r in _run_path(ctx, fio, Path(path))]
+    with tempfile.TemporaryDirectory(prefix="node-agent-storage-") as tmp:
+        return _run_path(ctx, fio, Path(tmp), label="(temporary directory)")
+
+
+def _run_path(ctx: CheckContext, fio: str, path: Path, label: str = "") -> list[Result]:
+    target = f"disk:{path}"
+    p = ctx.params
+    if not path.is_dir():
+        return [ctx.result(target, "fio", Status.ERROR,
+                           f"storage path {path} is not a directory (config storage.paths)")]
+    try:
+        direct = supports_o_direct(path)
+    except OSError as err:
+        return [ctx.result(target, "fio", Status.ERROR,
+                           f"cannot write a file in {path}: {err} (config storage.paths)")]
+    runtime_s = float(p.get("runtime_s", 3))
+    filename = path / f".node-agent-fio-{os.getpid()}.dat"
+    argv = fio_argv(fio, filename, str(p.get("size", "64M")), runtime_s, direct,
+                    str(p.get("ioengine", "libaio")), int(p.get("iodepth", 16)))
+    evidence: dict[str, Any] = {
+        "direct": direct, "argv": argv, "path_note": label,
+        "io_mode": "O_DIRECT" if direct else
+        "buffered: the filesystem refuses O_DIRECT, figures include the page cache"}
+    # three timed jobs plus layout and fsync; the runner's timeout still bounds the check
+    timeout_s = float(p.get("fio_timeout_s", 3 * runtime_s + 60))
+    try:
+        res = proc.run(argv, timeout_s)
+    finally:
+        filename.unlink(missing_ok=True)
+    if not res.ok:
+        return [ctx.result(target, "fio", Status.ERROR, f"fio failed on {path}: "
+                           f"{res.describe_failure()}", returncode=res.returncode,
+                           stderr_tail=_tail(res.stderr), **evidence)]
+    try:
+        jobs = parse_fio_json(res.stdout)
+        values = figures(jobs)
+    except (ParseError, KeyError) as err:
+        return [ctx.result(target, "fio", Status.ERROR,
+                           f"cannot read fio's JSON for {path}: {err}",
+                           stderr_tail=_tail(res.stderr), stdout_tail=res.stdout[-500:],
+                           **evidence)]
+    failed_jobs = {name: job.error for name, job in jobs.items() if job.error}
+    if failed_jobs:
+        return [ctx.result(target, "fio", Status.ERROR,
+                           f"fio jobs reported errors on {path}: {failed_jobs} (errno values)",
+                           stderr_tail=_tail(res.stderr), **evidence)]
+    out = []
+    for metric, (job, unit, min_key, words) in METRICS.items():
+        value = values[metric]
+        minimum = p.get(min_key)
+        low = minimum is not None and value < float(minimum)
+        detail = (f"{path}: {words} {value:.1f} {unit}"
+                  + (f", below the minimum {minimum:g} {unit} ({min_key})" if low else "")
+                  + ("" if direct else " (buffered I/O)"))
+        out.append(ctx.result(target, metric, Status.FAIL if low else Status.PASS, detail,
+                              value=round(value, 2), unit=unit, minimum=minimum, job=job,
+                              runtime_ms=jobs[job].runtime_ms, **evidence))
+    for r in out:
+        r.duration_s = res.duration_s
+    return out
+
+
+def _tail(text: str, lines: int = 8) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])

@@ -1,0 +1,69 @@
+"""nccl-tests all_reduce_perf tables: current (#wrong, root) and older (error) columns."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from node_agent.allreduce import bandwidths, bus_factor
+from node_agent.parsers import ParseError
+from node_agent.parsers.nccl_tests import parse_all_reduce_perf
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "nccl_tests"
+
+
+def test_current_table_rows_and_average():
+    table = parse_all_reduce_perf((DATA / "all_reduce_perf_ok.txt").read_text())
+    assert [r.size_bytes for r in table.rows] == [8, 1024, 1048576, 67108864, 1073741824,
+                                                  8589934592]
+    last = table.rows[-1]
+    assert (last.time_us, last.algbw_gbps, last.busbw_gbps) == (36598, 234.71, 410.75)
+    assert last.inplace_busbw_gbps == 410.94
+    assert all(r.wrong == 0 for r in table.rows)
+    assert table.avg_busbw_gbps == pytest.approx(191.6045)
+    assert table.out_of_bounds == 0
+
+
+def test_wrong_column_counts_wrong_elements():
+    table = parse_all_reduce_perf((DATA / "all_reduce_perf_wrong.txt").read_text())
+    by_size = {r.size_bytes: r for r in table.rows}
+    assert by_size[1073741824].wrong == 1024
+    assert by_size[1073741824].inplace_wrong == 1024
+    assert sum(r.wrong for r in table.rows) == 1024
+    assert table.out_of_bounds == 2048
+
+
+def test_older_error_column_keeps_max_error_and_out_of_bounds():
+    table = parse_all_reduce_perf((DATA / "all_reduce_perf_error_col.txt").read_text())
+    assert len(table.rows) == 5
+    assert table.rows[-1].busbw_gbps == 181.74
+    assert all(r.wrong is None and r.max_error == 0.0 for r in table.rows)
+    assert table.out_of_bounds == 0
+
+
+def test_truncated_table_raises_parse_error():
+    with pytest.raises(ParseError, match="cut off"):
+        parse_all_reduce_perf((DATA / "all_reduce_perf_truncated.txt").read_text())
+
+
+def test_output_without_header_raises_parse_error():
+    with pytest.raises(ParseError, match="no all_reduce_perf table header"):
+        parse_all_reduce_perf("NCCL WARN Cuda failure 'out of memory'\n")
+
+
+@pytest.mark.parametrize("n, factor", [(2, 1.0), (4, 1.5), (8, 1.75)])
+def test_busbw_factor_matches_nccl_tests(n, factor):
+    assert bus_factor(n) == factor
+    algbw, busbw = bandwidths(2_000_000_000, 0.5, n)
+    assert algbw == 4.0
+    assert busbw == 4.0 * factor
+
+
+def test_bus_factor_reproduces_the_captured_table():
+    # nccl-tests' own figures for 8 GPUs: busbw = algbw * 2*7/8 (to its print precision)
+    table = parse_all_reduce_perf((DATA / "all_reduce_perf_ok.txt").read_text())
+    for row in table.rows[2:]:
+        assert row.busbw_gbps == pytest.approx(row.algbw_gbps * bus_factor(8), abs=0.01)
+        assert row.algbw_gbps == pytest.approx(row.size_bytes / (row.time_us * 1e-6) / 1e9,
+                                               rel=2e-3)

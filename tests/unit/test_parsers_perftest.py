@@ -1,0 +1,61 @@
+"""perftest (ib_write_bw) table and --out_json parsing, in every bandwidth unit it prints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from node_agent.parsers import ParseError
+from node_agent.parsers.perftest import parse_bw_json, parse_bw_table, to_gbps
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "perftest"
+MIB_TO_GBPS = 1048576 * 8 / 1e9
+
+
+@pytest.mark.parametrize("name, size, iters, avg_gbps, unit", [
+    ("ib_write_bw_gbits.txt", 65536, 3707100, 388.72, "Gb/sec"),
+    ("ib_write_bw_mb.txt", 65536, 5000, 11030.45 * MIB_TO_GBPS, "MB/sec"),
+    ("ib_write_bw_mib_roce.txt", 65536, 279928, 5830.79 * MIB_TO_GBPS, "MiB/sec"),
+])
+def test_bw_table_converts_each_unit_to_gbps(name, size, iters, avg_gbps, unit):
+    (row,) = parse_bw_table((DATA / name).read_text())
+    assert row.msg_size_bytes == size
+    assert row.iterations == iters
+    assert row.bw_avg_gbps == pytest.approx(avg_gbps)
+    assert row.unit_reported == unit
+
+
+def test_duration_mode_zero_peak_is_none_not_zero():
+    (row,) = parse_bw_table((DATA / "ib_write_bw_gbits.txt").read_text())
+    assert row.bw_peak_gbps is None
+    (row,) = parse_bw_table((DATA / "ib_write_bw_mb.txt").read_text())
+    assert row.bw_peak_gbps == pytest.approx(11030.78 * MIB_TO_GBPS)
+
+
+def test_truncated_table_raises_parse_error():
+    with pytest.raises(ParseError, match="truncated"):
+        parse_bw_table((DATA / "ib_write_bw_truncated.txt").read_text())
+
+
+def test_output_without_table_raises_parse_error():
+    with pytest.raises(ParseError, match="no perftest result table"):
+        parse_bw_table(" Couldn't connect to 127.0.0.1:18515\nUnable to open file descriptor "
+                       "for socket connection")
+
+
+def test_out_json_results():
+    row = parse_bw_json((DATA / "ib_write_bw_out.json").read_text())
+    assert (row.msg_size_bytes, row.iterations) == (65536, 3707100)
+    assert row.bw_avg_gbps == pytest.approx(388.72)
+    assert row.bw_peak_gbps is None
+
+
+def test_truncated_out_json_raises_parse_error():
+    with pytest.raises(ParseError, match="truncated"):
+        parse_bw_json((DATA / "ib_write_bw_out_truncated.json").read_text())
+
+
+def test_unknown_unit_raises_parse_error():
+    with pytest.raises(ParseError, match="unknown perftest bandwidth unit"):
+        to_gbps(1.0, "KB/sec")
