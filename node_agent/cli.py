@@ -106,7 +106,7 @@ def cmd_inventory(args: argparse.Namespace) -> int:
             print(f"  gpu:{g.index}  {g.name}  {g.pci_bus_id}  {g.uuid}  serial {g.serial or 'n/a'}"
                   f"  VBIOS {g.vbios or 'n/a'}")
         for index, error in sorted(inv.unreadable.items()):
-            print(f"  gpu:{index}  UNREADABLE: {error}")  # the GpuError's message
+            print(f"  gpu:{index}  UNREADABLE: {error}")
         return EXIT_OK
     finally:
         env.close()

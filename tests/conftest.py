@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -30,7 +29,6 @@ def agent(tmp_path):
     """Run ``node-agent ARGS`` as a subprocess through its console entry point."""
 
     def run(*args: str, timeout: float = 120) -> Run:
-        env = dict(os.environ, NODE_AGENT_TEST="1")
         argv = [sys.executable, "-c", "import sys; from node_agent.cli import main; sys.exit(main())",
                 *args]
         if "--config" not in args and args and args[0] in ("accept", "check", "inventory", "grade"):
@@ -38,8 +36,7 @@ def agent(tmp_path):
             if not config.exists():
                 config.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state")}))
             argv += ["--config", str(config)]
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env,
-                              cwd=tmp_path)
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
         return Run(proc.returncode, proc.stdout, proc.stderr)
 
     return run
