@@ -30,8 +30,11 @@ class _Outcome:
     trace: str = ""
 
 
-def run_check(spec: CheckSpec, env: Environment, mode: str) -> list[Result]:
-    """Run one check within its timeout; always returns at least one result."""
+def run_check(spec: CheckSpec, env: Environment, mode: str,
+              shared: dict | None = None) -> list[Result]:
+    """Run one check within its timeout; always returns at least one result.
+
+    ``shared`` is the suite run's hand-over dict between checks (CheckContext.shared)."""
     params = dict(spec.params)
     # Under simulation, load checks run their real code on the CPU at small sizes (DESIGN.md):
     # a suite gives those sizes in `params.simulated`.
@@ -41,7 +44,8 @@ def run_check(spec: CheckSpec, env: Environment, mode: str) -> list[Result]:
     ctx = CheckContext(check=spec.check, gpu=env.gpu, kernel_log=env.kernel_log,
                        config=env.config, inventory=env.inventory, sku=env.sku,
                        expected_gpus=env.expected_gpus, mode=mode, params=params,
-                       state_dir=env.writable_state_dir(), timeout_s=spec.timeout_s)
+                       state_dir=env.writable_state_dir(), timeout_s=spec.timeout_s,
+                       scenario=env.scenario, shared=shared if shared is not None else {})
     outcome = _Outcome()
 
     def target() -> None:
@@ -79,11 +83,12 @@ def run_check(spec: CheckSpec, env: Environment, mode: str) -> list[Result]:
 def run_suite(suite: Suite, env: Environment, progress: Progress | None = None) -> list[Result]:
     """Run the suite's checks in order; returns every result."""
     all_results: list[Result] = []
+    shared: dict = {}
     total = len(suite.checks)
     for i, spec in enumerate(suite.checks, start=1):
         if progress:
             progress("start", spec, i, total, [])
-        results = run_check(spec, env, suite.mode)
+        results = run_check(spec, env, suite.mode, shared)
         all_results.extend(results)
         if progress:
             progress("done", spec, i, total, results)

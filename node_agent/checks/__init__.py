@@ -17,6 +17,7 @@ from ..gpu.base import GpuBackend
 from ..inventory import Inventory
 from ..kernel_log import KernelLog
 from ..model import Result, Status
+from ..scenario import Scenario
 from ..sku import Sku
 
 #: check name -> module implementing ``run(ctx)``; imported lazily (compute checks pull in torch)
@@ -45,6 +46,14 @@ class CheckContext:
     params: dict[str, Any] = field(default_factory=dict)
     state_dir: Path | None = None  # writable directory for cursors, or None
     timeout_s: float = 60.0  # the runner abandons the check after this; bound subprocesses below it
+    scenario: Scenario | None = None  # the simulated node, for faults at the compute boundary
+    #: one suite run's hand-over between checks (e.g. the burn's telemetry trace for
+    #: thermal_power); keys are documented by the check that writes them
+    shared: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def simulated(self) -> bool:
+        return self.scenario is not None
 
     def result(self, target: str, metric: str, status: Status, detail: str,
                value: Any = None, unit: str = "", **evidence: Any) -> Result:

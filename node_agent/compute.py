@@ -1,0 +1,176 @@
+"""Compute devices: where the load checks' GEMMs and copies run.
+
+A real node computes on its CUDA GPUs through torch. A simulated node computes on the CPU, one
+stand-in per simulated GPU, with the scenario's compute faults applied here, at the device
+boundary (DESIGN.md, "The simulator"): ``slow`` stretches the device's clock so every throughput
+measured above this layer comes out scaled, and ``sdc`` makes the device's matmul return a
+corrupted element. The checks' own code (timing, verification, grading) is the same either way.
+
+A :class:`ComputeSpec` is a plain picklable value, so a worker process (one per GPU for the
+burn) rebuilds its device with :func:`open_device` on its side.
+
+Timing: :meth:`ComputeDevice.clock` is the device's clock in seconds. On CUDA it is the host's
+monotonic clock read after a synchronise. On a simulated device it is this process's CPU time
+divided by the ``slow`` factor: CPU time, not wall time, so that eight simulated GPUs sharing
+two cores each still measure their own work and a healthy scenario does not grade WARN from
+scheduler noise.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from .scenario import Scenario
+
+#: precision name -> torch dtype name; "tf32" is fp32 storage with TF32 tensor-core matmuls
+PRECISION_DTYPES = {"fp8": "float8_e4m3fn", "bf16": "bfloat16", "fp16": "float16",
+                    "tf32": "float32", "fp32": "float32"}
+
+
+class ComputeUnavailable(Exception):
+    """No device to compute on; the message says why (becomes a check's ``skip`` reason)."""
+
+
+@dataclass(frozen=True)
+class ComputeSpec:
+    """Which device to open and, when simulated, which compute faults it carries."""
+
+    index: int                 # the GPU index the results are reported on (target gpu:N)
+    simulated: bool = False
+    slow_factor: float = 1.0   # simulated only: measured throughput is multiplied by this
+    corrupt: bool = False      # simulated only: matmul output carries one flipped element
+    cpu_threads: int = 1       # simulated only: torch intra-op threads of the stand-in
+
+    @property
+    def target(self) -> str:
+        return f"gpu:{self.index}"
+
+
+def torch_missing_reason() -> str | None:
+    """None when torch imports; otherwise the operator's next step."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return ("torch is not installed; install the compute extra: "
+                "pip install 'node-agent[torch]' (a CUDA build on GPU hosts)")
+    return None
+
+
+def compute_specs(gpu_indices: list[int], scenario: Scenario | None) -> list[ComputeSpec]:
+    """One spec per GPU: CUDA devices on a real node, CPU stand-ins with faults when simulated.
+
+    Raises ComputeUnavailable when torch is missing, or when a real node's torch cannot see
+    CUDA (a CPU build, or a driver torch cannot use) — never falls back to the CPU silently.
+    """
+    reason = torch_missing_reason()
+    if reason:
+        raise ComputeUnavailable(reason)
+    if scenario is not None:
+        specs = []
+        for index in gpu_indices:
+            slow = scenario.faults_on(index, "slow")
+            factor = float(slow[0].params["factor"]) if slow else 1.0
+            corrupt = scenario.has(index, "sdc")
+            specs.append(ComputeSpec(index, simulated=True, slow_factor=factor, corrupt=corrupt))
+        return specs
+    import torch
+
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+        raise ComputeUnavailable(f"torch {torch.__version__} ({build}) cannot use CUDA on this "
+                                 "host; install a CUDA build of torch matching the driver")
+    visible = torch.cuda.device_count()
+    missing = [i for i in gpu_indices if i >= visible]
+    if missing:
+        raise ComputeUnavailable(
+            f"torch sees {visible} CUDA device(s) but NVML lists GPU(s) "
+            f"{', '.join(map(str, missing))}; check CUDA_VISIBLE_DEVICES")
+    return [ComputeSpec(i) for i in gpu_indices]
+
+
+class ComputeDevice:
+    """One device's compute: tensors, matmul, copies and its clock. Build with open_device()."""
+
+    def __init__(self, spec: ComputeSpec, torch_device: torch.device,
+                 matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        self.spec = spec
+        self.device = torch_device
+        self._matmul = matmul
+
+    @property
+    def simulated(self) -> bool:
+        return self.spec.simulated
+
+    @property
+    def label(self) -> str:
+        if self.spec.simulated:
+            return f"simulated {self.spec.target} (CPU)"
+        return f"{self.spec.target} ({self.device})"
+
+    def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a @ b`` as this device computes it (a simulated SDC corrupts one element)."""
+        return self._matmul(a, b)
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+    def clock(self) -> float:
+        """Seconds on this device's clock; call after synchronize() to time finished work."""
+        if self.spec.simulated:
+            return time.process_time() / self.spec.slow_factor
+        return time.perf_counter()
+
+    def supports(self, precision: str) -> bool:
+        """Whether the device runs matmuls in ``precision`` (a PRECISION_DTYPES key)."""
+        import torch
+
+        dtype = getattr(torch, PRECISION_DTYPES[precision], None)
+        if dtype is None:
+            return False
+        if self.device.type == "cuda":
+            major, _ = torch.cuda.get_device_capability(self.device)
+            if precision == "fp8":
+                return major >= 9 and hasattr(torch, "_scaled_mm")
+            if precision in ("bf16", "tf32"):
+                return major >= 8
+            return True
+        return precision != "fp8"  # the CPU has no fp8 GEMM
+
+    def info(self) -> dict[str, Any]:
+        """What the device is, for a result's evidence."""
+        import torch
+
+        out: dict[str, Any] = {"device": str(self.device), "simulated": self.spec.simulated,
+                               "torch": torch.__version__}
+        if self.device.type == "cuda":
+            out["cuda_name"] = torch.cuda.get_device_name(self.device)
+        else:
+            out["slow_factor"] = self.spec.slow_factor
+            out["cpu_threads"] = self.spec.cpu_threads
+        return out
+
+
+def open_device(spec: ComputeSpec) -> ComputeDevice:
+    """Open the device a spec names (in whichever process calls it)."""
+    import torch
+
+    if not spec.simulated:
+        device = torch.device("cuda", spec.index)
+        torch.cuda.set_device(device)
+        return ComputeDevice(spec, device, torch.matmul)
+    torch.set_num_threads(spec.cpu_threads)
+    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.matmul
+    if spec.corrupt:
+        from .sdc import corrupting_matmul
+
+        matmul = corrupting_matmul(seed=spec.index)
+    return ComputeDevice(spec, torch.device("cpu"), matmul)
