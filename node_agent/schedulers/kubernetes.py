@@ -1,0 +1,226 @@
+"""The ``kubernetes`` adapter: cordon, a NoSchedule taint and a ``GPUHealthy`` node condition.
+
+Through the official ``kubernetes`` client (``pip install node-agent[k8s]``), in-cluster config
+when running in a pod, else ``adapter.kubernetes.kubeconfig`` (or the default kubeconfig).
+
+drain(node, reason)::
+
+    GET   /api/v1/nodes/N
+    PATCH /api/v1/nodes/N          (strategic merge) spec.unschedulable=true, spec.taints += the
+          agent's taint {key: adapter.kubernetes.taint_key, value: <grade>, effect: NoSchedule},
+          annotations node-agent/reason (the full reason) and node-agent/cordoned ("true" only
+          when the agent itself turned unschedulable on), metadata.resourceVersion (so a
+          concurrent change makes the API answer 409 instead of losing a taint)
+    PATCH /api/v1/nodes/N/status   (strategic merge, conditions merge by type)
+          {type: GPUHealthy, status: "False", reason: NodeAgentDrained, message: <reason>}
+
+resume removes the agent's taint and annotations, uncordons only when the agent cordoned, and
+sets ``GPUHealthy=True``; it refuses (AdapterError) a node that is cordoned without the agent's
+taint, i.e. cordoned by someone else. restart cannot reboot (Kubernetes has no reboot API): it
+drains and sets the annotation ``node-agent/reboot-requested`` and condition reason
+``NodeAgentRebootRequested`` for a reboot operator to act on; the detail starts with
+``reboot-requested:``. replace drains with a ``node-agent: replace:`` reason and condition reason
+``NodeAgentReplace``.
+
+RBAC: get/list/patch on nodes, patch on nodes/status (packaging/kubernetes/rbac.yaml).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .base import AdapterError, NodeState, check_node_name, is_agent_reason, sanitise_reason
+
+if TYPE_CHECKING:
+    from ..config import Config
+
+CONDITION_TYPE = "GPUHealthy"
+ANN_REASON = "node-agent/reason"
+ANN_CORDONED = "node-agent/cordoned"
+ANN_REBOOT = "node-agent/reboot-requested"
+REBOOT_REQUESTED = "reboot-requested:"
+LEFT_AS_IS = "left-as-is:"
+_GRADE_RE = re.compile(r"\b(HEALTHY|WARN|ERROR|FAULT)\b")
+
+
+def _now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def taint_value(reason: str) -> str:
+    """The taint value: the grade named in the reason (a label value: <=63 chars, [A-Za-z0-9._-])."""
+    match = _GRADE_RE.search(reason)
+    return match.group(1) if match else "unhealthy"
+
+
+def _load_api_client(kubeconfig: str | None):
+    try:
+        from kubernetes import client, config
+    except ImportError as err:
+        raise AdapterError("the kubernetes adapter needs the official client: "
+                           "pip install 'node-agent[k8s]'") from err
+    import os
+
+    try:
+        if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+            config.load_incluster_config()
+            return client.ApiClient()
+        return config.new_client_from_config(config_file=kubeconfig)
+    except Exception as err:  # the loaders raise ConfigException, OSError, YAML errors
+        raise AdapterError(f"cannot load Kubernetes credentials ({err}); run in a pod with the "
+                           "node-agent ServiceAccount or set adapter.kubernetes.kubeconfig") from err
+
+
+class KubernetesAdapter:
+    name = "kubernetes"
+
+    def __init__(self, api_client: Any, taint_key: str = "node-agent/health",
+                 timeout_s: float = 10, clock: Callable[[], str] = _now_iso) -> None:
+        from kubernetes import client
+
+        self.api = client.CoreV1Api(api_client)
+        self.taint_key = taint_key
+        self.timeout_s = timeout_s
+        self._clock = clock
+
+    @classmethod
+    def from_config(cls, config: Config) -> KubernetesAdapter:
+        return cls(_load_api_client(config.get("adapter.kubernetes.kubeconfig")),
+                   taint_key=config.get("adapter.kubernetes.taint_key"))
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call the client raw (no model round trip) and return the decoded JSON body."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            resp = fn(*args, _preload_content=False, _request_timeout=self.timeout_s, **kwargs)
+            data = resp.data
+        except ApiException as err:
+            body = (err.body.decode(errors="replace") if isinstance(err.body, bytes)
+                    else str(err.body or ""))
+            hint = {403: "; the ServiceAccount needs the RBAC of packaging/kubernetes/rbac.yaml",
+                    404: "; set node.name to this node's Kubernetes node name",
+                    409: "; the node changed meanwhile, the action can be retried"
+                    }.get(err.status or 0, "")
+            raise AdapterError(f"Kubernetes API {what}: HTTP {err.status} {err.reason}: "
+                               f"{body[:500]}{hint}") from err
+        except Exception as err:  # urllib3 connection/timeouts: the API server is unreachable
+            raise AdapterError(f"Kubernetes API {what}: {type(err).__name__}: {err}; "
+                               "check that the API server is reachable") from err
+        try:
+            return json.loads(data) if data else {}
+        except ValueError as err:
+            raise AdapterError(f"Kubernetes API {what}: answer is not JSON: {data[:200]!r}") from err
+
+    def _get(self, node: str) -> dict[str, Any]:
+        return self._call(f"GET node {node}", self.api.read_node, node)
+
+    def _our_taint(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        for taint in (obj.get("spec") or {}).get("taints") or []:
+            if taint.get("key") == self.taint_key:
+                return taint
+        return None
+
+    def _state(self, obj: dict[str, Any]) -> NodeState:
+        meta, spec = obj.get("metadata") or {}, obj.get("spec") or {}
+        ready = "Unknown"
+        for cond in (obj.get("status") or {}).get("conditions") or []:
+            if cond.get("type") == "Ready":
+                ready = {"True": "Ready", "False": "NotReady"}.get(cond.get("status"), "Unknown")
+        unschedulable = bool(spec.get("unschedulable"))
+        taint = self._our_taint(obj)
+        reason = None
+        if taint is not None:
+            stored = (meta.get("annotations") or {}).get(ANN_REASON)
+            reason = stored if is_agent_reason(stored) else f"node-agent: {taint.get('value', '')}"
+        return NodeState(name=meta.get("name", ""),
+                         state=ready + (",SchedulingDisabled" if unschedulable else ""),
+                         drained=unschedulable, reason=reason)
+
+    def _set_condition(self, node: str, healthy: bool, reason_word: str, message: str) -> None:
+        now = self._clock()
+        body = {"status": {"conditions": [{
+            "type": CONDITION_TYPE, "status": "True" if healthy else "False",
+            "reason": reason_word, "message": message,
+            "lastHeartbeatTime": now, "lastTransitionTime": now}]}}
+        self._call(f"PATCH node {node} status", self.api.patch_node_status, node, body)
+
+    def _cordon_and_taint(self, node: str, reason: str, extra_annotations: dict[str, Any],
+                          condition_reason: str) -> tuple[str, NodeState]:
+        obj = self._get(node)
+        before = self._state(obj)
+        if before.drained and not before.drained_by_agent:
+            return (f"{LEFT_AS_IS} {node} is cordoned by someone else (no {self.taint_key} "
+                    "taint); left as it is"), before
+        spec = obj.get("spec") or {}
+        taints = [t for t in spec.get("taints") or [] if t.get("key") != self.taint_key]
+        taints.append({"key": self.taint_key, "value": taint_value(reason), "effect": "NoSchedule"})
+        annotations = {ANN_REASON: reason, **extra_annotations}
+        if not spec.get("unschedulable"):
+            annotations[ANN_CORDONED] = "true"
+        body = {"metadata": {"resourceVersion": (obj.get("metadata") or {}).get("resourceVersion"),
+                             "annotations": annotations},
+                "spec": {"unschedulable": True, "taints": taints}}
+        self._call(f"PATCH node {node}", self.api.patch_node, node, body)
+        self._set_condition(node, False, condition_reason, reason)
+        return f"kubernetes: cordoned and tainted {node} ({self.taint_key}={taint_value(reason)}:NoSchedule; {reason})", before
+
+    # -- the interface -----------------------------------------------------------------------
+
+    def node_state(self, node: str) -> NodeState:
+        return self._state(self._get(check_node_name(node)))
+
+    def list_nodes(self) -> list[NodeState]:
+        data = self._call("LIST nodes", self.api.list_node)
+        return [self._state(item) for item in data.get("items") or []]
+
+    def drain(self, node: str, reason: str) -> str:
+        node, reason = check_node_name(node), sanitise_reason(reason)
+        return self._cordon_and_taint(node, reason, {}, "NodeAgentDrained")[0]
+
+    def replace(self, node: str, reason: str) -> str:
+        node, text = check_node_name(node), sanitise_reason(reason)
+        if not text.startswith("node-agent: replace:"):
+            text = sanitise_reason("node-agent: replace: " + text[len("node-agent:"):].strip())
+        return self._cordon_and_taint(node, text, {}, "NodeAgentReplace")[0]
+
+    def restart(self, node: str, reason: str) -> str:
+        node, reason = check_node_name(node), sanitise_reason(reason)
+        detail, before = self._cordon_and_taint(node, reason, {ANN_REBOOT: self._clock()},
+                                                "NodeAgentRebootRequested")
+        if detail.startswith(LEFT_AS_IS):
+            raise AdapterError(f"refusing to request a reboot of {node}: it is cordoned by "
+                               "someone else")
+        return (f"{REBOOT_REQUESTED} Kubernetes has no reboot API; {node} is cordoned and "
+                f"annotated {ANN_REBOOT} for a reboot operator ({reason})")
+
+    def resume(self, node: str, reason: str) -> str:
+        node, reason = check_node_name(node), sanitise_reason(reason)
+        obj = self._get(node)
+        state = self._state(obj)
+        if self._our_taint(obj) is None:
+            if state.drained:
+                raise AdapterError(
+                    f"refusing to resume {node}: it is cordoned by someone else (no "
+                    f"{self.taint_key} taint); uncordon it by hand (kubectl uncordon {node})")
+            return f"kubernetes: {node} already in service; nothing to resume"
+        meta, spec = obj.get("metadata") or {}, obj.get("spec") or {}
+        agent_cordoned = (meta.get("annotations") or {}).get(ANN_CORDONED) == "true"
+        taints = [t for t in spec.get("taints") or [] if t.get("key") != self.taint_key]
+        new_spec: dict[str, Any] = {"taints": taints}
+        if agent_cordoned:
+            new_spec["unschedulable"] = False
+        body = {"metadata": {"resourceVersion": meta.get("resourceVersion"),
+                             "annotations": {ANN_REASON: None, ANN_CORDONED: None,
+                                             ANN_REBOOT: None}},
+                "spec": new_spec}
+        self._call(f"PATCH node {node}", self.api.patch_node, node, body)
+        self._set_condition(node, True, "NodeAgentHealthy", reason)
+        kept = "" if agent_cordoned else " (left cordoned: the agent did not cordon it)"
+        return f"kubernetes: removed {self.taint_key} taint from {node}{kept}; {reason}"

@@ -1,0 +1,86 @@
+"""The ``log`` adapter (the default): records what it would do, changes nothing.
+
+Each call appends one JSON line to ``<state_dir>/actions.log`` (or the path given)::
+
+    {"at": "2025-01-01T00:00:00+00:00", "adapter": "log", "action": "drain",
+     "node": "gpu-01", "reason": "node-agent: FAULT xid79 gpu:5"}
+
+The node always reads as in service: nothing was really drained.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .base import AdapterError, NodeState, check_node_name, sanitise_reason
+
+if TYPE_CHECKING:
+    from ..config import Config
+
+
+def _now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+class LogAdapter:
+    name = "log"
+
+    def __init__(self, path: str | Path, node: str | None = None,
+                 clock: Callable[[], str] = _now_iso) -> None:
+        self.path = Path(path)
+        self.node = node
+        self._clock = clock
+
+    @classmethod
+    def from_config(cls, config: Config) -> LogAdapter:
+        return cls(config.state_dir / "actions.log", node=config.get("node.name"))
+
+    def _record(self, action: str, node: str, reason: str) -> str:
+        node = check_node_name(node)
+        reason = sanitise_reason(reason)
+        line = json.dumps({"at": self._clock(), "adapter": self.name, "action": action,
+                           "node": node, "reason": reason}, sort_keys=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # One write of one line with O_APPEND: concurrent writers never interleave lines.
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                os.write(fd, (line + "\n").encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as err:
+            raise AdapterError(f"log adapter cannot write {self.path}: {err}; "
+                               "check state_dir in the config and its permissions") from err
+        return f"log: would {action} {node} ({reason}); recorded in {self.path}"
+
+    def node_state(self, node: str) -> NodeState:
+        return NodeState(name=check_node_name(node), state="in-service", drained=False,
+                         reason=None)
+
+    def drain(self, node: str, reason: str) -> str:
+        return self._record("drain", node, reason)
+
+    def resume(self, node: str, reason: str) -> str:
+        return self._record("resume", node, reason)
+
+    def restart(self, node: str, reason: str) -> str:
+        return self._record("restart", node, reason)
+
+    def replace(self, node: str, reason: str) -> str:
+        return self._record("replace", node, reason)
+
+    def list_nodes(self) -> list[NodeState]:
+        """Only this node (when known): the log adapter manages nothing else."""
+        return [self.node_state(self.node)] if self.node else []
+
+    def records(self) -> list[dict]:
+        """The recorded actions, oldest first (for tests and ``status``)."""
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]

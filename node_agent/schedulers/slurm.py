@@ -1,0 +1,199 @@
+"""The ``slurm`` adapter: drain, resume, reboot and replace requests through ``scontrol``.
+
+Commands (argv lists through :func:`node_agent.proc.run`, always with ``adapter.slurm.timeout_s``)::
+
+    scontrol update NodeName=N State=DRAIN Reason="node-agent: ERROR xid79 gpu:5"
+    scontrol update NodeName=N State=RESUME Reason="node-agent: ..."
+    scontrol reboot ASAP nextstate=RESUME reason="node-agent: ..." N
+    scontrol update NodeName=N State=FAIL Reason="node-agent: replace: ..."     (replace)
+    scontrol show node -o [N]                                                 (state)
+
+Node state is read from ``scontrol show node -o`` (one ``Key=Value`` line per node), which every
+Slurm release prints the same way; ``sinfo --json`` exists in 22.05 (openapi v0.0.38) but its
+field names change from release to release, so it is not used.
+
+Reboot when Slurm cannot reboot: ``scontrol reboot`` needs ``RebootProgram`` in slurm.conf;
+without it scontrol answers ``RebootProgram isn't defined`` and nothing happens. The adapter then
+does not fail the restart: it makes sure the node is drained (with the given reason), and
+returns a detail line starting with ``reboot-unavailable:`` that says so, so the remediation goes
+on to the re-test with the node out of service. This is also the stand-in the test cluster
+exercises (it has no RebootProgram: a test cannot reboot its host). To have the agent really
+reboot nodes, set ``RebootProgram`` (e.g. ``/usr/sbin/reboot``) in slurm.conf.
+
+Someone else's drain wins: a node drained with a reason that does not start with
+``node-agent:`` is never resumed or rebooted (AdapterError) and a drain/replace leaves it and its
+reason as they are (detail ``left-as-is:``).
+
+A failing or hung ``scontrol`` raises :class:`AdapterError` with its stderr; it never hangs the agent.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from .. import proc
+from .base import AdapterError, NodeState, check_node_name, sanitise_reason
+
+if TYPE_CHECKING:
+    from ..config import Config
+
+REPLACE_PREFIX = "node-agent: replace:"
+REBOOT_UNAVAILABLE = "reboot-unavailable:"  # detail prefix: no RebootProgram (see above)
+LEFT_AS_IS = "left-as-is:"  # detail prefix: drained by someone else, their reason kept
+# State flags after the base state ("IDLE+DRAIN", "MIXED+DRAIN", "DOWN+FAIL"): any of these
+# means the scheduler will not start new jobs on the node (drained or draining).
+_DRAIN_FLAGS = {"DRAIN", "DRAINING", "DRAINED", "FAIL", "FAILING"}
+_REASON_SUFFIX_RE = re.compile(r"\s*\[[^\]@]*@[^\]]*\]\s*$")  # " [root@2025-01-01T00:00:00]"
+_FIELD_RE = re.compile(r"(\S+?)=(.*?)(?=\s+[A-Za-z_]+=|$)")
+
+Runner = Callable[..., proc.ProcResult]
+
+
+def parse_show_node(text: str) -> list[NodeState]:
+    """Parse ``scontrol show node -o`` output (one node per line) into NodeStates.
+
+    ``Reason=`` is the last field and may hold spaces and ``=``; Slurm appends
+    ``[user@time]`` to it, which is removed so that the reason reads as it was written.
+    """
+    nodes = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line.startswith("NodeName="):
+            continue
+        reason = None
+        head, sep, tail = line.partition(" Reason=")
+        if sep:
+            reason = _REASON_SUFFIX_RE.sub("", tail).strip() or None
+        fields = {m.group(1): m.group(2).strip() for m in _FIELD_RE.finditer(head)}
+        state = fields.get("State", "UNKNOWN")
+        flags = set(state.upper().rstrip("*").split("+")[1:])
+        base = state.upper().split("+")[0].rstrip("*~#!%$@^-")
+        drained = bool(flags & _DRAIN_FLAGS) or base in {"DRAINED", "DRAINING", "DRAIN", "FAIL"}
+        nodes.append(NodeState(name=fields["NodeName"], state=state, drained=drained,
+                               reason=reason))
+    return nodes
+
+
+class SlurmAdapter:
+    name = "slurm"
+
+    def __init__(self, scontrol: str = "scontrol", timeout_s: float = 15,
+                 env: Mapping[str, str] | None = None, runner: Runner = proc.run) -> None:
+        self.scontrol = scontrol
+        self.timeout_s = float(timeout_s)
+        self.env = dict(env) if env is not None else None  # None: inherit (SLURM_CONF etc.)
+        self._run = runner
+
+    @classmethod
+    def from_config(cls, config: Config) -> SlurmAdapter:
+        return cls(scontrol=config.get("adapter.slurm.scontrol"),
+                   timeout_s=config.get("adapter.slurm.timeout_s"))
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _scontrol(self, *args: str) -> proc.ProcResult:
+        result = self._run([self.scontrol, *args], self.timeout_s, env=self.env)
+        if result.not_found:
+            raise AdapterError(f"{self.scontrol}: command not found; install slurm-client or "
+                               "set adapter.slurm.scontrol to its path")
+        return result
+
+    def _checked(self, *args: str) -> str:
+        result = self._scontrol(*args)
+        if not result.ok:
+            raise AdapterError(_failure(result))
+        return result.stdout
+
+    # -- the interface -----------------------------------------------------------------------
+
+    def node_state(self, node: str) -> NodeState:
+        node = check_node_name(node)
+        nodes = parse_show_node(self._checked("show", "node", "-o", node))
+        for state in nodes:
+            if state.name == node:
+                return state
+        raise AdapterError(f"`{self.scontrol} show node -o {node}` did not list node {node}; "
+                           "set node.name to the node's Slurm NodeName")
+
+    def list_nodes(self) -> list[NodeState]:
+        return parse_show_node(self._checked("show", "node", "-o"))
+
+    def drain(self, node: str, reason: str) -> str:
+        """Drain ``node``; a node someone else drained keeps their reason (left as is)."""
+        node, reason = check_node_name(node), sanitise_reason(reason)
+        current = self.node_state(node)
+        if current.drained and not current.drained_by_agent:
+            return _left_as_is(current, "drain")
+        self._checked("update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}")
+        return f"slurm: drained {node} (Reason={reason})"
+
+    def resume(self, node: str, reason: str) -> str:
+        """Resume ``node`` only if the agent drained it; refuse (AdapterError) otherwise."""
+        node, reason = check_node_name(node), sanitise_reason(reason)
+        current = self.node_state(node)
+        if not current.drained:
+            return f"slurm: {node} already in service ({current.state}); nothing to resume"
+        if not current.drained_by_agent:
+            raise AdapterError(
+                f"refusing to resume {node}: it was drained by someone else "
+                f"(Reason={current.reason!r}); resume it by hand with `scontrol update "
+                f"NodeName={node} State=RESUME` if that drain is over")
+        result = self._scontrol("update", f"NodeName={node}", "State=RESUME", f"Reason={reason}")
+        if not result.ok and (result.timed_out or self.node_state(node).drained):
+            # (Slurm answers "Invalid node state" for some states it resumes all the same.)
+            raise AdapterError(_failure(result))
+        return f"slurm: resumed {node} (was {current.state}: {current.reason}; {reason})"
+
+    def restart(self, node: str, reason: str) -> str:
+        """Ask Slurm to reboot ``node`` once idle; refused for a node someone else drained."""
+        node, reason = check_node_name(node), sanitise_reason(reason)
+        before = self.node_state(node)
+        if before.drained and not before.drained_by_agent:
+            raise AdapterError(
+                f"refusing to reboot {node}: it was drained by someone else "
+                f"(Reason={before.reason!r}) and a reboot would replace their reason")
+        result = self._scontrol("reboot", "ASAP", "nextstate=RESUME", f"reason={reason}", node)
+        if result.ok:
+            return (f"slurm: reboot requested for {node} (ASAP, nextstate=RESUME, "
+                    f"reason={reason})")
+        if "RebootProgram" in result.stderr + result.stdout and not result.timed_out:
+            # Slurm cannot reboot this cluster's nodes; keep the node out of service instead.
+            current = self.node_state(node)
+            if not current.drained:
+                self.drain(node, reason)
+            return (f"{REBOOT_UNAVAILABLE} Slurm has no RebootProgram in slurm.conf, so {node} "
+                    f"was not rebooted; it stays drained ({current.reason or reason}) for the "
+                    "re-test. Set RebootProgram in slurm.conf to let the agent reboot nodes.")
+        raise AdapterError(_failure(result))
+
+    def replace(self, node: str, reason: str) -> str:
+        node = check_node_name(node)
+        text = sanitise_reason(reason)
+        if not text.startswith(REPLACE_PREFIX):
+            text = sanitise_reason(REPLACE_PREFIX + " " + text[len("node-agent:"):].strip())
+        current = self.node_state(node)
+        if current.drained and not current.drained_by_agent:
+            return _left_as_is(current, "replace")
+        # FAIL: drained, and marked as expected to fail, so it stays out until repaired.
+        self._checked("update", f"NodeName={node}", "State=FAIL", f"Reason={text}")
+        return f"slurm: {node} set to FAIL for hardware replacement (Reason={text})"
+
+
+def _left_as_is(current: NodeState, action: str) -> str:
+    return (f"{LEFT_AS_IS} {current.name} is already {current.state} by someone else "
+            f"(Reason={current.reason!r}); not changed by {action}, their reason kept")
+
+
+def _failure(result: proc.ProcResult) -> str:
+    text = result.describe_failure()
+    err = " ".join(result.stderr.split())[:500] or " ".join(result.stdout.split())[:500]
+    if err and err not in text:
+        text += f" (stderr: {err})"
+    if "Invalid node name" in text or re.search(r"Node \S+ not found", text):
+        return text + "; set node.name in the config to this node's Slurm NodeName"
+    if "Access/permission denied" in text or "Invalid user" in text:
+        return text + "; scontrol update needs SlurmUser or root: run the agent as root"
+    return text + "; check that slurmctld is up (`scontrol ping`) and SLURM_CONF points at it"
+

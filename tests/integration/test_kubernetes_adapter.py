@@ -1,0 +1,273 @@
+"""The kubernetes adapter, through the REAL official client, against a stand-in Node API.
+
+No Kubernetes API server can run here (no container runtime, no etcd), so a small HTTP server on
+127.0.0.1 plays the part of ``/api/v1/nodes``: it records every request the real client sends
+(method, path, Content-Type, JSON body) and applies patches the way the API server does for
+these fields (strategic merge: maps merge, ``null`` deletes a key, ``spec.taints`` is replaced
+whole, ``status.conditions`` merge by ``type``; a stale ``metadata.resourceVersion`` is 409).
+The assertions are on the exact requests, which is what a real API server would receive.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+kubernetes = pytest.importorskip("kubernetes", reason="kubernetes client not installed: "
+                                 "pip install -e '.[k8s]' (make deps-test)")
+
+from node_agent.config import config_from_dict  # noqa: E402
+from node_agent.schedulers import AdapterError  # noqa: E402
+from node_agent.schedulers.kubernetes import (  # noqa: E402
+    ANN_CORDONED,
+    ANN_REASON,
+    ANN_REBOOT,
+    REBOOT_REQUESTED,
+    KubernetesAdapter,
+)
+
+NOW = "2025-01-02T03:04:05Z"
+SMP = "application/strategic-merge-patch+json"
+
+
+def make_node(name: str, unschedulable: bool = False, taints=None) -> dict:
+    return {"kind": "Node", "apiVersion": "v1",
+            "metadata": {"name": name, "resourceVersion": "100", "annotations": {}},
+            "spec": {"unschedulable": unschedulable, "taints": taints or []},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+def strategic_merge(target: dict, patch: dict, path: str = "") -> None:
+    for key, value in patch.items():
+        where = f"{path}.{key}"
+        if value is None:
+            target.pop(key, None)
+        elif where == ".status.conditions":
+            conds = target.setdefault(key, [])
+            for new in value:
+                conds[:] = [c for c in conds if c["type"] != new["type"]] + [new]
+        elif isinstance(value, dict) and isinstance(target.get(key), dict):
+            strategic_merge(target[key], value, where)
+        else:
+            target[key] = copy.deepcopy(value)
+
+
+class FakeNodeApi:
+    def __init__(self, nodes: dict[str, dict]):
+        self.nodes = nodes
+        self.requests: list[dict] = []
+        self.fail_status: int | None = None
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, code: int, body: dict):
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _record(self, body=None):
+                api.requests.append({"method": self.command, "path": self.path.split("?")[0],
+                                     "content_type": self.headers.get("Content-Type"),
+                                     "body": body})
+
+            def do_GET(self):
+                self._record()
+                if api.fail_status:
+                    return self._send(api.fail_status, {"kind": "Status", "message": "boom"})
+                parts = self.path.split("?")[0].strip("/").split("/")
+                if parts == ["api", "v1", "nodes"]:
+                    return self._send(200, {"kind": "NodeList", "apiVersion": "v1",
+                                            "items": list(api.nodes.values())})
+                node = api.nodes.get(parts[-1])
+                if node is None:
+                    return self._send(404, {"kind": "Status", "reason": "NotFound",
+                                            "message": f'nodes "{parts[-1]}" not found'})
+                return self._send(200, node)
+
+            def do_PATCH(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                self._record(body)
+                parts = self.path.split("?")[0].strip("/").split("/")
+                node = api.nodes[parts[3]]
+                rv = (body.get("metadata") or {}).get("resourceVersion")
+                if rv is not None and rv != node["metadata"]["resourceVersion"]:
+                    return self._send(409, {"kind": "Status", "reason": "Conflict",
+                                            "message": "the object has been modified"})
+                strategic_merge(node, body)
+                node["metadata"]["resourceVersion"] = str(int(node["metadata"]["resourceVersion"]) + 1)
+                return self._send(200, node)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+    def patches(self) -> list[dict]:
+        return [r for r in self.requests if r["method"] == "PATCH"]
+
+
+@pytest.fixture
+def api():
+    fake = FakeNodeApi({"gpu-01": make_node("gpu-01"), "gpu-02": make_node("gpu-02"),
+                        "gpu-03": make_node("gpu-03", unschedulable=True)})
+    yield fake
+    fake.close()
+
+
+def adapter_for(api: FakeNodeApi) -> KubernetesAdapter:
+    from kubernetes import client
+
+    configuration = client.Configuration()
+    configuration.host = api.url
+    return KubernetesAdapter(client.ApiClient(configuration), taint_key="node-agent/health",
+                             timeout_s=5, clock=lambda: NOW)
+
+
+def test_drain_cordons_taints_and_sets_condition_false_with_exact_requests(api):
+    detail = adapter_for(api).drain("gpu-01", "node-agent: FAULT xid79 gpu:5")
+    assert "gpu-01" in detail
+    get, spec_patch, status_patch = api.requests
+    assert (get["method"], get["path"]) == ("GET", "/api/v1/nodes/gpu-01")
+    assert spec_patch["path"] == "/api/v1/nodes/gpu-01"
+    assert spec_patch["content_type"] == SMP
+    assert spec_patch["body"] == {
+        "metadata": {"resourceVersion": "100",
+                     "annotations": {ANN_REASON: "node-agent: FAULT xid79 gpu:5",
+                                     ANN_CORDONED: "true"}},
+        "spec": {"unschedulable": True,
+                 "taints": [{"key": "node-agent/health", "value": "FAULT",
+                             "effect": "NoSchedule"}]}}
+    assert status_patch["path"] == "/api/v1/nodes/gpu-01/status"
+    assert status_patch["content_type"] == SMP
+    assert status_patch["body"] == {"status": {"conditions": [{
+        "type": "GPUHealthy", "status": "False", "reason": "NodeAgentDrained",
+        "message": "node-agent: FAULT xid79 gpu:5",
+        "lastHeartbeatTime": NOW, "lastTransitionTime": NOW}]}}
+    state = adapter_for(api).node_state("gpu-01")
+    assert state.drained and state.drained_by_agent
+    assert state.state == "Ready,SchedulingDisabled"
+
+
+def test_drain_keeps_other_taints(api):
+    api.nodes["gpu-01"]["spec"]["taints"] = [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}]
+    adapter_for(api).drain("gpu-01", "ERROR xid48 gpu:3")
+    taints = api.patches()[0]["body"]["spec"]["taints"]
+    assert taints == [{"key": "nvidia.com/gpu", "effect": "NoSchedule"},
+                      {"key": "node-agent/health", "value": "ERROR", "effect": "NoSchedule"}]
+
+
+def test_resume_removes_taint_uncordons_and_sets_condition_true(api):
+    adapter = adapter_for(api)
+    adapter.drain("gpu-01", "ERROR xid48 gpu:3")
+    api.requests.clear()
+    adapter.resume("gpu-01", "re-test passed")
+    spec_patch, status_patch = api.patches()
+    assert spec_patch["content_type"] == SMP
+    assert spec_patch["body"] == {
+        "metadata": {"resourceVersion": "102",
+                     "annotations": {ANN_REASON: None, ANN_CORDONED: None, ANN_REBOOT: None}},
+        "spec": {"taints": [], "unschedulable": False}}
+    cond = status_patch["body"]["status"]["conditions"][0]
+    assert (cond["type"], cond["status"], cond["reason"]) == ("GPUHealthy", "True",
+                                                             "NodeAgentHealthy")
+    node = api.nodes["gpu-01"]
+    assert node["spec"] == {"unschedulable": False, "taints": []}
+    assert not adapter.node_state("gpu-01").drained
+
+
+def test_node_cordoned_by_someone_else_is_never_uncordoned(api):
+    adapter = adapter_for(api)
+    with pytest.raises(AdapterError, match="cordoned by someone else"):
+        adapter.resume("gpu-03", "re-test passed")
+    assert adapter.drain("gpu-03", "FAULT xid79 gpu:5").startswith("left-as-is:")
+    assert api.patches() == []
+    assert api.nodes["gpu-03"]["spec"]["unschedulable"] is True
+    state = adapter.node_state("gpu-03")
+    assert state.drained and not state.drained_by_agent
+
+
+def test_resume_of_a_node_the_agent_only_tainted_leaves_it_cordoned(api):
+    """Cordoned by the agent's own earlier drain without the cordoned mark (e.g. an older
+    agent): the taint goes, the cordon stays for a person to lift."""
+    api.nodes["gpu-01"]["spec"] = {"unschedulable": True, "taints": [
+        {"key": "node-agent/health", "value": "ERROR", "effect": "NoSchedule"}]}
+    detail = adapter_for(api).resume("gpu-01", "re-test passed")
+    assert "left cordoned" in detail
+    assert "unschedulable" not in api.patches()[0]["body"]["spec"]
+    assert api.nodes["gpu-01"]["spec"]["unschedulable"] is True
+
+
+def test_restart_requests_reboot_by_annotation(api):
+    detail = adapter_for(api).restart("gpu-01", "ERROR row_remap_pending gpu:2")
+    assert detail.startswith(REBOOT_REQUESTED)
+    spec_patch, status_patch = api.patches()
+    assert spec_patch["body"]["metadata"]["annotations"][ANN_REBOOT] == NOW
+    assert status_patch["body"]["status"]["conditions"][0]["reason"] == "NodeAgentRebootRequested"
+
+
+def test_replace_uses_replace_reason_and_condition(api):
+    adapter_for(api).replace("gpu-01", "FAULT row_remap_failure gpu:2")
+    spec_patch, status_patch = api.patches()
+    assert spec_patch["body"]["metadata"]["annotations"][ANN_REASON].startswith(
+        "node-agent: replace: FAULT")
+    assert status_patch["body"]["status"]["conditions"][0]["reason"] == "NodeAgentReplace"
+
+
+def test_list_nodes_reads_every_node(api):
+    adapter = adapter_for(api)
+    adapter.drain("gpu-02", "FAULT xid79 gpu:1")
+    nodes = {n.name: n for n in adapter.list_nodes()}
+    assert set(nodes) == {"gpu-01", "gpu-02", "gpu-03"}
+    assert nodes["gpu-02"].drained_by_agent
+    assert nodes["gpu-03"].drained and not nodes["gpu-03"].drained_by_agent
+    assert ("GET", "/api/v1/nodes") in [(r["method"], r["path"]) for r in api.requests]
+
+
+def test_unknown_node_is_adapter_error_with_the_api_body(api):
+    with pytest.raises(AdapterError, match=r'404.*nodes \\"nope\\" not found|404.*not found'):
+        adapter_for(api).drain("nope", "FAULT")
+
+
+def test_conflicting_update_is_adapter_error_not_a_lost_taint(api):
+    adapter = adapter_for(api)
+    original = adapter._get
+
+    def stale_get(node):
+        obj = original(node)
+        api.nodes[node]["metadata"]["resourceVersion"] = "999"  # someone else wrote meanwhile
+        return obj
+
+    adapter._get = stale_get
+    with pytest.raises(AdapterError, match="409"):
+        adapter.drain("gpu-01", "FAULT xid79 gpu:5")
+
+
+def test_api_server_down_is_adapter_error(api):
+    adapter = adapter_for(api)
+    api.close()
+    with pytest.raises(AdapterError, match="reachable"):
+        adapter.node_state("gpu-01")
+
+
+def test_open_adapter_with_missing_kubeconfig_says_what_to_set(tmp_path, monkeypatch):
+    from node_agent.schedulers import open_adapter
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    config = config_from_dict({"adapter": {"name": "kubernetes", "kubernetes": {
+        "kubeconfig": str(tmp_path / "missing-kubeconfig")}}})
+    with pytest.raises(AdapterError, match="adapter.kubernetes.kubeconfig"):
+        open_adapter(config)

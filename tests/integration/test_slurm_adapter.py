@@ -1,0 +1,223 @@
+"""The slurm adapter against a REAL Slurm: munge + slurmctld + slurmd on loopback
+(tests/slurm_cluster.py, Debian packages munge slurmctld slurmd slurm-client).
+
+Every assertion about the node's state is read back from Slurm itself (``scontrol show node``,
+``sinfo -R``), not from the adapter. The only stand-in is the hung ``scontrol`` (a script that
+sleeps), because a real scontrol cannot be made to hang on demand.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from node_agent.config import config_from_dict
+from node_agent.schedulers import AdapterError, open_adapter, sanitise_reason
+from node_agent.schedulers.slurm import LEFT_AS_IS, REBOOT_UNAVAILABLE, SlurmAdapter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import slurm_cluster as _slurm  # noqa: E402
+
+
+def adapter_for(cluster, **slurm_cfg) -> SlurmAdapter:
+    """The adapter as the CLI builds it (open_adapter from a config), talking to ``cluster``."""
+    config = config_from_dict({"adapter": {"name": "slurm", "slurm": slurm_cfg}})
+    adapter = open_adapter(config)
+    assert isinstance(adapter, SlurmAdapter)
+    adapter.env = cluster.env()
+    return adapter
+
+
+def test_drain_sets_drain_state_and_reason_visible_in_sinfo(slurm):
+    adapter = adapter_for(slurm)
+    detail = adapter.drain(slurm.node, "node-agent: FAULT xid79 gpu:5")
+    assert slurm.node in detail
+    fields = slurm.show_node()
+    assert "DRAIN" in fields["State"]
+    assert fields["Reason"].startswith("node-agent: FAULT xid79 gpu:5")
+    assert f"{slurm.node}|drained|node-agent: FAULT xid79 gpu:5" in slurm.sinfo_reasons()
+    state = adapter.node_state(slurm.node)
+    assert state.drained and state.drained_by_agent
+    assert state.reason == "node-agent: FAULT xid79 gpu:5"
+
+
+def test_resume_returns_drained_node_to_service(slurm):
+    adapter = adapter_for(slurm)
+    adapter.drain(slurm.node, "ERROR row-remap gpu:2")
+    assert adapter.node_state(slurm.node).drained
+    adapter.resume(slurm.node, "re-test passed")
+    fields = slurm.show_node()
+    assert "DRAIN" not in fields["State"]
+    assert "Reason" not in fields
+    assert not adapter.node_state(slurm.node).drained
+    assert slurm.node not in slurm.run("sinfo", "-R", "--noheader", "-o", "%N").stdout
+
+
+def test_node_drained_by_hand_reports_its_own_reason_not_the_agents(slurm):
+    slurm.run("scontrol", "update", f"NodeName={slurm.node}", "State=DRAIN",
+              "Reason=bad DIMM, ticket 4711")
+    state = adapter_for(slurm).node_state(slurm.node)
+    assert state.drained
+    assert state.reason == "bad DIMM, ticket 4711"
+    assert not state.drained_by_agent  # the remediation must not resume this node
+    assert slurm.show_node()["Reason"].startswith("bad DIMM, ticket 4711")
+
+
+def test_node_drained_by_hand_is_never_resumed_rebooted_or_relabelled(slurm):
+    slurm.run("scontrol", "update", f"NodeName={slurm.node}", "State=DRAIN",
+              "Reason=bad DIMM, ticket 4711")
+    adapter = adapter_for(slurm)
+    with pytest.raises(AdapterError, match="drained by someone else"):
+        adapter.resume(slurm.node, "re-test passed")
+    with pytest.raises(AdapterError, match="drained by someone else"):
+        adapter.restart(slurm.node, "ERROR xid79 gpu:5")
+    assert adapter.drain(slurm.node, "FAULT xid79 gpu:5").startswith(LEFT_AS_IS)
+    assert adapter.replace(slurm.node, "FAULT xid79 gpu:5").startswith(LEFT_AS_IS)
+    fields = slurm.show_node()
+    assert "DRAIN" in fields["State"] and "REBOOT" not in fields["State"]
+    assert fields["Reason"].startswith("bad DIMM, ticket 4711")
+
+
+def test_resume_of_a_node_in_service_is_a_no_op(slurm):
+    detail = adapter_for(slurm).resume(slurm.node, "nothing to do")
+    assert "already in service" in detail
+    assert "DRAIN" not in slurm.show_node()["State"]
+
+
+def test_list_nodes_reports_every_node_with_its_drain_state(slurm):
+    slurm.run("scontrol", "update", f"NodeName={slurm.fake_nodes[0]}", "State=DRAIN",
+              "Reason=node-agent: FAULT xid79 gpu:1")
+    slurm.run("scontrol", "update", f"NodeName={slurm.fake_nodes[1]}", "State=DRAIN",
+              "Reason=maintenance")
+    nodes = {n.name: n for n in adapter_for(slurm).list_nodes()}
+    assert set(nodes) == set(slurm.all_nodes)
+    assert nodes[slurm.fake_nodes[0]].drained_by_agent
+    assert nodes[slurm.fake_nodes[1]].drained and not nodes[slurm.fake_nodes[1]].drained_by_agent
+    assert not nodes[slurm.node].drained
+    agent_share = sum(n.drained_by_agent for n in nodes.values()) / len(nodes)
+    assert agent_share == 1 / len(slurm.all_nodes)
+
+
+def test_replace_sets_fail_state_with_replace_reason(slurm):
+    adapter = adapter_for(slurm)
+    adapter.replace(slurm.node, "FAULT row_remap_failure gpu:2")
+    fields = slurm.show_node()
+    assert "FAIL" in fields["State"]
+    assert fields["Reason"].startswith("node-agent: replace: FAULT row_remap_failure gpu:2")
+    state = adapter.node_state(slurm.node)
+    assert state.drained and state.drained_by_agent
+    # (sinfo appends "*" while slurmctld waits for the node's next ping after a state change)
+    assert re.search(rf"^{slurm.node}\|fail\*?\|node-agent: replace:", slurm.sinfo_reasons(), re.M)
+
+
+def test_reboot_without_reboot_program_leaves_node_drained_and_says_so(slurm):
+    """The CI stand-in: this cluster has no RebootProgram, so Slurm cannot reboot."""
+    adapter = adapter_for(slurm)
+    detail = adapter.restart(slurm.node, "ERROR row_remap_pending gpu:2")
+    assert detail.startswith(REBOOT_UNAVAILABLE)
+    assert "RebootProgram" in detail
+    fields = slurm.show_node()
+    assert "DRAIN" in fields["State"]
+    assert fields["Reason"].startswith("node-agent: ERROR row_remap_pending gpu:2")
+
+
+def test_reboot_keeps_an_existing_agent_drain_reason(slurm):
+    adapter = adapter_for(slurm)
+    adapter.drain(slurm.node, "ERROR xid48 gpu:3")
+    adapter.restart(slurm.node, "restart 1/2 for xid48")
+    assert slurm.show_node()["Reason"].startswith("node-agent: ERROR xid48 gpu:3")
+
+
+@pytest.fixture(scope="module")
+def rebootable_cluster(tmp_path_factory):
+    """A second real cluster whose slurm.conf has a RebootProgram (``/bin/true``: the request
+    goes through Slurm for real; the host does not actually reboot)."""
+    reason = _slurm.missing_reason()
+    if reason:
+        pytest.skip(reason)
+    cluster = _slurm.start_cluster(tmp_path_factory.mktemp("slurm-reboot"),
+                                   reboot_program="/bin/true")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_reboot_request_with_reboot_program_is_accepted_by_slurm(rebootable_cluster):
+    cluster = rebootable_cluster
+    adapter = adapter_for(cluster)
+    detail = adapter.restart(cluster.node, "ERROR xid79 gpu:5")
+    assert "reboot requested" in detail
+    fields = cluster.show_node()
+    # ASAP: Slurm drains the node and marks the reboot (REBOOT_REQUESTED, or REBOOT_ISSUED
+    # once slurmctld has passed it to slurmd's RebootProgram).
+    assert "REBOOT" in fields["State"], fields
+    assert fields.get("Reason", "").startswith("node-agent: ERROR xid79 gpu:5"), fields
+    assert adapter.node_state(cluster.node).drained_by_agent or "REBOOT" in fields["State"]
+
+
+def test_hung_scontrol_raises_adapter_error_after_its_timeout(slurm, tmp_path):
+    """A stand-in scontrol that hangs (a real one cannot be made to on demand)."""
+    hung = tmp_path / "scontrol-hangs"
+    hung.write_text("#!/bin/sh\nsleep 300\n")
+    hung.chmod(hung.stat().st_mode | stat.S_IXUSR)
+    adapter = adapter_for(slurm, scontrol=str(hung), timeout_s=0.5)
+    with pytest.raises(AdapterError, match="did not finish within"):
+        adapter.drain(slurm.node, "FAULT xid79 gpu:5")
+    assert "DRAIN" not in slurm.show_node()["State"]
+
+
+def test_failing_scontrol_raises_adapter_error_with_its_stderr(slurm):
+    adapter = adapter_for(slurm)
+    with pytest.raises(AdapterError, match="Node no-such-node not found") as err:
+        adapter.drain("no-such-node", "FAULT xid79 gpu:5")
+    assert "node.name" in str(err.value)  # tells the operator what to fix
+
+
+def test_scontrol_missing_is_adapter_error_naming_the_key(slurm, tmp_path):
+    adapter = adapter_for(slurm, scontrol=str(tmp_path / "nope" / "scontrol"))
+    with pytest.raises(AdapterError, match="adapter.slurm.scontrol"):
+        adapter.node_state(slurm.node)
+
+
+def test_slurmctld_down_is_adapter_error_not_a_hang(tmp_path):
+    """scontrol pointed at a slurm.conf whose controller is not running."""
+    reason = _slurm.missing_reason()
+    if reason:
+        pytest.skip(reason)
+    cluster = _slurm.SlurmCluster(root=tmp_path)
+    cluster.conf.write_text(cluster._slurm_conf(*_slurm._free_ports(3)))
+    adapter = SlurmAdapter(env={**os.environ, "SLURM_CONF": str(cluster.conf)}, timeout_s=60)
+    with pytest.raises(AdapterError, match="scontrol"):
+        adapter.drain(_slurm.NODE, "FAULT xid79 gpu:5")
+
+
+def test_reason_with_shell_metacharacters_and_newlines_is_stored_sanitised(slurm):
+    nasty = 'FAULT xid79 "gpu:5"; $(reboot) `id` | rm -rf / \n State=RESUME\r\nReason=x\x00\x1b[31m'
+    adapter = adapter_for(slurm)
+    adapter.drain(slurm.node, nasty)
+    stored = slurm.show_node()["Reason"]
+    expected = sanitise_reason(nasty)
+    assert stored.startswith(expected)
+    for bad in ('"', "'", "`", "$", ";", "|", "\n", "\r", "\x00", "\x1b"):
+        assert bad not in expected
+    # One drained node, still DRAIN: the embedded "State=RESUME" did not reach scontrol as an
+    # argument of its own.
+    assert "DRAIN" in slurm.show_node()["State"]
+
+
+def test_node_name_that_is_not_a_hostname_is_refused_before_scontrol_runs(slurm, tmp_path):
+    marker = tmp_path / "ran"
+    spy = tmp_path / "scontrol-spy"
+    spy.write_text(f"#!/bin/sh\ntouch {marker}\n")
+    spy.chmod(0o755)
+    adapter = adapter_for(slurm, scontrol=str(spy))
+    for bad in ("na-node1 State=RESUME", "-h", "../x", "a;b", ""):
+        with pytest.raises(AdapterError, match="node name"):
+            adapter.drain(bad, "FAULT")
+    assert not marker.exists()
