@@ -1,0 +1,235 @@
+"""Grade + history -> remediation plan (pure functions; the clock is a parameter).
+
+Per node (DESIGN.md, "Remediation and safety")::
+
+    in-service -> drained -> restarting -> retest -> in-service
+                      \\-> fault -> awaiting-replacement
+
+* ERROR: drain, restart (a GPU reset where the fault allows it, else a reboot request through
+  the scheduler adapter), re-test (the quick suite right after a GPU reset; the next graded run
+  after a reboot), then resume on a pass or escalate.
+* FAULT: drain, then replace.
+* Restarts are counted per fault code within ``safety.restart_window_h``; a fault code that is
+  still there after ``safety.max_restarts`` restarts is escalated to FAULT.
+* HEALTHY/WARN never cause a drain; they resume a node only when the agent itself drained it
+  for a restart and this is the passing re-test.
+
+The plan says *what* to do; :mod:`node_agent.remediator` executes it through the guards in
+:mod:`node_agent.guards` and journals each step before acting.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import Config
+from .model import Grade, Level, Reason
+from .schedulers.base import sanitise_reason
+from .store import NodeRecord
+
+#: remediation states of a node
+STATES = ("in-service", "drained", "restarting", "retest", "fault", "awaiting-replacement")
+#: states in which the agent has drained the node for a restart and a passing re-test resumes it
+RESUMABLE_STATES = ("drained", "restarting", "retest")
+#: actions a plan step can take (the journal's ``action`` column)
+ACTIONS = ("drain", "gpu-reset", "restart", "retest", "resume", "replace")
+DISRUPTIVE = ("drain", "gpu-reset", "restart", "replace")
+
+# Faults that a GPU reset clears, so a reboot is not needed. Sources: NVIDIA "GPU Memory Error
+# Management" (a pending row remap or page retirement takes effect after a GPU reset) and the
+# NVML recovery action NVML_GPU_RECOVERY_ACTION_GPU_RESET (the driver asks for a reset).
+GPU_RESET_RULES = frozenset({"row-remap-pending", "retired-pages-pending", "recovery-action"})
+
+_XID_IN_MESSAGE = re.compile(r"\[Xid (\d+)")
+_XID_NAME_IN_MESSAGE = re.compile(r"\[(Xid \d+: [^\]]*)\]")
+_GPU_TARGET = re.compile(r"^gpu:(\d+)$")
+
+
+@dataclass(frozen=True)
+class Safety:
+    """The ``safety.*`` configuration keys (see docs/remediation.md for each guard)."""
+
+    max_drained_fraction: float = 0.1
+    max_restarts: int = 2
+    restart_window_h: float = 24.0
+    breaker_max_drains: int = 5
+    breaker_window_h: float = 1.0
+    dedup_window_s: float = 600.0
+    min_action_interval_s: float = 60.0
+    opt_out: bool = False
+
+    @classmethod
+    def from_config(cls, config: Config) -> Safety:
+        s: dict[str, Any] = config.get("safety")
+        return cls(**{k: s[k] for k in cls.__dataclass_fields__ if k in s})
+
+
+@dataclass(frozen=True)
+class Step:
+    """One action of a plan. ``reason`` is what the scheduler stores (prefixed, sanitised)."""
+
+    action: str  # one of ACTIONS
+    reason: str
+    to_state: str | None  # the node's remediation state once the step is done
+    fault_code: str | None = None
+    target: str | None = None
+    attempt: int = 0  # restarts already counted for this fault code: part of the idempotency key
+    restart_kind: str | None = None  # gpu-reset | reboot
+    gpu_index: int | None = None
+
+    def key(self, node: str) -> str:
+        """Idempotency key (node, action, fault, attempt): the same step never runs twice."""
+        return f"{node}|{self.action}|{self.fault_code or '-'}@{self.target or '-'}|{self.attempt}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    steps: tuple[Step, ...] = ()
+    note: str = ""  # why this plan (or why nothing), for the report and status
+    escalated: bool = False
+    fault_code: str | None = None
+    target: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def fault_code(reason: Reason) -> str:
+    """The code restarts are counted by: the rule id, with the XID code for XID rules.
+
+    >>> fault_code(Reason("xid", Level.ERROR, "gpu:1", "Xid 31 on gpu:1 [Xid 31: MMU fault]"))
+    'xid-31'
+    """
+    match = _XID_IN_MESSAGE.search(reason.message)
+    return f"{reason.rule}-{match.group(1)}" if match else reason.rule
+
+
+def short_message(reason: Reason, max_len: int = 60) -> str:
+    """What a person reading ``sinfo -R`` needs: the XID catalog name when there is one
+    (``Xid 79: GPU has fallen off the bus``), else the start of the message."""
+    match = _XID_NAME_IN_MESSAGE.search(reason.message)
+    text = match.group(1) if match else reason.message
+    return text if len(text) <= max_len else text[: max_len - 3] + "..."
+
+
+def gpu_index(target: str | None) -> int | None:
+    match = _GPU_TARGET.match(target or "")
+    return int(match.group(1)) if match else None
+
+
+def gpu_reset_allowed(reason: Reason) -> bool:
+    """True when a GPU reset (not a reboot) is the documented fix for this finding."""
+    if reason.rule not in GPU_RESET_RULES or gpu_index(reason.target) is None:
+        return False
+    # the driver may ask for a node reboot instead of a reset (NVML_GPU_RECOVERY_ACTION_NODE_REBOOT)
+    return not (reason.rule == "recovery-action" and "reboot" in reason.message.lower())
+
+
+def drain_reason(level: Level | str, code: str, target: str | None, note: str = "") -> str:
+    """``node-agent: <LEVEL> <fault code> <target>[ <note>]``, sanitised and bounded."""
+    name = level.name if isinstance(level, Level) else level
+    text = f"{name} {code} {target or 'node'}" + (f" {note}" if note else "")
+    return sanitise_reason(text)
+
+
+def restart_window_start(record: NodeRecord, safety: Safety, now: float) -> float:
+    """Restarts since this time count: the window, but never before the last set-healthy."""
+    return max(now - safety.restart_window_h * 3600.0, record.cleared_at or 0.0)
+
+
+def plan(grade: Grade, record: NodeRecord, safety: Safety, *, now: float, boot_time: float,
+         restart_counts: dict[str, int], gpu_reset_available: bool,
+         gpu_reset_tried: bool = False) -> Plan:
+    """What to do about ``grade`` given the node's remediation ``record``.
+
+    ``restart_counts`` maps a fault code to the restarts already done for it in the window
+    (:func:`restart_window_start`); ``boot_time`` (epoch s) tells whether a requested reboot
+    has happened; ``gpu_reset_tried`` is True after a GPU reset in this run, so that the next
+    restart is a reboot.
+    """
+    state = record.state
+    if (state == "restarting" and record.restart_kind == "reboot"
+            and record.requested_at is not None and boot_time < record.requested_at):
+        return Plan(note=f"waiting for the reboot requested at {_iso(record.requested_at)}; "
+                         "the next run after it re-tests the node")
+
+    if grade.level <= Level.WARN:
+        if state in ("restarting", "retest") or (state == "drained"
+                                                  and record.trigger != "operator"):
+            step = Step("resume", sanitise_reason(
+                f"re-test passed ({grade.level.name}) after {record.fault_code or 'restart'}"),
+                to_state="in-service", fault_code=record.fault_code, target=record.target)
+            return Plan((step,), note=f"re-test graded {grade.level.name}: resume",
+                        fault_code=record.fault_code, target=record.target)
+        if state in ("fault", "awaiting-replacement"):
+            return Plan(note=f"node is {state} ({record.fault_code} {record.target}); a passing "
+                             "run does not return it: after the repair run `node-agent "
+                             "set-healthy` and `node-agent act resume`")
+        if state == "drained":
+            return Plan(note="node was drained by an operator through node-agent; resume it "
+                             "with `node-agent act resume`")
+        return Plan(note=f"{grade.level.name}: no action (never drain for WARN)")
+
+    if state == "awaiting-replacement":
+        return Plan(note=f"node is already {state} for {record.fault_code} "
+                         f"{record.target}; nothing more to do until it is repaired")
+
+    worst = grade.reasons[0] if grade.reasons else Reason("ungraded", grade.level, "node", "")
+    code, target = fault_code(worst), worst.target
+    drained = state != "in-service"
+    if state == "fault":  # drained for a FAULT, the replace request not yet done: finish it
+        p = _replace_plan(record.fault_code or code, record.target or target, True, Level.FAULT)
+        return Plan(p.steps, note=f"{p.note} (replace request still pending)",
+                    fault_code=p.fault_code, target=p.target)
+    if grade.level >= Level.FAULT:
+        return _replace_plan(code, target, drained, Level.FAULT, note=short_message(worst))
+
+    restarts = restart_counts.get(code, 0)
+    if restarts >= safety.max_restarts:
+        why = (f"{code} on {target} is still there after {restarts} restart(s) in "
+               f"{safety.restart_window_h:g} h (safety.max_restarts={safety.max_restarts})")
+        plan_ = _replace_plan(code, target, drained, Level.FAULT, note="escalated", why=why)
+        return Plan(plan_.steps, note=f"escalated to FAULT: {why}", escalated=True,
+                    fault_code=code, target=target)
+
+    steps: list[Step] = []
+    reason = drain_reason(Level.ERROR, code, target)
+    if not drained:
+        steps.append(Step("drain", reason, "drained", code, target, restarts))
+    index = gpu_index(target)
+    if gpu_reset_available and not gpu_reset_tried and gpu_reset_allowed(worst):
+        steps.append(Step("gpu-reset", reason, "retest", code, target, restarts,
+                          restart_kind="gpu-reset", gpu_index=index))
+        steps.append(Step("retest", reason, None, code, target, restarts,
+                          restart_kind="gpu-reset"))
+        note = f"ERROR {code} on {target}: drain, GPU reset, re-test (restart {restarts + 1} " \
+               f"of {safety.max_restarts})"
+    else:
+        steps.append(Step("restart", reason, "restarting", code, target, restarts,
+                          restart_kind="reboot"))
+        note = f"ERROR {code} on {target}: drain, reboot request, re-test after the reboot " \
+               f"(restart {restarts + 1} of {safety.max_restarts})"
+    return Plan(tuple(steps), note=note, fault_code=code, target=target)
+
+
+def _replace_plan(code: str, target: str, drained: bool, level: Level, note: str = "",
+                  why: str = "") -> Plan:
+    reason = drain_reason(level, code, target, note)
+    steps = [] if drained else [Step("drain", reason, "fault", code, target)]
+    steps.append(Step("replace", reason, "awaiting-replacement", code, target))
+    return Plan(tuple(steps), note=why or f"FAULT {code} on {target}: drain, replace",
+                fault_code=code, target=target)
+
+
+def operator_step(action: str, text: str) -> Step:
+    """The step for ``node-agent act ACTION --reason TEXT`` (TEXT already sanitised)."""
+    to_state = {"drain": "drained", "resume": "in-service", "restart": "restarting",
+                "replace": "awaiting-replacement"}[action]
+    reason = sanitise_reason(f"operator {action}" + (f": {text}" if text else ""))
+    return Step(action, reason, to_state, fault_code="operator", target="node",
+                restart_kind="reboot" if action == "restart" else None)
+
+
+def _iso(epoch: float) -> str:
+    import datetime as _dt
+    return _dt.datetime.fromtimestamp(epoch, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -1,0 +1,294 @@
+"""The remediation side of the ``node-agent`` command: ``act``, ``status``, ``set-healthy``,
+``breaker reset``, ``optout`` and ``--act``/``--adapter``/``--dry-run`` on ``accept``/``check``.
+
+``cli.py`` only wires these in; the logic lives in :mod:`node_agent.remediator` and friends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import time
+from dataclasses import dataclass
+
+from . import evidence
+from .config import Config, load_config
+from .environment import Environment
+from .guards import sanitise_operator_text
+from .kernel_log import KernelLog, open_kernel_log
+from .model import Grade, Report
+from .remediation import Safety
+from .remediator import NvidiaSmiReset, Outcome, Remediator, SimulatedReset
+from .schedulers import ADAPTER_NAMES, AdapterError, SchedulerAdapter, open_adapter
+from .store import Store, open_store
+from .yamlfile import ConfigError
+
+EXIT_OK, EXIT_AGENT_FAILED, EXIT_USAGE = 0, 1, 2
+OPERATOR_ACTIONS = ("drain", "resume", "restart", "replace")
+
+
+def add_act_options(parser: argparse.ArgumentParser) -> None:
+    """``--act``, ``--adapter``, ``--dry-run`` for ``accept`` and ``check``."""
+    parser.add_argument("--act", action="store_true",
+                        help="after grading, remediate through the scheduler adapter "
+                             "(drain/restart/replace, with the safety guards)")
+    _adapter_options(parser)
+
+
+def _adapter_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--adapter", choices=ADAPTER_NAMES, metavar="NAME",
+                        help=f"scheduler adapter ({', '.join(ADAPTER_NAMES)}; default: "
+                             "adapter.name from the config)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="record what would be done (outcome dry-run), change nothing")
+
+
+def add_commands(sub, common) -> None:
+    """Add ``act``, ``status``, ``set-healthy``, ``breaker`` and ``optout`` to the parser."""
+    act = sub.add_parser("act", help="drain/resume/restart/replace this node now (operator)")
+    common(act)
+    act.add_argument("action", choices=OPERATOR_ACTIONS)
+    act.add_argument("--reason", metavar="TEXT", help="why (printable, one line, "
+                     "at most 160 characters; stored after the node-agent: prefix)")
+    _adapter_options(act)
+
+    status = sub.add_parser("status", help="remediation state, last grade, journal, breaker")
+    common(status)
+    status.add_argument("--json", action="store_true", help="print the status as JSON")
+    status.add_argument("--limit", type=int, default=10, help="journal rows to show")
+
+    healthy = sub.add_parser("set-healthy", help="after a repair: clear the node's remediation "
+                                                 "state and restart counts")
+    common(healthy)
+    healthy.add_argument("--reason", metavar="TEXT", help="what was repaired")
+
+    breaker = sub.add_parser("breaker", help="the circuit breaker of automatic actions")
+    common(breaker)
+    breaker.add_argument("op", choices=("reset",), help="reset: close it, automatic actions "
+                                                        "resume")
+
+    optout = sub.add_parser("optout", help="opt this node out of automatic actions (on|off)")
+    common(optout)
+    optout.add_argument("switch", choices=("on", "off"))
+    optout.add_argument("--reason", metavar="TEXT")
+
+
+# -- accept/check --act ----------------------------------------------------------------------
+@dataclass
+class Acting:
+    config: Config
+    adapter: SchedulerAdapter
+    store: Store
+    dry_run: bool
+
+
+def prepare(args: argparse.Namespace, config: Config) -> Acting | None:
+    """Before the suite runs: open the adapter and store for ``--act`` (ConfigError: exit 2)."""
+    if not getattr(args, "act", False):
+        if getattr(args, "dry_run", False) or getattr(args, "adapter", None):
+            raise ConfigError("--adapter and --dry-run apply only with --act "
+                              "(add --act to remediate after grading)")
+        return None
+    adapter = _open_adapter(config, args.adapter)
+    return Acting(config, adapter, open_store(config.state_dir),
+                  bool(args.dry_run or config.get("adapter.dry_run")))
+
+
+def act_on_report(acting: Acting | None, env: Environment, report: Report) -> None:
+    """Remediate after grading; the ActionRecords go into ``report.actions`` before it is
+    written. Retests run the quick suite against the same environment."""
+    if acting is None:
+        return
+    from .resources import suites_dir
+    from .runner import run_suite
+    from .suite import load_suite
+
+    def retest() -> Grade:
+        quick = load_suite("quick", suites_dir(acting.config))
+        return env.grader.grade(run_suite(quick, env), quick.mode)
+
+    try:
+        remediator = Remediator(
+            acting.store, acting.adapter, report.host.hostname, Safety.from_config(acting.config),
+            state_dir=_state_dir(acting.store), dry_run=acting.dry_run,
+            boot_time=time.time() if env.simulated else _boot_time(),
+            gpu_resetter=_resetter(env), retest=retest, kernel_log=env.kernel_log,
+            gpu_pids=None if env.simulated else evidence.gpu_pids)
+        outcome = remediator.remediate(report)
+    finally:
+        acting.store.close()
+    report.actions.extend(outcome.records)
+    for note in outcome.notes:
+        if note:
+            print(f"node-agent: remediation: {note}", file=sys.stderr)
+
+
+# -- commands ---------------------------------------------------------------------------------
+def cmd_act(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    node = node_name(config, args.simulate)
+    adapter = _open_adapter(config, args.adapter)
+    text = sanitise_operator_text(args.reason)
+    store = open_store(config.state_dir)
+    kernel_log: KernelLog | None = None if args.simulate else open_kernel_log()
+    try:
+        remediator = Remediator(
+            store, adapter, node, Safety.from_config(config), state_dir=_state_dir(store),
+            dry_run=bool(args.dry_run or config.get("adapter.dry_run")),
+            boot_time=time.time() if args.simulate else _boot_time(), kernel_log=kernel_log,
+            gpu_pids=None if args.simulate else evidence.gpu_pids)
+        outcome = remediator.act(args.action, text)
+    finally:
+        store.close()
+    for rec in outcome.records:
+        print(f"{rec.action}: {rec.outcome}: {rec.detail}")
+    return _exit_for(outcome)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    node = node_name(config, args.simulate)
+    store = open_store(config.state_dir)
+    try:
+        data = status_data(store, node, config, args.limit)
+    finally:
+        store.close()
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return EXIT_OK
+    rec, last, br = data["remediation"], data["last_run"], data["breaker"]
+    print(f"node {node}: {rec['state']} since {_iso(rec['since'])}"
+          + (f"  ({rec['fault_code']} {rec['target']}, by {rec['trigger']})"
+             if rec["fault_code"] else ""))
+    if last:
+        why = ", ".join(f"{r['rule']} {r['target']}" for r in last["reasons"][:3])
+        print(f"last grade: {last['level']} ({last['suite']} at {_iso(last['at'])})"
+              + (f": {why}" if why else ""))
+    else:
+        print("last grade: none recorded (runs are recorded with --act)")
+    print("breaker: " + (f"OPEN since {_iso(br['opened_at'])}: {br['reason']}; reset with "
+                         "`node-agent breaker reset`" if br["open"] else "closed"))
+    print(f"opt-out: {data['opt_out'] or 'no'}")
+    print(f"journal (last {len(data['journal'])}):")
+    for row in data["journal"]:
+        print(f"  #{row['id']:<4} {_iso(row['updated_at'])}  {row['action']:<9} "
+              f"{row['state']:<8} {row['trigger']:<8} {row['fault_code'] or '-'} "
+              f"{row['target'] or '-'}  {row['detail'][:120]}")
+    print(f"state: {data['database'] or 'in memory (state dir unwritable)'}")
+    return EXIT_OK
+
+
+def status_data(store: Store, node: str, config: Config, limit: int = 10) -> dict:
+    last = store.last_run(node)
+    br = store.breaker()
+    return {
+        "node": node,
+        "remediation": store.node_record(node).to_dict(),
+        "last_run": last.__dict__ if last else None,
+        "breaker": br.__dict__,
+        "opt_out": ("config safety.opt_out" if config.get("safety.opt_out")
+                    else store.opted_out(node)),
+        "journal": [r.to_dict() for r in store.journal_tail(node, limit)],
+        "database": str(store.path) if store.path else None,
+        "notes": store.notes,
+    }
+
+
+def cmd_set_healthy(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    node = node_name(config, args.simulate)
+    text = sanitise_operator_text(args.reason) or "set-healthy by an operator"
+    store = open_store(config.state_dir)
+    try:
+        before = store.node_record(node)
+        store.clear_node(node, time.time(), text)
+    finally:
+        store.close()
+    print(f"node {node}: {before.state} -> in-service; restart counts and fault history "
+          f"cleared ({text})")
+    if before.state != "in-service":
+        print("the node may still be drained in the scheduler: run `node-agent act resume` "
+              "to return it to service")
+    return EXIT_OK
+
+
+def cmd_breaker(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    store = open_store(config.state_dir)
+    try:
+        before = store.reset_breaker(time.time())
+    finally:
+        store.close()
+    print("breaker reset: " + (f"was open since {_iso(before.opened_at)} ({before.reason}); "
+                               if before.open else "was already closed; ")
+          + "automatic actions are allowed again")
+    return EXIT_OK
+
+
+def cmd_optout(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    node = node_name(config, args.simulate)
+    store = open_store(config.state_dir)
+    try:
+        store.set_opt_out(node, args.switch == "on", time.time(),
+                          sanitise_operator_text(args.reason))
+    finally:
+        store.close()
+    print(f"node {node}: automatic actions "
+          + ("off (opted out)" if args.switch == "on" else "on"))
+    return EXIT_OK
+
+
+COMMANDS = {"act": cmd_act, "status": cmd_status, "set-healthy": cmd_set_healthy,
+            "breaker": cmd_breaker, "optout": cmd_optout}
+
+
+# -- helpers ----------------------------------------------------------------------------------
+def node_name(config: Config, simulate: str | None = None) -> str:
+    """``node.name`` from the config, else the scenario's host name, else the short hostname."""
+    configured = config.get("node.name")
+    if configured:
+        return configured
+    if simulate:
+        from .environment import load_data
+        from .scenario import load_scenario
+        _, skus = load_data(config)
+        return load_scenario(simulate, skus).hostname
+    return socket.gethostname().split(".")[0]
+
+
+def _open_adapter(config: Config, name: str | None) -> SchedulerAdapter:
+    try:
+        return open_adapter(config, name)
+    except AdapterError as err:
+        raise ConfigError(f"{config.source}: adapter: {err}") from err
+
+
+def _exit_for(outcome: Outcome) -> int:
+    worst = outcome.worst
+    return EXIT_AGENT_FAILED if worst == "failed" else EXIT_USAGE if worst == "refused" else \
+        EXIT_OK
+
+
+def _state_dir(store: Store):
+    return store.path.parent if store.path is not None else None
+
+
+def _boot_time() -> float:
+    import psutil
+    return float(psutil.boot_time())
+
+
+def _resetter(env: Environment):
+    if env.simulated:
+        return SimulatedReset()
+    from . import proc
+    return NvidiaSmiReset() if proc.which("nvidia-smi") and env.inventory.gpus else None
+
+
+def _iso(epoch: float | None) -> str:
+    if epoch is None:
+        return "-"
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))

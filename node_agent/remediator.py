@@ -1,0 +1,378 @@
+"""Execute remediation plans: guards, journal, evidence, adapter calls, crash recovery.
+
+Every step is journaled ``planned`` then ``started`` *before* the adapter is called and closed
+``done``/``failed``/``refused`` after; the node's remediation state moves in the same
+transaction as ``done``. On start, :meth:`Remediator.recover` finds rows a crash left open and
+completes each once (re-reading the scheduler first: a drain already in place is marked done
+without repeating it).
+
+An adapter that raises (``AdapterError``, or anything else) or a GPU reset that fails is a
+``failed`` action with its message, never a crash; the row stays in the journal and the same
+step (same idempotency key) is retried by the next run.
+
+Test-only hook: with ``NODE_AGENT_TEST_CRASH_AFTER_JOURNAL`` set to ``1`` (any action) or to an
+action name (``drain``, ``replace``...), the process SIGKILLs itself after the step is journaled
+``started`` and before the adapter is called — the crash-recovery test uses it. It is read only
+from the environment and does nothing when unset.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from . import evidence as _evidence
+from . import guards, proc
+from .kernel_log import KernelLog
+from .model import ActionRecord, Grade, Report
+from .remediation import DISRUPTIVE, Plan, Safety, Step, fault_code, operator_step, plan
+from .remediation import restart_window_start as _window_start
+from .schedulers.base import AdapterError, SchedulerAdapter
+from .store import JournalRow, NodeRecord, Store
+
+CRASH_ENV = "NODE_AGENT_TEST_CRASH_AFTER_JOURNAL"
+GPU_RESET_TIMEOUT_S = 120.0
+MAX_REPLANS = 4  # drain -> GPU reset -> re-test -> reboot: a run never loops further
+
+
+class GpuResetError(Exception):
+    """A GPU reset that did not happen (busy GPU, no permission, tool missing)."""
+
+
+class GpuResetter(Protocol):
+    def reset(self, index: int) -> str: ...  # detail line; raises GpuResetError
+
+
+class NvidiaSmiReset:
+    """``nvidia-smi --gpu-reset -i N``: needs root and no process on the GPU."""
+
+    def reset(self, index: int) -> str:
+        result = proc.run(["nvidia-smi", "--gpu-reset", "-i", str(index)],
+                          timeout_s=GPU_RESET_TIMEOUT_S)
+        if not result.ok:
+            raise GpuResetError(f"GPU reset of gpu:{index} failed: {result.describe_failure()}")
+        return f"GPU reset of gpu:{index} (nvidia-smi --gpu-reset -i {index})"
+
+
+class SimulatedReset:
+    """Stand-in under ``--simulate``: nothing to reset, the scenario's faults persist."""
+
+    def reset(self, index: int) -> str:
+        return (f"simulated GPU reset of gpu:{index} (stand-in: the simulator's injected "
+                "faults persist, so the re-test sees them again)")
+
+
+@dataclass
+class Outcome:
+    records: list[ActionRecord] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def worst(self) -> str | None:
+        outcomes = {r.outcome for r in self.records}
+        for o in ("failed", "refused"):
+            if o in outcomes:
+                return o
+        return None
+
+
+def _iso(epoch: float) -> str:
+    return _dt.datetime.fromtimestamp(epoch, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _stderr(message: str) -> None:
+    print(f"node-agent: {message}", file=sys.stderr)
+
+
+class Remediator:
+    """Acts for one node through one adapter. Everything it depends on is a parameter."""
+
+    def __init__(self, store: Store, adapter: SchedulerAdapter, node: str, safety: Safety, *,
+                 state_dir: Path | None, dry_run: bool = False,
+                 clock: Callable[[], float] = time.time, boot_time: float = 0.0,
+                 gpu_resetter: GpuResetter | None = None,
+                 retest: Callable[[], Grade] | None = None,
+                 kernel_log: KernelLog | None = None,
+                 gpu_pids: Callable[[], tuple[list[int], str | None]] | None = None,
+                 warn: Callable[[str], None] = _stderr) -> None:
+        self.store, self.adapter, self.node, self.safety = store, adapter, node, safety
+        self.state_dir, self.dry_run, self.clock = state_dir, dry_run, clock
+        self.boot_time, self.gpu_resetter, self.retest = boot_time, gpu_resetter, retest
+        self.kernel_log, self.gpu_pids, self.warn = kernel_log, gpu_pids, warn
+        self._evidence_taken = False
+        self._report: Report | None = None
+
+    # -- entry points --------------------------------------------------------------------------
+    def remediate(self, report: Report) -> Outcome:
+        """Automatic remediation of a graded report (``accept``/``check --act``)."""
+        out = self.recover()
+        self._report = report
+        self.store.record_run(self.node, self.clock(), report.suite, report.mode,
+                              report.grade.level.name,
+                              [r.to_dict() for r in report.grade.reasons])
+        grade, gpu_reset_tried = report.grade, False
+        for _ in range(MAX_REPLANS):
+            p = self._plan(grade, gpu_reset_tried)
+            out.notes.append(p.note)
+            if not p.steps:
+                break
+            retest_grade, reset_failed = self._run_plan(p, out)
+            if retest_grade is not None:
+                grade, gpu_reset_tried = retest_grade, True
+                self.store.record_run(self.node, self.clock(), "quick", "service",
+                                      grade.level.name, [r.to_dict() for r in grade.reasons])
+            elif reset_failed:
+                gpu_reset_tried = True
+            else:
+                break
+        return out
+
+    def act(self, action: str, text: str) -> Outcome:
+        """An operator's ``node-agent act ACTION --reason TEXT`` (``text`` already sanitised).
+
+        Operator actions skip the automatic guards (breaker, blast radius, rate limit, opt-out,
+        dedup: the operator decided) but never override or resume someone else's drain.
+        """
+        out = self.recover()
+        step = operator_step(action, text)
+        self._step(step, "operator", out)
+        return out
+
+    def recover(self) -> Outcome:
+        """Complete, once, the journal rows a crash left ``planned`` or ``started``."""
+        out = Outcome()
+        for row in self.store.open_journal(self.node):
+            self._recover_row(row, out)
+        return out
+
+    # -- planning ------------------------------------------------------------------------------
+    def _plan(self, grade: Grade, gpu_reset_tried: bool) -> Plan:
+        now = self.clock()
+        record = self.store.node_record(self.node)
+        since = _window_start(record, self.safety, now)
+        counts = {code: self.store.count_done(self.node, ("restart", "gpu-reset"), since,
+                                              fault_code=code)
+                  for code in {fault_code(r) for r in grade.reasons}}
+        return plan(grade, record, self.safety, now=now, boot_time=self.boot_time,
+                    restart_counts=counts, gpu_reset_available=self.gpu_resetter is not None,
+                    gpu_reset_tried=gpu_reset_tried)
+
+    def _run_plan(self, p: Plan, out: Outcome) -> tuple[Grade | None, bool]:
+        """Run the steps in order; stop at the first one not done. Returns (re-test grade,
+        whether a GPU reset failed)."""
+        for step in p.steps:
+            if step.action == "retest":
+                return self._retest(step, out), False
+            if not self._step(step, "auto", out):
+                return None, step.action == "gpu-reset" and out.records[-1].outcome == "failed"
+        return None, False
+
+    def _retest(self, step: Step, out: Outcome) -> Grade | None:
+        if self.dry_run or self.retest is None:
+            why = "dry run" if self.dry_run else "no re-test available in this command"
+            out.records.append(self._record("retest", "dry-run" if self.dry_run else "refused",
+                                            f"would re-test with the quick suite ({why})"))
+            return None
+        grade = self.retest()
+        detail = (f"quick suite after {step.restart_kind or 'restart'} graded {grade.level.name}"
+                  + (f": {grade.reasons[0].rule} {grade.reasons[0].target}"
+                     if grade.reasons else ""))
+        now = self.clock()
+        self.store.journal_plan(key=step.key(self.node), node=self.node, action="retest",
+                                reason=step.reason, fault_code=step.fault_code,
+                                target=step.target, attempt=step.attempt, to_state=None,
+                                trigger="auto", adapter=self.adapter.name, now=now,
+                                state="done", detail=detail)
+        out.records.append(self._record("retest", "done", detail))
+        return grade
+
+    # -- one step ------------------------------------------------------------------------------
+    def _step(self, step: Step, trigger: str, out: Outcome) -> bool:
+        """Guard, journal, act, close. True when the plan may go on to its next step."""
+        now = self.clock()
+        key = step.key(self.node) if trigger == "auto" else f"{step.key(self.node)}|{now:.6f}"
+        retry: JournalRow | None = None
+        if trigger == "auto":
+            refusal = self._guard(step, now)
+            if refusal:
+                self._close_new(step, key, trigger, "refused", refusal, now, out)
+                return False
+            existing = self.store.journal_by_key(key)
+            if existing is not None:
+                # a return to service since that row (resume, set-healthy) starts a new
+                # episode, in which the same fault acts again
+                episode_start = max(self.store.node_record(self.node).cleared_at or 0.0,
+                                    self.store.last_done_at(self.node, ("resume",)) or 0.0)
+                if existing.state == "done" and existing.updated_at > episode_start and \
+                        now - existing.updated_at < self.safety.dedup_window_s:
+                    out.notes.append(f"dedup: {step.action} for {step.fault_code} "
+                                     f"{step.target} already done (journal #{existing.id} at "
+                                     f"{_iso(existing.updated_at)}, safety.dedup_window_s="
+                                     f"{self.safety.dedup_window_s:g}); not repeated")
+                    return True
+                if existing.state in ("planned", "started"):
+                    out.notes.append(f"{step.action} is in progress elsewhere "
+                                     f"(journal #{existing.id}); not started twice")
+                    return False
+                if existing.state == "failed":
+                    retry = existing
+        if self.dry_run:
+            detail = f"dry run: would {step.action} {self.node} ({step.reason})"
+            self._close_new(step, key, trigger, "dry-run", detail, now, out)
+            return True
+        evidence_note = self._take_evidence(step.action, now)
+        if retry is not None:
+            row = self.store.journal_update(retry.id, "planned", f"retry of a failed "
+                                            f"{step.action}: {retry.detail}", now)
+        else:
+            row = self.store.journal_plan(
+                key=key, node=self.node, action=step.action, reason=step.reason,
+                fault_code=step.fault_code, target=step.target, attempt=step.attempt,
+                to_state=step.to_state, trigger=trigger, adapter=self.adapter.name, now=now)
+        self._crash_hook(step.action)
+        row = self.store.journal_update(row.id, "started", row.detail, now, count_try=True)
+        outcome, detail = self._perform(row)
+        if evidence_note and outcome == "done":
+            detail = f"{detail}; {evidence_note}"
+        self._finish(row, outcome, detail, out, trigger)
+        return outcome == "done"
+
+    def _guard(self, step: Step, now: float) -> str | None:
+        refusal = guards.opt_out(self.safety.opt_out, self.store.opted_out(self.node), self.node)
+        if refusal:
+            return refusal
+        br = self.store.breaker()
+        drains = 0
+        if step.action == "drain" and not br.open:
+            since = max(now - self.safety.breaker_window_h * 3600.0, br.reset_at or 0.0)
+            drains = self.store.count_done(None, ("drain",), since, trigger="auto")
+        refusal, trip = guards.breaker(br, drains, self.safety.breaker_max_drains,
+                                       self.safety.breaker_window_h)
+        if trip and refusal:
+            self.store.open_breaker(now, refusal)
+        if refusal:
+            return refusal
+        if step.action != "drain":
+            return None
+        if self.store.node_record(self.node).state == "in-service":
+            refusal = guards.rate_limit(
+                self.store.last_done_at(self.node, (*DISRUPTIVE, "resume")), now,
+                self.safety.min_action_interval_s)
+            if refusal:
+                return refusal
+        try:
+            nodes = self.adapter.list_nodes()
+        except Exception as err:  # noqa: BLE001 - any adapter failure refuses, never crashes
+            return (f"blast radius: cannot read the drained share from the {self.adapter.name} "
+                    f"adapter ({type(err).__name__}: {err}); not draining blind")
+        return guards.blast_radius(nodes, self.node, self.safety.max_drained_fraction)
+
+    def _perform(self, row: JournalRow) -> tuple[str, str]:
+        """Call the adapter (or the GPU resetter) for one started row: (outcome, detail)."""
+        try:
+            if row.action in ("drain", "resume", "replace"):
+                state = self.adapter.node_state(self.node)
+                refusal = guards.foreign_drain(state)
+                if refusal:
+                    return "refused", refusal
+                if row.action == "drain" and state.drained:
+                    return "done", f"already drained by node-agent ({state.reason}); not repeated"
+                if row.action == "resume" and not state.drained:
+                    return "done", (f"{self.adapter.name}: {self.node} is not drained "
+                                    f"({state.state}); nothing to resume")
+            if row.action == "gpu-reset":
+                if self.gpu_resetter is None:
+                    return "failed", "no GPU reset available in this command; the next run re-plans"
+                index = int((row.target or "gpu:-1").split(":")[1])
+                return "done", self.gpu_resetter.reset(index)
+            call = {"drain": self.adapter.drain, "resume": self.adapter.resume,
+                    "restart": self.adapter.restart, "replace": self.adapter.replace}[row.action]
+            return "done", call(self.node, row.reason)
+        except (AdapterError, GpuResetError) as err:
+            return "failed", str(err)
+        except Exception as err:  # noqa: BLE001 - an adapter bug is a failed action, not a crash
+            return "failed", f"{self.adapter.name} adapter raised {type(err).__name__}: {err}"
+
+    def _finish(self, row: JournalRow, outcome: str, detail: str, out: Outcome,
+                trigger: str) -> None:
+        now = self.clock()
+        record = self._next_record(row, now) if outcome == "done" else None
+        self.store.journal_finish(row.id, outcome, detail, now, record)
+        if outcome in ("failed", "refused"):
+            self.warn(f"{row.action} {outcome.upper()}: {detail}"
+                      + (" (kept in the journal; the next run retries it)"
+                         if outcome == "failed" else ""))
+        out.records.append(self._record(row.action, outcome, detail))
+
+    def _close_new(self, step: Step, key: str, trigger: str, outcome: str, detail: str,
+                   now: float, out: Outcome) -> None:
+        self.store.journal_plan(key=key, node=self.node, action=step.action, reason=step.reason,
+                                fault_code=step.fault_code, target=step.target,
+                                attempt=step.attempt, to_state=step.to_state, trigger=trigger,
+                                adapter=self.adapter.name, now=now, state=outcome,
+                                detail=detail)
+        if outcome == "refused":
+            self.warn(f"{step.action} REFUSED: {detail}")
+        out.records.append(self._record(step.action, outcome, detail))
+
+    def _next_record(self, row: JournalRow, now: float) -> NodeRecord | None:
+        if row.to_state is None:
+            return None
+        old = self.store.node_record(self.node)
+        if row.to_state == "in-service":
+            return NodeRecord(node=self.node, state="in-service", since=now,
+                              cleared_at=old.cleared_at, detail=row.reason)
+        restart_kind = {"restart": "reboot", "gpu-reset": "gpu-reset"}.get(row.action)
+        return NodeRecord(node=self.node, state=row.to_state, since=now,
+                          fault_code=row.fault_code, target=row.target, trigger=row.trigger,
+                          restart_kind=restart_kind or old.restart_kind,
+                          requested_at=now if restart_kind else old.requested_at,
+                          cleared_at=old.cleared_at, detail=row.reason)
+
+    def _record(self, action: str, outcome: str, detail: str) -> ActionRecord:
+        return ActionRecord(action=action, adapter=self.adapter.name, outcome=outcome,
+                            detail=detail, at=_iso(self.clock()))
+
+    # -- recovery, evidence, crash hook --------------------------------------------------------
+    def _recover_row(self, row: JournalRow, out: Outcome) -> None:
+        now = self.clock()
+        self.warn(f"completing journal #{row.id} ({row.action} {row.fault_code} {row.target}) "
+                  f"left {row.state} at {_iso(row.updated_at)} by an interrupted run")
+        if row.action in ("retest", "gpu-reset"):
+            detail = (f"interrupted {row.action} is not replayed (the GPU state is unknown); "
+                      "the next graded run re-plans")
+            self.store.journal_finish(row.id, "failed", detail, now)
+            out.records.append(self._record(row.action, "failed", f"recovered #{row.id}: "
+                                                                  f"{detail}"))
+            return
+        row = self.store.journal_update(row.id, "started", row.detail, now, count_try=True)
+        outcome, detail = self._perform(row)
+        self._finish(row, outcome, f"recovered journal #{row.id}: {detail}", out, row.trigger)
+
+    def _take_evidence(self, action: str, now: float) -> str | None:
+        if action not in DISRUPTIVE or self._evidence_taken or self.state_dir is None:
+            return None
+        self._evidence_taken = True
+        if self.gpu_pids is not None:
+            pids, pids_note = self.gpu_pids()
+        else:
+            pids, pids_note = [], "GPU process ids are not known in this run"
+        directory, notes = _evidence.collect(self.state_dir, action, now, self._report,
+                                             self.kernel_log, pids, pids_note)
+        if directory is None:
+            self.warn(f"evidence not collected: {'; '.join(notes)}")
+            return f"evidence not collected ({notes[0]})"
+        return f"evidence in {directory}"
+
+    @staticmethod
+    def _crash_hook(action: str) -> None:
+        wanted = os.environ.get(CRASH_ENV)
+        if wanted and wanted in ("1", action):
+            os.kill(os.getpid(), signal.SIGKILL)  # test only: a kill -9 between journal and act

@@ -1,0 +1,171 @@
+"""The SQLite state store: WAL, schema version, journal, breaker, opt-out, corrupt files."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from node_agent.store import DB_NAME, SCHEMA_VERSION, NodeRecord, open_store
+
+T0 = 1_700_000_000.0
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = open_store(tmp_path / "state")
+    yield s
+    s.close()
+
+
+def _plan(store, key="gpu-01|drain|xid-79@gpu:5|0", action="drain", now=T0, **kw):
+    args = dict(key=key, node="gpu-01", action=action, reason="node-agent: FAULT xid-79 gpu:5",
+                fault_code="xid-79", target="gpu:5", attempt=0, to_state="fault",
+                trigger="auto", adapter="log", now=now)
+    args.update(kw)
+    return store.journal_plan(**args)
+
+
+def test_new_store_is_wal_with_schema_version(tmp_path):
+    store = open_store(tmp_path / "state")
+    try:
+        assert store.path == tmp_path / "state" / DB_NAME
+        assert store.schema_version() == SCHEMA_VERSION
+        assert store.notes == []
+    finally:
+        store.close()
+    conn = sqlite3.connect(tmp_path / "state" / DB_NAME)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    conn.close()
+
+
+def test_reopening_keeps_state(tmp_path):
+    first = open_store(tmp_path)
+    first.set_node_record(NodeRecord("gpu-01", "drained", T0, "xid-31", "gpu:1", "auto"))
+    first.close()
+    again = open_store(tmp_path)
+    assert again.node_record("gpu-01").state == "drained"
+    assert again.node_record("other").state == "in-service"
+    again.close()
+
+
+def test_journal_rows_left_planned_or_started_are_open(store):
+    a = _plan(store)
+    b = _plan(store, key="k2", action="replace")
+    store.journal_update(b.id, "started", "", T0 + 1, count_try=True)
+    c = _plan(store, key="k3", action="resume")
+    store.journal_finish(c.id, "done", "ok", T0 + 2)
+    assert [r.id for r in store.open_journal("gpu-01")] == [a.id, b.id]
+    assert store.journal_row(b.id).tries == 1
+    assert store.journal_by_key("k3").state == "done"
+    assert store.open_journal("someone-else") == []
+
+
+def test_journal_finish_moves_node_state_in_the_same_transaction(store):
+    row = _plan(store)
+    store.journal_finish(row.id, "done", "drained", T0 + 5,
+                         NodeRecord("gpu-01", "fault", T0 + 5, "xid-79", "gpu:5", "auto"))
+    assert store.node_record("gpu-01").state == "fault"
+    assert store.journal_row(row.id).state == "done"
+
+
+def test_unknown_journal_state_is_rejected(store):
+    with pytest.raises(ValueError, match="journal state"):
+        _plan(store, state="maybe")
+
+
+def test_count_done_filters_by_action_fault_time_and_trigger(store):
+    for i, (action, code, trigger) in enumerate([("restart", "xid-31", "auto"),
+                                                 ("gpu-reset", "xid-31", "auto"),
+                                                 ("restart", "row-remap-pending", "auto"),
+                                                 ("drain", "xid-31", "operator")]):
+        row = _plan(store, key=f"k{i}", action=action, fault_code=code, trigger=trigger,
+                    now=T0 + i)
+        store.journal_finish(row.id, "done", "", T0 + i)
+    assert store.count_done("gpu-01", ("restart", "gpu-reset"), T0, fault_code="xid-31") == 2
+    assert store.count_done("gpu-01", ("restart", "gpu-reset"), T0 + 1, fault_code="xid-31") == 1
+    assert store.count_done(None, ("drain",), T0, trigger="auto") == 0
+    assert store.count_done(None, ("drain",), T0, trigger="operator") == 1
+    assert store.last_done_at("gpu-01", ("restart",)) == T0 + 2
+
+
+def test_clear_node_sets_watermark_and_cancels_open_rows(store):
+    store.set_node_record(NodeRecord("gpu-01", "awaiting-replacement", T0, "xid-79", "gpu:5"))
+    row = _plan(store)
+    record = store.clear_node("gpu-01", T0 + 100, "GPU 5 replaced")
+    assert record.state == "in-service" and record.cleared_at == T0 + 100
+    assert store.open_journal("gpu-01") == []
+    assert "set-healthy" in store.journal_row(row.id).detail
+
+
+def test_breaker_stays_open_across_reopen_until_reset(tmp_path):
+    store = open_store(tmp_path)
+    store.open_breaker(T0, "5 drains in 1 h")
+    store.close()
+    store = open_store(tmp_path)
+    assert store.breaker().open and store.breaker().reason == "5 drains in 1 h"
+    before = store.reset_breaker(T0 + 10)
+    assert before.open
+    after = store.breaker()
+    assert not after.open and after.reset_at == T0 + 10
+    store.close()
+
+
+def test_opt_out_flag_round_trips(store):
+    assert store.opted_out("gpu-01") is None
+    store.set_opt_out("gpu-01", True, T0, "firmware update")
+    assert store.opted_out("gpu-01") == "firmware update"
+    store.set_opt_out("gpu-01", False, T0)
+    assert store.opted_out("gpu-01") is None
+
+
+def test_run_history_keeps_last_grade(store):
+    store.record_run("gpu-01", T0, "quick", "service", "ERROR",
+                     [{"rule": "xid", "target": "gpu:1"}])
+    store.record_run("gpu-01", T0 + 1, "delivery", "delivery", "HEALTHY", [])
+    last = store.last_run("gpu-01")
+    assert (last.suite, last.level, last.reasons) == ("delivery", "HEALTHY", [])
+
+
+def test_corrupt_database_is_moved_aside_and_a_fresh_one_started(tmp_path, capsys):
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / DB_NAME).write_bytes(b"this is not sqlite \x00\xff" * 200)
+    store = open_store(state, clock=lambda: T0)
+    try:
+        assert store.path == state / DB_NAME
+        assert store.schema_version() == SCHEMA_VERSION
+        assert store.node_record("gpu-01").state == "in-service"
+    finally:
+        store.close()
+    moved = list(state.glob(f"{DB_NAME}.corrupt-*"))
+    assert len(moved) == 1 and moved[0].read_bytes().startswith(b"this is not sqlite")
+    err = capsys.readouterr().err
+    assert "WARNING" in err and "moved it aside" in err and str(moved[0]) in err
+
+
+def test_database_written_by_a_newer_agent_is_moved_aside(tmp_path, capsys):
+    conn = sqlite3.connect(tmp_path / DB_NAME)
+    conn.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    conn.execute("INSERT INTO schema_version VALUES (99)")
+    conn.commit()
+    conn.close()
+    store = open_store(tmp_path)
+    assert store.schema_version() == SCHEMA_VERSION
+    assert "schema version 99" in store.notes[0]
+    store.close()
+    assert list(tmp_path.glob(f"{DB_NAME}.corrupt-*"))
+    assert "newer node-agent" in capsys.readouterr().err
+
+
+def test_unusable_state_dir_falls_back_to_memory_and_says_so(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    store = open_store(blocker / "state")
+    try:
+        assert store.path is None
+        store.set_node_record(NodeRecord("gpu-01", "drained", T0))
+        assert store.node_record("gpu-01").state == "drained"
+    finally:
+        store.close()
+    assert "in-memory" in capsys.readouterr().err
