@@ -1,0 +1,132 @@
+"""Check ``dcgm_health``: DCGM's passive health watches, as incidents graded per subsystem.
+
+Sets DCGM health watches (``params.systems``, default PCIe, memory, InfoROM, thermal, power,
+NVLink, driver) on all GPUs and asks DCGM for incidents (``dcgmi health -s ... ; dcgmi health
+-c`` does the same). Each incident is one result on its entity: metric ``health_<system>``
+(``health_mem``, ``health_pcie``, ...), status ``warn`` or ``fail`` as DCGM says, evidence with
+DCGM's error code and message. Pending row remaps and page retirements (DCGM_FR codes 6, 83,
+85) are ``health_reset_pending``: a GPU reset applies them. No incident: one ``pass``.
+
+The watches need data: rate-based ones (PCIe replays, thermal, power) need about a minute of it
+(dcgm_structs.h), so a one-shot check on a fresh embedded host engine sees only the immediate
+ones (ECC, row remap, InfoROM, NVLink state, Xids). The daemon keeps a :class:`HealthWatch`
+and polls it on its cadence; :func:`incident_results` turns any poll into results.
+
+No DCGM bindings: ``skip`` naming the paths searched (the ``dcgmi`` CLI is not used here).
+Simulated node: ``skip``. Params: ``systems`` (list of :data:`~node_agent.gpu.dcgm.HEALTH_SYSTEMS`
+names).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..gpu.dcgm import (
+    DcgmError,
+    DcgmSource,
+    DcgmUnavailable,
+    HealthIncident,
+    HealthReport,
+    health_mask,
+    open_dcgm,
+)
+from ..model import Result, Status
+from . import CheckContext
+
+DEFAULT_SYSTEMS = ("pcie", "mem", "inforom", "thermal", "power", "nvlink", "driver")
+SIMULATED = ("simulated node: DCGM is not simulated (the NVML checks see the injected faults); "
+             "on real hardware this reads DCGM's health watches")
+#: DCGM_FR_PENDING_PAGE_RETIREMENTS, DCGM_FR_DBE_PENDING_PAGE_RETIREMENTS,
+#: DCGM_FR_PENDING_ROW_REMAP: the fix is a GPU reset (NVIDIA GPU memory error management)
+RESET_PENDING_CODES = frozenset({6, 83, 85})
+
+Opener = Callable[[Any], DcgmSource]
+
+
+class HealthWatch:
+    """DCGM health watches as a periodic source: set once, then :meth:`poll` on a cadence.
+
+    >>> watch = HealthWatch(source, ["mem", "pcie"])   # doctest: +SKIP
+    >>> watch.poll().incidents                          # doctest: +SKIP
+    ()
+    """
+
+    def __init__(self, source: DcgmSource, systems: Sequence[str] = DEFAULT_SYSTEMS) -> None:
+        self.source = source
+        self.systems = tuple(systems)
+        self._mask = health_mask(self.systems)  # ValueError for an unknown name, before DCGM
+        self._armed = False
+
+    def poll(self) -> HealthReport:
+        """Incidents since DCGM last looked (sets the watches on the first call)."""
+        if not self._armed:
+            self.source.set_health_watches(self._mask)
+            self._armed = True
+        report = self.source.check_health()
+        return HealthReport(overall=report.overall, incidents=report.incidents,
+                            systems=self.systems)
+
+
+def incidents(source: DcgmSource, systems: Sequence[str] = DEFAULT_SYSTEMS) -> HealthReport:
+    """One-shot: set the watches on ``source`` and return what DCGM reports."""
+    return HealthWatch(source, systems).poll()
+
+
+def incident_metric(incident: HealthIncident) -> str:
+    """``health_<system>``, or ``health_reset_pending`` for what a GPU reset fixes."""
+    if incident.error_code in RESET_PENDING_CODES:
+        return "health_reset_pending"
+    return f"health_{incident.system}"
+
+
+def incident_results(ctx: CheckContext, report: HealthReport, via: str) -> list[Result]:
+    """One result per incident that is not PASS; one ``pass`` when there is none."""
+    out = []
+    for inc in report.incidents:
+        if inc.health == "pass":
+            continue
+        status = Status.FAIL if inc.health == "fail" else Status.WARN
+        code = (f"DCGM error {inc.error_code} {inc.error_name}" if inc.error_code
+                else "no error code")
+        out.append(ctx.result(
+            inc.target, incident_metric(inc), status,
+            f"DCGM health {inc.system} {inc.health.upper()} on {inc.target}: "
+            f"{inc.message or 'no message'} ({code})",
+            value=inc.error_code, system=inc.system, health=inc.health.upper(),
+            error_code=inc.error_code, error_name=inc.error_name, message=inc.message,
+            overall=report.overall.upper(), via=via))
+    if out:
+        return out
+    return [ctx.result("node", "health", Status.PASS,
+                       f"DCGM health watches ({', '.join(report.systems)}) report no incident "
+                       f"(overall {report.overall.upper()})", systems=list(report.systems),
+                       overall=report.overall.upper(), via=via)]
+
+
+def run(ctx: CheckContext, opener: Opener = open_dcgm) -> list[Result]:
+    if ctx.gpu.simulated:
+        return [ctx.skip(SIMULATED)]
+    unavailable = ctx.gpus_unavailable()
+    if unavailable:
+        return unavailable
+    systems = ctx.params.get("systems") or DEFAULT_SYSTEMS
+    try:
+        health_mask(systems)
+    except ValueError as err:
+        return [ctx.result("node", "health", Status.ERROR, f"{err} (fix the suite file)")]
+    try:
+        source = opener(ctx.config)
+    except DcgmUnavailable as err:
+        return [ctx.skip(str(err))]
+    except DcgmError as err:
+        return [ctx.result("node", "health", Status.ERROR, str(err))]
+    try:
+        report = incidents(source, systems)
+    except DcgmError as err:
+        return [ctx.result("node", "health", Status.ERROR,
+                           f"DCGM health check did not complete: {err}",
+                           via=source.connection)]
+    finally:
+        source.close()
+    return incident_results(ctx, report, via=source.connection)

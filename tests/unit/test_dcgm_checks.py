@@ -1,0 +1,600 @@
+"""The dcgm_diag and dcgm_health checks, and the DCGM backend's translation of the bindings.
+
+No DCGM and no GPU exist where these tests run, so DCGM is replaced at its boundary: a fake
+:class:`~node_agent.gpu.dcgm.DcgmSource` for the bindings path (returning what the real
+bindings return, in the same model the ``dcgmi`` JSON parser gives), fake ``pydcgm`` /
+``dcgm_agent`` modules for the backend's own translation code, and a stand-in ``dcgmi``
+executable in tmp_path that prints a fixture, exits non-zero, or hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from node_agent.checks import CheckContext, dcgm_diag, dcgm_health
+from node_agent.config import config_from_dict
+from node_agent.gpu.absent import AbsentGpuBackend
+from node_agent.gpu.dcgm import (
+    BINDINGS_PATHS,
+    Bindings,
+    BindingsDcgm,
+    DcgmCallError,
+    DcgmConnectError,
+    DcgmSource,
+    DcgmTimeout,
+    DcgmUnavailable,
+    DiagRequest,
+    HealthIncident,
+    HealthReport,
+    health_mask,
+    open_dcgm,
+    report_from_response,
+)
+from node_agent.grading import load_grader
+from node_agent.model import Level, Status
+from node_agent.parsers.dcgm_diag import DiagReport, parse_diag_json
+
+REPO = Path(__file__).resolve().parents[2]
+DATA = REPO / "tests" / "data" / "dcgm"
+GRADER = load_grader(REPO / "graders")
+
+
+class RealLikeGpus:
+    """A GPU backend that is present and not simulated (the DCGM checks only ask that)."""
+
+    name = "fake"
+    simulated = False
+    unavailable_reason = None
+    broken = False
+
+    def devices(self):
+        return []
+
+
+class SimulatedGpus(RealLikeGpus):
+    simulated = True
+
+
+class FakeDcgm:
+    """DcgmSource fake: returns the report it was given, records what the check asked."""
+
+    def __init__(self, report: DiagReport | None = None, health: HealthReport | None = None,
+                 diag_error: Exception | None = None,
+                 connection: str = "host engine at localhost") -> None:
+        self.connection = connection
+        self.report, self.health, self.diag_error = report, health, diag_error
+        self.requests: list[tuple[DiagRequest, float]] = []
+        self.masks: list[int] = []
+        self.checks = 0
+        self.closed = False
+
+    def run_diag(self, request, timeout_s):
+        self.requests.append((request, timeout_s))
+        if self.diag_error:
+            raise self.diag_error
+        return self.report
+
+    def set_health_watches(self, systems):
+        self.masks.append(systems)
+
+    def check_health(self):
+        self.checks += 1
+        return self.health
+
+    def close(self):
+        self.closed = True
+
+
+def ctx_for(check: str, gpu=None, timeout_s: float = 60.0, **params) -> CheckContext:
+    return CheckContext(check=check, gpu=gpu or RealLikeGpus(), kernel_log=None,
+                        config=config_from_dict({}), inventory=None, sku=None,
+                        expected_gpus=None, params=params, timeout_s=timeout_s)
+
+
+def opener_of(source):
+    return lambda config: source
+
+
+def no_bindings(config):
+    raise DcgmUnavailable("DCGM Python bindings not found (searched /nowhere): install DCGM")
+
+
+def fixture(name: str) -> DiagReport:
+    return parse_diag_json((DATA / name).read_text())
+
+
+def test_fake_satisfies_the_dcgm_source_protocol():
+    assert isinstance(FakeDcgm(), DcgmSource)
+
+
+# -- dcgm_diag through the bindings (fake) ------------------------------------------------------
+
+
+def test_failed_memory_test_on_gpu2_grades_fault_naming_gpu_test_and_dcgm_error_code():
+    source = FakeDcgm(fixture("dcgm3_r3_memory_fail.json"))
+    results = dcgm_diag.run(ctx_for("dcgm_diag", level=3), opener=opener_of(source))
+    (finding,) = results
+    assert (finding.target, finding.metric, finding.status) == ("gpu:2", "diag_isolate",
+                                                                Status.FAIL)
+    assert finding.evidence["test"] == "GPU Memory"
+    assert finding.evidence["error_id"] == 58
+    assert finding.evidence["error_name"] == "DCGM_FR_MEMORY_MISMATCH"
+    assert finding.evidence["error_category"] == "HARDWARE_MEMORY"
+    assert finding.evidence["error_severity"] == "ISOLATE"
+    assert finding.evidence["via"] == "bindings, host engine at localhost"
+    grade = GRADER.grade(results)
+    assert grade.level is Level.FAULT
+    (reason,) = grade.reasons
+    assert (reason.rule, reason.target) == ("dcgm-diag-isolate", "gpu:2")
+    assert "GPU Memory" in reason.message and "DCGM error 58" in reason.message
+    assert source.closed
+    assert source.requests[0][0] == DiagRequest(level=3)
+
+
+def test_failed_memory_test_without_severity_dcgm2_grades_error_on_gpu2():
+    results = dcgm_diag.run(ctx_for("dcgm_diag"),
+                            opener=opener_of(FakeDcgm(fixture("dcgm2_r2_memory_fail.json"))))
+    (finding,) = results
+    assert (finding.target, finding.metric) == ("gpu:2", "diag_fail")
+    grade = GRADER.grade(results)
+    assert grade.level is Level.ERROR
+    assert grade.reasons[0].rule == "dcgm-diag-failed-unrated"
+
+
+def test_passing_diag_adds_one_pass_and_nothing_to_the_grade():
+    results = dcgm_diag.run(ctx_for("dcgm_diag"),
+                            opener=opener_of(FakeDcgm(fixture("dcgm4_r3_pass.json"))))
+    (summary,) = results
+    assert (summary.target, summary.metric, summary.status) == ("node", "diag", Status.PASS)
+    assert summary.evidence["targets"] == [f"gpu:{i}" for i in range(8)]
+    assert GRADER.grade(results).level is Level.HEALTHY
+
+
+def test_severities_isolate_reset_monitor_grade_fault_error_warn_per_gpu():
+    results = dcgm_diag.run(ctx_for("dcgm_diag"),
+                            opener=opener_of(FakeDcgm(fixture("dcgm4_r3_memory_isolate.json"))))
+    grade = GRADER.grade(results)
+    levels = {r.target: (r.rule, r.level) for r in grade.reasons}
+    assert levels == {"gpu:2": ("dcgm-diag-isolate", Level.FAULT),
+                      "gpu:6": ("dcgm-diag-reset", Level.ERROR),
+                      "gpu:4": ("dcgm-diag-monitor", Level.WARN)}
+    assert grade.level is Level.FAULT
+
+
+def test_warn_printed_as_fail_grades_warn_and_says_so():
+    results = dcgm_diag.run(ctx_for("dcgm_diag"), opener=opener_of(
+        FakeDcgm(fixture("dcgm3_r2_warn_printed_as_fail.json"))))
+    pcie = next(r for r in results if r.target == "gpu:5")
+    assert (pcie.metric, pcie.status) == ("diag_monitor", Status.WARN)
+    assert "printed this WARN as 'Fail'" in pcie.evidence["note"]
+    persistence = next(r for r in results if r.target == "gpu:0")
+    assert persistence.metric == "diag_config"
+    # MONITOR and CONFIG are both WARN: nothing here drains the node
+    assert GRADER.grade(results).level is Level.WARN
+
+
+def test_iterations_failure_is_one_result_naming_the_failing_iteration():
+    results = dcgm_diag.run(ctx_for("dcgm_diag", level=1, iterations=3), opener=opener_of(
+        FakeDcgm(fixture("dcgm4_r1_iterations_fail.json"))))
+    (finding,) = results
+    assert (finding.target, finding.metric) == ("gpu:1", "diag_reset")
+    assert finding.evidence["iterations_with_finding"] == [2]
+    assert GRADER.grade(results).level is Level.ERROR
+
+
+def test_runtime_error_is_an_error_result_and_blocks_delivery():
+    results = dcgm_diag.run(ctx_for("dcgm_diag"),
+                            opener=opener_of(FakeDcgm(fixture("dcgm4_runtime_error.json"))))
+    (err,) = results
+    assert err.status is Status.ERROR
+    assert "paused" in err.detail
+    assert GRADER.grade(results, mode="delivery").level is Level.ERROR
+
+
+def test_bindings_timeout_is_an_error_result_not_a_crash():
+    source = FakeDcgm(diag_error=DcgmTimeout("DCGM diagnostic did not return within 5 s"))
+    (err,) = dcgm_diag.run(ctx_for("dcgm_diag"), opener=opener_of(source))
+    assert (err.status, err.metric) == (Status.ERROR, "diag")
+    assert "did not return" in err.detail
+    assert source.closed
+
+
+def test_bindings_present_but_no_host_engine_is_an_error_not_a_skip():
+    def broken(config):
+        raise DcgmConnectError("DCGM bindings in /x load, but no host engine answered")
+
+    (err,) = dcgm_diag.run(ctx_for("dcgm_diag"), opener=broken)
+    assert err.status is Status.ERROR
+
+
+def test_named_tests_param_runs_those_tests_instead_of_a_level():
+    source = FakeDcgm(fixture("dcgm4_r3_pass.json"))
+    dcgm_diag.run(ctx_for("dcgm_diag", tests="memory, pcie"), opener=opener_of(source))
+    (request, _), = source.requests
+    assert request.run_arg == "memory,pcie"
+
+
+def test_diag_timeout_stays_inside_the_checks_own_timeout():
+    source = FakeDcgm(fixture("dcgm4_r3_pass.json"))
+    dcgm_diag.run(ctx_for("dcgm_diag", timeout_s=3600), opener=opener_of(source))
+    (_, timeout_s), = source.requests
+    assert 0 < timeout_s < 3600
+
+
+@pytest.mark.parametrize("params", [{"level": 7}, {"level": "three"}, {"iterations": 0},
+                                    {"tests": ["memory;rm"]}])
+def test_bad_suite_params_are_an_error_naming_the_param(params):
+    (err,) = dcgm_diag.run(ctx_for("dcgm_diag", **params),
+                           opener=opener_of(FakeDcgm(fixture("dcgm4_r3_pass.json"))))
+    assert err.status is Status.ERROR
+    assert "suite" in err.detail
+
+
+# -- skips ---------------------------------------------------------------------------------------
+
+
+def test_no_bindings_and_no_dcgmi_skips_naming_paths_searched_and_package(tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no dcgmi anywhere
+    opener = lambda config: open_dcgm(config, candidates=[tmp_path / "absent"])  # noqa: E731
+    (skip,) = dcgm_diag.run(ctx_for("dcgm_diag"), opener=opener)
+    assert skip.status is Status.SKIP
+    assert str(tmp_path / "absent") in skip.detail
+    assert "datacenter-gpu-manager" in skip.detail and "dcgmi" in skip.detail
+    (hskip,) = dcgm_health.run(ctx_for("dcgm_health"), opener=opener)
+    assert hskip.status is Status.SKIP and "datacenter-gpu-manager" in hskip.detail
+
+
+def test_default_search_names_the_configured_path_then_the_package_paths(tmp_path):
+    if any((p / "pydcgm.py").exists() for p in BINDINGS_PATHS):
+        pytest.skip("this host has DCGM installed; the search would find it")
+    config = config_from_dict({"dcgm": {"bindings_path": str(tmp_path / "mine")}})
+    with pytest.raises(DcgmUnavailable) as err:
+        open_dcgm(config, candidates=None, loader=lambda p: pytest.fail("nothing to load"))
+    text = str(err.value)
+    assert text.index(str(tmp_path / "mine")) < text.index(str(BINDINGS_PATHS[0]))
+    assert all(str(p) in text for p in BINDINGS_PATHS)
+
+
+def test_configured_bindings_path_is_where_the_bindings_are_loaded_from(tmp_path):
+    (tmp_path / "pydcgm.py").write_text("")
+    loaded = []
+
+    def loader(path):
+        loaded.append(path)
+        raise DcgmConnectError("stop here")
+
+    with pytest.raises(DcgmConnectError):
+        open_dcgm(config_from_dict({"dcgm": {"bindings_path": str(tmp_path)}}), loader=loader)
+    assert loaded == [tmp_path]
+
+
+@pytest.mark.parametrize("module", [dcgm_diag, dcgm_health])
+def test_simulated_node_skips_with_reason(module):
+    (skip,) = module.run(ctx_for(module.__name__.rsplit(".", 1)[1], gpu=SimulatedGpus()),
+                         opener=lambda c: pytest.fail("a simulated node must not open DCGM"))
+    assert skip.status is Status.SKIP and "simulated" in skip.detail
+
+
+@pytest.mark.parametrize("module", [dcgm_diag, dcgm_health])
+def test_host_without_gpu_driver_skips_before_touching_dcgm(module):
+    (skip,) = module.run(ctx_for("x", gpu=AbsentGpuBackend("no NVIDIA driver")),
+                         opener=lambda c: pytest.fail("no GPU: DCGM must not be opened"))
+    assert skip.status is Status.SKIP and "no NVIDIA driver" in skip.detail
+
+
+# -- dcgm_diag through a stand-in dcgmi --------------------------------------------------------
+
+
+def stand_in_dcgmi(tmp_path: Path, body: str) -> Path:
+    """An executable named dcgmi that records its argv and then runs ``body`` (sh)."""
+    path = tmp_path / "dcgmi"
+    path.write_text(f'#!/bin/sh\necho "$@" > "{tmp_path}/argv"\n{body}\n')
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+def run_cli(tmp_path, body, timeout_s=60.0, **params):
+    dcgmi = stand_in_dcgmi(tmp_path, body)
+    return dcgm_diag.run(ctx_for("dcgm_diag", timeout_s=timeout_s, dcgmi=str(dcgmi), **params),
+                         opener=no_bindings)
+
+
+def test_dcgmi_cli_json_with_failed_memory_test_grades_fault_on_gpu2(tmp_path):
+    # dcgmi exits non-zero whenever a test fails; its JSON is then the finding
+    results = run_cli(tmp_path, f'cat "{DATA / "dcgm4_r3_memory_isolate.json"}"\nexit 226')
+    assert (tmp_path / "argv").read_text().split() == ["diag", "-r", "3", "-j"]
+    memory = next(r for r in results if r.evidence.get("test") == "memory")
+    assert (memory.target, memory.metric, memory.evidence["via"]) == ("gpu:2", "diag_isolate",
+                                                                      "dcgmi")
+    assert memory.evidence["error_id"] == 58
+    assert GRADER.grade(results).level is Level.FAULT
+
+
+def test_dcgmi_cli_passing_run_is_a_pass(tmp_path):
+    results = run_cli(tmp_path, f'cat "{DATA / "dcgm4_r3_pass.json"}"', level=2, gpus=[0, 1])
+    assert (tmp_path / "argv").read_text().split() == ["diag", "-r", "2", "-j", "-i", "0,1"]
+    assert [r.status for r in results] == [Status.PASS]
+
+
+def test_dcgmi_truncated_json_is_an_error_not_a_pass(tmp_path):
+    (err,) = run_cli(tmp_path, f'cat "{DATA / "dcgm4_truncated.json"}"')
+    assert err.status is Status.ERROR
+    assert "truncated or malformed" in err.detail
+
+
+def test_dcgmi_exiting_nonzero_without_json_is_an_error_with_its_stderr(tmp_path):
+    (err,) = run_cli(tmp_path, 'echo "Error: unable to establish a connection to the '
+                               'host engine" >&2\nexit 1')
+    assert err.status is Status.ERROR
+    assert "exited 1" in err.detail and "host engine" in err.detail
+
+
+def test_dcgmi_exiting_nonzero_with_a_clean_report_is_still_an_error(tmp_path):
+    (err,) = run_cli(tmp_path, f'cat "{DATA / "dcgm4_r3_pass.json"}"\nexit 3')
+    assert err.status is Status.ERROR and "exited 3" in err.detail
+
+
+def test_dcgmi_that_hangs_is_killed_at_the_checks_timeout_and_is_an_error(tmp_path):
+    (err,) = run_cli(tmp_path, "exec sleep 60", timeout_s=2.0)
+    assert err.status is Status.ERROR
+    assert "did not finish" in err.detail
+
+
+def test_dcgmi_on_path_is_used_when_no_bindings(tmp_path, monkeypatch):
+    stand_in_dcgmi(tmp_path, f'cat "{DATA / "dcgm4_r3_pass.json"}"')
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    (result,) = dcgm_diag.run(ctx_for("dcgm_diag"), opener=no_bindings)
+    assert result.status is Status.PASS and result.evidence["via"] == "dcgmi"
+
+
+def test_dcgmi_argv_passes_iterations_and_a_remote_host_only():
+    argv = dcgm_diag.dcgmi_argv("dcgmi", DiagRequest(level=1, iterations=3), "10.0.0.5")
+    assert argv == ["dcgmi", "diag", "-r", "1", "-j", "--iterations", "3", "--host", "10.0.0.5"]
+    assert "--host" not in dcgm_diag.dcgmi_argv("dcgmi", DiagRequest(), "localhost")
+
+
+# -- dcgm_health -----------------------------------------------------------------------------
+
+
+def incident(system, health, code, gpu, message="m"):
+    return HealthIncident(system=system, health=health, error_code=code, message=message,
+                          entity_id=gpu)
+
+
+def test_health_sets_the_default_watches_and_reports_no_incident_as_pass():
+    source = FakeDcgm(health=HealthReport(overall="pass"))
+    (result,) = dcgm_health.run(ctx_for("dcgm_health"), opener=opener_of(source))
+    assert result.status is Status.PASS
+    assert source.masks == [health_mask(dcgm_health.DEFAULT_SYSTEMS)]
+    assert source.masks[0] == 0x1 | 0x10 | 0x40 | 0x80 | 0x100 | 0x2 | 0x200
+    assert source.closed
+
+
+def test_health_incidents_grade_by_subsystem_and_keep_dcgm_code_and_message():
+    report = HealthReport(overall="fail", incidents=(
+        incident("mem", "fail", 4, 3, "Detected 2 volatile double-bit ECC error(s) in GPU 3."),
+        incident("mem", "warn", 85, 1, "GPU 1 had uncorrectable memory errors and row "
+                                       "remapping is pending."),
+        incident("pcie", "warn", 3, 5, "Detected more than 8 PCIe replays per minute"),
+        incident("thermal", "fail", 42, 0, "Temperature is too high"),
+        incident("power", "pass", None, 0, "")))
+    results = dcgm_health.run(ctx_for("dcgm_health"), opener=opener_of(FakeDcgm(health=report)))
+    by_target = {r.target: r for r in results}
+    assert set(by_target) == {"gpu:3", "gpu:1", "gpu:5", "gpu:0"}  # the PASS is not a finding
+    dbe = by_target["gpu:3"]
+    assert (dbe.metric, dbe.status, dbe.evidence["error_code"]) == ("health_mem", Status.FAIL, 4)
+    assert dbe.evidence["error_name"] == "DCGM_FR_VOLATILE_DBE_DETECTED"
+    assert "double-bit" in dbe.detail
+    assert by_target["gpu:1"].metric == "health_reset_pending"
+    grade = GRADER.grade(results, mode="service")
+    levels = {r.target: (r.rule, r.level) for r in grade.reasons}
+    assert levels == {"gpu:3": ("dcgm-health-hardware-fail", Level.FAULT),
+                      "gpu:1": ("dcgm-health-reset-pending", Level.ERROR),
+                      "gpu:5": ("dcgm-health-warn", Level.WARN),
+                      "gpu:0": ("dcgm-health-fail", Level.ERROR)}
+
+
+def test_health_watch_as_periodic_source_sets_watches_once_and_polls_each_time():
+    source = FakeDcgm(health=HealthReport(overall="pass"))
+    watch = dcgm_health.HealthWatch(source, ["mem", "nvlink"])
+    watch.poll()
+    report = watch.poll()
+    assert source.masks == [0x10 | 0x2] and source.checks == 2
+    assert report.systems == ("mem", "nvlink")
+
+
+def test_unknown_health_system_param_is_an_error_before_dcgm_is_opened():
+    (err,) = dcgm_health.run(ctx_for("dcgm_health", systems=["mem", "gpu_vibes"]),
+                             opener=lambda c: pytest.fail("must not open DCGM"))
+    assert err.status is Status.ERROR and "gpu_vibes" in err.detail
+
+
+def test_health_call_failure_is_an_error_result():
+    class Failing(FakeDcgm):
+        def check_health(self):
+            raise DcgmCallError("DCGM health check failed: DCGM_ST_CONNECTION_NOT_VALID")
+
+    source = Failing()
+    (err,) = dcgm_health.run(ctx_for("dcgm_health"), opener=opener_of(source))
+    assert err.status is Status.ERROR and "CONNECTION_NOT_VALID" in err.detail
+    assert source.closed
+
+
+# -- the real backend's translation, against fake binding modules -------------------------------
+
+
+class FakeDCGMError(Exception):
+    def __init__(self, value):
+        super().__init__(f"DCGM error {value}")
+        self.value = value
+
+
+def fake_bindings(refuse_hostengine=False, refuse_embedded=False, diag_response=None,
+                  health_response=None):
+    calls = SimpleNamespace(handles=[], health_set=[], shutdowns=0)
+
+    class Handle:
+        def __init__(self, ipAddress=None, opMode=None):  # noqa: N803 - the bindings' names
+            if ipAddress and refuse_hostengine:
+                raise FakeDCGMError(-2)
+            if ipAddress is None and refuse_embedded:
+                raise FakeDCGMError(-6)
+            self.handle = f"h-{ipAddress}"
+            calls.handles.append(ipAddress)
+
+        def Shutdown(self):  # noqa: N802
+            calls.shutdowns += 1
+
+    class Diag:
+        def __init__(self, gpuIds=None, testNamesStr="", paramsStr="", verbose=True):  # noqa: N803
+            calls.diag_args = (gpuIds, testNamesStr)
+
+        def Execute(self, handle):  # noqa: N802
+            return diag_response
+
+    agent = SimpleNamespace(
+        dcgmHealthSet=lambda h, g, s: calls.health_set.append((h, g, s)),
+        dcgmUpdateAllFields=lambda h, wait: None,
+        dcgmHealthCheck=lambda h, g: health_response)
+    structs = SimpleNamespace(DCGMError=FakeDCGMError, DCGM_OPERATION_MODE_AUTO=1,
+                              DCGM_GROUP_ALL_GPUS=0x7FFFFFFF)
+    return Bindings(path=Path("/fake/bindings"), pydcgm=SimpleNamespace(DcgmHandle=Handle),
+                    structs=structs, agent=agent, diag=SimpleNamespace(DcgmDiag=Diag)), calls
+
+
+def test_backend_connects_to_the_host_engine_and_says_so():
+    bindings, calls = fake_bindings()
+    source = BindingsDcgm(bindings, hostengine="localhost")
+    source.connect()
+    assert source.connection == "host engine at localhost"
+    assert calls.handles == ["localhost"]
+    source.close()
+    assert calls.shutdowns == 1
+
+
+def test_backend_starts_embedded_engine_when_no_host_engine_answers_and_says_why():
+    bindings, calls = fake_bindings(refuse_hostengine=True)
+    source = BindingsDcgm(bindings, hostengine="localhost")
+    source.connect()
+    assert source.connection.startswith("embedded host engine (no host engine answered at "
+                                        "localhost")
+    assert calls.handles == [None]
+
+
+def test_backend_with_neither_engine_raises_connect_error_saying_what_to_do():
+    bindings, _ = fake_bindings(refuse_hostengine=True, refuse_embedded=True)
+    with pytest.raises(DcgmConnectError, match="systemctl start nvidia-dcgm"):
+        BindingsDcgm(bindings).connect()
+
+
+def ns(**kw):
+    return SimpleNamespace(**kw)
+
+
+def entity(group, eid):
+    return ns(entityGroupId=group, entityId=eid)
+
+
+def test_dcgm4_response_struct_becomes_the_same_model_as_the_json():
+    resp = ns(
+        dcgmVersion=b"4.2.3\0", driverVersion=b"570.124.06\0", systemError=ns(msg=b""),
+        numTests=1, categories=[b"Hardware"],
+        tests=[ns(name=b"memory", categoryIndex=0, numResults=2, resultIndices=[0, 1],
+                  numErrors=1, errorIndices=[0], numInfo=1, infoIndices=[0])],
+        results=[ns(entity=entity(1, 0), result=0), ns(entity=entity(1, 2), result=3)],
+        errors=[ns(entity=entity(1, 2), code=58, category=10, severity=2,
+                   msg=b"A memory mismatch was detected on GPU 2\0")],
+        info=[ns(entity=entity(1, 0), msg=b"Allocated 150215999488 bytes\0")])
+    report = report_from_response(resp)
+    assert (report.format, report.dcgm_version, report.driver_version) == ("dcgm4", "4.2.3",
+                                                                           "570.124.06")
+    (finding,) = report.findings
+    assert (finding.test, finding.category, finding.target) == ("memory", "Hardware", "gpu:2")
+    assert finding.worst_severity == "ISOLATE" and finding.warnings[0].error_id == 58
+    passed = next(r for r in report.results if r.target == "gpu:0")
+    assert passed.info == ("Allocated 150215999488 bytes",)
+
+
+def test_dcgm3_response_struct_with_per_gpu_slots_becomes_the_model():
+    def slot(status, code=0, msg=b"", severity=0):
+        err = ns(code=code, msg=msg, category=10 if code else 0, severity=severity)
+        return ns(status=status, error=[err, ns(code=0, msg=b"", category=0, severity=0)],
+                  info=b"")
+
+    not_run = slot(4)
+    resp = ns(dcgmVersion=b"3.3.5", driverVersion=b"535.154.05", systemError=ns(msg=b""),
+              levelOneTestCount=2, levelOneResults=[slot(0), slot(0)],
+              perGpuResponses=[
+                  ns(gpuId=0, results=[slot(0)] + [not_run] * 9),
+                  ns(gpuId=2, results=[slot(3, 58, b"memory mismatch on GPU 2", 2)]
+                     + [not_run] * 9),
+                  ns(gpuId=32, results=[not_run] * 10)])
+    report = report_from_response(resp)
+    assert report.format == "dcgm3"
+    (finding,) = report.findings
+    assert (finding.test, finding.target, finding.worst_severity) == ("GPU Memory", "gpu:2",
+                                                                      "ISOLATE")
+    assert {r.test for r in report.results if r.target == "node"} == {"Denylist",
+                                                                      "NVML Library"}
+
+
+def test_backend_runs_the_requested_level_and_converts_the_response():
+    resp = ns(dcgmVersion=b"4.2.3", driverVersion=b"", systemError=ns(msg=b""), numTests=0,
+              categories=[], tests=[], results=[], errors=[], info=[])
+    bindings, calls = fake_bindings(diag_response=resp)
+    source = BindingsDcgm(bindings)
+    source.connect()
+    report = source.run_diag(DiagRequest(level=2, gpus=(0, 1)), timeout_s=5)
+    assert calls.diag_args == ([0, 1], "2")
+    assert report.dcgm_version == "4.2.3"
+
+
+def test_backend_health_sets_watches_on_all_gpus_and_reads_incidents():
+    resp = ns(overallHealth=20, incidentCount=1, incidents=[
+        ns(system=0x10, health=20, error=ns(code=4, msg=b"Detected 1 volatile DBE in GPU 3\0"),
+           entityInfo=entity(1, 3)),
+        ns(system=0x1, health=10, error=ns(code=3, msg=b"beyond incidentCount"),
+           entityInfo=entity(1, 0))])
+    bindings, calls = fake_bindings(health_response=resp)
+    source = BindingsDcgm(bindings)
+    source.connect()
+    report = dcgm_health.incidents(source, ["mem"])
+    assert calls.health_set == [("h-localhost", 0x7FFFFFFF, 0x10)]
+    assert report.overall == "fail"
+    (inc,) = report.incidents
+    assert (inc.system, inc.health, inc.error_code, inc.target) == ("mem", "fail", 4, "gpu:3")
+    assert inc.message == "Detected 1 volatile DBE in GPU 3"
+
+
+def test_backend_translates_a_dcgm_api_error_into_dcgm_call_error():
+    bindings, _ = fake_bindings()
+
+    def boom(h, g):
+        raise FakeDCGMError(-15)
+
+    bindings.agent.dcgmHealthCheck = boom
+    source = BindingsDcgm(bindings)
+    source.connect()
+    with pytest.raises(DcgmCallError, match=r"dcgmReturn_t -15"):
+        source.check_health()
+
+
+# -- through the real command, on a simulated node ----------------------------------------------
+
+
+@pytest.mark.parametrize("suite, check", [("delivery", "dcgm_diag"), ("quick", "dcgm_health")])
+def test_simulated_healthy_node_skips_dcgm_with_reason_and_stays_healthy(agent, suite, check):
+    run = agent("accept", "--simulate", str(REPO / "scenarios" / "healthy-h100.yaml"),
+                "--suite", suite, "--only", check, "--json")
+    assert run.code == 0, run.stderr
+    report = run.json()
+    (result,) = report["results"]
+    assert (result["check"], result["status"]) == (check, "skip")
+    assert "simulated node: DCGM is not simulated" in result["detail"]
+    assert report["grade"] == {"level": "HEALTHY", "action": "none", "reasons": []}
