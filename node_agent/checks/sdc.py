@@ -1,0 +1,507 @@
+"""Check ``sdc``: silent-data-corruption probes on every GPU of the node.
+
+The probes are the library's (``node_agent.sdc``, see ``docs/sdc.md``); this module runs them on
+the node's compute devices (``node_agent.compute``: CUDA GPUs, or CPU stand-ins under
+``--simulate`` whose matmul a scenario's ``sdc`` fault corrupts) and turns the verdicts into
+results:
+
+1. round 0, per GPU: the exact-arithmetic GEMM of every (shape, dtype), the digest GEMM of every
+   (shape, dtype) compared with *this GPU's* earlier digest (stored under the state directory
+   per GPU UUID, spec and software stack), and a Freivalds-verified GEMM per dtype;
+2. the round-0 digests compared *across the node's GPUs* (``odd_one_out``): the odd one out
+   is re-run, and only a GPU that differs again is confirmed;
+3. rounds 1.. (``repeats``, or until ``duration_s`` passed): the exact GEMMs again, cycling over
+   ``seeds`` input seeds (the goldens are cached per seed, so the seeds are bounded).
+
+Every mismatch is re-run before it is believed (the library does this): a repeated one is
+``confirmed``, an unrepeated one ``transient``.
+
+Results, one set per GPU (target ``gpu:N``):
+
+- ``sdc_confirmed`` ``fail`` (grade FAULT): names the probe, shape, dtype and how many elements
+  differed, with every non-pass verdict in the evidence;
+- ``sdc_transient`` ``warn`` (grade WARN): a mismatch the re-run did not repeat, kept as evidence;
+- ``sdc_probe_error`` ``error``: a probe that could not run (never a pass);
+- ``sdc_probes`` ``pass``: how many probes ran, all clean; or ``skip`` with the reason.
+
+A stored digest taken with other software (torch, its CUDA, the driver, the GPU name) is not
+compared: digests are bit-exact only within one stack, so the result says the baseline was
+retaken. A GPU that differs from its own history but agrees with a strict majority of the
+node's other GPUs (3 or more compared) had a stale baseline (a software change the fingerprint
+does not see), not SDC: its baseline is replaced and the result says so.
+
+Params: ``shapes`` ([[M, K, N], ...], K <= 256; default the library's), ``dtypes`` (of fp32,
+tf32, bf16, fp16; tf32 is dropped on the CPU, which has no TF32), ``repeats`` (exact-probe
+rounds, default 2), ``duration_s`` (keep running rounds until then; default none), ``seeds``
+(distinct input seeds the rounds cycle over, default 4), ``freivalds_n`` (size of the Freivalds
+GEMM; default 1024 on CUDA, 256 on the CPU; 0 turns it off), ``gpus`` (indices; default all),
+``digest_history`` (default true), ``min_free_mib`` (service mode only: a GPU with less free
+memory is skipped, so a probe never pushes a training job out of memory; default 2048).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .. import compute
+from ..model import Result, Status
+from . import CheckContext
+
+if TYPE_CHECKING:
+    from .. import sdc as sdc_lib
+    from ..compute import ComputeDevice
+
+HISTORY_SCHEMA = "node-agent.sdc-digests/1"
+DEFAULT_REPEATS = 2
+DEFAULT_SEEDS = 4
+DEFAULT_MIN_FREE_MIB = 2048
+ALL_DTYPES = ("fp32", "tf32", "bf16", "fp16")
+#: digest comparison across GPUs needs a strict majority that means something
+MIN_GPUS_FOR_MAJORITY = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What to run on each GPU: specs (seed 0), rounds and the Freivalds size (0 = off)."""
+
+    specs: tuple[sdc_lib.ProbeSpec, ...]
+    repeats: int = DEFAULT_REPEATS
+    duration_s: float | None = None
+    seeds: int = DEFAULT_SEEDS
+    freivalds_n: int = 0
+    freivalds_dtypes: tuple[str, ...] = ("fp32", "bf16")
+
+
+@dataclasses.dataclass
+class GpuRun:
+    """One GPU's verdicts and notes from one run of the check."""
+
+    index: int
+    device: ComputeDevice
+    uuid: str | None = None
+    verdicts: list[sdc_lib.Verdict] = dataclasses.field(default_factory=list)
+    digests: dict[str, str] = dataclasses.field(default_factory=dict)  # spec key -> digest
+    notes: list[str] = dataclasses.field(default_factory=list)
+    rounds: int = 0
+
+    @property
+    def suspect(self) -> bool:
+        return any(v.status in ("confirmed", "transient", "error") for v in self.verdicts)
+
+
+def spec_key(spec: sdc_lib.ProbeSpec) -> str:
+    """Stable name of a probe spec in the digest history, e.g. ``fp32 128x128x128 seed0``."""
+    return f"{spec.label()} seed{spec.seed}"
+
+
+# --------------------------------------------------------------------------------------------
+# Digest history under the state directory
+
+
+class DigestHistory:
+    """Each GPU's earlier digests, per UUID, spec and software fingerprint (a JSON file).
+
+    ``software`` is a dict (torch, its CUDA, driver, GPU name ...); a GPU whose stored
+    fingerprint differs has no usable history, and :meth:`baseline` says what changed.
+    """
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._gpus: dict[str, dict[str, Any]] = {}
+        self.problem: str | None = None
+        if path is not None and path.exists():
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+                if data.get("schema") != HISTORY_SCHEMA:
+                    raise ValueError(f"schema {data.get('schema')!r}, expected {HISTORY_SCHEMA!r}")
+                self._gpus = dict(data["gpus"])
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                self.problem = (f"earlier digests in {path} unreadable ({err}); a new baseline "
+                                "is taken")
+
+    def baseline(self, uuid: str, software: Mapping[str, Any]) -> tuple[dict[str, str], str | None]:
+        """(digests by spec key, why none are usable or None)."""
+        entry = self._gpus.get(uuid)
+        if entry is None:
+            return {}, None
+        stored = entry.get("software", {})
+        if stored != dict(software):
+            changed = ", ".join(f"{k} {stored.get(k)} -> {software.get(k)}"
+                                for k in sorted(set(stored) | set(software))
+                                if stored.get(k) != software.get(k))
+            return {}, (f"earlier digests discarded: software changed ({changed}); digests are "
+                        "bit-exact only within one software stack, a new baseline is taken")
+        return dict(entry.get("digests", {})), None
+
+    def store(self, uuid: str, software: Mapping[str, Any], digests: Mapping[str, str]) -> None:
+        entry = self._gpus.get(uuid)
+        if entry is None or entry.get("software") != dict(software):
+            entry = self._gpus[uuid] = {"software": dict(software), "digests": {}}
+        entry["digests"].update(digests)
+        entry["updated_at"] = time.time()
+
+    def save(self) -> None:
+        """Write atomically (temp file + rename); a crash leaves the old file or the new one."""
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp",
+                                   dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump({"schema": HISTORY_SCHEMA, "gpus": self._gpus}, f, sort_keys=True,
+                          indent=1)
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+
+def history_path(state_dir: Path | None) -> Path | None:
+    return state_dir / "sdc" / "digests.json" if state_dir is not None else None
+
+
+def software_fingerprint(device: ComputeDevice, gpu_name: str | None,
+                         driver: str | None) -> dict[str, Any]:
+    """What a digest depends on besides the GPU itself: torch (and its cuBLAS), CUDA, driver,
+    GPU name; on a CPU stand-in the thread count too (CPU GEMM blocking depends on it)."""
+    import torch
+
+    fp: dict[str, Any] = {"torch": torch.__version__, "torch_cuda": torch.version.cuda,
+                          "driver": driver, "gpu_name": gpu_name,
+                          "device": device.device.type}
+    if device.device.type == "cpu":
+        fp["cpu_threads"] = torch.get_num_threads()
+    return fp
+
+
+# --------------------------------------------------------------------------------------------
+# Probing (pure of the check context: unit tests call this with real CPU devices)
+
+
+def error_verdict(probe: str, spec: sdc_lib.ProbeSpec, dev: ComputeDevice,
+                  err: BaseException) -> sdc_lib.Verdict:
+    """The ``error`` verdict of a probe that raised (it could not run: not a pass)."""
+    from .. import sdc as sdc_lib
+
+    return sdc_lib.Verdict(probe=probe, device=str(dev.device), shape=spec.shape, dtype=spec.dtype,
+                           status="error", mismatched_elements=0,
+                           detail=f"{probe} {spec.label()} could not run: {type(err).__name__}: {err}",
+                           duration_s=0.0, timestamp=time.time())
+
+
+def _guarded(probe: str, spec: sdc_lib.ProbeSpec, dev: ComputeDevice,
+             fn: Callable[..., sdc_lib.Verdict], **kw: Any) -> sdc_lib.Verdict:
+    """``fn(spec, device, matmul, **kw)`` on ``dev``; an exception becomes an error verdict."""
+    try:
+        return fn(spec, dev.device, dev.matmul, **kw)
+    except Exception as err:  # noqa: BLE001 - a probe that cannot run is an error, never a pass
+        return error_verdict(probe, spec, dev, err)
+
+
+def _cross_gpu(runs: Mapping[int, GpuRun], specs: Iterable[sdc_lib.ProbeSpec]) -> None:
+    """Compare round-0 digests across GPUs; re-run the odd one out; record its verdict."""
+    from .. import sdc as sdc_lib
+
+    for spec in specs:
+        key = spec_key(spec)
+        digests = {i: r.digests[key] for i, r in runs.items() if key in r.digests}
+        if len(digests) < 2:
+            continue
+        odd = sdc_lib.odd_one_out(digests)
+        if not odd:
+            continue
+        majority = Counter(digests.values()).most_common(1)[0]
+        for i in odd:
+            run = runs[i]
+            t0 = time.perf_counter()
+            try:
+                again = sdc_lib.digest_probe(spec, run.device.device, run.device.matmul)
+            except Exception as err:  # noqa: BLE001 - reported as the probe's error
+                run.verdicts.append(error_verdict("digest_gemm", spec, run.device, err))
+                continue
+            d1, d2 = digests[i], again.evidence["digest"]
+            confirmed = d2 != majority[0]
+            run.verdicts.append(sdc_lib.Verdict(
+                probe="digest_gemm", device=str(run.device.device), shape=spec.shape,
+                dtype=spec.dtype, status="confirmed" if confirmed else "transient",
+                mismatched_elements=0,
+                detail=(f"digest_gemm {spec.label()}: output sha256 {d1[:16]} differs from the "
+                        f"{majority[1]} of {len(digests)} GPUs that agree on {majority[0][:16]} "
+                        f"(odd one out); "
+                        + ("re-run differed again" if confirmed else "re-run agreed with them")),
+                duration_s=time.perf_counter() - t0, timestamp=time.time(),
+                evidence={"compared": "across GPUs", "digest": d1, "rerun_digest": d2,
+                          "majority_digest": majority[0], "agreeing_gpus": majority[1],
+                          "compared_gpus": sorted(digests)}))
+
+
+def probe_node(runs: Mapping[int, GpuRun], plan: Plan,
+               baselines: Mapping[int, Mapping[str, str]] | None = None,
+               clock: Callable[[], float] = time.monotonic) -> None:
+    """Run the plan on every GPU of ``runs`` (their verdicts are appended in place).
+
+    ``baselines``: per GPU index, earlier digests by :func:`spec_key` (empty: none usable).
+    Rounds run GPU after GPU, so with ``duration_s`` every GPU gets the same number of rounds.
+    """
+    from .. import sdc as sdc_lib
+
+    baselines = baselines or {}
+    start = clock()
+    for i, run in runs.items():
+        dev = run.device
+        for spec in plan.specs:
+            run.verdicts.append(_guarded("exact_gemm", spec, dev, sdc_lib.exact_gemm_probe))
+        for spec in plan.specs:
+            key = spec_key(spec)
+            prev = baselines.get(i, {}).get(key)
+            v = _guarded("digest_gemm", spec, dev, sdc_lib.digest_probe, previous=prev)
+            if "digest" in v.evidence:
+                run.digests[key] = v.evidence["digest"]
+            if v.status != "pass":
+                v.detail += " (compared with this GPU's earlier digest)"
+                v.evidence["compared"] = "with this GPU's earlier digest"
+            run.verdicts.append(v)
+        if plan.freivalds_n > 0:
+            for name in plan.freivalds_dtypes:
+                spec = sdc_lib.ProbeSpec(plan.freivalds_n, plan.freivalds_n, plan.freivalds_n, name)
+                run.verdicts.append(_guarded("freivalds", spec, dev, sdc_lib.freivalds_probe))
+        run.rounds = 1
+    _forgive_stale_history(runs)
+    _cross_gpu(runs, plan.specs)
+    rounds = 1
+    while rounds < plan.repeats or (plan.duration_s is not None and clock() - start < plan.duration_s):
+        seed = rounds % max(1, plan.seeds)
+        for run in runs.values():
+            dev = run.device
+            for spec in plan.specs:
+                s = dataclasses.replace(spec, seed=spec.seed + seed)
+                run.verdicts.append(_guarded("exact_gemm", s, dev, sdc_lib.exact_gemm_probe))
+            run.rounds += 1
+        rounds += 1
+
+
+def _forgive_stale_history(runs: Mapping[int, GpuRun]) -> None:
+    """A GPU that differs from its own earlier digest but agrees with a strict majority of the
+    node's GPUs (>= MIN_GPUS_FOR_MAJORITY compared) has a stale baseline, not SDC."""
+    from .. import sdc as sdc_lib
+
+    for run in runs.values():
+        for n, v in enumerate(run.verdicts):
+            if v.probe != "digest_gemm" or v.status == "pass" or "digest" not in v.evidence:
+                continue
+            spec = sdc_lib.ProbeSpec(*v.shape, dtype=v.dtype)
+            key = spec_key(spec)
+            digests = {i: r.digests[key] for i, r in runs.items() if key in r.digests}
+            if len(digests) < MIN_GPUS_FOR_MAJORITY:
+                continue
+            value, count = Counter(digests.values()).most_common(1)[0]
+            if count * 2 > len(digests) and digests.get(run.index) == value:
+                run.notes.append(f"{key}: differs from this GPU's earlier digest but agrees with "
+                                 f"{count} of {len(digests)} GPUs: the earlier digest was stale "
+                                 "and is replaced")
+                run.verdicts[n] = dataclasses.replace(v, status="pass", evidence={
+                    **v.evidence, "stale_baseline": True})
+
+
+# --------------------------------------------------------------------------------------------
+# Results
+
+
+def _finding(v: sdc_lib.Verdict) -> dict[str, Any]:
+    return {"probe": v.probe, "shape": list(v.shape), "dtype": v.dtype, "status": v.status,
+            "mismatched_elements": v.mismatched_elements, "detail": v.detail}
+
+
+def _summary(verdicts: list[sdc_lib.Verdict]) -> str:
+    probes = Counter(v.probe for v in verdicts)
+    dtypes = sorted({v.dtype for v in verdicts})
+    return (", ".join(f"{p} {n}" for p, n in sorted(probes.items()))
+            + f"; dtypes {', '.join(dtypes)}")
+
+
+def results_for(ctx: CheckContext, run: GpuRun, extra: Mapping[str, Any] | None = None) -> list[Result]:
+    """The results of one GPU's run: confirmed > transient, plus errors; pass when clean."""
+    target = f"gpu:{run.index}"
+    counts = Counter(v.status for v in run.verdicts)
+    findings = [_finding(v) for v in run.verdicts if v.status != "pass"][:20]
+    evidence: dict[str, Any] = {"counts": {s: counts.get(s, 0) for s in ("pass", "transient", "confirmed", "error")},
+                                "probes": len(run.verdicts), "rounds": run.rounds,
+                                "gpu_uuid": run.uuid, "device": run.device.label,
+                                "findings": findings, "notes": list(run.notes), **(extra or {})}
+    n = len(run.verdicts)
+    notes = "".join(f"; note: {x}" for x in run.notes)
+    out: list[Result] = []
+    confirmed = [v for v in run.verdicts if v.status == "confirmed"]
+    transient = [v for v in run.verdicts if v.status == "transient"]
+    errors = [v for v in run.verdicts if v.status == "error"]
+    if confirmed:
+        # An exact-probe verdict says how many elements were wrong; prefer it as the headline.
+        first = next((v for v in confirmed if v.probe == "exact_gemm"), confirmed[0])
+        out.append(ctx.result(
+            target, "sdc_confirmed", Status.FAIL,
+            f"{target}: silent data corruption confirmed (the mismatch repeated on re-run): "
+            f"{first.detail}; {len(confirmed)} of {n} probes confirmed ({_summary(confirmed)}); "
+            "replace the GPU",
+            value=len(confirmed), unit="probes", probe=first.probe, shape=list(first.shape),
+            dtype=first.dtype, mismatched_elements=first.mismatched_elements, **evidence))
+    elif transient:
+        first = transient[0]
+        out.append(ctx.result(
+            target, "sdc_transient", Status.WARN,
+            f"{target}: {len(transient)} of {n} probes mismatched once and matched on re-run "
+            f"(transient; kept as evidence): {first.detail}",
+            value=len(transient), unit="probes", probe=first.probe, shape=list(first.shape),
+            dtype=first.dtype, mismatched_elements=first.mismatched_elements, **evidence))
+    if errors:
+        out.append(ctx.result(
+            target, "sdc_probe_error", Status.ERROR,
+            f"{target}: {len(errors)} of {n} SDC probes could not run: {errors[0].detail}",
+            value=len(errors), unit="probes", **evidence))
+    if not out:
+        out.append(ctx.result(
+            target, "sdc_probes", Status.PASS,
+            f"{target}: {n} SDC probes in {run.rounds} round(s), no mismatch{notes}",
+            value=n, unit="probes", **evidence))
+    for r in out:
+        r.duration_s = sum(v.duration_s for v in run.verdicts)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The check
+
+
+def _shapes(p: Mapping[str, Any]) -> tuple[tuple[int, int, int], ...] | None:
+    raw = p.get("shapes")
+    if raw is None:
+        return None
+    shapes = []
+    for s in raw:
+        if not (isinstance(s, (list, tuple)) and len(s) == 3 and all(isinstance(x, int) and x > 0 for x in s)):
+            raise ValueError(f"params.shapes: {s!r} is not [M, K, N] of positive integers")
+        shapes.append(tuple(s))
+    return tuple(shapes)
+
+
+def make_plan(p: Mapping[str, Any], on_cuda: bool) -> tuple[Plan, list[str]]:
+    """The plan from a suite's params (ValueError naming the bad param); notes for the result."""
+    from .. import sdc as sdc_lib
+
+    notes = []
+    dtypes = list(p.get("dtypes", ALL_DTYPES))
+    unknown = [d for d in dtypes if d not in ALL_DTYPES]
+    if unknown:
+        raise ValueError(f"params.dtypes: {unknown} not among {list(ALL_DTYPES)}")
+    if not on_cuda and "tf32" in dtypes:
+        dtypes.remove("tf32")
+        if "tf32" in p.get("dtypes", ()):
+            notes.append("tf32 not probed: the CPU has no TF32 tensor cores")
+    shapes = _shapes(p) or sdc_lib.DEFAULT_SHAPES
+    specs = tuple(sdc_lib.ProbeSpec(*shape, dtype=d) for shape in shapes for d in dtypes)
+    for s in specs:
+        sdc_lib.golden(s)  # a shape that could round is a suite error, said up front
+    duration = p.get("duration_s")
+    plan = Plan(specs=specs, repeats=max(1, int(p.get("repeats", DEFAULT_REPEATS))),
+                duration_s=float(duration) if duration is not None else None,
+                seeds=max(1, int(p.get("seeds", DEFAULT_SEEDS))),
+                freivalds_n=int(p.get("freivalds_n", 1024 if on_cuda else 256)),
+                freivalds_dtypes=tuple(d for d in ("fp32", "bf16", "tf32")
+                                       if d in dtypes and (on_cuda or d != "tf32")))
+    return plan, notes
+
+
+def gpu_indices(ctx: CheckContext) -> list[int]:
+    """The GPUs to probe: ``params.gpus`` or every GPU the inventory read."""
+    have = [g.index for g in ctx.inventory.gpus]
+    wanted = ctx.params.get("gpus")
+    return have if wanted is None else [i for i in have if i in set(wanted)]
+
+
+def _free_mib(dev: ComputeDevice) -> tuple[float, float] | None:
+    if dev.device.type != "cuda":
+        return None
+    import torch
+
+    free, total = torch.cuda.mem_get_info(dev.device)
+    return free / 2**20, total / 2**20
+
+
+def run(ctx: CheckContext) -> list[Result]:
+    unavailable = ctx.gpus_unavailable()
+    if unavailable:
+        return unavailable
+    indices = gpu_indices(ctx)
+    if not indices:
+        return [ctx.skip("no GPUs visible: nothing to probe for silent data corruption")]
+    try:
+        specs = compute.compute_specs(indices, ctx.scenario)
+    except compute.ComputeUnavailable as err:
+        return [ctx.skip(str(err))]
+    on_cuda = not ctx.simulated
+    try:
+        plan, plan_notes = make_plan(ctx.params, on_cuda)
+    except ValueError as err:
+        return [ctx.result("node", "sdc_probe_error", Status.ERROR,
+                           f"sdc check parameters are invalid: {err} (fix the suite file)")]
+    gpus = {g.index: g for g in ctx.inventory.gpus}
+    history = DigestHistory(history_path(ctx.state_dir)
+                            if ctx.params.get("digest_history", True) else None)
+    min_free = float(ctx.params.get("min_free_mib", DEFAULT_MIN_FREE_MIB))
+    runs: dict[int, GpuRun] = {}
+    baselines: dict[int, dict[str, str]] = {}
+    software: dict[int, dict[str, Any]] = {}
+    out: list[Result] = []
+    for spec in specs:
+        target = spec.target
+        try:
+            dev = compute.open_device(spec)
+        except Exception as err:  # noqa: BLE001 - a device that cannot open is an error result
+            out.append(ctx.result(target, "sdc_probe_error", Status.ERROR,
+                                  f"{target}: cannot open the compute device: "
+                                  f"{type(err).__name__}: {err}"))
+            continue
+        if ctx.mode == "service":
+            mem = _free_mib(dev)
+            if mem is not None and mem[0] < min_free:
+                out.append(ctx.result(target, "sdc_probes", Status.SKIP,
+                                      f"{target}: {mem[0]:.0f} MiB free of {mem[1]:.0f} MiB, below "
+                                      f"min_free_mib {min_free:g}: probe skipped so it cannot push a "
+                                      "running job out of memory", free_mib=round(mem[0])))
+                continue
+        info = gpus.get(spec.index)
+        run = runs[spec.index] = GpuRun(spec.index, dev, uuid=info.uuid if info else None)
+        run.notes.extend(plan_notes)
+        software[spec.index] = software_fingerprint(dev, info.name if info else None,
+                                                    ctx.inventory.host.driver)
+        if history.problem:
+            run.notes.append(history.problem)
+        if run.uuid and history.path is not None:
+            base, why = history.baseline(run.uuid, software[spec.index])
+            baselines[spec.index] = base
+            if why:
+                run.notes.append(why)
+    probe_node(runs, plan, baselines)
+    for run in runs.values():
+        if run.uuid and not run.suspect and run.digests:
+            history.store(run.uuid, software[run.index], run.digests)
+        out.extend(results_for(ctx, run, {"simulated": ctx.simulated,
+                                          "software": software[run.index]}))
+    try:
+        history.save()
+    except OSError as err:
+        for r in out:
+            r.evidence.setdefault("notes", []).append(
+                f"digests not saved to {history.path}: {err.strerror}; the next run has no "
+                "earlier digest to compare with")
+    return out
