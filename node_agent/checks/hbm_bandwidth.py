@@ -1,0 +1,85 @@
+"""Check ``hbm_bandwidth``: device-to-device copy bandwidth of each GPU's memory.
+
+Per GPU: two buffers of ``size_bytes`` (default 4 GiB, far beyond any cache, as nvbandwidth and
+BabelStream size theirs) on the device, ``warmup`` untimed copies, then ``reps`` copies each
+timed on the device's clock (synchronise, clock, copy, synchronise, clock). A copy reads and
+writes every byte, so it moves ``2 x size_bytes`` (STREAM/BabelStream "copy" convention);
+GB/s = 10^9 B/s. The GPUs are measured one at a time, round-robin per repetition, so anything
+that disturbs the host for a moment (another process, a page-cache flush) lands on all GPUs
+alike instead of on the one being measured.
+
+Result per GPU (target ``gpu:N``): ``copy_gbps`` = median over reps, with max, min and the
+figures of the run in evidence. Graded against the GPU's siblings (graders/performance.yaml)
+and, on real hardware only, the SKU's ``hbm_bw_gbps_min``.
+
+Under ``--simulate`` each GPU is a CPU stand-in (``node_agent.compute``): the same code copies
+CPU tensors at the suite's ``simulated`` size, and a ``slow`` GPU's clock runs slow.
+Params: ``size_bytes`` (4 GiB), ``reps`` (10), ``warmup`` (2), ``sample_min_s`` (0: one copy
+per repetition; the simulated suite sets a fraction of a millisecond so that each timed sample
+of its small CPU copies is well above the resolution of CPU-time accounting).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..compute import ComputeDevice, open_device
+from ..model import Result
+from . import CheckContext
+from .transfer import copy_bytes, error_results, grade_figures, open_specs, rep_stats, timed
+
+DEFAULT_SIZE_BYTES = 4 << 30
+DEFAULT_REPS = 10
+DEFAULT_WARMUP = 2
+METRIC = "copy_gbps"
+
+
+def run(ctx: CheckContext) -> list[Result]:
+    specs, unavailable = open_specs(ctx)
+    if unavailable:
+        return unavailable
+    size = int(ctx.params.get("size_bytes", DEFAULT_SIZE_BYTES))
+    reps = max(1, int(ctx.params.get("reps", DEFAULT_REPS)))
+    warmup = max(0, int(ctx.params.get("warmup", DEFAULT_WARMUP)))
+    sample_min_s = float(ctx.params.get("sample_min_s", 0.0))
+    import torch
+
+    out: list[Result] = []
+    devices: dict[int, tuple[ComputeDevice, Any, Any]] = {}
+    for spec in specs:
+        try:
+            dev = open_device(spec)
+            src = torch.ones(size, dtype=torch.uint8, device=dev.device)
+            dst = torch.empty_like(src)
+            for _ in range(warmup):
+                dst.copy_(src)
+            dev.synchronize()
+            devices[spec.index] = (dev, src, dst)
+        except Exception as err:  # noqa: BLE001 - one GPU's failure is that GPU's result
+            out.extend(error_results(ctx, [METRIC], spec.index, err,
+                                     f"allocating 2 x {size} B and warming up"))
+    times: dict[int, list[float]] = {i: [] for i in devices}
+    failed: set[int] = set()
+    for _ in range(reps):
+        for index, (dev, src, dst) in devices.items():
+            if index in failed:
+                continue
+            try:
+                times[index].append(timed(dev, lambda d=dst, s=src: d.copy_(s), sample_min_s))
+            except Exception as err:  # noqa: BLE001
+                failed.add(index)
+                out.extend(error_results(ctx, [METRIC], index, err, "the timed copy"))
+    figures: dict[int, float] = {}
+    evidence: dict[int, dict[str, Any]] = {}
+    for index, (dev, _, _) in devices.items():
+        if index in failed:
+            continue
+        stats = rep_stats(copy_bytes(size), times[index])
+        figures[index] = stats.median_gbps
+        evidence[index] = {**stats.evidence(), "size_bytes": size, "bytes_per_copy":
+                           copy_bytes(size), "warmup": warmup,
+                           "counting": "2 x size per copy (read + write)",
+                           "times_s": [round(t, 6) for t in times[index]], **dev.info()}
+    devices.clear()  # free the buffers before grading
+    out.extend(grade_figures(ctx, METRIC, "HBM copy", figures, evidence, "hbm_bw_gbps_min"))
+    return out

@@ -1,0 +1,388 @@
+"""Check ``pcie_bandwidth``: host<->device copy bandwidth per GPU, alone and all together, and
+the PCIe link each GPU trained to, read while it carries traffic.
+
+Per GPU a host buffer (page-locked — pinned — on CUDA, as ``bandwidthTest --memory=pinned``
+and nvbandwidth measure) and a device buffer of ``size_bytes`` (default 256 MiB); ``warmup``
+untimed copies each way, then:
+
+1. **One at a time** (``h2d_gbps``, ``d2h_gbps``): ``reps`` host-to-device and device-to-host
+   copies per GPU, each timed on the device's clock (synchronise, clock, copy, synchronise,
+   clock), round-robin over the GPUs so a passing disturbance of the host hits all GPUs alike.
+   A copy moves ``size_bytes`` once (bandwidthTest's convention); GB/s = 10^9 B/s. The value is
+   the 90th percentile of the repetitions' GB/s (median, max and min are in evidence): a
+   host<->device copy also crosses host memory and the CPU that waits on it, so a busy host
+   slows some repetitions — never speeds one up — and the upper figures are the link's own. On
+   an idle host a GPU's copies agree within a percent or two and p90 is the median; on the
+   shared 2-core CI machine, medians of one simulated GPU's copies dropped to 73% of its
+   siblings' in 1 run of 10 while its p90 stayed within 3% (docs/load_tests.md).
+2. **Link under load** (``pcie_link_under_load``): each GPU copies back to back while another
+   thread reads its link (``GpuDevice.pcie()``, NVML ``nvmlDeviceGetCurrPcieLinkGeneration``/
+   ``Width``); copies continue until the reading has landed. An idle GPU drops its link to a
+   lower generation to save power, so an idle reading says nothing; under load a link below the
+   SKU's ``pcie`` gen/width (or the link's own maximum when there is no SKU) is a degraded
+   link. Readings the backend cannot give are ``skip``.
+3. **All together** (``h2d_gbps_concurrent``, ``d2h_gbps_concurrent``): one thread per GPU,
+   each on its own CUDA stream, started together (a barrier), each copying back to back for the
+   same window of ``concurrent_s`` seconds, timing each copy; a GPU's figure is the 90th
+   percentile of its copies' GB/s (copies the contended host disturbed are left out). GPUs behind one PCIe switch share its uplink, so together they can fall well
+   below their figures alone; the evidence keeps the node's aggregate and its ratio to the sum
+   of the one-at-a-time figures.
+
+Grading: every metric against the GPU's siblings (graders/performance.yaml); on real hardware
+the one-at-a-time figures also against the SKU's ``pcie_h2d_gbps_min``/``pcie_d2h_gbps_min``
+(not the concurrent ones: a healthy shared switch legitimately divides its uplink). Under
+simulation the concurrent figures are reported, not graded (``SIMULATED_TOGETHER``).
+
+Under ``--simulate`` each GPU is a CPU stand-in (``node_agent.compute``): pinned memory is
+skipped (``pin_memory`` needs CUDA) and the "transfers" are CPU-to-CPU tensor copies — the
+evidence says so; a ``slow`` GPU's clock runs slow, the link comes from the simulated NVML.
+Params: ``size_bytes`` (256 MiB), ``reps`` (10), ``warmup`` (2), ``concurrent_s`` (2.0 per
+direction), ``link_timeout_s`` (10), ``worker_timeout_s`` (120 + 2 x concurrent_s),
+``sample_min_s`` (0: one copy per timed sample; see ``transfer.timed``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..compute import ComputeDevice, ComputeSpec, open_device
+from ..gpu.base import GpuDevice, GpuError, NoPermission, NotSupported, PcieLink
+from ..model import Result, Status
+from . import CheckContext
+from .transfer import error_results, grade_figures, open_specs, rep_stats, timed
+
+DEFAULT_SIZE_BYTES = 256 << 20
+DEFAULT_REPS = 10
+DEFAULT_WARMUP = 2
+DEFAULT_LINK_TIMEOUT_S = 10.0
+DEFAULT_CONCURRENT_S = 2.0
+ALONE = ("h2d_gbps", "d2h_gbps")
+TOGETHER = ("h2d_gbps_concurrent", "d2h_gbps_concurrent")
+LINK = "pcie_link_under_load"
+# Measured on the 2-core CI machine (docs/load_tests.md): eight CPU stand-in processes copying
+# at once differ by up to ~8-20% from one another under a busy host — they contend for two
+# cores and their caches, not for a PCIe switch — which would read as a slow GPU.
+SIMULATED_TOGETHER = ("simulated node: CPU stand-ins copying together contend for the host's "
+                      "cores and caches, not for a PCIe switch (graded on real hardware)")
+SIMULATED_NOTE = ("simulated: CPU-to-CPU tensor copies, not pinned (pin_memory needs CUDA); "
+                  "only the figures' ratios to the siblings mean anything")
+
+
+@dataclass
+class _Gpu:
+    """One GPU's buffers and stream for the whole check."""
+
+    dev: ComputeDevice
+    host: Any  # torch.Tensor on the CPU, pinned on CUDA nodes
+    device_buf: Any  # torch.Tensor on the device
+    stream: Any  # torch.cuda.Stream, or None on the CPU
+    times: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in ALONE})
+
+    def stream_context(self):
+        if self.stream is None:
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.cuda.stream(self.stream)
+
+    def h2d(self) -> None:
+        with self.stream_context():
+            self.device_buf.copy_(self.host, non_blocking=True)
+
+    def d2h(self) -> None:
+        with self.stream_context():
+            self.host.copy_(self.device_buf, non_blocking=True)
+
+
+def run(ctx: CheckContext) -> list[Result]:
+    specs, unavailable = open_specs(ctx)
+    if unavailable:
+        return unavailable
+    p = ctx.params
+    size = int(p.get("size_bytes", DEFAULT_SIZE_BYTES))
+    reps = max(1, int(p.get("reps", DEFAULT_REPS)))
+    warmup = max(0, int(p.get("warmup", DEFAULT_WARMUP)))
+    link_timeout = float(p.get("link_timeout_s", DEFAULT_LINK_TIMEOUT_S))
+    window_s = float(p.get("concurrent_s", DEFAULT_CONCURRENT_S))
+    sample_min_s = float(p.get("sample_min_s", 0.0))
+    # workers start, allocate and warm up, then copy for two windows
+    worker_timeout = float(p.get("worker_timeout_s", 120.0 + 2 * window_s))
+
+    out: list[Result] = []
+    gpus: dict[int, _Gpu] = {}
+    for spec in specs:
+        try:
+            gpus[spec.index] = _setup(spec, size, warmup)
+        except Exception as err:  # noqa: BLE001 - one GPU's failure is that GPU's result
+            out.extend(error_results(ctx, [*ALONE, *TOGETHER], spec.index, err,
+                                     f"allocating 2 x {size} B and warming up"))
+    # 1. one at a time, round-robin per repetition
+    for _ in range(reps):
+        for index, g in list(gpus.items()):
+            try:
+                g.times["h2d_gbps"].append(timed(g.dev, g.h2d, sample_min_s))
+                g.times["d2h_gbps"].append(timed(g.dev, g.d2h, sample_min_s))
+            except Exception as err:  # noqa: BLE001
+                del gpus[index]
+                out.extend(error_results(ctx, [*ALONE, *TOGETHER], index, err,
+                                         "a timed host<->device copy"))
+    # 2. the link, read while the GPU copies
+    nvml = {d.index: d for d in ctx.gpu.devices()}
+    links = {i: _link_under_load(g, nvml.get(i), link_timeout) for i, g in gpus.items()}
+    # 3. all together, each GPU in its own process (the parent's buffers freed first)
+    alone_specs = [g.dev.spec for g in gpus.values()]
+    infos = {i: {**_memory_note(g), **g.dev.info()} for i, g in gpus.items()}
+    times = {i: g.times for i, g in gpus.items()}
+    gpus.clear()
+    together = _concurrent(alone_specs, size, warmup, window_s, sample_min_s, worker_timeout)
+
+    common = {"size_bytes": size, "warmup": warmup}
+    alone_figures: dict[str, dict[int, float]] = {m: {} for m in ALONE}
+    evidence: dict[str, dict[int, dict[str, Any]]] = {m: {} for m in (*ALONE, *TOGETHER)}
+    for index, per_metric in times.items():
+        info = {**common, **_link_evidence(links[index]), **infos[index]}
+        for metric in ALONE:
+            stats = rep_stats(size, per_metric[metric])
+            alone_figures[metric][index] = stats.p90_gbps  # see the module docstring
+            evidence[metric][index] = {**stats.evidence(), **info}
+    together_figures: dict[str, dict[int, float]] = {m: {} for m in TOGETHER}
+    for metric, alone_metric in zip(TOGETHER, ALONE, strict=True):
+        per_gpu = together[metric]
+        ok = {i: v[0] for i, v in per_gpu.items() if isinstance(v, tuple)}
+        aggregate = sum(ok.values())
+        alone_sum = sum(alone_figures[alone_metric].get(i, 0.0) for i in ok)
+        node = {"node_aggregate_gbps": round(aggregate, 4), "gpus_together": len(ok),
+                "ratio_to_sum_alone": round(aggregate / alone_sum, 4) if alone_sum else None}
+        for index, value in sorted(per_gpu.items()):
+            if isinstance(value, tuple):
+                together_figures[metric][index] = value[0]
+                evidence[metric][index] = {**common, "p90_gbps": round(value[0], 4),
+                                           "median_gbps": round(value[1], 4), "copies": value[2],
+                                           "window_s": window_s, **node, **infos[index]}
+            else:
+                out.extend(error_results(ctx, [metric], index, value,
+                                         "the concurrent host<->device copies"))
+    for metric, what, minimum_key in (("h2d_gbps", "PCIe host-to-device", "pcie_h2d_gbps_min"),
+                                      ("d2h_gbps", "PCIe device-to-host", "pcie_d2h_gbps_min")):
+        out.extend(grade_figures(ctx, metric, what, alone_figures[metric], evidence[metric],
+                                 minimum_key))
+    for metric, what in (("h2d_gbps_concurrent", "PCIe host-to-device with all GPUs together"),
+                         ("d2h_gbps_concurrent", "PCIe device-to-host with all GPUs together")):
+        out.extend(grade_figures(ctx, metric, what, together_figures[metric], evidence[metric],
+                                 None, SIMULATED_TOGETHER if ctx.simulated else None))
+    for index in sorted(links):
+        out.append(link_result(ctx, index, links[index]))
+    return out
+
+
+def _setup(spec: ComputeSpec, size: int, warmup: int) -> _Gpu:
+    import torch
+
+    dev = open_device(spec)
+    cuda = dev.device.type == "cuda"
+    host = torch.ones(size, dtype=torch.uint8, pin_memory=cuda)
+    g = _Gpu(dev=dev, host=host, device_buf=torch.empty(size, dtype=torch.uint8,
+                                                        device=dev.device),
+             stream=torch.cuda.Stream(dev.device) if cuda else None)
+    for _ in range(warmup):
+        g.h2d()
+        g.d2h()
+    dev.synchronize()
+    return g
+
+
+def _memory_note(g: _Gpu) -> dict[str, Any]:
+    if g.dev.simulated:
+        return {"pinned": False, "note": SIMULATED_NOTE}
+    return {"pinned": bool(g.host.is_pinned())}
+
+
+# -- the link under load ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LinkReading:
+    """What one GPU's link read while it copied: a PcieLink, or why there is none."""
+
+    link: PcieLink | None = None
+    error: GpuError | None = None
+    copies_in_flight: int = 0  # copies the GPU ran while the reading was taken
+
+
+def _link_under_load(g: _Gpu, nvml: GpuDevice | None, timeout_s: float) -> LinkReading:
+    """Read ``nvml.pcie()`` on a second thread while this one keeps the GPU copying.
+
+    Copies go two at a time before each synchronise, so the GPU is idle only for the moment
+    between a synchronise and the next launch; they stop once the reading has landed (or
+    ``timeout_s`` passed: a hung driver call is then reported as a timeout)."""
+    if nvml is None:
+        return LinkReading(error=NotSupported("the GPU backend does not list this GPU"))
+    landed = threading.Event()
+    got: dict[str, Any] = {}
+
+    def read() -> None:
+        try:
+            got["link"] = nvml.pcie()
+        except GpuError as err:
+            got["error"] = err
+        finally:
+            landed.set()
+
+    copies = 0
+    g.h2d()  # load first, then read
+    copies += 1
+    reader = threading.Thread(target=read, name=f"pcie-link-gpu{g.dev.spec.index}", daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout_s
+    while not landed.is_set() and time.monotonic() < deadline:
+        g.h2d()
+        g.d2h()
+        copies += 2
+        g.dev.synchronize()
+    g.dev.synchronize()
+    if not landed.is_set():
+        from ..gpu.base import GpuTimeout
+
+        return LinkReading(error=GpuTimeout(f"reading the PCIe link did not return within "
+                                            f"{timeout_s:g} s; the driver may be hung"),
+                           copies_in_flight=copies)
+    return LinkReading(link=got.get("link"), error=got.get("error"), copies_in_flight=copies)
+
+
+def _link_evidence(reading: LinkReading) -> dict[str, Any]:
+    if reading.link is None:
+        return {"link_under_load": None}
+    link = reading.link
+    return {"link_under_load": f"Gen{link.gen_current} x{link.width_current}"}
+
+
+def link_result(ctx: CheckContext, index: int, reading: LinkReading) -> Result:
+    """``pcie_link_under_load`` of one GPU: fail when the loaded link is below the SKU's
+    generation or width (or, without a SKU, below the link's own maximum)."""
+    target = f"gpu:{index}"
+    if reading.link is None:
+        err = reading.error
+        if isinstance(err, (NotSupported, NoPermission)):
+            return ctx.result(target, LINK, Status.SKIP, f"PCIe link not available: {err}")
+        return ctx.result(target, LINK, Status.ERROR,
+                          f"reading the PCIe link of gpu:{index} under load failed: {err}",
+                          error=str(err))
+    link = reading.link
+    sku_pcie = ctx.sku.section("pcie") if ctx.sku else {}
+    want_gen = int(sku_pcie.get("gen") or link.gen_max)
+    want_width = int(sku_pcie.get("width") or link.width_max)
+    source = f"SKU {ctx.sku.id}" if sku_pcie else "the link's maximum"
+    evidence = {"gen_current": link.gen_current, "gen_max": link.gen_max,
+                "width_current": link.width_current, "width_max": link.width_max,
+                "gen_expected": want_gen, "width_expected": want_width,
+                "expected_from": source, "copies_in_flight": reading.copies_in_flight}
+    value = f"Gen{link.gen_current} x{link.width_current}"
+    short = []
+    if link.gen_current < want_gen:
+        short.append(f"Gen{link.gen_current} of Gen{want_gen}")
+    if link.width_current < want_width:
+        short.append(f"x{link.width_current} of x{want_width}")
+    if short:
+        return ctx.result(target, LINK, Status.FAIL,
+                          f"gpu:{index} PCIe link at {' and '.join(short)} ({source}) while "
+                          "copying: a degraded link (reseat or replace the GPU, riser or "
+                          "cable; check the slot)", value=value, **evidence)
+    return ctx.result(target, LINK, Status.PASS,
+                      f"gpu:{index} PCIe link at {value} while copying (expected "
+                      f"Gen{want_gen} x{want_width}, {source})", value=value, **evidence)
+
+
+# -- all GPUs together ------------------------------------------------------------------------
+
+
+_Together = dict[str, dict[int, "tuple[float, float, int] | BaseException"]]
+
+
+def _concurrent(specs: list[ComputeSpec], size: int, warmup: int, window_s: float,
+                sample_min_s: float, timeout_s: float) -> _Together:
+    """Per direction, each GPU's (p90 GB/s, median GB/s, copies) while all GPUs copy at once,
+    or the error it hit.
+
+    One worker process per GPU (its own CUDA context and stream), forked from a forkserver
+    that has imported torch once. A barrier starts them together; each copies back to back
+    until the shared window of ``window_s`` wall-clock seconds has passed, timing each copy on
+    its own device clock. The figure is the 90th percentile of the copies' GB/s: with every
+    GPU's process contending for the host, a copy the host disturbed (a context switch, a cache
+    another process evicted) is slower, never faster, so the upper figures are the link's own;
+    in the steady state of a GPU copy they equal the median anyway. A fixed window rather than a fixed
+    number of copies keeps every GPU loaded for the whole measurement (a fast GPU does not
+    finish early and leave the switch to the others). Processes rather than threads because a
+    simulated GPU's clock is its process's CPU time: each stand-in then measures its own
+    copies, whatever share of the two CI cores the scheduler gave it."""
+    import multiprocessing
+
+    out: _Together = {m: {} for m in TOGETHER}
+    if not specs:
+        return out
+    mp = multiprocessing.get_context("forkserver")
+    mp.set_forkserver_preload(["torch", "node_agent.compute"])
+    barrier = mp.Barrier(len(specs))
+    queue = mp.Queue()
+    workers = [mp.Process(target=concurrent_worker, name=f"pcie-together-gpu{s.index}",
+                          args=(s, size, warmup, window_s, sample_min_s, barrier, queue,
+                                timeout_s),
+                          daemon=True) for s in specs]
+    for w in workers:
+        w.start()
+    deadline = time.monotonic() + timeout_s
+    pending = {s.index for s in specs}
+    try:
+        while pending and time.monotonic() < deadline:
+            try:
+                index, result = queue.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+            except Exception:  # noqa: BLE001 - queue.Empty: look again until the deadline
+                if not any(w.is_alive() for w in workers) and queue.empty():
+                    break
+                continue
+            pending.discard(index)
+            for metric in TOGETHER:
+                value = result.get(metric) if isinstance(result, dict) else None
+                out[metric][index] = (tuple(value) if value is not None
+                                      else RuntimeError(result.get("error", "no figure")
+                                                        if isinstance(result, dict)
+                                                        else str(result)))
+    finally:
+        for w in workers:
+            w.join(timeout=max(0.0, deadline - time.monotonic()) if w.is_alive() else 0)
+            if w.is_alive():
+                w.kill()
+                w.join(timeout=5)
+        queue.close()
+    for index in pending:
+        for metric in TOGETHER:
+            out[metric][index] = TimeoutError(
+                f"the worker process of gpu:{index} reported nothing within {timeout_s:g} s "
+                "(a hung copy or driver); it was killed")
+    return out
+
+
+def concurrent_worker(spec: ComputeSpec, size: int, warmup: int, window_s: float,
+                      sample_min_s: float, barrier: Any, queue: Any, timeout_s: float) -> None:
+    """One GPU's side of the together measurement (runs in its own process)."""
+    result: dict[str, Any] = {}
+    try:
+        g = _setup(spec, size, warmup)
+        for metric, copy in zip(TOGETHER, (g.h2d, g.d2h), strict=True):
+            barrier.wait(timeout=timeout_s)
+            deadline = time.monotonic() + window_s
+            seconds: list[float] = []
+            while not seconds or time.monotonic() < deadline:
+                seconds.append(timed(g.dev, copy, sample_min_s))
+            stats = rep_stats(size, seconds)
+            result[metric] = (stats.p90_gbps, stats.median_gbps, stats.reps)
+    except threading.BrokenBarrierError:
+        result["error"] = ("abandoned: another GPU's worker failed or did not start in time, so "
+                           "the GPUs could not copy together (see that GPU's result)")
+    except BaseException as err:  # noqa: BLE001 - the parent reports it as this GPU's error
+        barrier.abort()  # the others stop waiting for this one
+        result["error"] = f"{type(err).__name__}: {err}"
+    queue.put((spec.index, result))

@@ -1,0 +1,231 @@
+"""What a simulated node's RDMA hardware and tools show: a sysfs tree and an ``ib_write_bw``.
+
+DESIGN.md ("The simulator") puts faults at the hardware boundary: what sysfs holds and what the
+external tools print. For a scenario's ``hcas``, :func:`rdma_tools` writes, under a directory
+the caller owns (and removes):
+
+* ``sys/class/infiniband/<hca>/ports/1/{state,phys_state,rate,link_layer}`` and
+  ``counters/{link_downed,symbol_error,port_rcv_errors}`` in the kernel's format
+  (``4: ACTIVE``, ``5: LinkUp``, ``400 Gb/sec (4X NDR)``, ``InfiniBand``, zero counters);
+* ``bin/ib_write_bw``, a small Python script that answers like perftest's: ``--help``, and
+  server and client runs that print the real tool's header and bandwidth table (the layout of
+  ``tests/data/perftest/ib_write_bw_gbits.txt``, captured on ConnectX-7 NDR), in ``Gb/sec``
+  with ``--report_gbits`` and ``MiB/sec`` without.
+
+The ``rdma`` check then runs its real code on them: sysfs discovery, the subprocess, the table
+parser and the grading. Faults (``node_agent.scenario``): ``hca_port_down`` (DOWN/Polling, no
+bandwidth test), ``hca_rate`` (the link trained at ``gbps``), ``hca_slow`` (bandwidth times
+``factor``), ``hca_flap`` (``link_downed`` = ``count``).
+
+Nothing here is imported by the real-hardware path; only checks running under ``--simulate``
+call it.
+"""
+
+from __future__ import annotations
+
+import json
+import stat
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .scenario import Scenario
+from .sku import Sku
+
+#: InfiniBand 4X link rates (Gb/s) and the names sysfs prints after them (IBTA; kernel
+#: ``ib_rate_to_mbps``): what ``/sys/class/infiniband/*/ports/*/rate`` reads.
+IB_4X_RATES = {40: "4X QDR", 56: "4X FDR", 100: "4X EDR", 200: "4X HDR", 400: "4X NDR",
+               800: "4X XDR"}
+#: ib_write_bw average / line rate on a healthy port: 388.72 Gb/s on a 400 Gb/s NDR port
+#: (tests/data/perftest/ib_write_bw_gbits.txt, ConnectX-7, 64 KiB messages).
+WRITE_BW_EFFICIENCY = 388.72 / 400
+MSG_SIZE_BYTES = 65536  # ib_write_bw's default message size for a bandwidth run
+
+
+@dataclass(frozen=True)
+class SimHca:
+    """One simulated HCA's port 1 as sysfs would show it, and what ib_write_bw would measure."""
+
+    name: str
+    active: bool
+    rate_gbps: float
+    write_bw_gbps: float
+    counters: dict[str, int] = field(default_factory=dict)
+    link_layer: str = "InfiniBand"
+
+    @property
+    def state(self) -> str:
+        return "4: ACTIVE" if self.active else "1: DOWN"
+
+    @property
+    def phys_state(self) -> str:
+        return "5: LinkUp" if self.active else "2: Polling"
+
+    @property
+    def rate_text(self) -> str:
+        name = IB_4X_RATES.get(int(self.rate_gbps)) if self.rate_gbps.is_integer() else None
+        return f"{self.rate_gbps:g} Gb/sec ({name or '4X'})"
+
+
+@dataclass(frozen=True)
+class SimRdma:
+    """Where :func:`rdma_tools` put the tree and the tool."""
+
+    sysfs_root: Path  # what the rdma check reads instead of /sys/class/infiniband
+    ib_write_bw: Path
+    hcas: tuple[SimHca, ...]
+
+
+def healthy_rate_gbps(sku: Sku | None) -> float:
+    """The line rate of the SKU's HCAs: the lowest 4X rate whose healthy ib_write_bw clears the
+    SKU's ``rdma_port_gbps_min`` (H100/H200: 400 NDR; A100: 200 HDR); 400 without a minimum.
+
+    >>> healthy_rate_gbps(None)
+    400.0
+    """
+    minimum = sku.minimum("rdma_port_gbps_min") if sku else None
+    if minimum is None:
+        return 400.0
+    for rate in sorted(IB_4X_RATES):
+        if rate * WRITE_BW_EFFICIENCY >= minimum:
+            return float(rate)
+    return float(max(IB_4X_RATES))
+
+
+def simulated_hcas(scenario: Scenario, sku: Sku | None) -> tuple[SimHca, ...]:
+    """The scenario's ``hcas`` with its RDMA faults applied."""
+    out = []
+    healthy = healthy_rate_gbps(sku)
+    for name in scenario.hcas:
+        rate = healthy
+        for fault in scenario.hca_faults(name, "hca_rate"):
+            rate = float(fault.params["gbps"])
+        bw = rate * WRITE_BW_EFFICIENCY
+        for fault in scenario.hca_faults(name, "hca_slow"):
+            bw *= float(fault.params["factor"])
+        flaps = sum(int(f.params["count"]) for f in scenario.hca_faults(name, "hca_flap"))
+        out.append(SimHca(name=name, active=not scenario.hca_faults(name, "hca_port_down"),
+                          rate_gbps=rate, write_bw_gbps=round(bw, 2),
+                          counters={"link_downed": flaps, "symbol_error": 0,
+                                    "port_rcv_errors": 0}))
+    return tuple(out)
+
+
+def write_sysfs(hcas: tuple[SimHca, ...], root: Path) -> Path:
+    """``root``/<hca>/ports/1/... for each HCA, as ``/sys/class/infiniband`` lays it out."""
+    root.mkdir(parents=True, exist_ok=True)
+    for hca in hcas:
+        port = root / hca.name / "ports" / "1"
+        (port / "counters").mkdir(parents=True)
+        for name, text in (("state", hca.state), ("phys_state", hca.phys_state),
+                           ("rate", hca.rate_text), ("link_layer", hca.link_layer)):
+            (port / name).write_text(text + "\n")
+        for name, value in hca.counters.items():
+            (port / "counters" / name).write_text(f"{value}\n")
+    return root
+
+
+def write_executable(bindir: Path, name: str, source: str) -> Path:
+    """A Python script ``bindir/name`` run by this interpreter, executable by its owner."""
+    bindir.mkdir(parents=True, exist_ok=True)
+    path = bindir / name
+    path.write_text(f"#!{sys.executable}\n{source}")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+def rdma_tools(scenario: Scenario, sku: Sku | None, workdir: Path) -> SimRdma:
+    """Write the simulated HCAs' sysfs tree and ``ib_write_bw`` under ``workdir``."""
+    hcas = simulated_hcas(scenario, sku)
+    root = write_sysfs(hcas, workdir / "sys" / "class" / "infiniband")
+    figures = {h.name: {"active": h.active, "bw_gbps": h.write_bw_gbps,
+                        "link_layer": h.link_layer} for h in hcas}
+    tool = write_executable(workdir / "bin", "ib_write_bw",
+                            IB_WRITE_BW_SOURCE.replace("@FIGURES@", repr(json.dumps(figures))))
+    return SimRdma(sysfs_root=root, ib_write_bw=tool, hcas=hcas)
+
+
+# The stand-in. It answers at once: the duration (-D) is stated in its table, not spent.
+IB_WRITE_BW_SOURCE = r'''"""ib_write_bw stand-in of a simulated node (written by node_agent.sim_tools; not perftest)."""
+import json
+import sys
+
+FIGURES = json.loads(@FIGURES@)
+VALUED = {"-d", "--ib-dev", "-i", "--ib-port", "-D", "--duration", "-p", "--port", "-x",
+          "--gid-index", "-s", "--size", "-m", "--mtu", "-q", "--qp"}
+DASHES = "-" * 87
+
+args = sys.argv[1:]
+if "-h" in args or "--help" in args:
+    print("Usage:\n  ib_write_bw            start a server and wait for connection\n"
+          "  ib_write_bw <host>     connect to server at <host>\n\nOptions:\n"
+          "  -d, --ib-dev=<dev>  Use IB device <dev>\n"
+          "  -i, --ib-port=<port>  Use port <port> of IB device (default 1)\n"
+          "  -D, --duration  Run test for a customized period of seconds.\n"
+          "  -p, --port=<port>  Listen on/connect to port <port> (default 18515)\n"
+          "  --report_gbits  Report Max/Average BW of test in Gbit/sec (instead of MiB/sec)")
+    sys.exit(0)
+opts, host, i = {}, None, 0
+while i < len(args):
+    a = args[i]
+    if a.startswith("--") and "=" in a:
+        key, value = a.split("=", 1)
+        opts[key] = value
+    elif a in VALUED:
+        opts[a] = args[i + 1] if i + 1 < len(args) else ""
+        i += 1
+    elif a.startswith("-"):
+        opts[a] = True
+    else:
+        host = a
+    i += 1
+dev = opts.get("-d") or opts.get("--ib-dev")
+if dev is None:
+    dev = sorted(FIGURES)[0] if FIGURES else None
+if dev not in FIGURES:
+    print(f" IB device {dev} not found", file=sys.stderr)
+    print(" Unable to find the Infiniband/RoCE device", file=sys.stderr)
+    sys.exit(1)
+fig = FIGURES[dev]
+port = opts.get("-i") or opts.get("--ib-port") or "1"
+if not fig["active"]:
+    print(f" Port number {port} state is Down", file=sys.stderr)
+    print(" Couldn't set the link layer", file=sys.stderr)
+    sys.exit(1)
+duration = float(opts.get("-D") or opts.get("--duration") or 5)
+gbps = float(fig["bw_gbps"])
+size = 65536
+msg_rate_mpps = gbps * 1e9 / 8 / size / 1e6
+iterations = int(msg_rate_mpps * 1e6 * duration)
+if "--report_gbits" in opts:
+    unit, value = "Gb/sec", gbps
+else:
+    unit, value = "MiB/sec", gbps * 1e9 / 8 / 1048576
+link = "IB" if fig["link_layer"] == "InfiniBand" else "Ethernet"
+out = []
+if host is None:
+    out += ["", "************************************", "* Waiting for client to connect... *",
+            "************************************"]
+out += [DASHES,
+        "                    RDMA_Write BW Test",
+        f" Dual-port       : OFF\t\tDevice         : {dev}",
+        " Number of qps   : 1\t\tTransport type : IB",
+        " Connection type : RC\t\tUsing SRQ      : OFF",
+        " PCIe relax order: ON",
+        " ibv_wr* API     : ON",
+        " TX depth        : 128",
+        " CQ Moderation   : 1",
+        " Mtu             : 4096[B]",
+        f" Link type       : {link}",
+        " Max inline data : 0[B]",
+        " rdma_cm QPs\t : OFF",
+        " Data ex. method : Ethernet",
+        DASHES,
+        " local address: LID 0x17 QPN 0x0128 PSN 0x8f2e1c RKey 0x1fff00 VAddr 0x007f1c2a3b4000",
+        " remote address: LID 0x17 QPN 0x0129 PSN 0x3e4c2d RKey 0x1fff01 VAddr 0x007f8a9b5c6000",
+        DASHES,
+        f" #bytes     #iterations    BW peak[{unit}]    BW average[{unit}]   MsgRate[Mpps]",
+        f" {size:<10d} {iterations:<16d} 0.00               {value:.2f} \t\t   {msg_rate_mpps:.6f}",
+        DASHES]
+print("\n".join(out))
+'''

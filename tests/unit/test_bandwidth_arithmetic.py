@@ -1,0 +1,113 @@
+"""The GB/s arithmetic and verdicts of hbm_bandwidth / pcie_bandwidth, without measuring."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from node_agent.checks import CheckContext
+from node_agent.checks.pcie_bandwidth import LinkReading, link_result
+from node_agent.checks.transfer import copy_bytes, gbps, rep_stats, timed
+from node_agent.config import config_from_dict
+from node_agent.gpu.absent import AbsentGpuBackend
+from node_agent.gpu.base import GpuTimeout, NotSupported, PcieLink
+from node_agent.model import Status
+from node_agent.sku import load_sku
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_gbps_is_decimal_gigabytes_per_second():
+    assert gbps(50e9, 1.0) == 50.0
+    assert gbps(256 * 2**20, 0.005) == pytest.approx(53.687, rel=1e-4)  # bandwidthTest-like
+
+
+def test_device_copy_counts_bytes_read_and_written():
+    assert copy_bytes(4 * 2**30) == 8 * 2**30
+    # a 4 GiB copy in 2.86 ms is ~3.0 TB/s of HBM traffic (H100 SXM5 territory)
+    assert gbps(copy_bytes(4 * 2**30), 0.00286) == pytest.approx(3003.5, rel=1e-3)
+
+
+def test_a_clock_that_did_not_advance_is_refused_not_infinite():
+    with pytest.raises(ValueError, match="did not advance"):
+        gbps(1e9, 0.0)
+
+
+def test_rep_stats_median_max_min_p90():
+    stats = rep_stats(10**9, [1.0, 0.5, 0.25, 2.0, 1.0])  # 1, 2, 4, 0.5, 1 GB/s
+    assert (stats.median_gbps, stats.max_gbps, stats.min_gbps, stats.reps) == (1.0, 4.0, 0.5, 5)
+    assert stats.median_gbps <= stats.p90_gbps <= stats.max_gbps
+    assert rep_stats(10**9, [0.5]).p90_gbps == 2.0
+
+
+def test_rep_stats_without_repetitions_is_an_error():
+    with pytest.raises(ValueError, match="no repetition"):
+        rep_stats(1, [])
+
+
+class _StepClock:
+    """A device whose clock advances by a set step per reading (fake: a real clock cannot give
+    the exact elapsed times this arithmetic is checked against)."""
+
+    def __init__(self, steps):
+        self._steps = list(steps)
+        self.now = 0.0
+        self.synced = 0
+
+    def synchronize(self):
+        self.synced += 1
+
+    def clock(self):
+        self.now += self._steps.pop(0)
+        return self.now
+
+
+def test_timed_synchronises_and_divides_by_runs_until_min_s_passed():
+    dev = _StepClock([0.0, 0.0, 0.0001, 0.0003])  # start, then 0 / 0.1 ms / 0.4 ms elapsed
+    calls = []
+    seconds = timed(dev, lambda: calls.append(1), min_s=0.0002)
+    assert len(calls) == 3 and seconds == pytest.approx(0.0004 / 3)
+    assert dev.synced == 4  # before the start, and after every run
+
+
+def test_timed_keeps_going_while_the_clock_has_not_moved():
+    dev = _StepClock([5.0, 0.0, 0.002])
+    assert timed(dev, lambda: None) == pytest.approx(0.001)
+
+
+def _ctx(sku="h100-sxm5-80gb"):
+    return CheckContext(check="pcie_bandwidth", gpu=AbsentGpuBackend("test"), kernel_log=None,
+                        config=config_from_dict({}), inventory=None,
+                        sku=load_sku(REPO / "graders" / "skus" / f"{sku}.yaml") if sku else None,
+                        expected_gpus=None)
+
+
+def _link(gen, width, gen_max=5, width_max=16):
+    return LinkReading(link=PcieLink(gen, gen_max, width, width_max, 0), copies_in_flight=3)
+
+
+@pytest.mark.parametrize("gen, width, status, words", [
+    (5, 16, Status.PASS, "Gen5 x16 while copying"),
+    (5, 8, Status.FAIL, "x8 of x16"),
+    (4, 16, Status.FAIL, "Gen4 of Gen5"),
+    (3, 4, Status.FAIL, "Gen3 of Gen5 and x4 of x16"),
+])
+def test_link_under_load_graded_against_sku_gen_and_width(gen, width, status, words):
+    result = link_result(_ctx(), 2, _link(gen, width))
+    assert result.status is status and result.target == "gpu:2"
+    assert words in result.detail
+    assert result.evidence["gen_expected"] == 5 and result.evidence["width_expected"] == 16
+
+
+def test_link_without_sku_is_graded_against_its_own_maximum():
+    assert link_result(_ctx(sku=None), 0, _link(4, 16, gen_max=4)).status is Status.PASS
+    bad = link_result(_ctx(sku=None), 0, _link(4, 8, gen_max=4))
+    assert bad.status is Status.FAIL and "the link's maximum" in bad.detail
+
+
+def test_link_not_readable_is_skip_and_a_hung_read_is_error():
+    unsupported = link_result(_ctx(), 1, LinkReading(error=NotSupported("no PCIe info")))
+    assert unsupported.status is Status.SKIP
+    hung = link_result(_ctx(), 1, LinkReading(error=GpuTimeout("did not return")))
+    assert hung.status is Status.ERROR and "did not return" in hung.detail
