@@ -1,0 +1,420 @@
+"""``node-agent daemon``: the agent's in-service life on one node.
+
+Threads, each with one job:
+- main: signals (SIGTERM stops, SIGHUP reloads the config), systemd watchdog pings, noticing a
+  changed simulation scenario, reopening NVML after the driver went away;
+- checks: runs ``suites/periodic.yaml`` by each check's ``every_s`` cadence, one check at a
+  time (never two heavy checks at once), each bounded by its timeout (``runner.run_check``);
+- XID watch: NVML events and the kernel log (``xid_watch``), graded the moment they arrive;
+- HTTP: ``/metrics`` (Prometheus) and ``/healthz`` on loopback.
+Every change of results is re-graded at once; a changed grade goes to ``on_grade`` (the
+remediation hook) and the log. Nothing here exits on a check's failure: a check that raises or
+hangs is an ``error`` result and a rising ``node_agent_check_errors_total``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from .config import Config, load_config
+from .environment import Environment, open_environment
+from .metrics import CheckStats, DaemonCollector, Snapshot
+from .model import Grade, Level, Result, Status
+from .resources import suites_dir
+from .runner import run_check
+from .sd_notify import Notifier
+from .suite import CheckSpec, Suite, load_suite
+from .xid_watch import XidSighting, XidWatch
+from .yamlfile import ConfigError
+
+log = logging.getLogger("node_agent.daemon")
+
+#: called with (new grade, all current results, environment) when the grade changes
+GradeHook = Callable[[Grade, list[Result], Environment], None]
+
+SDC_CHECKS = ("sdc", "sdc_spool")
+
+
+@dataclass
+class _Scheduled:
+    spec: CheckSpec
+    every_s: float
+    next_due: float
+
+
+class Daemon:
+    """One daemon; ``run()`` blocks until ``stop()`` (or SIGTERM) and returns an exit code."""
+
+    def __init__(self, config_path: str | None, simulate: str | None = None, *,
+                 suite: str | None = None, listen: str | None = None,
+                 notifier: Notifier | None = None, on_grade: GradeHook | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._config_path = config_path
+        self._simulate = simulate
+        self._suite_name = suite
+        self._listen_override = listen
+        self._notifier = notifier or Notifier()
+        self._on_grade = on_grade
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._reload = threading.Event()
+        self._wake_checks = threading.Event()
+        # state (under _lock)
+        self.config: Config = load_config(config_path)
+        self.env: Environment = open_environment(self.config, simulate)
+        self.suite: Suite = self._load_suite(self.config)
+        self._schedule = self._make_schedule(self.suite)
+        self._results: dict[str, list[Result]] = {}
+        self._stats: dict[str, CheckStats] = {}
+        self._xid_results: dict[tuple[str, int], Result] = {}
+        self._xid_counts: Counter[tuple[int | None, int]] = Counter()
+        self._sdc: Counter[tuple[str, str]] = Counter()
+        self._actions: Counter[tuple[str, str]] = Counter()
+        self.grade: Grade = Grade(level=Level.HEALTHY, action="none", reasons=())
+        self.last_tick = clock()
+        self._scenario_mtime = self._mtime(simulate)
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(DaemonCollector(self.snapshot))
+        self._server: ThreadingHTTPServer | None = None
+        self.listen_address: tuple[str, int] | None = None
+        self._remediation = None
+        if on_grade is None and self.config.get("daemon.act"):
+            from .daemon_actions import DaemonRemediation
+
+            self._remediation = DaemonRemediation(self.config, simulate, self.record_action)
+            self._on_grade = self._remediation
+        self._watch = XidWatch(lambda: self.env.gpu, lambda: self.env.kernel_log,
+                               self._on_xid, poll_s=float(self.config.get("daemon.xid_poll_s")))
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def _load_suite(self, config: Config) -> Suite:
+        name = self._suite_name or config.get("daemon.suite")
+        return load_suite(name, suites_dir(config))
+
+    def _make_schedule(self, suite: Suite) -> list[_Scheduled]:
+        now = self._clock()
+        default = float(self.config.get("daemon.default_every_s"))
+        return [_Scheduled(spec, float(spec.every_s or default), now) for spec in suite.checks]
+
+    @staticmethod
+    def _mtime(path: str | None) -> float | None:
+        try:
+            return os.stat(path).st_mtime if path else None
+        except OSError:
+            return None
+
+    def _start_http(self) -> None:
+        host, _, port = str(self._listen_override or self.config.get("daemon.listen")).rpartition(":")
+        daemon = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                if self.path.split("?")[0] == "/metrics":
+                    body, ctype, code = generate_latest(daemon._registry), CONTENT_TYPE_LATEST, 200
+                elif self.path.split("?")[0] == "/healthz":
+                    healthy, text = daemon.healthz()
+                    body, ctype, code = text.encode(), "text/plain; charset=utf-8", 200 if healthy else 503
+                else:
+                    body, ctype, code = b"not found: try /metrics or /healthz\n", "text/plain", 404
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, fmt: str, *args: object) -> None:
+                log.debug("http: " + fmt, *args)
+
+        try:
+            self._server = ThreadingHTTPServer((host, int(port)), Handler)
+        except OSError as err:
+            raise ConfigError(f"daemon.listen {host}:{port}: cannot listen: {err.strerror}; "
+                              "choose another address in the config (daemon.listen)") from err
+        self._server.daemon_threads = True
+        self.listen_address = self._server.server_address[:2]
+        threading.Thread(target=self._server.serve_forever, name="http", daemon=True).start()
+
+    # -- running --------------------------------------------------------------------------------
+    def run(self, install_signals: bool = True) -> int:
+        self._start_http()
+        if install_signals:
+            signal.signal(signal.SIGTERM, lambda *_: self.stop())
+            signal.signal(signal.SIGINT, lambda *_: self.stop())
+            signal.signal(signal.SIGHUP, lambda *_: self._reload.set())
+        if self._remediation is not None:
+            self._remediation.start(self.env)
+        self._watch.start()
+        threading.Thread(target=self._checks_loop, name="checks", daemon=True).start()
+        log.info("node-agent daemon up: %s, suite %s (%d checks), metrics on http://%s:%d/metrics%s",
+                 self.env.inventory.host.hostname, self.suite.name, len(self.suite.checks),
+                 *self.listen_address, " (SIMULATED)" if self.env.simulated else "")
+        self._notifier.ready(f"watching {len(self.env.inventory.gpus)} GPU(s)")
+        interval = min(0.25, self._notifier.watchdog_interval_s or 0.25)
+        next_nvml_retry = self._clock() + float(self.config.get("daemon.nvml_retry_s"))
+        while not self._stop.wait(interval):
+            self.last_tick = self._clock()
+            self._notifier.watchdog()
+            if self._reload.is_set():
+                self._reload.clear()
+                self.reload_config()
+            if self._simulate and self._mtime(self._simulate) != self._scenario_mtime:
+                self._reopen("the scenario file changed")
+            elif not self._simulate and self.env.gpu.unavailable_reason \
+                    and self.last_tick >= next_nvml_retry:
+                next_nvml_retry = self.last_tick + float(self.config.get("daemon.nvml_retry_s"))
+                self._reopen("retrying NVML", only_if_gpus=True)
+        self._shutdown()
+        return 0
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake_checks.set()
+
+    def _shutdown(self) -> None:
+        self._notifier.stopping()
+        log.info("node-agent daemon stopping")
+        self._watch.stop(timeout_s=1.5)
+        if self._remediation is not None:
+            self._remediation.stop(timeout_s=1.5)
+        if self._server:
+            self._server.shutdown()
+            self._server.server_close()
+        with self._lock:
+            self.env.close()
+
+    def healthz(self) -> tuple[bool, str]:
+        """Healthy while the main loop ticks; the grade is in the body, not the status code
+        (a FAULT node's agent is working as intended)."""
+        age = self._clock() - self.last_tick
+        if age > 10:
+            return False, f"stalled: main loop last ticked {age:.0f} s ago\n"
+        return True, f"ok {self.grade.level.name}\n"
+
+    # -- configuration and environment ----------------------------------------------------------
+    def reload_config(self) -> bool:
+        """SIGHUP: a new config that does not load is refused and the old one kept."""
+        self._notifier.reloading()
+        try:
+            config = load_config(self._config_path)
+            suite = self._load_suite(config)
+            env = open_environment(config, self._simulate)
+        except ConfigError as err:
+            log.error("CONFIG RELOAD REFUSED, keeping the running configuration: %s", err)
+            self._notifier.ready("config reload refused")
+            return False
+        with self._lock:
+            old, self.env, self.config, self.suite = self.env, env, config, suite
+            self._schedule = self._make_schedule(suite)
+            self._results = {k: v for k, v in self._results.items()
+                             if k in {c.check for c in suite.checks}}
+        old.close()
+        log.info("configuration reloaded from %s", config.source)
+        self._notifier.ready("config reloaded")
+        self._wake_checks.set()
+        return True
+
+    def _reopen(self, why: str, only_if_gpus: bool = False) -> None:
+        self._scenario_mtime = self._mtime(self._simulate)
+        try:
+            env = open_environment(self.config, self._simulate)
+        except ConfigError as err:
+            log.error("%s, but the new environment does not load (kept the old one): %s", why, err)
+            return
+        if only_if_gpus and env.gpu.unavailable_reason:
+            env.close()
+            return
+        with self._lock:
+            old, self.env = self.env, env
+            for item in self._schedule:  # re-examine the node at once
+                item.next_due = self._clock()
+        old.close()
+        log.warning("%s: environment reopened (%s, %d GPU(s))", why,
+                    env.inventory.host.gpu_backend, len(env.inventory.gpus))
+        self._wake_checks.set()
+
+    # -- checks ---------------------------------------------------------------------------------
+    def _checks_loop(self) -> None:
+        shared: dict = {}
+        while not self._stop.is_set():
+            with self._lock:
+                due = min(self._schedule, key=lambda s: s.next_due, default=None)
+                env = self.env
+            if due is None:
+                self._wake_checks.wait(5)
+                self._wake_checks.clear()
+                continue
+            delay = due.next_due - self._clock()
+            if delay > 0:
+                self._wake_checks.wait(delay)
+                self._wake_checks.clear()
+                continue
+            due.next_due = self._clock() + due.every_s
+            started = time.time()
+            t0 = self._clock()
+            try:
+                if due.spec.check in self.config.get("daemon.subprocess_checks"):
+                    results = self._run_in_subprocess(due.spec)
+                else:
+                    results = run_check(due.spec, env, "service", shared)
+            except Exception as err:  # noqa: BLE001 - run_check itself must not kill the loop
+                log.exception("running %s failed", due.spec.check)
+                results = [Result(check=due.spec.check, target="node", metric="crashed",
+                                  status=Status.ERROR, detail=f"{type(err).__name__}: {err}")]
+            self._record(due.spec.check, results, started, self._clock() - t0)
+
+    def _run_in_subprocess(self, spec: CheckSpec) -> list[Result]:
+        """Run a compute check as ``node-agent check`` in a child process.
+
+        Compute checks import torch (hundreds of MB resident); the daemon stays small by never
+        importing it. The child's report carries the results; its failure is an error result.
+        """
+        import json
+        import sys
+        import tempfile
+
+        import yaml
+
+        from . import proc
+        from .model import Report, ReportFormatError
+
+        with tempfile.TemporaryDirectory(prefix="node-agent-check-") as tmp:
+            suite_path = Path(tmp) / f"{spec.check}.yaml"
+            suite_path.write_text(yaml.safe_dump({
+                "name": f"periodic-{spec.check}", "mode": "service",
+                "checks": [{"check": spec.check, "timeout_s": spec.timeout_s,
+                            "params": spec.params}]}))
+            argv = [sys.executable, "-m", "node_agent.cli", "check", "--suite", str(suite_path),
+                    "--json", "--out", tmp]
+            if self._config_path:
+                argv += ["--config", self._config_path]
+            if self._simulate:
+                argv += ["--simulate", self._simulate]
+            done = proc.run(argv, timeout_s=spec.timeout_s + 60)
+        if done.returncode in (0, 3, 4):
+            try:
+                return Report.from_dict(json.loads(done.stdout)).results
+            except (ValueError, KeyError, TypeError, ReportFormatError) as err:
+                detail = f"unreadable report from the child process: {err}"
+        else:
+            detail = done.describe_failure()
+        return [Result(check=spec.check, target="node", metric="ran", status=Status.ERROR,
+                       detail=f"check {spec.check} in a child process failed: {detail}")]
+
+    def run_check_now(self, check: str) -> list[Result]:
+        """Run one scheduled check immediately (tests, ``--once``)."""
+        spec = next(s.spec for s in self._schedule if s.spec.check == check)
+        started, t0 = time.time(), self._clock()
+        results = run_check(spec, self.env, "service", {})
+        self._record(check, results, started, self._clock() - t0)
+        return results
+
+    def _record(self, check: str, results: list[Result], started: float, duration: float) -> None:
+        worst = max((r.status for r in results), key=_STATUS_ORDER.index, default=None)
+        with self._lock:
+            stats = self._stats.setdefault(check, CheckStats())
+            stats.runs += 1
+            stats.errors += any(r.status is Status.ERROR for r in results)
+            stats.last_run_unix = started + duration
+            stats.last_duration_s = duration
+            stats.worst_status = worst.value if worst else None
+            if check == "xid":
+                # an XID stays part of the grade for the daemon's life, whichever window the
+                # check read; the watch's sightings live in the same place
+                for r in results:
+                    if r.metric == "xid" and r.status is Status.FAIL:
+                        self._xid_results.setdefault((r.target, int(r.value)), r)
+                results = [r for r in results if not (r.metric == "xid" and r.status is Status.FAIL)]
+            self._results[check] = results
+            if check in SDC_CHECKS:
+                for r in results:
+                    if r.target.startswith("gpu:"):
+                        self._sdc[(r.target, _SDC_OUTCOME[r.status])] += 1
+        if worst is Status.ERROR:
+            log.warning("check %s could not run: %s", check,
+                        "; ".join(r.detail for r in results if r.status is Status.ERROR)[:500])
+        self._regrade(f"check {check}")
+
+    # -- XIDs -----------------------------------------------------------------------------------
+    def _on_xid(self, sighting: XidSighting) -> None:
+        with self._lock:
+            env = self.env
+            index = sighting.gpu_index
+            if index is None and sighting.pci_bus:
+                from .kernel_log import normalise_bus
+
+                index = next((g.index for g in env.inventory.gpus
+                              if normalise_bus(g.pci_bus_id) == sighting.pci_bus), None)
+            target = f"gpu:{index}" if index is not None else f"pci:{sighting.pci_bus or '?'}"
+            self._xid_counts[(index, sighting.code)] += 1
+            key = (target, sighting.code)
+            count = sum(n for (i, c), n in self._xid_counts.items()
+                        if c == sighting.code and i == index)
+            first = key not in self._xid_results
+            self._xid_results[key] = Result(
+                check="xid", target=target, metric="xid", status=Status.FAIL, value=sighting.code,
+                detail=f"Xid {sighting.code} on {target} seen by the daemon's watch "
+                       f"({sighting.source}): {sighting.line}",
+                evidence={"count": count, "source": sighting.source, "line": sighting.line})
+        if first:
+            level, name = env.grader.xid_level(sighting.code)
+            log.warning("Xid %d (%s) on %s from %s: %s", sighting.code, name, target,
+                        sighting.source, level.name)
+            self._regrade(f"Xid {sighting.code} on {target}")
+
+    # -- grading --------------------------------------------------------------------------------
+    def current_results(self) -> list[Result]:
+        with self._lock:
+            return ([r for rs in self._results.values() for r in rs]
+                    + list(self._xid_results.values()))
+
+    def _regrade(self, why: str) -> None:
+        with self._lock:
+            results = self.current_results()
+            grade = self.env.grader.grade(results, "service")
+            changed = (grade.level, grade.reasons) != (self.grade.level, self.grade.reasons)
+            previous, self.grade = self.grade, grade
+            env = self.env
+        if not changed:
+            return
+        if grade.level != previous.level:
+            log.warning("grade %s -> %s after %s%s", previous.level.name, grade.level.name, why,
+                        "".join(f"\n  {r.level.name} {r.target}: {r.message}"
+                                for r in grade.reasons[:10]))
+        if self._on_grade is not None:
+            try:
+                self._on_grade(grade, results, env)
+            except Exception:  # noqa: BLE001 - remediation trouble must not stop the watch
+                log.exception("acting on grade %s failed", grade.level.name)
+
+    def record_action(self, action: str, outcome: str) -> None:
+        with self._lock:
+            self._actions[(action, outcome)] += 1
+
+    # -- metrics --------------------------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            return Snapshot(
+                hostname=self.env.inventory.host.hostname, level=self.grade.level,
+                checks={k: CheckStats(**vars(v)) for k, v in self._stats.items()},
+                results=self.current_results(),
+                gpu_uuids={g.index: g.uuid for g in self.env.inventory.gpus},
+                xid_counts=dict(self._xid_counts), sdc_outcomes=dict(self._sdc),
+                actions=dict(self._actions), simulated=self.env.simulated)
+
+
+_STATUS_ORDER = [Status.SKIP, Status.PASS, Status.WARN, Status.FAIL, Status.ERROR]
+_SDC_OUTCOME = {Status.PASS: "pass", Status.WARN: "transient", Status.FAIL: "confirmed",
+                Status.ERROR: "error", Status.SKIP: "skipped"}
+

@@ -1,0 +1,111 @@
+"""The daemon's remediation: grade changes become actions through the configured adapter.
+
+One thread owns the store (SQLite connections stay on the thread that opened them) and the
+adapter; grade changes are queued to it, so a slow scheduler never delays the XID watch. Only
+the latest grade matters: when several changes queue up while an action runs, the thread acts
+on the newest. On start it completes, once, any action a crash left half done (the journal).
+All the guards of ``remediator.Remediator`` apply; the daemon adds none and skips none.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from . import __version__
+from .config import Config
+from .environment import Environment
+from .model import Grade, Report, Result, utc_now
+
+log = logging.getLogger("node_agent.daemon.actions")
+
+_STOP = object()
+
+
+class DaemonRemediation:
+    """Callable as the daemon's ``on_grade`` hook; ``record`` counts actions for /metrics."""
+
+    def __init__(self, config: Config, simulate: str | None,
+                 record: Callable[[str, str], None]) -> None:
+        from .remediation_cli import _open_adapter, node_name
+
+        self._config = config
+        self._simulate = simulate
+        self._record = record
+        self.adapter = _open_adapter(config, None)  # ConfigError (exit 2) before anything runs
+        self.node = node_name(config, simulate)
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="remediation", daemon=True)
+
+    def start(self, env: Environment) -> None:
+        self._env = env
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        self._queue.put(_STOP)
+        self._thread.join(timeout_s)
+
+    def __call__(self, grade: Grade, results: list[Result], env: Environment) -> None:
+        self._queue.put((grade, results, env))
+
+    def _loop(self) -> None:
+        from .store import open_store
+
+        store = open_store(self._config.state_dir)
+        try:
+            self._act(store, None)  # crash recovery first
+            while True:
+                item = self._queue.get()
+                while not self._queue.empty():  # act on the newest grade only
+                    newer = self._queue.get()
+                    item = newer if item is not _STOP else item
+                if item is _STOP:
+                    return
+                self._act(store, item)
+        finally:
+            store.close()
+
+    def _act(self, store, item) -> None:
+        from .remediation import Safety
+        from .remediation_cli import _boot_time, _resetter, _state_dir
+        from .remediator import Remediator
+        from .resources import suites_dir
+        from .runner import run_suite
+        from .suite import load_suite
+
+        env = item[2] if item else self._env
+
+        def retest() -> Grade:
+            quick = load_suite("quick", suites_dir(self._config))
+            return env.grader.grade(run_suite(quick, env), quick.mode)
+
+        remediator = Remediator(
+            store, self.adapter, self.node, Safety.from_config(self._config),
+            state_dir=_state_dir(store), dry_run=bool(self._config.get("adapter.dry_run")),
+            boot_time=time.time() if env.simulated else _boot_time(),
+            gpu_resetter=_resetter(env), retest=retest, kernel_log=env.kernel_log)
+        try:
+            if item is None:
+                outcome = remediator.recover()
+            else:
+                grade, results, _ = item
+                report = Report(host=env.inventory.host, gpus=env.inventory.gpus,
+                                suite="daemon", mode="service", started_at=utc_now(),
+                                finished_at=utc_now(), results=results, grade=grade,
+                                simulated=env.simulated, agent_version=__version__,
+                                sku=env.sku.id if env.sku else None)
+                outcome = remediator.remediate(report)
+        except Exception:  # noqa: BLE001 - the daemon outlives a remediation bug; logged loudly
+            log.exception("remediation failed; the action stays in the journal for retry")
+            self._record("remediate", "failed")
+            return
+        for rec in outcome.records:
+            self._record(rec.action, rec.outcome)
+            log.warning("action %s via %s: %s (%s)", rec.action, rec.adapter, rec.outcome,
+                        rec.detail)
+        for note in outcome.notes:
+            if note:
+                log.info("remediation: %s", note)

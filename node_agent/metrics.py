@@ -1,0 +1,157 @@
+"""Prometheus metrics of the daemon: one collector that renders the daemon's state each scrape.
+
+Naming follows Prometheus' conventions (base units in names, ``_total`` for counters,
+``_timestamp_seconds``) and dcgm-exporter's labels (``gpu``, ``UUID``-like ``uuid``,
+``hostname``) so dashboards can join ours with theirs. Nothing is registered at import: the
+daemon builds a fresh ``CollectorRegistry`` and registers one :class:`DaemonCollector`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .model import Level, Result, Status
+
+#: result metric of nvml_health -> (Prometheus name, help); values are the readings
+GPU_READINGS: dict[str, tuple[str, str]] = {
+    "temperature": ("node_agent_gpu_temperature_celsius", "GPU core temperature (nvidia-smi "
+                    "temperature.gpu)"),
+    "memory_temperature": ("node_agent_gpu_memory_temperature_celsius",
+                           "HBM temperature where the GPU reports it"),
+    "power": ("node_agent_gpu_power_usage_watts", "GPU power draw (nvidia-smi power.draw)"),
+    "ecc_dbe_volatile": ("node_agent_gpu_ecc_dbe_volatile_errors",
+                         "Uncorrectable (double-bit) ECC errors since the driver loaded"),
+    "ecc_sbe_volatile": ("node_agent_gpu_ecc_sbe_volatile_errors",
+                         "Corrected (single-bit) ECC errors since the driver loaded"),
+    "pcie_replay": ("node_agent_gpu_pcie_replay_errors", "PCIe replay counter"),
+}
+STATUSES = [s.value for s in Status]
+
+
+@dataclass
+class CheckStats:
+    runs: int = 0
+    errors: int = 0                 # runs that produced an ``error`` result (crash, timeout...)
+    last_run_unix: float | None = None
+    last_duration_s: float | None = None
+    worst_status: str | None = None
+
+
+@dataclass
+class Snapshot:
+    """What one scrape renders; built under the daemon's lock, then read without it."""
+
+    hostname: str
+    level: Level
+    checks: dict[str, CheckStats]
+    results: list[Result]                                  # current results, all checks
+    gpu_uuids: dict[int, str]
+    xid_counts: dict[tuple[int | None, int], int]          # (gpu index, code) -> sightings
+    sdc_outcomes: dict[tuple[str, str], int] = field(default_factory=dict)  # (target, outcome)
+    actions: dict[tuple[str, str], int] = field(default_factory=dict)       # (action, outcome)
+    simulated: bool = False
+
+
+class DaemonCollector(Collector):
+    """``collect()`` renders a fresh :class:`Snapshot` from ``snapshot`` at every scrape."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._snapshot()
+        host = [s.hostname]
+
+        up = GaugeMetricFamily("node_agent_up", "1 while the node-agent daemon is running",
+                               labels=["hostname", "simulated"])
+        up.add_metric([s.hostname, str(s.simulated).lower()], 1)
+        yield up
+
+        level = GaugeMetricFamily("node_agent_health_level", "The node's grade: 0 HEALTHY, "
+                                  "1 WARN, 2 ERROR (restart), 3 FAULT (replace)",
+                                  labels=["hostname"])
+        level.add_metric(host, int(s.level))
+        yield level
+        grade = GaugeMetricFamily("node_agent_health", "1 for the node's current grade",
+                                  labels=["hostname", "level"])
+        for lv in Level:
+            grade.add_metric([s.hostname, lv.name], 1 if lv == s.level else 0)
+        yield grade
+
+        status = GaugeMetricFamily("node_agent_check_status", "1 for the worst status of the "
+                                   "check's latest run", labels=["hostname", "check", "status"])
+        last = GaugeMetricFamily("node_agent_check_last_run_timestamp_seconds",
+                                 "When the check last finished (Unix time)",
+                                 labels=["hostname", "check"])
+        duration = GaugeMetricFamily("node_agent_check_duration_seconds",
+                                     "How long the check's latest run took",
+                                     labels=["hostname", "check"])
+        runs = CounterMetricFamily("node_agent_check_runs", "Runs of the check",
+                                   labels=["hostname", "check"])
+        errors = CounterMetricFamily("node_agent_check_errors", "Runs of the check that could "
+                                     "not complete (crash, timeout, tool failure)",
+                                     labels=["hostname", "check"])
+        for name, st in sorted(s.checks.items()):
+            for value in STATUSES:
+                status.add_metric([s.hostname, name, value], 1 if st.worst_status == value else 0)
+            if st.last_run_unix is not None:
+                last.add_metric([s.hostname, name], st.last_run_unix)
+            if st.last_duration_s is not None:
+                duration.add_metric([s.hostname, name], st.last_duration_s)
+            runs.add_metric([s.hostname, name], st.runs)
+            errors.add_metric([s.hostname, name], st.errors)
+        yield from (status, last, duration, runs, errors)
+
+        yield from _gpu_readings(s)
+
+        xids = CounterMetricFamily("node_agent_gpu_xid_errors", "XID errors seen by the "
+                                   "daemon's watch (NVML events and the kernel log), per code",
+                                   labels=["hostname", "gpu", "uuid", "code"])
+        for (gpu, code), count in sorted(s.xid_counts.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+            gpu_label = "" if gpu is None else str(gpu)
+            xids.add_metric([s.hostname, gpu_label, s.gpu_uuids.get(gpu, "") if gpu is not None
+                             else "", str(code)], count)
+        yield xids
+
+        sdc = CounterMetricFamily("node_agent_sdc_probes", "SDC probe verdicts by outcome",
+                                  labels=["hostname", "gpu", "outcome"])
+        for (target, outcome), count in sorted(s.sdc_outcomes.items()):
+            sdc.add_metric([s.hostname, target.removeprefix("gpu:"), outcome], count)
+        yield sdc
+
+        actions = CounterMetricFamily("node_agent_actions", "Remediation actions by kind and "
+                                      "outcome", labels=["hostname", "action", "outcome"])
+        for (action, outcome), count in sorted(s.actions.items()):
+            actions.add_metric([s.hostname, action, outcome], count)
+        yield actions
+
+
+def _gpu_readings(s: Snapshot) -> Iterator[Metric]:
+    families = {metric: GaugeMetricFamily(name, help_, labels=["hostname", "gpu", "uuid"])
+                for metric, (name, help_) in GPU_READINGS.items()}
+    remap = {kind: GaugeMetricFamily(f"node_agent_gpu_row_remap_{kind}",
+                                     f"1 when the GPU reports a row remap {kind}",
+                                     labels=["hostname", "gpu", "uuid"])
+             for kind in ("pending", "failure")}
+    remap_state: dict[int, dict[str, int]] = {}
+    for r in s.results:
+        if not r.target.startswith("gpu:"):
+            continue
+        index = int(r.target[4:])
+        labels = [s.hostname, str(index), s.gpu_uuids.get(index, "")]
+        if r.metric in families and isinstance(r.value, (int, float)) \
+                and not isinstance(r.value, bool):
+            families[r.metric].add_metric(labels, float(r.value))
+        elif r.metric == "row_remap":
+            remap_state.setdefault(index, {"pending": 0, "failure": 0})
+        elif r.metric in ("row_remap_pending", "row_remap_failure"):
+            remap_state.setdefault(index, {"pending": 0, "failure": 0})[r.metric[10:]] = 1
+    for index, state in sorted(remap_state.items()):
+        for kind, value in state.items():
+            remap[kind].add_metric([s.hostname, str(index), s.gpu_uuids.get(index, "")], value)
+    yield from families.values()
+    yield from remap.values()

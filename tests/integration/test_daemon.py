@@ -1,0 +1,311 @@
+"""The daemon, run for real: its HTTP endpoint, its XID watch, its cadence and its survival.
+
+Most tests run ``Daemon`` in this process (on a thread, signals not installed) against the
+simulator, so they can change the scenario and look at state; the signal and Prometheus tests
+run ``node-agent daemon`` as a real subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from node_agent import checks
+from node_agent.daemon import Daemon
+from node_agent.sd_notify import Notifier
+
+PERIODIC = {
+    "name": "test-periodic", "mode": "service",
+    "checks": [{"check": "nvml_health", "timeout_s": 10, "every_s": 1},
+               {"check": "xid", "timeout_s": 10, "every_s": 2, "params": {"since": "boot"}}],
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str, timeout: float = 5) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+    except OSError:  # not listening (yet)
+        return 0, ""
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    return predicate()
+
+
+def metric_value(text: str, name: str, **labels: str) -> float | None:
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+@pytest.fixture
+def node(tmp_path):
+    """A simulated node: scenario file, config, suite; ``write(faults)`` changes the scenario."""
+
+    class Node:
+        scenario = tmp_path / "scenario.yaml"
+        config = tmp_path / "config.yaml"
+        suite = tmp_path / "periodic.yaml"
+        port = free_port()
+
+        def write(self, faults=()):
+            tmp = self.scenario.with_suffix(".tmp")
+            tmp.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 8,
+                                           "faults": list(faults)}))
+            os.replace(tmp, self.scenario)
+
+    n = Node()
+    n.write()
+    n.config.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"),
+                                        "daemon": {"listen": f"127.0.0.1:{n.port}",
+                                                   "xid_poll_s": 0.2}}))
+    n.suite.write_text(yaml.safe_dump(PERIODIC))
+    return n
+
+
+@pytest.fixture
+def running(node):
+    """Start a Daemon in this process; yields it; stops it afterwards."""
+    started: list[Daemon] = []
+    codes: list[int] = []
+
+    def start(**kwargs) -> Daemon:
+        daemon = Daemon(str(node.config), str(node.scenario), suite=str(node.suite), **kwargs)
+        thread = threading.Thread(target=lambda: codes.append(daemon.run(install_signals=False)),
+                                  daemon=True)
+        thread.start()
+        started.append(daemon)
+        assert wait_for(lambda: daemon.listen_address, 10), "daemon did not start listening"
+        return daemon
+
+    yield start
+    for d in started:
+        d.stop()
+
+
+def test_metrics_and_healthz_answer_on_loopback(node, running):
+    daemon = running()
+    base = f"http://127.0.0.1:{node.port}"
+    status, body = get(base + "/healthz")
+    assert status == 200 and body.startswith("ok")
+    wait_for(lambda: metric_value(get(base + "/metrics")[1], "node_agent_check_runs_total",
+                                  check="nvml_health"), 10)
+    status, text = get(base + "/metrics")
+    assert status == 200
+    assert metric_value(text, "node_agent_up") == 1
+    assert metric_value(text, "node_agent_health_level") == 0
+    assert metric_value(text, "node_agent_gpu_temperature_celsius", gpu="3") is not None
+    assert metric_value(text, "node_agent_check_status", check="nvml_health", status="pass") == 1
+    assert daemon.grade.level.name == "HEALTHY"
+
+
+def test_xid_injected_while_running_is_graded_and_exported_within_two_seconds(node, running):
+    daemon = running()
+    base = f"http://127.0.0.1:{node.port}"
+    wait_for(lambda: daemon.snapshot().checks.get("xid"), 10)
+    node.write([{"kind": "xid", "gpu": 5, "code": 79}])
+    injected = time.monotonic()
+
+    def exported():
+        text = get(base + "/metrics")[1]
+        return (metric_value(text, "node_agent_gpu_xid_errors_total", gpu="5", code="79")
+                and metric_value(text, "node_agent_health_level") == 3)
+
+    assert wait_for(exported, 2.0, interval_s=0.02), "Xid 79 not in /metrics within 2 s"
+    latency = time.monotonic() - injected
+    assert daemon.grade.level.name == "FAULT"
+    assert any(r.target == "gpu:5" and "79" in r.message for r in daemon.grade.reasons)
+    print(f"xid injection -> metric latency {latency:.3f} s")
+
+
+def test_check_that_raises_every_time_does_not_stop_the_others(node, running, monkeypatch,
+                                                               tmp_path):
+    boom = tmp_path / "boom_check.py"
+    boom.write_text("def run(ctx):\n    raise RuntimeError('broken on purpose')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(checks.REGISTRY, "boom", "boom_check")
+    suite = dict(PERIODIC, checks=[{"check": "boom", "every_s": 0.2, "timeout_s": 5},
+                                   *PERIODIC["checks"]])
+    node.suite.write_text(yaml.safe_dump(suite))
+    running()
+    base = f"http://127.0.0.1:{node.port}"
+
+    def errors_and_others_ran():
+        text = get(base + "/metrics")[1]
+        errors = metric_value(text, "node_agent_check_errors_total", check="boom") or 0
+        others = metric_value(text, "node_agent_check_runs_total", check="nvml_health") or 0
+        return errors >= 3 and others >= 2
+
+    assert wait_for(errors_and_others_ran, 15), get(base + "/metrics")[1]
+    assert get(base + "/healthz")[0] == 200
+
+
+def test_check_listed_for_a_child_process_runs_there_and_reports_back(node, running):
+    """``daemon.subprocess_checks`` keeps torch out of the daemon; any check can go there."""
+    config = yaml.safe_load(node.config.read_text())
+    config["daemon"]["subprocess_checks"] = ["nvml_health"]
+    node.config.write_text(yaml.safe_dump(config))
+    node.write([{"kind": "row_remap_pending", "gpu": 2}])
+    daemon = running()
+    assert wait_for(lambda: daemon.grade.level.name == "ERROR", 60), daemon.grade
+    assert any(r.target == "gpu:2" for r in daemon.grade.reasons)
+
+
+def test_bad_config_on_reload_is_refused_and_the_old_one_kept(node, running):
+    daemon = running()
+    node.config.write_text("daemon: {listen: [not, a, string]}\n")
+    assert daemon.reload_config() is False
+    assert get(f"http://127.0.0.1:{node.port}/healthz")[0] == 200
+    assert daemon.config.get("daemon.xid_poll_s") == 0.2
+
+
+def test_systemd_readiness_and_watchdog_pings_reach_the_notify_socket(node, running, tmp_path):
+    path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(10)
+    try:
+        running(notifier=Notifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "400000"}))
+        messages = [sock.recv(4096).decode() for _ in range(3)]
+    finally:
+        sock.close()
+    assert messages[0].startswith("READY=1")
+    assert "WATCHDOG=1" in messages[1:]
+
+
+def _start_subprocess(node, *extra) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "node_agent.cli", "daemon", "--config", str(node.config),
+         "--simulate", str(node.scenario), "--suite", str(node.suite), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_sigterm_exits_zero_within_five_seconds(node):
+    proc = _start_subprocess(node)
+    try:
+        assert wait_for(lambda: get(f"http://127.0.0.1:{node.port}/healthz", 1)[0] == 200
+                        if proc.poll() is None else True, 30)
+        assert proc.poll() is None, proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=5)
+    finally:
+        proc.kill()
+    assert code == 0
+
+
+@pytest.fixture
+def promtool():
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.skip("promtool not installed (Debian package prometheus; make test installs it)")
+    return path
+
+
+def test_metrics_pass_promtool_check(node, running, promtool):
+    running()
+    base = f"http://127.0.0.1:{node.port}"
+    wait_for(lambda: metric_value(get(base + "/metrics")[1], "node_agent_check_runs_total",
+                                  check="xid"), 10)
+    text = get(base + "/metrics")[1]
+    proc = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_prometheus_server_scrapes_the_daemon(node, running, promtool, tmp_path):
+    """A real Prometheus server scrapes /metrics and answers a query for the node's grade."""
+    prometheus = shutil.which("prometheus")
+    if prometheus is None:
+        pytest.skip("prometheus server not installed (Debian package prometheus)")
+    running()
+    prom_port = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "node-agent",
+                            "static_configs": [{"targets": [f"127.0.0.1:{node.port}"]}]}]}))
+    server = subprocess.Popen(
+        [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{prom_port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        query = (f"http://127.0.0.1:{prom_port}/api/v1/query?query="
+                 "node_agent_health_level%7Bjob%3D%22node-agent%22%7D")
+
+        def scraped():
+            if server.poll() is not None:
+                return "exited"
+            try:
+                data = json.loads(get(query, 2)[1])
+            except (OSError, ValueError):
+                return None
+            return data["data"]["result"] if data.get("status") == "success" else None
+
+        result = wait_for(scraped, 30, interval_s=0.5)
+        assert result and result != "exited", server.stderr.read() if server.poll() else result
+        assert result[0]["value"][1] == "0"
+        assert result[0]["metric"]["hostname"] == "sim-node"
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def _actions_log(node) -> list[dict]:
+    path = Path(yaml.safe_load(node.config.read_text())["state_dir"]) / "actions.log"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_fault_is_acted_on_once_even_across_kill_9_and_restart(node):
+    """The daemon drains a FAULT node through the (default) log adapter; a SIGKILL and a
+    restart neither repeat the action nor lose the history."""
+    node.write([{"kind": "xid", "gpu": 5, "code": 79}])
+    proc = _start_subprocess(node)
+    try:
+        assert wait_for(lambda: len(_actions_log(node)) >= 2, 30), proc.stderr
+        first = _actions_log(node)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        proc = _start_subprocess(node)
+        assert wait_for(lambda: get(f"http://127.0.0.1:{node.port}/healthz", 1)[0] == 200, 30)
+        text = wait_for(lambda: (t := get(f"http://127.0.0.1:{node.port}/metrics")[1])
+                        and metric_value(t, "node_agent_health_level") == 3 and t, 30)
+        assert text
+        time.sleep(2)  # give a duplicate every chance to appear
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    actions = [a.get("action") for a in _actions_log(node)]
+    assert actions == [a.get("action") for a in first], actions
+    assert actions.count("drain") == 1 and actions.count("replace") == 1
