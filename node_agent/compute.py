@@ -3,7 +3,8 @@
 A real node computes on its CUDA GPUs through torch. A simulated node computes on the CPU, one
 stand-in per simulated GPU, with the scenario's compute faults applied here, at the device
 boundary (DESIGN.md, "The simulator"): ``slow`` stretches the device's clock so every throughput
-measured above this layer comes out scaled, and ``sdc`` makes the device's matmul return a
+measured above this layer comes out scaled (GEMM time is modeled from the SKU's rate, see
+:meth:`ComputeDevice.gemm_seconds`), and ``sdc`` makes the device's matmul return a
 corrupted element. The checks' own code (timing, verification, grading) is the same either way.
 
 A :class:`ComputeSpec` is a plain picklable value, so a worker process (one per GPU for the
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     import torch
 
     from .scenario import Scenario
+    from .sku import Sku
 
 #: precision name -> torch dtype name; "tf32" is fp32 storage with TF32 tensor-core matmuls
 PRECISION_DTYPES = {"fp8": "float8_e4m3fn", "bf16": "bfloat16", "fp16": "float16",
@@ -46,6 +48,8 @@ class ComputeSpec:
     slow_factor: float = 1.0   # simulated only: measured throughput is multiplied by this
     corrupt: bool = False      # simulated only: matmul output carries one flipped element
     cpu_threads: int = 1       # simulated only: torch intra-op threads of the stand-in
+    #: simulated only: the modeled GEMM rate of a healthy GPU of the SKU, TFLOP/s per precision
+    sim_tflops: tuple[tuple[str, float], ...] = ()
 
     @property
     def target(self) -> str:
@@ -62,7 +66,25 @@ def torch_missing_reason() -> str | None:
     return None
 
 
-def compute_specs(gpu_indices: list[int], scenario: Scenario | None) -> list[ComputeSpec]:
+#: Modeled GEMM rate of a simulated healthy GPU relative to its SKU's minimum: a healthy part
+#: clears its floor (the H100 SKU file cites ~600-750 bf16 TFLOP/s measured for a 600 floor).
+SIM_RATE_OVER_MINIMUM = 1.15
+#: Used when the SKU file gives no minimum for a precision (H100-class figures, TFLOP/s).
+SIM_DEFAULT_TFLOPS = {"fp8": 1300.0, "bf16": 690.0, "fp16": 690.0, "tf32": 345.0, "fp32": 52.0}
+
+
+def sim_tflops_for(sku: Sku | None) -> tuple[tuple[str, float], ...]:
+    """Modeled healthy GEMM rates (TFLOP/s) of a simulated GPU of ``sku``."""
+    rates = dict(SIM_DEFAULT_TFLOPS)
+    for precision in rates:
+        minimum = sku.minimum(f"tflops_{precision}_min") if sku else None
+        if minimum:
+            rates[precision] = round(minimum * SIM_RATE_OVER_MINIMUM, 1)
+    return tuple(sorted(rates.items()))
+
+
+def compute_specs(gpu_indices: list[int], scenario: Scenario | None,
+                  sku: Sku | None = None) -> list[ComputeSpec]:
     """One spec per GPU: CUDA devices on a real node, CPU stand-ins with faults when simulated.
 
     Raises ComputeUnavailable when torch is missing, or when a real node's torch cannot see
@@ -77,7 +99,8 @@ def compute_specs(gpu_indices: list[int], scenario: Scenario | None) -> list[Com
             slow = scenario.faults_on(index, "slow")
             factor = float(slow[0].params["factor"]) if slow else 1.0
             corrupt = scenario.has(index, "sdc")
-            specs.append(ComputeSpec(index, simulated=True, slow_factor=factor, corrupt=corrupt))
+            specs.append(ComputeSpec(index, simulated=True, slow_factor=factor, corrupt=corrupt,
+                                     sim_tflops=sim_tflops_for(sku)))
         return specs
     import torch
 
@@ -129,6 +152,20 @@ class ComputeDevice:
             return time.process_time() / self.spec.slow_factor
         return time.perf_counter()
 
+    def gemm_seconds(self, flops: float, precision: str, measured_s: float) -> float:
+        """Device time of ``flops`` of GEMM work that took ``measured_s`` on :meth:`clock`.
+
+        A real GPU: ``measured_s``. A simulated one: the time its modeled rate (the SKU's,
+        times the ``slow`` factor) needs for that work. The stand-in still computes and the
+        burn still verifies every product on the CPU, but CPU stand-ins sharing a few cores
+        would otherwise time each other's scheduling and cache noise (seen: a healthy stand-in
+        at 0.81 of its siblings on an idle 2-core VM), not a GPU.
+        """
+        if not self.spec.simulated:
+            return measured_s
+        rate = dict(self.spec.sim_tflops).get(precision) or SIM_DEFAULT_TFLOPS[precision]
+        return flops / (rate * 1e12 * self.spec.slow_factor)
+
     def supports(self, precision: str) -> bool:
         """Whether the device runs matmuls in ``precision`` (a PRECISION_DTYPES key)."""
         import torch
@@ -156,6 +193,7 @@ class ComputeDevice:
         else:
             out["slow_factor"] = self.spec.slow_factor
             out["cpu_threads"] = self.spec.cpu_threads
+            out["modeled_gemm_tflops"] = dict(self.spec.sim_tflops)
         return out
 
 

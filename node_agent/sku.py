@@ -30,6 +30,11 @@ SKU_SCHEMA: dict[str, Any] = {
         "thermal": {"type": "object", "additionalProperties": False,
                     "properties": {"slowdown_c": _INT_OR_NULL, "shutdown_c": _INT_OR_NULL}},
         "limits": {"type": "object", "additionalProperties": _NUM},
+        # the precisions gpu_burn runs, in order (intersected with what the device supports)
+        "burn": {"type": "object", "additionalProperties": False,
+                 "properties": {"precisions": {
+                     "type": "array", "minItems": 1, "uniqueItems": True,
+                     "items": {"enum": ["bf16", "fp16", "tf32", "fp32", "fp8"]}}}},
         "performance": {"type": "object", "additionalProperties": _NUM},
     },
 }

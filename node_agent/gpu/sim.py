@@ -6,6 +6,7 @@ Only NVML-level state lives here; kernel-log lines for injected XIDs come from
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import uuid
@@ -34,6 +35,18 @@ from .base import (
 _HGX_BUSES = ("18", "2a", "3a", "5d", "9a", "ab", "ba", "db")
 _IDLE_TEMP_C = 38
 _IDLE_POWER_FRACTION = 0.12
+# Under a full GEMM load (``load_hint``) a healthy simulated GPU behaves like an air- or
+# liquid-cooled HGX board in a burn: it warms towards ~65 °C with a short time constant, draws
+# ~90 % of its power limit held there by the SW power cap, and keeps its boost clock. A ``slow``
+# GPU draws proportionally less power (it does less work); ``temperature`` and ``throttle``
+# faults still say what they say, and a HW throttle halves the SM clock (NVML: HW slowdown
+# "reduces the clocks by a factor of 2 or more").
+_LOAD_TEMP_C = 65
+_LOAD_TEMP_TAU_S = 1.0
+_LOAD_MEM_TEMP_C = 58
+_LOAD_POWER_FRACTION = 0.9
+_SM_MAX_MHZ = 1980
+_HW_THROTTLE = frozenset({"hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown"})
 
 
 def pci_bus_id(index: int) -> str:
@@ -47,16 +60,44 @@ def xid_kernel_line(index: int, code: int) -> str:
     return f"NVRM: Xid (PCI:{bus}): {code}, pid='<unknown>', name=<unknown>, simulated Xid {code}"
 
 
+class _LoadState:
+    """Which simulated GPUs carry a compute load, and since when (monotonic seconds)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._since: dict[int, float] = {}
+
+    def set(self, indices: list[int], active: bool) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for index in indices:
+                if active:
+                    self._since.setdefault(index, now)
+                else:
+                    self._since.pop(index, None)
+
+    def seconds(self, index: int) -> float | None:
+        """Seconds under load, or None when idle."""
+        with self._lock:
+            since = self._since.get(index)
+        return None if since is None else time.monotonic() - since
+
+
 class SimGpuDevice:
     """One simulated GPU; readings are the SKU's healthy values unless a fault says otherwise."""
 
     def __init__(self, index: int, scenario: Scenario, sku: Sku, wedged: threading.Event,
-                 call_timeout_s: float) -> None:
+                 call_timeout_s: float, load: _LoadState | None = None) -> None:
         self.index = index
         self._scenario = scenario
         self._sku = sku
         self._wedged = wedged
         self._call_timeout_s = call_timeout_s
+        self._load = load or _LoadState()
+
+    def _hw_throttled(self) -> bool:
+        fault = self._fault("throttle")
+        return bool(fault and _HW_THROTTLE & set(fault.params["reasons"]))
 
     def _fault(self, kind: str):
         faults = self._scenario.faults_on(self.index, kind)
@@ -89,11 +130,17 @@ class SimGpuDevice:
     def temperature_c(self) -> int:
         self._answer()
         fault = self._fault("temperature")
-        return int(fault.params["celsius"]) if fault else _IDLE_TEMP_C
+        if fault:
+            return int(fault.params["celsius"])
+        loaded = self._load.seconds(self.index)
+        if loaded is None:
+            return _IDLE_TEMP_C
+        warmed = 1.0 - math.exp(-loaded / _LOAD_TEMP_TAU_S)
+        return round(_IDLE_TEMP_C + (_LOAD_TEMP_C - _IDLE_TEMP_C) * warmed)
 
     def memory_temperature_c(self) -> int:
         self._answer()
-        return _IDLE_TEMP_C + 6
+        return _LOAD_MEM_TEMP_C if self._load.seconds(self.index) is not None else _IDLE_TEMP_C + 6
 
     def temperature_thresholds(self) -> TemperatureThresholds:
         self._answer()
@@ -106,17 +153,25 @@ class SimGpuDevice:
     def power(self) -> Power:
         self._answer()
         tdp = float(self._sku.section("power").get("tdp_w", 400))
-        return Power(usage_w=round(tdp * _IDLE_POWER_FRACTION, 1), enforced_limit_w=tdp,
-                     default_limit_w=tdp)
+        fraction = _IDLE_POWER_FRACTION
+        if self._load.seconds(self.index) is not None:
+            slow = self._fault("slow")
+            fraction = _LOAD_POWER_FRACTION * (float(slow.params["factor"]) if slow else 1.0)
+        return Power(usage_w=round(tdp * fraction, 1), enforced_limit_w=tdp, default_limit_w=tdp)
 
     def clocks(self) -> Clocks:
         self._answer()
-        return Clocks(sm_mhz=1980, sm_max_mhz=1980, memory_mhz=2619)
+        loaded = self._load.seconds(self.index) is not None
+        sm = _SM_MAX_MHZ // 2 if loaded and self._hw_throttled() else _SM_MAX_MHZ
+        return Clocks(sm_mhz=sm, sm_max_mhz=_SM_MAX_MHZ, memory_mhz=2619)
 
     def throttle_reasons(self) -> frozenset[str]:
         self._answer()
         fault = self._fault("throttle")
-        return frozenset(fault.params["reasons"]) if fault else frozenset({"gpu_idle"})
+        reasons = frozenset(fault.params["reasons"]) if fault else frozenset()
+        if self._load.seconds(self.index) is not None:
+            return reasons | {"sw_power_cap"}
+        return reasons or frozenset({"gpu_idle"})
 
     def pcie(self) -> PcieLink:
         self._answer()
@@ -178,8 +233,10 @@ class SimGpuBackend:
         self.sku = sku
         self._wedged = threading.Event()
         self._xids_delivered = False
+        self._closed = threading.Event()
+        self._load = _LoadState()
         self._devices: list[GpuDevice] = [
-            SimGpuDevice(i, scenario, sku, self._wedged, call_timeout_s)
+            SimGpuDevice(i, scenario, sku, self._wedged, call_timeout_s, self._load)
             for i in range(scenario.gpus) if not scenario.has(i, "missing_gpu")
         ]
 
@@ -191,11 +248,16 @@ class SimGpuBackend:
         return list(self._devices)
 
     def wait_xid_events(self, timeout_s: float) -> list[XidEvent]:
-        if self._xids_delivered:
+        if self._xids_delivered:  # like nvmlEventSetWait: nothing new, so wait out the timeout
+            self._closed.wait(timeout_s)
             return []
         self._xids_delivered = True
         return [XidEvent(gpu_index=f.gpu, code=f.params["code"], message="simulated")
                 for f in self.scenario.faults if f.kind == "xid"]
+
+    def load_hint(self, indices: list[int], active: bool) -> None:
+        """Start or stop modelling compute load on these GPUs (see ``_LOAD_*`` above)."""
+        self._load.set(indices, active)
 
     def kernel_log_lines(self) -> list[str]:
         """Kernel-log lines the simulated driver printed since boot."""
@@ -203,4 +265,4 @@ class SimGpuBackend:
                 if f.kind == "xid"]
 
     def close(self) -> None:
-        pass
+        self._closed.set()

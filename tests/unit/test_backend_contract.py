@@ -47,6 +47,30 @@ def test_simulator_satisfies_the_backend_contract():
         assert len(backend.devices()) == sku.gpus_per_node
 
 
+def test_simulator_keeps_the_contract_under_load_and_models_the_load():
+    skus = load_skus(resources.graders_dir(config_from_dict({})))
+    sku = skus["h100-sxm5-80gb"]
+    backend = open_backend(Scenario(sku=sku.id, gpus=2, source="t"), sku)
+    idle = backend.devices()[0].power().usage_w
+    backend.load_hint([0], True)
+    assert_contract(backend)
+    gpu0, gpu1 = backend.devices()
+    assert gpu0.power().usage_w > 0.75 * gpu0.power().enforced_limit_w > idle
+    assert gpu0.throttle_reasons() == {"sw_power_cap"}
+    assert gpu1.power().usage_w == idle  # only the GPUs named are under load
+    backend.load_hint([0], False)
+    assert gpu0.power().usage_w == idle and gpu0.throttle_reasons() == {"gpu_idle"}
+
+
+def test_every_backend_accepts_load_hints():
+    from node_agent.gpu.absent import AbsentGpuBackend
+
+    absent = AbsentGpuBackend("no NVIDIA driver")
+    assert isinstance(absent, base.GpuBackend)
+    absent.load_hint([0, 1], True)  # nothing to model; must not raise
+    absent.load_hint([0, 1], False)
+
+
 @pytest.mark.gpu
 def test_nvml_satisfies_the_backend_contract_on_a_gpu_host():
     backend = open_backend()

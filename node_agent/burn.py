@@ -1,0 +1,801 @@
+"""The GPU burn engine behind the ``gpu_burn`` and ``thermal_power`` checks.
+
+**Processes.** One worker process per GPU, all GPUs at once, started from a multiprocessing
+``forkserver`` that has imported torch once (never plain ``fork``: CUDA does not survive it; the
+server itself never touches CUDA). Against ``spawn``, which imports torch again in every
+worker, this saves about 2 CPU-seconds per GPU — 16 s of a 2-core CI machine's time for eight
+simulated GPUs. Each worker rebuilds its device with
+:func:`node_agent.compute.open_device`, prepares fixed random inputs for every precision of the
+plan, reports ``ready``, and on the parent's ``start`` runs large GEMMs back to back through the
+precisions' phases (the burn's duration split evenly, every GPU in the same precision at the
+same time). Each worker talks to the parent over its own pipe — not one shared queue, because
+a worker killed while writing to a shared queue can leave the queue's lock held and silence
+every other worker. Messages (tuples, first item the kind)::
+
+    ("ready", device_info, {precision: skip_reason})
+    ("sample", t0_s, t1_s, precision, flops, busy_s, verified, wrong)
+    ("wrong", event)            # a wrong-element finding with its confirmation re-run
+    ("error", text, traceback)  # the worker's last words before it exits non-zero
+    ("done",)
+
+Simulated GPUs take turns on the CPU: the parent hands out one sample window at a time,
+round-robin (``("turn", precision)``, answered by the sample). Eight CPU stand-ins time-slicing
+two cores would measure each other's interference instead of their own speed, and windows of
+one round sit close together in time, so a load change on the machine hits every stand-in
+alike; measured, this keeps a healthy node's sibling ratios within a few percent on a loaded
+2-core machine (docs/load_tests.md). Real GPUs run free, all at once.
+
+``t0_s``/``t1_s`` bound the sample window in wall-clock seconds since the burn started (the
+monotonic clock is system-wide on Linux, so the parent and the workers share it); ``busy_s``
+is the window on the device's clock (:meth:`ComputeDevice.clock`: CPU time over the ``slow``
+factor when simulated), so TFLOP/s = flops / busy_s / 1e12. Every message is a heartbeat: a
+worker silent for ``stall_s`` is killed and reported ``worker_stalled``; one that exits early
+is ``worker_died`` with its exit code and last words; the others' results stand.
+
+**Verification: flag statistically, convict rigorously.** A and B are fixed per precision, so
+for a fixed random sign vector x (±1) the reference of a block Freivalds check,
+``ref[i, blk] = sum over j in blk of (A·B)[i, j]·x[j]``, is computed once in float64 as
+A·(B·X). Every ``verify_every``-th product C is checked in O(n²): ``R = blockwise C·x`` (fp32)
+against ``ref``; an entry is flagged when ``|R − ref|`` exceeds ``k_sigma`` standard
+deviations of the rounding noise it may carry (output rounding, u²/3 per element of C, plus
+fp32 accumulation, sequential-sum model u²·K²/6·rms(a)²·rms(b)², plus the fp32 sums
+themselves). Blocks of ``verify_block`` columns rather than whole rows keep a single flipped
+element of a bf16 output visible above that noise (a whole-row check at n = 8192 cannot see
+it). A flagged row is then recomputed in float64 on the CPU (independent of the suspect GPU)
+and its elements compared with a rigorous bound: ``2·(u_out·|c| + γ_K·(|A|·|B|))`` with
+γ_K = K·u/(1 − K·u) (Higham, *Accuracy and Stability of Numerical Algorithms*, §3.5); only
+elements outside it count as wrong. fp8, whose accumulators keep about 14 bits on Hopper
+(DeepSeek-V3 technical report, §3.3.2), uses the statistical bound at 8 sigma for both steps.
+A product with wrong elements is re-run once: wrong again is *confirmed*, otherwise
+*transient*. Inputs for ``tf32`` are rounded to 10 mantissa bits first, so TF32 input rounding
+is exact and only accumulation error remains.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import math
+import multiprocessing
+import os
+import statistics
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_any
+from typing import TYPE_CHECKING, Any
+
+from .compute import PRECISION_DTYPES, ComputeDevice, ComputeSpec, open_device
+from .gpu.base import GpuBackend, GpuError
+
+if TYPE_CHECKING:
+    import torch
+
+PRECISIONS = ("bf16", "fp16", "tf32", "fp32", "fp8")
+#: unit roundoff of the GEMM output (fp8 GEMMs write bf16)
+U_OUT = {"bf16": 2.0**-8, "fp16": 2.0**-11, "tf32": 2.0**-24, "fp32": 2.0**-24, "fp8": 2.0**-8}
+#: unit roundoff of the accumulator (fp32; Hopper fp8 tensor cores keep about 14 bits)
+U_ACC = {"bf16": 2.0**-24, "fp16": 2.0**-24, "tf32": 2.0**-24, "fp32": 2.0**-24, "fp8": 2.0**-14}
+MAX_ROWS_RECOMPUTED = 8   # flagged rows recomputed on the CPU per product (a lower bound beyond)
+MAX_EVENTS_KEPT = 20      # wrong-element events kept per GPU (the count keeps going)
+
+
+# -- numerics (run inside the worker; torch imported lazily) ----------------------------------
+
+
+def make_inputs(precision: str, n: int, device: torch.device,
+                seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed random n×n inputs (A, B) for ``precision`` on ``device``, same on every GPU."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(n, n, generator=g)
+    b = torch.randn(n, n, generator=g)
+    if precision == "tf32":  # 10 stored mantissa bits: TF32 rounds nothing away
+        a, b = a.half().float(), b.half().float()
+    elif precision == "fp8":
+        dtype = torch.float8_e4m3fn
+        # torch._scaled_mm wants B column-major
+        return a.to(device).to(dtype), b.to(device).to(dtype).t().contiguous().t()
+    else:
+        dtype = getattr(torch, PRECISION_DTYPES[precision])
+        a, b = a.to(dtype), b.to(dtype)
+    return a.to(device), b.to(device)
+
+
+def fp8_matmul(device: torch.device) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """An fp8 (e4m3) GEMM with unit scales and bf16 output through ``torch._scaled_mm``.
+
+    ``use_fast_accum=False`` asks cuBLAS to promote partial sums to fp32 periodically."""
+    import torch
+
+    one = torch.ones((), device=device, dtype=torch.float32)
+
+    def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                               use_fast_accum=False)
+        return out[0] if isinstance(out, tuple) else out  # torch < 2.4 returned (out, amax)
+
+    return matmul
+
+
+@contextlib.contextmanager
+def numerics(precision: str):
+    """TF32 on exactly for ``tf32``, off otherwise; no reduced-precision reductions."""
+    from .sdc import strict_matmul
+
+    with strict_matmul(tf32=precision == "tf32"):
+        yield
+
+
+def _block_of(n: int, want: int) -> int:
+    """The largest divisor of n not above ``want`` (so the columns split into equal blocks)."""
+    return max(d for d in range(1, max(1, min(want, n)) + 1) if n % d == 0)
+
+
+class Verifier:
+    """Block Freivalds check of C = A·B for fixed A and B (see the module docstring).
+
+    ``c0`` is a first product of A and B on the device under test; it only sets the scale of
+    the rounding noise (one wrong element in it changes that scale negligibly).
+    """
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, c0: torch.Tensor, precision: str,
+                 block: int = 8, k_sigma: float = 6.0, seed: int = 0) -> None:
+        import torch
+
+        m, k = a.shape
+        n = b.shape[1]
+        self.precision, self.shape = precision, (m, k, n)
+        self.block = block = _block_of(n, block)
+        nb = n // block
+        dev = c0.device
+        g = torch.Generator().manual_seed(seed)
+        x = (torch.randint(0, 2, (n,), generator=g) * 2 - 1).to(torch.float64).to(dev)
+        a64 = a.float().double()
+        b64 = b.float().double()
+        bx = (b64.reshape(k, nb, block) * x.view(nb, block)).sum(-1)  # K × nb
+        self.ref = (a64 @ bx).float()
+        c64 = c0.float().double().reshape(m, nb, block)
+        var_out = (U_OUT[precision] ** 2 / 3.0) * (c64 * c64).sum(-1)
+        ra2 = (a64 * a64).mean(1)
+        rb2 = (b64 * b64).mean(0).view(nb, block).sum(-1)
+        var_acc = (U_ACC[precision] ** 2 * k * k / 6.0) * ra2[:, None] * rb2[None, :]
+        k_sig = max(k_sigma, 8.0) if precision == "fp8" else k_sigma
+        # the fp32 sums of R and the fp32 rounding of ref: (block + 4) ulps of sum |c|
+        fp32_sum = (block + 4) * 2.0**-24 * c64.abs().sum(-1)
+        self.tol = (k_sig * torch.sqrt(var_out + var_acc) + fp32_sum).float()
+        self.x = x.float().view(nb, block)
+        self.nb = nb
+
+    def flags(self, c: torch.Tensor) -> torch.Tensor:
+        """Boolean (rows × blocks): where C·x disagrees with A·(B·x) beyond the noise.
+        Non-finite entries always disagree."""
+        m, _, _ = self.shape
+        r = (c.float().reshape(m, self.nb, self.block) * self.x).sum(-1)
+        return ~((r - self.ref).abs() <= self.tol)
+
+    def flagged_rows(self, c: torch.Tensor) -> list[int]:
+        """Rows of C with at least one flagged block (synchronises with the device)."""
+        return self.flags(c).any(1).nonzero().flatten().tolist()
+
+
+@dataclass
+class RowCheck:
+    """Flagged rows recomputed in float64 on the CPU: wrong elements and a few examples."""
+
+    wrong: int
+    rows_checked: list[int]
+    examples: list[list[float]]  # [row, col, got, expected]
+
+
+def count_wrong(a: torch.Tensor, b64_cpu: torch.Tensor, c: torch.Tensor, rows: list[int],
+                precision: str, max_rows: int = MAX_ROWS_RECOMPUTED) -> RowCheck:
+    """Recompute ``rows`` of A·B in float64 on the CPU; count elements of C outside the bound.
+
+    ``b64_cpu`` is B as float64 on the CPU (the caller keeps it across calls).
+    """
+    import torch
+
+    rows = list(rows)[:max_rows]
+    if not rows:
+        return RowCheck(0, [], [])
+    idx = torch.tensor(rows, device=a.device)
+    a_src = a if a.element_size() > 1 else a.float()  # no row gather for fp8 everywhere
+    a_rows = a_src.index_select(0, idx).float().double().cpu()
+    got = c.index_select(0, idx.to(c.device)).float().double().cpu()
+    ref = a_rows @ b64_cpu
+    k = a_rows.shape[1]
+    u_out, u_acc = U_OUT[precision], U_ACC[precision]
+    if precision == "fp8":
+        ra2 = (a_rows * a_rows).mean(1, keepdim=True)
+        rb2 = (b64_cpu * b64_cpu).mean(0, keepdim=True)
+        tol = 8.0 * torch.sqrt(u_out**2 / 3.0 * ref * ref + u_acc**2 * k * k / 6.0 * ra2 * rb2)
+    else:
+        gamma = k * u_acc / (1.0 - k * u_acc)
+        tol = 2.0 * (u_out * ref.abs() + gamma * (a_rows.abs() @ b64_cpu.abs()))
+    bad = ~((got - ref).abs() <= tol)
+    where = bad.nonzero().tolist()
+    examples = [[rows[r], col, float(got[r, col]), float(ref[r, col])] for r, col in where[:5]]
+    return RowCheck(int(bad.sum()), rows, examples)
+
+
+# -- the plan and what comes back --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BurnPlan:
+    """What every worker runs. Seconds throughout; ``size`` is the square GEMM's n."""
+
+    size: int = 8192
+    duration_s: float = 300.0
+    precisions: tuple[str, ...] = ("bf16", "fp16", "tf32", "fp32")
+    max_precisions: int | None = None  # run only the first N precisions every GPU supports
+    sample_s: float = 1.0              # length of one throughput sample (also the heartbeat)
+    verify_every: int = 8              # verify one product in this many
+    verify_block: int = 8              # columns per Freivalds block
+    k_sigma: float = 6.0               # flagging threshold in noise standard deviations
+    stall_s: float = 60.0              # no message for this long: the worker is stalled
+    startup_timeout_s: float = 180.0   # spawn + import torch + open device + prepare inputs
+    seed: int = 0
+    #: test hook: {"gpu": N, "action": "exit"|"hang"|"raise", "after_samples": K, "code": 7}
+    hook: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Sample:
+    t0_s: float
+    t1_s: float
+    precision: str
+    flops: float
+    busy_s: float
+    verified: int
+    wrong: int
+
+    @property
+    def tflops(self) -> float:
+        return self.flops / self.busy_s / 1e12 if self.busy_s > 0 else 0.0
+
+
+@dataclass
+class WorkerReport:
+    """Everything one GPU's worker sent, and how it ended."""
+
+    index: int
+    info: dict[str, Any] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    samples: list[Sample] = field(default_factory=list)
+    wrong_events: list[dict[str, Any]] = field(default_factory=list)
+    wrong_events_total: int = 0
+    failure: str | None = None          # "worker_died" | "worker_stalled"
+    failure_detail: str = ""
+    exitcode: int | None = None
+    last_words: str = ""                # the worker's own error text, if it sent one
+    traceback: str = ""
+
+    def samples_of(self, precision: str) -> list[Sample]:
+        return [s for s in self.samples if s.precision == precision]
+
+    def median_tflops(self, precision: str) -> float | None:
+        values = [s.tflops for s in self.samples_of(precision)]
+        return statistics.median(values) if values else None
+
+
+@dataclass
+class GpuTelemetry:
+    """One GPU's readings through the GPU layer while the burn ran (None: not available)."""
+
+    t_s: list[float] = field(default_factory=list)
+    temp_c: list[float | None] = field(default_factory=list)
+    mem_temp_c: list[float | None] = field(default_factory=list)
+    power_w: list[float | None] = field(default_factory=list)
+    sm_clock_mhz: list[float | None] = field(default_factory=list)
+    throttle: list[list[str] | None] = field(default_factory=list)
+    power_limit_w: float | None = None
+    slowdown_temp_c: float | None = None
+    errors: dict[str, str] = field(default_factory=dict)  # reading -> first error message
+
+
+@dataclass
+class BurnOutcome:
+    plan: BurnPlan
+    workers: dict[int, WorkerReport]
+    precisions: list[str]           # what ran
+    skipped: dict[str, str]         # precisions of the plan that did not run, and why
+    telemetry: dict[int, GpuTelemetry]
+    duration_s: float
+
+    def trace(self) -> dict[int, dict[str, Any]]:
+        """Per GPU, the telemetry joined with the burn's throughput (``gpu_burn.trace``)."""
+        return {i: join_trace(self.telemetry.get(i), w.samples)
+                for i, w in sorted(self.workers.items())}
+
+
+def join_trace(tel: GpuTelemetry | None, samples: list[Sample]) -> dict[str, Any]:
+    """The plotting trace of one GPU: at each telemetry time, the TFLOP/s of the sample window
+    that covers it, or of the last window before it while more windows follow (a step plot;
+    simulated GPUs compute in turns); None before the first window and after the last."""
+    tel = tel or GpuTelemetry()
+    ordered = sorted(samples, key=lambda s: s.t1_s)
+    ends = [s.t1_s for s in ordered]
+
+    def tflops_at(t: float) -> float | None:
+        i = bisect.bisect_left(ends, t)
+        if i == len(ordered) or (i == 0 and ordered[0].t0_s > t):
+            return None
+        covering = ordered[i] if ordered[i].t0_s <= t else ordered[i - 1]
+        return float(f"{covering.tflops:.6g}")
+
+    return {"t_s": [round(t, 3) for t in tel.t_s], "tflops": [tflops_at(t) for t in tel.t_s],
+            "temp_c": list(tel.temp_c), "power_w": list(tel.power_w),
+            "sm_clock_mhz": list(tel.sm_clock_mhz), "mem_temp_c": list(tel.mem_temp_c),
+            "throttle": [list(r) if r is not None else None for r in tel.throttle],
+            "power_limit_w": tel.power_limit_w, "slowdown_temp_c": tel.slowdown_temp_c}
+
+
+def phases(precisions: list[str], duration_s: float) -> list[tuple[str, float, float]]:
+    """(precision, start_s, end_s) since the burn's start: the duration split evenly."""
+    each = duration_s / max(1, len(precisions))
+    return [(p, i * each, (i + 1) * each) for i, p in enumerate(precisions)]
+
+
+# -- the worker ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Job:
+    a: Any
+    b: Any
+    matmul: Callable[[Any, Any], Any]
+    verifier: Verifier
+    b64_cpu: Any = None
+
+
+class BurnEngine:
+    """One device's burn: inputs and verifiers per precision, and the timed GEMM loop.
+
+    Runs in a worker process (or in-process for the benchmark and tests)."""
+
+    def __init__(self, device: ComputeDevice, plan: BurnPlan) -> None:
+        self.device = device
+        self.plan = plan
+        self.jobs: dict[str, _Job] = {}
+        self._warm: set[str] = set()
+
+    def prepare(self) -> dict[str, str]:
+        """Build every supported precision's inputs; returns {precision: why not} for the rest."""
+        skipped: dict[str, str] = {}
+        for precision in self.plan.precisions:
+            if precision not in PRECISIONS:
+                skipped[precision] = f"unknown precision {precision!r}; known: {', '.join(PRECISIONS)}"
+                continue
+            if not self.device.supports(precision):
+                where = "the CPU" if self.device.device.type == "cpu" else str(self.device.device)
+                skipped[precision] = (f"{precision} GEMMs are not supported on {where}"
+                                      + (" (simulated GPUs compute on the CPU)"
+                                         if self.device.simulated else ""))
+                continue
+            try:
+                self.jobs[precision] = self._job(precision)
+            except Exception as err:  # e.g. no fp8 kernel in this torch/cuBLAS
+                skipped[precision] = f"{precision} GEMM failed to run: {type(err).__name__}: {err}"
+        return skipped
+
+    def _job(self, precision: str) -> _Job:
+        n = self.plan.size
+        a, b = make_inputs(precision, n, self.device.device, self.plan.seed)
+        matmul = fp8_matmul(self.device.device) if precision == "fp8" else self.device.matmul
+        with numerics(precision):
+            c0 = matmul(a, b)
+        verifier = Verifier(a, b, c0, precision, self.plan.verify_block, self.plan.k_sigma,
+                            self.plan.seed)
+        self.device.synchronize()
+        return _Job(a, b, matmul, verifier)
+
+    def run_phase(self, precision: str, t_end: float, t_zero: float,
+                  send: Callable[[tuple], None]) -> None:
+        """GEMMs back to back until monotonic time ``t_end``, one sample message per window."""
+        while (now := time.monotonic()) < t_end:
+            self.run_window(precision, min(now + self.plan.sample_s, t_end), t_zero, send)
+
+    def run_window(self, precision: str, window_end: float, t_zero: float,
+                   send: Callable[[tuple], None]) -> None:
+        """One sample window: products until monotonic ``window_end``, then one message.
+
+        Every ``verify_every``-th product is verified, which also synchronises the device, so
+        the host never runs more than that many products ahead of it."""
+        job = self.jobs[precision]
+        m, k, n = job.verifier.shape
+        group = max(1, int(self.plan.verify_every))
+        with numerics(precision):
+            if precision not in self._warm:  # kernel selection and first-touch, untimed
+                job.matmul(job.a, job.b)
+                self.device.synchronize()
+                self._warm.add(precision)
+            w0 = time.monotonic()
+            c_start = self.device.clock()
+            products = verified = wrong = 0
+            while True:
+                c = job.matmul(job.a, job.b)
+                products += 1
+                over = time.monotonic() >= window_end
+                if over or products % group == 0:  # the window's last product is verified too
+                    wrong += self._verify(precision, job, c, w0 - t_zero, send)
+                    verified += 1
+                if over:
+                    break
+            self.device.synchronize()
+            flops = products * 2.0 * m * k * n
+            busy = self.device.gemm_seconds(flops, precision, self.device.clock() - c_start)
+        send(("sample", w0 - t_zero, time.monotonic() - t_zero, precision, flops, busy,
+              verified, wrong))
+
+    def _verify(self, precision: str, job: _Job, c: Any, t_s: float,
+                send: Callable[[tuple], None]) -> int:
+        rows = job.verifier.flagged_rows(c)
+        if not rows:
+            return 0
+        if job.b64_cpu is None:
+            job.b64_cpu = job.b.float().double().cpu()
+        first = count_wrong(job.a, job.b64_cpu, c, rows, precision)
+        if not first.wrong:
+            return 0  # flagged by the noise statistics, cleared by the exact recomputation
+        c2 = job.matmul(job.a, job.b)  # re-run once before believing it
+        rows2 = job.verifier.flagged_rows(c2)
+        second = count_wrong(job.a, job.b64_cpu, c2, rows2, precision)
+        send(("wrong", {"t_s": round(t_s, 3), "precision": precision,
+                        "shape": list(job.verifier.shape), "wrong": first.wrong,
+                        "rows_flagged": len(rows), "rows_checked": first.rows_checked,
+                        "examples": first.examples, "rerun_wrong": second.wrong,
+                        "confirmed": second.wrong > 0}))
+        return first.wrong
+
+
+def _hook(plan: BurnPlan, index: int, samples_sent: int) -> None:
+    """Test hook: make this worker exit, hang or raise after a number of samples."""
+    hook = plan.hook
+    if not hook or hook.get("gpu") != index or samples_sent != int(hook.get("after_samples", 0)):
+        return
+    action = hook.get("action")
+    if action == "exit":
+        os._exit(int(hook.get("code", 7)))
+    if action == "hang":
+        time.sleep(3600)
+    if action == "raise":
+        raise RuntimeError("injected failure (burn test hook)")
+
+
+def worker_main(spec: ComputeSpec, plan: BurnPlan, conn: Any) -> None:
+    """Entry point of one GPU's worker process (see the module docstring for the messages)."""
+    # NVML numbers GPUs in PCI bus order; make CUDA agree before torch initialises it
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    sent = 0
+    try:
+        _hook(plan, spec.index, 0)
+        device = open_device(spec)
+        engine = BurnEngine(device, plan)
+        skipped = engine.prepare()
+        conn.send(("ready", device.info(), skipped))
+        msg = conn.recv()
+
+        def send(message: tuple) -> None:
+            nonlocal sent
+            conn.send(message)
+            if message[0] == "sample":
+                sent += 1
+                _hook(plan, spec.index, sent)
+
+        if msg[0] == "start":  # free-running: the whole schedule
+            _, t_zero, schedule = msg
+            for precision, _start, end in schedule:
+                if precision in engine.jobs:
+                    engine.run_phase(precision, t_zero + end, t_zero, send)
+        elif msg[0] == "turns":  # one window per ("turn", precision) until ("end",)
+            t_zero = msg[1]
+            while (msg := conn.recv())[0] == "turn":
+                engine.run_window(msg[1], time.monotonic() + plan.sample_s, t_zero, send)
+        else:
+            return
+        conn.send(("done",))
+    except BaseException as err:  # noqa: BLE001 - tell the parent, then exit non-zero
+        with contextlib.suppress(Exception):
+            conn.send(("error", f"{type(err).__name__}: {err}", traceback.format_exc(limit=8)))
+        os._exit(3)
+    # Everything is said (pipe writes are synchronous); skip the interpreter's and torch's
+    # teardown, which costs seconds per worker on a loaded machine.
+    os._exit(0)
+
+
+# -- telemetry in the parent ----------------------------------------------------------------------
+
+
+def _reading(tel: GpuTelemetry, name: str, query: Callable[[], Any]) -> Any:
+    """A reading's value, or None (first error message kept): never raises."""
+    try:
+        return query()
+    except GpuError as err:
+        tel.errors.setdefault(name, f"{type(err).__name__}: {err}")
+        return None
+
+
+class TelemetrySampler:
+    """Reads each GPU through the GPU layer every ``interval_s`` while the burn runs.
+
+    ``start()`` tells the backend the load started (``load_hint``) and takes the first
+    reading at once; ``stop()`` ends it and returns the readings. NotSupported, GpuTimeout and
+    every other GPU-layer error make that reading None, never a crash; a sampler stuck in a
+    hung driver call is abandoned after ``stop()`` waits a bounded time."""
+
+    def __init__(self, backend: GpuBackend | None, indices: list[int], interval_s: float,
+                 t_zero: float) -> None:
+        self.backend = backend
+        self.indices = indices
+        self.interval_s = max(0.01, interval_s)
+        self.t_zero = t_zero
+        self.telemetry = {i: GpuTelemetry() for i in indices}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="burn-telemetry", daemon=True)
+        self._devices: dict[int, Any] = {}
+
+    def start(self) -> None:
+        if self.backend is not None:
+            self._devices = {d.index: d for d in self.backend.devices() if d.index in self.indices}
+            self.backend.load_hint(self.indices, True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        for index, dev in self._devices.items():
+            tel = self.telemetry[index]
+            limits = _reading(tel, "temperature_thresholds", dev.temperature_thresholds)
+            tel.slowdown_temp_c = limits.slowdown_c if limits else None
+        while True:
+            self.sample_once()
+            if self._stop.wait(self.interval_s):
+                return
+
+    def sample_once(self) -> None:
+        for index, dev in self._devices.items():
+            tel = self.telemetry[index]
+            t = time.monotonic() - self.t_zero
+            temp = _reading(tel, "temperature", dev.temperature_c)
+            mem = _reading(tel, "memory_temperature", dev.memory_temperature_c)
+            power = _reading(tel, "power", dev.power)
+            clocks = _reading(tel, "clocks", dev.clocks)
+            throttle = _reading(tel, "throttle_reasons", dev.throttle_reasons)
+            with self._lock:
+                tel.t_s.append(t)
+                tel.temp_c.append(temp)
+                tel.mem_temp_c.append(mem)
+                tel.power_w.append(power.usage_w if power else None)
+                tel.sm_clock_mhz.append(clocks.sm_mhz if clocks else None)
+                tel.throttle.append(sorted(throttle) if throttle is not None else None)
+                if power and power.enforced_limit_w is not None:
+                    tel.power_limit_w = power.enforced_limit_w
+
+    def stop(self, wait_s: float = 15.0) -> dict[int, GpuTelemetry]:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(wait_s)
+        if self.backend is not None:
+            self.backend.load_hint(self.indices, False)
+        with self._lock:
+            return {i: _copy(t) for i, t in self.telemetry.items()}
+
+
+def _copy(tel: GpuTelemetry) -> GpuTelemetry:
+    return GpuTelemetry(list(tel.t_s), list(tel.temp_c), list(tel.mem_temp_c), list(tel.power_w),
+                        list(tel.sm_clock_mhz), list(tel.throttle), tel.power_limit_w,
+                        tel.slowdown_temp_c, dict(tel.errors))
+
+
+# -- the supervisor in the parent -----------------------------------------------------------------
+
+
+@dataclass
+class _Handle:
+    report: WorkerReport
+    proc: Any
+    conn: Any
+    state: str = "starting"   # starting | ready | running | done | failed
+    last_s: float = 0.0
+
+
+def run_burn(specs: list[ComputeSpec], plan: BurnPlan, backend: GpuBackend | None = None,
+             sample_interval_s: float = 1.0, deadline_s: float | None = None) -> BurnOutcome:
+    """Burn every spec's device at once; always returns, within ``deadline_s`` (seconds from
+    now) plus the time to kill stragglers.
+
+    A worker that dies or stalls is killed and reported in its :class:`WorkerReport`; the
+    others run on. Telemetry is read through ``backend`` while the GEMMs run.
+    """
+    mp = multiprocessing.get_context("forkserver")
+    mp.set_forkserver_preload(["torch", "node_agent.compute"])
+    in_turns = any(spec.simulated for spec in specs)
+    began = time.monotonic()
+    deadline = began + deadline_s if deadline_s is not None else math.inf
+    handles: dict[int, _Handle] = {}
+    telemetry: dict[int, GpuTelemetry] = {}
+    precisions: list[str] = []
+    skipped: dict[str, str] = {}
+    try:
+        for spec in specs:
+            parent, child = mp.Pipe()
+            proc = mp.Process(target=worker_main, args=(spec, plan, child), daemon=True,
+                              name=f"node-agent-burn-gpu{spec.index}")
+            proc.start()
+            child.close()
+            handles[spec.index] = _Handle(WorkerReport(spec.index), proc, parent, last_s=began)
+        startup_end = min(deadline, began + plan.startup_timeout_s)
+        _supervise(handles, plan, until=startup_end, waiting_for="ready",
+                   stall_detail=f"did not get ready within {plan.startup_timeout_s:g} s "
+                                "(spawn, import torch, open the device, prepare inputs)")
+        ready = [h for h in handles.values() if h.state == "ready"]
+        precisions, skipped = _agree(plan, [h.report for h in ready])
+        if ready and precisions:
+            t_zero = time.monotonic() + 0.05
+            schedule = phases(precisions, plan.duration_s)
+            for h in ready:
+                h.conn.send(("turns", t_zero) if in_turns else ("start", t_zero, schedule))
+                h.state, h.last_s = "running", time.monotonic()
+            sampler = TelemetrySampler(backend, [h.report.index for h in ready],
+                                       sample_interval_s, t_zero)
+            sampler.start()
+            stall_detail = (f"sent nothing for {plan.stall_s:g} s (a hung GPU, driver or "
+                            "kernel) and was killed")
+            try:
+                if in_turns:
+                    _hand_out_turns(handles, plan, t_zero, schedule, deadline, stall_detail)
+                _supervise(handles, plan, until=deadline, waiting_for="done",
+                           stall_detail=stall_detail)
+            finally:
+                telemetry = sampler.stop()
+    finally:
+        _shutdown(handles)
+    return BurnOutcome(plan, {i: h.report for i, h in handles.items()}, precisions, skipped,
+                       telemetry, time.monotonic() - began)
+
+
+def _agree(plan: BurnPlan, reports: list[WorkerReport]) -> tuple[list[str], dict[str, str]]:
+    """The plan's precisions every ready worker supports (first ``max_precisions`` of them)."""
+    run: list[str] = []
+    skipped: dict[str, str] = {}
+    for precision in plan.precisions:
+        why = next((r.skipped[precision] for r in reports if precision in r.skipped), None)
+        if why is not None:
+            skipped[precision] = why
+        elif plan.max_precisions is None or len(run) < plan.max_precisions:
+            run.append(precision)
+    if not reports:
+        return [], {}
+    return run, skipped
+
+
+def _supervise(handles: dict[int, _Handle], plan: BurnPlan, until: float, waiting_for: str,
+               stall_detail: str) -> None:
+    """Read messages until every live worker reached ``waiting_for`` ("ready" or "done"),
+    killing the ones that die, stall, or are still going at ``until``."""
+    target_states = {"ready": {"ready"}, "done": {"done"}}[waiting_for]
+    while True:
+        live = [h for h in handles.values() if h.state not in target_states | {"failed", "done"}]
+        if not live:
+            return
+        now = time.monotonic()
+        for h in live:
+            stalled = (now - h.last_s > plan.stall_s) if waiting_for == "done" else False
+            if stalled or now >= until:
+                _fail(h, "worker_stalled", f"the burn worker of gpu:{h.report.index} "
+                                           + stall_detail, kill=True)
+        live = [h for h in live if h.state != "failed"]
+        if not live:
+            return
+        waitables = [h.conn for h in live] + [h.proc.sentinel for h in live]
+        for obj in wait_any(waitables, timeout=0.2):
+            h = next(x for x in live if obj is x.conn or obj == x.proc.sentinel)
+            _drain(h)
+            if not h.proc.is_alive() and h.state not in ("done", "failed"):
+                _died(h)
+
+
+def _hand_out_turns(handles: dict[int, _Handle], plan: BurnPlan, t_zero: float,
+                    schedule: list[tuple[str, float, float]], deadline: float,
+                    stall_detail: str) -> None:
+    """Simulated GPUs: one sample window per worker in turn, round-robin, through every
+    phase; then ("end",). A worker that dies or does not answer its turn within ``stall_s``
+    is failed and skipped; the others go on."""
+    for precision, _start, end in schedule:
+        while time.monotonic() < min(t_zero + end, deadline):
+            running = [h for h in handles.values() if h.state == "running"]
+            if not running:
+                return
+            for h in running:
+                if time.monotonic() >= min(t_zero + end, deadline):
+                    break
+                before = len(h.report.samples)
+                try:
+                    h.conn.send(("turn", precision))
+                except OSError:
+                    pass  # its death shows below
+                h.last_s = time.monotonic()
+                while len(h.report.samples) == before and h.state == "running":
+                    _supervise_one(h, plan, deadline, stall_detail)
+    for h in handles.values():
+        if h.state == "running":
+            with contextlib.suppress(OSError):
+                h.conn.send(("end",))
+            h.last_s = time.monotonic()
+
+
+def _supervise_one(h: _Handle, plan: BurnPlan, deadline: float, stall_detail: str) -> None:
+    """Wait briefly for one worker's messages; fail it when it died or stalled."""
+    now = time.monotonic()
+    if now - h.last_s > plan.stall_s or now >= deadline:
+        _fail(h, "worker_stalled", f"the burn worker of gpu:{h.report.index} " + stall_detail,
+              kill=True)
+        return
+    wait_any([h.conn, h.proc.sentinel], timeout=0.2)
+    _drain(h)
+    if not h.proc.is_alive() and h.state not in ("done", "failed"):
+        _died(h)
+
+
+def _died(h: _Handle) -> None:
+    _drain(h)
+    h.proc.join(1)
+    said = f": {h.report.last_words}" if h.report.last_words else ""
+    _fail(h, "worker_died", f"the burn worker of gpu:{h.report.index} exited with code "
+                            f"{h.proc.exitcode}{said}", kill=False)
+
+
+def _drain(h: _Handle) -> None:
+    try:
+        while h.conn.poll():
+            _handle(h, h.conn.recv())
+    except (EOFError, OSError):
+        pass
+
+
+def _handle(h: _Handle, msg: tuple) -> None:
+    h.last_s = time.monotonic()
+    kind, rep = msg[0], h.report
+    if kind == "ready":
+        rep.info, rep.skipped = msg[1], dict(msg[2])
+        h.state = "ready"
+    elif kind == "sample":
+        rep.samples.append(Sample(*msg[1:]))
+    elif kind == "wrong":
+        rep.wrong_events_total += 1
+        if len(rep.wrong_events) < MAX_EVENTS_KEPT:
+            rep.wrong_events.append(msg[1])
+    elif kind == "error":
+        rep.last_words, rep.traceback = msg[1], msg[2]
+    elif kind == "done":
+        h.state = "done"
+
+
+def _fail(h: _Handle, metric: str, detail: str, kill: bool) -> None:
+    if kill and h.proc.is_alive():
+        h.proc.kill()
+        h.proc.join(5)
+    h.state = "failed"
+    h.report.failure, h.report.failure_detail = metric, detail
+    h.report.exitcode = h.proc.exitcode
+
+
+def _shutdown(handles: dict[int, _Handle]) -> None:
+    """Stop every worker still around: a polite stop, then SIGKILL; bounded waits."""
+    for h in handles.values():
+        if h.proc.is_alive() and h.state in ("starting", "ready"):
+            with contextlib.suppress(OSError, ValueError):
+                h.conn.send(("stop",))
+    for h in handles.values():
+        h.proc.join(2 if h.state == "done" else 0.5)
+        if h.proc.is_alive():
+            h.proc.kill()
+            h.proc.join(5)
+        if h.report.exitcode is None:
+            h.report.exitcode = h.proc.exitcode
+        with contextlib.suppress(OSError):
+            h.conn.close()

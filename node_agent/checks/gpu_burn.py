@@ -1,0 +1,206 @@
+"""Check ``gpu_burn``: every GPU at once under large GEMMs, throughput and correctness.
+
+One worker process per GPU runs n×n GEMMs back to back for ``duration_s`` in each precision the
+SKU lists (``burn.precisions`` in ``graders/skus/*.yaml``) that the device supports, the
+duration split evenly between them (engine and verification: :mod:`node_agent.burn`). Results:
+
+- ``tflops_<precision>`` per GPU: the median of the sustained-TFLOP/s samples (on a simulated
+  node the GEMM time is modeled from the SKU's rate: ``ComputeDevice.gemm_seconds``), status from the
+  GPU's ratio to its siblings' median (``graders/performance.yaml``) and, on real hardware
+  only, the SKU minimum ``tflops_<precision>_min`` (below it: ``fail``). Evidence: ``samples``
+  (``[[t_s, tflops], ...]`` over time), ``device``, ``siblings_median``,
+  ``ratio_to_siblings``, ``minimum``.
+- ``wrong_elements`` per GPU: ``fail`` when a wrong product repeated on its re-run
+  (confirmed), ``warn`` when it did not (transient, evidence kept), else ``pass``.
+- ``worker_died`` / ``worker_stalled`` (``error``) for a GPU whose worker exited or went silent
+  for ``stall_s``; the other GPUs' results are still reported.
+- ``tflops_<precision>`` ``skip`` on ``node`` for a precision that could not run, with why.
+
+Params (seconds, except ``size``): ``duration_s`` (300), ``size`` (8192), ``precisions``
+(default: the SKU's), ``sample_s`` (1), ``sample_interval_s`` (telemetry, 1), ``verify_every``
+(8), ``verify_block`` (8), ``stall_s`` (60), ``startup_timeout_s`` (180), ``test_hook`` (tests
+only: make one worker exit, hang or raise; see :class:`node_agent.burn.BurnPlan`).
+
+Hand-over: ``ctx.shared["gpu_burn.trace"]`` (:data:`TRACE_KEY`) holds, per GPU index, the
+telemetry read through the GPU layer during the burn joined with the throughput:
+``{"t_s", "tflops", "temp_c", "power_w", "sm_clock_mhz", "mem_temp_c", "throttle",
+"power_limit_w", "slowdown_temp_c"}`` (lists over time, the last two single values);
+``thermal_power`` grades it and the HTML report plots it.
+
+Torch is required (the compute layer is torch-only; a CuPy engine would duplicate all of it):
+without torch, or on a host where torch cannot use CUDA, the check skips with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..burn import BurnOutcome, BurnPlan, WorkerReport, run_burn
+from ..compute import ComputeUnavailable, compute_specs
+from ..model import Result, Status
+from . import CheckContext
+from .siblings import compare_with_siblings, load_thresholds
+
+TRACE_KEY = "gpu_burn.trace"
+DEFAULT_PRECISIONS = ("bf16", "fp16", "tf32", "fp32")
+
+
+def sku_precisions(ctx: CheckContext) -> tuple[str, ...]:
+    """The precisions to burn: ``params.precisions``, else the SKU's, else a safe default."""
+    if ctx.params.get("precisions"):
+        return tuple(ctx.params["precisions"])
+    listed = ctx.sku.section("burn").get("precisions") if ctx.sku else None
+    return tuple(listed) if listed else DEFAULT_PRECISIONS
+
+
+def make_plan(ctx: CheckContext, precisions: tuple[str, ...], duration_s: float,
+              max_precisions: int | None = None) -> BurnPlan:
+    p = ctx.params
+    return BurnPlan(size=int(p.get("size", 8192)), duration_s=float(duration_s),
+                    precisions=precisions, max_precisions=max_precisions,
+                    sample_s=float(p.get("sample_s", 1.0)),
+                    verify_every=int(p.get("verify_every", 8)),
+                    verify_block=int(p.get("verify_block", 8)),
+                    stall_s=float(p.get("stall_s", 60.0)),
+                    startup_timeout_s=float(p.get("startup_timeout_s", 180.0)),
+                    hook=p.get("test_hook"))
+
+
+def burn(ctx: CheckContext, plan: BurnPlan) -> BurnOutcome | list[Result]:
+    """Run the burn on every GPU of the node, or say why it cannot run (skip/error results).
+
+    Finishes within the check's ``timeout_s``: the engine's deadline leaves a margin for
+    killing stragglers, and a duration that cannot fit is an error before anything starts."""
+    unavailable = ctx.gpus_unavailable()
+    if unavailable:
+        return unavailable
+    indices = [d.index for d in ctx.gpu.devices()]
+    if not indices:
+        return [ctx.skip("no GPUs visible: nothing to burn")]
+    try:
+        specs = compute_specs(indices, ctx.scenario, ctx.sku)
+    except ComputeUnavailable as err:
+        return ctx.compute_unavailable(str(err))
+    deadline_s = ctx.timeout_s - max(10.0, 0.1 * ctx.timeout_s)
+    if plan.duration_s + plan.stall_s > deadline_s:
+        return [ctx.result("node", "burn_plan", Status.ERROR,
+                           f"params.duration_s {plan.duration_s:g} s plus stall_s "
+                           f"{plan.stall_s:g} s does not fit in the check's timeout_s "
+                           f"{ctx.timeout_s:g} s (less a {ctx.timeout_s - deadline_s:g} s "
+                           "margin): raise timeout_s in the suite file or shorten the burn",
+                           duration_s=plan.duration_s, timeout_s=ctx.timeout_s)]
+    return run_burn(specs, plan, ctx.gpu,
+                    sample_interval_s=float(ctx.params.get("sample_interval_s", 1.0)),
+                    deadline_s=deadline_s)
+
+
+def worker_failures(ctx: CheckContext, outcome: BurnOutcome) -> list[Result]:
+    """One ``error`` result per GPU whose worker died or stalled."""
+    out = []
+    for index, w in sorted(outcome.workers.items()):
+        if w.failure:
+            out.append(ctx.result(
+                f"gpu:{index}", w.failure, Status.ERROR,
+                w.failure_detail + "; look for Xid errors in the kernel log, reset the GPU "
+                "and re-run the burn", exitcode=w.exitcode, error=w.last_words,
+                traceback=w.traceback[-2000:], samples_received=len(w.samples)))
+    return out
+
+
+def run(ctx: CheckContext) -> list[Result]:
+    plan = make_plan(ctx, sku_precisions(ctx), float(ctx.params.get("duration_s", 300.0)))
+    outcome = burn(ctx, plan)
+    if isinstance(outcome, list):
+        return outcome
+    ctx.shared[TRACE_KEY] = outcome.trace()
+    results = [ctx.result("node", f"tflops_{p}", Status.SKIP, why)
+               for p, why in outcome.skipped.items()]
+    results += worker_failures(ctx, outcome)
+    results += _throughput(ctx, outcome)
+    results += [r for i, w in sorted(outcome.workers.items())
+                if (r := _wrong_elements(ctx, i, w, outcome.plan)) is not None]
+    if not any(r.status is not Status.SKIP for r in results):
+        results.append(ctx.result("node", "ran", Status.ERROR,
+                                  "the burn ran no GEMM on any GPU (see the other results)"))
+    for r in results:
+        r.duration_s = outcome.duration_s
+    return results
+
+
+def _sig(value: float) -> float:
+    return float(f"{value:.6g}")
+
+
+def _throughput(ctx: CheckContext, outcome: BurnOutcome) -> list[Result]:
+    thresholds = load_thresholds(ctx.config)
+    plan = outcome.plan
+    out: list[Result] = []
+    for precision in outcome.precisions:
+        # The median window: sustained throughput, throttling included.
+        estimator = "median"
+        values: dict[int, float] = {}
+        for index, w in outcome.workers.items():
+            figure = w.median_tflops(precision)
+            if w.failure is None and figure is not None:
+                values[index] = figure
+        verdicts = compare_with_siblings(values, thresholds, what=f"{precision} GEMM",
+                                         unit="TFLOP/s")
+        minimum = None if ctx.simulated or not ctx.sku else ctx.sku.minimum(f"tflops_{precision}_min")
+        for index, value in sorted(values.items()):
+            w = outcome.workers[index]
+            verdict = verdicts[index]
+            status, details = verdict.status, [verdict.detail] if verdict.detail else []
+            if minimum is not None and value < minimum:
+                status = Status.FAIL
+                details.append(f"gpu:{index} {precision} GEMM {value:.4g} TFLOP/s is below the "
+                               f"SKU minimum {minimum:g} TFLOP/s ({ctx.sku.display_name})")
+            samples = w.samples_of(precision)
+            if not details:
+                sib = (f"; siblings' median {verdict.siblings_median:.4g} TFLOP/s"
+                       if verdict.siblings_median is not None else "")
+                what = "median" if estimator == "median" else "upper quartile"
+                details.append(f"gpu:{index} {precision} GEMM {value:.4g} TFLOP/s sustained "
+                               f"({what} of {len(samples)} samples, n={plan.size}){sib}")
+            out.append(ctx.result(
+                f"gpu:{index}", f"tflops_{precision}", status, "; ".join(details),
+                value=_sig(value), unit="TFLOP/s",
+                samples=[[round(s.t1_s, 3), _sig(s.tflops)] for s in samples],
+                device=w.info, minimum=minimum, size=plan.size, estimator=estimator,
+                median_tflops=_sig(w.median_tflops(precision) or 0.0),
+                products_verified=sum(s.verified for s in samples),
+                verify_every=plan.verify_every, **verdict.evidence()))
+    return out
+
+
+def _wrong_elements(ctx: CheckContext, index: int, w: WorkerReport,
+                    plan: BurnPlan) -> Result | None:
+    if not w.samples and not w.wrong_events:
+        return None  # never ran: its failure or the node-level skip says why
+    target = f"gpu:{index}"
+    verified = sum(s.verified for s in w.samples)
+    evidence: dict[str, Any] = {"events": w.wrong_events, "events_total": w.wrong_events_total,
+                                "products_verified": verified,
+                                "verify_every": plan.verify_every,
+                                "method": "block Freivalds, flagged rows recomputed in float64 "
+                                          "on the CPU, re-run once to confirm"}
+    confirmed = [e for e in w.wrong_events if e["confirmed"]]
+    events = confirmed or w.wrong_events
+    if not events:
+        return ctx.result(target, "wrong_elements", Status.PASS,
+                          f"gpu:{index}: no wrong elements in {verified} verified products "
+                          f"(one in {plan.verify_every} verified)", value=0, unit="elements",
+                          **evidence)
+    count = sum(e["wrong"] for e in events)
+    where = ", ".join(sorted({f"{e['precision']} {'x'.join(map(str, e['shape']))}"
+                              for e in events}))
+    if confirmed:
+        detail = (f"gpu:{index} computed wrong results: {count} wrong elements in {where} "
+                  f"GEMMs ({len(confirmed)} products), repeated on re-run: confirmed silent "
+                  "data corruption; replace the GPU")
+        status = Status.FAIL
+    else:
+        detail = (f"gpu:{index} computed {count} wrong elements in {where} GEMMs once; the "
+                  "re-run was right (transient; evidence kept, re-test)")
+        status = Status.WARN
+    return ctx.result(target, "wrong_elements", status, detail, value=count, unit="elements",
+                      **evidence)
