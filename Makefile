@@ -20,7 +20,14 @@ $(BIN)/node-agent: pyproject.toml
 
 venv: $(BIN)/node-agent
 
-accept: venv
+# On a GPU host the load tests need torch with CUDA (PyPI's default build); without an NVIDIA
+# driver there is nothing to compute on and those checks skip with that reason.
+$(VENV)/.compute-deps: $(BIN)/node-agent
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+		$(BIN)/pip install --quiet -e '.[torch,daemon,report]'; fi
+	touch $@
+
+accept: venv $(VENV)/.compute-deps
 	$(BIN)/node-agent accept --out $(OUT) $(ARGS)
 
 check: venv

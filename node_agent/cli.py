@@ -9,11 +9,12 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import __version__
+from . import __version__, remediation_cli, sdc_command
 from .config import load_config
 from .environment import Environment, open_environment, report_dir
 from .model import Level, Report, ReportFormatError, utc_now
 from .report import json_report
+from .report.outputs import add_output_arguments, check_outputs, write_outputs
 from .report.terminal import ProgressPrinter, render_summary
 from .resources import suites_dir
 from .runner import run_suite
@@ -62,11 +63,40 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default: <state_dir>/reports, or a temp dir)")
         if name == "accept":
             p.add_argument("--only", metavar="CHECK,...", help="run only these checks")
+        add_output_arguments(p)
+        remediation_cli.add_act_options(p)
 
-    grade = sub.add_parser("grade", help="re-grade a saved report with the current rules")
+    grade = sub.add_parser("grade", help="re-grade saved reports with the current rules, or "
+                           "with --rules DIR and a diff of the grades that changed")
     _common(grade)
-    grade.add_argument("report", metavar="REPORT.json")
+    grade.add_argument("report", metavar="REPORT.json", nargs="+",
+                       help="saved report(s), or directories of them")
     grade.add_argument("--json", action="store_true", help="print the re-graded report as JSON")
+    grade.add_argument("--rules", metavar="DIR", help="graders directory (rules.yaml, xid.yaml) "
+                       "to re-grade with; prints the grades that changed")
+    add_output_arguments(grade)
+
+    daemon = sub.add_parser("daemon", help="run in the background: XID watch, periodic checks, "
+                            "Prometheus metrics, remediation (systemd Type=notify)")
+    _common(daemon)
+    daemon.add_argument("--suite", metavar="NAME|PATH",
+                        help="periodic suite (default: daemon.suite, i.e. periodic)")
+    daemon.add_argument("--listen", metavar="HOST:PORT",
+                        help="metrics address (default: daemon.listen, 127.0.0.1:9847)")
+    daemon.add_argument("--log-level", default="INFO",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    fleet = sub.add_parser("fleet", help="cross-node outliers over many reports (exit 3 when "
+                           "there are suspects)")
+    _common(fleet)
+    fleet.add_argument("reports", metavar="REPORT.json|DIR", nargs="+")
+    fleet.add_argument("--json", action="store_true", help="print the analysis as JSON")
+    fleet.add_argument("--html", metavar="PATH", help="also write an HTML page of the "
+                       "distributions with the outliers marked")
+    fleet.add_argument("--topology", metavar="FILE",
+                       help="YAML mapping parallel groups to node names; flags whole groups")
+    remediation_cli.add_commands(sub, _common)
+    sdc_command.add_parser(sub, _common)
     return parser
 
 
@@ -118,10 +148,13 @@ def cmd_run_suite(args: argparse.Namespace) -> int:
     only = getattr(args, "only", None)
     if only:
         suite = suite.only([n.strip() for n in only.split(",") if n.strip()])
+    check_outputs(args.html, args.junit)
+    acting = remediation_cli.prepare(args, config)
     env = open_environment(config, args.simulate)
     try:
         out_dir, note = report_dir(env, args.out)
         report = execute(suite, env, progress=ProgressPrinter() if sys.stderr.isatty() else None)
+        remediation_cli.act_on_report(acting, env, report)
         path = json_report.write(report, out_dir)
     finally:
         env.close()
@@ -132,6 +165,7 @@ def cmd_run_suite(args: argparse.Namespace) -> int:
     else:
         print(render_summary(report, colour=sys.stdout.isatty(), verbose=args.verbose))
     print(f"report: {path}", file=sys.stderr)
+    write_outputs(report, args.html, args.junit)
     return EXIT_FOR_LEVEL[report.grade.level]
 
 
@@ -153,7 +187,16 @@ def cmd_grade(args: argparse.Namespace) -> int:
     if args.simulate:
         raise UsageError("grade reads a saved report; --simulate does not apply")
     grader, _ = load_data(config)
-    saved = json_report.read(args.report)
+    if args.rules or len(args.report) > 1 or os.path.isdir(args.report[0]):
+        from . import regrade
+
+        if args.html or args.junit:
+            raise UsageError("--html/--junit write one report's page; name a single report")
+        grader, label = regrade.rules_grader(args.rules, grader)
+        worst, _ = regrade.run(args.report, grader, label, as_json=args.json)
+        return EXIT_FOR_LEVEL[worst]
+    check_outputs(args.html, args.junit)
+    saved = json_report.read(args.report[0])
     regraded = grader.grade(saved.results, saved.mode)
     if regraded.level != saved.grade.level:
         print(f"node-agent: note: the saved grade was {saved.grade.level.name}; with the current "
@@ -163,11 +206,36 @@ def cmd_grade(args: argparse.Namespace) -> int:
         print(json_report.dumps(saved))
     else:
         print(render_summary(saved, colour=sys.stdout.isatty()))
+    write_outputs(saved, args.html, args.junit)
     return EXIT_FOR_LEVEL[regraded.level]
 
 
+def cmd_fleet(args: argparse.Namespace) -> int:
+    from . import fleet
+    from .resources import graders_dir
+
+    if args.simulate:
+        raise UsageError("fleet reads saved reports; --simulate does not apply")
+    return fleet.run(args.reports, graders_dir(load_config(args.config)), as_json=args.json,
+                     html=args.html, topology=args.topology)
+
+
+def cmd_daemon(args: argparse.Namespace) -> int:
+    import logging
+
+    try:
+        from .daemon import Daemon
+    except ImportError as err:
+        raise UsageError(f"the daemon needs {err.name}: pip install 'node-agent[daemon]'") from err
+
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return Daemon(args.config, args.simulate, suite=args.suite, listen=args.listen).run()
+
+
 COMMANDS = {"inventory": cmd_inventory, "accept": cmd_run_suite, "check": cmd_run_suite,
-            "grade": cmd_grade}
+            "grade": cmd_grade, "daemon": cmd_daemon, "fleet": cmd_fleet,
+            "sdc": sdc_command.run, **remediation_cli.COMMANDS}
 
 if __name__ == "__main__":
     sys.exit(main())

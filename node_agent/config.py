@@ -22,10 +22,18 @@ DEFAULTS: dict[str, Any] = {
         "dry_run": False,
         "webhook": {"url": None, "secret_file": None, "timeout_s": 5, "retries": 3},
         "kubernetes": {"kubeconfig": None, "taint_key": "node-agent/health"},
+        "slurm": {"scontrol": "scontrol", "timeout_s": 15},
     },
-    "safety": {"max_drained_fraction": 0.1, "max_restarts": 2, "restart_window_h": 24},
-    "daemon": {"listen": "127.0.0.1:9847"},
+    "safety": {"max_drained_fraction": 0.1, "max_restarts": 2, "restart_window_h": 24,
+               "breaker_max_drains": 5, "breaker_window_h": 1, "dedup_window_s": 600,
+               "min_action_interval_s": 60, "opt_out": False},
+    "daemon": {"listen": "127.0.0.1:9847", "suite": "periodic", "default_every_s": 300,
+               "xid_poll_s": 0.5, "nvml_retry_s": 30, "act": True,
+               # compute checks import torch: run them in a child so the daemon stays small
+               "subprocess_checks": ["sdc", "gpu_burn", "thermal_power", "hbm_bandwidth",
+                                     "pcie_bandwidth", "nccl_allreduce"]},
     "nvml": {"call_timeout_s": 10},
+    "dcgm": {"bindings_path": None, "hostengine": "localhost"},
 }
 
 _NULLABLE_STR = {"type": ["string", "null"]}
@@ -54,14 +62,30 @@ SCHEMA: dict[str, Any] = _obj({
             "retries": {"type": "integer", "minimum": 0},
         }),
         "kubernetes": _obj({"kubeconfig": _NULLABLE_STR, "taint_key": {"type": "string"}}),
+        "slurm": _obj({"scontrol": {"type": "string", "minLength": 1},
+                       "timeout_s": {"type": "number", "exclusiveMinimum": 0}}),
     }),
     "safety": _obj({
         "max_drained_fraction": {"type": "number", "minimum": 0, "maximum": 1},
         "max_restarts": {"type": "integer", "minimum": 0},
         "restart_window_h": {"type": "number", "exclusiveMinimum": 0},
+        "breaker_max_drains": {"type": "integer", "minimum": 1},
+        "breaker_window_h": {"type": "number", "exclusiveMinimum": 0},
+        "dedup_window_s": {"type": "number", "minimum": 0},
+        "min_action_interval_s": {"type": "number", "minimum": 0},
+        "opt_out": {"type": "boolean"},
     }),
-    "daemon": _obj({"listen": {"type": "string", "pattern": r"^[^:\s]+:\d{1,5}$"}}),
+    "daemon": _obj({
+        "listen": {"type": "string", "pattern": r"^[^:\s]+:\d{1,5}$"},
+        "suite": {"type": "string"},
+        "default_every_s": {"type": "number", "exclusiveMinimum": 0},
+        "xid_poll_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 5},
+        "nvml_retry_s": {"type": "number", "exclusiveMinimum": 0},
+        "subprocess_checks": {"type": "array", "items": {"type": "string"}},
+        "act": {"type": "boolean"},
+    }),
     "nvml": _obj({"call_timeout_s": {"type": "number", "exclusiveMinimum": 0}}),
+    "dcgm": _obj({"bindings_path": _NULLABLE_STR, "hostengine": {"type": "string"}}),
 })
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import select
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -87,25 +88,54 @@ class KmsgKernelLog:
 
     def read(self) -> list[LogRecord]:
         fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
-        records: list[LogRecord] = []
         try:
-            while True:
-                try:
-                    chunk = os.read(fd, 8192)
-                except OSError as err:
-                    if err.errno == errno.EAGAIN:
-                        break
-                    if err.errno == errno.EPIPE:  # overwritten while reading: skip ahead
-                        continue
-                    raise
-                if not chunk:
-                    break
-                record = _parse_kmsg_record(chunk.decode("utf-8", "replace"))
-                if record is not None:
-                    records.append(record)
+            return _read_available(fd)
         finally:
             os.close(fd)
-        return records
+
+
+class KmsgFollower:
+    """New ``/dev/kmsg`` records as they arrive, from an fd kept open at the buffer's end.
+
+    The daemon's XID watch waits here instead of re-reading the whole ring buffer: ``wait()``
+    blocks in ``select`` until the kernel appends a record or the timeout passes.
+    """
+
+    def __init__(self, path: str = "/dev/kmsg") -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        os.lseek(self._fd, 0, os.SEEK_END)  # kmsg: SEEK_END skips what is already there
+
+    def wait(self, timeout_s: float) -> list[LogRecord]:
+        if self._fd < 0:
+            return []
+        ready, _, _ = select.select([self._fd], [], [], timeout_s)
+        return _read_available(self._fd) if ready else []
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _read_available(fd: int) -> list[LogRecord]:
+    """Every record a non-blocking ``/dev/kmsg`` fd has ready (one record per read)."""
+    records: list[LogRecord] = []
+    while True:
+        try:
+            chunk = os.read(fd, 8192)
+        except OSError as err:
+            if err.errno == errno.EAGAIN:
+                break
+            if err.errno == errno.EPIPE:  # overwritten while reading: skip ahead
+                continue
+            raise
+        if not chunk:
+            break
+        record = _parse_kmsg_record(chunk.decode("utf-8", "replace"))
+        if record is not None:
+            records.append(record)
+    return records
 
 
 def _parse_kmsg_record(raw: str) -> LogRecord | None:

@@ -14,6 +14,8 @@ from .gpu.base import RECOVERY_ACTIONS, THROTTLE_REASONS
 from .yamlfile import ConfigError, load_yaml
 
 _GPU = {"type": "integer", "minimum": 0}
+_HCA_NAME = r"^[A-Za-z0-9_]+$"
+_HCA = {"type": "string", "pattern": _HCA_NAME}
 
 
 def _fault(kind: str, props: dict[str, Any], required: tuple[str, ...] = ("gpu",)) -> dict:
@@ -21,6 +23,15 @@ def _fault(kind: str, props: dict[str, Any], required: tuple[str, ...] = ("gpu",
         "type": "object", "additionalProperties": False,
         "required": ["kind", *required],
         "properties": {"kind": {"const": kind}, "gpu": _GPU, **props},
+    }
+
+
+def _hca_fault(kind: str, props: dict[str, Any], required: tuple[str, ...] = ("hca",)) -> dict:
+    """A fault on an RDMA device named in the scenario's ``hcas`` (key ``hca``, not ``gpu``)."""
+    return {
+        "type": "object", "additionalProperties": False,
+        "required": ["kind", *required],
+        "properties": {"kind": {"const": kind}, "hca": _HCA, **props},
     }
 
 
@@ -48,6 +59,14 @@ FAULT_SCHEMAS: dict[str, dict[str, Any]] = {
     "slow": _fault("slow", {"factor": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}},
                    ("gpu", "factor")),
     "sdc": _fault("sdc", {}),
+    # RDMA (node_agent.sim_tools builds the HCAs' sysfs and an ib_write_bw stand-in from these)
+    "hca_port_down": _hca_fault("hca_port_down", {}),
+    "hca_rate": _hca_fault("hca_rate", {"gbps": {"type": "number", "exclusiveMinimum": 0}},
+                           ("hca", "gbps")),
+    "hca_slow": _hca_fault("hca_slow", {"factor": {"type": "number", "exclusiveMinimum": 0,
+                                                   "maximum": 1}}, ("hca", "factor")),
+    "hca_flap": _hca_fault("hca_flap", {"count": {"type": "integer", "minimum": 1}},
+                           ("hca", "count")),
 }
 
 SCENARIO_SCHEMA: dict[str, Any] = {
@@ -60,7 +79,7 @@ SCENARIO_SCHEMA: dict[str, Any] = {
         "hostname": {"type": "string"},
         "driver": {"type": "string"},
         "cuda": {"type": "string"},
-        "hcas": {"type": "array", "items": {"type": "string", "pattern": r"^[A-Za-z0-9_]+$"}},
+        "hcas": {"type": "array", "items": _HCA, "uniqueItems": True},
         "faults": {
             "type": "array",
             "items": {
@@ -76,9 +95,12 @@ SCENARIO_SCHEMA: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class Fault:
+    """One injected fault: on a GPU (``gpu``) or on an RDMA device (``hca``), never both."""
+
     kind: str
-    gpu: int
+    gpu: int | None
     params: dict[str, Any]
+    hca: str | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +120,9 @@ class Scenario:
     def has(self, gpu: int, kind: str) -> bool:
         return bool(self.faults_on(gpu, kind))
 
+    def hca_faults(self, hca: str, kind: str) -> list[Fault]:
+        return [f for f in self.faults if f.hca == hca and f.kind == kind]
+
 
 def load_scenario(path: str | Path, known_skus: dict[str, Any] | None = None) -> Scenario:
     """Read and validate a scenario file; ConfigError (exit 2) on any problem."""
@@ -111,14 +136,20 @@ def load_scenario(path: str | Path, known_skus: dict[str, Any] | None = None) ->
     gpus = data.get("gpus")
     if gpus is None:
         gpus = known_skus[data["sku"]].gpus_per_node if known_skus else 8
+    hcas = tuple(data.get("hcas", []))
     faults = []
     for i, raw in enumerate(data.get("faults") or []):
         validate(raw, FAULT_SCHEMAS[raw["kind"]], f"{source}: faults[{i}]")
-        if raw["gpu"] >= gpus:
+        if "gpu" in raw and raw["gpu"] >= gpus:
             raise ConfigError(f"{source}: faults[{i}]: key 'gpu': {raw['gpu']} is out of range "
                               f"for a node of {gpus} GPUs (0..{gpus - 1})")
-        params = {k: v for k, v in raw.items() if k not in ("kind", "gpu")}
-        faults.append(Fault(kind=raw["kind"], gpu=raw["gpu"], params=params))
+        if "hca" in raw and raw["hca"] not in hcas:
+            raise ConfigError(f"{source}: faults[{i}]: key 'hca': {raw['hca']!r} is not one of "
+                              f"the scenario's hcas ({', '.join(hcas) or 'none listed'}); add it "
+                              "to 'hcas'")
+        params = {k: v for k, v in raw.items() if k not in ("kind", "gpu", "hca")}
+        faults.append(Fault(kind=raw["kind"], gpu=raw.get("gpu"), params=params,
+                            hca=raw.get("hca")))
     optional = {k: data[k] for k in ("hostname", "driver", "cuda") if k in data}
-    return Scenario(sku=data["sku"], gpus=gpus, source=source, hcas=tuple(data.get("hcas", [])),
+    return Scenario(sku=data["sku"], gpus=gpus, source=source, hcas=hcas,
                     faults=tuple(faults), **optional)

@@ -21,6 +21,8 @@ SUITE_SCHEMA: dict[str, Any] = {
                 "check": {"type": "string"},
                 "timeout_s": {"type": "number", "exclusiveMinimum": 0},
                 "params": {"type": "object"},
+                # the daemon's cadence for this check (periodic suite); ignored by accept/check
+                "every_s": {"type": "number", "exclusiveMinimum": 0},
             }}},
     },
 }
@@ -33,6 +35,7 @@ class CheckSpec:
     check: str
     timeout_s: float = DEFAULT_TIMEOUT_S
     params: dict[str, Any] = field(default_factory=dict)
+    every_s: float | None = None  # daemon cadence; None: the daemon's default_every_s
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ def load_suite(name_or_path: str, suites_dir: Path) -> Suite:
                               f"known checks: {', '.join(sorted(REGISTRY))}")
         checks.append(CheckSpec(check=raw["check"],
                                 timeout_s=float(raw.get("timeout_s", DEFAULT_TIMEOUT_S)),
-                                params=dict(raw.get("params") or {})))
+                                params=dict(raw.get("params") or {}),
+                                every_s=raw.get("every_s")))
     return Suite(name=data["name"], mode=data["mode"], checks=tuple(checks), source=str(path),
                  description=data.get("description", ""))

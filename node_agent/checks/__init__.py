@@ -28,6 +28,14 @@ REGISTRY: dict[str, str] = {
     "storage": "node_agent.checks.storage",
     "nccl_allreduce": "node_agent.checks.nccl_allreduce",
     "rdma": "node_agent.checks.rdma",
+    "gpu_burn": "node_agent.checks.gpu_burn",
+    "thermal_power": "node_agent.checks.thermal_power",
+    "dcgm_diag": "node_agent.checks.dcgm_diag",
+    "dcgm_health": "node_agent.checks.dcgm_health",
+    "hbm_bandwidth": "node_agent.checks.hbm_bandwidth",
+    "pcie_bandwidth": "node_agent.checks.pcie_bandwidth",
+    "sdc": "node_agent.checks.sdc",
+    "sdc_spool": "node_agent.checks.sdc_spool",
 }
 
 
@@ -73,6 +81,15 @@ class CheckContext:
         if self.gpu.broken:
             return [self.result("node", "gpu_backend", Status.ERROR, reason)]
         return [self.skip(reason)]
+
+    def compute_unavailable(self, reason: str) -> list[Result]:
+        """For compute checks on a node whose GPUs are there but cannot be computed on (no
+        torch, a CPU-only torch, CUDA not seeing the GPUs): at delivery an ``error`` — a node
+        is not accepted without its load tests — and in service a ``skip`` with the reason."""
+        if self.mode == "delivery":
+            return [self.result("node", "compute", Status.ERROR,
+                                f"cannot run {self.check} on this node's GPUs: {reason}")]
+        return [self.skip(reason, metric="compute")]
 
 
 def resolve(name: str) -> Callable[[CheckContext], list[Result]]:

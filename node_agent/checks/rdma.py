@@ -15,8 +15,13 @@ Per port (target ``hca:<dev>``, ``hca:<dev>/<port>`` beyond port 1):
     ``--report_gbits -D <duration_s>``, JSON from ``--out_json`` where the build supports it,
     against ``rdma_port_gbps_min``.
 No device: skip. ``ib_write_bw`` missing: the bandwidth test skips naming Debian's ``perftest``.
-Params: ``sysfs_root``, ``perftest`` (default true), ``duration_s`` (5), ``gid_index`` (RoCE),
-``tcp_port`` (18515), ``server_start_s`` (1.0: how long the server gets to listen).
+Params: ``sysfs_root``, ``ib_write_bw`` (path of the perftest binary; default: found on PATH),
+``perftest`` (default true), ``duration_s`` (5), ``gid_index`` (RoCE), ``tcp_port`` (18515),
+``server_start_s`` (1.0: how long the server gets to listen).
+
+Under ``--simulate`` (and no ``sysfs_root`` param) the scenario's ``hcas`` become a sysfs tree
+and an ``ib_write_bw`` stand-in in a temporary directory (:mod:`node_agent.sim_tools`), with the
+scenario's RDMA faults applied there; this module reads them exactly as it reads real ones.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import proc
+from .. import proc, sim_tools
 from ..model import Result, Status
 from ..parsers import ParseError
 from ..parsers.perftest import BwRow, parse_bw_json, parse_bw_table
@@ -102,7 +107,18 @@ def discover(root: Path = SYSFS_ROOT) -> list[Port]:
 
 
 def run(ctx: CheckContext) -> list[Result]:
-    root = Path(ctx.params.get("sysfs_root", SYSFS_ROOT))
+    if ctx.simulated and "sysfs_root" not in ctx.params:
+        # A simulated node's HCAs: a sysfs tree and an ib_write_bw stand-in written for this
+        # run (node_agent.sim_tools); everything below reads them as it reads the real ones.
+        if not ctx.scenario.hcas:
+            return [ctx.skip("no RDMA device: the simulated node's scenario lists no hcas")]
+        with tempfile.TemporaryDirectory(prefix="node-agent-sim-rdma-") as tmp:
+            sim = sim_tools.rdma_tools(ctx.scenario, ctx.sku, Path(tmp))
+            return _run(ctx, sim.sysfs_root, str(sim.ib_write_bw))
+    return _run(ctx, Path(ctx.params.get("sysfs_root", SYSFS_ROOT)), ctx.params.get("ib_write_bw"))
+
+
+def _run(ctx: CheckContext, root: Path, ib_write_bw: str | None) -> list[Result]:
     ports = discover(root)
     if not ports:
         return [ctx.skip(f"no RDMA device: {root} lists no ports (no InfiniBand/RoCE HCA, or "
@@ -112,7 +128,8 @@ def run(ctx: CheckContext) -> list[Result]:
     for port in ports:
         results.extend(port_results(ctx, port, minimum))
     if ctx.params.get("perftest", True):
-        results.extend(_bandwidth(ctx, [p for p in ports if p.state == "ACTIVE"], minimum))
+        results.extend(_bandwidth(ctx, [p for p in ports if p.state == "ACTIVE"], minimum,
+                                  ib_write_bw))
     return results
 
 
@@ -150,10 +167,11 @@ def port_results(ctx: CheckContext, port: Port, minimum: float | None) -> list[R
     return out
 
 
-def _bandwidth(ctx: CheckContext, ports: list[Port], minimum: float | None) -> list[Result]:
+def _bandwidth(ctx: CheckContext, ports: list[Port], minimum: float | None,
+               ib_write_bw: str | None = None) -> list[Result]:
     if not ports:
         return []
-    binary = proc.which("ib_write_bw")
+    binary = ib_write_bw or proc.which("ib_write_bw")
     if binary is None:
         return [ctx.skip(PERFTEST_MISSING, target=p.target, metric="write_bw_gbps")
                 for p in ports]

@@ -447,7 +447,7 @@ def run(ctx: CheckContext) -> list[Result]:
     try:
         specs = compute.compute_specs(indices, ctx.scenario)
     except compute.ComputeUnavailable as err:
-        return [ctx.skip(str(err))]
+        return ctx.compute_unavailable(str(err))
     on_cuda = not ctx.simulated
     try:
         plan, plan_notes = make_plan(ctx.params, on_cuda)

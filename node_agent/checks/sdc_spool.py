@@ -119,7 +119,7 @@ def map_target(ctx: CheckContext, device: str, evidence: dict[str, Any]) -> tupl
 
 
 def run(ctx: CheckContext) -> list[Result]:
-    from .. import sdc as sdc_lib
+    from .. import sdc_verdicts as sdc_lib
 
     if ctx.state_dir is None:
         return [ctx.skip(f"state directory {ctx.config.state_dir} is not writable: training "

@@ -110,7 +110,7 @@ def open_specs(ctx: CheckContext) -> tuple[list[ComputeSpec], list[Result] | Non
     try:
         return compute_specs(indices, ctx.scenario), None
     except ComputeUnavailable as err:
-        return [], [ctx.skip(str(err))]
+        return [], ctx.compute_unavailable(str(err))
 
 
 def grade_figures(ctx: CheckContext, metric: str, what: str, figures: Mapping[int, float],

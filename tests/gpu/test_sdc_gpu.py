@@ -88,3 +88,20 @@ def test_side_stream_probe_confirms_injected_corruption(tmp_path) -> None:
     (v,) = _drain(probe, want=1)
     assert v.status == "confirmed" and v.probe == "exact_gemm"
     assert [s.status for s in sdc.read_spool(tmp_path)] == ["confirmed"]
+
+
+def test_sdc_check_probes_every_cuda_gpu_clean_and_the_node_agrees() -> None:
+    """The check's own path (compute.open_device -> probe_node) on the real GPUs, tf32 included:
+    every exact GEMM equals the CPU golden and no GPU is an odd one out."""
+    from node_agent import compute
+    from node_agent.checks import sdc as sdc_check
+
+    specs = compute.compute_specs(list(range(torch.cuda.device_count())), None)
+    runs = {s.index: sdc_check.GpuRun(s.index, compute.open_device(s)) for s in specs}
+    plan, notes = sdc_check.make_plan({"repeats": 2, "freivalds_n": 512}, on_cuda=True)
+    assert notes == [] and {s.dtype for s in plan.specs} == set(DTYPES)
+    sdc_check.probe_node(runs, plan)
+    for run in runs.values():
+        bad = [v.detail for v in run.verdicts if v.status != "pass"]
+        assert not bad, bad
+        assert len(run.digests) == len(plan.specs)
