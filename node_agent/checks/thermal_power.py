@@ -128,12 +128,12 @@ def _temperature(ctx, target, trace, limits, span) -> Result:
     slowdown = trace.get("slowdown_temp_c") or limits["sku_slowdown_c"]
     hottest = max(present)
     t_s = trace["t_s"]
-    step = statistics.median([b - a for a, b in zip(t_s, t_s[1:], strict=False)]) if len(t_s) > 1 else 0.0
     above_s = 0.0
-    if slowdown is not None:
-        for i, temp in enumerate(temps):
+    if slowdown is not None:  # each hot reading counts until the next reading
+        for i, temp in enumerate(temps[:-1]):
             if temp is not None and temp >= slowdown:
-                above_s += (t_s[i + 1] - t_s[i]) if i + 1 < len(t_s) else step
+                above_s += t_s[i + 1] - t_s[i]
+        above_s = min(above_s, span) if span else above_s
     evidence = {"slowdown_c": slowdown, "time_above_slowdown_s": round(above_s, 3),
                 "load_span_s": round(span, 3), "readings": len(present)}
     if slowdown is not None and hottest >= slowdown:
