@@ -157,12 +157,14 @@ def _number(value: Any) -> bool:
 
 
 def _series(evidence: dict[str, Any], key: str) -> list[float] | None:
+    """The numbers of a trace series, ``None`` readings as gaps (NaN: matplotlib leaves them
+    out); None when there is no number at all or a value is not a number."""
     values = evidence.get(key)
     if not isinstance(values, list) or not values:
         return None
-    if not all(_number(v) for v in values):
+    if not all(v is None or _number(v) for v in values) or all(v is None for v in values):
         return None
-    return [float(v) for v in values]
+    return [math.nan if v is None else float(v) for v in values]
 
 
 # -- the page's parts ------------------------------------------------------------------------
