@@ -39,9 +39,12 @@ import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # the caller imports it; sdc stays stdlib + torch at runtime
+    from .heartbeat import Heartbeat
 
 from .sdc_verdicts import (  # noqa: F401 - re-exported: the probe API's verdicts and spool
     SPOOL_SCHEMA,
@@ -642,6 +645,7 @@ class SdcProbe:
         spool_passes: bool = False,
         digests: bool = True,
         keep: int = 100,
+        heartbeat: Heartbeat | None = None,
     ) -> None:
         if not 0 < budget_fraction < 1:
             raise ValueError(f"budget_fraction must be in (0, 1), got {budget_fraction}")
@@ -676,6 +680,9 @@ class SdcProbe:
         self._last_cost_s = 0.0
         self.probes_run = 0
         self.verdicts: list[Verdict] = []
+        #: optional progress heartbeat (node_agent.heartbeat): ``step()`` beats it, so a job
+        #: that already calls ``step()`` per training step gets hang detection for free
+        self.heartbeat = heartbeat
 
     # -- budget ------------------------------------------------------------------------------
 
@@ -694,7 +701,11 @@ class SdcProbe:
     # -- the loop hook -----------------------------------------------------------------------
 
     def step(self) -> Verdict | None:
-        """Advance the probe; returns a verdict when one completed at this step, else None."""
+        """Advance the probe; returns a verdict when one completed at this step, else None.
+
+        With ``heartbeat=`` given, also records the step (``Heartbeat.beat`` never raises)."""
+        if self.heartbeat is not None:
+            self.heartbeat.beat()
         try:
             return self._step()
         except Exception as err:

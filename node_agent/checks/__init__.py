@@ -36,6 +36,7 @@ REGISTRY: dict[str, str] = {
     "pcie_bandwidth": "node_agent.checks.pcie_bandwidth",
     "sdc": "node_agent.checks.sdc",
     "sdc_spool": "node_agent.checks.sdc_spool",
+    "training_progress": "node_agent.checks.training_progress",
 }
 
 

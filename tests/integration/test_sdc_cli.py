@@ -133,5 +133,5 @@ def test_periodic_suite_gives_each_check_a_cadence():
     suite = load_suite("periodic", _shipped("node_agent.suites"))
     cadence = {c.check: c.every_s for c in suite.checks}
     assert cadence == {"nvml_health": 10, "xid": 30, "sdc_spool": 60, "sdc": 600,
-                       "storage": 3600}
+                       "storage": 3600, "training_progress": 15}
     assert suite.mode == "service"
