@@ -73,8 +73,17 @@ def main() -> int:
     idle_suite.write_text(yaml.safe_dump({"name": "idle", "mode": "service", "checks": [
         {"check": "nvml_health", "every_s": 3600, "timeout_s": 30}]}))
 
-    daemons = {"default cadence": start(tmp, "default", scenario, None),
-               "idle": start(tmp, "idle", scenario, str(idle_suite))}
+    daemons = {"default cadence": start(tmp, "default", scenario, None)}
+    try:
+        daemons["idle"] = start(tmp, "idle", scenario, str(idle_suite))
+        return measure(args, daemons, scenario, base)
+    finally:
+        for proc, _ in daemons.values():
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+def measure(args: argparse.Namespace, daemons: dict, scenario: Path, base: dict) -> int:
     ps = {name: psutil.Process(p.pid) for name, (p, _) in daemons.items()}
     cpu0 = {name: p.cpu_times() for name, p in ps.items()}
     t0 = time.monotonic()
@@ -115,9 +124,6 @@ def main() -> int:
     print(f"\nXID injection -> /metrics latency, 5 runs: "
           f"{', '.join(f'{x * 1000:.0f} ms' for x in latencies)} "
           f"(median {statistics.median(latencies) * 1000:.0f} ms)")
-    for proc, _ in daemons.values():
-        proc.terminate()
-        proc.wait(timeout=10)
     return 0
 
 
