@@ -158,14 +158,20 @@ def cmd_run_suite(args: argparse.Namespace) -> int:
         path = json_report.write(report, out_dir)
     finally:
         env.close()
+    code = print_report(report, path, note, args.json,
+                        lambda r: render_summary(r, colour=sys.stdout.isatty(),
+                                                 verbose=args.verbose))
+    write_outputs(report, args.html, args.junit)
+    return code
+
+
+def print_report(report: Report, path, note: str | None, as_json: bool, render) -> int:
+    """The end of a run: the note, the report (JSON or ``render(report)``), where it was
+    written; returns the contract's exit code for its grade."""
     if note:
         print(f"node-agent: note: {note}", file=sys.stderr)
-    if args.json:
-        print(json_report.dumps(report))
-    else:
-        print(render_summary(report, colour=sys.stdout.isatty(), verbose=args.verbose))
+    print(json_report.dumps(report) if as_json else render(report))
     print(f"report: {path}", file=sys.stderr)
-    write_outputs(report, args.html, args.junit)
     return EXIT_FOR_LEVEL[report.grade.level]
 
 

@@ -312,14 +312,6 @@ class Daemon:
         return [Result(check=spec.check, target="node", metric="ran", status=Status.ERROR,
                        detail=f"check {spec.check} in a child process failed: {detail}")]
 
-    def run_check_now(self, check: str) -> list[Result]:
-        """Run one scheduled check immediately (tests, ``--once``)."""
-        spec = next(s.spec for s in self._schedule if s.spec.check == check)
-        started, t0 = time.time(), self._clock()
-        results = run_check(spec, self.env, "service", {})
-        self._record(check, results, started, self._clock() - t0)
-        return results
-
     def _record(self, check: str, results: list[Result], started: float, duration: float) -> None:
         worst = max((r.status for r in results), key=_STATUS_ORDER.index, default=None)
         with self._lock:

@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
     Usage errors raise ``ConfigError`` (exit 2, one line): it is the one usage exception that
     is the same class whether cli runs as ``node_agent.cli`` or as ``python -m``'s __main__."""
-    from .cli import EXIT_FOR_LEVEL, execute
+    from .cli import execute, print_report
     from .config import load_config
     from .environment import open_environment, report_dir
     from .report import json_report
@@ -125,14 +125,7 @@ def run(args: argparse.Namespace) -> int:
         path = json_report.write(report, out_dir)
     finally:
         env.close()
-    if note:
-        print(f"node-agent: note: {note}", file=sys.stderr)
-    if args.json:
-        print(json_report.dumps(report))
-    else:
-        print(render_counts(report))
-    print(f"report: {path}", file=sys.stderr)
-    return EXIT_FOR_LEVEL[report.grade.level]
+    return print_report(report, path, note, args.json, render_counts)
 
 
 def render_counts(report: Any) -> str:
