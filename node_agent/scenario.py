@@ -59,6 +59,8 @@ FAULT_SCHEMAS: dict[str, dict[str, Any]] = {
     "slow": _fault("slow", {"factor": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}},
                    ("gpu", "factor")),
     "sdc": _fault("sdc", {}),
+    # a kernel spinning on a peer that never arrives (hung collective): busy, but no work done
+    "spin": _fault("spin", {}),
     # RDMA (node_agent.sim_tools builds the HCAs' sysfs and an ib_write_bw stand-in from these)
     "hca_port_down": _hca_fault("hca_port_down", {}),
     "hca_rate": _hca_fault("hca_rate", {"gbps": {"type": "number", "exclusiveMinimum": 0}},
@@ -80,6 +82,11 @@ SCENARIO_SCHEMA: dict[str, Any] = {
         "driver": {"type": "string"},
         "cuda": {"type": "string"},
         "hcas": {"type": "array", "items": _HCA, "uniqueItems": True},
+        # what the simulated NVML lists as compute processes (nvmlDeviceGetComputeRunningProcesses)
+        "compute_processes": {"type": "array", "items": {
+            "type": "object", "additionalProperties": False, "required": ["gpu", "pid"],
+            "properties": {"gpu": _GPU, "pid": {"type": "integer", "minimum": 1},
+                           "used_memory_mib": {"type": "integer", "minimum": 0}}}},
         "faults": {
             "type": "array",
             "items": {
@@ -104,6 +111,15 @@ class Fault:
 
 
 @dataclass(frozen=True)
+class ComputeProcess:
+    """A process the simulated NVML lists on a GPU (scenario key ``compute_processes``)."""
+
+    gpu: int
+    pid: int
+    used_memory_mib: int | None = None
+
+
+@dataclass(frozen=True)
 class Scenario:
     sku: str
     gpus: int
@@ -113,12 +129,16 @@ class Scenario:
     cuda: str = "12.8"
     hcas: tuple[str, ...] = ()
     faults: tuple[Fault, ...] = field(default_factory=tuple)
+    compute_processes: tuple[ComputeProcess, ...] = ()
 
     def faults_on(self, gpu: int, kind: str) -> list[Fault]:
         return [f for f in self.faults if f.gpu == gpu and f.kind == kind]
 
     def has(self, gpu: int, kind: str) -> bool:
         return bool(self.faults_on(gpu, kind))
+
+    def processes_on(self, gpu: int) -> list[ComputeProcess]:
+        return [p for p in self.compute_processes if p.gpu == gpu]
 
     def hca_faults(self, hca: str, kind: str) -> list[Fault]:
         return [f for f in self.faults if f.hca == hca and f.kind == kind]
@@ -150,6 +170,13 @@ def load_scenario(path: str | Path, known_skus: dict[str, Any] | None = None) ->
         params = {k: v for k, v in raw.items() if k not in ("kind", "gpu", "hca")}
         faults.append(Fault(kind=raw["kind"], gpu=raw.get("gpu"), params=params,
                             hca=raw.get("hca")))
+    processes = []
+    for i, raw in enumerate(data.get("compute_processes") or []):
+        if raw["gpu"] >= gpus:
+            raise ConfigError(f"{source}: compute_processes[{i}]: key 'gpu': {raw['gpu']} is out "
+                              f"of range for a node of {gpus} GPUs (0..{gpus - 1})")
+        processes.append(ComputeProcess(gpu=raw["gpu"], pid=raw["pid"],
+                                        used_memory_mib=raw.get("used_memory_mib")))
     optional = {k: data[k] for k in ("hostname", "driver", "cuda") if k in data}
     return Scenario(sku=data["sku"], gpus=gpus, source=source, hcas=hcas,
-                    faults=tuple(faults), **optional)
+                    faults=tuple(faults), compute_processes=tuple(processes), **optional)

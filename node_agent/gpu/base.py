@@ -145,6 +145,31 @@ class XidEvent:
     message: str = ""
 
 
+@dataclass(frozen=True)
+class GpuProcess:
+    """``nvidia-smi --query-compute-apps=pid,used_memory``: one compute process on a GPU.
+
+    ``pid`` is as the driver sees it (the host's PID namespace); ``used_memory_bytes`` is None
+    where the driver does not report it (NVML_VALUE_NOT_AVAILABLE).
+    """
+
+    pid: int
+    used_memory_bytes: int | None
+
+
+@dataclass(frozen=True)
+class Utilization:
+    """``nvidia-smi --query-gpu=utilization.gpu,utilization.memory`` (percent, 0-100).
+
+    ``gpu_pct``: share of the last sample period (1/6 s to 1 s, by product) in which a kernel
+    ran, however few SMs it used; ``memory_pct``: share in which device memory was read or
+    written. A kernel spinning on a peer reads 100 / ~0.
+    """
+
+    gpu_pct: int
+    memory_pct: int
+
+
 #: names of NVML clock-event (throttle) reasons, as returned by ``throttle_reasons()``
 THROTTLE_REASONS = (
     "gpu_idle", "applications_clocks_setting", "sw_power_cap", "hw_slowdown", "sync_boost",
@@ -190,6 +215,8 @@ class GpuDevice(Protocol):
     def persistence_mode(self) -> bool: ...
     def recovery_action(self) -> str: ...
     def nvlinks(self) -> list[NvLink]: ...
+    def compute_processes(self) -> list[GpuProcess]: ...
+    def utilization(self) -> Utilization: ...
 
 
 @runtime_checkable

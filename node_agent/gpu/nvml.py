@@ -28,6 +28,7 @@ from .base import (
     EccCounts,
     GpuDevice,
     GpuError,
+    GpuProcess,
     GpuTimeout,
     Identity,
     NoPermission,
@@ -38,6 +39,7 @@ from .base import (
     RetiredPages,
     RowRemap,
     TemperatureThresholds,
+    Utilization,
     XidEvent,
 )
 
@@ -62,6 +64,9 @@ _LOST_CODES = {_GPU_IS_LOST, _GPU_NOT_FOUND}
 
 # c_nvmlValue_t member for each nvmlValueType_t (NVML_VALUE_TYPE_DOUBLE = 0 ... UNSIGNED_SHORT = 6)
 _FIELD_VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+
+# NVML_VALUE_NOT_AVAILABLE as an unsigned long long (nvml.h: -1); older bindings pass it through
+_VALUE_NOT_AVAILABLE_ULL = 2**64 - 1
 
 _HUNG_ADVICE = "the driver may be hung: check dmesg for Xids, then reset the GPU or reboot"
 _MIB = 1024 * 1024
@@ -541,6 +546,28 @@ class NvmlDevice:
                 crc_errors=counter(lib.NVML_NVLINK_ERROR_DL_CRC_FLIT),
             ))
         return links
+
+    def compute_processes(self) -> list[GpuProcess]:
+        """``nvidia-smi --query-compute-apps=pid,used_memory``: the compute processes on this GPU.
+
+        [] when none run. ``used_memory_bytes`` is None where NVML reports
+        NVML_VALUE_NOT_AVAILABLE. Pids are in the host's PID namespace.
+        """
+        procs = self._call(("nvmlDeviceGetComputeRunningProcesses_v3",
+                            "nvmlDeviceGetComputeRunningProcesses_v2",
+                            "nvmlDeviceGetComputeRunningProcesses"))
+        out = []
+        for p in procs or []:
+            used = getattr(p, "usedGpuMemory", None)
+            out.append(GpuProcess(pid=int(p.pid), used_memory_bytes=(
+                None if used is None or int(used) >= _VALUE_NOT_AVAILABLE_ULL else int(used))))
+        return out
+
+    def utilization(self) -> Utilization:
+        """``nvidia-smi --query-gpu=utilization.gpu,utilization.memory`` (percent of the last
+        sample period a kernel ran / device memory was read or written)."""
+        rates = self._call("nvmlDeviceGetUtilizationRates")
+        return Utilization(gpu_pct=int(rates.gpu), memory_pct=int(rates.memory))
 
 
 def open_nvml(call_timeout_s: float = 10.0, lib: Any = None) -> NvmlBackend:

@@ -19,6 +19,7 @@ from .base import (
     DriverInfo,
     EccCounts,
     GpuDevice,
+    GpuProcess,
     GpuTimeout,
     Identity,
     NotSupported,
@@ -28,6 +29,7 @@ from .base import (
     RetiredPages,
     RowRemap,
     TemperatureThresholds,
+    Utilization,
     XidEvent,
 )
 
@@ -46,6 +48,16 @@ _LOAD_TEMP_TAU_S = 1.0
 _LOAD_MEM_TEMP_C = 58
 _LOAD_POWER_FRACTION = 0.9
 _SM_MAX_MHZ = 1980
+# Utilization (percent of the sample period a kernel ran / memory was busy): a GEMM burn keeps
+# a kernel resident all the time (~98 %, the gaps are launches) and streams its tiles from HBM
+# at about 60 % of the period; a ``slow`` GPU moves proportionally less. A ``spin`` GPU runs a
+# kernel that polls a flag for a peer that never comes (a hung NCCL collective): 100 % busy,
+# ~0 % memory, and power just above idle, as only the few SMs of the collective's channels spin.
+# These are the model's figures, not measurements.
+_LOAD_GPU_PCT = 98
+_LOAD_MEMORY_PCT = 60
+_SPIN_POWER_FRACTION = 0.15
+_MIB = 1024 * 1024
 _HW_THROTTLE = frozenset({"hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown"})
 
 
@@ -154,7 +166,9 @@ class SimGpuDevice:
         self._answer()
         tdp = float(self._sku.section("power").get("tdp_w", 400))
         fraction = _IDLE_POWER_FRACTION
-        if self._load.seconds(self.index) is not None:
+        if self._scenario.has(self.index, "spin"):
+            fraction = _SPIN_POWER_FRACTION
+        elif self._load.seconds(self.index) is not None:
             slow = self._fault("slow")
             fraction = _LOAD_POWER_FRACTION * (float(slow.params["factor"]) if slow else 1.0)
         return Power(usage_w=round(tdp * fraction, 1), enforced_limit_w=tdp, default_limit_w=tdp)
@@ -169,6 +183,8 @@ class SimGpuDevice:
         self._answer()
         fault = self._fault("throttle")
         reasons = frozenset(fault.params["reasons"]) if fault else frozenset()
+        if self._scenario.has(self.index, "spin"):
+            return reasons  # a kernel runs, so not idle; too little power for the power cap
         if self._load.seconds(self.index) is not None:
             return reasons | {"sw_power_cap"}
         return reasons or frozenset({"gpu_idle"})
@@ -217,6 +233,24 @@ class SimGpuDevice:
         count = int(self._sku.section("nvlink").get("links", 0))
         return [NvLink(link=i, active=i not in down, replay_errors=0, recovery_errors=0,
                        crc_errors=0) for i in range(count)]
+
+    def compute_processes(self) -> list[GpuProcess]:
+        """The scenario's ``compute_processes`` on this GPU (none unless listed there)."""
+        self._answer()
+        return [GpuProcess(pid=p.pid, used_memory_bytes=None if p.used_memory_mib is None
+                           else p.used_memory_mib * _MIB)
+                for p in self._scenario.processes_on(self.index)]
+
+    def utilization(self) -> Utilization:
+        """Idle 0/0; under load ~98/60 (memory scaled by ``slow``); ``spin`` 100/0 (%)."""
+        self._answer()
+        if self._scenario.has(self.index, "spin"):
+            return Utilization(gpu_pct=100, memory_pct=0)
+        if self._load.seconds(self.index) is None:
+            return Utilization(gpu_pct=0, memory_pct=0)
+        slow = self._fault("slow")
+        factor = float(slow.params["factor"]) if slow else 1.0
+        return Utilization(gpu_pct=_LOAD_GPU_PCT, memory_pct=round(_LOAD_MEMORY_PCT * factor))
 
 
 class SimGpuBackend:

@@ -21,10 +21,12 @@ from node_agent.gpu.base import (
     GpuBackend,
     GpuDevice,
     GpuError,
+    GpuProcess,
     GpuTimeout,
     NoPermission,
     NotSupported,
     NvLink,
+    Utilization,
     XidEvent,
 )
 from node_agent.gpu.nvml import NvmlBackend, NvmlUnavailable, open_nvml
@@ -55,6 +57,8 @@ GPUS = [
         "ecc": (1, 1), "sbe": (3, 40), "dbe": (0, 2), "dbe_sram": 1, "dbe_dram": 1,
         "remap": (2, 1, 0, 0), "pcie": (5, 5, 16, 16), "replay": 0, "mask": 0x0,
         "recovery": 0, "links": 2,
+        # two ranks; the second's memory not reported (bindings turn ULL -1 into None)
+        "procs": [(4242, 61_000 * 1024 * 1024), (4243, None)], "util": (97, 58),
     },
     {  # an older-bindings GPU: strings come back as bytes; no NVLink; throttled, pending remap
         "uuid": b"GPU-bbbb", "name": b"NVIDIA A100-SXM4-40GB", "bus": b"00000000:3B:00.0",
@@ -62,6 +66,8 @@ GPUS = [
         "ecc": (1, 1), "sbe": (0, 0), "dbe": (1, 1), "dbe_sram": None, "dbe_dram": 1,
         "remap": (0, 3, 1, 1), "pcie": (3, 4, 8, 16), "replay": 17, "mask": 0x4 | 0x40,
         "recovery": 2, "links": 0,
+        # older bindings pass NVML_VALUE_NOT_AVAILABLE through as 2**64 - 1
+        "procs": [(5150, 2**64 - 1)], "util": (100, 0),
     },
 ]
 
@@ -164,6 +170,12 @@ def make_fake_nvml(gpus: list[dict] | None = None) -> SimpleNamespace:
     fake("nvmlDeviceGetNvLinkState")(nvlink_state)
     fake("nvmlDeviceGetNvLinkErrorCounter")(
         lambda h, link, counter: _raise(NOT_SUPPORTED) if counter == 1 else 10 * link + counter)
+
+    fake("nvmlDeviceGetComputeRunningProcesses_v3")(lambda h: [
+        SimpleNamespace(pid=pid, usedGpuMemory=used, gpuInstanceId=0xFFFFFFFF,
+                        computeInstanceId=0xFFFFFFFF) for pid, used in g(h)["procs"]])
+    fake("nvmlDeviceGetUtilizationRates")(
+        lambda h: SimpleNamespace(gpu=g(h)["util"][0], memory=g(h)["util"][1]))
 
     fake("nvmlEventSetCreate")(lambda: "event-set")
     fake("nvmlDeviceRegisterEvents")(lambda h, kinds, event_set: lib.registered.append(h.index))
@@ -335,6 +347,62 @@ def test_nvlinks_list_existing_links_and_none_for_unsupported_counters(backend):
 
 def test_nvlinks_empty_when_gpu_has_no_nvlink(backend):
     assert gpu(backend, 1).nvlinks() == []
+
+
+def test_compute_processes_list_pids_and_memory_or_none(backend):
+    assert gpu(backend, 0).compute_processes() == [
+        GpuProcess(pid=4242, used_memory_bytes=61_000 * 1024 * 1024),
+        GpuProcess(pid=4243, used_memory_bytes=None)]
+    assert gpu(backend, 1).compute_processes() == [GpuProcess(pid=5150, used_memory_bytes=None)]
+
+
+def test_compute_processes_empty_when_none_run(lib):
+    lib.nvmlDeviceGetComputeRunningProcesses_v3 = lambda h: []
+    backend = open_nvml(lib=lib)
+    assert gpu(backend, 0).compute_processes() == []
+    backend.close()
+
+
+def test_compute_processes_fall_back_to_v2_on_an_older_driver(lib):
+    lib.errors[("nvmlDeviceGetComputeRunningProcesses_v3", None)] = FUNCTION_NOT_FOUND
+    lib.nvmlDeviceGetComputeRunningProcesses_v2 = lambda h: [
+        SimpleNamespace(pid=7, usedGpuMemory=1024)]
+    backend = open_nvml(lib=lib)
+    assert gpu(backend, 0).compute_processes() == [GpuProcess(pid=7, used_memory_bytes=1024)]
+    backend.close()
+
+
+def test_compute_processes_no_permission_and_lost_gpu_are_errors_not_empty(backend, lib):
+    lib.errors[("nvmlDeviceGetComputeRunningProcesses_v3", 0)] = NO_PERMISSION
+    lib.errors[("nvmlDeviceGetComputeRunningProcesses_v3", 1)] = GPU_IS_LOST
+    with pytest.raises(NoPermission, match="nvmlDeviceGetComputeRunningProcesses_v3 on GPU 0"):
+        gpu(backend, 0).compute_processes()
+    with pytest.raises(DeviceLost, match="on GPU 1"):
+        gpu(backend, 1).compute_processes()
+
+
+def test_utilization_reads_gpu_and_memory_percent(backend):
+    assert gpu(backend, 0).utilization() == Utilization(gpu_pct=97, memory_pct=58)
+    assert gpu(backend, 1).utilization() == Utilization(gpu_pct=100, memory_pct=0)
+
+
+def test_utilization_not_supported_names_the_function(backend, lib):
+    lib.errors[("nvmlDeviceGetUtilizationRates", 1)] = NOT_SUPPORTED
+    with pytest.raises(NotSupported, match="nvmlDeviceGetUtilizationRates on GPU 1"):
+        gpu(backend, 1).utilization()
+
+
+def test_new_readings_fail_fast_once_the_driver_is_wedged(lib, release):
+    backend = open_nvml(call_timeout_s=0.2, lib=lib)
+    lib.nvmlDeviceGetUtilizationRates = lambda h: release.wait(30)
+    with pytest.raises(GpuTimeout, match="nvmlDeviceGetUtilizationRates on GPU 0 did not return"):
+        gpu(backend, 0).utilization()
+    started = time.monotonic()
+    with pytest.raises(GpuTimeout, match="^skipped nvmlDeviceGetComputeRunningProcesses_v3 "
+                                         "on GPU 0: NVML call nvmlDeviceGetUtilizationRates"):
+        gpu(backend, 0).compute_processes()
+    assert time.monotonic() - started < 0.1
+    backend.close()
 
 
 # -- errors ---------------------------------------------------------------------------------------

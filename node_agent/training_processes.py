@@ -1,0 +1,382 @@
+"""Training processes on this node: which they are, who they are, which GPUs they use.
+
+Three sources, merged by pid (``TrainingProcess.sources``):
+
+- ``heartbeat``: the live writers of ``<state_dir>/spool/heartbeat/<pid>.json``
+  (``node_agent.heartbeat``);
+- ``nvml``: the compute processes NVML lists on each GPU
+  (``nvidia-smi --query-compute-apps=pid``), which also gives each process's GPUs;
+- ``pid``: pids the caller names (then only those are returned).
+
+A process's rank and job come from its environment (``/proc/<pid>/environ``), parsed exactly as
+the heartbeat writer parses its own (``heartbeat.identity_from_env``). Reading another user's
+environ needs root or ``CAP_SYS_PTRACE``; without it a trusted heartbeat's claims stand in.
+
+Heartbeat spools are writable by every training user, so a heartbeat file speaks only for a
+process of the file's owner (or when root wrote it). Nothing here raises for a process that
+exits mid-way (it is dropped) or for a failing NVML query (a problem per GPU).
+
+Example::
+
+    found = discover(Path("/var/lib/node-agent/spool/heartbeat"), gpus=backend.devices())
+    for p in found.processes:
+        print(p.pid, p.rank, p.job, p.gpus)
+    for subject, message in found.problems:
+        log.warning("%s: %s", subject, message)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from .gpu.base import GpuDevice, GpuError
+from .heartbeat import identity_from_env, read_heartbeats
+
+HEARTBEAT, NVML, PID = "heartbeat", "nvml", "pid"
+_SOURCES = (HEARTBEAT, NVML, PID)
+_CMDLINE_ARGS = 20
+_CMDLINE_ARG_CHARS = 200
+_MAX_ANCESTORS = 64  # a guard against a ppid loop read mid-change; real trees are a few deep
+_IDENTITY_KEYS = ("rank", "local_rank", "world_size", "job", "job_source", "slurm_job_id", "pod")
+_PRIVILEGE_ADVICE = "run the agent as root or with CAP_SYS_PTRACE"
+
+
+@dataclass
+class TrainingProcess:
+    """One training process, as found; ``None`` means "not known", never "zero"."""
+
+    pid: int
+    start_ticks: int | None        # /proc/<pid>/stat field 22: clock ticks since boot
+    uid: int | None                # effective uid (the owner of files it creates)
+    cmdline: list[str]             # the first 20 arguments, each cut to 200 characters
+    rank: int | None               # RANK
+    local_rank: int | None         # LOCAL_RANK
+    world_size: int | None         # WORLD_SIZE
+    job: str | None                # slurm:<id> | torchelastic:<id> | pod:<name> | ppid:<pid>
+    job_source: str | None         # slurm | torchelastic | pod | ppid | argument (heartbeat)
+    slurm_job_id: str | None
+    pod: str | None                # Kubernetes pod name
+    pod_namespace: str | None      # POD_NAMESPACE or KUBERNETES_NAMESPACE, when a pod
+    identity_source: str           # "environ" | "heartbeat" | "none"
+    gpus: tuple[int, ...]          # GPU indices NVML lists the pid on
+    heartbeat: dict[str, Any] | None  # its heartbeat record (heartbeat.read_heartbeats)
+    heartbeat_path: str | None
+    log_file: str | None           # NODE_AGENT_TRAIN_LOG, else the heartbeat's "log_file"
+    parents: list[int]             # ancestor pids, nearest first, pid 1 left out
+    children: list[int]            # direct children (dataloader workers, ...)
+    sources: tuple[str, ...]       # subset of ("heartbeat", "nvml", "pid"): how it was found
+
+    def to_evidence(self) -> dict[str, Any]:
+        """JSON-friendly fields for a result's evidence: the heartbeat record is left out (its
+        step data is reported on its own) and the command line is one string."""
+        return {
+            "pid": self.pid, "start_ticks": self.start_ticks, "uid": self.uid,
+            "cmdline": " ".join(self.cmdline), "rank": self.rank, "local_rank": self.local_rank,
+            "world_size": self.world_size, "job": self.job, "job_source": self.job_source,
+            "slurm_job_id": self.slurm_job_id, "pod": self.pod,
+            "pod_namespace": self.pod_namespace, "identity_source": self.identity_source,
+            "gpus": list(self.gpus), "heartbeat_path": self.heartbeat_path,
+            "log_file": self.log_file, "parents": list(self.parents),
+            "children": list(self.children), "sources": list(self.sources),
+        }
+
+
+@dataclass
+class Discovery:
+    """What :func:`discover` found.
+
+    ``problems`` are ``(subject, message)``: subject ``node`` (a spool file that is not a
+    heartbeat), ``pid:<n>`` (an untrusted heartbeat, an unknown identity, a pid NVML lists but
+    /proc does not show) or ``gpu:<k>`` (NVML could not list its processes); each message
+    names the file, pid or GPU and what to do. ``dead_heartbeats`` are files whose writer
+    exited or whose pid now belongs to another process (safe to remove once old).
+    """
+
+    processes: list[TrainingProcess] = field(default_factory=list)
+    problems: list[tuple[str, str]] = field(default_factory=list)
+    dead_heartbeats: list[Path] = field(default_factory=list)
+
+
+# -- /proc readings -------------------------------------------------------------------------------
+
+
+def start_ticks(pid: int, proc_root: Path = Path("/proc")) -> int | None:
+    """``<proc_root>/<pid>/stat`` field 22 (start time, clock ticks since boot), or None.
+
+    The same reading as ``heartbeat.process_start_ticks``, under ``proc_root``."""
+    try:
+        data = (proc_root / str(pid) / "stat").read_bytes()
+        # the command name (field 2) may hold spaces and parentheses: split after the last ')'
+        return int(data[data.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def alive(pid: int, expected_start_ticks: int | None = None,
+          proc_root: Path = Path("/proc")) -> bool:
+    """The process runs: ``pid`` exists, is not a zombie, and (where both are known) started at
+    ``expected_start_ticks`` — so a reused pid is not taken for the process that wrote a
+    heartbeat. ``alive(rec["pid"], rec.get("start_ticks"))`` checks a heartbeat's writer."""
+    if pid <= 0:
+        return False
+    try:
+        if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return False
+    except (psutil.NoSuchProcess, ValueError):
+        return False
+    except psutil.AccessDenied:
+        pass  # it exists; we may not read its state
+    now = start_ticks(pid, proc_root)
+    return expected_start_ticks is None or now is None or int(expected_start_ticks) == now
+
+
+def read_environ(pid: int, proc_root: Path = Path("/proc")) -> dict[str, str]:
+    """``<proc_root>/<pid>/environ`` as a dict (the environment the process started with).
+
+    Raises PermissionError for another user's process without root/CAP_SYS_PTRACE, and
+    FileNotFoundError/ProcessLookupError when the process is gone."""
+    data = (proc_root / str(pid) / "environ").read_bytes()
+    env = {}
+    for item in data.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep and key:
+            env[key.decode(errors="replace")] = value.decode(errors="replace")
+    return env
+
+
+def read_cmdline(pid: int, proc_root: Path = Path("/proc")) -> list[str]:
+    """The first 20 arguments of ``<proc_root>/<pid>/cmdline``, each cut to 200 characters;
+    [] when unreadable."""
+    try:
+        data = (proc_root / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return []
+    args = data.rstrip(b"\0").split(b"\0") if data else []
+    return [a.decode(errors="replace")[:_CMDLINE_ARG_CHARS] for a in args[:_CMDLINE_ARGS]]
+
+
+# -- discovery ------------------------------------------------------------------------------------
+
+
+def discover(spool_dir: Path, gpus: Sequence[GpuDevice] | None = None,
+             pids: Sequence[int] | None = None, proc_root: Path = Path("/proc")) -> Discovery:
+    """Find this node's training processes (see the module docstring).
+
+    ``spool_dir``: the heartbeat spool; ``gpus``: devices whose NVML compute processes count as
+    training processes; ``pids``: when given, exactly these pids are reported (heartbeats and
+    NVML still add their record and GPUs). ``proc_root`` is read for environ, cmdline and stat.
+    ``dead_heartbeats`` and unreadable spool files cover the whole spool, ``pids`` or not.
+    """
+    out = Discovery()
+    wanted = None if pids is None else list(dict.fromkeys(int(p) for p in pids))
+    errors: list[tuple[Path, str]] = []
+    live: dict[int, list[tuple[Path, dict[str, Any]]]] = {}
+    for path, record in read_heartbeats(spool_dir, errors):
+        pid = int(record["pid"])
+        if alive(pid, record.get("start_ticks"), proc_root):
+            live.setdefault(pid, []).append((path, record))
+        else:
+            out.dead_heartbeats.append(path)
+    for path, reason in errors:
+        out.problems.append(("node", f"heartbeat file {path} is not a heartbeat ({reason}); it "
+                                     "was not written by node_agent.heartbeat: inspect and "
+                                     "remove it"))
+    beats: dict[int, tuple[Path, dict[str, Any]]] = {}
+    for pid, entries in live.items():
+        if wanted is not None and pid not in wanted:
+            continue
+        try:
+            uid = _effective_uid(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue  # exited since it was seen alive
+        picked = _trusted_heartbeat(pid, uid, entries, out.problems)
+        if picked is not None:
+            beats[pid] = picked
+    on_gpus = _nvml_pids(gpus or [], out.problems)
+    candidates = sorted(set(beats) | set(on_gpus)) if wanted is None else list(wanted)
+    _drop_invisible(candidates, on_gpus, gpus or [], proc_root, out.problems)
+    tree = _ProcessTree()
+    for pid in candidates:
+        sources = tuple(s for s, hit in ((HEARTBEAT, pid in beats), (NVML, pid in on_gpus),
+                                         (PID, wanted is not None)) if hit)
+        found = _inspect(pid, sources, beats.get(pid), on_gpus.get(pid, ()), tree, proc_root,
+                         out.problems)
+        if found is not None:
+            out.processes.append(found)
+        elif wanted is not None:
+            out.problems.append((f"pid:{pid}", f"pid {pid} was asked for but is not running "
+                                               "(or is a zombie): nothing to inspect"))
+    return out
+
+
+def _nvml_pids(gpus: Sequence[GpuDevice], problems: list[tuple[str, str]]) -> dict[int, set[int]]:
+    """pid -> indices of the GPUs NVML lists it on; a GPU that cannot answer is a problem."""
+    on_gpus: dict[int, set[int]] = {}
+    for dev in gpus:
+        try:
+            listed = dev.compute_processes()
+        except GpuError as err:
+            problems.append((f"gpu:{dev.index}", f"cannot list the compute processes on GPU "
+                             f"{dev.index} ({type(err).__name__}: {err}); training processes "
+                             "on it are found only from heartbeats or given pids"))
+            continue
+        for proc in listed:
+            on_gpus.setdefault(proc.pid, set()).add(dev.index)
+    return on_gpus
+
+
+def _drop_invisible(candidates: list[int], on_gpus: dict[int, set[int]],
+                    gpus: Sequence[GpuDevice], proc_root: Path,
+                    problems: list[tuple[str, str]]) -> None:
+    """Remove NVML pids /proc does not show. A pid NVML still lists when asked again (so a
+    process that just exited is not blamed) means the agent sees another PID namespace."""
+    missing = [p for p in candidates if p in on_gpus and not (proc_root / str(p)).exists()]
+    if not missing:
+        return
+    again = _nvml_pids([g for g in gpus if any(g.index in on_gpus[p] for p in missing)], [])
+    for pid in missing:
+        candidates.remove(pid)
+        if pid in again and not (proc_root / str(pid)).exists():
+            where = ", ".join(f"gpu:{k}" for k in sorted(on_gpus[pid]))
+            problems.append((f"pid:{pid}", f"pid {pid} uses {where} but is not visible in "
+                             f"{proc_root} (the agent runs in another PID namespace: give it "
+                             "the host's, hostPID: true in Kubernetes, --pid=host in Docker)"))
+
+
+class _ProcessTree:
+    """Parent and child pids from one scan of the process table, made on first use."""
+
+    def __init__(self) -> None:
+        self._ppid: dict[int, int] | None = None
+        self._children: dict[int, list[int]] = {}
+
+    def _scan(self) -> dict[int, int]:
+        if self._ppid is None:
+            self._ppid = {}
+            for p in psutil.process_iter(["ppid"]):
+                ppid = p.info.get("ppid")
+                if ppid is not None:
+                    self._ppid[p.pid] = ppid
+                    self._children.setdefault(ppid, []).append(p.pid)
+        return self._ppid
+
+    def parents(self, ppid: int) -> list[int]:
+        """``ppid`` and its ancestors, nearest first, up to (and without) pid 1."""
+        table, out = self._scan(), []
+        while ppid > 1 and ppid not in out and len(out) < _MAX_ANCESTORS:
+            out.append(ppid)
+            ppid = table.get(ppid, 0)
+        return out
+
+    def children(self, pid: int) -> list[int]:
+        self._scan()
+        return sorted(self._children.get(pid, []))
+
+
+def _effective_uid(proc: psutil.Process) -> int | None:
+    """The process's effective uid, None when it cannot be read; raises psutil.NoSuchProcess."""
+    try:
+        return proc.uids().effective
+    except psutil.AccessDenied:
+        return None
+
+
+def _inspect(pid: int, sources: tuple[str, ...], beat: tuple[Path, dict[str, Any]] | None,
+             gpus: Collection[int], tree: _ProcessTree, proc_root: Path,
+             problems: list[tuple[str, str]]) -> TrainingProcess | None:
+    """One candidate as a TrainingProcess; None when it is not running (any more)."""
+    try:
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return None
+            ppid = proc.ppid()
+            uid = _effective_uid(proc)
+    except (psutil.NoSuchProcess, ValueError):
+        return None  # exited (or never ran): nothing to say about it
+    ticks = start_ticks(pid, proc_root)
+    env_error = ""
+    try:
+        env: dict[str, str] | None = read_environ(pid, proc_root)
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except OSError as err:
+        env, env_error = None, f"{type(err).__name__}: {err.strerror or err}"
+    path, record = beat if beat is not None else (None, None)
+    if env is not None:
+        identity, source = _identity_from_environ(env, ppid, record), "environ"
+    elif record is not None:
+        identity, source = {k: record.get(k) for k in _IDENTITY_KEYS}, "heartbeat"
+        identity["pod_namespace"] = record.get("pod_namespace")
+    else:
+        identity, source = {k: None for k in (*_IDENTITY_KEYS, "pod_namespace")}, "none"
+        problems.append((f"pid:{pid}", f"pid {pid}: cannot read {proc_root}/{pid}/environ "
+                         f"({env_error}) and no trusted heartbeat names it, so its rank and job "
+                         f"are unknown: {_PRIVILEGE_ADVICE}"))
+    log_file = (env or {}).get("NODE_AGENT_TRAIN_LOG") or (record or {}).get("log_file")
+    return TrainingProcess(
+        pid=pid, start_ticks=ticks, uid=uid, cmdline=read_cmdline(pid, proc_root),
+        rank=identity["rank"], local_rank=identity["local_rank"],
+        world_size=identity["world_size"], job=identity["job"],
+        job_source=identity["job_source"], slurm_job_id=identity["slurm_job_id"],
+        pod=identity["pod"], pod_namespace=identity["pod_namespace"], identity_source=source,
+        gpus=tuple(sorted(gpus)), heartbeat=record,
+        heartbeat_path=None if path is None else str(path),
+        log_file=str(log_file) if log_file else None, parents=tree.parents(ppid),
+        children=tree.children(pid), sources=sources)
+
+
+def _identity_from_environ(env: dict[str, str], ppid: int,
+                           record: dict[str, Any] | None) -> dict[str, Any]:
+    """identity_from_env's fields plus ``pod_namespace``. Where the environment is silent and
+    the process's own (trusted) heartbeat says more — ranks passed as arguments, as with
+    ``mp.spawn``, or ``Heartbeat(job=...)`` — the heartbeat's value is kept."""
+    identity = identity_from_env(env, ppid=ppid)
+    identity["pod_namespace"] = (env.get("POD_NAMESPACE") or env.get("KUBERNETES_NAMESPACE")
+                                 or None) if identity["pod"] else None
+    if record is not None:
+        for key in ("rank", "local_rank", "world_size"):
+            if identity[key] is None and isinstance(record.get(key), int):
+                identity[key] = record[key]
+        if identity["job_source"] == "ppid" and record.get("job_source") == "argument":
+            identity["job"], identity["job_source"] = record.get("job"), "argument"
+    return identity
+
+
+def _trusted_heartbeat(pid: int, uid: int | None, beats: list[tuple[Path, dict[str, Any]]],
+                       problems: list[tuple[str, str]]) -> tuple[Path, dict[str, Any]] | None:
+    """The heartbeat that may speak for ``pid``: written by root or by the process's own uid.
+
+    Others are ignored with a problem; of several trusted ones, ``<pid>.json`` (else the one
+    with the latest step) is used."""
+    trusted = []
+    for path, record in beats:
+        try:
+            owner = path.lstat().st_uid  # a symlink counts as its own owner's claim
+        except FileNotFoundError:
+            continue  # removed since it was read: its writer closed it
+        except OSError as err:
+            problems.append((f"pid:{pid}", f"cannot stat heartbeat file {path} ({err}); "
+                                           "ignored: check the spool's permissions"))
+            continue
+        if owner == 0 or (uid is not None and owner == uid):
+            trusted.append((path, record))
+            continue
+        runs_as = "an unknown uid" if uid is None else f"uid {uid}"
+        problems.append((f"pid:{pid}", f"heartbeat file {path} claims pid {pid} but is owned by "
+                         f"uid {owner} while pid {pid} runs as {runs_as}: ignored, since any "
+                         "training user can write the spool; remove the file, and beat from "
+                         "the training process itself (node_agent.heartbeat.Heartbeat)"))
+    if not trusted:
+        return None
+    trusted.sort(key=lambda b: (b[0].stem == str(pid), float(b[1].get("step_at") or 0)),
+                 reverse=True)
+    for path, _ in trusted[1:]:
+        problems.append((f"pid:{pid}", f"heartbeat files {trusted[0][0]} and {path} both claim "
+                         f"pid {pid}; using {trusted[0][0]}: remove the other"))
+    return trusted[0]

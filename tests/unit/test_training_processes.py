@@ -1,0 +1,391 @@
+"""Discovery of training processes (``node_agent.training_processes``) on real processes.
+
+Children are real ``python`` processes with a launcher's environment (RANK, SLURM_JOB_ID, ...);
+heartbeats are written by ``node_agent.heartbeat.Heartbeat`` inside them or by hand; NVML's
+process list comes from a fake GPU. Only the unreadable-environ case (the agent not root) is
+patched, as a root test runner can read every environ.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from node_agent import training_processes as tp
+from node_agent.gpu.base import DeviceLost, GpuProcess, NotSupported
+from node_agent.heartbeat import SCHEMA, identity_from_env, process_start_ticks
+from node_agent.training_processes import alive, discover
+
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID",
+                 "KUBERNETES_POD_NAME", "KUBERNETES_SERVICE_HOST", "POD_NAMESPACE",
+                 "KUBERNETES_NAMESPACE", "NODE_AGENT_TRAIN_LOG", "NODE_AGENT_STATE_DIR")
+
+SLEEPER = "import time; print('ready', flush=True); time.sleep(60)"
+BEATER = """
+import sys, time
+from node_agent.heartbeat import Heartbeat
+rank = int(sys.argv[2]) if len(sys.argv) > 2 else None
+job = sys.argv[3] if len(sys.argv) > 3 else None
+hb = Heartbeat(spool_dir=sys.argv[1], rank=rank, job=job, min_interval_s=0)
+hb.beat(0)
+print('ready', flush=True)
+time.sleep(60)
+"""
+# a launcher-like parent with one worker (a dataloader worker, say) that exits when orphaned
+WORKER = "import os, sys, time\nwhile os.getppid() == int(sys.argv[1]): time.sleep(0.05)"
+PARENT = f"""
+import os, subprocess, sys, time
+worker = subprocess.Popen([sys.executable, '-c', {WORKER!r}, str(os.getpid())])
+print(worker.pid, flush=True)
+time.sleep(60)
+"""
+
+
+class FakeGpu:
+    """Only what discovery reads: NVML's compute-process list of one GPU."""
+
+    def __init__(self, index: int, pids=(), error: Exception | None = None) -> None:
+        self.index = index
+        self.pids = list(pids)
+        self.error = error
+        self.asked = 0
+
+    def compute_processes(self) -> list[GpuProcess]:
+        self.asked += 1
+        if self.error is not None:
+            raise self.error
+        return [GpuProcess(pid=p, used_memory_bytes=1 << 30) for p in self.pids]
+
+
+@pytest.fixture
+def spool(tmp_path) -> Path:
+    d = tmp_path / "spool" / "heartbeat"
+    d.mkdir(parents=True)
+    return d
+
+
+@pytest.fixture
+def spawn():
+    """``spawn(code, *args, env={...})`` -> a running child whose exec has finished (it has
+    printed its first line, so /proc/<pid>/environ is its own, not the test's)."""
+    children: list[subprocess.Popen] = []
+
+    def start(code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+        child = subprocess.Popen([sys.executable, "-c", code, *args], env={**base, **(env or {})},
+                                 stdout=subprocess.PIPE, text=True)
+        children.append(child)
+        child.first_line = child.stdout.readline().strip()
+        assert child.first_line, f"child {child.pid} did not start"
+        return child
+
+    yield start
+    for child in children:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+
+
+def write_beat(spool: Path, pid: int, name: str | None = None, **extra) -> Path:
+    record = {"schema": SCHEMA, "pid": pid, "start_ticks": process_start_ticks(pid),
+              "step": 10, "step_at": time.time(), "step_time_s": 0.5, **extra}
+    path = spool / (name or f"{pid}.json")
+    path.write_text(json.dumps(record))
+    return path
+
+
+def by_pid(found) -> dict[int, tp.TrainingProcess]:
+    return {p.pid: p for p in found.processes}
+
+
+# -- identity ------------------------------------------------------------------------------------
+
+
+def test_rank_and_job_come_from_the_process_environment(spool, spawn, tmp_path):
+    log = str(tmp_path / "train.log")
+    env = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "SLURM_JOB_ID": "777",
+           "NODE_AGENT_TRAIN_LOG": log}
+    child = spawn(BEATER, str(spool), env=env)
+    found = discover(spool)
+    assert found.problems == [] and found.dead_heartbeats == []
+    (p,) = found.processes
+    assert (p.pid, p.rank, p.local_rank, p.world_size) == (child.pid, 3, 1, 8)
+    assert (p.job, p.job_source, p.slurm_job_id, p.pod) == ("slurm:777", "slurm", "777", None)
+    assert (p.identity_source, p.log_file, p.sources, p.gpus) == ("environ", log,
+                                                                  ("heartbeat",), ())
+    assert p.heartbeat_path == str(spool / f"{child.pid}.json")
+    assert p.heartbeat["pid"] == child.pid and p.heartbeat["step"] == 0
+    assert p.start_ticks == process_start_ticks(child.pid) == p.heartbeat["start_ticks"]
+    assert p.uid == os.geteuid()
+    assert p.cmdline[:2] == [sys.executable, "-c"] and p.cmdline[-1] == str(spool)
+    assert p.parents[0] == os.getpid() and 1 not in p.parents
+    assert p.children == []
+    # the same format the process's own heartbeat wrote
+    for key in ("rank", "local_rank", "world_size", "job", "job_source", "slurm_job_id"):
+        assert getattr(p, key) == p.heartbeat[key], key
+
+
+def test_pod_name_and_namespace_come_from_a_kubernetes_environment(spool, spawn):
+    child = spawn(SLEEPER, env={"KUBERNETES_SERVICE_HOST": "10.0.0.1", "HOSTNAME": "trainer-0",
+                                "POD_NAMESPACE": "ml", "RANK": "0"})
+    (p,) = discover(spool, pids=[child.pid]).processes
+    assert (p.job, p.job_source, p.pod, p.pod_namespace) == ("pod:trainer-0", "pod",
+                                                            "trainer-0", "ml")
+    assert p.sources == ("pid",) and p.heartbeat is None
+
+
+def test_without_a_job_variable_the_job_is_the_launcher_ppid(spool, spawn):
+    child = spawn(SLEEPER)
+    (p,) = discover(spool, pids=[child.pid]).processes
+    assert p.job == f"ppid:{os.getpid()}" == identity_from_env({}, ppid=os.getpid())["job"]
+    assert p.rank is None and p.pod_namespace is None and p.identity_source == "environ"
+
+
+def test_rank_and_job_given_to_the_heartbeat_fill_in_where_the_environment_is_silent(
+        spool, spawn):
+    child = spawn(BEATER, str(spool), "5", "exp-42")  # mp.spawn passes the rank as an argument
+    (p,) = discover(spool).processes
+    assert (p.pid, p.rank, p.job, p.job_source) == (child.pid, 5, "exp-42", "argument")
+    assert p.identity_source == "environ"
+
+
+def test_unreadable_environ_falls_back_to_the_heartbeat_claims(spool, spawn, monkeypatch):
+    child = spawn(SLEEPER, env={"RANK": "9"})
+    write_beat(spool, child.pid, rank=2, local_rank=2, world_size=4, job="slurm:55",
+               job_source="slurm", slurm_job_id="55", log_file="/var/log/job.log")
+
+    def denied(pid, proc_root=Path("/proc")):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tp, "read_environ", denied)  # what a non-root agent gets
+    found = discover(spool)
+    (p,) = found.processes
+    assert (p.identity_source, p.rank, p.world_size, p.job) == ("heartbeat", 2, 4, "slurm:55")
+    assert p.log_file == "/var/log/job.log" and found.problems == []
+
+
+def test_unreadable_environ_without_heartbeat_is_identity_none_with_advice(
+        spool, spawn, monkeypatch):
+    child = spawn(SLEEPER, env={"RANK": "9"})
+
+    def denied(pid, proc_root=Path("/proc")):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tp, "read_environ", denied)
+    found = discover(spool, pids=[child.pid])
+    (p,) = found.processes
+    assert (p.identity_source, p.rank, p.job) == ("none", None, None)
+    ((subject, message),) = found.problems
+    assert subject == f"pid:{child.pid}"
+    assert "environ" in message and "root" in message and "CAP_SYS_PTRACE" in message
+
+
+def test_proc_root_is_read_for_environ_stat_and_cmdline(spool, spawn, tmp_path):
+    child = spawn(SLEEPER)
+    fake = tmp_path / "proc" / str(child.pid)
+    fake.mkdir(parents=True)
+    fake.joinpath("environ").write_bytes(b"RANK=6\0TORCHELASTIC_RUN_ID=abc\0")
+    fake.joinpath("stat").write_bytes(f"{child.pid} (py thon) S 1 " .encode()
+                                      + b" ".join([b"0"] * 17) + b" 4242 0 0")
+    fake.joinpath("cmdline").write_bytes(b"train.py\0" + b"x" * 500 + b"\0")
+    (p,) = discover(spool, pids=[child.pid], proc_root=tmp_path / "proc").processes
+    assert (p.rank, p.job, p.start_ticks) == (6, "torchelastic:abc", 4242)
+    assert p.cmdline == ["train.py", "x" * 200]
+
+
+def test_cmdline_keeps_the_first_twenty_arguments(spool, spawn):
+    child = spawn(SLEEPER, *[str(i) for i in range(30)])
+    (p,) = discover(spool, pids=[child.pid]).processes
+    assert len(p.cmdline) == 20 and p.cmdline[:3] == [sys.executable, "-c", SLEEPER]
+
+
+# -- sources -------------------------------------------------------------------------------------
+
+
+def test_explicit_pids_return_only_those_enriched_by_heartbeat_and_nvml(spool, spawn):
+    wanted = spawn(BEATER, str(spool), env={"RANK": "0"})
+    other = spawn(BEATER, str(spool), env={"RANK": "1"})
+    gpus = [FakeGpu(0, [wanted.pid, other.pid]), FakeGpu(1, [other.pid])]
+    found = discover(spool, gpus=gpus, pids=[wanted.pid])
+    (p,) = found.processes
+    assert (p.pid, p.sources, p.gpus) == (wanted.pid, ("heartbeat", "nvml", "pid"), (0,))
+    assert p.heartbeat["pid"] == wanted.pid and found.problems == []
+    assert {q.pid for q in discover(spool, gpus=gpus).processes} == {wanted.pid, other.pid}
+
+
+def test_explicit_pid_that_is_not_running_is_a_problem(spool, spawn):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    found = discover(spool, pids=[gone.pid])
+    assert found.processes == []
+    assert found.problems == [(f"pid:{gone.pid}", f"pid {gone.pid} was asked for but is not "
+                                                  "running (or is a zombie): nothing to inspect")]
+
+
+def test_nvml_process_without_heartbeat_is_found_with_its_gpus_and_tree(spool, spawn):
+    parent = spawn(PARENT, env={"RANK": "4", "TORCHELASTIC_RUN_ID": "run-1"})
+    worker = int(parent.first_line)
+    found = discover(spool, gpus=[FakeGpu(0, [parent.pid]), FakeGpu(1, [parent.pid]),
+                                  FakeGpu(2)])
+    (p,) = found.processes
+    assert (p.pid, p.sources, p.gpus, p.rank, p.job) == (parent.pid, ("nvml",), (0, 1), 4,
+                                                         "torchelastic:run-1")
+    assert p.children == [worker] and p.parents[0] == os.getpid()
+    (w,) = discover(spool, pids=[worker]).processes
+    assert w.parents[:2] == [parent.pid, os.getpid()]
+
+
+def test_nvml_pid_not_in_proc_is_a_pid_namespace_problem(spool, spawn):
+    child = spawn(SLEEPER)
+    ghost = int(Path("/proc/sys/kernel/pid_max").read_text()) + 7  # can never exist
+    gpus = [FakeGpu(0, [child.pid]), FakeGpu(1, [ghost])]
+    found = discover(spool, gpus=gpus)
+    assert [p.pid for p in found.processes] == [child.pid]
+    assert found.problems == [(f"pid:{ghost}", f"pid {ghost} uses gpu:1 but is not visible in "
+                               "/proc (the agent runs in another PID namespace: give it the "
+                               "host's, hostPID: true in Kubernetes, --pid=host in Docker)")]
+    assert gpus[1].asked == 2 and gpus[0].asked == 1  # asked again before blaming the namespace
+
+
+def test_nvml_pid_that_exited_before_the_second_look_is_not_blamed(spool):
+    ghost = int(Path("/proc/sys/kernel/pid_max").read_text()) + 7
+
+    class ExitsAfterFirstList(FakeGpu):
+        def compute_processes(self):
+            listed = super().compute_processes()
+            self.pids = []
+            return listed
+
+    found = discover(spool, gpus=[ExitsAfterFirstList(0, [ghost])])
+    assert (found.processes, found.problems) == ([], [])
+
+
+def test_nvml_failure_is_a_problem_per_gpu_not_an_exception(spool, spawn):
+    child = spawn(SLEEPER)
+    gpus = [FakeGpu(0, error=DeviceLost("nvmlDeviceGetComputeRunningProcesses_v3 on GPU 0: "
+                                        "GPU is lost")),
+            FakeGpu(1, error=NotSupported("no process list on GPU 1")), FakeGpu(2, [child.pid])]
+    found = discover(spool, gpus=gpus)
+    assert [(p.pid, p.gpus) for p in found.processes] == [(child.pid, (2,))]
+    assert [s for s, _ in found.problems] == ["gpu:0", "gpu:1"]
+    assert "DeviceLost" in found.problems[0][1] and "GPU is lost" in found.problems[0][1]
+
+
+# -- heartbeats: trust, death, junk ----------------------------------------------------------------
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown")
+def test_heartbeat_owned_by_another_user_does_not_speak_for_the_process(spool, spawn):
+    child = spawn(SLEEPER, env={"RANK": "1"})
+    forged = write_beat(spool, child.pid, rank=0, job="slurm:victim", log_file="/etc/shadow")
+    os.chown(forged, 65534, 65534)
+    found = discover(spool)
+    assert found.processes == [] and found.dead_heartbeats == []
+    ((subject, message),) = found.problems
+    assert subject == f"pid:{child.pid}"
+    assert str(forged) in message and "uid 65534" in message and "uid 0" in message
+    assert "remove the file" in message
+    # still found through NVML, but without the forged record or its claims
+    (p,) = discover(spool, gpus=[FakeGpu(0, [child.pid])]).processes
+    assert (p.sources, p.heartbeat, p.heartbeat_path, p.rank, p.log_file) == (
+        ("nvml",), None, None, 1, None)
+
+
+def test_heartbeat_of_a_reused_pid_is_dead(spool, spawn):
+    child = spawn(SLEEPER)
+    stale = write_beat(spool, child.pid, start_ticks=process_start_ticks(child.pid) - 1)
+    found = discover(spool)
+    assert (found.processes, found.dead_heartbeats, found.problems) == ([], [stale], [])
+    assert not alive(child.pid, process_start_ticks(child.pid) - 1)
+    assert alive(child.pid, process_start_ticks(child.pid)) and alive(child.pid)
+
+
+def test_heartbeat_of_an_exited_or_zombie_process_is_dead(spool):
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait()
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])  # exits; not reaped until wait()
+    try:
+        deadline = time.monotonic() + 10
+        while alive(zombie.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        beats = [write_beat(spool, exited.pid, start_ticks=None),
+                 write_beat(spool, zombie.pid, start_ticks=None)]
+        found = discover(spool)
+        assert found.processes == [] and sorted(found.dead_heartbeats) == sorted(beats)
+    finally:
+        zombie.wait()
+
+
+def test_file_that_is_not_a_heartbeat_is_a_problem(spool):
+    junk = spool / "123.json"
+    junk.write_text('{"schema": "something-else"}')
+    found = discover(spool)
+    ((subject, message),) = found.problems
+    assert subject == "node" and str(junk) in message and "inspect and remove it" in message
+
+
+def test_two_heartbeat_files_for_one_pid_use_its_own(spool, spawn):
+    child = spawn(BEATER, str(spool))
+    own = spool / f"{child.pid}.json"
+    copy = write_beat(spool, child.pid, name="copy.json", step=99)
+    found = discover(spool)
+    (p,) = found.processes
+    assert p.heartbeat_path == str(own) and p.heartbeat["step"] == 0
+    ((_, message),) = found.problems
+    assert str(copy) in message and "remove the other" in message
+
+
+def test_missing_spool_directory_finds_nothing(tmp_path):
+    found = discover(tmp_path / "nowhere")
+    assert (found.processes, found.problems, found.dead_heartbeats) == ([], [], [])
+
+
+# -- processes that exit mid-way -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("when", ["read_environ", "read_cmdline"])
+def test_process_exiting_mid_discovery_does_not_crash(spool, spawn, monkeypatch, when):
+    child = spawn(BEATER, str(spool))
+    original = getattr(tp, when)
+
+    def exit_first(pid, proc_root=Path("/proc")):
+        child.kill()
+        child.wait()  # reaped: /proc/<pid> is gone
+        return original(pid, proc_root)
+
+    monkeypatch.setattr(tp, when, exit_first)
+    found = discover(spool, gpus=[FakeGpu(0, [child.pid])])
+    if when == "read_environ":
+        assert found.processes == []  # gone before its identity was read: dropped
+    else:
+        (p,) = found.processes  # gone after: the snapshot taken stands, its cmdline is empty
+        assert p.cmdline == [] and p.pid == child.pid
+    assert found.problems == []
+
+
+def test_process_gone_before_psutil_reads_it_is_dropped(spool, spawn, monkeypatch):
+    child = spawn(SLEEPER)
+    # the last step before the candidates are inspected: the process exits right there
+    monkeypatch.setattr(tp, "_drop_invisible", lambda *a: (child.kill(), child.wait()))
+    found = discover(spool, gpus=[FakeGpu(0, [child.pid])])
+    assert found.processes == [] and found.problems == []
+    assert not alive(child.pid)
+
+
+# -- evidence ------------------------------------------------------------------------------------
+
+
+def test_evidence_is_json_and_leaves_the_heartbeat_record_out(spool, spawn):
+    spawn(BEATER, str(spool), env={"RANK": "0", "SLURM_JOB_ID": "1"})
+    (p,) = discover(spool, gpus=[FakeGpu(3, [])]).processes
+    evidence = json.loads(json.dumps(p.to_evidence()))
+    assert "heartbeat" not in evidence and evidence["heartbeat_path"] == p.heartbeat_path
+    assert evidence["cmdline"] == " ".join(p.cmdline)
+    assert (evidence["rank"], evidence["job"], evidence["sources"], evidence["gpus"]) == (
+        0, "slurm:1", ["heartbeat"], [])
