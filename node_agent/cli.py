@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import __version__, remediation_cli, sdc_command
+from . import __version__, hang_command, remediation_cli, sdc_command
 from .config import load_config
 from .environment import Environment, open_environment, report_dir
 from .model import Level, Report, ReportFormatError, utc_now
@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="YAML mapping parallel groups to node names; flags whole groups")
     remediation_cli.add_commands(sub, _common)
     sdc_command.add_parser(sub, _common)
+    hang_command.add_parser(sub, _common)
     return parser
 
 
@@ -241,7 +242,8 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
 COMMANDS = {"inventory": cmd_inventory, "accept": cmd_run_suite, "check": cmd_run_suite,
             "grade": cmd_grade, "daemon": cmd_daemon, "fleet": cmd_fleet,
-            "sdc": sdc_command.run, **remediation_cli.COMMANDS}
+            "sdc": sdc_command.run, "hang-check": hang_command.run,
+            **remediation_cli.COMMANDS}
 
 if __name__ == "__main__":
     sys.exit(main())

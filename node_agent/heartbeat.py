@@ -28,7 +28,7 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -99,11 +99,14 @@ class Heartbeat:
 
     ``spool_dir``: where to write (default ``default_spool_dir()``). ``rank``/``job`` override
     what the environment says. ``min_interval_s``: the least time between two writes.
+    ``log_file``: the job's log, whose silence is one more hang signal (default
+    ``$NODE_AGENT_TRAIN_LOG``).
     ``clock`` (monotonic seconds) and ``wall`` (Unix seconds) are injectable for tests.
     """
 
     def __init__(self, spool_dir: str | os.PathLike[str] | None = None, rank: int | None = None,
                  job: str | None = None, *, min_interval_s: float = 1.0,
+                 log_file: str | os.PathLike[str] | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time) -> None:
         self.spool_dir = Path(spool_dir) if spool_dir is not None else default_spool_dir()
@@ -124,6 +127,8 @@ class Heartbeat:
         self._written_mono: float | None = None
         self._step_time_s: float | None = None
         self._warned = False
+        self._log_file = str(log_file) if log_file else os.environ.get("NODE_AGENT_TRAIN_LOG")
+        self._pause: dict[str, Any] | None = None
         self.writes = 0          # files written (for tests and the benchmark)
         self.failures = 0        # writes that failed (logged once)
 
@@ -164,7 +169,8 @@ class Heartbeat:
             "hostname": socket.gethostname(), **self._identity,
             "step": self._step, "step_at": self._wall() - (now - self._step_mono),
             "step_time_s": self._step_time_s, "started_at": self._started_at,
-            "min_interval_s": self.min_interval_s,
+            "min_interval_s": self.min_interval_s, "log_file": self._log_file,
+            "pause": self._pause,
         }
         if os.getpid() != self._pid:  # a forked child beating on its own: its own identity
             self._pid = os.getpid()
@@ -185,6 +191,38 @@ class Heartbeat:
         self._written_mono = now
         self._written_step = self._step
         self.writes += 1
+
+    @contextlib.contextmanager
+    def pause(self, reason: str, max_s: float = 1800.0) -> Iterator[None]:
+        """Declare a phase without steps (checkpoint save, evaluation) of at most ``max_s``::
+
+            with hb.pause("checkpoint", max_s=900):
+                save_checkpoint(...)      # rank 0 writes, the others wait in a barrier
+                dist.barrier()
+
+        Until ``max_s`` passes, the agent does not count the missing steps as a hang; past it,
+        the pause itself is the hang. Wrap the barrier on *every* rank: ranks that wait in a
+        collective while a peer saves look exactly like a hung job from this node. The file is
+        written on entry and on exit (never raises, like ``beat``)."""
+        self._pause = {"reason": str(reason)[:200], "since": self._wall(),
+                       "max_s": float(max_s)}
+        self._write_now()
+        try:
+            yield
+        finally:
+            self._pause = None
+            self._step_mono = self._clock()  # the pause is not a slow step
+            self._write_now()
+
+    def _write_now(self) -> None:
+        try:
+            self._write(self._clock())
+        except Exception as err:  # noqa: BLE001 - never break the training loop
+            self.failures += 1
+            if not self._warned:
+                self._warned = True
+                log.warning("node_agent heartbeat: cannot write %s (%s: %s)", self.path,
+                            type(err).__name__, err)
 
     def close(self) -> None:
         """Remove this process's heartbeat file (a clean exit); never raises."""

@@ -1,281 +1,293 @@
 """Check ``training_progress``: hung and straggling training processes on this node.
 
-Training processes instrumented with ``node_agent.heartbeat.Heartbeat`` write their last step
-to ``<state_dir>/spool/heartbeat/<pid>.json`` (see ``docs/training_hangs.md``). This check reads
-those files and, for each process that is still alive (same pid *and* same start time, so a
-reused pid is not mistaken for the writer):
+Finds the node's training processes (:mod:`node_agent.training_processes`: heartbeat writers,
+the GPU compute processes NVML lists, or ``params.pids``), looks at each in up to five ways
+(:mod:`node_agent.hang_signals`) and decides (:mod:`node_agent.hang_verdict`):
 
-- no new step for ``hang_after_s`` (and for ``hang_step_multiple`` times its own recent step
-  time, so a slow but progressing loop is never called hung) -> ``training_hang`` ``fail``
-  (grade ERROR) on ``rank:<rank>`` (``pid:<pid>`` when the rank is unknown or not unique);
-- among the live, progressing ranks of one job, a recent step time of at least
-  ``straggler_ratio`` times the median of its peers' -> ``training_straggler`` ``warn`` (WARN);
-- otherwise ``training_progress`` ``pass`` with the seconds since the last step.
+- ``heartbeat``: no step for ``stall_after_s`` (raised to ``hang_step_multiple`` x its own step
+  time, so a slow loop is never called hung), unless a declared pause covers it;
+- ``stack``: the same main-thread stack over ``stack_samples`` py-spy samples
+  (:mod:`node_agent.stack_sampling`), taken only for the jobs in which another signal fired;
+- ``gpu_activity``: its GPUs busy while drawing idle power and moving no memory (a spinning
+  collective kernel); ``rdma_traffic``: no RDMA port moved data while its stacks were sampled;
+- ``log_silence``: its log (``NODE_AGENT_TRAIN_LOG``) unwritten for ``log_silence_s``.
 
-A hung process is sampled with ``py-spy dump --json`` (``stack_samples`` times,
-``stack_interval_s`` apart): identical stacks are a second hang signal ("stuck in <frame>"),
-and a hung rank whose stack is outside a collective while its hung peers' stacks are inside one
-is marked ``likely_origin``. No py-spy, no ptrace permission or a process that exits mid-sample
-leave the stack signal ``available: false`` with the reason; never a crash.
+Per process: ``training_hang`` ``fail`` (ERROR: the scheduler restarts the job) when ``agree``
+signals agree or the heartbeat alone is silent for ``hang_after_s``; ``training_straggler``
+``warn`` when its step time stays at least ``straggler_ratio`` x its peers' median for
+``straggler_for_s``; else ``training_progress`` ``pass``. Target ``job:<job>/rank:<rank>``
+(``/pid:<pid>`` when the rank is unknown or not unique in the job). The first report of a hang
+writes the job's full evidence to ``<state_dir>/hang/evidence/``.
 
-Heartbeat files of exited processes are ignored, and removed once older than
-``stale_file_s``.
-
-Params (defaults): ``hang_after_s`` 300, ``hang_step_multiple`` 5, ``straggler_ratio`` 2.0,
-``stack_samples`` 3, ``stack_interval_s`` 1, ``stale_file_s`` 86400, ``spool_dir``
-(``<state_dir>/spool/heartbeat``), ``py_spy`` (path; default py-spy on PATH or next to the
-running Python).
+Params: the :class:`~node_agent.hang_verdict.Thresholds` fields, ``stack_samples`` (3),
+``stack_interval_s`` (1), ``log_silence_s`` (60), ``log_file`` (for processes that name
+none), ``stale_file_s`` (86400), ``spool_dir``, ``py_spy``, ``sysfs_root`` (RDMA), ``pids``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import statistics
-import sys
+import re
+import socket
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .. import proc
-from ..heartbeat import process_start_ticks, read_heartbeats
+from .. import activity_signals as activity
+from ..hang_signals import NAMES, Signal
+from ..hang_state import HangState, process_key
+from ..hang_verdict import Thresholds, heartbeat_signal, likely_origin, stragglers, verdict
 from ..model import Result, Status
+from ..stack_sampling import find_py_spy, sample_stacks
+from ..training_processes import TrainingProcess, discover
 from . import CheckContext
+from .rdma import SYSFS_ROOT
 
-#: frame-name fragments of a rank blocked in a collective or a barrier (torch.distributed,
-#: NCCL/gloo work objects); a hung rank *not* in one while its peers are is the likely origin
-COLLECTIVE_WORDS = ("all_reduce", "allreduce", "barrier", "broadcast", "all_gather",
-                    "allgather", "reduce_scatter", "wait")
-PY_SPY_TIMEOUT_S = 10.0
-NO_HEARTBEATS = "no training process writes heartbeats (node_agent.heartbeat)"
+NO_PROCESSES = ("no training process found: none writes heartbeats (node_agent.heartbeat) and "
+                "NVML lists no GPU compute process")
+NOT_SAMPLED = "not sampled: no other signal of its job suggests a hang"
+_UNSAFE_TARGET = re.compile(r"[^A-Za-z0-9_.:/@+=-]+")
 
 
 def spool_dir(ctx: CheckContext) -> Path:
     if ctx.params.get("spool_dir"):
         return Path(ctx.params["spool_dir"])
-    base = ctx.state_dir if ctx.state_dir is not None else ctx.config.state_dir
-    return Path(base) / "spool" / "heartbeat"
+    return _state_base(ctx) / "spool" / "heartbeat"
 
 
-def alive(record: dict[str, Any]) -> bool:
-    """The heartbeat's writer still runs: its pid exists, is not a zombie, and (where both are
-    known) started at the same tick as the writer did."""
-    import psutil
+def _state_base(ctx: CheckContext) -> Path:
+    return Path(ctx.state_dir if ctx.state_dir is not None else ctx.config.state_dir)
 
-    pid = int(record["pid"])
+
+def _devices(ctx: CheckContext) -> list[Any] | None:
+    gpu = ctx.gpu
+    if gpu is None or getattr(gpu, "unavailable_reason", None):
+        return None
     try:
-        if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-            return False
-    except (psutil.NoSuchProcess, ValueError):
-        return False
-    except psutil.AccessDenied:
-        pass  # it exists; we may not read its state
-    written, now = record.get("start_ticks"), process_start_ticks(pid)
-    return written is None or now is None or written == now
-
-
-def find_py_spy(ctx: CheckContext) -> str | None:
-    if ctx.params.get("py_spy"):
-        return str(ctx.params["py_spy"])
-    found = proc.which("py-spy")
-    if found:
-        return found
-    beside = Path(sys.executable).parent / "py-spy"
-    return str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None
-
-
-def main_thread(dump: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The thread that runs the training loop: ``MainThread``, else py-spy's first thread."""
-    for thread in dump:
-        if thread.get("thread_name") == "MainThread":
-            return thread
-    return dump[0] if dump else None
-
-
-def frame_text(frame: dict[str, Any]) -> str:
-    where = frame.get("short_filename") or frame.get("filename") or "?"
-    return f"{frame.get('name', '?')} ({where}:{frame.get('line', '?')})"
-
-
-def in_collective(frames: list[dict[str, Any]]) -> bool:
-    return any(w in str(f.get("name", "")).lower() for f in frames for w in COLLECTIVE_WORDS)
-
-
-def sample_stacks(py_spy: str | None, pid: int, samples: int, interval_s: float,
-                  deadline: float, sleep=time.sleep) -> dict[str, Any]:
-    """Sample ``pid``'s stack with ``py-spy dump --json``; the stack signal as evidence.
-
-    ``{"available": False, "reason": ...}`` when it cannot be read; otherwise ``identical``
-    (every sample the same innermost-first frames of the main thread), ``stuck_in`` (the
-    innermost frame when identical), ``in_collective`` and ``frames`` (the last sample)."""
-    if py_spy is None:
-        return {"available": False, "reason": "py-spy is not installed (pip install py-spy, "
-                                                "or put it on the agent's PATH)"}
-    stacks: list[list[dict[str, Any]]] = []
-    for i in range(max(1, samples)):
-        if i:
-            sleep(interval_s)
-        left = deadline - time.monotonic()
-        if left <= 1:
-            break
-        done = proc.run([py_spy, "dump", "--pid", str(pid), "--json"],
-                        timeout_s=min(PY_SPY_TIMEOUT_S, left))
-        if not done.ok:
-            gone = not Path(f"/proc/{pid}").exists()
-            reason = (f"process {pid} exited during stack sampling" if gone
-                      else done.describe_failure())
-            if not gone and "permission" in (done.stderr + done.stdout).lower():
-                reason += (" (py-spy needs ptrace permission: run the agent as root or with "
-                           "CAP_SYS_PTRACE, or set kernel.yama.ptrace_scope=0)")
-            return {"available": False, "reason": reason, "samples_taken": len(stacks)}
-        try:
-            thread = main_thread(json.loads(done.stdout))
-        except (ValueError, TypeError, AttributeError) as err:
-            return {"available": False, "reason": f"py-spy printed no JSON stack dump ({err})",
-                    "samples_taken": len(stacks)}
-        stacks.append(list(thread.get("frames") or []) if thread else [])
-    if not stacks:
-        return {"available": False, "reason": "no time left in the check's timeout to sample"}
-    keys = [[(f.get("name"), f.get("filename"), f.get("line")) for f in s] for s in stacks]
-    identical = len(stacks) > 1 and all(k == keys[0] for k in keys)
-    last = stacks[-1]
-    return {"available": True, "samples": len(stacks), "identical": identical,
-            "stuck_in": frame_text(last[0]) if identical and last else None,
-            "in_collective": in_collective(last),
-            "frames": [frame_text(f) for f in last[:20]]}
-
-
-def _target(record: dict[str, Any], ranks: list[Any]) -> str:
-    rank = record.get("rank")
-    if rank is not None and ranks.count(rank) == 1:
-        return f"rank:{rank}"
-    return f"pid:{record['pid']}"
-
-
-def _who(r: dict[str, Any]) -> str:
-    rank = "rank ?" if r.get("rank") is None else f"rank {r['rank']}"
-    return f"{rank} (pid {r['pid']}, job {r.get('job')})"
+        return list(gpu.devices())
+    except Exception:  # noqa: BLE001 - a broken backend only costs the GPU signals
+        return None
 
 
 def run(ctx: CheckContext) -> list[Result]:
-    p = ctx.params
-    hang_after_s = float(p.get("hang_after_s", 300))
-    multiple = float(p.get("hang_step_multiple", 5))
-    ratio = float(p.get("straggler_ratio", 2.0))
-    stale_s = float(p.get("stale_file_s", 86400))
+    p, th = ctx.params, Thresholds.from_params(ctx.params)
+    start, now = time.monotonic(), time.time()
+    devices = _devices(ctx)
+    pids = [int(x) for x in p["pids"]] if p.get("pids") else None
     spool = spool_dir(ctx)
-    start = time.monotonic()
-    now = time.time()
-    errors: list[tuple[Path, str]] = []
-    beats = read_heartbeats(spool, errors)
-    out: list[Result] = []
-    for path, reason in errors:
-        out.append(ctx.result("node", "heartbeat_unreadable", Status.WARN,
-                              f"heartbeat file {path} is not a heartbeat ({reason}); it was not "
-                              "written by node_agent.heartbeat: inspect and remove it",
-                              file=str(path)))
-    live, dead = [], 0
-    for path, record in beats:
-        if alive(record):
-            live.append(record)
-            continue
-        dead += 1
+    found = discover(spool, devices, pids)
+    out = [ctx.result("node", "training_discovery", Status.WARN, message, subject=subject)
+           for subject, message in found.problems]
+    _remove_stale(found.dead_heartbeats, now, float(p.get("stale_file_s", 86400)))
+    me = os.getpid()  # the agent's own GPU workers (burn, SDC probes) are not training
+    procs = [pr for pr in found.processes if pr.pid != me and me not in pr.parents]
+    if not procs:
+        dead = (f"; {len(found.dead_heartbeats)} heartbeat file(s) in {spool} are of exited "
+                "processes" if found.dead_heartbeats else "")
+        return out or [ctx.skip(NO_PROCESSES + dead, metric="training_progress")]
+
+    state = HangState.load(_state_base(ctx) / "hang", now)
+    if state.problem:
+        out.append(ctx.result("node", "training_state", Status.WARN, state.problem))
+    signals = _cheap_signals(ctx, procs, devices, now, th)
+    suspect_jobs = {pr.job for pr in procs if any(s.hang for s in signals[pr.pid].values())}
+    _sample(ctx, [pr for pr in procs if pr.job in suspect_jobs], signals, start)
+
+    keys = {pr.pid: process_key(pr.pid, pr.start_ticks) for pr in procs}
+    state.keep_only(set(keys.values()))
+    verdicts = {}
+    for pr in procs:
+        mem = state.processes.setdefault(keys[pr.pid], {})
+        v0 = verdict(list(signals[pr.pid].values()), th, agreeing_since_s=None,
+                     has_heartbeat=pr.heartbeat is not None)
+        if len(v0.agreeing) >= th.agree:
+            mem.setdefault("agree_since", now)
+        else:
+            mem.pop("agree_since", None)
+        since = now - mem["agree_since"] if "agree_since" in mem else None
+        verdicts[pr.pid] = verdict(list(signals[pr.pid].values()), th, agreeing_since_s=since,
+                                   has_heartbeat=pr.heartbeat is not None)
+        if not verdicts[pr.pid].hung:
+            mem.pop("reported", None)
+
+    jobs: dict[str | None, list[TrainingProcess]] = {}
+    for pr in procs:
+        jobs.setdefault(pr.job, []).append(pr)
+    origin: dict[int, bool] = {}
+    for members in jobs.values():
+        origin.update(likely_origin([(pr.pid, verdicts[pr.pid].hung, signals[pr.pid]["stack"])
+                                     for pr in members]))
+    slow = _stragglers(jobs, verdicts, state, keys, now, th)
+    targets = _targets(jobs)
+
+    evidence_files = _write_evidence(ctx, state, jobs, verdicts, signals, origin, keys, now)
+    for pr in procs:
+        v, sig = verdicts[pr.pid], signals[pr.pid]
+        ev = _evidence(pr, sig, v.agreeing, origin.get(pr.pid))
+        age = sig["heartbeat"].figures.get("age_s") if sig["heartbeat"].available else None
+        if v.hung:
+            ev["evidence_file"] = evidence_files.get(pr.pid) or state.processes[
+                keys[pr.pid]].get("reported")
+            out.append(ctx.result(targets[pr.pid], "training_hang", Status.FAIL,
+                                  _hang_detail(pr, v.why, sig, origin.get(pr.pid)),
+                                  value=age, unit="s", **ev))
+        elif pr.pid in slow:
+            s = slow[pr.pid]
+            out.append(ctx.result(
+                targets[pr.pid], "training_straggler", Status.WARN,
+                f"{_who(pr)}: recent step time {s.step_time_s:.3f} s is {s.ratio:.1f}x the "
+                f"median of its {s.peers} peer(s) on this node ({s.peers_median_s:.3f} s; "
+                f"threshold {th.straggler_ratio:g}x, held for {th.straggler_for_s:g} s); it sets "
+                "the pace of the whole job", value=round(s.ratio, 2), unit="x",
+                peers_median_step_time_s=s.peers_median_s, **ev))
+        else:
+            out.append(ctx.result(targets[pr.pid], "training_progress", Status.PASS,
+                                  f"{_who(pr)}: {sig['heartbeat'].detail if age is not None else v.why}",
+                                  value=age, unit="s", **ev))
+    with contextlib.suppress(OSError):
+        state.save()
+    return out
+
+
+def _remove_stale(paths: Sequence[Path], now: float, stale_s: float) -> None:
+    for path in paths:
         with contextlib.suppress(OSError):
             if now - path.stat().st_mtime > stale_s:
                 path.unlink()
-    if not live:
-        if not beats and not errors:
-            return [ctx.skip(NO_HEARTBEATS, metric="training_progress")]
-        if not errors:
-            return [ctx.skip(f"{NO_HEARTBEATS}: {dead} heartbeat file(s) in {spool} are of "
-                             "exited processes", metric="training_progress")]
-        return out
-    ranks = [r.get("rank") for r in live]
-    hung, progressing = [], []
-    for r in live:
-        r["age_s"] = max(0.0, now - float(r["step_at"]))
-        step_time = r.get("step_time_s")
-        r["hang_threshold_s"] = max(hang_after_s, multiple * float(step_time or 0.0))
-        (hung if r["age_s"] > r["hang_threshold_s"] else progressing).append(r)
 
-    # stack signal for the hung ones, all sampled within ~60% of the check's timeout
-    stacks: dict[int, dict[str, Any]] = {}
-    if hung:
-        py_spy = find_py_spy(ctx)
-        deadline = start + 0.6 * ctx.timeout_s
-        for r in hung:
-            stacks[r["pid"]] = sample_stacks(
-                py_spy, int(r["pid"]), int(p.get("stack_samples", 3)),
-                float(p.get("stack_interval_s", 1.0)), deadline)
-    origin = _likely_origin(hung, stacks)
-    for r in hung:
-        s = stacks[r["pid"]]
-        stack_note = (f"; stack: stuck in {s['stuck_in']}" if s.get("stuck_in")
-                      else "; stack: " + ("changing between samples" if s["available"]
-                                          else f"unavailable ({s['reason']})"))
-        origin_note = {True: "; likely origin: its stack is outside a collective while its hung "
-                             "peers' are inside one",
-                       False: "; waiting in a collective on a peer"}.get(origin.get(r["pid"]), "")
-        out.append(ctx.result(
-            _target(r, ranks), "training_hang", Status.FAIL,
-            f"{_who(r)}: no training step for {r['age_s']:.1f} s (last step {r['step']}, "
-            f"threshold {r['hang_threshold_s']:.1f} s) while the process is alive"
-            f"{stack_note}{origin_note}; dump its stacks (py-spy dump --pid {r['pid']}) and "
-            "restart the job",
-            value=round(r["age_s"], 1), unit="s", **_evidence(r), stack=s,
-            likely_origin=origin.get(r["pid"])))
-    out.extend(_stragglers(ctx, progressing, ranks, ratio))
-    for r in progressing:
-        out.append(ctx.result(
-            _target(r, ranks), "training_progress", Status.PASS,
-            f"{_who(r)}: step {r['step']}, {r['age_s']:.1f} s since the last step",
-            value=round(r["age_s"], 1), unit="s", **_evidence(r)))
+
+def _cheap_signals(ctx: CheckContext, procs: list[TrainingProcess], devices: list[Any] | None,
+                   now: float, th: Thresholds) -> dict[int, dict[str, Signal]]:
+    """heartbeat, gpu_activity and log_silence of every process (no waiting, no ptrace)."""
+    readings: dict[int, activity.GpuActivity] = {}
+    by_index = {d.identity().index: d for d in devices or []} if devices else {}
+    silence_s = float(ctx.params.get("log_silence_s", 60))
+    out = {}
+    for pr in procs:
+        if not pr.gpus:
+            gpu = Signal.unavailable("gpu_activity", "NVML lists no GPU for this process"
+                                     if devices else "no GPU readings on this node")
+        else:
+            for i in pr.gpus:
+                if i not in readings and i in by_index:
+                    readings[i] = activity.read_gpu_activity(by_index[i])
+            gpu = activity.gpu_activity_signal([readings[i] for i in pr.gpus if i in readings])
+        out[pr.pid] = {
+            "heartbeat": heartbeat_signal(pr.heartbeat, now, th),
+            "stack": Signal.unavailable("stack", NOT_SAMPLED),
+            "gpu_activity": gpu,
+            "rdma_traffic": Signal.unavailable("rdma_traffic", "read only while a process is "
+                                                               "suspected"),
+            "log_silence": activity.log_silence_signal(pr.log_file or ctx.params.get("log_file"),
+                                                       now=now, silence_s=silence_s),
+        }
     return out
 
 
-def _evidence(r: dict[str, Any]) -> dict[str, Any]:
-    return {k: r.get(k) for k in ("pid", "rank", "local_rank", "world_size", "job", "step",
-                                  "step_time_s", "hang_threshold_s")}
+def _sample(ctx: CheckContext, suspects: list[TrainingProcess],
+            signals: dict[int, dict[str, Signal]], start: float) -> None:
+    """Stacks of every process in a suspect job, with the RDMA counters before and after."""
+    if not suspects:
+        return
+    p = ctx.params
+    root = Path(p.get("sysfs_root") or SYSFS_ROOT)
+    before, t0 = activity.read_port_counters(root), time.monotonic()
+    stacks = sample_stacks(find_py_spy(p.get("py_spy")), [pr.pid for pr in suspects],
+                           int(p.get("stack_samples", 3)), float(p.get("stack_interval_s", 1.0)),
+                           start + 0.6 * ctx.timeout_s)
+    window = time.monotonic() - t0
+    rdma_signal = activity.rdma_traffic_signal(before, activity.read_port_counters(root), window)
+    for pr in suspects:
+        signals[pr.pid]["stack"] = stacks[pr.pid]
+        signals[pr.pid]["rdma_traffic"] = rdma_signal
 
 
-def _likely_origin(hung: list[dict[str, Any]], stacks: dict[int, dict[str, Any]]) -> dict[int, bool]:
-    """pid -> likely origin, per job with at least two hung ranks whose stacks were read: the
-    ranks outside a collective while some of their peers are inside one."""
-    out: dict[int, bool] = {}
-    jobs: dict[Any, list[dict[str, Any]]] = {}
-    for r in hung:
-        if stacks[r["pid"]].get("available"):
-            jobs.setdefault(r.get("job"), []).append(r)
+def _stragglers(jobs, verdicts, state: HangState, keys, now: float, th: Thresholds):
+    """pid -> Straggler for ranks slow for at least ``straggler_for_s`` (kept in the state)."""
+    out = {}
     for members in jobs.values():
-        inside = [stacks[r["pid"]]["in_collective"] for r in members]
-        if len(members) < 2 or all(inside) or not any(inside):
-            continue  # nothing stands out
-        for r, is_inside in zip(members, inside, strict=True):
-            out[r["pid"]] = not is_inside
-    return out
-
-
-def _stragglers(ctx: CheckContext, progressing: list[dict[str, Any]], ranks: list[Any],
-                ratio: float) -> list[Result]:
-    out = []
-    jobs: dict[Any, list[dict[str, Any]]] = {}
-    for r in progressing:
-        if r.get("step_time_s"):
-            jobs.setdefault(r.get("job"), []).append(r)
-    for members in jobs.values():
-        for r in members:
-            peers = [float(o["step_time_s"]) for o in members if o is not r]
-            if not peers:
+        times = {pr.pid: float(pr.heartbeat["step_time_s"]) for pr in members
+                 if not verdicts[pr.pid].hung and pr.heartbeat
+                 and pr.heartbeat.get("step_time_s") and not pr.heartbeat.get("pause")}
+        slow = {s.pid: s for s in stragglers(times, th.straggler_ratio)}
+        for pr in members:
+            mem = state.processes[keys[pr.pid]]
+            if pr.pid not in slow:
+                mem.pop("straggle_since", None)
                 continue
-            median = statistics.median(peers)
-            mine = float(r["step_time_s"])
-            if median > 0 and mine >= ratio * median:
-                out.append(ctx.result(
-                    _target(r, ranks), "training_straggler", Status.WARN,
-                    f"{_who(r)}: recent step time {mine:.3f} s is {mine / median:.1f}x the "
-                    f"median of its {len(peers)} peer(s) on this node ({median:.3f} s; "
-                    f"threshold {ratio:g}x); it sets the pace of the whole job",
-                    value=round(mine / median, 2), unit="x", peers_median_step_time_s=median,
-                    **_evidence(r)))
+            since = mem.setdefault("straggle_since", now)
+            if now - since >= th.straggler_for_s:
+                out[pr.pid] = slow[pr.pid]
     return out
+
+
+def _clean(text: Any) -> str:
+    return _UNSAFE_TARGET.sub("_", str(text))[:128]
+
+
+def _targets(jobs: dict[str | None, list[TrainingProcess]]) -> dict[int, str]:
+    out = {}
+    for job, members in jobs.items():
+        ranks = [pr.rank for pr in members]
+        for pr in members:
+            who = (f"rank:{pr.rank}" if pr.rank is not None and ranks.count(pr.rank) == 1
+                   else f"pid:{pr.pid}")
+            out[pr.pid] = f"job:{_clean(job or 'unknown')}/{who}"
+    return out
+
+
+def _who(pr: TrainingProcess) -> str:
+    rank = "rank ?" if pr.rank is None else f"rank {pr.rank}"
+    return f"{rank} (pid {pr.pid}, job {_clean(pr.job)})"
+
+
+def _hang_detail(pr: TrainingProcess, why: str, sig: dict[str, Signal],
+                 origin: bool | None) -> str:
+    stack = sig["stack"]
+    stack_note = (f"; stuck in {stack.figures['stuck_in']}" if stack.figures.get("stuck_in")
+                  else "" if stack.available else f"; stack unavailable ({stack.detail})")
+    origin_note = {True: "; likely origin: its stack is outside a collective while its hung "
+                         "peers' are inside one",
+                   False: "; waiting in a collective on a peer"}.get(origin, "")
+    return (f"{_who(pr)}: training hang suspected ({why}){stack_note}{origin_note}; the job "
+            f"needs a restart (evidence in the state dir; py-spy dump --pid {pr.pid})")
+
+
+def _evidence(pr: TrainingProcess, sig: dict[str, Signal], agreeing: Sequence[str],
+              origin: bool | None) -> dict[str, Any]:
+    hb = pr.heartbeat or {}
+    beat = sig["heartbeat"]
+    return {"pid": pr.pid, "rank": pr.rank, "local_rank": pr.local_rank,
+            "world_size": pr.world_size, "job": pr.job, "step": hb.get("step"),
+            "step_time_s": hb.get("step_time_s"),
+            "heartbeat_age_s": beat.figures.get("age_s") if beat.available else None,
+            "gpus": list(pr.gpus), "agreeing": list(agreeing), "likely_origin": origin,
+            "signals": {name: sig[name].to_dict() for name in NAMES},
+            "process": pr.to_evidence()}
+
+
+def _write_evidence(ctx, state: HangState, jobs, verdicts, signals, origin, keys,
+                    now: float) -> dict[int, str]:
+    """One evidence file per job with a newly reported hang; pid -> its path."""
+    written: dict[int, str] = {}
+    for job, members in jobs.items():
+        new = [pr for pr in members if verdicts[pr.pid].hung
+               and not state.processes[keys[pr.pid]].get("reported")]
+        if not new:
+            continue
+        evidence = {"job": job, "host": ctx.inventory.host.hostname if ctx.inventory else socket.gethostname(),
+                    "reported_at": now, "processes": [
+                        {**_evidence(pr, signals[pr.pid], verdicts[pr.pid].agreeing,
+                                     origin.get(pr.pid)),
+                         "hung": verdicts[pr.pid].hung, "why": verdicts[pr.pid].why}
+                        for pr in members]}
+        try:
+            path = str(state.write_evidence(job, now, evidence))
+        except OSError:
+            continue  # no writable state dir: the result itself still carries the evidence
+        for pr in new:
+            state.processes[keys[pr.pid]]["reported"] = path
+            written[pr.pid] = path
+    return written

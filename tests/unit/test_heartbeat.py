@@ -111,3 +111,34 @@ def test_sdc_probe_step_beats_the_heartbeat_it_was_given(tmp_path):
     for _ in range(3):
         probe.step()
     assert json.loads(hb.path.read_text())["step"] == 2 and hb.writes == 3
+
+
+def test_a_declared_pause_is_written_at_once_and_cleared_after_without_a_slow_step(tmp_path):
+    clock, wall = FakeClock(), FakeClock(1_000.0)
+    hb = Heartbeat(tmp_path, min_interval_s=1.0, clock=clock, wall=wall)
+    for step in range(3):
+        clock.t += 0.5
+        wall.t += 0.5
+        hb.beat(step)
+    with hb.pause("checkpoint", max_s=900):
+        record = json.loads(hb.path.read_text())
+        assert record["pause"] == {"reason": "checkpoint", "since": wall.t, "max_s": 900.0}
+        clock.t += 300
+        wall.t += 300
+    after = json.loads(hb.path.read_text())
+    assert after["pause"] is None and after["step_at"] == wall.t  # fresh after the pause
+    assert after["step_time_s"] == 0.5  # 300 s of checkpoint is not a 300 s step
+    clock.t += 1.0
+    wall.t += 1.0
+    hb.beat(3)
+    assert json.loads(hb.path.read_text())["step_time_s"] == 1.0
+
+
+def test_the_log_file_comes_from_the_argument_or_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("NODE_AGENT_TRAIN_LOG", "/logs/train.log")
+    hb = Heartbeat(tmp_path)
+    hb.beat(0)
+    assert json.loads(hb.path.read_text())["log_file"] == "/logs/train.log"
+    hb2 = Heartbeat(tmp_path / "b", log_file=tmp_path / "mine.log")
+    hb2.beat(0)
+    assert json.loads(hb2.path.read_text())["log_file"] == str(tmp_path / "mine.log")

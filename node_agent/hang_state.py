@@ -1,0 +1,100 @@
+"""What ``training_progress`` remembers between runs, and the hang evidence it leaves behind.
+
+``<state_dir>/hang/state.json`` keeps, per process (pid and start ticks, so a reused pid starts
+fresh): since when its signals agree on a hang, since when it straggles, and the evidence file
+of a hang already reported. ``<state_dir>/hang/evidence/`` receives one JSON file per job and
+hang episode, with every process of the job, every signal and the full stacks: what the people
+who debug the hang need after the job was restarted. The newest ``KEEP_EVIDENCE`` files stay.
+
+A state file that is not ours (corrupt, truncated, another schema) is moved aside to
+``state.json.corrupt-<time>`` (nothing is lost) and the check starts from an empty memory,
+saying so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "node-agent.hang-state/1"
+KEEP_EVIDENCE = 200
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def process_key(pid: int, start_ticks: int | None) -> str:
+    return f"{pid}:{start_ticks if start_ticks is not None else '?'}"
+
+
+class HangState:
+    """Load with :meth:`load`, change ``processes[key]`` dicts, then :meth:`save` (atomic)."""
+
+    def __init__(self, directory: Path, processes: dict[str, dict[str, Any]] | None = None,
+                 problem: str | None = None) -> None:
+        self.directory = directory
+        self.processes = processes or {}
+        self.problem = problem  # set when the file on disk could not be used
+
+    @property
+    def path(self) -> Path:
+        return self.directory / "state.json"
+
+    @classmethod
+    def load(cls, directory: Path, now: float) -> HangState:
+        path = directory / "state.json"
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(
+                    data.get("processes"), dict):
+                raise ValueError(f"not a {SCHEMA} file")
+            return cls(directory, {k: v for k, v in data["processes"].items()
+                                   if isinstance(v, dict)})
+        except FileNotFoundError:
+            return cls(directory)
+        except (OSError, ValueError) as err:
+            aside = path.with_name(f"state.json.corrupt-{int(now)}")
+            with contextlib.suppress(OSError):
+                os.replace(path, aside)
+            return cls(directory, problem=(
+                f"hang state {path} was unreadable ({type(err).__name__}: {err}); moved to "
+                f"{aside.name} and started afresh: signals that must hold across runs start "
+                "counting again"))
+
+    def keep_only(self, keys: set[str]) -> None:
+        """Forget processes that are gone."""
+        self.processes = {k: v for k, v in self.processes.items() if k in keys}
+
+    def save(self) -> None:
+        _atomic_json(self.path, {"schema": SCHEMA, "processes": self.processes})
+
+    def write_evidence(self, job: str | None, now: float, evidence: dict[str, Any]) -> Path:
+        """One hang episode of one job as ``evidence/<UTC time>-<job>.json``; returns the path."""
+        stamp = _dt.datetime.fromtimestamp(now, _dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        name = f"{stamp}-{_UNSAFE.sub('_', job or 'unknown-job')[:80]}.json"
+        path = self.directory / "evidence" / name
+        _atomic_json(path, evidence)
+        old = sorted(path.parent.glob("*.json"))[:-KEEP_EVIDENCE]
+        for stale in old:
+            with contextlib.suppress(OSError):
+                stale.unlink()
+        return path
+
+
+def _atomic_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1, sort_keys=True, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
