@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from .config import Config, load_config
 from .environment import Environment, open_environment
-from .metrics import CheckStats, DaemonCollector, Snapshot
+from .metrics import CheckStats, DaemonCollector, HangTracker, Snapshot
 from .model import Grade, Level, Result, Status
 from .resources import suites_dir
 from .runner import run_check
@@ -82,6 +82,7 @@ class Daemon:
         self._xid_counts: Counter[tuple[int | None, int]] = Counter()
         self._sdc: Counter[tuple[str, str]] = Counter()
         self._actions: Counter[tuple[str, str]] = Counter()
+        self._hangs = HangTracker()  # node_agent_training_hang_suspicions_total
         self.grade: Grade = Grade(level=Level.HEALTHY, action="none", reasons=())
         self.last_tick = clock()
         self._scenario_mtime = self._mtime(simulate)
@@ -329,6 +330,7 @@ class Daemon:
                         self._xid_results.setdefault((r.target, int(r.value)), r)
                 results = [r for r in results if not (r.metric == "xid" and r.status is Status.FAIL)]
             self._results[check] = results
+            self._hangs.update(check, results)  # counts training_progress's new hangs
             if check in SDC_CHECKS:
                 for r in results:
                     if r.target.startswith("gpu:"):
@@ -403,7 +405,8 @@ class Daemon:
                 results=self.current_results(),
                 gpu_uuids={g.index: g.uuid for g in self.env.inventory.gpus},
                 xid_counts=dict(self._xid_counts), sdc_outcomes=dict(self._sdc),
-                actions=dict(self._actions), simulated=self.env.simulated)
+                actions=dict(self._actions), simulated=self.env.simulated,
+                hang_suspicions=self._hangs.total)
 
 
 _STATUS_ORDER = [Status.SKIP, Status.PASS, Status.WARN, Status.FAIL, Status.ERROR]

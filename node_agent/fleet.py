@@ -11,6 +11,11 @@ Reading is the cost at fleet scale (10,000 reports), so each report is parsed on
 numeric figures are kept (in flat arrays), and files are read by a process pool when there are
 many. A file that cannot be read — truncated, not JSON, another schema version — is listed as
 unreadable with the reason; the rest are still analysed.
+
+Training jobs span nodes, so the fleet also sees what one node cannot: a rank of a job that is
+``straggler_ratio`` times slower than the median of the job's other ranks on all nodes
+(a *fleet straggler*), and every hung rank grouped by job, with the ranks ``training_progress``
+marked as the likely origin — which node started a job-wide hang.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .model import REPORT_SCHEMA, ReportFormatError
 from .report import json_report
@@ -46,6 +51,10 @@ FLEET_SCHEMA: dict[str, Any] = {
                                                                       "ignore"]}},
         "metrics": {"type": "object", "additionalProperties": {"enum": ["low", "high", "both",
                                                                         "ignore"]}},
+        "training": {"type": "object", "additionalProperties": False,
+                     "properties": {
+                         "straggler_ratio": {"type": "number", "exclusiveMinimum": 1},
+                         "min_nodes": {"type": "integer", "minimum": 2}}},
     },
 }
 
@@ -69,6 +78,8 @@ class FleetRules:
     min_samples: int = 8
     units: dict[str, str] = field(default_factory=dict)
     metrics: dict[str, str] = field(default_factory=dict)
+    straggler_ratio: float = 2.0   # a rank this many times the job's median step time
+    straggler_min_nodes: int = 2   # a job on fewer nodes is left to the node's own check
 
     def direction(self, metric: str, unit: str) -> str | None:
         """``low``/``high``/``both`` — the side on which a figure is bad — or None: not compared."""
@@ -80,9 +91,12 @@ def load_fleet_rules(graders_dir: Path) -> FleetRules:
     """``graders_dir/fleet.yaml`` validated (ConfigError naming the file and key otherwise)."""
     data = load_yaml(graders_dir / "fleet.yaml", FLEET_SCHEMA, what="fleet rules")
     t = data["thresholds"]
+    training = data.get("training") or {}
     return FleetRules(deviation_mads=float(t["deviation_mads"]),
                       relative_floor=float(t["relative_floor"]), min_samples=int(t["min_samples"]),
-                      units=dict(data["units"]), metrics=dict(data.get("metrics") or {}))
+                      units=dict(data["units"]), metrics=dict(data.get("metrics") or {}),
+                      straggler_ratio=float(training.get("straggler_ratio", 2.0)),
+                      straggler_min_nodes=int(training.get("min_nodes", 2)))
 
 
 def load_topology(path: str | Path) -> dict[str, list[str]]:
@@ -93,15 +107,37 @@ def load_topology(path: str | Path) -> dict[str, list[str]]:
 
 # -- reading ---------------------------------------------------------------------------------
 
+#: the check whose per-process results carry a training job's ranks (docs/training_hangs.md);
+#: its evidence is the one kept when a report is read
+TRAINING_CHECK = "training_progress"
+#: its per-process results of ranks that step (their step time is compared) and of hung ones
+STEPPING = ("training_progress", "training_straggler")
+HUNG = "training_hang"
+
+
+class TrainingRow(NamedTuple):
+    """One training process in a node's report: what ``training_progress`` said about it."""
+
+    metric: str                 # training_progress | training_straggler | training_hang
+    target: str
+    job: str
+    rank: int | None
+    pid: int | None
+    step_time_s: float | None   # recent mean step time from its heartbeats
+    likely_origin: bool | None  # for a hung rank: the stack says it stopped first
+
+
 @dataclass
 class NodeFigures:
-    """The numeric figures of one report: rows of (check, target, metric, unit, value)."""
+    """The numeric figures of one report: rows of (check, target, metric, unit, value), and
+    its training processes."""
 
     hostname: str
     sku: str
     finished_at: str
     path: str
     rows: list[tuple[str, str, str, str, float]]
+    training: list[TrainingRow] = field(default_factory=list)
 
 
 def _is_number(value: Any) -> bool:
@@ -109,10 +145,32 @@ def _is_number(value: Any) -> bool:
             and math.isfinite(value))
 
 
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _training_row(r: dict[str, Any]) -> TrainingRow | None:
+    """A per-process ``training_progress`` result as a row; None for anything else (discovery
+    problems, skips) or one without a job."""
+    if r["metric"] not in (*STEPPING, HUNG) or r["status"] in ("skip", "error"):
+        return None
+    ev = r.get("evidence") or {}
+    if not isinstance(ev, dict) or ev.get("job") is None:
+        return None
+    step = ev.get("step_time_s")
+    origin = ev.get("likely_origin")
+    return TrainingRow(sys.intern(str(r["metric"])), str(r["target"]), str(ev["job"]),
+                       _int_or_none(ev.get("rank")), _int_or_none(ev.get("pid")),
+                       float(step) if _is_number(step) and step > 0 else None,
+                       origin if isinstance(origin, bool) else None)
+
+
 def read_figures(path: str | Path) -> NodeFigures:
     """The numeric figures of one saved report; ReportFormatError when it cannot be read.
 
-    Results that are skipped or errored carry no measurement and are left out. A file the
+    Results that are skipped or errored carry no measurement and are left out. The per-process
+    results of ``training_progress`` are kept, with the job, rank, step time and likely origin
+    from their evidence, as :class:`TrainingRow`. A file the
     fast path cannot read is handed to :func:`node_agent.report.json_report.read`, so the
     reason given for an unreadable file is the same one ``node-agent grade`` gives.
     """
@@ -120,7 +178,7 @@ def read_figures(path: str | Path) -> NodeFigures:
     try:
         text = path.read_text(encoding="utf-8")
         try:
-            data = json.loads(_without_evidence(text))
+            data = json.loads(_without_evidence(text, keep=TRAINING_CHECK))
         except ValueError:
             data = json.loads(text)
         if data.get("schema") != REPORT_SCHEMA:
@@ -131,15 +189,21 @@ def read_figures(path: str | Path) -> NodeFigures:
             raise TypeError("hostname")
         sku = data.get("sku") or "unknown-sku"
         rows = []
+        training = []
         intern = sys.intern
         for r in data["results"]:
+            if r["check"] == TRAINING_CHECK:
+                row = _training_row(r)
+                if row is not None:
+                    training.append(row)
             value = r.get("value")
             if r["status"] in ("skip", "error") or not _is_number(value):
                 continue
             rows.append((intern(str(r["check"])), intern(str(r["target"])),
                          intern(str(r["metric"])), intern(str(r.get("unit", ""))), float(value)))
         return NodeFigures(hostname=hostname, sku=str(sku),
-                           finished_at=str(data.get("finished_at", "")), path=str(path), rows=rows)
+                           finished_at=str(data.get("finished_at", "")), path=str(path), rows=rows,
+                           training=training)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         json_report.read(path)  # raises ReportFormatError with the canonical reason
         raise ReportFormatError(f"{path}: report fields missing or malformed") from None
@@ -149,7 +213,10 @@ _EVIDENCE_OPEN = '\n      "evidence": {\n'
 _EVIDENCE_CLOSE = "\n      }"
 
 
-def _without_evidence(text: str) -> str:
+_CHECK_KEY = '\n      "check": '
+
+
+def _without_evidence(text: str, keep: str | None = None) -> str:
     """The report's text with each result's evidence emptied, when written by our writer.
 
     Evidence (traces, argv, tool output) is most of a report's bytes and none of its figures,
@@ -157,9 +224,17 @@ def _without_evidence(text: str) -> str:
     6 spaces and its evidence object closes at the first line that is 6 spaces and ``}``
     (deeper lines are indented more; a newline inside a JSON string is always escaped). Text in
     another layout comes back unchanged; a cut that does not parse is retried whole.
+
+    ``keep``: a check whose results keep their evidence (its ``"check"`` key is the result's
+    first, after the previous result's evidence), looked for only when the text names it.
     """
+    keep_mark = None
+    if keep is not None:
+        keep_mark = f"{_CHECK_KEY}{json.dumps(keep)},"
+        if keep_mark not in text:
+            keep_mark = None
     parts = []
-    pos = 0
+    seg = pos = 0
     while True:
         start = text.find(_EVIDENCE_OPEN, pos)
         if start < 0:
@@ -167,11 +242,16 @@ def _without_evidence(text: str) -> str:
         end = text.find(_EVIDENCE_CLOSE, start + len(_EVIDENCE_OPEN) - 1)
         if end < 0:
             return text
-        parts.append(text[pos:start + len(_EVIDENCE_OPEN) - 1])
-        pos = end + 1
+        if keep_mark is not None:
+            head = text.rfind(_CHECK_KEY, pos, start)
+            if head >= 0 and text.startswith(keep_mark, head):
+                pos = end + 1
+                continue
+        parts.append(text[seg:start + len(_EVIDENCE_OPEN) - 1])
+        seg = pos = end + 1
     if not parts:
         return text
-    parts.append(text[pos:])
+    parts.append(text[seg:])
     return "".join(parts)
 
 
@@ -299,6 +379,62 @@ class Suspect:
                 "ratio": _round(self.ratio, 4), "scope": self.scope, "report": self.path}
 
 
+@dataclass(frozen=True)
+class FleetStraggler:
+    """A rank of a multi-node job whose step time is ``straggler_ratio`` times (or more) the
+    median of the job's other ranks across the fleet."""
+
+    node: str
+    job: str
+    rank: int | None
+    pid: int | None
+    target: str
+    step_time_s: float
+    job_median_s: float  # median step time of the job's other ranks, on all nodes
+    ratio: float         # step_time_s / job_median_s
+    ranks: int           # ranks of the job compared (this one included)
+    nodes: int           # nodes they run on
+    path: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"node": self.node, "job": self.job, "rank": self.rank, "pid": self.pid,
+                "target": self.target, "step_time_s": _round(self.step_time_s),
+                "job_median_step_time_s": _round(self.job_median_s),
+                "ratio": _round(self.ratio, 2), "ranks_compared": self.ranks,
+                "nodes": self.nodes, "report": self.path}
+
+
+@dataclass
+class HungNode:
+    """The hung ranks of one job on one node; ``origin``: those marked ``likely_origin``."""
+
+    node: str
+    ranks: list[str]   # "3", or "pid:4711" when the rank is unknown
+    origin: list[str]
+    path: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"node": self.node, "hung": self.ranks, "likely_origin": self.origin,
+                "report": self.path}
+
+
+@dataclass(frozen=True)
+class JobHang:
+    """Every hung rank of one job across the fleet, node by node."""
+
+    job: str
+    nodes: list[HungNode]
+
+    @property
+    def origin_nodes(self) -> list[str]:
+        """Nodes holding a rank marked ``likely_origin``: where the job-wide hang began."""
+        return [n.node for n in self.nodes if n.origin]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"job": self.job, "hung_ranks": sum(len(n.ranks) for n in self.nodes),
+                "origin_nodes": self.origin_nodes, "nodes": [n.to_dict() for n in self.nodes]}
+
+
 def _round(x: float, digits: int = 4) -> float | None:
     return None if x is None or not math.isfinite(x) else round(x, digits)
 
@@ -313,6 +449,14 @@ class FleetAnalysis:
     groups: list[MetricGroup]
     suspects: list[Suspect]
     topology: dict[str, list[str]] | None = None
+    stragglers: list[FleetStraggler] = field(default_factory=list)
+    hung_jobs: list[JobHang] = field(default_factory=list)
+    jobs_compared: int = 0  # training jobs on at least straggler_min_nodes nodes
+
+    @property
+    def found(self) -> bool:
+        """Anything to act on: a suspect figure, a fleet straggler or a hung job."""
+        return bool(self.suspects or self.stragglers or self.hung_jobs)
 
     @property
     def suspect_nodes(self) -> list[str]:
@@ -339,7 +483,9 @@ class FleetAnalysis:
             "schema": "node-agent.fleet/1",
             "thresholds": {"deviation_mads": self.rules.deviation_mads,
                            "relative_floor": self.rules.relative_floor,
-                           "min_samples": self.rules.min_samples},
+                           "min_samples": self.rules.min_samples,
+                           "straggler_ratio": self.rules.straggler_ratio,
+                           "straggler_min_nodes": self.rules.straggler_min_nodes},
             "reports": self.reports, "nodes": len(self.nodes),
             "skus": sorted({n.sku for n in self.nodes}),
             "unreadable": [{"path": p, "error": e} for p, e in self.unreadable],
@@ -348,6 +494,9 @@ class FleetAnalysis:
             "suspect_nodes": self.suspect_nodes,
             "flagged_groups": self.flagged_groups(),
             "metrics": [g.to_dict() for g in self.groups],
+            "training_jobs_compared": self.jobs_compared,
+            "stragglers": [s.to_dict() for s in self.stragglers],
+            "hung_jobs": [j.to_dict() for j in self.hung_jobs],
         }
 
 
@@ -430,6 +579,81 @@ def find_outliers(group: MetricGroup, rules: FleetRules, nodes: list[NodeFigures
     return out
 
 
+def _job_key(job: str, node: str) -> str:
+    """The job's fleet-wide name. A ``ppid:`` job is named after a launcher's pid, which means
+    something on its own node only, so it is never pooled with another node's."""
+    return f"{job}@{node}" if job.startswith("ppid:") else job
+
+
+def _median_without(ordered: Sequence[float], i: int) -> float:
+    """Median of ``ordered`` (sorted) without its ``i``-th item, in constant time."""
+    m = len(ordered) - 1
+
+    def at(j: int) -> float:
+        return ordered[j] if j < i else ordered[j + 1]
+
+    return at(m // 2) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2.0
+
+
+def find_stragglers(nodes: list[NodeFigures], rules: FleetRules
+                    ) -> tuple[list[FleetStraggler], int]:
+    """(ranks at least ``straggler_ratio`` times their job's median step time, jobs compared).
+
+    Only jobs whose stepping ranks are on at least ``straggler_min_nodes`` nodes are compared
+    (within one node, ``training_progress`` already compares them). Each rank is compared with
+    the median of the job's *other* ranks, so with two ranks each is compared with the other.
+    Hung ranks are left out: their step time is from before the hang.
+    """
+    jobs: dict[str, dict[tuple[int, Any], TrainingRow]] = {}
+    for index, node in enumerate(nodes):
+        for row in node.training:
+            if row.metric in STEPPING and row.step_time_s is not None:
+                ranks = jobs.setdefault(_job_key(row.job, node.hostname), {})
+                # a straggler also reports its progress: one entry per process
+                ranks.setdefault((index, row.pid if row.pid is not None else row.target), row)
+    out: list[FleetStraggler] = []
+    compared = 0
+    for job, ranks in sorted(jobs.items()):
+        on = {index for index, _ in ranks}
+        if len(on) < rules.straggler_min_nodes:
+            continue
+        compared += 1
+        entries = sorted(((row.step_time_s, index, row) for (index, _), row in ranks.items()),
+                         key=lambda e: e[0])
+        ordered = [e[0] for e in entries]
+        for i, (step, index, row) in enumerate(entries):
+            median = _median_without(ordered, i)
+            if median > 0 and step >= rules.straggler_ratio * median:
+                node = nodes[index]
+                out.append(FleetStraggler(
+                    node=node.hostname, job=job, rank=row.rank, pid=row.pid, target=row.target,
+                    step_time_s=step, job_median_s=median, ratio=step / median,
+                    ranks=len(entries), nodes=len(on), path=node.path))
+    out.sort(key=lambda s: (-s.ratio, s.job, s.node, str(s.rank)))
+    return out, compared
+
+
+def group_hangs(nodes: list[NodeFigures]) -> list[JobHang]:
+    """Every ``training_hang`` of the fleet grouped by job, node by node; the nodes with a
+    ``likely_origin`` rank first, then by name."""
+    jobs: dict[str, dict[str, HungNode]] = {}
+    for node in nodes:
+        for row in node.training:
+            if row.metric != HUNG:
+                continue
+            by_node = jobs.setdefault(_job_key(row.job, node.hostname), {})
+            entry = by_node.get(node.hostname)
+            if entry is None:
+                entry = by_node[node.hostname] = HungNode(node.hostname, [], [], node.path)
+            name = str(row.rank) if row.rank is not None else f"pid:{row.pid}"
+            if name not in entry.ranks:
+                entry.ranks.append(name)
+                if row.likely_origin:
+                    entry.origin.append(name)
+    return [JobHang(job, sorted(by_node.values(), key=lambda n: (not n.origin, n.node)))
+            for job, by_node in sorted(jobs.items())]
+
+
 def analyse_figures(figures: list[NodeFigures], rules: FleetRules,
                     unreadable: list[tuple[str, str]] | None = None,
                     topology: dict[str, list[str]] | None = None,
@@ -439,9 +663,12 @@ def analyse_figures(figures: list[NodeFigures], rules: FleetRules,
     groups = pool(nodes, rules)
     suspects = [s for g in groups for s in find_outliers(g, rules, nodes)]
     suspects.sort(key=lambda s: (-abs(s.deviation_mads), s.node, s.target, s.metric))
+    stragglers, compared = find_stragglers(nodes, rules)
     return FleetAnalysis(rules=rules, reports=len(figures) if reports is None else reports,
                          nodes=nodes, unreadable=list(unreadable or []), superseded=superseded,
-                         groups=groups, suspects=suspects, topology=topology)
+                         groups=groups, suspects=suspects, topology=topology,
+                         stragglers=stragglers, hung_jobs=group_hangs(nodes),
+                         jobs_compared=compared)
 
 
 def analyse(inputs: Iterable[str | Path], rules: FleetRules,
@@ -490,6 +717,7 @@ def render_text(analysis: FleetAnalysis, limit: int = 50) -> str:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
         if len(a.suspects) > limit:
             lines.append(f"  ... and {len(a.suspects) - limit} more (--json lists them all)")
+    lines.extend(_training_text(a, limit))
     for g in a.flagged_groups():
         lines.append(f"group {g['group']} flagged as a whole ({len(g['nodes'])} nodes): "
                      f"suspect node(s) {', '.join(g['suspect_nodes'])}")
@@ -500,11 +728,47 @@ def render_text(analysis: FleetAnalysis, limit: int = 50) -> str:
     return "\n".join(lines)
 
 
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+            for r in rows]
+
+
+def _training_text(a: FleetAnalysis, limit: int) -> list[str]:
+    """Fleet stragglers and hung jobs; nothing when no report has a multi-node job or a hang."""
+    lines = []
+    ratio = a.rules.straggler_ratio
+    if a.stragglers:
+        lines.append(f"fleet stragglers: {len(a.stragglers)} rank(s) at >= {ratio:g}x the median "
+                     f"step time of their job's other ranks ({a.jobs_compared} job(s) on >= "
+                     f"{a.rules.straggler_min_nodes} nodes compared)")
+        rows = [("NODE", "JOB", "RANK", "STEP TIME", "JOB MEDIAN", "RATIO")]
+        for s in a.stragglers[:limit]:
+            rows.append((s.node, s.job, "?" if s.rank is None else str(s.rank),
+                         f"{s.step_time_s:.4g} s", f"{s.job_median_s:.4g} s", f"{s.ratio:.2f}x"))
+        lines.extend(_table(rows))
+        if len(a.stragglers) > limit:
+            lines.append(f"  ... and {len(a.stragglers) - limit} more (--json lists them all)")
+    elif a.jobs_compared:
+        lines.append(f"no fleet stragglers: no rank of the {a.jobs_compared} job(s) on >= "
+                     f"{a.rules.straggler_min_nodes} nodes is at >= {ratio:g}x its job's median "
+                     "step time")
+    for job in a.hung_jobs[:limit]:
+        origin = ", ".join(job.origin_nodes) or "not identified (no stack told)"
+        lines.append(f"hung job {job.job}: {sum(len(n.ranks) for n in job.nodes)} rank(s) on "
+                     f"{len(job.nodes)} node(s); likely origin: {origin}")
+        for n in job.nodes[:limit]:
+            mark = f" (likely origin: rank {', '.join(n.origin)})" if n.origin else ""
+            lines.append(f"  {n.node}: rank {', '.join(n.ranks)}{mark}")
+    return lines
+
+
 def run(inputs: Sequence[str], graders_dir: Path, *, as_json: bool = False,
         html: str | None = None, topology: str | None = None,
         out=sys.stdout, err=sys.stderr) -> int:
-    """``node-agent fleet``: 0 no suspects, 3 suspects found; ConfigError (exit 2) when no
-    report could be read, an input does not exist, or a rules/topology file is invalid."""
+    """``node-agent fleet``: 0 nothing found, 3 suspects, fleet stragglers or hung jobs found;
+    ConfigError (exit 2) when no report could be read, an input does not exist, or a
+    rules/topology file is invalid."""
     rules = load_fleet_rules(graders_dir)
     groups = load_topology(topology) if topology else None
     if html:
@@ -526,4 +790,4 @@ def run(inputs: Sequence[str], graders_dir: Path, *, as_json: bool = False,
         print(json.dumps(analysis.to_dict(), indent=2), file=out)
     else:
         print(render_text(analysis), file=out)
-    return EXIT_SUSPECTS if analysis.suspects else EXIT_NO_SUSPECTS
+    return EXIT_SUSPECTS if analysis.found else EXIT_NO_SUSPECTS

@@ -8,6 +8,7 @@ daemon builds a fresh ``CollectorRegistry`` and registers one :class:`DaemonColl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -30,6 +31,14 @@ GPU_READINGS: dict[str, tuple[str, str]] = {
     "pcie_replay": ("node_agent_gpu_pcie_replay_errors", "PCIe replay counter"),
 }
 STATUSES = [s.value for s in Status]
+
+#: the check whose per-process results become the training metrics (docs/training_hangs.md)
+TRAINING_CHECK = "training_progress"
+#: its per-process result metrics -> 1 when the result is a hang suspicion
+TRAINING_METRICS = {"training_progress": 0, "training_straggler": 0, "training_hang": 1}
+#: label values from training processes' heartbeats are untrusted text: Prometheus escapes
+#: them, but a job id of megabytes would bloat every scrape, so they are cut to this length
+MAX_LABEL_CHARS = 128
 
 
 @dataclass
@@ -54,6 +63,7 @@ class Snapshot:
     sdc_outcomes: dict[tuple[str, str], int] = field(default_factory=dict)  # (target, outcome)
     actions: dict[tuple[str, str], int] = field(default_factory=dict)       # (action, outcome)
     simulated: bool = False
+    hang_suspicions: int = 0     # HangTracker.total: processes seen going from not hung to hung
 
 
 class DaemonCollector(Collector):
@@ -128,6 +138,86 @@ class DaemonCollector(Collector):
         for (action, outcome), count in sorted(s.actions.items()):
             actions.add_metric([s.hostname, action, outcome], count)
         yield actions
+
+        yield from _training(s)
+
+
+def _label(value: object) -> str:
+    return "" if value is None else str(value)[:MAX_LABEL_CHARS]
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _process_key(r: Result) -> tuple[str, str]:
+    """(job, pid) of a per-process ``training_progress`` result; the target when both are
+    missing, so two unidentified processes are never one."""
+    job, pid = r.evidence.get("job"), r.evidence.get("pid")
+    if job is None and pid is None:
+        return (r.target, "")
+    return (_label(job), _label(pid))
+
+
+class HangTracker:
+    """Counts hang suspicions: a training process (job, pid) going from not hung to hung.
+
+    The daemon feeds it every run of ``training_progress``; a process hung across many runs
+    counts once, one that recovers and hangs again counts twice. A run that could not complete
+    (only ``error`` results) says nothing about the processes and leaves the state as it was.
+    """
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._hung: set[tuple[str, str]] = set()
+
+    def update(self, check: str, results: list[Result]) -> None:
+        if check != TRAINING_CHECK:
+            return
+        if results and all(r.status is Status.ERROR for r in results):
+            return
+        hung = {_process_key(r) for r in results if r.metric == "training_hang"}
+        self.total += len(hung - self._hung)
+        self._hung = hung
+
+
+def _training(s: Snapshot) -> Iterator[Metric]:
+    """Per training process (labels job, rank, pid): heartbeat age, step time, hang suspected;
+    and the daemon's count of hang suspicions. A process with several results (a straggler
+    also reports its progress) is one series: hung if any says so, the first known figures."""
+    labels = ["hostname", "job", "rank", "pid"]
+    age = GaugeMetricFamily("node_agent_training_heartbeat_age_seconds", "Seconds since the "
+                            "training process's last heartbeat (node_agent.heartbeat)",
+                            labels=labels)
+    step = GaugeMetricFamily("node_agent_training_step_time_seconds", "The training "
+                             "process's recent mean step time, from its heartbeats",
+                             labels=labels)
+    hang = GaugeMetricFamily("node_agent_training_hang_suspected", "1 while training_progress "
+                             "calls the process hung, 0 while it steps", labels=labels)
+    processes: dict[tuple[str, str, str], dict[str, float | None]] = {}
+    for r in s.results:
+        if r.check != TRAINING_CHECK or r.metric not in TRAINING_METRICS:
+            continue
+        ev = r.evidence
+        key = (_label(ev.get("job")), _label(ev.get("rank")), _label(ev.get("pid")))
+        p = processes.setdefault(key, {"hang": 0, "age": None, "step": None})
+        p["hang"] = max(p["hang"] or 0, TRAINING_METRICS[r.metric])
+        p["age"] = p["age"] if p["age"] is not None else _number(ev.get("heartbeat_age_s"))
+        p["step"] = p["step"] if p["step"] is not None else _number(ev.get("step_time_s"))
+    for key, p in sorted(processes.items()):
+        values = [s.hostname, *key]
+        hang.add_metric(values, p["hang"])
+        if p["age"] is not None:
+            age.add_metric(values, p["age"])
+        if p["step"] is not None:
+            step.add_metric(values, p["step"])
+    total = CounterMetricFamily("node_agent_training_hang_suspicions", "Training processes "
+                                "the daemon saw go from stepping (or unseen) to hung",
+                                labels=["hostname"])
+    total.add_metric([s.hostname], s.hang_suspicions)
+    yield from (age, step, hang, total)
 
 
 def _gpu_readings(s: Snapshot) -> Iterator[Metric]:

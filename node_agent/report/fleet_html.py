@@ -48,6 +48,32 @@ def _histogram(group: MetricGroup, analysis: FleetAnalysis, plotter: Plotter) ->
             f"data-metric=\"{esc(group.check + '/' + group.metric)}\">{plotter.svg(fig)}</div>")
 
 
+def _training_html(a: FleetAnalysis) -> str:
+    """Fleet stragglers and hung jobs (with the likely-origin nodes); empty when there are none."""
+    parts = []
+    if a.stragglers:
+        rows = "".join(
+            f"<tr class=\"straggler\" data-node=\"{esc(s.node)}\" data-job=\"{esc(s.job)}\">"
+            f"<td>{esc(s.node)}</td><td>{esc(s.job)}</td>"
+            f"<td>{'?' if s.rank is None else s.rank}</td><td>{s.step_time_s:.4g} s</td>"
+            f"<td>{s.job_median_s:.4g} s</td><td>{s.ratio:.2f}x</td></tr>" for s in a.stragglers)
+        parts.append(
+            f"<h2>Fleet stragglers (&ge; {a.rules.straggler_ratio:g}x their job's median step "
+            "time)</h2><table id=\"stragglers\"><thead><tr><th>node</th><th>job</th><th>rank</th>"
+            "<th>step time</th><th>job median</th><th>ratio</th></tr></thead>"
+            f"<tbody>{rows}</tbody></table>")
+    if a.hung_jobs:
+        rows = "".join(
+            f"<tr class=\"hung{' origin' if n.origin else ''}\" data-job=\"{esc(j.job)}\" "
+            f"data-node=\"{esc(n.node)}\"><td>{esc(j.job)}</td><td>{esc(n.node)}</td>"
+            f"<td>{esc(', '.join(n.ranks))}</td><td>{esc(', '.join(n.origin))}</td></tr>"
+            for j in a.hung_jobs for n in j.nodes)
+        parts.append("<h2>Hung jobs</h2><table id=\"hung-jobs\"><thead><tr><th>job</th>"
+                     "<th>node</th><th>hung ranks</th><th>likely origin</th></tr></thead>"
+                     f"<tbody>{rows}</tbody></table>")
+    return "\n".join(parts)
+
+
 def render_fleet_html(analysis: FleetAnalysis) -> str:
     plotter = Plotter()
     a = analysis
@@ -83,7 +109,7 @@ def render_fleet_html(analysis: FleetAnalysis) -> str:
     unreadable = "".join(f"<li>{esc(err)}</li>" for _, err in a.unreadable)
     body = "\n".join([
         "<h1>node-agent fleet</h1>", head,
-        "<h2>Suspects, worst first</h2>", table,
+        "<h2>Suspects, worst first</h2>", table, _training_html(a),
         (f"<h2>Parallel groups flagged as a whole</h2><ul id=\"groups\">{groups_html}</ul>"
          if groups_html else ""),
         "<h2>Distributions</h2><p class=\"meta\">Blue: fleet median; red dashes: the threshold; "

@@ -126,6 +126,7 @@ def test_metrics_and_healthz_answer_on_loopback(node, running):
     assert metric_value(text, "node_agent_health_level") == 0
     assert metric_value(text, "node_agent_gpu_temperature_celsius", gpu="3") is not None
     assert metric_value(text, "node_agent_check_status", check="nvml_health", status="pass") == 1
+    assert metric_value(text, "node_agent_training_hang_suspicions_total") == 0
     assert daemon.grade.level.name == "HEALTHY"
 
 
@@ -221,6 +222,55 @@ def test_sigterm_exits_zero_within_five_seconds(node):
     finally:
         proc.kill()
     assert code == 0
+
+
+FAKE_TRAINING_CHECK = """
+from pathlib import Path
+from node_agent.model import Status
+
+def run(ctx):
+    runs = Path(ctx.params["runs_file"])
+    n = int(runs.read_text()) + 1 if runs.exists() else 1
+    runs.write_text(str(n))
+    evidence = dict(pid=4711, rank=3, local_rank=3, world_size=8, job="slurm:4242", step=7,
+                    step_time_s=0.25, heartbeat_age_s=0.5 * n, gpus=[3], signals={},
+                    agreeing=[], likely_origin=None)
+    if n == 1:
+        return [ctx.result("job:slurm:4242/rank:3", "training_progress", Status.PASS, "steps",
+                           value=0.5, unit="s", **evidence)]
+    return [ctx.result("job:slurm:4242/rank:3", "training_hang", Status.FAIL, "no step",
+                       value=0.5 * n, unit="s", **dict(evidence, agreeing=["heartbeat"]))]
+"""
+
+
+def test_hung_training_process_is_exported_and_counted_once(node, running, monkeypatch,
+                                                              tmp_path):
+    """The contract of training_progress's results (docs/training_hangs.md), from a stand-in
+    check: stepping on the first run, hung on every later one -> one suspicion."""
+    (tmp_path / "fake_training_check.py").write_text(FAKE_TRAINING_CHECK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(checks.REGISTRY, "training_progress", "fake_training_check")
+    suite = dict(PERIODIC, checks=[*PERIODIC["checks"], {
+        "check": "training_progress", "every_s": 0.2, "timeout_s": 5,
+        "params": {"runs_file": str(tmp_path / "runs")}}])
+    node.suite.write_text(yaml.safe_dump(suite))
+    daemon = running()
+    base = f"http://127.0.0.1:{node.port}"
+    labels = {"job": "slurm:4242", "rank": "3", "pid": "4711"}
+
+    def hung_for_three_runs():
+        runs = daemon.snapshot().checks.get("training_progress")
+        text = get(base + "/metrics")[1]
+        return (runs and runs.runs >= 4
+                and metric_value(text, "node_agent_training_hang_suspected", **labels) == 1
+                and text)
+
+    text = wait_for(hung_for_three_runs, 30, interval_s=0.1)
+    assert text, get(base + "/metrics")[1]
+    assert metric_value(text, "node_agent_training_hang_suspicions_total") == 1, \
+        "hung across several runs of the check: one suspicion"
+    assert metric_value(text, "node_agent_training_step_time_seconds", **labels) == 0.25
+    assert metric_value(text, "node_agent_training_heartbeat_age_seconds", **labels) >= 2.0
 
 
 @pytest.fixture

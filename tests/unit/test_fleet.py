@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import yaml
 
 from node_agent import fleet
 from node_agent.fleet import analyse, analyse_figures, load_fleet_rules, load_topology
+from node_agent.model import Result, Status
 from node_agent.report import json_report
 from node_agent.report.synthetic import MINIMUM_TFLOPS, synthetic_report
 from node_agent.yamlfile import ConfigError
@@ -207,3 +209,158 @@ def test_render_text_lists_suspects_with_median_deviation_and_ratio(analysis):
     assert "suspects: " in text and "2 unreadable" in text
     line = next(ln for ln in text.splitlines() if "tflops_bf16" in ln and "node0041" in ln)
     assert "gpu:3" in line and "MADs" in line and "720" in line and "0.87" in line
+
+
+# -- training jobs across nodes: fleet stragglers and hung jobs ---------------------------------
+
+def progress(job: str, rank: int | None, pid: int, step_time: float | None,
+             metric: str = "training_progress", likely_origin: bool | None = None) -> Result:
+    """A per-process ``training_progress`` result in the shape of docs/training_hangs.md."""
+    status = {"training_progress": Status.PASS, "training_straggler": Status.WARN,
+              "training_hang": Status.FAIL}[metric]
+    hung = metric == "training_hang"
+    return Result(
+        "training_progress", f"job:{job}/rank:{rank}" if rank is not None else f"job:{job}/pid:{pid}",
+        metric, status, f"{metric} of rank {rank}", value=400.0 if hung else 1.2, unit="s",
+        evidence={"pid": pid, "rank": rank, "local_rank": rank, "world_size": 16, "job": job,
+                  "step": 1200, "step_time_s": step_time, "heartbeat_age_s": 400.0 if hung else 1.2,
+                  "gpus": [0 if rank is None else rank % 8],
+                  "signals": {"heartbeat": {"available": True, "hang": hung, "detail": "..."}},
+                  "agreeing": ["heartbeat"] if hung else [], "likely_origin": likely_origin})
+
+
+def write_training_fleet(directory: Path, per_node: dict[str, list[Result]]) -> None:
+    """One real report per node (synthetic figures plus the given training results)."""
+    for seed, (host, results) in enumerate(per_node.items()):
+        report = synthetic_report(host, seed=seed)
+        report.results.extend(results)
+        json_report.write(report, directory)
+
+
+def ranks(job: str, first: int | None, step_times: list[float], pid0: int = 100) -> list[Result]:
+    """Stepping ranks ``first``, ``first + 1``...; ``first`` None: ranks unknown (pid targets)."""
+    return [progress(job, None if first is None else first + i, pid0 + i, t)
+            for i, t in enumerate(step_times)]
+
+
+def test_rank_at_2_5x_its_jobs_median_on_another_node_is_a_fleet_straggler(tmp_path):
+    write_training_fleet(tmp_path, {
+        "nodeA": ranks("slurm:1234", 0, [1.0, 1.02, 0.98, 1.01]),
+        "nodeB": ranks("slurm:1234", 4, [0.99, 1.0, 2.5, 1.03])})
+    result = analyse([tmp_path], RULES)
+    assert [(s.node, s.job, s.rank, s.step_time_s) for s in result.stragglers] == [
+        ("nodeB", "slurm:1234", 6, 2.5)]
+    s = result.stragglers[0]
+    assert s.job_median_s == pytest.approx(1.0)
+    assert s.ratio == pytest.approx(2.5)
+    assert (s.ranks, s.nodes, result.jobs_compared) == (8, 2, 1)
+    line = next(ln for ln in fleet.render_text(result).splitlines() if ln.startswith("  nodeB"))
+    assert "slurm:1234" in line and "2.5 s" in line and "2.50x" in line
+    (entry,) = result.to_dict()["stragglers"]
+    assert (entry["node"], entry["rank"], entry["ratio"], entry["job_median_step_time_s"]) == \
+        ("nodeB", 6, 2.5, 1.0)
+
+
+def test_one_rank_per_node_is_compared_with_the_other_nodes_rank(tmp_path):
+    """No peers on its own node (the node's check cannot see it): the fleet can."""
+    write_training_fleet(tmp_path, {"nodeA": ranks("torchelastic:abc", 0, [0.4]),
+                                    "nodeB": ranks("torchelastic:abc", 1, [1.0])})
+    result = analyse([tmp_path], RULES)
+    assert [(s.node, s.rank, round(s.ratio, 2)) for s in result.stragglers] == [("nodeB", 1, 2.5)]
+
+
+def test_uniform_job_across_nodes_has_no_straggler_and_exits_0(tmp_path):
+    write_training_fleet(tmp_path, {"nodeA": ranks("slurm:1", 0, [1.0, 1.1, 0.95, 1.05]),
+                                    "nodeB": ranks("slurm:1", 4, [1.02, 0.97, 1.08, 1.0])})
+    out = io.StringIO()
+    assert fleet.run([str(tmp_path)], REPO / "graders", out=out) == fleet.EXIT_NO_SUSPECTS
+    result = analyse([tmp_path], RULES)
+    assert result.stragglers == [] and result.jobs_compared == 1
+    assert "no fleet stragglers" in out.getvalue()
+
+
+def test_job_on_one_node_only_is_not_compared_across_the_fleet(tmp_path):
+    write_training_fleet(tmp_path, {
+        "nodeA": ranks("slurm:1", 0, [1.0, 1.0, 3.0]),  # the node's own check judges these
+        "nodeB": ranks("slurm:2", 0, [0.2, 0.2]),
+        # a launcher pid names a job on its own node only, even when the numbers match
+        "nodeC": ranks("ppid:77", None, [1.0]), "nodeD": ranks("ppid:77", None, [3.0])})
+    result = analyse([tmp_path], RULES)
+    assert result.stragglers == [] and result.jobs_compared == 0
+
+
+def test_a_hung_ranks_step_time_is_not_compared(tmp_path):
+    write_training_fleet(tmp_path, {
+        "nodeA": ranks("slurm:5", 0, [1.0, 1.0]),
+        "nodeB": [progress("slurm:5", 2, 300, 1.0),
+                  progress("slurm:5", 3, 301, 5.0, metric="training_hang")]})
+    assert analyse([tmp_path], RULES).stragglers == []
+
+
+def test_local_straggler_reporting_progress_too_counts_once(tmp_path):
+    """training_progress reports a straggling rank twice (straggler and progress): one rank."""
+    write_training_fleet(tmp_path, {
+        "nodeA": ranks("slurm:9", 0, [1.0, 1.0]),
+        "nodeB": [progress("slurm:9", 2, 200, 1.0),
+                  progress("slurm:9", 3, 201, 2.4, metric="training_straggler"),
+                  progress("slurm:9", 3, 201, 2.4)]})
+    result = analyse([tmp_path], RULES)
+    assert [(s.node, s.rank, s.ranks) for s in result.stragglers] == [("nodeB", 3, 4)]
+
+
+def test_job_wide_hang_is_grouped_by_job_and_names_the_origin_node(tmp_path):
+    write_training_fleet(tmp_path, {
+        "nodeA": [progress("slurm:77", 0, 10, 1.0, "training_hang", likely_origin=False),
+                  progress("slurm:77", 1, 11, 1.0, "training_hang", likely_origin=False)],
+        "nodeB": [progress("slurm:77", 8, 20, 1.0, "training_hang", likely_origin=False),
+                  progress("slurm:77", 9, 21, 1.0, "training_hang", likely_origin=True)],
+        "nodeC": ranks("slurm:78", 0, [1.0]) + [
+            progress("slurm:78", 1, 31, 1.0, "training_hang", likely_origin=None)]})
+    result = analyse([tmp_path], RULES)
+    by_job = {j.job: j for j in result.hung_jobs}
+    assert set(by_job) == {"slurm:77", "slurm:78"}
+    hang = by_job["slurm:77"]
+    assert hang.origin_nodes == ["nodeB"]
+    assert [(n.node, n.ranks, n.origin) for n in hang.nodes] == [
+        ("nodeB", ["8", "9"], ["9"]), ("nodeA", ["0", "1"], [])], "origin node first"
+    assert by_job["slurm:78"].origin_nodes == []
+    text = fleet.render_text(result)
+    assert "hung job slurm:77: 4 rank(s) on 2 node(s); likely origin: nodeB" in text
+    assert "  nodeB: rank 8, 9 (likely origin: rank 9)" in text
+    data = next(j for j in result.to_dict()["hung_jobs"] if j["job"] == "slurm:77")
+    assert data["origin_nodes"] == ["nodeB"] and data["hung_ranks"] == 4
+    assert fleet.run([str(tmp_path)], REPO / "graders", out=io.StringIO()) == \
+        fleet.EXIT_SUSPECTS, "a hung job is something to act on"
+
+
+def test_evidence_cut_keeps_training_progress_evidence_only(tmp_path):
+    report = synthetic_report("n1", seed=5, trace_points=30)
+    report.results.append(progress("slurm:1", 0, 10, 0.5, "training_hang", likely_origin=True))
+    text = json_report.dumps(report)
+    full = json.loads(text)
+    cut = json.loads(fleet._without_evidence(text, keep="training_progress"))
+    assert [r if r["check"] == "training_progress" else {**r, "evidence": {}}
+            for r in full["results"]] == cut["results"]
+    assert cut["results"][-1]["evidence"]["likely_origin"] is True
+
+
+def test_fleet_html_lists_stragglers_and_hung_jobs(tmp_path):
+    pytest.importorskip("matplotlib")
+    from node_agent.report.fleet_html import render_fleet_html
+
+    write_training_fleet(tmp_path, {
+        "nodeA": ranks("slurm:1", 0, [1.0]) + [
+            progress("slurm:2", 0, 50, 1.0, "training_hang", likely_origin=True)],
+        "nodeB": ranks("slurm:1", 1, [2.5])})
+    page = render_fleet_html(analyse([tmp_path], RULES))
+    assert 'class="straggler" data-node="nodeB" data-job="slurm:1"' in page
+    assert 'class="hung origin" data-job="slurm:2" data-node="nodeA"' in page
+
+
+def test_training_thresholds_are_read_from_fleet_yaml(tmp_path):
+    assert (RULES.straggler_ratio, RULES.straggler_min_nodes) == (2.0, 2)
+    (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(
+        {"thresholds": {"deviation_mads": 3.5, "relative_floor": 0.02, "min_samples": 8},
+         "units": {}, "training": {"straggler_ratio": 1.5, "min_nodes": 3}}))
+    rules = load_fleet_rules(tmp_path)
+    assert (rules.straggler_ratio, rules.straggler_min_nodes) == (1.5, 3)

@@ -1,0 +1,129 @@
+"""The daemon's training metrics, rendered through a real Prometheus registry (node_agent.metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from node_agent.metrics import MAX_LABEL_CHARS, DaemonCollector, HangTracker, Snapshot
+from node_agent.model import Level, Result, Status
+
+
+def training(metric: str, status: Status, *, pid: int, rank: int | None = 0,
+             job: str = "slurm:1234", age: float | None = 1.5,
+             step_time: float | None = 0.4, **extra) -> Result:
+    """A per-process ``training_progress`` result in the shape of docs/training_hangs.md."""
+    target = f"job:{job}/rank:{rank}" if rank is not None else f"job:{job}/pid:{pid}"
+    value = {"training_progress": age, "training_hang": age,
+             "training_straggler": 2.5}[metric]
+    return Result("training_progress", target, metric, status, f"{metric} of pid {pid}",
+                  value=value, unit="x" if metric == "training_straggler" else "s",
+                  evidence={"pid": pid, "rank": rank, "local_rank": rank, "world_size": 16,
+                            "job": job, "step": 120, "step_time_s": step_time,
+                            "heartbeat_age_s": age, "gpus": [0], "signals": {},
+                            "agreeing": ["heartbeat"] if metric == "training_hang" else [],
+                            "likely_origin": None, **extra})
+
+
+def scrape(results: list[Result], hang_suspicions: int = 0) -> dict[str, list]:
+    """name -> samples, from ``generate_latest`` of a fresh registry, parsed back."""
+    snap = Snapshot(hostname="n1", level=Level.HEALTHY, checks={}, results=results,
+                    gpu_uuids={}, xid_counts={}, hang_suspicions=hang_suspicions)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DaemonCollector(lambda: snap))
+    text = generate_latest(registry).decode()
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append(sample)
+    return out
+
+
+def by_pid(samples) -> dict[str, float]:
+    return {s.labels["pid"]: s.value for s in samples}
+
+
+def test_training_gauges_carry_job_rank_pid_and_the_heartbeat_figures():
+    m = scrape([training("training_progress", Status.PASS, pid=11, rank=0, age=2.0,
+                         step_time=0.5),
+                training("training_hang", Status.FAIL, pid=12, rank=1, age=400.0,
+                         step_time=0.5)])
+    ages = m["node_agent_training_heartbeat_age_seconds"]
+    assert {(s.labels["job"], s.labels["rank"], s.labels["pid"], s.labels["hostname"], s.value)
+            for s in ages} == {("slurm:1234", "0", "11", "n1", 2.0),
+                               ("slurm:1234", "1", "12", "n1", 400.0)}
+    assert by_pid(m["node_agent_training_hang_suspected"]) == {"11": 0.0, "12": 1.0}
+    assert by_pid(m["node_agent_training_step_time_seconds"]) == {"11": 0.5, "12": 0.5}
+
+
+def test_straggler_is_not_a_hang_and_its_progress_result_is_the_same_series():
+    m = scrape([training("training_straggler", Status.WARN, pid=21, step_time=1.2),
+                training("training_progress", Status.PASS, pid=21, step_time=1.2)])
+    assert [(s.labels["pid"], s.value) for s in m["node_agent_training_hang_suspected"]] == \
+        [("21", 0.0)], "one series per process, never a duplicate sample"
+    assert by_pid(m["node_agent_training_step_time_seconds"]) == {"21": 1.2}
+
+
+def test_process_without_heartbeat_has_no_age_or_step_time_and_an_empty_rank():
+    m = scrape([training("training_progress", Status.PASS, pid=31, rank=None, age=None,
+                         step_time=None, job="ppid:77")])
+    assert "node_agent_training_heartbeat_age_seconds" not in m
+    assert "node_agent_training_step_time_seconds" not in m
+    (sample,) = m["node_agent_training_hang_suspected"]
+    assert sample.labels == {"hostname": "n1", "job": "ppid:77", "rank": "", "pid": "31"}
+
+
+def test_discovery_problems_and_other_checks_make_no_training_series():
+    m = scrape([Result("training_progress", "node", "training_discovery", Status.WARN,
+                       "cannot list processes"),
+                Result("nvml_health", "gpu:0", "training_hang", Status.FAIL, "not ours",
+                       evidence={"pid": 1})])
+    assert "node_agent_training_hang_suspected" not in m
+
+
+def test_untrusted_job_label_is_cut_and_escaped():
+    job = 'pod:ns/' + '"\\\n' * 10 + "x" * 500
+    m = scrape([training("training_hang", Status.FAIL, pid=41, job=job)])
+    (sample,) = m["node_agent_training_hang_suspected"]
+    assert sample.labels["job"] == job[:MAX_LABEL_CHARS], "escaped on the wire, parsed back"
+    assert len(sample.labels["job"]) == MAX_LABEL_CHARS
+
+
+def test_hang_suspicions_counter_is_exported_even_at_zero():
+    assert [s.value for s in scrape([])["node_agent_training_hang_suspicions_total"]] == [0.0]
+    assert [s.value for s in scrape([], hang_suspicions=3)[
+        "node_agent_training_hang_suspicions_total"]] == [3.0]
+
+
+def test_hang_tracker_counts_a_process_once_while_it_stays_hung():
+    t = HangTracker()
+    stepping = [training("training_progress", Status.PASS, pid=1),
+                training("training_progress", Status.PASS, pid=2, rank=1)]
+    hung = [training("training_hang", Status.FAIL, pid=1),
+            training("training_progress", Status.PASS, pid=2, rank=1)]
+    t.update("training_progress", stepping)
+    assert t.total == 0
+    t.update("training_progress", hung)
+    t.update("training_progress", hung)
+    assert t.total == 1, "still hung on the next run: the same suspicion"
+    t.update("training_progress", stepping)
+    t.update("training_progress", hung)
+    assert t.total == 2, "recovered, then hung again: a new suspicion"
+
+
+def test_hang_tracker_counts_each_hung_process_and_ignores_broken_runs_and_other_checks():
+    t = HangTracker()
+    both = [training("training_hang", Status.FAIL, pid=1),
+            training("training_hang", Status.FAIL, pid=2, rank=1)]
+    t.update("training_progress", both)
+    assert t.total == 2
+    t.update("training_progress", [Result("training_progress", "node", "crashed",
+                                          Status.ERROR, "timed out")])
+    t.update("training_progress", both)
+    assert t.total == 2, "a run that could not complete is no news about the processes"
+    t.update("xid", [])
+    t.update("training_progress", both)
+    assert t.total == 2
+    same_pid_other_job = [training("training_hang", Status.FAIL, pid=1, job="slurm:99")]
+    t.update("training_progress", same_pid_other_job)
+    assert t.total == 3
