@@ -7,7 +7,8 @@ they write no heartbeats and NVML does not list them: the operator names them).
 
 A one-shot has no earlier run to compare with, so the hold time that processes without
 heartbeats need across daemon runs (``confirm_s``) is not applied: the stack samples taken now
-(``--samples``, ``--interval``) are the only window. Exit codes follow the contract: 0 no hang
+(``--samples``, ``--interval``) are the only window, and every process's stack is sampled
+and shown, suspect or not. Exit codes follow the contract: 0 no hang
 (stragglers are WARN), 3 a hang is suspected (ERROR), 2 usage errors.
 
 ``cli.py`` only wires the sub-command to :func:`add_parser` and :func:`run`.
@@ -53,6 +54,7 @@ def build_suite(config: Config, suites_dir: Any, pids: list[int] | None,
         base = None  # an operator's suites dir without a periodic suite: the check's defaults
     params: dict[str, Any] = dict(base.params) if base else {}
     params["confirm_s"] = 0.0
+    params["sample_all"] = True  # an operator asking wants every stack, suspect or not
     if pids:
         params["pids"] = pids
     if samples is not None:

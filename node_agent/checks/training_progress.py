@@ -21,7 +21,8 @@ writes the job's full evidence to ``<state_dir>/hang/evidence/``.
 
 Params: the :class:`~node_agent.hang_verdict.Thresholds` fields, ``stack_samples`` (3),
 ``stack_interval_s`` (1), ``log_silence_s`` (60), ``log_file`` (for processes that name
-none), ``stale_file_s`` (86400), ``spool_dir``, ``py_spy``, ``sysfs_root`` (RDMA), ``pids``.
+none), ``stale_file_s`` (86400), ``spool_dir``, ``py_spy``, ``sysfs_root`` (RDMA), ``pids``,
+``sample_all`` (false: sample stacks of every process, as ``hang-check`` does).
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def run(ctx: CheckContext) -> list[Result]:
         out.append(ctx.result("node", "training_state", Status.WARN, state.problem))
     signals = _cheap_signals(ctx, procs, devices, now, th)
     suspect_jobs = {pr.job for pr in procs if any(s.hang for s in signals[pr.pid].values())}
-    _sample(ctx, [pr for pr in procs if pr.job in suspect_jobs], signals, start)
+    sample_all = bool(p.get("sample_all"))
+    _sample(ctx, [pr for pr in procs if sample_all or pr.job in suspect_jobs], signals, start)
 
     keys = {pr.pid: process_key(pr.pid, pr.start_ticks) for pr in procs}
     state.keep_only(set(keys.values()))

@@ -1,0 +1,128 @@
+"""``node-agent hang-check`` and hang perception of processes that write no heartbeats.
+
+The processes are real (Python children of the test, sampled with the real py-spy when the
+venv has it and ptrace is allowed). The GPUs are simulated: no GPU exists on CI, so NVML's
+compute-process list and the spinning-kernel readings come from a scenario (``--simulate``)
+that names the real children's pids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from node_agent.stack_sampling import find_py_spy
+
+HUNG = "import time\ndef wait_for_peer():\n    time.sleep(600)\nwait_for_peer()\n"
+
+
+def _start(env: dict[str, str]) -> subprocess.Popen:
+    child = subprocess.Popen([sys.executable, "-c", HUNG], env={**os.environ, **env})
+    time.sleep(0.5)  # the interpreter is up and inside wait_for_peer
+    return child
+
+
+@contextlib.contextmanager
+def _children(*envs):
+    procs = [_start(e) for e in envs]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def _py_spy_works(pid: int) -> bool:
+    py_spy = find_py_spy()
+    if py_spy is None:
+        return False
+    done = subprocess.run([py_spy, "dump", "--pid", str(pid)], capture_output=True, timeout=30)
+    return done.returncode == 0
+
+
+def test_hang_check_pid_shows_the_stack_and_exits_0_when_one_signal_says_stuck(agent, tmp_path):
+    with _children({"RANK": "3", "SLURM_JOB_ID": "4242"}) as (child,):
+        run = agent("hang-check", "--pid", str(child.pid), "--samples", "2", "--interval",
+                    "0.2", "--json")
+        assert run.code == 0, run.stderr
+        (result,) = run.json()["results"]
+        assert result["target"] == "job:slurm:4242/rank:3"
+        assert result["metric"] == "training_progress" and result["status"] == "pass"
+        stack = result["evidence"]["signals"]["stack"]
+        if _py_spy_works(child.pid):
+            assert stack["available"] and stack["identical"]
+            assert "wait_for_peer" in stack["stuck_in"]
+            assert "1 of 1 available signal(s)" in result["detail"]
+        else:
+            assert not stack["available"] and stack["detail"]
+
+
+def test_hang_check_rejects_a_bad_pid_with_a_usage_error(agent):
+    run = agent("hang-check", "--pid", "-5")
+    assert run.code == 2 and "--pid -5" in run.stderr
+
+
+def test_hang_check_on_a_pid_that_is_not_running_says_so(agent):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    run = agent("hang-check", "--pid", str(gone.pid), "--json")
+    assert run.code == 0, run.stderr
+    details = " ".join(r["detail"] for r in run.json()["results"])
+    assert str(gone.pid) in details and "not running" in details
+
+
+def _scenario(tmp_path: Path, pids_on_gpu: dict[int, int], spinning: list[int]) -> str:
+    path = tmp_path / "scenario.yaml"
+    path.write_text(yaml.safe_dump({
+        "sku": "h100-sxm5-80gb", "gpus": 8,
+        "compute_processes": [{"gpu": g, "pid": pid} for pid, g in pids_on_gpu.items()],
+        "faults": [{"kind": "spin", "gpu": g} for g in spinning]}))
+    return str(path)
+
+
+def _suite(tmp_path: Path, **params) -> str:
+    path = tmp_path / "suite.yaml"
+    path.write_text(yaml.safe_dump({"name": "progress", "mode": "service", "checks": [
+        {"check": "training_progress", "timeout_s": 60,
+         "params": {"stack_samples": 2, "stack_interval_s": 0.2, **params}}]}))
+    return str(path)
+
+
+def test_gpu_process_without_heartbeats_spinning_and_still_is_hung_once_confirmed(
+        agent, tmp_path):
+    """NVML lists two ranks; gpu 0's kernel spins and its stack stands still across two runs
+    ``confirm_s`` apart: a hang. gpu 1 works normally: never hung."""
+    env = {"TORCHELASTIC_RUN_ID": "sim-job", "WORLD_SIZE": "2"}
+    with _children({**env, "RANK": "0"}, {**env, "RANK": "1"}) as (r0, r1):
+        if not _py_spy_works(r0.pid):
+            pytest.skip("py-spy is missing or may not ptrace here: the stack signal, which "
+                        "must agree with the GPU, cannot be read")
+        scenario = _scenario(tmp_path, {r0.pid: 0, r1.pid: 1}, spinning=[0])
+        suite = _suite(tmp_path, confirm_s=1)
+        first = agent("check", "--simulate", scenario, "--suite", suite, "--json")
+        assert first.code == 0, first.stderr
+        by_target = {r["target"]: r for r in first.json()["results"]}
+        r0_first = by_target["job:torchelastic:sim-job/rank:0"]
+        assert r0_first["metric"] == "training_progress"  # agreeing, not yet confirmed
+        assert set(r0_first["evidence"]["agreeing"]) == {"gpu_activity", "stack"}
+        assert r0_first["evidence"]["gpus"] == [0]
+        assert "must hold" in r0_first["detail"]
+        time.sleep(1.2)
+        second = agent("check", "--simulate", scenario, "--suite", suite, "--json")
+        assert second.code == 3, second.stderr
+        report = second.json()
+        hung = [r for r in report["results"] if r["metric"] == "training_hang"]
+        assert [r["target"] for r in hung] == ["job:torchelastic:sim-job/rank:0"]
+        assert hung[0]["evidence"]["signals"]["gpu_activity"]["hang"] is True
+        evidence = json.loads(Path(hung[0]["evidence"]["evidence_file"]).read_text())
+        assert {p["pid"] for p in evidence["processes"]} == {r0.pid, r1.pid}
+        assert report["grade"]["level"] == "ERROR"
