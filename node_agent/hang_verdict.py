@@ -126,13 +126,19 @@ class Straggler:
     step_time_s: float
     peers_median_s: float
     peers: int
+    basis: str = "step_time_s"   # or compute_time_s: the time before the step's collective
 
     @property
     def ratio(self) -> float:
         return self.step_time_s / self.peers_median_s
 
+    @property
+    def what(self) -> str:
+        return "compute time per step" if self.basis == "compute_time_s" else "step time"
 
-def stragglers(step_times: Mapping[int, float], ratio: float) -> list[Straggler]:
+
+def stragglers(step_times: Mapping[int, float], ratio: float,
+               basis: str = "step_time_s") -> list[Straggler]:
     """The pids of one job whose recent step time is at least ``ratio`` x their peers' median
     (each compared with the others, so one slow rank cannot raise its own bar)."""
     out = []
@@ -142,5 +148,5 @@ def stragglers(step_times: Mapping[int, float], ratio: float) -> list[Straggler]
             continue
         median = statistics.median(peers)
         if median > 0 and mine >= ratio * median:
-            out.append(Straggler(pid, mine, median, len(peers)))
+            out.append(Straggler(pid, mine, median, len(peers), basis))
     return out

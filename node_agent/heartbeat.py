@@ -126,6 +126,8 @@ class Heartbeat:
         self._written_step: int | None = None
         self._written_mono: float | None = None
         self._step_time_s: float | None = None
+        self._compute_sum, self._compute_n = 0.0, 0   # compute_s given since the last write
+        self._compute_time_s: float | None = None
         self._warned = False
         self._log_file = str(log_file) if log_file else os.environ.get("NODE_AGENT_TRAIN_LOG")
         self._pause: dict[str, Any] | None = None
@@ -136,8 +138,13 @@ class Heartbeat:
     def path(self) -> Path:
         return self.spool_dir / f"{os.getpid()}.json"
 
-    def beat(self, step: int | None = None) -> None:
+    def beat(self, step: int | None = None, compute_s: float | None = None) -> None:
         """Record that the loop reached ``step`` (default: the previous step + 1).
+
+        ``compute_s``: optional, this rank's own work in the step (seconds before it entered
+        the step's gradient collective). In a synchronous job every rank's *step* time is the
+        slowest rank's, because all wait in the all-reduce; only the time before the collective
+        shows which rank is slow, so the straggler comparison uses it when every rank gives it.
 
         Writes the heartbeat file when ``min_interval_s`` passed since the last write; never
         raises (a failure is logged once, counted in ``failures``, and retried at the next
@@ -146,6 +153,9 @@ class Heartbeat:
             now = self._clock()
             self._step = self._step + 1 if step is None else int(step)
             self._step_mono = now
+            if compute_s is not None:
+                self._compute_sum += float(compute_s)
+                self._compute_n += 1
             if self._written_mono is not None and now - self._written_mono < self.min_interval_s:
                 return
             self._write(now)
@@ -163,12 +173,16 @@ class Heartbeat:
             steps = self._step - self._written_step
             if steps > 0:  # mean step time over the steps since the previous write
                 self._step_time_s = (now - self._written_mono) / steps
+        if self._compute_n:
+            self._compute_time_s = self._compute_sum / self._compute_n
+            self._compute_sum, self._compute_n = 0.0, 0
         # the timestamp written is that of the last step, in wall time (another process reads it)
         record = {
             "schema": SCHEMA, "pid": os.getpid(), "start_ticks": self._start_ticks,
             "hostname": socket.gethostname(), **self._identity,
             "step": self._step, "step_at": self._wall() - (now - self._step_mono),
-            "step_time_s": self._step_time_s, "started_at": self._started_at,
+            "step_time_s": self._step_time_s, "compute_time_s": self._compute_time_s,
+            "started_at": self._started_at,
             "min_interval_s": self.min_interval_s, "log_file": self._log_file,
             "pause": self._pause,
         }

@@ -139,11 +139,11 @@ def run(ctx: CheckContext) -> list[Result]:
             s = slow[pr.pid]
             out.append(ctx.result(
                 targets[pr.pid], "training_straggler", Status.WARN,
-                f"{_who(pr)}: recent step time {s.step_time_s:.3f} s is {s.ratio:.1f}x the "
+                f"{_who(pr)}: recent {s.what} {s.step_time_s:.3f} s is {s.ratio:.1f}x the "
                 f"median of its {s.peers} peer(s) on this node ({s.peers_median_s:.3f} s; "
                 f"threshold {th.straggler_ratio:g}x, held for {th.straggler_for_s:g} s); it sets "
                 "the pace of the whole job", value=round(s.ratio, 2), unit="x",
-                peers_median_step_time_s=s.peers_median_s, **ev))
+                peers_median_s=s.peers_median_s, compared=s.basis, **ev))
         else:
             out.append(ctx.result(targets[pr.pid], "training_progress", Status.PASS,
                                   f"{_who(pr)}: {sig['heartbeat'].detail if age is not None else v.why}",
@@ -210,10 +210,12 @@ def _stragglers(jobs, verdicts, state: HangState, keys, now: float, th: Threshol
     """pid -> Straggler for ranks slow for at least ``straggler_for_s`` (kept in the state)."""
     out = {}
     for members in jobs.values():
-        times = {pr.pid: float(pr.heartbeat["step_time_s"]) for pr in members
-                 if not verdicts[pr.pid].hung and pr.heartbeat
-                 and pr.heartbeat.get("step_time_s") and not pr.heartbeat.get("pause")}
-        slow = {s.pid: s for s in stragglers(times, th.straggler_ratio)}
+        stepping = [pr for pr in members if not verdicts[pr.pid].hung and pr.heartbeat
+                    and pr.heartbeat.get("step_time_s") and not pr.heartbeat.get("pause")]
+        basis = ("compute_time_s" if stepping and all(pr.heartbeat.get("compute_time_s")
+                                                      for pr in stepping) else "step_time_s")
+        times = {pr.pid: float(pr.heartbeat[basis]) for pr in stepping}
+        slow = {s.pid: s for s in stragglers(times, th.straggler_ratio, basis)}
         for pr in members:
             mem = state.processes[keys[pr.pid]]
             if pr.pid not in slow:
@@ -263,7 +265,7 @@ def _evidence(pr: TrainingProcess, sig: dict[str, Signal], agreeing: Sequence[st
     beat = sig["heartbeat"]
     return {"pid": pr.pid, "rank": pr.rank, "local_rank": pr.local_rank,
             "world_size": pr.world_size, "job": pr.job, "step": hb.get("step"),
-            "step_time_s": hb.get("step_time_s"),
+            "step_time_s": hb.get("step_time_s"), "compute_time_s": hb.get("compute_time_s"),
             "heartbeat_age_s": beat.figures.get("age_s") if beat.available else None,
             "gpus": list(pr.gpus), "agreeing": list(agreeing), "likely_origin": origin,
             "signals": {name: sig[name].to_dict() for name in NAMES},

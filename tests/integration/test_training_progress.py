@@ -79,6 +79,28 @@ while True:
 JOB = "job:torchelastic:test-job"
 
 
+SYNC_WORKER = '''
+import os, sys, time
+import torch
+import torch.distributed as dist
+from node_agent.heartbeat import Heartbeat
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+work_s = 0.12 if rank == dist.get_world_size() - 1 else 0.03  # the last rank is 4x slower
+hb = Heartbeat(sys.argv[1], min_interval_s=0.2)
+t = torch.ones(1024)
+step = 0
+while True:
+    began = time.monotonic()
+    time.sleep(work_s)                       # this rank's forward and backward
+    compute_s = time.monotonic() - began
+    dist.all_reduce(t)                       # everyone waits for the slowest here
+    hb.beat(step, compute_s=compute_s)
+    step += 1
+'''
+
+
 def _suite(tmp_path: Path, **params) -> str:
     """A suite of training_progress alone; ``params`` override the check's defaults."""
     path = tmp_path / "progress-suite.yaml"
@@ -316,5 +338,32 @@ def test_gloo_allreduce_hang_is_reported_within_60_s_naming_the_stopped_rank_as_
         assert after.code == 0, after.stderr
         assert not _by_metric(after.json(), "training_hang")
         assert len(_by_metric(after.json(), "training_progress")) == 3
+    finally:
+        _stop(procs)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                    reason="torch is not installed: no gloo all-reduce to synchronise ranks")
+def test_straggler_in_a_synchronous_job_is_found_from_the_compute_time_before_the_collective(
+        agent, tmp_path):
+    """In a synchronous all-reduce job every rank's step time is the slowest rank's; the rank
+    that is slow shows only in the time it spends before the collective (``compute_s``)."""
+    spool = _spool(tmp_path)
+    port = str(_free_port())
+    procs = _start(tmp_path, SYNC_WORKER, [str(spool)],
+                   [{"RANK": str(r), "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+                     "MASTER_PORT": port} for r in range(3)])
+    try:
+        _wait_for_steps(spool, [p.pid for p in procs], 5, 120, procs)
+        seen = _poll(agent, _suite(tmp_path, **{**FAST, "straggler_for_s": 1}),
+                     lambda rep: _by_metric(rep, "training_straggler"))
+        code, report = seen[-1]
+        assert code == 0 and report["grade"]["level"] == "WARN"
+        (slow,) = _by_metric(report, "training_straggler")
+        assert slow["target"] == f"{JOB}/rank:2" and slow["evidence"]["compared"] == "compute_time_s"
+        assert slow["value"] >= 2 and "compute time per step" in slow["detail"]
+        step_times = [r["evidence"]["step_time_s"] for r in report["results"]]
+        assert max(step_times) < 1.5 * min(step_times)  # the step times alone show nothing
+        assert not [r for _, rep in seen for r in _by_metric(rep, "training_hang")]
     finally:
         _stop(procs)

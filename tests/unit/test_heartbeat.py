@@ -142,3 +142,15 @@ def test_the_log_file_comes_from_the_argument_or_the_environment(tmp_path, monke
     hb2 = Heartbeat(tmp_path / "b", log_file=tmp_path / "mine.log")
     hb2.beat(0)
     assert json.loads(hb2.path.read_text())["log_file"] == str(tmp_path / "mine.log")
+
+
+def test_compute_time_is_the_mean_of_compute_s_given_since_the_last_write(tmp_path):
+    clock = FakeClock()
+    hb = Heartbeat(tmp_path, min_interval_s=1.0, clock=clock)
+    hb.beat(0, compute_s=0.1)
+    assert json.loads(hb.path.read_text())["compute_time_s"] == 0.1
+    for step, compute in ((1, 0.25), (2, 0.75)):
+        clock.t += 0.5
+        hb.beat(step, compute_s=compute)
+    record = json.loads(hb.path.read_text())
+    assert record["compute_time_s"] == 0.5 and record["step_time_s"] == 0.5
