@@ -4,7 +4,10 @@ One thread owns the store (SQLite connections stay on the thread that opened the
 adapter; grade changes are queued to it, so a slow scheduler never delays the XID watch. Only
 the latest grade matters: when several changes queue up while an action runs, the thread acts
 on the newest. On start it completes, once, any action a crash left half done (the journal).
-All the guards of ``remediator.Remediator`` apply; the daemon adds none and skips none.
+All the guards of ``remediator.Remediator`` apply; the daemon adds none and skips none. A
+hung training job (``training-hang``, from the periodic ``training_progress`` check) is a
+``restart-job`` through the adapter like any other step; evidence before it includes the stacks
+of the GPU processes, as under ``check --act``.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class DaemonRemediation:
             store.close()
 
     def _act(self, store, item) -> None:
+        from . import evidence
         from .remediation import Safety
         from .remediation_cli import _boot_time, _resetter, _state_dir
         from .remediator import Remediator
@@ -86,7 +90,8 @@ class DaemonRemediation:
             store, self.adapter, self.node, Safety.from_config(self._config),
             state_dir=_state_dir(store), dry_run=bool(self._config.get("adapter.dry_run")),
             boot_time=time.time() if env.simulated else _boot_time(),
-            gpu_resetter=_resetter(env), retest=retest, kernel_log=env.kernel_log)
+            gpu_resetter=_resetter(env), retest=retest, kernel_log=env.kernel_log,
+            gpu_pids=None if env.simulated else evidence.gpu_pids)
         try:
             if item is None:
                 outcome = remediator.recover()

@@ -13,6 +13,10 @@ Per node (DESIGN.md, "Remediation and safety")::
   still there after ``safety.max_restarts`` restarts is escalated to FAULT.
 * HEALTHY/WARN never cause a drain; they resume a node only when the agent itself drained it
   for a restart and this is the passing re-test.
+* A hung training job (ERROR whose every ERROR-or-worse reason is a job rule, ``JOB_RULES``) is
+  not the node's fault: one ``restart-job`` step per hung job, through the scheduler, and the
+  node's state does not change. A hardware ERROR/FAULT beside it takes the node path instead
+  (a reboot or replacement ends the jobs anyway).
 
 The plan says *what* to do; :mod:`node_agent.remediator` executes it through the guards in
 :mod:`node_agent.guards` and journals each step before acting.
@@ -26,7 +30,7 @@ from typing import Any
 
 from .config import Config
 from .model import Grade, Level, Reason
-from .schedulers.base import sanitise_reason
+from .schedulers.base import MAX_JOB_LEN, sanitise_reason
 from .store import NodeRecord
 
 #: remediation states of a node
@@ -34,8 +38,14 @@ STATES = ("in-service", "drained", "restarting", "retest", "fault", "awaiting-re
 #: states in which the agent has drained the node for a restart and a passing re-test resumes it
 RESUMABLE_STATES = ("drained", "restarting", "retest")
 #: actions a plan step can take (the journal's ``action`` column)
-ACTIONS = ("drain", "gpu-reset", "restart", "retest", "resume", "replace")
+ACTIONS = ("drain", "gpu-reset", "restart", "retest", "resume", "replace", "restart-job")
+#: actions that take the node (or its GPUs) out of work: the rate limit of a drain counts them
 DISRUPTIVE = ("drain", "gpu-reset", "restart", "replace")
+#: actions before which evidence is collected: a job restart kills the hung processes, so their
+#: stacks are taken first
+EVIDENCE_ACTIONS = (*DISRUPTIVE, "restart-job")
+#: rules whose ERROR is about a training job, not the node: restart the job, leave the node be
+JOB_RULES = frozenset({"training-hang"})
 
 # Faults that a GPU reset clears, so a reboot is not needed. Sources: NVIDIA "GPU Memory Error
 # Management" (a pending row remap or page retirement takes effect after a GPU reset) and the
@@ -45,6 +55,9 @@ GPU_RESET_RULES = frozenset({"row-remap-pending", "retired-pages-pending", "reco
 _XID_IN_MESSAGE = re.compile(r"\[Xid (\d+)")
 _XID_NAME_IN_MESSAGE = re.compile(r"\[(Xid \d+: [^\]]*)\]")
 _GPU_TARGET = re.compile(r"^gpu:(\d+)$")
+# job:<job>/rank:<n> or job:<job>/pid:<n>; <job> may itself hold ':' and '/', so the match is
+# anchored at the end (docs/training_hangs.md)
+_JOB_TARGET = re.compile(r"^job:(?P<job>.+)/(?:rank|pid):\d+$")
 
 
 @dataclass(frozen=True)
@@ -78,6 +91,9 @@ class Step:
     attempt: int = 0  # restarts already counted for this fault code: part of the idempotency key
     restart_kind: str | None = None  # gpu-reset | reboot
     gpu_index: int | None = None
+    # restart-job: the job, as parsed from the finding's target (untrusted text, checked by
+    # the remediator before any adapter sees it); None when the target named no job
+    job: str | None = None
 
     def key(self, node: str) -> str:
         """Idempotency key (node, action, fault, attempt): the same step never runs twice."""
@@ -125,6 +141,16 @@ def gpu_reset_allowed(reason: Reason) -> bool:
     return not (reason.rule == "recovery-action" and "reboot" in reason.message.lower())
 
 
+def job_of(target: str | None) -> str | None:
+    """The job of a job finding's target, or None when the target is not one.
+
+    >>> job_of("job:pod:ml/trainer-0/rank:3")
+    'pod:ml/trainer-0'
+    """
+    match = _JOB_TARGET.match(target or "")
+    return match.group("job") if match else None
+
+
 def drain_reason(level: Level | str, code: str, target: str | None, note: str = "") -> str:
     """``node-agent: <LEVEL> <fault code> <target>[ <note>]``, sanitised and bounded."""
     name = level.name if isinstance(level, Level) else level
@@ -170,11 +196,17 @@ def plan(grade: Grade, record: NodeRecord, safety: Safety, *, now: float, boot_t
                              "with `node-agent act resume`")
         return Plan(note=f"{grade.level.name}: no action (never drain for WARN)")
 
+    serious = [r for r in grade.reasons if r.level >= Level.ERROR]
+    if grade.level == Level.ERROR and serious and all(r.rule in JOB_RULES for r in serious):
+        return _job_plan(serious, state)
+
     if state == "awaiting-replacement":
         return Plan(note=f"node is already {state} for {record.fault_code} "
                          f"{record.target}; nothing more to do until it is repaired")
 
-    worst = grade.reasons[0] if grade.reasons else Reason("ungraded", grade.level, "node", "")
+    # the node's own findings decide; a hung job beside them ends with the reboot/replacement
+    node_reasons = [r for r in grade.reasons if r.rule not in JOB_RULES] or list(grade.reasons)
+    worst = node_reasons[0] if node_reasons else Reason("ungraded", grade.level, "node", "")
     code, target = fault_code(worst), worst.target
     drained = state != "in-service"
     if state == "fault":  # drained for a FAULT, the replace request not yet done: finish it
@@ -210,6 +242,41 @@ def plan(grade: Grade, record: NodeRecord, safety: Safety, *, now: float, boot_t
         note = f"ERROR {code} on {target}: drain, reboot request, re-test after the reboot " \
                f"(restart {restarts + 1} of {safety.max_restarts})"
     return Plan(tuple(steps), note=note, fault_code=code, target=target)
+
+
+def _job_plan(reasons: list[Reason], state: str) -> Plan:
+    """One restart-job step per distinct hung job; the node's state does not change.
+
+    The job text is untrusted (a training process wrote it): the step keeps it as found for
+    the remediator to check (:func:`~node_agent.schedulers.base.check_job_id`) before any
+    adapter sees it; the reason is sanitised and the target escaped to printable ASCII.
+    """
+    by_job: dict[tuple[str | None, str], list[Reason]] = {}
+    for reason in reasons:
+        job = job_of(reason.target)
+        # a target that names no job stays apart, keyed by the target, and is refused later
+        by_job.setdefault((job, "" if job is not None else reason.target), []).append(reason)
+    steps = []
+    for (job, raw_target), found in by_job.items():
+        first = found[0]
+        where = ",".join(r.target.rsplit("/", 1)[-1] for r in found[:3]) + \
+            (f",+{len(found) - 3}" if len(found) > 3 else "")
+        target = _printable(f"job:{job}" if job is not None else raw_target)
+        text = f"ERROR {first.rule} job {job if job is not None else '?'} {where} " \
+               f"{short_message(first)}"
+        steps.append(Step("restart-job", sanitise_reason(text), None, fault_code=first.rule,
+                          target=target, job=job))
+    jobs = ", ".join(s.target or "?" for s in steps)
+    return Plan(tuple(steps), note=f"ERROR {reasons[0].rule}: restart {len(steps)} hung job(s) "
+                                  f"through the scheduler ({jobs[:300]}); the node is not "
+                                  f"drained and stays {state}",
+                fault_code=reasons[0].rule, target=steps[0].target)
+
+
+def _printable(text: str, max_len: int = MAX_JOB_LEN + 32) -> str:
+    """Untrusted text for the journal and ``status``: printable ASCII (escapes), bounded."""
+    escaped = text.encode("unicode_escape").decode("ascii")
+    return escaped if len(escaped) <= max_len else escaped[: max_len - 3] + "..."
 
 
 def _replace_plan(code: str, target: str, drained: bool, level: Level, note: str = "",

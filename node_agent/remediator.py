@@ -10,6 +10,12 @@ An adapter that raises (``AdapterError``, or anything else) or a GPU reset that 
 ``failed`` action with its message, never a crash; the row stays in the journal and the same
 step (same idempotency key) is retried by the next run.
 
+A ``restart-job`` step (a hung training job) goes through the same journal, dry run, failure
+handling and recovery, to ``adapter.restart_job``. Its job id is untrusted text: a step whose
+target named no job, or whose job id does not pass ``check_job_id``, is ``refused`` before any
+adapter call. Guards: opt-out, dedup (the key holds the job) and a rate limit between job
+restarts of different runs apply; the breaker and the blast radius do not (nothing is drained).
+
 Test-only hook: with ``NODE_AGENT_TEST_CRASH_AFTER_JOURNAL`` set to ``1`` (any action) or to an
 action name (``drain``, ``replace``...), the process SIGKILLs itself after the step is journaled
 ``started`` and before the adapter is called — the crash-recovery test uses it. It is read only
@@ -32,9 +38,19 @@ from . import evidence as _evidence
 from . import guards, proc
 from .kernel_log import KernelLog
 from .model import ActionRecord, Grade, Report
-from .remediation import DISRUPTIVE, Plan, Safety, Step, fault_code, operator_step, plan
+from .remediation import (
+    DISRUPTIVE,
+    EVIDENCE_ACTIONS,
+    JOB_RULES,
+    Plan,
+    Safety,
+    Step,
+    fault_code,
+    operator_step,
+    plan,
+)
 from .remediation import restart_window_start as _window_start
-from .schedulers.base import AdapterError, SchedulerAdapter
+from .schedulers.base import AdapterError, SchedulerAdapter, check_job_id
 from .store import JournalRow, NodeRecord, Store
 
 CRASH_ENV = "NODE_AGENT_TEST_CRASH_AFTER_JOURNAL"
@@ -108,12 +124,14 @@ class Remediator:
         self.kernel_log, self.gpu_pids, self.warn = kernel_log, gpu_pids, warn
         self._evidence_taken = False
         self._report: Report | None = None
+        self._run_started = float("-inf")  # job restarts since then are this run's own
 
     # -- entry points --------------------------------------------------------------------------
     def remediate(self, report: Report) -> Outcome:
         """Automatic remediation of a graded report (``accept``/``check --act``)."""
         out = self.recover()
         self._report = report
+        self._run_started = self.clock()
         self.store.record_run(self.node, self.clock(), report.suite, report.mode,
                               report.grade.level.name,
                               [r.to_dict() for r in report.grade.reasons])
@@ -157,9 +175,10 @@ class Remediator:
         now = self.clock()
         record = self.store.node_record(self.node)
         since = _window_start(record, self.safety, now)
+        # job restarts are not node restarts: they never count towards the node's escalation
         counts = {code: self.store.count_done(self.node, ("restart", "gpu-reset"), since,
                                               fault_code=code)
-                  for code in {fault_code(r) for r in grade.reasons}}
+                  for code in {fault_code(r) for r in grade.reasons if r.rule not in JOB_RULES}}
         return plan(grade, record, self.safety, now=now, boot_time=self.boot_time,
                     restart_counts=counts, gpu_reset_available=self.gpu_resetter is not None,
                     gpu_reset_tried=gpu_reset_tried)
@@ -248,6 +267,8 @@ class Remediator:
         refusal = guards.opt_out(self.safety.opt_out, self.store.opted_out(self.node), self.node)
         if refusal:
             return refusal
+        if step.action == "restart-job":
+            return self._job_guard(step, now)
         br = self.store.breaker()
         drains = 0
         if step.action == "drain" and not br.open:
@@ -274,6 +295,31 @@ class Remediator:
                     f"adapter ({type(err).__name__}: {err}); not draining blind")
         return guards.blast_radius(nodes, self.node, self.safety.max_drained_fraction)
 
+    def _job_guard(self, step: Step, now: float) -> str | None:
+        """A job restart: the job id must be one the agent accepts, and a rate limit between
+        job restarts of different runs (a detector that flaps, or heartbeat files naming many
+        jobs, cannot requeue jobs faster than one batch per ``safety.min_action_interval_s``).
+        The breaker and the blast radius guard drains; a job restart drains nothing."""
+        if step.job is None:
+            return (f"{step.fault_code} finding on target {step.target!r} names no job "
+                    "(expected job:<job>/rank:<n> or job:<job>/pid:<n>); no job restarted, "
+                    "the node is not drained")
+        try:
+            check_job_id(step.job)
+        except AdapterError as err:
+            return f"{err}; no job restarted, the node is not drained"
+        same = self.store.journal_by_key(step.key(self.node))
+        if same is not None and same.state == "done" and \
+                now - same.updated_at < self.safety.dedup_window_s:
+            return None  # this very job again: dedup says so, quietly (not a refusal)
+        last = self.store.last_done_at(self.node, ("restart-job",))
+        if last is not None and last < self._run_started and \
+                now - last < self.safety.min_action_interval_s:
+            return (f"rate limit: a job on this node was restarted {now - last:.0f} s ago, less "
+                    f"than safety.min_action_interval_s={self.safety.min_action_interval_s:g}; "
+                    "the next run restarts this job if it still hangs")
+        return None
+
     def _perform(self, row: JournalRow) -> tuple[str, str]:
         """Call the adapter (or the GPU resetter) for one started row: (outcome, detail)."""
         try:
@@ -292,6 +338,9 @@ class Remediator:
                     return "failed", "no GPU reset available in this command; the next run re-plans"
                 index = int((row.target or "gpu:-1").split(":")[1])
                 return "done", self.gpu_resetter.reset(index)
+            if row.action == "restart-job":
+                job = (row.target or "").removeprefix("job:")
+                return "done", self.adapter.restart_job(self.node, job, row.reason)
             call = {"drain": self.adapter.drain, "resume": self.adapter.resume,
                     "restart": self.adapter.restart, "replace": self.adapter.replace}[row.action]
             return "done", call(self.node, row.reason)
@@ -357,7 +406,7 @@ class Remediator:
         self._finish(row, outcome, f"recovered journal #{row.id}: {detail}", out, row.trigger)
 
     def _take_evidence(self, action: str, now: float) -> str | None:
-        if action not in DISRUPTIVE or self._evidence_taken or self.state_dir is None:
+        if action not in EVIDENCE_ACTIONS or self._evidence_taken or self.state_dir is None:
             return None
         self._evidence_taken = True
         if self.gpu_pids is not None:

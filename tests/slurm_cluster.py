@@ -17,6 +17,10 @@ documented behaviour for that case (see docs/schedulers.md) is what the tests ex
 
 Client commands find the cluster through ``SLURM_CONF``: use :meth:`SlurmCluster.env` or
 :meth:`SlurmCluster.run`. Teardown kills exactly the PIDs started here.
+
+Batch jobs run for real on the one node (``sbatch`` as root, ``CPUs=1``: one job at a time;
+:meth:`SlurmCluster.submit`, :meth:`SlurmCluster.show_job`); :func:`reset_cluster` cancels
+every job a test left behind, so a requeued job cannot start again during a later test.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PACKAGES = ("munge", "slurmctld", "slurmd", "slurm-client")
-PROGRAMS = ("munged", "slurmctld", "slurmd", "scontrol", "sinfo")
+PROGRAMS = ("munged", "slurmctld", "slurmd", "scontrol", "sinfo", "squeue", "sbatch", "scancel")
 NODE = "na-node1"
 FAKE_NODES = ("na-fake1", "na-fake2", "na-fake3")
 PARTITION = "gpu"
@@ -110,6 +114,42 @@ class SlurmCluster:
         """``scontrol show node -o NODE`` as a dict of its Key=Value fields."""
         out = self.run("scontrol", "show", "node", "-o", node or self.node).stdout
         return parse_fields(out.strip())
+
+    def submit(self, *sbatch_args: str, wrap: str = "sleep 300") -> str:
+        """``sbatch --parsable ... --wrap WRAP``; returns the job id. Output goes nowhere.
+
+        Waits first for the node to be plain ``IDLE``: a RESUME (an earlier test's drain undone
+        by reset_cluster) makes slurmctld mark the node ``IDLE+NOT_RESPONDING`` (``idle*``) until
+        it has pinged it again, which takes up to ~11 s here; a job submitted meanwhile stays
+        PENDING ("Nodes required for job are DOWN, DRAINED ...") until the main scheduler's
+        next periodic pass (measured: more than 30 s) instead of starting within ~3 s.
+        """
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while self.show_node().get("State") != "IDLE":
+            if time.monotonic() > deadline:
+                raise AssertionError(f"node {self.node} not IDLE and responding: "
+                                     f"{self.show_node()}\n{self.logs()}")
+            time.sleep(0.2)
+        out = self.run("sbatch", "--parsable", "--output=/dev/null", f"--chdir={self.root}",
+                       *sbatch_args, "--wrap", wrap).stdout.strip()
+        return out.split(";")[0]
+
+    def show_job(self, job_id: str) -> dict[str, str]:
+        """``scontrol show job -o JOB`` as a dict (Reason= is mid-line for jobs, not last)."""
+        out = self.run("scontrol", "show", "job", "-o", job_id).stdout.strip()
+        return {m.group(1): m.group(2).strip() for m in _FIELD_RE.finditer(out)}
+
+    def wait_job(self, job_id: str, state: str, timeout_s: float = 30.0) -> dict[str, str]:
+        """Wait until the job is in ``state`` (e.g. RUNNING); returns its fields."""
+        deadline = time.monotonic() + timeout_s
+        fields: dict[str, str] = {}
+        while time.monotonic() < deadline:
+            fields = self.show_job(job_id)
+            if fields.get("JobState") == state:
+                return fields
+            time.sleep(0.2)
+        raise AssertionError(f"job {job_id} not {state} after {timeout_s:.0f} s: {fields}\n"
+                             f"{self.logs()}")
 
     def sinfo_reasons(self) -> str:
         """``sinfo -R`` as printed: the drained/down nodes with their reasons."""
@@ -261,7 +301,15 @@ def start_cluster(root: Path, reboot_program: str | None = None) -> SlurmCluster
 
 
 def reset_cluster(cluster: SlurmCluster) -> None:
-    """Undo what a test did: resume every drained/failed node, cancel reboot requests."""
+    """Undo what a test did: cancel every job, resume every drained/failed node, cancel reboot
+    requests."""
+    jobs = cluster.run("squeue", "--noheader", "--format=%A", check=False).stdout.split()
+    if jobs:
+        cluster.run("scancel", *jobs, check=False)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and cluster.run(
+                "squeue", "--noheader", "--format=%A", check=False).stdout.strip():
+            time.sleep(0.2)
     for line in cluster.run("scontrol", "show", "node", "-o").stdout.splitlines():
         fields = parse_fields(line.partition(" Reason=")[0])
         name, state = fields.get("NodeName"), fields.get("State", "")

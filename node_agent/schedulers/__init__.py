@@ -1,4 +1,5 @@
-"""Scheduler adapters: how a grade becomes a drain/resume/restart/replace on the cluster.
+"""Scheduler adapters: how a grade becomes a drain/resume/restart/replace on the cluster, and
+a hung training job a restart of that job (``restart_job``).
 
 ``open_adapter(config)`` returns the adapter named by ``adapter.name`` (or ``name``).
 """
@@ -8,10 +9,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .base import (
+    JOB_KINDS,
     REASON_PREFIX,
     AdapterError,
+    JobKind,
     NodeState,
     SchedulerAdapter,
+    check_job_id,
     check_node_name,
     is_agent_reason,
     sanitise_reason,
@@ -46,6 +50,7 @@ def open_adapter(config: Config, name: str | None = None) -> SchedulerAdapter:
 
 
 __all__ = [
-    "ADAPTER_NAMES", "REASON_PREFIX", "AdapterError", "NodeState", "SchedulerAdapter",
-    "check_node_name", "is_agent_reason", "open_adapter", "sanitise_reason",
+    "ADAPTER_NAMES", "JOB_KINDS", "REASON_PREFIX", "AdapterError", "JobKind", "NodeState",
+    "SchedulerAdapter", "check_job_id", "check_node_name", "is_agent_reason", "open_adapter",
+    "sanitise_reason",
 ]

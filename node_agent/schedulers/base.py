@@ -4,11 +4,16 @@ Every adapter (``log``, ``slurm``, ``kubernetes``, ``webhook``) implements
 :class:`SchedulerAdapter`. An adapter that the scheduler refuses, or that cannot reach it,
 raises :class:`AdapterError` whose message carries the scheduler's own words (stderr, HTTP
 body), so the journal records why an action failed and the agent itself never crashes.
+
+Job ids (``restart_job``) come from training processes' environments and heartbeat files,
+which training users write: they are untrusted text. :func:`check_job_id` is the one
+validator; each adapter passes the job kinds it can restart (:class:`JobKind`).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -16,6 +21,15 @@ REASON_PREFIX = "node-agent:"  # every drain reason the agent writes starts with
 MAX_REASON_LEN = 200  # Slurm keeps long reasons, but sinfo -R and humans read the first line
 _NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _NODE_MAX_LEN = 63
+#: the job kinds node_agent.heartbeat writes (docs/training_hangs.md): slurm:$SLURM_JOB_ID,
+#: torchelastic:$TORCHELASTIC_RUN_ID, pod:<name> or pod:<namespace>/<name>, ppid:<launcher pid>
+JOB_KINDS = ("slurm", "torchelastic", "pod", "ppid")
+#: prefix training_progress gives a job it cannot vouch for (TrainingProcess.job_verified)
+UNVERIFIED = "unverified:"
+MAX_JOB_LEN = 256  # a pod:<namespace>/<name> is at most 63 + 1 + 253 after the prefix
+# A job id any adapter may see: a known kind, then letters, digits and ._:/@+- only (no
+# spaces, quotes, shell or scontrol metacharacters, no "="), starting with a letter or digit.
+_JOB_RE = re.compile(r"^(?P<kind>[a-z]+):(?P<id>[A-Za-z0-9][A-Za-z0-9._:/@+-]*)$")
 
 
 @dataclass(frozen=True)
@@ -50,6 +64,67 @@ class SchedulerAdapter(Protocol):
     def replace(self, node: str, reason: str) -> str: ...  # drain + mark for replacement
 
     def list_nodes(self) -> list[NodeState]: ...  # all nodes it manages (blast radius)
+
+    def restart_job(self, node: str, job: str, reason: str) -> str:
+        """Restart the training job ``job`` (``slurm:<id>``, ``pod:<ns>/<name>``...) that hung
+        on ``node``, through the scheduler; the node itself is not touched. Returns a detail
+        line; raises AdapterError for a job this adapter cannot restart or that does not run
+        on ``node``. A job that is not running is left alone (detail ``job-not-running:``)."""
+        ...
+
+
+@dataclass(frozen=True)
+class JobKind:
+    """A job kind an adapter restarts: ``<kind>:<id>`` with ``id`` matching ``id_re``.
+
+    >>> SLURM = JobKind("slurm", re.compile(r"\\d+(_\\d+)?"), "slurm:1234 or slurm:1234_7")
+    """
+
+    kind: str
+    id_re: re.Pattern[str]
+    example: str  # what to show the operator, e.g. "slurm:1234 or slurm:1234_7"
+
+
+def show_job(job: object, max_len: int = 80) -> str:
+    """An untrusted job id for a message: ``repr`` (control characters escaped), bounded."""
+    text = repr(job)
+    return text if len(text) <= max_len else text[: max_len - 4] + "...'"
+
+
+def check_job_id(job: str, *, accepts: Sequence[JobKind] = (), adapter: str = "node-agent",
+                 node: str = "this node", what: str = "jobs") -> tuple[str, str]:
+    """Validate the untrusted job id ``job``; returns ``(kind, id)`` or raises AdapterError.
+
+    Every job must be ``<kind>:<id>`` with a kind of :data:`JOB_KINDS` and an id of letters,
+    digits and ``._:/@+-`` (at most :data:`MAX_JOB_LEN` characters in all). With ``accepts``,
+    the kind must be one of them and its id must match the kind's ``id_re``; the message then
+    says which jobs ``adapter`` restarts (``what``) and on which ``node``.
+
+    >>> check_job_id("slurm:1234")
+    ('slurm', '1234')
+    """
+    if isinstance(job, str) and job.startswith(UNVERIFIED):
+        raise AdapterError(
+            f"refusing to restart job {show_job(job)}: the agent could not verify which job the "
+            "hung process belongs to (its environment was unreadable, only a heartbeat file "
+            "named the job, or the Slurm job id in its environment is not the one slurmd's "
+            "cgroup holds it in); restart the job by hand after checking the evidence")
+    match = _JOB_RE.fullmatch(job) if isinstance(job, str) and len(job) <= MAX_JOB_LEN else None
+    if match is None or match.group("kind") not in JOB_KINDS:
+        raise AdapterError(
+            f"refusing job id {show_job(job)}: a job id must be <kind>:<id> with kind one of "
+            f"{', '.join(JOB_KINDS)} and an id of letters, digits and ._:/@+- (at most "
+            f"{MAX_JOB_LEN} characters); it comes from a training process's environment or "
+            "heartbeat file, so it is checked before any scheduler sees it")
+    kind, ident = match.group("kind"), match.group("id")
+    if not accepts:
+        return kind, ident
+    for rule in accepts:
+        if kind == rule.kind and rule.id_re.fullmatch(ident):
+            return kind, ident
+    expected = " or ".join(rule.example for rule in accepts)
+    raise AdapterError(f"the {adapter} adapter restarts only {what} running on {node}; job "
+                       f"{show_job(job)} is not one (expected {expected})")
 
 
 def is_agent_reason(reason: str | None) -> bool:

@@ -22,7 +22,21 @@ drains and sets the annotation ``node-agent/reboot-requested`` and condition rea
 ``reboot-requested:``. replace drains with a ``node-agent: replace:`` reason and condition reason
 ``NodeAgentReplace``.
 
-RBAC: get/list/patch on nodes, patch on nodes/status (packaging/kubernetes/rbac.yaml).
+restart_job(node, job, reason) restarts a hung training pod by deleting it, so that its controller
+(Job, JobSet, PyTorchJob, StatefulSet...) creates it again::
+
+    GET    /api/v1/namespaces/NS/pods/NAME
+    DELETE /api/v1/namespaces/NS/pods/NAME   {preconditions: {uid: <the uid just read>}}
+
+only for ``pod:<namespace>/<name>`` or ``pod:<name>`` (namespace ``adapter.kubernetes.pod_namespace``),
+names that are DNS-1123 (a label for the namespace, a subdomain for the name), and only when the
+pod's ``spec.nodeName`` is this node and it has a controller (a bare pod would be gone for good,
+not restarted). The uid precondition makes the API refuse (409) if the pod was replaced
+meanwhile by one of the same name. A pod already being deleted, or not Running, is left alone
+(detail ``job-not-running:``).
+
+RBAC: get/list/patch on nodes, patch on nodes/status, get/delete on pods
+(packaging/kubernetes/rbac.yaml).
 """
 
 from __future__ import annotations
@@ -33,7 +47,15 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .base import AdapterError, NodeState, check_node_name, is_agent_reason, sanitise_reason
+from .base import (
+    AdapterError,
+    JobKind,
+    NodeState,
+    check_job_id,
+    check_node_name,
+    is_agent_reason,
+    sanitise_reason,
+)
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -44,7 +66,15 @@ ANN_CORDONED = "node-agent/cordoned"
 ANN_REBOOT = "node-agent/reboot-requested"
 REBOOT_REQUESTED = "reboot-requested:"
 LEFT_AS_IS = "left-as-is:"
+JOB_NOT_RUNNING = "job-not-running:"  # detail prefix: restart_job found nothing to delete
 _GRADE_RE = re.compile(r"\b(HEALTHY|WARN|ERROR|FAULT)\b")
+# DNS-1123 label (namespace, at most 63) and subdomain (pod name, at most 253): Kubernetes
+# "Object Names and IDs".
+_DNS_LABEL = r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?"
+_DNS_SUBDOMAIN = rf"{_DNS_LABEL}(?:\.{_DNS_LABEL})*"
+#: the jobs restart_job accepts
+POD_JOB = JobKind("pod", re.compile(rf"(?:{_DNS_LABEL}/)?{_DNS_SUBDOMAIN}"),
+                  "pod:<name> or pod:<namespace>/<name>, lower-case DNS-1123 names")
 
 
 def _now_iso() -> str:
@@ -79,23 +109,30 @@ class KubernetesAdapter:
     name = "kubernetes"
 
     def __init__(self, api_client: Any, taint_key: str = "node-agent/health",
-                 timeout_s: float = 10, clock: Callable[[], str] = _now_iso) -> None:
+                 timeout_s: float = 10, clock: Callable[[], str] = _now_iso,
+                 pod_namespace: str = "default") -> None:
         from kubernetes import client
 
         self.api = client.CoreV1Api(api_client)
         self.taint_key = taint_key
+        self.pod_namespace = pod_namespace
         self.timeout_s = timeout_s
         self._clock = clock
 
     @classmethod
     def from_config(cls, config: Config) -> KubernetesAdapter:
         return cls(_load_api_client(config.get("adapter.kubernetes.kubeconfig")),
-                   taint_key=config.get("adapter.kubernetes.taint_key"))
+                   taint_key=config.get("adapter.kubernetes.taint_key"),
+                   pod_namespace=config.get("adapter.kubernetes.pod_namespace"))
 
     # -- plumbing ----------------------------------------------------------------------------
 
-    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Call the client raw (no model round trip) and return the decoded JSON body."""
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any,
+              hints: dict[int, str] | None = None, **kwargs: Any) -> Any:
+        """Call the client raw (no model round trip) and return the decoded JSON body.
+
+        ``hints`` replaces the operator hint for an HTTP status (the defaults are about nodes).
+        """
         from kubernetes.client.exceptions import ApiException
 
         try:
@@ -108,6 +145,7 @@ class KubernetesAdapter:
                     404: "; set node.name to this node's Kubernetes node name",
                     409: "; the node changed meanwhile, the action can be retried"
                     }.get(err.status or 0, "")
+            hint = (hints or {}).get(err.status or 0, hint)
             raise AdapterError(f"Kubernetes API {what}: HTTP {err.status} {err.reason}: "
                                f"{body[:500]}{hint}") from err
         except Exception as err:  # urllib3 connection/timeouts: the API server is unreachable
@@ -224,3 +262,48 @@ class KubernetesAdapter:
         self._set_condition(node, True, "NodeAgentHealthy", reason)
         kept = "" if agent_cordoned else " (left cordoned: the agent did not cordon it)"
         return f"kubernetes: removed {self.taint_key} taint from {node}{kept}; {reason}"
+
+    def restart_job(self, node: str, job: str, reason: str) -> str:
+        """Delete the hung pod ``job`` (``pod:[<ns>/]<name>``) on ``node``; its controller
+        recreates it. Raises AdapterError for another kind of job, a pod on another node, a
+        pod without a controller, or an API error."""
+        from kubernetes import client
+
+        node, reason = check_node_name(node), sanitise_reason(reason)
+        _, ident = check_job_id(job, accepts=(POD_JOB,), adapter="Kubernetes", node=node,
+                                what="pods")
+        namespace, _, name = ident.rpartition("/")
+        namespace = namespace or self.pod_namespace
+        if len(name) > 253:
+            raise AdapterError(f"the Kubernetes adapter restarts only pods running on {node}; "
+                               f"job {job} names a pod longer than 253 characters")
+        where = f"pod {namespace}/{name}"
+        pod = self._call(f"GET {where}", self.api.read_namespaced_pod, name, namespace,
+                         hints={404: f"; no such pod: the job id {job} came from a training "
+                                     "process; check adapter.kubernetes.pod_namespace for "
+                                     "pod:<name> ids"})
+        meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+        on = spec.get("nodeName")
+        if on != node:
+            raise AdapterError(f"the Kubernetes adapter restarts only pods running on {node}; "
+                               f"job {job} is {where} on {on or 'no node (not scheduled)'}; "
+                               "not deleted")
+        phase = (pod.get("status") or {}).get("phase") or "Unknown"
+        if meta.get("deletionTimestamp"):
+            return (f"{JOB_NOT_RUNNING} {where} is already being deleted (since "
+                    f"{meta['deletionTimestamp']}); nothing deleted; {reason}")
+        if phase != "Running":
+            return f"{JOB_NOT_RUNNING} {where} is {phase}, not Running; nothing deleted; {reason}"
+        owner = next((o for o in meta.get("ownerReferences") or [] if o.get("controller")), None)
+        if owner is None:
+            raise AdapterError(f"refusing to delete {where}: it has no controller "
+                               "(metadata.ownerReferences), so deleting it would end the job "
+                               "for good instead of restarting it; restart it by hand")
+        uid = meta.get("uid")
+        body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid))
+        self._call(f"DELETE {where}", self.api.delete_namespaced_pod, name, namespace,
+                   body=body, hints={404: "; the pod is already gone (restarted or ended)",
+                                     409: "; the pod was replaced meanwhile (another uid): "
+                                          "not deleted"})
+        return (f"kubernetes: deleted {where} on {node} (uid {uid}); its controller "
+                f"{owner.get('kind')}/{owner.get('name')} creates it again; {reason}")

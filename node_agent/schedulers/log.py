@@ -5,6 +5,8 @@ Each call appends one JSON line to ``<state_dir>/actions.log`` (or the path give
     {"at": "2025-01-01T00:00:00+00:00", "adapter": "log", "action": "drain",
      "node": "gpu-01", "reason": "node-agent: FAULT xid79 gpu:5"}
 
+``restart_job`` adds ``"job": "slurm:1234"`` (action ``restart-job``); any job id that passes
+:func:`~node_agent.schedulers.base.check_job_id` is recorded, since nothing is restarted.
 The node always reads as in service: nothing was really drained.
 """
 
@@ -17,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .base import AdapterError, NodeState, check_node_name, sanitise_reason
+from .base import AdapterError, NodeState, check_job_id, check_node_name, sanitise_reason
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -40,11 +42,15 @@ class LogAdapter:
     def from_config(cls, config: Config) -> LogAdapter:
         return cls(config.state_dir / "actions.log", node=config.get("node.name"))
 
-    def _record(self, action: str, node: str, reason: str) -> str:
+    def _record(self, action: str, node: str, reason: str, job: str | None = None) -> str:
         node = check_node_name(node)
         reason = sanitise_reason(reason)
-        line = json.dumps({"at": self._clock(), "adapter": self.name, "action": action,
-                           "node": node, "reason": reason}, sort_keys=True)
+        entry = {"at": self._clock(), "adapter": self.name, "action": action, "node": node,
+                 "reason": reason}
+        if job is not None:
+            check_job_id(job)
+            entry["job"] = job
+        line = json.dumps(entry, sort_keys=True)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # One write of one line with O_APPEND: concurrent writers never interleave lines.
@@ -57,7 +63,8 @@ class LogAdapter:
         except OSError as err:
             raise AdapterError(f"log adapter cannot write {self.path}: {err}; "
                                "check state_dir in the config and its permissions") from err
-        return f"log: would {action} {node} ({reason}); recorded in {self.path}"
+        what = f"{action} {job} on {node}" if job is not None else f"{action} {node}"
+        return f"log: would {what} ({reason}); recorded in {self.path}"
 
     def node_state(self, node: str) -> NodeState:
         return NodeState(name=check_node_name(node), state="in-service", drained=False,
@@ -74,6 +81,9 @@ class LogAdapter:
 
     def replace(self, node: str, reason: str) -> str:
         return self._record("replace", node, reason)
+
+    def restart_job(self, node: str, job: str, reason: str) -> str:
+        return self._record("restart-job", node, reason, job=job)
 
     def list_nodes(self) -> list[NodeState]:
         """Only this node (when known): the log adapter manages nothing else."""

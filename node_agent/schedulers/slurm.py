@@ -7,6 +7,9 @@ Commands (argv lists through :func:`node_agent.proc.run`, always with ``adapter.
     scontrol reboot ASAP nextstate=RESUME reason="node-agent: ..." N
     scontrol update NodeName=N State=FAIL Reason="node-agent: replace: ..."     (replace)
     scontrol show node -o [N]                                                 (state)
+    squeue --noheader --array --states=all --jobs=J --format=%A|%i|%T|%N      (restart_job)
+    squeue --noheader --array --states=RUNNING --jobs=J --nodelist=N --format=%A
+    scontrol requeue J                                                        (restart_job)
 
 Node state is read from ``scontrol show node -o`` (one ``Key=Value`` line per node), which every
 Slurm release prints the same way; ``sinfo --json`` exists in 22.05 (openapi v0.0.38) but its
@@ -25,6 +28,16 @@ Someone else's drain wins: a node drained with a reason that does not start with
 reason as they are (detail ``left-as-is:``).
 
 A failing or hung ``scontrol`` raises :class:`AdapterError` with its stderr; it never hangs the agent.
+
+Restarting a hung job (``restart_job``): only ``slurm:<job id>`` (``1234``, or ``1234_7`` for
+an array task), and only a job that Slurm itself says is RUNNING with this node in its
+allocation; the job id comes from a training process (untrusted), so a job elsewhere is never
+requeued. The check uses ``squeue`` with a fixed ``%``-format of fields users cannot set
+(``scontrol show job -o`` prints the user's JobName, WorkDir and Command among its
+``Key=Value`` fields, where ``x NodeList=gpu-01`` could pass for a field). A job that is not
+running (already requeued, by another node's agent for the same hang, or ended) is left alone:
+the detail starts with ``job-not-running:``. ``scontrol requeue`` kills the job and puts it
+back in the queue (``Restarts`` counts up; Slurm holds it back for a short BeginTime).
 """
 
 from __future__ import annotations
@@ -34,7 +47,14 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from .. import proc
-from .base import AdapterError, NodeState, check_node_name, sanitise_reason
+from .base import (
+    AdapterError,
+    JobKind,
+    NodeState,
+    check_job_id,
+    check_node_name,
+    sanitise_reason,
+)
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -42,6 +62,10 @@ if TYPE_CHECKING:
 REPLACE_PREFIX = "node-agent: replace:"
 REBOOT_UNAVAILABLE = "reboot-unavailable:"  # detail prefix: no RebootProgram (see above)
 LEFT_AS_IS = "left-as-is:"  # detail prefix: drained by someone else, their reason kept
+JOB_NOT_RUNNING = "job-not-running:"  # detail prefix: restart_job found nothing to requeue
+#: the jobs restart_job accepts: a Slurm job id, or <array job id>_<task id>
+SLURM_JOB = JobKind("slurm", re.compile(r"\d+(_\d+)?"), "slurm:<job id>, e.g. slurm:1234 or "
+                    "slurm:1234_7")
 # State flags after the base state ("IDLE+DRAIN", "MIXED+DRAIN", "DOWN+FAIL"): any of these
 # means the scheduler will not start new jobs on the node (drained or draining).
 _DRAIN_FLAGS = {"DRAIN", "DRAINING", "DRAINED", "FAIL", "FAILING"}
@@ -80,8 +104,10 @@ class SlurmAdapter:
     name = "slurm"
 
     def __init__(self, scontrol: str = "scontrol", timeout_s: float = 15,
-                 env: Mapping[str, str] | None = None, runner: Runner = proc.run) -> None:
+                 env: Mapping[str, str] | None = None, runner: Runner = proc.run,
+                 squeue: str = "squeue") -> None:
         self.scontrol = scontrol
+        self.squeue = squeue
         self.timeout_s = float(timeout_s)
         self.env = dict(env) if env is not None else None  # None: inherit (SLURM_CONF etc.)
         self._run = runner
@@ -89,7 +115,8 @@ class SlurmAdapter:
     @classmethod
     def from_config(cls, config: Config) -> SlurmAdapter:
         return cls(scontrol=config.get("adapter.slurm.scontrol"),
-                   timeout_s=config.get("adapter.slurm.timeout_s"))
+                   timeout_s=config.get("adapter.slurm.timeout_s"),
+                   squeue=config.get("adapter.slurm.squeue"))
 
     # -- plumbing ----------------------------------------------------------------------------
 
@@ -105,6 +132,17 @@ class SlurmAdapter:
         if not result.ok:
             raise AdapterError(_failure(result))
         return result.stdout
+
+    def _squeue(self, *args: str) -> list[list[str]]:
+        """``squeue --noheader --array ARGS`` as rows of ``|``-separated fields."""
+        result = self._run([self.squeue, "--noheader", "--array", *args], self.timeout_s,
+                           env=self.env)
+        if result.not_found:
+            raise AdapterError(f"{self.squeue}: command not found; install slurm-client or "
+                               "set adapter.slurm.squeue to its path")
+        if not result.ok:
+            raise AdapterError(_failure(result))
+        return [line.strip().split("|") for line in result.stdout.splitlines() if line.strip()]
 
     # -- the interface -----------------------------------------------------------------------
 
@@ -181,16 +219,78 @@ class SlurmAdapter:
         return f"slurm: {node} set to FAIL for hardware replacement (Reason={text})"
 
 
+    def restart_job(self, node: str, job: str, reason: str) -> str:
+        """Requeue the Slurm job ``job`` (``slurm:<id>``) if it is RUNNING on ``node``.
+
+        Raises AdapterError for another kind of job, a job Slurm does not know, a job id
+        naming several array tasks, a job running only on other nodes, or a failed requeue.
+        A job that is not running at all is left alone (detail ``job-not-running:``).
+        """
+        node, reason = check_node_name(node), sanitise_reason(reason)
+        _, job_id = check_job_id(job, accepts=(SLURM_JOB,), adapter="Slurm", node=node,
+                                 what="Slurm jobs")
+        refuse = f"the Slurm adapter restarts only Slurm jobs running on {node}; job {job}"
+        try:
+            rows = self._squeue("--states=all", f"--jobs={job_id}", "--format=%A|%i|%T|%N")
+        except AdapterError as err:
+            if "Invalid job id" not in str(err):
+                raise
+            rows = []
+        if not rows:
+            raise AdapterError(f"{refuse} is not known to Slurm (squeue: Invalid job id "
+                               "specified); the id came from a training process: check its "
+                               "SLURM_JOB_ID and the job with squeue")
+        if len(rows) != 1 or len(rows[0]) != 4:
+            shown = ", ".join("|".join(r) for r in rows[:5]) or "nothing"
+            raise AdapterError(f"{refuse} is not one running job: squeue --jobs={job_id} "
+                               f"listed {len(rows)} record(s) ({shown}); an array job id names "
+                               "all its tasks: the heartbeat should carry the task's own "
+                               "SLURM_JOB_ID")
+        unique_id, shown_id, state, nodelist = rows[0]
+        if state != "RUNNING":
+            return (f"{JOB_NOT_RUNNING} Slurm job {shown_id} is {state}, not running; nothing "
+                    f"requeued (already requeued, e.g. by another node's agent for the same "
+                    f"hang, or ended); {reason}")
+        on_node = self._squeue("--states=RUNNING", f"--jobs={unique_id}", f"--nodelist={node}",
+                               "--format=%A")
+        if [unique_id] not in on_node:
+            raise AdapterError(f"{refuse} runs on {nodelist or 'no node'}, not on {node}; not "
+                               "requeued")
+        result = self._scontrol("requeue", unique_id)
+        if not result.ok:
+            raise AdapterError(_requeue_failure(result, shown_id))
+        return (f"slurm: requeued job {shown_id} (JobId={unique_id}, was RUNNING on "
+                f"{nodelist}); Slurm restarts it; {reason}")
+
+
+def _requeue_failure(result: proc.ProcResult, job: str) -> str:
+    text = _describe(result)
+    if "presently disabled" in text:
+        return (f"{text}; job {job} cannot be requeued (submitted with --no-requeue, or "
+                "JobRequeue=0 in slurm.conf): cancel it with scancel if it is hung")
+    if "Only batch jobs" in text:
+        return (f"{text}; job {job} is an interactive (srun/salloc) job, which Slurm cannot "
+                "requeue: cancel it with scancel if it is hung")
+    if "Access/permission denied" in text or "Invalid user" in text:
+        return text + "; scontrol requeue needs SlurmUser, root or the job's owner"
+    return text + "; check that slurmctld is up (`scontrol ping`) and SLURM_CONF points at it"
+
+
 def _left_as_is(current: NodeState, action: str) -> str:
     return (f"{LEFT_AS_IS} {current.name} is already {current.state} by someone else "
             f"(Reason={current.reason!r}); not changed by {action}, their reason kept")
 
 
-def _failure(result: proc.ProcResult) -> str:
+def _describe(result: proc.ProcResult) -> str:
     text = result.describe_failure()
     err = " ".join(result.stderr.split())[:500] or " ".join(result.stdout.split())[:500]
     if err and err not in text:
         text += f" (stderr: {err})"
+    return text
+
+
+def _failure(result: proc.ProcResult) -> str:
+    text = _describe(result)
     if "Invalid node name" in text or re.search(r"Node \S+ not found", text):
         return text + "; set node.name in the config to this node's Slurm NodeName"
     if "Access/permission denied" in text or "Invalid user" in text:

@@ -12,6 +12,10 @@ it with ``hmac.compare_digest`` before acting, and deduplicates on ``idempotency
 SHA-256 over (node, action, reason), so the same action sent again (a retry, or the agent
 completing a half-done action after a crash) carries the same key.
 
+``restart_job`` posts action ``restart-job`` with one more key, ``"job": "slurm:1234"`` (any
+kind that passes :func:`~node_agent.schedulers.base.check_job_id`; the receiver restarts the
+job, and must check itself that the job runs on ``node``); its idempotency key covers the job.
+
 The receiver's answer decides: any 2xx is success. A connection error, a timeout
 (``adapter.webhook.timeout_s``), 408, 429 or 5xx is retried ``adapter.webhook.retries`` times with
 exponential backoff (1 s, 2 s, 4 s ...); other 4xx are final. Failure raises AdapterError with the
@@ -32,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .base import AdapterError, NodeState, check_node_name, sanitise_reason
+from .base import AdapterError, NodeState, check_job_id, check_node_name, sanitise_reason
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -47,8 +51,10 @@ def sign(secret: bytes, body: bytes) -> str:
     return "sha256=" + hmac.new(secret, body, hashlib.sha256).hexdigest()
 
 
-def idempotency_key(node: str, action: str, reason: str) -> str:
-    return hashlib.sha256(f"{node}\n{action}\n{reason}".encode()).hexdigest()
+def idempotency_key(node: str, action: str, reason: str, job: str | None = None) -> str:
+    """SHA-256 over (node, action, reason[, job]): the same action always has the same key."""
+    text = f"{node}\n{action}\n{reason}" + (f"\n{job}" if job is not None else "")
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _now_iso() -> str:
@@ -91,12 +97,16 @@ class WebhookAdapter:
         return cls(url, secret, timeout_s=config.get("adapter.webhook.timeout_s"),
                    retries=config.get("adapter.webhook.retries"))
 
-    def _post(self, action: str, node: str, reason: str) -> str:
+    def _post(self, action: str, node: str, reason: str, job: str | None = None) -> str:
         import requests
 
         node, reason = check_node_name(node), sanitise_reason(reason)
+        if job is not None:
+            check_job_id(job)
         payload = {"schema": BODY_SCHEMA, "action": action, "node": node, "reason": reason,
-                   "idempotency_key": idempotency_key(node, action, reason), "at": self._clock()}
+                   "idempotency_key": idempotency_key(node, action, reason, job),
+                   "at": self._clock(), **({"job": job} if job is not None else {})}
+        what = f"{action} {job} on {node}" if job is not None else f"{action} {node}"
         body = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
         headers = {"Content-Type": "application/json", SIGNATURE_HEADER: sign(self._secret, body)}
         last = "no attempt made"
@@ -112,12 +122,12 @@ class WebhookAdapter:
                 continue
             text = " ".join(resp.text.split())[:300]
             if 200 <= resp.status_code < 300:
-                return f"webhook: {action} {node} accepted by {self.url} (HTTP {resp.status_code}" \
+                return f"webhook: {what} accepted by {self.url} (HTTP {resp.status_code}" \
                        + (f": {text})" if text else ")")
             last = f"HTTP {resp.status_code}: {text}"
             if resp.status_code < 500 and resp.status_code not in _RETRY_STATUS:
-                raise AdapterError(f"webhook {self.url} refused {action} {node}: {last}")
-        raise AdapterError(f"webhook {self.url}: {action} {node} failed after {attempts} "
+                raise AdapterError(f"webhook {self.url} refused {what}: {last}")
+        raise AdapterError(f"webhook {self.url}: {what} failed after {attempts} "
                            f"attempt(s); last: {last}; check the receiver and adapter.webhook.url")
 
     def node_state(self, node: str) -> NodeState:
@@ -137,3 +147,6 @@ class WebhookAdapter:
 
     def replace(self, node: str, reason: str) -> str:
         return self._post("replace", node, reason)
+
+    def restart_job(self, node: str, job: str, reason: str) -> str:
+        return self._post("restart-job", node, reason, job=job)

@@ -1,7 +1,9 @@
 """The kubernetes adapter, through the REAL official client, against a stand-in Node API.
 
 No Kubernetes API server can run here (no container runtime, no etcd), so a small HTTP server on
-127.0.0.1 plays the part of ``/api/v1/nodes``: it records every request the real client sends
+127.0.0.1 plays the part of ``/api/v1/nodes`` (and ``/api/v1/namespaces/NS/pods/NAME`` for job
+restarts: GET, and DELETE honouring a ``preconditions.uid``, 409 when it does not match, as the
+API server does): it records every request the real client sends
 (method, path, Content-Type, JSON body) and applies patches the way the API server does for
 these fields (strategic merge: maps merge, ``null`` deletes a key, ``spec.taints`` is replaced
 whole, ``status.conditions`` merge by ``type``; a stale ``metadata.resourceVersion`` is 409).
@@ -26,6 +28,7 @@ from node_agent.schedulers.kubernetes import (  # noqa: E402
     ANN_CORDONED,
     ANN_REASON,
     ANN_REBOOT,
+    JOB_NOT_RUNNING,
     REBOOT_REQUESTED,
     KubernetesAdapter,
 )
@@ -56,9 +59,21 @@ def strategic_merge(target: dict, patch: dict, path: str = "") -> None:
             target[key] = copy.deepcopy(value)
 
 
+def make_pod(namespace: str, name: str, node: str | None, phase: str = "Running",
+             controller: str | None = "Job", uid: str = "uid-1") -> dict:
+    owners = [{"apiVersion": "batch/v1", "kind": controller, "name": f"{name}-ctl",
+               "uid": "owner-uid", "controller": True}] if controller else []
+    return {"kind": "Pod", "apiVersion": "v1",
+            "metadata": {"name": name, "namespace": namespace, "uid": uid,
+                         "resourceVersion": "7", "ownerReferences": owners},
+            "spec": {"nodeName": node, "containers": [{"name": "trainer", "image": "t"}]},
+            "status": {"phase": phase}}
+
+
 class FakeNodeApi:
-    def __init__(self, nodes: dict[str, dict]):
+    def __init__(self, nodes: dict[str, dict], pods: dict[tuple[str, str], dict] | None = None):
         self.nodes = nodes
+        self.pods = pods if pods is not None else {}
         self.requests: list[dict] = []
         self.fail_status: int | None = None
         api = self
@@ -85,6 +100,12 @@ class FakeNodeApi:
                 if api.fail_status:
                     return self._send(api.fail_status, {"kind": "Status", "message": "boom"})
                 parts = self.path.split("?")[0].strip("/").split("/")
+                if parts[2:3] == ["namespaces"] and parts[4:5] == ["pods"]:
+                    pod = api.pods.get((parts[3], parts[5]))
+                    if pod is None:
+                        return self._send(404, {"kind": "Status", "reason": "NotFound",
+                                                "message": f'pods "{parts[5]}" not found'})
+                    return self._send(200, pod)
                 if parts == ["api", "v1", "nodes"]:
                     return self._send(200, {"kind": "NodeList", "apiVersion": "v1",
                                             "items": list(api.nodes.values())})
@@ -107,6 +128,24 @@ class FakeNodeApi:
                 node["metadata"]["resourceVersion"] = str(int(node["metadata"]["resourceVersion"]) + 1)
                 return self._send(200, node)
 
+            def do_DELETE(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                self._record(body)
+                parts = self.path.split("?")[0].strip("/").split("/")
+                pod = api.pods.get((parts[3], parts[5]))
+                if pod is None:
+                    return self._send(404, {"kind": "Status", "reason": "NotFound",
+                                            "message": f'pods "{parts[5]}" not found'})
+                uid = ((body or {}).get("preconditions") or {}).get("uid")
+                if uid is not None and uid != pod["metadata"]["uid"]:
+                    return self._send(409, {"kind": "Status", "reason": "Conflict",
+                                            "message": "Precondition failed: UID in precondition"
+                                                       f": {uid}, UID in object meta: "
+                                                       f"{pod['metadata']['uid']}"})
+                del api.pods[(parts[3], parts[5])]
+                return self._send(200, pod)
+
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -123,18 +162,26 @@ class FakeNodeApi:
 @pytest.fixture
 def api():
     fake = FakeNodeApi({"gpu-01": make_node("gpu-01"), "gpu-02": make_node("gpu-02"),
-                        "gpu-03": make_node("gpu-03", unschedulable=True)})
+                        "gpu-03": make_node("gpu-03", unschedulable=True)},
+                       {("ml", "trainer-0"): make_pod("ml", "trainer-0", "gpu-01"),
+                        ("ml", "trainer-1"): make_pod("ml", "trainer-1", "gpu-02"),
+                        ("default", "solo"): make_pod("default", "solo", "gpu-01",
+                                                      controller=None),
+                        ("default", "trainer-9"): make_pod("default", "trainer-9", "gpu-01",
+                                                           uid="uid-9"),
+                        ("ml", "done-0"): make_pod("ml", "done-0", "gpu-01",
+                                                   phase="Succeeded")})
     yield fake
     fake.close()
 
 
-def adapter_for(api: FakeNodeApi) -> KubernetesAdapter:
+def adapter_for(api: FakeNodeApi, pod_namespace: str = "default") -> KubernetesAdapter:
     from kubernetes import client
 
     configuration = client.Configuration()
     configuration.host = api.url
     return KubernetesAdapter(client.ApiClient(configuration), taint_key="node-agent/health",
-                             timeout_s=5, clock=lambda: NOW)
+                             timeout_s=5, clock=lambda: NOW, pod_namespace=pod_namespace)
 
 
 def test_drain_cordons_taints_and_sets_condition_false_with_exact_requests(api):
@@ -271,3 +318,72 @@ def test_open_adapter_with_missing_kubeconfig_says_what_to_set(tmp_path, monkeyp
         "kubeconfig": str(tmp_path / "missing-kubeconfig")}}})
     with pytest.raises(AdapterError, match="adapter.kubernetes.kubeconfig"):
         open_adapter(config)
+
+
+# -- restart_job: delete the hung pod on this node, its controller recreates it ---------------
+HANG = "node-agent: ERROR training-hang job pod:ml/trainer-0 rank:0 made no step for 412 s"
+
+
+def test_restart_job_deletes_the_pod_on_this_node_with_a_uid_precondition(api):
+    detail = adapter_for(api).restart_job("gpu-01", "pod:ml/trainer-0", HANG)
+    assert detail.startswith("kubernetes: deleted pod ml/trainer-0 on gpu-01"), detail
+    assert "Job/trainer-0-ctl" in detail
+    get, delete = api.requests
+    assert (get["method"], get["path"]) == ("GET", "/api/v1/namespaces/ml/pods/trainer-0")
+    assert (delete["method"], delete["path"]) == ("DELETE",
+                                                  "/api/v1/namespaces/ml/pods/trainer-0")
+    assert delete["body"]["preconditions"] == {"uid": "uid-1"}
+    assert ("ml", "trainer-0") not in api.pods
+    assert api.patches() == []  # the node is not touched
+
+
+def test_restart_job_of_a_pod_without_namespace_uses_the_configured_one(api):
+    adapter_for(api).restart_job("gpu-01", "pod:trainer-9", HANG)
+    assert api.requests[-1]["path"] == "/api/v1/namespaces/default/pods/trainer-9"
+    assert ("default", "trainer-9") not in api.pods
+    with pytest.raises(AdapterError, match="404.*pod_namespace"):
+        adapter_for(api, pod_namespace="team-a").restart_job("gpu-01", "pod:trainer-1", HANG)
+
+
+def test_restart_job_refuses_a_pod_on_another_node(api):
+    with pytest.raises(AdapterError, match="restarts only pods running on gpu-01; job "
+                                           "pod:ml/trainer-1 is pod ml/trainer-1 on gpu-02"):
+        adapter_for(api).restart_job("gpu-01", "pod:ml/trainer-1", HANG)
+    assert [r["method"] for r in api.requests] == ["GET"]
+    assert ("ml", "trainer-1") in api.pods
+
+
+def test_restart_job_refuses_a_bare_pod_that_nothing_would_recreate(api):
+    with pytest.raises(AdapterError, match="no controller"):
+        adapter_for(api).restart_job("gpu-01", "pod:default/solo", HANG)
+    assert ("default", "solo") in api.pods
+
+
+def test_restart_job_leaves_a_pod_that_is_not_running_alone(api):
+    detail = adapter_for(api).restart_job("gpu-01", "pod:ml/done-0", HANG)
+    assert detail.startswith(JOB_NOT_RUNNING) and "Succeeded" in detail
+    assert ("ml", "done-0") in api.pods
+
+
+def test_restart_job_of_a_pod_replaced_meanwhile_is_a_conflict_not_a_second_delete(api):
+    adapter = adapter_for(api)
+    original = adapter._call
+
+    def replaced_after_get(what, fn, *args, **kwargs):
+        out = original(what, fn, *args, **kwargs)
+        if what.startswith("GET pod"):
+            api.pods[("ml", "trainer-0")]["metadata"]["uid"] = "uid-new"  # recreated
+        return out
+
+    adapter._call = replaced_after_get
+    with pytest.raises(AdapterError, match="409.*replaced meanwhile"):
+        adapter.restart_job("gpu-01", "pod:ml/trainer-0", HANG)
+    assert ("ml", "trainer-0") in api.pods
+
+
+@pytest.mark.parametrize("job", ["slurm:1234", "pod:ML/Trainer", "pod:a/b/c", "pod:-x",
+                                 "pod:x;reboot", "pod:" + "a" * 260, "pod:../etc"])
+def test_restart_job_refuses_other_or_invalid_job_ids_before_any_request(api, job):
+    with pytest.raises(AdapterError, match="job id|restarts only pods running on gpu-01"):
+        adapter_for(api).restart_job("gpu-01", job, HANG)
+    assert api.requests == []

@@ -245,3 +245,56 @@ def test_invalid_safety_key_is_a_configuration_error_naming_the_key(agent, tmp_p
                                     "safety": {"breaker_max_drains": 0}}))
     run = agent("status", "--config", str(path))
     assert run.code == 2 and "breaker_max_drains" in run.stderr
+
+
+# A hung training job: the check side reports it as ERROR rule training-hang on
+# job:<job>/rank:<n>; the remediation restarts the job through the adapter and leaves the node.
+_HUNG_JOB_RUN = """
+import sys
+from node_agent.config import load_config
+from node_agent.model import Action, Grade, Level, Reason
+from node_agent.remediation import Safety
+from node_agent.remediator import Remediator
+from node_agent.schedulers.log import LogAdapter
+from node_agent.store import open_store
+
+class Report:
+    suite, mode = "periodic", "service"
+    grade = Grade(Level.ERROR, Action.RESTART, (Reason(
+        "training-hang", Level.ERROR, "job:slurm:77/rank:3", "rank 3 made no step for 412 s"),))
+
+    def to_dict(self):
+        return {"grade": self.grade.to_dict()}
+
+config = load_config(sys.argv[1])
+store = open_store(config.state_dir)
+Remediator(store, LogAdapter.from_config(config), sys.argv[2], Safety.from_config(config),
+           state_dir=config.state_dir).remediate(Report())
+"""
+
+
+def test_kill_9_before_a_job_restart_sends_it_once_and_status_shows_it(
+        agent, scenario, config, logged, tmp_path):
+    cfg = config()
+    crashed = subprocess.run([sys.executable, "-c", _HUNG_JOB_RUN, cfg, NODE],
+                             capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                             env={**os.environ, "NODE_AGENT_TEST_CRASH_AFTER_JOURNAL":
+                                  "restart-job"})
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    assert logged() == []
+    journal = agent("status", "--json", "--config", cfg).json()["journal"]
+    assert [(r["action"], r["state"]) for r in journal] == [("restart-job", "planned")]
+    # the next run (here a healthy check) completes the journaled job restart first
+    again = agent("check", "--simulate", scenario(), "--act", "--json", "--config", cfg)
+    assert again.code == 0, again.stderr
+    assert "completing journal" in again.stderr
+    assert logged() == [("restart-job", "node-agent: ERROR training-hang job slurm:77 rank:3 "
+                                         "rank 3 made no step for 412 s")]
+    status = agent("status", "--json", "--config", cfg).json()
+    (row,) = status["journal"]
+    assert (row["action"], row["state"], row["target"]) == ("restart-job", "done",
+                                                           "job:slurm:77")
+    assert "recovered journal" in row["detail"] and "slurm:77" in row["detail"]
+    assert status["remediation"]["state"] == "in-service"  # the node was never drained
+    human = agent("status", "--config", cfg).stdout
+    assert "restart-job" in human and "job:slurm:77" in human

@@ -18,7 +18,12 @@ import pytest
 
 from node_agent.config import config_from_dict
 from node_agent.schedulers import AdapterError, open_adapter, sanitise_reason
-from node_agent.schedulers.slurm import LEFT_AS_IS, REBOOT_UNAVAILABLE, SlurmAdapter
+from node_agent.schedulers.slurm import (
+    JOB_NOT_RUNNING,
+    LEFT_AS_IS,
+    REBOOT_UNAVAILABLE,
+    SlurmAdapter,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import slurm_cluster as _slurm  # noqa: E402
@@ -220,4 +225,77 @@ def test_node_name_that_is_not_a_hostname_is_refused_before_scontrol_runs(slurm,
     for bad in ("na-node1 State=RESUME", "-h", "../x", "a;b", ""):
         with pytest.raises(AdapterError, match="node name"):
             adapter.drain(bad, "FAULT")
+    assert not marker.exists()
+
+
+# -- restart_job: a hung training job is requeued, the node is left alone ---------------------
+HANG_REASON = "node-agent: ERROR training-hang job slurm:{} rank:0 made no step for 412 s"
+
+
+def test_restart_job_requeues_a_real_batch_job_running_on_the_node(slurm):
+    job = slurm.submit()
+    running = slurm.wait_job(job, "RUNNING")
+    assert running["NodeList"] == slurm.node and running["Restarts"] == "0"
+    detail = adapter_for(slurm).restart_job(slurm.node, f"slurm:{job}", HANG_REASON.format(job))
+    assert detail.startswith(f"slurm: requeued job {job}"), detail
+    fields = slurm.show_job(job)
+    assert fields["Restarts"] == "1", fields
+    # requeued: killed on the node (COMPLETING), then back in the queue (PENDING, BeginTime)
+    assert fields["JobState"] in ("REQUEUED", "COMPLETING", "PENDING"), fields
+    slurm.wait_job(job, "PENDING")
+    node = slurm.show_node()
+    assert "DRAIN" not in node["State"] and "Reason" not in node, node  # the node untouched
+
+
+def test_restart_job_refuses_a_job_running_on_another_node_and_does_not_requeue_it(slurm):
+    """The agent of na-fake1 is handed the id of a job that runs on na-node1 (a job id from
+    an untrusted heartbeat file): Slurm's own allocation says no."""
+    job = slurm.submit()
+    slurm.wait_job(job, "RUNNING")
+    other = slurm.fake_nodes[0]
+    with pytest.raises(AdapterError, match=rf"restarts only Slurm jobs running on {other}; "
+                                           rf"job slurm:{job} runs on {slurm.node}"):
+        adapter_for(slurm).restart_job(other, f"slurm:{job}", HANG_REASON.format(job))
+    fields = slurm.show_job(job)
+    assert (fields["JobState"], fields["Restarts"]) == ("RUNNING", "0"), fields
+
+
+def test_restart_job_leaves_a_job_that_is_not_running_alone(slurm):
+    job = slurm.submit("--hold")
+    slurm.wait_job(job, "PENDING")
+    detail = adapter_for(slurm).restart_job(slurm.node, f"slurm:{job}", HANG_REASON.format(job))
+    assert detail.startswith(JOB_NOT_RUNNING) and "PENDING" in detail, detail
+    assert slurm.show_job(job)["Restarts"] == "0"
+
+
+def test_restart_job_of_a_job_slurm_does_not_know_names_the_id(slurm):
+    with pytest.raises(AdapterError, match="job slurm:999999 is not known to Slurm"):
+        adapter_for(slurm).restart_job(slurm.node, "slurm:999999", HANG_REASON.format(999999))
+
+
+def test_restart_job_of_a_no_requeue_job_fails_with_what_to_do(slurm):
+    job = slurm.submit("--no-requeue")
+    slurm.wait_job(job, "RUNNING")
+    with pytest.raises(AdapterError, match="--no-requeue.*scancel"):
+        adapter_for(slurm).restart_job(slurm.node, f"slurm:{job}", HANG_REASON.format(job))
+    assert slurm.show_job(job)["JobState"] == "RUNNING"
+
+
+def test_restart_job_refuses_an_array_id_naming_several_tasks(slurm):
+    job = slurm.submit("--array=1-3", "--hold")
+    with pytest.raises(AdapterError, match="listed 3 record"):
+        adapter_for(slurm).restart_job(slurm.node, f"slurm:{job}", HANG_REASON.format(job))
+
+
+@pytest.mark.parametrize("job", ["pod:ml/trainer-0", "torchelastic:abc", "slurm:1;reboot",
+                                 "slurm:1 State=RESUME", "slurm:-h", "slurm:12_x", "slurm:"])
+def test_restart_job_refuses_other_or_hostile_job_ids_before_any_slurm_command(slurm, tmp_path,
+                                                                              job):
+    marker = tmp_path / "ran"
+    spy = tmp_path / "spy"
+    spy.write_text(f"#!/bin/sh\ntouch {marker}\n")
+    spy.chmod(0o755)
+    adapter = adapter_for(slurm, scontrol=str(spy), squeue=str(spy))
+    with pytest.raises(AdapterError, match="job id|restarts only Slurm jobs running on"):
+        adapter.restart_job(slurm.node, job, "ERROR training-hang")
     assert not marker.exists()

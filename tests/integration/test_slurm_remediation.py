@@ -2,7 +2,9 @@
 (munge + slurmctld + slurmd on loopback, tests/slurm_cluster.py).
 
 GPU faults come from the simulator (no GPU here); everything the scheduler does is real and is
-read back from Slurm (``scontrol show node``, ``sinfo -R``). The test cluster has no
+read back from Slurm (``scontrol show node``, ``sinfo -R``, ``scontrol show job``). A hung
+training job is a real batch job; its ``training-hang`` grade is built here (the check's own
+tests cover how it is found). The test cluster has no
 RebootProgram: the reboot request takes the adapter's documented stand-in (the node stays
 drained, ``reboot-unavailable:``), and a second run with the fault gone plays the node after
 its reboot.
@@ -15,6 +17,12 @@ import sys
 
 import pytest
 import yaml
+
+from node_agent.model import Action, Grade, Level, Reason
+from node_agent.remediation import Safety
+from node_agent.remediator import Remediator
+from node_agent.schedulers.slurm import JOB_NOT_RUNNING, SlurmAdapter
+from node_agent.store import open_store
 
 XID79 = [{"kind": "xid", "gpu": 5, "code": 79}]
 ROW_REMAP_PENDING = [{"kind": "row_remap_pending", "gpu": 2}]
@@ -95,3 +103,65 @@ def test_blast_radius_refuses_drain_when_share_already_drained_by_agent(slurm, n
     assert "FAIL" not in slurm.show_node()["State"]
     status = node_agent("status", "--json")
     assert "refused" in status.stdout, status.stdout
+
+
+class _Report:
+    """The fields of a Report the remediator reads."""
+
+    def __init__(self, grade: Grade):
+        self.grade, self.suite, self.mode = grade, "periodic", "service"
+
+    def to_dict(self) -> dict:
+        return {"grade": self.grade.to_dict()}
+
+
+def _hang(job: str) -> Grade:
+    return Grade(Level.ERROR, Action.RESTART, (Reason(
+        "training-hang", Level.ERROR, f"job:slurm:{job}/rank:0",
+        "rank 0 (pid 4242) made no step for 412 s; stuck in all_reduce"),))
+
+
+def test_hung_job_is_requeued_through_slurm_and_the_node_stays_in_service(slurm, tmp_path):
+    job = slurm.submit()
+    slurm.wait_job(job, "RUNNING")
+    store = open_store(tmp_path / "state")
+    try:
+        adapter = SlurmAdapter(env=slurm.env())
+        rem = Remediator(store, adapter, slurm.node, Safety(), state_dir=tmp_path / "state",
+                         warn=lambda _m: None)
+        out = rem.remediate(_Report(_hang(job)))
+        assert [(r.action, r.outcome) for r in out.records] == [("restart-job", "done")], out
+        assert slurm.show_job(job)["Restarts"] == "1"
+        node = slurm.show_node()
+        assert "DRAIN" not in node["State"] and "Reason" not in node, node
+        assert store.node_record(slurm.node).state == "in-service"
+        # the check sees the hang again while Slurm kills the job: not requeued twice
+        again = rem.remediate(_Report(_hang(job)))
+        assert again.records == [] and any("dedup" in n for n in again.notes)
+        assert slurm.show_job(job)["Restarts"] == "1"
+    finally:
+        store.close()
+
+
+def test_recovered_job_restart_after_the_requeue_happened_is_not_repeated(slurm, tmp_path):
+    """The agent died after `scontrol requeue` and before closing its journal row: the next
+    run sends it again, Slurm says the job is no longer running, nothing is requeued twice."""
+    job = slurm.submit()
+    slurm.wait_job(job, "RUNNING")
+    slurm.run("scontrol", "requeue", job)  # what the interrupted run had done
+    store = open_store(tmp_path / "state")
+    try:
+        store.journal_plan(key=f"{slurm.node}|restart-job|training-hang@job:slurm:{job}|0",
+                           node=slurm.node, action="restart-job",
+                           reason=f"node-agent: ERROR training-hang job slurm:{job}",
+                           fault_code="training-hang", target=f"job:slurm:{job}", attempt=0,
+                           to_state=None, trigger="auto", adapter="slurm", now=0.0,
+                           state="started")
+        out = Remediator(store, SlurmAdapter(env=slurm.env()), slurm.node, Safety(),
+                         state_dir=None, warn=lambda _m: None).recover()
+        (rec,) = out.records
+        assert rec.outcome == "done" and JOB_NOT_RUNNING in rec.detail, rec.detail
+        assert slurm.show_job(job)["Restarts"] == "1"
+        assert store.open_journal(slurm.node) == []
+    finally:
+        store.close()

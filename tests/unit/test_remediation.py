@@ -10,9 +10,9 @@ import pytest
 
 from node_agent.guards import blast_radius, sanitise_operator_text
 from node_agent.model import Action, Grade, Level, Reason
-from node_agent.remediation import Safety, Step, fault_code, plan
+from node_agent.remediation import JOB_RULES, Safety, Step, fault_code, job_of, plan
 from node_agent.remediator import GpuResetError, Remediator
-from node_agent.schedulers.base import REASON_PREFIX, AdapterError, NodeState
+from node_agent.schedulers.base import REASON_PREFIX, AdapterError, NodeState, check_job_id
 from node_agent.store import NodeRecord, open_store
 
 T0 = 1_700_000_000.0
@@ -32,6 +32,7 @@ class FakeAdapter:
         self.state = NodeState(NODE, "IDLE", False, None)
         self.others = others or []
         self.fail = fail
+        self.jobs: list[str] = []  # the job of each restart_job call
 
     def node_state(self, node: str) -> NodeState:
         return self.state
@@ -56,6 +57,13 @@ class FakeAdapter:
 
     def replace(self, node, reason):
         return self._do("replace", node, reason, True)
+
+    def restart_job(self, node, job, reason):
+        if self.fail is not None:
+            raise self.fail
+        self.calls.append(("restart-job", node, reason))
+        self.jobs.append(job)
+        return f"fake restart-job {job} on {node}"
 
     def list_nodes(self):
         return [self.state, *self.others]
@@ -109,6 +117,9 @@ class FakeReport:
 
     def __init__(self, g: Grade, suite: str = "quick"):
         self.grade, self.suite, self.mode = g, suite, "service"
+
+    def to_dict(self) -> dict:  # what evidence writes as report.json
+        return {"suite": self.suite, "grade": self.grade.to_dict()}
 
 
 @pytest.fixture
@@ -500,3 +511,269 @@ def test_evidence_is_collected_before_a_disruptive_action(store, tmp_path):
     assert "Xid" in (directory / "kernel-log.txt").read_text()
     assert (directory / "stacks.txt").read_text().startswith("skipped:")
     assert str(directory) in out.records[0].detail
+
+
+# -- hung training jobs: restart the job through the scheduler, never the node ----------------
+def hang(*targets: str, level: Level = Level.ERROR) -> Grade:
+    """A grade with one training-hang reason per target (as graders/rules.yaml grades it)."""
+    return Grade(level, Action.RESTART if level == Level.ERROR else Action.NONE, tuple(
+        Reason("training-hang", level, t, f"{t.rsplit('/', 1)[-1]} made no step for 412 s; "
+               "stuck in all_reduce") for t in targets))
+
+
+def with_reasons(g: Grade, *more: Reason) -> Grade:
+    reasons = (*g.reasons, *more)
+    level = max(r.level for r in reasons)
+    return Grade(level, {Level.ERROR: Action.RESTART, Level.FAULT: Action.REPLACE}[level],
+                 reasons)
+
+
+XID48 = Reason("xid", Level.ERROR, "gpu:1", "Xid 48 on gpu:1 [Xid 48: double bit ECC error]")
+
+
+@pytest.mark.parametrize(("target", "job"), [
+    ("job:slurm:1234/rank:3", "slurm:1234"),
+    ("job:slurm:1234_7/pid:4242", "slurm:1234_7"),
+    ("job:pod:ml/trainer-0/rank:0", "pod:ml/trainer-0"),
+    ("job:torchelastic:run:a/b/rank:12", "torchelastic:run:a/b"),
+    ("job:ppid:777/pid:778", "ppid:777"),
+    ("rank:3", None),
+    ("job:slurm:1/rank:x", None),
+    ("job:slurm:1\n/rank:0", None),
+])
+def test_job_of_reads_the_job_anchored_at_the_end_of_the_target(target, job):
+    assert job_of(target) == job
+
+
+def test_training_hang_alone_restarts_the_job_and_never_drains_the_node(store):
+    assert "training-hang" in JOB_RULES
+    p = plan_for(hang("job:slurm:1234/rank:3"))
+    (step,) = p.steps
+    assert (step.action, step.to_state, step.job) == ("restart-job", None, "slurm:1234")
+    assert step.reason.startswith("node-agent: ERROR training-hang job slurm:1234 rank:3")
+    assert "not drained" in p.note
+    adapter = FakeAdapter()
+    out = make(store, adapter).remediate(FakeReport(hang("job:slurm:1234/rank:3")))
+    assert adapter.actions() == ["restart-job"] and adapter.jobs == ["slurm:1234"]
+    assert [(r.action, r.outcome) for r in out.records] == [("restart-job", "done")]
+    assert store.node_record(NODE).state == "in-service"
+    (row,) = store.journal_tail(NODE)
+    assert (row.action, row.state, row.target, row.to_state) == (
+        "restart-job", "done", "job:slurm:1234", None)
+
+
+@pytest.mark.parametrize("state", ["drained", "fault", "awaiting-replacement"])
+def test_hung_job_on_a_node_out_of_service_is_restarted_and_the_state_kept(store, state):
+    store.set_node_record(NodeRecord(NODE, state, T0 - 100, "xid-79", "gpu:5", "auto"))
+    adapter = FakeAdapter()
+    make(store, adapter).remediate(FakeReport(hang("job:slurm:9/rank:0")))
+    assert adapter.actions() == ["restart-job"]
+    assert store.node_record(NODE).state == state
+
+
+def test_hang_beside_a_hardware_error_takes_the_node_path(store):
+    # the hang reason first, as the grader's sort order can put it
+    g = with_reasons(hang("job:slurm:1234/rank:3"), XID48)
+    g = Grade(g.level, g.action, g.reasons)
+    p = plan_for(g)
+    assert [(s.action, s.fault_code, s.target) for s in p.steps] == [
+        ("drain", "xid-48", "gpu:1"), ("restart", "xid-48", "gpu:1")]
+    adapter = FakeAdapter()
+    make(store, adapter).remediate(FakeReport(g))
+    assert adapter.actions() == ["drain", "restart"] and adapter.jobs == []
+
+
+def test_hang_beside_a_fault_replaces_the_node():
+    fault = Reason("xid", Level.FAULT, "gpu:5", "Xid 79 on gpu:5 [Xid 79: fallen off the bus]")
+    p = plan_for(with_reasons(hang("job:slurm:1/rank:0"), fault))
+    assert [s.action for s in p.steps] == ["drain", "replace"]
+    assert "xid-79" in p.steps[0].reason
+
+
+def test_straggler_warn_never_acts(store):
+    g = Grade(Level.WARN, Action.NONE, (Reason("training-straggler", Level.WARN,
+                                               "job:slurm:1/rank:2", "2.4x slower"),))
+    assert plan_for(g).steps == ()
+    adapter = FakeAdapter()
+    out = make(store, adapter).remediate(FakeReport(g))
+    assert adapter.calls == [] and out.records == []
+
+
+def test_two_hung_jobs_get_one_restart_each_and_ranks_of_one_job_one(store):
+    g = hang("job:slurm:11/rank:0", "job:slurm:11/rank:5", "job:pod:ml/trainer-0/pid:77")
+    p = plan_for(g)
+    assert [s.job for s in p.steps] == ["slurm:11", "pod:ml/trainer-0"]
+    assert len({s.key(NODE) for s in p.steps}) == 2 and "slurm:11" in p.steps[0].key(NODE)
+    adapter = FakeAdapter()
+    out = make(store, adapter).remediate(FakeReport(g))
+    assert adapter.jobs == ["slurm:11", "pod:ml/trainer-0"]
+    assert [r.outcome for r in out.records] == ["done", "done"]
+
+
+def test_same_hung_job_is_restarted_once_and_a_different_one_gets_its_own(store):
+    adapter, clock = FakeAdapter(), Clock()
+    rem = make(store, adapter, clock)
+    rem.remediate(FakeReport(hang("job:slurm:11/rank:0")))
+    clock.t += 30  # Slurm is still killing it; the check reports it again, another rank first
+    out = rem.remediate(FakeReport(hang("job:slurm:11/rank:3")))
+    assert adapter.jobs == ["slurm:11"]
+    assert out.records == []  # quietly deduplicated, not a refusal
+    assert any("dedup" in n and "restart-job" in n for n in out.notes)
+    clock.t += 90
+    rem.remediate(FakeReport(hang("job:slurm:12/rank:0")))
+    assert adapter.jobs == ["slurm:11", "slurm:12"]
+
+
+@pytest.mark.parametrize("target", [
+    "job:slurm:1;rm -rf /",             # not .../rank:N: names no job
+    "job:slurm:1;rm -rf //rank:0",      # a job id with shell metacharacters
+    "job:slurm:$(reboot)/rank:1",
+    "job:../../etc/passwd/rank:1",      # not a known job kind
+    "job:slurm:1 State=RESUME/pid:9",   # an argument of its own for scontrol
+    "job:pod:ml/x\x1b[2J/rank:0",      # terminal escapes
+    "rank:3",
+])
+def test_malformed_or_hostile_job_target_is_refused_without_an_adapter_call(store, target):
+    adapter, warnings = FakeAdapter(), []
+    out = make(store, adapter, warnings=warnings).remediate(FakeReport(hang(target)))
+    assert adapter.calls == []
+    (rec,) = out.records
+    assert (rec.action, rec.outcome) == ("restart-job", "refused")
+    assert "refusing job id" in rec.detail or "names no job" in rec.detail, rec.detail
+    assert "the node is not drained" in rec.detail
+    assert all(32 <= ord(c) < 127 for c in rec.detail), rec.detail  # escaped, not echoed raw
+    assert any("restart-job REFUSED" in w for w in warnings)
+    assert store.node_record(NODE).state == "in-service"
+    assert store.journal_tail(NODE)[-1].state == "refused"
+
+
+def test_job_restarts_do_not_count_towards_the_nodes_restarts(store):
+    adapter, clock = FakeAdapter(), Clock()
+    rem = make(store, adapter, clock, safety=Safety(max_restarts=1))
+    for job in range(3):
+        rem.remediate(FakeReport(hang(f"job:slurm:{job}/rank:0")))
+        clock.t += 120
+    out = rem.remediate(FakeReport(ERR_HANG))  # driver-hang on gpu:3: a node ERROR
+    assert adapter.actions() == ["restart-job"] * 3 + ["drain", "restart"]
+    assert not any("escalated" in n for n in out.notes)
+
+
+def test_rate_limit_between_job_restarts_of_different_runs(store):
+    adapter, clock, warnings = FakeAdapter(), Clock(), []
+    rem = make(store, adapter, clock, warnings=warnings)
+    rem.remediate(FakeReport(hang("job:slurm:1/rank:0")))
+    clock.t += 10
+    out = rem.remediate(FakeReport(hang("job:slurm:2/rank:0")))
+    assert out.records[0].outcome == "refused" and "rate limit" in out.records[0].detail
+    assert "safety.min_action_interval_s=60" in out.records[0].detail
+    clock.t += 60
+    rem.remediate(FakeReport(hang("job:slurm:2/rank:0")))
+    assert adapter.jobs == ["slurm:1", "slurm:2"]
+
+
+def test_a_hung_job_does_not_rate_limit_a_drain_after_it(store):
+    adapter, clock = FakeAdapter(), Clock()
+    rem = make(store, adapter, clock)
+    rem.remediate(FakeReport(hang("job:slurm:1/rank:0")))
+    clock.t += 5
+    rem.remediate(FakeReport(FAULT79))
+    assert adapter.actions() == ["restart-job", "drain", "replace"]
+
+
+def test_open_breaker_does_not_stop_a_job_restart_but_opt_out_does(store):
+    store.open_breaker(T0, "test")
+    adapter = FakeAdapter()
+    make(store, adapter).remediate(FakeReport(hang("job:slurm:1/rank:0")))
+    assert adapter.jobs == ["slurm:1"]
+    store.set_opt_out(NODE, True, T0, "burn-in by vendor")
+    out = make(store, adapter, Clock(T0 + 3600)).remediate(
+        FakeReport(hang("job:slurm:2/rank:0")))
+    assert adapter.jobs == ["slurm:1"] and "opted out" in out.records[0].detail
+
+
+def test_dry_run_job_restart_records_and_calls_nothing(store):
+    adapter = FakeAdapter()
+    out = make(store, adapter, dry_run=True).remediate(FakeReport(hang("job:slurm:1/rank:0")))
+    assert adapter.calls == []
+    (rec,) = out.records
+    assert rec.outcome == "dry-run" and "slurm:1" in rec.detail
+
+
+def test_failed_job_restart_is_kept_and_retried(store):
+    adapter = FakeAdapter(fail=AdapterError("the Slurm adapter restarts only Slurm jobs "
+                                            "running on gpu-01; job slurm:1 runs on gpu-02"))
+    clock = Clock()
+    out = make(store, adapter, clock).remediate(FakeReport(hang("job:slurm:1/rank:0")))
+    assert out.records[0].outcome == "failed" and "runs on gpu-02" in out.records[0].detail
+    adapter.fail = None
+    clock.t += 120
+    make(store, adapter, clock).remediate(FakeReport(hang("job:slurm:1/rank:0")))
+    (row,) = store.journal_tail(NODE)
+    assert adapter.jobs == ["slurm:1"] and (row.state, row.tries) == ("done", 2)
+
+
+def test_recovery_sends_an_interrupted_job_restart_again(store):
+    store.journal_plan(key=f"{NODE}|restart-job|training-hang@job:slurm:42|0", node=NODE,
+                       action="restart-job", reason=f"{REASON_PREFIX} ERROR training-hang job "
+                       "slurm:42", fault_code="training-hang", target="job:slurm:42", attempt=0,
+                       to_state=None, trigger="auto", adapter="fake", now=T0 - 5,
+                       state="started")
+    adapter = FakeAdapter()
+    out = make(store, adapter).recover()
+    assert adapter.jobs == ["slurm:42"] and out.records[0].outcome == "done"
+    assert store.open_journal(NODE) == [] and store.node_record(NODE).state == "in-service"
+
+
+def test_evidence_is_collected_before_a_job_restart(store, tmp_path):
+    adapter = FakeAdapter()
+    rem = Remediator(store, adapter, NODE, Safety(), state_dir=tmp_path, clock=Clock(),
+                     warn=lambda _m: None)
+    out = rem.remediate(FakeReport(hang("job:slurm:1/rank:0")))
+    (directory,) = (tmp_path / "evidence").iterdir()
+    assert directory.name.endswith("-restart-job")
+    assert "training-hang" in (directory / "report.json").read_text()
+    assert str(directory) in out.records[0].detail
+
+
+@pytest.mark.parametrize("job", ["slurm:1234", "torchelastic:2f9c-11", "pod:ml/trainer-0",
+                                 "ppid:4242"])
+def test_check_job_id_accepts_the_kinds_the_heartbeat_writes(job):
+    assert check_job_id(job) == tuple(job.split(":", 1))
+
+
+@pytest.mark.parametrize("job", ["slurm:1;rm -rf /", "slurm:", "cron:1", "slurm:1 x=y",
+                                 "pod:$(id)", "slurm:-h", "x" * 300, "", None])
+def test_check_job_id_refuses_with_what_a_job_id_must_be(job):
+    with pytest.raises(AdapterError, match="a job id must be <kind>:<id>"):
+        check_job_id(job)
+
+
+def test_a_job_the_agent_could_not_verify_is_never_restarted():
+    with pytest.raises(AdapterError, match="could not verify which job"):
+        check_job_id("unverified:slurm:4242")
+
+
+def test_log_adapter_records_a_job_restart_and_refuses_a_hostile_job(tmp_path):
+    from node_agent.schedulers.log import LogAdapter
+
+    adapter = LogAdapter(tmp_path / "actions.log", clock=lambda: "T")
+    detail = adapter.restart_job(NODE, "slurm:7", "ERROR training-hang job slurm:7")
+    assert "would restart-job slurm:7 on gpu-01" in detail
+    with pytest.raises(AdapterError, match="refusing job id"):
+        adapter.restart_job(NODE, "slurm:7;reboot", "x")
+    assert adapter.records() == [{"action": "restart-job", "adapter": "log", "at": "T",
+                                  "job": "slurm:7", "node": NODE,
+                                  "reason": "node-agent: ERROR training-hang job slurm:7"}]
+
+
+def test_every_adapter_and_the_fake_implement_restart_job_of_the_protocol(tmp_path):
+    from node_agent.schedulers import SchedulerAdapter
+    from node_agent.schedulers.log import LogAdapter
+    from node_agent.schedulers.slurm import SlurmAdapter
+    from node_agent.schedulers.webhook import WebhookAdapter
+
+    adapters = [FakeAdapter(), LogAdapter(tmp_path / "a.log"), SlurmAdapter(),
+                WebhookAdapter("http://127.0.0.1:9/x", b"s")]
+    for adapter in adapters:
+        assert isinstance(adapter, SchedulerAdapter), type(adapter).__name__
+        assert callable(adapter.restart_job)
