@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +71,17 @@ class TrainingProcess:
     parents: list[int]             # ancestor pids, nearest first, pid 1 left out
     children: list[int]            # direct children (dataloader workers, ...)
     sources: tuple[str, ...]       # subset of ("heartbeat", "nvml", "pid"): how it was found
+    slurm_cgroup_job: str | None = None  # the Slurm job id in /proc/<pid>/cgroup (slurmd's)
+
+    @property
+    def job_verified(self) -> bool:
+        """The job may be acted on: it comes from the process's own environment (not from a
+        heartbeat's claim or a label), and a Slurm job id is the one slurmd's cgroup holds the
+        process in (an environment variable is the user's to set; the cgroup is not)."""
+        if self.identity_source != "environ" or self.job_source not in ("slurm", "pod",
+                                                                          "torchelastic"):
+            return False
+        return self.job_source != "slurm" or self.slurm_cgroup_job == self.slurm_job_id
 
     def to_evidence(self) -> dict[str, Any]:
         """JSON-friendly fields for a result's evidence: the heartbeat record is left out (its
@@ -83,6 +95,7 @@ class TrainingProcess:
             "gpus": list(self.gpus), "heartbeat_path": self.heartbeat_path,
             "log_file": self.log_file, "parents": list(self.parents),
             "children": list(self.children), "sources": list(self.sources),
+            "slurm_cgroup_job": self.slurm_cgroup_job, "job_verified": self.job_verified,
         }
 
 
@@ -147,6 +160,23 @@ def read_environ(pid: int, proc_root: Path = Path("/proc")) -> dict[str, str]:
         if sep and key:
             env[key.decode(errors="replace")] = value.decode(errors="replace")
     return env
+
+
+_SLURM_CGROUP_JOB = re.compile(r"/job_(\d+)(?:/|$)")
+
+
+def read_slurm_cgroup_job(pid: int, proc_root: Path = Path("/proc")) -> str | None:
+    """The job id of the Slurm cgroup holding ``pid`` (``.../job_<id>/step_<n>/...`` under
+    cgroup v1 or v2, as slurmd's task/cgroup plugin creates it); None outside one."""
+    try:
+        text = (proc_root / str(pid) / "cgroup").read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        match = _SLURM_CGROUP_JOB.search(line.split(":", 2)[-1])
+        if match:
+            return match.group(1)
+    return None
 
 
 def read_cmdline(pid: int, proc_root: Path = Path("/proc")) -> list[str]:
@@ -328,7 +358,8 @@ def _inspect(pid: int, sources: tuple[str, ...], beat: tuple[Path, dict[str, Any
         gpus=tuple(sorted(gpus)), heartbeat=record,
         heartbeat_path=None if path is None else str(path),
         log_file=str(log_file) if log_file else None, parents=tree.parents(ppid),
-        children=tree.children(pid), sources=sources)
+        children=tree.children(pid), sources=sources,
+        slurm_cgroup_job=read_slurm_cgroup_job(pid, proc_root))
 
 
 def _identity_from_environ(env: dict[str, str], ppid: int,

@@ -238,7 +238,9 @@ def _targets(jobs: dict[str | None, list[TrainingProcess]]) -> dict[int, str]:
         for pr in members:
             who = (f"rank:{pr.rank}" if pr.rank is not None and ranks.count(pr.rank) == 1
                    else f"pid:{pr.pid}")
-            out[pr.pid] = f"job:{_clean(job or 'unknown')}/{who}"
+            # a job the agent cannot vouch for is named so that no adapter restarts it
+            name = job if pr.job_verified else f"unverified:{job or 'unknown'}"
+            out[pr.pid] = f"job:{_clean(name)}/{who}"
     return out
 
 

@@ -389,3 +389,41 @@ def test_evidence_is_json_and_leaves_the_heartbeat_record_out(spool, spawn):
     assert evidence["cmdline"] == " ".join(p.cmdline)
     assert (evidence["rank"], evidence["job"], evidence["sources"], evidence["gpus"]) == (
         0, "slurm:1", ["heartbeat"], [])
+
+
+def test_slurm_job_is_verified_only_by_slurmds_cgroup_not_by_the_environment(tmp_path):
+    """A user can put any SLURM_JOB_ID in their own environment; slurmd's cgroup is not theirs.
+    A fake /proc tree: the cgroup files are what Slurm's task/cgroup plugin creates."""
+    from node_agent.training_processes import read_slurm_cgroup_job
+
+    def cgroup(pid: int, text: str) -> None:
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cgroup").write_text(text)
+
+    cgroup(1, "0::/system.slice/slurmstepd.scope/job_4242/step_0/user/task_0\n")   # v2
+    cgroup(2, "4:memory:/slurm/uid_1000/job_77/step_batch\n2:cpu:/\n")             # v1
+    cgroup(3, "0::/user.slice/user-1000.slice/session-3.scope\n")                  # no job
+    assert read_slurm_cgroup_job(1, tmp_path) == "4242"
+    assert read_slurm_cgroup_job(2, tmp_path) == "77"
+    assert read_slurm_cgroup_job(3, tmp_path) is None
+    assert read_slurm_cgroup_job(4, tmp_path) is None  # gone
+
+
+def test_only_an_environment_job_with_a_matching_cgroup_may_be_acted_on():
+    from node_agent.training_processes import TrainingProcess
+
+    def proc(**kw):
+        base = dict(pid=1, start_ticks=1, uid=0, cmdline=[], rank=0, local_rank=0,
+                    world_size=1, job="slurm:42", job_source="slurm", slurm_job_id="42",
+                    pod=None, pod_namespace=None, identity_source="environ", gpus=(),
+                    heartbeat=None, heartbeat_path=None, log_file=None, parents=[],
+                    children=[], sources=("pid",), slurm_cgroup_job="42")
+        return TrainingProcess(**{**base, **kw})
+
+    assert proc().job_verified
+    assert not proc(slurm_cgroup_job="41").job_verified      # SLURM_JOB_ID set by hand
+    assert not proc(slurm_cgroup_job=None).job_verified      # not in a Slurm job at all
+    assert not proc(identity_source="heartbeat").job_verified  # only a file said so
+    assert not proc(job="label", job_source="argument").job_verified
+    assert not proc(job="ppid:7", job_source="ppid").job_verified
+    assert proc(job="torchelastic:x", job_source="torchelastic").job_verified
