@@ -11,15 +11,16 @@ the shipped periodic-suite params until it reports ``training_hang``. Model, wit
 the py-spy calls, ~2 s): T - 1 s <= latency <= T + E + S, i.e. <= ~47 s with the defaults.
 
 Slowdown: a CPU "training loop" (a 384x384 float32 matmul chain in torch on one thread, or a
-pure-Python loop when torch is missing) runs in a child process for ``--loop-s`` seconds per
-phase, alternating phases: not sampled; sampled as the daemon samples a *suspect* job
-(``stack_samples`` 3, 1 s apart, every ``every_s``); and sampled continuously at 1 Hz (the worst
-case). A healthy job is never stack-sampled: the only cost it pays is ``beat()``.
+pure-Python loop when torch is missing) times every step for ``--loop-s`` seconds while it is
+dumped once a second; the time each dump costs the loop is the excess of the steps that overlap
+it (see ``sampling_pause_s``). The slowdown of a job the daemon samples is that loss x 3 dumps
+per ``every_s``. A healthy job is never stack-sampled: the only cost it pays is ``beat()``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import resource
@@ -51,9 +52,10 @@ while True:
     time.sleep(60)
 """
 
-#: prints its step count every 0.5 s on stdout; the parent computes steps/s per phase
+#: runs for argv[1] seconds, then writes every step's (start, duration) in monotonic seconds to
+#: the file argv[2] (not stdout: the parent reads only after the loop ends)
 LOOP = """
-import sys, time
+import json, sys, time
 try:
     import torch
     torch.set_num_threads(1)
@@ -64,12 +66,15 @@ try:
 except ImportError:
     def step():
         sum(i * i for i in range(20000))
-steps, t_end = 0, time.monotonic() + float(sys.argv[1])
-next_print = time.monotonic() + 0.5
-while time.monotonic() < t_end:
-    step(); steps += 1
-    if time.monotonic() >= next_print:
-        print(time.monotonic(), steps, flush=True); next_print += 0.5
+steps, t_end = [], time.monotonic() + float(sys.argv[1])
+while True:
+    t0 = time.monotonic()
+    if t0 >= t_end:
+        break
+    step()
+    steps.append((t0, time.monotonic() - t0))
+with open(sys.argv[2], "w") as f:
+    json.dump(steps, f)
 """
 
 
@@ -148,41 +153,36 @@ def py_spy_sample_cost(py_spy: str) -> tuple[float, float]:
         target.wait()
 
 
-def loop_rate(py_spy: str, seconds: float, schedule: list[float]) -> float:
-    """Steps/s of the loop while ``py-spy dump`` runs at the offsets in ``schedule`` (s)."""
-    loop = subprocess.Popen([sys.executable, "-c", LOOP, str(seconds)], stdout=subprocess.PIPE,
-                            text=True)
-    t0 = time.monotonic()
-    pending = sorted(schedule)
+def sampling_pause_s(py_spy: str, seconds: float, every_s: float) -> list[float]:
+    """The time a training loop loses to each ``py-spy dump`` of it, in seconds.
+
+    The loop times every step; a dump stops the process while it reads its stack, so the step
+    that spans a dump takes longer than the loop's median step. The loss of one dump is the
+    excess of the steps overlapping it. Measuring the loss per dump directly is far less noisy
+    than comparing throughput with and without sampling on a shared machine."""
+    record = Path(tempfile.mkdtemp()) / "steps.json"
+    loop = subprocess.Popen([sys.executable, "-c", LOOP, str(seconds), str(record)])
+    windows = []
     try:
-        while pending and time.monotonic() - t0 < seconds:
-            wait = pending[0] - (time.monotonic() - t0)
-            if wait > 0:
-                time.sleep(min(wait, 0.05))
-                continue
-            pending.pop(0)
-            subprocess.run([py_spy, "dump", "--pid", str(loop.pid), "--json"],
-                           capture_output=True, timeout=30)
-        out, _ = loop.communicate(timeout=seconds + 60)
+        time.sleep(2.0)  # imports and warm-up
+        while True:
+            t0 = time.monotonic()
+            done = subprocess.run([py_spy, "dump", "--pid", str(loop.pid), "--json"],
+                                  capture_output=True, timeout=30)
+            if done.returncode != 0 or loop.poll() is not None:
+                break  # the loop finished
+            windows.append((t0, time.monotonic()))
+            time.sleep(every_s)
+        loop.wait(timeout=seconds + 60)
     finally:
         loop.kill()
-    points = [tuple(map(float, line.split())) for line in out.splitlines() if line.strip()]
-    # skip the first second (imports, warm-up): rate over the rest of the phase
-    start = next(p for p in points if p[0] - points[0][0] >= 1.0)
-    end = points[-1]
-    return (end[1] - start[1]) / (end[0] - start[0])
-
-
-def slowdown(py_spy: str, loop_s: float, every_s: float, rounds: int) -> dict[str, list[float]]:
-    suspect = [t + k for t in _range(1.0, loop_s, every_s) for k in (0.0, 1.0, 2.0)]
-    continuous = list(_range(1.0, loop_s, 1.0))
-    phases = {"not sampled": [], f"3 samples every {every_s:g} s": suspect,
-              "1 sample per second": continuous}
-    rates: dict[str, list[float]] = {name: [] for name in phases}
-    for _ in range(rounds):
-        for name, schedule in phases.items():
-            rates[name].append(loop_rate(py_spy, loop_s, schedule))
-    return rates
+    steps = json.loads(record.read_text())
+    median = statistics.median(d for _, d in steps)
+    losses = []
+    for a, b in windows:
+        over = [d - median for t, d in steps if t < b and t + d > a]
+        losses.append(max(0.0, sum(over)))
+    return losses
 
 
 def _range(start: float, stop: float, step: float):
@@ -196,8 +196,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--every-s", type=float, default=15.0)
     ap.add_argument("--trials", type=int, default=3)
-    ap.add_argument("--loop-s", type=float, default=20.0)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--loop-s", type=float, default=40.0)
     args = ap.parse_args()
     print(f"beat() throttled (min_interval_s=1): {beat_cost_us(200_000, 1.0):.2f} us/call")
     print(f"beat() writing every call (min_interval_s=0): {beat_cost_us(2_000, 0.0):.1f} us/call")
@@ -208,12 +207,14 @@ def main() -> None:
         wall, cpu = py_spy_sample_cost(py_spy)
         print(f"py-spy dump --json: {wall * 1e3:.0f} ms wall, {cpu * 1e3:.0f} ms CPU per sample "
               "(median of 5)")
-        rates = slowdown(py_spy, args.loop_s, args.every_s, args.rounds)
-        base = statistics.median(rates["not sampled"])
-        for name, values in rates.items():
-            med = statistics.median(values)
-            print(f"loop {name}: {med:.1f} steps/s (runs {', '.join(f'{v:.1f}' for v in values)})"
-                  f"; slowdown {100 * (1 - med / base):+.2f} %")
+        losses = sampling_pause_s(py_spy, args.loop_s, 1.0)
+        loss = statistics.median(losses)
+        suspect = 3 * loss / args.every_s
+        print(f"loop time lost per py-spy dump: median {loss * 1e3:.1f} ms, p90 "
+              f"{sorted(losses)[int(0.9 * (len(losses) - 1))] * 1e3:.1f} ms over {len(losses)} "
+              f"dumps -> slowdown {100 * suspect:.3f} % while a job is suspect (3 dumps every "
+              f"{args.every_s:g} s), {100 * loss:.2f} % at 1 dump/s; 0 for a healthy job "
+              "(never sampled)")
     params = periodic_params()
     latencies = []
     for i in range(args.trials):
