@@ -86,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     daemon.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
-    fleet = sub.add_parser("fleet", help="cross-node outliers over many reports (exit 3 when "
-                           "there are suspects)")
+    fleet = sub.add_parser("fleet", help="cross-node outliers, stragglers and hung jobs over "
+                                         "many reports (exit 3 on suspects or hung jobs)")
     _common(fleet)
     fleet.add_argument("reports", metavar="REPORT.json|DIR", nargs="+")
     fleet.add_argument("--json", action="store_true", help="print the analysis as JSON")

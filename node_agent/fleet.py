@@ -455,8 +455,9 @@ class FleetAnalysis:
 
     @property
     def found(self) -> bool:
-        """Anything to act on: a suspect figure, a fleet straggler or a hung job."""
-        return bool(self.suspects or self.stragglers or self.hung_jobs)
+        """Anything to act on: a suspect figure or a hung job. Fleet stragglers are listed but,
+        like a straggler on one node (WARN), do not change the exit code."""
+        return bool(self.suspects or self.hung_jobs)
 
     @property
     def suspect_nodes(self) -> list[str]:

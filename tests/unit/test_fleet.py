@@ -259,6 +259,8 @@ def test_rank_at_2_5x_its_jobs_median_on_another_node_is_a_fleet_straggler(tmp_p
     (entry,) = result.to_dict()["stragglers"]
     assert (entry["node"], entry["rank"], entry["ratio"], entry["job_median_step_time_s"]) == \
         ("nodeB", 6, 2.5, 1.0)
+    # a straggler is a WARN: listed, exit 0 (when no figure is a suspect)
+    assert not result.suspects and not result.found
 
 
 def test_one_rank_per_node_is_compared_with_the_other_nodes_rank(tmp_path):
