@@ -20,10 +20,12 @@ per ``every_s``. A healthy job is never stack-sampled: the only cost it pays is 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -104,11 +106,18 @@ def one_trial(every_s: float, params: dict) -> tuple[float, dict]:
         script = Path(d) / "worker.py"
         script.write_text(WORKER)
         spool = state / "spool" / "heartbeat"
-        worker = subprocess.Popen([sys.executable, str(script), str(spool), str(stop)],
-                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
+        # started through a launcher that exits at once: the check leaves out the agent's own
+        # descendants (its GPU workers), and a training process is never one of them
+        launcher = subprocess.run(
+            [sys.executable, "-c", "import subprocess as s, sys; print(s.Popen(sys.argv[1:], "
+             "stdout=s.DEVNULL, stderr=s.DEVNULL).pid)", sys.executable, str(script), str(spool),
+             str(stop)],
+            env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+            check=True)
+        worker_pid = int(launcher.stdout)
         try:
             deadline = time.monotonic() + 30
-            while not (spool / f"{worker.pid}.json").exists():
+            while not (spool / f"{worker_pid}.json").exists():
                 if time.monotonic() > deadline:
                     raise SystemExit("worker wrote no heartbeat in 30 s")
                 time.sleep(0.05)
@@ -129,8 +138,8 @@ def one_trial(every_s: float, params: dict) -> tuple[float, dict]:
                         return time.monotonic() - stopped, hang[0].evidence
                 time.sleep(0.01)
         finally:
-            worker.kill()
-            worker.wait()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker_pid, signal.SIGKILL)
 
 
 def py_spy_sample_cost(py_spy: str) -> tuple[float, float]:
@@ -197,12 +206,13 @@ def main() -> None:
     ap.add_argument("--every-s", type=float, default=15.0)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--loop-s", type=float, default=40.0)
+    ap.add_argument("--skip-loop", action="store_true", help="latency trials only")
     args = ap.parse_args()
     print(f"beat() throttled (min_interval_s=1): {beat_cost_us(200_000, 1.0):.2f} us/call")
     print(f"beat() writing every call (min_interval_s=0): {beat_cost_us(2_000, 0.0):.1f} us/call")
     py_spy = find_py_spy()
-    if py_spy is None:
-        print("py-spy: not installed; stack-sampling costs not measured")
+    if py_spy is None or args.skip_loop:
+        print("stack-sampling costs: " + ("skipped" if py_spy else "py-spy not installed"))
     else:
         wall, cpu = py_spy_sample_cost(py_spy)
         print(f"py-spy dump --json: {wall * 1e3:.0f} ms wall, {cpu * 1e3:.0f} ms CPU per sample "
