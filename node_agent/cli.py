@@ -176,6 +176,19 @@ def print_report(report: Report, path, note: str | None, as_json: bool, render) 
     return EXIT_FOR_LEVEL[report.grade.level]
 
 
+def run_and_report(env: Environment, suite, out: str | None, as_json: bool, render,
+                   progress=None) -> int:
+    """Run ``suite`` on ``env`` (closed afterwards), write the report and print it: the whole
+    of a command that runs a suite and does not act on it (``sdc``, ``hang-check``)."""
+    try:
+        out_dir, note = report_dir(env, out)
+        report = execute(suite, env, progress=progress)
+        path = json_report.write(report, out_dir)
+    finally:
+        env.close()
+    return print_report(report, path, note, as_json, render)
+
+
 def execute(suite, env: Environment, progress=None) -> Report:
     """Run a suite against an environment and grade it: the whole path to a verdict."""
     started = utc_now()

@@ -70,10 +70,9 @@ def build_suite(config: Config, suites_dir: Any, pids: list[int] | None,
 
 def run(args: argparse.Namespace) -> int:
     """The ``hang-check`` sub-command (``cli.main`` maps exceptions to exit codes)."""
-    from .cli import execute, print_report
+    from .cli import run_and_report
     from .config import load_config
-    from .environment import open_environment, report_dir
-    from .report import json_report
+    from .environment import open_environment
     from .resources import suites_dir
 
     for pid in args.pid or []:
@@ -85,14 +84,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--interval {args.interval:g}: expected seconds >= 0")
     config = load_config(args.config)
     suite = build_suite(config, suites_dir(config), args.pid, args.samples, args.interval)
-    env = open_environment(config, args.simulate)
-    try:
-        out_dir, note = report_dir(env, args.out)
-        report = execute(suite, env)
-        path = json_report.write(report, out_dir)
-    finally:
-        env.close()
-    return print_report(report, path, note, args.json, render)
+    return run_and_report(open_environment(config, args.simulate), suite, args.out, args.json,
+                          render)
 
 
 def render(report: Any) -> str:

@@ -18,9 +18,10 @@ import datetime as _dt
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from .atomic_file import write_json
 
 SCHEMA = "node-agent.hang-state/1"
 KEEP_EVIDENCE = 200
@@ -70,31 +71,17 @@ class HangState:
         self.processes = {k: v for k, v in self.processes.items() if k in keys}
 
     def save(self) -> None:
-        _atomic_json(self.path, {"schema": SCHEMA, "processes": self.processes})
+        write_json(self.path, {"schema": SCHEMA, "processes": self.processes})
 
     def write_evidence(self, job: str | None, now: float, evidence: dict[str, Any]) -> Path:
         """One hang episode of one job as ``evidence/<UTC time>-<job>.json``; returns the path."""
         stamp = _dt.datetime.fromtimestamp(now, _dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         name = f"{stamp}-{_UNSAFE.sub('_', job or 'unknown-job')[:80]}.json"
         path = self.directory / "evidence" / name
-        _atomic_json(path, evidence)
+        write_json(path, evidence)
         old = sorted(path.parent.glob("*.json"))[:-KEEP_EVIDENCE]
         for stale in old:
             with contextlib.suppress(OSError):
                 stale.unlink()
         return path
 
-
-def _atomic_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, sort_keys=True, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise

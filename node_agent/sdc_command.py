@@ -95,10 +95,9 @@ def run(args: argparse.Namespace) -> int:
 
     Usage errors raise ``ConfigError`` (exit 2, one line): it is the one usage exception that
     is the same class whether cli runs as ``node_agent.cli`` or as ``python -m``'s __main__."""
-    from .cli import execute, print_report
+    from .cli import run_and_report
     from .config import load_config
-    from .environment import open_environment, report_dir
-    from .report import json_report
+    from .environment import open_environment
     from .report.terminal import ProgressPrinter
     from .resources import suites_dir
 
@@ -120,12 +119,11 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as err:
                 raise ConfigError(str(err)) from None
         suite = build_suite(config, suites_dir(config), gpus, args.duration)
-        out_dir, note = report_dir(env, args.out)
-        report = execute(suite, env, progress=ProgressPrinter() if sys.stderr.isatty() else None)
-        path = json_report.write(report, out_dir)
-    finally:
+    except BaseException:
         env.close()
-    return print_report(report, path, note, args.json, render_counts)
+        raise
+    return run_and_report(env, suite, args.out, args.json, render_counts,
+                          progress=ProgressPrinter() if sys.stderr.isatty() else None)
 
 
 def render_counts(report: Any) -> str:

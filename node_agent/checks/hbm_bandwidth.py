@@ -8,8 +8,12 @@ GB/s = 10^9 B/s. The GPUs are measured one at a time, round-robin per repetition
 that disturbs the host for a moment (another process, a page-cache flush) lands on all GPUs
 alike instead of on the one being measured.
 
-Result per GPU (target ``gpu:N``): ``copy_gbps`` = median over reps, with max, min and the
-figures of the run in evidence. Graded against the GPU's siblings (graders/performance.yaml)
+Result per GPU (target ``gpu:N``): ``copy_gbps`` = the 90th percentile of the repetitions'
+GB/s, with median, max, min and the figures of the run in evidence. Not the median, for the
+reason ``pcie_bandwidth`` gives: a busy host can only slow a copy down, so the upper figures
+are the GPU's and the lower ones the host's; on an idle host they agree within a percent or
+two. (A median of a simulated GPU's copies graded one healthy stand-in below 0.92 of its
+siblings on the shared 2-core CI machine while the test suite ran other processes.) Graded against the GPU's siblings (graders/performance.yaml)
 and, on real hardware only, the SKU's ``hbm_bw_gbps_min``.
 
 Under ``--simulate`` each GPU is a CPU stand-in (``node_agent.compute``): the same code copies
@@ -75,7 +79,7 @@ def run(ctx: CheckContext) -> list[Result]:
         if index in failed:
             continue
         stats = rep_stats(copy_bytes(size), times[index])
-        figures[index] = stats.median_gbps
+        figures[index] = stats.p90_gbps  # see the module docstring
         evidence[index] = {**stats.evidence(), "size_bytes": size, "bytes_per_copy":
                            copy_bytes(size), "warmup": warmup,
                            "counting": "2 x size per copy (read + write)",

@@ -34,13 +34,12 @@ import contextlib
 import datetime as _dt
 import fcntl
 import json
-import os
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..atomic_file import write_json
 from ..model import Result, Status
 from . import CheckContext
 
@@ -83,20 +82,6 @@ def _load(path: Path) -> tuple[dict[str, Any], str | None]:
     except (OSError, ValueError, KeyError, TypeError) as err:
         return empty, (f"cursor {path} unreadable ({err}); every verdict in the spool is read "
                        "again")
-
-
-def _save(path: Path, data: dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, sort_keys=True, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _when(ts: float) -> str:
@@ -160,7 +145,7 @@ def run(ctx: CheckContext) -> list[Result]:
                                   "damaged: inspect and remove it", file=str(file)))
         out.extend(_new_results(ctx, groups))
         out.extend(_standing_results(ctx, cursor, {t for (t, s) in groups if s == "confirmed"}))
-        _save(path, cursor)
+        write_json(path, cursor)
     if not out:
         out.append(ctx.result(
             "node", "sdc_spool", Status.PASS,

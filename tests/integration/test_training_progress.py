@@ -169,6 +169,17 @@ def _by_metric(report, metric):
     return [r for r in report["results"] if r["metric"] == metric]
 
 
+def _one_straggler(agent, tmp_path: Path, straggler_for_s: float):
+    """Run the check until it names a straggler: (every report seen, the last, its straggler).
+    The grade is WARN (exit 0): a straggler is never acted on."""
+    seen = _poll(agent, _suite(tmp_path, **{**FAST, "straggler_for_s": straggler_for_s}),
+                 lambda rep: _by_metric(rep, "training_straggler"))
+    code, report = seen[-1]
+    assert code == 0 and report["grade"]["level"] == "WARN"
+    (slow,) = _by_metric(report, "training_straggler")
+    return seen, report, slow
+
+
 def _stack(result: dict) -> dict:
     return result["evidence"]["signals"]["stack"]
 
@@ -232,11 +243,7 @@ def test_rank_three_times_slower_is_a_straggler_warn_never_a_hang(agent, tmp_pat
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     try:
         _wait_for_steps(spool, [p.pid for p in procs], 3, 60, procs)
-        seen = _poll(agent, _suite(tmp_path, **{**FAST, "straggler_for_s": 2}),
-                     lambda rep: _by_metric(rep, "training_straggler"))
-        code, report = seen[-1]
-        assert code == 0 and report["grade"]["level"] == "WARN"
-        (slow,) = _by_metric(report, "training_straggler")
+        seen, report, slow = _one_straggler(agent, tmp_path, straggler_for_s=2)
         assert slow["target"] == f"{JOB}/rank:2" and slow["status"] == "warn"
         assert slow["value"] >= 2 and "median" in slow["detail"]
         assert len(seen) >= 2  # persistently slow: seen in more than one run before the WARN
@@ -355,11 +362,7 @@ def test_straggler_in_a_synchronous_job_is_found_from_the_compute_time_before_th
                      "MASTER_PORT": port} for r in range(3)])
     try:
         _wait_for_steps(spool, [p.pid for p in procs], 5, 120, procs)
-        seen = _poll(agent, _suite(tmp_path, **{**FAST, "straggler_for_s": 1}),
-                     lambda rep: _by_metric(rep, "training_straggler"))
-        code, report = seen[-1]
-        assert code == 0 and report["grade"]["level"] == "WARN"
-        (slow,) = _by_metric(report, "training_straggler")
+        seen, report, slow = _one_straggler(agent, tmp_path, straggler_for_s=1)
         assert slow["target"] == f"{JOB}/rank:2" and slow["evidence"]["compared"] == "compute_time_s"
         assert slow["value"] >= 2 and "compute time per step" in slow["detail"]
         step_times = [r["evidence"]["step_time_s"] for r in report["results"]]
