@@ -102,9 +102,10 @@ def run(ctx: CheckContext) -> list[Result]:
     verdicts = {}
     for pr in procs:
         mem = state.processes.setdefault(keys[pr.pid], {})
-        v0 = verdict(list(signals[pr.pid].values()), th, agreeing_since_s=None,
-                     has_heartbeat=pr.heartbeat is not None)
-        if len(v0.agreeing) >= th.agree:
+        # would the signals make a hang if they had held long enough? (the veto included)
+        holding = verdict(list(signals[pr.pid].values()), th, agreeing_since_s=float("inf"),
+                          has_heartbeat=pr.heartbeat is not None)
+        if holding.hung:
             mem.setdefault("agree_since", now)
         else:
             mem.pop("agree_since", None)
