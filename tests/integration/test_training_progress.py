@@ -2,9 +2,9 @@
 
 Each worker is a real Python process looping over ``Heartbeat.beat(step)`` with ``RANK`` set;
 the check runs through the real CLI (``node-agent check --suite <suite with
-training_progress>``), whose config's state dir holds the heartbeat spool. When py-spy is
-installed (it is in the dev venv) and may ptrace the workers, the hang carries their stacks;
-where it may not, the stack signal must say unavailable with the reason.
+training_progress>``), whose config's state dir holds the heartbeat spool. py-spy (in the dev
+extras) samples their stacks; the tests whose hang needs the stack to agree skip when it may
+not ptrace the workers, and one test runs without py-spy on purpose.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from node_agent.stack_sampling import find_py_spy
 
 WORKER = '''
 import os, sys, time
@@ -180,15 +182,19 @@ def _one_straggler(agent, tmp_path: Path, straggler_for_s: float):
     return seen, report, slow
 
 
+def _require_stacks(pid: int) -> None:
+    """Skip unless py-spy can read ``pid``: within a minute a hang needs the still stack to
+    agree with the silent heartbeat (alone, the heartbeat takes hang_after_s, 300 s)."""
+    py_spy = find_py_spy()
+    if py_spy is None:
+        pytest.skip("py-spy is not installed (it is in the dev extras): no stack signal")
+    done = subprocess.run([py_spy, "dump", "--pid", str(pid)], capture_output=True, timeout=30)
+    if done.returncode != 0:
+        pytest.skip(f"py-spy may not read the workers here (ptrace): {done.stderr[-200:]!r}")
+
+
 def _stack(result: dict) -> dict:
     return result["evidence"]["signals"]["stack"]
-
-
-def _assert_stack_signal(stack: dict, innermost: str) -> None:
-    if stack["available"]:
-        assert stack["identical"] is True and innermost in stack["stuck_in"], stack
-    else:  # no py-spy, or no ptrace permission: said, with the reason
-        assert stack["detail"], stack
 
 
 def test_rank_that_stops_stepping_is_reported_hung_and_grades_error(agent, tmp_path):
@@ -197,6 +203,7 @@ def test_rank_that_stops_stepping_is_reported_hung_and_grades_error(agent, tmp_p
                    [{"RANK": str(r), "WORLD_SIZE": "3"} for r in range(3)])
     try:
         _wait_for_steps(spool, [p.pid for p in procs], 3, 60, procs)
+        _require_stacks(procs[2].pid)
         suite = _suite(tmp_path, **FAST)
         before = agent("check", "--suite", suite, "--json")
         assert before.code == 0, before.stderr
@@ -213,7 +220,8 @@ def test_rank_that_stops_stepping_is_reported_hung_and_grades_error(agent, tmp_p
         assert "rank 2" in hang["detail"] and "torchelastic:test-job" in hang["detail"]
         assert hang["evidence"]["pid"] == procs[2].pid and hang["value"] >= 2  # rounded to 0.1 s
         stack = _stack(hang)
-        _assert_stack_signal(stack, "stop_participating")
+        assert stack["available"] and stack["identical"], stack
+        assert "stop_participating" in stack["stuck_in"]
         assert "heartbeat" in hang["evidence"]["agreeing"]
         # the evidence of the hang is kept in the state dir for the people who debug it
         evidence = json.loads(Path(hang["evidence"]["evidence_file"]).read_text())
@@ -305,6 +313,7 @@ def test_gloo_allreduce_hang_is_reported_within_60_s_naming_the_stopped_rank_as_
     every_s = 15.0
     try:
         _wait_for_steps(spool, [p.pid for p in procs], 5, 120, procs)
+        _require_stacks(procs[2].pid)
         suite = _suite(tmp_path)
         before = agent("check", "--suite", suite, "--json")
         assert before.code == 0, before.stderr
@@ -326,16 +335,12 @@ def test_gloo_allreduce_hang_is_reported_within_60_s_naming_the_stopped_rank_as_
         assert set(hangs) == {f"{JOB}/rank:0", f"{JOB}/rank:1", f"{JOB}/rank:2"}, report
         assert latency_s <= 60, f"hang reported {latency_s:.1f} s after it started"
         assert report["grade"]["level"] == "ERROR"
-        stacks = [_stack(h) for h in hangs.values()]
-        if all(s["available"] for s in stacks):
-            origin, waiting = hangs[f"{JOB}/rank:2"], hangs[f"{JOB}/rank:0"]
-            assert origin["evidence"]["likely_origin"] is True
-            assert "likely origin" in origin["detail"]
-            assert "stop_participating" in _stack(origin)["stuck_in"]
-            assert waiting["evidence"]["likely_origin"] is False
-            assert _stack(waiting)["in_collective"] is True
-        else:
-            assert all(s["detail"] for s in stacks if not s["available"])
+        origin, waiting = hangs[f"{JOB}/rank:2"], hangs[f"{JOB}/rank:0"]
+        assert origin["evidence"]["likely_origin"] is True
+        assert "likely origin" in origin["detail"]
+        assert "stop_participating" in _stack(origin)["stuck_in"]
+        assert waiting["evidence"]["likely_origin"] is False
+        assert _stack(waiting)["in_collective"] is True
 
         stop.unlink()  # rank 2 joins again: the job makes progress, nothing is hung any more
         _wait_for_steps(spool, [p.pid for p in procs],
