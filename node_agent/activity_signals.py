@@ -62,11 +62,6 @@ def read_gpu_activity(device: GpuDevice) -> GpuActivity:
     def failed(query: str, err: GpuError) -> None:
         errors.append(f"{query}: {type(err).__name__}: {err}")
 
-    try:
-        index = device.identity().index
-    except GpuError as err:
-        failed("identity", err)
-        index = device.index
     gpu_pct = memory_pct = None
     try:
         util = device.utilization()
@@ -81,7 +76,7 @@ def read_gpu_activity(device: GpuDevice) -> GpuActivity:
                    else power.default_limit_w)
     except GpuError as err:
         failed("power", err)
-    return GpuActivity(index, gpu_pct, memory_pct, power_w, limit_w, tuple(errors))
+    return GpuActivity(device.index, gpu_pct, memory_pct, power_w, limit_w, tuple(errors))
 
 
 def _missing_fields(reading: GpuActivity) -> list[str]:

@@ -82,11 +82,11 @@ def identity_from_env(env: Mapping[str, str] | None = None, ppid: int | None = N
     }
 
 
-def process_start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22), or
-    None where it cannot be read. With the pid it identifies a process across pid reuse."""
+def process_start_ticks(pid: int, proc_root: str | os.PathLike[str] = "/proc") -> int | None:
+    """The process's start time in clock ticks since boot (``<proc_root>/<pid>/stat`` field 22),
+    or None where it cannot be read. With the pid it identifies a process across pid reuse."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with open(os.path.join(proc_root, str(pid), "stat"), "rb") as f:
             data = f.read()
         # the command name (field 2) may hold spaces and parentheses: split after the last ')'
         return int(data[data.rindex(b")") + 2:].split()[19])

@@ -36,7 +36,7 @@ from typing import Any
 import psutil
 
 from .gpu.base import GpuDevice, GpuError
-from .heartbeat import identity_from_env, read_heartbeats
+from .heartbeat import identity_from_env, process_start_ticks, read_heartbeats
 
 HEARTBEAT, NVML, PID = "heartbeat", "nvml", "pid"
 _SOURCES = (HEARTBEAT, NVML, PID)
@@ -118,18 +118,6 @@ class Discovery:
 # -- /proc readings -------------------------------------------------------------------------------
 
 
-def start_ticks(pid: int, proc_root: Path = Path("/proc")) -> int | None:
-    """``<proc_root>/<pid>/stat`` field 22 (start time, clock ticks since boot), or None.
-
-    The same reading as ``heartbeat.process_start_ticks``, under ``proc_root``."""
-    try:
-        data = (proc_root / str(pid) / "stat").read_bytes()
-        # the command name (field 2) may hold spaces and parentheses: split after the last ')'
-        return int(data[data.rindex(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def alive(pid: int, expected_start_ticks: int | None = None,
           proc_root: Path = Path("/proc")) -> bool:
     """The process runs: ``pid`` exists, is not a zombie, and (where both are known) started at
@@ -144,7 +132,7 @@ def alive(pid: int, expected_start_ticks: int | None = None,
         return False
     except psutil.AccessDenied:
         pass  # it exists; we may not read its state
-    now = start_ticks(pid, proc_root)
+    now = process_start_ticks(pid, proc_root)
     return expected_start_ticks is None or now is None or int(expected_start_ticks) == now
 
 
@@ -329,7 +317,7 @@ def _inspect(pid: int, sources: tuple[str, ...], beat: tuple[Path, dict[str, Any
             uid = _effective_uid(proc)
     except (psutil.NoSuchProcess, ValueError):
         return None  # exited (or never ran): nothing to say about it
-    ticks = start_ticks(pid, proc_root)
+    ticks = process_start_ticks(pid, proc_root)
     env_error = ""
     try:
         env: dict[str, str] | None = read_environ(pid, proc_root)

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import activity_signals as activity
+from ..gpu.base import GpuDevice, GpuError
 from ..hang_signals import NAMES, Signal
 from ..hang_state import HangState, process_key
 from ..hang_verdict import Thresholds, heartbeat_signal, likely_origin, stragglers, verdict
@@ -62,13 +63,14 @@ def _state_base(ctx: CheckContext) -> Path:
     return Path(ctx.state_dir if ctx.state_dir is not None else ctx.config.state_dir)
 
 
-def _devices(ctx: CheckContext) -> list[Any] | None:
-    gpu = ctx.gpu
-    if gpu is None or getattr(gpu, "unavailable_reason", None):
+def _devices(ctx: CheckContext) -> list[GpuDevice] | None:
+    """The GPUs to read, or None on a node without usable GPU access (the GPU signals then say
+    unavailable; the other signals still work)."""
+    if ctx.gpu is None or ctx.gpu.unavailable_reason:
         return None
     try:
-        return list(gpu.devices())
-    except Exception:  # noqa: BLE001 - a broken backend only costs the GPU signals
+        return list(ctx.gpu.devices())
+    except GpuError:
         return None
 
 
@@ -161,11 +163,12 @@ def _remove_stale(paths: Sequence[Path], now: float, stale_s: float) -> None:
                 path.unlink()
 
 
-def _cheap_signals(ctx: CheckContext, procs: list[TrainingProcess], devices: list[Any] | None,
+def _cheap_signals(ctx: CheckContext, procs: list[TrainingProcess],
+                   devices: list[GpuDevice] | None,
                    now: float, th: Thresholds) -> dict[int, dict[str, Signal]]:
     """heartbeat, gpu_activity and log_silence of every process (no waiting, no ptrace)."""
     readings: dict[int, activity.GpuActivity] = {}
-    by_index = {d.identity().index: d for d in devices or []} if devices else {}
+    by_index = {d.index: d for d in devices or []}
     silence_s = float(ctx.params.get("log_silence_s", 60))
     out = {}
     for pr in procs:

@@ -25,11 +25,10 @@ tests/data/dcgm/README.md for where each shape comes from):
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
-from . import ParseError
+from . import ParseError, json_document
 
 #: dcgmErrorSeverity_t (dcgm_errors.h). NONE/UNKNOWN carry no advice; the grade then falls back.
 SEVERITIES = {0: "NONE", 1: "MONITOR", 2: "ISOLATE", 3: "UNKNOWN", 4: "TRIAGE", 5: "CONFIG",
@@ -167,15 +166,7 @@ def parse_diag_json(text: str) -> DiagReport:
     >>> report.findings
     ()
     """
-    start = text.find("{")
-    if start < 0:
-        raise ParseError("dcgmi printed no JSON document (expected `dcgmi diag -j` output; "
-                         f"got {text.strip()[:160]!r})")
-    try:
-        doc = json.loads(text[start:])
-    except json.JSONDecodeError as err:
-        raise ParseError(f"dcgmi diag JSON is truncated or malformed at character "
-                         f"{err.pos + start} of {len(text)}: {err.msg}") from err
+    doc = json_document(text, "dcgmi diag", "`dcgmi diag -j` output")
     if not isinstance(doc, dict):
         raise ParseError(f"dcgmi diag JSON is a {type(doc).__name__}, expected an object")
     if "iterations" in doc:

@@ -7,10 +7,9 @@ sections with ``bw_bytes`` (bytes/s, averaged over the job's runtime), ``iops`` 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
-from . import ParseError
+from . import ParseError, json_document
 
 
 @dataclass(frozen=True)
@@ -47,15 +46,7 @@ def parse_fio_json(text: str) -> dict[str, FioJob]:
 
     Raises :class:`ParseError` for empty, truncated or non-JSON output.
     """
-    start = text.find("{")
-    if start < 0:
-        raise ParseError("fio printed no JSON document (expected --output-format=json output; "
-                         f"got {text.strip()[:120]!r})")
-    try:
-        doc = json.loads(text[start:])
-    except json.JSONDecodeError as err:
-        raise ParseError(f"fio JSON is truncated or malformed at character {err.pos + start} "
-                         f"of {len(text)}: {err.msg}") from err
+    doc = json_document(text, "fio", "--output-format=json output", preview=120)
     jobs = doc.get("jobs") if isinstance(doc, dict) else None
     if not isinstance(jobs, list) or not jobs:
         raise ParseError("fio JSON has no 'jobs' list")

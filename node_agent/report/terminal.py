@@ -38,14 +38,6 @@ class ProgressPrinter:
         self.stream.flush()
 
 
-def _value(result: Result) -> str:
-    if result.value is None or result.value == "":
-        return ""
-    if isinstance(result.value, float):
-        return f"{result.value:.4g} {result.unit}".strip()
-    return f"{result.value} {result.unit}".strip()
-
-
 def _collapse_skips(results: list[Result]) -> list[Result]:
     """One row for a skip repeated on many targets (e.g. a reading no GPU of the SKU has)."""
     groups: dict[tuple[str, str], list[Result]] = {}
