@@ -35,8 +35,8 @@ from typing import Any
 
 import psutil
 
-from .gpu.base import GpuDevice, GpuError
-from .heartbeat import identity_from_env, process_start_ticks, read_heartbeats
+from node_agent.gpu.base import GpuDevice, GpuError
+from node_agent.heartbeat import identity_from_env, process_start_ticks, read_heartbeats
 
 HEARTBEAT, NVML, PID = "heartbeat", "nvml", "pid"
 _SOURCES = (HEARTBEAT, NVML, PID)

@@ -1,7 +1,7 @@
 """Device-activity and log-silence hang signals: GPU activity, RDMA port traffic, log silence.
 
 Three of the ``training_progress`` check's independent ways of looking at a training process
-(see :mod:`node_agent.hang_signals` and ``docs/training_hangs.md``), from issue 10:
+(see :mod:`node_agent.training.signals` and ``docs/training_hangs.md``), from issue 10:
 
 * ``gpu_activity`` — every GPU of the process reads busy (``utilization.gpu``) while its power
   draw and memory traffic sit near idle: the signature of a kernel spinning on a peer.
@@ -13,7 +13,7 @@ Each is cheap enough to run every few seconds: one NVML utilization and power qu
 a handful of sysfs reads per RDMA port, one ``stat`` of a file. Readers take their device or
 path as a parameter and judges take the clock reading (``now``) as one, so tests hand in fakes.
 Nothing here raises on bad input: what cannot be read becomes an unavailable
-:class:`~node_agent.hang_signals.Signal` that says why (it neither accuses nor clears).
+:class:`~node_agent.training.signals.Signal` that says why (it neither accuses nor clears).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .checks import rdma
-from .gpu.base import GpuDevice, GpuError
-from .hang_signals import Signal
+from node_agent.checks import rdma
+from node_agent.gpu.base import GpuDevice, GpuError
+from node_agent.training.signals import Signal
 
 # -- GPU activity --------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .hang_signals import Signal
+from node_agent.training.signals import Signal
 
 
 @dataclass(frozen=True)

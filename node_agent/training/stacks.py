@@ -23,8 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from . import proc
-from .hang_signals import Signal
+from node_agent import proc
+from node_agent.training.signals import Signal
 
 #: frame-name fragments of a rank blocked in a collective or a barrier (torch.distributed's
 #: functions, c10d's ``Work.wait``, NCCL/gloo); a hung rank *not* in one while its peers are is

@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .atomic_file import write_json
+from node_agent.atomic_file import write_json
 
 SCHEMA = "node-agent.hang-state/1"
 KEEP_EVIDENCE = 200

@@ -1,0 +1,1 @@
+"""Training jobs on this node: discovery, hang and straggler signals, the verdict and its state."""
