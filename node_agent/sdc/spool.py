@@ -1,7 +1,7 @@
 """SDC verdicts and their spool: what a training job's probe hands to the daemon.
 
 Torch-free on purpose: the daemon and ``sdc_spool`` read verdicts without importing torch (it
-would cost the daemon hundreds of MB); ``node_agent.sdc`` re-exports everything here.
+would cost the daemon hundreds of MB); ``node_agent.sdc.probes`` re-exports everything here.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("node_agent.sdc")
+log = logging.getLogger("node_agent.sdc.probes")
 
 SPOOL_SCHEMA = "node-agent.sdc-verdict/1"
 

@@ -44,9 +44,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:  # the caller imports it; sdc stays stdlib + torch at runtime
-    from .heartbeat import Heartbeat
+    from node_agent.heartbeat import Heartbeat
 
-from .sdc_verdicts import (  # noqa: F401 - re-exported: the probe API's verdicts and spool
+from node_agent.sdc.spool import (  # noqa: F401 - re-exported: the probe API's verdicts and spool
     SPOOL_SCHEMA,
     Verdict,
     default_spool_dir,
