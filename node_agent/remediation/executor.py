@@ -34,11 +34,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from . import evidence as _evidence
-from . import guards, proc
-from .kernel_log import KernelLog
-from .model import ActionRecord, Grade, Report
-from .remediation import (
+from node_agent import proc
+from node_agent.kernel_log import KernelLog
+from node_agent.model import ActionRecord, Grade, Report
+from node_agent.remediation import evidence as _evidence
+from node_agent.remediation import guards
+from node_agent.remediation.plan import (
     DISRUPTIVE,
     EVIDENCE_ACTIONS,
     JOB_RULES,
@@ -49,9 +50,9 @@ from .remediation import (
     operator_step,
     plan,
 )
-from .remediation import restart_window_start as _window_start
-from .schedulers.base import AdapterError, SchedulerAdapter, check_job_id
-from .store import JournalRow, NodeRecord, Store
+from node_agent.remediation.plan import restart_window_start as _window_start
+from node_agent.remediation.store import JournalRow, NodeRecord, Store
+from node_agent.schedulers.base import AdapterError, SchedulerAdapter, check_job_id
 
 CRASH_ENV = "NODE_AGENT_TEST_CRASH_AFTER_JOURNAL"
 GPU_RESET_TIMEOUT_S = 120.0

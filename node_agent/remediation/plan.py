@@ -18,8 +18,8 @@ Per node (DESIGN.md, "Remediation and safety")::
   node's state does not change. A hardware ERROR/FAULT beside it takes the node path instead
   (a reboot or replacement ends the jobs anyway).
 
-The plan says *what* to do; :mod:`node_agent.remediator` executes it through the guards in
-:mod:`node_agent.guards` and journals each step before acting.
+The plan says *what* to do; :mod:`node_agent.remediation.executor` executes it through the guards in
+:mod:`node_agent.remediation.guards` and journals each step before acting.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import Config
-from .model import Grade, Level, Reason
-from .schedulers.base import MAX_JOB_LEN, sanitise_reason
-from .store import NodeRecord
+from node_agent.config import Config
+from node_agent.model import Grade, Level, Reason
+from node_agent.remediation.store import NodeRecord
+from node_agent.schedulers.base import MAX_JOB_LEN, sanitise_reason
 
 #: remediation states of a node
 STATES = ("in-service", "drained", "restarting", "retest", "fault", "awaiting-replacement")

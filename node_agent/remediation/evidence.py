@@ -16,10 +16,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import proc
-from .kernel_log import KernelLog
-from .model import Report
-from .report import json_report
+from node_agent import proc
+from node_agent.kernel_log import KernelLog
+from node_agent.model import Report
+from node_agent.report import json_report
 
 KERNEL_LOG_TAIL_LINES = 300
 PY_SPY_TIMEOUT_S = 20.0

@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 import re
 
-from .schedulers.base import NodeState, is_agent_reason
-from .store import BreakerState
+from node_agent.remediation.store import BreakerState
+from node_agent.schedulers.base import NodeState, is_agent_reason
 
 MAX_OPERATOR_REASON_LEN = 160
 _UNPRINTABLE = re.compile(r"[^\x20-\x7e]")

@@ -1,0 +1,1 @@
+"""From a grade to actions: the plan, the guards, the executor, evidence and the durable store."""
