@@ -5,7 +5,7 @@ Threads, each with one job:
   changed simulation scenario, reopening NVML after the driver went away;
 - checks: runs ``suites/periodic.yaml`` by each check's ``every_s`` cadence, one check at a
   time (never two heavy checks at once), each bounded by its timeout (``runner.run_check``);
-- XID watch: NVML events and the kernel log (``xid_watch``), graded the moment they arrive;
+- XID watch: NVML events and the kernel log (``service.xid_watch``), graded the moment they arrive;
 - HTTP: ``/metrics`` (Prometheus) and ``/healthz`` on loopback.
 Every change of results is re-graded at once; a changed grade goes to ``on_grade`` (the
 remediation hook) and the log. Nothing here exits on a check's failure: a check that raises or
@@ -27,18 +27,18 @@ from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from .config import Config, load_config
-from .environment import Environment, open_environment
-from .metrics import CheckStats, DaemonCollector, HangTracker, Snapshot
-from .model import Grade, Level, Result, Status
-from .resources import suites_dir
-from .runner import run_check
-from .sd_notify import Notifier
-from .suite import CheckSpec, Suite, load_suite
-from .xid_watch import XidSighting, XidWatch
-from .yamlfile import ConfigError
+from node_agent.config import Config, load_config
+from node_agent.environment import Environment, open_environment
+from node_agent.model import Grade, Level, Result, Status
+from node_agent.resources import suites_dir
+from node_agent.runner import run_check
+from node_agent.service.metrics import CheckStats, DaemonCollector, HangTracker, Snapshot
+from node_agent.service.sd_notify import Notifier
+from node_agent.service.xid_watch import XidSighting, XidWatch
+from node_agent.suite import CheckSpec, Suite, load_suite
+from node_agent.yamlfile import ConfigError
 
-log = logging.getLogger("node_agent.daemon")
+log = logging.getLogger("node_agent.service.daemon")
 
 #: called with (new grade, all current results, environment) when the grade changes
 GradeHook = Callable[[Grade, list[Result], Environment], None]
@@ -92,7 +92,7 @@ class Daemon:
         self.listen_address: tuple[str, int] | None = None
         self._remediation = None
         if on_grade is None and self.config.get("daemon.act"):
-            from .daemon_actions import DaemonRemediation
+            from node_agent.service.actions import DaemonRemediation
 
             self._remediation = DaemonRemediation(self.config, simulate, self.record_action)
             self._on_grade = self._remediation
@@ -287,8 +287,8 @@ class Daemon:
 
         import yaml
 
-        from . import proc
-        from .model import Report, ReportFormatError
+        from node_agent import proc
+        from node_agent.model import Report, ReportFormatError
 
         with tempfile.TemporaryDirectory(prefix="node-agent-check-") as tmp:
             suite_path = Path(tmp) / f"{spec.check}.yaml"
@@ -296,7 +296,7 @@ class Daemon:
                 "name": f"periodic-{spec.check}", "mode": "service",
                 "checks": [{"check": spec.check, "timeout_s": spec.timeout_s,
                             "params": spec.params}]}))
-            argv = [sys.executable, "-m", "node_agent.cli", "check", "--suite", str(suite_path),
+            argv = [sys.executable, "-m", "node_agent.commands.main", "check", "--suite", str(suite_path),
                     "--json", "--out", tmp]
             if self._config_path:
                 argv += ["--config", self._config_path]
@@ -346,7 +346,7 @@ class Daemon:
             env = self.env
             index = sighting.gpu_index
             if index is None and sighting.pci_bus:
-                from .kernel_log import normalise_bus
+                from node_agent.kernel_log import normalise_bus
 
                 index = next((g.index for g in env.inventory.gpus
                               if normalise_bus(g.pci_bus_id) == sighting.pci_bus), None)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .model import Level, Result, Status
+from node_agent.model import Level, Result, Status
 
 #: result metric of nvml_health -> (Prometheus name, help); values are the readings
 GPU_READINGS: dict[str, tuple[str, str]] = {

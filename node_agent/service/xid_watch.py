@@ -16,8 +16,14 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .gpu.base import GpuBackend, GpuError, NotSupported
-from .kernel_log import KernelLog, KmsgFollower, KmsgKernelLog, normalise_bus, parse_xid_line
+from node_agent.gpu.base import GpuBackend, GpuError, NotSupported
+from node_agent.kernel_log import (
+    KernelLog,
+    KmsgFollower,
+    KmsgKernelLog,
+    normalise_bus,
+    parse_xid_line,
+)
 
 log = logging.getLogger(__name__)
 

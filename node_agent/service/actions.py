@@ -4,7 +4,7 @@ One thread owns the store (SQLite connections stay on the thread that opened the
 adapter; grade changes are queued to it, so a slow scheduler never delays the XID watch. Only
 the latest grade matters: when several changes queue up while an action runs, the thread acts
 on the newest. On start it completes, once, any action a crash left half done (the journal).
-All the guards of ``remediator.Remediator`` apply; the daemon adds none and skips none. A
+All the guards of ``remediation.executor.Remediator`` apply; the daemon adds none and skips none. A
 hung training job (``training-hang``, from the periodic ``training_progress`` check) is a
 ``restart-job`` through the adapter like any other step; evidence before it includes the stacks
 of the GPU processes, as under ``check --act``.
@@ -18,12 +18,12 @@ import threading
 import time
 from collections.abc import Callable
 
-from . import __version__
-from .config import Config
-from .environment import Environment
-from .model import Grade, Report, Result, utc_now
+from node_agent import __version__
+from node_agent.config import Config
+from node_agent.environment import Environment
+from node_agent.model import Grade, Report, Result, utc_now
 
-log = logging.getLogger("node_agent.daemon.actions")
+log = logging.getLogger("node_agent.service.daemon.actions")
 
 _STOP = object()
 
@@ -33,12 +33,12 @@ class DaemonRemediation:
 
     def __init__(self, config: Config, simulate: str | None,
                  record: Callable[[str, str], None]) -> None:
-        from .remediation_cli import _open_adapter, node_name
+        from node_agent.remediation.host import node_name, open_configured_adapter
 
         self._config = config
         self._simulate = simulate
         self._record = record
-        self.adapter = _open_adapter(config, None)  # ConfigError (exit 2) before anything runs
+        self.adapter = open_configured_adapter(config, None)  # ConfigError (exit 2) before anything runs
         self.node = node_name(config, simulate)
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="remediation", daemon=True)
@@ -55,7 +55,7 @@ class DaemonRemediation:
         self._queue.put((grade, results, env))
 
     def _loop(self) -> None:
-        from .store import open_store
+        from node_agent.remediation.store import open_store
 
         store = open_store(self._config.state_dir)
         try:
@@ -72,13 +72,13 @@ class DaemonRemediation:
             store.close()
 
     def _act(self, store, item) -> None:
-        from . import evidence
-        from .remediation import Safety
-        from .remediation_cli import _boot_time, _resetter, _state_dir
-        from .remediator import Remediator
-        from .resources import suites_dir
-        from .runner import run_suite
-        from .suite import load_suite
+        from node_agent.remediation import evidence
+        from node_agent.remediation.executor import Remediator
+        from node_agent.remediation.host import boot_time, gpu_resetter, state_dir_of
+        from node_agent.remediation.plan import Safety
+        from node_agent.resources import suites_dir
+        from node_agent.runner import run_suite
+        from node_agent.suite import load_suite
 
         env = item[2] if item else self._env
 
@@ -88,9 +88,9 @@ class DaemonRemediation:
 
         remediator = Remediator(
             store, self.adapter, self.node, Safety.from_config(self._config),
-            state_dir=_state_dir(store), dry_run=bool(self._config.get("adapter.dry_run")),
-            boot_time=time.time() if env.simulated else _boot_time(),
-            gpu_resetter=_resetter(env), retest=retest, kernel_log=env.kernel_log,
+            state_dir=state_dir_of(store), dry_run=bool(self._config.get("adapter.dry_run")),
+            boot_time=time.time() if env.simulated else boot_time(),
+            gpu_resetter=gpu_resetter(env), retest=retest, kernel_log=env.kernel_log,
             gpu_pids=None if env.simulated else evidence.gpu_pids)
         try:
             if item is None:
