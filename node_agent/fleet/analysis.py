@@ -31,12 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .model import REPORT_SCHEMA, ReportFormatError
-from .report import json_report
-from .yamlfile import ConfigError, load_yaml
+from node_agent.model import REPORT_SCHEMA, ReportFormatError
+from node_agent.report import json_report
+from node_agent.yamlfile import ConfigError, load_yaml
 
 #: exit codes of ``node-agent fleet`` (the contract's 2 for usage errors, 1 for agent failures)
-EXIT_NO_SUSPECTS, EXIT_SUSPECTS = 0, 3
 
 FLEET_SCHEMA: dict[str, Any] = {
     "type": "object", "additionalProperties": False, "required": ["thresholds", "units"],
@@ -689,106 +688,3 @@ def analyse(inputs: Iterable[str | Path], rules: FleetRules,
 
 
 # -- output ----------------------------------------------------------------------------------
-
-def _fmt(value: float) -> str:
-    return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.0f}"
-
-
-def render_text(analysis: FleetAnalysis, limit: int = 50) -> str:
-    """The ranked suspects for people at a shell (worst first), then what could not be read."""
-    a = analysis
-    skus = sorted({n.sku for n in a.nodes})
-    lines = [f"fleet: {a.reports} report(s), {len(a.nodes)} node(s), SKU {', '.join(skus) or '-'}"
-             f"; {len(a.unreadable)} unreadable, {len(a.superseded)} superseded by a newer report"
-             f"; threshold {a.rules.deviation_mads:g} MADs (floor {a.rules.relative_floor:.0%}"
-             " of the median)"]
-    if not a.suspects:
-        lines.append("no suspects: every compared figure is within the threshold of its fleet "
-                     "median")
-    else:
-        lines.append(f"suspects: {len(a.suspects)} figure(s) on {len(a.suspect_nodes)} node(s), "
-                     "worst first")
-        rows = [("NODE", "TARGET", "METRIC", "VALUE", "MEDIAN", "DEVIATION", "RATIO")]
-        for s in a.suspects[:limit]:
-            rows.append((s.node, s.target, f"{s.check}/{s.metric}",
-                         f"{_fmt(s.value)} {s.unit}".strip(), _fmt(s.median),
-                         f"{s.deviation_mads:+.1f} MADs", f"{s.ratio:.3f}"))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        for r in rows:
-            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-        if len(a.suspects) > limit:
-            lines.append(f"  ... and {len(a.suspects) - limit} more (--json lists them all)")
-    lines.extend(_training_text(a, limit))
-    for g in a.flagged_groups():
-        lines.append(f"group {g['group']} flagged as a whole ({len(g['nodes'])} nodes): "
-                     f"suspect node(s) {', '.join(g['suspect_nodes'])}")
-    if a.unreadable:
-        lines.append(f"unreadable ({len(a.unreadable)}):")
-        for p, err in a.unreadable[:limit]:
-            lines.append(f"  {err if err.startswith(p) else p + ': ' + err}")
-    return "\n".join(lines)
-
-
-def _table(rows: list[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-            for r in rows]
-
-
-def _training_text(a: FleetAnalysis, limit: int) -> list[str]:
-    """Fleet stragglers and hung jobs; nothing when no report has a multi-node job or a hang."""
-    lines = []
-    ratio = a.rules.straggler_ratio
-    if a.stragglers:
-        lines.append(f"fleet stragglers: {len(a.stragglers)} rank(s) at >= {ratio:g}x the median "
-                     f"step time of their job's other ranks ({a.jobs_compared} job(s) on >= "
-                     f"{a.rules.straggler_min_nodes} nodes compared)")
-        rows = [("NODE", "JOB", "RANK", "STEP TIME", "JOB MEDIAN", "RATIO")]
-        for s in a.stragglers[:limit]:
-            rows.append((s.node, s.job, "?" if s.rank is None else str(s.rank),
-                         f"{s.step_time_s:.4g} s", f"{s.job_median_s:.4g} s", f"{s.ratio:.2f}x"))
-        lines.extend(_table(rows))
-        if len(a.stragglers) > limit:
-            lines.append(f"  ... and {len(a.stragglers) - limit} more (--json lists them all)")
-    elif a.jobs_compared:
-        lines.append(f"no fleet stragglers: no rank of the {a.jobs_compared} job(s) on >= "
-                     f"{a.rules.straggler_min_nodes} nodes is at >= {ratio:g}x its job's median "
-                     "step time")
-    for job in a.hung_jobs[:limit]:
-        origin = ", ".join(job.origin_nodes) or "not identified (no stack told)"
-        lines.append(f"hung job {job.job}: {sum(len(n.ranks) for n in job.nodes)} rank(s) on "
-                     f"{len(job.nodes)} node(s); likely origin: {origin}")
-        for n in job.nodes[:limit]:
-            mark = f" (likely origin: rank {', '.join(n.origin)})" if n.origin else ""
-            lines.append(f"  {n.node}: rank {', '.join(n.ranks)}{mark}")
-    return lines
-
-
-def run(inputs: Sequence[str], graders_dir: Path, *, as_json: bool = False,
-        html: str | None = None, topology: str | None = None,
-        out=sys.stdout, err=sys.stderr) -> int:
-    """``node-agent fleet``: 0 nothing found, 3 suspects, fleet stragglers or hung jobs found;
-    ConfigError (exit 2) when no report could be read, an input does not exist, or a
-    rules/topology file is invalid."""
-    rules = load_fleet_rules(graders_dir)
-    groups = load_topology(topology) if topology else None
-    if html:
-        from .report.html import require_matplotlib
-        require_matplotlib()
-    if not inputs:
-        raise ConfigError("fleet: name report files or a directory of reports")
-    analysis = analyse(inputs, rules, topology=groups)
-    if not analysis.nodes:
-        raise ConfigError(f"fleet: none of {analysis.reports} file(s) is a readable report "
-                          f"({len(analysis.unreadable)} unreadable"
-                          + (f", first: {analysis.unreadable[0][1]}" if analysis.unreadable
-                             else "") + ")")
-    if html:
-        from .report.fleet_html import write_fleet_html
-        path = write_fleet_html(analysis, html)
-        print(f"fleet html: {path}", file=err)
-    if as_json:
-        print(json.dumps(analysis.to_dict(), indent=2), file=out)
-    else:
-        print(render_text(analysis), file=out)
-    return EXIT_SUSPECTS if analysis.found else EXIT_NO_SUSPECTS

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..fleet import FleetAnalysis, MetricGroup
-from .html import Plotter, esc, page, write_text_atomic
+from node_agent.fleet.analysis import FleetAnalysis, MetricGroup
+from node_agent.report.html import Plotter, esc, page, write_text_atomic
 
 #: at most this many distributions are drawn (the metrics with suspects come first)
 MAX_PLOTS = 40
