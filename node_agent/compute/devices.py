@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from .scenario import Scenario
-    from .sku import Sku
+    from node_agent.grading.sku import Sku
+    from node_agent.sim.scenario import Scenario
 
 #: precision name -> torch dtype name; "tf32" is fp32 storage with TF32 tensor-core matmuls
 PRECISION_DTYPES = {"fp8": "float8_e4m3fn", "bf16": "bfloat16", "fp16": "float16",
@@ -208,7 +208,7 @@ def open_device(spec: ComputeSpec) -> ComputeDevice:
     torch.set_num_threads(spec.cpu_threads)
     matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.matmul
     if spec.corrupt:
-        from .sdc import corrupting_matmul
+        from node_agent.sdc.probes import corrupting_matmul
 
         matmul = corrupting_matmul(seed=spec.index)
     return ComputeDevice(spec, torch.device("cpu"), matmul)

@@ -5,7 +5,7 @@
 server itself never touches CUDA). Against ``spawn``, which imports torch again in every
 worker, this saves about 2 CPU-seconds per GPU — 16 s of a 2-core CI machine's time for eight
 simulated GPUs. Each worker rebuilds its device with
-:func:`node_agent.compute.open_device`, prepares fixed random inputs for every precision of the
+:func:`node_agent.compute.devices.open_device`, prepares fixed random inputs for every precision of the
 plan, reports ``ready``, and on the parent's ``start`` runs large GEMMs back to back through the
 precisions' phases (the burn's duration split evenly, every GPU in the same precision at the
 same time). Each worker talks to the parent over its own pipe — not one shared queue, because
@@ -67,8 +67,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_any
 from typing import TYPE_CHECKING, Any
 
-from .compute import PRECISION_DTYPES, ComputeDevice, ComputeSpec, open_device
-from .gpu.base import GpuBackend, GpuError
+from node_agent.compute.devices import PRECISION_DTYPES, ComputeDevice, ComputeSpec, open_device
+from node_agent.gpu.base import GpuBackend, GpuError
 
 if TYPE_CHECKING:
     import torch
@@ -124,7 +124,7 @@ def fp8_matmul(device: torch.device) -> Callable[[torch.Tensor, torch.Tensor], t
 @contextlib.contextmanager
 def numerics(precision: str):
     """TF32 on exactly for ``tf32``, off otherwise; no reduced-precision reductions."""
-    from .sdc import strict_matmul
+    from node_agent.sdc.probes import strict_matmul
 
     with strict_matmul(tf32=precision == "tf32"):
         yield
@@ -612,7 +612,7 @@ def run_burn(specs: list[ComputeSpec], plan: BurnPlan, backend: GpuBackend | Non
     others run on. Telemetry is read through ``backend`` while the GEMMs run.
     """
     mp = multiprocessing.get_context("forkserver")
-    mp.set_forkserver_preload(["torch", "node_agent.compute"])
+    mp.set_forkserver_preload(["torch", "node_agent.compute.devices"])
     in_turns = any(spec.simulated for spec in specs)
     began = time.monotonic()
     deadline = began + deadline_s if deadline_s is not None else math.inf

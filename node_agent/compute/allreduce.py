@@ -1,4 +1,4 @@
-"""One rank of the all-reduce measurement: ``python -m node_agent.allreduce --rank R ...``.
+"""One rank of the all-reduce measurement: ``python -m node_agent.compute.allreduce --rank R ...``.
 
 The ``nccl_allreduce`` check starts ``--world-size`` of these processes with
 ``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT``; each joins a ``torch.distributed``
@@ -53,7 +53,7 @@ def corrupted_count(elements: int) -> int:
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m node_agent.allreduce", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m node_agent.compute.allreduce", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world-size", type=int, required=True)
