@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .gpu.base import RECOVERY_ACTIONS, THROTTLE_REASONS
-from .yamlfile import ConfigError, load_yaml
+from node_agent.gpu.base import RECOVERY_ACTIONS, THROTTLE_REASONS
+from node_agent.yamlfile import ConfigError, load_yaml
 
 _GPU = {"type": "integer", "minimum": 0}
 _HCA_NAME = r"^[A-Za-z0-9_]+$"
@@ -58,10 +58,13 @@ FAULT_SCHEMAS: dict[str, dict[str, Any]] = {
     "driver_hang": _fault("driver_hang", {}),
     "slow": _fault("slow", {"factor": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}},
                    ("gpu", "factor")),
-    "sdc": _fault("sdc", {}),
+    # one defective SM (``sm``, default: every SM) corrupting a share ``rate`` of the tiles it
+    # computes (default 1.0: every time); see docs/sdc.md
+    "sdc": _fault("sdc", {"sm": {"type": "integer", "minimum": 0},
+                          "rate": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}}),
     # a kernel spinning on a peer that never arrives (hung collective): busy, but no work done
     "spin": _fault("spin", {}),
-    # RDMA (node_agent.sim_tools builds the HCAs' sysfs and an ib_write_bw stand-in from these)
+    # RDMA (node_agent.sim.tools builds the HCAs' sysfs and an ib_write_bw stand-in from these)
     "hca_port_down": _hca_fault("hca_port_down", {}),
     "hca_rate": _hca_fault("hca_rate", {"gbps": {"type": "number", "exclusiveMinimum": 0}},
                            ("hca", "gbps")),
@@ -146,7 +149,7 @@ class Scenario:
 
 def load_scenario(path: str | Path, known_skus: dict[str, Any] | None = None) -> Scenario:
     """Read and validate a scenario file; ConfigError (exit 2) on any problem."""
-    from .yamlfile import validate
+    from node_agent.yamlfile import validate
 
     data = load_yaml(path, SCENARIO_SCHEMA, what="scenario file")
     source = str(path)

@@ -13,7 +13,7 @@ the caller owns (and removes):
   with ``--report_gbits`` and ``MiB/sec`` without.
 
 The ``rdma`` check then runs its real code on them: sysfs discovery, the subprocess, the table
-parser and the grading. Faults (``node_agent.scenario``): ``hca_port_down`` (DOWN/Polling, no
+parser and the grading. Faults (``node_agent.sim.scenario``): ``hca_port_down`` (DOWN/Polling, no
 bandwidth test), ``hca_rate`` (the link trained at ``gbps``), ``hca_slow`` (bandwidth times
 ``factor``), ``hca_flap`` (``link_downed`` = ``count``).
 
@@ -29,8 +29,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .scenario import Scenario
-from .sku import Sku
+from node_agent.grading.sku import Sku
+from node_agent.sim.scenario import Scenario
 
 #: InfiniBand 4X link rates (Gb/s) and the names sysfs prints after them (IBTA; kernel
 #: ``ib_rate_to_mbps``): what ``/sys/class/infiniband/*/ports/*/rate`` reads.
@@ -146,7 +146,7 @@ def rdma_tools(scenario: Scenario, sku: Sku | None, workdir: Path) -> SimRdma:
 
 
 # The stand-in. It answers at once: the duration (-D) is stated in its table, not spent.
-IB_WRITE_BW_SOURCE = r'''"""ib_write_bw stand-in of a simulated node (written by node_agent.sim_tools; not perftest)."""
+IB_WRITE_BW_SOURCE = r'''"""ib_write_bw stand-in of a simulated node (written by node_agent.sim.tools; not perftest)."""
 import json
 import sys
 

@@ -1,0 +1,1 @@
+"""Simulated nodes: scenario files and the simulated tools (sysfs trees, tool stand-ins)."""
