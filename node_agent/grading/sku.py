@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .yamlfile import ConfigError, load_yaml
+from node_agent.yamlfile import ConfigError, load_yaml
 
 _INT_OR_NULL = {"type": ["integer", "null"]}
 _NUM = {"type": "number"}
@@ -21,6 +21,9 @@ SKU_SCHEMA: dict[str, Any] = {
         "match": {"type": "array", "items": {"type": "string"}, "minItems": 1},
         "gpus_per_node": {"type": "integer", "minimum": 1},
         "memory_total_mib_min": {"type": "integer"},
+        "memory_total_mib_max": {"type": "integer"},
+        # streaming multiprocessors per GPU: SDC probe shapes are sized so every SM runs tiles
+        "sm_count": {"type": "integer", "minimum": 1},
         "pcie": {"type": "object", "additionalProperties": False,
                  "properties": {"gen": {"type": "integer"}, "width": {"type": "integer"}}},
         "nvlink": {"type": "object", "additionalProperties": False,

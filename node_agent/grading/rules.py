@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .model import ACTION_FOR_LEVEL, Grade, Level, Reason, Result, Status
-from .yamlfile import ConfigError, load_yaml
+from node_agent.model import ACTION_FOR_LEVEL, Grade, Level, Reason, Result, Status
+from node_agent.yamlfile import ConfigError, load_yaml
 
 _LEVELS = ["HEALTHY", "WARN", "ERROR", "FAULT"]
 _STR_OR_LIST = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}

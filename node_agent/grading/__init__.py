@@ -1,0 +1,1 @@
+"""From results to a grade: rules, SKU baselines and the XID catalog."""
