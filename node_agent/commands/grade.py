@@ -11,18 +11,25 @@ per-SKU minima a check compared its figures with when it ran — are what was re
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from .fleet import expand_paths
-from .grading import Grader
-from .model import Grade, Level, Reason, Report, ReportFormatError
-from .report import json_report
-from .yamlfile import ConfigError
+from node_agent.commands.reporting import EXIT_FOR_LEVEL, UsageError
+from node_agent.config import load_config
+from node_agent.environment import load_data
+from node_agent.fleet.analysis import expand_paths
+from node_agent.grading.rules import Grader
+from node_agent.model import Grade, Level, Reason, Report, ReportFormatError
+from node_agent.report import json_report
+from node_agent.report.outputs import check_outputs, write_outputs
+from node_agent.report.terminal import render_summary
+from node_agent.yamlfile import ConfigError
 
 
 @dataclass
@@ -115,6 +122,32 @@ def rules_grader(rules_dir: str | None, current: Grader) -> tuple[Grader, str]:
     if not path.is_dir():
         raise ConfigError(f"--rules {rules_dir}: not a directory; expected a graders directory "
                           "holding rules.yaml and xid.yaml (copy the shipped graders/ and edit it)")
-    from .grading import load_grader
+    from node_agent.grading.rules import load_grader
 
     return load_grader(path), str(path)
+
+
+def cmd_grade(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    if args.simulate:
+        raise UsageError("grade reads a saved report; --simulate does not apply")
+    grader, _ = load_data(config)
+    if args.rules or len(args.report) > 1 or os.path.isdir(args.report[0]):
+        if args.html or args.junit:
+            raise UsageError("--html/--junit write one report's page; name a single report")
+        grader, label = rules_grader(args.rules, grader)
+        worst, _ = run(args.report, grader, label, as_json=args.json)
+        return EXIT_FOR_LEVEL[worst]
+    check_outputs(args.html, args.junit)
+    saved = json_report.read(args.report[0])
+    regraded = grader.grade(saved.results, saved.mode)
+    if regraded.level != saved.grade.level:
+        print(f"node-agent: note: the saved grade was {saved.grade.level.name}; with the current "
+              f"rules it is {regraded.level.name}", file=sys.stderr)
+    saved.grade = regraded
+    if args.json:
+        print(json_report.dumps(saved))
+    else:
+        print(render_summary(saved, colour=sys.stdout.isatty()))
+    write_outputs(saved, args.html, args.junit)
+    return EXIT_FOR_LEVEL[regraded.level]

@@ -1,31 +1,37 @@
 """The remediation side of the ``node-agent`` command: ``act``, ``status``, ``set-healthy``,
 ``breaker reset``, ``optout`` and ``--act``/``--adapter``/``--dry-run`` on ``accept``/``check``.
 
-``cli.py`` only wires these in; the logic lives in :mod:`node_agent.remediator` and friends.
+``commands.main`` only wires these in; the logic lives in :mod:`node_agent.remediation.executor` and friends.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import time
 from dataclasses import dataclass
 
-from . import evidence
-from .config import Config, load_config
-from .environment import Environment
-from .guards import sanitise_operator_text
-from .kernel_log import KernelLog, open_kernel_log
-from .model import Grade, Report
-from .remediation import Safety
-from .remediator import NvidiaSmiReset, Outcome, Remediator, SimulatedReset
-from .schedulers import ADAPTER_NAMES, AdapterError, SchedulerAdapter, open_adapter
-from .store import Store, open_store
-from .yamlfile import ConfigError
+from node_agent.commands.reporting import EXIT_AGENT_FAILED, EXIT_OK, EXIT_USAGE
+from node_agent.config import Config, load_config
+from node_agent.environment import Environment
+from node_agent.kernel_log import KernelLog, open_kernel_log
+from node_agent.model import Grade, Report
+from node_agent.remediation import evidence
+from node_agent.remediation.executor import Outcome, Remediator
+from node_agent.remediation.guards import sanitise_operator_text
+from node_agent.remediation.host import (
+    boot_time,
+    gpu_resetter,
+    node_name,
+    open_configured_adapter,
+    state_dir_of,
+)
+from node_agent.remediation.plan import Safety
+from node_agent.remediation.store import Store, open_store
+from node_agent.schedulers import ADAPTER_NAMES, SchedulerAdapter
+from node_agent.yamlfile import ConfigError
 
-EXIT_OK, EXIT_AGENT_FAILED, EXIT_USAGE = 0, 1, 2
 OPERATOR_ACTIONS = ("drain", "resume", "restart", "replace")
 
 
@@ -91,7 +97,7 @@ def prepare(args: argparse.Namespace, config: Config) -> Acting | None:
             raise ConfigError("--adapter and --dry-run apply only with --act "
                               "(add --act to remediate after grading)")
         return None
-    adapter = _open_adapter(config, args.adapter)
+    adapter = open_configured_adapter(config, args.adapter)
     return Acting(config, adapter, open_store(config.state_dir),
                   bool(args.dry_run or config.get("adapter.dry_run")))
 
@@ -101,9 +107,9 @@ def act_on_report(acting: Acting | None, env: Environment, report: Report) -> No
     written. Retests run the quick suite against the same environment."""
     if acting is None:
         return
-    from .resources import suites_dir
-    from .runner import run_suite
-    from .suite import load_suite
+    from node_agent.resources import suites_dir
+    from node_agent.runner import run_suite
+    from node_agent.suite import load_suite
 
     def retest() -> Grade:
         quick = load_suite("quick", suites_dir(acting.config))
@@ -112,9 +118,9 @@ def act_on_report(acting: Acting | None, env: Environment, report: Report) -> No
     try:
         remediator = Remediator(
             acting.store, acting.adapter, report.host.hostname, Safety.from_config(acting.config),
-            state_dir=_state_dir(acting.store), dry_run=acting.dry_run,
-            boot_time=time.time() if env.simulated else _boot_time(),
-            gpu_resetter=_resetter(env), retest=retest, kernel_log=env.kernel_log,
+            state_dir=state_dir_of(acting.store), dry_run=acting.dry_run,
+            boot_time=time.time() if env.simulated else boot_time(),
+            gpu_resetter=gpu_resetter(env), retest=retest, kernel_log=env.kernel_log,
             gpu_pids=None if env.simulated else evidence.gpu_pids)
         outcome = remediator.remediate(report)
     finally:
@@ -129,15 +135,15 @@ def act_on_report(acting: Acting | None, env: Environment, report: Report) -> No
 def cmd_act(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     node = node_name(config, args.simulate)
-    adapter = _open_adapter(config, args.adapter)
+    adapter = open_configured_adapter(config, args.adapter)
     text = sanitise_operator_text(args.reason)
     store = open_store(config.state_dir)
     kernel_log: KernelLog | None = None if args.simulate else open_kernel_log()
     try:
         remediator = Remediator(
-            store, adapter, node, Safety.from_config(config), state_dir=_state_dir(store),
+            store, adapter, node, Safety.from_config(config), state_dir=state_dir_of(store),
             dry_run=bool(args.dry_run or config.get("adapter.dry_run")),
-            boot_time=time.time() if args.simulate else _boot_time(), kernel_log=kernel_log,
+            boot_time=time.time() if args.simulate else boot_time(), kernel_log=kernel_log,
             gpu_pids=None if args.simulate else evidence.gpu_pids)
         outcome = remediator.act(args.action, text)
     finally:
@@ -246,46 +252,10 @@ COMMANDS = {"act": cmd_act, "status": cmd_status, "set-healthy": cmd_set_healthy
 
 
 # -- helpers ----------------------------------------------------------------------------------
-def node_name(config: Config, simulate: str | None = None) -> str:
-    """``node.name`` from the config, else the scenario's host name, else the short hostname."""
-    configured = config.get("node.name")
-    if configured:
-        return configured
-    if simulate:
-        from .environment import load_data
-        from .scenario import load_scenario
-        _, skus = load_data(config)
-        return load_scenario(simulate, skus).hostname
-    return socket.gethostname().split(".")[0]
-
-
-def _open_adapter(config: Config, name: str | None) -> SchedulerAdapter:
-    try:
-        return open_adapter(config, name)
-    except AdapterError as err:
-        raise ConfigError(f"{config.source}: adapter: {err}") from err
-
-
 def _exit_for(outcome: Outcome) -> int:
     worst = outcome.worst
     return EXIT_AGENT_FAILED if worst == "failed" else EXIT_USAGE if worst == "refused" else \
         EXIT_OK
-
-
-def _state_dir(store: Store):
-    return store.path.parent if store.path is not None else None
-
-
-def _boot_time() -> float:
-    import psutil
-    return float(psutil.boot_time())
-
-
-def _resetter(env: Environment):
-    if env.simulated:
-        return SimulatedReset()
-    from . import proc
-    return NvidiaSmiReset() if proc.which("nvidia-smi") and env.inventory.gpus else None
 
 
 def _iso(epoch: float | None) -> str:

@@ -11,7 +11,7 @@ heartbeats need across daemon runs (``confirm_s``) is not applied: the stack sam
 and shown, suspect or not. Exit codes follow the contract: 0 no hang
 (stragglers are WARN), 3 a hang is suspected (ERROR), 2 usage errors.
 
-``cli.py`` only wires the sub-command to :func:`add_parser` and :func:`run`.
+``commands.main`` only wires the sub-command to :func:`add_parser` and :func:`run`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from .config import Config
-from .suite import CheckSpec, Suite, load_suite
-from .yamlfile import ConfigError
+from node_agent.config import Config
+from node_agent.suite import CheckSpec, Suite, load_suite
+from node_agent.yamlfile import ConfigError
 
 CHECK = "training_progress"
 
@@ -70,10 +70,10 @@ def build_suite(config: Config, suites_dir: Any, pids: list[int] | None,
 
 def run(args: argparse.Namespace) -> int:
     """The ``hang-check`` sub-command (``cli.main`` maps exceptions to exit codes)."""
-    from .cli import run_and_report
-    from .config import load_config
-    from .environment import open_environment
-    from .resources import suites_dir
+    from node_agent.commands.reporting import run_and_report
+    from node_agent.config import load_config
+    from node_agent.environment import open_environment
+    from node_agent.resources import suites_dir
 
     for pid in args.pid or []:
         if pid <= 0:

@@ -7,7 +7,7 @@ operator's shapes and dtypes apply here too), on the chosen GPUs, repeating roun
 the exit code follows the contract: 0 healthy or warn, 4 FAULT (confirmed SDC), 3 ERROR (a
 probe could not run), 2 usage errors (``--gpus 9`` on an 8-GPU node, a malformed list).
 
-``cli.py`` only wires the sub-command to :func:`add_parser` and :func:`run`.
+``commands.main`` only wires the sub-command to :func:`add_parser` and :func:`run`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from .config import Config
-from .suite import CheckSpec, Suite, load_suite
-from .yamlfile import ConfigError
+from node_agent.config import Config
+from node_agent.suite import CheckSpec, Suite, load_suite
+from node_agent.yamlfile import ConfigError
 
 DEFAULT_DURATION_S = 60.0
 #: the runner abandons the check this long after the duration (goldens, first round, re-runs)
@@ -94,12 +94,12 @@ def run(args: argparse.Namespace) -> int:
     """The ``sdc`` sub-command (called by ``cli.main``, which maps exceptions to exit codes).
 
     Usage errors raise ``ConfigError`` (exit 2, one line): it is the one usage exception that
-    is the same class whether cli runs as ``node_agent.cli`` or as ``python -m``'s __main__."""
-    from .cli import run_and_report
-    from .config import load_config
-    from .environment import open_environment
-    from .report.terminal import ProgressPrinter
-    from .resources import suites_dir
+    is the same class whether cli runs as ``node_agent.commands.main`` or as ``python -m``'s __main__."""
+    from node_agent.commands.reporting import run_and_report
+    from node_agent.config import load_config
+    from node_agent.environment import open_environment
+    from node_agent.report.terminal import ProgressPrinter
+    from node_agent.resources import suites_dir
 
     if not args.duration > 0:
         raise ConfigError(f"--duration {args.duration:g}: expected a positive number of seconds")

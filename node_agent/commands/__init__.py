@@ -1,0 +1,1 @@
+"""The node-agent command line: the parser and one module per command."""

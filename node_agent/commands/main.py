@@ -1,0 +1,119 @@
+"""The ``node-agent`` command: parse arguments, call the library, print, exit with the contract's
+code (0 healthy/warn, 3 ERROR, 4 FAULT, 2 usage or configuration error, 1 the agent failed)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from node_agent import __version__
+from node_agent.commands import act, hang_check, sdc
+from node_agent.commands.accept import cmd_run_suite
+from node_agent.commands.daemon import cmd_daemon
+from node_agent.commands.fleet import cmd_fleet
+from node_agent.commands.grade import cmd_grade
+from node_agent.commands.inventory import cmd_inventory
+from node_agent.commands.reporting import EXIT_AGENT_FAILED, EXIT_USAGE, UsageError
+from node_agent.model import ReportFormatError
+from node_agent.report.outputs import add_output_arguments
+from node_agent.yamlfile import ConfigError
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="PATH",
+                        help="YAML configuration (default /etc/node-agent/config.yaml if present)")
+    parser.add_argument("--simulate", metavar="SCENARIO",
+                        help="run against a simulated node described by a scenario YAML file")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="node-agent",
+        description="Decide whether this GPU node is fit for service; grade it "
+                    "HEALTHY, WARN, ERROR (restart) or FAULT (replace).")
+    parser.add_argument("--version", action="version", version=f"node-agent {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    inv = sub.add_parser("inventory", help="host, driver and GPU inventory")
+    _common(inv)
+    inv.add_argument("--json", action="store_true", help="print the inventory as JSON")
+
+    for name, default_suite, helptext in (
+            ("accept", "delivery", "run the delivery (acceptance) suite"),
+            ("check", "quick", "run the quick suite (Slurm HealthCheckProgram)")):
+        p = sub.add_parser(name, help=helptext)
+        _common(p)
+        p.add_argument("--suite", default=default_suite, metavar="NAME|PATH",
+                       help=f"suite name or YAML path (default {default_suite})")
+        p.add_argument("--json", action="store_true", help="print the report alone on stdout")
+        p.add_argument("--verbose", "-v", action="store_true",
+                       help="list passing results too in the summary")
+        p.add_argument("--out", metavar="DIR", help="directory for the JSON report "
+                       "(default: <state_dir>/reports, or a temp dir)")
+        if name == "accept":
+            p.add_argument("--only", metavar="CHECK,...", help="run only these checks")
+        add_output_arguments(p)
+        act.add_act_options(p)
+
+    grade = sub.add_parser("grade", help="re-grade saved reports with the current rules, or "
+                           "with --rules DIR and a diff of the grades that changed")
+    _common(grade)
+    grade.add_argument("report", metavar="REPORT.json", nargs="+",
+                       help="saved report(s), or directories of them")
+    grade.add_argument("--json", action="store_true", help="print the re-graded report as JSON")
+    grade.add_argument("--rules", metavar="DIR", help="graders directory (rules.yaml, xid.yaml) "
+                       "to re-grade with; prints the grades that changed")
+    add_output_arguments(grade)
+
+    daemon = sub.add_parser("daemon", help="run in the background: XID watch, periodic checks, "
+                            "Prometheus metrics, remediation (systemd Type=notify)")
+    _common(daemon)
+    daemon.add_argument("--suite", metavar="NAME|PATH",
+                        help="periodic suite (default: daemon.suite, i.e. periodic)")
+    daemon.add_argument("--listen", metavar="HOST:PORT",
+                        help="metrics address (default: daemon.listen, 127.0.0.1:9847)")
+    daemon.add_argument("--log-level", default="INFO",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    fleet = sub.add_parser("fleet", help="cross-node outliers, stragglers and hung jobs over "
+                                         "many reports (exit 3 on suspects or hung jobs)")
+    _common(fleet)
+    fleet.add_argument("reports", metavar="REPORT.json|DIR", nargs="+")
+    fleet.add_argument("--json", action="store_true", help="print the analysis as JSON")
+    fleet.add_argument("--html", metavar="PATH", help="also write an HTML page of the "
+                       "distributions with the outliers marked")
+    fleet.add_argument("--topology", metavar="FILE",
+                       help="YAML mapping parallel groups to node names; flags whole groups")
+    act.add_commands(sub, _common)
+    sdc.add_parser(sub, _common)
+    hang_check.add_parser(sub, _common)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (ConfigError, ReportFormatError, UsageError) as err:
+        print(f"node-agent: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("node-agent: interrupted", file=sys.stderr)
+        return EXIT_AGENT_FAILED
+    except Exception as err:  # noqa: BLE001 - the contract's exit 1, one line unless debugging
+        if os.environ.get("NODE_AGENT_DEBUG"):
+            raise
+        print(f"node-agent: internal error: {type(err).__name__}: {err} "
+              "(set NODE_AGENT_DEBUG=1 for a traceback and report it)", file=sys.stderr)
+        return EXIT_AGENT_FAILED
+
+
+COMMANDS = {"inventory": cmd_inventory, "accept": cmd_run_suite, "check": cmd_run_suite,
+            "grade": cmd_grade, "daemon": cmd_daemon, "fleet": cmd_fleet,
+            "sdc": sdc.run, "hang-check": hang_check.run,
+            **act.COMMANDS}
+
+if __name__ == "__main__":
+    sys.exit(main())

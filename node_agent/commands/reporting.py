@@ -1,0 +1,55 @@
+"""What every command that runs a suite shares: the exit codes of the command-line contract,
+running a suite to a graded report, and printing it."""
+
+from __future__ import annotations
+
+import sys
+
+from node_agent import __version__
+from node_agent.environment import Environment, report_dir
+from node_agent.model import Level, Report, utc_now
+from node_agent.report import json_report
+from node_agent.runner import run_suite
+
+EXIT_OK, EXIT_AGENT_FAILED, EXIT_USAGE, EXIT_ERROR, EXIT_FAULT = 0, 1, 2, 3, 4
+EXIT_FOR_LEVEL = {Level.HEALTHY: EXIT_OK, Level.WARN: EXIT_OK, Level.ERROR: EXIT_ERROR,
+                  Level.FAULT: EXIT_FAULT}
+
+
+class UsageError(Exception):
+    """Arguments that parse but do not make sense together (exit 2)."""
+
+
+
+def print_report(report: Report, path, note: str | None, as_json: bool, render) -> int:
+    """The end of a run: the note, the report (JSON or ``render(report)``), where it was
+    written; returns the contract's exit code for its grade."""
+    if note:
+        print(f"node-agent: note: {note}", file=sys.stderr)
+    print(json_report.dumps(report) if as_json else render(report))
+    print(f"report: {path}", file=sys.stderr)
+    return EXIT_FOR_LEVEL[report.grade.level]
+
+
+def run_and_report(env: Environment, suite, out: str | None, as_json: bool, render,
+                   progress=None) -> int:
+    """Run ``suite`` on ``env`` (closed afterwards), write the report and print it: the whole
+    of a command that runs a suite and does not act on it (``sdc``, ``hang-check``)."""
+    try:
+        out_dir, note = report_dir(env, out)
+        report = execute(suite, env, progress=progress)
+        path = json_report.write(report, out_dir)
+    finally:
+        env.close()
+    return print_report(report, path, note, as_json, render)
+
+
+def execute(suite, env: Environment, progress=None) -> Report:
+    """Run a suite against an environment and grade it: the whole path to a verdict."""
+    started = utc_now()
+    results = run_suite(suite, env, progress=progress)
+    grade = env.grader.grade(results, suite.mode)
+    return Report(host=env.inventory.host, gpus=env.inventory.gpus, suite=suite.name,
+                  mode=suite.mode, started_at=started, finished_at=utc_now(), results=results,
+                  grade=grade, simulated=env.simulated, agent_version=__version__,
+                  sku=env.sku.id if env.sku else None)
