@@ -26,8 +26,8 @@ import threading
 import time
 
 from node_agent import proc
-from node_agent.allreduce import bandwidths
 from node_agent.checks.nccl_allreduce import free_port, run_ranks
+from node_agent.compute.allreduce import bandwidths
 
 
 def main() -> int:

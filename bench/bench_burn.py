@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from node_agent.burn import BurnEngine, BurnPlan, fp8_matmul, make_inputs, numerics
-from node_agent.compute import ComputeDevice, ComputeSpec
+from node_agent.compute.burn import BurnEngine, BurnPlan, fp8_matmul, make_inputs, numerics
+from node_agent.compute.devices import ComputeDevice, ComputeSpec
 
 
 def plain_loop(device: ComputeDevice, precision: str, n: int, seconds: float) -> float:

@@ -46,7 +46,7 @@ def start(tmp: Path, name: str, scenario: Path, suite: str | None) -> tuple[subp
     config = tmp / f"config-{name}.yaml"
     config.write_text(yaml.safe_dump({"state_dir": str(tmp / f"state-{name}"),
                                       "daemon": {"listen": f"127.0.0.1:{port}"}}))
-    argv = [sys.executable, "-m", "node_agent.cli", "daemon", "--config", str(config),
+    argv = [sys.executable, "-m", "node_agent.commands.main", "daemon", "--config", str(config),
             "--simulate", str(scenario), "--log-level", "WARNING"]
     if suite:
         argv += ["--suite", suite]

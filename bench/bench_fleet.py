@@ -42,7 +42,7 @@ def generate(directory: Path, nodes: int, trace_points: int) -> int:
 
 
 def run_once(directory: Path) -> tuple[float, int, int, dict]:
-    argv = [sys.executable, "-c", "import sys; from node_agent.cli import main; sys.exit(main())",
+    argv = [sys.executable, "-c", "import sys; from node_agent.commands.main import main; sys.exit(main())",
             "fleet", str(directory), "--json"]
     out = tempfile.TemporaryFile()
     start = time.perf_counter()

@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from node_agent.checks import CheckContext  # noqa: E402
 from node_agent.checks.training_progress import run  # noqa: E402
 from node_agent.heartbeat import Heartbeat  # noqa: E402
-from node_agent.stack_sampling import find_py_spy  # noqa: E402
 from node_agent.suite import load_suite  # noqa: E402
+from node_agent.training.stacks import find_py_spy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

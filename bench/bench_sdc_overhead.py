@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from node_agent import sdc
+from node_agent.sdc import probes as sdc
 
 
 class PausableClock:

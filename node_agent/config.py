@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .yamlfile import ConfigError, load_yaml
+from node_agent.yamlfile import ConfigError, load_yaml
 
 DEFAULT_CONFIG_PATH = Path("/etc/node-agent/config.yaml")
 
@@ -137,7 +137,7 @@ def load_config(path: str | Path | None) -> Config:
 
 def config_from_dict(data: dict[str, Any], source: str = "(inline)") -> Config:
     """Build a Config from a dict (tests, embedding); validated like a file."""
-    from .yamlfile import validate
+    from node_agent.yamlfile import validate
 
     validate(data, SCHEMA, source)
     return Config(_merge(DEFAULTS, data), source)

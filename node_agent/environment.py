@@ -10,16 +10,16 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import resources
-from .config import Config
-from .gpu import open_backend
-from .gpu.base import GpuBackend
-from .grading import Grader, load_grader
-from .inventory import Inventory, collect
-from .kernel_log import KernelLog, LinesKernelLog, open_kernel_log
-from .scenario import Scenario, load_scenario
-from .sku import Sku, load_skus
-from .yamlfile import ConfigError
+from node_agent import resources
+from node_agent.config import Config
+from node_agent.gpu import open_backend
+from node_agent.gpu.base import GpuBackend
+from node_agent.grading.rules import Grader, load_grader
+from node_agent.grading.sku import Sku, load_skus
+from node_agent.inventory import Inventory, collect
+from node_agent.kernel_log import KernelLog, LinesKernelLog, open_kernel_log
+from node_agent.sim.scenario import Scenario, load_scenario
+from node_agent.yamlfile import ConfigError
 
 
 @dataclass

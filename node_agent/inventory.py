@@ -6,9 +6,9 @@ import platform
 import socket
 from dataclasses import dataclass, field
 
-from .gpu.base import GpuBackend, GpuError
-from .model import GpuInfo, HostInfo
-from .sku import Sku, match_sku
+from node_agent.gpu.base import GpuBackend, GpuError
+from node_agent.grading.sku import Sku, match_sku
+from node_agent.model import GpuInfo, HostInfo
 
 
 @dataclass

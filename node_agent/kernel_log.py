@@ -12,7 +12,7 @@ import select
 from dataclasses import dataclass
 from typing import Protocol
 
-from . import proc
+from node_agent import proc
 
 # Driver 418..570 forms seen in the field:
 #   NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, GPU has fallen off the bus.

@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib.resources
 from pathlib import Path
 
-from .config import Config
-from .yamlfile import ConfigError
+from node_agent.config import Config
+from node_agent.yamlfile import ConfigError
 
 
 def _shipped(package: str) -> Path:

@@ -14,10 +14,10 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .checks import CheckContext, resolve
-from .environment import Environment
-from .model import Result, Status
-from .suite import CheckSpec, Suite
+from node_agent.checks import CheckContext, resolve
+from node_agent.environment import Environment
+from node_agent.model import Result, Status
+from node_agent.suite import CheckSpec, Suite
 
 #: progress(event, spec, index, total, results) — event is "start" or "done"
 Progress = Callable[[str, CheckSpec, int, int, list[Result]], None]

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checks import REGISTRY
-from .yamlfile import ConfigError, load_yaml
+from node_agent.checks import REGISTRY
+from node_agent.yamlfile import ConfigError, load_yaml
 
 SUITE_SCHEMA: dict[str, Any] = {
     "type": "object", "additionalProperties": False, "required": ["name", "mode", "checks"],

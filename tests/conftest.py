@@ -29,7 +29,7 @@ def agent(tmp_path):
     """Run ``node-agent ARGS`` as a subprocess through its console entry point."""
 
     def run(*args: str, timeout: float = 120) -> Run:
-        argv = [sys.executable, "-c", "import sys; from node_agent.cli import main; sys.exit(main())",
+        argv = [sys.executable, "-c", "import sys; from node_agent.commands.main import main; sys.exit(main())",
                 *args]
         if "--config" not in args and args and args[0] in ("accept", "check", "inventory", "grade"):
             config = tmp_path / "agent-config.yaml"

@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import Config
-from ..gpu.base import GpuBackend
-from ..inventory import Inventory
-from ..kernel_log import KernelLog
-from ..model import Result, Status
-from ..scenario import Scenario
-from ..sku import Sku
+from node_agent.config import Config
+from node_agent.gpu.base import GpuBackend
+from node_agent.grading.sku import Sku
+from node_agent.inventory import Inventory
+from node_agent.kernel_log import KernelLog
+from node_agent.model import Result, Status
+from node_agent.sim.scenario import Scenario
 
 #: check name -> module implementing ``run(ctx)``; imported lazily (compute checks pull in torch)
 REGISTRY: dict[str, str] = {

@@ -28,12 +28,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .. import proc
-from ..gpu.dcgm import DcgmError, DcgmSource, DcgmUnavailable, DiagRequest, open_dcgm
-from ..model import Result, Status
-from ..parsers import ParseError
-from ..parsers.dcgm_diag import DiagEntityResult, DiagReport, error_name, parse_diag_json
-from . import CheckContext
+from node_agent import proc
+from node_agent.checks import CheckContext
+from node_agent.gpu.dcgm import DcgmError, DcgmSource, DcgmUnavailable, DiagRequest, open_dcgm
+from node_agent.model import Result, Status
+from node_agent.parsers import ParseError
+from node_agent.parsers.dcgm_diag import DiagEntityResult, DiagReport, error_name, parse_diag_json
 
 SIMULATED = ("simulated node: DCGM is not simulated (the NVML checks see the injected faults); "
              "on real hardware this runs `dcgmi diag`")

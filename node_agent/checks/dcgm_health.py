@@ -22,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..gpu.dcgm import (
+from node_agent.checks import CheckContext
+from node_agent.gpu.dcgm import (
     DcgmError,
     DcgmSource,
     DcgmUnavailable,
@@ -31,8 +32,7 @@ from ..gpu.dcgm import (
     health_mask,
     open_dcgm,
 )
-from ..model import Result, Status
-from . import CheckContext
+from node_agent.model import Result, Status
 
 DEFAULT_SYSTEMS = ("pcie", "mem", "inforom", "thermal", "power", "nvlink", "driver")
 SIMULATED = ("simulated node: DCGM is not simulated (the NVML checks see the injected faults); "

@@ -2,7 +2,7 @@
 
 One worker process per GPU runs n×n GEMMs back to back for ``duration_s`` in each precision the
 SKU lists (``burn.precisions`` in ``graders/skus/*.yaml``) that the device supports, the
-duration split evenly between them (engine and verification: :mod:`node_agent.burn`). Results:
+duration split evenly between them (engine and verification: :mod:`node_agent.compute.burn`). Results:
 
 - ``tflops_<precision>`` per GPU: the median of the sustained-TFLOP/s samples (on a simulated
   node the GEMM time is modeled from the SKU's rate: ``ComputeDevice.gemm_seconds``), status from the
@@ -19,7 +19,7 @@ duration split evenly between them (engine and verification: :mod:`node_agent.bu
 Params (seconds, except ``size``): ``duration_s`` (300), ``size`` (8192), ``precisions``
 (default: the SKU's), ``sample_s`` (1), ``sample_interval_s`` (telemetry, 1), ``verify_every``
 (8), ``verify_block`` (8), ``stall_s`` (60), ``startup_timeout_s`` (180), ``test_hook`` (tests
-only: make one worker exit, hang or raise; see :class:`node_agent.burn.BurnPlan`).
+only: make one worker exit, hang or raise; see :class:`node_agent.compute.burn.BurnPlan`).
 
 Hand-over: ``ctx.shared["gpu_burn.trace"]`` (:data:`TRACE_KEY`) holds, per GPU index, the
 telemetry read through the GPU layer during the burn joined with the throughput:
@@ -35,11 +35,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..burn import BurnOutcome, BurnPlan, WorkerReport, run_burn
-from ..compute import ComputeUnavailable, compute_specs
-from ..model import Result, Status
-from . import CheckContext
-from .siblings import compare_with_siblings, load_thresholds
+from node_agent.checks import CheckContext
+from node_agent.checks.siblings import compare_with_siblings, load_thresholds
+from node_agent.compute.burn import BurnOutcome, BurnPlan, WorkerReport, run_burn
+from node_agent.compute.devices import ComputeUnavailable, compute_specs
+from node_agent.model import Result, Status
 
 TRACE_KEY = "gpu_burn.trace"
 DEFAULT_PRECISIONS = ("bf16", "fp16", "tf32", "fp32")

@@ -16,7 +16,7 @@ two. (A median of a simulated GPU's copies graded one healthy stand-in below 0.9
 siblings on the shared 2-core CI machine while the test suite ran other processes.) Graded against the GPU's siblings (graders/performance.yaml)
 and, on real hardware only, the SKU's ``hbm_bw_gbps_min``.
 
-Under ``--simulate`` each GPU is a CPU stand-in (``node_agent.compute``): the same code copies
+Under ``--simulate`` each GPU is a CPU stand-in (``node_agent.compute.devices``): the same code copies
 CPU tensors at the suite's ``simulated`` size, and a ``slow`` GPU's clock runs slow.
 Params: ``size_bytes`` (4 GiB), ``reps`` (10), ``warmup`` (2), ``sample_min_s`` (0: one copy
 per repetition; the simulated suite sets a fraction of a millisecond so that each timed sample
@@ -27,10 +27,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..compute import ComputeDevice, open_device
-from ..model import Result
-from . import CheckContext
-from .transfer import copy_bytes, error_results, grade_figures, open_specs, rep_stats, timed
+from node_agent.checks import CheckContext
+from node_agent.checks.transfer import (
+    copy_bytes,
+    error_results,
+    grade_figures,
+    open_specs,
+    rep_stats,
+    timed,
+)
+from node_agent.compute.devices import ComputeDevice, open_device
+from node_agent.model import Result
 
 DEFAULT_SIZE_BYTES = 4 << 30
 DEFAULT_REPS = 10

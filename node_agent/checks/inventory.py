@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..gpu.base import DeviceLost, GpuTimeout
-from ..model import Result, Status
-from . import CheckContext
+from node_agent.checks import CheckContext
+from node_agent.gpu.base import DeviceLost, GpuTimeout
+from node_agent.model import Result, Status
 
 
 def run(ctx: CheckContext) -> list[Result]:

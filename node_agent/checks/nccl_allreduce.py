@@ -5,7 +5,7 @@ simulated node) ``params.cpu_ranks`` (default 2) CPU processes use ``gloo``, whi
 same path and correctness test but whose bandwidth says nothing about the node's GPUs — the SKU
 minimum ``nccl_allreduce_busbw_gbps_min`` is applied only to ``nccl`` on real GPUs.
 
-Each rank is a ``python -m node_agent.allreduce`` subprocess (see that module for the method),
+Each rank is a ``python -m node_agent.compute.allreduce`` subprocess (see that module for the method),
 started through :func:`node_agent.proc.run` with ``MASTER_ADDR=127.0.0.1`` and a free port.
 The whole run is bounded by ``params.timeout_s`` (default: a little below the suite's
 ``timeout_s``): a rank whose peer never connects is killed with its process group and the check
@@ -30,11 +30,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .. import proc
-from ..model import Result, Status
-from ..parsers import ParseError
-from ..parsers.nccl_tests import parse_all_reduce_perf
-from . import CheckContext
+from node_agent import proc
+from node_agent.checks import CheckContext
+from node_agent.model import Result, Status
+from node_agent.parsers import ParseError
+from node_agent.parsers.nccl_tests import parse_all_reduce_perf
 
 DEFAULT_SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 24)  # 1 KiB .. 16 MiB: seconds on CPU
 DEFAULT_TIMEOUT_S = 120.0
@@ -60,7 +60,7 @@ def free_port() -> int:
 def worker_argv(rank: int, world_size: int, backend: str, sizes: Sequence[int], iters: int,
                 warmup: int, timeout_s: float, corrupt_rank: int | None = None,
                 python: str = sys.executable) -> list[str]:
-    argv = [python, "-m", "node_agent.allreduce", "--rank", str(rank),
+    argv = [python, "-m", "node_agent.compute.allreduce", "--rank", str(rank),
             "--world-size", str(world_size), "--backend", backend,
             "--sizes", ",".join(str(int(s)) for s in sizes), "--iters", str(iters),
             "--warmup", str(warmup), "--timeout-s", f"{timeout_s:g}"]

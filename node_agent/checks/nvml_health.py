@@ -11,9 +11,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..gpu.base import DeviceLost, GpuDevice, GpuError, GpuTimeout, NoPermission, NotSupported
-from ..model import Result, Status
-from . import CheckContext
+from node_agent.checks import CheckContext
+from node_agent.gpu.base import (
+    DeviceLost,
+    GpuDevice,
+    GpuError,
+    GpuTimeout,
+    NoPermission,
+    NotSupported,
+)
+from node_agent.model import Result, Status
 
 # Throttle reasons that mean the hardware is protecting itself. SW power cap, idle and
 # application-clock settings are normal operation (NVML nvmlClocksEventReason* docs).

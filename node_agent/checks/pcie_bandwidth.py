@@ -33,7 +33,7 @@ the one-at-a-time figures also against the SKU's ``pcie_h2d_gbps_min``/``pcie_d2
 (not the concurrent ones: a healthy shared switch legitimately divides its uplink). Under
 simulation the concurrent figures are reported, not graded (``SIMULATED_TOGETHER``).
 
-Under ``--simulate`` each GPU is a CPU stand-in (``node_agent.compute``): pinned memory is
+Under ``--simulate`` each GPU is a CPU stand-in (``node_agent.compute.devices``): pinned memory is
 skipped (``pin_memory`` needs CUDA) and the "transfers" are CPU-to-CPU tensor copies — the
 evidence says so; a ``slow`` GPU's clock runs slow, the link comes from the simulated NVML.
 Params: ``size_bytes`` (256 MiB), ``reps`` (10), ``warmup`` (2), ``concurrent_s`` (2.0 per
@@ -49,11 +49,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..compute import ComputeDevice, ComputeSpec, open_device
-from ..gpu.base import GpuDevice, GpuError, NoPermission, NotSupported, PcieLink
-from ..model import Result, Status
-from . import CheckContext
-from .transfer import error_results, grade_figures, open_specs, rep_stats, timed
+from node_agent.checks import CheckContext
+from node_agent.checks.transfer import error_results, grade_figures, open_specs, rep_stats, timed
+from node_agent.compute.devices import ComputeDevice, ComputeSpec, open_device
+from node_agent.gpu.base import GpuDevice, GpuError, NoPermission, NotSupported, PcieLink
+from node_agent.model import Result, Status
 
 DEFAULT_SIZE_BYTES = 256 << 20
 DEFAULT_REPS = 10
@@ -245,7 +245,7 @@ def _link_under_load(g: _Gpu, nvml: GpuDevice | None, timeout_s: float) -> LinkR
         g.dev.synchronize()
     g.dev.synchronize()
     if not landed.is_set():
-        from ..gpu.base import GpuTimeout
+        from node_agent.gpu.base import GpuTimeout
 
         return LinkReading(error=GpuTimeout(f"reading the PCIe link did not return within "
                                             f"{timeout_s:g} s; the driver may be hung"),
@@ -324,7 +324,7 @@ def _concurrent(specs: list[ComputeSpec], size: int, warmup: int, window_s: floa
     if not specs:
         return out
     mp = multiprocessing.get_context("forkserver")
-    mp.set_forkserver_preload(["torch", "node_agent.compute"])
+    mp.set_forkserver_preload(["torch", "node_agent.compute.devices"])
     barrier = mp.Barrier(len(specs))
     queue = mp.Queue()
     workers = [mp.Process(target=concurrent_worker, name=f"pcie-together-gpu{s.index}",

@@ -20,7 +20,7 @@ Params: ``sysfs_root``, ``ib_write_bw`` (path of the perftest binary; default: f
 ``server_start_s`` (1.0: how long the server gets to listen).
 
 Under ``--simulate`` (and no ``sysfs_root`` param) the scenario's ``hcas`` become a sysfs tree
-and an ``ib_write_bw`` stand-in in a temporary directory (:mod:`node_agent.sim_tools`), with the
+and an ``ib_write_bw`` stand-in in a temporary directory (:mod:`node_agent.sim.tools`), with the
 scenario's RDMA faults applied there; this module reads them exactly as it reads real ones.
 """
 
@@ -33,11 +33,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import proc, sim_tools
-from ..model import Result, Status
-from ..parsers import ParseError
-from ..parsers.perftest import BwRow, parse_bw_json, parse_bw_table
-from . import CheckContext
+from node_agent import proc
+from node_agent.checks import CheckContext
+from node_agent.model import Result, Status
+from node_agent.parsers import ParseError
+from node_agent.parsers.perftest import BwRow, parse_bw_json, parse_bw_table
+from node_agent.sim import tools as sim_tools
 
 SYSFS_ROOT = Path("/sys/class/infiniband")
 PERFTEST_MISSING = "ib_write_bw not installed (Debian package `perftest`: apt-get install perftest)"
@@ -109,7 +110,7 @@ def discover(root: Path = SYSFS_ROOT) -> list[Port]:
 def run(ctx: CheckContext) -> list[Result]:
     if ctx.simulated and "sysfs_root" not in ctx.params:
         # A simulated node's HCAs: a sysfs tree and an ib_write_bw stand-in written for this
-        # run (node_agent.sim_tools); everything below reads them as it reads the real ones.
+        # run (node_agent.sim.tools); everything below reads them as it reads the real ones.
         if not ctx.scenario.hcas:
             return [ctx.skip("no RDMA device: the simulated node's scenario lists no hcas")]
         with tempfile.TemporaryDirectory(prefix="node-agent-sim-rdma-") as tmp:

@@ -1,7 +1,7 @@
 """Check ``sdc``: silent-data-corruption probes on every GPU of the node.
 
-The probes are the library's (``node_agent.sdc``, see ``docs/sdc.md``); this module runs them on
-the node's compute devices (``node_agent.compute``: CUDA GPUs, or CPU stand-ins under
+The probes are the library's (``node_agent.sdc.probes``, see ``docs/sdc.md``); this module runs them on
+the node's compute devices (``node_agent.compute.devices``: CUDA GPUs, or CPU stand-ins under
 ``--simulate`` whose matmul a scenario's ``sdc`` fault corrupts) and turns the verdicts into
 results:
 
@@ -52,13 +52,13 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import compute
-from ..model import Result, Status
-from . import CheckContext
+from node_agent.checks import CheckContext
+from node_agent.compute import devices as compute
+from node_agent.model import Result, Status
 
 if TYPE_CHECKING:
-    from .. import sdc as sdc_lib
-    from ..compute import ComputeDevice
+    from node_agent.compute.devices import ComputeDevice
+    from node_agent.sdc import probes as sdc_lib
 
 HISTORY_SCHEMA = "node-agent.sdc-digests/1"
 DEFAULT_REPEATS = 2
@@ -192,8 +192,7 @@ def software_fingerprint(device: ComputeDevice, gpu_name: str | None,
 def error_verdict(probe: str, spec: sdc_lib.ProbeSpec, dev: ComputeDevice,
                   err: BaseException) -> sdc_lib.Verdict:
     """The ``error`` verdict of a probe that raised (it could not run: not a pass)."""
-    from .. import sdc as sdc_lib
-
+    from node_agent.sdc import probes as sdc_lib
     return sdc_lib.Verdict(probe=probe, device=str(dev.device), shape=spec.shape, dtype=spec.dtype,
                            status="error", mismatched_elements=0,
                            detail=f"{probe} {spec.label()} could not run: {type(err).__name__}: {err}",
@@ -211,8 +210,7 @@ def _guarded(probe: str, spec: sdc_lib.ProbeSpec, dev: ComputeDevice,
 
 def _cross_gpu(runs: Mapping[int, GpuRun], specs: Iterable[sdc_lib.ProbeSpec]) -> None:
     """Compare round-0 digests across GPUs; re-run the odd one out; record its verdict."""
-    from .. import sdc as sdc_lib
-
+    from node_agent.sdc import probes as sdc_lib
     for spec in specs:
         key = spec_key(spec)
         digests = {i: r.digests[key] for i, r in runs.items() if key in r.digests}
@@ -254,8 +252,7 @@ def probe_node(runs: Mapping[int, GpuRun], plan: Plan,
     ``baselines``: per GPU index, earlier digests by :func:`spec_key` (empty: none usable).
     Rounds run GPU after GPU, so with ``duration_s`` every GPU gets the same number of rounds.
     """
-    from .. import sdc as sdc_lib
-
+    from node_agent.sdc import probes as sdc_lib
     baselines = baselines or {}
     start = clock()
     for i, run in runs.items():
@@ -294,8 +291,7 @@ def probe_node(runs: Mapping[int, GpuRun], plan: Plan,
 def _forgive_stale_history(runs: Mapping[int, GpuRun]) -> None:
     """A GPU that differs from its own earlier digest but agrees with a strict majority of the
     node's GPUs (>= MIN_GPUS_FOR_MAJORITY compared) has a stale baseline, not SDC."""
-    from .. import sdc as sdc_lib
-
+    from node_agent.sdc import probes as sdc_lib
     for run in runs.values():
         for n, v in enumerate(run.verdicts):
             if v.probe != "digest_gemm" or v.status == "pass" or "digest" not in v.evidence:
@@ -396,8 +392,7 @@ def _shapes(p: Mapping[str, Any]) -> tuple[tuple[int, int, int], ...] | None:
 
 def make_plan(p: Mapping[str, Any], on_cuda: bool) -> tuple[Plan, list[str]]:
     """The plan from a suite's params (ValueError naming the bad param); notes for the result."""
-    from .. import sdc as sdc_lib
-
+    from node_agent.sdc import probes as sdc_lib
     notes = []
     dtypes = list(p.get("dtypes", ALL_DTYPES))
     unknown = [d for d in dtypes if d not in ALL_DTYPES]

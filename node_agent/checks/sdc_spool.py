@@ -39,9 +39,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..atomic_file import write_json
-from ..model import Result, Status
-from . import CheckContext
+from node_agent.atomic_file import write_json
+from node_agent.checks import CheckContext
+from node_agent.model import Result, Status
 
 CURSOR_SCHEMA = "node-agent.sdc-spool-cursor/1"
 _METRIC = {"confirmed": ("sdc_confirmed", Status.FAIL), "transient": ("sdc_transient", Status.WARN),
@@ -104,8 +104,7 @@ def map_target(ctx: CheckContext, device: str, evidence: dict[str, Any]) -> tupl
 
 
 def run(ctx: CheckContext) -> list[Result]:
-    from .. import sdc_verdicts as sdc_lib
-
+    from node_agent.sdc import spool as sdc_lib
     if ctx.state_dir is None:
         return [ctx.skip(f"state directory {ctx.config.state_dir} is not writable: training "
                          "jobs' SDC verdicts cannot be tracked (set state_dir in the config)",

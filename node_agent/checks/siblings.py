@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import Config
-from ..model import Status
-from ..resources import graders_dir
-from ..yamlfile import load_yaml
+from node_agent.config import Config
+from node_agent.model import Status
+from node_agent.resources import graders_dir
+from node_agent.yamlfile import load_yaml
 
 _RATIO = {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
 PERFORMANCE_SCHEMA: dict[str, Any] = {

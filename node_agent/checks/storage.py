@@ -21,11 +21,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .. import proc
-from ..model import Result, Status
-from ..parsers import ParseError
-from ..parsers.fio import FioJob, parse_fio_json
-from . import CheckContext
+from node_agent import proc
+from node_agent.checks import CheckContext
+from node_agent.model import Result, Status
+from node_agent.parsers import ParseError
+from node_agent.parsers.fio import FioJob, parse_fio_json
 
 FIO_MISSING = "fio not installed (Debian package `fio`: apt-get install fio)"
 

@@ -31,11 +31,11 @@ import statistics
 from collections import Counter
 from typing import Any
 
-from ..gpu.base import GpuError
-from ..model import Result, Status
-from . import CheckContext
-from .gpu_burn import TRACE_KEY, burn, make_plan, sku_precisions, worker_failures
-from .nvml_health import ABNORMAL_THROTTLE
+from node_agent.checks import CheckContext
+from node_agent.checks.gpu_burn import TRACE_KEY, burn, make_plan, sku_precisions, worker_failures
+from node_agent.checks.nvml_health import ABNORMAL_THROTTLE
+from node_agent.gpu.base import GpuError
+from node_agent.model import Result, Status
 
 FULL_LOAD_FRACTION = 0.5     # readings with the burn's throughput in them, of all readings
 DEFAULT_POWER_FRACTION_MIN = 0.75  # used only without a SKU file; see graders/skus/*.yaml

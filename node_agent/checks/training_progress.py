@@ -1,13 +1,13 @@
 """Check ``training_progress``: hung and straggling training processes on this node.
 
-Finds the node's training processes (:mod:`node_agent.training_processes`: heartbeat writers,
+Finds the node's training processes (:mod:`node_agent.training.processes`: heartbeat writers,
 the GPU compute processes NVML lists, or ``params.pids``), looks at each in up to five ways
-(:mod:`node_agent.hang_signals`) and decides (:mod:`node_agent.hang_verdict`):
+(:mod:`node_agent.training.signals`) and decides (:mod:`node_agent.training.verdict`):
 
 - ``heartbeat``: no step for ``stall_after_s`` (raised to ``hang_step_multiple`` x its own step
   time, so a slow loop is never called hung), unless a declared pause covers it;
 - ``stack``: the same main-thread stack over ``stack_samples`` py-spy samples
-  (:mod:`node_agent.stack_sampling`), taken only for the jobs in which another signal fired;
+  (:mod:`node_agent.training.stacks`), taken only for the jobs in which another signal fired;
 - ``gpu_activity``: its GPUs busy while drawing idle power and moving no memory (a spinning
   collective kernel); ``rdma_traffic``: no RDMA port moved data while its stacks were sampled;
 - ``log_silence``: its log (``NODE_AGENT_TRAIN_LOG``) unwritten for ``log_silence_s``.
@@ -19,7 +19,7 @@ signals agree or the heartbeat alone is silent for ``hang_after_s``; ``training_
 (``/pid:<pid>`` when the rank is unknown or not unique in the job). The first report of a hang
 writes the job's full evidence to ``<state_dir>/hang/evidence/``.
 
-Params: the :class:`~node_agent.hang_verdict.Thresholds` fields, ``stack_samples`` (3),
+Params: the :class:`~node_agent.training.verdict.Thresholds` fields, ``stack_samples`` (3),
 ``stack_interval_s`` (1), ``log_silence_s`` (60), ``log_file`` (for processes that name
 none), ``stale_file_s`` (86400), ``spool_dir``, ``py_spy``, ``sysfs_root`` (RDMA), ``pids``,
 ``sample_all`` (false: sample stacks of every process, as ``hang-check`` does).
@@ -36,16 +36,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .. import activity_signals as activity
-from ..gpu.base import GpuDevice, GpuError
-from ..hang_signals import NAMES, Signal
-from ..hang_state import HangState, process_key
-from ..hang_verdict import Thresholds, heartbeat_signal, likely_origin, stragglers, verdict
-from ..model import Result, Status
-from ..stack_sampling import find_py_spy, sample_stacks
-from ..training_processes import TrainingProcess, discover
-from . import CheckContext
-from .rdma import SYSFS_ROOT
+from node_agent.checks import CheckContext
+from node_agent.checks.rdma import SYSFS_ROOT
+from node_agent.gpu.base import GpuDevice, GpuError
+from node_agent.model import Result, Status
+from node_agent.training import activity
+from node_agent.training.processes import TrainingProcess, discover
+from node_agent.training.signals import NAMES, Signal
+from node_agent.training.stacks import find_py_spy, sample_stacks
+from node_agent.training.state import HangState, process_key
+from node_agent.training.verdict import (
+    Thresholds,
+    heartbeat_signal,
+    likely_origin,
+    stragglers,
+    verdict,
+)
 
 NO_PROCESSES = ("no training process found: none writes heartbeats (node_agent.heartbeat) and "
                 "NVML lists no GPU compute process")

@@ -15,10 +15,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..compute import ComputeDevice, ComputeSpec, ComputeUnavailable, compute_specs
-from ..model import Result, Status
-from . import CheckContext
-from .siblings import compare_with_siblings, load_thresholds
+from node_agent.checks import CheckContext
+from node_agent.checks.siblings import compare_with_siblings, load_thresholds
+from node_agent.compute.devices import ComputeDevice, ComputeSpec, ComputeUnavailable, compute_specs
+from node_agent.model import Result, Status
 
 GB = 1e9  # bytes in a GB (decimal, as bandwidth tools report)
 

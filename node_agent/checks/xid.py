@@ -12,9 +12,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..kernel_log import LogRecord, normalise_bus, parse_xid_line
-from ..model import Result, Status
-from . import CheckContext
+from node_agent.checks import CheckContext
+from node_agent.kernel_log import LogRecord, normalise_bus, parse_xid_line
+from node_agent.model import Result, Status
 
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 

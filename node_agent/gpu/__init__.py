@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .absent import AbsentGpuBackend
-from .base import (
+from node_agent.gpu.absent import AbsentGpuBackend
+from node_agent.gpu.base import (
     DeviceLost,
     GpuBackend,
     GpuDevice,
@@ -20,8 +20,8 @@ from .base import (
 )
 
 if TYPE_CHECKING:
-    from ..scenario import Scenario
-    from ..sku import Sku
+    from node_agent.grading.sku import Sku
+    from node_agent.sim.scenario import Scenario
 
 __all__ = [
     "DeviceLost", "GpuBackend", "GpuDevice", "GpuError", "GpuTimeout", "NoPermission",
@@ -33,12 +33,12 @@ def open_backend(scenario: Scenario | None = None, scenario_sku: Sku | None = No
                  call_timeout_s: float = 10.0) -> GpuBackend:
     """Pick the node's GPU backend: simulator, NVML, or none (with the reason)."""
     if scenario is not None:
-        from .sim import SimGpuBackend
+        from node_agent.gpu.sim import SimGpuBackend
 
         if scenario_sku is None:
             raise ValueError("a simulated node needs its SKU")
         return SimGpuBackend(scenario, scenario_sku)
-    from .nvml import NvmlUnavailable, open_nvml
+    from node_agent.gpu.nvml import NvmlUnavailable, open_nvml
 
     try:
         return open_nvml(call_timeout_s=call_timeout_s)

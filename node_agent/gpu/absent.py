@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import DriverInfo, GpuDevice, XidEvent
+from node_agent.gpu.base import DriverInfo, GpuDevice, XidEvent
 
 
 class AbsentGpuBackend:

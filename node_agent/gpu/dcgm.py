@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from ..parsers.dcgm_diag import DiagEntityResult, DiagReport, DiagWarning, error_name
-from .base import GpuError
+from node_agent.gpu.base import GpuError
+from node_agent.parsers.dcgm_diag import DiagEntityResult, DiagReport, DiagWarning, error_name
 
 #: where DCGM's packages put the Python bindings, newest first
 BINDINGS_PATHS = (

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .base import (
+from node_agent.gpu.base import (
     RECOVERY_ACTIONS,
     THROTTLE_REASONS,
     Clocks,

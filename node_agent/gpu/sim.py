@@ -10,10 +10,9 @@ import math
 import threading
 import time
 import uuid
+from typing import TYPE_CHECKING
 
-from ..scenario import Scenario
-from ..sku import Sku
-from .base import (
+from node_agent.gpu.base import (
     Clocks,
     DeviceLost,
     DriverInfo,
@@ -32,6 +31,10 @@ from .base import (
     Utilization,
     XidEvent,
 )
+
+if TYPE_CHECKING:  # the scenario is handed in; importing it would make a circle through gpu/
+    from node_agent.grading.sku import Sku
+    from node_agent.sim.scenario import Scenario
 
 # PCI bus numbers of the eight GPUs on an HGX baseboard, as NVML prints them.
 _HGX_BUSES = ("18", "2a", "3a", "5d", "9a", "ab", "ba", "db")

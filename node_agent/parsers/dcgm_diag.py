@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import ParseError, json_document
+from node_agent.parsers import ParseError, json_document
 
 #: dcgmErrorSeverity_t (dcgm_errors.h). NONE/UNKNOWN carry no advice; the grade then falls back.
 SEVERITIES = {0: "NONE", 1: "MONITOR", 2: "ISOLATE", 3: "UNKNOWN", 4: "TRIAGE", 5: "CONFIG",

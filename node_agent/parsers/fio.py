@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import ParseError, json_document
+from node_agent.parsers import ParseError, json_document
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from . import ParseError
+from node_agent.parsers import ParseError
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from . import ParseError
+from node_agent.parsers import ParseError
 
 #: bandwidth unit label -> factor to Gb/s (10^9 bits per second)
 UNIT_TO_GBPS: dict[str, float] = {

@@ -22,8 +22,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..model import Level, Report, Result, Status
-from ..yamlfile import ConfigError
+from node_agent.model import Level, Report, Result, Status
+from node_agent.yamlfile import ConfigError
 
 MATPLOTLIB_MISSING = ("writing an HTML report needs matplotlib, which is not installed: "
                       "pip install 'node-agent[report]' (or drop --html)")

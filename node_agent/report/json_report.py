@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from ..model import Report, ReportFormatError
+from node_agent.model import Report, ReportFormatError
 
 
 def dumps(report: Report) -> str:

@@ -22,7 +22,7 @@ import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from ..model import Report, Result, Status
+from node_agent.model import Report, Result, Status
 
 # XML 1.0 forbids most control characters even escaped; report text is untrusted
 _XML_ILLEGAL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
@@ -118,6 +118,6 @@ def junit_xml(report: Report) -> str:
 
 def write_junit(report: Report, path: str | Path) -> Path:
     """Write the report as JUnit XML to ``path`` (atomically); return the path."""
-    from .html import write_text_atomic
+    from node_agent.report.html import write_text_atomic
 
     return write_text_atomic(junit_xml(report), path)

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from ..model import Report
-from ..yamlfile import ConfigError
+from node_agent.model import Report
+from node_agent.yamlfile import ConfigError
 
 
 def check_outputs(html: str | None, junit: str | None) -> None:
@@ -27,7 +27,7 @@ def check_outputs(html: str | None, junit: str | None) -> None:
             raise ConfigError(f"{option} {path}: directory {p.parent} does not exist; create it "
                               "or choose another path")
     if html:
-        from .html import require_matplotlib
+        from node_agent.report.html import require_matplotlib
         require_matplotlib()
 
 
@@ -36,11 +36,11 @@ def write_outputs(report: Report, html: str | None, junit: str | None,
     """Write the requested files; name each on ``err`` (stdout may carry the JSON report)."""
     written = []
     if html:
-        from .html import write_html
+        from node_agent.report.html import write_html
         written.append(write_html(report, html))
         print(f"html: {written[-1]}", file=err)
     if junit:
-        from .junit import write_junit
+        from node_agent.report.junit import write_junit
         written.append(write_junit(report, junit))
         print(f"junit: {written[-1]}", file=err)
     return written

@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping
 
-from ..model import (
+from node_agent.model import (
     ACTION_FOR_LEVEL,
     GpuInfo,
     Grade,

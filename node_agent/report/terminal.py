@@ -6,8 +6,8 @@ import sys
 from collections import Counter
 from typing import TextIO
 
-from ..model import Level, Report, Result, Status
-from ..suite import CheckSpec
+from node_agent.model import Level, Report, Result, Status
+from node_agent.suite import CheckSpec
 
 _COLOURS = {"pass": "32", "warn": "33", "fail": "31", "skip": "90", "error": "35",
             "HEALTHY": "32", "WARN": "33", "ERROR": "35", "FAULT": "31"}

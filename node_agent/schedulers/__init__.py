@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .base import (
+from node_agent.schedulers.base import (
     JOB_KINDS,
     REASON_PREFIX,
     AdapterError,
@@ -22,7 +22,7 @@ from .base import (
 )
 
 if TYPE_CHECKING:
-    from ..config import Config
+    from node_agent.config import Config
 
 ADAPTER_NAMES = ("log", "slurm", "kubernetes", "webhook")
 
@@ -35,16 +35,16 @@ def open_adapter(config: Config, name: str | None = None) -> SchedulerAdapter:
     """
     chosen = name or config.get("adapter.name") or "log"
     if chosen == "log":
-        from .log import LogAdapter
+        from node_agent.schedulers.log import LogAdapter
         return LogAdapter.from_config(config)
     if chosen == "slurm":
-        from .slurm import SlurmAdapter
+        from node_agent.schedulers.slurm import SlurmAdapter
         return SlurmAdapter.from_config(config)
     if chosen == "kubernetes":
-        from .kubernetes import KubernetesAdapter
+        from node_agent.schedulers.kubernetes import KubernetesAdapter
         return KubernetesAdapter.from_config(config)
     if chosen == "webhook":
-        from .webhook import WebhookAdapter
+        from node_agent.schedulers.webhook import WebhookAdapter
         return WebhookAdapter.from_config(config)
     raise AdapterError(f"unknown adapter {chosen!r}; choose one of {', '.join(ADAPTER_NAMES)}")
 

@@ -47,7 +47,7 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .base import (
+from node_agent.schedulers.base import (
     AdapterError,
     JobKind,
     NodeState,
@@ -58,7 +58,7 @@ from .base import (
 )
 
 if TYPE_CHECKING:
-    from ..config import Config
+    from node_agent.config import Config
 
 CONDITION_TYPE = "GPUHealthy"
 ANN_REASON = "node-agent/reason"

@@ -19,10 +19,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .base import AdapterError, NodeState, check_job_id, check_node_name, sanitise_reason
+from node_agent.schedulers.base import (
+    AdapterError,
+    NodeState,
+    check_job_id,
+    check_node_name,
+    sanitise_reason,
+)
 
 if TYPE_CHECKING:
-    from ..config import Config
+    from node_agent.config import Config
 
 
 def _now_iso() -> str:

@@ -46,8 +46,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from .. import proc
-from .base import (
+from node_agent import proc
+from node_agent.schedulers.base import (
     AdapterError,
     JobKind,
     NodeState,
@@ -57,7 +57,7 @@ from .base import (
 )
 
 if TYPE_CHECKING:
-    from ..config import Config
+    from node_agent.config import Config
 
 REPLACE_PREFIX = "node-agent: replace:"
 REBOOT_UNAVAILABLE = "reboot-unavailable:"  # detail prefix: no RebootProgram (see above)

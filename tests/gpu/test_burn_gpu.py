@@ -7,8 +7,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from node_agent.burn import BurnPlan, run_burn  # noqa: E402
-from node_agent.compute import ComputeSpec  # noqa: E402
+from node_agent.compute.burn import BurnPlan, run_burn  # noqa: E402
+from node_agent.compute.devices import ComputeSpec  # noqa: E402
 from node_agent.gpu import open_backend  # noqa: E402
 
 pytestmark = [

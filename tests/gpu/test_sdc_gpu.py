@@ -9,8 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from node_agent import sdc  # noqa: E402
-from node_agent.sdc import ProbeSpec, SdcProbe  # noqa: E402
+from node_agent.sdc import probes as sdc  # noqa: E402
+from node_agent.sdc.probes import ProbeSpec, SdcProbe  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -93,8 +93,8 @@ def test_side_stream_probe_confirms_injected_corruption(tmp_path) -> None:
 def test_sdc_check_probes_every_cuda_gpu_clean_and_the_node_agrees() -> None:
     """The check's own path (compute.open_device -> probe_node) on the real GPUs, tf32 included:
     every exact GEMM equals the CPU golden and no GPU is an odd one out."""
-    from node_agent import compute
     from node_agent.checks import sdc as sdc_check
+    from node_agent.compute import devices as compute
 
     specs = compute.compute_specs(list(range(torch.cuda.device_count())), None)
     runs = {s.index: sdc_check.GpuRun(s.index, compute.open_device(s)) for s in specs}

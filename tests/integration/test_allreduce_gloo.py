@@ -10,8 +10,8 @@ import time
 import psutil
 import pytest
 
-from node_agent.allreduce import corrupted_count
 from node_agent.checks import CheckContext, nccl_allreduce
+from node_agent.compute.allreduce import corrupted_count
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
 from node_agent.model import Status
@@ -61,7 +61,7 @@ def _worker_pids() -> set[int]:
     pids = set()
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
-        if "node_agent.allreduce" in cmd:
+        if "node_agent.compute.allreduce" in cmd:
             pids.add(p.pid)
     return pids
 
@@ -102,7 +102,7 @@ def test_torch_missing_skips_with_install_hint(monkeypatch):
 def test_nccl_peak_graded_against_sku_minimum_only_for_nccl(peak, status):
     from pathlib import Path
 
-    from node_agent.sku import load_sku
+    from node_agent.grading.sku import load_sku
 
     sku = load_sku(Path(__file__).resolve().parents[2] / "graders" / "skus"
                    / "h100-sxm5-80gb.yaml")  # nccl_allreduce_busbw_gbps_min: 400

@@ -1,7 +1,7 @@
 """hbm_bandwidth and pcie_bandwidth through the real `node-agent accept` on a simulated node.
 
 The checks run their real code on CPU stand-ins at the suite's `simulated` sizes; a `slow` GPU's
-clock runs slow at the compute boundary (node_agent.compute), and the PCIe link comes from the
+clock runs slow at the compute boundary (node_agent.compute.devices), and the PCIe link comes from the
 simulated NVML. Grading is the real graders/ rules.
 """
 

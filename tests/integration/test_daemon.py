@@ -23,8 +23,8 @@ import pytest
 import yaml
 
 from node_agent import checks
-from node_agent.daemon import Daemon
-from node_agent.sd_notify import Notifier
+from node_agent.service.daemon import Daemon
+from node_agent.service.sd_notify import Notifier
 
 PERIODIC = {
     "name": "test-periodic", "mode": "service",
@@ -206,7 +206,7 @@ def test_systemd_readiness_and_watchdog_pings_reach_the_notify_socket(node, runn
 
 def _start_subprocess(node, *extra) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "node_agent.cli", "daemon", "--config", str(node.config),
+        [sys.executable, "-m", "node_agent.commands.main", "daemon", "--config", str(node.config),
          "--simulate", str(node.scenario), "--suite", str(node.suite), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

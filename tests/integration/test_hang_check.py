@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from node_agent.stack_sampling import find_py_spy
+from node_agent.training.stacks import find_py_spy
 
 HUNG = "import time\ndef wait_for_peer():\n    time.sleep(600)\nwait_for_peer()\n"
 

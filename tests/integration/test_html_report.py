@@ -158,7 +158,7 @@ def test_html_without_matplotlib_is_a_usage_error_naming_the_extra(scenario, tmp
                "        if name == 'matplotlib' or name.startswith('matplotlib.'):\n"
                "            raise ImportError('blocked for the test')\n"
                "sys.meta_path.insert(0, Block())\n"
-               "from node_agent.cli import main\n"
+               "from node_agent.commands.main import main\n"
                "sys.exit(main())\n")
     out = tmp_path / "reports"
     config = tmp_path / "config.yaml"

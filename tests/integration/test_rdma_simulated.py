@@ -1,5 +1,5 @@
 """The rdma check under `node-agent accept --simulate` with a scenario's `hcas`: the simulated
-sysfs tree and ib_write_bw stand-in (node_agent.sim_tools) are read by the real check, parser
+sysfs tree and ib_write_bw stand-in (node_agent.sim.tools) are read by the real check, parser
 and grading rules."""
 
 from __future__ import annotations

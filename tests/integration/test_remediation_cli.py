@@ -202,7 +202,7 @@ def test_act_dry_run_prints_and_records_nothing(agent, config, logged):
 
 
 def _agent_process(args, tmp_path, **env):
-    argv = [sys.executable, "-c", "import sys; from node_agent.cli import main; sys.exit(main())",
+    argv = [sys.executable, "-c", "import sys; from node_agent.commands.main import main; sys.exit(main())",
             *args]
     return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path,
                           env={**os.environ, **env})
@@ -210,7 +210,7 @@ def _agent_process(args, tmp_path, **env):
 
 def test_kill_9_between_journal_and_act_completes_the_action_exactly_once(
         scenario, config, logged, tmp_path):
-    # NODE_AGENT_TEST_CRASH_AFTER_JOURNAL (see node_agent/remediator.py) makes the agent
+    # NODE_AGENT_TEST_CRASH_AFTER_JOURNAL (see node_agent/remediation/executor.py) makes the agent
     # SIGKILL itself after journaling the drain as started and before calling the adapter.
     cfg = config()
     args = ["check", "--simulate", scenario(XID79), "--act", "--json", "--config", cfg]
@@ -253,10 +253,10 @@ _HUNG_JOB_RUN = """
 import sys
 from node_agent.config import load_config
 from node_agent.model import Action, Grade, Level, Reason
-from node_agent.remediation import Safety
-from node_agent.remediator import Remediator
+from node_agent.remediation.plan import Safety
+from node_agent.remediation.executor import Remediator
 from node_agent.schedulers.log import LogAdapter
-from node_agent.store import open_store
+from node_agent.remediation.store import open_store
 
 class Report:
     suite, mode = "periodic", "service"

@@ -19,10 +19,10 @@ import pytest
 import yaml
 
 from node_agent.model import Action, Grade, Level, Reason
-from node_agent.remediation import Safety
-from node_agent.remediator import Remediator
+from node_agent.remediation.executor import Remediator
+from node_agent.remediation.plan import Safety
+from node_agent.remediation.store import open_store
 from node_agent.schedulers.slurm import JOB_NOT_RUNNING, SlurmAdapter
-from node_agent.store import open_store
 
 XID79 = [{"kind": "xid", "gpu": 5, "code": 79}]
 ROW_REMAP_PENDING = [{"kind": "row_remap_pending", "gpu": 2}]
@@ -42,7 +42,7 @@ def node_agent(slurm, tmp_path):
     config = {"path": write_config(max_drained_fraction=0.5)}
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        argv = [sys.executable, "-c", "import sys; from node_agent.cli import main; "
+        argv = [sys.executable, "-c", "import sys; from node_agent.commands.main import main; "
                 "sys.exit(main())", *args, "--config", config["path"]]
         return subprocess.run(argv, capture_output=True, text=True, timeout=240,
                               env=slurm.env(), cwd=tmp_path)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from node_agent.stack_sampling import find_py_spy
+from node_agent.training.stacks import find_py_spy
 
 WORKER = '''
 import os, sys, time

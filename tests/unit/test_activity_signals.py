@@ -1,4 +1,4 @@
-"""The gpu_activity, rdma_traffic and log_silence hang signals (node_agent.activity_signals).
+"""The gpu_activity, rdma_traffic and log_silence hang signals (node_agent.training.activity).
 
 Logs are real files under tmp_path with their mtimes set by ``os.utime``; RDMA ports are a fake
 ``/sys/class/infiniband`` tree written by the rdma check's own test helper; GPUs are a fake
@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import pytest
 from test_rdma_sysfs import make_port  # the rdma check's fake-sysfs helper (tests/unit)
 
-from node_agent.activity_signals import (
+from node_agent.gpu.base import DeviceLost, Identity, NotSupported, Power
+from node_agent.training.activity import (
     SATURATED_32,
     GpuActivity,
     gpu_activity_signal,
@@ -22,7 +23,6 @@ from node_agent.activity_signals import (
     read_gpu_activity,
     read_port_counters,
 )
-from node_agent.gpu.base import DeviceLost, Identity, NotSupported, Power
 
 # -- GPU activity --------------------------------------------------------------------------------
 

@@ -11,8 +11,8 @@ from node_agent import resources
 from node_agent.config import config_from_dict
 from node_agent.gpu import base, open_backend
 from node_agent.gpu.sim import SimGpuBackend
-from node_agent.scenario import ComputeProcess, Fault, Scenario, load_scenario
-from node_agent.sku import load_skus
+from node_agent.grading.sku import load_skus
+from node_agent.sim.scenario import ComputeProcess, Fault, Scenario, load_scenario
 from node_agent.yamlfile import ConfigError
 
 READINGS = {

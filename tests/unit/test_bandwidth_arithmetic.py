@@ -12,8 +12,8 @@ from node_agent.checks.transfer import copy_bytes, gbps, rep_stats, timed
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
 from node_agent.gpu.base import GpuTimeout, NotSupported, PcieLink
+from node_agent.grading.sku import load_sku
 from node_agent.model import Status
-from node_agent.sku import load_sku
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,8 +7,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from node_agent import burn  # noqa: E402
-from node_agent.burn import (  # noqa: E402
+from node_agent.compute import burn  # noqa: E402
+from node_agent.compute.burn import (  # noqa: E402
     BurnEngine,
     BurnPlan,
     GpuTelemetry,
@@ -21,10 +21,10 @@ from node_agent.burn import (  # noqa: E402
     numerics,
     run_burn,
 )
-from node_agent.compute import ComputeDevice, ComputeSpec  # noqa: E402
+from node_agent.compute.devices import ComputeDevice, ComputeSpec  # noqa: E402
 from node_agent.config import config_from_dict  # noqa: E402
 from node_agent.gpu.base import GpuTimeout, NotSupported  # noqa: E402
-from node_agent.sdc import corrupting_matmul  # noqa: E402
+from node_agent.sdc.probes import corrupting_matmul  # noqa: E402
 
 CPU = torch.device("cpu")
 PRECISIONS = ["bf16", "fp16", "tf32", "fp32"]
@@ -245,8 +245,8 @@ def thermal_ctx(scenario_faults=()):
     from node_agent import resources
     from node_agent.checks import CheckContext
     from node_agent.gpu.sim import SimGpuBackend
-    from node_agent.scenario import Fault, Scenario
-    from node_agent.sku import load_skus
+    from node_agent.grading.sku import load_skus
+    from node_agent.sim.scenario import Fault, Scenario
 
     config = config_from_dict({})
     sku = load_skus(resources.graders_dir(config))["h100-sxm5-80gb"]

@@ -35,7 +35,7 @@ from node_agent.gpu.dcgm import (
     open_dcgm,
     report_from_response,
 )
-from node_agent.grading import load_grader
+from node_agent.grading.rules import load_grader
 from node_agent.model import Level, Status
 from node_agent.parsers.dcgm_diag import DiagReport, parse_diag_json
 

@@ -1,4 +1,4 @@
-"""Fleet outliers: median/MAD per metric across many nodes' reports (node_agent.fleet)."""
+"""Fleet outliers: median/MAD per metric across many nodes' reports (node_agent.fleet.analysis)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from node_agent import fleet
-from node_agent.fleet import analyse, analyse_figures, load_fleet_rules, load_topology
+from node_agent.commands import fleet as fleet_command
+from node_agent.fleet import analysis as fleet
+from node_agent.fleet.analysis import analyse, analyse_figures, load_fleet_rules, load_topology
+from node_agent.fleet.text import render_text
 from node_agent.model import Result, Status
 from node_agent.report import json_report
 from node_agent.report.synthetic import MINIMUM_TFLOPS, synthetic_report
@@ -205,7 +207,7 @@ def test_invalid_fleet_rules_name_the_file_and_key(tmp_path):
 
 
 def test_render_text_lists_suspects_with_median_deviation_and_ratio(analysis):
-    text = fleet.render_text(analysis)
+    text = render_text(analysis)
     assert "suspects: " in text and "2 unreadable" in text
     line = next(ln for ln in text.splitlines() if "tflops_bf16" in ln and "node0041" in ln)
     assert "gpu:3" in line and "MADs" in line and "720" in line and "0.87" in line
@@ -254,7 +256,7 @@ def test_rank_at_2_5x_its_jobs_median_on_another_node_is_a_fleet_straggler(tmp_p
     assert s.job_median_s == pytest.approx(1.0)
     assert s.ratio == pytest.approx(2.5)
     assert (s.ranks, s.nodes, result.jobs_compared) == (8, 2, 1)
-    line = next(ln for ln in fleet.render_text(result).splitlines() if ln.startswith("  nodeB"))
+    line = next(ln for ln in render_text(result).splitlines() if ln.startswith("  nodeB"))
     assert "slurm:1234" in line and "2.5 s" in line and "2.50x" in line
     (entry,) = result.to_dict()["stragglers"]
     assert (entry["node"], entry["rank"], entry["ratio"], entry["job_median_step_time_s"]) == \
@@ -275,7 +277,7 @@ def test_uniform_job_across_nodes_has_no_straggler_and_exits_0(tmp_path):
     write_training_fleet(tmp_path, {"nodeA": ranks("slurm:1", 0, [1.0, 1.1, 0.95, 1.05]),
                                     "nodeB": ranks("slurm:1", 4, [1.02, 0.97, 1.08, 1.0])})
     out = io.StringIO()
-    assert fleet.run([str(tmp_path)], REPO / "graders", out=out) == fleet.EXIT_NO_SUSPECTS
+    assert fleet_command.run([str(tmp_path)], REPO / "graders", out=out) == fleet_command.EXIT_NO_SUSPECTS
     result = analyse([tmp_path], RULES)
     assert result.stragglers == [] and result.jobs_compared == 1
     assert "no fleet stragglers" in out.getvalue()
@@ -326,13 +328,13 @@ def test_job_wide_hang_is_grouped_by_job_and_names_the_origin_node(tmp_path):
     assert [(n.node, n.ranks, n.origin) for n in hang.nodes] == [
         ("nodeB", ["8", "9"], ["9"]), ("nodeA", ["0", "1"], [])], "origin node first"
     assert by_job["slurm:78"].origin_nodes == []
-    text = fleet.render_text(result)
+    text = render_text(result)
     assert "hung job slurm:77: 4 rank(s) on 2 node(s); likely origin: nodeB" in text
     assert "  nodeB: rank 8, 9 (likely origin: rank 9)" in text
     data = next(j for j in result.to_dict()["hung_jobs"] if j["job"] == "slurm:77")
     assert data["origin_nodes"] == ["nodeB"] and data["hung_ranks"] == 4
-    assert fleet.run([str(tmp_path)], REPO / "graders", out=io.StringIO()) == \
-        fleet.EXIT_SUSPECTS, "a hung job is something to act on"
+    assert fleet_command.run([str(tmp_path)], REPO / "graders", out=io.StringIO()) == \
+        fleet_command.EXIT_SUSPECTS, "a hung job is something to act on"
 
 
 def test_evidence_cut_keeps_training_progress_evidence_only(tmp_path):
@@ -348,7 +350,7 @@ def test_evidence_cut_keeps_training_progress_evidence_only(tmp_path):
 
 def test_fleet_html_lists_stragglers_and_hung_jobs(tmp_path):
     pytest.importorskip("matplotlib")
-    from node_agent.report.fleet_html import render_fleet_html
+    from node_agent.fleet.html import render_fleet_html
 
     write_training_fleet(tmp_path, {
         "nodeA": ranks("slurm:1", 0, [1.0]) + [

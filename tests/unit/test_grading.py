@@ -8,7 +8,7 @@ import pytest
 
 from node_agent import resources
 from node_agent.config import config_from_dict
-from node_agent.grading import load_grader
+from node_agent.grading.rules import load_grader
 from node_agent.model import Action, Level, Result, Status
 from node_agent.yamlfile import ConfigError
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from node_agent import hang_state
-from node_agent.hang_state import HangState
+from node_agent.training import state as hang_state
+from node_agent.training.state import HangState
 
 
 def test_state_round_trips_between_runs(tmp_path):

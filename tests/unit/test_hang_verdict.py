@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from node_agent.hang_signals import Signal
-from node_agent.hang_verdict import Thresholds, heartbeat_signal, stragglers, verdict
+from node_agent.training.signals import Signal
+from node_agent.training.verdict import Thresholds, heartbeat_signal, stragglers, verdict
 
 NOW = 1_000_000.0
 TH = Thresholds()

@@ -105,7 +105,7 @@ def test_read_heartbeats_reports_a_foreign_file_and_skips_temp_files(tmp_path):
 
 
 def test_sdc_probe_step_beats_the_heartbeat_it_was_given(tmp_path):
-    sdc = pytest.importorskip("node_agent.sdc", reason="torch is not installed")
+    sdc = pytest.importorskip("node_agent.sdc.probes", reason="torch is not installed")
     hb = Heartbeat(tmp_path / "heartbeat", min_interval_s=0.0)
     probe = sdc.SdcProbe("cpu", spool_dir=tmp_path / "sdc", heartbeat=hb)
     for _ in range(3):

@@ -1,12 +1,12 @@
-"""The daemon's training metrics, rendered through a real Prometheus registry (node_agent.metrics)."""
+"""The daemon's training metrics, rendered through a real Prometheus registry (node_agent.service.metrics)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from node_agent.metrics import MAX_LABEL_CHARS, DaemonCollector, HangTracker, Snapshot
 from node_agent.model import Level, Result, Status
+from node_agent.service.metrics import MAX_LABEL_CHARS, DaemonCollector, HangTracker, Snapshot
 
 
 def training(metric: str, status: Status, *, pid: int, rank: int | None = 0,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.allreduce import bandwidths, bus_factor
+from node_agent.compute.allreduce import bandwidths, bus_factor
 from node_agent.parsers import ParseError
 from node_agent.parsers.nccl_tests import parse_all_reduce_perf
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from node_agent.guards import blast_radius, sanitise_operator_text
 from node_agent.model import Action, Grade, Level, Reason
-from node_agent.remediation import JOB_RULES, Safety, Step, fault_code, job_of, plan
-from node_agent.remediator import GpuResetError, Remediator
+from node_agent.remediation.executor import GpuResetError, Remediator
+from node_agent.remediation.guards import blast_radius, sanitise_operator_text
+from node_agent.remediation.plan import JOB_RULES, Safety, Step, fault_code, job_of, plan
+from node_agent.remediation.store import NodeRecord, open_store
 from node_agent.schedulers.base import REASON_PREFIX, AdapterError, NodeState, check_job_id
-from node_agent.store import NodeRecord, open_store
 
 T0 = 1_700_000_000.0
 NODE = "gpu-01"

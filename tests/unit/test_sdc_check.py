@@ -1,7 +1,7 @@
 """The ``sdc`` and ``sdc_spool`` checks on real torch (CPU): cross-GPU odd one out, each GPU's
 earlier digest under the state dir, software changes, transient vs confirmed, spool ingestion.
 
-Nodes are simulated (``node_agent.gpu.sim`` + ``node_agent.compute`` CPU stand-ins): the probe
+Nodes are simulated (``node_agent.gpu.sim`` + ``node_agent.compute.devices`` CPU stand-ins): the probe
 code, digests, history and grading are the real code. Where a fault the scenario language
 cannot express is needed (a mismatch on the first call only), a CPU ``ComputeDevice`` is built
 with the library's ``corrupting_matmul(times=1)``: that is the compute boundary itself, not a
@@ -18,14 +18,14 @@ import yaml
 
 torch = pytest.importorskip("torch")
 
-from node_agent import sdc as sdc_lib  # noqa: E402
 from node_agent.checks import CheckContext, sdc_spool  # noqa: E402
 from node_agent.checks import sdc as sdc_check  # noqa: E402
-from node_agent.compute import ComputeDevice, ComputeSpec, open_device  # noqa: E402
+from node_agent.compute.devices import ComputeDevice, ComputeSpec, open_device  # noqa: E402
 from node_agent.config import load_config  # noqa: E402
 from node_agent.environment import open_environment  # noqa: E402
 from node_agent.model import Status  # noqa: E402
 from node_agent.runner import run_check  # noqa: E402
+from node_agent.sdc import probes as sdc_lib  # noqa: E402
 from node_agent.suite import CheckSpec  # noqa: E402
 
 SMALL = {"shapes": [[16, 16, 16], [17, 32, 9]], "dtypes": ["fp32", "bf16", "fp16"],

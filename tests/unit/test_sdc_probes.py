@@ -14,8 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from node_agent import sdc  # noqa: E402
-from node_agent.sdc import ProbeSpec, SdcProbe, Verdict  # noqa: E402
+from node_agent.sdc import probes as sdc  # noqa: E402
+from node_agent.sdc.probes import ProbeSpec, SdcProbe, Verdict  # noqa: E402
 
 SMALL = ProbeSpec(32, 32, 32, "fp32")
 
@@ -342,7 +342,7 @@ def test_sdc_probe_step_never_raises_when_the_probe_throws(tmp_path, caplog) -> 
         raise RuntimeError("boom")
 
     probe = SdcProbe("cpu", spool_dir=tmp_path, clock=clock, matmul=broken)
-    with caplog.at_level(logging.ERROR, logger="node_agent.sdc"):
+    with caplog.at_level(logging.ERROR, logger="node_agent.sdc.probes"):
         clock.advance(1)
         v = probe.step()
         assert v is not None and v.status == "error" and "boom" in v.detail
@@ -387,7 +387,7 @@ def test_sdc_imports_only_stdlib_and_torch() -> None:
         import sys
         import torch
         before = set(sys.modules)
-        import node_agent.sdc
+        from node_agent.sdc import SdcProbe, Verdict, write_verdict, default_spool_dir
         new = sorted(set(sys.modules) - before)
         print("\\n".join(new))
         """
@@ -396,10 +396,10 @@ def test_sdc_imports_only_stdlib_and_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     new = [m for m in out.stdout.split() if m]
-    assert "node_agent.sdc" in new
+    assert "node_agent.sdc.probes" in new
     foreign = [
         m for m in new
-        if m not in ("node_agent", "node_agent.sdc", "node_agent.sdc_verdicts")
+        if m not in ("node_agent", "node_agent.sdc", "node_agent.sdc.probes", "node_agent.sdc.spool")
         and m.split(".")[0] not in sys.stdlib_module_names
         and not m.startswith("torch")
     ]

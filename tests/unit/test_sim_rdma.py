@@ -1,4 +1,4 @@
-"""Simulated HCAs (node_agent.sim_tools): the sysfs tree and the ib_write_bw stand-in are read
+"""Simulated HCAs (node_agent.sim.tools): the sysfs tree and the ib_write_bw stand-in are read
 by the rdma check's real discovery, subprocess and parser code."""
 
 from __future__ import annotations
@@ -8,14 +8,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from node_agent import proc, sim_tools
+from node_agent import proc
 from node_agent.checks import CheckContext, rdma
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
+from node_agent.grading.sku import load_skus
 from node_agent.model import Status
 from node_agent.parsers.perftest import parse_bw_table
-from node_agent.scenario import load_scenario
-from node_agent.sku import load_skus
+from node_agent.sim import tools as sim_tools
+from node_agent.sim.scenario import load_scenario
 from node_agent.yamlfile import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ import sqlite3
 
 import pytest
 
-from node_agent.store import DB_NAME, SCHEMA_VERSION, NodeRecord, open_store
+from node_agent.remediation.store import DB_NAME, SCHEMA_VERSION, NodeRecord, open_store
 
 T0 = 1_700_000_000.0
 

@@ -1,4 +1,4 @@
-"""Discovery of training processes (``node_agent.training_processes``) on real processes.
+"""Discovery of training processes (``node_agent.training.processes``) on real processes.
 
 Children are real ``python`` processes with a launcher's environment (RANK, SLURM_JOB_ID, ...);
 heartbeats are written by ``node_agent.heartbeat.Heartbeat`` inside them or by hand; NVML's
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from node_agent import training_processes as tp
 from node_agent.gpu.base import DeviceLost, GpuProcess, NotSupported
 from node_agent.heartbeat import SCHEMA, identity_from_env, process_start_ticks
-from node_agent.training_processes import alive, discover
+from node_agent.training import processes as tp
+from node_agent.training.processes import alive, discover
 
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID",
                  "KUBERNETES_POD_NAME", "KUBERNETES_SERVICE_HOST", "POD_NAMESPACE",
@@ -394,7 +394,7 @@ def test_evidence_is_json_and_leaves_the_heartbeat_record_out(spool, spawn):
 def test_slurm_job_is_verified_only_by_slurmds_cgroup_not_by_the_environment(tmp_path):
     """A user can put any SLURM_JOB_ID in their own environment; slurmd's cgroup is not theirs.
     A fake /proc tree: the cgroup files are what Slurm's task/cgroup plugin creates."""
-    from node_agent.training_processes import read_slurm_cgroup_job
+    from node_agent.training.processes import read_slurm_cgroup_job
 
     def cgroup(pid: int, text: str) -> None:
         (tmp_path / str(pid)).mkdir()
@@ -410,7 +410,7 @@ def test_slurm_job_is_verified_only_by_slurmds_cgroup_not_by_the_environment(tmp
 
 
 def test_only_an_environment_job_with_a_matching_cgroup_may_be_acted_on():
-    from node_agent.training_processes import TrainingProcess
+    from node_agent.training.processes import TrainingProcess
 
     def proc(**kw):
         base = dict(pid=1, start_ticks=1, uid=0, cmdline=[], rank=0, local_rank=0,

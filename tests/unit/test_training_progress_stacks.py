@@ -7,9 +7,9 @@ import subprocess
 import sys
 import time
 
-from node_agent.hang_signals import Signal
-from node_agent.hang_verdict import likely_origin
-from node_agent.stack_sampling import sample_stacks
+from node_agent.training.signals import Signal
+from node_agent.training.stacks import sample_stacks
+from node_agent.training.verdict import likely_origin
 
 
 def _fake_py_spy(tmp_path, stderr: str, code: int = 1) -> str:

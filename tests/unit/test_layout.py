@@ -1,0 +1,152 @@
+"""The house in wings: the package's shape is a contract (no import circles, small modules, the
+public training-side imports unchanged)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "node_agent"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the node_agent modules it imports, counting imports inside functions and the
+    packages whose ``__init__`` an import runs."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+
+    def add(src: str, target: str) -> None:
+        parts = target.split(".")
+        for i in range(2, len(parts) + 1):  # importing a.b.c runs a.b's __init__ too ...
+            name = ".".join(parts[:i])
+            # ... except a module's own packages, which are loaded before the module itself
+            if name in modules and name != src and not src.startswith(name + "."):
+                graph[src].add(name)
+
+    def runtime_nodes(tree: ast.AST):
+        """Every node but those under ``if TYPE_CHECKING:`` (annotations, never run)."""
+        todo = [tree]
+        while todo:
+            node = todo.pop()
+            yield node
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                    todo.extend(child.orelse)
+                else:
+                    todo.append(child)
+
+    for name, path in modules.items():
+        for node in runtime_nodes(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                    and node.module.startswith("node_agent"):
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    add(name, full if full in modules else node.module)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("node_agent"):
+                        add(name, alias.name)
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_circles_even_through_imports_inside_functions():
+    assert find_cycles(import_graph()) == []
+
+
+def test_find_cycles_sees_a_circle():
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]
+
+
+def test_top_level_stays_small_and_wings_hold_the_rest():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    wings = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
+    assert len(top) <= 16, top
+    assert len(wings) >= 9, wings
+
+
+def test_every_wing_says_what_it_does():
+    for init in PACKAGE.glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc, f"{init} has no docstring saying what the wing does"
+
+
+def test_no_module_over_a_thousand_lines():
+    long = {str(p): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 1000}
+    assert long == {}
+
+
+def _new_modules_after(statement: str) -> list[str]:
+    code = textwrap.dedent(f"""
+        import sys
+        before = set(sys.modules)
+        {statement}
+        print("\\n".join(sorted(set(sys.modules) - before)))
+        """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def test_heartbeat_imports_nothing_outside_the_standard_library():
+    new = _new_modules_after("from node_agent.heartbeat import Heartbeat")
+    foreign = [m for m in new if m.split(".")[0] not in sys.stdlib_module_names
+               and m not in ("node_agent", "node_agent.heartbeat")]
+    assert foreign == []
+
+
+def test_sdc_spool_names_import_without_torch():
+    """The daemon reads verdicts through node_agent.sdc without paying for torch."""
+    new = _new_modules_after("from node_agent.sdc import Verdict, write_verdict, default_spool_dir")
+    assert "torch" not in new
+    assert "node_agent.sdc.spool" in new
