@@ -22,11 +22,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+from node_agent.extras import missing_message
 from node_agent.model import Level, Report, Result, Status
 from node_agent.yamlfile import ConfigError
 
-MATPLOTLIB_MISSING = ("writing an HTML report needs matplotlib, which is not installed: "
-                      "pip install 'node-agent[report]' (or drop --html)")
+
+def matplotlib_missing() -> str:
+    """The one-line error when matplotlib is missing: the command that installs it here."""
+    return missing_message("matplotlib", "report", "writing an HTML report") + " (or drop --html)"
 
 
 class MissingExtraError(ConfigError):
@@ -38,7 +41,7 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise MissingExtraError(MATPLOTLIB_MISSING) from None
+        raise MissingExtraError(matplotlib_missing()) from None
 
 
 # -- status and level vocabulary -------------------------------------------------------------

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+from node_agent.extras import install_command
 from node_agent.model import Report
 from node_agent.yamlfile import ConfigError
 
@@ -50,6 +51,6 @@ def add_output_arguments(parser) -> None:
     """``--html PATH`` and ``--junit PATH`` on an argparse parser."""
     parser.add_argument("--html", metavar="PATH",
                         help="also write a self-contained HTML report with plots "
-                             "(needs the `report` extra: pip install 'node-agent[report]')")
+                             f"(needs the `report` extra: {install_command('report')})")
     parser.add_argument("--junit", metavar="PATH",
                         help="also write JUnit XML: one test case per check and target")
