@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from node_agent.checks import CheckContext
+from node_agent.gpu.base import GpuError, XidEvent
 from node_agent.kernel_log import LogRecord, normalise_bus, parse_xid_line
 from node_agent.model import Result, Status
 
@@ -68,8 +69,15 @@ def run(ctx: CheckContext) -> list[Result]:
         _save_cursor(ctx, log.source, records[-1].seq)
 
     watch_s = float(ctx.params.get("watch_s", 0))
+    events: list[XidEvent] = []
     if watch_s > 0:
-        for event in ctx.gpu.wait_xid_events(watch_s):
+        try:
+            events = ctx.gpu.wait_xid_events(watch_s)
+        except GpuError as err:  # no NVML events here, or a hung driver (nvml_health grades
+            # that); the kernel log still carries the Xids
+            results.append(ctx.skip(f"NVML Xid events not watched: {err}", metric="nvml_events"))
+            watch_s = 0
+        for event in events:
             target = f"gpu:{event.gpu_index}" if event.gpu_index is not None else "node"
             entry = seen.setdefault((target, event.code), _Seen(target, event.code))
             entry.count += 1

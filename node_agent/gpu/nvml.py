@@ -62,6 +62,14 @@ _GPU_NOT_FOUND = 28
 _UNSUPPORTED_CODES = {_NOT_SUPPORTED, _FUNCTION_NOT_FOUND, _NOT_FOUND}
 _LOST_CODES = {_GPU_IS_LOST, _GPU_NOT_FOUND}
 
+# Field ids (nvml.h NVML_FI_*; part of the C ABI). Ours, not the binding's: nvidia-ml-py
+# releases older than the driver lack newer names (12.535 has no NVML_FI_DEV_GET_GPU_RECOVERY_
+# ACTION), and a missing name must read "not supported", not crash the check.
+_FI_DEV_MEMORY_TEMP = 82
+_FI_DEV_GET_GPU_RECOVERY_ACTION = 230
+# nvmlNvLinkCapability_t NVML_NVLINK_CAP_VALID: "link is supported on this device"
+_NVLINK_CAP_VALID = 5
+
 # c_nvmlValue_t member for each nvmlValueType_t (NVML_VALUE_TYPE_DOUBLE = 0 ... UNSIGNED_SHORT = 6)
 _FIELD_VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
 
@@ -237,10 +245,12 @@ class NvmlBackend:
 
     def _field_value(self, field_id: int, field_name: str, handle: Any, gpu: int) -> Any:
         """One ``nvmlDeviceGetFieldValues`` value; each value carries its own nvmlReturn."""
+        name = f"nvmlDeviceGetFieldValues({field_name})"
         value = self._call("nvmlDeviceGetFieldValues", handle, [field_id], gpu=gpu)[0]
         if value.nvmlReturn != _SUCCESS:
-            raise self._translate(value.nvmlReturn, f"nvmlDeviceGetFieldValues({field_name})",
-                                  gpu)
+            raise self._translate(value.nvmlReturn, name, gpu)
+        if not 0 <= value.valueType < len(_FIELD_VALUE_MEMBERS):
+            raise GpuError(f"{name}{_on(gpu)}: unknown nvmlValueType_t {value.valueType}")
         return getattr(value.value, _FIELD_VALUE_MEMBERS[value.valueType])
 
     # -- GpuBackend ----------------------------------------------------------------------------
@@ -384,9 +394,8 @@ class NvmlDevice:
     def _call(self, names: str | Sequence[str], *args: Any) -> Any:
         return self._nvml._call(names, self.handle(), *args, gpu=self.index)
 
-    def _field(self, field_name: str) -> Any:
-        return self._nvml._field_value(getattr(self._lib, field_name), field_name,
-                                       self.handle(), self.index)
+    def _field(self, field_id: int, field_name: str) -> Any:
+        return self._nvml._field_value(field_id, field_name, self.handle(), self.index)
 
     def identity(self) -> Identity:
         """``nvidia-smi --query-gpu=uuid,name,pci.bus_id,serial,vbios_version,memory.total``."""
@@ -407,7 +416,7 @@ class NvmlDevice:
 
     def memory_temperature_c(self) -> int:
         """``nvidia-smi --query-gpu=temperature.memory`` (°C; HBM GPUs only)."""
-        return int(self._field("NVML_FI_DEV_MEMORY_TEMP"))
+        return int(self._field(_FI_DEV_MEMORY_TEMP, "NVML_FI_DEV_MEMORY_TEMP"))
 
     def temperature_thresholds(self) -> TemperatureThresholds:
         """``nvidia-smi -q -d TEMPERATURE``: shutdown, slowdown, GPU/memory max operating (°C)."""
@@ -519,13 +528,16 @@ class NvmlDevice:
         A name from ``base.RECOVERY_ACTIONS`` (``nvmlGpuRecoveryAction_t`` order); a value newer
         than that list reads ``unknown_<n>``.
         """
-        n = int(self._field("NVML_FI_DEV_GET_GPU_RECOVERY_ACTION"))
+        n = int(self._field(_FI_DEV_GET_GPU_RECOVERY_ACTION, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION"))
         return RECOVERY_ACTIONS[n] if 0 <= n < len(RECOVERY_ACTIONS) else f"unknown_{n}"
 
     def nvlinks(self) -> list[NvLink]:
         """``nvidia-smi nvlink -s`` and ``-e``: each link's state and DL error counters.
 
-        [] when the GPU has no NVLink. Link indexes this GPU lacks are skipped.
+        [] when the GPU has no NVLink. Link indexes this GPU lacks are skipped: those whose state
+        is "not supported" or an invalid argument, and those that answer "inactive" without
+        NVML_NVLINK_CAP_VALID (drivers answer "inactive" for indexes past the GPU's links), so
+        only a link the GPU has can count as down.
         """
         lib = self._lib
         links: list[NvLink] = []
@@ -533,6 +545,8 @@ class NvmlDevice:
             try:
                 active = self._call("nvmlDeviceGetNvLinkState", link)
             except (NotSupported, NvmlInvalidArgument):
+                continue
+            if active != lib.NVML_FEATURE_ENABLED and not self._nvlink_valid(link):
                 continue
 
             def counter(kind: int, link: int = link) -> int | None:
@@ -546,6 +560,13 @@ class NvmlDevice:
                 crc_errors=counter(lib.NVML_NVLINK_ERROR_DL_CRC_FLIT),
             ))
         return links
+
+    def _nvlink_valid(self, link: int) -> bool:
+        """Whether NVML says link index ``link`` is a link of this GPU (NVML_NVLINK_CAP_VALID)."""
+        try:
+            return bool(self._call("nvmlDeviceGetNvLinkCapability", link, _NVLINK_CAP_VALID))
+        except (NotSupported, NvmlInvalidArgument):
+            return False
 
     def compute_processes(self) -> list[GpuProcess]:
         """``nvidia-smi --query-compute-apps=pid,used_memory``: the compute processes on this GPU.

@@ -87,6 +87,9 @@ static int name_matches(const char *pattern, const char *fn)
 {
     if (strcmp(pattern, "*") == 0 || strcmp(pattern, fn) == 0)
         return 1;
+    /* "nvmlInit" names every way in: nvidia-ml-py calls nvmlInitWithFlags */
+    if (strcmp(pattern, "nvmlInit") == 0 && strncmp(fn, "nvmlInit", 8) == 0)
+        return 1;
     size_t len = strlen(pattern);
     if (strncmp(pattern, fn, len) != 0 || fn[len] != '_' || fn[len + 1] != 'v')
         return 0;
@@ -148,7 +151,9 @@ static nvmlReturn_t enter(const char *fn, long index, int needs_init, int by_ind
         if (fake_state_refresh() != 0) {
             const char *state = getenv("NVML_FAKE_STATE"), *scenario = getenv("NVML_FAKE_SCENARIO");
             int configured = (state && *state) || (scenario && *scenario);
-            return configured ? NVML_ERROR_UNKNOWN : NVML_ERROR_DRIVER_NOT_LOADED;
+            /* unconfigured, the stand-in is as good as no library: what a host without the
+             * driver answers, so a process that loads it by accident sees no GPUs */
+            return configured ? NVML_ERROR_UNKNOWN : NVML_ERROR_LIBRARY_NOT_FOUND;
         }
         const fake_state_t *state = fake_state();
         int hang;

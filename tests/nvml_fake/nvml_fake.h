@@ -57,7 +57,7 @@ void fake_unlock(void);
 /* 0 when the lock was free and is now held. */
 int fake_trylock(void);
 
-/* First value of key in a section, or NULL. */
+/* The value of key in a section (the last line wins, so appended lines override), or NULL. */
 const char *fake_get(const fake_section_t *section, const char *key);
 /* The i-th entry with this key (0-based), or NULL when there are fewer. */
 const char *fake_get_nth(const fake_section_t *section, const char *key, size_t n);

@@ -42,7 +42,8 @@ typedef struct {
 } file_id_t;
 
 static fake_state_t *g_state;       /* what the NVML entry points read */
-static file_id_t g_state_id;        /* the state file as last read */
+static char g_state_path[4096];     /* the file it was read from */
+static file_id_t g_state_id;        /* that file as last read */
 static file_id_t g_scenario_id;     /* the scenario as last rendered */
 static char g_rendered_path[4096];  /* a temporary state file this library made, or "" */
 static char g_last_error[512];      /* the last problem reported, so it is said once */
@@ -101,7 +102,10 @@ const char *fake_get_nth(const fake_section_t *section, const char *key, size_t 
 
 const char *fake_get(const fake_section_t *section, const char *key)
 {
-    return fake_get_nth(section, key, 0);
+    for (size_t i = section->count; i-- > 0;)
+        if (strcmp(section->entries[i].key, key) == 0)
+            return section->entries[i].value;
+    return NULL;
 }
 
 int fake_has_prefix(const fake_section_t *section, const char *prefix)
@@ -332,26 +336,52 @@ static const char *state_path(void)
     return g_rendered_path;
 }
 
+static void forget_state(void)
+{
+    state_free(g_state);
+    g_state = NULL;
+    g_state_path[0] = '\0';
+    memset(&g_state_id, 0, sizeof g_state_id);
+}
+
 int fake_state_refresh(void)
 {
+    const char *state = getenv("NVML_FAKE_STATE"), *scenario = getenv("NVML_FAKE_SCENARIO");
+    if (!(state && *state) && !(scenario && *scenario)) {
+        state_path(); /* says why there is nothing to show */
+        forget_state();
+        return -1;
+    }
     const char *path = state_path();
-    if (!path)
+    /* A state file that is there but changed into something unreadable keeps the state read
+     * before (a test rewriting it mid-run made a mistake: said on stderr); another file, or
+     * none read yet, has nothing to fall back on. */
+    int same_path = g_state && path && strcmp(path, g_state_path) == 0;
+    if (!path) {
+        if (!same_path)
+            forget_state();
         return g_state ? 0 : -1;
+    }
     file_id_t now = {0};
     if (file_id(path, &now) != 0) {
         report("cannot read state file %s: %s", path, strerror(errno));
+        if (!same_path)
+            forget_state();
         return g_state ? 0 : -1;
     }
-    if (g_state && same_file(&now, &g_state_id))
+    if (same_path && same_file(&now, &g_state_id))
         return 0;
     char why[512];
     fake_state_t *fresh = parse(path, why, sizeof why);
     if (!fresh) {
-        report("%s%s", why, g_state ? " (keeping the state read before)" : "");
+        report("%s%s", why, same_path ? " (keeping the state read before)" : "");
+        if (!same_path)
+            forget_state();
         return g_state ? 0 : -1;
     }
     state_free(g_state);
     g_state = fresh;
+    snprintf(g_state_path, sizeof g_state_path, "%s", path);
     g_state_id = now;
     g_last_error[0] = '\0';
     return 0;
@@ -359,9 +389,7 @@ int fake_state_refresh(void)
 
 void fake_state_release(void)
 {
-    state_free(g_state);
-    g_state = NULL;
-    memset(&g_state_id, 0, sizeof g_state_id);
+    forget_state();
     memset(&g_scenario_id, 0, sizeof g_scenario_id);
     const char *state = getenv("NVML_FAKE_STATE");
     if (g_rendered_path[0] && !(state && strcmp(state, g_rendered_path) == 0))

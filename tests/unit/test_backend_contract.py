@@ -1,19 +1,28 @@
-"""Every GPU backend answers the same questions with the same types (simulator and NVML fake;
-on a GPU host the `gpu`-marked test runs the same contract against real NVML)."""
+"""Every GPU backend answers the same questions with the same types: the simulator, the real NVML
+backend on the stand-in libnvidia-ml.so.1 (tests/nvml_fake, loaded by the real nvidia-ml-py
+through ctypes), and on a GPU host the `gpu`-marked test against real NVML."""
 
 from __future__ import annotations
 
 import dataclasses
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from node_agent import resources
 from node_agent.config import config_from_dict
 from node_agent.gpu import base, open_backend
+from node_agent.gpu.nvml import open_nvml
 from node_agent.gpu.sim import SimGpuBackend
 from node_agent.grading.sku import load_skus
+from node_agent.sim.nvml_state import NVML_FAULT_KINDS, render, write_state
 from node_agent.sim.scenario import ComputeProcess, Fault, Scenario, load_scenario
 from node_agent.yamlfile import ConfigError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nvml_fake"))
+import nvml_fake_harness as harness  # noqa: E402  (tests/nvml_fake, not an installed module)
 
 READINGS = {
     "identity": base.Identity, "temperature_c": int, "temperature_thresholds": base.TemperatureThresholds,
@@ -45,8 +54,10 @@ def assert_contract(backend):
             assert isinstance(value, kind), (method, value)
             if dataclasses.is_dataclass(value):
                 dataclasses.asdict(value)
-        assert device.throttle_reasons() <= set(base.THROTTLE_REASONS)
-        assert device.recovery_action() in base.RECOVERY_ACTIONS
+        # each reading may be "not available" (a driver without the recovery-action field, a
+        # GPU without clock-event reasons): check the value only where there is one
+        assert (_reading(device, "throttle_reasons") or frozenset()) <= set(base.THROTTLE_REASONS)
+        assert _reading(device, "recovery_action") in (None, *base.RECOVERY_ACTIONS)
         for proc in _reading(device, "compute_processes") or []:
             assert isinstance(proc, base.GpuProcess) and isinstance(proc.pid, int), proc
             assert proc.pid > 0
@@ -159,3 +170,149 @@ def test_nvml_satisfies_the_backend_contract_on_a_gpu_host():
         assert_contract(backend)
     finally:
         backend.close()
+
+
+# -- the real NVML backend on the stand-in libnvidia-ml.so.1 ----------------------------------
+
+
+@pytest.fixture(scope="session")
+def nvml_fake_lib(pytestconfig):
+    """Build tests/nvml_fake into build/nvml-fake and load it where pynvml will look for it."""
+    path = harness.build()
+    harness.preload(pytestconfig)
+    return path
+
+
+@pytest.fixture
+def fake_nvml(nvml_fake_lib, tmp_path, monkeypatch):
+    """``open(scenario, switches=(), extra=None, call_timeout_s=5)``: the real NVML backend
+    (real nvidia-ml-py, real ctypes) on the stand-in library, showing ``scenario``."""
+    state = tmp_path / "nvml.state"
+    monkeypatch.delenv("NVML_FAKE_SCENARIO", raising=False)
+    monkeypatch.setenv("NVML_FAKE_STATE", str(state))
+    opened = []
+
+    def open_(scenario, switches=(), extra=None, call_timeout_s=5.0):
+        write_state(state, render(scenario, _sku(scenario.sku), switches, extra))
+        backend = open_nvml(call_timeout_s=call_timeout_s)
+        opened.append(backend)
+        return backend
+
+    open_.state = state
+    yield open_
+    if state.exists():  # let calls a test left hanging return before the library is shut down
+        write_state(state, "".join(line for line in state.read_text().splitlines(True)
+                                   if not line.startswith("hang ")))
+        time.sleep(0.05)
+    for backend in opened:
+        backend.close()
+
+
+def _sku(sku_id):
+    return load_skus(resources.graders_dir(config_from_dict({})))[sku_id]
+
+
+def _outcome(device, method):
+    """A reading's value, or the kind of error it raised (NotSupported, DeviceLost, ...)."""
+    try:
+        return getattr(device, method)()
+    except base.GpuError as err:
+        for kind in (base.NotSupported, base.NoPermission, base.DeviceLost, base.GpuTimeout):
+            if isinstance(err, kind):
+                return kind.__name__
+        return base.GpuError.__name__
+
+
+def _node_readings(backend):
+    return [{method: _outcome(dev, method) for method in READINGS} for dev in backend.devices()]
+
+
+def test_nvml_backend_on_the_stand_in_library_keeps_the_contract_on_a_healthy_h100(fake_nvml):
+    backend = fake_nvml(load_scenario(harness.REPO / "scenarios" / "healthy-h100.yaml"))
+    assert_contract(backend)
+    assert len(backend.devices()) == 8
+    assert backend.driver() == base.DriverInfo(driver_version="570.86.15", cuda_version="12.8",
+                                               nvml_version="12.570.86.15")
+    for dev in backend.devices():
+        assert dev.recovery_action() == "none"
+        assert len(dev.nvlinks()) == 18 and all(link.active for link in dev.nvlinks())
+
+
+def test_nvml_backend_keeps_the_contract_where_optional_functions_are_unsupported(fake_nvml):
+    scenario = Scenario(sku="h100-sxm5-80gb", gpus=2, source="t",
+                        compute_processes=(ComputeProcess(gpu=0, pid=4242),))
+    backend = fake_nvml(scenario, harness.SPARSE_SWITCHES,
+                        extra={0: harness.SPARSE_FIELDS, 1: harness.SPARSE_FIELDS})
+    assert_contract(backend)
+    dev = backend.devices()[0]
+    for method in ("recovery_action", "memory_temperature_c", "temperature_thresholds",
+                   "retired_pages", "row_remap", "persistence_mode", "compute_processes",
+                   "utilization"):
+        with pytest.raises(base.NotSupported):
+            getattr(dev, method)()
+    ident = dev.identity()
+    assert (ident.serial, ident.vbios, ident.memory_total_mib) == (None, None, None)
+    assert dev.power() == base.Power(usage_w=84.0, enforced_limit_w=None, default_limit_w=None)
+    assert dev.clocks() == base.Clocks(sm_mhz=1980, sm_max_mhz=None, memory_mhz=2619)
+    assert dev.pcie().replay_count is None
+    ecc = dev.ecc()
+    assert (ecc.aggregate_dbe_sram, ecc.aggregate_dbe_dram) == (None, None)
+    # an older driver: the _v2 CUDA version and clocks "throttle" reasons answer instead
+    assert backend.driver() == base.DriverInfo("570.86.15", "12.8", None)
+    assert dev.throttle_reasons() == {"gpu_idle"}
+    # NVLink capabilities unsupported: active links still count, none are invented
+    assert [link.link for link in dev.nvlinks()] == list(range(18))
+    assert {(link.replay_errors, link.recovery_errors) for link in dev.nvlinks()} == {(None, None)}
+    with pytest.raises(base.NotSupported, match="Xid events"):
+        backend.wait_xid_events(0.05)
+
+
+# One scenario per NVML-level fault kind (docs/simulation.md); the GPU indices avoid a missing
+# GPU before another (NVML numbers the GPUs it finds 0..n-1; the simulator keeps the gaps).
+NVML_FAULTS = {
+    "xid": {"kind": "xid", "gpu": 2, "code": 79},
+    "row_remap_pending": {"kind": "row_remap_pending", "gpu": 2},
+    "row_remap_failure": {"kind": "row_remap_failure", "gpu": 2},
+    "ecc_dbe_volatile": {"kind": "ecc_dbe_volatile", "gpu": 1, "count": 2},
+    "ecc_sbe_volatile": {"kind": "ecc_sbe_volatile", "gpu": 1, "count": 5000},
+    "missing_gpu": {"kind": "missing_gpu", "gpu": 3},
+    "gpu_lost": {"kind": "gpu_lost", "gpu": 3},
+    "temperature": {"kind": "temperature", "gpu": 0, "celsius": 95},
+    "pcie_width": {"kind": "pcie_width", "gpu": 3, "lanes": 8},
+    "throttle": {"kind": "throttle", "gpu": 2, "reasons": ["hw_slowdown", "sw_power_cap"]},
+    "nvlink_down": {"kind": "nvlink_down", "gpu": 1, "link": 3},
+    "recovery_action": {"kind": "recovery_action", "gpu": 1, "action": "gpu_reset"},
+    "persistence_off": {"kind": "persistence_off", "gpu": 0},
+    "driver_hang": {"kind": "driver_hang", "gpu": 2},
+    "spin": {"kind": "spin", "gpu": 3},
+}
+
+
+def test_every_nvml_level_fault_kind_has_a_parity_case():
+    assert set(NVML_FAULTS) == NVML_FAULT_KINDS
+
+
+@pytest.mark.parametrize("kind", sorted(NVML_FAULTS))
+def test_nvml_backend_reads_each_fault_as_the_simulator_shows_it(fake_nvml, kind):
+    raw = dict(NVML_FAULTS[kind])
+    fault = Fault(kind=raw.pop("kind"), gpu=raw.pop("gpu"), params=raw)
+    scenario = Scenario(sku="h100-sxm5-80gb", gpus=4, source="t", faults=(fault,),
+                        compute_processes=(ComputeProcess(gpu=0, pid=4242, used_memory_mib=512),))
+    sim = SimGpuBackend(scenario, _sku(scenario.sku), call_timeout_s=0.3)
+    nvml = fake_nvml(scenario, call_timeout_s=0.3)
+    sim_readings, nvml_readings = _node_readings(sim), _node_readings(nvml)
+    if kind == "missing_gpu":  # the same GPUs, numbered by NVML without the gap
+        for reading in sim_readings:
+            reading["identity"] = dataclasses.replace(reading["identity"], index=None)
+        for reading in nvml_readings:
+            reading["identity"] = dataclasses.replace(reading["identity"], index=None)
+    assert nvml_readings == sim_readings
+    assert len(nvml.devices()) == (3 if kind == "missing_gpu" else 4)
+    if kind == "driver_hang":  # wedged: the event wait fails fast like every other call
+        with pytest.raises(base.GpuTimeout):
+            nvml.wait_xid_events(0.05)
+        return
+    expected = [(e.gpu_index, e.code) for e in sim.wait_xid_events(0.05)]
+    assert [(e.gpu_index, e.code) for e in nvml.wait_xid_events(0.2)] == expected
+    assert expected == ([(2, 79)] if kind == "xid" else [])
+    assert nvml.wait_xid_events(0.05) == []  # each event once
