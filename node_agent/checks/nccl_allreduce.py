@@ -183,7 +183,9 @@ def _results(ctx: CheckContext, rows: list[dict[str, Any]], evidence: dict[str, 
         out.append(ctx.result(
             "node", "busbw_gbps", Status.PASS,
             f"{row['size_bytes']} B all-reduce: busbw {row['busbw']:.3f} GB/s, algbw "
-            f"{row['algbw']:.3f} GB/s, {row['time_us']:.1f} us ({evidence['backend']})",
+            f"{row['algbw']:.3f} GB/s"
+            + (f", {row['time_us']:.1f} us" if row.get("time_us") is not None else "")
+            + f" ({evidence['backend']})",
             value=round(row["busbw"], 4), unit="GB/s", **row, **evidence))
     peak = max(rows, key=lambda r: r["busbw"])
     minimum = ctx.sku.minimum("nccl_allreduce_busbw_gbps_min") if ctx.sku else None
@@ -237,7 +239,11 @@ def _run_nccl_tests(ctx: CheckContext, world_size: int, sizes: list[int], iters:
                 "simulated": False, "tool": "all_reduce_perf",
                 "avg_busbw_gbps": table.avg_busbw_gbps, "out_of_bounds": table.out_of_bounds}
     out = _results(ctx, rows, evidence, graded=True, duration=res.duration_s)
-    if all(r["wrong"] is None for r in rows) and table.out_of_bounds is not None:
+    if table.validated is False:
+        out.append(ctx.result("node", "wrong_elements", Status.SKIP,
+                              "all_reduce_perf ran without validation (#wrong N/A): the "
+                              "results were not checked", **evidence))
+    elif all(r["wrong"] is None for r in rows) and table.out_of_bounds is not None:
         # older nccl-tests: no per-size count, only the run's out-of-bounds total
         out.append(ctx.result("node", "wrong_elements",
                               Status.FAIL if table.out_of_bounds else Status.PASS,

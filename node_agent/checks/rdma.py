@@ -226,7 +226,9 @@ def _write_bw(ctx: CheckContext, binary: str, port: Port, minimum: float | None,
                           server_failure=srv.describe_failure() if srv and not srv.ok else None,
                           **ev)
     try:
-        row: BwRow = parse_bw_json(json_text) if json_text else parse_bw_table(client.stdout)[-1]
+        # the run used --report_gbits; the parser still checks that against MsgRate x size
+        row: BwRow = (parse_bw_json(json_text, unit="Gb/sec") if json_text
+                      else parse_bw_table(client.stdout)[-1])
     except ParseError as err:
         return ctx.result(port.target, "write_bw_gbps", Status.ERROR,
                           f"cannot read ib_write_bw output for {port.device}: {err}",
@@ -237,4 +239,6 @@ def _write_bw(ctx: CheckContext, binary: str, port: Port, minimum: float | None,
         f"ib_write_bw {port.device} port {port.port}: {row.bw_avg_gbps:.1f} Gb/s average"
         + (f", below the SKU minimum {minimum:g} Gb/s" if low else ""),
         value=round(row.bw_avg_gbps, 2), unit="Gb/s", msg_size_bytes=row.msg_size_bytes,
-        iterations=row.iterations, source="json" if json_text else "table", **ev)
+        iterations=row.iterations, source="json" if json_text else "table",
+        unit_used=row.unit_used, unit_note=row.unit_note, cross_checked=row.cross_checked,
+        perftest_warnings=list(row.warnings), **ev)

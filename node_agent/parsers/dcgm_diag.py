@@ -25,6 +25,7 @@ tests/data/dcgm/README.md for where each shape comes from):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,6 +167,9 @@ def parse_diag_json(text: str) -> DiagReport:
     >>> report.findings
     ()
     """
+    if "{" not in text and "| Diagnostic" in text:
+        raise ParseError("this is dcgmi diag's text table, not its JSON: run `dcgmi diag -r N "
+                         "-j` (the table's layout changes between DCGM releases)")
     doc = json_document(text, "dcgmi diag", "`dcgmi diag -j` output")
     if not isinstance(doc, dict):
         raise ParseError(f"dcgmi diag JSON is a {type(doc).__name__}, expected an object")
@@ -212,7 +216,8 @@ def _parse_one(doc: dict[str, Any], iteration: int | None) -> DiagReport:
                          f"{', '.join(sorted(doc)) or 'none'})")
     root = doc[root_key]
     if not isinstance(root, dict):
-        raise ParseError(f"dcgmi diag JSON: {root_key!r} is not an object")
+        raise ParseError(f"dcgmi diag JSON: {root_key!r} is a {type(root).__name__}, "
+                         "expected an object holding 'test_categories'")
     meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
     version = meta.get("version") or doc.get("version") or root.get("version")
     driver = meta.get("Driver Version Detected") or doc.get("Driver Version Detected")
@@ -251,6 +256,10 @@ def _test_results(test: dict[str, Any], category: str, iteration: int | None,
     summary = test.get("test_summary")
     if not entries and isinstance(summary, dict) and "status" in summary:
         entries = [summary]  # DCGM 4: a test with no per-entity result still has a summary
+    # DCGM 4 puts test-wide notes ("SRAM Threshold checking was skipped") in the summary only
+    summary_info = summary.get("info") if isinstance(summary, dict) else None
+    extra_info = tuple(str(i) for i in summary_info) if isinstance(summary_info, list) else (
+        (str(summary_info),) if summary_info else ())
     out: list[DiagEntityResult] = []
     for entry in entries:
         if not isinstance(entry, dict) or "status" not in entry:
@@ -258,7 +267,11 @@ def _test_results(test: dict[str, Any], category: str, iteration: int | None,
                              f"{str(entry)[:120]}")
         for group, entity_id, fmt in _entities(entry, name):
             formats.add(fmt)
-            out.append(_entity_result(entry, name, category, group, entity_id, iteration))
+            result = _entity_result(entry, name, category, group, entity_id, iteration)
+            missing = tuple(i for i in extra_info if i not in result.info)
+            if missing and entry is not summary:
+                result = dataclasses.replace(result, info=result.info + missing)
+            out.append(result)
     return out
 
 
