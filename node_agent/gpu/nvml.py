@@ -411,8 +411,13 @@ class NvmlDevice:
         )
 
     def temperature_c(self) -> int:
-        """``nvidia-smi --query-gpu=temperature.gpu`` (°C)."""
-        return int(self._call("nvmlDeviceGetTemperature", self._lib.NVML_TEMPERATURE_GPU))
+        """``nvidia-smi --query-gpu=temperature.gpu`` (°C).
+
+        ``nvmlDeviceGetTemperatureV`` first: nvml.h 13 deprecates ``nvmlDeviceGetTemperature``
+        (nvidia-ml-py: "will be removed in CUDA 14.0"); older drivers and bindings lack the V.
+        """
+        return int(self._call(("nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature"),
+                              self._lib.NVML_TEMPERATURE_GPU))
 
     def memory_temperature_c(self) -> int:
         """``nvidia-smi --query-gpu=temperature.memory`` (°C; HBM GPUs only)."""

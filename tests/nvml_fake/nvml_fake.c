@@ -645,6 +645,22 @@ EXPORT nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, nvmlTemperatur
                                             : NVML_ERROR_NOT_SUPPORTED);
 }
 
+EXPORT nvmlReturn_t nvmlDeviceGetTemperatureV(nvmlDevice_t device, nvmlTemperature_t *temperature)
+{
+    DEVICE_CALL(device);
+    REQUIRE(temperature);
+    if (temperature->version != nvmlTemperature_v1)
+        DONE(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    REQUIRE((int)temperature->sensorType >= 0 && temperature->sensorType < NVML_TEMPERATURE_COUNT);
+    if (temperature->sensorType != NVML_TEMPERATURE_GPU)
+        DONE(NVML_ERROR_NOT_SUPPORTED);
+    unsigned celsius = 0;
+    rc = get_uint(gpu, "temperature.gpu", &celsius);
+    if (rc == NVML_SUCCESS)
+        temperature->temperature = (int)celsius;
+    DONE(rc);
+}
+
 EXPORT nvmlReturn_t nvmlDeviceGetTemperatureThreshold(nvmlDevice_t device,
                                                       nvmlTemperatureThresholds_t thresholdType,
                                                       unsigned int *temp)

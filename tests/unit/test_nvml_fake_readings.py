@@ -122,8 +122,11 @@ def test_driver_falls_back_to_the_v1_cuda_version_on_an_older_driver(nvml):
 # -- temperatures, power, clocks ------------------------------------------------------------------
 
 
-def test_temperatures_read_degrees_c_from_the_sensor_and_the_memory_temp_field(nvml):
-    dev = only_gpu(nvml(GPU0 + ["temperature.gpu 71", "field.82 uint 65"]))
+@pytest.mark.parametrize("driver", ["current", "older", "without the deprecated call"])
+def test_temperatures_read_degrees_c_from_the_sensor_and_the_memory_temp_field(nvml, driver):
+    switch = {"current": [], "older": ["absent nvmlDeviceGetTemperatureV"],
+              "without the deprecated call": ["absent nvmlDeviceGetTemperature"]}[driver]
+    dev = only_gpu(nvml(GPU0 + ["temperature.gpu 71", "field.82 uint 65", *switch]))
     assert (dev.temperature_c(), dev.memory_temperature_c()) == (71, 65)
 
 
@@ -324,8 +327,8 @@ def test_xid_events_not_supported_when_no_gpu_registers_them(nvml):
                                              (15, base.DeviceLost), (10, base.GpuTimeout),
                                              (999, base.GpuError)])
 def test_nvml_return_codes_become_the_backend_errors(nvml, code, error):
-    dev = only_gpu(nvml(GPU0 + ["temperature.gpu 40", f"error nvmlDeviceGetTemperature {code}"]))
-    with pytest.raises(error, match="nvmlDeviceGetTemperature on GPU 0"):
+    dev = only_gpu(nvml(GPU0 + ["temperature.gpu 40", f"error nvmlDeviceGetTemperatureV {code}"]))
+    with pytest.raises(error, match="nvmlDeviceGetTemperatureV on GPU 0"):
         dev.temperature_c()
 
 
@@ -337,7 +340,7 @@ def test_a_hung_call_times_out_and_later_calls_fail_fast(nvml):
         dev.power()
     assert 0.25 < time.monotonic() - started < 2
     started = time.monotonic()
-    with pytest.raises(base.GpuTimeout, match="skipped nvmlDeviceGetTemperature"):
+    with pytest.raises(base.GpuTimeout, match="skipped nvmlDeviceGetTemperatureV"):
         dev.temperature_c()
     assert time.monotonic() - started < 0.1
 
