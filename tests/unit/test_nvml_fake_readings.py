@@ -7,6 +7,9 @@ return codes) into the state file and asserts the backend's reading in the agent
 
 from __future__ import annotations
 
+import ctypes
+import inspect
+import re
 import sys
 import threading
 import time
@@ -17,6 +20,7 @@ import pytest
 import yaml
 
 from node_agent.gpu import base
+from node_agent.gpu import nvml as nvml_module
 from node_agent.gpu.nvml import NvmlUnavailable, open_nvml
 from node_agent.sim.nvml_state import write_state
 
@@ -80,6 +84,33 @@ def nvml(nvml_fake_lib, tmp_path, monkeypatch):
 def only_gpu(backend):
     (dev,) = backend.devices()
     return dev
+
+
+# -- coverage -------------------------------------------------------------------------------------
+
+
+def _symbols(function, seen: set[str]) -> set[str]:
+    """The C symbols a pynvml function reaches, following its calls of other pynvml functions."""
+    source = inspect.getsource(function)
+    found = set(re.findall(r'_nvmlGetFunctionPointer\("(nvml\w+)"\)', source))
+    for called in set(re.findall(r"\b(nvml\w+)\(", source)) - seen:
+        seen.add(called)
+        if callable(inner := getattr(pynvml, called, None)) and called != function.__name__:
+            found |= _symbols(inner, seen)
+    return found
+
+
+def test_the_stand_in_exports_every_symbol_the_nvml_backend_reaches(nvml_fake_lib):
+    backend_source = Path(nvml_module.__file__).read_text()
+    functions = {name for name in re.findall(r'"(nvml\w+)"', backend_source)
+                 if callable(getattr(pynvml, name, None))}
+    assert {"nvmlInit", "nvmlDeviceGetFieldValues", "nvmlEventSetWait_v2"} <= functions
+    symbols = set().union(*(_symbols(getattr(pynvml, f), {f}) for f in functions))
+    symbols |= {"nvmlErrorString"}  # NVMLError.__str__
+    lib = ctypes.CDLL(str(nvml_fake_lib))
+    assert sorted(s for s in symbols if not hasattr(lib, s)) == []
+    assert {"nvmlInitWithFlags", "nvmlDeviceGetPciInfo_v3", "nvmlDeviceGetCount_v2",
+            "nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetComputeRunningProcesses_v3"} <= symbols
 
 
 # -- identity and driver ------------------------------------------------------------------------
