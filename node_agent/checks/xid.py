@@ -1,42 +1,50 @@
-"""Check ``xid``: XIDs the NVIDIA driver reported, from the kernel log and NVML events.
+"""Check ``xid``: XIDs and SXids the NVIDIA drivers reported, from the kernel log and NVML events.
 
-Each distinct (GPU, code) becomes one ``fail`` result with its count and first/last lines; the
-grader gives it a level from the XID catalog (``graders/xid.yaml``). ``since: boot`` (default)
-reads everything the kernel still holds for this boot; ``since: last_run`` keeps a cursor in
-the state directory and reads only what is new.
+Every (GPU, code) becomes one ``fail`` result (metric ``xid``) and every (NVSwitch, code) one
+(metric ``sxid``, target ``nvswitch:N``), however many lines the driver printed: count, first and
+last time, rate, bursts and the distinct things the lines said (``checks/xid_fold.py``). The
+grader gives each its level from ``graders/xid.yaml`` / ``sxid.yaml``, reading the lines where
+NVIDIA's catalog decodes them (Xid 144-150, 154). ``since: boot`` (default) reads everything the
+kernel still holds for this boot; ``since: last_run`` keeps a cursor in the state directory and
+reads only what is new.
+
+The kernel log is read even when NVML cannot be: a GPU that fell off the bus can stop the driver
+from loading (realworld/xid/x19: "fallen off the bus" and "probe routine failed"), and that is
+exactly when the log must be read. With no finding, such a run still reports why the GPUs could
+not be queried (skip or error), never a pass.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import time
 from pathlib import Path
 
 from node_agent.checks import CheckContext
-from node_agent.gpu.base import GpuError, XidEvent
-from node_agent.kernel_log import LogRecord, normalise_bus, parse_xid_line
+from node_agent.checks.xid_fold import Folder
+from node_agent.kernel_log import (
+    JournalKernelLog,
+    KernelLogScanner,
+    KmsgKernelLog,
+    LogRecord,
+    SxidLine,
+    Unreadable,
+    normalise_bus,
+)
 from node_agent.model import Result, Status
 
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
-
-
-@dataclass
-class _Seen:
-    target: str
-    code: int
-    count: int = 0
-    lines: list[str] = field(default_factory=list)
-    sources: set[str] = field(default_factory=set)
+_UNREADABLE_KEPT = 5  # example lines kept for a person to look at
 
 
 def run(ctx: CheckContext) -> list[Result]:
     unavailable = ctx.gpus_unavailable()
-    if unavailable:
-        return unavailable
     since = ctx.params.get("since", "boot")
-    bus_to_target = {normalise_bus(g.pci_bus_id): f"gpu:{g.index}" for g in ctx.inventory.gpus}
-    seen: dict[tuple[str, int], _Seen] = {}
+    gpus = ctx.inventory.gpus if ctx.inventory is not None else []
+    bus_to_target = {normalise_bus(g.pci_bus_id): f"gpu:{g.index}" for g in gpus}
+    folder = Folder()
     results: list[Result] = []
+    unreadable: list[Unreadable] = []
 
     log = ctx.kernel_log
     if log.unavailable_reason:
@@ -51,53 +59,55 @@ def run(ctx: CheckContext) -> list[Result]:
                                       error=str(err)))
             records = []
     cursor = _load_cursor(ctx, log.source) if since == "last_run" else None
+    scanner = KernelLogScanner()
     for record in records:
         if cursor is not None and record.seq <= cursor:
             continue
-        xid = parse_xid_line(record.text)
-        if xid is None:
-            continue
-        target = bus_to_target.get(xid.pci_bus, f"pci:{xid.pci_bus}")
-        entry = seen.setdefault((target, xid.code), _Seen(target, xid.code))
-        entry.count += 1
-        entry.sources.add(log.source)
-        if len(entry.lines) < 2:
-            entry.lines.append(xid.raw)
-        else:
-            entry.lines[-1] = xid.raw  # keep the first and the latest line
+        for event in scanner.feed(record):
+            if isinstance(event, Unreadable):
+                unreadable.append(event)
+                continue
+            target = event.target if isinstance(event, SxidLine) \
+                else bus_to_target.get(event.pci_bus, f"pci:{event.pci_bus}")
+            folder.add(event, target, log.source)
     if since == "last_run" and records:
         _save_cursor(ctx, log.source, records[-1].seq)
 
     watch_s = float(ctx.params.get("watch_s", 0))
-    events: list[XidEvent] = []
-    if watch_s > 0:
-        try:
-            events = ctx.gpu.wait_xid_events(watch_s)
-        except GpuError as err:  # no NVML events here, or a hung driver (nvml_health grades
-            # that); the kernel log still carries the Xids
-            results.append(ctx.skip(f"NVML Xid events not watched: {err}", metric="nvml_events"))
-            watch_s = 0
-        for event in events:
+    if watch_s > 0 and not unavailable:
+        for event in ctx.gpu.wait_xid_events(watch_s):
             target = f"gpu:{event.gpu_index}" if event.gpu_index is not None else "node"
-            entry = seen.setdefault((target, event.code), _Seen(target, event.code))
-            entry.count += 1
-            entry.sources.add("nvml-event")
-            if len(entry.lines) < 2:
-                entry.lines.append(f"NVML event: Xid {event.code} {event.message}".strip())
+            folder.fold("xid", target, event.code).add_nvml(event.message)
 
     window = "since boot" if since == "boot" else "since the last run"
-    for (target, code), entry in sorted(seen.items()):
-        results.append(ctx.result(
-            target, "xid", Status.FAIL,
-            f"Xid {code} on {target}, {entry.count} time(s) {window}: {entry.lines[0]}",
-            value=code, count=entry.count, lines=entry.lines, sources=sorted(entry.sources)))
+    live = isinstance(log, (KmsgKernelLog, JournalKernelLog))
+    boot_epoch = time.time() - time.monotonic() if live else None
+    results.extend(fold.result(window=window, boot_epoch=boot_epoch) for fold in folder.sorted())
+    if unreadable:
+        results.append(_unreadable_result(ctx, unreadable, window))
+    if unavailable:
+        # no GPU to query: findings in the log still count, but silence is not a pass
+        return unavailable + [r for r in results if r.status is not Status.SKIP]
     looked = not log.unavailable_reason or watch_s > 0
-    if not seen and looked and not any(r.status is Status.ERROR for r in results):
+    if not folder.folds and not unreadable and looked \
+            and not any(r.status is Status.ERROR for r in results):
         results.append(ctx.result("node", "xid", Status.PASS,
-                                  f"no XIDs {window} ({log.source}: {len(records)} lines read"
+                                  f"no XIDs or SXids {window} ({log.source}: {len(records)} "
+                                  "lines read"
                                   + (f"; NVML events watched {watch_s:g} s)" if watch_s else ")"),
                                   value=0))
     return results
+
+
+def _unreadable_result(ctx: CheckContext, lines: list[Unreadable], window: str) -> Result:
+    reasons = sorted({u.reason for u in lines})
+    codes = sorted({u.code for u in lines if u.code is not None})
+    return ctx.result(
+        "node", "xid_unreadable", Status.WARN,
+        f"{len(lines)} kernel-log line(s) {window} name an Xid or SXid that cannot be read "
+        f"({reasons[0]}{' and other reasons' if len(reasons) > 1 else ''}): {lines[0].raw[:200]}",
+        value=len(lines), reasons=reasons, codes=codes,
+        lines=[u.raw for u in lines[:_UNREADABLE_KEPT]])
 
 
 def _cursor_path(ctx: CheckContext) -> Path | None:

@@ -1,8 +1,10 @@
 """Grading: results + the declarative rules in ``graders/`` -> a Grade with its reasons.
 
-``graders/rules.yaml`` maps (check, metric, status) to a level; ``graders/xid.yaml`` gives
-each XID its level; a result no rule matches falls back by its status. The worst reason decides
-the grade; every reason above HEALTHY is kept.
+``graders/rules.yaml`` maps (check, metric, status) to a level; a rule whose level is
+``xid_catalog`` or ``sxid_catalog`` hands the result to ``graders/xid.yaml`` / ``sxid.yaml``
+(read by :mod:`node_agent.grading.xid_catalog`, which decodes the lines and applies the
+recurrence thresholds); a result no rule matches falls back by its status. The worst reason
+decides the grade; every reason above HEALTHY is kept.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from node_agent.grading.xid_catalog import Catalog, load_sxid_catalog, load_xid_catalog
 from node_agent.model import ACTION_FOR_LEVEL, Grade, Level, Reason, Result, Status
-from node_agent.yamlfile import ConfigError, load_yaml
+from node_agent.yamlfile import load_yaml
 
 _LEVELS = ["HEALTHY", "WARN", "ERROR", "FAULT"]
 _STR_OR_LIST = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
@@ -27,7 +30,7 @@ RULES_SCHEMA: dict[str, Any] = {
                 "check": {"type": "string"},
                 "metric": _STR_OR_LIST,
                 "status": _STR_OR_LIST,
-                "level": {"enum": [*_LEVELS, "xid_catalog"]},
+                "level": {"enum": [*_LEVELS, "xid_catalog", "sxid_catalog"]},
                 "why": {"type": "string"},
             }}},
         "fallback": {"type": "object", "additionalProperties": False,
@@ -41,23 +44,16 @@ RULES_SCHEMA: dict[str, Any] = {
     },
 }
 
-XID_SCHEMA: dict[str, Any] = {
-    "type": "object", "additionalProperties": False, "required": ["default", "codes"],
-    "properties": {
-        "default": {"type": "object", "additionalProperties": False, "required": ["level"],
-                    "properties": {"level": {"enum": _LEVELS}, "description": {"type": "string"}}},
-        "codes": {"type": "object", "additionalProperties": {
-            "type": "object", "additionalProperties": False, "required": ["name", "level"],
-            "properties": {"name": {"type": "string"}, "level": {"enum": _LEVELS},
-                           "why": {"type": "string"}}}},
-    },
-}
+#: The rule SXid findings get when ``rules.yaml`` routes none to the SXid catalog (a rules file
+#: written before SXids were read): without it they would fall through to "unclassified" and
+#: grade ERROR even when the NVSwitch printed Non-fatal.
+SXID_RULE = {"id": "sxid", "check": "xid", "metric": "sxid", "level": "sxid_catalog"}
 
 
 @dataclass(frozen=True)
 class Rule:
     id: str
-    level: str  # a level name or "xid_catalog"
+    level: str  # a level name, "xid_catalog" or "sxid_catalog"
     check: str | None = None
     metrics: tuple[str, ...] | None = None
     statuses: tuple[str, ...] = ("fail",)
@@ -69,23 +65,15 @@ class Rule:
 
 
 @dataclass(frozen=True)
-class XidEntry:
-    name: str
-    level: Level
-
-
-@dataclass(frozen=True)
 class Grader:
     rules: tuple[Rule, ...]
     fallback: dict[str, Any]
-    xid_codes: dict[int, XidEntry]
-    xid_default: Level
+    xid: Catalog
+    sxid: Catalog
 
     def xid_level(self, code: int) -> tuple[Level, str]:
-        entry = self.xid_codes.get(code)
-        if entry is None:
-            return self.xid_default, "not in the XID catalog"
-        return entry.level, entry.name
+        """An XID code's own level and name (before its lines are read)."""
+        return self.xid.level(code)
 
     def grade(self, results: list[Result], mode: str = "delivery") -> Grade:
         """The grade of a run; ``mode`` decides how a check that could not run counts."""
@@ -98,16 +86,25 @@ class Grader:
         level = max((r.level for r in reasons), default=Level.HEALTHY)
         return Grade(level=level, action=ACTION_FOR_LEVEL[level], reasons=tuple(reasons))
 
+    def _catalog_reason(self, rule: Rule, result: Result) -> Reason:
+        catalog, noun = (self.sxid, "SXid") if rule.level == "sxid_catalog" else (self.xid, "Xid")
+        try:
+            verdict = catalog.judge(result)
+        except (TypeError, ValueError):  # a hand-edited report without a numeric code
+            return Reason(rule=rule.id, level=catalog.default, target=result.target,
+                          message=f"{result.detail} [{noun} {result.value!r}: not a code]")
+        message = f"{result.detail} [{noun} {int(result.value)}: {verdict.name}]"  # type: ignore[arg-type]
+        if verdict.note:
+            message += f" ({verdict.note})"
+        return Reason(rule=rule.id, level=verdict.level, target=result.target, message=message)
+
     def _reason(self, result: Result, mode: str) -> Reason | None:
         if result.status in (Status.PASS, Status.SKIP):
             return None
         for rule in self.rules:
             if rule.matches(result):
-                if rule.level == "xid_catalog":
-                    level, name = self.xid_level(int(result.value))
-                    message = f"{result.detail} [Xid {result.value}: {name}]"
-                    return Reason(rule=rule.id, level=level, target=result.target,
-                                  message=message)
+                if rule.level in ("xid_catalog", "sxid_catalog"):
+                    return self._catalog_reason(rule, result)
                 return Reason(rule=rule.id, level=Level.parse(rule.level),
                               target=result.target, message=result.detail)
         if result.status is Status.ERROR:
@@ -124,23 +121,19 @@ class Grader:
 
 
 def load_grader(graders_dir: Path) -> Grader:
-    """Load ``rules.yaml`` and ``xid.yaml`` from ``graders_dir`` (ConfigError when invalid)."""
+    """Load ``rules.yaml``, ``xid.yaml`` and ``sxid.yaml`` from ``graders_dir`` (ConfigError
+    when invalid)."""
     rules_data = load_yaml(graders_dir / "rules.yaml", RULES_SCHEMA, what="grading rules")
-    xid_data = load_yaml(graders_dir / "xid.yaml", XID_SCHEMA, what="XID catalog")
     rules = []
-    for raw in rules_data["rules"]:
+    raw_rules = list(rules_data["rules"])
+    if not any(r["level"] == "sxid_catalog" for r in raw_rules):
+        raw_rules.insert(0, SXID_RULE)
+    for raw in raw_rules:
         metric, status = raw.get("metric"), raw.get("status", "fail")
         rules.append(Rule(
             id=raw["id"], level=raw["level"], check=raw.get("check"),
             metrics=(metric,) if isinstance(metric, str) else tuple(metric) if metric else None,
             statuses=(status,) if isinstance(status, str) else tuple(status)))
-    codes: dict[int, XidEntry] = {}
-    for key, entry in xid_data["codes"].items():
-        try:
-            code = int(key)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{graders_dir / 'xid.yaml'}: key 'codes.{key}': expected an "
-                              "integer XID code") from None
-        codes[code] = XidEntry(name=entry["name"], level=Level.parse(entry["level"]))
-    return Grader(rules=tuple(rules), fallback=rules_data["fallback"], xid_codes=codes,
-                  xid_default=Level.parse(xid_data["default"]["level"]))
+    return Grader(rules=tuple(rules), fallback=rules_data["fallback"],
+                  xid=load_xid_catalog(graders_dir / "xid.yaml"),
+                  sxid=load_sxid_catalog(graders_dir / "sxid.yaml"))

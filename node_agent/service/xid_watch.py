@@ -1,51 +1,111 @@
-"""Event-driven XID detection for the daemon: NVML events and the kernel log, as they happen.
+"""Event-driven XID and SXid detection for the daemon: NVML events and the kernel log, as they happen.
 
 Two threads, each blocking on its source with a short timeout so it notices a stop request:
 - NVML: ``GpuBackend.wait_xid_events`` (``nvmlEventSetWait``); a backend that does not report
   events (NotSupported) is logged once and left to the kernel log.
 - Kernel log: ``/dev/kmsg`` followed from an open fd (``KmsgFollower``); other sources (the
   journal, the simulator's lines) are re-read every ``poll_s``.
-Every sighting goes to ``on_xid``; the daemon deduplicates and grades. The sources are read
-through getters because the daemon swaps its environment (driver reload, scenario change).
+
+Every sighting is folded (``checks/xid_fold.py``): the same code on the same GPU or NVSwitch is
+one finding with its count, first/last time, rate, bursts and the variants its lines printed.
+``on_xid`` is called with the whole finding, and only when a grader could conclude something new
+(the first line, a new variant such as a Fatal line after Nonfatal ones, a new burst) or, while
+it keeps counting, at most every ``update_s``. A flood of 800K lines therefore makes a handful
+of calls, results and reasons, not 800K.
+
+An NVML event carries the code but not the line, and the line is what decides Xid 144-150 and
+154. When the kernel log is readable, an NVML-only finding waits ``nvml_grace_s`` for its kernel
+line before it is reported (graded by its code if the line never comes), so a Nonfatal 149 is
+never graded by its code first. The sources are read through getters because the daemon swaps
+its environment (driver reload, scenario change).
+
+SXids are reported only with ``report_sxid=True``: a handler that names targets from
+``sighting.target`` (``nvswitch:N``) passes it; one that does not would file an SXid under a PCI
+address as an Xid, so without the flag SXids are left to the periodic ``xid`` check.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+from node_agent.checks.xid_fold import Fold, Folder
 from node_agent.gpu.base import GpuBackend, GpuError, NotSupported
 from node_agent.kernel_log import (
     KernelLog,
+    KernelLogScanner,
     KmsgFollower,
     KmsgKernelLog,
+    LogRecord,
+    Stamp,
+    SxidLine,
+    Unreadable,
     normalise_bus,
-    parse_xid_line,
 )
+from node_agent.model import Result, Status
 
 log = logging.getLogger(__name__)
+
+_GPU_TARGET = re.compile(r"^gpu:(\d+)$")
 
 
 @dataclass(frozen=True)
 class XidSighting:
+    """One finding as the watch has folded it so far (the daemon keeps the latest per key)."""
+
     code: int
     gpu_index: int | None   # None when the source names no GPU we know
-    pci_bus: str | None     # normalised "0000:3b:00" from the kernel log
-    source: str             # "nvml-event" or the kernel-log source
-    line: str
+    pci_bus: str | None     # normalised "0000:3b:00" from the kernel log (the NVSwitch's for SXid)
+    source: str             # "nvml-event" and/or the kernel-log source
+    line: str               # the line most likely to decide (a Fatal one when there is one)
+    kind: str = "xid"       # "xid" | "sxid"
+    target: str | None = None  # "nvswitch:N" for an SXid; GPUs are named by the daemon
+    count: int = 1          # occurrences folded so far
+    evidence: dict[str, Any] = field(default_factory=dict, compare=False)  # the fold's evidence
+    why: str = "first"      # first | new variant | new burst | update | nvml event without a line
+
+    def result(self, target: str) -> Result:
+        """The finding as the ``xid`` check reports it (metric ``xid`` or ``sxid``), for the
+        daemon to keep one per (target, code) and grade."""
+        noun = "SXid" if self.kind == "sxid" else "Xid"
+        rate = self.evidence.get("rate_per_hour")
+        how = f"{self.count} time(s)" + (f", {rate:g}/h" if isinstance(rate, (int, float)) else "")
+        evidence = dict(self.evidence) if self.evidence else {"count": self.count}
+        evidence.setdefault("source", self.source)
+        evidence.setdefault("line", self.line)
+        return Result(check="xid", target=target, metric=self.kind, status=Status.FAIL,
+                      value=self.code, evidence=evidence,
+                      detail=f"{noun} {self.code} on {target} seen by the daemon's watch "
+                             f"({self.source}), {how}: {self.line}")
 
 
 class XidWatch:
     def __init__(self, gpu: Callable[[], GpuBackend], kernel_log: Callable[[], KernelLog],
-                 on_xid: Callable[[XidSighting], None], poll_s: float = 0.5) -> None:
+                 on_xid: Callable[[XidSighting], None], poll_s: float = 0.5,
+                 update_s: float = 60.0, nvml_grace_s: float = 2.0, report_sxid: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._gpu = gpu
         self._kernel_log = kernel_log
         self._on_xid = on_xid
         self._poll_s = poll_s
+        self._update_s = update_s
+        self._nvml_grace_s = nvml_grace_s
+        self._report_sxid = report_sxid
+        self._clock = clock
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._folder = Folder()
+        self._reported: dict[tuple[str, str, int], float] = {}  # key -> clock of last report
+        self._dirty: set[tuple[str, str, int]] = set()  # counted since its last report
+        self._nvml_pending: dict[tuple[str, str, int], float] = {}  # key -> report deadline
+        self._bus_map: tuple[GpuBackend | None, dict[str, int]] = (None, {})
+        self.kernel_log_watched = False  # set by the log loop while a readable source is followed
 
     def start(self) -> None:
         for name, target in (("xid-nvml", self._nvml_loop), ("xid-kernel-log", self._log_loop)):
@@ -58,9 +118,11 @@ class XidWatch:
         for thread in self._threads:
             thread.join(timeout_s)
 
+    # -- sources --------------------------------------------------------------------------------
     def _nvml_loop(self) -> None:
         unsupported_by: GpuBackend | None = None
         while not self._stop.is_set():
+            self._flush()
             backend = self._gpu()
             if backend.unavailable_reason or backend is unsupported_by:
                 self._stop.wait(self._poll_s)
@@ -77,16 +139,18 @@ class XidWatch:
                 self._stop.wait(1.0)
                 continue
             for event in events:
-                self._emit(XidSighting(event.code, event.gpu_index, None, "nvml-event",
-                                       f"NVML event: Xid {event.code} {event.message}".strip()))
+                self.nvml_event(event.gpu_index, event.code, event.message)
 
     def _log_loop(self) -> None:
         follower: KmsgFollower | None = None
         followed: KernelLog | None = None
+        scanner = KernelLogScanner()
         seen_seq: dict[int, str] = {}
         while not self._stop.is_set():
+            self._flush()
             source = self._kernel_log()
             if source.unavailable_reason:
+                self.kernel_log_watched = False
                 self._stop.wait(self._poll_s * 4)
                 continue
             try:
@@ -95,25 +159,126 @@ class XidWatch:
                         if follower:
                             follower.close()
                         follower, followed = KmsgFollower(source.path), source
+                        scanner = KernelLogScanner()
+                    self.kernel_log_watched = True
                     records = follower.wait(self._poll_s)
                 else:
+                    if followed is not source:
+                        followed, scanner = source, KernelLogScanner()
+                    self.kernel_log_watched = True
                     records = [r for r in source.read() if seen_seq.get(r.seq) != r.text]
                     seen_seq.update((r.seq, r.text) for r in records)
                     self._stop.wait(self._poll_s)
             except OSError as err:
+                self.kernel_log_watched = False
                 log.warning("kernel log %s unreadable: %s; retrying", source.source, err)
                 self._stop.wait(2.0)
                 continue
-            for record in records:
-                xid = parse_xid_line(record.text)
-                if xid is not None:
-                    self._emit(XidSighting(xid.code, None, normalise_bus(xid.pci_bus),
-                                           source.source, xid.raw))
+            self.kernel_records(records, scanner, source.source)
         if follower:
             follower.close()
 
-    def _emit(self, sighting: XidSighting) -> None:
-        try:
-            self._on_xid(sighting)
-        except Exception:  # noqa: BLE001 - the watch must outlive a bad handler
-            log.exception("handling %s failed", sighting)
+    # -- folding (public for tests: the sources above only feed these) --------------------------
+    def kernel_records(self, records: list[LogRecord], scanner: KernelLogScanner,
+                       source: str) -> None:
+        """Fold kernel-log records; report what changed."""
+        reports: list[XidSighting] = []
+        now = Stamp("wall", time.time())
+        with self._lock:
+            for record in records:
+                for event in scanner.feed(record):
+                    if isinstance(event, Unreadable):
+                        log.warning("kernel log names an Xid/SXid that cannot be read (%s): %s",
+                                    event.reason, event.raw[:200])
+                        continue
+                    if isinstance(event, SxidLine) and not self._report_sxid:
+                        continue  # left to the periodic xid check (see report_sxid)
+                    key_target = event.target if isinstance(event, SxidLine) \
+                        else self._gpu_target(event.pci_bus)
+                    fold, changed = self._folder.add(event, key_target, source, now)
+                    key = (fold.kind, fold.target, fold.code)
+                    self._nvml_pending.pop(key, None)
+                    why = ("first" if fold.count == 1 and fold.nvml_events == 0 else
+                           "kernel line of an NVML event" if fold.count == 1 else
+                           "new variant or burst")
+                    reports.extend(self._consider(key, fold, changed, why))
+        self._report(reports)
+
+    def nvml_event(self, gpu_index: int | None, code: int, message: str = "") -> None:
+        """Fold one NVML XID event; an NVML-only finding waits for its kernel line."""
+        target = f"gpu:{gpu_index}" if gpu_index is not None else "node"
+        reports: list[XidSighting] = []
+        with self._lock:
+            fold = self._folder.fold("xid", target, code)
+            changed = fold.add_nvml(message, Stamp("wall", time.time()))
+            key = (fold.kind, fold.target, fold.code)
+            if fold.count == 0 and self.kernel_log_watched and self._nvml_grace_s > 0:
+                self._nvml_pending.setdefault(key, self._clock() + self._nvml_grace_s)
+            else:
+                reports.extend(self._consider(key, fold, changed, "nvml event"))
+        self._report(reports)
+
+    def _consider(self, key: tuple[str, str, int], fold: Fold, changed: bool,
+                  why: str) -> list[XidSighting]:
+        now = self._clock()
+        if changed or now - self._reported.get(key, float("-inf")) >= self._update_s:
+            self._reported[key] = now
+            self._dirty.discard(key)
+            return [self._sighting(fold, why if changed else "update")]
+        self._dirty.add(key)
+        return []
+
+    def _flush(self) -> None:
+        """Report NVML-only findings whose grace ran out, and counts not reported for update_s."""
+        now = self._clock()
+        reports: list[XidSighting] = []
+        with self._lock:
+            for key, deadline in list(self._nvml_pending.items()):
+                if now >= deadline:
+                    del self._nvml_pending[key]
+                    fold = self._folder.folds[key]
+                    self._reported[key] = now
+                    self._dirty.discard(key)
+                    reports.append(self._sighting(fold, "nvml event without a kernel-log line"))
+            for key in list(self._dirty):
+                if now - self._reported.get(key, float("-inf")) >= self._update_s:
+                    self._dirty.discard(key)
+                    self._reported[key] = now
+                    reports.append(self._sighting(self._folder.folds[key], "update"))
+        self._report(reports)
+
+    def _gpu_target(self, pci_bus: str) -> str:
+        backend = self._gpu()
+        cached_for, mapping = self._bus_map
+        if cached_for is not backend:
+            mapping = {}
+            if not backend.unavailable_reason:
+                try:
+                    mapping = {normalise_bus(d.identity().pci_bus_id): d.index
+                               for d in backend.devices()}
+                except (GpuError, ValueError) as err:
+                    log.info("cannot map PCI buses to GPU indices (%s); XIDs named by bus", err)
+            self._bus_map = (backend, mapping)
+        index = mapping.get(pci_bus)
+        return f"gpu:{index}" if index is not None else f"pci:{pci_bus}"
+
+    @staticmethod
+    def _sighting(fold: Fold, why: str) -> XidSighting:
+        match = _GPU_TARGET.match(fold.target)
+        decisive = next((v["line"] for v in fold.variants.values()
+                         if v["fields"].get("severity") == "Fatal"), None)
+        return XidSighting(
+            code=fold.code, gpu_index=int(match.group(1)) if match else None,
+            pci_bus=normalise_bus(fold.pci_bus) if fold.pci_bus and fold.kind == "xid"
+            else fold.pci_bus,
+            source=", ".join(sorted(fold.sources)),
+            line=decisive or fold.last_line or fold.first_line, kind=fold.kind,
+            target=fold.target if fold.kind == "sxid" else None, count=fold.events,
+            evidence=fold.evidence(), why=why)
+
+    def _report(self, sightings: list[XidSighting]) -> None:
+        for sighting in sightings:
+            try:
+                self._on_xid(sighting)
+            except Exception:  # noqa: BLE001 - the watch must outlive a bad handler
+                log.exception("handling %s failed", sighting)
