@@ -17,10 +17,12 @@ siblings on the shared 2-core CI machine while the test suite ran other processe
 and, on real hardware only, the SKU's ``hbm_bw_gbps_min``.
 
 Under ``--simulate`` each GPU is a CPU stand-in (``node_agent.compute.devices``): the same code copies
-CPU tensors at the suite's ``simulated`` size, and a ``slow`` GPU's clock runs slow.
+CPU tensors at the suite's ``simulated`` size, but a copy's time is modeled, not measured
+(:mod:`node_agent.compute.copy_model`: 1.15 x the SKU's ``hbm_bw_gbps_min``, times a ``slow``
+GPU's factor), because CPU memcpys time the host's load rather than a GPU's memory; a healthy
+simulated node therefore grades the same on an idle and on a busy machine.
 Params: ``size_bytes`` (4 GiB), ``reps`` (10), ``warmup`` (2), ``sample_min_s`` (0: one copy
-per repetition; the simulated suite sets a fraction of a millisecond so that each timed sample
-of its small CPU copies is well above the resolution of CPU-time accounting).
+per repetition on a real GPU; ignored under simulation).
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ from node_agent.checks.transfer import (
     copy_bytes,
     error_results,
     grade_figures,
+    open_models,
     open_specs,
     rep_stats,
-    timed,
+    timed_copy,
 )
 from node_agent.compute.devices import ComputeDevice, open_device
 from node_agent.model import Result
@@ -53,6 +56,7 @@ def run(ctx: CheckContext) -> list[Result]:
     reps = max(1, int(ctx.params.get("reps", DEFAULT_REPS)))
     warmup = max(0, int(ctx.params.get("warmup", DEFAULT_WARMUP)))
     sample_min_s = float(ctx.params.get("sample_min_s", 0.0))
+    models = open_models(ctx, specs)
     import torch
 
     out: list[Result] = []
@@ -76,7 +80,9 @@ def run(ctx: CheckContext) -> list[Result]:
             if index in failed:
                 continue
             try:
-                times[index].append(timed(dev, lambda d=dst, s=src: d.copy_(s), sample_min_s))
+                times[index].append(timed_copy(dev, lambda d=dst, s=src: d.copy_(s), "hbm",
+                                               copy_bytes(size), models.get(index),
+                                               sample_min_s))
             except Exception as err:  # noqa: BLE001
                 failed.add(index)
                 out.extend(error_results(ctx, [METRIC], index, err, "the timed copy"))
@@ -90,7 +96,8 @@ def run(ctx: CheckContext) -> list[Result]:
         evidence[index] = {**stats.evidence(), "size_bytes": size, "bytes_per_copy":
                            copy_bytes(size), "warmup": warmup,
                            "counting": "2 x size per copy (read + write)",
-                           "times_s": [round(t, 6) for t in times[index]], **dev.info()}
+                           "times_s": [round(t, 9) for t in times[index]], **dev.info(),
+                           **(models[index].evidence() if index in models else {})}
     devices.clear()  # free the buffers before grading
     out.extend(grade_figures(ctx, METRIC, "HBM copy", figures, evidence, "hbm_bw_gbps_min"))
     return out

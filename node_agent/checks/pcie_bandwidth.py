@@ -35,7 +35,11 @@ simulation the concurrent figures are reported, not graded (``SIMULATED_TOGETHER
 
 Under ``--simulate`` each GPU is a CPU stand-in (``node_agent.compute.devices``): pinned memory is
 skipped (``pin_memory`` needs CUDA) and the "transfers" are CPU-to-CPU tensor copies — the
-evidence says so; a ``slow`` GPU's clock runs slow, the link comes from the simulated NVML.
+evidence says so. Their time is modeled, not measured (:mod:`node_agent.compute.copy_model`):
+the link's data rate (the SKU's generation, the scenario's ``pcie_width`` lanes) x 0.83 x a
+``slow`` GPU's factor. Timed on the CPU, the copies measured the host's load: a healthy node
+graded WARN ("below siblings") in 3 of 4 runs with other work on the 2-core machine. The link
+under load comes from the simulated NVML.
 Params: ``size_bytes`` (256 MiB), ``reps`` (10), ``warmup`` (2), ``concurrent_s`` (2.0 per
 direction), ``link_timeout_s`` (10), ``worker_timeout_s`` (120 + 2 x concurrent_s),
 ``sample_min_s`` (0: one copy per timed sample; see ``transfer.timed``).
@@ -50,7 +54,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from node_agent.checks import CheckContext
-from node_agent.checks.transfer import error_results, grade_figures, open_specs, rep_stats, timed
+from node_agent.checks.transfer import (
+    error_results,
+    grade_figures,
+    open_models,
+    open_specs,
+    rep_stats,
+    timed_copy,
+)
+from node_agent.compute.copy_model import CopyModel
 from node_agent.compute.devices import ComputeDevice, ComputeSpec, open_device
 from node_agent.gpu.base import GpuDevice, GpuError, NoPermission, NotSupported, PcieLink
 from node_agent.model import Result, Status
@@ -68,8 +80,9 @@ LINK = "pcie_link_under_load"
 # cores and their caches, not for a PCIe switch — which would read as a slow GPU.
 SIMULATED_TOGETHER = ("simulated node: CPU stand-ins copying together contend for the host's "
                       "cores and caches, not for a PCIe switch (graded on real hardware)")
-SIMULATED_NOTE = ("simulated: CPU-to-CPU tensor copies, not pinned (pin_memory needs CUDA); "
-                  "only the figures' ratios to the siblings mean anything")
+SIMULATED_NOTE = ("simulated: CPU-to-CPU tensor copies, not pinned (pin_memory needs CUDA), "
+                  "timed by the copy model (the link's rate x efficiency x slow factor; "
+                  "node_agent.compute.copy_model); only the ratios to the siblings are graded")
 
 
 @dataclass
@@ -80,6 +93,7 @@ class _Gpu:
     host: Any  # torch.Tensor on the CPU, pinned on CUDA nodes
     device_buf: Any  # torch.Tensor on the device
     stream: Any  # torch.cuda.Stream, or None on the CPU
+    model: CopyModel | None = None  # a simulated GPU's modeled copy rates
     times: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in ALONE})
 
     def stream_context(self):
@@ -97,6 +111,11 @@ class _Gpu:
         with self.stream_context():
             self.host.copy_(self.device_buf, non_blocking=True)
 
+    def timed(self, kind: str, min_s: float) -> float:
+        """Seconds of one ``h2d`` or ``d2h`` copy (timed on a GPU, modeled when simulated)."""
+        work = self.h2d if kind == "h2d" else self.d2h
+        return timed_copy(self.dev, work, kind, int(self.host.numel()), self.model, min_s)
+
 
 def run(ctx: CheckContext) -> list[Result]:
     specs, unavailable = open_specs(ctx)
@@ -112,11 +131,12 @@ def run(ctx: CheckContext) -> list[Result]:
     # workers start, allocate and warm up, then copy for two windows
     worker_timeout = float(p.get("worker_timeout_s", 120.0 + 2 * window_s))
 
+    models = open_models(ctx, specs)
     out: list[Result] = []
     gpus: dict[int, _Gpu] = {}
     for spec in specs:
         try:
-            gpus[spec.index] = _setup(spec, size, warmup)
+            gpus[spec.index] = _setup(spec, size, warmup, models.get(spec.index))
         except Exception as err:  # noqa: BLE001 - one GPU's failure is that GPU's result
             out.extend(error_results(ctx, [*ALONE, *TOGETHER], spec.index, err,
                                      f"allocating 2 x {size} B and warming up"))
@@ -124,8 +144,8 @@ def run(ctx: CheckContext) -> list[Result]:
     for _ in range(reps):
         for index, g in list(gpus.items()):
             try:
-                g.times["h2d_gbps"].append(timed(g.dev, g.h2d, sample_min_s))
-                g.times["d2h_gbps"].append(timed(g.dev, g.d2h, sample_min_s))
+                g.times["h2d_gbps"].append(g.timed("h2d", sample_min_s))
+                g.times["d2h_gbps"].append(g.timed("d2h", sample_min_s))
             except Exception as err:  # noqa: BLE001
                 del gpus[index]
                 out.extend(error_results(ctx, [*ALONE, *TOGETHER], index, err,
@@ -135,10 +155,12 @@ def run(ctx: CheckContext) -> list[Result]:
     links = {i: _link_under_load(g, nvml.get(i), link_timeout) for i, g in gpus.items()}
     # 3. all together, each GPU in its own process (the parent's buffers freed first)
     alone_specs = [g.dev.spec for g in gpus.values()]
-    infos = {i: {**_memory_note(g), **g.dev.info()} for i, g in gpus.items()}
+    infos = {i: {**_memory_note(g), **g.dev.info(),
+                 **(g.model.evidence() if g.model else {})} for i, g in gpus.items()}
     times = {i: g.times for i, g in gpus.items()}
     gpus.clear()
-    together = _concurrent(alone_specs, size, warmup, window_s, sample_min_s, worker_timeout)
+    together = _concurrent(alone_specs, size, warmup, window_s, sample_min_s, worker_timeout,
+                           models)
 
     common = {"size_bytes": size, "warmup": warmup}
     alone_figures: dict[str, dict[int, float]] = {m: {} for m in ALONE}
@@ -179,7 +201,7 @@ def run(ctx: CheckContext) -> list[Result]:
     return out
 
 
-def _setup(spec: ComputeSpec, size: int, warmup: int) -> _Gpu:
+def _setup(spec: ComputeSpec, size: int, warmup: int, model: CopyModel | None = None) -> _Gpu:
     import torch
 
     dev = open_device(spec)
@@ -187,7 +209,7 @@ def _setup(spec: ComputeSpec, size: int, warmup: int) -> _Gpu:
     host = torch.ones(size, dtype=torch.uint8, pin_memory=cuda)
     g = _Gpu(dev=dev, host=host, device_buf=torch.empty(size, dtype=torch.uint8,
                                                         device=dev.device),
-             stream=torch.cuda.Stream(dev.device) if cuda else None)
+             stream=torch.cuda.Stream(dev.device) if cuda else None, model=model)
     for _ in range(warmup):
         g.h2d()
         g.d2h()
@@ -303,7 +325,8 @@ _Together = dict[str, dict[int, "tuple[float, float, int] | BaseException"]]
 
 
 def _concurrent(specs: list[ComputeSpec], size: int, warmup: int, window_s: float,
-                sample_min_s: float, timeout_s: float) -> _Together:
+                sample_min_s: float, timeout_s: float,
+                models: dict[int, CopyModel] | None = None) -> _Together:
     """Per direction, each GPU's (p90 GB/s, median GB/s, copies) while all GPUs copy at once,
     or the error it hit.
 
@@ -329,7 +352,7 @@ def _concurrent(specs: list[ComputeSpec], size: int, warmup: int, window_s: floa
     queue = mp.Queue()
     workers = [mp.Process(target=concurrent_worker, name=f"pcie-together-gpu{s.index}",
                           args=(s, size, warmup, window_s, sample_min_s, barrier, queue,
-                                timeout_s),
+                                timeout_s, (models or {}).get(s.index)),
                           daemon=True) for s in specs]
     for w in workers:
         w.start()
@@ -366,17 +389,18 @@ def _concurrent(specs: list[ComputeSpec], size: int, warmup: int, window_s: floa
 
 
 def concurrent_worker(spec: ComputeSpec, size: int, warmup: int, window_s: float,
-                      sample_min_s: float, barrier: Any, queue: Any, timeout_s: float) -> None:
+                      sample_min_s: float, barrier: Any, queue: Any, timeout_s: float,
+                      model: CopyModel | None = None) -> None:
     """One GPU's side of the together measurement (runs in its own process)."""
     result: dict[str, Any] = {}
     try:
-        g = _setup(spec, size, warmup)
-        for metric, copy in zip(TOGETHER, (g.h2d, g.d2h), strict=True):
+        g = _setup(spec, size, warmup, model)
+        for metric, kind in zip(TOGETHER, ("h2d", "d2h"), strict=True):
             barrier.wait(timeout=timeout_s)
             deadline = time.monotonic() + window_s
             seconds: list[float] = []
             while not seconds or time.monotonic() < deadline:
-                seconds.append(timed(g.dev, copy, sample_min_s))
+                seconds.append(g.timed(kind, sample_min_s))
             stats = rep_stats(size, seconds)
             result[metric] = (stats.p90_gbps, stats.median_gbps, stats.reps)
     except threading.BrokenBarrierError:

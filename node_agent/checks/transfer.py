@@ -6,6 +6,10 @@ Grading follows DESIGN.md: every figure is compared with the median of its sibli
 node (``graders/performance.yaml``: WARN clearly below, ``fail`` far below); the SKU's absolute
 minimum (``graders/skus/*.yaml`` ``performance``) applies on real hardware only, because a
 simulated GPU is a CPU stand-in whose absolute figures mean nothing.
+
+Timing: a real GPU's copies are timed on its clock (:func:`timed`); a simulated GPU's copies
+run on the CPU but their time is modeled from the SKU's link and memory figures and the
+scenario's faults (:func:`timed_copy`, :mod:`node_agent.compute.copy_model`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 
 from node_agent.checks import CheckContext
 from node_agent.checks.siblings import compare_with_siblings, load_thresholds
+from node_agent.compute.copy_model import CopyModel, copy_models
 from node_agent.compute.devices import ComputeDevice, ComputeSpec, ComputeUnavailable, compute_specs
 from node_agent.model import Result, Status
 
@@ -93,6 +98,30 @@ def timed(dev: ComputeDevice, work: Callable[[], object], min_s: float = 0.0) ->
         elapsed = dev.clock() - start
         if elapsed > min_s and elapsed > 0:
             return elapsed / runs
+
+
+def timed_copy(dev: ComputeDevice, work: Callable[[], object], kind: str, bytes_moved: int,
+               model: CopyModel | None, min_s: float = 0.0) -> float:
+    """Seconds one copy takes on ``dev``: timed on a real GPU (:func:`timed`), modeled on a
+    simulated one.
+
+    On a simulated GPU the copy still runs once (the same buffers and code as on a GPU, and
+    its failures are real), but the figure is ``model.seconds(kind, bytes_moved)``: CPU
+    stand-ins timing memcpys measure the host's load, not a link (a healthy simulated node
+    graded WARN in 3 of 4 busy runs), see :mod:`node_agent.compute.copy_model`.
+    """
+    if model is None:
+        if dev.simulated:
+            raise ValueError(f"{dev.label} is simulated but has no copy model")
+        return timed(dev, work, min_s)
+    work()
+    dev.synchronize()
+    return model.seconds(kind, bytes_moved)
+
+
+def open_models(ctx: CheckContext, specs: Sequence[ComputeSpec]) -> dict[int, CopyModel]:
+    """The copy models of a simulated node's GPUs (empty on a real node)."""
+    return copy_models(list(specs), ctx.scenario, ctx.sku) if ctx.simulated else {}
 
 
 def open_specs(ctx: CheckContext) -> tuple[list[ComputeSpec], list[Result] | None]:

@@ -8,12 +8,15 @@ import pytest
 
 from node_agent.checks import CheckContext
 from node_agent.checks.pcie_bandwidth import LinkReading, link_result
-from node_agent.checks.transfer import copy_bytes, gbps, rep_stats, timed
+from node_agent.checks.transfer import copy_bytes, gbps, rep_stats, timed, timed_copy
+from node_agent.compute.copy_model import copy_model, copy_models, pcie_link_gbps
+from node_agent.compute.devices import ComputeSpec, open_device
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
 from node_agent.gpu.base import GpuTimeout, NotSupported, PcieLink
 from node_agent.grading.sku import load_sku
 from node_agent.model import Status
+from node_agent.sim.scenario import Fault, Scenario
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -111,3 +114,72 @@ def test_link_not_readable_is_skip_and_a_hung_read_is_error():
     assert unsupported.status is Status.SKIP
     hung = link_result(_ctx(), 1, LinkReading(error=GpuTimeout("did not return")))
     assert hung.status is Status.ERROR and "did not return" in hung.detail
+
+
+# -- the copy model of simulated GPUs ---------------------------------------------------------
+
+
+def _scenario(*faults, gpus=8, sku="h100-sxm5-80gb"):
+    return Scenario(sku=sku, gpus=gpus, source="test",
+                    faults=tuple(Fault(kind=k, gpu=g, params=p) for k, g, p in faults))
+
+
+@pytest.mark.parametrize("gen, width, expected", [
+    (3, 16, 15.75), (4, 16, 31.51), (5, 16, 63.02), (5, 8, 31.51), (6, 16, 121.0),
+])
+def test_pcie_link_rate_per_direction_after_line_coding(gen, width, expected):
+    assert pcie_link_gbps(gen, width) == pytest.approx(expected, abs=0.01)
+
+
+def test_model_of_a_healthy_gpu_follows_the_sku_link_and_memory_floor():
+    sku = load_sku(REPO / "graders" / "skus" / "h100-sxm5-80gb.yaml")
+    model = copy_model(0, 1.0, _scenario(), sku)
+    # Gen5 x16: 63.0 GB/s x 0.83 = 52.3, inside the ~50-55 GB/s pinned copies reach
+    assert model.h2d_gbps == model.d2h_gbps == pytest.approx(52.31, abs=0.01)
+    assert model.hbm_copy_gbps == pytest.approx(2500 * 1.15)  # the SKU floor x 1.15
+    assert model.seconds("h2d", 52_305_000_000) == pytest.approx(1.0, rel=1e-3)
+
+
+def test_narrow_link_and_slow_fault_show_in_the_model():
+    sku = load_sku(REPO / "graders" / "skus" / "h100-sxm5-80gb.yaml")
+    scenario = _scenario(("pcie_width", 4, {"lanes": 8}), ("slow", 3, {"factor": 0.5}))
+    healthy = copy_model(0, 1.0, scenario, sku)
+    narrow = copy_model(4, 1.0, scenario, sku)
+    slow = copy_model(3, 0.5, scenario, sku)
+    assert narrow.h2d_gbps / healthy.h2d_gbps == pytest.approx(0.5)
+    assert narrow.hbm_copy_gbps == healthy.hbm_copy_gbps  # a narrow link leaves HBM alone
+    assert narrow.basis["pcie_link"] == "Gen5 x8" and narrow.basis["pcie_expected"] == "Gen5 x16"
+    assert slow.h2d_gbps / healthy.h2d_gbps == pytest.approx(0.5)
+    assert slow.hbm_copy_gbps / healthy.hbm_copy_gbps == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("sku_file", sorted(p.name for p in (REPO / "graders" / "skus").glob(
+    "*.yaml")))
+def test_every_sku_models_its_healthy_gpus_alike(sku_file):
+    sku = load_sku(REPO / "graders" / "skus" / sku_file)
+    specs = [ComputeSpec(i, simulated=True) for i in range(sku.gpus_per_node or 8)]
+    models = copy_models(specs, _scenario(sku=sku.id), sku)
+    figures = {(m.h2d_gbps, m.d2h_gbps, m.hbm_copy_gbps) for m in models.values()}
+    assert len(figures) == 1  # the same figure for every healthy GPU: siblings' ratio 1.0
+    (h2d, _, hbm), = figures
+    assert h2d > 0 and hbm > 0
+
+
+def test_simulated_copy_time_is_the_model_not_the_cpu_time():
+    torch = pytest.importorskip("torch")
+    dev = open_device(ComputeSpec(0, simulated=True))
+    model = copy_model(0, 1.0, None, None)
+    src = torch.ones(1 << 16, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    ran = []
+
+    def copy_and_burn():  # however long the CPU takes, the figure is the model's
+        dst.copy_(src)
+        sum(range(200_000))
+        ran.append(1)
+
+    seconds = timed_copy(dev, copy_and_burn, "hbm", copy_bytes(src.numel()), model)
+    assert ran == [1] and bool((dst == 1).all())
+    assert seconds == model.seconds("hbm", 2 << 16)
+    with pytest.raises(ValueError, match="simulated but has no copy model"):
+        timed_copy(dev, copy_and_burn, "hbm", 1, None)
