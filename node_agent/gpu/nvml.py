@@ -541,8 +541,9 @@ class NvmlDevice:
 
         [] when the GPU has no NVLink. Link indexes this GPU lacks are skipped: those whose state
         is "not supported" or an invalid argument, and those that answer "inactive" without
-        NVML_NVLINK_CAP_VALID (drivers answer "inactive" for indexes past the GPU's links), so
-        only a link the GPU has can count as down.
+        NVML_NVLINK_CAP_VALID ("link is supported on this device"; NVIDIA's own mock NVML
+        answers "inactive" for indexes past the GPU's links), so only a link the GPU has can
+        count as down.
         """
         lib = self._lib
         links: list[NvLink] = []
