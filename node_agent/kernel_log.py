@@ -166,7 +166,7 @@ Event = XidLine | SxidLine
 
 _BUS = r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}"
 _XID = re.compile(r"(?<![A-Za-z])Xid \((?P<inner>[^()\n]*)\)(?P<after>.*)$")
-_SXID = re.compile(r"(?:nvidia-nvswitch(?P<sw>\d+):\s*)?(?<![A-Za-z])SXid \((?P<inner>[^()\n]*)\)"
+_SXID = re.compile(r"(?:nvidia-nvswitch(?P<sw>\d+):?\s*)?(?<![A-Za-z])SXid \((?P<inner>[^()\n]*)\)"
                    r"(?P<after>.*)$")
 _XID_ADDRESS = re.compile(rf"^(?:PCI:)?(?P<bus>{_BUS})(?:\.[0-7])?"
                           r"(?:\s+GPU-I:(?P<gi>\d{1,3}))?(?:\s+GPU-CI:(?P<ci>\d{1,3}))?\s*$")

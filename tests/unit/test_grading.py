@@ -1,14 +1,19 @@
-"""Grading rules as shipped in graders/: each finding gets the level the catalog documents."""
+"""Grading rules as shipped in graders/: each finding gets the level the catalog documents,
+reading the line where NVIDIA's catalog decodes it (Xid 144-150, 154, SXid severity) and
+counting recurrence where it says to count. Real lines come from ``../shared/realworld/xid/``."""
 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
 from node_agent import resources
+from node_agent.checks.xid_fold import Folder
 from node_agent.config import config_from_dict
 from node_agent.grading.rules import load_grader
+from node_agent.kernel_log import SxidLine, XidLine, scan_lines
 from node_agent.model import Action, Level, Result, Status
 from node_agent.yamlfile import ConfigError
 
@@ -101,4 +106,196 @@ def test_a_broken_rules_file_is_a_config_error_naming_it(tmp_path):
     shutil.copytree(shipped, tmp_path / "graders")
     (tmp_path / "graders" / "rules.yaml").write_text("rules:\n  - {id: x, level: SEVERE}\nfallback: {}\n")
     with pytest.raises(ConfigError, match="rules.yaml"):
+        load_grader(tmp_path / "graders")
+
+
+# -- the XID catalog reads the whole line (144-150, 154), SXids, recurrence --------------------
+
+SAMPLES = Path(__file__).resolve().parents[2] / ".." / "shared" / "realworld" / "xid"
+needs_samples = pytest.mark.skipif(not SAMPLES.is_dir(),
+                                   reason=f"real kernel-log samples not found at {SAMPLES}")
+
+
+def sample_lines(prefix: str) -> list[str]:
+    (path,) = SAMPLES.glob(prefix + "_*.log")
+    return path.read_text().splitlines()
+
+
+def findings(lines: list[str]) -> list[Result]:
+    """The ``xid`` check's results for these lines (folded per GPU bus / NVSwitch and code)."""
+    folder = Folder()
+    for event in scan_lines(lines):
+        if isinstance(event, SxidLine):
+            folder.add(event, event.target, "test")
+        elif isinstance(event, XidLine):
+            folder.add(event, f"pci:{event.pci_bus}", "test")
+    return [fold.result() for fold in folder.sorted()]
+
+
+def nvlink5(code: int, unit: str, severity: str, intrinfo: int, status: int, bus="0018:01:00") -> str:
+    return (f"NVRM: Xid (PCI:{bus}): {code}, {unit} {severity} XC0 i0 Link 03 "
+            f"(0x{intrinfo:08x} 0x{status:08x} 0x00000000 0x00000000 0x00000000 0x00000000)")
+
+
+@needs_samples
+def test_gb200_production_nonfatal_nvlink5_lines_never_drain(grader):
+    nonfatal = [line for line in sample_lines("x05") if "Nonfatal" in line]
+    assert len(nonfatal) == 9
+    grade = grader.grade(findings(nonfatal), "service")
+    assert grade.level is Level.WARN and grade.action is Action.NONE
+    assert {r.message.split("[")[-1].split(",")[0] for r in grade.reasons} == \
+        {"Xid 149: NVLINK: NETIR Error", "Xid 145: NVLINK: RLW Error"}
+    assert any("NETIR_BER_EVENT Nonfatal -> IGNORE" in r.message for r in grade.reasons)
+    assert any("RLW_SRC_TRACK Nonfatal -> XID_154_EVAL" in r.message for r in grade.reasons)
+
+
+@needs_samples
+def test_gb200_production_fatal_nvlink5_lines_grade_error(grader):
+    fatal = [line for line in sample_lines("x05") if " Fatal " in line]
+    grade = grader.grade(findings(fatal), "service")
+    assert grade.level is Level.ERROR and grade.action is Action.RESTART
+    assert {r.target for r in grade.reasons} == {"pci:0008:01:00", "pci:0018:01:00", "pci:0019:01:00"}
+    assert all("RESET_GPU" in r.message for r in grade.reasons)
+
+
+@needs_samples
+def test_gb200_whole_log_fatal_line_decides_its_gpu_and_nonfatal_codes_stay_warn(grader):
+    grade = grader.grade(findings(sample_lines("x05")), "service")
+    by = {(r.target, r.message.split("[Xid ")[1][:3]): r.level for r in grade.reasons}
+    assert by[("pci:0018:01:00", "149")] is Level.ERROR  # BER Nonfatal + NETIR Fatal on one GPU
+    assert by[("pci:0018:01:00", "145")] is Level.WARN
+    assert grade.level is Level.ERROR
+
+
+@pytest.mark.parametrize("subcode, level", [
+    (0b100110, Level.WARN),   # IGNORE (software/user took the link down)
+    (0b101000, Level.WARN),   # IGNORE (host)
+    (0b000100, Level.ERROR),  # RESET_GPU (link signal integrity)
+    (0b100001, Level.ERROR),  # RESET_GPU (peer device)
+])
+def test_netir_link_event_subcode_decides_ignore_or_reset(grader, subcode, level):
+    line = nvlink5(149, "NETIR_LINK_EVT", "Fatal", (subcode << 20) | 0x0005c6, 0)
+    assert grader.grade(findings([line])).level is level
+
+
+def test_nvlink5_unit_the_sheet_does_not_list_is_graded_by_its_printed_severity(grader):
+    assert grader.grade(findings([nvlink5(146, "TLW_NEW", "Nonfatal", 0x3, 0x1)])).level is Level.WARN
+    assert grader.grade(findings([nvlink5(146, "TLW_NEW", "Fatal", 0x3, 0x4)])).level is Level.ERROR
+
+
+def test_nvlink5_xid_without_a_line_to_decode_takes_the_code_level(grader):
+    nvml_only = Result(check="xid", target="gpu:0", metric="xid", status=Status.FAIL, value=149,
+                       detail="Xid 149 (NVML event)", evidence={"count": 1, "variants": []})
+    grade = grader.grade([nvml_only])
+    assert grade.level is Level.ERROR and "no kernel-log line to decode" in grade.reasons[0].message
+    assert grader.grade([res("xid", check="xid", value=147)]).level is Level.WARN
+
+
+def test_saved_report_without_variants_is_decoded_from_its_lines(grader):
+    old = Result(check="xid", target="gpu:0", metric="xid", status=Status.FAIL, value=149,
+                 detail="Xid 149", evidence={"count": 1, "lines": [
+                     nvlink5(149, "NETIR_BER_EVENT", "Nonfatal", 0x00086226, 1)]})
+    assert grader.grade([old]).level is Level.WARN
+
+
+@pytest.mark.parametrize("action, level", [("None", Level.WARN), ("Drain and Reset", Level.ERROR),
+                                           ("GPU Reset Required", Level.ERROR)])
+def test_xid154_is_graded_by_the_recovery_action_it_names(grader, action, level):
+    line = f"NVRM: Xid (PCI:0009:01:00): 154, GPU recovery action changed from 0x4 (Drain and Reset) to 0x0 ({action})"
+    assert grader.grade(findings([line])).level is level
+
+
+@needs_samples
+def test_sxid_20034_ltssm_fault_up_grades_error_per_nvswitch(grader):
+    grade = grader.grade(findings(sample_lines("x04")), "service")
+    sxid = [r for r in grade.reasons if r.rule == "sxid"]
+    assert {(r.target, r.level) for r in sxid} == {(f"nvswitch:{n}", Level.ERROR) for n in (0, 1, 2)}
+    assert all("[SXid 20034: LTSSM Fault Up" in r.message for r in sxid)
+    assert grade.level is Level.FAULT  # the Xid 79 that came before them
+
+
+@pytest.mark.parametrize("line, level", [
+    ("nvidia-nvswitch0: SXid (PCI:0000:06:00.0): 20009, Non-fatal, Link 04 RX Short Error Rate", Level.WARN),
+    ("nvidia-nvswitch3: SXid (PCI:0000:c1:00.0): 28006, Non-fatal, Link 46 MC TS crumbstore MCTO", Level.WARN),
+    ("nvidia-nvswitch0: SXid (PCI:0000:c3:00.0): 29999, Fatal, Link 28 something new", Level.ERROR),
+    ("nvidia-nvswitch0: SXid (PCI:0000:c3:00.0): 22012, Non-fatal, Link 3 Minion Link NA interrupt", Level.WARN),
+    ("nvidia-nvswitch0: SXid (PCI:0000:c3:00.0): 22012, Fatal, Link 3 Minion Link NA interrupt", Level.ERROR),
+    ("nvidia-nvswitch4: SXid (PCI:0000:c6:00.0): 19084, Non-fatal, Link 29 AN1 Heartbeat Timeout Error", Level.ERROR),
+])
+def test_sxid_level_reads_the_printed_severity_where_the_catalog_allows(grader, line, level):
+    (finding,) = findings([line])
+    assert finding.target.startswith("nvswitch:") and finding.metric == "sxid"
+    assert grader.grade([finding]).level is level
+
+
+def test_rules_file_without_an_sxid_rule_still_routes_sxids_to_their_catalog(tmp_path):
+    shipped = resources.graders_dir(config_from_dict({}))
+    shutil.copytree(shipped, tmp_path / "graders")
+    rules = tmp_path / "graders" / "rules.yaml"
+    rules.write_text("\n".join(line for line in rules.read_text().splitlines()
+                               if "sxid_catalog" not in line))
+    grader = load_grader(tmp_path / "graders")
+    (finding,) = findings(["nvidia-nvswitch0: SXid (PCI:0000:06:00.0): 20001, Non-fatal, Link 4 TX Replay Error"])
+    assert grader.grade([finding]).level is Level.WARN
+
+
+def timed(seconds: float, line: str) -> str:
+    return f"[{seconds:12.6f}] {line}"
+
+
+MMU = "NVRM: Xid (PCI:0000:3b:00): 31, pid=9, name=python, Ch 00000008, intr 0. MMU Fault"
+
+
+def test_xid31_repeating_in_two_bursts_on_one_gpu_grades_error(grader):
+    once = findings([timed(100.0, MMU), timed(100.2, MMU)])  # one crash, two lines: one burst
+    assert grader.grade(once).level is Level.WARN
+    twice = findings([timed(100.0, MMU), timed(4000.0, MMU)])
+    grade = grader.grade(twice)
+    assert grade.level is Level.ERROR and "recurred: 2 bursts within 24 h" in grade.reasons[0].message
+
+
+def test_xid31_bursts_further_apart_than_the_window_do_not_escalate(grader):
+    far = findings([timed(100.0, MMU), timed(100.0 + 25 * 3600, MMU)])
+    assert grader.grade(far).level is Level.WARN
+
+
+def test_xid45_flood_is_one_warn_finding_and_never_escalates(grader):
+    line = "NVRM: Xid (PCI:0000:dc:00): 45, pid=1, name=python3, Ch 00000001 caused by previous Xid 149"
+    flood = findings([timed(1000.0 + 400 * i, line) for i in range(200)])  # 200 separate bursts
+    (finding,) = flood
+    assert finding.evidence["count"] == 200 and finding.evidence["bursts"] == 200
+    grade = grader.grade(flood, "service")
+    assert grade.level is Level.WARN and len(grade.reasons) == 1
+
+
+def test_xid92_persisting_over_five_bursts_in_a_day_grades_error(grader):
+    line = "NVRM: Xid (PCI:0000:3b:00): 92, pid=1, High single-bit ECC error rate"
+    assert grader.grade(findings([timed(500.0 * i, line) for i in range(4)])).level is Level.WARN
+    assert grader.grade(findings([timed(500.0 * i, line) for i in range(5)])).level is Level.ERROR
+
+
+def test_a_recurrence_threshold_is_configurable_in_xid_yaml(tmp_path):
+    shipped = resources.graders_dir(config_from_dict({}))
+    shutil.copytree(shipped, tmp_path / "graders")
+    xid = tmp_path / "graders" / "xid.yaml"
+    text = xid.read_text()
+    assert "      bursts: 2\n      within_h: 24\n" in text
+    xid.write_text(text.replace("      bursts: 2\n      within_h: 24\n", "      bursts: 3\n      within_h: 24\n", 1))
+    grader = load_grader(tmp_path / "graders")
+    assert grader.grade(findings([timed(100.0, MMU), timed(4000.0, MMU)])).level is Level.WARN
+    assert grader.grade(findings([timed(100.0 + 4000 * i, MMU) for i in range(3)])).level is Level.ERROR
+
+
+@pytest.mark.parametrize("broken, key", [
+    ("    decode:\n      - {unit: X, resolution: IGNORE, level: MAYBE, why: w}\n", "level"),
+    ("    decode:\n      - {subcode: ['12'], resolution: IGNORE, level: WARN, why: w}\n", "subcode"),
+    ("    recurrence: {bursts: 1, within_h: 24, level: ERROR, why: w}\n", "bursts"),
+])
+def test_a_broken_decode_or_recurrence_entry_is_a_config_error_naming_the_key(tmp_path, broken, key):
+    shipped = resources.graders_dir(config_from_dict({}))
+    shutil.copytree(shipped, tmp_path / "graders")
+    xid = tmp_path / "graders" / "xid.yaml"
+    xid.write_text(xid.read_text().replace('    name: "Fake or injected error"\n',
+                                           '    name: "Fake or injected error"\n' + broken, 1))
+    with pytest.raises(ConfigError, match=rf"xid.yaml.*{key}"):
         load_grader(tmp_path / "graders")

@@ -1,0 +1,221 @@
+"""The ``xid`` check and the daemon's XID watch: kernel-log lines become one finding per (GPU or
+NVSwitch, code), however many the driver printed; a GPU that fell off the bus is found even when
+the driver cannot load; NVML events never pre-empt the line that decides their grade.
+
+Nodes are simulated (``--simulate`` scenarios: the simulated NVML backend); the kernel log is a
+list of real-format lines (``LinesKernelLog``, as the simulator provides it) or, where named, the
+real samples in ``../shared/realworld/xid/``. The check, the folding, the watch and the grader
+are the real code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from node_agent.checks import CheckContext
+from node_agent.checks import xid as xid_check
+from node_agent.config import load_config
+from node_agent.environment import open_environment
+from node_agent.gpu.absent import AbsentGpuBackend
+from node_agent.kernel_log import KernelLogScanner, LinesKernelLog, LogRecord, normalise_bus
+from node_agent.model import Level, Status
+from node_agent.service.xid_watch import XidWatch
+
+SAMPLES = Path(__file__).resolve().parents[2] / ".." / "shared" / "realworld" / "xid"
+needs_samples = pytest.mark.skipif(not SAMPLES.is_dir(),
+                                   reason=f"real kernel-log samples not found at {SAMPLES}")
+
+
+@pytest.fixture
+def env(tmp_path):
+    """A simulated 8-GPU H100 node (no faults)."""
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state")}))
+    scenario = tmp_path / "scenario.yaml"
+    scenario.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 8, "faults": []}))
+    environment = open_environment(load_config(config), str(scenario))
+    yield environment
+    environment.close()
+
+
+def bus(env, index: int) -> str:
+    """GPU ``index``'s bus as the kernel prints it (``0000:9a:00``)."""
+    return normalise_bus(env.inventory.gpus[index].pci_bus_id)
+
+
+def run_xid(env, lines, gpu=None, **params):
+    ctx = CheckContext(check="xid", gpu=gpu or env.gpu, kernel_log=LinesKernelLog(lines),
+                       config=env.config, inventory=env.inventory, sku=env.sku,
+                       expected_gpus=env.expected_gpus, mode="service", params=params)
+    return xid_check.run(ctx)
+
+
+def findings(results, metric="xid"):
+    return [r for r in results if r.metric == metric and r.status is Status.FAIL]
+
+
+def test_flood_of_10000_lines_of_one_code_is_one_finding_with_count_and_rate(env):
+    line = f"NVRM: Xid (PCI:{bus(env, 3)}): 92, pid=1, High single-bit ECC error rate"
+    lines = [f"[{1000.0 + 0.1 * i:12.6f}] {line}" for i in range(10_000)]
+    results = run_xid(env, lines)
+    (finding,) = findings(results)
+    assert (finding.target, finding.value) == ("gpu:3", 92)
+    evidence = finding.evidence
+    assert evidence["count"] == 10_000 and evidence["bursts"] == 1
+    assert evidence["rate_per_hour"] == pytest.approx(10_000 / 999.9 * 3600, rel=1e-3)
+    assert (evidence["first_seen"], evidence["last_seen"]) == ("1000.000 s after boot",
+                                                               "1999.900 s after boot")
+    assert len(evidence["lines"]) == 2 and len(evidence["variants"]) == 1
+    grade = env.grader.grade(results, "service")
+    assert len(grade.reasons) == 1 and grade.level is Level.WARN
+    assert "10000 time(s)" in grade.reasons[0].message and "/h" in grade.reasons[0].message
+
+
+def test_flood_of_sxid_lines_is_one_finding_per_nvswitch(env):
+    lines = [f"[{10.0 + i:10.6f}] nvidia-nvswitch{i % 2}: SXid (PCI:0000:0{5 + i % 2}:00.0): 20009, "
+             f"Non-fatal, Link {i % 60} RX Short Error Rate" for i in range(2000)]
+    sxids = findings(run_xid(env, lines), "sxid")
+    assert [(f.target, f.evidence["count"]) for f in sxids] == [("nvswitch:0", 1000), ("nvswitch:1", 1000)]
+    assert len(sxids[0].evidence["links"]) == 30
+
+
+@needs_samples
+def test_xid79_fallen_off_bus_without_xid_line_grades_fault(env):
+    """x19: the GPU fell off the bus during the driver's probe, so NVML cannot load: the log is
+    still read and the node grades FAULT, with the reason NVML was not queried kept."""
+    (path,) = SAMPLES.glob("x19_*.log")
+    no_driver = AbsentGpuBackend("NVIDIA driver not loaded (NVML: driver not loaded)")
+    results = run_xid(env, path.read_text().splitlines(), gpu=no_driver)
+    assert [r.status for r in results if r.metric == "ran"] == [Status.SKIP]
+    (finding,) = findings(results)
+    assert (finding.target, finding.value) == ("pci:0000:b3:00", 79)
+    grade = env.grader.grade(results, "service")
+    assert grade.level is Level.FAULT and "[Xid 79: GPU has fallen off the bus]" in grade.reasons[0].message
+
+
+def test_fallen_off_bus_message_names_the_gpu_it_came_from(env):
+    lines = [f"[ 1843.308145] NVRM: The NVIDIA GPU {bus(env, 6)}.0",
+             "               NVRM: (PCI ID: 10de:2330) installed in this system has",
+             "               NVRM: fallen off the bus and is not responding to commands."]
+    (finding,) = findings(run_xid(env, lines))
+    assert (finding.target, finding.value) == ("gpu:6", 79)
+    assert env.grader.grade([finding]).level is Level.FAULT
+
+
+def test_without_a_driver_a_clean_log_is_a_skip_not_a_pass(env):
+    no_driver = AbsentGpuBackend("no NVIDIA driver on this host")
+    results = run_xid(env, ["[ 1.0] Linux version 6.1.0", "[ 2.0] usb 1-1: new device"], gpu=no_driver)
+    (only,) = results
+    assert only.status is Status.SKIP and only.detail.startswith("no NVIDIA driver on this host")
+
+
+@needs_samples
+def test_redacted_xid_lines_are_a_warn_that_says_why(env):
+    (path,) = SAMPLES.glob("x26_*.log")
+    results = run_xid(env, path.read_text().splitlines())
+    (unreadable,) = [r for r in results if r.metric == "xid_unreadable"]
+    assert unreadable.status is Status.WARN and unreadable.value == 2
+    assert "not readable ('PCI:...')" in unreadable.detail and unreadable.evidence["codes"] == [137, 145]
+    assert env.grader.grade(results, "service").level is Level.WARN
+
+
+def test_mig_instances_fold_into_their_gpu_with_the_instances_listed(env):
+    lines = [f"NVRM: Xid (PCI:{bus(env, 1)} GPU-I:0{n}): 43, pid={n}, name=x, Ch 00000008" for n in (1, 2, 1)]
+    (finding,) = findings(run_xid(env, lines))
+    assert finding.target == "gpu:1" and finding.evidence["gpu_instances"] == [1, 2]
+
+
+# -- the daemon's watch ---------------------------------------------------------------------------
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def watch_for(env, **kw):
+    reports = []
+    clock = FakeClock()
+    watch = XidWatch(lambda: env.gpu, lambda: env.kernel_log, reports.append, clock=clock, **kw)
+    return watch, reports, clock
+
+
+def records(lines):
+    return [LogRecord(i + 1, line, boot_s=1000.0 + 0.01 * i) for i, line in enumerate(lines)]
+
+
+def test_watch_folds_a_flood_into_a_few_reports(env):
+    watch, reports, clock = watch_for(env)
+    line = f"NVRM: Xid (PCI:{bus(env, 2)}): 95, pid=5171, Uncontained: FBHUB. RST: Yes, D-RST: No"
+    scanner = KernelLogScanner()
+    for _ in range(10):  # 10,000 lines read in ten polls
+        watch.kernel_records(records([line] * 1000), scanner, "/dev/kmsg")
+    assert [(r.gpu_index, r.code, r.count, r.why) for r in reports] == [(2, 95, 1, "first")]
+    clock.now += 61.0  # the update interval
+    watch._flush()
+    assert [(r.count, r.why) for r in reports[1:]] == [(10_000, "update")]
+    finding = reports[-1].result("gpu:2")
+    grade = env.grader.grade([finding], "service")
+    assert grade.level is Level.ERROR and len(grade.reasons) == 1
+
+
+def test_watch_reports_a_fatal_line_among_a_nonfatal_flood_at_once(env):
+    watch, reports, _ = watch_for(env)
+    gpu = bus(env, 0)
+    ber = (f"NVRM: Xid (PCI:{gpu}): 149, NETIR_BER_EVENT Nonfatal XC0 i0 Link 03 "
+           "(0x00086226 0x00000001 0x00000000 0x00000000 0x00000000 0x00000000)")
+    fatal = (f"NVRM: Xid (PCI:{gpu}): 149, NETIR_LINK_EVT Fatal XC0 i0 Link 08 "
+             "(0x004505c6 0x00000000 0x00000000 0x00000000 0x00000000 0x00000000)")
+    scanner = KernelLogScanner()
+    watch.kernel_records(records([ber] * 500), scanner, "/dev/kmsg")
+    assert env.grader.grade([reports[-1].result("gpu:0")]).level is Level.WARN
+    watch.kernel_records(records([ber] * 500 + [fatal]), scanner, "/dev/kmsg")
+    assert len(reports) == 2 and reports[-1].why == "new variant or burst"
+    assert reports[-1].line == fatal  # the line that decides, for a handler that keeps only one
+    assert env.grader.grade([reports[-1].result("gpu:0")]).level is Level.ERROR
+
+
+def test_watch_nvml_event_waits_for_its_kernel_line_before_it_is_graded(env):
+    watch, reports, clock = watch_for(env)
+    watch.kernel_log_watched = True
+    watch.nvml_event(0, 149, "")
+    assert reports == []  # an NVML 149 alone would grade by its code (ERROR)
+    line = (f"NVRM: Xid (PCI:{bus(env, 0)}): 149, NETIR_BER_EVENT Nonfatal XC0 i0 Link 03 "
+            "(0x00086226 0x00000001 0x00000000 0x00000000 0x00000000 0x00000000)")
+    watch.kernel_records(records([line]), KernelLogScanner(), "/dev/kmsg")
+    (report,) = reports
+    assert (report.gpu_index, report.count, report.evidence["nvml_events"]) == (0, 1, 1)
+    assert env.grader.grade([report.result("gpu:0")]).level is Level.WARN
+    clock.now += 10
+    watch._flush()
+    assert len(reports) == 1  # nothing new, and the NVML event was not reported on its own
+
+
+def test_watch_nvml_event_without_a_kernel_line_is_graded_by_its_code_after_the_grace(env):
+    watch, reports, clock = watch_for(env, nvml_grace_s=2.0)
+    watch.kernel_log_watched = True
+    watch.nvml_event(4, 79, "simulated")
+    watch._flush()
+    assert reports == []
+    clock.now += 2.5
+    watch._flush()
+    (report,) = reports
+    assert (report.gpu_index, report.code, report.why) == (4, 79, "nvml event without a kernel-log line")
+    assert env.grader.grade([report.result("gpu:4")]).level is Level.FAULT
+
+
+def test_watch_leaves_sxids_to_the_check_unless_the_handler_names_nvswitches(env):
+    line = "nvidia-nvswitch1: SXid (PCI:0000:06:00.0): 20034, Fatal, Link 48 LTSSM Fault Up"
+    watch, reports, _ = watch_for(env)
+    watch.kernel_records(records([line]), KernelLogScanner(), "/dev/kmsg")
+    assert reports == []
+    watch, reports, _ = watch_for(env, report_sxid=True)
+    watch.kernel_records(records([line]), KernelLogScanner(), "/dev/kmsg")
+    (report,) = reports
+    assert (report.kind, report.target, report.code) == ("sxid", "nvswitch:1", 20034)
+    assert env.grader.grade([report.result(report.target)]).level is Level.ERROR
