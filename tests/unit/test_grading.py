@@ -299,3 +299,14 @@ def test_a_broken_decode_or_recurrence_entry_is_a_config_error_naming_the_key(tm
                                            '    name: "Fake or injected error"\n' + broken, 1))
     with pytest.raises(ConfigError, match=rf"xid.yaml.*{key}"):
         load_grader(tmp_path / "graders")
+
+
+def test_docs_xid_catalog_table_lists_every_code_at_its_level(grader):
+    """docs/xid.md is what operators read: its catalog table must say what graders/xid.yaml does."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "xid.md").read_text()
+    table = {}
+    for line in doc.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].isdigit() and cells[2].split(" ")[0] in Level.__members__:
+            table[int(cells[0])] = Level[cells[2].split(" ")[0]]
+    assert table == {code: entry.level for code, entry in grader.xid.codes.items()}
