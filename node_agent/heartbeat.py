@@ -7,7 +7,7 @@ Two lines in the training script::
     ...
     hb.beat(step)                   # once per training step
 
-Each process writes one small JSON file, ``<state_dir>/spool/heartbeat/<pid>.json``, atomically
+Each process writes one small JSON file, ``<spool>/heartbeat/<pid>.json``, atomically
 (temp file in the same directory, then ``os.replace``), at most every ``min_interval_s``
 (default 1 s), so a call costs a clock read and a comparison on almost every step (measured in
 ``bench/bench_hang.py``). The file holds the process's identity (pid, rank, local rank, world
@@ -17,18 +17,29 @@ a failure is logged once and the loop goes on.
 
 Stdlib only and torch-free on purpose: it is imported inside training processes, and the
 daemon reads the files without importing anything heavy.
+
+This module also holds the agent's one reader of spool files (:func:`read_spool_json`), used
+for heartbeats and SDC verdicts alike: every spool file was written by a training user, so it
+is opened without following links and without blocking, must be a regular file with one link,
+is size- and depth-capped, and carries its owner's uid to the caller, who believes it only
+about that uid's own processes (DESIGN.md, "Trust boundary"; docs/security.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
+import math
 import os
+import re
 import socket
+import stat
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +47,32 @@ log = logging.getLogger("node_agent.heartbeat")
 
 SCHEMA = "node-agent.heartbeat/1"
 
+#: Where training jobs write (``$NODE_AGENT_SPOOL_DIR`` overrides it): one sticky, world-writable
+#: directory per kind under it (``heartbeat/``, ``sdc/``), apart from the agent's private state
+#: directory (docs/security.md).
+DEFAULT_SPOOL_ROOT = "/var/spool/node-agent"
+
+# Limits on what the agent reads from a spool. A heartbeat is about 600 bytes and a verdict
+# 1-3 KiB (measured on files the writers in this package produce), so 64 KiB is 20x the
+# largest honest file; a heartbeat nests 2 deep (its pause) and a verdict 4 (evidence lists of
+# mismatches), so 16 levels leave room and stop a 32,000-deep file from reaching the parser.
+SPOOL_MAX_BYTES = 64 * 1024
+SPOOL_MAX_DEPTH = 16
+#: files opened per read of one spool (taken fairly across owners); the rest wait for the next run
+SPOOL_MAX_FILES = 1024
+#: directory entries looked at per read, so a spool flooded with names costs bounded time
+SPOOL_MAX_LISTED = 65536
+_TEXT_MAX = 4096  # a string field longer than this is not a heartbeat's
+
+
+def spool_root() -> Path:
+    """``$NODE_AGENT_SPOOL_DIR``, else ``/var/spool/node-agent``."""
+    return Path(os.environ.get("NODE_AGENT_SPOOL_DIR") or DEFAULT_SPOOL_ROOT)
+
 
 def default_spool_dir() -> Path:
-    """``$NODE_AGENT_STATE_DIR/spool/heartbeat`` (default state dir ``/var/lib/node-agent``)."""
-    base = os.environ.get("NODE_AGENT_STATE_DIR") or "/var/lib/node-agent"
-    return Path(base) / "spool" / "heartbeat"
+    """``$NODE_AGENT_SPOOL_DIR/heartbeat`` (default ``/var/spool/node-agent/heartbeat``)."""
+    return spool_root() / "heartbeat"
 
 
 def _int_or_none(value: str | None) -> int | None:
@@ -244,31 +276,265 @@ class Heartbeat:
             self.path.unlink()
 
 
+# -- reading spools (the agent's side) -------------------------------------------------------
+
+
+class SpoolFileError(ValueError):
+    """A spool file the agent will not use; the message says why (one line)."""
+
+
+@dataclass(frozen=True)
+class SpoolFile:
+    """One spool file as read: its parsed JSON and what ``fstat`` said of the open file.
+
+    ``uid`` is the file's owner: the only user whose processes it may speak for."""
+
+    path: Path
+    data: Any
+    uid: int
+    mtime: float
+    size: int
+
+
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+def json_depth(text: str) -> int:
+    """How deep JSON ``text`` nests (``{"a": [1]}`` is 2), strings aside; text that is not
+    JSON gives some number, and the parser then rejects it."""
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
+    depth = deepest = 0
+    for ch in brackets:
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def parse_spool_json(raw: bytes, max_depth: int = SPOOL_MAX_DEPTH) -> Any:
+    """Bytes of a spool file -> JSON value; SpoolFileError for text that is not UTF-8, nests
+    deeper than ``max_depth``, holds NaN/Infinity, or is not JSON."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise SpoolFileError(f"not UTF-8 text ({err.reason} at byte {err.start})") from None
+    depth = json_depth(text)
+    if depth > max_depth:
+        raise SpoolFileError(f"JSON nests {depth} levels deep, more than {max_depth}")
+    try:
+        return json.loads(text, parse_constant=_no_constants)
+    except (ValueError, RecursionError) as err:
+        raise SpoolFileError(f"not valid JSON ({err})"[:300]) from None
+
+
+def _read_at(dir_fd: int, name: str, max_bytes: int) -> tuple[bytes, os.stat_result]:
+    """Open ``name`` in the directory ``dir_fd`` the safe way and read it whole.
+
+    O_NOFOLLOW: a symlink (to ``/dev/zero``, to another user's file) is refused by the kernel.
+    O_NONBLOCK: a FIFO opens at once and a file under a lease does not stall the reader.
+    Then fstat of the open file: a regular file with one link, at most ``max_bytes``."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise SpoolFileError("is a symbolic link; spool files are never followed") from None
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise SpoolFileError("cannot be opened without waiting (a lease or a lock on "
+                                 "it); skipped") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device" if
+                    stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else
+                    "a directory" if stat.S_ISDIR(st.st_mode) else "a socket" if
+                    stat.S_ISSOCK(st.st_mode) else "not a regular file")
+            raise SpoolFileError(f"is {kind}, not a regular file")
+        if st.st_nlink != 1:
+            raise SpoolFileError(f"has {st.st_nlink} hard links (a spool file has one)")
+        if st.st_size > max_bytes:
+            raise SpoolFileError(f"is {st.st_size} bytes, more than the {max_bytes} a spool "
+                                 "file may have")
+        chunks, total = [], 0
+        while total <= max_bytes:
+            chunk = os.read(fd, max_bytes + 1 - total)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+        if total > max_bytes:
+            raise SpoolFileError(f"grew past {max_bytes} bytes while being read")
+        return b"".join(chunks), st
+    finally:
+        os.close(fd)
+
+
+def _pick_fairly(entries: list[tuple[str, int]], limit: int) -> list[str]:
+    """At most ``limit`` names, taken in turn from each owner (oldest name first within one),
+    so one user flooding the spool cannot push another user's files out of the read."""
+    by_owner: dict[int, list[str]] = {}
+    for name, uid in sorted(entries):
+        by_owner.setdefault(uid, []).append(name)
+    queues = [iter(names) for _, names in sorted(by_owner.items())]
+    picked: list[str] = []
+    while queues and len(picked) < limit:
+        alive = []
+        for q in queues:
+            name = next(q, None)
+            if name is not None and len(picked) < limit:
+                picked.append(name)
+                alive.append(q)
+        queues = alive
+    return sorted(picked)
+
+
+def read_spool_json(spool_dir: str | os.PathLike[str], errors: list[tuple[Path, str]] | None = None,
+                    *, skip: Collection[str] = (), max_files: int = SPOOL_MAX_FILES,
+                    max_bytes: int = SPOOL_MAX_BYTES,
+                    max_depth: int = SPOOL_MAX_DEPTH) -> list[SpoolFile]:
+    """Every ``*.json`` in ``spool_dir`` (names starting with ``.`` are a writer's temp files
+    and never opened; names in ``skip`` are not opened either), read the safe way, oldest name
+    first. Never blocks and never raises for a file: a file that is a link, a FIFO, a device,
+    too big, too deep, not UTF-8 JSON is appended to ``errors`` as ``(path, reason)``. A
+    spool holding more than ``max_files`` readable names gives one more entry for the
+    directory itself; the rest are read by a later call. A missing directory is empty; the
+    directory itself must not be a symlink."""
+    d = Path(spool_dir)
+    errs: list[tuple[Path, str]] = errors if errors is not None else []
+    try:
+        dir_fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return []
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.ENOTDIR):
+            errs.append((d, "the spool directory is a symbolic link or not a directory; "
+                            "nothing in it was read (make it a real directory, "
+                            "docs/security.md)"))
+        else:
+            errs.append((d, f"cannot open the spool directory: {err.strerror or err}"))
+        return []
+    try:
+        done = set(skip)
+        entries: list[tuple[str, int]] = []
+        listed = 0
+        with os.scandir(dir_fd) as it:
+            for entry in it:
+                listed += 1
+                if listed > SPOOL_MAX_LISTED:
+                    errs.append((d, f"holds more than {SPOOL_MAX_LISTED} entries; only the "
+                                    "first were looked at: clean up the spool"))
+                    break
+                name = entry.name
+                if name.startswith(".") or not name.endswith(".json") or name in done:
+                    continue
+                try:
+                    entries.append((name, entry.stat(follow_symlinks=False).st_uid))
+                except OSError:
+                    continue  # removed since it was listed
+        names = _pick_fairly(entries, max_files)
+        if len(entries) > len(names):
+            errs.append((d, f"{len(entries) - len(names)} file(s) not read in this run (at "
+                            f"most {max_files} per run, taken in turn from each owner); the "
+                            "next run reads them"))
+        out = []
+        for name in names:
+            path = d / name
+            try:
+                raw, st = _read_at(dir_fd, name, max_bytes)
+                out.append(SpoolFile(path, parse_spool_json(raw, max_depth), st.st_uid,
+                                     st.st_mtime, st.st_size))
+            except FileNotFoundError:
+                continue  # removed between listing and reading (its writer exited cleanly)
+            except SpoolFileError as err:
+                errs.append((path, str(err)))
+            except OSError as err:
+                errs.append((path, f"cannot read: {err.strerror or err}"))
+        return out
+    finally:
+        os.close(dir_fd)
+
+
+def _check(record: dict[str, Any], key: str, kinds: tuple[type, ...], *, optional: bool = True,
+           minimum: float | None = None) -> None:
+    value = record.get(key)
+    if value is None:
+        if optional:
+            return
+        raise ValueError(f"field {key!r} is missing")
+    ok = isinstance(value, kinds) and not isinstance(value, bool)
+    if ok and isinstance(value, float) and not math.isfinite(value):
+        ok = False
+    if ok and isinstance(value, str) and len(value) > _TEXT_MAX:
+        raise ValueError(f"field {key!r} is {len(value)} characters long")
+    if ok and minimum is not None and value < minimum:
+        raise ValueError(f"field {key!r} is {value!r}, below {minimum:g}")
+    if not ok:
+        want = " or ".join(k.__name__ for k in kinds)
+        raise ValueError(f"field {key!r} is {type(value).__name__} {str(value)[:40]!r}, "
+                         f"expected {want}")
+
+
+_NUMBER = (int, float)
+
+
+def check_heartbeat(record: Any) -> dict[str, Any]:
+    """``record`` if it is a heartbeat this module writes, every value of the type it should
+    have (numbers finite), else ValueError naming the first bad field."""
+    if not isinstance(record, dict):
+        raise ValueError(f"not a JSON object but {type(record).__name__}")
+    if record.get("schema") != SCHEMA:
+        raise ValueError(f"schema is {str(record.get('schema'))[:60]!r}, expected {SCHEMA!r}")
+    _check(record, "pid", (int,), optional=False, minimum=1)
+    _check(record, "step", (int,), optional=False)
+    _check(record, "step_at", _NUMBER, optional=False)
+    for key in ("start_ticks", "rank", "local_rank", "world_size"):
+        _check(record, key, (int,), minimum=0)
+    for key in ("step_time_s", "compute_time_s", "min_interval_s"):
+        _check(record, key, _NUMBER, minimum=0)
+    _check(record, "started_at", _NUMBER)
+    for key in ("job", "job_source", "slurm_job_id", "torchelastic_run_id", "pod",
+                "pod_namespace", "hostname", "log_file"):
+        _check(record, key, (str,))
+    pause = record.get("pause")
+    if pause is not None:
+        if not isinstance(pause, dict):
+            raise ValueError(f"field 'pause' is {type(pause).__name__}, expected an object")
+        _check(pause, "reason", (str,))
+        _check(pause, "since", _NUMBER, optional=False)
+        _check(pause, "max_s", _NUMBER, optional=False, minimum=0)
+    return record
+
+
+def read_heartbeat_files(spool_dir: str | os.PathLike[str],
+                         errors: list[tuple[Path, str]] | None = None) -> list[SpoolFile]:
+    """Every heartbeat in ``spool_dir`` as :class:`SpoolFile` (its owner's uid included),
+    read with :func:`read_spool_json` and checked with :func:`check_heartbeat`; any other
+    file is appended to ``errors`` as ``(path, reason)``."""
+    out = []
+    for f in read_spool_json(spool_dir, errors):
+        try:
+            check_heartbeat(f.data)
+        except ValueError as err:
+            if errors is not None:
+                errors.append((f.path, f"ValueError: {err}"))
+            continue
+        out.append(f)
+    return out
+
+
 def read_heartbeats(spool_dir: str | os.PathLike[str],
                     errors: list[tuple[Path, str]] | None = None) -> list[tuple[Path, dict[str, Any]]]:
     """Every heartbeat in ``spool_dir`` as ``(path, record)``; temp files are never opened.
 
     A file that is not a heartbeat is skipped and appended to ``errors`` as ``(path, reason)``.
-    A missing directory holds no heartbeats."""
-    d = Path(spool_dir)
-    if not d.is_dir():
-        return []
-    out = []
-    for p in sorted(d.glob("*.json")):
-        if p.name.startswith("."):
-            continue
-        try:
-            record = json.loads(p.read_text(encoding="utf-8"))
-            if not isinstance(record, dict) or record.get("schema") != SCHEMA:
-                raise ValueError(f"schema is {record.get('schema') if isinstance(record, dict) else None!r}, "
-                                 f"expected {SCHEMA!r}")
-            for key in ("pid", "step", "step_at"):
-                if not isinstance(record.get(key), (int, float)):
-                    raise ValueError(f"field {key!r} missing or not a number")
-            out.append((p, record))
-        except FileNotFoundError:
-            continue  # removed between listing and reading (its process exited cleanly)
-        except (OSError, ValueError) as err:
-            if errors is not None:
-                errors.append((p, f"{type(err).__name__}: {err}"))
-    return out
+    A missing directory holds no heartbeats. (:func:`read_heartbeat_files` also gives each
+    file's owner, which the agent needs to decide whom a heartbeat may speak for.)"""
+    return [(f.path, f.data) for f in read_heartbeat_files(spool_dir, errors)]

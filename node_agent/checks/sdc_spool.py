@@ -116,11 +116,12 @@ def run(ctx: CheckContext) -> list[Result]:
     out: list[Result] = []
     with _locked(path):
         cursor, problem = _load(path)
-        present = {p.name for p in spool.glob("*.json")} if spool.is_dir() else set()
+        present = sdc_lib.spool_names(spool)
         # forget files no longer in the spool: the cursor stays as small as the spool
         cursor["ingested"] = {k: v for k, v in cursor["ingested"].items() if k in present}
         errors: list[tuple[Path, str]] = []
-        new = sdc_lib.read_spool_files(spool, errors, skip=cursor["ingested"])
+        new = [(v.path, v.verdict)
+               for v in sdc_lib.read_verdicts(spool, errors, skip=cursor["ingested"])]
         groups: dict[tuple[str, str], list[tuple[Path, Any, str, str | None]]] = {}
         passes = 0
         for file, v in new:
@@ -137,11 +138,16 @@ def run(ctx: CheckContext) -> list[Result]:
                     "mismatched_elements": v.mismatched_elements, "detail": v.detail + note,
                     "verdict_at": v.timestamp, "graded_at": now})
         for file, reason in errors:
+            if file == spool:  # about the directory (too many files): said, nothing ingested
+                out.append(ctx.result("node", "sdc_spool_unreadable", Status.WARN,
+                                      f"SDC spool {spool}: {reason}", file=str(file)))
+                continue
             cursor["ingested"][file.name] = {"status": "unreadable", "target": "node", "at": now}
             out.append(ctx.result("node", "sdc_spool_unreadable", Status.WARN,
                                   f"SDC spool file {file} is not a valid verdict ({reason}); "
                                   "it was not written by node_agent.sdc.write_verdict, or was "
-                                  "damaged: inspect and remove it", file=str(file)))
+                                  "damaged: inspect and remove it (reported once)",
+                                  file=str(file)))
         out.extend(_new_results(ctx, groups))
         out.extend(_standing_results(ctx, cursor, {t for (t, s) in groups if s == "confirmed"}))
         write_json(path, cursor)

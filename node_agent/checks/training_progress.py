@@ -89,17 +89,26 @@ def run(ctx: CheckContext) -> list[Result]:
     found = discover(spool, devices, pids)
     out = [ctx.result("node", "training_discovery", Status.WARN, message, subject=subject)
            for subject, message in found.problems]
+    state = HangState.load(_state_base(ctx) / "hang", now)
+    if state.problem:
+        out.append(ctx.result("node", "training_state", Status.WARN, state.problem))
+    # a spool file that is not a heartbeat is reported once (the spool is every training
+    # user's to write: one bad file must neither crash the check nor repeat a WARN forever)
+    out += [ctx.result("node", "training_discovery", Status.WARN,
+                       f"heartbeat spool file {path} is not a heartbeat ({reason}); skipped: it "
+                       "was not written by node_agent.heartbeat, inspect and remove it "
+                       "(reported once)", subject="node", file=str(path))
+            for path, reason in state.new_bad_files(found.bad_files)]
     _remove_stale(found.dead_heartbeats, now, float(p.get("stale_file_s", 86400)))
     me = os.getpid()  # the agent's own GPU workers (burn, SDC probes) are not training
     procs = [pr for pr in found.processes if pr.pid != me and me not in pr.parents]
     if not procs:
+        state.keep_only(set())
+        with contextlib.suppress(OSError):
+            state.save()
         dead = (f"; {len(found.dead_heartbeats)} heartbeat file(s) in {spool} are of exited "
                 "processes" if found.dead_heartbeats else "")
         return out or [ctx.skip(NO_PROCESSES + dead, metric="training_progress")]
-
-    state = HangState.load(_state_base(ctx) / "hang", now)
-    if state.problem:
-        out.append(ctx.result("node", "training_state", Status.WARN, state.problem))
     signals = _cheap_signals(ctx, procs, devices, now, th)
     suspect_jobs = {pr.job for pr in procs if any(s.hang for s in signals[pr.pid].values())}
     sample_all = bool(p.get("sample_all"))

@@ -2,6 +2,12 @@
 
 Torch-free on purpose: the daemon and ``sdc_spool`` read verdicts without importing torch (it
 would cost the daemon hundreds of MB); ``node_agent.sdc.probes`` re-exports everything here.
+
+A verdict in the spool is a training user's *report*, not the agent's verdict: the reader
+(:func:`read_verdicts`) reads it the safe way (``node_agent.heartbeat.read_spool_json``: no
+links followed, never blocking, size- and depth-capped) and hands over its owner's uid, and
+``checks/sdc_spool.py`` believes it only when that uid runs a compute process on the GPU it
+names, and then only as a reason to run the agent's own probe (docs/security.md).
 """
 
 from __future__ import annotations
@@ -11,12 +17,15 @@ import dataclasses
 import itertools
 import json
 import logging
+import math
 import os
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+from node_agent.heartbeat import SPOOL_MAX_FILES, SPOOL_MAX_LISTED, read_spool_json, spool_root
 
 log = logging.getLogger("node_agent.sdc.probes")
 
@@ -47,6 +56,8 @@ class Verdict:
     evidence: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     STATUSES = ("pass", "transient", "confirmed", "error")
+    #: longest text field a spooled verdict may carry (the writer's details are < 300)
+    TEXT_MAX = 4096
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -55,26 +66,63 @@ class Verdict:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Verdict:
-        """Inverse of ``to_dict``; raises ``ValueError`` naming the first bad field."""
+        """Inverse of ``to_dict``; raises ``ValueError`` naming the first bad field.
+
+        Strict, because the dict may come from a file another user wrote: every field must
+        have its type (a string where a number belongs is refused, not converted; numbers
+        must be finite), text is bounded, ``shape`` holds 1 to 4 non-negative integers."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"not a JSON object but {type(d).__name__}")
         if d.get("schema") != SPOOL_SCHEMA:
-            raise ValueError(f"schema is {d.get('schema')!r}, expected {SPOOL_SCHEMA!r}")
+            raise ValueError(f"schema is {str(d.get('schema'))[:60]!r}, expected {SPOOL_SCHEMA!r}")
         names = [f.name for f in dataclasses.fields(cls)]
         missing = [n for n in names if n != "evidence" and n not in d]
         if missing:
             raise ValueError(f"missing field(s) {', '.join(missing)}")
         if d["status"] not in cls.STATUSES:
-            raise ValueError(f"status is {d['status']!r}, expected one of {cls.STATUSES}")
+            raise ValueError(f"status is {str(d['status'])[:40]!r}, expected one of {cls.STATUSES}")
+        for key in ("probe", "device", "dtype", "detail"):
+            if not isinstance(d[key], str) or len(d[key]) > cls.TEXT_MAX:
+                raise ValueError(f"field {key!r} is not a string of at most {cls.TEXT_MAX} "
+                                 "characters")
+        shape = d["shape"]
+        if not (isinstance(shape, (list, tuple)) and 1 <= len(shape) <= 4 and all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape)):
+            raise ValueError(f"field 'shape' is {str(shape)[:60]}, expected 1 to 4 "
+                             "non-negative integers")
+        count = d["mismatched_elements"]
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"field 'mismatched_elements' is {str(count)[:40]!r}, expected a "
+                             "non-negative integer")
+        for key in ("duration_s", "timestamp"):
+            x = d[key]
+            if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
+                raise ValueError(f"field {key!r} is {str(x)[:40]!r}, expected a finite number")
+        evidence = d.get("evidence", {})
+        if not isinstance(evidence, dict):
+            raise ValueError(f"field 'evidence' is {type(evidence).__name__}, expected an object")
         kw = {n: d[n] for n in names if n in d}
-        kw["shape"] = tuple(int(x) for x in d["shape"])
-        kw["mismatched_elements"] = int(d["mismatched_elements"])
+        kw["shape"] = tuple(shape)
         kw["duration_s"] = float(d["duration_s"])
         kw["timestamp"] = float(d["timestamp"])
+        kw["evidence"] = dict(evidence)
         return cls(**kw)
 
 
+@dataclasses.dataclass(frozen=True)
+class SpooledVerdict:
+    """A verdict as found in the spool: the file, the verdict, and who wrote it (the file's
+    owner, from ``fstat`` of the open file) and when (its mtime, Unix seconds)."""
+
+    path: Path
+    verdict: Verdict
+    uid: int
+    mtime: float
+
+
 def default_spool_dir() -> Path:
-    """``$NODE_AGENT_STATE_DIR/spool/sdc`` (default state dir ``/var/lib/node-agent``)."""
-    return Path(os.environ.get("NODE_AGENT_STATE_DIR") or "/var/lib/node-agent") / "spool" / "sdc"
+    """``$NODE_AGENT_SPOOL_DIR/sdc`` (default ``/var/spool/node-agent/sdc``)."""
+    return spool_root() / "sdc"
 
 
 _spool_seq = itertools.count()
@@ -109,14 +157,29 @@ def write_verdict(spool_dir: str | os.PathLike[str], verdict: Verdict) -> Path:
     return d / name
 
 
+def spool_names(spool_dir: str | os.PathLike[str], limit: int = SPOOL_MAX_LISTED) -> set[str]:
+    """The ``*.json`` names in ``spool_dir`` (at most ``limit``; temp files left out), without
+    opening any file or following a symlinked directory; a missing directory has none."""
+    try:
+        dir_fd = os.open(spool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return set()
+    try:
+        with os.scandir(dir_fd) as it:
+            return set(itertools.islice((e.name for e in it if e.name.endswith(".json")
+                                         and not e.name.startswith(".")), limit))
+    finally:
+        os.close(dir_fd)
+
+
 def read_spool(
     spool_dir: str | os.PathLike[str], errors: list[tuple[Path, str]] | None = None,
 ) -> list[Verdict]:
     """Every verdict in ``spool_dir`` (only ``*.json`` files), oldest name first.
 
-    A file that is not a valid verdict (truncated, corrupt, wrong schema) is skipped, logged
-    as a warning, and appended to ``errors`` as ``(path, reason)`` when a list is given.
-    A missing directory is an empty spool.
+    A file that is not a valid verdict (truncated, corrupt, wrong schema, a link, a FIFO, too
+    big) is skipped, logged as a warning, and appended to ``errors`` as ``(path, reason)``
+    when a list is given. A missing directory is an empty spool.
     """
     return [v for _, v in read_spool_files(spool_dir, errors)]
 
@@ -127,19 +190,26 @@ def read_spool_files(
 ) -> list[tuple[Path, Verdict]]:
     """Like ``read_spool`` but with each verdict's file, for a reader that keeps a cursor;
     files whose name is in ``skip`` (already ingested) are not opened."""
-    d = Path(spool_dir)
-    if not d.is_dir():
-        return []
-    done = set(skip)
-    out: list[tuple[Path, Verdict]] = []
-    for p in sorted(d.glob("*.json")):
-        if p.name.startswith(".") or p.name in done:
-            continue
+    return [(v.path, v.verdict) for v in read_verdicts(spool_dir, errors, skip)]
+
+
+def read_verdicts(
+    spool_dir: str | os.PathLike[str], errors: list[tuple[Path, str]] | None = None,
+    skip: Iterable[str] = (), max_files: int = SPOOL_MAX_FILES,
+) -> list[SpooledVerdict]:
+    """The verdicts in ``spool_dir`` with their writers' uids (see :class:`SpooledVerdict`),
+    oldest name first; at most ``max_files`` files are opened (the rest: a later call).
+    Bad files go to ``errors`` as in :func:`read_spool`; nothing here blocks or raises for
+    a file."""
+    errs: list[tuple[Path, str]] = []
+    out: list[SpooledVerdict] = []
+    for f in read_spool_json(spool_dir, errs, skip=frozenset(skip), max_files=max_files):
         try:
-            out.append((p, Verdict.from_dict(json.loads(p.read_text(encoding="utf-8")))))
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
-            reason = f"{type(err).__name__}: {err}"
-            log.warning("sdc spool: skipping %s, not a valid verdict (%s)", p, reason)
-            if errors is not None:
-                errors.append((p, reason))
+            out.append(SpooledVerdict(f.path, Verdict.from_dict(f.data), f.uid, f.mtime))
+        except (ValueError, TypeError) as err:
+            errs.append((f.path, f"{type(err).__name__}: {err}"))
+    for path, reason in errs:
+        log.warning("sdc spool: skipping %r, not a valid verdict (%s)", str(path), reason)
+    if errors is not None:
+        errors.extend(errs)
     return out

@@ -36,7 +36,12 @@ from typing import Any
 import psutil
 
 from node_agent.gpu.base import GpuDevice, GpuError
-from node_agent.heartbeat import identity_from_env, process_start_ticks, read_heartbeats
+from node_agent.heartbeat import (
+    SpoolFile,
+    identity_from_env,
+    process_start_ticks,
+    read_heartbeat_files,
+)
 
 HEARTBEAT, NVML, PID = "heartbeat", "nvml", "pid"
 _SOURCES = (HEARTBEAT, NVML, PID)
@@ -103,16 +108,18 @@ class TrainingProcess:
 class Discovery:
     """What :func:`discover` found.
 
-    ``problems`` are ``(subject, message)``: subject ``node`` (a spool file that is not a
-    heartbeat), ``pid:<n>`` (an untrusted heartbeat, an unknown identity, a pid NVML lists but
-    /proc does not show) or ``gpu:<k>`` (NVML could not list its processes); each message
-    names the file, pid or GPU and what to do. ``dead_heartbeats`` are files whose writer
-    exited or whose pid now belongs to another process (safe to remove once old).
+    ``problems`` are ``(subject, message)``: subject ``pid:<n>`` (an untrusted heartbeat, an
+    unknown identity, a pid NVML lists but /proc does not show) or ``gpu:<k>`` (NVML could not
+    list its processes); each message names the pid or GPU and what to do. ``bad_files`` are
+    ``(path, reason)`` for spool files that are not heartbeats (a link, a FIFO, too big, a
+    wrong type): skipped, for the caller to report once. ``dead_heartbeats`` are files whose
+    writer exited or whose pid now belongs to another process (safe to remove once old).
     """
 
     processes: list[TrainingProcess] = field(default_factory=list)
     problems: list[tuple[str, str]] = field(default_factory=list)
     dead_heartbeats: list[Path] = field(default_factory=list)
+    bad_files: list[tuple[Path, str]] = field(default_factory=list)
 
 
 # -- /proc readings -------------------------------------------------------------------------------
@@ -192,18 +199,13 @@ def discover(spool_dir: Path, gpus: Sequence[GpuDevice] | None = None,
     """
     out = Discovery()
     wanted = None if pids is None else list(dict.fromkeys(int(p) for p in pids))
-    errors: list[tuple[Path, str]] = []
-    live: dict[int, list[tuple[Path, dict[str, Any]]]] = {}
-    for path, record in read_heartbeats(spool_dir, errors):
-        pid = int(record["pid"])
-        if alive(pid, record.get("start_ticks"), proc_root):
-            live.setdefault(pid, []).append((path, record))
+    live: dict[int, list[SpoolFile]] = {}
+    for beat in read_heartbeat_files(spool_dir, out.bad_files):
+        pid = beat.data["pid"]
+        if alive(pid, beat.data.get("start_ticks"), proc_root):
+            live.setdefault(pid, []).append(beat)
         else:
-            out.dead_heartbeats.append(path)
-    for path, reason in errors:
-        out.problems.append(("node", f"heartbeat file {path} is not a heartbeat ({reason}); it "
-                                     "was not written by node_agent.heartbeat: inspect and "
-                                     "remove it"))
+            out.dead_heartbeats.append(beat.path)
     beats: dict[int, tuple[Path, dict[str, Any]]] = {}
     for pid, entries in live.items():
         if wanted is not None and pid not in wanted:
@@ -367,22 +369,16 @@ def _identity_from_environ(env: dict[str, str], ppid: int,
     return identity
 
 
-def _trusted_heartbeat(pid: int, uid: int | None, beats: list[tuple[Path, dict[str, Any]]],
+def _trusted_heartbeat(pid: int, uid: int | None, beats: list[SpoolFile],
                        problems: list[tuple[str, str]]) -> tuple[Path, dict[str, Any]] | None:
     """The heartbeat that may speak for ``pid``: written by root or by the process's own uid.
 
-    Others are ignored with a problem; of several trusted ones, ``<pid>.json`` (else the one
-    with the latest step) is used."""
+    The owner is the one ``fstat`` gave for the file as it was read (not a second look at the
+    path, which its writer could have swapped meanwhile). Others are ignored with a problem;
+    of several trusted ones, ``<pid>.json`` (else the one with the latest step) is used."""
     trusted = []
-    for path, record in beats:
-        try:
-            owner = path.lstat().st_uid  # a symlink counts as its own owner's claim
-        except FileNotFoundError:
-            continue  # removed since it was read: its writer closed it
-        except OSError as err:
-            problems.append((f"pid:{pid}", f"cannot stat heartbeat file {path} ({err}); "
-                                           "ignored: check the spool's permissions"))
-            continue
+    for beat in beats:
+        path, record, owner = beat.path, beat.data, beat.uid
         if owner == 0 or (uid is not None and owner == uid):
             trusted.append((path, record))
             continue

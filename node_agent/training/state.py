@@ -2,7 +2,8 @@
 
 ``<state_dir>/hang/state.json`` keeps, per process (pid and start ticks, so a reused pid starts
 fresh): since when its signals agree on a hang, since when it straggles, and the evidence file
-of a hang already reported. ``<state_dir>/hang/evidence/`` receives one JSON file per job and
+of a hang already reported; and the heartbeat spool files already reported as unusable, so
+each is reported once. ``<state_dir>/hang/evidence/`` receives one JSON file per job and
 hang episode, with every process of the job, every signal and the full stacks: what the people
 who debug the hang need after the job was restarted. The newest ``KEEP_EVIDENCE`` files stay.
 
@@ -36,10 +37,11 @@ class HangState:
     """Load with :meth:`load`, change ``processes[key]`` dicts, then :meth:`save` (atomic)."""
 
     def __init__(self, directory: Path, processes: dict[str, dict[str, Any]] | None = None,
-                 problem: str | None = None) -> None:
+                 problem: str | None = None, bad_files: dict[str, str] | None = None) -> None:
         self.directory = directory
         self.processes = processes or {}
         self.problem = problem  # set when the file on disk could not be used
+        self.bad_files = bad_files or {}  # spool file name -> what was reported about it
 
     @property
     def path(self) -> Path:
@@ -53,8 +55,11 @@ class HangState:
             if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(
                     data.get("processes"), dict):
                 raise ValueError(f"not a {SCHEMA} file")
+            bad = data.get("bad_files")
             return cls(directory, {k: v for k, v in data["processes"].items()
-                                   if isinstance(v, dict)})
+                                   if isinstance(v, dict)},
+                       bad_files={str(k): str(v) for k, v in bad.items()}
+                       if isinstance(bad, dict) else None)
         except FileNotFoundError:
             return cls(directory)
         except (OSError, ValueError) as err:
@@ -70,8 +75,18 @@ class HangState:
         """Forget processes that are gone."""
         self.processes = {k: v for k, v in self.processes.items() if k in keys}
 
+    def new_bad_files(self, found: list[tuple[Path, str]]) -> list[tuple[Path, str]]:
+        """Of this run's unusable spool files, those not reported before with the same reason;
+        names no longer unusable are forgotten (a file fixed and broken again is new)."""
+        now = {path.name: (path, reason) for path, reason in found}
+        fresh = [item for name, item in sorted(now.items())
+                 if self.bad_files.get(name) != item[1]]
+        self.bad_files = {name: reason for name, (_, reason) in now.items()}
+        return fresh
+
     def save(self) -> None:
-        write_json(self.path, {"schema": SCHEMA, "processes": self.processes})
+        write_json(self.path, {"schema": SCHEMA, "processes": self.processes,
+                               "bad_files": self.bad_files})
 
     def write_evidence(self, job: str | None, now: float, evidence: dict[str, Any]) -> Path:
         """One hang episode of one job as ``evidence/<UTC time>-<job>.json``; returns the path."""

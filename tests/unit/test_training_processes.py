@@ -322,12 +322,25 @@ def test_heartbeat_of_an_exited_or_zombie_process_is_dead(spool):
         zombie.wait()
 
 
-def test_file_that_is_not_a_heartbeat_is_a_problem(spool):
+def test_file_that_is_not_a_heartbeat_is_a_bad_file_not_a_process(spool):
     junk = spool / "123.json"
     junk.write_text('{"schema": "something-else"}')
     found = discover(spool)
-    ((subject, message),) = found.problems
-    assert subject == "node" and str(junk) in message and "inspect and remove it" in message
+    assert found.problems == [] and found.processes == []
+    ((path, reason),) = found.bad_files
+    assert path == junk and "schema" in reason
+
+
+@pytest.mark.parametrize("field, value", [("step_time_s", "fast"), ("start_ticks", "1"),
+                                          ("step_at", None), ("pause", "checkpoint"),
+                                          ("rank", 1.5), ("job", ["slurm:1"])])
+def test_a_heartbeat_with_a_value_of_the_wrong_type_is_a_bad_file(spool, spawn, field, value):
+    child = spawn(SLEEPER)
+    path = write_beat(spool, child.pid, **{field: value})
+    found = discover(spool)
+    assert found.processes == []
+    ((bad, reason),) = found.bad_files
+    assert bad == path and repr(field) in reason
 
 
 def test_two_heartbeat_files_for_one_pid_use_its_own(spool, spawn):

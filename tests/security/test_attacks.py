@@ -1,0 +1,154 @@
+"""Issue 16's attacks on the root agent, each replayed by a real unprivileged user.
+
+The attacker is a user made with ``useradd`` (``conftest.py``); the agent runs as root, as
+the real ``node-agent`` command (a child of the test) against a simulated node, or through
+its library functions where the command adds nothing. Each test asserts the safe outcome:
+nothing a training user writes makes the agent act, hang, crash, or write where it should
+not (docs/security.md). The simulator stands in for the GPUs (none here) and says so in the
+reports; everything from the spool reader to the adapters is the real code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+FORGE_VERDICTS = """
+import sys
+from node_agent.sdc.spool import Verdict, write_verdict
+for i in range(int(sys.argv[2])):
+    write_verdict(sys.argv[1], Verdict(
+        probe="exact_gemm", device=f"cuda:{i}", shape=(128, 128, 128), dtype="bf16",
+        status=sys.argv[3], mismatched_elements=1, detail="forged by a training user",
+        duration_s=0.01, timestamp=1.0e9))
+"""
+SLEEPER = "import time; print('ready', flush=True); time.sleep(120)"
+
+
+def run_agent(*args: str, timeout: float = 240, env: dict[str, str] | None = None
+              ) -> subprocess.CompletedProcess:
+    """The real ``node-agent`` command, as root."""
+    argv = [sys.executable, "-m", "node_agent.commands.main", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env={**os.environ, **(env or {})})
+
+
+def write_yaml(path: Path, data: dict) -> str:
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def spool(base: Path, kind: str) -> Path:
+    """A spool directory the way the agent makes it: sticky and writable by everyone."""
+    d = base / "spool" / kind
+    d.mkdir(parents=True, exist_ok=True)
+    (base / "spool").chmod(0o755)
+    d.chmod(0o1777)
+    return d
+
+
+def node(base: Path, name: str = "node.yaml", **extra) -> str:
+    return write_yaml(base / name, {"sku": "h100-sxm5-80gb", "gpus": 8, **extra})
+
+
+def config(base: Path, **extra) -> str:
+    return write_yaml(base / "config.yaml", {"state_dir": str(base / "state"), **extra})
+
+
+def suite(base: Path, *checks: dict, name: str = "attack") -> str:
+    return write_yaml(base / f"{name}.yaml", {"name": name, "mode": "service",
+                                              "checks": list(checks)})
+
+
+def report(done: subprocess.CompletedProcess) -> dict:
+    assert done.returncode in (0, 3, 4), done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def results(rep: dict, metric: str | None = None) -> list[dict]:
+    return [r for r in rep["results"] if metric is None or r["metric"] == metric]
+
+
+# -- attack 2: a FIFO, a /dev/zero symlink, junk in a spool -----------------------------------
+
+MAKE_JUNK = r"""
+import json, os, sys
+sdc, hb, pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
+for d in (sdc, hb):
+    os.mkfifo(os.path.join(d, "1-fifo-confirmed.json"))
+    os.symlink("/dev/zero", os.path.join(d, "2-zero-confirmed.json"))
+    with open(os.path.join(d, "3-deep.json"), "w") as f:
+        f.write("[" * 30000 + "]" * 30000)
+    with open(os.path.join(d, "4-big.json"), "w") as f:
+        f.write(json.dumps({"pad": "x" * 70000}))
+    with open(os.path.join(d, "5-own.json"), "w") as f:
+        f.write("{}")
+    os.link(os.path.join(d, "5-own.json"), os.path.join(d, "6-hardlink.json"))
+verdict = {"schema": "node-agent.sdc-verdict/1", "probe": "exact_gemm", "device": "cuda:0",
+           "shape": [128, 128, 128], "dtype": "bf16", "status": "confirmed",
+           "mismatched_elements": "many", "detail": "d", "duration_s": 0.1, "timestamp": 1.0}
+with open(os.path.join(sdc, "7-string-for-number.json"), "w") as f:
+    json.dump(verdict, f)
+beat = {"schema": "node-agent.heartbeat/1", "pid": pid, "step": 1, "step_at": 1.0,
+        "step_time_s": "fast"}
+with open(os.path.join(hb, f"{pid}.json"), "w") as f:
+    json.dump(beat, f)
+print("planted")
+"""
+
+HOLD_LEASE = r"""
+import fcntl, os, sys, time
+path = sys.argv[1]
+fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+os.write(fd, b"{}")
+fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)  # any other open() now waits 45 s for us
+print("leased", flush=True)
+time.sleep(120)
+"""
+
+
+def test_fifo_devzero_symlink_lease_and_junk_in_the_spools_are_skipped_once_never_hang(
+        user, shared_dir):
+    sdc, hb = spool(shared_dir, "sdc"), spool(shared_dir, "heartbeat")
+    victim = user.popen(SLEEPER)  # the attacker's own process, named by its broken heartbeat
+    user.py(MAKE_JUNK, str(sdc), str(hb), str(victim.pid))
+    user.popen(HOLD_LEASE, str(sdc / "8-leased.json"))
+    cfg, scen = config(shared_dir), node(shared_dir)
+    checks = suite(shared_dir, {"check": "sdc_spool", "timeout_s": 20,
+                                "params": {"spool_dir": str(sdc)}},
+                   {"check": "training_progress", "timeout_s": 20,
+                    "params": {"stack_samples": 1, "spool_dir": str(hb)}})
+    first = report(run_agent("check", "--suite", checks, "--simulate", scen, "--config", cfg,
+                             "--json"))
+    assert first["grade"]["level"] in ("HEALTHY", "WARN"), first["grade"]
+    assert not [r for r in first["results"] if r["status"] == "error"], first["results"]
+    unreadable = {Path(r["evidence"]["file"]).name: r["detail"]
+                  for r in results(first, "sdc_spool_unreadable")}
+    assert set(unreadable) == {"1-fifo-confirmed.json", "2-zero-confirmed.json", "3-deep.json",
+                               "4-big.json", "5-own.json", "6-hardlink.json",
+                               "7-string-for-number.json", "8-leased.json"}
+    assert "FIFO" in unreadable["1-fifo-confirmed.json"]
+    assert "symbolic link" in unreadable["2-zero-confirmed.json"]
+    assert "levels deep" in unreadable["3-deep.json"]
+    assert "bytes" in unreadable["4-big.json"]
+    assert "hard links" in unreadable["6-hardlink.json"]
+    assert "mismatched_elements" in unreadable["7-string-for-number.json"]
+    assert "without waiting" in unreadable["8-leased.json"]
+    skipped = {Path(r["evidence"]["file"]).name for r in results(first, "training_discovery")
+               if "file" in r["evidence"]}
+    assert skipped == {"1-fifo-confirmed.json", "2-zero-confirmed.json", "3-deep.json",
+                       "4-big.json", "5-own.json", "6-hardlink.json", f"{victim.pid}.json"}
+    # the victim process is still watched (NVML-less here: it is simply not a training process)
+    # and nothing of the junk is reported a second time
+    second = report(run_agent("check", "--suite", checks, "--simulate", scen, "--config", cfg,
+                              "--json"))
+    assert not results(second, "sdc_spool_unreadable")
+    assert not [r for r in results(second, "training_discovery") if "file" in r["evidence"]]
+    assert not [r for r in second["results"] if r["status"] == "error"]
