@@ -22,6 +22,7 @@ from pathlib import Path
 
 from node_agent.checks import CheckContext
 from node_agent.checks.xid_fold import Folder
+from node_agent.gpu.base import GpuError
 from node_agent.kernel_log import (
     JournalKernelLog,
     KernelLogScanner,
@@ -75,7 +76,13 @@ def run(ctx: CheckContext) -> list[Result]:
 
     watch_s = float(ctx.params.get("watch_s", 0))
     if watch_s > 0 and not unavailable:
-        for event in ctx.gpu.wait_xid_events(watch_s):
+        try:
+            events = ctx.gpu.wait_xid_events(watch_s)
+        except GpuError as err:  # no NVML events here, or a hung driver (nvml_health grades
+            # that); the kernel log still carries the Xids
+            results.append(ctx.skip(f"NVML Xid events not watched: {err}", metric="nvml_events"))
+            events, watch_s = [], 0
+        for event in events:
             target = f"gpu:{event.gpu_index}" if event.gpu_index is not None else "node"
             folder.fold("xid", target, event.code).add_nvml(event.message)
 
