@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from node_agent.training.blocking import OWN_REASON, WAITING_ON_PEERS
 from node_agent.training.signals import Signal
 
 
@@ -110,14 +111,26 @@ def verdict(signals: Sequence[Signal], th: Thresholds, *, agreeing_since_s: floa
 def likely_origin(members: Sequence[tuple[int, bool, Signal | None]]) -> dict[int, bool]:
     """pid -> likely origin, for one job's processes as ``(pid, hung, stack signal)``.
 
-    Among the hung processes whose stacks were read, those outside a collective while some hung
-    peer waits inside one; empty when fewer than two were read or nobody stands out."""
-    read = [(pid, bool(s.figures.get("in_collective"))) for pid, hung, s in members
-            if hung and s is not None and s.available]
-    inside = [i for _, i in read]
-    if len(read) < 2 or all(inside) or not any(inside):
+    Among the hung processes whose stacks were read, those stopped for a reason of their own
+    (a data loader, a checkpoint write, their own code: ``blocking.OWN_REASON``) while some
+    hung peer waits on the others (in a collective, or on the GPU after launching one:
+    ``blocking.WAITING_ON_PEERS``). What a stack waits in is decided by what its frames are
+    (:mod:`node_agent.training.blocking`), not by a word in their names. Empty when fewer than
+    two stacks were read or nobody stands out; a process whose stack shows neither (the
+    torchrun agent, no frames) is never named."""
+    read: list[tuple[int, str]] = []
+    for pid, hung, s in members:
+        if not hung or s is None or not s.available:
+            continue
+        kind = (s.figures.get("blocked_in") or {}).get("kind")
+        if kind is None:  # a signal from before blocked_in was recorded
+            kind = "collective" if s.figures.get("in_collective") else "other"
+        read.append((pid, kind))
+    waiting = [pid for pid, kind in read if kind in WAITING_ON_PEERS]
+    own = {pid for pid, kind in read if kind in OWN_REASON}
+    if len(read) < 2 or not waiting or not own:
         return {}
-    return {pid: not i for pid, i in read}
+    return {pid: pid in own for pid, _ in read}
 
 
 @dataclass(frozen=True)
