@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from node_agent.sim.nvml_state import NVML_FAULT_KINDS, render_file
+from node_agent.sim.nvml_state import NVML_FAULT_KINDS, Switch, render_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nvml_fake"))
 import nvml_fake_harness as harness  # noqa: E402  (tests/nvml_fake, not an installed module)
@@ -136,6 +136,19 @@ def test_accept_nvml_checks_on_the_stand_in_library_grade_like_simulate(node, na
     assert _graded(real) == _graded(simulated), real.stderr
     assert {r["check"] for r in json.loads(real.stdout)["results"]} == {
         "inventory", "nvml_health", "xid"}
+
+
+def test_check_where_no_gpu_reports_xid_events_skips_the_watch_and_grades_healthy(node):
+    scenario = node.scenario([])
+    state = node.config.parent / "nvml.state"
+    render_file(scenario, state, [Switch("unsupported", "nvmlDeviceRegisterEvents")])
+    proc = subprocess.run(
+        [sys.executable, "-m", "node_agent.commands.main", "check", "--suite", str(node.quick),
+         "--json", "--config", str(node.config)], capture_output=True, text=True, timeout=120,
+        env=harness.agent_env(state=state), cwd=node.config.parent)
+    assert _graded(proc) == (0, "HEALTHY", []), proc.stderr
+    (skip,) = [r for r in json.loads(proc.stdout)["results"] if r["metric"] == "nvml_events"]
+    assert skip["status"] == "skip" and "no GPU here reports Xid events" in skip["detail"]
 
 
 def _gpus(proc: subprocess.CompletedProcess) -> list[tuple]:
