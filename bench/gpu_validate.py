@@ -189,9 +189,35 @@ class StepOutcome:
     note: str = ""
 
 
+#: the working tree's agent, importable without installing it (see source_overlay)
+_OVERLAY: Path | None = None
+
+
+def source_overlay(work: Path) -> Path:
+    """A directory whose ``node_agent`` is this working tree's, laid out as an install lays it.
+
+    pyproject.toml ships suites/ and graders/ as the packages ``node_agent.suites`` and
+    ``node_agent.graders``; in the tree they sit beside node_agent/, so the agent run straight
+    from the tree (PYTHONPATH, as on the GPU machine, where nothing is pip-installed) would not
+    find them. The overlay is symbolic links only: node_agent/'s entries and those two."""
+    pkg = work / "src" / "node_agent"
+    pkg.mkdir(parents=True, exist_ok=True)
+    for entry in (REPO / "node_agent").iterdir():
+        if entry.name != "__pycache__" and not (pkg / entry.name).is_symlink():
+            (pkg / entry.name).symlink_to(entry)
+    for name in ("suites", "graders"):
+        if not (pkg / name).is_symlink():
+            (pkg / name).symlink_to(REPO / name)
+    return pkg.parent
+
+
 def _child_env() -> dict[str, str]:
+    """The steps' environment: this tree's agent first on the path (the overlay, else the tree
+    itself last), unbuffered output, CUDA numbering GPUs as NVML does."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    parts = [str(_OVERLAY)] if _OVERLAY else []
+    parts += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(REPO)]
+    env["PYTHONPATH"] = os.pathsep.join(parts)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # NVML's order (the agent's convention)
     return env
@@ -286,6 +312,13 @@ def run_step_child(step: Step, box_s: float, work: Path,
     return figures, StepOutcome(step.name, outcome, round(seconds, 1), round(box_s, 1), note)
 
 
+def time_box(step: Step, later: list[Step], left_s: float) -> float | None:
+    """The step's time box: its own ``timeout_s``, cut so that the steps after it keep their
+    ``min_s`` of the ``left_s`` seconds left; None when less than its own ``min_s`` remains."""
+    box = min(step.timeout_s, left_s - sum(s.min_s for s in later))
+    return box if box >= step.min_s else None
+
+
 def unmet_reason(step: Step, env: dict[str, Any]) -> str | None:
     """Why ``step`` cannot run on this host (None: it can)."""
     if step.name in ("sdc_sm_coverage", "sdc_overhead") \
@@ -320,6 +353,8 @@ def run_all(out_dir: Path, budget_s: float, only: list[str] | None = None) -> di
     date = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu-validate-"))
+    global _OVERLAY
+    _OVERLAY = source_overlay(work)
     say(f"gpu-validate: probing the host (budget {budget_s:g} s; output in {out_dir})")
     needs, machine = probe(work)
     say(f"  machine: {machine_line(machine)}")
@@ -332,11 +367,12 @@ def run_all(out_dir: Path, budget_s: float, only: list[str] | None = None) -> di
     for i, step in enumerate(steps):
         why = unmet_reason(step, needs)
         now = time.monotonic()
-        reserve = sum(s.min_s for s in steps[i + 1:] if unmet_reason(s, needs) is None)
-        box = min(step.timeout_s, deadline - now - reserve)
-        if why is None and box < step.min_s:
-            why = (f"not run: {box:.0f} s were left of the run's {budget_s:g} s budget, this "
-                   f"step needs at least {step.min_s:g} s (earlier steps took the rest)")
+        later = [s for s in steps[i + 1:] if unmet_reason(s, needs) is None]
+        box = time_box(step, later, deadline - now)
+        if why is None and box is None:
+            why = (f"not run: {deadline - now:.0f} s were left of the run's {budget_s:g} s "
+                   f"budget, too little for this step's {step.min_s:g} s and the "
+                   f"{sum(s.min_s for s in later):g} s the steps after it need")
         if why is not None:
             figures.update({n: figure(n, None, why, step.command) for n in step.figures})
             outcomes.append(StepOutcome(step.name, "not-run", 0.0, None, why))
@@ -752,21 +788,8 @@ def _tail(text: str) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
-def _number(result: Any, keys: tuple[str, ...]) -> float | None:
-    """A number from what a validation function returned: itself, or the first of ``keys``
-    found as a mapping key or an attribute."""
-    if isinstance(result, (int, float)) and not isinstance(result, bool):
-        return float(result)
-    for key in keys:
-        value = result.get(key) if isinstance(result, dict) else getattr(result, key, None)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    return None
-
-
-def _validation_function(word: str) -> tuple[Callable[[], Any] | None, str]:
-    """The public function of node_agent.sdc.validation whose name has ``word``, and how to
-    call it by hand (or, without the function, why not)."""
+def _validation(name: str) -> tuple[Callable[..., Any] | None, str | None]:
+    """``node_agent.sdc.validation.<name>``, or why it cannot be had."""
     import importlib
 
     try:
@@ -775,39 +798,38 @@ def _validation_function(word: str) -> tuple[Callable[[], Any] | None, str]:
         if err.name == SDC_MODULE:
             return None, f"{SDC_MODULE} not available"
         raise
-    names = sorted(n for n in dir(module) if word in n and not n.startswith("_")
-                   and callable(getattr(module, n)) and not isinstance(getattr(module, n), type))
-    if not names:
-        return None, f"{SDC_MODULE} has no function named *{word}*"
-    return getattr(module, names[0]), (f"{PY} -c 'from {SDC_MODULE} import {names[0]}; "
-                                       f"print({names[0]}())'")
+    fn = getattr(module, name, None)
+    return (fn, None) if callable(fn) else (None, f"{SDC_MODULE} has no {name}()")
 
 
 def step_sdc_sm_coverage(box_s: float) -> dict[str, Any]:
-    fn, how = _validation_function("coverage")
-    command = STEP_BY_NAME["sdc_sm_coverage"].command
+    """sdc_sm_coverage: measure_sm_coverage() on the current device (%smid of a whole-GPU
+    probe round; it never falls back to the tile model)."""
+    name = "sdc_sm_coverage"
+    command = f"{PY} -c 'from {SDC_MODULE} import measure_sm_coverage as m; print(m())'"
+    fn, why = _validation("measure_sm_coverage")
     if fn is None:
-        return {"sdc_sm_coverage": figure("sdc_sm_coverage", None, how, command)}
-    result = fn()
-    value = _number(result, ("sm_coverage", "coverage", "value"))
-    reason = None if value is not None else f"it returned no number: {result!r:.200}"
-    return {"sdc_sm_coverage": figure("sdc_sm_coverage", value, reason, how,
-                                      f"returned {result!r:.300}")}
+        return {name: figure(name, None, why, command)}
+    cov = fn()
+    detail = (f"{cov.sms_reached} of {cov.sm_count} SMs ran at least one tile of "
+              f"{cov.blocks} blocks ({cov.method})" + (f"; {cov.why}" if cov.why else ""))
+    return {name: figure(name, cov.value, None, command, detail)}
 
 
 def step_sdc_overhead(box_s: float) -> dict[str, Any]:
-    fn, how = _validation_function("overhead")
-    command = STEP_BY_NAME["sdc_overhead"].command
+    """sdc_probe_overhead_pct: measure_training_overhead() (a small transformer trained in
+    alternating blocks without and with SdcProbe.step() at the default 0.1 % budget)."""
+    name = "sdc_probe_overhead_pct"
+    command = f"{PY} -c 'from {SDC_MODULE} import measure_training_overhead as m; print(m())'"
+    fn, why = _validation("measure_training_overhead")
     if fn is None:
-        return {"sdc_probe_overhead_pct": figure("sdc_probe_overhead_pct", None, how, command)}
-    result = fn()
-    value = _number(result, ("overhead_pct", "pct", "value"))
-    if value is None:  # a fraction: 0.001 is 0.1 %
-        fraction = _number(result, ("overhead_fraction", "fraction", "overhead"))
-        value = fraction * 100 if fraction is not None else None
-    reason = None if value is not None else f"it returned no number: {result!r:.200}"
-    return {"sdc_probe_overhead_pct": figure("sdc_probe_overhead_pct", value, reason, how,
-                                             f"returned {result!r:.300}")}
+        return {name: figure(name, None, why, command)}
+    o = fn()
+    detail = (f"median over {o.pairs} off/on pairs of {o.steps_per_block} steps: "
+              f"{o.step_ms_off:.3f} ms/step without, {o.step_ms_on:.3f} ms with; the probe's own "
+              f"cost {o.probe_share_percent:.3f} % of the time it ran ({o.probes_run} probes, "
+              f"budget {o.budget_fraction:g}); verdicts {o.verdicts}; {o.device}")
+    return {name: figure(name, o.percent, None, command, detail)}
 
 
 def delivery_suite(path: Path) -> dict[str, Any]:

@@ -1,0 +1,210 @@
+"""The GPU proof's harness (bench/gpu_validate.py) keeps its promises without a GPU: a step that
+hangs is killed with everything it started and its figures say so, a step that breaks records
+its error as the figures' reason, every null has a reason, the budget leaves the later steps
+their minimum, and the agent runs from the source tree without being installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_validate", REPO / "bench" / "gpu_validate.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_validate"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+gv = _load()
+
+
+def _step(name="hang", figures=("hbm_gbps", "pcie_h2d_gbps"), timeout_s=30, min_s=5):
+    return gv.Step(name, figures, (), timeout_s, min_s, "the step's command")
+
+
+def test_a_hung_step_is_killed_with_its_children_and_its_figures_say_it_timed_out(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    code = textwrap.dedent(f"""
+        import subprocess, sys, time
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        open({str(pid_file)!r}, "w").write(str(p.pid))
+        print("started the GPU work", flush=True)
+        time.sleep(120)
+    """)
+    figures, outcome = gv.run_step_child(_step(), 3.0, tmp_path, [sys.executable, "-c", code])
+    assert outcome.outcome == "timeout"
+    for name in ("hbm_gbps", "pcie_h2d_gbps"):
+        assert figures[name]["value"] is None
+        assert figures[name]["reason"].startswith("timed out after 3 s (the step's time box)")
+        assert "started the GPU work" in figures[name]["reason"]
+        assert figures[name]["command"] == "the step's command"
+    assert _gone(int(pid_file.read_text())), "the step's own child outlived its time box"
+
+
+def _gone(pid: int, wait_s: float = 15.0) -> bool:
+    """Whether ``pid`` is gone (or a zombie awaiting its reaper) within ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_step_that_raises_records_its_error_as_the_reason(tmp_path):
+    figures, outcome = gv.run_step_child(_step(name="no_such_step"), 60.0, tmp_path)
+    assert outcome.outcome == "failed"
+    assert figures["hbm_gbps"]["value"] is None
+    assert figures["hbm_gbps"]["reason"] == "step failed: KeyError: 'no_such_step'"
+
+
+def test_a_step_that_exits_without_figures_is_explained_by_its_last_words(tmp_path):
+    argv = [sys.executable, "-c", "print('CUDA error: an illegal memory access'); raise SystemExit(3)"]
+    figures, outcome = gv.run_step_child(_step(), 60.0, tmp_path, argv)
+    assert outcome.outcome == "failed"
+    assert figures["pcie_h2d_gbps"]["reason"] == (
+        "step failed (exit 3): CUDA error: an illegal memory access")
+
+
+def test_a_figure_the_step_left_out_gets_a_reason_and_one_it_gave_is_kept(tmp_path):
+    payload = tmp_path / "payload.json"
+    payload.write_text(json.dumps(
+        {"figures": {"hbm_gbps": {"value": 2950.5, "detail": "p90 of 10 copies"}}}))
+    result = tmp_path / "partial.result.json"  # where run_step_child looks for a step's figures
+    argv = [sys.executable, "-c",
+            f"import shutil; shutil.copyfile({str(payload)!r}, {str(result)!r})"]
+    figures, outcome = gv.run_step_child(_step(name="partial"), 60.0, tmp_path, argv)
+    assert outcome.outcome == "ok"
+    assert figures["hbm_gbps"]["value"] == 2950.5 and figures["hbm_gbps"]["reason"] is None
+    assert figures["hbm_gbps"]["unit"] == "GB/s"
+    assert figures["pcie_h2d_gbps"]["value"] is None
+    assert figures["pcie_h2d_gbps"]["reason"].startswith("the step reported no value for it")
+
+
+def test_every_null_has_a_reason_and_check_figures_finds_one_that_has_none():
+    assert gv.figure("hbm_gbps", None)["reason"]  # never written without one
+    figures = {n: gv.figure(n, 1.0) for n in gv.UNITS}
+    assert gv.check_figures(figures) == []
+    figures["daemon_rss_mb"] = {"value": None, "unit": "MiB", "reason": " ", "command": "x"}
+    del figures["burn_tflops_fp8"]
+    assert gv.check_figures(figures) == ["missing figure burn_tflops_fp8",
+                                         "daemon_rss_mb: null without a reason"]
+
+
+def test_the_budget_leaves_later_steps_their_minimum():
+    first = _step(timeout_s=150, min_s=30)
+    second, third = _step(timeout_s=90, min_s=60), _step(timeout_s=90, min_s=75)
+    assert gv.time_box(first, [second, third], 510) == 150
+    assert gv.time_box(first, [second, third], 200) == 65  # 200 - 60 - 75
+    assert gv.time_box(first, [second, third], 160) is None  # 25 s left: under its 30 s
+    assert gv.time_box(third, [], 200) == 90  # its own timeout_s caps it
+
+
+def test_the_steps_fit_the_gpu_machine_command_limit():
+    """The device's commands end at 10 minutes; the steps' floors must fit the budget, and the
+    budget must leave a minute for the wheel install and the writing."""
+    assert sum(s.min_s for s in gv.STEPS) + gv.PROBE_TIMEOUT_S <= gv.DEFAULT_BUDGET_S
+    assert gv.DEFAULT_BUDGET_S <= 9 * 60 - 30
+    filled = [f for s in gv.STEPS for f in s.figures]
+    assert sorted(filled) == sorted(gv.UNITS)  # each figure from exactly one step
+
+
+def test_markdown_has_machine_date_and_one_row_per_figure_with_pipes_escaped(tmp_path):
+    figures = {n: gv.figure(n, None, "no GPU here: a | b", "cmd") for n in gv.UNITS}
+    figures["hbm_gbps"] = gv.figure("hbm_gbps", 2951.25, None, "node-agent accept", "p90")
+    doc = {"date": "2026-11-23T17:00:00Z", "duration_s": 3.0, "budget_s": 510.0,
+           "machine": {"gpu": "NVIDIA H100 80GB HBM3", "driver": "580.159.04", "cuda": "13.0",
+                       "torch": "2.11.0+cu130", "python": "3.12.3", "hostname": "gpu"},
+           "figures": figures, "steps": [{"name": "bandwidth", "outcome": "ok", "seconds": 21.5,
+                                          "box_s": 90.0}]}
+    md = gv.render_markdown(doc)
+    assert "NVIDIA H100 80GB HBM3, driver 580.159.04, CUDA 13.0" in md
+    assert "2026-11-23T17:00:00Z" in md
+    rows = [ln for ln in md.splitlines() if ln.startswith("| `")]
+    assert len(rows) == len(gv.UNITS)
+    assert "| `hbm_gbps` | 2951.25 | GB/s | `node-agent accept` | p90 |" in rows
+    assert "no GPU here: a \\| b" in md
+    target = tmp_path / "benchmarks.md"
+    target.write_text(f"# Benchmarks\n{gv.DOC_BEGIN}\nold\n{gv.DOC_END}\ntail\n")
+    assert gv.fill_doc(target, md)
+    text = target.read_text()
+    assert "old" not in text and "2951.25" in text and text.endswith(f"{gv.DOC_END}\ntail\n")
+    plain = tmp_path / "plain.md"
+    plain.write_text("no markers\n")
+    assert not gv.fill_doc(plain, md) and plain.read_text() == "no markers\n"
+
+
+def test_pytest_counts_come_from_the_junit_report(tmp_path):
+    (tmp_path / "test_sample.py").write_text(textwrap.dedent("""
+        import pytest
+        def test_ok(): assert True
+        def test_also_ok(): assert 1 + 1 == 2
+        def test_broken(): assert False, "NVML said no"
+        @pytest.mark.skip(reason="no GPU")
+        def test_skipped(): pass
+    """))
+    junit = tmp_path / "junit.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                    f"--junitxml={junit}", "-o", "addopts=", str(tmp_path / "test_sample.py")],
+                   cwd=tmp_path, capture_output=True, timeout=120)
+    assert gv.pytest_counts(junit) == {"tests": 4, "failed": 1, "errors": 0, "skipped": 1,
+                                       "passed": 2}
+    outcomes = gv._case_outcomes(junit)
+    assert outcomes["test_ok"] == "passed"
+    assert outcomes["test_skipped"].startswith("skipped: no GPU")
+    assert outcomes["test_broken"].startswith("failed: AssertionError: NVML said no")
+
+
+def test_the_shortened_delivery_suite_is_a_valid_suite_with_the_overrides(tmp_path):
+    from node_agent.suite import load_suite
+
+    gv.delivery_suite(tmp_path / "delivery.yaml")
+    suite = load_suite(str(tmp_path / "delivery.yaml"), REPO / "suites")
+    shipped = load_suite("delivery", REPO / "suites")
+    assert [c.check for c in suite.checks] == [c.check for c in shipped.checks]
+    params = {c.check: c.params for c in suite.checks}
+    assert params["gpu_burn"]["duration_s"] == 30 and params["gpu_burn"]["size"] == 8192
+    assert params["dcgm_diag"]["level"] == 1
+    assert params["sdc"]["duration_s"] == 15
+
+
+def test_the_agent_runs_from_the_source_tree_through_the_overlay(tmp_path):
+    """On the GPU machine nothing is pip-installed: node_agent.suites and node_agent.graders
+    (package-dir mappings in pyproject.toml) must come from the overlay. ``-S`` leaves out
+    site-packages and with it this venv's editable install."""
+    overlay = gv.source_overlay(tmp_path)
+    code = "import node_agent.suites, node_agent.graders.skus, node_agent.extras; print('ok')"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    bare = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
+                          env={**env, "PYTHONPATH": str(REPO)}, cwd=tmp_path, timeout=60)
+    assert bare.returncode != 0 and "node_agent.suites" in bare.stderr
+    run = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
+                         env={**env, "PYTHONPATH": str(overlay)}, cwd=tmp_path, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert (overlay / "node_agent" / "checks").resolve() == REPO / "node_agent" / "checks"
+
+
+def test_burn_vs_plain_runs_the_engine_and_the_plain_loop_on_the_same_device():
+    """On the CPU at a tiny size (the harness, not the figure: CPU ratios mean nothing)."""
+    pytest.importorskip("torch")
+    got = gv.burn_vs_plain(device="cpu", precision="fp32", size=64, block_s=0.05, pairs=2,
+                           command="c")["burn_vs_plain_matmul"]
+    assert got["value"] is not None and got["value"] > 0, got
+    assert got["reason"] is None and got["unit"] == "ratio"
+    assert "2 pairs of 0.05 s" in got["detail"] and "device cpu" in got["detail"]
