@@ -1,22 +1,35 @@
-"""Check ``sdc_spool``: grade the SDC verdicts that training jobs wrote to the spool.
+"""Check ``sdc_spool``: SDC verdicts that training jobs wrote to the spool, taken as *reports*.
 
 Training jobs run ``node_agent.sdc.SdcProbe``, which writes every non-pass verdict atomically to
-``<state_dir>/spool/sdc/`` (see ``docs/sdc.md``). This check reads the verdicts it has not read
-before (``sdc.read_spool_files``: temp files of a writer killed mid-write are never opened) and
-grades them:
+the spool, ``<spool_dir>/sdc/`` (config ``spool_dir``, default ``/var/spool/node-agent``; see
+``docs/sdc.md``). Any training user can write there, so a verdict is what one user *says*
+(DESIGN.md, "Trust boundary"; docs/security.md). This check reads the files it has not read
+before, safely (``sdc.read_verdicts``: no link followed, nothing that blocks, size and depth
+capped), learns each file's owner from ``fstat``, and:
 
-- ``confirmed`` -> ``sdc_confirmed`` ``fail`` on the GPU (grade FAULT);
-- ``transient`` -> ``sdc_transient`` ``warn`` (WARN);
-- ``error`` (the probe could not run inside the job) -> ``sdc_probe_error`` ``error``;
-- a ``.json`` file that is not a valid verdict -> ``sdc_spool_unreadable`` ``warn``, once.
+- ``confirmed`` by a uid that runs a compute process on the GPU the verdict names (NVML's
+  process list, each pid's uid from ``/proc``): a **report** (``sdc_reported`` warn) that makes
+  the agent run *its own* ``sdc`` probe on that GPU, in a child process (the periodic suite's
+  ``sdc`` params, ``confirm_repeats`` rounds, the GPU and ``--simulate`` of this run). Only the
+  agent's own confirmation grades FAULT (``sdc_confirmed`` fail, ``source: agent probe``); a
+  clean probe leaves a WARN naming the reporter; a probe that could not run (no time left, too
+  little free GPU memory, no compute) keeps the report pending, retried after
+  ``confirm_retry_s``;
+- ``confirmed`` by anyone else: ``sdc_report_unverified`` warn naming the writer's uid, never
+  an action;
+- ``transient`` -> ``sdc_transient`` warn; ``error`` -> ``sdc_probe_error`` warn (a job's probe
+  could not run: its report, not the agent's error); both name the writer's uid;
+- a ``.json`` file that is not a valid verdict (a link, a FIFO, too big, a bad field) ->
+  ``sdc_spool_unreadable`` warn, once.
 
-What was read is recorded in a cursor file, ``<state_dir>/sdc/spool-cursor.json`` (updated
-under an ``flock`` so the daemon and a Slurm health check never ingest the same file twice), so
-each verdict file is graded once. The one exception is deliberate: a *confirmed* verdict stays
-standing — every later run reports it again as a FAULT — until the GPU it names is replaced
-(its UUID changes) or an operator clears it, because a GPU that computed wrong does not heal and
-a later "HEALTHY" must not hand it back to training. Transients and errors are reported once.
-To clear after a repair that kept the GPU: delete the spool files and the cursor file.
+What was read is recorded in a cursor file, ``<state_dir>/sdc/spool-cursor.json`` (under an
+``flock`` in the private state directory, so the daemon and a Slurm health check never ingest
+the same file twice), so each verdict file is graded once. The one exception is deliberate: an
+SDC the *agent's own probe* confirmed stays standing — every later run reports it again as a
+FAULT — until the GPU it names is replaced (its UUID changes) or an operator runs
+``node-agent set-healthy`` (:func:`clear_standing`), because a GPU that computed wrong does not
+heal and a later "HEALTHY" must not hand it back to training. Deleting spool files changes
+nothing: they are reports, and the standing fault is the agent's own finding.
 
 The cursor forgets a file once it is gone from the spool, so it stays as small as the spool
 (which holds only non-pass verdicts by default). Files are left in place as evidence.
@@ -25,7 +38,10 @@ GPU mapping: a verdict carrying ``evidence['gpu_uuid']`` maps to the inventory G
 UUID; otherwise ``cuda:N`` maps to ``gpu:N``, and the detail says that this is the job's CUDA
 index (under ``CUDA_VISIBLE_DEVICES`` it may not be the node's index).
 
-Params: ``spool_dir`` (default ``<state_dir>/spool/sdc``).
+Params: ``spool_dir`` (default ``<config spool_dir>/sdc``), ``confirm`` (default true: false
+leaves every report a WARN and never probes), ``confirm_repeats`` (3), ``confirm_timeout_s``
+(300; always within this check's own ``timeout_s``), ``confirm_retry_s`` (600, the periodic
+``sdc`` cadence).
 """
 
 from __future__ import annotations
@@ -34,6 +50,9 @@ import contextlib
 import datetime as _dt
 import fcntl
 import json
+import os
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,11 +60,18 @@ from typing import Any
 
 from node_agent.atomic_file import write_json
 from node_agent.checks import CheckContext
+from node_agent.gpu.base import GpuError
 from node_agent.model import Result, Status
 
 CURSOR_SCHEMA = "node-agent.sdc-spool-cursor/1"
-_METRIC = {"confirmed": ("sdc_confirmed", Status.FAIL), "transient": ("sdc_transient", Status.WARN),
-           "error": ("sdc_probe_error", Status.ERROR)}
+DEFAULT_CONFIRM_REPEATS = 3
+DEFAULT_CONFIRM_TIMEOUT_S = 300.0
+DEFAULT_CONFIRM_RETRY_S = 600.0  # the periodic suite's sdc cadence: no more probing than that
+#: a child probe needs this much of the check's time to be worth starting (torch's import,
+#: CUDA start-up and one round of the periodic probe: 4-5 s measured under --simulate here)
+MIN_CONFIRM_BUDGET_S = 8.0
+#: of the check's own timeout, the share a confirmation may use (the rest: reading, writing)
+_BUDGET_SHARE = 0.8
 
 
 def spool_dir(ctx: CheckContext) -> Path | None:
@@ -60,31 +86,62 @@ def cursor_path(state_dir: Path) -> Path:
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path.with_suffix(".lock"),
+                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _empty() -> dict[str, Any]:
+    return {"schema": CURSOR_SCHEMA, "ingested": {}, "standing": [], "pending": {}}
 
 
 def _load(path: Path) -> tuple[dict[str, Any], str | None]:
-    empty: dict[str, Any] = {"schema": CURSOR_SCHEMA, "ingested": {}, "standing": []}
     if not path.exists():
-        return empty, None
+        return _empty(), None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         if data.get("schema") != CURSOR_SCHEMA:
             raise ValueError(f"schema {data.get('schema')!r}, expected {CURSOR_SCHEMA!r}")
-        return {"schema": CURSOR_SCHEMA, "ingested": dict(data["ingested"]),
-                "standing": list(data["standing"])}, None
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        return empty, (f"cursor {path} unreadable ({err}); every verdict in the spool is read "
-                       "again")
+        cursor = {"schema": CURSOR_SCHEMA, "ingested": dict(data["ingested"]), "standing": [],
+                  "pending": dict(data.get("pending") or {})}
+        for fault in data["standing"]:
+            if fault.get("confirmed_by") == "agent":
+                cursor["standing"].append(fault)
+            else:
+                # written by an agent that believed the spool: a report until probed again
+                cursor["pending"].setdefault(fault["target"], {
+                    "gpu_uuid": fault.get("gpu_uuid"), "uid": fault.get("reported_by_uid"),
+                    "pids": [], "file": fault.get("file"), "detail": fault.get("detail", ""),
+                    "verdict_at": fault.get("verdict_at"), "reported_at": fault.get("graded_at"),
+                    "next_try": 0.0, "tries": 0})
+        return cursor, None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return _empty(), (f"cursor {path} unreadable ({err}); every verdict in the spool is "
+                          "read again")
 
 
-def _when(ts: float) -> str:
+def clear_standing(state_dir: Path) -> int:
+    """``set-healthy``: forget the standing SDC faults and pending reports; returns how many
+    there were. The spool files stay (they are evidence) and are not read again."""
+    path = cursor_path(state_dir)
+    if not path.exists():
+        return 0
+    with _locked(path):
+        cursor, _ = _load(path)
+        n = len(cursor["standing"]) + len(cursor["pending"])
+        cursor["standing"], cursor["pending"] = [], {}
+        write_json(path, cursor)
+    return n
+
+
+def _when(ts: float | None) -> str:
+    if ts is None:
+        return "an unknown time"
     return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
@@ -94,17 +151,69 @@ def map_target(ctx: CheckContext, device: str, evidence: dict[str, Any]) -> tupl
     uuid = evidence.get("gpu_uuid")
     if isinstance(uuid, str) and uuid in by_uuid:
         return f"gpu:{by_uuid[uuid].index}", uuid, ""
-    if device.startswith("cuda:") and device[5:].isdigit():
+    if device.startswith("cuda:") and device[5:].isdigit() and len(device) < 12:
         index = int(device[5:])
         info = next((g for g in ctx.inventory.gpus if g.index == index), None)
         return (f"gpu:{index}", info.uuid if info else None,
                 f" (the job's device {device}; under CUDA_VISIBLE_DEVICES its index may differ "
                 "from the node's)")
-    return "node", None, f" (device {device})"
+    return "node", None, f" (device {device[:64]!r})"
+
+
+# -- who runs on which GPU ------------------------------------------------------------------------
+
+
+def gpu_users(ctx: CheckContext) -> tuple[dict[int, dict[int, list[int]]], str | None]:
+    """GPU index -> {uid: [pids]} of the compute processes NVML lists on it (each pid's uid
+    from /proc), or ({}, why) when the GPUs cannot be asked."""
+    import psutil
+
+    if ctx.gpu is None or ctx.gpu.unavailable_reason:
+        return {}, f"the GPUs cannot be queried ({ctx.gpu.unavailable_reason if ctx.gpu else 'no GPU backend'})"
+    try:
+        devices = list(ctx.gpu.devices())
+    except GpuError as err:
+        return {}, f"the GPUs cannot be listed ({type(err).__name__}: {err})"
+    out: dict[int, dict[int, list[int]]] = {}
+    problems = []
+    for dev in devices:
+        try:
+            listed = dev.compute_processes()
+        except GpuError as err:
+            problems.append(f"gpu:{dev.index}: {type(err).__name__}: {err}")
+            continue
+        users = out.setdefault(dev.index, {})
+        for proc in listed:
+            try:
+                uid = psutil.Process(proc.pid).uids().effective
+            except (psutil.Error, ValueError):
+                continue  # exited, or a pid of another PID namespace: nobody to vouch for
+            users.setdefault(uid, []).append(proc.pid)
+    return out, "; ".join(problems) or None
+
+
+def _vouch(uid: int, target: str, users: dict[int, dict[int, list[int]]],
+           why_not: str | None) -> tuple[list[int], str]:
+    """(the writer's pids on the target GPU, or [] with the reason it is not believed)."""
+    if not target.startswith("gpu:"):
+        return [], "the verdict names no GPU of this node"
+    index = int(target[4:])
+    if index not in users:
+        return [], f"NVML's process list of {target} is not available ({why_not or 'no such GPU'})"
+    pids = sorted(users[index].get(uid, []))
+    if pids:
+        return pids, ""
+    others = sorted(users[index])
+    return [], (f"uid {uid} runs no compute process on {target} (NVML lists processes of "
+                f"{'uid ' + ', '.join(map(str, others)) if others else 'nobody'} there)")
+
+
+# -- the run --------------------------------------------------------------------------------------
 
 
 def run(ctx: CheckContext) -> list[Result]:
     from node_agent.sdc import spool as sdc_lib
+    started = time.monotonic()
     if ctx.state_dir is None:
         return [ctx.skip(f"state directory {ctx.config.state_dir} is not writable: training "
                          "jobs' SDC verdicts cannot be tracked (set state_dir in the config)",
@@ -120,23 +229,30 @@ def run(ctx: CheckContext) -> list[Result]:
         # forget files no longer in the spool: the cursor stays as small as the spool
         cursor["ingested"] = {k: v for k, v in cursor["ingested"].items() if k in present}
         errors: list[tuple[Path, str]] = []
-        new = [(v.path, v.verdict)
-               for v in sdc_lib.read_verdicts(spool, errors, skip=cursor["ingested"])]
-        groups: dict[tuple[str, str], list[tuple[Path, Any, str, str | None]]] = {}
+        new = sdc_lib.read_verdicts(spool, errors, skip=cursor["ingested"])
+        users, users_problem = gpu_users(ctx) if any(
+            s.verdict.status == "confirmed" for s in new) else ({}, None)
+        groups: dict[tuple[str, str], list[tuple[Any, str, str | None]]] = {}
         passes = 0
-        for file, v in new:
+        for sv in new:
+            v = sv.verdict
             target, uuid, note = map_target(ctx, v.device, v.evidence)
-            cursor["ingested"][file.name] = {"status": v.status, "target": target, "at": now}
+            cursor["ingested"][sv.path.name] = {"status": v.status, "target": target, "at": now,
+                                                "uid": sv.uid}
             if v.status == "pass":
                 passes += 1
                 continue
-            groups.setdefault((target, v.status), []).append((file, v, note, uuid))
             if v.status == "confirmed":
-                cursor["standing"].append({
-                    "file": file.name, "target": target, "gpu_uuid": uuid, "probe": v.probe,
-                    "shape": list(v.shape), "dtype": v.dtype,
-                    "mismatched_elements": v.mismatched_elements, "detail": v.detail + note,
-                    "verdict_at": v.timestamp, "graded_at": now})
+                pids, why = _vouch(sv.uid, target, users, users_problem)
+                if pids:
+                    cursor["pending"][target] = {
+                        "gpu_uuid": uuid, "uid": sv.uid, "pids": pids, "file": sv.path.name,
+                        "detail": v.detail[:500] + note, "verdict_at": v.timestamp,
+                        "reported_at": now, "next_try": 0.0, "tries": 0}
+                    continue
+                groups.setdefault((target, "unverified"), []).append((sv, note + f"; {why}", uuid))
+                continue
+            groups.setdefault((target, v.status), []).append((sv, note, uuid))
         for file, reason in errors:
             if file == spool:  # about the directory (too many files): said, nothing ingested
                 out.append(ctx.result("node", "sdc_spool_unreadable", Status.WARN,
@@ -148,8 +264,9 @@ def run(ctx: CheckContext) -> list[Result]:
                                   "it was not written by node_agent.sdc.write_verdict, or was "
                                   "damaged: inspect and remove it (reported once)",
                                   file=str(file)))
-        out.extend(_new_results(ctx, groups))
-        out.extend(_standing_results(ctx, cursor, {t for (t, s) in groups if s == "confirmed"}))
+        out.extend(_report_results(ctx, groups))
+        confirmed = _confirm(ctx, cursor, now, started, out)
+        out.extend(_standing_results(ctx, cursor, confirmed))
         write_json(path, cursor)
     if not out:
         out.append(ctx.result(
@@ -160,28 +277,162 @@ def run(ctx: CheckContext) -> list[Result]:
     return out
 
 
-def _new_results(ctx: CheckContext, groups: dict) -> list[Result]:
+_REPORTS = {
+    "unverified": ("sdc_report_unverified",
+                   "a spooled verdict says silent data corruption was confirmed, but its writer "
+                   "cannot be vouched for, so it is not believed and nothing is done"),
+    "transient": ("sdc_transient", "a training job's probe saw a mismatch its re-run did not "
+                                   "repeat (transient; kept as evidence)"),
+    "error": ("sdc_probe_error", "a training job's SDC probe could not run"),
+}
+
+
+def _report_results(ctx: CheckContext, groups: dict) -> list[Result]:
+    """One WARN per (target, kind) of the reports that are not confirmations to probe."""
     out = []
-    for (target, status), items in sorted(groups.items()):
-        metric, result_status = _METRIC[status]
-        file, first, note, uuid = items[0]
-        what = {"confirmed": "silent data corruption confirmed by a training job's probe",
-                "transient": "a training job's probe saw a mismatch its re-run did not repeat "
-                             "(transient; kept as evidence)",
-                "error": "a training job's SDC probe could not run"}[status]
+    for (target, kind), items in sorted(groups.items()):
+        metric, what = _REPORTS[kind]
+        first, note, uuid = items[0]
+        v = first.verdict
+        writers = sorted({sv.uid for sv, *_ in items})
         out.append(ctx.result(
-            target, metric, result_status,
-            f"{target}: {what}: {first.detail}{note}; {len(items)} new verdict(s), first at "
-            f"{_when(first.timestamp)} in {file.name}",
-            value=len(items), unit="verdicts", probe=first.probe, shape=list(first.shape),
-            dtype=first.dtype, mismatched_elements=first.mismatched_elements, gpu_uuid=uuid,
-            source="spool", files=[f.name for f, *_ in items][:20],
-            verdicts=[v.to_dict() for _, v, *_ in items][:5]))
+            target, metric, Status.WARN,
+            f"{target}: {what}: {v.detail[:300]}{note}; written by uid "
+            f"{', '.join(map(str, writers))}; {len(items)} new verdict(s), first at "
+            f"{_when(v.timestamp)} in {first.path.name}",
+            value=len(items), unit="verdicts", probe=v.probe, shape=list(v.shape),
+            dtype=v.dtype, mismatched_elements=v.mismatched_elements, gpu_uuid=uuid,
+            source="spool (a training user's report)", writer_uids=writers,
+            files=[sv.path.name for sv, *_ in items][:20],
+            verdicts=[sv.verdict.to_dict() for sv, *_ in items][:5]))
+    return out
+
+
+# -- the agent's own probe ------------------------------------------------------------------------
+
+
+def _confirm(ctx: CheckContext, cursor: dict[str, Any], now: float, started: float,
+             out: list[Result]) -> set[str]:
+    """Probe the GPUs with pending reports; move confirmed ones to ``standing``; the targets
+    the agent confirmed in this run."""
+    current = {f"gpu:{g.index}": g.uuid for g in ctx.inventory.gpus}
+    for target in list(cursor["pending"]):
+        uuid = cursor["pending"][target].get("gpu_uuid")
+        if target not in current or (uuid is not None and current[target] != uuid):
+            del cursor["pending"][target]  # the GPU was replaced: the report went with it
+    due = sorted(t for t, p in cursor["pending"].items() if p.get("next_try", 0.0) <= now)
+    if not cursor["pending"]:
+        return set()
+    if not ctx.params.get("confirm", True):
+        outcome = {t: ("pending", "confirmation is off (params.confirm: false)") for t in due}
+    elif due:
+        budget = min(float(ctx.params.get("confirm_timeout_s", DEFAULT_CONFIRM_TIMEOUT_S)),
+                     _BUDGET_SHARE * ctx.timeout_s - (time.monotonic() - started))
+        outcome = own_probe(ctx, [int(t[4:]) for t in due], budget)
+    else:
+        outcome = {}
+    confirmed = set()
+    retry_s = float(ctx.params.get("confirm_retry_s", DEFAULT_CONFIRM_RETRY_S))
+    for target, report in sorted(cursor["pending"].items()):
+        result, detail = outcome.get(target, ("pending", f"the next probe is due at "
+                                                         f"{_when(report.get('next_try'))}"))
+        who = (f"a training job of uid {report.get('uid')} (pid "
+               f"{', '.join(map(str, report.get('pids') or [])) or '?'}, running on {target})")
+        said = (f"{who} reported silent data corruption confirmed by its probe at "
+                f"{_when(report.get('verdict_at'))}: {report.get('detail', '')[:300]}")
+        common = dict(gpu_uuid=report.get("gpu_uuid"), reporter_uid=report.get("uid"),
+                      reporter_pids=report.get("pids"), file=report.get("file"))
+        if result == "confirmed":
+            confirmed.add(target)
+            cursor["standing"].append({
+                "target": target, "gpu_uuid": report.get("gpu_uuid"), "confirmed_by": "agent",
+                "reported_by_uid": report.get("uid"), "file": report.get("file"),
+                "detail": detail, "report": report.get("detail", ""),
+                "verdict_at": now, "graded_at": now})
+            del cursor["pending"][target]
+            out.append(ctx.result(target, "sdc_confirmed", Status.FAIL,
+                                  f"{target}: silent data corruption confirmed by the agent's "
+                                  f"own probe ({detail}), after {said}",
+                                  value=1, unit="verdicts", source="agent probe", **common))
+        elif result == "clean":
+            del cursor["pending"][target]
+            out.append(ctx.result(target, "sdc_reported", Status.WARN,
+                                  f"{target}: {said}; the agent's own probe did not confirm it "
+                                  f"({detail}): not acted on, kept as evidence",
+                                  value=1, unit="verdicts", source="spool (not confirmed)",
+                                  **common))
+        else:
+            if target in outcome:
+                report["tries"] = int(report.get("tries", 0)) + 1
+                report["next_try"] = now + retry_s
+            out.append(ctx.result(target, "sdc_reported", Status.WARN,
+                                  f"{target}: {said}; awaiting the agent's own probe before "
+                                  f"any action ({detail})",
+                                  value=1, unit="verdicts", source="spool (awaiting the "
+                                  "agent's probe)", tries=report.get("tries", 0), **common))
+    return confirmed
+
+
+def own_probe(ctx: CheckContext, indices: list[int], budget_s: float) -> dict[str, tuple[str, str]]:
+    """Run the agent's ``sdc`` check on ``indices`` in a child ``node-agent check`` (torch stays
+    out of this process) within ``budget_s``; target -> ("confirmed"|"clean"|"pending",
+    detail). The child gets this run's configuration and scenario, and the periodic suite's
+    ``sdc`` params (so ``min_free_mib`` keeps it from pushing a job out of GPU memory)."""
+    from node_agent import proc
+    from node_agent.resources import suites_dir
+    from node_agent.suite import load_suite
+    from node_agent.yamlfile import ConfigError
+
+    targets = [f"gpu:{i}" for i in indices]
+    if budget_s < MIN_CONFIRM_BUDGET_S:
+        why = (f"{budget_s:.0f} s left of this check's timeout_s {ctx.timeout_s:g}, too little "
+               "for a probe: raise sdc_spool's timeout_s in the suite")
+        return {t: ("pending", why) for t in targets}
+    try:
+        base = next((c for c in load_suite("periodic", suites_dir(ctx.config)).checks
+                     if c.check == "sdc"), None)
+    except ConfigError:
+        base = None
+    params: dict[str, Any] = json.loads(json.dumps(base.params)) if base else {}
+    repeats = int(ctx.params.get("confirm_repeats", DEFAULT_CONFIRM_REPEATS))
+    for p in (params, params.setdefault("simulated", {})):
+        p["gpus"] = list(indices)
+        p["repeats"] = max(repeats, int(p.get("repeats", 1)))
+    with tempfile.TemporaryDirectory(prefix="node-agent-sdc-confirm-") as tmp:
+        suite_path, config_path = Path(tmp) / "confirm.yaml", Path(tmp) / "config.yaml"
+        write_json(suite_path, {"name": "sdc-confirm", "mode": "service", "checks": [
+            {"check": "sdc", "timeout_s": max(1.0, budget_s - 5.0), "params": params}]})
+        write_json(config_path, ctx.config.data)  # JSON is YAML: the child reads it as config
+        argv = [sys.executable, "-m", "node_agent.commands.main", "check", "--suite",
+                str(suite_path), "--config", str(config_path), "--json", "--out", tmp]
+        if ctx.scenario is not None:
+            argv += ["--simulate", ctx.scenario.source]
+        done = proc.run(argv, timeout_s=budget_s)
+    if done.returncode not in (0, 3, 4):
+        why = f"the probe did not run: {done.describe_failure()}"
+        return {t: ("pending", why) for t in targets}
+    try:
+        results = json.loads(done.stdout)["results"]
+    except (ValueError, KeyError, TypeError) as err:
+        return {t: ("pending", f"the probe's report is unreadable ({err})") for t in targets}
+    out = {}
+    for target in targets:
+        mine = [r for r in results if r.get("target") == target and r.get("check") == "sdc"]
+        bad = next((r for r in mine if r.get("metric") == "sdc_confirmed"
+                    and r.get("status") == "fail"), None)
+        if bad is not None:
+            out[target] = ("confirmed", str(bad.get("detail", ""))[:500])
+        elif mine and all(r.get("status") in ("pass", "warn") for r in mine):
+            out[target] = ("clean", "; ".join(str(r.get("detail", "")) for r in mine)[:500])
+        else:
+            why = "; ".join(str(r.get("detail", "")) for r in mine) or "no result for it"
+            out[target] = ("pending", f"the probe could not run on {target}: {why[:400]}")
     return out
 
 
 def _standing_results(ctx: CheckContext, cursor: dict[str, Any], fresh: set[str]) -> list[Result]:
-    """Confirmed verdicts of earlier runs, still standing while their GPU is in the node."""
+    """SDC the agent's own probe confirmed in earlier runs, still standing while their GPU is
+    in the node."""
     current = {f"gpu:{g.index}": g.uuid for g in ctx.inventory.gpus}
     keep, out = [], []
     by_target: dict[str, list[dict[str, Any]]] = {}
@@ -194,16 +445,15 @@ def _standing_results(ctx: CheckContext, cursor: dict[str, Any], fresh: set[str]
     cursor["standing"] = keep
     for target, faults in sorted(by_target.items()):
         if target in fresh:
-            continue  # this run's new-verdict result already names it
+            continue  # this run's confirmation already names it
         first = faults[0]
         out.append(ctx.result(
             target, "sdc_confirmed", Status.FAIL,
-            f"{target}: silent data corruption confirmed by a training job's probe at "
-            f"{_when(first['verdict_at'])} (first graded {_when(first['graded_at'])}), still "
-            f"standing: {first['detail']}; it stays FAULT until the GPU is replaced (UUID "
-            f"{first.get('gpu_uuid') or 'unknown'}) or the spool and cursor are cleared",
-            value=len(faults), unit="verdicts", probe=first["probe"], shape=first["shape"],
-            dtype=first["dtype"], mismatched_elements=first["mismatched_elements"],
-            gpu_uuid=first.get("gpu_uuid"), source="spool (standing)",
-            files=[f["file"] for f in faults][:20]))
+            f"{target}: silent data corruption confirmed by the agent's own probe at "
+            f"{_when(first['graded_at'])} ({first.get('detail', '')}), still standing: it stays "
+            f"FAULT until the GPU is replaced (UUID {first.get('gpu_uuid') or 'unknown'}) or an "
+            "operator runs `node-agent set-healthy` after a repair",
+            value=len(faults), unit="verdicts", gpu_uuid=first.get("gpu_uuid"),
+            source="agent probe (standing)", reporter_uid=first.get("reported_by_uid"),
+            files=[f.get("file") for f in faults][:20]))
     return out

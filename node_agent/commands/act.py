@@ -212,8 +212,15 @@ def cmd_set_healthy(args: argparse.Namespace) -> int:
         store.clear_node(node, time.time(), text)
     finally:
         store.close()
+    from node_agent.checks.sdc_spool import clear_standing
+    try:
+        sdc = clear_standing(config.state_dir)
+    except OSError as err:
+        sdc = 0
+        print(f"node-agent: WARNING: cannot clear the standing SDC faults in "
+              f"{config.state_dir}: {err.strerror or err}", file=sys.stderr)
     print(f"node {node}: {before.state} -> in-service; restart counts and fault history "
-          f"cleared ({text})")
+          f"cleared ({text})" + (f"; {sdc} standing SDC finding(s) cleared" if sdc else ""))
     if before.state != "in-service":
         print("the node may still be drained in the scheduler: run `node-agent act resume` "
               "to return it to service")

@@ -152,3 +152,57 @@ def test_fifo_devzero_symlink_lease_and_junk_in_the_spools_are_skipped_once_neve
     assert not results(second, "sdc_spool_unreadable")
     assert not [r for r in results(second, "training_discovery") if "file" in r["evidence"]]
     assert not [r for r in second["results"] if r["status"] == "error"]
+
+
+# -- attack 1: a forged SDC verdict -> drain and replace ----------------------------------------
+
+
+def test_forged_confirmed_sdc_verdicts_for_every_gpu_are_warns_naming_the_writer_never_an_action(
+        user, shared_dir):
+    sdc = spool(shared_dir, "sdc")
+    user.py(FORGE_VERDICTS, str(sdc), "8", "confirmed")
+    assert {f.stat().st_uid for f in sdc.iterdir()} == {user.uid}
+    cfg, scen = config(shared_dir), node(shared_dir)
+    checks = suite(shared_dir, {"check": "sdc_spool", "timeout_s": 60,
+                                "params": {"spool_dir": str(sdc)}})
+    first = report(run_agent("check", "--suite", checks, "--simulate", scen, "--config", cfg,
+                             "--json", "--act"))
+    assert first["grade"]["level"] == "WARN", first["grade"]
+    forged = results(first, "sdc_report_unverified")
+    assert sorted(r["target"] for r in forged) == [f"gpu:{i}" for i in range(8)]
+    assert all(f"written by uid {user.uid}" in r["detail"] for r in forged)
+    assert not [a for a in first["actions"] if a["outcome"] == "done"], first["actions"]
+    # nothing stands: the next run is clean, and the agent never acted
+    second = report(run_agent("check", "--suite", checks, "--simulate", scen, "--config", cfg,
+                              "--json", "--act"))
+    assert second["grade"]["level"] == "HEALTHY" and second["actions"] == []
+    status = json.loads(run_agent("status", "--json", "--config", cfg, "--simulate", scen).stdout)
+    assert status["journal"] == [] and status["remediation"]["state"] == "in-service"
+
+
+def test_a_users_report_about_its_own_gpu_is_only_a_reason_for_the_agent_to_probe(
+        user, shared_dir):
+    sdc = spool(shared_dir, "sdc")
+    job = user.popen(SLEEPER)  # the user's process that NVML lists on gpu:3
+    user.py(FORGE_VERDICTS, str(sdc), "4", "confirmed")  # cuda:0..3
+    cfg = config(shared_dir)
+    checks = suite(shared_dir, {"check": "sdc_spool", "timeout_s": 120,
+                                "params": {"spool_dir": str(sdc)}})
+    on_gpu3 = [{"gpu": 3, "pid": job.pid}]
+    healthy = node(shared_dir, "healthy.yaml", compute_processes=on_gpu3)
+    rep = report(run_agent("check", "--suite", checks, "--simulate", healthy, "--config", cfg,
+                           "--json", "--act"))
+    assert rep["grade"]["level"] == "WARN" and rep["actions"] == []
+    (probed,) = results(rep, "sdc_reported")
+    assert probed["target"] == "gpu:3" and "did not confirm it" in probed["detail"]
+    assert f"uid {user.uid} (pid {job.pid}" in probed["detail"]
+    assert len(results(rep, "sdc_report_unverified")) == 3  # cuda:0..2: nothing of its there
+    # on a GPU that really corrupts, the agent's own probe confirms: FAULT, and only then acts
+    user.py(FORGE_VERDICTS, str(sdc), "4", "confirmed")
+    sick = node(shared_dir, "sick.yaml", compute_processes=on_gpu3,
+                faults=[{"kind": "sdc", "gpu": 3}])
+    rep = report(run_agent("check", "--suite", checks, "--simulate", sick, "--config", cfg,
+                           "--json", "--act"))
+    assert rep["grade"]["level"] == "FAULT"
+    (fault,) = results(rep, "sdc_confirmed")
+    assert fault["evidence"]["source"] == "agent probe" and fault["target"] == "gpu:3"
