@@ -2,6 +2,7 @@
 
     make gpu-validate              # scripts/gpu-validate: the wheels in .whl/, then this file
     python3 bench/gpu_validate.py [--out DIR] [--budget-s S] [--only STEP,...] [--doc PATH]
+    python3 bench/gpu_validate.py --from FIGURES_JSON [--doc docs/benchmarks.md]
 
 Runs these steps in order, each in its own process with its own time box, and writes
 ``out/gpu-validate/figures.json``, ``figures.md`` (the table for docs/benchmarks.md, "GPU
@@ -72,6 +73,9 @@ SCHEMA = "node-agent.gpu-validate/1"
 #: (the GPU machine's commands end at 10: /work/.library/device/README.md, "Limits")
 DEFAULT_BUDGET_S = 510.0
 PROBE_TIMEOUT_S = 60.0
+#: what killing a step past its box may take (SIGTERM, 2 s, SIGKILL, the reaping): counted
+#: against the budget for every step, so a run of time-outs still ends inside it
+KILL_GRACE_S = 4.0
 LOG_TAIL_BYTES = 60_000  # of each step's output kept in log.txt
 PY = "python3"  # how commands are written in the figures (the GPU image's interpreter)
 
@@ -246,7 +250,7 @@ def run_child(argv: list[str], timeout_s: float, log_path: Path,
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+    for sig, wait_s in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, sig)
         try:
@@ -314,8 +318,10 @@ def run_step_child(step: Step, box_s: float, work: Path,
 
 def time_box(step: Step, later: list[Step], left_s: float) -> float | None:
     """The step's time box: its own ``timeout_s``, cut so that the steps after it keep their
-    ``min_s`` of the ``left_s`` seconds left; None when less than its own ``min_s`` remains."""
-    box = min(step.timeout_s, left_s - sum(s.min_s for s in later))
+    ``min_s`` of the ``left_s`` seconds left (each step, this one too, also keeps KILL_GRACE_S
+    for being killed at its box); None when less than its own ``min_s`` remains."""
+    box = min(step.timeout_s,
+              left_s - sum(s.min_s for s in later) - KILL_GRACE_S * (len(later) + 1))
     return box if box >= step.min_s else None
 
 
@@ -997,12 +1003,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help=f"steps to run: {','.join(STEP_BY_NAME)}")
     ap.add_argument("--doc", help="also fill the section between the gpu-validate markers of "
                                   "this Markdown file (e.g. docs/benchmarks.md)")
+    ap.add_argument("--from", dest="from_json", metavar="FIGURES_JSON",
+                    help="measure nothing: print the table of a figures.json (one fetched from "
+                         "the GPU machine) and, with --doc, fill that file from it")
     ap.add_argument("--run-step", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--box-s", type=float, default=60.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.run_step:
         return child_main(args.run_step, Path(args.result), args.box_s)
+    if args.from_json:
+        try:
+            doc = json.loads(Path(args.from_json).read_text())
+        except (OSError, ValueError) as err:
+            ap.error(f"--from {args.from_json}: cannot read it as JSON: {err}")
+        problems = check_figures(doc.get("figures", {})) if isinstance(doc, dict) else ["?"]
+        if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or problems:
+            ap.error(f"--from {args.from_json}: not a {SCHEMA} document"
+                     + (f" ({'; '.join(problems[:3])})" if problems else ""))
+        print(render_markdown(doc), end="")
+        if args.doc and not fill_doc(Path(args.doc), render_markdown(doc)):
+            ap.error(f"--doc {args.doc}: no {DOC_BEGIN} ... {DOC_END} markers in it")
+        return 0
     only = None
     if args.only:
         only = [s for s in args.only.split(",") if s]

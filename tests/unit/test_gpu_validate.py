@@ -110,16 +110,19 @@ def test_every_null_has_a_reason_and_check_figures_finds_one_that_has_none():
 def test_the_budget_leaves_later_steps_their_minimum():
     first = _step(timeout_s=150, min_s=30)
     second, third = _step(timeout_s=90, min_s=60), _step(timeout_s=90, min_s=75)
+    grace = gv.KILL_GRACE_S
     assert gv.time_box(first, [second, third], 510) == 150
-    assert gv.time_box(first, [second, third], 200) == 65  # 200 - 60 - 75
-    assert gv.time_box(first, [second, third], 160) is None  # 25 s left: under its 30 s
+    # 200 s left: the later steps keep 60 + 75 s, every step its kill grace
+    assert gv.time_box(first, [second, third], 200) == 200 - 60 - 75 - 3 * grace
+    assert gv.time_box(first, [second, third], 160) is None  # under its own 30 s
     assert gv.time_box(third, [], 200) == 90  # its own timeout_s caps it
 
 
 def test_the_steps_fit_the_gpu_machine_command_limit():
     """The device's commands end at 10 minutes; the steps' floors must fit the budget, and the
     budget must leave a minute for the wheel install and the writing."""
-    assert sum(s.min_s for s in gv.STEPS) + gv.PROBE_TIMEOUT_S <= gv.DEFAULT_BUDGET_S
+    floors = sum(s.min_s + gv.KILL_GRACE_S for s in gv.STEPS)
+    assert floors + gv.PROBE_TIMEOUT_S <= gv.DEFAULT_BUDGET_S
     assert gv.DEFAULT_BUDGET_S <= 9 * 60 - 30
     filled = [f for s in gv.STEPS for f in s.figures]
     assert sorted(filled) == sorted(gv.UNITS)  # each figure from exactly one step
