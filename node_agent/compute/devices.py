@@ -4,8 +4,17 @@ A real node computes on its CUDA GPUs through torch. A simulated node computes o
 stand-in per simulated GPU, with the scenario's compute faults applied here, at the device
 boundary (DESIGN.md, "The simulator"): ``slow`` stretches the device's clock so every throughput
 measured above this layer comes out scaled (GEMM time is modeled from the SKU's rate, see
-:meth:`ComputeDevice.gemm_seconds`), and ``sdc`` makes the device's matmul return a
-corrupted element. The checks' own code (timing, verification, grading) is the same either way.
+:meth:`ComputeDevice.gemm_seconds`), and ``sdc`` makes the device's matmul return corrupted
+elements. The checks' own code (timing, verification, grading) is the same either way.
+
+**SDC fault model** (``{kind: sdc, gpu: N, sm: S, rate: R}``, ``docs/sdc.md``). A simulated
+GPU has the SKU file's ``sm_count`` SMs (``DEFAULT_SM_COUNT``, an H100's 132, when the SKU
+gives none) and computes GEMM outputs in tiles assigned to SMs round-robin, as a persistent tile
+scheduler does (``node_agent.sdc.tiles``; each launch starts on a drawn SM). Every tile SM ``S``
+computes (every SM without ``sm``) is wrong with probability ``R`` per launch (1.0 without
+``rate``): one element of it has its top mantissa bit flipped. Draws come from a generator
+seeded by the GPU index, so a scenario gives the same verdicts every run while ``R`` holds over
+many launches. Every matmul of the device sees it: the SDC probes, the burn, Freivalds.
 
 A :class:`ComputeSpec` is a plain picklable value, so a worker process (one per GPU for the
 burn) rebuilds its device with :func:`open_device` on its side.
@@ -23,6 +32,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from node_agent.sdc.tiles import DEFAULT_SM_COUNT, TileModel, gpu_model, sim_model
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +57,10 @@ class ComputeSpec:
     index: int                 # the GPU index the results are reported on (target gpu:N)
     simulated: bool = False
     slow_factor: float = 1.0   # simulated only: measured throughput is multiplied by this
-    corrupt: bool = False      # simulated only: matmul output carries one flipped element
+    corrupt: bool = False      # simulated only: the sdc fault (see the module docstring)
+    sdc_sm: int | None = None  # simulated only: the faulty SM (None: every SM)
+    sdc_rate: float = 1.0      # simulated only: chance a tile on the faulty SM is wrong, per launch
+    sm_count: int | None = None  # simulated only: SMs of the simulated GPU (default: the SKU's)
     cpu_threads: int = 1       # simulated only: torch intra-op threads of the stand-in
     #: simulated only: the modeled GEMM rate of a healthy GPU of the SKU, TFLOP/s per precision
     sim_tflops: tuple[tuple[str, float], ...] = ()
@@ -83,24 +97,41 @@ def sim_tflops_for(sku: Sku | None) -> tuple[tuple[str, float], ...]:
     return tuple(sorted(rates.items()))
 
 
+def sim_sm_count(sku: Sku | None) -> int:
+    """SMs of a simulated GPU of ``sku``: the SKU file's ``sm_count``, else
+    ``DEFAULT_SM_COUNT`` (an H100 SXM5's 132, the scenarios' reference SKU)."""
+    count = sku.data.get("sm_count") if sku is not None else None
+    return int(count) if count else DEFAULT_SM_COUNT
+
+
 def compute_specs(gpu_indices: list[int], scenario: Scenario | None,
                   sku: Sku | None = None) -> list[ComputeSpec]:
     """One spec per GPU: CUDA devices on a real node, CPU stand-ins with faults when simulated.
 
-    Raises ComputeUnavailable when torch is missing, or when a real node's torch cannot see
-    CUDA (a CPU build, or a driver torch cannot use) — never falls back to the CPU silently.
+    Raises ComputeUnavailable when torch is missing, when a real node's torch cannot see
+    CUDA (a CPU build, or a driver torch cannot use) — never falls back to the CPU silently —
+    or when a scenario's ``sdc`` fault names an SM the simulated GPU does not have.
     """
     reason = torch_missing_reason()
     if reason:
         raise ComputeUnavailable(reason)
     if scenario is not None:
+        sms = sim_sm_count(sku)
         specs = []
         for index in gpu_indices:
             slow = scenario.faults_on(index, "slow")
             factor = float(slow[0].params["factor"]) if slow else 1.0
-            corrupt = scenario.has(index, "sdc")
-            specs.append(ComputeSpec(index, simulated=True, slow_factor=factor, corrupt=corrupt,
-                                     sim_tflops=sim_tflops_for(sku)))
+            sdc = scenario.faults_on(index, "sdc")
+            sm = sdc[0].params.get("sm") if sdc else None
+            if sm is not None and sm >= sms and sku is not None:
+                raise ComputeUnavailable(
+                    f"{scenario.source}: the sdc fault on gpu {index} names sm {sm}, but a "
+                    f"simulated {sku.id if sku else 'GPU'} has {sms} SMs (0..{sms - 1}, the SKU "
+                    "file's sm_count); fix the scenario's 'sm'")
+            specs.append(ComputeSpec(index, simulated=True, slow_factor=factor, corrupt=bool(sdc),
+                                     sdc_sm=sm,
+                                     sdc_rate=float(sdc[0].params.get("rate", 1.0)) if sdc else 1.0,
+                                     sm_count=sms, sim_tflops=sim_tflops_for(sku)))
         return specs
     import torch
 
@@ -137,8 +168,26 @@ class ComputeDevice:
         return f"{self.spec.target} ({self.device})"
 
     def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """``a @ b`` as this device computes it (a simulated SDC corrupts one element)."""
+        """``a @ b`` as this device computes it (fp8 inputs through ``torch._scaled_mm``; a
+        simulated SDC corrupts tiles of the output)."""
         return self._matmul(a, b)
+
+    @property
+    def sm_count(self) -> int:
+        """Streaming multiprocessors: ``multi_processor_count`` of a CUDA device (what
+        ``torch.cuda.get_device_properties`` reports), the scenario SKU's for a simulated one."""
+        if self.device.type == "cuda":
+            import torch
+
+            return int(torch.cuda.get_device_properties(self.device).multi_processor_count)
+        return self.spec.sm_count or DEFAULT_SM_COUNT
+
+    @property
+    def tile_model(self) -> TileModel:
+        """How this device's GEMM output tiles map to SMs (``node_agent.sdc.tiles``)."""
+        if self.device.type == "cuda":
+            return gpu_model(self.sm_count)
+        return sim_model(self.sm_count)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -201,14 +250,17 @@ def open_device(spec: ComputeSpec) -> ComputeDevice:
     """Open the device a spec names (in whichever process calls it)."""
     import torch
 
+    from node_agent.sdc.exact import gemm
+
     if not spec.simulated:
         device = torch.device("cuda", spec.index)
         torch.cuda.set_device(device)
-        return ComputeDevice(spec, device, torch.matmul)
+        return ComputeDevice(spec, device, gemm)
     torch.set_num_threads(spec.cpu_threads)
-    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.matmul
+    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gemm
     if spec.corrupt:
-        from node_agent.sdc.probes import corrupting_matmul
+        from node_agent.sdc.inject import corrupting_matmul
 
-        matmul = corrupting_matmul(seed=spec.index)
+        matmul = corrupting_matmul(seed=spec.index, sm=spec.sdc_sm, rate=spec.sdc_rate,
+                                   tiles=sim_model(spec.sm_count or DEFAULT_SM_COUNT))
     return ComputeDevice(spec, torch.device("cpu"), matmul)

@@ -1,43 +1,43 @@
-"""Silent-data-corruption (SDC) probes: small matrix multiplies whose right answer is known.
+"""Silent-data-corruption (SDC) probes: matrix multiplies whose right answer is known.
 
 This module is the in-training probe API of the design's "SDC probes" section. It imports only
-the standard library and torch (no pynvml, no yaml, no other ``node_agent`` module), so a
-training job can use it without the rest of the agent::
+the standard library and torch (and its own ``node_agent.sdc`` siblings; no pynvml, no yaml, no
+other ``node_agent`` module), so a training job can use it without the rest of the agent::
 
     from node_agent.sdc import SdcProbe
 
     probe = SdcProbe()            # current CUDA device, 0.1 % budget, spool under the state dir
     for batch in loader:
         loss = model(batch).sum(); loss.backward(); opt.step()
-        probe.step()              # never raises; runs a probe only while under budget
+        probe.step()              # never raises; queues a probe only while under budget
 
 Three probes, cheapest first (see ``docs/sdc.md``):
 
-1. ``exact_gemm_probe``: small-integer inputs, so every product and partial sum is exact in the
-   fp32 accumulator and the output is exact in the output dtype; the golden value is an int64
-   matmul on the CPU and *any* difference is corruption.
-2. ``digest_probe``: full-mantissa inputs from a fixed seed; the sha256 of the output is compared
-   across the GPUs of a node (``odd_one_out``) and with the same GPU's earlier digest.
+1. ``exact_gemm_probe`` (``node_agent.sdc.exact``): whole-GPU GEMMs (every SM runs several
+   output tiles, ``node_agent.sdc.tiles``) on integer inputs with the dtype's full significand
+   and K small enough that the accumulator is exact in any order; the golden is the exact sum
+   rounded once to the output dtype, and *any* difference is corruption.
+2. ``digest_probe`` (``node_agent.sdc.reference``): full-mantissa random inputs; the sha256 of
+   the output is compared across the GPUs of a node and with the same GPU's earlier digest.
 3. ``freivalds_check``: C·x against A·(B·x) for a big GEMM, O(n²), with a documented bound.
 
-A mismatch is re-run before it is believed: repeated is ``confirmed`` (a FAULT), unrepeated is
-``transient`` (a WARN, kept as evidence). Every probe takes a ``matmul`` callable (default
-``torch.matmul``): that is the compute boundary where the simulator injects corruption
-(``corrupting_matmul``).
+A mismatch is re-run before it is believed (``node_agent.sdc.verdicts``): it is ``confirmed`` (a
+FAULT) when the re-run or another probe run in the same window mismatches, ``transient`` (a
+WARN, kept as evidence) otherwise. Every probe takes a ``matmul`` callable (default
+``node_agent.sdc.exact.gemm``): that is the compute boundary where the simulator injects
+corruption (``corrupting_matmul``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
-import hashlib
 import itertools
 import logging
 import os
+import re
 import time
-from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +46,43 @@ import torch
 if TYPE_CHECKING:  # the caller imports it; sdc stays stdlib + torch at runtime
     from node_agent.heartbeat import Heartbeat
 
+from node_agent.sdc import coverage as sdc_coverage
+from node_agent.sdc.coverage import Coverage
+from node_agent.sdc.exact import (  # noqa: F401 - re-exported: the probe API
+    DTYPES,
+    NUMERICS,
+    WHOLE_GPU_SPECS,
+    AccumulatorCheck,
+    ExactState,
+    Matmul,
+    Outcome,
+    ProbeSpec,
+    Readback,
+    Workspace,
+    accumulator_check,
+    check_spec,
+    dtype_unsupported,
+    exact_state,
+    gemm,
+    golden,
+    golden_out,
+    input_bits,
+    output_bytes,
+    plan_whole_gpu,
+    state_bytes,
+    strict_matmul,
+    tile_model_for,
+    whole_gpu_specs,
+)
+from node_agent.sdc.inject import corrupting_matmul
+from node_agent.sdc.reference import (  # noqa: F401 - re-exported
+    _random_inputs,
+    _sha256,
+    digest_probe,
+    freivalds_check,
+    freivalds_probe,
+    odd_one_out,
+)
 from node_agent.sdc.spool import (  # noqa: F401 - re-exported: the probe API's verdicts and spool
     SPOOL_SCHEMA,
     Verdict,
@@ -54,6 +91,8 @@ from node_agent.sdc.spool import (  # noqa: F401 - re-exported: the probe API's 
     read_spool_files,
     write_verdict,
 )
+from node_agent.sdc.tiles import TileModel
+from node_agent.sdc.verdicts import Window, error_verdict, make_verdict, upgrade_in_window
 
 __all__ = [
     "DTYPES",
@@ -61,249 +100,138 @@ __all__ = [
     "ProbeSpec",
     "Verdict",
     "SdcProbe",
+    "accumulator_check",
     "corrupting_matmul",
     "default_specs",
     "default_spool_dir",
     "digest_probe",
     "exact_gemm_probe",
+    "fit_whole_gpu",
     "freivalds_check",
     "freivalds_probe",
     "golden",
+    "golden_out",
     "odd_one_out",
+    "cublas_workspace_bytes",
+    "probe_memory_bytes",
     "read_spool",
     "read_spool_files",
     "run_probes",
     "strict_matmul",
+    "whole_gpu_specs",
     "write_verdict",
 ]
 
 log = logging.getLogger(__name__)
 
-Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Clock = Callable[[], float]
 
-
-# Probe dtype name -> (torch dtype of inputs and output, TF32 allowed).
-DTYPES: dict[str, tuple[torch.dtype, bool]] = {
-    "fp32": (torch.float32, False),
-    "tf32": (torch.float32, True),  # fp32 tensors, TF32 tensor cores (CUDA only)
-    "bf16": (torch.bfloat16, False),
-    "fp16": (torch.float16, False),
-}
-
-# Largest integer below which every integer is exact in the dtype: 2^(mantissa bits + 1).
-# IEEE 754 binary32 / binary16 and bfloat16 have 23, 10 and 7 stored mantissa bits.
-_EXACT_INT_LIMIT = {torch.float32: 2**24, torch.bfloat16: 2**8, torch.float16: 2**11}
-# Unit roundoff (half an ulp at 1.0) of what the output is rounded to; TF32 rounds inputs to 10
-# mantissa bits (NVIDIA A100 whitepaper, "TF32 Tensor Core").
-_UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
-_TF32_INPUT_ROUNDOFF = 2.0**-11
-_FP32_ACC_ROUNDOFF = 2.0**-24
-
-# Integer input range per dtype for the exact probe: |a|, |b| <= vmax.  The output is stored in
-# the probe dtype, so the bound that matters is vmax^2 * K within the *output's* exact range
-# (bf16: 256, fp16: 2048), not only the fp32 accumulator's 2^24.
-_EXACT_VMAX = {torch.float32: 2, torch.float16: 2, torch.bfloat16: 1}
-
-# (M, K, N).  Odd sizes on purpose: they select different GEMM kernels / tile paths than the
-# powers of two do.  K <= 256 keeps bf16 (vmax 1) and fp16 (vmax 2: 4*256 = 1024) exact.
+#: (M, K, N) of the digest probes (and of exact probes given explicit shapes). Odd sizes on
+#: purpose: they select other GEMM kernels / tile paths than powers of two do. They are small:
+#: a digest is hashed on the host, so it cannot be whole-GPU; the exact probes are.
 DEFAULT_SHAPES: tuple[tuple[int, int, int], ...] = ((128, 128, 128), (96, 256, 160), (257, 64, 33))
-
-
-@dataclasses.dataclass(frozen=True)
-class ProbeSpec:
-    """One probe configuration: GEMM shape (M, K, N), probe dtype name and input seed."""
-
-    m: int
-    k: int
-    n: int
-    dtype: str = "fp32"
-    seed: int = 0
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return (self.m, self.k, self.n)
-
-    def label(self) -> str:
-        return f"{self.dtype} {self.m}x{self.k}x{self.n}"
+#: dtypes of probes given explicit shapes, in order (tf32 and fp8 where the device has them)
+SHAPE_DTYPES = ("fp32", "bf16", "fp16", "tf32")
+#: tiles per SM the in-training probe asks for (the delivery check uses 4); SdcProbe takes fewer
+#: when its memory, the cuBLAS workspace of its stream included, would pass max_memory_mib: on an
+#: H100 (32 MiB workspace) that is 1 tile per SM, 1536 x 1536 outputs, 55.3 MiB in all
+TRAINING_TILES_PER_SM = 2
+#: device memory the in-training probe may hold by default, MiB (the issue's bound)
+DEFAULT_MAX_MEMORY_MIB = 64.0
 
 
 def default_specs(
     device: torch.device | str | None = None,
     shapes: Iterable[tuple[int, int, int]] | None = None,
     seed: int = 0,
+    tiles: TileModel | None = None,
+    dtypes: Iterable[str] | None = None,
+    tiles_per_sm: int | None = None,
 ) -> list[ProbeSpec]:
-    """Every shape in every dtype the device supports (``tf32`` only on CUDA)."""
+    """The exact probes for ``device``: whole-GPU specs (``whole_gpu_specs``) without
+    ``shapes``; with them, every shape in every dtype the device runs (``SHAPE_DTYPES``: tf32
+    only on CUDA), inputs as wide as K allows."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    names = ["fp32", "bf16", "fp16"] + (["tf32"] if dev.type == "cuda" else [])
-    return [ProbeSpec(*shape, dtype=d, seed=seed) for shape in (shapes or DEFAULT_SHAPES) for d in names]
+    if shapes is None:
+        specs, _ = whole_gpu_specs(dev, tiles, tuple(dtypes) if dtypes is not None else None,
+                                   tiles_per_sm, seed)
+        return specs
+    names = [d for d in (dtypes or SHAPE_DTYPES) if dtype_unsupported(d, dev) is None]
+    return [ProbeSpec(*shape, dtype=d, seed=seed) for shape in shapes for d in names]
+
+
+def cublas_workspace_bytes(device: torch.device | str) -> int:
+    """The cuBLAS workspace torch gives each (handle, stream): ``CUBLAS_WORKSPACE_CONFIG``
+    (``:SIZE_KIB:COUNT`` pairs) when set, else 32 MiB on compute capability 9.x, 10.x and 12.x
+    and 8 MiB + 128 KiB elsewhere (torch's defaults, ``aten/src/ATen/cuda/CublasHandlePool.cpp``).
+    The probe's own stream gets one; 0 on the CPU."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return 0
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if config:
+        pairs = re.findall(r":([0-9]+):([0-9]+)", config)
+        if pairs:
+            return sum(int(size) * 1024 * int(count) for size, count in pairs)
+    major, _ = torch.cuda.get_device_capability(dev)
+    return 4096 * 8 * 1024 if major in (9, 10, 12) else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+def probe_memory_bytes(specs: Iterable[ProbeSpec], tiles: TileModel | None = None,
+                       acc_dtypes: Iterable[str] = (), workspace_bytes: int = 0) -> int:
+    """Device bytes an in-training probe with these specs holds at most: every spec's inputs
+    and golden block, one output buffer and one mismatch mask (the largest spec's), the
+    per-tile map, the accumulator checks' inputs plus one check's transient output and mask,
+    and ``workspace_bytes`` (the cuBLAS workspace of its stream, ``cublas_workspace_bytes``).
+    Pure arithmetic: no device needed (``docs/sdc.md`` gives the H100 figures).
+    """
+    specs = list(specs)
+    if not specs:
+        return workspace_bytes
+    total = workspace_bytes + sum(state_bytes(s) for s in specs)
+    total += max(output_bytes(s) for s in specs) + max(s.m * s.n for s in specs)
+    if tiles is not None:
+        total += max(s.m * tiles.grid(s.m, s.n)[1] + tiles.tiles(s.m, s.n) for s in specs)
+    side = 4 * (tiles.tile_m if tiles else 128)
+    peak = 0
+    for name in set(acc_dtypes):
+        x = NUMERICS[name]
+        size_in = torch.empty((), dtype=x.dtype).element_size()
+        size_out = torch.empty((), dtype=x.out_dtype).element_size()
+        total += 2 * side * 32 * size_in
+        peak = max(peak, side * side * (size_out + 1))
+    return total + peak
+
+
+def fit_whole_gpu(model: TileModel, dtypes: Iterable[str], tiles_per_sm: int, block: int,
+                  max_bytes: float, workspace_bytes: int = 0,
+                  seed: int = 0) -> tuple[list[ProbeSpec], int, int]:
+    """(specs, tiles per SM, device bytes): the most tiles per SM, up to ``tiles_per_sm``, whose
+    whole-GPU specs fit ``max_bytes`` (``probe_memory_bytes``, ``workspace_bytes`` included);
+    ValueError when even 1 tile per SM does not. Pure: no device needed.
+
+    >>> from node_agent.sdc.tiles import gpu_model
+    >>> names = [d for d, _, _ in WHOLE_GPU_SPECS]        # an H100: every dtype, 32 MiB workspace
+    >>> specs, per_sm, need = fit_whole_gpu(gpu_model(132), names, 2, 256, 64 * 2**20, 32 * 2**20)
+    >>> per_sm, specs[0].label(), round(need / 2**20, 1)
+    (1, 'bf16 1536x256x1536', 55.3)
+    """
+    names = list(dict.fromkeys(dtypes))
+    per_sm = max(1, tiles_per_sm)
+    while True:
+        specs = plan_whole_gpu(model, names, per_sm, block, seed)
+        need = probe_memory_bytes(specs, model, {s.dtype for s in specs}, workspace_bytes)
+        if need <= max_bytes:
+            return specs, per_sm, need
+        if per_sm <= 1:
+            raise ValueError(f"whole-GPU probes need {need / 2**20:.1f} MiB of device memory even "
+                             f"at 1 tile per SM ({workspace_bytes / 2**20:.1f} MiB cuBLAS "
+                             f"workspace included), over {max_bytes / 2**20:.1f} MiB")
+        per_sm -= 1
 
 
 # --------------------------------------------------------------------------------------------
-# Numerics settings
-
-
-@contextlib.contextmanager
-def strict_matmul(tf32: bool = False) -> Iterator[None]:
-    """Disable TF32 (unless asked) and reduced-precision reductions; restore afterwards.
-
-    These flags are process-wide and read when a matmul is launched, so flipping them inside
-    the training thread's ``step()`` call does not affect training kernels launched before or
-    after it.
-    """
-    m = torch.backends.cuda.matmul
-    saved = (
-        m.allow_tf32,
-        m.allow_bf16_reduced_precision_reduction,
-        m.allow_fp16_reduced_precision_reduction,
-        torch.backends.cudnn.allow_tf32,
-    )
-    try:
-        m.allow_tf32 = tf32
-        m.allow_bf16_reduced_precision_reduction = False
-        m.allow_fp16_reduced_precision_reduction = False
-        torch.backends.cudnn.allow_tf32 = tf32
-        yield
-    finally:
-        (
-            m.allow_tf32,
-            m.allow_bf16_reduced_precision_reduction,
-            m.allow_fp16_reduced_precision_reduction,
-            torch.backends.cudnn.allow_tf32,
-        ) = saved
-
-
-# --------------------------------------------------------------------------------------------
-# Exact-arithmetic GEMM
-
-_GOLDEN: dict[tuple[tuple[int, int, int], str, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-_DEVICE_INPUTS: dict[tuple[ProbeSpec, str, str], tuple[torch.Tensor, ...]] = {}
-
-
-def _check_exact(spec: ProbeSpec) -> tuple[torch.dtype, bool, int]:
-    if spec.dtype not in DTYPES:
-        raise ValueError(f"probe dtype {spec.dtype!r} is not one of {sorted(DTYPES)}")
-    dtype, tf32 = DTYPES[spec.dtype]
-    vmax = _EXACT_VMAX[dtype]
-    bound = vmax * vmax * spec.k  # worst-case |sum| of K products of |a|,|b| <= vmax
-    limit = min(_EXACT_INT_LIMIT[dtype], _EXACT_INT_LIMIT[torch.float32])
-    if bound > limit:
-        raise ValueError(
-            f"exact probe {spec.label()}: worst-case |sum| {bound} exceeds {limit}, the exact "
-            f"integer range of {spec.dtype} output / fp32 accumulator; use K <= {limit // (vmax * vmax)}"
-        )
-    return dtype, tf32, vmax
-
-
-def golden(spec: ProbeSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(A, B, A@B) as int64 CPU tensors for an exact probe, computed once and cached.
-
-    A and B hold integers in [-vmax, vmax] drawn from ``spec.seed`` (vmax 2, or 1 for bf16).
-    """
-    key = (spec.shape, spec.dtype, spec.seed)
-    hit = _GOLDEN.get(key)
-    if hit is None:
-        _, _, vmax = _check_exact(spec)
-        g = torch.Generator().manual_seed(spec.seed)
-        a = torch.randint(-vmax, vmax + 1, (spec.m, spec.k), generator=g, dtype=torch.int64)
-        b = torch.randint(-vmax, vmax + 1, (spec.k, spec.n), generator=g, dtype=torch.int64)
-        hit = _GOLDEN[key] = (a, b, a @ b)
-    return hit
-
-
-def _exact_inputs(spec: ProbeSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Device copies of (A, B) in the probe dtype and the golden value as float64 (cached)."""
-    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-    key = (spec, str(device), str(stream))
-    hit = _DEVICE_INPUTS.get(key)
-    if hit is None:
-        dtype, _, _ = _check_exact(spec)
-        a, b, c = golden(spec)
-        hit = _DEVICE_INPUTS[key] = (
-            a.to(dtype).to(device),
-            b.to(dtype).to(device),
-            c.to(torch.float64).to(device),
-        )
-    return hit  # type: ignore[return-value]
-
-
-@dataclasses.dataclass
-class _Outcome:
-    """One run of one probe, before confirmation."""
-
-    mismatched: int
-    total: int
-    evidence: dict[str, Any]
-
-
-def _launch_exact(spec: ProbeSpec, device: torch.device, matmul: Matmul) -> Callable[[], _Outcome]:
-    """Queue the exact GEMM and its comparison; return a function that reads the result.
-
-    On CUDA the work is only queued (on the current stream); the returned function syncs.
-    """
-    dtype, tf32, _ = _check_exact(spec)
-    a, b, expected = _exact_inputs(spec, device)
-    with strict_matmul(tf32):
-        out = matmul(a, b)
-    got = out.to(torch.float64)
-    bad = got != expected  # NaN counts as a mismatch
-    count = bad.sum()
-    first = torch.nonzero(bad)[:5] if device.type != "cuda" else None
-
-    def read() -> _Outcome:
-        n = int(count.item())
-        ev: dict[str, Any] = {}
-        if n:
-            idx = first if first is not None else torch.nonzero(bad)[:5]
-            ev["first"] = [
-                [[int(i), int(j)], float(got[i, j]), float(expected[i, j])] for i, j in idx.tolist()
-            ]
-        return _Outcome(n, expected.numel(), ev)
-
-    return read
-
-
-def _describe(probe: str, spec: ProbeSpec, o: _Outcome, rerun: _Outcome | None) -> str:
-    if not o.mismatched:
-        return f"{probe} {spec.label()}: all {o.total} elements match"
-    firsts = "; ".join(f"{tuple(i)} got {g!r} expected {e!r}" for i, g, e in o.evidence.get("first", []))
-    again = (
-        f"re-run repeated it ({rerun.mismatched} differ)"
-        if rerun is not None and rerun.mismatched
-        else "re-run matched (transient)"
-    )
-    return f"{probe} {spec.label()}: {o.mismatched} of {o.total} elements differ; {again}; first: {firsts}"
-
-
-def _verdict(
-    probe: str, spec: ProbeSpec, device: torch.device, first: _Outcome, rerun: _Outcome | None,
-    duration_s: float, evidence: dict[str, Any] | None = None,
-) -> Verdict:
-    if not first.mismatched:
-        status = "pass"
-    elif rerun is not None and rerun.mismatched:
-        status = "confirmed"
-    else:
-        status = "transient"
-    ev = dict(first.evidence)
-    if rerun is not None:
-        ev["rerun_mismatched_elements"] = rerun.mismatched
-        ev["rerun"] = rerun.evidence
-    ev.update(evidence or {})
-    return Verdict(
-        probe=probe, device=str(device), shape=spec.shape, dtype=spec.dtype, status=status,
-        mismatched_elements=first.mismatched, detail=_describe(probe, spec, first, rerun),
-        duration_s=duration_s, timestamp=time.time(), evidence=ev,
-    )
-
-
-def _error_verdict(probe: str, spec: ProbeSpec | None, device: Any, err: BaseException, duration_s: float = 0.0) -> Verdict:
-    return Verdict(
-        probe=probe, device=str(device), shape=spec.shape if spec else (), dtype=spec.dtype if spec else "",
-        status="error", mismatched_elements=0,
-        detail=f"{probe} {spec.label() if spec else ''} could not run: {type(err).__name__}: {err}",
-        duration_s=duration_s, timestamp=time.time(),
-    )
+# Standalone probes (the check, `node-agent sdc`)
 
 
 def _sync(device: torch.device) -> None:
@@ -313,283 +241,84 @@ def _sync(device: torch.device) -> None:
 
 def exact_gemm_probe(
     spec: ProbeSpec, device: torch.device | str = "cpu", matmul: Matmul | None = None,
-    clock: Clock = time.perf_counter,
+    clock: Clock = time.perf_counter, tiles: TileModel | None = None,
 ) -> Verdict:
     """Run one exact-arithmetic GEMM on ``device`` (on its current stream), compare with the
-    CPU golden value; re-run once on a mismatch.  Returns a Verdict (never ``error``: an
-    exception propagates to the caller).
+    golden value; re-run once on a mismatch. ``tiles`` (the device's tile model) adds which
+    tiles mismatched to the evidence. Returns a Verdict (never ``error``: an exception
+    propagates to the caller).
 
     >>> exact_gemm_probe(ProbeSpec(64, 64, 64, "bf16")).status
     'pass'
     """
     dev = torch.device(device)
-    mm = matmul or torch.matmul
     t0 = clock()
-    first = _launch_exact(spec, dev, mm)()
-    rerun = _launch_exact(spec, dev, mm)() if first.mismatched else None
+    state = exact_state(spec, dev, tiles)
+    first = state.launch(matmul)()
+    rerun = state.launch(matmul)() if first.mismatched else None
     _sync(dev)
-    return _verdict("exact_gemm", spec, dev, first, rerun, clock() - t0)
-
-
-# --------------------------------------------------------------------------------------------
-# Random-data GEMM with digests
-
-_RANDOM_INPUTS: dict[tuple[ProbeSpec, str, str], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _random_inputs(spec: ProbeSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    # Drawn on the CPU so that every GPU of the node multiplies the very same bits.
-    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-    key = (spec, str(device), str(stream))
-    hit = _RANDOM_INPUTS.get(key)
-    if hit is None:
-        dtype = DTYPES[spec.dtype][0]
-        g = torch.Generator().manual_seed(spec.seed)
-        a = torch.randn(spec.m, spec.k, generator=g, dtype=torch.float32).to(dtype)
-        b = torch.randn(spec.k, spec.n, generator=g, dtype=torch.float32).to(dtype)
-        hit = _RANDOM_INPUTS[key] = (a.to(device), b.to(device))
-    return hit
-
-
-def _sha256(t: torch.Tensor) -> str:
-    """sha256 of a tensor's exact bytes (copied to the host first when needed)."""
-    t = t.detach().cpu().contiguous()
-    return hashlib.sha256(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())).hexdigest()
-
-
-def _digest_once(spec: ProbeSpec, device: torch.device, matmul: Matmul) -> str:
-    if spec.dtype not in DTYPES:
-        raise ValueError(f"probe dtype {spec.dtype!r} is not one of {sorted(DTYPES)}")
-    a, b = _random_inputs(spec, device)
-    with strict_matmul(DTYPES[spec.dtype][1]):
-        out = matmul(a, b)
-    return _sha256(out)
-
-
-def digest_probe(
-    spec: ProbeSpec, device: torch.device | str = "cpu", matmul: Matmul | None = None,
-    previous: str | None = None, clock: Clock = time.perf_counter,
-) -> Verdict:
-    """Random full-mantissa GEMM; ``evidence['digest']`` is the sha256 of the output bytes.
-
-    Compare digests across the node's GPUs with ``odd_one_out``.  Given ``previous`` (this
-    GPU's earlier digest for the same spec and software), a differing digest is re-run:
-    different again is ``confirmed``, back to ``previous`` is ``transient``.
-    """
-    dev = torch.device(device)
-    mm = matmul or torch.matmul
-    t0 = clock()
-    d1 = _digest_once(spec, dev, mm)
-    first = _Outcome(0, 1, {})
-    rerun = None
-    ev: dict[str, Any] = {"digest": d1}
-    if previous is not None and d1 != previous:
-        d2 = _digest_once(spec, dev, mm)
-        first = _Outcome(1, 1, {"digest_differs_from_previous": previous})
-        rerun = _Outcome(int(d2 != previous), 1, {"digest": d2})
-        if d2 == previous:
-            ev["digest"] = d2
-    v = _verdict("digest_gemm", spec, dev, first, rerun, clock() - t0, ev)
-    if v.status == "pass":
-        v.detail = f"digest_gemm {spec.label()}: sha256 {d1[:16]}"
-    else:
-        v.detail = (
-            f"digest_gemm {spec.label()}: output sha256 {d1[:16]} differs from this device's "
-            f"earlier {previous[:16]}; " + ("re-run differed again" if v.status == "confirmed" else "re-run matched the earlier digest")
-        )
-        v.mismatched_elements = 0  # unknown: a digest says that bits differ, not how many
-    return v
-
-
-def odd_one_out(digests: Mapping[Hashable, str]) -> list[Hashable]:
-    """The devices whose digest differs from a strict majority's; [] without a majority.
-
-    >>> odd_one_out({"cuda:0": "aa", "cuda:1": "aa", "cuda:2": "bb"})
-    ['cuda:2']
-    """
-    if not digests:
-        return []
-    value, count = Counter(digests.values()).most_common(1)[0]
-    if count * 2 <= len(digests):
-        return []  # a tie (2 vs 2, or 1 vs 1) names no suspect
-    return [dev for dev, d in digests.items() if d != value]
-
-
-# --------------------------------------------------------------------------------------------
-# Freivalds
-
-
-def _is_integral(t: torch.Tensor) -> bool:
-    return bool(torch.isfinite(t).all()) and bool((t == torch.round(t)).all())
-
-
-def freivalds_check(
-    A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, rounds: int = 2, rtol: float | None = None,
-    seed: int = 0, tf32: bool = False,
-) -> int:
-    """Number of rows i where C·x disagrees with A·(B·x) for random x, in O(n²) per round.
-
-    Exact mode (A and B integer-valued): x holds random nonzero integers in [-1024, 1024],
-    the check runs exactly (integers in float64, every partial sum under 2⁵³) and any
-    difference counts, so one changed element of C is always caught.  Float mode: x_j = ±U[0.5, 1.5) in float64 and row i disagrees when
-
-        |(C·x − A·(B·x))_i| > rtol · ((|A|·(|B|·|x|))_i + (|C|·|x|)_i)
-
-    with default ``rtol = 2·(K·2⁻²⁴ + u_out + u_in)``: the worst-case fp32 accumulation error
-    of K products (γ_K ≈ K·u, Higham, *Accuracy and Stability of Numerical Algorithms*, §3.5),
-    plus rounding the result to C's dtype (u_out: 2⁻⁸ bf16, 2⁻¹¹ fp16, 2⁻²⁴ fp32), plus TF32
-    input rounding (u_in = 2⁻¹¹ when ``tf32``), doubled as margin.  Float mode therefore only
-    sees corruption larger than that bound (e.g. an exponent or high mantissa bit).
-    Non-finite rows of C always disagree.
-    """
-    if A.dim() != 2 or B.dim() != 2 or C.dim() != 2 or A.shape[1] != B.shape[0] or C.shape != (A.shape[0], B.shape[1]):
-        raise ValueError(f"freivalds_check: shapes A{tuple(A.shape)} B{tuple(B.shape)} C{tuple(C.shape)} do not chain")
-    dev = C.device
-    k = A.shape[1]
-    a64, b64, c64 = (t.to(torch.float64) for t in (A, B, C))
-    bad = ~torch.isfinite(c64).all(dim=1)
-    g = torch.Generator().manual_seed(seed)
-    exact = _is_integral(a64) and _is_integral(b64)
-    if exact:
-        amax = float(a64.abs().max()) if a64.numel() else 0.0
-        bmax = float(b64.abs().max()) if b64.numel() else 0.0
-        cbound = amax * bmax * k  # |(AB)_ij| can be no larger
-        # Every partial sum below is an integer under amax*bmax*1024*K*N; under 2^53 float64
-        # holds them all exactly (and float64 matmul runs on CUDA, int64 matmul does not).
-        if cbound * 1024 * max(C.shape[1], 1) >= 2**53:
-            exact = False
-    if exact:
-        finite = torch.where(torch.isfinite(c64), c64, torch.zeros_like(c64))
-        # A C element that is not an integer, or larger than any product of A and B can be,
-        # is wrong for sure; the rest is compared exactly.
-        wild = (finite != torch.round(finite)) | (finite.abs() > cbound)
-        bad |= wild.any(dim=1)
-        ci = torch.where(wild, torch.zeros_like(finite), finite)
-        for _ in range(rounds):
-            x = torch.randint(1, 1025, (C.shape[1], 1), generator=g, dtype=torch.int64)
-            x = (x * (torch.randint(0, 2, x.shape, generator=g) * 2 - 1)).to(torch.float64).to(dev)
-            bad |= (ci @ x != a64 @ (b64 @ x)).squeeze(1)
-        return int(bad.sum())
-    if rtol is None:
-        u_out = _UNIT_ROUNDOFF.get(C.dtype, 2.0**-53)
-        rtol = 2.0 * (k * _FP32_ACC_ROUNDOFF + u_out + (_TF32_INPUT_ROUNDOFF if tf32 else 0.0))
-    c0 = torch.where(torch.isfinite(c64), c64, torch.zeros_like(c64))
-    for _ in range(rounds):
-        # |x_j| in [0.5, 1.5): a changed element of C moves its row by at least half the change.
-        x = torch.rand(C.shape[1], 1, generator=g, dtype=torch.float64) + 0.5
-        x = (x * (torch.randint(0, 2, x.shape, generator=g) * 2 - 1)).to(dev)
-        lhs = c0 @ x
-        rhs = a64 @ (b64 @ x)
-        ax = x.abs()
-        tol = rtol * (a64.abs() @ (b64.abs() @ ax) + c0.abs() @ ax)
-        bad |= ((lhs - rhs).abs() > tol).squeeze(1)
-    return int(bad.sum())
-
-
-def freivalds_probe(
-    spec: ProbeSpec, device: torch.device | str = "cpu", matmul: Matmul | None = None,
-    clock: Clock = time.perf_counter,
-) -> Verdict:
-    """A random GEMM (as a burn test would run) verified by ``freivalds_check``; re-run once."""
-    dev = torch.device(device)
-    mm = matmul or torch.matmul
-    t0 = clock()
-
-    def once() -> _Outcome:
-        a, b = _random_inputs(spec, dev)
-        with strict_matmul(DTYPES[spec.dtype][1]):
-            c = mm(a, b)
-        rows = freivalds_check(a, b, c, tf32=DTYPES[spec.dtype][1], seed=spec.seed)
-        return _Outcome(rows, spec.m, {"unit": "rows"})
-
-    first = once()
-    rerun = once() if first.mismatched else None
-    v = _verdict("freivalds", spec, dev, first, rerun, clock() - t0)
-    v.detail = v.detail.replace("elements differ", "rows disagree").replace("elements match", "rows agree")
-    return v
-
-
-# --------------------------------------------------------------------------------------------
-# Fault injection for the simulator and tests
-
-
-_DEFAULT_BIT = {torch.float32: 22, torch.float16: 9, torch.bfloat16: 6}  # top mantissa bit
-_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-
-
-def corrupting_matmul(
-    bit: int | None = None, seed: int = 0, times: int | None = None, base: Matmul | None = None,
-) -> Matmul:
-    """A matmul that flips one bit of one output element: the simulated faulty GPU.
-
-    ``bit``: which bit of the element's IEEE encoding (default: the top mantissa bit, which
-    changes any value, zero included); ``seed`` picks the element; ``times``: corrupt only the
-    first ``times`` calls (``times=1`` makes a transient), ``None`` every call.
-    """
-    mm = base or torch.matmul
-    calls = itertools.count()
-
-    def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        out = mm(a, b)
-        if times is not None and next(calls) >= times:
-            return out
-        view = _INT_VIEW.get(out.dtype)
-        if view is None:
-            raise TypeError(f"corrupting_matmul: cannot flip bits of {out.dtype}")
-        nbits = torch.iinfo(view).bits
-        b_ = _DEFAULT_BIT[out.dtype] if bit is None else bit
-        if not 0 <= b_ < nbits:
-            raise ValueError(f"corrupting_matmul: bit {b_} out of range for {out.dtype} ({nbits} bits)")
-        mask = (1 << b_) if b_ < nbits - 1 else -(1 << b_)  # the sign bit as a two's-complement value
-        idx = torch.randint(0, out.numel(), (1,), generator=torch.Generator().manual_seed(seed)).item()
-        out = out.clone()
-        flat = out.view(-1).view(view)
-        flat[idx] ^= mask
-        return out
-
-    return matmul
-
-
-# --------------------------------------------------------------------------------------------
-# Spool: verdicts handed to the daemon as JSON files
-
-
-# --------------------------------------------------------------------------------------------
-# Standalone run (delivery check, `node-agent sdc`)
+    return make_verdict("exact_gemm", spec, dev, first, rerun, clock() - t0,
+                        {"input_bits": input_bits(spec)})
 
 
 def run_probes(
     device: torch.device | str, duration_s: float | None = None, matmul: Matmul | None = None,
     shapes: Iterable[tuple[int, int, int]] | None = None, clock: Clock = time.monotonic,
+    tiles: TileModel | None = None,
 ) -> list[Verdict]:
-    """Run every exact, digest and Freivalds probe on ``device`` once; with ``duration_s``
-    (seconds), repeat the exact probes until that much time has passed (at least one pass).
+    """Run the accumulator checks and every exact (whole-GPU unless ``shapes``), digest and
+    Freivalds probe on ``device`` once; with ``duration_s`` (seconds), repeat the exact probes
+    until that much time has passed (at least one pass). A second mismatch on the device
+    confirms a transient one (``node_agent.sdc.verdicts``).
 
-    A probe that raises becomes an ``error`` verdict; the others still run.  Digest verdicts
-    carry ``evidence['digest']`` for ``odd_one_out`` across the node's GPUs.
+    A probe that raises becomes an ``error`` verdict; the others still run. Digest verdicts
+    carry ``evidence['digest']`` for ``odd_one_out`` across the node's GPUs; every verdict
+    carries ``evidence['sm_coverage']`` (the tile model's figure).
     """
     dev = torch.device(device)
-    specs = default_specs(dev, shapes)
+    model = tiles or tile_model_for(dev)
+    specs = default_specs(dev, shapes, tiles=model)
+    skipped: dict[str, str] = {}
+    for name in sorted({s.dtype for s in specs}):
+        try:
+            why = accumulator_check(name, dev, matmul, model)
+        except Exception as err:  # noqa: BLE001 - a dtype whose check cannot run is probed anyway
+            log.warning("sdc accumulator check %s on %s failed: %s", name, dev, err)
+            why = None
+        if why:
+            skipped[name] = why
+    specs = [s for s in specs if s.dtype not in skipped]
+    cover = sdc_coverage.modeled(model, [(s.m, s.n) for s in specs]).evidence()
+    window = Window()
     start = clock()
     verdicts: list[Verdict] = []
 
-    def guarded(kind: str, fn: Callable[..., Verdict], spec: ProbeSpec) -> None:
+    def guarded(kind: str, fn: Callable[..., Verdict], spec: ProbeSpec, **kw: Any) -> None:
         try:
-            verdicts.append(fn(spec, dev, matmul))
+            v = fn(spec, dev, matmul, **kw)
         except Exception as err:  # a probe that cannot run is reported, never a pass
             log.exception("sdc %s %s on %s failed", kind, spec.label(), dev)
-            verdicts.append(_error_verdict(kind, spec, dev, err))
+            v = error_verdict(kind, spec, dev, err)
+        if kind == "exact_gemm":
+            upgrade_in_window(v, window)
+        v.evidence.update(cover)
+        if skipped:
+            v.evidence["skipped_dtypes"] = skipped
+        verdicts.append(v)
 
     for spec in specs:
-        guarded("exact_gemm", exact_gemm_probe, spec)
-    for spec in specs:
-        guarded("digest_gemm", digest_probe, spec)
+        guarded("exact_gemm", exact_gemm_probe, spec, tiles=model)
+    digest_names = [d for d in ("fp32", "bf16", "fp16", "tf32") if dtype_unsupported(d, dev) is None]
+    for shape in shapes or DEFAULT_SHAPES:
+        for name in digest_names:
+            guarded("digest_gemm", digest_probe, ProbeSpec(*shape, dtype=name))
     big = 1024 if dev.type == "cuda" else 256
     for name in ("fp32", "bf16") + (("tf32",) if dev.type == "cuda" else ()):
         guarded("freivalds", freivalds_probe, ProbeSpec(big, big, big, name))
     while duration_s is not None and clock() - start < duration_s:
         for spec in specs:
-            guarded("exact_gemm", exact_gemm_probe, dataclasses.replace(spec, seed=spec.seed + 1))
+            guarded("exact_gemm", exact_gemm_probe, dataclasses.replace(spec, seed=spec.seed + 1),
+                    tiles=model)
             if clock() - start >= duration_s:
                 break
     return verdicts
@@ -601,34 +330,60 @@ def run_probes(
 
 @dataclasses.dataclass
 class _Pending:
+    kind: str                # "exact_gemm" or "digest_gemm"
     spec: ProbeSpec
-    kind: str
     read: Callable[[], Any]
-    start: Any  # torch.cuda.Event or clock value
+    start: Any               # torch.cuda.Event or clock value
     end: Any
-    first: _Outcome | None = None  # set while a confirmation re-run is in flight
+    host_s: float = 0.0      # host time spent queuing it (the training thread's cost)
+    first: Outcome | None = None  # set while a confirmation re-run is in flight
     first_cost_s: float = 0.0
 
 
 class SdcProbe:
     """Run SDC probes from inside a training loop within a time budget.
 
-    Call ``step()`` once per training step.  It measures the wall time since creation and the
+    Call ``step()`` once per training step. It measures the wall time since creation and the
     probes' own cumulative cost, and starts the next probe only while
     ``(cost + expected cost of the next probe) <= budget_fraction * elapsed`` (the very first
-    probe runs at once).  On CUDA the probe runs on a side stream (``torch.cuda.Stream``), is
-    only *queued* by ``step()``, is timed with CUDA events and read at a later ``step()`` once
-    its events completed, so training never waits for it.  On the CPU it runs synchronously,
+    probe runs at once). The budget is spent on whole-GPU exact probes, round-robin over the
+    specs (``whole_gpu_specs``: every dtype the GPU runs, bf16 fp16 tf32 fp8 fp32).
+
+    **Set-up, at construction** (a one-off, not counted against the budget): inputs and golden
+    blocks are made on the device, an output buffer, a mismatch mask and pinned host buffers
+    are allocated, each dtype's accumulator is checked (a kernel that accumulates in lower
+    precision has its dtype skipped, logged, and named in verdicts'
+    ``evidence['skipped_dtypes']``), every spec runs once to warm cuBLAS up on the probe's
+    stream, and ``sm_coverage`` is measured with ``%smid`` (``measure_coverage``) or taken from
+    the tile model.
+
+    **Never stalls training.** On CUDA ``step()`` only *queues* work on the probe's own stream
+    (``torch.cuda.Stream``): the GEMM into the preallocated output, the comparison against the
+    device-resident golden, the mismatch count and per-tile map copied to pinned memory, and a
+    CUDA event behind them. A later ``step()`` reads the pinned result once the event has
+    completed (``Event.query()``). Nothing synchronises the host with the training stream or the
+    probe's. The cost counted against the budget is the probe's GPU time (CUDA events) plus the
+    host time ``step()`` spent queuing and reading it. On the CPU the probe runs synchronously,
     timed with ``clock``.
 
-    Non-pass verdicts (transient, confirmed, error) are written to ``spool_dir`` (default
-    ``default_spool_dir()``) with ``write_verdict``; set ``spool_passes=True`` to write passes
-    too.  ``step()`` logs and swallows every exception (recorded as an ``error`` verdict, with
-    exponential back-off) unless ``raise_errors=True``.  ``verdicts`` keeps the last
-    ``keep`` verdicts in memory.
+    **Memory.** Device memory held is :attr:`memory_bytes` (``probe_memory_bytes``, the cuBLAS
+    workspace of the probe's stream included), at most ``max_memory_mib`` (default 64): the
+    whole-GPU output shrinks (fewer tiles per SM, from ``tiles_per_sm``, default 3) until it
+    fits, and construction fails if even one tile per SM does not.
 
-    ``shapes``: (M, K, N) tuples for the exact probes (K <= 256, see ``DEFAULT_SHAPES``).
-    ``clock`` (seconds, monotonic) and ``matmul`` are injectable for tests and the simulator.
+    **Verdicts.** A mismatch is re-run (at a later step); it is ``confirmed`` when the re-run,
+    or another probe run within ``confirm_window`` probe runs (default: one round over the
+    specs), mismatched too, else ``transient``. Non-pass verdicts (transient, confirmed,
+    error) are written to ``spool_dir`` (default ``default_spool_dir()``) with
+    ``write_verdict``; ``spool_passes=True`` writes passes too. Every verdict's evidence has
+    ``sm_coverage``. ``step()`` logs and swallows every exception (recorded as an ``error``
+    verdict, with exponential back-off) unless ``raise_errors=True``. ``verdicts`` keeps the
+    last ``keep`` verdicts in memory.
+
+    ``shapes``: (M, K, N) tuples for explicit exact probes instead of the whole-GPU ones.
+    ``digests=True`` adds a small digest probe per round (``DEFAULT_SHAPES``, compared with this
+    GPU's earlier digest). ``clock`` (seconds, monotonic), ``matmul`` and ``sm_count`` are
+    injectable for tests and the simulator.
     """
 
     def __init__(
@@ -643,9 +398,15 @@ class SdcProbe:
         clock: Clock = time.monotonic,
         seed: int = 0,
         spool_passes: bool = False,
-        digests: bool = True,
+        digests: bool = False,
         keep: int = 100,
         heartbeat: Heartbeat | None = None,
+        dtypes: Iterable[str] | None = None,
+        tiles_per_sm: int = TRAINING_TILES_PER_SM,
+        sm_count: int | None = None,
+        max_memory_mib: float = DEFAULT_MAX_MEMORY_MIB,
+        confirm_window: int | None = None,
+        measure_coverage: bool = True,
     ) -> None:
         if not 0 < budget_fraction < 1:
             raise ValueError(f"budget_fraction must be in (0, 1), got {budget_fraction}")
@@ -661,18 +422,27 @@ class SdcProbe:
         self.clock = clock
         self.spool_passes = spool_passes
         self.keep = keep
-        specs = default_specs(self.device, shapes, seed)
-        for s in specs:
-            _check_exact(s)  # fail at construction, not inside the loop
-        # Exact and digest probes alternate, so an exact probe (which needs no earlier
-        # baseline) is never more than two probes away when a fault appears.
-        plan = [(kind, s) for s in specs for kind in (("exact_gemm", "digest_gemm") if digests else ("exact_gemm",))]
-        self._plan = itertools.cycle(plan)
-        self._next = next(self._plan)
-        self._expected: dict[tuple[str, ProbeSpec], float] = {}
+        self.tiles = tile_model_for(self.device, sm_count)
+        cuda = self.device.type == "cuda"
+        self.specs, self.tiles_per_sm, self.memory_bytes = self._size(
+            seed, list(shapes) if shapes is not None else None,
+            tuple(dtypes) if dtypes is not None else None, tiles_per_sm, max_memory_mib)
+        self.skipped: dict[str, str] = {}
+        self._stream = torch.cuda.Stream(self.device) if cuda else None
         self._digests: dict[ProbeSpec, str] = {}
+        self._digest_specs = [ProbeSpec(*s, dtype=d, seed=seed) for s in DEFAULT_SHAPES
+                              for d in ("bf16", "fp32")] if digests else []
+        self._digest_plan = itertools.cycle(self._digest_specs) if digests else None
+        self._digest_host: dict[ProbeSpec, torch.Tensor] = {}
+        self._states: dict[ProbeSpec, ExactState] = {}
+        self._workspace: Workspace | None = None
+        self._readback: Readback | None = None
+        self._prepare()
+        self.coverage = self._coverage(measure_coverage and cuda)
+        self._build_plan()
+        self._window = Window(confirm_window or max(1, len(self.specs)))
+        self._expected: dict[tuple[str, ProbeSpec], float] = {}
         self._pending: _Pending | None = None
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._errors = 0
         self._blocked_until = float("-inf")
         self.started = clock()
@@ -684,6 +454,99 @@ class SdcProbe:
         #: that already calls ``step()`` per training step gets hang detection for free
         self.heartbeat = heartbeat
 
+    # -- set-up (construction only: uploads and allocations happen here, not in step()) ------
+
+    def _size(self, seed: int, shapes: list[tuple[int, int, int]] | None,
+              dtypes: tuple[str, ...] | None, tiles_per_sm: int,
+              max_memory_mib: float) -> tuple[list[ProbeSpec], int, int]:
+        """The specs, tiles per SM and device bytes (``fit_whole_gpu`` on CUDA)."""
+        if self.device.type != "cuda" or shapes is not None:
+            specs = default_specs(self.device, shapes, seed, self.tiles, dtypes, tiles_per_sm)
+            for s in specs:
+                check_spec(s)  # fail at construction, not inside the loop
+            if self.device.type != "cuda":
+                return specs, tiles_per_sm, 0
+            workspace = cublas_workspace_bytes(self.device)
+            need = probe_memory_bytes(specs, self.tiles, {s.dtype for s in specs}, workspace)
+            if need > max_memory_mib * 2**20:
+                raise ValueError(f"SdcProbe on {self.device}: the given shapes need "
+                                 f"{need / 2**20:.1f} MiB of device memory, over "
+                                 f"max_memory_mib={max_memory_mib:g}")
+            return specs, tiles_per_sm, need
+        from node_agent.sdc.tiles import GPU_BLOCK
+
+        _, skipped = whole_gpu_specs(self.device, self.tiles, dtypes, 1)
+        names = [d for d, _, _ in WHOLE_GPU_SPECS
+                 if d not in skipped and (dtypes is None or d in dtypes)]
+        try:
+            return fit_whole_gpu(self.tiles, names, tiles_per_sm, GPU_BLOCK,
+                                 max_memory_mib * 2**20, cublas_workspace_bytes(self.device), seed)
+        except ValueError as err:
+            raise ValueError(f"SdcProbe on {self.device}: {err}; raise max_memory_mib or pass "
+                             "fewer dtypes") from None
+
+    def _prepare(self) -> None:
+        ctx = (torch.cuda.stream(self._stream) if self._stream is not None
+               else contextlib.nullcontext())
+        dev = torch.cuda.device(self.device) if self._stream is not None else contextlib.nullcontext()
+        with dev, ctx:
+            for name in sorted({s.dtype for s in self.specs}):
+                try:
+                    why = AccumulatorCheck(name, self.device, self.tiles).launch(self.matmul)()
+                except Exception as err:  # noqa: BLE001 - step() reports a dtype that cannot run
+                    log.warning("sdc accumulator check %s on %s could not run: %s", name,
+                                self.device, err)
+                    why = None
+                if why:
+                    self.skipped[name] = why
+                    log.warning("sdc on %s: %s", self.device, why)
+            self.specs = [s for s in self.specs if s.dtype not in self.skipped]
+            for spec in self.specs:
+                self._states[spec] = ExactState(spec, self.device, self.tiles)
+            for spec in self._digest_specs:
+                a, b = _random_inputs(spec, self.device)
+                if self._stream is not None:
+                    self._digest_host[spec] = torch.empty(spec.m, spec.n, dtype=a.dtype, pin_memory=True)
+            if self._stream is None or not self.specs:
+                return
+            self._workspace = Workspace(self.device, max(output_bytes(s) for s in self.specs),
+                                        max(s.m * s.n for s in self.specs))
+            self._readback = Readback(max(st.tile_count for st in self._states.values()))
+            if self.matmul is None:  # warm cuBLAS up on this stream (handle, workspace, kernels)
+                for spec, state in self._states.items():
+                    if state.launch(None, self._workspace)().mismatched:
+                        log.warning("sdc on %s: warm-up run of %s mismatched; the rotation "
+                                    "re-checks it", self.device, spec.label())
+        self._stream.synchronize()
+
+    def _coverage(self, measure: bool) -> Coverage:
+        shapes = [(s.m, s.n) for s in self.specs]
+        if not shapes:
+            return sdc_coverage.NONE_RAN
+        if measure:
+            try:
+                with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+                    return sdc_coverage.measure(self.device, self.tiles, shapes)
+            except Exception as err:  # noqa: BLE001 - never fail a training job over a figure
+                log.warning("sdc: measuring sm_coverage on %s failed: %s", self.device, err)
+        why = ("simulated GPU: coverage from the tile model" if self._stream is None
+               else "not measured (measure_coverage=False or it failed)")
+        return sdc_coverage.modeled(self.tiles, shapes, why)
+
+    def _build_plan(self) -> None:
+        self._plan = itertools.cycle(self.specs) if self.specs else None
+        self._in_round = 0
+        self._next = self._take()
+
+    def _take(self) -> tuple[str, ProbeSpec] | None:
+        if self._digest_plan is not None and (self._plan is None or self._in_round >= len(self.specs)):
+            self._in_round = 0
+            return ("digest_gemm", next(self._digest_plan))
+        if self._plan is None:
+            return None
+        self._in_round += 1
+        return ("exact_gemm", next(self._plan))
+
     # -- budget ------------------------------------------------------------------------------
 
     def overhead(self) -> float:
@@ -692,9 +555,9 @@ class SdcProbe:
         return self.cost_s / elapsed if elapsed > 0 else 0.0
 
     def _may_start(self, now: float) -> bool:
-        if now < self._blocked_until:
+        if now < self._blocked_until or self._next is None:
             return False
-        # A spec not yet measured is expected to cost what the last probe did.
+        # A probe not yet measured is expected to cost what the last probe did.
         expected = self._expected.get(self._next, self._last_cost_s)
         return self.cost_s + expected <= self.budget_fraction * (now - self.started) or self.probes_run == 0
 
@@ -717,15 +580,16 @@ class SdcProbe:
             self._errors += 1
             backoff_s = min(3600.0, 10.0 * 2 ** (self._errors - 1))
             self._blocked_until = self.clock() + backoff_s
-            v = _error_verdict(kind, spec, self.device, err)
+            v = error_verdict(kind, spec, self.device, err)
             v.detail += f"; next probe in {backoff_s:.0f} s"
+            v.evidence.update(self._evidence())
             self._record(v)
             return v
 
-    def _pending_or_next(self) -> tuple[str, ProbeSpec]:
+    def _pending_or_next(self) -> tuple[str, ProbeSpec | None]:
         if self._pending is not None:
             return self._pending.kind, self._pending.spec
-        return self._next
+        return self._next or ("exact_gemm", None)
 
     def _step(self) -> Verdict | None:
         if self._pending is not None:
@@ -735,40 +599,39 @@ class SdcProbe:
         now = self.clock()
         if not self._may_start(now):
             return None
+        assert self._next is not None
         kind, spec = self._next
-        self._next = next(self._plan)
+        self._next = self._take()
         self._pending = self._launch(kind, spec)
         if self._stream is None:  # CPU: already done
             return self._finish(self._pending)
         return None
 
-    def _launch(self, kind: str, spec: ProbeSpec, first: _Outcome | None = None, first_cost_s: float = 0.0) -> _Pending:
-        mm = self.matmul or torch.matmul
+    def _launch(self, kind: str, spec: ProbeSpec, first: Outcome | None = None,
+                first_cost_s: float = 0.0) -> _Pending:
+        t0 = self.clock()
         if self._stream is not None:
             with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
                 start.record(self._stream)
-                read = self._queue(kind, spec, mm)
+                read = self._queue(kind, spec)
                 end.record(self._stream)
-        else:
-            start = self.clock()
-            read = self._queue(kind, spec, mm)
-            end = self.clock()
-        return _Pending(spec, kind, read, start, end, first, first_cost_s)
+            return _Pending(kind, spec, read, start, end, self.clock() - t0, first, first_cost_s)
+        read = self._queue(kind, spec)
+        return _Pending(kind, spec, read, t0, self.clock(), 0.0, first, first_cost_s)
 
-    def _queue(self, kind: str, spec: ProbeSpec, mm: Matmul) -> Callable[[], Any]:
+    def _queue(self, kind: str, spec: ProbeSpec) -> Callable[[], Any]:
         if kind == "exact_gemm":
-            return _launch_exact(spec, self.device, mm)
+            return self._states[spec].launch(self.matmul, self._workspace, self._readback)
         a, b = _random_inputs(spec, self.device)
-        with strict_matmul(DTYPES[spec.dtype][1]):
-            out = mm(a, b)
-        if self._stream is not None:
-            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        with strict_matmul(NUMERICS[spec.dtype].tf32):
+            out = (self.matmul or gemm)(a, b)
+        host = self._digest_host.get(spec)
+        if host is not None:
             host.copy_(out, non_blocking=True)
         else:
             host = out
-
         return lambda: _sha256(host)
 
     def _done(self, p: _Pending) -> bool:
@@ -776,21 +639,22 @@ class SdcProbe:
 
     def _cost(self, p: _Pending) -> float:
         if self._stream is not None:
-            return p.start.elapsed_time(p.end) / 1000.0  # CUDA events report milliseconds
+            # GPU time (CUDA events report milliseconds) plus the host time queuing it
+            return p.start.elapsed_time(p.end) / 1000.0 + p.host_s
         return p.end - p.start
+
+    def _evidence(self) -> dict[str, Any]:
+        ev = self.coverage.evidence()
+        ev["tiles_per_sm"] = self.tiles_per_sm
+        if self.skipped:
+            ev["skipped_dtypes"] = dict(self.skipped)
+        return ev
 
     def _finish(self, p: _Pending) -> Verdict | None:
         self._pending = None
-        cost = self._cost(p)
-        if self._stream is not None:
-            with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-                t0 = self.clock()
-                result = p.read()
-                cost += self.clock() - t0  # host-side read, on the training thread
-        else:
-            t0 = self.clock()
-            result = p.read()
-            cost += self.clock() - t0
+        t0 = self.clock()
+        result = p.read()
+        cost = self._cost(p) + (self.clock() - t0)  # the read is host time on the training thread
         self.cost_s += cost
         self.probes_run += 1
         key = (p.kind, p.spec)
@@ -803,7 +667,7 @@ class SdcProbe:
             prev = self._digests.get(p.spec)
             if prev is None:
                 self._digests[p.spec] = result
-            outcome = _Outcome(int(prev is not None and result != prev), 1, {"digest": result, "previous_digest": prev})
+            outcome = Outcome(int(prev is not None and result != prev), 1, {"digest": result, "previous_digest": prev})
         if p.first is None and outcome.mismatched:
             # Re-run before believing it; the verdict comes when the re-run completes.
             self._pending = self._launch(p.kind, p.spec, outcome, cost)
@@ -811,7 +675,14 @@ class SdcProbe:
                 return self._finish(self._pending)
             return None
         first, rerun = (p.first, outcome) if p.first is not None else (outcome, None)
-        v = _verdict(p.kind, p.spec, self.device, first, rerun, p.first_cost_s + cost)
+        hits = 0
+        if p.kind == "exact_gemm":
+            hits = self._window.hits() if first.mismatched else 0
+            self._window.record(int(first.mismatched > 0) + int(bool(rerun and rerun.mismatched)))
+        v = make_verdict(p.kind, p.spec, self.device, first, rerun, p.first_cost_s + cost,
+                         self._evidence(), window_hits=hits)
+        if p.kind == "exact_gemm":
+            v.evidence["input_bits"] = input_bits(p.spec)
         if p.kind == "digest_gemm" and v.status != "pass":
             v.mismatched_elements = 0
             v.detail = (
