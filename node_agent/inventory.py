@@ -1,14 +1,22 @@
-"""Host and GPU inventory, read through the GPU interface (``node-agent inventory``)."""
+"""Host and GPU inventory, read through the GPU interface (``node-agent inventory``), and the
+PCI bus the GPUs sit on (sysfs, or the simulated node's tree)."""
 
 from __future__ import annotations
 
 import platform
 import socket
-from dataclasses import dataclass, field
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from node_agent.gpu.base import GpuBackend, GpuError
+from node_agent.gpu.base import DeviceLost, GpuBackend, GpuError, GpuTimeout
+from node_agent.gpu.pci import SYSFS_PCI_DEVICES, PciBus, read_bus
 from node_agent.grading.sku import Sku, match_sku
 from node_agent.model import GpuInfo, HostInfo
+
+if TYPE_CHECKING:
+    from node_agent.sim.scenario import Scenario
 
 
 @dataclass
@@ -18,16 +26,35 @@ class Inventory:
     sku: Sku | None
     #: GPUs whose identity could not be read: index -> the error (DeviceLost, GpuTimeout ...)
     unreadable: dict[int, GpuError] = field(default_factory=dict)
+    #: why no SKU was chosen (``sku`` is None)
     sku_problem: str | None = None
+    #: a forced ``node.sku`` that does not name these GPUs: what disagrees
+    sku_mismatch: str | None = None
+
+    def unreadable_gpus(self) -> list[dict]:
+        """The GPUs NVML enumerates but whose identity could not be read, with why."""
+        return [{"index": index, "status": unreadable_kind(error), "error": str(error)}
+                for index, error in sorted(self.unreadable.items())]
 
     def to_dict(self) -> dict:
         return {"host": self.host.to_dict(), "gpus": [g.to_dict() for g in self.gpus],
-                "sku": self.sku.id if self.sku else None}
+                "unreadable_gpus": self.unreadable_gpus(),
+                "sku": self.sku.id if self.sku else None,
+                "sku_problem": self.sku_problem, "sku_mismatch": self.sku_mismatch}
+
+
+def unreadable_kind(error: GpuError) -> str:
+    """``gpu_lost`` (fell off the bus), ``driver_hang`` (a call timed out) or ``unreadable``."""
+    if isinstance(error, DeviceLost):
+        return "gpu_lost"
+    if isinstance(error, GpuTimeout):
+        return "driver_hang"
+    return "unreadable"
 
 
 def collect(backend: GpuBackend, skus: dict[str, Sku], sku_setting: str = "auto",
             hostname: str | None = None) -> Inventory:
-    """Read identity of every GPU and pick the SKU (``auto``: by NVML product name)."""
+    """Read identity of every GPU and pick the SKU (``auto``: by NVML name and memory)."""
     driver = backend.driver()
     host = HostInfo(hostname=hostname or socket.gethostname().split(".")[0],
                     kernel=platform.release(), driver=driver.driver_version,
@@ -43,21 +70,40 @@ def collect(backend: GpuBackend, skus: dict[str, Sku], sku_setting: str = "auto"
         gpus.append(GpuInfo(index=ident.index, uuid=ident.uuid, name=ident.name,
                             pci_bus_id=ident.pci_bus_id, serial=ident.serial, vbios=ident.vbios,
                             memory_total_mib=ident.memory_total_mib))
-    sku, problem = _choose_sku(gpus, skus, sku_setting)
+    sku, problem, mismatch = _choose_sku(gpus, skus, sku_setting)
     for gpu in gpus:
         gpu.sku = sku.id if sku else None
-    return Inventory(host=host, gpus=gpus, sku=sku, unreadable=unreadable, sku_problem=problem)
+    return Inventory(host=host, gpus=gpus, sku=sku, unreadable=unreadable, sku_problem=problem,
+                     sku_mismatch=mismatch)
 
 
 def _choose_sku(gpus: list[GpuInfo], skus: dict[str, Sku],
-                setting: str) -> tuple[Sku | None, str | None]:
+                setting: str) -> tuple[Sku | None, str | None, str | None]:
+    """(SKU, why none, why a forced one does not fit these GPUs)."""
     if setting != "auto":
-        return skus[setting], None  # validated when the config was applied
-    if not gpus:
-        return None, None
-    sku = match_sku([g.name for g in gpus], skus)
-    if sku is None:
-        names = sorted({g.name for g in gpus})
-        return None, (f"no SKU file under graders/skus/ matches GPU name(s) {', '.join(names)}: "
-                      "limits come from NVML alone; add a SKU file or set node.sku")
-    return sku, None
+        sku = skus[setting]  # validated when the config was applied
+        foreign = sorted({g.name for g in gpus if not sku.names_gpu(g.name)})
+        mismatch = None
+        if foreign:
+            mismatch = (f"node.sku is {sku.id}, but the GPUs report {', '.join(map(repr, foreign))}, "
+                        f"which is not among its names ({', '.join(map(repr, sku.match))}): "
+                        "counts, NVLinks and minima are graded against the wrong baseline; fix "
+                        "node.sku (or 'auto'), or add the name to the SKU file's match list")
+        return sku, None, mismatch
+    found = match_sku([(g.name, g.memory_total_mib) for g in gpus], skus)
+    return found.sku, found.problem, None
+
+
+def read_pci_bus(scenario: Scenario | None = None, sku: Sku | None = None,
+                 root: Path = SYSFS_PCI_DEVICES) -> PciBus:
+    """The NVIDIA GPUs on this node's PCI bus: ``root`` on real hardware; for a simulated
+    node, the tree :mod:`node_agent.sim.tools` writes for the scenario, read by the same
+    reader (in a temporary directory, removed before this returns)."""
+    if scenario is None:
+        return read_bus(root)
+    from node_agent.sim.tools import simulated_pci, write_pci_sysfs
+
+    with tempfile.TemporaryDirectory(prefix="node-agent-pci-") as tmp:
+        tree = write_pci_sysfs(simulated_pci(scenario, sku), Path(tmp) / "devices")
+        bus = read_bus(tree)
+    return replace(bus, root="simulated PCI bus")

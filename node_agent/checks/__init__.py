@@ -14,8 +14,9 @@ from typing import Any
 
 from node_agent.config import Config
 from node_agent.gpu.base import GpuBackend
+from node_agent.gpu.pci import PciBus
 from node_agent.grading.sku import Sku
-from node_agent.inventory import Inventory
+from node_agent.inventory import Inventory, read_pci_bus
 from node_agent.kernel_log import KernelLog
 from node_agent.model import Result, Status
 from node_agent.sim.scenario import Scenario
@@ -59,6 +60,7 @@ class CheckContext:
     #: one suite run's hand-over between checks (e.g. the burn's telemetry trace for
     #: thermal_power); keys are documented by the check that writes them
     shared: dict[str, Any] = field(default_factory=dict)
+    _pci: PciBus | None = field(default=None, init=False, repr=False)
 
     @property
     def simulated(self) -> bool:
@@ -72,16 +74,43 @@ class CheckContext:
     def skip(self, reason: str, target: str = "node", metric: str = "ran") -> Result:
         return self.result(target, metric, Status.SKIP, reason)
 
+    def pci_bus(self) -> PciBus:
+        """The NVIDIA GPUs on the node's PCI bus (sysfs; the simulated node's tree under
+        simulation), read once per check."""
+        if self._pci is None:
+            self._pci = read_pci_bus(self.scenario, self.sku)
+        return self._pci
+
     def gpus_unavailable(self) -> list[Result] | None:
         """For GPU checks: None when GPUs can be queried; otherwise the one result that says
-        why — ``skip`` on a host without an NVIDIA driver, ``error`` when the driver is there
-        but broken (so a sick driver never reads as a pass)."""
+        why, judged with the PCI bus: ``skip`` on a host with no NVIDIA GPU on it;
+        ``driver_not_loaded`` (error) when GPUs are on the bus but no NVIDIA driver holds
+        them; ``gpu_backend`` (error) when the driver is there but NVML is broken. A node
+        whose GPUs are on the bus but unusable never reads as a pass or a skip."""
         reason = self.gpu.unavailable_reason
         if not reason:
             return None
+        bus = self.pci_bus()
+        gpus = bus.host_gpus
+        evidence = {"pci_gpus": [g.to_dict() for g in bus.gpus], "nvml": reason}
+        if gpus and not any(g.driver == "nvidia" for g in gpus):
+            # the two checks every suite starts with explain it; the others say it briefly
+            detail = (driver_not_loaded_detail(reason, gpus)
+                      if self.check in ("inventory", "nvml_health") else
+                      f"cannot run {self.check}: {len(gpus)} NVIDIA GPU(s) on the PCI bus but "
+                      "the NVIDIA kernel driver is not loaded (`dmesg | grep -i nvrm`; build it "
+                      "for the running kernel, `modprobe nvidia`)")
+            return [self.result("node", "driver_not_loaded", Status.ERROR, detail,
+                                value=len(gpus), unit="GPUs", **evidence)]
+        if gpus:
+            return [self.result("node", "gpu_backend", Status.ERROR,
+                                f"{len(gpus)} NVIDIA GPU(s) on the PCI bus are bound to the nvidia "
+                                f"driver, but NVML cannot be used: {reason}", **evidence)]
         if self.gpu.broken:
-            return [self.result("node", "gpu_backend", Status.ERROR, reason)]
-        return [self.skip(reason)]
+            return [self.result("node", "gpu_backend", Status.ERROR, reason, **evidence)]
+        where = ("no NVIDIA GPU on the PCI bus" if bus.unreadable is None
+                 else f"the PCI bus could not be read: {bus.unreadable}")
+        return [self.skip(f"{reason}; {where}")]
 
     def compute_unavailable(self, reason: str) -> list[Result]:
         """For compute checks on a node whose GPUs are there but cannot be computed on (no
@@ -91,6 +120,20 @@ class CheckContext:
             return [self.result("node", "compute", Status.ERROR,
                                 f"cannot run {self.check} on this node's GPUs: {reason}")]
         return [self.skip(reason, metric="compute")]
+
+
+def driver_not_loaded_detail(reason: str, gpus: tuple[Any, ...]) -> str:
+    """What the operator reads when GPUs are on the PCI bus but no NVIDIA driver holds them."""
+    shown = ", ".join(g.describe() for g in gpus[:4]) + (", ..." if len(gpus) > 4 else "")
+    nouveau = any(g.driver == "nouveau" for g in gpus)
+    advice = ("the open-source nouveau driver holds them: blacklist it "
+              "(modprobe.d: blacklist nouveau), rebuild the initramfs and reboot" if nouveau else
+              "check `dmesg | grep -i nvrm` for why nvidia.ko did not load; after a kernel "
+              "update, build the driver for the running kernel (`dkms status`, `uname -r`, "
+              "`dkms autoinstall`); then `modprobe nvidia` (or reboot) and re-test")
+    return (f"{len(gpus)} NVIDIA GPU(s) on the PCI bus ({shown}) but the NVIDIA kernel driver "
+            f"(nvidia.ko) is not loaded or holds none of them, so no GPU can be used: "
+            f"{advice} [NVML: {reason}]")
 
 
 def resolve(name: str) -> Callable[[CheckContext], list[Result]]:

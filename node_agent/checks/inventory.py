@@ -1,4 +1,10 @@
-"""Check ``inventory``: host, driver, CUDA, each GPU's identity, and the SKU it matches."""
+"""Check ``inventory``: host, driver, CUDA, each GPU's identity, the PCI bus, and the SKU.
+
+The SKU is matched by NVML name and memory (``graders/skus/*.yaml``); each GPU's memory is
+checked against the SKU's range, and a forced ``node.sku`` against the GPUs' names. What the
+PCI bus shows is reported here as inventory; ``nvml_health`` (which runs in every suite) grades
+a GPU that is on the bus but missing from NVML.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +21,9 @@ def run(ctx: CheckContext) -> list[Result]:
                           **inv.host.to_dict())]
     unavailable = ctx.gpus_unavailable()
     if unavailable:
-        return results + unavailable
+        return results + [_no_gpus(ctx, r) if r.status is Status.SKIP else r
+                          for r in unavailable]
+    results.append(_pci(ctx))
     for gpu in inv.gpus:
         results.append(ctx.result(
             f"gpu:{gpu.index}", "identity", Status.PASS,
@@ -30,11 +38,56 @@ def run(ctx: CheckContext) -> list[Result]:
             metric, status = "identity", Status.FAIL
         results.append(ctx.result(f"gpu:{index}", metric, status,
                                   f"GPU {index} identity unreadable: {error}", error=str(error)))
-    if inv.sku is not None:
-        results.append(ctx.result("node", "sku", Status.PASS,
-                                  f"SKU {inv.sku.id} ({inv.sku.display_name})",
-                                  value=inv.sku.id, sku_file=inv.sku.source))
-    elif inv.sku_problem:
-        results.append(ctx.result("node", "sku", Status.WARN, inv.sku_problem))
+    results.extend(_sku(ctx))
     return results
 
+
+def _no_gpus(ctx: CheckContext, skip: Result) -> Result:
+    """On a host whose PCI bus shows no NVIDIA GPU, "no GPUs" is the inventory's answer, not
+    a check that could not run; where the bus could not be read it stays a skip."""
+    if ctx.pci_bus().unreadable is not None:
+        return skip
+    return ctx.result("node", "gpus", Status.PASS, f"no GPUs: {skip.detail}", value=0,
+                      unit="GPUs", pci_root=ctx.pci_bus().root)
+
+
+def _pci(ctx: CheckContext) -> Result:
+    bus = ctx.pci_bus()
+    if bus.unreadable:
+        return ctx.result("node", "pci_bus", Status.SKIP,
+                          f"PCI bus not compared with NVML: {bus.unreadable}")
+    listed = len(ctx.gpu.devices())
+    passthrough = [g.bus_id for g in bus.gpus if g.passthrough]
+    return ctx.result(
+        "node", "pci_bus", Status.PASS,
+        f"{len(bus.gpus)} NVIDIA GPU(s) on the PCI bus, {listed} enumerated by NVML"
+        + (f"; {len(passthrough)} handed to a VM ({', '.join(passthrough)})" if passthrough
+           else ""),
+        value=len(bus.gpus), unit="GPUs", gpus=[g.to_dict() for g in bus.gpus], root=bus.root)
+
+
+def _sku(ctx: CheckContext) -> list[Result]:
+    inv = ctx.inventory
+    out = []
+    if inv.sku is None:
+        if inv.sku_problem:
+            out.append(ctx.result("node", "sku", Status.WARN, inv.sku_problem))
+        return out
+    out.append(ctx.result("node", "sku", Status.PASS,
+                          f"SKU {inv.sku.id} ({inv.sku.display_name})",
+                          value=inv.sku.id, sku_file=inv.sku.source))
+    if inv.sku_mismatch:
+        out.append(ctx.result("node", "sku_mismatch", Status.WARN, inv.sku_mismatch,
+                              value=inv.sku.id, names=sorted({g.name for g in inv.gpus})))
+    low, high = inv.sku.memory_range
+    for gpu in inv.gpus:
+        if gpu.memory_total_mib is None or (low is None and high is None):
+            continue
+        problem = inv.sku.memory_problem(gpu.memory_total_mib)
+        out.append(ctx.result(
+            f"gpu:{gpu.index}", "memory_total", Status.WARN if problem else Status.PASS,
+            (f"memory.total {problem}: a GPU of another variant or a board that does not "
+             "expose all its memory; check the model and VBIOS") if problem
+            else f"memory.total {gpu.memory_total_mib} MiB (SKU {inv.sku.id}: {low}-{high} MiB)",
+            value=gpu.memory_total_mib, unit="MiB", min_mib=low, max_mib=high))
+    return out

@@ -1,9 +1,16 @@
 """Check ``nvml_health``: passive health of every GPU as NVML reports it (no load applied).
 
-GPU count vs expected; ECC (volatile and aggregate, SRAM vs DRAM); retired pages; row remapping;
-PCIe link; clock-event (throttle) reasons; temperature and power; persistence mode; the driver's
-recovery action; NVLink state and error counters. Thresholds come from NVML itself where it
-reports them (temperatures) and from the SKU file otherwise.
+GPU count vs expected; the PCI bus vs what NVML enumerates; ECC (volatile and aggregate, SRAM
+vs DRAM, the driver's SRAM threshold flag); retired pages; row remapping; PCIe link; clock-event
+(throttle) reasons; temperature and power; persistence mode; the driver's recovery action;
+NVLink state and error counters. Thresholds come from NVML itself where it reports them
+(temperatures) and from the SKU file otherwise.
+
+NVLink expectations come from the SKU file (``nvlink.links``; 0 for PCIe cards, whose bridge
+is optional) or, without one, from the links the GPU says it can use (an index whose state
+answers and that does not deny P2P capability). A PCIe card answers for its die's link indices
+whether or not a bridge is fitted, so without a SKU file an inactive link is a WARN (a down
+link cannot be told from an unwired one), never a FAULT.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from node_agent.gpu.base import (
     NoPermission,
     NotSupported,
 )
+from node_agent.gpu.pci import compare
 from node_agent.model import Result, Status
 
 # Throttle reasons that mean the hardware is protecting itself. SW power cap, idle and
@@ -41,20 +49,36 @@ def run(ctx: CheckContext) -> list[Result]:
     unavailable = ctx.gpus_unavailable()
     if unavailable:
         return unavailable
-    results = [_gpu_count(ctx)]
+    results = [_gpu_count(ctx), *_pci_bus(ctx)]
     for device in ctx.gpu.devices():
         results.extend(_check_gpu(ctx, device))
     return results
 
 
+def _expected_gpus(ctx: CheckContext) -> tuple[int | None, str]:
+    """The GPU count to expect and where it comes from. An add-in card SKU
+    (``gpus_per_node_fixed: false``) fixes no count: servers carry 1 to 8 of them, so its
+    ``gpus_per_node`` (the common full build) is not held against a smaller server; the PCI
+    bus comparison still names a GPU the driver lost."""
+    expected = ctx.expected_gpus
+    sku = ctx.sku
+    if (expected is not None and sku is not None and not sku.fixed_gpu_count
+            and not ctx.simulated and ctx.config.get("node.expected_gpus") is None):
+        return None, (f"SKU {sku.id} is an add-in card whose count is the server's build; set "
+                      "node.expected_gpus to check it")
+    if expected is None:
+        return None, "no SKU file or node.expected_gpus"
+    return expected, ""
+
+
 def _gpu_count(ctx: CheckContext) -> Result:
     seen = len(ctx.gpu.devices())
-    expected = ctx.expected_gpus
+    expected, why_none = _expected_gpus(ctx)
     visible = [d.index for d in ctx.gpu.devices()]
     if expected is None:
         return ctx.result("node", "gpu_count", Status.PASS,
-                          f"{seen} GPUs visible (no expected count: no SKU file or "
-                          "node.expected_gpus)", value=seen, unit="GPUs", visible=visible)
+                          f"{seen} GPUs visible (no expected count: {why_none})", value=seen,
+                          unit="GPUs", visible=visible)
     if seen < expected:
         return ctx.result("node", "gpu_count", Status.FAIL,
                           f"{seen} of {expected} expected GPUs visible (visible indices "
@@ -66,6 +90,43 @@ def _gpu_count(ctx: CheckContext) -> Result:
                           value=seen, unit="GPUs", expected=expected, visible=visible)
     return ctx.result("node", "gpu_count", Status.PASS, f"{seen} of {expected} GPUs visible",
                       value=seen, unit="GPUs", expected=expected)
+
+
+def _pci_bus(ctx: CheckContext) -> list[Result]:
+    """Every NVIDIA GPU on the PCI bus (not handed to a VM) must be one NVML enumerates."""
+    bus = ctx.pci_bus()
+    if bus.unreadable:
+        return [ctx.result("node", "gpu_not_enumerated", Status.SKIP,
+                           f"PCI bus not compared with NVML: {bus.unreadable}")]
+    inv = ctx.inventory
+    found = compare(bus, [g.pci_bus_id for g in inv.gpus], unidentified=len(inv.unreadable))
+    evidence = {"pci_gpus": len(bus.gpus), "nvml_gpus": len(ctx.gpu.devices()),
+                "passthrough": [g.bus_id for g in found.passthrough]}
+    if not found.not_enumerated:
+        return [ctx.result("node", "gpu_not_enumerated", Status.PASS,
+                           f"all {len(bus.host_gpus)} NVIDIA GPU(s) on the PCI bus are "
+                           "enumerated by NVML", value=0, unit="GPUs", **evidence)]
+    out = []
+    none_listed = not ctx.gpu.devices()
+    for gpu in found.not_enumerated:
+        if none_listed:
+            status = Status.ERROR
+            detail = (f"NVIDIA GPU {gpu.describe()} is on the PCI bus, but the driver "
+                      f"initialised none of the {len(bus.host_gpus)} GPU(s) there: a driver or "
+                      "firmware problem (GSP firmware, driver/VBIOS mismatch) is likelier than "
+                      "that many failed GPUs; check `dmesg | grep -i nvrm` (RmInitAdapter), "
+                      "reinstall the driver for the running kernel, reboot and re-test")
+        else:
+            status = Status.FAIL
+            detail = (f"NVIDIA GPU {gpu.describe()} is on the PCI bus but NVML does not "
+                      "enumerate it: the driver could not initialise it (see `dmesg | grep -i "
+                      f"nvrm` for {gpu.bus_id[:-2]}: RmInitAdapter failed, fallen off the bus); "
+                      "reseat or replace the GPU"
+                      + (f" ({found.unidentified} enumerated GPU(s) could not be identified "
+                         "and may be among these)" if found.unidentified else ""))
+        out.append(ctx.result(f"pci:{gpu.bus_id}", "gpu_not_enumerated", status, detail,
+                              value=gpu.bus_id, driver=gpu.driver, **evidence))
+    return out
 
 
 def _check_gpu(ctx: CheckContext, dev: GpuDevice) -> list[Result]:
@@ -125,12 +186,37 @@ def _ecc(ctx, dev, target, reading, out) -> None:
         f"{sbe} corrected ECC errors since the driver loaded"
         + (f", above the SKU limit {sbe_max:g}" if over else ""),
         value=sbe, unit="errors", limit=sbe_max))
-    sram = ecc.aggregate_dbe_sram or 0
-    if sram:
+    _sram(ctx, ecc, target, out)
+
+
+def _sram(ctx, ecc, target, out) -> None:
+    """SRAM (L2, SM register files and caches, on-chip buffers) uncorrectable errors over the
+    GPU's life, and the driver's flag that they meet NVIDIA's RMA criteria."""
+    sram = (ecc.sram_uncorrectable_aggregate if ecc.sram_uncorrectable_aggregate is not None
+            else ecc.aggregate_dbe_sram)
+    units = {k: v for k, v in ecc.sram_uncorrectable_by_unit.items() if v}
+    where = f" ({', '.join(f'{k} {v}' for k, v in units.items())})" if units else ""
+    evidence = {"threshold_exceeded": ecc.sram_threshold_exceeded, "by_unit": units}
+    if ecc.sram_threshold_exceeded:
         out.append(ctx.result(
-            target, "ecc_dbe_sram_aggregate", Status.WARN,
-            f"{sram} uncorrectable SRAM ECC errors over the GPU's life (on-chip memory; "
-            "repeated ones need the GPU replaced)", value=sram, unit="errors"))
+            target, "sram_threshold_exceeded", Status.FAIL,
+            f"the driver flags SRAM Threshold Exceeded ({sram if sram is not None else '?'} "
+            f"uncorrectable SRAM errors{where}): NVIDIA's RMA criteria for on-chip memory are "
+            "met; run the field diagnostic and replace the GPU", value=True, **evidence))
+    if sram is None:
+        return
+    if sram:
+        if not ecc.sram_threshold_exceeded:
+            out.append(ctx.result(
+                target, "ecc_dbe_sram_aggregate", Status.WARN,
+                f"{sram} uncorrectable SRAM ECC errors over the GPU's life{where}, below the "
+                "driver's RMA threshold (SRAM Threshold Exceeded: "
+                f"{'no' if ecc.sram_threshold_exceeded is False else 'not reported'}); more "
+                "in the same bank will trip it", value=sram, unit="errors", **evidence))
+        return
+    out.append(ctx.result(target, "ecc_dbe_sram_aggregate", Status.PASS,
+                          "no uncorrectable SRAM ECC errors over the GPU's life", value=0,
+                          unit="errors", **evidence))
 
 
 def _retired_pages(ctx, dev, target, reading, out) -> None:
@@ -292,18 +378,7 @@ def _nvlink(ctx, dev, target, reading, out) -> None:
     links = reading("nvlink", dev.nvlinks)
     if links is None:
         return
-    expected = ctx.sku.section("nvlink").get("links") if ctx.sku else None
-    active = [link.link for link in links if link.active]
-    inactive = [link.link for link in links if not link.active]
-    want = expected if expected is not None else len(links)
-    if want and len(active) < want:
-        out.append(ctx.result(target, "nvlink_state", Status.FAIL,
-                              f"{len(active)} of {want} NVLinks active (down: {inactive}): a "
-                              "degraded NVLink", value=len(active), unit="links",
-                              inactive=inactive, expected=want))
-    else:
-        out.append(ctx.result(target, "nvlink_state", Status.PASS,
-                              f"{len(active)} NVLinks active", value=len(active), unit="links"))
+    out.append(_nvlink_state(ctx, target, links))
     replay_max = ctx.sku.limit("nvlink_replay_max") if ctx.sku else None
     recovery_max = ctx.sku.limit("nvlink_recovery_max") if ctx.sku else None
     noisy = []
@@ -318,3 +393,42 @@ def _nvlink(ctx, dev, target, reading, out) -> None:
                               value=len(noisy), replay_max=replay_max,
                               recovery_max=recovery_max))
 
+
+def _nvlink_state(ctx: CheckContext, target: str, links: list) -> Result:
+    """NVLinks against the SKU file's count, or without one against what the GPU can use."""
+    active = [link.link for link in links if link.active]
+    usable = [link for link in links if link.p2p_supported is not False]
+    idle = [link.link for link in usable if not link.active]
+    evidence = {"active": active, "indices": len(links), "inactive": idle,
+                "not_p2p_capable": [link.link for link in links if link.p2p_supported is False]}
+    expected = ctx.sku.section("nvlink").get("links") if ctx.sku else None
+    if expected:
+        down = [link.link for link in links if not link.active and link.link < expected]
+        if len(active) < expected:
+            return ctx.result(target, "nvlink_state", Status.FAIL,
+                              f"{len(active)} of {expected} NVLinks active (SKU {ctx.sku.id}; "
+                              f"down: {down or 'links missing'}): a degraded NVLink",
+                              value=len(active), unit="links", expected=expected, **evidence)
+        return ctx.result(target, "nvlink_state", Status.PASS,
+                          f"{len(active)} of {expected} NVLinks active", value=len(active),
+                          unit="links", expected=expected, **evidence)
+    if expected == 0:
+        bridged = f"{len(active)} active through a bridge" if active else "none in use"
+        return ctx.result(target, "nvlink_state", Status.PASS,
+                          f"SKU {ctx.sku.id} expects no NVLink ({bridged}; {len(links)} link "
+                          "indices answer, inactive ones are not wired)", value=len(active),
+                          unit="links", expected=0, **evidence)
+    if not usable:
+        return ctx.result(target, "nvlink_state", Status.PASS,
+                          "no NVLink: no link index answers with P2P capability",
+                          value=0, unit="links", expected=0, **evidence)
+    if idle:
+        return ctx.result(target, "nvlink_state", Status.WARN,
+                          f"{len(active)} of {len(usable)} NVLinks this GPU reports are active "
+                          f"(inactive: {idle}); without a SKU file a down link cannot be told "
+                          "from one this board does not wire (a PCIe card without a bridge): "
+                          "add a SKU file or set node.sku", value=len(active), unit="links",
+                          expected=len(usable), **evidence)
+    return ctx.result(target, "nvlink_state", Status.PASS,
+                      f"{len(active)} NVLinks active (every link this GPU reports)",
+                      value=len(active), unit="links", expected=len(usable), **evidence)

@@ -95,6 +95,16 @@ class EccCounts:
 
     ``volatile_*`` count since the last driver load; ``aggregate_*`` over the GPU's life.
     ``*_sram``/``*_dram`` split aggregate uncorrected errors by location where NVML reports it.
+
+    The ``sram_*`` fields are ``nvmlDeviceGetSramEccErrorStatus`` (Ampere and later, root;
+    ``nvidia-smi -q -d ECC``: "SRAM Uncorrectable Parity/SEC-DED", "SRAM Threshold Exceeded",
+    "Aggregate Uncorrectable SRAM Sources"), None where the GPU or driver does not report them:
+    ``sram_uncorrectable_aggregate`` is ``aggregateUncParity + aggregateUncSecDed``;
+    ``sram_threshold_exceeded`` is ``bThresholdExceeded``, the driver's flag that the SRAM
+    errors meet NVIDIA's RMA criteria (NVIDIA "GPU Memory Error Management", RMA policy:
+    more than 4 unique uncorrectable events in one address bank of a parity-protected SRAM,
+    or more than 2 of a SEC-DED one); ``sram_uncorrectable_by_unit`` is the aggregate by unit
+    (``l2``, ``sm``, ``pcie``, ``mcu``, ``other``: the ``aggregateUncBucket*`` fields).
     """
 
     enabled: bool
@@ -104,6 +114,9 @@ class EccCounts:
     aggregate_dbe: int | None
     aggregate_dbe_sram: int | None = None
     aggregate_dbe_dram: int | None = None
+    sram_uncorrectable_aggregate: int | None = None
+    sram_threshold_exceeded: bool | None = None
+    sram_uncorrectable_by_unit: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -127,13 +140,22 @@ class RowRemap:
 
 @dataclass(frozen=True)
 class NvLink:
-    """``nvidia-smi nvlink -s`` / ``-e``: one link's state and DL error counters."""
+    """``nvidia-smi nvlink -s`` / ``-e`` / ``-c``: one link index NVML answers for (its state
+    answers), its DL error counters, and whether it can carry peer traffic.
+
+    ``p2p_supported`` is ``nvmlDeviceGetNvLinkCapability(NVML_NVLINK_CAP_P2P_SUPPORTED)``:
+    False when the GPU says the link cannot carry peer-to-peer traffic or does not report the
+    capability (then it is not a link the GPU can use); None where the backend did not ask.
+    A PCIe card answers for the link indices of its die whether or not a bridge is fitted, so
+    an inactive index is not by itself a down link (the SKU file says how many to expect).
+    """
 
     link: int
     active: bool
     replay_errors: int | None = None
     recovery_errors: int | None = None
     crc_errors: int | None = None
+    p2p_supported: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -176,6 +198,10 @@ THROTTLE_REASONS = (
     "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown",
     "display_clock_setting",
 )
+
+#: units of ``EccCounts.sram_uncorrectable_by_unit``: nvmlEccSramErrorStatus_t's
+#: aggregateUncBucketL2, ...Sm, ...Pcie, ...Mcu (microcontroller), ...Other
+SRAM_UNITS = ("l2", "sm", "pcie", "mcu", "other")
 
 #: ``nvmlGpuRecoveryAction_t`` as names; "none" means the driver asks for nothing
 RECOVERY_ACTIONS = (

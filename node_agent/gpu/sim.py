@@ -1,7 +1,8 @@
 """A simulated node built from a scenario: healthy GPUs of its SKU, with faults injected.
 
-Only NVML-level state lives here; kernel-log lines for injected XIDs come from
-``kernel_log_lines()``, and compute faults (``slow``, ``sdc``) are applied by the compute layer.
+Only NVML-level state lives here; kernel-log lines (injected XIDs and raw ``kernel_log``
+lines) come from ``kernel_log_lines()``, the PCI bus from :mod:`node_agent.sim.tools`, and
+compute faults (``slow``, ``sdc``) are applied by the compute layer.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from node_agent.gpu.base import (
+    SRAM_UNITS,
     Clocks,
     DeviceLost,
     DriverInfo,
@@ -69,10 +71,24 @@ def pci_bus_id(index: int) -> str:
     return f"00000000:{bus.upper()}:00.0"
 
 
+def kernel_bus_id(index: int) -> str:
+    """GPU ``index``'s bus id as the driver prints it in the kernel log: ``0000:9a:00``."""
+    return pci_bus_id(index)[4:-2].lower()
+
+
 def xid_kernel_line(index: int, code: int) -> str:
     """The NVRM line the driver prints for an XID (format of driver 535+)."""
-    bus = pci_bus_id(index)[4:-2].lower()  # "0000:9a:00"
-    return f"NVRM: Xid (PCI:{bus}): {code}, pid='<unknown>', name=<unknown>, simulated Xid {code}"
+    return (f"NVRM: Xid (PCI:{kernel_bus_id(index)}): {code}, pid='<unknown>', name=<unknown>, "
+            f"simulated Xid {code}")
+
+
+#: what NVML says when it cannot load, as the NVML backend words it (node_agent.gpu.nvml)
+DRIVER_DOWN_REASONS = {
+    "not_loaded": ("no NVIDIA driver: the nvidia kernel module is not loaded (check `lsmod | "
+                   "grep nvidia` and dmesg, or run with --simulate)", True),
+    "not_installed": ("no NVIDIA driver: libnvidia-ml.so.1 not found (install the NVIDIA "
+                      "driver, or run with --simulate)", False),
+}
 
 
 class _LoadState:
@@ -135,12 +151,18 @@ class SimGpuDevice:
     def identity(self) -> Identity:
         self._answer()
         name = self._sku.match[0]
-        mem = self._sku.data.get("memory_total_mib_min")
+        low, high = self._sku.memory_range
+        memory = None if low is None else int(low * 1.02)  # inside the SKU's range, as NVML's
+        if memory is not None and high is not None:
+            memory = min(memory, high)
+        fault = self._fault("memory_total")
+        if fault:
+            memory = int(fault.params["mib"])
         return Identity(
             index=self.index,
             uuid="GPU-" + str(uuid.uuid5(uuid.NAMESPACE_OID, f"{self._scenario.hostname}/{self.index}")),
             name=name, pci_bus_id=pci_bus_id(self.index), serial=f"165082300{self.index:04d}",
-            vbios="96.00.99.00.01", memory_total_mib=int(mem * 1.02) if mem else None)
+            vbios="96.00.99.00.01", memory_total_mib=memory)
 
     def temperature_c(self) -> int:
         self._answer()
@@ -205,8 +227,21 @@ class SimGpuDevice:
         self._answer()
         dbe = sum(f.params.get("count", 1) for f in self._scenario.faults_on(self.index, "ecc_dbe_volatile"))
         sbe = sum(f.params.get("count", 1) for f in self._scenario.faults_on(self.index, "ecc_sbe_volatile"))
+        # The SRAM status (nvmlDeviceGetSramEccErrorStatus) is reported only with an SRAM
+        # fault, so a healthy simulated GPU reads as the NVML backend reads one today.
+        sram_faults = self._scenario.faults_on(self.index, "ecc_sram_uncorrectable")
+        flagged = self._scenario.has(self.index, "sram_threshold_exceeded")
+        by_unit = dict.fromkeys(SRAM_UNITS, 0)
+        for fault in sram_faults:
+            by_unit[fault.params.get("unit", "l2")] += int(fault.params.get("count", 1))
+        sram = sum(by_unit.values())
+        status = {}
+        if sram_faults or flagged:
+            status = {"sram_uncorrectable_aggregate": sram, "sram_threshold_exceeded": flagged,
+                      "sram_uncorrectable_by_unit": by_unit}
         return EccCounts(enabled=True, volatile_sbe=sbe, volatile_dbe=dbe, aggregate_sbe=sbe,
-                         aggregate_dbe=dbe, aggregate_dbe_sram=0, aggregate_dbe_dram=dbe)
+                         aggregate_dbe=dbe + sram, aggregate_dbe_sram=sram, aggregate_dbe_dram=dbe,
+                         **status)
 
     def retired_pages(self) -> RetiredPages:
         self._answer()
@@ -231,11 +266,18 @@ class SimGpuDevice:
         return fault.params["action"] if fault else "none"
 
     def nvlinks(self) -> list[NvLink]:
+        """The SKU's ``nvlink.indices`` link indices (default ``links``); the first ``links``
+        active unless ``nvlink_down``, the rest inactive (a PCIe card without a bridge: the
+        case that made PCIe cards read as NVLink failures). P2P capability is not modelled
+        (None), as the NVML backend does not read it today."""
         self._answer()
         down = {f.params["link"] for f in self._scenario.faults_on(self.index, "nvlink_down")}
-        count = int(self._sku.section("nvlink").get("links", 0))
-        return [NvLink(link=i, active=i not in down, replay_errors=0, recovery_errors=0,
-                       crc_errors=0) for i in range(count)]
+        nvlink = self._sku.section("nvlink")
+        wired = int(nvlink.get("links", 0))
+        count = int(nvlink.get("indices", wired))
+        return [NvLink(link=i, active=i < wired and i not in down, replay_errors=0,
+                       recovery_errors=0, crc_errors=0)
+                for i in range(count)]
 
     def compute_processes(self) -> list[GpuProcess]:
         """The scenario's ``compute_processes`` on this GPU (none unless listed there)."""
@@ -257,27 +299,35 @@ class SimGpuDevice:
 
 
 class SimGpuBackend:
-    """The simulated node's GPUs. A ``missing_gpu`` is absent from enumeration, as on real
-    hardware when a GPU has fallen off the bus before the driver loaded."""
+    """The simulated node's GPUs. A ``missing_gpu`` or ``pci_only`` GPU is absent from
+    enumeration, as on real hardware when a GPU has fallen off the bus before the driver
+    loaded or the driver failed to initialise it. With ``driver: not_loaded`` or
+    ``not_installed`` NVML does not load at all: no devices, and the reason the NVML backend
+    would give (the GPUs stay on the simulated PCI bus)."""
 
     name = "sim"
     simulated = True
-    unavailable_reason: str | None = None
-    broken = False
 
     def __init__(self, scenario: Scenario, sku: Sku, call_timeout_s: float = 0.5) -> None:
         self.scenario = scenario
         self.sku = sku
+        self.unavailable_reason: str | None = None
+        self.broken = False
+        if scenario.driver_down:
+            self.unavailable_reason, self.broken = DRIVER_DOWN_REASONS[scenario.driver_down]
         self._wedged = threading.Event()
         self._xids_delivered = False
         self._closed = threading.Event()
         self._load = _LoadState()
-        self._devices: list[GpuDevice] = [
+        self._devices: list[GpuDevice] = [] if scenario.driver_down else [
             SimGpuDevice(i, scenario, sku, self._wedged, call_timeout_s, self._load)
-            for i in range(scenario.gpus) if not scenario.has(i, "missing_gpu")
+            for i in range(scenario.gpus)
+            if not scenario.has(i, "missing_gpu") and not scenario.has(i, "pci_only")
         ]
 
     def driver(self) -> DriverInfo:
+        if self.scenario.driver_down:
+            return DriverInfo(driver_version=None, cuda_version=None)
         return DriverInfo(driver_version=self.scenario.driver, cuda_version=self.scenario.cuda,
                           nvml_version="12." + self.scenario.driver)
 
@@ -285,7 +335,8 @@ class SimGpuBackend:
         return list(self._devices)
 
     def wait_xid_events(self, timeout_s: float) -> list[XidEvent]:
-        if self._xids_delivered:  # like nvmlEventSetWait: nothing new, so wait out the timeout
+        if self._xids_delivered or self.scenario.driver_down:
+            # like nvmlEventSetWait: nothing new, so wait out the timeout
             self._closed.wait(timeout_s)
             return []
         self._xids_delivered = True
@@ -297,9 +348,18 @@ class SimGpuBackend:
         self._load.set(indices, active)
 
     def kernel_log_lines(self) -> list[str]:
-        """Kernel-log lines the simulated driver printed since boot."""
-        return [xid_kernel_line(f.gpu, f.params["code"]) for f in self.scenario.faults
-                if f.kind == "xid"]
+        """Kernel-log lines printed since boot, in scenario order: an NVRM line per ``xid``,
+        and each ``kernel_log`` line with ``{bus}`` replaced by its GPU's bus id."""
+        lines = []
+        for fault in self.scenario.faults:
+            if fault.kind == "xid":
+                lines.append(xid_kernel_line(fault.gpu, fault.params["code"]))
+            elif fault.kind == "kernel_log":
+                line = fault.params["line"]
+                if fault.gpu is not None:
+                    line = line.replace("{bus}", kernel_bus_id(fault.gpu))
+                lines.append(line)
+        return lines
 
     def close(self) -> None:
         self._closed.set()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,14 +21,23 @@ SKU_SCHEMA: dict[str, Any] = {
         "display_name": {"type": "string"},
         "match": {"type": "array", "items": {"type": "string"}, "minItems": 1},
         "gpus_per_node": {"type": "integer", "minimum": 1},
-        "memory_total_mib_min": {"type": "integer"},
-        "memory_total_mib_max": {"type": "integer"},
+        # false for add-in cards: a server carries as many as its build has, so gpus_per_node
+        # is only the common full build (and a simulated node's default); the agent then
+        # expects what the PCI bus shows unless node.expected_gpus says otherwise
+        "gpus_per_node_fixed": {"type": "boolean"},
+        # what NVML reports as memory.total (MiB): with the name, it identifies the SKU
+        "memory_total_mib_min": {"type": "integer", "minimum": 1},
+        "memory_total_mib_max": {"type": "integer", "minimum": 1},
         # streaming multiprocessors per GPU: SDC probe shapes are sized so every SM runs tiles
         "sm_count": {"type": "integer", "minimum": 1},
         "pcie": {"type": "object", "additionalProperties": False,
                  "properties": {"gen": {"type": "integer"}, "width": {"type": "integer"}}},
+        # links: NVLinks expected active (0 for PCIe cards, whose bridge is optional);
+        # indices: link indices NVML answers for on this part (default: links). A PCIe card
+        # answers for its die's links, inactive without a bridge; the simulator reports them.
         "nvlink": {"type": "object", "additionalProperties": False,
-                   "properties": {"links": {"type": "integer", "minimum": 0}}},
+                   "properties": {"links": {"type": "integer", "minimum": 0},
+                                  "indices": {"type": "integer", "minimum": 0}}},
         "power": {"type": "object", "additionalProperties": False,
                   "properties": {"tdp_w": _NUM}},
         "thermal": {"type": "object", "additionalProperties": False,
@@ -63,12 +73,60 @@ class Sku:
     def section(self, key: str) -> dict[str, Any]:
         return dict(self.data.get(key) or {})
 
+    @property
+    def fixed_gpu_count(self) -> bool:
+        """True for a baseboard (HGX, NVL72 tray): every node has ``gpus_per_node`` GPUs."""
+        return bool(self.data.get("gpus_per_node_fixed", True))
+
+    @property
+    def memory_range(self) -> tuple[int | None, int | None]:
+        """``memory_total_mib_min``, ``memory_total_mib_max`` (None where not given)."""
+        return self.data.get("memory_total_mib_min"), self.data.get("memory_total_mib_max")
+
+    def names_gpu(self, name: str) -> bool:
+        """Whether NVML product name ``name`` is one of this SKU's ``match`` names.
+
+        Case-insensitive, and a leading ``NVIDIA `` is optional on both sides: drivers
+        before R470 reported ``A100-SXM4-40GB`` where later ones report
+        ``NVIDIA A100-SXM4-40GB`` (public nvidia-smi captures of both).
+        """
+        return _name_key(name) in {_name_key(m) for m in self.match}
+
+    def memory_problem(self, memory_mib: int | None) -> str | None:
+        """Why ``memory_mib`` (NVML memory.total) is not this SKU's, or None when it fits
+        (or is unknown)."""
+        low, high = self.memory_range
+        if memory_mib is None:
+            return None
+        if low is not None and memory_mib < low:
+            return f"{memory_mib} MiB is below the {low} MiB of SKU {self.id}"
+        if high is not None and memory_mib > high:
+            return f"{memory_mib} MiB is above the {high} MiB of SKU {self.id}"
+        return None
+
+    def describe_memory(self) -> str:
+        low, high = self.memory_range
+        return f"{self.id}: {low if low is not None else '?'}-{high if high is not None else '?'} MiB"
+
+
+def _name_key(name: str) -> str:
+    key = " ".join(name.split()).lower()
+    return key.removeprefix("nvidia ")
+
 
 def load_sku(path: Path) -> Sku:
     data = load_yaml(path, SKU_SCHEMA, what="SKU file")
     if data["id"] != path.stem:
         raise ConfigError(f"{path}: key 'id': {data['id']!r} must equal the file name "
                           f"{path.stem!r}")
+    low, high = data.get("memory_total_mib_min"), data.get("memory_total_mib_max")
+    if low is not None and high is not None and low > high:
+        raise ConfigError(f"{path}: key 'memory_total_mib_max': {high} is below "
+                          f"memory_total_mib_min {low}; expected max >= min")
+    nvlink = data.get("nvlink") or {}
+    if nvlink.get("indices", nvlink.get("links", 0)) < nvlink.get("links", 0):
+        raise ConfigError(f"{path}: key 'nvlink.indices': {nvlink['indices']} is below "
+                          f"nvlink.links {nvlink['links']}; expected indices >= links")
     return Sku(id=data["id"], display_name=data["display_name"], match=tuple(data["match"]),
                gpus_per_node=data["gpus_per_node"], data=data, source=str(path))
 
@@ -78,13 +136,43 @@ def load_skus(graders_dir: Path) -> dict[str, Sku]:
     return {p.stem: load_sku(p) for p in sorted(skus_dir.glob("*.yaml"))}
 
 
-def match_sku(gpu_names: list[str], skus: dict[str, Sku]) -> Sku | None:
-    """The SKU whose ``match`` list names the node's GPUs (all GPUs must agree)."""
-    names = {n.strip().lower() for n in gpu_names}
-    if len(names) != 1:
-        return None
-    (name,) = names
-    for sku in skus.values():
-        if name in (m.lower() for m in sku.match):
-            return sku
-    return None
+@dataclass(frozen=True)
+class SkuMatch:
+    """The SKU a node's GPUs are, or (``sku`` None) why none could be chosen."""
+
+    sku: Sku | None
+    problem: str | None = None
+
+
+def match_sku(gpus: Sequence[tuple[str, int | None]], skus: dict[str, Sku]) -> SkuMatch:
+    """The SKU whose ``match`` names the node's GPUs and whose memory range holds their
+    memory.total (``gpus``: NVML name and MiB, None where not reported).
+
+    All GPUs must share one name. The node's median memory decides between SKU files of the
+    same name (H20 96 GB / 141 GB, GB300 NVL72 / DGX Station); a GPU off that range on an
+    otherwise matching node is reported per GPU by the inventory check, not here.
+    """
+    if not gpus:
+        return SkuMatch(None)
+    names = sorted({" ".join(n.split()) for n, _ in gpus}, key=str.lower)
+    if len({_name_key(n) for n in names}) != 1:
+        return SkuMatch(None, f"the GPUs are of different models ({', '.join(names)}): no "
+                              "one SKU baseline applies; set node.sku to grade them against one")
+    name = names[0]
+    candidates = [s for s in skus.values() if s.names_gpu(name)]
+    if not candidates:
+        return SkuMatch(None, f"no SKU file under graders/skus/ matches GPU name {name!r}: "
+                              "expected GPU count, NVLinks and performance minima are unknown "
+                              "(limits come from NVML alone); add a SKU file or set node.sku")
+    memories = sorted(m for _, m in gpus if m is not None)
+    typical = memories[(len(memories) - 1) // 2] if memories else None
+    fitting = [s for s in candidates if s.memory_problem(typical) is None]
+    if len(fitting) == 1:
+        return SkuMatch(fitting[0])
+    ranges = "; ".join(s.describe_memory() for s in candidates)
+    if not fitting:
+        return SkuMatch(None, f"GPU name {name!r} is that of SKU file(s) {ranges}, but these "
+                              f"GPUs report {typical} MiB: another variant of this GPU; add a "
+                              "SKU file for it or set node.sku")
+    return SkuMatch(None, f"GPU {name!r} with {typical} MiB matches several SKU files "
+                          f"({ranges}): narrow their memory_total_mib_min/max, or set node.sku")

@@ -10,12 +10,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from node_agent.gpu.base import RECOVERY_ACTIONS, THROTTLE_REASONS
+from node_agent.gpu.base import RECOVERY_ACTIONS, SRAM_UNITS, THROTTLE_REASONS
 from node_agent.yamlfile import ConfigError, load_yaml
 
 _GPU = {"type": "integer", "minimum": 0}
 _HCA_NAME = r"^[A-Za-z0-9_]+$"
 _HCA = {"type": "string", "pattern": _HCA_NAME}
+_DRIVER_NAME = r"^[A-Za-z0-9_.-]+$"
+#: ``driver:`` values that are not a version: the NVIDIA kernel module is not loaded (NVML
+#: answers NVML_ERROR_DRIVER_NOT_LOADED: a kernel update without the DKMS build), or no
+#: user-space driver is installed (libnvidia-ml.so.1 not found). The GPUs stay on the PCI bus.
+DRIVER_DOWN_STATES = ("not_loaded", "not_installed")
 
 
 def _fault(kind: str, props: dict[str, Any], required: tuple[str, ...] = ("gpu",)) -> dict:
@@ -42,7 +47,23 @@ FAULT_SCHEMAS: dict[str, dict[str, Any]] = {
     "row_remap_failure": _fault("row_remap_failure", {}),
     "ecc_dbe_volatile": _fault("ecc_dbe_volatile", {"count": {"type": "integer", "minimum": 1}}),
     "ecc_sbe_volatile": _fault("ecc_sbe_volatile", {"count": {"type": "integer", "minimum": 1}}),
+    # uncorrectable SRAM errors over the GPU's life (nvmlDeviceGetSramEccErrorStatus), in one
+    # unit (default l2), and the driver's flag that they meet NVIDIA's RMA threshold
+    "ecc_sram_uncorrectable": _fault("ecc_sram_uncorrectable", {
+        "count": {"type": "integer", "minimum": 1}, "unit": {"enum": list(SRAM_UNITS)}}),
+    "sram_threshold_exceeded": _fault("sram_threshold_exceeded", {}),
+    # NVML reports this memory.total (MiB) for the GPU instead of its SKU's
+    "memory_total": _fault("memory_total", {"mib": {"type": "integer", "minimum": 1}},
+                           ("gpu", "mib")),
+    # gone from the PCI bus and from NVML (fell off the bus before the driver loaded)
     "missing_gpu": _fault("missing_gpu", {}),
+    # on the PCI bus, not enumerated by NVML (the driver failed to initialise it); ``driver``:
+    # the kernel driver bound to it (default none; vfio-pci or pci-stub: handed to a VM)
+    "pci_only": _fault("pci_only", {"driver": {"type": "string", "pattern": _DRIVER_NAME}}),
+    # a raw kernel-log line; ``{bus}`` becomes GPU ``gpu``'s bus id in the kernel's form
+    # (0000:ab:00); ``gpu`` may be left out for node-level lines (SXids, fabric manager)
+    "kernel_log": _fault("kernel_log", {"line": {"type": "string", "minLength": 1}},
+                         ("line",)),
     "gpu_lost": _fault("gpu_lost", {}),
     "temperature": _fault("temperature", {"celsius": {"type": "number"}}, ("gpu", "celsius")),
     "pcie_width": _fault("pcie_width", {"lanes": {"type": "integer", "minimum": 1}},
@@ -82,7 +103,7 @@ SCENARIO_SCHEMA: dict[str, Any] = {
         "sku": {"type": "string"},
         "gpus": {"type": "integer", "minimum": 0, "maximum": 64},
         "hostname": {"type": "string"},
-        "driver": {"type": "string"},
+        "driver": {"type": "string", "minLength": 1},  # a version, or a DRIVER_DOWN_STATES
         "cuda": {"type": "string"},
         "hcas": {"type": "array", "items": _HCA, "uniqueItems": True},
         # what the simulated NVML lists as compute processes (nvmlDeviceGetComputeRunningProcesses)
@@ -134,6 +155,11 @@ class Scenario:
     faults: tuple[Fault, ...] = field(default_factory=tuple)
     compute_processes: tuple[ComputeProcess, ...] = ()
 
+    @property
+    def driver_down(self) -> str | None:
+        """``not_loaded`` / ``not_installed`` when NVML cannot load at all, else None."""
+        return self.driver if self.driver in DRIVER_DOWN_STATES else None
+
     def faults_on(self, gpu: int, kind: str) -> list[Fault]:
         return [f for f in self.faults if f.gpu == gpu and f.kind == kind]
 
@@ -170,6 +196,19 @@ def load_scenario(path: str | Path, known_skus: dict[str, Any] | None = None) ->
             raise ConfigError(f"{source}: faults[{i}]: key 'hca': {raw['hca']!r} is not one of "
                               f"the scenario's hcas ({', '.join(hcas) or 'none listed'}); add it "
                               "to 'hcas'")
+        if raw["kind"] == "kernel_log" and ("\n" in raw["line"] or "\r" in raw["line"]):
+            raise ConfigError(f"{source}: faults[{i}]: key 'line': one kernel-log line, "
+                              "without line breaks; expected one kernel_log fault per line")
+        if raw["kind"] == "kernel_log" and "{bus}" in raw["line"] and "gpu" not in raw:
+            raise ConfigError(f"{source}: faults[{i}]: key 'line' uses {{bus}} but the fault "
+                              "names no gpu; add 'gpu: N' (whose bus id replaces {bus}) or "
+                              "write the bus id into the line")
+        if raw["kind"] in ("pci_only", "missing_gpu") and any(
+                f.gpu == raw["gpu"] and f.kind in ("pci_only", "missing_gpu")
+                and f.kind != raw["kind"] for f in faults):
+            raise ConfigError(f"{source}: faults[{i}]: gpu {raw['gpu']} cannot be both "
+                              "missing_gpu (gone from the PCI bus) and pci_only (on the bus, "
+                              "not in NVML); keep one")
         params = {k: v for k, v in raw.items() if k not in ("kind", "gpu", "hca")}
         faults.append(Fault(kind=raw["kind"], gpu=raw.get("gpu"), params=params,
                             hca=raw.get("hca")))

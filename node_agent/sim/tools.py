@@ -1,4 +1,13 @@
-"""What a simulated node's RDMA hardware and tools show: a sysfs tree and an ``ib_write_bw``.
+"""What a simulated node's PCI bus, RDMA hardware and tools show: sysfs trees and an
+``ib_write_bw``.
+
+The PCI bus (:func:`simulated_pci`, :func:`write_pci_sysfs`): a ``/sys/bus/pci/devices`` tree
+with the scenario's GPUs as 3D controllers (vendor 0x10de, class 0x030200) bound to ``nvidia``
+— none bound with ``driver: not_loaded``/``not_installed``, a ``pci_only`` GPU with its
+``driver`` or none; a ``missing_gpu`` is not on the bus — plus devices the reader must not
+count as GPUs: an NVSwitch function per two GPUs on an 8-GPU NVLink baseboard (vendor 0x10de, class
+0x068000) and a ConnectX function per HCA (vendor 0x15b3, class 0x020700). Device ids are not
+modelled (0x0000). :mod:`node_agent.gpu.pci` reads the tree as it reads the real one.
 
 DESIGN.md ("The simulator") puts faults at the hardware boundary: what sysfs holds and what the
 external tools print. For a scenario's ``hcas``, :func:`rdma_tools` writes, under a directory
@@ -24,11 +33,14 @@ call it.
 from __future__ import annotations
 
 import json
+import os
 import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from node_agent.gpu.pci import NVIDIA_VENDOR_ID, normalise_bus_id
+from node_agent.gpu.sim import pci_bus_id
 from node_agent.grading.sku import Sku
 from node_agent.sim.scenario import Scenario
 
@@ -122,6 +134,70 @@ def write_sysfs(hcas: tuple[SimHca, ...], root: Path) -> Path:
             (port / name).write_text(text + "\n")
         for name, value in hca.counters.items():
             (port / "counters" / name).write_text(f"{value}\n")
+    return root
+
+
+@dataclass(frozen=True)
+class SimPciDevice:
+    """One PCI function as ``/sys/bus/pci/devices/<bus_id>/`` shows it."""
+
+    bus_id: str  # 0000:18:00.0
+    vendor: int
+    class_code: int
+    driver: str | None
+    device: int = 0x0000
+    physfn: str | None = None  # an SR-IOV virtual function's parent function
+
+
+_MELLANOX_VENDOR_ID = 0x15B3
+_GPU_CLASS = 0x030200  # 3D controller, as data-center GPUs enumerate
+_NVSWITCH_CLASS = 0x068000  # bridge (other)
+_INFINIBAND_CLASS = 0x020700  # network controller, InfiniBand
+
+
+def simulated_pci(scenario: Scenario, sku: Sku | None = None) -> tuple[SimPciDevice, ...]:
+    """The scenario's PCI functions (module docstring)."""
+    devices = []
+    for index in range(scenario.gpus):
+        if scenario.has(index, "missing_gpu"):
+            continue
+        only = scenario.faults_on(index, "pci_only")
+        if scenario.driver_down:
+            driver = None
+        elif only:
+            driver = only[-1].params.get("driver")
+        else:
+            driver = "nvidia"
+        devices.append(SimPciDevice(bus_id=normalise_bus_id(pci_bus_id(index)),
+                                    vendor=NVIDIA_VENDOR_ID, class_code=_GPU_CLASS, driver=driver))
+    links = int(sku.section("nvlink").get("links", 0)) if sku else 0
+    if links and scenario.gpus >= 8:  # HGX baseboards carry their NVSwitches
+        for n in range(scenario.gpus // 2):
+            devices.append(SimPciDevice(bus_id=f"0000:{0x05 + n:02x}:00.0",
+                                        vendor=NVIDIA_VENDOR_ID, class_code=_NVSWITCH_CLASS,
+                                        driver=None if scenario.driver_down else "nvidia-nvswitch"))
+    for n, _hca in enumerate(scenario.hcas):
+        devices.append(SimPciDevice(bus_id=f"0000:0c:00.{n}", vendor=_MELLANOX_VENDOR_ID,
+                                    class_code=_INFINIBAND_CLASS, driver="mlx5_core"))
+    return tuple(devices)
+
+
+def write_pci_sysfs(devices: tuple[SimPciDevice, ...], root: Path) -> Path:
+    """``root``/<bus_id>/{vendor,device,class} and a ``driver`` link (and ``physfn`` for a
+    virtual function), as ``/sys/bus/pci/devices`` lays them out."""
+    root.mkdir(parents=True, exist_ok=True)
+    drivers = root.parent / "drivers"
+    for dev in devices:
+        path = root / dev.bus_id
+        path.mkdir()
+        (path / "vendor").write_text(f"0x{dev.vendor:04x}\n")
+        (path / "device").write_text(f"0x{dev.device:04x}\n")
+        (path / "class").write_text(f"0x{dev.class_code:06x}\n")
+        if dev.driver:
+            (drivers / dev.driver).mkdir(parents=True, exist_ok=True)
+            os.symlink(drivers / dev.driver, path / "driver")
+        if dev.physfn:
+            os.symlink(root / dev.physfn, path / "physfn")
     return root
 
 
