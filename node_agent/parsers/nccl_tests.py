@@ -243,8 +243,7 @@ def _check_all_reduce(rows: list[NcclRow], program: str | None, ranks: int | Non
     if program is not None and "all_reduce" not in program:
         raise ParseError(f"this is {program} output, not all_reduce_perf: its busbw is "
                          "computed with another factor")
-    no_reduction = sorted({r.size_bytes for r in rows if r.redop == _NO_REDUCTION})
-    if no_reduction:
+    if any(r.redop == _NO_REDUCTION for r in rows):
         raise ParseError("the table's redop is 'none', which all_reduce_perf never prints "
                          "(alltoall, all_gather, broadcast and sendrecv do): this is another "
                          "collective's output and its busbw is not all-reduce bus bandwidth")

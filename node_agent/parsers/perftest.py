@@ -18,7 +18,10 @@ same count and time (``print_report_bw``: ``bw_avg = tsize*iters*cycles/(time*fo
 
     BW average [bytes/s] = MsgRate [Mpps] * 10^6 * #bytes
 
-in every unit and mode. Each row's bandwidth is compared with that product:
+in every unit and mode of current perftest (the bidirectional factor scales both). One old
+form breaks it: releases whose ``-b`` iteration-mode report doubled ``tsize`` but not the
+message rate print BW = 2 x MsgRate x size; no capture of it was found, and such a row is
+refused with both figures rather than read. Each row's bandwidth is compared with that product:
 
 * it agrees with the label's unit: read as labelled;
 * it agrees with another unit perftest prints (a server whose header says ``MB/sec`` printing
