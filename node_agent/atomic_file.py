@@ -1,6 +1,13 @@
-"""Write a JSON file so that a reader never sees half of it and a crash never leaves one.
+"""How the agent creates its own files and directories: atomically, privately, never through a
+path another user controls (DESIGN.md, "Trust boundary"; docs/security.md).
 
-Temp file in the same directory, fsync, ``os.replace``: the file is the old one or the new one.
+- :func:`write_json`: temp file in the same directory (``mkstemp``: ``O_EXCL``, mode 0600), fsync,
+  ``os.replace``: the file is the old one or the new one, never half of one, and a symlink
+  planted at the final name is replaced, not followed.
+- :func:`private_dir`: the state directory and its subdirectories are 0700 and the agent's own;
+  a directory someone else owns, or whose parent anyone may rename entries in, is refused.
+- :func:`create_private`: a new file with ``O_CREAT|O_EXCL|O_NOFOLLOW``, mode 0600.
+- :func:`ensure_spool_dirs`: the spools training jobs write to, one sticky directory per kind.
 """
 
 from __future__ import annotations
@@ -8,15 +15,24 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+#: the spool kinds: what node_agent.heartbeat and node_agent.sdc write
+SPOOL_KINDS = ("heartbeat", "sdc")
+
+
+class UnsafeDirectory(OSError):
+    """A directory the agent will not keep its state in (owner, mode or parent are wrong)."""
 
 
 def write_json(path: Path, data: Any) -> None:
     """Replace ``path`` with ``data`` as indented, key-sorted JSON (``str`` for other types);
-    creates the parent directory."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    creates the parent directory (0700)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -28,3 +44,90 @@ def write_json(path: Path, data: Any) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def create_private(path: Path, append: bool = False) -> int:
+    """Open ``path`` for writing, mode 0600, never through a symlink; a new file unless
+    ``append`` (then an existing regular file is appended to). Returns the fd."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags |= os.O_APPEND if append else os.O_EXCL
+    fd = os.open(path, flags, 0o600)
+    if append:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            os.close(fd)
+            raise UnsafeDirectory(f"{path} is not a regular file of uid {os.geteuid()}; "
+                                  "not written (remove it)")
+    return fd
+
+
+def _check_parent(path: Path) -> None:
+    parent = path.parent
+    st = os.stat(parent)
+    if st.st_uid not in (0, os.geteuid()):
+        raise UnsafeDirectory(f"{parent} (the parent of {path}) is owned by uid {st.st_uid}, "
+                              "who could replace the directory: choose a state_dir under a "
+                              "directory root owns (the default is /var/lib/node-agent)")
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise UnsafeDirectory(f"{parent} (the parent of {path}) is writable by everyone without "
+                              "the sticky bit, so anyone could replace the directory: choose a "
+                              "state_dir under a directory root owns")
+
+
+def private_dir(path: Path | str) -> Path:
+    """``path`` as a directory only this user may enter (0700), made with missing parents.
+
+    An existing directory of ours with group/other permissions is tightened to 0700 (an older
+    agent made it 0755). Raises :class:`UnsafeDirectory` when it belongs to another user or
+    sits in a directory others may rename entries in; OSError when it cannot be made."""
+    path = Path(path)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    real = path.resolve()
+    _check_parent(real)
+    st = os.stat(real)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeDirectory(f"{path} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise UnsafeDirectory(f"{path} is owned by uid {st.st_uid}, not by the agent (uid "
+                              f"{os.geteuid()}): the agent keeps its state only in a directory "
+                              "of its own; chown it or choose another state_dir")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(real, 0o700)
+    return path
+
+
+def ensure_spool_dirs(root: Path | str, kinds: Iterable[str] = SPOOL_KINDS) -> list[str]:
+    """Make the spool ``root`` (0755, the agent's) and one directory per kind in it that
+    training users can write to but not delete each other's files in (1777: sticky, like
+    /tmp). An existing kind directory keeps its mode (an operator may restrict it to a group,
+    1770) except that the sticky bit is added when others may write to it. Returns notes of
+    what was changed or is wrong (a symlink, another owner), for the log; never raises."""
+    root, notes = Path(root), []
+    try:
+        root.mkdir(mode=0o755, parents=True, exist_ok=True)
+        st = os.lstat(root)
+        if stat.S_ISLNK(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            notes.append(f"spool {root} is a symlink, owned by uid {st.st_uid} or writable by "
+                         "others: anyone who may write to it can swap its kind directories; "
+                         f"make it a directory of uid {os.geteuid()}, mode 0755")
+    except OSError as err:
+        return [f"cannot make the spool {root}: {err.strerror or err}"]
+    for kind in kinds:
+        d = root / kind
+        try:
+            if not d.exists():
+                d.mkdir(mode=0o755)
+                os.chmod(d, 0o1777)  # mkdir's mode passes through the umask
+                notes.append(f"made spool {d} (mode 1777)")
+                continue
+            st = os.lstat(d)
+            if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+                notes.append(f"spool {d} is a symlink or not a directory: it is not read; "
+                             "make it a directory (mode 1777)")
+            elif st.st_mode & (stat.S_IWOTH | stat.S_IWGRP) and not st.st_mode & stat.S_ISVTX:
+                os.chmod(d, stat.S_IMODE(st.st_mode) | stat.S_ISVTX)
+                notes.append(f"spool {d} had no sticky bit (any writer could delete another's "
+                             "files): added it")
+        except OSError as err:
+            notes.append(f"cannot make spool {d}: {err.strerror or err}")
+    return notes

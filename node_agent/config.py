@@ -14,6 +14,8 @@ DEFAULT_CONFIG_PATH = Path("/etc/node-agent/config.yaml")
 DEFAULTS: dict[str, Any] = {
     "node": {"name": None, "sku": "auto", "expected_gpus": None},
     "state_dir": "/var/lib/node-agent",
+    # where training jobs write heartbeats and SDC verdicts: apart from the private state_dir
+    "spool_dir": "/var/spool/node-agent",
     "suites_dir": None,
     "graders_dir": None,
     "storage": {"paths": []},
@@ -50,7 +52,8 @@ SCHEMA: dict[str, Any] = _obj({
         "sku": {"type": "string", "pattern": r"^[a-z0-9][a-z0-9._-]*$"},
         "expected_gpus": {"type": ["integer", "null"], "minimum": 0},
     }),
-    "state_dir": {"type": "string"},
+    "state_dir": {"type": "string", "minLength": 1},
+    "spool_dir": {"type": "string", "minLength": 1},
     "suites_dir": _NULLABLE_STR,
     "graders_dir": _NULLABLE_STR,
     "storage": _obj({"paths": {"type": "array", "items": {"type": "string"}}}),
@@ -120,6 +123,11 @@ class Config:
     @property
     def state_dir(self) -> Path:
         return Path(self.data["state_dir"])
+
+    @property
+    def spool_dir(self) -> Path:
+        """The root of the spools training jobs write to (``<spool_dir>/heartbeat``, ``/sdc``)."""
+        return Path(self.data["spool_dir"])
 
 
 def load_config(path: str | Path | None) -> Config:

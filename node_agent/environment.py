@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from node_agent import resources
+from node_agent.atomic_file import private_dir
 from node_agent.config import Config
 from node_agent.gpu import open_backend
 from node_agent.gpu.base import GpuBackend
@@ -50,10 +51,11 @@ class Environment:
         return self.sku.gpus_per_node if self.sku else None
 
     def writable_state_dir(self) -> Path | None:
-        """The configured state directory if it can be created and written, else None."""
+        """The configured state directory if it can be made private (0700, the agent's own,
+        see ``atomic_file.private_dir``) and written, else None."""
         path = self.config.state_dir
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            private_dir(path)
         except OSError:
             return None
         return path if os.access(path, os.W_OK) else None
@@ -104,9 +106,7 @@ def report_dir(env: Environment, out: str | None) -> tuple[Path, str | None]:
         return path, None
     state = env.writable_state_dir()
     if state is not None:
-        path = state / "reports"
-        path.mkdir(exist_ok=True)
-        return path, None
+        return private_dir(state / "reports"), None
     path = Path(tempfile.gettempdir()) / "node-agent-reports"
     path.mkdir(exist_ok=True)
     return path, (f"state dir {env.config.state_dir} is not writable; report written under "

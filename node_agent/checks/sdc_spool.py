@@ -74,10 +74,10 @@ MIN_CONFIRM_BUDGET_S = 8.0
 _BUDGET_SHARE = 0.8
 
 
-def spool_dir(ctx: CheckContext) -> Path | None:
+def spool_dir(ctx: CheckContext) -> Path:
     if ctx.params.get("spool_dir"):
         return Path(ctx.params["spool_dir"])
-    return ctx.state_dir / "spool" / "sdc" if ctx.state_dir is not None else None
+    return ctx.config.spool_dir / "sdc"
 
 
 def cursor_path(state_dir: Path) -> Path:
@@ -219,7 +219,6 @@ def run(ctx: CheckContext) -> list[Result]:
                          "jobs' SDC verdicts cannot be tracked (set state_dir in the config)",
                          metric="sdc_spool")]
     spool = spool_dir(ctx)
-    assert spool is not None
     path = cursor_path(ctx.state_dir)
     now = time.time()
     out: list[Result] = []

@@ -60,9 +60,11 @@ _UNSAFE_TARGET = re.compile(r"[^A-Za-z0-9_.:/@+=-]+")
 
 
 def spool_dir(ctx: CheckContext) -> Path:
+    """``params.spool_dir``, else ``<config spool_dir>/heartbeat`` (default
+    ``/var/spool/node-agent/heartbeat``), where ``node_agent.heartbeat`` writes by default."""
     if ctx.params.get("spool_dir"):
         return Path(ctx.params["spool_dir"])
-    return _state_base(ctx) / "spool" / "heartbeat"
+    return ctx.config.spool_dir / "heartbeat"
 
 
 def _state_base(ctx: CheckContext) -> Path:

@@ -7,16 +7,20 @@ the agent saw: ``<state_dir>/evidence/<timestamp>-<action>/`` with
   pids are known (``nvidia-smi --query-compute-apps=pid``), else a line saying why not;
 * ``notes.txt`` — what was collected and what was skipped.
 
-Collecting evidence never stops the action: every failure becomes a note.
+Collecting evidence never stops the action: every failure becomes a note. The directory is
+0700 and its files 0600, created with ``O_EXCL|O_NOFOLLOW``: the kernel log it copies may be
+unreadable to users (``dmesg_restrict``), and the stacks show their code.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from node_agent import proc
+from node_agent.atomic_file import create_private, private_dir
 from node_agent.kernel_log import KernelLog
 from node_agent.model import Report
 from node_agent.report import json_report
@@ -46,12 +50,16 @@ def collect(state_dir: Path, action: str, now: float, report: Report | None,
     directory = state_dir / "evidence" / f"{stamp}-{action}"
     notes: list[str] = []
     try:
+        private_dir(state_dir / "evidence")
         n = 1
         base = directory
-        while directory.exists():
-            n += 1
-            directory = base.with_name(f"{base.name}-{n}")
-        directory.mkdir(parents=True)
+        while True:
+            try:
+                directory.mkdir(mode=0o700)
+                break
+            except FileExistsError:
+                n += 1
+                directory = base.with_name(f"{base.name}-{n}")
     except OSError as err:
         return None, [f"cannot create evidence directory {directory}: {err.strerror or err}"]
 
@@ -97,6 +105,8 @@ def _stacks(pids: Sequence[int] | None, pids_note: str | None) -> str:
 
 def _write(path: Path, text: str, notes: list[str]) -> None:
     try:
-        path.write_text(text, encoding="utf-8")
+        fd = create_private(path)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
     except OSError as err:
         notes.append(f"cannot write {path}: {err.strerror or err}")

@@ -16,7 +16,9 @@ Times are UNIX epoch seconds (float) passed in by the caller, so that tests need
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from node_agent.atomic_file import private_dir
 
 DB_NAME = "node-agent.db"
 SCHEMA_VERSION = 1
@@ -369,14 +373,15 @@ def open_store(state_dir: Path | str, clock: Callable[[], float] = time.time) ->
     path = state_dir / DB_NAME
     notes: list[str] = []
     try:
-        state_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(state_dir)  # 0700: nobody else may read the journal or lock the database
     except OSError as err:
-        return _memory_store(f"cannot create state dir {state_dir}: {err.strerror or err}")
+        return _memory_store(f"cannot use state dir {state_dir}: {err.strerror or err}")
     for attempt in (1, 2):
         conn = None
         try:
             conn = _connect(path)
             _init_schema(conn, path)
+            _private_files(path)
             return Store(conn, path, notes)
         except sqlite3.DatabaseError as err:
             if conn is not None:
@@ -394,6 +399,19 @@ def open_store(state_dir: Path | str, clock: Callable[[], float] = time.time) ->
                 conn.close()
             return _memory_store(f"cannot open {path}: {err}", notes)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _private_files(path: Path) -> None:
+    """The database and its -wal/-shm files 0600 (SQLite gives new -wal/-shm the database's
+    mode, so this holds for the files made later too)."""
+    for name in (path.name, path.name + "-wal", path.name + "-shm"):
+        f = path.with_name(name)
+        try:
+            st = f.lstat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077:
+            os.chmod(f, 0o600)
 
 
 def _move_aside(path: Path, now: float) -> Path:

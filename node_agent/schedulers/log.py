@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from node_agent.atomic_file import create_private
 from node_agent.schedulers.base import (
     AdapterError,
     NodeState,
@@ -58,9 +59,10 @@ class LogAdapter:
             entry["job"] = job
         line = json.dumps(entry, sort_keys=True)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             # One write of one line with O_APPEND: concurrent writers never interleave lines.
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            # 0600 and never through a symlink: it is the agent's own record (docs/security.md).
+            fd = create_private(self.path, append=True)
             try:
                 os.write(fd, (line + "\n").encode())
                 os.fsync(fd)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from node_agent.atomic_file import ensure_spool_dirs
 from node_agent.config import Config, load_config
 from node_agent.environment import Environment, open_environment
 from node_agent.model import Grade, Level, Result, Status
@@ -149,6 +150,10 @@ class Daemon:
 
     # -- running --------------------------------------------------------------------------------
     def run(self, install_signals: bool = True) -> int:
+        # the spools training jobs write to: one sticky directory per kind, apart from the
+        # private state dir (docs/security.md); a problem is logged, the daemon goes on
+        for note in ensure_spool_dirs(self.config.spool_dir):
+            log.warning("spool: %s", note)
         self._start_http()
         if install_signals:
             signal.signal(signal.SIGTERM, lambda *_: self.stop())

@@ -2,7 +2,7 @@
 
 Three sources, merged by pid (``TrainingProcess.sources``):
 
-- ``heartbeat``: the live writers of ``<state_dir>/spool/heartbeat/<pid>.json``
+- ``heartbeat``: the live writers of ``<spool_dir>/heartbeat/<pid>.json``
   (``node_agent.heartbeat``);
 - ``nvml``: the compute processes NVML lists on each GPU
   (``nvidia-smi --query-compute-apps=pid``), which also gives each process's GPUs;

@@ -87,6 +87,7 @@ def node(tmp_path):
     n = Node()
     n.write()
     n.config.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"),
+                                        "spool_dir": str(tmp_path / "spool"),
                                         "daemon": {"listen": f"127.0.0.1:{n.port}",
                                                    "xid_poll_s": 0.2}}))
     n.suite.write_text(yaml.safe_dump(PERIODIC))

@@ -2,7 +2,7 @@
 
 Each worker is a real Python process looping over ``Heartbeat.beat(step)`` with ``RANK`` set;
 the check runs through the real CLI (``node-agent check --suite <suite with
-training_progress>``), whose config's state dir holds the heartbeat spool. py-spy (in the dev
+training_progress>``), whose ``spool_dir`` param names the heartbeat spool under ``tmp_path``. py-spy (in the dev
 extras) samples their stacks; the tests whose hang needs the stack to agree skip when it may
 not ptrace the workers, and one test runs without py-spy on purpose.
 """
@@ -106,6 +106,7 @@ while True:
 def _suite(tmp_path: Path, **params) -> str:
     """A suite of training_progress alone; ``params`` override the check's defaults."""
     path = tmp_path / "progress-suite.yaml"
+    params = {"spool_dir": str(_spool(tmp_path)), **params}
     path.write_text(yaml.safe_dump({"name": "progress", "mode": "service", "checks": [
         {"check": "training_progress", "timeout_s": 60, "params": params}]}))
     return str(path)
@@ -115,7 +116,7 @@ FAST = {"stall_after_s": 2, "straggler_for_s": 0, "stack_samples": 2, "stack_int
 
 
 def _spool(tmp_path: Path) -> Path:
-    return tmp_path / "state" / "spool" / "heartbeat"
+    return tmp_path / "spool" / "heartbeat"
 
 
 def _start(tmp_path: Path, source: str, args: list[str], env_by_rank: list[dict[str, str]]):

@@ -59,7 +59,8 @@ def node(base: Path, name: str = "node.yaml", **extra) -> str:
 
 
 def config(base: Path, **extra) -> str:
-    return write_yaml(base / "config.yaml", {"state_dir": str(base / "state"), **extra})
+    return write_yaml(base / "config.yaml", {"state_dir": str(base / "state"),
+                                             "spool_dir": str(base / "spool"), **extra})
 
 
 def suite(base: Path, *checks: dict, name: str = "attack") -> str:
@@ -206,3 +207,113 @@ def test_a_users_report_about_its_own_gpu_is_only_a_reason_for_the_agent_to_prob
     assert rep["grade"]["level"] == "FAULT"
     (fault,) = results(rep, "sdc_confirmed")
     assert fault["evidence"]["source"] == "agent probe" and fault["target"] == "gpu:3"
+
+
+# -- attack 5: locking node-agent.db-shm; state readable by everyone ----------------------------
+
+LOCK_SHM = r"""
+import fcntl, os, sys
+try:
+    fd = os.open(sys.argv[1], os.O_RDONLY)
+except PermissionError as err:
+    print("denied", err.strerror)
+    sys.exit(0)
+fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB, 8, 120)  # the WAL write lock's byte
+print("locked")
+"""
+
+
+def test_nobody_else_can_open_the_databases_shm_file_to_lock_it(user, shared_dir):
+    from node_agent.remediation.store import open_store
+
+    state = shared_dir / "state"
+    store = open_store(state)  # the daemon holds the database open: -wal and -shm exist
+    try:
+        store.set_opt_out("sim-node", False, 1.0)
+        shm = state / "node-agent.db-shm"
+        assert shm.exists() and (state.stat().st_mode & 0o777) == 0o700
+        out = user.py(LOCK_SHM, str(shm)).stdout
+        assert out.startswith("denied"), out
+        cfg, scen = config(shared_dir), node(shared_dir)
+        done = run_agent("optout", "on", "--config", cfg, "--simulate", scen, timeout=60)
+        assert done.returncode == 0, done.stderr
+    finally:
+        store.close()
+
+
+def test_a_state_dir_an_older_agent_left_open_is_made_private_again(user, shared_dir):
+    from node_agent.remediation.store import open_store
+
+    state = shared_dir / "state"
+    open_store(state).close()
+    state.chmod(0o755)
+    (state / "node-agent.db").chmod(0o644)
+    store = open_store(state)
+    try:
+        assert (state.stat().st_mode & 0o777) == 0o700
+        assert {(f.name, f.stat().st_mode & 0o777) for f in state.iterdir()
+                if f.name.startswith("node-agent.db")} <= {
+            ("node-agent.db", 0o600), ("node-agent.db-wal", 0o600), ("node-agent.db-shm", 0o600)}
+        assert user.py(LOCK_SHM, str(state / "node-agent.db-shm")).stdout.startswith("denied")
+    finally:
+        store.close()
+
+
+READ_ALL = r"""
+import os, sys
+for path in sys.argv[1:]:
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+        print("READ", path)
+    except OSError as err:
+        print("denied", path, err.strerror)
+"""
+
+
+def test_reports_evidence_journal_and_actions_log_are_private(user, shared_dir):
+    cfg = config(shared_dir, safety={"max_drained_fraction": 1.0})
+    xid79 = node(shared_dir, "xid79.yaml", faults=[{"kind": "xid", "gpu": 5, "code": 79}])
+    rep = report(run_agent("check", "--act", "--json", "--config", cfg, "--simulate", xid79))
+    assert [a["outcome"] for a in rep["actions"]] == ["done", "done"]  # drain, replace (log)
+    state = shared_dir / "state"
+    made = [p for p in state.rglob("*") if p.is_file()]
+    names = {p.name for p in made}
+    assert {"node-agent.db", "actions.log", "kernel-log.txt", "report.json"} <= names
+    assert any(n.startswith("report-") for n in names)
+    lines = user.py(READ_ALL, *map(str, made)).stdout.splitlines()
+    assert len(lines) == len(made) and all(line.startswith("denied") for line in lines), lines
+    assert (state.stat().st_mode & 0o777) == 0o700
+    for d in [p for p in state.rglob("*") if p.is_dir()]:
+        assert d.stat().st_mode & 0o077 == 0, d
+
+
+DELETE = r"""
+import os, sys
+try:
+    os.unlink(sys.argv[1])
+    print("deleted")
+except OSError as err:
+    print("denied", err.strerror)
+with open(os.path.join(os.path.dirname(sys.argv[1]), "mine.json"), "w") as f:
+    f.write("{}")
+print("wrote")
+"""
+
+
+def test_spool_dirs_are_sticky_so_one_user_cannot_remove_anothers_reports(user, shared_dir):
+    from node_agent.atomic_file import ensure_spool_dirs
+
+    root = shared_dir / "spool"
+    assert ensure_spool_dirs(root) == [f"made spool {root / 'heartbeat'} (mode 1777)",
+                                       f"made spool {root / 'sdc'} (mode 1777)"]
+    for kind in ("heartbeat", "sdc"):
+        assert (root / kind).stat().st_mode & 0o7777 == 0o1777
+    theirs = root / "heartbeat" / "4242.json"
+    theirs.write_text("{}")
+    assert user.py(DELETE, str(theirs)).stdout.split("\n")[:2] == [
+        "denied Operation not permitted", "wrote"]
+    # a spool an operator opened up without the sticky bit gets it back
+    (root / "sdc").chmod(0o777)
+    assert "added it" in ensure_spool_dirs(root)[0]
+    assert (root / "sdc").stat().st_mode & 0o7777 == 0o1777

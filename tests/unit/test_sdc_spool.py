@@ -35,7 +35,8 @@ def node(tmp_path):
     """``node(gpus=8, faults=(), **scenario)`` -> an opened simulated Environment whose state
     dir is ``tmp_path/state`` (shared by every node of one test)."""
     config_path = tmp_path / "config.yaml"
-    config_path.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state")}))
+    config_path.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"),
+                                           "spool_dir": str(tmp_path / "spool")}))
     envs = []
 
     def make(gpus=8, faults=(), **extra):
@@ -69,7 +70,7 @@ def ctx_for(env, timeout_s: float = 120.0, **params) -> CheckContext:
 
 
 def spool_of(env):
-    return env.config.state_dir / "spool" / "sdc"
+    return env.config.spool_dir / "sdc"
 
 
 def verdict(status: str, device: str = "cuda:3", **evidence) -> sdc_lib.Verdict:
