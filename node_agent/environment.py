@@ -96,7 +96,11 @@ def open_environment(config: Config, simulate: str | None = None) -> Environment
 
 
 def report_dir(env: Environment, out: str | None) -> tuple[Path, str | None]:
-    """Where reports go: ``--out``, else ``<state_dir>/reports``, else a temp dir (with a note)."""
+    """Where reports go: ``--out``, else ``<state_dir>/reports`` (0700), else a new private
+    temp dir (``mkdtemp``: 0700, a name nobody can guess or make first), with a note.
+
+    Never a fixed path in a shared directory: a ``/tmp/node-agent-reports`` another user made
+    first would let them point the report's file names at files root owns."""
     if out:
         path = Path(out)
         try:
@@ -107,7 +111,11 @@ def report_dir(env: Environment, out: str | None) -> tuple[Path, str | None]:
     state = env.writable_state_dir()
     if state is not None:
         return private_dir(state / "reports"), None
-    path = Path(tempfile.gettempdir()) / "node-agent-reports"
-    path.mkdir(exist_ok=True)
-    return path, (f"state dir {env.config.state_dir} is not writable; report written under "
-                  f"{path} instead")
+    try:
+        path = Path(tempfile.mkdtemp(prefix="node-agent-reports-"))
+    except OSError as err:
+        raise ConfigError(f"state dir {env.config.state_dir} is not usable and no private temp "
+                          f"dir can be made ({err.strerror or err}); set state_dir in the "
+                          "config or give --out DIR") from err
+    return path, (f"state dir {env.config.state_dir} is not usable (not writable, or not the "
+                  f"agent's own); report written under the new private directory {path} instead")

@@ -317,3 +317,42 @@ def test_spool_dirs_are_sticky_so_one_user_cannot_remove_anothers_reports(user, 
     (root / "sdc").chmod(0o777)
     assert "added it" in ensure_spool_dirs(root)[0]
     assert (root / "sdc").stat().st_mode & 0o7777 == 0o1777
+
+
+# -- attack 3: symlinks in a fixed /tmp report directory -> root's file overwritten ------------
+
+PLANT_REPORT_LINKS = r"""
+import datetime, os, sys, time
+tmp, victim = sys.argv[1], sys.argv[2]
+d = os.path.join(tmp, "node-agent-reports")  # where the agent used to fall back to
+os.makedirs(d, exist_ok=True)
+os.chmod(d, 0o777)
+now = time.time()
+for s in range(-5, 300):  # the temp names of the next five minutes of reports
+    t = datetime.datetime.fromtimestamp(now + s, datetime.timezone.utc)
+    stamp = t.strftime("%Y%m%dT%H%M%SZ")
+    for name in (f".report-sim-node-attack-{stamp}.json.tmp", f"report-sim-node-attack-{stamp}.json"):
+        os.symlink(victim, os.path.join(d, name))
+print("planted")
+"""
+
+
+def test_an_unusable_state_dir_never_sends_reports_through_another_users_symlinks(
+        user, shared_dir):
+    tmp = shared_dir / "tmp"  # stands in for /tmp: TMPDIR points the agent here
+    tmp.mkdir()
+    tmp.chmod(0o1777)
+    victim = shared_dir / "root-owned-file"
+    victim.write_text("root's own content\n")
+    user.py(PLANT_REPORT_LINKS, str(tmp), str(victim))
+    cfg = config(shared_dir, state_dir="/proc/node-agent-state")  # cannot be created
+    checks = suite(shared_dir, {"check": "inventory", "timeout_s": 30})
+    done = run_agent("check", "--suite", checks, "--simulate", node(shared_dir), "--config", cfg,
+                     env={"TMPDIR": str(tmp)})
+    assert done.returncode == 0, done.stderr
+    assert victim.read_text() == "root's own content\n"
+    written = Path(done.stderr.split("report: ")[1].split()[0])
+    assert written.parent.parent == tmp and written.parent.name.startswith("node-agent-reports-")
+    st = written.parent.stat()
+    assert (st.st_uid, st.st_mode & 0o777) == (0, 0o700) and not written.is_symlink()
+    assert "new private directory" in done.stderr
