@@ -53,6 +53,7 @@ class Fold:
     pci_bus: str | None = None
     sources: set[str] = field(default_factory=set)
     caused_by: set[int] = field(default_factory=set)
+    notes: list[str] = field(default_factory=list)  # how a line without an Xid number was read
 
     def add(self, event: XidLine | SxidLine, source: str, now: Stamp | None = None,
             burst_gap_s: float = BURST_GAP_S) -> bool:
@@ -72,6 +73,8 @@ class Fold:
                 self.gpu_instances.add(event.gpu_instance)
             if event.caused_by is not None:
                 self.caused_by.add(event.caused_by)
+            if event.origin != "xid" and event.message not in self.notes and len(self.notes) < 4:
+                self.notes.append(event.message)
             fields = event.decode_fields()
         else:
             fields = {"severity": event.severity} if event.severity else {}
@@ -177,6 +180,8 @@ class Fold:
             evidence["links"] = sorted(self.links)
         if self.caused_by:
             evidence["caused_by"] = sorted(self.caused_by)
+        if self.notes:
+            evidence["read_as"] = list(self.notes)
         return evidence
 
     def result(self, check: str = "xid", window: str = "", boot_epoch: float | None = None) -> Result:
@@ -192,6 +197,8 @@ class Fold:
                            if k in v["fields"]), v["count"]) for v in self.variants.values()]
         said = [(text, n) for text, n in said if text]
         printed = ("; printed " + ", ".join(f"{text} x{n}" for text, n in said)) if len(said) > 1 else ""
+        if self.notes:
+            printed += f" ({'; '.join(self.notes)})"
         return Result(check=check, target=self.target, metric=self.kind, status=Status.FAIL,
                       value=self.code, evidence=self.evidence(boot_epoch),
                       detail=f"{noun} {self.code} on {self.target}, {how_often}{where}{printed}: "
