@@ -60,7 +60,8 @@ class CheckContext:
     #: one suite run's hand-over between checks (e.g. the burn's telemetry trace for
     #: thermal_power); keys are documented by the check that writes them
     shared: dict[str, Any] = field(default_factory=dict)
-    _pci: PciBus | None = field(default=None, init=False, repr=False)
+    #: the NVIDIA GPUs on the PCI bus; read on first use (``pci_bus()``) unless given
+    pci: PciBus | None = field(default=None, repr=False)
 
     @property
     def simulated(self) -> bool:
@@ -77,9 +78,9 @@ class CheckContext:
     def pci_bus(self) -> PciBus:
         """The NVIDIA GPUs on the node's PCI bus (sysfs; the simulated node's tree under
         simulation), read once per check."""
-        if self._pci is None:
-            self._pci = read_pci_bus(self.scenario, self.sku)
-        return self._pci
+        if self.pci is None:
+            self.pci = read_pci_bus(self.scenario, self.sku)
+        return self.pci
 
     def gpus_unavailable(self) -> list[Result] | None:
         """For GPU checks: None when GPUs can be queried; otherwise the one result that says

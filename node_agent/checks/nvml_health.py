@@ -75,21 +75,31 @@ def _gpu_count(ctx: CheckContext) -> Result:
     seen = len(ctx.gpu.devices())
     expected, why_none = _expected_gpus(ctx)
     visible = [d.index for d in ctx.gpu.devices()]
+    bus = ctx.pci_bus()
+    on_bus = None if bus.unreadable else len(bus.host_gpus)
     if expected is None:
         return ctx.result("node", "gpu_count", Status.PASS,
-                          f"{seen} GPUs visible (no expected count: {why_none})", value=seen,
-                          unit="GPUs", visible=visible)
+                          f"{seen} GPUs visible (no expected count: {why_none}; "
+                          f"{on_bus if on_bus is not None else '?'} on the PCI bus)", value=seen,
+                          unit="GPUs", visible=visible, pci_gpus=on_bus)
+    # a GPU handed to a VM (vfio-pci) is the VM's, not a GPU the host lost
+    handed = 0 if bus.unreadable else len(bus.gpus) - len(bus.host_gpus)
+    note = f" ({handed} more handed to a VM)" if handed else ""
+    expected = max(expected - handed, 0)
+    evidence = {"expected": expected, "visible": visible, "pci_gpus": on_bus,
+                "passthrough": handed}
     if seen < expected:
         return ctx.result("node", "gpu_count", Status.FAIL,
-                          f"{seen} of {expected} expected GPUs visible (visible indices "
+                          f"{seen} of {expected} expected GPUs visible{note} (visible indices "
                           f"{visible}); a missing GPU has fallen off the bus or is not powered",
-                          value=seen, unit="GPUs", expected=expected, visible=visible)
+                          value=seen, unit="GPUs", **evidence)
     if seen > expected:
         return ctx.result("node", "gpu_count", Status.WARN,
-                          f"{seen} GPUs visible, {expected} expected: check node.expected_gpus",
-                          value=seen, unit="GPUs", expected=expected, visible=visible)
-    return ctx.result("node", "gpu_count", Status.PASS, f"{seen} of {expected} GPUs visible",
-                      value=seen, unit="GPUs", expected=expected)
+                          f"{seen} GPUs visible, {expected} expected{note}: check "
+                          "node.expected_gpus", value=seen, unit="GPUs", **evidence)
+    return ctx.result("node", "gpu_count", Status.PASS,
+                      f"{seen} of {expected} GPUs visible{note}", value=seen, unit="GPUs",
+                      **evidence)
 
 
 def _pci_bus(ctx: CheckContext) -> list[Result]:

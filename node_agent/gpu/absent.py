@@ -8,7 +8,10 @@ from node_agent.gpu.base import DriverInfo, GpuDevice, XidEvent
 class AbsentGpuBackend:
     """No usable GPU access. ``broken=False``: the host has no NVIDIA driver, GPU checks skip
     with ``unavailable_reason``. ``broken=True``: a driver is there but NVML fails (hung,
-    version mismatch); GPU checks report an error, never a pass or a skip."""
+    version mismatch); GPU checks report an error, never a pass or a skip. Either way, NVIDIA
+    GPUs on the PCI bus (:mod:`node_agent.gpu.pci`) make it an error: the checks compare the
+    bus with this backend (``CheckContext.gpus_unavailable``), since the bus does not depend
+    on NVML loading."""
 
     name = "none"
     simulated = False

@@ -193,3 +193,110 @@ def test_inventory_of_simulated_node_lists_gpus(agent, scenario):
     assert [g["index"] for g in data["gpus"]] == [0, 1, 2, 3]
     assert data["sku"] == "h100-sxm5-80gb"
     assert all(g["uuid"].startswith("GPU-") for g in data["gpus"])
+
+
+# -- the PCI bus against NVML (driver not loaded, a GPU the driver lost) ------------------------
+
+LIGHT = ("--only", "inventory,nvml_health,xid")
+
+
+@pytest.mark.parametrize("state", ["not_loaded", "not_installed"])
+def test_gpus_on_the_bus_without_a_driver_grade_error_at_delivery_naming_what_to_do(
+        agent, scenario, state):
+    run = agent("accept", "--simulate", scenario(sku="l40s-48gb", driver=state), *LIGHT, "--json")
+    assert run.code == 3, run.stderr
+    report = run.json()
+    assert report["grade"]["level"] == "ERROR"
+    assert {r["rule"] for r in reasons(report)} == {"driver-not-loaded"}
+    detail = next(r["detail"] for r in report["results"]
+                  if r["check"] == "nvml_health" and r["metric"] == "driver_not_loaded")
+    assert "8 NVIDIA GPU(s) on the PCI bus" in detail and "0000:18:00.0" in detail
+    for advice in ("nvidia.ko", "dmesg | grep -i nvrm", "dkms", "modprobe nvidia"):
+        assert advice in detail
+    assert not [r for r in report["results"] if r["status"] == "skip"]
+
+
+def test_gpus_on_the_bus_without_a_driver_grade_error_in_service_too(agent, scenario):
+    run = agent("check", "--simulate", scenario(driver="not_loaded"), "--json")
+    assert run.code == 3, run.stderr
+    report = run.json()
+    assert report["mode"] == "service" and report["grade"]["level"] == "ERROR"
+    assert "driver-not-loaded" in {r["rule"] for r in reasons(report)}
+
+
+def test_inventory_without_a_driver_lists_the_gpus_on_the_bus(agent, scenario):
+    run = agent("inventory", "--json", "--simulate", scenario(gpus=4, driver="not_loaded"))
+    assert run.code == 0, run.stderr
+    data = run.json()
+    assert data["gpus"] == [] and "not loaded" in data["unavailable_reason"]
+    assert [(g["bus_id"], g["driver"]) for g in data["pci"]["gpus"]] == [
+        ("0000:18:00.0", None), ("0000:2a:00.0", None), ("0000:3a:00.0", None),
+        ("0000:5d:00.0", None)]
+
+
+def test_a_gpu_on_the_bus_but_not_in_nvml_is_a_fault_naming_its_bus_id(agent, scenario):
+    run = agent("accept", "--simulate", scenario(faults=[{"kind": "pci_only", "gpu": 3}]),
+                *LIGHT, "--json")
+    assert run.code == 4, run.stderr
+    report = run.json()
+    assert report["grade"]["action"] == "replace"
+    [finding] = [r for r in reasons(report) if r["rule"] == "gpu-not-enumerated"]
+    assert finding["level"] == "FAULT" and finding["target"] == "pci:0000:5d:00.0"
+    assert "0000:5d:00.0" in finding["message"]
+
+
+def test_a_gpu_handed_to_a_vm_is_neither_missing_nor_lost(agent, scenario):
+    run = agent("accept", "--simulate",
+                scenario(faults=[{"kind": "pci_only", "gpu": 7, "driver": "vfio-pci"}]),
+                *LIGHT, "--json")
+    assert run.code == 0, run.stderr
+    report = run.json()
+    assert report["grade"]["level"] == "HEALTHY", reasons(report)
+    count = next(r for r in report["results"] if r["metric"] == "gpu_count")
+    assert "7 of 7" in count["detail"] and "handed to a VM" in count["detail"]
+
+
+# -- raw kernel-log lines ------------------------------------------------------------------------
+
+
+def test_a_raw_kernel_log_line_reaches_the_xid_check_with_the_gpus_bus_id(agent, scenario):
+    line = "NVRM: Xid (PCI:{bus}): 79, pid=1234, GPU has fallen off the bus."
+    run = agent("accept", "--simulate",
+                scenario(faults=[{"kind": "kernel_log", "gpu": 2, "line": line}]), *LIGHT, "--json")
+    assert run.code == 4, run.stderr
+    xid = [r for r in reasons(run.json(), "FAULT") if r["rule"] == "xid"]
+    assert [r["target"] for r in xid] == ["gpu:2"]
+
+
+def test_a_kernel_log_line_with_bus_but_no_gpu_is_a_clear_config_error(agent, scenario):
+    path = scenario(faults=[{"kind": "kernel_log", "line": "NVRM: Xid (PCI:{bus}): 79"}])
+    run = agent("accept", "--simulate", path)
+    assert run.code == 2
+    assert "faults[0]" in run.stderr and "{bus}" in run.stderr and "gpu" in run.stderr
+
+
+# -- SRAM ------------------------------------------------------------------------------------
+
+
+def test_sram_threshold_exceeded_is_a_fault_and_sram_errors_below_it_warn(agent, scenario):
+    run = agent("accept", "--simulate", scenario(faults=[
+        {"kind": "ecc_sram_uncorrectable", "gpu": 1, "count": 2, "unit": "sm"},
+        {"kind": "ecc_sram_uncorrectable", "gpu": 4, "count": 5},
+        {"kind": "sram_threshold_exceeded", "gpu": 4},
+    ]), *LIGHT, "--json")
+    assert run.code == 4, run.stderr
+    found = {(r["rule"], r["target"], r["level"]) for r in reasons(run.json())}
+    assert found == {("sram-threshold-exceeded", "gpu:4", "FAULT"),
+                     ("ecc-sram-uncorrectable", "gpu:1", "WARN")}
+
+
+def test_inventory_json_keeps_a_lost_gpu(agent, scenario):
+    run = agent("inventory", "--json", "--simulate",
+                scenario(gpus=4, faults=[{"kind": "gpu_lost", "gpu": 2}]))
+    assert run.code == 0, run.stderr
+    data = run.json()
+    assert [g["index"] for g in data["gpus"]] == [0, 1, 3]
+    assert [(g["index"], g["status"]) for g in data["unreadable_gpus"]] == [(2, "gpu_lost")]
+    text = agent("inventory", "--simulate", scenario(gpus=4, faults=[{"kind": "gpu_lost",
+                                                                       "gpu": 2}]))
+    assert "gpu:2  UNREADABLE (gpu_lost)" in text.stdout

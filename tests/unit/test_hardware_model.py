@@ -1,0 +1,199 @@
+"""The hardware model: NVLink expectations, SKU matching by name and memory, a forced SKU, GPU
+counts of add-in cards, and the inventory's record of lost GPUs.
+
+The GPUs are the simulator's (no machine here has NVIDIA GPUs); the checks, the SKU files and
+the grading rules are the real ones. Where a test stands in for real hardware (``scenario`` not
+given to the check) the PCI bus is handed in, so the host's own bus does not enter the test.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from node_agent import resources
+from node_agent.checks import CheckContext, nvml_health
+from node_agent.checks import inventory as inventory_check
+from node_agent.config import config_from_dict
+from node_agent.gpu.base import DeviceLost, NvLink
+from node_agent.gpu.pci import PciBus
+from node_agent.gpu.sim import SimGpuBackend
+from node_agent.grading.rules import load_grader
+from node_agent.grading.sku import Sku, load_skus, match_sku
+from node_agent.inventory import collect
+from node_agent.kernel_log import LinesKernelLog
+from node_agent.model import Level, Status
+from node_agent.sim.scenario import Fault, Scenario
+
+CONFIG = config_from_dict({})
+GRADERS = resources.graders_dir(CONFIG)
+SKUS = load_skus(GRADERS)
+GRADER = load_grader(GRADERS)
+NO_PCI = PciBus(gpus=(), root="test")
+
+
+def context(check: str, sku_id: str, gpus: int = 8, faults=(), *, sku_setting: str | None = None,
+            no_sku: bool = False, simulated: bool = True, config=None, expected=None):
+    """A check context over simulated GPUs of ``sku_id``. ``simulated=False`` grades them as
+    real hardware would be (no scenario, an empty PCI bus handed in)."""
+    scenario = Scenario(sku=sku_id, gpus=gpus, source="t", faults=tuple(faults))
+    backend = SimGpuBackend(scenario, SKUS[sku_id])
+    inv = collect(backend, SKUS, sku_setting or sku_id)
+    sku = None if no_sku else inv.sku
+    cfg = config_from_dict(config or {})
+    if expected is None:
+        expected = cfg.get("node.expected_gpus") or (gpus if simulated else
+                                                      sku.gpus_per_node if sku else None)
+    return CheckContext(check=check, gpu=backend, kernel_log=LinesKernelLog([]), config=cfg,
+                        inventory=inv, sku=sku, expected_gpus=expected,
+                        scenario=scenario if simulated else None,
+                        pci=None if simulated else NO_PCI)
+
+
+def by_metric(results, metric):
+    return [r for r in results if r.metric == metric]
+
+
+# -- NVLink ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sku_id", ["h100-pcie-80gb", "h100-nvl-94gb", "a100-pcie-80gb",
+                                    "l40s-48gb"])
+def test_pcie_cards_without_a_bridge_are_not_nvlink_faults(sku_id):
+    results = nvml_health.run(context("nvml_health", sku_id))
+    states = by_metric(results, "nvlink_state")
+    assert len(states) == 8 and all(r.status is Status.PASS for r in states)
+    indices = SKUS[sku_id].section("nvlink").get("indices", 0)
+    assert all(r.evidence["indices"] == indices and r.evidence["active"] == [] for r in states)
+    assert GRADER.grade(results).level is Level.HEALTHY
+
+
+def test_without_a_sku_file_inactive_link_indices_warn_and_never_fault():
+    # the bug: a PCIe H100 answered for 18 link indices, all inactive -> "0 of 18" FAULT
+    results = nvml_health.run(context("nvml_health", "h100-pcie-80gb", no_sku=True))
+    states = by_metric(results, "nvlink_state")
+    assert {r.status for r in states} == {Status.WARN}
+    assert "0 of 18" in states[0].detail and "SKU file" in states[0].detail
+    grade = GRADER.grade(results)
+    assert grade.level is Level.WARN
+    assert {r.rule for r in grade.reasons} == {"nvlink-inactive-no-sku"}
+
+
+def test_without_a_sku_file_a_baseboard_with_every_link_up_passes():
+    results = nvml_health.run(context("nvml_health", "h100-sxm5-80gb", no_sku=True))
+    assert {r.status for r in by_metric(results, "nvlink_state")} == {Status.PASS}
+
+
+def test_link_indices_that_deny_p2p_capability_are_not_links():
+    ctx = context("nvml_health", "l40s-48gb", no_sku=True)
+    links = [NvLink(link=i, active=False, p2p_supported=False) for i in range(18)]
+    result = nvml_health._nvlink_state(ctx, "gpu:0", links)
+    assert result.status is Status.PASS and result.evidence["not_p2p_capable"] == list(range(18))
+
+
+def test_a_sku_link_count_still_catches_a_down_link():
+    results = nvml_health.run(context("nvml_health", "b200-sxm-180gb",
+                                      faults=[Fault("nvlink_down", 5, {"link": 17})]))
+    down = [r for r in by_metric(results, "nvlink_state") if r.status is Status.FAIL]
+    assert [(r.target, r.value, r.evidence["expected"]) for r in down] == [("gpu:5", 17, 18)]
+    assert "17 of 18" in down[0].detail
+    assert GRADER.grade(results).level is Level.FAULT
+
+
+# -- SKU matching --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gpus, expected", [
+    ([("NVIDIA GB300", 284208)] * 4, "gb300-288gb"),            # GB300 NVL72 tray
+    ([("A100-SXM4-40GB", 40536)] * 8, "a100-sxm4-40gb"),        # a pre-R470 driver's name
+    ([("NVIDIA L40S", 46068)] * 4, "l40s-48gb"),                # ECC on
+    ([("NVIDIA L40S", 49140)] * 4, "l40s-48gb"),                # ECC off: still an L40S
+    ([("NVIDIA H100 80GB HBM3", 81559)] * 7 + [("NVIDIA H100 80GB HBM3", 40000)],
+     "h100-sxm5-80gb"),                                         # the node's median decides
+    ([("nvidia h20", None)] * 8, "h20-96gb"),                   # memory not reported: the name
+])
+def test_skus_are_matched_by_name_and_memory(gpus, expected):
+    found = match_sku(gpus, SKUS)
+    assert found.sku is not None and found.sku.id == expected, found.problem
+
+
+@pytest.mark.parametrize("gpus, fragment", [
+    ([("NVIDIA GB300", 256703)], "another variant"),            # DGX Station GB300
+    ([("NVIDIA H20", 143771)] * 8, "another variant"),          # the 141 GB H20
+    ([("Tesla T4", 15360)], "no SKU file"),
+    ([("NVIDIA L40S", 46068), ("NVIDIA H100 PCIe", 81559)], "different models"),
+])
+def test_no_sku_is_chosen_where_name_or_memory_disagree(gpus, fragment):
+    found = match_sku(gpus, SKUS)
+    assert found.sku is None and fragment in found.problem
+
+
+def test_two_sku_files_that_both_fit_are_ambiguous_not_a_guess():
+    data = {"memory_total_mib_min": 80000, "memory_total_mib_max": 90000}
+    twins = {n: Sku(id=n, display_name=n, match=("NVIDIA X",), gpus_per_node=8, data=data,
+                    source=n) for n in ("a", "b")}
+    found = match_sku([("NVIDIA X", 81000)], twins)
+    assert found.sku is None and "several" in found.problem
+
+
+def test_every_sku_file_matches_the_gpus_the_simulator_makes_of_it():
+    for sku in SKUS.values():
+        backend = SimGpuBackend(Scenario(sku=sku.id, gpus=2, source="t"), sku)
+        inv = collect(backend, SKUS, "auto")
+        assert inv.sku is not None and inv.sku.id == sku.id, (sku.id, inv.sku_problem)
+
+
+# -- a forced SKU, per-GPU memory ---------------------------------------------------------------
+
+
+def test_a_forced_sku_that_does_not_name_the_gpus_is_a_warned_finding():
+    ctx = context("inventory", "l40s-48gb", sku_setting="h100-sxm5-80gb")
+    assert ctx.inventory.sku.id == "h100-sxm5-80gb"
+    results = inventory_check.run(ctx)
+    [mismatch] = by_metric(results, "sku_mismatch")
+    assert mismatch.status is Status.WARN
+    assert "'NVIDIA L40S'" in mismatch.detail and "node.sku" in mismatch.detail
+    assert "sku-mismatch" in {r.rule for r in GRADER.grade(results).reasons}
+
+
+def test_a_gpu_whose_memory_is_outside_its_sku_range_is_named():
+    ctx = context("inventory", "h100-sxm5-80gb", faults=[Fault("memory_total", 6, {"mib": 40960})])
+    results = inventory_check.run(ctx)
+    warned = [r for r in by_metric(results, "memory_total") if r.status is Status.WARN]
+    assert [(r.target, r.value) for r in warned] == [("gpu:6", 40960)]
+    assert "below the 80000 MiB" in warned[0].detail
+    assert len(by_metric(results, "memory_total")) == 8
+
+
+# -- GPU counts --------------------------------------------------------------------------------
+
+
+def test_a_server_with_fewer_add_in_cards_than_the_common_build_is_not_missing_gpus():
+    ctx = context("nvml_health", "l40s-48gb", gpus=4, simulated=False)
+    assert ctx.expected_gpus == 8  # what the SKU's gpus_per_node says
+    [count] = by_metric(nvml_health.run(ctx), "gpu_count")
+    assert count.status is Status.PASS and "add-in card" in count.detail
+
+
+def test_an_add_in_card_count_is_still_checked_when_configured():
+    ctx = context("nvml_health", "l40s-48gb", gpus=4, simulated=False,
+                  config={"node": {"expected_gpus": 8}})
+    [count] = by_metric(nvml_health.run(ctx), "gpu_count")
+    assert count.status is Status.FAIL and "4 of 8" in count.detail
+
+
+def test_a_baseboard_sku_still_counts_its_gpus():
+    ctx = context("nvml_health", "h100-sxm5-80gb", gpus=4, simulated=False)
+    [count] = by_metric(nvml_health.run(ctx), "gpu_count")
+    assert count.status is Status.FAIL and "4 of 8" in count.detail
+
+
+# -- the inventory keeps what it could not read -------------------------------------------------
+
+
+def test_inventory_json_keeps_a_lost_gpu_with_its_error():
+    ctx = context("inventory", "h100-sxm5-80gb", faults=[Fault("gpu_lost", 3, {})])
+    data = ctx.inventory.to_dict()
+    assert [g["index"] for g in data["gpus"]] == [0, 1, 2, 4, 5, 6, 7]
+    [lost] = data["unreadable_gpus"]
+    assert lost["index"] == 3 and lost["status"] == "gpu_lost" and "lost" in lost["error"]
+    assert isinstance(ctx.inventory.unreadable[3], DeviceLost)
