@@ -1,26 +1,32 @@
 """Check ``sdc``: silent-data-corruption probes on every GPU of the node.
 
-The probes are the library's (``node_agent.sdc.probes``, see ``docs/sdc.md``); this module runs them on
+The probes are the library's (``node_agent.sdc``, see ``docs/sdc.md``); this module runs them on
 the node's compute devices (``node_agent.compute.devices``: CUDA GPUs, or CPU stand-ins under
-``--simulate`` whose matmul a scenario's ``sdc`` fault corrupts) and turns the verdicts into
-results:
+``--simulate`` whose matmul a scenario's ``sdc`` fault corrupts, tile by tile on one SM or all)
+and turns the verdicts into results:
 
-1. round 0, per GPU: the exact-arithmetic GEMM of every (shape, dtype), the digest GEMM of every
-   (shape, dtype) compared with *this GPU's* earlier digest (stored under the state directory
-   per GPU UUID, spec and software stack), and a Freivalds-verified GEMM per dtype;
+0. per GPU and dtype, the accumulator check: a GEMM kernel that accumulates in lower precision
+   than the exact probe needs has its dtype skipped, with the reason in the result;
+1. round 0, per GPU: the whole-GPU exact GEMM of every dtype (shapes from the GPU's SM count,
+   so every SM runs several output tiles; ``node_agent.sdc.tiles``), the digest GEMM of every
+   (digest shape, dtype) compared with *this GPU's* earlier digest (stored under the state
+   directory per GPU UUID, spec and software stack), and a Freivalds-verified GEMM per dtype;
 2. the round-0 digests compared *across the node's GPUs* (``odd_one_out``): the odd one out
    is re-run, and only a GPU that differs again is confirmed;
 3. rounds 1.. (``repeats``, or until ``duration_s`` passed): the exact GEMMs again, cycling over
    ``seeds`` input seeds (the goldens are cached per seed, so the seeds are bounded).
 
-Every mismatch is re-run before it is believed (the library does this): a repeated one is
-``confirmed``, an unrepeated one ``transient``.
+Every exact mismatch is re-run before it is believed; it is ``confirmed`` when the re-run or any
+other exact probe run on the same GPU in this run mismatched too (an intermittent SM rarely
+fails the very same element twice: ``node_agent.sdc.verdicts``), ``transient`` otherwise.
 
-Results, one set per GPU (target ``gpu:N``):
+Results, one set per GPU (target ``gpu:N``), each with ``sm_coverage`` in its evidence (the
+share of the GPU's SMs a round's exact probes reached: measured with ``%smid`` on a CUDA GPU
+where a kernel can be built, the tile model's figure otherwise; 0.0 where nothing ran):
 
 - ``sdc_confirmed`` ``fail`` (grade FAULT): names the probe, shape, dtype and how many elements
-  differed, with every non-pass verdict in the evidence;
-- ``sdc_transient`` ``warn`` (grade WARN): a mismatch the re-run did not repeat, kept as evidence;
+  differed, with every non-pass verdict in the evidence and where the wrong tiles ran;
+- ``sdc_transient`` ``warn`` (grade WARN): a mismatch nothing repeated, kept as evidence;
 - ``sdc_probe_error`` ``error``: a probe that could not run (never a pass);
 - ``sdc_probes`` ``pass``: how many probes ran, all clean; or ``skip`` with the reason.
 
@@ -30,13 +36,16 @@ retaken. A GPU that differs from its own history but agrees with a strict majori
 node's other GPUs (3 or more compared) had a stale baseline (a software change the fingerprint
 does not see), not SDC: its baseline is replaced and the result says so.
 
-Params: ``shapes`` ([[M, K, N], ...], K <= 256; default the library's), ``dtypes`` (of fp32,
-tf32, bf16, fp16; tf32 is dropped on the CPU, which has no TF32), ``repeats`` (exact-probe
-rounds, default 2), ``duration_s`` (keep running rounds until then; default none), ``seeds``
-(distinct input seeds the rounds cycle over, default 4), ``freivalds_n`` (size of the Freivalds
-GEMM; default 1024 on CUDA, 256 on the CPU; 0 turns it off), ``gpus`` (indices; default all),
-``digest_history`` (default true), ``min_free_mib`` (service mode only: a GPU with less free
-memory is skipped, so a probe never pushes a training job out of memory; default 2048).
+Params: ``dtypes`` (of fp32, tf32, bf16, fp16, fp8; those the device lacks are dropped, with a
+note when asked for by name), ``tiles_per_sm`` (output tiles per SM of a whole-GPU exact probe;
+default 4 on a GPU, 2 simulated), ``shapes`` ([[M, K, N], ...]: explicit exact shapes instead of
+whole-GPU ones, and the digest shapes unless ``digest_shapes`` is given), ``digest_shapes``
+(default the library's small ``DEFAULT_SHAPES``), ``repeats`` (exact-probe rounds, default 2),
+``duration_s`` (keep running rounds until then; default none), ``seeds`` (distinct input seeds
+the rounds cycle over, default 4), ``freivalds_n`` (size of the Freivalds GEMM; default 1024 on
+CUDA, 256 on the CPU; 0 turns it off), ``gpus`` (indices; default all), ``digest_history``
+(default true), ``min_free_mib`` (service mode only: a GPU with less free memory is skipped, so a
+probe never pushes a training job out of memory; default 2048).
 """
 
 from __future__ import annotations
@@ -59,26 +68,49 @@ from node_agent.model import Result, Status
 if TYPE_CHECKING:
     from node_agent.compute.devices import ComputeDevice
     from node_agent.sdc import probes as sdc_lib
+    from node_agent.sdc.coverage import Coverage
+    from node_agent.sdc.verdicts import Window
 
 HISTORY_SCHEMA = "node-agent.sdc-digests/1"
 DEFAULT_REPEATS = 2
 DEFAULT_SEEDS = 4
 DEFAULT_MIN_FREE_MIB = 2048
-ALL_DTYPES = ("fp32", "tf32", "bf16", "fp16")
+ALL_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+#: dtypes the digest and Freivalds probes run in (random fp8 inputs have no digest baseline yet)
+DIGEST_DTYPES = ("fp32", "tf32", "bf16", "fp16")
 #: digest comparison across GPUs needs a strict majority that means something
 MIN_GPUS_FOR_MAJORITY = 3
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What to run on each GPU: specs (seed 0), rounds and the Freivalds size (0 = off)."""
+    """What to run on each GPU: exact probes (whole-GPU unless ``shapes``), digest specs, rounds
+    and the Freivalds size (0 = off)."""
 
-    specs: tuple[sdc_lib.ProbeSpec, ...]
+    dtypes: tuple[str, ...]
+    digest_specs: tuple[sdc_lib.ProbeSpec, ...]
+    shapes: tuple[tuple[int, int, int], ...] | None = None
+    tiles_per_sm: int | None = None
     repeats: int = DEFAULT_REPEATS
     duration_s: float | None = None
     seeds: int = DEFAULT_SEEDS
     freivalds_n: int = 0
     freivalds_dtypes: tuple[str, ...] = ("fp32", "bf16")
+
+    def exact_specs(self, dev: ComputeDevice) -> tuple[list[sdc_lib.ProbeSpec], dict[str, str]]:
+        """This GPU's exact specs and ``{dtype: why not probed}`` for dtypes it lacks."""
+        from node_agent.sdc import probes as sdc_lib
+
+        if self.shapes is None:
+            return sdc_lib.whole_gpu_specs(dev.device, dev.tile_model, self.dtypes, self.tiles_per_sm)
+        specs, skipped = [], {}
+        for name in self.dtypes:
+            why = sdc_lib.dtype_unsupported(name, dev.device)
+            if why:
+                skipped[name] = why
+                continue
+            specs += [sdc_lib.ProbeSpec(*shape, dtype=name) for shape in self.shapes]
+        return specs, skipped
 
 
 @dataclasses.dataclass
@@ -92,6 +124,10 @@ class GpuRun:
     digests: dict[str, str] = dataclasses.field(default_factory=dict)  # spec key -> digest
     notes: list[str] = dataclasses.field(default_factory=list)
     rounds: int = 0
+    specs: list[sdc_lib.ProbeSpec] = dataclasses.field(default_factory=list)  # exact, seed 0
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)  # dtype -> why
+    coverage: Coverage | None = None
+    window: Window | None = None
 
     @property
     def suspect(self) -> bool:
@@ -192,11 +228,9 @@ def software_fingerprint(device: ComputeDevice, gpu_name: str | None,
 def error_verdict(probe: str, spec: sdc_lib.ProbeSpec, dev: ComputeDevice,
                   err: BaseException) -> sdc_lib.Verdict:
     """The ``error`` verdict of a probe that raised (it could not run: not a pass)."""
-    from node_agent.sdc import probes as sdc_lib
-    return sdc_lib.Verdict(probe=probe, device=str(dev.device), shape=spec.shape, dtype=spec.dtype,
-                           status="error", mismatched_elements=0,
-                           detail=f"{probe} {spec.label()} could not run: {type(err).__name__}: {err}",
-                           duration_s=0.0, timestamp=time.time())
+    from node_agent.sdc.verdicts import error_verdict as make_error
+
+    return make_error(probe, spec, dev.device, err)
 
 
 def _guarded(probe: str, spec: sdc_lib.ProbeSpec, dev: ComputeDevice,
@@ -206,6 +240,44 @@ def _guarded(probe: str, spec: sdc_lib.ProbeSpec, dev: ComputeDevice,
         return fn(spec, dev.device, dev.matmul, **kw)
     except Exception as err:  # noqa: BLE001 - a probe that cannot run is an error, never a pass
         return error_verdict(probe, spec, dev, err)
+
+
+def _exact(run: GpuRun, spec: sdc_lib.ProbeSpec) -> None:
+    """One exact probe on the run's GPU; a second mismatching run in this check run confirms."""
+    from node_agent.sdc import probes as sdc_lib
+    from node_agent.sdc.verdicts import Window, upgrade_in_window
+
+    if run.window is None:
+        run.window = Window()  # the whole run on this GPU is the confirmation window
+    v = _guarded("exact_gemm", spec, run.device, sdc_lib.exact_gemm_probe,
+                 tiles=run.device.tile_model)
+    run.verdicts.append(upgrade_in_window(v, run.window))
+
+
+def prepare_gpu(run: GpuRun, plan: Plan) -> None:
+    """The GPU's exact specs, less the dtypes it lacks or whose kernel accumulates in lower
+    precision (noted), and the round's SM coverage."""
+    from node_agent.sdc import coverage as sdc_coverage
+    from node_agent.sdc import probes as sdc_lib
+
+    dev = run.device
+    specs, unsupported = plan.exact_specs(dev)
+    model = dev.tile_model
+    for name in sorted({s.dtype for s in specs}):
+        try:
+            why = sdc_lib.accumulator_check(name, dev.device, dev.matmul, model)
+        except Exception as err:  # noqa: BLE001 - the dtype's probes will report the error
+            run.notes.append(f"{name}: accumulator check could not run ({type(err).__name__}: "
+                             f"{err}); probed anyway")
+            why = None
+        if why:
+            run.skipped[name] = why
+            run.notes.append(why)
+    run.skipped.update(unsupported)
+    run.specs = [s for s in specs if s.dtype not in run.skipped]
+    shapes = sorted({(s.m, s.n) for s in run.specs})
+    run.coverage = (sdc_coverage.measure(dev.device, model, shapes) if shapes
+                    else sdc_coverage.NONE_RAN)
 
 
 def _cross_gpu(runs: Mapping[int, GpuRun], specs: Iterable[sdc_lib.ProbeSpec]) -> None:
@@ -257,9 +329,12 @@ def probe_node(runs: Mapping[int, GpuRun], plan: Plan,
     start = clock()
     for i, run in runs.items():
         dev = run.device
-        for spec in plan.specs:
-            run.verdicts.append(_guarded("exact_gemm", spec, dev, sdc_lib.exact_gemm_probe))
-        for spec in plan.specs:
+        prepare_gpu(run, plan)
+        for spec in run.specs:
+            _exact(run, spec)
+        for spec in plan.digest_specs:
+            if sdc_lib.dtype_unsupported(spec.dtype, dev.device):
+                continue
             key = spec_key(spec)
             prev = baselines.get(i, {}).get(key)
             v = _guarded("digest_gemm", spec, dev, sdc_lib.digest_probe, previous=prev)
@@ -271,19 +346,19 @@ def probe_node(runs: Mapping[int, GpuRun], plan: Plan,
             run.verdicts.append(v)
         if plan.freivalds_n > 0:
             for name in plan.freivalds_dtypes:
+                if sdc_lib.dtype_unsupported(name, dev.device):
+                    continue
                 spec = sdc_lib.ProbeSpec(plan.freivalds_n, plan.freivalds_n, plan.freivalds_n, name)
                 run.verdicts.append(_guarded("freivalds", spec, dev, sdc_lib.freivalds_probe))
         run.rounds = 1
     _forgive_stale_history(runs)
-    _cross_gpu(runs, plan.specs)
+    _cross_gpu(runs, plan.digest_specs)
     rounds = 1
     while rounds < plan.repeats or (plan.duration_s is not None and clock() - start < plan.duration_s):
         seed = rounds % max(1, plan.seeds)
         for run in runs.values():
-            dev = run.device
-            for spec in plan.specs:
-                s = dataclasses.replace(spec, seed=spec.seed + seed)
-                run.verdicts.append(_guarded("exact_gemm", s, dev, sdc_lib.exact_gemm_probe))
+            for spec in run.specs:
+                _exact(run, dataclasses.replace(spec, seed=spec.seed + seed))
             run.rounds += 1
         rounds += 1
 
@@ -315,8 +390,12 @@ def _forgive_stale_history(runs: Mapping[int, GpuRun]) -> None:
 
 
 def _finding(v: sdc_lib.Verdict) -> dict[str, Any]:
-    return {"probe": v.probe, "shape": list(v.shape), "dtype": v.dtype, "status": v.status,
-            "mismatched_elements": v.mismatched_elements, "detail": v.detail}
+    out = {"probe": v.probe, "shape": list(v.shape), "dtype": v.dtype, "status": v.status,
+           "mismatched_elements": v.mismatched_elements, "detail": v.detail}
+    for key in ("tiles_mismatched", "tile_residues"):
+        if key in v.evidence:
+            out[key] = v.evidence[key]
+    return out
 
 
 def _summary(verdicts: list[sdc_lib.Verdict]) -> str:
@@ -326,15 +405,46 @@ def _summary(verdicts: list[sdc_lib.Verdict]) -> str:
             + f"; dtypes {', '.join(dtypes)}")
 
 
+def coverage_evidence(run: GpuRun | None) -> dict[str, Any]:
+    """``sm_coverage`` and how it was had, for a result's evidence (0.0 where nothing ran)."""
+    from node_agent.sdc import coverage as sdc_coverage
+
+    cov = run.coverage if run is not None and run.coverage is not None else sdc_coverage.NONE_RAN
+    return cov.evidence()
+
+
+def _where(verdicts: list[sdc_lib.Verdict]) -> str:
+    """Where the wrong tiles ran, in words, for a field engineer."""
+    from node_agent.sdc.verdicts import sm_pattern
+
+    p = sm_pattern(verdicts)
+    runs = p["runs_one_sm"] + p["runs_several_sms"]
+    if not runs:
+        return ""
+    if not p["runs_several_sms"]:
+        return (f"; in all {runs} mismatching run(s) the wrong tiles ran on a single SM (tile "
+                "model): a defective SM")
+    return (f"; wrong tiles on one SM in {p['runs_one_sm']} of {runs} mismatching runs, on up to "
+            f"{p['most_sms_in_one_run']} SMs in one run")
+
+
 def results_for(ctx: CheckContext, run: GpuRun, extra: Mapping[str, Any] | None = None) -> list[Result]:
     """The results of one GPU's run: confirmed > transient, plus errors; pass when clean."""
+    from node_agent.sdc.verdicts import sm_pattern
+
     target = f"gpu:{run.index}"
     counts = Counter(v.status for v in run.verdicts)
     findings = [_finding(v) for v in run.verdicts if v.status != "pass"][:20]
+    bad = [v for v in run.verdicts if v.status in ("confirmed", "transient")]
     evidence: dict[str, Any] = {"counts": {s: counts.get(s, 0) for s in ("pass", "transient", "confirmed", "error")},
                                 "probes": len(run.verdicts), "rounds": run.rounds,
                                 "gpu_uuid": run.uuid, "device": run.device.label,
-                                "findings": findings, "notes": list(run.notes), **(extra or {})}
+                                "exact_shapes": sorted({"x".join(map(str, s.shape)) for s in run.specs}),
+                                "skipped_dtypes": dict(run.skipped),
+                                "findings": findings, "notes": list(run.notes),
+                                **coverage_evidence(run), **(extra or {})}
+    if bad:
+        evidence["sm_pattern"] = sm_pattern(bad)
     n = len(run.verdicts)
     notes = "".join(f"; note: {x}" for x in run.notes)
     out: list[Result] = []
@@ -346,16 +456,16 @@ def results_for(ctx: CheckContext, run: GpuRun, extra: Mapping[str, Any] | None 
         first = next((v for v in confirmed if v.probe == "exact_gemm"), confirmed[0])
         out.append(ctx.result(
             target, "sdc_confirmed", Status.FAIL,
-            f"{target}: silent data corruption confirmed (the mismatch repeated on re-run): "
-            f"{first.detail}; {len(confirmed)} of {n} probes confirmed ({_summary(confirmed)}); "
-            "replace the GPU",
+            f"{target}: silent data corruption confirmed (the mismatch repeated): "
+            f"{first.detail}; {len(confirmed)} of {n} probes confirmed ({_summary(confirmed)})"
+            f"{_where(bad)}; replace the GPU",
             value=len(confirmed), unit="probes", probe=first.probe, shape=list(first.shape),
             dtype=first.dtype, mismatched_elements=first.mismatched_elements, **evidence))
     elif transient:
         first = transient[0]
         out.append(ctx.result(
             target, "sdc_transient", Status.WARN,
-            f"{target}: {len(transient)} of {n} probes mismatched once and matched on re-run "
+            f"{target}: {len(transient)} of {n} probes mismatched once and nothing repeated it "
             f"(transient; kept as evidence): {first.detail}",
             value=len(transient), unit="probes", probe=first.probe, shape=list(first.shape),
             dtype=first.dtype, mismatched_elements=first.mismatched_elements, **evidence))
@@ -365,9 +475,12 @@ def results_for(ctx: CheckContext, run: GpuRun, extra: Mapping[str, Any] | None 
             f"{target}: {len(errors)} of {n} SDC probes could not run: {errors[0].detail}",
             value=len(errors), unit="probes", **evidence))
     if not out:
+        cov = run.coverage
+        reach = (f"; exact probes reached {cov.value:.0%} of {cov.sm_count} SMs ({cov.method})"
+                 if cov is not None and cov.sm_count else "")
         out.append(ctx.result(
             target, "sdc_probes", Status.PASS,
-            f"{target}: {n} SDC probes in {run.rounds} round(s), no mismatch{notes}",
+            f"{target}: {n} SDC probes in {run.rounds} round(s), no mismatch{reach}{notes}",
             value=n, unit="probes", **evidence))
     for r in out:
         r.duration_s = sum(v.duration_s for v in run.verdicts)
@@ -378,14 +491,14 @@ def results_for(ctx: CheckContext, run: GpuRun, extra: Mapping[str, Any] | None 
 # The check
 
 
-def _shapes(p: Mapping[str, Any]) -> tuple[tuple[int, int, int], ...] | None:
-    raw = p.get("shapes")
+def _shapes(p: Mapping[str, Any], key: str = "shapes") -> tuple[tuple[int, int, int], ...] | None:
+    raw = p.get(key)
     if raw is None:
         return None
     shapes = []
     for s in raw:
         if not (isinstance(s, (list, tuple)) and len(s) == 3 and all(isinstance(x, int) and x > 0 for x in s)):
-            raise ValueError(f"params.shapes: {s!r} is not [M, K, N] of positive integers")
+            raise ValueError(f"params.{key}: {s!r} is not [M, K, N] of positive integers")
         shapes.append(tuple(s))
     return tuple(shapes)
 
@@ -398,21 +511,32 @@ def make_plan(p: Mapping[str, Any], on_cuda: bool) -> tuple[Plan, list[str]]:
     unknown = [d for d in dtypes if d not in ALL_DTYPES]
     if unknown:
         raise ValueError(f"params.dtypes: {unknown} not among {list(ALL_DTYPES)}")
-    if not on_cuda and "tf32" in dtypes:
-        dtypes.remove("tf32")
-        if "tf32" in p.get("dtypes", ()):
-            notes.append("tf32 not probed: the CPU has no TF32 tensor cores")
-    shapes = _shapes(p) or sdc_lib.DEFAULT_SHAPES
-    specs = tuple(sdc_lib.ProbeSpec(*shape, dtype=d) for shape in shapes for d in dtypes)
-    for s in specs:
-        sdc_lib.golden(s)  # a shape that could round is a suite error, said up front
+    if not on_cuda:
+        for name, why in (("tf32", "the CPU has no TF32 tensor cores"),
+                          ("fp8", "the CPU has no fp8 GEMM")):
+            if name in dtypes:
+                dtypes.remove(name)
+                if name in p.get("dtypes", ()):
+                    notes.append(f"{name} not probed: {why}")
+    shapes = _shapes(p)
+    if shapes is not None:
+        for shape in shapes:
+            for d in dtypes:
+                sdc_lib.golden(sdc_lib.ProbeSpec(*shape, dtype=d))  # said up front, as a suite error
+    digest_shapes = _shapes(p, "digest_shapes") or shapes or sdc_lib.DEFAULT_SHAPES
+    digest_specs = tuple(sdc_lib.ProbeSpec(*shape, dtype=d) for shape in digest_shapes
+                         for d in dtypes if d in DIGEST_DTYPES)
+    tiles_per_sm = p.get("tiles_per_sm")
+    if tiles_per_sm is not None and not (isinstance(tiles_per_sm, int) and tiles_per_sm >= 1):
+        raise ValueError(f"params.tiles_per_sm: {tiles_per_sm!r} is not a positive integer")
     duration = p.get("duration_s")
-    plan = Plan(specs=specs, repeats=max(1, int(p.get("repeats", DEFAULT_REPEATS))),
+    plan = Plan(dtypes=tuple(dtypes), digest_specs=digest_specs, shapes=shapes,
+                tiles_per_sm=tiles_per_sm,
+                repeats=max(1, int(p.get("repeats", DEFAULT_REPEATS))),
                 duration_s=float(duration) if duration is not None else None,
                 seeds=max(1, int(p.get("seeds", DEFAULT_SEEDS))),
                 freivalds_n=int(p.get("freivalds_n", 1024 if on_cuda else 256)),
-                freivalds_dtypes=tuple(d for d in ("fp32", "bf16", "tf32")
-                                       if d in dtypes and (on_cuda or d != "tf32")))
+                freivalds_dtypes=tuple(d for d in ("fp32", "bf16", "tf32") if d in dtypes))
     return plan, notes
 
 
@@ -432,23 +556,31 @@ def _free_mib(dev: ComputeDevice) -> tuple[float, float] | None:
     return free / 2**20, total / 2**20
 
 
+def _no_coverage(results: list[Result]) -> list[Result]:
+    """Results of a check that probed nothing still say so: ``sm_coverage`` 0.0."""
+    for r in results:
+        for k, v in coverage_evidence(None).items():
+            r.evidence.setdefault(k, v)
+    return results
+
+
 def run(ctx: CheckContext) -> list[Result]:
     unavailable = ctx.gpus_unavailable()
     if unavailable:
-        return unavailable
+        return _no_coverage(unavailable)
     indices = gpu_indices(ctx)
     if not indices:
-        return [ctx.skip("no GPUs visible: nothing to probe for silent data corruption")]
+        return _no_coverage([ctx.skip("no GPUs visible: nothing to probe for silent data corruption")])
     try:
-        specs = compute.compute_specs(indices, ctx.scenario)
+        specs = compute.compute_specs(indices, ctx.scenario, ctx.sku)
     except compute.ComputeUnavailable as err:
-        return ctx.compute_unavailable(str(err))
+        return _no_coverage(ctx.compute_unavailable(str(err)))
     on_cuda = not ctx.simulated
     try:
         plan, plan_notes = make_plan(ctx.params, on_cuda)
     except ValueError as err:
-        return [ctx.result("node", "sdc_probe_error", Status.ERROR,
-                           f"sdc check parameters are invalid: {err} (fix the suite file)")]
+        return _no_coverage([ctx.result("node", "sdc_probe_error", Status.ERROR,
+                                        f"sdc check parameters are invalid: {err} (fix the suite file)")])
     gpus = {g.index: g for g in ctx.inventory.gpus}
     history = DigestHistory(history_path(ctx.state_dir)
                             if ctx.params.get("digest_history", True) else None)
@@ -486,6 +618,7 @@ def run(ctx: CheckContext) -> list[Result]:
             baselines[spec.index] = base
             if why:
                 run.notes.append(why)
+    _no_coverage(out)
     probe_node(runs, plan, baselines)
     for run in runs.values():
         if run.uuid and not run.suspect and run.digests:

@@ -1,18 +1,20 @@
 """Silent-data-corruption end to end through the real ``node-agent`` command: the ``sdc`` check
-in ``accept``, the standalone ``node-agent sdc``, and training-job verdicts spooled for
-``sdc_spool``. The simulated ``sdc`` fault corrupts one GPU's matmul at the compute boundary;
-the probes, grading and CLI above it are the real code."""
+in ``accept`` and the standalone ``node-agent sdc``, on the shipped ``scenarios/sdc-*.yaml``. The
+simulated ``sdc`` fault corrupts the output tiles one SM of one GPU computes (or every SM's) at
+the compute boundary; the probes, grading and CLI above it are the real code. (Training jobs'
+spooled verdicts: ``tests/unit/test_sdc_spool.py`` and ``tests/security``.)"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import yaml
 
 pytest.importorskip("torch")
 
-from node_agent import sdc as sdc_lib  # noqa: E402
-
 SDC6 = [{"kind": "sdc", "gpu": 6}]
+SCENARIOS = Path(__file__).resolve().parents[2] / "scenarios"
 
 
 def config(tmp_path) -> str:
@@ -43,6 +45,45 @@ def test_accept_sdc_on_healthy_node_grades_healthy(agent, scenario):
     assert report["grade"]["level"] == "HEALTHY"
     assert {r["metric"] for r in report["results"]} == {"sdc_probes"}
     assert len(report["results"]) == 8
+
+
+@pytest.mark.parametrize("name", ["sdc-sm17-gpu6.yaml", "sdc-sm17-gpu6-intermittent.yaml"],
+                         ids=["rate-1.0", "rate-0.3"])
+def test_accept_finds_one_faulty_sm_of_132_on_gpu6_and_only_there(agent, name):
+    scenario = yaml.safe_load((SCENARIOS / name).read_text())
+    assert scenario["faults"] == [{"kind": "sdc", "gpu": 6, "sm": 17,
+                                   **({"rate": 0.3} if "intermittent" in name else {})}]
+    run = agent("accept", "--simulate", str(SCENARIOS / name), "--only", "sdc", "--json")
+    assert run.code == 4, run.stderr
+    report = run.json()
+    assert report["grade"]["level"] == "FAULT"
+    (reason,) = report["grade"]["reasons"]
+    assert (reason["target"], reason["rule"]) == ("gpu:6", "sdc-confirmed")
+    assert "single SM" in reason["message"]
+    assert {r["target"] for r in report["results"] if r["status"] != "pass"} == {"gpu:6"}
+    assert [r["evidence"]["sm_coverage"] for r in report["results"]] == [1.0] * 8
+
+
+def test_sdc_command_finds_an_intermittent_sm_in_20_seconds(agent, tmp_path):
+    run = agent("sdc", "--simulate", str(SCENARIOS / "sdc-sm97-gpu2-half.yaml"), "--duration",
+                "20", "--json", "--config", config(tmp_path), timeout=300)
+    assert run.code == 4, run.stderr
+    report = run.json()
+    assert {r["target"] for r in report["results"] if r["status"] != "pass"} == {"gpu:2"}
+    result = next(r for r in report["results"] if r["target"] == "gpu:2")
+    assert result["metric"] == "sdc_confirmed"
+    assert result["evidence"]["rounds"] >= 2 and result["evidence"]["sm_coverage"] == 1.0
+    assert result["evidence"]["sm_pattern"]["runs_several_sms"] == 0
+
+
+def test_healthy_node_stays_healthy_with_full_coverage(agent):
+    run = agent("accept", "--simulate", str(SCENARIOS / "healthy-h100.yaml"), "--only", "sdc",
+                "--json")
+    assert run.code == 0, run.stderr
+    report = run.json()
+    assert report["grade"]["level"] == "HEALTHY"
+    assert {(r["metric"], r["evidence"]["sm_coverage"]) for r in report["results"]} == {
+        ("sdc_probes", 1.0)}
 
 
 def test_sdc_command_on_faulty_gpu_exits_4_with_sdc_report(agent, scenario, tmp_path):
@@ -78,41 +119,6 @@ def test_sdc_command_bad_gpu_list_is_usage_error(agent, scenario, tmp_path, gpus
     assert run.code == 2
     assert message in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1 and run.stdout == ""
-
-
-def _spool_suite(tmp_path) -> str:
-    path = tmp_path / "spool-suite.yaml"
-    path.write_text(yaml.safe_dump({"name": "spool", "mode": "service",
-                                    "checks": [{"check": "sdc_spool", "timeout_s": 30}]}))
-    return str(path)
-
-
-def test_training_job_confirmed_verdict_grades_fault_and_stays_until_gpu_replaced(
-        agent, scenario, tmp_path):
-    config(tmp_path)
-    verdict = sdc_lib.Verdict(
-        probe="exact_gemm", device="cuda:3", shape=(128, 128, 128), dtype="bf16",
-        status="confirmed", mismatched_elements=1,
-        detail="exact_gemm bf16 128x128x128: 1 of 16384 elements differ; re-run repeated it",
-        duration_s=0.003, timestamp=1763726400.0)
-    sdc_lib.write_verdict(tmp_path / "state" / "spool" / "sdc", verdict)
-    node = scenario()
-    first = agent("check", "--suite", _spool_suite(tmp_path), "--simulate", node, "--json")
-    assert first.code == 4, first.stderr
-    (reason,) = first.json()["grade"]["reasons"]
-    assert reason["target"] == "gpu:3" and reason["rule"] == "sdc-confirmed"
-    assert "1 new verdict(s)" in reason["message"]
-    # Decision (docs/sdc.md): the file is graded once, but a confirmed SDC stays standing, so a
-    # later run still grades FAULT (saying it is standing) until the GPU is replaced.
-    second = agent("check", "--suite", _spool_suite(tmp_path), "--simulate", node, "--json")
-    assert second.code == 4, second.stderr
-    (result,) = second.json()["results"]
-    assert result["evidence"]["source"] == "spool (standing)" and result["value"] == 1
-    # the GPUs swapped (other UUIDs): nothing stands any more
-    swapped = scenario(hostname="sim-node-repaired")
-    third = agent("check", "--suite", _spool_suite(tmp_path), "--simulate", swapped, "--json")
-    assert third.code == 0, third.stderr
-    assert third.json()["grade"]["level"] == "HEALTHY"
 
 
 def test_periodic_suite_runs_healthy_under_simulation(agent, scenario):

@@ -1,5 +1,7 @@
-"""The ``sdc`` and ``sdc_spool`` checks on real torch (CPU): cross-GPU odd one out, each GPU's
-earlier digest under the state dir, software changes, transient vs confirmed, spool ingestion.
+"""The ``sdc`` check on real torch (CPU): whole-GPU exact probes on a simulated H100 with one
+faulty SM, sm_coverage in every result, cross-GPU odd one out, each GPU's earlier digest under
+the state dir, software changes, transient vs confirmed (and confirmed by a second mismatch).
+Spool ingestion (``sdc_spool``) is tested in ``tests/unit/test_sdc_spool.py``.
 
 Nodes are simulated (``node_agent.gpu.sim`` + ``node_agent.compute.devices`` CPU stand-ins): the probe
 code, digests, history and grading are the real code. Where a fault the scenario language
@@ -11,14 +13,13 @@ fake of anything above it.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import yaml
 
 torch = pytest.importorskip("torch")
 
-from node_agent.checks import CheckContext, sdc_spool  # noqa: E402
+from node_agent.checks import CheckContext  # noqa: E402
 from node_agent.checks import sdc as sdc_check  # noqa: E402
 from node_agent.compute.devices import ComputeDevice, ComputeSpec, open_device  # noqa: E402
 from node_agent.config import load_config  # noqa: E402
@@ -153,8 +154,9 @@ def test_service_mode_result_is_the_same_grade_path(node):
 
 
 def test_invalid_shape_param_is_an_error_that_names_it(node):
-    (r,) = run_sdc(node(gpus=1), shapes=[[8, 512, 8]])
+    (r,) = run_sdc(node(gpus=1), shapes=[[8, 2**24, 8]])
     assert r.status is Status.ERROR and "exceeds" in r.detail and "suite" in r.detail
+    assert r.evidence["sm_coverage"] == 0.0
 
 
 # -- transient vs confirmed (compute boundary: corrupting_matmul) ----------------------------
@@ -170,9 +172,26 @@ def _plan(**kw):
     return plan
 
 
+def corrupt_once(shape: tuple[int, int], base=None):
+    """A matmul wrong once: on its first product of an ``shape`` output (the accumulator
+    checks run first and must not use the one wrong product up)."""
+    mm = base or sdc_lib.gemm
+    done = []
+
+    def matmul(a, b):
+        out = mm(a, b)
+        if not done and tuple(out.shape) == shape:
+            done.append(True)
+            out = out.clone()
+            out[1, 2] = -out[1, 2] - 1
+        return out
+
+    return matmul
+
+
 def test_single_unrepeated_mismatch_is_transient_warn_with_evidence(node):
     env = node(gpus=3)
-    runs = {i: sdc_check.GpuRun(i, _device(i, sdc_lib.corrupting_matmul(times=1) if i == 1 else None))
+    runs = {i: sdc_check.GpuRun(i, _device(i, corrupt_once((16, 16)) if i == 1 else None))
             for i in range(3)}
     sdc_check.probe_node(runs, _plan())
     statuses = [v.status for v in runs[1].verdicts]
@@ -180,8 +199,23 @@ def test_single_unrepeated_mismatch_is_transient_warn_with_evidence(node):
     (r,) = sdc_check.results_for(ctx_for(env), runs[1])
     assert (r.metric, r.status) == ("sdc_transient", Status.WARN)
     assert r.evidence["findings"][0]["status"] == "transient"
-    assert "matched on re-run" in r.detail
+    assert "re-run matched" in r.detail and "nothing repeated it" in r.detail
     assert env.grader.grade([r]).level.name == "WARN"
+
+
+def test_a_second_mismatch_in_the_run_confirms_a_clean_rerun(node):
+    """An intermittent SM: the re-run is clean, but another probe on the GPU mismatches too."""
+    env = node(gpus=2)
+    twice = corrupt_once((17, 9), corrupt_once((16, 16)))
+    runs = {0: sdc_check.GpuRun(0, _device(0, twice)), 1: sdc_check.GpuRun(1, _device(1))}
+    sdc_check.probe_node(runs, _plan())
+    exact = [v for v in runs[0].verdicts if v.probe == "exact_gemm" and v.status != "pass"]
+    assert [v.status for v in exact] == ["transient", "confirmed"]
+    assert exact[1].evidence["rerun_mismatched_elements"] == 0
+    assert exact[1].evidence["window_mismatches"] == 1
+    (r,) = sdc_check.results_for(ctx_for(env), runs[0])
+    assert (r.metric, r.status) == ("sdc_confirmed", Status.FAIL)
+    assert env.grader.grade([r]).level.name == "FAULT"
 
 
 def test_repeated_mismatch_is_confirmed_fault(node):
@@ -209,93 +243,83 @@ def test_probe_that_raises_is_an_error_result_never_a_pass(node):
     results = sdc_check.results_for(ctx_for(env), runs[0])
     assert [(r.metric, r.status) for r in results] == [("sdc_probe_error", Status.ERROR)]
     assert "illegal memory access" in results[0].detail
+    assert "accumulator check could not run" in " ".join(results[0].evidence["notes"])
     assert env.grader.grade(results, "delivery").level.name == "ERROR"
 
 
 def test_duration_repeats_rounds_over_a_bounded_set_of_seeds():
     """Goldens are cached per seed: cycling over ``seeds`` keeps a long run's memory bounded."""
+    from node_agent.sdc import exact
+
     runs = {0: sdc_check.GpuRun(0, open_device(ComputeSpec(0, simulated=True)))}
     ticks = iter(range(1000))  # one "second" per clock read
     sdc_check.probe_node(runs, _plan(repeats=1, duration_s=6, seeds=2, shapes=[[15, 16, 17]]),
                          clock=lambda: next(ticks))
     assert runs[0].rounds >= 4
     assert {v.status for v in runs[0].verdicts} == {"pass"}
-    assert {seed for shape, _, seed in sdc_lib._GOLDEN if shape == (15, 16, 17)} == {0, 1}
+    assert {key[2] for key in exact._GOLDEN if key[0] == (15, 16, 17)} == {0, 1}
 
 
-# -- spool ingestion -------------------------------------------------------------------------
+# -- whole-GPU probes and the faulty SM -------------------------------------------------------
+
+WHOLE = {"dtypes": ["fp32", "bf16", "fp16"], "digest_shapes": [[16, 16, 16]], "repeats": 2,
+         "freivalds_n": 32}
 
 
-def _verdict(status: str, device: str = "cuda:3", **kw) -> sdc_lib.Verdict:
-    return sdc_lib.Verdict(
-        probe="exact_gemm", device=device, shape=(128, 128, 128), dtype="bf16", status=status,
-        mismatched_elements=1 if status != "pass" else 0,
-        detail=f"exact_gemm bf16 128x128x128: 1 of 16384 elements differ ({status})",
-        duration_s=0.003, timestamp=1763726400.0, evidence=kw)
+@pytest.mark.parametrize("rate", [1.0, 0.3])
+def test_one_faulty_sm_of_132_is_found_on_its_gpu_only(node, rate):
+    env = node(gpus=8, faults=[{"kind": "sdc", "gpu": 6, "sm": 17, "rate": rate}])
+    got = by_target(run_sdc(env, **WHOLE, shapes=None))
+    assert got["gpu:6"].metric == "sdc_confirmed", got["gpu:6"].detail
+    assert {t for t, r in got.items() if r.status is not Status.PASS} == {"gpu:6"}
+    assert env.grader.grade(list(got.values())).level.name == "FAULT"
+    # the field engineer reads where the wrong tiles ran
+    pattern = got["gpu:6"].evidence["sm_pattern"]
+    assert pattern["runs_one_sm"] >= 2 and pattern["runs_several_sms"] == 0
+    assert "single SM" in got["gpu:6"].detail
 
 
-def spool_of(env):
-    return env.config.state_dir / "spool" / "sdc"
+def test_every_result_reports_sm_coverage_1_on_the_simulated_h100(node):
+    results = run_sdc(node(gpus=4, faults=[{"kind": "sdc", "gpu": 1, "sm": 100}]), **WHOLE,
+                      shapes=None)
+    assert len(results) == 4
+    for r in results:
+        assert r.evidence["sm_coverage"] == 1.0 and r.evidence["sm_count"] == 132
+        assert r.evidence["sm_coverage_method"] == "model"
+        assert r.evidence["exact_shapes"] == ["320x256x256", "320x4x256"]
+        assert r.evidence["skipped_dtypes"] == {}
+    assert "reached 100% of 132 SMs" in by_target(results)["gpu:0"].detail
 
 
-def test_spool_confirmed_verdict_is_fault_and_stays_standing_until_gpu_replaced(node):
-    env = node(gpus=8)
-    sdc_lib.write_verdict(spool_of(env), _verdict("confirmed"))
-    (r,) = sdc_spool.run(ctx_for(env, "sdc_spool"))
-    assert (r.target, r.metric, r.status) == ("gpu:3", "sdc_confirmed", Status.FAIL)
-    assert r.evidence["source"] == "spool"
-    assert env.grader.grade([r]).level.name == "FAULT"
-    # graded once as new; later runs report it as standing, not as a second verdict
-    (again,) = sdc_spool.run(ctx_for(env, "sdc_spool"))
-    assert (again.target, again.status, again.evidence["source"]) == ("gpu:3", Status.FAIL,
-                                                                      "spool (standing)")
-    assert again.value == 1 and "stays FAULT until the GPU is replaced" in again.detail
-    # the same node with other GPU UUIDs (gpu:3 swapped): the standing fault is gone
-    replaced = node(gpus=8, hostname="sim-node-after-repair")
-    (after,) = sdc_spool.run(ctx_for(replaced, "sdc_spool"))
-    assert after.status is Status.PASS
+def test_small_fixed_shapes_report_the_few_sms_they_reach(node):
+    (r,) = run_sdc(node(gpus=1), shapes=[[32, 32, 32]])
+    assert r.evidence["sm_coverage"] == round(4 / 132, 4)  # 2 x 2 tiles of 16 x 16
 
 
-def test_spool_transient_is_warned_once(node):
-    env = node(gpus=8)
-    sdc_lib.write_verdict(spool_of(env), _verdict("transient", device="cuda:5"))
-    (r,) = sdc_spool.run(ctx_for(env, "sdc_spool"))
-    assert (r.target, r.metric, r.status) == ("gpu:5", "sdc_transient", Status.WARN)
-    (again,) = sdc_spool.run(ctx_for(env, "sdc_spool"))
-    assert again.status is Status.PASS
+def test_a_dtype_whose_kernel_accumulates_in_lower_precision_is_skipped_with_the_reason(node):
+    env = node(gpus=1)
+
+    def narrow_bf16(a, b):  # keeps 14 bits while accumulating bf16 products, as fp8 TCs do
+        if a.dtype != torch.bfloat16:
+            return sdc_lib.gemm(a, b)
+        x, y = a.double(), b.double()
+        acc = torch.zeros(x.shape[0], y.shape[1], dtype=torch.float64)
+        for k in range(x.shape[1]):
+            acc = acc + torch.outer(x[:, k], y[k, :])
+            mant, exp = torch.frexp(acc)
+            acc = torch.ldexp(torch.trunc(mant * 2.0**14) / 2.0**14, exp)
+        return acc.to(torch.bfloat16)
+
+    runs = {0: sdc_check.GpuRun(0, _device(0, narrow_bf16))}
+    sdc_check.probe_node(runs, _plan(shapes=None, digest_shapes=[[16, 16, 16]], dtypes=["bf16", "fp32"]))
+    (r,) = sdc_check.results_for(ctx_for(env), runs[0])
+    assert r.status is Status.PASS
+    assert set(r.evidence["skipped_dtypes"]) == {"bf16"}
+    assert "accumulates in lower precision" in r.detail
+    assert {v.dtype for v in runs[0].verdicts if v.probe == "exact_gemm"} == {"fp32"}
 
 
-def test_spool_maps_by_gpu_uuid_when_the_verdict_carries_one(node):
-    env = node(gpus=8)
-    uuid = env.inventory.gpus[6].uuid
-    sdc_lib.write_verdict(spool_of(env), _verdict("confirmed", device="cuda:0", gpu_uuid=uuid))
-    (r,) = sdc_spool.run(ctx_for(env, "sdc_spool"))
-    assert r.target == "gpu:6" and "CUDA_VISIBLE_DEVICES" not in r.detail
-
-
-def test_half_written_spool_file_is_never_read_as_a_verdict(node):
-    env = node(gpus=8)
-    spool = spool_of(env)
-    full = json.dumps(_verdict("confirmed").to_dict())
-    spool.mkdir(parents=True)
-    # a writer killed mid-write leaves its temp file: the name write_verdict uses before rename
-    (spool / ".sdc-1763726400000000000-42-0-confirmed.json.x1y2.tmp").write_text(full[: len(full) // 2])
-    (r,) = sdc_spool.run(ctx_for(env, "sdc_spool"))
-    assert (r.metric, r.status) == ("sdc_spool", Status.PASS)
-    assert r.value == 0
-    # a truncated *.json (not from write_verdict) is reported once as unreadable, never graded
-    (spool / "sdc-1-1-1-confirmed.json").write_text(full[:40])
-    results = sdc_spool.run(ctx_for(env, "sdc_spool"))
-    assert [(x.metric, x.status) for x in results] == [("sdc_spool_unreadable", Status.WARN)]
-    assert {x.metric for x in sdc_spool.run(ctx_for(env, "sdc_spool"))} == {"sdc_spool"}
-
-
-def test_spool_cursor_forgets_files_removed_from_the_spool(node):
-    env = node(gpus=8)
-    path = sdc_lib.write_verdict(spool_of(env), _verdict("transient"))
-    sdc_spool.run(ctx_for(env, "sdc_spool"))
-    cursor = sdc_spool.cursor_path(env.config.state_dir)
-    assert path.name in json.loads(cursor.read_text())["ingested"]
-    os.unlink(path)
-    sdc_spool.run(ctx_for(env, "sdc_spool"))
-    assert json.loads(cursor.read_text())["ingested"] == {}
+def test_sdc_fault_on_an_sm_the_sku_lacks_is_an_error_naming_the_scenario_key(node):
+    (r,) = run_sdc(node(gpus=2, faults=[{"kind": "sdc", "gpu": 1, "sm": 500}]))
+    assert r.status is Status.ERROR and "sm 500" in r.detail and "132 SMs" in r.detail
+    assert r.evidence["sm_coverage"] == 0.0
