@@ -102,28 +102,11 @@ def _cupy(device: torch.device, blocks: int) -> torch.Tensor:
 
 
 def _triton(device: torch.device, blocks: int) -> torch.Tensor:
-    import triton
-    import triton.language as tl
+    from node_agent.sdc.smid_triton import record_smid
 
-    kernel = _KERNELS.get("triton")
-    if kernel is None:
-        @triton.jit
-        def record_smid(out_ptr, spin_ns):
-            pid = tl.program_id(0)
-            t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid],
-                                           dtype=tl.int64, is_pure=False, pack=1)
-            t = t0
-            while t - t0 < spin_ns:
-                t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid],
-                                              dtype=tl.int64, is_pure=False, pack=1)
-            sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [pid],
-                                           dtype=tl.int32, is_pure=False, pack=1)
-            tl.store(out_ptr + pid, sm)
-
-        kernel = _KERNELS["triton"] = record_smid
     out = torch.full((blocks,), -1, dtype=torch.int32, device=device)
     with torch.cuda.device(device):
-        kernel[(blocks,)](out, SPIN_NS)
+        record_smid[(blocks,)](out, SPIN_NS)
     return out.cpu()
 
 
@@ -132,8 +115,9 @@ def _jiterator(device: torch.device, blocks: int) -> torch.Tensor:
     if fn is None:
         fn = _KERNELS["jiterator"] = torch.cuda.jiterator._create_jit_fn(_JITERATOR_SRC)
     # an elementwise kernel: 128 threads x 4 elements per block, so 512 elements per block
-    x = torch.zeros(blocks * 512, dtype=torch.int32, device=device)
-    return fn(x).cpu()
+    # (float32: jiterator's documented dtypes are floating; SM ids are small integers, exact)
+    x = torch.zeros(blocks * 512, dtype=torch.float32, device=device)
+    return fn(x).cpu().to(torch.int64)
 
 
 KERNELS: dict[str, Callable[[torch.device, int], torch.Tensor]] = {
