@@ -109,7 +109,7 @@ def report_dir(env: Environment, out: str | None) -> tuple[Path, str | None]:
             raise ConfigError(f"--out {out}: cannot create directory: {err.strerror}") from err
         return path, None
     state = env.writable_state_dir()
-    if state is not None:
+    if state is not None and _free_bytes(state) >= REPORT_ROOM_BYTES:
         return private_dir(state / "reports"), None
     try:
         path = Path(tempfile.mkdtemp(prefix="node-agent-reports-"))
@@ -117,5 +117,20 @@ def report_dir(env: Environment, out: str | None) -> tuple[Path, str | None]:
         raise ConfigError(f"state dir {env.config.state_dir} is not usable and no private temp "
                           f"dir can be made ({err.strerror or err}); set state_dir in the "
                           "config or give --out DIR") from err
-    return path, (f"state dir {env.config.state_dir} is not usable (not writable, or not the "
-                  f"agent's own); report written under the new private directory {path} instead")
+    why = ("has less than 1 MiB free" if state is not None else
+           "is not usable (not writable, or not the agent's own)")
+    return path, (f"state dir {env.config.state_dir} {why}; report written under the new "
+                  f"private directory {path} instead")
+
+
+#: a report is 10-200 KB (delivery suite with plots' data: the largest seen); below this much
+#: free space the state dir's disk is full for practical purposes and the report goes elsewhere
+REPORT_ROOM_BYTES = 1 << 20
+
+
+def _free_bytes(path: Path) -> int:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize

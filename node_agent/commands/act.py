@@ -28,7 +28,7 @@ from node_agent.remediation.host import (
     state_dir_of,
 )
 from node_agent.remediation.plan import Safety
-from node_agent.remediation.store import Store, open_store
+from node_agent.remediation.store import StateUnavailable, Store, open_store
 from node_agent.schedulers import ADAPTER_NAMES, SchedulerAdapter
 from node_agent.yamlfile import ConfigError
 
@@ -158,7 +158,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     node = node_name(config, args.simulate)
     store = open_store(config.state_dir)
     try:
-        data = status_data(store, node, config, args.limit)
+        try:
+            data = status_data(store, node, config, args.limit)
+        except StateUnavailable as err:  # not even a read-only look: say so, in one line
+            print(f"node-agent: state unavailable: {err}; automatic actions are refused",
+                  file=sys.stderr)
+            return EXIT_AGENT_FAILED
     finally:
         store.close()
     if args.json:
@@ -182,7 +187,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  #{row['id']:<4} {_iso(row['updated_at'])}  {row['action']:<9} "
               f"{row['state']:<8} {row['trigger']:<8} {row['fault_code'] or '-'} "
               f"{row['target'] or '-'}  {row['detail'][:120]}")
-    print(f"state: {data['database'] or 'in memory (state dir unwritable)'}")
+    print(f"state: {data['database'] or 'none readable'}"
+          + (f" (UNAVAILABLE: {data['unavailable']}; automatic actions are refused)"
+             if data["unavailable"] else ""))
     return EXIT_OK
 
 
@@ -198,6 +205,7 @@ def status_data(store: Store, node: str, config: Config, limit: int = 10) -> dic
                     else store.opted_out(node)),
         "journal": [r.to_dict() for r in store.journal_tail(node, limit)],
         "database": str(store.path) if store.path else None,
+        "unavailable": store.unavailable,
         "notes": store.notes,
     }
 
@@ -210,6 +218,8 @@ def cmd_set_healthy(args: argparse.Namespace) -> int:
     try:
         before = store.node_record(node)
         store.clear_node(node, time.time(), text)
+    except StateUnavailable as err:
+        return _unavailable("set-healthy", err)
     finally:
         store.close()
     from node_agent.checks.sdc_spool import clear_standing
@@ -232,6 +242,8 @@ def cmd_breaker(args: argparse.Namespace) -> int:
     store = open_store(config.state_dir)
     try:
         before = store.reset_breaker(time.time())
+    except StateUnavailable as err:
+        return _unavailable("breaker reset", err)
     finally:
         store.close()
     print("breaker reset: " + (f"was open since {_iso(before.opened_at)} ({before.reason}); "
@@ -247,6 +259,8 @@ def cmd_optout(args: argparse.Namespace) -> int:
     try:
         store.set_opt_out(node, args.switch == "on", time.time(),
                           sanitise_operator_text(args.reason))
+    except StateUnavailable as err:
+        return _unavailable(f"optout {args.switch}", err)
     finally:
         store.close()
     print(f"node {node}: automatic actions "
@@ -259,6 +273,12 @@ COMMANDS = {"act": cmd_act, "status": cmd_status, "set-healthy": cmd_set_healthy
 
 
 # -- helpers ----------------------------------------------------------------------------------
+def _unavailable(what: str, err: StateUnavailable) -> int:
+    print(f"node-agent: {what} not done: state unavailable: {err}; fix the state directory "
+          "(disk space, permissions, mount) and run it again", file=sys.stderr)
+    return EXIT_AGENT_FAILED
+
+
 def _exit_for(outcome: Outcome) -> int:
     worst = outcome.worst
     return EXIT_AGENT_FAILED if worst == "failed" else EXIT_USAGE if worst == "refused" else \

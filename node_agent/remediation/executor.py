@@ -10,6 +10,11 @@ An adapter that raises (``AdapterError``, or anything else) or a GPU reset that 
 ``failed`` action with its message, never a crash; the row stays in the journal and the same
 step (same idempotency key) is retried by the next run.
 
+Without its own state the remediator does nothing: when the store is unavailable (an I/O
+error, a full or read-only disk, a lock, a newer agent's schema: ``Store.unavailable``) or a
+read or write fails mid-run (``StateUnavailable``), every step is ``refused`` with
+"state unavailable", because opt-out, the breaker and the journal cannot be read or kept.
+
 A ``restart-job`` step (a hung training job) goes through the same journal, dry run, failure
 handling and recovery, to ``adapter.restart_job``. Its job id is untrusted text: a step whose
 target named no job, or whose job id does not pass ``check_job_id``, is ``refused`` before any
@@ -51,7 +56,7 @@ from node_agent.remediation.plan import (
     plan,
 )
 from node_agent.remediation.plan import restart_window_start as _window_start
-from node_agent.remediation.store import JournalRow, NodeRecord, Store
+from node_agent.remediation.store import JournalRow, NodeRecord, StateUnavailable, Store
 from node_agent.schedulers.base import AdapterError, SchedulerAdapter, check_job_id
 
 CRASH_ENV = "NODE_AGENT_TEST_CRASH_AFTER_JOURNAL"
@@ -130,46 +135,93 @@ class Remediator:
     # -- entry points --------------------------------------------------------------------------
     def remediate(self, report: Report) -> Outcome:
         """Automatic remediation of a graded report (``accept``/``check --act``)."""
+        if self.store.unavailable is not None:
+            return self._refuse_all(report.grade, self.store.unavailable)
         out = self.recover()
         self._report = report
         self._run_started = self.clock()
-        self.store.record_run(self.node, self.clock(), report.suite, report.mode,
-                              report.grade.level.name,
-                              [r.to_dict() for r in report.grade.reasons])
-        grade, gpu_reset_tried = report.grade, False
-        for _ in range(MAX_REPLANS):
-            p = self._plan(grade, gpu_reset_tried)
-            out.notes.append(p.note)
-            if not p.steps:
-                break
-            retest_grade, reset_failed = self._run_plan(p, out)
-            if retest_grade is not None:
-                grade, gpu_reset_tried = retest_grade, True
-                self.store.record_run(self.node, self.clock(), "quick", "service",
-                                      grade.level.name, [r.to_dict() for r in grade.reasons])
-            elif reset_failed:
-                gpu_reset_tried = True
-            else:
-                break
+        try:
+            self.store.record_run(self.node, self.clock(), report.suite, report.mode,
+                                  report.grade.level.name,
+                                  [r.to_dict() for r in report.grade.reasons])
+            grade, gpu_reset_tried = report.grade, False
+            for _ in range(MAX_REPLANS):
+                p = self._plan(grade, gpu_reset_tried)
+                out.notes.append(p.note)
+                if not p.steps:
+                    break
+                retest_grade, reset_failed = self._run_plan(p, out)
+                if retest_grade is not None:
+                    grade, gpu_reset_tried = retest_grade, True
+                    self.store.record_run(self.node, self.clock(), "quick", "service",
+                                          grade.level.name, [r.to_dict() for r in grade.reasons])
+                elif reset_failed:
+                    gpu_reset_tried = True
+                else:
+                    break
+        except StateUnavailable as err:
+            refused = self._refuse_all(report.grade, str(err))
+            out.records.extend(refused.records)
+            out.notes.extend(refused.notes)
+        return out
+
+    def _refuse_all(self, grade: Grade, why: str) -> Outcome:
+        """Nothing is done without the agent's own state: what the grade would have asked for
+        is recorded as refused (in the report and on stderr; the journal cannot take it)."""
+        out = Outcome()
+        try:
+            record = self.store.node_record(self.node)
+        except StateUnavailable:
+            record = NodeRecord(node=self.node)
+        p = plan(grade, record, self.safety, now=self.clock(), boot_time=self.boot_time,
+                 restart_counts={}, gpu_reset_available=self.gpu_resetter is not None)
+        out.notes.append(f"state unavailable: {p.note}")
+        for step in p.steps:
+            if step.action == "retest":
+                continue
+            detail = (f"state unavailable ({why}): opt-out, breaker and journal cannot be read "
+                      f"or kept, so node-agent does not {step.action} {self.node} "
+                      f"({step.reason}); fix the state directory, or act by hand with the "
+                      "scheduler's own tools")
+            self.warn(f"{step.action} REFUSED: {detail}")
+            out.records.append(self._record(step.action, "refused", detail))
         return out
 
     def act(self, action: str, text: str) -> Outcome:
         """An operator's ``node-agent act ACTION --reason TEXT`` (``text`` already sanitised).
 
         Operator actions skip the automatic guards (breaker, blast radius, rate limit, opt-out,
-        dedup: the operator decided) but never override or resume someone else's drain.
+        dedup: the operator decided) but never override or resume someone else's drain. They
+        too need the journal: without it (state unavailable) they are refused, and the
+        operator uses the scheduler's own tools.
         """
-        out = self.recover()
         step = operator_step(action, text)
+        if self.store.unavailable is not None:
+            out = Outcome()
+            self._unavailable(step, self.store.unavailable, out)
+            return out
+        out = self.recover()
         self._step(step, "operator", out)
         return out
 
     def recover(self) -> Outcome:
         """Complete, once, the journal rows a crash left ``planned`` or ``started``."""
         out = Outcome()
-        for row in self.store.open_journal(self.node):
-            self._recover_row(row, out)
+        if self.store.unavailable is not None:
+            return out
+        try:
+            for row in self.store.open_journal(self.node):
+                self._recover_row(row, out)
+        except StateUnavailable as err:
+            out.notes.append(f"crash recovery not done: {err}")
         return out
+
+    def _unavailable(self, step: Step, why: str, out: Outcome) -> None:
+        detail = (f"state unavailable ({why}): node-agent does not {step.action} {self.node} "
+                  "without its journal, opt-out and breaker; fix the state directory, or act "
+                  "by hand with the scheduler's own tools")
+        self.warn(f"{step.action} REFUSED: {detail}")
+        out.records.append(self._record(step.action, "refused", detail))
 
     # -- planning ------------------------------------------------------------------------------
     def _plan(self, grade: Grade, gpu_reset_tried: bool) -> Plan:
@@ -216,6 +268,13 @@ class Remediator:
     # -- one step ------------------------------------------------------------------------------
     def _step(self, step: Step, trigger: str, out: Outcome) -> bool:
         """Guard, journal, act, close. True when the plan may go on to its next step."""
+        try:
+            return self._guarded_step(step, trigger, out)
+        except StateUnavailable as err:
+            self._unavailable(step, str(err), out)
+            return False
+
+    def _guarded_step(self, step: Step, trigger: str, out: Outcome) -> bool:
         now = self.clock()
         key = step.key(self.node) if trigger == "auto" else f"{step.key(self.node)}|{now:.6f}"
         retry: JournalRow | None = None
@@ -261,7 +320,14 @@ class Remediator:
         outcome, detail = self._perform(row)
         if evidence_note and outcome == "done":
             detail = f"{detail}; {evidence_note}"
-        self._finish(row, outcome, detail, out, trigger)
+        try:
+            self._finish(row, outcome, detail, out, trigger)
+        except StateUnavailable as err:
+            # the adapter acted; only its record failed: say so (the row stays "started",
+            # and the next run with a working state re-reads the scheduler and closes it)
+            out.records.append(self._record(row.action, outcome, f"{detail}; not recorded in "
+                                            f"the journal: {err}"))
+            return False
         return outcome == "done"
 
     def _guard(self, step: Step, now: float) -> str | None:

@@ -5,10 +5,21 @@ journal (every transition is journaled *before* it is acted on, so a crash mid-a
 completed on the next start instead of being repeated or forgotten), the circuit breaker and
 the node's opt-out flag.
 
-The agent never refuses to run because of its own state: a database that is not SQLite, or
-whose schema is unreadable, is moved aside to ``node-agent.db.corrupt-<timestamp>`` with a loud
-message on stderr and a fresh one is started; a state directory that cannot be written gives an
-in-memory store (with a warning) for this run.
+The agent never refuses to *check* because of its own state, and never *acts* without it
+(DESIGN.md, "Trust boundary"; docs/remediation.md):
+
+- a file that is not an SQLite database at all (``SQLITE_NOTADB``, "file is not a database")
+  is moved aside to ``node-agent.db.corrupt-<timestamp>`` with a loud message on stderr and a
+  fresh one is started: nothing in it could be read anyway;
+- any other trouble (an I/O error, a full or read-only disk, a lock held too long, a damaged
+  page, a schema written by a newer agent, a state directory that is not the agent's own)
+  keeps the file as it is and gives a store that is :attr:`Store.unavailable`: opened
+  read-only where that still works (``status`` shows the state), else empty. Checks and
+  reports go on; every automatic action is refused ("state unavailable"), because opt-out, the
+  breaker and the journal cannot be trusted or written.
+
+A write or read that fails later (the disk fills up mid-run) raises :class:`StateUnavailable`
+and makes the store unavailable for the rest of the run.
 
 Times are UNIX epoch seconds (float) passed in by the caller, so that tests need no sleeps.
 """
@@ -22,15 +33,19 @@ import stat
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from node_agent.atomic_file import private_dir
 
 DB_NAME = "node-agent.db"
 SCHEMA_VERSION = 1
+#: how long a write waits for another agent's transaction (a Slurm health check and the daemon
+#: may write at once; each transaction is milliseconds) before the state counts as unavailable
+BUSY_TIMEOUT_S = 10.0
 
 #: journal states; ``planned`` and ``started`` are the ones a crash can leave behind
 JOURNAL_STATES = ("planned", "started", "done", "failed", "refused", "dry-run")
@@ -124,28 +139,68 @@ class RunRow:
     report_path: str | None
 
 
+class StateUnavailable(Exception):
+    """The agent's own state cannot be read or written; nothing may be acted on."""
+
+
 class Store:
-    """The agent's SQLite state. Open with :func:`open_store`; close when done."""
+    """The agent's SQLite state. Open with :func:`open_store`; close when done.
+
+    ``unavailable`` is None while the store can be trusted; otherwise it says why not, the
+    store is read-only (or empty), and every write raises :class:`StateUnavailable`."""
 
     def __init__(self, conn: sqlite3.Connection, path: Path | None,
-                 notes: list[str] | None = None) -> None:
+                 notes: list[str] | None = None, unavailable: str | None = None) -> None:
         self._conn = conn
-        self.path = path  # None: in memory (state dir unwritable)
-        self.notes = notes or []  # what went wrong opening it (moved aside, in memory)
+        self.path = path  # None: nothing on disk could be opened
+        self.notes = notes or []  # what went wrong opening it (moved aside, read-only)
+        self.unavailable = unavailable
 
     def close(self) -> None:
         self._conn.close()
 
+    def _fail(self, what: str, err: sqlite3.Error) -> StateUnavailable:
+        reason = f"{what} {self.path or 'the state database'} failed: {err}"
+        if self.unavailable is None:
+            self.unavailable = reason
+            self.notes.append(reason)
+            _warn(f"{reason}; automatic actions are refused until it works again (the file "
+                  "is kept as it is)")
+        return StateUnavailable(reason)
+
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
         """One write transaction, taken immediately so concurrent agents serialise."""
-        self._conn.execute("BEGIN IMMEDIATE")
+        if self.unavailable is not None:
+            raise StateUnavailable(self.unavailable)
+        try:
+            self._conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as err:
+            raise self._fail("writing", err) from err
         try:
             yield self._conn
+        except sqlite3.Error as err:
+            with suppress(sqlite3.Error):
+                self._conn.execute("ROLLBACK")
+            raise self._fail("writing", err) from err
         except BaseException:
-            self._conn.execute("ROLLBACK")
+            with suppress(sqlite3.Error):
+                self._conn.execute("ROLLBACK")
             raise
-        self._conn.execute("COMMIT")
+        try:
+            self._conn.execute("COMMIT")
+        except sqlite3.Error as err:
+            with suppress(sqlite3.Error):
+                self._conn.execute("ROLLBACK")
+            raise self._fail("writing", err) from err
+
+    def _rows(self, sql: str, params: tuple | list = (), one: bool = False) -> Any:
+        """A query; a failing read makes the store unavailable (StateUnavailable)."""
+        try:
+            cur = self._conn.execute(sql, params)
+            return cur.fetchone() if one else cur.fetchall()
+        except sqlite3.Error as err:
+            raise self._fail("reading", err) from err
 
     # -- runs ----------------------------------------------------------------------------------
     def record_run(self, node: str, at: float, suite: str, mode: str, level: str,
@@ -156,18 +211,18 @@ class Store:
                       (at, node, suite, mode, level, json.dumps(reasons), report_path))
 
     def last_run(self, node: str) -> RunRow | None:
-        row = self._conn.execute(
+        row = self._rows(
             "SELECT at, suite, mode, level, reasons, report_path FROM runs WHERE node = ? "
-            "ORDER BY id DESC LIMIT 1", (node,)).fetchone()
+            "ORDER BY id DESC LIMIT 1", (node,), one=True)
         if row is None:
             return None
         return RunRow(row[0], row[1], row[2], row[3], json.loads(row[4]), row[5])
 
     # -- node state ----------------------------------------------------------------------------
     def node_record(self, node: str) -> NodeRecord:
-        row = self._conn.execute(
+        row = self._rows(
             "SELECT node, state, since, fault_code, target, trigger, restart_kind, requested_at,"
-            " cleared_at, detail FROM node_state WHERE node = ?", (node,)).fetchone()
+            " cleared_at, detail FROM node_state WHERE node = ?", (node,), one=True)
         return NodeRecord(*row) if row else NodeRecord(node=node)
 
     def set_node_record(self, record: NodeRecord) -> None:
@@ -238,32 +293,30 @@ class Store:
         return self.journal_row(row_id)
 
     def journal_row(self, row_id: int) -> JournalRow:
-        row = self._conn.execute(f"SELECT {_JCOLS} FROM journal WHERE id = ?",
-                                 (row_id,)).fetchone()
+        row = self._rows(f"SELECT {_JCOLS} FROM journal WHERE id = ?", (row_id,), one=True)
         if row is None:
             raise KeyError(f"journal row {row_id} does not exist")
         return JournalRow(*row)
 
     def journal_by_key(self, key: str) -> JournalRow | None:
         """The newest row with this idempotency key."""
-        row = self._conn.execute(f"SELECT {_JCOLS} FROM journal WHERE key = ? "
-                                 "ORDER BY id DESC LIMIT 1", (key,)).fetchone()
+        row = self._rows(f"SELECT {_JCOLS} FROM journal WHERE key = ? "
+                         "ORDER BY id DESC LIMIT 1", (key,), one=True)
         return JournalRow(*row) if row else None
 
     def open_journal(self, node: str) -> list[JournalRow]:
         """Rows a crash left ``planned`` or ``started``, oldest first."""
-        rows = self._conn.execute(f"SELECT {_JCOLS} FROM journal WHERE node = ? AND state IN "
-                                  "('planned', 'started') ORDER BY id", (node,)).fetchall()
+        rows = self._rows(f"SELECT {_JCOLS} FROM journal WHERE node = ? AND state IN "
+                          "('planned', 'started') ORDER BY id", (node,))
         return [JournalRow(*r) for r in rows]
 
     def journal_tail(self, node: str | None = None, limit: int = 20) -> list[JournalRow]:
         """The newest ``limit`` rows (oldest first)."""
         if node is None:
-            rows = self._conn.execute(f"SELECT {_JCOLS} FROM journal ORDER BY id DESC LIMIT ?",
-                                      (limit,)).fetchall()
+            rows = self._rows(f"SELECT {_JCOLS} FROM journal ORDER BY id DESC LIMIT ?", (limit,))
         else:
-            rows = self._conn.execute(f"SELECT {_JCOLS} FROM journal WHERE node = ? "
-                                      "ORDER BY id DESC LIMIT ?", (node, limit)).fetchall()
+            rows = self._rows(f"SELECT {_JCOLS} FROM journal WHERE node = ? "
+                              "ORDER BY id DESC LIMIT ?", (node, limit))
         return [JournalRow(*r) for r in reversed(rows)]
 
     def count_done(self, node: str | None, actions: tuple[str, ...], since: float,
@@ -281,18 +334,18 @@ class Store:
         if trigger is not None:
             sql += " AND trigger = ?"
             params.append(trigger)
-        return int(self._conn.execute(sql, params).fetchone()[0])
+        return int(self._rows(sql, params, one=True)[0])
 
     def last_done_at(self, node: str, actions: tuple[str, ...]) -> float | None:
-        row = self._conn.execute(
+        row = self._rows(
             f"SELECT MAX(updated_at) FROM journal WHERE node = ? AND state = 'done' "
-            f"AND action IN ({','.join('?' * len(actions))})", (node, *actions)).fetchone()
+            f"AND action IN ({','.join('?' * len(actions))})", (node, *actions), one=True)
         return row[0] if row else None
 
     # -- breaker -------------------------------------------------------------------------------
     def breaker(self) -> BreakerState:
-        row = self._conn.execute(
-            "SELECT open, opened_at, reason, reset_at FROM breaker WHERE id = 1").fetchone()
+        row = self._rows("SELECT open, opened_at, reason, reset_at FROM breaker WHERE id = 1",
+                         one=True)
         return BreakerState(bool(row[0]), row[1], row[2], row[3]) if row else BreakerState()
 
     def open_breaker(self, now: float, reason: str) -> None:
@@ -314,8 +367,7 @@ class Store:
     # -- opt-out -------------------------------------------------------------------------------
     def opted_out(self, node: str) -> str | None:
         """The opt-out reason when the node is opted out, else None."""
-        row = self._conn.execute("SELECT reason FROM opt_out WHERE node = ?",
-                                 (node,)).fetchone()
+        row = self._rows("SELECT reason FROM opt_out WHERE node = ?", (node,), one=True)
         return (row[0] or "opted out") if row else None
 
     def set_opt_out(self, node: str, on: bool, now: float, reason: str = "") -> None:
@@ -327,7 +379,7 @@ class Store:
                 c.execute("DELETE FROM opt_out WHERE node = ?", (node,))
 
     def schema_version(self) -> int:
-        return int(self._conn.execute("SELECT version FROM schema_version").fetchone()[0])
+        return int(self._rows("SELECT version FROM schema_version", one=True)[0])
 
 
 _JCOLS = ("id, key, node, action, reason, fault_code, target, attempt, state, detail, to_state, "
@@ -336,8 +388,8 @@ _JCOLS = ("id, key, node, action, reason, fault_code, target, attempt, state, de
 
 def _connect(path: Path | str) -> sqlite3.Connection:
     # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE in Store._tx).
-    conn = sqlite3.connect(str(path), timeout=10.0, isolation_level=None)
-    conn.execute("PRAGMA busy_timeout = 10000")
+    conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
+    conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
     if str(path) != ":memory:":
         mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if str(mode).lower() != "wal":
@@ -346,28 +398,50 @@ def _connect(path: Path | str) -> sqlite3.Connection:
     return conn
 
 
+class NewerSchema(sqlite3.DatabaseError):
+    """The database was written by a newer node-agent (an agent rollback): kept, not used."""
+
+
 def _init_schema(conn: sqlite3.Connection, path: Path | str) -> None:
     """Create the tables (idempotent) and check the schema version; raise DatabaseError if
-    the file is not a database this agent can use."""
+    the file is not a database this agent can use (NewerSchema for a newer agent's)."""
     check = conn.execute("PRAGMA quick_check").fetchone()
     if check is None or check[0] != "ok":
         raise sqlite3.DatabaseError(f"integrity check of {path} failed: {check}")
+    _check_version(conn, path)
     conn.executescript(_SCHEMA)
     row = conn.execute("SELECT version FROM schema_version").fetchone()
     if row is None:
         conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
-    elif int(row[0]) > SCHEMA_VERSION:
-        raise sqlite3.DatabaseError(
+
+
+def _check_version(conn: sqlite3.Connection, path: Path | str) -> None:
+    try:
+        row = conn.execute("SELECT version FROM schema_version").fetchone()
+    except sqlite3.OperationalError as err:
+        if "no such table" in str(err):
+            return  # a new database
+        raise
+    if row is not None and int(row[0]) > SCHEMA_VERSION:
+        raise NewerSchema(
             f"{path} has schema version {row[0]}; this agent knows up to {SCHEMA_VERSION} "
             "(written by a newer node-agent)")
+
+
+def _not_a_database(err: sqlite3.Error) -> bool:
+    """Only this moves a store aside: the file is not SQLite at all, so nothing in it is lost."""
+    return (getattr(err, "sqlite_errorname", None) == "SQLITE_NOTADB"
+            or "file is not a database" in str(err))
 
 
 def open_store(state_dir: Path | str, clock: Callable[[], float] = time.time) -> Store:
     """Open (or create) the store under ``state_dir``; never raises for its own state.
 
-    A corrupt or foreign file is moved aside to ``node-agent.db.corrupt-<timestamp>`` (with its
-    ``-wal``/``-shm`` files) and a fresh database started; an unwritable state directory gives
-    an in-memory store. Both are reported loudly on stderr and in ``Store.notes``.
+    A file that is not a database is moved aside to ``node-agent.db.corrupt-<timestamp>``
+    (with its ``-wal``/``-shm`` files) and a fresh database started. Anything else that goes
+    wrong keeps the file and gives an unavailable store (read-only where it can still be read,
+    else empty): see the module docstring. Both are reported loudly on stderr and in
+    ``Store.notes``.
     """
     state_dir = Path(state_dir)
     path = state_dir / DB_NAME
@@ -375,7 +449,8 @@ def open_store(state_dir: Path | str, clock: Callable[[], float] = time.time) ->
     try:
         private_dir(state_dir)  # 0700: nobody else may read the journal or lock the database
     except OSError as err:
-        return _memory_store(f"cannot use state dir {state_dir}: {err.strerror or err}")
+        return _unavailable_store(path, f"cannot use state dir {state_dir}: "
+                                        f"{err.strerror or err}", notes, read_only=False)
     for attempt in (1, 2):
         conn = None
         try:
@@ -383,22 +458,73 @@ def open_store(state_dir: Path | str, clock: Callable[[], float] = time.time) ->
             _init_schema(conn, path)
             _private_files(path)
             return Store(conn, path, notes)
-        except sqlite3.DatabaseError as err:
+        except sqlite3.Error as err:
             if conn is not None:
-                conn.close()
-            if attempt == 2 or not path.exists():
-                return _memory_store(f"cannot open {path}: {err}", notes)
-            moved = _move_aside(path, clock())
-            note = (f"state database {path} is unreadable ({err}); moved it aside to {moved} "
-                    "and started a fresh one: remediation history, journal and breaker state "
-                    "are reset; inspect the old file and keep it for the incident record")
-            _warn(note)
-            notes.append(note)
+                with suppress(sqlite3.Error):
+                    conn.close()
+            if attempt == 1 and _not_a_database(err) and path.exists():
+                try:
+                    moved = _move_aside(path, clock())
+                except OSError as move_err:
+                    return _unavailable_store(path, f"{path} is not a database and cannot be "
+                                                    f"moved aside ({move_err})", notes)
+                note = (f"state database {path} is not a database ({err}); moved it aside to "
+                        f"{moved} and started a fresh one: remediation history, journal and "
+                        "breaker state are reset; inspect the old file and keep it for the "
+                        "incident record")
+                _warn(note)
+                notes.append(note)
+                continue
+            return _unavailable_store(path, f"cannot use {path}: {err}", notes)
         except OSError as err:
             if conn is not None:
-                conn.close()
-            return _memory_store(f"cannot open {path}: {err}", notes)
+                with suppress(sqlite3.Error):
+                    conn.close()
+            return _unavailable_store(path, f"cannot use {path}: {err}", notes)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _open_read_only(path: Path) -> tuple[sqlite3.Connection, str] | None:
+    """The database opened read-only, for ``status``: normally, else as immutable (a read-only
+    disk where the -shm file cannot be made; the last changes, still in the -wal, may be
+    missing). None when neither works or the file is absent."""
+    if not path.is_file():
+        return None
+    for query, how in (("mode=ro", "read-only"),
+                       ("mode=ro&immutable=1", "read-only, from the main file only (changes "
+                                               "still in the -wal file are not shown)")):
+        conn = None
+        try:
+            conn = sqlite3.connect(f"file:{quote(str(path))}?{query}", uri=True, timeout=2.0,
+                                   isolation_level=None)
+            conn.execute("PRAGMA query_only = 1")
+            conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+            return conn, how
+        except sqlite3.Error:
+            if conn is not None:
+                with suppress(sqlite3.Error):
+                    conn.close()
+    return None
+
+
+def _unavailable_store(path: Path, why: str, notes: list[str] | None = None,
+                       read_only: bool = True) -> Store:
+    """The file is kept; the store refuses every write. Read-only when it can be read."""
+    opened = _open_read_only(path) if read_only else None
+    if opened is not None:
+        conn, how = opened
+        shown = f"opened {how} for status"
+    else:
+        conn = sqlite3.connect(":memory:", isolation_level=None)
+        conn.executescript(_SCHEMA)
+        conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
+        shown = "nothing of it can be read"
+    note = (f"state unavailable: {why}; the file is kept as it is ({shown}); checks and reports "
+            "go on, automatic actions are refused until the state works again: free the disk, "
+            "fix its permissions or mount, or move the file aside by hand")
+    _warn(note)
+    return Store(conn, path if opened is not None else None, [*(notes or []), note],
+                 unavailable=why)
 
 
 def _private_files(path: Path) -> None:
@@ -429,10 +555,3 @@ def _move_aside(path: Path, now: float) -> Path:
     return target
 
 
-def _memory_store(why: str, notes: list[str] | None = None) -> Store:
-    note = (f"{why}; using an in-memory state for this run only (nothing is remembered: fix "
-            "state_dir in the config or its permissions)")
-    _warn(note)
-    conn = _connect(":memory:")
-    _init_schema(conn, ":memory:")
-    return Store(conn, None, [*(notes or []), note])

@@ -67,6 +67,11 @@ class DaemonRemediation:
                     item = newer if item is not _STOP else item
                 if item is _STOP:
                     return
+                if store.unavailable is not None:
+                    # a full disk may have been freed, a lock released: look again (a store
+                    # that is still unavailable refuses the actions, recorded as refused)
+                    store.close()
+                    store = open_store(self._config.state_dir)
                 self._act(store, item)
         finally:
             store.close()

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -356,3 +357,75 @@ def test_an_unusable_state_dir_never_sends_reports_through_another_users_symlink
     st = written.parent.stat()
     assert (st.st_uid, st.st_mode & 0o777) == (0, 0o700) and not written.is_symlink()
     assert "new private directory" in done.stderr
+
+
+# -- attack 4: a full or read-only disk loses the state: opt-out forgotten, breaker reset --------
+
+FILL = r"""
+import sys
+with open(sys.argv[1], "wb") as f:
+    try:
+        while True:
+            f.write(b"\0" * 65536)
+            f.flush()
+    except OSError as err:
+        print("full:", err.strerror)
+"""
+
+
+@pytest.fixture
+def small_fs(shared_dir):
+    """A 4 MiB tmpfs, world-writable like /var/tmp, holding the state dir."""
+    mnt = shared_dir / "fs"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=1777", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}): the full and read-only "
+                    "disk cases need one")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_a_disk_another_user_filled_keeps_the_opt_out_and_refuses_every_action(
+        user, shared_dir, small_fs):
+    cfg = config(shared_dir, state_dir=str(small_fs / "state"),
+                 safety={"max_drained_fraction": 1.0})
+    xid79 = node(shared_dir, "xid79.yaml", faults=[{"kind": "xid", "gpu": 5, "code": 79}])
+    assert run_agent("optout", "on", "--reason", "maintenance", "--config", cfg, "--simulate",
+                     xid79).returncode == 0
+    db = small_fs / "state" / "node-agent.db"
+    before = db.read_bytes()
+    assert "full:" in user.py(FILL, str(small_fs / "filler")).stdout
+    rep = report(run_agent("check", "--act", "--json", "--config", cfg, "--simulate", xid79))
+    assert rep["grade"]["level"] == "FAULT"  # the checks and the report go on
+    assert rep["actions"] and {a["outcome"] for a in rep["actions"]} == {"refused"}
+    assert all("state unavailable" in a["detail"] or "opted out" in a["detail"]
+               for a in rep["actions"]), rep["actions"]
+    assert db.read_bytes() == before and not list(db.parent.glob("*.corrupt-*"))
+    assert not (small_fs / "state" / "actions.log").exists()
+    (small_fs / "filler").unlink()
+    status = json.loads(run_agent("status", "--json", "--config", cfg, "--simulate",
+                                  xid79).stdout)
+    assert status["opt_out"] == "maintenance" and status["journal"] == []
+
+
+def test_a_read_only_disk_still_shows_status_and_refuses_every_action(shared_dir, small_fs):
+    cfg = config(shared_dir, state_dir=str(small_fs / "state"),
+                 safety={"max_drained_fraction": 1.0})
+    xid79 = node(shared_dir, "xid79.yaml", faults=[{"kind": "xid", "gpu": 5, "code": 79}])
+    assert run_agent("optout", "on", "--reason", "maintenance", "--config", cfg, "--simulate",
+                     xid79).returncode == 0
+    ro = subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], capture_output=True,
+                        text=True)
+    assert ro.returncode == 0, ro.stderr
+    status = run_agent("status", "--config", cfg, "--simulate", xid79)
+    assert status.returncode == 0, status.stderr
+    assert "opt-out: maintenance" in status.stdout and "UNAVAILABLE" in status.stdout
+    rep = report(run_agent("check", "--act", "--json", "--config", cfg, "--simulate", xid79))
+    assert rep["grade"]["level"] == "FAULT" and rep["actions"]
+    assert {a["outcome"] for a in rep["actions"]} == {"refused"}
+    assert all("state unavailable" in a["detail"] for a in rep["actions"])
+    optout = run_agent("optout", "off", "--config", cfg, "--simulate", xid79)
+    assert optout.returncode == 1 and len(optout.stderr.strip().splitlines()) >= 1
+    assert "optout off not done: state unavailable" in optout.stderr

@@ -777,3 +777,63 @@ def test_every_adapter_and_the_fake_implement_restart_job_of_the_protocol(tmp_pa
     for adapter in adapters:
         assert isinstance(adapter, SchedulerAdapter), type(adapter).__name__
         assert callable(adapter.restart_job)
+
+
+# -- without its own state, the remediator does nothing -----------------------------------------
+def test_an_unavailable_store_refuses_every_step_and_calls_no_adapter(tmp_path):
+    import sqlite3
+
+    from node_agent.remediation.store import DB_NAME
+
+    first = open_store(tmp_path)
+    first.close()
+    conn = sqlite3.connect(tmp_path / DB_NAME)
+    conn.execute("UPDATE schema_version SET version = 99")  # a newer agent's database
+    conn.commit()
+    conn.close()
+    store = open_store(tmp_path)
+    adapter, warnings = FakeAdapter(), []
+    try:
+        assert store.unavailable is not None
+        out = make(store, adapter, warnings=warnings).remediate(FakeReport(FAULT79))
+        assert [(r.action, r.outcome) for r in out.records] == [("drain", "refused"),
+                                                                ("replace", "refused")]
+        assert all("state unavailable" in r.detail for r in out.records)
+        assert adapter.calls == [] and len(warnings) == 2
+        op = make(store, adapter).act("drain", "by hand")
+        assert [(r.action, r.outcome) for r in op.records] == [("drain", "refused")]
+        assert adapter.calls == []
+    finally:
+        store.close()
+
+
+def test_a_write_that_fails_mid_run_refuses_the_step_before_the_adapter(store, monkeypatch):
+    import sqlite3
+
+    adapter = FakeAdapter()
+    real = store.journal_plan
+
+    def full_disk(**kw):
+        if kw.get("state", "planned") == "planned":
+            raise store._fail("writing", sqlite3.OperationalError("database or disk is full"))
+        return real(**kw)
+
+    monkeypatch.setattr(store, "journal_plan", full_disk)
+    out = make(store, adapter).remediate(FakeReport(FAULT79))
+    assert [(r.action, r.outcome) for r in out.records] == [("drain", "refused")]
+    assert "disk is full" in out.records[0].detail and adapter.calls == []
+    assert "disk is full" in store.unavailable
+
+
+def test_opt_out_that_cannot_be_read_is_never_taken_for_no_opt_out(store, monkeypatch):
+    import sqlite3
+
+    adapter = FakeAdapter()
+
+    def unreadable(node):
+        raise store._fail("reading", sqlite3.OperationalError("disk I/O error"))
+
+    monkeypatch.setattr(store, "opted_out", unreadable)
+    out = make(store, adapter).remediate(FakeReport(FAULT79))
+    assert {r.outcome for r in out.records} == {"refused"} and adapter.calls == []
+    assert "disk I/O error" in out.records[0].detail

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
 
 import pytest
 
-from node_agent.remediation.store import DB_NAME, SCHEMA_VERSION, NodeRecord, open_store
+from node_agent.remediation import store as store_mod
+from node_agent.remediation.store import (
+    DB_NAME,
+    SCHEMA_VERSION,
+    NodeRecord,
+    StateUnavailable,
+    open_store,
+)
 
 T0 = 1_700_000_000.0
 
@@ -127,13 +135,13 @@ def test_run_history_keeps_last_grade(store):
     assert (last.suite, last.level, last.reasons) == ("delivery", "HEALTHY", [])
 
 
-def test_corrupt_database_is_moved_aside_and_a_fresh_one_started(tmp_path, capsys):
+def test_a_file_that_is_not_a_database_is_moved_aside_and_a_fresh_one_started(tmp_path, capsys):
     state = tmp_path / "state"
     state.mkdir()
     (state / DB_NAME).write_bytes(b"this is not sqlite \x00\xff" * 200)
     store = open_store(state, clock=lambda: T0)
     try:
-        assert store.path == state / DB_NAME
+        assert store.path == state / DB_NAME and store.unavailable is None
         assert store.schema_version() == SCHEMA_VERSION
         assert store.node_record("gpu-01").state == "in-service"
     finally:
@@ -144,28 +152,91 @@ def test_corrupt_database_is_moved_aside_and_a_fresh_one_started(tmp_path, capsy
     assert "WARNING" in err and "moved it aside" in err and str(moved[0]) in err
 
 
-def test_database_written_by_a_newer_agent_is_moved_aside(tmp_path, capsys):
-    conn = sqlite3.connect(tmp_path / DB_NAME)
-    conn.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
-    conn.execute("INSERT INTO schema_version VALUES (99)")
-    conn.commit()
-    conn.close()
+def _opted_out_db(state, version=SCHEMA_VERSION):
+    first = open_store(state)
+    first.set_opt_out("gpu-01", True, T0, "maintenance")
+    first.close()
+    if version != SCHEMA_VERSION:
+        conn = sqlite3.connect(state / DB_NAME)
+        conn.execute("UPDATE schema_version SET version = ?", (version,))
+        conn.commit()
+        conn.close()
+    return (state / DB_NAME).read_bytes()
+
+
+def test_a_newer_agents_database_is_kept_and_read_only(tmp_path, capsys):
+    before = _opted_out_db(tmp_path, version=99)
     store = open_store(tmp_path)
-    assert store.schema_version() == SCHEMA_VERSION
-    assert "schema version 99" in store.notes[0]
-    store.close()
-    assert list(tmp_path.glob(f"{DB_NAME}.corrupt-*"))
-    assert "newer node-agent" in capsys.readouterr().err
+    try:
+        assert "schema version 99" in store.unavailable and "newer node-agent" in store.unavailable
+        assert store.opted_out("gpu-01") == "maintenance"  # status can still show it
+        with pytest.raises(StateUnavailable):
+            store.set_opt_out("gpu-01", False, T0)
+    finally:
+        store.close()
+    assert (tmp_path / DB_NAME).read_bytes() == before
+    assert not list(tmp_path.glob(f"{DB_NAME}.corrupt-*"))
+    assert "automatic actions are refused" in capsys.readouterr().err
 
 
-def test_unusable_state_dir_falls_back_to_memory_and_says_so(tmp_path, capsys):
+def test_a_damaged_database_is_kept_not_replaced(tmp_path):
+    _opted_out_db(tmp_path)
+    data = bytearray((tmp_path / DB_NAME).read_bytes())
+    data[4096: 4096 + 100] = b"\xee" * 100  # page 2 ruined, the file header intact
+    (tmp_path / DB_NAME).write_bytes(bytes(data))
+    store = open_store(tmp_path)
+    try:
+        assert store.unavailable is not None
+        with pytest.raises(StateUnavailable):
+            store.record_run("gpu-01", T0, "quick", "service", "HEALTHY", [])
+    finally:
+        store.close()
+    assert (tmp_path / DB_NAME).read_bytes() == bytes(data)
+    assert not list(tmp_path.glob(f"{DB_NAME}.corrupt-*"))
+
+
+def test_a_lock_held_too_long_makes_the_state_unavailable_not_lost(tmp_path, monkeypatch):
+    _opted_out_db(tmp_path)
+    monkeypatch.setattr(store_mod, "BUSY_TIMEOUT_S", 0.2)
+    other = sqlite3.connect(tmp_path / DB_NAME, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")
+    store = open_store(tmp_path)
+    try:
+        with pytest.raises(StateUnavailable, match="database is locked"):
+            store.set_opt_out("gpu-01", False, T0)
+        assert "locked" in store.unavailable
+        with pytest.raises(StateUnavailable):  # and stays so for this run
+            store.record_run("gpu-01", T0, "quick", "service", "HEALTHY", [])
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+        store.close()
+    again = open_store(tmp_path)
+    assert again.unavailable is None and again.opted_out("gpu-01") == "maintenance"
+    again.close()
+
+
+def test_unusable_state_dir_gives_an_unavailable_store_and_says_so(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     store = open_store(blocker / "state")
     try:
-        assert store.path is None
-        store.set_node_record(NodeRecord("gpu-01", "drained", T0))
-        assert store.node_record("gpu-01").state == "drained"
+        assert store.path is None and "Not a directory" in store.unavailable
+        with pytest.raises(StateUnavailable):
+            store.set_node_record(NodeRecord("gpu-01", "drained", T0))
+        assert store.node_record("gpu-01").state == "in-service"
     finally:
         store.close()
-    assert "in-memory" in capsys.readouterr().err
+    assert "automatic actions are refused" in capsys.readouterr().err
+
+
+def test_state_dir_of_another_user_is_not_used(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    os.chown(state, 65534, 65534)
+    store = open_store(state)
+    try:
+        assert "owned by uid 65534" in store.unavailable
+    finally:
+        store.close()
+    assert not (state / DB_NAME).exists()
