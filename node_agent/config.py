@@ -32,6 +32,8 @@ DEFAULTS: dict[str, Any] = {
                "min_action_interval_s": 60, "opt_out": False},
     "daemon": {"listen": "127.0.0.1:9847", "suite": "periodic", "default_every_s": 300,
                "xid_poll_s": 0.5, "nvml_retry_s": 30, "act": True,
+               # a failed action is retried while its grade stands: 30 s, doubling, <= 10 min
+               "retry_initial_s": 30, "retry_max_s": 600,
                # compute checks import torch: run them in a child so the daemon stays small
                "subprocess_checks": ["sdc", "gpu_burn", "thermal_power", "hbm_bandwidth",
                                      "pcie_bandwidth", "nccl_allreduce"]},
@@ -89,6 +91,8 @@ SCHEMA: dict[str, Any] = _obj({
         "default_every_s": {"type": "number", "exclusiveMinimum": 0},
         "xid_poll_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 5},
         "nvml_retry_s": {"type": "number", "exclusiveMinimum": 0},
+        "retry_initial_s": {"type": "number", "exclusiveMinimum": 0},
+        "retry_max_s": {"type": "number", "exclusiveMinimum": 0},
         "subprocess_checks": {"type": "array", "items": {"type": "string"}},
         "act": {"type": "boolean"},
     }),

@@ -8,7 +8,11 @@ without repeating it).
 
 An adapter that raises (``AdapterError``, or anything else) or a GPU reset that fails is a
 ``failed`` action with its message, never a crash; the row stays in the journal and the same
-step (same idempotency key) is retried by the next run.
+step (same idempotency key) is retried by the next run (the daemon retries it with backoff
+while the grade stands: ``service/actions.py``). Each attempt is its own journal row with the
+same key and a rising ``tries``, and every adapter call carries the same ``key``: SHA-256 over
+the journal key and the fault's first sighting in this episode, so a receiver deduplicates the
+retries of one fault, and the same fault weeks later (after a repair) is a new action.
 
 Without its own state the remediator does nothing: when the store is unavailable (an I/O
 error, a full or read-only disk, a lock, a newer agent's schema: ``Store.unavailable``) or a
@@ -30,6 +34,7 @@ from the environment and does nothing when unset.
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import os
 import signal
 import sys
@@ -133,17 +138,19 @@ class Remediator:
         self._run_started = float("-inf")  # job restarts since then are this run's own
 
     # -- entry points --------------------------------------------------------------------------
-    def remediate(self, report: Report) -> Outcome:
-        """Automatic remediation of a graded report (``accept``/``check --act``)."""
+    def remediate(self, report: Report, record_run: bool = True) -> Outcome:
+        """Automatic remediation of a graded report (``accept``/``check --act``, the daemon).
+        ``record_run``: False when the daemon retries the same grade (recorded once)."""
         if self.store.unavailable is not None:
             return self._refuse_all(report.grade, self.store.unavailable)
         out = self.recover()
         self._report = report
         self._run_started = self.clock()
         try:
-            self.store.record_run(self.node, self.clock(), report.suite, report.mode,
-                                  report.grade.level.name,
-                                  [r.to_dict() for r in report.grade.reasons])
+            if record_run:
+                self.store.record_run(self.node, self.clock(), report.suite, report.mode,
+                                      report.grade.level.name,
+                                      [r.to_dict() for r in report.grade.reasons])
             grade, gpu_reset_tried = report.grade, False
             for _ in range(MAX_REPLANS):
                 p = self._plan(grade, gpu_reset_tried)
@@ -306,20 +313,22 @@ class Remediator:
             detail = f"dry run: would {step.action} {self.node} ({step.reason})"
             self._close_new(step, key, trigger, "dry-run", detail, now, out)
             return True
-        evidence_note = self._take_evidence(step.action, now)
-        if retry is not None:
-            row = self.store.journal_update(retry.id, "planned", f"retry of a failed "
-                                            f"{step.action}: {retry.detail}", now)
-        else:
-            row = self.store.journal_plan(
-                key=key, node=self.node, action=step.action, reason=step.reason,
-                fault_code=step.fault_code, target=step.target, attempt=step.attempt,
-                to_state=step.to_state, trigger=trigger, adapter=self.adapter.name, now=now)
+        # evidence once per fault: the first attempt took it, a retry does not copy it again
+        evidence_note = self._take_evidence(step.action, now) if retry is None else None
+        row = self.store.journal_plan(
+            key=key, node=self.node, action=step.action, reason=step.reason,
+            fault_code=step.fault_code, target=step.target, attempt=step.attempt,
+            to_state=step.to_state, trigger=trigger, adapter=self.adapter.name, now=now,
+            tries=retry.tries if retry is not None else 0,
+            detail=(f"retry {retry.tries + 1} of a failed {step.action} (journal #{retry.id}: "
+                    f"{retry.detail[:200]})" if retry is not None else ""))
         self._crash_hook(step.action)
         row = self.store.journal_update(row.id, "started", row.detail, now, count_try=True)
         outcome, detail = self._perform(row)
         if evidence_note and outcome == "done":
             detail = f"{detail}; {evidence_note}"
+        if retry is not None:
+            detail = f"retry {row.tries} of {step.action} (after journal #{retry.id}): {detail}"
         try:
             self._finish(row, outcome, detail, out, trigger)
         except StateUnavailable as err:
@@ -387,9 +396,22 @@ class Remediator:
                     "the next run restarts this job if it still hangs")
         return None
 
+    def action_key(self, row: JournalRow) -> str:
+        """The idempotency key every adapter call of this step carries: SHA-256 over the
+        journal key and when this fault was first journaled in the node's current episode
+        (since the last set-healthy or resume), so retries share it and a recurrence after a
+        repair does not."""
+        record = self.store.node_record(self.node)
+        episode = max(record.cleared_at or 0.0,
+                      self.store.last_done_at(self.node, ("resume",)) or 0.0)
+        first = self.store.first_seen(row.key, episode)
+        first = row.created_at if first is None else min(first, row.created_at)
+        return hashlib.sha256(f"{row.key}|{first:.6f}".encode()).hexdigest()
+
     def _perform(self, row: JournalRow) -> tuple[str, str]:
         """Call the adapter (or the GPU resetter) for one started row: (outcome, detail)."""
         try:
+            key = self.action_key(row)
             if row.action in ("drain", "resume", "replace"):
                 state = self.adapter.node_state(self.node)
                 refusal = guards.foreign_drain(state)
@@ -407,10 +429,12 @@ class Remediator:
                 return "done", self.gpu_resetter.reset(index)
             if row.action == "restart-job":
                 job = (row.target or "").removeprefix("job:")
-                return "done", self.adapter.restart_job(self.node, job, row.reason)
+                return "done", self.adapter.restart_job(self.node, job, row.reason, key=key)
             call = {"drain": self.adapter.drain, "resume": self.adapter.resume,
                     "restart": self.adapter.restart, "replace": self.adapter.replace}[row.action]
-            return "done", call(self.node, row.reason)
+            return "done", call(self.node, row.reason, key=key)
+        except StateUnavailable:
+            raise
         except (AdapterError, GpuResetError) as err:
             return "failed", str(err)
         except Exception as err:  # noqa: BLE001 - an adapter bug is a failed action, not a crash

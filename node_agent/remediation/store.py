@@ -256,17 +256,19 @@ class Store:
     def journal_plan(self, *, key: str, node: str, action: str, reason: str,
                      fault_code: str | None, target: str | None, attempt: int,
                      to_state: str | None, trigger: str, adapter: str, now: float,
-                     state: str = "planned", detail: str = "") -> JournalRow:
-        """Write a journal row *before* acting; returns it (with its id)."""
+                     state: str = "planned", detail: str = "", tries: int = 0) -> JournalRow:
+        """Write a journal row *before* acting; returns it (with its id). A retry of a failed
+        step is a new row with the same key and the tries so far (the journal shows each
+        attempt)."""
         if state not in JOURNAL_STATES:
             raise ValueError(f"journal state {state!r} is not one of {JOURNAL_STATES}")
         with self._tx() as c:
             cur = c.execute(
                 "INSERT INTO journal (key, node, action, reason, fault_code, target, attempt, "
                 "state, detail, to_state, trigger, adapter, tries, created_at, updated_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?)",
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (key, node, action, reason, fault_code, target, attempt, state, detail,
-                 to_state, trigger, adapter, now, now))
+                 to_state, trigger, adapter, tries, now, now))
             row_id = cur.lastrowid
         return self.journal_row(int(row_id))
 
@@ -303,6 +305,13 @@ class Store:
         row = self._rows(f"SELECT {_JCOLS} FROM journal WHERE key = ? "
                          "ORDER BY id DESC LIMIT 1", (key,), one=True)
         return JournalRow(*row) if row else None
+
+    def first_seen(self, key: str, since: float) -> float | None:
+        """When a row with this key was first written at or after ``since`` (the start of the
+        node's current episode): the fault's first sighting, for the adapters' idempotency."""
+        row = self._rows("SELECT MIN(created_at) FROM journal WHERE key = ? AND created_at >= ?",
+                         (key, since), one=True)
+        return row[0] if row else None
 
     def open_journal(self, node: str) -> list[JournalRow]:
         """Rows a crash left ``planned`` or ``started``, oldest first."""

@@ -55,17 +55,23 @@ class SchedulerAdapter(Protocol):
 
     def node_state(self, node: str) -> NodeState: ...
 
-    def drain(self, node: str, reason: str) -> str: ...  # returns a detail line of what was done
+    # Each action returns a detail line of what was done. ``key`` is the action's idempotency
+    # key (the same on every retry of one fault, remediation/executor.py): an adapter that
+    # talks to something that can deduplicate (a webhook receiver) passes it on.
+    def drain(self, node: str, reason: str, *, key: str | None = None) -> str: ...
 
-    def resume(self, node: str, reason: str) -> str: ...
+    def resume(self, node: str, reason: str, *, key: str | None = None) -> str: ...
 
-    def restart(self, node: str, reason: str) -> str: ...  # reboot request
+    # a reboot request
+    def restart(self, node: str, reason: str, *, key: str | None = None) -> str: ...
 
-    def replace(self, node: str, reason: str) -> str: ...  # drain + mark for replacement
+    # drain + mark for replacement
+    def replace(self, node: str, reason: str, *, key: str | None = None) -> str: ...
 
     def list_nodes(self) -> list[NodeState]: ...  # all nodes it manages (blast radius)
 
-    def restart_job(self, node: str, job: str, reason: str) -> str:
+    def restart_job(self, node: str, job: str, reason: str, *,
+                    key: str | None = None) -> str:
         """Restart the training job ``job`` (``slurm:<id>``, ``pod:<ns>/<name>``...) that hung
         on ``node``, through the scheduler; the node itself is not touched. Returns a detail
         line; raises AdapterError for a job this adapter cannot restart or that does not run

@@ -218,17 +218,17 @@ class KubernetesAdapter:
         data = self._call("LIST nodes", self.api.list_node)
         return [self._state(item) for item in data.get("items") or []]
 
-    def drain(self, node: str, reason: str) -> str:
+    def drain(self, node: str, reason: str, *, key: str | None = None) -> str:
         node, reason = check_node_name(node), sanitise_reason(reason)
         return self._cordon_and_taint(node, reason, {}, "NodeAgentDrained")[0]
 
-    def replace(self, node: str, reason: str) -> str:
+    def replace(self, node: str, reason: str, *, key: str | None = None) -> str:
         node, text = check_node_name(node), sanitise_reason(reason)
         if not text.startswith("node-agent: replace:"):
             text = sanitise_reason("node-agent: replace: " + text[len("node-agent:"):].strip())
         return self._cordon_and_taint(node, text, {}, "NodeAgentReplace")[0]
 
-    def restart(self, node: str, reason: str) -> str:
+    def restart(self, node: str, reason: str, *, key: str | None = None) -> str:
         node, reason = check_node_name(node), sanitise_reason(reason)
         detail, before = self._cordon_and_taint(node, reason, {ANN_REBOOT: self._clock()},
                                                 "NodeAgentRebootRequested")
@@ -238,7 +238,7 @@ class KubernetesAdapter:
         return (f"{REBOOT_REQUESTED} Kubernetes has no reboot API; {node} is cordoned and "
                 f"annotated {ANN_REBOOT} for a reboot operator ({reason})")
 
-    def resume(self, node: str, reason: str) -> str:
+    def resume(self, node: str, reason: str, *, key: str | None = None) -> str:
         node, reason = check_node_name(node), sanitise_reason(reason)
         obj = self._get(node)
         state = self._state(obj)
@@ -263,7 +263,8 @@ class KubernetesAdapter:
         kept = "" if agent_cordoned else " (left cordoned: the agent did not cordon it)"
         return f"kubernetes: removed {self.taint_key} taint from {node}{kept}; {reason}"
 
-    def restart_job(self, node: str, job: str, reason: str) -> str:
+    def restart_job(self, node: str, job: str, reason: str, *,
+                    key: str | None = None) -> str:
         """Delete the hung pod ``job`` (``pod:[<ns>/]<name>``) on ``node``; its controller
         recreates it. Raises AdapterError for another kind of job, a pod on another node, a
         pod without a controller, or an API error."""

@@ -49,11 +49,12 @@ class LogAdapter:
     def from_config(cls, config: Config) -> LogAdapter:
         return cls(config.state_dir / "actions.log", node=config.get("node.name"))
 
-    def _record(self, action: str, node: str, reason: str, job: str | None = None) -> str:
+    def _record(self, action: str, node: str, reason: str, job: str | None = None,
+                key: str | None = None) -> str:
         node = check_node_name(node)
         reason = sanitise_reason(reason)
         entry = {"at": self._clock(), "adapter": self.name, "action": action, "node": node,
-                 "reason": reason}
+                 "reason": reason, **({"key": key} if key else {})}
         if job is not None:
             check_job_id(job)
             entry["job"] = job
@@ -78,20 +79,21 @@ class LogAdapter:
         return NodeState(name=check_node_name(node), state="in-service", drained=False,
                          reason=None)
 
-    def drain(self, node: str, reason: str) -> str:
-        return self._record("drain", node, reason)
+    def drain(self, node: str, reason: str, *, key: str | None = None) -> str:
+        return self._record("drain", node, reason, key=key)
 
-    def resume(self, node: str, reason: str) -> str:
-        return self._record("resume", node, reason)
+    def resume(self, node: str, reason: str, *, key: str | None = None) -> str:
+        return self._record("resume", node, reason, key=key)
 
-    def restart(self, node: str, reason: str) -> str:
-        return self._record("restart", node, reason)
+    def restart(self, node: str, reason: str, *, key: str | None = None) -> str:
+        return self._record("restart", node, reason, key=key)
 
-    def replace(self, node: str, reason: str) -> str:
-        return self._record("replace", node, reason)
+    def replace(self, node: str, reason: str, *, key: str | None = None) -> str:
+        return self._record("replace", node, reason, key=key)
 
-    def restart_job(self, node: str, job: str, reason: str) -> str:
-        return self._record("restart-job", node, reason, job=job)
+    def restart_job(self, node: str, job: str, reason: str, *,
+                    key: str | None = None) -> str:
+        return self._record("restart-job", node, reason, job=job, key=key)
 
     def list_nodes(self) -> list[NodeState]:
         """Only this node (when known): the log adapter manages nothing else."""

@@ -158,7 +158,7 @@ class SlurmAdapter:
     def list_nodes(self) -> list[NodeState]:
         return parse_show_node(self._checked("show", "node", "-o"))
 
-    def drain(self, node: str, reason: str) -> str:
+    def drain(self, node: str, reason: str, *, key: str | None = None) -> str:
         """Drain ``node``; a node someone else drained keeps their reason (left as is)."""
         node, reason = check_node_name(node), sanitise_reason(reason)
         current = self.node_state(node)
@@ -167,7 +167,7 @@ class SlurmAdapter:
         self._checked("update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}")
         return f"slurm: drained {node} (Reason={reason})"
 
-    def resume(self, node: str, reason: str) -> str:
+    def resume(self, node: str, reason: str, *, key: str | None = None) -> str:
         """Resume ``node`` only if the agent drained it; refuse (AdapterError) otherwise."""
         node, reason = check_node_name(node), sanitise_reason(reason)
         current = self.node_state(node)
@@ -184,7 +184,7 @@ class SlurmAdapter:
             raise AdapterError(_failure(result))
         return f"slurm: resumed {node} (was {current.state}: {current.reason}; {reason})"
 
-    def restart(self, node: str, reason: str) -> str:
+    def restart(self, node: str, reason: str, *, key: str | None = None) -> str:
         """Ask Slurm to reboot ``node`` once idle; refused for a node someone else drained."""
         node, reason = check_node_name(node), sanitise_reason(reason)
         before = self.node_state(node)
@@ -206,7 +206,7 @@ class SlurmAdapter:
                     "re-test. Set RebootProgram in slurm.conf to let the agent reboot nodes.")
         raise AdapterError(_failure(result))
 
-    def replace(self, node: str, reason: str) -> str:
+    def replace(self, node: str, reason: str, *, key: str | None = None) -> str:
         node = check_node_name(node)
         text = sanitise_reason(reason)
         if not text.startswith(REPLACE_PREFIX):
@@ -219,7 +219,8 @@ class SlurmAdapter:
         return f"slurm: {node} set to FAIL for hardware replacement (Reason={text})"
 
 
-    def restart_job(self, node: str, job: str, reason: str) -> str:
+    def restart_job(self, node: str, job: str, reason: str, *,
+                    key: str | None = None) -> str:
         """Requeue the Slurm job ``job`` (``slurm:<id>``) if it is RUNNING on ``node``.
 
         Raises AdapterError for another kind of job, a job Slurm does not know, a job id

@@ -103,14 +103,15 @@ class WebhookAdapter:
         return cls(url, secret, timeout_s=config.get("adapter.webhook.timeout_s"),
                    retries=config.get("adapter.webhook.retries"))
 
-    def _post(self, action: str, node: str, reason: str, job: str | None = None) -> str:
+    def _post(self, action: str, node: str, reason: str, job: str | None = None,
+              key: str | None = None) -> str:
         import requests
 
         node, reason = check_node_name(node), sanitise_reason(reason)
         if job is not None:
             check_job_id(job)
         payload = {"schema": BODY_SCHEMA, "action": action, "node": node, "reason": reason,
-                   "idempotency_key": idempotency_key(node, action, reason, job),
+                   "idempotency_key": key or idempotency_key(node, action, reason, job),
                    "at": self._clock(), **({"job": job} if job is not None else {})}
         what = f"{action} {job} on {node}" if job is not None else f"{action} {node}"
         body = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
@@ -142,17 +143,18 @@ class WebhookAdapter:
     def list_nodes(self) -> list[NodeState]:
         return []
 
-    def drain(self, node: str, reason: str) -> str:
-        return self._post("drain", node, reason)
+    def drain(self, node: str, reason: str, *, key: str | None = None) -> str:
+        return self._post("drain", node, reason, key=key)
 
-    def resume(self, node: str, reason: str) -> str:
-        return self._post("resume", node, reason)
+    def resume(self, node: str, reason: str, *, key: str | None = None) -> str:
+        return self._post("resume", node, reason, key=key)
 
-    def restart(self, node: str, reason: str) -> str:
-        return self._post("restart", node, reason)
+    def restart(self, node: str, reason: str, *, key: str | None = None) -> str:
+        return self._post("restart", node, reason, key=key)
 
-    def replace(self, node: str, reason: str) -> str:
-        return self._post("replace", node, reason)
+    def replace(self, node: str, reason: str, *, key: str | None = None) -> str:
+        return self._post("replace", node, reason, key=key)
 
-    def restart_job(self, node: str, job: str, reason: str) -> str:
-        return self._post("restart-job", node, reason, job=job)
+    def restart_job(self, node: str, job: str, reason: str, *,
+                    key: str | None = None) -> str:
+        return self._post("restart-job", node, reason, job=job, key=key)

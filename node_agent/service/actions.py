@@ -8,6 +8,13 @@ All the guards of ``remediation.executor.Remediator`` apply; the daemon adds non
 hung training job (``training-hang``, from the periodic ``training_progress`` check) is a
 ``restart-job`` through the adapter like any other step; evidence before it includes the stacks
 of the GPU processes, as under ``check --act``.
+
+A failed action (a webhook or slurmctld outage) is retried while the grade that asked for it
+stands: after ``daemon.retry_initial_s`` (30 s), doubling up to ``daemon.retry_max_s`` (600 s),
+for as long as no newer grade arrives. Each retry is the same step under the same idempotency
+key, a new journal row per attempt (``remediation/executor.py``), with the guards asked again.
+An action refused because the agent's own state was unavailable is retried the same way (the
+disk may have been freed). A newer grade ends the retries of the old one.
 """
 
 from __future__ import annotations
@@ -58,25 +65,45 @@ class DaemonRemediation:
         from node_agent.remediation.store import open_store
 
         store = open_store(self._config.state_dir)
+        item, failures, retry_at = None, 0, None
         try:
             self._act(store, None)  # crash recovery first
             while True:
-                item = self._queue.get()
-                while not self._queue.empty():  # act on the newest grade only
-                    newer = self._queue.get()
-                    item = newer if item is not _STOP else item
-                if item is _STOP:
+                timeout = None if retry_at is None else max(0.0, retry_at - time.monotonic())
+                try:
+                    new = self._queue.get(timeout=timeout)
+                except queue.Empty:
+                    new = None  # the retry of the standing grade is due
+                while new is not None and new is not _STOP and not self._queue.empty():
+                    new = self._queue.get()  # act on the newest grade only
+                if new is _STOP:
                     return
+                if new is not None:
+                    item, failures = new, 0
                 if store.unavailable is not None:
                     # a full disk may have been freed, a lock released: look again (a store
                     # that is still unavailable refuses the actions, recorded as refused)
                     store.close()
                     store = open_store(self._config.state_dir)
-                self._act(store, item)
+                outcome = self._act(store, item, retry=new is None)
+                if outcome is None or _wants_retry(outcome):
+                    failures += 1
+                    delay = self.retry_delay_s(failures)
+                    retry_at = time.monotonic() + delay
+                    log.warning("remediation: an action did not go through; retrying in %.0f s "
+                                "while the grade stands (attempt %d)", delay, failures + 1)
+                else:
+                    retry_at = None
         finally:
             store.close()
 
-    def _act(self, store, item) -> None:
+    def retry_delay_s(self, failures: int) -> float:
+        """Seconds before the next try after ``failures`` failed ones: initial, doubling, capped."""
+        initial = float(self._config.get("daemon.retry_initial_s"))
+        cap = float(self._config.get("daemon.retry_max_s"))
+        return min(cap, initial * 2 ** min(failures - 1, 30))
+
+    def _act(self, store, item, retry: bool = False):
         from node_agent.remediation import evidence
         from node_agent.remediation.executor import Remediator
         from node_agent.remediation.host import boot_time, gpu_resetter, state_dir_of
@@ -107,11 +134,11 @@ class DaemonRemediation:
                                 finished_at=utc_now(), results=results, grade=grade,
                                 simulated=env.simulated, agent_version=__version__,
                                 sku=env.sku.id if env.sku else None)
-                outcome = remediator.remediate(report)
+                outcome = remediator.remediate(report, record_run=not retry)
         except Exception:  # noqa: BLE001 - the daemon outlives a remediation bug; logged loudly
             log.exception("remediation failed; the action stays in the journal for retry")
             self._record("remediate", "failed")
-            return
+            return None
         for rec in outcome.records:
             self._record(rec.action, rec.outcome)
             log.warning("action %s via %s: %s (%s)", rec.action, rec.adapter, rec.outcome,
@@ -119,3 +146,11 @@ class DaemonRemediation:
         for note in outcome.notes:
             if note:
                 log.info("remediation: %s", note)
+        return outcome
+
+
+def _wants_retry(outcome) -> bool:
+    """A step failed, or was refused only because the agent's own state was unavailable."""
+    return any(r.outcome == "failed" or (r.outcome == "refused"
+                                         and r.detail.startswith("state unavailable"))
+               for r in outcome.records)

@@ -429,3 +429,93 @@ def test_a_read_only_disk_still_shows_status_and_refuses_every_action(shared_dir
     optout = run_agent("optout", "off", "--config", cfg, "--simulate", xid79)
     assert optout.returncode == 1 and len(optout.stderr.strip().splitlines()) >= 1
     assert "optout off not done: state unavailable" in optout.stderr
+
+
+# -- attack 6: a failed action is never retried while the grade stays ---------------------------
+
+
+class Receiver:
+    """A webhook receiver on loopback that answers 503 (an outage) until ``up`` is set; it
+    records every POST's idempotency key."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.up = threading.Event()
+        self.posts: list[dict] = []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server's name
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.posts.append({**body, "answered": 200 if outer.up.is_set() else 503})
+                self.send_response(200 if outer.up.is_set() else 503)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _journal(cfg: str, scen: str) -> list[dict]:
+    done = run_agent("status", "--json", "--limit", "50", "--config", cfg, "--simulate", scen)
+    return json.loads(done.stdout)["journal"] if done.returncode == 0 else []
+
+
+def _until(what, check, timeout_s: float = 120.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.5)
+    pytest.fail(f"{what} did not happen within {timeout_s:g} s")
+
+
+def test_the_daemon_retries_a_failed_action_while_the_fault_stands_under_one_key(shared_dir):
+    receiver = Receiver()
+    secret = shared_dir / "secret"
+    secret.write_text("s3cret\n")
+    cfg = config(shared_dir, adapter={"name": "webhook", "webhook": {
+        "url": receiver.url, "secret_file": str(secret), "timeout_s": 2, "retries": 0}},
+        safety={"max_drained_fraction": 1.0},
+        daemon={"listen": "127.0.0.1:0", "retry_initial_s": 0.5, "retry_max_s": 2})
+    xid79 = node(shared_dir, "xid79.yaml", faults=[{"kind": "xid", "gpu": 5, "code": 79}])
+    checks = suite(shared_dir, {"check": "nvml_health", "timeout_s": 30, "every_s": 600},
+                   name="periodic-small")
+    log = open(shared_dir / "daemon.log", "w")
+    daemon = subprocess.Popen([sys.executable, "-m", "node_agent.commands.main", "daemon",
+                               "--config", cfg, "--simulate", xid79, "--suite", checks],
+                              stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        failed = _until("three failed drains", lambda: [
+            r for r in _journal(cfg, xid79) if r["action"] == "drain"
+            and r["state"] == "failed"][2:])
+        assert all("HTTP 503" in r["detail"] for r in failed)
+        receiver.up.set()  # the outage ends; nothing else changes
+        rows = _until("the drain and the replace", lambda: [
+            r for r in _journal(cfg, xid79) if r["state"] == "done"][1:] and _journal(cfg, xid79))
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=60)
+        log.close()
+        receiver.close()
+    drains = [r for r in rows if r["action"] == "drain"]
+    assert len({r["key"] for r in drains}) == 1 and drains[-1]["state"] == "done"
+    assert [r["tries"] for r in drains] == list(range(1, len(drains) + 1))
+    assert {r["state"] for r in drains[:-1]} == {"failed"}
+    posted = [p for p in receiver.posts if p["action"] == "drain"]
+    assert len(posted) == len(drains) and len({p["idempotency_key"] for p in posted}) == 1
+    assert posted[-1]["answered"] == 200
+    assert [r["action"] for r in rows if r["state"] == "done"] == ["drain", "replace"]

@@ -33,6 +33,7 @@ class FakeAdapter:
         self.others = others or []
         self.fail = fail
         self.jobs: list[str] = []  # the job of each restart_job call
+        self.keys: list[str | None] = []  # the idempotency key of each call, failed ones too
 
     def node_state(self, node: str) -> NodeState:
         return self.state
@@ -46,19 +47,24 @@ class FakeAdapter:
                                    reason if drained else None)
         return f"fake {action} {node}"
 
-    def drain(self, node, reason):
+    def drain(self, node, reason, *, key=None):
+        self.keys.append(key)
         return self._do("drain", node, reason, True)
 
-    def resume(self, node, reason):
+    def resume(self, node, reason, *, key=None):
+        self.keys.append(key)
         return self._do("resume", node, reason, False)
 
-    def restart(self, node, reason):
+    def restart(self, node, reason, *, key=None):
+        self.keys.append(key)
         return self._do("restart", node, reason, None)
 
-    def replace(self, node, reason):
+    def replace(self, node, reason, *, key=None):
+        self.keys.append(key)
         return self._do("replace", node, reason, True)
 
-    def restart_job(self, node, job, reason):
+    def restart_job(self, node, job, reason, *, key=None):
+        self.keys.append(key)
         if self.fail is not None:
             raise self.fail
         self.calls.append(("restart-job", node, reason))
@@ -449,8 +455,12 @@ def test_adapter_error_is_a_failed_action_kept_for_retry(store):
     clock.t += 120
     make(store, adapter, clock).remediate(FakeReport(FAULT79))
     assert adapter.actions() == ["drain", "replace"]
+    # the journal shows each attempt: the failed one and its retry, under one key
     drains = [r for r in store.journal_tail(NODE) if r.action == "drain"]
-    assert len(drains) == 1 and drains[0].state == "done" and drains[0].tries == 2
+    assert [(r.state, r.tries) for r in drains] == [("failed", 1), ("done", 2)]
+    assert drains[0].key == drains[1].key and "retry 2 of drain" in drains[1].detail
+    # and the adapter saw the same idempotency key both times
+    assert adapter.keys[0] == adapter.keys[1] and len(adapter.keys[0]) == 64
 
 
 def test_adapter_bug_is_a_failed_action_not_a_crash(store):
@@ -708,8 +718,9 @@ def test_failed_job_restart_is_kept_and_retried(store):
     adapter.fail = None
     clock.t += 120
     make(store, adapter, clock).remediate(FakeReport(hang("job:slurm:1/rank:0")))
-    (row,) = store.journal_tail(NODE)
-    assert adapter.jobs == ["slurm:1"] and (row.state, row.tries) == ("done", 2)
+    rows = store.journal_tail(NODE)
+    assert adapter.jobs == ["slurm:1"]
+    assert [(r.state, r.tries) for r in rows] == [("failed", 1), ("done", 2)]
 
 
 def test_recovery_sends_an_interrupted_job_restart_again(store):
@@ -837,3 +848,16 @@ def test_opt_out_that_cannot_be_read_is_never_taken_for_no_opt_out(store, monkey
     out = make(store, adapter).remediate(FakeReport(FAULT79))
     assert {r.outcome for r in out.records} == {"refused"} and adapter.calls == []
     assert "disk I/O error" in out.records[0].detail
+
+
+def test_the_same_fault_after_a_repair_gets_a_new_idempotency_key(store):
+    adapter, clock = FakeAdapter(), Clock()
+    make(store, adapter, clock).remediate(FakeReport(FAULT79))
+    first = adapter.keys[0]
+    clock.t += 7 * 86400  # a week later, after the repair
+    store.clear_node(NODE, clock.t, "GPU replaced")
+    adapter.state = NodeState(NODE, "IDLE", False, None)
+    clock.t += 60
+    make(store, adapter, clock).remediate(FakeReport(FAULT79))
+    assert adapter.actions() == ["drain", "replace", "drain", "replace"]
+    assert adapter.keys[2] != first and adapter.keys[0] != adapter.keys[1]
