@@ -72,9 +72,13 @@ def test_bandwidth_figures_come_from_the_agents_own_checks(tmp_path):
         assert "p90 of" in figures[name]["detail"]
     skipped = {"results": [{"check": "hbm_bandwidth", "metric": "copy_gbps", "target": "gpu:0",
                             "status": "skip", "value": None, "detail": "torch cannot use CUDA"}]}
+    skipped["results"].append({"check": "pcie_bandwidth", "metric": "ran", "target": "node",
+                               "status": "skip", "value": None, "detail": "no NVIDIA driver"})
     figures = gv.bandwidth_figures(skipped, "cmd")
     assert figures["hbm_gbps"]["reason"] == "hbm_bandwidth skip: torch cannot use CUDA"
-    assert figures["pcie_d2h_gbps"]["reason"] == ("the report has no pcie_bandwidth d2h_gbps "
+    assert figures["pcie_d2h_gbps"]["reason"] == "pcie_bandwidth skip: no NVIDIA driver"
+    figures = gv.bandwidth_figures({"results": []}, "cmd")
+    assert figures["pcie_h2d_gbps"]["reason"] == ("the report has no pcie_bandwidth h2d_gbps "
                                                   "result for gpu:0")
 
 
