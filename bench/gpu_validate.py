@@ -962,7 +962,8 @@ def daemon_figures(box_s: float, window_s: float = DAEMON_WINDOW_S,
     note = (f"over {elapsed:.0f} s after a {started_s:.1f} s start"
             + (f" (shortened from {window_s:g} s to fit the box)" if window < window_s else "")
             + f"; {len(rss)} samples; /metrics had {gpu_lines} node_agent_gpu_ lines"
-            + (", SIMULATED" if sim else ", real NVML")
+            + (", SIMULATED" if sim else ", real NVML" if gpu_lines
+               else ", not simulated but no GPU on /metrics (no driver?)")
             + ("" if alive else "; the daemon had exited by the end"))
     return {
         "daemon_rss_mb": figure("daemon_rss_mb", max(rss), None, command,
