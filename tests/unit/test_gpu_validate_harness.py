@@ -44,11 +44,12 @@ def test_a_hung_step_is_killed_with_its_children_and_its_figures_say_it_timed_ou
         print("started the GPU work", flush=True)
         time.sleep(120)
     """)
-    figures, outcome = gv.run_step_child(_step(), 3.0, tmp_path, [sys.executable, "-c", code])
+    # 10 s: time enough for the child to start its own child and say so on a loaded machine
+    figures, outcome = gv.run_step_child(_step(), 10.0, tmp_path, [sys.executable, "-c", code])
     assert outcome.outcome == "timeout"
     for name in ("hbm_gbps", "pcie_h2d_gbps"):
         assert figures[name]["value"] is None
-        assert figures[name]["reason"].startswith("timed out after 3 s (the step's time box)")
+        assert figures[name]["reason"].startswith("timed out after 10 s (the step's time box)")
         assert "started the GPU work" in figures[name]["reason"]
         assert figures[name]["command"] == "the step's command"
     assert _gone(int(pid_file.read_text())), "the step's own child outlived its time box"
