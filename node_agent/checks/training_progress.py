@@ -259,8 +259,9 @@ def _targets(jobs: dict[str | None, list[TrainingProcess]]) -> dict[int, str]:
         for pr in members:
             who = (f"rank:{pr.rank}" if pr.rank is not None and ranks.count(pr.rank) == 1
                    else f"pid:{pr.pid}")
-            # a job the agent cannot vouch for is named so that no adapter restarts it
-            name = job if pr.job_verified else f"unverified:{job or 'unknown'}"
+            # a job the kernel does not vouch for is named so that no adapter restarts it; a
+            # pod's carries its UID from the cgroup, which the Kubernetes adapter checks
+            name = pr.restart_job_id if pr.job_verified else f"unverified:{job or 'unknown'}"
             out[pr.pid] = f"job:{_clean(name)}/{who}"
     return out
 

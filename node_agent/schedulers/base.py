@@ -26,7 +26,8 @@ _NODE_MAX_LEN = 63
 JOB_KINDS = ("slurm", "torchelastic", "pod", "ppid")
 #: prefix training_progress gives a job it cannot vouch for (TrainingProcess.job_verified)
 UNVERIFIED = "unverified:"
-MAX_JOB_LEN = 256  # a pod:<namespace>/<name> is at most 63 + 1 + 253 after the prefix
+# pod:<namespace>/<name>@<uid> is at most 63 + 1 + 253 + 1 + 36 after its prefix
+MAX_JOB_LEN = 360
 # A job id any adapter may see: a known kind, then letters, digits and ._:/@+- only (no
 # spaces, quotes, shell or scontrol metacharacters, no "="), starting with a letter or digit.
 _JOB_RE = re.compile(r"^(?P<kind>[a-z]+):(?P<id>[A-Za-z0-9][A-Za-z0-9._:/@+-]*)$")

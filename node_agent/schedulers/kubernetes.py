@@ -26,14 +26,18 @@ restart_job(node, job, reason) restarts a hung training pod by deleting it, so t
 (Job, JobSet, PyTorchJob, StatefulSet...) creates it again::
 
     GET    /api/v1/namespaces/NS/pods/NAME
-    DELETE /api/v1/namespaces/NS/pods/NAME   {preconditions: {uid: <the uid just read>}}
+    DELETE /api/v1/namespaces/NS/pods/NAME   {preconditions: {uid: <UID>}}
 
-only for ``pod:<namespace>/<name>`` or ``pod:<name>`` (namespace ``adapter.kubernetes.pod_namespace``),
-names that are DNS-1123 (a label for the namespace, a subdomain for the name), and only when the
-pod's ``spec.nodeName`` is this node and it has a controller (a bare pod would be gone for good,
-not restarted). The uid precondition makes the API refuse (409) if the pod was replaced
-meanwhile by one of the same name. A pod already being deleted, or not Running, is left alone
-(detail ``job-not-running:``).
+only for ``pod:<namespace>/<name>@<UID>`` or ``pod:<name>@<UID>`` (namespace
+``adapter.kubernetes.pod_namespace``), names that are DNS-1123 (a label for the namespace, a
+subdomain for the name). The name comes from the hung process's environment, which its user
+sets; the UID comes from the kernel (the kubepods cgroup holding the process,
+``training.processes.read_pod_uid``). The pod is deleted only when the API's pod of that name
+has that UID (else the environment named someone else's pod, and nothing is deleted), its
+``spec.nodeName`` is this node and it has a controller (a bare pod would be gone for good, not
+restarted). The UID precondition makes the API refuse (409) if the pod was replaced meanwhile
+by one of the same name. A pod already being deleted, or not Running, is left alone (detail
+``job-not-running:``).
 
 RBAC: get/list/patch on nodes, patch on nodes/status, get/delete on pods
 (packaging/kubernetes/rbac.yaml).
@@ -72,9 +76,12 @@ _GRADE_RE = re.compile(r"\b(HEALTHY|WARN|ERROR|FAULT)\b")
 # "Object Names and IDs".
 _DNS_LABEL = r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?"
 _DNS_SUBDOMAIN = rf"{_DNS_LABEL}(?:\.{_DNS_LABEL})*"
-#: the jobs restart_job accepts
-POD_JOB = JobKind("pod", re.compile(rf"(?:{_DNS_LABEL}/)?{_DNS_SUBDOMAIN}"),
-                  "pod:<name> or pod:<namespace>/<name>, lower-case DNS-1123 names")
+# a pod UID as the API server writes it (RFC 4122, lower-case)
+_POD_UID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+#: the jobs restart_job accepts: the pod's name and, after '@', its UID from the kernel
+POD_JOB = JobKind("pod", re.compile(rf"(?:{_DNS_LABEL}/)?{_DNS_SUBDOMAIN}@{_POD_UID}"),
+                  "pod:<name>@<uid> or pod:<namespace>/<name>@<uid>, lower-case DNS-1123 "
+                  "names and the pod UID from the process's kubepods cgroup")
 
 
 def _now_iso() -> str:
@@ -273,6 +280,7 @@ class KubernetesAdapter:
         node, reason = check_node_name(node), sanitise_reason(reason)
         _, ident = check_job_id(job, accepts=(POD_JOB,), adapter="Kubernetes", node=node,
                                 what="pods")
+        ident, _, kernel_uid = ident.partition("@")
         namespace, _, name = ident.rpartition("/")
         namespace = namespace or self.pod_namespace
         if len(name) > 253:
@@ -284,6 +292,11 @@ class KubernetesAdapter:
                                      "process; check adapter.kubernetes.pod_namespace for "
                                      "pod:<name> ids"})
         meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+        if meta.get("uid") != kernel_uid:
+            raise AdapterError(f"refusing to delete {where}: its uid is {meta.get('uid')!r}, but "
+                               f"the hung process runs in pod uid {kernel_uid} (its kubepods "
+                               "cgroup); the name came from the process's environment, which "
+                               "named another pod: nothing deleted, check the evidence")
         on = spec.get("nodeName")
         if on != node:
             raise AdapterError(f"the Kubernetes adapter restarts only pods running on {node}; "
@@ -300,7 +313,7 @@ class KubernetesAdapter:
             raise AdapterError(f"refusing to delete {where}: it has no controller "
                                "(metadata.ownerReferences), so deleting it would end the job "
                                "for good instead of restarting it; restart it by hand")
-        uid = meta.get("uid")
+        uid = kernel_uid
         body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid))
         self._call(f"DELETE {where}", self.api.delete_namespaced_pod, name, namespace,
                    body=body, hints={404: "; the pod is already gone (restarted or ended)",

@@ -12,9 +12,17 @@ A process's rank and job come from its environment (``/proc/<pid>/environ``), pa
 the heartbeat writer parses its own (``heartbeat.identity_from_env``). Reading another user's
 environ needs root or ``CAP_SYS_PTRACE``; without it a trusted heartbeat's claims stand in.
 
+The environment is the user's to set, so a job may be *acted on* (``job_verified``) only when
+the kernel agrees: a Slurm job id must be the one slurmd's cgroup holds the process in, and a
+Kubernetes pod must be the pod whose UID the kubepods cgroup names (``read_pod_uid``; the
+adapter compares that UID with the pod it is about to delete). A torchelastic run id, a
+launcher's pid or a heartbeat's label has no such witness and is never acted on
+(docs/security.md).
+
 Heartbeat spools are writable by every training user, so a heartbeat file speaks only for a
-process of the file's owner (or when root wrote it). Nothing here raises for a process that
-exits mid-way (it is dropped) or for a failing NVML query (a problem per GPU).
+process whose uid owns the file: root's file for root's processes, nobody for anyone else.
+Nothing here raises for a process that exits mid-way (it is dropped) or for a failing NVML
+query (a problem per GPU).
 
 Example::
 
@@ -77,16 +85,30 @@ class TrainingProcess:
     children: list[int]            # direct children (dataloader workers, ...)
     sources: tuple[str, ...]       # subset of ("heartbeat", "nvml", "pid"): how it was found
     slurm_cgroup_job: str | None = None  # the Slurm job id in /proc/<pid>/cgroup (slurmd's)
+    pod_uid: str | None = None  # the pod UID in /proc/<pid>/cgroup (the kubelet's kubepods)
 
     @property
     def job_verified(self) -> bool:
         """The job may be acted on: it comes from the process's own environment (not from a
-        heartbeat's claim or a label), and a Slurm job id is the one slurmd's cgroup holds the
-        process in (an environment variable is the user's to set; the cgroup is not)."""
-        if self.identity_source != "environ" or self.job_source not in ("slurm", "pod",
-                                                                          "torchelastic"):
+        heartbeat's claim or a label) and the kernel vouches for it: a Slurm job id is the one
+        slurmd's cgroup holds the process in; a pod is one the kubepods cgroup names by UID
+        (an environment variable is the user's to set; the cgroup is not)."""
+        if self.identity_source != "environ":
             return False
-        return self.job_source != "slurm" or self.slurm_cgroup_job == self.slurm_job_id
+        if self.job_source == "slurm":
+            return self.slurm_cgroup_job is not None and self.slurm_cgroup_job == self.slurm_job_id
+        if self.job_source == "pod":
+            return self.pod_uid is not None
+        return False  # torchelastic, ppid, argument: nothing but the user's word
+
+    @property
+    def restart_job_id(self) -> str | None:
+        """The job id an adapter may restart: a pod's carries the UID from the kernel
+        (``pod:<ns>/<name>@<uid>``), which the Kubernetes adapter checks against the pod it
+        deletes; None when the job is not verified."""
+        if not self.job_verified or self.job is None:
+            return None
+        return f"{self.job}@{self.pod_uid}" if self.job_source == "pod" else self.job
 
     def to_evidence(self) -> dict[str, Any]:
         """JSON-friendly fields for a result's evidence: the heartbeat record is left out (its
@@ -100,7 +122,8 @@ class TrainingProcess:
             "gpus": list(self.gpus), "heartbeat_path": self.heartbeat_path,
             "log_file": self.log_file, "parents": list(self.parents),
             "children": list(self.children), "sources": list(self.sources),
-            "slurm_cgroup_job": self.slurm_cgroup_job, "job_verified": self.job_verified,
+            "slurm_cgroup_job": self.slurm_cgroup_job, "pod_uid": self.pod_uid,
+            "job_verified": self.job_verified,
         }
 
 
@@ -172,6 +195,48 @@ def read_slurm_cgroup_job(pid: int, proc_root: Path = Path("/proc")) -> str | No
         if match:
             return match.group(1)
     return None
+
+
+_UUID = r"[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}"
+# the pod's own cgroup, as the kubelet names it: ``pod<uid>`` (cgroupfs driver) or
+# ``kubepods[-<qos>]-pod<uid_with_underscores>.slice`` (systemd driver)
+_POD_DIR = re.compile(rf"^(?:kubepods-(?:besteffort-|burstable-)?)?pod({_UUID})(?:\.slice)?$")
+# what may stand above it: the kubepods root and a QoS class, in either driver's naming
+_KUBEPODS_ROOT = ("kubepods", "kubepods.slice")
+_QOS_DIRS = ("besteffort", "burstable", "kubepods-besteffort.slice", "kubepods-burstable.slice")
+
+
+def _pod_uid_of_path(path: str) -> str | None:
+    parts = [p for p in path.split("/") if p]
+    relative = False
+    while parts and parts[0] == "..":  # the agent in a cgroup namespace sees others relative
+        parts.pop(0)
+        relative = True
+    if parts and parts[0] in _KUBEPODS_ROOT:
+        parts.pop(0)
+    elif not relative:
+        return None  # an absolute path that is not under kubepods: not a pod's process
+    if parts and parts[0] in _QOS_DIRS:
+        parts.pop(0)
+    match = _POD_DIR.match(parts[0]) if parts else None
+    return match.group(1).replace("_", "-") if match else None
+
+
+def read_pod_uid(pid: int, proc_root: Path = Path("/proc")) -> str | None:
+    """The UID of the Kubernetes pod holding ``pid``, from ``<proc_root>/<pid>/cgroup`` (the
+    kubepods cgroup the kubelet made for the pod, cgroup v1 or v2, cgroupfs or systemd
+    driver), or None outside a pod.
+
+    Only a path that *starts* in kubepods counts (a user with a delegated cgroup subtree can
+    name a sub-cgroup ``kubepods-pod<uid>.slice`` under it, but not above it), and every
+    hierarchy that names a pod must name the same one."""
+    try:
+        text = (proc_root / str(pid) / "cgroup").read_text(errors="replace")
+    except OSError:
+        return None
+    uids = {uid for line in text.splitlines()
+            if (uid := _pod_uid_of_path(line.split(":", 2)[-1])) is not None}
+    return uids.pop() if len(uids) == 1 else None
 
 
 def read_cmdline(pid: int, proc_root: Path = Path("/proc")) -> list[str]:
@@ -328,8 +393,9 @@ def _inspect(pid: int, sources: tuple[str, ...], beat: tuple[Path, dict[str, Any
     except OSError as err:
         env, env_error = None, f"{type(err).__name__}: {err.strerror or err}"
     path, record = beat if beat is not None else (None, None)
+    pod_uid = read_pod_uid(pid, proc_root)
     if env is not None:
-        identity, source = _identity_from_environ(env, ppid, record), "environ"
+        identity, source = _identity_from_environ(env, ppid, record, pod_uid), "environ"
     elif record is not None:
         identity, source = {k: record.get(k) for k in _IDENTITY_KEYS}, "heartbeat"
         identity["pod_namespace"] = record.get("pod_namespace")
@@ -349,17 +415,24 @@ def _inspect(pid: int, sources: tuple[str, ...], beat: tuple[Path, dict[str, Any
         heartbeat_path=None if path is None else str(path),
         log_file=str(log_file) if log_file else None, parents=tree.parents(ppid),
         children=tree.children(pid), sources=sources,
-        slurm_cgroup_job=read_slurm_cgroup_job(pid, proc_root))
+        slurm_cgroup_job=read_slurm_cgroup_job(pid, proc_root), pod_uid=pod_uid)
 
 
-def _identity_from_environ(env: dict[str, str], ppid: int,
-                           record: dict[str, Any] | None) -> dict[str, Any]:
+def _identity_from_environ(env: dict[str, str], ppid: int, record: dict[str, Any] | None,
+                           pod_uid: str | None = None) -> dict[str, Any]:
     """identity_from_env's fields plus ``pod_namespace``. Where the environment is silent and
     the process's own (trusted) heartbeat says more — ranks passed as arguments, as with
-    ``mp.spawn``, or ``Heartbeat(job=...)`` — the heartbeat's value is kept."""
+    ``mp.spawn``, or ``Heartbeat(job=...)`` — the heartbeat's value is kept. In a pod the
+    kernel vouches for (``pod_uid``), the pod is the job even under torchrun: the pod is what
+    Kubernetes restarts, and a torchelastic run id has no witness."""
     identity = identity_from_env(env, ppid=ppid)
     identity["pod_namespace"] = (env.get("POD_NAMESPACE") or env.get("KUBERNETES_NAMESPACE")
                                  or None) if identity["pod"] else None
+    if pod_uid is not None and identity["pod"] and identity["job_source"] in ("torchelastic",
+                                                                             "ppid"):
+        identity["job"], identity["job_source"] = f"pod:{identity['pod']}", "pod"
+    if identity["job_source"] == "pod" and identity["pod_namespace"] and "/" not in identity["pod"]:
+        identity["job"] = f"pod:{identity['pod_namespace']}/{identity['pod']}"
     if record is not None:
         for key in ("rank", "local_rank", "world_size"):
             if identity[key] is None and isinstance(record.get(key), int):
@@ -371,7 +444,8 @@ def _identity_from_environ(env: dict[str, str], ppid: int,
 
 def _trusted_heartbeat(pid: int, uid: int | None, beats: list[SpoolFile],
                        problems: list[tuple[str, str]]) -> tuple[Path, dict[str, Any]] | None:
-    """The heartbeat that may speak for ``pid``: written by root or by the process's own uid.
+    """The heartbeat that may speak for ``pid``: one owned by the process's own uid (root's
+    file for root's processes only: a root-owned file must not vouch for another user's pid).
 
     The owner is the one ``fstat`` gave for the file as it was read (not a second look at the
     path, which its writer could have swapped meanwhile). Others are ignored with a problem;
@@ -379,7 +453,7 @@ def _trusted_heartbeat(pid: int, uid: int | None, beats: list[SpoolFile],
     trusted = []
     for beat in beats:
         path, record, owner = beat.path, beat.data, beat.uid
-        if owner == 0 or (uid is not None and owner == uid):
+        if uid is not None and owner == uid:
             trusted.append((path, record))
             continue
         runs_as = "an unknown uid" if uid is None else f"uid {uid}"

@@ -112,7 +112,7 @@ def test_gpu_process_without_heartbeats_spinning_and_still_is_hung_once_confirme
         first = agent("check", "--simulate", scenario, "--suite", suite, "--json")
         assert first.code == 0, first.stderr
         by_target = {r["target"]: r for r in first.json()["results"]}
-        r0_first = by_target["job:torchelastic:sim-job/rank:0"]
+        r0_first = by_target["job:unverified:torchelastic:sim-job/rank:0"]
         assert r0_first["metric"] == "training_progress"  # agreeing, not yet confirmed
         assert set(r0_first["evidence"]["agreeing"]) == {"gpu_activity", "stack"}
         assert r0_first["evidence"]["gpus"] == [0]
@@ -122,7 +122,7 @@ def test_gpu_process_without_heartbeats_spinning_and_still_is_hung_once_confirme
         assert second.code == 3, second.stderr
         report = second.json()
         hung = [r for r in report["results"] if r["metric"] == "training_hang"]
-        assert [r["target"] for r in hung] == ["job:torchelastic:sim-job/rank:0"]
+        assert [r["target"] for r in hung] == ["job:unverified:torchelastic:sim-job/rank:0"]
         assert hung[0]["evidence"]["signals"]["gpu_activity"]["hang"] is True
         evidence = json.loads(Path(hung[0]["evidence"]["evidence_file"]).read_text())
         assert {p["pid"] for p in evidence["processes"]} == {r0.pid, r1.pid}

@@ -60,7 +60,7 @@ def strategic_merge(target: dict, patch: dict, path: str = "") -> None:
 
 
 def make_pod(namespace: str, name: str, node: str | None, phase: str = "Running",
-             controller: str | None = "Job", uid: str = "uid-1") -> dict:
+             controller: str | None = "Job", uid: str = "6f1c2d3e-4a5b-4c6d-8e7f-000000000001") -> dict:
     owners = [{"apiVersion": "batch/v1", "kind": controller, "name": f"{name}-ctl",
                "uid": "owner-uid", "controller": True}] if controller else []
     return {"kind": "Pod", "apiVersion": "v1",
@@ -161,6 +161,7 @@ class FakeNodeApi:
 
 @pytest.fixture
 def api():
+    U9 = "6f1c2d3e-4a5b-4c6d-8e7f-000000000009"
     fake = FakeNodeApi({"gpu-01": make_node("gpu-01"), "gpu-02": make_node("gpu-02"),
                         "gpu-03": make_node("gpu-03", unschedulable=True)},
                        {("ml", "trainer-0"): make_pod("ml", "trainer-0", "gpu-01"),
@@ -168,7 +169,7 @@ def api():
                         ("default", "solo"): make_pod("default", "solo", "gpu-01",
                                                       controller=None),
                         ("default", "trainer-9"): make_pod("default", "trainer-9", "gpu-01",
-                                                           uid="uid-9"),
+                                                           uid=U9),
                         ("ml", "done-0"): make_pod("ml", "done-0", "gpu-01",
                                                    phase="Succeeded")})
     yield fake
@@ -322,45 +323,47 @@ def test_open_adapter_with_missing_kubeconfig_says_what_to_set(tmp_path, monkeyp
 
 # -- restart_job: delete the hung pod on this node, its controller recreates it ---------------
 HANG = "node-agent: ERROR training-hang job pod:ml/trainer-0 rank:0 made no step for 412 s"
+U1 = "6f1c2d3e-4a5b-4c6d-8e7f-000000000001"  # the pod UID the kernel's kubepods cgroup gives (training.processes.read_pod_uid)
 
 
 def test_restart_job_deletes_the_pod_on_this_node_with_a_uid_precondition(api):
-    detail = adapter_for(api).restart_job("gpu-01", "pod:ml/trainer-0", HANG)
+    detail = adapter_for(api).restart_job("gpu-01", f"pod:ml/trainer-0@{U1}", HANG)
     assert detail.startswith("kubernetes: deleted pod ml/trainer-0 on gpu-01"), detail
     assert "Job/trainer-0-ctl" in detail
     get, delete = api.requests
     assert (get["method"], get["path"]) == ("GET", "/api/v1/namespaces/ml/pods/trainer-0")
     assert (delete["method"], delete["path"]) == ("DELETE",
                                                   "/api/v1/namespaces/ml/pods/trainer-0")
-    assert delete["body"]["preconditions"] == {"uid": "uid-1"}
+    assert delete["body"]["preconditions"] == {"uid": U1}
     assert ("ml", "trainer-0") not in api.pods
     assert api.patches() == []  # the node is not touched
 
 
 def test_restart_job_of_a_pod_without_namespace_uses_the_configured_one(api):
-    adapter_for(api).restart_job("gpu-01", "pod:trainer-9", HANG)
+    adapter_for(api).restart_job("gpu-01", f"pod:trainer-9@{U1[:-1]}9", HANG)
     assert api.requests[-1]["path"] == "/api/v1/namespaces/default/pods/trainer-9"
     assert ("default", "trainer-9") not in api.pods
     with pytest.raises(AdapterError, match="404.*pod_namespace"):
-        adapter_for(api, pod_namespace="team-a").restart_job("gpu-01", "pod:trainer-1", HANG)
+        adapter_for(api, pod_namespace="team-a").restart_job("gpu-01", f"pod:trainer-1@{U1}",
+                                                             HANG)
 
 
 def test_restart_job_refuses_a_pod_on_another_node(api):
     with pytest.raises(AdapterError, match="restarts only pods running on gpu-01; job "
-                                           "pod:ml/trainer-1 is pod ml/trainer-1 on gpu-02"):
-        adapter_for(api).restart_job("gpu-01", "pod:ml/trainer-1", HANG)
+                                           "pod:ml/trainer-1@.* is pod ml/trainer-1 on gpu-02"):
+        adapter_for(api).restart_job("gpu-01", f"pod:ml/trainer-1@{U1}", HANG)
     assert [r["method"] for r in api.requests] == ["GET"]
     assert ("ml", "trainer-1") in api.pods
 
 
 def test_restart_job_refuses_a_bare_pod_that_nothing_would_recreate(api):
     with pytest.raises(AdapterError, match="no controller"):
-        adapter_for(api).restart_job("gpu-01", "pod:default/solo", HANG)
+        adapter_for(api).restart_job("gpu-01", f"pod:default/solo@{U1}", HANG)
     assert ("default", "solo") in api.pods
 
 
 def test_restart_job_leaves_a_pod_that_is_not_running_alone(api):
-    detail = adapter_for(api).restart_job("gpu-01", "pod:ml/done-0", HANG)
+    detail = adapter_for(api).restart_job("gpu-01", f"pod:ml/done-0@{U1}", HANG)
     assert detail.startswith(JOB_NOT_RUNNING) and "Succeeded" in detail
     assert ("ml", "done-0") in api.pods
 
@@ -372,18 +375,29 @@ def test_restart_job_of_a_pod_replaced_meanwhile_is_a_conflict_not_a_second_dele
     def replaced_after_get(what, fn, *args, **kwargs):
         out = original(what, fn, *args, **kwargs)
         if what.startswith("GET pod"):
-            api.pods[("ml", "trainer-0")]["metadata"]["uid"] = "uid-new"  # recreated
+            api.pods[("ml", "trainer-0")]["metadata"]["uid"] = U1[:-1] + "2"  # recreated
         return out
 
     adapter._call = replaced_after_get
     with pytest.raises(AdapterError, match="409.*replaced meanwhile"):
-        adapter.restart_job("gpu-01", "pod:ml/trainer-0", HANG)
+        adapter.restart_job("gpu-01", f"pod:ml/trainer-0@{U1}", HANG)
     assert ("ml", "trainer-0") in api.pods
 
 
 @pytest.mark.parametrize("job", ["slurm:1234", "pod:ML/Trainer", "pod:a/b/c", "pod:-x",
-                                 "pod:x;reboot", "pod:" + "a" * 260, "pod:../etc"])
+                                 "pod:x;reboot", "pod:" + "a" * 260, "pod:../etc",
+                                 "pod:ml/trainer-0", "pod:ml/trainer-0@uid-1"])
 def test_restart_job_refuses_other_or_invalid_job_ids_before_any_request(api, job):
     with pytest.raises(AdapterError, match="job id|restarts only pods running on gpu-01"):
         adapter_for(api).restart_job("gpu-01", job, HANG)
     assert api.requests == []
+
+
+def test_restart_job_refuses_a_pod_whose_uid_is_not_the_one_the_kernel_names(api):
+    """A training process's environment said KUBERNETES_POD_NAME=ml/trainer-0, but its kubepods
+    cgroup names another pod: the name is someone else's pod, never deleted."""
+    other = U1[:-1] + "7"
+    with pytest.raises(AdapterError, match="refusing to delete pod ml/trainer-0: its uid is"):
+        adapter_for(api).restart_job("gpu-01", f"pod:ml/trainer-0@{other}", HANG)
+    assert [r["method"] for r in api.requests] == ["GET"]
+    assert ("ml", "trainer-0") in api.pods

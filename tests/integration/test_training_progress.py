@@ -78,7 +78,7 @@ while True:
 '''
 
 
-JOB = "job:torchelastic:test-job"
+JOB = "job:unverified:torchelastic:test-job"  # a run id has no kernel witness
 
 
 SYNC_WORKER = '''

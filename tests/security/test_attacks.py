@@ -519,3 +519,62 @@ def test_the_daemon_retries_a_failed_action_while_the_fault_stands_under_one_key
     assert len(posted) == len(drains) and len({p["idempotency_key"] for p in posted}) == 1
     assert posted[-1]["answered"] == 200
     assert [r["action"] for r in rows if r["state"] == "done"] == ["drain", "replace"]
+
+
+# -- attack 7: job identity from the environment; a root-owned heartbeat for another's pid -------
+
+STALE_BEATER = r"""
+import sys, time
+from node_agent.heartbeat import Heartbeat
+hb = Heartbeat(sys.argv[1], min_interval_s=0, wall=lambda: time.time() - 3600)
+hb.beat(5)  # its last step an hour ago: a hung job, by its own heartbeat
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_pod_name_in_the_environment_never_makes_another_pod_a_restart_target(
+        user, shared_dir):
+    hb = spool(shared_dir, "heartbeat")
+    job = user.popen(STALE_BEATER, str(hb), env={"KUBERNETES_POD_NAME": "kube-system/cilium-x",
+                                                 "KUBERNETES_SERVICE_HOST": "10.0.0.1",
+                                                 "RANK": "0"})
+    cfg = config(shared_dir)
+    checks = suite(shared_dir, {"check": "training_progress", "timeout_s": 60, "params": {
+        "spool_dir": str(hb), "stall_after_s": 30, "hang_after_s": 60, "stack_samples": 1}})
+    rep = report(run_agent("check", "--suite", checks, "--simulate", node(shared_dir),
+                           "--config", cfg, "--json", "--act"))
+    (hang,) = results(rep, "training_hang")
+    assert hang["target"] == "job:unverified:pod:kube-system/cilium-x/rank:0"
+    assert hang["evidence"]["process"]["pid"] == job.pid
+    assert hang["evidence"]["process"]["pod_uid"] is None
+    assert hang["evidence"]["process"]["job_verified"] is False
+    (action,) = rep["actions"]
+    assert (action["action"], action["outcome"]) == ("restart-job", "refused")
+    assert "could not verify which job" in action["detail"]
+    assert not (shared_dir / "state" / "actions.log").exists()  # nothing reached the adapter
+
+
+def test_a_root_owned_heartbeat_does_not_speak_for_another_users_process(user, shared_dir):
+    from node_agent.heartbeat import SCHEMA, process_start_ticks
+    from node_agent.training.processes import discover
+
+    hb = spool(shared_dir, "heartbeat")
+    victim = user.popen(SLEEPER, env={"RANK": "3"})
+    forged = hb / f"{victim.pid}.json"  # written by root (a root job, or a root helper)
+    forged.write_text(json.dumps({"schema": SCHEMA, "pid": victim.pid, "step": 1,
+                                  "start_ticks": process_start_ticks(victim.pid),
+                                  "step_at": 1.0, "job": "slurm:1", "rank": 0,
+                                  "log_file": "/etc/shadow"}))
+    found = discover(hb, pids=[victim.pid])
+    (p,) = found.processes
+    assert (p.uid, p.heartbeat, p.rank, p.log_file) == (user.uid, None, 3, None)
+    ((subject, message),) = found.problems
+    assert subject == f"pid:{victim.pid}" and "owned by uid 0" in message
+    # and the user's own file is believed for the user's own process
+    forged.unlink()
+    user.py("import json, sys; json.dump(json.loads(sys.argv[2]), open(sys.argv[1], 'w'))",
+            str(forged), json.dumps({"schema": SCHEMA, "pid": victim.pid, "step": 7,
+                                     "step_at": 1.0}))
+    (p,) = discover(hb, pids=[victim.pid]).processes
+    assert p.heartbeat is not None and p.heartbeat["step"] == 7

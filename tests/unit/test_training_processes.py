@@ -135,7 +135,7 @@ def test_pod_name_and_namespace_come_from_a_kubernetes_environment(spool, spawn)
     child = spawn(SLEEPER, env={"KUBERNETES_SERVICE_HOST": "10.0.0.1", "HOSTNAME": "trainer-0",
                                 "POD_NAMESPACE": "ml", "RANK": "0"})
     (p,) = discover(spool, pids=[child.pid]).processes
-    assert (p.job, p.job_source, p.pod, p.pod_namespace) == ("pod:trainer-0", "pod",
+    assert (p.job, p.job_source, p.pod, p.pod_namespace) == ("pod:ml/trainer-0", "pod",
                                                             "trainer-0", "ml")
     assert p.sources == ("pid",) and p.heartbeat is None
 
@@ -439,4 +439,66 @@ def test_only_an_environment_job_with_a_matching_cgroup_may_be_acted_on():
     assert not proc(identity_source="heartbeat").job_verified  # only a file said so
     assert not proc(job="label", job_source="argument").job_verified
     assert not proc(job="ppid:7", job_source="ppid").job_verified
-    assert proc(job="torchelastic:x", job_source="torchelastic").job_verified
+    # a torchelastic run id is whatever the user exported: no kernel witness, never acted on
+    assert not proc(job="torchelastic:x", job_source="torchelastic").job_verified
+    pod = dict(job="pod:ml/trainer-0", job_source="pod", pod="trainer-0", pod_namespace="ml",
+               slurm_job_id=None, slurm_cgroup_job=None)
+    uid = "0f3c6b0e-2f6a-4b7c-9a7e-1234567890ab"
+    assert not proc(**pod).job_verified                       # KUBERNETES_POD_NAME alone
+    assert proc(**pod, pod_uid=uid).job_verified              # the kubepods cgroup agrees
+    assert proc(**pod, pod_uid=uid).restart_job_id == f"pod:ml/trainer-0@{uid}"
+    assert proc(job="torchelastic:x", job_source="torchelastic").restart_job_id is None
+
+
+UID = "0f3c6b0e-2f6a-4b7c-9a7e-1234567890ab"
+
+
+@pytest.mark.parametrize("cgroup, uid", [
+    # cgroup v2, systemd driver (containerd), as the agent in the host's cgroup namespace sees it
+    (f"0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{UID.replace('-', '_')}"
+     ".slice/cri-containerd-1f2e.scope\n", UID),
+    # guaranteed QoS, systemd driver
+    (f"0::/kubepods.slice/kubepods-pod{UID.replace('-', '_')}.slice/cri-containerd-1f.scope\n",
+     UID),
+    # cgroup v1, cgroupfs driver: every hierarchy names the same pod
+    (f"12:memory:/kubepods/besteffort/pod{UID}/abc\n11:pids:/kubepods/besteffort/pod{UID}/abc\n"
+     "1:name=systemd:/kubepods/besteffort/pod" + UID + "/abc\n0::/\n", UID),
+    # the agent itself in a pod with a cgroup namespace: other pods' paths are relative
+    (f"0::/../../kubepods-besteffort-pod{UID.replace('-', '_')}.slice/cri-containerd-9.scope\n",
+     UID),
+    # a user's delegated subtree can hold a cgroup named like a pod's, but not above itself
+    (f"0::/user.slice/user-1000.slice/user@1000.service/app.slice/kubepods-pod"
+     f"{UID.replace('-', '_')}.slice\n", None),
+    (f"0::/../../../user.slice/user-1000.slice/kubepods-pod{UID.replace('-', '_')}.slice\n",
+     None),
+    # Slurm, and two hierarchies that disagree
+    ("0::/system.slice/slurmstepd.scope/job_42/step_0/user/task_0\n", None),
+    (f"12:memory:/kubepods/pod{UID}/a\n11:pids:/kubepods/pod{UID[:-1]}0/a\n", None),
+])
+def test_pod_uid_comes_only_from_a_kubepods_cgroup(tmp_path, cgroup, uid):
+    from node_agent.training.processes import read_pod_uid
+
+    (tmp_path / "77").mkdir()
+    (tmp_path / "77" / "cgroup").write_text(cgroup)
+    assert read_pod_uid(77, tmp_path) == uid
+
+
+def test_a_pod_named_only_by_the_environment_is_an_unverified_job(spool, spawn):
+    child = spawn(SLEEPER, env={"KUBERNETES_POD_NAME": "kube-system/cilium-x", "RANK": "0"})
+    (p,) = discover(spool, pids=[child.pid]).processes
+    assert (p.job, p.job_source, p.pod_uid) == ("pod:kube-system/cilium-x", "pod", None)
+    assert not p.job_verified and p.restart_job_id is None
+
+
+def test_in_a_kernel_attested_pod_the_pod_is_the_job_even_under_torchrun(spool, spawn, tmp_path):
+    child = spawn(SLEEPER, env={"KUBERNETES_POD_NAME": "trainer-0", "POD_NAMESPACE": "ml",
+                                "TORCHELASTIC_RUN_ID": "run-1", "RANK": "2"})
+    fake = tmp_path / "proc" / str(child.pid)
+    fake.mkdir(parents=True)
+    for name in ("environ", "stat", "cmdline"):
+        fake.joinpath(name).write_bytes(Path(f"/proc/{child.pid}/{name}").read_bytes())
+    fake.joinpath("cgroup").write_text(f"0::/kubepods.slice/kubepods-pod{UID.replace('-', '_')}"
+                                       ".slice/cri-containerd-1.scope\n")
+    (p,) = discover(spool, pids=[child.pid], proc_root=tmp_path / "proc").processes
+    assert (p.job, p.job_source, p.pod_uid, p.rank) == ("pod:ml/trainer-0", "pod", UID, 2)
+    assert p.job_verified and p.restart_job_id == f"pod:ml/trainer-0@{UID}"
