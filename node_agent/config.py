@@ -22,7 +22,10 @@ DEFAULTS: dict[str, Any] = {
     "adapter": {
         "name": "log",
         "dry_run": False,
-        "webhook": {"url": None, "secret_file": None, "timeout_s": 5, "retries": 3},
+        "webhook": {"url": None, "secret_file": None, "timeout_s": 5, "retries": 3,
+                    # the whole action, retries and backoff included (4 x 5 s + 1 + 2 + 4 s fit)
+                    "deadline_s": 30, "ca_file": None, "client_cert": None,
+                    "client_key": None},
         "kubernetes": {"kubeconfig": None, "taint_key": "node-agent/health",
                        "pod_namespace": "default"},
         "slurm": {"scontrol": "scontrol", "squeue": "squeue", "timeout_s": 15},
@@ -66,6 +69,8 @@ SCHEMA: dict[str, Any] = _obj({
             "url": _NULLABLE_STR, "secret_file": _NULLABLE_STR,
             "timeout_s": {"type": "number", "exclusiveMinimum": 0},
             "retries": {"type": "integer", "minimum": 0},
+            "deadline_s": {"type": "number", "exclusiveMinimum": 0},
+            "ca_file": _NULLABLE_STR, "client_cert": _NULLABLE_STR, "client_key": _NULLABLE_STR,
         }),
         "kubernetes": _obj({"kubeconfig": _NULLABLE_STR, "taint_key": {"type": "string"},
                             # DNS-1123 label: the namespace of a job named pod:<name>

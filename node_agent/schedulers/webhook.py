@@ -2,24 +2,42 @@
 
 Body (UTF-8 JSON, keys sorted)::
 
-    {"schema": "node-agent.action/1", "action": "drain", "node": "gpu-01",
+    {"schema": "node-agent.action/2", "action": "drain", "node": "gpu-01",
      "reason": "node-agent: FAULT xid79 gpu:5", "idempotency_key": "<64 hex>",
-     "at": "2025-01-01T00:00:00Z"}
+     "at": "2025-01-01T00:00:00Z", "timestamp": 1735689600, "nonce": "<32 hex>"}
 
-Header ``X-Node-Agent-Signature: sha256=<hex HMAC-SHA256 of the exact body bytes>`` with the
-secret read from ``adapter.webhook.secret_file`` (trailing newline stripped). A receiver checks
-it with ``hmac.compare_digest`` before acting, and deduplicates on ``idempotency_key``: the key is
-SHA-256 over (node, action, reason), so the same action sent again (a retry, or the agent
-completing a half-done action after a crash) carries the same key.
+Headers::
 
-``restart_job`` posts action ``restart-job`` with one more key, ``"job": "slurm:1234"`` (any
-kind that passes :func:`~node_agent.schedulers.base.check_job_id`; the receiver restarts the
-job, and must check itself that the job runs on ``node``); its idempotency key covers the job.
+    X-Node-Agent-Timestamp: 1735689600               (Unix seconds, the body's "timestamp")
+    X-Node-Agent-Nonce: <32 hex>                     (the body's "nonce", fresh per request)
+    X-Node-Agent-Signature: sha256=<hex HMAC-SHA256 of b"<timestamp>." + body>
 
-The receiver's answer decides: any 2xx is success. A connection error, a timeout
-(``adapter.webhook.timeout_s``), 408, 429 or 5xx is retried ``adapter.webhook.retries`` times with
-exponential backoff (1 s, 2 s, 4 s ...); other 4xx are final. Failure raises AdapterError with the
-last status and body, for the journal.
+with the secret read from ``adapter.webhook.secret_file`` (trailing newline stripped). The
+signature covers the timestamp and the body (which holds the nonce), so a captured request
+cannot be replayed later or with another nonce. A receiver (docs/schedulers.md has the code):
+
+1. rejects a timestamp more than 300 s from its own clock (a replay window of 5 minutes);
+2. checks the signature with ``hmac.compare_digest`` over ``timestamp + "." + raw body``;
+3. rejects a nonce it has seen in the last 10 minutes (a replay inside the window);
+4. deduplicates on ``idempotency_key``: the agent's key for this step of this fault — the same
+   on every retry (a webhook retry, the daemon's retry while the fault stands, the agent
+   completing a half-done action after a crash), and new for the same fault after a repair
+   (it covers the fault's first sighting in the episode, ``remediation/executor.py``).
+
+``restart_job`` posts action ``restart-job`` with one more key, ``"job": "slurm:1234"`` (only a
+job the kernel vouched for reaches an adapter: ``training/processes.py``; a pod's carries its
+UID, ``pod:<ns>/<name>@<uid>``); the receiver restarts it and must check itself that the job
+runs on ``node``.
+
+Transport: ``https`` (verified against ``adapter.webhook.ca_file``, else the system CAs, with an
+optional client certificate ``client_cert``/``client_key``); plain ``http`` only to a loopback
+address, where nothing crosses a network. Anything else is a configuration error.
+
+The receiver's answer decides: any 2xx is success. A connection error, a timeout, 408, 429 or
+5xx is retried ``adapter.webhook.retries`` times with exponential backoff (1 s, 2 s, 4 s ...);
+other 4xx are final. ``timeout_s`` bounds one request; ``deadline_s`` bounds the whole action,
+retries and backoff included: a receiver that answers one byte at a time cannot hold the agent
+past it. Failure raises AdapterError with the last status and body, for the journal.
 
 A webhook cannot tell the node's state: ``node_state`` reports ``unknown`` (not drained) and
 ``list_nodes`` returns an empty list, so the blast-radius guard has no share to read from it.
@@ -30,11 +48,15 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import hmac
+import ipaddress
 import json
+import secrets
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from node_agent.schedulers.base import (
     AdapterError,
@@ -48,17 +70,23 @@ if TYPE_CHECKING:
     from node_agent.config import Config
 
 SIGNATURE_HEADER = "X-Node-Agent-Signature"
-BODY_SCHEMA = "node-agent.action/1"
+TIMESTAMP_HEADER = "X-Node-Agent-Timestamp"
+NONCE_HEADER = "X-Node-Agent-Nonce"
+BODY_SCHEMA = "node-agent.action/2"
+#: what a receiver should accept between its clock and the request's timestamp (docs)
+MAX_SKEW_S = 300
 _RETRY_STATUS = {408, 429}
+_MAX_ANSWER_CHARS = 300
 
 
-def sign(secret: bytes, body: bytes) -> str:
-    """The signature header value for ``body``: ``sha256=<hex HMAC-SHA256>``."""
-    return "sha256=" + hmac.new(secret, body, hashlib.sha256).hexdigest()
+def sign(secret: bytes, body: bytes, timestamp: int | str) -> str:
+    """The signature header value: ``sha256=<hex HMAC-SHA256 of b"<timestamp>." + body>``."""
+    return "sha256=" + hmac.new(secret, f"{timestamp}.".encode() + body,
+                                hashlib.sha256).hexdigest()
 
 
 def idempotency_key(node: str, action: str, reason: str, job: str | None = None) -> str:
-    """SHA-256 over (node, action, reason[, job]): the same action always has the same key."""
+    """SHA-256 over (node, action, reason[, job]): the key when the caller gives none."""
     text = f"{node}\n{action}\n{reason}" + (f"\n{job}" if job is not None else "")
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -67,22 +95,52 @@ def _now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def check_url(url: str) -> str:
+    """``url`` if it is ``https://``, or ``http://`` to a loopback address; else AdapterError."""
+    parts = urlsplit(url)
+    if parts.scheme == "https" and parts.hostname:
+        return url
+    if parts.scheme == "http" and parts.hostname:
+        host = parts.hostname
+        try:
+            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if loopback:
+            return url
+        raise AdapterError(f"adapter.webhook.url {url!r}: plain http is allowed only to a "
+                           "loopback address (127.0.0.1, ::1, localhost); use https:// with "
+                           "adapter.webhook.ca_file for a receiver on the network")
+    raise AdapterError(f"adapter.webhook.url {url!r}: expected an https:// URL (or http:// to "
+                       "a loopback address)")
+
+
 class WebhookAdapter:
     name = "webhook"
 
     def __init__(self, url: str, secret: bytes, timeout_s: float = 5, retries: int = 3,
                  backoff_s: float = 1.0, sleep: Callable[[float], None] = time.sleep,
-                 clock: Callable[[], str] = _now_iso, session: Any = None) -> None:
+                 clock: Callable[[], str] = _now_iso, session: Any = None, *,
+                 deadline_s: float = 30.0, ca_file: str | None = None,
+                 client_cert: str | None = None, client_key: str | None = None,
+                 unix_time: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         import requests
 
-        self.url = url
+        self.url = check_url(url)
         self._secret = secret
         self.timeout_s = float(timeout_s)
+        self.deadline_s = float(deadline_s)
         self.retries = int(retries)
         self.backoff_s = backoff_s
         self._sleep = sleep
         self._clock = clock
+        self._unix_time = unix_time
+        self._monotonic = monotonic
         self._session = session or requests.Session()
+        self._verify: bool | str = ca_file or True
+        self._cert: tuple[str, str] | str | None = (
+            (client_cert, client_key) if client_cert and client_key else client_cert or None)
 
     @classmethod
     def from_config(cls, config: Config) -> WebhookAdapter:
@@ -100,8 +158,46 @@ class WebhookAdapter:
                                f"{err.strerror}") from err
         if not secret:
             raise AdapterError(f"adapter.webhook.secret_file {secret_file} is empty")
-        return cls(url, secret, timeout_s=config.get("adapter.webhook.timeout_s"),
-                   retries=config.get("adapter.webhook.retries"))
+        w = "adapter.webhook."
+        for key in ("ca_file", "client_cert", "client_key"):
+            path = config.get(w + key)
+            if path and not Path(path).is_file():
+                raise AdapterError(f"{w}{key} {path}: no such file")
+        if config.get(w + "client_key") and not config.get(w + "client_cert"):
+            raise AdapterError(f"{w}client_key is set without {w}client_cert")
+        if not url.startswith("https://") and (config.get(w + "ca_file")
+                                               or config.get(w + "client_cert")):
+            raise AdapterError(f"{w}ca_file/client_cert apply to an https:// url only")
+        return cls(url, secret, timeout_s=config.get(w + "timeout_s"),
+                   retries=config.get(w + "retries"), deadline_s=config.get(w + "deadline_s"),
+                   ca_file=config.get(w + "ca_file"), client_cert=config.get(w + "client_cert"),
+                   client_key=config.get(w + "client_key"))
+
+    def _send(self, body: bytes, headers: dict[str, str], timeout_s: float) -> Any:
+        """One POST, abandoned at ``timeout_s`` whatever the receiver does (a slow drip of
+        bytes resets requests' per-read timeout; this does not): raises TimeoutError."""
+        box: dict[str, Any] = {}
+
+        def post() -> None:
+            try:
+                resp = self._session.post(self.url, data=body, headers=headers,
+                                          timeout=timeout_s, verify=self._verify,
+                                          cert=self._cert, stream=True, allow_redirects=False)
+                # the answer is only read for the journal: a bounded piece of it
+                raw = resp.raw.read(4 * _MAX_ANSWER_CHARS, decode_content=True) or b""
+                box["answer"] = (resp.status_code, raw.decode("utf-8", "replace"))
+                resp.close()
+            except Exception as err:  # noqa: BLE001 - handed to the caller below
+                box["error"] = err
+
+        worker = threading.Thread(target=post, name="webhook-post", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if worker.is_alive():
+            raise TimeoutError(f"no complete answer within {timeout_s:.1f} s")
+        if "error" in box:
+            raise box["error"]
+        return box["answer"]
 
     def _post(self, action: str, node: str, reason: str, job: str | None = None,
               key: str | None = None) -> str:
@@ -110,32 +206,45 @@ class WebhookAdapter:
         node, reason = check_node_name(node), sanitise_reason(reason)
         if job is not None:
             check_job_id(job)
-        payload = {"schema": BODY_SCHEMA, "action": action, "node": node, "reason": reason,
-                   "idempotency_key": key or idempotency_key(node, action, reason, job),
-                   "at": self._clock(), **({"job": job} if job is not None else {})}
         what = f"{action} {job} on {node}" if job is not None else f"{action} {node}"
-        body = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
-        headers = {"Content-Type": "application/json", SIGNATURE_HEADER: sign(self._secret, body)}
+        start = self._monotonic()
         last = "no attempt made"
         attempts = self.retries + 1
+        made = 0
         for attempt in range(attempts):
             if attempt:
-                self._sleep(self.backoff_s * 2 ** (attempt - 1))
+                pause = self.backoff_s * 2 ** (attempt - 1)
+                if self._monotonic() - start + pause >= self.deadline_s:
+                    break
+                self._sleep(pause)
+            left = self.deadline_s - (self._monotonic() - start)
+            if left <= 0:
+                break
+            timestamp = int(self._unix_time())
+            nonce = secrets.token_hex(16)
+            payload = {"schema": BODY_SCHEMA, "action": action, "node": node, "reason": reason,
+                       "idempotency_key": key or idempotency_key(node, action, reason, job),
+                       "at": self._clock(), "timestamp": timestamp, "nonce": nonce,
+                       **({"job": job} if job is not None else {})}
+            body = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
+            headers = {"Content-Type": "application/json", TIMESTAMP_HEADER: str(timestamp),
+                       NONCE_HEADER: nonce, SIGNATURE_HEADER: sign(self._secret, body, timestamp)}
+            made += 1
             try:
-                resp = self._session.post(self.url, data=body, headers=headers,
-                                          timeout=self.timeout_s)
-            except requests.RequestException as err:
+                status, answer = self._send(body, headers, min(self.timeout_s, left))
+            except (requests.RequestException, TimeoutError, OSError) as err:
                 last = f"{type(err).__name__}: {err}"
                 continue
-            text = " ".join(resp.text.split())[:300]
-            if 200 <= resp.status_code < 300:
-                return f"webhook: {what} accepted by {self.url} (HTTP {resp.status_code}" \
+            text = " ".join(answer.split())[:_MAX_ANSWER_CHARS]
+            if 200 <= status < 300:
+                return f"webhook: {what} accepted by {self.url} (HTTP {status}" \
                        + (f": {text})" if text else ")")
-            last = f"HTTP {resp.status_code}: {text}"
-            if resp.status_code < 500 and resp.status_code not in _RETRY_STATUS:
+            last = f"HTTP {status}: {text}"
+            if status < 500 and status not in _RETRY_STATUS:
                 raise AdapterError(f"webhook {self.url} refused {what}: {last}")
-        raise AdapterError(f"webhook {self.url}: {what} failed after {attempts} "
-                           f"attempt(s); last: {last}; check the receiver and adapter.webhook.url")
+        raise AdapterError(f"webhook {self.url}: {what} failed after {made} attempt(s) within "
+                           f"the {self.deadline_s:g} s deadline (adapter.webhook.deadline_s); "
+                           f"last: {last}; check the receiver and adapter.webhook.url")
 
     def node_state(self, node: str) -> NodeState:
         return NodeState(name=check_node_name(node), state="unknown", drained=False, reason=None)
