@@ -6,8 +6,12 @@ A training-like loop (a small MLP, forward + backward + SGD step) runs in one pr
 2. blocks without and with ``probe.step()`` alternating (off, on, off, on, ...), so slow drift
    of the machine hits both sides alike; the probe's own clock only runs during "on" blocks,
    so budget saved up while it was off is not spent in a burst;
-3. a corrupting matmul is installed at the compute boundary and the loop runs until the probe
-   reports a ``confirmed`` verdict: the detection latency at that budget.
+3. a faulty SM (SM 17 corrupting every tile it computes, ``corrupting_matmul`` with the probe's
+   tile model) is installed at the compute boundary and the loop runs until the probe reports a
+   ``confirmed`` verdict: the detection latency at that budget.
+
+The probe runs its production path (whole-GPU exact probes round-robin over its specs; on CUDA
+its own stream, preallocated buffers, pinned async readback) until the fault is installed.
 
 Prints a Markdown table.  Runs on CPU or CUDA::
 
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--block-s", type=float, default=2.0, help="seconds per off/on block")
     ap.add_argument("--blocks", type=int, default=16, help="off/on block pairs")
-    ap.add_argument("--detect-timeout-s", type=float, default=60.0)
+    ap.add_argument("--detect-timeout-s", type=float, default=300.0)
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
@@ -97,12 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         train_step(model, opt, x, y, device)
 
     clock = PausableClock()
-    boundary = {"matmul": torch.matmul}  # the compute boundary the "fault" is installed at
     with tempfile.TemporaryDirectory() as spool:
-        probe = sdc.SdcProbe(
-            device, budget_fraction=args.budget, spool_dir=spool, clock=clock,
-            matmul=lambda a, b: boundary["matmul"](a, b),
-        )
+        probe = sdc.SdcProbe(device, budget_fraction=args.budget, spool_dir=spool, clock=clock)
         run_block(2.0, step, None)  # warm-up: allocator, kernels, thread pools
         off: list[float] = []
         on: list[float] = []
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # Detection latency: install the fault, train on until the probe confirms it.
         clock.resume()
-        boundary["matmul"] = sdc.corrupting_matmul()
+        probe.matmul = sdc.corrupting_matmul(tiles=probe.tiles, sm=17)  # the compute boundary
         t_fault = time.perf_counter()
         latency_s = None
         confirmed = None
@@ -136,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     mean_off, mean_on = statistics.fmean(off), statistics.fmean(on)
     print(f"device: {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
           f"torch {torch.__version__}, MLP width {args.width} batch {args.batch}, budget {args.budget:g}\n")
+    print(f"probe: {len(probe.specs)} whole-GPU specs ({', '.join(s.label() for s in probe.specs)}), "
+          f"{probe.tiles_per_sm} tile(s) per SM of {probe.tiles.sm_count}, sm_coverage "
+          f"{probe.coverage.value:g} ({probe.coverage.method}), device memory "
+          f"{probe.memory_bytes / 2**20:.1f} MiB\n")
     print("| metric | value |")
     print("|---|---|")
     print(f"| steps without / with probe | {len(off)} / {len(on)} |")

@@ -345,16 +345,17 @@ class SdcProbe:
 
     Call ``step()`` once per training step. It measures the wall time since creation and the
     probes' own cumulative cost, and starts the next probe only while
-    ``(cost + expected cost of the next probe) <= budget_fraction * elapsed`` (the very first
-    probe runs at once). The budget is spent on whole-GPU exact probes, round-robin over the
-    specs (``whole_gpu_specs``: every dtype the GPU runs, bf16 fp16 tf32 fp8 fp32).
+    ``(cost + expected cost of the next probe) <= budget_fraction * elapsed``, the first one
+    included (its expected cost is its warm-up's at construction). The budget is spent on
+    whole-GPU exact probes, round-robin over the specs (``whole_gpu_specs``: every dtype the GPU
+    runs, bf16 fp16 tf32 fp8 fp32).
 
     **Set-up, at construction** (a one-off, not counted against the budget): inputs and golden
     blocks are made on the device, an output buffer, a mismatch mask and pinned host buffers
     are allocated, each dtype's accumulator is checked (a kernel that accumulates in lower
     precision has its dtype skipped, logged, and named in verdicts'
-    ``evidence['skipped_dtypes']``), every spec runs once to warm cuBLAS up on the probe's
-    stream, and ``sm_coverage`` is measured with ``%smid`` (``measure_coverage``) or taken from
+    ``evidence['skipped_dtypes']``), every spec runs once (warming cuBLAS up on the probe's
+    stream, and timing each spec's expected cost), and ``sm_coverage`` is measured with ``%smid`` (``measure_coverage``) or taken from
     the tile model.
 
     **Never stalls training.** On CUDA ``step()`` only *queues* work on the probe's own stream
@@ -437,17 +438,18 @@ class SdcProbe:
         self._states: dict[ProbeSpec, ExactState] = {}
         self._workspace: Workspace | None = None
         self._readback: Readback | None = None
+        self._warm: dict[tuple[str, ProbeSpec], float] = {}
         self._prepare()
         self.coverage = self._coverage(measure_coverage and cuda)
         self._build_plan()
         self._window = Window(confirm_window or max(1, len(self.specs)))
-        self._expected: dict[tuple[str, ProbeSpec], float] = {}
+        self._expected: dict[tuple[str, ProbeSpec], float] = dict(self._warm)
         self._pending: _Pending | None = None
         self._errors = 0
         self._blocked_until = float("-inf")
         self.started = clock()
         self.cost_s = 0.0
-        self._last_cost_s = 0.0
+        self._last_cost_s = max(self._warm.values(), default=0.0)
         self.probes_run = 0
         self.verdicts: list[Verdict] = []
         #: optional progress heartbeat (node_agent.heartbeat): ``step()`` beats it, so a job
@@ -507,17 +509,26 @@ class SdcProbe:
                 a, b = _random_inputs(spec, self.device)
                 if self._stream is not None:
                     self._digest_host[spec] = torch.empty(spec.m, spec.n, dtype=a.dtype, pin_memory=True)
-            if self._stream is None or not self.specs:
-                return
-            self._workspace = Workspace(self.device, max(output_bytes(s) for s in self.specs),
-                                        max(s.m * s.n for s in self.specs))
-            self._readback = Readback(max(st.tile_count for st in self._states.values()))
-            if self.matmul is None:  # warm cuBLAS up on this stream (handle, workspace, kernels)
-                for spec, state in self._states.items():
-                    if state.launch(None, self._workspace)().mismatched:
-                        log.warning("sdc on %s: warm-up run of %s mismatched; the rotation "
-                                    "re-checks it", self.device, spec.label())
-        self._stream.synchronize()
+            if self._stream is not None and self.specs:
+                self._workspace = Workspace(self.device, max(output_bytes(s) for s in self.specs),
+                                            max(s.m * s.n for s in self.specs))
+                self._readback = Readback(max(st.tile_count for st in self._states.values()))
+            if self.matmul is None:
+                self._warm_up()
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def _warm_up(self) -> None:
+        """Run every spec once (on CUDA: cuBLAS's handle, workspace and kernel choice for this
+        stream happen here, not in step()) and keep its time as the spec's expected cost, so
+        even the first probe waits for the budget to allow it."""
+        for spec, state in self._states.items():
+            for _ in range(2):  # the second run is timed: the first pays one-off initialisation
+                t0 = time.perf_counter()
+                if state.launch(None, self._workspace)().mismatched:
+                    log.warning("sdc on %s: warm-up run of %s mismatched; the rotation "
+                                "re-checks it", self.device, spec.label())
+            self._warm[("exact_gemm", spec)] = time.perf_counter() - t0
 
     def _coverage(self, measure: bool) -> Coverage:
         shapes = [(s.m, s.n) for s in self.specs]
@@ -557,9 +568,12 @@ class SdcProbe:
     def _may_start(self, now: float) -> bool:
         if now < self._blocked_until or self._next is None:
             return False
-        # A probe not yet measured is expected to cost what the last probe did.
+        # A probe not yet measured is expected to cost what the last probe did (its warm-up at
+        # construction measured every spec, unless a matmul was injected: then the first runs
+        # at once, as nothing is known of its cost).
         expected = self._expected.get(self._next, self._last_cost_s)
-        return self.cost_s + expected <= self.budget_fraction * (now - self.started) or self.probes_run == 0
+        within = self.cost_s + expected <= self.budget_fraction * (now - self.started)
+        return within or (self.probes_run == 0 and not self._warm)
 
     # -- the loop hook -----------------------------------------------------------------------
 
