@@ -456,7 +456,7 @@ def results_for(ctx: CheckContext, run: GpuRun, extra: Mapping[str, Any] | None 
         first = next((v for v in confirmed if v.probe == "exact_gemm"), confirmed[0])
         out.append(ctx.result(
             target, "sdc_confirmed", Status.FAIL,
-            f"{target}: silent data corruption confirmed (the mismatch repeated): "
+            f"{target}: silent data corruption confirmed (a mismatch repeated on this GPU): "
             f"{first.detail}; {len(confirmed)} of {n} probes confirmed ({_summary(confirmed)})"
             f"{_where(bad)}; replace the GPU",
             value=len(confirmed), unit="probes", probe=first.probe, shape=list(first.shape),

@@ -1,6 +1,7 @@
 """``node-agent sdc [--gpus LIST] [--duration S] [--json]``: the SDC probes standalone.
 
-It runs the ``sdc`` check (``node_agent.checks.sdc``) as a one-check suite named ``sdc`` in
+It runs the ``sdc`` check (``node_agent.checks.sdc``: whole-GPU exact probes, digests,
+Freivalds; ``docs/sdc.md``) as a one-check suite named ``sdc`` in
 delivery mode, with the parameters of the ``sdc`` entry of the configured delivery suite (so an
 operator's shapes and dtypes apply here too), on the chosen GPUs, repeating rounds until
 ``--duration`` seconds have passed. The report is a normal report (written like ``accept``'s);
@@ -127,17 +128,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def render_counts(report: Any) -> str:
-    """Verdict counts per GPU, then the grade and its reasons (plain text)."""
+    """Verdict counts per GPU and the share of its SMs the exact probes reached
+    (``sm_coverage``), then the grade and its reasons (plain text)."""
     lines = [f"SDC probes on {report.host.hostname}"
              + ("  (SIMULATED)" if report.simulated else ""),
-             f"{'GPU':<8}{'pass':>8}{'transient':>11}{'confirmed':>11}{'error':>7}  result"]
+             f"{'GPU':<8}{'pass':>8}{'transient':>11}{'confirmed':>11}{'error':>7}{'SMs':>6}"
+             "  result"]
     for r in report.results:
         counts = r.evidence.get("counts")
         if counts is None:
-            lines.append(f"{r.target:<8}{'':>37}  {r.status.value}: {r.detail}")
+            lines.append(f"{r.target:<8}{'':>43}  {r.status.value}: {r.detail}")
             continue
+        cov = r.evidence.get("sm_coverage")
+        sms = f"{cov:.0%}" if isinstance(cov, (int, float)) else "-"
         lines.append(f"{r.target:<8}{counts['pass']:>8}{counts['transient']:>11}"
-                     f"{counts['confirmed']:>11}{counts['error']:>7}  {r.status.value}"
+                     f"{counts['confirmed']:>11}{counts['error']:>7}{sms:>6}  {r.status.value}"
                      f" ({r.metric})")
     g = report.grade
     lines.append(f"grade: {g.level.name} (action {g.action.value})")

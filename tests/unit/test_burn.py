@@ -117,6 +117,19 @@ def test_a_wrong_product_is_rerun_once_and_classified(wrong_calls, confirmed, re
     assert sample[7] == 1  # the sample carries the wrong count too
 
 
+def test_a_faulty_sm_on_every_launch_is_a_confirmed_wrong_product_in_the_burn():
+    """The simulator's one-SM fault (every tile of SM 0 wrong, rate 1) at the burn's compute
+    boundary: the burn's own verification sees and confirms it, as it sees a GPU-wide one."""
+    from node_agent.sdc.tiles import sim_model
+
+    model = sim_model(4)  # 4 SMs, so SM 0 computes 4 of a 64 x 64 output's 16 tiles
+    engine = engine_with(corrupting_matmul(tiles=model, sm=0, rate=1.0, seed=2))
+    sent = []
+    engine.run_window("fp32", 0.0, 0.0, sent.append)
+    (event,) = [m[1] for m in sent if m[0] == "wrong"]
+    assert event["confirmed"] is True and event["wrong"] == 4 and event["rerun_wrong"] == 4
+
+
 def test_a_correct_device_sends_samples_with_positive_throughput_and_no_wrong():
     engine = engine_with(torch.matmul, "bf16")
     sent = []
