@@ -175,10 +175,11 @@ def test_probe_runs_on_its_own_stream_and_never_synchronises_the_host(tmp_path) 
     probe = SdcProbe(budget_fraction=0.5, spool_dir=tmp_path)
     assert probe._stream is not None and probe._stream != default
     _busy_default_stream()
+    time.sleep(0.05)  # let the budget (half the elapsed time) allow the first probe
     torch.cuda.set_sync_debug_mode("error")  # any synchronising CUDA call below raises
     try:
         first = probe.step()  # queues the first probe, returns at once
-        assert first is None
+        assert first is None and probe._pending is not None
         assert not default.query()  # the training stream is still busy: step() did not wait
         verdicts = _drain(probe, want=len(probe.specs))
     finally:
@@ -196,7 +197,9 @@ def test_probe_result_comes_back_at_a_later_step_through_pinned_memory(tmp_path)
     probe = SdcProbe(budget_fraction=0.5, spool_dir=tmp_path)
     assert probe._readback is not None and probe._readback.count.is_pinned()
     _busy_default_stream(100.0)
-    assert probe.step() is None and probe.probes_run == 0  # launched, not read
+    time.sleep(0.05)  # let the budget allow the first probe
+    assert probe.step() is None and probe._pending is not None  # launched ...
+    assert probe.probes_run == 0  # ... not read
     (v,) = _drain(probe, want=1)
     assert probe.probes_run == 1 and v.status == "pass"
 
