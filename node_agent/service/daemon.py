@@ -22,7 +22,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -33,7 +32,13 @@ from node_agent.environment import Environment, open_environment
 from node_agent.model import Grade, Level, Result, Status
 from node_agent.resources import suites_dir
 from node_agent.runner import run_check
-from node_agent.service.metrics import CheckStats, DaemonCollector, HangTracker, Snapshot
+from node_agent.service.metrics import (
+    CheckStats,
+    DaemonCollector,
+    HangTracker,
+    MetricsServer,
+    Snapshot,
+)
 from node_agent.service.sd_notify import Notifier
 from node_agent.service.xid_watch import XidSighting, XidWatch
 from node_agent.suite import CheckSpec, Suite, load_suite
@@ -89,7 +94,7 @@ class Daemon:
         self._scenario_mtime = self._mtime(simulate)
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(DaemonCollector(self.snapshot))
-        self._server: ThreadingHTTPServer | None = None
+        self._server: MetricsServer | None = None
         self.listen_address: tuple[str, int] | None = None
         self._remediation = None
         if on_grade is None and self.config.get("daemon.act"):
@@ -119,32 +124,20 @@ class Daemon:
 
     def _start_http(self) -> None:
         host, _, port = str(self._listen_override or self.config.get("daemon.listen")).rpartition(":")
-        daemon = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                if self.path.split("?")[0] == "/metrics":
-                    body, ctype, code = generate_latest(daemon._registry), CONTENT_TYPE_LATEST, 200
-                elif self.path.split("?")[0] == "/healthz":
-                    healthy, text = daemon.healthz()
-                    body, ctype, code = text.encode(), "text/plain; charset=utf-8", 200 if healthy else 503
-                else:
-                    body, ctype, code = b"not found: try /metrics or /healthz\n", "text/plain", 404
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+        def metrics() -> tuple[int, str, bytes]:
+            return 200, CONTENT_TYPE_LATEST, generate_latest(self._registry)
 
-            def log_message(self, fmt: str, *args: object) -> None:
-                log.debug("http: " + fmt, *args)
+        def healthz() -> tuple[int, str, bytes]:
+            healthy, text = self.healthz()
+            return 200 if healthy else 503, "text/plain; charset=utf-8", text.encode()
 
         try:
-            self._server = ThreadingHTTPServer((host, int(port)), Handler)
+            self._server = MetricsServer((host, int(port)), {"/metrics": metrics,
+                                                             "/healthz": healthz})
         except OSError as err:
             raise ConfigError(f"daemon.listen {host}:{port}: cannot listen: {err.strerror}; "
                               "choose another address in the config (daemon.listen)") from err
-        self._server.daemon_threads = True
         self.listen_address = self._server.server_address[:2]
         threading.Thread(target=self._server.serve_forever, name="http", daemon=True).start()
 

@@ -4,13 +4,22 @@ Naming follows Prometheus' conventions (base units in names, ``_total`` for coun
 ``_timestamp_seconds``) and dcgm-exporter's labels (``gpu``, ``UUID``-like ``uuid``,
 ``hostname``) so dashboards can join ours with theirs. Nothing is registered at import: the
 daemon builds a fresh ``CollectorRegistry`` and registers one :class:`DaemonCollector`.
+
+:class:`MetricsServer` serves it (and ``/healthz``): any local user can connect, so it holds
+no connection longer than ``CONNECTION_S`` (a socket timeout per read and a hard limit per
+connection), serves at most ``MAX_CONNECTIONS`` at once (the rest are closed at once, not
+queued in threads), and logs a client's errors at debug level instead of printing tracebacks.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Callable, Iterator
+import socket
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -39,6 +48,90 @@ TRAINING_METRICS = {"training_progress": 0, "training_straggler": 0, "training_h
 #: label values from training processes' heartbeats are untrusted text: Prometheus escapes
 #: them, but a job id of megabytes would bloat every scrape, so they are cut to this length
 MAX_LABEL_CHARS = 128
+#: connections served at once: a scrape takes milliseconds, Prometheus opens one at a time
+MAX_CONNECTIONS = 8
+#: the longest a connection may stay open, and the socket timeout of each read in it (a scrape
+#: is answered in milliseconds; Prometheus' own default scrape timeout is 10 s)
+CONNECTION_S = 5.0
+
+log = logging.getLogger("node_agent.service.metrics")
+
+#: a route's answer: (HTTP status, Content-Type, body)
+Answer = tuple[int, str, bytes]
+
+
+class MetricsServer(ThreadingHTTPServer):
+    """An HTTP server with bounded threads and connections that cannot be held open.
+
+    ``routes`` maps a path (query string ignored) to a function returning an :data:`Answer`.
+    Connections beyond ``max_connections`` are closed on arrival (``refused`` counts them);
+    each socket read times out after ``connection_s`` and each connection is shut down after
+    ``connection_s`` in all, whatever its client does; errors are logged at debug level."""
+
+    daemon_threads = True
+    request_queue_size = 128  # accept a burst at once (to close it), not leave it to SYN retries
+
+    def __init__(self, address: tuple[str, int], routes: Mapping[str, Callable[[], Answer]],
+                 max_connections: int = MAX_CONNECTIONS,
+                 connection_s: float = CONNECTION_S) -> None:
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.refused = 0
+        self.connection_s = connection_s
+        super().__init__(address, _handler(routes, connection_s))
+
+    def process_request(self, request, client_address) -> None:  # socketserver's name
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        limit = threading.Timer(self.connection_s, _cut, (request,))
+        limit.daemon = True
+        limit.start()
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            limit.cancel()
+            self._slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        log.debug("http: connection from %s ended with an error", client_address,
+                  exc_info=True)
+
+
+def _cut(sock: socket.socket) -> None:
+    """Wake a read blocked on a client that dribbles: shut the connection down."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _handler(routes: Mapping[str, Callable[[], Answer]], timeout_s: float):
+    class Handler(BaseHTTPRequestHandler):
+        timeout = timeout_s  # StreamRequestHandler: the socket's timeout for every read
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            route = routes.get(self.path.split("?")[0])
+            code, ctype, body = route() if route else (
+                404, "text/plain", b"not found: try " + ", ".join(sorted(routes)).encode()
+                + b"\n")
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, fmt: str, *args: object) -> None:
+            log.debug("http: " + fmt, *args)
+
+    return Handler
 
 
 @dataclass

@@ -127,3 +127,57 @@ def test_hang_tracker_counts_each_hung_process_and_ignores_broken_runs_and_other
     same_pid_other_job = [training("training_hang", Status.FAIL, pid=1, job="slurm:99")]
     t.update("training_progress", same_pid_other_job)
     assert t.total == 3
+
+
+# -- the HTTP endpoint: bounded threads, no connection held open, no tracebacks ----------------
+
+
+def _get(port: int, path: str = "/metrics", timeout: float = 5.0) -> tuple[int, bytes]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def test_idle_connections_get_neither_unbounded_threads_nor_the_server(capfd):
+    import socket
+    import threading
+    import time
+
+    from node_agent.service.metrics import MetricsServer
+
+    server = MetricsServer(("127.0.0.1", 0), {"/metrics": lambda: (200, "text/plain", b"ok\n")},
+                           max_connections=4, connection_s=1.0)
+    port = server.server_address[1]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    before = threading.active_count()
+    idle = []
+    try:
+        for _ in range(300):
+            idle.append(socket.create_connection(("127.0.0.1", port)))
+        deadline = time.monotonic() + 10
+        while server.refused < 290 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # 4 connections are served (each with its limit timer), the rest closed on arrival
+        assert server.refused >= 290
+        assert threading.active_count() - before <= 2 * 4
+        # the idle ones are cut after connection_s: the endpoint answers again
+        deadline = time.monotonic() + 15
+        status = None
+        while status != 200 and time.monotonic() < deadline:
+            try:
+                status, body = _get(port, timeout=2)
+            except OSError:
+                time.sleep(0.1)
+        assert (status, body) == (200, b"ok\n")
+        assert _get(port, "/nowhere")[0] == 404
+    finally:
+        for s in idle:
+            s.close()
+        server.shutdown()
+        server.server_close()
+    assert "Traceback" not in capfd.readouterr().err
