@@ -6,6 +6,7 @@ expected, so the CLI can print it and exit 2 without a traceback.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +45,33 @@ def _explain(error: jsonschema.ValidationError) -> str:
     return f"key '{_key_path(error)}': {error.message}"
 
 
+def _non_finite(data: Any, path: tuple[str, ...] = ()) -> tuple[str, float] | None:
+    """(key path, value) of the first NaN or infinity in ``data``, else None."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return ".".join(path) or "(top level)", data
+    if isinstance(data, dict):
+        items = data.items()
+    elif isinstance(data, (list, tuple)):
+        items = enumerate(data)
+    else:
+        return None
+    for key, value in items:
+        found = _non_finite(value, (*path, str(key)))
+        if found is not None:
+            return found
+    return None
+
+
 def validate(data: Any, schema: dict[str, Any], source: str) -> None:
-    """Raise ConfigError with one line for the first (deepest, most specific) schema violation."""
+    """Raise ConfigError with one line for the first (deepest, most specific) schema violation.
+
+    NaN and infinity (YAML ``.nan``, ``.inf``) are refused wherever they appear, whatever the
+    schema says: JSON Schema's "number" lets them through, and every comparison with NaN is
+    false (a limit of ``.nan`` is no limit, a cadence of ``.nan`` a busy loop)."""
+    bad = _non_finite(data)
+    if bad is not None:
+        raise ConfigError(f"{source}: key '{bad[0]}': {bad[1]!r} is not a finite number; "
+                          "expected a number (.nan and .inf are not accepted)")
     validator = jsonschema.Draft202012Validator(schema)
     errors = list(validator.iter_errors(data))
     if errors:

@@ -17,6 +17,7 @@ and shown, suspect or not. Exit codes follow the contract: 0 no hang
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -80,8 +81,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--pid {pid}: expected a process id (a positive integer)")
     if args.samples is not None and args.samples < 1:
         raise ConfigError(f"--samples {args.samples}: expected at least 1")
-    if args.interval is not None and not args.interval >= 0:
-        raise ConfigError(f"--interval {args.interval:g}: expected seconds >= 0")
+    if args.interval is not None and not (math.isfinite(args.interval) and args.interval >= 0):
+        raise ConfigError(f"--interval {args.interval:g}: expected a finite number of "
+                          "seconds >= 0")
     config = load_config(args.config)
     suite = build_suite(config, suites_dir(config), args.pid, args.samples, args.interval)
     return run_and_report(open_environment(config, args.simulate), suite, args.out, args.json,

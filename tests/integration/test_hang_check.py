@@ -72,6 +72,13 @@ def test_hang_check_rejects_a_bad_pid_with_a_usage_error(agent):
     assert run.code == 2 and "--pid -5" in run.stderr
 
 
+@pytest.mark.parametrize("interval", ["nan", "inf", "-1"])
+def test_hang_check_rejects_an_interval_that_is_not_a_finite_number(agent, interval):
+    run = agent("hang-check", "--interval", interval)
+    assert run.code == 2 and len(run.stderr.strip().splitlines()) == 1
+    assert "expected a finite number of seconds" in run.stderr and run.stdout == ""
+
+
 def test_hang_check_on_a_pid_that_is_not_running_says_so(agent):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
