@@ -1,7 +1,10 @@
 """The one way the agent runs external programs: an argv list, a timeout, a typed result.
 
-Never ``shell=True``. A program that outlives its timeout is killed with its whole process
-group, so a hung tool leaves nothing behind.
+Never ``shell=True``. Each program runs in a process group of its own (a new session). At its
+deadline the whole group is killed, and when the program exits on its own, whatever it left
+running in its group (a child that outlived its parent) is killed too: nothing a tool starts
+escapes the timeout. (A grandchild that made a session of its own is outside the group; its
+pipes are then closed after a short grace instead of waited on.)
 """
 
 from __future__ import annotations
@@ -60,12 +63,47 @@ def run(argv: Sequence[str], timeout_s: float, env: Mapping[str, str] | None = N
         return ProcResult(argv, None, "", str(err), 0.0)
     try:
         out, err = proc.communicate(input=input_text, timeout=timeout_s)
-        return ProcResult(argv, proc.returncode, out, err, time.monotonic() - start)
     except subprocess.TimeoutExpired:
         kill_group(proc)
-        out, err = proc.communicate()
-        return ProcResult(argv, None, out or "", err or "", time.monotonic() - start,
-                          timed_out=True)
+        out, err = _leftover_output(proc)
+        return ProcResult(argv, None, out, err, time.monotonic() - start, timed_out=True)
+    # it exited; a child it left behind in its group would run on unbounded: end it now
+    _kill_pgid(proc.pid)
+    return ProcResult(argv, proc.returncode, out, err, time.monotonic() - start)
+
+
+#: after a kill, how long to read what is left in the pipes before closing them
+_DRAIN_S = 2.0
+
+
+def _leftover_output(proc: subprocess.Popen) -> tuple[str, str]:
+    """What the killed program wrote; pipes still held open by something outside its group
+    are closed after ``_DRAIN_S`` rather than waited on for ever."""
+    try:
+        out, err = proc.communicate(timeout=_DRAIN_S)
+        return out or "", err or ""
+    except subprocess.TimeoutExpired as exc:
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
+        proc.wait()
+        return _text(exc.output), _text(exc.stderr)
+
+
+def _text(data: bytes | str | None) -> str:
+    if data is None:
+        return ""
+    return data if isinstance(data, str) else data.decode(errors="replace")
+
+
+def _kill_pgid(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing left in the group (the common case)
 
 
 def kill_group(proc: subprocess.Popen) -> None:

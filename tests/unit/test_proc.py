@@ -1,0 +1,69 @@
+"""``node_agent.proc.run``: a program and everything it starts in its process group end by the
+deadline; nothing it leaves behind runs on. Real processes (python and sleep)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from node_agent import proc
+
+# prints the pid of a child that outlives it, then exits at once (the child keeps no pipe open)
+ORPHANER = """
+import subprocess, sys
+child = subprocess.Popen(["sleep", "300"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         stdin=subprocess.DEVNULL)
+print(child.pid, flush=True)
+"""
+# the same, but the parent then hangs and the child holds stdout open
+HANGER = """
+import subprocess, sys, time
+child = subprocess.Popen(["sleep", "300"])
+print(child.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def _gone(pid: int, wait_s: float = 5.0) -> bool:
+    """True once ``pid`` no longer runs (a zombie counts as gone: it was killed)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def test_a_child_that_outlives_its_parent_does_not_escape():
+    result = proc.run([sys.executable, "-c", ORPHANER], timeout_s=30)
+    assert result.ok
+    orphan = int(result.stdout.strip())
+    assert _gone(orphan), f"pid {orphan} still runs after proc.run returned"
+
+
+def test_at_the_deadline_the_whole_group_is_killed():
+    result = proc.run([sys.executable, "-c", HANGER], timeout_s=2)
+    assert result.timed_out and result.returncode is None
+    child = int(result.stdout.strip())
+    assert _gone(child)
+
+
+def test_a_grandchild_in_its_own_session_cannot_hold_run_past_the_deadline():
+    code = ("import subprocess, time\n"
+            "c = subprocess.Popen(['setsid', 'sleep', '30'])\n"  # holds stdout, outside the group
+            "print(c.pid, flush=True)\n"
+            "time.sleep(300)\n")
+    result = proc.run([sys.executable, "-c", code], timeout_s=1)
+    stray = int(result.stdout.strip())
+    try:
+        assert result.timed_out
+        # run returned while the stray still held the pipe: it did not wait for it to end
+        assert not _gone(stray, wait_s=0)
+    finally:
+        os.kill(stray, 9)
