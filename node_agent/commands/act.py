@@ -29,6 +29,7 @@ from node_agent.remediation.host import (
 )
 from node_agent.remediation.plan import Safety
 from node_agent.remediation.store import StateUnavailable, Store, open_store
+from node_agent.report.terminal import printable
 from node_agent.schedulers import ADAPTER_NAMES, SchedulerAdapter
 from node_agent.yamlfile import ConfigError
 
@@ -149,7 +150,7 @@ def cmd_act(args: argparse.Namespace) -> int:
     finally:
         store.close()
     for rec in outcome.records:
-        print(f"{rec.action}: {rec.outcome}: {rec.detail}")
+        print(printable(f"{rec.action}: {rec.outcome}: {rec.detail}"))
     return _exit_for(outcome)
 
 
@@ -170,26 +171,27 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
         return EXIT_OK
     rec, last, br = data["remediation"], data["last_run"], data["breaker"]
-    print(f"node {node}: {rec['state']} since {_iso(rec['since'])}"
-          + (f"  ({rec['fault_code']} {rec['target']}, by {rec['trigger']})"
-             if rec["fault_code"] else ""))
+    out = _print_escaped  # what follows may hold text a training job wrote
+    out(f"node {node}: {rec['state']} since {_iso(rec['since'])}"
+        + (f"  ({rec['fault_code']} {rec['target']}, by {rec['trigger']})"
+           if rec["fault_code"] else ""))
     if last:
         why = ", ".join(f"{r['rule']} {r['target']}" for r in last["reasons"][:3])
-        print(f"last grade: {last['level']} ({last['suite']} at {_iso(last['at'])})"
-              + (f": {why}" if why else ""))
+        out(f"last grade: {last['level']} ({last['suite']} at {_iso(last['at'])})"
+            + (f": {why}" if why else ""))
     else:
-        print("last grade: none recorded (runs are recorded with --act)")
-    print("breaker: " + (f"OPEN since {_iso(br['opened_at'])}: {br['reason']}; reset with "
-                         "`node-agent breaker reset`" if br["open"] else "closed"))
-    print(f"opt-out: {data['opt_out'] or 'no'}")
-    print(f"journal (last {len(data['journal'])}):")
+        out("last grade: none recorded (runs are recorded with --act)")
+    out("breaker: " + (f"OPEN since {_iso(br['opened_at'])}: {br['reason']}; reset with "
+                       "`node-agent breaker reset`" if br["open"] else "closed"))
+    out(f"opt-out: {data['opt_out'] or 'no'}")
+    out(f"journal (last {len(data['journal'])}):")
     for row in data["journal"]:
-        print(f"  #{row['id']:<4} {_iso(row['updated_at'])}  {row['action']:<9} "
-              f"{row['state']:<8} {row['trigger']:<8} {row['fault_code'] or '-'} "
-              f"{row['target'] or '-'}  {row['detail'][:120]}")
-    print(f"state: {data['database'] or 'none readable'}"
-          + (f" (UNAVAILABLE: {data['unavailable']}; automatic actions are refused)"
-             if data["unavailable"] else ""))
+        out(f"  #{row['id']:<4} {_iso(row['updated_at'])}  {row['action']:<9} "
+            f"{row['state']:<8} {row['trigger']:<8} {row['fault_code'] or '-'} "
+            f"{row['target'] or '-'}  {row['detail'][:120]}")
+    out(f"state: {data['database'] or 'none readable'}"
+        + (f" (UNAVAILABLE: {data['unavailable']}; automatic actions are refused)"
+           if data["unavailable"] else ""))
     return EXIT_OK
 
 
@@ -273,6 +275,12 @@ COMMANDS = {"act": cmd_act, "status": cmd_status, "set-healthy": cmd_set_healthy
 
 
 # -- helpers ----------------------------------------------------------------------------------
+def _print_escaped(text: str = "") -> None:
+    """One line for the terminal: targets, reasons and details may hold text a training job
+    wrote (a job id, a spool file name); its control characters are escaped."""
+    sys.stdout.write(printable(text) + "\n")
+
+
 def _unavailable(what: str, err: StateUnavailable) -> int:
     print(f"node-agent: {what} not done: state unavailable: {err}; fix the state directory "
           "(disk space, permissions, mount) and run it again", file=sys.stderr)

@@ -91,17 +91,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def render(report: Any) -> str:
-    """One line per training process, then the grade and its reasons (plain text)."""
+    """One line per training process, then the grade and its reasons (plain text; what the
+    training processes wrote has its control characters escaped)."""
+    from node_agent.report.terminal import printable
+
     lines = [f"training processes on {report.host.hostname}"
              + ("  (SIMULATED)" if report.simulated else "")]
     for r in report.results:
         ev = r.evidence
-        agreeing = ", ".join(ev.get("agreeing") or []) or "-"
+        agreeing = ", ".join(str(a) for a in ev.get("agreeing") or []) or "-"
         lines.append(f"  {r.status.value:<5} {r.metric:<20} {r.target}  signals: {agreeing}")
         lines.append(f"        {r.detail}")
     g = report.grade
     lines.append(f"grade: {g.level.name} (action {g.action.value})")
     lines += [f"  {x.level.name} {x.target} [{x.rule}] {x.message}" for x in g.reasons]
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)
 
 

@@ -1,13 +1,35 @@
-"""The terminal view: progress lines while a suite runs, a summary table at the end."""
+"""The terminal view: progress lines while a suite runs, a summary table at the end.
+
+Much of what is shown came from other users (spool file names, a job's details, a process's
+environment and command line): :func:`printable` escapes every control character before it
+reaches a terminal, so no text can move the cursor, rewrite earlier lines, set the window
+title or hide itself behind a bidirectional override.
+"""
 
 from __future__ import annotations
 
+import re
 import sys
 from collections import Counter
 from typing import TextIO
 
 from node_agent.model import Level, Report, Result, Status
 from node_agent.suite import CheckSpec
+
+# C0 and C1 controls (ESC starts a terminal escape, CR/LF/BS rewrite what was shown), DEL, and
+# the invisible or reordering Unicode formats (zero-width, line/paragraph separators,
+# bidirectional embeddings, overrides and isolates: "Trojan Source", CVE-2021-42574)
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
+
+
+def printable(text: object) -> str:
+    """``text`` with every control character escaped (``\\x1b``, ``\\n``, ``\\u202e``).
+
+    >>> printable("gpu:1 \\x1b[2Jok")
+    'gpu:1 \\\\x1b[2Jok'
+    """
+    return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(text))
+
 
 _COLOURS = {"pass": "32", "warn": "33", "fail": "31", "skip": "90", "error": "35",
             "HEALTHY": "32", "WARN": "33", "ERROR": "35", "FAULT": "31"}
@@ -27,7 +49,7 @@ class ProgressPrinter:
     def __call__(self, event: str, spec: CheckSpec, index: int, total: int,
                  results: list[Result]) -> None:
         if event == "start":
-            self.stream.write(f"[{index}/{total}] {spec.check} ... ")
+            self.stream.write(f"[{index}/{total}] {printable(spec.check)} ... ")
             self.stream.flush()
             return
         counts = Counter(r.status.value for r in results)
@@ -54,7 +76,9 @@ def _collapse_skips(results: list[Result]) -> list[Result]:
             rows.append(Result(check=r.check, target=f"gpu:{targets}" if r.target.startswith("gpu:")
                                else f"{len(group)} targets", metric=r.metric, status=r.status,
                                detail=r.detail))
-    return rows
+    return [Result(check=printable(r.check), target=printable(r.target),
+                   metric=printable(r.metric), status=r.status, detail=printable(r.detail))
+            for r in rows]
 
 
 def render_summary(report: Report, colour: bool = False, verbose: bool = False) -> str:
@@ -63,7 +87,7 @@ def render_summary(report: Report, colour: bool = False, verbose: bool = False) 
     head = (f"node-agent {report.suite} on {report.host.hostname}"
             f"{' (SIMULATED)' if report.simulated else ''}: {len(report.gpus)} GPU(s)"
             f"{', SKU ' + report.sku if report.sku else ''}, driver {report.host.driver or 'n/a'}")
-    lines.append(head)
+    lines.append(printable(head))
     shown = _collapse_skips([r for r in report.results if verbose or r.status is not Status.PASS])
     if shown:
         width_check = max(len(r.check) for r in shown)
@@ -86,9 +110,9 @@ def render_summary(report: Report, colour: bool = False, verbose: bool = False) 
     lines.append(f"grade: {verdict}   action: {grade.action.value}")
     for reason in grade.reasons:
         if reason.level > Level.HEALTHY:
-            lines.append(f"  - {reason.level.name:7} {reason.target:10} [{reason.rule}] "
-                         f"{reason.message}")
+            lines.append(f"  - {reason.level.name:7} {printable(reason.target):10} "
+                         f"[{printable(reason.rule)}] {printable(reason.message)}")
     for action in report.actions:
-        lines.append(f"action {action.action} via {action.adapter}: {action.outcome} "
-                     f"({action.detail})")
+        lines.append(printable(f"action {action.action} via {action.adapter}: {action.outcome} "
+                               f"({action.detail})"))
     return "\n".join(lines)

@@ -578,3 +578,32 @@ def test_a_root_owned_heartbeat_does_not_speak_for_another_users_process(user, s
                                      "step_at": 1.0}))
     (p,) = discover(hb, pids=[victim.pid]).processes
     assert p.heartbeat is not None and p.heartbeat["step"] == 7
+
+
+# -- terminal escapes in what users write --------------------------------------------------------
+
+ESCAPES = r"""
+import json, sys
+from node_agent.sdc.spool import Verdict, write_verdict
+d = sys.argv[1]
+write_verdict(d, Verdict(probe="exact_gemm", device="cuda:1", shape=(8, 8, 8), dtype="bf16",
+                         status="transient", mismatched_elements=1, duration_s=0.1,
+                         timestamp=1.0e9, detail="ok\x1b[2J\x1b]0;owned\x07\rHEALTHY\u202e"))
+with open(d + "/evil\x1b[31mname.json", "w") as f:
+    f.write("{}")
+print("written")
+"""
+
+
+def test_control_characters_a_user_wrote_reach_the_terminal_escaped(user, shared_dir):
+    sdc = spool(shared_dir, "sdc")
+    user.py(ESCAPES, str(sdc))
+    checks = suite(shared_dir, {"check": "sdc_spool", "timeout_s": 30,
+                                "params": {"spool_dir": str(sdc)}})
+    done = run_agent("check", "--suite", checks, "--simulate", node(shared_dir),
+                     "--config", config(shared_dir))
+    assert done.returncode == 0, done.stderr
+    for bad in ("\x1b", "\x07", "\r", "\u202e"):
+        assert bad not in done.stdout and bad not in done.stderr, repr(bad)
+    assert "\\x1b[2J" in done.stdout and "\\u202e" in done.stdout
+    assert "evil\\x1b[31mname.json" in done.stdout
