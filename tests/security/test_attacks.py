@@ -607,3 +607,98 @@ def test_control_characters_a_user_wrote_reach_the_terminal_escaped(user, shared
         assert bad not in done.stdout and bad not in done.stderr, repr(bad)
     assert "\\x1b[2J" in done.stdout and "\\u202e" in done.stdout
     assert "evil\\x1b[31mname.json" in done.stdout
+
+
+# -- the systemd unit: its capabilities are enough, its exposure is scored -----------------------
+
+UNIT = REPO / "packaging" / "systemd" / "node-agent.service"
+
+PROBE = r"""
+import json, os, subprocess, sys
+spool_file, pid, stale, py_spy = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+out = {}
+def attempt(name, fn):
+    try:
+        fn()
+        out[name] = "ok"
+    except Exception as err:
+        out[name] = f"{type(err).__name__}: {err}"
+attempt("read a user's 0600 spool file", lambda: open(spool_file).read())
+attempt("read a user's process environ", lambda: open(f"/proc/{pid}/environ", "rb").read())
+attempt("remove a user's stale heartbeat", lambda: os.unlink(stale))
+def kmsg():
+    fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    os.close(fd)
+attempt("open /dev/kmsg", kmsg)
+if py_spy:
+    def dump():
+        r = subprocess.run([py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True,
+                           timeout=60)
+        if r.returncode != 0:
+            raise RuntimeError(r.stderr.strip()[-200:])
+    attempt("py-spy dump a user's process", dump)
+print(json.dumps(out))
+"""
+
+
+def _unit_capabilities() -> list[str]:
+    for line in UNIT.read_text().splitlines():
+        if line.startswith("CapabilityBoundingSet="):
+            return line.split("=", 1)[1].split()
+    raise AssertionError("the unit sets no CapabilityBoundingSet")
+
+
+def test_the_units_capability_bounding_set_covers_what_the_agent_reads(user, shared_dir):
+    import shutil
+
+    from node_agent.training.stacks import find_py_spy
+
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is not installed: cannot run with the unit's "
+                    "capability bounding set")
+    hb = spool(shared_dir, "heartbeat")
+    job = user.popen(SLEEPER, env={"RANK": "0"})
+    mine = hb / "mine.json"
+    stale = hb / "stale.json"
+    user.py("import sys\nfor p in sys.argv[1:]:\n    open(p, 'w').write('{}')", str(mine),
+            str(stale))
+    mine.chmod(0o600)  # as Heartbeat's mkstemp makes them
+    assert mine.stat().st_uid == user.uid
+    caps = ",".join("+" + c.lower().removeprefix("cap_") for c in _unit_capabilities())
+    py_spy = find_py_spy(None) or ""
+
+    def probe(bounding: str) -> dict:
+        done = subprocess.run(["setpriv", f"--bounding-set=-all{bounding}", "--",
+                               sys.executable, "-c", PROBE, str(mine), str(job.pid), str(stale),
+                               py_spy], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    got = probe("," + caps)
+    assert set(got.values()) == {"ok"}, got
+    assert len(got) == (5 if py_spy else 4), got
+    # the control: with no capability at all, root could do none of it (so the set matters)
+    stale.write_text("{}")
+    os.chown(stale, user.uid, user.gid)
+    bare = probe("")
+    assert bare["read a user's 0600 spool file"].startswith("PermissionError")
+    assert bare["read a user's process environ"].startswith("PermissionError")
+    if Path("/proc/sys/kernel/dmesg_restrict").read_text().strip() == "1":
+        assert bare["open /dev/kmsg"].startswith("PermissionError")  # CAP_SYSLOG needed
+    assert bare["remove a user's stale heartbeat"] == "ok"  # the spool is root's: no cap needed
+    if py_spy:
+        assert bare["py-spy dump a user's process"] != "ok"
+
+
+def test_systemd_analyze_scores_the_unit_ok(shared_dir):
+    import shutil
+
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed (Debian package systemd)")
+    done = subprocess.run(["systemd-analyze", "security", "--offline=yes", str(UNIT)],
+                          capture_output=True, text=True, timeout=120)
+    if "offline" in done.stderr and done.returncode != 0:
+        pytest.skip(f"this systemd-analyze cannot score a unit file offline: {done.stderr}")
+    line = next(x for x in done.stdout.splitlines() if "Overall exposure level" in x)
+    score = float(line.split(":")[1].split()[0])
+    assert score < 5.0, line  # "OK" or better; the unit before this work scored 9.6 UNSAFE
