@@ -26,7 +26,7 @@ query (a problem per GPU).
 
 Example::
 
-    found = discover(Path("/var/lib/node-agent/spool/heartbeat"), gpus=backend.devices())
+    found = discover(Path("/var/spool/node-agent/heartbeat"), gpus=backend.devices())
     for p in found.processes:
         print(p.pid, p.rank, p.job, p.gpus)
     for subject, message in found.problems:
