@@ -30,6 +30,7 @@ def _load():
 
 
 gv = _load()
+steps = sys.modules["gpu_validate_steps"]  # the measuring half, imported by gv
 _backend = open_backend()
 HAS_DRIVER = _backend.unavailable_reason is None
 _backend.close()
@@ -62,11 +63,11 @@ def test_make_gpu_validate_without_a_gpu_exits_0_with_every_figure_null_and_expl
 
 
 def test_bandwidth_figures_come_from_the_agents_own_checks(tmp_path):
-    proc = gv._agent(["accept", "--simulate", str(HEALTHY), "--only",
+    proc = steps._agent(["accept", "--simulate", str(HEALTHY), "--only",
                       "hbm_bandwidth,pcie_bandwidth", "--json", "--out", str(tmp_path / "r")],
                      240, tmp_path)
     report = json.loads(proc.stdout)
-    figures = gv.bandwidth_figures(report, "cmd")
+    figures = steps.bandwidth_figures(report, "cmd")
     for name in ("hbm_gbps", "pcie_h2d_gbps", "pcie_d2h_gbps"):
         assert figures[name]["value"] > 0 and figures[name]["reason"] is None, figures[name]
         assert "p90 of" in figures[name]["detail"]
@@ -74,10 +75,10 @@ def test_bandwidth_figures_come_from_the_agents_own_checks(tmp_path):
                             "status": "skip", "value": None, "detail": "torch cannot use CUDA"}]}
     skipped["results"].append({"check": "pcie_bandwidth", "metric": "ran", "target": "node",
                                "status": "skip", "value": None, "detail": "no NVIDIA driver"})
-    figures = gv.bandwidth_figures(skipped, "cmd")
+    figures = steps.bandwidth_figures(skipped, "cmd")
     assert figures["hbm_gbps"]["reason"] == "hbm_bandwidth skip: torch cannot use CUDA"
     assert figures["pcie_d2h_gbps"]["reason"] == "pcie_bandwidth skip: no NVIDIA driver"
-    figures = gv.bandwidth_figures({"results": []}, "cmd")
+    figures = steps.bandwidth_figures({"results": []}, "cmd")
     assert figures["pcie_h2d_gbps"]["reason"] == ("the report has no pcie_bandwidth h2d_gbps "
                                                   "result for gpu:0")
 
@@ -87,7 +88,7 @@ def test_burn_figures_run_the_burn_workers_and_explain_a_precision_the_device_la
     from node_agent.compute.devices import ComputeSpec, sim_tflops_for
 
     spec = ComputeSpec(0, simulated=True, sim_tflops=sim_tflops_for(None))
-    figures = gv.burn_figures(spec, size=64, seconds_each=1.0, deadline_s=120,
+    figures = steps.burn_figures(spec, size=64, seconds_each=1.0, deadline_s=120,
                               precisions=("bf16", "fp8"), command="cmd")
     assert figures["burn_tflops_bf16"]["value"] > 0, figures["burn_tflops_bf16"]
     assert "products verified (Freivalds), 0 wrong elements" in figures["burn_tflops_bf16"]["detail"]
@@ -96,7 +97,7 @@ def test_burn_figures_run_the_burn_workers_and_explain_a_precision_the_device_la
 
 
 def test_daemon_figures_measure_a_running_daemon_and_stop_it(tmp_path):
-    figures = gv.daemon_figures(box_s=90, window_s=3, simulate=str(HEALTHY), command="cmd")
+    figures = steps.daemon_figures(box_s=90, window_s=3, simulate=str(HEALTHY), command="cmd")
     rss, cpu = figures["daemon_rss_mb"], figures["daemon_cpu_pct"]
     assert rss["value"] > 10 and rss["reason"] is None, rss  # a Python process with its imports
     assert cpu["value"] is not None and cpu["value"] >= 0, cpu

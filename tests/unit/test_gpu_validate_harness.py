@@ -29,6 +29,7 @@ def _load():
 
 
 gv = _load()
+steps = sys.modules["gpu_validate_steps"]  # the measuring half, imported by gv
 
 
 def _step(name="hang", figures=("hbm_gbps", "pcie_h2d_gbps"), timeout_s=30, min_s=5):
@@ -167,9 +168,9 @@ def test_pytest_counts_come_from_the_junit_report(tmp_path):
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                     f"--junitxml={junit}", "-o", "addopts=", str(tmp_path / "test_sample.py")],
                    cwd=tmp_path, capture_output=True, timeout=120)
-    assert gv.pytest_counts(junit) == {"tests": 4, "failed": 1, "errors": 0, "skipped": 1,
+    assert steps.pytest_counts(junit) == {"tests": 4, "failed": 1, "errors": 0, "skipped": 1,
                                        "passed": 2}
-    outcomes = gv._case_outcomes(junit)
+    outcomes = steps._case_outcomes(junit)
     assert outcomes["test_ok"] == "passed"
     assert outcomes["test_skipped"].startswith("skipped: no GPU")
     assert outcomes["test_broken"].startswith("failed: AssertionError: NVML said no")
@@ -178,7 +179,7 @@ def test_pytest_counts_come_from_the_junit_report(tmp_path):
 def test_the_shortened_delivery_suite_is_a_valid_suite_with_the_overrides(tmp_path):
     from node_agent.suite import load_suite
 
-    gv.delivery_suite(tmp_path / "delivery.yaml")
+    steps.delivery_suite(tmp_path / "delivery.yaml")
     suite = load_suite(str(tmp_path / "delivery.yaml"), REPO / "suites")
     shipped = load_suite("delivery", REPO / "suites")
     assert [c.check for c in suite.checks] == [c.check for c in shipped.checks]
@@ -207,7 +208,7 @@ def test_the_agent_runs_from_the_source_tree_through_the_overlay(tmp_path):
 def test_burn_vs_plain_runs_the_engine_and_the_plain_loop_on_the_same_device():
     """On the CPU at a tiny size (the harness, not the figure: CPU ratios mean nothing)."""
     pytest.importorskip("torch")
-    got = gv.burn_vs_plain(device="cpu", precision="fp32", size=64, block_s=0.05, pairs=2,
+    got = steps.burn_vs_plain(device="cpu", precision="fp32", size=64, block_s=0.05, pairs=2,
                            command="c")["burn_vs_plain_matmul"]
     assert got["value"] is not None and got["value"] > 0, got
     assert got["reason"] is None and got["unit"] == "ratio"
