@@ -32,13 +32,14 @@ from typing import Any
 
 from node_agent import proc
 from node_agent.checks import CheckContext
+from node_agent.extras import install_command
 from node_agent.model import Result, Status
 from node_agent.parsers import ParseError
 from node_agent.parsers.nccl_tests import parse_all_reduce_perf
 
 DEFAULT_SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 24)  # 1 KiB .. 16 MiB: seconds on CPU
 DEFAULT_TIMEOUT_S = 120.0
-TORCH_MISSING = "torch not installed (pip install 'node-agent[torch]')"
+TORCH_MISSING = f"torch not installed ({install_command('torch')})"
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ from node_agent.training.blocking import Blocked, classify
 from node_agent.training.signals import Signal
 
 PY_SPY_TIMEOUT_S = 10.0
-PY_SPY_MISSING = "py-spy is not installed (pip install py-spy, or put it on the agent's PATH)"
+PY_SPY_MISSING = (f"py-spy is not installed, though node-agent depends on it: {sys.executable} -m pip "
+                  "install 'py-spy>=0.3.14' (or put py-spy on the agent's PATH)")
 PTRACE_FIX = ("py-spy needs ptrace permission: run the agent as root or with CAP_SYS_PTRACE, "
               "or set kernel.yama.ptrace_scope=0")
 MAX_FRAMES = 20

@@ -89,7 +89,7 @@ def test_py_spy_printing_no_json_is_unavailable_not_a_crash(tmp_path):
 
 def test_no_py_spy_marks_every_process_unavailable_with_how_to_install():
     stacks = sample_stacks(None, [1, 2], 3, 0.0, time.monotonic() + 30)
-    assert all(not s.available and "pip install py-spy" in s.detail for s in stacks.values())
+    assert all(not s.available and "pip install 'py-spy" in s.detail for s in stacks.values())
 
 
 def test_identical_samples_say_hang_and_name_the_innermost_frame():
