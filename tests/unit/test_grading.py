@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
 from node_agent import resources
 from node_agent.checks.xid_fold import Folder
@@ -232,8 +233,9 @@ def test_rules_file_without_an_sxid_rule_still_routes_sxids_to_their_catalog(tmp
     shipped = resources.graders_dir(config_from_dict({}))
     shutil.copytree(shipped, tmp_path / "graders")
     rules = tmp_path / "graders" / "rules.yaml"
-    rules.write_text("\n".join(line for line in rules.read_text().splitlines()
-                               if "sxid_catalog" not in line))
+    data = yaml.safe_load(rules.read_text())  # an operator's older rules.yaml: no sxid rule
+    data["rules"] = [r for r in data["rules"] if r["level"] != "sxid_catalog"]
+    rules.write_text(yaml.safe_dump(data))
     grader = load_grader(tmp_path / "graders")
     (finding,) = findings(["nvidia-nvswitch0: SXid (PCI:0000:06:00.0): 20001, Non-fatal, Link 4 TX Replay Error"])
     assert grader.grade([finding]).level is Level.WARN
