@@ -950,6 +950,58 @@ EXPORT nvmlReturn_t nvmlDeviceGetMemoryErrorCounter(nvmlDevice_t device, nvmlMem
     DONE(rc == NVML_SUCCESS ? get_ull(gpu, key, count) : rc);
 }
 
+/* ecc_sram.aggregate / ecc_sram.volatile "<uncorrectable parity> <uncorrectable SEC-DED>
+ * <corrected>", ecc_sram.aggregate_by_unit "<l2> <sm> <pcie> <mcu> <other>",
+ * ecc_sram.threshold_exceeded 0/1. A GPU without any ecc_sram.* key does not report the status
+ * (pre-Ampere: NOT_SUPPORTED); a key left out of one that does reads 0. */
+static nvmlReturn_t sram_uints(const fake_section_t *gpu, const char *key, unsigned long long *out,
+                               int n)
+{
+    unsigned values[8] = {0};
+    if (!fake_get(gpu, key)) {
+        for (int i = 0; i < n; i++)
+            out[i] = 0;
+        return NVML_SUCCESS;
+    }
+    nvmlReturn_t rc = get_uints(gpu, key, values, n);
+    for (int i = 0; rc == NVML_SUCCESS && i < n; i++)
+        out[i] = values[i];
+    return rc;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetSramEccErrorStatus(nvmlDevice_t device, nvmlEccSramErrorStatus_t *status)
+{
+    DEVICE_CALL(device);
+    REQUIRE(status);
+    if (status->version != nvmlEccSramErrorStatus_v1)
+        DONE(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    if (!fake_has_prefix(gpu, "ecc_sram."))
+        DONE(NVML_ERROR_NOT_SUPPORTED);
+    unsigned long long aggregate[3], volatile_[3], unit[5], exceeded[1];
+    rc = sram_uints(gpu, "ecc_sram.aggregate", aggregate, 3);
+    if (rc == NVML_SUCCESS)
+        rc = sram_uints(gpu, "ecc_sram.volatile", volatile_, 3);
+    if (rc == NVML_SUCCESS)
+        rc = sram_uints(gpu, "ecc_sram.aggregate_by_unit", unit, 5);
+    if (rc == NVML_SUCCESS)
+        rc = sram_uints(gpu, "ecc_sram.threshold_exceeded", exceeded, 1);
+    if (rc == NVML_SUCCESS) {
+        status->aggregateUncParity = aggregate[0];
+        status->aggregateUncSecDed = aggregate[1];
+        status->aggregateCor = aggregate[2];
+        status->volatileUncParity = volatile_[0];
+        status->volatileUncSecDed = volatile_[1];
+        status->volatileCor = volatile_[2];
+        status->aggregateUncBucketL2 = unit[0];
+        status->aggregateUncBucketSm = unit[1];
+        status->aggregateUncBucketPcie = unit[2];
+        status->aggregateUncBucketMcu = unit[3];
+        status->aggregateUncBucketOther = unit[4];
+        status->bThresholdExceeded = exceeded[0] != 0;
+    }
+    DONE(rc);
+}
+
 /* retired_pages.sbe / retired_pages.dbe: how many pages (their addresses are made up). */
 static nvmlReturn_t retired(const fake_section_t *gpu, nvmlPageRetirementCause_t cause,
                             unsigned int *pageCount, unsigned long long *addresses,
