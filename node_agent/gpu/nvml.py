@@ -67,8 +67,12 @@ _LOST_CODES = {_GPU_IS_LOST, _GPU_NOT_FOUND}
 # ACTION), and a missing name must read "not supported", not crash the check.
 _FI_DEV_MEMORY_TEMP = 82
 _FI_DEV_GET_GPU_RECOVERY_ACTION = 230
-# nvmlNvLinkCapability_t NVML_NVLINK_CAP_VALID: "link is supported on this device"
+# nvmlNvLinkCapability_t (nvml.h): NVML_NVLINK_CAP_P2P_SUPPORTED "P2P over NVLink is
+# supported"; NVML_NVLINK_CAP_VALID "link is supported on this device"
+_NVLINK_CAP_P2P_SUPPORTED = 0
 _NVLINK_CAP_VALID = 5
+# NVML_STRUCT_VERSION(data, ver) (nvml.h): sizeof(the _vN_t struct) | ver << 24
+_STRUCT_VERSION_SHIFT = 24
 
 # c_nvmlValue_t member for each nvmlValueType_t (NVML_VALUE_TYPE_DOUBLE = 0 ... UNSIGNED_SHORT = 6)
 _FIELD_VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
@@ -483,9 +487,20 @@ class NvmlDevice:
         )
 
     def ecc(self) -> EccCounts:
-        """``nvidia-smi -q -d ECC``: mode, volatile/aggregate SBE/DBE, aggregate DBE by location."""
+        """``nvidia-smi -q -d ECC``: mode, volatile/aggregate SBE/DBE, aggregate DBE by location,
+        and the SRAM error status (None/{} where the GPU, driver or binding lacks it, or the
+        agent is not root: the call needs root, and the other counters do not)."""
         lib = self._lib
         current, _pending = self._call("nvmlDeviceGetEccMode")
+        try:
+            sram = self._sram_status()
+        except NotSupported:
+            sram = None
+        except NoPermission as err:  # said once; the other ECC counters need no root
+            if "sram-permission" not in self._nvml._unsupported_logged:
+                self._nvml._unsupported_logged.add("sram-permission")
+                log.info("SRAM ECC status not read: %s", err)
+            sram = None
 
         def total(error_type: int, counter: int) -> int | None:
             return _optional(lambda: self._call("nvmlDeviceGetTotalEccErrors", error_type, counter))
@@ -505,7 +520,29 @@ class NvmlDevice:
             aggregate_dbe=total(uncorrected, lib.NVML_AGGREGATE_ECC),
             aggregate_dbe_sram=aggregate_dbe_at(lib.NVML_MEMORY_LOCATION_SRAM),
             aggregate_dbe_dram=aggregate_dbe_at(lib.NVML_MEMORY_LOCATION_DRAM),
+            sram_uncorrectable_aggregate=None if sram is None else (
+                int(sram.aggregateUncParity) + int(sram.aggregateUncSecDed)),
+            sram_threshold_exceeded=None if sram is None else bool(sram.bThresholdExceeded),
+            sram_uncorrectable_by_unit={} if sram is None else {
+                "l2": int(sram.aggregateUncBucketL2), "sm": int(sram.aggregateUncBucketSm),
+                "pcie": int(sram.aggregateUncBucketPcie), "mcu": int(sram.aggregateUncBucketMcu),
+                "other": int(sram.aggregateUncBucketOther)},
         )
+
+    def _sram_status(self) -> Any:
+        """nvmlDeviceGetSramEccErrorStatus (Ampere and later, root): the filled
+        nvmlEccSramErrorStatus_v1_t (nvidia-smi -q -d ECC: SRAM Uncorrectable Parity / SEC-DED,
+        SRAM Threshold Exceeded, Aggregate Uncorrectable SRAM Sources)."""
+        struct = getattr(self._lib, "c_nvmlEccSramErrorStatus_v1_t", None)
+        if struct is None:
+            raise NotSupported(f"nvmlDeviceGetSramEccErrorStatus on GPU {self.index}: this "
+                               "nvidia-ml-py is too old to have its struct "
+                               "(c_nvmlEccSramErrorStatus_v1_t); upgrade nvidia-ml-py")
+        status = struct()
+        if not status.version:  # nvidia-ml-py sets nvmlEccSramErrorStatus_v1 in __init__
+            status.version = ctypes.sizeof(status) | (1 << _STRUCT_VERSION_SHIFT)
+        self._call("nvmlDeviceGetSramEccErrorStatus", ctypes.byref(status))
+        return status
 
     def retired_pages(self) -> RetiredPages:
         """``nvidia-smi -q -d PAGE_RETIREMENT`` (pre-Ampere GPUs; later ones remap rows)."""
@@ -537,7 +574,8 @@ class NvmlDevice:
         return RECOVERY_ACTIONS[n] if 0 <= n < len(RECOVERY_ACTIONS) else f"unknown_{n}"
 
     def nvlinks(self) -> list[NvLink]:
-        """``nvidia-smi nvlink -s`` and ``-e``: each link's state and DL error counters.
+        """``nvidia-smi nvlink -s``, ``-e`` and ``-c``: each link's state, DL error counters and
+        P2P capability.
 
         [] when the GPU has no NVLink. Link indexes this GPU lacks are skipped: those whose state
         is "not supported" or an invalid argument, and those that answer "inactive" without
@@ -564,8 +602,18 @@ class NvmlDevice:
                 replay_errors=counter(lib.NVML_NVLINK_ERROR_DL_REPLAY),
                 recovery_errors=counter(lib.NVML_NVLINK_ERROR_DL_RECOVERY),
                 crc_errors=counter(lib.NVML_NVLINK_ERROR_DL_CRC_FLIT),
+                p2p_supported=self._nvlink_p2p(link),
             ))
         return links
+
+    def _nvlink_p2p(self, link: int) -> bool:
+        """Whether link ``link`` can carry peer-to-peer traffic (NVML_NVLINK_CAP_P2P_SUPPORTED);
+        False where the GPU or driver does not report the capability."""
+        try:
+            return bool(self._call("nvmlDeviceGetNvLinkCapability", link,
+                                   _NVLINK_CAP_P2P_SUPPORTED))
+        except (NotSupported, NvmlInvalidArgument):
+            return False
 
     def _nvlink_valid(self, link: int) -> bool:
         """Whether NVML says link index ``link`` is a link of this GPU (NVML_NVLINK_CAP_VALID)."""

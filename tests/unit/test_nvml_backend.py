@@ -8,6 +8,7 @@ NVML to ``node_agent.gpu.base`` — values, errors, timeouts and Xid events.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import sys
 import threading
@@ -34,7 +35,7 @@ from node_agent.gpu.nvml import NvmlBackend, NvmlUnavailable, open_nvml
 # nvmlReturn_t codes, as in nvml.h
 NOT_SUPPORTED, NO_PERMISSION, NOT_FOUND, DRIVER_NOT_LOADED = 3, 4, 6, 9
 TIMEOUT, LIBRARY_NOT_FOUND, FUNCTION_NOT_FOUND, GPU_IS_LOST = 10, 12, 13, 15
-INVALID_ARGUMENT = 2
+INVALID_ARGUMENT, ARGUMENT_VERSION_MISMATCH = 2, 25
 
 
 class FakeNVMLError(Exception):
@@ -56,7 +57,9 @@ GPUS = [
         "serial": "1650123456789", "vbios": "96.00.74.00.0D", "total": 81559 * 1024 * 1024,
         "ecc": (1, 1), "sbe": (3, 40), "dbe": (0, 2), "dbe_sram": 1, "dbe_dram": 1,
         "remap": (2, 1, 0, 0), "pcie": (5, 5, 16, 16), "replay": 0, "mask": 0x0,
-        "recovery": 0, "links": 2,
+        "recovery": 0, "links": 2, "p2p_links": {0},
+        # nvmlEccSramErrorStatus: unc. parity, unc. SEC-DED, by unit (l2 sm pcie mcu other), flag
+        "sram": (2, 3, (1, 4, 0, 0, 0), 1),
         # two ranks; the second's memory not reported (bindings turn ULL -1 into None)
         "procs": [(4242, 61_000 * 1024 * 1024), (4243, None)], "util": (97, 58),
     },
@@ -65,11 +68,30 @@ GPUS = [
         "serial": b"1320000000001", "vbios": b"92.00.45.00.06", "total": 40960 * 1024 * 1024,
         "ecc": (1, 1), "sbe": (0, 0), "dbe": (1, 1), "dbe_sram": None, "dbe_dram": 1,
         "remap": (0, 3, 1, 1), "pcie": (3, 4, 8, 16), "replay": 17, "mask": 0x4 | 0x40,
-        "recovery": 2, "links": 0,
+        "recovery": 2, "links": 0, "p2p_links": set(), "sram": None,
         # older bindings pass NVML_VALUE_NOT_AVAILABLE through as 2**64 - 1
         "procs": [(5150, 2**64 - 1)], "util": (100, 0),
     },
 ]
+
+
+class FakeSramStatus(ctypes.Structure):
+    """nvidia-ml-py's c_nvmlEccSramErrorStatus_v1_t: nvml.h's layout; __init__ sets the version."""
+
+    _fields_ = [("version", ctypes.c_uint),
+                *((name, ctypes.c_ulonglong) for name in (
+                    "aggregateUncParity", "aggregateUncSecDed", "aggregateCor",
+                    "volatileUncParity", "volatileUncSecDed", "volatileCor",
+                    "aggregateUncBucketL2", "aggregateUncBucketSm", "aggregateUncBucketPcie",
+                    "aggregateUncBucketMcu", "aggregateUncBucketOther")),
+                ("bThresholdExceeded", ctypes.c_uint)]
+
+    def __init__(self) -> None:
+        super().__init__(version=SRAM_STATUS_V1)
+
+
+# nvml.h: nvmlEccSramErrorStatus_v1 = NVML_STRUCT_VERSION(EccSramErrorStatus, 1), 104 bytes | 1 << 24
+SRAM_STATUS_V1 = 0x1000068
 
 
 def make_fake_nvml(gpus: list[dict] | None = None) -> SimpleNamespace:
@@ -93,6 +115,7 @@ def make_fake_nvml(gpus: list[dict] | None = None) -> SimpleNamespace:
         NVML_NVLINK_ERROR_DL_REPLAY=0, NVML_NVLINK_ERROR_DL_RECOVERY=1,
         NVML_NVLINK_ERROR_DL_CRC_FLIT=2, NVML_FI_DEV_MEMORY_TEMP=82,
         NVML_FI_DEV_GET_GPU_RECOVERY_ACTION=230, nvmlEventTypeXidCriticalError=0x8,
+        c_nvmlEccSramErrorStatus_v1_t=FakeSramStatus, sram_versions=[],
     )
 
     def fake(name, gpu_arg=True):
@@ -146,6 +169,22 @@ def make_fake_nvml(gpus: list[dict] | None = None) -> SimpleNamespace:
         return _raise(NOT_SUPPORTED) if value is None else value
 
     fake("nvmlDeviceGetMemoryErrorCounter")(memory_error_counter)
+
+    def sram_status(h, status_ref):
+        status = status_ref._obj  # what ctypes.byref points at, as the C library writes it
+        lib.sram_versions.append(status.version)
+        if status.version != SRAM_STATUS_V1:
+            _raise(ARGUMENT_VERSION_MISMATCH)
+        if g(h)["sram"] is None:
+            _raise(NOT_SUPPORTED)
+        parity, secded, units, exceeded = g(h)["sram"]
+        status.aggregateUncParity, status.aggregateUncSecDed = parity, secded
+        (status.aggregateUncBucketL2, status.aggregateUncBucketSm, status.aggregateUncBucketPcie,
+         status.aggregateUncBucketMcu, status.aggregateUncBucketOther) = units
+        status.bThresholdExceeded = exceeded
+        return 0
+
+    fake("nvmlDeviceGetSramEccErrorStatus")(sram_status)
     fake("nvmlDeviceGetRetiredPages")(lambda h, cause: [0x1000, 0x2000][: cause + 1])
     fake("nvmlDeviceGetRetiredPagesPendingStatus")(lambda h: 0)
     fake("nvmlDeviceGetRemappedRows")(lambda h: g(h)["remap"])
@@ -168,6 +207,12 @@ def make_fake_nvml(gpus: list[dict] | None = None) -> SimpleNamespace:
         return 1 if link < g(h)["links"] else _raise(INVALID_ARGUMENT)
 
     fake("nvmlDeviceGetNvLinkState")(nvlink_state)
+
+    def nvlink_capability(h, link, capability):
+        nvlink_state(h, link)
+        return int(capability == 0 and link in g(h)["p2p_links"] or capability == 5)
+
+    fake("nvmlDeviceGetNvLinkCapability")(nvlink_capability)
     fake("nvmlDeviceGetNvLinkErrorCounter")(
         lambda h, link, counter: _raise(NOT_SUPPORTED) if counter == 1 else 10 * link + counter)
 
@@ -272,6 +317,54 @@ def test_ecc_counts_by_type_counter_and_location(backend):
     assert (ecc1.aggregate_dbe_sram, ecc1.aggregate_dbe_dram) == (None, 1)
 
 
+def test_ecc_reads_the_sram_status_as_a_sum_a_flag_and_units(backend, lib):
+    ecc0, ecc1 = (d.ecc() for d in backend.devices())
+    # aggregateUncParity + aggregateUncSecDed; bThresholdExceeded; aggregateUncBucket*
+    assert (ecc0.sram_uncorrectable_aggregate, ecc0.sram_threshold_exceeded) == (5, True)
+    assert ecc0.sram_uncorrectable_by_unit == {"l2": 1, "sm": 4, "pcie": 0, "mcu": 0, "other": 0}
+    # a GPU that does not report it (pre-Ampere): not reported, the other counters still read
+    assert (ecc1.sram_uncorrectable_aggregate, ecc1.sram_threshold_exceeded,
+            ecc1.sram_uncorrectable_by_unit) == (None, None, {})
+    assert ecc1.aggregate_dbe_dram == 1
+    assert lib.sram_versions == [SRAM_STATUS_V1, SRAM_STATUS_V1]
+
+
+def test_ecc_without_root_reads_the_counters_but_not_the_sram_status(backend, lib, caplog):
+    lib.errors[("nvmlDeviceGetSramEccErrorStatus", None)] = NO_PERMISSION
+    with caplog.at_level(logging.INFO, logger="node_agent.gpu.nvml"):
+        ecc0, _ = (d.ecc() for d in backend.devices())
+    assert (ecc0.aggregate_dbe, ecc0.sram_uncorrectable_aggregate,
+            ecc0.sram_threshold_exceeded) == (2, None, None)
+    assert sum("SRAM ECC status not read" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_lost_gpu_in_the_sram_call_is_a_lost_gpu_not_a_missing_value(backend, lib):
+    lib.errors[("nvmlDeviceGetSramEccErrorStatus", 0)] = GPU_IS_LOST
+    with pytest.raises(DeviceLost, match="nvmlDeviceGetSramEccErrorStatus on GPU 0"):
+        gpu(backend, 0).ecc()
+
+
+def test_sram_status_not_reported_with_a_binding_that_lacks_its_struct(lib):
+    del lib.c_nvmlEccSramErrorStatus_v1_t  # nvidia-ml-py 12.535, the minimum pyproject allows
+    backend = open_nvml(lib=lib)
+    ecc = gpu(backend, 0).ecc()
+    assert (ecc.aggregate_dbe, ecc.sram_threshold_exceeded) == (2, None)
+    assert ("nvmlDeviceGetSramEccErrorStatus", 0) not in lib.calls
+    backend.close()
+
+
+def test_sram_status_version_is_set_where_the_binding_struct_leaves_it_zero(lib):
+    class Unversioned(FakeSramStatus):
+        def __init__(self) -> None:
+            ctypes.Structure.__init__(self)
+
+    lib.c_nvmlEccSramErrorStatus_v1_t = Unversioned
+    backend = open_nvml(lib=lib)
+    assert gpu(backend, 0).ecc().sram_uncorrectable_aggregate == 5
+    assert lib.sram_versions == [SRAM_STATUS_V1]  # nvml.h's nvmlEccSramErrorStatus_v1
+    backend.close()
+
+
 def test_row_remap_flags_become_bools(backend):
     remap = gpu(backend, 1).row_remap()
     assert (remap.corrected, remap.uncorrected, remap.pending, remap.failed) == (0, 3, True, True)
@@ -340,9 +433,18 @@ def test_retired_pages_counts_and_pending(backend):
 
 def test_nvlinks_list_existing_links_and_none_for_unsupported_counters(backend):
     assert gpu(backend, 0).nvlinks() == [
-        NvLink(link=0, active=True, replay_errors=0, recovery_errors=None, crc_errors=2),
-        NvLink(link=1, active=True, replay_errors=10, recovery_errors=None, crc_errors=12),
+        NvLink(link=0, active=True, replay_errors=0, recovery_errors=None, crc_errors=2,
+               p2p_supported=True),
+        NvLink(link=1, active=True, replay_errors=10, recovery_errors=None, crc_errors=12,
+               p2p_supported=False),
     ]
+
+
+def test_nvlink_p2p_reads_false_where_the_capability_is_not_reported(backend, lib):
+    lib.errors[("nvmlDeviceGetNvLinkCapability", 0)] = NOT_SUPPORTED
+    links = gpu(backend, 0).nvlinks()
+    assert [(link.link, link.active, link.p2p_supported) for link in links] == [
+        (0, True, False), (1, True, False)]
 
 
 def test_nvlinks_empty_when_gpu_has_no_nvlink(backend):
