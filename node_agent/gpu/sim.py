@@ -227,18 +227,15 @@ class SimGpuDevice:
         self._answer()
         dbe = sum(f.params.get("count", 1) for f in self._scenario.faults_on(self.index, "ecc_dbe_volatile"))
         sbe = sum(f.params.get("count", 1) for f in self._scenario.faults_on(self.index, "ecc_sbe_volatile"))
-        # The SRAM status (nvmlDeviceGetSramEccErrorStatus) is reported only with an SRAM
-        # fault, so a healthy simulated GPU reads as the NVML backend reads one today.
-        sram_faults = self._scenario.faults_on(self.index, "ecc_sram_uncorrectable")
+        # The SRAM status (nvmlDeviceGetSramEccErrorStatus) is reported always, as an Ampere or
+        # later GPU does to a root agent: 0 errors and no threshold flag unless a fault says so.
         flagged = self._scenario.has(self.index, "sram_threshold_exceeded")
         by_unit = dict.fromkeys(SRAM_UNITS, 0)
-        for fault in sram_faults:
+        for fault in self._scenario.faults_on(self.index, "ecc_sram_uncorrectable"):
             by_unit[fault.params.get("unit", "l2")] += int(fault.params.get("count", 1))
         sram = sum(by_unit.values())
-        status = {}
-        if sram_faults or flagged:
-            status = {"sram_uncorrectable_aggregate": sram, "sram_threshold_exceeded": flagged,
-                      "sram_uncorrectable_by_unit": by_unit}
+        status = {"sram_uncorrectable_aggregate": sram, "sram_threshold_exceeded": flagged,
+                  "sram_uncorrectable_by_unit": by_unit}
         return EccCounts(enabled=True, volatile_sbe=sbe, volatile_dbe=dbe, aggregate_sbe=sbe,
                          aggregate_dbe=dbe + sram, aggregate_dbe_sram=sram, aggregate_dbe_dram=dbe,
                          **status)
@@ -268,15 +265,16 @@ class SimGpuDevice:
     def nvlinks(self) -> list[NvLink]:
         """The SKU's ``nvlink.indices`` link indices (default ``links``); the first ``links``
         active unless ``nvlink_down``, the rest inactive (a PCIe card without a bridge: the
-        case that made PCIe cards read as NVLink failures). P2P capability is not modelled
-        (None), as the NVML backend does not read it today."""
+        case that made PCIe cards read as NVLink failures). Every index reports P2P
+        capability (NVML_NVLINK_CAP_P2P_SUPPORTED); whether a real PCIe card without a bridge
+        reports it on its idle indices is not modelled."""
         self._answer()
         down = {f.params["link"] for f in self._scenario.faults_on(self.index, "nvlink_down")}
         nvlink = self._sku.section("nvlink")
         wired = int(nvlink.get("links", 0))
         count = int(nvlink.get("indices", wired))
         return [NvLink(link=i, active=i < wired and i not in down, replay_errors=0,
-                       recovery_errors=0, crc_errors=0)
+                       recovery_errors=0, crc_errors=0, p2p_supported=True)
                 for i in range(count)]
 
     def compute_processes(self) -> list[GpuProcess]:

@@ -8,9 +8,10 @@ report, in NVML's own units (mW, bytes, °C, MHz, bit masks).
 
 What a healthy GPU reports is the simulator's model (:mod:`node_agent.gpu.sim`) read through
 its idle readings, so both ways of simulating show the same node; NVML-level faults become
-what NVML would answer: ``missing_gpu`` is not enumerated (NVML numbers the others 0..n-1),
-``gpu_lost`` answers NVML_ERROR_GPU_IS_LOST, ``driver_hang`` makes every call on the GPU hang,
-``xid`` is an Xid event. Per-function switches (:class:`Switch`) make a function unsupported,
+what NVML would answer: ``missing_gpu`` and ``pci_only`` GPUs are not enumerated (NVML numbers
+the others 0..n-1), ``gpu_lost`` answers NVML_ERROR_GPU_IS_LOST, ``driver_hang`` makes every
+call on the GPU hang, ``xid`` is an Xid event, and with ``driver: not_loaded``/``not_installed``
+``nvmlInit`` fails as on a host without a loaded driver. Per-function switches (:class:`Switch`) make a function unsupported,
 absent (an older driver), fail with a code, or hang.
 
 Use::
@@ -31,7 +32,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from node_agent.gpu.base import RECOVERY_ACTIONS, THROTTLE_REASONS, GpuDevice, NotSupported
+from node_agent.gpu.base import (
+    RECOVERY_ACTIONS,
+    SRAM_UNITS,
+    THROTTLE_REASONS,
+    GpuDevice,
+    NotSupported,
+)
 from node_agent.gpu.sim import SimGpuBackend
 from node_agent.grading.sku import Sku, load_skus
 from node_agent.sim.scenario import Scenario, load_scenario
@@ -49,10 +56,17 @@ _NVLINK_CAP_VALID = 5
 _EVENT_TYPES = 0x1 | 0x2 | 0x4 | 0x8 | 0x10
 _ALL_CLOCK_EVENT_REASONS = (1 << len(THROTTLE_REASONS)) - 1
 _MIB = 1024 * 1024
-# The fault kinds this module turns into NVML answers (all others act elsewhere: compute, RDMA)
+# nvmlReturn_t (nvml.h) nvmlInit answers for a scenario's ``driver: not_loaded`` (the kernel
+# module is not loaded: NVML_ERROR_DRIVER_NOT_LOADED) and ``not_installed`` (what nvidia-ml-py
+# raises where it cannot load libnvidia-ml.so.1: NVML_ERROR_LIBRARY_NOT_FOUND)
+DRIVER_DOWN_INIT_ERRORS = {"not_loaded": 9, "not_installed": 12}
+# The fault kinds this module turns into NVML answers. All others act elsewhere: compute,
+# RDMA, the kernel log (``kernel_log``), the PCI bus (``pci_only``'s bus entry; the GPU itself
+# is not enumerated here, as ``missing_gpu``).
 NVML_FAULT_KINDS = frozenset({
     "xid", "row_remap_pending", "row_remap_failure", "ecc_dbe_volatile", "ecc_sbe_volatile",
-    "missing_gpu", "gpu_lost", "temperature", "pcie_width", "throttle", "nvlink_down",
+    "ecc_sram_uncorrectable", "sram_threshold_exceeded", "memory_total", "missing_gpu",
+    "pci_only", "gpu_lost", "temperature", "pcie_width", "throttle", "nvlink_down",
     "recovery_action", "persistence_off", "driver_hang", "spin",
 })
 _FLAG_FAULTS = ("gpu_lost", "driver_hang")  # NVML answers, not readings: rendered as switches
@@ -165,6 +179,14 @@ def _device_lines(dev: GpuDevice) -> list[str]:
         put("ecc.uncorrected.aggregate", ecc.aggregate_dbe)
         put("ecc.uncorrected.aggregate.sram", ecc.aggregate_dbe_sram)
         put("ecc.uncorrected.aggregate.dram", ecc.aggregate_dbe_dram)
+        if ecc.sram_uncorrectable_aggregate is not None:
+            # the simulator keeps one count: all SEC-DED (a real GPU splits parity/SEC-DED)
+            put("ecc_sram.aggregate", f"0 {ecc.sram_uncorrectable_aggregate} 0")
+            put("ecc_sram.volatile", "0 0 0")
+            put("ecc_sram.aggregate_by_unit",
+                " ".join(str(ecc.sram_uncorrectable_by_unit.get(u, 0)) for u in SRAM_UNITS))
+        if ecc.sram_threshold_exceeded is not None:
+            put("ecc_sram.threshold_exceeded", int(ecc.sram_threshold_exceeded))
     pages = _reading(dev.retired_pages)
     if pages is not None:
         put("retired_pages.sbe", pages.sbe)
@@ -185,7 +207,8 @@ def _device_lines(dev: GpuDevice) -> list[str]:
         put(f"field.{_FI_DEV_NVLINK_LINK_COUNT}", f"uint {len(links)}")
     for link in links:
         put(f"nvlink.{link.link}.state", int(link.active))
-        put(f"nvlink.{link.link}.cap.{_NVLINK_CAP_P2P_SUPPORTED}", 1)
+        if link.p2p_supported is not None:
+            put(f"nvlink.{link.link}.cap.{_NVLINK_CAP_P2P_SUPPORTED}", int(link.p2p_supported))
         put(f"nvlink.{link.link}.cap.{_NVLINK_CAP_VALID}", 1)
         put(f"nvlink.{link.link}.error.replay", link.replay_errors)
         put(f"nvlink.{link.link}.error.recovery", link.recovery_errors)
@@ -220,10 +243,12 @@ def render(scenario: Scenario, sku: Sku, switches: Iterable[Switch] = (),
                                                if f.kind not in _FLAG_FAULTS))
     backend = SimGpuBackend(answering, sku)
     lines = [FORMAT,
-             f"# rendered by node_agent.sim.nvml_state from {scenario.source} (sku {sku.id})",
-             f"driver_version {scenario.driver}",
-             f"nvml_version 12.{scenario.driver}",
-             f"cuda_driver_version {cuda_version_int(scenario.cuda)}"]
+             f"# rendered by node_agent.sim.nvml_state from {scenario.source} (sku {sku.id})"]
+    if scenario.driver_down:  # NVML does not load: no GPUs, no versions
+        lines.append(f"error nvmlInit {DRIVER_DOWN_INIT_ERRORS[scenario.driver_down]}")
+    else:
+        lines += [f"driver_version {scenario.driver}", f"nvml_version 12.{scenario.driver}",
+                  f"cuda_driver_version {cuda_version_int(scenario.cuda)}"]
     lines += [s.line() for s in switches if s.gpu is None]
     lines += extra.get(None, ())
     for nvml_index, dev in enumerate(backend.devices()):

@@ -235,7 +235,10 @@ def test_nvml_backend_on_the_stand_in_library_keeps_the_contract_on_a_healthy_h1
                                                nvml_version="12.570.86.15")
     for dev in backend.devices():
         assert dev.recovery_action() == "none"
-        assert len(dev.nvlinks()) == 18 and all(link.active for link in dev.nvlinks())
+        assert len(dev.nvlinks()) == 18
+        assert all(link.active and link.p2p_supported for link in dev.nvlinks())
+        ecc = dev.ecc()  # an Ampere or later GPU to a root agent: SRAM status read, clean
+        assert (ecc.sram_uncorrectable_aggregate, ecc.sram_threshold_exceeded) == (0, False)
 
 
 def test_nvml_backend_keeps_the_contract_where_optional_functions_are_unsupported(fake_nvml):
@@ -257,12 +260,14 @@ def test_nvml_backend_keeps_the_contract_where_optional_functions_are_unsupporte
     assert dev.pcie().replay_count is None
     ecc = dev.ecc()
     assert (ecc.aggregate_dbe_sram, ecc.aggregate_dbe_dram) == (None, None)
+    assert (ecc.sram_uncorrectable_aggregate, ecc.sram_threshold_exceeded) == (None, None)
     # an older driver: the _v2 CUDA version and clocks "throttle" reasons answer instead
     assert backend.driver() == base.DriverInfo("570.86.15", "12.8", None)
     assert dev.throttle_reasons() == {"gpu_idle"}
     # NVLink capabilities unsupported: active links still count, none are invented
     assert [link.link for link in dev.nvlinks()] == list(range(18))
     assert {(link.replay_errors, link.recovery_errors) for link in dev.nvlinks()} == {(None, None)}
+    assert {link.p2p_supported for link in dev.nvlinks()} == {False}  # not reported: not usable
     with pytest.raises(base.NotSupported, match="Xid events"):
         backend.wait_xid_events(0.05)
 
@@ -275,7 +280,12 @@ NVML_FAULTS = {
     "row_remap_failure": {"kind": "row_remap_failure", "gpu": 2},
     "ecc_dbe_volatile": {"kind": "ecc_dbe_volatile", "gpu": 1, "count": 2},
     "ecc_sbe_volatile": {"kind": "ecc_sbe_volatile", "gpu": 1, "count": 5000},
+    "ecc_sram_uncorrectable": {"kind": "ecc_sram_uncorrectable", "gpu": 2, "count": 3,
+                               "unit": "sm"},
+    "sram_threshold_exceeded": {"kind": "sram_threshold_exceeded", "gpu": 1},
+    "memory_total": {"kind": "memory_total", "gpu": 0, "mib": 40960},
     "missing_gpu": {"kind": "missing_gpu", "gpu": 3},
+    "pci_only": {"kind": "pci_only", "gpu": 3},
     "gpu_lost": {"kind": "gpu_lost", "gpu": 3},
     "temperature": {"kind": "temperature", "gpu": 0, "celsius": 95},
     "pcie_width": {"kind": "pcie_width", "gpu": 3, "lanes": 8},
@@ -301,13 +311,13 @@ def test_nvml_backend_reads_each_fault_as_the_simulator_shows_it(fake_nvml, kind
     sim = SimGpuBackend(scenario, _sku(scenario.sku), call_timeout_s=0.3)
     nvml = fake_nvml(scenario, call_timeout_s=0.3)
     sim_readings, nvml_readings = _node_readings(sim), _node_readings(nvml)
-    if kind == "missing_gpu":  # the same GPUs, numbered by NVML without the gap
+    if kind in ("missing_gpu", "pci_only"):  # the same GPUs, numbered by NVML without the gap
         for reading in sim_readings:
             reading["identity"] = dataclasses.replace(reading["identity"], index=None)
         for reading in nvml_readings:
             reading["identity"] = dataclasses.replace(reading["identity"], index=None)
     assert nvml_readings == sim_readings
-    assert len(nvml.devices()) == (3 if kind == "missing_gpu" else 4)
+    assert len(nvml.devices()) == (3 if kind in ("missing_gpu", "pci_only") else 4)
     if kind == "driver_hang":  # wedged: the event wait fails fast like every other call
         with pytest.raises(base.GpuTimeout):
             nvml.wait_xid_events(0.05)
@@ -316,3 +326,30 @@ def test_nvml_backend_reads_each_fault_as_the_simulator_shows_it(fake_nvml, kind
     assert [(e.gpu_index, e.code) for e in nvml.wait_xid_events(0.2)] == expected
     assert expected == ([(2, 79)] if kind == "xid" else [])
     assert nvml.wait_xid_events(0.05) == []  # each event once
+
+
+def test_the_faults_read_through_nvml_are_the_ones_injected(fake_nvml):
+    """The parity above would hold if neither way showed a fault: these are the values."""
+    scenario = Scenario(sku="h100-sxm5-80gb", gpus=4, source="t", faults=tuple(
+        Fault(kind=raw["kind"], gpu=raw["gpu"],
+              params={k: v for k, v in raw.items() if k not in ("kind", "gpu")})
+        for raw in (NVML_FAULTS["ecc_sram_uncorrectable"], NVML_FAULTS["sram_threshold_exceeded"],
+                    NVML_FAULTS["memory_total"])))
+    gpu0, gpu1, gpu2, gpu3 = fake_nvml(scenario).devices()
+    assert gpu0.identity().memory_total_mib == 40960
+    ecc1, ecc2 = gpu1.ecc(), gpu2.ecc()
+    assert (ecc1.sram_threshold_exceeded, ecc1.sram_uncorrectable_aggregate) == (True, 0)
+    assert (ecc2.sram_threshold_exceeded, ecc2.sram_uncorrectable_aggregate) == (False, 3)
+    assert ecc2.sram_uncorrectable_by_unit["sm"] == 3
+    assert gpu3.ecc().sram_uncorrectable_aggregate == 0
+
+
+@pytest.mark.parametrize("state", ["not_loaded", "not_installed"])
+def test_a_driver_that_is_down_reads_through_nvml_as_the_simulator_says(fake_nvml, state):
+    scenario = Scenario(sku="h100-sxm5-80gb", gpus=4, source="t", driver=state)
+    sim = SimGpuBackend(scenario, _sku(scenario.sku))
+    write_state(fake_nvml.state, render(scenario, _sku(scenario.sku)))
+    nvml = open_backend()  # what the agent opens without --simulate
+    assert (nvml.unavailable_reason, nvml.broken) == (sim.unavailable_reason, sim.broken)
+    assert nvml.devices() == sim.devices() == []
+    assert nvml.unavailable_reason.startswith("no NVIDIA driver")

@@ -219,6 +219,56 @@ def test_ecc_reads_volatile_aggregate_and_location_counters(nvml):
                                        aggregate_dbe_dram=2)
 
 
+def test_ecc_reads_the_sram_status_parity_plus_sec_ded_the_flag_and_the_units(nvml):
+    dev = only_gpu(nvml(GPU0 + [
+        "ecc.mode 1 1", "ecc.uncorrected.aggregate 7",
+        # unc. parity, unc. SEC-DED, corrected; by unit: l2 sm pcie mcu other
+        "ecc_sram.aggregate 2 5 11", "ecc_sram.volatile 1 0 3",
+        "ecc_sram.aggregate_by_unit 3 0 1 2 1", "ecc_sram.threshold_exceeded 1"]))
+    ecc = dev.ecc()
+    assert (ecc.sram_uncorrectable_aggregate, ecc.sram_threshold_exceeded) == (7, True)
+    assert ecc.sram_uncorrectable_by_unit == {"l2": 3, "sm": 0, "pcie": 1, "mcu": 2, "other": 1}
+    assert ecc.aggregate_dbe == 7
+
+
+def test_sram_status_reads_zero_and_no_flag_on_a_healthy_gpu(nvml):
+    ecc = only_gpu(nvml(GPU0 + ["ecc.mode 1 1", "ecc_sram.threshold_exceeded 0"])).ecc()
+    assert (ecc.sram_uncorrectable_aggregate, ecc.sram_threshold_exceeded) == (0, False)
+    assert ecc.sram_uncorrectable_by_unit == dict.fromkeys(base.SRAM_UNITS, 0)
+
+
+@pytest.mark.parametrize("why", ["pre-Ampere", "not root", "older driver"])
+def test_sram_status_is_not_reported_where_nvml_does_not_answer_it(nvml, why):
+    lines = {"pre-Ampere": [],  # no ecc_sram.* key: NVML_ERROR_NOT_SUPPORTED
+             "not root": ["ecc_sram.threshold_exceeded 1",
+                          "error nvmlDeviceGetSramEccErrorStatus 4"],
+             "older driver": ["ecc_sram.threshold_exceeded 1",
+                              "absent nvmlDeviceGetSramEccErrorStatus"]}[why]
+    ecc = only_gpu(nvml(GPU0 + ["ecc.mode 1 1", "ecc.uncorrected.volatile 2", *lines])).ecc()
+    assert (ecc.sram_uncorrectable_aggregate, ecc.sram_threshold_exceeded,
+            ecc.sram_uncorrectable_by_unit) == (None, None, {})
+    assert ecc.volatile_dbe == 2  # the other counters still read
+
+
+def test_sram_status_struct_of_the_wrong_version_is_refused_like_the_real_library(nvml):
+    dev = only_gpu(nvml(GPU0 + ["ecc_sram.aggregate 0 4 0", "ecc_sram.threshold_exceeded 1"]))
+    status = pynvml.c_nvmlEccSramErrorStatus_v1_t()
+    assert status.version == pynvml.nvmlEccSramErrorStatus_v1 == 0x1000068  # nvml.h
+    pynvml.nvmlDeviceGetSramEccErrorStatus(dev.handle(), ctypes.byref(status))
+    assert (status.aggregateUncSecDed, status.bThresholdExceeded) == (4, 1)
+    status = pynvml.c_nvmlEccSramErrorStatus_v1_t()
+    status.version = 0x2000068
+    with pytest.raises(pynvml.NVMLError_ArgumentVersionMismatch):
+        pynvml.nvmlDeviceGetSramEccErrorStatus(dev.handle(), ctypes.byref(status))
+
+
+def test_a_binding_too_old_for_the_sram_status_reads_it_as_not_reported(nvml):
+    older = _OlderBinding({"c_nvmlEccSramErrorStatus_v1_t", "nvmlDeviceGetSramEccErrorStatus"})
+    ecc = only_gpu(nvml(GPU0 + ["ecc.mode 1 1", "ecc_sram.threshold_exceeded 1"],
+                        lib=older)).ecc()
+    assert (ecc.enabled, ecc.sram_threshold_exceeded) == (True, None)
+
+
 def test_ecc_disabled_reads_as_disabled(nvml):
     ecc = only_gpu(nvml(GPU0 + ["ecc.mode 0 1"])).ecc()
     assert not ecc.enabled and ecc.volatile_dbe is None
@@ -277,10 +327,13 @@ def test_field_readings_work_with_a_binding_that_predates_the_field_names(nvml):
 # -- NVLink ---------------------------------------------------------------------------------------
 
 
-def _link(i: int, state: int, valid: bool = True, errors: tuple[int, int, int] = (0, 0, 0)):
+def _link(i: int, state: int, valid: bool = True, errors: tuple[int, int, int] = (0, 0, 0),
+          p2p: bool | None = None):
     lines = [f"nvlink.{i}.state {state}"]
     if valid:
         lines += [f"nvlink.{i}.cap.0 1", f"nvlink.{i}.cap.5 1"]
+    if p2p is not None:  # NVML_NVLINK_CAP_P2P_SUPPORTED (0); the last line wins
+        lines.append(f"nvlink.{i}.cap.0 {int(p2p)}")
     for name, count in zip(("replay", "recovery", "crc_flit"), errors, strict=True):
         lines.append(f"nvlink.{i}.error.{name} {count}")
     return lines
@@ -289,9 +342,25 @@ def _link(i: int, state: int, valid: bool = True, errors: tuple[int, int, int] =
 def test_nvlinks_read_state_and_dl_error_counters(nvml):
     dev = only_gpu(nvml(GPU0 + _link(0, 1, errors=(7, 1, 2)) + _link(1, 0)))
     assert dev.nvlinks() == [
-        base.NvLink(link=0, active=True, replay_errors=7, recovery_errors=1, crc_errors=2),
-        base.NvLink(link=1, active=False, replay_errors=0, recovery_errors=0, crc_errors=0),
+        base.NvLink(link=0, active=True, replay_errors=7, recovery_errors=1, crc_errors=2,
+                    p2p_supported=True),
+        base.NvLink(link=1, active=False, replay_errors=0, recovery_errors=0, crc_errors=0,
+                    p2p_supported=True),
     ]
+
+
+def test_nvlink_p2p_capability_reads_the_p2p_supported_capability(nvml):
+    # link 1 is valid but says it cannot carry P2P traffic; link 2 leaves the capability out
+    lines = (_link(0, 1) + _link(1, 0, p2p=False)
+             + ["nvlink.2.state 1", "nvlink.2.cap.5 1"])
+    links = only_gpu(nvml(GPU0 + lines)).nvlinks()
+    assert [(link.link, link.active, link.p2p_supported) for link in links] == [
+        (0, True, True), (1, False, False), (2, True, False)]
+
+
+def test_nvlink_p2p_reads_false_where_capabilities_are_not_supported(nvml):
+    dev = only_gpu(nvml(GPU0 + _link(0, 1) + ["unsupported nvmlDeviceGetNvLinkCapability"]))
+    assert [(link.active, link.p2p_supported) for link in dev.nvlinks()] == [(True, False)]
 
 
 def test_nvlink_indexes_answering_inactive_without_the_valid_capability_are_not_links(nvml):
