@@ -9,6 +9,10 @@ targets and the same exit code as the same scenario under ``--simulate``, and th
 XIDs: under ``--simulate`` they are also kernel-log lines; through the stand-in they are NVML
 events only (the kernel log is this host's), so the suites here watch NVML events briefly
 (``xid`` with ``watch_s``), as the daemon always does.
+
+The PCI bus is this host's too (no NVIDIA GPU on it here), so where a grade rests on the bus
+(``pci_only``, ``driver: not_loaded``) only the level and exit code are compared, and the
+bus's part of the reasons is named (BUS_SCENARIOS).
 """
 
 from __future__ import annotations
@@ -37,6 +41,11 @@ SCENARIOS = {
     "row_remap_failure": ([{"kind": "row_remap_failure", "gpu": 2}], "FAULT"),
     "ecc_dbe_volatile": ([{"kind": "ecc_dbe_volatile", "gpu": 1, "count": 2}], "FAULT"),
     "ecc_sbe_volatile": ([{"kind": "ecc_sbe_volatile", "gpu": 1, "count": 5000}], "WARN"),
+    "ecc_sram_uncorrectable": ([{"kind": "ecc_sram_uncorrectable", "gpu": 1, "count": 2,
+                                 "unit": "sm"}], "WARN"),
+    "sram_threshold_exceeded": ([{"kind": "ecc_sram_uncorrectable", "gpu": 4, "count": 5},
+                                 {"kind": "sram_threshold_exceeded", "gpu": 4}], "FAULT"),
+    "memory_total": ([{"kind": "memory_total", "gpu": 6, "mib": 40960}], "WARN"),
     "missing_gpu": ([{"kind": "missing_gpu", "gpu": 7}], "FAULT"),
     "gpu_lost": ([{"kind": "gpu_lost", "gpu": 3}], "FAULT"),
     "driver_hang": ([{"kind": "driver_hang", "gpu": 3}], "ERROR"),
@@ -50,12 +59,25 @@ SCENARIOS = {
     "faulty_h100": (yaml.safe_load((harness.REPO / "scenarios" / "faulty-h100.yaml").read_text())
                     ["faults"], "FAULT"),
 }
+# Scenarios whose grade rests on the PCI bus as well as NVML: (scenario keys, level, the rules
+# only --simulate's bus gives, the rules only this host's bus gives)
+BUS_SCENARIOS = {
+    # NVML enumerates 7 GPUs both ways; only the simulated bus shows the 8th by its bus id
+    "pci_only": ({"faults": [{"kind": "pci_only", "gpu": 3}]}, "FAULT",
+                 {("gpu-not-enumerated", "pci:0000:5d:00.0", "FAULT")}, set()),
+    # nvmlInit fails with NVML_ERROR_DRIVER_NOT_LOADED both ways; GPUs on the simulated bus
+    # make it driver-not-loaded, a bus without them a broken driver: ERROR either way
+    "driver_not_loaded": ({"driver": "not_loaded"}, "ERROR",
+                          {("driver-not-loaded", "node", "ERROR")},
+                          {("gpu-driver-broken", "node", "ERROR")}),
+}
 EXIT = {"HEALTHY": 0, "WARN": 0, "ERROR": 3, "FAULT": 4}
 XID_WATCH = {"check": "xid", "timeout_s": 15, "params": {"since": "boot", "watch_s": 0.3}}
 
 
 def test_every_nvml_level_fault_kind_is_compared():
     kinds = {f["kind"] for faults, _ in SCENARIOS.values() for f in faults}
+    kinds |= {f["kind"] for keys, *_ in BUS_SCENARIOS.values() for f in keys.get("faults", [])}
     assert NVML_FAULT_KINDS <= kinds
 
 
@@ -73,10 +95,10 @@ def node(nvml_fake_lib, tmp_path):
         quick = tmp_path / "quick-events.yaml"
         delivery = tmp_path / "delivery-events.yaml"
 
-        def scenario(self, faults) -> Path:
+        def scenario(self, faults, **keys) -> Path:
             path = tmp_path / "scenario.yaml"
             path.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 8,
-                                            "faults": list(faults)}))
+                                            "faults": list(faults), **keys}))
             return path
 
         def run(self, *args: str, scenario: Path, simulate: bool,
@@ -125,7 +147,23 @@ def test_check_on_the_stand_in_library_grades_like_simulate(node, name):
     assert report["simulated"] is False and report["host"]["gpu_backend"] == "nvml"
 
 
-@pytest.mark.parametrize("name", ["healthy", "faulty_h100", "gpu_lost", "missing_gpu"])
+@pytest.mark.parametrize("name", sorted(BUS_SCENARIOS))
+def test_check_on_the_stand_in_library_grades_a_bus_dependent_fault_at_the_same_level(node,
+                                                                                       name):
+    keys, level, sim_only, nvml_only = BUS_SCENARIOS[name]
+    keys = dict(keys)
+    scenario = node.scenario(keys.pop("faults", []), **keys)
+    args = ("check", "--suite", str(node.quick), "--json")
+    sim_rc, sim_level, sim_reasons = _graded(node.run(*args, scenario=scenario, simulate=True))
+    real = node.run(*args, scenario=scenario, simulate=False)
+    rc, real_level, real_reasons = _graded(real)
+    assert (rc, real_level) == (sim_rc, sim_level) == (EXIT[level], level), real.stderr
+    assert set(sim_reasons) - set(real_reasons) == sim_only
+    assert set(real_reasons) - set(sim_reasons) == nvml_only
+
+
+@pytest.mark.parametrize("name", ["healthy", "faulty_h100", "gpu_lost", "missing_gpu",
+                                  "sram_threshold_exceeded"])
 def test_accept_nvml_checks_on_the_stand_in_library_grade_like_simulate(node, name):
     faults, _ = SCENARIOS[name]
     scenario = node.scenario(faults)
