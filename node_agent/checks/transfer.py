@@ -137,7 +137,7 @@ def open_specs(ctx: CheckContext) -> tuple[list[ComputeSpec], list[Result] | Non
     if not indices:
         return [], [ctx.skip("no GPUs visible: nothing to measure")]
     try:
-        return compute_specs(indices, ctx.scenario), None
+        return compute_specs(indices, ctx.scenario, ctx.sku), None
     except ComputeUnavailable as err:
         return [], ctx.compute_unavailable(str(err))
 

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from node_agent.extras import missing_message
 from node_agent.sdc.tiles import DEFAULT_SM_COUNT, TileModel, gpu_model, sim_model
 
 if TYPE_CHECKING:
@@ -75,8 +76,8 @@ def torch_missing_reason() -> str | None:
     try:
         import torch  # noqa: F401
     except ImportError:
-        return ("torch is not installed; install the compute extra: "
-                "pip install 'node-agent[torch]' (a CUDA build on GPU hosts)")
+        return missing_message("torch", "torch", "the load tests (burn, thermal, HBM, PCIe, SDC)") \
+            + " (a CUDA build on GPU hosts)"
     return None
 
 
