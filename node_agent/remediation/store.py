@@ -463,6 +463,12 @@ def open_store(state_dir: Path | str, clock: Callable[[], float] = time.time) ->
     for attempt in (1, 2):
         conn = None
         try:
+            # can it be written? SQLite opens a file it may not write read-only, silently, and
+            # a read-only disk would show up only at the first action
+            for target in (state_dir, path):
+                if target.exists() and not os.access(target, os.W_OK):
+                    raise sqlite3.OperationalError(f"{target} is not writable (a read-only "
+                                                   "file system, or its permissions)")
             conn = _connect(path)
             _init_schema(conn, path)
             _private_files(path)

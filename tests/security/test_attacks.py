@@ -410,12 +410,25 @@ def test_a_disk_another_user_filled_keeps_the_opt_out_and_refuses_every_action(
     assert status["opt_out"] == "maintenance" and status["journal"] == []
 
 
-def test_a_read_only_disk_still_shows_status_and_refuses_every_action(shared_dir, small_fs):
+@pytest.mark.parametrize("leftovers", [False, True], ids=["closed-cleanly", "wal-and-shm-left"])
+def test_a_read_only_disk_still_shows_status_and_refuses_every_action(shared_dir, small_fs,
+                                                                      leftovers):
+    import shutil
+
+    from node_agent.remediation.store import open_store
+
     cfg = config(shared_dir, state_dir=str(small_fs / "state"),
                  safety={"max_drained_fraction": 1.0})
     xid79 = node(shared_dir, "xid79.yaml", faults=[{"kind": "xid", "gpu": 5, "code": 79}])
     assert run_agent("optout", "on", "--reason", "maintenance", "--config", cfg, "--simulate",
                      xid79).returncode == 0
+    if leftovers:  # a crash left the -wal and -shm files (SQLite then opens read-only silently)
+        scratch = shared_dir / "scratch"
+        store = open_store(scratch)
+        store.set_opt_out("sim-node", True, 1.0, "maintenance")
+        for name in ("node-agent.db", "node-agent.db-wal", "node-agent.db-shm"):
+            shutil.copy(scratch / name, small_fs / "state" / name)
+        store.close()
     ro = subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], capture_output=True,
                         text=True)
     assert ro.returncode == 0, ro.stderr
