@@ -69,6 +69,15 @@ def suite(base: Path, *checks: dict, name: str = "attack") -> str:
                                               "checks": list(checks)})
 
 
+def private_tmp(base: Path) -> dict[str, str]:
+    """TMPDIR for an agent run whose report may land in a temp dir (a full or unusable state
+    dir): under the test's directory, so nothing is left in /tmp."""
+    tmp = base / "tmp"
+    tmp.mkdir(exist_ok=True)
+    tmp.chmod(0o1777)
+    return {"TMPDIR": str(tmp)}
+
+
 def report(done: subprocess.CompletedProcess) -> dict:
     assert done.returncode in (0, 3, 4), done.stderr[-3000:]
     return json.loads(done.stdout)
@@ -397,7 +406,8 @@ def test_a_disk_another_user_filled_keeps_the_opt_out_and_refuses_every_action(
     db = small_fs / "state" / "node-agent.db"
     before = db.read_bytes()
     assert "full:" in user.py(FILL, str(small_fs / "filler")).stdout
-    rep = report(run_agent("check", "--act", "--json", "--config", cfg, "--simulate", xid79))
+    rep = report(run_agent("check", "--act", "--json", "--config", cfg, "--simulate", xid79,
+                           env=private_tmp(shared_dir)))
     assert rep["grade"]["level"] == "FAULT"  # the checks and the report go on
     assert rep["actions"] and {a["outcome"] for a in rep["actions"]} == {"refused"}
     assert all("state unavailable" in a["detail"] or "opted out" in a["detail"]
@@ -435,7 +445,8 @@ def test_a_read_only_disk_still_shows_status_and_refuses_every_action(shared_dir
     status = run_agent("status", "--config", cfg, "--simulate", xid79)
     assert status.returncode == 0, status.stderr
     assert "opt-out: maintenance" in status.stdout and "UNAVAILABLE" in status.stdout
-    rep = report(run_agent("check", "--act", "--json", "--config", cfg, "--simulate", xid79))
+    rep = report(run_agent("check", "--act", "--json", "--config", cfg, "--simulate", xid79,
+                           env=private_tmp(shared_dir)))
     assert rep["grade"]["level"] == "FAULT" and rep["actions"]
     assert {a["outcome"] for a in rep["actions"]} == {"refused"}
     assert all("state unavailable" in a["detail"] for a in rep["actions"])
