@@ -24,6 +24,7 @@ from node_agent.atomic_file import create_private, private_dir
 from node_agent.kernel_log import KernelLog
 from node_agent.model import Report
 from node_agent.report import json_report
+from node_agent.training.stacks import PY_SPY_MISSING, find_py_spy
 
 KERNEL_LOG_TAIL_LINES = 300
 PY_SPY_TIMEOUT_S = 20.0
@@ -91,9 +92,9 @@ def collect(state_dir: Path, action: str, now: float, report: Report | None,
 def _stacks(pids: Sequence[int] | None, pids_note: str | None) -> str:
     if not pids:
         return f"skipped: {pids_note or 'no GPU processes known'}\n"
-    py_spy = proc.which("py-spy")
+    py_spy = find_py_spy()
     if py_spy is None:
-        return (f"skipped: py-spy is not installed (pip install py-spy) ; GPU pids were "
+        return (f"skipped: {PY_SPY_MISSING}; GPU pids were "
                 f"{', '.join(map(str, pids))}\n")
     parts = [f"py-spy dump of GPU processes {', '.join(map(str, pids))}\n"]
     for pid in pids:

@@ -51,6 +51,7 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from node_agent.extras import install_command
 from node_agent.schedulers.base import (
     AdapterError,
     JobKind,
@@ -99,7 +100,7 @@ def _load_api_client(kubeconfig: str | None):
         from kubernetes import client, config
     except ImportError as err:
         raise AdapterError("the kubernetes adapter needs the official client: "
-                           "pip install 'node-agent[k8s]'") from err
+                           f"{install_command('k8s')}") from err
     import os
 
     try:
