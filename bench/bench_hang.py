@@ -131,7 +131,8 @@ def one_trial(every_s: float, params: dict) -> tuple[float, dict]:
                     stopped = time.monotonic()
                 if now >= next_run:
                     next_run += every_s
-                    results = run(ctx(state, **params))
+                    # the worker's spool, named: with config=None the check has no default
+                    results = run(ctx(state, **{**params, "spool_dir": str(spool)}))
                     hang = [r for r in results if r.metric == "training_hang"]
                     if hang:
                         assert stopped is not None, "hang reported before the rank stopped"

@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from node_agent.atomic_file import ensure_spool_dirs
 from node_agent.config import Config, load_config
 from node_agent.environment import Environment, open_environment
+from node_agent.kernel_log import normalise_bus
 from node_agent.model import Grade, Level, Result, Status
 from node_agent.resources import suites_dir
 from node_agent.runner import run_check
@@ -103,7 +104,8 @@ class Daemon:
             self._remediation = DaemonRemediation(self.config, simulate, self.record_action)
             self._on_grade = self._remediation
         self._watch = XidWatch(lambda: self.env.gpu, lambda: self.env.kernel_log,
-                               self._on_xid, poll_s=float(self.config.get("daemon.xid_poll_s")))
+                               self._on_xid, poll_s=float(self.config.get("daemon.xid_poll_s")),
+                               report_sxid=True)
 
     # -- set-up ---------------------------------------------------------------------------------
     def _load_suite(self, config: Config) -> Suite:
@@ -321,12 +323,17 @@ class Daemon:
             stats.last_duration_s = duration
             stats.worst_status = worst.value if worst else None
             if check == "xid":
-                # an XID stays part of the grade for the daemon's life, whichever window the
-                # check read; the watch's sightings live in the same place
+                # an XID or SXid stays part of the grade for the daemon's life, whichever window
+                # the check read; the watch's findings live in the same place, one per (target,
+                # code): the one that has counted the most lines (the later one on a tie) is kept
                 for r in results:
-                    if r.metric == "xid" and r.status is Status.FAIL:
-                        self._xid_results.setdefault((r.target, int(r.value)), r)
-                results = [r for r in results if not (r.metric == "xid" and r.status is Status.FAIL)]
+                    if r.metric in ("xid", "sxid") and r.status is Status.FAIL:
+                        key = (r.target, int(r.value))
+                        kept = self._xid_results.get(key)
+                        if kept is None or _count(r) >= _count(kept):
+                            self._xid_results[key] = r
+                results = [r for r in results
+                           if not (r.metric in ("xid", "sxid") and r.status is Status.FAIL)]
             self._results[check] = results
             self._hangs.update(check, results)  # counts training_progress's new hangs
             if check in SDC_CHECKS:
@@ -340,30 +347,31 @@ class Daemon:
 
     # -- XIDs -----------------------------------------------------------------------------------
     def _on_xid(self, sighting: XidSighting) -> None:
+        """One folded finding from the watch: a first line, a new variant or burst, or a count
+        update (at most once a minute). The latest replaces the kept result for its key; the
+        Prometheus counter takes the finding's count (occurrences, not reports)."""
         with self._lock:
             env = self.env
             index = sighting.gpu_index
-            if index is None and sighting.pci_bus:
-                from node_agent.kernel_log import normalise_bus
-
+            if index is None and sighting.pci_bus and sighting.kind == "xid":
                 index = next((g.index for g in env.inventory.gpus
                               if normalise_bus(g.pci_bus_id) == sighting.pci_bus), None)
-            target = f"gpu:{index}" if index is not None else f"pci:{sighting.pci_bus or '?'}"
-            self._xid_counts[(index, sighting.code)] += 1
+            target = sighting.target or (f"gpu:{index}" if index is not None
+                                         else f"pci:{sighting.pci_bus or '?'}")
+            if sighting.kind == "xid":
+                # the fold's count is cumulative: the counter follows it, never goes back
+                self._xid_counts[(index, sighting.code)] = max(
+                    sighting.count, self._xid_counts[(index, sighting.code)])
             key = (target, sighting.code)
-            count = sum(n for (i, c), n in self._xid_counts.items()
-                        if c == sighting.code and i == index)
             first = key not in self._xid_results
-            self._xid_results[key] = Result(
-                check="xid", target=target, metric="xid", status=Status.FAIL, value=sighting.code,
-                detail=f"Xid {sighting.code} on {target} seen by the daemon's watch "
-                       f"({sighting.source}): {sighting.line}",
-                evidence={"count": count, "source": sighting.source, "line": sighting.line})
+            self._xid_results[key] = sighting.result(target)
+        noun = "SXid" if sighting.kind == "sxid" else "Xid"
         if first:
-            level, name = env.grader.xid_level(sighting.code)
-            log.warning("Xid %d (%s) on %s from %s: %s", sighting.code, name, target,
+            catalog = env.grader.sxid if sighting.kind == "sxid" else env.grader.xid
+            level, name = catalog.level(sighting.code)
+            log.warning("%s %d (%s) on %s from %s: %s", noun, sighting.code, name, target,
                         sighting.source, level.name)
-            self._regrade(f"Xid {sighting.code} on {target}")
+        self._regrade(f"{noun} {sighting.code} on {target} ({sighting.why})")
 
     # -- grading --------------------------------------------------------------------------------
     def current_results(self) -> list[Result]:
@@ -405,6 +413,12 @@ class Daemon:
                 xid_counts=dict(self._xid_counts), sdc_outcomes=dict(self._sdc),
                 actions=dict(self._actions), simulated=self.env.simulated,
                 hang_suspicions=self._hangs.total)
+
+
+def _count(result: Result) -> int:
+    """The occurrences a folded XID/SXid result counted (0 when it carries no count)."""
+    count = (result.evidence or {}).get("count")
+    return count if isinstance(count, int) else 0
 
 
 _STATUS_ORDER = [Status.SKIP, Status.PASS, Status.WARN, Status.FAIL, Status.ERROR]

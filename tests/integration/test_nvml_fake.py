@@ -246,6 +246,7 @@ def test_daemon_on_the_stand_in_library_sees_an_xid_and_a_lost_gpu_injected_whil
         port = s.getsockname()[1]
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"),
+                                      "spool_dir": str(tmp_path / "spool"),
                                       "daemon": {"listen": f"127.0.0.1:{port}",
                                                  "xid_poll_s": 0.2}}))
     suite = tmp_path / "periodic.yaml"
