@@ -1,7 +1,7 @@
 """How the agent creates its own files and directories: atomically, privately, never through a
 path another user controls (DESIGN.md, "Trust boundary"; docs/security.md).
 
-- :func:`write_json`: temp file in the same directory (``mkstemp``: ``O_EXCL``, mode 0600), fsync,
+- :func:`write_text`, :func:`write_json`: temp file in the same directory (``mkstemp``: ``O_EXCL``, mode 0600), fsync,
   ``os.replace``: the file is the old one or the new one, never half of one, and a symlink
   planted at the final name is replaced, not followed.
 - :func:`private_dir`: the state directory and its subdirectories are 0700 and the agent's own;
@@ -29,14 +29,14 @@ class UnsafeDirectory(OSError):
     """A directory the agent will not keep its state in (owner, mode or parent are wrong)."""
 
 
-def write_json(path: Path, data: Any) -> None:
-    """Replace ``path`` with ``data`` as indented, key-sorted JSON (``str`` for other types);
-    creates the parent directory (0700)."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+def write_text(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text``: a new temp file beside it (``mkstemp``: ``O_EXCL``, mode
+    0600, an unguessable name), fsync, ``os.replace``. Another user's symlink at the final name
+    is replaced, never written through."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, sort_keys=True, indent=1, default=str)
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -44,6 +44,13 @@ def write_json(path: Path, data: Any) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Replace ``path`` with ``data`` as indented, key-sorted JSON (``str`` for other types);
+    creates the parent directory (0700)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    write_text(path, json.dumps(data, sort_keys=True, indent=1, default=str))
 
 
 def create_private(path: Path, append: bool = False) -> int:

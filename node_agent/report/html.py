@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from node_agent import atomic_file
 from node_agent.extras import missing_message
 from node_agent.model import Level, Report, Result, Status
 from node_agent.yamlfile import ConfigError
@@ -506,12 +507,9 @@ def write_html(report: Report, path: str | Path) -> Path:
 
 def write_text_atomic(text: str, path: str | Path) -> Path:
     path = Path(path)
-    tmp = path.with_name("." + path.name + ".tmp")
     try:
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
+        atomic_file.write_text(path, text)
     except OSError as err:
-        tmp.unlink(missing_ok=True)
         raise ConfigError(f"{path}: cannot write: {err.strerror or err}") from err
     return path
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from node_agent import atomic_file
 from node_agent.model import Report, ReportFormatError
 
 
@@ -17,9 +17,7 @@ def write(report: Report, directory: Path) -> Path:
     """Write ``report-<host>-<suite>-<time>.json`` atomically (never a half-written file)."""
     stamp = report.started_at.replace(":", "").replace("-", "")
     path = directory / f"report-{report.host.hostname}-{report.suite}-{stamp}.json"
-    tmp = path.with_name("." + path.name + ".tmp")
-    tmp.write_text(dumps(report) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_file.write_text(path, dumps(report) + "\n")
     return path
 
 
