@@ -52,8 +52,10 @@ JOB_RULES = frozenset({"training-hang"})
 # NVML recovery action NVML_GPU_RECOVERY_ACTION_GPU_RESET (the driver asks for a reset).
 GPU_RESET_RULES = frozenset({"row-remap-pending", "retired-pages-pending", "recovery-action"})
 
-_XID_IN_MESSAGE = re.compile(r"\[Xid (\d+)")
-_XID_NAME_IN_MESSAGE = re.compile(r"\[(Xid \d+: [^\]]*)\]")
+# the grader appends "[Xid N: name]" (rule xid) or "[SXid N: name]" (rule sxid, an NVSwitch)
+# after the finding's detail (grading/rules.py); the last one is the grader's own
+_XID_IN_MESSAGE = re.compile(r"\[S?Xid (\d+)")
+_XID_NAME_IN_MESSAGE = re.compile(r"\[(S?Xid \d+: [^\]]*)\]")
 _GPU_TARGET = re.compile(r"^gpu:(\d+)$")
 # job:<job>/rank:<n> or job:<job>/pid:<n>; <job> may itself hold ':' and '/', so the match is
 # anchored at the end (docs/training_hangs.md)
@@ -111,19 +113,32 @@ class Plan:
 
 
 def fault_code(reason: Reason) -> str:
-    """The code restarts are counted by: the rule id, with the XID code for XID rules.
+    """The code restarts are counted by: the rule id, with the XID or SXid code for those rules.
+
+    The rule id keeps the two apart: an Xid is graded by rule ``xid`` and an NVSwitch SXid by
+    rule ``sxid`` (a rule routes to one catalog only), so Xid 20034 is ``xid-20034`` and
+    SXid 20034 ``sxid-20034``, each with its own restarts.
 
     >>> fault_code(Reason("xid", Level.ERROR, "gpu:1", "Xid 31 on gpu:1 [Xid 31: MMU fault]"))
     'xid-31'
+    >>> fault_code(Reason("sxid", Level.ERROR, "nvswitch:0", "x [SXid 20034: LTSSM Fault Up]"))
+    'sxid-20034'
     """
-    match = _XID_IN_MESSAGE.search(reason.message)
+    match = _last(_XID_IN_MESSAGE, reason.message)
     return f"{reason.rule}-{match.group(1)}" if match else reason.rule
+
+
+def _last(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
+    """The last match: the grader's bracket follows the detail, which quotes the kernel line."""
+    matches = list(pattern.finditer(text))
+    return matches[-1] if matches else None
 
 
 def short_message(reason: Reason, max_len: int = 60) -> str:
     """What a person reading ``sinfo -R`` needs: the XID catalog name when there is one
-    (``Xid 79: GPU has fallen off the bus``), else the start of the message."""
-    match = _XID_NAME_IN_MESSAGE.search(reason.message)
+    (``Xid 79: GPU has fallen off the bus``, ``SXid 20034: LTSSM Fault Up, printed Fatal``),
+    else the start of the message."""
+    match = _last(_XID_NAME_IN_MESSAGE, reason.message)
     text = match.group(1) if match else reason.message
     return text if len(text) <= max_len else text[: max_len - 3] + "..."
 

@@ -8,10 +8,23 @@ from __future__ import annotations
 
 import pytest
 
-from node_agent.model import Action, Grade, Level, Reason
+from node_agent import resources
+from node_agent.checks.xid_fold import Folder
+from node_agent.config import config_from_dict
+from node_agent.grading.rules import load_grader
+from node_agent.kernel_log import SxidLine, scan_lines
+from node_agent.model import Action, Grade, Level, Reason, Result, Status
 from node_agent.remediation.executor import GpuResetError, Remediator
 from node_agent.remediation.guards import blast_radius, sanitise_operator_text
-from node_agent.remediation.plan import JOB_RULES, Safety, Step, fault_code, job_of, plan
+from node_agent.remediation.plan import (
+    JOB_RULES,
+    Safety,
+    Step,
+    fault_code,
+    job_of,
+    plan,
+    short_message,
+)
 from node_agent.remediation.store import NodeRecord, open_store
 from node_agent.schedulers.base import REASON_PREFIX, AdapterError, NodeState, check_job_id
 
@@ -199,6 +212,46 @@ def test_xid_restarts_are_counted_per_xid_code():
     assert fault_code(Reason("driver-hang", Level.ERROR, "gpu:1", "hung")) == "driver-hang"
     xid31 = grade(Level.ERROR, "xid", "gpu:1", "Xid 31 [Xid 31: MMU fault]")
     assert not plan_for(xid31, counts={"xid-43": 5}).escalated
+
+
+@pytest.fixture(scope="module")
+def grader():
+    return load_grader(resources.graders_dir(config_from_dict({})))
+
+
+def graded_kernel_lines(grader, lines: list[str]) -> Grade:
+    """What the ``xid`` check and the shipped grader make of these kernel-log lines (the same
+    folding as ``checks/xid.py``; an Xid's bus stands for gpu:0)."""
+    folder = Folder()
+    for event in scan_lines(lines):
+        folder.add(event, event.target if isinstance(event, SxidLine) else "gpu:0", "test")
+    return grader.grade([fold.result() for fold in folder.sorted()], "service")
+
+
+SXID_20034 = "nvidia-nvswitch0: SXid (PCI:0000:c3:00.0): 20034, Fatal, Link 28 LTSSM Fault Up"
+SXID_22012 = "nvidia-nvswitch1: SXid (PCI:0000:c4:00.0): 22012, Fatal, Link 3 Minion Link NA interrupt"
+
+
+def test_sxid_restarts_are_counted_per_sxid_code_apart_from_xids(grader):
+    g = graded_kernel_lines(grader, [SXID_20034, SXID_22012])
+    assert [(r.rule, fault_code(r)) for r in g.reasons] == [("sxid", "sxid-20034"),
+                                                          ("sxid", "sxid-22012")]
+    assert short_message(g.reasons[0]).startswith("SXid 20034: LTSSM Fault Up")
+    # an Xid with the same number (not in the XID catalog: ERROR) keeps its own count
+    xid = grader.grade([Result("xid", "gpu:0", "xid", Status.FAIL, "Xid 20034", value=20034)])
+    assert fault_code(xid.reasons[0]) == "xid-20034"
+    sxid = Grade(Level.ERROR, Action.RESTART, g.reasons[:1])
+    assert not plan_for(sxid, counts={"xid-20034": 5, "sxid-22012": 5}).escalated
+    assert plan_for(sxid, counts={"sxid-20034": 2}, max_restarts=2).escalated
+    p = plan_for(sxid)
+    assert "ERROR sxid-20034 nvswitch:0" in p.steps[0].reason
+    assert (p.fault_code, p.target) == ("sxid-20034", "nvswitch:0")
+
+
+def test_the_fault_code_is_read_from_the_graders_bracket_not_the_quoted_line():
+    r = Reason("sxid", Level.ERROR, "nvswitch:0",
+               "SXid 20034 on nvswitch:0: odd text [Xid 79 [SXid 20034: LTSSM Fault Up]")
+    assert fault_code(r) == "sxid-20034"
 
 
 def test_no_action_while_the_requested_reboot_has_not_happened():
