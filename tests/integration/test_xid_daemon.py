@@ -2,25 +2,31 @@
 against the simulator, whose kernel log carries raw driver lines (``kind: kernel_log``).
 
 A flood of one code must make one reason and a handful of calls into the daemon, not one per
-line; a Fatal line arriving after thousands of Nonfatal ones must still turn the grade to ERROR.
+line, while the Prometheus counter counts every line; a Fatal line arriving after thousands of
+Nonfatal ones must still turn the grade to ERROR; an NVSwitch SXid is reported by the watch as a
+node-level finding on ``nvswitch:N`` and graded from ``graders/sxid.yaml``.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import threading
 import time
+import urllib.request
 
 import pytest
 import yaml
 
+from node_agent.service import daemon as daemon_module
 from node_agent.service.daemon import Daemon
 
 NONFATAL_149 = ("NVRM: Xid (PCI:{bus}): 149, NETIR_BER_EVENT Nonfatal XC0 i0 Link 03 "
                 "(0x00086226 0x00000001 0x00000000 0x00000000 0x00000000 0x00000000)")
 FATAL_149 = ("NVRM: Xid (PCI:{bus}): 149, NETIR_LINK_EVT Fatal XC0 i0 Link 08 "
              "(0x004505c6 0x00000000 0x00000000 0x00000000 0x00000000 0x00000000)")
+FATAL_SXID = "nvidia-nvswitch1: SXid (PCI:0000:06:00.0): 20034, Fatal, Link 48 LTSSM Fault Up"
 FLOOD = 3000
 
 
@@ -40,9 +46,15 @@ def flood(gpu: int, n: int, line: str = NONFATAL_149):
 
 
 @pytest.fixture
-def daemon(tmp_path, monkeypatch):
+def daemon(tmp_path, monkeypatch, request):
     """A running daemon on a simulated GB200 tray; ``.write(faults)`` changes its scenario and
-    ``.calls`` counts the watch's calls into the daemon."""
+    ``.calls`` counts the watch's calls into the daemon. Indirect parameters: ``sku``, and
+    ``update_s`` for the watch's count updates (default: the watch's own, once a minute)."""
+    options = getattr(request, "param", {})
+    sku = options.get("sku", "gb200-186gb")
+    if "update_s" in options:
+        monkeypatch.setattr(daemon_module, "XidWatch",
+                            functools.partial(daemon_module.XidWatch, update_s=options["update_s"]))
     scenario = tmp_path / "scenario.yaml"
     config = tmp_path / "config.yaml"
     suite = tmp_path / "periodic.yaml"
@@ -52,7 +64,7 @@ def daemon(tmp_path, monkeypatch):
 
     def write(faults=()):
         tmp = scenario.with_suffix(".tmp")
-        tmp.write_text(yaml.safe_dump({"sku": "gb200-186gb", "gpus": 4, "faults": list(faults)}))
+        tmp.write_text(yaml.safe_dump({"sku": sku, "gpus": 4, "faults": list(faults)}))
         os.replace(tmp, scenario)
 
     write()
@@ -102,3 +114,43 @@ def test_daemon_turns_error_when_a_fatal_line_follows_a_nonfatal_flood(daemon):
     assert wait_for(lambda: daemon.grade.level.name == "ERROR", 10), daemon.grade
     (reason,) = xid_reasons(daemon)
     assert reason.target == "gpu:1" and "NETIR_LINK_EVT Fatal -> RESET_GPU" in reason.message
+
+
+def scraped_xid_count(d, gpu: str, code: str) -> float | None:
+    host, port = d.listen_address
+    url = f"http://{host}:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    prefix = "node_agent_gpu_xid_errors_total{"
+    for line in text.splitlines():
+        if line.startswith(prefix) and f'gpu="{gpu}"' in line and f'code="{code}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+@pytest.mark.parametrize("daemon", [{"update_s": 0.5}], indirect=True)
+def test_xid_counter_counts_every_line_of_a_flood_not_the_watch_reports(daemon):
+    daemon.write(flood(gpu=2, n=FLOOD))
+    # the first report carries the count so far; the rest arrives with the next update
+    assert wait_for(lambda: scraped_xid_count(daemon, "2", "149") == FLOOD, 15), \
+        scraped_xid_count(daemon, "2", "149")
+    assert len(daemon.calls) < 10, f"{len(daemon.calls)} calls for {FLOOD} lines"
+    (kept,) = [r for r in daemon.current_results() if r.metric == "xid"]
+    assert (kept.target, kept.evidence["count"]) == ("gpu:2", FLOOD)
+    daemon.write(flood(gpu=2, n=FLOOD) + flood(gpu=2, n=1, line=FATAL_149))
+    assert wait_for(lambda: scraped_xid_count(daemon, "2", "149") == FLOOD + 1, 10), \
+        scraped_xid_count(daemon, "2", "149")
+
+
+@pytest.mark.parametrize("daemon", [{"sku": "h100-sxm5-80gb"}], indirect=True)
+def test_watch_reports_an_sxid_as_a_node_level_finding_on_its_nvswitch(daemon):
+    daemon.write([{"kind": "kernel_log", "line": FATAL_SXID}])
+    assert wait_for(lambda: daemon.grade.level.name == "ERROR", 10), daemon.grade
+    (reason,) = [r for r in daemon.grade.reasons if r.rule == "sxid"]
+    assert reason.target == "nvswitch:1" and "SXid 20034: LTSSM Fault Up" in reason.message
+    assert wait_for(lambda: [s for s in daemon.calls if s.kind == "sxid"], 5), \
+        "the watch never reported the SXid"
+    sighting = next(s for s in daemon.calls if s.kind == "sxid")
+    assert (sighting.target, sighting.code) == ("nvswitch:1", 20034)
+    # an NVSwitch is not a GPU: the GPU Xid counter has no series for it
+    assert daemon.snapshot().xid_counts == {}
