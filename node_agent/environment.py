@@ -48,7 +48,9 @@ class Environment:
             return configured
         if self.scenario is not None:
             return self.scenario.gpus
-        return self.sku.gpus_per_node if self.sku else None
+        if self.sku is None or not self.sku.fixed_gpu_count:
+            return None  # an add-in card's count is the server's build (node.expected_gpus)
+        return self.sku.gpus_per_node
 
     def writable_state_dir(self) -> Path | None:
         """The configured state directory if it can be made private (0700, the agent's own,

@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # what the agent creates is private unless it says otherwise (reports, evidence, state),
+    # also where the scheduler starts it with a loose umask (Slurm's HealthCheckProgram)
+    os.umask(0o077)
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)

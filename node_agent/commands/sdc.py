@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from node_agent.config import Config
+from node_agent.report.terminal import printable
 from node_agent.suite import CheckSpec, Suite, load_suite
 from node_agent.yamlfile import ConfigError
 
@@ -147,4 +148,4 @@ def render_counts(report: Any) -> str:
     g = report.grade
     lines.append(f"grade: {g.level.name} (action {g.action.value})")
     lines += [f"  {r.level.name} {r.target} [{r.rule}] {r.message}" for r in g.reasons]
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)

@@ -6,7 +6,7 @@ other ``node_agent`` module), so a training job can use it without the rest of t
 
     from node_agent.sdc import SdcProbe
 
-    probe = SdcProbe()            # current CUDA device, 0.1 % budget, spool under the state dir
+    probe = SdcProbe()            # current CUDA device, 0.1 % budget, spool under /var/spool/node-agent/sdc
     for batch in loader:
         loss = model(batch).sum(); loss.backward(); opt.step()
         probe.step()              # never raises; queues a probe only while under budget
