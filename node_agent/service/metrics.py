@@ -152,7 +152,7 @@ class Snapshot:
     checks: dict[str, CheckStats]
     results: list[Result]                                  # current results, all checks
     gpu_uuids: dict[int, str]
-    xid_counts: dict[tuple[int | None, int], int]          # (gpu index, code) -> sightings
+    xid_counts: dict[tuple[int | None, int], int]          # (gpu index, code) -> occurrences
     sdc_outcomes: dict[tuple[str, str], int] = field(default_factory=dict)  # (target, outcome)
     actions: dict[tuple[str, str], int] = field(default_factory=dict)       # (action, outcome)
     simulated: bool = False
@@ -212,7 +212,9 @@ class DaemonCollector(Collector):
         yield from _gpu_readings(s)
 
         xids = CounterMetricFamily("node_agent_gpu_xid_errors", "XID errors seen by the "
-                                   "daemon's watch (NVML events and the kernel log), per code",
+                                   "daemon's watch, per code: occurrences (kernel-log lines, "
+                                   "else NVML events), not reports; a flood's count is brought "
+                                   "up to date at least once a minute",
                                    labels=["hostname", "gpu", "uuid", "code"])
         for (gpu, code), count in sorted(s.xid_counts.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
             gpu_label = "" if gpu is None else str(gpu)
