@@ -154,3 +154,32 @@ def test_watch_reports_an_sxid_as_a_node_level_finding_on_its_nvswitch(daemon):
     assert (sighting.target, sighting.code) == ("nvswitch:1", 20034)
     # an NVSwitch is not a GPU: the GPU Xid counter has no series for it
     assert daemon.snapshot().xid_counts == {}
+
+
+def test_kept_xid_result_is_the_one_that_counted_more_lines(tmp_path):
+    """The periodic check and the watch file findings under the same (target, code): a later
+    result that counted fewer lines (a shorter window) does not replace a fuller one."""
+    from node_agent.model import Result, Status
+
+    scenario, config = tmp_path / "scenario.yaml", tmp_path / "config.yaml"
+    scenario.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 2, "faults": []}))
+    config.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"),
+                                      "spool_dir": str(tmp_path / "spool")}))
+    d = Daemon(str(config), str(scenario))
+    try:
+        def xid(count, metric="xid", target="gpu:0", code=79):
+            return Result(check="xid", target=target, metric=metric, status=Status.FAIL,
+                          value=code, detail=f"{metric} {code} x{count}", evidence={"count": count})
+
+        def kept():
+            return {(r.target, r.metric): r.evidence["count"] for r in d.current_results()
+                    if r.metric in ("xid", "sxid")}
+
+        d._record("xid", [xid(50), xid(2, "sxid", "nvswitch:1", 20034)], time.time(), 0.1)
+        d._record("xid", [xid(3), xid(1, "sxid", "nvswitch:1", 20034)], time.time(), 0.1)
+        assert kept() == {("gpu:0", "xid"): 50, ("nvswitch:1", "sxid"): 2}
+        d._record("xid", [xid(60)], time.time(), 0.1)
+        assert kept() == {("gpu:0", "xid"): 60, ("nvswitch:1", "sxid"): 2}
+        assert [r.rule for r in d.grade.reasons if r.target == "nvswitch:1"] == ["sxid"]
+    finally:
+        d.env.close()
