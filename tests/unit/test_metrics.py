@@ -151,7 +151,7 @@ def test_idle_connections_get_neither_unbounded_threads_nor_the_server(capfd):
     from node_agent.service.metrics import MetricsServer
 
     server = MetricsServer(("127.0.0.1", 0), {"/metrics": lambda: (200, "text/plain", b"ok\n")},
-                           max_connections=4, connection_s=1.0)
+                           max_connections=4, connection_s=5.0)
     port = server.server_address[1]
     threading.Thread(target=server.serve_forever, daemon=True).start()
     before = threading.active_count()
@@ -162,11 +162,12 @@ def test_idle_connections_get_neither_unbounded_threads_nor_the_server(capfd):
         deadline = time.monotonic() + 10
         while server.refused < 290 and time.monotonic() < deadline:
             time.sleep(0.05)
-        # 4 connections are served (each with its limit timer), the rest closed on arrival
+        # 4 connections are served (each with its limit timer), the rest closed on arrival;
+        # connection_s (5 s) outlasts opening the 300 even on a loaded machine, so no slot frees
         assert server.refused >= 290
         assert threading.active_count() - before <= 2 * 4
         # the idle ones are cut after connection_s: the endpoint answers again
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 25
         status = None
         while status != 200 and time.monotonic() < deadline:
             try:
