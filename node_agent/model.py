@@ -101,23 +101,41 @@ class Result:
             raise ReportFormatError(f"result {data!r:.120}: {err}") from err
 
 
+#: values of a rule's ``remedy`` (graders/rules.yaml): ``software`` marks a finding whose cause
+#: a restart may clear but a hardware swap never does (no driver, NVML broken, a check that
+#: could not run); an ERROR of such findings only, that survives its restarts, waits for an
+#: operator instead of being escalated to a replacement (docs/remediation.md)
+REMEDIES = ("software",)
+
+
 @dataclass(frozen=True)
 class Reason:
-    """Why a grade is what it is: the rule that fired, on which target, with what evidence."""
+    """Why a grade is what it is: the rule that fired, on which target, with what evidence.
+
+    ``remedy`` is the rule's ``remedy`` marker (one of :data:`REMEDIES`), None when it has none.
+    """
 
     rule: str
     level: Level
     target: str
     message: str
+    remedy: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rule": self.rule, "level": self.level.name, "target": self.target,
+        data = {"rule": self.rule, "level": self.level.name, "target": self.target,
                 "message": self.message}
+        if self.remedy is not None:
+            data["remedy"] = self.remedy
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Reason:
+        remedy = data.get("remedy")
+        if remedy is not None and remedy not in REMEDIES:
+            raise ValueError(f"unknown remedy {remedy!r} in reason {data.get('rule')!r}; "
+                             f"expected one of {', '.join(REMEDIES)}")
         return cls(rule=data["rule"], level=Level.parse(data["level"]),
-                   target=data["target"], message=data["message"])
+                   target=data["target"], message=data["message"], remedy=remedy)
 
 
 @dataclass(frozen=True)

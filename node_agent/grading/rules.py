@@ -4,7 +4,8 @@
 ``xid_catalog`` or ``sxid_catalog`` hands the result to ``graders/xid.yaml`` / ``sxid.yaml``
 (read by :mod:`node_agent.grading.xid_catalog`, which decodes the lines and applies the
 recurrence thresholds); a result no rule matches falls back by its status. The worst reason
-decides the grade; every reason above HEALTHY is kept.
+decides the grade; every reason above HEALTHY is kept. A rule's ``remedy`` marker (and the
+fallback's for a check that could not run) is carried on its Reason for the remediation plan.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from node_agent.grading.xid_catalog import Catalog, load_sxid_catalog, load_xid_catalog
-from node_agent.model import ACTION_FOR_LEVEL, Grade, Level, Reason, Result, Status
+from node_agent.model import ACTION_FOR_LEVEL, REMEDIES, Grade, Level, Reason, Result, Status
 from node_agent.yamlfile import load_yaml
 
 _LEVELS = ["HEALTHY", "WARN", "ERROR", "FAULT"]
@@ -32,6 +33,7 @@ RULES_SCHEMA: dict[str, Any] = {
                 "status": _STR_OR_LIST,
                 "level": {"enum": [*_LEVELS, "xid_catalog", "sxid_catalog"]},
                 "why": {"type": "string"},
+                "remedy": {"enum": list(REMEDIES)},
             }}},
         "fallback": {"type": "object", "additionalProperties": False,
                      "required": ["fail", "warn", "error"],
@@ -40,7 +42,8 @@ RULES_SCHEMA: dict[str, Any] = {
                          "error": {"type": "object", "additionalProperties": False,
                                    "required": ["delivery", "service"],
                                    "properties": {"delivery": {"enum": _LEVELS},
-                                                  "service": {"enum": _LEVELS}}}}},
+                                                  "service": {"enum": _LEVELS},
+                                                  "remedy": {"enum": list(REMEDIES)}}}}},
     },
 }
 
@@ -57,6 +60,7 @@ class Rule:
     check: str | None = None
     metrics: tuple[str, ...] | None = None
     statuses: tuple[str, ...] = ("fail",)
+    remedy: str | None = None  # carried on the Reason (model.REMEDIES)
 
     def matches(self, result: Result) -> bool:
         return ((self.check is None or self.check == result.check)
@@ -92,11 +96,13 @@ class Grader:
             verdict = catalog.judge(result)
         except (TypeError, ValueError):  # a hand-edited report without a numeric code
             return Reason(rule=rule.id, level=catalog.default, target=result.target,
-                          message=f"{result.detail} [{noun} {result.value!r}: not a code]")
+                          message=f"{result.detail} [{noun} {result.value!r}: not a code]",
+                          remedy=rule.remedy)
         message = f"{result.detail} [{noun} {int(result.value)}: {verdict.name}]"  # type: ignore[arg-type]
         if verdict.note:
             message += f" ({verdict.note})"
-        return Reason(rule=rule.id, level=verdict.level, target=result.target, message=message)
+        return Reason(rule=rule.id, level=verdict.level, target=result.target, message=message,
+                      remedy=rule.remedy)
 
     def _reason(self, result: Result, mode: str) -> Reason | None:
         if result.status in (Status.PASS, Status.SKIP):
@@ -106,14 +112,15 @@ class Grader:
                 if rule.level in ("xid_catalog", "sxid_catalog"):
                     return self._catalog_reason(rule, result)
                 return Reason(rule=rule.id, level=Level.parse(rule.level),
-                              target=result.target, message=result.detail)
+                              target=result.target, message=result.detail, remedy=rule.remedy)
         if result.status is Status.ERROR:
             level = Level.parse(self.fallback["error"][mode])
             why = ("a check that could not run is not evidence of health"
                    if mode == "delivery" else "a check could not run")
             return Reason(rule=f"check-error-{mode}", level=level, target=result.target,
                           message=f"{result.check}/{result.metric} could not run ({why}): "
-                                  f"{result.detail}")
+                                  f"{result.detail}",
+                          remedy=self.fallback["error"].get("remedy"))
         level = Level.parse(self.fallback[result.status.value])
         return Reason(rule=f"unclassified-{result.status.value}", level=level,
                       target=result.target, message=f"{result.check}/{result.metric}: "
@@ -133,7 +140,8 @@ def load_grader(graders_dir: Path) -> Grader:
         rules.append(Rule(
             id=raw["id"], level=raw["level"], check=raw.get("check"),
             metrics=(metric,) if isinstance(metric, str) else tuple(metric) if metric else None,
-            statuses=(status,) if isinstance(status, str) else tuple(status)))
+            statuses=(status,) if isinstance(status, str) else tuple(status),
+            remedy=raw.get("remedy")))
     return Grader(rules=tuple(rules), fallback=rules_data["fallback"],
                   xid=load_xid_catalog(graders_dir / "xid.yaml"),
                   sxid=load_sxid_catalog(graders_dir / "sxid.yaml"))

@@ -19,6 +19,9 @@ error, a full or read-only disk, a lock, a newer agent's schema: ``Store.unavail
 read or write fails mid-run (``StateUnavailable``), every step is ``refused`` with
 "state unavailable", because opt-out, the breaker and the journal cannot be read or kept.
 
+A ``hold`` step (restarts spent on software causes only, ``needs-operator``) calls no adapter:
+the node is already drained; it is journaled and recorded like any step, and said on stderr.
+
 A ``restart-job`` step (a hung training job) goes through the same journal, dry run, failure
 handling and recovery, to ``adapter.restart_job``. Its job id is untrusted text: a step whose
 target named no job, or whose job id does not pass ``check_job_id``, is ``refused`` before any
@@ -427,6 +430,14 @@ class Remediator:
                     return "failed", "no GPU reset available in this command; the next run re-plans"
                 index = int((row.target or "gpu:-1").split(":")[1])
                 return "done", self.gpu_resetter.reset(index)
+            if row.action == "hold":  # bookkeeping: the node is already drained, nothing to call
+                return "done", (
+                    f"needs an operator: {row.fault_code} on {row.target} is still there after "
+                    f"{row.attempt} restart(s) and every ERROR is a software cause (remedy "
+                    "software in graders/rules.yaml), which new hardware does not fix; the node "
+                    "stays drained, with no further restart or replacement. Fix the cause (e.g. "
+                    "rebuild or reinstall the driver for the running kernel), then run "
+                    "`node-agent set-healthy` and `node-agent act resume`")
             if row.action == "restart-job":
                 job = (row.target or "").removeprefix("job:")
                 return "done", self.adapter.restart_job(self.node, job, row.reason, key=key)
@@ -445,6 +456,8 @@ class Remediator:
         now = self.clock()
         record = self._next_record(row, now) if outcome == "done" else None
         self.store.journal_finish(row.id, outcome, detail, now, record)
+        if outcome == "done" and row.action == "hold":
+            self.warn(f"{self.node} NEEDS AN OPERATOR: {detail}")
         if outcome in ("failed", "refused"):
             self.warn(f"{row.action} {outcome.upper()}: {detail}"
                       + (" (kept in the journal; the next run retries it)"

@@ -4,13 +4,18 @@ Per node (DESIGN.md, "Remediation and safety")::
 
     in-service -> drained -> restarting -> retest -> in-service
                       \\-> fault -> awaiting-replacement
+                      \\-> needs-operator   (software cause; set-healthy + act resume)
 
 * ERROR: drain, restart (a GPU reset where the fault allows it, else a reboot request through
   the scheduler adapter), re-test (the quick suite right after a GPU reset; the next graded run
   after a reboot), then resume on a pass or escalate.
 * FAULT: drain, then replace.
 * Restarts are counted per fault code within ``safety.restart_window_h``; a fault code that is
-  still there after ``safety.max_restarts`` restarts is escalated to FAULT.
+  still there after ``safety.max_restarts`` restarts is escalated to FAULT, unless every ERROR
+  reason is a software cause (``remedy: software`` in graders/rules.yaml: no driver, NVML
+  broken, a check that could not run): then the node stays drained as ``needs-operator`` (a
+  ``hold`` step, no adapter call) and no further restart or replacement is planned until an
+  operator's ``set-healthy`` / ``act resume``.
 * HEALTHY/WARN never cause a drain; they resume a node only when the agent itself drained it
   for a restart and this is the passing re-test.
 * A hung training job (ERROR whose every ERROR-or-worse reason is a job rule, ``JOB_RULES``) is
@@ -34,11 +39,12 @@ from node_agent.remediation.store import NodeRecord
 from node_agent.schedulers.base import MAX_JOB_LEN, sanitise_reason
 
 #: remediation states of a node
-STATES = ("in-service", "drained", "restarting", "retest", "fault", "awaiting-replacement")
+STATES = ("in-service", "drained", "restarting", "retest", "fault", "awaiting-replacement",
+          "needs-operator")
 #: states in which the agent has drained the node for a restart and a passing re-test resumes it
 RESUMABLE_STATES = ("drained", "restarting", "retest")
 #: actions a plan step can take (the journal's ``action`` column)
-ACTIONS = ("drain", "gpu-reset", "restart", "retest", "resume", "replace", "restart-job")
+ACTIONS = ("drain", "gpu-reset", "restart", "retest", "resume", "replace", "restart-job", "hold")
 #: actions that take the node (or its GPUs) out of work: the rate limit of a drain counts them
 DISRUPTIVE = ("drain", "gpu-reset", "restart", "replace")
 #: actions before which evidence is collected: a job restart kills the hung processes, so their
@@ -46,6 +52,8 @@ DISRUPTIVE = ("drain", "gpu-reset", "restart", "replace")
 EVIDENCE_ACTIONS = (*DISRUPTIVE, "restart-job")
 #: rules whose ERROR is about a training job, not the node: restart the job, leave the node be
 JOB_RULES = frozenset({"training-hang"})
+#: the ``remedy`` of a software cause: an ERROR that new hardware would not fix
+SOFTWARE = "software"
 
 # Faults that a GPU reset clears, so a reboot is not needed. Sources: NVIDIA "GPU Memory Error
 # Management" (a pending row remap or page retirement takes effect after a GPU reset) and the
@@ -206,6 +214,10 @@ def plan(grade: Grade, record: NodeRecord, safety: Safety, *, now: float, boot_t
             return Plan(note=f"node is {state} ({record.fault_code} {record.target}); a passing "
                              "run does not return it: after the repair run `node-agent "
                              "set-healthy` and `node-agent act resume`")
+        if state == "needs-operator":
+            return Plan(note=f"node needs an operator ({record.fault_code} {record.target}); a "
+                             "passing run does not return it: once the cause is fixed run "
+                             "`node-agent set-healthy` and `node-agent act resume`")
         if state == "drained":
             return Plan(note="node was drained by an operator through node-agent; resume it "
                              "with `node-agent act resume`")
@@ -221,6 +233,9 @@ def plan(grade: Grade, record: NodeRecord, safety: Safety, *, now: float, boot_t
 
     # the node's own findings decide; a hung job beside them ends with the reboot/replacement
     node_reasons = [r for r in grade.reasons if r.rule not in JOB_RULES] or list(grade.reasons)
+    node_serious = [r for r in node_reasons if r.level >= Level.ERROR]
+    software = grade.level == Level.ERROR and bool(node_serious) and \
+        all(r.remedy == SOFTWARE for r in node_serious)
     worst = node_reasons[0] if node_reasons else Reason("ungraded", grade.level, "node", "")
     code, target = fault_code(worst), worst.target
     drained = state != "in-service"
@@ -230,11 +245,24 @@ def plan(grade: Grade, record: NodeRecord, safety: Safety, *, now: float, boot_t
                     fault_code=p.fault_code, target=p.target)
     if grade.level >= Level.FAULT:
         return _replace_plan(code, target, drained, Level.FAULT, note=short_message(worst))
+    if state == "needs-operator" and software:
+        return Plan(note=f"node needs an operator since {_iso(record.since)} ({record.fault_code} "
+                         f"{record.target}); still {code} on {target}: no restart or "
+                         "replacement until an operator fixes the cause and runs `node-agent "
+                         "set-healthy` and `node-agent act resume`",
+                    fault_code=record.fault_code, target=record.target)
 
     restarts = restart_counts.get(code, 0)
     if restarts >= safety.max_restarts:
         why = (f"{code} on {target} is still there after {restarts} restart(s) in "
                f"{safety.restart_window_h:g} h (safety.max_restarts={safety.max_restarts})")
+        if software:
+            return _hold_plan(node_serious, code, target, restarts, drained, why)
+        # a software cause beside a hardware one: the hardware finding is what gets replaced
+        hardware = next((r for r in node_serious if r.remedy != SOFTWARE), worst)
+        if hardware is not worst:
+            why += f"; with {fault_code(hardware)} on {hardware.target}, not a software cause"
+            code, target = fault_code(hardware), hardware.target
         plan_ = _replace_plan(code, target, drained, Level.FAULT, note="escalated", why=why)
         return Plan(plan_.steps, note=f"escalated to FAULT: {why}", escalated=True,
                     fault_code=code, target=target)
@@ -292,6 +320,26 @@ def _printable(text: str, max_len: int = MAX_JOB_LEN + 32) -> str:
     """Untrusted text for the journal and ``status``: printable ASCII (escapes), bounded."""
     escaped = text.encode("unicode_escape").decode("ascii")
     return escaped if len(escaped) <= max_len else escaped[: max_len - 3] + "..."
+
+
+def _hold_plan(reasons: list[Reason], code: str, target: str, restarts: int, drained: bool,
+               why: str) -> Plan:
+    """Restarts spent on software causes only: keep the node drained for an operator.
+
+    New hardware would not fix a driver that is not loaded or a check that cannot run, so the
+    node is neither restarted again nor sent for replacement: a ``hold`` step (journaled, no
+    adapter call) moves it to ``needs-operator``, after a drain if it is not drained.
+    """
+    causes = ", ".join(dict.fromkeys(f"{fault_code(r)} {r.target}" for r in reasons))
+    reason = drain_reason(Level.ERROR, code, target, f"needs-operator {short_message(reasons[0])}")
+    steps = [] if drained else [Step("drain", reason, "drained", code, target, restarts)]
+    steps.append(Step("hold", reason, "needs-operator", code, target, restarts))
+    note = (f"needs an operator: {why}; every ERROR is a software cause ({causes}: remedy "
+            "software in graders/rules.yaml), which new hardware does not fix, so the node stays "
+            "drained with no further restart or replacement; fix the cause (e.g. rebuild or "
+            "reinstall the driver for the running kernel), then run `node-agent set-healthy` and "
+            "`node-agent act resume`")
+    return Plan(tuple(steps), note=note, fault_code=code, target=target)
 
 
 def _replace_plan(code: str, target: str, drained: bool, level: Level, note: str = "",

@@ -312,3 +312,45 @@ def test_docs_xid_catalog_table_lists_every_code_at_its_level(grader):
         if len(cells) == 4 and cells[0].isdigit() and cells[2].split(" ")[0] in Level.__members__:
             table[int(cells[0])] = Level[cells[2].split(" ")[0]]
     assert table == {code: entry.level for code, entry in grader.xid.codes.items()}
+
+
+# -- remedy: software (the remediation plan holds such a node for an operator, never replaces) --
+@pytest.mark.parametrize("result, rule", [
+    (res("driver_not_loaded", status="error", check="nvml_health", target="node"),
+     "driver-not-loaded"),
+    (res("gpu_not_enumerated", status="error", target="node"), "driver-initialised-no-gpu"),
+    (res("gpu_backend", status="error", target="node"), "gpu-driver-broken"),
+    (res("timeout", status="error", check="gpu_burn"), "check-hang"),
+    (res("ran", status="error", check="storage", target="node"), "check-error-delivery"),
+])
+def test_software_causes_carry_their_remedy_on_the_reason(grader, result, rule):
+    (reason,) = grader.grade([result], "delivery").reasons
+    assert (reason.rule, reason.level, reason.remedy) == (rule, Level.ERROR, "software")
+
+
+@pytest.mark.parametrize("metric, status", [
+    ("row_remap_pending", "fail"), ("driver_hang", "error"), ("worker_died", "error"),
+    ("something_new", "fail"),
+])
+def test_hardware_looking_errors_have_no_remedy(grader, metric, status):
+    (reason,) = grader.grade([res(metric, status=status)]).reasons
+    assert reason.level is Level.ERROR and reason.remedy is None
+
+
+def test_remedy_survives_a_saved_report_and_an_unknown_one_is_refused():
+    from node_agent.model import Reason
+    r = Reason("driver-not-loaded", Level.ERROR, "node", "no driver", remedy="software")
+    assert Reason.from_dict(r.to_dict()) == r
+    plain = Reason("xid", Level.ERROR, "gpu:0", "x")
+    assert "remedy" not in plain.to_dict() and Reason.from_dict(plain.to_dict()) == plain
+    with pytest.raises(ValueError, match="unknown remedy 'firmware'"):
+        Reason.from_dict({**r.to_dict(), "remedy": "firmware"})
+
+
+def test_a_rules_file_with_an_unknown_remedy_is_a_config_error(tmp_path):
+    shipped = resources.graders_dir(config_from_dict({}))
+    shutil.copytree(shipped, tmp_path / "graders")
+    rules = tmp_path / "graders" / "rules.yaml"
+    rules.write_text(rules.read_text().replace("    remedy: software", "    remedy: firmware", 1))
+    with pytest.raises(ConfigError, match="rules.yaml"):
+        load_grader(tmp_path / "graders")

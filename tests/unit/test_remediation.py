@@ -254,6 +254,107 @@ def test_the_fault_code_is_read_from_the_graders_bracket_not_the_quoted_line():
     assert fault_code(r) == "sxid-20034"
 
 
+# -- software causes: restarts spent, no replacement (remedy: software in graders/rules.yaml) --
+NO_DRIVER_DETAIL = (
+    "8 NVIDIA GPU(s) on the PCI bus (0000:18:00.0 10de:2330, ...) but the NVIDIA kernel driver "
+    "(nvidia.ko) is not loaded or holds none of them, so no GPU can be used: check `dmesg | grep "
+    "-i nvrm` for why nvidia.ko did not load [NVML: NVML Shared Library Not Found]")
+
+
+def graded(grader, *results: Result, mode: str = "service") -> Grade:
+    return grader.grade(list(results), mode)
+
+
+def no_driver() -> Result:
+    return Result("nvml_health", "node", "driver_not_loaded", Status.ERROR, NO_DRIVER_DETAIL)
+
+
+def remap_pending() -> Result:
+    return Result("nvml_health", "gpu:2", "row_remap_pending", Status.FAIL,
+                  "1 row remap pending on gpu:2")
+
+
+AFTER_REBOOTS = NodeRecord(NODE, "restarting", T0, "driver-not-loaded", "node", "auto",
+                           "reboot", T0 - 10)
+
+
+def test_driver_not_loaded_after_max_restarts_stays_drained_for_an_operator(grader):
+    g = graded(grader, no_driver())
+    assert g.level is Level.ERROR and g.reasons[0].remedy == "software"
+    p = plan_for(g, record=AFTER_REBOOTS, counts={"driver-not-loaded": 2}, max_restarts=2)
+    assert [(s.action, s.to_state) for s in p.steps] == [("hold", "needs-operator")]
+    assert not p.escalated and "replace" not in [s.action for s in p.steps]
+    assert p.note.startswith("needs an operator: driver-not-loaded on node is still there "
+                             "after 2 restart(s)")
+    assert "set-healthy" in p.note and "act resume" in p.note
+    assert "needs-operator" in p.steps[0].reason and "ERROR driver-not-loaded" in p.steps[0].reason
+    # held: the next runs neither restart nor replace, whatever software ERROR they see
+    held = NodeRecord(NODE, "needs-operator", T0, "driver-not-loaded", "node", "auto")
+    check_hang = Result("gpu_burn", "gpu:0", "timeout", Status.ERROR, "timed out after 900 s")
+    for again in (g, graded(grader, no_driver(), check_hang)):
+        p = plan_for(again, record=held, counts={"driver-not-loaded": 5})
+        assert p.steps == () and "needs an operator" in p.note
+    # and a passing run does not return it: the operator does (set-healthy, act resume)
+    p = plan_for(HEALTHY, record=held)
+    assert p.steps == () and "set-healthy" in p.note
+
+
+def test_software_cause_on_a_node_back_in_service_is_drained_again_then_held(grader):
+    """An operator resumed without set-healthy: the restarts still count, so drain and hold."""
+    p = plan_for(graded(grader, no_driver()), counts={"driver-not-loaded": 2}, max_restarts=2)
+    assert [(s.action, s.to_state) for s in p.steps] == [("drain", "drained"),
+                                                         ("hold", "needs-operator")]
+
+
+def test_hardware_error_surviving_its_restarts_still_escalates_to_replace(grader):
+    g = graded(grader, remap_pending())
+    assert g.reasons[0].remedy is None
+    record = NodeRecord(NODE, "restarting", T0, "row-remap-pending", "gpu:2", "auto", "reboot",
+                        T0 - 10)
+    p = plan_for(g, record=record, counts={"row-remap-pending": 2}, max_restarts=2)
+    assert p.escalated and [s.action for s in p.steps] == ["replace"]
+    assert "FAULT row-remap-pending gpu:2" in p.steps[0].reason
+
+
+def test_a_mix_of_software_and_hardware_errors_escalates_naming_the_hardware(grader):
+    hang = Result("gpu_burn", "gpu:0", "timeout", Status.ERROR, "timed out after 900 s")
+    g = graded(grader, hang, remap_pending(), no_driver())
+    assert [(r.rule, r.remedy) for r in g.reasons] == [
+        ("check-hang", "software"), ("row-remap-pending", None), ("driver-not-loaded", "software")]
+    p = plan_for(g, record=AFTER_REBOOTS, counts={"check-hang": 2}, max_restarts=2)
+    assert p.escalated and [s.action for s in p.steps] == ["replace"]
+    assert "FAULT row-remap-pending gpu:2" in p.steps[0].reason
+    assert "check-hang on gpu:0 is still there" in p.note
+
+
+def test_a_check_that_could_not_run_at_delivery_is_a_software_cause(grader):
+    broken = Result("storage", "node", "ran", Status.ERROR, "fio not found on PATH")
+    g = graded(grader, broken, mode="delivery")
+    assert g.level is Level.ERROR and g.reasons[0].rule == "check-error-delivery"
+    p = plan_for(g, record=AFTER_REBOOTS, counts={"check-error-delivery": 2}, max_restarts=2)
+    assert [s.action for s in p.steps] == ["hold"]
+
+
+def test_held_node_is_journaled_said_on_stderr_and_returned_by_the_operator(store, grader):
+    adapter, clock, warnings = FakeAdapter(), Clock(), []
+    rem = make(store, adapter, clock, boot_time=T0 + 10_000, warnings=warnings)
+    report = FakeReport(graded(grader, no_driver()))
+    for _ in range(4):
+        out = rem.remediate(report)
+        clock.t += 600
+    assert adapter.actions() == ["drain", "restart", "restart"]  # no replace, ever
+    record = store.node_record(NODE)
+    assert (record.state, record.fault_code) == ("needs-operator", "driver-not-loaded")
+    assert adapter.state.drained
+    hold = [r for r in store.journal_tail(NODE) if r.action == "hold"]
+    assert [r.state for r in hold] == ["done"] and "needs an operator" in hold[0].detail
+    assert any("NEEDS AN OPERATOR" in w and "set-healthy" in w for w in warnings)
+    assert out.records == [] and "needs an operator" in out.notes[-1]
+    store.clear_node(NODE, clock.t, "driver rebuilt for the running kernel")  # set-healthy
+    assert rem.act("resume", "driver fixed").records[0].outcome == "done"
+    assert not adapter.state.drained and store.node_record(NODE).state == "in-service"
+
+
 def test_no_action_while_the_requested_reboot_has_not_happened():
     record = NodeRecord(NODE, "restarting", T0, "driver-hang", "gpu:3", "auto", "reboot", T0)
     p = plan_for(ERR_HANG, record=record, boot=T0 - 3600, now=T0 + 60)
