@@ -29,26 +29,7 @@ import time
 import torch
 
 from node_agent.sdc import probes as sdc
-
-
-class PausableClock:
-    """Monotonic seconds that only advance while running (the probe's view of training time)."""
-
-    def __init__(self) -> None:
-        self.total = 0.0
-        self.since: float | None = None
-
-    def resume(self) -> None:
-        if self.since is None:
-            self.since = time.perf_counter()
-
-    def pause(self) -> None:
-        if self.since is not None:
-            self.total += time.perf_counter() - self.since
-            self.since = None
-
-    def __call__(self) -> float:
-        return self.total + (time.perf_counter() - self.since if self.since is not None else 0.0)
+from node_agent.sdc.validation import PausableClock
 
 
 def make_model(device: torch.device, width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

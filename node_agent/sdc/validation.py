@@ -99,7 +99,7 @@ class Overhead:
         return dataclasses.asdict(self)
 
 
-class _PausableClock:
+class PausableClock:
     """Monotonic seconds that only advance while running: the probe's view of training time,
     so budget saved while the probe is off is not spent in a burst when it comes back."""
 
@@ -193,7 +193,7 @@ def measure_training_overhead(
         sync()
         return (time.perf_counter() - t0) / steps_per_block
 
-    clock = _PausableClock()
+    clock = PausableClock()
     counts: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="sdc-overhead-") as spool:
         probe = SdcProbe(dev, budget_fraction=budget_fraction, spool_dir=spool, clock=clock,
