@@ -579,7 +579,7 @@ def tile_model_for(device: torch.device | str, sm_count: int | None = None) -> T
     """The tile model of ``device``: a CUDA GPU's SM count from
     ``torch.cuda.get_device_properties(...).multi_processor_count`` (128 x 128 tiles); a CPU
     stand-in is a simulated GPU of ``sm_count`` SMs (default ``tiles.DEFAULT_SM_COUNT``)."""
-    from node_agent.sdc import tiles as tiles_mod
+    import node_agent.sdc.tiles as tiles_mod
 
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -596,7 +596,7 @@ def plan_whole_gpu(model: TileModel, dtypes: tuple[str, ...] | list[str], tiles_
     >>> [s.label() for s in plan_whole_gpu(gpu_model(132), ["bf16", "fp16"], 4, 256)]
     ['bf16 3072x256x2816', 'fp16 3072x4x2816', 'fp16 3072x256x2816']
     """
-    from node_agent.sdc import tiles as tiles_mod
+    import node_agent.sdc.tiles as tiles_mod
 
     m, n = tiles_mod.whole_gpu_mn(model, tiles_per_sm, block)
     return [ProbeSpec(m, k, n, name, seed=seed, bits=bits, block=(block, block))
@@ -614,7 +614,7 @@ def whole_gpu_specs(
     The output is :func:`node_agent.sdc.tiles.whole_gpu_mn` of the device's tile model:
     ``tiles_per_sm`` (default 4 on a GPU, 2 simulated) tiles per SM, inputs repeating with the
     golden's period (256 on a GPU, 64 simulated)."""
-    from node_agent.sdc import tiles as tiles_mod
+    import node_agent.sdc.tiles as tiles_mod
 
     dev = torch.device(device)
     model = tiles or tile_model_for(dev)

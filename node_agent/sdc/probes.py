@@ -46,7 +46,7 @@ import torch
 if TYPE_CHECKING:  # the caller imports it; sdc stays stdlib + torch at runtime
     from node_agent.heartbeat import Heartbeat
 
-from node_agent.sdc import coverage as sdc_coverage
+import node_agent.sdc.coverage as sdc_coverage
 from node_agent.sdc.coverage import Coverage
 from node_agent.sdc.exact import (  # noqa: F401 - re-exported: the probe API
     DTYPES,

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from node_agent.sdc import coverage as sdc_coverage
+import node_agent.sdc.coverage as sdc_coverage
 from node_agent.sdc.coverage import Coverage
 from node_agent.sdc.exact import tile_model_for, whole_gpu_specs
 
