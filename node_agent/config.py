@@ -12,7 +12,14 @@ from node_agent.yamlfile import ConfigError, load_yaml
 DEFAULT_CONFIG_PATH = Path("/etc/node-agent/config.yaml")
 
 DEFAULTS: dict[str, Any] = {
-    "node": {"name": None, "sku": "auto", "expected_gpus": None},
+    "node": {"name": None, "sku": "auto", "expected_gpus": None, "expected_nvlinks": None},
+    # the kernel log the agent reads for driver messages: null = this host's (/dev/kmsg, else
+    # journalctl -k); a path = that file instead (a saved log, a test's own log)
+    "kernel_log": {"path": None},
+    # training processes: null = the built-in default (docs/training_hangs.md)
+    "training": {"slurm_cgroup_roots": None},
+    # node-agent fleet, run as root: believe only report files owned by these uids
+    "fleet": {"report_owner_uids": [0]},
     "state_dir": "/var/lib/node-agent",
     # where training jobs write heartbeats and SDC verdicts: apart from the private state_dir
     "spool_dir": "/var/spool/node-agent",
@@ -56,7 +63,13 @@ SCHEMA: dict[str, Any] = _obj({
         "name": {"type": ["string", "null"], "pattern": r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"},
         "sku": {"type": "string", "pattern": r"^[a-z0-9][a-z0-9._-]*$"},
         "expected_gpus": {"type": ["integer", "null"], "minimum": 0},
+        "expected_nvlinks": {"type": ["integer", "null"], "minimum": 0},
     }),
+    "kernel_log": _obj({"path": _NULLABLE_STR}),
+    "training": _obj({"slurm_cgroup_roots": {"type": ["array", "null"],
+                                             "items": {"type": "string", "minLength": 1}}}),
+    "fleet": _obj({"report_owner_uids": {"type": "array",
+                                         "items": {"type": "integer", "minimum": 0}}}),
     "state_dir": {"type": "string", "minLength": 1},
     "spool_dir": {"type": "string", "minLength": 1},
     "suites_dir": _NULLABLE_STR,

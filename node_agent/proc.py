@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,19 @@ class ProcResult:
 
 def which(program: str) -> str | None:
     return shutil.which(program)
+
+
+def python_module_argv(module: str, *args: str, python: str = sys.executable) -> list[str]:
+    """``python -P -m module args...``: a child Python that never imports from its working
+    directory. Plain ``-m`` puts the cwd first on ``sys.path``, so a root agent started from a
+    directory others can write to would run a planted ``node_agent/`` or ``torch.py`` as root;
+    ``-P`` (Python 3.11) leaves it out. ``PYTHONPATH`` still applies: it is root's own setting.
+    Run such children with ``cwd="/"`` (:data:`CHILD_CWD`) and absolute path arguments."""
+    return [python, "-P", "-m", module, *args]
+
+
+#: where the agent's own children run: a directory only root can write to
+CHILD_CWD = "/"
 
 
 def run(argv: Sequence[str], timeout_s: float, env: Mapping[str, str] | None = None,
