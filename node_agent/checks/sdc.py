@@ -405,12 +405,19 @@ def _summary(verdicts: list[sdc_lib.Verdict]) -> str:
             + f"; dtypes {', '.join(dtypes)}")
 
 
+#: ``sdc.coverage.NONE_RAN.evidence()``, spelled out: a check that probed nothing (no GPU, no
+#: driver) says so without importing torch, which ``sdc.coverage`` needs (a host without a GPU
+#: need not have torch installed)
+NO_COVERAGE_EVIDENCE: dict[str, Any] = {"sm_coverage": 0.0,
+                                        "sm_coverage_method": "none: no probe ran",
+                                        "sm_count": 0, "sms_reached": 0}
+
+
 def coverage_evidence(run: GpuRun | None) -> dict[str, Any]:
     """``sm_coverage`` and how it was had, for a result's evidence (0.0 where nothing ran)."""
-    from node_agent.sdc import coverage as sdc_coverage
-
-    cov = run.coverage if run is not None and run.coverage is not None else sdc_coverage.NONE_RAN
-    return cov.evidence()
+    if run is None or run.coverage is None:
+        return dict(NO_COVERAGE_EVIDENCE)
+    return run.coverage.evidence()
 
 
 def _where(verdicts: list[sdc_lib.Verdict]) -> str:
