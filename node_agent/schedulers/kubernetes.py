@@ -39,15 +39,24 @@ restarted). The UID precondition makes the API refuse (409) if the pod was repla
 by one of the same name. A pod already being deleted, or not Running, is left alone (detail
 ``job-not-running:``).
 
+The adapter acts only on its own node (``own_node``: ``node.name``, else the DaemonSet's
+``NODE_NAME`` from the downward API, else the short hostname): a drain, resume, restart or
+replace of another node, or a restart of a pod bound elsewhere, is refused before any request.
+It reads other nodes (the blast-radius share needs ``list``).
+
 RBAC: get/list/patch on nodes, patch on nodes/status, get/delete on pods
-(packaging/kubernetes/rbac.yaml).
+(packaging/kubernetes/rbac.yaml). RBAC cannot confine those to one node; the
+ValidatingAdmissionPolicy in packaging/kubernetes/admission-policy.yaml does, in the API server
+(Kubernetes 1.30 and later), so this adapter's own refusal is the second guard, not the only one.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import re
+import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +104,14 @@ def taint_value(reason: str) -> str:
     return match.group(1) if match else "unhealthy"
 
 
+def own_node_name(config: Config, environ: dict[str, str] | None = None) -> str:
+    """The Kubernetes node this agent runs on: ``node.name``, else ``NODE_NAME`` (the DaemonSet
+    sets it from ``spec.nodeName``), else the short hostname."""
+    env = os.environ if environ is None else environ
+    return (config.get("node.name") or env.get("NODE_NAME", "").strip()
+            or socket.gethostname().split(".")[0])
+
+
 def _load_api_client(kubeconfig: str | None):
     try:
         from kubernetes import client, config
@@ -118,10 +135,11 @@ class KubernetesAdapter:
 
     def __init__(self, api_client: Any, taint_key: str = "node-agent/health",
                  timeout_s: float = 10, clock: Callable[[], str] = _now_iso,
-                 pod_namespace: str = "default") -> None:
+                 pod_namespace: str = "default", *, own_node: str) -> None:
         from kubernetes import client
 
         self.api = client.CoreV1Api(api_client)
+        self.own_node = check_node_name(own_node)
         self.taint_key = taint_key
         self.pod_namespace = pod_namespace
         self.timeout_s = timeout_s
@@ -131,7 +149,8 @@ class KubernetesAdapter:
     def from_config(cls, config: Config) -> KubernetesAdapter:
         return cls(_load_api_client(config.get("adapter.kubernetes.kubeconfig")),
                    taint_key=config.get("adapter.kubernetes.taint_key"),
-                   pod_namespace=config.get("adapter.kubernetes.pod_namespace"))
+                   pod_namespace=config.get("adapter.kubernetes.pod_namespace"),
+                   own_node=own_node_name(config))
 
     # -- plumbing ----------------------------------------------------------------------------
 
@@ -163,6 +182,15 @@ class KubernetesAdapter:
             return json.loads(data) if data else {}
         except ValueError as err:
             raise AdapterError(f"Kubernetes API {what}: answer is not JSON: {data[:200]!r}") from err
+
+    def _only_own(self, node: str, action: str) -> str:
+        """``node``, checked to be this agent's own: it never acts on another node."""
+        node = check_node_name(node)
+        if node != self.own_node:
+            raise AdapterError(
+                f"refusing to {action} {node}: the kubernetes adapter acts only on its own node "
+                f"{self.own_node} (node.name, else NODE_NAME, else the hostname); nothing sent")
+        return node
 
     def _get(self, node: str) -> dict[str, Any]:
         return self._call(f"GET node {node}", self.api.read_node, node)
@@ -227,17 +255,20 @@ class KubernetesAdapter:
         return [self._state(item) for item in data.get("items") or []]
 
     def drain(self, node: str, reason: str, *, key: str | None = None) -> str:
-        node, reason = check_node_name(node), sanitise_reason(reason)
+        node = self._only_own(node, "drain")
+        reason = sanitise_reason(reason)
         return self._cordon_and_taint(node, reason, {}, "NodeAgentDrained")[0]
 
     def replace(self, node: str, reason: str, *, key: str | None = None) -> str:
-        node, text = check_node_name(node), sanitise_reason(reason)
+        node = self._only_own(node, "replace")
+        text = sanitise_reason(reason)
         if not text.startswith("node-agent: replace:"):
             text = sanitise_reason("node-agent: replace: " + text[len("node-agent:"):].strip())
         return self._cordon_and_taint(node, text, {}, "NodeAgentReplace")[0]
 
     def restart(self, node: str, reason: str, *, key: str | None = None) -> str:
-        node, reason = check_node_name(node), sanitise_reason(reason)
+        node = self._only_own(node, "restart")
+        reason = sanitise_reason(reason)
         detail, before = self._cordon_and_taint(node, reason, {ANN_REBOOT: self._clock()},
                                                 "NodeAgentRebootRequested")
         if detail.startswith(LEFT_AS_IS):
@@ -247,7 +278,8 @@ class KubernetesAdapter:
                 f"annotated {ANN_REBOOT} for a reboot operator ({reason})")
 
     def resume(self, node: str, reason: str, *, key: str | None = None) -> str:
-        node, reason = check_node_name(node), sanitise_reason(reason)
+        node = self._only_own(node, "resume")
+        reason = sanitise_reason(reason)
         obj = self._get(node)
         state = self._state(obj)
         if self._our_taint(obj) is None:
@@ -278,7 +310,7 @@ class KubernetesAdapter:
         pod without a controller, or an API error."""
         from kubernetes import client
 
-        node, reason = check_node_name(node), sanitise_reason(reason)
+        node, reason = self._only_own(node, "restart a job on"), sanitise_reason(reason)
         _, ident = check_job_id(job, accepts=(POD_JOB,), adapter="Kubernetes", node=node,
                                 what="pods")
         ident, _, kernel_uid = ident.partition("@")

@@ -176,13 +176,15 @@ def api():
     fake.close()
 
 
-def adapter_for(api: FakeNodeApi, pod_namespace: str = "default") -> KubernetesAdapter:
+def adapter_for(api: FakeNodeApi, pod_namespace: str = "default",
+                own_node: str = "gpu-01") -> KubernetesAdapter:
     from kubernetes import client
 
     configuration = client.Configuration()
     configuration.host = api.url
     return KubernetesAdapter(client.ApiClient(configuration), taint_key="node-agent/health",
-                             timeout_s=5, clock=lambda: NOW, pod_namespace=pod_namespace)
+                             timeout_s=5, clock=lambda: NOW, pod_namespace=pod_namespace,
+                             own_node=own_node)
 
 
 def test_drain_cordons_taints_and_sets_condition_false_with_exact_requests(api):
@@ -238,7 +240,7 @@ def test_resume_removes_taint_uncordons_and_sets_condition_true(api):
 
 
 def test_node_cordoned_by_someone_else_is_never_uncordoned(api):
-    adapter = adapter_for(api)
+    adapter = adapter_for(api, own_node="gpu-03")
     with pytest.raises(AdapterError, match="cordoned by someone else"):
         adapter.resume("gpu-03", "re-test passed")
     assert adapter.drain("gpu-03", "FAULT xid79 gpu:5").startswith("left-as-is:")
@@ -276,7 +278,7 @@ def test_replace_uses_replace_reason_and_condition(api):
 
 
 def test_list_nodes_reads_every_node(api):
-    adapter = adapter_for(api)
+    adapter = adapter_for(api, own_node="gpu-02")
     adapter.drain("gpu-02", "FAULT xid79 gpu:1")
     nodes = {n.name: n for n in adapter.list_nodes()}
     assert set(nodes) == {"gpu-01", "gpu-02", "gpu-03"}
@@ -287,7 +289,7 @@ def test_list_nodes_reads_every_node(api):
 
 def test_unknown_node_is_adapter_error_with_the_api_body(api):
     with pytest.raises(AdapterError, match=r'404.*nodes \\"nope\\" not found|404.*not found'):
-        adapter_for(api).drain("nope", "FAULT")
+        adapter_for(api, own_node="nope").drain("nope", "FAULT")
 
 
 def test_conflicting_update_is_adapter_error_not_a_lost_taint(api):
@@ -401,3 +403,28 @@ def test_restart_job_refuses_a_pod_whose_uid_is_not_the_one_the_kernel_names(api
         adapter_for(api).restart_job("gpu-01", f"pod:ml/trainer-0@{other}", HANG)
     assert [r["method"] for r in api.requests] == ["GET"]
     assert ("ml", "trainer-0") in api.pods
+
+
+@pytest.mark.parametrize("action", ["drain", "replace", "restart", "resume"])
+def test_an_action_on_another_node_is_refused_before_any_request(api, action):
+    """The second guard behind the admission policy: an agent touches only its own node."""
+    adapter = adapter_for(api, own_node="gpu-01")
+    with pytest.raises(AdapterError, match="acts only on its own node gpu-01"):
+        getattr(adapter, action)("gpu-02", "node-agent: FAULT xid79 gpu:1")
+    assert api.requests == []
+
+
+def test_restart_job_on_another_node_is_refused_before_any_request(api):
+    with pytest.raises(AdapterError, match="acts only on its own node gpu-01"):
+        adapter_for(api, own_node="gpu-01").restart_job("gpu-02", f"pod:ml/trainer-0@{U1}", HANG)
+    assert api.requests == []
+
+
+def test_own_node_is_node_name_then_the_downward_api_then_the_hostname():
+    from node_agent.schedulers.kubernetes import own_node_name
+
+    assert own_node_name(config_from_dict({"node": {"name": "gpu-07"}}),
+                         {"NODE_NAME": "gpu-09"}) == "gpu-07"
+    assert own_node_name(config_from_dict({}), {"NODE_NAME": "gpu-09"}) == "gpu-09"
+    import socket
+    assert own_node_name(config_from_dict({}), {}) == socket.gethostname().split(".")[0]
