@@ -428,3 +428,25 @@ def test_own_node_is_node_name_then_the_downward_api_then_the_hostname():
     assert own_node_name(config_from_dict({}), {"NODE_NAME": "gpu-09"}) == "gpu-09"
     import socket
     assert own_node_name(config_from_dict({}), {}) == socket.gethostname().split(".")[0]
+
+
+@pytest.mark.parametrize("action", ["drain", "replace", "restart"])
+def test_the_adapters_own_writes_pass_the_admission_policy(api, action):
+    """Each write the adapter really sends (applied by the stand-in API as the API server applies
+    it) is allowed by packaging/kubernetes/admission-policy.yaml, and so is the resume after it:
+    the policy confines the agent without breaking it (CEL evaluated by tests/k8s_admission.py)."""
+    pytest.importorskip("celpy", reason="cel-python is not installed: make deps-test")
+    from k8s_admission import admit, request
+
+    for act, reason in ((action, "node-agent: FAULT xid79 gpu:5"), ("resume", "re-test passed")):
+        before = copy.deepcopy(api.nodes["gpu-01"])
+        getattr(adapter_for(api), act)("gpu-01", reason)
+        after = copy.deepcopy(api.nodes["gpu-01"])
+        spec_written = copy.deepcopy(after)
+        spec_written["status"] = copy.deepcopy(before["status"])
+        assert spec_written != before, act
+        for req, new, old in ((request("UPDATE", "nodes", "gpu-01"), spec_written, before),
+                              (request("UPDATE", "nodes", "gpu-01", sub="status"), after,
+                               spec_written)):
+            decision = admit(req, new, old)
+            assert decision.matched and decision.allowed, (act, decision.messages)
