@@ -60,6 +60,48 @@ def python_module_argv(module: str, *args: str, python: str = sys.executable) ->
 #: where the agent's own children run: a directory only root can write to
 CHILD_CWD = "/"
 
+#: the configuration keys (dotted) that hold a file or directory path; a relative one means
+#: relative to the agent's working directory, which its children (in :data:`CHILD_CWD`) lack
+CONFIG_PATH_KEYS = ("state_dir", "spool_dir", "suites_dir", "graders_dir", "storage.paths",
+                    "kernel_log.path", "adapter.webhook.secret_file", "adapter.webhook.ca_file",
+                    "adapter.webhook.client_cert", "adapter.webhook.client_key",
+                    "adapter.kubernetes.kubeconfig", "dcgm.bindings_path")
+#: keys that name a program: a bare name is looked up on PATH, a name with a slash is a path
+CONFIG_PROGRAM_KEYS = ("adapter.slurm.scontrol", "adapter.slurm.squeue")
+
+
+def absolute_path(path: str | os.PathLike[str]) -> str:
+    """``path`` made absolute against this process's working directory, for a child that runs
+    in :data:`CHILD_CWD` (``--simulate scenarios/x.yaml`` -> ``/home/op/scenarios/x.yaml``)."""
+    return os.path.abspath(os.fspath(path))
+
+
+def absolute_config(data: Mapping[str, object]) -> dict:
+    """A copy of a configuration's ``data`` whose relative paths (:data:`CONFIG_PATH_KEYS`,
+    and program keys that contain a slash) are made absolute, so a child started in
+    :data:`CHILD_CWD` with it reads the same files as this process."""
+    import copy
+
+    out = copy.deepcopy(dict(data))
+
+    def fix(value: object, program: bool) -> object:
+        if isinstance(value, list):
+            return [fix(v, program) for v in value]
+        if isinstance(value, str) and value and not os.path.isabs(value) \
+                and (not program or "/" in value):
+            return absolute_path(value)
+        return value
+
+    for key, program in [(k, False) for k in CONFIG_PATH_KEYS] + \
+            [(k, True) for k in CONFIG_PROGRAM_KEYS]:
+        *parents, last = key.split(".")
+        node: object = out
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and last in node:
+            node[last] = fix(node[last], program)
+    return out
+
 
 def run(argv: Sequence[str], timeout_s: float, env: Mapping[str, str] | None = None,
         cwd: str | None = None, input_text: str | None = None) -> ProcResult:

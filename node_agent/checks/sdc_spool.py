@@ -51,7 +51,6 @@ import datetime as _dt
 import fcntl
 import json
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -401,12 +400,17 @@ def own_probe(ctx: CheckContext, indices: list[int], budget_s: float) -> dict[st
         suite_path, config_path = Path(tmp) / "confirm.yaml", Path(tmp) / "config.yaml"
         write_json(suite_path, {"name": "sdc-confirm", "mode": "service", "checks": [
             {"check": "sdc", "timeout_s": max(1.0, budget_s - 5.0), "params": params}]})
-        write_json(config_path, ctx.config.data)  # JSON is YAML: the child reads it as config
-        argv = [sys.executable, "-m", "node_agent.commands.main", "check", "--suite",
-                str(suite_path), "--config", str(config_path), "--json", "--out", tmp]
+        # JSON is YAML: the child reads it as config; it runs in / as python -P (never importing
+        # from this process's working directory, which others may write to), so every path it
+        # gets is absolute
+        write_json(config_path, proc.absolute_config(ctx.config.data))
+        argv = proc.python_module_argv(
+            "node_agent.commands.main", "check", "--suite", proc.absolute_path(suite_path),
+            "--config", proc.absolute_path(config_path), "--json", "--out",
+            proc.absolute_path(tmp))
         if ctx.scenario is not None:
-            argv += ["--simulate", ctx.scenario.source]
-        done = proc.run(argv, timeout_s=budget_s)
+            argv += ["--simulate", proc.absolute_path(ctx.scenario.source)]
+        done = proc.run(argv, timeout_s=budget_s, cwd=proc.CHILD_CWD)
     if done.returncode not in (0, 3, 4):
         why = f"the probe did not run: {done.describe_failure()}"
         return {t: ("pending", why) for t in targets}

@@ -282,7 +282,6 @@ class Daemon:
         importing it. The child's report carries the results; its failure is an error result.
         """
         import json
-        import sys
         import tempfile
 
         import yaml
@@ -290,19 +289,25 @@ class Daemon:
         from node_agent import proc
         from node_agent.model import Report, ReportFormatError
 
+        with self._lock:
+            config = self.config
         with tempfile.TemporaryDirectory(prefix="node-agent-check-") as tmp:
-            suite_path = Path(tmp) / f"{spec.check}.yaml"
+            suite_path = Path(tmp).absolute() / f"{spec.check}.yaml"
             suite_path.write_text(yaml.safe_dump({
                 "name": f"periodic-{spec.check}", "mode": "service",
                 "checks": [{"check": spec.check, "timeout_s": spec.timeout_s,
                             "params": spec.params}]}))
-            argv = [sys.executable, "-m", "node_agent.commands.main", "check", "--suite", str(suite_path),
-                    "--json", "--out", tmp]
-            if self._config_path:
-                argv += ["--config", self._config_path]
+            # the child runs in / as python -P (never importing from the daemon's working
+            # directory, which others may write to): every path it gets is absolute, the
+            # config's own included (JSON is YAML: the child reads it as its config)
+            config_path = suite_path.with_name("config.yaml")
+            config_path.write_text(json.dumps(proc.absolute_config(config.data)))
+            argv = proc.python_module_argv(
+                "node_agent.commands.main", "check", "--suite", str(suite_path),
+                "--config", str(config_path), "--json", "--out", str(suite_path.parent))
             if self._simulate:
-                argv += ["--simulate", self._simulate]
-            done = proc.run(argv, timeout_s=spec.timeout_s + 60)
+                argv += ["--simulate", proc.absolute_path(self._simulate)]
+            done = proc.run(argv, timeout_s=spec.timeout_s + 60, cwd=proc.CHILD_CWD)
         if done.returncode in (0, 3, 4):
             try:
                 return Report.from_dict(json.loads(done.stdout)).results

@@ -67,3 +67,29 @@ def test_a_grandchild_in_its_own_session_cannot_hold_run_past_the_deadline():
         assert not _gone(stray, wait_s=0)
     finally:
         os.kill(stray, 9)
+
+
+def test_python_children_never_import_from_their_working_directory():
+    from node_agent.proc import python_module_argv
+
+    argv = python_module_argv("node_agent.commands.main", "check")
+    assert argv[1:4] == ["-P", "-m", "node_agent.commands.main"]
+
+
+def test_child_config_paths_are_made_absolute_and_program_names_kept(tmp_path, monkeypatch):
+    from node_agent.config import DEFAULTS
+    from node_agent.proc import absolute_config
+
+    monkeypatch.chdir(tmp_path)
+    data = {**DEFAULTS, "state_dir": "state", "storage": {"paths": ["scratch", "/abs"]},
+            "kernel_log": {"path": "kern.log"},
+            "adapter": {**DEFAULTS["adapter"],
+                        "slurm": {"scontrol": "scontrol", "squeue": "bin/squeue",
+                                  "timeout_s": 15}}}
+    out = absolute_config(data)
+    assert out["state_dir"] == str(tmp_path / "state")
+    assert out["storage"]["paths"] == [str(tmp_path / "scratch"), "/abs"]
+    assert out["kernel_log"]["path"] == str(tmp_path / "kern.log")
+    assert out["adapter"]["slurm"]["scontrol"] == "scontrol"  # looked up on PATH
+    assert out["adapter"]["slurm"]["squeue"] == str(tmp_path / "bin/squeue")
+    assert out["suites_dir"] is None and data["state_dir"] == "state"  # a copy
