@@ -3,10 +3,15 @@
 With real CUDA GPUs the ranks use backend ``nccl``, one per GPU; otherwise (no GPU, or a
 simulated node) ``params.cpu_ranks`` (default 2) CPU processes use ``gloo``, which exercises the
 same path and correctness test but whose bandwidth says nothing about the node's GPUs — the SKU
-minimum ``nccl_allreduce_busbw_gbps_min`` is applied only to ``nccl`` on real GPUs.
+minimum ``nccl_allreduce_busbw_gbps_min`` (a figure of the whole board over NVLink) is applied
+only to ``nccl`` on real GPUs, with as many ranks as the SKU has GPUs per node, on a host that
+sees the NVLinks (not a VM holding part of a board). With one rank (one GPU) the check is a
+``skip``: busbw = algbw * 2(n-1)/n is 0 by definition for n = 1.
 
-Each rank is a ``python -m node_agent.compute.allreduce`` subprocess (see that module for the method),
-started through :func:`node_agent.proc.run` with ``MASTER_ADDR=127.0.0.1`` and a free port.
+Each rank is a ``python -P -m node_agent.compute.allreduce`` subprocess (see that module for the
+method) run in :data:`node_agent.proc.CHILD_CWD`, so it never imports from the working
+directory, started through :func:`node_agent.proc.run` with ``MASTER_ADDR=127.0.0.1`` and a
+free port.
 The whole run is bounded by ``params.timeout_s`` (default: a little below the suite's
 ``timeout_s``): a rank whose peer never connects is killed with its process group and the check
 reports ``error``. Where ``all_reduce_perf`` (nccl-tests) is on PATH and
@@ -26,13 +31,16 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import node_agent
 from node_agent import proc
-from node_agent.checks import CheckContext
+from node_agent.checks import CheckContext, host_view
 from node_agent.extras import install_command
+from node_agent.gpu.base import GpuError
 from node_agent.model import Result, Status
 from node_agent.parsers import ParseError
 from node_agent.parsers.nccl_tests import parse_all_reduce_perf
@@ -61,13 +69,29 @@ def free_port() -> int:
 def worker_argv(rank: int, world_size: int, backend: str, sizes: Sequence[int], iters: int,
                 warmup: int, timeout_s: float, corrupt_rank: int | None = None,
                 python: str = sys.executable) -> list[str]:
-    argv = [python, "-m", "node_agent.compute.allreduce", "--rank", str(rank),
-            "--world-size", str(world_size), "--backend", backend,
+    """``python -P -m node_agent.compute.allreduce ...``: a rank that never imports from its
+    working directory (:func:`proc.python_module_argv`)."""
+    args = ["--rank", str(rank), "--world-size", str(world_size), "--backend", backend,
             "--sizes", ",".join(str(int(s)) for s in sizes), "--iters", str(iters),
             "--warmup", str(warmup), "--timeout-s", f"{timeout_s:g}"]
     if corrupt_rank is not None:
-        argv += ["--corrupt-rank", str(corrupt_rank)]
-    return argv
+        args += ["--corrupt-rank", str(corrupt_rank)]
+    return proc.python_module_argv("node_agent.compute.allreduce", *args, python=python)
+
+
+def child_env(base: Mapping[str, str]) -> dict[str, str]:
+    """``base`` with the directory this ``node_agent`` was imported from on ``PYTHONPATH``.
+
+    A rank runs as ``python -P`` in :data:`proc.CHILD_CWD`, so an agent run from its source
+    tree without being installed would leave its ranks unable to import ``node_agent``. The
+    directory added is the one the running agent's own code came from (never the working
+    directory), and an empty entry (which Python reads as the working directory) is dropped.
+    """
+    root = str(Path(node_agent.__file__).resolve().parent.parent)
+    entries = [e for e in base.get("PYTHONPATH", "").split(os.pathsep) if e]
+    if root not in entries:
+        entries.append(root)
+    return {**base, "PYTHONPATH": os.pathsep.join(entries)}
 
 
 def run_ranks(world_size: int, backend: str, sizes: Sequence[int], iters: int, warmup: int,
@@ -79,8 +103,8 @@ def run_ranks(world_size: int, backend: str, sizes: Sequence[int], iters: int, w
     Every rank runs through :func:`proc.run` on its own thread, so a rank still running at the
     deadline is killed with its process group: nothing is left behind.
     """
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               PYTHONUNBUFFERED="1")
+    env = child_env(dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                         PYTHONUNBUFFERED="1"))
     # the group's own timeout ends a rank waiting for a peer a little before we kill it
     group_timeout = max(1.0, timeout_s - 2.0)
     ranks = list(range(world_size)) if start_ranks is None else list(start_ranks)
@@ -88,7 +112,8 @@ def run_ranks(world_size: int, backend: str, sizes: Sequence[int], iters: int, w
 
     def one(rank: int) -> None:
         runs[rank] = proc.run(worker_argv(rank, world_size, backend, sizes, iters, warmup,
-                                          group_timeout, corrupt_rank), timeout_s, env=env)
+                                          group_timeout, corrupt_rank), timeout_s, env=env,
+                             cwd=proc.CHILD_CWD)
 
     threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in ranks]
     for t in threads:
@@ -129,6 +154,8 @@ def run(ctx: CheckContext) -> list[Result]:
     if _has_real_gpus(ctx):
         backend = "nccl"
         world_size = int(p.get("world_size", len(ctx.gpu.devices())))
+        if world_size < 2:
+            return [one_rank_skip(ctx, world_size, backend)]
         if p.get("use_nccl_tests") and proc.which("all_reduce_perf"):
             return _run_nccl_tests(ctx, world_size, sizes, iters, warmup, timeout_s)
     elif ctx.gpu.simulated or "cpu_ranks" in p:
@@ -137,6 +164,8 @@ def run(ctx: CheckContext) -> list[Result]:
         world_size = int(p.get("cpu_ranks", 2))
     else:
         return ctx.gpus_unavailable() or [ctx.skip("no GPUs visible: nothing to all-reduce")]
+    if world_size < 2:
+        return [one_rank_skip(ctx, world_size, backend)]
     start = time.monotonic()
     runs = run_ranks(world_size, backend, sizes, iters, warmup, timeout_s,
                      corrupt_rank=p.get("corrupt_rank"))
@@ -151,7 +180,19 @@ def run(ctx: CheckContext) -> list[Result]:
     evidence = {"backend": backend, "world_size": world_size, "iters": iters, "warmup": warmup,
                 "simulated": ctx.gpu.simulated, "tool": "torch.distributed",
                 "torch": doc.get("torch")}
-    return _results(ctx, rows, evidence, graded=backend == "nccl", duration=duration)
+    return _results(ctx, rows, evidence, ungraded=_not_graded_because(ctx, backend, world_size),
+                    duration=duration)
+
+
+def one_rank_skip(ctx: CheckContext, world_size: int, backend: str) -> Result:
+    """With one rank there is nothing to reduce across: the bus bandwidth nccl-tests defines,
+    busbw = algbw * 2(n-1)/n (nccl-tests doc/PERFORMANCE.md), is 0 by definition for n = 1,
+    and no data leaves the GPU, so neither bandwidth nor correctness can be measured."""
+    return ctx.result("node", "busbw_peak_gbps", Status.SKIP,
+                      f"one rank ({backend}): an all-reduce needs two; its bus bandwidth "
+                      "busbw = algbw * 2(n-1)/n is 0 by definition with n = 1, and nothing "
+                      "crosses a link to be measured or checked",
+                      world_size=world_size, backend=backend)
 
 
 def _failure(ctx: CheckContext, runs: list[RankRun], timeout_s: float) -> Result | None:
@@ -177,8 +218,38 @@ def _tail(text: str, lines: int = 8) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
+def _not_graded_because(ctx: CheckContext, backend: str, world_size: int) -> str | None:
+    """Why the SKU's all-reduce minimum does not apply to this run, or None when it does.
+
+    The minimum is a figure of the whole board over NVLink (``nccl_allreduce_busbw_gbps_min``:
+    nccl-tests on all 8 GPUs of an HGX), so it grades only nccl on real GPUs, with as many
+    ranks as the SKU has GPUs per node, on a host that sees the NVLinks: a VM holding part of
+    a board, or whose GPUs show no active NVLink, measures a different thing."""
+    if backend != "nccl":
+        return f"backend {backend} on CPU"
+    sku = ctx.sku
+    if sku is None or sku.minimum("nccl_allreduce_busbw_gbps_min") is None:
+        return None  # nothing to grade against; _results says "no SKU minimum"
+    if world_size != sku.gpus_per_node:
+        return (f"the SKU minimum is for all {sku.gpus_per_node} GPUs of a {sku.id} node; this "
+                f"run had {world_size} ranks")
+    devices = ctx.gpu.devices()
+    if host_view.read_host_view(devices).guest and not any(_active_links(d) for d in devices):
+        return ("the GPUs are passed through to a VM that sees no active NVLink, and the SKU "
+                "minimum is for the board's NVLinks")
+    return None
+
+
+def _active_links(dev: Any) -> int:
+    """Active NVLinks NVML reports for ``dev`` (0 where it cannot say)."""
+    try:
+        return sum(1 for link in dev.nvlinks() if link.active)
+    except GpuError:
+        return 0
+
+
 def _results(ctx: CheckContext, rows: list[dict[str, Any]], evidence: dict[str, Any],
-             graded: bool, duration: float) -> list[Result]:
+             ungraded: str | None, duration: float) -> list[Result]:
     out: list[Result] = []
     for row in rows:
         out.append(ctx.result(
@@ -190,6 +261,7 @@ def _results(ctx: CheckContext, rows: list[dict[str, Any]], evidence: dict[str, 
             value=round(row["busbw"], 4), unit="GB/s", **row, **evidence))
     peak = max(rows, key=lambda r: r["busbw"])
     minimum = ctx.sku.minimum("nccl_allreduce_busbw_gbps_min") if ctx.sku else None
+    graded = ungraded is None
     if graded and minimum is not None and peak["busbw"] < minimum:
         status = Status.FAIL
         detail = (f"peak all-reduce busbw {peak['busbw']:.1f} GB/s is below the SKU minimum "
@@ -197,7 +269,7 @@ def _results(ctx: CheckContext, rows: list[dict[str, Any]], evidence: dict[str, 
     else:
         status = Status.PASS
         note = ("" if graded and minimum is not None else
-                " (not graded: backend gloo on CPU)" if not graded else " (no SKU minimum)")
+                f" (not graded: {ungraded})" if not graded else " (no SKU minimum)")
         detail = (f"peak all-reduce busbw {peak['busbw']:.3f} GB/s at {peak['size_bytes']} B"
                   + note)
     out.append(ctx.result("node", "busbw_peak_gbps", status, detail,
@@ -239,7 +311,8 @@ def _run_nccl_tests(ctx: CheckContext, world_size: int, sizes: list[int], iters:
     evidence = {"backend": "nccl", "world_size": world_size, "iters": iters, "warmup": warmup,
                 "simulated": False, "tool": "all_reduce_perf",
                 "avg_busbw_gbps": table.avg_busbw_gbps, "out_of_bounds": table.out_of_bounds}
-    out = _results(ctx, rows, evidence, graded=True, duration=res.duration_s)
+    out = _results(ctx, rows, evidence, ungraded=_not_graded_because(ctx, "nccl", world_size),
+                   duration=res.duration_s)
     if table.validated is False:
         out.append(ctx.result("node", "wrong_elements", Status.SKIP,
                               "all_reduce_perf ran without validation (#wrong N/A): the "

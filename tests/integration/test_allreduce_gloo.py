@@ -111,8 +111,89 @@ def test_nccl_peak_graded_against_sku_minimum_only_for_nccl(peak, status):
     ctx.sku = sku
     rows = [{"size_bytes": 1 << 30, "time_us": 1.0, "algbw": peak / 1.75, "busbw": peak,
              "wrong": 0}]
-    nccl = nccl_allreduce._results(ctx, rows, {"backend": "nccl"}, graded=True, duration=1.0)
+    nccl = nccl_allreduce._results(ctx, rows, {"backend": "nccl"}, ungraded=None, duration=1.0)
     (result,) = by_metric(nccl, "busbw_peak_gbps")
     assert result.status is status and result.evidence["minimum"] == 400
-    gloo = nccl_allreduce._results(ctx, rows, {"backend": "gloo"}, graded=False, duration=1.0)
+    gloo = nccl_allreduce._results(ctx, rows, {"backend": "gloo"}, ungraded="backend gloo on CPU",
+                                   duration=1.0)
     assert by_metric(gloo, "busbw_peak_gbps")[0].status is Status.PASS
+
+
+def _h100_sku():
+    from pathlib import Path
+
+    from node_agent.grading.sku import load_sku
+
+    return load_sku(Path(__file__).resolve().parents[2] / "graders" / "skus"
+                    / "h100-sxm5-80gb.yaml")
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_the_board_minimum_does_not_grade_fewer_ranks_than_the_board_has(ranks):
+    # nccl_allreduce_busbw_gbps_min is nccl-tests on all 8 GPUs of an HGX H100 over NVLink
+    ctx = make_ctx()
+    ctx.sku = _h100_sku()
+    why = nccl_allreduce._not_graded_because(ctx, "nccl", ranks)
+    assert why is not None and "all 8 GPUs" in why and f"had {ranks} ranks" in why
+    rows = [{"size_bytes": 1 << 30, "time_us": 1.0, "algbw": 60.0, "busbw": 60.0, "wrong": 0}]
+    (peak,) = by_metric(nccl_allreduce._results(ctx, rows, {"backend": "nccl"}, ungraded=why,
+                                                duration=1.0), "busbw_peak_gbps")
+    assert peak.status is Status.PASS and "not graded" in peak.detail
+
+
+def test_one_cpu_rank_skips_because_busbw_is_zero_by_definition():
+    (result,) = nccl_allreduce.run(make_ctx(cpu_ranks=1))
+    assert result.status is Status.SKIP and result.metric == "busbw_peak_gbps"
+    assert "2(n-1)/n is 0 by definition" in result.detail
+    assert result.evidence["world_size"] == 1
+
+
+def test_one_gpu_allreduce_skips_instead_of_an_error_of_busbw_zero():
+    """One real-looking GPU (a stand-in device: no GPU runs here) takes the nccl path, which
+    stops before starting a rank: the real H100 in a VM graded "busbw 0.0 GB/s" ERROR."""
+    from node_agent.gpu.base import NotSupported
+
+    class OneGpu:
+        name, simulated, unavailable_reason, broken = "nvml", False, None, False
+
+        class Dev:
+            index = 0
+
+            def virtualization_mode(self):
+                raise NotSupported("not asked")
+
+        def devices(self):
+            return [self.Dev()]
+
+    ctx = make_ctx()
+    ctx.gpu = OneGpu()
+    ctx.sku = _h100_sku()
+    (result,) = nccl_allreduce.run(ctx)
+    assert result.status is Status.SKIP and result.evidence["backend"] == "nccl"
+    assert result.evidence["world_size"] == 1 and "one rank" in result.detail
+
+
+def test_ranks_never_import_from_the_working_directory(tmp_path, monkeypatch):
+    """An agent started in a directory others can write to: a planted torch.py there must
+    not run in the ranks (they run as python -P in /)."""
+    marker = tmp_path / "planted-ran"
+    (tmp_path / "torch.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                       "raise ImportError('planted torch')\n")
+    monkeypatch.chdir(tmp_path)
+    results = nccl_allreduce.run(make_ctx(sizes=[4096]))
+    assert not marker.exists()
+    (peak,) = by_metric(results, "busbw_peak_gbps")
+    assert peak.status is Status.PASS, peak.detail
+
+
+def test_rank_argv_is_python_dash_p_and_the_child_path_has_no_empty_entry():
+    argv = nccl_allreduce.worker_argv(0, 2, "gloo", [4096], 1, 0, 5.0, python="/py")
+    assert argv[:4] == ["/py", "-P", "-m", "node_agent.compute.allreduce"]
+    env = nccl_allreduce.child_env({"PYTHONPATH": ":/opt/x:"})
+    entries = env["PYTHONPATH"].split(":")
+    assert "" not in entries and entries[0] == "/opt/x"
+    from pathlib import Path
+
+    import node_agent
+
+    assert str(Path(node_agent.__file__).resolve().parent.parent) in entries
