@@ -1,5 +1,6 @@
-"""The stack signal when py-spy cannot read a process, concurrent sampling, what a stack is
-blocked in, and the origin rule.
+"""The stack signal when py-spy cannot read a process, concurrent sampling (within a deadline,
+a call budget shared fairly per uid, nonblocking), what a stack is blocked in, and the origin
+rule.
 
 Frame lists are py-spy's own: tests/data/py_spy holds `py-spy dump --json` of real hung
 processes (a gloo all_reduce, a DataLoader whose worker stopped, a queue.get whose producer
@@ -267,3 +268,98 @@ def test_the_launcher_or_an_empty_stack_is_never_named_the_origin():
                           (3, True, _signal("unknown"))]) == {}
     assert likely_origin([(1, True, _signal("collective")), (2, True, _signal("launcher")),
                           (3, True, _signal("data_loader"))]) == {1: False, 2: False, 3: True}
+
+
+# -- a deadline, a budget and fairness inside the sampling (issue 29) ---------------------------
+
+class _Clock:
+    """A monotonic clock that moves only when a fake py-spy call takes its time."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_each_call_gets_only_what_is_left_of_the_deadline_and_sampling_stops_there():
+    clock, timeouts = _Clock(), []
+
+    def slow_dump(_py_spy, _pid, timeout):  # a process py-spy waits on until its timeout
+        timeouts.append(timeout)
+        clock.t += timeout
+        return _frames("sleep", "main")
+
+    stacks = sample_stacks("py-spy", [7], 3, 0.0, 12.0, dump=slow_dump, clock=clock,
+                           sleep=lambda s: None)
+    assert timeouts == [10.0, 2.0]  # the cap, then what was left; no call past the deadline
+    assert stacks[7].figures["samples"] == 2
+    assert "cut short" in stacks[7].detail
+
+
+def test_one_uids_many_processes_cannot_take_the_calls_another_uids_hang_needs():
+    calls = {}
+
+    def dump(_py_spy, pid, _timeout):
+        calls[pid] = calls.get(pid, 0) + 1
+        return _frames("wait", "main")
+
+    many = list(range(1, 81))  # uid 1000's 80 processes come first
+    uids = {**{pid: 1000 for pid in many}, 500: 2000}
+    stacks = sample_stacks("py-spy", [*many, 500], 3, 0.0, time.monotonic() + 30, dump=dump,
+                           uids=uids, max_calls=64, sleep=lambda s: None)
+    assert calls[500] == 3 and stacks[500].hang  # the other uid's process is fully sampled
+    assert sum(calls.values()) <= 64
+    skipped = [pid for pid, s in stacks.items() if s.figures.get("not_sampled") == "budget"]
+    assert len(skipped) == 60 and all(uids[pid] == 1000 for pid in skipped)
+    assert "uid 1000's share" in stacks[80].detail and stacks[80].figures["uid"] == 1000
+
+
+def test_a_uid_whose_processes_keep_py_spy_waiting_holds_only_its_own_lanes():
+    import threading
+
+    others_done = threading.Event()
+    seen_b = []
+
+    def dump(_py_spy, pid, _timeout):
+        if pid in (1, 2):  # uid A: py-spy waits on these until uid B's sampling is done
+            return _frames("sleep") if others_done.wait(20) else "uid A never let B run"
+        seen_b.append(pid)
+        if len(seen_b) == 3:
+            others_done.set()
+        return _frames("sleep")
+
+    stacks = sample_stacks("py-spy", [1, 2, 3], 3, 0.0, time.monotonic() + 60, dump=dump,
+                           uids={1: "A", 2: "A", 3: "B"}, workers=2, sleep=lambda s: None)
+    assert others_done.is_set() and stacks[3].figures["samples"] == 3
+    assert stacks[1].available and stacks[2].available
+
+
+def _recording_py_spy(tmp_path, fail_nonblocking: bool = False) -> tuple[str, Path]:
+    """A py-spy stand-in that logs its argv and prints one stuck "own code" stack as JSON."""
+    log, path = tmp_path / "argv.log", tmp_path / "py-spy"
+    dump = [{"thread_name": "MainThread", "frames": [_py("train_step", JOB, 42)]}]
+    path.write_text(
+        f"#!{sys.executable}\nimport json, sys\n"
+        f"open({str(log)!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')\n"
+        f"if {fail_nonblocking!r} and '--nonblocking' in sys.argv:\n"
+        "    sys.stderr.write('Error: failed to copy PyThreadState\\n'); sys.exit(1)\n"
+        f"print(json.dumps({dump!r}))\n")
+    path.chmod(0o755)
+    return str(path), log
+
+
+def test_samples_do_not_stop_the_process_and_only_the_native_sample_does(tmp_path):
+    py_spy, log = _recording_py_spy(tmp_path)
+    stack = sample_stacks(py_spy, [os.getpid()], 2, 0.0, time.monotonic() + 30)[os.getpid()]
+    assert stack.hang
+    argvs = log.read_text().splitlines()
+    assert [("--nonblocking" in a, "--native" in a) for a in argvs] == [
+        (True, False), (True, False), (False, True)]  # py-spy refuses --native --nonblocking
+
+
+def test_a_failed_nonblocking_sample_of_a_live_process_is_taken_again_stopping_it(tmp_path):
+    py_spy, log = _recording_py_spy(tmp_path, fail_nonblocking=True)
+    stack = sample_stacks(py_spy, [os.getpid()], 2, 0.0, time.monotonic() + 30)[os.getpid()]
+    assert stack.available and stack.figures["samples"] == 2
+    assert sum("--nonblocking" not in a for a in log.read_text().splitlines()) >= 2
