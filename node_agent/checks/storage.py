@@ -1,6 +1,7 @@
 """Check ``storage``: fio bandwidth and IOPS on each configured path (``storage.paths``).
 
-Three fio jobs run in sequence (``stonewall``) on one file per path: sequential write and read
+Three fio jobs run in sequence (``stonewall``) on one file per path, inside a private directory
+the check makes there (``mkdtemp``, 0700) and removes afterwards: sequential write and read
 with 1 MiB blocks, then random 4 KiB reads. ``--direct=1`` bypasses the page cache where the
 filesystem supports O_DIRECT (tested by opening a file with it); elsewhere (tmpfs on older
 kernels, some FUSE/overlay mounts) fio runs buffered and the evidence says so, since buffered
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -90,17 +92,35 @@ def run(ctx: CheckContext) -> list[Result]:
 
 def _run_path(ctx: CheckContext, fio: str, path: Path, label: str = "") -> list[Result]:
     target = f"disk:{path}"
-    p = ctx.params
     if not path.is_dir():
         return [ctx.result(target, "fio", Status.ERROR,
                            f"storage path {path} is not a directory (config storage.paths)")]
+    # scratch paths are often writable by every user: fio's file goes into a directory of
+    # our own (mkdtemp: a fresh random name, mode 0700), never at a name a user could guess
+    # and plant a symlink on (with fs.protected_symlinks=0 or a non-sticky directory, root's
+    # fio would follow it and fill whatever file it points to)
     try:
-        direct = supports_o_direct(path)
+        private = Path(tempfile.mkdtemp(prefix=".node-agent-fio-", dir=path))
+    except OSError as err:
+        return [ctx.result(target, "fio", Status.ERROR,
+                           f"cannot make a directory in {path}: {err} (config storage.paths)")]
+    try:
+        return _run_fio(ctx, fio, path, private, target, label)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def _run_fio(ctx: CheckContext, fio: str, path: Path, private: Path, target: str,
+             label: str) -> list[Result]:
+    """fio in ``private`` (our own 0700 directory inside the storage path ``path``)."""
+    p = ctx.params
+    try:
+        direct = supports_o_direct(private)
     except OSError as err:
         return [ctx.result(target, "fio", Status.ERROR,
                            f"cannot write a file in {path}: {err} (config storage.paths)")]
     runtime_s = float(p.get("runtime_s", 3))
-    filename = path / f".node-agent-fio-{os.getpid()}.dat"
+    filename = private / "fio.dat"
     argv = fio_argv(fio, filename, str(p.get("size", "64M")), runtime_s, direct,
                     str(p.get("ioengine", "libaio")), int(p.get("iodepth", 16)))
     evidence: dict[str, Any] = {
@@ -109,10 +129,7 @@ def _run_path(ctx: CheckContext, fio: str, path: Path, label: str = "") -> list[
         "buffered: the filesystem refuses O_DIRECT, figures include the page cache"}
     # three timed jobs plus layout and fsync; the runner's timeout still bounds the check
     timeout_s = float(p.get("fio_timeout_s", 3 * runtime_s + 60))
-    try:
-        res = proc.run(argv, timeout_s)
-    finally:
-        filename.unlink(missing_ok=True)
+    res = proc.run(argv, timeout_s, cwd=proc.CHILD_CWD)
     if not res.ok:
         return [ctx.result(target, "fio", Status.ERROR, f"fio failed on {path}: "
                            f"{res.describe_failure()}", returncode=res.returncode,

@@ -84,3 +84,24 @@ def test_truncated_fio_json_is_error_not_crash(tmp_path, monkeypatch):
     target.mkdir()
     (result,) = storage.run(make_ctx([str(target)]))
     assert result.status is Status.ERROR and "truncated" in result.detail
+
+
+def test_fio_file_is_in_a_fresh_private_directory_removed_afterwards(tmp_path, monkeypatch):
+    # a predictable name in a scratch path users write to is a symlink target (issue 29)
+    seen = []
+    real_run = storage.proc.run
+
+    def spy(argv, timeout_s, **kw):
+        filename = Path(next(a for a in argv if a.startswith("--filename="))[11:])
+        st = filename.parent.stat()
+        seen.append((filename, st.st_mode & 0o777, filename.parent.parent, kw.get("cwd")))
+        return real_run(argv, timeout_s, **kw)
+
+    monkeypatch.setattr(storage.proc, "run", spy)
+    first = storage.run(make_ctx([str(tmp_path)]))
+    second = storage.run(make_ctx([str(tmp_path)]))
+    assert all(r.status is Status.PASS for r in first + second)
+    (one, mode, parent, cwd), (two, *_) = seen
+    assert mode == 0o700 and parent == tmp_path and cwd == "/"
+    assert one.parent != two.parent  # a fresh random name each run, not the pid
+    assert not list(tmp_path.iterdir())
