@@ -17,7 +17,8 @@ Per node (DESIGN.md, "Remediation and safety")::
   ``hold`` step, no adapter call) and no further restart or replacement is planned until an
   operator's ``set-healthy`` / ``act resume``.
 * HEALTHY/WARN never cause a drain; they resume a node only when the agent itself drained it
-  for a restart and this is the passing re-test.
+  for a restart and this is the passing re-test. A re-test whose only ERRORs are hung training
+  jobs (``JOB_RULES``) passes for the node: it resumes, then the jobs are restarted.
 * A hung training job (ERROR whose every ERROR-or-worse reason is a job rule, ``JOB_RULES``) is
   not the node's fault: one ``restart-job`` step per hung job, through the scheduler, and the
   node's state does not change. A hardware ERROR/FAULT beside it takes the node path instead
@@ -202,12 +203,11 @@ def plan(grade: Grade, record: NodeRecord, safety: Safety, *, now: float, boot_t
         return Plan(note=f"waiting for the reboot requested at {_iso(record.requested_at)}; "
                          "the next run after it re-tests the node")
 
+    resumable = state in ("restarting", "retest") or (state == "drained"
+                                                       and record.trigger != "operator")
     if grade.level <= Level.WARN:
-        if state in ("restarting", "retest") or (state == "drained"
-                                                  and record.trigger != "operator"):
-            step = Step("resume", sanitise_reason(
-                f"re-test passed ({grade.level.name}) after {record.fault_code or 'restart'}"),
-                to_state="in-service", fault_code=record.fault_code, target=record.target)
+        if resumable:
+            step = _resume_step(grade.level.name, record)
             return Plan((step,), note=f"re-test graded {grade.level.name}: resume",
                         fault_code=record.fault_code, target=record.target)
         if state in ("fault", "awaiting-replacement"):
@@ -225,7 +225,16 @@ def plan(grade: Grade, record: NodeRecord, safety: Safety, *, now: float, boot_t
 
     serious = [r for r in grade.reasons if r.level >= Level.ERROR]
     if grade.level == Level.ERROR and serious and all(r.rule in JOB_RULES for r in serious):
-        return _job_plan(serious, state)
+        jobs = _job_plan(serious, state)
+        if not resumable:
+            return jobs
+        # the node's own re-test is clean: a training job's hang is the job's, never a reason
+        # to keep the node drained (issue 29: a user's idle process with a stale heartbeat
+        # kept a drained node from its resume); the node resumes first, then the jobs restart
+        step = _resume_step("clean apart from hung training jobs", record)
+        return Plan((step, *jobs.steps), note=f"re-test clean apart from hung training jobs: "
+                                              f"resume; {jobs.note}",
+                    fault_code=record.fault_code, target=record.target)
 
     if state == "awaiting-replacement":
         return Plan(note=f"node is already {state} for {record.fault_code} "
@@ -285,6 +294,12 @@ def plan(grade: Grade, record: NodeRecord, safety: Safety, *, now: float, boot_t
         note = f"ERROR {code} on {target}: drain, reboot request, re-test after the reboot " \
                f"(restart {restarts + 1} of {safety.max_restarts})"
     return Plan(tuple(steps), note=note, fault_code=code, target=target)
+
+
+def _resume_step(graded: str, record: NodeRecord) -> Step:
+    return Step("resume", sanitise_reason(
+        f"re-test passed ({graded}) after {record.fault_code or 'restart'}"),
+        to_state="in-service", fault_code=record.fault_code, target=record.target)
 
 
 def _job_plan(reasons: list[Reason], state: str) -> Plan:

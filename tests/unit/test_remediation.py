@@ -726,13 +726,37 @@ def test_training_hang_alone_restarts_the_job_and_never_drains_the_node(store):
         "restart-job", "done", "job:slurm:1234", None)
 
 
-@pytest.mark.parametrize("state", ["drained", "fault", "awaiting-replacement"])
+@pytest.mark.parametrize("state", ["fault", "awaiting-replacement"])
 def test_hung_job_on_a_node_out_of_service_is_restarted_and_the_state_kept(store, state):
     store.set_node_record(NodeRecord(NODE, state, T0 - 100, "xid-79", "gpu:5", "auto"))
     adapter = FakeAdapter()
     make(store, adapter).remediate(FakeReport(hang("job:slurm:9/rank:0")))
     assert adapter.actions() == ["restart-job"]
     assert store.node_record(NODE).state == state
+
+
+def test_an_operators_drain_is_kept_while_a_hung_job_is_restarted(store):
+    store.set_node_record(NodeRecord(NODE, "drained", T0 - 100, "operator", "node", "operator"))
+    adapter = FakeAdapter()
+    make(store, adapter).remediate(FakeReport(hang("job:slurm:9/rank:0")))
+    assert adapter.actions() == ["restart-job"]
+    assert store.node_record(NODE).state == "drained"
+
+
+@pytest.mark.parametrize("state", ["drained", "retest", "restarting"])
+def test_a_hung_job_never_keeps_a_node_the_agent_drained_from_its_resume(store, state):
+    # issue 29, Low 9: after a clean re-test, a hang on the node (a user's idle process with
+    # a stale heartbeat, or a real job's) kept the node drained; the node's own findings are
+    # clean, so it resumes, and then the job is restarted
+    store.set_node_record(NodeRecord(NODE, state, T0 - 100, "xid-31", "gpu:0", "auto",
+                                     restart_kind="gpu-reset"))
+    adapter = FakeAdapter()
+    adapter.state = NodeState(NODE, "DRAIN", True, "node-agent: ERROR xid-31 gpu:0")
+    out = make(store, adapter).remediate(FakeReport(hang("job:slurm:9/rank:0")))
+    assert [(r.action, r.outcome) for r in out.records] == [("resume", "done"),
+                                                            ("restart-job", "done")]
+    assert adapter.actions() == ["resume", "restart-job"]
+    assert store.node_record(NODE).state == "in-service"
 
 
 def test_hang_beside_a_hardware_error_takes_the_node_path(store):
