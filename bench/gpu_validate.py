@@ -117,34 +117,14 @@ class StepOutcome:
     note: str = ""
 
 
-#: the working tree's agent, importable without installing it (see source_overlay)
-_OVERLAY: Path | None = None
-
-
-def source_overlay(work: Path) -> Path:
-    """A directory whose ``node_agent`` is this working tree's, laid out as an install lays it.
-
-    pyproject.toml ships suites/ and graders/ as the packages ``node_agent.suites`` and
-    ``node_agent.graders``; in the tree they sit beside node_agent/, so the agent run straight
-    from the tree (PYTHONPATH, as on the GPU machine, where nothing is pip-installed) would not
-    find them. The overlay is symbolic links only: node_agent/'s entries and those two."""
-    pkg = work / "src" / "node_agent"
-    pkg.mkdir(parents=True, exist_ok=True)
-    for entry in (REPO / "node_agent").iterdir():
-        if entry.name != "__pycache__" and not (pkg / entry.name).is_symlink():
-            (pkg / entry.name).symlink_to(entry)
-    for name in ("suites", "graders"):
-        if not (pkg / name).is_symlink():
-            (pkg / name).symlink_to(REPO / name)
-    return pkg.parent
-
-
 def _child_env() -> dict[str, str]:
-    """The steps' environment: this tree's agent first on the path (the overlay, else the tree
-    itself last), unbuffered output, CUDA numbering GPUs as NVML does."""
+    """The steps' environment: this tree first on ``PYTHONPATH`` (the agent runs from the tree
+    as it is, installed or not: ``node_agent.resources`` finds suites/ and graders/ beside the
+    package; every child Python inherits it, the agent's own ``python -P -m`` children that
+    run in ``/`` included), unbuffered output, CUDA numbering GPUs as NVML does."""
     env = dict(os.environ)
-    parts = [str(_OVERLAY)] if _OVERLAY else []
-    parts += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(REPO)]
+    parts = [str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                           if p and Path(p).resolve() != REPO]
     env["PYTHONPATH"] = os.pathsep.join(parts)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # NVML's order (the agent's convention)
@@ -284,8 +264,6 @@ def run_all(out_dir: Path, budget_s: float, only: list[str] | None = None,
     date = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu-validate-"))
-    global _OVERLAY
-    _OVERLAY = source_overlay(work)
     say(f"gpu-validate: probing the host (budget {budget_s:g} s; output in {out_dir})")
     needs, machine = probe(work)
     say(f"  machine: {machine_line(machine)}")

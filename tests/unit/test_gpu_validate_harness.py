@@ -1,13 +1,15 @@
 """The GPU proof's harness (bench/gpu_validate.py) keeps its promises without a GPU: a step that
 hangs is killed with everything it started and its figures say so, a step that breaks records
 its error as the figures' reason, every null has a reason, the budget leaves the later steps
-their minimum, and the agent runs from the source tree without being installed."""
+their minimum, and the agent runs from a copy of the work tree with nothing installed."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -189,20 +191,146 @@ def test_the_shortened_delivery_suite_is_a_valid_suite_with_the_overrides(tmp_pa
     assert params["sdc"]["duration_s"] == 15
 
 
-def test_the_agent_runs_from_the_source_tree_through_the_overlay(tmp_path):
-    """On the GPU machine nothing is pip-installed: node_agent.suites and node_agent.graders
-    (package-dir mappings in pyproject.toml) must come from the overlay. ``-S`` leaves out
-    site-packages and with it this venv's editable install."""
-    overlay = gv.source_overlay(tmp_path)
-    code = "import node_agent.suites, node_agent.graders.skus, node_agent.extras; print('ok')"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    bare = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
-                          env={**env, "PYTHONPATH": str(REPO)}, cwd=tmp_path, timeout=60)
-    assert bare.returncode != 0 and "node_agent.suites" in bare.stderr
-    run = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
-                         env={**env, "PYTHONPATH": str(overlay)}, cwd=tmp_path, timeout=60)
-    assert run.returncode == 0, run.stderr
-    assert (overlay / "node_agent" / "checks").resolve() == REPO / "node_agent" / "checks"
+# -- the work tree without an install, as a GPU host without a package index runs it ----------
+
+
+def _bare_python(root: Path) -> Path:
+    """A Python that has the agent's dependencies but no install of node_agent: a fresh venv
+    whose only link to this one is a ``.pth`` line naming this interpreter's site-packages.
+    A path named in a ``.pth`` file is added to ``sys.path`` but its own ``.pth`` files are
+    not run, so the editable install's finder (``__editable__...pth``, which maps
+    ``node_agent.graders`` to ``graders/``) is absent, in this Python and in every child it
+    starts with ``sys.executable``: what a GPU host with torch, pytest and the wheels has."""
+    import site
+    import sysconfig
+
+    venv = root / "bare-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   capture_output=True, timeout=120)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c",
+                              "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    ours = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+                          *site.getsitepackages()])
+    (Path(purelib) / "agent-dependencies.pth").write_text(
+        "".join(f"{p}\n" for p in ours if Path(p).is_dir()))
+    return python
+
+
+def _copy_of_the_tree(dest: Path) -> Path:
+    """This tree's source files (``git ls-files``: tracked, and new files not ignored) copied
+    to ``dest``: no build output, no egg-info, nothing an install leaves behind."""
+    names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           cwd=REPO, capture_output=True, check=True,
+                           timeout=60).stdout.decode().split("\0")
+    for name in filter(None, names):
+        src = REPO / name
+        if src.is_file() and not src.is_symlink():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def bare_tree(tmp_path_factory):
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout: the copy is made of `git ls-files`")
+    root = tmp_path_factory.mktemp("bare")
+    return _bare_python(root), _copy_of_the_tree(root / "tree")
+
+
+def _bare_env(tree: Path) -> dict[str, str]:
+    """What the harness gives its steps (``_child_env``), pointed at the copy."""
+    env = {k: v for k, v in gv._child_env().items() if k != "PYTHONPATH"}
+    return {**env, "PYTHONPATH": str(tree)}
+
+
+#: what the steps import, and what the agent's own children import (the checks, the CLI)
+STEP_IMPORTS = ("node_agent.gpu", "node_agent.compute.burn", "node_agent.compute.devices",
+                "node_agent.commands.main", "node_agent.suite", "node_agent.environment",
+                "node_agent.sim.nvml_state", "node_agent.sdc.validation", "gpu_validate_steps")
+
+
+def test_the_harness_puts_the_work_tree_first_on_its_steps_path(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", f"/elsewhere{os.pathsep}{REPO}")
+    assert gv._child_env()["PYTHONPATH"].split(os.pathsep) == [str(REPO), "/elsewhere"]
+
+
+def test_the_work_tree_runs_without_an_install_of_node_agent(bare_tree):
+    """The GPU host's failure, replayed: its python3 had torch and pytest but no install of
+    node_agent, so ``node_agent.graders`` (a package only pyproject's package-dir makes) did
+    not exist and every step that loads a SKU failed. From a copy of the tree and a Python
+    without the install, every module the steps use imports, the shipped data is found
+    beside the package, and it is the copy's, not this checkout's."""
+    python, tree = bare_tree
+    code = textwrap.dedent(f"""
+        import importlib, importlib.util, json, sys
+        sys.path.insert(0, {str(tree / "bench")!r})
+        import node_agent
+        from node_agent import resources
+        from node_agent.config import config_from_dict
+        for name in {STEP_IMPORTS!r}:
+            if name == "node_agent.sdc.validation" and importlib.util.find_spec("torch") is None:
+                continue
+            importlib.import_module(name)
+        cfg = config_from_dict({{}})
+        print(json.dumps({{
+            "node_agent": node_agent.__file__,
+            "graders_package": importlib.util.find_spec("node_agent.graders") is not None,
+            "editable_finders": [repr(f) for f in sys.meta_path if "editable" in repr(f).lower()],
+            "graders": str(resources.graders_dir(cfg)),
+            "suites": str(resources.suites_dir(cfg)),
+            "skus": str(resources._shipped("node_agent.graders.skus")),
+        }}))
+    """)
+    proc = subprocess.run([str(python), "-c", code], cwd="/", env=_bare_env(tree),
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["node_agent"] == str(tree / "node_agent" / "__init__.py")
+    assert not seen["graders_package"] and not seen["editable_finders"], seen  # truly bare
+    assert seen["graders"] == str(tree / "graders") and seen["suites"] == str(tree / "suites")
+    assert seen["skus"] == str(tree / "graders" / "skus")
+
+
+def test_pytest_gpu_collects_every_test_from_the_bare_work_tree(bare_tree):
+    """``pytest -m gpu`` as the pytest_gpu step runs it: a collection error (the GPU host's
+    tests/unit/test_hardware_model.py) is a failed figure, so there must be none."""
+    python, tree = bare_tree
+    proc = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
+                           "gpu", "--collect-only", "tests"], cwd=tree, env=_bare_env(tree),
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert " error" not in out.lower(), out[-4000:]
+    collected = re.search(r"(\d+)/\d+ tests collected", out)
+    assert collected and int(collected.group(1)) >= 20, out[-2000:]
+    assert "tests/unit/test_backend_contract.py::test_nvml_satisfies_the_backend_contract" in out
+
+
+def test_the_simulator_contract_and_the_agent_cli_run_from_the_bare_work_tree(bare_tree, tmp_path):
+    """The nvml_contract step's simulator tests (six of them failed on the GPU host), and the
+    agent's CLI with its checks, each run by the agent in a child ``python -P -m`` in ``/``
+    (they find node_agent through PYTHONPATH alone)."""
+    python, tree = bare_tree
+    env = _bare_env(tree)
+    contract = subprocess.run(
+        [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "tests/unit/test_backend_contract.py", "-k", "simulator"],
+        cwd=tree, env=env, capture_output=True, text=True, timeout=300)
+    assert contract.returncode == 0, (contract.stdout + contract.stderr)[-4000:]
+    assert re.search(r"\b[4-9]\d* passed|\b\d{2,} passed", contract.stdout), contract.stdout
+    config = tmp_path / "config.yaml"
+    config.write_text(f"state_dir: {tmp_path / 'state'}\n")
+    run = subprocess.run(
+        [str(python), "-P", "-m", "node_agent.commands.main", "check", "--simulate",
+         str(tree / "scenarios" / "healthy-h100.yaml"), "--json", "--config", str(config)],
+        cwd="/", env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout)
+    assert report["grade"]["level"] == "HEALTHY", report["grade"]
+    assert not [r for r in report["results"] if r["status"] == "error"], report["results"]
 
 
 def test_burn_vs_plain_runs_the_engine_and_the_plain_loop_on_the_same_device():
