@@ -3,12 +3,13 @@
 The SKU is matched by NVML name and memory (``graders/skus/*.yaml``); each GPU's memory is
 checked against the SKU's range, and a forced ``node.sku`` against the GPUs' names. What the
 PCI bus shows is reported here as inventory; ``nvml_health`` (which runs in every suite) grades
-a GPU that is on the bus but missing from NVML.
+a GPU that is on the bus but missing from NVML. The GPUs' virtualization mode is reported too:
+inside a VM the SKU's GPU count and NVLinks are not this host's (docs/hosts.md).
 """
 
 from __future__ import annotations
 
-from node_agent.checks import CheckContext
+from node_agent.checks import CheckContext, host_view
 from node_agent.gpu.base import DeviceLost, GpuTimeout
 from node_agent.model import Result, Status
 
@@ -24,6 +25,7 @@ def run(ctx: CheckContext) -> list[Result]:
         return results + [_no_gpus(ctx, r) if r.status is Status.SKIP else r
                           for r in unavailable]
     results.append(_pci(ctx))
+    results.append(_virtualization(ctx))
     for gpu in inv.gpus:
         results.append(ctx.result(
             f"gpu:{gpu.index}", "identity", Status.PASS,
@@ -64,6 +66,27 @@ def _pci(ctx: CheckContext) -> Result:
         + (f"; {len(passthrough)} handed to a VM ({', '.join(passthrough)})" if passthrough
            else ""),
         value=len(bus.gpus), unit="GPUs", gpus=[g.to_dict() for g in bus.gpus], root=bus.root)
+
+
+def _virtualization(ctx: CheckContext) -> Result:
+    """Whether the GPUs are on bare metal or seen through a hypervisor (NVML virtualization
+    mode, ``nvidia-smi -q``: GPU Virtualization Mode). Inside a VM the SKU's GPU count and
+    NVLinks are the board's, not this host's: the detail names the settings that declare
+    this host's own (docs/hosts.md)."""
+    view = host_view.read_host_view(ctx.gpu.devices())
+    modes = sorted(set(view.modes.values())) or ["none"]
+    value = modes[0] if len(modes) == 1 else ",".join(modes)
+    if view.guest:
+        detail = (f"the GPUs are {host_view.describe_mode(view.guest_modes[0])} (NVML "
+                  f"virtualization mode {value}): the SKU's GPU count and NVLinks are the "
+                  "board's, not this VM's; declare this VM's with node.expected_gpus and "
+                  "node.expected_nvlinks")
+    elif modes == ["none"]:
+        detail = "bare metal (NVML virtualization mode none, or not reported)"
+    else:
+        detail = f"the GPUs are {host_view.describe_mode(modes[-1])} (NVML virtualization mode {value})"
+    return ctx.result("node", "virtualization", Status.PASS, detail, value=value,
+                      by_gpu={str(k): v for k, v in sorted(view.modes.items())})
 
 
 def _sku(ctx: CheckContext) -> list[Result]:

@@ -6,11 +6,18 @@ vs DRAM, the driver's SRAM threshold flag); retired pages; row remapping; PCIe l
 NVLink state and error counters. Thresholds come from NVML itself where it reports them
 (temperatures) and from the SKU file otherwise.
 
-NVLink expectations come from the SKU file (``nvlink.links``; 0 for PCIe cards, whose bridge
-is optional) or, without one, from the links the GPU says it can use (an index whose state
-answers and that does not deny P2P capability). A PCIe card answers for its die's link indices
-whether or not a bridge is fitted, so without a SKU file an inactive link is a WARN (a down
-link cannot be told from an unwired one), never a FAULT.
+NVLink expectations come from ``node.expected_nvlinks``, else the SKU file (``nvlink.links``;
+0 for PCIe cards, whose bridge is optional), else from the links the GPU says it can use (an
+index whose state answers and that does not deny P2P capability). A PCIe card answers for its
+die's link indices whether or not a bridge is fitted, so without a SKU file an inactive link is
+a WARN (a down link cannot be told from an unwired one), never a FAULT.
+
+Judgments fit the host (``checks/host_view.py``, docs/hosts.md): inside a VM the SKU's GPU
+count and NVLinks are the board's, not the VM's. Fewer GPUs than the SKU's count in a VM, with
+nothing declared and no trace of a lost GPU, is a WARN naming ``node.expected_gpus``; NVLinks
+NVML does not answer for on a virtualized GPU are a skip with the reason. A FAULT needs
+positive evidence of a broken part: a link NVML reports down, a GPU the bus or the kernel log
+shows lost.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from node_agent.checks import CheckContext
+from node_agent.checks import CheckContext, host_view
 from node_agent.gpu.base import (
     DeviceLost,
     GpuDevice,
@@ -86,9 +93,17 @@ def _gpu_count(ctx: CheckContext) -> Result:
     handed = 0 if bus.unreadable else len(bus.gpus) - len(bus.host_gpus)
     note = f" ({handed} more handed to a VM)" if handed else ""
     expected = max(expected - handed, 0)
+    declared = ctx.config.get("node.expected_gpus") is not None
     evidence = {"expected": expected, "visible": visible, "pci_gpus": on_bus,
-                "passthrough": handed}
+                "passthrough": handed, "expected_from": ("node.expected_gpus" if declared
+                                                         else "the simulated scenario" if ctx.simulated
+                                                         else f"SKU {ctx.sku.id}" if ctx.sku
+                                                         else "unknown")}
     if seen < expected:
+        if not declared:
+            in_vm = _count_in_a_vm(ctx, seen, expected, evidence)
+            if in_vm is not None:
+                return in_vm
         return ctx.result("node", "gpu_count", Status.FAIL,
                           f"{seen} of {expected} expected GPUs visible{note} (visible indices "
                           f"{visible}); a missing GPU has fallen off the bus or is not powered",
@@ -100,6 +115,34 @@ def _gpu_count(ctx: CheckContext) -> Result:
     return ctx.result("node", "gpu_count", Status.PASS,
                       f"{seen} of {expected} GPUs visible{note}", value=seen, unit="GPUs",
                       **evidence)
+
+
+def _count_in_a_vm(ctx: CheckContext, seen: int, expected: int,
+                   evidence: dict[str, Any]) -> Result | None:
+    """Fewer GPUs than the SKU's (or the scenario's) count, nothing declared: inside a VM
+    (NVML virtualization mode pass-through or vGPU) the count is the VM's slice of the board,
+    not a lost GPU, unless something shows one was lost. A WARN naming node.expected_gpus then;
+    None (the count is a FAIL as on bare metal) on bare metal or with a trace of a lost GPU."""
+    view = host_view.read_host_view(ctx.gpu.devices())
+    if not view.guest:
+        return None
+    lost = host_view.lost_gpu_traces(ctx)
+    evidence = {**evidence, "virtualization": view.modes, "lost_gpu_traces": lost.traces}
+    modes = ", ".join(view.guest_modes)
+    if lost.traces:
+        return ctx.result("node", "gpu_count", Status.FAIL,
+                          f"{seen} of {expected} expected GPUs visible in this VM (NVML "
+                          f"virtualization mode {modes}), and a GPU was lost: "
+                          + "; ".join(lost.traces), value=seen, unit="GPUs", **evidence)
+    looked = "; ".join(lost.looked_at) or "neither the PCI bus nor the kernel log could be read"
+    return ctx.result(
+        "node", "gpu_count", Status.WARN,
+        f"{seen} of {expected} GPUs visible, {expected} being the count per node of "
+        f"{evidence['expected_from']}, and this host is a virtual machine (NVML "
+        f"virtualization mode {modes}): that count is the whole board's, not this VM's "
+        "share of it. Nothing shows a lost GPU "
+        f"({looked}). Set node.expected_gpus to the number of GPUs this VM should have to "
+        "check its count", value=seen, unit="GPUs", **evidence)
 
 
 def _pci_bus(ctx: CheckContext) -> list[Result]:
@@ -388,7 +431,13 @@ def _nvlink(ctx, dev, target, reading, out) -> None:
     links = reading("nvlink", dev.nvlinks)
     if links is None:
         return
-    out.append(_nvlink_state(ctx, target, links))
+    mode = "none"
+    if not links or not all(link.active for link in links):
+        # only a judgment short of links depends on the host (read only then: one call less)
+        def query() -> str:
+            return host_view.virtualization_mode(dev)
+        mode = reading("virtualization", query) or "none"
+    out.append(_nvlink_state(ctx, target, links, mode))
     replay_max = ctx.sku.limit("nvlink_replay_max") if ctx.sku else None
     recovery_max = ctx.sku.limit("nvlink_recovery_max") if ctx.sku else None
     noisy = []
@@ -404,24 +453,55 @@ def _nvlink(ctx, dev, target, reading, out) -> None:
                               recovery_max=recovery_max))
 
 
-def _nvlink_state(ctx: CheckContext, target: str, links: list) -> Result:
-    """NVLinks against the SKU file's count, or without one against what the GPU can use."""
+def _nvlink_state(ctx: CheckContext, target: str, links: list, mode: str = "none") -> Result:
+    """NVLinks against ``node.expected_nvlinks``, else the SKU file's count, else what the
+    GPU can use. ``mode`` is the GPU's NVML virtualization mode (``"none"`` on bare metal).
+
+    A FAULT needs a link NVML reports and reports down. Where NVML answers for no link at
+    all (every link call Not Supported: ``nvlinks()`` is []) nothing shows a broken link: on
+    a virtualized GPU the links are not this host's to see (skip), on bare metal a WARN
+    naming ``node.expected_nvlinks``. Inside a VM, links that answer but are all inactive
+    are a GPU given to the VM without its NVLink peers (NVIDIA Fabric Manager user guide,
+    shared NVSwitch virtualization: a one-GPU partition has no NVLink connections), a WARN.
+    A declared ``node.expected_nvlinks`` is the operator's word: fewer active is a FAIL.
+    """
     active = [link.link for link in links if link.active]
     usable = [link for link in links if link.p2p_supported is not False]
     idle = [link.link for link in usable if not link.active]
     evidence = {"active": active, "indices": len(links), "inactive": idle,
-                "not_p2p_capable": [link.link for link in links if link.p2p_supported is False]}
+                "not_p2p_capable": [link.link for link in links if link.p2p_supported is False],
+                "virtualization": mode}
+    declared = ctx.config.get("node.expected_nvlinks")
+    if declared is not None:
+        return _nvlink_against(ctx, target, links, declared, "node.expected_nvlinks",
+                               evidence)
     expected = ctx.sku.section("nvlink").get("links") if ctx.sku else None
     if expected:
-        down = [link.link for link in links if not link.active and link.link < expected]
-        if len(active) < expected:
-            return ctx.result(target, "nvlink_state", Status.FAIL,
-                              f"{len(active)} of {expected} NVLinks active (SKU {ctx.sku.id}; "
-                              f"down: {down or 'links missing'}): a degraded NVLink",
-                              value=len(active), unit="links", expected=expected, **evidence)
-        return ctx.result(target, "nvlink_state", Status.PASS,
-                          f"{len(active)} of {expected} NVLinks active", value=len(active),
-                          unit="links", expected=expected, **evidence)
+        where = f"SKU {ctx.sku.id}"
+        if not links and mode != "none":
+            return ctx.result(target, "nvlink_state", Status.SKIP,
+                              "NVLinks are not exposed to this host: NVML answers Not "
+                              "Supported on every link and the GPU is "
+                              f"{host_view.describe_mode(mode)} ({where} has {expected}; set "
+                              "node.expected_nvlinks to require them)",
+                              expected=expected, **evidence)
+        if not links:
+            return ctx.result(target, "nvlink_state", Status.WARN,
+                              f"NVML answers for none of this GPU's NVLinks (every link call "
+                              f"Not Supported), where {where} has {expected}: nothing shows a "
+                              "broken link, and nothing shows a working one. Set "
+                              f"node.expected_nvlinks ({expected} where the board's links must "
+                              "be checked, 0 where this host has none)", value=0,
+                              unit="links", expected=expected, **evidence)
+        if not active and mode in host_view.GUEST_MODES:
+            return ctx.result(target, "nvlink_state", Status.WARN,
+                              f"0 of {expected} NVLinks active ({where}), and the GPU is "
+                              f"{host_view.describe_mode(mode)}: a GPU given to a VM without "
+                              "its NVLink peers has its links down by design. Set "
+                              "node.expected_nvlinks to the links this VM should have to "
+                              "check them", value=0, unit="links", expected=expected,
+                              **evidence)
+        return _nvlink_against(ctx, target, links, expected, where, evidence)
     if expected == 0:
         bridged = f"{len(active)} active through a bridge" if active else "none in use"
         return ctx.result(target, "nvlink_state", Status.PASS,
@@ -442,3 +522,18 @@ def _nvlink_state(ctx: CheckContext, target: str, links: list) -> Result:
     return ctx.result(target, "nvlink_state", Status.PASS,
                       f"{len(active)} NVLinks active (every link this GPU reports)",
                       value=len(active), unit="links", expected=len(usable), **evidence)
+
+
+def _nvlink_against(ctx: CheckContext, target: str, links: list, expected: int, where: str,
+                    evidence: dict[str, Any]) -> Result:
+    """Active links against ``expected`` (from ``where``: the SKU file or the operator)."""
+    active = evidence["active"]
+    if len(active) < expected:
+        down = [link.link for link in links if not link.active and link.link < expected]
+        return ctx.result(target, "nvlink_state", Status.FAIL,
+                          f"{len(active)} of {expected} NVLinks active ({where}; "
+                          f"down: {down or 'links missing'}): a degraded NVLink",
+                          value=len(active), unit="links", expected=expected, **evidence)
+    return ctx.result(target, "nvlink_state", Status.PASS,
+                      f"{len(active)} of {expected} NVLinks active ({where})",
+                      value=len(active), unit="links", expected=expected, **evidence)

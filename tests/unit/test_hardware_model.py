@@ -75,7 +75,7 @@ def test_without_a_sku_file_inactive_link_indices_warn_and_never_fault():
     assert "0 of 18" in states[0].detail and "SKU file" in states[0].detail
     grade = GRADER.grade(results)
     assert grade.level is Level.WARN
-    assert {r.rule for r in grade.reasons} == {"nvlink-inactive-no-sku"}
+    assert {r.rule for r in grade.reasons} == {"nvlink-unverified"}
 
 
 def test_without_a_sku_file_a_baseboard_with_every_link_up_passes():
