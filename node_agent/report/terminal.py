@@ -16,10 +16,12 @@ from typing import TextIO
 from node_agent.model import Level, Report, Result, Status
 from node_agent.suite import CheckSpec
 
-# C0 and C1 controls (ESC starts a terminal escape, CR/LF/BS rewrite what was shown), DEL, and
-# the invisible or reordering Unicode formats (zero-width, line/paragraph separators,
-# bidirectional embeddings, overrides and isolates: "Trojan Source", CVE-2021-42574)
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
+# C0 and C1 controls (ESC starts a terminal escape, CR/LF/BS rewrite what was shown), DEL, the
+# invisible or reordering Unicode formats (zero-width, line/paragraph separators,
+# bidirectional embeddings, overrides and isolates: "Trojan Source", CVE-2021-42574), and lone
+# surrogates (from JSON's "\ud800": no encoding can print them, so they would crash the print)
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff"
+                     "\ud800-\udfff]")
 
 
 def printable(text: object) -> str:
@@ -28,7 +30,8 @@ def printable(text: object) -> str:
     >>> printable("gpu:1 \\x1b[2Jok")
     'gpu:1 \\\\x1b[2Jok'
     """
-    return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(text))
+    return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape", "backslashreplace")
+                       .decode("ascii"), str(text))
 
 
 _COLOURS = {"pass": "32", "warn": "33", "fail": "31", "skip": "90", "error": "35",

@@ -29,6 +29,7 @@ from node_agent import __version__
 from node_agent.config import Config
 from node_agent.environment import Environment
 from node_agent.model import Grade, Report, Result, utc_now
+from node_agent.report.terminal import printable
 
 log = logging.getLogger("node_agent.service.daemon.actions")
 
@@ -141,11 +142,12 @@ class DaemonRemediation:
             return None
         for rec in outcome.records:
             self._record(rec.action, rec.outcome)
-            log.warning("action %s via %s: %s (%s)", rec.action, rec.adapter, rec.outcome,
-                        rec.detail)
+            # a detail or note can quote what a user wrote (a job name, a heartbeat's text)
+            log.warning("action %s via %s: %s (%s)", printable(rec.action),
+                        printable(rec.adapter), printable(rec.outcome), printable(rec.detail))
         for note in outcome.notes:
             if note:
-                log.info("remediation: %s", note)
+                log.info("remediation: %s", printable(note))
         return outcome
 
 

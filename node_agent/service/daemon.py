@@ -31,6 +31,7 @@ from node_agent.config import Config, load_config
 from node_agent.environment import Environment, open_environment
 from node_agent.kernel_log import normalise_bus
 from node_agent.model import Grade, Level, Result, Status
+from node_agent.report.terminal import printable
 from node_agent.resources import suites_dir
 from node_agent.runner import run_check
 from node_agent.service.metrics import (
@@ -212,7 +213,8 @@ class Daemon:
             suite = self._load_suite(config)
             env = open_environment(config, self._simulate)
         except ConfigError as err:
-            log.error("CONFIG RELOAD REFUSED, keeping the running configuration: %s", err)
+            log.error("CONFIG RELOAD REFUSED, keeping the running configuration: %s",
+                      printable(err))
             self._notifier.ready("config reload refused")
             return False
         with self._lock:
@@ -231,7 +233,8 @@ class Daemon:
         try:
             env = open_environment(self.config, self._simulate)
         except ConfigError as err:
-            log.error("%s, but the new environment does not load (kept the old one): %s", why, err)
+            log.error("%s, but the new environment does not load (kept the old one): %s", why,
+                      printable(err))
             return
         if only_if_gpus and env.gpu.unavailable_reason:
             env.close()
@@ -346,8 +349,8 @@ class Daemon:
                     if r.target.startswith("gpu:"):
                         self._sdc[(r.target, _SDC_OUTCOME[r.status])] += 1
         if worst is Status.ERROR:
-            log.warning("check %s could not run: %s", check,
-                        "; ".join(r.detail for r in results if r.status is Status.ERROR)[:500])
+            log.warning("check %s could not run: %s", printable(check), printable(
+                "; ".join(r.detail for r in results if r.status is Status.ERROR)[:500]))
         self._regrade(f"check {check}")
 
     # -- XIDs -----------------------------------------------------------------------------------
@@ -374,8 +377,8 @@ class Daemon:
         if first:
             catalog = env.grader.sxid if sighting.kind == "sxid" else env.grader.xid
             level, name = catalog.level(sighting.code)
-            log.warning("%s %d (%s) on %s from %s: %s", noun, sighting.code, name, target,
-                        sighting.source, level.name)
+            log.warning("%s %d (%s) on %s from %s: %s", noun, sighting.code, printable(name),
+                        printable(target), printable(sighting.source), level.name)
         self._regrade(f"{noun} {sighting.code} on {target} ({sighting.why})")
 
     # -- grading --------------------------------------------------------------------------------
@@ -394,9 +397,12 @@ class Daemon:
         if not changed:
             return
         if grade.level != previous.level:
-            log.warning("grade %s -> %s after %s%s", previous.level.name, grade.level.name, why,
-                        "".join(f"\n  {r.level.name} {r.target}: {r.message}"
-                                for r in grade.reasons[:10]))
+            # reasons quote what users wrote (a heartbeat's job, its pause reason, a process's
+            # name): every such text is escaped, one line per reason (docs/security.md)
+            log.warning("grade %s -> %s after %s%s", previous.level.name, grade.level.name,
+                        printable(why), "".join(f"\n  {r.level.name} {printable(r.target)}: "
+                                                f"{printable(r.message)}"
+                                                for r in grade.reasons[:10]))
         if self._on_grade is not None:
             try:
                 self._on_grade(grade, results, env)

@@ -5,21 +5,26 @@ Naming follows Prometheus' conventions (base units in names, ``_total`` for coun
 ``hostname``) so dashboards can join ours with theirs. Nothing is registered at import: the
 daemon builds a fresh ``CollectorRegistry`` and registers one :class:`DaemonCollector`.
 
-:class:`MetricsServer` serves it (and ``/healthz``): any local user can connect, so it holds
-no connection longer than ``CONNECTION_S`` (a socket timeout per read and a hard limit per
-connection), serves at most ``MAX_CONNECTIONS`` at once (the rest are closed at once, not
-queued in threads), and logs a client's errors at debug level instead of printing tracebacks.
+:class:`MetricsServer` serves it (and ``/healthz``). Anyone who can reach the port can connect
+(any local user on loopback, the cluster network where an operator listens wider), so idle
+connections must cost nothing and never block a scrape: one thread multiplexes every connection
+with a selector (no thread or slot per connection), a connection that has not sent its request
+line and headers within ``REQUEST_S`` is closed, none stays longer than ``CONNECTION_S``, one
+peer address holds at most ``MAX_PER_PEER`` and all peers ``MAX_CONNECTIONS``; past a cap the
+*oldest* connection still waiting for its request is closed, so the newest (a scrape sends its
+request at once) is always served. Errors of a client are logged at debug level.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import selectors
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -48,11 +53,17 @@ TRAINING_METRICS = {"training_progress": 0, "training_straggler": 0, "training_h
 #: label values from training processes' heartbeats are untrusted text: Prometheus escapes
 #: them, but a job id of megabytes would bloat every scrape, so they are cut to this length
 MAX_LABEL_CHARS = 128
-#: connections served at once: a scrape takes milliseconds, Prometheus opens one at a time
-MAX_CONNECTIONS = 8
-#: the longest a connection may stay open, and the socket timeout of each read in it (a scrape
-#: is answered in milliseconds; Prometheus' own default scrape timeout is 10 s)
+#: a client must send its request line and headers within this (a scrape sends them at once)
+REQUEST_S = 1.0
+#: the longest a connection may stay open, a slow reader of the answer included (Prometheus'
+#: own default scrape timeout is 10 s; a scrape is answered in milliseconds)
 CONNECTION_S = 5.0
+#: open connections from one peer address, and from all peers; past either the oldest one that
+#: is still waiting for its request is closed
+MAX_PER_PEER = 32
+MAX_CONNECTIONS = 512
+#: the longest request head (request line and headers) read; a longer one is answered 431
+MAX_REQUEST_BYTES = 8192
 
 log = logging.getLogger("node_agent.service.metrics")
 
@@ -60,78 +71,231 @@ log = logging.getLogger("node_agent.service.metrics")
 Answer = tuple[int, str, bytes]
 
 
-class MetricsServer(ThreadingHTTPServer):
-    """An HTTP server with bounded threads and connections that cannot be held open.
+class MetricsServer:
+    """A small HTTP/1.0 server for ``GET`` routes that idle or slow clients cannot starve.
 
-    ``routes`` maps a path (query string ignored) to a function returning an :data:`Answer`.
-    Connections beyond ``max_connections`` are closed on arrival (``refused`` counts them);
-    each socket read times out after ``connection_s`` and each connection is shut down after
-    ``connection_s`` in all, whatever its client does; errors are logged at debug level."""
+    ``routes`` maps a path (query string ignored) to a function returning an :data:`Answer`;
+    it is called on the server's one thread, so it must be quick (a scrape renders in
+    milliseconds). ``serve_forever()`` runs until ``shutdown()``; ``server_close()`` closes the
+    socket. ``served`` counts answered requests, ``dropped`` connections closed unanswered (a
+    timeout, a cap, a malformed request). The interface is ``socketserver``'s, which the daemon
+    used before: ``server_address``, ``serve_forever``, ``shutdown``, ``server_close``."""
 
-    daemon_threads = True
-    request_queue_size = 128  # accept a burst at once (to close it), not leave it to SYN retries
+    def __init__(self, address: tuple[str, int], routes: Mapping[str, Callable[[], Answer]], *,
+                 request_s: float = REQUEST_S, connection_s: float = CONNECTION_S,
+                 max_per_peer: int = MAX_PER_PEER, max_connections: int = MAX_CONNECTIONS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        host, port = address
+        host = host.strip("[]")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.create_server((host, port), family=family, backlog=128)
+        self.socket.setblocking(False)
+        self.server_address = self.socket.getsockname()
+        self.routes = dict(routes)
+        self.request_s, self.connection_s = request_s, connection_s
+        self.max_per_peer, self.max_connections = max_per_peer, max_connections
+        self.served = self.dropped = 0
+        self._clock = clock
+        self._conns: dict[socket.socket, _Conn] = {}
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self.socket, selectors.EVENT_READ)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._stop = threading.Event()
+        self._stopped = threading.Event()
+        self._stopped.set()  # until serve_forever runs
 
-    def __init__(self, address: tuple[str, int], routes: Mapping[str, Callable[[], Answer]],
-                 max_connections: int = MAX_CONNECTIONS,
-                 connection_s: float = CONNECTION_S) -> None:
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self.refused = 0
-        self.connection_s = connection_s
-        super().__init__(address, _handler(routes, connection_s))
-
-    def process_request(self, request, client_address) -> None:  # socketserver's name
-        if not self._slots.acquire(blocking=False):
-            self.refused += 1
-            self.shutdown_request(request)
-            return
+    # -- the loop -----------------------------------------------------------------------------
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        self._stopped.clear()
         try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address) -> None:
-        limit = threading.Timer(self.connection_s, _cut, (request,))
-        limit.daemon = True
-        limit.start()
-        try:
-            super().process_request_thread(request, client_address)
+            while not self._stop.is_set():
+                for key, events in self._selector.select(self._wait(poll_interval)):
+                    sock = key.fileobj
+                    if sock is self.socket:
+                        self._accept()
+                    elif sock is self._wake_r:
+                        self._drain_wake()
+                    elif sock in self._conns:
+                        conn = self._conns[sock]  # type: ignore[index]
+                        if events & selectors.EVENT_READ and conn.out is None:
+                            self._read(conn)
+                        elif events & selectors.EVENT_WRITE and conn.out is not None:
+                            self._write(conn)
+                self._expire()
         finally:
-            limit.cancel()
-            self._slots.release()
+            self._stopped.set()
 
-    def handle_error(self, request, client_address) -> None:
-        log.debug("http: connection from %s ended with an error", client_address,
-                  exc_info=True)
+    def shutdown(self) -> None:
+        """Stop ``serve_forever`` (from another thread) and wait for it to return."""
+        self._stop.set()
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        self._stopped.wait(5.0)
+
+    def server_close(self) -> None:
+        for conn in list(self._conns.values()):
+            self._close(conn)
+        for sock in (self.socket, self._wake_r, self._wake_w):
+            try:
+                self._selector.unregister(sock)
+            except (KeyError, ValueError):
+                pass
+            sock.close()
+        self._selector.close()
+
+    def _wait(self, poll_interval: float) -> float:
+        if not self._conns:
+            return poll_interval
+        soonest = min(c.deadline(self.request_s, self.connection_s)
+                      for c in self._conns.values())
+        return max(0.0, min(poll_interval, soonest - self._clock()))
+
+    def _drain_wake(self) -> None:
+        try:
+            self._wake_r.recv(64)
+        except OSError:
+            pass
+
+    # -- connections --------------------------------------------------------------------------
+    def _accept(self) -> None:
+        for _ in range(256):  # a burst at once, then the other sockets get their turn
+            try:
+                sock, addr = self.socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as err:  # EMFILE and kin: the listening socket stays, log once
+                log.debug("http: accept failed: %s", err)
+                return
+            sock.setblocking(False)
+            peer = str(addr[0])
+            conn = _Conn(sock, peer, self._clock())
+            self._make_room(peer)
+            self._conns[sock] = conn
+            self._selector.register(sock, selectors.EVENT_READ)
+
+    def _make_room(self, peer: str) -> None:
+        """Close the oldest connection still waiting for its request, of ``peer`` when it is at
+        its cap, of anyone when all are at theirs."""
+        mine = [c for c in self._conns.values() if c.peer == peer]
+        for pool, cap in ((mine, self.max_per_peer),
+                          (list(self._conns.values()), self.max_connections)):
+            while len(pool) >= cap:
+                waiting = [c for c in pool if c.out is None] or pool
+                oldest = min(waiting, key=lambda c: c.opened)
+                pool.remove(oldest)
+                self._drop(oldest, "a connection cap")
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(conn, "closed by the client")
+            return
+        conn.inbox += data
+        end = conn.inbox.find(b"\r\n\r\n")
+        if end < 0:
+            end = conn.inbox.find(b"\n\n")
+        if end < 0:
+            if len(conn.inbox) > MAX_REQUEST_BYTES:
+                self._answer(conn, (431, "text/plain", b"request header too large\n"), True)
+            return
+        method, answer = self._route(conn.inbox[:end])
+        self._answer(conn, answer, False, with_body=method != "HEAD")
+
+    def _route(self, head: bytes) -> tuple[str, Answer]:
+        """(method, answer) for a request head."""
+        line = head.split(b"\n", 1)[0].decode("latin-1").strip()
+        parts = line.split()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            return "", (400, "text/plain", b"bad request\n")
+        method, target = parts[0], parts[1]
+        if method not in ("GET", "HEAD"):
+            return method, (405, "text/plain", b"only GET\n")
+        path = target.split("?")[0]
+        route = self.routes.get(path)
+        if route is None:
+            return method, (404, "text/plain", b"not found: try "
+                            + ", ".join(sorted(self.routes)).encode() + b"\n")
+        try:
+            return method, route()
+        except Exception:  # noqa: BLE001 - a broken route answers 500, the server goes on
+            log.exception("http: %s failed", path)
+            return method, (500, "text/plain", b"internal error\n")
+
+    def _answer(self, conn: _Conn, answer: Answer, dropped: bool, with_body: bool = True) -> None:
+        code, ctype, body = answer
+        reason = _REASONS.get(code, "")
+        head = (f"HTTP/1.0 {code} {reason}\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode("latin-1")
+        conn.out = memoryview(head + body if with_body else head)
+        conn.inbox = b""
+        if dropped:
+            self.dropped += 1
+        else:
+            self.served += 1
+        self._selector.modify(conn.sock, selectors.EVENT_WRITE)
+        self._write(conn)
+
+    def _write(self, conn: _Conn) -> None:
+        assert conn.out is not None
+        try:
+            sent = conn.sock.send(conn.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as err:
+            log.debug("http: writing to %s failed: %s", conn.peer, err)
+            self._close(conn)
+            return
+        conn.out = conn.out[sent:]
+        if not conn.out:
+            self._close(conn)
+
+    def _expire(self) -> None:
+        now = self._clock()
+        for conn in list(self._conns.values()):
+            if now >= conn.deadline(self.request_s, self.connection_s):
+                self._drop(conn, "a timeout")
+
+    def _drop(self, conn: _Conn, why: str) -> None:
+        if conn.out is None:
+            self.dropped += 1
+        log.debug("http: connection from %s closed unanswered: %s", conn.peer, why)
+        self._close(conn)
+
+    def _close(self, conn: _Conn) -> None:
+        self._conns.pop(conn.sock, None)
+        try:
+            self._selector.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
 
 
-def _cut(sock: socket.socket) -> None:
-    """Wake a read blocked on a client that dribbles: shut the connection down."""
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
+class _Conn:
+    """One client connection: what it sent so far, then what is left to send it."""
+
+    __slots__ = ("sock", "peer", "opened", "inbox", "out")
+
+    def __init__(self, sock: socket.socket, peer: str, opened: float) -> None:
+        self.sock, self.peer, self.opened = sock, peer, opened
+        self.inbox = b""
+        self.out: memoryview | None = None  # set once the request is answered
+
+    def deadline(self, request_s: float, connection_s: float) -> float:
+        return self.opened + (request_s if self.out is None else connection_s)
 
 
-def _handler(routes: Mapping[str, Callable[[], Answer]], timeout_s: float):
-    class Handler(BaseHTTPRequestHandler):
-        timeout = timeout_s  # StreamRequestHandler: the socket's timeout for every read
-
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            route = routes.get(self.path.split("?")[0])
-            code, ctype, body = route() if route else (
-                404, "text/plain", b"not found: try " + ", ".join(sorted(routes)).encode()
-                + b"\n")
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, fmt: str, *args: object) -> None:
-            log.debug("http: " + fmt, *args)
-
-    return Handler
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+            431: "Request Header Fields Too Large", 500: "Internal Server Error",
+            503: "Service Unavailable"}
 
 
 @dataclass
