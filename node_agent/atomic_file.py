@@ -7,7 +7,10 @@ path another user controls (DESIGN.md, "Trust boundary"; docs/security.md).
 - :func:`private_dir`: the state directory and its subdirectories are 0700 and the agent's own;
   a directory someone else owns, or whose parent anyone may rename entries in, is refused.
 - :func:`create_private`: a new file with ``O_CREAT|O_EXCL|O_NOFOLLOW``, mode 0600.
-- :func:`ensure_spool_dirs`: the spools training jobs write to, one sticky directory per kind.
+- :func:`ensure_spool_dirs`: the spools training jobs write to, one sticky directory per kind,
+  whatever the agent's umask.
+- :func:`ensure_user_spool`: a uid's own heartbeat directory, made by root for that uid, or
+  taken back from whoever squatted its name.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
+import shutil
 import stat
 import tempfile
 from collections.abc import Iterable
@@ -106,24 +111,35 @@ def private_dir(path: Path | str) -> Path:
 def ensure_spool_dirs(root: Path | str, kinds: Iterable[str] = SPOOL_KINDS) -> list[str]:
     """Make the spool ``root`` (0755, the agent's) and one directory per kind in it that
     training users can write to but not delete each other's files in (1777: sticky, like
-    /tmp). An existing kind directory keeps its mode (an operator may restrict it to a group,
-    1770) except that the sticky bit is added when others may write to it. Returns notes of
-    what was changed or is wrong (a symlink, another owner), for the log; never raises."""
+    /tmp). Modes are set with ``chmod`` after ``mkdir``, so the agent's umask (077 under the
+    systemd unit and the CLI) cannot leave a spool nobody else may enter. An existing root
+    the agent made 0700 is opened to 0755. An existing kind directory keeps its mode (an
+    operator may restrict it to a group, 1770) except that the sticky bit is added when others
+    may write to it. Returns notes of what was changed or is wrong (a symlink, another owner),
+    for the log; never raises."""
     root, notes = Path(root), []
     try:
+        missing = [p for p in (root, *root.parents) if not p.exists()]
         root.mkdir(mode=0o755, parents=True, exist_ok=True)
+        for made in reversed(missing):  # parents too: the umask narrowed every one of them
+            with contextlib.suppress(OSError):
+                os.chmod(made, 0o755)
         st = os.lstat(root)
         if stat.S_ISLNK(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
             notes.append(f"spool {root} is a symlink, owned by uid {st.st_uid} or writable by "
                          "others: anyone who may write to it can swap its kind directories; "
                          f"make it a directory of uid {os.geteuid()}, mode 0755")
+        elif stat.S_IMODE(st.st_mode) & 0o055 != 0o055:
+            os.chmod(root, stat.S_IMODE(st.st_mode) | 0o755)
+            notes.append(f"spool {root} was mode {stat.S_IMODE(st.st_mode):04o}, so training "
+                         "users could not reach their spools: made it 0755")
     except OSError as err:
         return [f"cannot make the spool {root}: {err.strerror or err}"]
     for kind in kinds:
         d = root / kind
         try:
             if not d.exists():
-                d.mkdir(mode=0o755)
+                d.mkdir(mode=0o700)
                 os.chmod(d, 0o1777)  # mkdir's mode passes through the umask
                 notes.append(f"made spool {d} (mode 1777)")
                 continue
@@ -131,6 +147,9 @@ def ensure_spool_dirs(root: Path | str, kinds: Iterable[str] = SPOOL_KINDS) -> l
             if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
                 notes.append(f"spool {d} is a symlink or not a directory: it is not read; "
                              "make it a directory (mode 1777)")
+            elif st.st_uid != os.geteuid():
+                notes.append(f"spool {d} is owned by uid {st.st_uid}, who may remove what "
+                             f"others write in it: make it uid {os.geteuid()}'s, mode 1777")
             elif st.st_mode & (stat.S_IWOTH | stat.S_IWGRP) and not st.st_mode & stat.S_ISVTX:
                 os.chmod(d, stat.S_IMODE(st.st_mode) | stat.S_ISVTX)
                 notes.append(f"spool {d} had no sticky bit (any writer could delete another's "
@@ -138,3 +157,64 @@ def ensure_spool_dirs(root: Path | str, kinds: Iterable[str] = SPOOL_KINDS) -> l
         except OSError as err:
             notes.append(f"cannot make spool {d}: {err.strerror or err}")
     return notes
+
+
+def ensure_user_spool(spool_dir: Path | str, uid: int) -> str | None:
+    """Make ``<spool_dir>/<uid>`` uid's own heartbeat directory (mode 0700, owner ``uid``), as
+    root; returns a note when something was wrong, else None. Never raises.
+
+    Only in a shared, sticky spool owned by the agent (the heartbeat spool: 1777). Anything
+    else under that name (another user's directory, a link, a file: a squat that would keep
+    uid's writer out) is renamed aside and removed, and the note names its owner; uid's own
+    directory that others may write to is made 0700. Everything is done through directory fds
+    opened without following links, so the entry cannot be swapped for a link meanwhile."""
+    d = Path(spool_dir)
+    name = str(int(uid))
+    try:
+        top = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:
+        return f"cannot open the heartbeat spool {d}: {err.strerror or err}"
+    try:
+        st = os.fstat(top)
+        if st.st_uid != os.geteuid() or not st.st_mode & stat.S_ISVTX:
+            return None  # not the agent's shared spool: nothing to make for others here
+        note = None
+        try:
+            have = os.stat(name, dir_fd=top, follow_symlinks=False)
+        except FileNotFoundError:
+            have = None
+        if have is not None and stat.S_ISDIR(have.st_mode) and have.st_uid == uid:
+            if not have.st_mode & 0o022:
+                return None
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
+            try:
+                os.fchmod(fd, 0o700)
+            finally:
+                os.close(fd)
+            return (f"heartbeat directory {d / name} of uid {uid} could be written by others "
+                    f"(mode {stat.S_IMODE(have.st_mode):04o}): made it 0700")
+        if have is not None:
+            aside = f".squatted-{name}-{secrets.token_hex(6)}"
+            os.rename(name, aside, src_dir_fd=top, dst_dir_fd=top)
+            moved = os.stat(aside, dir_fd=top, follow_symlinks=False)  # what was really moved
+            if stat.S_ISDIR(moved.st_mode):
+                # rmtree works through fds and never follows a link (avoids_symlink_attacks)
+                shutil.rmtree(aside, dir_fd=top, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(aside, dir_fd=top)
+            note = (f"heartbeat directory name {d / name} was taken by uid {have.st_uid} "
+                    f"({'a directory' if stat.S_ISDIR(have.st_mode) else 'not a directory'}), "
+                    f"keeping uid {uid}'s heartbeats out: removed it and made uid {uid}'s own")
+        os.mkdir(name, 0o700, dir_fd=top)
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
+        try:
+            os.fchown(fd, uid, -1)
+            os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
+        return note
+    except OSError as err:
+        return f"cannot make heartbeat directory {d / name} for uid {uid}: {err.strerror or err}"
+    finally:
+        os.close(top)

@@ -7,8 +7,10 @@ Two lines in the training script::
     ...
     hb.beat(step)                   # once per training step
 
-Each process writes one small JSON file, ``<spool>/heartbeat/<pid>.json``, atomically
-(temp file in the same directory, then ``os.replace``), at most every ``min_interval_s``
+Each process writes one small JSON file, ``<spool>/heartbeat/<uid>/<pid>.json`` (its own
+uid's directory: in a spool others may write to, no other user can take its file's name; in a
+directory only its owner may write, ``<dir>/<pid>.json``), atomically (temp file in the same
+directory, then ``os.replace``), at most every ``min_interval_s``
 (default 1 s), so a call costs a clock read and a comparison on almost every step (measured in
 ``bench/bench_hang.py``). The file holds the process's identity (pid, rank, local rank, world
 size, job), the last step number, the wall time of that step, and the recent step time (the
@@ -21,8 +23,11 @@ daemon reads the files without importing anything heavy.
 This module also holds the agent's one reader of spool files (:func:`read_spool_json`), used
 for heartbeats and SDC verdicts alike: every spool file was written by a training user, so it
 is opened without following links and without blocking, must be a regular file with one link,
-is size- and depth-capped, and carries its owner's uid to the caller, who believes it only
-about that uid's own processes (DESIGN.md, "Trust boundary"; docs/security.md).
+is size- and depth-capped, holds no lone surrogate or NUL in any string, and carries its
+owner's uid to the caller, who believes it only about that uid's own processes (DESIGN.md,
+"Trust boundary"; docs/security.md). Heartbeats are read from each uid's own directory, which
+counts only when its owner is that uid and nobody else may write to it, each with its own
+caps, so a flood in one user's directory cannot hide another's.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import logging
 import math
 import os
 import re
+import secrets
 import socket
 import stat
 import tempfile
@@ -63,6 +69,10 @@ SPOOL_MAX_FILES = 1024
 #: directory entries looked at per read, so a spool flooded with names costs bounded time
 SPOOL_MAX_LISTED = 65536
 _TEXT_MAX = 4096  # a string field longer than this is not a heartbeat's
+# What no name, id or path in a spool file may hold: C0 controls and DEL, C1 controls,
+# zero-width and bidi controls, line/paragraph separators, the BOM (terminal escapes, log
+# lines that forge others, text that reads differently than it is).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
 
 
 def spool_root() -> Path:
@@ -163,12 +173,32 @@ class Heartbeat:
         self._warned = False
         self._log_file = str(log_file) if log_file else os.environ.get("NODE_AGENT_TRAIN_LOG")
         self._pause: dict[str, Any] | None = None
+        self._written_path: Path | None = None
+        self._fallback: tuple[int, str] | None = None  # (pid, name) when its uid dir is taken
         self.writes = 0          # files written (for tests and the benchmark)
         self.failures = 0        # writes that failed (logged once)
 
     @property
     def path(self) -> Path:
-        return self.spool_dir / f"{os.getpid()}.json"
+        """This process's heartbeat file: the one last written, else where it will go."""
+        if self._written_path is not None:
+            return self._written_path
+        d = self.spool_dir
+        with contextlib.suppress(OSError):
+            if os.stat(d).st_mode & 0o022:
+                d = d / str(os.geteuid())
+        return d / f"{os.getpid()}.json"
+
+    def _target(self, pid: int) -> Path:
+        """Where to write now (see :func:`writer_dir`); makes the directories it needs."""
+        d, own = writer_dir(self.spool_dir)
+        if own:
+            return d / f"{pid}.json"
+        # Its uid's directory is another user's (squatted): a name of its own in the shared
+        # directory that nobody can guess and take first; the agent fixes the directory.
+        if self._fallback is None or self._fallback[0] != pid:
+            self._fallback = (pid, f"{pid}.{secrets.token_hex(8)}.json")
+        return d / self._fallback[1]
 
     def beat(self, step: int | None = None, compute_s: float | None = None) -> None:
         """Record that the loop reached ``step`` (default: the previous step + 1).
@@ -221,19 +251,22 @@ class Heartbeat:
         if os.getpid() != self._pid:  # a forked child beating on its own: its own identity
             self._pid = os.getpid()
             self._start_ticks = record["start_ticks"] = process_start_ticks(self._pid)
-        d = self.spool_dir
-        d.mkdir(parents=True, exist_ok=True)
+        target = self._target(self._pid)
+        if self._written_path is not None and self._written_path != target:
+            with contextlib.suppress(OSError):  # moved (its directory became usable): one file
+                self._written_path.unlink()
         # No fsync: a heartbeat is worth nothing after a crash of the node, and an fsync per
         # second on a busy node's disk is a cost the training loop should not pay.
-        fd, tmp = tempfile.mkstemp(prefix=f".{self._pid}.", suffix=".tmp", dir=d)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self._pid}.", suffix=".tmp", dir=target.parent)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(record, f, sort_keys=True)
-            os.replace(tmp, d / f"{self._pid}.json")
+            os.replace(tmp, target)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+        self._written_path = target
         self._written_mono = now
         self._written_step = self._step
         self.writes += 1
@@ -274,6 +307,41 @@ class Heartbeat:
         """Remove this process's heartbeat file (a clean exit); never raises."""
         with contextlib.suppress(OSError):
             self.path.unlink()
+        self._written_path = None
+
+
+def writer_dir(spool_dir: str | os.PathLike[str]) -> tuple[Path, bool]:
+    """The directory this process writes its heartbeat in, and whether it is its own.
+
+    In a directory only its owner may write to (a job's private spool), that directory. In a
+    shared one (group- or other-writable: the node's sticky spool), ``<spool_dir>/<euid>``,
+    made 0700 on first use: no other user can make, squat or flood names in it. When that name
+    is already taken by something else (another user's directory, a link: a squat), returns
+    ``(spool_dir, False)`` and the caller picks a name nobody can guess; the agent, as root,
+    replaces the squatted entry (``atomic_file.ensure_user_spool``). Makes missing directories.
+    """
+    d = Path(spool_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    if not os.stat(d).st_mode & 0o022:
+        return d, True
+    uid = os.geteuid()
+    own = d / str(uid)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(own, 0o700)
+    st = os.lstat(own)
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o022:
+        return own, True
+    return d, False
+
+
+def heartbeat_file(spool_dir: str | os.PathLike[str], pid: int, uid: int | None = None) -> Path:
+    """Where the writer of ``pid`` (running as ``uid``, default this process's euid) puts its
+    heartbeat in ``spool_dir``, when its uid's directory is its own (see :func:`writer_dir`)."""
+    d = Path(spool_dir)
+    with contextlib.suppress(OSError):
+        if os.stat(d).st_mode & 0o022:
+            d = d / str(os.geteuid() if uid is None else uid)
+    return d / f"{pid}.json"
 
 
 # -- reading spools (the agent's side) -------------------------------------------------------
@@ -318,9 +386,32 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not a number JSON allows")
 
 
+def _unclean(value: Any) -> str | None:
+    """Why a parsed JSON value may not be used (a lone surrogate or a NUL in any string, keys
+    included: text that cannot be encoded again, or that ends a C string early), or None."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            if "\0" in item:
+                return f"a string holds a NUL byte ({item[:40]!r})"
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as err:
+                return (f"a string holds a lone surrogate (U+{ord(item[err.start]):04X} in "
+                        f"{item[:40]!r}), which is no Unicode text")
+    return None
+
+
 def parse_spool_json(raw: bytes, max_depth: int = SPOOL_MAX_DEPTH) -> Any:
     """Bytes of a spool file -> JSON value; SpoolFileError for text that is not UTF-8, nests
-    deeper than ``max_depth``, holds NaN/Infinity, or is not JSON."""
+    deeper than ``max_depth``, holds NaN/Infinity, is not JSON, or holds a string with a lone
+    surrogate (``"\\ud800"`` is valid JSON but no text: encoding it again raises) or a NUL."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -329,9 +420,13 @@ def parse_spool_json(raw: bytes, max_depth: int = SPOOL_MAX_DEPTH) -> Any:
     if depth > max_depth:
         raise SpoolFileError(f"JSON nests {depth} levels deep, more than {max_depth}")
     try:
-        return json.loads(text, parse_constant=_no_constants)
+        value = json.loads(text, parse_constant=_no_constants)
     except (ValueError, RecursionError) as err:
         raise SpoolFileError(f"not valid JSON ({err})"[:300]) from None
+    why = _unclean(value)
+    if why is not None:
+        raise SpoolFileError(why)
+    return value
 
 
 def _read_at(dir_fd: int, name: str, max_bytes: int) -> tuple[bytes, os.stat_result]:
@@ -339,7 +434,8 @@ def _read_at(dir_fd: int, name: str, max_bytes: int) -> tuple[bytes, os.stat_res
 
     O_NOFOLLOW: a symlink (to ``/dev/zero``, to another user's file) is refused by the kernel.
     O_NONBLOCK: a FIFO opens at once and a file under a lease does not stall the reader.
-    Then fstat of the open file: a regular file with one link, at most ``max_bytes``."""
+    Then fstat of the open file: a regular file with one link, at most ``max_bytes``. A refusal
+    after the fstat names the file's owner (the writer)."""
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     try:
         fd = os.open(name, flags, dir_fd=dir_fd)
@@ -352,17 +448,18 @@ def _read_at(dir_fd: int, name: str, max_bytes: int) -> tuple[bytes, os.stat_res
         raise
     try:
         st = os.fstat(fd)
+        by = f" (written by uid {st.st_uid})"
         if not stat.S_ISREG(st.st_mode):
             kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device" if
                     stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else
                     "a directory" if stat.S_ISDIR(st.st_mode) else "a socket" if
                     stat.S_ISSOCK(st.st_mode) else "not a regular file")
-            raise SpoolFileError(f"is {kind}, not a regular file")
+            raise SpoolFileError(f"is {kind}, not a regular file{by}")
         if st.st_nlink != 1:
-            raise SpoolFileError(f"has {st.st_nlink} hard links (a spool file has one)")
+            raise SpoolFileError(f"has {st.st_nlink} hard links (a spool file has one){by}")
         if st.st_size > max_bytes:
             raise SpoolFileError(f"is {st.st_size} bytes, more than the {max_bytes} a spool "
-                                 "file may have")
+                                 f"file may have{by}")
         chunks, total = [], 0
         while total <= max_bytes:
             chunk = os.read(fd, max_bytes + 1 - total)
@@ -371,7 +468,7 @@ def _read_at(dir_fd: int, name: str, max_bytes: int) -> tuple[bytes, os.stat_res
             chunks.append(chunk)
             total += len(chunk)
         if total > max_bytes:
-            raise SpoolFileError(f"grew past {max_bytes} bytes while being read")
+            raise SpoolFileError(f"grew past {max_bytes} bytes while being read{by}")
         return b"".join(chunks), st
     finally:
         os.close(fd)
@@ -396,23 +493,16 @@ def _pick_fairly(entries: list[tuple[str, int]], limit: int) -> list[str]:
     return sorted(picked)
 
 
-def read_spool_json(spool_dir: str | os.PathLike[str], errors: list[tuple[Path, str]] | None = None,
-                    *, skip: Collection[str] = (), max_files: int = SPOOL_MAX_FILES,
-                    max_bytes: int = SPOOL_MAX_BYTES,
-                    max_depth: int = SPOOL_MAX_DEPTH) -> list[SpoolFile]:
-    """Every ``*.json`` in ``spool_dir`` (names starting with ``.`` are a writer's temp files
-    and never opened; names in ``skip`` are not opened either), read the safe way, oldest name
-    first. Never blocks and never raises for a file: a file that is a link, a FIFO, a device,
-    too big, too deep, not UTF-8 JSON is appended to ``errors`` as ``(path, reason)``. A
-    spool holding more than ``max_files`` readable names gives one more entry for the
-    directory itself; the rest are read by a later call. A missing directory is empty; the
-    directory itself must not be a symlink."""
-    d = Path(spool_dir)
-    errs: list[tuple[Path, str]] = errors if errors is not None else []
+def _open_dir(d: Path, errs: list[tuple[Path, str]], *, dir_fd: int | None = None,
+              name: str | None = None) -> int | None:
+    """An fd of the directory ``d`` (or ``name`` in ``dir_fd``), never through a symlink; None
+    when it is missing, or unusable (then said in ``errs``)."""
     try:
-        dir_fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        return os.open(d if name is None else name,
+                       os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                       dir_fd=dir_fd)
     except FileNotFoundError:
-        return []
+        return None
     except OSError as err:
         if err.errno in (errno.ELOOP, errno.ENOTDIR):
             errs.append((d, "the spool directory is a symbolic link or not a directory; "
@@ -420,46 +510,133 @@ def read_spool_json(spool_dir: str | os.PathLike[str], errors: list[tuple[Path, 
                             "docs/security.md)"))
         else:
             errs.append((d, f"cannot open the spool directory: {err.strerror or err}"))
+        return None
+
+
+def _read_dir(dir_fd: int, d: Path, errs: list[tuple[Path, str]], *, skip: Collection[str],
+              max_files: int, max_bytes: int, max_depth: int,
+              subdirs: set[int] | None = None) -> list[SpoolFile]:
+    """The ``*.json`` files of the open directory ``dir_fd`` (named ``d``): see
+    :func:`read_spool_json`. The uids of subdirectories named by their owner's uid go to
+    ``subdirs``."""
+    done = set(skip)
+    entries: list[tuple[str, int]] = []
+    listed = 0
+    with os.scandir(dir_fd) as it:
+        for entry in it:
+            listed += 1
+            if listed > SPOOL_MAX_LISTED:
+                errs.append((d, f"holds more than {SPOOL_MAX_LISTED} entries; only the "
+                                "first were looked at: clean up the spool"))
+                break
+            name = entry.name
+            if subdirs is not None and name.isdigit() and name.isascii():
+                # a uid's own directory; another's under that name is looked at only for a
+                # uid that runs a process (so junk names cost no opens and no reports)
+                with contextlib.suppress(OSError):
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISDIR(st.st_mode) and str(st.st_uid) == name:
+                        subdirs.add(st.st_uid)
+                continue
+            if name.startswith(".") or not name.endswith(".json") or name in done:
+                continue
+            try:
+                entries.append((name, entry.stat(follow_symlinks=False).st_uid))
+            except OSError:
+                continue  # removed since it was listed
+    names = _pick_fairly(entries, max_files)
+    if len(entries) > len(names):
+        errs.append((d, f"{len(entries) - len(names)} file(s) not read in this run (at "
+                        f"most {max_files} per run, taken in turn from each owner); the "
+                        "next run reads them"))
+    out = []
+    for name in names:
+        path = d / name
+        try:
+            raw, st = _read_at(dir_fd, name, max_bytes)
+        except FileNotFoundError:
+            continue  # removed between listing and reading (its writer exited cleanly)
+        except SpoolFileError as err:
+            errs.append((path, str(err)))
+            continue
+        except OSError as err:
+            errs.append((path, f"cannot read: {err.strerror or err}"))
+            continue
+        try:
+            out.append(SpoolFile(path, parse_spool_json(raw, max_depth), st.st_uid,
+                                 st.st_mtime, st.st_size))
+        except SpoolFileError as err:
+            errs.append((path, f"{err} (written by uid {st.st_uid})"))
+    return out
+
+
+def read_spool_json(spool_dir: str | os.PathLike[str], errors: list[tuple[Path, str]] | None = None,
+                    *, skip: Collection[str] = (), max_files: int = SPOOL_MAX_FILES,
+                    max_bytes: int = SPOOL_MAX_BYTES,
+                    max_depth: int = SPOOL_MAX_DEPTH) -> list[SpoolFile]:
+    """Every ``*.json`` in ``spool_dir`` (names starting with ``.`` are a writer's temp files
+    and never opened; names in ``skip`` are not opened either), read the safe way, oldest name
+    first. Never blocks and never raises for a file: a file that is a link, a FIFO, a device,
+    too big, too deep, not UTF-8 JSON, or holding a lone surrogate or a NUL is appended to
+    ``errors`` as ``(path, reason)``. A spool holding more than ``max_files`` readable names
+    gives one more entry for the directory itself; the rest are read by a later call. A
+    missing directory is empty; the directory itself must not be a symlink."""
+    d = Path(spool_dir)
+    errs: list[tuple[Path, str]] = errors if errors is not None else []
+    dir_fd = _open_dir(d, errs)
+    if dir_fd is None:
         return []
     try:
-        done = set(skip)
-        entries: list[tuple[str, int]] = []
-        listed = 0
-        with os.scandir(dir_fd) as it:
-            for entry in it:
-                listed += 1
-                if listed > SPOOL_MAX_LISTED:
-                    errs.append((d, f"holds more than {SPOOL_MAX_LISTED} entries; only the "
-                                    "first were looked at: clean up the spool"))
-                    break
-                name = entry.name
-                if name.startswith(".") or not name.endswith(".json") or name in done:
-                    continue
-                try:
-                    entries.append((name, entry.stat(follow_symlinks=False).st_uid))
-                except OSError:
-                    continue  # removed since it was listed
-        names = _pick_fairly(entries, max_files)
-        if len(entries) > len(names):
-            errs.append((d, f"{len(entries) - len(names)} file(s) not read in this run (at "
-                            f"most {max_files} per run, taken in turn from each owner); the "
-                            "next run reads them"))
-        out = []
-        for name in names:
-            path = d / name
-            try:
-                raw, st = _read_at(dir_fd, name, max_bytes)
-                out.append(SpoolFile(path, parse_spool_json(raw, max_depth), st.st_uid,
-                                     st.st_mtime, st.st_size))
-            except FileNotFoundError:
-                continue  # removed between listing and reading (its writer exited cleanly)
-            except SpoolFileError as err:
-                errs.append((path, str(err)))
-            except OSError as err:
-                errs.append((path, f"cannot read: {err.strerror or err}"))
-        return out
+        return _read_dir(dir_fd, d, errs, skip=skip, max_files=max_files, max_bytes=max_bytes,
+                         max_depth=max_depth)
     finally:
         os.close(dir_fd)
+
+
+def live_uids(proc_root: str | os.PathLike[str] = "/proc") -> set[int]:
+    """The uids that run a process now: the owners of ``<proc_root>/<pid>`` (a process's
+    effective uid). Listing ``/proc`` costs the same whatever anyone put in a spool."""
+    out = set()
+    with contextlib.suppress(OSError), os.scandir(proc_root) as it:
+        for entry in it:
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    out.add(entry.stat(follow_symlinks=False).st_uid)
+    return out
+
+
+def _user_dir(top_fd: int, d: Path, uid: int, errs: list[tuple[Path, str]]) -> int | None:
+    """An fd of ``<d>/<uid>`` when it is uid's own heartbeat directory: a real directory (not
+    a link) owned by ``uid`` that no group or other user may write to; else None, with why
+    in ``errs`` (a squatter is named by its uid)."""
+    path = d / str(uid)
+    fd = _open_dir(path, [], dir_fd=top_fd, name=str(uid))
+    if fd is None:
+        try:
+            st = os.stat(str(uid), dir_fd=top_fd, follow_symlinks=False)
+        except OSError:
+            return None  # no such directory: that uid writes no heartbeat here
+        errs.append((path, f"is not a directory but {_kind(st.st_mode)} of uid {st.st_uid}: "
+                           f"not uid {uid}'s heartbeat directory; ignored (the agent replaces "
+                           "it, or remove it)"))
+        return None
+    st = os.fstat(fd)
+    if st.st_uid != uid:
+        why = f"is owned by uid {st.st_uid}, not by uid {uid}"
+    elif st.st_mode & 0o022:
+        why = f"may be written by others than uid {uid} (mode {stat.S_IMODE(st.st_mode):04o})"
+    else:
+        return fd
+    os.close(fd)
+    errs.append((path, f"{why}: not uid {uid}'s own heartbeat directory, so nothing in it is "
+                       "read (a uid's directory is its own, mode 0700; the agent replaces a "
+                       "squatted one)"))
+    return None
+
+
+def _kind(mode: int) -> str:
+    return "a symbolic link" if stat.S_ISLNK(mode) else "a file" if stat.S_ISREG(mode) else \
+        "a special file"
 
 
 def _check(record: dict[str, Any], key: str, kinds: tuple[type, ...], *, optional: bool = True,
@@ -485,9 +662,35 @@ def _check(record: dict[str, Any], key: str, kinds: tuple[type, ...], *, optiona
 _NUMBER = (int, float)
 
 
+def _check_text(record: dict[str, Any], key: str) -> None:
+    """A name or id: a string without control characters (C0, DEL, C1, zero-width, bidi)."""
+    _check(record, key, (str,))
+    value = record.get(key)
+    if isinstance(value, str) and (bad := _CONTROL.search(value)):
+        raise ValueError(f"field {key!r} holds the control character U+{ord(bad.group()):04X} "
+                         f"({value[:40]!r}); a name or id never does")
+
+
+def check_log_file(value: Any, what: str = "field 'log_file'") -> str:
+    """``value`` if it is a usable log path: an absolute path (a relative one would be read
+    from the agent's working directory) with no control character; else ValueError."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{what} is {type(value).__name__} {str(value)[:40]!r}, expected an "
+                         "absolute path")
+    if len(value) > _TEXT_MAX:
+        raise ValueError(f"{what} is {len(value)} characters long")
+    if bad := _CONTROL.search(value):
+        raise ValueError(f"{what} holds the control character U+{ord(bad.group()):04X} "
+                         f"({value[:40]!r})")
+    if not value.startswith("/"):
+        raise ValueError(f"{what} is {value[:40]!r}, not an absolute path")
+    return value
+
+
 def check_heartbeat(record: Any) -> dict[str, Any]:
     """``record`` if it is a heartbeat this module writes, every value of the type it should
-    have (numbers finite), else ValueError naming the first bad field."""
+    have (numbers finite, names and ids without control characters, ``log_file`` an absolute
+    path), else ValueError naming the first bad field."""
     if not isinstance(record, dict):
         raise ValueError(f"not a JSON object but {type(record).__name__}")
     if record.get("schema") != SCHEMA:
@@ -501,8 +704,10 @@ def check_heartbeat(record: Any) -> dict[str, Any]:
         _check(record, key, _NUMBER, minimum=0)
     _check(record, "started_at", _NUMBER)
     for key in ("job", "job_source", "slurm_job_id", "torchelastic_run_id", "pod",
-                "pod_namespace", "hostname", "log_file"):
-        _check(record, key, (str,))
+                "pod_namespace", "hostname"):
+        _check_text(record, key)
+    if record.get("log_file") is not None:
+        check_log_file(record["log_file"])
     pause = record.get("pause")
     if pause is not None:
         if not isinstance(pause, dict):
@@ -514,19 +719,52 @@ def check_heartbeat(record: Any) -> dict[str, Any]:
 
 
 def read_heartbeat_files(spool_dir: str | os.PathLike[str],
-                         errors: list[tuple[Path, str]] | None = None) -> list[SpoolFile]:
+                         errors: list[tuple[Path, str]] | None = None, *,
+                         uids: Collection[int] | None = None,
+                         proc_root: str | os.PathLike[str] = "/proc") -> list[SpoolFile]:
     """Every heartbeat in ``spool_dir`` as :class:`SpoolFile` (its owner's uid included),
     read with :func:`read_spool_json` and checked with :func:`check_heartbeat`; any other
-    file is appended to ``errors`` as ``(path, reason)``."""
+    file is appended to ``errors`` as ``(path, reason)``, naming its writer's uid.
+
+    Read: the ``*.json`` directly in ``spool_dir`` (older writers; a writer whose own
+    directory was squatted), then each uid's own directory ``<spool_dir>/<uid>/`` (see
+    :func:`writer_dir`) with caps of its own. A uid's directory counts only when it is a
+    directory owned by that uid that no one else may write to. The uids looked for: those
+    listed in ``spool_dir``, and ``uids`` (default: every uid running a process, from
+    ``proc_root``), so names flooding the shared directory cannot hide a user's directory."""
+    d = Path(spool_dir)
+    errs: list[tuple[Path, str]] = []
+    found: list[SpoolFile] = []
+    top_fd = _open_dir(d, errs)
+    if top_fd is not None:
+        try:
+            listed: set[int] = set()
+            found += _read_dir(top_fd, d, errs, skip=(), max_files=SPOOL_MAX_FILES,
+                               max_bytes=SPOOL_MAX_BYTES, max_depth=SPOOL_MAX_DEPTH,
+                               subdirs=listed)
+            wanted = listed | set(live_uids(proc_root) if uids is None else uids)
+            for uid in sorted(wanted):
+                fd = _user_dir(top_fd, d, uid, errs)
+                if fd is None:
+                    continue
+                try:
+                    found += _read_dir(fd, d / str(uid), errs, skip=(),
+                                       max_files=SPOOL_MAX_FILES, max_bytes=SPOOL_MAX_BYTES,
+                                       max_depth=SPOOL_MAX_DEPTH)
+                finally:
+                    os.close(fd)
+        finally:
+            os.close(top_fd)
     out = []
-    for f in read_spool_json(spool_dir, errors):
+    for f in found:
         try:
             check_heartbeat(f.data)
         except ValueError as err:
-            if errors is not None:
-                errors.append((f.path, f"ValueError: {err}"))
+            errs.append((f.path, f"ValueError: {err} (written by uid {f.uid})"))
             continue
         out.append(f)
+    if errors is not None:
+        errors.extend(errs)
     return out
 
 

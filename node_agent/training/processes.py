@@ -13,10 +13,14 @@ the heartbeat writer parses its own (``heartbeat.identity_from_env``). Reading a
 environ needs root or ``CAP_SYS_PTRACE``; without it a trusted heartbeat's claims stand in.
 
 The environment is the user's to set, so a job may be *acted on* (``job_verified``) only when
-the kernel agrees: a Slurm job id must be the one slurmd's cgroup holds the process in, and a
-Kubernetes pod must be the pod whose UID the kubepods cgroup names (``read_pod_uid``; the
-adapter compares that UID with the pod it is about to delete). A torchelastic run id, a
-launcher's pid or a heartbeat's label has no such witness and is never acted on
+the kernel agrees: a Slurm job id must be the one slurmd's cgroup holds the process in
+(``read_slurm_cgroup_job``: a ``job_<id>`` directory directly under one of slurmd's cgroup
+roots, every directory from the job's up to that root owned by root, so a user's delegated
+cgroup subtree cannot pose as one), and a Kubernetes pod must be the pod whose UID the kubepods
+cgroup names (``read_pod_uid``; the adapter compares that UID with the pod it is about to
+delete). A verified Slurm job travels as ``slurm:<id>@uid:<uid>``, the process's uid, which the
+Slurm adapter compares with the job's owner before it requeues anything. A torchelastic run id,
+a launcher's pid or a heartbeat's label has no such witness and is never acted on
 (docs/security.md).
 
 Heartbeat spools are writable by every training user, so a heartbeat file speaks only for a
@@ -35,17 +39,23 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
+import os
 import re
-from collections.abc import Collection, Sequence
+import stat
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from node_agent.atomic_file import ensure_user_spool
 from node_agent.gpu.base import GpuDevice, GpuError
 from node_agent.heartbeat import (
     SpoolFile,
+    check_log_file,
     identity_from_env,
     process_start_ticks,
     read_heartbeat_files,
@@ -96,7 +106,9 @@ class TrainingProcess:
         if self.identity_source != "environ":
             return False
         if self.job_source == "slurm":
-            return self.slurm_cgroup_job is not None and self.slurm_cgroup_job == self.slurm_job_id
+            # the uid travels with the job to the adapter, which compares it with the job's owner
+            return (self.slurm_cgroup_job is not None and self.uid is not None
+                    and self.slurm_cgroup_job == self.slurm_job_id)
         if self.job_source == "pod":
             return self.pod_uid is not None
         return False  # torchelastic, ppid, argument: nothing but the user's word
@@ -105,10 +117,15 @@ class TrainingProcess:
     def restart_job_id(self) -> str | None:
         """The job id an adapter may restart: a pod's carries the UID from the kernel
         (``pod:<ns>/<name>@<uid>``), which the Kubernetes adapter checks against the pod it
-        deletes; None when the job is not verified."""
+        deletes; a Slurm job's carries the process's uid (``slurm:<id>@uid:<uid>``), which the
+        Slurm adapter checks against the job's owner; None when the job is not verified."""
         if not self.job_verified or self.job is None:
             return None
-        return f"{self.job}@{self.pod_uid}" if self.job_source == "pod" else self.job
+        if self.job_source == "pod":
+            return f"{self.job}@{self.pod_uid}"
+        if self.job_source == "slurm":
+            return f"{self.job}@uid:{self.uid}"
+        return self.job
 
     def to_evidence(self) -> dict[str, Any]:
         """JSON-friendly fields for a result's evidence: the heartbeat record is left out (its
@@ -180,21 +197,115 @@ def read_environ(pid: int, proc_root: Path = Path("/proc")) -> dict[str, str]:
     return env
 
 
-_SLURM_CGROUP_JOB = re.compile(r"/job_(\d+)(?:/|$)")
+#: The cgroup directories slurmd puts jobs in, as path patterns (``*`` stands for the rest of
+#: one path component, never for a ``/``). A job is the ``job_<id>`` directory directly below
+#: one (``uid_<uid>/job_<id>`` under cgroup v1), and only when that directory, every one between
+#: it and the root, and the root itself are owned by root. Slurm's docs (cgroup_v2.html,
+#: "slurmd startup" and "Hierarchy overview"; cgroups.html):
+#:
+#: - cgroup/v2: slurmd starts a systemd scope ``slurmstepd.scope`` (``<node>_slurmstepd.scope``
+#:   when built with --enable-multiple-slurmd) under ``system.slice``, or under the slice
+#:   slurmd's own unit runs in; jobs are ``<scope>/job_<id>/step_<n>/user/task_<n>``.
+#: - cgroup/v1: ``/sys/fs/cgroup/<controller>/slurm/uid_<uid>/job_<id>/step_<n>/task_<n>``
+#:   (``slurm_<node>`` with several slurmds on one host); the uid level must name the process's
+#:   own uid.
+#:
+#: ``training.slurm_cgroup_roots`` in the config replaces this list (docs/training_hangs.md).
+DEFAULT_SLURM_CGROUP_ROOTS = (
+    "/sys/fs/cgroup/system.slice/slurmstepd.scope",
+    "/sys/fs/cgroup/*.slice/slurmstepd.scope",
+    "/sys/fs/cgroup/*.slice/*_slurmstepd.scope",
+    "/sys/fs/cgroup/*/slurm",
+    "/sys/fs/cgroup/*/slurm_*",
+)
+#: where the kernel's cgroup hierarchies are mounted: cgroup v2 at the top (or at ``unified``
+#: on a hybrid host), each v1 hierarchy at its controller list (``cpu,cpuacct``, ``systemd``)
+CGROUP_FS = Path("/sys/fs/cgroup")
+_JOB_DIR = re.compile(r"job_(\d+)")
+_UID_DIR = re.compile(r"uid_(\d+)")
 
 
-def read_slurm_cgroup_job(pid: int, proc_root: Path = Path("/proc")) -> str | None:
-    """The job id of the Slurm cgroup holding ``pid`` (``.../job_<id>/step_<n>/...`` under
-    cgroup v1 or v2, as slurmd's task/cgroup plugin creates it); None outside one."""
+def _cgroup_dirs(line: str, cgroup_fs: Path) -> list[Path]:
+    """The directories one ``/proc/<pid>/cgroup`` line may name (``id:controllers:path``)."""
+    hier, sep, rest = line.partition(":")
+    controllers, sep2, path = rest.partition(":")
+    if not (sep and sep2 and path.startswith("/")):
+        return []
+    parts = [p for p in path.split("/") if p]
+    if any(p in (".", "..") for p in parts):  # another cgroup namespace's view: not ours to read
+        return []
+    if hier == "0" and not controllers:  # the unified (v2) hierarchy
+        mounts = [cgroup_fs, cgroup_fs / "unified"]
+    else:
+        mounts = [cgroup_fs / controllers.removeprefix("name=")]
+    return [m.joinpath(*parts) for m in mounts]
+
+
+def _root_owned_dirs(dirs: Iterable[Path]) -> str | None:
+    """None when each of ``dirs`` is a real directory (not a link) owned by root, else why."""
+    for d in dirs:
+        try:
+            st = os.lstat(d)
+        except OSError as err:
+            return f"{d}: {err.strerror or err}"
+        if not stat.S_ISDIR(st.st_mode):
+            return f"{d} is not a directory"
+        if st.st_uid != 0:
+            return f"{d} is owned by uid {st.st_uid}, not root"
+    return None
+
+
+def slurm_job_of_cgroup(path: Path, roots: Sequence[str], uid: int | None) -> str | None:
+    """The Slurm job id of the cgroup directory ``path`` when it lies in a job of slurmd's (see
+    :data:`DEFAULT_SLURM_CGROUP_ROOTS`), else None. ``uid``: the process's uid, which a v1
+    ``uid_<uid>`` level must name."""
+    parts = path.parts
+    for pattern in roots:
+        root = Path(pattern).parts
+        if len(parts) <= len(root) or not all(
+                fnmatch.fnmatchcase(have, want) for have, want in zip(parts[:len(root)], root,
+                                                                     strict=True)):
+            continue
+        depth = len(root)
+        level = _UID_DIR.fullmatch(parts[depth])
+        if level is not None:
+            if uid is None or int(level.group(1)) != uid:
+                continue  # another user's uid level: not this process's job
+            depth += 1
+        job = _JOB_DIR.fullmatch(parts[depth]) if depth < len(parts) else None
+        if job is None:
+            continue
+        chain = [Path(*parts[:n]) for n in range(depth + 1, len(root) - 1, -1)]
+        if _root_owned_dirs(chain) is None:
+            return job.group(1)
+    return None
+
+
+def read_slurm_cgroup_job(pid: int, proc_root: Path = Path("/proc"), *,
+                          uid: int | None = None, roots: Sequence[str] | None = None,
+                          cgroup_fs: Path = CGROUP_FS) -> str | None:
+    """The job id of the Slurm cgroup holding ``pid``, from ``<proc_root>/<pid>/cgroup``; None
+    outside one, or when the hierarchies disagree.
+
+    Only a ``job_<id>`` directly below one of slurmd's cgroup roots (``roots``, default
+    :data:`DEFAULT_SLURM_CGROUP_ROOTS`) counts, and only when the directories from the job's
+    up to that root are root's: a user may make ``job_4242`` inside the cgroup subtree systemd
+    delegates to it (``user@<uid>.service``), but that subtree is the user's own. ``uid`` is
+    the process's uid (a cgroup v1 ``uid_<uid>`` level must name it); ``cgroup_fs`` is where
+    the hierarchies are mounted."""
     try:
         text = (proc_root / str(pid) / "cgroup").read_text(errors="replace")
     except OSError:
         return None
+    patterns = DEFAULT_SLURM_CGROUP_ROOTS if roots is None else tuple(roots)
+    jobs = set()
     for line in text.splitlines():
-        match = _SLURM_CGROUP_JOB.search(line.split(":", 2)[-1])
-        if match:
-            return match.group(1)
-    return None
+        for d in _cgroup_dirs(line.strip(), cgroup_fs):
+            job = slurm_job_of_cgroup(d, patterns, uid)
+            if job is not None:
+                jobs.add(job)
+                break
+    return jobs.pop() if len(jobs) == 1 else None
 
 
 _UUID = r"[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}"
@@ -254,18 +365,26 @@ def read_cmdline(pid: int, proc_root: Path = Path("/proc")) -> list[str]:
 
 
 def discover(spool_dir: Path, gpus: Sequence[GpuDevice] | None = None,
-             pids: Sequence[int] | None = None, proc_root: Path = Path("/proc")) -> Discovery:
+             pids: Sequence[int] | None = None, proc_root: Path = Path("/proc"), *,
+             slurm_cgroup_roots: Sequence[str] | None = None, cgroup_fs: Path = CGROUP_FS,
+             make_user_dirs: bool | None = None) -> Discovery:
     """Find this node's training processes (see the module docstring).
 
     ``spool_dir``: the heartbeat spool; ``gpus``: devices whose NVML compute processes count as
     training processes; ``pids``: when given, exactly these pids are reported (heartbeats and
     NVML still add their record and GPUs). ``proc_root`` is read for environ, cmdline and stat.
     ``dead_heartbeats`` and unreadable spool files cover the whole spool, ``pids`` or not.
+    ``slurm_cgroup_roots`` (config ``training.slurm_cgroup_roots``; None: the built-in
+    :data:`DEFAULT_SLURM_CGROUP_ROOTS`) and ``cgroup_fs`` say where slurmd's job cgroups are.
+    ``make_user_dirs`` (default: when the agent runs as root): make each uid that runs a GPU
+    process, or writes heartbeats outside its own directory, its own heartbeat directory
+    (``atomic_file.ensure_user_spool``), taking back a name another user squatted; what was
+    wrong is a problem naming the squatter's uid.
     """
     out = Discovery()
     wanted = None if pids is None else list(dict.fromkeys(int(p) for p in pids))
     live: dict[int, list[SpoolFile]] = {}
-    for beat in read_heartbeat_files(spool_dir, out.bad_files):
+    for beat in read_heartbeat_files(spool_dir, out.bad_files, proc_root=proc_root):
         pid = beat.data["pid"]
         if alive(pid, beat.data.get("start_ticks"), proc_root):
             live.setdefault(pid, []).append(beat)
@@ -285,18 +404,46 @@ def discover(spool_dir: Path, gpus: Sequence[GpuDevice] | None = None,
     on_gpus = _nvml_pids(gpus or [], out.problems)
     candidates = sorted(set(beats) | set(on_gpus)) if wanted is None else list(wanted)
     _drop_invisible(candidates, on_gpus, gpus or [], proc_root, out.problems)
+    if make_user_dirs if make_user_dirs is not None else os.geteuid() == 0:
+        _make_user_dirs(Path(spool_dir), on_gpus, live, out.problems)
     tree = _ProcessTree()
+    cgroups = _CgroupReading(slurm_cgroup_roots, cgroup_fs)
     for pid in candidates:
         sources = tuple(s for s, hit in ((HEARTBEAT, pid in beats), (NVML, pid in on_gpus),
                                          (PID, wanted is not None)) if hit)
         found = _inspect(pid, sources, beats.get(pid), on_gpus.get(pid, ()), tree, proc_root,
-                         out.problems)
+                         out.problems, cgroups)
         if found is not None:
             out.processes.append(found)
         elif wanted is not None:
             out.problems.append((f"pid:{pid}", f"pid {pid} was asked for but is not running "
                                                "(or is a zombie): nothing to inspect"))
     return out
+
+
+@dataclass(frozen=True)
+class _CgroupReading:
+    """Where :func:`read_slurm_cgroup_job` looks (see :func:`discover`)."""
+
+    roots: Sequence[str] | None
+    cgroup_fs: Path
+
+
+def _make_user_dirs(spool_dir: Path, on_gpus: dict[int, set[int]],
+                    live: dict[int, list[SpoolFile]], problems: list[tuple[str, str]]) -> None:
+    """Each uid that runs a GPU process, or wrote a live heartbeat outside its own directory
+    (its directory's name was squatted), gets its own heartbeat directory."""
+    uids = set()
+    for pid in on_gpus:
+        with contextlib.suppress(psutil.Error):
+            uid = _effective_uid(psutil.Process(pid))
+            if uid is not None:
+                uids.add(uid)
+    uids |= {b.uid for beats in live.values() for b in beats if b.path.parent == spool_dir}
+    for uid in sorted(uids):
+        note = ensure_user_spool(spool_dir, uid)
+        if note:
+            problems.append((f"uid:{uid}", note))
 
 
 def _nvml_pids(gpus: Sequence[GpuDevice], problems: list[tuple[str, str]]) -> dict[int, set[int]]:
@@ -373,7 +520,8 @@ def _effective_uid(proc: psutil.Process) -> int | None:
 
 def _inspect(pid: int, sources: tuple[str, ...], beat: tuple[Path, dict[str, Any]] | None,
              gpus: Collection[int], tree: _ProcessTree, proc_root: Path,
-             problems: list[tuple[str, str]]) -> TrainingProcess | None:
+             problems: list[tuple[str, str]],
+             cgroups: _CgroupReading | None = None) -> TrainingProcess | None:
     """One candidate as a TrainingProcess; None when it is not running (any more)."""
     try:
         proc = psutil.Process(pid)
@@ -405,6 +553,15 @@ def _inspect(pid: int, sources: tuple[str, ...], beat: tuple[Path, dict[str, Any
                          f"({env_error}) and no trusted heartbeat names it, so its rank and job "
                          f"are unknown: {_PRIVILEGE_ADVICE}"))
     log_file = (env or {}).get("NODE_AGENT_TRAIN_LOG") or (record or {}).get("log_file")
+    if log_file:
+        try:
+            check_log_file(log_file, f"pid {pid}'s log file (NODE_AGENT_TRAIN_LOG or its "
+                                     "heartbeat's log_file)")
+        except ValueError as err:
+            problems.append((f"pid:{pid}", f"{err}: not read, so the log-silence signal is "
+                             "unavailable for it; give an absolute path"))
+            log_file = None
+    cgroups = cgroups or _CgroupReading(None, CGROUP_FS)
     return TrainingProcess(
         pid=pid, start_ticks=ticks, uid=uid, cmdline=read_cmdline(pid, proc_root),
         rank=identity["rank"], local_rank=identity["local_rank"],
@@ -415,7 +572,9 @@ def _inspect(pid: int, sources: tuple[str, ...], beat: tuple[Path, dict[str, Any
         heartbeat_path=None if path is None else str(path),
         log_file=str(log_file) if log_file else None, parents=tree.parents(ppid),
         children=tree.children(pid), sources=sources,
-        slurm_cgroup_job=read_slurm_cgroup_job(pid, proc_root), pod_uid=pod_uid)
+        slurm_cgroup_job=read_slurm_cgroup_job(pid, proc_root, uid=uid, roots=cgroups.roots,
+                                               cgroup_fs=cgroups.cgroup_fs),
+        pod_uid=pod_uid)
 
 
 def _identity_from_environ(env: dict[str, str], ppid: int, record: dict[str, Any] | None,

@@ -9,7 +9,14 @@ import sys
 
 import pytest
 
-from node_agent.heartbeat import SCHEMA, Heartbeat, identity_from_env, read_heartbeats
+from node_agent.atomic_file import ensure_spool_dirs, ensure_user_spool
+from node_agent.heartbeat import (
+    SCHEMA,
+    Heartbeat,
+    heartbeat_file,
+    identity_from_env,
+    read_heartbeats,
+)
 
 
 class FakeClock:
@@ -154,3 +161,124 @@ def test_compute_time_is_the_mean_of_compute_s_given_since_the_last_write(tmp_pa
         hb.beat(step, compute_s=compute)
     record = json.loads(hb.path.read_text())
     assert record["compute_time_s"] == 0.5 and record["step_time_s"] == 0.5
+
+
+# -- clean strings -----------------------------------------------------------------------------
+
+def _beat(**extra) -> str:
+    return json.dumps({"schema": SCHEMA, "pid": os.getpid(), "step": 1, "step_at": 1.0, **extra},
+                      ensure_ascii=True)
+
+
+@pytest.mark.parametrize("extra, why", [
+    ({"job": "\ud800"}, "lone surrogate"),                  # valid JSON, no text: \ud800
+    ({"pause": {"reason": "x\udfff", "since": 1.0, "max_s": 1.0}}, "lone surrogate"),
+    ({"log_file": "/tmp/a\0b"}, "NUL byte"),
+    ({"\ud800": 1}, "lone surrogate"),                      # in a key too
+    ({"job": "slurm:1\x1b[2J"}, "control character U+001B"),
+    ({"hostname": "a\u202eb"}, "control character U+202E"),
+    ({"log_file": "train.log"}, "not an absolute path"),
+    ({"log_file": "/logs/a\nb.log"}, "control character U+000A"),
+])
+def test_a_heartbeat_with_unusable_text_is_refused_naming_its_writer(tmp_path, extra, why):
+    (tmp_path / "bad.json").write_text(_beat(**extra))
+    (tmp_path / "good.json").write_text(_beat(job="slurm:1", log_file="/logs/train.log"))
+    errors: list = []
+    beats = read_heartbeats(tmp_path, errors)
+    assert [p.name for p, _ in beats] == ["good.json"]
+    ((path, reason),) = errors
+    assert path.name == "bad.json" and why in reason and f"written by uid {os.getuid()}" in reason
+
+
+def test_a_surrogate_pair_is_text_and_is_kept(tmp_path):
+    (tmp_path / "ok.json").write_text(_beat(job="\ud83d\ude80-run"))  # one astral character
+    ((_, record),) = read_heartbeats(tmp_path)
+    assert record["job"] == "\U0001f680-run"
+
+
+# -- where each uid writes, and what the reader believes ---------------------------------------
+
+def _shared(path):
+    path.mkdir(mode=0o755)
+    path.chmod(0o1777)  # the node's spool: sticky, writable by everyone
+    return path
+
+
+def test_in_a_shared_spool_each_uid_writes_in_its_own_private_directory(tmp_path):
+    spool = _shared(tmp_path / "heartbeat")
+    hb = Heartbeat(spool, min_interval_s=0)
+    hb.beat(3)
+    own = spool / str(os.geteuid())
+    assert hb.path == own / f"{os.getpid()}.json" == heartbeat_file(spool, os.getpid())
+    st = os.lstat(own)
+    assert (st.st_uid, oct(st.st_mode & 0o7777)) == (os.geteuid(), "0o700")
+    ((path, record),) = read_heartbeats(spool)
+    assert path == hb.path and record["step"] == 3
+    hb.close()
+    assert not hb.path.exists()
+
+
+def test_a_uid_directory_squatted_by_another_user_neither_blocks_the_writer_nor_is_read(tmp_path):
+    """Root runs the test: a directory chowned to another uid is what that user would make."""
+    spool = _shared(tmp_path / "heartbeat")
+    squat = spool / str(os.geteuid())
+    squat.mkdir()
+    os.chown(squat, 54321, 54321)
+    (squat / f"{os.getpid()}.json").write_text(_beat(step=99))  # a forged beat in it
+    os.chown(squat / f"{os.getpid()}.json", 54321, 54321)
+    hb = Heartbeat(spool, min_interval_s=0)
+    hb.beat(5)
+    assert hb.path.parent == spool and hb.path.name.startswith(f"{os.getpid()}.")
+    assert hb.path.name != f"{os.getpid()}.json"  # a name nobody could have guessed
+    errors: list = []
+    ((path, record),) = read_heartbeats(spool, errors)
+    assert path == hb.path and record["step"] == 5
+    assert any(p == squat and "owned by uid 54321" in why for p, why in errors), errors
+
+
+def test_a_uid_directory_others_may_write_to_is_not_believed(tmp_path):
+    spool = _shared(tmp_path / "heartbeat")
+    loose = spool / "54321"
+    loose.mkdir()
+    (loose / "1.json").write_text(_beat())
+    os.chown(loose, 54321, 54321)
+    loose.chmod(0o777)
+    errors: list = []
+    assert read_heartbeats(spool, errors) == []
+    assert any(p == loose and "mode 0777" in why for p, why in errors), errors
+    loose.chmod(0o700)
+    assert len(read_heartbeats(spool)) == 1  # listed by its name, owned by that uid
+
+
+def test_ensure_user_spool_takes_a_squatted_name_back_for_its_uid(tmp_path):
+    spool = _shared(tmp_path / "heartbeat")
+    squat = spool / "54321"
+    (squat / "deep").mkdir(parents=True)
+    os.symlink("/etc/passwd", squat / "deep" / "link")
+    os.chown(squat, 4242, 4242)
+    note = ensure_user_spool(spool, 54321)
+    assert note and "taken by uid 4242" in note
+    st = os.lstat(squat)
+    assert (st.st_uid, oct(st.st_mode & 0o7777)) == (54321, "0o700")
+    assert list(squat.iterdir()) == [] and sorted(p.name for p in spool.iterdir()) == ["54321"]
+    assert os.path.exists("/etc/passwd")  # a link inside was removed, never followed
+    assert ensure_user_spool(spool, 54321) is None  # nothing left to do
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    assert ensure_user_spool(private, 54321) is None and not (private / "54321").exists()
+
+
+def test_ensure_spool_dirs_makes_reachable_spools_whatever_the_umask(tmp_path):
+    code = ("import os, sys; os.umask(0o077); from node_agent.atomic_file import "
+            "ensure_spool_dirs; print(ensure_spool_dirs(sys.argv[1]))")
+    root = tmp_path / "var" / "spool" / "node-agent"
+    done = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    modes = {p: oct(os.stat(p).st_mode & 0o7777) for p in
+             (root.parent, root, root / "heartbeat", root / "sdc")}
+    assert modes == {root.parent: "0o755", root: "0o755", root / "heartbeat": "0o1777",
+                     root / "sdc": "0o1777"}
+    root.chmod(0o700)  # what an older agent under umask 077 left
+    assert any("made it 0755" in n for n in ensure_spool_dirs(root))
+    assert oct(os.stat(root).st_mode & 0o7777) == "0o755"

@@ -404,22 +404,103 @@ def test_evidence_is_json_and_leaves_the_heartbeat_record_out(spool, spawn):
         0, "slurm:1", ["heartbeat"], [])
 
 
+def _cgroup_tree(tmp_path: Path, procs: dict[int, str], owned: dict[str, int] | None = None):
+    """A /proc tree whose ``<pid>/cgroup`` files read ``procs[pid]``, and the cgroup
+    directories they name made under ``<tmp>/cgroup`` (root's, as the test runs as root; the
+    paths in ``owned`` given to that uid, as systemd delegates a user's subtree)."""
+    proc, fs = tmp_path / "proc", tmp_path / "cgroup"
+    for pid, text in procs.items():
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "cgroup").write_text(text)
+        for line in text.splitlines():
+            hier, controllers, path = line.split(":", 2)
+            mount = fs if hier == "0" else fs / controllers.removeprefix("name=")
+            (mount / path.lstrip("/")).mkdir(parents=True, exist_ok=True)
+    for path, uid in (owned or {}).items():
+        os.chown(fs / path, uid, uid)
+    return proc, fs
+
+
+def _roots(fs: Path) -> list[str]:
+    """The built-in roots, moved under the test's cgroup mount."""
+    return [str(fs / Path(r).relative_to(tp.CGROUP_FS)) for r in tp.DEFAULT_SLURM_CGROUP_ROOTS]
+
+
 def test_slurm_job_is_verified_only_by_slurmds_cgroup_not_by_the_environment(tmp_path):
     """A user can put any SLURM_JOB_ID in their own environment; slurmd's cgroup is not theirs.
-    A fake /proc tree: the cgroup files are what Slurm's task/cgroup plugin creates."""
+    A fake /proc and cgroup tree: the paths are the ones Slurm's cgroup plugins create
+    (cgroup_v2.html "Hierarchy overview"; v1: slurm/uid_<uid>/job_<id>/step_<n>)."""
     from node_agent.training.processes import read_slurm_cgroup_job
 
-    def cgroup(pid: int, text: str) -> None:
-        (tmp_path / str(pid)).mkdir()
-        (tmp_path / str(pid) / "cgroup").write_text(text)
+    proc, fs = _cgroup_tree(tmp_path, {
+        1: "0::/system.slice/slurmstepd.scope/job_4242/step_0/user/task_0",            # v2
+        2: "4:memory:/slurm/uid_1000/job_77/step_batch\n2:cpu:/",                        # v1
+        3: "0::/user.slice/user-1000.slice/session-3.scope",                             # no job
+        5: "0::/system.slice/node7_slurmstepd.scope/job_9/step_extern/user/task_0",      # multi
+        6: "0::/slurm.slice/slurmstepd.scope/job_10/step_0/user/task_0",  # slurmd's own slice
+    })
+    roots = _roots(fs)
 
-    cgroup(1, "0::/system.slice/slurmstepd.scope/job_4242/step_0/user/task_0\n")   # v2
-    cgroup(2, "4:memory:/slurm/uid_1000/job_77/step_batch\n2:cpu:/\n")             # v1
-    cgroup(3, "0::/user.slice/user-1000.slice/session-3.scope\n")                  # no job
-    assert read_slurm_cgroup_job(1, tmp_path) == "4242"
-    assert read_slurm_cgroup_job(2, tmp_path) == "77"
-    assert read_slurm_cgroup_job(3, tmp_path) is None
-    assert read_slurm_cgroup_job(4, tmp_path) is None  # gone
+    def job(pid, uid=1000):
+        return read_slurm_cgroup_job(pid, proc, uid=uid, roots=roots, cgroup_fs=fs)
+
+    assert job(1) == "4242"
+    assert job(2) == "77"
+    assert job(2, uid=1001) is None  # v1's uid level names another user
+    assert job(3) is None
+    assert job(4) is None  # gone
+    assert (job(5), job(6)) == ("9", "10")
+    # the real mount, where none of these paths exist: nothing is taken on the path's word
+    assert read_slurm_cgroup_job(1, proc, uid=1000) is None
+
+
+@pytest.mark.parametrize("path", [
+    # systemd's user manager delegates user@<uid>.service to the user: a job_N made inside it
+    "user.slice/user-1000.slice/user@1000.service/app.slice/job_4242",
+    "user.slice/user-1000.slice/user@1000.service/app.slice/job_4242/step_0",
+    # a name that looks like slurmd's scope, inside the user's subtree
+    "user.slice/user-1000.slice/user@1000.service/slurmstepd.scope/job_4242",
+])
+def test_a_job_cgroup_a_user_made_in_its_own_delegated_subtree_is_no_slurm_job(tmp_path, path):
+    from node_agent.training.processes import read_slurm_cgroup_job
+
+    delegated = "user.slice/user-1000.slice/user@1000.service"
+    proc, fs = _cgroup_tree(tmp_path, {1: f"0::/{path}"})
+    for d in [fs / delegated, *(fs / delegated).rglob("*")]:
+        os.chown(d, 1000, 1000)
+    assert read_slurm_cgroup_job(1, proc, uid=1000, roots=_roots(fs), cgroup_fs=fs) is None
+    # a root pattern wide enough to take it in still needs root's directories up to the job
+    wide = [str(fs / "user.slice/*/*/*"), str(fs / "user.slice/*/*")]
+    assert read_slurm_cgroup_job(1, proc, uid=1000, roots=wide, cgroup_fs=fs) is None
+
+
+def test_a_user_owned_directory_between_the_job_and_slurmds_root_is_refused(tmp_path):
+    from node_agent.training.processes import read_slurm_cgroup_job
+
+    proc, fs = _cgroup_tree(tmp_path, {1: "0::/system.slice/slurmstepd.scope/job_5/step_0"},
+                            owned={"system.slice/slurmstepd.scope/job_5": 1000})
+    assert read_slurm_cgroup_job(1, proc, uid=1000, roots=_roots(fs), cgroup_fs=fs) is None
+    # a symlink in the chain is not a directory of root's either
+    target = tmp_path / "elsewhere"
+    (target / "job_6" / "step_0").mkdir(parents=True)
+    (fs / "system.slice" / "linked.scope").symlink_to(target)
+    (proc / "2").mkdir()
+    (proc / "2" / "cgroup").write_text("0::/system.slice/linked.scope/job_6/step_0\n")
+    roots = [*_roots(fs), str(fs / "system.slice/linked.scope")]
+    assert read_slurm_cgroup_job(2, proc, uid=1000, roots=roots, cgroup_fs=fs) is None
+
+
+def test_a_verified_slurm_job_carries_the_processes_uid_to_the_adapter():
+    from node_agent.training.processes import TrainingProcess
+
+    base = dict(pid=1, start_ticks=1, uid=1000, cmdline=[], rank=0, local_rank=0,
+                world_size=1, job="slurm:42", job_source="slurm", slurm_job_id="42",
+                pod=None, pod_namespace=None, identity_source="environ", gpus=(),
+                heartbeat=None, heartbeat_path=None, log_file=None, parents=[],
+                children=[], sources=("pid",), slurm_cgroup_job="42")
+    assert TrainingProcess(**base).restart_job_id == "slurm:42@uid:1000"
+    unknown = TrainingProcess(**{**base, "uid": None})  # whose it is cannot be said
+    assert not unknown.job_verified and unknown.restart_job_id is None
 
 
 def test_only_an_environment_job_with_a_matching_cgroup_may_be_acted_on():
