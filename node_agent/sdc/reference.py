@@ -25,12 +25,6 @@ from node_agent.sdc.verdicts import make_verdict
 
 Clock = Callable[[], float]
 
-# Unit roundoff (half an ulp at 1.0) of what the output is rounded to; TF32 rounds inputs to 10
-# mantissa bits (NVIDIA A100 whitepaper, "TF32 Tensor Core").
-_UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
-_TF32_INPUT_ROUNDOFF = 2.0**-11
-_FP32_ACC_ROUNDOFF = 2.0**-24
-
 
 # --------------------------------------------------------------------------------------------
 # Random-data GEMM with digests
@@ -120,46 +114,129 @@ def odd_one_out(digests: Mapping[Hashable, str]) -> list[Hashable]:
 # --------------------------------------------------------------------------------------------
 # Freivalds
 
+# Unit roundoffs of the rigorous bound (Higham, *Accuracy and Stability of Numerical
+# Algorithms*, 2nd ed., §3.5; u is half an ulp at 1.0 under round-to-nearest).
+#: significand bits (implicit bit included) of what C may be stored in; an integer of at most
+#: this many bits is exact in it
+_SIGNIFICAND_BITS = {torch.float64: 53, torch.float32: 24, torch.bfloat16: 8, torch.float16: 11}
+#: half the smallest subnormal of C's dtype: the absolute error of rounding a tiny sum into it
+_UNDERFLOW = {torch.float64: 2.0**-1075, torch.float32: 2.0**-150, torch.bfloat16: 2.0**-134,
+              torch.float16: 2.0**-25}
+#: the fp32 accumulator of GPU and CPU GEMMs, taken as 4 units of fp32's 2^-24: tensor cores add
+#: several aligned products at once and truncate toward zero (Fasi, Higham, Mikaitis, Pranesh,
+#: "Numerical behavior of NVIDIA tensor cores", PeerJ CS 2021), which loses less than one fp32
+#: ulp per operand per step; a (k+1)-operand truncating adder over K/k steps then stays within
+#: gamma_K at u = 2^-22 for every k >= 1. Round-to-nearest (2^-24) and plain truncation (2^-23)
+#: are inside it.
+_ACC_ROUNDOFF = 2.0**-22
+#: TF32 keeps 10 of fp32's 23 stored mantissa bits: 2^-11 when the kernel rounds its inputs to
+#: nearest, 2^-10 when it truncates them (NVIDIA A100 whitepaper, "TF32 Tensor Core"); the bound
+#: takes the larger
+_TF32_INPUT_ROUNDOFF = 2.0**-10
+_F64_ROUNDOFF = 2.0**-53
+#: the bound is doubled: a margin for what the model leaves out (fused or split-K orders keep it)
+_MARGIN = 2.0
+#: column blocks of the float-mode check (each block is compared on its own): a corrupted
+#: element must stand out from its block's rounding, not its whole row's
+FREIVALDS_BLOCKS = 64
+
+
+def _gamma(k: int, u: float) -> float:
+    """Higham's gamma_k = k·u / (1 − k·u): the relative error bound of a k-term dot product."""
+    if k * u >= 1:
+        return float("inf")
+    return k * u / (1.0 - k * u)
+
 
 def _is_integral(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all()) and bool((t == torch.round(t)).all())
 
 
+def _exact_possible(a64: torch.Tensor, b64: torch.Tensor, out_dtype: torch.dtype, k: int,
+                    tf32: bool) -> tuple[bool, float]:
+    """(whether C = A·B can be exact, the largest |C| can be): integer inputs that TF32 keeps,
+    and every partial sum an integer the fp32 accumulator and C's dtype both hold exactly."""
+    if not (_is_integral(a64) and _is_integral(b64)):
+        return False, 0.0
+    amax = float(a64.abs().max()) if a64.numel() else 0.0
+    bmax = float(b64.abs().max()) if b64.numel() else 0.0
+    cbound = amax * bmax * k  # no partial sum of A·B can be larger
+    if tf32 and max(amax, bmax) > 2.0**11:  # TF32 holds integers up to 2^11 exactly
+        return False, cbound
+    bits = _SIGNIFICAND_BITS.get(out_dtype)
+    if bits is None:  # integer outputs hold every integer they can store
+        return not out_dtype.is_floating_point, cbound
+    acc_bits = 53 if out_dtype == torch.float64 else 24
+    return cbound <= 2.0 ** min(bits, acc_bits), cbound
+
+
+def freivalds_bound(A: torch.Tensor, C: torch.Tensor, k: int, tf32: bool = False) -> tuple[float, float, float]:
+    """(u_c, g_ab, eta): the float-mode bound is ``u_c·(|C|·|x|) + g_ab·(|A|·(|B|·|x|)) +
+    eta·sum|x|`` per row or block (see :func:`freivalds_check`)."""
+    u_out = 2.0 ** -_SIGNIFICAND_BITS.get(C.dtype, 53)
+    n = C.shape[1]
+    u_in = _TF32_INPUT_ROUNDOFF if tf32 and A.dtype == torch.float32 else 0.0
+    # |ĉ − c| <= u_out/(1 − u_out)·|ĉ| + [gamma_K·(1 + u_in)² + 2·u_in + u_in²]·(|A||B|)
+    # + eta; the float64 products C·x and A·(B·x) add gamma_n and gamma_(K+n) of float64.
+    g64 = _gamma(k + n + 2, _F64_ROUNDOFF)
+    u_c = _MARGIN * (u_out / (1.0 - u_out) + g64)
+    g_ab = _MARGIN * (_gamma(k, _ACC_ROUNDOFF) * (1.0 + u_in) ** 2 + 2.0 * u_in + u_in * u_in
+                      + g64)
+    return u_c, g_ab, _MARGIN * _UNDERFLOW.get(C.dtype, 0.0)
+
+
 def freivalds_check(
     A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, rounds: int = 2, rtol: float | None = None,
-    seed: int = 0, tf32: bool = False,
+    seed: int = 0, tf32: bool = False, blocks: int = FREIVALDS_BLOCKS,
 ) -> int:
-    """Number of rows i where C·x disagrees with A·(B·x) for random x, in O(n²) per round.
+    """Number of rows i of C = A·B where C·x disagrees with A·(B·x), in O(n²) per round.
 
-    Exact mode (A and B integer-valued): x holds random nonzero integers in [-1024, 1024],
-    the check runs exactly (integers in float64, every partial sum under 2⁵³) and any
-    difference counts, so one changed element of C is always caught.  Float mode: x_j = ±U[0.5, 1.5) in float64 and row i disagrees when
+    **Exact mode**, only where C can be exact: A and B integer-valued (and, under ``tf32``, no
+    larger than 2^11, so TF32 keeps them), and every partial sum an integer that both the fp32
+    accumulator and C's dtype hold (|A|max·|B|max·K <= 2^24, and <= 2^8 for a bf16 C, 2^11
+    for fp16). x holds random nonzero integers in [-1024, 1024], the check runs exactly
+    (integers in float64, every partial sum under 2^53) and any difference counts, so one
+    changed element of C is always caught. Integer inputs do not make a bf16 or fp16 C exact:
+    its rounding is real and takes the float mode.
 
-        |(C·x − A·(B·x))_i| > rtol · ((|A|·(|B|·|x|))_i + (|C|·|x|)_i)
+    **Float mode** (everything else): x_j = ±U[0.5, 1.5) in float64; the columns are split
+    into ``blocks`` blocks, and row i disagrees when, for some block J,
 
-    with default ``rtol = 2·(K·2⁻²⁴ + u_out + u_in)``: the worst-case fp32 accumulation error
-    of K products (γ_K ≈ K·u, Higham, *Accuracy and Stability of Numerical Algorithms*, §3.5),
-    plus rounding the result to C's dtype (u_out: 2⁻⁸ bf16, 2⁻¹¹ fp16, 2⁻²⁴ fp32), plus TF32
-    input rounding (u_in = 2⁻¹¹ when ``tf32``), doubled as margin.  Float mode therefore only
-    sees corruption larger than that bound (e.g. an exponent or high mantissa bit).
-    Non-finite rows of C always disagree.
+        |(C_J·x_J − A·(B_J·x_J))_i| > u_c·(|C_J|·|x_J|)_i + g·(|A|·(|B_J|·|x_J|))_i + eta·Σ|x_J|
+
+    a rigorous bound on what a correct C can differ by (:func:`freivalds_bound`): C's own
+    rounding, u_c = 2·(u_out/(1 − u_out) + gamma_(K+n+2) of float64), with u_out 2^-8 for
+    bf16, 2^-11 fp16, 2^-24 fp32; the accumulation and the inputs' TF32 rounding,
+    g = 2·(gamma_K·(1 + u_in)² + 2·u_in + u_in²) with gamma_K = K·u/(1 − K·u) at u = 2^-22
+    (the dot-product bound of Higham, *Accuracy and Stability of Numerical Algorithms*,
+    §3.5, with the unit roundoff widened to cover tensor cores' truncating multi-operand adds)
+    and u_in = 2^-10 under ``tf32`` (inputs truncated to TF32's 10 mantissa bits), else 0;
+    eta, C's underflow. The factor 2 is margin. A correct product therefore never
+    disagrees, whatever the kernel's summation order; the price is that only corruption larger
+    than its block's bound is seen (an exponent or high mantissa bit of a typical element,
+    not a low mantissa bit). Assumes fp32 (or wider) accumulation rounded once into C: a
+    split-K reduction in bf16 or fp16 (``allow_bf16_reduced_precision_reduction``) is outside
+    it, which ``strict_matmul`` turns off. ``rtol`` (given) replaces the bound by
+    ``rtol·(|A|·(|B|·|x|) + |C|·|x|)``.
+
+    Non-finite rows of C always disagree. ``blocks`` (float mode) costs O(blocks·n²) for the
+    reference; 1 compares whole rows.
     """
     if A.dim() != 2 or B.dim() != 2 or C.dim() != 2 or A.shape[1] != B.shape[0] or C.shape != (A.shape[0], B.shape[1]):
         raise ValueError(f"freivalds_check: shapes A{tuple(A.shape)} B{tuple(B.shape)} C{tuple(C.shape)} do not chain")
+    if blocks < 1:
+        raise ValueError(f"freivalds_check: blocks must be >= 1, got {blocks}")
     dev = C.device
     k = A.shape[1]
+    m, n = C.shape
     a64, b64, c64 = (t.to(torch.float64) for t in (A, B, C))
     bad = ~torch.isfinite(c64).all(dim=1)
     g = torch.Generator().manual_seed(seed)
-    exact = _is_integral(a64) and _is_integral(b64)
-    if exact:
-        amax = float(a64.abs().max()) if a64.numel() else 0.0
-        bmax = float(b64.abs().max()) if b64.numel() else 0.0
-        cbound = amax * bmax * k  # |(AB)_ij| can be no larger
-        # Every partial sum below is an integer under amax*bmax*1024*K*N; under 2^53 float64
-        # holds them all exactly (and float64 matmul runs on CUDA, int64 matmul does not).
-        if cbound * 1024 * max(C.shape[1], 1) >= 2**53:
-            exact = False
+    exact, cbound = _exact_possible(a64, b64, C.dtype, k, tf32)
+    # Every partial sum below is an integer under cbound*1024*N; under 2^53 float64 holds them
+    # all exactly (and float64 matmul runs on CUDA, int64 matmul does not).
+    if exact and cbound * 1024 * max(n, 1) >= 2**53:
+        exact = False
     if exact:
         finite = torch.where(torch.isfinite(c64), c64, torch.zeros_like(c64))
         # A C element that is not an integer, or larger than any product of A and B can be,
@@ -168,23 +245,34 @@ def freivalds_check(
         bad |= wild.any(dim=1)
         ci = torch.where(wild, torch.zeros_like(finite), finite)
         for _ in range(rounds):
-            x = torch.randint(1, 1025, (C.shape[1], 1), generator=g, dtype=torch.int64)
+            x = torch.randint(1, 1025, (n, 1), generator=g, dtype=torch.int64)
             x = (x * (torch.randint(0, 2, x.shape, generator=g) * 2 - 1)).to(torch.float64).to(dev)
             bad |= (ci @ x != a64 @ (b64 @ x)).squeeze(1)
         return int(bad.sum())
-    if rtol is None:
-        u_out = _UNIT_ROUNDOFF.get(C.dtype, 2.0**-53)
-        rtol = 2.0 * (k * _FP32_ACC_ROUNDOFF + u_out + (_TF32_INPUT_ROUNDOFF if tf32 else 0.0))
+    nb = max(1, min(blocks, n))
+    # block J holds columns [edges[J], edges[J+1]); the columns' block index as a one-hot
+    # (n × nb) matrix turns every blockwise sum into one float64 product
+    edges = torch.linspace(0, n, nb + 1).round().long()
+    col_block = torch.bucketize(torch.arange(n), edges[1:-1], right=True)
+    onehot = torch.zeros(n, nb, dtype=torch.float64)
+    onehot[torch.arange(n), col_block] = 1.0
+    onehot = onehot.to(dev)
     c0 = torch.where(torch.isfinite(c64), c64, torch.zeros_like(c64))
+    abs_a, abs_b, abs_c = a64.abs(), b64.abs(), c0.abs()
+    u_c, g_ab, eta = freivalds_bound(A, C, k, tf32)
     for _ in range(rounds):
-        # |x_j| in [0.5, 1.5): a changed element of C moves its row by at least half the change.
-        x = torch.rand(C.shape[1], 1, generator=g, dtype=torch.float64) + 0.5
+        # |x_j| in [0.5, 1.5): a changed element of C moves its block by at least half the change.
+        x = torch.rand(n, 1, generator=g, dtype=torch.float64) + 0.5
         x = (x * (torch.randint(0, 2, x.shape, generator=g) * 2 - 1)).to(dev)
-        lhs = c0 @ x
-        rhs = a64 @ (b64 @ x)
-        ax = x.abs()
-        tol = rtol * (a64.abs() @ (b64.abs() @ ax) + c0.abs() @ ax)
-        bad |= ((lhs - rhs).abs() > tol).squeeze(1)
+        xb = onehot * x            # n × nb: x, split by column block
+        ax = xb.abs()
+        lhs = c0 @ xb              # m × nb
+        rhs = a64 @ (b64 @ xb)
+        if rtol is not None:
+            tol = rtol * (abs_a @ (abs_b @ ax) + abs_c @ ax)
+        else:
+            tol = u_c * (abs_c @ ax) + g_ab * (abs_a @ (abs_b @ ax)) + eta * ax.sum(0)
+        bad |= ~((lhs - rhs).abs() <= tol).all(dim=1)
     return int(bad.sum())
 
 
