@@ -78,6 +78,18 @@ def load_data(config: Config) -> tuple[Grader, dict[str, Sku]]:
     return load_grader(graders), skus
 
 
+#: names the kernel log where the config's ``kernel_log.path`` is null: a file (or a character
+#: device) read instead of this host's /dev/kmsg. The test suite sets it so that no test reads
+#: the host's log; it is the environment of the agent's own process (root's), like its config.
+KERNEL_LOG_ENV = "NODE_AGENT_KERNEL_LOG"
+
+
+def kernel_log_path(config: Config) -> str | None:
+    """The kernel log this invocation reads: ``kernel_log.path``, else ``$NODE_AGENT_KERNEL_LOG``,
+    else None (this host's: /dev/kmsg, else ``journalctl -k``)."""
+    return config.get("kernel_log.path") or os.environ.get(KERNEL_LOG_ENV) or None
+
+
 def open_environment(config: Config, simulate: str | None = None) -> Environment:
     """Validate everything first (ConfigError: nothing has run), then open the hardware."""
     grader, skus = load_data(config)
@@ -89,7 +101,7 @@ def open_environment(config: Config, simulate: str | None = None) -> Environment
         sku_setting = scenario.sku
     else:
         backend = open_backend(call_timeout_s=float(config.get("nvml.call_timeout_s")))
-        kernel_log = open_kernel_log()
+        kernel_log = open_kernel_log(kernel_log_path(config))
         hostname = config.get("node.name")
         sku_setting = config.get("node.sku")
     inventory = collect(backend, skus, sku_setting, hostname=hostname)

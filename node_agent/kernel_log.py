@@ -17,17 +17,44 @@ Forms read (real samples: ``../shared/realworld/xid/``):
     NVRM: The NVIDIA GPU 0000:b3:00.0 / (PCI ID: 10de:26b5) installed in this system has /
           fallen off the bus and is not responding to commands.      (three lines, no Xid: -> 79)
 
-with any prefix in front (``dmesg``/``dmesg -T``/``--ctime``, ``journalctl``, syslog, raw kmsg
-records); the time in the prefix, where there is one, becomes the event's :class:`Stamp`.
+and the driver's lines that carry no Xid number, and the PCIe AER lines of the kernel
+(:class:`DriverLine`, graded through ``graders/driver_lines.yaml``):
+
+    NVRM: GPU0 nvAssertOkFailedNoLog: Assertion failed: Reset required [NV_ERR_RESET_REQUIRED] ...
+    NVRM: GPU 0000:0a:00.0: RmInitAdapter failed! (0x24:0x72:1568)
+    NVRM: GPU5 nvCheckOkFailedNoLog: Check failed: GPU lost from the bus [NV_ERR_GPU_IS_LOST] ...
+    nvidia 0000:18:00.0: PCIe Bus Error: severity=Uncorrected (Fatal), type=Transaction Layer, ...
+    pcieport 0000:17:00.0: AER: device recovery failed
+
+**What is believed** (docs/xid.md, "Rules of belief"). A line is a source only where the driver
+or the kernel's PCI core wrote it:
+
+- a ``/dev/kmsg`` record (or a saved line with its ``prio,seq,usec,flags;`` header) of facility
+  0, the kernel; a user's write to ``/dev/kmsg`` is facility 1 (``devkmsg_write`` never lets user
+  space claim facility 0) and is never read;
+- after one known prefix is stripped (the kmsg header; ``dmesg``'s ``[ 123.456]``, ``-T``/
+  ``--ctime``, ISO and ``--decode``'s ``kern  :err   :``; syslog or journal ``<time> <host>
+  kernel:``, where any identifier but ``kernel`` is a user program), the message must *start*
+  with ``NVRM: `` or ``nvidia-nvswitch<N>: `` (for AER: ``<driver> <domain:bus:dev.fn>: ``). The
+  middle of a line is never searched: the kernel's report of a user's segfault prints the name of
+  the user's file there (``comm[pid]: segfault at ... in <file>[...]``);
+- the kernel's reports of user faults (``comm[pid]: segfault at``, ``traps:``, ``general
+  protection``) are never sources, even where a user named their process ``NVRM: ...``;
+- in a record of several lines (a kmsg message with embedded newlines), only the first line is
+  a message; the others only complete the driver's three-line "fallen off the bus".
+
+The time in the prefix, where there is one, becomes the event's :class:`Stamp`.
 """
 
 from __future__ import annotations
 
 import calendar
 import errno
+import json
 import os
 import re
 import select
+import stat
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -52,6 +79,19 @@ class LogRecord:
     seq: int  # monotonically increasing position (kmsg sequence number or line number)
     text: str  # may hold several lines (a multi-line kmsg record, a journal entry)
     boot_s: float | None = None  # the record's own time since boot, where the source gives it
+    #: syslog facility from the kmsg header (0 = kernel, 1 = user: a write to /dev/kmsg);
+    #: None where the source does not say (a saved text line: its prefix is checked instead)
+    facility: int | None = None
+
+    @property
+    def from_kernel(self) -> bool:
+        """False for a record the kernel did not write itself (facility other than 0)."""
+        return self.facility is None or self.facility == KERNEL_FACILITY
+
+
+#: syslog facility 0 (LOG_KERN): printk's own; /dev/kmsg writes get 1 (LOG_USER) unless they
+#: name another non-zero one (kernel/printk/printk.c, devkmsg_write)
+KERNEL_FACILITY = 0
 
 
 _KMSG_HEADER = re.compile(r"^\s*\d+,\d+,(?P<us>\d+),[^;]*;")
@@ -162,12 +202,46 @@ class Unreadable:
     code: int | None = None
 
 
+@dataclass(frozen=True)
+class DriverLine:
+    """A line of the NVIDIA driver (or the kernel's PCIe AER) that reports a GPU in trouble
+    without an Xid number. ``kind`` is a key of ``graders/driver_lines.yaml``:
+
+    - ``reset-required``: ``Reset required [NV_ERR_RESET_REQUIRED] (0x00000062)`` (RM status
+      0x62, ``src/common/sdk/nvidia/inc/nvstatuscodes.h``), printed by ``nvAssertOkFailedNoLog``/
+      ``nvCheckOkFailedNoLog`` (``src/nvidia/src/libraries/nvport/...``, ``NV_ASSERT_OK``);
+    - ``init-failed``: ``GPU <bdf>: RmInitAdapter failed! (0x..:0x..:N)``
+      (``src/nvidia/arch/nvalloc/unix/src/osinit.c``, ``RmInitAdapter``);
+    - ``gpu-lost``: ``GPU lost from the bus [NV_ERR_GPU_IS_LOST] (0x0000000F)``;
+    - ``aer-uncorrectable``: ``<drv> <bdf>: PCIe Bus Error: severity=Uncorrected (Fatal)`` (or
+      ``Uncorrectable``, kernels from 6.10 on; ``drivers/pci/pcie/aer.c``, ``aer_print_error``);
+    - ``aer-recovery-failed``: ``pcieport <port>: AER: device recovery failed``
+      (``drivers/pci/pcie/err.c``, ``pcie_do_recovery``) after an uncorrectable error on a
+      device below that port: the event is the *device's* (``pci_bus``), the port in ``port``.
+
+    ``pci_bus`` is normalised (``0000:3b:00``) where the line names a bus; ``driver_gpu`` is the
+    driver's own GPU number of ``NVRM: GPU5 ...`` (the RM's instance, not NVML's index), for
+    lines that name no bus.
+    """
+
+    kind: str
+    pci_bus: str | None
+    message: str
+    raw: str
+    driver_gpu: int | None = None
+    status: int | None = None  # the RM status code printed (0x62, 0xf), where there is one
+    severity: str | None = None  # AER: "Fatal" | "Non-Fatal"
+    port: str | None = None  # AER recovery: the port that reported it ("0000:17:00.0")
+    device_driver: str | None = None  # AER: the kernel driver named in front ("nvidia")
+    stamp: Stamp | None = None
+
+
 Event = XidLine | SxidLine
 
 _BUS = r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}"
-_XID = re.compile(r"(?<![A-Za-z])Xid \((?P<inner>[^()\n]*)\)(?P<after>.*)$")
-_SXID = re.compile(r"(?:nvidia-nvswitch(?P<sw>\d+):?\s*)?(?<![A-Za-z])SXid \((?P<inner>[^()\n]*)\)"
-                   r"(?P<after>.*)$")
+_BDF = _BUS + r"\.[0-7]"
+_XID = re.compile(r"^NVRM: Xid \((?P<inner>[^()\n]*)\)(?P<after>.*)$")
+_SXID = re.compile(r"^nvidia-nvswitch(?P<sw>\d+):?\s*SXid \((?P<inner>[^()\n]*)\)(?P<after>.*)$")
 _XID_ADDRESS = re.compile(rf"^(?:PCI:)?(?P<bus>{_BUS})(?:\.[0-7])?"
                           r"(?:\s+GPU-I:(?P<gi>\d{1,3}))?(?:\s+GPU-CI:(?P<ci>\d{1,3}))?\s*$")
 _SXID_ADDRESS = re.compile(rf"^(?:PCI:)?(?P<bus>{_BUS}(?:\.[0-7])?)\s*$")
@@ -181,11 +255,44 @@ _RECOVERY = re.compile(r"recovery action changed from 0x[0-9a-fA-F]+ \((?P<old>[
                        r"to 0x[0-9a-fA-F]+ \((?P<new>[^)]*)\)")
 _CAUSED_BY = re.compile(r"caused by previous Xid (?P<code>\d{1,4})")
 _SXID_HEADLINE = re.compile(r"^(?P<sev>Non-?fatal|Fatal)\s*,\s*(?:Link\s+(?P<link>\d+)\s*)?(?P<name>.*)$")
-_THE_GPU = re.compile(r"NVRM: The NVIDIA GPU (?P<bdf>[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}"
-                      r"(?:\.[0-7])?)")
-_GPU_FALLEN = re.compile(r"NVRM: GPU (?P<bdf>[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}"
-                         r"(?:\.[0-7])?): GPU has fallen off the bus")
+_THE_GPU = re.compile(rf"^NVRM: The NVIDIA GPU (?P<bdf>{_BUS}(?:\.[0-7])?)")
+_GPU_FALLEN = re.compile(rf"^NVRM: GPU (?P<bdf>{_BUS}(?:\.[0-7])?): GPU has fallen off the bus")
 _PCI_ID = re.compile(r"PCI ID: (?P<id>[0-9A-Fa-f]{4}:[0-9A-Fa-f]{4})")
+
+# -- where a kernel message starts: the prefixes a log puts in front of it --------------------
+_MONTH = r"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)"
+_P_KMSG = re.compile(r"^(?P<prio>\d+),\d+,\d+,[^;]*;")
+_P_BOOT = re.compile(r"^\[\s*\d+\.\d+\]\s?")
+_P_CTIME = re.compile(rf"^\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) {_MONTH} +\d{{1,2}} "
+                      r"\d\d:\d\d:\d\d \d{4}\]\s?")
+_P_ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[,.]\d{1,9})?(?:Z|[+-]\d\d:?\d\d)?\s")
+_P_DECODE = re.compile(r"^(?P<fac>[a-z0-9]+)\s*:\s*(?:emerg|alert|crit|err|warn|notice|info|debug)"
+                       r"\s*:\s")
+_P_SYSLOG_TIME = re.compile(rf"^(?:{_MONTH} +\d{{1,2}} \d\d:\d\d:\d\d"
+                            r"|\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[,.]\d{1,9})?(?:Z|[+-]\d\d:?\d\d)?"
+                            r"|\[\s*\d+\.\d+\])\s+")
+#: "<host> <identifier>[pid]: " after a syslog/journal time; only "kernel" is the kernel
+_P_SYSLOG_HOST = re.compile(r"^(?P<host>[^\s\[\]:]+) (?P<ident>[^\s\[\]:]+)(?:\[\d+\])?: ")
+_P_KERNEL = re.compile(r"^kernel: ")
+#: the kernel's reports of a user's fault, which print the user's process and file names:
+#: "comm[pid]: segfault at ..." (arch/x86/mm/fault.c, show_signal_msg), "traps: comm[pid] general
+#: protection ..." / "... trap ..." (arch/x86/kernel/traps.c), arm64's "comm[pid]: unhandled ..."
+_USER_FAULT = re.compile(r"^(?:traps: )?[^\n]{0,16}[\[(]\d+[\])]:?\s+(?:segfault at|general "
+                         r"protection|trap |unhandled |potentially unexpected)|^traps: ")
+#: a kernel message that begins with a process's name (comm, at most 15 characters) and its pid,
+#: "NVRM: Xid (PCI:[1234]: ..." / "NVRM: Xid (PC (1234): drop_caches": the name is a user's
+_COMM_LED = re.compile(r"^[^\n]{1,16}?(?:\[\d+\]|\(\d+\)):? ")
+_DRIVER_START = re.compile(r"^(?:NVRM: |nvidia-nvswitch\d+:? )")
+_DEVICE_START = re.compile(rf"^(?P<drv>[A-Za-z0-9_.-]+) (?P<bdf>{_BDF}): ")
+
+_RESET_REQUIRED = re.compile(r"Reset required \[NV_ERR_RESET_REQUIRED\]|\bNV_ERR_RESET_REQUIRED\b")
+_GPU_LOST = re.compile(r"GPU lost from the bus \[NV_ERR_GPU_IS_LOST\]|\bNV_ERR_GPU_IS_LOST\b")
+_INIT_FAILED = re.compile(r"\bRmInitAdapter failed!")
+_RM_STATUS = re.compile(r"\((?:0x)?(?P<hex>[0-9A-Fa-f]{8})\)|status[= ](?:0x)?(?P<st>[0-9A-Fa-f]+)")
+_INIT_STATUS = re.compile(r"RmInitAdapter failed! \(0x(?P<hex>[0-9A-Fa-f]+):")
+_NVRM_GPU = re.compile(rf"^NVRM: GPU (?P<bdf>{_BUS}(?:\.[0-7])?):|^NVRM: GPU(?P<n>\d{{1,3}}) ")
+_AER_ERROR = re.compile(r"^PCIe Bus Error: severity=Uncorrect(?:ed|able) \((?P<sev>Fatal|Non-Fatal)\)")
+_AER_RECOVERY_FAILED = re.compile(r"^AER: (?:device recovery failed|Device recovery failed)")
 
 
 def normalise_bus(bus: str) -> str:
@@ -206,18 +313,83 @@ def _hex(word: str) -> int | None:
         return None
 
 
+def kernel_message(line: str) -> tuple[str, str] | None:
+    """``(prefix, message)``: the kernel's message in one log line, with the known prefix in front
+    of it, or None when the line is not the kernel's own.
+
+    Strips, in this order and each at most once: leading blanks, a kmsg header (None unless
+    facility 0), ``dmesg --decode``'s ``kern  :err   :`` (None unless ``kern``), a ``dmesg`` time
+    (``[ 123.456]``, ``-T``/``--ctime``, ISO), a syslog/journal ``<time> <host> <ident>:`` (None
+    unless the identifier is ``kernel``), a bare ``kernel:``, then the kernel's own
+    ``[ 123.456]`` a syslog line repeats. What is left is the message; nothing is searched for
+    further in.
+
+    >>> kernel_message("Dec  2 11:38:27 worker4 kernel: [  218.25] NVRM: GPU 0000:0a:00.0: x")[1]
+    'NVRM: GPU 0000:0a:00.0: x'
+    >>> kernel_message("Dec  2 11:38:27 worker4 python3[77]: NVRM: Xid (PCI:0000:0a:00): 79") is None
+    True
+    """
+    rest = line.lstrip()
+    if (m := _P_KMSG.match(rest)) is not None:
+        if int(m["prio"]) >> 3 != KERNEL_FACILITY:
+            return None
+        rest = rest[m.end():]
+    if (m := _P_DECODE.match(rest)) is not None:
+        if m["fac"] != "kern":
+            return None
+        rest = rest[m.end():]
+    if (m := _P_CTIME.match(rest) or _P_ISO.match(rest)) is not None:
+        rest = rest[m.end():]
+    elif (m := _P_BOOT.match(rest)) is not None:
+        after = rest[m.end():]
+        host = _P_SYSLOG_HOST.match(after)
+        if host is not None and not _DRIVER_START.match(after) and not _DEVICE_START.match(after):
+            # "[ 1843.308] host ident: msg" (journalctl -o short-monotonic)
+            if host["ident"] != "kernel":
+                return None
+            after = after[host.end():]
+        rest = after
+    elif (m := _P_SYSLOG_TIME.match(rest)) is not None:
+        host = _P_SYSLOG_HOST.match(rest[m.end():])
+        if host is None or host["ident"] != "kernel":
+            return None  # a user program's syslog line, or a line of no known form
+        rest = rest[m.end() + host.end():]
+    if (m := _P_KERNEL.match(rest)) is not None:
+        rest = rest[m.end():]
+    if (m := _P_BOOT.match(rest)) is not None:  # syslog repeats the kernel's own time
+        rest = rest[m.end():]
+    return line[:len(line) - len(rest)], rest.rstrip()
+
+
+def _driver_message(line: str) -> tuple[str, str] | None:
+    """The kernel message of ``line`` if it is one the NVIDIA driver or the PCI core could have
+    written (starts with ``NVRM: ``, ``nvidia-nvswitchN: `` or ``<driver> <bdf>: ``) and is not a
+    report of a user's fault."""
+    found = kernel_message(line)
+    if found is None:
+        return None
+    prefix, message = found
+    if _USER_FAULT.search(message) or _COMM_LED.match(message):
+        return None
+    if not (_DRIVER_START.match(message) or _DEVICE_START.match(message)):
+        return None
+    return prefix, message
+
+
 def parse_line(line: str) -> Event | Unreadable | None:
     """What one kernel-log line reports: an Xid, an SXid, an :class:`Unreadable` line that names
     one, or None for any other line (including ``_kgspLogXid119:`` and the like, which mention
-    the word but report nothing)."""
-    if "Xid (" not in line:
+    the word but report nothing, and every line whose message does not *start* with the
+    driver's prefix: see the module's rules of belief)."""
+    found = _driver_message(line)
+    if found is None:
         return None
-    text = line.strip()
-    if (m := _SXID.search(text)) is not None:
-        return _sxid(m, text)
-    if (m := _XID.search(text)) is not None:
-        return _xid(m, text)
-    if re.search(r"(?<![A-Za-z])S?Xid \(", text):
+    prefix, text = found
+    if (m := _SXID.match(text)) is not None:
+        return _sxid(m, text, prefix)
+    if (m := _XID.match(text)) is not None:
+        return _xid(m, text, prefix)
+    if re.match(r"^(?:NVRM: Xid|nvidia-nvswitch\d+:?\s*SXid) \(", text):
         return Unreadable("truncated inside the address: no ')' after 'Xid ('", text)
     return None
 
@@ -228,6 +400,42 @@ def parse_xid_line(line: str) -> XidLine | None:
     return event if isinstance(event, XidLine) else None
 
 
+def parse_driver_line(line: str) -> DriverLine | None:
+    """A driver line without an Xid number, or an AER uncorrectable-error line (see
+    :class:`DriverLine`); ``AER: device recovery failed`` needs the lines before it and is read by
+    :class:`KernelLogScanner` alone."""
+    found = _driver_message(line)
+    if found is None:
+        return None
+    prefix, text = found
+    stamp = line_stamp(prefix)
+    if text.startswith("NVRM: "):
+        kind = ("gpu-lost" if _GPU_LOST.search(text) else
+                "reset-required" if _RESET_REQUIRED.search(text) else
+                "init-failed" if _INIT_FAILED.search(text) else None)
+        if kind is None:
+            return None
+        who = _NVRM_GPU.match(text)
+        bus = normalise_bus(who["bdf"]) if who is not None and who["bdf"] else None
+        gpu_n = int(who["n"]) if who is not None and who["n"] else None
+        status: int | None = None
+        if kind == "init-failed" and (s := _INIT_STATUS.search(text)) is not None:
+            status = int(s["hex"], 16)
+        elif (s := _RM_STATUS.search(text)) is not None:
+            status = int(s["hex"] or s["st"], 16)
+        return DriverLine(kind=kind, pci_bus=bus, message=text, raw=line.strip(),
+                          driver_gpu=gpu_n, status=status, stamp=stamp)
+    device = _DEVICE_START.match(text)
+    if device is None:
+        return None
+    aer = _AER_ERROR.match(text[device.end():])
+    if aer is None:
+        return None
+    return DriverLine(kind="aer-uncorrectable", pci_bus=normalise_bus(device["bdf"]),
+                      message=text, raw=line.strip(), severity=aer["sev"],
+                      device_driver=device["drv"], stamp=stamp)
+
+
 def _code(after: str) -> tuple[int, str] | str:
     m = _CODE.match(after)
     if m is None:
@@ -236,7 +444,7 @@ def _code(after: str) -> tuple[int, str] | str:
     return int(m["code"]), (m["rest"] or "").strip()
 
 
-def _xid(m: re.Match[str], text: str) -> XidLine | Unreadable:
+def _xid(m: re.Match[str], text: str, prefix: str) -> XidLine | Unreadable:
     code_rest = _code(m["after"])
     code = code_rest[0] if isinstance(code_rest, tuple) else None
     address = _XID_ADDRESS.match(m["inner"].strip())
@@ -269,13 +477,13 @@ def _xid(m: re.Match[str], text: str) -> XidLine | Unreadable:
     if (c := _CAUSED_BY.search(rest)) is not None:
         fields["caused_by"] = int(c["code"])
     return XidLine(
-        code=code, pci_bus=bus, message=rest, raw=text,
+        code=code, pci_bus=bus, message=rest, raw=(prefix + text).strip(),
         gpu_instance=int(address["gi"]) if address["gi"] else None,
         compute_instance=int(address["ci"]) if address["ci"] else None,
-        pid=pid, process=process, stamp=line_stamp(text[:m.start()]), **fields)
+        pid=pid, process=process, stamp=line_stamp(prefix), **fields)
 
 
-def _sxid(m: re.Match[str], text: str) -> SxidLine | Unreadable:
+def _sxid(m: re.Match[str], text: str, prefix: str) -> SxidLine | Unreadable:
     code_rest = _code(m["after"])
     address = _SXID_ADDRESS.match(m["inner"].strip())
     if address is None:
@@ -289,36 +497,47 @@ def _sxid(m: re.Match[str], text: str) -> SxidLine | Unreadable:
     if (h := _SXID_HEADLINE.match(rest)) is not None:
         severity = _severity(h["sev"])
         link = int(h["link"]) if h["link"] else None
-    return SxidLine(code=code, switch=int(m["sw"]) if m["sw"] else None,
-                    pci_bus=address["bus"].lower(), message=rest, raw=text, severity=severity,
-                    link=link, stamp=line_stamp(text[:m.start()]))
+    return SxidLine(code=code, switch=int(m["sw"]), pci_bus=address["bus"].lower(), message=rest,
+                    raw=(prefix + text).strip(), severity=severity, link=link,
+                    stamp=line_stamp(prefix))
 
 
 class KernelLogScanner:
     """Records in, events out, keeping what a message split over several lines needs.
 
+    - A record the kernel did not write (facility other than 0) gives nothing.
     - ``NVRM: The NVIDIA GPU <bdf>`` / ``(PCI ID: ...) installed in this system has`` /
       ``fallen off the bus and is not responding to commands.`` (driver 570.158.01, no Xid line;
       ../shared/realworld/xid/x19) becomes Xid 79 on that GPU, as gpud (PR #1209) and NVSentinel
       (``pkg/gpufallen``, #195) map it. The three lines may come as one record or as three.
     - ``NVRM: GPU <bdf>: GPU has fallen off the bus.`` follows the driver's Xid 79 line (x04, x09,
       x17) and is not counted again; alone (the Xid line lost) it becomes Xid 79 itself.
+    - ``<drv> <bdf>: PCIe Bus Error: severity=Uncorrect... `` is remembered for the next
+      ``_AER_LOOKAHEAD`` lines; ``pcieport <port>: AER: device recovery failed`` within them
+      makes an ``aer-recovery-failed`` line for each such device (the port is not the GPU).
     """
 
     _FALLEN_LOOKAHEAD = 3  # the two continuation lines, plus one for an interleaved record
+    #: lines an uncorrectable AER error waits for its "device recovery failed": the kernel prints
+    #: the error, its TLP header and status lines (about 5-10), the drivers' callbacks, the result
+    _AER_LOOKAHEAD = 40
 
     def __init__(self) -> None:
         self._pending: tuple[str, list[str], Stamp | None, int] | None = None
         self._fallen_buses: set[str] = set()
+        self._aer: dict[str, tuple[DriverLine, int]] = {}  # device bus -> (its error, lines left)
 
-    def feed(self, record: LogRecord) -> list[Event | Unreadable]:
+    def feed(self, record: LogRecord) -> list[Event | Unreadable | DriverLine]:
+        if not record.from_kernel:
+            return []
         stamp = Stamp("boot", record.boot_s) if record.boot_s is not None else None
-        out: list[Event | Unreadable] = []
-        for line in record.text.split("\n"):
-            out.extend(self._line(line, stamp))
+        out: list[Event | Unreadable | DriverLine] = []
+        for i, line in enumerate(record.text.split("\n")):
+            out.extend(self._line(line, stamp, continuation=i > 0))
         return out
 
-    def _line(self, line: str, record_stamp: Stamp | None) -> list[Event | Unreadable]:
+    def _line(self, line: str, record_stamp: Stamp | None,
+              continuation: bool = False) -> list[Event | Unreadable | DriverLine]:
         if self._pending is not None:
             bdf, lines, stamp, left = self._pending
             lines.append(line.strip())
@@ -326,25 +545,53 @@ class KernelLogScanner:
                 self._pending = None
                 return [self._fallen(bdf, lines, stamp)]
             self._pending = (bdf, lines, stamp, left - 1) if left > 1 else None
-        if (m := _THE_GPU.search(line)) is not None:
-            stamp = record_stamp or line_stamp(line[:m.start()])
-            if "fallen off the bus" in line:
+        if continuation:
+            return []  # only the first line of a record is a message of its own
+        self._age_aer()
+        found = _driver_message(line)
+        if found is None:
+            return []
+        prefix, text = found
+        if (m := _THE_GPU.match(text)) is not None:
+            stamp = record_stamp or line_stamp(prefix)
+            if "fallen off the bus" in text:
                 return [self._fallen(m["bdf"], [line.strip()], stamp)]
             self._pending = (m["bdf"], [line.strip()], stamp, self._FALLEN_LOOKAHEAD)
             return []
-        if "fallen off the bus" in line and (m := _GPU_FALLEN.search(line)) is not None \
-                and "Xid (" not in line:
+        if (m := _GPU_FALLEN.match(text)) is not None:
             if normalise_bus(m["bdf"]) in self._fallen_buses:
                 return []  # the Xid 79 line just before said it
-            return [self._fallen(m["bdf"], [line.strip()], record_stamp or line_stamp(line[:m.start()]))]
-        event = parse_line(line)
+            return [self._fallen(m["bdf"], [line.strip()], record_stamp or line_stamp(prefix))]
+        if (device := _DEVICE_START.match(text)) is not None \
+                and _AER_RECOVERY_FAILED.match(text[device.end():]):
+            return self._aer_failed(device["bdf"], line.strip(), record_stamp or line_stamp(prefix))
+        event: Event | Unreadable | DriverLine | None = parse_line(line)
+        if event is None:
+            event = parse_driver_line(line)
         if event is None:
             return []
-        if record_stamp is not None and isinstance(event, (XidLine, SxidLine)):
-            event = _with_stamp(event, record_stamp)
+        if record_stamp is not None and not isinstance(event, Unreadable):
+            event = replace(event, stamp=record_stamp)
         if isinstance(event, XidLine) and event.code == 79:
             self._fallen_buses.add(event.pci_bus)
+        if isinstance(event, DriverLine) and event.kind == "aer-uncorrectable" and event.pci_bus:
+            self._aer[event.pci_bus] = (event, self._AER_LOOKAHEAD)
         return [event]
+
+    def _age_aer(self) -> None:
+        for bus, (event, left) in list(self._aer.items()):
+            if left <= 1:
+                del self._aer[bus]
+            else:
+                self._aer[bus] = (event, left - 1)
+
+    def _aer_failed(self, port: str, raw: str, stamp: Stamp | None) -> list[DriverLine]:
+        out = [DriverLine(kind="aer-recovery-failed", pci_bus=bus, raw=raw, port=port.lower(),
+                          message=f"{raw} (after {error.raw})", severity=error.severity,
+                          device_driver=error.device_driver, stamp=stamp or error.stamp)
+               for bus, (error, _) in sorted(self._aer.items())]
+        self._aer.clear()
+        return out
 
     def _fallen(self, bdf: str, lines: list[str], stamp: Stamp | None) -> XidLine:
         bus = normalise_bus(bdf)
@@ -357,17 +604,13 @@ class KernelLogScanner:
                                + "; read as Xid 79, as gpud and NVSentinel do)")
 
 
-def _with_stamp(event: Event, stamp: Stamp) -> Event:
-    return replace(event, stamp=stamp)
-
-
-def scan(records: Iterable[LogRecord]) -> list[Event | Unreadable]:
+def scan(records: Iterable[LogRecord]) -> list[Event | Unreadable | DriverLine]:
     """Every event in ``records``, in order (a fresh :class:`KernelLogScanner`)."""
     scanner = KernelLogScanner()
     return [event for record in records for event in scanner.feed(record)]
 
 
-def scan_lines(lines: Iterable[str]) -> list[Event | Unreadable]:
+def scan_lines(lines: Iterable[str]) -> list[Event | Unreadable | DriverLine]:
     """Every event in plain text lines (a saved ``dmesg``, a test sample)."""
     return scan(LogRecord(i + 1, line) for i, line in enumerate(lines))
 
@@ -378,6 +621,9 @@ def scan_lines(lines: Iterable[str]) -> list[Event | Unreadable]:
 class KernelLog(Protocol):
     source: str
     unavailable_reason: str | None
+    #: True for this host's own log (kmsg, the journal), where the host's PCI bus can say which
+    #: bus ids are NVIDIA devices; False for a file or a list of lines from anywhere
+    live: bool
 
     def read(self) -> list[LogRecord]: ...
 
@@ -385,17 +631,71 @@ class KernelLog(Protocol):
 class LinesKernelLog:
     """A fixed list of lines (the simulator, tests, a saved dmesg)."""
 
-    def __init__(self, lines: list[str], source: str = "lines") -> None:
+    def __init__(self, lines: list[str], source: str = "lines", live: bool = False) -> None:
         self._lines = lines
         self.source = source
+        self.live = live
         self.unavailable_reason: str | None = None
 
     def read(self) -> list[LogRecord]:
         return [LogRecord(i + 1, line) for i, line in enumerate(self._lines)]
 
 
+#: the most of a kernel-log file that is read (its end): a kernel ring buffer is 128 KiB-16 MiB
+#: (CONFIG_LOG_BUF_SHIFT, log_buf_len=); a saved log larger than this is read from its tail
+FILE_READ_BYTES = 16 << 20
+
+
+class FileKernelLog:
+    """A file read as the kernel log (config ``kernel_log.path``): a saved ``dmesg`` or
+    ``journalctl -k`` text, a capture's tail, one line per record. A line that carries a kmsg
+    header (``6,123,456789,-;NVRM: ...``) keeps its facility, sequence number and time.
+
+    Read with ``O_NOFOLLOW|O_NONBLOCK`` and checked with ``fstat``: a regular file; when the
+    agent runs as root, owned by root and writable by nobody else (a file another user can write
+    would let them write "kernel" lines). Re-read whole on every ``read()`` (the daemon polls it).
+    """
+
+    live = False
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.source = path
+        self.unavailable_reason: str | None = None
+
+    def read(self) -> list[LogRecord]:
+        fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EINVAL, f"{self.path} is not a regular file")
+            if os.geteuid() == 0 and (st.st_uid != 0 or st.st_mode & 0o022):
+                raise OSError(errno.EPERM, f"{self.path} is owned by uid {st.st_uid} or writable "
+                              "by others: a kernel log must be root's alone")
+            skip = max(0, st.st_size - FILE_READ_BYTES)
+            os.lseek(fd, skip, os.SEEK_SET)
+            chunks = []
+            while chunk := os.read(fd, 1 << 20):
+                chunks.append(chunk)
+        finally:
+            os.close(fd)
+        lines = b"".join(chunks).decode("utf-8", "replace").split("\n")
+        if skip:
+            lines = lines[1:]  # the first line was cut
+        records = []
+        for i, line in enumerate(lines):
+            if not line:
+                continue
+            record = _parse_kmsg_record(line) if _P_KMSG.match(line) else None
+            records.append(LogRecord(i + 1, line) if record is None else
+                           LogRecord(i + 1, record.text, record.boot_s, record.facility))
+        return records
+
+
 class KmsgKernelLog:
     """``/dev/kmsg``: every record still in the ring buffer, with its sequence number."""
+
+    live = True
 
     def __init__(self, path: str = "/dev/kmsg") -> None:
         self.path = path
@@ -460,45 +760,81 @@ _KMSG_ESCAPE = re.compile(r"\\x([0-9a-fA-F]{2})")
 def _parse_kmsg_record(raw: str) -> LogRecord | None:
     """``prio,seq,usec,flags;message\\n KEY=value...`` (Documentation/ABI/testing/dev-kmsg).
 
-    The kernel escapes a newline inside a message as ``\\x0a``: a multi-line message (the
-    three-line "fallen off the bus") comes back as one record whose text holds the newlines.
+    ``prio`` is the syslog priority and facility (``facility << 3 | level``): 0-7 for the kernel's
+    own printk, 8 and up for what user space wrote to /dev/kmsg (facility 1 at least). The kernel
+    escapes a newline inside a message as ``\\x0a``: a multi-line message (the three-line "fallen
+    off the bus") comes back as one record whose text holds the newlines.
     """
     header, sep, message = raw.partition(";")
     if not sep:
         return None
     fields = header.split(",")
     try:
+        prio = int(fields[0])
         seq = int(fields[1])
         boot_s: float | None = int(fields[2]) / 1e6
     except (IndexError, ValueError):
         return None
     text = _KMSG_ESCAPE.sub(lambda m: chr(int(m[1], 16)), message.split("\n", 1)[0])
-    return LogRecord(seq, text, boot_s)
+    return LogRecord(seq, text, boot_s, facility=prio >> 3)
 
 
 class JournalKernelLog:
-    """``journalctl -k -b``: the kernel messages of this boot (when /dev/kmsg is unreadable).
-
-    ``-o short-monotonic`` puts the time since boot in front of each message (``[ 1843.308145]``),
-    which the parser reads as the event's time.
+    """The kernel messages of this boot from the journal (when /dev/kmsg is unreadable):
+    ``journalctl -k -b -o json``. ``-k`` adds the match ``_TRANSPORT=kernel``
+    (journalctl(1)), and each entry is checked again: ``_TRANSPORT`` must be ``kernel`` and
+    ``SYSLOG_FACILITY`` 0 where given. ``__MONOTONIC_TIMESTAMP`` (or the kernel's own
+    ``_SOURCE_MONOTONIC_TIMESTAMP``) becomes the record's time since boot.
     """
 
     source = "journalctl -k -b"
+    live = True
 
     def __init__(self, timeout_s: float = 10.0) -> None:
         self.timeout_s = timeout_s
         self.unavailable_reason: str | None = None
 
     def read(self) -> list[LogRecord]:
-        result = proc.run(["journalctl", "-k", "-b", "-o", "short-monotonic", "--no-pager", "-q"],
+        result = proc.run(["journalctl", "-k", "-b", "-o", "json", "--no-pager", "-q"],
                           timeout_s=self.timeout_s)
         if not result.ok:
             raise OSError(result.describe_failure())
-        return [LogRecord(i + 1, line) for i, line in enumerate(result.stdout.splitlines())]
+        return journal_records(result.stdout)
+
+
+def journal_records(text: str) -> list[LogRecord]:
+    """``journalctl -o json`` output -> the kernel's records (see :class:`JournalKernelLog`)."""
+    records: list[LogRecord] = []
+    for i, line in enumerate(text.splitlines()):
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(entry, dict) or entry.get("_TRANSPORT") != "kernel":
+            continue
+        facility = entry.get("SYSLOG_FACILITY")
+        if facility is not None and str(facility) != str(KERNEL_FACILITY):
+            continue
+        message = entry.get("MESSAGE")
+        if isinstance(message, list):  # journald stores non-UTF-8 text as a byte array
+            message = bytes(b for b in message if isinstance(b, int) and 0 <= b < 256) \
+                .decode("utf-8", "replace")
+        if not isinstance(message, str):
+            continue
+        boot_s: float | None = None
+        for key in ("_SOURCE_MONOTONIC_TIMESTAMP", "__MONOTONIC_TIMESTAMP"):
+            try:
+                boot_s = int(entry[key]) / 1e6
+                break
+            except (KeyError, TypeError, ValueError):
+                continue
+        records.append(LogRecord(i + 1, message, boot_s, facility=KERNEL_FACILITY))
+    return records
 
 
 class UnavailableKernelLog:
     source = "none"
+    live = False
 
     def __init__(self, reason: str) -> None:
         self.unavailable_reason: str | None = reason
@@ -507,8 +843,21 @@ class UnavailableKernelLog:
         return []
 
 
-def open_kernel_log(kmsg_path: str = "/dev/kmsg") -> KernelLog:
-    """The best readable kernel-log source on this host, or one that says why there is none."""
+def open_kernel_log(path: str | None = None, kmsg_path: str = "/dev/kmsg") -> KernelLog:
+    """The kernel log to read: ``path`` (config ``kernel_log.path``) when given, else the best
+    readable source on this host, or one that says why there is none.
+
+    A ``path`` that is a character device is read as kmsg (``/dev/kmsg`` named explicitly);
+    anything else as a :class:`FileKernelLog`.
+    """
+    if path is not None:
+        try:
+            st = os.stat(path)
+        except OSError as err:
+            return UnavailableKernelLog(f"kernel_log.path {path}: {err.strerror or err}")
+        if stat.S_ISCHR(st.st_mode):
+            return KmsgKernelLog(path)
+        return FileKernelLog(path)
     if os.access(kmsg_path, os.R_OK):
         return KmsgKernelLog(kmsg_path)
     if proc.which("journalctl"):

@@ -8,6 +8,18 @@ NVIDIA's catalog decodes them (Xid 144-150, 154). ``since: boot`` (default) read
 kernel still holds for this boot; ``since: last_run`` keeps a cursor in the state directory and
 reads only what is new.
 
+Only what the driver wrote is believed (``kernel_log``'s rules of belief: kernel facility, the
+message starting with the driver's prefix, never a user's fault report). On this host's own log
+(kmsg, the journal) a bus id that the PCI bus in sysfs shows is no NVIDIA device (vendor
+0x10de) is never graded as a GPU: the line becomes ``xid_unreadable`` (WARN) with that reason.
+A saved log (``kernel_log.path``) and a simulated node have no sysfs of their own to ask: their
+bus ids are taken as printed, and the result says which applied. Where NVML reported the same
+Xid through its event API (``watch_s``), the finding says it is corroborated.
+
+The driver's lines without an Xid (reset required, RmInitAdapter failed, GPU lost) and PCIe AER
+uncorrectable errors on a GPU's bus become one result per (target, kind) whose metric and status
+``graders/driver_lines.yaml`` gives.
+
 The kernel log is read even when NVML cannot be: a GPU that fell off the bus can stop the driver
 from loading (realworld/xid/x19: "fallen off the bus" and "probe routine failed"), and that is
 exactly when the log must be read. With no finding, such a run still reports why the GPUs could
@@ -16,17 +28,22 @@ not be queried (skip or error), never a pass.
 
 from __future__ import annotations
 
+import importlib.resources
 import json
+import os
 import time
 from pathlib import Path
 
+from node_agent import resources
 from node_agent.checks import CheckContext
-from node_agent.checks.xid_fold import Folder
+from node_agent.checks.xid_fold import DriverFold, Folder
 from node_agent.gpu.base import GpuError
+from node_agent.gpu.pci import NVIDIA_VENDOR_ID, SYSFS_PCI_DEVICES
+from node_agent.grading.xid_catalog import DriverLineKind, load_driver_lines
 from node_agent.kernel_log import (
-    JournalKernelLog,
+    DriverLine,
+    KernelLog,
     KernelLogScanner,
-    KmsgKernelLog,
     LogRecord,
     SxidLine,
     Unreadable,
@@ -44,10 +61,12 @@ def run(ctx: CheckContext) -> list[Result]:
     gpus = ctx.inventory.gpus if ctx.inventory is not None else []
     bus_to_target = {normalise_bus(g.pci_bus_id): f"gpu:{g.index}" for g in gpus}
     folder = Folder()
+    driver_folds: dict[tuple[str, str], DriverFold] = {}
     results: list[Result] = []
     unreadable: list[Unreadable] = []
 
     log = ctx.kernel_log
+    nvidia = None if ctx.simulated else nvidia_buses(log)
     if log.unavailable_reason:
         results.append(ctx.skip(log.unavailable_reason, metric="kernel_log"))
         records: list[LogRecord] = []
@@ -68,6 +87,14 @@ def run(ctx: CheckContext) -> list[Result]:
             if isinstance(event, Unreadable):
                 unreadable.append(event)
                 continue
+            if isinstance(event, DriverLine):
+                _add_driver_line(event, bus_to_target, nvidia, driver_folds, unreadable,
+                                 log.source)
+                continue
+            bus = normalise_bus(event.pci_bus)
+            if nvidia is not None and bus not in bus_to_target and bus not in nvidia:
+                unreadable.append(Unreadable(_not_nvidia(bus), event.raw, event.code))
+                continue
             target = event.target if isinstance(event, SxidLine) \
                 else bus_to_target.get(event.pci_bus, f"pci:{event.pci_bus}")
             folder.add(event, target, log.source)
@@ -87,23 +114,97 @@ def run(ctx: CheckContext) -> list[Result]:
             folder.fold("xid", target, event.code).add_nvml(event.message)
 
     window = "since boot" if since == "boot" else "since the last run"
-    live = isinstance(log, (KmsgKernelLog, JournalKernelLog))
-    boot_epoch = time.time() - time.monotonic() if live else None
+    boot_epoch = time.time() - time.monotonic() if log.live else None
     results.extend(fold.result(window=window, boot_epoch=boot_epoch) for fold in folder.sorted())
+    if driver_folds:
+        kinds = driver_line_kinds(ctx)
+        for key in sorted(driver_folds):
+            fold, kind = driver_folds[key], kinds[key[1]]
+            results.append(fold.result(kind.metric, Status(kind.status), kind.name, window,
+                                       boot_epoch))
     if unreadable:
         results.append(_unreadable_result(ctx, unreadable, window))
     if unavailable:
         # no GPU to query: findings in the log still count, but silence is not a pass
         return unavailable + [r for r in results if r.status is not Status.SKIP]
     looked = not log.unavailable_reason or watch_s > 0
-    if not folder.folds and not unreadable and looked \
+    if not folder.folds and not driver_folds and not unreadable and looked \
             and not any(r.status is Status.ERROR for r in results):
         results.append(ctx.result("node", "xid", Status.PASS,
-                                  f"no XIDs or SXids {window} ({log.source}: {len(records)} "
-                                  "lines read"
-                                  + (f"; NVML events watched {watch_s:g} s)" if watch_s else ")"),
-                                  value=0))
+                                  f"no XIDs, SXids or driver errors {window} ({log.source}: "
+                                  f"{len(records)} lines read"
+                                  + (f"; NVML events watched {watch_s:g} s" if watch_s else "")
+                                  + f"; {_bus_check(ctx, nvidia)})",
+                                  value=0, bus_ids=_bus_check(ctx, nvidia)))
     return results
+
+
+def nvidia_buses(log: KernelLog, root: Path | None = None) -> frozenset[str] | None:
+    """The bus ids (``0000:3b:00``) of every NVIDIA PCI function on this host (sysfs ``vendor``
+    0x10de, any class: GPUs and NVSwitches), when ``log`` is this host's own log and sysfs can be
+    listed; None otherwise (a saved log, or no sysfs): then bus ids are taken as printed."""
+    if not log.live:
+        return None
+    root = root if root is not None else SYSFS_PCI_DEVICES
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return None
+    found = set()
+    for name in names:
+        try:
+            vendor = int((root / name / "vendor").read_text().strip(), 16)
+            if vendor == NVIDIA_VENDOR_ID:
+                found.add(normalise_bus(name))
+        except (OSError, ValueError):
+            continue
+    return frozenset(found)
+
+
+def driver_line_kinds(ctx: CheckContext) -> dict[str, DriverLineKind]:
+    """``driver_lines.yaml`` from the configured graders directory (the shipped one where an
+    operator's directory predates the file)."""
+    path = resources.graders_dir(ctx.config) / "driver_lines.yaml"
+    if not path.exists():
+        path = Path(str(importlib.resources.files("node_agent.graders"))) / "driver_lines.yaml"
+    return load_driver_lines(path)
+
+
+def _bus_check(ctx: CheckContext, nvidia: frozenset[str] | None) -> str:
+    if nvidia is not None:
+        return "bus ids checked against this host's PCI bus (sysfs)"
+    if ctx.simulated:
+        return "bus ids taken as printed (a simulated node)"
+    if not ctx.kernel_log.live:
+        return "bus ids taken as printed (a saved log: no sysfs of its host to ask)"
+    return "bus ids taken as printed (sysfs could not be listed)"
+
+
+def _not_nvidia(bus: str) -> str:
+    return (f"the line names bus {bus}, which this host's PCI bus (sysfs) shows is no NVIDIA "
+            "device (vendor 0x10de): not graded as a GPU")
+
+
+def _add_driver_line(line: DriverLine, bus_to_target: dict[str, str],
+                     nvidia: frozenset[str] | None, folds: dict[tuple[str, str], DriverFold],
+                     unreadable: list[Unreadable], source: str) -> None:
+    bus = line.pci_bus
+    if line.kind.startswith("aer-"):
+        # AER on any device is printed alike: only a GPU's is this check's business
+        is_gpu = bus is not None and (bus in bus_to_target or (
+            bus in nvidia if nvidia is not None else line.device_driver == "nvidia"))
+        if not is_gpu:
+            return
+    elif bus is not None and nvidia is not None and bus not in bus_to_target \
+            and bus not in nvidia:
+        unreadable.append(Unreadable(_not_nvidia(bus), line.raw))
+        return
+    target = "node" if bus is None else bus_to_target.get(bus, f"pci:{bus}")
+    key = (target, line.kind)
+    fold = folds.get(key)
+    if fold is None:
+        fold = folds[key] = DriverFold(kind=line.kind, target=target)
+    fold.add(line, source)
 
 
 def _unreadable_result(ctx: CheckContext, lines: list[Unreadable], window: str) -> Result:

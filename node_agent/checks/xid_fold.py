@@ -17,7 +17,7 @@ import datetime as _dt
 from dataclasses import dataclass, field
 from typing import Any
 
-from node_agent.kernel_log import Stamp, SxidLine, XidLine
+from node_agent.kernel_log import DriverLine, Stamp, SxidLine, XidLine
 from node_agent.model import Result, Status
 
 #: Events closer than this belong to one burst: NVSentinel's health-events-analyzer default
@@ -171,6 +171,8 @@ class Fold:
             "variants": [{**v["fields"], "count": v["count"], "line": v["line"]}
                          for v in self.variants.values()],
             "sources": sorted(self.sources),
+            # the kernel's line and NVML's event API both reported it: two independent witnesses
+            "corroborated_by_nvml": self.count > 0 and self.nvml_events > 0,
         }
         if self.pci_bus:
             evidence["pci_bus"] = self.pci_bus
@@ -199,6 +201,8 @@ class Fold:
         printed = ("; printed " + ", ".join(f"{text} x{n}" for text, n in said)) if len(said) > 1 else ""
         if self.notes:
             printed += f" ({'; '.join(self.notes)})"
+        if self.count and self.nvml_events:
+            printed += f"; corroborated by {self.nvml_events} NVML event(s)"
         return Result(check=check, target=self.target, metric=self.kind, status=Status.FAIL,
                       value=self.code, evidence=self.evidence(boot_epoch),
                       detail=f"{noun} {self.code} on {self.target}, {how_often}{where}{printed}: "
@@ -227,3 +231,70 @@ class Folder:
 
     def sorted(self) -> list[Fold]:
         return [self.folds[k] for k in sorted(self.folds, key=lambda k: (k[0], k[1], k[2]))]
+
+
+@dataclass
+class DriverFold:
+    """Every driver line of one kind on one target (``graders/driver_lines.yaml``), folded the
+    same way: count, first and last line and time, the RM status codes printed."""
+
+    kind: str
+    target: str
+    count: int = 0
+    clock: str | None = None
+    first_s: float | None = None
+    last_s: float | None = None
+    first_line: str = ""
+    last_line: str = ""
+    pci_bus: str | None = None
+    driver_gpus: set[int] = field(default_factory=set)
+    statuses: set[int] = field(default_factory=set)
+    ports: set[str] = field(default_factory=set)
+    severities: set[str] = field(default_factory=set)
+    sources: set[str] = field(default_factory=set)
+
+    def add(self, line: DriverLine, source: str) -> None:
+        self.count += 1
+        self.sources.add(source)
+        self.pci_bus = self.pci_bus or line.pci_bus
+        self.first_line = self.first_line or line.raw
+        self.last_line = line.raw
+        for values, value in ((self.driver_gpus, line.driver_gpu), (self.statuses, line.status),
+                              (self.ports, line.port), (self.severities, line.severity)):
+            if value is not None and len(values) < MAX_VARIANTS:
+                values.add(value)  # type: ignore[attr-defined]
+        stamp = line.stamp
+        if stamp is not None and (self.clock is None or stamp.clock == self.clock):
+            self.clock = stamp.clock
+            self.first_s = stamp.seconds if self.first_s is None else min(self.first_s, stamp.seconds)
+            self.last_s = stamp.seconds if self.last_s is None else max(self.last_s, stamp.seconds)
+
+    def result(self, metric: str, status: Status, name: str, window: str = "",
+               boot_epoch: float | None = None, check: str = "xid") -> Result:
+        """The fold as one result; ``metric``/``status`` from its kind's catalog entry."""
+        times = Fold(kind="driver", target=self.target, code=0, clock=self.clock)
+        evidence: dict[str, Any] = {
+            "kind": self.kind, "count": self.count,
+            "first_seen": times.seen(self.first_s, boot_epoch),
+            "last_seen": times.seen(self.last_s, boot_epoch), "clock": self.clock,
+            "lines": [self.first_line] + ([self.last_line] if self.last_line != self.first_line
+                                         else []),
+            "sources": sorted(self.sources)}
+        if self.pci_bus:
+            evidence["pci_bus"] = self.pci_bus
+        if self.driver_gpus:
+            evidence["driver_gpus"] = sorted(self.driver_gpus)
+        if self.statuses:
+            evidence["rm_status"] = [f"0x{s:x}" for s in sorted(self.statuses)]
+        if self.ports:
+            evidence["aer_ports"] = sorted(self.ports)
+        if self.severities:
+            evidence["aer_severity"] = sorted(self.severities)
+        where = f" {window}" if window else ""
+        named = ("" if self.pci_bus or not self.driver_gpus else
+                 f" (the driver's GPU {', '.join(map(str, sorted(self.driver_gpus)))}: the line "
+                 "names no bus)")
+        return Result(check=check, target=self.target, metric=metric, status=status,
+                      value=self.count, unit="lines", evidence=evidence,
+                      detail=f"{name} on {self.target}{named}, {self.count} line(s){where}: "
+                             f"{self.first_line}")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from node_agent.commands.reporting import EXIT_AGENT_FAILED, EXIT_OK, EXIT_USAGE
 from node_agent.config import Config, load_config
-from node_agent.environment import Environment
+from node_agent.environment import Environment, kernel_log_path
 from node_agent.kernel_log import KernelLog, open_kernel_log
 from node_agent.model import Grade, Report
 from node_agent.remediation import evidence
@@ -139,7 +139,8 @@ def cmd_act(args: argparse.Namespace) -> int:
     adapter = open_configured_adapter(config, args.adapter)
     text = sanitise_operator_text(args.reason)
     store = open_store(config.state_dir)
-    kernel_log: KernelLog | None = None if args.simulate else open_kernel_log()
+    kernel_log: KernelLog | None = (None if args.simulate
+                                    else open_kernel_log(kernel_log_path(config)))
     try:
         remediator = Remediator(
             store, adapter, node, Safety.from_config(config), state_dir=state_dir_of(store),

@@ -295,3 +295,44 @@ def load_sxid_catalog(path: Path) -> Catalog:
     default = data["default"]
     return Catalog("sxid", _codes(path, data, "SXid"), Level.parse(default["level"]),
                    Level.parse(default["nonfatal_level"]) if "nonfatal_level" in default else None)
+
+
+# -- the driver's lines without an Xid (graders/driver_lines.yaml) ---------------------------
+
+#: the kinds node_agent.kernel_log.DriverLine reads; the file must give each of them
+DRIVER_LINE_KINDS = ("gpu-lost", "reset-required", "init-failed", "aer-uncorrectable",
+                     "aer-recovery-failed")
+
+DRIVER_LINES_SCHEMA: dict[str, Any] = {
+    "type": "object", "additionalProperties": False, "required": ["kinds"],
+    "properties": {"kinds": {
+        "type": "object", "additionalProperties": False, "required": list(DRIVER_LINE_KINDS),
+        "properties": {kind: {
+            "type": "object", "additionalProperties": False,
+            "required": ["name", "metric", "status", "level", "why"],
+            "properties": {"name": {"type": "string"},
+                           "metric": {"type": "string", "pattern": r"^[a-z][a-z0-9_]*$"},
+                           "status": {"enum": ["fail", "warn"]},
+                           "level": {"enum": _LEVELS}, "why": {"type": "string"}}}
+            for kind in DRIVER_LINE_KINDS}}},
+}
+
+
+@dataclass(frozen=True)
+class DriverLineKind:
+    """One kind of driver line: the result it becomes (metric, status) and the level the rules
+    must give it (checked by the tests against graders/rules.yaml)."""
+
+    kind: str
+    name: str
+    metric: str
+    status: str  # "fail" | "warn"
+    level: Level
+
+
+def load_driver_lines(path: Path) -> dict[str, DriverLineKind]:
+    """``graders/driver_lines.yaml`` (ConfigError when invalid or a kind is missing)."""
+    data = load_yaml(path, DRIVER_LINES_SCHEMA, what="driver-line catalog")
+    return {kind: DriverLineKind(kind=kind, name=raw["name"], metric=raw["metric"],
+                                 status=raw["status"], level=Level.parse(raw["level"]))
+            for kind, raw in data["kinds"].items()}

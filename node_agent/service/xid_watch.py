@@ -19,6 +19,14 @@ line before it is reported (graded by its code if the line never comes), so a No
 never graded by its code first. The sources are read through getters because the daemon swaps
 its environment (driver reload, scenario change).
 
+The kernel log is believed only where the driver wrote it (``kernel_log``'s rules of belief:
+kernel facility, the message starting with ``NVRM: ``/``nvidia-nvswitchN: ``, never a user's
+fault report). On this host's own log, a line whose bus the PCI bus in sysfs shows is no NVIDIA
+device is logged and dropped, never reported as a GPU's. The driver's lines without an Xid and
+PCIe AER errors are left to the periodic ``xid`` check, which grades them
+(``graders/driver_lines.yaml``). When NVML's event and the kernel's line report the same Xid on
+the same GPU, the finding's evidence says it is corroborated.
+
 SXids are reported only with ``report_sxid=True``: a handler that names targets from
 ``sighting.target`` (``nvswitch:N``) passes it; one that does not would file an SXid under a PCI
 address as an Xid, so without the flag SXids are left to the periodic ``xid`` check.
@@ -34,9 +42,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from node_agent.checks.xid import nvidia_buses
 from node_agent.checks.xid_fold import Fold, Folder
 from node_agent.gpu.base import GpuBackend, GpuError, NotSupported
 from node_agent.kernel_log import (
+    DriverLine,
     KernelLog,
     KernelLogScanner,
     KmsgFollower,
@@ -105,6 +115,7 @@ class XidWatch:
         self._dirty: set[tuple[str, str, int]] = set()  # counted since its last report
         self._nvml_pending: dict[tuple[str, str, int], float] = {}  # key -> report deadline
         self._bus_map: tuple[GpuBackend | None, dict[str, int]] = (None, {})
+        self._nvidia: tuple[float, frozenset[str] | None] = (float("-inf"), None)
         self.kernel_log_watched = False  # set by the log loop while a readable source is followed
 
     def start(self) -> None:
@@ -191,10 +202,18 @@ class XidWatch:
                         log.warning("kernel log names an Xid/SXid that cannot be read (%s): %s",
                                     event.reason, event.raw[:200])
                         continue
+                    if isinstance(event, DriverLine):
+                        continue  # graded by the periodic xid check (driver_lines.yaml)
                     if isinstance(event, SxidLine) and not self._report_sxid:
                         continue  # left to the periodic xid check (see report_sxid)
                     key_target = event.target if isinstance(event, SxidLine) \
                         else self._gpu_target(event.pci_bus)
+                    if key_target.startswith(("pci:", "nvswitch:")) \
+                            and not self._nvidia_bus(event.pci_bus, source):
+                        log.warning("kernel log names bus %s, which the PCI bus (sysfs) shows "
+                                    "is no NVIDIA device: not graded as a GPU: %s",
+                                    normalise_bus(event.pci_bus), event.raw[:200])
+                        continue
                     fold, changed = self._folder.add(event, key_target, source, now)
                     key = (fold.kind, fold.target, fold.code)
                     self._nvml_pending.pop(key, None)
@@ -246,6 +265,21 @@ class XidWatch:
                     self._reported[key] = now
                     reports.append(self._sighting(self._folder.folds[key], "update"))
         self._report(reports)
+
+    #: how long the set of NVIDIA buses read from sysfs is reused (hot-plug is rare)
+    NVIDIA_BUSES_TTL_S = 60.0
+
+    def _nvidia_bus(self, pci_bus: str, source: str) -> bool:
+        """False only when this host's own log names a bus that sysfs shows is no NVIDIA
+        device; True for a saved or simulated log (no sysfs of its own to ask)."""
+        kernel_log = self._kernel_log()
+        if kernel_log.source != source or not kernel_log.live:
+            return True
+        read_at, buses = self._nvidia
+        if self._clock() - read_at >= self.NVIDIA_BUSES_TTL_S:
+            buses = nvidia_buses(kernel_log)
+            self._nvidia = (self._clock(), buses)
+        return buses is None or normalise_bus(pci_bus) in buses
 
     def _gpu_target(self, pci_bus: str) -> str:
         backend = self._gpu()
