@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from node_agent.commands.reporting import UsageError
-from node_agent.config import load_config
+from node_agent.config import Config, load_config
 from node_agent.fleet.analysis import analyse, load_fleet_rules, load_topology
 from node_agent.fleet.html import write_fleet_html
 from node_agent.fleet.text import render_text
 from node_agent.report.html import require_matplotlib
+from node_agent.report.terminal import printable
 from node_agent.resources import graders_dir
 from node_agent.yamlfile import ConfigError
 
@@ -22,22 +24,29 @@ EXIT_NO_SUSPECTS, EXIT_SUSPECTS = 0, 3
 
 def run(inputs: Sequence[str], graders_dir: Path, *, as_json: bool = False,
         html: str | None = None, topology: str | None = None,
-        out=sys.stdout, err=sys.stderr) -> int:
+        owners: frozenset[int] | None = None, out=sys.stdout, err=sys.stderr) -> int:
     """``node-agent fleet``: 0 nothing found, 3 suspects, fleet stragglers or hung jobs found;
     ConfigError (exit 2) when no report could be read, an input does not exist, or a
-    rules/topology file is invalid."""
+    rules/topology file is invalid. ``owners``: believe only report files owned by these uids
+    (the others are named on stderr and in the output as skipped)."""
     rules = load_fleet_rules(graders_dir)
     groups = load_topology(topology) if topology else None
     if html:
         require_matplotlib()
     if not inputs:
         raise ConfigError("fleet: name report files or a directory of reports")
-    analysis = analyse(inputs, rules, topology=groups)
+    analysis = analyse(inputs, rules, topology=groups, owners=owners)
+    for path, why in analysis.skipped[:20]:
+        print(printable(f"fleet: skipped {path}: {why}"), file=err)
+    if len(analysis.skipped) > 20:
+        print(f"fleet: ... and {len(analysis.skipped) - 20} more skipped", file=err)
     if not analysis.nodes:
-        raise ConfigError(f"fleet: none of {analysis.reports} file(s) is a readable report "
-                          f"({len(analysis.unreadable)} unreadable"
-                          + (f", first: {analysis.unreadable[0][1]}" if analysis.unreadable
-                             else "") + ")")
+        raise ConfigError(printable(
+            f"fleet: none of {analysis.reports} file(s) is a readable report "
+            f"({len(analysis.unreadable)} unreadable"
+            + (f", first: {analysis.unreadable[0][1]}" if analysis.unreadable else "")
+            + (f"; {len(analysis.skipped)} skipped, first: {analysis.skipped[0][0]}: "
+               f"{analysis.skipped[0][1]}" if analysis.skipped else "") + ")"))
     if html:
         path = write_fleet_html(analysis, html)
         print(f"fleet html: {path}", file=err)
@@ -48,8 +57,17 @@ def run(inputs: Sequence[str], graders_dir: Path, *, as_json: bool = False,
     return EXIT_SUSPECTS if analysis.found else EXIT_NO_SUSPECTS
 
 
+def report_owners(config: Config, euid: int | None = None) -> frozenset[int] | None:
+    """The uids whose report files fleet believes: ``fleet.report_owner_uids`` when it runs as
+    root (a report is then a root action's input: one forged by a user could hide a node's
+    hung job), None (any owner) otherwise, where it reads only what its user may read."""
+    euid = os.geteuid() if euid is None else euid
+    return frozenset(config.get("fleet.report_owner_uids")) if euid == 0 else None
+
+
 def cmd_fleet(args: argparse.Namespace) -> int:
     if args.simulate:
         raise UsageError("fleet reads saved reports; --simulate does not apply")
-    return run(args.reports, graders_dir(load_config(args.config)), as_json=args.json,
-                html=args.html, topology=args.topology)
+    config = load_config(args.config)
+    return run(args.reports, graders_dir(config), as_json=args.json,
+               html=args.html, topology=args.topology, owners=report_owners(config))

@@ -10,7 +10,10 @@ lies on the bad side of the median by more than ``deviation_mads`` robust standa
 Reading is the cost at fleet scale (10,000 reports), so each report is parsed once, only its
 numeric figures are kept (in flat arrays), and files are read by a process pool when there are
 many. A file that cannot be read — truncated, not JSON, another schema version — is listed as
-unreadable with the reason; the rest are still analysed.
+unreadable with the reason; the rest are still analysed. A file is opened without following a
+symlink and must be a regular file; with ``owners`` (``node-agent fleet`` as root), one owned by
+any other uid is *skipped*, listed with the reason: a forged newer report would replace a
+node's real one.
 
 Training jobs span nodes, so the fleet also sees what one node cannot: a rank of a job that is
 ``straggler_ratio`` times slower than the median of the job's other ranks on all nodes
@@ -20,9 +23,11 @@ marked as the likely origin — which node started a job-wide hang.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import stat
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
@@ -164,8 +169,35 @@ def _training_row(r: dict[str, Any]) -> TrainingRow | None:
                        origin if isinstance(origin, bool) else None)
 
 
-def read_figures(path: str | Path) -> NodeFigures:
-    """The numeric figures of one saved report; ReportFormatError when it cannot be read.
+class ReportSkipped(Exception):
+    """A report file fleet does not believe (not a regular file, a symlink, another owner)."""
+
+
+def open_report(path: str | Path, owners: frozenset[int] | None = None) -> str:
+    """The text of a report file, opened without following a symlink and without blocking on
+    a FIFO; ReportSkipped when it is not a regular file or, with ``owners``, when its owner's
+    uid is not among them (a report another user wrote is a forgery until proven otherwise:
+    a newer one for a node replaces that node's real report). OSError when it cannot be read."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise ReportSkipped("a symbolic link (fleet reads report files themselves)") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ReportSkipped("not a regular file")
+        if owners is not None and st.st_uid not in owners:
+            raise ReportSkipped(f"owned by uid {st.st_uid}, not one of fleet.report_owner_uids "
+                                f"{sorted(owners)}")
+        return f.read().decode("utf-8")
+
+
+def read_figures(path: str | Path, owners: frozenset[int] | None = None) -> NodeFigures:
+    """The numeric figures of one saved report; ReportFormatError when it cannot be read,
+    ReportSkipped when it is not believed (:func:`open_report`).
 
     Results that are skipped or errored carry no measurement and are left out. The per-process
     results of ``training_progress`` are kept, with the job, rank, step time and likely origin
@@ -174,8 +206,9 @@ def read_figures(path: str | Path) -> NodeFigures:
     reason given for an unreadable file is the same one ``node-agent grade`` gives.
     """
     path = Path(path)
+    text = ""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = open_report(path, owners)
         try:
             data = json.loads(_without_evidence(text, keep=TRAINING_CHECK))
         except ValueError:
@@ -203,8 +236,10 @@ def read_figures(path: str | Path) -> NodeFigures:
         return NodeFigures(hostname=hostname, sku=str(sku),
                            finished_at=str(data.get("finished_at", "")), path=str(path), rows=rows,
                            training=training)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
-        json_report.read(path)  # raises ReportFormatError with the canonical reason
+    except OSError as err:
+        raise ReportFormatError(f"{path}: cannot read report: {err.strerror or err}") from None
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        json_report.loads(text, str(path))  # raises ReportFormatError with the canonical reason
         raise ReportFormatError(f"{path}: report fields missing or malformed") from None
 
 
@@ -254,13 +289,20 @@ def _without_evidence(text: str, keep: str | None = None) -> str:
     return "".join(parts)
 
 
-def _read_chunk(paths: Sequence[str]) -> list[NodeFigures | tuple[str, str]]:
-    out: list[NodeFigures | tuple[str, str]] = []
+#: (path, why) of a report that could not be read, or was not believed (``skipped``)
+Problem = tuple[str, str, bool]
+
+
+def _read_chunk(paths: Sequence[str], owners: frozenset[int] | None = None
+                ) -> list[NodeFigures | Problem]:
+    out: list[NodeFigures | Problem] = []
     for p in paths:
         try:
-            out.append(read_figures(p))
+            out.append(read_figures(p, owners))
         except ReportFormatError as err:
-            out.append((p, str(err)))
+            out.append((p, str(err), False))
+        except ReportSkipped as err:
+            out.append((p, str(err), True))
     return out
 
 
@@ -288,21 +330,25 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def read_all(paths: Sequence[Path], workers: int | None = None
-             ) -> tuple[list[NodeFigures], list[tuple[str, str]]]:
-    """(readable reports' figures, [(path, why unreadable)]) in the order of ``paths``."""
+def read_all(paths: Sequence[Path], workers: int | None = None,
+             owners: frozenset[int] | None = None
+             ) -> tuple[list[NodeFigures], list[tuple[str, str]], list[tuple[str, str]]]:
+    """(readable reports' figures, [(path, why unreadable)], [(path, why skipped)]) in the
+    order of ``paths``; ``owners``: believe only files owned by these uids."""
     names = [str(p) for p in paths]
     workers = _cpu_count() if workers is None else workers
     if workers <= 1 or len(names) < PARALLEL_MIN_FILES:
-        items = _read_chunk(names)
+        items = _read_chunk(names, owners)
     else:
         size = max(64, len(names) // (workers * 8))
         chunks = [names[i:i + size] for i in range(0, len(names), size)]
         with ProcessPoolExecutor(max_workers=workers) as pool:
-            items = [item for chunk in pool.map(_read_chunk, chunks) for item in chunk]
+            items = [item for chunk in pool.map(_read_chunk, chunks, [owners] * len(chunks))
+                     for item in chunk]
     good = [i for i in items if isinstance(i, NodeFigures)]
-    bad = [i for i in items if not isinstance(i, NodeFigures)]
-    return good, bad
+    bad = [(i[0], i[1]) for i in items if not isinstance(i, NodeFigures) and not i[2]]
+    skipped = [(i[0], i[1]) for i in items if not isinstance(i, NodeFigures) and i[2]]
+    return good, bad, skipped
 
 
 # -- statistics ------------------------------------------------------------------------------
@@ -451,6 +497,8 @@ class FleetAnalysis:
     stragglers: list[FleetStraggler] = field(default_factory=list)
     hung_jobs: list[JobHang] = field(default_factory=list)
     jobs_compared: int = 0  # training jobs on at least straggler_min_nodes nodes
+    #: (path, why) of report files not believed: a symlink, not a regular file, another owner
+    skipped: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def found(self) -> bool:
@@ -489,6 +537,7 @@ class FleetAnalysis:
             "reports": self.reports, "nodes": len(self.nodes),
             "skus": sorted({n.sku for n in self.nodes}),
             "unreadable": [{"path": p, "error": e} for p, e in self.unreadable],
+            "skipped": [{"path": p, "why": w} for p, w in self.skipped],
             "superseded": self.superseded,
             "suspects": [s.to_dict() for s in self.suspects],
             "suspect_nodes": self.suspect_nodes,
@@ -673,8 +722,11 @@ def analyse_figures(figures: list[NodeFigures], rules: FleetRules,
 
 def analyse(inputs: Iterable[str | Path], rules: FleetRules,
             topology: dict[str, list[str]] | None = None,
-            workers: int | None = None) -> FleetAnalysis:
+            workers: int | None = None, owners: frozenset[int] | None = None) -> FleetAnalysis:
     """Read reports (files, or directories of ``*.json``) and find the fleet's outliers.
+
+    ``owners``: believe only report files owned by these uids (``node-agent fleet`` run as
+    root passes ``fleet.report_owner_uids``); the others are listed in ``skipped``.
 
     Example::
 
@@ -683,8 +735,10 @@ def analyse(inputs: Iterable[str | Path], rules: FleetRules,
             print(s.node, s.target, s.metric, s.ratio)
     """
     paths = expand_paths(inputs)
-    figures, unreadable = read_all(paths, workers=workers)
-    return analyse_figures(figures, rules, unreadable, topology, reports=len(paths))
+    figures, unreadable, skipped = read_all(paths, workers=workers, owners=owners)
+    analysis = analyse_figures(figures, rules, unreadable, topology, reports=len(paths))
+    analysis.skipped = skipped
+    return analysis
 
 
 # -- output ----------------------------------------------------------------------------------

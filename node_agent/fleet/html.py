@@ -84,7 +84,8 @@ def render_fleet_html(analysis: FleetAnalysis) -> str:
             f"{len(a.suspects)} figure(s) beyond {a.rules.deviation_mads:g} MADs "
             f"(floor {a.rules.relative_floor:.0%} of the median)</span>"
             f"<div>{a.reports} report(s), {len(a.nodes)} node(s), {len(a.unreadable)} unreadable, "
-            f"{len(a.superseded)} superseded.</div></section>")
+            f"{len(a.skipped)} skipped (not believed), {len(a.superseded)} superseded.</div>"
+            "</section>")
     rows = "".join(
         f"<tr class=\"suspect\" data-node=\"{esc(s.node)}\" data-target=\"{esc(s.target)}\">"
         f"<td>{esc(s.node)}</td><td>{esc(s.target)}</td><td>{esc(s.check)}/{esc(s.metric)}</td>"

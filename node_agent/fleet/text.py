@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from node_agent.fleet.analysis import FleetAnalysis
+from node_agent.report.terminal import printable
 
 
 def _fmt(value: float) -> str:
@@ -10,11 +11,14 @@ def _fmt(value: float) -> str:
 
 
 def render_text(analysis: FleetAnalysis, limit: int = 50) -> str:
-    """The ranked suspects for people at a shell (worst first), then what could not be read."""
+    """The ranked suspects for people at a shell (worst first), then what could not be read
+    and what was not believed. Host names, job names and paths come from report files that
+    others may have written: every line is escaped for the terminal (:func:`printable`)."""
     a = analysis
     skus = sorted({n.sku for n in a.nodes})
     lines = [f"fleet: {a.reports} report(s), {len(a.nodes)} node(s), SKU {', '.join(skus) or '-'}"
-             f"; {len(a.unreadable)} unreadable, {len(a.superseded)} superseded by a newer report"
+             f"; {len(a.unreadable)} unreadable, {len(a.skipped)} skipped, "
+             f"{len(a.superseded)} superseded by a newer report"
              f"; threshold {a.rules.deviation_mads:g} MADs (floor {a.rules.relative_floor:.0%}"
              " of the median)"]
     if not a.suspects:
@@ -28,9 +32,7 @@ def render_text(analysis: FleetAnalysis, limit: int = 50) -> str:
             rows.append((s.node, s.target, f"{s.check}/{s.metric}",
                          f"{_fmt(s.value)} {s.unit}".strip(), _fmt(s.median),
                          f"{s.deviation_mads:+.1f} MADs", f"{s.ratio:.3f}"))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        for r in rows:
-            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        lines.extend(_table(rows))
         if len(a.suspects) > limit:
             lines.append(f"  ... and {len(a.suspects) - limit} more (--json lists them all)")
     lines.extend(_training_text(a, limit))
@@ -41,10 +43,15 @@ def render_text(analysis: FleetAnalysis, limit: int = 50) -> str:
         lines.append(f"unreadable ({len(a.unreadable)}):")
         for p, err in a.unreadable[:limit]:
             lines.append(f"  {err if err.startswith(p) else p + ': ' + err}")
-    return "\n".join(lines)
+    if a.skipped:
+        lines.append(f"skipped, not believed ({len(a.skipped)}):")
+        for p, why in a.skipped[:limit]:
+            lines.append(f"  {p}: {why}")
+    return "\n".join(printable(line) for line in lines)
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    rows = [tuple(printable(c) for c in r) for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
             for r in rows]

@@ -28,12 +28,17 @@ def read(path: str | Path) -> Report:
         text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ReportFormatError(f"{path}: cannot read report: {err.strerror or err}") from err
+    return loads(text, str(path))
+
+
+def loads(text: str, where: str) -> Report:
+    """A report from its text (``where`` names it in errors); ReportFormatError as :func:`read`."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ReportFormatError(f"{path}: not valid JSON (line {err.lineno} column {err.colno}: "
+        raise ReportFormatError(f"{where}: not valid JSON (line {err.lineno} column {err.colno}: "
                                 f"{err.msg}); was the file truncated?") from err
     try:
         return Report.from_dict(data)
     except ReportFormatError as err:
-        raise ReportFormatError(f"{path}: {err}") from err
+        raise ReportFormatError(f"{where}: {err}") from err

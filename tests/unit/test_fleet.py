@@ -368,3 +368,49 @@ def test_training_thresholds_are_read_from_fleet_yaml(tmp_path):
          "units": {}, "training": {"straggler_ratio": 1.5, "min_nodes": 3}}))
     rules = load_fleet_rules(tmp_path)
     assert (rules.straggler_ratio, rules.straggler_min_nodes) == (1.5, 3)
+
+
+def test_symlink_and_fifo_are_skipped_and_named_not_followed(tmp_path):
+    import os
+
+    write_fleet(tmp_path, 3)
+    secret = tmp_path.parent / f"{tmp_path.name}-elsewhere.json"
+    secret.write_text(next(tmp_path.glob("*.json")).read_text())
+    (tmp_path / "zz-link.json").symlink_to(secret)
+    fifo = tmp_path.parent / f"{tmp_path.name}-fifo.json"
+    os.mkfifo(fifo)  # named on the command line; a plain open would block for ever
+    result = analyse([tmp_path, fifo], RULES)
+    assert len(result.nodes) == 3
+    assert dict(result.skipped) == {
+        str(tmp_path / "zz-link.json"): "a symbolic link (fleet reads report files themselves)",
+        str(fifo): "not a regular file"}
+    assert "skipped, not believed (2):" in render_text(result)
+
+
+def test_report_of_another_owner_is_skipped_when_owners_are_given(tmp_path):
+    import os
+
+    write_fleet(tmp_path, 2)
+    mine = os.stat(next(tmp_path.glob("*.json"))).st_uid
+    assert len(analyse([tmp_path], RULES, owners=frozenset({mine})).nodes) == 2
+    others = analyse([tmp_path], RULES, owners=frozenset({mine + 1}))
+    assert others.nodes == [] and len(others.skipped) == 2
+    assert all(f"owned by uid {mine}" in why for _, why in others.skipped)
+
+
+def test_fleet_believes_configured_owners_only_as_root():
+    from node_agent.config import config_from_dict
+
+    config = config_from_dict({"fleet": {"report_owner_uids": [0, 990]}})
+    assert fleet_command.report_owners(config, euid=0) == frozenset({0, 990})
+    assert fleet_command.report_owners(config, euid=1000) is None
+
+
+def test_job_and_host_names_are_escaped_in_the_text_output():
+    hung = fleet.TrainingRow("training_hang", "job:x/rank:0", "evil\x1b]0;pwned\x07\x1b[2J", 0,
+                             11, None, True)
+    node = fleet.NodeFigures("node\x1b[31m1", "h100", "2026-01-01T00:00:00Z", "/r/a.json", [],
+                             [hung])
+    text = render_text(analyse_figures([node], RULES))
+    assert "\x1b" not in text and "\x07" not in text
+    assert "evil\\x1b]0;pwned\\x07\\x1b[2J" in text and "node\\x1b[31m1" in text
