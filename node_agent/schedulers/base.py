@@ -22,7 +22,9 @@ MAX_REASON_LEN = 200  # Slurm keeps long reasons, but sinfo -R and humans read t
 _NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _NODE_MAX_LEN = 63
 #: the job kinds node_agent.heartbeat writes (docs/training_hangs.md): slurm:$SLURM_JOB_ID,
-#: torchelastic:$TORCHELASTIC_RUN_ID, pod:<name> or pod:<namespace>/<name>, ppid:<launcher pid>
+#: torchelastic:$TORCHELASTIC_RUN_ID, pod:<name> or pod:<namespace>/<name>, ppid:<launcher pid>;
+#: a job the kernel vouched for carries what the adapter checks: ``slurm:<id>@uid:<uid>`` (the
+#: hung process's uid, :func:`split_job_uid`), ``pod:<ns>/<name>@<pod uid>``
 JOB_KINDS = ("slurm", "torchelastic", "pod", "ppid")
 #: prefix training_progress gives a job it cannot vouch for (TrainingProcess.job_verified)
 UNVERIFIED = "unverified:"
@@ -90,6 +92,21 @@ class JobKind:
     kind: str
     id_re: re.Pattern[str]
     example: str  # what to show the operator, e.g. "slurm:1234 or slurm:1234_7"
+
+
+_JOB_UID = re.compile(r"^(?P<job>.+)@uid:(?P<uid>\d{1,10})$")
+
+
+def split_job_uid(job: str) -> tuple[str, int | None]:
+    """``("slurm:1234", 1001)`` for ``slurm:1234@uid:1001``: a verified job carries the uid of
+    the hung process (``training/processes.py``), for the adapter to compare with the job's
+    owner; ``(job, None)`` when it carries none.
+
+    >>> split_job_uid("slurm:1234@uid:1001")
+    ('slurm:1234', 1001)
+    """
+    match = _JOB_UID.fullmatch(job) if isinstance(job, str) else None
+    return (match.group("job"), int(match.group("uid"))) if match else (job, None)
 
 
 def show_job(job: object, max_len: int = 80) -> str:

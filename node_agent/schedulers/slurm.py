@@ -7,7 +7,7 @@ Commands (argv lists through :func:`node_agent.proc.run`, always with ``adapter.
     scontrol reboot ASAP nextstate=RESUME reason="node-agent: ..." N
     scontrol update NodeName=N State=FAIL Reason="node-agent: replace: ..."     (replace)
     scontrol show node -o [N]                                                 (state)
-    squeue --noheader --array --states=all --jobs=J --format=%A|%i|%T|%N      (restart_job)
+    squeue --noheader --array --states=all --jobs=J --format=%A|%i|%T|%N|%U   (restart_job)
     squeue --noheader --array --states=RUNNING --jobs=J --nodelist=N --format=%A
     scontrol requeue J                                                        (restart_job)
 
@@ -29,10 +29,14 @@ reason as they are (detail ``left-as-is:``).
 
 A failing or hung ``scontrol`` raises :class:`AdapterError` with its stderr; it never hangs the agent.
 
-Restarting a hung job (``restart_job``): only ``slurm:<job id>`` (``1234``, or ``1234_7`` for
-an array task), and only a job that Slurm itself says is RUNNING with this node in its
-allocation; the job id comes from a training process (untrusted), so a job elsewhere is never
-requeued. The check uses ``squeue`` with a fixed ``%``-format of fields users cannot set
+Restarting a hung job (``restart_job``): only ``slurm:<job id>@uid:<uid>`` (``1234``, or
+``1234_7`` for an array task; the uid is the hung process's, ``training/processes.py``), and
+only a job that Slurm itself says is RUNNING with this node in its allocation and that belongs
+to that uid (``%U``, the job's numeric UserId). The job id comes from a training process
+(untrusted): a job elsewhere, or another user's job, is never requeued, and a job id without
+the process's uid (an older agent's plan, an operator's hand-written one) is refused, since
+whose job it is cannot be checked. The check uses ``squeue`` with a fixed ``%``-format of
+fields users cannot set
 (``scontrol show job -o`` prints the user's JobName, WorkDir and Command among its
 ``Key=Value`` fields, where ``x NodeList=gpu-01`` could pass for a field). A job that is not
 running (already requeued, by another node's agent for the same hang, or ended) is left alone:
@@ -54,6 +58,8 @@ from node_agent.schedulers.base import (
     check_job_id,
     check_node_name,
     sanitise_reason,
+    show_job,
+    split_job_uid,
 )
 
 if TYPE_CHECKING:
@@ -64,8 +70,9 @@ REBOOT_UNAVAILABLE = "reboot-unavailable:"  # detail prefix: no RebootProgram (s
 LEFT_AS_IS = "left-as-is:"  # detail prefix: drained by someone else, their reason kept
 JOB_NOT_RUNNING = "job-not-running:"  # detail prefix: restart_job found nothing to requeue
 #: the jobs restart_job accepts: a Slurm job id, or <array job id>_<task id>
-SLURM_JOB = JobKind("slurm", re.compile(r"\d+(_\d+)?"), "slurm:<job id>, e.g. slurm:1234 or "
-                    "slurm:1234_7")
+SLURM_JOB = JobKind("slurm", re.compile(r"\d+(_\d+)?@uid:\d{1,10}"),
+                    "slurm:<job id>@uid:<uid of the hung process>, e.g. slurm:1234@uid:1001 or "
+                    "slurm:1234_7@uid:1001")
 # State flags after the base state ("IDLE+DRAIN", "MIXED+DRAIN", "DOWN+FAIL"): any of these
 # means the scheduler will not start new jobs on the node (drained or draining).
 _DRAIN_FLAGS = {"DRAIN", "DRAINING", "DRAINED", "FAIL", "FAILING"}
@@ -221,18 +228,26 @@ class SlurmAdapter:
 
     def restart_job(self, node: str, job: str, reason: str, *,
                     key: str | None = None) -> str:
-        """Requeue the Slurm job ``job`` (``slurm:<id>``) if it is RUNNING on ``node``.
+        """Requeue the Slurm job ``job`` (``slurm:<id>@uid:<uid>``) if it is RUNNING on
+        ``node`` and belongs to ``uid`` (the hung process's).
 
-        Raises AdapterError for another kind of job, a job Slurm does not know, a job id
-        naming several array tasks, a job running only on other nodes, or a failed requeue.
-        A job that is not running at all is left alone (detail ``job-not-running:``).
+        Raises AdapterError for another kind of job, a job id without the process's uid, a job
+        Slurm does not know, a job id naming several array tasks, another user's job (or one
+        whose owner squeue does not say), a job running only on other nodes, or a failed
+        requeue. A job that is not running at all is left alone (detail ``job-not-running:``).
         """
         node, reason = check_node_name(node), sanitise_reason(reason)
-        _, job_id = check_job_id(job, accepts=(SLURM_JOB,), adapter="Slurm", node=node,
-                                 what="Slurm jobs")
+        if isinstance(job, str) and job.startswith("slurm:") and split_job_uid(job)[1] is None:
+            raise AdapterError(
+                f"refusing to requeue Slurm job {show_job(job)}: the job id does not carry the "
+                "uid of the hung process (slurm:<id>@uid:<uid>), so whose job it is cannot be "
+                "checked against Slurm's; requeue it by hand (scontrol requeue) after checking")
+        _, ident = check_job_id(job, accepts=(SLURM_JOB,), adapter="Slurm", node=node,
+                                what="Slurm jobs")
+        job_id, uid = split_job_uid(ident)
         refuse = f"the Slurm adapter restarts only Slurm jobs running on {node}; job {job}"
         try:
-            rows = self._squeue("--states=all", f"--jobs={job_id}", "--format=%A|%i|%T|%N")
+            rows = self._squeue("--states=all", f"--jobs={job_id}", "--format=%A|%i|%T|%N|%U")
         except AdapterError as err:
             if "Invalid job id" not in str(err):
                 raise
@@ -241,13 +256,24 @@ class SlurmAdapter:
             raise AdapterError(f"{refuse} is not known to Slurm (squeue: Invalid job id "
                                "specified); the id came from a training process: check its "
                                "SLURM_JOB_ID and the job with squeue")
-        if len(rows) != 1 or len(rows[0]) != 4:
+        if len(rows) != 1 or len(rows[0]) != 5:
             shown = ", ".join("|".join(r) for r in rows[:5]) or "nothing"
             raise AdapterError(f"{refuse} is not one running job: squeue --jobs={job_id} "
                                f"listed {len(rows)} record(s) ({shown}); an array job id names "
                                "all its tasks: the heartbeat should carry the task's own "
                                "SLURM_JOB_ID")
-        unique_id, shown_id, state, nodelist = rows[0]
+        unique_id, shown_id, state, nodelist, owner = rows[0]
+        if not owner.isdigit():
+            raise AdapterError(
+                f"REFUSED: not requeueing Slurm job {shown_id}: squeue did not say whose job it "
+                f"is (UserId {owner[:40]!r}), so it cannot be checked against the hung "
+                f"process's uid {uid}; requeue it by hand after checking")
+        if int(owner) != uid:
+            raise AdapterError(
+                f"REFUSED: not requeueing Slurm job {shown_id}: it belongs to uid {owner}, but "
+                f"the hung process that named it runs as uid {uid}; a user's process can name "
+                "another user's job (SLURM_JOB_ID is the user's to set), so only the job's own "
+                "processes may have it requeued. Check the process and the job by hand")
         if state != "RUNNING":
             return (f"{JOB_NOT_RUNNING} Slurm job {shown_id} is {state}, not running; nothing "
                     f"requeued (already requeued, e.g. by another node's agent for the same "

@@ -24,10 +24,12 @@ cannot be replayed later or with another nonce. A receiver (docs/schedulers.md h
    completing a half-done action after a crash), and new for the same fault after a repair
    (it covers the fault's first sighting in the episode, ``remediation/executor.py``).
 
-``restart_job`` posts action ``restart-job`` with one more key, ``"job": "slurm:1234"`` (only a
-job the kernel vouched for reaches an adapter: ``training/processes.py``; a pod's carries its
-UID, ``pod:<ns>/<name>@<uid>``); the receiver restarts it and must check itself that the job
-runs on ``node``.
+``restart_job`` posts action ``restart-job`` with two more keys, ``"job": "slurm:1234"`` and
+``"uid": 1001``, the uid of the hung process (only a job the kernel vouched for reaches an
+adapter: ``training/processes.py``; a pod's job carries its UID, ``pod:<ns>/<name>@<uid>``, and
+``uid`` is null when the job carries none). The receiver restarts it and must check itself
+that the job runs on ``node`` and that it belongs to ``uid`` (a user's process can name
+another user's job in its environment; only the cgroup and the uid are the kernel's word).
 
 Transport: ``https`` (verified against ``adapter.webhook.ca_file``, else the system CAs, with an
 optional client certificate ``client_cert``/``client_key``); plain ``http`` only to a loopback
@@ -64,6 +66,7 @@ from node_agent.schedulers.base import (
     check_job_id,
     check_node_name,
     sanitise_reason,
+    split_job_uid,
 )
 
 if TYPE_CHECKING:
@@ -204,8 +207,11 @@ class WebhookAdapter:
         import requests
 
         node, reason = check_node_name(node), sanitise_reason(reason)
+        extra: dict[str, Any] = {}
         if job is not None:
             check_job_id(job)
+            bare, uid = split_job_uid(job)
+            extra = {"job": bare, "uid": uid}
         what = f"{action} {job} on {node}" if job is not None else f"{action} {node}"
         start = self._monotonic()
         last = "no attempt made"
@@ -224,8 +230,7 @@ class WebhookAdapter:
             nonce = secrets.token_hex(16)
             payload = {"schema": BODY_SCHEMA, "action": action, "node": node, "reason": reason,
                        "idempotency_key": key or idempotency_key(node, action, reason, job),
-                       "at": self._clock(), "timestamp": timestamp, "nonce": nonce,
-                       **({"job": job} if job is not None else {})}
+                       "at": self._clock(), "timestamp": timestamp, "nonce": nonce, **extra}
             body = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
             headers = {"Content-Type": "application/json", TIMESTAMP_HEADER: str(timestamp),
                        NONCE_HEADER: nonce, SIGNATURE_HEADER: sign(self._secret, body, timestamp)}

@@ -236,7 +236,7 @@ def test_restart_job_requeues_a_real_batch_job_running_on_the_node(slurm):
     job = slurm.submit()
     running = slurm.wait_job(job, "RUNNING")
     assert running["NodeList"] == slurm.node and running["Restarts"] == "0"
-    detail = adapter_for(slurm).restart_job(slurm.node, f"slurm:{job}", HANG_REASON.format(job))
+    detail = adapter_for(slurm).restart_job(slurm.node, f"slurm:{job}@uid:0", HANG_REASON.format(job))
     assert detail.startswith(f"slurm: requeued job {job}"), detail
     fields = slurm.show_job(job)
     assert fields["Restarts"] == "1", fields
@@ -254,8 +254,8 @@ def test_restart_job_refuses_a_job_running_on_another_node_and_does_not_requeue_
     slurm.wait_job(job, "RUNNING")
     other = slurm.fake_nodes[0]
     with pytest.raises(AdapterError, match=rf"restarts only Slurm jobs running on {other}; "
-                                           rf"job slurm:{job} runs on {slurm.node}"):
-        adapter_for(slurm).restart_job(other, f"slurm:{job}", HANG_REASON.format(job))
+                                           rf"job slurm:{job}@uid:0 runs on {slurm.node}"):
+        adapter_for(slurm).restart_job(other, f"slurm:{job}@uid:0", HANG_REASON.format(job))
     fields = slurm.show_job(job)
     assert (fields["JobState"], fields["Restarts"]) == ("RUNNING", "0"), fields
 
@@ -263,32 +263,55 @@ def test_restart_job_refuses_a_job_running_on_another_node_and_does_not_requeue_
 def test_restart_job_leaves_a_job_that_is_not_running_alone(slurm):
     job = slurm.submit("--hold")
     slurm.wait_job(job, "PENDING")
-    detail = adapter_for(slurm).restart_job(slurm.node, f"slurm:{job}", HANG_REASON.format(job))
+    detail = adapter_for(slurm).restart_job(slurm.node, f"slurm:{job}@uid:0", HANG_REASON.format(job))
     assert detail.startswith(JOB_NOT_RUNNING) and "PENDING" in detail, detail
     assert slurm.show_job(job)["Restarts"] == "0"
 
 
 def test_restart_job_of_a_job_slurm_does_not_know_names_the_id(slurm):
-    with pytest.raises(AdapterError, match="job slurm:999999 is not known to Slurm"):
-        adapter_for(slurm).restart_job(slurm.node, "slurm:999999", HANG_REASON.format(999999))
+    with pytest.raises(AdapterError, match="job slurm:999999@uid:0 is not known to Slurm"):
+        adapter_for(slurm).restart_job(slurm.node, "slurm:999999@uid:0", HANG_REASON.format(999999))
 
 
 def test_restart_job_of_a_no_requeue_job_fails_with_what_to_do(slurm):
     job = slurm.submit("--no-requeue")
     slurm.wait_job(job, "RUNNING")
     with pytest.raises(AdapterError, match="--no-requeue.*scancel"):
-        adapter_for(slurm).restart_job(slurm.node, f"slurm:{job}", HANG_REASON.format(job))
+        adapter_for(slurm).restart_job(slurm.node, f"slurm:{job}@uid:0", HANG_REASON.format(job))
     assert slurm.show_job(job)["JobState"] == "RUNNING"
 
 
 def test_restart_job_refuses_an_array_id_naming_several_tasks(slurm):
     job = slurm.submit("--array=1-3", "--hold")
     with pytest.raises(AdapterError, match="listed 3 record"):
+        adapter_for(slurm).restart_job(slurm.node, f"slurm:{job}@uid:0", HANG_REASON.format(job))
+
+
+def test_restart_job_refuses_another_users_job_and_does_not_requeue_it(slurm):
+    """The job runs as root (sbatch as root); the hung process that named it runs as uid
+    1001: a user's process may put any SLURM_JOB_ID in its environment."""
+    job = slurm.submit()
+    slurm.wait_job(job, "RUNNING")
+    with pytest.raises(AdapterError, match=rf"REFUSED: not requeueing Slurm job {job}: it "
+                                           r"belongs to uid 0, but the hung process that named "
+                                           r"it runs as uid 1001"):
+        adapter_for(slurm).restart_job(slurm.node, f"slurm:{job}@uid:1001",
+                                       HANG_REASON.format(job))
+    fields = slurm.show_job(job)
+    assert (fields["JobState"], fields["Restarts"]) == ("RUNNING", "0"), fields
+
+
+def test_restart_job_refuses_a_job_id_without_the_processes_uid(slurm, tmp_path):
+    job = slurm.submit()
+    slurm.wait_job(job, "RUNNING")
+    with pytest.raises(AdapterError, match="does not carry the uid of the hung process"):
         adapter_for(slurm).restart_job(slurm.node, f"slurm:{job}", HANG_REASON.format(job))
+    assert slurm.show_job(job)["Restarts"] == "0"
 
 
 @pytest.mark.parametrize("job", ["pod:ml/trainer-0", "torchelastic:abc", "slurm:1;reboot",
-                                 "slurm:1 State=RESUME", "slurm:-h", "slurm:12_x", "slurm:"])
+                                 "slurm:1 State=RESUME", "slurm:-h", "slurm:12_x", "slurm:",
+                                 "slurm:1@uid:0;reboot", "slurm:1@uid:-1", "slurm:1@uid:0@uid:0"])
 def test_restart_job_refuses_other_or_hostile_job_ids_before_any_slurm_command(slurm, tmp_path,
                                                                               job):
     marker = tmp_path / "ran"

@@ -115,9 +115,11 @@ class _Report:
         return {"grade": self.grade.to_dict()}
 
 
-def _hang(job: str) -> Grade:
+def _hang(job: str, uid: int = 0) -> Grade:
+    """The grade training_progress gives a verified job's hang: the job carries the hung
+    process's uid (the test's jobs run as root, sbatch as root)."""
     return Grade(Level.ERROR, Action.RESTART, (Reason(
-        "training-hang", Level.ERROR, f"job:slurm:{job}/rank:0",
+        "training-hang", Level.ERROR, f"job:slurm:{job}@uid:{uid}/rank:0",
         "rank 0 (pid 4242) made no step for 412 s; stuck in all_reduce"),))
 
 
@@ -143,6 +145,25 @@ def test_hung_job_is_requeued_through_slurm_and_the_node_stays_in_service(slurm,
         store.close()
 
 
+def test_a_hung_process_naming_another_users_job_gets_no_requeue(slurm, tmp_path):
+    """The hung process runs as uid 1001 and its job id is root's running job: the remediator
+    records the restart as failed with the adapter's refusal, and Slurm's job is untouched."""
+    job = slurm.submit()
+    slurm.wait_job(job, "RUNNING")
+    store = open_store(tmp_path / "state")
+    try:
+        rem = Remediator(store, SlurmAdapter(env=slurm.env()), slurm.node, Safety(),
+                         state_dir=tmp_path / "state", warn=lambda _m: None)
+        out = rem.remediate(_Report(_hang(job, uid=1001)))
+        (rec,) = out.records
+        assert (rec.action, rec.outcome) == ("restart-job", "failed"), rec
+        assert "belongs to uid 0" in rec.detail and "uid 1001" in rec.detail, rec.detail
+        fields = slurm.show_job(job)
+        assert (fields["JobState"], fields["Restarts"]) == ("RUNNING", "0"), fields
+    finally:
+        store.close()
+
+
 def test_recovered_job_restart_after_the_requeue_happened_is_not_repeated(slurm, tmp_path):
     """The agent died after `scontrol requeue` and before closing its journal row: the next
     run sends it again, Slurm says the job is no longer running, nothing is requeued twice."""
@@ -151,10 +172,11 @@ def test_recovered_job_restart_after_the_requeue_happened_is_not_repeated(slurm,
     slurm.run("scontrol", "requeue", job)  # what the interrupted run had done
     store = open_store(tmp_path / "state")
     try:
-        store.journal_plan(key=f"{slurm.node}|restart-job|training-hang@job:slurm:{job}|0",
+        store.journal_plan(key=f"{slurm.node}|restart-job|training-hang@job:slurm:{job}@uid:0|0",
                            node=slurm.node, action="restart-job",
-                           reason=f"node-agent: ERROR training-hang job slurm:{job}",
-                           fault_code="training-hang", target=f"job:slurm:{job}", attempt=0,
+                           reason=f"node-agent: ERROR training-hang job slurm:{job}@uid:0",
+                           fault_code="training-hang", target=f"job:slurm:{job}@uid:0",
+                           attempt=0,
                            to_state=None, trigger="auto", adapter="slurm", now=0.0,
                            state="started")
         out = Remediator(store, SlurmAdapter(env=slurm.env()), slurm.node, Safety(),

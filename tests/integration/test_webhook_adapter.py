@@ -200,15 +200,20 @@ def test_missing_url_is_adapter_error_naming_the_key():
 def test_restart_job_posts_signed_event_with_the_job_and_a_per_job_key(receiver, tmp_path):
     adapter, _ = adapter_for(receiver.url, tmp_path)
     reason = "node-agent: ERROR training-hang job slurm:1234 rank:3"
-    detail = adapter.restart_job("gpu-01", "slurm:1234", reason)
-    assert detail.startswith("webhook: restart-job slurm:1234 on gpu-01 accepted")
-    adapter.restart_job("gpu-01", "slurm:1234", reason)
-    adapter.restart_job("gpu-01", "slurm:1235", reason)  # another job, same words
-    first, again, other = receiver.received
+    detail = adapter.restart_job("gpu-01", "slurm:1234@uid:1001", reason)
+    assert detail.startswith("webhook: restart-job slurm:1234@uid:1001 on gpu-01 accepted")
+    adapter.restart_job("gpu-01", "slurm:1234@uid:1001", reason)
+    adapter.restart_job("gpu-01", "slurm:1235@uid:1001", reason)  # another job, same words
+    adapter.restart_job("gpu-01", "pod:ml/trainer-0@0f3c6b0e-2f6a-4b7c-9a7e-1234567890ab",
+                        reason)
+    first, again, other, pod = receiver.received
     assert first["valid"]
     body = first["body"]
-    assert (body["action"], body["node"], body["job"], body["reason"]) == (
-        "restart-job", "gpu-01", "slurm:1234", reason)
+    # the job and the uid of the process that hung, for the receiver to check the job's owner
+    assert (body["action"], body["node"], body["job"], body["uid"], body["reason"]) == (
+        "restart-job", "gpu-01", "slurm:1234", 1001, reason)
+    assert (pod["body"]["job"], pod["body"]["uid"]) == (
+        "pod:ml/trainer-0@0f3c6b0e-2f6a-4b7c-9a7e-1234567890ab", None)
     assert first["body"]["idempotency_key"] == again["body"]["idempotency_key"]
     assert other["body"]["idempotency_key"] != first["body"]["idempotency_key"]
 
