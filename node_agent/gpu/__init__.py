@@ -1,7 +1,8 @@
 """GPU access: one interface, the backend chosen here and nowhere else.
 
-``open_backend()`` returns the simulator when a scenario is given, NVML when the driver loads,
-and otherwise a backend with no GPUs that says why (so checks ``skip`` with that reason).
+``open_backend()`` returns the simulator when a scenario is given (a captured node's recorded
+NVML, replayed, when the scenario is a capture), NVML when the driver loads, and otherwise a
+backend with no GPUs that says why (so checks ``skip`` with that reason).
 """
 
 from __future__ import annotations
@@ -31,7 +32,16 @@ __all__ = [
 
 def open_backend(scenario: Scenario | None = None, scenario_sku: Sku | None = None,
                  call_timeout_s: float = 10.0) -> GpuBackend:
-    """Pick the node's GPU backend: simulator, NVML, or none (with the reason)."""
+    """Pick the node's GPU backend: simulator, NVML, or none (with the reason).
+
+    A captured scenario (``node-agent capture``, docs/capture.md) replays its recorded NVML
+    through the real NVML backend (:mod:`node_agent.gpu.replay`); any other scenario is the
+    simulator's model of its SKU."""
+    if scenario is not None and scenario.nvml is not None:
+        from node_agent.gpu.replay import open_replay
+
+        return open_replay(scenario.nvml, scenario.kernel_log, scenario.source,
+                           call_timeout_s=call_timeout_s)
     if scenario is not None:
         from node_agent.gpu.sim import SimGpuBackend
 

@@ -203,6 +203,11 @@ THROTTLE_REASONS = (
 #: aggregateUncBucketL2, ...Sm, ...Pcie, ...Mcu (microcontroller), ...Other
 SRAM_UNITS = ("l2", "sm", "pcie", "mcu", "other")
 
+#: ``nvmlGpuVirtualizationMode_t`` as names, in its order (NVML_GPU_VIRTUALIZATION_MODE_NONE = 0:
+#: bare metal; PASSTHROUGH: the whole GPU handed to this VM; VGPU: a vGPU inside a VM;
+#: HOST_VGPU / HOST_VSGA: the hypervisor's view of a GPU it shares out)
+VIRTUALIZATION_MODES = ("none", "pass_through", "vgpu", "host_vgpu", "host_vsga")
+
 #: ``nvmlGpuRecoveryAction_t`` as names; "none" means the driver asks for nothing
 RECOVERY_ACTIONS = (
     "none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset", "recover_imex_domain",
@@ -243,6 +248,13 @@ class GpuDevice(Protocol):
     def nvlinks(self) -> list[NvLink]: ...
     def compute_processes(self) -> list[GpuProcess]: ...
     def utilization(self) -> Utilization: ...
+
+    def virtualization_mode(self) -> str:
+        """``nvidia-smi -q``: GPU Virtualization Mode, as a name from ``VIRTUALIZATION_MODES``
+        (``nvmlDeviceGetVirtualizationMode``). ``"pass_through"``: the GPU is this VM's alone,
+        and what sits behind the hypervisor (its NVLinks, the board's other GPUs) is not this
+        host's to see. Raises :class:`NotSupported` where NVML does not answer."""
+        ...
 
 
 @runtime_checkable

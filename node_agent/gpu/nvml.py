@@ -22,6 +22,7 @@ from typing import Any
 from node_agent.gpu.base import (
     RECOVERY_ACTIONS,
     THROTTLE_REASONS,
+    VIRTUALIZATION_MODES,
     Clocks,
     DeviceLost,
     DriverInfo,
@@ -190,6 +191,16 @@ class NvmlBackend:
         self._event_lock = threading.Lock()
         self._event_set: Any = None
         self._event_gpus: dict[Any, int] = {}
+
+    @property
+    def lib(self) -> Any:
+        """The nvidia-ml-py module (or what stands in for it): its constants and structs."""
+        return self._lib
+
+    def call(self, names: str | Sequence[str], *args: Any, gpu: int | None = None) -> Any:
+        """One NVML call through the choke point, its raw return value (``node-agent
+        capture`` records calls this way: the call is timed, an error is translated)."""
+        return self._call(names, *args, gpu=gpu)
 
     # -- the choke point --------------------------------------------------------------------------
 
@@ -643,6 +654,16 @@ class NvmlDevice:
         sample period a kernel ran / device memory was read or written)."""
         rates = self._call("nvmlDeviceGetUtilizationRates")
         return Utilization(gpu_pct=int(rates.gpu), memory_pct=int(rates.memory))
+
+    def virtualization_mode(self) -> str:
+        """``nvidia-smi -q``: GPU Virtualization Mode (``nvmlDeviceGetVirtualizationMode``).
+
+        A name from ``base.VIRTUALIZATION_MODES`` (``nvmlGpuVirtualizationMode_t`` order); a
+        value newer than that list reads ``unknown_<n>``.
+        """
+        n = int(self._call("nvmlDeviceGetVirtualizationMode"))
+        return VIRTUALIZATION_MODES[n] if 0 <= n < len(VIRTUALIZATION_MODES) else f"unknown_{n}"
+
 
 
 def open_nvml(call_timeout_s: float = 10.0, lib: Any = None) -> NvmlBackend:

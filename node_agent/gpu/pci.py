@@ -133,6 +133,46 @@ def read_bus(root: Path = SYSFS_PCI_DEVICES) -> PciBus:
     return PciBus(gpus=tuple(gpus), root=str(root))
 
 
+def read_functions(root: Path = SYSFS_PCI_DEVICES,
+                   vendor: int = NVIDIA_VENDOR_ID) -> list[dict[str, str | None]]:
+    """Every PCI function of ``vendor`` under ``root`` as ``node-agent capture`` records it:
+    ``bdf``, ``vendor``, ``device``, ``class`` (``0x``-hex text, as sysfs holds them), the
+    bound ``driver`` (None when none) and ``physfn`` (an SR-IOV virtual function's parent).
+    GPUs, NVSwitches and a GPU's audio function alike: the replayed bus is read by
+    :func:`read_bus` as the real one is. Raises :class:`PciUnreadable` when ``root`` cannot be
+    listed; a function that vanishes or reads oddly is kept with what could be read."""
+    try:
+        entries = sorted(os.listdir(root))
+    except OSError as err:
+        raise PciUnreadable(f"cannot list {root}: {err.strerror or err}") from err
+    out: list[dict[str, str | None]] = []
+    for name in entries:
+        device = root / name
+        if _hex_file(device / "vendor") != vendor:
+            continue
+        try:
+            bdf = normalise_bus_id(name)
+        except ValueError:
+            continue
+        entry: dict[str, str | None] = {"bdf": bdf, "vendor": f"0x{vendor:04x}"}
+        device_id = _hex_file(device / "device")
+        entry["device"] = None if device_id is None else f"0x{device_id:04x}"
+        class_code = _hex_file(device / "class")
+        if class_code is None:
+            continue  # no class, no way to tell what it is: the reader would skip it too
+        entry["class"] = f"0x{class_code:06x}"
+        try:
+            entry["driver"] = os.path.basename(os.readlink(device / "driver"))
+        except OSError:
+            entry["driver"] = None
+        try:
+            entry["physfn"] = normalise_bus_id(os.path.basename(os.readlink(device / "physfn")))
+        except (OSError, ValueError):
+            pass
+        out.append(entry)
+    return out
+
+
 @dataclass(frozen=True)
 class BusComparison:
     """The PCI bus against the GPUs NVML enumerates."""

@@ -295,6 +295,12 @@ class SimGpuDevice:
         factor = float(slow.params["factor"]) if slow else 1.0
         return Utilization(gpu_pct=_LOAD_GPU_PCT, memory_pct=round(_LOAD_MEMORY_PCT * factor))
 
+    def virtualization_mode(self) -> str:
+        """The scenario's ``virtualization`` (default ``none``: bare metal)."""
+        self._answer()
+        return self._scenario.virtualization
+
+
 
 class SimGpuBackend:
     """The simulated node's GPUs. A ``missing_gpu`` or ``pci_only`` GPU is absent from
@@ -346,9 +352,10 @@ class SimGpuBackend:
         self._load.set(indices, active)
 
     def kernel_log_lines(self) -> list[str]:
-        """Kernel-log lines printed since boot, in scenario order: an NVRM line per ``xid``,
-        and each ``kernel_log`` line with ``{bus}`` replaced by its GPU's bus id."""
-        lines = []
+        """Kernel-log lines printed since boot: the scenario's ``kernel_log`` records first,
+        then in scenario order an NVRM line per ``xid`` fault and each ``kernel_log`` fault's
+        line with ``{bus}`` replaced by its GPU's bus id."""
+        lines = list(self.scenario.kernel_log)
         for fault in self.scenario.faults:
             if fault.kind == "xid":
                 lines.append(xid_kernel_line(fault.gpu, fault.params["code"]))

@@ -36,9 +36,11 @@ from node_agent.gpu.base import (
     RECOVERY_ACTIONS,
     SRAM_UNITS,
     THROTTLE_REASONS,
+    VIRTUALIZATION_MODES,
     GpuDevice,
     NotSupported,
 )
+from node_agent.gpu.replay import CaptureFormatError, capture_state_lines
 from node_agent.gpu.sim import SimGpuBackend
 from node_agent.grading.sku import Sku, load_skus
 from node_agent.sim.scenario import Scenario, load_scenario
@@ -219,6 +221,9 @@ def _device_lines(dev: GpuDevice) -> list[str]:
     util = _reading(dev.utilization)
     if util is not None:
         put("utilization", f"{util.gpu_pct} {util.memory_pct}")
+    mode = _reading(dev.virtualization_mode)
+    if mode in VIRTUALIZATION_MODES:
+        put("virtualization_mode", VIRTUALIZATION_MODES.index(mode))
     put("event_types", f"{_EVENT_TYPES:#x}")
     return out
 
@@ -233,6 +238,8 @@ def render(scenario: Scenario, sku: Sku, switches: Iterable[Switch] = (),
     """
     switches = tuple(switches)
     extra = dict(extra or {})
+    if scenario.captured:
+        return _render_capture(scenario, switches, extra)
     for gpu in [s.gpu for s in switches] + list(extra):
         if gpu is not None and not 0 <= gpu < scenario.gpus:
             raise ConfigError(f"nvml_state: GPU {gpu} is not one of the scenario's "
@@ -266,6 +273,40 @@ def render(scenario: Scenario, sku: Sku, switches: Iterable[Switch] = (),
         lines += extra.get(dev.index, ())
     backend.close()
     return "\n".join(lines) + "\n"
+
+
+def _render_capture(scenario: Scenario, switches: tuple[Switch, ...],
+                    extra: Mapping[int | None, Sequence[str]]) -> str:
+    """A captured node's state file: its recorded NVML keys as they are (docs/capture.md),
+    then the switches and extra lines. ``gpu`` numbers are NVML's (a capture has no others)."""
+    assert scenario.nvml is not None
+    for gpu in [s.gpu for s in switches] + list(extra):
+        if gpu is not None and not 0 <= gpu < scenario.gpus:
+            raise ConfigError(f"nvml_state: GPU {gpu} is not one of the capture's "
+                              f"{scenario.gpus} GPUs (0..{scenario.gpus - 1})")
+    try:
+        lines = capture_state_lines(scenario.nvml, scenario.source)
+    except CaptureFormatError as err:
+        raise ConfigError(f"{scenario.source}: {err}") from err
+    system_end = lines.index("") if "" in lines else len(lines)
+    global_lines = [s.line() for s in switches if s.gpu is None] + list(extra.get(None, ()))
+    lines[system_end:system_end] = global_lines
+    out: list[str] = []
+    gpu = -1
+    for line in lines:
+        if line.startswith("[gpu ") and gpu >= 0:
+            out += _gpu_additions(gpu, switches, extra)
+        if line.startswith("[gpu "):
+            gpu += 1
+        out.append(line)
+    if gpu >= 0:
+        out += _gpu_additions(gpu, switches, extra)
+    return "\n".join(out) + "\n"
+
+
+def _gpu_additions(gpu: int, switches: tuple[Switch, ...],
+                   extra: Mapping[int | None, Sequence[str]]) -> list[str]:
+    return [s.line() for s in switches if s.gpu == gpu] + list(extra.get(gpu, ()))
 
 
 def write_state(path: str | Path, text: str) -> None:

@@ -10,7 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from node_agent.gpu.base import RECOVERY_ACTIONS, SRAM_UNITS, THROTTLE_REASONS
+from node_agent.gpu.base import (
+    RECOVERY_ACTIONS,
+    SRAM_UNITS,
+    THROTTLE_REASONS,
+    VIRTUALIZATION_MODES,
+)
 from node_agent.yamlfile import ConfigError, load_yaml
 
 _GPU = {"type": "integer", "minimum": 0}
@@ -21,6 +26,23 @@ _DRIVER_NAME = r"^[A-Za-z0-9_.-]+$"
 #: answers NVML_ERROR_DRIVER_NOT_LOADED: a kernel update without the DKMS build), or no
 #: user-space driver is installed (libnvidia-ml.so.1 not found). The GPUs stay on the PCI bus.
 DRIVER_DOWN_STATES = ("not_loaded", "not_installed")
+#: fault kinds a capture takes on top of its recording: those acting outside NVML (a capture
+#: replays NVML as recorded; to change what NVML says, edit the recorded value)
+CAPTURE_FAULT_KINDS = frozenset({"kernel_log", "slow", "sdc", "hca_port_down", "hca_rate",
+                                 "hca_slow", "hca_flap"})
+_HEX = r"^0x[0-9a-fA-F]+$"
+_BDF = {"type": "string", "pattern": r"^[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$"}
+#: one recorded NVML answer (docs/capture.md): a value, several (a key NVML repeats, e.g.
+#: ``process``), or the NVML error the call returned
+_NVML_SCALAR = {"type": ["string", "integer", "number", "boolean"]}
+_NVML_VALUE = {"anyOf": [
+    _NVML_SCALAR,
+    {"type": "array", "items": _NVML_SCALAR},
+    {"type": "object", "additionalProperties": False, "required": ["error"],
+     "properties": {"error": {"type": "string"}, "code": {"type": "integer"}}},
+]}
+_NVML_KEYS = {"type": "object", "propertyNames": {"pattern": r"^[A-Za-z0-9_.]{1,63}$"},
+              "additionalProperties": _NVML_VALUE}
 
 
 def _fault(kind: str, props: dict[str, Any], required: tuple[str, ...] = ("gpu",)) -> dict:
@@ -111,6 +133,27 @@ SCENARIO_SCHEMA: dict[str, Any] = {
             "type": "object", "additionalProperties": False, "required": ["gpu", "pid"],
             "properties": {"gpu": _GPU, "pid": {"type": "integer", "minimum": 1},
                            "used_memory_mib": {"type": "integer", "minimum": 0}}}},
+        # bare metal unless said (nvmlDeviceGetVirtualizationMode of every simulated GPU)
+        "virtualization": {"enum": list(VIRTUALIZATION_MODES)},
+        # -- a captured node (node-agent capture; docs/capture.md) --
+        # where, when and how it was captured, or what it was converted from
+        "capture": {"type": "object"},
+        # NVML call by call: the stand-in library's state keys, each with its value or error
+        "nvml": {"type": "object", "additionalProperties": False, "required": ["gpus"],
+                 "properties": {"system": _NVML_KEYS,
+                                "gpus": {"type": "array", "items": _NVML_KEYS}}},
+        # the NVIDIA functions on the PCI bus, as sysfs showed them
+        "pci": {"type": "array", "items": {
+            "type": "object", "additionalProperties": False,
+            "required": ["bdf", "vendor", "class"],
+            "properties": {"bdf": _BDF,
+                           "vendor": {"type": "string", "pattern": _HEX},
+                           "device": {"type": ["string", "null"], "pattern": _HEX},
+                           "class": {"type": "string", "pattern": _HEX},
+                           "driver": {"type": ["string", "null"], "pattern": _DRIVER_NAME},
+                           "physfn": _BDF}}},
+        # the kernel log's tail, one record a line (kmsg's "prio,seq,usec,flags;" kept)
+        "kernel_log": {"type": "array", "items": {"type": "string"}},
         "faults": {
             "type": "array",
             "items": {
@@ -154,6 +197,18 @@ class Scenario:
     hcas: tuple[str, ...] = ()
     faults: tuple[Fault, ...] = field(default_factory=tuple)
     compute_processes: tuple[ComputeProcess, ...] = ()
+    virtualization: str = "none"
+    #: a captured node (docs/capture.md): its provenance, NVML as recorded (the stand-in's
+    #: state keys, ``system`` and one mapping per GPU), PCI functions and kernel-log records
+    capture: dict[str, Any] | None = None
+    nvml: dict[str, Any] | None = None
+    pci: tuple[dict[str, Any], ...] = ()
+    kernel_log: tuple[str, ...] = ()
+
+    @property
+    def captured(self) -> bool:
+        """A recorded node: NVML replays as recorded, not from the SKU's model."""
+        return self.nvml is not None
 
     @property
     def driver_down(self) -> str | None:
@@ -182,13 +237,26 @@ def load_scenario(path: str | Path, known_skus: dict[str, Any] | None = None) ->
     if known_skus is not None and data["sku"] not in known_skus:
         raise ConfigError(f"{source}: key 'sku': {data['sku']!r} is not a SKU file under "
                           f"graders/skus/; expected one of: {', '.join(sorted(known_skus))}")
+    nvml = data.get("nvml")
     gpus = data.get("gpus")
+    if nvml is not None:
+        recorded = len(nvml["gpus"])
+        if gpus is not None and gpus != recorded:
+            raise ConfigError(f"{source}: key 'gpus': {gpus}, but nvml.gpus records {recorded} "
+                              "GPUs (a capture has the GPUs NVML enumerated); drop 'gpus' or "
+                              "make them agree")
+        gpus = recorded
     if gpus is None:
         gpus = known_skus[data["sku"]].gpus_per_node if known_skus else 8
     hcas = tuple(data.get("hcas", []))
     faults = []
     for i, raw in enumerate(data.get("faults") or []):
         validate(raw, FAULT_SCHEMAS[raw["kind"]], f"{source}: faults[{i}]")
+        if nvml is not None and raw["kind"] not in CAPTURE_FAULT_KINDS:
+            raise ConfigError(f"{source}: faults[{i}]: kind {raw['kind']!r} acts on NVML, which "
+                              "a capture replays as recorded; edit the recorded value under "
+                              "'nvml' instead (a capture takes only: "
+                              f"{', '.join(sorted(CAPTURE_FAULT_KINDS))})")
         if "gpu" in raw and raw["gpu"] >= gpus:
             raise ConfigError(f"{source}: faults[{i}]: key 'gpu': {raw['gpu']} is out of range "
                               f"for a node of {gpus} GPUs (0..{gpus - 1})")
@@ -219,6 +287,14 @@ def load_scenario(path: str | Path, known_skus: dict[str, Any] | None = None) ->
                               f"of range for a node of {gpus} GPUs (0..{gpus - 1})")
         processes.append(ComputeProcess(gpu=raw["gpu"], pid=raw["pid"],
                                         used_memory_mib=raw.get("used_memory_mib")))
-    optional = {k: data[k] for k in ("hostname", "driver", "cuda") if k in data}
+    for i, line in enumerate(data.get("kernel_log") or []):
+        if "\n" in line or "\r" in line:
+            raise ConfigError(f"{source}: kernel_log[{i}]: one kernel-log record a line, "
+                              "without line breaks (kmsg writes a break inside a record as "
+                              "\\x0a)")
+    optional = {k: data[k] for k in ("hostname", "driver", "cuda", "virtualization", "capture")
+                if k in data}
     return Scenario(sku=data["sku"], gpus=gpus, source=source, hcas=hcas,
-                    faults=tuple(faults), compute_processes=tuple(processes), **optional)
+                    faults=tuple(faults), compute_processes=tuple(processes), nvml=nvml,
+                    pci=tuple(data.get("pci") or ()),
+                    kernel_log=tuple(data.get("kernel_log") or ()), **optional)

@@ -156,7 +156,9 @@ _INFINIBAND_CLASS = 0x020700  # network controller, InfiniBand
 
 
 def simulated_pci(scenario: Scenario, sku: Sku | None = None) -> tuple[SimPciDevice, ...]:
-    """The scenario's PCI functions (module docstring)."""
+    """The scenario's PCI functions (module docstring); a capture's, as it recorded them."""
+    if scenario.captured:
+        return captured_pci(scenario)
     devices = []
     for index in range(scenario.gpus):
         if scenario.has(index, "missing_gpu"):
@@ -176,6 +178,28 @@ def simulated_pci(scenario: Scenario, sku: Sku | None = None) -> tuple[SimPciDev
             devices.append(SimPciDevice(bus_id=f"0000:{0x05 + n:02x}:00.0",
                                         vendor=NVIDIA_VENDOR_ID, class_code=_NVSWITCH_CLASS,
                                         driver=None if scenario.driver_down else "nvidia-nvswitch"))
+    for n, _hca in enumerate(scenario.hcas):
+        devices.append(SimPciDevice(bus_id=f"0000:0c:00.{n}", vendor=_MELLANOX_VENDOR_ID,
+                                    class_code=_INFINIBAND_CLASS, driver="mlx5_core"))
+    return tuple(devices)
+
+
+def captured_pci(scenario: Scenario) -> tuple[SimPciDevice, ...]:
+    """A capture's ``pci`` entries (bdf, vendor, device, class, bound driver), as sysfs
+    showed them on the captured node; the HCAs of its ``hcas`` as for any scenario."""
+    devices, seen = [], set()
+    for entry in scenario.pci:
+        bus_id = normalise_bus_id(entry["bdf"])
+        if bus_id in seen:  # sysfs has one directory per function
+            continue
+        seen.add(bus_id)
+        device = entry.get("device")
+        physfn = entry.get("physfn")
+        devices.append(SimPciDevice(bus_id=bus_id, vendor=int(entry["vendor"], 16),
+                                    class_code=int(entry["class"], 16),
+                                    driver=entry.get("driver"),
+                                    device=0 if device is None else int(device, 16),
+                                    physfn=None if physfn is None else normalise_bus_id(physfn)))
     for n, _hca in enumerate(scenario.hcas):
         devices.append(SimPciDevice(bus_id=f"0000:0c:00.{n}", vendor=_MELLANOX_VENDOR_ID,
                                     class_code=_INFINIBAND_CLASS, driver="mlx5_core"))

@@ -1084,10 +1084,26 @@ EXPORT nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, nvmlEnable
     DONE(rc);
 }
 
+/* virtualization_mode: an nvmlGpuVirtualizationMode_t (0 none/bare metal, 1 pass-through,
+ * 2 vGPU, 3 host vGPU, 4 host vSGA). */
+EXPORT nvmlReturn_t nvmlDeviceGetVirtualizationMode(nvmlDevice_t device,
+                                                    nvmlGpuVirtualizationMode_t *pVirtualMode)
+{
+    DEVICE_CALL(device);
+    REQUIRE(pVirtualMode);
+    unsigned mode = 0;
+    rc = get_uint(gpu, "virtualization_mode", &mode);
+    if (rc == NVML_SUCCESS)
+        *pVirtualMode = (nvmlGpuVirtualizationMode_t)mode;
+    DONE(rc);
+}
+
 /* -- NVLink --------------------------------------------------------------------------------- */
 
 /* nvlink.<link>.<what>. A link index the state does not describe is INVALID_ARGUMENT on a GPU
- * with NVLink (an index beyond its links) and NOT_SUPPORTED on one without. */
+ * with NVLink (an index beyond its links) and NOT_SUPPORTED on one without; a link whose state
+ * is "error <code>" answers that code for every call on it (a captured link NVML did not
+ * answer for: docs/capture.md). */
 static nvmlReturn_t nvlink_key(const fake_section_t *gpu, unsigned link, const char *what,
                                char *key, size_t len)
 {
@@ -1095,8 +1111,12 @@ static nvmlReturn_t nvlink_key(const fake_section_t *gpu, unsigned link, const c
         return NVML_ERROR_INVALID_ARGUMENT;
     char state_key[FAKE_KEY_MAX];
     snprintf(state_key, sizeof state_key, "nvlink.%u.state", link);
-    if (!fake_get(gpu, state_key))
+    const char *state = fake_get(gpu, state_key);
+    if (!state)
         return fake_has_prefix(gpu, "nvlink.") ? NVML_ERROR_INVALID_ARGUMENT : NVML_ERROR_NOT_SUPPORTED;
+    nvmlReturn_t rc;
+    if (value_error(state, &rc))
+        return rc;
     snprintf(key, len, "nvlink.%u.%s", link, what);
     return NVML_SUCCESS;
 }

@@ -1,0 +1,620 @@
+"""A captured node's NVML, replayed call by call through the real NVML backend (``--simulate``).
+
+``node-agent capture`` records a node's NVML as the stand-in library's state keys
+(docs/nvml_fake.md, docs/capture.md): one key per NVML call and argument, each with the value
+NVML gave or ``{error: <name>, code: <nvmlReturn_t>}``. This module turns that record into a
+state file's text (:func:`capture_state_lines`: the same text the stand-in
+``libnvidia-ml.so.1`` replays, ``NVML_FAKE_SCENARIO``) and answers NVML calls from such a text
+in Python (:class:`StateNvml`, the stand-in's rules for the calls the backend makes: a key the
+state does not give is NVML_ERROR_NOT_SUPPORTED, ``error <code>`` returns that code). The NVML
+backend (:class:`node_agent.gpu.nvml.NvmlBackend`) runs unchanged on top, so a capture is
+graded through the same code as the node it came from, Not Supported staying Not Supported.
+
+Plain data in, no scenario objects: ``node_agent.sim`` sits above this wing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Iterable, Mapping
+from types import SimpleNamespace
+from typing import Any
+
+from node_agent.gpu.absent import AbsentGpuBackend
+from node_agent.gpu.nvml import NvmlBackend, NvmlUnavailable
+
+STATE_FORMAT = "nvml-fake-state 1"
+#: the stand-in's limits (tests/nvml_fake/nvml_fake.h: FAKE_KEY_MAX, FAKE_VALUE_MAX less the NUL)
+KEY_MAX = 63
+VALUE_MAX = 255
+#: nvmlReturn_t codes used here (nvml.h)
+_SUCCESS = 0
+_INVALID_ARGUMENT = 2
+_NOT_SUPPORTED = 3
+_INSUFFICIENT_SIZE = 7
+_TIMEOUT = 10
+_FUNCTION_NOT_FOUND = 13
+_GPU_IS_LOST = 15
+_UNKNOWN = 999
+#: NVML's error strings (nvmlErrorString), so a capture says "Not Supported" as nvidia-smi does
+ERROR_NAMES = {
+    1: "Uninitialized", 2: "Invalid Argument", 3: "Not Supported", 4: "Insufficient Permissions",
+    5: "Already Initialized", 6: "Not Found", 7: "Insufficient Size",
+    8: "Insufficient External Power", 9: "Driver Not Loaded", 10: "Timeout",
+    11: "Interrupt request issue", 12: "NVML Shared Library Not Found", 13: "Function Not Found",
+    14: "Corrupted infoROM", 15: "GPU is lost", 16: "GPU requires restart",
+    17: "The operating system has blocked the request.",
+    18: "RM has detected an NVML/RM version mismatch.", 19: "In use by another client",
+    20: "Insufficient Memory", 21: "No data", 22: "Argument version mismatch", 23: "Deprecated",
+    24: "Not Ready", 28: "GPU not found", 29: "Invalid state", 999: "Unknown Error",
+}
+#: keys the stand-in repeats (one line per item) rather than overwrites
+REPEATED_KEYS = frozenset({"process", "xid"})
+#: a recorded error on a repeated key cannot be a value: it becomes a switch on its function
+_REPEATED_KEY_FUNCTION = {"process": "nvmlDeviceGetComputeRunningProcesses"}
+
+
+class CaptureFormatError(ValueError):
+    """A recorded NVML value the state file cannot carry; the message names the key."""
+
+
+def error_code(value: Any) -> int | None:
+    """The nvmlReturn_t of a recorded ``{error: ..., code: N}``, or None for a value."""
+    if isinstance(value, Mapping) and "error" in value:
+        code = value.get("code")
+        return int(code) if isinstance(code, int) else _UNKNOWN
+    return None
+
+
+def recorded_error(code: int) -> dict[str, Any]:
+    """What a capture writes for a call NVML answered with ``code``."""
+    return {"error": ERROR_NAMES.get(code, f"NVML error {code}"), "code": code}
+
+
+def _text(key: str, value: Any, strict: bool = True) -> str:
+    code = error_code(value)
+    if code is not None:
+        return f"error {code}"
+    if isinstance(value, bool):
+        value = int(value)
+    if isinstance(value, (list, tuple)):
+        text = " ".join(str(int(v) if isinstance(v, bool) else v) for v in value)
+    else:
+        text = str(value)
+    if strict and (any(ord(c) < 0x20 or ord(c) == 0x7F for c in text) or len(text) > VALUE_MAX):
+        raise CaptureFormatError(
+            f"NVML value of {key!r} ({text[:40]!r}...) holds a control character or is longer "
+            f"than {VALUE_MAX} characters: the stand-in library's state file cannot carry it "
+            "(replay it with --simulate instead)")
+    return text
+
+
+def _key_lines(section: Mapping[str, Any], strict: bool) -> list[str]:
+    lines = []
+    for key, value in section.items():
+        if not key or len(key) > KEY_MAX or not all(c.isalnum() or c in "._" for c in key):
+            raise CaptureFormatError(f"NVML key {key!r}: expected letters, digits, '.' and '_', "
+                                     f"at most {KEY_MAX} characters")
+        if key in REPEATED_KEYS and isinstance(value, list):
+            lines += [f"{key} {_text(key, item, strict)}" for item in value]
+        elif key in _REPEATED_KEY_FUNCTION and error_code(value) is not None:
+            lines.append(f"error {_REPEATED_KEY_FUNCTION[key]} {error_code(value)}")
+        elif key.startswith("nvml"):  # a whole call failed (nvmlInit, nvmlDeviceGetCount)
+            if error_code(value) is not None:
+                lines.append(f"error {key} {error_code(value)}")
+        else:
+            lines.append(f"{key} {_text(key, value, strict)}")
+    return lines
+
+
+def capture_state_lines(nvml: Mapping[str, Any], source: str = "a capture",
+                        strict: bool = True) -> list[str]:
+    """The stand-in state file for a capture's ``nvml`` section (``system``: the global keys,
+    ``gpus``: one mapping per GPU NVML enumerated, in NVML's order). ``nvmlInit`` recorded as
+    an error makes NVML fail to load, as it did on the captured node.
+
+    ``strict``: refuse (CaptureFormatError) a value the stand-in's line-based file cannot carry
+    (a control character, more than 255 characters). Without it the lines are for
+    :class:`StateNvml`, which takes each item of the list as one line whatever it holds."""
+    lines = [STATE_FORMAT, f"# replayed from {source}".replace("\n", " ")[:200]]
+    lines += _key_lines(nvml.get("system") or {}, strict)
+    for index, gpu in enumerate(nvml.get("gpus") or []):
+        lines += ["", f"[gpu {index}]", *_key_lines(gpu, strict)]
+    return lines
+
+
+# -- NVML answered from a state file's text (the stand-in's rules, in Python) --------------------
+
+
+class _State:
+    def __init__(self, lines: Iterable[str]) -> None:
+        self.system: list[tuple[str, str]] = []
+        self.gpus: list[list[tuple[str, str]]] = []
+        section = self.system
+        header = False
+        for raw in lines:
+            text = raw.strip()
+            if not text or text.startswith("#"):
+                continue
+            if not header:
+                if text != STATE_FORMAT:
+                    raise CaptureFormatError(f"expected the header {STATE_FORMAT!r}, found "
+                                             f"{text[:60]!r}")
+                header = True
+                continue
+            if text.startswith("[gpu "):
+                section = []
+                self.gpus.append(section)
+                continue
+            key, _, value = text.partition(" ")
+            section.append((key, value.strip()))
+
+
+def _get(section: list[tuple[str, str]], key: str) -> str | None:
+    for k, v in reversed(section):
+        if k == key:
+            return v
+    return None
+
+
+def _switch(section: list[tuple[str, str]], fn: str) -> int:
+    """The stand-in's per-function switches: unsupported, absent, error <fn> <code>."""
+    def names(pattern: str) -> bool:
+        if pattern in ("*", fn):
+            return True
+        rest = fn[len(pattern):]
+        return fn.startswith(pattern) and rest.startswith("_v") and rest[2:].isdigit()
+
+    for key, value in section:
+        if key == "unsupported" and names(value):
+            return _NOT_SUPPORTED
+        if key == "absent" and names(value):
+            return _FUNCTION_NOT_FOUND
+        if key == "error":
+            name, _, code = value.partition(" ")
+            if names(name) and code.strip().lstrip("-").isdigit():
+                return int(code)
+    return _SUCCESS
+
+
+class StateNvml:
+    """The part of nvidia-ml-py's ``pynvml`` the NVML backend calls, answered from a state
+    file's text by the stand-in library's rules. Constants, structs and ``NVMLError`` are
+    nvidia-ml-py's own; a function not here is absent (NVML_ERROR_FUNCTION_NOT_FOUND), as on
+    an older driver."""
+
+    def __init__(self, lines: Iterable[str]) -> None:
+        import pynvml
+
+        self._pynvml = pynvml
+        self._state = _State(lines)
+        self.NVMLError = pynvml.NVMLError
+        self._initialised = 0
+        self._closed = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        # constants and structs only: an NVML function this class does not answer is absent
+        if name.startswith(("NVML_", "nvmlEventType", "c_nvml", "NVMLError")):
+            return getattr(self._pynvml, name)
+        raise AttributeError(name)
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | {n for n in dir(self._pynvml)
+                                                if n.startswith("NVML_")})
+
+    # -- the rules ------------------------------------------------------------------------------
+
+    def _fail(self, code: int) -> None:
+        if code != _SUCCESS:
+            raise self._pynvml.NVMLError(code)
+
+    def _system(self, fn: str) -> list[tuple[str, str]]:
+        self._fail(_switch(self._state.system, fn))
+        return self._state.system
+
+    def _gpu(self, fn: str, handle: Any) -> list[tuple[str, str]]:
+        self._fail(_switch(self._state.system, fn))
+        index = getattr(handle, "index", None)
+        if not isinstance(index, int) or not 0 <= index < len(self._state.gpus):
+            self._fail(_INVALID_ARGUMENT)
+        section = self._state.gpus[index]
+        lost = _get(section, "lost")
+        if lost is not None and lost != "0":
+            self._fail(_GPU_IS_LOST)
+        self._fail(_switch(section, fn))
+        return section
+
+    def _value(self, section: list[tuple[str, str]], key: str) -> str:
+        value = _get(section, key)
+        if value is None:
+            self._fail(_NOT_SUPPORTED)
+        assert value is not None
+        if value.startswith("error "):
+            code = value[6:].strip()
+            self._fail(int(code) if code.lstrip("-").isdigit() else _UNKNOWN)
+        return value
+
+    def _int(self, section: list[tuple[str, str]], key: str) -> int:
+        value = self._value(section, key)
+        try:
+            return int(value, 0)
+        except ValueError:
+            self._fail(_UNKNOWN)
+            raise
+
+    def _ints(self, section: list[tuple[str, str]], key: str, n: int) -> list[int]:
+        value = self._value(section, key)
+        try:
+            numbers = [int(v, 0) for v in value.split()]
+        except ValueError:
+            numbers = []
+        if len(numbers) != n:
+            self._fail(_UNKNOWN)
+        return numbers
+
+    # -- init, system, enumeration ----------------------------------------------------------------
+
+    def nvmlInit(self) -> None:
+        self._system("nvmlInit")
+        self._initialised += 1
+
+    def nvmlShutdown(self) -> None:
+        self._initialised = max(0, self._initialised - 1)
+        self._closed.set()
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return self._value(self._system("nvmlSystemGetDriverVersion"), "driver_version")
+
+    def nvmlSystemGetNVMLVersion(self) -> str:
+        return self._value(self._system("nvmlSystemGetNVMLVersion"), "nvml_version")
+
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
+        return self._int(self._system("nvmlSystemGetCudaDriverVersion"), "cuda_driver_version")
+
+    def nvmlSystemGetCudaDriverVersion_v2(self) -> int:
+        return self._int(self._system("nvmlSystemGetCudaDriverVersion_v2"),
+                         "cuda_driver_version")
+
+    def nvmlDeviceGetCount(self) -> int:
+        self._system("nvmlDeviceGetCount")
+        return len(self._state.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
+        self._system("nvmlDeviceGetHandleByIndex")
+        if not 0 <= index < len(self._state.gpus):
+            self._fail(_INVALID_ARGUMENT)
+        handle = SimpleNamespace(index=index)
+        self._gpu("nvmlDeviceGetHandleByIndex", handle)
+        return handle
+
+    # -- identity ---------------------------------------------------------------------------------
+
+    def _str(self, fn: str, handle: Any, key: str) -> str:
+        return self._value(self._gpu(fn, handle), key)
+
+    def nvmlDeviceGetName(self, handle: Any) -> str:
+        return self._str("nvmlDeviceGetName", handle, "name")
+
+    def nvmlDeviceGetUUID(self, handle: Any) -> str:
+        return self._str("nvmlDeviceGetUUID", handle, "uuid")
+
+    def nvmlDeviceGetSerial(self, handle: Any) -> str:
+        return self._str("nvmlDeviceGetSerial", handle, "serial")
+
+    def nvmlDeviceGetVbiosVersion(self, handle: Any) -> str:
+        return self._str("nvmlDeviceGetVbiosVersion", handle, "vbios")
+
+    def nvmlDeviceGetPciInfo(self, handle: Any) -> Any:
+        section = self._gpu("nvmlDeviceGetPciInfo", handle)
+        bus_id = self._value(section, "pci.bus_id")
+        info = SimpleNamespace(busId=bus_id, busIdLegacy=bus_id[-12:], pciDeviceId=0,
+                               pciSubSystemId=0)
+        for attr, key in (("pciDeviceId", "pci.device_id"), ("pciSubSystemId",
+                                                               "pci.subsystem_id")):
+            if _get(section, key) is not None:
+                setattr(info, attr, self._int(section, key))
+        return info
+
+    def nvmlDeviceGetMemoryInfo(self, handle: Any) -> Any:
+        section = self._gpu("nvmlDeviceGetMemoryInfo", handle)
+        total = self._int(section, "memory.total")
+        used = sum(self._int(section, k) for k in ("memory.reserved", "memory.used")
+                   if _get(section, k) is not None)
+        if used > total:
+            self._fail(_UNKNOWN)
+        return SimpleNamespace(total=total, used=used, free=total - used)
+
+    def nvmlDeviceGetVirtualizationMode(self, handle: Any) -> int:
+        return self._int(self._gpu("nvmlDeviceGetVirtualizationMode", handle),
+                         "virtualization_mode")
+
+    # -- temperature, power, clocks, utilization --------------------------------------------------
+
+    def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
+        section = self._gpu("nvmlDeviceGetTemperature", handle)
+        if sensor != self._pynvml.NVML_TEMPERATURE_GPU:
+            self._fail(_NOT_SUPPORTED)
+        return self._int(section, "temperature.gpu")
+
+    def nvmlDeviceGetTemperatureThreshold(self, handle: Any, kind: int) -> int:
+        names = ("shutdown", "slowdown", "mem_max", "gpu_max", "acoustic_min", "acoustic_curr",
+                 "acoustic_max", "gps_curr")
+        section = self._gpu("nvmlDeviceGetTemperatureThreshold", handle)
+        if not 0 <= kind < len(names):
+            self._fail(_NOT_SUPPORTED)
+        return self._int(section, f"temperature.threshold.{names[kind]}")
+
+    def _mw(self, fn: str, handle: Any, key: str) -> int:
+        return self._int(self._gpu(fn, handle), key)
+
+    def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:
+        return self._mw("nvmlDeviceGetPowerUsage", handle, "power.usage")
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: Any) -> int:
+        return self._mw("nvmlDeviceGetEnforcedPowerLimit", handle, "power.enforced_limit")
+
+    def nvmlDeviceGetPowerManagementLimit(self, handle: Any) -> int:
+        return self._mw("nvmlDeviceGetPowerManagementLimit", handle, "power.limit")
+
+    def nvmlDeviceGetPowerManagementDefaultLimit(self, handle: Any) -> int:
+        return self._mw("nvmlDeviceGetPowerManagementDefaultLimit", handle,
+                        "power.default_limit")
+
+    _CLOCKS = {0: "graphics", 1: "sm", 2: "mem", 3: "video"}
+
+    def nvmlDeviceGetClockInfo(self, handle: Any, kind: int) -> int:
+        section = self._gpu("nvmlDeviceGetClockInfo", handle)
+        if kind not in self._CLOCKS:
+            self._fail(_INVALID_ARGUMENT)
+        return self._int(section, f"clock.{self._CLOCKS[kind]}")
+
+    def nvmlDeviceGetMaxClockInfo(self, handle: Any, kind: int) -> int:
+        section = self._gpu("nvmlDeviceGetMaxClockInfo", handle)
+        if kind not in self._CLOCKS:
+            self._fail(_INVALID_ARGUMENT)
+        return self._int(section, f"clock_max.{self._CLOCKS[kind]}")
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any) -> int:
+        return self._int(self._gpu("nvmlDeviceGetCurrentClocksEventReasons", handle),
+                         "clocks_event_reasons")
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: Any) -> int:
+        return self._int(self._gpu("nvmlDeviceGetCurrentClocksThrottleReasons", handle),
+                         "clocks_event_reasons")
+
+    def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
+        gpu, memory = self._ints(self._gpu("nvmlDeviceGetUtilizationRates", handle),
+                                 "utilization", 2)
+        return SimpleNamespace(gpu=gpu, memory=memory)
+
+    # -- PCIe -------------------------------------------------------------------------------------
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: Any) -> int:
+        return self._int(self._gpu("nvmlDeviceGetCurrPcieLinkGeneration", handle), "pcie.gen")
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: Any) -> int:
+        return self._int(self._gpu("nvmlDeviceGetMaxPcieLinkGeneration", handle),
+                         "pcie.gen_max")
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, handle: Any) -> int:
+        return self._int(self._gpu("nvmlDeviceGetCurrPcieLinkWidth", handle), "pcie.width")
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, handle: Any) -> int:
+        return self._int(self._gpu("nvmlDeviceGetMaxPcieLinkWidth", handle), "pcie.width_max")
+
+    def nvmlDeviceGetPcieReplayCounter(self, handle: Any) -> int:
+        return self._int(self._gpu("nvmlDeviceGetPcieReplayCounter", handle),
+                         "pcie.replay_counter")
+
+    # -- ECC, pages, rows, persistence ------------------------------------------------------------
+
+    _ECC_LOCATIONS = ("l1", "l2", "dram", "register_file", "texture", "texture_shm", "cbu",
+                      "sram")
+
+    def _ecc_key(self, error_type: int, counter: int, location: int | None = None) -> str:
+        kind = {0: "corrected", 1: "uncorrected"}.get(error_type)
+        which = {0: "volatile", 1: "aggregate"}.get(counter)
+        if kind is None or which is None:
+            self._fail(_INVALID_ARGUMENT)
+        if location is None:
+            return f"ecc.{kind}.{which}"
+        if not 0 <= location < len(self._ECC_LOCATIONS):
+            self._fail(_INVALID_ARGUMENT)
+        return f"ecc.{kind}.{which}.{self._ECC_LOCATIONS[location]}"
+
+    def nvmlDeviceGetEccMode(self, handle: Any) -> list[int]:
+        current, pending = self._ints(self._gpu("nvmlDeviceGetEccMode", handle), "ecc.mode", 2)
+        return [int(bool(current)), int(bool(pending))]
+
+    def nvmlDeviceGetTotalEccErrors(self, handle: Any, error_type: int, counter: int) -> int:
+        section = self._gpu("nvmlDeviceGetTotalEccErrors", handle)
+        return self._int(section, self._ecc_key(error_type, counter))
+
+    def nvmlDeviceGetMemoryErrorCounter(self, handle: Any, error_type: int, counter: int,
+                                        location: int) -> int:
+        section = self._gpu("nvmlDeviceGetMemoryErrorCounter", handle)
+        return self._int(section, self._ecc_key(error_type, counter, location))
+
+    def nvmlDeviceGetSramEccErrorStatus(self, handle: Any, status: Any) -> int:
+        section = self._gpu("nvmlDeviceGetSramEccErrorStatus", handle)
+        if not any(k.startswith("ecc_sram.") for k, _ in section):
+            self._fail(_NOT_SUPPORTED)
+
+        def numbers(key: str, n: int) -> list[int]:
+            return [0] * n if _get(section, key) is None else self._ints(section, key, n)
+
+        aggregate = numbers("ecc_sram.aggregate", 3)
+        volatile = numbers("ecc_sram.volatile", 3)
+        unit = numbers("ecc_sram.aggregate_by_unit", 5)
+        (exceeded,) = numbers("ecc_sram.threshold_exceeded", 1)
+        target = status._obj if hasattr(status, "_obj") else status
+        (target.aggregateUncParity, target.aggregateUncSecDed, target.aggregateCor) = aggregate
+        (target.volatileUncParity, target.volatileUncSecDed, target.volatileCor) = volatile
+        (target.aggregateUncBucketL2, target.aggregateUncBucketSm, target.aggregateUncBucketPcie,
+         target.aggregateUncBucketMcu, target.aggregateUncBucketOther) = unit
+        target.bThresholdExceeded = int(exceeded != 0)
+        return _SUCCESS
+
+    def nvmlDeviceGetRetiredPages(self, handle: Any, cause: int) -> list[int]:
+        section = self._gpu("nvmlDeviceGetRetiredPages", handle)
+        key = {0: "retired_pages.sbe", 1: "retired_pages.dbe"}.get(cause)
+        if key is None:
+            self._fail(_INVALID_ARGUMENT)
+        n = self._int(section, str(key))
+        return [0x100000 * (cause + 1) + 0x1000 * i for i in range(n)]
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: Any) -> int:
+        pending = self._int(self._gpu("nvmlDeviceGetRetiredPagesPendingStatus", handle),
+                            "retired_pages.pending")
+        return int(bool(pending))
+
+    def nvmlDeviceGetRemappedRows(self, handle: Any) -> tuple[int, int, int, int]:
+        rows = self._ints(self._gpu("nvmlDeviceGetRemappedRows", handle), "remapped_rows", 4)
+        return rows[0], rows[1], rows[2], rows[3]
+
+    def nvmlDeviceGetPersistenceMode(self, handle: Any) -> int:
+        return int(bool(self._int(self._gpu("nvmlDeviceGetPersistenceMode", handle),
+                                  "persistence_mode")))
+
+    # -- NVLink -----------------------------------------------------------------------------------
+
+    def _nvlink(self, section: list[tuple[str, str]], link: int, what: str) -> str:
+        """nvlink.<link>.<what>: an index the state does not describe is INVALID_ARGUMENT on a
+        GPU with NVLink keys and NOT_SUPPORTED on one without; a link whose state is an
+        error answers that error for every call on it (the stand-in's rules)."""
+        if not 0 <= link < self._pynvml.NVML_NVLINK_MAX_LINKS:
+            self._fail(_INVALID_ARGUMENT)
+        if _get(section, f"nvlink.{link}.state") is None:
+            has_links = any(k.startswith("nvlink.") for k, _ in section)
+            self._fail(_INVALID_ARGUMENT if has_links else _NOT_SUPPORTED)
+        self._value(section, f"nvlink.{link}.state")
+        return f"nvlink.{link}.{what}"
+
+    def nvmlDeviceGetNvLinkState(self, handle: Any, link: int) -> int:
+        section = self._gpu("nvmlDeviceGetNvLinkState", handle)
+        return int(bool(self._int(section, self._nvlink(section, link, "state"))))
+
+    def nvmlDeviceGetNvLinkCapability(self, handle: Any, link: int, capability: int) -> int:
+        section = self._gpu("nvmlDeviceGetNvLinkCapability", handle)
+        key = self._nvlink(section, link, f"cap.{capability}")
+        return 0 if _get(section, key) is None else self._int(section, key)
+
+    def nvmlDeviceGetNvLinkErrorCounter(self, handle: Any, link: int, counter: int) -> int:
+        names = ("replay", "recovery", "crc_flit", "crc_data", "ecc_data")
+        section = self._gpu("nvmlDeviceGetNvLinkErrorCounter", handle)
+        if not 0 <= counter < len(names):
+            self._fail(_INVALID_ARGUMENT)
+        return self._int(section, self._nvlink(section, link, f"error.{names[counter]}"))
+
+    # -- processes and events ---------------------------------------------------------------------
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
+        section = self._gpu("nvmlDeviceGetComputeRunningProcesses", handle)
+        procs = []
+        for key, value in section:
+            if key != "process":
+                continue
+            pid, _, used = value.partition(" ")
+            try:
+                memory = (ctypes.c_ulonglong(-1).value if used.strip() == "na"
+                          else int(used, 0))
+                procs.append(SimpleNamespace(pid=int(pid), usedGpuMemory=memory))
+            except ValueError:
+                self._fail(_UNKNOWN)
+        return procs
+
+    def nvmlDeviceGetFieldValues(self, handle: Any, field_ids: list[Any]) -> Any:
+        types = ("double", "uint", "ulong", "ulonglong", "slonglong", "sint", "ushort")
+        members = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+        section = self._gpu("nvmlDeviceGetFieldValues", handle)
+        values = (self._pynvml.c_nvmlFieldValue_t * len(field_ids))()
+        for out, field_id in zip(values, field_ids, strict=True):
+            field_id, scope = field_id if isinstance(field_id, tuple) else (field_id, 0)
+            out.fieldId, out.scopeId = field_id, scope
+            out.valueType = 1
+            text = _get(section, f"field.{field_id}.{scope}") or _get(section, f"field.{field_id}")
+            if text is None:
+                out.nvmlReturn = _NOT_SUPPORTED
+                continue
+            if text.startswith("error "):
+                code = text[6:].strip()
+                out.nvmlReturn = int(code) if code.lstrip("-").isdigit() else _UNKNOWN
+                continue
+            kind, _, number = text.partition(" ")
+            try:
+                t = types.index(kind)
+                value = float(number) if t == 0 else int(number, 0)
+                setattr(out.value, members[t], value)
+            except (ValueError, TypeError, OverflowError):
+                out.nvmlReturn = _UNKNOWN
+                continue
+            out.valueType = t
+            out.nvmlReturn = _SUCCESS
+        return values
+
+    def nvmlEventSetCreate(self) -> Any:
+        self._system("nvmlEventSetCreate")
+        return SimpleNamespace(registered=set())
+
+    def nvmlEventSetFree(self, event_set: Any) -> None:
+        self._system("nvmlEventSetFree")
+
+    def nvmlDeviceRegisterEvents(self, handle: Any, event_types: int, event_set: Any) -> None:
+        supported = self._int(self._gpu("nvmlDeviceRegisterEvents", handle), "event_types")
+        if event_types & ~supported:
+            self._fail(_NOT_SUPPORTED)
+        event_set.registered.add(handle.index)
+
+    def nvmlEventSetWait_v2(self, event_set: Any, timeout_ms: int) -> Any:
+        """A capture holds no pending events (its Xids are in its kernel log): every wait
+        times out, as NVML's does when nothing happens."""
+        self._system("nvmlEventSetWait")
+        self._closed.wait(timeout_ms / 1000)
+        self._fail(_TIMEOUT)
+
+
+# -- the backends ---------------------------------------------------------------------------------
+
+
+class ReplayBackend(NvmlBackend):
+    """A captured node through the real NVML backend code over :class:`StateNvml`; simulated
+    (``--simulate``), with the capture's kernel-log records as its kernel log."""
+
+    name = "replay"
+    simulated = True
+
+    def __init__(self, lib: StateNvml, kernel_log: Iterable[str] = (),
+                 call_timeout_s: float = 10.0) -> None:
+        super().__init__(lib, call_timeout_s)
+        self._kernel_log = list(kernel_log)
+
+    def kernel_log_lines(self) -> list[str]:
+        """The captured kernel-log records, as recorded (kmsg's ``prio,seq,usec,flags;``
+        header kept where the capture read /dev/kmsg)."""
+        return list(self._kernel_log)
+
+
+class ReplayAbsentBackend(AbsentGpuBackend):
+    """A captured node whose NVML did not load (``nvmlInit`` recorded as an error)."""
+
+    simulated = True
+
+    def __init__(self, reason: str, broken: bool, kernel_log: Iterable[str] = ()) -> None:
+        super().__init__(reason, broken)
+        self._kernel_log = list(kernel_log)
+
+    def kernel_log_lines(self) -> list[str]:
+        return list(self._kernel_log)
+
+
+def open_replay(nvml: Mapping[str, Any], kernel_log: Iterable[str] = (), source: str = "a capture",
+                call_timeout_s: float = 10.0) -> ReplayBackend | ReplayAbsentBackend:
+    """The captured node's GPU backend: NVML replayed, or NVML failing as it failed there."""
+    lib = StateNvml(capture_state_lines(nvml, source, strict=False))
+    backend = ReplayBackend(lib, kernel_log, call_timeout_s)
+    try:
+        backend.init()
+    except NvmlUnavailable as err:
+        return ReplayAbsentBackend(str(err), err.broken, kernel_log)
+    return backend
