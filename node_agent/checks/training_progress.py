@@ -12,17 +12,26 @@ the GPU compute processes NVML lists, or ``params.pids``), looks at each in up t
   collective kernel); ``rdma_traffic``: no RDMA port moved data while its stacks were sampled;
 - ``log_silence``: its log (``NODE_AGENT_TRAIN_LOG``) unwritten for ``log_silence_s``.
 
-Per process: ``training_hang`` ``fail`` (ERROR: the scheduler restarts the job) when ``agree``
-signals agree or the heartbeat alone is silent for ``hang_after_s``; ``training_straggler``
+Per process: ``training_hang`` when ``agree`` signals agree or the heartbeat alone is silent for
+``hang_after_s``: ``fail`` (ERROR: the scheduler restarts the job) when the kernel vouches for
+its job (``TrainingProcess.job_verified``), else ``warn`` naming its uid (nothing is
+restarted: a user's own idle process with a stale heartbeat looks the same); ``training_straggler``
 ``warn`` when its step time stays at least ``straggler_ratio`` x its peers' median for
 ``straggler_for_s``; else ``training_progress`` ``pass``. Target ``job:<job>/rank:<rank>``
 (``/pid:<pid>`` when the rank is unknown or not unique in the job). The first report of a hang
-writes the job's full evidence to ``<state_dir>/hang/evidence/``.
+writes the job's full evidence to ``<state_dir>/hang/evidence/`` (a verified job's only).
+
+Everything read here is the training users' to shape, so the check keeps its own deadline
+(:func:`own_deadline_s`, before the runner's timeout): stack sampling ends by
+``SAMPLING_SHARE`` of the timeout with at most ``stack_max_calls`` py-spy calls shared fairly
+between uids (:func:`~node_agent.training.stacks.sample_stacks`), log files are stat'ed within
+``LOG_STAT_S``, and what was not sampled is a ``training_discovery`` WARN saying why.
 
 Params: the :class:`~node_agent.training.verdict.Thresholds` fields, ``stack_samples`` (3),
 ``stack_interval_s`` (1), ``log_silence_s`` (60), ``log_file`` (for processes that name
 none), ``stale_file_s`` (86400), ``spool_dir``, ``py_spy``, ``sysfs_root`` (RDMA), ``pids``,
-``sample_all`` (false: sample stacks of every process, as ``hang-check`` does).
+``sample_all`` (false: sample stacks of every process, as ``hang-check`` does),
+``stack_max_calls`` (64: py-spy calls per run).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import contextlib
 import os
 import re
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,7 +53,7 @@ from node_agent.model import Result, Status
 from node_agent.training import activity
 from node_agent.training.processes import TrainingProcess, discover
 from node_agent.training.signals import NAMES, Signal
-from node_agent.training.stacks import find_py_spy, sample_stacks
+from node_agent.training.stacks import MAX_CALLS, find_py_spy, sample_stacks
 from node_agent.training.state import HangState, process_key
 from node_agent.training.verdict import (
     Thresholds,
@@ -56,6 +66,7 @@ from node_agent.training.verdict import (
 NO_PROCESSES = ("no training process found: none writes heartbeats (node_agent.heartbeat) and "
                 "NVML lists no GPU compute process")
 NOT_SAMPLED = "not sampled: no other signal of its job suggests a hang"
+SAMPLING_SHARE = 0.6  # stack sampling ends by this share of the check's timeout
 _UNSAFE_TARGET = re.compile(r"[^A-Za-z0-9_.:/@+=-]+")
 
 
@@ -82,13 +93,60 @@ def _devices(ctx: CheckContext) -> list[GpuDevice] | None:
         return None
 
 
+def own_deadline_s(timeout_s: float) -> float:
+    """Seconds after its start by which the check returns, whatever it is waiting on: before
+    the runner's ``timeout_s`` (which the grader takes for a hung check, ``check-hang``), by
+    a tenth of it and at least 2 s."""
+    return max(0.5 * timeout_s, timeout_s - max(2.0, 0.1 * timeout_s))
+
+
 def run(ctx: CheckContext) -> list[Result]:
+    """The check, on a thread of its own that it waits on until :func:`own_deadline_s`.
+
+    Everything this check reads is the training users' to shape (their processes, heartbeats,
+    log files), so it must never reach the runner's timeout: each stage is bounded itself
+    (stack sampling by its deadline and budget, log files by :data:`LOG_STAT_S`), and should
+    one still block (``/proc`` of a process stuck in the kernel), this returns a WARN naming the
+    stage, and the abandoned run neither saves state nor writes evidence."""
+    start = time.monotonic()
+    stage = {"stage": "starting"}
+    cancelled = threading.Event()
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["results"] = _run(ctx, start, stage, cancelled)
+        except BaseException as err:  # noqa: BLE001 - handed to the runner's thread below
+            box["error"] = err
+
+    thread = threading.Thread(target=work, name="training_progress", daemon=True)
+    thread.start()
+    limit_s = own_deadline_s(ctx.timeout_s)
+    thread.join(max(0.0, start + limit_s - time.monotonic()))
+    if thread.is_alive():
+        cancelled.set()
+        return [ctx.result(
+            "node", "training_discovery", Status.WARN,
+            f"training_progress stopped waiting after {limit_s:.0f} s of its {ctx.timeout_s:g} s "
+            f"timeout while {stage['stage']}: something a training process controls (its /proc "
+            "entries, its log file's file system) did not answer; no hang is reported this run "
+            "and the next run tries again", subject="node", cause="deadline",
+            stage=stage["stage"], deadline_s=round(limit_s, 1))]
+    if "error" in box:
+        raise box["error"]
+    return box["results"]
+
+
+def _run(ctx: CheckContext, start: float, stage: dict[str, str],
+         cancelled: threading.Event) -> list[Result]:
     p, th = ctx.params, Thresholds.from_params(ctx.params)
-    start, now = time.monotonic(), time.time()
+    now = time.time()
+    stage["stage"] = "finding the training processes"
     devices = _devices(ctx)
     pids = [int(x) for x in p["pids"]] if p.get("pids") else None
     spool = spool_dir(ctx)
-    found = discover(spool, devices, pids)
+    found = discover(spool, devices, pids,
+                     slurm_cgroup_roots=ctx.config.get("training.slurm_cgroup_roots"))
     out = [ctx.result("node", "training_discovery", Status.WARN, message, subject=subject)
            for subject, message in found.problems]
     state = HangState.load(_state_base(ctx) / "hang", now)
@@ -111,10 +169,15 @@ def run(ctx: CheckContext) -> list[Result]:
         dead = (f"; {len(found.dead_heartbeats)} heartbeat file(s) in {spool} are of exited "
                 "processes" if found.dead_heartbeats else "")
         return out or [ctx.skip(NO_PROCESSES + dead, metric="training_progress")]
+    stage["stage"] = "reading heartbeats, GPU activity and log files"
     signals = _cheap_signals(ctx, procs, devices, now, th)
     suspect_jobs = {pr.job for pr in procs if any(s.hang for s in signals[pr.pid].values())}
     sample_all = bool(p.get("sample_all"))
-    _sample(ctx, [pr for pr in procs if sample_all or pr.job in suspect_jobs], signals, start)
+    stage["stage"] = "sampling stacks"
+    suspects = [pr for pr in procs if sample_all or pr.job in suspect_jobs]
+    _sample(ctx, suspects, signals, start)
+    out += _not_sampled(ctx, suspects, signals)
+    stage["stage"] = "deciding"
 
     keys = {pr.pid: process_key(pr.pid, pr.start_ticks) for pr in procs}
     state.keep_only(set(keys.values()))
@@ -144,17 +207,25 @@ def run(ctx: CheckContext) -> list[Result]:
     slow = _stragglers(jobs, verdicts, state, keys, now, th)
     targets = _targets(jobs)
 
+    if cancelled.is_set():  # the caller gave up on this run: its results go nowhere
+        return out
     evidence_files = _write_evidence(ctx, state, jobs, verdicts, signals, origin, keys, now)
     for pr in procs:
         v, sig = verdicts[pr.pid], signals[pr.pid]
         ev = _evidence(pr, sig, v.agreeing, origin.get(pr.pid))
         age = sig["heartbeat"].figures.get("age_s") if sig["heartbeat"].available else None
-        if v.hung:
+        if v.hung and not pr.job_verified:
+            # nothing but the user's word says which job this is (a user's own idle process
+            # with a stale heartbeat looks the same): a WARN naming the uid, never a restart
+            out.append(ctx.result(targets[pr.pid], "training_hang", Status.WARN,
+                                  _unverified_detail(pr, v.why, sig), value=age, unit="s",
+                                  verified=False, uid=pr.uid, **ev))
+        elif v.hung:
             ev["evidence_file"] = evidence_files.get(pr.pid) or state.processes[
                 keys[pr.pid]].get("reported")
             out.append(ctx.result(targets[pr.pid], "training_hang", Status.FAIL,
                                   _hang_detail(pr, v.why, sig, origin.get(pr.pid)),
-                                  value=age, unit="s", **ev))
+                                  value=age, unit="s", verified=True, uid=pr.uid, **ev))
         elif pr.pid in slow:
             s = slow[pr.pid]
             out.append(ctx.result(
@@ -168,8 +239,9 @@ def run(ctx: CheckContext) -> list[Result]:
             out.append(ctx.result(targets[pr.pid], "training_progress", Status.PASS,
                                   f"{_who(pr)}: {sig['heartbeat'].detail if age is not None else v.why}",
                                   value=age, unit="s", **ev))
-    with contextlib.suppress(OSError):
-        state.save()
+    if not cancelled.is_set():
+        with contextlib.suppress(OSError):
+            state.save()
     return out
 
 
@@ -187,8 +259,10 @@ def _cheap_signals(ctx: CheckContext, procs: list[TrainingProcess],
     readings: dict[int, activity.GpuActivity] = {}
     by_index = {d.index: d for d in devices or []}
     silence_s = float(ctx.params.get("log_silence_s", 60))
+    logs = bounded_log_signals([pr.log_file or ctx.params.get("log_file") for pr in procs],
+                               now=now, silence_s=silence_s)
     out = {}
-    for pr in procs:
+    for pr, log_signal in zip(procs, logs, strict=True):
         if not pr.gpus:
             gpu = Signal.unavailable("gpu_activity", "NVML lists no GPU for this process"
                                      if devices else "no GPU readings on this node")
@@ -203,10 +277,53 @@ def _cheap_signals(ctx: CheckContext, procs: list[TrainingProcess],
             "gpu_activity": gpu,
             "rdma_traffic": Signal.unavailable("rdma_traffic", "read only while a process is "
                                                                "suspected"),
-            "log_silence": activity.log_silence_signal(pr.log_file or ctx.params.get("log_file"),
-                                                       now=now, silence_s=silence_s),
+            "log_silence": log_signal,
         }
     return out
+
+
+#: how long the log files' stats may take in one run, together (a log file on a network or
+#: FUSE file system its user controls can keep stat() waiting for good)
+LOG_STAT_S = 2.0
+_STAT_LOCK = threading.Lock()
+_STATS_IN_FLIGHT: set[str] = set()  # paths whose stat() from an earlier run never returned
+
+
+def bounded_log_signals(paths: Sequence[str | None], *, now: float, silence_s: float,
+                        limit_s: float = LOG_STAT_S) -> list[Signal]:
+    """:func:`~node_agent.training.activity.log_silence_signal` of each path, each distinct
+    path stat'ed once on a daemon thread of its own, all within ``limit_s``. A path whose stat
+    has not returned is unavailable (and not stat'ed again while an earlier stat of it is
+    still waiting: a stuck file system costs one thread, not one per run)."""
+    found: dict[str, Signal] = {}
+    threads = []
+    for path in dict.fromkeys(p for p in paths if p is not None):
+        with _STAT_LOCK:
+            if path in _STATS_IN_FLIGHT:
+                found[path] = Signal.unavailable(
+                    "log_silence", f"a stat of the job's log file {path} from an earlier run "
+                    "has not returned (a hung network or FUSE file system?)", path=path)
+                continue
+            _STATS_IN_FLIGHT.add(path)
+
+        def stat_one(path: str = path) -> None:
+            try:
+                found[path] = activity.log_silence_signal(path, now=now, silence_s=silence_s)
+            finally:
+                with _STAT_LOCK:
+                    _STATS_IN_FLIGHT.discard(path)
+
+        thread = threading.Thread(target=stat_one, name="log-stat", daemon=True)
+        thread.start()
+        threads.append(thread)
+    end = time.monotonic() + limit_s
+    for thread in threads:
+        thread.join(max(0.0, end - time.monotonic()))
+    return [activity.log_silence_signal(None, now=now, silence_s=silence_s) if p is None
+            else found.get(p) or Signal.unavailable(
+                "log_silence", f"stat of the job's log file {p} did not return within "
+                f"{limit_s:g} s (a hung network or FUSE file system?)", path=p)
+            for p in paths]
 
 
 def _sample(ctx: CheckContext, suspects: list[TrainingProcess],
@@ -217,14 +334,48 @@ def _sample(ctx: CheckContext, suspects: list[TrainingProcess],
     p = ctx.params
     root = Path(p.get("sysfs_root") or SYSFS_ROOT)
     before, t0 = activity.read_port_counters(root), time.monotonic()
-    stacks = sample_stacks(find_py_spy(p.get("py_spy")), [pr.pid for pr in suspects],
+    # a verified job first, then the processes more signals accuse; sample_stacks takes them
+    # in turn from each uid, so one user's many processes cannot crowd out another's hang
+    order = sorted(suspects, key=lambda pr: (not pr.job_verified,
+                                             -sum(s.hang for s in signals[pr.pid].values()),
+                                             pr.pid))
+    stacks = sample_stacks(find_py_spy(p.get("py_spy")), [pr.pid for pr in order],
                            int(p.get("stack_samples", 3)), float(p.get("stack_interval_s", 1.0)),
-                           start + 0.6 * ctx.timeout_s)
+                           start + SAMPLING_SHARE * ctx.timeout_s,
+                           uids={pr.pid: pr.uid for pr in order},
+                           max_calls=int(p.get("stack_max_calls", MAX_CALLS)))
     window = time.monotonic() - t0
     rdma_signal = activity.rdma_traffic_signal(before, activity.read_port_counters(root), window)
     for pr in suspects:
         signals[pr.pid]["stack"] = stacks[pr.pid]
         signals[pr.pid]["rdma_traffic"] = rdma_signal
+
+
+def _not_sampled(ctx: CheckContext, suspects: list[TrainingProcess],
+                 signals: dict[int, dict[str, Signal]]) -> list[Result]:
+    """One WARN naming, per uid, the suspects whose stacks were not sampled and why."""
+    missed: dict[tuple[Any, str], list[int]] = {}
+    for pr in suspects:
+        why = signals[pr.pid]["stack"].figures.get("not_sampled")
+        if why:
+            missed.setdefault((pr.uid, why), []).append(pr.pid)
+    if not missed:
+        return []
+    per_uid = {uid: sum(1 for pr in suspects if pr.uid == uid) for uid, _ in missed}
+    parts = [f"uid {uid}: {len(pids)} of {per_uid[uid]} ("
+             + ("its share of stack_max_calls spent" if why == "budget"
+                else "the sampling deadline came first") + ")"
+             for (uid, why), pids in sorted(missed.items(), key=lambda kv: -len(kv[1]))]
+    count = sum(len(p) for p in missed.values())
+    return [ctx.result(
+        "node", "training_discovery", Status.WARN,
+        f"stacks of {count} suspect process(es) were not sampled this run: "
+        + "; ".join(parts[:10]) + (f"; +{len(parts) - 10} more" if len(parts) > 10 else "")
+        + f". py-spy calls are capped per run (stack_max_calls="
+        f"{int(ctx.params.get('stack_max_calls', MAX_CALLS))}) and shared equally "
+        "between uids, within the check's deadline; their other signals were still read",
+        subject="node", cause="stack-sampling",
+        not_sampled={f"uid:{uid}/{why}": sorted(pids)[:50] for (uid, why), pids in missed.items()})]
 
 
 def _stragglers(jobs, verdicts, state: HangState, keys, now: float, th: Thresholds):
@@ -271,6 +422,16 @@ def _who(pr: TrainingProcess) -> str:
     return f"{rank} (pid {pr.pid}, job {_clean(pr.job)})"
 
 
+def _unverified_detail(pr: TrainingProcess, why: str, sig: dict[str, Signal]) -> str:
+    stack = sig["stack"]
+    stack_note = (f"; stuck in {stack.figures['stuck_in']}" if stack.figures.get("stuck_in")
+                  else "" if stack.available else f"; stack unavailable ({stack.detail})")
+    return (f"uid {pr.uid}'s {_who(pr)}: no progress ({why}){stack_note}; its job is not one "
+            "the kernel vouches for (no slurmd or kubepods cgroup of that job holds it), so "
+            "nothing is restarted and the node is not drained: WARN for the job's owner to "
+            "look at")
+
+
 def _hang_detail(pr: TrainingProcess, why: str, sig: dict[str, Signal],
                  origin: bool | None) -> str:
     stack = sig["stack"]
@@ -301,7 +462,9 @@ def _write_evidence(ctx, state: HangState, jobs, verdicts, signals, origin, keys
     """One evidence file per job with a newly reported hang; pid -> its path."""
     written: dict[int, str] = {}
     for job, members in jobs.items():
-        new = [pr for pr in members if verdicts[pr.pid].hung
+        # only a verified job's hang: anyone can make unverified ones, and the newest 200
+        # files are kept, so theirs could push a real hang's evidence out
+        new = [pr for pr in members if verdicts[pr.pid].hung and pr.job_verified
                and not state.processes[keys[pr.pid]].get("reported")]
         if not new:
             continue

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from slurm_cgroup import slurm_job_fixture  # noqa: F401 - the slurm_job fixture
 
 from node_agent.training.stacks import find_py_spy
 
@@ -106,20 +107,24 @@ def _suite(tmp_path: Path, **params) -> str:
 
 
 def test_gpu_process_without_heartbeats_spinning_and_still_is_hung_once_confirmed(
-        agent, tmp_path):
-    """NVML lists two ranks; gpu 0's kernel spins and its stack stands still across two runs
-    ``confirm_s`` apart: a hang. gpu 1 works normally: never hung."""
-    env = {"TORCHELASTIC_RUN_ID": "sim-job", "WORLD_SIZE": "2"}
+        agent, tmp_path, slurm_job):
+    """NVML lists two ranks of a Slurm job (slurmd's cgroup holds them: tests/slurm_cgroup.py);
+    gpu 0's kernel spins and its stack stands still across two runs ``confirm_s`` apart: a
+    hang. gpu 1 works normally: never hung."""
+    env = {"SLURM_JOB_ID": "77", "WORLD_SIZE": "2"}
+    job = f"job:slurm:77@uid:{os.geteuid()}"
     with _children({**env, "RANK": "0"}, {**env, "RANK": "1"}) as (r0, r1):
         if not _py_spy_works(r0.pid):
             pytest.skip("py-spy is missing or may not ptrace here: the stack signal, which "
                         "must agree with the GPU, cannot be read")
+        for child in (r0, r1):
+            slurm_job.adopt(child.pid, 77)
         scenario = _scenario(tmp_path, {r0.pid: 0, r1.pid: 1}, spinning=[0])
         suite = _suite(tmp_path, confirm_s=1)
         first = agent("check", "--simulate", scenario, "--suite", suite, "--json")
         assert first.code == 0, first.stderr
         by_target = {r["target"]: r for r in first.json()["results"]}
-        r0_first = by_target["job:unverified:torchelastic:sim-job/rank:0"]
+        r0_first = by_target[f"{job}/rank:0"]
         assert r0_first["metric"] == "training_progress"  # agreeing, not yet confirmed
         assert set(r0_first["evidence"]["agreeing"]) == {"gpu_activity", "stack"}
         assert r0_first["evidence"]["gpus"] == [0]
@@ -129,8 +134,27 @@ def test_gpu_process_without_heartbeats_spinning_and_still_is_hung_once_confirme
         assert second.code == 3, second.stderr
         report = second.json()
         hung = [r for r in report["results"] if r["metric"] == "training_hang"]
-        assert [r["target"] for r in hung] == ["job:unverified:torchelastic:sim-job/rank:0"]
+        assert [r["target"] for r in hung] == [f"{job}/rank:0"]
         assert hung[0]["evidence"]["signals"]["gpu_activity"]["hang"] is True
         evidence = json.loads(Path(hung[0]["evidence"]["evidence_file"]).read_text())
         assert {p["pid"] for p in evidence["processes"]} == {r0.pid, r1.pid}
         assert report["grade"]["level"] == "ERROR"
+
+
+def test_the_same_hang_in_a_job_only_its_environment_names_is_a_warn(agent, tmp_path):
+    """The same spinning, still rank whose job is a torchelastic run id (the user's word, no
+    kernel witness): WARN naming the uid, exit 0."""
+    env = {"TORCHELASTIC_RUN_ID": "sim-job", "WORLD_SIZE": "1", "RANK": "0"}
+    with _children(env) as (r0,):
+        if not _py_spy_works(r0.pid):
+            pytest.skip("py-spy is missing or may not ptrace here: the stack signal, which "
+                        "must agree with the GPU, cannot be read")
+        run = agent("hang-check", "--simulate", _scenario(tmp_path, {r0.pid: 0}, spinning=[0]),
+                    "--samples", "2", "--interval", "0.2", "--json")
+        assert run.code == 0, run.stderr
+        report = run.json()
+        (hang,) = [r for r in report["results"] if r["metric"] == "training_hang"]
+        assert hang["status"] == "warn" and hang["evidence"]["verified"] is False
+        assert hang["target"] == "job:unverified:torchelastic:sim-job/rank:0"
+        assert f"uid {os.geteuid()}'s" in hang["detail"]
+        assert report["grade"]["level"] == "WARN"

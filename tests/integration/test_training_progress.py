@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from slurm_cgroup import slurm_job_fixture  # noqa: F401 - the slurm_job fixture
 
 from node_agent.training.stacks import find_py_spy
 
@@ -79,6 +80,13 @@ while True:
 
 
 JOB = "job:unverified:torchelastic:test-job"  # a run id has no kernel witness
+SLURM_JOB = "4242"  # a job slurmd's cgroup holds the workers in (the slurm_job fixture)
+VERIFIED = f"job:slurm:{SLURM_JOB}@uid:{os.geteuid()}"  # the uid travels with a Slurm job
+
+
+def _in_slurm_job(cgroups, procs) -> None:
+    for p in procs:
+        cgroups.adopt(p.pid, SLURM_JOB)
 
 
 SYNC_WORKER = '''
@@ -198,10 +206,12 @@ def _stack(result: dict) -> dict:
     return result["evidence"]["signals"]["stack"]
 
 
-def test_rank_that_stops_stepping_is_reported_hung_and_grades_error(agent, tmp_path):
+def test_rank_that_stops_stepping_is_reported_hung_and_grades_error(agent, tmp_path, slurm_job):
     spool, stop = _spool(tmp_path), tmp_path / "stop"
     procs = _start(tmp_path, WORKER, [str(spool), "0.05", str(stop)],
-                   [{"RANK": str(r), "WORLD_SIZE": "3"} for r in range(3)])
+                   [{"RANK": str(r), "WORLD_SIZE": "3", "SLURM_JOB_ID": SLURM_JOB}
+                    for r in range(3)])
+    _in_slurm_job(slurm_job, procs)
     try:
         _wait_for_steps(spool, [p.pid for p in procs], 3, 60, procs)
         _require_stacks(procs[2].pid)
@@ -210,28 +220,29 @@ def test_rank_that_stops_stepping_is_reported_hung_and_grades_error(agent, tmp_p
         assert before.code == 0, before.stderr
         assert not _by_metric(before.json(), "training_hang")
         assert {r["target"] for r in _by_metric(before.json(), "training_progress")} == {
-            f"{JOB}/rank:0", f"{JOB}/rank:1", f"{JOB}/rank:2"}
+            f"{VERIFIED}/rank:0", f"{VERIFIED}/rank:1", f"{VERIFIED}/rank:2"}
 
         (tmp_path / "stop.rank2").touch()  # rank 2 stops stepping; it stays alive
         seen = _poll(agent, suite, lambda rep: _by_metric(rep, "training_hang"))
         code, report = seen[-1]
         assert code == 3 and report["grade"]["level"] == "ERROR"
         (hang,) = _by_metric(report, "training_hang")
-        assert hang["target"] == f"{JOB}/rank:2" and hang["status"] == "fail"
-        assert "rank 2" in hang["detail"] and "torchelastic:test-job" in hang["detail"]
+        assert hang["target"] == f"{VERIFIED}/rank:2" and hang["status"] == "fail"
+        assert "rank 2" in hang["detail"] and f"slurm:{SLURM_JOB}" in hang["detail"]
         assert hang["evidence"]["pid"] == procs[2].pid and hang["value"] >= 2  # rounded to 0.1 s
+        assert hang["evidence"]["verified"] is True
         stack = _stack(hang)
         assert stack["available"] and stack["identical"], stack
         assert "stop_participating" in stack["stuck_in"]
         assert "heartbeat" in hang["evidence"]["agreeing"]
         # the evidence of the hang is kept in the state dir for the people who debug it
         evidence = json.loads(Path(hang["evidence"]["evidence_file"]).read_text())
-        assert evidence["job"] == "torchelastic:test-job" and len(evidence["processes"]) == 3
+        assert evidence["job"] == f"slurm:{SLURM_JOB}" and len(evidence["processes"]) == 3
         # the healthy ranks are never called hung
-        assert all(r["target"] == f"{JOB}/rank:2" for _, rep in seen
+        assert all(r["target"] == f"{VERIFIED}/rank:2" for _, rep in seen
                    for r in _by_metric(rep, "training_hang"))
         assert {r["target"] for r in _by_metric(report, "training_progress")} == {
-            f"{JOB}/rank:0", f"{JOB}/rank:1"}
+            f"{VERIFIED}/rank:0", f"{VERIFIED}/rank:1"}
     finally:
         _stop(procs)
     # the processes are gone: their heartbeats are ignored, nothing is hung any more
@@ -239,6 +250,32 @@ def test_rank_that_stops_stepping_is_reported_hung_and_grades_error(agent, tmp_p
     assert after.code == 0, after.stderr
     (result,) = after.json()["results"]
     assert result["status"] == "skip" and "exited processes" in result["detail"]
+
+
+def test_a_hang_of_a_job_the_kernel_does_not_vouch_for_is_a_warn_naming_its_uid(agent, tmp_path):
+    """A torchelastic run id is the user's word only (no slurmd or kubepods cgroup): the same
+    stopped rank is a WARN naming the uid, never an ERROR, and no evidence file is written
+    (anyone can make such a hang; the newest 200 files are kept, and real hangs' must stay)."""
+    spool, stop = _spool(tmp_path), tmp_path / "stop"
+    procs = _start(tmp_path, WORKER, [str(spool), "0.05", str(stop)],
+                   [{"RANK": str(r), "WORLD_SIZE": "2"} for r in range(2)])
+    try:
+        _wait_for_steps(spool, [p.pid for p in procs], 3, 60, procs)
+        (tmp_path / "stop.rank1").touch()
+        suite = _suite(tmp_path, **{**FAST, "hang_after_s": 3})  # the heartbeat alone decides
+        seen = _poll(agent, suite, lambda rep: _by_metric(rep, "training_hang"))
+        code, report = seen[-1]
+        assert code == 0 and report["grade"]["level"] == "WARN", report["grade"]
+        (hang,) = _by_metric(report, "training_hang")
+        assert hang["target"] == f"{JOB}/rank:1" and hang["status"] == "warn"
+        assert hang["evidence"]["verified"] is False and hang["evidence"]["uid"] == os.geteuid()
+        assert f"uid {os.geteuid()}'s rank 1" in hang["detail"]
+        assert "nothing is restarted" in hang["detail"]
+        assert "evidence_file" not in hang["evidence"] or not hang["evidence"]["evidence_file"]
+        assert not (tmp_path / "state" / "hang" / "evidence").exists() or not list(
+            (tmp_path / "state" / "hang" / "evidence").iterdir())
+    finally:
+        _stop(procs)
 
 
 def test_rank_three_times_slower_is_a_straggler_warn_never_a_hang(agent, tmp_path):
@@ -302,7 +339,7 @@ def _free_port() -> int:
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None,
                     reason="torch is not installed: no gloo all-reduce to hang")
 def test_gloo_allreduce_hang_is_reported_within_60_s_naming_the_stopped_rank_as_origin(
-        agent, tmp_path):
+        agent, tmp_path, slurm_job):
     """The issue's scenario, with the periodic suite's defaults (stall 30 s, 3 stack samples
     1 s apart) and the check run every 15 s as the daemon does: three real ranks all-reduce
     over gloo; rank 2 stops joining (sleeps outside the collective), then resumes."""
@@ -310,7 +347,9 @@ def test_gloo_allreduce_hang_is_reported_within_60_s_naming_the_stopped_rank_as_
     port = str(_free_port())
     procs = _start(tmp_path, GLOO_WORKER, [str(spool), str(stop)],
                    [{"RANK": str(r), "WORLD_SIZE": "3", "LOCAL_RANK": str(r),
-                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port} for r in range(3)])
+                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                     "SLURM_JOB_ID": SLURM_JOB} for r in range(3)])
+    _in_slurm_job(slurm_job, procs)
     every_s = 15.0
     try:
         _wait_for_steps(spool, [p.pid for p in procs], 5, 120, procs)
@@ -333,10 +372,11 @@ def test_gloo_allreduce_hang_is_reported_within_60_s_naming_the_stopped_rank_as_
             time.sleep(max(0.0, every_s - (time.monotonic() - tick)))
         latency_s, report = seen[-1]
         hangs = {r["target"]: r for r in _by_metric(report, "training_hang")}
-        assert set(hangs) == {f"{JOB}/rank:0", f"{JOB}/rank:1", f"{JOB}/rank:2"}, report
+        assert set(hangs) == {f"{VERIFIED}/rank:0", f"{VERIFIED}/rank:1",
+                              f"{VERIFIED}/rank:2"}, report
         assert latency_s <= 60, f"hang reported {latency_s:.1f} s after it started"
         assert report["grade"]["level"] == "ERROR"
-        origin, waiting = hangs[f"{JOB}/rank:2"], hangs[f"{JOB}/rank:0"]
+        origin, waiting = hangs[f"{VERIFIED}/rank:2"], hangs[f"{VERIFIED}/rank:0"]
         assert origin["evidence"]["likely_origin"] is True
         assert "likely origin" in origin["detail"]
         assert "stop_participating" in _stack(origin)["stuck_in"]
