@@ -72,7 +72,7 @@ _TEXT_MAX = 4096  # a string field longer than this is not a heartbeat's
 # What no name, id or path in a spool file may hold: C0 controls and DEL, C1 controls,
 # zero-width and bidi controls, line/paragraph separators, the BOM (terminal escapes, log
 # lines that forge others, text that reads differently than it is).
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
+CONTROL_CHARACTERS = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
 
 
 def spool_root() -> Path:
@@ -666,7 +666,7 @@ def _check_text(record: dict[str, Any], key: str) -> None:
     """A name or id: a string without control characters (C0, DEL, C1, zero-width, bidi)."""
     _check(record, key, (str,))
     value = record.get(key)
-    if isinstance(value, str) and (bad := _CONTROL.search(value)):
+    if isinstance(value, str) and (bad := CONTROL_CHARACTERS.search(value)):
         raise ValueError(f"field {key!r} holds the control character U+{ord(bad.group()):04X} "
                          f"({value[:40]!r}); a name or id never does")
 
@@ -679,7 +679,7 @@ def check_log_file(value: Any, what: str = "field 'log_file'") -> str:
                          "absolute path")
     if len(value) > _TEXT_MAX:
         raise ValueError(f"{what} is {len(value)} characters long")
-    if bad := _CONTROL.search(value):
+    if bad := CONTROL_CHARACTERS.search(value):
         raise ValueError(f"{what} holds the control character U+{ord(bad.group()):04X} "
                          f"({value[:40]!r})")
     if not value.startswith("/"):

@@ -25,7 +25,13 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from node_agent.heartbeat import SPOOL_MAX_FILES, SPOOL_MAX_LISTED, read_spool_json, spool_root
+from node_agent.heartbeat import (
+    CONTROL_CHARACTERS,
+    SPOOL_MAX_FILES,
+    SPOOL_MAX_LISTED,
+    read_spool_json,
+    spool_root,
+)
 
 log = logging.getLogger("node_agent.sdc.probes")
 
@@ -70,7 +76,9 @@ class Verdict:
 
         Strict, because the dict may come from a file another user wrote: every field must
         have its type (a string where a number belongs is refused, not converted; numbers
-        must be finite), text is bounded, ``shape`` holds 1 to 4 non-negative integers."""
+        must be finite), text is bounded, names (probe, device, dtype) hold no control
+        character, ``shape`` holds 1 to 4 non-negative integers. (A file's lone surrogates and
+        NULs are refused before, by ``heartbeat.parse_spool_json``.)"""
         if not isinstance(d, Mapping):
             raise ValueError(f"not a JSON object but {type(d).__name__}")
         if d.get("schema") != SPOOL_SCHEMA:
@@ -85,6 +93,11 @@ class Verdict:
             if not isinstance(d[key], str) or len(d[key]) > cls.TEXT_MAX:
                 raise ValueError(f"field {key!r} is not a string of at most {cls.TEXT_MAX} "
                                  "characters")
+        for key in ("probe", "device", "dtype"):  # names: no control characters (detail is
+            bad = CONTROL_CHARACTERS.search(d[key])  # prose, escaped wherever it is shown)
+            if bad:
+                raise ValueError(f"field {key!r} holds the control character "
+                                 f"U+{ord(bad.group()):04X} ({d[key][:40]!r}); a name never does")
         shape = d["shape"]
         if not (isinstance(shape, (list, tuple)) and 1 <= len(shape) <= 4 and all(
                 isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape)):
@@ -207,7 +220,7 @@ def read_verdicts(
         try:
             out.append(SpooledVerdict(f.path, Verdict.from_dict(f.data), f.uid, f.mtime))
         except (ValueError, TypeError) as err:
-            errs.append((f.path, f"{type(err).__name__}: {err}"))
+            errs.append((f.path, f"{type(err).__name__}: {err} (written by uid {f.uid})"))
     for path, reason in errs:
         log.warning("sdc spool: skipping %r, not a valid verdict (%s)", str(path), reason)
     if errors is not None:

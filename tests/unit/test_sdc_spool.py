@@ -216,3 +216,34 @@ def test_cursor_forgets_files_removed_from_the_spool(node):
     os.unlink(path)
     sdc_spool.run(ctx_for(env))
     assert json.loads(cursor.read_text())["ingested"] == {}
+
+
+@pytest.mark.parametrize("field, value, why", [
+    ("device", "cuda:3\ud800", "lone surrogate"),       # valid JSON (\ud800), no text
+    ("detail", "ok\u0000HEALTHY", "NUL byte"),
+    ("device", "cuda:3\x1b[2J", "control character U+001B"),
+    ("probe", "exact\u202egemm", "control character U+202E"),
+])
+def test_a_verdict_with_unusable_text_is_reported_unreadable_naming_its_writer(node, field,
+                                                                               value, why):
+    env = node()
+    spool = spool_of(env)
+    spool.mkdir(parents=True)
+    data = {**verdict("confirmed").to_dict(), field: value}
+    (spool / "sdc-1-1-1-confirmed.json").write_text(json.dumps(data, ensure_ascii=True))
+    errors: list = []
+    assert sdc_lib.read_verdicts(spool, errors) == []
+    ((path, reason),) = errors
+    assert why in reason and path.name == "sdc-1-1-1-confirmed.json"
+    assert f"written by uid {os.getuid()}" in reason
+    r = only(sdc_spool.run(ctx_for(env)))
+    assert (r.metric, r.status) == ("sdc_spool_unreadable", Status.WARN), r.detail
+    r.detail.encode("utf-8")  # whatever the file held, the result is text
+
+
+def test_control_characters_in_a_verdicts_detail_are_kept_for_the_terminal_to_escape(node):
+    env = node()
+    sdc_lib.write_verdict(spool_of(env), verdict("transient"))
+    data = {**verdict("transient").to_dict(), "detail": "mismatch \x1b[31mred\x1b[0m"}
+    (spool_of(env) / "sdc-2-2-2-transient.json").write_text(json.dumps(data))
+    assert [v.detail for v in sdc_lib.read_spool(spool_of(env))][-1] == "mismatch \x1b[31mred\x1b[0m"
