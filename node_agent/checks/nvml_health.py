@@ -95,12 +95,12 @@ def _gpu_count(ctx: CheckContext) -> Result:
     expected = max(expected - handed, 0)
     declared = ctx.config.get("node.expected_gpus") is not None
     evidence = {"expected": expected, "visible": visible, "pci_gpus": on_bus,
-                "passthrough": handed, "expected_from": ("node.expected_gpus" if declared
-                                                         else "the simulated scenario" if ctx.simulated
-                                                         else f"SKU {ctx.sku.id}" if ctx.sku
-                                                         else "unknown")}
+                "passthrough": handed,
+                "expected_from": ("node.expected_gpus" if declared else "scenario"
+                                  if ctx.simulated else f"SKU {ctx.sku.id}" if ctx.sku else None)}
     if seen < expected:
-        if not declared:
+        # a simulated scenario's count is the node's own, as a declared one is
+        if not declared and not ctx.simulated:
             in_vm = _count_in_a_vm(ctx, seen, expected, evidence)
             if in_vm is not None:
                 return in_vm
@@ -119,7 +119,7 @@ def _gpu_count(ctx: CheckContext) -> Result:
 
 def _count_in_a_vm(ctx: CheckContext, seen: int, expected: int,
                    evidence: dict[str, Any]) -> Result | None:
-    """Fewer GPUs than the SKU's (or the scenario's) count, nothing declared: inside a VM
+    """Fewer GPUs than the SKU's count, nothing declared: inside a VM
     (NVML virtualization mode pass-through or vGPU) the count is the VM's slice of the board,
     not a lost GPU, unless something shows one was lost. A WARN naming node.expected_gpus then;
     None (the count is a FAIL as on bare metal) on bare metal or with a trace of a lost GPU."""

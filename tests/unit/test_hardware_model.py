@@ -15,7 +15,7 @@ from node_agent.checks import CheckContext, nvml_health
 from node_agent.checks import inventory as inventory_check
 from node_agent.config import config_from_dict
 from node_agent.gpu.base import DeviceLost, NvLink
-from node_agent.gpu.pci import PciBus
+from node_agent.gpu.pci import PciBus, PciGpu
 from node_agent.gpu.sim import SimGpuBackend
 from node_agent.grading.rules import load_grader
 from node_agent.grading.sku import Sku, load_skus, match_sku
@@ -32,10 +32,12 @@ NO_PCI = PciBus(gpus=(), root="test")
 
 
 def context(check: str, sku_id: str, gpus: int = 8, faults=(), *, sku_setting: str | None = None,
-            no_sku: bool = False, simulated: bool = True, config=None, expected=None):
+            no_sku: bool = False, simulated: bool = True, config=None, expected=None,
+            virtualization: str = "none", pci: PciBus | None = None):
     """A check context over simulated GPUs of ``sku_id``. ``simulated=False`` grades them as
-    real hardware would be (no scenario, an empty PCI bus handed in)."""
-    scenario = Scenario(sku=sku_id, gpus=gpus, source="t", faults=tuple(faults))
+    real hardware would be (no scenario, an empty PCI bus handed in, or ``pci``)."""
+    scenario = Scenario(sku=sku_id, gpus=gpus, source="t", faults=tuple(faults),
+                        virtualization=virtualization)
     backend = SimGpuBackend(scenario, SKUS[sku_id])
     inv = collect(backend, SKUS, sku_setting or sku_id)
     sku = None if no_sku else inv.sku
@@ -46,7 +48,7 @@ def context(check: str, sku_id: str, gpus: int = 8, faults=(), *, sku_setting: s
     return CheckContext(check=check, gpu=backend, kernel_log=LinesKernelLog([]), config=cfg,
                         inventory=inv, sku=sku, expected_gpus=expected,
                         scenario=scenario if simulated else None,
-                        pci=None if simulated else NO_PCI)
+                        pci=None if simulated else pci or NO_PCI)
 
 
 def by_metric(results, metric):
@@ -185,6 +187,47 @@ def test_a_baseboard_sku_still_counts_its_gpus():
     ctx = context("nvml_health", "h100-sxm5-80gb", gpus=4, simulated=False)
     [count] = by_metric(nvml_health.run(ctx), "gpu_count")
     assert count.status is Status.FAIL and "4 of 8" in count.detail
+
+
+def test_a_vm_holding_part_of_a_baseboard_warns_naming_expected_gpus():
+    ctx = context("nvml_health", "h100-sxm5-80gb", gpus=2, simulated=False,
+                  virtualization="pass_through")
+    results = nvml_health.run(ctx)
+    [count] = by_metric(results, "gpu_count")
+    assert count.status is Status.WARN and "2 of 8" in count.detail
+    assert "node.expected_gpus" in count.detail and count.evidence["lost_gpu_traces"] == []
+    assert GRADER.grade(results).level is Level.WARN
+
+
+def test_a_vm_holding_part_of_a_baseboard_with_a_gpu_nvml_lost_still_faults():
+    bus = PciBus(gpus=tuple(PciGpu(bus_id=f"0000:{b:02x}:00.0", device_id=0x2330,
+                                   class_code=0x030200, driver="nvidia")
+                            for b in (0x18, 0x2a, 0x3a)), root="test")
+    ctx = context("nvml_health", "h100-sxm5-80gb", gpus=2, simulated=False,
+                  virtualization="pass_through", pci=bus)
+    results = nvml_health.run(ctx)
+    [count] = by_metric(results, "gpu_count")
+    assert count.status is Status.FAIL and "0000:3a:00.0" in count.detail
+    assert GRADER.grade(results).level is Level.FAULT
+
+
+def test_a_simulated_vm_missing_a_gpu_is_counted_against_its_scenario():
+    # a scenario's gpus is the node's own count, as node.expected_gpus is
+    results = nvml_health.run(context("nvml_health", "h100-sxm5-80gb",
+                                      faults=[Fault("missing_gpu", 7, {})],
+                                      virtualization="pass_through"))
+    [count] = by_metric(results, "gpu_count")
+    assert count.status is Status.FAIL and "7 of 8" in count.detail
+    assert GRADER.grade(results).level is Level.FAULT
+
+
+def test_a_vm_that_sees_its_nvlinks_grades_them_as_bare_metal_does():
+    results = nvml_health.run(context("nvml_health", "h100-sxm5-80gb",
+                                      faults=[Fault("nvlink_down", 2, {"link": 4})],
+                                      virtualization="pass_through"))
+    down = [r for r in by_metric(results, "nvlink_state") if r.status is not Status.PASS]
+    assert [(r.target, r.status) for r in down] == [("gpu:2", Status.FAIL)]
+    assert GRADER.grade(results).level is Level.FAULT
 
 
 # -- the inventory keeps what it could not read -------------------------------------------------
