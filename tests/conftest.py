@@ -1,4 +1,8 @@
-"""Shared fixtures: run the real ``node-agent`` entry point, write scenarios and configs."""
+"""Shared fixtures: run the real ``node-agent`` entry point, write scenarios and configs.
+
+No test reads this host's kernel log (``owned_kernel_log``): a host that ever logged an Xid, or
+a user's fake one, would otherwise grade every test's agent FAULT.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,53 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+
+#: the environment variable the agent reads its kernel log from where a config leaves
+#: ``kernel_log.path`` null (node_agent.environment.KERNEL_LOG_ENV)
+KERNEL_LOG_ENV = "NODE_AGENT_KERNEL_LOG"
+HOST_KERNEL_LOGS = ("/dev/kmsg",)
+
+
+@pytest.fixture(autouse=True)
+def owned_kernel_log(tmp_path, monkeypatch):
+    """Every test's agent reads a kernel log the test owns: an empty file, root's, 0644.
+
+    - Subprocess agents (``node-agent ...`` with any ``--config``, the daemon) inherit
+      ``NODE_AGENT_KERNEL_LOG`` pointing at it; a config that names ``kernel_log.path`` itself
+      still wins, so a test that writes lines into a log of its own keeps it.
+    - In this process, opening the host's ``/dev/kmsg`` or running ``journalctl`` through the
+      agent's readers fails the test (a test that means to read kmsg records builds them).
+
+    A test appends lines to the returned path to give its agent a kernel log.
+    """
+    from node_agent import kernel_log
+
+    path = tmp_path / "owned-kernel-log.txt"
+    path.write_text("")
+    path.chmod(0o644)
+    monkeypatch.setenv(KERNEL_LOG_ENV, str(path))
+
+    def refuse(what):
+        pytest.fail(f"a test's agent read the host's kernel log ({what}); give it a log of its "
+                    f"own (config kernel_log.path, or the owned_kernel_log fixture)")
+
+    def kmsg_read(self):
+        if self.path in HOST_KERNEL_LOGS:
+            refuse(self.path)
+        return real_kmsg_read(self)
+
+    def follower_init(self, path="/dev/kmsg"):
+        if path in HOST_KERNEL_LOGS:
+            refuse(path)
+        real_follower_init(self, path)
+
+    real_kmsg_read = kernel_log.KmsgKernelLog.read
+    real_follower_init = kernel_log.KmsgFollower.__init__
+    monkeypatch.setattr(kernel_log.KmsgKernelLog, "read", kmsg_read)
+    monkeypatch.setattr(kernel_log.KmsgFollower, "__init__", follower_init)
+    monkeypatch.setattr(kernel_log.JournalKernelLog, "read",
+                        lambda self: refuse("journalctl -k"))
+    return path
 
 
 @dataclass

@@ -8,6 +8,8 @@ are copied from real logs (../shared/realworld/xid/x05, x04, x19) with only the 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 NONFATAL_149 = ("[171167.620236] NVRM: Xid (PCI:{bus}): 149, NETIR_BER_EVENT Nonfatal XC0 i0 Link 03 "
@@ -76,3 +78,84 @@ def test_sxid_line_grades_its_nvswitch_per_the_catalog(agent, scenario, line, le
     report = run.json()
     (reason,) = xid_reasons(report)
     assert (reason["target"], reason["level"], report["grade"]["level"]) == ("nvswitch:1", level, level)
+
+
+# -- the driver's lines without an Xid, and PCIe AER (graders/driver_lines.yaml) --------------
+# Forms from NVIDIA's open kernel module (open-gpu-kernel-modules: nvstatuscodes.h for the
+# NV_ERR_* names and strings, NV_ASSERT_OK/NV_CHECK_OK's "Assertion failed: <string> [<name>]
+# (0x%08x)", osinit.c's "RmInitAdapter failed! (0x%x:0x%x:%d)" under "NVRM: GPU <bdf>:") as
+# realworld/xid/x11 and x18 show them, and Linux's drivers/pci/pcie/aer.c ("PCIe Bus Error:
+# severity=Uncorrected (Fatal)") and err.c ("AER: device recovery failed").
+RESET_REQUIRED = ("[ 921.622] NVRM: GPU {bus}.0: nvAssertOkFailedNoLog: Assertion failed: Reset "
+                  "required [NV_ERR_RESET_REQUIRED] (0x00000062) returned from status @ "
+                  "kernel_channel.c:2874")
+INIT_FAILED = "[  218.250408] NVRM: GPU {bus}.0: RmInitAdapter failed! (0x24:0x72:1568)"
+GPU_LOST = ("[ 4123.3] NVRM: GPU {bus}.0: nvCheckOkFailedNoLog: Check failed: GPU lost from the "
+            "bus [NV_ERR_GPU_IS_LOST] (0x0000000F) returned from pRmApi->Control")
+AER_ERROR = ("[ 3182.43] nvidia {bus}.0: PCIe Bus Error: severity=Uncorrected (Fatal), "
+             "type=Transaction Layer, (Receiver ID)")
+AER_FAILED = "[ 3182.67] pcieport 0000:17:00.0: AER: device recovery failed"
+
+
+@pytest.mark.parametrize("lines, rule, level, code", [
+    ([RESET_REQUIRED], "recovery-action", "ERROR", 3),
+    ([INIT_FAILED, INIT_FAILED], "unclassified-fail", "ERROR", 3),
+    ([GPU_LOST], "gpu-lost", "FAULT", 4),
+    ([AER_ERROR, AER_FAILED], "unclassified-fail", "ERROR", 3),
+    ([AER_ERROR], "unclassified-warn", "WARN", 0),
+], ids=["reset-required", "init-failed", "gpu-lost", "aer-recovery-failed", "aer-recovered"])
+def test_driver_line_without_an_xid_grades_the_gpu_it_names(agent, scenario, lines, rule, level,
+                                                             code):
+    faults = [{"kind": "kernel_log", "gpu": 3, "line": line} for line in lines]
+    run = agent("check", "--simulate", scenario(faults), "--json")
+    assert run.code == code, run.stderr
+    report = run.json()
+    assert report["grade"]["level"] == level
+    reasons = [r for r in report["grade"]["reasons"] if r["level"] == level]
+    assert {(r["rule"], r["target"]) for r in reasons} >= {(rule, "gpu:3")}
+    driver = [r for r in report["results"] if r["check"] == "xid" and r["target"] == "gpu:3"]
+    assert driver and all(r["evidence"]["pci_bus"] for r in driver)
+
+
+# -- no test reads the host's kernel log -------------------------------------------------------
+
+def test_cli_agent_reads_the_kernel_log_its_test_owns(agent, owned_kernel_log):
+    """The ``agent`` subprocess (its own --config, no kernel_log.path) reads the test's file,
+    not this host's /dev/kmsg: a line written there is what the xid check reports."""
+    owned_kernel_log.write_text("[ 4123.331842] NVRM: Xid (PCI:0000:3b:00): 13, pid=7, "
+                                "name=python3, Graphics SM Warp Exception\n")
+    run = agent("accept", "--json", "--only", "xid")
+    report = run.json()
+    (xid,) = [r for r in report["results"] if r["metric"] == "xid" and r["status"] == "fail"]
+    assert (xid["target"], xid["value"]) == ("pci:0000:3b:00", 13)
+    assert xid["evidence"]["sources"] == [str(owned_kernel_log)]
+
+
+def test_config_kernel_log_path_wins_over_the_test_default(agent, tmp_path):
+    own = tmp_path / "kern.log"
+    own.write_text("NVRM: Xid (PCI:0000:5d:00): 13, pid=7, name=x, Graphics Exception\n")
+    config = tmp_path / "own-config.yaml"
+    config.write_text(f"state_dir: {tmp_path / 'state'}\nkernel_log:\n  path: {own}\n")
+    report = agent("accept", "--json", "--only", "xid", "--config", str(config)).json()
+    (xid,) = [r for r in report["results"] if r["metric"] == "xid" and r["status"] == "fail"]
+    assert xid["evidence"]["sources"] == [str(own)] and xid["target"] == "pci:0000:5d:00"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the ownership rule applies to an agent run as root")
+def test_a_kernel_log_file_others_can_write_is_refused(agent, tmp_path):
+    own = tmp_path / "kern.log"
+    own.write_text("NVRM: Xid (PCI:0000:5d:00): 79, pid=7, GPU has fallen off the bus.\n")
+    own.chmod(0o666)
+    config = tmp_path / "own-config.yaml"
+    config.write_text(f"state_dir: {tmp_path / 'state'}\nkernel_log:\n  path: {own}\n")
+    report = agent("accept", "--json", "--only", "xid", "--config", str(config)).json()
+    assert report["grade"]["level"] != "FAULT"
+    (error,) = [r for r in report["results"] if r["metric"] == "kernel_log"]
+    assert error["status"] == "error" and "writable by others" in error["detail"]
+
+
+def test_in_process_reader_of_the_host_kernel_log_fails_the_test():
+    from node_agent.kernel_log import KmsgKernelLog
+
+    with pytest.raises(pytest.fail.Exception, match="host's kernel log"):
+        KmsgKernelLog("/dev/kmsg").read()

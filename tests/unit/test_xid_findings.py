@@ -219,3 +219,164 @@ def test_watch_leaves_sxids_to_the_check_unless_the_handler_names_nvswitches(env
     (report,) = reports
     assert (report.kind, report.target, report.code) == ("sxid", "nvswitch:1", 20034)
     assert env.grader.grade([report.result(report.target)]).level is Level.ERROR
+
+
+# -- rules of belief: the host's PCI bus, NVML's corroboration ----------------------------------
+
+def run_live(env, lines, **params):
+    """The check on lines read as *this host's own* log (kmsg/the journal), whose bus ids the
+    host's sysfs can confirm."""
+    ctx = CheckContext(check="xid", gpu=env.gpu, kernel_log=LinesKernelLog(lines, live=True),
+                       config=env.config, inventory=env.inventory, sku=env.sku,
+                       expected_gpus=env.expected_gpus, mode="service", params=params)
+    return xid_check.run(ctx)
+
+
+@pytest.fixture
+def sysfs(tmp_path, monkeypatch):
+    """A /sys/bus/pci/devices tree of our own: ``add(bdf, vendor)`` makes a device."""
+    root = tmp_path / "sys-bus-pci-devices"
+    root.mkdir()
+    monkeypatch.setattr(xid_check, "SYSFS_PCI_DEVICES", root)
+
+    def add(bdf: str, vendor: str) -> None:
+        (root / bdf).mkdir()
+        (root / bdf / "vendor").write_text(vendor + "\n")
+
+    return add
+
+
+def test_xid_on_a_bus_that_is_no_nvidia_device_is_a_warn_never_a_gpu_fault(env, sysfs):
+    """The injected line names a bus where this host has an Intel NIC (or nothing at all)."""
+    sysfs("0000:e9:00.0", "0x8086")
+    lines = ["NVRM: Xid (PCI:0000:e9:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen "
+             "off the bus.", "NVRM: Xid (PCI:0000:77:00): 48, pid=1, DBE"]
+    results = run_live(env, lines)
+    assert findings(results) == []
+    (unreadable,) = [r for r in results if r.metric == "xid_unreadable"]
+    assert unreadable.value == 2 and "no NVIDIA device" in unreadable.detail
+    assert env.grader.grade(results, "service").level is Level.WARN
+
+
+def test_xid_on_an_nvidia_bus_nvml_does_not_list_is_still_graded(env, sysfs):
+    sysfs("0000:c1:00.0", "0x10de")
+    (finding,) = findings(run_live(env, ["NVRM: Xid (PCI:0000:c1:00): 79, pid=1, GPU has fallen "
+                                         "off the bus."]))
+    assert (finding.target, finding.value) == ("pci:0000:c1:00", 79)
+
+
+def test_a_saved_log_takes_bus_ids_as_printed_and_says_so(env, sysfs):
+    sysfs("0000:e9:00.0", "0x8086")
+    (finding,) = findings(run_xid(env, ["NVRM: Xid (PCI:0000:e9:00): 79, pid=1, GPU has fallen "
+                                        "off the bus."]))
+    assert finding.target == "pci:0000:e9:00"
+    (passed,) = [r for r in run_xid(env, []) if r.status is Status.PASS]
+    assert "bus ids taken as printed (a saved log" in passed.detail
+
+
+class EventsFrom:
+    """The simulated backend, with NVML's event API reporting ``events`` (a GPU with an event
+    set is what the simulator has only for scenario faults)."""
+
+    def __init__(self, backend, events):
+        self._backend, self._events = backend, events
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+    def wait_xid_events(self, timeout_s):
+        return self._events
+
+
+def test_xid_nvml_also_reported_is_corroborated_in_the_evidence(env):
+    from node_agent.gpu.base import XidEvent
+
+    gpu = EventsFrom(env.gpu, [XidEvent(gpu_index=3, code=79, message="event")])
+    lines = [f"NVRM: Xid (PCI:{bus(env, 3)}): 79, pid=1, GPU has fallen off the bus.",
+             f"NVRM: Xid (PCI:{bus(env, 4)}): 79, pid=1, GPU has fallen off the bus."]
+    by_target = {f.target: f for f in findings(run_xid(env, lines, gpu=gpu, watch_s=0.01))}
+    assert by_target["gpu:3"].evidence["corroborated_by_nvml"] is True
+    assert "corroborated by 1 NVML event" in by_target["gpu:3"].detail
+    assert by_target["gpu:4"].evidence["corroborated_by_nvml"] is False
+
+
+def test_watch_reports_corroboration_when_nvml_and_the_line_agree(env):
+    watch, reports, _ = watch_for(env, nvml_grace_s=0)
+    watch.nvml_event(2, 79, "event")
+    line = f"[ 1.0] NVRM: Xid (PCI:{bus(env, 2)}): 79, pid=1, GPU has fallen off the bus."
+    watch.kernel_records(records([line]), KernelLogScanner(), "/dev/kmsg")
+    assert reports[-1].evidence["corroborated_by_nvml"] is True
+
+
+def test_watch_drops_a_line_whose_bus_sysfs_shows_is_no_nvidia_device(env, sysfs, monkeypatch):
+    from node_agent.service import xid_watch
+
+    sysfs("0000:e9:00.0", "0x8086")
+    monkeypatch.setattr(xid_watch, "nvidia_buses",
+                        lambda log: xid_check.nvidia_buses(log, xid_check.SYSFS_PCI_DEVICES))
+    live = LinesKernelLog([], source="/dev/kmsg", live=True)
+    reports = []
+    watch = XidWatch(lambda: env.gpu, lambda: live, reports.append, clock=FakeClock())
+    line = "[ 1.0] NVRM: Xid (PCI:0000:e9:00): 79, pid=1, GPU has fallen off the bus."
+    watch.kernel_records(records([line]), KernelLogScanner(), "/dev/kmsg")
+    assert reports == []
+
+
+# -- the driver's lines without an Xid: graded as graders/driver_lines.yaml says -------------
+
+def test_every_driver_line_kind_grades_at_its_catalog_level_through_the_shipped_rules(env):
+    from node_agent.checks.xid_fold import DriverFold
+    from node_agent.kernel_log import DriverLine
+
+    kinds = xid_check.driver_line_kinds(CheckContext(
+        check="xid", gpu=env.gpu, kernel_log=LinesKernelLog([]), config=env.config,
+        inventory=env.inventory, sku=env.sku, expected_gpus=8))
+    assert set(kinds) == {"gpu-lost", "reset-required", "init-failed", "aer-uncorrectable",
+                          "aer-recovery-failed"}
+    for kind in kinds.values():
+        fold = DriverFold(kind=kind.kind, target="gpu:0")
+        fold.add(DriverLine(kind=kind.kind, pci_bus="0000:e9:00", message="m", raw="r"), "log")
+        result = fold.result(kind.metric, Status(kind.status), kind.name)
+        assert env.grader.grade([result], "service").level is kind.level, kind.kind
+        assert env.grader.grade([result], "delivery").level is kind.level, kind.kind
+
+
+@pytest.mark.parametrize("line, metric, level", [
+    ("NVRM: GPU {bus}.0: RmInitAdapter failed! (0x24:0x72:1568)", "driver_init_failed",
+     Level.ERROR),
+    ("NVRM: GPU {bus}.0: nvAssertOkFailedNoLog: Assertion failed: Reset required "
+     "[NV_ERR_RESET_REQUIRED] (0x00000062)", "recovery_action", Level.ERROR),
+    ("NVRM: GPU {bus}.0: nvCheckOkFailedNoLog: Check failed: GPU lost from the bus "
+     "[NV_ERR_GPU_IS_LOST] (0x0000000F)", "gpu_lost", Level.FAULT),
+])
+def test_driver_line_names_the_gpu_by_its_bus(env, line, metric, level):
+    results = run_xid(env, [line.format(bus=bus(env, 5))] * 2)
+    (finding,) = [r for r in results if r.metric == metric]
+    assert (finding.target, finding.value, finding.evidence["pci_bus"]) == \
+        ("gpu:5", 2, bus(env, 5))
+    assert env.grader.grade(results, "service").level is level
+
+
+def test_driver_line_naming_only_the_drivers_gpu_number_is_the_nodes(env):
+    line = ("NVRM: GPU5 nvCheckOkFailedNoLog: Check failed: GPU lost from the bus "
+            "[NV_ERR_GPU_IS_LOST] (0x0000000F)")
+    (finding,) = [r for r in run_xid(env, [line]) if r.metric == "gpu_lost"]
+    assert finding.target == "node" and finding.evidence["driver_gpus"] == [5]
+    assert "the driver's GPU 5" in finding.detail
+
+
+def test_aer_on_a_device_that_is_not_a_gpu_is_not_this_checks(env):
+    lines = ["nvme 0000:5e:00.0: PCIe Bus Error: severity=Uncorrected (Fatal), type=Transaction "
+             "Layer, (Receiver ID)", "pcieport 0000:5d:00.0: AER: device recovery failed"]
+    results = run_xid(env, lines)
+    assert [r.status for r in results] == [Status.PASS]
+
+
+def test_aer_on_a_gpu_with_failed_recovery_grades_error(env):
+    lines = [f"nvidia {bus(env, 2)}.0: PCIe Bus Error: severity=Uncorrected (Fatal), "
+             "type=Transaction Layer, (Receiver ID)",
+             "pcieport 0000:17:00.0: AER: device recovery failed"]
+    results = run_xid(env, lines)
+    assert {(r.metric, r.target) for r in results if r.status is not Status.PASS} == \
+        {("pcie_aer_uncorrectable", "gpu:2"), ("pcie_aer_recovery_failed", "gpu:2")}
+    assert env.grader.grade(results, "service").level is Level.ERROR
