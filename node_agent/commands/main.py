@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from node_agent import __version__
-from node_agent.commands import act, capture, hang_check, sdc
+from node_agent.commands import act, capture, hang_check, sdc, stop_check
 from node_agent.commands.accept import cmd_run_suite
 from node_agent.commands.daemon import cmd_daemon
 from node_agent.commands.fleet import cmd_fleet
@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     sdc.add_parser(sub, _common)
     hang_check.add_parser(sub, _common)
     capture.add_parser(sub, _common)
+    stop_check.add_parser(sub, _common)
     return parser
 
 
@@ -117,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 COMMANDS = {"inventory": cmd_inventory, "accept": cmd_run_suite, "check": cmd_run_suite,
             "grade": cmd_grade, "daemon": cmd_daemon, "fleet": cmd_fleet,
             "sdc": sdc.run, "hang-check": hang_check.run, "capture": capture.run,
+            "stop-check": stop_check.cmd_stop_check,
             **act.COMMANDS}
 
 if __name__ == "__main__":

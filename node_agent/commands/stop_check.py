@@ -1,0 +1,287 @@
+"""``node-agent stop-check``: one rank per node of a stopped job; name the bad machine.
+
+Run it over the job's nodes between attempts (torchrun, ``srun``, a Kubernetes indexed Job):
+each rank joins the others, runs the phases (docs/stop_check.md) and grades its own node from
+its share; rank 0 writes ``stop-check.json`` with the suspects and, with ``--topology``, the
+parallel groups to evict. ``--act`` drains a suspect through the normal remediation and its
+guards, like any other grade.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from node_agent import __version__, atomic_file
+from node_agent.commands import act
+from node_agent.commands.reporting import EXIT_FOR_LEVEL, EXIT_USAGE, execute
+from node_agent.config import load_config
+from node_agent.environment import open_environment, report_dir
+from node_agent.model import Report, Result, Status, utc_now
+from node_agent.report import json_report
+from node_agent.report.terminal import printable, render_summary
+from node_agent.resources import suites_dir
+from node_agent.stopcheck import localise, phases, ranks
+from node_agent.suite import load_suite
+from node_agent.yamlfile import ConfigError
+
+SCHEMA = "node-agent.stop-check/1"
+CHECK = "stop_check"
+DEFAULT_ROUNDS = 8
+PHASE_ORDER = ("self", "intra_node", "neighbours", "alignment", "replay")
+
+
+def add_parser(sub: Any, common: Any) -> None:
+    p = sub.add_parser("stop-check", help="one rank per node of a stopped job: find the bad "
+                                          "machine before it restarts (docs/stop_check.md)")
+    common(p)
+    p.add_argument("--out", metavar="DIR", help="where rank 0 writes stop-check.json and each "
+                   "rank its node's report (default: <state_dir>/reports)")
+    p.add_argument("--replay", action="store_true",
+                   help="also the dual-phase replay, for intermittent corruption")
+    p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, metavar="R",
+                   help=f"replay rounds (default {DEFAULT_ROUNDS})")
+    p.add_argument("--topology", metavar="FILE", help="parallel groups (the fleet topology "
+                   "format): suspects are widened to their groups in 'evict'")
+    p.add_argument("--join-timeout-s", type=float, default=120.0, metavar="S",
+                   help="how long rank 0 waits for every rank to join (default 120)")
+    p.add_argument("--phase-timeout-s", type=float, default=300.0, metavar="S",
+                   help="a collective that takes longer fails its phase (default 300)")
+    p.add_argument("--json", action="store_true", help="print this node's report alone")
+    act.add_act_options(p)
+
+
+def _scenario_for(pattern: str | None, rank: int) -> str | None:
+    if pattern is None:
+        return None
+    path = pattern.replace("{rank}", str(rank))
+    if not Path(path).is_file():
+        raise ConfigError(f"--simulate {pattern}: no scenario for rank {rank} ({path} does not "
+                          "exist)")
+    return path
+
+
+def cmd_stop_check(args: argparse.Namespace) -> int:
+    place = ranks.place_from_env()
+    if args.rounds < 1:
+        raise ConfigError("--rounds must be at least 1")
+    config = load_config(args.config)
+    topology = None
+    if args.topology:
+        from node_agent.fleet.analysis import load_topology
+        topology = load_topology(args.topology)
+    simulate = _scenario_for(args.simulate, place.rank)
+    quick = load_suite("quick", suites_dir(config))
+    acting = act.prepare(args, config)
+    env = open_environment(config, simulate)
+    try:
+        return _run(args, place, config, env, quick, acting, topology)
+    finally:
+        env.close()
+
+
+def _node_name(config: Any, env: Any, simulate: str | None) -> str:
+    from node_agent.remediation.host import node_name
+    return node_name(config, simulate)
+
+
+def _devices(env: Any) -> tuple[list[Any], str | None]:
+    from node_agent.compute.devices import ComputeUnavailable, compute_specs, open_device
+
+    indices = [g.index for g in env.inventory.gpus]
+    if not indices:
+        return [], "no GPU on this node"
+    try:
+        return [open_device(s) for s in compute_specs(indices, env.scenario, env.sku)], None
+    except ComputeUnavailable as err:
+        return [], str(err)
+
+
+def _run(args, place, config, env, quick, acting, topology) -> int:
+    started = utc_now()
+    simulate = env.scenario.source if env.scenario is not None else None
+    node = _node_name(config, env, simulate)
+    devices, no_compute = _devices(env)
+    slow = [f for f in (env.scenario.faults if env.scenario else ()) if f.kind == "slow_link"]
+    import torch
+
+    from node_agent.stopcheck.reference import deterministic
+    deterministic()
+    backend = "nccl" if devices and not devices[0].simulated else "gloo"
+    try:
+        store = ranks.open_store(place, args.join_timeout_s)
+        joined = ranks.join(store, place, node, args.join_timeout_s)
+    except (RuntimeError, OSError) as err:
+        print(f"node-agent stop-check: rank {place.rank} could not reach rank 0 at "
+              f"{place.master_addr}:{place.master_port}: {printable(str(err))[:200]}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    if joined.missing:
+        names = ", ".join(f"rank {r}" for r in joined.missing)
+        if place.rank == 0:
+            suspects = [localise.Suspect(_missing_node(args.simulate, r, env), "join", evidence={
+                "rank": r, "did_not_join": True, "waited_s": args.join_timeout_s})
+                for r in joined.missing]
+            path = _write_summary(args, env, place, joined.nodes, {}, suspects, topology,
+                                  started, note=f"{names} did not join")
+            print(f"node-agent stop-check: {names} did not join within "
+                  f"{args.join_timeout_s:g} s; named as suspects in {path}", file=sys.stderr)
+        else:
+            print(f"node-agent stop-check: {names} did not join; rank 0 names them",
+                  file=sys.stderr)
+        return EXIT_USAGE
+    ranks.init_group(store, place, backend, args.phase_timeout_s)
+    stack = _stack(env, torch.__version__)
+    side = phases.NodeSide(place, node, joined.nodes, devices, stack,
+                           quick_report=lambda: execute(quick, env),
+                           slow_link=float(slow[0].params["factor"]) if slow else 1.0,
+                           backend=backend)
+    outcomes = _phases(args, side, no_compute)
+    suspects = [s for o in outcomes.values() for s in o.suspects]
+    if place.rank == 0:
+        path = _write_summary(args, env, place, joined.nodes, outcomes, suspects, topology,
+                              started)
+        print(f"stop-check: {len(suspects)} suspect(s); {path}", file=sys.stderr)
+    import torch.distributed as dist
+    dist.destroy_process_group()
+    report = _node_report(env, node, outcomes, started)
+    act.act_on_report(acting, env, report)
+    out_dir, note = report_dir(env, args.out)
+    path = json_report.write(report, out_dir)
+    if note:
+        print(f"node-agent: note: {note}", file=sys.stderr)
+    print(json_report.dumps(report) if args.json else
+          render_summary(report, colour=sys.stdout.isatty()))
+    print(f"report: {path}", file=sys.stderr)
+    return EXIT_FOR_LEVEL[report.grade.level]
+
+
+def _missing_node(pattern: str | None, rank: int, env: Any) -> str:
+    """A rank that never joined, by its node's name where it can be known (its scenario when
+    simulated), else ``rank:N``."""
+    if pattern:
+        try:
+            from node_agent.sim.scenario import load_scenario
+            return load_scenario(pattern.replace("{rank}", str(rank)), env.skus).hostname
+        except ConfigError:
+            pass
+    return f"rank:{rank}"
+
+
+def _stack(env: Any, torch_version: str) -> str:
+    names = sorted({g.name for g in env.inventory.gpus})
+    host = env.inventory.host
+    return (f"{env.sku.id if env.sku else 'unknown-sku'}|{','.join(names)}|driver "
+            f"{host.driver}|cuda {host.cuda}|torch {torch_version}")
+
+
+def _phases(args, side: phases.NodeSide, no_compute: str | None) -> dict[str, phases.PhaseOutcome]:
+    import torch.distributed as dist
+
+    out: dict[str, phases.PhaseOutcome] = {}
+    # whether every node can compute decides the compute phases for all ranks alike
+    can = [None] * side.place.world_size
+    dist.all_gather_object(can, (side.node, no_compute))
+    cannot = {n: why for n, why in can if why}
+    plan: list[tuple[str, Any]] = [("self", phases.phase_self)]
+    compute = [("intra_node", phases.phase_intra_node), ("neighbours", phases.phase_neighbours),
+               ("alignment", phases.phase_alignment)]
+    if args.replay:
+        compute.append(("replay", lambda s: phases.phase_replay(s, args.rounds)))
+    for name, fn in plan + compute:
+        if cannot and name in ("intra_node", "alignment", "replay"):
+            out[name] = phases.PhaseOutcome(name, skipped="no compute on " + "; ".join(
+                f"{n}: {why}" for n, why in sorted(cannot.items())))
+            continue
+        out[name] = phases.run_phase(name, fn, side)
+        if out[name].error:
+            break
+    if not args.replay:
+        out["replay"] = phases.PhaseOutcome("replay", skipped="not asked (--replay)")
+    return out
+
+
+def _write_summary(args, env, place, nodes, outcomes, suspects, topology, started,
+                   note: str | None = None) -> Path:
+    out_dir, _ = report_dir(env, args.out)
+    data = {"schema": SCHEMA, "agent_version": __version__, "started_at": started,
+            "finished_at": utc_now(), "world_size": place.world_size,
+            "nodes": {str(r): n for r, n in sorted(nodes.items())},
+            "phases": {name: o.to_dict() for name, o in outcomes.items()},
+            "suspects": [s.to_dict() for s in suspects],
+            "evict": localise.evict(suspects, topology)}
+    if note:
+        data["note"] = note
+    path = out_dir / "stop-check.json"
+    atomic_file.write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def _node_report(env: Any, node: str, outcomes: dict[str, phases.PhaseOutcome],
+                 started: str) -> Report:
+    """This node's share as a report the normal grading and remediation act on."""
+    results: list[Result] = []
+    self_phase = outcomes.get("self")
+    if self_phase is not None and self_phase.report is not None:
+        results.extend(self_phase.report.results)
+    for name in PHASE_ORDER:
+        outcome = outcomes.get(name)
+        metric = f"{CHECK}_{name}"
+        if outcome is None:
+            results.append(Result(CHECK, "node", metric, Status.SKIP,
+                                  "not run: an earlier phase broke the job's process group"))
+            continue
+        if outcome.error:
+            results.append(Result(CHECK, "node", metric, Status.ERROR,
+                                  f"the {name} phase broke: {outcome.error}",
+                                  duration_s=outcome.duration_s))
+            continue
+        if outcome.skipped:
+            results.append(Result(CHECK, "node", metric, Status.SKIP, outcome.skipped,
+                                  duration_s=outcome.duration_s))
+            continue
+        if name == "self":  # the quick suite's own results grade this node already
+            continue
+        mine = [s for s in outcome.suspects if s.node == node]
+        for s in mine:
+            target = f"gpu:{s.gpu}" if s.gpu is not None else "node"
+            results.append(Result(CHECK, target, metric, Status.FAIL,
+                                  _sentence(name, s), evidence=s.to_dict(),
+                                  duration_s=outcome.duration_s))
+        if not mine:
+            others = sorted({s.node for s in outcome.suspects})
+            results.append(Result(CHECK, "node", metric, Status.PASS,
+                                  f"the {name} phase named no fault here"
+                                  + (f" (it named {', '.join(others)})" if others else ""),
+                                  duration_s=outcome.duration_s))
+    grade = env.grader.grade(results, "service")
+    return Report(host=env.inventory.host, gpus=env.inventory.gpus, suite="stop-check",
+                  mode="service", started_at=started, finished_at=utc_now(), results=results,
+                  grade=grade, simulated=env.simulated, agent_version=__version__,
+                  sku=env.sku.id if env.sku else None)
+
+
+def _sentence(phase: str, s: localise.Suspect) -> str:
+    where = f"gpu {s.gpu}" if s.gpu is not None else "this node"
+    return {
+        "intra_node": f"{where}: a copy between this node's GPUs came out wrong or slow",
+        "neighbours": "both of this node's ring-neighbour links are slow (or its data arrived "
+                      "wrong), while its neighbours' other links are not",
+        "alignment": f"{where} computed the reference step differently from the majority of "
+                     "like GPUs in the job (silent data corruption suspected)",
+        "replay": "this node sits where disagreeing groups of the replay cross (intermittent "
+                  f"corruption suspected; named in rounds {s.evidence.get('rounds_named')})",
+    }.get(phase, f"named by the {phase} phase")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run as ``python -m node_agent.commands.stop_check`` (the same as ``node-agent stop-check``)."""
+    from node_agent.commands.main import main as agent_main
+    return agent_main(["stop-check", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""The phases of a stop-time check, each run by every rank of the job at once, cheapest first.
+
+Every phase is a constant number of collective rounds whatever the node count (the hash and
+summary gathers grow with it, in bytes); each ends with the same list of suspects on every rank
+(:mod:`node_agent.stopcheck.localise` decides, on data every rank holds). A phase that cannot run
+here says why (``skipped``); a phase that broke (a peer vanished, a collective timed out) says
+how (``error``) and the phases after it do not run, since the group is no longer whole.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from node_agent.model import Level, Report
+from node_agent.stopcheck import localise
+from node_agent.stopcheck.localise import GpuHash, GroupResult, Suspect
+from node_agent.stopcheck.reference import digest, run_step
+
+if TYPE_CHECKING:
+    from node_agent.compute.devices import ComputeDevice
+    from node_agent.stopcheck.ranks import Place
+
+#: bytes each rank sends its ring neighbour per timed exchange, and the timed exchanges
+NEIGHBOUR_BYTES = 8 << 20
+NEIGHBOUR_ITERS = 5
+#: a neighbour pair is slow below this share of the median pair (a link at half speed or worse)
+SLOW_PAIR_SHARE = 0.5
+#: a copy between two GPUs of one node is slow below this share of the node's median pair
+SLOW_COPY_SHARE = 0.5
+INTRA_NODE_BYTES = 64 << 20
+SIM_INTRA_NODE_BYTES = 1 << 20
+#: seed of the alignment phase's reference step; the replay's rounds use REPLAY_SEED + round
+ALIGNMENT_SEED = 0
+REPLAY_SEED = 1000
+
+
+@dataclass
+class NodeSide:
+    """What one rank knows of its own node."""
+
+    place: Place
+    node: str
+    nodes: dict[int, str]        # rank -> node name (everyone joined)
+    devices: list[ComputeDevice]
+    stack: str                   # SKU and software: GPUs of one stack must agree bit for bit
+    quick_report: Callable[[], Report]
+    slow_link: float = 1.0       # simulated only: the node's inter-node transfers' speed factor
+    backend: str = "gloo"
+
+
+@dataclass
+class PhaseOutcome:
+    name: str
+    duration_s: float = 0.0
+    suspects: list[Suspect] = field(default_factory=list)
+    figures: dict[str, Any] = field(default_factory=dict)  # per node: what rank 0 records
+    skipped: str | None = None
+    error: str | None = None
+    report: Report | None = None  # phase "self": this node's quick-suite report
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"duration_s": round(self.duration_s, 3),
+                               "suspects": [s.to_dict() for s in self.suspects],
+                               "figures": self.figures}
+        if self.skipped:
+            out["skipped"] = self.skipped
+        if self.error:
+            out["error"] = self.error
+        return out
+
+
+def _gather(obj: Any, world: int) -> list[Any]:
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def run_phase(name: str, fn: Callable[[NodeSide], PhaseOutcome], side: NodeSide) -> PhaseOutcome:
+    start = time.monotonic()
+    try:
+        outcome = fn(side)
+    except Exception as err:  # a peer gone, a collective timed out: the group is broken
+        outcome = PhaseOutcome(name, error=f"{type(err).__name__}: {str(err)[:300]}")
+    outcome.duration_s = time.monotonic() - start
+    return outcome
+
+
+# -- 1. self ------------------------------------------------------------------------------------
+
+
+def phase_self(side: NodeSide) -> PhaseOutcome:
+    """Every node runs its quick suite; a node graded ERROR or FAULT is a suspect already."""
+    report = side.quick_report()
+    mine = {"node": side.node, "level": report.grade.level.name,
+            "reasons": [f"{r.target}: {r.message}" for r in report.grade.reasons][:10]}
+    shared = _gather(mine, side.place.world_size)
+    suspects = [Suspect(s["node"], "self", evidence={"level": s["level"], "reasons": s["reasons"]})
+                for s in shared if Level[s["level"]] >= Level.ERROR]
+    return PhaseOutcome("self", suspects=suspects, report=report,
+                        figures={s["node"]: {"level": s["level"]} for s in shared})
+
+
+# -- 2. intra-node ------------------------------------------------------------------------------
+
+
+def _pattern(size: int, src: int, dst: int, device: Any) -> Any:
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(7919 * (src + 1) + dst)
+    return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g).to(device)
+
+
+def phase_intra_node(side: NodeSide) -> PhaseOutcome:
+    """An all-to-all among the node's GPUs, pair by pair: every byte checked, bandwidth compared
+    with the node's other pairs (GPUs only: simulated GPUs share the host's memory)."""
+    devices = side.devices
+    mine: dict[str, Any] = {"pairs": {}, "bad_bytes": {}}
+    if len(devices) >= 2:
+        simulated = devices[0].simulated
+        size = SIM_INTRA_NODE_BYTES if simulated else INTRA_NODE_BYTES
+        for src in devices:
+            for dst in devices:
+                if src is dst:
+                    continue
+                buf = _pattern(size, src.spec.index, dst.spec.index, src.device)
+                src.synchronize()
+                start = time.perf_counter()
+                out = buf.to(dst.device, copy=True)
+                dst.synchronize()
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                key = f"{src.spec.index}->{dst.spec.index}"
+                if not simulated:  # simulated GPUs share the host's memory: no link to time
+                    mine["pairs"][key] = round(size / elapsed / 1e9, 3)
+                mine["copies"] = mine.get("copies", 0) + 1
+                bad = int((out.cpu() != buf.cpu()).sum())
+                if bad:
+                    mine["bad_bytes"][key] = bad
+        mine["bandwidth_graded"] = not simulated
+    shared = _gather((side.node, mine), side.place.world_size)
+    suspects: list[Suspect] = []
+    for node, data in shared:
+        for key, bad in data["bad_bytes"].items():
+            src, dst = (int(x) for x in key.split("->"))
+            suspects.append(Suspect(node, "intra_node", gpu=dst, evidence={
+                "pair": key, "wrong_bytes": bad,
+                "note": "the copy's destination is named; its source may be at fault"}))
+        if data.get("bandwidth_graded") and len(data["pairs"]) >= 2:
+            suspects.extend(_slow_gpus(node, data["pairs"]))
+    outcome = PhaseOutcome("intra_node", suspects=suspects,
+                           figures={node: data for node, data in shared})
+    if len(devices) < 2:
+        outcome.skipped = (f"{side.node} has {len(devices)} GPU: nothing to exchange within the "
+                           "node") if side.place.rank == 0 else None
+    return outcome
+
+
+def _slow_gpus(node: str, pairs: dict[str, float]) -> list[Suspect]:
+    median = statistics.median(pairs.values())
+    slow = {k for k, v in pairs.items() if v < SLOW_COPY_SHARE * median}
+    gpus = {int(x) for k in pairs for x in k.split("->")}
+    out = []
+    for gpu in sorted(gpus):
+        theirs = [k for k in pairs if str(gpu) in k.split("->")]
+        if theirs and all(k in slow for k in theirs):
+            out.append(Suspect(node, "intra_node", gpu=gpu, evidence={
+                "pairs_gbps": {k: pairs[k] for k in theirs}, "median_pair_gbps": median}))
+    return out
+
+
+# -- 3. neighbours ------------------------------------------------------------------------------
+
+
+def phase_neighbours(side: NodeSide) -> PhaseOutcome:
+    """Each rank exchanges with its ring neighbours at once (send right, receive left), timed
+    between barriers; a pair's time is the slower end's. A node both of whose pairs are slow is
+    the suspect (:func:`localise.slow_nodes`); every received byte is checked."""
+    import torch
+    import torch.distributed as dist
+
+    n, rank = side.place.world_size, side.place.rank
+    right, left = (rank + 1) % n, (rank - 1) % n
+    where = side.devices[0].device if side.backend == "nccl" and side.devices else "cpu"
+    elements = NEIGHBOUR_BYTES // 4
+    send = torch.full((elements,), float(rank + 1), device=where)
+    recv = torch.empty(elements, device=where)
+    times: list[float] = []
+    wrong = 0
+    for it in range(NEIGHBOUR_ITERS + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        reqs = [dist.isend(send, right), dist.irecv(recv, left)]
+        for req in reqs:
+            req.wait()
+        if where != "cpu":
+            torch.cuda.synchronize(where)
+        elapsed = time.perf_counter() - start
+        if side.slow_link < 1.0:  # simulated slow link: the transfer took 1/f as long
+            time.sleep(elapsed * (1.0 / side.slow_link - 1.0))
+            elapsed /= side.slow_link
+        wrong += int((recv != float(left + 1)).sum())
+        if it:  # the first exchange connects the pair: not timed
+            times.append(elapsed)
+    mine = {"rank": rank, "seconds": statistics.median(times), "wrong_elements": wrong}
+    shared = _gather(mine, n)
+    seconds = {s["rank"]: s["seconds"] for s in shared}
+    pair_gbps = {(a, b): NEIGHBOUR_BYTES / max(seconds[a], seconds[b]) / 1e9
+                 for a, b in localise.ring_pairs(n)}
+    suspects = localise.slow_nodes(pair_gbps, [side.nodes[r] for r in range(n)],
+                                   SLOW_PAIR_SHARE)
+    for s in shared:
+        if s["wrong_elements"]:
+            suspects.append(Suspect(side.nodes[s["rank"]], "neighbours", evidence={
+                "wrong_elements_received": s["wrong_elements"],
+                "from": side.nodes[(s["rank"] - 1) % n]}))
+    figures = {f"{side.nodes[a]}<->{side.nodes[b]}": round(v, 3)
+               for (a, b), v in sorted(pair_gbps.items())}
+    return PhaseOutcome("neighbours", suspects=suspects, figures={"pairs_gbps": figures})
+
+
+# -- 4. bitwise alignment -----------------------------------------------------------------------
+
+
+def phase_alignment(side: NodeSide) -> PhaseOutcome:
+    """Every GPU runs the same reference step; within a stack the majority hash is right. An odd
+    GPU runs it again (one more round) and the evidence says whether it repeated."""
+    n = side.place.world_size
+    mine = [GpuHash(side.node, dev.spec.index, run_step(dev, ALIGNMENT_SEED).digest, side.stack)
+            for dev in side.devices]
+    everyone = [h for part in _gather(mine, n) for h in part]
+    suspects = localise.odd_hashes(everyone)
+    mine_odd = {s.gpu for s in suspects if s.node == side.node}
+    again = {dev.spec.index: run_step(dev, ALIGNMENT_SEED).digest
+             for dev in side.devices if dev.spec.index in mine_odd}
+    reruns = {(node, gpu): d for node, part in _gather((side.node, again), n)
+              for gpu, d in part.items()}
+    confirmed = []
+    for s in suspects:
+        rerun = reruns.get((s.node, s.gpu))
+        evidence = {**s.evidence, "rerun_hash": rerun,
+                    "repeated": rerun is not None and rerun != s.evidence["majority_hash"]}
+        confirmed.append(Suspect(s.node, s.phase, evidence, s.gpu))
+    figures = {"gpus": len(everyone), "stacks": sorted({h.stack for h in everyone}),
+               "undecided_stacks": localise.undecided_stacks(everyone)}
+    return PhaseOutcome("alignment", suspects=confirmed, figures=figures)
+
+
+# -- 5. dual-phase replay -----------------------------------------------------------------------
+
+
+def phase_replay(side: NodeSide, rounds: int) -> PhaseOutcome:
+    """R rounds of the reference step; each round the nodes' outputs are reduced (elementwise
+    min and max, which are equal exactly when every member produced the same bits) along the rows
+    of a grid, then along its columns, and the groups' results compared; the suspects are where a
+    disagreeing row and a disagreeing column cross, in any round."""
+    import torch
+    import torch.distributed as dist
+
+    n, rank = side.place.world_size, side.place.rank
+    rows, cols = localise.grid(n)
+    row_groups = [dist.new_group(r) for r in rows]
+    col_groups = [dist.new_group(c) for c in cols]
+    my_row = next(i for i, r in enumerate(rows) if rank in r)
+    my_col = next(i for i, c in enumerate(cols) if rank in c)
+    named: dict[int, list[int]] = {}
+    for rnd in range(rounds):
+        outs = [run_step(dev, REPLAY_SEED + rnd).output for dev in side.devices]
+        where = side.devices[0].device if side.backend == "nccl" else "cpu"
+        tensor = torch.stack([o.to(device=where, dtype=torch.float32) for o in outs])
+        mine: dict[str, Any] = {"rank": rank}
+        for axis, groups, index in (("row", row_groups, my_row), ("col", col_groups, my_col)):
+            low, high = tensor.clone(), tensor.clone()
+            dist.all_reduce(low, dist.ReduceOp.MIN, group=groups[index])
+            dist.all_reduce(high, dist.ReduceOp.MAX, group=groups[index])
+            mine[axis] = (index, digest(low), digest(high))
+        shared = _gather(mine, n)
+        row_results = _groups(rows, shared, "row")
+        col_results = _groups(cols, shared, "col")
+        for r in localise.cross(row_results, col_results):
+            named.setdefault(r, []).append(rnd)
+    suspects = [Suspect(side.nodes[r], "replay", evidence={
+        "rounds_named": rnds, "rounds": rounds,
+        "grid": {"rows": rows, "columns": cols}}) for r, rnds in sorted(named.items())]
+    return PhaseOutcome("replay", suspects=suspects,
+                        figures={"rounds": rounds, "rows": len(rows), "columns": len(cols)})
+
+
+def _groups(members: list[list[int]], shared: list[dict[str, Any]], axis: str) -> list[GroupResult]:
+    by_index: dict[int, tuple[str, str]] = {}
+    for s in shared:
+        index, low, high = s[axis]
+        by_index.setdefault(index, (low, high))
+    return [GroupResult(tuple(m), *by_index[i]) for i, m in enumerate(members)]
