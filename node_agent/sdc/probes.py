@@ -30,6 +30,7 @@ corruption (``corrupting_matmul``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -138,6 +139,9 @@ SHAPE_DTYPES = ("fp32", "bf16", "fp16", "tf32")
 TRAINING_TILES_PER_SM = 2
 #: device memory the in-training probe may hold by default, MiB (the issue's bound)
 DEFAULT_MAX_MEMORY_MIB = 64.0
+#: completed probes whose costs bound the next probe's expected cost (SdcProbe, "The budget
+#: holds by construction"): at least this many, and at least one round over the specs
+RECENT_COSTS = 8
 
 
 def default_specs(
@@ -350,6 +354,18 @@ class SdcProbe:
     whole-GPU exact probes, round-robin over the specs (``whole_gpu_specs``: every dtype the GPU
     runs, bf16 fp16 tf32 fp8 fp32).
 
+    **The budget holds by construction.** The cost is everything the probe takes: the host
+    time of every ``step()`` call (the gate, launching, polling the event, reading the result
+    back; an idle call too) and, on CUDA, the probe's GPU time. The expected cost of the next
+    probe is the largest of its own last cost (its warm-up's until it has run in training) and
+    the cost of every probe of the last round (:data:`RECENT_COSTS`): on a GPU busy with
+    training a probe's stream waits behind the training kernels, and a probe costs what its
+    neighbours did there, not what it cost on the idle GPU at construction (on an H100 about
+    1.4 ms against 0.2 ms; taking the warm-up's figure let four probes spend 0.116 % of a run
+    against a 0.1 % budget). So a probe that costs no more than the costliest recent one leaves
+    ``cost <= budget_fraction * elapsed`` true when it completes; one that costs more (the first
+    under training load) overspends by that excess only, which the next start waits to repay.
+
     **Set-up, at construction** (a one-off, not counted against the budget): inputs and golden
     blocks are made on the device, an output buffer, a mismatch mask and pinned host buffers
     are allocated, each dtype's accumulator is checked (a kernel that accumulates in lower
@@ -450,6 +466,9 @@ class SdcProbe:
         self.started = clock()
         self.cost_s = 0.0
         self._last_cost_s = max(self._warm.values(), default=0.0)
+        self._recent: collections.deque[float] = collections.deque(
+            maxlen=max(RECENT_COSTS, len(self.specs) + len(self._digest_specs)))
+        self._idle_call_s = 0.0  # the longest step() call that started and read nothing
         self.probes_run = 0
         self.verdicts: list[Verdict] = []
         #: optional progress heartbeat (node_agent.heartbeat): ``step()`` beats it, so a job
@@ -565,14 +584,23 @@ class SdcProbe:
         elapsed = self.clock() - self.started
         return self.cost_s / elapsed if elapsed > 0 else 0.0
 
+    def expected_cost_s(self) -> float:
+        """What the next probe is expected to cost, seconds: the most of its own last cost (its
+        warm-up's until it ran here; the last probe's when neither is known) and the costs of
+        the recent probes (see the class docstring), plus twice the longest ``step()`` call
+        that did nothing (the gate, the clock reads of the calls that launch and read it)."""
+        if self._next is None:
+            return 0.0
+        own = self._expected.get(self._next, self._last_cost_s)
+        # + the bookkeeping of the two step() calls that launch it and read it back
+        return max(own, max(self._recent, default=0.0)) + 2 * self._idle_call_s
+
     def _may_start(self, now: float) -> bool:
         if now < self._blocked_until or self._next is None:
             return False
-        # A probe not yet measured is expected to cost what the last probe did (its warm-up at
-        # construction measured every spec, unless a matmul was injected: then the first runs
-        # at once, as nothing is known of its cost).
-        expected = self._expected.get(self._next, self._last_cost_s)
-        within = self.cost_s + expected <= self.budget_fraction * (now - self.started)
+        # With an injected matmul there is no warm-up: the first probe runs at once, as nothing
+        # is known of its cost; every later one waits for the budget.
+        within = self.cost_s + self.expected_cost_s() <= self.budget_fraction * (now - self.started)
         return within or (self.probes_run == 0 and not self._warm)
 
     # -- the loop hook -----------------------------------------------------------------------
@@ -583,6 +611,9 @@ class SdcProbe:
         With ``heartbeat=`` given, also records the step (``Heartbeat.beat`` never raises)."""
         if self.heartbeat is not None:
             self.heartbeat.beat()
+        entered = self.clock()
+        runs = self.probes_run
+        pending = self._pending
         try:
             return self._step()
         except Exception as err:
@@ -599,6 +630,23 @@ class SdcProbe:
             v.evidence.update(self._evidence())
             self._record(v)
             return v
+        finally:
+            spent = self.clock() - entered  # the training thread's time in here, all of it
+            self.cost_s += spent
+            if self.probes_run == runs and self._pending is pending:
+                self._idle_call_s = max(self._idle_call_s, spent)
+
+    def collect(self) -> Verdict | None:
+        """Read back a probe that has completed, starting none: the verdict, else None (nothing
+        in flight, or not done yet). For the end of a measured stretch, so that the last probe
+        is counted; its host time is counted as ``step()``'s is."""
+        if self._pending is None or not self._done(self._pending):
+            return None
+        entered = self.clock()
+        try:
+            return self._finish(self._pending)
+        finally:
+            self.cost_s += self.clock() - entered
 
     def _pending_or_next(self) -> tuple[str, ProbeSpec | None]:
         if self._pending is not None:
@@ -669,8 +717,11 @@ class SdcProbe:
         t0 = self.clock()
         result = p.read()
         cost = self._cost(p) + (self.clock() - t0)  # the read is host time on the training thread
-        self.cost_s += cost
+        if self._stream is not None:
+            # the GPU time; the host time is counted by step() around all of this
+            self.cost_s += p.start.elapsed_time(p.end) / 1000.0
         self.probes_run += 1
+        self._recent.append(cost)
         key = (p.kind, p.spec)
         if p.first is None:
             self._expected[key] = cost

@@ -82,7 +82,10 @@ def sdc_sm_coverage(device: torch.device | str | int | None = None, *,
 class Overhead:
     """What :func:`measure_training_overhead` saw. ``percent``: median over off/on block pairs
     of (mean step with probe / mean step without - 1) x 100; ``probe_share_percent``: the
-    probe's self-measured cost over the time it ran, x 100."""
+    probe's self-measured cost (``SdcProbe.cost_s``: every ``step()``'s host time and the
+    probes' GPU time, the last probe's read back) over the time it ran, x 100. With
+    ``probes_run`` 0 the run was too short for the budget to buy one probe, and ``percent`` is
+    the noise of two identical loops."""
 
     percent: float
     pairs: int
@@ -95,8 +98,13 @@ class Overhead:
     device: str
     verdicts: dict[str, int]
 
+    @property
+    def within_budget(self) -> bool:
+        """Whether the probe's own cost stayed within ``budget_fraction`` of the time it ran."""
+        return self.probe_share_percent <= self.budget_fraction * 100.0 * (1 + 1e-9)
+
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "within_budget": self.within_budget}
 
 
 class PausableClock:
@@ -152,9 +160,17 @@ def measure_training_overhead(
     and with ``SdcProbe.step()`` after each step, and compare the blocks' mean step times.
 
     Blocks end with a device synchronise (to time them); inside a block nothing synchronises,
-    so the probe's side stream overlaps training as it would in a real job. ``device``: default
-    the current CUDA device, else the CPU (for a harness check; the CPU figure is noise).
-    ``probe_kwargs`` go to ``SdcProbe`` (its spool is a temporary directory)."""
+    so the probe's side stream overlaps training as it would in a real job. The probe's clock
+    (:class:`PausableClock`) runs in the "on" blocks only. ``device``: default the current CUDA
+    device, else the CPU (for a harness check; the CPU figure is noise). ``probe_kwargs`` go to
+    ``SdcProbe`` (its spool is a temporary directory).
+
+    The budget decides how many probes run: ``budget_fraction`` x the "on" time must cover a
+    probe's cost before the first starts. On an H100 (gpu-validate, 2026-11-24: 4 probes cost
+    0.116 % of 4.84 s) a probe in training costs about 1.4 ms, so at 0.1 % each probe needs
+    1.4 s of "on" time; the defaults give about 4.8 s there (8 pairs of 50 steps of 12 ms). A
+    shorter run measures no probe at all (``probes_run`` 0); a check of the harness raises the
+    budget instead."""
     from node_agent.sdc.probes import SdcProbe
 
     if device is None:
@@ -191,6 +207,8 @@ def measure_training_overhead(
             if probe is not None:
                 probe.step()
         sync()
+        if probe is not None:
+            probe.collect()  # a probe that completed in the block's last step is counted too
         return (time.perf_counter() - t0) / steps_per_block
 
     clock = PausableClock()
