@@ -20,6 +20,9 @@ SKU_SCHEMA: dict[str, Any] = {
         "id": {"type": "string"},
         "display_name": {"type": "string"},
         "match": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        # the board's GPUs (an HGX baseboard: 8). A VM given part of a board sees fewer: there
+        # the count is checked only against node.expected_gpus or a trace of a lost GPU
+        # (checks/nvml_health.py, docs/hosts.md)
         "gpus_per_node": {"type": "integer", "minimum": 1},
         # false for add-in cards: a server carries as many as its build has, so gpus_per_node
         # is only the common full build (and a simulated node's default); the agent then
@@ -32,7 +35,8 @@ SKU_SCHEMA: dict[str, Any] = {
         "sm_count": {"type": "integer", "minimum": 1},
         "pcie": {"type": "object", "additionalProperties": False,
                  "properties": {"gen": {"type": "integer"}, "width": {"type": "integer"}}},
-        # links: NVLinks expected active (0 for PCIe cards, whose bridge is optional);
+        # links: NVLinks expected active (0 for PCIe cards, whose bridge is optional); the
+        # board's wiring, which a VM may not see (node.expected_nvlinks overrides it);
         # indices: link indices NVML answers for on this part (default: links). A PCIe card
         # answers for its die's links, inactive without a bridge; the simulator reports them.
         "nvlink": {"type": "object", "additionalProperties": False,

@@ -29,7 +29,14 @@ from typing import Any
 import pytest
 
 from node_agent import resources
-from node_agent.checks import CheckContext, host_view, nvml_health, thermal_power, xid
+from node_agent.checks import (
+    CheckContext,
+    host_view,
+    nccl_allreduce,
+    nvml_health,
+    thermal_power,
+    xid,
+)
 from node_agent.checks import inventory as inventory_check
 from node_agent.config import config_from_dict
 from node_agent.gpu.base import (
@@ -54,7 +61,7 @@ from node_agent.grading.rules import load_grader
 from node_agent.grading.sku import load_skus
 from node_agent.inventory import collect
 from node_agent.kernel_log import LinesKernelLog
-from node_agent.model import Level, Status
+from node_agent.model import Level, Result, Status
 
 REPO = Path(__file__).resolve().parents[2]
 CAPTURE = REPO.parent / "shared" / "realworld" / "gpu-h100-vm"
@@ -457,6 +464,25 @@ def test_the_burn_trace_at_701_w_of_700_w_with_sw_power_cap_grades_healthy():
     assert power.status is Status.PASS and power.value == pytest.approx(1.0009, abs=1e-3)
     assert one(results, "sm_clock_drop").status is Status.PASS  # 1425 of 1980 MHz: 28 %
     assert GRADER.grade(results).level is Level.HEALTHY
+
+
+def test_the_one_gpu_allreduce_skips_instead_of_busbw_zero(monkeypatch):
+    # the report said ERROR "peak all-reduce busbw 0.0 GB/s is below the SKU minimum 400"
+    monkeypatch.setattr(nccl_allreduce, "torch_available", lambda: True)  # no rank is started
+    [result] = nccl_allreduce.run(context("nccl_allreduce"))
+    assert result.status is Status.SKIP and result.metric == "busbw_peak_gbps"
+    assert "0 by definition" in result.detail and result.evidence["backend"] == "nccl"
+    assert GRADER.grade([result]).level is Level.HEALTHY
+
+
+def test_the_tf32_burn_shortfall_grades_error_for_a_restart_never_a_replace():
+    # 81 TFLOP/s against the SKU's 300 was the burn's own defect (plain torch.matmul ran 401.8
+    # on that GPU); a first shortfall is an ERROR: restart and re-test, never FAULT at once
+    [tf32] = [Result.from_dict(r) for r in _load("delivery-report.json")["results"]
+              if r["metric"] == "tflops_tf32"]
+    grade = GRADER.grade([tf32])
+    assert grade.level is Level.ERROR and grade.action == "restart"
+    assert {r.rule for r in grade.reasons} == {"burn-throughput-shortfall"}
 
 
 def test_the_fbhub_boot_line_is_not_an_xid_and_not_a_lost_gpu():
