@@ -460,10 +460,17 @@ def step_sdc_overhead(box_s: float) -> dict[str, Any]:
     if fn is None:
         return {name: figure(name, None, why, command)}
     o = fn()
+    budget_pct = 100 * o.budget_fraction
+    if o.probes_run == 0:  # two identical loops: the "overhead" would be their noise
+        return {name: figure(name, None, (
+            f"no probe ran: {o.pairs} pairs of {o.steps_per_block} steps of {o.step_ms_on:.3f} "
+            f"ms gave the {budget_pct:g} % budget too little time to buy one; {o.device}"),
+            command)}
     detail = (f"median over {o.pairs} off/on pairs of {o.steps_per_block} steps: "
               f"{o.step_ms_off:.3f} ms/step without, {o.step_ms_on:.3f} ms with; the probe's own "
-              f"cost {o.probe_share_percent:.3f} % of the time it ran ({o.probes_run} probes, "
-              f"budget {o.budget_fraction:g}); verdicts {o.verdicts}; {o.device}")
+              f"cost {o.probe_share_percent:.3f} % of the time it ran ({o.probes_run} probes), "
+              + ("within" if o.within_budget else "OVER")
+              + f" its {budget_pct:g} % budget; verdicts {o.verdicts}; {o.device}")
     return {name: figure(name, o.percent, None, command, detail)}
 
 
