@@ -15,6 +15,11 @@ What else real output carries, and how it is read (nccl-tests ``src/util.cu``, v
 * **Launcher prefixes.** ``srun --label`` puts the task number before every line (`` 0: ``),
   ``mpirun --tag-output`` puts ``[job,rank]<stdout>:``. The prefix is removed, and only the
   stream that printed the table header is read (other ranks' and stderr lines are dropped).
+  The mpirun tag is found wherever it sits on the line: indented (``   [1,0]<stdout>:``, as
+  a log viewer or a wrapper that indents its child's output saves it) or after a time or host
+  that ``--timestamp-output`` or a log collector put in front; what precedes it is dropped.
+  The srun label is read at the start of the line, after any blanks (a number followed by a
+  colon further in is too easily a time).
 * **``-C 1``** names the time column ``cputime``: the host's launch time per iteration. The
   bandwidth columns are still computed from the GPU time (``common.cu``: ``getBw(..., deltaSec)``),
   so they are read as usual and ``time_us`` is None (``cputime_us`` holds the figure).
@@ -73,7 +78,7 @@ class NcclTable:
 
 _FLOAT = re.compile(r"^-?\d+(\.\d*)?([eE][-+]?\d+)?$")
 _SRUN = re.compile(r"^\s*(\d+):(?: |$)")
-_MPIRUN = re.compile(r"^\[(\d+),(\d+)\]<(stdout|stderr|stddiag)>:")
+_MPIRUN = re.compile(r"\[(\d+),(\d+)\]<(stdout|stderr|stddiag)>:")
 _RANK = re.compile(r"^#\s+Rank\s+(\d+)\s")
 _VALIDATION = re.compile(r"\bvalidation:\s*(\d+)")
 _PROGRAM = re.compile(r"^#\s*Collective test starting:\s*(\S+)")
@@ -92,8 +97,10 @@ def split_prefix(line: str) -> tuple[str | None, str | None, str]:
     ('srun --label', '3', '#  size count')
     >>> split_prefix("[1,0]<stdout>:   8  2 float")
     ('mpirun --tag-output', '1,0 stdout', '   8  2 float')
+    >>> split_prefix("   [1,0]<stdout>:#  size count")
+    ('mpirun --tag-output', '1,0 stdout', '#  size count')
     """
-    match = _MPIRUN.match(line)
+    match = _MPIRUN.search(line)
     if match:
         return ("mpirun --tag-output", f"{match.group(1)},{match.group(2)} {match.group(3)}",
                 line[match.end():])

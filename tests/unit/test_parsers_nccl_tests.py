@@ -42,6 +42,15 @@ def test_older_error_column_keeps_max_error_and_out_of_bounds():
     assert table.out_of_bounds == 0
 
 
+def test_indented_mpirun_tag_reads_the_same_table():
+    """all_reduce_perf_ok.txt as ``mpirun --tag-output`` saved it with the tag indented
+    (``   [1,0]<stdout>:``), which was refused as "no table header" (issue 24)."""
+    tagged = parse_all_reduce_perf((DATA / "all_reduce_perf_indented_tag.txt").read_text())
+    plain = parse_all_reduce_perf((DATA / "all_reduce_perf_ok.txt").read_text())
+    assert tagged.rows == plain.rows and tagged.avg_busbw_gbps == plain.avg_busbw_gbps
+    assert tagged.launcher_prefix == "mpirun --tag-output"
+
+
 def test_truncated_table_raises_parse_error():
     with pytest.raises(ParseError, match="cut off"):
         parse_all_reduce_perf((DATA / "all_reduce_perf_truncated.txt").read_text())

@@ -168,6 +168,32 @@ def test_tagged_lines_of_other_ranks_and_stderr_are_not_read():
     assert [r.busbw_gbps for r in table.rows if r.size_bytes == 4194304] == [0.96]
 
 
+NCCL_N04 = "n04_nccl-ebpf_tag-output_nccl-tests2.18_rtx5090.txt"
+
+
+@pytest.mark.parametrize("lead", [
+    "   ",  # issue 24: "   [1,0]<stdout>:" saved indented was refused as "no table header"
+    "\t",
+    "Mon Jun 10 12:00:00 2024",  # a time in front, as --timestamp-output or a collector puts it
+    "2024-06-10T12:00:00Z node7 job-17 ",
+])
+def test_mpirun_tag_is_read_wherever_it_sits_on_the_line(lead):
+    """n04 with something in front of every line's [job,rank]<stream>: tag: the same table."""
+    text = sample("nccl", NCCL_N04)
+    moved = "\n".join(lead + line if line.startswith("[") else line for line in text.splitlines())
+    table = parse_all_reduce_perf(moved)
+    expected = parse_all_reduce_perf(text)
+    assert table.rows == expected.rows and len(table.rows) == 8
+    assert (table.avg_busbw_gbps, table.launcher_prefix) == (expected.avg_busbw_gbps,
+                                                             "mpirun --tag-output")
+
+
+def test_indented_srun_label_is_read():
+    text = sample("nccl", NCCL_N08)
+    table = parse_all_reduce_perf("\n".join("  " + line for line in text.splitlines()))
+    assert len(table.rows) == 11 and table.launcher_prefix == "srun --label"
+
+
 def test_row_whose_algbw_contradicts_size_over_time_is_refused():
     text = sample("nccl", NCCL_N07).replace("270.63  473.60", "170.63  473.60")
     with pytest.raises(ParseError, match="algbw 170.63 GB/s but size / time = 270.63"):
