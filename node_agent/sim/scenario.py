@@ -28,7 +28,8 @@ _DRIVER_NAME = r"^[A-Za-z0-9_.-]+$"
 DRIVER_DOWN_STATES = ("not_loaded", "not_installed")
 #: fault kinds a capture takes on top of its recording: those acting outside NVML (a capture
 #: replays NVML as recorded; to change what NVML says, edit the recorded value)
-CAPTURE_FAULT_KINDS = frozenset({"kernel_log", "slow", "sdc", "hca_port_down", "hca_rate",
+CAPTURE_FAULT_KINDS = frozenset({"kernel_log", "slow", "slow_link", "sdc", "hca_port_down",
+                                 "hca_rate",
                                  "hca_slow", "hca_flap"})
 _HEX = r"^0x[0-9a-fA-F]+$"
 _BDF = {"type": "string", "pattern": r"^[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$"}
@@ -107,6 +108,10 @@ FAULT_SCHEMAS: dict[str, dict[str, Any]] = {
                           "rate": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}}),
     # a kernel spinning on a peer that never arrives (hung collective): busy, but no work done
     "spin": _fault("spin", {}),
+    # the node's inter-node transfers take 1/factor as long (a degraded NIC or cable): acts on
+    # stop-check's transfers between nodes (node_agent.stopcheck.phases), the node as a whole
+    "slow_link": _fault("slow_link", {"factor": {"type": "number", "exclusiveMinimum": 0,
+                                                 "maximum": 1}}, ("factor",)),
     # RDMA (node_agent.sim.tools builds the HCAs' sysfs and an ib_write_bw stand-in from these)
     "hca_port_down": _hca_fault("hca_port_down", {}),
     "hca_rate": _hca_fault("hca_rate", {"gbps": {"type": "number", "exclusiveMinimum": 0}},
