@@ -60,8 +60,10 @@ REQUEST_S = 1.0
 CONNECTION_S = 5.0
 #: open connections from one peer address, and from all peers; past either the oldest one that
 #: is still waiting for its request is closed
-MAX_PER_PEER = 32
+MAX_PER_PEER = 64
 MAX_CONNECTIONS = 512
+#: connections accepted in one turn of the loop before the open ones are read again
+ACCEPT_BATCH = 16
 #: the longest request head (request line and headers) read; a longer one is answered 431
 MAX_REQUEST_BYTES = 8192
 
@@ -111,10 +113,14 @@ class MetricsServer:
         self._stopped.clear()
         try:
             while not self._stop.is_set():
-                for key, events in self._selector.select(self._wait(poll_interval)):
+                ready = self._selector.select(self._wait(poll_interval))
+                # the requests that arrived are read before new connections are let in: a
+                # newcomer may close an old connection, never one whose request is here
+                accept = False
+                for key, events in ready:
                     sock = key.fileobj
                     if sock is self.socket:
-                        self._accept()
+                        accept = True
                     elif sock is self._wake_r:
                         self._drain_wake()
                     elif sock in self._conns:
@@ -123,6 +129,8 @@ class MetricsServer:
                             self._read(conn)
                         elif events & selectors.EVENT_WRITE and conn.out is not None:
                             self._write(conn)
+                if accept:
+                    self._accept()
                 self._expire()
         finally:
             self._stopped.set()
@@ -162,7 +170,7 @@ class MetricsServer:
 
     # -- connections --------------------------------------------------------------------------
     def _accept(self) -> None:
-        for _ in range(256):  # a burst at once, then the other sockets get their turn
+        for _ in range(ACCEPT_BATCH):  # then the open connections get their turn
             try:
                 sock, addr = self.socket.accept()
             except (BlockingIOError, InterruptedError):
@@ -176,6 +184,7 @@ class MetricsServer:
             self._make_room(peer)
             self._conns[sock] = conn
             self._selector.register(sock, selectors.EVENT_READ)
+            self._read(conn)  # a scrape's request is usually here already: answer it now
 
     def _make_room(self, peer: str) -> None:
         """Close the oldest connection still waiting for its request, of ``peer`` when it is at

@@ -216,3 +216,41 @@ def test_head_answers_headers_only_and_other_methods_405():
     finally:
         server.shutdown()
         server.server_close()
+
+
+# keeps n idle connections open at all times: one the server closes is opened again at once
+HOLD_IDLE = """
+import select, socket, sys
+port, n = int(sys.argv[1]), int(sys.argv[2])
+socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(n)]
+print("ready", flush=True)
+while True:
+    readable, _, _ = select.select(socks, [], [], 0.2)
+    for s in readable:
+        s.close()
+        socks.remove(s)
+        try:
+            socks.append(socket.create_connection(("127.0.0.1", port)))
+        except OSError:
+            pass
+"""
+
+
+def test_scrapes_are_served_while_a_peer_keeps_200_idle_connections_open_past_its_cap():
+    import subprocess
+    import sys
+
+    server = _serve()  # 64 per peer: every newcomer of the holder closes an older one of its own
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_IDLE, str(server.server_address[1]),
+                               "200"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        codes = [_get(server.server_address[1], timeout=5)[0] for _ in range(40)]
+        assert codes == [200] * 40
+        assert server.dropped > 200 - 64  # the holder's connections were the ones closed
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+        server.shutdown()
+        server.server_close()
