@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             b_off = run_block(args.block_s, step, None)
             clock.resume()
             b_on = run_block(args.block_s, step, probe)
+            probe.collect()  # the block's last probe, if it completed, is counted too
             clock.pause()
             off += b_off
             on += b_on
@@ -131,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     print(f"| overhead, per off/on pair: median (IQR) over {len(ratios)} pairs | "
           f"{q[1]:+.3%} ({q[0]:+.3%} .. {q[2]:+.3%}) |")
-    print(f"| overhead, probe's own cost / elapsed | {cost_s / elapsed_s:.4%} ({probes} probes, {cost_s * 1e3:.1f} ms in {elapsed_s:.1f} s) |")
+    share = cost_s / elapsed_s
+    print(f"| overhead, probe's own cost / elapsed | {share:.4%} ({probes} probes, {cost_s * 1e3:.1f} ms "
+          f"in {elapsed_s:.1f} s; {'within' if share <= args.budget else 'OVER'} the {args.budget:.3%} budget) |")
     if confirmed is not None:
         print(f"| detection latency (fault installed -> confirmed) | {latency_s:.2f} s |")
         print(f"| detecting probe | {confirmed.probe} {confirmed.dtype} {'x'.join(map(str, confirmed.shape))} |")
