@@ -110,8 +110,8 @@ def lost_gpu_traces(ctx: CheckContext) -> LostGpuTraces:
         traces += [f"NVIDIA GPU {g.describe()} is on the PCI bus but not listed by NVML"
                    for g in found.not_enumerated]
         if not found.not_enumerated:
-            seen.append(f"all {len(bus.host_gpus)} NVIDIA GPU(s) on the PCI bus are listed "
-                        "by NVML")
+            seen.append(f"every NVIDIA GPU on the PCI bus is listed by NVML "
+                        f"({len(bus.host_gpus)} on the bus)")
     traces += [f"GPU {index} is listed by NVML but unreadable: {error}"
                for index, error in sorted(inv.unreadable.items())]
     log = ctx.kernel_log

@@ -380,7 +380,7 @@ def test_one_gpu_of_an_hgx_in_a_vm_with_nothing_declared_warns_naming_expected_g
     assert count.status is Status.WARN
     assert "1 of 8 GPUs visible" in count.detail and "node.expected_gpus" in count.detail
     assert "pass_through" in count.detail
-    assert "all 1 NVIDIA GPU(s) on the PCI bus are listed by NVML" in count.detail
+    assert "every NVIDIA GPU on the PCI bus is listed by NVML (1 on the bus)" in count.detail
     assert "no Xid 79" in count.detail
     assert count.evidence["lost_gpu_traces"] == []
 
