@@ -58,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
             scenario, header = capture_node(
                 skus, argv, sku=args.sku,
                 call_timeout_s=float(config.get("nvml.call_timeout_s")),
-                kernel_log_records=args.kernel_log_records)
+                kernel_log_records=args.kernel_log_records,
+                kernel_log_file=config.get("kernel_log.path"))
             text = dump(scenario, header)
     except CaptureError as err:
         raise UsageError(str(err)) from err

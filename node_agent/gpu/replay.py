@@ -100,7 +100,7 @@ def _key_lines(section: Mapping[str, Any], strict: bool) -> list[str]:
             lines += [f"{key} {_text(key, item, strict)}" for item in value]
         elif key in _REPEATED_KEY_FUNCTION and error_code(value) is not None:
             lines.append(f"error {_REPEATED_KEY_FUNCTION[key]} {error_code(value)}")
-        elif key.startswith("nvml"):  # a whole call failed (nvmlInit, nvmlDeviceGetCount)
+        elif key[:4] == "nvml" and key[4:5].isupper():  # a whole call failed (nvmlInit)
             if error_code(value) is not None:
                 lines.append(f"error {key} {error_code(value)}")
         else:

@@ -58,6 +58,8 @@ def read_kmsg_tail(path: str = _KMSG,
     """The last ``limit`` records of the kernel's ring buffer, each as ``/dev/kmsg`` gives it
     (``prio,seq,usec,flags;message``, its continuation ``KEY=value`` lines left out, kmsg's
     ``\\xNN`` escapes kept), and None; or no records and why not."""
+    if limit <= 0:
+        return [], None
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as err:
@@ -81,6 +83,18 @@ def read_kmsg_tail(path: str = _KMSG,
     finally:
         os.close(fd)
     return list(records), None
+
+
+def read_file_tail(path: str, limit: int = KERNEL_LOG_RECORDS) -> tuple[list[str], str | None]:
+    """The last ``limit`` lines of a saved kernel log (``kernel_log.path``), as they are."""
+    if limit <= 0:
+        return [], None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = collections.deque((line.rstrip("\r\n") for line in f), maxlen=limit)
+    except OSError as err:
+        return [], f"cannot read {path}: {err.strerror or err}"
+    return [line for line in lines if line], None
 
 
 def _clean(text: str) -> str:
@@ -166,8 +180,11 @@ def dump(scenario: dict[str, Any], header: Sequence[str]) -> str:
 def capture_node(skus: dict[str, Sku], argv: Sequence[str], sku: str | None = None,
                  call_timeout_s: float = 10.0, kernel_log_records: int = KERNEL_LOG_RECORDS,
                  pci_root: Path = SYSFS_PCI_DEVICES, kmsg_path: str = _KMSG,
-                 nvml_lib: Any = None) -> tuple[dict[str, Any], list[str]]:
-    """Read this node and return (the scenario mapping, its header lines)."""
+                 nvml_lib: Any = None,
+                 kernel_log_file: str | None = None) -> tuple[dict[str, Any], list[str]]:
+    """Read this node and return (the scenario mapping, its header lines). The kernel log is
+    ``/dev/kmsg``'s records, or the lines of ``kernel_log_file`` (``kernel_log.path``: a
+    node whose kernel log the agent reads from a file)."""
     from node_agent.gpu.record import record_nvml
 
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -177,13 +194,15 @@ def capture_node(skus: dict[str, Sku], argv: Sequence[str], sku: str | None = No
         pci_note = None
     except PciUnreadable as err:
         pci, pci_note = [], str(err)
-    records, log_note = read_kmsg_tail(kmsg_path, kernel_log_records)
+    log_source = kernel_log_file or kmsg_path
+    records, log_note = (read_file_tail(kernel_log_file, kernel_log_records) if kernel_log_file
+                         else read_kmsg_tail(kmsg_path, kernel_log_records))
     host = socket.gethostname()
     provenance: dict[str, Any] = {
         "format": FORMAT, "kind": "captured", "host": host, "date": now,
         "agent_version": __version__, "command": " ".join(["node-agent", *argv]),
         "kernel": platform.release(),
-        "kernel_log": {"source": kmsg_path, "records": len(records),
+        "kernel_log": {"source": log_source, "records": len(records),
                        **({"unavailable": log_note} if log_note else {})},
         "pci": {"source": str(pci_root), **({"unavailable": pci_note} if pci_note else {})},
     }

@@ -14,7 +14,8 @@ import pytest
 from node_agent import resources
 from node_agent.config import config_from_dict
 from node_agent.gpu import base, open_backend
-from node_agent.gpu.nvml import open_nvml
+from node_agent.gpu.nvml import NvmlBackend, open_nvml
+from node_agent.gpu.replay import StateNvml
 from node_agent.gpu.sim import SimGpuBackend
 from node_agent.grading.sku import load_skus
 from node_agent.sim.nvml_state import NVML_FAULT_KINDS, render, write_state
@@ -30,7 +31,7 @@ READINGS = {
     "ecc": base.EccCounts, "row_remap": base.RowRemap, "persistence_mode": bool,
     "recovery_action": str, "nvlinks": list, "memory_temperature_c": int,
     "retired_pages": base.RetiredPages, "compute_processes": list,
-    "utilization": base.Utilization,
+    "utilization": base.Utilization, "virtualization_mode": str,
 }
 
 
@@ -58,6 +59,7 @@ def assert_contract(backend):
         # GPU without clock-event reasons): check the value only where there is one
         assert (_reading(device, "throttle_reasons") or frozenset()) <= set(base.THROTTLE_REASONS)
         assert _reading(device, "recovery_action") in (None, *base.RECOVERY_ACTIONS)
+        assert _reading(device, "virtualization_mode") in (None, *base.VIRTUALIZATION_MODES)
         for proc in _reading(device, "compute_processes") or []:
             assert isinstance(proc, base.GpuProcess) and isinstance(proc.pid, int), proc
             assert proc.pid > 0
@@ -353,3 +355,76 @@ def test_a_driver_that_is_down_reads_through_nvml_as_the_simulator_says(fake_nvm
     assert (nvml.unavailable_reason, nvml.broken) == (sim.unavailable_reason, sim.broken)
     assert nvml.devices() == sim.devices() == []
     assert nvml.unavailable_reason.startswith("no NVIDIA driver")
+
+
+# -- virtualization and captured nodes ------------------------------------------------------------
+
+
+def test_a_scenario_virtualization_key_reads_the_same_through_the_simulator_and_nvml(fake_nvml):
+    scenario = Scenario(sku="h100-sxm5-80gb", gpus=2, source="t", virtualization="pass_through")
+    sim = SimGpuBackend(scenario, _sku(scenario.sku))
+    nvml = fake_nvml(scenario)
+    assert [d.virtualization_mode() for d in sim.devices()] == ["pass_through"] * 2
+    assert [d.virtualization_mode() for d in nvml.devices()] == ["pass_through"] * 2
+    bare = SimGpuBackend(Scenario(sku="h100-sxm5-80gb", gpus=1, source="t"), _sku(scenario.sku))
+    assert bare.devices()[0].virtualization_mode() == "none"
+
+
+def _state_nvml(scenario, switches=(), call_timeout_s=0.3):
+    backend = NvmlBackend(StateNvml(render(scenario, _sku(scenario.sku), switches).splitlines()),
+                          call_timeout_s)
+    backend.init()
+    return backend
+
+
+@pytest.mark.parametrize("kind", sorted(set(NVML_FAULTS) - {"driver_hang"}))
+def test_the_python_replay_answers_nvml_as_the_stand_in_library_does(fake_nvml, kind):
+    """gpu/replay.py's StateNvml (what --simulate runs a capture on) and the C stand-in read
+    the same state file alike, through the same NVML backend: every reading, fault by fault.
+    (A hang is the stand-in's alone: a capture records a call that timed out as its error.)"""
+    raw = dict(NVML_FAULTS[kind])
+    fault = Fault(kind=raw.pop("kind"), gpu=raw.pop("gpu"), params=raw)
+    scenario = Scenario(sku="h100-sxm5-80gb", gpus=4, source="t", faults=(fault,),
+                        virtualization="pass_through",
+                        compute_processes=(ComputeProcess(gpu=0, pid=4242, used_memory_mib=512),))
+    python, c = _state_nvml(scenario), fake_nvml(scenario, call_timeout_s=0.3)
+    try:
+        assert _node_readings(python) == _node_readings(c)
+        assert python.driver() == c.driver()
+    finally:
+        python.close()
+
+
+def test_the_python_replay_answers_like_the_stand_in_where_functions_are_unsupported(fake_nvml):
+    scenario = Scenario(sku="h100-sxm5-80gb", gpus=2, source="t")
+    switches = harness.SPARSE_SWITCHES
+    python = _state_nvml(scenario, switches)
+    c = fake_nvml(scenario, switches)
+    try:
+        assert _node_readings(python) == _node_readings(c)
+        assert python.driver() == c.driver()
+    finally:
+        python.close()
+
+
+def test_the_real_h100_capture_reads_alike_through_simulate_and_the_stand_in(fake_nvml):
+    """scenarios/real/h100-sxm5-vm.yaml: one H100, pass-through, every NVLink call Not
+    Supported; what --simulate opens (the replay backend) and what the stand-in serves agree."""
+    skus = load_skus(resources.graders_dir(config_from_dict({})))
+    scenario = load_scenario(harness.REPO / "scenarios" / "real" / "h100-sxm5-vm.yaml", skus)
+    replay = open_backend(scenario, skus[scenario.sku])
+    try:
+        assert replay.simulated and replay.name == "replay"
+        assert_contract(replay)
+        c = fake_nvml(scenario)
+        assert _node_readings(replay) == _node_readings(c)
+        (dev,) = replay.devices()
+        assert dev.virtualization_mode() == "pass_through"
+        assert dev.nvlinks() == []
+        with pytest.raises(base.NotSupported):
+            dev.retired_pages()
+        assert dev.identity().name == "NVIDIA H100 80GB HBM3"
+        assert dev.row_remap() == base.RowRemap(0, 0, False, False)
+        assert replay.driver() == base.DriverInfo("580.159.04", "13.0", "13.580.159.04")
+    finally:
+        replay.close()

@@ -376,6 +376,30 @@ def test_nvlinks_empty_on_a_gpu_without_nvlink(nvml):
     assert only_gpu(nvml(GPU0)).nvlinks() == []
 
 
+def test_nvlinks_empty_when_every_link_answers_not_supported_as_in_a_pass_through_vm(nvml):
+    # a captured H100 in a VM: every link's state (and so every call on the link) answers
+    # NVML_ERROR_NOT_SUPPORTED (../shared/realworld/gpu-h100-vm/nvml-readings.json)
+    lines = [f"nvlink.{i}.state error 3" for i in range(18)]
+    assert only_gpu(nvml(GPU0 + lines)).nvlinks() == []
+
+
+# -- virtualization -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode, name", list(enumerate(base.VIRTUALIZATION_MODES)))
+def test_virtualization_mode_reads_nvml_gpu_virtualization_mode_as_its_name(nvml, mode, name):
+    assert only_gpu(nvml(GPU0 + [f"virtualization_mode {mode}"])).virtualization_mode() == name
+
+
+def test_virtualization_mode_not_supported_where_nvml_does_not_answer(nvml):
+    with pytest.raises(base.NotSupported, match="nvmlDeviceGetVirtualizationMode"):
+        only_gpu(nvml(GPU0)).virtualization_mode()
+
+
+def test_a_virtualization_mode_newer_than_the_agent_reads_unknown(nvml):
+    assert only_gpu(nvml(GPU0 + ["virtualization_mode 9"])).virtualization_mode() == "unknown_9"
+
+
 # -- processes and events -------------------------------------------------------------------------
 
 

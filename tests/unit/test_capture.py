@@ -1,0 +1,303 @@
+"""``node-agent capture``: a node recorded call by call replays as that node.
+
+The GPUs are the stand-in libnvidia-ml.so.1 (tests/nvml_fake, loaded by the real nvidia-ml-py)
+or its rules in Python (``node_agent.gpu.replay.StateNvml``): no GPU can run here, and NVML is
+the one thing faked. Everything above it (the NVML backend, the recorder, the scenario loader,
+the checks and grading) is the agent's real code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from node_agent import resources
+from node_agent.config import config_from_dict
+from node_agent.gpu import base, open_backend
+from node_agent.gpu.pci import read_functions
+from node_agent.gpu.record import record_nvml
+from node_agent.gpu.replay import StateNvml
+from node_agent.grading.sku import load_skus
+from node_agent.inventory import read_pci_bus
+from node_agent.sim.capture import build_scenario, capture_node, dump, read_kmsg_tail
+from node_agent.sim.nvml_state import render
+from node_agent.sim.scenario import Scenario, load_scenario
+from node_agent.sim.tools import SimPciDevice, write_pci_sysfs
+from node_agent.yamlfile import ConfigError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nvml_fake"))
+import nvml_fake_harness as harness  # noqa: E402  (tests/nvml_fake, not an installed module)
+
+REPO = harness.REPO
+SHARED_H100 = REPO.parent / "shared" / "realworld" / "gpu-h100-vm"
+REAL_H100 = REPO / "scenarios" / "real" / "h100-sxm5-vm.yaml"
+CONVERT_COMMAND = ("python -m node_agent.sim.capture_import ../shared/realworld/gpu-h100-vm "
+                   "--out scenarios/real/h100-sxm5-vm.yaml")
+EXIT = {"HEALTHY": 0, "WARN": 0, "ERROR": 3, "FAULT": 4}
+
+
+@pytest.fixture(scope="module")
+def skus():
+    return load_skus(resources.graders_dir(config_from_dict({})))
+
+
+def _lib(*gpu_sections: list[str], head=("driver_version 580.159.04",
+                                          "nvml_version 13.580.159.04",
+                                          "cuda_driver_version 13000")) -> StateNvml:
+    lines = ["nvml-fake-state 1", *head]
+    for index, gpu in enumerate(gpu_sections):
+        lines += [f"[gpu {index}]", *gpu]
+    return StateNvml(lines)
+
+
+H100 = ["name NVIDIA H100 80GB HBM3", "uuid GPU-0e1c0e5c-95a4-4a7a-8c0c-000000000000",
+        "pci.bus_id 00000000:3B:00.0", f"memory.total {81559 * 1024 * 1024}",
+        "temperature.gpu 33", "virtualization_mode 1"]
+
+
+def _save_and_load(tmp_path: Path, scenario: dict, skus) -> Scenario:
+    path = tmp_path / "captured.yaml"
+    path.write_text(dump(scenario, ["a test capture"]))
+    return load_scenario(path, skus)
+
+
+# -- what a capture records -----------------------------------------------------------------------
+
+
+def test_capture_records_each_call_value_or_its_nvml_error(skus):
+    lib = _lib(H100 + ["unsupported nvmlDeviceGetSerial", "retired_pages.pending error 3",
+                       "remapped_rows 0 0 0 0", "nvlink.0.state error 3"])
+    nvml = record_nvml(call_timeout_s=2, lib=lib)
+    gpu = nvml["gpus"][0]
+    assert gpu["name"] == "NVIDIA H100 80GB HBM3" and gpu["temperature.gpu"] == 33
+    assert gpu["serial"] == {"error": "Not Supported", "code": 3}
+    assert gpu["retired_pages.pending"] == {"error": "Not Supported", "code": 3}
+    assert gpu["nvlink.0.state"] == {"error": "Not Supported", "code": 3}
+    assert gpu["virtualization_mode"] == 1 and gpu["remapped_rows"] == "0 0 0 0"
+    assert gpu["field.82"] == {"error": "Not Supported", "code": 3}
+    assert nvml["system"] == {"driver_version": "580.159.04", "nvml_version": "13.580.159.04",
+                              "cuda_driver_version": 13000}
+
+
+def test_not_supported_stays_not_supported_in_the_replay(tmp_path, skus):
+    lib = _lib(H100 + ["unsupported nvmlDeviceGetSerial", "unsupported nvmlDeviceGetRetiredPages",
+                       "remapped_rows 0 0 0 0"])
+    scenario = build_scenario(record_nvml(call_timeout_s=2, lib=lib), [], [], skus,
+                              {"kind": "test"}, "node-1")
+    loaded = _save_and_load(tmp_path, scenario, skus)
+    backend = open_backend(loaded, skus[loaded.sku])
+    try:
+        (dev,) = backend.devices()
+        assert dev.identity().serial is None
+        with pytest.raises(base.NotSupported):
+            dev.retired_pages()
+        with pytest.raises(base.NotSupported):
+            dev.recovery_action()
+        assert dev.virtualization_mode() == "pass_through"
+        assert dev.nvlinks() == []
+        assert loaded.virtualization == "pass_through" and loaded.captured
+    finally:
+        backend.close()
+    state = render(loaded, skus[loaded.sku])
+    assert "serial error 3" in state.splitlines() and "virtualization_mode 1" in state
+
+
+def test_a_capture_says_where_when_and_how_it_was_taken(tmp_path, skus):
+    captured, header = capture_node(skus, ["capture", "out.yaml"], nvml_lib=_lib(H100),
+                                    pci_root=tmp_path / "no-sysfs", kernel_log_records=0)
+    record = captured["capture"]
+    assert set(record) >= {"host", "date", "agent_version", "command", "kernel"}
+    assert record["command"] == "node-agent capture out.yaml"
+    assert record["agent_version"] and time.strptime(record["date"], "%Y-%m-%dT%H:%M:%SZ")
+    assert "cannot list" in record["pci"]["unavailable"]  # said, not silently empty
+    assert captured["sku"] == "h100-sxm5-80gb" and captured["driver"] == "580.159.04"
+    assert captured["cuda"] == "13.0" and captured["virtualization"] == "pass_through"
+    assert header[0].startswith("node-agent capture of ")
+
+
+def test_odd_and_hostile_values_are_data_never_a_crash(tmp_path, skus):
+    """A GPU name with YAML and state-file syntax in it, a line break, quotes and non-ASCII
+    text; a kernel-log record with YAML specials: written quoted, read back the same."""
+    name = 'NVIDIA H100 80GB HBM3 "x": [gpu 1]\nname evil # ü'
+    lib = _lib([f"name {name}", *H100[1:]])
+    record = "6,77,1234,-;NVRM: Xid (PCI:0000:3b:00): 13, name: {evil} 'quoted' # not a comment"
+    scenario = build_scenario(record_nvml(call_timeout_s=2, lib=lib), [], [record], skus,
+                              {"kind": "test"}, "node\n1", sku="h100-sxm5-80gb")
+    loaded = _save_and_load(tmp_path, scenario, skus)
+    assert loaded.kernel_log == (record,)
+    backend = open_backend(loaded, skus[loaded.sku])
+    try:
+        assert backend.devices()[0].identity().name == name
+    finally:
+        backend.close()
+    # the stand-in's line-based state file cannot carry a line break: a clear error, named
+    with pytest.raises(ConfigError, match="'name'.*control character"):
+        render(loaded, skus[loaded.sku])
+
+
+def test_a_capture_refuses_an_nvml_fault_and_a_gpu_count_that_disagrees(tmp_path, skus):
+    scenario = build_scenario(record_nvml(call_timeout_s=2, lib=_lib(H100)), [], [], skus,
+                              {"kind": "test"}, "n", sku="h100-sxm5-80gb")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({**scenario, "faults": [{"kind": "xid", "gpu": 0,
+                                                             "code": 79}]}))
+    with pytest.raises(ConfigError, match="acts on NVML, which a capture replays as recorded"):
+        load_scenario(path, skus)
+    path.write_text(yaml.safe_dump({**scenario, "gpus": 8}))
+    with pytest.raises(ConfigError, match="nvml.gpus records 1 GPUs"):
+        load_scenario(path, skus)
+
+
+def test_the_pci_bus_is_recorded_from_sysfs_and_replayed_as_that_bus(tmp_path, skus):
+    tree = write_pci_sysfs((
+        SimPciDevice("0000:3b:00.0", 0x10DE, 0x030200, "nvidia", device=0x2330),
+        SimPciDevice("0000:5d:00.0", 0x10DE, 0x030200, "vfio-pci", device=0x2330),
+        SimPciDevice("0000:05:00.0", 0x10DE, 0x068000, "nvidia-nvswitch", device=0x22A3),
+        SimPciDevice("0000:0c:00.0", 0x15B3, 0x020700, "mlx5_core")), tmp_path / "devices")
+    functions = read_functions(tree)
+    assert [f["bdf"] for f in functions] == ["0000:05:00.0", "0000:3b:00.0", "0000:5d:00.0"]
+    assert functions[1] == {"bdf": "0000:3b:00.0", "vendor": "0x10de", "device": "0x2330",
+                            "class": "0x030200", "driver": "nvidia"}
+    scenario = build_scenario(record_nvml(call_timeout_s=2, lib=_lib(H100)), functions, [],
+                              skus, {"kind": "test"}, "n")
+    loaded = _save_and_load(tmp_path, scenario, skus)
+    bus = read_pci_bus(loaded, skus[loaded.sku])
+    assert [(g.bus_id, g.driver, g.device_id) for g in bus.gpus] == [
+        ("0000:3b:00.0", "nvidia", 0x2330), ("0000:5d:00.0", "vfio-pci", 0x2330)]
+
+
+def test_nvml_that_did_not_load_is_recorded_and_fails_the_same_way_in_the_replay(tmp_path, skus):
+    lib = _lib(head=("error nvmlInit 9",))
+    nvml = record_nvml(call_timeout_s=2, lib=lib)
+    assert nvml == {"system": {"nvmlInit": {"error": "Driver Not Loaded", "code": 9}},
+                    "gpus": []}
+    scenario = build_scenario(nvml, [], [], skus, {"kind": "test"}, "n", sku="h100-sxm5-80gb")
+    loaded = _save_and_load(tmp_path, scenario, skus)
+    assert loaded.driver == "not_loaded"
+    backend = open_backend(loaded, skus[loaded.sku])
+    assert backend.devices() == [] and backend.broken
+    assert "nvidia kernel module is not loaded" in backend.unavailable_reason
+
+
+def test_a_node_matching_no_sku_file_needs_one_named(skus):
+    from node_agent.sim.capture import CaptureError
+
+    lib = _lib(["name Some Future GPU", "uuid GPU-1", "pci.bus_id 00000000:3B:00.0"])
+    with pytest.raises(CaptureError, match="--sku NAME"):
+        build_scenario(record_nvml(call_timeout_s=2, lib=lib), [], [], skus, {}, "n")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.access("/dev/kmsg", os.R_OK | os.W_OK),
+                    reason="writing and reading /dev/kmsg needs root (CAP_SYSLOG)")
+def test_the_kernel_log_tail_keeps_each_records_kmsg_header():
+    """A record written to the real /dev/kmsg comes back with its facility and priority: a
+    user's write is facility 1 (LOG_USER) whatever it claims, ``13,...`` at priority 5."""
+    marker = f"node-agent capture test record {os.getpid()} {time.time_ns()}"
+    fd = os.open("/dev/kmsg", os.O_WRONLY)
+    try:
+        os.write(fd, f"<5>{marker}\n".encode())
+    finally:
+        os.close(fd)
+    records, why = read_kmsg_tail(limit=100_000)
+    assert why is None
+    (mine,) = [r for r in records if marker in r]
+    prio, seq, usec, _flags = mine.split(";", 1)[0].split(",")[:4]
+    assert (int(prio) >> 3, int(prio) & 7) == (1, 5) and int(seq) >= 0 and int(usec) >= 0
+
+
+# -- round trips ----------------------------------------------------------------------------------
+
+
+def _run(args, tmp_path, env, timeout=120):
+    return subprocess.run([sys.executable, "-m", "node_agent.commands.main", *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=env)
+
+
+@pytest.fixture
+def config(tmp_path):
+    path = tmp_path / "config.yaml"
+    log = tmp_path / "kernel.log"
+    log.write_text("")
+    path.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"),
+                                    "kernel_log": {"path": str(log)},
+                                    "nvml": {"call_timeout_s": 5}}))
+    return path
+
+
+def test_a_healthy_h100_captured_through_nvidia_ml_py_replays_healthy_with_8_gpus(tmp_path,
+                                                                                 config):
+    """``node-agent capture`` through the real nvidia-ml-py against the stand-in library
+    serving scenarios/healthy-h100.yaml, then ``check --simulate`` on the capture."""
+    harness.build()
+    out = tmp_path / "captured.yaml"
+    env = harness.agent_env(scenario=REPO / "scenarios" / "healthy-h100.yaml")
+    captured = _run(["capture", str(out), "--config", str(config)], tmp_path, env)
+    assert captured.returncode == 0, captured.stderr
+    data = yaml.safe_load(out.read_text())
+    assert len(data["nvml"]["gpus"]) == 8 and data["sku"] == "h100-sxm5-80gb"
+    assert out.stat().st_mode & 0o077 == 0  # it holds the node's details: private
+    plain = harness.agent_env()
+    plain.pop("LD_LIBRARY_PATH")
+    for command in (["check"], ["accept", "--only", "inventory,nvml_health,xid",
+                                "--out", str(tmp_path / "out")]):
+        replay = _run([*command, "--simulate", str(out), "--json", "--config", str(config)],
+                      tmp_path, plain)
+        assert replay.returncode == 0, replay.stderr
+        report = json.loads(replay.stdout)
+        assert report["grade"]["level"] == "HEALTHY", report["grade"]
+        assert report["simulated"] is True and len(report["gpus"]) == 8
+        assert {g["sku"] for g in report["gpus"]} == {"h100-sxm5-80gb"}
+
+
+def test_a_simulated_node_captured_with_simulate_grades_as_the_node_did(tmp_path, config):
+    """faulty-h100 (Xid 79, a pending row remap, 91 °C, a PCIe x8 link) captured through the
+    recorder from its simulation: its replay grades as its simulation, reason for reason."""
+    env = harness.agent_env()
+    env.pop("LD_LIBRARY_PATH")
+    source = REPO / "scenarios" / "faulty-h100.yaml"
+    out = tmp_path / "captured.yaml"
+    captured = _run(["capture", str(out), "--simulate", str(source), "--config", str(config)],
+                    tmp_path, env)
+    assert captured.returncode == 0, captured.stderr
+
+    def graded(scenario):
+        run = _run(["check", "--simulate", str(scenario), "--json", "--config", str(config)],
+                   tmp_path, env)
+        report = json.loads(run.stdout)
+        return run.returncode, report["grade"]["level"], sorted(
+            (r["rule"], r["target"], r["level"]) for r in report["grade"]["reasons"])
+
+    assert graded(out) == graded(source)
+    assert graded(out)[:2] == (EXIT["FAULT"], "FAULT")
+
+
+# -- the real H100 ---------------------------------------------------------------------------------
+
+
+def test_the_committed_real_h100_scenario_is_what_the_converter_makes_of_the_readings(skus):
+    if not SHARED_H100.is_dir():
+        pytest.skip(f"the readings it is converted from are not here ({SHARED_H100} is absent)")
+    from node_agent.sim.capture_import import convert
+
+    assert REAL_H100.read_text() == convert(SHARED_H100, skus, CONVERT_COMMAND), (
+        f"scenarios/real/h100-sxm5-vm.yaml is stale: regenerate it with `{CONVERT_COMMAND}`")
+
+
+def test_the_real_h100_scenario_carries_its_provenance_and_oracle(skus):
+    loaded = load_scenario(REAL_H100, skus)
+    assert loaded.captured and loaded.gpus == 1 and loaded.virtualization == "pass_through"
+    assert loaded.capture["oracle"] == {
+        "declared": {"node.expected_gpus": 1, "grade": "HEALTHY"},
+        "undeclared": {"at_most": "WARN", "never": ["ERROR", "FAULT"]}}
+    assert loaded.capture["date"] == "2026-11-24" and loaded.capture["kind"] == "converted"
+    header = REAL_H100.read_text().split("\ncapture:", 1)[0]
+    assert "What a good operator concludes" in header and "Pass-Through" not in header
+    assert [p["bdf"] for p in loaded.pci] == ["0000:00:06.0"]
+    assert any("FBHUB Interrupt detected" in line for line in loaded.kernel_log)
