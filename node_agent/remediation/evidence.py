@@ -3,11 +3,18 @@ the agent saw: ``<state_dir>/evidence/<timestamp>-<action>/`` with
 
 * ``report.json`` — the report that led to the action (when there is one);
 * ``kernel-log.txt`` — the last lines of the kernel log (:mod:`node_agent.kernel_log`);
-* ``stacks.txt`` — ``py-spy dump --pid`` of each GPU process when py-spy is installed and the
-  pids are known (``nvidia-smi --query-compute-apps=pid``), else a line saying why not;
-* ``notes.txt`` — what was collected and what was skipped.
+* ``stacks.txt`` — ``py-spy dump --nonblocking --pid`` of each GPU process when py-spy is
+  installed and the pids are known (``nvidia-smi --query-compute-apps=pid``), else a line
+  saying why not;
+* ``notes.txt`` — what was collected and what was skipped, and why.
 
-Collecting evidence never stops the action: every failure becomes a note. The directory is
+Collecting evidence never stops the action, and never holds it up for long: the stacks are
+taken all at once (one py-spy per process, without stopping it: a process blocked in
+``vfork()`` cannot be stopped and would keep a stopping py-spy waiting), under one deadline,
+:data:`EVIDENCE_DEADLINE_S` from the start, which the drain does not wait past. The Slurm
+health check wrapper (``packaging/slurm/node-agent-healthcheck``) gives the whole ``check --act``
+50 s; a stack not taken by then, or a process beyond :data:`MAX_STACKS`, is a note saying so.
+Every failure becomes a note. The directory is
 0700 and its files 0600, created with ``O_EXCL|O_NOFOLLOW``: the kernel log it copies may be
 unreadable to users (``dmesg_restrict``), and the stacks show their code.
 """
@@ -15,8 +22,9 @@ unreadable to users (``dmesg_restrict``), and the stacks show their code.
 from __future__ import annotations
 
 import os
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from node_agent import proc
@@ -27,8 +35,13 @@ from node_agent.report import json_report
 from node_agent.training.stacks import PY_SPY_MISSING, find_py_spy
 
 KERNEL_LOG_TAIL_LINES = 300
-PY_SPY_TIMEOUT_S = 20.0
-NVIDIA_SMI_TIMEOUT_S = 15.0
+#: the whole collection, from the executor's start (GPU pids included) to the last stack: the
+#: Slurm wrapper's 50 s hold the quick suite (seconds on a healthy node), this and the drain
+EVIDENCE_DEADLINE_S = 12.0
+PY_SPY_TIMEOUT_S = 5.0       # one nonblocking dump (~15 ms on a live process)
+NVIDIA_SMI_TIMEOUT_S = 5.0
+MAX_STACKS = 32              # GPU processes whose stacks are taken (8 GPUs x a few each)
+JOIN_MARGIN_S = 1.0          # past the deadline, what a py-spy's kill may take
 
 
 def gpu_pids(timeout_s: float = NVIDIA_SMI_TIMEOUT_S) -> tuple[list[int], str | None]:
@@ -45,8 +58,15 @@ def gpu_pids(timeout_s: float = NVIDIA_SMI_TIMEOUT_S) -> tuple[list[int], str | 
 
 def collect(state_dir: Path, action: str, now: float, report: Report | None,
             kernel_log: KernelLog | None, pids: Sequence[int] | None,
-            pids_note: str | None = None) -> tuple[Path | None, list[str]]:
-    """Write the evidence directory; returns (its path or None, notes). Never raises."""
+            pids_note: str | None = None, *, deadline: float | None = None,
+            py_spy: str | None = None,
+            clock: Callable[[], float] = time.monotonic) -> tuple[Path | None, list[str]]:
+    """Write the evidence directory; returns (its path or None, notes). Never raises.
+
+    ``deadline`` (monotonic seconds; default :data:`EVIDENCE_DEADLINE_S` from now) bounds the
+    stacks; ``py_spy`` defaults to :func:`~node_agent.training.stacks.find_py_spy`."""
+    if deadline is None:
+        deadline = clock() + EVIDENCE_DEADLINE_S
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
     directory = state_dir / "evidence" / f"{stamp}-{action}"
     notes: list[str] = []
@@ -82,26 +102,58 @@ def collect(state_dir: Path, action: str, now: float, report: Report | None,
         except OSError as err:
             notes.append(f"kernel log: cannot read {kernel_log.source}: {err}")
 
-    stacks = _stacks(pids, pids_note)
+    stacks, summary = _stacks(pids, pids_note, py_spy or find_py_spy(), deadline, clock)
     _write(directory / "stacks.txt", stacks, notes)
-    notes.append("stacks: " + stacks.splitlines()[0] if stacks else "stacks: none")
+    notes.append(f"stacks: {summary}")
     _write(directory / "notes.txt", "".join(f"{n}\n" for n in notes), notes)
     return directory, notes
 
 
-def _stacks(pids: Sequence[int] | None, pids_note: str | None) -> str:
+def _stacks(pids: Sequence[int] | None, pids_note: str | None, py_spy: str | None,
+            deadline: float, clock: Callable[[], float]) -> tuple[str, str]:
+    """stacks.txt and its one-line summary: every pid's dump taken at once, by ``deadline``."""
     if not pids:
-        return f"skipped: {pids_note or 'no GPU processes known'}\n"
-    py_spy = find_py_spy()
+        why = f"skipped: {pids_note or 'no GPU processes known'}"
+        return why + "\n", why
     if py_spy is None:
-        return (f"skipped: {PY_SPY_MISSING}; GPU pids were "
-                f"{', '.join(map(str, pids))}\n")
-    parts = [f"py-spy dump of GPU processes {', '.join(map(str, pids))}\n"]
-    for pid in pids:
-        result = proc.run([py_spy, "dump", "--pid", str(pid)], timeout_s=PY_SPY_TIMEOUT_S)
+        why = f"skipped: {PY_SPY_MISSING}; GPU pids were {', '.join(map(str, pids))}"
+        return why + "\n", why
+    wanted, beyond = list(pids)[:MAX_STACKS], list(pids)[MAX_STACKS:]
+    got: dict[int, str] = {}
+
+    def dump(pid: int) -> None:
+        left = deadline - clock()
+        if left <= 0.1:
+            return
+        result = proc.run([py_spy, "dump", "--nonblocking", "--pid", str(pid)],
+                          timeout_s=min(PY_SPY_TIMEOUT_S, left))
+        got[pid] = result.stdout if result.ok else f"failed: {result.describe_failure()}\n"
+
+    threads = [threading.Thread(target=dump, args=(pid,), name=f"evidence-{pid}", daemon=True)
+               for pid in wanted]
+    for t in threads:
+        t.start()
+    for t in threads:  # a daemon thread left behind never keeps the agent from exiting
+        t.join(max(0.0, deadline + JOIN_MARGIN_S - clock()))
+    parts = [f"py-spy dump --nonblocking of GPU processes {', '.join(map(str, pids))}\n"]
+    late = [pid for pid in wanted if pid not in got]
+    for pid in wanted:
         parts.append(f"=== pid {pid} ===\n")
-        parts.append(result.stdout if result.ok else f"failed: {result.describe_failure()}\n")
-    return "".join(parts)
+        parts.append(got.get(pid) or "not collected: the evidence deadline came first (the "
+                                      "action does not wait for evidence)\n")
+    for pid in beyond:
+        parts.append(f"=== pid {pid} ===\nnot collected: only the first {MAX_STACKS} GPU "
+                     "processes' stacks are taken\n")
+    failed = [pid for pid in wanted if got.get(pid, "").startswith("failed:")]
+    summary = f"{len(wanted) - len(late) - len(failed)} of {len(pids)} GPU process(es)"
+    if late:
+        summary += ("; not collected by the evidence deadline (the action does not wait "
+                    "for evidence): pid " + ", ".join(map(str, late)))
+    if failed:
+        summary += "; py-spy failed for pid " + ", ".join(map(str, failed))
+    if beyond:
+        summary += f"; {len(beyond)} beyond the first {MAX_STACKS} not collected"
+    return "".join(parts), summary
 
 
 def _write(path: Path, text: str, notes: list[str]) -> None:

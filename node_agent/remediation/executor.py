@@ -513,12 +513,15 @@ class Remediator:
         if action not in EVIDENCE_ACTIONS or self._evidence_taken or self.state_dir is None:
             return None
         self._evidence_taken = True
+        # one deadline for all of it, GPU pids included: the action does not wait past it
+        deadline = time.monotonic() + _evidence.EVIDENCE_DEADLINE_S
         if self.gpu_pids is not None:
             pids, pids_note = self.gpu_pids()
         else:
             pids, pids_note = [], "GPU process ids are not known in this run"
         directory, notes = _evidence.collect(self.state_dir, action, now, self._report,
-                                             self.kernel_log, pids, pids_note)
+                                             self.kernel_log, pids, pids_note,
+                                             deadline=deadline)
         if directory is None:
             self.warn(f"evidence not collected: {'; '.join(notes)}")
             return f"evidence not collected ({notes[0]})"

@@ -6,6 +6,8 @@ Planning is tested as a pure function; the guards, journal and recovery through
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from node_agent import resources
@@ -675,6 +677,50 @@ def test_evidence_is_collected_before_a_disruptive_action(store, tmp_path):
     assert "Xid" in (directory / "kernel-log.txt").read_text()
     assert (directory / "stacks.txt").read_text().startswith("skipped:")
     assert str(directory) in out.records[0].detail
+
+
+def _sh_py_spy(tmp_path, slow_pid: int | None = None) -> str:
+    """A py-spy stand-in (no GPU processes exist here to dump): prints a stack for any pid,
+    logs its argv, and for ``slow_pid`` never answers, as py-spy does for a process it waits on."""
+    path = tmp_path / "py-spy"
+    path.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/argv.log\n"
+                    f"[ \"$4\" = \"{slow_pid}\" ] && exec sleep 60\n"
+                    "echo \"Thread 1 (idle): MainThread\"\necho \"    wait (train.py:1)\"\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_evidence_stacks_are_taken_at_once_without_stopping_anyone_and_by_one_deadline(tmp_path):
+    """Issue 29, Low 13: one py-spy at a time, 10 s each, could pass the Slurm wrapper's 50 s
+    before the drain. Now every stack is taken at once with --nonblocking, and one that is not
+    back by the deadline is a note; the other stacks are kept."""
+    from node_agent.remediation import evidence
+
+    py_spy = _sh_py_spy(tmp_path, slow_pid=222)
+    directory, notes = evidence.collect(tmp_path / "state", "drain", T0, None, None,
+                                        [111, 222, 333], py_spy=py_spy,
+                                        deadline=time.monotonic() + 1.5)
+    stacks = (directory / "stacks.txt").read_text()
+    assert stacks.count("MainThread") == 2
+    section = stacks.split("=== pid 222 ===")[1].split("===")[0]
+    assert "did not finish" in section or "not collected" in section
+    argvs = (tmp_path / "argv.log").read_text().splitlines()
+    assert len(argvs) == 3 and all("--nonblocking" in a for a in argvs)
+    (summary,) = [n for n in notes if n.startswith("stacks:")]
+    assert summary.startswith("stacks: 2 of 3 GPU process(es)") and "222" in summary
+    assert "222" in (directory / "notes.txt").read_text()
+
+
+def test_evidence_takes_at_most_max_stacks_and_says_which_it_left(tmp_path):
+    from node_agent.remediation import evidence
+
+    pids = list(range(1000, 1000 + evidence.MAX_STACKS + 2))
+    directory, notes = evidence.collect(tmp_path / "state", "drain", T0, None, None, pids,
+                                        py_spy=_sh_py_spy(tmp_path))
+    stacks = (directory / "stacks.txt").read_text()
+    assert stacks.count("MainThread") == evidence.MAX_STACKS
+    assert f"=== pid {pids[-1]} ===\nnot collected: only the first" in stacks
+    assert any("2 beyond the first" in n for n in notes)
 
 
 # -- hung training jobs: restart the job through the scheduler, never the node ----------------
