@@ -139,6 +139,210 @@ def test_a_correct_device_sends_samples_with_positive_throughput_and_no_wrong():
     assert all(s.tflops > 0 and s.wrong == 0 and s.verified >= 1 for s in samples)
 
 
+# -- the tf32 phase that left the GPU idle ----------------------------------------------------
+#
+# On an H100 the burn's tf32 phase ran at 81 TFLOP/s where plain torch.matmul ran at 401.8, with
+# power falling and the SM clock at its maximum: the GPU waited on the host. Tensor cores add
+# aligned products and truncate toward zero (Fasi, Higham, Mikaitis, Pranesh 2021), a bias the
+# old round-to-nearest noise model did not allow for; in tf32, whose fp32 output rounding is too
+# small to hide it, nearly every verified product was flagged, and every flag recomputed rows in
+# float64 on the CPU while the GPU sat idle. No GPU runs here: the tensor core is emulated.
+
+
+def truncating_product(a, b, step=8):
+    """A·B as a tensor core sums it: ``step`` products at a time into an fp32 accumulator,
+    each sum truncated toward zero (then stored as fp32)."""
+    a64, b64 = a.double(), b.double()
+    acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32)
+    for k0 in range(0, a.shape[1], step):
+        exact = acc.double() + a64[:, k0:k0 + step] @ b64[k0:k0 + step]
+        nearest = exact.float()
+        away = nearest.double().abs() > exact.abs()
+        acc = torch.where(away, torch.nextafter(nearest, torch.zeros_like(nearest)), nearest)
+    return acc
+
+
+class TruncatingTensorCore:
+    """A deterministic kernel with a truncating accumulator (the same inputs give the same
+    bits; emulating one costs seconds on a CPU, so its product is computed once).
+    ``first``: the matmul of the first call, e.g. a round-to-nearest kernel that preparation
+    happened to get before the kernel changed."""
+
+    def __init__(self, first=None):
+        self.first, self.calls, self.cache = first, 0, {}
+
+    def __call__(self, a, b):
+        self.calls += 1
+        if self.first is not None and self.calls == 1:
+            return self.first(a, b)
+        key = (a.data_ptr(), b.data_ptr(), tuple(a.shape), tuple(b.shape))
+        if key not in self.cache:
+            self.cache[key] = truncating_product(a, b)
+        return self.cache[key].clone()
+
+
+def test_a_truncating_tf32_accumulator_is_not_flagged_but_a_wrong_element_still_is():
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 8192, generator=g).half().float()  # tf32 inputs, as make_inputs
+    b = torch.randn(8192, 64, generator=g).half().float()
+    c = truncating_product(a, b)
+    verifier = Verifier(a, b, c, "tf32")
+    # the old tolerance, noise statistics alone, is exceeded by the bias in most rows
+    assert int((verifier.deviation(c) > verifier.noise).any(1).sum()) > 32
+    assert verifier.flagged_rows(c) == []
+    assert count_wrong(a, b.double(), c, list(range(64)), "tf32", max_rows=64).wrong == 0
+    bad = c.clone()
+    bad[9, 40] += 1000  # beyond the rigorous bound at K = 8192 (about 20 here): convicted
+    assert verifier.flagged_rows(bad) == [9]
+    assert count_wrong(a, b.double(), bad, [9], "tf32").wrong == 1
+    small = c.clone()
+    small[9, 40] += 0.5  # within it: still flagged (the check sees it), not convicted
+    assert verifier.flagged_rows(small) == [9]
+
+
+class Recomputations:
+    """Counts the burn's float64 recomputations on the CPU (each one a host-side stall)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        real = burn.count_wrong
+
+        def counting(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(burn, "count_wrong", counting)
+
+
+@pytest.mark.parametrize("first, most", [
+    (None, 0),           # the kernel preparation saw is the kernel that runs
+    (torch.matmul, 1),   # it changed after preparation: one recomputation clears it, then none
+])
+def test_a_correct_tf32_kernel_does_not_send_the_burn_to_the_cpu(monkeypatch, first, most):
+    kernel = TruncatingTensorCore(first)
+    device = ComputeDevice(ComputeSpec(0, simulated=True), CPU, kernel)
+    engine = BurnEngine(device, BurnPlan(size=512, precisions=("tf32",), verify_every=1))
+    assert engine.prepare() == {}
+    recomputed = Recomputations(monkeypatch)
+    sent = []
+    for _ in range(4):
+        engine.run_window("tf32", 0.0, 0.0, sent.append)  # one verified product each
+    assert recomputed.calls <= most
+    assert [m for m in sent if m[0] == "wrong"] == []
+    assert sum(m[6] for m in sent if m[0] == "sample") == 4
+
+
+class CountingWaits(burn.DeviceWaits):
+    """The engine's waits, counted, on a device that is always behind: a check is never done
+    until waited for, so only the engine's bound on checks in flight decides when it waits.
+    ``launched`` is the matmul count, read at each record and wait."""
+
+    def __init__(self, launched):
+        super().__init__(CPU)
+        self.launched = launched
+        self.synchronizes = 0
+        self.waits = []        # products launched after the awaited check's record
+        self.host = set()      # the host copies it handed out (reading them is free)
+        self.recorded = []
+
+    def to_host(self, t):
+        copy = t.clone()
+        self.host.add(copy.data_ptr())
+        return copy
+
+    def record(self):
+        event = {"launched": self.launched()}
+        self.recorded.append(event)
+        return event
+
+    def done(self, event):
+        return event.get("waited", False)
+
+    def wait(self, event):
+        event["waited"] = True
+        self.waits.append(self.launched() - event["launched"])
+
+    def synchronize(self):
+        self.synchronizes += 1
+        for event in self.recorded:
+            event["waited"] = True
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Every read of a tensor's values by the host (each a full synchronisation on a GPU),
+    except of the host copies the engine's waits handed out."""
+
+    READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy",
+             "nonzero", "to"}
+
+    def __init__(self, allowed):
+        super().__init__()
+        self.allowed, self.reads = allowed, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name in self.READS and first is not None and first.data_ptr() not in self.allowed:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+class CountedMatmul:
+    def __init__(self, base=torch.matmul):
+        self.base, self.calls = base, 0
+
+    def __call__(self, a, b):
+        self.calls += 1
+        return self.base(a, b)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_window_synchronises_once_and_waits_only_on_checks_well_behind(precision):
+    matmul = CountedMatmul()
+    waits = CountingWaits(lambda: matmul.calls)
+    device = ComputeDevice(ComputeSpec(0, simulated=True), CPU, matmul)
+    plan = BurnPlan(size=64, precisions=(precision,), verify_every=2, verify_lag=2)
+    engine = BurnEngine(device, plan, waits=waits)
+    assert engine.prepare() == {}
+    engine.run_window(precision, 0.0, 0.0, lambda m: None)  # warm-up and one product, untimed
+    waits.synchronizes, waits.waits = 0, []
+    sent = []
+    reads = HostReads(waits.host)
+    end = burn.time.monotonic() + 0.3
+    with reads:
+        engine.run_window(precision, end, 0.0, sent.append)
+    (sample,) = sent
+    products = sample[4] / (2.0 * 64**3)
+    assert products >= 12, "the window should have run a dozen products"
+    assert waits.synchronizes == 1  # the window's end, nothing else drains the device
+    assert reads.reads == []        # no .item()/.tolist()/.cpu()/nonzero on a device tensor
+    # each wait is for a check at least verify_lag x verify_every products old: the device
+    # still has those queued behind it
+    assert waits.waits and min(waits.waits) >= plan.verify_lag * plan.verify_every
+    assert sample[6] == products // 2 + (products % 2)  # every 2nd and the last verified
+    assert sample[7] == 0
+
+
+def test_a_wrong_product_is_reported_a_bounded_number_of_products_later():
+    """The check runs behind the GEMMs, but no more than verify_lag checks behind."""
+    matmul = CountedMatmul(FlakyMatmul({6}))  # call 6: the 4th product of the window below
+    waits = CountingWaits(lambda: matmul.calls)
+    device = ComputeDevice(ComputeSpec(0, simulated=True), CPU, matmul)
+    plan = BurnPlan(size=64, precisions=("fp32",), verify_every=1, verify_lag=2)
+    engine = BurnEngine(device, plan, waits=waits)
+    assert engine.prepare() == {}  # call 1
+    seen_at = []
+
+    def send(message):
+        if message[0] == "wrong":
+            seen_at.append(matmul.calls)
+
+    engine.run_window("fp32", burn.time.monotonic() + 0.3, 0.0, send)  # 2: warm-up, 3...
+    assert len(seen_at) == 1
+    # wrong at call 6; the re-run is one more call; at most verify_lag products in between
+    assert 6 < seen_at[0] <= 6 + plan.verify_lag + 1
+
+
 def test_join_trace_pairs_each_reading_with_the_sample_window_around_it():
     tel = GpuTelemetry(t_s=[0.0, 0.5, 1.5, 2.5, 3.5], temp_c=[40, 50, 60, None, 61],
                        mem_temp_c=[None] * 5, power_w=[100, 600, 650, 640, 100],
