@@ -37,10 +37,11 @@ class UnsafeDirectory(OSError):
 def write_text(path: Path, text: str) -> None:
     """Replace ``path`` with ``text``: a new temp file beside it (``mkstemp``: ``O_EXCL``, mode
     0600, an unguessable name), fsync, ``os.replace``. Another user's symlink at the final name
-    is replaced, never written through."""
+    is replaced, never written through. A lone surrogate (text a user wrote can carry one
+    into a report) is written as its escape, ``\\ud800``, never a failed write."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

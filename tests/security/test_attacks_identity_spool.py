@@ -454,3 +454,24 @@ def test_a_70000_entry_flood_hides_no_other_users_heartbeat(user, victim, shared
     assert mine[0].path == hb / str(victim.uid) / f"{beater.pid}.json"
     flooded = {str(path) for path, why in errors if "holds more than" in why}
     assert flooded == {str(hb), str(hb / str(user.uid))}, flooded
+
+
+def test_grade_html_renders_a_saved_report_that_carries_a_lone_surrogate(shared_dir):
+    """The spool readers refuse such text; a report that got one some other way (an older
+    agent's, a report edited by hand) is still rendered, the surrogate written as its escape."""
+    rep = {"schema": "node-agent.report/1", "agent_version": "0", "simulated": True,
+           "host": {"hostname": "n1", "kernel": "k", "driver": None, "cuda": None},
+           "gpus": [], "suite": "quick", "started_at": "2026-01-01T00:00:00Z",
+           "finished_at": "2026-01-01T00:00:01Z", "grade": {"level": "HEALTHY",
+                                                          "action": "none", "reasons": []},
+           "actions": [], "results": [{
+               "check": "training_progress", "target": "job:\ud800/rank:0",
+               "metric": "training_progress", "value": 1.0, "unit": "s", "status": "pass",
+               "detail": "job \ud800 steps", "evidence": {"job": "\ud800", "pid": 5},
+               "duration_s": 0.1}]}
+    saved = shared_dir / "old.json"
+    saved.write_text(json.dumps(rep))  # ensure_ascii: \ud800 as JSON writes it
+    page = shared_dir / "old.html"
+    done = run_agent("grade", str(saved), "--html", str(page))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "job \\ud800 steps" in page.read_text()
