@@ -338,13 +338,11 @@ def kernel_message(line: str) -> tuple[str, str] | None:
         if m["fac"] != "kern":
             return None
         rest = rest[m.end():]
-    if (m := _P_CTIME.match(rest) or _P_ISO.match(rest)) is not None:
-        rest = rest[m.end():]
-    elif (m := _P_BOOT.match(rest)) is not None:
+    if (m := _P_CTIME.match(rest) or _P_ISO.match(rest) or _P_BOOT.match(rest)) is not None:
         after = rest[m.end():]
         host = _P_SYSLOG_HOST.match(after)
         if host is not None and not _DRIVER_START.match(after) and not _DEVICE_START.match(after):
-            # "[ 1843.308] host ident: msg" (journalctl -o short-monotonic)
+            # "<time> host ident: msg" (journalctl -o short-monotonic / short-iso, RFC 3339 syslog)
             if host["ident"] != "kernel":
                 return None
             after = after[host.end():]

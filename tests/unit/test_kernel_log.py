@@ -402,6 +402,8 @@ def test_only_the_first_line_of_a_kmsg_record_is_a_message():
      "nvidia-nvswitch1: SXid (PCI:0000:84:00.0): 1"),
     ("[ 1843.308145] gpu7 kernel: NVRM: x", "NVRM: x"),  # journalctl -o short-monotonic
     ("Apr 24 13:23:29 banana kernel: NVRM: x", "NVRM: x"),
+    ("2025-04-24T13:23:29+0000 banana kernel: NVRM: x", "NVRM: x"),  # journalctl -o short-iso
+    ("2025-04-24T13:23:29.123456+00:00 banana kernel: [ 12.5] NVRM: x", "NVRM: x"),
     ("kernel: NVRM: x", "NVRM: x"),
 ])
 def test_known_prefixes_are_stripped_to_the_kernel_message(line, message):
