@@ -10,8 +10,12 @@ BIN     := $(VENV)/bin
 # `make accept`.
 TORCH_TEST_SPEC ?= torch==2.13.0
 OUT     ?= out
-# Wheels the lent GPU machine lacks (scripts/gpu-wheels); git-ignored, carried there.
+# Wheels a GPU host without network access needs (scripts/gpu-wheels); git-ignored, copied
+# there with the work tree. GPU_HOST_PACKAGES: that host's `python3 -m pip list
+# --format=freeze`, so that what it has is left out; GPU_HOST_PYTHON: its Python (X.Y).
 WHEELS  ?= .whl
+GPU_HOST_PACKAGES ?=
+GPU_HOST_PYTHON ?=
 
 .PHONY: accept check demo test test-gpu lint clean venv deps-test deps-demo nvml-fake \
 	gpu-wheels gpu-validate
@@ -84,13 +88,16 @@ test-gpu: deps-test nvml-fake
 lint: deps-test
 	$(BIN)/ruff check .
 
-# The wheels the lent GPU machine lacks, downloaded here (it reaches no registry).
+# The wheels for a GPU host that reaches no package index, downloaded here.
 gpu-wheels: venv
-	$(BIN)/python scripts/gpu-wheels $(WHEELS)
+	$(BIN)/python scripts/gpu-wheels $(WHEELS) \
+		$(if $(GPU_HOST_PACKAGES),--have $(GPU_HOST_PACKAGES)) \
+		$(if $(GPU_HOST_PYTHON),--python-version $(GPU_HOST_PYTHON))
 
-# The GPU proof: out/gpu-validate/figures.json and figures.md in under 9 minutes on one H100;
-# on a host without a GPU every figure is null with its reason (exit 0). Needs no venv: on the
-# GPU machine it runs the image's python3 with .whl/ (scripts/gpu-validate).
+# The GPU proof: out/gpu-validate/figures.json, figures.md and log.txt, in under 9 minutes on
+# one H100; on a host without a GPU every figure is null with its reason (exit 0). Needs no
+# venv and no install: on a GPU host it runs python3 from the work tree, with the wheels of
+# .whl/ where that python3 lacks the agent's dependencies (scripts/gpu-validate).
 gpu-validate:
 	scripts/gpu-validate $(ARGS)
 

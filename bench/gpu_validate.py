@@ -34,9 +34,9 @@ a value is null and is null otherwise. A step that cannot run here (no driver, n
 module missing) is not started and its figures say why; a step that fails or outlives its time
 box is killed with its whole process group and its figures carry the error; the run goes on.
 The whole run is held to ``--budget-s`` (510 s): each step's box is cut so that the steps after
-it keep their minimum, which keeps ``make gpu-validate`` under 9 minutes on one H100 (the GPU
-machine takes commands of at most 10). The command exits 0 whenever it wrote the figures, so
-on a host without a GPU it is a CI-safe no-op that explains every null.
+it keep their minimum, which keeps ``make gpu-validate`` under 9 minutes on one H100 (it fits
+a batch job or a remote command limited to 10). The command exits 0 whenever it wrote the
+figures, so on a host without a GPU it is a CI-safe no-op that explains every null.
 
 This file is the harness and its own child: ``--run-step NAME --result FILE`` runs one step of
 bench/gpu_validate_steps.py and writes its figures as JSON. Both files use only the standard
@@ -75,8 +75,8 @@ from gpu_validate_steps import (  # noqa: E402
 )
 
 SCHEMA = "node-agent.gpu-validate/1"
-#: the steps' whole budget: with the wheel install and the writing it stays under 9 minutes
-#: (the GPU machine's commands end at 10: /work/.library/device/README.md, "Limits")
+#: the steps' whole budget: with the wheel install and the writing it stays under 9 minutes,
+#: inside a 10-minute limit on a job or a remote command (``--budget-s`` changes it)
 DEFAULT_BUDGET_S = 510.0
 PROBE_TIMEOUT_S = 60.0
 #: what killing a step past its box may take (SIGTERM, 2 s, SIGKILL, the reaping): counted
@@ -363,8 +363,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
         "### GPU proof (`make gpu-validate`)", "",
         f"- machine: {machine_line(doc['machine'])}",
         f"- date: {doc['date']}; {doc['duration_s']:g} s in all (budget {doc['budget_s']:g} s)",
-        "- command: `make gpu-validate` (scripts/gpu-validate, then bench/gpu_validate.py); "
-        "on the lent GPU machine see README.md, \"The GPU proof\"", "",
+        "- command: `make gpu-validate` (scripts/gpu-validate, then bench/gpu_validate.py) "
+        "from the work tree, nothing installed; on a host without network access see "
+        "README.md, \"The GPU proof\"", "",
         "| figure | value | unit | measured with | note |", "|---|---|---|---|---|",
     ]
     for name, f in doc["figures"].items():
@@ -420,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "this Markdown file (e.g. docs/benchmarks.md)")
     ap.add_argument("--from", dest="from_json", metavar="FIGURES_JSON",
                     help="measure nothing: print the table of a figures.json (one fetched from "
-                         "the GPU machine) and, with --doc, fill that file from it")
+                         "a GPU host) and, with --doc, fill that file from it")
     ap.add_argument("--ignore-needs", action="store_true",
                     help="run every step even where the probe found no GPU (a check of the "
                          "harness itself: the figures then say how each step fails)")

@@ -92,7 +92,7 @@ def test_install_command_targets_the_running_interpreter_and_names_the_extra():
 
 
 def test_install_command_names_the_requirements_where_node_agent_is_not_installed(tmp_path):
-    """Run from a source tree (PYTHONPATH, as on the GPU machine) pip cannot add an extra to a
+    """Run from a source tree (PYTHONPATH, as gpu-validate runs it) pip cannot add an extra to a
     node-agent it does not know, so the command names the requirements themselves."""
     code = ("import importlib.metadata as m, sys\n"
             "real = m.distribution\n"

@@ -122,9 +122,9 @@ def test_the_budget_leaves_later_steps_their_minimum():
     assert gv.time_box(third, [], 200) == 90  # its own timeout_s caps it
 
 
-def test_the_steps_fit_the_gpu_machine_command_limit():
-    """The device's commands end at 10 minutes; the steps' floors must fit the budget, and the
-    budget must leave a minute for the wheel install and the writing."""
+def test_the_steps_fit_a_ten_minute_command_limit():
+    """A batch job or remote command of 10 minutes holds the run: the steps' floors must fit
+    the budget, and the budget must leave a minute for the wheel install and the writing."""
     floors = sum(s.min_s + gv.KILL_GRACE_S for s in gv.STEPS)
     assert floors + gv.PROBE_TIMEOUT_S <= gv.DEFAULT_BUDGET_S
     assert gv.DEFAULT_BUDGET_S <= 9 * 60 - 30
@@ -189,6 +189,57 @@ def test_the_shortened_delivery_suite_is_a_valid_suite_with_the_overrides(tmp_pa
     assert params["gpu_burn"]["duration_s"] == 30 and params["gpu_burn"]["size"] == 8192
     assert params["dcgm_diag"]["level"] == 1
     assert params["sdc"]["duration_s"] == 15
+
+
+def _gpu_wheels():
+    from importlib.machinery import SourceFileLoader
+
+    loader = SourceFileLoader("gpu_wheels", str(REPO / "scripts" / "gpu-wheels"))
+    spec = importlib.util.spec_from_loader("gpu_wheels", loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def test_gpu_wheels_leaves_out_what_the_host_has_and_reads_markers_for_its_python(tmp_path):
+    """Offline: which distributions a host's ``pip list --format=freeze`` names, and markers
+    evaluated for the host's Python, not this one's."""
+    wheels = _gpu_wheels()
+    have = tmp_path / "host-packages.txt"
+    have.write_text("# python3 -m pip list --format=freeze\nPyYAML==6.0.2\ntorch==2.11.0\n"
+                    "prometheus_client==0.21.0\n-e git+https://example.invalid/x#egg=x\n"
+                    "requests @ file:///wheels/requests-2.32.3-py3-none-any.whl\n\n")
+    assert wheels.host_has(have) == {"pyyaml", "torch", "prometheus-client", "requests"}
+    old, new = wheels.marker_env("3.10", "x86_64"), wheels.marker_env("3.12", "x86_64")
+    assert wheels.marker_applies('python_version < "3.11"', old)
+    assert not wheels.marker_applies('python_version < "3.11"', new)
+    assert not wheels.marker_applies('extra == "format"', new)
+    assert {"torch", "ruff"} <= wheels.NOT_NEEDED  # the host's own CUDA torch; lint only
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu-wheels"), str(tmp_path),
+                           "--python-version", "twelve"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "expected 3.X" in proc.stderr
+
+
+def test_the_sdc_overhead_figure_is_null_with_the_reason_when_no_probe_ran(monkeypatch):
+    """Two identical loops differ by noise alone: that is no overhead figure."""
+    from types import SimpleNamespace
+
+    def fake(probes_run, share):
+        return SimpleNamespace(percent=5.66, pairs=2, steps_per_block=10, step_ms_off=11.4,
+                               step_ms_on=12.0, probe_share_percent=share,
+                               probes_run=probes_run, budget_fraction=0.001, device="cuda:0",
+                               verdicts={"pass": probes_run} if probes_run else {},
+                               within_budget=share <= 0.1)
+
+    monkeypatch.setattr(steps, "_validation", lambda name: (lambda: fake(0, 0.0), None))
+    got = steps.step_sdc_overhead(60)["sdc_probe_overhead_pct"]
+    assert got["value"] is None and got["reason"].startswith("no probe ran: 2 pairs of 10 steps")
+    monkeypatch.setattr(steps, "_validation", lambda name: (lambda: fake(3, 0.087), None))
+    got = steps.step_sdc_overhead(60)["sdc_probe_overhead_pct"]
+    assert got["value"] == 5.66 and "0.087 % of the time it ran (3 probes), within its 0.1 % budget" in got["detail"]
+    monkeypatch.setattr(steps, "_validation", lambda name: (lambda: fake(4, 0.116), None))
+    assert "OVER its 0.1 % budget" in steps.step_sdc_overhead(60)["sdc_probe_overhead_pct"]["detail"]
 
 
 # -- the work tree without an install, as a GPU host without a package index runs it ----------

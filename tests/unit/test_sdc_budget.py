@@ -3,8 +3,8 @@ holds by construction"), shown on the CPU with a clock the test drives.
 
 On a real H100 (gpu-validate, 2026-11-24) the probe spent 0.116 % of the time it ran against a
 0.1 % budget: each probe's start was gated on what the spec cost at warm-up, on an idle GPU
-(about 0.2 ms), while in training its stream waited behind the training kernels and each probe
-cost about 1.4 ms. Here a matmul that 'takes' more of the clock after the warm-up plays the busy
+(at most 0.64 ms, for the fourth to have started), while in training its stream waited behind
+the training kernels and each probe cost about 1.4 ms (4 probes, 5.6 ms in 4.84 s). Here a matmul that 'takes' more of the clock after the warm-up plays the busy
 GPU; the clock's own ticks play the host time ``step()`` spends on the training thread.
 """
 
