@@ -772,6 +772,45 @@ def read_heartbeat_files(spool_dir: str | os.PathLike[str],
     return out
 
 
+def remove_stale(spool_dir: str | os.PathLike[str], paths: Collection[Path], now: float,
+                 older_than_s: float) -> list[Path]:
+    """Remove those of ``paths`` (files :func:`read_heartbeat_files` found in ``spool_dir``:
+    directly in it, or in a uid's directory in it) last written more than ``older_than_s``
+    before ``now`` (Unix seconds); returns the removed ones. Never raises.
+
+    A uid's directory is its owner's to rename, so between the read and the removal it may
+    have become a symlink to, say, ``/etc``: every step goes through directory fds opened
+    without following links (and the uid's directory must still be that uid's), so root
+    never removes a file outside the spool."""
+    top = Path(spool_dir)
+    removed: list[Path] = []
+    errs: list[tuple[Path, str]] = []
+    top_fd = _open_dir(top, errs)
+    if top_fd is None:
+        return removed
+    try:
+        for path in paths:
+            rel = path.relative_to(top).parts if path.is_relative_to(top) else ()
+            if not (len(rel) == 1 or (len(rel) == 2 and rel[0].isdigit() and rel[0].isascii())):
+                continue  # not a spool file's place
+            fd = top_fd if len(rel) == 1 else _user_dir(top_fd, top, int(rel[0]), errs)
+            if fd is None:
+                continue
+            try:
+                st = os.stat(rel[-1], dir_fd=fd, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and now - st.st_mtime > older_than_s:
+                    os.unlink(rel[-1], dir_fd=fd)
+                    removed.append(path)
+            except OSError:
+                pass  # gone already, or not ours to remove
+            finally:
+                if fd != top_fd:
+                    os.close(fd)
+    finally:
+        os.close(top_fd)
+    return removed
+
+
 def read_heartbeats(spool_dir: str | os.PathLike[str],
                     errors: list[tuple[Path, str]] | None = None) -> list[tuple[Path, dict[str, Any]]]:
     """Every heartbeat in ``spool_dir`` as ``(path, record)``; temp files are never opened.

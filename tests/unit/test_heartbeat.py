@@ -16,6 +16,7 @@ from node_agent.heartbeat import (
     heartbeat_file,
     identity_from_env,
     read_heartbeats,
+    remove_stale,
 )
 
 
@@ -28,14 +29,15 @@ class FakeClock:
 
 
 def test_beat_writes_one_complete_file_per_process_and_no_temp_files(tmp_path):
-    hb = Heartbeat(tmp_path, rank=3, job="test-job")
+    spool = tmp_path / "heartbeat"
+    hb = Heartbeat(spool, rank=3, job="test-job")
     hb.beat(7)
-    files = sorted(p.name for p in tmp_path.iterdir())
+    files = sorted(p.name for p in spool.iterdir())
     assert files == [f"{os.getpid()}.json"]
-    record = json.loads((tmp_path / files[0]).read_text())
+    record = json.loads((spool / files[0]).read_text())
     assert record["schema"] == SCHEMA and record["pid"] == os.getpid()
     assert record["step"] == 7 and record["rank"] == 3 and record["job"] == "test-job"
-    assert [r for _, r in read_heartbeats(tmp_path)] == [record]
+    assert [r for _, r in read_heartbeats(spool)] == [record]
 
 
 def test_beats_within_min_interval_are_not_written_and_step_time_is_the_window_mean(tmp_path):
@@ -282,3 +284,33 @@ def test_ensure_spool_dirs_makes_reachable_spools_whatever_the_umask(tmp_path):
     root.chmod(0o700)  # what an older agent under umask 077 left
     assert any("made it 0755" in n for n in ensure_spool_dirs(root))
     assert oct(os.stat(root).st_mode & 0o7777) == "0o755"
+
+
+def test_remove_stale_never_follows_a_uid_directory_swapped_for_a_link(tmp_path):
+    """The uid's directory is its owner's to rename: made a link to another directory after
+    the read, root's removal must not reach through it."""
+    spool = _shared(tmp_path / "heartbeat")
+    own = spool / "54321"
+    own.mkdir(mode=0o700)
+    (own / "7.json").write_text(_beat())
+    os.chown(own, 54321, 54321)
+    (spool / "8.json").write_text(_beat())
+    old = 1_000.0
+    for f in (own / "7.json", spool / "8.json"):
+        os.utime(f, (old, old))
+    victim = tmp_path / "etc"
+    victim.mkdir()
+    (victim / "7.json").write_text("root's")
+    os.utime(victim / "7.json", (old, old))
+    paths = [p for p, _ in read_heartbeats(spool)]
+    assert sorted(p.name for p in paths) == ["7.json", "8.json"]
+    own.rename(spool / ".moved")
+    os.symlink(victim, own)  # the swap
+    assert remove_stale(spool, paths, now=old + 100_000, older_than_s=86_400) == [
+        spool / "8.json"]
+    assert (victim / "7.json").read_text() == "root's"
+    os.unlink(own)
+    (spool / ".moved").rename(own)
+    assert remove_stale(spool, paths, now=old + 100_000, older_than_s=86_400) == [own / "7.json"]
+    assert remove_stale(spool, [tmp_path / "etc" / "7.json"], now=old + 100_000,
+                        older_than_s=0) == []  # never outside the spool
