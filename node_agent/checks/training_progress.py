@@ -145,8 +145,8 @@ def _run(ctx: CheckContext, start: float, stage: dict[str, str],
     devices = _devices(ctx)
     pids = [int(x) for x in p["pids"]] if p.get("pids") else None
     spool = spool_dir(ctx)
-    found = discover(spool, devices, pids,
-                     slurm_cgroup_roots=ctx.config.get("training.slurm_cgroup_roots"))
+    roots = ctx.config.get("training.slurm_cgroup_roots") if ctx.config is not None else None
+    found = discover(spool, devices, pids, slurm_cgroup_roots=roots)
     out = [ctx.result("node", "training_discovery", Status.WARN, message, subject=subject)
            for subject, message in found.problems]
     state = HangState.load(_state_base(ctx) / "hang", now)
