@@ -12,7 +12,8 @@ what NVML would answer: ``missing_gpu`` and ``pci_only`` GPUs are not enumerated
 the others 0..n-1), ``gpu_lost`` answers NVML_ERROR_GPU_IS_LOST, ``driver_hang`` makes every
 call on the GPU hang, ``xid`` is an Xid event, and with ``driver: not_loaded``/``not_installed``
 ``nvmlInit`` fails as on a host without a loaded driver. Per-function switches (:class:`Switch`) make a function unsupported,
-absent (an older driver), fail with a code, or hang.
+absent (an older driver), fail with a code, or hang. A captured node (``node-agent capture``,
+docs/capture.md) is not modelled: its recorded calls are written out as they are.
 
 Use::
 

@@ -1,0 +1,99 @@
+"""The first real GPU the agent ran on, replayed both ways in every test run, graded as its
+oracle says (scenarios/real/h100-sxm5-vm.yaml, converted from
+../shared/realworld/gpu-h100-vm/: one H100 SXM5 passed through to a VM, every NVLink call Not
+Supported, healthy; the agent once graded it FAULT, replace).
+
+Both ways: ``--simulate`` (the capture's NVML replayed through the real NVML backend in
+Python) and the stand-in ``libnvidia-ml.so.1`` serving it (``NVML_FAKE_SCENARIO``: the real
+nvidia-ml-py through ctypes). NVML is the one thing not real: no GPU runs here. The oracle is
+read from the scenario (``capture.oracle``, written from PROVENANCE.md by the converter):
+
+* with ``node.expected_gpus: 1`` declared: HEALTHY, alike both ways (level, reasons, exit code);
+* with nothing declared: at most WARN, never ERROR or FAULT; a WARN names the setting to declare.
+
+``check`` (the quick suite) and ``accept --only inventory,nvml_health,xid`` (the delivery
+suite's host checks; its load tests are simulated on the CPU and have their own tests).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nvml_fake"))
+import nvml_fake_harness as harness  # noqa: E402  (tests/nvml_fake, not an installed module)
+
+SCENARIO = harness.REPO / "scenarios" / "real" / "h100-sxm5-vm.yaml"
+ORACLE = yaml.safe_load(SCENARIO.read_text())["capture"]["oracle"]
+ORDER = ["HEALTHY", "WARN", "ERROR", "FAULT"]
+EXIT = {"HEALTHY": 0, "WARN": 0, "ERROR": 3, "FAULT": 4}
+COMMANDS = {
+    "check": ("check",),
+    "accept": ("accept", "--only", "inventory,nvml_health,xid"),
+}
+
+
+@pytest.fixture(scope="module")
+def nvml_fake_lib():
+    return harness.build()
+
+
+def _config(tmp_path: Path, declared: bool) -> Path:
+    log = tmp_path / "kernel.log"  # the host's kernel log is not the captured node's
+    log.write_text("")
+    node = {"expected_gpus": ORACLE["declared"]["node.expected_gpus"]} if declared else {}
+    path = tmp_path / f"config-{'declared' if declared else 'undeclared'}.yaml"
+    path.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"), "node": node,
+                                    "kernel_log": {"path": str(log)},
+                                    "nvml": {"call_timeout_s": 5}}))
+    return path
+
+
+def _graded(tmp_path: Path, command: str, config: Path, simulate: bool) -> tuple:
+    argv = [sys.executable, "-m", "node_agent.commands.main", *COMMANDS[command], "--json",
+            "--config", str(config)]
+    if command == "accept":
+        argv += ["--out", str(tmp_path / "out")]
+    if simulate:
+        env = harness.agent_env()
+        env.pop("LD_LIBRARY_PATH")
+        argv += ["--simulate", str(SCENARIO)]
+    else:
+        env = harness.agent_env(scenario=SCENARIO)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env=env)
+    assert proc.stdout.strip(), proc.stderr
+    report = json.loads(proc.stdout)
+    assert len(report["gpus"]) == 1 and report["gpus"][0]["name"] == "NVIDIA H100 80GB HBM3"
+    grade = report["grade"]
+    reasons = sorted((r["rule"], r["target"], r["level"]) for r in grade["reasons"])
+    return proc.returncode, grade["level"], reasons, grade["reasons"]
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_the_real_h100_with_its_gpu_count_declared_grades_healthy_both_ways(
+        nvml_fake_lib, tmp_path, command):
+    config = _config(tmp_path, declared=True)
+    simulated = _graded(tmp_path, command, config, simulate=True)
+    stand_in = _graded(tmp_path, command, config, simulate=False)
+    level = ORACLE["declared"]["grade"]
+    assert simulated[:3] == (EXIT[level], level, []), simulated[3]
+    assert stand_in[:3] == simulated[:3], stand_in[3]
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_the_real_h100_with_nothing_declared_is_at_most_warn_never_error_or_fault(
+        nvml_fake_lib, tmp_path, command):
+    config = _config(tmp_path, declared=False)
+    for simulate in (True, False):
+        code, level, _, reasons = _graded(tmp_path, command, config, simulate)
+        assert level not in ORACLE["undeclared"]["never"], reasons
+        assert ORDER.index(level) <= ORDER.index(ORACLE["undeclared"]["at_most"]), reasons
+        assert code == EXIT[level]
+        for reason in reasons:  # what could not be verified, and what to declare
+            assert reason["level"] == "WARN" and "node.expected_" in reason["message"], reason
