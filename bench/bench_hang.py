@@ -3,6 +3,12 @@ training loop (``Heartbeat.beat()`` per call, one py-spy stack sample, the slowd
 that is being sampled).
 
     .venv/bin/python bench/bench_hang.py [--every-s 15] [--trials 3] [--loop-s 20]
+    .venv/bin/python bench/bench_hang.py --vfork 80     # the issue 29 attack, timed
+
+``--vfork N`` (needs ``cc``): N processes blocked in ``vfork()`` with hour-old heartbeats. It
+times one ``py-spy dump --nonblocking`` of such a process and one that stops it (which waits
+until killed), then one run of the check with the periodic suite's params and timeout
+(45 s): its wall time, how many stacks it sampled and what it reported.
 
 Latency: a real worker beats every 50 ms and stops (sleeps, stays alive) at a random phase of
 the check's schedule; the check runs in-process every ``every_s`` (as the daemon runs it) with
@@ -143,7 +149,7 @@ def one_trial(every_s: float, params: dict) -> tuple[float, dict]:
                 os.kill(worker_pid, signal.SIGKILL)
 
 
-def py_spy_sample_cost(py_spy: str) -> tuple[float, float]:
+def py_spy_sample_cost(py_spy: str, *extra: str) -> tuple[float, float]:
     """(wall s, CPU s) of one ``py-spy dump --json`` of a sleeping Python process."""
     target = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -152,7 +158,7 @@ def py_spy_sample_cost(py_spy: str) -> tuple[float, float]:
         for _ in range(5):
             before = resource.getrusage(resource.RUSAGE_CHILDREN)
             t0 = time.perf_counter()
-            subprocess.run([py_spy, "dump", "--pid", str(target.pid), "--json"],
+            subprocess.run([py_spy, "dump", "--pid", str(target.pid), "--json", *extra],
                            capture_output=True, timeout=30, check=True)
             walls.append(time.perf_counter() - t0)
             after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -195,6 +201,79 @@ def sampling_pause_s(py_spy: str, seconds: float, every_s: float) -> list[float]
     return losses
 
 
+VFORK_C = r"""
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+int block_in_vfork(unsigned seconds) {
+    pid_t parent = getpid();
+    pid_t child = vfork();
+    if (child == 0) { while (seconds-- > 0 && getppid() == parent) sleep(1); _exit(0); }
+    if (child < 0) return -1;
+    int status; waitpid(child, &status, 0); return 0;
+}
+"""
+
+VFORK_WORKER = """
+import ctypes, sys, time
+from node_agent.heartbeat import Heartbeat
+Heartbeat(sys.argv[1], min_interval_s=0, wall=lambda: time.time() - 3600).beat(5)
+print("ready", flush=True)
+ctypes.CDLL(sys.argv[2]).block_in_vfork(600)
+"""
+
+
+def vfork_attack(n: int, py_spy: str | None) -> None:
+    """Issue 29's attack: ``n`` processes blocked in vfork() with stale heartbeats."""
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        print("vfork attack: skipped (no C compiler)")
+        return
+    with tempfile.TemporaryDirectory() as d:
+        lib, spool = Path(d) / "libvfork.so", Path(d) / "spool" / "heartbeat"
+        (Path(d) / "vfork.c").write_text(VFORK_C)
+        subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(lib), str(Path(d) / "vfork.c")],
+                       check=True)
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        # started through a launcher that exits at once (the check leaves out its own children)
+        launcher = subprocess.run(
+            [sys.executable, "-c", "import subprocess as s, sys\nfor _ in range(int(sys.argv[1])):"
+             "\n    p = s.Popen(sys.argv[2:], stdout=s.PIPE, stderr=s.DEVNULL); p.stdout.readline()"
+             "; print(p.pid)", str(n), sys.executable, "-c", VFORK_WORKER, str(spool), str(lib)],
+            env=env, capture_output=True, text=True, check=True)
+        pids = [int(x) for x in launcher.stdout.split()]
+        try:
+            time.sleep(1.0)
+            if py_spy:
+                t0 = time.perf_counter()
+                subprocess.run([py_spy, "dump", "--nonblocking", "--json", "--pid", str(pids[0])],
+                               capture_output=True, timeout=30)
+                print(f"py-spy dump --nonblocking of a vfork-blocked process: "
+                      f"{(time.perf_counter() - t0) * 1e3:.0f} ms")
+                t0 = time.perf_counter()
+                try:
+                    subprocess.run([py_spy, "dump", "--json", "--pid", str(pids[0])],
+                                   capture_output=True, timeout=10)
+                    print(f"py-spy dump (stopping) of it: {time.perf_counter() - t0:.1f} s")
+                except subprocess.TimeoutExpired:
+                    print("py-spy dump (stopping) of it: still waiting after 10 s, killed")
+            params = {**periodic_params(), "spool_dir": str(spool)}
+            t0 = time.perf_counter()
+            results = run(ctx(Path(d) / "state", **params))
+            took = time.perf_counter() - t0
+            hangs = [r for r in results if r.metric == "training_hang"]
+            sampled = sum(r.evidence["signals"]["stack"].get("available", False) for r in hangs)
+            statuses = sorted({f"{r.metric}:{r.status.value}" for r in results})
+            print(f"check against {n} vfork-blocked processes: {took:.1f} s of its 45 s timeout; "
+                  f"{len(hangs)} hangs, {sampled} stacks sampled; results {statuses}")
+        finally:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
 def _range(start: float, stop: float, step: float):
     t = start
     while t < stop:
@@ -208,7 +287,12 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--loop-s", type=float, default=40.0)
     ap.add_argument("--skip-loop", action="store_true", help="latency trials only")
+    ap.add_argument("--vfork", type=int, metavar="N",
+                    help="only the issue 29 attack: N processes blocked in vfork()")
     args = ap.parse_args()
+    if args.vfork:
+        vfork_attack(args.vfork, find_py_spy())
+        return
     print(f"beat() throttled (min_interval_s=1): {beat_cost_us(200_000, 1.0):.2f} us/call")
     print(f"beat() writing every call (min_interval_s=0): {beat_cost_us(2_000, 0.0):.1f} us/call")
     py_spy = find_py_spy()
@@ -218,6 +302,9 @@ def main() -> None:
         wall, cpu = py_spy_sample_cost(py_spy)
         print(f"py-spy dump --json: {wall * 1e3:.0f} ms wall, {cpu * 1e3:.0f} ms CPU per sample "
               "(median of 5)")
+        wall, cpu = py_spy_sample_cost(py_spy, "--nonblocking")
+        print(f"py-spy dump --json --nonblocking (what the check takes): {wall * 1e3:.0f} ms "
+              f"wall, {cpu * 1e3:.0f} ms CPU per sample (median of 5)")
         losses = sampling_pause_s(py_spy, args.loop_s, 1.0)
         loss = statistics.median(losses)
         suspect = 3 * loss / args.every_s
