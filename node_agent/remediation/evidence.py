@@ -38,7 +38,7 @@ KERNEL_LOG_TAIL_LINES = 300
 #: the whole collection, from the executor's start (GPU pids included) to the last stack: the
 #: Slurm wrapper's 50 s hold the quick suite (seconds on a healthy node), this and the drain
 EVIDENCE_DEADLINE_S = 12.0
-PY_SPY_TIMEOUT_S = 5.0       # one nonblocking dump (~15 ms on a live process)
+PY_SPY_TIMEOUT_S = 5.0       # one nonblocking dump (tens of ms; bench_hang.py)
 NVIDIA_SMI_TIMEOUT_S = 5.0
 MAX_STACKS = 32              # GPU processes whose stacks are taken (8 GPUs x a few each)
 JOIN_MARGIN_S = 1.0          # past the deadline, what a py-spy's kill may take

@@ -7,8 +7,8 @@ processes are sampled at once (one thread per process, each taking its samples
 sampling eight ranks takes no longer than sampling one.
 
 Samples are taken with ``py-spy dump --nonblocking``: py-spy reads the process's memory
-without stopping it (~15 ms; ``bench/bench_hang.py``). Stopping it would let any user's
-process keep the agent waiting: a process blocked in ``vfork()`` cannot be stopped, and a
+without stopping it (tens of ms, ~10 ms CPU; ``bench/bench_hang.py``). Stopping it would let
+any user's process keep the agent waiting: a process blocked in ``vfork()`` cannot be stopped, and a
 stopping py-spy waits for it until its timeout. Only the native sample (``--native``, which
 py-spy will not take without stopping) and the retry of a failed nonblocking sample stop the
 process, each capped at :data:`BLOCKING_TIMEOUT_S`. Every call gets only what is left of the
@@ -36,7 +36,7 @@ from node_agent import proc
 from node_agent.training.blocking import Blocked, classify
 from node_agent.training.signals import Signal
 
-PY_SPY_TIMEOUT_S = 10.0    # cap of one nonblocking sample (it takes ~15 ms; bench_hang.py)
+PY_SPY_TIMEOUT_S = 10.0    # cap of one nonblocking sample (tens of ms; bench_hang.py)
 BLOCKING_TIMEOUT_S = 5.0   # cap of one call that stops the process (--native, or a retry)
 MIN_CALL_S = 0.5           # no call starts with less of the deadline left
 MAX_CALLS = 64             # py-spy calls per run (param stack_max_calls): 8 ranks x 3 samples
@@ -170,7 +170,7 @@ def sample_stacks(py_spy: str | None, pids: Sequence[int], samples: int, interva
       in the order given, as long as their ``samples`` calls fit, and each uid has at most
       ``workers // uids`` calls in flight;
     * samples are taken with ``--nonblocking`` (a process that cannot be stopped, e.g. one
-      blocked in ``vfork()``, costs ~15 ms instead of the whole timeout); a nonblocking sample
+      blocked in ``vfork()``, costs tens of ms instead of the whole timeout); a nonblocking sample
       that fails on a live process is taken once more the stopping way.
 
     A process not sampled (its uid's share spent, or the deadline) is unavailable with the
