@@ -8,8 +8,10 @@ they write no heartbeats and NVML does not list them: the operator names them).
 A one-shot has no earlier run to compare with, so the hold time that processes without
 heartbeats need across daemon runs (``confirm_s``) is not applied: the stack samples taken now
 (``--samples``, ``--interval``) are the only window, and every process's stack is sampled
-and shown, suspect or not. Exit codes follow the contract: 0 no hang
-(stragglers are WARN), 3 a hang is suspected (ERROR), 2 usage errors.
+and shown, suspect or not (within the check's sampling deadline and its ``stack_max_calls``
+budget, shared fairly between uids: docs/training_hangs.md). Exit codes follow the contract:
+0 no hang, or only WARNs (stragglers, and hangs of jobs the kernel does not vouch for, which
+name the uid), 3 a verified job's hang (ERROR), 2 usage errors.
 
 ``commands.main`` only wires the sub-command to :func:`add_parser` and :func:`run`.
 """
