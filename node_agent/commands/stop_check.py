@@ -145,12 +145,11 @@ def _run(args, place, config, env, quick, acting, topology) -> int:
         path = _write_summary(args, env, place, joined.nodes, outcomes, suspects, topology,
                               started)
         print(f"stop-check: {len(suspects)} suspect(s); {path}", file=sys.stderr)
-    import torch.distributed as dist
-    dist.destroy_process_group()
     report = _node_report(env, node, outcomes, started)
     act.act_on_report(acting, env, report)
     out_dir, note = report_dir(env, args.out)
     path = json_report.write(report, out_dir)
+    _leave(side)
     if note:
         print(f"node-agent: note: {note}", file=sys.stderr)
     print(json_report.dumps(report) if args.json else
@@ -169,6 +168,19 @@ def _missing_node(pattern: str | None, rank: int, env: Any) -> str:
         except ConfigError:
             pass
     return f"rank:{rank}"
+
+
+def _leave(side: phases.NodeSide) -> None:
+    """Wait for every rank to have written its report before any exits: a launcher (torchrun)
+    stops the other ranks when one exits non-zero, as a node graded ERROR does."""
+    import torch.distributed as dist
+
+    try:
+        dist.barrier()
+    except Exception as err:  # noqa: BLE001 - a rank already gone: nothing left to wait for
+        print(f"node-agent stop-check: rank {side.place.rank}: the final barrier failed "
+              f"({type(err).__name__}); leaving", file=sys.stderr)
+    dist.destroy_process_group()
 
 
 def _stack(env: Any, torch_version: str) -> str:

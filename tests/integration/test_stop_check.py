@@ -1,0 +1,203 @@
+"""``node-agent stop-check`` over six simulated nodes: six real processes, one rank per node,
+joined by real torch.distributed (gloo) on loopback, started by torchrun, by a real Slurm step
+(srun on the test cluster's slurmd) or as a launcher would set RANK/WORLD_SIZE.
+
+Each node is a scenario (``--simulate DIR/n{rank}.yaml``): its GPUs are simulated, and its
+faults act at the compute boundary (``sdc``) and the transport boundary (``slow_link``); the
+phases, the localisation, the grading and the remediation are the real code. No GPU is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("torch", reason="stop-check computes with torch: make deps-test")
+
+AGENT = str(Path(sys.executable).with_name("node-agent"))
+NODES = 6
+RUN_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def job(tmp_path):
+    """Scenarios for six nodes (``node0``..``node5``, healthy unless given faults) and a config."""
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state")}))
+
+    def make(faults: dict[int, list[dict]] | None = None, nodes: int = NODES) -> Path:
+        scen = tmp_path / "scenarios"
+        scen.mkdir(exist_ok=True)
+        for rank in range(nodes):
+            (scen / f"n{rank}.yaml").write_text(yaml.safe_dump({
+                "sku": "h100-sxm5-80gb", "gpus": 8, "hostname": f"node{rank}",
+                "faults": (faults or {}).get(rank, [])}))
+        return scen
+
+    make.config = config  # type: ignore[attr-defined]
+    make.out = tmp_path / "out"  # type: ignore[attr-defined]
+    return make
+
+
+def spawn(ranks, world: int, args: list[str], port: int, cwd: Path) -> dict[int, subprocess.Popen]:
+    """Start the given ranks as a launcher would (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    procs = {}
+    for rank in ranks:
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs[rank] = subprocess.Popen([AGENT, "stop-check", *args], env=env, cwd=cwd,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return procs
+
+
+def finish(procs: dict[int, subprocess.Popen]) -> dict[int, tuple[int, str]]:
+    out = {}
+    for rank, proc in procs.items():
+        try:
+            _, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            for p in procs.values():
+                p.kill()
+            raise
+        out[rank] = (proc.returncode, err)
+    return out
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "stop-check.json").read_text())
+
+
+def named(data: dict, phase: str | None = None) -> set[tuple[str, int | None]]:
+    return {(s["node"], s.get("gpu")) for s in data["suspects"]
+            if phase is None or s["phase"] == phase}
+
+
+def node_report(out: Path, node: str) -> dict:
+    [path] = out.glob(f"report-{node}-stop-check-*.json")
+    return json.loads(path.read_text())
+
+
+def test_a_healthy_six_node_job_under_torchrun_names_no_suspect(job, tmp_path):
+    scen = job()
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed beside this Python (it ships with torch)")
+    proc = subprocess.run(
+        [torchrun, "--nnodes", "1", "--nproc-per-node", str(NODES), "--master-port",
+         str(free_port()), "--no-python", AGENT, "stop-check", "--config", str(job.config),
+         "--simulate", str(scen / "n{rank}.yaml"), "--out", str(job.out)],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = summary(job.out)
+    assert data["schema"] == "node-agent.stop-check/1"
+    assert data["suspects"] == [] and data["evict"] == []
+    assert set(data["nodes"].values()) == {f"node{r}" for r in range(NODES)}
+    for phase in ("self", "intra_node", "neighbours", "alignment"):
+        assert "error" not in data["phases"][phase] and "skipped" not in data["phases"][phase]
+    assert data["phases"]["replay"]["skipped"] == "not asked (--replay)"
+    for r in range(NODES):
+        assert node_report(job.out, f"node{r}")["grade"]["level"] == "HEALTHY"
+
+
+def test_each_phase_names_exactly_its_bad_node_and_act_drains_them(job, tmp_path):
+    """node1 fails its quick suite (Xid 79), node3's link is slow, node4's GPU 1 corrupts every
+    product: each phase names exactly its node, and --act drains each through the remediation."""
+    scen = job({1: [{"kind": "xid", "gpu": 5, "code": 79}],
+                3: [{"kind": "slow_link", "factor": 0.2}],
+                4: [{"kind": "sdc", "gpu": 1}]})
+    args = ["--config", str(job.config), "--simulate", str(scen / "n{rank}.yaml"),
+            "--out", str(job.out), "--act", "--adapter", "log"]
+    codes = finish(spawn(range(NODES), NODES, args, free_port(), tmp_path))
+    data = summary(job.out)
+    assert named(data, "self") == {("node1", None)}
+    assert named(data, "neighbours") == {("node3", None)}
+    assert named(data, "alignment") == {("node4", 1)}
+    assert named(data) == {("node1", None), ("node3", None), ("node4", 1)}
+    assert data["phases"]["alignment"]["suspects"][0]["evidence"]["repeated"] is True
+    assert {r: c for r, (c, _) in codes.items()} == {0: 0, 1: 4, 2: 0, 3: 3, 4: 3, 5: 0}
+    for node, level in (("node1", "FAULT"), ("node3", "ERROR"), ("node4", "ERROR")):
+        report = node_report(job.out, node)
+        assert report["grade"]["level"] == level
+        assert [a["action"] for a in report["actions"]][:1] == ["drain"], report["actions"]
+    for node in ("node0", "node2", "node5"):
+        report = node_report(job.out, node)
+        assert report["grade"]["level"] == "HEALTHY" and report["actions"] == []
+
+
+def test_replay_names_the_node_whose_sm_corrupts_now_and_then(job, tmp_path):
+    scen = job({2: [{"kind": "sdc", "gpu": 6, "sm": 17, "rate": 0.3}]})
+    args = ["--config", str(job.config), "--simulate", str(scen / "n{rank}.yaml"),
+            "--out", str(job.out), "--replay", "--rounds", "4"]
+    finish(spawn(range(NODES), NODES, args, free_port(), tmp_path))
+    data = summary(job.out)
+    assert named(data, "replay") == {("node2", None)}
+    assert named(data) <= {("node2", None), ("node2", 6)}
+    assert data["phases"]["replay"]["figures"] == {"rounds": 4, "rows": 2, "columns": 3}
+
+
+def test_a_slurm_step_names_the_bad_node_and_evicts_its_parallel_group(job, slurm, tmp_path):
+    """The same stop-check as one step of the real test cluster: srun starts one task per
+    simulated node (SLURM_PROCID, SLURM_NTASKS) on the loopback slurmd."""
+    scen = job({4: [{"kind": "sdc", "gpu": 1}]})
+    topology = tmp_path / "topology.yaml"
+    topology.write_text(yaml.safe_dump({"pp0": ["node0", "node1", "node2"],
+                                        "pp1": ["node3", "node4", "node5"]}))
+    srun = shutil.which("srun")
+    if srun is None:
+        pytest.skip("srun is not installed (Debian package slurm-client)")
+    env = {**slurm.env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for key in ("RANK", "WORLD_SIZE"):
+        env.pop(key, None)
+    proc = subprocess.run(
+        [srun, "--overcommit", "-N1", f"-n{NODES}", "--kill-on-bad-exit=0", AGENT, "stop-check",
+         "--config", str(job.config), "--simulate", str(scen / "n{rank}.yaml"),
+         "--out", str(job.out), "--topology", str(topology)],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=tmp_path)
+    assert (job.out / "stop-check.json").exists(), (proc.returncode, proc.stderr[-3000:])
+    data = summary(job.out)
+    assert named(data) == {("node4", 1)}
+    assert data["evict"] == ["node3", "node4", "node5"]
+
+
+def test_a_rank_that_never_joins_is_named_by_rank_0_and_the_others_exit_2(job, tmp_path):
+    scen = job(nodes=3)
+    args = ["--config", str(job.config), "--simulate", str(scen / "n{rank}.yaml"),
+            "--out", str(job.out), "--join-timeout-s", "5"]
+    codes = finish(spawn(range(2), 3, args, free_port(), tmp_path))
+    assert {r: c for r, (c, _) in codes.items()} == {0: 2, 1: 2}
+    assert "rank 2 did not join" in codes[0][1]
+    data = summary(job.out)
+    assert [(s["node"], s["phase"]) for s in data["suspects"]] == [("node2", "join")]
+    assert data["suspects"][0]["evidence"]["did_not_join"] is True
+
+
+def test_a_rank_without_its_scenario_exits_2_with_one_line(job, tmp_path):
+    scen = job(nodes=2)
+    (scen / "n1.yaml").unlink()
+    args = ["--config", str(job.config), "--simulate", str(scen / "n{rank}.yaml")]
+    codes = finish(spawn([1], 2, args, free_port(), tmp_path))
+    code, err = codes[1]
+    assert code == 2
+    assert err.strip().splitlines() == [
+        f"node-agent: error: --simulate {scen}/n{{rank}}.yaml: no scenario for rank 1 "
+        f"({scen}/n1.yaml does not exist)"]
+
+
+def test_a_one_node_job_is_a_usage_error(job, tmp_path):
+    codes = finish(spawn([0], 1, ["--config", str(job.config)], free_port(), tmp_path))
+    code, err = codes[0]
+    assert code == 2 and "WORLD_SIZE=1" in err and len(err.strip().splitlines()) == 1
