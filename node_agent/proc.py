@@ -70,6 +70,33 @@ CONFIG_PATH_KEYS = ("state_dir", "spool_dir", "suites_dir", "graders_dir", "stor
 CONFIG_PROGRAM_KEYS = ("adapter.slurm.scontrol", "adapter.slurm.squeue")
 
 
+def start_forkserver_in_child_cwd() -> None:
+    """Start multiprocessing's forkserver (one per process, shared by every ``forkserver``
+    context) from :data:`CHILD_CWD`, once, before checks that use it run.
+
+    The forkserver is ``python -c ...``, which puts its working directory first on
+    ``sys.path``: started from a directory others can write to, a planted ``multiprocessing/``
+    would run as root. Started from ``/`` it imports nothing from there, and the workers it
+    forks later take the parent's ``sys.path``, which has no working directory entry. Call it
+    before other threads run: ``os.chdir`` is process-wide (the working directory is restored
+    at once)."""
+    from multiprocessing import forkserver
+
+    try:
+        here: str | None = os.getcwd()
+    except OSError:  # the working directory was removed
+        here = None
+    if here == CHILD_CWD:
+        forkserver.ensure_running()
+        return
+    os.chdir(CHILD_CWD)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if here is not None:
+            os.chdir(here)
+
+
 def absolute_path(path: str | os.PathLike[str]) -> str:
     """``path`` made absolute against this process's working directory, for a child that runs
     in :data:`CHILD_CWD` (``--simulate scenarios/x.yaml`` -> ``/home/op/scenarios/x.yaml``)."""

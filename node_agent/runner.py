@@ -14,10 +14,14 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from node_agent import proc
 from node_agent.checks import CheckContext, resolve
 from node_agent.environment import Environment
 from node_agent.model import Result, Status
 from node_agent.suite import CheckSpec, Suite
+
+#: checks whose workers come from multiprocessing's forkserver (compute/burn.py, pcie_bandwidth)
+FORKSERVER_CHECKS = frozenset({"gpu_burn", "thermal_power", "pcie_bandwidth"})
 
 #: progress(event, spec, index, total, results) — event is "start" or "done"
 Progress = Callable[[str, CheckSpec, int, int, list[Result]], None]
@@ -85,6 +89,10 @@ def run_suite(suite: Suite, env: Environment, progress: Progress | None = None) 
     all_results: list[Result] = []
     shared: dict = {}
     total = len(suite.checks)
+    if any(spec.check in FORKSERVER_CHECKS for spec in suite.checks):
+        # before any check thread runs: the forkserver must not start in the caller's working
+        # directory, which others may write to (proc.start_forkserver_in_child_cwd)
+        proc.start_forkserver_in_child_cwd()
     for i, spec in enumerate(suite.checks, start=1):
         if progress:
             progress("start", spec, i, total, [])

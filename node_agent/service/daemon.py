@@ -26,6 +26,7 @@ from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from node_agent import proc
 from node_agent.atomic_file import ensure_spool_dirs
 from node_agent.config import Config, load_config
 from node_agent.environment import Environment, open_environment
@@ -33,7 +34,7 @@ from node_agent.kernel_log import normalise_bus
 from node_agent.model import Grade, Level, Result, Status
 from node_agent.report.terminal import printable
 from node_agent.resources import suites_dir
-from node_agent.runner import run_check
+from node_agent.runner import FORKSERVER_CHECKS, run_check
 from node_agent.service.metrics import (
     CheckStats,
     DaemonCollector,
@@ -150,6 +151,11 @@ class Daemon:
         # private state dir (docs/security.md); a problem is logged, the daemon goes on
         for note in ensure_spool_dirs(self.config.spool_dir):
             log.warning("spool: %s", note)
+        in_process = {c.check for c in self.suite.checks} - set(
+            self.config.get("daemon.subprocess_checks"))
+        if in_process & FORKSERVER_CHECKS:
+            # before any other thread runs: never from a working directory others may write to
+            proc.start_forkserver_in_child_cwd()
         self._start_http()
         if install_signals:
             signal.signal(signal.SIGTERM, lambda *_: self.stop())
@@ -289,7 +295,6 @@ class Daemon:
 
         import yaml
 
-        from node_agent import proc
         from node_agent.model import Report, ReportFormatError
 
         with self._lock:

@@ -183,6 +183,32 @@ def test_sdc_confirmation_probe_never_imports_the_planted_package(planted, share
     assert markers(marks) == []
 
 
+def test_forkserver_of_a_root_command_never_imports_from_its_working_directory(
+        user, planted, shared_dir):
+    # root runs `node-agent accept` (a console script: its own directory first on sys.path,
+    # no -P) from the user's directory; the burn and PCIe checks start their workers from
+    # multiprocessing's forkserver, a `python -c` that would put that directory first
+    pytest.importorskip("torch", reason="the simulated PCIe check copies with torch on the CPU")
+    work, marks = planted
+    user.py(PLANT, str(work), str(marks), "multiprocessing/__init__.py=multiprocessing")
+    d = root_dir(shared_dir)
+    launcher = d / "node-agent"
+    launcher.write_text("import sys\nfrom node_agent.commands.main import main\n"
+                        "if __name__ == '__main__':\n    sys.exit(main())\n")  # as pip writes it
+    suite = write_yaml(d / "pcie.yaml", {"name": "pcie", "mode": "delivery", "checks": [
+        {"check": "pcie_bandwidth", "timeout_s": 120, "params": {"simulated": {
+            "size_bytes": 65536, "reps": 3, "warmup": 1, "concurrent_s": 0.1}}}]})
+    done = subprocess.run(
+        [sys.executable, str(launcher), "accept", "--json", "--suite", os.path.relpath(suite, work),
+         "--simulate", scenario(shared_dir), "--config", agent_config(shared_dir),
+         "--out", str(d / "out")], cwd=work, capture_output=True, text=True, timeout=240,
+        env={**os.environ, "PYTHONPATH": ""})
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout)["results"]
+    assert {r["status"] for r in results} == {"pass"}, [r["detail"] for r in results]
+    assert markers(marks) == []
+
+
 # -- High 4: symlinks sprayed over fio's file name ----------------------------------------------
 
 @pytest.fixture
