@@ -247,7 +247,9 @@ def _record_processes(r: _Recorder, call: Callable[..., Any]) -> None:
 
 
 def _record_fields(r: _Recorder, call: Callable[..., Any], lib: Any, field_max: int) -> None:
-    """Every field id below NVML_FI_MAX, each with its own value or nvmlReturn."""
+    """Every field id below NVML_FI_MAX is asked, each with its own value or nvmlReturn. Ids
+    answering Not Supported are left out (most of the ~300, on any GPU): in a scan of every
+    id, an absent one answered Not Supported, which is what the replay answers for it."""
     ids = list(range(1, field_max))
     for start in range(0, len(ids), _FIELD_BATCH):
         batch = ids[start:start + _FIELD_BATCH]
@@ -260,6 +262,8 @@ def _record_fields(r: _Recorder, call: Callable[..., Any], lib: Any, field_max: 
             continue
         for field_id, value in zip(batch, values, strict=False):
             key = f"field.{field_id}"
+            if value.nvmlReturn == _NOT_SUPPORTED:
+                continue
             if value.nvmlReturn != 0:
                 r.keys[key] = recorded_error(int(value.nvmlReturn))
             elif 0 <= value.valueType < len(_FIELD_TYPES):

@@ -176,6 +176,36 @@ def test_accept_nvml_checks_on_the_stand_in_library_grade_like_simulate(node, na
         "inventory", "nvml_health", "xid"}
 
 
+# Captures (docs/capture.md) replay both ways too: a simulated node captured through the
+# recorder, then graded from the capture with --simulate and through the stand-in. (An Xid's
+# NVML event is not replayed, its kernel-log line is: the stand-in's kernel log is this host's,
+# so the captured faults here are NVML readings.)
+CAPTURED = {
+    "healthy": [],
+    "hardware": [{"kind": "row_remap_failure", "gpu": 2}, {"kind": "pcie_width", "gpu": 4,
+                                                             "lanes": 8},
+                 {"kind": "nvlink_down", "gpu": 6, "link": 3},
+                 {"kind": "temperature", "gpu": 0, "celsius": 95}],
+    "recoverable": [{"kind": "recovery_action", "gpu": 1, "action": "gpu_reset"},
+                    {"kind": "persistence_off", "gpu": 0}],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CAPTURED))
+def test_a_captured_node_grades_alike_through_simulate_and_the_stand_in(node, name):
+    source = node.scenario(CAPTURED[name])
+    captured = node.config.parent / "captured.yaml"
+    run = node.run("capture", str(captured), scenario=source, simulate=True)
+    assert run.returncode == 0, run.stderr
+    args = ("check", "--suite", str(node.quick), "--json")
+    original = node.run(*args, scenario=source, simulate=True)
+    simulated = node.run(*args, scenario=captured, simulate=True)
+    real = node.run(*args, scenario=captured, simulate=False)
+    assert _graded(real) == _graded(simulated) == _graded(original), real.stderr
+    level = {"healthy": "HEALTHY", "hardware": "FAULT", "recoverable": "ERROR"}[name]
+    assert _graded(real)[:2] == (EXIT[level], level)
+
+
 def test_check_where_no_gpu_reports_xid_events_skips_the_watch_and_grades_healthy(node):
     scenario = node.scenario([])
     state = node.config.parent / "nvml.state"

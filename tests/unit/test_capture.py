@@ -73,7 +73,8 @@ def _save_and_load(tmp_path: Path, scenario: dict, skus) -> Scenario:
 
 def test_capture_records_each_call_value_or_its_nvml_error(skus):
     lib = _lib(H100 + ["unsupported nvmlDeviceGetSerial", "retired_pages.pending error 3",
-                       "remapped_rows 0 0 0 0", "nvlink.0.state error 3"])
+                       "remapped_rows 0 0 0 0", "nvlink.0.state error 3", "field.230 error 4",
+                       "field.91 uint 18"])
     nvml = record_nvml(call_timeout_s=2, lib=lib)
     gpu = nvml["gpus"][0]
     assert gpu["name"] == "NVIDIA H100 80GB HBM3" and gpu["temperature.gpu"] == 33
@@ -81,7 +82,9 @@ def test_capture_records_each_call_value_or_its_nvml_error(skus):
     assert gpu["retired_pages.pending"] == {"error": "Not Supported", "code": 3}
     assert gpu["nvlink.0.state"] == {"error": "Not Supported", "code": 3}
     assert gpu["virtualization_mode"] == 1 and gpu["remapped_rows"] == "0 0 0 0"
-    assert gpu["field.82"] == {"error": "Not Supported", "code": 3}
+    assert gpu["field.91"] == "uint 18"
+    assert "field.82" not in gpu  # every field id asked; those Not Supported left out
+    assert gpu["field.230"] == {"error": "Insufficient Permissions", "code": 4}
     assert nvml["system"] == {"driver_version": "580.159.04", "nvml_version": "13.580.159.04",
                               "cuda_driver_version": 13000}
 
