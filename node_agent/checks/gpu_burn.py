@@ -18,8 +18,10 @@ duration split evenly between them (engine and verification: :mod:`node_agent.co
 
 Params (seconds, except ``size``): ``duration_s`` (300), ``size`` (8192), ``precisions``
 (default: the SKU's), ``sample_s`` (1), ``sample_interval_s`` (telemetry, 1), ``verify_every``
-(8), ``verify_block`` (8), ``stall_s`` (60), ``startup_timeout_s`` (180), ``test_hook`` (tests
-only: make one worker exit, hang or raise; see :class:`node_agent.compute.burn.BurnPlan`).
+(8), ``verify_block`` (8), ``verify_lag`` (2: verified products whose on-device check may still
+be in flight; the host never runs further ahead), ``stall_s`` (60), ``startup_timeout_s``
+(180), ``test_hook`` (tests only: make one worker exit, hang or raise; see
+:class:`node_agent.compute.burn.BurnPlan`).
 
 Hand-over: ``ctx.shared["gpu_burn.trace"]`` (:data:`TRACE_KEY`) holds, per GPU index, the
 telemetry read through the GPU layer during the burn joined with the throughput:
@@ -61,6 +63,7 @@ def make_plan(ctx: CheckContext, precisions: tuple[str, ...], duration_s: float,
                     sample_s=float(p.get("sample_s", 1.0)),
                     verify_every=int(p.get("verify_every", 8)),
                     verify_block=int(p.get("verify_block", 8)),
+                    verify_lag=int(p.get("verify_lag", 2)),
                     stall_s=float(p.get("stall_s", 60.0)),
                     startup_timeout_s=float(p.get("startup_timeout_s", 180.0)),
                     hook=p.get("test_hook"))
@@ -181,7 +184,8 @@ def _wrong_elements(ctx: CheckContext, index: int, w: WorkerReport,
     evidence: dict[str, Any] = {"events": w.wrong_events, "events_total": w.wrong_events_total,
                                 "products_verified": verified,
                                 "verify_every": plan.verify_every,
-                                "method": "block Freivalds, flagged rows recomputed in float64 "
+                                "method": "block Freivalds on the device, read back without "
+                                          "stalling it; flagged rows recomputed in float64 "
                                           "on the CPU, re-run once to confirm"}
     confirmed = [e for e in w.wrong_events if e["confirmed"]]
     events = confirmed or w.wrong_events

@@ -32,23 +32,44 @@ factor when simulated), so TFLOP/s = flops / busy_s / 1e12. Every message is a h
 worker silent for ``stall_s`` is killed and reported ``worker_stalled``; one that exits early
 is ``worker_died`` with its exit code and last words; the others' results stand.
 
-**Verification: flag statistically, convict rigorously.** A and B are fixed per precision, so
-for a fixed random sign vector x (±1) the reference of a block Freivalds check,
-``ref[i, blk] = sum over j in blk of (A·B)[i, j]·x[j]``, is computed once in float64 as
-A·(B·X). Every ``verify_every``-th product C is checked in O(n²): ``R = blockwise C·x`` (fp32)
-against ``ref``; an entry is flagged when ``|R − ref|`` exceeds ``k_sigma`` standard
-deviations of the rounding noise it may carry (output rounding, u²/3 per element of C, plus
-fp32 accumulation, sequential-sum model u²·K²/6·rms(a)²·rms(b)², plus the fp32 sums
-themselves). Blocks of ``verify_block`` columns rather than whole rows keep a single flipped
-element of a bf16 output visible above that noise (a whole-row check at n = 8192 cannot see
-it). A flagged row is then recomputed in float64 on the CPU (independent of the suspect GPU)
-and its elements compared with a rigorous bound: ``2·(u_out·|c| + γ_K·(|A|·|B|))`` with
-γ_K = K·u/(1 − K·u) (Higham, *Accuracy and Stability of Numerical Algorithms*, §3.5); only
-elements outside it count as wrong. fp8, whose accumulators keep about 14 bits on Hopper
-(DeepSeek-V3 technical report, §3.3.2), uses the statistical bound at 8 sigma for both steps.
-A product with wrong elements is re-run once: wrong again is *confirmed*, otherwise
-*transient*. Inputs for ``tf32`` are rounded to 10 mantissa bits first, so TF32 input rounding
-is exact and only accumulation error remains.
+**Verification: flag on the device, convict rigorously, never stall the stream.** A and B are
+fixed per precision. At preparation, on the device, the exact product A·B is computed once in
+float64 (O(n³), once; never per product) with |A|·|B|, and kept as block sums:
+``ref[i, J] = sum over j in block J of (A·B)[i, j]`` for blocks of ``verify_block`` columns.
+Every ``verify_every``-th product C is checked in O(n²): ``R = C`` summed per block (one pass
+over C, fp32 sums; x is all ones: a hardware fault does not know x, and two wrong elements of
+one block cancelling exactly is not a fault model) against ``ref``. A block is flagged when
+``|R − ref|`` exceeds ``k_sigma`` standard deviations of the rounding noise (output rounding,
+u²/3 per element of C, plus fp32 accumulation, sequential-sum model u²·K²/6·rms(a)²·rms(b)², plus
+the fp32 sums themselves) **plus the kernel's own systematic deviation**: tensor cores add
+aligned products and truncate toward zero (Fasi, Higham, Mikaitis, Pranesh, "Numerical behavior
+of NVIDIA tensor cores", PeerJ CS 2021), a bias that round-to-nearest statistics do not allow
+for. Where C's rounding is coarse (bf16, fp16) it hides that bias; in tf32, whose output is
+fp32, it does not, and before this was modelled nearly every verified tf32 product was flagged
+and sent to the CPU while the GPU idled (an H100's tf32 burn: 81 TFLOP/s against plain
+matmul's 401.8). The deviation is learnt from the first product, block by block, only where
+every element of that product is within the rigorous elementwise bound below (a product
+already corrupted by a persistent fault teaches nothing) and the block within its rigorous
+block bound; a deterministic kernel (cuBLAS GEMMs are, for a fixed configuration) then repeats
+it bit for bit. A flagged product whose recomputed rows are right is learnt the same way, so a
+kernel that changes its summation later costs one recomputation, not one per check.
+
+The check never makes the host wait for the device: its per-row verdict (m booleans) is
+copied to pinned host memory without blocking, an event recorded behind it, and read when the
+event has passed; the host waits for a check only when more than ``verify_lag`` are in
+flight, so it stays at most ``verify_lag`` × ``verify_every`` products ahead and the device
+always has GEMMs queued. The end of a sample window is the one full synchronisation. Every
+such wait goes through :class:`DeviceWaits`, which tests replace to count them.
+
+A flagged row is recomputed in float64 on the CPU (independent of the suspect GPU) and its
+elements compared with a rigorous bound: ``2·(u_out·|c| + γ_K·(|A|·|B|))`` with
+γ_K = K·u/(1 − K·u) (Higham, *Accuracy and Stability of Numerical Algorithms*, §3.5) at
+u = 2⁻²² (``U_ACC_BOUND``: four units of fp32's 2⁻²⁴, which covers truncating multi-operand
+adders); only elements outside it count as wrong. fp8, whose accumulators keep about 14 bits
+on Hopper (DeepSeek-V3 technical report, §3.3.2), uses the statistical bound at 8 sigma for
+both steps. A product with wrong elements is re-run once: wrong again is *confirmed*, otherwise
+*transient*. Inputs for ``tf32`` are rounded to 10 mantissa bits once, when they are made, so
+TF32 input rounding is exact and only accumulation error remains.
 """
 
 from __future__ import annotations
