@@ -93,3 +93,26 @@ def test_child_config_paths_are_made_absolute_and_program_names_kept(tmp_path, m
     assert out["adapter"]["slurm"]["scontrol"] == "scontrol"  # looked up on PATH
     assert out["adapter"]["slurm"]["squeue"] == str(tmp_path / "bin/squeue")
     assert out["suites_dir"] is None and data["state_dir"] == "state"  # a copy
+
+
+FORKSERVER_CWD = """
+import multiprocessing, os
+from multiprocessing import forkserver
+from node_agent.proc import start_forkserver_in_child_cwd
+start_forkserver_in_child_cwd()
+pid = forkserver._forkserver._forkserver_pid  # the running server (private, read only)
+with multiprocessing.get_context("forkserver").Pool(1) as pool:  # it still serves
+    worker = pool.apply(os.getpid)
+print(os.getcwd(), os.readlink(f"/proc/{pid}/cwd"), worker != os.getpid())
+"""
+
+
+def test_forkserver_starts_from_root_dir_and_the_working_directory_is_restored(tmp_path):
+    # a fresh interpreter: the forkserver is one per process, and another test may have
+    # started this one's already
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-P", "-c", FORKSERVER_CWD], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(tmp_path), "/", "True"]
