@@ -102,11 +102,13 @@ def _clean(text: str) -> str:
     return "".join(c if c.isprintable() else "?" for c in text)
 
 
-def _replayed(nvml: dict[str, Any], skus: dict[str, Sku]) -> tuple[Any, Any]:
-    """(the inventory, the driver) the agent reads from the recording, as the replay will."""
+def _replayed(nvml: dict[str, Any], skus: dict[str, Sku]) -> tuple[Any, Any, str | None]:
+    """(the inventory, the driver, why NVML is unavailable) the agent reads from the
+    recording, as the replay will."""
     backend = open_replay(nvml, source="the capture being written")
     try:
-        return collect(backend, skus, "auto", hostname="capture"), backend.driver()
+        return (collect(backend, skus, "auto", hostname="capture"), backend.driver(),
+                backend.unavailable_reason)
     finally:
         backend.close()
 
@@ -116,13 +118,14 @@ def build_scenario(nvml: dict[str, Any], pci: Sequence[dict[str, Any]],
                    provenance: dict[str, Any], hostname: str,
                    sku: str | None = None) -> dict[str, Any]:
     """The capture as a scenario mapping (key order as written)."""
-    inventory, driver = _replayed(nvml, skus)
+    inventory, driver, unavailable = _replayed(nvml, skus)
     if sku is not None and sku not in skus:
         raise CaptureError(f"--sku {sku!r} is not a SKU file under graders/skus/; expected one "
                            f"of: {', '.join(sorted(skus))}")
     chosen = sku or (inventory.sku.id if inventory.sku else None)
     if chosen is None:
-        why = inventory.sku_problem or "NVML listed no GPU"
+        why = (f"NVML is not usable: {unavailable}" if unavailable
+               else inventory.sku_problem or "NVML listed no GPU")
         raise CaptureError(f"no SKU file matches this node ({why}): name one with --sku NAME "
                            f"(one of: {', '.join(sorted(skus))}), or add a SKU file")
     scenario: dict[str, Any] = {"capture": provenance, "sku": chosen,
