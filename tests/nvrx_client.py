@@ -1,0 +1,90 @@
+"""A client of the node health-check service that keeps NVRx's wire contract and behaviour.
+
+The registry serves nvidia-resiliency-ext only up to 0.4.1, which has no node health-check
+client, so the tests cannot use NVRx's own ``NodeHealthCheck`` class. This one follows it
+(nvidia_resiliency_ext/shared_utils/health_check.py, ``NodeHealthCheck``): its stubs are
+generated at test time from our ``packaging/nvrx/nvhcd.proto`` (the same package, service,
+method and field numbers as NVRx's), and it decides as NVRx does:
+
+- the endpoint ``unix:///path``, ``/path`` or ``./path`` is a Unix socket; another form, or a
+  socket path that does not exist, skips the check (healthy);
+- a gRPC connectivity error skips the check (healthy): the service is optional;
+- ``success`` false is unhealthy; otherwise the JSON ``output`` must hold ``fail_count`` 0.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+PROTO = Path(__file__).resolve().parents[1] / "packaging" / "nvrx" / "nvhcd.proto"
+DEFAULT_ARGS = ("--no-slurm", "--group", "prolog", "epilog", "logs", "gpu")  # NVRx's defaults
+
+
+def generated_modules():
+    """(nvhcd_pb2, nvhcd_pb2_grpc) compiled from packaging/nvrx/nvhcd.proto with grpc_tools."""
+    from grpc_tools import protoc
+
+    out = Path(tempfile.mkdtemp(prefix="nvhcd-proto-"))
+    code = protoc.main(["protoc", f"-I{PROTO.parent}", f"--python_out={out}",
+                        f"--grpc_python_out={out}", str(PROTO)])
+    if code != 0:
+        raise RuntimeError(f"protoc failed on {PROTO} (exit {code})")
+    sys.path.insert(0, str(out))
+    try:
+        for name in ("nvhcd_pb2", "nvhcd_pb2_grpc"):
+            sys.modules.pop(name, None)
+        return importlib.import_module("nvhcd_pb2"), importlib.import_module("nvhcd_pb2_grpc")
+    finally:
+        sys.path.remove(str(out))
+
+
+class NodeHealthCheck:
+    def __init__(self, endpoint: str, args=DEFAULT_ARGS, request_timeout_sec: float = 60):
+        import grpc
+
+        self._grpc = grpc
+        self._pb2, self._pb2_grpc = generated_modules()
+        self.args = list(args)
+        self.request_timeout_sec = request_timeout_sec
+        self.last_output: dict | None = None
+        self.skipped: str | None = None
+        self._target = self._resolve(endpoint)
+
+    def _resolve(self, endpoint: str) -> str | None:
+        if endpoint.startswith("unix://"):
+            target = endpoint
+        elif endpoint.startswith(("/", "./")):
+            target = f"unix://{endpoint}"
+        else:
+            self.skipped = f"{endpoint} is not a Unix socket"
+            return None
+        if not os.path.exists(target[len("unix://"):]):
+            self.skipped = f"{target} does not exist"
+            return None
+        return target
+
+    def __call__(self) -> bool:
+        if self._target is None:
+            return True
+        try:
+            with self._grpc.insecure_channel(self._target) as channel:
+                stub = self._pb2_grpc.HealthCheckServiceStub(channel)
+                response = stub.RunHealthCheck(self._pb2.HealthCheckRequest(args=self.args),
+                                               timeout=self.request_timeout_sec)
+        except Exception as err:  # NVRx: a connectivity error skips the check
+            self.skipped = f"connectivity: {err}"
+            return True
+        try:
+            self.last_output = json.loads(response.output) if response.output else None
+        except json.JSONDecodeError:
+            return False
+        if not response.success:
+            return False
+        if self.last_output is None or self.last_output.get("fail_count") is None:
+            return False
+        return self.last_output["fail_count"] == 0
