@@ -456,13 +456,16 @@ class StateNvml:
         target.bThresholdExceeded = int(exceeded != 0)
         return _SUCCESS
 
-    def nvmlDeviceGetRetiredPages(self, handle: Any, cause: int) -> list[int]:
+    def nvmlDeviceGetRetiredPages(self, handle: Any, cause: int) -> range:
         section = self._gpu("nvmlDeviceGetRetiredPages", handle)
         key = {0: "retired_pages.sbe", 1: "retired_pages.dbe"}.get(cause)
         if key is None:
             self._fail(_INVALID_ARGUMENT)
         n = self._int(section, str(key))
-        return [0x100000 * (cause + 1) + 0x1000 * i for i in range(n)]
+        if not 0 <= n <= 0xFFFFFFFF:  # an unsigned int in NVML, as the stand-in checks
+            self._fail(_UNKNOWN)
+        base = 0x100000 * (cause + 1)  # made-up addresses, as the stand-in's; never listed
+        return range(base, base + 0x1000 * n, 0x1000)
 
     def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: Any) -> int:
         pending = self._int(self._gpu("nvmlDeviceGetRetiredPagesPendingStatus", handle),

@@ -145,6 +145,28 @@ def test_odd_and_hostile_values_are_data_never_a_crash(tmp_path, skus):
         render(loaded, skus[loaded.sku])
 
 
+def test_a_hostile_capture_replays_without_hanging_or_crashing(tmp_path, skus):
+    """A capture is a file someone else wrote (a bug report's attachment): absurd counts and
+    text where numbers belong are errors of the reading they belong to, never a hang."""
+    scenario = build_scenario(record_nvml(call_timeout_s=2, lib=_lib(H100)), [], [], skus,
+                              {"kind": "test"}, "n", sku="h100-sxm5-80gb")
+    gpu = scenario["nvml"]["gpus"][0]
+    gpu.update({"retired_pages.sbe": 10**15, "retired_pages.dbe": 1, "retired_pages.pending": 0,
+                "pcie.gen": "five", "remapped_rows": "1 2", "process": ["x y"]})
+    loaded = _save_and_load(tmp_path, scenario, skus)
+    backend = open_backend(loaded, skus[loaded.sku])
+    try:
+        (dev,) = backend.devices()
+        started = time.monotonic()
+        for reading in (dev.retired_pages, dev.pcie, dev.row_remap, dev.compute_processes):
+            with pytest.raises(base.GpuError):
+                reading()
+        assert time.monotonic() - started < 5
+        assert dev.identity().name == "NVIDIA H100 80GB HBM3"  # the rest still reads
+    finally:
+        backend.close()
+
+
 def test_a_capture_refuses_an_nvml_fault_and_a_gpu_count_that_disagrees(tmp_path, skus):
     scenario = build_scenario(record_nvml(call_timeout_s=2, lib=_lib(H100)), [], [], skus,
                               {"kind": "test"}, "n", sku="h100-sxm5-80gb")
