@@ -219,6 +219,12 @@ def _case_outcomes(junit_xml: Path) -> dict[str, str]:
     return out
 
 
+def _uncollected(junit_xml: Path) -> list[str]:
+    """Test modules pytest could not collect (junitxml: an ``error`` "collection failure")."""
+    return [case.get("name", "?") for case in ET.parse(junit_xml).getroot().iter("testcase")
+            if any(el.get("message") == "collection failure" for el in case.findall("error"))]
+
+
 def _pytest_figure(name: str, command: str, args: list[str], box_s: float,
                    note: Callable[[dict[str, str]], str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
@@ -235,6 +241,7 @@ def _pytest_figure(name: str, command: str, args: list[str], box_s: float,
                           command)
         counts = pytest_counts(junit)
         cases = _case_outcomes(junit)
+        uncollected = _uncollected(junit)
     detail = (f"{counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors, "
               f"{counts['skipped']} skipped of {counts['tests']} (pytest exit {proc.returncode})")
     bad = [f"{n}: {o}" for n, o in cases.items() if o.startswith("failed")]
@@ -242,6 +249,10 @@ def _pytest_figure(name: str, command: str, args: list[str], box_s: float,
         detail += "; " + "; ".join(bad[:5])
     if note:
         detail += note(cases)
+    if uncollected:  # their tests never ran: a count of the rest would pass for the whole
+        return figure(name, None, f"{len(uncollected)} test module(s) could not be collected "
+                      f"({', '.join(uncollected[:5])}), so their tests never ran; {detail}",
+                      command, counts=counts)
     return figure(name, counts["passed"], None, command, detail, counts=counts)
 
 

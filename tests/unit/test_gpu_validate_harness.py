@@ -178,6 +178,23 @@ def test_pytest_counts_come_from_the_junit_report(tmp_path):
     assert outcomes["test_broken"].startswith("failed: AssertionError: NVML said no")
 
 
+def test_a_test_module_that_fails_to_collect_makes_the_pytest_figure_null(tmp_path):
+    """The GPU host's tests/unit/test_hardware_model.py could not be imported, and the figure
+    still read "39 tests passed": a module that is not collected is a failed figure."""
+    (tmp_path / "test_fine.py").write_text("def test_ok():\n    assert True\n")
+    (tmp_path / "test_broken_import.py").write_text(
+        "import no_such_module_here  # noqa: F401\n\ndef test_never_runs():\n    pass\n")
+    args = ["-o", "addopts=", "--continue-on-collection-errors", str(tmp_path)]  # as the step
+    got = steps._pytest_figure("pytest_gpu", "cmd", args, 120)
+    assert got["value"] is None, got
+    assert got["reason"].startswith("1 test module(s) could not be collected (")
+    assert "test_broken_import" in got["reason"] and "so their tests never ran" in got["reason"]
+    assert got["counts"]["errors"] == 1 and got["counts"]["passed"] == 1
+    (tmp_path / "test_broken_import.py").unlink()
+    got = steps._pytest_figure("pytest_gpu", "cmd", args, 120)
+    assert got["value"] == 1 and got["reason"] is None
+
+
 def test_the_shortened_delivery_suite_is_a_valid_suite_with_the_overrides(tmp_path):
     from node_agent.suite import load_suite
 
