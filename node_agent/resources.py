@@ -42,6 +42,17 @@ def _shipped(package: str) -> Path:
     return source
 
 
+def shipped_suites_dir() -> Path:
+    """The suites that ship with the agent, whatever ``suites_dir`` says."""
+    return _shipped("node_agent.suites")
+
+
+def shipped_graders_dir() -> Path:
+    """The graders that ship with the agent, whatever ``graders_dir`` says (for a file an
+    operator's older directory lacks)."""
+    return _shipped("node_agent.graders")
+
+
 def suites_dir(config: Config) -> Path:
     return _dir(config.get("suites_dir"), "node_agent.suites", "suites_dir", config)
 

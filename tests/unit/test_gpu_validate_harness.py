@@ -350,6 +350,7 @@ def test_the_work_tree_runs_without_an_install_of_node_agent(bare_tree):
             "graders": str(resources.graders_dir(cfg)),
             "suites": str(resources.suites_dir(cfg)),
             "skus": str(resources._shipped("node_agent.graders.skus")),
+            "shipped": str(resources.shipped_graders_dir()),
         }}))
     """)
     proc = subprocess.run([str(python), "-c", code], cwd="/", env=_bare_env(tree),
@@ -360,6 +361,7 @@ def test_the_work_tree_runs_without_an_install_of_node_agent(bare_tree):
     assert not seen["graders_package"] and not seen["editable_finders"], seen  # truly bare
     assert seen["graders"] == str(tree / "graders") and seen["suites"] == str(tree / "suites")
     assert seen["skus"] == str(tree / "graders" / "skus")
+    assert seen["shipped"] == str(tree / "graders")
 
 
 def test_pytest_gpu_collects_every_test_from_the_bare_work_tree(bare_tree):

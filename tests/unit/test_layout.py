@@ -10,7 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "node_agent"
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "node_agent"
 
 
 def _module_name(path: Path) -> str:
@@ -150,3 +151,32 @@ def test_sdc_spool_names_import_without_torch():
     new = _new_modules_after("from node_agent.sdc import Verdict, write_verdict, default_spool_dir")
     assert "torch" not in new
     assert "node_agent.sdc.spool" in new
+
+
+def test_shipped_data_is_read_through_resources_never_imported_as_a_package():
+    """node_agent.suites and node_agent.graders exist only in an install (pyproject's
+    package-dir); a work tree run with nothing installed has neither, so code that imports them
+    or asks importlib.resources for them breaks there (the GPU host's "No module named
+    node_agent.graders"). node_agent.resources is the one place that finds them either way."""
+    offenders = []
+    for root in ("node_agent", "bench", "scripts"):
+        for path in sorted((REPO / root).rglob("*")):
+            if path.suffix not in (".py", "") or not path.is_file() or path.name == "resources.py":
+                continue
+            try:
+                tree = ast.parse(path.read_text())
+            except (SyntaxError, UnicodeDecodeError, ValueError):
+                continue  # not Python (a shell script)
+            for node in ast.walk(tree):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    names = [node.value]
+                bad = [n for n in names if n.startswith(("node_agent.suites", "node_agent.graders"))
+                       and " " not in n]
+                if bad:
+                    offenders.append(f"{path.relative_to(REPO)}:{node.lineno}: {bad[0]}")
+    assert offenders == []
