@@ -167,6 +167,27 @@ def test_a_hostile_capture_replays_without_hanging_or_crashing(tmp_path, skus):
         backend.close()
 
 
+@pytest.mark.parametrize("key, entry, message", [
+    ("pci", {"bdf": "../../../etc/passwd", "vendor": "0x10de", "class": "0x030200"}, "bdf"),
+    ("pci", {"bdf": "0000:3b:00.0", "vendor": "0x10de", "class": "0x030200",
+             "physfn": "/etc"}, "physfn"),
+    ("pci", {"bdf": "0000:3b:00.0", "vendor": "0x10de", "class": "0x030200",
+             "driver": "../nvidia"}, "driver"),
+    ("kernel_log", "6,1,2,-;NVRM: Xid (PCI:0000:3b:00): 79\nsecond line", "line break"),
+])
+def test_a_capture_whose_pci_or_kernel_log_entries_are_not_what_sysfs_and_kmsg_give_is_refused(
+        tmp_path, skus, key, entry, message):
+    """The replayed PCI bus is written as a sysfs tree: a bus id or link that is a path is
+    refused before anything is written; a kernel-log record is one line (kmsg escapes breaks)."""
+    scenario = build_scenario(record_nvml(call_timeout_s=2, lib=_lib(H100)), [], [], skus,
+                              {"kind": "test"}, "n", sku="h100-sxm5-80gb")
+    scenario[key] = [entry]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(scenario))
+    with pytest.raises(ConfigError, match=message):
+        load_scenario(path, skus)
+
+
 def test_a_capture_refuses_an_nvml_fault_and_a_gpu_count_that_disagrees(tmp_path, skus):
     scenario = build_scenario(record_nvml(call_timeout_s=2, lib=_lib(H100)), [], [], skus,
                               {"kind": "test"}, "n", sku="h100-sxm5-80gb")
