@@ -462,7 +462,7 @@ def _nvlink_state(ctx: CheckContext, target: str, links: list, mode: str = "none
     a virtualized GPU the links are not this host's to see (skip), on bare metal a WARN
     naming ``node.expected_nvlinks``. Inside a VM, links that answer but are all inactive
     are a GPU given to the VM without its NVLink peers (NVIDIA Fabric Manager user guide,
-    shared NVSwitch virtualization: a one-GPU partition has no NVLink connections), a WARN.
+    virtualization models: a VM or GPU partition of one GPU has no NVLink interconnect), a WARN.
     A declared ``node.expected_nvlinks`` is the operator's word: fewer active is a FAIL.
     """
     active = [link.link for link in links if link.active]
