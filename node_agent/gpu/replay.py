@@ -49,6 +49,9 @@ ERROR_NAMES = {
     20: "Insufficient Memory", 21: "No data", 22: "Argument version mismatch", 23: "Deprecated",
     24: "Not Ready", 28: "GPU not found", 29: "Invalid state", 999: "Unknown Error",
 }
+#: state keys that are the stand-in's switches or injected events, not an NVML answer: a
+#: capture records what NVML answered, so a capture holding one is refused (scenario schema)
+RESERVED_KEYS = ("hang", "unsupported", "absent", "error", "xid")
 #: keys the stand-in repeats (one line per item) rather than overwrites
 REPEATED_KEYS = frozenset({"process", "xid"})
 #: a recorded error on a repeated key cannot be a value: it becomes a switch on its function
@@ -117,7 +120,8 @@ def capture_state_lines(nvml: Mapping[str, Any], source: str = "a capture",
     ``strict``: refuse (CaptureFormatError) a value the stand-in's line-based file cannot carry
     (a control character, more than 255 characters). Without it the lines are for
     :class:`StateNvml`, which takes each item of the list as one line whatever it holds."""
-    lines = [STATE_FORMAT, f"# replayed from {source}".replace("\n", " ")[:200]]
+    comment = "".join(c if c.isprintable() else "?" for c in f"# replayed from {source}")
+    lines = [STATE_FORMAT, comment[:200]]
     lines += _key_lines(nvml.get("system") or {}, strict)
     for index, gpu in enumerate(nvml.get("gpus") or []):
         lines += ["", f"[gpu {index}]", *_key_lines(gpu, strict)]

@@ -16,6 +16,7 @@ from node_agent.gpu.base import (
     THROTTLE_REASONS,
     VIRTUALIZATION_MODES,
 )
+from node_agent.gpu.replay import RESERVED_KEYS
 from node_agent.yamlfile import ConfigError, load_yaml
 
 _GPU = {"type": "integer", "minimum": 0}
@@ -29,8 +30,7 @@ DRIVER_DOWN_STATES = ("not_loaded", "not_installed")
 #: fault kinds a capture takes on top of its recording: those acting outside NVML (a capture
 #: replays NVML as recorded; to change what NVML says, edit the recorded value)
 CAPTURE_FAULT_KINDS = frozenset({"kernel_log", "slow", "slow_link", "sdc", "hca_port_down",
-                                 "hca_rate",
-                                 "hca_slow", "hca_flap"})
+                                 "hca_rate", "hca_slow", "hca_flap"})
 _HEX = r"^0x[0-9a-fA-F]+$"
 _BDF = {"type": "string", "pattern": r"^[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$"}
 #: one recorded NVML answer (docs/capture.md): a value, several (a key NVML repeats, e.g.
@@ -42,7 +42,9 @@ _NVML_VALUE = {"anyOf": [
     {"type": "object", "additionalProperties": False, "required": ["error"],
      "properties": {"error": {"type": "string"}, "code": {"type": "integer"}}},
 ]}
-_NVML_KEYS = {"type": "object", "propertyNames": {"pattern": r"^[A-Za-z0-9_.]{1,63}$"},
+_NVML_KEYS = {"type": "object",
+              "propertyNames": {"pattern": r"^[A-Za-z0-9_.]{1,63}$",
+                                "not": {"enum": list(RESERVED_KEYS)}},
               "additionalProperties": _NVML_VALUE}
 
 

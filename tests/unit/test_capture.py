@@ -188,6 +188,20 @@ def test_a_capture_whose_pci_or_kernel_log_entries_are_not_what_sysfs_and_kmsg_g
         load_scenario(path, skus)
 
 
+@pytest.mark.parametrize("key", ["hang", "xid", "unsupported"])
+def test_a_capture_holding_a_stand_in_switch_instead_of_an_nvml_answer_is_refused(tmp_path, skus,
+                                                                                  key):
+    """``hang *`` would hang every call through the stand-in; ``xid`` would inject events only
+    one way: a capture records what NVML answered, nothing else."""
+    scenario = build_scenario(record_nvml(call_timeout_s=2, lib=_lib(H100)), [], [], skus,
+                              {"kind": "test"}, "n", sku="h100-sxm5-80gb")
+    scenario["nvml"]["gpus"][0][key] = "*"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(scenario))
+    with pytest.raises(ConfigError, match=f"'{key}' should not be valid"):
+        load_scenario(path, skus)
+
+
 def test_a_capture_refuses_an_nvml_fault_and_a_gpu_count_that_disagrees(tmp_path, skus):
     scenario = build_scenario(record_nvml(call_timeout_s=2, lib=_lib(H100)), [], [], skus,
                               {"kind": "test"}, "n", sku="h100-sxm5-80gb")
