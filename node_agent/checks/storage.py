@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -100,19 +101,50 @@ def _run_path(ctx: CheckContext, fio: str, path: Path, label: str = "") -> list[
     # and plant a symlink on (with fs.protected_symlinks=0 or a non-sticky directory, root's
     # fio would follow it and fill whatever file it points to)
     try:
-        private = Path(tempfile.mkdtemp(prefix=".node-agent-fio-", dir=path))
+        made = tempfile.mkdtemp(prefix=".node-agent-fio-", dir=path)
+        fd = os.open(made, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as err:
         return [ctx.result(target, "fio", Status.ERROR,
                            f"cannot make a directory in {path}: {err} (config storage.paths)")]
     try:
-        return _run_fio(ctx, fio, path, private, target, label)
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700:
+            return [ctx.result(target, "fio", Status.ERROR,
+                               f"the directory made for fio in {path} was replaced before it "
+                               "was opened (someone renamed it): not used")]
+        # fio reaches the directory through our open descriptor, never by its name: in a
+        # directory others may write to, the name can be renamed away and replaced
+        held = Path(f"/proc/{os.getpid()}/fd/{fd}")
+        return _run_fio(ctx, fio, path, held if held.is_dir() else Path(made), target, label,
+                        scratch_dir=made)
     finally:
-        shutil.rmtree(private, ignore_errors=True)
+        _remove_private(made, fd)
+
+
+def _remove_private(made: str, fd: int) -> None:
+    """Empty the directory we made (through its descriptor), then remove it by name only if
+    the name is still that directory."""
+    try:
+        for name in os.listdir(fd):
+            try:
+                os.unlink(name, dir_fd=fd)
+            except IsADirectoryError:
+                shutil.rmtree(name, dir_fd=fd, ignore_errors=True)
+            except OSError:
+                pass
+        st, named = os.fstat(fd), os.lstat(made)
+        if (st.st_dev, st.st_ino) == (named.st_dev, named.st_ino):
+            os.rmdir(made)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _run_fio(ctx: CheckContext, fio: str, path: Path, private: Path, target: str,
-             label: str) -> list[Result]:
-    """fio in ``private`` (our own 0700 directory inside the storage path ``path``)."""
+             label: str, scratch_dir: str) -> list[Result]:
+    """fio in ``private`` (our own 0700 directory inside the storage path ``path``, reached
+    through its descriptor; ``scratch_dir`` is its name, for the evidence)."""
     p = ctx.params
     try:
         direct = supports_o_direct(private)
@@ -124,7 +156,7 @@ def _run_fio(ctx: CheckContext, fio: str, path: Path, private: Path, target: str
     argv = fio_argv(fio, filename, str(p.get("size", "64M")), runtime_s, direct,
                     str(p.get("ioengine", "libaio")), int(p.get("iodepth", 16)))
     evidence: dict[str, Any] = {
-        "direct": direct, "argv": argv, "path_note": label,
+        "direct": direct, "argv": argv, "path_note": label, "scratch_dir": scratch_dir,
         "io_mode": "O_DIRECT" if direct else
         "buffered: the filesystem refuses O_DIRECT, figures include the page cache"}
     # three timed jobs plus layout and fsync; the runner's timeout still bounds the check

@@ -3,6 +3,7 @@ scripts/install-test-system-deps). Sizes are CI-small: 16 MiB, 1 s per job."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -25,6 +26,8 @@ def test_fio_is_installed():
 
 
 def test_real_fio_reports_positive_bandwidth_and_iops_per_path(tmp_path):
+    tmp_path = tmp_path / "scratch"
+    tmp_path.mkdir()
     results = storage.run(make_ctx([str(tmp_path)]))
     by_metric = {r.metric: r for r in results}
     assert set(by_metric) == {"read_bw_mbps", "write_bw_mbps", "randread_iops"}, results
@@ -87,14 +90,19 @@ def test_truncated_fio_json_is_error_not_crash(tmp_path, monkeypatch):
 
 
 def test_fio_file_is_in_a_fresh_private_directory_removed_afterwards(tmp_path, monkeypatch):
-    # a predictable name in a scratch path users write to is a symlink target (issue 29)
+    # a predictable name in a scratch path users write to is a symlink target (issue 29); fio
+    # reaches the directory through the agent's descriptor (/proc/<pid>/fd/<n>), not its name
+    tmp_path = tmp_path / "scratch"
+    tmp_path.mkdir()
     seen = []
     real_run = storage.proc.run
 
     def spy(argv, timeout_s, **kw):
         filename = Path(next(a for a in argv if a.startswith("--filename="))[11:])
-        st = filename.parent.stat()
-        seen.append((filename, st.st_mode & 0o777, filename.parent.parent, kw.get("cwd")))
+        assert filename.parent.parent == Path(f"/proc/{os.getpid()}/fd")
+        directory = Path(os.readlink(filename.parent))
+        st = directory.stat()
+        seen.append((directory, st.st_mode & 0o777, directory.parent, kw.get("cwd")))
         return real_run(argv, timeout_s, **kw)
 
     monkeypatch.setattr(storage.proc, "run", spy)
@@ -103,5 +111,5 @@ def test_fio_file_is_in_a_fresh_private_directory_removed_afterwards(tmp_path, m
     assert all(r.status is Status.PASS for r in first + second)
     (one, mode, parent, cwd), (two, *_) = seen
     assert mode == 0o700 and parent == tmp_path and cwd == "/"
-    assert one.parent != two.parent  # a fresh random name each run, not the pid
+    assert one != two  # a fresh random name each run, not the pid
     assert not list(tmp_path.iterdir())

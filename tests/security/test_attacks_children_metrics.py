@@ -211,6 +211,18 @@ def test_forkserver_of_a_root_command_never_imports_from_its_working_directory(
 
 # -- High 4: symlinks sprayed over fio's file name ----------------------------------------------
 
+#: a root-only file larger than fio's file, so fio would write through a link to it, not
+#: lay out a new file in its place
+PRECIOUS = b"root's precious data\n" * ((8 << 20) // 21 + 1)  # 8 MiB
+
+
+def make_victim(base: Path) -> Path:
+    victim = root_dir(base) / "victim"
+    victim.write_bytes(PRECIOUS)
+    victim.chmod(0o600)
+    return victim
+
+
 @pytest.fixture
 def followable_symlinks():
     """``fs.protected_symlinks=0`` for the test (restored after); skips where the sysctl
@@ -240,23 +252,65 @@ def test_fio_never_writes_through_sprayed_symlinks(user, shared_dir, followable_
     if not shutil.which("fio"):
         pytest.skip("fio is not installed (Debian package fio)")
     scratch = world_writable(shared_dir, "scratch", mode)
-    victim = root_dir(shared_dir) / "victim"
-    victim.write_text("root's precious data\n")
-    victim.chmod(0o600)
+    victim = make_victim(shared_dir)
     # the old name was .node-agent-fio-<the agent's pid>: this process is the agent here
     user.popen(SPRAY, str(scratch), str(victim), str(os.getpid() - 50), str(os.getpid() + 50))
     link = scratch / f".node-agent-fio-{os.getpid()}.dat"
     # the control: root follows the user's link to the victim (the attack's precondition)
-    assert link.read_text() == "root's precious data\n"
+    assert link.read_bytes()[:64] == PRECIOUS[:64]
     ctx = CheckContext(check="storage", gpu=AbsentGpuBackend("no GPU"), kernel_log=None,
                        config=config_from_dict({"storage": {"paths": [str(scratch)]}}),
                        inventory=None, sku=None, expected_gpus=None,
                        params={"size": "4M", "runtime_s": 1, "iodepth": 4})
     results = storage.run(ctx)
     assert {r.status for r in results} == {Status.PASS}, [r.detail for r in results]
-    assert victim.read_text() == "root's precious data\n"
+    assert victim.read_bytes() == PRECIOUS
     assert link.is_symlink()  # the user's links are left as they were
     assert not [p for p in scratch.iterdir() if not p.is_symlink()]  # fio's directory removed
+
+
+# the user renames root's private directory away and puts its own, with a symlink, at the name
+SWAP_DIR = """
+import glob, os, sys
+scratch, victim = sys.argv[1], sys.argv[2]
+(made,) = glob.glob(os.path.join(scratch, ".node-agent-fio-*"))
+os.rename(made, os.path.join(scratch, "moved-away"))
+os.mkdir(made)
+os.symlink(victim, os.path.join(made, "fio.dat"))
+"""
+
+
+def test_fio_never_writes_through_a_directory_swapped_in_after_it_was_made(user, shared_dir):
+    # a non-sticky directory lets a user rename root's 0700 directory (renaming needs write
+    # access to the parent only) between mkdtemp and fio's open: fio must not go by the name
+    import shutil
+
+    from node_agent.checks import storage
+    from node_agent.config import config_from_dict
+    from node_agent.gpu.absent import AbsentGpuBackend
+
+    if not shutil.which("fio"):
+        pytest.skip("fio is not installed (Debian package fio)")
+    scratch = world_writable(shared_dir, "scratch", 0o777)
+    victim = make_victim(shared_dir)
+    real_run = storage.proc.run
+
+    def swap_then_run(argv, timeout_s, **kw):  # the race, won by the user every time
+        user.py(SWAP_DIR, str(scratch), str(victim))
+        return real_run(argv, timeout_s, **kw)
+
+    ctx = CheckContext(check="storage", gpu=AbsentGpuBackend("no GPU"), kernel_log=None,
+                       config=config_from_dict({"storage": {"paths": [str(scratch)]}}),
+                       inventory=None, sku=None, expected_gpus=None,
+                       params={"size": "4M", "runtime_s": 1, "iodepth": 4})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(storage.proc, "run", swap_then_run)
+        results = storage.run(ctx)
+    assert {r.status for r in results} == {Status.PASS}, [r.detail for r in results]
+    assert victim.read_bytes() == PRECIOUS
+    swapped = next(scratch.glob(".node-agent-fio-*"))
+    assert (swapped / "fio.dat").is_symlink()  # the user's directory is left as it was
+    assert list((scratch / "moved-away").iterdir()) == []  # root's, emptied where it went
 
 
 # -- Medium 5: idle connections against the metrics endpoint ------------------------------------
