@@ -46,7 +46,10 @@ DEFAULTS: dict[str, Any] = {
                "retry_initial_s": 30, "retry_max_s": 600,
                # compute checks import torch: run them in a child so the daemon stays small
                "subprocess_checks": ["sdc", "gpu_burn", "thermal_power", "hbm_bandwidth",
-                                     "pcie_bandwidth", "nccl_allreduce"]},
+                                     "pcie_bandwidth", "nccl_allreduce"],
+               # NVRx's node health-check service (docs/stop_check.md): off unless a socket
+               # path is set (NVRx's default is /var/run/nvhcd.sock)
+               "nvhcd": {"socket": None, "group": None, "max_age_s": 60, "min_refresh_s": 30}},
     "nvml": {"call_timeout_s": 10},
     "dcgm": {"bindings_path": None, "hostengine": "localhost"},
 }
@@ -113,6 +116,10 @@ SCHEMA: dict[str, Any] = _obj({
         "retry_max_s": {"type": "number", "exclusiveMinimum": 0},
         "subprocess_checks": {"type": "array", "items": {"type": "string"}},
         "act": {"type": "boolean"},
+        "nvhcd": _obj({"socket": {"type": ["string", "null"], "pattern": "^/"},
+                       "group": {"type": ["string", "null"], "minLength": 1},
+                       "max_age_s": {"type": "number", "exclusiveMinimum": 0},
+                       "min_refresh_s": {"type": "number", "minimum": 0}}),
     }),
     "nvml": _obj({"call_timeout_s": {"type": "number", "exclusiveMinimum": 0}}),
     "dcgm": _obj({"bindings_path": _NULLABLE_STR, "hostengine": {"type": "string"}}),
