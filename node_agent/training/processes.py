@@ -2,8 +2,9 @@
 
 Three sources, merged by pid (``TrainingProcess.sources``):
 
-- ``heartbeat``: the live writers of ``<spool_dir>/heartbeat/<pid>.json``
-  (``node_agent.heartbeat``);
+- ``heartbeat``: the live writers of ``<spool_dir>/heartbeat/<uid>/<pid>.json`` (each uid's
+  own directory; files of the older layout, ``heartbeat/<pid>.json``, too:
+  ``node_agent.heartbeat``);
 - ``nvml``: the compute processes NVML lists on each GPU
   (``nvidia-smi --query-compute-apps=pid``), which also gives each process's GPUs;
 - ``pid``: pids the caller names (then only those are returned).
