@@ -142,6 +142,8 @@ DEFAULT_MAX_MEMORY_MIB = 64.0
 #: completed probes whose costs bound the next probe's expected cost (SdcProbe, "The budget
 #: holds by construction"): at least this many, and at least one round over the specs
 RECENT_COSTS = 8
+#: idle step() calls whose longest host time is added, twice, to the next probe's expected cost
+IDLE_CALLS = 64
 
 
 def default_specs(
@@ -468,7 +470,9 @@ class SdcProbe:
         self._last_cost_s = max(self._warm.values(), default=0.0)
         self._recent: collections.deque[float] = collections.deque(
             maxlen=max(RECENT_COSTS, len(self.specs) + len(self._digest_specs)))
-        self._idle_call_s = 0.0  # the longest step() call that started and read nothing
+        #: host seconds of the recent step() calls that started and read nothing (recent
+        #: only: one call the OS or the garbage collector paused must not slow probes for good)
+        self._idle_calls: collections.deque[float] = collections.deque(maxlen=IDLE_CALLS)
         self.probes_run = 0
         self.verdicts: list[Verdict] = []
         #: optional progress heartbeat (node_agent.heartbeat): ``step()`` beats it, so a job
@@ -587,13 +591,14 @@ class SdcProbe:
     def expected_cost_s(self) -> float:
         """What the next probe is expected to cost, seconds: the most of its own last cost (its
         warm-up's until it ran here; the last probe's when neither is known) and the costs of
-        the recent probes (see the class docstring), plus twice the longest ``step()`` call
-        that did nothing (the gate, the clock reads of the calls that launch and read it)."""
+        the recent probes (see the class docstring), plus twice the longest of the recent
+        ``step()`` calls that did nothing (the gate and the clock reads, which the calls that
+        launch it and read it back spend too)."""
         if self._next is None:
             return 0.0
         own = self._expected.get(self._next, self._last_cost_s)
         # + the bookkeeping of the two step() calls that launch it and read it back
-        return max(own, max(self._recent, default=0.0)) + 2 * self._idle_call_s
+        return max(own, max(self._recent, default=0.0)) + 2 * max(self._idle_calls, default=0.0)
 
     def _may_start(self, now: float) -> bool:
         if now < self._blocked_until or self._next is None:
@@ -634,7 +639,7 @@ class SdcProbe:
             spent = self.clock() - entered  # the training thread's time in here, all of it
             self.cost_s += spent
             if self.probes_run == runs and self._pending is pending:
-                self._idle_call_s = max(self._idle_call_s, spent)
+                self._idle_calls.append(spent)
 
     def collect(self) -> Verdict | None:
         """Read back a probe that has completed, starting none: the verdict, else None (nothing

@@ -204,6 +204,18 @@ def test_probe_result_comes_back_at_a_later_step_through_pinned_memory(tmp_path)
     assert probe.probes_run == 1 and v.status == "pass"
 
 
+def test_collect_reads_back_a_completed_probe_and_starts_no_other(tmp_path) -> None:
+    """The end of a measured stretch: the probe launched at its last step is counted."""
+    probe = SdcProbe(budget_fraction=0.5, spool_dir=tmp_path)
+    time.sleep(0.05)  # let the budget allow the first probe
+    assert probe.step() is None and probe._pending is not None
+    torch.cuda.synchronize()
+    v = probe.collect()
+    assert v is not None and v.status == "pass" and probe.probes_run == 1
+    assert probe._pending is None and probe.collect() is None  # nothing started in its place
+    assert probe.cost_s > 0
+
+
 def test_side_stream_probe_confirms_injected_corruption(tmp_path) -> None:
     dev = _cuda()
     probe = SdcProbe(budget_fraction=0.5, spool_dir=tmp_path,
