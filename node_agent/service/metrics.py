@@ -411,7 +411,13 @@ class DaemonCollector(Collector):
 
 
 def _label(value: object) -> str:
-    return "" if value is None else str(value)[:MAX_LABEL_CHARS]
+    """An untrusted label value: cut to ``MAX_LABEL_CHARS``; a lone surrogate (JSON's
+    ``"\\ud800"``), which UTF-8 cannot encode and which would fail the whole scrape, is shown
+    escaped (``\\ud800``)."""
+    if value is None:
+        return ""
+    text = str(value)[:MAX_LABEL_CHARS]
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _number(value: object) -> float | None:

@@ -89,6 +89,12 @@ def test_untrusted_job_label_is_cut_and_escaped():
     assert len(sample.labels["job"]) == MAX_LABEL_CHARS
 
 
+def test_a_lone_surrogate_in_a_job_label_is_escaped_and_the_scrape_still_renders():
+    samples = scrape([training("training_progress", Status.PASS, pid=7, job="slurm:\ud800x")])
+    (series,) = samples["node_agent_training_heartbeat_age_seconds"]
+    assert series.labels["job"] == "slurm:\\ud800x"
+
+
 def test_hang_suspicions_counter_is_exported_even_at_zero():
     assert [s.value for s in scrape([])["node_agent_training_hang_suspicions_total"]] == [0.0]
     assert [s.value for s in scrape([], hang_suspicions=3)[
