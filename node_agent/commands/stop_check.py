@@ -287,13 +287,3 @@ def _sentence(phase: str, s: localise.Suspect) -> str:
         "replay": "this node sits where disagreeing groups of the replay cross (intermittent "
                   f"corruption suspected; named in rounds {s.evidence.get('rounds_named')})",
     }.get(phase, f"named by the {phase} phase")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run as ``python -m node_agent.commands.stop_check`` (the same as ``node-agent stop-check``)."""
-    from node_agent.commands.main import main as agent_main
-    return agent_main(["stop-check", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
