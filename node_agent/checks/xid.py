@@ -122,6 +122,9 @@ def run(ctx: CheckContext) -> list[Result]:
             fold, kind = driver_folds[key], kinds[key[1]]
             results.append(fold.result(kind.metric, Status(kind.status), kind.name, window,
                                        boot_epoch))
+    for result in results:  # every finding says whether its bus ids were checked
+        if result.status is not Status.SKIP and result.metric != "kernel_log":
+            result.evidence.setdefault("bus_ids", _bus_check(ctx, nvidia))
     if unreadable:
         results.append(_unreadable_result(ctx, unreadable, window))
     if unavailable:

@@ -97,24 +97,25 @@ AER_ERROR = ("[ 3182.43] nvidia {bus}.0: PCIe Bus Error: severity=Uncorrected (F
 AER_FAILED = "[ 3182.67] pcieport 0000:17:00.0: AER: device recovery failed"
 
 
-@pytest.mark.parametrize("lines, rule, level, code", [
-    ([RESET_REQUIRED], "recovery-action", "ERROR", 3),
-    ([INIT_FAILED, INIT_FAILED], "unclassified-fail", "ERROR", 3),
-    ([GPU_LOST], "gpu-lost", "FAULT", 4),
-    ([AER_ERROR, AER_FAILED], "unclassified-fail", "ERROR", 3),
-    ([AER_ERROR], "unclassified-warn", "WARN", 0),
+@pytest.mark.parametrize("lines, metric, level, code", [
+    ([RESET_REQUIRED], "recovery_action", "ERROR", 3),
+    ([INIT_FAILED, INIT_FAILED], "driver_init_failed", "ERROR", 3),
+    ([GPU_LOST], "gpu_lost", "FAULT", 4),
+    ([AER_ERROR, AER_FAILED], "pcie_aer_recovery_failed", "ERROR", 3),
+    ([AER_ERROR], "pcie_aer_uncorrectable", "WARN", 0),
 ], ids=["reset-required", "init-failed", "gpu-lost", "aer-recovery-failed", "aer-recovered"])
-def test_driver_line_without_an_xid_grades_the_gpu_it_names(agent, scenario, lines, rule, level,
+def test_driver_line_without_an_xid_grades_the_gpu_it_names(agent, scenario, lines, metric, level,
                                                              code):
     faults = [{"kind": "kernel_log", "gpu": 3, "line": line} for line in lines]
     run = agent("check", "--simulate", scenario(faults), "--json")
     assert run.code == code, run.stderr
     report = run.json()
     assert report["grade"]["level"] == level
-    reasons = [r for r in report["grade"]["reasons"] if r["level"] == level]
-    assert {(r["rule"], r["target"]) for r in reasons} >= {(rule, "gpu:3")}
-    driver = [r for r in report["results"] if r["check"] == "xid" and r["target"] == "gpu:3"]
-    assert driver and all(r["evidence"]["pci_bus"] for r in driver)
+    assert [r["target"] for r in report["grade"]["reasons"] if r["level"] == level] == ["gpu:3"]
+    (finding,) = [r for r in report["results"] if r["check"] == "xid" and r["metric"] == metric]
+    assert (finding["target"], finding["value"]) == ("gpu:3", len(lines) if metric !=
+                                                    "pcie_aer_recovery_failed" else 1)
+    assert finding["evidence"]["pci_bus"] and "simulated node" in finding["evidence"]["bus_ids"]
 
 
 # -- no test reads the host's kernel log -------------------------------------------------------
