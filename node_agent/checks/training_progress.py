@@ -164,8 +164,9 @@ def _run(ctx: CheckContext, start: float, stage: dict[str, str],
     procs = [pr for pr in found.processes if pr.pid != me and me not in pr.parents]
     if not procs:
         state.keep_only(set())
-        with contextlib.suppress(OSError):
-            state.save()
+        if not cancelled.is_set():
+            with contextlib.suppress(OSError):
+                state.save()
         dead = (f"; {len(found.dead_heartbeats)} heartbeat file(s) in {spool} are of exited "
                 "processes" if found.dead_heartbeats else "")
         return out or [ctx.skip(NO_PROCESSES + dead, metric="training_progress")]
