@@ -523,3 +523,47 @@ def test_a_trace_without_readings_skips_rather_than_passes():
     assert {m: r.status.value for m, r in got.items()} == {
         "temperature_max_c": "skip", "power_reached_fraction": "skip", "sm_clock_drop": "skip",
         "throttle": "skip", "memory_temperature_max_c": "skip", "load_trace": "pass"}
+
+
+# -- gpu-validate's burn_vs_plain, per precision ----------------------------------------------
+
+
+def _gpu_validate_steps():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if "gpu_validate_steps" in sys.modules:  # loaded by the harness's tests already
+        return sys.modules["gpu_validate_steps"]
+    path = Path(__file__).resolve().parents[2] / "bench" / "gpu_validate_steps.py"
+    spec = importlib.util.spec_from_file_location("gpu_validate_steps", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_validate_steps"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_burn_vs_plain_reports_every_precision_and_the_lowest_ratio():
+    """On the CPU at a tiny size (the harness, not the figure: CPU ratios mean nothing)."""
+    steps = _gpu_validate_steps()
+    step = steps.STEP_BY_NAME["burn_vs_plain"]
+    assert set(step.figures) == {"burn_vs_plain_matmul"} | {
+        f"burn_vs_plain_matmul_{p}" for p in ("bf16", "fp16", "tf32", "fp32", "fp8")}
+    got = steps.burn_vs_plain(device="cpu", precisions=("fp32", "bf16", "fp8"), size=64,
+                              block_s=0.05, pairs=2, command="c")
+    assert got["burn_vs_plain_matmul_fp32"]["value"] > 0
+    assert got["burn_vs_plain_matmul_bf16"]["value"] > 0
+    fp8 = got["burn_vs_plain_matmul_fp8"]
+    assert fp8["value"] is None and fp8["reason"].startswith("not run: fp8 GEMMs are not supported")
+    lowest = min(got["burn_vs_plain_matmul_fp32"]["value"], got["burn_vs_plain_matmul_bf16"]["value"])
+    assert got["burn_vs_plain_matmul"]["value"] == lowest
+    assert got["burn_vs_plain_matmul"]["detail"].startswith("the lowest precision's ratio")
+
+
+def test_burn_vs_plain_names_the_precisions_its_time_box_leaves_out():
+    steps = _gpu_validate_steps()
+    got = steps.burn_vs_plain(device="cpu", precisions=("fp32",), size=64, block_s=0.05,
+                              pairs=2, command="c", deadline_s=0.01)
+    assert got["burn_vs_plain_matmul_fp32"]["reason"].startswith("not run: the step's time box")
+    assert got["burn_vs_plain_matmul"]["value"] is None
+    assert "fp32: not run: the step's time box" in got["burn_vs_plain_matmul"]["reason"]
