@@ -124,7 +124,6 @@ class _Budget:
         self.quota, self.deadline, self.clock = dict(quota), deadline, clock
         self.lanes = {uid: threading.BoundedSemaphore(width) for uid in quota}
         self.lock = threading.Lock()
-        self.calls = 0
 
     def call(self, uid: Any, fn: Dump, py_spy: str, pid: int,
              cap_s: float) -> list[dict[str, Any]] | str | None:
@@ -136,7 +135,6 @@ class _Budget:
                 if self.quota[uid] <= 0 or left < MIN_CALL_S:
                     return None
                 self.quota[uid] -= 1
-                self.calls += 1
             return fn(py_spy, pid, min(cap_s, left))
 
     def why_not(self, uid: Any) -> str:
@@ -170,8 +168,8 @@ def sample_stacks(py_spy: str | None, pids: Sequence[int], samples: int, interva
       in the order given, as long as their ``samples`` calls fit, and each uid has at most
       ``workers // uids`` calls in flight;
     * samples are taken with ``--nonblocking`` (a process that cannot be stopped, e.g. one
-      blocked in ``vfork()``, costs tens of ms instead of the whole timeout); a nonblocking sample
-      that fails on a live process is taken once more the stopping way.
+      blocked in ``vfork()``, costs tens of ms instead of the whole timeout); a nonblocking
+      sample that fails on a live process is taken once more the stopping way.
 
     A process not sampled (its uid's share spent, or the deadline) is unavailable with the
     reason and ``not_sampled`` (``budget`` | ``deadline``) in its figures.
