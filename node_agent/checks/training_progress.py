@@ -310,6 +310,9 @@ def bounded_log_signals(paths: Sequence[str | None], *, now: float, silence_s: f
         def stat_one(path: str = path) -> None:
             try:
                 found[path] = activity.log_silence_signal(path, now=now, silence_s=silence_s)
+            except Exception as err:  # noqa: BLE001 - the path is a user's text
+                found[path] = Signal.unavailable("log_silence", f"cannot read the job's log "
+                                                 f"file {path!a}: {type(err).__name__}")
             finally:
                 with _STAT_LOCK:
                     _STATS_IN_FLIGHT.discard(path)

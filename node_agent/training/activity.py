@@ -289,8 +289,14 @@ def log_silence_signal(path: str | None, *, now: float, silence_s: float) -> Sig
         return Signal.unavailable("log_silence", "no log file configured: set NODE_AGENT_TRAIN_LOG "
                                                  "in the job's environment or "
                                                  "Heartbeat(log_file=...)")
+    if not os.path.isabs(path):  # relative to what? the job's cwd is not the agent's
+        return Signal.unavailable("log_silence", f"the job's log file {path!r} is not an "
+                                                 "absolute path: name it from /", path=path)
     try:
         st = os.stat(path)
+    except ValueError as err:  # a NUL byte, a lone surrogate: the user's text, not a path
+        return Signal.unavailable("log_silence", f"the job's log file {path!a} is not a path "
+                                                 f"the system can use ({err})", path=ascii(path))
     except FileNotFoundError:
         return Signal.unavailable("log_silence", f"the job's log file {path} does not exist "
                                                  "(check NODE_AGENT_TRAIN_LOG / log_file)",

@@ -306,3 +306,16 @@ def test_unconfigured_log_is_unavailable_saying_how_to_configure():
 def test_log_path_that_is_a_directory_is_unavailable(tmp_path):
     signal = log_silence_signal(str(tmp_path), now=NOW, silence_s=300)
     assert not signal.available and "directory" in signal.detail
+
+
+@pytest.mark.parametrize("path", ["/tmp/job\x00.log", "/tmp/job\ud800.log"])
+def test_a_log_file_path_with_a_nul_or_a_lone_surrogate_is_unavailable_not_a_crash(path):
+    # issue 29, Medium 7: one heartbeat's log_file crashed the check on every run
+    signal = log_silence_signal(path, now=NOW, silence_s=300)
+    assert not signal.available and "not a path the system can use" in signal.detail
+    assert signal.detail.isascii()
+
+
+def test_a_relative_log_file_path_is_unavailable_naming_it():
+    signal = log_silence_signal("job.log", now=NOW, silence_s=300)
+    assert not signal.available and "not an absolute path" in signal.detail
