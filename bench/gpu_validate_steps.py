@@ -599,7 +599,8 @@ def _metrics(port: int) -> str:
 
 
 def daemon_figures(box_s: float, window_s: float = DAEMON_WINDOW_S,
-                   simulate: str | None = None, command: str = "") -> dict[str, Any]:
+                   simulate: str | None = None, command: str = "",
+                   start_timeout_s: float = 30.0) -> dict[str, Any]:
     """daemon_rss_mb (the largest RSS seen, sampled every second) and daemon_cpu_pct (its own
     CPU time over the window; the checks it runs in child processes are excluded, as in
     bench/bench_daemon.py) of ``node-agent daemon`` with the shipped periodic suite."""
@@ -622,9 +623,10 @@ def daemon_figures(box_s: float, window_s: float = DAEMON_WINDOW_S,
         try:
             t_start = time.monotonic()
             while "node_agent_up" not in (text := _metrics(port)):
-                if proc.poll() is not None or time.monotonic() - t_start > 30:
+                if proc.poll() is not None or time.monotonic() - t_start > start_timeout_s:
                     why = (f"the daemon exited {proc.returncode}" if proc.poll() is not None
-                           else "the daemon did not serve /metrics within 30 s")
+                           else f"the daemon did not serve /metrics within "
+                                f"{start_timeout_s:g} s")
                     return {n: figure(n, None, f"{why}: {_tail(log.read_text())}", command)
                             for n in names}
                 time.sleep(0.2)
