@@ -49,6 +49,7 @@ from typing import Any
 from node_agent.checks import CheckContext
 from node_agent.checks.rdma import SYSFS_ROOT
 from node_agent.gpu.base import GpuDevice, GpuError
+from node_agent.heartbeat import remove_stale
 from node_agent.model import Result, Status
 from node_agent.training import activity
 from node_agent.training.processes import TrainingProcess, discover
@@ -159,7 +160,8 @@ def _run(ctx: CheckContext, start: float, stage: dict[str, str],
                        "was not written by node_agent.heartbeat, inspect and remove it "
                        "(reported once)", subject="node", file=str(path))
             for path, reason in state.new_bad_files(found.bad_files)]
-    _remove_stale(found.dead_heartbeats, now, float(p.get("stale_file_s", 86400)))
+    # through directory fds that follow no link: a uid's directory is its owner's to swap
+    remove_stale(spool, found.dead_heartbeats, now, float(p.get("stale_file_s", 86400)))
     me = os.getpid()  # the agent's own GPU workers (burn, SDC probes) are not training
     procs = [pr for pr in found.processes if pr.pid != me and me not in pr.parents]
     if not procs:
@@ -244,13 +246,6 @@ def _run(ctx: CheckContext, start: float, stage: dict[str, str],
         with contextlib.suppress(OSError):
             state.save()
     return out
-
-
-def _remove_stale(paths: Sequence[Path], now: float, stale_s: float) -> None:
-    for path in paths:
-        with contextlib.suppress(OSError):
-            if now - path.stat().st_mtime > stale_s:
-                path.unlink()
 
 
 def _cheap_signals(ctx: CheckContext, procs: list[TrainingProcess],

@@ -416,3 +416,18 @@ def test_straggler_in_a_synchronous_job_is_found_from_the_compute_time_before_th
         assert not [r for _, rep in seen for r in _by_metric(rep, "training_hang")]
     finally:
         _stop(procs)
+
+
+def test_heartbeats_of_exited_processes_older_than_stale_file_s_are_removed(agent, tmp_path):
+    """Removed through directory fds that follow no link (heartbeat.remove_stale); a recent
+    one of an exited process stays (its job may be restarting)."""
+    spool = _spool(tmp_path)
+    for _ in range(2):
+        subprocess.run([sys.executable, "-c", "import sys\nfrom node_agent.heartbeat import "
+                        "Heartbeat\nHeartbeat(sys.argv[1], min_interval_s=0).beat(1)",
+                        str(spool)], check=True, env={**os.environ, "RANK": "0"})
+    old, recent = sorted(spool.glob("*.json"))
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    run = agent("check", "--suite", _suite(tmp_path, stale_file_s=3600), "--json")
+    assert run.code == 0, run.stderr
+    assert not old.exists() and recent.exists()
