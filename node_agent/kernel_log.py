@@ -359,10 +359,16 @@ def kernel_message(line: str) -> tuple[str, str] | None:
     return line[:len(line) - len(rest)], rest.rstrip()
 
 
+#: words one of which every line read here holds: a cheap test before the prefixes are parsed
+_WORTH_PARSING = ("NVRM", "nvidia-nvswitch", "PCIe Bus Error", "AER:")
+
+
 def _driver_message(line: str) -> tuple[str, str] | None:
     """The kernel message of ``line`` if it is one the NVIDIA driver or the PCI core could have
     written (starts with ``NVRM: ``, ``nvidia-nvswitchN: `` or ``<driver> <bdf>: ``) and is not a
     report of a user's fault."""
+    if not any(word in line for word in _WORTH_PARSING):
+        return None
     found = kernel_message(line)
     if found is None:
         return None
@@ -380,9 +386,10 @@ def parse_line(line: str) -> Event | Unreadable | None:
     the word but report nothing, and every line whose message does not *start* with the
     driver's prefix: see the module's rules of belief)."""
     found = _driver_message(line)
-    if found is None:
-        return None
-    prefix, text = found
+    return None if found is None else _parse_message(*found)
+
+
+def _parse_message(prefix: str, text: str) -> Event | Unreadable | None:
     if (m := _SXID.match(text)) is not None:
         return _sxid(m, text, prefix)
     if (m := _XID.match(text)) is not None:
@@ -403,9 +410,11 @@ def parse_driver_line(line: str) -> DriverLine | None:
     :class:`DriverLine`); ``AER: device recovery failed`` needs the lines before it and is read by
     :class:`KernelLogScanner` alone."""
     found = _driver_message(line)
-    if found is None:
-        return None
-    prefix, text = found
+    return None if found is None else _parse_driver_message(*found)
+
+
+def _parse_driver_message(prefix: str, text: str) -> DriverLine | None:
+    line = prefix + text
     stamp = line_stamp(prefix)
     if text.startswith("NVRM: "):
         kind = ("gpu-lost" if _GPU_LOST.search(text) else
@@ -563,9 +572,9 @@ class KernelLogScanner:
         if (device := _DEVICE_START.match(text)) is not None \
                 and _AER_RECOVERY_FAILED.match(text[device.end():]):
             return self._aer_failed(device["bdf"], line.strip(), record_stamp or line_stamp(prefix))
-        event: Event | Unreadable | DriverLine | None = parse_line(line)
+        event: Event | Unreadable | DriverLine | None = _parse_message(prefix, text)
         if event is None:
-            event = parse_driver_line(line)
+            event = _parse_driver_message(prefix, text)
         if event is None:
             return []
         if record_stamp is not None and not isinstance(event, Unreadable):
