@@ -22,7 +22,14 @@ from types import SimpleNamespace
 from typing import Any
 
 from node_agent.gpu.absent import AbsentGpuBackend
-from node_agent.gpu.nvml import NvmlBackend, NvmlUnavailable
+from node_agent.gpu.base import (
+    Clocks,
+    GpuDevice,
+    NotSupported,
+    Power,
+    Utilization,
+)
+from node_agent.gpu.nvml import NvmlBackend, NvmlDevice, NvmlUnavailable
 
 STATE_FORMAT = "nvml-fake-state 1"
 #: the stand-in's limits (tests/nvml_fake/nvml_fake.h: FAKE_KEY_MAX, FAKE_VALUE_MAX less the NUL)
@@ -584,6 +591,47 @@ class StateNvml:
 # -- the backends ---------------------------------------------------------------------------------
 
 
+class ReplayDevice(NvmlDevice):
+    """A captured GPU. Its readings are one moment's: while the agent puts load on it
+    (``load_hint``), what a GPU reports under load (temperatures, power, clocks, clock-event
+    reasons, utilization) is not in the capture, and those readings answer NotSupported saying
+    so, rather than the recorded moment's standing in for a load it never saw."""
+
+    def __init__(self, backend: ReplayBackend, index: int) -> None:
+        super().__init__(backend, index)
+        self._replay = backend
+
+    def _at_rest(self, what: str) -> None:
+        if self._replay.loaded(self.index):
+            raise NotSupported(f"GPU {self.index}: {what} under load is not in the capture "
+                               "(it holds one moment's readings, not how the GPU behaves "
+                               "under load)")
+
+    def temperature_c(self) -> int:
+        self._at_rest("temperature")
+        return super().temperature_c()
+
+    def memory_temperature_c(self) -> int:
+        self._at_rest("memory temperature")
+        return super().memory_temperature_c()
+
+    def power(self) -> Power:
+        self._at_rest("power draw")
+        return super().power()
+
+    def clocks(self) -> Clocks:
+        self._at_rest("the clocks")
+        return super().clocks()
+
+    def throttle_reasons(self) -> frozenset[str]:
+        self._at_rest("clock-event reasons")
+        return super().throttle_reasons()
+
+    def utilization(self) -> Utilization:
+        self._at_rest("utilization")
+        return super().utilization()
+
+
 class ReplayBackend(NvmlBackend):
     """A captured node through the real NVML backend code over :class:`StateNvml`; simulated
     (``--simulate``), with the capture's kernel-log records as its kernel log."""
@@ -595,6 +643,27 @@ class ReplayBackend(NvmlBackend):
                  call_timeout_s: float = 10.0) -> None:
         super().__init__(lib, call_timeout_s)
         self._kernel_log = list(kernel_log)
+        self._load_lock = threading.Lock()
+        self._loaded: set[int] = set()
+
+    def devices(self) -> list[GpuDevice]:
+        """One :class:`ReplayDevice` per GPU the capture recorded."""
+        if self._devices is None:
+            count = self._call("nvmlDeviceGetCount")
+            self._devices = [ReplayDevice(self, i) for i in range(count)]
+        return list(self._devices)
+
+    def load_hint(self, indices: list[int], active: bool) -> None:
+        """Which GPUs carry the agent's load: their load readings are not replayed."""
+        with self._load_lock:
+            if active:
+                self._loaded.update(indices)
+            else:
+                self._loaded.difference_update(indices)
+
+    def loaded(self, index: int) -> bool:
+        with self._load_lock:
+            return index in self._loaded
 
     def kernel_log_lines(self) -> list[str]:
         """The captured kernel-log records, as recorded (kmsg's ``prio,seq,usec,flags;``

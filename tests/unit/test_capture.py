@@ -112,6 +112,27 @@ def test_not_supported_stays_not_supported_in_the_replay(tmp_path, skus):
     assert "serial error 3" in state.splitlines() and "virtualization_mode 1" in state
 
 
+def test_a_captured_gpu_under_the_agents_load_does_not_pass_off_its_snapshot_as_load(skus):
+    """The real H100 was read at idle (70 W, 345 MHz): while the agent loads it (a burn under
+    --simulate), power, clocks and temperatures answer Not Supported saying why, so the
+    thermal and power checks skip instead of grading an idle reading as a weak GPU."""
+    loaded = load_scenario(REPO / "scenarios" / "real" / "h100-sxm5-vm.yaml", skus)
+    backend = open_backend(loaded, skus[loaded.sku])
+    try:
+        (dev,) = backend.devices()
+        assert dev.power().usage_w == 70.361
+        backend.load_hint([0], True)
+        for reading in (dev.power, dev.clocks, dev.temperature_c, dev.throttle_reasons,
+                        dev.utilization, dev.memory_temperature_c):
+            with pytest.raises(base.NotSupported, match="under load is not in the capture"):
+                reading()
+        assert dev.identity().uuid.startswith("GPU-")  # what load does not change still reads
+        backend.load_hint([0], False)
+        assert dev.clocks().sm_mhz == 345
+    finally:
+        backend.close()
+
+
 def test_a_capture_says_where_when_and_how_it_was_taken(tmp_path, skus):
     captured, header = capture_node(skus, ["capture", "out.yaml"], nvml_lib=_lib(H100),
                                     pci_root=tmp_path / "no-sysfs", kernel_log_records=0)
