@@ -49,6 +49,14 @@ class CountedWaits(DeviceWaits):
         super().synchronize()
 
 
+class CpuTimedDevice(ComputeDevice):
+    """The CPU, timed by this process's CPU time: other load on the machine is not counted
+    (with one torch thread, CPU time is the work's own time)."""
+
+    def clock(self) -> float:
+        return time.process_time()
+
+
 def plain_loop(engine: BurnEngine, precision: str, seconds: float) -> float:
     """TFLOP/s of the engine's own ``matmul(a, b)`` back to back for ``seconds``."""
     job = engine.jobs[precision]
@@ -100,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         what = torch.cuda.get_device_name(dev)
     else:
         torch.set_num_threads(args.threads)
-        what = f"{platform.processor() or platform.machine()}, {args.threads} torch thread(s)"
-    device = ComputeDevice(spec, dev, torch.matmul)
+        what = (f"{platform.processor() or platform.machine()}, {args.threads} torch thread(s), "
+                "timed by process CPU time")
+    device = (ComputeDevice if dev.type == "cuda" else CpuTimedDevice)(spec, dev, torch.matmul)
     precisions = [p for p in args.precisions.split(",") if p]
     plan = BurnPlan(size=size, precisions=tuple(precisions), sample_s=min(1.0, args.block_s),
                     verify_every=args.verify_every)
