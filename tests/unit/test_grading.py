@@ -73,6 +73,24 @@ def test_a_hang_is_an_error_in_service_too(grader):
     assert grader.grade([res("timeout", status="error", target="node")], "service").level is Level.ERROR
 
 
+def test_the_training_checks_own_timeout_is_a_warn_a_user_can_cause_not_a_hang(grader):
+    """training_progress reads only what users control; 80 processes blocked in vfork() could
+    make it time out (issue 29): that says nothing about the node."""
+    for mode in ("service", "delivery"):
+        grade = grader.grade([res("timeout", status="error", check="training_progress",
+                                  target="node")], mode)
+        assert grade.level is Level.WARN and grade.action is Action.NONE
+        assert grade.reasons[0].rule == "training-check-timeout"
+
+
+def test_an_unverified_hang_is_a_warn_and_a_verified_one_an_error(grader):
+    unverified = grader.grade([res("training_hang", status="warn", check="training_progress",
+                                   target="pid:4242")])
+    assert unverified.level is Level.WARN and unverified.reasons[0].rule == "training-hang-unverified"
+    verified = grader.grade([res("training_hang", check="training_progress", target="pid:4242")])
+    assert verified.level is Level.ERROR and verified.reasons[0].rule == "training-hang"
+
+
 def test_unclassified_failure_is_error_not_ignored(grader):
     grade = grader.grade([res("something_new")])
     assert grade.level is Level.ERROR and grade.reasons[0].rule == "unclassified-fail"
