@@ -200,6 +200,18 @@ def test_a_truncating_tf32_accumulator_is_not_flagged_but_a_wrong_element_still_
     assert verifier.flagged_rows(small) == [9]
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_first_product_already_wrong_teaches_nothing(precision):
+    """A persistent fault is in preparation's product too: its deviation must not become the
+    kernel's rounding, or every later product repeating it would pass."""
+    a, b, c = product(precision)
+    wrong = c.clone()
+    wrong[20, 30] = wrong[20, 30] * 4 + 8  # beyond the rigorous bound
+    verifier = Verifier(a, b, wrong, precision)
+    assert verifier.flagged_rows(wrong) == [20]
+    assert verifier.flagged_rows(c) == []
+
+
 class Recomputations:
     """Counts the burn's float64 recomputations on the CPU (each one a host-side stall)."""
 
