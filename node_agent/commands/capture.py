@@ -13,7 +13,7 @@ from typing import Any
 
 from node_agent.commands.reporting import EXIT_OK, UsageError
 from node_agent.config import load_config
-from node_agent.environment import load_data
+from node_agent.environment import kernel_log_path, load_data
 from node_agent.sim.capture import (
     KERNEL_LOG_RECORDS,
     CaptureError,
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
                 skus, argv, sku=args.sku,
                 call_timeout_s=float(config.get("nvml.call_timeout_s")),
                 kernel_log_records=args.kernel_log_records,
-                kernel_log_file=config.get("kernel_log.path"))
+                kernel_log_file=kernel_log_path(config))
             text = dump(scenario, header)
     except CaptureError as err:
         raise UsageError(str(err)) from err

@@ -26,6 +26,7 @@ import errno
 import os
 import platform
 import socket
+import stat
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -86,14 +87,36 @@ def read_kmsg_tail(path: str = _KMSG,
 
 
 def read_file_tail(path: str, limit: int = KERNEL_LOG_RECORDS) -> tuple[list[str], str | None]:
-    """The last ``limit`` lines of a saved kernel log (``kernel_log.path``), as they are."""
+    """The last ``limit`` lines of the kernel log the agent is configured to read
+    (``kernel_log.path``), as they are; a character device there is read as kmsg. Opened as the
+    agent's kernel-log reader opens it: no symlink followed, a regular file, and when running
+    as root a file root owns and nobody else can write (anyone else could write "kernel"
+    lines into it)."""
     if limit <= 0:
         return [], None
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            lines = collections.deque((line.rstrip("\r\n") for line in f), maxlen=limit)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as err:
         return [], f"cannot read {path}: {err.strerror or err}"
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISCHR(st.st_mode):
+            os.close(fd)
+            fd = -1
+            return read_kmsg_tail(path, limit)
+        if not stat.S_ISREG(st.st_mode):
+            return [], f"{path} is not a regular file"
+        if os.geteuid() == 0 and (st.st_uid != 0 or st.st_mode & 0o022):
+            return [], (f"{path} is owned by uid {st.st_uid} or writable by others: a kernel "
+                        "log must be root's alone")
+        with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
+            fd = -1
+            lines = collections.deque((line.rstrip("\r\n") for line in f), maxlen=limit)
+    except OSError as err:
+        return [], f"reading {path}: {err.strerror or err}"
+    finally:
+        if fd >= 0:
+            os.close(fd)
     return [line for line in lines if line], None
 
 

@@ -293,6 +293,26 @@ def test_the_kernel_log_tail_keeps_each_records_kmsg_header():
     assert (int(prio) >> 3, int(prio) & 7) == (1, 5) and int(seq) >= 0 and int(usec) >= 0
 
 
+def test_a_configured_kernel_log_file_is_captured_as_it_is_and_only_if_root_alone_writes_it(
+        tmp_path):
+    from node_agent.sim.capture import read_file_tail
+
+    log = tmp_path / "kernel.log"
+    lines = ["6,10,1000,-;NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, "
+             "GPU has fallen off the bus.", "[ 1.325094] NVRM: loading", ""]
+    log.write_text("\n".join(lines))
+    log.chmod(0o644)
+    assert read_file_tail(str(log), limit=10) == (lines[:2], None)
+    assert read_file_tail(str(log), limit=1) == (lines[1:2], None)
+    link = tmp_path / "link.log"
+    link.symlink_to(log)
+    assert read_file_tail(str(link))[0] == []  # not followed
+    if os.geteuid() == 0:
+        log.chmod(0o666)
+        records, why = read_file_tail(str(log))
+        assert records == [] and "writable by others" in why
+
+
 # -- round trips ----------------------------------------------------------------------------------
 
 
