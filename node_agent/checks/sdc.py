@@ -346,7 +346,7 @@ def probe_node(runs: Mapping[int, GpuRun], plan: Plan,
             run.verdicts.append(v)
         if plan.freivalds_n > 0:
             for name in plan.freivalds_dtypes:
-                if sdc_lib.dtype_unsupported(name, dev.device):
+                if sdc_lib.dtype_unsupported(name, dev.device) or name in run.skipped:
                     continue
                 spec = sdc_lib.ProbeSpec(plan.freivalds_n, plan.freivalds_n, plan.freivalds_n, name)
                 run.verdicts.append(_guarded("freivalds", spec, dev, sdc_lib.freivalds_probe))
