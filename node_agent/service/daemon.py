@@ -93,6 +93,8 @@ class Daemon:
         self._actions: Counter[tuple[str, str]] = Counter()
         self._hangs = HangTracker()  # node_agent_training_hang_suspicions_total
         self.grade: Grade = Grade(level=Level.HEALTHY, action="none", reasons=())
+        self._graded_at: float | None = None  # time.time() of the last grading, None before any
+        self._nvhcd = None  # NVRx's node health-check service, when daemon.nvhcd.socket is set
         self.last_tick = clock()
         self._scenario_mtime = self._mtime(simulate)
         self._registry = CollectorRegistry(auto_describe=False)
@@ -164,6 +166,7 @@ class Daemon:
         if self._remediation is not None:
             self._remediation.start(self.env)
         self._watch.start()
+        self._start_nvhcd()
         threading.Thread(target=self._checks_loop, name="checks", daemon=True).start()
         log.info("node-agent daemon up: %s, suite %s (%d checks), metrics on http://%s:%d/metrics%s",
                  self.env.inventory.host.hostname, self.suite.name, len(self.suite.checks),
@@ -194,6 +197,8 @@ class Daemon:
         self._notifier.stopping()
         log.info("node-agent daemon stopping")
         self._watch.stop(timeout_s=1.5)
+        if self._nvhcd is not None:
+            self._nvhcd.stop()
         if self._remediation is not None:
             self._remediation.stop(timeout_s=1.5)
         if self._server:
@@ -398,6 +403,7 @@ class Daemon:
             grade = self.env.grader.grade(results, "service")
             changed = (grade.level, grade.reasons) != (self.grade.level, self.grade.reasons)
             previous, self.grade = self.grade, grade
+            self._graded_at = time.time()
             env = self.env
         if not changed:
             return
@@ -413,6 +419,60 @@ class Daemon:
                 self._on_grade(grade, results, env)
             except Exception:  # noqa: BLE001 - remediation trouble must not stop the watch
                 log.exception("acting on grade %s failed", grade.level.name)
+
+    # -- NVRx's node health check (docs/stop_check.md) -------------------------------------------
+    def _start_nvhcd(self) -> None:
+        """Serve NVRx's RunHealthCheck on ``daemon.nvhcd.socket`` from the latest grade; a
+        service that cannot start is logged, and the daemon goes on without it."""
+        path = self.config.get("daemon.nvhcd.socket")
+        if not path:
+            return
+        from node_agent.service.nvhcd import HealthAnswerer, NvhcdServer
+
+        answerer = HealthAnswerer(self.grade_view, self._refresh_for_nvhcd,
+                                  max_age_s=float(self.config.get("daemon.nvhcd.max_age_s")),
+                                  min_refresh_s=float(self.config.get("daemon.nvhcd.min_refresh_s")))
+        server = NvhcdServer(answerer, path, group=self.config.get("daemon.nvhcd.group"))
+        try:
+            server.start()
+        except (OSError, KeyError, ImportError, RuntimeError) as err:
+            log.error("NVRx node health check NOT served on %s: %s", printable(path),
+                      printable(err))
+            return
+        self._nvhcd = server
+        log.info("NVRx node health check served on unix://%s", printable(path))
+
+    def grade_view(self):
+        """The latest grade as the NVRx service answers from it (None before any grading)."""
+        from node_agent.service.nvhcd import GradeView
+
+        with self._lock:
+            if self._graded_at is None:
+                return None
+            return GradeView(self.grade.level.name,
+                             [{"rule": r.rule, "level": r.level.name, "target": r.target,
+                               "message": r.message} for r in self.grade.reasons],
+                             graded_at=self._graded_at, suite=self.suite.name)
+
+    def _refresh_for_nvhcd(self):
+        """The grade with the quick suite's passive checks (NVML, Xid, DCGM health: no load) run
+        now, for the NVRx service's answer alone: the daemon's own state and its actions follow
+        its own schedule, so a request never causes an action (the service rate-limits this)."""
+        from node_agent.service.nvhcd import GradeView
+
+        quick = load_suite("quick", suites_dir(self.config))
+        with self._lock:
+            env = self.env
+        fresh = {spec.check: run_check(spec, env, "service") for spec in quick.checks}
+        with self._lock:
+            kept = {k: v for k, v in self._results.items() if k not in fresh}
+            xids = list(self._xid_results.values())
+        results = [r for rs in (*kept.values(), *fresh.values()) for r in rs] + xids
+        grade = env.grader.grade(results, "service")
+        return GradeView(grade.level.name,
+                         [{"rule": r.rule, "level": r.level.name, "target": r.target,
+                           "message": r.message} for r in grade.reasons],
+                         graded_at=time.time(), suite=quick.name)
 
     def record_action(self, action: str, outcome: str) -> None:
         with self._lock:

@@ -93,13 +93,14 @@ class HealthAnswerer:
         self._clock = clock
         self._lock = threading.Lock()
         self._last_refresh: float | None = None
+        self._refreshed: GradeView | None = None  # the last refresh's grade, newer or not
         self.requests = 0
 
     def answer(self, args: list[str]) -> dict[str, Any]:
         """The response's fields for one request."""
         with self._lock:
             self.requests += 1
-            view = self._latest()
+            view = _newest(self._latest(), self._refreshed)
             now = self._clock()
             stale = view is None or now - view.graded_at > self.max_age_s
             may_refresh = self._last_refresh is None or now - self._last_refresh >= self.min_refresh_s
@@ -107,7 +108,8 @@ class HealthAnswerer:
             if stale and may_refresh:
                 self._last_refresh = now
                 try:
-                    view = self._refresh() or view
+                    self._refreshed = self._refresh() or self._refreshed
+                    view = _newest(view, self._refreshed)
                     refreshed = True
                 except Exception as err:  # noqa: BLE001 - the answer says it; the daemon goes on
                     if view is None:
@@ -129,6 +131,12 @@ class HealthAnswerer:
             output["fail_count"] = 1
         return {"success": success, "exit_code": _EXIT.get(view.level, 1),
                 "output": json.dumps(output, sort_keys=True), "error": ""}
+
+
+def _newest(a: GradeView | None, b: GradeView | None) -> GradeView | None:
+    if a is None or b is None:
+        return a or b
+    return a if a.graded_at >= b.graded_at else b
 
 
 class NvhcdServer:
