@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -157,6 +159,18 @@ class Config:
     def spool_dir(self) -> Path:
         """The root of the spools training jobs write to (``<spool_dir>/heartbeat``, ``/sdc``)."""
         return Path(self.data["spool_dir"])
+
+
+#: the node's scheduler name where the host's own name is not it (a Kubernetes pod's hostname is
+#: the pod's): the DaemonSet and the stop-check Job set it from the downward API's spec.nodeName
+NODE_NAME_ENV = "NODE_AGENT_NODE_NAME"
+
+
+def configured_node_name(config: Config, environ: Mapping[str, str] | None = None) -> str | None:
+    """``node.name`` from the config, else ``$NODE_AGENT_NODE_NAME``, else None (the caller
+    falls back to a scenario's host name or the short hostname)."""
+    env = os.environ if environ is None else environ
+    return config.get("node.name") or env.get(NODE_NAME_ENV, "").strip() or None
 
 
 def load_config(path: str | Path | None) -> Config:

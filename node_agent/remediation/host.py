@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from node_agent.config import Config
+from node_agent.config import Config, configured_node_name
 from node_agent.environment import Environment
 from node_agent.remediation.executor import NvidiaSmiReset, SimulatedReset
 from node_agent.remediation.store import Store
@@ -14,8 +14,9 @@ from node_agent.yamlfile import ConfigError
 
 
 def node_name(config: Config, simulate: str | None = None) -> str:
-    """``node.name`` from the config, else the scenario's host name, else the short hostname."""
-    configured = config.get("node.name")
+    """``node.name`` from the config, else ``$NODE_AGENT_NODE_NAME`` (Kubernetes: the node a
+    pod runs on), else the scenario's host name, else the short hostname."""
+    configured = configured_node_name(config)
     if configured:
         return configured
     if simulate:

@@ -40,8 +40,9 @@ by one of the same name. A pod already being deleted, or not Running, is left al
 ``job-not-running:``).
 
 The adapter acts only on its own node (``own_node``: ``node.name``, else the DaemonSet's
-``NODE_NAME`` from the downward API, else the short hostname): a drain, resume, restart or
-replace of another node, or a restart of a pod bound elsewhere, is refused before any request.
+``NODE_AGENT_NODE_NAME`` from the downward API, else the short hostname): a drain, resume,
+restart or replace of another node, or a restart of a pod bound elsewhere, is refused before
+any request.
 It reads other nodes (the blast-radius share needs ``list``).
 
 RBAC: get/list/patch on nodes, patch on nodes/status, get/delete on pods
@@ -54,7 +55,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
 import re
 import socket
 from collections.abc import Callable
@@ -105,11 +105,11 @@ def taint_value(reason: str) -> str:
 
 
 def own_node_name(config: Config, environ: dict[str, str] | None = None) -> str:
-    """The Kubernetes node this agent runs on: ``node.name``, else ``NODE_NAME`` (the DaemonSet
-    sets it from ``spec.nodeName``), else the short hostname."""
-    env = os.environ if environ is None else environ
-    return (config.get("node.name") or env.get("NODE_NAME", "").strip()
-            or socket.gethostname().split(".")[0])
+    """The Kubernetes node this agent runs on: ``node.name``, else ``NODE_AGENT_NODE_NAME`` (the
+    DaemonSet sets it from ``spec.nodeName``), else the short hostname."""
+    from node_agent.config import configured_node_name
+
+    return configured_node_name(config, environ) or socket.gethostname().split(".")[0]
 
 
 def _load_api_client(kubeconfig: str | None):
@@ -189,7 +189,8 @@ class KubernetesAdapter:
         if node != self.own_node:
             raise AdapterError(
                 f"refusing to {action} {node}: the kubernetes adapter acts only on its own node "
-                f"{self.own_node} (node.name, else NODE_NAME, else the hostname); nothing sent")
+                f"{self.own_node} (node.name, else NODE_AGENT_NODE_NAME, else the hostname); "
+                "nothing sent")
         return node
 
     def _get(self, node: str) -> dict[str, Any]:

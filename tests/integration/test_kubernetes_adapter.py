@@ -424,8 +424,8 @@ def test_own_node_is_node_name_then_the_downward_api_then_the_hostname():
     from node_agent.schedulers.kubernetes import own_node_name
 
     assert own_node_name(config_from_dict({"node": {"name": "gpu-07"}}),
-                         {"NODE_NAME": "gpu-09"}) == "gpu-07"
-    assert own_node_name(config_from_dict({}), {"NODE_NAME": "gpu-09"}) == "gpu-09"
+                         {"NODE_AGENT_NODE_NAME": "gpu-09"}) == "gpu-07"
+    assert own_node_name(config_from_dict({}), {"NODE_AGENT_NODE_NAME": "gpu-09"}) == "gpu-09"
     import socket
     assert own_node_name(config_from_dict({}), {}) == socket.gethostname().split(".")[0]
 

@@ -58,3 +58,17 @@ def test_liveness_command_passes_on_200_and_fails_on_503():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_the_agent_acts_on_the_node_its_pod_runs_on_not_its_hostname(monkeypatch):
+    """The DaemonSet hands the agent its node's name from the downward API, and the agent's node
+    name (remediation, the Kubernetes adapter's own-node guard) is that, not the pod's hostname."""
+    from node_agent.config import NODE_NAME_ENV, config_from_dict
+    from node_agent.remediation.host import node_name
+
+    _, daemonset = _docs()
+    env = {e["name"]: e for e in daemonset["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env[NODE_NAME_ENV]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    monkeypatch.setenv(NODE_NAME_ENV, "gpu-17")
+    assert node_name(config_from_dict({})) == "gpu-17"
+    assert node_name(config_from_dict({"node": {"name": "set-by-operator"}})) == "set-by-operator"
