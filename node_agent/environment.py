@@ -46,8 +46,8 @@ class Environment:
         configured = self.config.get("node.expected_gpus")
         if configured is not None:
             return configured
-        if self.scenario is not None:
-            return self.scenario.gpus
+        if self.scenario is not None and not self.scenario.captured:
+            return self.scenario.gpus  # a modelled node's count is its own; a capture's is not
         if self.sku is None or not self.sku.fixed_gpu_count:
             return None  # an add-in card's count is the server's build (node.expected_gpus)
         return self.sku.gpus_per_node
@@ -98,7 +98,8 @@ def open_environment(config: Config, simulate: str | None = None) -> Environment
         backend = open_backend(scenario, skus[scenario.sku])
         kernel_log: KernelLog = LinesKernelLog(backend.kernel_log_lines(), source="simulated kernel log")
         hostname = config.get("node.name") or scenario.hostname
-        sku_setting = scenario.sku
+        # a captured node is matched to its SKU as the recorded host was (node.sku, else auto)
+        sku_setting = config.get("node.sku") if scenario.captured else scenario.sku
     else:
         backend = open_backend(call_timeout_s=float(config.get("nvml.call_timeout_s")))
         kernel_log = open_kernel_log(kernel_log_path(config))

@@ -94,13 +94,15 @@ def _gpu_count(ctx: CheckContext) -> Result:
     note = f" ({handed} more handed to a VM)" if handed else ""
     expected = max(expected - handed, 0)
     declared = ctx.config.get("node.expected_gpus") is not None
+    # a simulated scenario's count is the node's own, as a declared one is; a captured node's is
+    # only what the recorded host showed, so it is judged as that host would be
+    modelled = ctx.simulated and not (ctx.scenario is not None and ctx.scenario.captured)
     evidence = {"expected": expected, "visible": visible, "pci_gpus": on_bus,
                 "passthrough": handed,
                 "expected_from": ("node.expected_gpus" if declared else "scenario"
-                                  if ctx.simulated else f"SKU {ctx.sku.id}" if ctx.sku else None)}
+                                  if modelled else f"SKU {ctx.sku.id}" if ctx.sku else None)}
     if seen < expected:
-        # a simulated scenario's count is the node's own, as a declared one is
-        if not declared and not ctx.simulated:
+        if not declared and not modelled:
             in_vm = _count_in_a_vm(ctx, seen, expected, evidence)
             if in_vm is not None:
                 return in_vm

@@ -90,10 +90,15 @@ def test_the_real_h100_with_its_gpu_count_declared_grades_healthy_both_ways(
 def test_the_real_h100_with_nothing_declared_is_at_most_warn_never_error_or_fault(
         nvml_fake_lib, tmp_path, command):
     config = _config(tmp_path, declared=False)
+    graded = []
     for simulate in (True, False):
-        code, level, _, reasons = _graded(tmp_path, command, config, simulate)
+        code, level, rules, reasons = _graded(tmp_path, command, config, simulate)
         assert level not in ORACLE["undeclared"]["never"], reasons
         assert ORDER.index(level) <= ORDER.index(ORACLE["undeclared"]["at_most"]), reasons
         assert code == EXIT[level]
         for reason in reasons:  # what could not be verified, and what to declare
             assert reason["level"] == "WARN" and "node.expected_" in reason["message"], reason
+        graded.append((code, level, rules))
+    simulated, stand_in = graded
+    assert simulated == stand_in  # the capture is that host both ways: the same WARN
+    assert simulated[1] == "WARN" and ("gpu-count-unconfirmed", "node", "WARN") in simulated[2]
