@@ -28,7 +28,6 @@ not be queried (skip or error), never a pass.
 
 from __future__ import annotations
 
-import importlib.resources
 import json
 import os
 import time
@@ -169,7 +168,7 @@ def driver_line_kinds(ctx: CheckContext) -> dict[str, DriverLineKind]:
     operator's directory predates the file)."""
     path = resources.graders_dir(ctx.config) / "driver_lines.yaml"
     if not path.exists():
-        path = Path(str(importlib.resources.files("node_agent.graders"))) / "driver_lines.yaml"
+        path = resources.shipped_graders_dir() / "driver_lines.yaml"
     return load_driver_lines(path)
 
 

@@ -372,3 +372,17 @@ def test_a_rules_file_with_an_unknown_remedy_is_a_config_error(tmp_path):
     rules.write_text(rules.read_text().replace("    remedy: software", "    remedy: firmware", 1))
     with pytest.raises(ConfigError, match="rules.yaml"):
         load_grader(tmp_path / "graders")
+
+
+@pytest.mark.parametrize("metric, status, level, rule", [
+    ("driver_init_failed", "fail", Level.ERROR, "driver-init-failed"),
+    ("pcie_aer_recovery_failed", "fail", Level.ERROR, "pcie-aer-recovery-failed"),
+    ("pcie_aer_uncorrectable", "warn", Level.WARN, "pcie-aer-uncorrectable"),
+    ("recovery_action", "fail", Level.ERROR, "recovery-action"),
+    ("gpu_lost", "fail", Level.FAULT, "gpu-lost"),
+])
+def test_driver_lines_without_an_xid_grade_by_their_own_rules(grader, metric, status, level, rule):
+    """graders/driver_lines.yaml's kinds, as the xid check reports them: each has a named rule,
+    never the unclassified fallback."""
+    grade = grader.grade([res(metric, status=status, check="xid", target="gpu:3")], "service")
+    assert grade.level is level and grade.reasons[0].rule == rule
