@@ -24,7 +24,7 @@ HOST_KERNEL_LOGS = ("/dev/kmsg",)
 
 
 @pytest.fixture(autouse=True)
-def owned_kernel_log(tmp_path, monkeypatch):
+def owned_kernel_log(tmp_path_factory, monkeypatch):
     """Every test's agent reads a kernel log the test owns: an empty file, root's, 0644.
 
     - Subprocess agents (``node-agent ...`` with any ``--config``, the daemon) inherit
@@ -37,7 +37,8 @@ def owned_kernel_log(tmp_path, monkeypatch):
     """
     from node_agent import kernel_log
 
-    path = tmp_path / "owned-kernel-log.txt"
+    # apart from the test's tmp_path, which some tests expect to hold only what they made
+    path = tmp_path_factory.mktemp("kernel-log") / "owned-kernel-log.txt"
     path.write_text("")
     path.chmod(0o644)
     monkeypatch.setenv(KERNEL_LOG_ENV, str(path))
