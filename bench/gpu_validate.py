@@ -16,8 +16,10 @@ step                          figures
 ``pytest_gpu``                ``pytest_gpu``: ``pytest -m gpu`` (counts)
 ``burn``                      ``burn_tflops_{bf16,fp16,tf32,fp8}`` through
                               node_agent.compute.burn (fp8 where the GPU has it)
-``burn_vs_plain``             ``burn_vs_plain_matmul``: the burn engine against a bare
-                              ``torch.matmul`` loop of the same shapes, interleaved, as a ratio
+``burn_vs_plain``             ``burn_vs_plain_matmul_<precision>`` (bf16, fp16, tf32, fp32,
+                              fp8): the burn engine against a bare loop of the same kernel,
+                              interleaved, as a ratio per precision; ``burn_vs_plain_matmul``
+                              the lowest of them
 ``bandwidth``                 ``hbm_gbps``, ``pcie_h2d_gbps``, ``pcie_d2h_gbps``: the agent's
                               own checks (``node-agent accept --only ...``)
 ``sdc_sm_coverage``,          from node_agent.sdc.validation (the SDC wing's own measurements:
