@@ -14,7 +14,15 @@ from node_agent.yamlfile import ConfigError, load_yaml
 DEFAULT_CONFIG_PATH = Path("/etc/node-agent/config.yaml")
 
 DEFAULTS: dict[str, Any] = {
-    "node": {"name": None, "sku": "auto", "expected_gpus": None, "expected_nvlinks": None},
+    "node": {"name": None, "sku": "auto", "expected_gpus": None, "expected_nvlinks": None,
+             # the host: installed memory (GiB) and online CPUs this node should have
+             "expected_memory_gib": None, "expected_cpus": None,
+             # the golden software set; a value that differs on the node is a WARN (drift)
+             "software": {"driver": None, "cuda": None, "nccl": None, "vbios": None,
+                          "kernel": None}},
+    # the host checks' tools (docs/host_checks.md)
+    "host": {"ipmitool": "ipmitool", "nvme": "nvme", "ras_mc_ctl": "ras-mc-ctl",
+             "timeout_s": 15},
     # the kernel log the agent reads for driver messages: null = this host's (/dev/kmsg, else
     # journalctl -k); a path = that file instead (a saved log, a test's own log)
     "kernel_log": {"path": None},
@@ -69,7 +77,15 @@ SCHEMA: dict[str, Any] = _obj({
         "sku": {"type": "string", "pattern": r"^[a-z0-9][a-z0-9._-]*$"},
         "expected_gpus": {"type": ["integer", "null"], "minimum": 0},
         "expected_nvlinks": {"type": ["integer", "null"], "minimum": 0},
+        "expected_memory_gib": {"type": ["number", "null"], "exclusiveMinimum": 0},
+        "expected_cpus": {"type": ["integer", "null"], "minimum": 1},
+        "software": _obj({k: _NULLABLE_STR for k in ("driver", "cuda", "nccl", "vbios",
+                                                     "kernel")}),
     }),
+    "host": _obj({"ipmitool": {"type": "string", "minLength": 1},
+                  "nvme": {"type": "string", "minLength": 1},
+                  "ras_mc_ctl": {"type": "string", "minLength": 1},
+                  "timeout_s": {"type": "number", "exclusiveMinimum": 0}}),
     "kernel_log": _obj({"path": _NULLABLE_STR}),
     "training": _obj({"slurm_cgroup_roots": {"type": ["array", "null"],
                                              "items": {"type": "string", "minLength": 1}}}),

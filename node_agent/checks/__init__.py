@@ -38,6 +38,15 @@ REGISTRY: dict[str, str] = {
     "sdc": "node_agent.checks.sdc",
     "sdc_spool": "node_agent.checks.sdc_spool",
     "training_progress": "node_agent.checks.training_progress",
+    # the rest of the node (docs/host_checks.md)
+    "host_memory": "node_agent.checks.host_memory",
+    "host_power": "node_agent.checks.host_power",
+    "pcie_aer": "node_agent.checks.pcie_aer",
+    "nvme_health": "node_agent.checks.nvme_health",
+    "host_cpu": "node_agent.checks.host_cpu",
+    "hca_ports": "node_agent.checks.hca_ports",
+    "kernel_distress": "node_agent.checks.kernel_distress",
+    "software_drift": "node_agent.checks.software_drift",
 }
 
 
