@@ -49,7 +49,9 @@ DEFAULTS: dict[str, Any] = {
     },
     "safety": {"max_drained_fraction": 0.1, "max_restarts": 2, "restart_window_h": 24,
                "breaker_max_drains": 5, "breaker_window_h": 1, "dedup_window_s": 600,
-               "min_action_interval_s": 60, "opt_out": False},
+               "min_action_interval_s": 60, "opt_out": False,
+               # remediations of this node in 7 days after which it is held for an operator
+               "max_remediations_7d": 5},
     "daemon": {"listen": "127.0.0.1:9847", "suite": "periodic", "default_every_s": 300,
                "xid_poll_s": 0.5, "nvml_retry_s": 30, "act": True,
                # a failed action is retried while its grade stands: 30 s, doubling, <= 10 min
@@ -123,6 +125,7 @@ SCHEMA: dict[str, Any] = _obj({
         "dedup_window_s": {"type": "number", "minimum": 0},
         "min_action_interval_s": {"type": "number", "minimum": 0},
         "opt_out": {"type": "boolean"},
+        "max_remediations_7d": {"type": "integer", "minimum": 1},
     }),
     "daemon": _obj({
         "listen": {"type": "string", "pattern": r"^[^:\s]+:\d{1,5}$"},
