@@ -46,6 +46,30 @@ GPU_READINGS: dict[str, tuple[str, str]] = {
 }
 STATUSES = [s.value for s in Status]
 
+#: (check, metric) of a throughput result -> (family, extra labels, factor to base units). The
+#: latest result of each check, so the fleet's rules (packaging/prometheus/) compare nodes:
+#: ``tflops_<precision>`` of gpu_burn, ``copy_gbps`` of hbm_bandwidth, the four PCIe figures of
+#: pcie_bandwidth, ``busbw_peak_gbps`` of nccl_allreduce. Base units (FLOP/s, bytes/s) as
+#: Prometheus' conventions ask; the checks report TFLOP/s and GB/s (10^9 B/s).
+BURN = ("node_agent_gpu_burn_flops_per_second", "Sustained GEMM throughput of the GPU in the "
+        "latest gpu_burn run (FLOP/s), per precision")
+HBM = ("node_agent_gpu_hbm_copy_bytes_per_second", "Device-to-device copy bandwidth of the GPU's "
+       "memory in the latest hbm_bandwidth run (bytes/s, the p90 of its repetitions)")
+PCIE = ("node_agent_gpu_pcie_bytes_per_second", "Host-device copy bandwidth over PCIe in the "
+        "latest pcie_bandwidth run (bytes/s): direction h2d|d2h, mode alone|concurrent")
+BUSBW = ("node_agent_allreduce_busbw_bytes_per_second", "Peak all-reduce bus bandwidth of the "
+         "node in the latest nccl_allreduce run (bytes/s, nccl-tests' busbw)")
+PCIE_FIGURES = {"h2d_gbps": ("h2d", "alone"), "d2h_gbps": ("d2h", "alone"),
+                "h2d_gbps_concurrent": ("h2d", "concurrent"),
+                "d2h_gbps_concurrent": ("d2h", "concurrent")}
+#: HCA port counters (sysfs ``counters/`` names) that the rdma and hca_ports results carry in
+#: their evidence; exported as they read, so the rules can see them rise
+HCA_COUNTERS = ("symbol_error", "link_downed", "port_rcv_errors", "link_error_recovery",
+                "local_link_integrity_errors", "excessive_buffer_overrun_errors")
+#: remediation states in which the agent has the node drained (remediation/plan.py STATES)
+DRAINED_STATES = ("drained", "restarting", "retest", "fault", "awaiting-replacement",
+                  "needs-operator")
+
 #: the check whose per-process results become the training metrics (docs/training_hangs.md)
 TRAINING_CHECK = "training_progress"
 #: its per-process result metrics -> 1 when the result is a hang suspicion
@@ -330,6 +354,9 @@ class Snapshot:
     actions: dict[tuple[str, str], int] = field(default_factory=dict)       # (action, outcome)
     simulated: bool = False
     hang_suspicions: int = 0     # HangTracker.total: processes seen going from not hung to hung
+    #: the node's remediation state from the agent's store (remediation/plan.py STATES), when
+    #: the daemon can read it; None: drained-by-agent is inferred from ``actions``
+    remediation_state: str | None = None
 
 
 class DaemonCollector(Collector):
@@ -408,6 +435,9 @@ class DaemonCollector(Collector):
         yield actions
 
         yield from _training(s)
+        yield from _throughput(s)
+        yield from _error_counters(s)
+        yield from _drained(s)
 
 
 def _label(value: object) -> str:
@@ -519,3 +549,109 @@ def _gpu_readings(s: Snapshot) -> Iterator[Metric]:
             remap[kind].add_metric([s.hostname, str(index), s.gpu_uuids.get(index, "")], value)
     yield from families.values()
     yield from remap.values()
+
+
+def _gpu_index(target: str) -> int | None:
+    if not target.startswith("gpu:"):
+        return None
+    try:
+        return int(target[4:])
+    except ValueError:
+        return None
+
+
+def _throughput(s: Snapshot) -> Iterator[Metric]:
+    """The latest throughput and bandwidth figures of the heavy checks, in base units; a check
+    that never ran (or whose result has no figure: a skip, an error) makes no series."""
+    gpu_labels = ["hostname", "gpu", "uuid"]
+    burn = GaugeMetricFamily(*BURN, labels=[*gpu_labels, "precision"])
+    hbm = GaugeMetricFamily(*HBM, labels=gpu_labels)
+    pcie = GaugeMetricFamily(*PCIE, labels=[*gpu_labels, "direction", "mode"])
+    busbw = GaugeMetricFamily(*BUSBW, labels=["hostname"])
+    seen: set[tuple[str, ...]] = set()  # one sample per series: the first result wins
+
+    def add(family: GaugeMetricFamily, labels: list[str], value: float) -> None:
+        key = (family.name, *labels)
+        if key not in seen:
+            seen.add(key)
+            family.add_metric(labels, value)
+
+    for r in s.results:
+        value = _number(r.value)
+        if value is None or r.status in (Status.SKIP, Status.ERROR):
+            continue
+        if r.check == "nccl_allreduce" and r.metric == "busbw_peak_gbps" and r.target == "node":
+            add(busbw, [s.hostname], value * 1e9)
+            continue
+        index = _gpu_index(r.target)
+        if index is None:
+            continue
+        gpu = [s.hostname, str(index), s.gpu_uuids.get(index, "")]
+        if r.check == "gpu_burn" and r.metric.startswith("tflops_"):
+            add(burn, [*gpu, _label(r.metric[len("tflops_"):])], value * 1e12)
+        elif r.check == "hbm_bandwidth" and r.metric == "copy_gbps":
+            add(hbm, gpu, value * 1e9)
+        elif r.check == "pcie_bandwidth" and r.metric in PCIE_FIGURES:
+            add(pcie, [*gpu, *PCIE_FIGURES[r.metric]], value * 1e9)
+    yield from (burn, hbm, pcie, busbw)
+
+
+def _error_counters(s: Snapshot) -> Iterator[Metric]:
+    """Counters the rules forecast: remapped rows per cause (nvml_health's row-remap results),
+    HCA port error counters (the rdma and hca_ports results' evidence). Gauges: they read as
+    the hardware reports them and fall back to 0 when the driver reloads or the GPU resets."""
+    rows = GaugeMetricFamily("node_agent_gpu_remapped_rows", "Rows of the GPU's memory "
+                             "remapped, by cause: correctable or uncorrectable errors "
+                             "(nvidia-smi -q -d ROW_REMAPPER)",
+                             labels=["hostname", "gpu", "uuid", "cause"])
+    hca = GaugeMetricFamily("node_agent_hca_port_errors", "An InfiniBand/RoCE port's error "
+                            "counter as sysfs reads it (counters/<counter>)",
+                            labels=["hostname", "hca", "port", "counter"])
+    seen: set[tuple[str, ...]] = set()
+    for r in s.results:
+        ev = r.evidence or {}
+        index = _gpu_index(r.target)
+        if index is not None and r.metric in ("row_remap", "row_remap_pending",
+                                              "row_remap_failure"):
+            for cause, key in (("correctable", "corrected_rows"),
+                               ("uncorrectable", "uncorrected_rows")):
+                value = _number(ev.get(key))
+                if value is not None and ("rows", str(index), cause) not in seen:
+                    seen.add(("rows", str(index), cause))
+                    rows.add_metric([s.hostname, str(index), s.gpu_uuids.get(index, ""),
+                                     cause], value)
+        elif r.target.startswith("hca:"):
+            device, port = _label(ev.get("device")), _label(ev.get("port"))
+            if not device:
+                continue
+            for counter in HCA_COUNTERS:
+                value = _number(ev.get(counter))
+                if value is not None and ("hca", device, port, counter) not in seen:
+                    seen.add(("hca", device, port, counter))
+                    hca.add_metric([s.hostname, device, port, counter], value)
+    yield from (rows, hca)
+
+
+def drained_by_agent(s: Snapshot) -> tuple[int, str]:
+    """(1 when the agent has this node drained, else 0; where that was read).
+
+    From the remediation state when the daemon hands it over (``state``: every state but
+    ``in-service`` follows the agent's own drain); else from the actions this daemon counted
+    (``actions``): more drains done than resumes done since the daemon started. The second
+    forgets a drain made before the daemon (re)started, e.g. by a reboot it asked for, or by
+    ``node-agent check --act`` outside the daemon."""
+    if s.remediation_state is not None:
+        return int(s.remediation_state in DRAINED_STATES), "state"
+    drains = s.actions.get(("drain", "done"), 0)
+    resumes = s.actions.get(("resume", "done"), 0)
+    return int(drains > resumes), "actions"
+
+
+def _drained(s: Snapshot) -> Iterator[Metric]:
+    drained = GaugeMetricFamily("node_agent_drained_by_agent", "1 while the agent has this "
+                                "node drained (source: state = the remediation store, actions "
+                                "= drains minus resumes this daemon counted)",
+                                labels=["hostname", "source"])
+    value, source = drained_by_agent(s)
+    drained.add_metric([s.hostname, source], value)
+    yield drained

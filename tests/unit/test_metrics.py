@@ -260,3 +260,92 @@ def test_scrapes_are_served_while_a_peer_keeps_200_idle_connections_open_past_it
         holder.stdout.close()
         server.shutdown()
         server.server_close()
+
+
+# -- the fleet's series: throughput, error counters, drained by the agent -----------------------
+
+
+def scrape_snapshot(**kw) -> dict[str, list]:
+    snap = Snapshot(**{"hostname": "n1", "level": Level.HEALTHY, "checks": {}, "results": [],
+                       "gpu_uuids": {0: "GPU-aaa", 1: "GPU-bbb"}, "xid_counts": {}, **kw})
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DaemonCollector(lambda: snap))
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append(sample)
+    return out
+
+
+def test_throughput_figures_are_exported_per_gpu_in_base_units():
+    m = scrape_snapshot(results=[
+        Result("gpu_burn", "gpu:0", "tflops_bf16", Status.PASS, "", value=712.5, unit="TFLOP/s"),
+        Result("gpu_burn", "gpu:1", "tflops_bf16", Status.FAIL, "slow", value=600.0,
+               unit="TFLOP/s"),
+        Result("gpu_burn", "gpu:0", "tflops_fp8", Status.PASS, "", value=1400.0, unit="TFLOP/s"),
+        Result("hbm_bandwidth", "gpu:1", "copy_gbps", Status.PASS, "", value=2900.0, unit="GB/s"),
+        Result("pcie_bandwidth", "gpu:0", "h2d_gbps", Status.PASS, "", value=55.0, unit="GB/s"),
+        Result("pcie_bandwidth", "gpu:0", "d2h_gbps_concurrent", Status.PASS, "", value=40.0,
+               unit="GB/s"),
+        Result("nccl_allreduce", "node", "busbw_peak_gbps", Status.PASS, "", value=480.0,
+               unit="GB/s"),
+        Result("nccl_allreduce", "node", "busbw_gbps", Status.PASS, "", value=12.0, unit="GB/s"),
+    ])
+    burn = {(s.labels["gpu"], s.labels["uuid"], s.labels["precision"]): s.value
+            for s in m["node_agent_gpu_burn_flops_per_second"]}
+    assert burn == {("0", "GPU-aaa", "bf16"): 712.5e12, ("1", "GPU-bbb", "bf16"): 600e12,
+                    ("0", "GPU-aaa", "fp8"): 1400e12}, "a failing (slow) GPU is the point"
+    (hbm,) = m["node_agent_gpu_hbm_copy_bytes_per_second"]
+    assert (hbm.labels["gpu"], hbm.value) == ("1", 2900e9)
+    assert {(s.labels["direction"], s.labels["mode"]): s.value
+            for s in m["node_agent_gpu_pcie_bytes_per_second"]} == {("h2d", "alone"): 55e9,
+                                                                    ("d2h", "concurrent"): 40e9}
+    assert [(s.labels, s.value) for s in m["node_agent_allreduce_busbw_bytes_per_second"]] == \
+        [({"hostname": "n1"}, 480e9)], "the peak only, not each message size"
+
+
+def test_a_throughput_check_that_skipped_or_broke_makes_no_series():
+    m = scrape_snapshot(results=[
+        Result("gpu_burn", "node", "tflops_fp8", Status.SKIP, "fp8 not supported"),
+        Result("gpu_burn", "gpu:0", "tflops_bf16", Status.ERROR, "worker died", value=None),
+        Result("hbm_bandwidth", "gpu:0", "copy_gbps", Status.ERROR, "timed out", value=1.0),
+        Result("nvml_health", "gpu:0", "copy_gbps", Status.PASS, "not this check", value=1.0),
+    ])
+    assert "node_agent_gpu_burn_flops_per_second" not in m
+    assert "node_agent_gpu_hbm_copy_bytes_per_second" not in m
+
+
+def test_remapped_rows_and_hca_port_counters_are_exported_as_read():
+    m = scrape_snapshot(results=[
+        Result("nvml_health", "gpu:1", "row_remap", Status.PASS, "", value=1,
+               evidence={"corrected_rows": 3, "uncorrected_rows": 1}),
+        Result("rdma", "hca:mlx5_0", "link_errors", Status.WARN, "", value=7,
+               evidence={"device": "mlx5_0", "port": "1", "symbol_error": 5, "link_downed": 2,
+                         "port_rcv_errors": None, "link_layer": "InfiniBand"}),
+    ])
+    assert {(s.labels["gpu"], s.labels["uuid"], s.labels["cause"]): s.value
+            for s in m["node_agent_gpu_remapped_rows"]} == {("1", "GPU-bbb", "correctable"): 3,
+                                                            ("1", "GPU-bbb", "uncorrectable"): 1}
+    assert {(s.labels["hca"], s.labels["port"], s.labels["counter"]): s.value
+            for s in m["node_agent_hca_port_errors"]} == {("mlx5_0", "1", "symbol_error"): 5,
+                                                          ("mlx5_0", "1", "link_downed"): 2}, \
+        "an unreadable counter (None) is no series, never a 0"
+
+
+def test_drained_by_agent_reads_the_remediation_state_when_the_daemon_gives_it():
+    for state, drained in (("in-service", 0), ("drained", 1), ("restarting", 1),
+                           ("awaiting-replacement", 1), ("needs-operator", 1)):
+        (sample,) = scrape_snapshot(remediation_state=state)["node_agent_drained_by_agent"]
+        assert (sample.value, sample.labels["source"]) == (drained, "state"), state
+
+
+def test_drained_by_agent_falls_back_to_the_actions_counted_since_the_daemon_started():
+    def drained(actions):
+        (sample,) = scrape_snapshot(actions=actions)["node_agent_drained_by_agent"]
+        assert sample.labels["source"] == "actions"
+        return sample.value
+
+    assert drained({}) == 0
+    assert drained({("drain", "done"): 1, ("drain", "refused"): 4}) == 1
+    assert drained({("drain", "done"): 1, ("resume", "done"): 1}) == 0
+    assert drained({("drain", "dry-run"): 2}) == 0, "a dry run drains nothing"
