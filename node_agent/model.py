@@ -106,6 +106,8 @@ class Result:
 #: could not run); an ERROR of such findings only, that survives its restarts, waits for an
 #: operator instead of being escalated to a replacement (docs/remediation.md)
 REMEDIES = ("software",)
+#: the catalogs a Reason's ``catalog`` names: ``graders/xid.yaml`` and ``graders/sxid.yaml``
+CATALOGS = ("xid", "sxid")
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,10 @@ class Reason:
     """Why a grade is what it is: the rule that fired, on which target, with what evidence.
 
     ``remedy`` is the rule's ``remedy`` marker (one of :data:`REMEDIES`), None when it has none.
+    ``catalog`` and ``code`` name the catalog entry that graded it (``xid`` 79, ``sxid`` 20034;
+    None for a rule that reads no catalog); ``restarts_before_fault`` is that entry's count of
+    restarts after which the same code is hardware (None: ``safety.max_restarts`` applies). The
+    remediation plan reads these fields, never the message.
     """
 
     rule: str
@@ -120,12 +126,17 @@ class Reason:
     target: str
     message: str
     remedy: str | None = None
+    catalog: str | None = None
+    code: int | None = None
+    restarts_before_fault: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        data = {"rule": self.rule, "level": self.level.name, "target": self.target,
-                "message": self.message}
-        if self.remedy is not None:
-            data["remedy"] = self.remedy
+        data: dict[str, Any] = {"rule": self.rule, "level": self.level.name,
+                                "target": self.target, "message": self.message}
+        for key in ("remedy", "catalog", "code", "restarts_before_fault"):
+            value = getattr(self, key)
+            if value is not None:
+                data[key] = value
         return data
 
     @classmethod
@@ -134,8 +145,24 @@ class Reason:
         if remedy is not None and remedy not in REMEDIES:
             raise ValueError(f"unknown remedy {remedy!r} in reason {data.get('rule')!r}; "
                              f"expected one of {', '.join(REMEDIES)}")
+        catalog = data.get("catalog")
+        if catalog is not None and catalog not in CATALOGS:
+            raise ValueError(f"unknown catalog {catalog!r} in reason {data.get('rule')!r}; "
+                             f"expected one of {', '.join(CATALOGS)}")
         return cls(rule=data["rule"], level=Level.parse(data["level"]),
-                   target=data["target"], message=data["message"], remedy=remedy)
+                   target=data["target"], message=data["message"], remedy=remedy,
+                   catalog=catalog, code=_optional_int(data, "code"),
+                   restarts_before_fault=_optional_int(data, "restarts_before_fault"))
+
+
+def _optional_int(data: dict[str, Any], key: str) -> int | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"reason {data.get('rule')!r}: {key} must be an integer, "
+                         f"found {value!r}")
+    return value
 
 
 @dataclass(frozen=True)

@@ -80,37 +80,52 @@ class Grader:
         return self.xid.level(code)
 
     def grade(self, results: list[Result], mode: str = "delivery") -> Grade:
-        """The grade of a run; ``mode`` decides how a check that could not run counts."""
+        """The grade of a run; ``mode`` decides how a check that could not run counts.
+
+        Catalog findings are judged with the run's other findings of the same code on other
+        targets (an application-class Xid spread across GPUs is the job's: graders/xid.yaml),
+        so the ``xid`` check's run and the daemon's kept findings are judged alike.
+        """
+        by_code: dict[tuple[str, str, Any], list[Result]] = {}
+        for result in results:
+            if result.check == "xid" and result.status is Status.FAIL:
+                by_code.setdefault((result.check, result.metric, result.value), []).append(result)
         reasons: list[Reason] = []
         for result in results:
-            reason = self._reason(result, mode)
+            same = by_code.get((result.check, result.metric, result.value), [])
+            elsewhere = [r for r in same if r.target != result.target]
+            reason = self._reason(result, mode, elsewhere)
             if reason is not None and reason.level > Level.HEALTHY:
                 reasons.append(reason)
         reasons.sort(key=lambda r: (-r.level, r.target, r.rule))
         level = max((r.level for r in reasons), default=Level.HEALTHY)
         return Grade(level=level, action=ACTION_FOR_LEVEL[level], reasons=tuple(reasons))
 
-    def _catalog_reason(self, rule: Rule, result: Result) -> Reason:
+    def _catalog_reason(self, rule: Rule, result: Result,
+                        elsewhere: list[Result] | None = None) -> Reason:
         catalog, noun = (self.sxid, "SXid") if rule.level == "sxid_catalog" else (self.xid, "Xid")
         try:
-            verdict = catalog.judge(result)
+            verdict = catalog.judge(result, elsewhere)
         except (TypeError, ValueError):  # a hand-edited report without a numeric code
             return Reason(rule=rule.id, level=catalog.default, target=result.target,
                           message=f"{result.detail} [{noun} {result.value!r}: not a code]",
-                          remedy=rule.remedy)
-        message = f"{result.detail} [{noun} {int(result.value)}: {verdict.name}]"  # type: ignore[arg-type]
+                          remedy=rule.remedy, catalog=catalog.kind)
+        code = int(result.value)  # type: ignore[arg-type]
+        message = f"{result.detail} [{noun} {code}: {verdict.name}]"
         if verdict.note:
             message += f" ({verdict.note})"
         return Reason(rule=rule.id, level=verdict.level, target=result.target, message=message,
-                      remedy=rule.remedy)
+                      remedy=rule.remedy, catalog=catalog.kind, code=code,
+                      restarts_before_fault=verdict.restarts_before_fault)
 
-    def _reason(self, result: Result, mode: str) -> Reason | None:
+    def _reason(self, result: Result, mode: str,
+                elsewhere: list[Result] | None = None) -> Reason | None:
         if result.status in (Status.PASS, Status.SKIP):
             return None
         for rule in self.rules:
             if rule.matches(result):
                 if rule.level in ("xid_catalog", "sxid_catalog"):
-                    return self._catalog_reason(rule, result)
+                    return self._catalog_reason(rule, result, elsewhere)
                 return Reason(rule=rule.id, level=Level.parse(rule.level),
                               target=result.target, message=result.detail, remedy=rule.remedy)
         if result.status is Status.ERROR:

@@ -9,7 +9,15 @@ bursts and the *variants* its lines printed. Its level comes from, in order:
    rows, first match wins, and the worst variant decides. A finding with no line to decode (an
    NVML event alone) takes the code's own level;
 3. ``recurrence``: where the catalog says to count, the level rises once the code came back in
-   ``bursts`` bursts within ``within_h`` hours on the same GPU.
+   ``bursts`` bursts within ``within_h`` hours on the same GPU;
+4. ``class: application`` (13, 31, 43, 45: the catalog's RESTART_APP/IGNORE codes that NVIDIA's
+   XID 13/31 workflows tell apart by where they repeat): the same code on *other* GPUs within the
+   window makes the finding the job's, at most WARN and never escalated by recurrence; repeated
+   on one GPU while the others are clean, the recurrence applies and it is that GPU's.
+
+``restarts_before_fault`` is carried on the verdict for the remediation plan: how many restarts
+(GPU resets, reboots) the same code gets before it counts as hardware (``safety.max_restarts``
+where the catalog gives none).
 
 An ``sxid`` result (an NVSwitch) takes its code's level, or ``nonfatal_level`` when every line of
 it that printed a severity said Non-fatal.
@@ -28,6 +36,13 @@ from node_agent.yamlfile import ConfigError, load_yaml
 _LEVELS = ["HEALTHY", "WARN", "ERROR", "FAULT"]
 _STR_OR_LIST = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"},
                                                 "minItems": 1}]}
+
+#: ``class`` values of an XID entry: ``application`` marks a code that is the job's when it is
+#: spread across GPUs and the GPU's when it repeats on one (NVIDIA's WORKFLOW_XID_13/31)
+XID_CLASSES = ("application",)
+APPLICATION = "application"
+#: the window in which an application-class code without a ``recurrence`` counts as spread
+SPREAD_WINDOW_S = 24 * 3600.0
 
 _RECURRENCE = {
     "type": "object", "additionalProperties": False,
@@ -64,7 +79,10 @@ XID_SCHEMA: dict[str, Any] = {
             "properties": {"name": {"type": "string"}, "level": {"enum": _LEVELS},
                            "why": {"type": "string"},
                            "decode": {"type": "array", "items": _DECODE_ROW, "minItems": 1},
-                           "recurrence": _RECURRENCE}}},
+                           "recurrence": _RECURRENCE,
+                           "restarts_before_fault": {"type": "integer", "minimum": 0,
+                                                     "maximum": 1000},
+                           "class": {"enum": list(XID_CLASSES)}}}},
     },
 }
 
@@ -130,6 +148,8 @@ class CodeEntry:
     decode: tuple[DecodeRow, ...] = ()
     recurrence: Recurrence | None = None
     nonfatal_level: Level | None = None  # SXid only
+    restarts_before_fault: int | None = None  # None: safety.max_restarts
+    cls: str | None = None  # "application" (XID_CLASSES) or None
 
 
 @dataclass(frozen=True)
@@ -137,6 +157,7 @@ class Verdict:
     level: Level
     name: str  # the catalog's name, with the decoded variant that decided
     note: str  # recurrence, or why a line could not be decoded ("" when nothing to add)
+    restarts_before_fault: int | None = None
 
 
 class Catalog:
@@ -156,7 +177,9 @@ class Catalog:
             return self.default, f"not in the {'SXid' if self.kind == 'sxid' else 'XID'} catalog"
         return entry.level, entry.name
 
-    def judge(self, result: Result) -> Verdict:
+    def judge(self, result: Result, elsewhere: list[Result] | None = None) -> Verdict:
+        """The verdict on one finding. ``elsewhere``: the findings of the same code on *other*
+        targets of the same run (what an ``application``-class code is judged against)."""
         code = int(result.value)  # type: ignore[arg-type]
         evidence = result.evidence or {}
         variants = _variants(result, evidence)
@@ -165,14 +188,29 @@ class Catalog:
             verdict = self._sxid(entry, variants)
         else:
             verdict = self._xid(entry, variants)
-        if entry is not None and entry.recurrence is not None:
+        if entry is None:
+            return verdict
+        spread = _spread(entry, evidence, elsewhere or []) if entry.cls == APPLICATION else []
+        if spread:
+            # WORKFLOW_XID_13/31: the same fault on different GPUs is the application's
+            shown = ", ".join(spread[:8]) + (f" and {len(spread) - 8} more" if len(spread) > 8
+                                             else "")
+            note = (f"also on {shown} within {_window_h(entry):g} h: an application error "
+                    "spread across GPUs is the job's, not the node's (no drain)")
+            level = min(verdict.level, Level.WARN)
+            return Verdict(level, verdict.name, _join(verdict.note, note),
+                           entry.restarts_before_fault)
+        if entry.recurrence is not None:
             rec = entry.recurrence
             bursts = rec.count(evidence)
             if bursts >= rec.bursts and rec.level > verdict.level:
                 note = (f"recurred: {bursts} bursts within {rec.within_s / 3600:g} h on "
                         f"{result.target} (threshold {rec.bursts})")
+                if entry.cls == APPLICATION:
+                    note += (": repeated on this GPU while the other GPUs are clean, so it is "
+                             "this GPU's, not the job's")
                 verdict = Verdict(rec.level, verdict.name, _join(verdict.note, note))
-        return verdict
+        return Verdict(verdict.level, verdict.name, verdict.note, entry.restarts_before_fault)
 
     def _xid(self, entry: CodeEntry | None, variants: list[dict[str, Any]]) -> Verdict:
         if entry is None:
@@ -221,6 +259,38 @@ def _said(fields: dict[str, Any]) -> str:
     if "recovery_action" in fields:
         parts.append(f"to {fields['recovery_action']}")
     return " ".join(parts) or "a line without unit or severity"
+
+
+def _window_h(entry: CodeEntry) -> float:
+    return (entry.recurrence.within_s if entry.recurrence else SPREAD_WINDOW_S) / 3600.0
+
+
+def _spread(entry: CodeEntry, evidence: dict[str, Any], elsewhere: list[Result]) -> list[str]:
+    """The other targets whose finding of this code falls in this finding's window: within the
+    recurrence's ``within_h`` (else 24 h) before this finding's newest burst, on the same clock.
+    A finding without times (a saved log without stamps, an NVML event) counts: the run saw it."""
+    window_s = entry.recurrence.within_s if entry.recurrence else SPREAD_WINDOW_S
+    newest = _newest(evidence)
+    clock = evidence.get("clock")
+    targets = []
+    for other in elsewhere:
+        theirs = other.evidence or {}
+        last = _newest(theirs)
+        if newest is not None and last is not None and theirs.get("clock") == clock \
+                and last < newest - window_s:
+            continue
+        targets.append(other.target)
+    return sorted(set(targets), key=_target_order)
+
+
+def _newest(evidence: dict[str, Any]) -> float | None:
+    starts = [s for s in evidence.get("burst_starts_s") or [] if isinstance(s, (int, float))]
+    return float(max(starts)) if starts else None
+
+
+def _target_order(target: str) -> tuple[int, str]:
+    kind, _, index = target.partition(":")
+    return (int(index), kind) if index.isdigit() else (1 << 30, target)
 
 
 def _join(*parts: str) -> str:
@@ -281,7 +351,8 @@ def _codes(path: Path, data: dict[str, Any], what: str) -> dict[int, CodeEntry]:
             decode=tuple(_decode_row(r) for r in entry.get("decode", [])),
             recurrence=_recurrence(entry.get("recurrence")),
             nonfatal_level=Level.parse(entry["nonfatal_level"]) if "nonfatal_level" in entry
-            else None)
+            else None,
+            restarts_before_fault=entry.get("restarts_before_fault"), cls=entry.get("class"))
     return codes
 
 
