@@ -114,6 +114,18 @@ FAULT_SCHEMAS: dict[str, dict[str, Any]] = {
     # stop-check's transfers between nodes (node_agent.stopcheck.phases), the node as a whole
     "slow_link": _fault("slow_link", {"factor": {"type": "number", "exclusiveMinimum": 0,
                                                  "maximum": 1}}, ("factor",)),
+    # a counter that moves over simulated days (docs/trends.md): the GPU's ``counter`` reads
+    # values[0] at its first read, values[1] at the next, ...; the last value stays. ``every_h``
+    # is the simulated hours between values (what a test or bench advances its clock by between
+    # reads); ``link`` names the NVLink of an nvlink_* counter (default 0)
+    "counter_series": _fault("counter_series", {
+        "counter": {"enum": ["ecc_sbe_volatile", "ecc_sram_uncorrectable", "pcie_replay",
+                             "remapped_rows_uncorrectable", "remapped_rows_correctable",
+                             "nvlink_replay", "nvlink_recovery", "nvlink_crc"]},
+        "values": {"type": "array", "minItems": 1,
+                   "items": {"type": "integer", "minimum": 0}},
+        "every_h": {"type": "number", "exclusiveMinimum": 0},
+        "link": {"type": "integer", "minimum": 0}}, ("gpu", "counter", "values")),
     # RDMA (node_agent.sim.tools builds the HCAs' sysfs and an ib_write_bw stand-in from these)
     "hca_port_down": _hca_fault("hca_port_down", {}),
     "hca_rate": _hca_fault("hca_rate", {"gbps": {"type": "number", "exclusiveMinimum": 0}},
