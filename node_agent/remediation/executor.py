@@ -19,7 +19,8 @@ error, a full or read-only disk, a lock, a newer agent's schema: ``Store.unavail
 read or write fails mid-run (``StateUnavailable``), every step is ``refused`` with
 "state unavailable", because opt-out, the breaker and the journal cannot be read or kept.
 
-A ``hold`` step (restarts spent on software causes only, ``needs-operator``) calls no adapter:
+A ``hold`` step (restarts spent on software causes only, or ``safety.max_remediations_7d``
+automatic restarts of the node in 7 days: ``needs-operator``) calls no adapter:
 the node is already drained; it is journaled and recorded like any step, and said on stderr.
 
 A ``restart-job`` step (a hung training job) goes through the same journal, dry run, failure
@@ -56,12 +57,15 @@ from node_agent.remediation.plan import (
     DISRUPTIVE,
     EVIDENCE_ACTIONS,
     JOB_RULES,
+    REMEDIATION_ACTIONS,
+    REMEDIATIONS_CODE,
     Plan,
     Safety,
     Step,
     fault_code,
     operator_step,
     plan,
+    remediation_window_start,
 )
 from node_agent.remediation.plan import restart_window_start as _window_start
 from node_agent.remediation.store import JournalRow, NodeRecord, StateUnavailable, Store
@@ -239,12 +243,16 @@ class Remediator:
         record = self.store.node_record(self.node)
         since = _window_start(record, self.safety, now)
         # job restarts are not node restarts: they never count towards the node's escalation
-        counts = {code: self.store.count_done(self.node, ("restart", "gpu-reset"), since,
+        counts = {code: self.store.count_done(self.node, REMEDIATION_ACTIONS, since,
                                               fault_code=code)
                   for code in {fault_code(r) for r in grade.reasons if r.rule not in JOB_RULES}}
+        # the node's own automatic restarts, any code: a node that keeps needing them is held
+        remediations = self.store.count_done(self.node, REMEDIATION_ACTIONS,
+                                             remediation_window_start(record, now),
+                                             trigger="auto")
         return plan(grade, record, self.safety, now=now, boot_time=self.boot_time,
                     restart_counts=counts, gpu_reset_available=self.gpu_resetter is not None,
-                    gpu_reset_tried=gpu_reset_tried)
+                    gpu_reset_tried=gpu_reset_tried, remediations_7d=remediations)
 
     def _run_plan(self, p: Plan, out: Outcome) -> tuple[Grade | None, bool]:
         """Run the steps in order; stop at the first one not done. Returns (re-test grade,
@@ -430,6 +438,15 @@ class Remediator:
                     return "failed", "no GPU reset available in this command; the next run re-plans"
                 index = int((row.target or "gpu:-1").split(":")[1])
                 return "done", self.gpu_resetter.reset(index)
+            if row.action == "hold" and row.fault_code == REMEDIATIONS_CODE:
+                return "done", (
+                    f"held for an operator: node-agent restarted {self.node} {row.attempt} "
+                    "time(s) in 7 days (safety.max_remediations_7d="
+                    f"{self.safety.max_remediations_7d}) and it needs another: a node that keeps "
+                    "needing restarts is not restarted again; it stays drained, with no further "
+                    "restart (a FAULT is still replaced). Find the cause (`node-agent status` "
+                    "lists the restarts per fault code), then run `node-agent set-healthy` and "
+                    "`node-agent act resume`")
             if row.action == "hold":  # bookkeeping: the node is already drained, nothing to call
                 return "done", (
                     f"needs an operator: {row.fault_code} on {row.target} is still there after "

@@ -11,11 +11,16 @@ Per node (DESIGN.md, "Remediation and safety")::
   after a reboot), then resume on a pass or escalate.
 * FAULT: drain, then replace.
 * Restarts are counted per fault code within ``safety.restart_window_h``; a fault code that is
-  still there after ``safety.max_restarts`` restarts is escalated to FAULT, unless every ERROR
+  still there after its restarts (the catalog's ``restarts_before_fault`` carried on the Reason,
+  else ``safety.max_restarts``) is escalated to FAULT, unless every ERROR
   reason is a software cause (``remedy: software`` in graders/rules.yaml: no driver, NVML
   broken, a check that could not run): then the node stays drained as ``needs-operator`` (a
   ``hold`` step, no adapter call) and no further restart or replacement is planned until an
   operator's ``set-healthy`` / ``act resume``.
+* A node the agent already restarted ``safety.max_remediations_7d`` times in 7 days (GPU resets
+  and reboot requests, any fault code) is not restarted again: a ``hold`` step with the fault
+  code ``remediations-7d`` keeps it drained as ``needs-operator`` (NVSentinel flags a node
+  remediated that often; a restart loop hides a sick node and costs the jobs that land on it).
 * HEALTHY/WARN never cause a drain; they resume a node only when the agent itself drained it
   for a restart and this is the passing re-test. A re-test whose only ERRORs are hung training
   jobs (``JOB_RULES``) passes for the node: it resumes, then the jobs are restarted.
@@ -61,9 +66,14 @@ SOFTWARE = "software"
 # NVML recovery action NVML_GPU_RECOVERY_ACTION_GPU_RESET (the driver asks for a reset).
 GPU_RESET_RULES = frozenset({"row-remap-pending", "retired-pages-pending", "recovery-action"})
 
+#: the fault code of a hold for too many remediations in 7 days (``safety.max_remediations_7d``)
+REMEDIATIONS_CODE = "remediations-7d"
+REMEDIATION_WINDOW_S = 7 * 24 * 3600.0
+#: what counts as one remediation of the node: an automatic restart of it or of its GPUs
+REMEDIATION_ACTIONS = ("restart", "gpu-reset")
+
 # the grader appends "[Xid N: name]" (rule xid) or "[SXid N: name]" (rule sxid, an NVSwitch)
-# after the finding's detail (grading/rules.py); the last one is the grader's own
-_XID_IN_MESSAGE = re.compile(r"\[S?Xid (\d+)")
+# after the finding's detail (grading/rules.py): for people (``sinfo -R``), never for decisions
 _XID_NAME_IN_MESSAGE = re.compile(r"\[(S?Xid \d+: [^\]]*)\]")
 _GPU_TARGET = re.compile(r"^gpu:(\d+)$")
 # job:<job>/rank:<n> or job:<job>/pid:<n>; <job> may itself hold ':' and '/', so the match is
@@ -83,6 +93,7 @@ class Safety:
     dedup_window_s: float = 600.0
     min_action_interval_s: float = 60.0
     opt_out: bool = False
+    max_remediations_7d: int = 5
 
     @classmethod
     def from_config(cls, config: Config) -> Safety:
@@ -122,19 +133,29 @@ class Plan:
 
 
 def fault_code(reason: Reason) -> str:
-    """The code restarts are counted by: the rule id, with the XID or SXid code for those rules.
+    """The code restarts are counted by: the rule id, with the catalog code where the reason
+    carries one (its typed ``code`` field; the message is never read).
 
     The rule id keeps the two apart: an Xid is graded by rule ``xid`` and an NVSwitch SXid by
     rule ``sxid`` (a rule routes to one catalog only), so Xid 20034 is ``xid-20034`` and
     SXid 20034 ``sxid-20034``, each with its own restarts.
 
-    >>> fault_code(Reason("xid", Level.ERROR, "gpu:1", "Xid 31 on gpu:1 [Xid 31: MMU fault]"))
+    >>> fault_code(Reason("xid", Level.ERROR, "gpu:1", "Xid 31 on gpu:1", catalog="xid", code=31))
     'xid-31'
-    >>> fault_code(Reason("sxid", Level.ERROR, "nvswitch:0", "x [SXid 20034: LTSSM Fault Up]"))
+    >>> fault_code(Reason("sxid", Level.ERROR, "nvswitch:0", "x", catalog="sxid", code=20034))
     'sxid-20034'
+    >>> fault_code(Reason("driver-hang", Level.ERROR, "gpu:1", "hung"))
+    'driver-hang'
     """
-    match = _last(_XID_IN_MESSAGE, reason.message)
-    return f"{reason.rule}-{match.group(1)}" if match else reason.rule
+    return f"{reason.rule}-{reason.code}" if reason.code is not None else reason.rule
+
+
+def restart_limit(reason: Reason, safety: Safety) -> int:
+    """Restarts this finding's code gets before it is hardware: the catalog's
+    ``restarts_before_fault`` carried on the reason, else ``safety.max_restarts``."""
+    if reason.restarts_before_fault is not None:
+        return reason.restarts_before_fault
+    return safety.max_restarts
 
 
 def _last(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
@@ -187,15 +208,22 @@ def restart_window_start(record: NodeRecord, safety: Safety, now: float) -> floa
     return max(now - safety.restart_window_h * 3600.0, record.cleared_at or 0.0)
 
 
+def remediation_window_start(record: NodeRecord, now: float) -> float:
+    """Remediations since this time count towards ``safety.max_remediations_7d``: 7 days, but
+    never before the last set-healthy (a repaired node starts afresh)."""
+    return max(now - REMEDIATION_WINDOW_S, record.cleared_at or 0.0)
+
+
 def plan(grade: Grade, record: NodeRecord, safety: Safety, *, now: float, boot_time: float,
          restart_counts: dict[str, int], gpu_reset_available: bool,
-         gpu_reset_tried: bool = False) -> Plan:
+         gpu_reset_tried: bool = False, remediations_7d: int = 0) -> Plan:
     """What to do about ``grade`` given the node's remediation ``record``.
 
     ``restart_counts`` maps a fault code to the restarts already done for it in the window
     (:func:`restart_window_start`); ``boot_time`` (epoch s) tells whether a requested reboot
     has happened; ``gpu_reset_tried`` is True after a GPU reset in this run, so that the next
-    restart is a reboot.
+    restart is a reboot; ``remediations_7d`` is the automatic restarts of the node, any code,
+    since :func:`remediation_window_start`.
     """
     state = record.state
     if (state == "restarting" and record.restart_kind == "reboot"
@@ -262,9 +290,12 @@ def plan(grade: Grade, record: NodeRecord, safety: Safety, *, now: float, boot_t
                     fault_code=record.fault_code, target=record.target)
 
     restarts = restart_counts.get(code, 0)
-    if restarts >= safety.max_restarts:
+    limit = restart_limit(worst, safety)
+    if restarts >= limit:
+        where = ("its restarts_before_fault in graders/xid.yaml"
+                 if worst.restarts_before_fault is not None else "safety.max_restarts")
         why = (f"{code} on {target} is still there after {restarts} restart(s) in "
-               f"{safety.restart_window_h:g} h (safety.max_restarts={safety.max_restarts})")
+               f"{safety.restart_window_h:g} h ({where}={limit})")
         if software:
             return _hold_plan(node_serious, code, target, restarts, drained, why)
         # a software cause beside a hardware one: the hardware finding is what gets replaced
@@ -275,6 +306,10 @@ def plan(grade: Grade, record: NodeRecord, safety: Safety, *, now: float, boot_t
         plan_ = _replace_plan(code, target, drained, Level.FAULT, note="escalated", why=why)
         return Plan(plan_.steps, note=f"escalated to FAULT: {why}", escalated=True,
                     fault_code=code, target=target)
+
+    held = state == "needs-operator" and record.fault_code == REMEDIATIONS_CODE
+    if held or remediations_7d >= safety.max_remediations_7d:
+        return _remediations_hold_plan(record, code, target, remediations_7d, drained, safety)
 
     steps: list[Step] = []
     reason = drain_reason(Level.ERROR, code, target)
@@ -287,12 +322,12 @@ def plan(grade: Grade, record: NodeRecord, safety: Safety, *, now: float, boot_t
         steps.append(Step("retest", reason, None, code, target, restarts,
                           restart_kind="gpu-reset"))
         note = f"ERROR {code} on {target}: drain, GPU reset, re-test (restart {restarts + 1} " \
-               f"of {safety.max_restarts})"
+               f"of {limit})"
     else:
         steps.append(Step("restart", reason, "restarting", code, target, restarts,
                           restart_kind="reboot"))
         note = f"ERROR {code} on {target}: drain, reboot request, re-test after the reboot " \
-               f"(restart {restarts + 1} of {safety.max_restarts})"
+               f"(restart {restarts + 1} of {limit})"
     return Plan(tuple(steps), note=note, fault_code=code, target=target)
 
 
@@ -355,6 +390,29 @@ def _hold_plan(reasons: list[Reason], code: str, target: str, restarts: int, dra
             "reinstall the driver for the running kernel), then run `node-agent set-healthy` and "
             "`node-agent act resume`")
     return Plan(tuple(steps), note=note, fault_code=code, target=target)
+
+
+def _remediations_hold_plan(record: NodeRecord, code: str, target: str, count: int,
+                            drained: bool, safety: Safety) -> Plan:
+    """The node was restarted ``safety.max_remediations_7d`` times in 7 days: no further
+    restart. A ``hold`` step (journaled, no adapter call) moves it to ``needs-operator`` with
+    the fault code ``remediations-7d``, after a drain if it is not drained; once held, later
+    ERRORs plan nothing (a FAULT is still replaced)."""
+    why = (f"node restarted {count} time(s) by node-agent in 7 days (safety.max_remediations_7d="
+           f"{safety.max_remediations_7d}), now {code} on {target}")
+    if record.state == "needs-operator" and record.fault_code == REMEDIATIONS_CODE:
+        return Plan(note=f"held for an operator since {_iso(record.since)}: {why}; no restart "
+                         "until an operator looks at the node and runs `node-agent set-healthy` "
+                         "and `node-agent act resume`",
+                    fault_code=record.fault_code, target=record.target)
+    reason = drain_reason(Level.ERROR, code, target,
+                          f"needs-operator {count} remediations in 7 d")
+    steps = [] if drained else [Step("drain", reason, "drained", code, target, count)]
+    steps.append(Step("hold", reason, "needs-operator", REMEDIATIONS_CODE, "node", count))
+    note = (f"held for an operator: {why}; a node that keeps needing restarts is not restarted "
+            "again: it stays drained until an operator finds the cause, then runs `node-agent "
+            "set-healthy` and `node-agent act resume`")
+    return Plan(tuple(steps), note=note, fault_code=REMEDIATIONS_CODE, target="node")
 
 
 def _replace_plan(code: str, target: str, drained: bool, level: Level, note: str = "",

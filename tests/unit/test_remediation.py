@@ -117,14 +117,21 @@ class FakeReset:
         return f"reset gpu:{index}"
 
 
-def grade(level: Level, rule: str = "xid", target: str = "gpu:5", message: str = "") -> Grade:
+def grade(level: Level, rule: str = "xid", target: str = "gpu:5", message: str = "",
+          code: int | None = None) -> Grade:
+    """A grade of one reason; an ``xid`` reason carries its catalog code as the grader gives
+    it (79 unless told)."""
     if level == Level.HEALTHY:
         return Grade(Level.HEALTHY, Action.NONE)
-    msg = message or (f"Xid 79 on {target} [Xid 79: fallen off the bus]" if rule == "xid"
+    if rule == "xid" and code is None:
+        code = 79
+    msg = message or (f"Xid {code} on {target} [Xid {code}: fallen off the bus]" if rule == "xid"
                       else f"{rule} on {target}")
     action = {Level.WARN: Action.NONE, Level.ERROR: Action.RESTART,
               Level.FAULT: Action.REPLACE}[level]
-    return Grade(level, action, (Reason(rule, level, target, msg),))
+    return Grade(level, action, (Reason(rule, level, target, msg,
+                                        catalog="xid" if code is not None else None,
+                                        code=code),))
 
 
 HEALTHY = Grade(Level.HEALTHY, Action.NONE)
@@ -210,9 +217,9 @@ def test_fault_recurring_after_max_restarts_escalates_to_fault():
 
 
 def test_xid_restarts_are_counted_per_xid_code():
-    assert fault_code(Reason("xid", Level.ERROR, "gpu:1", "x [Xid 31: MMU]")) == "xid-31"
+    assert fault_code(Reason("xid", Level.ERROR, "gpu:1", "x", catalog="xid", code=31)) == "xid-31"
     assert fault_code(Reason("driver-hang", Level.ERROR, "gpu:1", "hung")) == "driver-hang"
-    xid31 = grade(Level.ERROR, "xid", "gpu:1", "Xid 31 [Xid 31: MMU fault]")
+    xid31 = grade(Level.ERROR, "xid", "gpu:1", "Xid 31 [Xid 31: MMU fault]", code=31)
     assert not plan_for(xid31, counts={"xid-43": 5}).escalated
 
 
@@ -250,10 +257,13 @@ def test_sxid_restarts_are_counted_per_sxid_code_apart_from_xids(grader):
     assert (p.fault_code, p.target) == ("sxid-20034", "nvswitch:0")
 
 
-def test_the_fault_code_is_read_from_the_graders_bracket_not_the_quoted_line():
+def test_the_fault_code_is_the_reasons_typed_code_never_its_message():
     r = Reason("sxid", Level.ERROR, "nvswitch:0",
-               "SXid 20034 on nvswitch:0: odd text [Xid 79 [SXid 20034: LTSSM Fault Up]")
+               "SXid 20034 on nvswitch:0: odd text [Xid 79 [SXid 20034: LTSSM Fault Up]",
+               catalog="sxid", code=20034)
     assert fault_code(r) == "sxid-20034"
+    # a message that quotes a code decides nothing: a reason without a typed code is its rule
+    assert fault_code(Reason("xid", Level.ERROR, "gpu:1", "x [Xid 79: fallen off]")) == "xid"
 
 
 # -- software causes: restarts spent, no replacement (remedy: software in graders/rules.yaml) --
@@ -738,7 +748,8 @@ def with_reasons(g: Grade, *more: Reason) -> Grade:
                  reasons)
 
 
-XID48 = Reason("xid", Level.ERROR, "gpu:1", "Xid 48 on gpu:1 [Xid 48: double bit ECC error]")
+XID48 = Reason("xid", Level.ERROR, "gpu:1", "Xid 48 on gpu:1 [Xid 48: double bit ECC error]",
+               catalog="xid", code=48)
 
 
 @pytest.mark.parametrize(("target", "job"), [
@@ -818,7 +829,8 @@ def test_hang_beside_a_hardware_error_takes_the_node_path(store):
 
 
 def test_hang_beside_a_fault_replaces_the_node():
-    fault = Reason("xid", Level.FAULT, "gpu:5", "Xid 79 on gpu:5 [Xid 79: fallen off the bus]")
+    fault = Reason("xid", Level.FAULT, "gpu:5", "Xid 79 on gpu:5 [Xid 79: fallen off the bus]",
+                   catalog="xid", code=79)
     p = plan_for(with_reasons(hang("job:slurm:1/rank:0"), fault))
     assert [s.action for s in p.steps] == ["drain", "replace"]
     assert "xid-79" in p.steps[0].reason
