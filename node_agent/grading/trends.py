@@ -1,0 +1,327 @@
+"""Trends: what is about to fail, from a counter's history (pure; no SQLite, no clock of its own).
+
+The daemon keeps the numeric results named in ``graders/trends.yaml`` as series over time
+(``node_agent.service.history``) and asks this module, after each check run, which series are
+on their way to trouble. Two rules, each a WARN with the series as evidence (docs/trends.md):
+
+1. **Forecast.** A robust line through the series since its last reset, the Theil-Sen
+   estimator (the median of the slopes between every pair of points: Theil 1950, Sen 1968; up
+   to 29 % of the points may be outliers without moving it), gives "rising at X per day,
+   crosses its threshold in about N days". A crossing within ``horizon_days`` warns.
+2. **Rising in k of the last n windows.** NVIDIA's resiliency extension marks a link bad when
+   its error counters rise in k of the last n sampling windows (issue 28); a counter that
+   climbs in most recent windows is a bad part even when its slope is small.
+
+A counter that resets (a reboot, a driver reload, a GPU reset: the value drops) starts a new
+segment. No fit spans a reset, no rate is ever negative, and the step at a reset counts as no
+increase (a counter at 0 after a reboot is not a drop of the part's health, and what it counted
+before the reset is not known to be new). A gauge (a thermal margin, a throughput) has no
+resets: one segment, and its trend may fall (``direction: down``) towards a lower threshold.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from node_agent.model import Result, Status
+from node_agent.yamlfile import ConfigError, load_yaml
+
+DAY_S = 86400.0
+#: a segment longer than this is thinned (evenly, keeping its last point) before the fit:
+#: Theil-Sen is O(n^2) in pairs; 120 points are 7,140 pairs (a few ms in Python)
+MAX_FIT_POINTS = 120
+#: at most this many of a series' newest points travel as a trend's evidence
+EVIDENCE_POINTS = 48
+
+
+@dataclass(frozen=True)
+class Point:
+    """One value of a series at ``at`` (UNIX seconds). ``reset``: the counter dropped at or
+    before this point since the previous one kept (it starts a new segment)."""
+
+    at: float
+    value: float
+    reset: bool = False
+
+
+@dataclass(frozen=True)
+class SeriesSpec:
+    """One entry of ``graders/trends.yaml``: which results feed a series and when it warns."""
+
+    name: str
+    check: str
+    metric: str
+    kind: str  # counter | gauge
+    direction: str  # up: trouble is above the threshold; down: below it
+    threshold: float | None
+    threshold_sku: str | None  # a SKU ``limits`` key whose value is the threshold
+    unit: str
+    why: str
+    evidence_key: str | None = None  # the value is result.evidence[key], not result.value
+    margin_from: str | None = None  # the value is result.evidence[key] - result.value
+    horizon_days: float = 30.0
+    min_points: int = 4
+    min_span_h: float = 12.0
+    window_h: float = 24.0
+    k: int = 3
+    n: int = 4
+
+    def value_of(self, result: Result) -> float | None:
+        """The series' value in ``result`` (None when it carries none: a skip, a missing key)."""
+        if result.status in (Status.SKIP, Status.ERROR):
+            return None
+        evidence = result.evidence or {}
+        raw: Any = evidence.get(self.evidence_key) if self.evidence_key else result.value
+        if self.margin_from is not None:
+            limit = evidence.get(self.margin_from)
+            if not _number(limit) or not _number(raw):
+                return None
+            raw = float(limit) - float(raw)
+        return float(raw) if _number(raw) else None
+
+    def threshold_for(self, sku_limits: dict[str, Any] | None) -> float | None:
+        """The SKU's limit where the spec names one and the SKU has it, else the fixed one."""
+        if self.threshold_sku and sku_limits and _number(sku_limits.get(self.threshold_sku)):
+            return float(sku_limits[self.threshold_sku])
+        return self.threshold
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+_WINDOWS = {"type": "object", "additionalProperties": False,
+            "properties": {"window_h": {"type": "number", "exclusiveMinimum": 0},
+                           "k": {"type": "integer", "minimum": 1},
+                           "n": {"type": "integer", "minimum": 1}}}
+_COMMON = {"horizon_days": {"type": "number", "exclusiveMinimum": 0},
+           "min_points": {"type": "integer", "minimum": 3},
+           "min_span_h": {"type": "number", "minimum": 0},
+           "windows": _WINDOWS}
+TRENDS_SCHEMA: dict[str, Any] = {
+    "type": "object", "additionalProperties": False, "required": ["series"],
+    "properties": {
+        "defaults": {"type": "object", "additionalProperties": False, "properties": _COMMON},
+        "series": {"type": "array", "items": {
+            "type": "object", "additionalProperties": False,
+            "required": ["name", "check", "metric", "kind", "why"],
+            "properties": {
+                "name": {"type": "string", "pattern": r"^[a-z0-9_]{1,64}$"},
+                "check": {"type": "string", "minLength": 1},
+                "metric": {"type": "string", "minLength": 1},
+                "kind": {"enum": ["counter", "gauge"]},
+                "direction": {"enum": ["up", "down"]},
+                "threshold": {"type": "number"},
+                "threshold_sku": {"type": "string", "minLength": 1},
+                "evidence": {"type": "string", "minLength": 1},
+                "margin_from": {"type": "string", "minLength": 1},
+                "unit": {"type": "string"},
+                "why": {"type": "string", "minLength": 1},
+                **_COMMON}}},
+    },
+}
+
+
+@dataclass(frozen=True)
+class TrendSpecs:
+    """All series of ``graders/trends.yaml``, looked up by (check, metric)."""
+
+    series: tuple[SeriesSpec, ...] = ()
+    _by_key: dict[tuple[str, str], list[SeriesSpec]] = field(default_factory=dict, compare=False)
+
+    def samples(self, results: Sequence[Result]) -> list[tuple[SeriesSpec, str, float]]:
+        """(spec, target, value) for every result a series takes a value from."""
+        out = []
+        for result in results:
+            for spec in self._by_key.get((result.check, result.metric), ()):
+                value = spec.value_of(result)
+                if value is not None:
+                    out.append((spec, result.target, value))
+        return out
+
+    def get(self, name: str) -> SeriesSpec | None:
+        return next((s for s in self.series if s.name == name), None)
+
+
+def load_trend_specs(path: str | Path) -> TrendSpecs:
+    """Read ``trends.yaml``; ConfigError naming the file and key on any problem."""
+    data = load_yaml(path, TRENDS_SCHEMA, what="trends file")
+    defaults = data.get("defaults") or {}
+    specs: list[SeriesSpec] = []
+    for i, raw in enumerate(data["series"]):
+        where = f"{path}: series[{i}] ({raw['name']})"
+        if raw["name"] in {s.name for s in specs}:
+            raise ConfigError(f"{where}: the name is used twice; each series needs its own")
+        if "evidence" in raw and "margin_from" in raw:
+            raise ConfigError(f"{where}: give 'evidence' or 'margin_from', not both")
+        if "threshold" not in raw and "threshold_sku" not in raw:
+            raise ConfigError(f"{where}: no threshold; give 'threshold' or 'threshold_sku'")
+        merged = {**defaults, **raw}
+        windows = {**(defaults.get("windows") or {}), **(raw.get("windows") or {})}
+        spec = SeriesSpec(
+            name=raw["name"], check=raw["check"], metric=raw["metric"], kind=raw["kind"],
+            direction=raw.get("direction", "up"), threshold=raw.get("threshold"),
+            threshold_sku=raw.get("threshold_sku"), unit=raw.get("unit", ""), why=raw["why"],
+            evidence_key=raw.get("evidence"), margin_from=raw.get("margin_from"),
+            horizon_days=float(merged.get("horizon_days", 30.0)),
+            min_points=int(merged.get("min_points", 4)),
+            min_span_h=float(merged.get("min_span_h", 12.0)),
+            window_h=float(windows.get("window_h", 24.0)), k=int(windows.get("k", 3)),
+            n=int(windows.get("n", 4)))
+        if spec.k > spec.n:
+            raise ConfigError(f"{where}: windows.k {spec.k} is more than windows.n {spec.n}")
+        specs.append(spec)
+    by_key: dict[tuple[str, str], list[SeriesSpec]] = {}
+    for spec in specs:
+        by_key.setdefault((spec.check, spec.metric), []).append(spec)
+    return TrendSpecs(tuple(specs), by_key)
+
+
+# -- the arithmetic ------------------------------------------------------------------------------
+
+def segments(points: Sequence[Point], kind: str = "counter") -> list[list[Point]]:
+    """A counter's points split at each reset (a drop, or a point marked ``reset``); a gauge is
+    one segment."""
+    if kind != "counter":
+        return [list(points)] if points else []
+    out: list[list[Point]] = []
+    for p in points:
+        if not out or p.reset or p.value < out[-1][-1].value:
+            out.append([p])
+        else:
+            out[-1].append(p)
+    return out
+
+
+def theil_sen(points: Sequence[Point]) -> tuple[float, float] | None:
+    """(slope per second, intercept at t=0) of the Theil-Sen line; None under two distinct
+    times. Example: points (0, 0), (1, 1), (2, 2), (3, 30) give slope 1 (the outlier is out)."""
+    pts = _thin(points)
+    slopes = [(b.value - a.value) / (b.at - a.at)
+              for i, a in enumerate(pts) for b in pts[i + 1:] if b.at != a.at]
+    if not slopes:
+        return None
+    slope = statistics.median(slopes)
+    intercept = statistics.median(p.value - slope * p.at for p in pts)
+    return slope, intercept
+
+
+def _thin(points: Sequence[Point]) -> list[Point]:
+    if len(points) <= MAX_FIT_POINTS:
+        return list(points)
+    step = (len(points) - 1) / (MAX_FIT_POINTS - 1)
+    return [points[round(i * step)] for i in range(MAX_FIT_POINTS)]
+
+
+def increase(points: Sequence[Point], start: float, end: float) -> float:
+    """How much a counter rose in (start, end]: the sum of its steps up between consecutive
+    points, a reset's step counted as none. Never negative."""
+    total = 0.0
+    for prev, p in zip(points, points[1:]):
+        if start < p.at <= end and not p.reset and p.value > prev.value:
+            total += p.value - prev.value
+    return total
+
+
+def rising_windows(points: Sequence[Point], now: float, window_h: float, n: int) -> list[bool]:
+    """For each of the last ``n`` windows of ``window_h`` hours ending at ``now`` (newest
+    first), whether the counter rose in it."""
+    w = window_h * 3600.0
+    return [increase(points, now - (i + 1) * w, now - i * w) > 0 for i in range(n)]
+
+
+@dataclass(frozen=True)
+class Trend:
+    """A series' trend as graded now. ``warn`` is whether either rule fired."""
+
+    spec: SeriesSpec
+    target: str
+    slope_per_day: float | None  # over the current segment; None: too few points to fit
+    latest: float
+    threshold: float | None
+    crossing_days: float | None  # None: not heading for the threshold
+    rising: list[bool]  # newest window first
+    points: int  # in the current segment
+    segments: int
+    forecast_warns: bool
+    windows_warn: bool
+
+    @property
+    def warn(self) -> bool:
+        return self.forecast_warns or self.windows_warn
+
+    def message(self) -> str:
+        s = self.spec
+        unit = f" {s.unit}" if s.unit else ""
+        what = f"{s.check} {s.metric} on {self.target}"
+        parts = []
+        if self.slope_per_day is not None:
+            verb = "rising" if self.slope_per_day >= 0 else "falling"
+            parts.append(f"{verb} at {abs(self.slope_per_day):.3g}{unit} per day "
+                         f"(Theil-Sen over {self.points} points since the last reset)")
+        if self.forecast_warns and self.crossing_days is not None:
+            parts.append(f"crosses its threshold {self.threshold:g}{unit} in about "
+                         f"{self.crossing_days:.1f} days (now {self.latest:g})")
+        if self.windows_warn:
+            parts.append(f"rose in {sum(self.rising)} of the last {len(self.rising)} "
+                         f"{s.window_h:g}-hour windows (k={s.k})")
+        return f"{what}: " + "; ".join(parts) if parts else f"{what}: no trend"
+
+
+def evaluate(spec: SeriesSpec, target: str, points: Sequence[Point], now: float,
+             threshold: float | None) -> Trend | None:
+    """Grade one series' trend at ``now``; None for an empty series."""
+    if not points:
+        return None
+    segs = segments(points, spec.kind)
+    current = segs[-1]
+    latest = current[-1].value
+    slope_day = crossing = None
+    forecast = False
+    span_h = (current[-1].at - current[0].at) / 3600.0
+    if len(current) >= spec.min_points and span_h >= spec.min_span_h:
+        fit = theil_sen(current)
+        if fit is not None:
+            slope, intercept = fit
+            slope_day = slope * DAY_S
+            worsening = slope > 0 if spec.direction == "up" else slope < 0
+            if spec.kind == "counter" and slope_day < 0:
+                slope_day = 0.0  # a counter inside one segment never falls: no negative rate
+            if worsening and threshold is not None:
+                t_cross = (threshold - intercept) / slope
+                crossing = max(0.0, (t_cross - now) / DAY_S)
+                forecast = crossing <= spec.horizon_days
+    # k of n: counters only, and inside the current segment (never across a reset)
+    rising = (rising_windows(current, now, spec.window_h, spec.n)
+              if spec.kind == "counter" else [])
+    windows = spec.kind == "counter" and sum(rising) >= spec.k
+    return Trend(spec=spec, target=target, slope_per_day=slope_day, latest=latest,
+                 threshold=threshold, crossing_days=crossing, rising=rising,
+                 points=len(current), segments=len(segs), forecast_warns=forecast,
+                 windows_warn=windows)
+
+
+def trend_result(trend: Trend, points: Sequence[Point]) -> Result:
+    """The ``trends`` result of a series that warns (metric ``trend``), the series as
+    evidence: its newest points as ``[unix_s, value]`` pairs, the fit and the windows."""
+    s = trend.spec
+    shown = points[-EVIDENCE_POINTS:]
+    return Result(
+        check="trends", target=trend.target, metric="trend", status=Status.WARN,
+        detail=trend.message() + f" ({s.why})",
+        value=None if trend.crossing_days is None else round(trend.crossing_days, 2),
+        unit="days" if trend.crossing_days is not None else "",
+        evidence={"series": s.name, "check": s.check, "metric": s.metric, "kind": s.kind,
+                  "slope_per_day": None if trend.slope_per_day is None
+                  else round(trend.slope_per_day, 6),
+                  "threshold": trend.threshold, "crossing_days": None
+                  if trend.crossing_days is None else round(trend.crossing_days, 2),
+                  "latest": trend.latest, "rising_windows": trend.rising,
+                  "window_h": s.window_h, "k": s.k, "n": s.n,
+                  "segment_points": trend.points, "segments": trend.segments,
+                  "points": [[round(p.at, 1), p.value] for p in shown],
+                  "resets_at": [round(p.at, 1) for p in shown if p.reset]})
