@@ -126,6 +126,15 @@ FAULT_SCHEMAS: dict[str, dict[str, Any]] = {
                    "items": {"type": "integer", "minimum": 0}},
         "every_h": {"type": "number", "exclusiveMinimum": 0},
         "link": {"type": "integer", "minimum": 0}}, ("gpu", "counter", "values")),
+    # an HCA port's error counter grows at ``per_hour`` since the simulated node booted
+    # (node_agent.sim.tools: an hour before the scenario file was written), so it moves
+    # between runs; link_downed growth is down-up cycles (flaps) to the hca_ports check
+    "hca_errors": _hca_fault("hca_errors", {
+        "counter": {"enum": ["link_downed", "symbol_error", "port_rcv_errors",
+                             "link_error_recovery", "excessive_buffer_overrun_errors",
+                             "local_link_integrity_errors", "port_xmit_discards",
+                             "local_ack_timeout_err", "rnr_nak_retry_err"]},
+        "per_hour": {"type": "number", "exclusiveMinimum": 0}}, ("hca", "counter", "per_hour")),
     # RDMA (node_agent.sim.tools builds the HCAs' sysfs and an ib_write_bw stand-in from these)
     "hca_port_down": _hca_fault("hca_port_down", {}),
     "hca_rate": _hca_fault("hca_rate", {"gbps": {"type": "number", "exclusiveMinimum": 0}},
