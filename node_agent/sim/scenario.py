@@ -135,6 +135,21 @@ FAULT_SCHEMAS: dict[str, dict[str, Any]] = {
                              "local_link_integrity_errors", "port_xmit_discards",
                              "local_ack_timeout_err", "rnr_nak_retry_err"]},
         "per_hour": {"type": "number", "exclusiveMinimum": 0}}, ("hca", "counter", "per_hour")),
+    # the kernel's distress (checks/kernel_distress.py): ``count`` machine checks in the kernel
+    # log, corrected (the bank records and "Machine check events logged") or, with ``fatal``,
+    # the exception, "Processor context corrupt" and the panic line; ``pstore_panic``: panics
+    # kept in pstore from before this boot (``count``, default 1)
+    "mce": _fault("mce", {"count": {"type": "integer", "minimum": 1},
+                          "fatal": {"type": "boolean"}}, ("count",)),
+    "pstore_panic": _fault("pstore_panic", {"count": {"type": "integer", "minimum": 1}}, ()),
+    # the simulated node's software where it differs from this host's or from a healthy node
+    # (checks/software_drift.py): NCCL and kernel versions; nvidia_peermem loaded and
+    # nvidia-fabricmanager running (default true); ``acs``: bridges above GPUs/HCAs with PCIe
+    # ACS on (default none)
+    "software": _fault("software", {
+        "nccl": {"type": "string", "minLength": 1}, "kernel": {"type": "string", "minLength": 1},
+        "peermem": {"type": "boolean"}, "fabricmanager": {"type": "boolean"},
+        "acs": {"type": "array", "items": _BDF}}, ()),
     # RDMA (node_agent.sim.tools builds the HCAs' sysfs and an ib_write_bw stand-in from these)
     "hca_port_down": _hca_fault("hca_port_down", {}),
     "hca_rate": _hca_fault("hca_rate", {"gbps": {"type": "number", "exclusiveMinimum": 0}},
