@@ -13,9 +13,14 @@ DESIGN.md ("The simulator") puts faults at the hardware boundary: what sysfs hol
 external tools print. For a scenario's ``hcas``, :func:`rdma_tools` writes, under a directory
 the caller owns (and removes):
 
-* ``sys/class/infiniband/<hca>/ports/1/{state,phys_state,rate,link_layer}`` and
-  ``counters/{link_downed,symbol_error,port_rcv_errors}`` in the kernel's format
-  (``4: ACTIVE``, ``5: LinkUp``, ``400 Gb/sec (4X NDR)``, ``InfiniBand``, zero counters);
+* ``sys/class/infiniband/<hca>/ports/1/{state,phys_state,rate,link_layer}``, the error
+  counters of ``counters/`` (``link_downed``, ``symbol_error``, ``port_rcv_errors``,
+  ``link_error_recovery``, ``excessive_buffer_overrun_errors``,
+  ``local_link_integrity_errors``, ``port_xmit_discards``) and ``hw_counters/``
+  (``local_ack_timeout_err``, ``rnr_nak_retry_err``) in the kernel's format (``4: ACTIVE``,
+  ``5: LinkUp``, ``400 Gb/sec (4X NDR)``, ``InfiniBand``, zero counters on a healthy port), and
+  each HCA's ``device`` link to its PCI function (``0000:0c:00.<n>``, as :func:`simulated_pci`
+  puts it on the bus, and as the kernel-log lines of a scenario name it);
 * ``bin/ib_write_bw``, a small Python script that answers like perftest's: ``--help``, and
   server and client runs that print the real tool's header and bandwidth table (the layout of
   ``tests/data/perftest/ib_write_bw_gbits.txt``, captured on ConnectX-7 NDR), in ``Gb/sec``
@@ -24,7 +29,14 @@ the caller owns (and removes):
 The ``rdma`` check then runs its real code on them: sysfs discovery, the subprocess, the table
 parser and the grading. Faults (``node_agent.sim.scenario``): ``hca_port_down`` (DOWN/Polling, no
 bandwidth test), ``hca_rate`` (the link trained at ``gbps``), ``hca_slow`` (bandwidth times
-``factor``), ``hca_flap`` (``link_downed`` = ``count``).
+``factor``), ``hca_flap`` (``link_downed`` = ``count``: that many down-up cycles since boot),
+``hca_errors`` (``counter`` grows at ``per_hour`` since boot).
+
+The simulated node booted an hour before its scenario file was last written
+(:func:`simulated_boot_time`), so its uptime, and a counter growing at ``per_hour``, advance
+from one run to the next as a real node's do: the ``hca_ports`` check sees rates and new flaps
+between runs. The mlx5 driver's kernel lines come through the ``kernel_log`` fault kind, with
+the HCA's bus id written into the line (``mlx5_core 0000:0c:00.0: ...`` for the first HCA).
 
 Nothing here is imported by the real-hardware path; only checks running under ``--simulate``
 call it.
@@ -36,6 +48,7 @@ import json
 import os
 import stat
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,6 +77,8 @@ class SimHca:
     write_bw_gbps: float
     counters: dict[str, int] = field(default_factory=dict)
     link_layer: str = "InfiniBand"
+    hw_counters: dict[str, int] = field(default_factory=dict)
+    bus_id: str = ""  # its PCI function (the ``device`` link), e.g. 0000:0c:00.0
 
     @property
     def state(self) -> str:
@@ -86,6 +101,7 @@ class SimRdma:
     sysfs_root: Path  # what the rdma check reads instead of /sys/class/infiniband
     ib_write_bw: Path
     hcas: tuple[SimHca, ...]
+    uptime_s: float = 3600.0  # seconds since the simulated node booted
 
 
 def healthy_rate_gbps(sku: Sku | None) -> float:
@@ -104,22 +120,54 @@ def healthy_rate_gbps(sku: Sku | None) -> float:
     return float(max(IB_4X_RATES))
 
 
-def simulated_hcas(scenario: Scenario, sku: Sku | None) -> tuple[SimHca, ...]:
-    """The scenario's ``hcas`` with its RDMA faults applied."""
+#: The error counters a simulated port has, zero unless a fault says otherwise: ``counters/``
+#: (IBTA PortCounters, drivers/infiniband/core/sysfs.c) and mlx5's ``hw_counters/``.
+PORT_COUNTERS = ("link_downed", "symbol_error", "port_rcv_errors", "link_error_recovery",
+                 "excessive_buffer_overrun_errors", "local_link_integrity_errors",
+                 "port_xmit_discards")
+HW_COUNTERS = ("local_ack_timeout_err", "rnr_nak_retry_err")
+#: the simulated node's uptime when its scenario file was written
+BOOTED_BEFORE_SCENARIO_S = 3600.0
+
+
+def hca_bus_id(index: int) -> str:
+    """The PCI function of the scenario's ``index``-th HCA (one ConnectX function each)."""
+    return f"0000:0c:00.{index}"
+
+
+def simulated_boot_time(scenario: Scenario, now: float | None = None) -> float:
+    """When the simulated node booted: an hour before its scenario file was last written (the
+    same in every run of one scenario), or an hour ago where the file cannot be read."""
+    now = time.time() if now is None else now
+    try:
+        written = os.stat(scenario.source).st_mtime
+    except OSError:
+        written = now
+    return min(written, now) - BOOTED_BEFORE_SCENARIO_S
+
+
+def simulated_hcas(scenario: Scenario, sku: Sku | None,
+                   uptime_s: float = BOOTED_BEFORE_SCENARIO_S) -> tuple[SimHca, ...]:
+    """The scenario's ``hcas`` with its RDMA faults applied, ``uptime_s`` after boot."""
     out = []
     healthy = healthy_rate_gbps(sku)
-    for name in scenario.hcas:
+    for index, name in enumerate(scenario.hcas):
         rate = healthy
         for fault in scenario.hca_faults(name, "hca_rate"):
             rate = float(fault.params["gbps"])
         bw = rate * WRITE_BW_EFFICIENCY
         for fault in scenario.hca_faults(name, "hca_slow"):
             bw *= float(fault.params["factor"])
-        flaps = sum(int(f.params["count"]) for f in scenario.hca_faults(name, "hca_flap"))
+        counters = dict.fromkeys(PORT_COUNTERS, 0)
+        hw_counters = dict.fromkeys(HW_COUNTERS, 0)
+        counters["link_downed"] = sum(int(f.params["count"])
+                                      for f in scenario.hca_faults(name, "hca_flap"))
+        for fault in scenario.hca_faults(name, "hca_errors"):
+            into = hw_counters if fault.params["counter"] in HW_COUNTERS else counters
+            into[fault.params["counter"]] += int(float(fault.params["per_hour"]) * uptime_s / 3600)
         out.append(SimHca(name=name, active=not scenario.hca_faults(name, "hca_port_down"),
-                          rate_gbps=rate, write_bw_gbps=round(bw, 2),
-                          counters={"link_downed": flaps, "symbol_error": 0,
-                                    "port_rcv_errors": 0}))
+                          rate_gbps=rate, write_bw_gbps=round(bw, 2), counters=counters,
+                          hw_counters=hw_counters, bus_id=hca_bus_id(index)))
     return tuple(out)
 
 
@@ -134,6 +182,14 @@ def write_sysfs(hcas: tuple[SimHca, ...], root: Path) -> Path:
             (port / name).write_text(text + "\n")
         for name, value in hca.counters.items():
             (port / "counters" / name).write_text(f"{value}\n")
+        if hca.hw_counters:
+            (port / "hw_counters").mkdir()
+            for name, value in hca.hw_counters.items():
+                (port / "hw_counters" / name).write_text(f"{value}\n")
+        if hca.bus_id:  # /sys/class/infiniband/<hca>/device -> ../../../<pci function>
+            function = root.parent.parent / "devices" / hca.bus_id
+            function.mkdir(parents=True, exist_ok=True)
+            os.symlink(function, root / hca.name / "device")
     return root
 
 
@@ -179,7 +235,7 @@ def simulated_pci(scenario: Scenario, sku: Sku | None = None) -> tuple[SimPciDev
                                         vendor=NVIDIA_VENDOR_ID, class_code=_NVSWITCH_CLASS,
                                         driver=None if scenario.driver_down else "nvidia-nvswitch"))
     for n, _hca in enumerate(scenario.hcas):
-        devices.append(SimPciDevice(bus_id=f"0000:0c:00.{n}", vendor=_MELLANOX_VENDOR_ID,
+        devices.append(SimPciDevice(bus_id=hca_bus_id(n), vendor=_MELLANOX_VENDOR_ID,
                                     class_code=_INFINIBAND_CLASS, driver="mlx5_core"))
     return tuple(devices)
 
@@ -201,7 +257,7 @@ def captured_pci(scenario: Scenario) -> tuple[SimPciDevice, ...]:
                                     device=0 if device is None else int(device, 16),
                                     physfn=None if physfn is None else normalise_bus_id(physfn)))
     for n, _hca in enumerate(scenario.hcas):
-        devices.append(SimPciDevice(bus_id=f"0000:0c:00.{n}", vendor=_MELLANOX_VENDOR_ID,
+        devices.append(SimPciDevice(bus_id=hca_bus_id(n), vendor=_MELLANOX_VENDOR_ID,
                                     class_code=_INFINIBAND_CLASS, driver="mlx5_core"))
     return tuple(devices)
 
@@ -234,15 +290,19 @@ def write_executable(bindir: Path, name: str, source: str) -> Path:
     return path
 
 
-def rdma_tools(scenario: Scenario, sku: Sku | None, workdir: Path) -> SimRdma:
-    """Write the simulated HCAs' sysfs tree and ``ib_write_bw`` under ``workdir``."""
-    hcas = simulated_hcas(scenario, sku)
+def rdma_tools(scenario: Scenario, sku: Sku | None, workdir: Path,
+               now: float | None = None) -> SimRdma:
+    """Write the simulated HCAs' sysfs tree and ``ib_write_bw`` under ``workdir``, as they
+    read at ``now`` (Unix seconds; default: the present)."""
+    now = time.time() if now is None else now
+    uptime = now - simulated_boot_time(scenario, now)
+    hcas = simulated_hcas(scenario, sku, uptime)
     root = write_sysfs(hcas, workdir / "sys" / "class" / "infiniband")
     figures = {h.name: {"active": h.active, "bw_gbps": h.write_bw_gbps,
                         "link_layer": h.link_layer} for h in hcas}
     tool = write_executable(workdir / "bin", "ib_write_bw",
                             IB_WRITE_BW_SOURCE.replace("@FIGURES@", repr(json.dumps(figures))))
-    return SimRdma(sysfs_root=root, ib_write_bw=tool, hcas=hcas)
+    return SimRdma(sysfs_root=root, ib_write_bw=tool, hcas=hcas, uptime_s=uptime)
 
 
 # The stand-in. It answers at once: the duration (-D) is stated in its table, not spent.

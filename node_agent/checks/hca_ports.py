@@ -1,0 +1,674 @@
+"""Check ``hca_ports``: every port of every HCA, from sysfs and the mlx5 driver's kernel lines.
+
+Delivery runs perftest once (the ``rdma`` check); in service a port can go down, train at a
+lower rate, flap or gather errors at any time, so this check reads only sysfs (milliseconds)
+and runs in the quick, periodic and delivery suites, as gpud's infiniband component and Meta's
+gcm watch their ports. Per port (target ``hca:<dev>``, ``hca:<dev>/<port>`` beyond port 1, as
+the ``rdma`` check names them; device and port in the evidence):
+
+* ``link_state`` — fail unless ``ACTIVE`` (``/sys/class/infiniband/<dev>/ports/<n>/state``).
+* ``port_rate_gbps`` — the signalling rate (``rate``: ``400 Gb/sec (4X NDR)``) against the
+  node's expectation: the SKU's ``ports`` of at least ``min_rate_gbps`` (``graders/hca.yaml``,
+  from NVIDIA's DGX user guides, as gpud holds them), or where the SKU says nothing, the rate
+  most ACTIVE ports of the same link layer run at. ``port_count`` (target ``node``) fails when
+  fewer than the SKU's ``ports`` ports are ACTIVE at that rate (an HCA gone, a link trained low).
+* ``flaps`` — down-up cycles (growth of ``counters/link_downed``, or a run that found the port
+  down and a later one ACTIVE) in the last 12 hours, kept in ``ctx.state_dir``: 3 or more ->
+  warn (gpud's count), and fail when the port goes on cycling after the warning (``flaps`` in
+  ``graders/hca.yaml`` says what "goes on" means).
+* ``error_rates`` — the error counters of ``counters/`` and ``hw_counters/`` named in
+  ``graders/hca.yaml``, as rates per hour against the last readings kept in ``ctx.state_dir``;
+  a counter that went down was reset (a new baseline, never a negative rate).
+
+And per HCA, ``mlx5_*`` results from the kernel log: module over temperature, other module
+errors, the ASIC's temperature warning, insufficient PCIe slot power, firmware command failures
+and timeouts, the firmware health poll (forms from drivers/net/ethernet/mellanox/mlx5/core/
+events.c, cmd.c and health.c; see :data:`KERNEL_LINES`). Only kernel-facility records whose
+message *starts* with ``mlx5_core <domain:bus:dev.fn>: `` are believed (docs/xid.md, "Rules of
+belief"); the bus id becomes ``hca:<dev>`` through ``/sys/class/infiniband/<dev>/device``.
+
+No RDMA device: skip with the reason. Params: ``sysfs_root`` (default
+``/sys/class/infiniband``), ``ports`` / ``min_rate_gbps`` (override the SKU's), ``ignore``
+(``["mlx5_9", "mlx5_4/2"]``: ports not cabled on purpose), ``since`` (``boot``, default, or
+``last_run``: kernel lines after the previous run's cursor).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from node_agent import atomic_file, resources
+from node_agent.checks import CheckContext, rdma
+from node_agent.kernel_log import kernel_message
+from node_agent.model import Result, Status
+from node_agent.sim import tools as sim_tools
+from node_agent.yamlfile import load_yaml
+
+SYSFS_ROOT = rdma.SYSFS_ROOT
+STATE_FILE = "hca_ports.json"
+UPTIME = Path("/proc/uptime")
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+#: the most down-up cycles one run adds to a port's history (a saturated or huge jump is still
+#: "many"; the history stays small)
+MAX_CYCLES_PER_RUN = 64
+
+_NUM_OR_NULL = {"type": ["number", "null"], "minimum": 0}
+HCA_SCHEMA: dict[str, Any] = {
+    "type": "object", "additionalProperties": False,
+    "required": ["flaps", "min_window_h", "counters"],
+    "properties": {
+        "skus": {"type": "object", "additionalProperties": {
+            "type": "object", "additionalProperties": False,
+            "required": ["ports", "min_rate_gbps"],
+            "properties": {"ports": {"type": "integer", "minimum": 1},
+                           "min_rate_gbps": {"type": "number", "exclusiveMinimum": 0}}}},
+        "flaps": {"type": "object", "additionalProperties": False,
+                  "required": ["count", "window_h"],
+                  "properties": {"count": {"type": "integer", "minimum": 1},
+                                 "window_h": {"type": "number", "exclusiveMinimum": 0}}},
+        "min_window_h": {"type": "number", "exclusiveMinimum": 0},
+        "counters": {"type": "object", "additionalProperties": {
+            "type": "object", "additionalProperties": False,
+            "required": ["dir", "warn_per_hour", "error_per_hour"],
+            "properties": {"dir": {"enum": ["counters", "hw_counters"]},
+                           "warn_per_hour": _NUM_OR_NULL, "error_per_hour": _NUM_OR_NULL,
+                           "bits": {"type": "integer", "minimum": 1, "maximum": 64}}}},
+    },
+}
+
+
+# --- what the ports are held to ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CounterRule:
+    """One error counter: where it lives, its thresholds (per hour; None: never that level)."""
+
+    name: str
+    dir: str  # "counters" | "hw_counters"
+    warn_per_hour: float | None
+    error_per_hour: float | None
+    bits: int = 64
+
+    @property
+    def saturated_at(self) -> int | None:
+        """The value a PortCounters counter stops at (IBTA: they saturate, never wrap)."""
+        return 2**self.bits - 1 if self.bits < 64 else None
+
+
+@dataclass(frozen=True)
+class HcaGrading:
+    """``graders/hca.yaml``."""
+
+    skus: dict[str, dict[str, Any]]
+    flap_count: int
+    flap_window_s: float
+    min_window_s: float
+    counters: tuple[CounterRule, ...]
+
+
+def load_grading(path: Path) -> HcaGrading:
+    """Read and validate ``hca.yaml``; ConfigError on any problem."""
+    data = load_yaml(path, HCA_SCHEMA, what="HCA grading file")
+    return HcaGrading(
+        skus=dict(data.get("skus") or {}), flap_count=data["flaps"]["count"],
+        flap_window_s=float(data["flaps"]["window_h"]) * 3600,
+        min_window_s=float(data["min_window_h"]) * 3600,
+        counters=tuple(CounterRule(name=name, dir=c["dir"], warn_per_hour=c["warn_per_hour"],
+                                   error_per_hour=c["error_per_hour"], bits=c.get("bits", 64))
+                       for name, c in data["counters"].items()))
+
+
+def grading(ctx: CheckContext) -> HcaGrading:
+    """``hca.yaml`` of the configured graders directory (the shipped one where an operator's
+    directory predates the file)."""
+    path = resources.graders_dir(ctx.config) / "hca.yaml"
+    if not path.exists():
+        path = resources.shipped_graders_dir() / "hca.yaml"
+    return load_grading(path)
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """At least ``ports`` ports ACTIVE at ``min_rate_gbps`` or faster; None: not declared."""
+
+    ports: int | None
+    min_rate_gbps: float | None
+    source: str
+
+
+def expectation(ctx: CheckContext, table: HcaGrading) -> Expectation:
+    """The suite's ``ports``/``min_rate_gbps`` params, else the SKU's ``hca`` section, else
+    ``graders/hca.yaml``'s entry for the SKU, else nothing declared."""
+    p = ctx.params
+    if "ports" in p or "min_rate_gbps" in p:
+        ports = p.get("ports")
+        rate = p.get("min_rate_gbps")
+        return Expectation(None if ports is None else int(ports),
+                           None if rate is None else float(rate), "the suite's params")
+    if ctx.sku is None:
+        return Expectation(None, None, "no SKU")
+    entry = ctx.sku.section("hca") or table.skus.get(ctx.sku.id)
+    if not entry:
+        return Expectation(None, None, f"SKU {ctx.sku.id} declares no HCA ports")
+    return Expectation(int(entry["ports"]), float(entry["min_rate_gbps"]), f"SKU {ctx.sku.id}")
+
+
+# --- reading sysfs -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PortReading:
+    """One port (``rdma.Port``: state, rate, link layer) and its error counters."""
+
+    port: rdma.Port
+    counters: dict[str, int | None] = field(default_factory=dict)
+    link_downed: int | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.port.device}/{self.port.port}"
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def read_ports(root: Path, rules: tuple[CounterRule, ...]) -> list[PortReading]:
+    """Every port under ``root`` with the counters ``rules`` name (None: absent or unreadable,
+    e.g. ``N/A (no PMA)``)."""
+    out = []
+    for port in rdma.discover(root):
+        base = root / port.device / "ports" / port.port
+        counters = {r.name: _read_int(base / r.dir / r.name) for r in rules}
+        out.append(PortReading(port, counters, _read_int(base / "counters" / "link_downed")))
+    return out
+
+
+def hca_bus_ids(root: Path) -> dict[str, str]:
+    """``{"0000:0c:00.0": "mlx5_0"}``: each HCA's PCI function, from its ``device`` link."""
+    found: dict[str, str] = {}
+    try:
+        devices = sorted(root.iterdir())
+    except OSError:
+        return found
+    for dev in devices:
+        try:
+            found[(dev / "device").resolve(strict=True).name.lower()] = dev.name
+        except OSError:
+            continue
+    return found
+
+
+def uptime_s(path: Path = UPTIME) -> float | None:
+    """Seconds since boot (``/proc/uptime``'s first field); None where unreadable."""
+    try:
+        return float(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _boot_id() -> str:
+    try:
+        return BOOT_ID.read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+# --- the check ---------------------------------------------------------------------------------
+
+
+def run(ctx: CheckContext) -> list[Result]:
+    now = time.time()
+    if ctx.simulated and "sysfs_root" not in ctx.params:
+        # A simulated node's HCAs: the sysfs tree node_agent.sim.tools writes for this run,
+        # read below exactly as the real one is.
+        if not ctx.scenario.hcas:
+            return [ctx.skip("no RDMA device: the simulated node's scenario lists no hcas")]
+        with tempfile.TemporaryDirectory(prefix="node-agent-sim-hca-") as tmp:
+            sim = sim_tools.rdma_tools(ctx.scenario, ctx.sku, Path(tmp), now=now)
+            return check(ctx, sim.sysfs_root, now=now, uptime=sim.uptime_s)
+    return check(ctx, Path(ctx.params.get("sysfs_root", SYSFS_ROOT)), now=now,
+                 uptime=uptime_s())
+
+
+def check(ctx: CheckContext, root: Path, now: float, uptime: float | None,
+          table: HcaGrading | None = None) -> list[Result]:
+    """The whole check on the tree at ``root`` at time ``now`` (Unix seconds), the node up for
+    ``uptime`` seconds (None: unknown). Reads and rewrites ``ctx.state_dir``'s state file."""
+    table = table or grading(ctx)
+    try:
+        readings = read_ports(root, table.counters)
+    except OSError as err:
+        return [ctx.result("node", "ran", Status.ERROR, f"cannot list the HCA ports under "
+                           f"{root}: {err.strerror or err}")]
+    if not readings:
+        return [ctx.skip(f"no RDMA device: {root} lists no ports (no InfiniBand/RoCE HCA, or "
+                         "its driver is not loaded)")]
+    ignore = {str(i) for i in ctx.params.get("ignore") or ()}
+    watched = [r for r in readings
+               if r.port.device not in ignore and r.key not in ignore]
+    results = [ctx.skip(f"{r.port.device} port {r.port.port} is in the suite's ignore list",
+                        target=r.port.target, metric="link_state")
+               for r in readings if r not in watched]
+    results += link_results(ctx, watched, expectation(ctx, table))
+    state = load_state(ctx)
+    kept = state.get("ports") or {}
+    # ports no longer in sysfs leave the history (one that comes back starts a new baseline)
+    ports_state = state["ports"] = {}
+    for reading in watched:
+        previous = kept.get(reading.key)
+        previous = previous if isinstance(previous, dict) else None
+        flap, ports_state[reading.key] = flap_result(ctx, reading, previous, now, uptime, table)
+        results.append(flap)
+        rates, ports_state[reading.key]["counters"] = rate_result(
+            ctx, reading, (previous or {}).get("counters") or {}, now, table)
+        results.append(rates)
+    results += kernel_line_results(ctx, hca_bus_ids(root), state)
+    if ctx.state_dir is None:
+        for r in results:
+            if r.metric in ("flaps", "error_rates"):
+                r.evidence["history"] = ("none kept: no writable state directory, so flaps "
+                                         "and rates see this run alone")
+    else:
+        save_state(ctx, state)
+    return results
+
+
+def link_results(ctx: CheckContext, readings: list[PortReading],
+                 expect: Expectation) -> list[Result]:
+    """``link_state`` and ``port_rate_gbps`` per port, ``port_count`` for the node."""
+    out: list[Result] = []
+    active = [r.port for r in readings if r.port.state == "ACTIVE"]
+    fast = [p for p in active if expect.min_rate_gbps is not None and p.rate_gbps is not None
+            and p.rate_gbps >= expect.min_rate_gbps]
+    short = expect.ports is not None and len(fast) < expect.ports
+    if expect.ports is not None:
+        out.append(ctx.result(
+            "node", "port_count", Status.FAIL if short else Status.PASS,
+            f"{len(fast)} HCA port(s) ACTIVE at {expect.min_rate_gbps:g} Gb/s or faster, "
+            f"{expect.source} expects at least {expect.ports}"
+            + (": an HCA is missing, down or trained at a lower rate" if short else ""),
+            value=len(fast), unit="ports", expected=expect.ports,
+            min_rate_gbps=expect.min_rate_gbps, source=expect.source,
+            ports=sorted(f"{p.device}/{p.port}" for p in fast)))
+    majority = _majority_rates(active)
+    for reading in readings:
+        port = reading.port
+        ev = {"device": port.device, "port": port.port, "link_layer": port.link_layer,
+              "phys_state": port.phys_state}
+        up = port.state == "ACTIVE"
+        out.append(ctx.result(
+            port.target, "link_state", Status.PASS if up else Status.FAIL,
+            f"{port.device} port {port.port} is {port.state or 'unknown'} ({port.phys_state})"
+            + ("" if up else ": no traffic passes; check the cable, the switch port and the "
+               "subnet manager (list the port under the check's `ignore` if it is unused)"),
+            value=port.state, **ev))
+        if not up:
+            continue
+        if port.rate_gbps is None:
+            out.append(ctx.result(port.target, "port_rate_gbps", Status.ERROR,
+                                  f"cannot read the rate of {port.device} port {port.port}: "
+                                  f"{port.rate_text!r}", **ev))
+            continue
+        out.append(_rate_result(ctx, port, expect, short, majority.get(port.link_layer), ev))
+    return out
+
+
+def _majority_rates(ports: list[rdma.Port]) -> dict[str, float]:
+    """Per link layer, the rate more than half of its ACTIVE ports run at (2 ports or more)."""
+    out = {}
+    for layer in {p.link_layer for p in ports}:
+        rates = [p.rate_gbps for p in ports if p.link_layer == layer and p.rate_gbps is not None]
+        if len(rates) < 2:
+            continue
+        rate, n = Counter(rates).most_common(1)[0]
+        if n * 2 > len(rates):
+            out[layer] = rate
+    return out
+
+
+def _rate_result(ctx: CheckContext, port: rdma.Port, expect: Expectation, short: bool,
+                 peers: float | None, ev: dict[str, Any]) -> Result:
+    rate = port.rate_gbps or 0.0
+    head = f"{port.device} port {port.port} at {port.rate_text}"
+    if expect.min_rate_gbps is not None:
+        low = rate < expect.min_rate_gbps
+        if low and (short or expect.ports is None):
+            status, detail = Status.FAIL, (
+                f"{head}, below the {expect.min_rate_gbps:g} Gb/s {expect.source} expects: the "
+                "link trained at a lower speed (reseat or replace the cable or transceiver)")
+        elif low:
+            status, detail = Status.PASS, (
+                f"{head}: not one of the {expect.ports} fabric ports at "
+                f"{expect.min_rate_gbps:g} Gb/s (those are all there)")
+        else:
+            status, detail = Status.PASS, head
+        return ctx.result(port.target, "port_rate_gbps", status, detail, value=rate,
+                          unit="Gb/s", minimum=expect.min_rate_gbps, source=expect.source,
+                          rate=port.rate_text, **ev)
+    if peers is not None and rate < peers:
+        return ctx.result(port.target, "port_rate_gbps", Status.FAIL,
+                          f"{head}, below the {peers:g} Gb/s most of this node's "
+                          f"{port.link_layer} ports run at: the link trained at a lower speed",
+                          value=rate, unit="Gb/s", peers_gbps=peers, source="the node's ports",
+                          rate=port.rate_text, **ev)
+    return ctx.result(port.target, "port_rate_gbps", Status.PASS,
+                      head + ("" if peers is not None else
+                              " (no expectation declared and no majority of peers to compare)"),
+                      value=rate, unit="Gb/s", peers_gbps=peers, source="the node's ports",
+                      rate=port.rate_text, **ev)
+
+
+# --- flaps -------------------------------------------------------------------------------------
+
+
+def flap_result(ctx: CheckContext, reading: PortReading, previous: dict[str, Any] | None,
+                now: float, uptime: float | None,
+                table: HcaGrading) -> tuple[Result, dict[str, Any]]:
+    """The port's ``flaps`` result and its new state (last state and link_downed, the times of
+    its down-up cycles in the window, when the flap WARN was first raised)."""
+    port = reading.port
+    window = table.flap_window_s
+    value = reading.link_downed
+    cycles = [float(t) for t in (previous or {}).get("cycles", [])]
+    note = ""
+    if previous is None:
+        if value:
+            if uptime is not None and uptime <= window:
+                # the counters start at zero when the driver loads: every step of link_downed
+                # happened since boot, inside the window
+                cycles += [now - uptime] * min(value, MAX_CYCLES_PER_RUN)
+                note = f"first reading: {value} link-down event(s) since boot {uptime / 3600:.1f} h ago"
+            else:
+                note = (f"first reading: link_downed is {value} since the counters were cleared, "
+                        "too long ago to place in the window; growth from now on is counted")
+    else:
+        before = previous.get("link_downed")
+        grown = value - before if value is not None and before is not None and value >= before else 0
+        came_up = previous.get("state") not in (None, "ACTIVE") and port.state == "ACTIVE"
+        new = min(max(grown, int(came_up)), MAX_CYCLES_PER_RUN)
+        cycles += [now] * new
+        if value is not None and before is not None and value < before:
+            note = f"link_downed went from {before} to {value}: the counters were reset"
+    cycles = sorted(t for t in cycles if t > now - window)
+    warned_at = (previous or {}).get("warned_at")
+    status = Status.PASS
+    if len(cycles) >= table.flap_count:
+        warned_at = now if warned_at is None else float(warned_at)
+        after = [t for t in cycles if t > warned_at]
+        status = Status.FAIL if len(after) >= table.flap_count else Status.WARN
+    else:
+        warned_at = None
+    hours = window / 3600
+    if status is Status.FAIL:
+        detail = (f"{port.device} port {port.port} keeps flapping: {len(cycles)} down-up cycles "
+                  f"in {hours:g} h, {len(after)} of them after the first warning; replace the "
+                  "cable or transceiver, or move the port")
+    elif status is Status.WARN:
+        detail = (f"{port.device} port {port.port} flapped: {len(cycles)} down-up cycles in "
+                  f"{hours:g} h (a marginal cable, transceiver or switch port)")
+    else:
+        detail = f"{port.device} port {port.port}: {len(cycles)} down-up cycle(s) in {hours:g} h"
+    state = {"t": now, "state": port.state, "link_downed": value, "cycles": cycles,
+             "warned_at": warned_at}
+    result = ctx.result(port.target, "flaps", status, detail + (f" ({note})" if note else ""),
+                        value=len(cycles), unit="cycles", window_h=hours,
+                        threshold=table.flap_count, link_downed=value,
+                        warned_at=warned_at, device=port.device, port=port.port)
+    return result, state
+
+
+# --- error counters as rates -------------------------------------------------------------------
+
+
+def rate_result(ctx: CheckContext, reading: PortReading, history: dict[str, list[list[float]]],
+                now: float, table: HcaGrading) -> tuple[Result, dict[str, list[list[float]]]]:
+    """The port's ``error_rates`` result and each counter's kept readings ``[[t, value], ...]``.
+
+    A rate is the increase since the oldest reading kept (the last ``min_window_h``, and the
+    newest one before it) over at least ``min_window_h``; a counter below its last reading was
+    reset and starts a new history with no rate this run.
+    """
+    port = reading.port
+    rates: dict[str, float] = {}
+    notes: list[str] = []
+    over: list[tuple[Status, str]] = []
+    kept: dict[str, list[list[float]]] = {}
+    for rule in table.counters:
+        value = reading.counters.get(rule.name)
+        if value is None:
+            continue
+        samples = [list(s) for s in history.get(rule.name, [])]
+        if samples and value < samples[-1][1]:
+            notes.append(f"{rule.name} went from {int(samples[-1][1])} to {value}: reset")
+            samples = []
+        if samples:
+            first_t, first_v = samples[0]
+            rate = (value - first_v) * 3600 / max(now - first_t, table.min_window_s)
+            rates[rule.name] = round(rate, 3)
+            level = _over(rule, rate)
+            if level is not None:
+                limit = rule.error_per_hour if level is Status.FAIL else rule.warn_per_hour
+                over.append((level, f"{rule.name} {rate:.1f}/h (over {limit:g}/h)"))
+        if rule.saturated_at is not None and value >= rule.saturated_at:
+            notes.append(f"{rule.name} is saturated at {value} (it no longer counts; clear the "
+                         "port's counters, e.g. `perfquery -x -R`)")
+        kept[rule.name] = _keep(samples, now, value, table.min_window_s)
+    status = max((s for s, _ in over), key=_rank, default=Status.PASS)
+    if over:
+        detail = (f"{port.device} port {port.port} error rates over their thresholds: "
+                  + ", ".join(text for _, text in over)
+                  + " (bit errors of a marginal cable or transceiver, or a port in trouble)")
+    elif rates:
+        detail = f"{port.device} port {port.port}: error rates under their thresholds"
+    else:
+        detail = f"{port.device} port {port.port}: first reading of its error counters (baseline)"
+    if notes:
+        detail += "; " + "; ".join(notes)
+    result = ctx.result(port.target, "error_rates", status, detail,
+                        value=max(rates.values(), default=None), unit="errors/h",
+                        rates_per_hour=rates, counters=dict(reading.counters), notes=notes,
+                        device=port.device, port=port.port)
+    return result, kept
+
+
+def _over(rule: CounterRule, rate: float) -> Status | None:
+    if rule.error_per_hour is not None and rate > rule.error_per_hour:
+        return Status.FAIL
+    if rule.warn_per_hour is not None and rate > rule.warn_per_hour:
+        return Status.WARN
+    return None
+
+
+def _rank(status: Status) -> int:
+    return {Status.PASS: 0, Status.WARN: 1, Status.FAIL: 2}.get(status, 0)
+
+
+def _keep(samples: list[list[float]], now: float, value: int,
+          window_s: float) -> list[list[float]]:
+    """The readings to keep: those of the last ``window_s`` and the newest before them, at most
+    one per ``window_s / 30`` (the newest replaces a closer one), then this one."""
+    old = [s for s in samples if s[0] <= now - window_s]
+    kept = old[-1:] + [s for s in samples if s[0] > now - window_s]
+    if len(kept) >= 2 and now - kept[-2][0] < window_s / 30:
+        kept[-1] = [now, value]
+    else:
+        kept.append([now, value])
+    return kept
+
+
+# --- the mlx5 driver's kernel lines ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelLineKind:
+    metric: str
+    status: Status
+    pattern: re.Pattern[str]
+    meaning: str
+
+
+#: The mlx5 driver's lines this check grades. The driver prints through ``mlx5_core_err`` /
+#: ``_warn`` / ``_info`` (``dev_err(dev, "%s:%d:(pid %d): " fmt, __func__, __LINE__, pid)``),
+#: so a message is ``mlx5_core <bdf>: <function>:<line>:(pid <n>): <text>``; the function
+#: prefix is optional here (older kernels print without it). Forms from Linux
+#: drivers/net/ethernet/mellanox/mlx5/core/: events.c ``port_module`` (module status and
+#: error strings), ``temp_warn``, ``mlx5_pcie_event``; cmd.c ``mlx5_cmd_out_err`` and the
+#: command timeout; health.c ``poll_health``. gpud's kmsg_matcher.go and NVSentinel's syslog
+#: patterns match the same lines (sample lines in tests/unit/test_hca_ports.py).
+KERNEL_LINES: tuple[KernelLineKind, ...] = (
+    KernelLineKind("mlx5_module_temperature", Status.FAIL, re.compile(
+        r"^Port module event\[error\]: module (?P<module>\d+), Cable error, High Temperature"),
+        "the port's cable module is over its temperature threshold and shuts down its link"),
+    KernelLineKind("mlx5_module_error", Status.FAIL, re.compile(
+        r"^Port module event\[error\]: module (?P<module>\d+), [^,]+, (?P<what>.+)"),
+        "the port's cable module reports an error (power budget, bad or shorted cable, "
+        "ports powered down for slot power)"),
+    KernelLineKind("mlx5_asic_temperature", Status.WARN, re.compile(
+        r"^High temperature on sensors with bit set"),
+        "the adapter's firmware warns of high temperature on its sensors (airflow, fans)"),
+    KernelLineKind("mlx5_insufficient_power", Status.WARN, re.compile(
+        r"^Detected insufficient power on the PCIe slot \((?P<watts>\d+)W\)"),
+        "the slot advertises less power than the adapter needs; it may throttle (on some "
+        "platforms the slot advertises 0 W and the line is benign)"),
+    KernelLineKind("mlx5_command_timeout", Status.FAIL, re.compile(
+        r"^(?P<cmd>[A-Z0-9_]+)\(0x[0-9a-fA-F]+\) timeout\. Will cause a leak of a command resource"),
+        "the adapter's firmware did not answer a command: reset or reboot"),
+    KernelLineKind("mlx5_command_failed", Status.WARN, re.compile(
+        r"^(?P<cmd>[A-Z0-9_]+)\(0x[0-9a-fA-F]+\) op_mod\(0x[0-9a-fA-F]+\) failed, "
+        r"status (?P<status>[^(]+)\(0x[0-9a-fA-F]+\)"),
+        "the adapter's firmware refused a command"),
+    KernelLineKind("mlx5_health_compromised", Status.FAIL, re.compile(
+        r"^device's health compromised - reached miss count"),
+        "the adapter's firmware stopped updating its health counter (hung firmware)"),
+    KernelLineKind("mlx5_fatal_error", Status.FAIL, re.compile(r"^Fatal error (?P<code>\d+) detected"),
+        "the adapter's firmware reports a fatal error; the driver resets the device"),
+)
+#: ACCESS_REG failures are what reading counters does on a DGX's firmware-restricted functions
+#: (gpud issue 1164, node_exporter issue 3434): this check's own reads would flood them
+IGNORED_COMMANDS = frozenset({"ACCESS_REG"})
+_MLX5_PREFIX = re.compile(r"^mlx5_core (?P<bdf>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]): "
+                          r"(?:[A-Za-z0-9_]+:\d+:\(pid \d+\): )?(?P<text>.*)$")
+_KEPT_LINES = 3
+
+
+@dataclass(frozen=True)
+class Mlx5Line:
+    bdf: str
+    kind: KernelLineKind
+    text: str  # the message after the prefix
+    raw: str
+
+
+def parse_mlx5_line(line: str) -> Mlx5Line | None:
+    """The graded mlx5 line in one kernel-log line, or None (not the kernel's, not the
+    driver's prefix at the start of the message, not a graded form, or an ignored command).
+
+    >>> parse_mlx5_line("mlx5_core 0000:5c:00.0: mlx5_pcie_event:299:(pid 268269): "
+    ...                 "Detected insufficient power on the PCIe slot (27W).").kind.metric
+    'mlx5_insufficient_power'
+    """
+    if "mlx5_core" not in line:
+        return None
+    found = kernel_message(line)
+    if found is None:
+        return None
+    m = _MLX5_PREFIX.match(found[1])
+    if m is None:
+        return None
+    text = m["text"]
+    for kind in KERNEL_LINES:
+        km = kind.pattern.match(text)
+        if km is None:
+            continue
+        if "cmd" in km.groupdict() and km["cmd"] in IGNORED_COMMANDS:
+            return None
+        return Mlx5Line(m["bdf"].lower(), kind, text, line)
+    return None
+
+
+def kernel_line_results(ctx: CheckContext, buses: dict[str, str],
+                        state: dict[str, Any]) -> list[Result]:
+    """One result per HCA and graded form found in the kernel log (``since`` boot or the last
+    run's cursor), or one ``kernel_lines`` pass/skip for the node."""
+    log = ctx.kernel_log
+    if log.unavailable_reason:
+        return [ctx.skip(f"the mlx5 driver's kernel lines cannot be read: "
+                         f"{log.unavailable_reason}", metric="kernel_lines")]
+    since = ctx.params.get("since", "boot")
+    cursor = None
+    if since == "last_run":
+        saved = state.get("kernel_cursor") or {}
+        if saved.get("boot_id") == _boot_id() and saved.get("source") == log.source:
+            cursor = saved.get("seq")
+    try:
+        records = log.read()
+    except OSError as err:
+        return [ctx.result("node", "kernel_lines", Status.ERROR,
+                           f"cannot read the kernel log {log.source}: {err}")]
+    found: dict[tuple[str, str], list[Mlx5Line]] = {}
+    for record in records:
+        if cursor is not None and record.seq <= cursor:
+            continue
+        if not record.from_kernel:
+            continue
+        line = parse_mlx5_line(record.text.split("\n", 1)[0])
+        if line is not None:
+            target = f"hca:{buses.get(line.bdf, line.bdf)}"
+            found.setdefault((target, line.kind.metric), []).append(line)
+    if since == "last_run" and records:
+        state["kernel_cursor"] = {"boot_id": _boot_id(), "source": log.source,
+                                  "seq": records[-1].seq}
+    window = "since the last run" if cursor is not None else "in the kernel log"
+    if not found:
+        return [ctx.result("node", "kernel_lines", Status.PASS,
+                           f"no mlx5 driver line of trouble {window} ({log.source})",
+                           source=log.source)]
+    out = []
+    for (target, metric), lines in sorted(found.items()):
+        kind = lines[0].kind
+        out.append(ctx.result(
+            target, metric, kind.status,
+            f"{target}: {len(lines)} mlx5 line(s) {window}: {kind.meaning} — {lines[-1].text[:200]}",
+            value=len(lines), unit="lines", bus_id=lines[0].bdf, source=log.source,
+            lines=[x.raw[:300] for x in lines[:_KEPT_LINES]],
+            last=lines[-1].raw[:300] if len(lines) > _KEPT_LINES else None))
+    return out
+
+
+# --- state -------------------------------------------------------------------------------------
+
+
+def _state_path(ctx: CheckContext) -> Path | None:
+    return ctx.state_dir / STATE_FILE if ctx.state_dir else None
+
+
+def load_state(ctx: CheckContext) -> dict[str, Any]:
+    """The last run's readings; empty where there are none or they cannot be read (a corrupt
+    file means a new baseline: rates and flaps start over, nothing is invented)."""
+    path = _state_path(ctx)
+    if path is None or not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) and isinstance(data.get("ports", {}), dict) else {}
+
+
+def save_state(ctx: CheckContext, state: dict[str, Any]) -> None:
+    path = _state_path(ctx)
+    if path is not None:
+        atomic_file.write_json(path, state)
