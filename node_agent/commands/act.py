@@ -27,8 +27,14 @@ from node_agent.remediation.host import (
     open_configured_adapter,
     state_dir_of,
 )
-from node_agent.remediation.plan import Safety
-from node_agent.remediation.store import StateUnavailable, Store, open_store
+from node_agent.remediation.plan import (
+    REMEDIATION_ACTIONS,
+    REMEDIATIONS_CODE,
+    Safety,
+    remediation_window_start,
+    restart_window_start,
+)
+from node_agent.remediation.store import NodeRecord, StateUnavailable, Store, open_store
 from node_agent.report.terminal import printable
 from node_agent.schedulers import ADAPTER_NAMES, SchedulerAdapter
 from node_agent.yamlfile import ConfigError
@@ -185,6 +191,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     out("breaker: " + (f"OPEN since {_iso(br['opened_at'])}: {br['reason']}; reset with "
                        "`node-agent breaker reset`" if br["open"] else "closed"))
     out(f"opt-out: {data['opt_out'] or 'no'}")
+    hist = data["history"]
+    out(f"remediations in 7 days: {hist['remediations_7d']} of "
+        f"safety.max_remediations_7d={hist['max_remediations_7d']}"
+        + (" (HELD for an operator: no further restart)" if hist["held"] else ""))
+    if hist["hold"]:
+        out(f"hold: {hist['hold']}")
+    restarts = ", ".join(f"{code} {n} of {hist['restart_limits'].get(code, '?')}"
+                         for code, n in hist["restarts_per_code"].items())
+    out(f"restarts per fault code in {hist['restart_window_h']:g} h: {restarts or 'none'}")
     out(f"journal (last {len(data['journal'])}):")
     for row in data["journal"]:
         out(f"  #{row['id']:<4} {_iso(row['updated_at'])}  {row['action']:<9} "
@@ -196,12 +211,16 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def status_data(store: Store, node: str, config: Config, limit: int = 10) -> dict:
+def status_data(store: Store, node: str, config: Config, limit: int = 10,
+                now: float | None = None) -> dict:
     last = store.last_run(node)
     br = store.breaker()
+    record = store.node_record(node)
     return {
         "node": node,
-        "remediation": store.node_record(node).to_dict(),
+        "remediation": record.to_dict(),
+        "history": _history(store, record, Safety.from_config(config),
+                            time.time() if now is None else now),
         "last_run": last.__dict__ if last else None,
         "breaker": br.__dict__,
         "opt_out": ("config safety.opt_out" if config.get("safety.opt_out")
@@ -269,6 +288,41 @@ def cmd_optout(args: argparse.Namespace) -> int:
     print(f"node {node}: automatic actions "
           + ("off (opted out)" if args.switch == "on" else "on"))
     return EXIT_OK
+
+
+def _history(store: Store, record: NodeRecord, safety: Safety, now: float) -> dict:
+    """What the escalation and the 7-day hold count: the automatic restarts of the node in 7
+    days, the restarts per fault code in ``safety.restart_window_h`` with each code's limit
+    (``restarts_before_fault`` on the code's newest graded reason in the window, else
+    ``safety.max_restarts``), and the hold, if the node is held for an operator."""
+    since = restart_window_start(record, safety, now)
+    per_code = store.done_by_code(record.node, REMEDIATION_ACTIONS, since)
+    limits: dict[str, int] = {code: safety.max_restarts for code in per_code}
+    for run in store.runs_since(record.node, since):  # oldest first: the newest reason wins
+        for reason in run.reasons:
+            code, rbf = reason.get("code"), reason.get("restarts_before_fault")
+            key = f"{reason.get('rule')}-{code}"
+            if isinstance(code, int) and isinstance(rbf, int) and key in limits:
+                limits[key] = rbf
+    held = record.state == "needs-operator"
+    hold = None
+    if held:
+        why = ("restarted too often in 7 days" if record.fault_code == REMEDIATIONS_CODE
+               else "restarts spent on a software cause")
+        hold = (f"needs-operator since {_iso(record.since)}: {why} ({record.fault_code} "
+                f"{record.target}); fix the cause, then `node-agent set-healthy` and "
+                "`node-agent act resume`")
+    return {
+        "remediations_7d": store.count_done(record.node, REMEDIATION_ACTIONS,
+                                            remediation_window_start(record, now),
+                                            trigger="auto"),
+        "max_remediations_7d": safety.max_remediations_7d,
+        "restarts_per_code": per_code,
+        "restart_limits": limits,
+        "restart_window_h": safety.restart_window_h,
+        "held": held and record.fault_code == REMEDIATIONS_CODE,
+        "hold": hold,
+    }
 
 
 COMMANDS = {"act": cmd_act, "status": cmd_status, "set-healthy": cmd_set_healthy,

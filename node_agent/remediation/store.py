@@ -218,6 +218,13 @@ class Store:
             return None
         return RunRow(row[0], row[1], row[2], row[3], json.loads(row[4]), row[5])
 
+    def runs_since(self, node: str, since: float, limit: int = 200) -> list[RunRow]:
+        """The newest ``limit`` runs at or after ``since``, oldest first."""
+        rows = self._rows(
+            "SELECT at, suite, mode, level, reasons, report_path FROM runs WHERE node = ? "
+            "AND at >= ? ORDER BY id DESC LIMIT ?", (node, since, limit))
+        return [RunRow(r[0], r[1], r[2], r[3], json.loads(r[4]), r[5]) for r in reversed(rows)]
+
     # -- node state ----------------------------------------------------------------------------
     def node_record(self, node: str) -> NodeRecord:
         row = self._rows(
@@ -344,6 +351,19 @@ class Store:
             sql += " AND trigger = ?"
             params.append(trigger)
         return int(self._rows(sql, params, one=True)[0])
+
+    def done_by_code(self, node: str, actions: tuple[str, ...], since: float,
+                     trigger: str | None = None) -> dict[str, int]:
+        """``done`` rows of these actions since then, per fault code (``status``: the restarts
+        each fault code has had in its window)."""
+        sql = (f"SELECT fault_code, COUNT(*) FROM journal WHERE node = ? AND state = 'done' "
+               f"AND updated_at >= ? AND action IN ({','.join('?' * len(actions))})")
+        params: list[Any] = [node, since, *actions]
+        if trigger is not None:
+            sql += " AND trigger = ?"
+            params.append(trigger)
+        rows = self._rows(sql + " GROUP BY fault_code ORDER BY fault_code", params)
+        return {str(code or "-"): int(n) for code, n in rows}
 
     def last_done_at(self, node: str, actions: tuple[str, ...]) -> float | None:
         row = self._rows(
