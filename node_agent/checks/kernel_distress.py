@@ -1,0 +1,564 @@
+"""Check ``kernel_distress``: the kernel's own distress, from the kernel log, rasdaemon and pstore.
+
+What the kernel reports about the host rather than a GPU (``kernel_log.DistressLine`` has every
+line form and where Linux prints it), each folded like Xids (one result per kind and device:
+count, first and last time, rate, bursts, the first and last line) and graded by
+``graders/rules.yaml``:
+
+========================  ====================  ===================================================
+finding                   metric                status (grade)
+========================  ====================  ===================================================
+hung task                 ``hung_task``         warn (WARN) naming the tasks: a user can cause
+                                                one (a FUSE mount that never answers, a hung NFS
+                                                server), so never above WARN (docs/security.md)
+soft / hard lockup        ``soft_lockup``,      fail (ERROR): a CPU stuck in the kernel
+                          ``hard_lockup``
+OOM kill                  ``oom_kill``          warn (WARN) naming the process: see ``_OOM_WHY``
+NVMe timeout / reset      ``nvme_timeout``      warn (WARN) on ``disk:nvmeN``; fail (ERROR) from
+                                                ``nvme_repeat`` (default 3) timeouts and resets,
+                                                or a controller the driver removed or gave up on
+read-only filesystem      ``fs_readonly``       fail (ERROR) naming ``disk:<device>``
+NFS / Lustre lost         ``nfs_not_responding``, warn (WARN): the server's trouble, not the node's
+                          ``lustre_connection_lost``
+corrected machine checks  ``mce_corrected``     warn (WARN) from ``mce_corrected_warn`` events
+                                                (default 1) in the window, else pass with the count
+uncorrected / fatal MCE   ``mce_uncorrected``,  fail (ERROR)
+                          ``mce_fatal``
+rasdaemon's MCE records   ``ras_mce``           warn (WARN): its database keeps every boot's
+                                                records without saying which were before a repair
+panic kept in pstore      ``pstore_panic``      warn (WARN) for one panic; fail (ERROR) when two or
+                                                more panics are kept (it recurs on this node)
+========================  ====================  ===================================================
+
+Only what the kernel wrote is believed (``kernel_log``'s rules of belief): a record of the
+kernel's facility whose message *starts* with the form; the task and process names the kernel
+quotes are their users' to choose, kept as names and never believed as anything else.
+
+``since: boot`` (default) reads all the kernel still holds; ``since: last_run`` keeps a cursor in
+the state directory (``kernel_distress_cursor.json``). Parameters: ``nvme_repeat``,
+``mce_corrected_warn``, ``pstore_root`` (default ``/sys/fs/pstore``), ``pstore_archive``
+(systemd-pstore's ``/var/lib/systemd/pstore``), ``pstore_max_age_h`` (168: older dumps were
+seen before), ``rasdaemon`` (default true). Config ``host.ras_mc_ctl``, ``host.timeout_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from node_agent import proc
+from node_agent.checks import CheckContext
+from node_agent.checks.xid_fold import BURST_GAP_S, MAX_BURST_STARTS, Fold
+from node_agent.kernel_log import DistressLine, LogRecord, scan_distress
+from node_agent.model import Result, Status
+
+_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+_KEPT = 16  # tasks, processes, CPUs, servers named per finding (a flood names the first ones)
+
+#: The decision on OOM kills (issue 27): WARN, naming the process, and never more. Every form the
+#: kernel prints for an OOM kill can be caused by a user: a job past its cgroup's limit
+#: ("Memory cgroup out of memory"), a job without a limit that fills the node ("Out of memory",
+#: CONSTRAINT_NONE), even one that leaves only unkillable memory (files in a tmpfs such as
+#: /dev/shm are no process's to kill). What a user can cause grades WARN at most
+#: (docs/security.md). The host-level causes of running out of memory (a DIMM missing, a
+#: memory controller failing) are graded by the checks that see them (host_memory: installed
+#: memory and EDAC), where a user cannot forge them.
+_OOM_WHY = ("an OOM kill is the job's memory, not the node's: graded WARN at most (a user can "
+            "cause every form of it)")
+
+
+@dataclass
+class DistressFold:
+    """Every distress line of one kind on one subject: count, times, bursts, lines, names."""
+
+    kind: str
+    target: str
+    subject: str | None = None
+    count: int = 0
+    clock: str | None = None
+    first_s: float | None = None
+    last_s: float | None = None
+    bursts: int = 0
+    burst_starts: list[float] = field(default_factory=list)
+    first_line: str = ""
+    last_line: str = ""
+    names: list[str] = field(default_factory=list)  # tasks "comm:pid", CPUs, servers
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, line: DistressLine, name: str | None = None) -> None:
+        self.count += 1
+        self.first_line = self.first_line or line.raw
+        self.last_line = line.raw
+        if name is not None and name not in self.names and len(self.names) < _KEPT:
+            self.names.append(name)
+        stamp = line.stamp
+        if stamp is None or (self.clock is not None and stamp.clock != self.clock):
+            self.bursts = self.bursts or 1
+            return
+        t = stamp.seconds
+        if self.clock is None:
+            self.clock, self.first_s, self.last_s, self.bursts = stamp.clock, t, t, 1
+            self.burst_starts = [t]
+            return
+        assert self.first_s is not None and self.last_s is not None
+        if t - self.last_s > BURST_GAP_S:
+            self.bursts += 1
+            self.burst_starts = (self.burst_starts + [t])[-MAX_BURST_STARTS:]
+        self.first_s, self.last_s = min(self.first_s, t), max(self.last_s, t)
+
+    def evidence(self, boot_epoch: float | None) -> dict[str, Any]:
+        times = Fold(kind="distress", target=self.target, code=0, clock=self.clock)
+        span = (self.last_s - self.first_s) if self.first_s is not None and \
+            self.last_s is not None else 0.0
+        return {"kind": self.kind, "count": self.count, "subject": self.subject,
+                "first_seen": times.seen(self.first_s, boot_epoch),
+                "last_seen": times.seen(self.last_s, boot_epoch), "clock": self.clock,
+                "rate_per_hour": round(self.count / span * 3600, 3) if span >= 1 else None,
+                "bursts": self.bursts, "burst_gap_s": BURST_GAP_S,
+                "lines": [self.first_line] + ([self.last_line] if self.last_line != self.first_line
+                                              else []),
+                "names": list(self.names), **self.facts}
+
+
+def run(ctx: CheckContext) -> list[Result]:
+    since = ctx.params.get("since", "boot")
+    window = "since boot" if since == "boot" else "since the last run"
+    log = ctx.kernel_log
+    results: list[Result] = []
+    records: list[LogRecord] = []
+    read_ok = False
+    if log.unavailable_reason:
+        results.append(ctx.skip(log.unavailable_reason, metric="kernel_log"))
+    else:
+        try:
+            records = log.read()
+            read_ok = True
+        except OSError as err:
+            results.append(ctx.result("node", "kernel_log", Status.ERROR,
+                                      f"cannot read the kernel log ({log.source}): {err}",
+                                      error=str(err)))
+    if ctx.scenario is not None:
+        records = records + simulated_records(ctx.scenario, start_seq=len(records) + 1)
+    cursor = _load_cursor(ctx, log.source) if since == "last_run" else None
+    fresh = [r for r in records if cursor is None or r.seq > cursor]
+    if since == "last_run" and records and read_ok:
+        _save_cursor(ctx, log.source, records[-1].seq)
+    lines = scan_distress(fresh)
+    boot_epoch = time.time() - time.monotonic() if log.live else None
+    findings = grade_lines(ctx, lines, window, boot_epoch, log.source)
+    results.extend(findings)
+    if ctx.params.get("rasdaemon", True):
+        results.extend(rasdaemon_results(ctx))
+    results.extend(pstore_results(ctx))
+    if read_ok and not findings:
+        results.append(ctx.result("node", "kernel_distress", Status.PASS,
+                                  f"no hung tasks, lockups, OOM kills, NVMe timeouts, read-only "
+                                  f"filesystems, lost file servers or machine checks {window} "
+                                  f"({log.source}: {len(fresh)} lines read)", value=0))
+    return results
+
+
+# --- the kernel log ---------------------------------------------------------------------------
+
+
+def grade_lines(ctx: CheckContext, lines: list[DistressLine], window: str,
+                boot_epoch: float | None, source: str) -> list[Result]:
+    """Distress lines -> one result per (kind, subject), graded as the module says."""
+    folds: dict[tuple[str, str | None], DistressFold] = {}
+    oom_context: dict[int, DistressLine] = {}
+
+    def fold(kind: str, target: str, subject: str | None = None) -> DistressFold:
+        key = (kind, subject)
+        if key not in folds:
+            folds[key] = DistressFold(kind=kind, target=target, subject=subject)
+        return folds[key]
+
+    for line in lines:
+        k = line.kind
+        task = f"{line.process}:{line.pid}" if line.process is not None else None
+        if k == "hung_task":
+            fold("hung_task", "node").add(line, task)
+        elif k in ("soft_lockup", "hard_lockup"):
+            fold(k, "node").add(line, f"CPU{line.field('cpu')}"
+                 + (f" ({task})" if task else ""))
+        elif k == "oom_summary":
+            if line.pid is not None:
+                oom_context[line.pid] = line
+        elif k == "oom_kill":
+            fold("oom_kill", "node").add(line, task)
+        elif k in ("nvme_timeout", "nvme_reset", "nvme_failed"):
+            f = fold("nvme", f"disk:{line.subject}", line.subject)
+            f.add(line)
+            f.facts[k] = f.facts.get(k, 0) + 1
+        elif k == "fs_readonly":
+            fold("fs_readonly", f"disk:{line.subject}", line.subject).add(line)
+        elif k in ("nfs_not_responding", "lustre_lost"):
+            fold(k, "node", line.subject).add(line, line.subject)
+        elif k == "nfs_ok":
+            f = folds.get(("nfs_not_responding", line.subject))
+            if f is not None:
+                f.facts["recovered_line"] = line.raw
+        elif k == "mce_record":
+            if line.field("context_corrupt") or line.field("exception"):
+                kind = "mce_fatal" if line.field("context_corrupt") else "mce_uncorrected"
+            else:
+                kind = "mce_uncorrected" if line.field("uncorrected") else "mce_corrected"
+            fold(kind, "node").add(line, f"CPU{line.field('cpu')} bank {line.field('bank')}")
+        elif k == "mce_logged":
+            fold("mce_corrected", "node").add(line)
+        elif k == "mce_fatal":
+            fold("mce_fatal", "node").add(line)
+        elif k == "memory_failure":
+            fold("mce_uncorrected", "node").add(line, line.field("page"))
+
+    out: list[Result] = []
+    for (kind, _subject), f in sorted(folds.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
+        if kind == "oom_kill":
+            scopes = sorted({oom_context[int(n.rsplit(":", 1)[1])].field("scope")
+                             for n in f.names if int(n.rsplit(":", 1)[1]) in oom_context})
+            f.facts.update(scopes=scopes, why=_OOM_WHY)
+        out.append(_result(ctx, f, window, boot_epoch, source))
+    return out
+
+
+_TITLES = {
+    "hung_task": "hung task(s) (blocked in the kernel past hung_task_timeout_secs)",
+    "soft_lockup": "soft lockup(s) (a CPU stuck in the kernel without scheduling)",
+    "hard_lockup": "hard lockup(s) (a CPU stuck with interrupts off)",
+    "oom_kill": "OOM kill(s)",
+    "nvme": "NVMe I/O timeouts or controller resets",
+    "fs_readonly": "filesystem shut down or remounted read-only",
+    "nfs_not_responding": "NFS server not responding",
+    "lustre_lost": "Lustre server connection lost",
+    "mce_corrected": "corrected machine check(s)",
+    "mce_uncorrected": "uncorrected machine check(s) / memory failure(s)",
+    "mce_fatal": "fatal machine check(s)",
+}
+_METRIC = {"lustre_lost": "lustre_connection_lost", "nvme": "nvme_timeout"}
+
+
+def _result(ctx: CheckContext, f: DistressFold, window: str, boot_epoch: float | None,
+            source: str) -> Result:
+    status = Status.WARN
+    if f.kind in ("soft_lockup", "hard_lockup", "fs_readonly", "mce_uncorrected", "mce_fatal"):
+        status = Status.FAIL
+    elif f.kind == "nvme":
+        repeat = int(ctx.params.get("nvme_repeat", 3))
+        if f.count >= repeat or f.facts.get("nvme_failed"):
+            status = Status.FAIL
+            f.facts["repeated"] = True
+        f.facts["nvme_repeat"] = repeat
+    elif f.kind == "mce_corrected":
+        least = int(ctx.params.get("mce_corrected_warn", 1))
+        f.facts["mce_corrected_warn"] = least
+        if f.count < least:
+            status = Status.PASS
+    named = (": " + ", ".join(f.names) + (" and others" if len(f.names) >= _KEPT else "")
+             if f.names else "")
+    where = f" on {f.target}" if f.target != "node" else ""
+    about = f" ({f.subject})" if f.subject and f.target == "node" else ""
+    detail = (f"{_TITLES[f.kind]}{about}{where}, {f.count} line(s) {window}{named}"
+              + (" - repeated" if f.facts.get("repeated") else "")
+              + (" - server answered again later" if f.facts.get("recovered_line") else "")
+              + f": {f.first_line}")
+    evidence = f.evidence(boot_epoch)
+    evidence["sources"] = [source]
+    return Result(check=ctx.check, target=f.target, metric=_METRIC.get(f.kind, f.kind),
+                  status=status, detail=detail[:1000], value=f.count, unit="lines",
+                  evidence=evidence)
+
+
+# --- the simulated node -----------------------------------------------------------------------
+
+#: a corrected memory-controller error and the Skylake-SP fatal one (status bits: VAL|EN|
+#: MISCV|ADDRV and, for the fatal one, UC|PCC): the forms arch/x86/kernel/cpu/mce/core.c prints
+SIM_MCE_CORRECTED = "mce: [Hardware Error]: CPU {cpu}: Machine Check: 0 Bank 7: 8c00004000010090"
+SIM_MCE_FATAL = ("mce: [Hardware Error]: CPU {cpu}: Machine Check Exception: 5 Bank 4: "
+                 "be00000000800400",
+                 "mce: [Hardware Error]: Machine check: Processor context corrupt",
+                 "Kernel panic - not syncing: Fatal machine check")
+SIM_MCE_LOGGED = "mce: [Hardware Error]: Machine check events logged"
+
+
+def simulated_records(scenario: Any, start_seq: int = 1) -> list[LogRecord]:
+    """The kernel-log records a simulated node's ``mce`` faults print (kmsg records of the
+    kernel's facility, as /dev/kmsg gives them): ``count`` corrected bank records and the
+    notice, or with ``fatal: true`` the exception, the context-corrupt line and the panic."""
+    lines: list[str] = []
+    for f in scenario.faults:
+        if f.kind != "mce":
+            continue
+        count = int(f.params.get("count", 1))
+        if f.params.get("fatal"):
+            for _ in range(count):
+                lines.extend(line.format(cpu=3) for line in SIM_MCE_FATAL)
+        else:
+            lines.extend(SIM_MCE_CORRECTED.format(cpu=i % 8) for i in range(count))
+            lines.append(SIM_MCE_LOGGED)
+    return [LogRecord(start_seq + i, line, boot_s=100.0 + i, facility=0)
+            for i, line in enumerate(lines)]
+
+
+# --- rasdaemon --------------------------------------------------------------------------------
+
+_RAS_ROW = re.compile(r"^\s+(?P<count>\d+)\s+(?P<msg>.+?)\s+errors\s*$")
+_RAS_UNCORRECTED = re.compile(r"uncorrect|fatal|context corrupt|action required|UC\b|poison",
+                              re.IGNORECASE)
+
+
+def parse_ras_summary(text: str) -> dict[str, Any] | None:
+    """``ras-mc-ctl --summary`` -> MCE record counts, or None when the output has no MCE part.
+
+    rasdaemon prints ``MCE records summary:`` then one ``\\t<count> <error_msg> errors`` row per
+    distinct message (``select error_msg, count(*) from mce_record group by error_msg``,
+    util/ras-mc-ctl.in), or ``No MCE errors.``. A message naming an uncorrected, fatal or
+    context-corrupt error counts as uncorrected; the rest (``Corrected error, no action
+    required.``, ``No Error``) as corrected.
+    """
+    rows: list[tuple[int, str]] = []
+    in_mce = False
+    seen = False
+    for line in text.splitlines():
+        if line.strip().startswith("No MCE errors"):
+            seen = True
+            in_mce = False
+            continue
+        if line.strip().startswith("MCE records summary"):
+            seen = in_mce = True
+            continue
+        if in_mce:
+            m = _RAS_ROW.match(line)
+            if m is None:
+                in_mce = False
+                continue
+            rows.append((int(m["count"]), m["msg"]))
+    if not seen:
+        return None
+    uncorrected = sum(n for n, msg in rows if _RAS_UNCORRECTED.search(msg))
+    total = sum(n for n, _ in rows)
+    return {"corrected": total - uncorrected, "uncorrected": uncorrected,
+            "rows": [{"count": n, "message": msg} for n, msg in rows[:_KEPT]]}
+
+
+def rasdaemon_results(ctx: CheckContext) -> list[Result]:
+    """rasdaemon's MCE records (``ras-mc-ctl --summary``), where it is installed."""
+    if ctx.scenario is not None:
+        return []  # a simulated node's machine checks are its kernel log's (the mce fault)
+    tool = str(ctx.config.get("host.ras_mc_ctl"))
+    if proc.which(tool) is None:
+        return [ctx.skip(f"rasdaemon's {tool} is not installed (Debian/Ubuntu package rasdaemon): "
+                         "machine checks are read from the kernel log only", metric="ras_mce")]
+    done = proc.run([tool, "--summary"], timeout_s=float(ctx.config.get("host.timeout_s")))
+    if not done.ok:
+        return [ctx.skip(f"{tool} --summary failed ({done.describe_failure()}): is rasdaemon "
+                         "running with its database (ras-mc-ctl needs it)?", metric="ras_mce")]
+    summary = parse_ras_summary(done.stdout)
+    if summary is None:
+        return [ctx.skip(f"{tool} --summary printed no MCE part (rasdaemon built without MCE "
+                         "support)", metric="ras_mce")]
+    total = summary["corrected"] + summary["uncorrected"]
+    if total == 0:
+        return [ctx.result("node", "ras_mce", Status.PASS, f"rasdaemon: no MCE records ({tool})",
+                           value=0, **summary)]
+    return [ctx.result("node", "ras_mce", Status.WARN,
+                       f"rasdaemon keeps {total} MCE record(s) ({summary['uncorrected']} "
+                       f"uncorrected, {summary['corrected']} corrected) over every boot it saw: "
+                       f"{'; '.join(r['message'] for r in summary['rows'][:4])} "
+                       f"(`{tool} --errors` lists them with times)",
+                       value=total, unit="records", **summary)]
+
+
+# --- pstore -----------------------------------------------------------------------------------
+
+PSTORE_ROOT = Path("/sys/fs/pstore")
+PSTORE_ARCHIVE = Path("/var/lib/systemd/pstore")
+#: fs/pstore/platform.c, pstore_dump: each dump part begins "<reason>#<count> Part<n>"
+_PSTORE_HEADER = re.compile(r"^(?P<why>Panic|Oops|Emergency|Shutdown|Unknown)#(?P<n>\d+) "
+                            r"Part(?P<part>\d+)")
+#: the kernel's own panic line in the saved log: "<0>[ 1234.5] Kernel panic - not syncing: ..."
+_PANIC_LINE = re.compile(r"^(?:<\d+>)?(?:\[\s*\d+\.\d+\]\s*)?Kernel panic - not syncing: (?P<why>.{1,200})")
+_PSTORE_READ_BYTES = 256 << 10
+
+
+def pstore_mounted(root: Path, mounts: Path = Path("/proc/self/mounts")) -> bool:
+    """Whether a pstore filesystem is mounted at ``root`` (``/proc/self/mounts``)."""
+    try:
+        for line in mounts.read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 3 and parts[2] == "pstore" and Path(parts[1]) == root:
+                return True
+    except OSError:
+        return False
+    return False
+
+
+def read_pstore(roots: list[Path], max_age_s: float | None = None,
+                now: float | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+    """The kernel dumps kept in ``roots`` (``dmesg-*`` files, searched one directory deep: the
+    systemd-pstore archive keeps one directory per boot): a list of dumps ``{why, n, files,
+    reason, mtime}``, one per (directory, reason, count), and the problems met reading them.
+
+    Files are opened without following links and read up to 256 KiB each; a dump older than
+    ``max_age_s`` (by its newest file's mtime) is left out."""
+    now = time.time() if now is None else now
+    dumps: dict[tuple[str, str, str], dict[str, Any]] = {}
+    problems: list[str] = []
+    for root in roots:
+        try:
+            entries = sorted(os.scandir(root), key=lambda e: e.name)
+        except FileNotFoundError:
+            continue
+        except OSError as err:
+            problems.append(f"{root}: {err.strerror or err}")
+            continue
+        files: list[os.DirEntry[str]] = []
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                try:
+                    files.extend(sorted(os.scandir(entry.path), key=lambda e: e.name))
+                except OSError as err:
+                    problems.append(f"{entry.path}: {err.strerror or err}")
+            else:
+                files.append(entry)
+        for entry in files:
+            if not entry.name.startswith("dmesg-") or not entry.is_file(follow_symlinks=False):
+                continue
+            try:
+                fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+                try:
+                    mtime = os.fstat(fd).st_mtime
+                    text = os.read(fd, _PSTORE_READ_BYTES).decode("utf-8", "replace")
+                finally:
+                    os.close(fd)
+            except OSError as err:
+                problems.append(f"{entry.path}: {err.strerror or err}")
+                continue
+            if max_age_s is not None and now - mtime > max_age_s:
+                continue
+            header = _PSTORE_HEADER.match(text)
+            why, n = (header["why"], header["n"]) if header else ("Unknown", "?")
+            key = (str(Path(entry.path).parent), why, n)
+            dump = dumps.setdefault(key, {"why": why, "n": n, "directory": key[0], "files": [],
+                                          "reason": None, "mtime": mtime})
+            dump["files"].append(entry.name)
+            dump["mtime"] = max(dump["mtime"], mtime)
+            for line in text.splitlines():
+                m = _PANIC_LINE.match(line.strip())
+                if m is not None:
+                    dump["reason"] = m["why"].strip()
+    return [dumps[k] for k in sorted(dumps)], problems
+
+
+def pstore_results(ctx: CheckContext) -> list[Result]:
+    """A panic (or oops) the kernel saved in pstore before this boot: WARN naming it; two or
+    more panics kept: fail (ERROR). One panic can be a kernel bug every node of the fleet
+    shares; a second on the same node before its dumps were cleared is the node's (its memory,
+    CPU or firmware), and the node is drained and re-tested, as a repeated Xid is."""
+    max_age_h = ctx.params.get("pstore_max_age_h", 168)
+    max_age_s = None if max_age_h is None else float(max_age_h) * 3600
+    if ctx.scenario is not None:
+        return _simulated_pstore(ctx, max_age_s)
+    root = Path(ctx.params.get("pstore_root", PSTORE_ROOT))
+    archive = Path(ctx.params.get("pstore_archive", PSTORE_ARCHIVE))
+    injected = "pstore_root" in ctx.params
+    if not injected and not pstore_mounted(root) and not archive.is_dir():
+        return [ctx.skip(f"no pstore: nothing is mounted at {root} (mount -t pstore pstore "
+                         f"{root}; needs CONFIG_PSTORE and a backend: efi, erst or ramoops) and "
+                         f"there is no systemd-pstore archive at {archive}", metric="pstore")]
+    return _grade_pstore(ctx, [root, archive], max_age_s)
+
+
+def _simulated_pstore(ctx: CheckContext, max_age_s: float | None) -> list[Result]:
+    """A simulated node's ``pstore_panic`` faults as the files pstore keeps (efi backend), in a
+    temporary directory read by the real reader."""
+    faults = [f for f in ctx.scenario.faults if f.kind == "pstore_panic"]  # type: ignore[union-attr]
+    with tempfile.TemporaryDirectory(prefix="node-agent-pstore-") as tmp:
+        n = 0
+        for f in faults:
+            for _ in range(int(f.params.get("count", 1))):
+                n += 1
+                Path(tmp, f"dmesg-efi-17{n:08d}01001").write_text(
+                    f"Panic#{n} Part1\n<4>[ 8821.100000] watchdog: BUG: soft lockup - CPU#5 stuck "
+                    f"for 22s! [kworker/5:1:311]\n<0>[ 8849.200000] Kernel panic - not syncing: "
+                    "softlockup: hung tasks\n")
+        results = _grade_pstore(ctx, [Path(tmp)], max_age_s)
+    for r in results:
+        r.evidence["roots"] = ["simulated pstore"]
+    return results
+
+
+def _grade_pstore(ctx: CheckContext, roots: list[Path], max_age_s: float | None) -> list[Result]:
+    dumps, problems = read_pstore(roots, max_age_s)
+    out: list[Result] = []
+    if problems and not dumps:
+        return [ctx.skip(f"pstore could not be read: {'; '.join(problems[:3])} (root only)",
+                         metric="pstore")]
+    panics = [d for d in dumps if d["why"] == "Panic"]
+    others = [d for d in dumps if d["why"] != "Panic"]
+    where = ", ".join(str(r) for r in roots)
+    if not dumps:
+        return [ctx.result("node", "pstore_panic", Status.PASS,
+                           f"no kernel panic kept in pstore ({where})", value=0)]
+    shown = [f"{d['why']}#{d['n']} ({d['reason'] or 'no panic line'}; {d['files'][0]})"
+             for d in (panics or others)[:4]]
+    evidence = {"dumps": dumps[:_KEPT], "roots": [str(r) for r in roots],
+                "clear_with": "remove the dumps from pstore (rm /sys/fs/pstore/dmesg-*) or the "
+                              "systemd-pstore archive once they are read"}
+    if panics:
+        status = Status.FAIL if len(panics) >= 2 else Status.WARN
+        out.append(ctx.result("node", "pstore_panic", status,
+                              f"{len(panics)} kernel panic(s) kept in pstore from before this "
+                              f"boot{' - it recurs on this node' if len(panics) >= 2 else ''}: "
+                              f"{'; '.join(shown)}", value=len(panics), unit="panics",
+                              **evidence))
+    else:
+        out.append(ctx.result("node", "pstore_panic", Status.WARN,
+                              f"{len(others)} kernel dump(s) (no panic) kept in pstore from "
+                              f"before this boot: {'; '.join(shown)}", value=0, unit="panics",
+                              **evidence))
+    return out
+
+
+# --- the cursor (since: last_run) -------------------------------------------------------------
+
+
+def _boot_id() -> str:
+    try:
+        return _BOOT_ID.read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def _cursor_path(ctx: CheckContext) -> Path | None:
+    return ctx.state_dir / "kernel_distress_cursor.json" if ctx.state_dir else None
+
+
+def _load_cursor(ctx: CheckContext, source: str) -> int | None:
+    path = _cursor_path(ctx)
+    if path is None or not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("boot_id") == _boot_id() and data.get("source") == source:
+            return int(data["seq"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # read since boot: over-reports rather than hides
+    return None
+
+
+def _save_cursor(ctx: CheckContext, source: str, seq: int) -> None:
+    path = _cursor_path(ctx)
+    if path is None:
+        return
+    tmp = path.with_suffix(".tmp")
+    try:
+        tmp.write_text(json.dumps({"boot_id": _boot_id(), "source": source, "seq": seq}))
+        tmp.replace(path)
+    except OSError:
+        pass  # the next run reads since boot again
