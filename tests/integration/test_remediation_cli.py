@@ -127,6 +127,33 @@ def test_error_recurring_after_max_restarts_escalates_to_replace(agent, scenario
     assert "escalated" in logged()[-1][1]
 
 
+def test_node_restarted_too_often_in_7_days_is_held_and_status_says_so(agent, scenario, config,
+                                                                       logged):
+    """safety.max_remediations_7d: 2. The first run resets the GPU and asks for a reboot (two
+    restarts of the node); the second finds the fault again and holds the node for an operator
+    instead of restarting it a third time: loud on stderr, a hold row, and in ``status``."""
+    cfg = config(max_remediations_7d=2, max_restarts=5)
+    first = agent("check", "--simulate", scenario(REMAP), "--act", "--json", "--config", cfg)
+    assert outcomes(first.json())[-1] == ("restart", "done")
+    second = agent("check", "--simulate", scenario(REMAP), "--act", "--json", "--config", cfg)
+    assert second.code == 3
+    assert outcomes(second.json()) == [("hold", "done")]
+    assert "NEEDS AN OPERATOR" in second.stderr and "2 time(s) in 7 days" in second.stderr
+    assert [a for a, _ in logged()] == ["drain", "restart"]  # a hold calls no adapter
+    data = agent("status", "--json", "--config", cfg).json()
+    assert data["remediation"]["state"] == "needs-operator"
+    assert data["remediation"]["fault_code"] == "remediations-7d"
+    hist = data["history"]
+    assert (hist["remediations_7d"], hist["max_remediations_7d"], hist["held"]) == (2, 2, True)
+    assert hist["restarts_per_code"] == {"row-remap-pending": 2}
+    human = agent("status", "--config", cfg).stdout
+    assert "remediations in 7 days: 2 of safety.max_remediations_7d=2 (HELD" in human
+    assert "restarts per fault code in 24 h: row-remap-pending 2 of 5" in human
+    # held: the next run restarts nothing
+    third = agent("check", "--simulate", scenario(REMAP), "--act", "--json", "--config", cfg)
+    assert outcomes(third.json()) == [] and "held for an operator" in third.stderr
+
+
 def test_status_shows_state_last_grade_journal_and_breaker(agent, scenario, config):
     cfg = config()
     agent("check", "--simulate", scenario(XID79), "--act", "--config", cfg)

@@ -240,3 +240,27 @@ def test_state_dir_of_another_user_is_not_used(tmp_path):
     finally:
         store.close()
     assert not (state / DB_NAME).exists()
+
+
+def test_done_restarts_are_counted_per_fault_code_since_a_time(store):
+    for i, (action, code, state) in enumerate([("restart", "xid-109", "done"),
+                                               ("gpu-reset", "xid-109", "done"),
+                                               ("restart", "xid-95", "done"),
+                                               ("restart", "xid-95", "failed"),
+                                               ("drain", "xid-95", "done")]):
+        row = _plan(store, key=f"k{i}", action=action, fault_code=code, now=T0 + i)
+        store.journal_finish(row.id, state, "", T0 + i)
+    assert store.done_by_code("gpu-01", ("restart", "gpu-reset"), T0) == {"xid-109": 2,
+                                                                        "xid-95": 1}
+    assert store.done_by_code("gpu-01", ("restart", "gpu-reset"), T0 + 2) == {"xid-95": 1}
+    assert store.done_by_code("other", ("restart",), T0) == {}
+
+
+def test_runs_since_keep_the_graded_reasons_with_their_typed_fields(store):
+    reason = {"rule": "xid", "level": "ERROR", "target": "gpu:3", "message": "m",
+              "catalog": "xid", "code": 109, "restarts_before_fault": 4}
+    store.record_run("gpu-01", T0, "quick", "service", "ERROR", [reason])
+    store.record_run("gpu-01", T0 + 10, "quick", "service", "HEALTHY", [])
+    runs = store.runs_since("gpu-01", T0 - 1)
+    assert [r.level for r in runs] == ["ERROR", "HEALTHY"] and runs[0].reasons == [reason]
+    assert [r.level for r in store.runs_since("gpu-01", T0 + 5)] == ["HEALTHY"]
