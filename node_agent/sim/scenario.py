@@ -150,6 +150,31 @@ FAULT_SCHEMAS: dict[str, dict[str, Any]] = {
         "nccl": {"type": "string", "minLength": 1}, "kernel": {"type": "string", "minLength": 1},
         "peermem": {"type": "boolean"}, "fabricmanager": {"type": "boolean"},
         "acs": {"type": "array", "items": _BDF}}, ()),
+    # the host (node_agent.sim.host_tools builds EDAC, memory blocks, CPUs, the PCI tree's AER
+    # counters and the nvme/ipmitool stand-ins from these; docs/host_checks.md): errors on a
+    # DIMM named by its label (CPU0_DIMM_A1 ... CPU1_DIMM_H2); memory gone; CPU 0's thermal
+    # throttle counters; AER errors on a GPU's or an HCA's function (``bridge``: on the bridge
+    # directly upstream of it); an NVMe drive's critical-warning byte (default 0x04); a PSU
+    # (PS1..PS6) asserting "Failure detected"
+    "edac_ue": _fault("edac_ue", {"dimm": {"type": "string", "pattern": r"^[A-Za-z0-9_#.+-]{1,64}$"},
+                                  "count": {"type": "integer", "minimum": 1}}, ("dimm",)),
+    "edac_ce": _fault("edac_ce", {"dimm": {"type": "string", "pattern": r"^[A-Za-z0-9_#.+-]{1,64}$"},
+                                  "count": {"type": "integer", "minimum": 1}}, ("dimm", "count")),
+    "memory_missing": _fault("memory_missing", {"gib": {"type": "number", "exclusiveMinimum": 0}},
+                             ("gib",)),
+    "cpu_throttle": _fault("cpu_throttle", {"count": {"type": "integer", "minimum": 1}},
+                           ("count",)),
+    "aer": {"type": "object", "additionalProperties": False, "required": ["kind", "severity"],
+            "oneOf": [{"required": ["gpu"]}, {"required": ["hca"]}],
+            "properties": {"kind": {"const": "aer"}, "gpu": _GPU, "hca": _HCA,
+                           "severity": {"enum": ["fatal", "nonfatal", "correctable"]},
+                           "count": {"type": "integer", "minimum": 1},
+                           "bridge": {"type": "boolean"}}},
+    "nvme_critical_warning": _fault("nvme_critical_warning", {
+        "disk": {"type": "string", "pattern": r"^nvme[0-9]+$"},
+        "warning": {"type": "integer", "minimum": 1, "maximum": 255}}, ("disk",)),
+    "psu_failed": _fault("psu_failed", {"psu": {"type": "string",
+                                                "pattern": r"^[A-Za-z0-9_.-]{1,32}$"}}, ("psu",)),
     # RDMA (node_agent.sim.tools builds the HCAs' sysfs and an ib_write_bw stand-in from these)
     "hca_port_down": _hca_fault("hca_port_down", {}),
     "hca_rate": _hca_fault("hca_rate", {"gbps": {"type": "number", "exclusiveMinimum": 0}},
