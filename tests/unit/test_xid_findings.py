@@ -380,3 +380,24 @@ def test_aer_on_a_gpu_with_failed_recovery_grades_error(env):
     assert {(r.metric, r.target) for r in results if r.status is not Status.PASS} == \
         {("pcie_aer_uncorrectable", "gpu:2"), ("pcie_aer_recovery_failed", "gpu:2")}
     assert env.grader.grade(results, "service").level is Level.ERROR
+
+
+def test_watch_findings_of_xid31_on_every_gpu_grade_as_the_jobs_warn(env):
+    """The daemon grades the findings its watch keeps all together, as the check's are: Xid 31
+    on every GPU, in three bursts each, is the application's (WARN, no drain); on one GPU
+    alone, the same three bursts are that GPU's ERROR."""
+    watch, reports, _ = watch_for(env)
+    scanner = KernelLogScanner()
+    mmu = "NVRM: Xid (PCI:{}): 31, pid=77, name=python3, Ch 00000008, intr 0. MMU Fault"
+    seq = iter(range(1, 100))
+    for burst_s in (1000.0, 3000.0, 5000.0):
+        watch.kernel_records([LogRecord(next(seq), mmu.format(bus(env, g)), boot_s=burst_s + g)
+                              for g in range(8)], scanner, "/dev/kmsg")
+    latest = {r.gpu_index: r for r in reports}  # the daemon keeps the latest per finding
+    kept = [latest[g].result(f"gpu:{g}") for g in range(8)]
+    assert all(r.evidence["bursts"] == 3 for r in kept)
+    spread = env.grader.grade(kept, "service")
+    assert spread.level is Level.WARN and len(spread.reasons) == 8
+    assert all("the job's" in r.message for r in spread.reasons)
+    alone = env.grader.grade(kept[3:4], "service")
+    assert (alone.level, alone.reasons[0].target) == (Level.ERROR, "gpu:3")
