@@ -1,0 +1,121 @@
+"""What the host checks share: where they read (the host, a test's tree, or the simulated
+node's), their thresholds (``graders/host.yaml``), and counters kept between runs.
+
+Params every host check takes (tests point them at trees of their own): ``sys_root`` (default
+``/sys``), ``proc_root`` (``/proc``), ``dev_root`` (``/dev``); the tools come from the config
+(``host.ipmitool``, ``host.nvme``) unless ``params`` name them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from node_agent import atomic_file
+from node_agent.checks import CheckContext
+from node_agent.host.paths import HostPaths
+from node_agent.resources import graders_dir, shipped_graders_dir
+from node_agent.yamlfile import load_yaml
+
+_NUM = {"type": "number", "minimum": 0}
+HOST_SCHEMA: dict[str, Any] = {
+    "type": "object", "additionalProperties": False,
+    "properties": {
+        "memory": {"type": "object", "additionalProperties": False, "properties": {
+            "ce_per_24h_max": _NUM, "missing_dimm_fraction": _NUM, "dimm_gib_default": _NUM,
+            "memtotal_reserved_fraction": _NUM}},
+        "nvme": {"type": "object", "additionalProperties": False,
+                 "properties": {"percent_used_max": _NUM}},
+        "pcie_aer": {"type": "object", "additionalProperties": False,
+                     "properties": {"correctable_growth_max": _NUM}},
+        "cpu": {"type": "object", "additionalProperties": False,
+                "properties": {"throttle_growth_max": _NUM}},
+    },
+}
+DEFAULTS = {"memory": {"ce_per_24h_max": 10, "missing_dimm_fraction": 0.5, "dimm_gib_default": 32,
+                       "memtotal_reserved_fraction": 0.03},
+            "nvme": {"percent_used_max": 90},
+            "pcie_aer": {"correctable_growth_max": 0},
+            "cpu": {"throttle_growth_max": 0}}
+
+
+def thresholds(ctx: CheckContext, section: str) -> dict[str, float]:
+    """``graders/host.yaml``'s ``section`` (the operator's graders_dir, else the shipped one),
+    over the built-in defaults. ConfigError when the file is malformed."""
+    path = graders_dir(ctx.config) / "host.yaml"
+    if not path.is_file():
+        path = shipped_graders_dir() / "host.yaml"
+    data = load_yaml(path, HOST_SCHEMA, what="host grading file", empty_ok=True) \
+        if path.is_file() else {}
+    return {**DEFAULTS[section], **(data.get(section) or {})}
+
+
+@contextlib.contextmanager
+def host_paths(ctx: CheckContext, parts: tuple[str, ...]) -> Iterator[HostPaths]:
+    """The roots and tools to read: under ``--simulate`` (and no ``sys_root`` param) the
+    simulated node's ``parts`` written to a temporary directory for this run
+    (:mod:`node_agent.sim.host_tools`); else ``params`` over the real host's."""
+    if ctx.simulated and "sys_root" not in ctx.params:
+        from node_agent.sim import host_tools
+
+        with tempfile.TemporaryDirectory(prefix="node-agent-sim-host-") as tmp:
+            yield host_tools.build(ctx.scenario, ctx.sku, Path(tmp), parts)
+        return
+    yield HostPaths(sys=Path(ctx.params.get("sys_root", "/sys")),
+                    proc=Path(ctx.params.get("proc_root", "/proc")),
+                    dev=Path(ctx.params.get("dev_root", "/dev")),
+                    ipmitool=str(ctx.params.get("ipmitool") or ctx.config.get("host.ipmitool")),
+                    nvme=str(ctx.params.get("nvme") or ctx.config.get("host.nvme")))
+
+
+def tool_timeout_s(ctx: CheckContext) -> float:
+    """``host.timeout_s``, kept under the check's own timeout."""
+    return max(1.0, min(float(ctx.config.get("host.timeout_s")), ctx.timeout_s * 0.8))
+
+
+@dataclass
+class Counters:
+    """Counters a check compares between runs, kept in ``state_dir/<name>.json``.
+
+    ``previous(key)`` is the value of the last run (None on a first run or without a state
+    directory: then growth counts from boot, the counters' own zero). A value below the last one
+    is a reset (a reboot, a cleared counter), never negative growth."""
+
+    path: Path | None
+    last: dict[str, Any]
+    now: dict[str, Any]
+
+    @classmethod
+    def load(cls, ctx: CheckContext, name: str) -> Counters:
+        path = ctx.state_dir / f"{name}.json" if ctx.state_dir else None
+        last: dict[str, Any] = {}
+        if path is not None:
+            try:
+                data = json.loads(path.read_text())
+                if isinstance(data, dict):
+                    last = data
+            except (OSError, ValueError):
+                last = {}
+        return cls(path=path, last=last, now={})
+
+    def growth(self, key: str, value: int) -> int:
+        """How much ``value`` grew since the last run (from zero on a first run)."""
+        self.now[key] = value
+        before = self.last.get(key)
+        if not isinstance(before, int) or isinstance(before, bool) or before > value:
+            before = 0
+        return value - before
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        try:
+            atomic_file.write_json(self.path, {**self.now, "_at": time.time()})
+        except OSError:
+            pass  # the next run counts from boot again; nothing here is a verdict

@@ -1,0 +1,95 @@
+"""Check ``host_cpu``: CPU thermal throttling, and the CPUs online against expected.
+
+Reads ``/sys/devices/system/cpu`` (:mod:`node_agent.host.cpu`):
+
+* ``cpu_throttle`` (``node``) — ``warn`` when the thermal throttle counters (every CPU's
+  ``core_throttle_count`` and ``package_throttle_count``) grew since the last run by more than
+  ``graders/host.yaml`` ``cpu.throttle_growth_max``: the CPUs ran into their thermal limit and
+  slowed down (fans, heatsink, airflow). Last counts in ``state_dir``/``host_cpu.json``; a first
+  run counts from boot; a drop is a reset. No ``thermal_throttle`` directory (not x86, most
+  VMs): a ``skip`` saying so.
+* ``cpus_online`` (``node``) — ``fail`` (graded ERROR) when fewer CPUs are online than
+  ``node.expected_cpus`` (under ``--simulate`` without it, the simulated host's), naming the
+  missing ones; a ``skip`` when nothing declares what to expect.
+Params: ``sys_root``.
+"""
+
+from __future__ import annotations
+
+from node_agent.checks import CheckContext
+from node_agent.checks.host_common import Counters, host_paths, thresholds
+from node_agent.host.cpu import read_cpus
+from node_agent.host.paths import format_cpu_list
+from node_agent.model import Result, Status
+
+
+def run(ctx: CheckContext) -> list[Result]:
+    with host_paths(ctx, ("cpu",)) as paths:
+        state = read_cpus(paths.sys)
+    return [_throttle(ctx, state), _online(ctx, state)]
+
+
+def _throttle(ctx: CheckContext, state) -> Result:
+    if not state.throttle:
+        return ctx.skip("no CPU thermal throttle counters (/sys/devices/system/cpu/cpu*/"
+                        "thermal_throttle absent: not an x86 host with the therm_throt driver, "
+                        "or a VM)", metric="cpu_throttle")
+    limit = thresholds(ctx, "cpu")["throttle_growth_max"]
+    counters = Counters.load(ctx, "host_cpu")
+    grew: dict[str, int] = {}
+    total = 0
+    for cpu, (core, package) in state.throttle.items():
+        for kind, value in (("core", core), ("package", package)):
+            if value is None:
+                continue
+            total += value
+            delta = counters.growth(f"cpu{cpu}.{kind}", value)
+            if delta:
+                grew[f"cpu{cpu}.{kind}"] = delta
+    counters.save()
+    growth = sum(grew.values())
+    if growth > limit:
+        shown = ", ".join(f"{k} +{v}" for k, v in list(grew.items())[:8])
+        return ctx.result(
+            "node", "cpu_throttle", Status.WARN,
+            f"CPU thermal throttling: {growth} episode(s) since the last run ({shown}"
+            f"{', ...' if len(grew) > 8 else ''}): the CPUs reached their thermal limit and "
+            "slowed down; check fans, heatsinks and airflow", value=growth, unit="episodes",
+            limit=limit, grew=grew, total_since_boot=total)
+    return ctx.result("node", "cpu_throttle", Status.PASS,
+                      f"no CPU thermal throttling since the last run ({len(state.throttle)} "
+                      f"CPUs, {total} episode(s) since boot)", value=0, unit="episodes",
+                      total_since_boot=total)
+
+
+def _online(ctx: CheckContext, state) -> Result:
+    expected = ctx.config.get("node.expected_cpus")
+    declared_by = "node.expected_cpus"
+    if expected is None and ctx.simulated:
+        from node_agent.sim.host_tools import CPUS
+
+        expected, declared_by = CPUS, "the simulated host's CPUs"
+    if state.online is None:
+        return ctx.skip("/sys/devices/system/cpu/online cannot be read", metric="cpus_online")
+    online = len(state.online)
+    if expected is None:
+        return ctx.skip(f"{online} CPUs online ({format_cpu_list(state.online)}); not compared: "
+                        "set node.expected_cpus to find CPUs gone offline",
+                        metric="cpus_online")
+    evidence = {"online": format_cpu_list(state.online), "expected": expected,
+                "declared_by": declared_by,
+                "present": format_cpu_list(state.present) if state.present is not None else None}
+    if online < expected:
+        seen = set(state.online)
+        missing = [c for c in range(expected) if c not in seen]
+        if state.present:
+            missing = sorted(set(missing) | (set(state.present) - seen))
+        return ctx.result(
+            "node", "cpus_online", Status.FAIL,
+            f"{online} CPUs online, {expected} expected ({declared_by}): CPU(s) "
+            f"{format_cpu_list(missing) or 'unknown'} offline or missing (taken offline by the "
+            "kernel after machine checks, by an operator, or a socket not detected)",
+            value=online, unit="CPUs", missing=format_cpu_list(missing), **evidence)
+    return ctx.result("node", "cpus_online", Status.PASS,
+                      f"{online} CPUs online, {expected} expected ({declared_by})",
+                      value=online, unit="CPUs", **evidence)

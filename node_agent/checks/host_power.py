@@ -1,0 +1,101 @@
+"""Check ``host_power``: power-supply presence and status from the BMC over IPMI.
+
+Runs ``ipmitool sdr type "Power Supply"`` (``host.ipmitool``, ``host.timeout_s``) and judges each
+power supply's status sensor and each redundancy sensor (:mod:`node_agent.parsers.ipmitool`):
+
+* ``psu_status`` (target ``psu:<name>``) — ``fail`` for a supply that failed (Failure detected,
+  AC lost, inactive, a configuration error) or is absent (no presence asserted): the node runs
+  on its remaining supplies, one more failure from going dark (graded ERROR); ``warn`` for a
+  predictive failure, AC out of range, or a status sensor with no reading.
+* ``psu_redundancy`` (``node``) — ``fail`` when the BMC says redundancy is lost, ``warn`` when
+  degraded.
+No ipmitool (Debian package ``ipmitool``), no BMC device (``/dev/ipmi0``, ``/dev/ipmi/0``,
+``/dev/ipmidev/0``: the ``ipmi_si``/``ipmi_devintf`` modules not loaded, or no BMC), or a BMC
+that lists no power-supply sensor: a ``skip`` with the reason.
+Params: ``dev_root``, ``ipmitool`` (the program; default ``host.ipmitool``).
+"""
+
+from __future__ import annotations
+
+from node_agent import proc
+from node_agent.checks import CheckContext
+from node_agent.checks.host_common import host_paths, tool_timeout_s
+from node_agent.host.paths import HostPaths, entity_name
+from node_agent.model import Result, Status
+from node_agent.parsers import ParseError
+from node_agent.parsers.ipmitool import judge_psus, no_bmc_reason, parse_sdr
+
+ARGV = ("sdr", "type", "Power Supply")
+DEVICES = ("ipmi0", "ipmi/0", "ipmidev/0")  # where ipmitool's open interface looks
+MISSING = "ipmitool not installed (Debian/Ubuntu package `ipmitool`)"
+
+
+def run(ctx: CheckContext) -> list[Result]:
+    try:
+        with host_paths(ctx, ("ipmi",)) as paths:
+            return _run(ctx, paths)
+    except ValueError as err:  # a simulated fault naming a supply the node lacks
+        if not ctx.simulated:
+            raise
+        return [ctx.result("node", "scenario", Status.ERROR, str(err))]
+
+
+def _run(ctx: CheckContext, paths: HostPaths) -> list[Result]:
+    program = proc.which(paths.ipmitool) if "/" not in paths.ipmitool else paths.ipmitool
+    if program is None:
+        return [ctx.skip(f"{MISSING}; cannot read the power supplies", metric="psu")]
+    devices = [paths.dev / d for d in DEVICES]
+    if not any(d.exists() for d in devices):
+        return [ctx.skip(f"no BMC device ({', '.join(str(d) for d in devices)} absent): no "
+                         "BMC on this host, or the ipmi_si and ipmi_devintf kernel modules are "
+                         "not loaded (modprobe ipmi_si ipmi_devintf)", metric="psu")]
+    out = proc.run([program, *ARGV], timeout_s=tool_timeout_s(ctx))
+    if not out.ok:
+        reason = no_bmc_reason(out.stderr)
+        if reason:
+            return [ctx.skip(f"ipmitool cannot reach the BMC: {reason}", metric="psu")]
+        if "permission denied" in out.stderr.lower():
+            return [ctx.skip(f"ipmitool cannot open the BMC device as this user (run as "
+                             f"root): {out.describe_failure()}", metric="psu")]
+        return [ctx.result("node", "psu", Status.ERROR,
+                           f"reading the power supplies failed: {out.describe_failure()}")]
+    try:
+        psus, redundancy = judge_psus(parse_sdr(out.stdout))
+    except ParseError as err:
+        return [ctx.result("node", "psu", Status.ERROR, f"ipmitool output unreadable: {err}",
+                           stdout_head=out.stdout[:500])]
+    if not psus and not redundancy:
+        return [ctx.skip("the BMC lists no power-supply status sensor (`ipmitool sdr type "
+                         "\"Power Supply\"` printed none): this platform's BMC does not report "
+                         "its supplies over IPMI", metric="psu")]
+    results = [_psu_result(ctx, p) for p in psus]
+    for r in redundancy:
+        status = {"lost": Status.FAIL, "degraded": Status.WARN}.get(r.verdict, Status.PASS)
+        results.append(ctx.result(
+            "node", "psu_redundancy", status,
+            f"power supply redundancy ({r.sensor}): {', '.join(r.states)}"
+            + ("; the node has no spare supply left" if r.verdict == "lost" else ""),
+            value=r.verdict, sensor=r.sensor, states=list(r.states)))
+    return results
+
+
+_WORDS = {"failed": "has failed", "absent": "is absent (no presence asserted)",
+          "degraded": "reports", "unreadable": "gives no reading (status sensor `ns`)",
+          "ok": "present and healthy"}
+
+
+def _psu_result(ctx: CheckContext, psu) -> Result:
+    status = {"failed": Status.FAIL, "absent": Status.FAIL, "degraded": Status.WARN,
+              "unreadable": Status.WARN}.get(psu.verdict, Status.PASS)
+    said = ", ".join(psu.states) or psu.reading or "nothing asserted"
+    if status is Status.FAIL:
+        detail = (f"power supply {psu.psu} ({psu.sensor}) {_WORDS[psu.verdict]}: {said}; the "
+                  "node runs without its redundancy, one more supply failure from going dark "
+                  "(check its cord and feed, then replace the supply)")
+    elif status is Status.WARN:
+        detail = f"power supply {psu.psu} ({psu.sensor}) {_WORDS[psu.verdict]}: {said}"
+    else:
+        detail = f"power supply {psu.psu} ({psu.sensor}): {said}"
+    return ctx.result(f"psu:{entity_name(psu.psu)}", "psu_status", status, detail,
+                      value=psu.verdict, sensor=psu.sensor, entity=psu.entity,
+                      states=list(psu.states))

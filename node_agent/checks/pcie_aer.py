@@ -1,0 +1,112 @@
+"""Check ``pcie_aer``: PCIe Advanced Error Reporting counters, per device, named by what sits
+behind them.
+
+Reads every function's ``aer_dev_fatal``, ``aer_dev_nonfatal`` and ``aer_dev_correctable``
+(:mod:`node_agent.host.aer`; totals since boot) and attributes each to the GPU (its bus id in
+NVML: ``gpu:N``) or the HCA (``/sys/class/infiniband/<hca>/device``: ``hca:NAME``) it is, or
+that sits directly below it (the bridge upstream of a GPU or an HCA carries that link's
+errors); anything else is ``pci:<bdf>``.
+
+* ``aer_fatal`` — ``fail`` for fatal uncorrectable errors: the link or device was unusable and
+  needed a reset (graded ERROR: drain, reboot, re-test; counters clear at boot).
+* ``aer_nonfatal`` — ``warn``: a transaction was lost (completion timeout, poisoned TLP) while
+  the link stayed up.
+* ``aer_correctable`` — ``warn`` when correctable errors grew since the last run by more than
+  ``graders/host.yaml`` ``pcie_aer.correctable_growth_max`` (the last counts are kept in
+  ``state_dir``/``pcie_aer.json``; a first run counts from boot; a drop is a reset).
+No device with AER counters (a kernel without ``CONFIG_PCIEAER``, firmware-first AER, a VM):
+one ``skip`` saying so. Params: ``sys_root``.
+"""
+
+from __future__ import annotations
+
+from node_agent.checks import CheckContext
+from node_agent.checks.host_common import Counters, host_paths, thresholds
+from node_agent.gpu.pci import normalise_bus_id
+from node_agent.host.aer import PciFunction, read_functions, read_hca_functions
+from node_agent.model import Result, Status
+
+_SEVERITY = {"fatal": ("aer_fatal", Status.FAIL, "fatal uncorrectable"),
+             "nonfatal": ("aer_nonfatal", Status.WARN, "non-fatal uncorrectable")}
+
+
+def _owners(ctx: CheckContext, functions: list[PciFunction],
+            hcas: dict[str, str]) -> dict[str, list[str]]:
+    """bdf -> the GPU/HCA targets it is or sits directly above."""
+    own: dict[str, list[str]] = {}
+    for gpu in ctx.inventory.gpus:
+        try:
+            own.setdefault(normalise_bus_id(gpu.pci_bus_id), []).append(f"gpu:{gpu.index}")
+        except ValueError:
+            continue
+    for bdf, name in hcas.items():
+        own.setdefault(bdf, []).append(f"hca:{name}")
+    for fn in functions:
+        if fn.upstream and fn.bdf in own and fn.upstream not in own:
+            own.setdefault(f"bridge:{fn.upstream}", []).extend(own[fn.bdf])
+    for key in [k for k in own if k.startswith("bridge:")]:
+        own[key[7:]] = own.pop(key)
+    return own
+
+
+def run(ctx: CheckContext) -> list[Result]:
+    limit = thresholds(ctx, "pcie_aer")["correctable_growth_max"]
+    with host_paths(ctx, ("pci",)) as paths:
+        try:
+            functions = read_functions(paths.sys)
+        except PermissionError as err:
+            return [ctx.skip(f"the AER counters can be read only by root ({err.filename}: "
+                             f"{err.strerror}); run the agent as root", metric="aer")]
+        except OSError as err:
+            return [ctx.skip(f"the PCI bus cannot be listed ({paths.sys / 'bus/pci/devices'}: "
+                             f"{err.strerror or err})", metric="aer")]
+        hcas = read_hca_functions(paths.sys)
+    with_aer = [f for f in functions if f.aer is not None]
+    if not with_aer:
+        return [ctx.skip(f"no PCI device exposes AER counters ({len(functions)} device(s) under "
+                         f"{paths.sys / 'bus/pci/devices'}, none with aer_dev_*): the kernel "
+                         "lacks CONFIG_PCIEAER, the firmware keeps AER to itself "
+                         "(firmware-first), or this is a VM", metric="aer")]
+    owners = _owners(ctx, functions, hcas)
+    counters = Counters.load(ctx, "pcie_aer")
+    results: list[Result] = []
+    for fn in with_aer:
+        assert fn.aer is not None
+        named = owners.get(fn.bdf, [])
+        target = named[0] if named else f"pci:{fn.bdf}"
+        via = ""
+        if named and fn.bdf not in {normalise_bus_id(g.pci_bus_id) for g in ctx.inventory.gpus} \
+                and fn.bdf not in hcas:
+            via = f" on the bridge {fn.bdf} upstream of it"
+        evidence = {"bdf": fn.bdf, "upstream": fn.upstream, "behind": named,
+                    "bits": fn.aer.bits, "fatal": fn.aer.fatal, "nonfatal": fn.aer.nonfatal,
+                    "correctable": fn.aer.correctable}
+        who = f"{target}{via}" if named else f"PCI device {fn.bdf}"
+        for severity, (metric, status, words) in _SEVERITY.items():
+            count = fn.aer.get(severity)
+            if count:
+                bits = ", ".join(f"{k} {v}" for k, v in fn.aer.bits.get(severity, {}).items())
+                results.append(ctx.result(
+                    target, metric, status,
+                    f"{who}: {count} {words} PCIe error(s) since boot"
+                    + (f" ({bits})" if bits else "")
+                    + ("; the link needed a reset: drain, reboot and re-test, reseat or replace "
+                       "if it recurs" if severity == "fatal" else ""),
+                    value=count, unit="errors", **evidence))
+        if fn.aer.correctable is not None:
+            grew = counters.growth(fn.bdf, fn.aer.correctable)
+            if grew > limit:
+                results.append(ctx.result(
+                    target, "aer_correctable", Status.WARN,
+                    f"{who}: correctable PCIe errors grew by {grew} since the last run "
+                    f"({fn.aer.correctable} since boot; graders/host.yaml "
+                    f"pcie_aer.correctable_growth_max {limit:g}): a marginal link (riser, "
+                    "slot, retimer)", value=grew, unit="errors", limit=limit, **evidence))
+    counters.save()
+    if not results:
+        results.append(ctx.result(
+            "node", "aer", Status.PASS,
+            f"no uncorrectable PCIe error on {len(with_aer)} device(s) with AER counters, "
+            "no correctable growth", value=len(with_aer), unit="devices",
+            named={bdf: t for bdf, t in owners.items()}))
+    return results

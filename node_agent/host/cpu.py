@@ -1,0 +1,59 @@
+"""CPUs: which are online, and the thermal throttle counters.
+
+``/sys/devices/system/cpu/{online,present}`` hold CPU lists (``0-223``; Linux
+``Documentation/ABI/testing/sysfs-devices-system-cpu``). On x86 the ``therm_throt`` driver
+counts, per CPU, how often the core and its package crossed their thermal limits since boot:
+``cpuN/thermal_throttle/core_throttle_count`` and ``package_throttle_count`` (the same ABI
+file; each increment is one throttling episode, already logged as "CPU N: Core temperature
+above threshold, cpu clock throttled"). Other architectures, and most VMs, have none.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from node_agent.host.paths import parse_cpu_list, read_int, read_text
+
+CPU_DIR = Path("devices/system/cpu")
+_CPU = re.compile(r"^cpu(\d+)$")
+
+
+@dataclass(frozen=True)
+class CpuState:
+    online: list[int] | None  # None: the online file is unreadable
+    present: list[int] | None
+    #: cpu -> (core_throttle_count, package_throttle_count); empty without therm_throt
+    throttle: dict[int, tuple[int | None, int | None]] = field(default_factory=dict)
+
+
+def _cpu_list(path: Path) -> list[int] | None:
+    text = read_text(path)
+    if text is None:
+        return None
+    try:
+        return parse_cpu_list(text)
+    except ValueError:
+        return None
+
+
+def read_cpus(sys_root: Path = Path("/sys")) -> CpuState:
+    base = sys_root / CPU_DIR
+    throttle: dict[int, tuple[int | None, int | None]] = {}
+    try:
+        names = os.listdir(base)
+    except OSError:
+        names = []
+    for name in names:
+        match = _CPU.match(name)
+        if not match:
+            continue
+        tt = base / name / "thermal_throttle"
+        if not tt.is_dir():
+            continue
+        throttle[int(match.group(1))] = (read_int(tt / "core_throttle_count"),
+                                         read_int(tt / "package_throttle_count"))
+    return CpuState(online=_cpu_list(base / "online"), present=_cpu_list(base / "present"),
+                    throttle=dict(sorted(throttle.items())))
