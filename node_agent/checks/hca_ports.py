@@ -137,11 +137,18 @@ def grading(ctx: CheckContext) -> HcaGrading:
 
 @dataclass(frozen=True)
 class Expectation:
-    """At least ``ports`` ports ACTIVE at ``min_rate_gbps`` or faster; None: not declared."""
+    """At least ``ports`` ports ACTIVE at ``min_rate_gbps`` or faster; None: not declared.
+
+    ``declared``: the count is this node's (the suite's params), not the SKU's reference build
+    (a DGX's 8): only a declared count that is short fails by itself; the NICs belong to the
+    server, and a server built with fewer is not broken. A port that was there and is gone
+    fails either way (``port_missing``).
+    """
 
     ports: int | None
     min_rate_gbps: float | None
     source: str
+    declared: bool = False
 
 
 def expectation(ctx: CheckContext, table: HcaGrading) -> Expectation:
@@ -152,7 +159,8 @@ def expectation(ctx: CheckContext, table: HcaGrading) -> Expectation:
         ports = p.get("ports")
         rate = p.get("min_rate_gbps")
         return Expectation(None if ports is None else int(ports),
-                           None if rate is None else float(rate), "the suite's params")
+                           None if rate is None else float(rate), "the suite's params",
+                           declared=ports is not None)
     if ctx.sku is None:
         return Expectation(None, None, "no SKU")
     entry = ctx.sku.section("hca") or table.skus.get(ctx.sku.id)
@@ -265,11 +273,14 @@ def check(ctx: CheckContext, root: Path, now: float, uptime: float | None,
     results += link_results(ctx, watched, expectation(ctx, table))
     state = load_state(ctx)
     kept = state.get("ports") or {}
-    # ports no longer in sysfs leave the history (one that comes back starts a new baseline)
+    # a port no longer in sysfs keeps only when it went missing; one that comes back starts a
+    # new baseline
     ports_state = state["ports"] = {}
+    results += missing_results(ctx, kept, {r.key for r in readings}, ignore, ports_state, now)
     for reading in watched:
         previous = kept.get(reading.key)
         previous = previous if isinstance(previous, dict) else None
+        previous = None if previous and previous.get("missing_since") else previous
         flap, ports_state[reading.key] = flap_result(ctx, reading, previous, now, uptime, table)
         results.append(flap)
         rates, ports_state[reading.key]["counters"] = rate_result(
@@ -291,16 +302,24 @@ def link_results(ctx: CheckContext, readings: list[PortReading],
     """``link_state`` and ``port_rate_gbps`` per port, ``port_count`` for the node."""
     out: list[Result] = []
     active = [r.port for r in readings if r.port.state == "ACTIVE"]
-    fast = [p for p in active if expect.min_rate_gbps is not None and p.rate_gbps is not None
-            and p.rate_gbps >= expect.min_rate_gbps]
+    fast = [p for p in active if expect.min_rate_gbps is None
+            or (p.rate_gbps is not None and p.rate_gbps >= expect.min_rate_gbps)]
     short = expect.ports is not None and len(fast) < expect.ports
     if expect.ports is not None:
+        rate_text = (f"{expect.min_rate_gbps:g} Gb/s or faster" if expect.min_rate_gbps
+                     is not None else "any rate")
+        if not short:
+            tail = ""
+        elif expect.declared:
+            tail = ": an HCA is missing, down or trained at a lower rate"
+        else:
+            tail = (" in its reference build; this server has fewer (set the check's `ports` "
+                    "param to this server's count to grade a missing one)")
         out.append(ctx.result(
-            "node", "port_count", Status.FAIL if short else Status.PASS,
-            f"{len(fast)} HCA port(s) ACTIVE at {expect.min_rate_gbps:g} Gb/s or faster, "
-            f"{expect.source} expects at least {expect.ports}"
-            + (": an HCA is missing, down or trained at a lower rate" if short else ""),
-            value=len(fast), unit="ports", expected=expect.ports,
+            "node", "port_count", Status.FAIL if short and expect.declared else Status.PASS,
+            f"{len(fast)} HCA port(s) ACTIVE at {rate_text}, {expect.source} "
+            f"{'expects' if expect.declared else 'has'} at least {expect.ports}{tail}",
+            value=len(fast), unit="ports", expected=expect.ports, declared=expect.declared,
             min_rate_gbps=expect.min_rate_gbps, source=expect.source,
             ports=sorted(f"{p.device}/{p.port}" for p in fast)))
     majority = _majority_rates(active)
@@ -323,6 +342,30 @@ def link_results(ctx: CheckContext, readings: list[PortReading],
                                   f"{port.rate_text!r}", **ev))
             continue
         out.append(_rate_result(ctx, port, expect, short, majority.get(port.link_layer), ev))
+    return out
+
+
+def missing_results(ctx: CheckContext, kept: dict[str, Any], present: set[str],
+                    ignore: set[str], ports_state: dict[str, Any], now: float) -> list[Result]:
+    """``port_missing`` (fail) for each port the state knew that sysfs no longer lists: its HCA
+    fell off the bus or lost its driver. It stays failing until the port is back (its state
+    entry keeps when it went missing)."""
+    out = []
+    for key, entry in sorted(kept.items()):
+        device, _, port = key.partition("/")
+        if key in present or device in ignore or key in ignore or not isinstance(entry, dict):
+            continue
+        since = float(entry.get("missing_since") or now)
+        ports_state[key] = {"missing_since": since}
+        target = f"hca:{device}" if port == "1" else f"hca:{device}/{port}"
+        ago = (now - since) / 60
+        out.append(ctx.result(
+            target, "port_missing", Status.FAIL,
+            f"{device} port {port} was in sysfs at an earlier run and is gone"
+            + (f" (for {ago:.0f} min)" if ago >= 1 else "")
+            + ": the HCA fell off the PCI bus or its driver unloaded (`dmesg | grep mlx5`, "
+            "`lspci -d 15b3:`); reseat or replace it", device=device, port=port,
+            missing_since=since))
     return out
 
 

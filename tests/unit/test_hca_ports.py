@@ -109,7 +109,38 @@ def test_port_down_is_a_fail_naming_the_hca_and_port(tree, tmp_path):
     down = by(results, "hca:mlx5_3", "link_state")
     assert down.status is Status.FAIL and "DOWN" in down.detail
     assert (down.evidence["device"], down.evidence["port"]) == ("mlx5_3", "1")
-    assert by(results, "node", "port_count").status is Status.FAIL  # 7 of 8 at the rate
+
+
+def test_fewer_ports_than_a_declared_count_fail(tree, tmp_path):
+    eight_ports(tree)
+    set_state(tree, "mlx5_3", "1: DOWN")
+    count = by(run(make_ctx(tree, tmp_path / "state", ports=8), T0), "node", "port_count")
+    assert count.status is Status.FAIL and count.value == 7
+
+
+def test_fewer_ports_than_the_skus_reference_build_is_evidence_not_a_fail(tree, tmp_path):
+    """The NICs belong to the server: two healthy NDR ports on an HGX H100 pass, and say the
+    DGX reference build has 8 and how to declare this server's count."""
+    for n in range(2):
+        make_port(tree, f"mlx5_{n}")
+    count = by(run(make_ctx(tree, tmp_path / "state"), T0), "node", "port_count")
+    assert count.status is Status.PASS and count.evidence["declared"] is False
+    assert "has at least 8 in its reference build" in count.detail and "`ports`" in count.detail
+
+
+def test_a_port_that_vanished_since_the_last_run_fails_until_it_is_back(tree, tmp_path):
+    eight_ports(tree)
+    ctx = make_ctx(tree, tmp_path / "state")
+    run(ctx, T0)
+    gone = tree / "mlx5_7"
+    gone.rename(tmp_path / "mlx5_7-away")  # fell off the bus: its class directory goes
+    for t in (T0 + 30, T0 + 600):
+        missing = by(run(ctx, t), "hca:mlx5_7", "port_missing")
+        assert missing.status is Status.FAIL and missing.evidence["missing_since"] == T0 + 30
+    (tmp_path / "mlx5_7-away").rename(gone)
+    results = run(ctx, T0 + 900)
+    assert not [r for r in results if r.metric == "port_missing"]
+    assert by(results, "hca:mlx5_7", "error_rates").evidence["rates_per_hour"] == {}
 
 
 def test_port_trained_at_hdr_on_an_ndr_sku_fails_its_rate(tree, tmp_path):
