@@ -286,7 +286,7 @@ _DRIVER_START = re.compile(r"^(?:NVRM: |nvidia-nvswitch\d+:? )")
 _DEVICE_START = re.compile(rf"^(?P<drv>[A-Za-z0-9_.-]+) (?P<bdf>{_BDF}): ")
 #: kernel messages of the distress forms that look like a syslog "<host> <ident>: " after a dmesg
 #: time ("[ 5.1] nvme nvme0: ...", "[ 5.1] XFS (dm-0): ..."): the device's driver and name
-_DISTRESS_START = re.compile(r"^(?:nvme nvme\d+: |EXT[234]-fs \(|XFS \(|Memory failure: )")
+_DISTRESS_START = re.compile(r"^(?:nvme nvme\d+: |EXT[234]-fs \(|XFS \(|Memory failure: |NMI watchdog: )")
 
 _RESET_REQUIRED = re.compile(r"Reset required \[NV_ERR_RESET_REQUIRED\]|\bNV_ERR_RESET_REQUIRED\b")
 _GPU_LOST = re.compile(r"GPU lost from the bus \[NV_ERR_GPU_IS_LOST\]|\bNV_ERR_GPU_IS_LOST\b")
