@@ -522,8 +522,10 @@ def rate_result(ctx: CheckContext, reading: PortReading, history: dict[str, list
         detail += "; " + "; ".join(notes)
     result = ctx.result(port.target, "error_rates", status, detail,
                         value=max(rates.values(), default=None), unit="errors/h",
-                        rates_per_hour=rates, counters=dict(reading.counters), notes=notes,
-                        device=port.device, port=port.port)
+                        rates_per_hour=rates, notes=notes, device=port.device, port=port.port,
+                        # the counters as read, at the top level as the rdma check has them
+                        # (the daemon's metrics export them: node_agent_hca_port_errors)
+                        link_downed=reading.link_downed, **reading.counters)
     return result, kept
 
 
