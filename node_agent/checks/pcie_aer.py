@@ -77,7 +77,7 @@ def run(ctx: CheckContext) -> list[Result]:
         via = ""
         if named and fn.bdf not in {normalise_bus_id(g.pci_bus_id) for g in ctx.inventory.gpus} \
                 and fn.bdf not in hcas:
-            via = f" on the bridge {fn.bdf} upstream of it"
+            via = f" (on the bridge {fn.bdf} directly upstream of {', '.join(named)})"
         evidence = {"bdf": fn.bdf, "upstream": fn.upstream, "behind": named,
                     "bits": fn.aer.bits, "fatal": fn.aer.fatal, "nonfatal": fn.aer.nonfatal,
                     "correctable": fn.aer.correctable}

@@ -7,8 +7,8 @@ ipmitool prints one line per sensor for ``sdr type``/``sdr elist`` (``lib/ipmi_s
 
 name (16 wide), sensor number, status (``ok``, ``ns`` no reading, or a threshold state: ``cr``,
 ``nc``, ``nr``, ``lcr`` ...), entity id.instance (10 is a power supply, 20 a power unit), and the
-asserted states joined by ``", "`` (``ipmi_sdr_print_discrete_state_mini``) or an analog value
-(``120 Watts``). The plain ``sdr list`` form has three fields (``PS1 Status | 0x01 | ok``).
+asserted states joined by ``", "`` (``ipmi_sdr_print_discrete_state_mini``), an analog value
+(``120 Watts``), or both (``0 Watts, Presence detected, Failure detected``). The plain ``sdr list`` form has three fields (``PS1 Status | 0x01 | ok``).
 
 The state words are ipmitool's (``include/ipmitool/ipmi_sel.h``): sensor type 08h Power Supply
 offsets 0-7 "Presence detected", "Failure detected", "Predictive failure", "Power Supply AC
@@ -105,11 +105,15 @@ def parse_sdr(text: str) -> list[SdrRow]:
             raise ParseError(f"ipmitool sdr line: {number!r} is not a sensor number: "
                              f"{line.strip()[:160]!r}")
         analog = bool(_ANALOG.match(reading))
-        discrete = not analog and reading not in ("No Reading", "Disabled", "Not Readable") \
-            and not reading.lower().startswith("0x")
+        states: tuple[str, ...] = ()
+        if analog:  # an analog value, then the states a discrete sensor also asserts
+            states = _states(reading.partition(",")[2])
+        elif reading not in ("No Reading", "Disabled", "Not Readable") \
+                and not reading.lower().startswith("0x"):
+            states = _states(reading)
         rows.append(SdrRow(name=name, number=number or None, status=status.lower(),
-                           entity=entity or None, reading=reading,
-                           states=_states(reading) if discrete else (), analog=analog))
+                           entity=entity or None, reading=reading, states=states,
+                           analog=analog))
     return rows
 
 
@@ -139,11 +143,17 @@ def _psu_name(row: SdrRow) -> str:
     return f"PS{row.instance}" if row.instance is not None else row.name
 
 
+_PSU_NAME = re.compile(r"\bPSU?[\s_]?\d|\bpower[\s_]?supply", re.IGNORECASE)
+
+
 def _is_status_sensor(row: SdrRow) -> bool:
     lowered = {s.lower() for s in row.states}
+    if lowered & _REDUNDANCY_WORDS:
+        return False
     if lowered & _PSU_WORDS:
-        return True
-    if row.analog or lowered & _REDUNDANCY_WORDS:
+        # "Presence detected" is also a CPU's or a battery's: only a supply's counts
+        return row.entity_id in (None, POWER_SUPPLY_ENTITY) or bool(_PSU_NAME.search(row.name))
+    if row.analog:
         return False
     # a power-supply status sensor that asserts nothing: the supply is not there
     named = "status" in row.name.lower()

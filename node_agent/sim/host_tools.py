@@ -8,8 +8,8 @@ HGX-class server (the model, not a measurement of one):
   ``CPU0_DIMM_A1`` ... ``CPU1_DIMM_H2``, under EDAC controllers ``mc0``/``mc1`` (reset an hour
   ago); memory blocks of 2 GiB;
 * 224 CPUs online (2 x 56 cores x 2 threads) with ``thermal_throttle`` counters;
-* the scenario's GPUs each behind a PCIe bridge, its HCAs behind one, every function with AER
-  counters at zero (``/sys/bus/pci/devices`` links into a ``/sys/devices/pci0000:00`` tree, and
+* the scenario's GPUs and HCAs each behind a PCIe bridge of its own (an HCA is a ConnectX card
+  on bus 0x40 + 2n here), every function with AER counters at zero (``/sys/bus/pci/devices`` links into a ``/sys/devices/pci0000:00`` tree, and
   ``/sys/class/infiniband/<hca>/device`` to the HCA's function);
 * two NVMe controllers, ``nvme0`` holding ``/`` and ``nvme1`` holding ``/raid``;
 * six power supplies ``PS1``..``PS6`` and a redundancy sensor, as ``ipmitool sdr type "Power
@@ -167,19 +167,20 @@ def _aer_text(bits: tuple[str, ...], total: str, hit: str | None, count: int) ->
 
 
 def write_pci(scenario: Scenario, sku: Sku | None, sys_root: Path) -> None:
-    functions = simulated_pci(scenario, sku)
-    taken = {f.bus_id for f in functions}
-    hca_bdf = {name: f"0000:0c:00.{n}" for n, name in enumerate(scenario.hcas)}
-    # bridge directly upstream of each GPU (bus - 1) and of the HCAs (0000:0b:00.0)
+    # the GPUs and NVSwitches as the simulated PCI bus has them; each HCA a card of its own
+    # (as on HGX boards: one ConnectX per PCIe switch port), on bus 0x40 + 2n
+    hca_bdf = {name: f"0000:{0x40 + 2 * n:02x}:00.0" for n, name in enumerate(scenario.hcas)}
+    functions = [f for f in simulated_pci(scenario, sku) if f.class_code >> 8 != 0x0207]
+    taken = {f.bus_id for f in functions} | set(hca_bdf.values())
+    # the bridge directly upstream of each GPU and HCA: bus - 1
     upstream: dict[str, str] = {}
-    for fn in functions:
-        bus = int(fn.bus_id[5:7], 16)
-        if fn.bus_id in hca_bdf.values():
-            upstream[fn.bus_id] = "0000:0b:00.0"
-        elif fn.class_code >> 8 in (0x0300, 0x0302) and bus > 0:
-            bridge = f"{fn.bus_id[:4]}:{bus - 1:02x}:00.0"
-            if bridge not in taken:
-                upstream[fn.bus_id] = bridge
+    for bdf in [f.bus_id for f in functions if f.class_code >> 8 in (0x0300, 0x0302)] \
+            + list(hca_bdf.values()):
+        bus = int(bdf[5:7], 16)
+        bridge = f"{bdf[:4]}:{bus - 1:02x}:00.0"
+        if bus > 0 and bridge not in taken:
+            upstream[bdf] = bridge
+            taken.add(bridge)
     # AER counts per function from the scenario
     counts: dict[str, dict[str, int]] = {}
     for fault in _faults(scenario, "aer"):
@@ -197,9 +198,9 @@ def write_pci(scenario: Scenario, sku: Sku | None, sys_root: Path) -> None:
     links.mkdir(parents=True)
     bridges = sorted(set(upstream.values()))
     places: dict[str, Path] = {b: root / b for b in bridges}
-    for fn in functions:
-        parent = upstream.get(fn.bus_id)
-        places[fn.bus_id] = (root / parent / fn.bus_id) if parent else root / fn.bus_id
+    for bdf in [f.bus_id for f in functions] + list(hca_bdf.values()):
+        parent = upstream.get(bdf)
+        places[bdf] = (root / parent / bdf) if parent else root / bdf
     for bdf, path in sorted(places.items(), key=lambda item: len(item[1].parts)):
         path.mkdir(parents=True, exist_ok=True)
         mine = counts.get(bdf, {})
