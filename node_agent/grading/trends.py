@@ -221,7 +221,7 @@ def increase(points: Sequence[Point], start: float, end: float) -> float:
     """How much a counter rose in (start, end]: the sum of its steps up between consecutive
     points, a reset's step counted as none. Never negative."""
     total = 0.0
-    for prev, p in zip(points, points[1:]):
+    for prev, p in zip(points, points[1:], strict=False):
         if start < p.at <= end and not p.reset and p.value > prev.value:
             total += p.value - prev.value
     return total

@@ -1,0 +1,110 @@
+"""The daemon's trend watch: records each check run's numeric results into the counter history
+and grades the trends of the series that run touched (docs/trends.md).
+
+What it gives the daemon is results of the check ``trends``: one WARN (metric ``trend``) per
+series whose trend warns, one WARN (metric ``history``) while the history cannot be used or was
+found corrupt, and one node-level ``trends`` PASS saying how many series are watched, so that
+"no trend" is a statement, not a silence. Graded by rules ``trend-*`` (WARN, never an action).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from node_agent.grading.trends import (
+    SeriesSpec,
+    TrendSpecs,
+    evaluate,
+    load_trend_specs,
+    trend_result,
+)
+from node_agent.model import Result, Status
+from node_agent.service.history import History, Sample, open_history
+
+log = logging.getLogger("node_agent.service.trend_watch")
+
+TRENDS_FILE = "trends.yaml"
+#: a series' trend is graded at most this often (seconds of the clock): the fit reads the
+#: series from SQLite and costs a few ms; checks run every 10 s
+EVALUATE_EVERY_S = 300.0
+
+
+def trends_file(graders: Path, shipped: Path) -> Path:
+    """``trends.yaml`` of the configured graders directory, else the shipped one (an operator's
+    older directory may not have it)."""
+    own = graders / TRENDS_FILE
+    return own if own.exists() else shipped / TRENDS_FILE
+
+
+class TrendWatch:
+    """Record, evaluate, and hand back the ``trends`` results. Not thread-safe by itself: the
+    daemon calls :meth:`update` under its lock."""
+
+    def __init__(self, specs: TrendSpecs, history: History,
+                 clock: Callable[[], float] = time.time,
+                 evaluate_every_s: float = EVALUATE_EVERY_S) -> None:
+        self.specs = specs
+        self.history = history
+        self._clock = clock
+        self._every_s = evaluate_every_s
+        self._evaluated: dict[tuple[str, str], float] = {}
+        self._warns: dict[tuple[str, str], Result] = {}
+
+    @classmethod
+    def open(cls, trends_path: Path, state_dir: Path,
+             clock: Callable[[], float] = time.time) -> TrendWatch:
+        """Specs from ``trends_path`` (ConfigError when it is wrong), history under
+        ``state_dir`` (never raises: an unusable history is a WARN)."""
+        return cls(load_trend_specs(trends_path), open_history(state_dir, clock), clock)
+
+    def update(self, results: list[Result], sku_limits: dict[str, Any] | None) -> None:
+        """Record the samples in ``results`` and re-grade the series they belong to."""
+        samples = self.specs.samples(results)
+        if not samples:
+            return
+        self.history.record(Sample(s.check, target, _metric_key(s), s.kind, value)
+                            for s, target, value in samples)
+        now = self._clock()
+        for spec, target, _ in samples:
+            key = (spec.name, target)
+            if now - self._evaluated.get(key, float("-inf")) < self._every_s:
+                continue
+            self._evaluated[key] = now
+            points = self.history.points(spec.check, target, _metric_key(spec))
+            trend = evaluate(spec, target, points, now, spec.threshold_for(sku_limits))
+            if trend is not None and trend.warn:
+                if key not in self._warns:
+                    log.warning("trend: %s", trend.message())
+                self._warns[key] = trend_result(trend, points)
+            else:
+                self._warns.pop(key, None)
+
+    def results(self) -> list[Result]:
+        """The current ``trends`` results (never empty: the watch says what it watches)."""
+        out = list(self._warns.values())
+        problem = self.history.problem or self.history.notice
+        if problem:
+            out.append(Result(check="trends", target="node", metric="history", status=Status.WARN,
+                              detail=f"counter history: {problem}; trends "
+                              + ("are not graded" if self.history.problem else "start over"),
+                              evidence={"path": str(self.history.path)}))
+        watched = len(self._evaluated)
+        out.append(Result(check="trends", target="node", metric="trends", status=Status.PASS,
+                          detail=f"{watched} series watched, {len(self._warns)} trending "
+                          f"towards their thresholds", value=len(self._warns), unit="series",
+                          evidence={"series": watched}))
+        return out
+
+    def close(self) -> None:
+        self.history.close()
+
+
+def _metric_key(spec: SeriesSpec) -> str:
+    """The metric a series is kept under: the result's metric, with the series' name when the
+    value is not the result's value (two series may read one result)."""
+    return spec.metric if spec.evidence_key is None and spec.margin_from is None \
+        else f"{spec.metric}:{spec.name}"
