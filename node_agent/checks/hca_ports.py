@@ -11,7 +11,10 @@ the ``rdma`` check names them; device and port in the evidence):
   node's expectation: the SKU's ``ports`` of at least ``min_rate_gbps`` (``graders/hca.yaml``,
   from NVIDIA's DGX user guides, as gpud holds them), or where the SKU says nothing, the rate
   most ACTIVE ports of the same link layer run at. ``port_count`` (target ``node``) fails when
-  fewer than the SKU's ``ports`` ports are ACTIVE at that rate (an HCA gone, a link trained low).
+  fewer ports are ACTIVE at that rate than the ``ports`` param declares; the SKU's count is its
+  reference build (a DGX's 8), evidence only: the NICs belong to the server.
+* ``port_missing`` — a port an earlier run saw is gone from sysfs (its HCA fell off the bus or
+  lost its driver): fail until it is back.
 * ``flaps`` — down-up cycles (growth of ``counters/link_downed``, or a run that found the port
   down and a later one ACTIVE) in the last 12 hours, kept in ``ctx.state_dir``: 3 or more ->
   warn (gpud's count), and fail when the port goes on cycling after the warning (``flaps`` in
