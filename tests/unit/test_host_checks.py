@@ -1,0 +1,368 @@
+"""The host checks on fake sysfs/procfs trees under tmp_path, in the kernel's own layouts.
+
+CI has no EDAC, IPMI, NVMe, AER or thermal-throttle counters, so each tree here is written by
+the test as the kernel lays it out (Documentation/admin-guide/ras.rst for EDAC,
+sysfs-bus-pci-devices-aer, sysfs-devices-system-cpu); ``ipmitool`` and ``nvme`` are small
+stand-in scripts printing the real tools' formats (no BMC or NVMe drive can run here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+import time
+from pathlib import Path
+
+from node_agent.checks import CheckContext, host_cpu, host_memory, host_power, nvme_health, pcie_aer
+from node_agent.config import config_from_dict
+from node_agent.gpu.absent import AbsentGpuBackend
+from node_agent.inventory import Inventory
+from node_agent.model import GpuInfo, HostInfo, Status
+
+
+def make_ctx(tmp_path: Path, check: str, config: dict | None = None, gpus=(), state=True,
+             **params) -> CheckContext:
+    inventory = Inventory(host=HostInfo(hostname="h", kernel="6.8"),
+                          gpus=[GpuInfo(index=i, uuid=f"GPU-{i}", name="NVIDIA H100 80GB HBM3",
+                                        pci_bus_id=bus) for i, bus in gpus], sku=None)
+    state_dir = tmp_path / "state" if state else None
+    if state_dir:
+        state_dir.mkdir(exist_ok=True)
+    base = {"sys_root": str(tmp_path / "sys"), "proc_root": str(tmp_path / "proc"),
+            "dev_root": str(tmp_path / "dev")}
+    return CheckContext(check=check, gpu=AbsentGpuBackend("no GPU"), kernel_log=None,
+                        config=config_from_dict(config or {}), inventory=inventory, sku=None,
+                        expected_gpus=None, state_dir=state_dir, params={**base, **params})
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def by(results, metric, target=None):
+    hits = [r for r in results if r.metric == metric and (target is None or r.target == target)]
+    assert len(hits) == 1, [(r.target, r.metric, r.status) for r in results]
+    return hits[0]
+
+
+def tool(tmp_path: Path, name: str, body: str) -> str:
+    path = tmp_path / "bin" / name
+    write(path, f"#!{sys.executable}\nimport sys, json\n{body}")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+# -- host_memory ------------------------------------------------------------------------------
+
+def edac_dimm(tmp_path, mc, n, label, ce=0, ue=0, size=65536):
+    d = tmp_path / "sys/devices/system/edac/mc" / mc / f"dimm{n}"
+    for name, value in (("dimm_label", label), ("size", size), ("dimm_ce_count", ce),
+                        ("dimm_ue_count", ue), ("dimm_location", f"channel {n} slot 0")):
+        write(d / name, f"{value}\n")
+
+
+def edac_mc(tmp_path, mc, ce=0, ue=0, since_s=3600, ue_noinfo=0):
+    d = tmp_path / "sys/devices/system/edac/mc" / mc
+    for name, value in (("ce_count", ce), ("ue_count", ue), ("ce_noinfo_count", 0),
+                        ("ue_noinfo_count", ue_noinfo), ("seconds_since_reset", since_s)):
+        write(d / name, f"{value}\n")
+
+
+def test_edac_uncorrected_error_fails_naming_the_dimm_label(tmp_path):
+    edac_mc(tmp_path, "mc0", ue=1)
+    edac_dimm(tmp_path, "mc0", 0, "P0 DIMMA1")
+    edac_dimm(tmp_path, "mc0", 1, "P0_DIMMB1", ue=1)
+    results = host_memory.run(make_ctx(tmp_path, "host_memory"))
+    ue = by(results, "edac_ue")
+    assert (ue.target, ue.status, ue.value) == ("dimm:P0_DIMMB1", Status.FAIL, 1)
+    assert "P0_DIMMB1" in ue.detail and ue.evidence["edac"] == "mc0/dimm1"
+
+
+def test_edac_ce_over_the_daily_rate_warns_and_under_it_passes(tmp_path):
+    edac_mc(tmp_path, "mc0", ce=40, since_s=3600)
+    edac_dimm(tmp_path, "mc0", 0, "A1", ce=40)
+    edac_dimm(tmp_path, "mc0", 1, "A2", ce=3)
+    results = host_memory.run(make_ctx(tmp_path, "host_memory"))
+    warn = by(results, "edac_ce_rate")
+    assert (warn.target, warn.status, warn.value) == ("dimm:A1", Status.WARN, 40.0)
+    assert by(results, "edac").status is Status.PASS
+
+
+def test_edac_ce_long_since_reset_is_averaged_per_day(tmp_path):
+    edac_mc(tmp_path, "mc0", ce=50, since_s=10 * 86400)  # 5 a day: under 10
+    edac_dimm(tmp_path, "mc0", 0, "A1", ce=50)
+    results = host_memory.run(make_ctx(tmp_path, "host_memory"))
+    assert not [r for r in results if r.metric == "edac_ce_rate"]
+
+
+def test_edac_ce_rate_from_history_kept_between_runs(tmp_path):
+    edac_mc(tmp_path, "mc0", ce=50, since_s=10 * 86400)
+    edac_dimm(tmp_path, "mc0", 0, "A1", ce=50)
+    ctx = make_ctx(tmp_path, "host_memory")
+    host_memory.run(ctx)  # 5/day since the reset: no warning; a sample is kept
+    kept = json.loads((tmp_path / "state/host_memory.json").read_text())["ce_samples"]
+    kept["mc0/dimm0"][-1][0] = time.time() - 2 * 3600  # that sample was two hours ago
+    (tmp_path / "state/host_memory.json").write_text(json.dumps({"ce_samples": kept}))
+    write(tmp_path / "sys/devices/system/edac/mc/mc0/dimm0/dimm_ce_count", "75\n")
+    warn = by(host_memory.run(ctx), "edac_ce_rate")
+    assert warn.value == 25.0 and "in the last 2.0 h" in warn.detail
+
+
+def test_edac_csrow_layout_of_older_kernels(tmp_path):
+    edac_mc(tmp_path, "mc0", ue=2)
+    row = tmp_path / "sys/devices/system/edac/mc/mc0/csrow0"
+    for name, value in (("ce_count", 0), ("ue_count", 2), ("size_mb", 16384),
+                        ("ch0_ce_count", 0), ("ch0_dimm_label", "DIMM_A0"),
+                        ("ch1_ce_count", 0), ("ch1_dimm_label", "DIMM_B0")):
+        write(row / name, f"{value}\n")
+    ue = by(host_memory.run(make_ctx(tmp_path, "host_memory")), "edac_ue")
+    assert ue.target == "dimm:DIMM_A0+DIMM_B0" and ue.value == 2
+
+
+def test_no_edac_is_a_skip_with_the_reason(tmp_path):
+    (tmp_path / "sys").mkdir()
+    results = host_memory.run(make_ctx(tmp_path, "host_memory"))
+    skip = by(results, "edac")
+    assert skip.status is Status.SKIP and "no EDAC driver" in skip.detail
+    assert by(results, "memory_installed").status is Status.SKIP
+
+
+def memory_blocks(tmp_path, count, block=2 << 30):
+    base = tmp_path / "sys/devices/system/memory"
+    write(base / "block_size_bytes", f"{block:x}\n")
+    for n in range(count):
+        (base / f"memory{n}").mkdir()
+
+
+def test_a_missing_dimm_fails_against_expected_memory(tmp_path):
+    memory_blocks(tmp_path, 992)  # 1984 GiB of 2048: one 64 GiB DIMM gone
+    edac_mc(tmp_path, "mc0")
+    edac_dimm(tmp_path, "mc0", 0, "A1", size=65536)
+    results = host_memory.run(make_ctx(tmp_path, "host_memory",
+                                       {"node": {"expected_memory_gib": 2048}}))
+    missing = by(results, "memory_missing")
+    assert missing.status is Status.FAIL and missing.evidence["missing_gib"] == 64
+    assert "about 1 DIMM(s) of 64 GiB" in missing.detail
+
+
+def test_memtotal_fallback_allows_for_the_kernels_reservations(tmp_path):
+    (tmp_path / "sys").mkdir()
+    write(tmp_path / "proc/meminfo", "MemTotal:       2113336744 kB\nMemFree: 1 kB\n")  # 2015 GiB
+    ctx = make_ctx(tmp_path, "host_memory", {"node": {"expected_memory_gib": 2048}})
+    assert by(host_memory.run(ctx), "memory_installed").status is Status.PASS
+    write(tmp_path / "proc/meminfo", "MemTotal:       1912010000 kB\n")  # ~1823 GiB
+    assert by(host_memory.run(ctx), "memory_missing").status is Status.FAIL
+
+
+# -- host_power -------------------------------------------------------------------------------
+
+PS_OK = ("PS1 Status       | C8h | ok  | 10.1 | Presence detected\n"
+         "PS2 Status       | C9h | ok  | 10.2 | Presence detected\n")
+
+
+def ipmitool(tmp_path, out, err="", code=0):
+    return tool(tmp_path, "ipmitool",
+                f"sys.stdout.write({out!r}); sys.stderr.write({err!r}); sys.exit({code})\n")
+
+
+def test_failed_psu_fails_naming_it(tmp_path):
+    write(tmp_path / "dev/ipmi0", "")
+    prog = ipmitool(tmp_path, PS_OK.replace("10.2 | Presence detected",
+                                            "10.2 | Presence detected, Failure detected"))
+    results = host_power.run(make_ctx(tmp_path, "host_power", ipmitool=prog))
+    failed = by(results, "psu_status", "psu:PS2")
+    assert failed.status is Status.FAIL and "Failure detected" in failed.detail
+    assert by(results, "psu_status", "psu:PS1").status is Status.PASS
+
+
+def test_no_bmc_device_is_a_skip(tmp_path):
+    prog = ipmitool(tmp_path, PS_OK)
+    (tmp_path / "dev").mkdir()
+    (skip,) = host_power.run(make_ctx(tmp_path, "host_power", ipmitool=prog))
+    assert skip.status is Status.SKIP and "ipmi_si" in skip.detail
+
+
+def test_ipmitool_that_cannot_open_the_device_is_a_skip(tmp_path):
+    write(tmp_path / "dev/ipmi0", "")
+    prog = ipmitool(tmp_path, "", "Could not open device at /dev/ipmi0 or /dev/ipmi/0 or "
+                                  "/dev/ipmidev/0: No such device or address\n", 1)
+    (skip,) = host_power.run(make_ctx(tmp_path, "host_power", ipmitool=prog))
+    assert skip.status is Status.SKIP and "Could not open device" in skip.detail
+
+
+def test_missing_ipmitool_is_a_skip_naming_the_package(tmp_path):
+    (skip,) = host_power.run(make_ctx(tmp_path, "host_power",
+                                      ipmitool="ipmitool-not-on-this-host"))
+    assert skip.status is Status.SKIP and "package `ipmitool`" in skip.detail
+
+
+def test_ipmitool_failing_otherwise_is_an_error(tmp_path):
+    write(tmp_path / "dev/ipmi0", "")
+    prog = ipmitool(tmp_path, "", "Get Device ID command failed\n", 1)
+    (err,) = host_power.run(make_ctx(tmp_path, "host_power", ipmitool=prog))
+    assert err.status is Status.ERROR and "Get Device ID" in err.detail
+
+
+# -- pcie_aer ---------------------------------------------------------------------------------
+
+COR = "RxErr {0}\nBadTLP 0\nBadDLLP 0\nRollover 0\nTimeout 0\nNonFatalErr 0\nCorrIntErr 0\nHeaderOF 0\nTOTAL_ERR_COR {0}\n"
+UNCOR = "Undefined 0\nDLP {0}\nSDES 0\nTLP 0\nFCP 0\nCmpltTO 0\nTOTAL_ERR_{1} {0}\n"
+
+
+def pci_device(tmp_path, chain, cor=0, nonfatal=0, fatal=0, aer=True):
+    """A function at the end of ``chain`` (bridges first) under /sys/devices/pci0000:00, linked
+    from /sys/bus/pci/devices."""
+    path = tmp_path / "sys/devices/pci0000:00" / "/".join(chain)
+    path.mkdir(parents=True, exist_ok=True)
+    if aer:
+        write(path / "aer_dev_correctable", COR.format(cor))
+        write(path / "aer_dev_nonfatal", UNCOR.format(nonfatal, "NONFATAL"))
+        write(path / "aer_dev_fatal", UNCOR.format(fatal, "FATAL"))
+    links = tmp_path / "sys/bus/pci/devices"
+    links.mkdir(parents=True, exist_ok=True)
+    if not (links / chain[-1]).exists():
+        os.symlink(path, links / chain[-1])
+    return path
+
+
+GPU2 = ("0000:39:00.0", "0000:3a:00.0")
+
+
+def test_fatal_aer_on_the_bridge_above_gpu2_names_gpu2(tmp_path):
+    pci_device(tmp_path, GPU2[:1], fatal=1)
+    pci_device(tmp_path, GPU2)
+    results = pcie_aer.run(make_ctx(tmp_path, "pcie_aer", gpus=[(2, "00000000:3A:00.0")]))
+    fatal = by(results, "aer_fatal")
+    assert (fatal.target, fatal.status) == ("gpu:2", Status.FAIL)
+    assert "0000:39:00.0" in fatal.detail and fatal.evidence["bits"] == {"fatal": {"DLP": 1}}
+
+
+def test_nonfatal_aer_on_an_hca_warns_naming_it(tmp_path):
+    fn = pci_device(tmp_path, ("0000:3f:00.0", "0000:40:00.0"), nonfatal=2)
+    pci_device(tmp_path, ("0000:3f:00.0",))
+    (tmp_path / "sys/class/infiniband/mlx5_0").mkdir(parents=True)
+    os.symlink(fn, tmp_path / "sys/class/infiniband/mlx5_0/device")
+    warn = by(pcie_aer.run(make_ctx(tmp_path, "pcie_aer")), "aer_nonfatal")
+    assert (warn.target, warn.status, warn.value) == ("hca:mlx5_0", Status.WARN, 2)
+
+
+def test_correctable_growth_between_runs_warns_and_a_drop_is_a_reset(tmp_path):
+    pci_device(tmp_path, GPU2[:1])
+    gpu = pci_device(tmp_path, GPU2, cor=5)
+    ctx = make_ctx(tmp_path, "pcie_aer", gpus=[(2, "00000000:3A:00.0")])
+    assert by(pcie_aer.run(ctx), "aer_correctable").value == 5  # first run: since boot
+    assert by(pcie_aer.run(ctx), "aer").status is Status.PASS  # no growth
+    write(gpu / "aer_dev_correctable", COR.format(9))
+    assert by(pcie_aer.run(ctx), "aer_correctable").value == 4
+    write(gpu / "aer_dev_correctable", COR.format(2))  # a reboot: counted from zero again
+    assert by(pcie_aer.run(ctx), "aer_correctable").value == 2
+
+
+def test_no_aer_counters_is_a_skip_with_the_reason(tmp_path):
+    pci_device(tmp_path, ("0000:00:01.0",), aer=False)
+    (skip,) = pcie_aer.run(make_ctx(tmp_path, "pcie_aer"))
+    assert skip.status is Status.SKIP and "CONFIG_PCIEAER" in skip.detail
+
+
+# -- nvme_health ------------------------------------------------------------------------------
+
+def nvme_tree(tmp_path, names=("nvme0",), mounts="/dev/nvme0n1p2 / ext4 rw 0 0\n"):
+    for name in names:
+        ctrl = tmp_path / "sys/class/nvme" / name
+        (ctrl / f"{name}n1").mkdir(parents=True)
+        write(ctrl / "model", "Dell Ent NVMe CM6 RI 3.84TB\n")
+        write(ctrl / "serial", "Y0R0A0X1T1K8\n")
+        write(ctrl / "firmware_rev", "2.1.8\n")
+    write(tmp_path / "proc/self/mounts", mounts)
+
+
+def nvme(tmp_path, logs: dict, err="", code=0):
+    return tool(tmp_path, "nvme", f"""
+logs = {logs!r}
+name = sys.argv[2].rsplit('/', 1)[-1]
+assert sys.argv[1] == 'smart-log' and sys.argv[3:] == ['-o', 'json'], sys.argv
+sys.stderr.write({err!r})
+if {code}:
+    sys.exit({code})
+print(json.dumps(logs[name], indent=2))
+""")
+
+
+HEALTHY = {"critical_warning": 0, "temperature": 305, "avail_spare": 100, "spare_thresh": 10,
+           "percent_used": 4, "media_errors": 0}
+
+
+def test_critical_warning_warns_naming_the_disk(tmp_path):
+    nvme_tree(tmp_path, ("nvme0", "nvme1"))
+    prog = nvme(tmp_path, {"nvme0": HEALTHY, "nvme1": {**HEALTHY, "critical_warning": 2}})
+    results = nvme_health.run(make_ctx(tmp_path, "nvme_health", nvme=prog))
+    warn = by(results, "critical_warning", "disk:nvme1")
+    assert warn.status is Status.WARN and "temperature" in warn.detail
+    assert by(results, "critical_warning", "disk:nvme0").status is Status.PASS
+
+
+def test_media_warning_on_a_disk_holding_a_storage_path_fails(tmp_path):
+    nvme_tree(tmp_path, mounts="/dev/nvme0n1 /scratch xfs rw 0 0\n")
+    prog = nvme(tmp_path, {"nvme0": {**HEALTHY, "critical_warning": 4, "media_errors": 7}})
+    ctx = make_ctx(tmp_path, "nvme_health", {"storage": {"paths": ["/scratch/agent"]}}, nvme=prog)
+    fail = by(nvme_health.run(ctx), "critical_warning")
+    assert fail.status is Status.FAIL and "/scratch/agent" in fail.detail
+    assert fail.evidence["storage_paths"] == ["/scratch/agent"]
+
+
+def test_wear_over_ninety_percent_warns(tmp_path):
+    nvme_tree(tmp_path)
+    prog = nvme(tmp_path, {"nvme0": {**HEALTHY, "percent_used": 93}})
+    wear = by(nvme_health.run(make_ctx(tmp_path, "nvme_health", nvme=prog)), "wear")
+    assert (wear.status, wear.value) == (Status.WARN, 93)
+
+
+def test_no_nvme_or_no_nvme_cli_or_no_root_is_a_skip(tmp_path):
+    (tmp_path / "sys").mkdir()
+    (skip,) = nvme_health.run(make_ctx(tmp_path, "nvme_health"))
+    assert skip.status is Status.SKIP and "no NVMe controller" in skip.detail
+    nvme_tree(tmp_path)
+    (skip,) = nvme_health.run(make_ctx(tmp_path, "nvme_health", nvme="nvme-not-on-this-host"))
+    assert skip.status is Status.SKIP and "nvme-cli" in skip.detail
+    prog = nvme(tmp_path, {}, "open: Permission denied\n", 1)
+    (skip,) = nvme_health.run(make_ctx(tmp_path, "nvme_health", nvme=prog))
+    assert skip.status is Status.SKIP and "needs root" in skip.detail
+
+
+# -- host_cpu ---------------------------------------------------------------------------------
+
+def cpus(tmp_path, online, present, throttle=None):
+    base = tmp_path / "sys/devices/system/cpu"
+    write(base / "online", online + "\n")
+    write(base / "present", present + "\n")
+    for cpu, count in (throttle or {}).items():
+        write(base / f"cpu{cpu}/thermal_throttle/core_throttle_count", f"{count}\n")
+        write(base / f"cpu{cpu}/thermal_throttle/package_throttle_count", "0\n")
+
+
+def test_fewer_cpus_online_than_expected_fails_naming_the_missing(tmp_path):
+    cpus(tmp_path, "0-110,112-223", "0-223")
+    ctx = make_ctx(tmp_path, "host_cpu", {"node": {"expected_cpus": 224}})
+    fail = by(host_cpu.run(ctx), "cpus_online")
+    assert (fail.status, fail.value, fail.evidence["missing"]) == (Status.FAIL, 223, "111")
+
+
+def test_throttle_growth_between_runs_warns(tmp_path):
+    cpus(tmp_path, "0-1", "0-1", {0: 0, 1: 0})
+    ctx = make_ctx(tmp_path, "host_cpu")
+    assert by(host_cpu.run(ctx), "cpu_throttle").status is Status.PASS
+    cpus(tmp_path, "0-1", "0-1", {0: 0, 1: 4})
+    warn = by(host_cpu.run(ctx), "cpu_throttle")
+    assert (warn.status, warn.value) == (Status.WARN, 4) and "cpu1.core +4" in warn.detail
+    assert by(host_cpu.run(ctx), "cpu_throttle").status is Status.PASS
+
+
+def test_no_throttle_counters_and_no_expectation_are_skips(tmp_path):
+    cpus(tmp_path, "0-1", "0-1")
+    results = host_cpu.run(make_ctx(tmp_path, "host_cpu"))
+    assert {r.metric: r.status for r in results} == {"cpu_throttle": Status.SKIP,
+                                                      "cpus_online": Status.SKIP}
+    assert "node.expected_cpus" in by(results, "cpus_online").detail
