@@ -114,17 +114,49 @@ class _LoadState:
         return None if since is None else time.monotonic() - since
 
 
+class _CounterSeries:
+    """The scenario's ``counter_series`` faults: each (GPU, counter, link) answers its values one
+    read at a time, the last value staying (the caller's clock decides what a read's time is)."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[tuple[int, str, int], tuple[int, ...]] = {}
+        self._reads: dict[tuple[int, str, int], int] = {}
+        for f in scenario.faults:
+            if f.kind == "counter_series" and f.gpu is not None:
+                key = (f.gpu, f.params["counter"], int(f.params.get("link", 0)))
+                self._values[key] = tuple(int(v) for v in f.params["values"])
+
+    def read(self, gpu: int, counter: str, link: int = 0) -> int | None:
+        """The counter's next value, or None when the scenario gives it no series."""
+        key = (gpu, counter, link)
+        with self._lock:
+            values = self._values.get(key)
+            if values is None:
+                return None
+            i = self._reads.get(key, 0)
+            self._reads[key] = i + 1
+        return values[min(i, len(values) - 1)]
+
+
 class SimGpuDevice:
     """One simulated GPU; readings are the SKU's healthy values unless a fault says otherwise."""
 
     def __init__(self, index: int, scenario: Scenario, sku: Sku, wedged: threading.Event,
-                 call_timeout_s: float, load: _LoadState | None = None) -> None:
+                 call_timeout_s: float, load: _LoadState | None = None,
+                 series: _CounterSeries | None = None) -> None:
         self.index = index
         self._scenario = scenario
         self._sku = sku
         self._wedged = wedged
         self._call_timeout_s = call_timeout_s
         self._load = load or _LoadState()
+        self._series = series or _CounterSeries(scenario)
+
+    def _counter(self, counter: str, otherwise: int, link: int = 0) -> int:
+        """A ``counter_series`` value when the scenario gives one, else ``otherwise``."""
+        value = self._series.read(self.index, counter, link)
+        return otherwise if value is None else value
 
     def _hw_throttled(self) -> bool:
         fault = self._fault("throttle")
@@ -221,19 +253,22 @@ class SimGpuDevice:
         fault = self._fault("pcie_width")
         return PcieLink(gen_current=gen, gen_max=gen,
                         width_current=int(fault.params["lanes"]) if fault else width,
-                        width_max=width, replay_count=0)
+                        width_max=width, replay_count=self._counter("pcie_replay", 0))
 
     def ecc(self) -> EccCounts:
         self._answer()
         dbe = sum(f.params.get("count", 1) for f in self._scenario.faults_on(self.index, "ecc_dbe_volatile"))
-        sbe = sum(f.params.get("count", 1) for f in self._scenario.faults_on(self.index, "ecc_sbe_volatile"))
+        sbe = self._counter("ecc_sbe_volatile", sum(
+            f.params.get("count", 1) for f in self._scenario.faults_on(self.index, "ecc_sbe_volatile")))
         # The SRAM status (nvmlDeviceGetSramEccErrorStatus) is reported always, as an Ampere or
         # later GPU does to a root agent: 0 errors and no threshold flag unless a fault says so.
         flagged = self._scenario.has(self.index, "sram_threshold_exceeded")
         by_unit = dict.fromkeys(SRAM_UNITS, 0)
         for fault in self._scenario.faults_on(self.index, "ecc_sram_uncorrectable"):
             by_unit[fault.params.get("unit", "l2")] += int(fault.params.get("count", 1))
-        sram = sum(by_unit.values())
+        sram = self._counter("ecc_sram_uncorrectable", sum(by_unit.values()))
+        if sram != sum(by_unit.values()):  # a series: its errors are the L2's
+            by_unit = {**dict.fromkeys(SRAM_UNITS, 0), "l2": sram}
         status = {"sram_uncorrectable_aggregate": sram, "sram_threshold_exceeded": flagged,
                   "sram_uncorrectable_by_unit": by_unit}
         return EccCounts(enabled=True, volatile_sbe=sbe, volatile_dbe=dbe, aggregate_sbe=sbe,
@@ -250,8 +285,10 @@ class SimGpuDevice:
         self._answer()
         pending = self._scenario.has(self.index, "row_remap_pending")
         failed = self._scenario.has(self.index, "row_remap_failure")
-        return RowRemap(corrected=0, uncorrected=int(pending or failed), pending=pending,
-                        failed=failed)
+        return RowRemap(corrected=self._counter("remapped_rows_correctable", 0),
+                        uncorrected=self._counter("remapped_rows_uncorrectable",
+                                                  int(pending or failed)),
+                        pending=pending, failed=failed)
 
     def persistence_mode(self) -> bool:
         self._answer()
@@ -273,8 +310,10 @@ class SimGpuDevice:
         nvlink = self._sku.section("nvlink")
         wired = int(nvlink.get("links", 0))
         count = int(nvlink.get("indices", wired))
-        return [NvLink(link=i, active=i < wired and i not in down, replay_errors=0,
-                       recovery_errors=0, crc_errors=0, p2p_supported=True)
+        return [NvLink(link=i, active=i < wired and i not in down,
+                       replay_errors=self._counter("nvlink_replay", 0, i),
+                       recovery_errors=self._counter("nvlink_recovery", 0, i),
+                       crc_errors=self._counter("nvlink_crc", 0, i), p2p_supported=True)
                 for i in range(count)]
 
     def compute_processes(self) -> list[GpuProcess]:
@@ -323,8 +362,9 @@ class SimGpuBackend:
         self._xids_delivered = False
         self._closed = threading.Event()
         self._load = _LoadState()
+        series = _CounterSeries(scenario)
         self._devices: list[GpuDevice] = [] if scenario.driver_down else [
-            SimGpuDevice(i, scenario, sku, self._wedged, call_timeout_s, self._load)
+            SimGpuDevice(i, scenario, sku, self._wedged, call_timeout_s, self._load, series)
             for i in range(scenario.gpus)
             if not scenario.has(i, "missing_gpu") and not scenario.has(i, "pci_only")
         ]

@@ -7,6 +7,9 @@ Threads, each with one job:
   time (never two heavy checks at once), each bounded by its timeout (``runner.run_check``);
 - XID watch: NVML events and the kernel log (``service.xid_watch``), graded the moment they arrive;
 - HTTP: ``/metrics`` (Prometheus) and ``/healthz`` on loopback.
+After each check run its numeric results named in ``graders/trends.yaml`` go into the counter
+history (``<state_dir>/history.db``) and their trends are graded as ``trends`` results
+(``service.trend_watch``, docs/trends.md): WARNs, never an action.
 Every change of results is re-graded at once; a changed grade goes to ``on_grade`` (the
 remediation hook) and the log. Nothing here exits on a check's failure: a check that raises or
 hangs is an ``error`` result and a rising ``node_agent_check_errors_total``.
@@ -33,7 +36,7 @@ from node_agent.environment import Environment, open_environment
 from node_agent.kernel_log import normalise_bus
 from node_agent.model import Grade, Level, Result, Status
 from node_agent.report.terminal import printable
-from node_agent.resources import suites_dir
+from node_agent.resources import graders_dir, shipped_graders_dir, suites_dir
 from node_agent.runner import FORKSERVER_CHECKS, run_check
 from node_agent.service.metrics import (
     CheckStats,
@@ -43,6 +46,7 @@ from node_agent.service.metrics import (
     Snapshot,
 )
 from node_agent.service.sd_notify import Notifier
+from node_agent.service.trend_watch import TrendWatch, trends_file
 from node_agent.service.xid_watch import XidSighting, XidWatch
 from node_agent.suite import CheckSpec, Suite, load_suite
 from node_agent.yamlfile import ConfigError
@@ -68,7 +72,8 @@ class Daemon:
     def __init__(self, config_path: str | None, simulate: str | None = None, *,
                  suite: str | None = None, listen: str | None = None,
                  notifier: Notifier | None = None, on_grade: GradeHook | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self._config_path = config_path
         self._simulate = simulate
         self._suite_name = suite
@@ -107,6 +112,10 @@ class Daemon:
 
             self._remediation = DaemonRemediation(self.config, simulate, self.record_action)
             self._on_grade = self._remediation
+        # counter history and trends, in wall-clock time (a test advances simulated days)
+        self._trends = TrendWatch.open(trends_file(graders_dir(self.config),
+                                                   shipped_graders_dir()),
+                                       self.config.state_dir, wall_clock)
         self._watch = XidWatch(lambda: self.env.gpu, lambda: self.env.kernel_log,
                                self._on_xid, poll_s=float(self.config.get("daemon.xid_poll_s")),
                                report_sxid=True)
@@ -206,6 +215,7 @@ class Daemon:
             self._server.server_close()
         with self._lock:
             self.env.close()
+            self._trends.close()
 
     def healthz(self) -> tuple[bool, str]:
         """Healthy while the main loop ticks; the grade is in the body, not the status code
@@ -353,6 +363,7 @@ class Daemon:
                 results = [r for r in results
                            if not (r.metric in ("xid", "sxid") and r.status is Status.FAIL)]
             self._results[check] = results
+            self._trends.update(results, _sku_limits(self.env))
             self._hangs.update(check, results)  # counts training_progress's new hangs
             if check in SDC_CHECKS:
                 for r in results:
@@ -395,7 +406,7 @@ class Daemon:
     def current_results(self) -> list[Result]:
         with self._lock:
             return ([r for rs in self._results.values() for r in rs]
-                    + list(self._xid_results.values()))
+                    + list(self._xid_results.values()) + self._trends.results())
 
     def _regrade(self, why: str) -> None:
         with self._lock:
@@ -489,6 +500,12 @@ class Daemon:
                 xid_counts=dict(self._xid_counts), sdc_outcomes=dict(self._sdc),
                 actions=dict(self._actions), simulated=self.env.simulated,
                 hang_suspicions=self._hangs.total)
+
+
+def _sku_limits(env: Environment) -> dict | None:
+    """The SKU's limits and performance minima, where trends.yaml's ``threshold_sku`` looks."""
+    sku = env.sku
+    return None if sku is None else {**sku.section("performance"), **sku.section("limits")}
 
 
 def _count(result: Result) -> int:
