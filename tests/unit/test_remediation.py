@@ -163,9 +163,11 @@ def make(store, adapter=None, clock=None, safety=None, warnings=None, **kw):
                       state_dir=None, clock=clock or Clock(), warn=warnings.append, **kw)
 
 
-def plan_for(g, record=None, counts=None, now=T0, boot=T0, reset=False, tried=False, **safety):
+def plan_for(g, record=None, counts=None, now=T0, boot=T0, reset=False, tried=False,
+             remediations=0, **safety):
     return plan(g, record or NodeRecord(NODE), Safety(**safety), now=now, boot_time=boot,
-                restart_counts=counts or {}, gpu_reset_available=reset, gpu_reset_tried=tried)
+                restart_counts=counts or {}, gpu_reset_available=reset, gpu_reset_tried=tried,
+                remediations_7d=remediations)
 
 
 # -- planning ---------------------------------------------------------------------------------
@@ -214,6 +216,30 @@ def test_fault_recurring_after_max_restarts_escalates_to_fault():
                  counts={"driver-hang": 2}, max_restarts=2)
     assert p.escalated and [s.action for s in p.steps] == ["replace"]
     assert "FAULT driver-hang" in p.steps[0].reason and "max_restarts=2" in p.note
+
+
+def test_a_codes_restarts_before_fault_on_the_reason_replaces_safety_max_restarts():
+    xid109 = Grade(Level.ERROR, Action.RESTART, (Reason(
+        "xid", Level.ERROR, "gpu:1", "Xid 109", catalog="xid", code=109,
+        restarts_before_fault=4),))
+    restarting = NodeRecord(NODE, "restarting", T0, restart_kind="reboot", requested_at=T0 - 10)
+    p = plan_for(xid109, record=restarting, counts={"xid-109": 3}, max_restarts=2)
+    assert [s.action for s in p.steps] == ["restart"] and "restart 4 of 4" in p.note
+    p = plan_for(xid109, record=restarting, counts={"xid-109": 4}, max_restarts=2)
+    assert p.escalated and "restarts_before_fault in graders/xid.yaml=4" in p.note
+
+
+def test_a_node_restarted_max_remediations_7d_times_is_held_not_restarted():
+    p = plan_for(ERR_HANG, remediations=5)
+    assert [(s.action, s.to_state, s.fault_code) for s in p.steps] == [
+        ("drain", "drained", "driver-hang"), ("hold", "needs-operator", "remediations-7d")]
+    assert "needs-operator 5 remediations in 7 d" in p.steps[0].reason
+    assert "safety.max_remediations_7d=5" in p.note
+    assert [s.action for s in plan_for(ERR_HANG, remediations=4).steps] == ["drain", "restart"]
+    held = NodeRecord(NODE, "needs-operator", T0, "remediations-7d", "node", "auto")
+    assert plan_for(ERR_HANG, record=held).steps == ()  # held until an operator, not by time
+    assert [s.action for s in plan_for(FAULT79, record=held).steps] == ["replace"]
+    assert plan_for(HEALTHY, record=held).steps == ()
 
 
 def test_xid_restarts_are_counted_per_xid_code():
