@@ -6,8 +6,9 @@ HGX-class server (the model, not a measurement of one):
 
 * memory: two sockets, 8 channels each, 2 DIMMs per channel of 64 GiB (2,048 GiB), labelled
   ``CPU0_DIMM_A1`` ... ``CPU1_DIMM_H2``, under EDAC controllers ``mc0``/``mc1`` (reset an hour
-  ago); memory blocks of 2 GiB;
-* 224 CPUs online (2 x 56 cores x 2 threads) with ``thermal_throttle`` counters;
+  ago); memory blocks of 16 GiB (a real x86 host's are 2 GiB: fewer to write);
+* 224 CPUs online (2 x 56 cores x 2 threads); ``thermal_throttle`` counters on the first CPU
+  of each socket only (a real host has them on every CPU: fewer to write);
 * the scenario's GPUs and HCAs each behind a PCIe bridge of its own (an HCA is a ConnectX card
   on bus 0x40 + 2n here), every function with AER counters at zero (``/sys/bus/pci/devices`` links into a ``/sys/devices/pci0000:00`` tree, and
   ``/sys/class/infiniband/<hca>/device`` to the HCA's function);
@@ -45,7 +46,8 @@ DIMM_GIB = 64
 SOCKETS = 2
 CHANNELS = "ABCDEFGH"
 DIMMS_PER_CHANNEL = 2
-MEMORY_BLOCK_BYTES = 2 * GIB
+#: larger than a real x86 host's 2 GiB blocks, to keep the simulated tree small
+MEMORY_BLOCK_BYTES = 16 * GIB
 CPUS = 224
 PSUS = tuple(f"PS{n}" for n in range(1, 7))
 NVME = {"nvme0": "/", "nvme1": "/raid"}
@@ -121,7 +123,6 @@ def write_edac(scenario: Scenario, sys_root: Path) -> None:
             path.mkdir()
             for name, value in (("dimm_label", dimm.label), ("size", DIMM_GIB * 1024),
                                 ("dimm_location", f"channel {dimm.slot // 2} slot {dimm.slot % 2}"),
-                                ("dimm_mem_type", "Registered-DDR5"),
                                 ("dimm_ce_count", counts[dimm.label]["ce"]),
                                 ("dimm_ue_count", counts[dimm.label]["ue"])):
                 (path / name).write_text(f"{value}\n")
@@ -144,7 +145,7 @@ def write_cpus(scenario: Scenario, sys_root: Path) -> None:
     (base / "online").write_text(every + "\n")
     (base / "present").write_text(every + "\n")
     throttles = sum(int(f.params["count"]) for f in _faults(scenario, "cpu_throttle"))
-    for cpu in range(CPUS):
+    for cpu in range(0, CPUS, CPUS // SOCKETS):
         tt = base / f"cpu{cpu}" / "thermal_throttle"
         tt.mkdir(parents=True)
         count = throttles if cpu == 0 else 0
