@@ -186,6 +186,11 @@ def test_shipped_trends_file_loads_and_names_the_issue_series():
     got = {(s.name, target, v) for s, target, v in specs.samples([result])}
     assert got == {("remapped_rows_uncorrectable", "gpu:2", 0.0),
                    ("remapped_rows_correctable", "gpu:2", 3.0)}
+    port = Result("hca_ports", "hca:mlx5_0", "error_rates", Status.WARN, "", value=12.0,
+                  evidence={"symbol_error": 340, "link_downed": 2, "port": 1})
+    got = {(s.name, target, v) for s, target, v in specs.samples([port])}
+    assert got == {("hca_symbol_errors", "hca:mlx5_0", 340.0),
+                   ("hca_link_downed", "hca:mlx5_0", 2.0)}
 
 
 def test_a_trends_file_without_a_threshold_is_refused(tmp_path):
