@@ -31,9 +31,9 @@ from node_agent.model import Result, Status
 from node_agent.yamlfile import ConfigError, load_yaml
 
 DAY_S = 86400.0
-#: a segment longer than this is thinned (evenly, keeping its last point) before the fit:
-#: Theil-Sen is O(n^2) in pairs; 120 points are 7,140 pairs (a few ms in Python)
-MAX_FIT_POINTS = 120
+#: a segment longer than this is thinned (evenly, keeping its first and last points) before
+#: the fit: Theil-Sen is O(n^2) in pairs; 100 points are 4,950 pairs (about a ms in Python)
+MAX_FIT_POINTS = 100
 #: at most this many of a series' newest points travel as a trend's evidence
 EVIDENCE_POINTS = 48
 
@@ -257,15 +257,22 @@ class Trend:
     def message(self) -> str:
         s = self.spec
         unit = f" {s.unit}" if s.unit else ""
-        what = f"{s.check} {s.metric} on {self.target}"
+        named = f" ({s.name})" if s.evidence_key or s.margin_from else ""
+        what = f"{s.check} {s.metric}{named} on {self.target}"
         parts = []
         if self.slope_per_day is not None:
             verb = "rising" if self.slope_per_day >= 0 else "falling"
             parts.append(f"{verb} at {abs(self.slope_per_day):.3g}{unit} per day "
                          f"(Theil-Sen over {self.points} points since the last reset)")
         if self.forecast_warns and self.crossing_days is not None:
-            parts.append(f"crosses its threshold {self.threshold:g}{unit} in about "
-                         f"{self.crossing_days:.1f} days (now {self.latest:g})")
+            past = (self.latest >= self.threshold if s.direction == "up"
+                    else self.latest <= self.threshold)
+            if past:
+                parts.append(f"has reached its threshold {self.threshold:g}{unit} "
+                             f"(now {self.latest:g}) and goes on")
+            else:
+                parts.append(f"crosses its threshold {self.threshold:g}{unit} in about "
+                             f"{self.crossing_days:.1f} days (now {self.latest:g})")
         if self.windows_warn:
             parts.append(f"rose in {sum(self.rising)} of the last {len(self.rising)} "
                          f"{s.window_h:g}-hour windows (k={s.k})")
