@@ -1,7 +1,7 @@
 """Check ``kernel_distress``: the kernel's own distress, from the kernel log, rasdaemon and pstore.
 
-What the kernel reports about the host rather than a GPU (``kernel_log.DistressLine`` has every
-line form and where Linux prints it), each folded like Xids (one result per kind and device:
+What the kernel reports about the host rather than a GPU (``kernel_log_distress.DistressLine``
+has every line form and where Linux prints it), each folded like Xids (one result per kind and device:
 count, first and last time, rate, bursts, the first and last line) and graded by
 ``graders/rules.yaml``:
 
@@ -55,7 +55,8 @@ from typing import Any
 from node_agent import proc
 from node_agent.checks import CheckContext
 from node_agent.checks.xid_fold import BURST_GAP_S, MAX_BURST_STARTS, Fold
-from node_agent.kernel_log import DistressLine, LogRecord, scan_distress
+from node_agent.kernel_log import LogRecord
+from node_agent.kernel_log_distress import DistressLine, scan_distress
 from node_agent.model import Result, Status
 
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")

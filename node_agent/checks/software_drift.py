@@ -191,6 +191,8 @@ def system_nccl(timeout_s: float = 10.0) -> tuple[str | None, str]:
 def _needs(ctx: CheckContext) -> dict[str, bool]:
     sku = ctx.sku.id if ctx.sku is not None else None
     needs = dict(NEEDS.get(sku or "", {"fabricmanager": False, "peermem": False}))
+    if ctx.sku is not None:  # a SKU file's own ``needs`` section, where its schema allows one
+        needs.update({k: bool(v) for k, v in ctx.sku.section("needs").items()})
     needs.update({k: bool(v) for k, v in (ctx.params.get("needs") or {}).items()})
     return needs
 

@@ -2,7 +2,7 @@
 them, folded per kind and device, graded by the shipped rules; rasdaemon's summary; pstore.
 
 Every line form is the one Linux prints, with the function that prints it (the forms are in
-``node_agent.kernel_log.DistressLine``); the example values (task names, devices, times) are
+``node_agent.kernel_log_distress.DistressLine``); the example values (task names, devices, times) are
 made up, the text around them is the kernel's format string:
 
 - hung task: kernel/hung_task.c ``check_hung_task``, ``"INFO: task %s:%d blocked for more than
@@ -49,13 +49,8 @@ from node_agent.checks import CheckContext
 from node_agent.checks import kernel_distress as kd
 from node_agent.config import load_config
 from node_agent.environment import open_environment
-from node_agent.kernel_log import (
-    FileKernelLog,
-    LinesKernelLog,
-    LogRecord,
-    parse_distress,
-    scan_distress,
-)
+from node_agent.kernel_log import FileKernelLog, LinesKernelLog, LogRecord
+from node_agent.kernel_log_distress import parse_distress, scan_distress
 from node_agent.model import Level, Status
 
 #: (line as the kernel prints it, kind, subject, process)
