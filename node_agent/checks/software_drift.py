@@ -98,7 +98,8 @@ def run(ctx: CheckContext) -> list[Result]:
                                    declared["vbios"], gpu.vbios))
     kernel = sim.get("kernel") or host.kernel
     results.append(compare(ctx, "node", "kernel_version", "kernel", declared["kernel"], kernel))
-    nccl, nccl_from = (sim["nccl"], "the simulated node") if "nccl" in sim else system_nccl()
+    nccl, nccl_from = ((sim["nccl"], "the simulated node") if "nccl" in sim
+                       else system_nccl(timeout_s=min(10.0, ctx.timeout_s / 3)))
     results.append(compare(ctx, "node", "nccl_version", "nccl", declared["nccl"], nccl,
                            found_from=nccl_from))
     needs = _needs(ctx)

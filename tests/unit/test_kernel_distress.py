@@ -414,3 +414,16 @@ def test_without_pstore_mounted_the_check_skips_it_with_the_reason(env):
                        params={"pstore_archive": "/nonexistent/pstore-archive"})
     (pstore,) = [r for r in kd.run(ctx) if r.metric == "pstore"]
     assert pstore.status is Status.SKIP and "mount -t pstore" in pstore.detail
+
+
+def test_rasdaemon_records_are_read_through_the_configured_tool(env, tmp_path, monkeypatch):
+    """rasdaemon is not installed here (it needs its daemon and database), so a stand-in script
+    prints ``ras-mc-ctl --summary`` in the format above; the check runs it as it runs the tool."""
+    tool = tmp_path / "ras-mc-ctl"
+    tool.write_text("#!/bin/sh\n[ \"$1\" = --summary ] || exit 2\nprintf '%s' \"$SUMMARY\"\n")
+    tool.chmod(0o755)
+    env.config.data["host"]["ras_mc_ctl"] = str(tool)
+    monkeypatch.setenv("SUMMARY", RAS_SUMMARY)
+    (ras,) = [r for r in run_check(env, []) if r.metric == "ras_mce"]
+    assert (ras.status, ras.value, ras.evidence["uncorrected"]) == (Status.WARN, 3, 1)
+    assert grade(env, [ras]).level is Level.WARN
