@@ -129,13 +129,26 @@ def load_grading(path: Path) -> HcaGrading:
                        for name, c in data["counters"].items()))
 
 
+#: the last file read, by (path, mtime_ns, size): the daemon runs the check every 15 s, and
+#: parsing the YAML was a third of a run's time
+_LOADED: dict[tuple[str, int, int], HcaGrading] = {}
+
+
 def grading(ctx: CheckContext) -> HcaGrading:
     """``hca.yaml`` of the configured graders directory (the shipped one where an operator's
-    directory predates the file)."""
+    directory predates the file), read again only when the file changes."""
     path = resources.graders_dir(ctx.config) / "hca.yaml"
     if not path.exists():
         path = resources.shipped_graders_dir() / "hca.yaml"
-    return load_grading(path)
+    try:
+        st = path.stat()
+    except OSError:
+        return load_grading(path)  # says what is wrong with it
+    key = (str(path), st.st_mtime_ns, st.st_size)
+    if key not in _LOADED:
+        _LOADED.clear()
+        _LOADED[key] = load_grading(path)
+    return _LOADED[key]
 
 
 @dataclass(frozen=True)
@@ -547,10 +560,10 @@ def _rank(status: Status) -> int:
 def _keep(samples: list[list[float]], now: float, value: int,
           window_s: float) -> list[list[float]]:
     """The readings to keep: those of the last ``window_s`` and the newest before them, at most
-    one per ``window_s / 30`` (the newest replaces a closer one), then this one."""
+    one per ``window_s / 12`` (the newest replaces a closer one), then this one."""
     old = [s for s in samples if s[0] <= now - window_s]
     kept = old[-1:] + [s for s in samples if s[0] > now - window_s]
-    if len(kept) >= 2 and now - kept[-2][0] < window_s / 30:
+    if len(kept) >= 2 and now - kept[-2][0] < window_s / 12:
         kept[-1] = [now, value]
     else:
         kept.append([now, value])

@@ -335,7 +335,7 @@ def test_history_stays_small_over_a_day_of_runs(tree, tmp_path):
     for i in range(0, 24 * 3600, 15 * 60):  # every 15 minutes for a day
         run(ctx, T0 + i)
     state = json.loads((tmp_path / "state" / hca_ports.STATE_FILE).read_text())
-    assert max(len(v) for v in state["ports"]["mlx5_0/1"]["counters"].values()) <= 32
+    assert max(len(v) for v in state["ports"]["mlx5_0/1"]["counters"].values()) <= 14
 
 
 def test_without_a_state_dir_the_run_says_it_has_no_history(tree):
