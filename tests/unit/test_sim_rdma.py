@@ -101,3 +101,42 @@ def test_hca_fault_keys_on_hca_not_gpu(tmp_path):
     scenario = _scenario(tmp_path, [{"kind": "hca_rate", "hca": "mlx5_0", "gbps": 200}])
     (fault,) = scenario.faults
     assert (fault.gpu, fault.hca, fault.params) == (None, "mlx5_0", {"gbps": 200})
+
+
+def test_sysfs_tree_links_each_hca_to_its_pci_function(tmp_path):
+    sim = sim_tools.rdma_tools(_scenario(tmp_path), SKUS["h100-sxm5-80gb"], tmp_path / "w")
+    links = {d.name: (d / "device").resolve().name for d in sim.sysfs_root.iterdir()}
+    assert links == {"mlx5_0": "0000:0c:00.0", "mlx5_1": "0000:0c:00.1"}
+    pci = {d.bus_id for d in sim_tools.simulated_pci(_scenario(tmp_path)) if d.vendor == 0x15B3}
+    assert pci == set(links.values())  # the same functions the simulated PCI bus shows
+
+
+def test_every_error_counter_is_written_zero_on_a_healthy_port(tmp_path):
+    sim = sim_tools.rdma_tools(_scenario(tmp_path), SKUS["h100-sxm5-80gb"], tmp_path / "w")
+    port = sim.sysfs_root / "mlx5_0" / "ports" / "1"
+    for name in sim_tools.PORT_COUNTERS:
+        assert (port / "counters" / name).read_text() == "0\n"
+    for name in sim_tools.HW_COUNTERS:
+        assert (port / "hw_counters" / name).read_text() == "0\n"
+
+
+def test_hca_errors_counter_grows_with_the_simulated_uptime(tmp_path):
+    scenario = _scenario(tmp_path, [{"kind": "hca_errors", "hca": "mlx5_1",
+                                     "counter": "symbol_error", "per_hour": 3600}])
+    boot = sim_tools.simulated_boot_time(scenario)
+    early = sim_tools.rdma_tools(scenario, SKUS["h100-sxm5-80gb"], tmp_path / "a",
+                                 now=boot + 3660)
+    late = sim_tools.rdma_tools(scenario, SKUS["h100-sxm5-80gb"], tmp_path / "b",
+                                now=boot + 7200)
+    read = lambda sim: int((sim.sysfs_root / "mlx5_1" / "ports" / "1" / "counters"  # noqa: E731
+                            / "symbol_error").read_text())
+    assert (read(early), read(late)) == (3660, 7200)  # 3600/h: one a second since boot
+    assert (early.uptime_s, late.uptime_s) == (3660, 7200)
+    assert (early.sysfs_root / "mlx5_0" / "ports" / "1" / "counters"
+            / "symbol_error").read_text() == "0\n"
+
+
+def test_the_simulated_node_booted_an_hour_before_its_scenario_file(tmp_path):
+    scenario = _scenario(tmp_path)
+    written = Path(scenario.source).stat().st_mtime
+    assert sim_tools.simulated_boot_time(scenario, now=written + 10) == written - 3600
