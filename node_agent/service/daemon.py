@@ -343,6 +343,11 @@ class Daemon:
 
     def _record(self, check: str, results: list[Result], started: float, duration: float) -> None:
         worst = max((r.status for r in results), key=_STATUS_ORDER.index, default=None)
+        # the counter history (SQLite; outside the lock, which the XID watch and /metrics need)
+        try:
+            self._trends.update(results, _sku_limits(self.env))
+        except Exception:  # noqa: BLE001 - trends must never stop the checks
+            log.exception("recording the trends of %s failed", printable(check))
         with self._lock:
             stats = self._stats.setdefault(check, CheckStats())
             stats.runs += 1
@@ -363,7 +368,6 @@ class Daemon:
                 results = [r for r in results
                            if not (r.metric in ("xid", "sxid") and r.status is Status.FAIL)]
             self._results[check] = results
-            self._trends.update(results, _sku_limits(self.env))
             self._hangs.update(check, results)  # counts training_progress's new hangs
             if check in SDC_CHECKS:
                 for r in results:

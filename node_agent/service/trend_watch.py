@@ -42,8 +42,9 @@ def trends_file(graders: Path, shipped: Path) -> Path:
 
 
 class TrendWatch:
-    """Record, evaluate, and hand back the ``trends`` results. Not thread-safe by itself: the
-    daemon calls :meth:`update` under its lock."""
+    """Record, evaluate, and hand back the ``trends`` results. One thread calls :meth:`update`
+    (the daemon's checks thread, outside the daemon's lock: SQLite may wait on the disk); any
+    thread may call :meth:`results`, which reads the list the last update published."""
 
     def __init__(self, specs: TrendSpecs, history: History,
                  clock: Callable[[], float] = time.time,
@@ -54,6 +55,8 @@ class TrendWatch:
         self._every_s = evaluate_every_s
         self._evaluated: dict[tuple[str, str], float] = {}
         self._warns: dict[tuple[str, str], Result] = {}
+        self._published: tuple[Result, ...] = ()
+        self._publish()
 
     @classmethod
     def open(cls, trends_path: Path, state_dir: Path,
@@ -67,6 +70,13 @@ class TrendWatch:
         samples = self.specs.samples(results)
         if not samples:
             return
+        try:
+            self._update(samples, sku_limits)
+        finally:
+            self._publish()
+
+    def _update(self, samples: list[tuple[SeriesSpec, str, float]],
+                sku_limits: dict[str, Any] | None) -> None:
         self.history.record(Sample(s.check, target, _metric_key(s), s.kind, value)
                             for s, target, value in samples)
         now = self._clock()
@@ -86,6 +96,9 @@ class TrendWatch:
 
     def results(self) -> list[Result]:
         """The current ``trends`` results (never empty: the watch says what it watches)."""
+        return list(self._published)
+
+    def _publish(self) -> None:
         out = list(self._warns.values())
         problem = self.history.problem or self.history.notice
         if problem:
@@ -98,7 +111,7 @@ class TrendWatch:
                           detail=f"{watched} series watched, {len(self._warns)} trending "
                           f"towards their thresholds", value=len(self._warns), unit="series",
                           evidence={"series": watched}))
-        return out
+        self._published = tuple(out)  # one assignment: readers see the old list or the new
 
     def close(self) -> None:
         self.history.close()

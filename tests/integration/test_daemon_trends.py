@@ -84,7 +84,7 @@ def runs(daemon: Daemon) -> int:
 def drive(daemon: Daemon, clock: WallClock, n: int) -> None:
     """Let the daemon run nvml_health ``n`` times, six simulated hours apart."""
     for i in range(n):
-        assert wait_for(lambda: runs(daemon) >= i + 1, 15), f"run {i + 1} did not happen"
+        assert wait_for(lambda n=i + 1: runs(daemon) >= n, 15), f"run {i + 1} did not happen"
         clock.now += 6 * H
 
 
