@@ -20,6 +20,7 @@ from typing import Any
 from node_agent import atomic_file
 from node_agent.checks import CheckContext
 from node_agent.host.paths import HostPaths
+from node_agent.model import Result
 from node_agent.resources import graders_dir, shipped_graders_dir
 from node_agent.yamlfile import load_yaml
 
@@ -72,6 +73,15 @@ def host_paths(ctx: CheckContext, parts: tuple[str, ...]) -> Iterator[HostPaths]
                     dev=Path(ctx.params.get("dev_root", "/dev")),
                     ipmitool=str(ctx.params.get("ipmitool") or ctx.config.get("host.ipmitool")),
                     nvme=str(ctx.params.get("nvme") or ctx.config.get("host.nvme")))
+
+
+def not_recorded(ctx: CheckContext, metric: str) -> list[Result] | None:
+    """For a captured node replayed through ``--simulate`` (docs/capture.md): its host
+    hardware was not recorded, so the host checks skip rather than judge a model of it."""
+    if ctx.scenario is not None and ctx.scenario.captured and "sys_root" not in ctx.params:
+        return [ctx.skip("the captured node's host hardware (EDAC, PSUs, AER, NVMe, CPUs) was "
+                         "not recorded; only its GPUs and PCI bus replay", metric=metric)]
+    return None
 
 
 def tool_timeout_s(ctx: CheckContext) -> float:

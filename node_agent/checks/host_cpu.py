@@ -17,13 +17,15 @@ Params: ``sys_root``.
 from __future__ import annotations
 
 from node_agent.checks import CheckContext
-from node_agent.checks.host_common import Counters, host_paths, thresholds
+from node_agent.checks.host_common import Counters, host_paths, not_recorded, thresholds
 from node_agent.host.cpu import read_cpus
 from node_agent.host.paths import format_cpu_list
 from node_agent.model import Result, Status
 
 
 def run(ctx: CheckContext) -> list[Result]:
+    if (skip := not_recorded(ctx, "cpus_online")):
+        return skip
     with host_paths(ctx, ("cpu",)) as paths:
         state = read_cpus(paths.sys)
     return [_throttle(ctx, state), _online(ctx, state)]

@@ -26,7 +26,7 @@ import time
 
 from node_agent import atomic_file
 from node_agent.checks import CheckContext
-from node_agent.checks.host_common import host_paths, thresholds
+from node_agent.checks.host_common import host_paths, not_recorded, thresholds
 from node_agent.host.edac import EdacAbsent, MemoryController, read_edac
 from node_agent.host.memory import read_installed
 from node_agent.host.paths import entity_name
@@ -36,6 +36,8 @@ DAY_S = 86400.0
 
 
 def run(ctx: CheckContext) -> list[Result]:
+    if (skip := not_recorded(ctx, "edac")):
+        return skip
     limits = thresholds(ctx, "memory")
     try:
         with host_paths(ctx, ("edac", "memory")) as paths:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from node_agent import proc
 from node_agent.checks import CheckContext
-from node_agent.checks.host_common import host_paths, tool_timeout_s
+from node_agent.checks.host_common import host_paths, not_recorded, tool_timeout_s
 from node_agent.host.paths import HostPaths, entity_name
 from node_agent.model import Result, Status
 from node_agent.parsers import ParseError
@@ -31,6 +31,8 @@ MISSING = "ipmitool not installed (Debian/Ubuntu package `ipmitool`)"
 
 
 def run(ctx: CheckContext) -> list[Result]:
+    if (skip := not_recorded(ctx, "psu")):
+        return skip
     try:
         with host_paths(ctx, ("ipmi",)) as paths:
             return _run(ctx, paths)

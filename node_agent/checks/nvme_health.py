@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from node_agent import proc
 from node_agent.checks import CheckContext
-from node_agent.checks.host_common import host_paths, thresholds, tool_timeout_s
+from node_agent.checks.host_common import host_paths, not_recorded, thresholds, tool_timeout_s
 from node_agent.host.nvme import CONTROLLER, controllers_holding, list_controllers
 from node_agent.host.paths import HostPaths
 from node_agent.model import Result, Status
@@ -30,6 +30,8 @@ MISSING = "nvme-cli not installed (Debian/Ubuntu package `nvme-cli`)"
 
 
 def run(ctx: CheckContext) -> list[Result]:
+    if (skip := not_recorded(ctx, "nvme")):
+        return skip
     try:
         with host_paths(ctx, ("nvme",)) as paths:
             return _run(ctx, paths)

@@ -21,7 +21,7 @@ one ``skip`` saying so. Params: ``sys_root``.
 from __future__ import annotations
 
 from node_agent.checks import CheckContext
-from node_agent.checks.host_common import Counters, host_paths, thresholds
+from node_agent.checks.host_common import Counters, host_paths, not_recorded, thresholds
 from node_agent.gpu.pci import normalise_bus_id
 from node_agent.host.aer import PciFunction, read_functions, read_hca_functions
 from node_agent.model import Result, Status
@@ -50,6 +50,8 @@ def _owners(ctx: CheckContext, functions: list[PciFunction],
 
 
 def run(ctx: CheckContext) -> list[Result]:
+    if (skip := not_recorded(ctx, "aer")):
+        return skip
     limit = thresholds(ctx, "pcie_aer")["correctable_growth_max"]
     with host_paths(ctx, ("pci",)) as paths:
         try:

@@ -88,6 +88,14 @@ def test_aer_fault_needs_a_gpu_or_an_hca(agent, scenario):
     assert run.code == 2 and "faults[0]" in run.stderr
 
 
+def test_captured_node_skips_host_checks_its_capture_did_not_record(agent):
+    real = Path(__file__).resolve().parents[2] / "scenarios" / "real" / "h100-sxm5-vm.yaml"
+    run = accept(agent, str(real))
+    mine = [r for r in run.json()["results"] if r["check"] in HOST_CHECKS.split(",")]
+    assert len(mine) == 5 and all(r["status"] == "skip" and "not recorded" in r["detail"]
+                                  for r in mine)
+
+
 def _host_has(path: str) -> bool:
     try:
         return bool(os.listdir(path))
