@@ -280,7 +280,8 @@ def check(ctx: CheckContext, root: Path, now: float, uptime: float | None,
     if not readings:
         return [ctx.skip(f"no RDMA device: {root} lists no ports (no InfiniBand/RoCE HCA, or "
                          "its driver is not loaded)")]
-    ignore = {str(i) for i in ctx.params.get("ignore") or ()}
+    ignore_param = ctx.params.get("ignore") or ()
+    ignore = {str(i) for i in ([ignore_param] if isinstance(ignore_param, str) else ignore_param)}
     watched = [r for r in readings
                if r.port.device not in ignore and r.key not in ignore]
     results = [ctx.skip(f"{r.port.device} port {r.port.port} is in the suite's ignore list",
@@ -669,6 +670,9 @@ def kernel_line_results(ctx: CheckContext, buses: dict[str, str],
         return [ctx.skip(f"the mlx5 driver's kernel lines cannot be read: "
                          f"{log.unavailable_reason}", metric="kernel_lines")]
     since = ctx.params.get("since", "boot")
+    if since not in ("boot", "last_run"):
+        return [ctx.result("node", "kernel_lines", Status.ERROR,
+                           f"params.since is {since!r}; expected 'boot' or 'last_run'")]
     cursor = None
     if since == "last_run":
         saved = state.get("kernel_cursor") or {}

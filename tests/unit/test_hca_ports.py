@@ -445,3 +445,17 @@ def test_shipped_hca_grading_file_loads_and_names_known_skus():
     assert table.flap_count == 3 and table.flap_window_s == 12 * HOUR
     assert {c.name for c in table.counters} >= {"symbol_error", "port_rcv_errors",
                                                  "excessive_buffer_overrun_errors"}
+
+
+def test_a_bad_since_param_is_an_error_that_says_what_is_expected(tree, tmp_path):
+    eight_ports(tree)
+    bad = by(run(make_ctx(tree, tmp_path / "state", since="yesterday"), T0), "node",
+             "kernel_lines")
+    assert bad.status is Status.ERROR and "'boot' or 'last_run'" in bad.detail
+
+
+def test_ignore_may_name_one_port_as_a_string(tree, tmp_path):
+    eight_ports(tree)
+    set_state(tree, "mlx5_7", "1: DOWN")
+    results = run(make_ctx(tree, tmp_path / "state", ignore="mlx5_7"), T0)
+    assert by(results, "hca:mlx5_7", "link_state").status is Status.SKIP
