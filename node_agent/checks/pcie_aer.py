@@ -30,11 +30,26 @@ _SEVERITY = {"fatal": ("aer_fatal", Status.FAIL, "fatal uncorrectable"),
              "nonfatal": ("aer_nonfatal", Status.WARN, "non-fatal uncorrectable")}
 
 
+def _gpus(ctx: CheckContext) -> list:
+    """The GPUs NVML enumerated (none when the inventory could not be taken)."""
+    return list(ctx.inventory.gpus) if ctx.inventory is not None else []
+
+
+def _gpu_bus_ids(ctx: CheckContext) -> set[str]:
+    out = set()
+    for gpu in _gpus(ctx):
+        try:
+            out.add(normalise_bus_id(gpu.pci_bus_id))
+        except ValueError:
+            continue
+    return out
+
+
 def _owners(ctx: CheckContext, functions: list[PciFunction],
             hcas: dict[str, str]) -> dict[str, list[str]]:
     """bdf -> the GPU/HCA targets it is or sits directly above."""
     own: dict[str, list[str]] = {}
-    for gpu in ctx.inventory.gpus:
+    for gpu in _gpus(ctx):
         try:
             own.setdefault(normalise_bus_id(gpu.pci_bus_id), []).append(f"gpu:{gpu.index}")
         except ValueError:
@@ -70,6 +85,8 @@ def run(ctx: CheckContext) -> list[Result]:
                          "lacks CONFIG_PCIEAER, the firmware keeps AER to itself "
                          "(firmware-first), or this is a VM", metric="aer")]
     owners = _owners(ctx, functions, hcas)
+    gpu_bdfs = {t for t, names in owners.items() if any(n.startswith("gpu:") for n in names)
+                and t in _gpu_bus_ids(ctx)}
     counters = Counters.load(ctx, "pcie_aer")
     results: list[Result] = []
     for fn in with_aer:
@@ -77,8 +94,7 @@ def run(ctx: CheckContext) -> list[Result]:
         named = owners.get(fn.bdf, [])
         target = named[0] if named else f"pci:{fn.bdf}"
         via = ""
-        if named and fn.bdf not in {normalise_bus_id(g.pci_bus_id) for g in ctx.inventory.gpus} \
-                and fn.bdf not in hcas:
+        if named and fn.bdf not in gpu_bdfs and fn.bdf not in hcas:
             via = f" (on the bridge {fn.bdf} directly upstream of {', '.join(named)})"
         evidence = {"bdf": fn.bdf, "upstream": fn.upstream, "behind": named,
                     "bits": fn.aer.bits, "fatal": fn.aer.fatal, "nonfatal": fn.aer.nonfatal,
