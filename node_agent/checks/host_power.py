@@ -43,9 +43,10 @@ def run(ctx: CheckContext) -> list[Result]:
 
 
 def _run(ctx: CheckContext, paths: HostPaths) -> list[Result]:
-    program = proc.which(paths.ipmitool) if "/" not in paths.ipmitool else paths.ipmitool
+    program = proc.which(paths.ipmitool)  # a path (host.ipmitool) must be an executable file
     if program is None:
-        return [ctx.skip(f"{MISSING}; cannot read the power supplies", metric="psu")]
+        return [ctx.skip(f"{MISSING} ({paths.ipmitool!r} not found); cannot read the power "
+                         "supplies", metric="psu")]
     devices = [paths.dev / d for d in DEVICES]
     if not any(d.exists() for d in devices):
         return [ctx.skip(f"no BMC device ({', '.join(str(d) for d in devices)} absent): no "

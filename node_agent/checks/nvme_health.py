@@ -46,9 +46,9 @@ def _run(ctx: CheckContext, paths: HostPaths) -> list[Result]:
     if not controllers:
         return [ctx.skip(f"no NVMe controller ({paths.sys / 'class/nvme'} lists none)",
                          metric="nvme")]
-    program = proc.which(paths.nvme) if "/" not in paths.nvme else paths.nvme
+    program = proc.which(paths.nvme)  # a path (host.nvme) must be an executable file
     if program is None:
-        return [ctx.skip(f"{MISSING}; cannot read the SMART logs of "
+        return [ctx.skip(f"{MISSING} ({paths.nvme!r} not found); cannot read the SMART logs of "
                          f"{', '.join(c.name for c in controllers)}", metric="nvme")]
     wear_max = thresholds(ctx, "nvme")["percent_used_max"]
     scratch = controllers_holding(list(ctx.config.get("storage.paths") or []), paths.proc)
