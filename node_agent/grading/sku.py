@@ -42,6 +42,11 @@ SKU_SCHEMA: dict[str, Any] = {
         "nvlink": {"type": "object", "additionalProperties": False,
                    "properties": {"links": {"type": "integer", "minimum": 0},
                                   "indices": {"type": "integer", "minimum": 0}}},
+        # the node's RDMA ports as the vendor builds the system (checks/hca_ports.py): how
+        # many, and the least rate each should run at
+        "hca": {"type": "object", "additionalProperties": False,
+                "properties": {"ports": {"type": "integer", "minimum": 1},
+                               "min_rate_gbps": {"type": "number", "exclusiveMinimum": 0}}},
         "power": {"type": "object", "additionalProperties": False,
                   "properties": {"tdp_w": _NUM}},
         "thermal": {"type": "object", "additionalProperties": False,
