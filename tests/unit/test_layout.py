@@ -180,3 +180,15 @@ def test_shipped_data_is_read_through_resources_never_imported_as_a_package():
                 if bad:
                     offenders.append(f"{path.relative_to(REPO)}:{node.lineno}: {bad[0]}")
     assert offenders == []
+
+
+def test_every_wing_ships_in_the_wheel():
+    """pyproject.toml lists packages by hand: a new wing missing there works in the work tree
+    and in an editable install, and is absent from the wheel an operator installs."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    wings = {".".join(p.parent.relative_to(REPO).parts)
+             for p in (REPO / "node_agent").rglob("__init__.py")}
+    assert wings - listed == set()
