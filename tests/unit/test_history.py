@@ -169,3 +169,15 @@ def test_trend_watch_warns_on_a_rising_counter_and_keeps_the_series(tmp_path):
     assert trend.evidence["slope_per_day"] == pytest.approx(80, rel=0.01)
     assert len(trend.evidence["points"]) == 16
     watch.close()
+
+
+def test_a_symlink_in_place_of_the_history_is_not_followed(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    elsewhere = tmp_path / "elsewhere.db"
+    elsewhere.write_bytes(b"")
+    (state / DB_NAME).symlink_to(elsewhere)
+    history = open_history(state, Clock())
+    assert history.problem and "regular file" in history.problem
+    history.record([counter(1)])
+    assert elsewhere.read_bytes() == b""  # nothing written through the link
