@@ -8,10 +8,13 @@ that scrapes a synthetic fleet served from this process: N nodes of ``--gpus`` G
 ``--hcas`` HCA ports, each with the series the rules read, as the daemon names them (119 per
 node at 8 GPUs and 8 ports: grades, drained, burn in two precisions, HBM, four PCIe figures,
 busbw, corrected ECC, PCIe replays, remapped rows by cause, three HCA counters per port),
-split into targets of 100 nodes. Every scrape is 15 s; the shipped rules are loaded with every
-group's interval set to 15 s (the cost of one evaluation does not depend on its interval), and
-``/api/v1/rules`` is read every 15 s after a warm-up: each group's ``evaluationTime`` and each
-rule's, the median of the reads, are printed with the series counts.
+split into targets of 100 nodes, every 15 s. It first runs ``--seconds`` without rules, then
+loads the shipped rules (SIGHUP; every group's interval set to 15 s: the cost of one
+evaluation does not depend on its interval) and runs ``--seconds`` more. The difference of
+the server's CPU time (user + system, /proc/<pid>/stat) per 15 s round is what one round of
+every rule costs; CPU time, unlike wall time, holds on a machine others are using too. Each
+group's and rule's ``evaluationTime`` (wall; the median of reads of ``/api/v1/rules`` every
+15 s) gives their shares.
 
 The range rules read what the TSDB holds: a run of ``--seconds`` gives their windows (1 h, 1 d,
 7 d) a few minutes of samples, not a day, so their figures here are a floor; docs/fleet.md
@@ -27,8 +30,10 @@ from __future__ import annotations
 import argparse
 import http.server
 import json
+import os
 import random
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -129,7 +134,17 @@ def start_prometheus(prometheus: str, workdir: Path, config: dict, port: int,
     raise SystemExit("prometheus did not start within 60 s")
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (/proc/<pid>/stat), robust to a busy machine."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def fleet(args, n: int) -> dict:
+    """One Prometheus scrapes the fleet for ``--seconds`` without rules, then (the rules loaded
+    by SIGHUP) for ``--seconds`` with them: the difference of its CPU time, per round of
+    evaluations, is what the rules cost; ``evaluationTime`` (wall, inflated by a busy machine)
+    gives each group's and rule's share."""
     rng = random.Random(n)
     pages = {}
     for t in range(0, n, NODES_PER_TARGET):
@@ -143,17 +158,26 @@ def fleet(args, n: int) -> dict:
                          "scrape_timeout": "10s"},
               "scrape_configs": [{"job_name": "node-agent", "static_configs": [
                   {"targets": [f"127.0.0.1:{port}"],
-                   "labels": {"__metrics_path__": path, "instance": f"shard{path.rsplit('/', 1)[1]}",
+                   "labels": {"__metrics_path__": path,
+                              "instance": f"shard{path.rsplit('/', 1)[1]}",
                               "cluster": "bench", "sku": "h100-sxm5-80gb"}}
                   for path in pages]}]}
     prom_port = free_port()
     with tempfile.TemporaryDirectory(prefix="bench-rules-") as tmp:
-        proc = start_prometheus(args.prometheus, Path(tmp), config, prom_port, rules)
+        work = Path(tmp)
+        proc = start_prometheus(args.prometheus, work, config, prom_port, {"groups": []})
         try:
             base = f"http://127.0.0.1:{prom_port}"
-            time.sleep(min(60, args.seconds / 3))  # the first scrapes create the series
+            time.sleep(45)  # the first scrapes create the series
+            c0 = cpu_s(proc.pid)
+            time.sleep(args.seconds)
+            idle = cpu_s(proc.pid) - c0
+            (work / "rules.yml").write_text(yaml.safe_dump(rules, sort_keys=False))
+            proc.send_signal(signal.SIGHUP)
+            time.sleep(35)  # every group has evaluated once (series of the records created)
             groups: dict[str, list[float]] = {}
             per_rule: dict[str, list[float]] = {}
+            c1 = cpu_s(proc.pid)
             end = time.monotonic() + args.seconds
             while time.monotonic() < end:
                 time.sleep(15)
@@ -161,6 +185,8 @@ def fleet(args, n: int) -> dict:
                     groups.setdefault(g["name"], []).append(g["evaluationTime"])
                     for r in g["rules"]:
                         per_rule.setdefault(r["name"], []).append(r["evaluationTime"])
+            busy = cpu_s(proc.pid) - c1
+            elapsed = args.seconds + (time.monotonic() - end)
             series = get_json(base + "/api/v1/status/tsdb")["data"]["headStats"]["numSeries"]
             samples = get_json(base + "/api/v1/query?query=" + urllib.parse.quote(
                 "max(count_over_time(node_agent_gpu_ecc_sbe_volatile_errors[1d]))"))
@@ -169,7 +195,10 @@ def fleet(args, n: int) -> dict:
             proc.wait(30)
             server.shutdown()
     window = samples["data"]["result"][0]["value"][1] if samples["data"]["result"] else "0"
+    rounds = elapsed / 15
     return {"nodes": n, "head_series": int(series), "samples_in_1d_window": int(window),
+            "cpu_idle_s": idle, "cpu_rules_s": busy,
+            "rules_cpu_per_round_s": (busy - idle * elapsed / args.seconds) / rounds,
             "groups_s": {k: statistics.median(v) for k, v in groups.items()},
             "rules_s": {k: statistics.median(v) for k, v in per_rule.items()},
             "reads": len(next(iter(groups.values()), []))}
@@ -236,7 +265,10 @@ def main() -> int:
     for n in (int(x) for x in args.nodes.split(",")):
         out = fleet(args, n)
         print(f"\n{n} nodes: {out['head_series']} head series, "
-              f"{out['samples_in_1d_window']} samples in a 1d window, {out['reads']} reads")
+              f"{out['samples_in_1d_window']} samples in a 1d window, {out['reads']} reads; "
+              f"Prometheus CPU {out['cpu_idle_s']:.1f} s without rules, "
+              f"{out['cpu_rules_s']:.1f} s with them ({args.seconds} s each): the rules cost "
+              f"{out['rules_cpu_per_round_s']:.3f} CPU s per round of evaluations")
         for name, s in out["groups_s"].items():
             print(f"  group {name:28s} {s * 1000:9.1f} ms")
         slowest = sorted(out["rules_s"].items(), key=lambda kv: -kv[1])[:8]
