@@ -85,11 +85,13 @@ def test_the_daemon_answers_healthy_error_and_fault_and_never_acts_on_a_request(
     assert healthy is False and output["fail_count"] >= 1
     assert any(r["target"] == "gpu:2" for r in output["reasons"])
 
-    write_scenario(scenario, [{"kind": "xid", "gpu": 5, "code": 79}])
+    # a FAULT only NVML's counters show (the daemon's XID watch, which acts on its own evidence,
+    # does not see it): volatile double-bit ECC errors
+    write_scenario(scenario, [{"kind": "ecc_dbe_volatile", "gpu": 5, "count": 2}])
     healthy, output = wait_for(lambda: (lambda a: a if a[1]["level"] == "FAULT" else None)(
         ask(sock)), 30)
     assert healthy is False
-    assert any("79" in r["message"] and r["target"] == "gpu:5" for r in output["reasons"])
+    assert any(r["target"] == "gpu:5" and r["level"] == "FAULT" for r in output["reasons"])
 
     # asking graded the node for the answer; the daemon itself acted on nothing
     log = state / "actions.log"
