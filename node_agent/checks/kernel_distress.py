@@ -483,6 +483,9 @@ def pstore_results(ctx: CheckContext) -> list[Result]:
 def _simulated_pstore(ctx: CheckContext, max_age_s: float | None) -> list[Result]:
     """A simulated node's ``pstore_panic`` faults as the files pstore keeps (efi backend), in a
     temporary directory read by the real reader."""
+    if ctx.scenario.captured:  # type: ignore[union-attr]
+        return [ctx.skip("pstore was not recorded by this capture (node-agent capture keeps "
+                         "NVML, the PCI bus and the kernel log)", metric="pstore")]
     faults = [f for f in ctx.scenario.faults if f.kind == "pstore_panic"]  # type: ignore[union-attr]
     with tempfile.TemporaryDirectory(prefix="node-agent-pstore-") as tmp:
         n = 0

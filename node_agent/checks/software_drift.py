@@ -67,6 +67,9 @@ NEEDS: dict[str, dict[str, bool]] = {
     "gb300-288gb": {"fabricmanager": False, "peermem": True},
 }
 
+_NOT_RECORDED = ("not recorded by this capture (node-agent capture keeps NVML, the PCI bus and "
+                 "the kernel log; add a software fault to say what the node had)")
+
 SYS_MODULE = Path("/sys/module")
 SYS_INFINIBAND = Path("/sys/class/infiniband")
 SYS_PCI_DEVICES = Path("/sys/bus/pci/devices")
@@ -96,12 +99,22 @@ def run(ctx: CheckContext) -> list[Result]:
         for gpu in ctx.inventory.gpus:
             results.append(compare(ctx, f"gpu:{gpu.index}", "vbios_version", "vbios",
                                    declared["vbios"], gpu.vbios))
-    kernel = sim.get("kernel") or host.kernel
-    results.append(compare(ctx, "node", "kernel_version", "kernel", declared["kernel"], kernel))
-    nccl, nccl_from = ((sim["nccl"], "the simulated node") if "nccl" in sim
-                       else system_nccl(timeout_s=min(10.0, ctx.timeout_s / 3)))
-    results.append(compare(ctx, "node", "nccl_version", "nccl", declared["nccl"], nccl,
-                           found_from=nccl_from))
+    captured = ctx.scenario is not None and ctx.scenario.captured
+    if "kernel" in sim or not captured:  # a capture replays here: this host's kernel is not its
+        kernel = sim.get("kernel") or host.kernel
+        results.append(compare(ctx, "node", "kernel_version", "kernel", declared["kernel"],
+                               kernel))
+    else:
+        results.append(ctx.skip(_NOT_RECORDED, metric="kernel_version"))
+    if "nccl" in sim:
+        results.append(compare(ctx, "node", "nccl_version", "nccl", declared["nccl"],
+                               sim["nccl"], found_from="the simulated node"))
+    elif captured:
+        results.append(ctx.skip(_NOT_RECORDED, metric="nccl_version"))
+    else:
+        nccl, nccl_from = system_nccl(timeout_s=min(10.0, ctx.timeout_s / 3))
+        results.append(compare(ctx, "node", "nccl_version", "nccl", declared["nccl"], nccl,
+                               found_from=nccl_from))
     needs = _needs(ctx)
     results.append(_fabric_manager(ctx, needs, sim))
     results.append(_peermem(ctx, needs, sim))
@@ -201,7 +214,12 @@ def _needs(ctx: CheckContext) -> dict[str, bool]:
 def _sim_software(ctx: CheckContext) -> dict[str, Any]:
     if ctx.scenario is None:
         return {}
-    out: dict[str, Any] = {"peermem": True, "fabricmanager": True, "acs": []}
+    # a modelled node is healthy unless a fault says otherwise; a captured node's services and
+    # bridges were not recorded (None: skipped with that reason)
+    healthy = not ctx.scenario.captured
+    out: dict[str, Any] = {"peermem": True if healthy else None,
+                           "fabricmanager": True if healthy else None,
+                           "acs": [] if healthy else None}
     for fault in ctx.scenario.faults:
         if fault.kind == "software":
             out.update(fault.params)
@@ -245,6 +263,8 @@ def _fabric_manager(ctx: CheckContext, needs: dict[str, bool], sim: dict[str, An
     if _virtualized(ctx):
         return ctx.skip("in a VM the fabric manager runs outside the guest (the host or its "
                         "service VM)", metric="fabric_manager")
+    if sim and sim["fabricmanager"] is None:
+        return ctx.skip(_NOT_RECORDED, metric="fabric_manager")
     running = sim["fabricmanager"] if sim else fabric_manager_running()
     if running:
         return ctx.result("node", "fabric_manager", Status.PASS,
@@ -257,6 +277,8 @@ def _fabric_manager(ctx: CheckContext, needs: dict[str, bool], sim: dict[str, An
 
 
 def _peermem(ctx: CheckContext, needs: dict[str, bool], sim: dict[str, Any]) -> Result:
+    if sim and sim["peermem"] is None:
+        return ctx.skip(_NOT_RECORDED, metric="nvidia_peermem")
     if sim:
         hcas = list(ctx.scenario.hcas) if ctx.scenario is not None else []
         loaded = bool(sim["peermem"])
@@ -338,6 +360,8 @@ def _acs(ctx: CheckContext, sim: dict[str, Any]) -> Result:
     if _virtualized(ctx):
         return ctx.skip("in a VM the PCIe topology and its ACS are the hypervisor's (ACS "
                         "is needed there for device assignment)", metric="pcie_acs")
+    if sim and sim["acs"] is None:
+        return ctx.skip(_NOT_RECORDED, metric="pcie_acs")
     if sim:
         on = sorted(sim.get("acs") or [])
         checked = "the simulated node's bridges"

@@ -427,3 +427,20 @@ def test_rasdaemon_records_are_read_through_the_configured_tool(env, tmp_path, m
     (ras,) = [r for r in run_check(env, []) if r.metric == "ras_mce"]
     assert (ras.status, ras.value, ras.evidence["uncorrected"]) == (Status.WARN, 3, 1)
     assert grade(env, [ras]).level is Level.WARN
+
+
+def test_a_captured_node_skips_pstore_it_did_not_record(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state")}))
+    real = Path(__file__).resolve().parents[2] / "scenarios" / "real" / "h100-sxm5-vm.yaml"
+    env = open_environment(load_config(config), str(real))
+    try:
+        ctx = CheckContext(check="kernel_distress", gpu=env.gpu, kernel_log=env.kernel_log,
+                           config=env.config, inventory=env.inventory, sku=env.sku,
+                           expected_gpus=None, scenario=env.scenario)
+        results = kd.run(ctx)
+    finally:
+        env.close()
+    (pstore,) = [r for r in results if r.metric == "pstore"]
+    assert pstore.status is Status.SKIP and "not recorded" in pstore.detail
+    assert finding(results, "kernel_distress").status is Status.PASS

@@ -14,6 +14,7 @@ version (19:16) and the next offset (31:20), the ACS control register at +6 (PCI
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import yaml
@@ -203,3 +204,20 @@ def test_on_this_host_without_gpus_the_check_skips_what_it_cannot_see(tmp_path):
     assert not by_metric(results, "driver_version") and not by_metric(results, "persistence_mode")
     assert by_metric(results, "pcie_acs")[0].status is Status.SKIP
     assert by_metric(results, "kernel_version")[0].evidence["found"] == os.uname().release
+
+
+def test_a_captured_node_skips_what_its_capture_did_not_record(tmp_path):
+    """scenarios/real/h100-sxm5-vm.yaml: NVML was recorded (driver, CUDA, VBIOS, persistence),
+    the kernel, NCCL, services and bridges were not: those are skips, never this host's values."""
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state")}))
+    real = Path(__file__).resolve().parents[2] / "scenarios" / "real" / "h100-sxm5-vm.yaml"
+    env = open_environment(load_config(config), str(real))
+    try:
+        results = run(env)
+    finally:
+        env.close()
+    status = {r.metric: r.status for r in results}
+    assert status["driver_version"] is Status.PASS and status["persistence_mode"] is Status.PASS
+    for metric in ("kernel_version", "nccl_version", "nvidia_peermem"):
+        assert status[metric] is Status.SKIP, metric
