@@ -47,6 +47,11 @@ SKU_SCHEMA: dict[str, Any] = {
         "hca": {"type": "object", "additionalProperties": False,
                 "properties": {"ports": {"type": "integer", "minimum": 1},
                                "min_rate_gbps": {"type": "number", "exclusiveMinimum": 0}}},
+        # host software the system needs (checks/software_drift.py): fabric manager on NVSwitch
+        # systems, nvidia_peermem for GPUDirect RDMA
+        "needs": {"type": "object", "additionalProperties": False,
+                  "properties": {"fabricmanager": {"type": "boolean"},
+                                 "peermem": {"type": "boolean"}}},
         "power": {"type": "object", "additionalProperties": False,
                   "properties": {"tdp_w": _NUM}},
         "thermal": {"type": "object", "additionalProperties": False,

@@ -30,7 +30,8 @@ DRIVER_DOWN_STATES = ("not_loaded", "not_installed")
 #: fault kinds a capture takes on top of its recording: those acting outside NVML (a capture
 #: replays NVML as recorded; to change what NVML says, edit the recorded value)
 CAPTURE_FAULT_KINDS = frozenset({"kernel_log", "slow", "slow_link", "sdc", "hca_port_down",
-                                 "hca_rate", "hca_slow", "hca_flap", "hca_errors"})
+                                 "hca_rate", "hca_slow", "hca_flap", "hca_errors", "software",
+                                 "mce", "pstore_panic"})
 _HEX = r"^0x[0-9a-fA-F]+$"
 _BDF = {"type": "string", "pattern": r"^[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$"}
 #: one recorded NVML answer (docs/capture.md): a value, several (a key NVML repeats, e.g.
