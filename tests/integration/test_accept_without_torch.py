@@ -81,9 +81,13 @@ def test_accept_without_torch_exits_0_with_every_gpu_check_skipped(tmp_path, wit
         by_check.setdefault(r["check"], []).append(r)
     assert set(by_check) == set(checks)
     assert not [r for r in report["results"] if r["status"] == "error"]
+    # the host's own checks read the host, GPU or not (a pass, or a skip for what it lacks)
+    host_checks = {"inventory", "rdma", "hca_ports", "host_memory", "host_power", "pcie_aer",
+                   "nvme_health", "host_cpu", "kernel_distress", "software_drift"}
     for check in checks:
-        if check in ("inventory", "rdma"):
-            continue  # the host part is read (pass); RDMA is about HCAs, not GPUs
+        if check in host_checks:
+            assert all(r["status"] in ("pass", "skip") for r in by_check[check]), by_check[check]
+            continue
         assert all(r["status"] == "skip" for r in by_check[check]), by_check[check]
         assert all(r["detail"] for r in by_check[check])
     sdc = by_check["sdc"][0]
