@@ -48,6 +48,9 @@ class DaemonRemediation:
         self._record = record
         self.adapter = open_configured_adapter(config, None)  # ConfigError (exit 2) before anything runs
         self.node = node_name(config, simulate)
+        #: this node's remediation state as the store last said (None: not read yet, or the
+        #: store unavailable); /metrics exports whether the agent holds the node drained
+        self.state: str | None = None
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="remediation", daemon=True)
 
@@ -69,6 +72,7 @@ class DaemonRemediation:
         item, failures, retry_at = None, 0, None
         try:
             self._act(store, None)  # crash recovery first
+            self._read_state(store)
             while True:
                 timeout = None if retry_at is None else max(0.0, retry_at - time.monotonic())
                 try:
@@ -87,6 +91,7 @@ class DaemonRemediation:
                     store.close()
                     store = open_store(self._config.state_dir)
                 outcome = self._act(store, item, retry=new is None)
+                self._read_state(store)
                 if outcome is None or _wants_retry(outcome):
                     failures += 1
                     delay = self.retry_delay_s(failures)
@@ -97,6 +102,13 @@ class DaemonRemediation:
                     retry_at = None
         finally:
             store.close()
+
+    def _read_state(self, store) -> None:
+        try:
+            self.state = None if store.unavailable is not None else \
+                store.node_record(self.node).state
+        except Exception:  # noqa: BLE001 - a store that fails here is unavailable for metrics too
+            self.state = None
 
     def retry_delay_s(self, failures: int) -> float:
         """Seconds before the next try after ``failures`` failed ones: initial, doubling, capped."""

@@ -503,7 +503,9 @@ class Daemon:
                 gpu_uuids={g.index: g.uuid for g in self.env.inventory.gpus},
                 xid_counts=dict(self._xid_counts), sdc_outcomes=dict(self._sdc),
                 actions=dict(self._actions), simulated=self.env.simulated,
-                hang_suspicions=self._hangs.total)
+                hang_suspicions=self._hangs.total,
+                remediation_state=(self._remediation.state if self._remediation is not None
+                                   else None))
 
 
 def _sku_limits(env: Environment) -> dict | None:

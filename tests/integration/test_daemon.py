@@ -371,6 +371,10 @@ def test_fault_is_acted_on_once_even_across_kill_9_and_restart(node):
         text = wait_for(lambda: (t := get(f"http://127.0.0.1:{node.port}/metrics")[1])
                         and metric_value(t, "node_agent_health_level") == 3 and t, 60)
         assert text
+        # the drain was the first daemon's: the new one knows it from the store, not its counters
+        drained = wait_for(lambda: metric_value(get(f"http://127.0.0.1:{node.port}/metrics")[1],
+                                                "node_agent_drained_by_agent", source="state"), 30)
+        assert drained == 1
         time.sleep(2)  # give a duplicate every chance to appear
     finally:
         proc.kill()
