@@ -453,6 +453,31 @@ def _nvlink(ctx, dev, target, reading, out) -> None:
                               "NVLink error counters above limits: " + "; ".join(noisy),
                               value=len(noisy), replay_max=replay_max,
                               recovery_max=recovery_max))
+    out.extend(_nvlink_counters(ctx, target, links))
+
+
+#: NVLink DL error counters reported as readings (the worst link of a GPU, every link in the
+#: evidence), so the daemon's counter history can see one rise (graders/trends.yaml): an NVLink
+#: with 505 recovery events was visible five days before it failed with Xid 149 (issue 28)
+NVLINK_COUNTERS = (("replay_errors", "nvlink_replay_errors", "replays"),
+                   ("recovery_errors", "nvlink_recovery_errors", "recoveries"),
+                   ("crc_errors", "nvlink_crc_errors", "errors"))
+
+
+def _nvlink_counters(ctx: CheckContext, target: str, links: list) -> list[Result]:
+    out = []
+    for field, metric, unit in NVLINK_COUNTERS:
+        per_link = {link.link: getattr(link, field) for link in links
+                    if getattr(link, field) is not None}
+        if not per_link:
+            continue  # the GPU reports no such counter: nothing to follow
+        worst = max(per_link, key=lambda k: (per_link[k], -k))
+        out.append(ctx.result(target, metric, Status.PASS,
+                              f"NVLink {unit}: at most {per_link[worst]} on one link (link "
+                              f"{worst}), {sum(per_link.values())} on {len(per_link)} links",
+                              value=per_link[worst], unit=unit, worst_link=worst,
+                              per_link={str(k): v for k, v in sorted(per_link.items())}))
+    return out
 
 
 def _nvlink_state(ctx: CheckContext, target: str, links: list, mode: str = "none") -> Result:

@@ -240,3 +240,18 @@ def test_inventory_json_keeps_a_lost_gpu_with_its_error():
     [lost] = data["unreadable_gpus"]
     assert lost["index"] == 3 and lost["status"] == "gpu_lost" and "lost" in lost["error"]
     assert isinstance(ctx.inventory.unreadable[3], DeviceLost)
+
+
+def test_nvlink_counters_are_readings_of_the_worst_link_with_every_link_in_the_evidence():
+    """The counter history follows a rising NVLink (graders/trends.yaml) only if nvml_health
+    reports the counters: per GPU, the worst link's value, every link in the evidence."""
+    rising = Fault("counter_series", 3, {"counter": "nvlink_recovery", "values": [505],
+                                         "link": 7})
+    results = nvml_health.run(context("nvml_health", "h100-sxm5-80gb", faults=(rising,)))
+    recoveries = {r.target: r for r in by_metric(results, "nvlink_recovery_errors")}
+    assert set(recoveries) == {f"gpu:{i}" for i in range(8)}
+    assert all(r.status is Status.PASS for r in recoveries.values())
+    assert recoveries["gpu:3"].value == 505 and recoveries["gpu:3"].evidence["worst_link"] == 7
+    assert recoveries["gpu:0"].value == 0 and len(recoveries["gpu:0"].evidence["per_link"]) == 18
+    for metric in ("nvlink_replay_errors", "nvlink_crc_errors"):
+        assert len(by_metric(results, metric)) == 8
