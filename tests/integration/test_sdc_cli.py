@@ -139,5 +139,9 @@ def test_periodic_suite_gives_each_check_a_cadence():
     suite = load_suite("periodic", _shipped("node_agent.suites"))
     cadence = {c.check: c.every_s for c in suite.checks}
     assert cadence == {"nvml_health": 10, "xid": 30, "sdc_spool": 60, "sdc": 600,
-                       "storage": 3600, "training_progress": 15}
+                       "storage": 3600, "training_progress": 15,
+                       # the rest of the node (docs/host_checks.md)
+                       "hca_ports": 15, "kernel_distress": 60, "software_drift": 3600,
+                       "host_memory": 300, "pcie_aer": 60, "host_cpu": 60, "host_power": 300,
+                       "nvme_health": 3600}
     assert suite.mode == "service"
