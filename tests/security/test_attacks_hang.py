@@ -193,9 +193,11 @@ def test_the_daemon_watching_80_vfork_blocked_processes_stays_at_warn_and_never_
     try:
         time.sleep(1)
         status = _until_status(cfg, scen, lambda st: st.get("last_run") and len(
-            [r for r in st["last_run"]["reasons"] if "training_hang" in r["message"]]) == len(pids))
+            [r for r in st["last_run"]["reasons"] if r["rule"] == "training-hang-unverified"]) == len(pids),
+            log=shared_dir / "daemon.log")
         first = status["last_run"]["at"]
-        status = _until_status(cfg, scen, lambda st: st["last_run"]["at"] > first)
+        status = _until_status(cfg, scen, lambda st: st["last_run"]["at"] > first,
+                               log=shared_dir / "daemon.log")
     finally:
         daemon.terminate()
         daemon.wait(timeout=60)
@@ -206,8 +208,9 @@ def test_the_daemon_watching_80_vfork_blocked_processes_stays_at_warn_and_never_
     assert "check training_progress did not finish" not in (shared_dir / "daemon.log").read_text()
 
 
-def _until_status(cfg: str, scen: str, ready, timeout_s: float = 90.0) -> dict:
+def _until_status(cfg: str, scen: str, ready, timeout_s: float = 90.0, log=None) -> dict:
     deadline = time.monotonic() + timeout_s
+    status: dict = {}
     while time.monotonic() < deadline:
         done = run_agent("status", "--json", "--config", cfg, "--simulate", scen)
         if done.returncode == 0:
@@ -215,7 +218,9 @@ def _until_status(cfg: str, scen: str, ready, timeout_s: float = 90.0) -> dict:
             if ready(status):
                 return status
         time.sleep(1.0)
-    pytest.fail(f"the daemon's status did not get there within {timeout_s:g} s")
+    tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+    pytest.fail(f"the daemon's status did not get there within {timeout_s:g} s; last status "
+                f"{json.dumps(status.get('last_run'))[:1500]}; daemon log: {tail}")
 
 
 def test_a_users_idle_process_with_a_stale_heartbeat_is_a_warn_and_never_blocks_a_resume(
