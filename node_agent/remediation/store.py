@@ -499,7 +499,7 @@ def open_store(state_dir: Path | str, clock: Callable[[], float] = time.time) ->
                     conn.close()
             if attempt == 1 and _not_a_database(err) and path.exists():
                 try:
-                    moved = _move_aside(path, clock())
+                    moved = move_aside(path, clock())
                 except OSError as move_err:
                     return _unavailable_store(path, f"{path} is not a database and cannot be "
                                                     f"moved aside ({move_err})", notes)
@@ -575,7 +575,9 @@ def _private_files(path: Path) -> None:
             os.chmod(f, 0o600)
 
 
-def _move_aside(path: Path, now: float) -> Path:
+def move_aside(path: Path, now: float) -> Path:
+    """Rename a database that is not SQLite (and its -wal/-shm) to ``<name>.corrupt-<time>``,
+    keeping it for a person; returns where it went."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
     target = path.with_name(f"{path.name}.corrupt-{stamp}")
     n = 1

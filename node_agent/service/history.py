@@ -36,6 +36,7 @@ from pathlib import Path
 
 from node_agent.atomic_file import private_dir
 from node_agent.grading.trends import Point
+from node_agent.remediation.store import move_aside
 
 log = logging.getLogger("node_agent.service.history")
 
@@ -306,7 +307,7 @@ def open_history(state_dir: Path | str, clock: Callable[[], float] = time.time,
                     conn.close()
             if attempt == 1 and "not a database" in str(err) and path.exists():
                 try:
-                    moved = _move_aside(path, clock())
+                    moved = move_aside(path, clock())
                 except OSError as move_err:
                     return History(None, path, clock, bound,
                                    f"{path} is not a database and cannot be moved aside: "
@@ -322,18 +323,3 @@ def open_history(state_dir: Path | str, clock: Callable[[], float] = time.time,
             return History(None, path, clock, bound,
                            f"cannot use {path}: {err.strerror or err}")
     raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _move_aside(path: Path, now: float) -> Path:
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
-    target = path.with_name(f"{path.name}.corrupt-{stamp}")
-    n = 1
-    while target.exists():
-        n += 1
-        target = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
-    path.rename(target)
-    for suffix in ("-wal", "-shm"):
-        side = path.with_name(path.name + suffix)
-        if side.exists():
-            side.rename(target.with_name(target.name + suffix))
-    return target
