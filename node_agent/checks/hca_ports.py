@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from node_agent import atomic_file, resources
-from node_agent.checks import CheckContext, rdma
+from node_agent.checks import CheckContext, log_cursor, rdma
 from node_agent.kernel_log import kernel_message
 from node_agent.model import Result, Status
 from node_agent.sim import tools as sim_tools
@@ -57,7 +57,6 @@ from node_agent.yamlfile import load_yaml
 SYSFS_ROOT = rdma.SYSFS_ROOT
 STATE_FILE = "hca_ports.json"
 UPTIME = Path("/proc/uptime")
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 #: the most down-up cycles one run adds to a port's history (a saturated or huge jump is still
 #: "many"; the history stays small)
 MAX_CYCLES_PER_RUN = 64
@@ -242,12 +241,6 @@ def uptime_s(path: Path = UPTIME) -> float | None:
     except (OSError, ValueError, IndexError):
         return None
 
-
-def _boot_id() -> str:
-    try:
-        return BOOT_ID.read_text().strip()
-    except OSError:
-        return "unknown"
 
 
 # --- the check ---------------------------------------------------------------------------------
@@ -676,7 +669,7 @@ def kernel_line_results(ctx: CheckContext, buses: dict[str, str],
     cursor = None
     if since == "last_run":
         saved = state.get("kernel_cursor") or {}
-        if saved.get("boot_id") == _boot_id() and saved.get("source") == log.source:
+        if saved.get("boot_id") == log_cursor.boot_id() and saved.get("source") == log.source:
             cursor = saved.get("seq")
     try:
         records = log.read()
@@ -694,7 +687,7 @@ def kernel_line_results(ctx: CheckContext, buses: dict[str, str],
             target = f"hca:{buses.get(line.bdf, line.bdf)}"
             found.setdefault((target, line.kind.metric), []).append(line)
     if since == "last_run" and records:
-        state["kernel_cursor"] = {"boot_id": _boot_id(), "source": log.source,
+        state["kernel_cursor"] = {"boot_id": log_cursor.boot_id(), "source": log.source,
                                   "seq": records[-1].seq}
     window = "since the last run" if cursor is not None else "in the kernel log"
     if not found:

@@ -43,7 +43,6 @@ seen before), ``rasdaemon`` (default true). Config ``host.ras_mc_ctl``, ``host.t
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import tempfile
@@ -53,13 +52,12 @@ from pathlib import Path
 from typing import Any
 
 from node_agent import proc
-from node_agent.checks import CheckContext
+from node_agent.checks import CheckContext, log_cursor
 from node_agent.checks.xid_fold import BURST_GAP_S, MAX_BURST_STARTS, Fold
 from node_agent.kernel_log import LogRecord
 from node_agent.kernel_log_distress import DistressLine, scan_distress
 from node_agent.model import Result, Status
 
-_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 _KEPT = 16  # tasks, processes, CPUs, servers named per finding (a flood names the first ones)
 
 #: The decision on OOM kills (issue 27): WARN, naming the process, and never more. Every form the
@@ -146,10 +144,10 @@ def run(ctx: CheckContext) -> list[Result]:
                                       error=str(err)))
     if ctx.scenario is not None:
         records = records + simulated_records(ctx.scenario, start_seq=len(records) + 1)
-    cursor = _load_cursor(ctx, log.source) if since == "last_run" else None
+    cursor = log_cursor.load(_cursor_path(ctx), log.source) if since == "last_run" else None
     fresh = [r for r in records if cursor is None or r.seq > cursor]
     if since == "last_run" and records and read_ok:
-        _save_cursor(ctx, log.source, records[-1].seq)
+        log_cursor.save(_cursor_path(ctx), log.source, records[-1].seq)
     lines = scan_distress(fresh)
     boot_epoch = time.time() - time.monotonic() if log.live else None
     findings = grade_lines(ctx, lines, window, boot_epoch, log.source)
@@ -537,37 +535,7 @@ def _grade_pstore(ctx: CheckContext, roots: list[Path], max_age_s: float | None)
 # --- the cursor (since: last_run) -------------------------------------------------------------
 
 
-def _boot_id() -> str:
-    try:
-        return _BOOT_ID.read_text().strip()
-    except OSError:
-        return "unknown"
-
 
 def _cursor_path(ctx: CheckContext) -> Path | None:
     return ctx.state_dir / "kernel_distress_cursor.json" if ctx.state_dir else None
 
-
-def _load_cursor(ctx: CheckContext, source: str) -> int | None:
-    path = _cursor_path(ctx)
-    if path is None or not path.exists():
-        return None
-    try:
-        data = json.loads(path.read_text())
-        if data.get("boot_id") == _boot_id() and data.get("source") == source:
-            return int(data["seq"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # read since boot: over-reports rather than hides
-    return None
-
-
-def _save_cursor(ctx: CheckContext, source: str, seq: int) -> None:
-    path = _cursor_path(ctx)
-    if path is None:
-        return
-    tmp = path.with_suffix(".tmp")
-    try:
-        tmp.write_text(json.dumps({"boot_id": _boot_id(), "source": source, "seq": seq}))
-        tmp.replace(path)
-    except OSError:
-        pass  # the next run reads since boot again

@@ -28,13 +28,12 @@ not be queried (skip or error), never a pass.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 
 from node_agent import resources
-from node_agent.checks import CheckContext
+from node_agent.checks import CheckContext, log_cursor
 from node_agent.checks.xid_fold import DriverFold, Folder
 from node_agent.gpu.base import GpuError
 from node_agent.gpu.pci import NVIDIA_VENDOR_ID, SYSFS_PCI_DEVICES
@@ -50,7 +49,6 @@ from node_agent.kernel_log import (
 )
 from node_agent.model import Result, Status
 
-_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 _UNREADABLE_KEPT = 5  # example lines kept for a person to look at
 
 
@@ -77,7 +75,7 @@ def run(ctx: CheckContext) -> list[Result]:
                                       f"cannot read the kernel log ({log.source}): {err}",
                                       error=str(err)))
             records = []
-    cursor = _load_cursor(ctx, log.source) if since == "last_run" else None
+    cursor = log_cursor.load(_cursor_path(ctx), log.source) if since == "last_run" else None
     scanner = KernelLogScanner()
     for record in records:
         if cursor is not None and record.seq <= cursor:
@@ -98,7 +96,7 @@ def run(ctx: CheckContext) -> list[Result]:
                 else bus_to_target.get(event.pci_bus, f"pci:{event.pci_bus}")
             folder.add(event, target, log.source)
     if since == "last_run" and records:
-        _save_cursor(ctx, log.source, records[-1].seq)
+        log_cursor.save(_cursor_path(ctx), log.source, records[-1].seq)
 
     watch_s = float(ctx.params.get("watch_s", 0))
     if watch_s > 0 and not unavailable:
@@ -224,30 +222,3 @@ def _cursor_path(ctx: CheckContext) -> Path | None:
     return ctx.state_dir / "xid_cursor.json" if ctx.state_dir else None
 
 
-def _boot_id() -> str:
-    try:
-        return _BOOT_ID.read_text().strip()
-    except OSError:
-        return "unknown"
-
-
-def _load_cursor(ctx: CheckContext, source: str) -> int | None:
-    path = _cursor_path(ctx)
-    if path is None or not path.exists():
-        return None
-    try:
-        data = json.loads(path.read_text())
-        if data.get("boot_id") == _boot_id() and data.get("source") == source:
-            return int(data["seq"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # a corrupt cursor means: read since boot, which over-reports rather than hides
-    return None
-
-
-def _save_cursor(ctx: CheckContext, source: str, seq: int) -> None:
-    path = _cursor_path(ctx)
-    if path is None:
-        return
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"boot_id": _boot_id(), "source": source, "seq": seq}))
-    tmp.replace(path)
