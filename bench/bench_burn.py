@@ -108,21 +108,31 @@ def main(argv: list[str] | None = None) -> int:
         what = torch.cuda.get_device_name(dev)
     else:
         torch.set_num_threads(args.threads)
-        what = (f"{platform.processor() or platform.machine()}, {args.threads} torch thread(s), "
-                "timed by process CPU time")
+        what = (
+            f"{platform.processor() or platform.machine()}, {args.threads} torch thread(s), "
+            "timed by process CPU time"
+        )
     device = (ComputeDevice if dev.type == "cuda" else CpuTimedDevice)(spec, dev, torch.matmul)
     precisions = [p for p in args.precisions.split(",") if p]
-    plan = BurnPlan(size=size, precisions=tuple(precisions), sample_s=min(1.0, args.block_s),
-                    verify_every=args.verify_every)
+    plan = BurnPlan(
+        size=size,
+        precisions=tuple(precisions),
+        sample_s=min(1.0, args.block_s),
+        verify_every=args.verify_every,
+    )
     waits = CountedWaits(dev)
     engine = BurnEngine(device, plan, waits=waits)
     skipped = engine.prepare()
-    print(f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%dT%H:%M:%SZ}; device {device.device} "
-          f"({what}); n={size}, {args.blocks} x {args.block_s:g} s per side, verify 1 in "
-          f"{args.verify_every}, torch {torch.__version__}")
+    print(
+        f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%dT%H:%M:%SZ}; device {device.device} "
+        f"({what}); n={size}, {args.blocks} x {args.block_s:g} s per side, verify 1 in "
+        f"{args.verify_every}, torch {torch.__version__}"
+    )
     print()
-    print("| precision | burn engine (TFLOP/s) | plain matmul loop (TFLOP/s) | efficiency | "
-          "verified | wrong | waits/window | drains/window |")
+    print(
+        "| precision | burn engine (TFLOP/s) | plain matmul loop (TFLOP/s) | efficiency | "
+        "verified | wrong | waits/window | drains/window |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for precision in precisions:
         if precision in skipped:
@@ -143,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
                 plain.append(plain_loop(engine, precision, args.block_s))
         a, b = statistics.median(ours), statistics.median(plain)
         per = max(1, windows)
-        print(f"| {precision} | {a:.4g} | {b:.4g} | {a / b:.3f} | {verified} | {wrong} | "
-              f"{waits.waits / per:.1f} | {waits.drains / per:.2f} |")
+        print(
+            f"| {precision} | {a:.4g} | {b:.4g} | {a / b:.3f} | {verified} | {wrong} | "
+            f"{waits.waits / per:.1f} | {waits.drains / per:.2f} |"
+        )
     return 0
 
 

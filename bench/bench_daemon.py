@@ -44,10 +44,23 @@ def metrics(port: int) -> str:
 def start(tmp: Path, name: str, scenario: Path, suite: str | None) -> tuple[subprocess.Popen, int]:
     port = free_port()
     config = tmp / f"config-{name}.yaml"
-    config.write_text(yaml.safe_dump({"state_dir": str(tmp / f"state-{name}"),
-                                      "daemon": {"listen": f"127.0.0.1:{port}"}}))
-    argv = [sys.executable, "-m", "node_agent.commands.main", "daemon", "--config", str(config),
-            "--simulate", str(scenario), "--log-level", "WARNING"]
+    config.write_text(
+        yaml.safe_dump(
+            {"state_dir": str(tmp / f"state-{name}"), "daemon": {"listen": f"127.0.0.1:{port}"}}
+        )
+    )
+    argv = [
+        sys.executable,
+        "-m",
+        "node_agent.commands.main",
+        "daemon",
+        "--config",
+        str(config),
+        "--simulate",
+        str(scenario),
+        "--log-level",
+        "WARNING",
+    ]
     if suite:
         argv += ["--suite", suite]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(tmp / f"{name}.log", "w"))
@@ -60,8 +73,9 @@ def start(tmp: Path, name: str, scenario: Path, suite: str | None) -> tuple[subp
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--minutes", type=float, default=10)
     ap.add_argument("--scenario", default="scenarios/healthy-h100.yaml")
     args = ap.parse_args()
@@ -70,8 +84,15 @@ def main() -> int:
     base = yaml.safe_load(Path(args.scenario).read_text())
     scenario.write_text(yaml.safe_dump(base))
     idle_suite = tmp / "idle.yaml"
-    idle_suite.write_text(yaml.safe_dump({"name": "idle", "mode": "service", "checks": [
-        {"check": "nvml_health", "every_s": 3600, "timeout_s": 30}]}))
+    idle_suite.write_text(
+        yaml.safe_dump(
+            {
+                "name": "idle",
+                "mode": "service",
+                "checks": [{"check": "nvml_health", "every_s": 3600, "timeout_s": 30}],
+            }
+        )
+    )
 
     daemons = {"default cadence": start(tmp, "default", scenario, None)}
     try:
@@ -93,15 +114,19 @@ def measure(args: argparse.Namespace, daemons: dict, scenario: Path, base: dict)
             rss[name].append(p.memory_info().rss / 2**20)
         time.sleep(5)
     elapsed = time.monotonic() - t0
-    print(f"# footprint over {elapsed / 60:.1f} min, 8 simulated GPUs "
-          f"({os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f})")
+    print(
+        f"# footprint over {elapsed / 60:.1f} min, 8 simulated GPUs "
+        f"({os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f})"
+    )
     print("| daemon | RSS median MB | RSS max MB | CPU % of one core (own, children excluded) |")
     print("|---|---|---|---|")
     for name, p in ps.items():
         c1 = p.cpu_times()
         own = (c1.user - cpu0[name].user) + (c1.system - cpu0[name].system)
-        print(f"| {name} | {statistics.median(rss[name]):.1f} | {max(rss[name]):.1f} | "
-              f"{100 * own / elapsed:.3f} |")
+        print(
+            f"| {name} | {statistics.median(rss[name]):.1f} | {max(rss[name]):.1f} | "
+            f"{100 * own / elapsed:.3f} |"
+        )
 
     _, port = daemons["default cadence"]
     latencies = []
@@ -109,10 +134,14 @@ def measure(args: argparse.Namespace, daemons: dict, scenario: Path, base: dict)
         base.setdefault("faults", []).append({"kind": "xid", "gpu": gpu, "code": code})
         staged = scenario.with_suffix(".tmp")
         staged.write_text(yaml.safe_dump(base))
+
         def seen(text: str, gpu: int = gpu, code: int = code) -> bool:
-            return any(line.startswith("node_agent_gpu_xid_errors_total{")
-                       and f'gpu="{gpu}"' in line and f'code="{code}"' in line
-                       for line in text.splitlines())
+            return any(
+                line.startswith("node_agent_gpu_xid_errors_total{")
+                and f'gpu="{gpu}"' in line
+                and f'code="{code}"' in line
+                for line in text.splitlines()
+            )
 
         t_inject = time.monotonic()
         os.replace(staged, scenario)
@@ -121,9 +150,11 @@ def measure(args: argparse.Namespace, daemons: dict, scenario: Path, base: dict)
                 break
             time.sleep(0.01)
         latencies.append(time.monotonic() - t_inject)
-    print(f"\nXID injection -> /metrics latency, 5 runs: "
-          f"{', '.join(f'{x * 1000:.0f} ms' for x in latencies)} "
-          f"(median {statistics.median(latencies) * 1000:.0f} ms)")
+    print(
+        f"\nXID injection -> /metrics latency, 5 runs: "
+        f"{', '.join(f'{x * 1000:.0f} ms' for x in latencies)} "
+        f"(median {statistics.median(latencies) * 1000:.0f} ms)"
+    )
     return 0
 
 

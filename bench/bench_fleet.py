@@ -35,15 +35,22 @@ def generate(directory: Path, nodes: int, trace_points: int) -> int:
     total = 0
     for i in range(nodes):
         slow = {SLOW[i]: 0.88} if i in SLOW else None
-        report = synthetic_report(f"node{i:05d}", seed=i, gpu_factors=slow,
-                                  trace_points=trace_points)
+        report = synthetic_report(
+            f"node{i:05d}", seed=i, gpu_factors=slow, trace_points=trace_points
+        )
         total += json_report.write(report, directory).stat().st_size
     return total
 
 
 def run_once(directory: Path) -> tuple[float, int, int, dict]:
-    argv = [sys.executable, "-c", "import sys; from node_agent.commands.main import main; sys.exit(main())",
-            "fleet", str(directory), "--json"]
+    argv = [
+        sys.executable,
+        "-c",
+        "import sys; from node_agent.commands.main import main; sys.exit(main())",
+        "fleet",
+        str(directory),
+        "--json",
+    ]
     out = tempfile.TemporaryFile()
     start = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.PIPE)
@@ -69,8 +76,12 @@ def run_once(directory: Path) -> tuple[float, int, int, dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=10000)
-    parser.add_argument("--trace-points", type=int, default=60,
-                        help="load_trace samples per GPU (60: a one-minute burn at 1 Hz)")
+    parser.add_argument(
+        "--trace-points",
+        type=int,
+        default=60,
+        help="load_trace samples per GPU (60: a one-minute burn at 1 Hz)",
+    )
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", help="reuse/keep reports here instead of a temp dir")
     args = parser.parse_args()
@@ -81,8 +92,11 @@ def main() -> int:
         if existing != args.nodes:
             t = time.perf_counter()
             size = generate(directory, args.nodes, args.trace_points)
-            print(f"generated {args.nodes} reports ({size / 1e6:.0f} MB) in "
-                  f"{time.perf_counter() - t:.1f} s", file=sys.stderr)
+            print(
+                f"generated {args.nodes} reports ({size / 1e6:.0f} MB) in "
+                f"{time.perf_counter() - t:.1f} s",
+                file=sys.stderr,
+            )
         size = sum(p.stat().st_size for p in directory.glob("*.json"))
         walls, trees = [], []
         for _ in range(args.repeat):
@@ -93,16 +107,27 @@ def main() -> int:
         found = {(s["node"], s["target"]) for s in data["suspects"]}
         with open("/proc/loadavg") as f:
             load = " ".join(f.read().split()[:3])
-        print(json.dumps({
-            "command": "node-agent fleet DIR --json",
-            "reports": args.nodes, "gpus_per_report": 8, "trace_points": args.trace_points,
-            "bytes_on_disk": size, "cpus": len(os.sched_getaffinity(0)),
-            "wall_s": [round(w, 2) for w in walls], "wall_s_median": round(statistics.median(walls), 2),
-            "peak_rss_tree_mb": round(max(trees) / 2**20), "peak_rss_largest_process_mb":
-                round(biggest / 2**20),
-            "suspects": len(data["suspects"]), "planted_found": sorted(planted & found),
-            "unexpected": sorted(found - planted), "loadavg_after": load,
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "command": "node-agent fleet DIR --json",
+                    "reports": args.nodes,
+                    "gpus_per_report": 8,
+                    "trace_points": args.trace_points,
+                    "bytes_on_disk": size,
+                    "cpus": len(os.sched_getaffinity(0)),
+                    "wall_s": [round(w, 2) for w in walls],
+                    "wall_s_median": round(statistics.median(walls), 2),
+                    "peak_rss_tree_mb": round(max(trees) / 2**20),
+                    "peak_rss_largest_process_mb": round(biggest / 2**20),
+                    "suspects": len(data["suspects"]),
+                    "planted_found": sorted(planted & found),
+                    "unexpected": sorted(found - planted),
+                    "loadavg_after": load,
+                },
+                indent=2,
+            )
+        )
         return 0 if found == planted else 1
 
 

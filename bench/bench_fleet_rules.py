@@ -55,31 +55,43 @@ def node_text(i: int, gpus: int, hcas: int, rng: random.Random) -> str:
     h = f'hostname="node{i:05d}"'
     lines = [f'node_agent_up{{{h},simulated="false"}} 1']
     level = "FAULT" if i % 997 == 0 else "HEALTHY"
-    lines += [f'node_agent_health{{{h},level="{lv}"}} {int(lv == level)}'
-              for lv in ("HEALTHY", "WARN", "ERROR", "FAULT")]
+    lines += [
+        f'node_agent_health{{{h},level="{lv}"}} {int(lv == level)}'
+        for lv in ("HEALTHY", "WARN", "ERROR", "FAULT")
+    ]
     lines.append(f'node_agent_drained_by_agent{{{h},source="state"}} {int(i % 50 == 0)}')
     slow = 0.85 if i % 211 == 0 else 1.0
     for g in range(gpus):
         gl = f'{h},gpu="{g}",uuid="GPU-{i:05d}-{g}"'
         for p, base in (("bf16", 700e12), ("fp8", 1400e12)):
-            lines.append(f'node_agent_gpu_burn_flops_per_second{{{gl},precision="{p}"}} '
-                         f'{base * slow * rng.uniform(0.99, 1.01):.6g}')
-        lines.append(f'node_agent_gpu_hbm_copy_bytes_per_second{{{gl}}} '
-                     f'{2900e9 * rng.uniform(0.99, 1.01):.6g}')
+            lines.append(
+                f'node_agent_gpu_burn_flops_per_second{{{gl},precision="{p}"}} '
+                f"{base * slow * rng.uniform(0.99, 1.01):.6g}"
+            )
+        lines.append(
+            f"node_agent_gpu_hbm_copy_bytes_per_second{{{gl}}} "
+            f"{2900e9 * rng.uniform(0.99, 1.01):.6g}"
+        )
         for d in ("h2d", "d2h"):
             for m in ("alone", "concurrent"):
-                lines.append(f'node_agent_gpu_pcie_bytes_per_second{{{gl},direction="{d}",'
-                             f'mode="{m}"}} {55e9 * rng.uniform(0.98, 1.02):.6g}')
-        lines.append(f'node_agent_gpu_ecc_sbe_volatile_errors{{{gl}}} {rng.randrange(5)}')
-        lines.append(f'node_agent_gpu_pcie_replay_errors{{{gl}}} {rng.randrange(3)}')
+                lines.append(
+                    f'node_agent_gpu_pcie_bytes_per_second{{{gl},direction="{d}",'
+                    f'mode="{m}"}} {55e9 * rng.uniform(0.98, 1.02):.6g}'
+                )
+        lines.append(f"node_agent_gpu_ecc_sbe_volatile_errors{{{gl}}} {rng.randrange(5)}")
+        lines.append(f"node_agent_gpu_pcie_replay_errors{{{gl}}} {rng.randrange(3)}")
         for c in ("correctable", "uncorrectable"):
             lines.append(f'node_agent_gpu_remapped_rows{{{gl},cause="{c}"}} {rng.randrange(2)}')
     for p in range(hcas):
         for c in ("symbol_error", "link_downed", "port_rcv_errors"):
-            lines.append(f'node_agent_hca_port_errors{{{h},hca="mlx5_{p}",port="1",'
-                         f'counter="{c}"}} {rng.randrange(2)}')
-    lines.append(f'node_agent_allreduce_busbw_bytes_per_second{{{h}}} '
-                 f'{480e9 * slow * rng.uniform(0.99, 1.01):.6g}')
+            lines.append(
+                f'node_agent_hca_port_errors{{{h},hca="mlx5_{p}",port="1",'
+                f'counter="{c}"}} {rng.randrange(2)}'
+            )
+    lines.append(
+        f"node_agent_allreduce_busbw_bytes_per_second{{{h}}} "
+        f"{480e9 * slow * rng.uniform(0.99, 1.01):.6g}"
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -111,17 +123,25 @@ def get_json(url: str, timeout: float = 30) -> dict:
         return json.loads(r.read())
 
 
-def start_prometheus(prometheus: str, workdir: Path, config: dict, port: int,
-                     rules: dict | None) -> subprocess.Popen:
+def start_prometheus(
+    prometheus: str, workdir: Path, config: dict, port: int, rules: dict | None
+) -> subprocess.Popen:
     if rules is not None:
         (workdir / "rules.yml").write_text(yaml.safe_dump(rules, sort_keys=False))
         config["rule_files"] = [str(workdir / "rules.yml")]
     (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
     proc = subprocess.Popen(
-        [prometheus, f"--config.file={workdir / 'prometheus.yml'}",
-         f"--storage.tsdb.path={workdir / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}",
-         "--storage.tsdb.retention.time=30d"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        [
+            prometheus,
+            f"--config.file={workdir / 'prometheus.yml'}",
+            f"--storage.tsdb.path={workdir / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--storage.tsdb.retention.time=30d",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -148,20 +168,33 @@ def fleet(args, n: int) -> dict:
     rng = random.Random(n)
     pages = {}
     for t in range(0, n, NODES_PER_TARGET):
-        pages[f"/metrics/{t}"] = "".join(node_text(i, args.gpus, args.hcas, rng)
-                                         for i in range(t, min(n, t + NODES_PER_TARGET))).encode()
+        pages[f"/metrics/{t}"] = "".join(
+            node_text(i, args.gpus, args.hcas, rng) for i in range(t, min(n, t + NODES_PER_TARGET))
+        ).encode()
     server, port = serve(pages)
     rules = yaml.safe_load(RULES.read_text())
     for group in rules["groups"]:
         group["interval"] = "15s"
-    config = {"global": {"scrape_interval": "15s", "evaluation_interval": "15s",
-                         "scrape_timeout": "10s"},
-              "scrape_configs": [{"job_name": "node-agent", "static_configs": [
-                  {"targets": [f"127.0.0.1:{port}"],
-                   "labels": {"__metrics_path__": path,
-                              "instance": f"shard{path.rsplit('/', 1)[1]}",
-                              "cluster": "bench", "sku": "h100-sxm5-80gb"}}
-                  for path in pages]}]}
+    config = {
+        "global": {"scrape_interval": "15s", "evaluation_interval": "15s", "scrape_timeout": "10s"},
+        "scrape_configs": [
+            {
+                "job_name": "node-agent",
+                "static_configs": [
+                    {
+                        "targets": [f"127.0.0.1:{port}"],
+                        "labels": {
+                            "__metrics_path__": path,
+                            "instance": f"shard{path.rsplit('/', 1)[1]}",
+                            "cluster": "bench",
+                            "sku": "h100-sxm5-80gb",
+                        },
+                    }
+                    for path in pages
+                ],
+            }
+        ],
+    }
     prom_port = free_port()
     with tempfile.TemporaryDirectory(prefix="bench-rules-") as tmp:
         work = Path(tmp)
@@ -188,20 +221,30 @@ def fleet(args, n: int) -> dict:
             busy = cpu_s(proc.pid) - c1
             elapsed = args.seconds + (time.monotonic() - end)
             series = get_json(base + "/api/v1/status/tsdb")["data"]["headStats"]["numSeries"]
-            samples = get_json(base + "/api/v1/query?query=" + urllib.parse.quote(
-                "max(count_over_time(node_agent_gpu_ecc_sbe_volatile_errors[1d]))"))
+            samples = get_json(
+                base
+                + "/api/v1/query?query="
+                + urllib.parse.quote(
+                    "max(count_over_time(node_agent_gpu_ecc_sbe_volatile_errors[1d]))"
+                )
+            )
         finally:
             proc.terminate()
             proc.wait(30)
             server.shutdown()
     window = samples["data"]["result"][0]["value"][1] if samples["data"]["result"] else "0"
     rounds = elapsed / 15
-    return {"nodes": n, "head_series": int(series), "samples_in_1d_window": int(window),
-            "cpu_idle_s": idle, "cpu_rules_s": busy,
-            "rules_cpu_per_round_s": (busy - idle * elapsed / args.seconds) / rounds,
-            "groups_s": {k: statistics.median(v) for k, v in groups.items()},
-            "rules_s": {k: statistics.median(v) for k, v in per_rule.items()},
-            "reads": len(next(iter(groups.values()), []))}
+    return {
+        "nodes": n,
+        "head_series": int(series),
+        "samples_in_1d_window": int(window),
+        "cpu_idle_s": idle,
+        "cpu_rules_s": busy,
+        "rules_cpu_per_round_s": (busy - idle * elapsed / args.seconds) / rounds,
+        "groups_s": {k: statistics.median(v) for k, v in groups.items()},
+        "rules_s": {k: statistics.median(v) for k, v in per_rule.items()},
+        "reads": len(next(iter(groups.values()), [])),
+    }
 
 
 def window(args) -> dict:
@@ -218,24 +261,35 @@ def window(args) -> dict:
             for k in range(args.samples):
                 ts = start + 15 * k
                 for s in range(args.series):
-                    f.write(f'node_agent_gpu_ecc_sbe_volatile_errors{{hostname="n{s // 8}",'
-                            f'gpu="{s % 8}"}} {k // 100 + s % 3} {ts}\n')
+                    f.write(
+                        f'node_agent_gpu_ecc_sbe_volatile_errors{{hostname="n{s // 8}",'
+                        f'gpu="{s % 8}"}} {k // 100 + s % 3} {ts}\n'
+                    )
             f.write("# EOF\n")
-        subprocess.run([promtool, "tsdb", "create-blocks-from", "openmetrics", str(om),
-                        str(work / "tsdb")], check=True, capture_output=True, timeout=3600)
+        subprocess.run(
+            [promtool, "tsdb", "create-blocks-from", "openmetrics", str(om), str(work / "tsdb")],
+            check=True,
+            capture_output=True,
+            timeout=3600,
+        )
         om.unlink()
         port = free_port()
         proc = start_prometheus(args.prometheus, work, {"global": {}}, port, None)
         try:
-            expr = ("predict_linear(node_agent_gpu_ecc_sbe_volatile_errors[1d], 7 * 86400) "
-                    "> 1000 unless on(hostname, gpu) "
-                    "(resets(node_agent_gpu_ecc_sbe_volatile_errors[1d]) > 0)")
+            expr = (
+                "predict_linear(node_agent_gpu_ecc_sbe_volatile_errors[1d], 7 * 86400) "
+                "> 1000 unless on(hostname, gpu) "
+                "(resets(node_agent_gpu_ecc_sbe_volatile_errors[1d]) > 0)"
+            )
             at = start + 15 * args.samples
             times = []
             for _ in range(6):
                 t0 = time.perf_counter()
-                doc = get_json(f"http://127.0.0.1:{port}/api/v1/query?stats=all&time={at}"
-                               f"&query={urllib.parse.quote(expr)}", 600)
+                doc = get_json(
+                    f"http://127.0.0.1:{port}/api/v1/query?stats=all&time={at}"
+                    f"&query={urllib.parse.quote(expr)}",
+                    600,
+                )
                 times.append(time.perf_counter() - t0)
             stats = doc["data"].get("stats", {})
         finally:
@@ -243,13 +297,19 @@ def window(args) -> dict:
             proc.wait(30)
     t = statistics.median(times[1:])
     read = args.series * args.samples * 2  # two range reads of the same series
-    return {"series": args.series, "samples_per_series": args.samples, "query_s": t,
-            "ns_per_sample_read": t / read * 1e9, "stats": stats.get("samples", stats)}
+    return {
+        "series": args.series,
+        "samples_per_series": args.samples,
+        "query_s": t,
+        "ns_per_sample_read": t / read * 1e9,
+        "stats": stats.get("samples", stats),
+    }
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--nodes", default="500,1000,2000")
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--hcas", type=int, default=8)
@@ -264,11 +324,13 @@ def main() -> int:
         return 0
     for n in (int(x) for x in args.nodes.split(",")):
         out = fleet(args, n)
-        print(f"\n{n} nodes: {out['head_series']} head series, "
-              f"{out['samples_in_1d_window']} samples in a 1d window, {out['reads']} reads; "
-              f"Prometheus CPU {out['cpu_idle_s']:.1f} s without rules, "
-              f"{out['cpu_rules_s']:.1f} s with them ({args.seconds} s each): the rules cost "
-              f"{out['rules_cpu_per_round_s']:.3f} CPU s per round of evaluations")
+        print(
+            f"\n{n} nodes: {out['head_series']} head series, "
+            f"{out['samples_in_1d_window']} samples in a 1d window, {out['reads']} reads; "
+            f"Prometheus CPU {out['cpu_idle_s']:.1f} s without rules, "
+            f"{out['cpu_rules_s']:.1f} s with them ({args.seconds} s each): the rules cost "
+            f"{out['rules_cpu_per_round_s']:.3f} CPU s per round of evaluations"
+        )
         for name, s in out["groups_s"].items():
             print(f"  group {name:28s} {s * 1000:9.1f} ms")
         slowest = sorted(out["rules_s"].items(), key=lambda kv: -kv[1])[:8]

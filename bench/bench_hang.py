@@ -101,9 +101,19 @@ def beat_cost_us(n: int, min_interval_s: float) -> float:
 
 
 def ctx(state: Path, **params) -> CheckContext:
-    return CheckContext(check="training_progress", gpu=None, kernel_log=None, config=None,
-                        inventory=None, sku=None, expected_gpus=None, mode="service",
-                        params=params, state_dir=state, timeout_s=45.0)
+    return CheckContext(
+        check="training_progress",
+        gpu=None,
+        kernel_log=None,
+        config=None,
+        inventory=None,
+        sku=None,
+        expected_gpus=None,
+        mode="service",
+        params=params,
+        state_dir=state,
+        timeout_s=45.0,
+    )
 
 
 def one_trial(every_s: float, params: dict) -> tuple[float, dict]:
@@ -115,11 +125,21 @@ def one_trial(every_s: float, params: dict) -> tuple[float, dict]:
         # started through a launcher that exits at once: the check leaves out the agent's own
         # descendants (its GPU workers), and a training process is never one of them
         launcher = subprocess.run(
-            [sys.executable, "-c", "import subprocess as s, sys; print(s.Popen(sys.argv[1:], "
-             "stdout=s.DEVNULL, stderr=s.DEVNULL).pid)", sys.executable, str(script), str(spool),
-             str(stop)],
-            env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-            check=True)
+            [
+                sys.executable,
+                "-c",
+                "import subprocess as s, sys; print(s.Popen(sys.argv[1:], "
+                "stdout=s.DEVNULL, stderr=s.DEVNULL).pid)",
+                sys.executable,
+                str(script),
+                str(spool),
+                str(stop),
+            ],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         worker_pid = int(launcher.stdout)
         try:
             deadline = time.monotonic() + 30
@@ -158,8 +178,12 @@ def py_spy_sample_cost(py_spy: str, *extra: str) -> tuple[float, float]:
         for _ in range(5):
             before = resource.getrusage(resource.RUSAGE_CHILDREN)
             t0 = time.perf_counter()
-            subprocess.run([py_spy, "dump", "--pid", str(target.pid), "--json", *extra],
-                           capture_output=True, timeout=30, check=True)
+            subprocess.run(
+                [py_spy, "dump", "--pid", str(target.pid), "--json", *extra],
+                capture_output=True,
+                timeout=30,
+                check=True,
+            )
             walls.append(time.perf_counter() - t0)
             after = resource.getrusage(resource.RUSAGE_CHILDREN)
             cpus.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
@@ -183,8 +207,9 @@ def sampling_pause_s(py_spy: str, seconds: float, every_s: float) -> list[float]
         time.sleep(2.0)  # imports and warm-up
         while True:
             t0 = time.monotonic()
-            done = subprocess.run([py_spy, "dump", "--pid", str(loop.pid), "--json"],
-                                  capture_output=True, timeout=30)
+            done = subprocess.run(
+                [py_spy, "dump", "--pid", str(loop.pid), "--json"], capture_output=True, timeout=30
+            )
             if done.returncode != 0 or loop.poll() is not None:
                 break  # the loop finished
             windows.append((t0, time.monotonic()))
@@ -234,28 +259,51 @@ def vfork_attack(n: int, py_spy: str | None) -> None:
     with tempfile.TemporaryDirectory() as d:
         lib, spool = Path(d) / "libvfork.so", Path(d) / "spool" / "heartbeat"
         (Path(d) / "vfork.c").write_text(VFORK_C)
-        subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(lib), str(Path(d) / "vfork.c")],
-                       check=True)
+        subprocess.run(
+            [cc, "-shared", "-fPIC", "-O2", "-o", str(lib), str(Path(d) / "vfork.c")], check=True
+        )
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         # started through a launcher that exits at once (the check leaves out its own children)
         launcher = subprocess.run(
-            [sys.executable, "-c", "import subprocess as s, sys\nfor _ in range(int(sys.argv[1])):"
-             "\n    p = s.Popen(sys.argv[2:], stdout=s.PIPE, stderr=s.DEVNULL); p.stdout.readline()"
-             "; print(p.pid)", str(n), sys.executable, "-c", VFORK_WORKER, str(spool), str(lib)],
-            env=env, capture_output=True, text=True, check=True)
+            [
+                sys.executable,
+                "-c",
+                "import subprocess as s, sys\nfor _ in range(int(sys.argv[1])):"
+                "\n    p = s.Popen(sys.argv[2:], stdout=s.PIPE, stderr=s.DEVNULL); p.stdout.readline()"
+                "; print(p.pid)",
+                str(n),
+                sys.executable,
+                "-c",
+                VFORK_WORKER,
+                str(spool),
+                str(lib),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         pids = [int(x) for x in launcher.stdout.split()]
         try:
             time.sleep(1.0)
             if py_spy:
                 t0 = time.perf_counter()
-                subprocess.run([py_spy, "dump", "--nonblocking", "--json", "--pid", str(pids[0])],
-                               capture_output=True, timeout=30)
-                print(f"py-spy dump --nonblocking of a vfork-blocked process: "
-                      f"{(time.perf_counter() - t0) * 1e3:.0f} ms")
+                subprocess.run(
+                    [py_spy, "dump", "--nonblocking", "--json", "--pid", str(pids[0])],
+                    capture_output=True,
+                    timeout=30,
+                )
+                print(
+                    f"py-spy dump --nonblocking of a vfork-blocked process: "
+                    f"{(time.perf_counter() - t0) * 1e3:.0f} ms"
+                )
                 t0 = time.perf_counter()
                 try:
-                    subprocess.run([py_spy, "dump", "--json", "--pid", str(pids[0])],
-                                   capture_output=True, timeout=10)
+                    subprocess.run(
+                        [py_spy, "dump", "--json", "--pid", str(pids[0])],
+                        capture_output=True,
+                        timeout=10,
+                    )
                     print(f"py-spy dump (stopping) of it: {time.perf_counter() - t0:.1f} s")
                 except subprocess.TimeoutExpired:
                     print("py-spy dump (stopping) of it: still waiting after 10 s, killed")
@@ -266,8 +314,10 @@ def vfork_attack(n: int, py_spy: str | None) -> None:
             hangs = [r for r in results if r.metric == "training_hang"]
             sampled = sum(r.evidence["signals"]["stack"].get("available", False) for r in hangs)
             statuses = sorted({f"{r.metric}:{r.status.value}" for r in results})
-            print(f"check against {n} vfork-blocked processes: {took:.1f} s of its 45 s timeout; "
-                  f"{len(hangs)} hangs, {sampled} stacks sampled; results {statuses}")
+            print(
+                f"check against {n} vfork-blocked processes: {took:.1f} s of its 45 s timeout; "
+                f"{len(hangs)} hangs, {sampled} stacks sampled; results {statuses}"
+            )
         finally:
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
@@ -287,8 +337,12 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--loop-s", type=float, default=40.0)
     ap.add_argument("--skip-loop", action="store_true", help="latency trials only")
-    ap.add_argument("--vfork", type=int, metavar="N",
-                    help="only the issue 29 attack: N processes blocked in vfork()")
+    ap.add_argument(
+        "--vfork",
+        type=int,
+        metavar="N",
+        help="only the issue 29 attack: N processes blocked in vfork()",
+    )
     args = ap.parse_args()
     if args.vfork:
         vfork_attack(args.vfork, find_py_spy())
@@ -300,29 +354,39 @@ def main() -> None:
         print("stack-sampling costs: " + ("skipped" if py_spy else "py-spy not installed"))
     else:
         wall, cpu = py_spy_sample_cost(py_spy)
-        print(f"py-spy dump --json: {wall * 1e3:.0f} ms wall, {cpu * 1e3:.0f} ms CPU per sample "
-              "(median of 5)")
+        print(
+            f"py-spy dump --json: {wall * 1e3:.0f} ms wall, {cpu * 1e3:.0f} ms CPU per sample "
+            "(median of 5)"
+        )
         wall, cpu = py_spy_sample_cost(py_spy, "--nonblocking")
-        print(f"py-spy dump --json --nonblocking (what the check takes): {wall * 1e3:.0f} ms "
-              f"wall, {cpu * 1e3:.0f} ms CPU per sample (median of 5)")
+        print(
+            f"py-spy dump --json --nonblocking (what the check takes): {wall * 1e3:.0f} ms "
+            f"wall, {cpu * 1e3:.0f} ms CPU per sample (median of 5)"
+        )
         losses = sampling_pause_s(py_spy, args.loop_s, 1.0)
         loss = statistics.median(losses)
         suspect = 3 * loss / args.every_s
-        print(f"loop time lost per py-spy dump: median {loss * 1e3:.1f} ms, p90 "
-              f"{sorted(losses)[int(0.9 * (len(losses) - 1))] * 1e3:.1f} ms over {len(losses)} "
-              f"dumps -> slowdown {100 * suspect:.3f} % while a job is suspect (3 dumps every "
-              f"{args.every_s:g} s), {100 * loss:.2f} % at 1 dump/s; 0 for a healthy job "
-              "(never sampled)")
+        print(
+            f"loop time lost per py-spy dump: median {loss * 1e3:.1f} ms, p90 "
+            f"{sorted(losses)[int(0.9 * (len(losses) - 1))] * 1e3:.1f} ms over {len(losses)} "
+            f"dumps -> slowdown {100 * suspect:.3f} % while a job is suspect (3 dumps every "
+            f"{args.every_s:g} s), {100 * loss:.2f} % at 1 dump/s; 0 for a healthy job "
+            "(never sampled)"
+        )
     params = periodic_params()
     latencies = []
     for i in range(args.trials):
         latency, evidence = one_trial(args.every_s, params)
         latencies.append(latency)
         stack = evidence["signals"]["stack"]
-        print(f"trial {i + 1}: hang -> verdict {latency:.2f} s (agreeing: "
-              f"{', '.join(evidence['agreeing'])}; stack: {stack.get('stuck_in') or stack['detail']})")
-    print(f"every_s={args.every_s:g}, periodic params {params}: latency median "
-          f"{statistics.median(latencies):.2f} s, max {max(latencies):.2f} s")
+        print(
+            f"trial {i + 1}: hang -> verdict {latency:.2f} s (agreeing: "
+            f"{', '.join(evidence['agreeing'])}; stack: {stack.get('stuck_in') or stack['detail']})"
+        )
+    print(
+        f"every_s={args.every_s:g}, periodic params {params}: latency median "
+        f"{statistics.median(latencies):.2f} s, max {max(latencies):.2f} s"
+    )
     print(f"load: {os.getloadavg()}")
 
 

@@ -49,16 +49,18 @@ def node_results(gpus: int, tmp: Path) -> list[Result]:
     config = load_config(None)
     env = open_environment(config, str(scenario))
     try:
-        spec = next(c for c in load_suite("periodic", suites_dir(config)).checks
-                    if c.check == "nvml_health")
+        spec = next(
+            c for c in load_suite("periodic", suites_dir(config)).checks if c.check == "nvml_health"
+        )
         return run_check(spec, env, "service")
     finally:
         env.close()
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--days", type=float, default=30)
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--every-s", type=float, default=300)
@@ -96,23 +98,32 @@ def main() -> int:
     out = {
         "machine": f"{platform.node()} {platform.machine()} python {platform.python_version()}",
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "gpus": args.gpus, "days": args.days, "every_s": args.every_s,
-        "series": len(series), "series_per_gpu": len(series) / max(args.gpus, 1),
-        "points": points, "max_points_per_series": Bound().max_points,
+        "gpus": args.gpus,
+        "days": args.days,
+        "every_s": args.every_s,
+        "series": len(series),
+        "series_per_gpu": len(series) / max(args.gpus, 1),
+        "points": points,
+        "max_points_per_series": Bound().max_points,
         "size_bytes_by_day": {f"{d:g}": s for d, s in sizes},
-        "steady_state_bytes": final, "bytes_per_gpu_per_day": round(growth),
+        "steady_state_bytes": final,
+        "bytes_per_gpu_per_day": round(growth),
         "cpu_s_per_update": round(cpu / max(step, 1), 6),
     }
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    print(f"{args.gpus} GPUs, {len(series)} series ({out['series_per_gpu']:g} a GPU), a reading "
-          f"every {args.every_s:g} s for {args.days:g} simulated days")
+    print(
+        f"{args.gpus} GPUs, {len(series)} series ({out['series_per_gpu']:g} a GPU), a reading "
+        f"every {args.every_s:g} s for {args.days:g} simulated days"
+    )
     for d, s in sizes:
         if d in (0, 1, 2, 3, 7, 14, 21) or d == sizes[-1][0]:
             print(f"  day {d:>4g}: {s / 1024:8.1f} KiB")
-    print(f"steady state after {args.days:g} days: {final / 1024:.1f} KiB "
-          f"({points} points; at most {Bound().max_points} a series)")
+    print(
+        f"steady state after {args.days:g} days: {final / 1024:.1f} KiB "
+        f"({points} points; at most {Bound().max_points} a series)"
+    )
     print(f"growth: {growth:.0f} bytes per GPU per day (averaged over the run)")
     print(f"cost: {out['cpu_s_per_update'] * 1000:.2f} ms of CPU per update (record + trends)")
     return 0

@@ -54,7 +54,9 @@ def tiles_on_sm_distribution(model: TileModel, m: int, n: int) -> dict[int, floa
 
 def p_mismatch(model: TileModel, m: int, n: int, rate: float) -> float:
     """Probability one launch of an m x n output has at least one wrong tile."""
-    return sum(w * (1.0 - (1.0 - rate) ** t) for t, w in tiles_on_sm_distribution(model, m, n).items())
+    return sum(
+        w * (1.0 - (1.0 - rate) ** t) for t, w in tiles_on_sm_distribution(model, m, n).items()
+    )
 
 
 def p_round(ps: list[float], rule: str) -> tuple[float, float]:
@@ -81,22 +83,28 @@ def model_table(rounds: int) -> list[str]:
     model = gpu_model(132)
     before = [shape for shape in OLD_SHAPES for _ in OLD_DTYPES]
     after = sdc.plan_whole_gpu(model, [d for d, _, _ in sdc.WHOLE_GPU_SPECS], 4, 256)
-    lines = ["| R | before: P(seen), 1 round | before: P(confirmed), 1 round | "
-             f"before: P(confirmed), {rounds} rounds | after: P(seen), 1 round | "
-             f"after: P(confirmed), 1 round | after: P(confirmed), {rounds} rounds |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| R | before: P(seen), 1 round | before: P(confirmed), 1 round | "
+        f"before: P(confirmed), {rounds} rounds | after: P(seen), 1 round | "
+        f"after: P(confirmed), 1 round | after: P(confirmed), {rounds} rounds |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for rate in RATES:
         pb = [p_mismatch(model, m, n, rate) for m, _, n in before]
         pa = [p_mismatch(model, s.m, s.n, rate) for s in after]
         b, a = p_round(pb, "rerun"), p_round(pa, "window")
         b_run, a_run = p_round(pb * rounds, "rerun")[1], p_round(pa * rounds, "window")[1]
-        lines.append(f"| {rate:g} | {b[0]:.4f} | {b[1]:.5f} | {b_run:.3f} | {a[0]:.4f} | "
-                     f"{a[1]:.4f} | {a_run:.4f} |")
+        lines.append(
+            f"| {rate:g} | {b[0]:.4f} | {b[1]:.5f} | {b_run:.3f} | {a[0]:.4f} | "
+            f"{a[1]:.4f} | {a_run:.4f} |"
+        )
     lines.append("")
-    lines.append(f"(before: {len(before)} probes per round reaching 1-3 of 132 SMs; after: "
-                 f"{len(after)} whole-GPU probes, {model.tiles(after[0].m, after[0].n)} tiles each, "
-                 f"4 per SM. {rounds} rounds: a lower bound, by model, of what the delivery check's "
-                 "180 s give on an H100, see docs/sdc.md)")
+    lines.append(
+        f"(before: {len(before)} probes per round reaching 1-3 of 132 SMs; after: "
+        f"{len(after)} whole-GPU probes, {model.tiles(after[0].m, after[0].n)} tiles each, "
+        f"4 per SM. {rounds} rounds: a lower bound, by model, of what the delivery check's "
+        "180 s give on an H100, see docs/sdc.md)"
+    )
     return lines
 
 
@@ -105,8 +113,12 @@ def simulated_run(rate: float, seed: int, after: bool) -> tuple[bool, bool]:
     sm = sim_model()
     mm = sdc.corrupting_matmul(seed=seed, tiles=sm, sm=FAULTY_SM, rate=rate)
     dev = ComputeDevice(ComputeSpec(6, simulated=True), torch.device("cpu"), mm)
-    params = {"dtypes": ["fp32", "bf16", "fp16"], "digest_shapes": [[32, 32, 32], [33, 64, 17]],
-              "repeats": 2, "freivalds_n": 64}
+    params = {
+        "dtypes": ["fp32", "bf16", "fp16"],
+        "digest_shapes": [[32, 32, 32], [33, 64, 17]],
+        "repeats": 2,
+        "freivalds_n": 64,
+    }
     if not after:
         params["shapes"] = [[32, 32, 32], [33, 64, 17]]
     plan, _ = sdc_check.make_plan(params, on_cuda=False)
@@ -117,30 +129,38 @@ def simulated_run(rate: float, seed: int, after: bool) -> tuple[bool, bool]:
     if after:
         confirmed = any(v.status == "confirmed" for v in run.verdicts)
     else:  # the old rule: only a mismatch whose own re-run mismatched, or a digest odd one out
-        confirmed = any(v.status == "confirmed" and not v.evidence.get("window_mismatches")
-                        for v in exact) or any(v.status == "confirmed" and v.probe != "exact_gemm"
-                                               for v in run.verdicts)
+        confirmed = any(
+            v.status == "confirmed" and not v.evidence.get("window_mismatches") for v in exact
+        ) or any(v.status == "confirmed" and v.probe != "exact_gemm" for v in run.verdicts)
     return confirmed, seen
 
 
 def simulated_table(trials: int) -> list[str]:
-    lines = ["| R | before: P(FAULT) | before: P(mismatch seen) | after: P(FAULT) | "
-             "after: P(mismatch seen) | trials |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| R | before: P(FAULT) | before: P(mismatch seen) | after: P(FAULT) | "
+        "after: P(mismatch seen) | trials |",
+        "|---|---|---|---|---|---|",
+    ]
     for rate in RATES:
         row = []
         for after in (False, True):
             results = [simulated_run(rate, seed, after) for seed in range(trials)]
             row += [sum(c for c, _ in results) / trials, sum(s for _, s in results) / trials]
-        lines.append(f"| {rate:g} | {row[0]:.2f} | {row[1]:.2f} | {row[2]:.2f} | {row[3]:.2f} "
-                     f"| {trials} |")
+        lines.append(
+            f"| {rate:g} | {row[0]:.2f} | {row[1]:.2f} | {row[2]:.2f} | {row[3]:.2f} | {trials} |"
+        )
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=100, help="seeds per rate (simulated runs)")
-    ap.add_argument("--rounds", type=int, default=100,
-                    help="rounds of the delivery check on a GPU, for the model (default 100)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=100,
+        help="rounds of the delivery check on a GPU, for the model (default 100)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     logging.getLogger("node_agent.sdc.probes").setLevel(logging.ERROR)  # expected mismatches
@@ -148,8 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     print("Model, H100 scale (132 SMs, 128 x 128 tiles), one probe round:\n")
     print("\n".join(model_table(args.rounds)))
     t0 = time.perf_counter()
-    print("\nMeasured, simulated H100 (132 SMs, 16 x 16 tiles), the delivery check's simulated "
-          "parameters (2 rounds), one GPU:\n")
+    print(
+        "\nMeasured, simulated H100 (132 SMs, 16 x 16 tiles), the delivery check's simulated "
+        "parameters (2 rounds), one GPU:\n"
+    )
     print("\n".join(simulated_table(args.trials)))
     print(f"\n({time.perf_counter() - t0:.0f} s)")
     return 0

@@ -35,8 +35,10 @@ from node_agent.sdc.validation import PausableClock
 def make_model(device: torch.device, width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
-        torch.nn.Linear(2 * width, 2 * width), torch.nn.GELU(),
+        torch.nn.Linear(width, 2 * width),
+        torch.nn.GELU(),
+        torch.nn.Linear(2 * width, 2 * width),
+        torch.nn.GELU(),
         torch.nn.Linear(2 * width, width),
     ).to(device)
     return model, torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -116,12 +118,16 @@ def main(argv: list[str] | None = None) -> int:
 
     med_off, med_on = statistics.median(off), statistics.median(on)
     mean_off, mean_on = statistics.fmean(off), statistics.fmean(on)
-    print(f"device: {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
-          f"torch {torch.__version__}, MLP width {args.width} batch {args.batch}, budget {args.budget:g}\n")
-    print(f"probe: {len(probe.specs)} whole-GPU specs ({', '.join(s.label() for s in probe.specs)}), "
-          f"{probe.tiles_per_sm} tile(s) per SM of {probe.tiles.sm_count}, sm_coverage "
-          f"{probe.coverage.value:g} ({probe.coverage.method}), device memory "
-          f"{probe.memory_bytes / 2**20:.1f} MiB\n")
+    print(
+        f"device: {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
+        f"torch {torch.__version__}, MLP width {args.width} batch {args.batch}, budget {args.budget:g}\n"
+    )
+    print(
+        f"probe: {len(probe.specs)} whole-GPU specs ({', '.join(s.label() for s in probe.specs)}), "
+        f"{probe.tiles_per_sm} tile(s) per SM of {probe.tiles.sm_count}, sm_coverage "
+        f"{probe.coverage.value:g} ({probe.coverage.method}), device memory "
+        f"{probe.memory_bytes / 2**20:.1f} MiB\n"
+    )
     print("| metric | value |")
     print("|---|---|")
     print(f"| steps without / with probe | {len(off)} / {len(on)} |")
@@ -130,14 +136,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| mean step, without / with probe | {mean_off * 1e3:.3f} / {mean_on * 1e3:.3f} ms |")
     print(f"| overhead, mean step time (on/off - 1) | {mean_on / mean_off - 1:+.3%} |")
     q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-    print(f"| overhead, per off/on pair: median (IQR) over {len(ratios)} pairs | "
-          f"{q[1]:+.3%} ({q[0]:+.3%} .. {q[2]:+.3%}) |")
+    print(
+        f"| overhead, per off/on pair: median (IQR) over {len(ratios)} pairs | "
+        f"{q[1]:+.3%} ({q[0]:+.3%} .. {q[2]:+.3%}) |"
+    )
     share = cost_s / elapsed_s
-    print(f"| overhead, probe's own cost / elapsed | {share:.4%} ({probes} probes, {cost_s * 1e3:.1f} ms "
-          f"in {elapsed_s:.1f} s; {'within' if share <= args.budget else 'OVER'} the {args.budget:.3%} budget) |")
+    print(
+        f"| overhead, probe's own cost / elapsed | {share:.4%} ({probes} probes, {cost_s * 1e3:.1f} ms "
+        f"in {elapsed_s:.1f} s; {'within' if share <= args.budget else 'OVER'} the {args.budget:.3%} budget) |"
+    )
     if confirmed is not None:
         print(f"| detection latency (fault installed -> confirmed) | {latency_s:.2f} s |")
-        print(f"| detecting probe | {confirmed.probe} {confirmed.dtype} {'x'.join(map(str, confirmed.shape))} |")
+        print(
+            f"| detecting probe | {confirmed.probe} {confirmed.dtype} {'x'.join(map(str, confirmed.shape))} |"
+        )
     else:
         print(f"| detection latency | not detected within {args.detect_timeout_s:.0f} s |")
     print(f"| verdict files spooled | {spooled} |")

@@ -45,22 +45,43 @@ def one_run(nodes: int, gpus: int, replay: bool, workdir: Path) -> dict:
     scen = workdir / "scenarios"
     scen.mkdir(parents=True, exist_ok=True)
     for rank in range(nodes):
-        (scen / f"n{rank}.yaml").write_text(yaml.safe_dump({
-            "sku": "h100-sxm5-80gb", "gpus": gpus, "hostname": f"node{rank}", "faults": []}))
+        (scen / f"n{rank}.yaml").write_text(
+            yaml.safe_dump(
+                {"sku": "h100-sxm5-80gb", "gpus": gpus, "hostname": f"node{rank}", "faults": []}
+            )
+        )
     config = workdir / "config.yaml"
-    config.write_text(yaml.safe_dump({"state_dir": str(workdir / "state"),
-                                      "kernel_log": {"path": os.devnull}}))
+    config.write_text(
+        yaml.safe_dump({"state_dir": str(workdir / "state"), "kernel_log": {"path": os.devnull}})
+    )
     out = workdir / f"out-{time.time_ns()}"
     port = free_port()
-    args = ["stop-check", "--config", str(config), "--simulate", str(scen / "n{rank}.yaml"),
-            "--out", str(out)] + (["--replay", "--rounds", "4"] if replay else [])
+    args = [
+        "stop-check",
+        "--config",
+        str(config),
+        "--simulate",
+        str(scen / "n{rank}.yaml"),
+        "--out",
+        str(out),
+    ] + (["--replay", "--rounds", "4"] if replay else [])
     start = time.perf_counter()
-    procs = [subprocess.Popen([AGENT, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True, env={**os.environ, "RANK": str(r),
-                                              "WORLD_SIZE": str(nodes),
-                                              "MASTER_ADDR": "127.0.0.1",
-                                              "MASTER_PORT": str(port)})
-             for r in range(nodes)]
+    procs = [
+        subprocess.Popen(
+            [AGENT, *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={
+                **os.environ,
+                "RANK": str(r),
+                "WORLD_SIZE": str(nodes),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            },
+        )
+        for r in range(nodes)
+    ]
     summary = out / "stop-check.json"
     while not summary.exists() and any(p.poll() is None for p in procs):
         time.sleep(0.05)
@@ -72,14 +93,19 @@ def one_run(nodes: int, gpus: int, replay: bool, workdir: Path) -> dict:
         raise SystemExit(f"no stop-check.json: {procs[0].stderr}")
     data = json.loads(summary.read_text())
     phases = {k: v["duration_s"] for k, v in data["phases"].items() if "skipped" not in v}
-    return {"to_summary_s": to_summary, "all_exited_s": total, "phases_s": phases,
-            "before_phases_s": to_summary - sum(phases.values()),
-            "suspects": len(data["suspects"])}
+    return {
+        "to_summary_s": to_summary,
+        "all_exited_s": total,
+        "phases_s": phases,
+        "before_phases_s": to_summary - sum(phases.values()),
+        "suspects": len(data["suspects"]),
+    }
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--nodes", type=int, default=6)
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--replay", action="store_true")
@@ -87,13 +113,17 @@ def main() -> int:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-stop-check-") as tmp:
         runs = [one_run(args.nodes, args.gpus, args.replay, Path(tmp)) for _ in range(args.runs)]
-    print(f"# {args.nodes} nodes x {args.gpus} simulated GPUs, replay={args.replay}, "
-          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"# {args.nodes} nodes x {args.gpus} simulated GPUs, replay={args.replay}, "
+        f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}"
+    )
     for i, r in enumerate(runs):
         phases = "  ".join(f"{k} {v:.2f}" for k, v in r["phases_s"].items())
-        print(f"run {i}: to stop-check.json {r['to_summary_s']:.1f} s (before the phases "
-              f"{r['before_phases_s']:.1f} s; {phases}); all ranks exited {r['all_exited_s']:.1f} s;"
-              f" suspects {r['suspects']}")
+        print(
+            f"run {i}: to stop-check.json {r['to_summary_s']:.1f} s (before the phases "
+            f"{r['before_phases_s']:.1f} s; {phases}); all ranks exited {r['all_exited_s']:.1f} s;"
+            f" suspects {r['suspects']}"
+        )
     print(f"median to stop-check.json: {statistics.median(r['to_summary_s'] for r in runs):.1f} s")
     return 0 if all(r["suspects"] == 0 for r in runs) else 1
 

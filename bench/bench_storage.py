@@ -24,13 +24,18 @@ from node_agent.parsers.fio import parse_fio_json
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("path", nargs="?")
     ap.add_argument("--size", default="64M")
     ap.add_argument("--runtime-s", type=float, default=3)
-    ap.add_argument("--repeat", type=int, default=3,
-                    help="alternate check and fio this many times; medians are compared")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="alternate check and fio this many times; medians are compared",
+    )
     args = ap.parse_args()
     mine: dict[str, list[float]] = {}
     theirs: dict[str, list[float]] = {}
@@ -45,14 +50,22 @@ def main() -> int:
     return 0
 
 
-def _once(args: argparse.Namespace, mine: dict[str, list[float]],
-          theirs: dict[str, list[float]]) -> int:
+def _once(
+    args: argparse.Namespace, mine: dict[str, list[float]], theirs: dict[str, list[float]]
+) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-storage-") as tmp:
         path = Path(args.path or tmp)
         params = {"size": args.size, "runtime_s": args.runtime_s}
-        ctx = CheckContext(check="storage", gpu=AbsentGpuBackend("bench"), kernel_log=None,
-                           config=config_from_dict({"storage": {"paths": [str(path)]}}),
-                           inventory=None, sku=None, expected_gpus=None, params=params)
+        ctx = CheckContext(
+            check="storage",
+            gpu=AbsentGpuBackend("bench"),
+            kernel_log=None,
+            config=config_from_dict({"storage": {"paths": [str(path)]}}),
+            inventory=None,
+            sku=None,
+            expected_gpus=None,
+            params=params,
+        )
         results = {r.metric: r for r in storage.run(ctx)}
         if any(r.status.value == "error" for r in results.values()):
             print(json.dumps([r.to_dict() for r in results.values()], indent=1))
@@ -61,9 +74,10 @@ def _once(args: argparse.Namespace, mine: dict[str, list[float]],
         direct = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=600)
         Path(next(a for a in argv if a.startswith("--filename="))[11:]).unlink(missing_ok=True)
         fio_values = storage.figures(parse_fio_json(direct.stdout))
-    print(f"path {path}  (direct I/O: {results['read_bw_mbps'].evidence['direct']})  "
-          + "  ".join(f"{m}: check {results[m].value:.1f} fio {v:.1f}"
-                      for m, v in fio_values.items()))
+    print(
+        f"path {path}  (direct I/O: {results['read_bw_mbps'].evidence['direct']})  "
+        + "  ".join(f"{m}: check {results[m].value:.1f} fio {v:.1f}" for m, v in fio_values.items())
+    )
     for metric, value in fio_values.items():
         mine.setdefault(metric, []).append(results[metric].value)
         theirs.setdefault(metric, []).append(value)

@@ -113,7 +113,7 @@ def check_figures(figures: dict[str, Any]) -> list[str]:
 @dataclass
 class StepOutcome:
     name: str
-    outcome: str           # ok | failed | timeout | not-run
+    outcome: str  # ok | failed | timeout | not-run
     seconds: float
     box_s: float | None
     note: str = ""
@@ -125,25 +125,33 @@ def _child_env() -> dict[str, str]:
     package; every child Python inherits it, the agent's own ``python -P -m`` children that
     run in ``/`` included), unbuffered output, CUDA numbering GPUs as NVML does."""
     env = dict(os.environ)
-    parts = [str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                           if p and Path(p).resolve() != REPO]
+    parts = [str(REPO)] + [
+        p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != REPO
+    ]
     env["PYTHONPATH"] = os.pathsep.join(parts)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # NVML's order (the agent's convention)
     return env
 
 
-def run_child(argv: list[str], timeout_s: float, log_path: Path,
-              env: dict[str, str] | None = None) -> tuple[int | None, str]:
+def run_child(
+    argv: list[str], timeout_s: float, log_path: Path, env: dict[str, str] | None = None
+) -> tuple[int | None, str]:
     """Run ``argv`` in its own process group with output to ``log_path``; on the deadline the
     whole group is killed (SIGTERM, then SIGKILL after 5 s), and whatever of the group is still
     there when the leader exits on its own (burn workers, a forkserver, a test's helpers) too.
     The steps start their own subprocesses in this group, never in a new session, so that this
     reaches them. Returns (exit code or None when timed out, the last line it printed)."""
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env or _child_env(), stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            env=env or _child_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             code: int | None = proc.wait(timeout=max(1.0, timeout_s))
         except subprocess.TimeoutExpired:
@@ -181,14 +189,23 @@ def _last_line(path: Path) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def run_step_child(step: Step, box_s: float, work: Path,
-                   argv: list[str] | None = None) -> tuple[dict[str, Any], StepOutcome]:
+def run_step_child(
+    step: Step, box_s: float, work: Path, argv: list[str] | None = None
+) -> tuple[dict[str, Any], StepOutcome]:
     """Run one step in a child within ``box_s``; its figures, every one filled or explained."""
     result_path = work / f"{step.name}.result.json"
     log_path = work / f"{step.name}.log"
     result_path.unlink(missing_ok=True)
-    argv = argv or [sys.executable, str(Path(__file__).resolve()), "--run-step", step.name,
-                    "--result", str(result_path), "--box-s", f"{box_s:.1f}"]
+    argv = argv or [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--run-step",
+        step.name,
+        "--result",
+        str(result_path),
+        "--box-s",
+        f"{box_s:.1f}",
+    ]
     t0 = time.monotonic()
     code, last = run_child(argv, box_s, log_path)
     seconds = time.monotonic() - t0
@@ -201,8 +218,13 @@ def run_step_child(step: Step, box_s: float, work: Path,
         except (OSError, ValueError) as err:
             error = f"unreadable result file: {err}"
     if code is None:
-        why, outcome = (f"timed out after {box_s:.0f} s (the step's time box) and was killed; "
-                        f"last output: {last or 'none'}"), "timeout"
+        why, outcome = (
+            (
+                f"timed out after {box_s:.0f} s (the step's time box) and was killed; "
+                f"last output: {last or 'none'}"
+            ),
+            "timeout",
+        )
     elif error:
         why, outcome = f"step failed: {error}", "failed"
     elif code != 0:
@@ -213,9 +235,14 @@ def run_step_child(step: Step, box_s: float, work: Path,
     for name in step.figures:
         f = got.get(name)
         if isinstance(f, dict) and (f.get("value") is not None or f.get("reason")):
-            figures[name] = figure(name, f.get("value"), f.get("reason"),
-                                   f.get("command") or step.command, f.get("detail"),
-                                   **({"counts": f["counts"]} if "counts" in f else {}))
+            figures[name] = figure(
+                name,
+                f.get("value"),
+                f.get("reason"),
+                f.get("command") or step.command,
+                f.get("detail"),
+                **({"counts": f["counts"]} if "counts" in f else {}),
+            )
         else:
             figures[name] = figure(name, None, why, step.command)
     note = "" if outcome == "ok" else why
@@ -226,15 +253,18 @@ def time_box(step: Step, later: list[Step], left_s: float) -> float | None:
     """The step's time box: its own ``timeout_s``, cut so that the steps after it keep their
     ``min_s`` of the ``left_s`` seconds left (each step, this one too, also keeps KILL_GRACE_S
     for being killed at its box); None when less than its own ``min_s`` remains."""
-    box = min(step.timeout_s,
-              left_s - sum(s.min_s for s in later) - KILL_GRACE_S * (len(later) + 1))
+    box = min(
+        step.timeout_s, left_s - sum(s.min_s for s in later) - KILL_GRACE_S * (len(later) + 1)
+    )
     return box if box >= step.min_s else None
 
 
 def unmet_reason(step: Step, env: dict[str, Any]) -> str | None:
     """Why ``step`` cannot run on this host (None: it can)."""
-    if step.name in ("sdc_sm_coverage", "sdc_overhead") \
-            and not (REPO / "node_agent" / "sdc" / "validation.py").exists():
+    if (
+        step.name in ("sdc_sm_coverage", "sdc_overhead")
+        and not (REPO / "node_agent" / "sdc" / "validation.py").exists()
+    ):
         return f"{SDC_MODULE} not available"
     for need in step.needs:
         why = env.get(need)
@@ -246,20 +276,35 @@ def unmet_reason(step: Step, env: dict[str, Any]) -> str | None:
 def probe(work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(needs -> reason or None, machine) from a child, so a hung driver cannot hang us."""
     path = work / "probe.result.json"
-    code, last = run_child([sys.executable, str(Path(__file__).resolve()), "--run-step", "probe",
-                            "--result", str(path), "--box-s", str(PROBE_TIMEOUT_S)],
-                           PROBE_TIMEOUT_S, work / "probe.log")
+    code, last = run_child(
+        [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--run-step",
+            "probe",
+            "--result",
+            str(path),
+            "--box-s",
+            str(PROBE_TIMEOUT_S),
+        ],
+        PROBE_TIMEOUT_S,
+        work / "probe.log",
+    )
     try:
         data = json.loads(path.read_text())
         return data["needs"], data["machine"]
     except (OSError, ValueError, KeyError):
-        why = ("the environment probe timed out" if code is None
-               else f"the environment probe failed (exit {code}): {last or 'no output'}")
+        why = (
+            "the environment probe timed out"
+            if code is None
+            else f"the environment probe failed (exit {code}): {last or 'no output'}"
+        )
         return {"nvml": why, "cuda": why}, {"error": why}
 
 
-def run_all(out_dir: Path, budget_s: float, only: list[str] | None = None,
-            ignore_needs: bool = False) -> dict[str, Any]:
+def run_all(
+    out_dir: Path, budget_s: float, only: list[str] | None = None, ignore_needs: bool = False
+) -> dict[str, Any]:
     """Probe, run the steps, write figures.json, figures.md and log.txt; returns the document."""
     started = time.monotonic()
     deadline = started + budget_s
@@ -281,12 +326,14 @@ def run_all(out_dir: Path, budget_s: float, only: list[str] | None = None,
     for i, step in enumerate(steps):
         why = unmet_reason(step, needs)
         now = time.monotonic()
-        later = [s for s in steps[i + 1:] if unmet_reason(s, needs) is None]
+        later = [s for s in steps[i + 1 :] if unmet_reason(s, needs) is None]
         box = time_box(step, later, deadline - now)
         if why is None and box is None:
-            why = (f"not run: {deadline - now:.0f} s were left of the run's {budget_s:g} s "
-                   f"budget, too little for this step's {step.min_s:g} s and the "
-                   f"{sum(s.min_s for s in later):g} s the steps after it need")
+            why = (
+                f"not run: {deadline - now:.0f} s were left of the run's {budget_s:g} s "
+                f"budget, too little for this step's {step.min_s:g} s and the "
+                f"{sum(s.min_s for s in later):g} s the steps after it need"
+            )
         if why is not None:
             figures.update({n: figure(n, None, why, step.command) for n in step.figures})
             outcomes.append(StepOutcome(step.name, "not-run", 0.0, None, why))
@@ -297,15 +344,22 @@ def run_all(out_dir: Path, budget_s: float, only: list[str] | None = None,
         figures.update(got)
         outcomes.append(outcome)
         shown = ", ".join(_short(n, got[n]) for n in step.figures)
-        say(f"[{time.monotonic() - started:5.0f} s] {step.name}: {outcome.outcome} in "
-            f"{outcome.seconds:.0f} s: {shown}")
+        say(
+            f"[{time.monotonic() - started:5.0f} s] {step.name}: {outcome.outcome} in "
+            f"{outcome.seconds:.0f} s: {shown}"
+        )
     for name in UNITS:  # steps left out with --only
         figures.setdefault(name, figure(name, None, "not selected (--only)", ""))
-    doc = {"schema": SCHEMA, "date": date.isoformat().replace("+00:00", "Z"),
-           "machine": machine, "command": "make gpu-validate",
-           "budget_s": budget_s, "duration_s": round(time.monotonic() - started, 1),
-           "figures": {n: figures[n] for n in UNITS},
-           "steps": [vars(o) for o in outcomes]}
+    doc = {
+        "schema": SCHEMA,
+        "date": date.isoformat().replace("+00:00", "Z"),
+        "machine": machine,
+        "command": "make gpu-validate",
+        "budget_s": budget_s,
+        "duration_s": round(time.monotonic() - started, 1),
+        "figures": {n: figures[n] for n in UNITS},
+        "steps": [vars(o) for o in outcomes],
+    }
     problems = check_figures(doc["figures"])
     if problems:  # never expected; said loudly rather than written silently
         raise SystemExit("gpu-validate: malformed figures: " + "; ".join(problems))
@@ -315,8 +369,11 @@ def run_all(out_dir: Path, budget_s: float, only: list[str] | None = None,
 
 
 def _short(name: str, f: dict[str, Any]) -> str:
-    return (f"{name}={f['value']:g} {f['unit']}" if f["value"] is not None
-            else f"{name}=null ({f['reason'][:120]})")
+    return (
+        f"{name}={f['value']:g} {f['unit']}"
+        if f["value"] is not None
+        else f"{name}=null ({f['reason'][:120]})"
+    )
 
 
 def say(text: str) -> None:
@@ -335,8 +392,9 @@ def write_outputs(out_dir: Path, doc: dict[str, Any], work: Path, step_names: li
                 continue
             data = path.read_bytes()
             cut = len(data) > LOG_TAIL_BYTES
-            log.write(f"===== {name}" + (f" (last {LOG_TAIL_BYTES} bytes)" if cut else "")
-                      + " =====\n")
+            log.write(
+                f"===== {name}" + (f" (last {LOG_TAIL_BYTES} bytes)" if cut else "") + " =====\n"
+            )
             log.write(data[-LOG_TAIL_BYTES:].decode(errors="replace") + "\n")
     report = work / "accept_delivery.report.json"
     if report.exists():
@@ -348,10 +406,14 @@ def machine_line(machine: dict[str, Any]) -> str:
         return f"unknown ({machine['error']})"
     gpu = machine.get("gpu") or f"no GPU ({machine.get('gpu_reason', 'nvidia-smi: unknown')})"
     count = machine.get("gpu_count")
-    parts = [f"{gpu}" + (f" x {count}" if count and count > 1 else ""),
-             f"driver {machine.get('driver') or 'none'}", f"CUDA {machine.get('cuda') or 'none'}",
-             f"torch {machine.get('torch') or 'none'}", f"Python {machine.get('python')}",
-             f"host {machine.get('hostname')}"]
+    parts = [
+        f"{gpu}" + (f" x {count}" if count and count > 1 else ""),
+        f"driver {machine.get('driver') or 'none'}",
+        f"CUDA {machine.get('cuda') or 'none'}",
+        f"torch {machine.get('torch') or 'none'}",
+        f"Python {machine.get('python')}",
+        f"host {machine.get('hostname')}",
+    ]
     return ", ".join(parts)
 
 
@@ -362,19 +424,23 @@ def _cell(text: Any) -> str:
 def render_markdown(doc: dict[str, Any]) -> str:
     """figures.md: the machine, the date, the commands and one row per figure."""
     lines = [
-        "### GPU proof (`make gpu-validate`)", "",
+        "### GPU proof (`make gpu-validate`)",
+        "",
         f"- machine: {machine_line(doc['machine'])}",
         f"- date: {doc['date']}; {doc['duration_s']:g} s in all (budget {doc['budget_s']:g} s)",
         "- command: `make gpu-validate` (scripts/gpu-validate, then bench/gpu_validate.py) "
         "from the work tree, nothing installed; on a host without network access see "
-        "README.md, \"The GPU proof\"", "",
-        "| figure | value | unit | measured with | note |", "|---|---|---|---|---|",
+        'README.md, "The GPU proof"',
+        "",
+        "| figure | value | unit | measured with | note |",
+        "|---|---|---|---|---|",
     ]
     for name, f in doc["figures"].items():
         value = f"{f['value']:g}" if f["value"] is not None else "null"
         note = f["reason"] if f["value"] is None else f.get("detail", "")
-        lines.append(f"| `{name}` | {value} | {_cell(f['unit'])} | `{_cell(f['command'])}` | "
-                     f"{_cell(note)} |")
+        lines.append(
+            f"| `{name}` | {value} | {_cell(f['unit'])} | `{_cell(f['command'])}` | {_cell(note)} |"
+        )
     lines += ["", "| step | outcome | seconds | time box (s) |", "|---|---|---|---|"]
     for s in doc["steps"]:
         box = f"{s['box_s']:g}" if s["box_s"] is not None else "-"
@@ -391,7 +457,7 @@ def fill_doc(path: Path, markdown: str) -> bool:
     start, end = text.find(DOC_BEGIN), text.find(DOC_END)
     if start < 0 or end < start:
         return False
-    path.write_text(text[:start + len(DOC_BEGIN)] + "\n" + markdown + text[end:])
+    path.write_text(text[: start + len(DOC_BEGIN)] + "\n" + markdown + text[end:])
     return True
 
 
@@ -414,19 +480,36 @@ def child_main(name: str, result: Path, box_s: float) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(REPO / "out" / "gpu-validate"),
-                    help="where figures.json, figures.md and log.txt go")
-    ap.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
-                    help=f"the steps' whole time budget (default {DEFAULT_BUDGET_S:g} s)")
+    ap.add_argument(
+        "--out",
+        default=str(REPO / "out" / "gpu-validate"),
+        help="where figures.json, figures.md and log.txt go",
+    )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=DEFAULT_BUDGET_S,
+        help=f"the steps' whole time budget (default {DEFAULT_BUDGET_S:g} s)",
+    )
     ap.add_argument("--only", help=f"steps to run: {','.join(STEP_BY_NAME)}")
-    ap.add_argument("--doc", help="also fill the section between the gpu-validate markers of "
-                                  "this Markdown file (e.g. docs/benchmarks.md)")
-    ap.add_argument("--from", dest="from_json", metavar="FIGURES_JSON",
-                    help="measure nothing: print the table of a figures.json (one fetched from "
-                         "a GPU host) and, with --doc, fill that file from it")
-    ap.add_argument("--ignore-needs", action="store_true",
-                    help="run every step even where the probe found no GPU (a check of the "
-                         "harness itself: the figures then say how each step fails)")
+    ap.add_argument(
+        "--doc",
+        help="also fill the section between the gpu-validate markers of "
+        "this Markdown file (e.g. docs/benchmarks.md)",
+    )
+    ap.add_argument(
+        "--from",
+        dest="from_json",
+        metavar="FIGURES_JSON",
+        help="measure nothing: print the table of a figures.json (one fetched from "
+        "a GPU host) and, with --doc, fill that file from it",
+    )
+    ap.add_argument(
+        "--ignore-needs",
+        action="store_true",
+        help="run every step even where the probe found no GPU (a check of the "
+        "harness itself: the figures then say how each step fails)",
+    )
     ap.add_argument("--run-step", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--box-s", type=float, default=60.0, help=argparse.SUPPRESS)
@@ -440,8 +523,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--from {args.from_json}: cannot read it as JSON: {err}")
         problems = check_figures(doc.get("figures", {})) if isinstance(doc, dict) else ["?"]
         if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or problems:
-            ap.error(f"--from {args.from_json}: not a {SCHEMA} document"
-                     + (f" ({'; '.join(problems[:3])})" if problems else ""))
+            ap.error(
+                f"--from {args.from_json}: not a {SCHEMA} document"
+                + (f" ({'; '.join(problems[:3])})" if problems else "")
+            )
         print(render_markdown(doc), end="")
         if args.doc and not fill_doc(Path(args.doc), render_markdown(doc)):
             ap.error(f"--doc {args.doc}: no {DOC_BEGIN} ... {DOC_END} markers in it")
@@ -451,12 +536,15 @@ def main(argv: list[str] | None = None) -> int:
         only = [s for s in args.only.split(",") if s]
         unknown = [s for s in only if s not in STEP_BY_NAME]
         if unknown:
-            ap.error(f"--only: unknown step(s) {', '.join(unknown)}; "
-                     f"steps: {', '.join(STEP_BY_NAME)}")
+            ap.error(
+                f"--only: unknown step(s) {', '.join(unknown)}; steps: {', '.join(STEP_BY_NAME)}"
+            )
     doc = run_all(Path(args.out), args.budget_s, only, args.ignore_needs)
     filled = sum(1 for f in doc["figures"].values() if f["value"] is not None)
-    say(f"gpu-validate: {filled} of {len(doc['figures'])} figures measured in "
-        f"{doc['duration_s']:g} s; {args.out}/figures.json, figures.md, log.txt")
+    say(
+        f"gpu-validate: {filled} of {len(doc['figures'])} figures measured in "
+        f"{doc['duration_s']:g} s; {args.out}/figures.json, figures.md, log.txt"
+    )
     if filled == 0:
         reasons = sorted({f["reason"] for f in doc["figures"].values()})
         say("  every figure is null; reasons: " + " | ".join(reasons[:4]))

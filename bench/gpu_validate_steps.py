@@ -32,15 +32,26 @@ PY = "python3"  # how commands are written in the figures (the GPU image's inter
 
 #: figure -> unit, in the order of the table
 UNITS = {
-    "nvml_contract": "tests passed", "pytest_gpu": "tests passed",
-    "burn_tflops_bf16": "TFLOP/s", "burn_tflops_fp16": "TFLOP/s",
-    "burn_tflops_tf32": "TFLOP/s", "burn_tflops_fp8": "TFLOP/s",
-    "burn_vs_plain_matmul": "ratio", "burn_vs_plain_matmul_bf16": "ratio",
-    "burn_vs_plain_matmul_fp16": "ratio", "burn_vs_plain_matmul_tf32": "ratio",
-    "burn_vs_plain_matmul_fp32": "ratio", "burn_vs_plain_matmul_fp8": "ratio",
-    "hbm_gbps": "GB/s", "pcie_h2d_gbps": "GB/s",
-    "pcie_d2h_gbps": "GB/s", "sdc_probe_overhead_pct": "%", "sdc_sm_coverage": "share of SMs",
-    "accept_delivery_s": "s", "daemon_rss_mb": "MiB", "daemon_cpu_pct": "% of one core",
+    "nvml_contract": "tests passed",
+    "pytest_gpu": "tests passed",
+    "burn_tflops_bf16": "TFLOP/s",
+    "burn_tflops_fp16": "TFLOP/s",
+    "burn_tflops_tf32": "TFLOP/s",
+    "burn_tflops_fp8": "TFLOP/s",
+    "burn_vs_plain_matmul": "ratio",
+    "burn_vs_plain_matmul_bf16": "ratio",
+    "burn_vs_plain_matmul_fp16": "ratio",
+    "burn_vs_plain_matmul_tf32": "ratio",
+    "burn_vs_plain_matmul_fp32": "ratio",
+    "burn_vs_plain_matmul_fp8": "ratio",
+    "hbm_gbps": "GB/s",
+    "pcie_h2d_gbps": "GB/s",
+    "pcie_d2h_gbps": "GB/s",
+    "sdc_probe_overhead_pct": "%",
+    "sdc_sm_coverage": "share of SMs",
+    "accept_delivery_s": "s",
+    "daemon_rss_mb": "MiB",
+    "daemon_cpu_pct": "% of one core",
 }
 BURN_PRECISIONS = ("bf16", "fp16", "tf32", "fp8")
 #: the burn: n of the n x n GEMMs (the delivery suite's), seconds per precision
@@ -68,57 +79,118 @@ DELIVERY_OVERRIDES: dict[str, dict[str, Any]] = {
 class Step:
     name: str
     figures: tuple[str, ...]
-    needs: tuple[str, ...]   # "nvml" (a driver NVML answers on), "cuda" (torch sees a GPU)
-    timeout_s: float         # its time box when the budget allows
-    min_s: float             # below this it is not started (and later steps keep this much)
-    command: str             # what the figures say was run
+    needs: tuple[str, ...]  # "nvml" (a driver NVML answers on), "cuda" (torch sees a GPU)
+    timeout_s: float  # its time box when the budget allows
+    min_s: float  # below this it is not started (and later steps keep this much)
+    command: str  # what the figures say was run
 
 
 STEPS = (
-    Step("nvml_contract", ("nvml_contract",), ("nvml",), 60, 20,
-         f"{PY} -m pytest -q -p no:cacheprovider tests/unit/test_backend_contract.py"),
-    Step("pytest_gpu", ("pytest_gpu",), ("nvml", "cuda"), 150, 30,
-         f"{PY} -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors tests"),
-    Step("burn", tuple(f"burn_tflops_{p}" for p in BURN_PRECISIONS), ("cuda",), 90, 30,
-         f"{PY} bench/gpu_validate.py --only burn  # run_burn, n={BURN_SIZE}, "
-         f"{BURN_S_PER_PRECISION:g} s per precision"),
-    Step("burn_vs_plain", ("burn_vs_plain_matmul",)
-         + tuple(f"burn_vs_plain_matmul_{p}" for p in VS_PLAIN_PRECISIONS), ("cuda",), 110, 30,
-         f"{PY} bench/gpu_validate.py --only burn_vs_plain  # BurnEngine vs torch.matmul, "
-         f"{','.join(VS_PLAIN_PRECISIONS)} n={BURN_SIZE}, {VS_PLAIN_PAIRS} x "
-         f"{VS_PLAIN_BLOCK_S:g} s pairs each"),
-    Step("bandwidth", ("hbm_gbps", "pcie_h2d_gbps", "pcie_d2h_gbps"), ("nvml", "cuda"), 90, 25,
-         "node-agent accept --only hbm_bandwidth,pcie_bandwidth --json"),
-    Step("sdc_sm_coverage", ("sdc_sm_coverage",), ("cuda",), 60, 15,
-         f"{PY} bench/gpu_validate.py --only sdc_sm_coverage  # {SDC_MODULE}"),
-    Step("sdc_overhead", ("sdc_probe_overhead_pct",), ("cuda",), 90, 30,
-         f"{PY} bench/gpu_validate.py --only sdc_overhead  # {SDC_MODULE}"),
-    Step("accept_delivery", ("accept_delivery_s",), ("nvml", "cuda"), 180, 60,
-         "node-agent accept --suite <delivery, durations shortened> --json"),
-    Step("daemon", ("daemon_rss_mb", "daemon_cpu_pct"), ("nvml",), 90, 75,
-         f"node-agent daemon for {DAEMON_WINDOW_S:g} s on real NVML (psutil: RSS, own CPU time)"),
+    Step(
+        "nvml_contract",
+        ("nvml_contract",),
+        ("nvml",),
+        60,
+        20,
+        f"{PY} -m pytest -q -p no:cacheprovider tests/unit/test_backend_contract.py",
+    ),
+    Step(
+        "pytest_gpu",
+        ("pytest_gpu",),
+        ("nvml", "cuda"),
+        150,
+        30,
+        f"{PY} -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors tests",
+    ),
+    Step(
+        "burn",
+        tuple(f"burn_tflops_{p}" for p in BURN_PRECISIONS),
+        ("cuda",),
+        90,
+        30,
+        f"{PY} bench/gpu_validate.py --only burn  # run_burn, n={BURN_SIZE}, "
+        f"{BURN_S_PER_PRECISION:g} s per precision",
+    ),
+    Step(
+        "burn_vs_plain",
+        ("burn_vs_plain_matmul",) + tuple(f"burn_vs_plain_matmul_{p}" for p in VS_PLAIN_PRECISIONS),
+        ("cuda",),
+        110,
+        30,
+        f"{PY} bench/gpu_validate.py --only burn_vs_plain  # BurnEngine vs torch.matmul, "
+        f"{','.join(VS_PLAIN_PRECISIONS)} n={BURN_SIZE}, {VS_PLAIN_PAIRS} x "
+        f"{VS_PLAIN_BLOCK_S:g} s pairs each",
+    ),
+    Step(
+        "bandwidth",
+        ("hbm_gbps", "pcie_h2d_gbps", "pcie_d2h_gbps"),
+        ("nvml", "cuda"),
+        90,
+        25,
+        "node-agent accept --only hbm_bandwidth,pcie_bandwidth --json",
+    ),
+    Step(
+        "sdc_sm_coverage",
+        ("sdc_sm_coverage",),
+        ("cuda",),
+        60,
+        15,
+        f"{PY} bench/gpu_validate.py --only sdc_sm_coverage  # {SDC_MODULE}",
+    ),
+    Step(
+        "sdc_overhead",
+        ("sdc_probe_overhead_pct",),
+        ("cuda",),
+        90,
+        30,
+        f"{PY} bench/gpu_validate.py --only sdc_overhead  # {SDC_MODULE}",
+    ),
+    Step(
+        "accept_delivery",
+        ("accept_delivery_s",),
+        ("nvml", "cuda"),
+        180,
+        60,
+        "node-agent accept --suite <delivery, durations shortened> --json",
+    ),
+    Step(
+        "daemon",
+        ("daemon_rss_mb", "daemon_cpu_pct"),
+        ("nvml",),
+        90,
+        75,
+        f"node-agent daemon for {DAEMON_WINDOW_S:g} s on real NVML (psutil: RSS, own CPU time)",
+    ),
 )
 STEP_BY_NAME = {s.name: s for s in STEPS}
-
 
 
 # -- figures -----------------------------------------------------------------------------------
 
 
-def figure(name: str, value: float | None, reason: str | None = None, command: str = "",
-           detail: str | None = None, **extra: Any) -> dict[str, Any]:
+def figure(
+    name: str,
+    value: float | None,
+    reason: str | None = None,
+    command: str = "",
+    detail: str | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
     """One figure; a null value must carry its reason, a number none."""
     if value is not None and not isinstance(value, int):
         value = float(f"{float(value):.6g}")
     elif value is None and not reason:
         reason = "no value was measured and no reason was given (a bug in bench/gpu_validate.py)"
-    out = {"value": value, "unit": UNITS[name], "reason": reason if value is None else None,
-           "command": command}
+    out = {
+        "value": value,
+        "unit": UNITS[name],
+        "reason": reason if value is None else None,
+        "command": command,
+    }
     if detail:
         out["detail"] = detail
     out.update(extra)
     return out
-
 
 
 # -- the children: one function per step -------------------------------------------------------
@@ -127,8 +199,10 @@ def figure(name: str, value: float | None, reason: str | None = None, command: s
 def step_probe(box_s: float) -> dict[str, Any]:
     """needs: {"nvml": reason or None, "cuda": reason or None}; machine: what nvidia-smi,
     NVML and torch say (name, driver, CUDA)."""
-    machine: dict[str, Any] = {"hostname": socket.gethostname(),
-                               "python": platform.python_version()}
+    machine: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "python": platform.python_version(),
+    }
     machine.update(_nvidia_smi())
     needs: dict[str, Any] = {"nvml": None, "cuda": None}
     try:
@@ -157,8 +231,9 @@ def step_probe(box_s: float) -> dict[str, Any]:
         if torch.version.cuda is None:
             needs["cuda"] = f"torch {torch.__version__} is a CPU-only build: it cannot use CUDA"
         elif not torch.cuda.is_available():
-            needs["cuda"] = (f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no "
-                             "CUDA device")
+            needs["cuda"] = (
+                f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device"
+            )
         else:
             props = torch.cuda.get_device_properties(0)
             machine.setdefault("gpu", props.name)
@@ -172,8 +247,12 @@ def _nvidia_smi() -> dict[str, Any]:
     if smi is None:
         return {"gpu_reason": "nvidia-smi not found"}
     try:
-        q = subprocess.run([smi, "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=20)
+        q = subprocess.run(
+            [smi, "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         header = subprocess.run([smi], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired) as err:
         return {"gpu_reason": f"nvidia-smi failed: {err}"}
@@ -221,38 +300,59 @@ def _case_outcomes(junit_xml: Path) -> dict[str, str]:
 
 def _uncollected(junit_xml: Path) -> list[str]:
     """Test modules pytest could not collect (junitxml: an ``error`` "collection failure")."""
-    return [case.get("name", "?") for case in ET.parse(junit_xml).getroot().iter("testcase")
-            if any(el.get("message") == "collection failure" for el in case.findall("error"))]
+    return [
+        case.get("name", "?")
+        for case in ET.parse(junit_xml).getroot().iter("testcase")
+        if any(el.get("message") == "collection failure" for el in case.findall("error"))
+    ]
 
 
-def _pytest_figure(name: str, command: str, args: list[str], box_s: float,
-                   note: Callable[[dict[str, str]], str] | None = None) -> dict[str, Any]:
+def _pytest_figure(
+    name: str,
+    command: str,
+    args: list[str],
+    box_s: float,
+    note: Callable[[dict[str, str]], str] | None = None,
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
-        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                f"--junitxml={junit}", *args]
+        argv = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={junit}",
+            *args,
+        ]
         try:
             proc = subprocess.run(argv, cwd=REPO, timeout=max(5.0, box_s - 10))
         except subprocess.TimeoutExpired:
-            return figure(name, None, f"pytest did not finish within {box_s - 10:.0f} s",
-                          command)
+            return figure(name, None, f"pytest did not finish within {box_s - 10:.0f} s", command)
         if not junit.exists():
-            return figure(name, None, f"pytest exited {proc.returncode} without a report",
-                          command)
+            return figure(name, None, f"pytest exited {proc.returncode} without a report", command)
         counts = pytest_counts(junit)
         cases = _case_outcomes(junit)
         uncollected = _uncollected(junit)
-    detail = (f"{counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors, "
-              f"{counts['skipped']} skipped of {counts['tests']} (pytest exit {proc.returncode})")
+    detail = (
+        f"{counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors, "
+        f"{counts['skipped']} skipped of {counts['tests']} (pytest exit {proc.returncode})"
+    )
     bad = [f"{n}: {o}" for n, o in cases.items() if o.startswith("failed")]
     if bad:
         detail += "; " + "; ".join(bad[:5])
     if note:
         detail += note(cases)
     if uncollected:  # their tests never ran: a count of the rest would pass for the whole
-        return figure(name, None, f"{len(uncollected)} test module(s) could not be collected "
-                      f"({', '.join(uncollected[:5])}), so their tests never ran; {detail}",
-                      command, counts=counts)
+        return figure(
+            name,
+            None,
+            f"{len(uncollected)} test module(s) could not be collected "
+            f"({', '.join(uncollected[:5])}), so their tests never ran; {detail}",
+            command,
+            counts=counts,
+        )
     return figure(name, counts["passed"], None, command, detail, counts=counts)
 
 
@@ -262,27 +362,46 @@ def step_nvml_contract(box_s: float) -> dict[str, Any]:
         return f"; the real-NVML contract test: {real or 'not collected'}"
 
     step = STEP_BY_NAME["nvml_contract"]
-    return {"nvml_contract": _pytest_figure("nvml_contract", step.command,
-                                            ["tests/unit/test_backend_contract.py"], box_s, note)}
+    return {
+        "nvml_contract": _pytest_figure(
+            "nvml_contract", step.command, ["tests/unit/test_backend_contract.py"], box_s, note
+        )
+    }
 
 
 def step_pytest_gpu(box_s: float) -> dict[str, Any]:
     step = STEP_BY_NAME["pytest_gpu"]
-    return {"pytest_gpu": _pytest_figure("pytest_gpu", step.command,
-                                         ["-m", "gpu", "--continue-on-collection-errors",
-                                          "tests"], box_s)}
+    return {
+        "pytest_gpu": _pytest_figure(
+            "pytest_gpu",
+            step.command,
+            ["-m", "gpu", "--continue-on-collection-errors", "tests"],
+            box_s,
+        )
+    }
 
 
-def burn_figures(spec: Any, size: int = BURN_SIZE, seconds_each: float = BURN_S_PER_PRECISION,
-                 deadline_s: float = 80.0, precisions: tuple[str, ...] = BURN_PRECISIONS,
-                 command: str = "") -> dict[str, Any]:
+def burn_figures(
+    spec: Any,
+    size: int = BURN_SIZE,
+    seconds_each: float = BURN_S_PER_PRECISION,
+    deadline_s: float = 80.0,
+    precisions: tuple[str, ...] = BURN_PRECISIONS,
+    command: str = "",
+) -> dict[str, Any]:
     """burn_tflops_<precision>: the median 1-s sample of node_agent.compute.burn.run_burn on
     ``spec``'s device (every product in 8 verified, as the gpu_burn check runs it)."""
     from node_agent.compute.burn import BurnPlan, run_burn
 
-    plan = BurnPlan(size=size, duration_s=seconds_each * len(precisions), precisions=precisions,
-                    sample_s=min(1.0, seconds_each / 4), verify_every=8, stall_s=30.0,
-                    startup_timeout_s=max(10.0, deadline_s / 2))
+    plan = BurnPlan(
+        size=size,
+        duration_s=seconds_each * len(precisions),
+        precisions=precisions,
+        sample_s=min(1.0, seconds_each / 4),
+        verify_every=8,
+        stall_s=30.0,
+        startup_timeout_s=max(10.0, deadline_s / 2),
+    )
     out = run_burn([spec], plan, backend=None, sample_interval_s=1.0, deadline_s=deadline_s)
     worker = out.workers[spec.index]
     figures = {}
@@ -292,18 +411,22 @@ def burn_figures(spec: Any, size: int = BURN_SIZE, seconds_each: float = BURN_S_
         if p in out.skipped:
             figures[name] = figure(name, None, f"not run: {out.skipped[p]}", command)
         elif worker.failure:
-            figures[name] = figure(name, None, f"{worker.failure}: {worker.failure_detail}",
-                                   command)
+            figures[name] = figure(
+                name, None, f"{worker.failure}: {worker.failure_detail}", command
+            )
         elif not samples:
-            figures[name] = figure(name, None, "the burn produced no sample of this precision",
-                                   command)
+            figures[name] = figure(
+                name, None, "the burn produced no sample of this precision", command
+            )
         else:
             wrong = sum(s.wrong for s in samples)
             tflops = [s.tflops for s in samples]
-            detail = (f"median of {len(samples)} samples (min {min(tflops):.4g}, max "
-                      f"{max(tflops):.4g}), n={size}, {sum(s.verified for s in samples)} "
-                      f"products verified (Freivalds), {wrong} wrong elements; "
-                      f"{worker.info.get('cuda_name') or worker.info.get('device')}")
+            detail = (
+                f"median of {len(samples)} samples (min {min(tflops):.4g}, max "
+                f"{max(tflops):.4g}), n={size}, {sum(s.verified for s in samples)} "
+                f"products verified (Freivalds), {wrong} wrong elements; "
+                f"{worker.info.get('cuda_name') or worker.info.get('device')}"
+            )
             figures[name] = figure(name, worker.median_tflops(p), None, command, detail)
     return figures
 
@@ -311,15 +434,19 @@ def burn_figures(spec: Any, size: int = BURN_SIZE, seconds_each: float = BURN_S_
 def step_burn(box_s: float) -> dict[str, Any]:
     from node_agent.compute.devices import ComputeSpec
 
-    return burn_figures(ComputeSpec(0), deadline_s=box_s - 10,
-                        command=STEP_BY_NAME["burn"].command)
+    return burn_figures(ComputeSpec(0), deadline_s=box_s - 10, command=STEP_BY_NAME["burn"].command)
 
 
-def burn_vs_plain(device: str = "cuda:0", precision: str | None = None,
-                  size: int = BURN_SIZE, block_s: float = VS_PLAIN_BLOCK_S,
-                  pairs: int = VS_PLAIN_PAIRS, command: str = "",
-                  precisions: tuple[str, ...] = VS_PLAIN_PRECISIONS,
-                  deadline_s: float | None = None) -> dict[str, Any]:
+def burn_vs_plain(
+    device: str = "cuda:0",
+    precision: str | None = None,
+    size: int = BURN_SIZE,
+    block_s: float = VS_PLAIN_BLOCK_S,
+    pairs: int = VS_PLAIN_PAIRS,
+    command: str = "",
+    precisions: tuple[str, ...] = VS_PLAIN_PRECISIONS,
+    deadline_s: float | None = None,
+) -> dict[str, Any]:
     """burn_vs_plain_matmul_<precision>: the burn engine's TFLOP/s over a bare torch.matmul
     loop's, per precision (``precision`` alone when given), on the same inputs (the engine's
     own A and B), kernel and numerics, alternating blocks in one process (the order flips every
@@ -352,35 +479,57 @@ def burn_vs_plain(device: str = "cuda:0", precision: str | None = None,
             continue
         need_s = 2 * pairs * block_s + 2.0
         if deadline_s is not None and time.monotonic() - began + need_s > deadline_s:
-            figures[name] = figure(name, None, f"not run: the step's time box ({deadline_s:g} s) "
-                                   f"left too little for {pairs} pairs of {block_s:g} s", command)
+            figures[name] = figure(
+                name,
+                None,
+                f"not run: the step's time box ({deadline_s:g} s) "
+                f"left too little for {pairs} pairs of {block_s:g} s",
+                command,
+            )
             continue
         ours, plain = _burn_and_plain(engine, cdev, p, block_s, pairs, numerics)
         ratios = [a / b for a, b in zip(ours, plain, strict=True)]
         measured[p] = statistics.median(ratios)
-        figures[name] = figure(name, measured[p], None, command, (
-            f"{p} n={size}: burn engine median {statistics.median(ours):.4g} TFLOP/s, plain "
-            f"matmul median {statistics.median(plain):.4g} TFLOP/s; per-pair ratios "
-            f"{', '.join(f'{r:.3f}' for r in ratios)} ({pairs} pairs of {block_s:g} s, order "
-            f"alternating; the engine verifies 1 product in {plan.verify_every}); device "
-            f"{cdev.device}"))
+        figures[name] = figure(
+            name,
+            measured[p],
+            None,
+            command,
+            (
+                f"{p} n={size}: burn engine median {statistics.median(ours):.4g} TFLOP/s, plain "
+                f"matmul median {statistics.median(plain):.4g} TFLOP/s; per-pair ratios "
+                f"{', '.join(f'{r:.3f}' for r in ratios)} ({pairs} pairs of {block_s:g} s, order "
+                f"alternating; the engine verifies 1 product in {plan.verify_every}); device "
+                f"{cdev.device}"
+            ),
+        )
         details.append(f"{p} {measured[p]:.3f}")
     if measured:
         worst = min(measured, key=lambda p: measured[p])
         figures["burn_vs_plain_matmul"] = figure(
-            "burn_vs_plain_matmul", measured[worst], None, command,
-            f"the lowest precision's ratio ({worst}); " + ", ".join(details) + "; "
-            + str(figures[f"burn_vs_plain_matmul_{worst}"]["detail"]))
+            "burn_vs_plain_matmul",
+            measured[worst],
+            None,
+            command,
+            f"the lowest precision's ratio ({worst}); "
+            + ", ".join(details)
+            + "; "
+            + str(figures[f"burn_vs_plain_matmul_{worst}"]["detail"]),
+        )
     else:
         figures["burn_vs_plain_matmul"] = figure(
-            "burn_vs_plain_matmul", None, "no precision was measured: " + "; ".join(
-                f"{p}: {figures[f'burn_vs_plain_matmul_{p}']['reason']}" for p in wanted),
-            command)
+            "burn_vs_plain_matmul",
+            None,
+            "no precision was measured: "
+            + "; ".join(f"{p}: {figures[f'burn_vs_plain_matmul_{p}']['reason']}" for p in wanted),
+            command,
+        )
     return figures
 
 
-def _burn_and_plain(engine: Any, cdev: Any, precision: str, block_s: float, pairs: int,
-                    numerics: Any) -> tuple[list[float], list[float]]:
+def _burn_and_plain(
+    engine: Any, cdev: Any, precision: str, block_s: float, pairs: int, numerics: Any
+) -> tuple[list[float], list[float]]:
     """TFLOP/s of the engine's blocks and of the plain loop's, ``pairs`` of each, alternating."""
     job = engine.jobs[precision]
     m, k = job.a.shape
@@ -448,19 +597,24 @@ def _result(report: dict[str, Any], check: str, metric: str) -> dict[str, Any] |
 def bandwidth_figures(report: dict[str, Any], command: str) -> dict[str, Any]:
     """hbm_gbps, pcie_h2d_gbps, pcie_d2h_gbps from a report of the agent's own checks."""
     figures = {}
-    for name, check, metric in (("hbm_gbps", "hbm_bandwidth", "copy_gbps"),
-                                ("pcie_h2d_gbps", "pcie_bandwidth", "h2d_gbps"),
-                                ("pcie_d2h_gbps", "pcie_bandwidth", "d2h_gbps")):
+    for name, check, metric in (
+        ("hbm_gbps", "hbm_bandwidth", "copy_gbps"),
+        ("pcie_h2d_gbps", "pcie_bandwidth", "h2d_gbps"),
+        ("pcie_d2h_gbps", "pcie_bandwidth", "d2h_gbps"),
+    ):
         r = _result(report, check, metric)
         if r is None:
-            figures[name] = figure(name, None, f"the report has no {check} {metric} result "
-                                               "for gpu:0", command)
+            figures[name] = figure(
+                name, None, f"the report has no {check} {metric} result for gpu:0", command
+            )
         elif r.get("value") is None:
             figures[name] = figure(name, None, f"{check} {r['status']}: {r['detail']}", command)
         else:
             ev = r.get("evidence", {})
-            detail = (f"{check} {metric} ({r['status']}): p90 of {ev.get('reps')} copies, "
-                      f"median {ev.get('median_gbps')}, {ev.get('size_bytes')} B; {r['detail']}")
+            detail = (
+                f"{check} {metric} ({r['status']}): p90 of {ev.get('reps')} copies, "
+                f"median {ev.get('median_gbps')}, {ev.get('size_bytes')} B; {r['detail']}"
+            )
             figures[name] = figure(name, r["value"], None, command, detail)
     return figures
 
@@ -468,14 +622,25 @@ def bandwidth_figures(report: dict[str, Any], command: str) -> dict[str, Any]:
 def step_bandwidth(box_s: float) -> dict[str, Any]:
     command = STEP_BY_NAME["bandwidth"].command
     with tempfile.TemporaryDirectory() as tmp:
-        proc = _agent(["accept", "--only", "hbm_bandwidth,pcie_bandwidth", "--json", "--out",
-                       str(Path(tmp) / "reports")], box_s - 10, Path(tmp))
+        proc = _agent(
+            [
+                "accept",
+                "--only",
+                "hbm_bandwidth,pcie_bandwidth",
+                "--json",
+                "--out",
+                str(Path(tmp) / "reports"),
+            ],
+            box_s - 10,
+            Path(tmp),
+        )
     try:
         report = json.loads(proc.stdout)
     except ValueError:
         why = f"node-agent accept exited {proc.returncode}: {_tail(proc.stderr)}"
-        return {n: figure(n, None, why, command) for n in ("hbm_gbps", "pcie_h2d_gbps",
-                                                            "pcie_d2h_gbps")}
+        return {
+            n: figure(n, None, why, command) for n in ("hbm_gbps", "pcie_h2d_gbps", "pcie_d2h_gbps")
+        }
     return bandwidth_figures(report, command)
 
 
@@ -507,8 +672,10 @@ def step_sdc_sm_coverage(box_s: float) -> dict[str, Any]:
     if fn is None:
         return {name: figure(name, None, why, command)}
     cov = fn()
-    detail = (f"{cov.sms_reached} of {cov.sm_count} SMs ran at least one tile of "
-              f"{cov.blocks} blocks ({cov.method})" + (f"; {cov.why}" if cov.why else ""))
+    detail = (
+        f"{cov.sms_reached} of {cov.sm_count} SMs ran at least one tile of "
+        f"{cov.blocks} blocks ({cov.method})" + (f"; {cov.why}" if cov.why else "")
+    )
     return {name: figure(name, cov.value, None, command, detail)}
 
 
@@ -523,15 +690,24 @@ def step_sdc_overhead(box_s: float) -> dict[str, Any]:
     o = fn()
     budget_pct = 100 * o.budget_fraction
     if o.probes_run == 0:  # two identical loops: the "overhead" would be their noise
-        return {name: figure(name, None, (
-            f"no probe ran: {o.pairs} pairs of {o.steps_per_block} steps of {o.step_ms_on:.3f} "
-            f"ms gave the {budget_pct:g} % budget too little time to buy one; {o.device}"),
-            command)}
-    detail = (f"median over {o.pairs} off/on pairs of {o.steps_per_block} steps: "
-              f"{o.step_ms_off:.3f} ms/step without, {o.step_ms_on:.3f} ms with; the probe's own "
-              f"cost {o.probe_share_percent:.3f} % of the time it ran ({o.probes_run} probes), "
-              + ("within" if o.within_budget else "OVER")
-              + f" its {budget_pct:g} % budget; verdicts {o.verdicts}; {o.device}")
+        return {
+            name: figure(
+                name,
+                None,
+                (
+                    f"no probe ran: {o.pairs} pairs of {o.steps_per_block} steps of {o.step_ms_on:.3f} "
+                    f"ms gave the {budget_pct:g} % budget too little time to buy one; {o.device}"
+                ),
+                command,
+            )
+        }
+    detail = (
+        f"median over {o.pairs} off/on pairs of {o.steps_per_block} steps: "
+        f"{o.step_ms_off:.3f} ms/step without, {o.step_ms_on:.3f} ms with; the probe's own "
+        f"cost {o.probe_share_percent:.3f} % of the time it ran ({o.probes_run} probes), "
+        + ("within" if o.within_budget else "OVER")
+        + f" its {budget_pct:g} % budget; verdicts {o.verdicts}; {o.device}"
+    )
     return {name: figure(name, o.percent, None, command, detail)}
 
 
@@ -544,8 +720,10 @@ def delivery_suite(path: Path) -> dict[str, Any]:
         extra = DELIVERY_OVERRIDES.get(check["check"])
         if extra:
             check["params"] = {**(check.get("params") or {}), **extra}
-    suite["description"] = ("the delivery suite with durations shortened for "
-                            "bench/gpu_validate.py: " + json.dumps(DELIVERY_OVERRIDES))
+    suite["description"] = (
+        "the delivery suite with durations shortened for "
+        "bench/gpu_validate.py: " + json.dumps(DELIVERY_OVERRIDES)
+    )
     path.write_text(yaml.safe_dump(suite, sort_keys=False))
     return suite
 
@@ -557,30 +735,53 @@ def step_accept_delivery(box_s: float) -> dict[str, Any]:
         delivery_suite(suite)
         t0 = time.monotonic()
         try:
-            proc = _agent(["accept", "--suite", str(suite), "--json", "--out",
-                           str(Path(tmp) / "reports")], box_s - 10, Path(tmp))
+            proc = _agent(
+                ["accept", "--suite", str(suite), "--json", "--out", str(Path(tmp) / "reports")],
+                box_s - 10,
+                Path(tmp),
+            )
         except subprocess.TimeoutExpired:
-            return {"accept_delivery_s": figure("accept_delivery_s", None, "node-agent accept "
-                                                f"did not finish within {box_s - 10:.0f} s",
-                                                command)}
+            return {
+                "accept_delivery_s": figure(
+                    "accept_delivery_s",
+                    None,
+                    f"node-agent accept did not finish within {box_s - 10:.0f} s",
+                    command,
+                )
+            }
         seconds = time.monotonic() - t0
     try:
         report = json.loads(proc.stdout)
     except ValueError:
-        return {"accept_delivery_s": figure(
-            "accept_delivery_s", None, f"node-agent accept exited {proc.returncode} without a "
-            f"report: {_tail(proc.stderr)}", command)}
-    (Path(os.environ.get("GPU_VALIDATE_WORK", tempfile.gettempdir()))
-     / "accept_delivery.report.json").write_text(json.dumps(report, indent=1))
+        return {
+            "accept_delivery_s": figure(
+                "accept_delivery_s",
+                None,
+                f"node-agent accept exited {proc.returncode} without a "
+                f"report: {_tail(proc.stderr)}",
+                command,
+            )
+        }
+    (
+        Path(os.environ.get("GPU_VALIDATE_WORK", tempfile.gettempdir()))
+        / "accept_delivery.report.json"
+    ).write_text(json.dumps(report, indent=1))
     statuses: dict[str, int] = {}
     for r in report["results"]:
         statuses[r["status"]] = statuses.get(r["status"], 0) + 1
-    not_clean = sorted({f"{r['check']} {r['status']}" for r in report["results"]
-                        if r["status"] in ("fail", "error")})
-    detail = (f"grade {report['grade']['level']} (exit {proc.returncode}); "
-              + ", ".join(f"{n} {s}" for s, n in sorted(statuses.items()))
-              + (f"; {', '.join(not_clean)}" if not_clean else "")
-              + f"; durations shortened: {json.dumps(DELIVERY_OVERRIDES)}")
+    not_clean = sorted(
+        {
+            f"{r['check']} {r['status']}"
+            for r in report["results"]
+            if r["status"] in ("fail", "error")
+        }
+    )
+    detail = (
+        f"grade {report['grade']['level']} (exit {proc.returncode}); "
+        + ", ".join(f"{n} {s}" for s, n in sorted(statuses.items()))
+        + (f"; {', '.join(not_clean)}" if not_clean else "")
+        + f"; durations shortened: {json.dumps(DELIVERY_OVERRIDES)}"
+    )
     return {"accept_delivery_s": figure("accept_delivery_s", seconds, None, command, detail)}
 
 
@@ -598,9 +799,13 @@ def _metrics(port: int) -> str:
         return ""
 
 
-def daemon_figures(box_s: float, window_s: float = DAEMON_WINDOW_S,
-                   simulate: str | None = None, command: str = "",
-                   start_timeout_s: float = 30.0) -> dict[str, Any]:
+def daemon_figures(
+    box_s: float,
+    window_s: float = DAEMON_WINDOW_S,
+    simulate: str | None = None,
+    command: str = "",
+    start_timeout_s: float = 30.0,
+) -> dict[str, Any]:
     """daemon_rss_mb (the largest RSS seen, sampled every second) and daemon_cpu_pct (its own
     CPU time over the window; the checks it runs in child processes are excluded, as in
     bench/bench_daemon.py) of ``node-agent daemon`` with the shipped periodic suite."""
@@ -610,10 +815,19 @@ def daemon_figures(box_s: float, window_s: float = DAEMON_WINDOW_S,
     with tempfile.TemporaryDirectory() as tmp:
         port = _free_port()
         config = Path(tmp) / "config.yaml"
-        config.write_text(f"state_dir: {Path(tmp) / 'state'}\ndaemon:\n"
-                          f"  listen: 127.0.0.1:{port}\n")
-        argv = [sys.executable, "-m", "node_agent.commands.main", "daemon", "--config",
-                str(config), "--log-level", "WARNING"]
+        config.write_text(
+            f"state_dir: {Path(tmp) / 'state'}\ndaemon:\n  listen: 127.0.0.1:{port}\n"
+        )
+        argv = [
+            sys.executable,
+            "-m",
+            "node_agent.commands.main",
+            "daemon",
+            "--config",
+            str(config),
+            "--log-level",
+            "WARNING",
+        ]
         if simulate:
             argv += ["--simulate", simulate]
         log = Path(tmp) / "daemon.log"
@@ -624,11 +838,15 @@ def daemon_figures(box_s: float, window_s: float = DAEMON_WINDOW_S,
             t_start = time.monotonic()
             while "node_agent_up" not in (text := _metrics(port)):
                 if proc.poll() is not None or time.monotonic() - t_start > start_timeout_s:
-                    why = (f"the daemon exited {proc.returncode}" if proc.poll() is not None
-                           else f"the daemon did not serve /metrics within "
-                                f"{start_timeout_s:g} s")
-                    return {n: figure(n, None, f"{why}: {_tail(log.read_text())}", command)
-                            for n in names}
+                    why = (
+                        f"the daemon exited {proc.returncode}"
+                        if proc.poll() is not None
+                        else f"the daemon did not serve /metrics within {start_timeout_s:g} s"
+                    )
+                    return {
+                        n: figure(n, None, f"{why}: {_tail(log.read_text())}", command)
+                        for n in names
+                    }
                 time.sleep(0.2)
             started_s = time.monotonic() - t_start
             window = max(5.0, min(window_s, box_s - started_s - 20))
@@ -651,17 +869,34 @@ def daemon_figures(box_s: float, window_s: float = DAEMON_WINDOW_S,
     own = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
     gpu_lines = sum(1 for ln in text.splitlines() if ln.startswith("node_agent_gpu_"))
     sim = 'simulated="true"' in text
-    note = (f"over {elapsed:.0f} s after a {started_s:.1f} s start"
-            + (f" (shortened from {window_s:g} s to fit the box)" if window < window_s else "")
-            + f"; {len(rss)} samples; /metrics had {gpu_lines} node_agent_gpu_ lines"
-            + (", SIMULATED" if sim else ", real NVML" if gpu_lines
-               else ", not simulated but no GPU on /metrics (no driver?)")
-            + ("" if alive else "; the daemon had exited by the end"))
+    note = (
+        f"over {elapsed:.0f} s after a {started_s:.1f} s start"
+        + (f" (shortened from {window_s:g} s to fit the box)" if window < window_s else "")
+        + f"; {len(rss)} samples; /metrics had {gpu_lines} node_agent_gpu_ lines"
+        + (
+            ", SIMULATED"
+            if sim
+            else ", real NVML"
+            if gpu_lines
+            else ", not simulated but no GPU on /metrics (no driver?)"
+        )
+        + ("" if alive else "; the daemon had exited by the end")
+    )
     return {
-        "daemon_rss_mb": figure("daemon_rss_mb", max(rss), None, command,
-                                f"max RSS; median {statistics.median(rss):.1f} MiB; {note}"),
-        "daemon_cpu_pct": figure("daemon_cpu_pct", 100.0 * own / elapsed, None, command,
-                                 f"own CPU time {own:.2f} s (children excluded); {note}"),
+        "daemon_rss_mb": figure(
+            "daemon_rss_mb",
+            max(rss),
+            None,
+            command,
+            f"max RSS; median {statistics.median(rss):.1f} MiB; {note}",
+        ),
+        "daemon_cpu_pct": figure(
+            "daemon_cpu_pct",
+            100.0 * own / elapsed,
+            None,
+            command,
+            f"own CPU time {own:.2f} s (children excluded); {note}",
+        ),
     }
 
 
@@ -670,8 +905,14 @@ def step_daemon(box_s: float) -> dict[str, Any]:
 
 
 STEP_FUNCTIONS: dict[str, Callable[[float], dict[str, Any]]] = {
-    "probe": step_probe, "nvml_contract": step_nvml_contract, "pytest_gpu": step_pytest_gpu,
-    "burn": step_burn, "burn_vs_plain": step_burn_vs_plain, "bandwidth": step_bandwidth,
-    "sdc_sm_coverage": step_sdc_sm_coverage, "sdc_overhead": step_sdc_overhead,
-    "accept_delivery": step_accept_delivery, "daemon": step_daemon,
+    "probe": step_probe,
+    "nvml_contract": step_nvml_contract,
+    "pytest_gpu": step_pytest_gpu,
+    "burn": step_burn,
+    "burn_vs_plain": step_burn_vs_plain,
+    "bandwidth": step_bandwidth,
+    "sdc_sm_coverage": step_sdc_sm_coverage,
+    "sdc_overhead": step_sdc_overhead,
+    "accept_delivery": step_accept_delivery,
+    "daemon": step_daemon,
 }

@@ -69,8 +69,9 @@ def create_private(path: Path, append: bool = False) -> int:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
             os.close(fd)
-            raise UnsafeDirectory(f"{path} is not a regular file of uid {os.geteuid()}; "
-                                  "not written (remove it)")
+            raise UnsafeDirectory(
+                f"{path} is not a regular file of uid {os.geteuid()}; not written (remove it)"
+            )
     return fd
 
 
@@ -78,13 +79,17 @@ def _check_parent(path: Path) -> None:
     parent = path.parent
     st = os.stat(parent)
     if st.st_uid not in (0, os.geteuid()):
-        raise UnsafeDirectory(f"{parent} (the parent of {path}) is owned by uid {st.st_uid}, "
-                              "who could replace the directory: choose a state_dir under a "
-                              "directory root owns (the default is /var/lib/node-agent)")
+        raise UnsafeDirectory(
+            f"{parent} (the parent of {path}) is owned by uid {st.st_uid}, "
+            "who could replace the directory: choose a state_dir under a "
+            "directory root owns (the default is /var/lib/node-agent)"
+        )
     if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        raise UnsafeDirectory(f"{parent} (the parent of {path}) is writable by everyone without "
-                              "the sticky bit, so anyone could replace the directory: choose a "
-                              "state_dir under a directory root owns")
+        raise UnsafeDirectory(
+            f"{parent} (the parent of {path}) is writable by everyone without "
+            "the sticky bit, so anyone could replace the directory: choose a "
+            "state_dir under a directory root owns"
+        )
 
 
 def private_dir(path: Path | str) -> Path:
@@ -101,9 +106,11 @@ def private_dir(path: Path | str) -> Path:
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafeDirectory(f"{path} is not a directory")
     if st.st_uid != os.geteuid():
-        raise UnsafeDirectory(f"{path} is owned by uid {st.st_uid}, not by the agent (uid "
-                              f"{os.geteuid()}): the agent keeps its state only in a directory "
-                              "of its own; chown it or choose another state_dir")
+        raise UnsafeDirectory(
+            f"{path} is owned by uid {st.st_uid}, not by the agent (uid "
+            f"{os.geteuid()}): the agent keeps its state only in a directory "
+            "of its own; chown it or choose another state_dir"
+        )
     if stat.S_IMODE(st.st_mode) != 0o700:
         os.chmod(real, 0o700)
     return path
@@ -127,13 +134,17 @@ def ensure_spool_dirs(root: Path | str, kinds: Iterable[str] = SPOOL_KINDS) -> l
                 os.chmod(made, 0o755)
         st = os.lstat(root)
         if stat.S_ISLNK(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-            notes.append(f"spool {root} is a symlink, owned by uid {st.st_uid} or writable by "
-                         "others: anyone who may write to it can swap its kind directories; "
-                         f"make it a directory of uid {os.geteuid()}, mode 0755")
+            notes.append(
+                f"spool {root} is a symlink, owned by uid {st.st_uid} or writable by "
+                "others: anyone who may write to it can swap its kind directories; "
+                f"make it a directory of uid {os.geteuid()}, mode 0755"
+            )
         elif stat.S_IMODE(st.st_mode) & 0o055 != 0o055:
             os.chmod(root, stat.S_IMODE(st.st_mode) | 0o755)
-            notes.append(f"spool {root} was mode {stat.S_IMODE(st.st_mode):04o}, so training "
-                         "users could not reach their spools: made it 0755")
+            notes.append(
+                f"spool {root} was mode {stat.S_IMODE(st.st_mode):04o}, so training "
+                "users could not reach their spools: made it 0755"
+            )
     except OSError as err:
         return [f"cannot make the spool {root}: {err.strerror or err}"]
     for kind in kinds:
@@ -146,15 +157,21 @@ def ensure_spool_dirs(root: Path | str, kinds: Iterable[str] = SPOOL_KINDS) -> l
                 continue
             st = os.lstat(d)
             if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-                notes.append(f"spool {d} is a symlink or not a directory: it is not read; "
-                             "make it a directory (mode 1777)")
+                notes.append(
+                    f"spool {d} is a symlink or not a directory: it is not read; "
+                    "make it a directory (mode 1777)"
+                )
             elif st.st_uid != os.geteuid():
-                notes.append(f"spool {d} is owned by uid {st.st_uid}, who may remove what "
-                             f"others write in it: make it uid {os.geteuid()}'s, mode 1777")
+                notes.append(
+                    f"spool {d} is owned by uid {st.st_uid}, who may remove what "
+                    f"others write in it: make it uid {os.geteuid()}'s, mode 1777"
+                )
             elif st.st_mode & (stat.S_IWOTH | stat.S_IWGRP) and not st.st_mode & stat.S_ISVTX:
                 os.chmod(d, stat.S_IMODE(st.st_mode) | stat.S_ISVTX)
-                notes.append(f"spool {d} had no sticky bit (any writer could delete another's "
-                             "files): added it")
+                notes.append(
+                    f"spool {d} had no sticky bit (any writer could delete another's "
+                    "files): added it"
+                )
         except OSError as err:
             notes.append(f"cannot make spool {d}: {err.strerror or err}")
     return notes
@@ -192,8 +209,10 @@ def ensure_user_spool(spool_dir: Path | str, uid: int) -> str | None:
                 os.fchmod(fd, 0o700)
             finally:
                 os.close(fd)
-            return (f"heartbeat directory {d / name} of uid {uid} could be written by others "
-                    f"(mode {stat.S_IMODE(have.st_mode):04o}): made it 0700")
+            return (
+                f"heartbeat directory {d / name} of uid {uid} could be written by others "
+                f"(mode {stat.S_IMODE(have.st_mode):04o}): made it 0700"
+            )
         if have is not None:
             aside = f".squatted-{name}-{secrets.token_hex(6)}"
             os.rename(name, aside, src_dir_fd=top, dst_dir_fd=top)
@@ -204,9 +223,11 @@ def ensure_user_spool(spool_dir: Path | str, uid: int) -> str | None:
             else:
                 with contextlib.suppress(OSError):
                     os.unlink(aside, dir_fd=top)
-            note = (f"heartbeat directory name {d / name} was taken by uid {have.st_uid} "
-                    f"({'a directory' if stat.S_ISDIR(have.st_mode) else 'not a directory'}), "
-                    f"keeping uid {uid}'s heartbeats out: removed it and made uid {uid}'s own")
+            note = (
+                f"heartbeat directory name {d / name} was taken by uid {have.st_uid} "
+                f"({'a directory' if stat.S_ISDIR(have.st_mode) else 'not a directory'}), "
+                f"keeping uid {uid}'s heartbeats out: removed it and made uid {uid}'s own"
+            )
         os.mkdir(name, 0o700, dir_fd=top)
         fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
         try:

@@ -72,9 +72,11 @@ def load_data(config: Config) -> tuple[Grader, dict[str, Sku]]:
     skus = load_skus(graders)
     sku_setting = config.get("node.sku")
     if sku_setting != "auto" and sku_setting not in skus:
-        raise ConfigError(f"{config.source}: key 'node.sku': {sku_setting!r} is not a SKU file "
-                          f"in {graders / 'skus'}; expected auto or one of: "
-                          f"{', '.join(sorted(skus))}")
+        raise ConfigError(
+            f"{config.source}: key 'node.sku': {sku_setting!r} is not a SKU file "
+            f"in {graders / 'skus'}; expected auto or one of: "
+            f"{', '.join(sorted(skus))}"
+        )
     return load_grader(graders), skus
 
 
@@ -96,7 +98,9 @@ def open_environment(config: Config, simulate: str | None = None) -> Environment
     scenario = load_scenario(simulate, skus) if simulate else None
     if scenario is not None:
         backend = open_backend(scenario, skus[scenario.sku])
-        kernel_log: KernelLog = LinesKernelLog(backend.kernel_log_lines(), source="simulated kernel log")
+        kernel_log: KernelLog = LinesKernelLog(
+            backend.kernel_log_lines(), source="simulated kernel log"
+        )
         hostname = config.get("node.name") or scenario.hostname
         # a captured node is matched to its SKU as the recorded host was (node.sku, else auto)
         sku_setting = config.get("node.sku") if scenario.captured else scenario.sku
@@ -106,8 +110,15 @@ def open_environment(config: Config, simulate: str | None = None) -> Environment
         hostname = config.get("node.name")
         sku_setting = config.get("node.sku")
     inventory = collect(backend, skus, sku_setting, hostname=hostname)
-    return Environment(config=config, grader=grader, skus=skus, gpu=backend,
-                       kernel_log=kernel_log, inventory=inventory, scenario=scenario)
+    return Environment(
+        config=config,
+        grader=grader,
+        skus=skus,
+        gpu=backend,
+        kernel_log=kernel_log,
+        inventory=inventory,
+        scenario=scenario,
+    )
 
 
 def report_dir(env: Environment, out: str | None) -> tuple[Path, str | None]:
@@ -129,13 +140,20 @@ def report_dir(env: Environment, out: str | None) -> tuple[Path, str | None]:
     try:
         path = Path(tempfile.mkdtemp(prefix="node-agent-reports-"))
     except OSError as err:
-        raise ConfigError(f"state dir {env.config.state_dir} is not usable and no private temp "
-                          f"dir can be made ({err.strerror or err}); set state_dir in the "
-                          "config or give --out DIR") from err
-    why = ("has less than 1 MiB free" if state is not None else
-           "is not usable (not writable, or not the agent's own)")
-    return path, (f"state dir {env.config.state_dir} {why}; report written under the new "
-                  f"private directory {path} instead")
+        raise ConfigError(
+            f"state dir {env.config.state_dir} is not usable and no private temp "
+            f"dir can be made ({err.strerror or err}); set state_dir in the "
+            "config or give --out DIR"
+        ) from err
+    why = (
+        "has less than 1 MiB free"
+        if state is not None
+        else "is not usable (not writable, or not the agent's own)"
+    )
+    return path, (
+        f"state dir {env.config.state_dir} {why}; report written under the new "
+        f"private directory {path} instead"
+    )
 
 
 #: a report is 10-200 KB (delivery suite with plots' data: the largest seen); below this much

@@ -56,5 +56,7 @@ def missing_message(what: str, extra: str, purpose: str) -> str:
     """One line: ``what`` is not installed, what it is for, and the command that installs it,
     e.g. "writing an HTML report needs matplotlib, which is not installed: install the
     `report` extra with /opt/node-agent/bin/python -m pip install 'node-agent[report]'"."""
-    return (f"{purpose} needs {what}, which is not installed: install the `{extra}` extra with "
-            f"{install_command(extra)}")
+    return (
+        f"{purpose} needs {what}, which is not installed: install the `{extra}` extra with "
+        f"{install_command(extra)}"
+    )

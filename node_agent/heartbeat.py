@@ -92,7 +92,9 @@ def _int_or_none(value: str | None) -> int | None:
         return None
 
 
-def identity_from_env(env: Mapping[str, str] | None = None, ppid: int | None = None) -> dict[str, Any]:
+def identity_from_env(
+    env: Mapping[str, str] | None = None, ppid: int | None = None
+) -> dict[str, Any]:
     """Rank and job identity of this process, from the launcher's environment.
 
     ``job`` is the first of ``slurm:$SLURM_JOB_ID``, ``torchelastic:$TORCHELASTIC_RUN_ID``,
@@ -103,10 +105,13 @@ def identity_from_env(env: Mapping[str, str] | None = None, ppid: int | None = N
     env = os.environ if env is None else env
     job, source = None, None
     pod = env.get("KUBERNETES_POD_NAME") or (
-        env.get("HOSTNAME") if env.get("KUBERNETES_SERVICE_HOST") else None)
-    for prefix, value in (("slurm", env.get("SLURM_JOB_ID")),
-                          ("torchelastic", env.get("TORCHELASTIC_RUN_ID")),
-                          ("pod", pod)):
+        env.get("HOSTNAME") if env.get("KUBERNETES_SERVICE_HOST") else None
+    )
+    for prefix, value in (
+        ("slurm", env.get("SLURM_JOB_ID")),
+        ("torchelastic", env.get("TORCHELASTIC_RUN_ID")),
+        ("pod", pod),
+    ):
         if value:
             job, source = f"{prefix}:{value}", prefix
             break
@@ -131,7 +136,7 @@ def process_start_ticks(pid: int, proc_root: str | os.PathLike[str] = "/proc") -
         with open(os.path.join(proc_root, str(pid), "stat"), "rb") as f:
             data = f.read()
         # the command name (field 2) may hold spaces and parentheses: split after the last ')'
-        return int(data[data.rindex(b")") + 2:].split()[19])
+        return int(data[data.rindex(b")") + 2 :].split()[19])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -146,11 +151,17 @@ class Heartbeat:
     ``clock`` (monotonic seconds) and ``wall`` (Unix seconds) are injectable for tests.
     """
 
-    def __init__(self, spool_dir: str | os.PathLike[str] | None = None, rank: int | None = None,
-                 job: str | None = None, *, min_interval_s: float = 1.0,
-                 log_file: str | os.PathLike[str] | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        spool_dir: str | os.PathLike[str] | None = None,
+        rank: int | None = None,
+        job: str | None = None,
+        *,
+        min_interval_s: float = 1.0,
+        log_file: str | os.PathLike[str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self.spool_dir = Path(spool_dir) if spool_dir is not None else default_spool_dir()
         self.min_interval_s = float(min_interval_s)
         self._clock = clock
@@ -163,20 +174,20 @@ class Heartbeat:
         self._pid = os.getpid()
         self._start_ticks = process_start_ticks(self._pid)
         self._started_at = wall()
-        self._step = -1          # the last step seen by beat()
-        self._step_mono = 0.0    # monotonic time of that step
+        self._step = -1  # the last step seen by beat()
+        self._step_mono = 0.0  # monotonic time of that step
         self._written_step: int | None = None
         self._written_mono: float | None = None
         self._step_time_s: float | None = None
-        self._compute_sum, self._compute_n = 0.0, 0   # compute_s given since the last write
+        self._compute_sum, self._compute_n = 0.0, 0  # compute_s given since the last write
         self._compute_time_s: float | None = None
         self._warned = False
         self._log_file = str(log_file) if log_file else os.environ.get("NODE_AGENT_TRAIN_LOG")
         self._pause: dict[str, Any] | None = None
         self._written_path: Path | None = None
         self._fallback: tuple[int, str] | None = None  # (pid, name) when its uid dir is taken
-        self.writes = 0          # files written (for tests and the benchmark)
-        self.failures = 0        # writes that failed (logged once)
+        self.writes = 0  # files written (for tests and the benchmark)
+        self.failures = 0  # writes that failed (logged once)
 
     @property
     def path(self) -> Path:
@@ -225,10 +236,15 @@ class Heartbeat:
             self.failures += 1
             if not self._warned:
                 self._warned = True
-                log.warning("node_agent heartbeat: cannot write %s (%s: %s); training goes on "
-                            "without progress heartbeats (make %s writable for this user, or "
-                            "pass Heartbeat(spool_dir=...))", self.path, type(err).__name__,
-                            err, self.spool_dir)
+                log.warning(
+                    "node_agent heartbeat: cannot write %s (%s: %s); training goes on "
+                    "without progress heartbeats (make %s writable for this user, or "
+                    "pass Heartbeat(spool_dir=...))",
+                    self.path,
+                    type(err).__name__,
+                    err,
+                    self.spool_dir,
+                )
 
     def _write(self, now: float) -> None:
         if self._written_mono is not None and self._written_step is not None:
@@ -240,12 +256,18 @@ class Heartbeat:
             self._compute_sum, self._compute_n = 0.0, 0
         # the timestamp written is that of the last step, in wall time (another process reads it)
         record = {
-            "schema": SCHEMA, "pid": os.getpid(), "start_ticks": self._start_ticks,
-            "hostname": socket.gethostname(), **self._identity,
-            "step": self._step, "step_at": self._wall() - (now - self._step_mono),
-            "step_time_s": self._step_time_s, "compute_time_s": self._compute_time_s,
+            "schema": SCHEMA,
+            "pid": os.getpid(),
+            "start_ticks": self._start_ticks,
+            "hostname": socket.gethostname(),
+            **self._identity,
+            "step": self._step,
+            "step_at": self._wall() - (now - self._step_mono),
+            "step_time_s": self._step_time_s,
+            "compute_time_s": self._compute_time_s,
             "started_at": self._started_at,
-            "min_interval_s": self.min_interval_s, "log_file": self._log_file,
+            "min_interval_s": self.min_interval_s,
+            "log_file": self._log_file,
             "pause": self._pause,
         }
         if os.getpid() != self._pid:  # a forked child beating on its own: its own identity
@@ -283,8 +305,7 @@ class Heartbeat:
         the pause itself is the hang. Wrap the barrier on *every* rank: ranks that wait in a
         collective while a peer saves look exactly like a hung job from this node. The file is
         written on entry and on exit (never raises, like ``beat``)."""
-        self._pause = {"reason": str(reason)[:200], "since": self._wall(),
-                       "max_s": float(max_s)}
+        self._pause = {"reason": str(reason)[:200], "since": self._wall(), "max_s": float(max_s)}
         self._write_now()
         try:
             yield
@@ -300,8 +321,12 @@ class Heartbeat:
             self.failures += 1
             if not self._warned:
                 self._warned = True
-                log.warning("node_agent heartbeat: cannot write %s (%s: %s)", self.path,
-                            type(err).__name__, err)
+                log.warning(
+                    "node_agent heartbeat: cannot write %s (%s: %s)",
+                    self.path,
+                    type(err).__name__,
+                    err,
+                )
 
     def close(self) -> None:
         """Remove this process's heartbeat file (a clean exit); never raises."""
@@ -403,8 +428,10 @@ def _unclean(value: Any) -> str | None:
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError as err:
-                return (f"a string holds a lone surrogate (U+{ord(item[err.start]):04X} in "
-                        f"{item[:40]!r}), which is no Unicode text")
+                return (
+                    f"a string holds a lone surrogate (U+{ord(item[err.start]):04X} in "
+                    f"{item[:40]!r}), which is no Unicode text"
+                )
     return None
 
 
@@ -443,23 +470,32 @@ def _read_at(dir_fd: int, name: str, max_bytes: int) -> tuple[bytes, os.stat_res
         if err.errno == errno.ELOOP:
             raise SpoolFileError("is a symbolic link; spool files are never followed") from None
         if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise SpoolFileError("cannot be opened without waiting (a lease or a lock on "
-                                 "it); skipped") from None
+            raise SpoolFileError(
+                "cannot be opened without waiting (a lease or a lock on it); skipped"
+            ) from None
         raise
     try:
         st = os.fstat(fd)
         by = f" (written by uid {st.st_uid})"
         if not stat.S_ISREG(st.st_mode):
-            kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device" if
-                    stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else
-                    "a directory" if stat.S_ISDIR(st.st_mode) else "a socket" if
-                    stat.S_ISSOCK(st.st_mode) else "not a regular file")
+            kind = (
+                "a FIFO"
+                if stat.S_ISFIFO(st.st_mode)
+                else "a device"
+                if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                else "a directory"
+                if stat.S_ISDIR(st.st_mode)
+                else "a socket"
+                if stat.S_ISSOCK(st.st_mode)
+                else "not a regular file"
+            )
             raise SpoolFileError(f"is {kind}, not a regular file{by}")
         if st.st_nlink != 1:
             raise SpoolFileError(f"has {st.st_nlink} hard links (a spool file has one){by}")
         if st.st_size > max_bytes:
-            raise SpoolFileError(f"is {st.st_size} bytes, more than the {max_bytes} a spool "
-                                 f"file may have{by}")
+            raise SpoolFileError(
+                f"is {st.st_size} bytes, more than the {max_bytes} a spool file may have{by}"
+            )
         chunks, total = [], 0
         while total <= max_bytes:
             chunk = os.read(fd, max_bytes + 1 - total)
@@ -493,29 +529,46 @@ def _pick_fairly(entries: list[tuple[str, int]], limit: int) -> list[str]:
     return sorted(picked)
 
 
-def _open_dir(d: Path, errs: list[tuple[Path, str]], *, dir_fd: int | None = None,
-              name: str | None = None) -> int | None:
+def _open_dir(
+    d: Path, errs: list[tuple[Path, str]], *, dir_fd: int | None = None, name: str | None = None
+) -> int | None:
     """An fd of the directory ``d`` (or ``name`` in ``dir_fd``), never through a symlink; None
     when it is missing, or unusable (then said in ``errs``)."""
     try:
-        return os.open(d if name is None else name,
-                       os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                       dir_fd=dir_fd)
+        return os.open(
+            d if name is None else name,
+            os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+            dir_fd=dir_fd,
+        )
     except FileNotFoundError:
         return None
     except OSError as err:
         if err.errno in (errno.ELOOP, errno.ENOTDIR):
-            errs.append((d, "the spool directory is a symbolic link or not a directory; "
-                            "nothing in it was read (make it a real directory, "
-                            "docs/security.md)"))
+            errs.append(
+                (
+                    d,
+                    "the spool directory is a symbolic link or not a directory; "
+                    "nothing in it was read (make it a real directory, "
+                    "docs/security.md)",
+                )
+            )
         else:
             errs.append((d, f"cannot open the spool directory: {err.strerror or err}"))
         return None
 
 
-def _read_dir(dir_fd: int, d: Path, errs: list[tuple[Path, str]], *, skip: Collection[str],
-              max_files: int, max_bytes: int, max_depth: int,
-              subdirs: set[int] | None = None, owner: int | None = None) -> list[SpoolFile]:
+def _read_dir(
+    dir_fd: int,
+    d: Path,
+    errs: list[tuple[Path, str]],
+    *,
+    skip: Collection[str],
+    max_files: int,
+    max_bytes: int,
+    max_depth: int,
+    subdirs: set[int] | None = None,
+    owner: int | None = None,
+) -> list[SpoolFile]:
     """The ``*.json`` files of the open directory ``dir_fd`` (named ``d``): see
     :func:`read_spool_json`. The uids of subdirectories named by their owner's uid go to
     ``subdirs``. ``owner``: the directory is that uid's alone, so its names are taken in order
@@ -527,8 +580,13 @@ def _read_dir(dir_fd: int, d: Path, errs: list[tuple[Path, str]], *, skip: Colle
         for entry in it:
             listed += 1
             if listed > SPOOL_MAX_LISTED:
-                errs.append((d, f"holds more than {SPOOL_MAX_LISTED} entries; only the "
-                                "first were looked at: clean up the spool"))
+                errs.append(
+                    (
+                        d,
+                        f"holds more than {SPOOL_MAX_LISTED} entries; only the "
+                        "first were looked at: clean up the spool",
+                    )
+                )
                 break
             name = entry.name
             if subdirs is not None and name.isdigit() and name.isascii():
@@ -550,9 +608,14 @@ def _read_dir(dir_fd: int, d: Path, errs: list[tuple[Path, str]], *, skip: Colle
                 continue  # removed since it was listed
     names = _pick_fairly(entries, max_files)
     if len(entries) > len(names):
-        errs.append((d, f"{len(entries) - len(names)} file(s) not read in this run (at "
-                        f"most {max_files} per run, taken in turn from each owner); the "
-                        "next run reads them"))
+        errs.append(
+            (
+                d,
+                f"{len(entries) - len(names)} file(s) not read in this run (at "
+                f"most {max_files} per run, taken in turn from each owner); the "
+                "next run reads them",
+            )
+        )
     out = []
     for name in names:
         path = d / name
@@ -567,17 +630,25 @@ def _read_dir(dir_fd: int, d: Path, errs: list[tuple[Path, str]], *, skip: Colle
             errs.append((path, f"cannot read: {err.strerror or err}"))
             continue
         try:
-            out.append(SpoolFile(path, parse_spool_json(raw, max_depth), st.st_uid,
-                                 st.st_mtime, st.st_size))
+            out.append(
+                SpoolFile(
+                    path, parse_spool_json(raw, max_depth), st.st_uid, st.st_mtime, st.st_size
+                )
+            )
         except SpoolFileError as err:
             errs.append((path, f"{err} (written by uid {st.st_uid})"))
     return out
 
 
-def read_spool_json(spool_dir: str | os.PathLike[str], errors: list[tuple[Path, str]] | None = None,
-                    *, skip: Collection[str] = (), max_files: int = SPOOL_MAX_FILES,
-                    max_bytes: int = SPOOL_MAX_BYTES,
-                    max_depth: int = SPOOL_MAX_DEPTH) -> list[SpoolFile]:
+def read_spool_json(
+    spool_dir: str | os.PathLike[str],
+    errors: list[tuple[Path, str]] | None = None,
+    *,
+    skip: Collection[str] = (),
+    max_files: int = SPOOL_MAX_FILES,
+    max_bytes: int = SPOOL_MAX_BYTES,
+    max_depth: int = SPOOL_MAX_DEPTH,
+) -> list[SpoolFile]:
     """Every ``*.json`` in ``spool_dir`` (names starting with ``.`` are a writer's temp files
     and never opened; names in ``skip`` are not opened either), read the safe way, oldest name
     first. Never blocks and never raises for a file: a file that is a link, a FIFO, a device,
@@ -591,8 +662,15 @@ def read_spool_json(spool_dir: str | os.PathLike[str], errors: list[tuple[Path, 
     if dir_fd is None:
         return []
     try:
-        return _read_dir(dir_fd, d, errs, skip=skip, max_files=max_files, max_bytes=max_bytes,
-                         max_depth=max_depth)
+        return _read_dir(
+            dir_fd,
+            d,
+            errs,
+            skip=skip,
+            max_files=max_files,
+            max_bytes=max_bytes,
+            max_depth=max_depth,
+        )
     finally:
         os.close(dir_fd)
 
@@ -620,9 +698,14 @@ def _user_dir(top_fd: int, d: Path, uid: int, errs: list[tuple[Path, str]]) -> i
             st = os.stat(str(uid), dir_fd=top_fd, follow_symlinks=False)
         except OSError:
             return None  # no such directory: that uid writes no heartbeat here
-        errs.append((path, f"is not a directory but {_kind(st.st_mode)} of uid {st.st_uid}: "
-                           f"not uid {uid}'s heartbeat directory; ignored (the agent replaces "
-                           "it, or remove it)"))
+        errs.append(
+            (
+                path,
+                f"is not a directory but {_kind(st.st_mode)} of uid {st.st_uid}: "
+                f"not uid {uid}'s heartbeat directory; ignored (the agent replaces "
+                "it, or remove it)",
+            )
+        )
         return None
     st = os.fstat(fd)
     if st.st_uid != uid:
@@ -632,19 +715,35 @@ def _user_dir(top_fd: int, d: Path, uid: int, errs: list[tuple[Path, str]]) -> i
     else:
         return fd
     os.close(fd)
-    errs.append((path, f"{why}: not uid {uid}'s own heartbeat directory, so nothing in it is "
-                       "read (a uid's directory is its own, mode 0700; the agent replaces a "
-                       "squatted one)"))
+    errs.append(
+        (
+            path,
+            f"{why}: not uid {uid}'s own heartbeat directory, so nothing in it is "
+            "read (a uid's directory is its own, mode 0700; the agent replaces a "
+            "squatted one)",
+        )
+    )
     return None
 
 
 def _kind(mode: int) -> str:
-    return "a symbolic link" if stat.S_ISLNK(mode) else "a file" if stat.S_ISREG(mode) else \
-        "a special file"
+    return (
+        "a symbolic link"
+        if stat.S_ISLNK(mode)
+        else "a file"
+        if stat.S_ISREG(mode)
+        else "a special file"
+    )
 
 
-def _check(record: dict[str, Any], key: str, kinds: tuple[type, ...], *, optional: bool = True,
-           minimum: float | None = None) -> None:
+def _check(
+    record: dict[str, Any],
+    key: str,
+    kinds: tuple[type, ...],
+    *,
+    optional: bool = True,
+    minimum: float | None = None,
+) -> None:
     value = record.get(key)
     if value is None:
         if optional:
@@ -659,8 +758,9 @@ def _check(record: dict[str, Any], key: str, kinds: tuple[type, ...], *, optiona
         raise ValueError(f"field {key!r} is {value!r}, below {minimum:g}")
     if not ok:
         want = " or ".join(k.__name__ for k in kinds)
-        raise ValueError(f"field {key!r} is {type(value).__name__} {str(value)[:40]!r}, "
-                         f"expected {want}")
+        raise ValueError(
+            f"field {key!r} is {type(value).__name__} {str(value)[:40]!r}, expected {want}"
+        )
 
 
 _NUMBER = (int, float)
@@ -671,21 +771,25 @@ def _check_text(record: dict[str, Any], key: str) -> None:
     _check(record, key, (str,))
     value = record.get(key)
     if isinstance(value, str) and (bad := CONTROL_CHARACTERS.search(value)):
-        raise ValueError(f"field {key!r} holds the control character U+{ord(bad.group()):04X} "
-                         f"({value[:40]!r}); a name or id never does")
+        raise ValueError(
+            f"field {key!r} holds the control character U+{ord(bad.group()):04X} "
+            f"({value[:40]!r}); a name or id never does"
+        )
 
 
 def check_log_file(value: Any, what: str = "field 'log_file'") -> str:
     """``value`` if it is a usable log path: an absolute path (a relative one would be read
     from the agent's working directory) with no control character; else ValueError."""
     if not isinstance(value, str) or not value:
-        raise ValueError(f"{what} is {type(value).__name__} {str(value)[:40]!r}, expected an "
-                         "absolute path")
+        raise ValueError(
+            f"{what} is {type(value).__name__} {str(value)[:40]!r}, expected an absolute path"
+        )
     if len(value) > _TEXT_MAX:
         raise ValueError(f"{what} is {len(value)} characters long")
     if bad := CONTROL_CHARACTERS.search(value):
-        raise ValueError(f"{what} holds the control character U+{ord(bad.group()):04X} "
-                         f"({value[:40]!r})")
+        raise ValueError(
+            f"{what} holds the control character U+{ord(bad.group()):04X} ({value[:40]!r})"
+        )
     if not value.startswith("/"):
         raise ValueError(f"{what} is {value[:40]!r}, not an absolute path")
     return value
@@ -707,8 +811,15 @@ def check_heartbeat(record: Any) -> dict[str, Any]:
     for key in ("step_time_s", "compute_time_s", "min_interval_s"):
         _check(record, key, _NUMBER, minimum=0)
     _check(record, "started_at", _NUMBER)
-    for key in ("job", "job_source", "slurm_job_id", "torchelastic_run_id", "pod",
-                "pod_namespace", "hostname"):
+    for key in (
+        "job",
+        "job_source",
+        "slurm_job_id",
+        "torchelastic_run_id",
+        "pod",
+        "pod_namespace",
+        "hostname",
+    ):
         _check_text(record, key)
     if record.get("log_file") is not None:
         check_log_file(record["log_file"])
@@ -722,10 +833,13 @@ def check_heartbeat(record: Any) -> dict[str, Any]:
     return record
 
 
-def read_heartbeat_files(spool_dir: str | os.PathLike[str],
-                         errors: list[tuple[Path, str]] | None = None, *,
-                         uids: Collection[int] | None = None,
-                         proc_root: str | os.PathLike[str] = "/proc") -> list[SpoolFile]:
+def read_heartbeat_files(
+    spool_dir: str | os.PathLike[str],
+    errors: list[tuple[Path, str]] | None = None,
+    *,
+    uids: Collection[int] | None = None,
+    proc_root: str | os.PathLike[str] = "/proc",
+) -> list[SpoolFile]:
     """Every heartbeat in ``spool_dir`` as :class:`SpoolFile` (its owner's uid included),
     read with :func:`read_spool_json` and checked with :func:`check_heartbeat`; any other
     file is appended to ``errors`` as ``(path, reason)``, naming its writer's uid.
@@ -743,18 +857,32 @@ def read_heartbeat_files(spool_dir: str | os.PathLike[str],
     if top_fd is not None:
         try:
             listed: set[int] = set()
-            found += _read_dir(top_fd, d, errs, skip=(), max_files=SPOOL_MAX_FILES,
-                               max_bytes=SPOOL_MAX_BYTES, max_depth=SPOOL_MAX_DEPTH,
-                               subdirs=listed)
+            found += _read_dir(
+                top_fd,
+                d,
+                errs,
+                skip=(),
+                max_files=SPOOL_MAX_FILES,
+                max_bytes=SPOOL_MAX_BYTES,
+                max_depth=SPOOL_MAX_DEPTH,
+                subdirs=listed,
+            )
             wanted = listed | set(live_uids(proc_root) if uids is None else uids)
             for uid in sorted(wanted):
                 fd = _user_dir(top_fd, d, uid, errs)
                 if fd is None:
                     continue
                 try:
-                    found += _read_dir(fd, d / str(uid), errs, skip=(),
-                                       max_files=SPOOL_MAX_FILES, max_bytes=SPOOL_MAX_BYTES,
-                                       max_depth=SPOOL_MAX_DEPTH, owner=uid)
+                    found += _read_dir(
+                        fd,
+                        d / str(uid),
+                        errs,
+                        skip=(),
+                        max_files=SPOOL_MAX_FILES,
+                        max_bytes=SPOOL_MAX_BYTES,
+                        max_depth=SPOOL_MAX_DEPTH,
+                        owner=uid,
+                    )
                 finally:
                     os.close(fd)
         finally:
@@ -772,8 +900,9 @@ def read_heartbeat_files(spool_dir: str | os.PathLike[str],
     return out
 
 
-def remove_stale(spool_dir: str | os.PathLike[str], paths: Collection[Path], now: float,
-                 older_than_s: float) -> list[Path]:
+def remove_stale(
+    spool_dir: str | os.PathLike[str], paths: Collection[Path], now: float, older_than_s: float
+) -> list[Path]:
     """Remove those of ``paths`` (files :func:`read_heartbeat_files` found in ``spool_dir``:
     directly in it, or in a uid's directory in it) last written more than ``older_than_s``
     before ``now`` (Unix seconds); returns the removed ones. Never raises.
@@ -811,8 +940,9 @@ def remove_stale(spool_dir: str | os.PathLike[str], paths: Collection[Path], now
     return removed
 
 
-def read_heartbeats(spool_dir: str | os.PathLike[str],
-                    errors: list[tuple[Path, str]] | None = None) -> list[tuple[Path, dict[str, Any]]]:
+def read_heartbeats(
+    spool_dir: str | os.PathLike[str], errors: list[tuple[Path, str]] | None = None
+) -> list[tuple[Path, dict[str, Any]]]:
     """Every heartbeat in ``spool_dir`` as ``(path, record)``; temp files are never opened.
 
     A file that is not a heartbeat is skipped and appended to ``errors`` as ``(path, reason)``.

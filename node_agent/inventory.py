@@ -33,14 +33,20 @@ class Inventory:
 
     def unreadable_gpus(self) -> list[dict]:
         """The GPUs NVML enumerates but whose identity could not be read, with why."""
-        return [{"index": index, "status": unreadable_kind(error), "error": str(error)}
-                for index, error in sorted(self.unreadable.items())]
+        return [
+            {"index": index, "status": unreadable_kind(error), "error": str(error)}
+            for index, error in sorted(self.unreadable.items())
+        ]
 
     def to_dict(self) -> dict:
-        return {"host": self.host.to_dict(), "gpus": [g.to_dict() for g in self.gpus],
-                "unreadable_gpus": self.unreadable_gpus(),
-                "sku": self.sku.id if self.sku else None,
-                "sku_problem": self.sku_problem, "sku_mismatch": self.sku_mismatch}
+        return {
+            "host": self.host.to_dict(),
+            "gpus": [g.to_dict() for g in self.gpus],
+            "unreadable_gpus": self.unreadable_gpus(),
+            "sku": self.sku.id if self.sku else None,
+            "sku_problem": self.sku_problem,
+            "sku_mismatch": self.sku_mismatch,
+        }
 
 
 def unreadable_kind(error: GpuError) -> str:
@@ -52,13 +58,21 @@ def unreadable_kind(error: GpuError) -> str:
     return "unreadable"
 
 
-def collect(backend: GpuBackend, skus: dict[str, Sku], sku_setting: str = "auto",
-            hostname: str | None = None) -> Inventory:
+def collect(
+    backend: GpuBackend,
+    skus: dict[str, Sku],
+    sku_setting: str = "auto",
+    hostname: str | None = None,
+) -> Inventory:
     """Read identity of every GPU and pick the SKU (``auto``: by NVML name and memory)."""
     driver = backend.driver()
-    host = HostInfo(hostname=hostname or socket.gethostname().split(".")[0],
-                    kernel=platform.release(), driver=driver.driver_version,
-                    cuda=driver.cuda_version, gpu_backend=backend.name)
+    host = HostInfo(
+        hostname=hostname or socket.gethostname().split(".")[0],
+        kernel=platform.release(),
+        driver=driver.driver_version,
+        cuda=driver.cuda_version,
+        gpu_backend=backend.name,
+    )
     gpus: list[GpuInfo] = []
     unreadable: dict[int, GpuError] = {}
     for device in backend.devices():
@@ -67,35 +81,53 @@ def collect(backend: GpuBackend, skus: dict[str, Sku], sku_setting: str = "auto"
         except GpuError as err:
             unreadable[device.index] = err
             continue
-        gpus.append(GpuInfo(index=ident.index, uuid=ident.uuid, name=ident.name,
-                            pci_bus_id=ident.pci_bus_id, serial=ident.serial, vbios=ident.vbios,
-                            memory_total_mib=ident.memory_total_mib))
+        gpus.append(
+            GpuInfo(
+                index=ident.index,
+                uuid=ident.uuid,
+                name=ident.name,
+                pci_bus_id=ident.pci_bus_id,
+                serial=ident.serial,
+                vbios=ident.vbios,
+                memory_total_mib=ident.memory_total_mib,
+            )
+        )
     sku, problem, mismatch = _choose_sku(gpus, skus, sku_setting)
     for gpu in gpus:
         gpu.sku = sku.id if sku else None
-    return Inventory(host=host, gpus=gpus, sku=sku, unreadable=unreadable, sku_problem=problem,
-                     sku_mismatch=mismatch)
+    return Inventory(
+        host=host,
+        gpus=gpus,
+        sku=sku,
+        unreadable=unreadable,
+        sku_problem=problem,
+        sku_mismatch=mismatch,
+    )
 
 
-def _choose_sku(gpus: list[GpuInfo], skus: dict[str, Sku],
-                setting: str) -> tuple[Sku | None, str | None, str | None]:
+def _choose_sku(
+    gpus: list[GpuInfo], skus: dict[str, Sku], setting: str
+) -> tuple[Sku | None, str | None, str | None]:
     """(SKU, why none, why a forced one does not fit these GPUs)."""
     if setting != "auto":
         sku = skus[setting]  # validated when the config was applied
         foreign = sorted({g.name for g in gpus if not sku.names_gpu(g.name)})
         mismatch = None
         if foreign:
-            mismatch = (f"node.sku is {sku.id}, but the GPUs report {', '.join(map(repr, foreign))}, "
-                        f"which is not among its names ({', '.join(map(repr, sku.match))}): "
-                        "counts, NVLinks and minima are graded against the wrong baseline; fix "
-                        "node.sku (or 'auto'), or add the name to the SKU file's match list")
+            mismatch = (
+                f"node.sku is {sku.id}, but the GPUs report {', '.join(map(repr, foreign))}, "
+                f"which is not among its names ({', '.join(map(repr, sku.match))}): "
+                "counts, NVLinks and minima are graded against the wrong baseline; fix "
+                "node.sku (or 'auto'), or add the name to the SKU file's match list"
+            )
         return sku, None, mismatch
     found = match_sku([(g.name, g.memory_total_mib) for g in gpus], skus)
     return found.sku, found.problem, None
 
 
-def read_pci_bus(scenario: Scenario | None = None, sku: Sku | None = None,
-                 root: Path = SYSFS_PCI_DEVICES) -> PciBus:
+def read_pci_bus(
+    scenario: Scenario | None = None, sku: Sku | None = None, root: Path = SYSFS_PCI_DEVICES
+) -> PciBus:
     """The NVIDIA GPUs on this node's PCI bus: ``root`` on real hardware; for a simulated
     node, the tree :mod:`node_agent.sim.tools` writes for the scenario, read by the same
     reader (in a temporary directory, removed before this returns)."""

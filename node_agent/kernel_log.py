@@ -98,9 +98,12 @@ _KMSG_HEADER = re.compile(r"^\s*\d+,\d+,(?P<us>\d+),[^;]*;")
 _BOOT_STAMP = re.compile(r"\[\s*(?P<s>\d+\.\d+)\]")
 _CTIME_STAMP = re.compile(
     r"\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) (?P<t>(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)"
-    r" +\d{1,2} \d\d:\d\d:\d\d \d{4})\]")
-_ISO_STAMP = re.compile(r"(?P<t>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:[,.](?P<frac>\d{1,9}))?"
-                        r"(?P<tz>Z|[+-]\d\d:?\d\d)?")
+    r" +\d{1,2} \d\d:\d\d:\d\d \d{4})\]"
+)
+_ISO_STAMP = re.compile(
+    r"(?P<t>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:[,.](?P<frac>\d{1,9}))?"
+    r"(?P<tz>Z|[+-]\d\d:?\d\d)?"
+)
 
 
 def line_stamp(prefix: str) -> Stamp | None:
@@ -117,8 +120,12 @@ def line_stamp(prefix: str) -> Stamp | None:
         if (m := _BOOT_STAMP.search(prefix)) is not None:
             return Stamp("boot", float(m["s"]))
         if (m := _CTIME_STAMP.search(prefix)) is not None:
-            return Stamp("wall", float(calendar.timegm(time.strptime(
-                " ".join(m["t"].split()), "%b %d %H:%M:%S %Y"))))
+            return Stamp(
+                "wall",
+                float(
+                    calendar.timegm(time.strptime(" ".join(m["t"].split()), "%b %d %H:%M:%S %Y"))
+                ),
+            )
         if (m := _ISO_STAMP.search(prefix)) is not None:
             seconds = calendar.timegm(time.strptime(m["t"], "%Y-%m-%dT%H:%M:%S"))
             seconds += float("0." + m["frac"]) if m["frac"] else 0.0
@@ -167,10 +174,13 @@ class XidLine:
 
     def decode_fields(self) -> dict[str, Any]:
         """What a decode row of ``graders/xid.yaml`` may match, where the line printed it."""
-        fields = {"unit": self.unit, "severity": self.severity,
-                  "error_status": self.error_status,
-                  "subcode": None if self.subcode is None else format(self.subcode, "06b"),
-                  "recovery_action": self.recovery_action}
+        fields = {
+            "unit": self.unit,
+            "severity": self.severity,
+            "error_status": self.error_status,
+            "subcode": None if self.subcode is None else format(self.subcode, "06b"),
+            "recovery_action": self.recovery_action,
+        }
         return {k: v for k, v in fields.items() if v is not None}
 
 
@@ -242,19 +252,26 @@ _BUS = r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}"
 _BDF = _BUS + r"\.[0-7]"
 _XID = re.compile(r"^NVRM: Xid \((?P<inner>[^()\n]*)\)(?P<after>.*)$")
 _SXID = re.compile(r"^nvidia-nvswitch(?P<sw>\d+):?\s*SXid \((?P<inner>[^()\n]*)\)(?P<after>.*)$")
-_XID_ADDRESS = re.compile(rf"^(?:PCI:)?(?P<bus>{_BUS})(?:\.[0-7])?"
-                          r"(?:\s+GPU-I:(?P<gi>\d{1,3}))?(?:\s+GPU-CI:(?P<ci>\d{1,3}))?\s*$")
+_XID_ADDRESS = re.compile(
+    rf"^(?:PCI:)?(?P<bus>{_BUS})(?:\.[0-7])?"
+    r"(?:\s+GPU-I:(?P<gi>\d{1,3}))?(?:\s+GPU-CI:(?P<ci>\d{1,3}))?\s*$"
+)
 _SXID_ADDRESS = re.compile(rf"^(?:PCI:)?(?P<bus>{_BUS}(?:\.[0-7])?)\s*$")
 _CODE = re.compile(r"^:\s*(?P<code>\d{1,6})(?=$|[,\s])(?:,\s*(?P<rest>.*))?$")
 _PID = re.compile(r"^pid=(?P<pid>[^,]*),\s*")
 _NAME = re.compile(r"^name=(?P<name>[^,]*),\s*")
 _NVLINK5 = re.compile(
     r"^(?P<unit>[A-Z][A-Z0-9_]*)\s+(?P<sev>Non-?fatal|Nonfatal|Fatal)\s+XC\s?\d+\s+i\s?\d+\s+"
-    r"Link\s+(?P<link>-?\d+)(?:\s*\((?P<words>[^)]*)\)|\s*\[(?P<bracket>[^\]]*)\])?")
-_RECOVERY = re.compile(r"recovery action changed from 0x[0-9a-fA-F]+ \((?P<old>[^)]*)\) "
-                       r"to 0x[0-9a-fA-F]+ \((?P<new>[^)]*)\)")
+    r"Link\s+(?P<link>-?\d+)(?:\s*\((?P<words>[^)]*)\)|\s*\[(?P<bracket>[^\]]*)\])?"
+)
+_RECOVERY = re.compile(
+    r"recovery action changed from 0x[0-9a-fA-F]+ \((?P<old>[^)]*)\) "
+    r"to 0x[0-9a-fA-F]+ \((?P<new>[^)]*)\)"
+)
 _CAUSED_BY = re.compile(r"caused by previous Xid (?P<code>\d{1,4})")
-_SXID_HEADLINE = re.compile(r"^(?P<sev>Non-?fatal|Fatal)\s*,\s*(?:Link\s+(?P<link>\d+)\s*)?(?P<name>.*)$")
+_SXID_HEADLINE = re.compile(
+    r"^(?P<sev>Non-?fatal|Fatal)\s*,\s*(?:Link\s+(?P<link>\d+)\s*)?(?P<name>.*)$"
+)
 _THE_GPU = re.compile(rf"^NVRM: The NVIDIA GPU (?P<bdf>{_BUS}(?:\.[0-7])?)")
 _GPU_FALLEN = re.compile(rf"^NVRM: GPU (?P<bdf>{_BUS}(?:\.[0-7])?): GPU has fallen off the bus")
 _PCI_ID = re.compile(r"PCI ID: (?P<id>[0-9A-Fa-f]{4}:[0-9A-Fa-f]{4})")
@@ -263,22 +280,30 @@ _PCI_ID = re.compile(r"PCI ID: (?P<id>[0-9A-Fa-f]{4}:[0-9A-Fa-f]{4})")
 _MONTH = r"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)"
 _P_KMSG = re.compile(r"^(?P<prio>\d+),\d+,\d+,[^;]*;")
 _P_BOOT = re.compile(r"^\[\s*\d+\.\d+\]\s?")
-_P_CTIME = re.compile(rf"^\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) {_MONTH} +\d{{1,2}} "
-                      r"\d\d:\d\d:\d\d \d{4}\]\s?")
+_P_CTIME = re.compile(
+    rf"^\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) {_MONTH} +\d{{1,2}} "
+    r"\d\d:\d\d:\d\d \d{4}\]\s?"
+)
 _P_ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[,.]\d{1,9})?(?:Z|[+-]\d\d:?\d\d)?\s")
-_P_DECODE = re.compile(r"^(?P<fac>[a-z0-9]+)\s*:\s*(?:emerg|alert|crit|err|warn|notice|info|debug)"
-                       r"\s*:\s")
-_P_SYSLOG_TIME = re.compile(rf"^(?:{_MONTH} +\d{{1,2}} \d\d:\d\d:\d\d"
-                            r"|\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[,.]\d{1,9})?(?:Z|[+-]\d\d:?\d\d)?"
-                            r"|\[\s*\d+\.\d+\])\s+")
+_P_DECODE = re.compile(
+    r"^(?P<fac>[a-z0-9]+)\s*:\s*(?:emerg|alert|crit|err|warn|notice|info|debug)"
+    r"\s*:\s"
+)
+_P_SYSLOG_TIME = re.compile(
+    rf"^(?:{_MONTH} +\d{{1,2}} \d\d:\d\d:\d\d"
+    r"|\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[,.]\d{1,9})?(?:Z|[+-]\d\d:?\d\d)?"
+    r"|\[\s*\d+\.\d+\])\s+"
+)
 #: "<host> <identifier>[pid]: " after a syslog/journal time; only "kernel" is the kernel
 _P_SYSLOG_HOST = re.compile(r"^(?P<host>[^\s\[\]:]+) (?P<ident>[^\s\[\]:]+)(?:\[\d+\])?: ")
 _P_KERNEL = re.compile(r"^kernel: ")
 #: the kernel's reports of a user's fault, which print the user's process and file names:
 #: "comm[pid]: segfault at ..." (arch/x86/mm/fault.c, show_signal_msg), "traps: comm[pid] general
 #: protection ..." / "... trap ..." (arch/x86/kernel/traps.c), arm64's "comm[pid]: unhandled ..."
-_USER_FAULT = re.compile(r"^(?:traps: )?[^\n]{0,16}[\[(]\d+[\])]:?\s+(?:segfault at|general "
-                         r"protection|trap |unhandled |potentially unexpected)|^traps: ")
+_USER_FAULT = re.compile(
+    r"^(?:traps: )?[^\n]{0,16}[\[(]\d+[\])]:?\s+(?:segfault at|general "
+    r"protection|trap |unhandled |potentially unexpected)|^traps: "
+)
 #: a kernel message that begins with a process's name (comm, at most 15 characters) and its pid,
 #: "NVRM: Xid (PCI:[1234]: ..." / "NVRM: Xid (PC (1234): drop_caches": the name is a user's
 _COMM_LED = re.compile(r"^[^\n]{1,16}?(?:\[\d+\]|\(\d+\)):? ")
@@ -286,7 +311,9 @@ _DRIVER_START = re.compile(r"^(?:NVRM: |nvidia-nvswitch\d+:? )")
 _DEVICE_START = re.compile(rf"^(?P<drv>[A-Za-z0-9_.-]+) (?P<bdf>{_BDF}): ")
 #: kernel messages of the distress forms that look like a syslog "<host> <ident>: " after a dmesg
 #: time ("[ 5.1] nvme nvme0: ...", "[ 5.1] XFS (dm-0): ..."): the device's driver and name
-_DISTRESS_START = re.compile(r"^(?:nvme nvme\d+: |EXT[234]-fs \(|XFS \(|Memory failure: |NMI watchdog: )")
+_DISTRESS_START = re.compile(
+    r"^(?:nvme nvme\d+: |EXT[234]-fs \(|XFS \(|Memory failure: |NMI watchdog: )"
+)
 
 _RESET_REQUIRED = re.compile(r"Reset required \[NV_ERR_RESET_REQUIRED\]|\bNV_ERR_RESET_REQUIRED\b")
 _GPU_LOST = re.compile(r"GPU lost from the bus \[NV_ERR_GPU_IS_LOST\]|\bNV_ERR_GPU_IS_LOST\b")
@@ -294,7 +321,9 @@ _INIT_FAILED = re.compile(r"\bRmInitAdapter failed!")
 _RM_STATUS = re.compile(r"\((?:0x)?(?P<hex>[0-9A-Fa-f]{8})\)|status[= ](?:0x)?(?P<st>[0-9A-Fa-f]+)")
 _INIT_STATUS = re.compile(r"RmInitAdapter failed! \(0x(?P<hex>[0-9A-Fa-f]+):")
 _NVRM_GPU = re.compile(rf"^NVRM: GPU (?P<bdf>{_BUS}(?:\.[0-7])?):|^NVRM: GPU(?P<n>\d{{1,3}}) ")
-_AER_ERROR = re.compile(r"^PCIe Bus Error: severity=Uncorrect(?:ed|able) \((?P<sev>Fatal|Non-Fatal)\)")
+_AER_ERROR = re.compile(
+    r"^PCIe Bus Error: severity=Uncorrect(?:ed|able) \((?P<sev>Fatal|Non-Fatal)\)"
+)
 _AER_RECOVERY_FAILED = re.compile(r"^AER: (?:device recovery failed|Device recovery failed)")
 
 
@@ -336,31 +365,35 @@ def kernel_message(line: str) -> tuple[str, str] | None:
     if (m := _P_KMSG.match(rest)) is not None:
         if int(m["prio"]) >> 3 != KERNEL_FACILITY:
             return None
-        rest = rest[m.end():]
+        rest = rest[m.end() :]
     if (m := _P_DECODE.match(rest)) is not None:
         if m["fac"] != "kern":
             return None
-        rest = rest[m.end():]
+        rest = rest[m.end() :]
     if (m := _P_CTIME.match(rest) or _P_ISO.match(rest) or _P_BOOT.match(rest)) is not None:
-        after = rest[m.end():]
+        after = rest[m.end() :]
         host = _P_SYSLOG_HOST.match(after)
-        if host is not None and not _DRIVER_START.match(after) and not _DEVICE_START.match(after) \
-                and not _DISTRESS_START.match(after):
+        if (
+            host is not None
+            and not _DRIVER_START.match(after)
+            and not _DEVICE_START.match(after)
+            and not _DISTRESS_START.match(after)
+        ):
             # "<time> host ident: msg" (journalctl -o short-monotonic / short-iso, RFC 3339 syslog)
             if host["ident"] != "kernel":
                 return None
-            after = after[host.end():]
+            after = after[host.end() :]
         rest = after
     elif (m := _P_SYSLOG_TIME.match(rest)) is not None:
-        host = _P_SYSLOG_HOST.match(rest[m.end():])
+        host = _P_SYSLOG_HOST.match(rest[m.end() :])
         if host is None or host["ident"] != "kernel":
             return None  # a user program's syslog line, or a line of no known form
-        rest = rest[m.end() + host.end():]
+        rest = rest[m.end() + host.end() :]
     if (m := _P_KERNEL.match(rest)) is not None:
-        rest = rest[m.end():]
+        rest = rest[m.end() :]
     if (m := _P_BOOT.match(rest)) is not None:  # syslog repeats the kernel's own time
-        rest = rest[m.end():]
-    return line[:len(line) - len(rest)], rest.rstrip()
+        rest = rest[m.end() :]
+    return line[: len(line) - len(rest)], rest.rstrip()
 
 
 #: words one of which every line read here holds: a cheap test before the prefixes are parsed
@@ -421,9 +454,15 @@ def _parse_driver_message(prefix: str, text: str) -> DriverLine | None:
     line = prefix + text
     stamp = line_stamp(prefix)
     if text.startswith("NVRM: "):
-        kind = ("gpu-lost" if _GPU_LOST.search(text) else
-                "reset-required" if _RESET_REQUIRED.search(text) else
-                "init-failed" if _INIT_FAILED.search(text) else None)
+        kind = (
+            "gpu-lost"
+            if _GPU_LOST.search(text)
+            else "reset-required"
+            if _RESET_REQUIRED.search(text)
+            else "init-failed"
+            if _INIT_FAILED.search(text)
+            else None
+        )
         if kind is None:
             return None
         who = _NVRM_GPU.match(text)
@@ -434,24 +473,40 @@ def _parse_driver_message(prefix: str, text: str) -> DriverLine | None:
             status = int(s["hex"], 16)
         elif (s := _RM_STATUS.search(text)) is not None:
             status = int(s["hex"] or s["st"], 16)
-        return DriverLine(kind=kind, pci_bus=bus, message=text, raw=line.strip(),
-                          driver_gpu=gpu_n, status=status, stamp=stamp)
+        return DriverLine(
+            kind=kind,
+            pci_bus=bus,
+            message=text,
+            raw=line.strip(),
+            driver_gpu=gpu_n,
+            status=status,
+            stamp=stamp,
+        )
     device = _DEVICE_START.match(text)
     if device is None:
         return None
-    aer = _AER_ERROR.match(text[device.end():])
+    aer = _AER_ERROR.match(text[device.end() :])
     if aer is None:
         return None
-    return DriverLine(kind="aer-uncorrectable", pci_bus=normalise_bus(device["bdf"]),
-                      message=text, raw=line.strip(), severity=aer["sev"],
-                      device_driver=device["drv"], stamp=stamp)
+    return DriverLine(
+        kind="aer-uncorrectable",
+        pci_bus=normalise_bus(device["bdf"]),
+        message=text,
+        raw=line.strip(),
+        severity=aer["sev"],
+        device_driver=device["drv"],
+        stamp=stamp,
+    )
 
 
 def _code(after: str) -> tuple[int, str] | str:
     m = _CODE.match(after)
     if m is None:
-        return "truncated: no code after the address" if not after.strip(": ") \
+        return (
+            "truncated: no code after the address"
+            if not after.strip(": ")
             else f"no numeric code after the address ({after.strip()[:40]!r})"
+        )
     return int(m["code"]), (m["rest"] or "").strip()
 
 
@@ -460,8 +515,11 @@ def _xid(m: re.Match[str], text: str, prefix: str) -> XidLine | Unreadable:
     code = code_rest[0] if isinstance(code_rest, tuple) else None
     address = _XID_ADDRESS.match(m["inner"].strip())
     if address is None:
-        return Unreadable(f"the PCI address is not readable ({m['inner'][:40]!r}): the line names "
-                          "no GPU", text, code)
+        return Unreadable(
+            f"the PCI address is not readable ({m['inner'][:40]!r}): the line names no GPU",
+            text,
+            code,
+        )
     if isinstance(code_rest, str):
         return Unreadable(code_rest, text)
     code, rest = code_rest
@@ -473,10 +531,10 @@ def _xid(m: re.Match[str], text: str, prefix: str) -> XidLine | Unreadable:
     process: str | None = None
     if (p := _PID.match(rest)) is not None:
         pid = int(p["pid"]) if p["pid"].isdigit() else None
-        rest = rest[p.end():]
+        rest = rest[p.end() :]
         if (n := _NAME.match(rest)) is not None:
             process = n["name"] if n["name"] != "<unknown>" else None
-            rest = rest[n.end():]
+            rest = rest[n.end() :]
     fields: dict[str, Any] = {}
     if (v := _NVLINK5.match(rest)) is not None:
         fields.update(unit=v["unit"], severity=_severity(v["sev"]), link=int(v["link"]))
@@ -488,18 +546,28 @@ def _xid(m: re.Match[str], text: str, prefix: str) -> XidLine | Unreadable:
     if (c := _CAUSED_BY.search(rest)) is not None:
         fields["caused_by"] = int(c["code"])
     return XidLine(
-        code=code, pci_bus=bus, message=rest, raw=(prefix + text).strip(),
+        code=code,
+        pci_bus=bus,
+        message=rest,
+        raw=(prefix + text).strip(),
         gpu_instance=int(address["gi"]) if address["gi"] else None,
         compute_instance=int(address["ci"]) if address["ci"] else None,
-        pid=pid, process=process, stamp=line_stamp(prefix), **fields)
+        pid=pid,
+        process=process,
+        stamp=line_stamp(prefix),
+        **fields,
+    )
 
 
 def _sxid(m: re.Match[str], text: str, prefix: str) -> SxidLine | Unreadable:
     code_rest = _code(m["after"])
     address = _SXID_ADDRESS.match(m["inner"].strip())
     if address is None:
-        return Unreadable(f"the NVSwitch PCI address is not readable ({m['inner'][:40]!r})", text,
-                          code_rest[0] if isinstance(code_rest, tuple) else None)
+        return Unreadable(
+            f"the NVSwitch PCI address is not readable ({m['inner'][:40]!r})",
+            text,
+            code_rest[0] if isinstance(code_rest, tuple) else None,
+        )
     if isinstance(code_rest, str):
         return Unreadable(code_rest, text)
     code, rest = code_rest
@@ -508,9 +576,16 @@ def _sxid(m: re.Match[str], text: str, prefix: str) -> SxidLine | Unreadable:
     if (h := _SXID_HEADLINE.match(rest)) is not None:
         severity = _severity(h["sev"])
         link = int(h["link"]) if h["link"] else None
-    return SxidLine(code=code, switch=int(m["sw"]), pci_bus=address["bus"].lower(), message=rest,
-                    raw=(prefix + text).strip(), severity=severity, link=link,
-                    stamp=line_stamp(prefix))
+    return SxidLine(
+        code=code,
+        switch=int(m["sw"]),
+        pci_bus=address["bus"].lower(),
+        message=rest,
+        raw=(prefix + text).strip(),
+        severity=severity,
+        link=link,
+        stamp=line_stamp(prefix),
+    )
 
 
 class KernelLogScanner:
@@ -547,8 +622,9 @@ class KernelLogScanner:
             out.extend(self._line(line, stamp, continuation=i > 0))
         return out
 
-    def _line(self, line: str, record_stamp: Stamp | None,
-              continuation: bool = False) -> list[Event | Unreadable | DriverLine]:
+    def _line(
+        self, line: str, record_stamp: Stamp | None, continuation: bool = False
+    ) -> list[Event | Unreadable | DriverLine]:
         if self._pending is not None:
             bdf, lines, stamp, left = self._pending
             lines.append(line.strip())
@@ -573,8 +649,9 @@ class KernelLogScanner:
             if normalise_bus(m["bdf"]) in self._fallen_buses:
                 return []  # the Xid 79 line just before said it
             return [self._fallen(m["bdf"], [line.strip()], record_stamp or line_stamp(prefix))]
-        if (device := _DEVICE_START.match(text)) is not None \
-                and _AER_RECOVERY_FAILED.match(text[device.end():]):
+        if (device := _DEVICE_START.match(text)) is not None and _AER_RECOVERY_FAILED.match(
+            text[device.end() :]
+        ):
             return self._aer_failed(device["bdf"], line.strip(), record_stamp or line_stamp(prefix))
         event: Event | Unreadable | DriverLine | None = _parse_message(prefix, text)
         if event is None:
@@ -597,10 +674,19 @@ class KernelLogScanner:
                 self._aer[bus] = (event, left - 1)
 
     def _aer_failed(self, port: str, raw: str, stamp: Stamp | None) -> list[DriverLine]:
-        out = [DriverLine(kind="aer-recovery-failed", pci_bus=bus, raw=raw, port=port.lower(),
-                          message=f"{raw} (after {error.raw})", severity=error.severity,
-                          device_driver=error.device_driver, stamp=stamp or error.stamp)
-               for bus, (error, _) in sorted(self._aer.items())]
+        out = [
+            DriverLine(
+                kind="aer-recovery-failed",
+                pci_bus=bus,
+                raw=raw,
+                port=port.lower(),
+                message=f"{raw} (after {error.raw})",
+                severity=error.severity,
+                device_driver=error.device_driver,
+                stamp=stamp or error.stamp,
+            )
+            for bus, (error, _) in sorted(self._aer.items())
+        ]
         self._aer.clear()
         return out
 
@@ -609,10 +695,16 @@ class KernelLogScanner:
         self._fallen_buses.add(bus)
         joined = " / ".join(x for x in lines if x)
         pci_id = _PCI_ID.search(joined)
-        return XidLine(code=79, pci_bus=bus, raw=joined, origin="fallen-off-bus", stamp=stamp,
-                       message="GPU has fallen off the bus (printed without an Xid line"
-                               + (f"; PCI ID {pci_id['id']}" if pci_id else "")
-                               + "; read as Xid 79, as gpud and NVSentinel do)")
+        return XidLine(
+            code=79,
+            pci_bus=bus,
+            raw=joined,
+            origin="fallen-off-bus",
+            stamp=stamp,
+            message="GPU has fallen off the bus (printed without an Xid line"
+            + (f"; PCI ID {pci_id['id']}" if pci_id else "")
+            + "; read as Xid 79, as gpud and NVSentinel do)",
+        )
 
 
 def scan(records: Iterable[LogRecord]) -> list[Event | Unreadable | DriverLine]:
@@ -681,8 +773,11 @@ class FileKernelLog:
             if not stat.S_ISREG(st.st_mode):
                 raise OSError(errno.EINVAL, f"{self.path} is not a regular file")
             if os.geteuid() == 0 and (st.st_uid != 0 or st.st_mode & 0o022):
-                raise OSError(errno.EPERM, f"{self.path} is owned by uid {st.st_uid} or writable "
-                              "by others: a kernel log must be root's alone")
+                raise OSError(
+                    errno.EPERM,
+                    f"{self.path} is owned by uid {st.st_uid} or writable "
+                    "by others: a kernel log must be root's alone",
+                )
             skip = max(0, st.st_size - FILE_READ_BYTES)
             os.lseek(fd, skip, os.SEEK_SET)
             chunks = []
@@ -698,8 +793,11 @@ class FileKernelLog:
             if not line:
                 continue
             record = _parse_kmsg_record(line) if _P_KMSG.match(line) else None
-            records.append(LogRecord(i + 1, line) if record is None else
-                           LogRecord(i + 1, record.text, record.boot_s, record.facility))
+            records.append(
+                LogRecord(i + 1, line)
+                if record is None
+                else LogRecord(i + 1, record.text, record.boot_s, record.facility)
+            )
         return records
 
 
@@ -806,8 +904,9 @@ class JournalKernelLog:
         self.unavailable_reason: str | None = None
 
     def read(self) -> list[LogRecord]:
-        result = proc.run(["journalctl", "-k", "-b", "-o", "json", "--no-pager", "-q"],
-                          timeout_s=self.timeout_s)
+        result = proc.run(
+            ["journalctl", "-k", "-b", "-o", "json", "--no-pager", "-q"], timeout_s=self.timeout_s
+        )
         if not result.ok:
             raise OSError(result.describe_failure())
         return journal_records(result.stdout)
@@ -828,8 +927,9 @@ def journal_records(text: str) -> list[LogRecord]:
             continue
         message = entry.get("MESSAGE")
         if isinstance(message, list):  # journald stores non-UTF-8 text as a byte array
-            message = bytes(b for b in message if isinstance(b, int) and 0 <= b < 256) \
-                .decode("utf-8", "replace")
+            message = bytes(b for b in message if isinstance(b, int) and 0 <= b < 256).decode(
+                "utf-8", "replace"
+            )
         if not isinstance(message, str):
             continue
         boot_s: float | None = None
@@ -875,7 +975,8 @@ def open_kernel_log(path: str | None = None, kmsg_path: str = "/dev/kmsg") -> Ke
         return JournalKernelLog()
     if os.path.exists(kmsg_path):
         return UnavailableKernelLog(
-            f"no permission to read the kernel log ({kmsg_path}): run as root or grant "
-            "CAP_SYSLOG")
-    return UnavailableKernelLog(f"no kernel log: {kmsg_path} does not exist and journalctl "
-                                "is not installed")
+            f"no permission to read the kernel log ({kmsg_path}): run as root or grant CAP_SYSLOG"
+        )
+    return UnavailableKernelLog(
+        f"no kernel log: {kmsg_path} does not exist and journalctl is not installed"
+    )

@@ -97,60 +97,158 @@ class DistressLine:
         return dict(self.fields).get(name, default)
 
 
-DISTRESS_KINDS = ("hung_task", "soft_lockup", "hard_lockup", "oom_kill", "oom_summary",
-                  "nvme_timeout", "nvme_reset", "nvme_failed", "fs_readonly",
-                  "nfs_not_responding", "nfs_ok", "lustre_lost", "mce_logged", "mce_record",
-                  "mce_fatal", "memory_failure")
+DISTRESS_KINDS = (
+    "hung_task",
+    "soft_lockup",
+    "hard_lockup",
+    "oom_kill",
+    "oom_summary",
+    "nvme_timeout",
+    "nvme_reset",
+    "nvme_failed",
+    "fs_readonly",
+    "nfs_not_responding",
+    "nfs_ok",
+    "lustre_lost",
+    "mce_logged",
+    "mce_record",
+    "mce_fatal",
+    "memory_failure",
+)
 
 _COMM = r"(?P<comm>.{0,15}?)"  # a task's name as the kernel quotes it: at most 15 characters
 _DEV = r"(?P<dev>[A-Za-z0-9_.:+-]{1,64})"
 _DISTRESS_FORMS: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("hung_task", re.compile(rf"^INFO: task {_COMM}:(?P<pid>\d+) blocked for more than "
-                             r"(?P<seconds>\d+) seconds\.")),
-    ("soft_lockup", re.compile(r"^(?:(?:NMI )?watchdog: )?BUG: soft lockup - CPU#(?P<cpu>\d+) "
-                               rf"stuck for (?P<seconds>\d+)s! \[{_COMM}:(?P<pid>\d+)\]")),
-    ("hard_lockup", re.compile(r"^(?:(?:NMI )?watchdog: )?(?:CPU\d+: )?Watchdog detected hard "
-                               r"LOCKUP on cpu (?P<cpu>\d+)")),
-    ("oom_kill", re.compile(r"^(?:(?P<why>Out of memory|Memory cgroup out of memory)"
-                            r"(?: \([a-z_]+\))?: )?Killed process (?P<pid>\d+) "
-                            rf"\({_COMM}\) total-vm:\d+kB(?:.*? UID:(?P<uid>\d+))?")),
-    ("oom_summary", re.compile(r"^oom-kill:constraint=(?P<constraint>[A-Z_]+),.*,task="
-                               r"(?P<comm>.{0,15}),pid=(?P<pid>\d+),uid=(?P<uid>\d+)$")),
-    ("nvme_timeout", re.compile(r"^nvme (?P<dev>nvme\d+): I/O (?:tag )?(?P<tag>\d+) "
-                                r"(?:\([0-9a-fA-F]+\) )?(?:opcode \S+ \([^()]*\) )?QID "
-                                r"(?P<qid>\d+) timeout, (?P<action>reset controller|aborting|"
-                                r"disable controller|completion polled)")),
-    ("nvme_reset", re.compile(r"^nvme (?P<dev>nvme\d+): controller is down; will reset: "
-                              r"CSTS=(?P<csts>0x[0-9a-fA-F]+)")),
-    ("nvme_failed", re.compile(r"^nvme (?P<dev>nvme\d+): (?P<what>Removing after probe failure|"
-                               r"Device not ready; aborting reset|Disabling device after reset "
-                               r"failure)")),
-    ("fs_readonly", re.compile(rf"^(?:EXT[234]-fs \({_DEV}\): (?P<ext>Remounting filesystem "
-                               rf"read-only)|XFS \({_DEV.replace('dev', 'xdev')}\): (?P<xfs>.*"
-                               r"Shutting down filesystem|Filesystem has been shut down due to|"
-                               r"xfs_do_force_shutdown\()|BTRFS(?: [a-z]+)? \(device "
-                               rf"{_DEV.replace('dev', 'bdev')}(?:: state [A-Za-z]+)?\): "
-                               r"(?P<btrfs>forced readonly))")),
-    ("nfs_not_responding", re.compile(r"^(?P<prog>nfs|lockd): server (?P<server>[^\s]{1,255}) "
-                                      r"not responding, (?P<how>still trying|timed out)")),
+    (
+        "hung_task",
+        re.compile(
+            rf"^INFO: task {_COMM}:(?P<pid>\d+) blocked for more than "
+            r"(?P<seconds>\d+) seconds\."
+        ),
+    ),
+    (
+        "soft_lockup",
+        re.compile(
+            r"^(?:(?:NMI )?watchdog: )?BUG: soft lockup - CPU#(?P<cpu>\d+) "
+            rf"stuck for (?P<seconds>\d+)s! \[{_COMM}:(?P<pid>\d+)\]"
+        ),
+    ),
+    (
+        "hard_lockup",
+        re.compile(
+            r"^(?:(?:NMI )?watchdog: )?(?:CPU\d+: )?Watchdog detected hard "
+            r"LOCKUP on cpu (?P<cpu>\d+)"
+        ),
+    ),
+    (
+        "oom_kill",
+        re.compile(
+            r"^(?:(?P<why>Out of memory|Memory cgroup out of memory)"
+            r"(?: \([a-z_]+\))?: )?Killed process (?P<pid>\d+) "
+            rf"\({_COMM}\) total-vm:\d+kB(?:.*? UID:(?P<uid>\d+))?"
+        ),
+    ),
+    (
+        "oom_summary",
+        re.compile(
+            r"^oom-kill:constraint=(?P<constraint>[A-Z_]+),.*,task="
+            r"(?P<comm>.{0,15}),pid=(?P<pid>\d+),uid=(?P<uid>\d+)$"
+        ),
+    ),
+    (
+        "nvme_timeout",
+        re.compile(
+            r"^nvme (?P<dev>nvme\d+): I/O (?:tag )?(?P<tag>\d+) "
+            r"(?:\([0-9a-fA-F]+\) )?(?:opcode \S+ \([^()]*\) )?QID "
+            r"(?P<qid>\d+) timeout, (?P<action>reset controller|aborting|"
+            r"disable controller|completion polled)"
+        ),
+    ),
+    (
+        "nvme_reset",
+        re.compile(
+            r"^nvme (?P<dev>nvme\d+): controller is down; will reset: "
+            r"CSTS=(?P<csts>0x[0-9a-fA-F]+)"
+        ),
+    ),
+    (
+        "nvme_failed",
+        re.compile(
+            r"^nvme (?P<dev>nvme\d+): (?P<what>Removing after probe failure|"
+            r"Device not ready; aborting reset|Disabling device after reset "
+            r"failure)"
+        ),
+    ),
+    (
+        "fs_readonly",
+        re.compile(
+            rf"^(?:EXT[234]-fs \({_DEV}\): (?P<ext>Remounting filesystem "
+            rf"read-only)|XFS \({_DEV.replace('dev', 'xdev')}\): (?P<xfs>.*"
+            r"Shutting down filesystem|Filesystem has been shut down due to|"
+            r"xfs_do_force_shutdown\()|BTRFS(?: [a-z]+)? \(device "
+            rf"{_DEV.replace('dev', 'bdev')}(?:: state [A-Za-z]+)?\): "
+            r"(?P<btrfs>forced readonly))"
+        ),
+    ),
+    (
+        "nfs_not_responding",
+        re.compile(
+            r"^(?P<prog>nfs|lockd): server (?P<server>[^\s]{1,255}) "
+            r"not responding, (?P<how>still trying|timed out)"
+        ),
+    ),
     ("nfs_ok", re.compile(r"^(?P<prog>nfs|lockd): server (?P<server>[^\s]{1,255}) OK$")),
-    ("lustre_lost", re.compile(r"^Lustre: (?P<obd>[^\s:]{1,128}): Connection to "
-                               r"(?P<server>[^\s]{1,128}) \(at (?P<nid>[^\s()]{1,128})\) was lost")),
+    (
+        "lustre_lost",
+        re.compile(
+            r"^Lustre: (?P<obd>[^\s:]{1,128}): Connection to "
+            r"(?P<server>[^\s]{1,128}) \(at (?P<nid>[^\s()]{1,128})\) was lost"
+        ),
+    ),
     ("mce_logged", re.compile(r"^mce: \[Hardware Error\]: Machine check events logged")),
-    ("mce_record", re.compile(r"^mce: (?:\[Hardware Error\]: )?CPU (?P<cpu>\d+): Machine Check"
-                              r"(?P<exception> Exception)?: (?P<mcg>[0-9a-fA-F]{1,16}) Bank "
-                              r"(?P<bank>\d+): (?P<status>[0-9a-fA-F]{1,16})\b")),
-    ("mce_fatal", re.compile(r"^(?:mce: \[Hardware Error\]: Machine check: (?P<why>.{1,120})|"
-                             r"Kernel panic - not syncing: (?P<panic>Fatal machine check.*|"
-                             r"Machine check.*))$")),
-    ("memory_failure", re.compile(r"^Memory failure: (?P<pfn>0x[0-9a-fA-F]+): recovery action "
-                                  r"for (?P<page>[^:]{1,64}): (?P<result>Recovered|Ignored|"
-                                  r"Failed|Delayed)")),
+    (
+        "mce_record",
+        re.compile(
+            r"^mce: (?:\[Hardware Error\]: )?CPU (?P<cpu>\d+): Machine Check"
+            r"(?P<exception> Exception)?: (?P<mcg>[0-9a-fA-F]{1,16}) Bank "
+            r"(?P<bank>\d+): (?P<status>[0-9a-fA-F]{1,16})\b"
+        ),
+    ),
+    (
+        "mce_fatal",
+        re.compile(
+            r"^(?:mce: \[Hardware Error\]: Machine check: (?P<why>.{1,120})|"
+            r"Kernel panic - not syncing: (?P<panic>Fatal machine check.*|"
+            r"Machine check.*))$"
+        ),
+    ),
+    (
+        "memory_failure",
+        re.compile(
+            r"^Memory failure: (?P<pfn>0x[0-9a-fA-F]+): recovery action "
+            r"for (?P<page>[^:]{1,64}): (?P<result>Recovered|Ignored|"
+            r"Failed|Delayed)"
+        ),
+    ),
 )
 #: words one of which every distress line holds: a cheap test before the prefixes are parsed
-_DISTRESS_WORDS = ("INFO: task", "lockup", "LOCKUP", "Killed process", "oom-kill:", "nvme",
-                   "-fs (", "XFS (", "BTRFS", "server ", "Lustre:", "mce:", "Machine check",
-                   "machine check", "Memory failure:")
+_DISTRESS_WORDS = (
+    "INFO: task",
+    "lockup",
+    "LOCKUP",
+    "Killed process",
+    "oom-kill:",
+    "nvme",
+    "-fs (",
+    "XFS (",
+    "BTRFS",
+    "server ",
+    "Lustre:",
+    "mce:",
+    "Machine check",
+    "machine check",
+    "Memory failure:",
+)
 
 #: MCi_STATUS bits (Intel SDM vol. 3B, "IA32_MCi_STATUS MSRs"; AMD's MCA_STATUS alike)
 MCI_STATUS_UC = 1 << 61  # uncorrected
@@ -187,32 +285,65 @@ def _distress(prefix: str, message: str) -> DistressLine | None:
         groups = {k: v for k, v in m.groupdict().items() if v is not None}
         process = groups.pop("comm", None)
         pid = int(groups.pop("pid")) if "pid" in groups else None
-        subject = (groups.pop("dev", None) or groups.pop("xdev", None) or groups.pop("bdev", None)
-                   or groups.get("server"))
+        subject = (
+            groups.pop("dev", None)
+            or groups.pop("xdev", None)
+            or groups.pop("bdev", None)
+            or groups.get("server")
+        )
         fields: dict[str, Any] = {}
         for key in ("cpu", "seconds", "uid", "bank", "qid", "tag"):
             if key in groups:
                 fields[key] = int(groups.pop(key))
         if kind == "oom_kill":
-            fields["scope"] = ("memcg" if groups.get("why", "").startswith("Memory cgroup")
-                               else "global" if groups.get("why") else "unknown")
+            fields["scope"] = (
+                "memcg"
+                if groups.get("why", "").startswith("Memory cgroup")
+                else "global"
+                if groups.get("why")
+                else "unknown"
+            )
         elif kind == "oom_summary":
             fields["scope"] = "memcg" if groups["constraint"] == "CONSTRAINT_MEMCG" else "global"
             fields["constraint"] = groups["constraint"]
         elif kind == "mce_record":
             status = int(groups["status"], 16)
-            fields.update(mce_status=f"0x{status:016x}", uncorrected=bool(status & MCI_STATUS_UC),
-                          context_corrupt=bool(status & MCI_STATUS_PCC),
-                          exception=bool(groups.get("exception")))
+            fields.update(
+                mce_status=f"0x{status:016x}",
+                uncorrected=bool(status & MCI_STATUS_UC),
+                context_corrupt=bool(status & MCI_STATUS_PCC),
+                exception=bool(groups.get("exception")),
+            )
         else:
-            for key in ("action", "what", "how", "nid", "obd", "csts", "result", "page", "why",
-                        "panic", "ext", "xfs", "btrfs", "prog"):
+            for key in (
+                "action",
+                "what",
+                "how",
+                "nid",
+                "obd",
+                "csts",
+                "result",
+                "page",
+                "why",
+                "panic",
+                "ext",
+                "xfs",
+                "btrfs",
+                "prog",
+            ):
                 if key in groups:
                     fields[key] = groups[key].strip()
         raw = (prefix + message).strip()
-        return DistressLine(kind=kind, message=message, raw=raw, subject=subject,
-                            process=process, pid=pid, fields=tuple(sorted(fields.items())),
-                            stamp=line_stamp(prefix))
+        return DistressLine(
+            kind=kind,
+            message=message,
+            raw=raw,
+            subject=subject,
+            process=process,
+            pid=pid,
+            fields=tuple(sorted(fields.items())),
+            stamp=line_stamp(prefix),
+        )
     return None
 
 

@@ -38,8 +38,9 @@ class Level(enum.IntEnum):
         try:
             return cls[text.upper()]
         except KeyError:
-            raise ValueError(f"unknown grade level {text!r}; expected one of "
-                             f"{', '.join(m.name for m in cls)}") from None
+            raise ValueError(
+                f"unknown grade level {text!r}; expected one of {', '.join(m.name for m in cls)}"
+            ) from None
 
 
 class Action(str, enum.Enum):
@@ -81,9 +82,14 @@ class Result:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "check": self.check, "target": self.target, "metric": self.metric,
-            "value": self.value, "unit": self.unit, "status": self.status.value,
-            "detail": self.detail, "evidence": self.evidence,
+            "check": self.check,
+            "target": self.target,
+            "metric": self.metric,
+            "value": self.value,
+            "unit": self.unit,
+            "status": self.status.value,
+            "detail": self.detail,
+            "evidence": self.evidence,
             "duration_s": round(self.duration_s, 3),
         }
 
@@ -91,10 +97,14 @@ class Result:
     def from_dict(cls, data: dict[str, Any]) -> Result:
         try:
             return cls(
-                check=str(data["check"]), target=str(data["target"]),
-                metric=str(data["metric"]), status=Status(data["status"]),
-                detail=str(data.get("detail", "")), value=data.get("value"),
-                unit=str(data.get("unit", "")), evidence=dict(data.get("evidence") or {}),
+                check=str(data["check"]),
+                target=str(data["target"]),
+                metric=str(data["metric"]),
+                status=Status(data["status"]),
+                detail=str(data.get("detail", "")),
+                value=data.get("value"),
+                unit=str(data.get("unit", "")),
+                evidence=dict(data.get("evidence") or {}),
                 duration_s=float(data.get("duration_s", 0.0)),
             )
         except (KeyError, ValueError, TypeError) as err:
@@ -131,8 +141,12 @@ class Reason:
     restarts_before_fault: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"rule": self.rule, "level": self.level.name,
-                                "target": self.target, "message": self.message}
+        data: dict[str, Any] = {
+            "rule": self.rule,
+            "level": self.level.name,
+            "target": self.target,
+            "message": self.message,
+        }
         for key in ("remedy", "catalog", "code", "restarts_before_fault"):
             value = getattr(self, key)
             if value is not None:
@@ -143,16 +157,26 @@ class Reason:
     def from_dict(cls, data: dict[str, Any]) -> Reason:
         remedy = data.get("remedy")
         if remedy is not None and remedy not in REMEDIES:
-            raise ValueError(f"unknown remedy {remedy!r} in reason {data.get('rule')!r}; "
-                             f"expected one of {', '.join(REMEDIES)}")
+            raise ValueError(
+                f"unknown remedy {remedy!r} in reason {data.get('rule')!r}; "
+                f"expected one of {', '.join(REMEDIES)}"
+            )
         catalog = data.get("catalog")
         if catalog is not None and catalog not in CATALOGS:
-            raise ValueError(f"unknown catalog {catalog!r} in reason {data.get('rule')!r}; "
-                             f"expected one of {', '.join(CATALOGS)}")
-        return cls(rule=data["rule"], level=Level.parse(data["level"]),
-                   target=data["target"], message=data["message"], remedy=remedy,
-                   catalog=catalog, code=_optional_int(data, "code"),
-                   restarts_before_fault=_optional_int(data, "restarts_before_fault"))
+            raise ValueError(
+                f"unknown catalog {catalog!r} in reason {data.get('rule')!r}; "
+                f"expected one of {', '.join(CATALOGS)}"
+            )
+        return cls(
+            rule=data["rule"],
+            level=Level.parse(data["level"]),
+            target=data["target"],
+            message=data["message"],
+            remedy=remedy,
+            catalog=catalog,
+            code=_optional_int(data, "code"),
+            restarts_before_fault=_optional_int(data, "restarts_before_fault"),
+        )
 
 
 def _optional_int(data: dict[str, Any], key: str) -> int | None:
@@ -160,8 +184,7 @@ def _optional_int(data: dict[str, Any], key: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"reason {data.get('rule')!r}: {key} must be an integer, "
-                         f"found {value!r}")
+        raise ValueError(f"reason {data.get('rule')!r}: {key} must be an integer, found {value!r}")
     return value
 
 
@@ -172,13 +195,19 @@ class Grade:
     reasons: tuple[Reason, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"level": self.level.name, "action": self.action.value,
-                "reasons": [r.to_dict() for r in self.reasons]}
+        return {
+            "level": self.level.name,
+            "action": self.action.value,
+            "reasons": [r.to_dict() for r in self.reasons],
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Grade:
-        return cls(level=Level.parse(data["level"]), action=Action(data["action"]),
-                   reasons=tuple(Reason.from_dict(r) for r in data.get("reasons", [])))
+        return cls(
+            level=Level.parse(data["level"]),
+            action=Action(data["action"]),
+            reasons=tuple(Reason.from_dict(r) for r in data.get("reasons", [])),
+        )
 
 
 @dataclass
@@ -259,13 +288,13 @@ class Report:
     @classmethod
     def from_dict(cls, data: Any) -> Report:
         if not isinstance(data, dict):
-            raise ReportFormatError("a report is a JSON object; found "
-                                    f"{type(data).__name__}")
+            raise ReportFormatError(f"a report is a JSON object; found {type(data).__name__}")
         schema = data.get("schema")
         if schema != REPORT_SCHEMA:
             raise ReportFormatError(
                 f"report schema is {schema!r}; this agent reads {REPORT_SCHEMA!r} "
-                "(re-run the suite with this agent version, or use the agent that wrote it)")
+                "(re-run the suite with this agent version, or use the agent that wrote it)"
+            )
         try:
             return cls(
                 host=HostInfo(**data["host"]),

@@ -62,10 +62,20 @@ CHILD_CWD = "/"
 
 #: the configuration keys (dotted) that hold a file or directory path; a relative one means
 #: relative to the agent's working directory, which its children (in :data:`CHILD_CWD`) lack
-CONFIG_PATH_KEYS = ("state_dir", "spool_dir", "suites_dir", "graders_dir", "storage.paths",
-                    "kernel_log.path", "adapter.webhook.secret_file", "adapter.webhook.ca_file",
-                    "adapter.webhook.client_cert", "adapter.webhook.client_key",
-                    "adapter.kubernetes.kubeconfig", "dcgm.bindings_path")
+CONFIG_PATH_KEYS = (
+    "state_dir",
+    "spool_dir",
+    "suites_dir",
+    "graders_dir",
+    "storage.paths",
+    "kernel_log.path",
+    "adapter.webhook.secret_file",
+    "adapter.webhook.ca_file",
+    "adapter.webhook.client_cert",
+    "adapter.webhook.client_key",
+    "adapter.kubernetes.kubeconfig",
+    "dcgm.bindings_path",
+)
 #: keys that name a program: a bare name is looked up on PATH, a name with a slash is a path
 CONFIG_PROGRAM_KEYS = ("adapter.slurm.scontrol", "adapter.slurm.squeue")
 
@@ -114,13 +124,18 @@ def absolute_config(data: Mapping[str, object]) -> dict:
     def fix(value: object, program: bool) -> object:
         if isinstance(value, list):
             return [fix(v, program) for v in value]
-        if isinstance(value, str) and value and not os.path.isabs(value) \
-                and (not program or "/" in value):
+        if (
+            isinstance(value, str)
+            and value
+            and not os.path.isabs(value)
+            and (not program or "/" in value)
+        ):
             return absolute_path(value)
         return value
 
-    for key, program in [(k, False) for k in CONFIG_PATH_KEYS] + \
-            [(k, True) for k in CONFIG_PROGRAM_KEYS]:
+    for key, program in [(k, False) for k in CONFIG_PATH_KEYS] + [
+        (k, True) for k in CONFIG_PROGRAM_KEYS
+    ]:
         *parents, last = key.split(".")
         node: object = out
         for part in parents:
@@ -130,16 +145,28 @@ def absolute_config(data: Mapping[str, object]) -> dict:
     return out
 
 
-def run(argv: Sequence[str], timeout_s: float, env: Mapping[str, str] | None = None,
-        cwd: str | None = None, input_text: str | None = None) -> ProcResult:
+def run(
+    argv: Sequence[str],
+    timeout_s: float,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    input_text: str | None = None,
+) -> ProcResult:
     """Run ``argv`` with a timeout; never raises for the program's own failures."""
     argv = tuple(str(a) for a in argv)
     start = time.monotonic()
     try:
         proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE if input_text is not None else subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
-            env=dict(env) if env is not None else None, cwd=cwd, start_new_session=True)
+            argv,
+            stdin=subprocess.PIPE if input_text is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            env=dict(env) if env is not None else None,
+            cwd=cwd,
+            start_new_session=True,
+        )
     except FileNotFoundError:
         return ProcResult(argv, None, "", "", 0.0, not_found=True)
     except OSError as err:

@@ -34,11 +34,12 @@ def _shipped(package: str) -> Path:
     prefix = "node_agent."
     if not package.startswith(prefix):
         raise ModuleNotFoundError(f"no module named {package!r}", name=package)
-    source = _TREE.joinpath(*package[len(prefix):].split("."))
+    source = _TREE.joinpath(*package[len(prefix) :].split("."))
     if not source.is_dir():
         raise FileNotFoundError(
             f"{package} is not installed and {source} is not a directory: install node-agent "
-            f"(pip install .) or run it from a complete source tree")
+            f"(pip install .) or run it from a complete source tree"
+        )
     return source
 
 

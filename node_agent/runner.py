@@ -34,8 +34,9 @@ class _Outcome:
     trace: str = ""
 
 
-def run_check(spec: CheckSpec, env: Environment, mode: str,
-              shared: dict | None = None) -> list[Result]:
+def run_check(
+    spec: CheckSpec, env: Environment, mode: str, shared: dict | None = None
+) -> list[Result]:
     """Run one check within its timeout; always returns at least one result.
 
     ``shared`` is the suite run's hand-over dict between checks (CheckContext.shared)."""
@@ -45,11 +46,21 @@ def run_check(spec: CheckSpec, env: Environment, mode: str,
     simulated_params = params.pop("simulated", None) or {}
     if env.simulated:
         params.update(simulated_params)
-    ctx = CheckContext(check=spec.check, gpu=env.gpu, kernel_log=env.kernel_log,
-                       config=env.config, inventory=env.inventory, sku=env.sku,
-                       expected_gpus=env.expected_gpus, mode=mode, params=params,
-                       state_dir=env.writable_state_dir(), timeout_s=spec.timeout_s,
-                       scenario=env.scenario, shared=shared if shared is not None else {})
+    ctx = CheckContext(
+        check=spec.check,
+        gpu=env.gpu,
+        kernel_log=env.kernel_log,
+        config=env.config,
+        inventory=env.inventory,
+        sku=env.sku,
+        expected_gpus=env.expected_gpus,
+        mode=mode,
+        params=params,
+        state_dir=env.writable_state_dir(),
+        timeout_s=spec.timeout_s,
+        scenario=env.scenario,
+        shared=shared if shared is not None else {},
+    )
     outcome = _Outcome()
 
     def target() -> None:
@@ -65,20 +76,38 @@ def run_check(spec: CheckSpec, env: Environment, mode: str,
     thread.join(spec.timeout_s)
     duration = time.monotonic() - start
     if thread.is_alive():
-        return [ctx.result("node", "timeout", Status.ERROR,
-                           f"check {spec.check} did not finish within {spec.timeout_s:g} s "
-                           "and was abandoned (a hung driver call or tool)",
-                           timeout_s=spec.timeout_s)]
+        return [
+            ctx.result(
+                "node",
+                "timeout",
+                Status.ERROR,
+                f"check {spec.check} did not finish within {spec.timeout_s:g} s "
+                "and was abandoned (a hung driver call or tool)",
+                timeout_s=spec.timeout_s,
+            )
+        ]
     if outcome.error is not None:
         err = outcome.error
-        return [ctx.result("node", "crashed", Status.ERROR,
-                           f"check {spec.check} crashed: {type(err).__name__}: {err}",
-                           traceback=outcome.trace)]
+        return [
+            ctx.result(
+                "node",
+                "crashed",
+                Status.ERROR,
+                f"check {spec.check} crashed: {type(err).__name__}: {err}",
+                traceback=outcome.trace,
+            )
+        ]
     results = outcome.results or []
     if not results:
-        return [ctx.result("node", "ran", Status.ERROR,
-                           f"check {spec.check} returned no results (a check must report "
-                           "something: pass, skip with its reason, or a finding)")]
+        return [
+            ctx.result(
+                "node",
+                "ran",
+                Status.ERROR,
+                f"check {spec.check} returned no results (a check must report "
+                "something: pass, skip with its reason, or a finding)",
+            )
+        ]
     for result in results:  # a result without its own timing carries its check's
         result.duration_s = result.duration_s or duration
     return results

@@ -26,20 +26,28 @@ def _key_path(error: jsonschema.ValidationError) -> str:
 def _explain(error: jsonschema.ValidationError) -> str:
     if error.validator == "additionalProperties":
         allowed = sorted((error.schema.get("properties") or {}).keys())
-        extra = sorted(set(error.instance) - set(allowed)) if isinstance(error.instance, dict) else []
+        extra = (
+            sorted(set(error.instance) - set(allowed)) if isinstance(error.instance, dict) else []
+        )
         if extra:
             where = _key_path(error)
             prefix = "" if where == "(top level)" else where + "."
-            return (f"unknown key '{prefix}{extra[0]}'; expected one of: "
-                    f"{', '.join(allowed) or '(none)'}")
+            return (
+                f"unknown key '{prefix}{extra[0]}'; expected one of: "
+                f"{', '.join(allowed) or '(none)'}"
+            )
     if error.validator == "type":
         expected = error.validator_value
         expected = " or ".join(expected) if isinstance(expected, list) else expected
-        return (f"key '{_key_path(error)}': expected {expected}, found "
-                f"{type(error.instance).__name__} {error.instance!r:.60}")
+        return (
+            f"key '{_key_path(error)}': expected {expected}, found "
+            f"{type(error.instance).__name__} {error.instance!r:.60}"
+        )
     if error.validator == "enum":
-        return (f"key '{_key_path(error)}': {error.instance!r:.60} is not one of "
-                f"{', '.join(map(str, error.validator_value))}")
+        return (
+            f"key '{_key_path(error)}': {error.instance!r:.60} is not one of "
+            f"{', '.join(map(str, error.validator_value))}"
+        )
     if error.validator == "required":
         return f"key '{_key_path(error)}': {error.message}"
     return f"key '{_key_path(error)}': {error.message}"
@@ -70,8 +78,10 @@ def validate(data: Any, schema: dict[str, Any], source: str) -> None:
     false (a limit of ``.nan`` is no limit, a cadence of ``.nan`` a busy loop)."""
     bad = _non_finite(data)
     if bad is not None:
-        raise ConfigError(f"{source}: key '{bad[0]}': {bad[1]!r} is not a finite number; "
-                          "expected a number (.nan and .inf are not accepted)")
+        raise ConfigError(
+            f"{source}: key '{bad[0]}': {bad[1]!r} is not a finite number; "
+            "expected a number (.nan and .inf are not accepted)"
+        )
     validator = jsonschema.Draft202012Validator(schema)
     errors = list(validator.iter_errors(data))
     if errors:
@@ -89,8 +99,12 @@ def parse_yaml_text(text: str, source: str) -> Any:
         raise ConfigError(f"{source}:{where}: not valid YAML: {problem}") from err
 
 
-def load_yaml(path: str | Path, schema: dict[str, Any] | None = None, what: str = "file",
-              empty_ok: bool = False) -> Any:
+def load_yaml(
+    path: str | Path,
+    schema: dict[str, Any] | None = None,
+    what: str = "file",
+    empty_ok: bool = False,
+) -> Any:
     """Read ``path`` as YAML, validate it against ``schema``; ConfigError on any problem."""
     path = Path(path)
     try:

@@ -44,8 +44,10 @@ def owned_kernel_log(tmp_path_factory, monkeypatch):
     monkeypatch.setenv(KERNEL_LOG_ENV, str(path))
 
     def refuse(what):
-        pytest.fail(f"a test's agent read the host's kernel log ({what}); give it a log of its "
-                    f"own (config kernel_log.path, or the owned_kernel_log fixture)")
+        pytest.fail(
+            f"a test's agent read the host's kernel log ({what}); give it a log of its "
+            f"own (config kernel_log.path, or the owned_kernel_log fixture)"
+        )
 
     def kmsg_read(self):
         if self.path in HOST_KERNEL_LOGS:
@@ -61,8 +63,7 @@ def owned_kernel_log(tmp_path_factory, monkeypatch):
     real_follower_init = kernel_log.KmsgFollower.__init__
     monkeypatch.setattr(kernel_log.KmsgKernelLog, "read", kmsg_read)
     monkeypatch.setattr(kernel_log.KmsgFollower, "__init__", follower_init)
-    monkeypatch.setattr(kernel_log.JournalKernelLog, "read",
-                        lambda self: refuse("journalctl -k"))
+    monkeypatch.setattr(kernel_log.JournalKernelLog, "read", lambda self: refuse("journalctl -k"))
     return path
 
 
@@ -81,8 +82,12 @@ def agent(tmp_path):
     """Run ``node-agent ARGS`` as a subprocess through its console entry point."""
 
     def run(*args: str, timeout: float = 120) -> Run:
-        argv = [sys.executable, "-c", "import sys; from node_agent.commands.main import main; sys.exit(main())",
-                *args]
+        argv = [
+            sys.executable,
+            "-c",
+            "import sys; from node_agent.commands.main import main; sys.exit(main())",
+            *args,
+        ]
         if "--config" not in args and args and args[0] in ("accept", "check", "inventory", "grade"):
             config = tmp_path / "agent-config.yaml"
             if not config.exists():

@@ -20,8 +20,9 @@ from typing import Any
 import celpy
 import yaml
 
-POLICY_FILE = Path(__file__).resolve().parents[1] / "packaging" / "kubernetes" / \
-    "admission-policy.yaml"
+POLICY_FILE = (
+    Path(__file__).resolve().parents[1] / "packaging" / "kubernetes" / "admission-policy.yaml"
+)
 AGENT = "system:serviceaccount:node-agent:node-agent"
 NODE_KEY = "authentication.kubernetes.io/node-name"
 
@@ -45,14 +46,18 @@ class Decision:
         self.matched, self.allowed, self.messages = matched, allowed, messages
 
 
-def admit(request: dict[str, Any], obj: dict[str, Any] | None,
-          old: dict[str, Any] | None) -> Decision:
+def admit(
+    request: dict[str, Any], obj: dict[str, Any] | None, old: dict[str, Any] | None
+) -> Decision:
     """What the API server decides for this request under the policy and its binding."""
     spec = POLICY["spec"]
     resource = request["resource"]["resource"] + (
-        "/" + request["subResource"] if request.get("subResource") else "")
-    if not any(request["operation"] in rule["operations"] and resource in rule["resources"]
-               for rule in spec["matchConstraints"]["resourceRules"]):
+        "/" + request["subResource"] if request.get("subResource") else ""
+    )
+    if not any(
+        request["operation"] in rule["operations"] and resource in rule["resources"]
+        for rule in spec["matchConstraints"]["resourceRules"]
+    ):
         return Decision(False, True, [])
     base = {"request": request, "object": obj, "oldObject": old}
     activation = celpy.json_to_cel(base)
@@ -86,45 +91,76 @@ def admit(request: dict[str, Any], obj: dict[str, Any] | None,
     return Decision(True, not denied, denied)
 
 
-def request(operation: str, resource: str, name: str, *, sub: str = "", username: str = AGENT,
-            token_node: str | None = "gpu-01", namespace: str = "") -> dict[str, Any]:
+def request(
+    operation: str,
+    resource: str,
+    name: str,
+    *,
+    sub: str = "",
+    username: str = AGENT,
+    token_node: str | None = "gpu-01",
+    namespace: str = "",
+) -> dict[str, Any]:
     extra: dict[str, list[str]] = {"authentication.kubernetes.io/pod-name": ["node-agent-x7k2p"]}
     if token_node is not None:
         extra[NODE_KEY] = [token_node]
     kind = {"nodes": "Node", "pods": "Pod"}[resource]
-    return {"uid": "705ab4f5-6393-11e8-b7cc-42010a800002",
-            "kind": {"group": "", "version": "v1", "kind": kind},
-            "resource": {"group": "", "version": "v1", "resource": resource},
-            "subResource": sub, "requestKind": {"group": "", "version": "v1", "kind": kind},
-            "name": name, "namespace": namespace, "operation": operation,
-            "userInfo": {"username": username, "uid": "b5f1c1a0",
-                         "groups": ["system:serviceaccounts", "system:authenticated"],
-                         "extra": extra},
-            "dryRun": False}
+    return {
+        "uid": "705ab4f5-6393-11e8-b7cc-42010a800002",
+        "kind": {"group": "", "version": "v1", "kind": kind},
+        "resource": {"group": "", "version": "v1", "resource": resource},
+        "subResource": sub,
+        "requestKind": {"group": "", "version": "v1", "kind": kind},
+        "name": name,
+        "namespace": namespace,
+        "operation": operation,
+        "userInfo": {
+            "username": username,
+            "uid": "b5f1c1a0",
+            "groups": ["system:serviceaccounts", "system:authenticated"],
+            "extra": extra,
+        },
+        "dryRun": False,
+    }
 
 
 def node(name: str = "gpu-01") -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": name, "resourceVersion": "41",
-                         "labels": {"kubernetes.io/hostname": name,
-                                    "nvidia.com/gpu.present": "true"},
-                         "annotations": {"node.alpha.kubernetes.io/ttl": "0"}},
-            "spec": {"podCIDR": "10.244.1.0/24",
-                     "taints": [{"key": "nvidia.com/gpu", "value": "present",
-                                 "effect": "NoSchedule"}]},
-            "status": {"conditions": [
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "resourceVersion": "41",
+            "labels": {"kubernetes.io/hostname": name, "nvidia.com/gpu.present": "true"},
+            "annotations": {"node.alpha.kubernetes.io/ttl": "0"},
+        },
+        "spec": {
+            "podCIDR": "10.244.1.0/24",
+            "taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}],
+        },
+        "status": {
+            "conditions": [
                 {"type": "Ready", "status": "True", "reason": "KubeletReady"},
-                {"type": "MemoryPressure", "status": "False", "reason": "KubeletHasSufficientMemory"}]}}
+                {
+                    "type": "MemoryPressure",
+                    "status": "False",
+                    "reason": "KubeletHasSufficientMemory",
+                },
+            ]
+        },
+    }
 
 
 def drained(n: dict[str, Any]) -> dict[str, Any]:
     """The node after the adapter's drain patch: cordoned, its taint, its annotations."""
     after = copy.deepcopy(n)
     after["spec"]["unschedulable"] = True
-    after["spec"]["taints"].append({"key": "node-agent/health", "value": "FAULT",
-                                    "effect": "NoSchedule"})
-    after["metadata"]["annotations"].update({"node-agent/reason": "node-agent: FAULT ...",
-                                             "node-agent/cordoned": "true"})
+    after["spec"]["taints"].append(
+        {"key": "node-agent/health", "value": "FAULT", "effect": "NoSchedule"}
+    )
+    after["metadata"]["annotations"].update(
+        {"node-agent/reason": "node-agent: FAULT ...", "node-agent/cordoned": "true"}
+    )
     return after
 
 
@@ -132,6 +168,9 @@ def pod(node_name: str | None) -> dict[str, Any]:
     spec: dict[str, Any] = {"containers": [{"name": "trainer", "image": "trainer:1"}]}
     if node_name is not None:
         spec["nodeName"] = node_name
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": "train-0", "namespace": "ml", "uid": "0d3a5c4e"},
-            "spec": spec}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "train-0", "namespace": "ml", "uid": "0d3a5c4e"},
+        "spec": spec,
+    }

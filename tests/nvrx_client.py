@@ -30,8 +30,15 @@ def generated_modules():
     from grpc_tools import protoc
 
     out = Path(tempfile.mkdtemp(prefix="nvhcd-proto-"))
-    code = protoc.main(["protoc", f"-I{PROTO.parent}", f"--python_out={out}",
-                        f"--grpc_python_out={out}", str(PROTO)])
+    code = protoc.main(
+        [
+            "protoc",
+            f"-I{PROTO.parent}",
+            f"--python_out={out}",
+            f"--grpc_python_out={out}",
+            str(PROTO),
+        ]
+    )
     if code != 0:
         raise RuntimeError(f"protoc failed on {PROTO} (exit {code})")
     sys.path.insert(0, str(out))
@@ -63,7 +70,7 @@ class NodeHealthCheck:
         else:
             self.skipped = f"{endpoint} is not a Unix socket"
             return None
-        if not os.path.exists(target[len("unix://"):]):
+        if not os.path.exists(target[len("unix://") :]):
             self.skipped = f"{target} does not exist"
             return None
         return target
@@ -74,8 +81,9 @@ class NodeHealthCheck:
         try:
             with self._grpc.insecure_channel(self._target) as channel:
                 stub = self._pb2_grpc.HealthCheckServiceStub(channel)
-                response = stub.RunHealthCheck(self._pb2.HealthCheckRequest(args=self.args),
-                                               timeout=self.request_timeout_sec)
+                response = stub.RunHealthCheck(
+                    self._pb2.HealthCheckRequest(args=self.args), timeout=self.request_timeout_sec
+                )
         except Exception as err:  # NVRx: a connectivity error skips the check
             self.skipped = f"connectivity: {err}"
             return True

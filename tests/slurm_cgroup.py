@@ -123,6 +123,7 @@ def slurm_job_fixture(tmp_path):
     with job_cgroups() as cgroups:
         if isinstance(cgroups, str):
             pytest.skip(cgroups)
-        (tmp_path / "agent-config.yaml").write_text(yaml.safe_dump(
-            {"state_dir": str(tmp_path / "state"), **cgroups.config()}))
+        (tmp_path / "agent-config.yaml").write_text(
+            yaml.safe_dump({"state_dir": str(tmp_path / "state"), **cgroups.config()})
+        )
         yield cgroups

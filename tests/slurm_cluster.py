@@ -46,11 +46,16 @@ START_TIMEOUT_S = 60.0
 
 def missing_reason() -> str | None:
     """Why a real Slurm cannot be started here, or None when it can."""
-    missing = [p for p in PROGRAMS if shutil.which(p) is None and not Path(f"/usr/sbin/{p}").exists()]
+    missing = [
+        p for p in PROGRAMS if shutil.which(p) is None and not Path(f"/usr/sbin/{p}").exists()
+    ]
     if missing:
-        return ("real Slurm not available: missing " + ", ".join(missing)
-                + f"; install Debian packages {' '.join(PACKAGES)} "
-                "(scripts/install-test-system-deps, as root)")
+        return (
+            "real Slurm not available: missing "
+            + ", ".join(missing)
+            + f"; install Debian packages {' '.join(PACKAGES)} "
+            "(scripts/install-test-system-deps, as root)"
+        )
     if os.geteuid() != 0:
         # slurmd must run as root to serve a node (it setuid()s to job users); munged as
         # root needs --force. A non-root run cannot start the daemons.
@@ -102,10 +107,13 @@ class SlurmCluster:
         env["SLURM_CONF"] = str(self.conf)
         return env
 
-    def run(self, *argv: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
+    def run(
+        self, *argv: str, check: bool = True, timeout: float = 30
+    ) -> subprocess.CompletedProcess:
         """Run a Slurm client command against this cluster (test-side checks)."""
-        proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
-                              env=self.env())
+        proc = subprocess.run(
+            list(argv), capture_output=True, text=True, timeout=timeout, env=self.env()
+        )
         if check and proc.returncode != 0:
             raise AssertionError(f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr}")
         return proc
@@ -127,11 +135,19 @@ class SlurmCluster:
         deadline = time.monotonic() + START_TIMEOUT_S
         while self.show_node().get("State") != "IDLE":
             if time.monotonic() > deadline:
-                raise AssertionError(f"node {self.node} not IDLE and responding: "
-                                     f"{self.show_node()}\n{self.logs()}")
+                raise AssertionError(
+                    f"node {self.node} not IDLE and responding: {self.show_node()}\n{self.logs()}"
+                )
             time.sleep(0.2)
-        out = self.run("sbatch", "--parsable", "--output=/dev/null", f"--chdir={self.root}",
-                       *sbatch_args, "--wrap", wrap).stdout.strip()
+        out = self.run(
+            "sbatch",
+            "--parsable",
+            "--output=/dev/null",
+            f"--chdir={self.root}",
+            *sbatch_args,
+            "--wrap",
+            wrap,
+        ).stdout.strip()
         return out.split(";")[0]
 
     def show_job(self, job_id: str) -> dict[str, str]:
@@ -148,8 +164,9 @@ class SlurmCluster:
             if fields.get("JobState") == state:
                 return fields
             time.sleep(0.2)
-        raise AssertionError(f"job {job_id} not {state} after {timeout_s:.0f} s: {fields}\n"
-                             f"{self.logs()}")
+        raise AssertionError(
+            f"job {job_id} not {state} after {timeout_s:.0f} s: {fields}\n{self.logs()}"
+        )
 
     def sinfo_reasons(self) -> str:
         """``sinfo -R`` as printed: the drained/down nodes with their reasons."""
@@ -168,12 +185,19 @@ class SlurmCluster:
         ctld_port, slurmd_port, fake_port = _free_ports(3)
         self.conf.write_text(self._slurm_conf(ctld_port, slurmd_port, fake_port))
         try:
-            self._spawn("munged", [
-                _program("munged"), "--foreground", "--force",
-                f"--socket={self.munge_socket}", f"--key-file={key}",
-                f"--pid-file={self.root / 'munge' / 'munged.pid'}",
-                f"--log-file={self.root / 'munge' / 'munged.log'}",
-                f"--seed-file={self.root / 'munge' / 'munged.seed'}"])
+            self._spawn(
+                "munged",
+                [
+                    _program("munged"),
+                    "--foreground",
+                    "--force",
+                    f"--socket={self.munge_socket}",
+                    f"--key-file={key}",
+                    f"--pid-file={self.root / 'munge' / 'munged.pid'}",
+                    f"--log-file={self.root / 'munge' / 'munged.log'}",
+                    f"--seed-file={self.root / 'munge' / 'munged.seed'}",
+                ],
+            )
             self._wait(lambda: self.munge_socket.exists(), "munged socket", "munged")
             self._spawn("slurmctld", [_program("slurmctld"), "-D", "-i", "-f", str(self.conf)])
             self._wait(self._ctld_answers, "slurmctld to answer `scontrol ping`", "slurmctld")
@@ -208,9 +232,14 @@ class SlurmCluster:
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.root / f"{name}.stdout", "wb")  # noqa: SIM115 - lives as long as the daemon
-        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env=self.env(),
-                                            start_new_session=True)
+        self.procs[name] = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env(),
+            start_new_session=True,
+        )
         log.close()
 
     def _wait(self, ready, what: str, daemon: str) -> None:
@@ -219,12 +248,16 @@ class SlurmCluster:
             proc = self.procs[daemon]
             if proc.poll() is not None:
                 out = (self.root / f"{daemon}.stdout").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"{daemon} exited {proc.returncode} while waiting for {what}:\n"
-                                   f"{out}\n{self.logs()}")
+                raise RuntimeError(
+                    f"{daemon} exited {proc.returncode} while waiting for {what}:\n"
+                    f"{out}\n{self.logs()}"
+                )
             if ready():
                 return
             time.sleep(0.2)
-        raise RuntimeError(f"timed out after {START_TIMEOUT_S:.0f} s waiting for {what}\n{self.logs()}")
+        raise RuntimeError(
+            f"timed out after {START_TIMEOUT_S:.0f} s waiting for {what}\n{self.logs()}"
+        )
 
     def _ctld_answers(self) -> bool:
         proc = self.run("scontrol", "ping", check=False, timeout=10)
@@ -239,8 +272,11 @@ class SlurmCluster:
         r = self.root
         fakes = ",".join(self.fake_nodes)
         # A reboot that never comes back would turn the node DOWN after ResumeTimeout.
-        reboot = (f"RebootProgram={self.reboot_program}\nResumeTimeout=3600\n"
-                  if self.reboot_program else "")
+        reboot = (
+            f"RebootProgram={self.reboot_program}\nResumeTimeout=3600\n"
+            if self.reboot_program
+            else ""
+        )
         return f"""\
 # Generated by tests/slurm_cluster.py: a one-host test cluster on loopback.
 ClusterName=nodeagent-test
@@ -252,12 +288,12 @@ SlurmdUser=root
 AuthType=auth/munge
 AuthInfo=socket={self.munge_socket}
 CredType=cred/munge
-StateSaveLocation={r / 'state'}
-SlurmdSpoolDir={r / 'spool'}/%n
-SlurmctldPidFile={r / 'slurmctld.pid'}
-SlurmdPidFile={r / 'slurmd'}-%n.pid
-SlurmctldLogFile={r / 'slurmctld.log'}
-SlurmdLogFile={r / 'slurmd'}-%n.log
+StateSaveLocation={r / "state"}
+SlurmdSpoolDir={r / "spool"}/%n
+SlurmctldPidFile={r / "slurmctld.pid"}
+SlurmdPidFile={r / "slurmd"}-%n.pid
+SlurmctldLogFile={r / "slurmctld.log"}
+SlurmdLogFile={r / "slurmd"}-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
@@ -307,8 +343,10 @@ def reset_cluster(cluster: SlurmCluster) -> None:
     if jobs:
         cluster.run("scancel", *jobs, check=False)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and cluster.run(
-                "squeue", "--noheader", "--format=%A", check=False).stdout.strip():
+        while (
+            time.monotonic() < deadline
+            and cluster.run("squeue", "--noheader", "--format=%A", check=False).stdout.strip()
+        ):
             time.sleep(0.2)
     for line in cluster.run("scontrol", "show", "node", "-o").stdout.splitlines():
         fields = parse_fields(line.partition(" Reason=")[0])

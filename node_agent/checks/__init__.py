@@ -76,10 +76,26 @@ class CheckContext:
     def simulated(self) -> bool:
         return self.scenario is not None
 
-    def result(self, target: str, metric: str, status: Status, detail: str,
-               value: Any = None, unit: str = "", **evidence: Any) -> Result:
-        return Result(check=self.check, target=target, metric=metric, status=status,
-                      detail=detail, value=value, unit=unit, evidence=evidence)
+    def result(
+        self,
+        target: str,
+        metric: str,
+        status: Status,
+        detail: str,
+        value: Any = None,
+        unit: str = "",
+        **evidence: Any,
+    ) -> Result:
+        return Result(
+            check=self.check,
+            target=target,
+            metric=metric,
+            status=status,
+            detail=detail,
+            value=value,
+            unit=unit,
+            evidence=evidence,
+        )
 
     def skip(self, reason: str, target: str = "node", metric: str = "ran") -> Result:
         return self.result(target, metric, Status.SKIP, reason)
@@ -105,21 +121,42 @@ class CheckContext:
         evidence = {"pci_gpus": [g.to_dict() for g in bus.gpus], "nvml": reason}
         if gpus and not any(g.driver == "nvidia" for g in gpus):
             # the two checks every suite starts with explain it; the others say it briefly
-            detail = (driver_not_loaded_detail(reason, gpus)
-                      if self.check in ("inventory", "nvml_health") else
-                      f"cannot run {self.check}: {len(gpus)} NVIDIA GPU(s) on the PCI bus but "
-                      "the NVIDIA kernel driver is not loaded (`dmesg | grep -i nvrm`; build it "
-                      "for the running kernel, `modprobe nvidia`)")
-            return [self.result("node", "driver_not_loaded", Status.ERROR, detail,
-                                value=len(gpus), unit="GPUs", **evidence)]
+            detail = (
+                driver_not_loaded_detail(reason, gpus)
+                if self.check in ("inventory", "nvml_health")
+                else f"cannot run {self.check}: {len(gpus)} NVIDIA GPU(s) on the PCI bus but "
+                "the NVIDIA kernel driver is not loaded (`dmesg | grep -i nvrm`; build it "
+                "for the running kernel, `modprobe nvidia`)"
+            )
+            return [
+                self.result(
+                    "node",
+                    "driver_not_loaded",
+                    Status.ERROR,
+                    detail,
+                    value=len(gpus),
+                    unit="GPUs",
+                    **evidence,
+                )
+            ]
         if gpus:
-            return [self.result("node", "gpu_backend", Status.ERROR,
-                                f"{len(gpus)} NVIDIA GPU(s) on the PCI bus are bound to the nvidia "
-                                f"driver, but NVML cannot be used: {reason}", **evidence)]
+            return [
+                self.result(
+                    "node",
+                    "gpu_backend",
+                    Status.ERROR,
+                    f"{len(gpus)} NVIDIA GPU(s) on the PCI bus are bound to the nvidia "
+                    f"driver, but NVML cannot be used: {reason}",
+                    **evidence,
+                )
+            ]
         if self.gpu.broken:
             return [self.result("node", "gpu_backend", Status.ERROR, reason, **evidence)]
-        where = ("no NVIDIA GPU on the PCI bus" if bus.unreadable is None
-                 else f"the PCI bus could not be read: {bus.unreadable}")
+        where = (
+            "no NVIDIA GPU on the PCI bus"
+            if bus.unreadable is None
+            else f"the PCI bus could not be read: {bus.unreadable}"
+        )
         return [self.skip(f"{reason}; {where}")]
 
     def compute_unavailable(self, reason: str) -> list[Result]:
@@ -127,8 +164,14 @@ class CheckContext:
         torch, a CPU-only torch, CUDA not seeing the GPUs): at delivery an ``error`` — a node
         is not accepted without its load tests — and in service a ``skip`` with the reason."""
         if self.mode == "delivery":
-            return [self.result("node", "compute", Status.ERROR,
-                                f"cannot run {self.check} on this node's GPUs: {reason}")]
+            return [
+                self.result(
+                    "node",
+                    "compute",
+                    Status.ERROR,
+                    f"cannot run {self.check} on this node's GPUs: {reason}",
+                )
+            ]
         return [self.skip(reason, metric="compute")]
 
 
@@ -136,14 +179,19 @@ def driver_not_loaded_detail(reason: str, gpus: tuple[Any, ...]) -> str:
     """What the operator reads when GPUs are on the PCI bus but no NVIDIA driver holds them."""
     shown = ", ".join(g.describe() for g in gpus[:4]) + (", ..." if len(gpus) > 4 else "")
     nouveau = any(g.driver == "nouveau" for g in gpus)
-    advice = ("the open-source nouveau driver holds them: blacklist it "
-              "(modprobe.d: blacklist nouveau), rebuild the initramfs and reboot" if nouveau else
-              "check `dmesg | grep -i nvrm` for why nvidia.ko did not load; after a kernel "
-              "update, build the driver for the running kernel (`dkms status`, `uname -r`, "
-              "`dkms autoinstall`); then `modprobe nvidia` (or reboot) and re-test")
-    return (f"{len(gpus)} NVIDIA GPU(s) on the PCI bus ({shown}) but the NVIDIA kernel driver "
-            f"(nvidia.ko) is not loaded or holds none of them, so no GPU can be used: "
-            f"{advice} [NVML: {reason}]")
+    advice = (
+        "the open-source nouveau driver holds them: blacklist it "
+        "(modprobe.d: blacklist nouveau), rebuild the initramfs and reboot"
+        if nouveau
+        else "check `dmesg | grep -i nvrm` for why nvidia.ko did not load; after a kernel "
+        "update, build the driver for the running kernel (`dkms status`, `uname -r`, "
+        "`dkms autoinstall`); then `modprobe nvidia` (or reboot) and re-test"
+    )
+    return (
+        f"{len(gpus)} NVIDIA GPU(s) on the PCI bus ({shown}) but the NVIDIA kernel driver "
+        f"(nvidia.ko) is not loaded or holds none of them, so no GPU can be used: "
+        f"{advice} [NVML: {reason}]"
+    )
 
 
 def resolve(name: str) -> Callable[[CheckContext], list[Result]]:
@@ -151,5 +199,7 @@ def resolve(name: str) -> Callable[[CheckContext], list[Result]]:
     try:
         module_name = REGISTRY[name]
     except KeyError:
-        raise KeyError(f"unknown check {name!r}; known checks: {', '.join(sorted(REGISTRY))}") from None
+        raise KeyError(
+            f"unknown check {name!r}; known checks: {', '.join(sorted(REGISTRY))}"
+        ) from None
     return importlib.import_module(module_name).run

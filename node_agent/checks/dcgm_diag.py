@@ -35,8 +35,10 @@ from node_agent.model import Result, Status
 from node_agent.parsers import ParseError
 from node_agent.parsers.dcgm_diag import DiagEntityResult, DiagReport, error_name, parse_diag_json
 
-SIMULATED = ("simulated node: DCGM is not simulated (the NVML checks see the injected faults); "
-             "on real hardware this runs `dcgmi diag`")
+SIMULATED = (
+    "simulated node: DCGM is not simulated (the NVML checks see the injected faults); "
+    "on real hardware this runs `dcgmi diag`"
+)
 DCGMI_MISSING = "and no `dcgmi` on PATH either"
 
 #: metric and operator advice per DCGM severity (DCGM "Diagnostic Errors" reference)
@@ -61,10 +63,12 @@ def request_from_params(params: dict[str, Any]) -> DiagRequest:
         tests = [t.strip() for t in tests.split(",") if t.strip()]
     gpus = params.get("gpus") or ()
     try:
-        return DiagRequest(level=None if tests else int(params.get("level", 3)),
-                           tests=tuple(str(t) for t in tests),
-                           gpus=tuple(int(g) for g in gpus),
-                           iterations=int(params.get("iterations", 1)))
+        return DiagRequest(
+            level=None if tests else int(params.get("level", 3)),
+            tests=tuple(str(t) for t in tests),
+            gpus=tuple(int(g) for g in gpus),
+            iterations=int(params.get("iterations", 1)),
+        )
     except (TypeError, ValueError) as err:
         raise ValueError(f"dcgm_diag params {params}: {err}") from err
 
@@ -100,9 +104,15 @@ def run(ctx: CheckContext, opener: Opener = open_dcgm) -> list[Result]:
     try:
         report = source.run_diag(request, timeout_s)
     except DcgmError as err:
-        return [ctx.result("node", "diag", Status.ERROR,
-                           f"DCGM diagnostic -r {request.run_arg} did not complete: {err}",
-                           via=f"bindings, {source.connection}")]
+        return [
+            ctx.result(
+                "node",
+                "diag",
+                Status.ERROR,
+                f"DCGM diagnostic -r {request.run_arg} did not complete: {err}",
+                via=f"bindings, {source.connection}",
+            )
+        ]
     finally:
         source.close()
     return results_from_report(ctx, report, request, via=f"bindings, {source.connection}")
@@ -124,72 +134,131 @@ def dcgmi_argv(dcgmi: str, request: DiagRequest, host: str | None = None) -> lis
     return argv
 
 
-def run_cli(ctx: CheckContext, dcgmi: str, request: DiagRequest,
-            timeout_s: float) -> list[Result]:
+def run_cli(ctx: CheckContext, dcgmi: str, request: DiagRequest, timeout_s: float) -> list[Result]:
     """Run ``dcgmi diag -j`` and grade its JSON; every way it can break is an ``error``."""
     argv = dcgmi_argv(dcgmi, request, ctx.config.get("dcgm.hostengine"))
     res = proc.run(argv, timeout_s)
     ev = {"via": "dcgmi", "argv": argv, "returncode": res.returncode}
     if res.timed_out or res.not_found or (res.returncode is None):
-        return [ctx.result("node", "diag", Status.ERROR,
-                           f"dcgmi diag: {res.describe_failure()}"
-                           + (" (raise the suite's timeout_s for this level)"
-                              if res.timed_out else ""),
-                           stderr_tail=res.stderr[-600:], **ev)]
+        return [
+            ctx.result(
+                "node",
+                "diag",
+                Status.ERROR,
+                f"dcgmi diag: {res.describe_failure()}"
+                + (" (raise the suite's timeout_s for this level)" if res.timed_out else ""),
+                stderr_tail=res.stderr[-600:],
+                **ev,
+            )
+        ]
     try:
         report = parse_diag_json(res.stdout)
     except ParseError as err:
-        why = (f"dcgmi diag: {res.describe_failure()}; its output is not a readable report "
-               f"({err})" if not res.ok else f"cannot read dcgmi diag's JSON: {err}")
-        return [ctx.result("node", "diag", Status.ERROR, why, stdout_tail=res.stdout[-600:],
-                           stderr_tail=res.stderr[-600:], **ev)]
+        why = (
+            f"dcgmi diag: {res.describe_failure()}; its output is not a readable report ({err})"
+            if not res.ok
+            else f"cannot read dcgmi diag's JSON: {err}"
+        )
+        return [
+            ctx.result(
+                "node",
+                "diag",
+                Status.ERROR,
+                why,
+                stdout_tail=res.stdout[-600:],
+                stderr_tail=res.stderr[-600:],
+                **ev,
+            )
+        ]
     results = results_from_report(ctx, report, request, via="dcgmi")
-    if not res.ok and not any(r.status in (Status.FAIL, Status.WARN, Status.ERROR)
-                              for r in results):
+    if not res.ok and not any(
+        r.status in (Status.FAIL, Status.WARN, Status.ERROR) for r in results
+    ):
         # a clean report from a dcgmi that says it failed: believe the failure, not the pass
-        return [ctx.result("node", "diag", Status.ERROR,
-                           f"dcgmi diag: {res.describe_failure()}, although its report shows "
-                           "no failed test; re-run it by hand to see why",
-                           stdout_tail=res.stdout[-600:], **ev)]
+        return [
+            ctx.result(
+                "node",
+                "diag",
+                Status.ERROR,
+                f"dcgmi diag: {res.describe_failure()}, although its report shows "
+                "no failed test; re-run it by hand to see why",
+                stdout_tail=res.stdout[-600:],
+                **ev,
+            )
+        ]
     for r in results:
         r.duration_s = res.duration_s
     return results
 
 
-def results_from_report(ctx: CheckContext, report: DiagReport, request: DiagRequest,
-                        via: str) -> list[Result]:
+def results_from_report(
+    ctx: CheckContext, report: DiagReport, request: DiagRequest, via: str
+) -> list[Result]:
     """One result per failed test and entity; one ``pass`` when DCGM found nothing."""
-    base = {"via": via, "run": request.run_arg, "dcgm_version": report.dcgm_version,
-            "driver_version": report.driver_version, "format": report.format}
+    base = {
+        "via": via,
+        "run": request.run_arg,
+        "dcgm_version": report.dcgm_version,
+        "driver_version": report.driver_version,
+        "format": report.format,
+    }
     if report.runtime_error:
-        return [ctx.result("node", "diag", Status.ERROR,
-                           f"DCGM could not run the diagnostic -r {request.run_arg}: "
-                           f"{report.runtime_error}", **base)]
+        return [
+            ctx.result(
+                "node",
+                "diag",
+                Status.ERROR,
+                f"DCGM could not run the diagnostic -r {request.run_arg}: {report.runtime_error}",
+                **base,
+            )
+        ]
     out = [_finding(ctx, f, iters, base) for f, iters in _merge(report.findings)]
     if report.overall and report.overall.lower() == "fail" and not out:
-        out.append(ctx.result("node", "diag", Status.ERROR,
-                              f"dcgmi diag --iterations reported Overall Result Fail "
-                              f"({report.overall_warning or 'no reason given'}) but no failed "
-                              "test; re-run it by hand", **base))
+        out.append(
+            ctx.result(
+                "node",
+                "diag",
+                Status.ERROR,
+                f"dcgmi diag --iterations reported Overall Result Fail "
+                f"({report.overall_warning or 'no reason given'}) but no failed "
+                "test; re-run it by hand",
+                **base,
+            )
+        )
     if out:
         return out
     ran = [r for r in report.results if r.status == "pass"]
     skipped = sorted({f"{r.test} ({r.target})" for r in report.results if r.status == "skip"})
     if not ran:
-        return [ctx.skip(f"DCGM ran no test for -r {request.run_arg}: every test was skipped "
-                         f"({', '.join(skipped[:10]) or 'none reported'})", metric="diag")]
+        return [
+            ctx.skip(
+                f"DCGM ran no test for -r {request.run_arg}: every test was skipped "
+                f"({', '.join(skipped[:10]) or 'none reported'})",
+                metric="diag",
+            )
+        ]
     tests = sorted({r.test for r in ran})
     targets = sorted({r.target for r in ran})
     iterations = f" x{report.iterations}" if report.iterations > 1 else ""
-    return [ctx.result("node", "diag", Status.PASS,
-                       f"DCGM diagnostic -r {request.run_arg}{iterations}: {len(tests)} tests "
-                       f"passed on {len(targets)} entities", value=len(tests), unit="tests",
-                       tests=tests, targets=targets, skipped=skipped,
-                       iterations=report.iterations, **base)]
+    return [
+        ctx.result(
+            "node",
+            "diag",
+            Status.PASS,
+            f"DCGM diagnostic -r {request.run_arg}{iterations}: {len(tests)} tests "
+            f"passed on {len(targets)} entities",
+            value=len(tests),
+            unit="tests",
+            tests=tests,
+            targets=targets,
+            skipped=skipped,
+            iterations=report.iterations,
+            **base,
+        )
+    ]
 
 
-def _merge(findings: tuple[DiagEntityResult, ...]
-           ) -> list[tuple[DiagEntityResult, list[int]]]:
+def _merge(findings: tuple[DiagEntityResult, ...]) -> list[tuple[DiagEntityResult, list[int]]]:
     """One finding per (test, target), the worst over iterations, with the iterations seen."""
     worst: dict[tuple[str, str], DiagEntityResult] = {}
     seen: dict[tuple[str, str], list[int]] = {}
@@ -208,38 +277,60 @@ def _rank(f: DiagEntityResult) -> tuple[int, int]:
     return (_SEV_RANK.get(f.worst_severity or "", 0), _RANK.get(f.status, 0))
 
 
-def _finding(ctx: CheckContext, f: DiagEntityResult, iterations: list[int],
-             base: dict[str, Any]) -> Result:
+def _finding(
+    ctx: CheckContext, f: DiagEntityResult, iterations: list[int], base: dict[str, Any]
+) -> Result:
     severity = f.worst_severity
     metric, advice = _BY_SEVERITY.get(severity or "", _UNRATED)
     lead = next((w for w in f.warnings if w.severity_name == severity), None) or (
-        f.warnings[0] if f.warnings else None)
+        f.warnings[0] if f.warnings else None
+    )
     code = lead.error_id if lead else None
     evidence = {
-        **base, "test": f.test, "category": f.category, "dcgm_status": f.printed_status,
-        "error_id": code, "error_name": error_name(code),
+        **base,
+        "test": f.test,
+        "category": f.category,
+        "dcgm_status": f.printed_status,
+        "error_id": code,
+        "error_name": error_name(code),
         "error_category": lead.category_name if lead else None,
         "error_severity": severity,
-        "errors": [{"message": w.message, "error_id": w.error_id,
-                    "error_name": error_name(w.error_id), "category": w.category_name,
-                    "severity": w.severity_name} for w in f.warnings],
+        "errors": [
+            {
+                "message": w.message,
+                "error_id": w.error_id,
+                "error_name": error_name(w.error_id),
+                "category": w.category_name,
+                "severity": w.severity_name,
+            }
+            for w in f.warnings
+        ],
         "info": list(f.info),
     }
     if f.warn_printed_as_fail:
-        evidence["note"] = ("dcgmi printed this WARN as 'Fail' (DCGM 3.x prints only Pass, "
-                            "Skip or Fail); every error on it is severity MONITOR")
+        evidence["note"] = (
+            "dcgmi printed this WARN as 'Fail' (DCGM 3.x prints only Pass, "
+            "Skip or Fail); every error on it is severity MONITOR"
+        )
     if iterations:
         evidence["iterations_with_finding"] = [i + 1 for i in iterations]
     if f.status == "unknown":
-        return ctx.result(f.target, "diag", Status.ERROR,
-                          f"DCGM test {f.test!r} on {f.target} has status {f.printed_status!r}, "
-                          "which node-agent does not know; read the evidence", **evidence)
+        return ctx.result(
+            f.target,
+            "diag",
+            Status.ERROR,
+            f"DCGM test {f.test!r} on {f.target} has status {f.printed_status!r}, "
+            "which node-agent does not know; read the evidence",
+            **evidence,
+        )
     status = Status.WARN if f.status == "warn" else Status.FAIL
     message = lead.message if lead else "no message"
     code_text = f"DCGM error {code} {error_name(code)}" if code is not None else "no error code"
     sev_text = f"severity {severity}" if severity else "no severity"
-    detail = (f"DCGM diag {f.test} {'warned' if status is Status.WARN else 'failed'} on "
-              f"{f.target}: {message} ({code_text}, {sev_text}"
-              + (f", category {lead.category_name}" if lead and lead.category_name else "")
-              + f"); {advice}")
+    detail = (
+        f"DCGM diag {f.test} {'warned' if status is Status.WARN else 'failed'} on "
+        f"{f.target}: {message} ({code_text}, {sev_text}"
+        + (f", category {lead.category_name}" if lead and lead.category_name else "")
+        + f"); {advice}"
+    )
     return ctx.result(f.target, metric, status, detail, value=code, **evidence)

@@ -35,8 +35,10 @@ from node_agent.gpu.dcgm import (
 from node_agent.model import Result, Status
 
 DEFAULT_SYSTEMS = ("pcie", "mem", "inforom", "thermal", "power", "nvlink", "driver")
-SIMULATED = ("simulated node: DCGM is not simulated (the NVML checks see the injected faults); "
-             "on real hardware this reads DCGM's health watches")
+SIMULATED = (
+    "simulated node: DCGM is not simulated (the NVML checks see the injected faults); "
+    "on real hardware this reads DCGM's health watches"
+)
 #: DCGM_FR_PENDING_PAGE_RETIREMENTS, DCGM_FR_DBE_PENDING_PAGE_RETIREMENTS,
 #: DCGM_FR_PENDING_ROW_REMAP: the fix is a GPU reset (NVIDIA GPU memory error management)
 RESET_PENDING_CODES = frozenset({6, 83, 85})
@@ -64,8 +66,9 @@ class HealthWatch:
             self.source.set_health_watches(self._mask)
             self._armed = True
         report = self.source.check_health()
-        return HealthReport(overall=report.overall, incidents=report.incidents,
-                            systems=self.systems)
+        return HealthReport(
+            overall=report.overall, incidents=report.incidents, systems=self.systems
+        )
 
 
 def incidents(source: DcgmSource, systems: Sequence[str] = DEFAULT_SYSTEMS) -> HealthReport:
@@ -87,21 +90,40 @@ def incident_results(ctx: CheckContext, report: HealthReport, via: str) -> list[
         if inc.health == "pass":
             continue
         status = Status.FAIL if inc.health == "fail" else Status.WARN
-        code = (f"DCGM error {inc.error_code} {inc.error_name}" if inc.error_code
-                else "no error code")
-        out.append(ctx.result(
-            inc.target, incident_metric(inc), status,
-            f"DCGM health {inc.system} {inc.health.upper()} on {inc.target}: "
-            f"{inc.message or 'no message'} ({code})",
-            value=inc.error_code, system=inc.system, health=inc.health.upper(),
-            error_code=inc.error_code, error_name=inc.error_name, message=inc.message,
-            overall=report.overall.upper(), via=via))
+        code = (
+            f"DCGM error {inc.error_code} {inc.error_name}" if inc.error_code else "no error code"
+        )
+        out.append(
+            ctx.result(
+                inc.target,
+                incident_metric(inc),
+                status,
+                f"DCGM health {inc.system} {inc.health.upper()} on {inc.target}: "
+                f"{inc.message or 'no message'} ({code})",
+                value=inc.error_code,
+                system=inc.system,
+                health=inc.health.upper(),
+                error_code=inc.error_code,
+                error_name=inc.error_name,
+                message=inc.message,
+                overall=report.overall.upper(),
+                via=via,
+            )
+        )
     if out:
         return out
-    return [ctx.result("node", "health", Status.PASS,
-                       f"DCGM health watches ({', '.join(report.systems)}) report no incident "
-                       f"(overall {report.overall.upper()})", systems=list(report.systems),
-                       overall=report.overall.upper(), via=via)]
+    return [
+        ctx.result(
+            "node",
+            "health",
+            Status.PASS,
+            f"DCGM health watches ({', '.join(report.systems)}) report no incident "
+            f"(overall {report.overall.upper()})",
+            systems=list(report.systems),
+            overall=report.overall.upper(),
+            via=via,
+        )
+    ]
 
 
 def run(ctx: CheckContext, opener: Opener = open_dcgm) -> list[Result]:
@@ -124,9 +146,15 @@ def run(ctx: CheckContext, opener: Opener = open_dcgm) -> list[Result]:
     try:
         report = incidents(source, systems)
     except DcgmError as err:
-        return [ctx.result("node", "health", Status.ERROR,
-                           f"DCGM health check did not complete: {err}",
-                           via=source.connection)]
+        return [
+            ctx.result(
+                "node",
+                "health",
+                Status.ERROR,
+                f"DCGM health check did not complete: {err}",
+                via=source.connection,
+            )
+        ]
     finally:
         source.close()
     return incident_results(ctx, report, via=source.connection)

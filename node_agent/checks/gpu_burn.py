@@ -55,18 +55,26 @@ def sku_precisions(ctx: CheckContext) -> tuple[str, ...]:
     return tuple(listed) if listed else DEFAULT_PRECISIONS
 
 
-def make_plan(ctx: CheckContext, precisions: tuple[str, ...], duration_s: float,
-              max_precisions: int | None = None) -> BurnPlan:
+def make_plan(
+    ctx: CheckContext,
+    precisions: tuple[str, ...],
+    duration_s: float,
+    max_precisions: int | None = None,
+) -> BurnPlan:
     p = ctx.params
-    return BurnPlan(size=int(p.get("size", 8192)), duration_s=float(duration_s),
-                    precisions=precisions, max_precisions=max_precisions,
-                    sample_s=float(p.get("sample_s", 1.0)),
-                    verify_every=int(p.get("verify_every", 8)),
-                    verify_block=int(p.get("verify_block", 8)),
-                    verify_lag=int(p.get("verify_lag", 2)),
-                    stall_s=float(p.get("stall_s", 60.0)),
-                    startup_timeout_s=float(p.get("startup_timeout_s", 180.0)),
-                    hook=p.get("test_hook"))
+    return BurnPlan(
+        size=int(p.get("size", 8192)),
+        duration_s=float(duration_s),
+        precisions=precisions,
+        max_precisions=max_precisions,
+        sample_s=float(p.get("sample_s", 1.0)),
+        verify_every=int(p.get("verify_every", 8)),
+        verify_block=int(p.get("verify_block", 8)),
+        verify_lag=int(p.get("verify_lag", 2)),
+        stall_s=float(p.get("stall_s", 60.0)),
+        startup_timeout_s=float(p.get("startup_timeout_s", 180.0)),
+        hook=p.get("test_hook"),
+    )
 
 
 def burn(ctx: CheckContext, plan: BurnPlan) -> BurnOutcome | list[Result]:
@@ -86,15 +94,26 @@ def burn(ctx: CheckContext, plan: BurnPlan) -> BurnOutcome | list[Result]:
         return ctx.compute_unavailable(str(err))
     deadline_s = ctx.timeout_s - max(10.0, 0.1 * ctx.timeout_s)
     if plan.duration_s + plan.stall_s > deadline_s:
-        return [ctx.result("node", "burn_plan", Status.ERROR,
-                           f"params.duration_s {plan.duration_s:g} s plus stall_s "
-                           f"{plan.stall_s:g} s does not fit in the check's timeout_s "
-                           f"{ctx.timeout_s:g} s (less a {ctx.timeout_s - deadline_s:g} s "
-                           "margin): raise timeout_s in the suite file or shorten the burn",
-                           duration_s=plan.duration_s, timeout_s=ctx.timeout_s)]
-    return run_burn(specs, plan, ctx.gpu,
-                    sample_interval_s=float(ctx.params.get("sample_interval_s", 1.0)),
-                    deadline_s=deadline_s)
+        return [
+            ctx.result(
+                "node",
+                "burn_plan",
+                Status.ERROR,
+                f"params.duration_s {plan.duration_s:g} s plus stall_s "
+                f"{plan.stall_s:g} s does not fit in the check's timeout_s "
+                f"{ctx.timeout_s:g} s (less a {ctx.timeout_s - deadline_s:g} s "
+                "margin): raise timeout_s in the suite file or shorten the burn",
+                duration_s=plan.duration_s,
+                timeout_s=ctx.timeout_s,
+            )
+        ]
+    return run_burn(
+        specs,
+        plan,
+        ctx.gpu,
+        sample_interval_s=float(ctx.params.get("sample_interval_s", 1.0)),
+        deadline_s=deadline_s,
+    )
 
 
 def worker_failures(ctx: CheckContext, outcome: BurnOutcome) -> list[Result]:
@@ -102,11 +121,19 @@ def worker_failures(ctx: CheckContext, outcome: BurnOutcome) -> list[Result]:
     out = []
     for index, w in sorted(outcome.workers.items()):
         if w.failure:
-            out.append(ctx.result(
-                f"gpu:{index}", w.failure, Status.ERROR,
-                w.failure_detail + "; look for Xid errors in the kernel log, reset the GPU "
-                "and re-run the burn", exitcode=w.exitcode, error=w.last_words,
-                traceback=w.traceback[-2000:], samples_received=len(w.samples)))
+            out.append(
+                ctx.result(
+                    f"gpu:{index}",
+                    w.failure,
+                    Status.ERROR,
+                    w.failure_detail + "; look for Xid errors in the kernel log, reset the GPU "
+                    "and re-run the burn",
+                    exitcode=w.exitcode,
+                    error=w.last_words,
+                    traceback=w.traceback[-2000:],
+                    samples_received=len(w.samples),
+                )
+            )
     return out
 
 
@@ -116,15 +143,25 @@ def run(ctx: CheckContext) -> list[Result]:
     if isinstance(outcome, list):
         return outcome
     ctx.shared[TRACE_KEY] = outcome.trace()
-    results = [ctx.result("node", f"tflops_{p}", Status.SKIP, why)
-               for p, why in outcome.skipped.items()]
+    results = [
+        ctx.result("node", f"tflops_{p}", Status.SKIP, why) for p, why in outcome.skipped.items()
+    ]
     results += worker_failures(ctx, outcome)
     results += _throughput(ctx, outcome)
-    results += [r for i, w in sorted(outcome.workers.items())
-                if (r := _wrong_elements(ctx, i, w, outcome.plan)) is not None]
+    results += [
+        r
+        for i, w in sorted(outcome.workers.items())
+        if (r := _wrong_elements(ctx, i, w, outcome.plan)) is not None
+    ]
     if not any(r.status is not Status.SKIP for r in results):
-        results.append(ctx.result("node", "ran", Status.ERROR,
-                                  "the burn ran no GEMM on any GPU (see the other results)"))
+        results.append(
+            ctx.result(
+                "node",
+                "ran",
+                Status.ERROR,
+                "the burn ran no GEMM on any GPU (see the other results)",
+            )
+        )
     for r in results:
         r.duration_s = outcome.duration_s
     return results
@@ -146,65 +183,102 @@ def _throughput(ctx: CheckContext, outcome: BurnOutcome) -> list[Result]:
             figure = w.median_tflops(precision)
             if w.failure is None and figure is not None:
                 values[index] = figure
-        verdicts = compare_with_siblings(values, thresholds, what=f"{precision} GEMM",
-                                         unit="TFLOP/s")
-        minimum = None if ctx.simulated or not ctx.sku else ctx.sku.minimum(f"tflops_{precision}_min")
+        verdicts = compare_with_siblings(
+            values, thresholds, what=f"{precision} GEMM", unit="TFLOP/s"
+        )
+        minimum = (
+            None if ctx.simulated or not ctx.sku else ctx.sku.minimum(f"tflops_{precision}_min")
+        )
         for index, value in sorted(values.items()):
             w = outcome.workers[index]
             verdict = verdicts[index]
             status, details = verdict.status, [verdict.detail] if verdict.detail else []
             if minimum is not None and value < minimum:
                 status = Status.FAIL
-                details.append(f"gpu:{index} {precision} GEMM {value:.4g} TFLOP/s is below the "
-                               f"SKU minimum {minimum:g} TFLOP/s ({ctx.sku.display_name})")
+                details.append(
+                    f"gpu:{index} {precision} GEMM {value:.4g} TFLOP/s is below the "
+                    f"SKU minimum {minimum:g} TFLOP/s ({ctx.sku.display_name})"
+                )
             samples = w.samples_of(precision)
             if not details:
-                sib = (f"; siblings' median {verdict.siblings_median:.4g} TFLOP/s"
-                       if verdict.siblings_median is not None else "")
+                sib = (
+                    f"; siblings' median {verdict.siblings_median:.4g} TFLOP/s"
+                    if verdict.siblings_median is not None
+                    else ""
+                )
                 what = "median" if estimator == "median" else "upper quartile"
-                details.append(f"gpu:{index} {precision} GEMM {value:.4g} TFLOP/s sustained "
-                               f"({what} of {len(samples)} samples, n={plan.size}){sib}")
-            out.append(ctx.result(
-                f"gpu:{index}", f"tflops_{precision}", status, "; ".join(details),
-                value=_sig(value), unit="TFLOP/s",
-                samples=[[round(s.t1_s, 3), _sig(s.tflops)] for s in samples],
-                device=w.info, minimum=minimum, size=plan.size, estimator=estimator,
-                median_tflops=_sig(w.median_tflops(precision) or 0.0),
-                products_verified=sum(s.verified for s in samples),
-                verify_every=plan.verify_every, **verdict.evidence()))
+                details.append(
+                    f"gpu:{index} {precision} GEMM {value:.4g} TFLOP/s sustained "
+                    f"({what} of {len(samples)} samples, n={plan.size}){sib}"
+                )
+            out.append(
+                ctx.result(
+                    f"gpu:{index}",
+                    f"tflops_{precision}",
+                    status,
+                    "; ".join(details),
+                    value=_sig(value),
+                    unit="TFLOP/s",
+                    samples=[[round(s.t1_s, 3), _sig(s.tflops)] for s in samples],
+                    device=w.info,
+                    minimum=minimum,
+                    size=plan.size,
+                    estimator=estimator,
+                    median_tflops=_sig(w.median_tflops(precision) or 0.0),
+                    products_verified=sum(s.verified for s in samples),
+                    verify_every=plan.verify_every,
+                    **verdict.evidence(),
+                )
+            )
     return out
 
 
-def _wrong_elements(ctx: CheckContext, index: int, w: WorkerReport,
-                    plan: BurnPlan) -> Result | None:
+def _wrong_elements(
+    ctx: CheckContext, index: int, w: WorkerReport, plan: BurnPlan
+) -> Result | None:
     if not w.samples and not w.wrong_events:
         return None  # never ran: its failure or the node-level skip says why
     target = f"gpu:{index}"
     verified = sum(s.verified for s in w.samples)
-    evidence: dict[str, Any] = {"events": w.wrong_events, "events_total": w.wrong_events_total,
-                                "products_verified": verified,
-                                "verify_every": plan.verify_every,
-                                "method": "block Freivalds on the device, read back without "
-                                          "stalling it; flagged rows recomputed in float64 "
-                                          "on the CPU, re-run once to confirm"}
+    evidence: dict[str, Any] = {
+        "events": w.wrong_events,
+        "events_total": w.wrong_events_total,
+        "products_verified": verified,
+        "verify_every": plan.verify_every,
+        "method": "block Freivalds on the device, read back without "
+        "stalling it; flagged rows recomputed in float64 "
+        "on the CPU, re-run once to confirm",
+    }
     confirmed = [e for e in w.wrong_events if e["confirmed"]]
     events = confirmed or w.wrong_events
     if not events:
-        return ctx.result(target, "wrong_elements", Status.PASS,
-                          f"gpu:{index}: no wrong elements in {verified} verified products "
-                          f"(one in {plan.verify_every} verified)", value=0, unit="elements",
-                          **evidence)
+        return ctx.result(
+            target,
+            "wrong_elements",
+            Status.PASS,
+            f"gpu:{index}: no wrong elements in {verified} verified products "
+            f"(one in {plan.verify_every} verified)",
+            value=0,
+            unit="elements",
+            **evidence,
+        )
     count = sum(e["wrong"] for e in events)
-    where = ", ".join(sorted({f"{e['precision']} {'x'.join(map(str, e['shape']))}"
-                              for e in events}))
+    where = ", ".join(
+        sorted({f"{e['precision']} {'x'.join(map(str, e['shape']))}" for e in events})
+    )
     if confirmed:
-        detail = (f"gpu:{index} computed wrong results: {count} wrong elements in {where} "
-                  f"GEMMs ({len(confirmed)} products), repeated on re-run: confirmed silent "
-                  "data corruption; replace the GPU")
+        detail = (
+            f"gpu:{index} computed wrong results: {count} wrong elements in {where} "
+            f"GEMMs ({len(confirmed)} products), repeated on re-run: confirmed silent "
+            "data corruption; replace the GPU"
+        )
         status = Status.FAIL
     else:
-        detail = (f"gpu:{index} computed {count} wrong elements in {where} GEMMs once; the "
-                  "re-run was right (transient; evidence kept, re-test)")
+        detail = (
+            f"gpu:{index} computed {count} wrong elements in {where} GEMMs once; the "
+            "re-run was right (transient; evidence kept, re-test)"
+        )
         status = Status.WARN
-    return ctx.result(target, "wrong_elements", status, detail, value=count, unit="elements",
-                      **evidence)
+    return ctx.result(
+        target, "wrong_elements", status, detail, value=count, unit="elements", **evidence
+    )

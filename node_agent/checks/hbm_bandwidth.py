@@ -71,8 +71,11 @@ def run(ctx: CheckContext) -> list[Result]:
             dev.synchronize()
             devices[spec.index] = (dev, src, dst)
         except Exception as err:  # noqa: BLE001 - one GPU's failure is that GPU's result
-            out.extend(error_results(ctx, [METRIC], spec.index, err,
-                                     f"allocating 2 x {size} B and warming up"))
+            out.extend(
+                error_results(
+                    ctx, [METRIC], spec.index, err, f"allocating 2 x {size} B and warming up"
+                )
+            )
     times: dict[int, list[float]] = {i: [] for i in devices}
     failed: set[int] = set()
     for _ in range(reps):
@@ -80,9 +83,16 @@ def run(ctx: CheckContext) -> list[Result]:
             if index in failed:
                 continue
             try:
-                times[index].append(timed_copy(dev, lambda d=dst, s=src: d.copy_(s), "hbm",
-                                               copy_bytes(size), models.get(index),
-                                               sample_min_s))
+                times[index].append(
+                    timed_copy(
+                        dev,
+                        lambda d=dst, s=src: d.copy_(s),
+                        "hbm",
+                        copy_bytes(size),
+                        models.get(index),
+                        sample_min_s,
+                    )
+                )
             except Exception as err:  # noqa: BLE001
                 failed.add(index)
                 out.extend(error_results(ctx, [METRIC], index, err, "the timed copy"))
@@ -93,11 +103,16 @@ def run(ctx: CheckContext) -> list[Result]:
             continue
         stats = rep_stats(copy_bytes(size), times[index])
         figures[index] = stats.p90_gbps  # see the module docstring
-        evidence[index] = {**stats.evidence(), "size_bytes": size, "bytes_per_copy":
-                           copy_bytes(size), "warmup": warmup,
-                           "counting": "2 x size per copy (read + write)",
-                           "times_s": [round(t, 9) for t in times[index]], **dev.info(),
-                           **(models[index].evidence() if index in models else {})}
+        evidence[index] = {
+            **stats.evidence(),
+            "size_bytes": size,
+            "bytes_per_copy": copy_bytes(size),
+            "warmup": warmup,
+            "counting": "2 x size per copy (read + write)",
+            "times_s": [round(t, 9) for t in times[index]],
+            **dev.info(),
+            **(models[index].evidence() if index in models else {}),
+        }
     devices.clear()  # free the buffers before grading
     out.extend(grade_figures(ctx, METRIC, "HBM copy", figures, evidence, "hbm_bw_gbps_min"))
     return out

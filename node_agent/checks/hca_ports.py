@@ -63,25 +63,46 @@ MAX_CYCLES_PER_RUN = 64
 
 _NUM_OR_NULL = {"type": ["number", "null"], "minimum": 0}
 HCA_SCHEMA: dict[str, Any] = {
-    "type": "object", "additionalProperties": False,
+    "type": "object",
+    "additionalProperties": False,
     "required": ["flaps", "min_window_h", "counters"],
     "properties": {
-        "skus": {"type": "object", "additionalProperties": {
-            "type": "object", "additionalProperties": False,
-            "required": ["ports", "min_rate_gbps"],
-            "properties": {"ports": {"type": "integer", "minimum": 1},
-                           "min_rate_gbps": {"type": "number", "exclusiveMinimum": 0}}}},
-        "flaps": {"type": "object", "additionalProperties": False,
-                  "required": ["count", "window_h"],
-                  "properties": {"count": {"type": "integer", "minimum": 1},
-                                 "window_h": {"type": "number", "exclusiveMinimum": 0}}},
+        "skus": {
+            "type": "object",
+            "additionalProperties": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["ports", "min_rate_gbps"],
+                "properties": {
+                    "ports": {"type": "integer", "minimum": 1},
+                    "min_rate_gbps": {"type": "number", "exclusiveMinimum": 0},
+                },
+            },
+        },
+        "flaps": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["count", "window_h"],
+            "properties": {
+                "count": {"type": "integer", "minimum": 1},
+                "window_h": {"type": "number", "exclusiveMinimum": 0},
+            },
+        },
         "min_window_h": {"type": "number", "exclusiveMinimum": 0},
-        "counters": {"type": "object", "additionalProperties": {
-            "type": "object", "additionalProperties": False,
-            "required": ["dir", "warn_per_hour", "error_per_hour"],
-            "properties": {"dir": {"enum": ["counters", "hw_counters"]},
-                           "warn_per_hour": _NUM_OR_NULL, "error_per_hour": _NUM_OR_NULL,
-                           "bits": {"type": "integer", "minimum": 1, "maximum": 64}}}},
+        "counters": {
+            "type": "object",
+            "additionalProperties": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["dir", "warn_per_hour", "error_per_hour"],
+                "properties": {
+                    "dir": {"enum": ["counters", "hw_counters"]},
+                    "warn_per_hour": _NUM_OR_NULL,
+                    "error_per_hour": _NUM_OR_NULL,
+                    "bits": {"type": "integer", "minimum": 1, "maximum": 64},
+                },
+            },
+        },
     },
 }
 
@@ -120,12 +141,21 @@ def load_grading(path: Path) -> HcaGrading:
     """Read and validate ``hca.yaml``; ConfigError on any problem."""
     data = load_yaml(path, HCA_SCHEMA, what="HCA grading file")
     return HcaGrading(
-        skus=dict(data.get("skus") or {}), flap_count=data["flaps"]["count"],
+        skus=dict(data.get("skus") or {}),
+        flap_count=data["flaps"]["count"],
         flap_window_s=float(data["flaps"]["window_h"]) * 3600,
         min_window_s=float(data["min_window_h"]) * 3600,
-        counters=tuple(CounterRule(name=name, dir=c["dir"], warn_per_hour=c["warn_per_hour"],
-                                   error_per_hour=c["error_per_hour"], bits=c.get("bits", 64))
-                       for name, c in data["counters"].items()))
+        counters=tuple(
+            CounterRule(
+                name=name,
+                dir=c["dir"],
+                warn_per_hour=c["warn_per_hour"],
+                error_per_hour=c["error_per_hour"],
+                bits=c.get("bits", 64),
+            )
+            for name, c in data["counters"].items()
+        ),
+    )
 
 
 #: the last file read, by (path, mtime_ns, size): the daemon runs the check every 15 s, and
@@ -173,9 +203,12 @@ def expectation(ctx: CheckContext, table: HcaGrading) -> Expectation:
     if "ports" in p or "min_rate_gbps" in p:
         ports = p.get("ports")
         rate = p.get("min_rate_gbps")
-        return Expectation(None if ports is None else int(ports),
-                           None if rate is None else float(rate), "the suite's params",
-                           declared=ports is not None)
+        return Expectation(
+            None if ports is None else int(ports),
+            None if rate is None else float(rate),
+            "the suite's params",
+            declared=ports is not None,
+        )
     if ctx.sku is None:
         return Expectation(None, None, "no SKU")
     entry = ctx.sku.section("hca") or table.skus.get(ctx.sku.id)
@@ -242,7 +275,6 @@ def uptime_s(path: Path = UPTIME) -> float | None:
         return None
 
 
-
 # --- the check ---------------------------------------------------------------------------------
 
 
@@ -256,30 +288,45 @@ def run(ctx: CheckContext) -> list[Result]:
         with tempfile.TemporaryDirectory(prefix="node-agent-sim-hca-") as tmp:
             sim = sim_tools.rdma_tools(ctx.scenario, ctx.sku, Path(tmp), now=now)
             return check(ctx, sim.sysfs_root, now=now, uptime=sim.uptime_s)
-    return check(ctx, Path(ctx.params.get("sysfs_root", SYSFS_ROOT)), now=now,
-                 uptime=uptime_s())
+    return check(ctx, Path(ctx.params.get("sysfs_root", SYSFS_ROOT)), now=now, uptime=uptime_s())
 
 
-def check(ctx: CheckContext, root: Path, now: float, uptime: float | None,
-          table: HcaGrading | None = None) -> list[Result]:
+def check(
+    ctx: CheckContext, root: Path, now: float, uptime: float | None, table: HcaGrading | None = None
+) -> list[Result]:
     """The whole check on the tree at ``root`` at time ``now`` (Unix seconds), the node up for
     ``uptime`` seconds (None: unknown). Reads and rewrites ``ctx.state_dir``'s state file."""
     table = table or grading(ctx)
     try:
         readings = read_ports(root, table.counters)
     except OSError as err:
-        return [ctx.result("node", "ran", Status.ERROR, f"cannot list the HCA ports under "
-                           f"{root}: {err.strerror or err}")]
+        return [
+            ctx.result(
+                "node",
+                "ran",
+                Status.ERROR,
+                f"cannot list the HCA ports under {root}: {err.strerror or err}",
+            )
+        ]
     if not readings:
-        return [ctx.skip(f"no RDMA device: {root} lists no ports (no InfiniBand/RoCE HCA, or "
-                         "its driver is not loaded)")]
+        return [
+            ctx.skip(
+                f"no RDMA device: {root} lists no ports (no InfiniBand/RoCE HCA, or "
+                "its driver is not loaded)"
+            )
+        ]
     ignore_param = ctx.params.get("ignore") or ()
     ignore = {str(i) for i in ([ignore_param] if isinstance(ignore_param, str) else ignore_param)}
-    watched = [r for r in readings
-               if r.port.device not in ignore and r.key not in ignore]
-    results = [ctx.skip(f"{r.port.device} port {r.port.port} is in the suite's ignore list",
-                        target=r.port.target, metric="link_state")
-               for r in readings if r not in watched]
+    watched = [r for r in readings if r.port.device not in ignore and r.key not in ignore]
+    results = [
+        ctx.skip(
+            f"{r.port.device} port {r.port.port} is in the suite's ignore list",
+            target=r.port.target,
+            metric="link_state",
+        )
+        for r in readings
+        if r not in watched
+    ]
     results += link_results(ctx, watched, expectation(ctx, table))
     state = load_state(ctx)
     kept = state.get("ports") or {}
@@ -294,69 +341,116 @@ def check(ctx: CheckContext, root: Path, now: float, uptime: float | None,
         flap, ports_state[reading.key] = flap_result(ctx, reading, previous, now, uptime, table)
         results.append(flap)
         rates, ports_state[reading.key]["counters"] = rate_result(
-            ctx, reading, (previous or {}).get("counters") or {}, now, table)
+            ctx, reading, (previous or {}).get("counters") or {}, now, table
+        )
         results.append(rates)
     results += kernel_line_results(ctx, hca_bus_ids(root), state)
     if ctx.state_dir is None:
         for r in results:
             if r.metric in ("flaps", "error_rates"):
-                r.evidence["history"] = ("none kept: no writable state directory, so flaps "
-                                         "and rates see this run alone")
+                r.evidence["history"] = (
+                    "none kept: no writable state directory, so flaps and rates see this run alone"
+                )
     else:
         save_state(ctx, state)
     return results
 
 
-def link_results(ctx: CheckContext, readings: list[PortReading],
-                 expect: Expectation) -> list[Result]:
+def link_results(
+    ctx: CheckContext, readings: list[PortReading], expect: Expectation
+) -> list[Result]:
     """``link_state`` and ``port_rate_gbps`` per port, ``port_count`` for the node."""
     out: list[Result] = []
     active = [r.port for r in readings if r.port.state == "ACTIVE"]
-    fast = [p for p in active if expect.min_rate_gbps is None
-            or (p.rate_gbps is not None and p.rate_gbps >= expect.min_rate_gbps)]
+    fast = [
+        p
+        for p in active
+        if expect.min_rate_gbps is None
+        or (p.rate_gbps is not None and p.rate_gbps >= expect.min_rate_gbps)
+    ]
     short = expect.ports is not None and len(fast) < expect.ports
     if expect.ports is not None:
-        rate_text = (f"{expect.min_rate_gbps:g} Gb/s or faster" if expect.min_rate_gbps
-                     is not None else "any rate")
+        rate_text = (
+            f"{expect.min_rate_gbps:g} Gb/s or faster"
+            if expect.min_rate_gbps is not None
+            else "any rate"
+        )
         if not short:
             tail = ""
         elif expect.declared:
             tail = ": an HCA is missing, down or trained at a lower rate"
         else:
-            tail = (" in its reference build; this server has fewer (set the check's `ports` "
-                    "param to this server's count to grade a missing one)")
-        out.append(ctx.result(
-            "node", "port_count", Status.FAIL if short and expect.declared else Status.PASS,
-            f"{len(fast)} HCA port(s) ACTIVE at {rate_text}, {expect.source} "
-            f"{'expects' if expect.declared else 'has'} at least {expect.ports}{tail}",
-            value=len(fast), unit="ports", expected=expect.ports, declared=expect.declared,
-            min_rate_gbps=expect.min_rate_gbps, source=expect.source,
-            ports=sorted(f"{p.device}/{p.port}" for p in fast)))
+            tail = (
+                " in its reference build; this server has fewer (set the check's `ports` "
+                "param to this server's count to grade a missing one)"
+            )
+        out.append(
+            ctx.result(
+                "node",
+                "port_count",
+                Status.FAIL if short and expect.declared else Status.PASS,
+                f"{len(fast)} HCA port(s) ACTIVE at {rate_text}, {expect.source} "
+                f"{'expects' if expect.declared else 'has'} at least {expect.ports}{tail}",
+                value=len(fast),
+                unit="ports",
+                expected=expect.ports,
+                declared=expect.declared,
+                min_rate_gbps=expect.min_rate_gbps,
+                source=expect.source,
+                ports=sorted(f"{p.device}/{p.port}" for p in fast),
+            )
+        )
     majority = _majority_rates(active)
     for reading in readings:
         port = reading.port
-        ev = {"device": port.device, "port": port.port, "link_layer": port.link_layer,
-              "phys_state": port.phys_state}
+        ev = {
+            "device": port.device,
+            "port": port.port,
+            "link_layer": port.link_layer,
+            "phys_state": port.phys_state,
+        }
         up = port.state == "ACTIVE"
-        out.append(ctx.result(
-            port.target, "link_state", Status.PASS if up else Status.FAIL,
-            f"{port.device} port {port.port} is {port.state or 'unknown'} ({port.phys_state})"
-            + ("" if up else ": no traffic passes; check the cable, the switch port and the "
-               "subnet manager (list the port under the check's `ignore` if it is unused)"),
-            value=port.state, **ev))
+        out.append(
+            ctx.result(
+                port.target,
+                "link_state",
+                Status.PASS if up else Status.FAIL,
+                f"{port.device} port {port.port} is {port.state or 'unknown'} ({port.phys_state})"
+                + (
+                    ""
+                    if up
+                    else ": no traffic passes; check the cable, the switch port and the "
+                    "subnet manager (list the port under the check's `ignore` if it is unused)"
+                ),
+                value=port.state,
+                **ev,
+            )
+        )
         if not up:
             continue
         if port.rate_gbps is None:
-            out.append(ctx.result(port.target, "port_rate_gbps", Status.ERROR,
-                                  f"cannot read the rate of {port.device} port {port.port}: "
-                                  f"{port.rate_text!r}", **ev))
+            out.append(
+                ctx.result(
+                    port.target,
+                    "port_rate_gbps",
+                    Status.ERROR,
+                    f"cannot read the rate of {port.device} port {port.port}: {port.rate_text!r}",
+                    **ev,
+                )
+            )
             continue
         out.append(_rate_result(ctx, port, expect, short, majority.get(port.link_layer), ev))
     return out
 
 
-def missing_results(ctx: CheckContext, kept: dict[str, Any], present: set[str],
-                    ignore: set[str], ports_state: dict[str, Any], now: float) -> list[Result]:
+def missing_results(
+    ctx: CheckContext,
+    kept: dict[str, Any],
+    present: set[str],
+    ignore: set[str],
+    ports_state: dict[str, Any],
+    now: float,
+) -> list[Result]:
     """``port_missing`` (fail) for each port the state knew that sysfs no longer lists: its HCA
     fell off the bus or lost its driver. It stays failing until the port is back (its state
     entry keeps when it went missing)."""
@@ -369,13 +463,20 @@ def missing_results(ctx: CheckContext, kept: dict[str, Any], present: set[str],
         ports_state[key] = {"missing_since": since}
         target = f"hca:{device}" if port == "1" else f"hca:{device}/{port}"
         ago = (now - since) / 60
-        out.append(ctx.result(
-            target, "port_missing", Status.FAIL,
-            f"{device} port {port} was in sysfs at an earlier run and is gone"
-            + (f" (for {ago:.0f} min)" if ago >= 1 else "")
-            + ": the HCA fell off the PCI bus or its driver unloaded (`dmesg | grep mlx5`, "
-            "`lspci -d 15b3:`); reseat or replace it", device=device, port=port,
-            missing_since=since))
+        out.append(
+            ctx.result(
+                target,
+                "port_missing",
+                Status.FAIL,
+                f"{device} port {port} was in sysfs at an earlier run and is gone"
+                + (f" (for {ago:.0f} min)" if ago >= 1 else "")
+                + ": the HCA fell off the PCI bus or its driver unloaded (`dmesg | grep mlx5`, "
+                "`lspci -d 15b3:`); reseat or replace it",
+                device=device,
+                port=port,
+                missing_since=since,
+            )
+        )
     return out
 
 
@@ -392,44 +493,92 @@ def _majority_rates(ports: list[rdma.Port]) -> dict[str, float]:
     return out
 
 
-def _rate_result(ctx: CheckContext, port: rdma.Port, expect: Expectation, short: bool,
-                 peers: float | None, ev: dict[str, Any]) -> Result:
+def _rate_result(
+    ctx: CheckContext,
+    port: rdma.Port,
+    expect: Expectation,
+    short: bool,
+    peers: float | None,
+    ev: dict[str, Any],
+) -> Result:
     rate = port.rate_gbps or 0.0
     head = f"{port.device} port {port.port} at {port.rate_text}"
     if expect.min_rate_gbps is not None:
         low = rate < expect.min_rate_gbps
         if low and (short or expect.ports is None):
-            status, detail = Status.FAIL, (
-                f"{head}, below the {expect.min_rate_gbps:g} Gb/s {expect.source} expects: the "
-                "link trained at a lower speed (reseat or replace the cable or transceiver)")
+            status, detail = (
+                Status.FAIL,
+                (
+                    f"{head}, below the {expect.min_rate_gbps:g} Gb/s {expect.source} expects: the "
+                    "link trained at a lower speed (reseat or replace the cable or transceiver)"
+                ),
+            )
         elif low:
-            status, detail = Status.PASS, (
-                f"{head}: not one of the {expect.ports} fabric ports at "
-                f"{expect.min_rate_gbps:g} Gb/s (those are all there)")
+            status, detail = (
+                Status.PASS,
+                (
+                    f"{head}: not one of the {expect.ports} fabric ports at "
+                    f"{expect.min_rate_gbps:g} Gb/s (those are all there)"
+                ),
+            )
         else:
             status, detail = Status.PASS, head
-        return ctx.result(port.target, "port_rate_gbps", status, detail, value=rate,
-                          unit="Gb/s", minimum=expect.min_rate_gbps, source=expect.source,
-                          rate=port.rate_text, **ev)
+        return ctx.result(
+            port.target,
+            "port_rate_gbps",
+            status,
+            detail,
+            value=rate,
+            unit="Gb/s",
+            minimum=expect.min_rate_gbps,
+            source=expect.source,
+            rate=port.rate_text,
+            **ev,
+        )
     if peers is not None and rate < peers:
-        return ctx.result(port.target, "port_rate_gbps", Status.FAIL,
-                          f"{head}, below the {peers:g} Gb/s most of this node's "
-                          f"{port.link_layer} ports run at: the link trained at a lower speed",
-                          value=rate, unit="Gb/s", peers_gbps=peers, source="the node's ports",
-                          rate=port.rate_text, **ev)
-    return ctx.result(port.target, "port_rate_gbps", Status.PASS,
-                      head + ("" if peers is not None else
-                              " (no expectation declared and no majority of peers to compare)"),
-                      value=rate, unit="Gb/s", peers_gbps=peers, source="the node's ports",
-                      rate=port.rate_text, **ev)
+        return ctx.result(
+            port.target,
+            "port_rate_gbps",
+            Status.FAIL,
+            f"{head}, below the {peers:g} Gb/s most of this node's "
+            f"{port.link_layer} ports run at: the link trained at a lower speed",
+            value=rate,
+            unit="Gb/s",
+            peers_gbps=peers,
+            source="the node's ports",
+            rate=port.rate_text,
+            **ev,
+        )
+    return ctx.result(
+        port.target,
+        "port_rate_gbps",
+        Status.PASS,
+        head
+        + (
+            ""
+            if peers is not None
+            else " (no expectation declared and no majority of peers to compare)"
+        ),
+        value=rate,
+        unit="Gb/s",
+        peers_gbps=peers,
+        source="the node's ports",
+        rate=port.rate_text,
+        **ev,
+    )
 
 
 # --- flaps -------------------------------------------------------------------------------------
 
 
-def flap_result(ctx: CheckContext, reading: PortReading, previous: dict[str, Any] | None,
-                now: float, uptime: float | None,
-                table: HcaGrading) -> tuple[Result, dict[str, Any]]:
+def flap_result(
+    ctx: CheckContext,
+    reading: PortReading,
+    previous: dict[str, Any] | None,
+    now: float,
+    uptime: float | None,
+    table: HcaGrading,
+) -> tuple[Result, dict[str, Any]]:
     """The port's ``flaps`` result and its new state (last state and link_downed, the times of
     its down-up cycles in the window, when the flap WARN was first raised)."""
     port = reading.port
@@ -445,11 +594,15 @@ def flap_result(ctx: CheckContext, reading: PortReading, previous: dict[str, Any
                 cycles += [now - uptime] * min(value, MAX_CYCLES_PER_RUN)
                 note = f"first reading: {value} link-down event(s) since boot {uptime / 3600:.1f} h ago"
             else:
-                note = (f"first reading: link_downed is {value} since the counters were cleared, "
-                        "too long ago to place in the window; growth from now on is counted")
+                note = (
+                    f"first reading: link_downed is {value} since the counters were cleared, "
+                    "too long ago to place in the window; growth from now on is counted"
+                )
     else:
         before = previous.get("link_downed")
-        grown = value - before if value is not None and before is not None and value >= before else 0
+        grown = (
+            value - before if value is not None and before is not None and value >= before else 0
+        )
         came_up = previous.get("state") not in (None, "ACTIVE") and port.state == "ACTIVE"
         new = min(max(grown, int(came_up)), MAX_CYCLES_PER_RUN)
         cycles += [now] * new
@@ -466,28 +619,52 @@ def flap_result(ctx: CheckContext, reading: PortReading, previous: dict[str, Any
         warned_at = None
     hours = window / 3600
     if status is Status.FAIL:
-        detail = (f"{port.device} port {port.port} keeps flapping: {len(cycles)} down-up cycles "
-                  f"in {hours:g} h, {len(after)} of them after the first warning; replace the "
-                  "cable or transceiver, or move the port")
+        detail = (
+            f"{port.device} port {port.port} keeps flapping: {len(cycles)} down-up cycles "
+            f"in {hours:g} h, {len(after)} of them after the first warning; replace the "
+            "cable or transceiver, or move the port"
+        )
     elif status is Status.WARN:
-        detail = (f"{port.device} port {port.port} flapped: {len(cycles)} down-up cycles in "
-                  f"{hours:g} h (a marginal cable, transceiver or switch port)")
+        detail = (
+            f"{port.device} port {port.port} flapped: {len(cycles)} down-up cycles in "
+            f"{hours:g} h (a marginal cable, transceiver or switch port)"
+        )
     else:
         detail = f"{port.device} port {port.port}: {len(cycles)} down-up cycle(s) in {hours:g} h"
-    state = {"t": now, "state": port.state, "link_downed": value, "cycles": cycles,
-             "warned_at": warned_at}
-    result = ctx.result(port.target, "flaps", status, detail + (f" ({note})" if note else ""),
-                        value=len(cycles), unit="cycles", window_h=hours,
-                        threshold=table.flap_count, link_downed=value,
-                        warned_at=warned_at, device=port.device, port=port.port)
+    state = {
+        "t": now,
+        "state": port.state,
+        "link_downed": value,
+        "cycles": cycles,
+        "warned_at": warned_at,
+    }
+    result = ctx.result(
+        port.target,
+        "flaps",
+        status,
+        detail + (f" ({note})" if note else ""),
+        value=len(cycles),
+        unit="cycles",
+        window_h=hours,
+        threshold=table.flap_count,
+        link_downed=value,
+        warned_at=warned_at,
+        device=port.device,
+        port=port.port,
+    )
     return result, state
 
 
 # --- error counters as rates -------------------------------------------------------------------
 
 
-def rate_result(ctx: CheckContext, reading: PortReading, history: dict[str, list[list[float]]],
-                now: float, table: HcaGrading) -> tuple[Result, dict[str, list[list[float]]]]:
+def rate_result(
+    ctx: CheckContext,
+    reading: PortReading,
+    history: dict[str, list[list[float]]],
+    now: float,
+    table: HcaGrading,
+) -> tuple[Result, dict[str, list[list[float]]]]:
     """The port's ``error_rates`` result and each counter's kept readings ``[[t, value], ...]``.
 
     A rate is the increase since the oldest reading kept (the last ``min_window_h``, and the
@@ -516,26 +693,40 @@ def rate_result(ctx: CheckContext, reading: PortReading, history: dict[str, list
                 limit = rule.error_per_hour if level is Status.FAIL else rule.warn_per_hour
                 over.append((level, f"{rule.name} {rate:.1f}/h (over {limit:g}/h)"))
         if rule.saturated_at is not None and value >= rule.saturated_at:
-            notes.append(f"{rule.name} is saturated at {value} (it no longer counts; clear the "
-                         "port's counters, e.g. `perfquery -x -R`)")
+            notes.append(
+                f"{rule.name} is saturated at {value} (it no longer counts; clear the "
+                "port's counters, e.g. `perfquery -x -R`)"
+            )
         kept[rule.name] = _keep(samples, now, value, table.min_window_s)
     status = max((s for s, _ in over), key=_rank, default=Status.PASS)
     if over:
-        detail = (f"{port.device} port {port.port} error rates over their thresholds: "
-                  + ", ".join(text for _, text in over)
-                  + " (bit errors of a marginal cable or transceiver, or a port in trouble)")
+        detail = (
+            f"{port.device} port {port.port} error rates over their thresholds: "
+            + ", ".join(text for _, text in over)
+            + " (bit errors of a marginal cable or transceiver, or a port in trouble)"
+        )
     elif rates:
         detail = f"{port.device} port {port.port}: error rates under their thresholds"
     else:
         detail = f"{port.device} port {port.port}: first reading of its error counters (baseline)"
     if notes:
         detail += "; " + "; ".join(notes)
-    result = ctx.result(port.target, "error_rates", status, detail,
-                        value=max(rates.values(), default=None), unit="errors/h",
-                        rates_per_hour=rates, notes=notes, device=port.device, port=port.port,
-                        # the counters as read, at the top level as the rdma check has them
-                        # (the daemon's metrics export them: node_agent_hca_port_errors)
-                        link_downed=reading.link_downed, **reading.counters)
+    result = ctx.result(
+        port.target,
+        "error_rates",
+        status,
+        detail,
+        value=max(rates.values(), default=None),
+        unit="errors/h",
+        rates_per_hour=rates,
+        notes=notes,
+        device=port.device,
+        port=port.port,
+        # the counters as read, at the top level as the rdma check has them
+        # (the daemon's metrics export them: node_agent_hca_port_errors)
+        link_downed=reading.link_downed,
+        **reading.counters,
+    )
     return result, kept
 
 
@@ -551,8 +742,7 @@ def _rank(status: Status) -> int:
     return {Status.PASS: 0, Status.WARN: 1, Status.FAIL: 2}.get(status, 0)
 
 
-def _keep(samples: list[list[float]], now: float, value: int,
-          window_s: float) -> list[list[float]]:
+def _keep(samples: list[list[float]], now: float, value: int, window_s: float) -> list[list[float]]:
     """The readings to keep: those of the last ``window_s`` and the newest before them, at most
     one per ``window_s / 12`` (the newest replaces a closer one), then this one."""
     old = [s for s in samples if s[0] <= now - window_s]
@@ -584,38 +774,71 @@ class KernelLineKind:
 #: command timeout; health.c ``poll_health``. gpud's kmsg_matcher.go and NVSentinel's syslog
 #: patterns match the same lines (sample lines in tests/unit/test_hca_ports.py).
 KERNEL_LINES: tuple[KernelLineKind, ...] = (
-    KernelLineKind("mlx5_module_temperature", Status.FAIL, re.compile(
-        r"^Port module event\[error\]: module (?P<module>\d+), Cable error, High Temperature"),
-        "the port's cable module is over its temperature threshold and shuts down its link"),
-    KernelLineKind("mlx5_module_error", Status.FAIL, re.compile(
-        r"^Port module event\[error\]: module (?P<module>\d+), [^,]+, (?P<what>.+)"),
+    KernelLineKind(
+        "mlx5_module_temperature",
+        Status.FAIL,
+        re.compile(
+            r"^Port module event\[error\]: module (?P<module>\d+), Cable error, High Temperature"
+        ),
+        "the port's cable module is over its temperature threshold and shuts down its link",
+    ),
+    KernelLineKind(
+        "mlx5_module_error",
+        Status.FAIL,
+        re.compile(r"^Port module event\[error\]: module (?P<module>\d+), [^,]+, (?P<what>.+)"),
         "the port's cable module reports an error (power budget, bad or shorted cable, "
-        "ports powered down for slot power)"),
-    KernelLineKind("mlx5_asic_temperature", Status.WARN, re.compile(
-        r"^High temperature on sensors with bit set"),
-        "the adapter's firmware warns of high temperature on its sensors (airflow, fans)"),
-    KernelLineKind("mlx5_insufficient_power", Status.WARN, re.compile(
-        r"^Detected insufficient power on the PCIe slot \((?P<watts>\d+)W\)"),
+        "ports powered down for slot power)",
+    ),
+    KernelLineKind(
+        "mlx5_asic_temperature",
+        Status.WARN,
+        re.compile(r"^High temperature on sensors with bit set"),
+        "the adapter's firmware warns of high temperature on its sensors (airflow, fans)",
+    ),
+    KernelLineKind(
+        "mlx5_insufficient_power",
+        Status.WARN,
+        re.compile(r"^Detected insufficient power on the PCIe slot \((?P<watts>\d+)W\)"),
         "the slot advertises less power than the adapter needs; it may throttle (on some "
-        "platforms the slot advertises 0 W and the line is benign)"),
-    KernelLineKind("mlx5_command_timeout", Status.FAIL, re.compile(
-        r"^(?P<cmd>[A-Z0-9_]+)\(0x[0-9a-fA-F]+\) timeout\. Will cause a leak of a command resource"),
-        "the adapter's firmware did not answer a command: reset or reboot"),
-    KernelLineKind("mlx5_command_failed", Status.WARN, re.compile(
-        r"^(?P<cmd>[A-Z0-9_]+)\(0x[0-9a-fA-F]+\) op_mod\(0x[0-9a-fA-F]+\) failed, "
-        r"status (?P<status>[^(]+)\(0x[0-9a-fA-F]+\)"),
-        "the adapter's firmware refused a command"),
-    KernelLineKind("mlx5_health_compromised", Status.FAIL, re.compile(
-        r"^device's health compromised - reached miss count"),
-        "the adapter's firmware stopped updating its health counter (hung firmware)"),
-    KernelLineKind("mlx5_fatal_error", Status.FAIL, re.compile(r"^Fatal error (?P<code>\d+) detected"),
-        "the adapter's firmware reports a fatal error; the driver resets the device"),
+        "platforms the slot advertises 0 W and the line is benign)",
+    ),
+    KernelLineKind(
+        "mlx5_command_timeout",
+        Status.FAIL,
+        re.compile(
+            r"^(?P<cmd>[A-Z0-9_]+)\(0x[0-9a-fA-F]+\) timeout\. Will cause a leak of a command resource"
+        ),
+        "the adapter's firmware did not answer a command: reset or reboot",
+    ),
+    KernelLineKind(
+        "mlx5_command_failed",
+        Status.WARN,
+        re.compile(
+            r"^(?P<cmd>[A-Z0-9_]+)\(0x[0-9a-fA-F]+\) op_mod\(0x[0-9a-fA-F]+\) failed, "
+            r"status (?P<status>[^(]+)\(0x[0-9a-fA-F]+\)"
+        ),
+        "the adapter's firmware refused a command",
+    ),
+    KernelLineKind(
+        "mlx5_health_compromised",
+        Status.FAIL,
+        re.compile(r"^device's health compromised - reached miss count"),
+        "the adapter's firmware stopped updating its health counter (hung firmware)",
+    ),
+    KernelLineKind(
+        "mlx5_fatal_error",
+        Status.FAIL,
+        re.compile(r"^Fatal error (?P<code>\d+) detected"),
+        "the adapter's firmware reports a fatal error; the driver resets the device",
+    ),
 )
 #: ACCESS_REG failures are what reading counters does on a DGX's firmware-restricted functions
 #: (gpud issue 1164, node_exporter issue 3434): this check's own reads would flood them
 IGNORED_COMMANDS = frozenset({"ACCESS_REG"})
-_MLX5_PREFIX = re.compile(r"^mlx5_core (?P<bdf>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]): "
-                          r"(?:[A-Za-z0-9_]+:\d+:\(pid \d+\): )?(?P<text>.*)$")
+_MLX5_PREFIX = re.compile(
+    r"^mlx5_core (?P<bdf>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]): "
+    r"(?:[A-Za-z0-9_]+:\d+:\(pid \d+\): )?(?P<text>.*)$"
+)
 _KEPT_LINES = 3
 
 
@@ -654,18 +877,29 @@ def parse_mlx5_line(line: str) -> Mlx5Line | None:
     return None
 
 
-def kernel_line_results(ctx: CheckContext, buses: dict[str, str],
-                        state: dict[str, Any]) -> list[Result]:
+def kernel_line_results(
+    ctx: CheckContext, buses: dict[str, str], state: dict[str, Any]
+) -> list[Result]:
     """One result per HCA and graded form found in the kernel log (``since`` boot or the last
     run's cursor), or one ``kernel_lines`` pass/skip for the node."""
     log = ctx.kernel_log
     if log.unavailable_reason:
-        return [ctx.skip(f"the mlx5 driver's kernel lines cannot be read: "
-                         f"{log.unavailable_reason}", metric="kernel_lines")]
+        return [
+            ctx.skip(
+                f"the mlx5 driver's kernel lines cannot be read: {log.unavailable_reason}",
+                metric="kernel_lines",
+            )
+        ]
     since = ctx.params.get("since", "boot")
     if since not in ("boot", "last_run"):
-        return [ctx.result("node", "kernel_lines", Status.ERROR,
-                           f"params.since is {since!r}; expected 'boot' or 'last_run'")]
+        return [
+            ctx.result(
+                "node",
+                "kernel_lines",
+                Status.ERROR,
+                f"params.since is {since!r}; expected 'boot' or 'last_run'",
+            )
+        ]
     cursor = None
     if since == "last_run":
         saved = state.get("kernel_cursor") or {}
@@ -674,8 +908,14 @@ def kernel_line_results(ctx: CheckContext, buses: dict[str, str],
     try:
         records = log.read()
     except OSError as err:
-        return [ctx.result("node", "kernel_lines", Status.ERROR,
-                           f"cannot read the kernel log {log.source}: {err}")]
+        return [
+            ctx.result(
+                "node",
+                "kernel_lines",
+                Status.ERROR,
+                f"cannot read the kernel log {log.source}: {err}",
+            )
+        ]
     found: dict[tuple[str, str], list[Mlx5Line]] = {}
     for record in records:
         if cursor is not None and record.seq <= cursor:
@@ -687,22 +927,39 @@ def kernel_line_results(ctx: CheckContext, buses: dict[str, str],
             target = f"hca:{buses.get(line.bdf, line.bdf)}"
             found.setdefault((target, line.kind.metric), []).append(line)
     if since == "last_run" and records:
-        state["kernel_cursor"] = {"boot_id": log_cursor.boot_id(), "source": log.source,
-                                  "seq": records[-1].seq}
+        state["kernel_cursor"] = {
+            "boot_id": log_cursor.boot_id(),
+            "source": log.source,
+            "seq": records[-1].seq,
+        }
     window = "since the last run" if cursor is not None else "in the kernel log"
     if not found:
-        return [ctx.result("node", "kernel_lines", Status.PASS,
-                           f"no mlx5 driver line of trouble {window} ({log.source})",
-                           source=log.source)]
+        return [
+            ctx.result(
+                "node",
+                "kernel_lines",
+                Status.PASS,
+                f"no mlx5 driver line of trouble {window} ({log.source})",
+                source=log.source,
+            )
+        ]
     out = []
     for (target, metric), lines in sorted(found.items()):
         kind = lines[0].kind
-        out.append(ctx.result(
-            target, metric, kind.status,
-            f"{target}: {len(lines)} mlx5 line(s) {window}: {kind.meaning} — {lines[-1].text[:200]}",
-            value=len(lines), unit="lines", bus_id=lines[0].bdf, source=log.source,
-            lines=[x.raw[:300] for x in lines[:_KEPT_LINES]],
-            last=lines[-1].raw[:300] if len(lines) > _KEPT_LINES else None))
+        out.append(
+            ctx.result(
+                target,
+                metric,
+                kind.status,
+                f"{target}: {len(lines)} mlx5 line(s) {window}: {kind.meaning} — {lines[-1].text[:200]}",
+                value=len(lines),
+                unit="lines",
+                bus_id=lines[0].bdf,
+                source=log.source,
+                lines=[x.raw[:300] for x in lines[:_KEPT_LINES]],
+                last=lines[-1].raw[:300] if len(lines) > _KEPT_LINES else None,
+            )
+        )
     return out
 
 

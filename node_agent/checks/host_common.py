@@ -26,24 +26,47 @@ from node_agent.yamlfile import load_yaml
 
 _NUM = {"type": "number", "minimum": 0}
 HOST_SCHEMA: dict[str, Any] = {
-    "type": "object", "additionalProperties": False,
+    "type": "object",
+    "additionalProperties": False,
     "properties": {
-        "memory": {"type": "object", "additionalProperties": False, "properties": {
-            "ce_per_24h_max": _NUM, "missing_dimm_fraction": _NUM, "dimm_gib_default": _NUM,
-            "memtotal_reserved_fraction": _NUM}},
-        "nvme": {"type": "object", "additionalProperties": False,
-                 "properties": {"percent_used_max": _NUM}},
-        "pcie_aer": {"type": "object", "additionalProperties": False,
-                     "properties": {"correctable_growth_max": _NUM}},
-        "cpu": {"type": "object", "additionalProperties": False,
-                "properties": {"throttle_growth_max": _NUM}},
+        "memory": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "ce_per_24h_max": _NUM,
+                "missing_dimm_fraction": _NUM,
+                "dimm_gib_default": _NUM,
+                "memtotal_reserved_fraction": _NUM,
+            },
+        },
+        "nvme": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"percent_used_max": _NUM},
+        },
+        "pcie_aer": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"correctable_growth_max": _NUM},
+        },
+        "cpu": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"throttle_growth_max": _NUM},
+        },
     },
 }
-DEFAULTS = {"memory": {"ce_per_24h_max": 10, "missing_dimm_fraction": 0.5, "dimm_gib_default": 32,
-                       "memtotal_reserved_fraction": 0.03},
-            "nvme": {"percent_used_max": 90},
-            "pcie_aer": {"correctable_growth_max": 0},
-            "cpu": {"throttle_growth_max": 0}}
+DEFAULTS = {
+    "memory": {
+        "ce_per_24h_max": 10,
+        "missing_dimm_fraction": 0.5,
+        "dimm_gib_default": 32,
+        "memtotal_reserved_fraction": 0.03,
+    },
+    "nvme": {"percent_used_max": 90},
+    "pcie_aer": {"correctable_growth_max": 0},
+    "cpu": {"throttle_growth_max": 0},
+}
 
 
 def thresholds(ctx: CheckContext, section: str) -> dict[str, float]:
@@ -52,8 +75,11 @@ def thresholds(ctx: CheckContext, section: str) -> dict[str, float]:
     path = graders_dir(ctx.config) / "host.yaml"
     if not path.is_file():
         path = shipped_graders_dir() / "host.yaml"
-    data = load_yaml(path, HOST_SCHEMA, what="host grading file", empty_ok=True) \
-        if path.is_file() else {}
+    data = (
+        load_yaml(path, HOST_SCHEMA, what="host grading file", empty_ok=True)
+        if path.is_file()
+        else {}
+    )
     return {**DEFAULTS[section], **(data.get(section) or {})}
 
 
@@ -68,19 +94,26 @@ def host_paths(ctx: CheckContext, parts: tuple[str, ...]) -> Iterator[HostPaths]
         with tempfile.TemporaryDirectory(prefix="node-agent-sim-host-") as tmp:
             yield host_tools.build(ctx.scenario, ctx.sku, Path(tmp), parts)
         return
-    yield HostPaths(sys=Path(ctx.params.get("sys_root", "/sys")),
-                    proc=Path(ctx.params.get("proc_root", "/proc")),
-                    dev=Path(ctx.params.get("dev_root", "/dev")),
-                    ipmitool=str(ctx.params.get("ipmitool") or ctx.config.get("host.ipmitool")),
-                    nvme=str(ctx.params.get("nvme") or ctx.config.get("host.nvme")))
+    yield HostPaths(
+        sys=Path(ctx.params.get("sys_root", "/sys")),
+        proc=Path(ctx.params.get("proc_root", "/proc")),
+        dev=Path(ctx.params.get("dev_root", "/dev")),
+        ipmitool=str(ctx.params.get("ipmitool") or ctx.config.get("host.ipmitool")),
+        nvme=str(ctx.params.get("nvme") or ctx.config.get("host.nvme")),
+    )
 
 
 def not_recorded(ctx: CheckContext, metric: str) -> list[Result] | None:
     """For a captured node replayed through ``--simulate`` (docs/capture.md): its host
     hardware was not recorded, so the host checks skip rather than judge a model of it."""
     if ctx.scenario is not None and ctx.scenario.captured and "sys_root" not in ctx.params:
-        return [ctx.skip("the captured node's host hardware (EDAC, PSUs, AER, NVMe, CPUs) was "
-                         "not recorded; only its GPUs and PCI bus replay", metric=metric)]
+        return [
+            ctx.skip(
+                "the captured node's host hardware (EDAC, PSUs, AER, NVMe, CPUs) was "
+                "not recorded; only its GPUs and PCI bus replay",
+                metric=metric,
+            )
+        ]
     return None
 
 

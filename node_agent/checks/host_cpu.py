@@ -24,7 +24,7 @@ from node_agent.model import Result, Status
 
 
 def run(ctx: CheckContext) -> list[Result]:
-    if (skip := not_recorded(ctx, "cpus_online")):
+    if skip := not_recorded(ctx, "cpus_online"):
         return skip
     with host_paths(ctx, ("cpu",)) as paths:
         state = read_cpus(paths.sys)
@@ -33,9 +33,12 @@ def run(ctx: CheckContext) -> list[Result]:
 
 def _throttle(ctx: CheckContext, state) -> Result:
     if not state.throttle:
-        return ctx.skip("no CPU thermal throttle counters (/sys/devices/system/cpu/cpu*/"
-                        "thermal_throttle absent: not an x86 host with the therm_throt driver, "
-                        "or a VM)", metric="cpu_throttle")
+        return ctx.skip(
+            "no CPU thermal throttle counters (/sys/devices/system/cpu/cpu*/"
+            "thermal_throttle absent: not an x86 host with the therm_throt driver, "
+            "or a VM)",
+            metric="cpu_throttle",
+        )
     limit = thresholds(ctx, "cpu")["throttle_growth_max"]
     counters = Counters.load(ctx, "host_cpu")
     grew: dict[str, int] = {}
@@ -53,15 +56,28 @@ def _throttle(ctx: CheckContext, state) -> Result:
     if growth > limit:
         shown = ", ".join(f"{k} +{v}" for k, v in list(grew.items())[:8])
         return ctx.result(
-            "node", "cpu_throttle", Status.WARN,
+            "node",
+            "cpu_throttle",
+            Status.WARN,
             f"CPU thermal throttling: {growth} episode(s) since the last run ({shown}"
             f"{', ...' if len(grew) > 8 else ''}): the CPUs reached their thermal limit and "
-            "slowed down; check fans, heatsinks and airflow", value=growth, unit="episodes",
-            limit=limit, grew=grew, total_since_boot=total)
-    return ctx.result("node", "cpu_throttle", Status.PASS,
-                      f"no CPU thermal throttling since the last run ({len(state.throttle)} "
-                      f"CPUs, {total} episode(s) since boot)", value=0, unit="episodes",
-                      total_since_boot=total)
+            "slowed down; check fans, heatsinks and airflow",
+            value=growth,
+            unit="episodes",
+            limit=limit,
+            grew=grew,
+            total_since_boot=total,
+        )
+    return ctx.result(
+        "node",
+        "cpu_throttle",
+        Status.PASS,
+        f"no CPU thermal throttling since the last run ({len(state.throttle)} "
+        f"CPUs, {total} episode(s) since boot)",
+        value=0,
+        unit="episodes",
+        total_since_boot=total,
+    )
 
 
 def _online(ctx: CheckContext, state) -> Result:
@@ -75,23 +91,40 @@ def _online(ctx: CheckContext, state) -> Result:
         return ctx.skip("/sys/devices/system/cpu/online cannot be read", metric="cpus_online")
     online = len(state.online)
     if expected is None:
-        return ctx.skip(f"{online} CPUs online ({format_cpu_list(state.online)}); not compared: "
-                        "set node.expected_cpus to find CPUs gone offline",
-                        metric="cpus_online")
-    evidence = {"online": format_cpu_list(state.online), "expected": expected,
-                "declared_by": declared_by,
-                "present": format_cpu_list(state.present) if state.present is not None else None}
+        return ctx.skip(
+            f"{online} CPUs online ({format_cpu_list(state.online)}); not compared: "
+            "set node.expected_cpus to find CPUs gone offline",
+            metric="cpus_online",
+        )
+    evidence = {
+        "online": format_cpu_list(state.online),
+        "expected": expected,
+        "declared_by": declared_by,
+        "present": format_cpu_list(state.present) if state.present is not None else None,
+    }
     if online < expected:
         seen = set(state.online)
         missing = [c for c in range(expected) if c not in seen]
         if state.present:
             missing = sorted(set(missing) | (set(state.present) - seen))
         return ctx.result(
-            "node", "cpus_online", Status.FAIL,
+            "node",
+            "cpus_online",
+            Status.FAIL,
             f"{online} CPUs online, {expected} expected ({declared_by}): CPU(s) "
             f"{format_cpu_list(missing) or 'unknown'} offline or missing (taken offline by the "
             "kernel after machine checks, by an operator, or a socket not detected)",
-            value=online, unit="CPUs", missing=format_cpu_list(missing), **evidence)
-    return ctx.result("node", "cpus_online", Status.PASS,
-                      f"{online} CPUs online, {expected} expected ({declared_by})",
-                      value=online, unit="CPUs", **evidence)
+            value=online,
+            unit="CPUs",
+            missing=format_cpu_list(missing),
+            **evidence,
+        )
+    return ctx.result(
+        "node",
+        "cpus_online",
+        Status.PASS,
+        f"{online} CPUs online, {expected} expected ({declared_by})",
+        value=online,
+        unit="CPUs",
+        **evidence,
+    )

@@ -36,7 +36,7 @@ DAY_S = 86400.0
 
 
 def run(ctx: CheckContext) -> list[Result]:
-    if (skip := not_recorded(ctx, "edac")):
+    if skip := not_recorded(ctx, "edac"):
         return skip
     limits = thresholds(ctx, "memory")
     try:
@@ -47,8 +47,13 @@ def run(ctx: CheckContext) -> list[Result]:
             except EdacAbsent as why:
                 controllers, absent = None, str(why)
             except PermissionError as err:
-                controllers, absent = None, (f"the EDAC tree cannot be read as this user "
-                                             f"({err.strerror}: {err.filename}); run as root")
+                controllers, absent = (
+                    None,
+                    (
+                        f"the EDAC tree cannot be read as this user "
+                        f"({err.strerror}: {err.filename}); run as root"
+                    ),
+                )
             installed = read_installed(paths.sys, paths.proc)
     except ValueError as err:  # a simulated fault naming a DIMM the node lacks
         if not ctx.simulated:
@@ -63,8 +68,9 @@ def run(ctx: CheckContext) -> list[Result]:
     return results
 
 
-def _edac(ctx: CheckContext, controllers: list[MemoryController],
-          limits: dict[str, float]) -> list[Result]:
+def _edac(
+    ctx: CheckContext, controllers: list[MemoryController], limits: dict[str, float]
+) -> list[Result]:
     results: list[Result] = []
     history = _load_history(ctx)
     now = time.time()
@@ -74,26 +80,48 @@ def _edac(ctx: CheckContext, controllers: list[MemoryController],
         for dimm in mc.dimms:
             label = dimm.label or dimm.name
             target = f"dimm:{entity_name(label)}"
-            evidence = {"edac": dimm.name, "label": label, "location": dimm.location,
-                        "size_mib": dimm.size_mib, "ce_count": dimm.ce, "ue_count": dimm.ue}
+            evidence = {
+                "edac": dimm.name,
+                "label": label,
+                "location": dimm.location,
+                "size_mib": dimm.size_mib,
+                "ce_count": dimm.ce,
+                "ue_count": dimm.ue,
+            }
             if dimm.ue:
-                results.append(ctx.result(
-                    target, "edac_ue", Status.FAIL,
-                    f"DIMM {label} ({dimm.name}) has {dimm.ue} uncorrected memory error(s) "
-                    "since the EDAC counters were reset: ECC could not repair the data; "
-                    "replace the DIMM", value=dimm.ue, unit="errors", **evidence))
+                results.append(
+                    ctx.result(
+                        target,
+                        "edac_ue",
+                        Status.FAIL,
+                        f"DIMM {label} ({dimm.name}) has {dimm.ue} uncorrected memory error(s) "
+                        "since the EDAC counters were reset: ECC could not repair the data; "
+                        "replace the DIMM",
+                        value=dimm.ue,
+                        unit="errors",
+                        **evidence,
+                    )
+                )
             if dimm.ce is None:
                 continue
             rate, basis = _ce_rate(history.get(dimm.name), dimm.ce, mc.seconds_since_reset, now)
             kept[dimm.name] = _kept_samples(history.get(dimm.name), dimm.ce, now)
             if rate > ce_max:
-                results.append(ctx.result(
-                    target, "edac_ce_rate", Status.WARN,
-                    f"DIMM {label} ({dimm.name}): {rate:.0f} corrected memory errors per 24 h "
-                    f"({basis}), over {ce_max:g} (graders/host.yaml memory.ce_per_24h_max): a "
-                    "DIMM that keeps correcting errors is likely to fail uncorrectably; plan "
-                    "its replacement", value=round(rate, 1), unit="CE/24h",
-                    limit=ce_max, **evidence))
+                results.append(
+                    ctx.result(
+                        target,
+                        "edac_ce_rate",
+                        Status.WARN,
+                        f"DIMM {label} ({dimm.name}): {rate:.0f} corrected memory errors per 24 h "
+                        f"({basis}), over {ce_max:g} (graders/host.yaml memory.ce_per_24h_max): a "
+                        "DIMM that keeps correcting errors is likely to fail uncorrectably; plan "
+                        "its replacement",
+                        value=round(rate, 1),
+                        unit="CE/24h",
+                        limit=ce_max,
+                        **evidence,
+                    )
+                )
         unplaced = mc.ue_noinfo or 0
         placed = sum(d.ue or 0 for d in mc.dimms)
         if not mc.dimms and mc.ue:
@@ -101,25 +129,41 @@ def _edac(ctx: CheckContext, controllers: list[MemoryController],
         elif mc.ue and mc.ue > placed:
             unplaced = max(unplaced, mc.ue - placed)
         if unplaced:
-            results.append(ctx.result(
-                f"memory:{mc.name}", "edac_ue", Status.FAIL,
-                f"memory controller {mc.name} has {unplaced} uncorrected memory error(s) EDAC "
-                "could not place on a DIMM: find the DIMM from the BMC's event log "
-                "(ipmitool sel elist) or rasdaemon (ras-mc-ctl --errors)", value=unplaced,
-                unit="errors", ue_count=mc.ue, ue_noinfo_count=mc.ue_noinfo))
+            results.append(
+                ctx.result(
+                    f"memory:{mc.name}",
+                    "edac_ue",
+                    Status.FAIL,
+                    f"memory controller {mc.name} has {unplaced} uncorrected memory error(s) EDAC "
+                    "could not place on a DIMM: find the DIMM from the BMC's event log "
+                    "(ipmitool sel elist) or rasdaemon (ras-mc-ctl --errors)",
+                    value=unplaced,
+                    unit="errors",
+                    ue_count=mc.ue,
+                    ue_noinfo_count=mc.ue_noinfo,
+                )
+            )
     _save_history(ctx, kept)
     dimms = sum(len(mc.dimms) for mc in controllers)
     if not any(r.metric == "edac_ue" for r in results):
-        results.append(ctx.result(
-            "node", "edac", Status.PASS,
-            f"EDAC: no uncorrected memory errors on {len(controllers)} memory controller(s), "
-            f"{dimms} DIMM(s)", value=sum(mc.ce or 0 for mc in controllers), unit="CE",
-            controllers=[mc.name for mc in controllers]))
+        results.append(
+            ctx.result(
+                "node",
+                "edac",
+                Status.PASS,
+                f"EDAC: no uncorrected memory errors on {len(controllers)} memory controller(s), "
+                f"{dimms} DIMM(s)",
+                value=sum(mc.ce or 0 for mc in controllers),
+                unit="CE",
+                controllers=[mc.name for mc in controllers],
+            )
+        )
     return results
 
 
-def _ce_rate(samples: list[list[float]] | None, ce: int, since_reset_s: int | None,
-             now: float) -> tuple[float, str]:
+def _ce_rate(
+    samples: list[list[float]] | None, ce: int, since_reset_s: int | None, now: float
+) -> tuple[float, str]:
     """Corrected errors per 24 h, and how that was worked out."""
     usable = [s for s in samples or [] if s[1] <= ce]
     if len(usable) != len(samples or []):
@@ -133,8 +177,9 @@ def _ce_rate(samples: list[list[float]] | None, ce: int, since_reset_s: int | No
             return growth * DAY_S / window, f"{growth:.0f} in the last {window / 3600:.0f} h"
         return float(growth), f"{growth:.0f} in the last {window / 3600:.1f} h"
     if since_reset_s and since_reset_s > DAY_S:
-        return ce * DAY_S / since_reset_s, (f"{ce} since the counters were reset "
-                                            f"{since_reset_s / 3600:.0f} h ago")
+        return ce * DAY_S / since_reset_s, (
+            f"{ce} since the counters were reset {since_reset_s / 3600:.0f} h ago"
+        )
     if since_reset_s:
         return float(ce), f"{ce} since the counters were reset {since_reset_s / 3600:.1f} h ago"
     return float(ce), f"{ce} since the counters were reset (time unknown)"
@@ -164,8 +209,9 @@ def _load_history(ctx: CheckContext) -> dict[str, list[list[float]]]:
     out = {}
     for name, series in samples.items():
         if isinstance(series, list) and all(
-                isinstance(s, list) and len(s) == 2
-                and all(isinstance(v, (int, float)) for v in s) for s in series):
+            isinstance(s, list) and len(s) == 2 and all(isinstance(v, (int, float)) for v in s)
+            for s in series
+        ):
             out[str(name)] = series
     return out
 
@@ -179,8 +225,12 @@ def _save_history(ctx: CheckContext, kept: dict[str, list[list[float]]]) -> None
         pass  # next run estimates from the reset time again
 
 
-def _installed(ctx: CheckContext, installed, controllers: list[MemoryController] | None,
-               limits: dict[str, float]) -> Result:
+def _installed(
+    ctx: CheckContext,
+    installed,
+    controllers: list[MemoryController] | None,
+    limits: dict[str, float],
+) -> Result:
     expected = ctx.config.get("node.expected_memory_gib")
     declared_by = "node.expected_memory_gib"
     if expected is None and ctx.simulated:
@@ -188,32 +238,57 @@ def _installed(ctx: CheckContext, installed, controllers: list[MemoryController]
 
         expected, declared_by = expected_memory_gib(), "the simulated host's memory"
     if installed is None:
-        return ctx.skip("installed memory unreadable: neither /sys/devices/system/memory nor "
-                        "/proc/meminfo could be read", metric="memory_installed")
-    evidence = {"source": installed.source, "blocks": installed.blocks,
-                "block_bytes": installed.block_bytes}
+        return ctx.skip(
+            "installed memory unreadable: neither /sys/devices/system/memory nor "
+            "/proc/meminfo could be read",
+            metric="memory_installed",
+        )
+    evidence = {
+        "source": installed.source,
+        "blocks": installed.blocks,
+        "block_bytes": installed.block_bytes,
+    }
     if expected is None:
-        return ctx.skip(f"{installed.gib:g} GiB installed ({installed.source}); not compared: "
-                        "set node.expected_memory_gib to the node's memory to find a missing "
-                        "DIMM", metric="memory_installed")
+        return ctx.skip(
+            f"{installed.gib:g} GiB installed ({installed.source}); not compared: "
+            "set node.expected_memory_gib to the node's memory to find a missing "
+            "DIMM",
+            metric="memory_installed",
+        )
     sizes = [d.size_mib for mc in controllers or [] for d in mc.dimms if d.size_mib]
     dimm_gib = min(sizes) / 1024 if sizes else float(limits["dimm_gib_default"])
     margin = dimm_gib * limits["missing_dimm_fraction"]
     if installed.source == "meminfo":
         margin += expected * limits["memtotal_reserved_fraction"]
     missing = expected - installed.gib
-    evidence.update(expected_gib=expected, dimm_gib=dimm_gib, margin_gib=round(margin, 2),
-                    declared_by=declared_by)
+    evidence.update(
+        expected_gib=expected,
+        dimm_gib=dimm_gib,
+        margin_gib=round(margin, 2),
+        declared_by=declared_by,
+    )
     if missing > margin:
         dimms_missing = max(1, round(missing / dimm_gib))
         return ctx.result(
-            "node", "memory_missing", Status.FAIL,
+            "node",
+            "memory_missing",
+            Status.FAIL,
             f"{installed.gib:g} GiB of memory installed, {expected:g} GiB expected "
             f"({declared_by}): {missing:g} GiB missing, about {dimms_missing} DIMM(s) of "
             f"{dimm_gib:g} GiB (a DIMM not seated, failed at boot or disabled by the firmware; "
-            "check the BMC's event log)", value=installed.gib, unit="GiB",
-            missing_gib=round(missing, 2), **evidence)
-    return ctx.result("node", "memory_installed", Status.PASS,
-                      f"{installed.gib:g} GiB of memory installed ({installed.source}), "
-                      f"{expected:g} GiB expected ({declared_by})", value=installed.gib,
-                      unit="GiB", **evidence)
+            "check the BMC's event log)",
+            value=installed.gib,
+            unit="GiB",
+            missing_gib=round(missing, 2),
+            **evidence,
+        )
+    return ctx.result(
+        "node",
+        "memory_installed",
+        Status.PASS,
+        f"{installed.gib:g} GiB of memory installed ({installed.source}), "
+        f"{expected:g} GiB expected ({declared_by})",
+        value=installed.gib,
+        unit="GiB",
+        **evidence,
+    )

@@ -31,7 +31,7 @@ MISSING = "ipmitool not installed (Debian/Ubuntu package `ipmitool`)"
 
 
 def run(ctx: CheckContext) -> list[Result]:
-    if (skip := not_recorded(ctx, "psu")):
+    if skip := not_recorded(ctx, "psu"):
         return skip
     try:
         with host_paths(ctx, ("ipmi",)) as paths:
@@ -45,60 +45,116 @@ def run(ctx: CheckContext) -> list[Result]:
 def _run(ctx: CheckContext, paths: HostPaths) -> list[Result]:
     program = proc.which(paths.ipmitool)  # a path (host.ipmitool) must be an executable file
     if program is None:
-        return [ctx.skip(f"{MISSING} ({paths.ipmitool!r} not found); cannot read the power "
-                         "supplies", metric="psu")]
+        return [
+            ctx.skip(
+                f"{MISSING} ({paths.ipmitool!r} not found); cannot read the power supplies",
+                metric="psu",
+            )
+        ]
     devices = [paths.dev / d for d in DEVICES]
     if not any(d.exists() for d in devices):
-        return [ctx.skip(f"no BMC device ({', '.join(str(d) for d in devices)} absent): no "
-                         "BMC on this host, or the ipmi_si and ipmi_devintf kernel modules are "
-                         "not loaded (modprobe ipmi_si ipmi_devintf)", metric="psu")]
+        return [
+            ctx.skip(
+                f"no BMC device ({', '.join(str(d) for d in devices)} absent): no "
+                "BMC on this host, or the ipmi_si and ipmi_devintf kernel modules are "
+                "not loaded (modprobe ipmi_si ipmi_devintf)",
+                metric="psu",
+            )
+        ]
     out = proc.run([program, *ARGV], timeout_s=tool_timeout_s(ctx))
     if not out.ok:
         reason = no_bmc_reason(out.stderr)
         if reason:
             return [ctx.skip(f"ipmitool cannot reach the BMC: {reason}", metric="psu")]
         if "permission denied" in out.stderr.lower():
-            return [ctx.skip(f"ipmitool cannot open the BMC device as this user (run as "
-                             f"root): {out.describe_failure()}", metric="psu")]
-        return [ctx.result("node", "psu", Status.ERROR,
-                           f"reading the power supplies failed: {out.describe_failure()}")]
+            return [
+                ctx.skip(
+                    f"ipmitool cannot open the BMC device as this user (run as "
+                    f"root): {out.describe_failure()}",
+                    metric="psu",
+                )
+            ]
+        return [
+            ctx.result(
+                "node",
+                "psu",
+                Status.ERROR,
+                f"reading the power supplies failed: {out.describe_failure()}",
+            )
+        ]
     try:
         psus, redundancy = judge_psus(parse_sdr(out.stdout))
     except ParseError as err:
-        return [ctx.result("node", "psu", Status.ERROR, f"ipmitool output unreadable: {err}",
-                           stdout_head=out.stdout[:500])]
+        return [
+            ctx.result(
+                "node",
+                "psu",
+                Status.ERROR,
+                f"ipmitool output unreadable: {err}",
+                stdout_head=out.stdout[:500],
+            )
+        ]
     if not psus and not redundancy:
-        return [ctx.skip("the BMC lists no power-supply status sensor (`ipmitool sdr type "
-                         "\"Power Supply\"` printed none): this platform's BMC does not report "
-                         "its supplies over IPMI", metric="psu")]
+        return [
+            ctx.skip(
+                "the BMC lists no power-supply status sensor (`ipmitool sdr type "
+                '"Power Supply"` printed none): this platform\'s BMC does not report '
+                "its supplies over IPMI",
+                metric="psu",
+            )
+        ]
     results = [_psu_result(ctx, p) for p in psus]
     for r in redundancy:
         status = {"lost": Status.FAIL, "degraded": Status.WARN}.get(r.verdict, Status.PASS)
-        results.append(ctx.result(
-            "node", "psu_redundancy", status,
-            f"power supply redundancy ({r.sensor}): {', '.join(r.states)}"
-            + ("; the node has no spare supply left" if r.verdict == "lost" else ""),
-            value=r.verdict, sensor=r.sensor, states=list(r.states)))
+        results.append(
+            ctx.result(
+                "node",
+                "psu_redundancy",
+                status,
+                f"power supply redundancy ({r.sensor}): {', '.join(r.states)}"
+                + ("; the node has no spare supply left" if r.verdict == "lost" else ""),
+                value=r.verdict,
+                sensor=r.sensor,
+                states=list(r.states),
+            )
+        )
     return results
 
 
-_WORDS = {"failed": "has failed", "absent": "is absent (no presence asserted)",
-          "degraded": "reports", "unreadable": "gives no reading (status sensor `ns`)",
-          "ok": "present and healthy"}
+_WORDS = {
+    "failed": "has failed",
+    "absent": "is absent (no presence asserted)",
+    "degraded": "reports",
+    "unreadable": "gives no reading (status sensor `ns`)",
+    "ok": "present and healthy",
+}
 
 
 def _psu_result(ctx: CheckContext, psu) -> Result:
-    status = {"failed": Status.FAIL, "absent": Status.FAIL, "degraded": Status.WARN,
-              "unreadable": Status.WARN}.get(psu.verdict, Status.PASS)
+    status = {
+        "failed": Status.FAIL,
+        "absent": Status.FAIL,
+        "degraded": Status.WARN,
+        "unreadable": Status.WARN,
+    }.get(psu.verdict, Status.PASS)
     said = ", ".join(psu.states) or psu.reading or "nothing asserted"
     if status is Status.FAIL:
-        detail = (f"power supply {psu.psu} ({psu.sensor}) {_WORDS[psu.verdict]}: {said}; the "
-                  "node runs without its redundancy, one more supply failure from going dark "
-                  "(check its cord and feed, then replace the supply)")
+        detail = (
+            f"power supply {psu.psu} ({psu.sensor}) {_WORDS[psu.verdict]}: {said}; the "
+            "node runs without its redundancy, one more supply failure from going dark "
+            "(check its cord and feed, then replace the supply)"
+        )
     elif status is Status.WARN:
         detail = f"power supply {psu.psu} ({psu.sensor}) {_WORDS[psu.verdict]}: {said}"
     else:
         detail = f"power supply {psu.psu} ({psu.sensor}): {said}"
-    return ctx.result(f"psu:{entity_name(psu.psu)}", "psu_status", status, detail,
-                      value=psu.verdict, sensor=psu.sensor, entity=psu.entity,
-                      states=list(psu.states))
+    return ctx.result(
+        f"psu:{entity_name(psu.psu)}",
+        "psu_status",
+        status,
+        detail,
+        value=psu.verdict,
+        sensor=psu.sensor,
+        entity=psu.entity,
+        states=list(psu.states),
+    )

@@ -107,13 +107,19 @@ def lost_gpu_traces(ctx: CheckContext) -> LostGpuTraces:
     inv = ctx.inventory
     if bus.unreadable is None:
         found = compare(bus, [g.pci_bus_id for g in inv.gpus], unidentified=len(inv.unreadable))
-        traces += [f"NVIDIA GPU {g.describe()} is on the PCI bus but not listed by NVML"
-                   for g in found.not_enumerated]
+        traces += [
+            f"NVIDIA GPU {g.describe()} is on the PCI bus but not listed by NVML"
+            for g in found.not_enumerated
+        ]
         if not found.not_enumerated:
-            seen.append(f"every NVIDIA GPU on the PCI bus is listed by NVML "
-                        f"({len(bus.host_gpus)} on the bus)")
-    traces += [f"GPU {index} is listed by NVML but unreadable: {error}"
-               for index, error in sorted(inv.unreadable.items())]
+            seen.append(
+                f"every NVIDIA GPU on the PCI bus is listed by NVML "
+                f"({len(bus.host_gpus)} on the bus)"
+            )
+    traces += [
+        f"GPU {index} is listed by NVML but unreadable: {error}"
+        for index, error in sorted(inv.unreadable.items())
+    ]
     log = ctx.kernel_log
     if not log.unavailable_reason:
         try:
@@ -121,10 +127,10 @@ def lost_gpu_traces(ctx: CheckContext) -> LostGpuTraces:
         except OSError:
             events = []
         else:
-            fallen = [e for e in events
-                      if isinstance(e, XidLine) and e.code == XID_FALLEN_OFF_BUS]
-            traces += [f"Xid 79 (fallen off the bus) on PCI {e.pci_bus} in the kernel log"
-                       for e in fallen]
+            fallen = [e for e in events if isinstance(e, XidLine) and e.code == XID_FALLEN_OFF_BUS]
+            traces += [
+                f"Xid 79 (fallen off the bus) on PCI {e.pci_bus} in the kernel log" for e in fallen
+            ]
             if not fallen:
                 seen.append(f"no Xid 79 in the kernel log ({log.source})")
     return LostGpuTraces(traces, seen)

@@ -16,21 +16,32 @@ from node_agent.model import Result, Status
 
 def run(ctx: CheckContext) -> list[Result]:
     inv = ctx.inventory  # collected once per run, before the suite starts
-    results = [ctx.result("node", "host", Status.PASS,
-                          f"{inv.host.hostname}: kernel {inv.host.kernel}, driver "
-                          f"{inv.host.driver or 'n/a'}, CUDA {inv.host.cuda or 'n/a'}",
-                          **inv.host.to_dict())]
+    results = [
+        ctx.result(
+            "node",
+            "host",
+            Status.PASS,
+            f"{inv.host.hostname}: kernel {inv.host.kernel}, driver "
+            f"{inv.host.driver or 'n/a'}, CUDA {inv.host.cuda or 'n/a'}",
+            **inv.host.to_dict(),
+        )
+    ]
     unavailable = ctx.gpus_unavailable()
     if unavailable:
-        return results + [_no_gpus(ctx, r) if r.status is Status.SKIP else r
-                          for r in unavailable]
+        return results + [_no_gpus(ctx, r) if r.status is Status.SKIP else r for r in unavailable]
     results.append(_pci(ctx))
     results.append(_virtualization(ctx))
     for gpu in inv.gpus:
-        results.append(ctx.result(
-            f"gpu:{gpu.index}", "identity", Status.PASS,
-            f"{gpu.name} {gpu.pci_bus_id} serial {gpu.serial or 'n/a'} VBIOS {gpu.vbios or 'n/a'}",
-            value=gpu.uuid, **gpu.to_dict()))
+        results.append(
+            ctx.result(
+                f"gpu:{gpu.index}",
+                "identity",
+                Status.PASS,
+                f"{gpu.name} {gpu.pci_bus_id} serial {gpu.serial or 'n/a'} VBIOS {gpu.vbios or 'n/a'}",
+                value=gpu.uuid,
+                **gpu.to_dict(),
+            )
+        )
     for index, error in sorted(inv.unreadable.items()):
         if isinstance(error, GpuTimeout):
             metric, status = "driver_hang", Status.ERROR
@@ -38,8 +49,15 @@ def run(ctx: CheckContext) -> list[Result]:
             metric, status = "gpu_lost", Status.FAIL
         else:
             metric, status = "identity", Status.FAIL
-        results.append(ctx.result(f"gpu:{index}", metric, status,
-                                  f"GPU {index} identity unreadable: {error}", error=str(error)))
+        results.append(
+            ctx.result(
+                f"gpu:{index}",
+                metric,
+                status,
+                f"GPU {index} identity unreadable: {error}",
+                error=str(error),
+            )
+        )
     results.extend(_sku(ctx))
     return results
 
@@ -49,23 +67,38 @@ def _no_gpus(ctx: CheckContext, skip: Result) -> Result:
     a check that could not run; where the bus could not be read it stays a skip."""
     if ctx.pci_bus().unreadable is not None:
         return skip
-    return ctx.result("node", "gpus", Status.PASS, f"no GPUs: {skip.detail}", value=0,
-                      unit="GPUs", pci_root=ctx.pci_bus().root)
+    return ctx.result(
+        "node",
+        "gpus",
+        Status.PASS,
+        f"no GPUs: {skip.detail}",
+        value=0,
+        unit="GPUs",
+        pci_root=ctx.pci_bus().root,
+    )
 
 
 def _pci(ctx: CheckContext) -> Result:
     bus = ctx.pci_bus()
     if bus.unreadable:
-        return ctx.result("node", "pci_bus", Status.SKIP,
-                          f"PCI bus not compared with NVML: {bus.unreadable}")
+        return ctx.result(
+            "node", "pci_bus", Status.SKIP, f"PCI bus not compared with NVML: {bus.unreadable}"
+        )
     listed = len(ctx.gpu.devices())
     passthrough = [g.bus_id for g in bus.gpus if g.passthrough]
     return ctx.result(
-        "node", "pci_bus", Status.PASS,
+        "node",
+        "pci_bus",
+        Status.PASS,
         f"{len(bus.gpus)} NVIDIA GPU(s) on the PCI bus, {listed} enumerated by NVML"
-        + (f"; {len(passthrough)} handed to a VM ({', '.join(passthrough)})" if passthrough
-           else ""),
-        value=len(bus.gpus), unit="GPUs", gpus=[g.to_dict() for g in bus.gpus], root=bus.root)
+        + (
+            f"; {len(passthrough)} handed to a VM ({', '.join(passthrough)})" if passthrough else ""
+        ),
+        value=len(bus.gpus),
+        unit="GPUs",
+        gpus=[g.to_dict() for g in bus.gpus],
+        root=bus.root,
+    )
 
 
 def _virtualization(ctx: CheckContext) -> Result:
@@ -77,16 +110,26 @@ def _virtualization(ctx: CheckContext) -> Result:
     modes = sorted(set(view.modes.values())) or ["none"]
     value = modes[0] if len(modes) == 1 else ",".join(modes)
     if view.guest:
-        detail = (f"the GPUs are {host_view.describe_mode(view.guest_modes[0])} (NVML "
-                  f"virtualization mode {value}): the SKU's GPU count and NVLinks are the "
-                  "board's, not this VM's; declare this VM's with node.expected_gpus and "
-                  "node.expected_nvlinks")
+        detail = (
+            f"the GPUs are {host_view.describe_mode(view.guest_modes[0])} (NVML "
+            f"virtualization mode {value}): the SKU's GPU count and NVLinks are the "
+            "board's, not this VM's; declare this VM's with node.expected_gpus and "
+            "node.expected_nvlinks"
+        )
     elif modes == ["none"]:
         detail = "bare metal (NVML virtualization mode none, or not reported)"
     else:
-        detail = f"the GPUs are {host_view.describe_mode(modes[-1])} (NVML virtualization mode {value})"
-    return ctx.result("node", "virtualization", Status.PASS, detail, value=value,
-                      by_gpu={str(k): v for k, v in sorted(view.modes.items())})
+        detail = (
+            f"the GPUs are {host_view.describe_mode(modes[-1])} (NVML virtualization mode {value})"
+        )
+    return ctx.result(
+        "node",
+        "virtualization",
+        Status.PASS,
+        detail,
+        value=value,
+        by_gpu={str(k): v for k, v in sorted(view.modes.items())},
+    )
 
 
 def _sku(ctx: CheckContext) -> list[Result]:
@@ -96,21 +139,47 @@ def _sku(ctx: CheckContext) -> list[Result]:
         if inv.sku_problem:
             out.append(ctx.result("node", "sku", Status.WARN, inv.sku_problem))
         return out
-    out.append(ctx.result("node", "sku", Status.PASS,
-                          f"SKU {inv.sku.id} ({inv.sku.display_name})",
-                          value=inv.sku.id, sku_file=inv.sku.source))
+    out.append(
+        ctx.result(
+            "node",
+            "sku",
+            Status.PASS,
+            f"SKU {inv.sku.id} ({inv.sku.display_name})",
+            value=inv.sku.id,
+            sku_file=inv.sku.source,
+        )
+    )
     if inv.sku_mismatch:
-        out.append(ctx.result("node", "sku_mismatch", Status.WARN, inv.sku_mismatch,
-                              value=inv.sku.id, names=sorted({g.name for g in inv.gpus})))
+        out.append(
+            ctx.result(
+                "node",
+                "sku_mismatch",
+                Status.WARN,
+                inv.sku_mismatch,
+                value=inv.sku.id,
+                names=sorted({g.name for g in inv.gpus}),
+            )
+        )
     low, high = inv.sku.memory_range
     for gpu in inv.gpus:
         if gpu.memory_total_mib is None or (low is None and high is None):
             continue
         problem = inv.sku.memory_problem(gpu.memory_total_mib)
-        out.append(ctx.result(
-            f"gpu:{gpu.index}", "memory_total", Status.WARN if problem else Status.PASS,
-            (f"memory.total {problem}: a GPU of another variant or a board that does not "
-             "expose all its memory; check the model and VBIOS") if problem
-            else f"memory.total {gpu.memory_total_mib} MiB (SKU {inv.sku.id}: {low}-{high} MiB)",
-            value=gpu.memory_total_mib, unit="MiB", min_mib=low, max_mib=high))
+        out.append(
+            ctx.result(
+                f"gpu:{gpu.index}",
+                "memory_total",
+                Status.WARN if problem else Status.PASS,
+                (
+                    f"memory.total {problem}: a GPU of another variant or a board that does not "
+                    "expose all its memory; check the model and VBIOS"
+                )
+                if problem
+                else f"memory.total {gpu.memory_total_mib} MiB (SKU {inv.sku.id}: {low}-{high} MiB)",
+                value=gpu.memory_total_mib,
+                unit="MiB",
+                min_mib=low,
+                max_mib=high,
+            )
+        )
     return out

@@ -68,8 +68,10 @@ _KEPT = 16  # tasks, processes, CPUs, servers named per finding (a flood names t
 #: (docs/security.md). The host-level causes of running out of memory (a DIMM missing, a
 #: memory controller failing) are graded by the checks that see them (host_memory: installed
 #: memory and EDAC), where a user cannot forge them.
-_OOM_WHY = ("an OOM kill is the job's memory, not the node's: graded WARN at most (a user can "
-            "cause every form of it)")
+_OOM_WHY = (
+    "an OOM kill is the job's memory, not the node's: graded WARN at most (a user can "
+    "cause every form of it)"
+)
 
 
 @dataclass
@@ -113,16 +115,26 @@ class DistressFold:
 
     def evidence(self, boot_epoch: float | None) -> dict[str, Any]:
         times = Fold(kind="distress", target=self.target, code=0, clock=self.clock)
-        span = (self.last_s - self.first_s) if self.first_s is not None and \
-            self.last_s is not None else 0.0
-        return {"kind": self.kind, "count": self.count, "subject": self.subject,
-                "first_seen": times.seen(self.first_s, boot_epoch),
-                "last_seen": times.seen(self.last_s, boot_epoch), "clock": self.clock,
-                "rate_per_hour": round(self.count / span * 3600, 3) if span >= 1 else None,
-                "bursts": self.bursts, "burst_gap_s": BURST_GAP_S,
-                "lines": [self.first_line] + ([self.last_line] if self.last_line != self.first_line
-                                              else []),
-                "names": list(self.names), **self.facts}
+        span = (
+            (self.last_s - self.first_s)
+            if self.first_s is not None and self.last_s is not None
+            else 0.0
+        )
+        return {
+            "kind": self.kind,
+            "count": self.count,
+            "subject": self.subject,
+            "first_seen": times.seen(self.first_s, boot_epoch),
+            "last_seen": times.seen(self.last_s, boot_epoch),
+            "clock": self.clock,
+            "rate_per_hour": round(self.count / span * 3600, 3) if span >= 1 else None,
+            "bursts": self.bursts,
+            "burst_gap_s": BURST_GAP_S,
+            "lines": [self.first_line]
+            + ([self.last_line] if self.last_line != self.first_line else []),
+            "names": list(self.names),
+            **self.facts,
+        }
 
 
 def run(ctx: CheckContext) -> list[Result]:
@@ -139,9 +151,15 @@ def run(ctx: CheckContext) -> list[Result]:
             records = log.read()
             read_ok = True
         except OSError as err:
-            results.append(ctx.result("node", "kernel_log", Status.ERROR,
-                                      f"cannot read the kernel log ({log.source}): {err}",
-                                      error=str(err)))
+            results.append(
+                ctx.result(
+                    "node",
+                    "kernel_log",
+                    Status.ERROR,
+                    f"cannot read the kernel log ({log.source}): {err}",
+                    error=str(err),
+                )
+            )
     if ctx.scenario is not None:
         records = records + simulated_records(ctx.scenario, start_seq=len(records) + 1)
     cursor = log_cursor.load(_cursor_path(ctx), log.source) if since == "last_run" else None
@@ -156,18 +174,26 @@ def run(ctx: CheckContext) -> list[Result]:
         results.extend(rasdaemon_results(ctx))
     results.extend(pstore_results(ctx))
     if read_ok and not findings:
-        results.append(ctx.result("node", "kernel_distress", Status.PASS,
-                                  f"no hung tasks, lockups, OOM kills, NVMe timeouts, read-only "
-                                  f"filesystems, lost file servers or machine checks {window} "
-                                  f"({log.source}: {len(fresh)} lines read)", value=0))
+        results.append(
+            ctx.result(
+                "node",
+                "kernel_distress",
+                Status.PASS,
+                f"no hung tasks, lockups, OOM kills, NVMe timeouts, read-only "
+                f"filesystems, lost file servers or machine checks {window} "
+                f"({log.source}: {len(fresh)} lines read)",
+                value=0,
+            )
+        )
     return results
 
 
 # --- the kernel log ---------------------------------------------------------------------------
 
 
-def grade_lines(ctx: CheckContext, lines: list[DistressLine], window: str,
-                boot_epoch: float | None, source: str) -> list[Result]:
+def grade_lines(
+    ctx: CheckContext, lines: list[DistressLine], window: str, boot_epoch: float | None, source: str
+) -> list[Result]:
     """Distress lines -> one result per (kind, subject), graded as the module says."""
     folds: dict[tuple[str, str | None], DistressFold] = {}
     oom_context: dict[int, DistressLine] = {}
@@ -184,8 +210,7 @@ def grade_lines(ctx: CheckContext, lines: list[DistressLine], window: str,
         if k == "hung_task":
             fold("hung_task", "node").add(line, task)
         elif k in ("soft_lockup", "hard_lockup"):
-            fold(k, "node").add(line, f"CPU{line.field('cpu')}"
-                 + (f" ({task})" if task else ""))
+            fold(k, "node").add(line, f"CPU{line.field('cpu')}" + (f" ({task})" if task else ""))
         elif k == "oom_summary":
             if line.pid is not None:
                 oom_context[line.pid] = line
@@ -219,8 +244,13 @@ def grade_lines(ctx: CheckContext, lines: list[DistressLine], window: str,
     out: list[Result] = []
     for (kind, _subject), f in sorted(folds.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
         if kind == "oom_kill":
-            scopes = sorted({oom_context[int(n.rsplit(":", 1)[1])].field("scope")
-                             for n in f.names if int(n.rsplit(":", 1)[1]) in oom_context})
+            scopes = sorted(
+                {
+                    oom_context[int(n.rsplit(":", 1)[1])].field("scope")
+                    for n in f.names
+                    if int(n.rsplit(":", 1)[1]) in oom_context
+                }
+            )
             f.facts.update(scopes=scopes, why=_OOM_WHY)
         out.append(_result(ctx, f, window, boot_epoch, source))
     return out
@@ -242,8 +272,9 @@ _TITLES = {
 _METRIC = {"lustre_lost": "lustre_connection_lost", "nvme": "nvme_timeout"}
 
 
-def _result(ctx: CheckContext, f: DistressFold, window: str, boot_epoch: float | None,
-            source: str) -> Result:
+def _result(
+    ctx: CheckContext, f: DistressFold, window: str, boot_epoch: float | None, source: str
+) -> Result:
     status = Status.WARN
     if f.kind in ("soft_lockup", "hard_lockup", "fs_readonly", "mce_uncorrected", "mce_fatal"):
         status = Status.FAIL
@@ -258,19 +289,31 @@ def _result(ctx: CheckContext, f: DistressFold, window: str, boot_epoch: float |
         f.facts["mce_corrected_warn"] = least
         if f.count < least:
             status = Status.PASS
-    named = (": " + ", ".join(f.names) + (" and others" if len(f.names) >= _KEPT else "")
-             if f.names else "")
+    named = (
+        ": " + ", ".join(f.names) + (" and others" if len(f.names) >= _KEPT else "")
+        if f.names
+        else ""
+    )
     where = f" on {f.target}" if f.target != "node" else ""
     about = f" ({f.subject})" if f.subject and f.target == "node" else ""
-    detail = (f"{_TITLES[f.kind]}{about}{where}, {f.count} line(s) {window}{named}"
-              + (" - repeated" if f.facts.get("repeated") else "")
-              + (" - server answered again later" if f.facts.get("recovered_line") else "")
-              + f": {f.first_line}")
+    detail = (
+        f"{_TITLES[f.kind]}{about}{where}, {f.count} line(s) {window}{named}"
+        + (" - repeated" if f.facts.get("repeated") else "")
+        + (" - server answered again later" if f.facts.get("recovered_line") else "")
+        + f": {f.first_line}"
+    )
     evidence = f.evidence(boot_epoch)
     evidence["sources"] = [source]
-    return Result(check=ctx.check, target=f.target, metric=_METRIC.get(f.kind, f.kind),
-                  status=status, detail=detail[:1000], value=f.count, unit="lines",
-                  evidence=evidence)
+    return Result(
+        check=ctx.check,
+        target=f.target,
+        metric=_METRIC.get(f.kind, f.kind),
+        status=status,
+        detail=detail[:1000],
+        value=f.count,
+        unit="lines",
+        evidence=evidence,
+    )
 
 
 # --- the simulated node -----------------------------------------------------------------------
@@ -278,10 +321,11 @@ def _result(ctx: CheckContext, f: DistressFold, window: str, boot_epoch: float |
 #: a corrected memory-controller error and the Skylake-SP fatal one (status bits: VAL|EN|
 #: MISCV|ADDRV and, for the fatal one, UC|PCC): the forms arch/x86/kernel/cpu/mce/core.c prints
 SIM_MCE_CORRECTED = "mce: [Hardware Error]: CPU {cpu}: Machine Check: 0 Bank 7: 8c00004000010090"
-SIM_MCE_FATAL = ("mce: [Hardware Error]: CPU {cpu}: Machine Check Exception: 5 Bank 4: "
-                 "be00000000800400",
-                 "mce: [Hardware Error]: Machine check: Processor context corrupt",
-                 "Kernel panic - not syncing: Fatal machine check")
+SIM_MCE_FATAL = (
+    "mce: [Hardware Error]: CPU {cpu}: Machine Check Exception: 5 Bank 4: be00000000800400",
+    "mce: [Hardware Error]: Machine check: Processor context corrupt",
+    "Kernel panic - not syncing: Fatal machine check",
+)
 SIM_MCE_LOGGED = "mce: [Hardware Error]: Machine check events logged"
 
 
@@ -300,15 +344,17 @@ def simulated_records(scenario: Any, start_seq: int = 1) -> list[LogRecord]:
         else:
             lines.extend(SIM_MCE_CORRECTED.format(cpu=i % 8) for i in range(count))
             lines.append(SIM_MCE_LOGGED)
-    return [LogRecord(start_seq + i, line, boot_s=100.0 + i, facility=0)
-            for i, line in enumerate(lines)]
+    return [
+        LogRecord(start_seq + i, line, boot_s=100.0 + i, facility=0) for i, line in enumerate(lines)
+    ]
 
 
 # --- rasdaemon --------------------------------------------------------------------------------
 
 _RAS_ROW = re.compile(r"^\s+(?P<count>\d+)\s+(?P<msg>.+?)\s+errors\s*$")
-_RAS_UNCORRECTED = re.compile(r"uncorrect|fatal|context corrupt|(?<!no )action required|poison",
-                              re.IGNORECASE)
+_RAS_UNCORRECTED = re.compile(
+    r"uncorrect|fatal|context corrupt|(?<!no )action required|poison", re.IGNORECASE
+)
 
 
 def parse_ras_summary(text: str) -> dict[str, Any] | None:
@@ -341,8 +387,11 @@ def parse_ras_summary(text: str) -> dict[str, Any] | None:
         return None
     uncorrected = sum(n for n, msg in rows if _RAS_UNCORRECTED.search(msg))
     total = sum(n for n, _ in rows)
-    return {"corrected": total - uncorrected, "uncorrected": uncorrected,
-            "rows": [{"count": n, "message": msg} for n, msg in rows[:_KEPT]]}
+    return {
+        "corrected": total - uncorrected,
+        "uncorrected": uncorrected,
+        "rows": [{"count": n, "message": msg} for n, msg in rows[:_KEPT]],
+    }
 
 
 def rasdaemon_results(ctx: CheckContext) -> list[Result]:
@@ -351,28 +400,58 @@ def rasdaemon_results(ctx: CheckContext) -> list[Result]:
         return []  # a simulated node's machine checks are its kernel log's (the mce fault)
     tool = str(ctx.config.get("host.ras_mc_ctl"))
     if proc.which(tool) is None:
-        return [ctx.skip(f"rasdaemon's {tool} is not installed (Debian/Ubuntu package rasdaemon): "
-                         "machine checks are read from the kernel log only", metric="ras_mce")]
+        return [
+            ctx.skip(
+                f"rasdaemon's {tool} is not installed (Debian/Ubuntu package rasdaemon): "
+                "machine checks are read from the kernel log only",
+                metric="ras_mce",
+            )
+        ]
     # under the runner's limit for the check, so a slow tool is a skip, never an abandoned check
     timeout_s = min(float(ctx.config.get("host.timeout_s")), ctx.timeout_s / 2)
     done = proc.run([tool, "--summary"], timeout_s=timeout_s)
     if not done.ok:
-        return [ctx.skip(f"{tool} --summary failed ({done.describe_failure()}): is rasdaemon "
-                         "running with its database (ras-mc-ctl needs it)?", metric="ras_mce")]
+        return [
+            ctx.skip(
+                f"{tool} --summary failed ({done.describe_failure()}): is rasdaemon "
+                "running with its database (ras-mc-ctl needs it)?",
+                metric="ras_mce",
+            )
+        ]
     summary = parse_ras_summary(done.stdout)
     if summary is None:
-        return [ctx.skip(f"{tool} --summary printed no MCE part (rasdaemon built without MCE "
-                         "support)", metric="ras_mce")]
+        return [
+            ctx.skip(
+                f"{tool} --summary printed no MCE part (rasdaemon built without MCE support)",
+                metric="ras_mce",
+            )
+        ]
     total = summary["corrected"] + summary["uncorrected"]
     if total == 0:
-        return [ctx.result("node", "ras_mce", Status.PASS, f"rasdaemon: no MCE records ({tool})",
-                           value=0, **summary)]
-    return [ctx.result("node", "ras_mce", Status.WARN,
-                       f"rasdaemon keeps {total} MCE record(s) ({summary['uncorrected']} "
-                       f"uncorrected, {summary['corrected']} corrected) over every boot it saw: "
-                       f"{'; '.join(r['message'] for r in summary['rows'][:4])} "
-                       f"(`{tool} --errors` lists them with times)",
-                       value=total, unit="records", **summary)]
+        return [
+            ctx.result(
+                "node",
+                "ras_mce",
+                Status.PASS,
+                f"rasdaemon: no MCE records ({tool})",
+                value=0,
+                **summary,
+            )
+        ]
+    return [
+        ctx.result(
+            "node",
+            "ras_mce",
+            Status.WARN,
+            f"rasdaemon keeps {total} MCE record(s) ({summary['uncorrected']} "
+            f"uncorrected, {summary['corrected']} corrected) over every boot it saw: "
+            f"{'; '.join(r['message'] for r in summary['rows'][:4])} "
+            f"(`{tool} --errors` lists them with times)",
+            value=total,
+            unit="records",
+            **summary,
+        )
+    ]
 
 
 # --- pstore -----------------------------------------------------------------------------------
@@ -380,10 +459,14 @@ def rasdaemon_results(ctx: CheckContext) -> list[Result]:
 PSTORE_ROOT = Path("/sys/fs/pstore")
 PSTORE_ARCHIVE = Path("/var/lib/systemd/pstore")
 #: fs/pstore/platform.c, pstore_dump: each dump part begins "<reason>#<count> Part<n>"
-_PSTORE_HEADER = re.compile(r"^(?P<why>Panic|Oops|Emergency|Shutdown|Unknown)#(?P<n>\d+) "
-                            r"Part(?P<part>\d+)")
+_PSTORE_HEADER = re.compile(
+    r"^(?P<why>Panic|Oops|Emergency|Shutdown|Unknown)#(?P<n>\d+) "
+    r"Part(?P<part>\d+)"
+)
 #: the kernel's own panic line in the saved log: "<0>[ 1234.5] Kernel panic - not syncing: ..."
-_PANIC_LINE = re.compile(r"^(?:<\d+>)?(?:\[\s*\d+\.\d+\]\s*)?Kernel panic - not syncing: (?P<why>.{1,200})")
+_PANIC_LINE = re.compile(
+    r"^(?:<\d+>)?(?:\[\s*\d+\.\d+\]\s*)?Kernel panic - not syncing: (?P<why>.{1,200})"
+)
 _PSTORE_READ_BYTES = 256 << 10
 
 
@@ -399,8 +482,9 @@ def pstore_mounted(root: Path, mounts: Path = Path("/proc/self/mounts")) -> bool
     return False
 
 
-def read_pstore(roots: list[Path], max_age_s: float | None = None,
-                now: float | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+def read_pstore(
+    roots: list[Path], max_age_s: float | None = None, now: float | None = None
+) -> tuple[list[dict[str, Any]], list[str]]:
     """The kernel dumps kept in ``roots`` (``dmesg-*`` files, searched one directory deep: the
     systemd-pstore archive keeps one directory per boot): a list of dumps ``{why, n, files,
     reason, mtime}``, one per (directory, reason, count), and the problems met reading them.
@@ -445,8 +529,17 @@ def read_pstore(roots: list[Path], max_age_s: float | None = None,
             header = _PSTORE_HEADER.match(text)
             why, n = (header["why"], header["n"]) if header else ("Unknown", "?")
             key = (str(Path(entry.path).parent), why, n)
-            dump = dumps.setdefault(key, {"why": why, "n": n, "directory": key[0], "files": [],
-                                          "reason": None, "mtime": mtime})
+            dump = dumps.setdefault(
+                key,
+                {
+                    "why": why,
+                    "n": n,
+                    "directory": key[0],
+                    "files": [],
+                    "reason": None,
+                    "mtime": mtime,
+                },
+            )
             dump["files"].append(entry.name)
             dump["mtime"] = max(dump["mtime"], mtime)
             for line in text.splitlines():
@@ -472,9 +565,14 @@ def pstore_results(ctx: CheckContext) -> list[Result]:
         kept = _grade_pstore(ctx, [archive], max_age_s)
         if any(r.status in (Status.WARN, Status.FAIL) for r in kept):
             return kept
-        return [ctx.skip(f"no pstore: nothing is mounted at {root} (mount -t pstore pstore "
-                         f"{root}; needs CONFIG_PSTORE and a backend: efi, erst or ramoops), and "
-                         f"no dump archived in {archive}", metric="pstore")]
+        return [
+            ctx.skip(
+                f"no pstore: nothing is mounted at {root} (mount -t pstore pstore "
+                f"{root}; needs CONFIG_PSTORE and a backend: efi, erst or ramoops), and "
+                f"no dump archived in {archive}",
+                metric="pstore",
+            )
+        ]
     return _grade_pstore(ctx, [root, archive], max_age_s)
 
 
@@ -482,8 +580,13 @@ def _simulated_pstore(ctx: CheckContext, max_age_s: float | None) -> list[Result
     """A simulated node's ``pstore_panic`` faults as the files pstore keeps (efi backend), in a
     temporary directory read by the real reader."""
     if ctx.scenario.captured:  # type: ignore[union-attr]
-        return [ctx.skip("pstore was not recorded by this capture (node-agent capture keeps "
-                         "NVML, the PCI bus and the kernel log)", metric="pstore")]
+        return [
+            ctx.skip(
+                "pstore was not recorded by this capture (node-agent capture keeps "
+                "NVML, the PCI bus and the kernel log)",
+                metric="pstore",
+            )
+        ]
     faults = [f for f in ctx.scenario.faults if f.kind == "pstore_panic"]  # type: ignore[union-attr]
     with tempfile.TemporaryDirectory(prefix="node-agent-pstore-") as tmp:
         n = 0
@@ -493,7 +596,8 @@ def _simulated_pstore(ctx: CheckContext, max_age_s: float | None) -> list[Result
                 Path(tmp, f"dmesg-efi-17{n:08d}01001").write_text(
                     f"Panic#{n} Part1\n<4>[ 8821.100000] watchdog: BUG: soft lockup - CPU#5 stuck "
                     f"for 22s! [kworker/5:1:311]\n<0>[ 8849.200000] Kernel panic - not syncing: "
-                    "softlockup: hung tasks\n")
+                    "softlockup: hung tasks\n"
+                )
         results = _grade_pstore(ctx, [Path(tmp)], max_age_s)
     for r in results:
         r.evidence["roots"] = ["simulated pstore"]
@@ -504,38 +608,67 @@ def _grade_pstore(ctx: CheckContext, roots: list[Path], max_age_s: float | None)
     dumps, problems = read_pstore(roots, max_age_s)
     out: list[Result] = []
     if problems and not dumps:
-        return [ctx.skip(f"pstore could not be read: {'; '.join(problems[:3])} (root only)",
-                         metric="pstore")]
+        return [
+            ctx.skip(
+                f"pstore could not be read: {'; '.join(problems[:3])} (root only)", metric="pstore"
+            )
+        ]
     panics = [d for d in dumps if d["why"] == "Panic"]
     others = [d for d in dumps if d["why"] != "Panic"]
     where = ", ".join(str(r) for r in roots)
     if not dumps:
-        return [ctx.result("node", "pstore_panic", Status.PASS,
-                           f"no kernel panic kept in pstore ({where})", value=0)]
-    shown = [f"{d['why']}#{d['n']} ({d['reason'] or 'no panic line'}; {d['files'][0]})"
-             for d in (panics or others)[:4]]
-    evidence = {"dumps": dumps[:_KEPT], "roots": [str(r) for r in roots],
-                "clear_with": "remove the dumps from pstore (rm /sys/fs/pstore/dmesg-*) or the "
-                              "systemd-pstore archive once they are read"}
+        return [
+            ctx.result(
+                "node",
+                "pstore_panic",
+                Status.PASS,
+                f"no kernel panic kept in pstore ({where})",
+                value=0,
+            )
+        ]
+    shown = [
+        f"{d['why']}#{d['n']} ({d['reason'] or 'no panic line'}; {d['files'][0]})"
+        for d in (panics or others)[:4]
+    ]
+    evidence = {
+        "dumps": dumps[:_KEPT],
+        "roots": [str(r) for r in roots],
+        "clear_with": "remove the dumps from pstore (rm /sys/fs/pstore/dmesg-*) or the "
+        "systemd-pstore archive once they are read",
+    }
     if panics:
         status = Status.FAIL if len(panics) >= 2 else Status.WARN
-        out.append(ctx.result("node", "pstore_panic", status,
-                              f"{len(panics)} kernel panic(s) kept in pstore from before this "
-                              f"boot{' - it recurs on this node' if len(panics) >= 2 else ''}: "
-                              f"{'; '.join(shown)}", value=len(panics), unit="panics",
-                              **evidence))
+        out.append(
+            ctx.result(
+                "node",
+                "pstore_panic",
+                status,
+                f"{len(panics)} kernel panic(s) kept in pstore from before this "
+                f"boot{' - it recurs on this node' if len(panics) >= 2 else ''}: "
+                f"{'; '.join(shown)}",
+                value=len(panics),
+                unit="panics",
+                **evidence,
+            )
+        )
     else:
-        out.append(ctx.result("node", "pstore_panic", Status.WARN,
-                              f"{len(others)} kernel dump(s) (no panic) kept in pstore from "
-                              f"before this boot: {'; '.join(shown)}", value=0, unit="panics",
-                              **evidence))
+        out.append(
+            ctx.result(
+                "node",
+                "pstore_panic",
+                Status.WARN,
+                f"{len(others)} kernel dump(s) (no panic) kept in pstore from "
+                f"before this boot: {'; '.join(shown)}",
+                value=0,
+                unit="panics",
+                **evidence,
+            )
+        )
     return out
 
 
 # --- the cursor (since: last_run) -------------------------------------------------------------
 
 
-
 def _cursor_path(ctx: CheckContext) -> Path | None:
     return ctx.state_dir / "kernel_distress_cursor.json" if ctx.state_dir else None
-

@@ -43,7 +43,8 @@ def save(path: Path | None, source: str, seq: int) -> None:
     if path is None:
         return
     try:
-        atomic_file.write_text(path, json.dumps({"boot_id": boot_id(), "source": source,
-                                                 "seq": seq}))
+        atomic_file.write_text(
+            path, json.dumps({"boot_id": boot_id(), "source": source, "seq": seq})
+        )
     except OSError:
         pass

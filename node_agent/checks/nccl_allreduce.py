@@ -66,14 +66,35 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def worker_argv(rank: int, world_size: int, backend: str, sizes: Sequence[int], iters: int,
-                warmup: int, timeout_s: float, corrupt_rank: int | None = None,
-                python: str = sys.executable) -> list[str]:
+def worker_argv(
+    rank: int,
+    world_size: int,
+    backend: str,
+    sizes: Sequence[int],
+    iters: int,
+    warmup: int,
+    timeout_s: float,
+    corrupt_rank: int | None = None,
+    python: str = sys.executable,
+) -> list[str]:
     """``python -P -m node_agent.compute.allreduce ...``: a rank that never imports from its
     working directory (:func:`proc.python_module_argv`)."""
-    args = ["--rank", str(rank), "--world-size", str(world_size), "--backend", backend,
-            "--sizes", ",".join(str(int(s)) for s in sizes), "--iters", str(iters),
-            "--warmup", str(warmup), "--timeout-s", f"{timeout_s:g}"]
+    args = [
+        "--rank",
+        str(rank),
+        "--world-size",
+        str(world_size),
+        "--backend",
+        backend,
+        "--sizes",
+        ",".join(str(int(s)) for s in sizes),
+        "--iters",
+        str(iters),
+        "--warmup",
+        str(warmup),
+        "--timeout-s",
+        f"{timeout_s:g}",
+    ]
     if corrupt_rank is not None:
         args += ["--corrupt-rank", str(corrupt_rank)]
     return proc.python_module_argv("node_agent.compute.allreduce", *args, python=python)
@@ -94,26 +115,41 @@ def child_env(base: Mapping[str, str]) -> dict[str, str]:
     return {**base, "PYTHONPATH": os.pathsep.join(entries)}
 
 
-def run_ranks(world_size: int, backend: str, sizes: Sequence[int], iters: int, warmup: int,
-              timeout_s: float, corrupt_rank: int | None = None,
-              start_ranks: Sequence[int] | None = None) -> list[RankRun]:
+def run_ranks(
+    world_size: int,
+    backend: str,
+    sizes: Sequence[int],
+    iters: int,
+    warmup: int,
+    timeout_s: float,
+    corrupt_rank: int | None = None,
+    start_ranks: Sequence[int] | None = None,
+) -> list[RankRun]:
     """Start the ranks (all, or only ``start_ranks`` — a test of a peer that never connects),
     wait for all of them within ``timeout_s``, and return what each printed.
 
     Every rank runs through :func:`proc.run` on its own thread, so a rank still running at the
     deadline is killed with its process group: nothing is left behind.
     """
-    env = child_env(dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                         PYTHONUNBUFFERED="1"))
+    env = child_env(
+        dict(
+            os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1"
+        )
+    )
     # the group's own timeout ends a rank waiting for a peer a little before we kill it
     group_timeout = max(1.0, timeout_s - 2.0)
     ranks = list(range(world_size)) if start_ranks is None else list(start_ranks)
     runs: dict[int, proc.ProcResult] = {}
 
     def one(rank: int) -> None:
-        runs[rank] = proc.run(worker_argv(rank, world_size, backend, sizes, iters, warmup,
-                                          group_timeout, corrupt_rank), timeout_s, env=env,
-                             cwd=proc.CHILD_CWD)
+        runs[rank] = proc.run(
+            worker_argv(
+                rank, world_size, backend, sizes, iters, warmup, group_timeout, corrupt_rank
+            ),
+            timeout_s,
+            env=env,
+            cwd=proc.CHILD_CWD,
+        )
 
     threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in ranks]
     for t in threads:
@@ -139,8 +175,7 @@ def torch_available() -> bool:
 
 
 def _has_real_gpus(ctx: CheckContext) -> bool:
-    return (not ctx.gpu.simulated and not ctx.gpu.unavailable_reason
-            and len(ctx.gpu.devices()) > 0)
+    return not ctx.gpu.simulated and not ctx.gpu.unavailable_reason and len(ctx.gpu.devices()) > 0
 
 
 def run(ctx: CheckContext) -> list[Result]:
@@ -167,50 +202,85 @@ def run(ctx: CheckContext) -> list[Result]:
     if world_size < 2:
         return [one_rank_skip(ctx, world_size, backend)]
     start = time.monotonic()
-    runs = run_ranks(world_size, backend, sizes, iters, warmup, timeout_s,
-                     corrupt_rank=p.get("corrupt_rank"))
+    runs = run_ranks(
+        world_size, backend, sizes, iters, warmup, timeout_s, corrupt_rank=p.get("corrupt_rank")
+    )
     duration = time.monotonic() - start
     failure = _failure(ctx, runs, timeout_s)
     if failure:
         failure.duration_s = duration
         return [failure]
     doc = runs[0].doc or {}
-    rows = [{"size_bytes": r["size_bytes"], "time_us": r["time_us"], "algbw": r["algbw_gbps"],
-             "busbw": r["busbw_gbps"], "wrong": r["wrong"]} for r in doc["results"]]
-    evidence = {"backend": backend, "world_size": world_size, "iters": iters, "warmup": warmup,
-                "simulated": ctx.gpu.simulated, "tool": "torch.distributed",
-                "torch": doc.get("torch")}
-    return _results(ctx, rows, evidence, ungraded=_not_graded_because(ctx, backend, world_size),
-                    duration=duration)
+    rows = [
+        {
+            "size_bytes": r["size_bytes"],
+            "time_us": r["time_us"],
+            "algbw": r["algbw_gbps"],
+            "busbw": r["busbw_gbps"],
+            "wrong": r["wrong"],
+        }
+        for r in doc["results"]
+    ]
+    evidence = {
+        "backend": backend,
+        "world_size": world_size,
+        "iters": iters,
+        "warmup": warmup,
+        "simulated": ctx.gpu.simulated,
+        "tool": "torch.distributed",
+        "torch": doc.get("torch"),
+    }
+    return _results(
+        ctx,
+        rows,
+        evidence,
+        ungraded=_not_graded_because(ctx, backend, world_size),
+        duration=duration,
+    )
 
 
 def one_rank_skip(ctx: CheckContext, world_size: int, backend: str) -> Result:
     """With one rank there is nothing to reduce across: the bus bandwidth nccl-tests defines,
     busbw = algbw * 2(n-1)/n (nccl-tests doc/PERFORMANCE.md), is 0 by definition for n = 1,
     and no data leaves the GPU, so neither bandwidth nor correctness can be measured."""
-    return ctx.result("node", "busbw_peak_gbps", Status.SKIP,
-                      f"one rank ({backend}): an all-reduce needs two; its bus bandwidth "
-                      "busbw = algbw * 2(n-1)/n is 0 by definition with n = 1, and nothing "
-                      "crosses a link to be measured or checked",
-                      world_size=world_size, backend=backend)
+    return ctx.result(
+        "node",
+        "busbw_peak_gbps",
+        Status.SKIP,
+        f"one rank ({backend}): an all-reduce needs two; its bus bandwidth "
+        "busbw = algbw * 2(n-1)/n is 0 by definition with n = 1, and nothing "
+        "crosses a link to be measured or checked",
+        world_size=world_size,
+        backend=backend,
+    )
 
 
 def _failure(ctx: CheckContext, runs: list[RankRun], timeout_s: float) -> Result | None:
     """An error result when any rank timed out, failed, or printed no measurement."""
     timed_out = [r.rank for r in runs if r.proc.timed_out]
     if timed_out:
-        return ctx.result("node", "busbw_peak_gbps", Status.ERROR,
-                          f"all-reduce ranks {timed_out} did not finish within {timeout_s:g} s "
-                          "and were killed (a peer that never connected, or a hang)",
-                          timeout_s=timeout_s, timed_out_ranks=timed_out,
-                          stderr_tail=_tail(runs[0].proc.stderr))
+        return ctx.result(
+            "node",
+            "busbw_peak_gbps",
+            Status.ERROR,
+            f"all-reduce ranks {timed_out} did not finish within {timeout_s:g} s "
+            "and were killed (a peer that never connected, or a hang)",
+            timeout_s=timeout_s,
+            timed_out_ranks=timed_out,
+            stderr_tail=_tail(runs[0].proc.stderr),
+        )
     for r in runs:
         if not r.proc.ok or r.doc is None or "error" in r.doc:
             why = (r.doc or {}).get("error") or r.proc.describe_failure()
-            return ctx.result("node", "busbw_peak_gbps", Status.ERROR,
-                              f"all-reduce rank {r.rank} failed: {why}",
-                              rank=r.rank, returncode=r.proc.returncode,
-                              stderr_tail=_tail(r.proc.stderr))
+            return ctx.result(
+                "node",
+                "busbw_peak_gbps",
+                Status.ERROR,
+                f"all-reduce rank {r.rank} failed: {why}",
+                rank=r.rank,
+                returncode=r.proc.returncode,
+                stderr_tail=_tail(r.proc.stderr),
+            )
     return None
 
 
@@ -231,12 +301,16 @@ def _not_graded_because(ctx: CheckContext, backend: str, world_size: int) -> str
     if sku is None or sku.minimum("nccl_allreduce_busbw_gbps_min") is None:
         return None  # nothing to grade against; _results says "no SKU minimum"
     if world_size != sku.gpus_per_node:
-        return (f"the SKU minimum is for all {sku.gpus_per_node} GPUs of a {sku.id} node; this "
-                f"run had {world_size} ranks")
+        return (
+            f"the SKU minimum is for all {sku.gpus_per_node} GPUs of a {sku.id} node; this "
+            f"run had {world_size} ranks"
+        )
     devices = ctx.gpu.devices()
     if host_view.read_host_view(devices).guest and not any(_active_links(d) for d in devices):
-        return ("the GPUs are passed through to a VM that sees no active NVLink, and the SKU "
-                "minimum is for the board's NVLinks")
+        return (
+            "the GPUs are passed through to a VM that sees no active NVLink, and the SKU "
+            "minimum is for the board's NVLinks"
+        )
     return None
 
 
@@ -248,79 +322,177 @@ def _active_links(dev: Any) -> int:
         return 0
 
 
-def _results(ctx: CheckContext, rows: list[dict[str, Any]], evidence: dict[str, Any],
-             ungraded: str | None, duration: float) -> list[Result]:
+def _results(
+    ctx: CheckContext,
+    rows: list[dict[str, Any]],
+    evidence: dict[str, Any],
+    ungraded: str | None,
+    duration: float,
+) -> list[Result]:
     out: list[Result] = []
     for row in rows:
-        out.append(ctx.result(
-            "node", "busbw_gbps", Status.PASS,
-            f"{row['size_bytes']} B all-reduce: busbw {row['busbw']:.3f} GB/s, algbw "
-            f"{row['algbw']:.3f} GB/s"
-            + (f", {row['time_us']:.1f} us" if row.get("time_us") is not None else "")
-            + f" ({evidence['backend']})",
-            value=round(row["busbw"], 4), unit="GB/s", **row, **evidence))
+        out.append(
+            ctx.result(
+                "node",
+                "busbw_gbps",
+                Status.PASS,
+                f"{row['size_bytes']} B all-reduce: busbw {row['busbw']:.3f} GB/s, algbw "
+                f"{row['algbw']:.3f} GB/s"
+                + (f", {row['time_us']:.1f} us" if row.get("time_us") is not None else "")
+                + f" ({evidence['backend']})",
+                value=round(row["busbw"], 4),
+                unit="GB/s",
+                **row,
+                **evidence,
+            )
+        )
     peak = max(rows, key=lambda r: r["busbw"])
     minimum = ctx.sku.minimum("nccl_allreduce_busbw_gbps_min") if ctx.sku else None
     graded = ungraded is None
     if graded and minimum is not None and peak["busbw"] < minimum:
         status = Status.FAIL
-        detail = (f"peak all-reduce busbw {peak['busbw']:.1f} GB/s is below the SKU minimum "
-                  f"{minimum:g} GB/s (at {peak['size_bytes']} B)")
+        detail = (
+            f"peak all-reduce busbw {peak['busbw']:.1f} GB/s is below the SKU minimum "
+            f"{minimum:g} GB/s (at {peak['size_bytes']} B)"
+        )
     else:
         status = Status.PASS
-        note = ("" if graded and minimum is not None else
-                f" (not graded: {ungraded})" if not graded else " (no SKU minimum)")
-        detail = (f"peak all-reduce busbw {peak['busbw']:.3f} GB/s at {peak['size_bytes']} B"
-                  + note)
-    out.append(ctx.result("node", "busbw_peak_gbps", status, detail,
-                          value=round(peak["busbw"], 4), unit="GB/s",
-                          size_bytes=peak["size_bytes"], minimum=minimum if graded else None,
-                          **evidence))
+        note = (
+            ""
+            if graded and minimum is not None
+            else f" (not graded: {ungraded})"
+            if not graded
+            else " (no SKU minimum)"
+        )
+        detail = f"peak all-reduce busbw {peak['busbw']:.3f} GB/s at {peak['size_bytes']} B" + note
+    out.append(
+        ctx.result(
+            "node",
+            "busbw_peak_gbps",
+            status,
+            detail,
+            value=round(peak["busbw"], 4),
+            unit="GB/s",
+            size_bytes=peak["size_bytes"],
+            minimum=minimum if graded else None,
+            **evidence,
+        )
+    )
     known = [r["wrong"] for r in rows if r["wrong"] is not None]
     wrong = sum(known)
     if known:
-        out.append(ctx.result(
-            "node", "wrong_elements", Status.FAIL if wrong else Status.PASS,
-            f"{wrong} elements of the all-reduce results were wrong"
-            + (": a rank contributes or transfers corrupt data" if wrong else ""),
-            value=wrong, unit="elements",
-            wrong_by_size={r["size_bytes"]: r["wrong"] for r in rows}, **evidence))
+        out.append(
+            ctx.result(
+                "node",
+                "wrong_elements",
+                Status.FAIL if wrong else Status.PASS,
+                f"{wrong} elements of the all-reduce results were wrong"
+                + (": a rank contributes or transfers corrupt data" if wrong else ""),
+                value=wrong,
+                unit="elements",
+                wrong_by_size={r["size_bytes"]: r["wrong"] for r in rows},
+                **evidence,
+            )
+        )
     for r in out:
         r.duration_s = duration
     return out
 
 
-def _run_nccl_tests(ctx: CheckContext, world_size: int, sizes: list[int], iters: int,
-                    warmup: int, timeout_s: float) -> list[Result]:
+def _run_nccl_tests(
+    ctx: CheckContext, world_size: int, sizes: list[int], iters: int, warmup: int, timeout_s: float
+) -> list[Result]:
     """nccl-tests' ``all_reduce_perf`` on ``world_size`` GPUs of this node, parsed."""
-    argv = [proc.which("all_reduce_perf") or "all_reduce_perf", "-b", str(min(sizes)),
-            "-e", str(max(sizes)), "-f", "2", "-g", str(world_size), "-n", str(iters),
-            "-w", str(warmup), "-c", "1"]
+    argv = [
+        proc.which("all_reduce_perf") or "all_reduce_perf",
+        "-b",
+        str(min(sizes)),
+        "-e",
+        str(max(sizes)),
+        "-f",
+        "2",
+        "-g",
+        str(world_size),
+        "-n",
+        str(iters),
+        "-w",
+        str(warmup),
+        "-c",
+        "1",
+    ]
     res = proc.run(argv, timeout_s)
     if not res.ok:
-        return [ctx.result("node", "busbw_peak_gbps", Status.ERROR, res.describe_failure(),
-                           argv=list(argv), stderr_tail=_tail(res.stderr))]
+        return [
+            ctx.result(
+                "node",
+                "busbw_peak_gbps",
+                Status.ERROR,
+                res.describe_failure(),
+                argv=list(argv),
+                stderr_tail=_tail(res.stderr),
+            )
+        ]
     try:
         table = parse_all_reduce_perf(res.stdout)
     except ParseError as err:
-        return [ctx.result("node", "busbw_peak_gbps", Status.ERROR,
-                           f"cannot read all_reduce_perf output: {err}", argv=list(argv),
-                           stdout_tail=_tail(res.stdout))]
-    rows = [{"size_bytes": r.size_bytes, "time_us": r.time_us, "algbw": r.algbw_gbps,
-             "busbw": r.busbw_gbps, "wrong": r.wrong} for r in table.rows]
-    evidence = {"backend": "nccl", "world_size": world_size, "iters": iters, "warmup": warmup,
-                "simulated": False, "tool": "all_reduce_perf",
-                "avg_busbw_gbps": table.avg_busbw_gbps, "out_of_bounds": table.out_of_bounds}
-    out = _results(ctx, rows, evidence, ungraded=_not_graded_because(ctx, "nccl", world_size),
-                   duration=res.duration_s)
+        return [
+            ctx.result(
+                "node",
+                "busbw_peak_gbps",
+                Status.ERROR,
+                f"cannot read all_reduce_perf output: {err}",
+                argv=list(argv),
+                stdout_tail=_tail(res.stdout),
+            )
+        ]
+    rows = [
+        {
+            "size_bytes": r.size_bytes,
+            "time_us": r.time_us,
+            "algbw": r.algbw_gbps,
+            "busbw": r.busbw_gbps,
+            "wrong": r.wrong,
+        }
+        for r in table.rows
+    ]
+    evidence = {
+        "backend": "nccl",
+        "world_size": world_size,
+        "iters": iters,
+        "warmup": warmup,
+        "simulated": False,
+        "tool": "all_reduce_perf",
+        "avg_busbw_gbps": table.avg_busbw_gbps,
+        "out_of_bounds": table.out_of_bounds,
+    }
+    out = _results(
+        ctx,
+        rows,
+        evidence,
+        ungraded=_not_graded_because(ctx, "nccl", world_size),
+        duration=res.duration_s,
+    )
     if table.validated is False:
-        out.append(ctx.result("node", "wrong_elements", Status.SKIP,
-                              "all_reduce_perf ran without validation (#wrong N/A): the "
-                              "results were not checked", **evidence))
+        out.append(
+            ctx.result(
+                "node",
+                "wrong_elements",
+                Status.SKIP,
+                "all_reduce_perf ran without validation (#wrong N/A): the results were not checked",
+                **evidence,
+            )
+        )
     elif all(r["wrong"] is None for r in rows) and table.out_of_bounds is not None:
         # older nccl-tests: no per-size count, only the run's out-of-bounds total
-        out.append(ctx.result("node", "wrong_elements",
-                              Status.FAIL if table.out_of_bounds else Status.PASS,
-                              f"{table.out_of_bounds} out-of-bounds values (all_reduce_perf)",
-                              value=table.out_of_bounds, unit="elements", **evidence))
+        out.append(
+            ctx.result(
+                "node",
+                "wrong_elements",
+                Status.FAIL if table.out_of_bounds else Status.PASS,
+                f"{table.out_of_bounds} out-of-bounds values (all_reduce_perf)",
+                value=table.out_of_bounds,
+                unit="elements",
+                **evidence,
+            )
+        )
     return out

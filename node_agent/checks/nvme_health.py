@@ -30,7 +30,7 @@ MISSING = "nvme-cli not installed (Debian/Ubuntu package `nvme-cli`)"
 
 
 def run(ctx: CheckContext) -> list[Result]:
-    if (skip := not_recorded(ctx, "nvme")):
+    if skip := not_recorded(ctx, "nvme"):
         return skip
     try:
         with host_paths(ctx, ("nvme",)) as paths:
@@ -44,12 +44,18 @@ def run(ctx: CheckContext) -> list[Result]:
 def _run(ctx: CheckContext, paths: HostPaths) -> list[Result]:
     controllers = list_controllers(paths.sys)
     if not controllers:
-        return [ctx.skip(f"no NVMe controller ({paths.sys / 'class/nvme'} lists none)",
-                         metric="nvme")]
+        return [
+            ctx.skip(f"no NVMe controller ({paths.sys / 'class/nvme'} lists none)", metric="nvme")
+        ]
     program = proc.which(paths.nvme)  # a path (host.nvme) must be an executable file
     if program is None:
-        return [ctx.skip(f"{MISSING} ({paths.nvme!r} not found); cannot read the SMART logs of "
-                         f"{', '.join(c.name for c in controllers)}", metric="nvme")]
+        return [
+            ctx.skip(
+                f"{MISSING} ({paths.nvme!r} not found); cannot read the SMART logs of "
+                f"{', '.join(c.name for c in controllers)}",
+                metric="nvme",
+            )
+        ]
     wear_max = thresholds(ctx, "nvme")["percent_used_max"]
     scratch = controllers_holding(list(ctx.config.get("storage.paths") or []), paths.proc)
     results: list[Result] = []
@@ -58,48 +64,103 @@ def _run(ctx: CheckContext, paths: HostPaths) -> list[Result]:
             continue
         target = f"disk:{ctrl.name}"
         holds = sorted(p for p, c in scratch.items() if c == ctrl.name)
-        evidence = {"model": ctrl.model, "serial": ctrl.serial, "firmware": ctrl.firmware,
-                    "namespaces": list(ctrl.namespaces), "storage_paths": holds}
-        out = proc.run([program, "smart-log", str(paths.dev / ctrl.name), "-o", "json"],
-                       timeout_s=tool_timeout_s(ctx))
+        evidence = {
+            "model": ctrl.model,
+            "serial": ctrl.serial,
+            "firmware": ctrl.firmware,
+            "namespaces": list(ctrl.namespaces),
+            "storage_paths": holds,
+        }
+        out = proc.run(
+            [program, "smart-log", str(paths.dev / ctrl.name), "-o", "json"],
+            timeout_s=tool_timeout_s(ctx),
+        )
         if not out.ok:
             if "permission denied" in (out.stderr + out.stdout).lower():
-                results.append(ctx.skip(f"{ctrl.name}: the SMART log needs root "
-                                        f"({out.describe_failure()})", target=target,
-                                        metric="critical_warning"))
+                results.append(
+                    ctx.skip(
+                        f"{ctrl.name}: the SMART log needs root ({out.describe_failure()})",
+                        target=target,
+                        metric="critical_warning",
+                    )
+                )
             else:
-                results.append(ctx.result(target, "smart_log", Status.ERROR,
-                                          f"{ctrl.name}: {out.describe_failure()}", **evidence))
+                results.append(
+                    ctx.result(
+                        target,
+                        "smart_log",
+                        Status.ERROR,
+                        f"{ctrl.name}: {out.describe_failure()}",
+                        **evidence,
+                    )
+                )
             continue
         try:
             log = parse_smart_log(out.stdout)
         except ParseError as err:
-            results.append(ctx.result(target, "smart_log", Status.ERROR,
-                                      f"{ctrl.name}: {err}", **evidence))
+            results.append(
+                ctx.result(target, "smart_log", Status.ERROR, f"{ctrl.name}: {err}", **evidence)
+            )
             continue
-        evidence.update(critical_warning=f"0x{log.critical_warning:02x}",
-                        percent_used=log.percent_used, avail_spare=log.avail_spare,
-                        spare_thresh=log.spare_thresh, media_errors=log.media_errors)
+        evidence.update(
+            critical_warning=f"0x{log.critical_warning:02x}",
+            percent_used=log.percent_used,
+            avail_spare=log.avail_spare,
+            spare_thresh=log.spare_thresh,
+            media_errors=log.media_errors,
+        )
         name = f"{ctrl.name} ({ctrl.model or 'NVMe'}, serial {ctrl.serial or 'n/a'})"
         if log.critical_warning:
             on_scratch = log.media_warning and holds
             status = Status.FAIL if on_scratch else Status.WARN
-            detail = (f"{name} raised its critical warning 0x{log.critical_warning:02x}: "
-                      f"{'; '.join(log.warnings) or 'reserved bits'}")
+            detail = (
+                f"{name} raised its critical warning 0x{log.critical_warning:02x}: "
+                f"{'; '.join(log.warnings) or 'reserved bits'}"
+            )
             if on_scratch:
-                detail += (f"; it holds {', '.join(holds)} (storage.paths), which the suites "
-                           "need: replace the drive")
-            results.append(ctx.result(target, "critical_warning", status, detail,
-                                      value=log.critical_warning, **evidence))
+                detail += (
+                    f"; it holds {', '.join(holds)} (storage.paths), which the suites "
+                    "need: replace the drive"
+                )
+            results.append(
+                ctx.result(
+                    target,
+                    "critical_warning",
+                    status,
+                    detail,
+                    value=log.critical_warning,
+                    **evidence,
+                )
+            )
         else:
-            results.append(ctx.result(target, "critical_warning", Status.PASS,
-                                      f"{name}: no critical warning", value=0, **evidence))
+            results.append(
+                ctx.result(
+                    target,
+                    "critical_warning",
+                    Status.PASS,
+                    f"{name}: no critical warning",
+                    value=0,
+                    **evidence,
+                )
+            )
         if log.percent_used is not None:
             worn = log.percent_used > wear_max
-            results.append(ctx.result(
-                target, "wear", Status.WARN if worn else Status.PASS,
-                f"{name}: {log.percent_used} % of its rated endurance used"
-                + (f", over {wear_max:g} % (graders/host.yaml nvme.percent_used_max): plan its "
-                   "replacement" if worn else ""),
-                value=log.percent_used, unit="%", limit=wear_max, **evidence))
+            results.append(
+                ctx.result(
+                    target,
+                    "wear",
+                    Status.WARN if worn else Status.PASS,
+                    f"{name}: {log.percent_used} % of its rated endurance used"
+                    + (
+                        f", over {wear_max:g} % (graders/host.yaml nvme.percent_used_max): plan its "
+                        "replacement"
+                        if worn
+                        else ""
+                    ),
+                    value=log.percent_used,
+                    unit="%",
+                    limit=wear_max,
+                    **evidence,
+                )
+            )
     return results

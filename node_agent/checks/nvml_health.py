@@ -41,8 +41,15 @@ from node_agent.model import Result, Status
 # application-clock settings are normal operation (NVML nvmlClocksEventReason* docs).
 ABNORMAL_THROTTLE = ("hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
 # Recovery actions that ask for a reset or reboot (nvmlGpuRecoveryAction_t).
-_RESET_ACTIONS = {"gpu_reset", "node_reboot", "drain_and_reset", "bus_reset", "system_reboot",
-                  "drain_p2p", "recover_imex_domain"}
+_RESET_ACTIONS = {
+    "gpu_reset",
+    "node_reboot",
+    "drain_and_reset",
+    "bus_reset",
+    "system_reboot",
+    "drain_p2p",
+    "recover_imex_domain",
+}
 
 
 class _Abort(Exception):
@@ -69,10 +76,16 @@ def _expected_gpus(ctx: CheckContext) -> tuple[int | None, str]:
     bus comparison still names a GPU the driver lost."""
     expected = ctx.expected_gpus
     sku = ctx.sku
-    if (sku is not None and not sku.fixed_gpu_count and not ctx.simulated
-            and ctx.config.get("node.expected_gpus") is None):
-        return None, (f"SKU {sku.id} is an add-in card whose count is the server's build; set "
-                      "node.expected_gpus to check it")
+    if (
+        sku is not None
+        and not sku.fixed_gpu_count
+        and not ctx.simulated
+        and ctx.config.get("node.expected_gpus") is None
+    ):
+        return None, (
+            f"SKU {sku.id} is an add-in card whose count is the server's build; set "
+            "node.expected_gpus to check it"
+        )
     if expected is None:
         return None, "no SKU file or node.expected_gpus"
     return expected, ""
@@ -85,10 +98,17 @@ def _gpu_count(ctx: CheckContext) -> Result:
     bus = ctx.pci_bus()
     on_bus = None if bus.unreadable else len(bus.host_gpus)
     if expected is None:
-        return ctx.result("node", "gpu_count", Status.PASS,
-                          f"{seen} GPUs visible (no expected count: {why_none}; "
-                          f"{on_bus if on_bus is not None else '?'} on the PCI bus)", value=seen,
-                          unit="GPUs", visible=visible, pci_gpus=on_bus)
+        return ctx.result(
+            "node",
+            "gpu_count",
+            Status.PASS,
+            f"{seen} GPUs visible (no expected count: {why_none}; "
+            f"{on_bus if on_bus is not None else '?'} on the PCI bus)",
+            value=seen,
+            unit="GPUs",
+            visible=visible,
+            pci_gpus=on_bus,
+        )
     # a GPU handed to a VM (vfio-pci) is the VM's, not a GPU the host lost
     handed = 0 if bus.unreadable else len(bus.gpus) - len(bus.host_gpus)
     note = f" ({handed} more handed to a VM)" if handed else ""
@@ -97,30 +117,60 @@ def _gpu_count(ctx: CheckContext) -> Result:
     # a simulated scenario's count is the node's own, as a declared one is; a captured node's is
     # only what the recorded host showed, so it is judged as that host would be
     modelled = ctx.simulated and not (ctx.scenario is not None and ctx.scenario.captured)
-    evidence = {"expected": expected, "visible": visible, "pci_gpus": on_bus,
-                "passthrough": handed,
-                "expected_from": ("node.expected_gpus" if declared else "scenario"
-                                  if modelled else f"SKU {ctx.sku.id}" if ctx.sku else None)}
+    evidence = {
+        "expected": expected,
+        "visible": visible,
+        "pci_gpus": on_bus,
+        "passthrough": handed,
+        "expected_from": (
+            "node.expected_gpus"
+            if declared
+            else "scenario"
+            if modelled
+            else f"SKU {ctx.sku.id}"
+            if ctx.sku
+            else None
+        ),
+    }
     if seen < expected:
         if not declared and not modelled:
             in_vm = _count_in_a_vm(ctx, seen, expected, evidence)
             if in_vm is not None:
                 return in_vm
-        return ctx.result("node", "gpu_count", Status.FAIL,
-                          f"{seen} of {expected} expected GPUs visible{note} (visible indices "
-                          f"{visible}); a missing GPU has fallen off the bus or is not powered",
-                          value=seen, unit="GPUs", **evidence)
+        return ctx.result(
+            "node",
+            "gpu_count",
+            Status.FAIL,
+            f"{seen} of {expected} expected GPUs visible{note} (visible indices "
+            f"{visible}); a missing GPU has fallen off the bus or is not powered",
+            value=seen,
+            unit="GPUs",
+            **evidence,
+        )
     if seen > expected:
-        return ctx.result("node", "gpu_count", Status.WARN,
-                          f"{seen} GPUs visible, {expected} expected{note}: check "
-                          "node.expected_gpus", value=seen, unit="GPUs", **evidence)
-    return ctx.result("node", "gpu_count", Status.PASS,
-                      f"{seen} of {expected} GPUs visible{note}", value=seen, unit="GPUs",
-                      **evidence)
+        return ctx.result(
+            "node",
+            "gpu_count",
+            Status.WARN,
+            f"{seen} GPUs visible, {expected} expected{note}: check node.expected_gpus",
+            value=seen,
+            unit="GPUs",
+            **evidence,
+        )
+    return ctx.result(
+        "node",
+        "gpu_count",
+        Status.PASS,
+        f"{seen} of {expected} GPUs visible{note}",
+        value=seen,
+        unit="GPUs",
+        **evidence,
+    )
 
 
-def _count_in_a_vm(ctx: CheckContext, seen: int, expected: int,
-                   evidence: dict[str, Any]) -> Result | None:
+def _count_in_a_vm(
+    ctx: CheckContext, seen: int, expected: int, evidence: dict[str, Any]
+) -> Result | None:
     """Fewer GPUs than the SKU's count, nothing declared: inside a VM
     (NVML virtualization mode pass-through or vGPU) the count is the VM's slice of the board,
     not a lost GPU, unless something shows one was lost. A WARN naming node.expected_gpus then;
@@ -132,55 +182,101 @@ def _count_in_a_vm(ctx: CheckContext, seen: int, expected: int,
     evidence = {**evidence, "virtualization": view.modes, "lost_gpu_traces": lost.traces}
     modes = ", ".join(view.guest_modes)
     if lost.traces:
-        return ctx.result("node", "gpu_count", Status.FAIL,
-                          f"{seen} of {expected} expected GPUs visible in this VM (NVML "
-                          f"virtualization mode {modes}), and a GPU was lost: "
-                          + "; ".join(lost.traces), value=seen, unit="GPUs", **evidence)
+        return ctx.result(
+            "node",
+            "gpu_count",
+            Status.FAIL,
+            f"{seen} of {expected} expected GPUs visible in this VM (NVML "
+            f"virtualization mode {modes}), and a GPU was lost: " + "; ".join(lost.traces),
+            value=seen,
+            unit="GPUs",
+            **evidence,
+        )
     looked = "; ".join(lost.looked_at) or "neither the PCI bus nor the kernel log could be read"
     return ctx.result(
-        "node", "gpu_count", Status.WARN,
+        "node",
+        "gpu_count",
+        Status.WARN,
         f"{seen} of {expected} GPUs visible, {expected} being the count per node of "
         f"{evidence['expected_from']}, and this host is a virtual machine (NVML "
         f"virtualization mode {modes}): that count is the whole board's, not this VM's "
         "share of it. Nothing shows a lost GPU "
         f"({looked}). Set node.expected_gpus to the number of GPUs this VM should have to "
-        "check its count", value=seen, unit="GPUs", **evidence)
+        "check its count",
+        value=seen,
+        unit="GPUs",
+        **evidence,
+    )
 
 
 def _pci_bus(ctx: CheckContext) -> list[Result]:
     """Every NVIDIA GPU on the PCI bus (not handed to a VM) must be one NVML enumerates."""
     bus = ctx.pci_bus()
     if bus.unreadable:
-        return [ctx.result("node", "gpu_not_enumerated", Status.SKIP,
-                           f"PCI bus not compared with NVML: {bus.unreadable}")]
+        return [
+            ctx.result(
+                "node",
+                "gpu_not_enumerated",
+                Status.SKIP,
+                f"PCI bus not compared with NVML: {bus.unreadable}",
+            )
+        ]
     inv = ctx.inventory
     found = compare(bus, [g.pci_bus_id for g in inv.gpus], unidentified=len(inv.unreadable))
-    evidence = {"pci_gpus": len(bus.gpus), "nvml_gpus": len(ctx.gpu.devices()),
-                "passthrough": [g.bus_id for g in found.passthrough]}
+    evidence = {
+        "pci_gpus": len(bus.gpus),
+        "nvml_gpus": len(ctx.gpu.devices()),
+        "passthrough": [g.bus_id for g in found.passthrough],
+    }
     if not found.not_enumerated:
-        return [ctx.result("node", "gpu_not_enumerated", Status.PASS,
-                           f"all {len(bus.host_gpus)} NVIDIA GPU(s) on the PCI bus are "
-                           "enumerated by NVML", value=0, unit="GPUs", **evidence)]
+        return [
+            ctx.result(
+                "node",
+                "gpu_not_enumerated",
+                Status.PASS,
+                f"all {len(bus.host_gpus)} NVIDIA GPU(s) on the PCI bus are enumerated by NVML",
+                value=0,
+                unit="GPUs",
+                **evidence,
+            )
+        ]
     out = []
     none_listed = not ctx.gpu.devices()
     for gpu in found.not_enumerated:
         if none_listed:
             status = Status.ERROR
-            detail = (f"NVIDIA GPU {gpu.describe()} is on the PCI bus, but the driver "
-                      f"initialised none of the {len(bus.host_gpus)} GPU(s) there: a driver or "
-                      "firmware problem (GSP firmware, driver/VBIOS mismatch) is likelier than "
-                      "that many failed GPUs; check `dmesg | grep -i nvrm` (RmInitAdapter), "
-                      "reinstall the driver for the running kernel, reboot and re-test")
+            detail = (
+                f"NVIDIA GPU {gpu.describe()} is on the PCI bus, but the driver "
+                f"initialised none of the {len(bus.host_gpus)} GPU(s) there: a driver or "
+                "firmware problem (GSP firmware, driver/VBIOS mismatch) is likelier than "
+                "that many failed GPUs; check `dmesg | grep -i nvrm` (RmInitAdapter), "
+                "reinstall the driver for the running kernel, reboot and re-test"
+            )
         else:
             status = Status.FAIL
-            detail = (f"NVIDIA GPU {gpu.describe()} is on the PCI bus but NVML does not "
-                      "enumerate it: the driver could not initialise it (see `dmesg | grep -i "
-                      f"nvrm` for {gpu.bus_id[:-2]}: RmInitAdapter failed, fallen off the bus); "
-                      "reseat or replace the GPU"
-                      + (f" ({found.unidentified} enumerated GPU(s) could not be identified "
-                         "and may be among these)" if found.unidentified else ""))
-        out.append(ctx.result(f"pci:{gpu.bus_id}", "gpu_not_enumerated", status, detail,
-                              value=gpu.bus_id, driver=gpu.driver, **evidence))
+            detail = (
+                f"NVIDIA GPU {gpu.describe()} is on the PCI bus but NVML does not "
+                "enumerate it: the driver could not initialise it (see `dmesg | grep -i "
+                f"nvrm` for {gpu.bus_id[:-2]}: RmInitAdapter failed, fallen off the bus); "
+                "reseat or replace the GPU"
+                + (
+                    f" ({found.unidentified} enumerated GPU(s) could not be identified "
+                    "and may be among these)"
+                    if found.unidentified
+                    else ""
+                )
+            )
+        out.append(
+            ctx.result(
+                f"pci:{gpu.bus_id}",
+                "gpu_not_enumerated",
+                status,
+                detail,
+                value=gpu.bus_id,
+                driver=gpu.driver,
+                **evidence,
+            )
+        )
     return out
 
 
@@ -197,20 +293,40 @@ def _check_gpu(ctx: CheckContext, dev: GpuDevice) -> list[Result]:
         except NoPermission as err:
             out.append(ctx.result(target, metric, Status.SKIP, f"no permission: {err}"))
         except DeviceLost as err:
-            raise _Abort(ctx.result(target, "gpu_lost", Status.FAIL,
-                                    f"GPU {dev.index} stopped answering: {err}",
-                                    error=str(err))) from err
+            raise _Abort(
+                ctx.result(
+                    target,
+                    "gpu_lost",
+                    Status.FAIL,
+                    f"GPU {dev.index} stopped answering: {err}",
+                    error=str(err),
+                )
+            ) from err
         except GpuTimeout as err:
-            raise _Abort(ctx.result(target, "driver_hang", Status.ERROR,
-                                    f"GPU {dev.index}: {err}", error=str(err))) from err
+            raise _Abort(
+                ctx.result(
+                    target, "driver_hang", Status.ERROR, f"GPU {dev.index}: {err}", error=str(err)
+                )
+            ) from err
         except GpuError as err:
-            out.append(ctx.result(target, metric, Status.ERROR, f"query failed: {err}",
-                                  error=str(err)))
+            out.append(
+                ctx.result(target, metric, Status.ERROR, f"query failed: {err}", error=str(err))
+            )
         return None
 
     try:
-        for step in (_ecc, _retired_pages, _row_remap, _pcie, _throttle, _temperature, _power,
-                     _persistence, _recovery, _nvlink):
+        for step in (
+            _ecc,
+            _retired_pages,
+            _row_remap,
+            _pcie,
+            _throttle,
+            _temperature,
+            _power,
+            _persistence,
+            _recovery,
+            _nvlink,
+        ):
             step(ctx, dev, target, reading, out)
     except _Abort as abort:
         out.append(abort.result)
@@ -222,56 +338,104 @@ def _ecc(ctx, dev, target, reading, out) -> None:
     if ecc is None:
         return
     if not ecc.enabled:
-        out.append(ctx.result(target, "ecc_mode", Status.WARN,
-                              "ECC is disabled: memory errors go undetected (enable with "
-                              "nvidia-smi -e 1 and reset the GPU)", value=False))
+        out.append(
+            ctx.result(
+                target,
+                "ecc_mode",
+                Status.WARN,
+                "ECC is disabled: memory errors go undetected (enable with "
+                "nvidia-smi -e 1 and reset the GPU)",
+                value=False,
+            )
+        )
         return
     dbe = ecc.volatile_dbe or 0
-    out.append(ctx.result(
-        target, "ecc_dbe_volatile", Status.FAIL if dbe else Status.PASS,
-        f"{dbe} uncorrectable (double-bit) ECC errors since the driver loaded"
-        + (" — uncorrectable memory errors mean failing HBM" if dbe else ""),
-        value=dbe, unit="errors", aggregate_dbe=ecc.aggregate_dbe,
-        aggregate_dbe_sram=ecc.aggregate_dbe_sram, aggregate_dbe_dram=ecc.aggregate_dbe_dram))
+    out.append(
+        ctx.result(
+            target,
+            "ecc_dbe_volatile",
+            Status.FAIL if dbe else Status.PASS,
+            f"{dbe} uncorrectable (double-bit) ECC errors since the driver loaded"
+            + (" — uncorrectable memory errors mean failing HBM" if dbe else ""),
+            value=dbe,
+            unit="errors",
+            aggregate_dbe=ecc.aggregate_dbe,
+            aggregate_dbe_sram=ecc.aggregate_dbe_sram,
+            aggregate_dbe_dram=ecc.aggregate_dbe_dram,
+        )
+    )
     sbe = ecc.volatile_sbe or 0
     sbe_max = ctx.sku.limit("ecc_sbe_volatile_max") if ctx.sku else None
     over = sbe_max is not None and sbe > sbe_max
-    out.append(ctx.result(
-        target, "ecc_sbe_volatile", Status.WARN if over else Status.PASS,
-        f"{sbe} corrected ECC errors since the driver loaded"
-        + (f", above the SKU limit {sbe_max:g}" if over else ""),
-        value=sbe, unit="errors", limit=sbe_max))
+    out.append(
+        ctx.result(
+            target,
+            "ecc_sbe_volatile",
+            Status.WARN if over else Status.PASS,
+            f"{sbe} corrected ECC errors since the driver loaded"
+            + (f", above the SKU limit {sbe_max:g}" if over else ""),
+            value=sbe,
+            unit="errors",
+            limit=sbe_max,
+        )
+    )
     _sram(ctx, ecc, target, out)
 
 
 def _sram(ctx, ecc, target, out) -> None:
     """SRAM (L2, SM register files and caches, on-chip buffers) uncorrectable errors over the
     GPU's life, and the driver's flag that they meet NVIDIA's RMA criteria."""
-    sram = (ecc.sram_uncorrectable_aggregate if ecc.sram_uncorrectable_aggregate is not None
-            else ecc.aggregate_dbe_sram)
+    sram = (
+        ecc.sram_uncorrectable_aggregate
+        if ecc.sram_uncorrectable_aggregate is not None
+        else ecc.aggregate_dbe_sram
+    )
     units = {k: v for k, v in ecc.sram_uncorrectable_by_unit.items() if v}
     where = f" ({', '.join(f'{k} {v}' for k, v in units.items())})" if units else ""
     evidence = {"threshold_exceeded": ecc.sram_threshold_exceeded, "by_unit": units}
     if ecc.sram_threshold_exceeded:
-        out.append(ctx.result(
-            target, "sram_threshold_exceeded", Status.FAIL,
-            f"the driver flags SRAM Threshold Exceeded ({sram if sram is not None else '?'} "
-            f"uncorrectable SRAM errors{where}): NVIDIA's RMA criteria for on-chip memory are "
-            "met; run the field diagnostic and replace the GPU", value=True, **evidence))
+        out.append(
+            ctx.result(
+                target,
+                "sram_threshold_exceeded",
+                Status.FAIL,
+                f"the driver flags SRAM Threshold Exceeded ({sram if sram is not None else '?'} "
+                f"uncorrectable SRAM errors{where}): NVIDIA's RMA criteria for on-chip memory are "
+                "met; run the field diagnostic and replace the GPU",
+                value=True,
+                **evidence,
+            )
+        )
     if sram is None:
         return
     if sram:
         if not ecc.sram_threshold_exceeded:
-            out.append(ctx.result(
-                target, "ecc_dbe_sram_aggregate", Status.WARN,
-                f"{sram} uncorrectable SRAM ECC errors over the GPU's life{where}, below the "
-                "driver's RMA threshold (SRAM Threshold Exceeded: "
-                f"{'no' if ecc.sram_threshold_exceeded is False else 'not reported'}); more "
-                "in the same bank will trip it", value=sram, unit="errors", **evidence))
+            out.append(
+                ctx.result(
+                    target,
+                    "ecc_dbe_sram_aggregate",
+                    Status.WARN,
+                    f"{sram} uncorrectable SRAM ECC errors over the GPU's life{where}, below the "
+                    "driver's RMA threshold (SRAM Threshold Exceeded: "
+                    f"{'no' if ecc.sram_threshold_exceeded is False else 'not reported'}); more "
+                    "in the same bank will trip it",
+                    value=sram,
+                    unit="errors",
+                    **evidence,
+                )
+            )
         return
-    out.append(ctx.result(target, "ecc_dbe_sram_aggregate", Status.PASS,
-                          "no uncorrectable SRAM ECC errors over the GPU's life", value=0,
-                          unit="errors", **evidence))
+    out.append(
+        ctx.result(
+            target,
+            "ecc_dbe_sram_aggregate",
+            Status.PASS,
+            "no uncorrectable SRAM ECC errors over the GPU's life",
+            value=0,
+            unit="errors",
+            **evidence,
+        )
+    )
 
 
 def _retired_pages(ctx, dev, target, reading, out) -> None:
@@ -281,14 +445,30 @@ def _retired_pages(ctx, dev, target, reading, out) -> None:
     total = pages.sbe + pages.dbe
     limit = ctx.sku.limit("retired_pages_max") if ctx.sku else None
     over = limit is not None and total > limit
-    out.append(ctx.result(target, "retired_pages", Status.FAIL if over else Status.PASS,
-                          f"{total} retired pages ({pages.sbe} single-bit, {pages.dbe} "
-                          f"double-bit)" + (f", above the limit {limit:g}" if over else ""),
-                          value=total, unit="pages", sbe=pages.sbe, dbe=pages.dbe, limit=limit))
+    out.append(
+        ctx.result(
+            target,
+            "retired_pages",
+            Status.FAIL if over else Status.PASS,
+            f"{total} retired pages ({pages.sbe} single-bit, {pages.dbe} "
+            f"double-bit)" + (f", above the limit {limit:g}" if over else ""),
+            value=total,
+            unit="pages",
+            sbe=pages.sbe,
+            dbe=pages.dbe,
+            limit=limit,
+        )
+    )
     if pages.pending:
-        out.append(ctx.result(target, "retired_pages_pending", Status.FAIL,
-                              "a page retirement is pending: reset the GPU to apply it",
-                              value=True))
+        out.append(
+            ctx.result(
+                target,
+                "retired_pages_pending",
+                Status.FAIL,
+                "a page retirement is pending: reset the GPU to apply it",
+                value=True,
+            )
+        )
 
 
 def _row_remap(ctx, dev, target, reading, out) -> None:
@@ -297,18 +477,41 @@ def _row_remap(ctx, dev, target, reading, out) -> None:
         return
     evidence = {"corrected_rows": rows.corrected, "uncorrected_rows": rows.uncorrected}
     if rows.failed:
-        out.append(ctx.result(target, "row_remap_failure", Status.FAIL,
-                              "row remapping failed: no spare row for an uncorrectable memory "
-                              "error (NVIDIA: replace the GPU)", value=True, **evidence))
+        out.append(
+            ctx.result(
+                target,
+                "row_remap_failure",
+                Status.FAIL,
+                "row remapping failed: no spare row for an uncorrectable memory "
+                "error (NVIDIA: replace the GPU)",
+                value=True,
+                **evidence,
+            )
+        )
     if rows.pending:
-        out.append(ctx.result(target, "row_remap_pending", Status.FAIL,
-                              "a row remap is pending: reset the GPU to apply it", value=True,
-                              **evidence))
+        out.append(
+            ctx.result(
+                target,
+                "row_remap_pending",
+                Status.FAIL,
+                "a row remap is pending: reset the GPU to apply it",
+                value=True,
+                **evidence,
+            )
+        )
     if not rows.failed and not rows.pending:
-        out.append(ctx.result(target, "row_remap", Status.PASS,
-                              f"{rows.corrected} rows remapped for corrected and "
-                              f"{rows.uncorrected} for uncorrected errors; none pending",
-                              value=rows.uncorrected, unit="rows", **evidence))
+        out.append(
+            ctx.result(
+                target,
+                "row_remap",
+                Status.PASS,
+                f"{rows.corrected} rows remapped for corrected and "
+                f"{rows.uncorrected} for uncorrected errors; none pending",
+                value=rows.uncorrected,
+                unit="rows",
+                **evidence,
+            )
+        )
 
 
 def _pcie(ctx, dev, target, reading, out) -> None:
@@ -316,35 +519,78 @@ def _pcie(ctx, dev, target, reading, out) -> None:
     if link is None:
         return
     expected_width = (ctx.sku.section("pcie").get("width") if ctx.sku else None) or link.width_max
-    evidence = {"gen_current": link.gen_current, "gen_max": link.gen_max,
-                "width_current": link.width_current, "width_max": link.width_max,
-                "width_expected": expected_width}
+    evidence = {
+        "gen_current": link.gen_current,
+        "gen_max": link.gen_max,
+        "width_current": link.width_current,
+        "width_max": link.width_max,
+        "width_expected": expected_width,
+    }
     if link.width_current < expected_width:
-        out.append(ctx.result(target, "pcie_width", Status.FAIL,
-                              f"PCIe link trained at x{link.width_current} of x{expected_width}: "
-                              "a degraded link (reseat or replace the GPU or riser)",
-                              value=link.width_current, unit="lanes", **evidence))
+        out.append(
+            ctx.result(
+                target,
+                "pcie_width",
+                Status.FAIL,
+                f"PCIe link trained at x{link.width_current} of x{expected_width}: "
+                "a degraded link (reseat or replace the GPU or riser)",
+                value=link.width_current,
+                unit="lanes",
+                **evidence,
+            )
+        )
     else:
-        out.append(ctx.result(target, "pcie_width", Status.PASS,
-                              f"PCIe x{link.width_current}", value=link.width_current,
-                              unit="lanes", **evidence))
+        out.append(
+            ctx.result(
+                target,
+                "pcie_width",
+                Status.PASS,
+                f"PCIe x{link.width_current}",
+                value=link.width_current,
+                unit="lanes",
+                **evidence,
+            )
+        )
     # An idle GPU lowers its link generation to save power, so the generation is only a
     # finding when the check runs under load (the burn passes under_load: true).
     if link.gen_current < link.gen_max and ctx.params.get("under_load"):
-        out.append(ctx.result(target, "pcie_gen", Status.FAIL,
-                              f"PCIe Gen{link.gen_current} under load, Gen{link.gen_max} "
-                              "possible", value=link.gen_current, **evidence))
+        out.append(
+            ctx.result(
+                target,
+                "pcie_gen",
+                Status.FAIL,
+                f"PCIe Gen{link.gen_current} under load, Gen{link.gen_max} possible",
+                value=link.gen_current,
+                **evidence,
+            )
+        )
     else:
-        out.append(ctx.result(target, "pcie_gen", Status.PASS,
-                              f"PCIe Gen{link.gen_current} (max Gen{link.gen_max}; an idle GPU "
-                              "may run below max)", value=link.gen_current, **evidence))
+        out.append(
+            ctx.result(
+                target,
+                "pcie_gen",
+                Status.PASS,
+                f"PCIe Gen{link.gen_current} (max Gen{link.gen_max}; an idle GPU "
+                "may run below max)",
+                value=link.gen_current,
+                **evidence,
+            )
+        )
     if link.replay_count is not None:
         limit = ctx.sku.limit("pcie_replay_max") if ctx.sku else None
         over = limit is not None and link.replay_count > limit
-        out.append(ctx.result(target, "pcie_replay", Status.WARN if over else Status.PASS,
-                              f"{link.replay_count} PCIe replays"
-                              + (f", above {limit:g}: a marginal link" if over else ""),
-                              value=link.replay_count, unit="replays", limit=limit))
+        out.append(
+            ctx.result(
+                target,
+                "pcie_replay",
+                Status.WARN if over else Status.PASS,
+                f"{link.replay_count} PCIe replays"
+                + (f", above {limit:g}: a marginal link" if over else ""),
+                value=link.replay_count,
+                unit="replays",
+                limit=limit,
+            )
+        )
 
 
 def _throttle(ctx, dev, target, reading, out) -> None:
@@ -353,10 +599,16 @@ def _throttle(ctx, dev, target, reading, out) -> None:
         return
     abnormal = sorted(r for r in reasons if r in ABNORMAL_THROTTLE)
     status = Status.WARN if abnormal else Status.PASS
-    detail = (f"clocks held down by {', '.join(abnormal)}" if abnormal
-              else f"no hardware throttling ({', '.join(sorted(reasons)) or 'no reasons'})")
-    out.append(ctx.result(target, "throttle", status, detail, value=",".join(abnormal),
-                          reasons=sorted(reasons)))
+    detail = (
+        f"clocks held down by {', '.join(abnormal)}"
+        if abnormal
+        else f"no hardware throttling ({', '.join(sorted(reasons)) or 'no reasons'})"
+    )
+    out.append(
+        ctx.result(
+            target, "throttle", status, detail, value=",".join(abnormal), reasons=sorted(reasons)
+        )
+    )
 
 
 def _temperature(ctx, dev, target, reading, out) -> None:
@@ -367,56 +619,103 @@ def _temperature(ctx, dev, target, reading, out) -> None:
     sku_thermal = ctx.sku.section("thermal") if ctx.sku else {}
     slowdown = (limits.slowdown_c if limits else None) or sku_thermal.get("slowdown_c")
     shutdown = (limits.shutdown_c if limits else None) or sku_thermal.get("shutdown_c")
-    evidence = {"slowdown_c": slowdown, "shutdown_c": shutdown,
-                "threshold_source": "nvml" if limits and limits.slowdown_c else "sku"}
+    evidence = {
+        "slowdown_c": slowdown,
+        "shutdown_c": shutdown,
+        "threshold_source": "nvml" if limits and limits.slowdown_c else "sku",
+    }
     if shutdown is not None and temp >= shutdown:
-        status, detail = Status.FAIL, (f"{temp} °C at or above the shutdown threshold "
-                                       f"{shutdown} °C: cooling has failed")
+        status, detail = (
+            Status.FAIL,
+            (f"{temp} °C at or above the shutdown threshold {shutdown} °C: cooling has failed"),
+        )
     elif slowdown is not None and temp >= slowdown:
-        status, detail = Status.WARN, (f"{temp} °C at or above the slowdown threshold "
-                                       f"{slowdown} °C: the GPU throttles")
+        status, detail = (
+            Status.WARN,
+            (f"{temp} °C at or above the slowdown threshold {slowdown} °C: the GPU throttles"),
+        )
     else:
-        status, detail = Status.PASS, (f"{temp} °C (slowdown at {slowdown} °C)"
-                                       if slowdown else f"{temp} °C (no threshold reported)")
-    out.append(ctx.result(target, "temperature", status, detail, value=temp, unit="°C",
-                          **evidence))
+        status, detail = (
+            Status.PASS,
+            (
+                f"{temp} °C (slowdown at {slowdown} °C)"
+                if slowdown
+                else f"{temp} °C (no threshold reported)"
+            ),
+        )
+    out.append(ctx.result(target, "temperature", status, detail, value=temp, unit="°C", **evidence))
     mem_temp = reading("memory_temperature", dev.memory_temperature_c)
     if mem_temp is not None:
         mem_max = limits.memory_max_operating_c if limits else None
         hot = mem_max is not None and mem_temp >= mem_max
-        out.append(ctx.result(target, "memory_temperature", Status.WARN if hot else Status.PASS,
-                              f"HBM {mem_temp} °C" + (f", at or above its max {mem_max} °C"
-                                                      if hot else ""),
-                              value=mem_temp, unit="°C", max_c=mem_max))
+        out.append(
+            ctx.result(
+                target,
+                "memory_temperature",
+                Status.WARN if hot else Status.PASS,
+                f"HBM {mem_temp} °C" + (f", at or above its max {mem_max} °C" if hot else ""),
+                value=mem_temp,
+                unit="°C",
+                max_c=mem_max,
+            )
+        )
 
 
 def _power(ctx, dev, target, reading, out) -> None:
     power = reading("power", dev.power)
     if power is None:
         return
-    evidence = {"enforced_limit_w": power.enforced_limit_w, "default_limit_w": power.default_limit_w}
-    capped = (power.enforced_limit_w is not None and power.default_limit_w
-              and power.enforced_limit_w < 0.95 * power.default_limit_w)
+    evidence = {
+        "enforced_limit_w": power.enforced_limit_w,
+        "default_limit_w": power.default_limit_w,
+    }
+    capped = (
+        power.enforced_limit_w is not None
+        and power.default_limit_w
+        and power.enforced_limit_w < 0.95 * power.default_limit_w
+    )
     if capped:
-        out.append(ctx.result(target, "power_limit", Status.WARN,
-                              f"power limit {power.enforced_limit_w:.0f} W is below the default "
-                              f"{power.default_limit_w:.0f} W: the GPU cannot reach full speed",
-                              value=power.enforced_limit_w, unit="W", **evidence))
-    out.append(ctx.result(target, "power", Status.PASS,
-                          f"{power.usage_w:.0f} W of {power.enforced_limit_w or 0:.0f} W limit",
-                          value=power.usage_w, unit="W", **evidence))
+        out.append(
+            ctx.result(
+                target,
+                "power_limit",
+                Status.WARN,
+                f"power limit {power.enforced_limit_w:.0f} W is below the default "
+                f"{power.default_limit_w:.0f} W: the GPU cannot reach full speed",
+                value=power.enforced_limit_w,
+                unit="W",
+                **evidence,
+            )
+        )
+    out.append(
+        ctx.result(
+            target,
+            "power",
+            Status.PASS,
+            f"{power.usage_w:.0f} W of {power.enforced_limit_w or 0:.0f} W limit",
+            value=power.usage_w,
+            unit="W",
+            **evidence,
+        )
+    )
 
 
 def _persistence(ctx, dev, target, reading, out) -> None:
     enabled = reading("persistence_mode", dev.persistence_mode)
     if enabled is None:
         return
-    out.append(ctx.result(
-        target, "persistence_mode", Status.PASS if enabled else Status.WARN,
-        "persistence mode on" if enabled else
-        "persistence mode off: the driver unloads between jobs, adding start-up latency and "
-        "losing volatile error counters (nvidia-smi -pm 1 or nvidia-persistenced)",
-        value=enabled))
+    out.append(
+        ctx.result(
+            target,
+            "persistence_mode",
+            Status.PASS if enabled else Status.WARN,
+            "persistence mode on"
+            if enabled
+            else "persistence mode off: the driver unloads between jobs, adding start-up latency and "
+            "losing volatile error counters (nvidia-smi -pm 1 or nvidia-persistenced)",
+            value=enabled,
+        )
+    )
 
 
 def _recovery(ctx, dev, target, reading, out) -> None:
@@ -424,9 +723,17 @@ def _recovery(ctx, dev, target, reading, out) -> None:
     if action is None:
         return
     needs = action in _RESET_ACTIONS or action.startswith("unknown")
-    out.append(ctx.result(target, "recovery_action", Status.FAIL if needs else Status.PASS,
-                          f"the driver asks for recovery action {action}" if needs
-                          else "the driver asks for no recovery action", value=action))
+    out.append(
+        ctx.result(
+            target,
+            "recovery_action",
+            Status.FAIL if needs else Status.PASS,
+            f"the driver asks for recovery action {action}"
+            if needs
+            else "the driver asks for no recovery action",
+            value=action,
+        )
+    )
 
 
 def _nvlink(ctx, dev, target, reading, out) -> None:
@@ -438,6 +745,7 @@ def _nvlink(ctx, dev, target, reading, out) -> None:
         # only a judgment short of links depends on the host (read only then: one call less)
         def query() -> str:
             return host_view.virtualization_mode(dev)
+
         mode = reading("virtualization", query) or "none"
     out.append(_nvlink_state(ctx, target, links, mode))
     replay_max = ctx.sku.limit("nvlink_replay_max") if ctx.sku else None
@@ -449,34 +757,52 @@ def _nvlink(ctx, dev, target, reading, out) -> None:
         if recovery_max is not None and (link.recovery_errors or 0) > recovery_max:
             noisy.append(f"link {link.link}: {link.recovery_errors} recoveries")
     if noisy:
-        out.append(ctx.result(target, "nvlink_errors", Status.WARN,
-                              "NVLink error counters above limits: " + "; ".join(noisy),
-                              value=len(noisy), replay_max=replay_max,
-                              recovery_max=recovery_max))
+        out.append(
+            ctx.result(
+                target,
+                "nvlink_errors",
+                Status.WARN,
+                "NVLink error counters above limits: " + "; ".join(noisy),
+                value=len(noisy),
+                replay_max=replay_max,
+                recovery_max=recovery_max,
+            )
+        )
     out.extend(_nvlink_counters(ctx, target, links))
 
 
 #: NVLink DL error counters reported as readings (the worst link of a GPU, every link in the
 #: evidence), so the daemon's counter history can see one rise (graders/trends.yaml): an NVLink
 #: with 505 recovery events was visible five days before it failed with Xid 149 (issue 28)
-NVLINK_COUNTERS = (("replay_errors", "nvlink_replay_errors", "replays"),
-                   ("recovery_errors", "nvlink_recovery_errors", "recoveries"),
-                   ("crc_errors", "nvlink_crc_errors", "errors"))
+NVLINK_COUNTERS = (
+    ("replay_errors", "nvlink_replay_errors", "replays"),
+    ("recovery_errors", "nvlink_recovery_errors", "recoveries"),
+    ("crc_errors", "nvlink_crc_errors", "errors"),
+)
 
 
 def _nvlink_counters(ctx: CheckContext, target: str, links: list) -> list[Result]:
     out = []
     for field, metric, unit in NVLINK_COUNTERS:
-        per_link = {link.link: getattr(link, field) for link in links
-                    if getattr(link, field) is not None}
+        per_link = {
+            link.link: getattr(link, field) for link in links if getattr(link, field) is not None
+        }
         if not per_link:
             continue  # the GPU reports no such counter: nothing to follow
         worst = max(per_link, key=lambda k: (per_link[k], -k))
-        out.append(ctx.result(target, metric, Status.PASS,
-                              f"NVLink {unit}: at most {per_link[worst]} on one link (link "
-                              f"{worst}), {sum(per_link.values())} on {len(per_link)} links",
-                              value=per_link[worst], unit=unit, worst_link=worst,
-                              per_link={str(k): v for k, v in sorted(per_link.items())}))
+        out.append(
+            ctx.result(
+                target,
+                metric,
+                Status.PASS,
+                f"NVLink {unit}: at most {per_link[worst]} on one link (link "
+                f"{worst}), {sum(per_link.values())} on {len(per_link)} links",
+                value=per_link[worst],
+                unit=unit,
+                worst_link=worst,
+                per_link={str(k): v for k, v in sorted(per_link.items())},
+            )
+        )
     return out
 
 
@@ -495,72 +821,137 @@ def _nvlink_state(ctx: CheckContext, target: str, links: list, mode: str = "none
     active = [link.link for link in links if link.active]
     usable = [link for link in links if link.p2p_supported is not False]
     idle = [link.link for link in usable if not link.active]
-    evidence = {"active": active, "indices": len(links), "inactive": idle,
-                "not_p2p_capable": [link.link for link in links if link.p2p_supported is False],
-                "virtualization": mode}
+    evidence = {
+        "active": active,
+        "indices": len(links),
+        "inactive": idle,
+        "not_p2p_capable": [link.link for link in links if link.p2p_supported is False],
+        "virtualization": mode,
+    }
     declared = ctx.config.get("node.expected_nvlinks")
     if declared is not None:
-        return _nvlink_against(ctx, target, links, declared, "node.expected_nvlinks",
-                               evidence)
+        return _nvlink_against(ctx, target, links, declared, "node.expected_nvlinks", evidence)
     expected = ctx.sku.section("nvlink").get("links") if ctx.sku else None
     if expected:
         where = f"SKU {ctx.sku.id}"
         if not links and mode != "none":
-            return ctx.result(target, "nvlink_state", Status.SKIP,
-                              "NVLinks are not exposed to this host: NVML answers Not "
-                              "Supported on every link and the GPU is "
-                              f"{host_view.describe_mode(mode)} ({where} has {expected}; set "
-                              "node.expected_nvlinks to require them)",
-                              expected=expected, **evidence)
+            return ctx.result(
+                target,
+                "nvlink_state",
+                Status.SKIP,
+                "NVLinks are not exposed to this host: NVML answers Not "
+                "Supported on every link and the GPU is "
+                f"{host_view.describe_mode(mode)} ({where} has {expected}; set "
+                "node.expected_nvlinks to require them)",
+                expected=expected,
+                **evidence,
+            )
         if not links:
-            return ctx.result(target, "nvlink_state", Status.WARN,
-                              f"NVML answers for none of this GPU's NVLinks (every link call "
-                              f"Not Supported), where {where} has {expected}: nothing shows a "
-                              "broken link, and nothing shows a working one. Set "
-                              f"node.expected_nvlinks ({expected} where the board's links must "
-                              "be checked, 0 where this host has none)", value=0,
-                              unit="links", expected=expected, **evidence)
+            return ctx.result(
+                target,
+                "nvlink_state",
+                Status.WARN,
+                f"NVML answers for none of this GPU's NVLinks (every link call "
+                f"Not Supported), where {where} has {expected}: nothing shows a "
+                "broken link, and nothing shows a working one. Set "
+                f"node.expected_nvlinks ({expected} where the board's links must "
+                "be checked, 0 where this host has none)",
+                value=0,
+                unit="links",
+                expected=expected,
+                **evidence,
+            )
         if not active and mode in host_view.GUEST_MODES:
-            return ctx.result(target, "nvlink_state", Status.WARN,
-                              f"0 of {expected} NVLinks active ({where}), and the GPU is "
-                              f"{host_view.describe_mode(mode)}: a GPU given to a VM without "
-                              "its NVLink peers has its links down by design. Set "
-                              "node.expected_nvlinks to the links this VM should have to "
-                              "check them", value=0, unit="links", expected=expected,
-                              **evidence)
+            return ctx.result(
+                target,
+                "nvlink_state",
+                Status.WARN,
+                f"0 of {expected} NVLinks active ({where}), and the GPU is "
+                f"{host_view.describe_mode(mode)}: a GPU given to a VM without "
+                "its NVLink peers has its links down by design. Set "
+                "node.expected_nvlinks to the links this VM should have to "
+                "check them",
+                value=0,
+                unit="links",
+                expected=expected,
+                **evidence,
+            )
         return _nvlink_against(ctx, target, links, expected, where, evidence)
     if expected == 0:
         bridged = f"{len(active)} active through a bridge" if active else "none in use"
-        return ctx.result(target, "nvlink_state", Status.PASS,
-                          f"SKU {ctx.sku.id} expects no NVLink ({bridged}; {len(links)} link "
-                          "indices answer, inactive ones are not wired)", value=len(active),
-                          unit="links", expected=0, **evidence)
+        return ctx.result(
+            target,
+            "nvlink_state",
+            Status.PASS,
+            f"SKU {ctx.sku.id} expects no NVLink ({bridged}; {len(links)} link "
+            "indices answer, inactive ones are not wired)",
+            value=len(active),
+            unit="links",
+            expected=0,
+            **evidence,
+        )
     if not usable:
-        return ctx.result(target, "nvlink_state", Status.PASS,
-                          "no NVLink: no link index answers with P2P capability",
-                          value=0, unit="links", expected=0, **evidence)
+        return ctx.result(
+            target,
+            "nvlink_state",
+            Status.PASS,
+            "no NVLink: no link index answers with P2P capability",
+            value=0,
+            unit="links",
+            expected=0,
+            **evidence,
+        )
     if idle:
-        return ctx.result(target, "nvlink_state", Status.WARN,
-                          f"{len(active)} of {len(usable)} NVLinks this GPU reports are active "
-                          f"(inactive: {idle}); without a SKU file a down link cannot be told "
-                          "from one this board does not wire (a PCIe card without a bridge): "
-                          "add a SKU file or set node.sku", value=len(active), unit="links",
-                          expected=len(usable), **evidence)
-    return ctx.result(target, "nvlink_state", Status.PASS,
-                      f"{len(active)} NVLinks active (every link this GPU reports)",
-                      value=len(active), unit="links", expected=len(usable), **evidence)
+        return ctx.result(
+            target,
+            "nvlink_state",
+            Status.WARN,
+            f"{len(active)} of {len(usable)} NVLinks this GPU reports are active "
+            f"(inactive: {idle}); without a SKU file a down link cannot be told "
+            "from one this board does not wire (a PCIe card without a bridge): "
+            "add a SKU file or set node.sku",
+            value=len(active),
+            unit="links",
+            expected=len(usable),
+            **evidence,
+        )
+    return ctx.result(
+        target,
+        "nvlink_state",
+        Status.PASS,
+        f"{len(active)} NVLinks active (every link this GPU reports)",
+        value=len(active),
+        unit="links",
+        expected=len(usable),
+        **evidence,
+    )
 
 
-def _nvlink_against(ctx: CheckContext, target: str, links: list, expected: int, where: str,
-                    evidence: dict[str, Any]) -> Result:
+def _nvlink_against(
+    ctx: CheckContext, target: str, links: list, expected: int, where: str, evidence: dict[str, Any]
+) -> Result:
     """Active links against ``expected`` (from ``where``: the SKU file or the operator)."""
     active = evidence["active"]
     if len(active) < expected:
         down = [link.link for link in links if not link.active and link.link < expected]
-        return ctx.result(target, "nvlink_state", Status.FAIL,
-                          f"{len(active)} of {expected} NVLinks active ({where}; "
-                          f"down: {down or 'links missing'}): a degraded NVLink",
-                          value=len(active), unit="links", expected=expected, **evidence)
-    return ctx.result(target, "nvlink_state", Status.PASS,
-                      f"{len(active)} of {expected} NVLinks active ({where})",
-                      value=len(active), unit="links", expected=expected, **evidence)
+        return ctx.result(
+            target,
+            "nvlink_state",
+            Status.FAIL,
+            f"{len(active)} of {expected} NVLinks active ({where}; "
+            f"down: {down or 'links missing'}): a degraded NVLink",
+            value=len(active),
+            unit="links",
+            expected=expected,
+            **evidence,
+        )
+    return ctx.result(
+        target,
+        "nvlink_state",
+        Status.PASS,
+        f"{len(active)} of {expected} NVLinks active ({where})",
+        value=len(active),
+        unit="links",
+        expected=expected,
+        **evidence,
+    )

@@ -26,8 +26,10 @@ from node_agent.gpu.pci import normalise_bus_id
 from node_agent.host.aer import PciFunction, read_functions, read_hca_functions
 from node_agent.model import Result, Status
 
-_SEVERITY = {"fatal": ("aer_fatal", Status.FAIL, "fatal uncorrectable"),
-             "nonfatal": ("aer_nonfatal", Status.WARN, "non-fatal uncorrectable")}
+_SEVERITY = {
+    "fatal": ("aer_fatal", Status.FAIL, "fatal uncorrectable"),
+    "nonfatal": ("aer_nonfatal", Status.WARN, "non-fatal uncorrectable"),
+}
 
 
 def _gpus(ctx: CheckContext) -> list:
@@ -45,8 +47,9 @@ def _gpu_bus_ids(ctx: CheckContext) -> set[str]:
     return out
 
 
-def _owners(ctx: CheckContext, functions: list[PciFunction],
-            hcas: dict[str, str]) -> dict[str, list[str]]:
+def _owners(
+    ctx: CheckContext, functions: list[PciFunction], hcas: dict[str, str]
+) -> dict[str, list[str]]:
     """bdf -> the GPU/HCA targets it is or sits directly above."""
     own: dict[str, list[str]] = {}
     for gpu in _gpus(ctx):
@@ -65,28 +68,46 @@ def _owners(ctx: CheckContext, functions: list[PciFunction],
 
 
 def run(ctx: CheckContext) -> list[Result]:
-    if (skip := not_recorded(ctx, "aer")):
+    if skip := not_recorded(ctx, "aer"):
         return skip
     limit = thresholds(ctx, "pcie_aer")["correctable_growth_max"]
     with host_paths(ctx, ("pci",)) as paths:
         try:
             functions = read_functions(paths.sys)
         except PermissionError as err:
-            return [ctx.skip(f"the AER counters can be read only by root ({err.filename}: "
-                             f"{err.strerror}); run the agent as root", metric="aer")]
+            return [
+                ctx.skip(
+                    f"the AER counters can be read only by root ({err.filename}: "
+                    f"{err.strerror}); run the agent as root",
+                    metric="aer",
+                )
+            ]
         except OSError as err:
-            return [ctx.skip(f"the PCI bus cannot be listed ({paths.sys / 'bus/pci/devices'}: "
-                             f"{err.strerror or err})", metric="aer")]
+            return [
+                ctx.skip(
+                    f"the PCI bus cannot be listed ({paths.sys / 'bus/pci/devices'}: "
+                    f"{err.strerror or err})",
+                    metric="aer",
+                )
+            ]
         hcas = read_hca_functions(paths.sys)
     with_aer = [f for f in functions if f.aer is not None]
     if not with_aer:
-        return [ctx.skip(f"no PCI device exposes AER counters ({len(functions)} device(s) under "
-                         f"{paths.sys / 'bus/pci/devices'}, none with aer_dev_*): the kernel "
-                         "lacks CONFIG_PCIEAER, the firmware keeps AER to itself "
-                         "(firmware-first), or this is a VM", metric="aer")]
+        return [
+            ctx.skip(
+                f"no PCI device exposes AER counters ({len(functions)} device(s) under "
+                f"{paths.sys / 'bus/pci/devices'}, none with aer_dev_*): the kernel "
+                "lacks CONFIG_PCIEAER, the firmware keeps AER to itself "
+                "(firmware-first), or this is a VM",
+                metric="aer",
+            )
+        ]
     owners = _owners(ctx, functions, hcas)
-    gpu_bdfs = {t for t, names in owners.items() if any(n.startswith("gpu:") for n in names)
-                and t in _gpu_bus_ids(ctx)}
+    gpu_bdfs = {
+        t
+        for t, names in owners.items()
+        if any(n.startswith("gpu:") for n in names) and t in _gpu_bus_ids(ctx)
+    }
     counters = Counters.load(ctx, "pcie_aer")
     results: list[Result] = []
     for fn in with_aer:
@@ -96,35 +117,68 @@ def run(ctx: CheckContext) -> list[Result]:
         via = ""
         if named and fn.bdf not in gpu_bdfs and fn.bdf not in hcas:
             via = f" (on the bridge {fn.bdf} directly upstream of {', '.join(named)})"
-        evidence = {"bdf": fn.bdf, "upstream": fn.upstream, "behind": named,
-                    "bits": fn.aer.bits, "fatal": fn.aer.fatal, "nonfatal": fn.aer.nonfatal,
-                    "correctable": fn.aer.correctable}
+        evidence = {
+            "bdf": fn.bdf,
+            "upstream": fn.upstream,
+            "behind": named,
+            "bits": fn.aer.bits,
+            "fatal": fn.aer.fatal,
+            "nonfatal": fn.aer.nonfatal,
+            "correctable": fn.aer.correctable,
+        }
         who = f"{target}{via}" if named else f"PCI device {fn.bdf}"
         for severity, (metric, status, words) in _SEVERITY.items():
             count = fn.aer.get(severity)
             if count:
                 bits = ", ".join(f"{k} {v}" for k, v in fn.aer.bits.get(severity, {}).items())
-                results.append(ctx.result(
-                    target, metric, status,
-                    f"{who}: {count} {words} PCIe error(s) since boot"
-                    + (f" ({bits})" if bits else "")
-                    + ("; the link needed a reset: drain, reboot and re-test, reseat or replace "
-                       "if it recurs" if severity == "fatal" else ""),
-                    value=count, unit="errors", **evidence))
+                results.append(
+                    ctx.result(
+                        target,
+                        metric,
+                        status,
+                        f"{who}: {count} {words} PCIe error(s) since boot"
+                        + (f" ({bits})" if bits else "")
+                        + (
+                            "; the link needed a reset: drain, reboot and re-test, reseat or replace "
+                            "if it recurs"
+                            if severity == "fatal"
+                            else ""
+                        ),
+                        value=count,
+                        unit="errors",
+                        **evidence,
+                    )
+                )
         if fn.aer.correctable is not None:
             grew = counters.growth(fn.bdf, fn.aer.correctable)
             if grew > limit:
-                results.append(ctx.result(
-                    target, "aer_correctable", Status.WARN,
-                    f"{who}: correctable PCIe errors grew by {grew} since the last run "
-                    f"({fn.aer.correctable} since boot; graders/host.yaml "
-                    f"pcie_aer.correctable_growth_max {limit:g}): a marginal link (riser, "
-                    "slot, retimer)", value=grew, unit="errors", limit=limit, **evidence))
+                results.append(
+                    ctx.result(
+                        target,
+                        "aer_correctable",
+                        Status.WARN,
+                        f"{who}: correctable PCIe errors grew by {grew} since the last run "
+                        f"({fn.aer.correctable} since boot; graders/host.yaml "
+                        f"pcie_aer.correctable_growth_max {limit:g}): a marginal link (riser, "
+                        "slot, retimer)",
+                        value=grew,
+                        unit="errors",
+                        limit=limit,
+                        **evidence,
+                    )
+                )
     counters.save()
     if not results:
-        results.append(ctx.result(
-            "node", "aer", Status.PASS,
-            f"no uncorrectable PCIe error on {len(with_aer)} device(s) with AER counters, "
-            "no correctable growth", value=len(with_aer), unit="devices",
-            named={bdf: t for bdf, t in owners.items()}))
+        results.append(
+            ctx.result(
+                "node",
+                "aer",
+                Status.PASS,
+                f"no uncorrectable PCIe error on {len(with_aer)} device(s) with AER counters, "
+                "no correctable growth",
+                value=len(with_aer),
+                unit="devices",
+                named={bdf: t for bdf, t in owners.items()},
+            )
+        )
     return results

@@ -78,11 +78,15 @@ LINK = "pcie_link_under_load"
 # Measured on the 2-core CI machine (docs/load_tests.md): eight CPU stand-in processes copying
 # at once differ by up to ~8-20% from one another under a busy host — they contend for two
 # cores and their caches, not for a PCIe switch — which would read as a slow GPU.
-SIMULATED_TOGETHER = ("simulated node: CPU stand-ins copying together contend for the host's "
-                      "cores and caches, not for a PCIe switch (graded on real hardware)")
-SIMULATED_NOTE = ("simulated: CPU-to-CPU tensor copies, not pinned (pin_memory needs CUDA), "
-                  "timed by the copy model (the link's rate x efficiency x slow factor; "
-                  "node_agent.compute.copy_model); only the ratios to the siblings are graded")
+SIMULATED_TOGETHER = (
+    "simulated node: CPU stand-ins copying together contend for the host's "
+    "cores and caches, not for a PCIe switch (graded on real hardware)"
+)
+SIMULATED_NOTE = (
+    "simulated: CPU-to-CPU tensor copies, not pinned (pin_memory needs CUDA), "
+    "timed by the copy model (the link's rate x efficiency x slow factor; "
+    "node_agent.compute.copy_model); only the ratios to the siblings are graded"
+)
 
 
 @dataclass
@@ -138,8 +142,15 @@ def run(ctx: CheckContext) -> list[Result]:
         try:
             gpus[spec.index] = _setup(spec, size, warmup, models.get(spec.index))
         except Exception as err:  # noqa: BLE001 - one GPU's failure is that GPU's result
-            out.extend(error_results(ctx, [*ALONE, *TOGETHER], spec.index, err,
-                                     f"allocating 2 x {size} B and warming up"))
+            out.extend(
+                error_results(
+                    ctx,
+                    [*ALONE, *TOGETHER],
+                    spec.index,
+                    err,
+                    f"allocating 2 x {size} B and warming up",
+                )
+            )
     # 1. one at a time, round-robin per repetition
     for _ in range(reps):
         for index, g in list(gpus.items()):
@@ -148,19 +159,25 @@ def run(ctx: CheckContext) -> list[Result]:
                 g.times["d2h_gbps"].append(g.timed("d2h", sample_min_s))
             except Exception as err:  # noqa: BLE001
                 del gpus[index]
-                out.extend(error_results(ctx, [*ALONE, *TOGETHER], index, err,
-                                         "a timed host<->device copy"))
+                out.extend(
+                    error_results(
+                        ctx, [*ALONE, *TOGETHER], index, err, "a timed host<->device copy"
+                    )
+                )
     # 2. the link, read while the GPU copies
     nvml = {d.index: d for d in ctx.gpu.devices()}
     links = {i: _link_under_load(g, nvml.get(i), link_timeout) for i, g in gpus.items()}
     # 3. all together, each GPU in its own process (the parent's buffers freed first)
     alone_specs = [g.dev.spec for g in gpus.values()]
-    infos = {i: {**_memory_note(g), **g.dev.info(),
-                 **(g.model.evidence() if g.model else {})} for i, g in gpus.items()}
+    infos = {
+        i: {**_memory_note(g), **g.dev.info(), **(g.model.evidence() if g.model else {})}
+        for i, g in gpus.items()
+    }
     times = {i: g.times for i, g in gpus.items()}
     gpus.clear()
-    together = _concurrent(alone_specs, size, warmup, window_s, sample_min_s, worker_timeout,
-                           models)
+    together = _concurrent(
+        alone_specs, size, warmup, window_s, sample_min_s, worker_timeout, models
+    )
 
     common = {"size_bytes": size, "warmup": warmup}
     alone_figures: dict[str, dict[int, float]] = {m: {} for m in ALONE}
@@ -177,25 +194,51 @@ def run(ctx: CheckContext) -> list[Result]:
         ok = {i: v[0] for i, v in per_gpu.items() if isinstance(v, tuple)}
         aggregate = sum(ok.values())
         alone_sum = sum(alone_figures[alone_metric].get(i, 0.0) for i in ok)
-        node = {"node_aggregate_gbps": round(aggregate, 4), "gpus_together": len(ok),
-                "ratio_to_sum_alone": round(aggregate / alone_sum, 4) if alone_sum else None}
+        node = {
+            "node_aggregate_gbps": round(aggregate, 4),
+            "gpus_together": len(ok),
+            "ratio_to_sum_alone": round(aggregate / alone_sum, 4) if alone_sum else None,
+        }
         for index, value in sorted(per_gpu.items()):
             if isinstance(value, tuple):
                 together_figures[metric][index] = value[0]
-                evidence[metric][index] = {**common, "p90_gbps": round(value[0], 4),
-                                           "median_gbps": round(value[1], 4), "copies": value[2],
-                                           "window_s": window_s, **node, **infos[index]}
+                evidence[metric][index] = {
+                    **common,
+                    "p90_gbps": round(value[0], 4),
+                    "median_gbps": round(value[1], 4),
+                    "copies": value[2],
+                    "window_s": window_s,
+                    **node,
+                    **infos[index],
+                }
             else:
-                out.extend(error_results(ctx, [metric], index, value,
-                                         "the concurrent host<->device copies"))
-    for metric, what, minimum_key in (("h2d_gbps", "PCIe host-to-device", "pcie_h2d_gbps_min"),
-                                      ("d2h_gbps", "PCIe device-to-host", "pcie_d2h_gbps_min")):
-        out.extend(grade_figures(ctx, metric, what, alone_figures[metric], evidence[metric],
-                                 minimum_key))
-    for metric, what in (("h2d_gbps_concurrent", "PCIe host-to-device with all GPUs together"),
-                         ("d2h_gbps_concurrent", "PCIe device-to-host with all GPUs together")):
-        out.extend(grade_figures(ctx, metric, what, together_figures[metric], evidence[metric],
-                                 None, SIMULATED_TOGETHER if ctx.simulated else None))
+                out.extend(
+                    error_results(
+                        ctx, [metric], index, value, "the concurrent host<->device copies"
+                    )
+                )
+    for metric, what, minimum_key in (
+        ("h2d_gbps", "PCIe host-to-device", "pcie_h2d_gbps_min"),
+        ("d2h_gbps", "PCIe device-to-host", "pcie_d2h_gbps_min"),
+    ):
+        out.extend(
+            grade_figures(ctx, metric, what, alone_figures[metric], evidence[metric], minimum_key)
+        )
+    for metric, what in (
+        ("h2d_gbps_concurrent", "PCIe host-to-device with all GPUs together"),
+        ("d2h_gbps_concurrent", "PCIe device-to-host with all GPUs together"),
+    ):
+        out.extend(
+            grade_figures(
+                ctx,
+                metric,
+                what,
+                together_figures[metric],
+                evidence[metric],
+                None,
+                SIMULATED_TOGETHER if ctx.simulated else None,
+            )
+        )
     for index in sorted(links):
         out.append(link_result(ctx, index, links[index]))
     return out
@@ -207,9 +250,13 @@ def _setup(spec: ComputeSpec, size: int, warmup: int, model: CopyModel | None = 
     dev = open_device(spec)
     cuda = dev.device.type == "cuda"
     host = torch.ones(size, dtype=torch.uint8, pin_memory=cuda)
-    g = _Gpu(dev=dev, host=host, device_buf=torch.empty(size, dtype=torch.uint8,
-                                                        device=dev.device),
-             stream=torch.cuda.Stream(dev.device) if cuda else None, model=model)
+    g = _Gpu(
+        dev=dev,
+        host=host,
+        device_buf=torch.empty(size, dtype=torch.uint8, device=dev.device),
+        stream=torch.cuda.Stream(dev.device) if cuda else None,
+        model=model,
+    )
     for _ in range(warmup):
         g.h2d()
         g.d2h()
@@ -269,9 +316,13 @@ def _link_under_load(g: _Gpu, nvml: GpuDevice | None, timeout_s: float) -> LinkR
     if not landed.is_set():
         from node_agent.gpu.base import GpuTimeout
 
-        return LinkReading(error=GpuTimeout(f"reading the PCIe link did not return within "
-                                            f"{timeout_s:g} s; the driver may be hung"),
-                           copies_in_flight=copies)
+        return LinkReading(
+            error=GpuTimeout(
+                f"reading the PCIe link did not return within "
+                f"{timeout_s:g} s; the driver may be hung"
+            ),
+            copies_in_flight=copies,
+        )
     return LinkReading(link=got.get("link"), error=got.get("error"), copies_in_flight=copies)
 
 
@@ -290,18 +341,28 @@ def link_result(ctx: CheckContext, index: int, reading: LinkReading) -> Result:
         err = reading.error
         if isinstance(err, (NotSupported, NoPermission)):
             return ctx.result(target, LINK, Status.SKIP, f"PCIe link not available: {err}")
-        return ctx.result(target, LINK, Status.ERROR,
-                          f"reading the PCIe link of gpu:{index} under load failed: {err}",
-                          error=str(err))
+        return ctx.result(
+            target,
+            LINK,
+            Status.ERROR,
+            f"reading the PCIe link of gpu:{index} under load failed: {err}",
+            error=str(err),
+        )
     link = reading.link
     sku_pcie = ctx.sku.section("pcie") if ctx.sku else {}
     want_gen = int(sku_pcie.get("gen") or link.gen_max)
     want_width = int(sku_pcie.get("width") or link.width_max)
     source = f"SKU {ctx.sku.id}" if sku_pcie else "the link's maximum"
-    evidence = {"gen_current": link.gen_current, "gen_max": link.gen_max,
-                "width_current": link.width_current, "width_max": link.width_max,
-                "gen_expected": want_gen, "width_expected": want_width,
-                "expected_from": source, "copies_in_flight": reading.copies_in_flight}
+    evidence = {
+        "gen_current": link.gen_current,
+        "gen_max": link.gen_max,
+        "width_current": link.width_current,
+        "width_max": link.width_max,
+        "gen_expected": want_gen,
+        "width_expected": want_width,
+        "expected_from": source,
+        "copies_in_flight": reading.copies_in_flight,
+    }
     value = f"Gen{link.gen_current} x{link.width_current}"
     short = []
     if link.gen_current < want_gen:
@@ -309,13 +370,25 @@ def link_result(ctx: CheckContext, index: int, reading: LinkReading) -> Result:
     if link.width_current < want_width:
         short.append(f"x{link.width_current} of x{want_width}")
     if short:
-        return ctx.result(target, LINK, Status.FAIL,
-                          f"gpu:{index} PCIe link at {' and '.join(short)} ({source}) while "
-                          "copying: a degraded link (reseat or replace the GPU, riser or "
-                          "cable; check the slot)", value=value, **evidence)
-    return ctx.result(target, LINK, Status.PASS,
-                      f"gpu:{index} PCIe link at {value} while copying (expected "
-                      f"Gen{want_gen} x{want_width}, {source})", value=value, **evidence)
+        return ctx.result(
+            target,
+            LINK,
+            Status.FAIL,
+            f"gpu:{index} PCIe link at {' and '.join(short)} ({source}) while "
+            "copying: a degraded link (reseat or replace the GPU, riser or "
+            "cable; check the slot)",
+            value=value,
+            **evidence,
+        )
+    return ctx.result(
+        target,
+        LINK,
+        Status.PASS,
+        f"gpu:{index} PCIe link at {value} while copying (expected "
+        f"Gen{want_gen} x{want_width}, {source})",
+        value=value,
+        **evidence,
+    )
 
 
 # -- all GPUs together ------------------------------------------------------------------------
@@ -324,9 +397,15 @@ def link_result(ctx: CheckContext, index: int, reading: LinkReading) -> Result:
 _Together = dict[str, dict[int, "tuple[float, float, int] | BaseException"]]
 
 
-def _concurrent(specs: list[ComputeSpec], size: int, warmup: int, window_s: float,
-                sample_min_s: float, timeout_s: float,
-                models: dict[int, CopyModel] | None = None) -> _Together:
+def _concurrent(
+    specs: list[ComputeSpec],
+    size: int,
+    warmup: int,
+    window_s: float,
+    sample_min_s: float,
+    timeout_s: float,
+    models: dict[int, CopyModel] | None = None,
+) -> _Together:
     """Per direction, each GPU's (p90 GB/s, median GB/s, copies) while all GPUs copy at once,
     or the error it hit.
 
@@ -350,10 +429,25 @@ def _concurrent(specs: list[ComputeSpec], size: int, warmup: int, window_s: floa
     mp.set_forkserver_preload(["torch", "node_agent.compute.devices"])
     barrier = mp.Barrier(len(specs))
     queue = mp.Queue()
-    workers = [mp.Process(target=concurrent_worker, name=f"pcie-together-gpu{s.index}",
-                          args=(s, size, warmup, window_s, sample_min_s, barrier, queue,
-                                timeout_s, (models or {}).get(s.index)),
-                          daemon=True) for s in specs]
+    workers = [
+        mp.Process(
+            target=concurrent_worker,
+            name=f"pcie-together-gpu{s.index}",
+            args=(
+                s,
+                size,
+                warmup,
+                window_s,
+                sample_min_s,
+                barrier,
+                queue,
+                timeout_s,
+                (models or {}).get(s.index),
+            ),
+            daemon=True,
+        )
+        for s in specs
+    ]
     for w in workers:
         w.start()
     deadline = time.monotonic() + timeout_s
@@ -369,10 +463,15 @@ def _concurrent(specs: list[ComputeSpec], size: int, warmup: int, window_s: floa
             pending.discard(index)
             for metric in TOGETHER:
                 value = result.get(metric) if isinstance(result, dict) else None
-                out[metric][index] = (tuple(value) if value is not None
-                                      else RuntimeError(result.get("error", "no figure")
-                                                        if isinstance(result, dict)
-                                                        else str(result)))
+                out[metric][index] = (
+                    tuple(value)
+                    if value is not None
+                    else RuntimeError(
+                        result.get("error", "no figure")
+                        if isinstance(result, dict)
+                        else str(result)
+                    )
+                )
     finally:
         for w in workers:
             w.join(timeout=max(0.0, deadline - time.monotonic()) if w.is_alive() else 0)
@@ -384,13 +483,22 @@ def _concurrent(specs: list[ComputeSpec], size: int, warmup: int, window_s: floa
         for metric in TOGETHER:
             out[metric][index] = TimeoutError(
                 f"the worker process of gpu:{index} reported nothing within {timeout_s:g} s "
-                "(a hung copy or driver); it was killed")
+                "(a hung copy or driver); it was killed"
+            )
     return out
 
 
-def concurrent_worker(spec: ComputeSpec, size: int, warmup: int, window_s: float,
-                      sample_min_s: float, barrier: Any, queue: Any, timeout_s: float,
-                      model: CopyModel | None = None) -> None:
+def concurrent_worker(
+    spec: ComputeSpec,
+    size: int,
+    warmup: int,
+    window_s: float,
+    sample_min_s: float,
+    barrier: Any,
+    queue: Any,
+    timeout_s: float,
+    model: CopyModel | None = None,
+) -> None:
     """One GPU's side of the together measurement (runs in its own process)."""
     result: dict[str, Any] = {}
     try:
@@ -404,8 +512,10 @@ def concurrent_worker(spec: ComputeSpec, size: int, warmup: int, window_s: float
             stats = rep_stats(size, seconds)
             result[metric] = (stats.p90_gbps, stats.median_gbps, stats.reps)
     except threading.BrokenBarrierError:
-        result["error"] = ("abandoned: another GPU's worker failed or did not start in time, so "
-                           "the GPUs could not copy together (see that GPU's result)")
+        result["error"] = (
+            "abandoned: another GPU's worker failed or did not start in time, so "
+            "the GPUs could not copy together (see that GPU's result)"
+        )
     except BaseException as err:  # noqa: BLE001 - the parent reports it as this GPU's error
         barrier.abort()  # the others stop waiting for this one
         result["error"] = f"{type(err).__name__}: {err}"

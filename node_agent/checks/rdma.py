@@ -99,11 +99,18 @@ def discover(root: Path = SYSFS_ROOT) -> list[Port]:
                 text = _read(port_dir / "counters" / name)
                 counters[name] = int(text) if text.isdigit() else None
             rate_text = _read(port_dir / "rate")
-            ports.append(Port(device=dev.name, port=port_dir.name,
-                              state=_state_name(_read(port_dir / "state")),
-                              phys_state=_state_name(_read(port_dir / "phys_state")),
-                              rate_text=rate_text, rate_gbps=parse_rate_gbps(rate_text),
-                              link_layer=_read(port_dir / "link_layer"), counters=counters))
+            ports.append(
+                Port(
+                    device=dev.name,
+                    port=port_dir.name,
+                    state=_state_name(_read(port_dir / "state")),
+                    phys_state=_state_name(_read(port_dir / "phys_state")),
+                    rate_text=rate_text,
+                    rate_gbps=parse_rate_gbps(rate_text),
+                    link_layer=_read(port_dir / "link_layer"),
+                    counters=counters,
+                )
+            )
     return ports
 
 
@@ -122,71 +129,133 @@ def run(ctx: CheckContext) -> list[Result]:
 def _run(ctx: CheckContext, root: Path, ib_write_bw: str | None) -> list[Result]:
     ports = discover(root)
     if not ports:
-        return [ctx.skip(f"no RDMA device: {root} lists no ports (no InfiniBand/RoCE HCA, or "
-                         "its driver is not loaded)")]
+        return [
+            ctx.skip(
+                f"no RDMA device: {root} lists no ports (no InfiniBand/RoCE HCA, or "
+                "its driver is not loaded)"
+            )
+        ]
     minimum = ctx.sku.minimum("rdma_port_gbps_min") if ctx.sku else None
     results: list[Result] = []
     for port in ports:
         results.extend(port_results(ctx, port, minimum))
     if ctx.params.get("perftest", True):
-        results.extend(_bandwidth(ctx, [p for p in ports if p.state == "ACTIVE"], minimum,
-                                  ib_write_bw))
+        results.extend(
+            _bandwidth(ctx, [p for p in ports if p.state == "ACTIVE"], minimum, ib_write_bw)
+        )
     return results
 
 
 def port_results(ctx: CheckContext, port: Port, minimum: float | None) -> list[Result]:
     """link_state, port_rate_gbps and link_errors of one port, from sysfs alone."""
-    ev = {"device": port.device, "port": port.port, "link_layer": port.link_layer,
-          "phys_state": port.phys_state}
+    ev = {
+        "device": port.device,
+        "port": port.port,
+        "link_layer": port.link_layer,
+        "phys_state": port.phys_state,
+    }
     out = []
     active = port.state == "ACTIVE"
-    out.append(ctx.result(
-        port.target, "link_state", Status.PASS if active else Status.FAIL,
-        f"{port.device} port {port.port} is {port.state or 'unknown'} ({port.phys_state})"
-        + ("" if active else ": no traffic passes; check cable, switch port and subnet manager"),
-        value=port.state, **ev))
+    out.append(
+        ctx.result(
+            port.target,
+            "link_state",
+            Status.PASS if active else Status.FAIL,
+            f"{port.device} port {port.port} is {port.state or 'unknown'} ({port.phys_state})"
+            + (
+                "" if active else ": no traffic passes; check cable, switch port and subnet manager"
+            ),
+            value=port.state,
+            **ev,
+        )
+    )
     if port.rate_gbps is None:
-        out.append(ctx.result(port.target, "port_rate_gbps", Status.ERROR,
-                              f"cannot read the rate of {port.device} port {port.port}: "
-                              f"{port.rate_text!r}", **ev))
+        out.append(
+            ctx.result(
+                port.target,
+                "port_rate_gbps",
+                Status.ERROR,
+                f"cannot read the rate of {port.device} port {port.port}: {port.rate_text!r}",
+                **ev,
+            )
+        )
     else:
         low = minimum is not None and port.rate_gbps < minimum
-        out.append(ctx.result(
-            port.target, "port_rate_gbps", Status.FAIL if low else Status.PASS,
-            f"{port.device} port {port.port} at {port.rate_text}"
-            + (f", below the SKU minimum {minimum:g} Gb/s: the link trained at a lower speed"
-               if low else ""),
-            value=port.rate_gbps, unit="Gb/s", minimum=minimum, rate=port.rate_text, **ev))
+        out.append(
+            ctx.result(
+                port.target,
+                "port_rate_gbps",
+                Status.FAIL if low else Status.PASS,
+                f"{port.device} port {port.port} at {port.rate_text}"
+                + (
+                    f", below the SKU minimum {minimum:g} Gb/s: the link trained at a lower speed"
+                    if low
+                    else ""
+                ),
+                value=port.rate_gbps,
+                unit="Gb/s",
+                minimum=minimum,
+                rate=port.rate_text,
+                **ev,
+            )
+        )
     noisy = {k: v for k, v in port.counters.items() if k in WARN_COUNTERS and v}
-    out.append(ctx.result(
-        port.target, "link_errors", Status.WARN if noisy else Status.PASS,
-        (f"{port.device} port {port.port} error counters nonzero: "
-         + ", ".join(f"{k}={v}" for k, v in noisy.items())
-         + " (a flapping link or bit errors: reseat or replace cable/transceiver)")
-        if noisy else f"{port.device} port {port.port}: no link-down or symbol errors",
-        value=sum(noisy.values()), unit="errors", **port.counters, **ev))
+    out.append(
+        ctx.result(
+            port.target,
+            "link_errors",
+            Status.WARN if noisy else Status.PASS,
+            (
+                f"{port.device} port {port.port} error counters nonzero: "
+                + ", ".join(f"{k}={v}" for k, v in noisy.items())
+                + " (a flapping link or bit errors: reseat or replace cable/transceiver)"
+            )
+            if noisy
+            else f"{port.device} port {port.port}: no link-down or symbol errors",
+            value=sum(noisy.values()),
+            unit="errors",
+            **port.counters,
+            **ev,
+        )
+    )
     return out
 
 
-def _bandwidth(ctx: CheckContext, ports: list[Port], minimum: float | None,
-               ib_write_bw: str | None = None) -> list[Result]:
+def _bandwidth(
+    ctx: CheckContext, ports: list[Port], minimum: float | None, ib_write_bw: str | None = None
+) -> list[Result]:
     if not ports:
         return []
     binary = ib_write_bw or proc.which("ib_write_bw")
     if binary is None:
-        return [ctx.skip(PERFTEST_MISSING, target=p.target, metric="write_bw_gbps")
-                for p in ports]
+        return [ctx.skip(PERFTEST_MISSING, target=p.target, metric="write_bw_gbps") for p in ports]
     help_text = proc.run([binary, "--help"], 10)
     json_ok = "out_json" in (help_text.stdout + help_text.stderr)
     return [_write_bw(ctx, binary, p, minimum, json_ok) for p in ports]
 
 
-def perftest_argv(binary: str, port: Port, duration_s: float, tcp_port: int,
-                  gid_index: int | None, json_file: Path | None,
-                  server: str | None = None) -> list[str]:
+def perftest_argv(
+    binary: str,
+    port: Port,
+    duration_s: float,
+    tcp_port: int,
+    gid_index: int | None,
+    json_file: Path | None,
+    server: str | None = None,
+) -> list[str]:
     """ib_write_bw's command line; ``server`` is the address the client connects to."""
-    argv = [binary, "-d", port.device, "-i", port.port, "--report_gbits", "-D",
-            f"{duration_s:g}", "-p", str(tcp_port)]
+    argv = [
+        binary,
+        "-d",
+        port.device,
+        "-i",
+        port.port,
+        "--report_gbits",
+        "-D",
+        f"{duration_s:g}",
+        "-p",
+        str(tcp_port),
+    ]
     if gid_index is not None:
         argv += ["-x", str(gid_index)]
     if json_file is not None:
@@ -196,8 +265,9 @@ def perftest_argv(binary: str, port: Port, duration_s: float, tcp_port: int,
     return argv
 
 
-def _write_bw(ctx: CheckContext, binary: str, port: Port, minimum: float | None,
-              json_ok: bool) -> Result:
+def _write_bw(
+    ctx: CheckContext, binary: str, port: Port, minimum: float | None, json_ok: bool
+) -> Result:
     p = ctx.params
     duration = float(p.get("duration_s", 5))
     tcp_port = int(p.get("tcp_port", 18515))
@@ -206,39 +276,68 @@ def _write_bw(ctx: CheckContext, binary: str, port: Port, minimum: float | None,
     with tempfile.TemporaryDirectory(prefix="node-agent-perftest-") as tmp:
         json_file = Path(tmp) / "client.json" if json_ok else None
         server_argv = perftest_argv(binary, port, duration, tcp_port, gid, None)
-        client_argv = perftest_argv(binary, port, duration, tcp_port, gid, json_file,
-                                    server="127.0.0.1")
+        client_argv = perftest_argv(
+            binary, port, duration, tcp_port, gid, json_file, server="127.0.0.1"
+        )
         server: dict[str, proc.ProcResult] = {}
-        thread = threading.Thread(target=lambda: server.update(r=proc.run(server_argv, timeout)),
-                                  daemon=True)
+        thread = threading.Thread(
+            target=lambda: server.update(r=proc.run(server_argv, timeout)), daemon=True
+        )
         thread.start()
         time.sleep(float(p.get("server_start_s", 1.0)))  # let the server listen first
         client = proc.run(client_argv, timeout)
         thread.join()
         json_text = json_file.read_text() if json_file and json_file.exists() else None
-    ev = {"device": port.device, "port": port.port, "duration_s": duration,
-          "argv": client_argv, "minimum": minimum}
+    ev = {
+        "device": port.device,
+        "port": port.port,
+        "duration_s": duration,
+        "argv": client_argv,
+        "minimum": minimum,
+    }
     if not client.ok:
         srv = server.get("r")
-        return ctx.result(port.target, "write_bw_gbps", Status.ERROR,
-                          f"ib_write_bw on {port.device}: {client.describe_failure()}",
-                          returncode=client.returncode, stderr_tail=client.stderr[-600:],
-                          server_failure=srv.describe_failure() if srv and not srv.ok else None,
-                          **ev)
+        return ctx.result(
+            port.target,
+            "write_bw_gbps",
+            Status.ERROR,
+            f"ib_write_bw on {port.device}: {client.describe_failure()}",
+            returncode=client.returncode,
+            stderr_tail=client.stderr[-600:],
+            server_failure=srv.describe_failure() if srv and not srv.ok else None,
+            **ev,
+        )
     try:
         # the run used --report_gbits; the parser still checks that against MsgRate x size
-        row: BwRow = (parse_bw_json(json_text, unit="Gb/sec") if json_text
-                      else parse_bw_table(client.stdout)[-1])
+        row: BwRow = (
+            parse_bw_json(json_text, unit="Gb/sec")
+            if json_text
+            else parse_bw_table(client.stdout)[-1]
+        )
     except ParseError as err:
-        return ctx.result(port.target, "write_bw_gbps", Status.ERROR,
-                          f"cannot read ib_write_bw output for {port.device}: {err}",
-                          stdout_tail=client.stdout[-600:], **ev)
+        return ctx.result(
+            port.target,
+            "write_bw_gbps",
+            Status.ERROR,
+            f"cannot read ib_write_bw output for {port.device}: {err}",
+            stdout_tail=client.stdout[-600:],
+            **ev,
+        )
     low = minimum is not None and row.bw_avg_gbps < minimum
     return ctx.result(
-        port.target, "write_bw_gbps", Status.FAIL if low else Status.PASS,
+        port.target,
+        "write_bw_gbps",
+        Status.FAIL if low else Status.PASS,
         f"ib_write_bw {port.device} port {port.port}: {row.bw_avg_gbps:.1f} Gb/s average"
         + (f", below the SKU minimum {minimum:g} Gb/s" if low else ""),
-        value=round(row.bw_avg_gbps, 2), unit="Gb/s", msg_size_bytes=row.msg_size_bytes,
-        iterations=row.iterations, source="json" if json_text else "table",
-        unit_used=row.unit_used, unit_note=row.unit_note, cross_checked=row.cross_checked,
-        perftest_warnings=list(row.warnings), **ev)
+        value=round(row.bw_avg_gbps, 2),
+        unit="Gb/s",
+        msg_size_bytes=row.msg_size_bytes,
+        iterations=row.iterations,
+        source="json" if json_text else "table",
+        unit_used=row.unit_used,
+        unit_note=row.unit_note,
+        cross_checked=row.cross_checked,
+        perftest_warnings=list(row.warnings),
+        **ev,
+    )

@@ -102,7 +102,9 @@ class Plan:
         from node_agent.sdc import probes as sdc_lib
 
         if self.shapes is None:
-            return sdc_lib.whole_gpu_specs(dev.device, dev.tile_model, self.dtypes, self.tiles_per_sm)
+            return sdc_lib.whole_gpu_specs(
+                dev.device, dev.tile_model, self.dtypes, self.tiles_per_sm
+            )
         specs, skipped = [], {}
         for name in self.dtypes:
             why = sdc_lib.dtype_unsupported(name, dev.device)
@@ -161,8 +163,9 @@ class DigestHistory:
                     raise ValueError(f"schema {data.get('schema')!r}, expected {HISTORY_SCHEMA!r}")
                 self._gpus = dict(data["gpus"])
             except (OSError, ValueError, KeyError, TypeError) as err:
-                self.problem = (f"earlier digests in {path} unreadable ({err}); a new baseline "
-                                "is taken")
+                self.problem = (
+                    f"earlier digests in {path} unreadable ({err}); a new baseline is taken"
+                )
 
     def baseline(self, uuid: str, software: Mapping[str, Any]) -> tuple[dict[str, str], str | None]:
         """(digests by spec key, why none are usable or None)."""
@@ -171,11 +174,15 @@ class DigestHistory:
             return {}, None
         stored = entry.get("software", {})
         if stored != dict(software):
-            changed = ", ".join(f"{k} {stored.get(k)} -> {software.get(k)}"
-                                for k in sorted(set(stored) | set(software))
-                                if stored.get(k) != software.get(k))
-            return {}, (f"earlier digests discarded: software changed ({changed}); digests are "
-                        "bit-exact only within one software stack, a new baseline is taken")
+            changed = ", ".join(
+                f"{k} {stored.get(k)} -> {software.get(k)}"
+                for k in sorted(set(stored) | set(software))
+                if stored.get(k) != software.get(k)
+            )
+            return {}, (
+                f"earlier digests discarded: software changed ({changed}); digests are "
+                "bit-exact only within one software stack, a new baseline is taken"
+            )
         return dict(entry.get("digests", {})), None
 
     def store(self, uuid: str, software: Mapping[str, Any], digests: Mapping[str, str]) -> None:
@@ -190,12 +197,14 @@ class DigestHistory:
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp",
-                                   dir=self.path.parent)
+        fd, tmp = tempfile.mkstemp(
+            prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent
+        )
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump({"schema": HISTORY_SCHEMA, "gpus": self._gpus}, f, sort_keys=True,
-                          indent=1)
+                json.dump(
+                    {"schema": HISTORY_SCHEMA, "gpus": self._gpus}, f, sort_keys=True, indent=1
+                )
             os.replace(tmp, self.path)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -207,15 +216,20 @@ def history_path(state_dir: Path | None) -> Path | None:
     return state_dir / "sdc" / "digests.json" if state_dir is not None else None
 
 
-def software_fingerprint(device: ComputeDevice, gpu_name: str | None,
-                         driver: str | None) -> dict[str, Any]:
+def software_fingerprint(
+    device: ComputeDevice, gpu_name: str | None, driver: str | None
+) -> dict[str, Any]:
     """What a digest depends on besides the GPU itself: torch (and its cuBLAS), CUDA, driver,
     GPU name; on a CPU stand-in the thread count too (CPU GEMM blocking depends on it)."""
     import torch
 
-    fp: dict[str, Any] = {"torch": torch.__version__, "torch_cuda": torch.version.cuda,
-                          "driver": driver, "gpu_name": gpu_name,
-                          "device": device.device.type}
+    fp: dict[str, Any] = {
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "driver": driver,
+        "gpu_name": gpu_name,
+        "device": device.device.type,
+    }
     if device.device.type == "cpu":
         fp["cpu_threads"] = torch.get_num_threads()
     return fp
@@ -225,16 +239,22 @@ def software_fingerprint(device: ComputeDevice, gpu_name: str | None,
 # Probing (pure of the check context: unit tests call this with real CPU devices)
 
 
-def error_verdict(probe: str, spec: sdc_lib.ProbeSpec, dev: ComputeDevice,
-                  err: BaseException) -> sdc_lib.Verdict:
+def error_verdict(
+    probe: str, spec: sdc_lib.ProbeSpec, dev: ComputeDevice, err: BaseException
+) -> sdc_lib.Verdict:
     """The ``error`` verdict of a probe that raised (it could not run: not a pass)."""
     from node_agent.sdc.verdicts import error_verdict as make_error
 
     return make_error(probe, spec, dev.device, err)
 
 
-def _guarded(probe: str, spec: sdc_lib.ProbeSpec, dev: ComputeDevice,
-             fn: Callable[..., sdc_lib.Verdict], **kw: Any) -> sdc_lib.Verdict:
+def _guarded(
+    probe: str,
+    spec: sdc_lib.ProbeSpec,
+    dev: ComputeDevice,
+    fn: Callable[..., sdc_lib.Verdict],
+    **kw: Any,
+) -> sdc_lib.Verdict:
     """``fn(spec, device, matmul, **kw)`` on ``dev``; an exception becomes an error verdict."""
     try:
         return fn(spec, dev.device, dev.matmul, **kw)
@@ -249,8 +269,9 @@ def _exact(run: GpuRun, spec: sdc_lib.ProbeSpec) -> None:
 
     if run.window is None:
         run.window = Window()  # the whole run on this GPU is the confirmation window
-    v = _guarded("exact_gemm", spec, run.device, sdc_lib.exact_gemm_probe,
-                 tiles=run.device.tile_model)
+    v = _guarded(
+        "exact_gemm", spec, run.device, sdc_lib.exact_gemm_probe, tiles=run.device.tile_model
+    )
     run.verdicts.append(upgrade_in_window(v, run.window))
 
 
@@ -267,8 +288,10 @@ def prepare_gpu(run: GpuRun, plan: Plan) -> None:
         try:
             why = sdc_lib.accumulator_check(name, dev.device, dev.matmul, model)
         except Exception as err:  # noqa: BLE001 - the dtype's probes will report the error
-            run.notes.append(f"{name}: accumulator check could not run ({type(err).__name__}: "
-                             f"{err}); probed anyway")
+            run.notes.append(
+                f"{name}: accumulator check could not run ({type(err).__name__}: "
+                f"{err}); probed anyway"
+            )
             why = None
         if why:
             run.skipped[name] = why
@@ -276,13 +299,15 @@ def prepare_gpu(run: GpuRun, plan: Plan) -> None:
     run.skipped.update(unsupported)
     run.specs = [s for s in specs if s.dtype not in run.skipped]
     shapes = sorted({(s.m, s.n) for s in run.specs})
-    run.coverage = (sdc_coverage.measure(dev.device, model, shapes) if shapes
-                    else sdc_coverage.NONE_RAN)
+    run.coverage = (
+        sdc_coverage.measure(dev.device, model, shapes) if shapes else sdc_coverage.NONE_RAN
+    )
 
 
 def _cross_gpu(runs: Mapping[int, GpuRun], specs: Iterable[sdc_lib.ProbeSpec]) -> None:
     """Compare round-0 digests across GPUs; re-run the odd one out; record its verdict."""
     from node_agent.sdc import probes as sdc_lib
+
     for spec in specs:
         key = spec_key(spec)
         digests = {i: r.digests[key] for i, r in runs.items() if key in r.digests}
@@ -302,29 +327,47 @@ def _cross_gpu(runs: Mapping[int, GpuRun], specs: Iterable[sdc_lib.ProbeSpec]) -
                 continue
             d1, d2 = digests[i], again.evidence["digest"]
             confirmed = d2 != majority[0]
-            run.verdicts.append(sdc_lib.Verdict(
-                probe="digest_gemm", device=str(run.device.device), shape=spec.shape,
-                dtype=spec.dtype, status="confirmed" if confirmed else "transient",
-                mismatched_elements=0,
-                detail=(f"digest_gemm {spec.label()}: output sha256 {d1[:16]} differs from the "
+            run.verdicts.append(
+                sdc_lib.Verdict(
+                    probe="digest_gemm",
+                    device=str(run.device.device),
+                    shape=spec.shape,
+                    dtype=spec.dtype,
+                    status="confirmed" if confirmed else "transient",
+                    mismatched_elements=0,
+                    detail=(
+                        f"digest_gemm {spec.label()}: output sha256 {d1[:16]} differs from the "
                         f"{majority[1]} of {len(digests)} GPUs that agree on {majority[0][:16]} "
                         f"(odd one out); "
-                        + ("re-run differed again" if confirmed else "re-run agreed with them")),
-                duration_s=time.perf_counter() - t0, timestamp=time.time(),
-                evidence={"compared": "across GPUs", "digest": d1, "rerun_digest": d2,
-                          "majority_digest": majority[0], "agreeing_gpus": majority[1],
-                          "compared_gpus": sorted(digests)}))
+                        + ("re-run differed again" if confirmed else "re-run agreed with them")
+                    ),
+                    duration_s=time.perf_counter() - t0,
+                    timestamp=time.time(),
+                    evidence={
+                        "compared": "across GPUs",
+                        "digest": d1,
+                        "rerun_digest": d2,
+                        "majority_digest": majority[0],
+                        "agreeing_gpus": majority[1],
+                        "compared_gpus": sorted(digests),
+                    },
+                )
+            )
 
 
-def probe_node(runs: Mapping[int, GpuRun], plan: Plan,
-               baselines: Mapping[int, Mapping[str, str]] | None = None,
-               clock: Callable[[], float] = time.monotonic) -> None:
+def probe_node(
+    runs: Mapping[int, GpuRun],
+    plan: Plan,
+    baselines: Mapping[int, Mapping[str, str]] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
     """Run the plan on every GPU of ``runs`` (their verdicts are appended in place).
 
     ``baselines``: per GPU index, earlier digests by :func:`spec_key` (empty: none usable).
     Rounds run GPU after GPU, so with ``duration_s`` every GPU gets the same number of rounds.
     """
     from node_agent.sdc import probes as sdc_lib
+
     baselines = baselines or {}
     start = clock()
     for i, run in runs.items():
@@ -354,7 +397,9 @@ def probe_node(runs: Mapping[int, GpuRun], plan: Plan,
     _forgive_stale_history(runs)
     _cross_gpu(runs, plan.digest_specs)
     rounds = 1
-    while rounds < plan.repeats or (plan.duration_s is not None and clock() - start < plan.duration_s):
+    while rounds < plan.repeats or (
+        plan.duration_s is not None and clock() - start < plan.duration_s
+    ):
         seed = rounds % max(1, plan.seeds)
         for run in runs.values():
             for spec in run.specs:
@@ -367,6 +412,7 @@ def _forgive_stale_history(runs: Mapping[int, GpuRun]) -> None:
     """A GPU that differs from its own earlier digest but agrees with a strict majority of the
     node's GPUs (>= MIN_GPUS_FOR_MAJORITY compared) has a stale baseline, not SDC."""
     from node_agent.sdc import probes as sdc_lib
+
     for run in runs.values():
         for n, v in enumerate(run.verdicts):
             if v.probe != "digest_gemm" or v.status == "pass" or "digest" not in v.evidence:
@@ -378,11 +424,14 @@ def _forgive_stale_history(runs: Mapping[int, GpuRun]) -> None:
                 continue
             value, count = Counter(digests.values()).most_common(1)[0]
             if count * 2 > len(digests) and digests.get(run.index) == value:
-                run.notes.append(f"{key}: differs from this GPU's earlier digest but agrees with "
-                                 f"{count} of {len(digests)} GPUs: the earlier digest was stale "
-                                 "and is replaced")
-                run.verdicts[n] = dataclasses.replace(v, status="pass", evidence={
-                    **v.evidence, "stale_baseline": True})
+                run.notes.append(
+                    f"{key}: differs from this GPU's earlier digest but agrees with "
+                    f"{count} of {len(digests)} GPUs: the earlier digest was stale "
+                    "and is replaced"
+                )
+                run.verdicts[n] = dataclasses.replace(
+                    v, status="pass", evidence={**v.evidence, "stale_baseline": True}
+                )
 
 
 # --------------------------------------------------------------------------------------------
@@ -390,8 +439,14 @@ def _forgive_stale_history(runs: Mapping[int, GpuRun]) -> None:
 
 
 def _finding(v: sdc_lib.Verdict) -> dict[str, Any]:
-    out = {"probe": v.probe, "shape": list(v.shape), "dtype": v.dtype, "status": v.status,
-           "mismatched_elements": v.mismatched_elements, "detail": v.detail}
+    out = {
+        "probe": v.probe,
+        "shape": list(v.shape),
+        "dtype": v.dtype,
+        "status": v.status,
+        "mismatched_elements": v.mismatched_elements,
+        "detail": v.detail,
+    }
     for key in ("tiles_mismatched", "tile_residues"):
         if key in v.evidence:
             out[key] = v.evidence[key]
@@ -401,16 +456,20 @@ def _finding(v: sdc_lib.Verdict) -> dict[str, Any]:
 def _summary(verdicts: list[sdc_lib.Verdict]) -> str:
     probes = Counter(v.probe for v in verdicts)
     dtypes = sorted({v.dtype for v in verdicts})
-    return (", ".join(f"{p} {n}" for p, n in sorted(probes.items()))
-            + f"; dtypes {', '.join(dtypes)}")
+    return (
+        ", ".join(f"{p} {n}" for p, n in sorted(probes.items())) + f"; dtypes {', '.join(dtypes)}"
+    )
 
 
 #: ``sdc.coverage.NONE_RAN.evidence()``, spelled out: a check that probed nothing (no GPU, no
 #: driver) says so without importing torch, which ``sdc.coverage`` needs (a host without a GPU
 #: need not have torch installed)
-NO_COVERAGE_EVIDENCE: dict[str, Any] = {"sm_coverage": 0.0,
-                                        "sm_coverage_method": "none: no probe ran",
-                                        "sm_count": 0, "sms_reached": 0}
+NO_COVERAGE_EVIDENCE: dict[str, Any] = {
+    "sm_coverage": 0.0,
+    "sm_coverage_method": "none: no probe ran",
+    "sm_count": 0,
+    "sms_reached": 0,
+}
 
 
 def coverage_evidence(run: GpuRun | None) -> dict[str, Any]:
@@ -429,13 +488,19 @@ def _where(verdicts: list[sdc_lib.Verdict]) -> str:
     if not runs:
         return ""
     if not p["runs_several_sms"]:
-        return (f"; in all {runs} mismatching run(s) the wrong tiles ran on a single SM (tile "
-                "model): a defective SM")
-    return (f"; wrong tiles on one SM in {p['runs_one_sm']} of {runs} mismatching runs, on up to "
-            f"{p['most_sms_in_one_run']} SMs in one run")
+        return (
+            f"; in all {runs} mismatching run(s) the wrong tiles ran on a single SM (tile "
+            "model): a defective SM"
+        )
+    return (
+        f"; wrong tiles on one SM in {p['runs_one_sm']} of {runs} mismatching runs, on up to "
+        f"{p['most_sms_in_one_run']} SMs in one run"
+    )
 
 
-def results_for(ctx: CheckContext, run: GpuRun, extra: Mapping[str, Any] | None = None) -> list[Result]:
+def results_for(
+    ctx: CheckContext, run: GpuRun, extra: Mapping[str, Any] | None = None
+) -> list[Result]:
     """The results of one GPU's run: confirmed > transient, plus errors; pass when clean."""
     from node_agent.sdc.verdicts import sm_pattern
 
@@ -443,13 +508,19 @@ def results_for(ctx: CheckContext, run: GpuRun, extra: Mapping[str, Any] | None 
     counts = Counter(v.status for v in run.verdicts)
     findings = [_finding(v) for v in run.verdicts if v.status != "pass"][:20]
     bad = [v for v in run.verdicts if v.status in ("confirmed", "transient")]
-    evidence: dict[str, Any] = {"counts": {s: counts.get(s, 0) for s in ("pass", "transient", "confirmed", "error")},
-                                "probes": len(run.verdicts), "rounds": run.rounds,
-                                "gpu_uuid": run.uuid, "device": run.device.label,
-                                "exact_shapes": sorted({"x".join(map(str, s.shape)) for s in run.specs}),
-                                "skipped_dtypes": dict(run.skipped),
-                                "findings": findings, "notes": list(run.notes),
-                                **coverage_evidence(run), **(extra or {})}
+    evidence: dict[str, Any] = {
+        "counts": {s: counts.get(s, 0) for s in ("pass", "transient", "confirmed", "error")},
+        "probes": len(run.verdicts),
+        "rounds": run.rounds,
+        "gpu_uuid": run.uuid,
+        "device": run.device.label,
+        "exact_shapes": sorted({"x".join(map(str, s.shape)) for s in run.specs}),
+        "skipped_dtypes": dict(run.skipped),
+        "findings": findings,
+        "notes": list(run.notes),
+        **coverage_evidence(run),
+        **(extra or {}),
+    }
     if bad:
         evidence["sm_pattern"] = sm_pattern(bad)
     n = len(run.verdicts)
@@ -461,34 +532,71 @@ def results_for(ctx: CheckContext, run: GpuRun, extra: Mapping[str, Any] | None 
     if confirmed:
         # An exact-probe verdict says how many elements were wrong; prefer it as the headline.
         first = next((v for v in confirmed if v.probe == "exact_gemm"), confirmed[0])
-        out.append(ctx.result(
-            target, "sdc_confirmed", Status.FAIL,
-            f"{target}: silent data corruption confirmed (a mismatch repeated on this GPU): "
-            f"{first.detail}; {len(confirmed)} of {n} probes confirmed ({_summary(confirmed)})"
-            f"{_where(bad)}; replace the GPU",
-            value=len(confirmed), unit="probes", probe=first.probe, shape=list(first.shape),
-            dtype=first.dtype, mismatched_elements=first.mismatched_elements, **evidence))
+        out.append(
+            ctx.result(
+                target,
+                "sdc_confirmed",
+                Status.FAIL,
+                f"{target}: silent data corruption confirmed (a mismatch repeated on this GPU): "
+                f"{first.detail}; {len(confirmed)} of {n} probes confirmed ({_summary(confirmed)})"
+                f"{_where(bad)}; replace the GPU",
+                value=len(confirmed),
+                unit="probes",
+                probe=first.probe,
+                shape=list(first.shape),
+                dtype=first.dtype,
+                mismatched_elements=first.mismatched_elements,
+                **evidence,
+            )
+        )
     elif transient:
         first = transient[0]
-        out.append(ctx.result(
-            target, "sdc_transient", Status.WARN,
-            f"{target}: {len(transient)} of {n} probes mismatched once and nothing repeated it "
-            f"(transient; kept as evidence): {first.detail}",
-            value=len(transient), unit="probes", probe=first.probe, shape=list(first.shape),
-            dtype=first.dtype, mismatched_elements=first.mismatched_elements, **evidence))
+        out.append(
+            ctx.result(
+                target,
+                "sdc_transient",
+                Status.WARN,
+                f"{target}: {len(transient)} of {n} probes mismatched once and nothing repeated it "
+                f"(transient; kept as evidence): {first.detail}",
+                value=len(transient),
+                unit="probes",
+                probe=first.probe,
+                shape=list(first.shape),
+                dtype=first.dtype,
+                mismatched_elements=first.mismatched_elements,
+                **evidence,
+            )
+        )
     if errors:
-        out.append(ctx.result(
-            target, "sdc_probe_error", Status.ERROR,
-            f"{target}: {len(errors)} of {n} SDC probes could not run: {errors[0].detail}",
-            value=len(errors), unit="probes", **evidence))
+        out.append(
+            ctx.result(
+                target,
+                "sdc_probe_error",
+                Status.ERROR,
+                f"{target}: {len(errors)} of {n} SDC probes could not run: {errors[0].detail}",
+                value=len(errors),
+                unit="probes",
+                **evidence,
+            )
+        )
     if not out:
         cov = run.coverage
-        reach = (f"; exact probes reached {cov.value:.0%} of {cov.sm_count} SMs ({cov.method})"
-                 if cov is not None and cov.sm_count else "")
-        out.append(ctx.result(
-            target, "sdc_probes", Status.PASS,
-            f"{target}: {n} SDC probes in {run.rounds} round(s), no mismatch{reach}{notes}",
-            value=n, unit="probes", **evidence))
+        reach = (
+            f"; exact probes reached {cov.value:.0%} of {cov.sm_count} SMs ({cov.method})"
+            if cov is not None and cov.sm_count
+            else ""
+        )
+        out.append(
+            ctx.result(
+                target,
+                "sdc_probes",
+                Status.PASS,
+                f"{target}: {n} SDC probes in {run.rounds} round(s), no mismatch{reach}{notes}",
+                value=n,
+                unit="probes",
+                **evidence,
+            )
+        )
     for r in out:
         r.duration_s = sum(v.duration_s for v in run.verdicts)
     return out
@@ -504,7 +612,11 @@ def _shapes(p: Mapping[str, Any], key: str = "shapes") -> tuple[tuple[int, int, 
         return None
     shapes = []
     for s in raw:
-        if not (isinstance(s, (list, tuple)) and len(s) == 3 and all(isinstance(x, int) and x > 0 for x in s)):
+        if not (
+            isinstance(s, (list, tuple))
+            and len(s) == 3
+            and all(isinstance(x, int) and x > 0 for x in s)
+        ):
             raise ValueError(f"params.{key}: {s!r} is not [M, K, N] of positive integers")
         shapes.append(tuple(s))
     return tuple(shapes)
@@ -513,14 +625,17 @@ def _shapes(p: Mapping[str, Any], key: str = "shapes") -> tuple[tuple[int, int, 
 def make_plan(p: Mapping[str, Any], on_cuda: bool) -> tuple[Plan, list[str]]:
     """The plan from a suite's params (ValueError naming the bad param); notes for the result."""
     from node_agent.sdc import probes as sdc_lib
+
     notes = []
     dtypes = list(p.get("dtypes", ALL_DTYPES))
     unknown = [d for d in dtypes if d not in ALL_DTYPES]
     if unknown:
         raise ValueError(f"params.dtypes: {unknown} not among {list(ALL_DTYPES)}")
     if not on_cuda:
-        for name, why in (("tf32", "the CPU has no TF32 tensor cores"),
-                          ("fp8", "the CPU has no fp8 GEMM")):
+        for name, why in (
+            ("tf32", "the CPU has no TF32 tensor cores"),
+            ("fp8", "the CPU has no fp8 GEMM"),
+        ):
             if name in dtypes:
                 dtypes.remove(name)
                 if name in p.get("dtypes", ()):
@@ -529,21 +644,31 @@ def make_plan(p: Mapping[str, Any], on_cuda: bool) -> tuple[Plan, list[str]]:
     if shapes is not None:
         for shape in shapes:
             for d in dtypes:
-                sdc_lib.golden(sdc_lib.ProbeSpec(*shape, dtype=d))  # said up front, as a suite error
+                sdc_lib.golden(
+                    sdc_lib.ProbeSpec(*shape, dtype=d)
+                )  # said up front, as a suite error
     digest_shapes = _shapes(p, "digest_shapes") or shapes or sdc_lib.DEFAULT_SHAPES
-    digest_specs = tuple(sdc_lib.ProbeSpec(*shape, dtype=d) for shape in digest_shapes
-                         for d in dtypes if d in DIGEST_DTYPES)
+    digest_specs = tuple(
+        sdc_lib.ProbeSpec(*shape, dtype=d)
+        for shape in digest_shapes
+        for d in dtypes
+        if d in DIGEST_DTYPES
+    )
     tiles_per_sm = p.get("tiles_per_sm")
     if tiles_per_sm is not None and not (isinstance(tiles_per_sm, int) and tiles_per_sm >= 1):
         raise ValueError(f"params.tiles_per_sm: {tiles_per_sm!r} is not a positive integer")
     duration = p.get("duration_s")
-    plan = Plan(dtypes=tuple(dtypes), digest_specs=digest_specs, shapes=shapes,
-                tiles_per_sm=tiles_per_sm,
-                repeats=max(1, int(p.get("repeats", DEFAULT_REPEATS))),
-                duration_s=float(duration) if duration is not None else None,
-                seeds=max(1, int(p.get("seeds", DEFAULT_SEEDS))),
-                freivalds_n=int(p.get("freivalds_n", 1024 if on_cuda else 256)),
-                freivalds_dtypes=tuple(d for d in ("fp32", "bf16", "tf32") if d in dtypes))
+    plan = Plan(
+        dtypes=tuple(dtypes),
+        digest_specs=digest_specs,
+        shapes=shapes,
+        tiles_per_sm=tiles_per_sm,
+        repeats=max(1, int(p.get("repeats", DEFAULT_REPEATS))),
+        duration_s=float(duration) if duration is not None else None,
+        seeds=max(1, int(p.get("seeds", DEFAULT_SEEDS))),
+        freivalds_n=int(p.get("freivalds_n", 1024 if on_cuda else 256)),
+        freivalds_dtypes=tuple(d for d in ("fp32", "bf16", "tf32") if d in dtypes),
+    )
     return plan, notes
 
 
@@ -577,7 +702,9 @@ def run(ctx: CheckContext) -> list[Result]:
         return _no_coverage(unavailable)
     indices = gpu_indices(ctx)
     if not indices:
-        return _no_coverage([ctx.skip("no GPUs visible: nothing to probe for silent data corruption")])
+        return _no_coverage(
+            [ctx.skip("no GPUs visible: nothing to probe for silent data corruption")]
+        )
     try:
         specs = compute.compute_specs(indices, ctx.scenario, ctx.sku)
     except compute.ComputeUnavailable as err:
@@ -586,11 +713,20 @@ def run(ctx: CheckContext) -> list[Result]:
     try:
         plan, plan_notes = make_plan(ctx.params, on_cuda)
     except ValueError as err:
-        return _no_coverage([ctx.result("node", "sdc_probe_error", Status.ERROR,
-                                        f"sdc check parameters are invalid: {err} (fix the suite file)")])
+        return _no_coverage(
+            [
+                ctx.result(
+                    "node",
+                    "sdc_probe_error",
+                    Status.ERROR,
+                    f"sdc check parameters are invalid: {err} (fix the suite file)",
+                )
+            ]
+        )
     gpus = {g.index: g for g in ctx.inventory.gpus}
-    history = DigestHistory(history_path(ctx.state_dir)
-                            if ctx.params.get("digest_history", True) else None)
+    history = DigestHistory(
+        history_path(ctx.state_dir) if ctx.params.get("digest_history", True) else None
+    )
     min_free = float(ctx.params.get("min_free_mib", DEFAULT_MIN_FREE_MIB))
     runs: dict[int, GpuRun] = {}
     baselines: dict[int, dict[str, str]] = {}
@@ -601,23 +737,36 @@ def run(ctx: CheckContext) -> list[Result]:
         try:
             dev = compute.open_device(spec)
         except Exception as err:  # noqa: BLE001 - a device that cannot open is an error result
-            out.append(ctx.result(target, "sdc_probe_error", Status.ERROR,
-                                  f"{target}: cannot open the compute device: "
-                                  f"{type(err).__name__}: {err}"))
+            out.append(
+                ctx.result(
+                    target,
+                    "sdc_probe_error",
+                    Status.ERROR,
+                    f"{target}: cannot open the compute device: {type(err).__name__}: {err}",
+                )
+            )
             continue
         if ctx.mode == "service":
             mem = _free_mib(dev)
             if mem is not None and mem[0] < min_free:
-                out.append(ctx.result(target, "sdc_probes", Status.SKIP,
-                                      f"{target}: {mem[0]:.0f} MiB free of {mem[1]:.0f} MiB, below "
-                                      f"min_free_mib {min_free:g}: probe skipped so it cannot push a "
-                                      "running job out of memory", free_mib=round(mem[0])))
+                out.append(
+                    ctx.result(
+                        target,
+                        "sdc_probes",
+                        Status.SKIP,
+                        f"{target}: {mem[0]:.0f} MiB free of {mem[1]:.0f} MiB, below "
+                        f"min_free_mib {min_free:g}: probe skipped so it cannot push a "
+                        "running job out of memory",
+                        free_mib=round(mem[0]),
+                    )
+                )
                 continue
         info = gpus.get(spec.index)
         run = runs[spec.index] = GpuRun(spec.index, dev, uuid=info.uuid if info else None)
         run.notes.extend(plan_notes)
-        software[spec.index] = software_fingerprint(dev, info.name if info else None,
-                                                    ctx.inventory.host.driver)
+        software[spec.index] = software_fingerprint(
+            dev, info.name if info else None, ctx.inventory.host.driver
+        )
         if history.problem:
             run.notes.append(history.problem)
         if run.uuid and history.path is not None:
@@ -630,13 +779,15 @@ def run(ctx: CheckContext) -> list[Result]:
     for run in runs.values():
         if run.uuid and not run.suspect and run.digests:
             history.store(run.uuid, software[run.index], run.digests)
-        out.extend(results_for(ctx, run, {"simulated": ctx.simulated,
-                                          "software": software[run.index]}))
+        out.extend(
+            results_for(ctx, run, {"simulated": ctx.simulated, "software": software[run.index]})
+        )
     try:
         history.save()
     except OSError as err:
         for r in out:
             r.evidence.setdefault("notes", []).append(
                 f"digests not saved to {history.path}: {err.strerror}; the next run has no "
-                "earlier digest to compare with")
+                "earlier digest to compare with"
+            )
     return out

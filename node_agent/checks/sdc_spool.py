@@ -86,8 +86,9 @@ def cursor_path(state_dir: Path) -> Path:
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(path.with_suffix(".lock"),
-                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = os.open(
+        path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+    )
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -106,22 +107,36 @@ def _load(path: Path) -> tuple[dict[str, Any], str | None]:
         data = json.loads(path.read_text(encoding="utf-8"))
         if data.get("schema") != CURSOR_SCHEMA:
             raise ValueError(f"schema {data.get('schema')!r}, expected {CURSOR_SCHEMA!r}")
-        cursor = {"schema": CURSOR_SCHEMA, "ingested": dict(data["ingested"]), "standing": [],
-                  "pending": dict(data.get("pending") or {})}
+        cursor = {
+            "schema": CURSOR_SCHEMA,
+            "ingested": dict(data["ingested"]),
+            "standing": [],
+            "pending": dict(data.get("pending") or {}),
+        }
         for fault in data["standing"]:
             if fault.get("confirmed_by") == "agent":
                 cursor["standing"].append(fault)
             else:
                 # written by an agent that believed the spool: a report until probed again
-                cursor["pending"].setdefault(fault["target"], {
-                    "gpu_uuid": fault.get("gpu_uuid"), "uid": fault.get("reported_by_uid"),
-                    "pids": [], "file": fault.get("file"), "detail": fault.get("detail", ""),
-                    "verdict_at": fault.get("verdict_at"), "reported_at": fault.get("graded_at"),
-                    "next_try": 0.0, "tries": 0})
+                cursor["pending"].setdefault(
+                    fault["target"],
+                    {
+                        "gpu_uuid": fault.get("gpu_uuid"),
+                        "uid": fault.get("reported_by_uid"),
+                        "pids": [],
+                        "file": fault.get("file"),
+                        "detail": fault.get("detail", ""),
+                        "verdict_at": fault.get("verdict_at"),
+                        "reported_at": fault.get("graded_at"),
+                        "next_try": 0.0,
+                        "tries": 0,
+                    },
+                )
         return cursor, None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        return _empty(), (f"cursor {path} unreadable ({err}); every verdict in the spool is "
-                          "read again")
+        return _empty(), (
+            f"cursor {path} unreadable ({err}); every verdict in the spool is read again"
+        )
 
 
 def clear_standing(state_dir: Path) -> int:
@@ -144,7 +159,9 @@ def _when(ts: float | None) -> str:
     return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def map_target(ctx: CheckContext, device: str, evidence: dict[str, Any]) -> tuple[str, str | None, str]:
+def map_target(
+    ctx: CheckContext, device: str, evidence: dict[str, Any]
+) -> tuple[str, str | None, str]:
     """(target, GPU UUID or None, note) for a verdict's device as the training job named it."""
     by_uuid = {g.uuid: g for g in ctx.inventory.gpus}
     uuid = evidence.get("gpu_uuid")
@@ -153,9 +170,12 @@ def map_target(ctx: CheckContext, device: str, evidence: dict[str, Any]) -> tupl
     if device.startswith("cuda:") and device[5:].isdigit() and len(device) < 12:
         index = int(device[5:])
         info = next((g for g in ctx.inventory.gpus if g.index == index), None)
-        return (f"gpu:{index}", info.uuid if info else None,
-                f" (the job's device {device}; under CUDA_VISIBLE_DEVICES its index may differ "
-                "from the node's)")
+        return (
+            f"gpu:{index}",
+            info.uuid if info else None,
+            f" (the job's device {device}; under CUDA_VISIBLE_DEVICES its index may differ "
+            "from the node's)",
+        )
     return "node", None, f" (device {device[:64]!r})"
 
 
@@ -168,7 +188,10 @@ def gpu_users(ctx: CheckContext) -> tuple[dict[int, dict[int, list[int]]], str |
     import psutil
 
     if ctx.gpu is None or ctx.gpu.unavailable_reason:
-        return {}, f"the GPUs cannot be queried ({ctx.gpu.unavailable_reason if ctx.gpu else 'no GPU backend'})"
+        return (
+            {},
+            f"the GPUs cannot be queried ({ctx.gpu.unavailable_reason if ctx.gpu else 'no GPU backend'})",
+        )
     try:
         devices = list(ctx.gpu.devices())
     except GpuError as err:
@@ -191,8 +214,9 @@ def gpu_users(ctx: CheckContext) -> tuple[dict[int, dict[int, list[int]]], str |
     return out, "; ".join(problems) or None
 
 
-def _vouch(uid: int, target: str, users: dict[int, dict[int, list[int]]],
-           why_not: str | None) -> tuple[list[int], str]:
+def _vouch(
+    uid: int, target: str, users: dict[int, dict[int, list[int]]], why_not: str | None
+) -> tuple[list[int], str]:
     """(the writer's pids on the target GPU, or [] with the reason it is not believed)."""
     if not target.startswith("gpu:"):
         return [], "the verdict names no GPU of this node"
@@ -203,8 +227,10 @@ def _vouch(uid: int, target: str, users: dict[int, dict[int, list[int]]],
     if pids:
         return pids, ""
     others = sorted(users[index])
-    return [], (f"uid {uid} runs no compute process on {target} (NVML lists processes of "
-                f"{'uid ' + ', '.join(map(str, others)) if others else 'nobody'} there)")
+    return [], (
+        f"uid {uid} runs no compute process on {target} (NVML lists processes of "
+        f"{'uid ' + ', '.join(map(str, others)) if others else 'nobody'} there)"
+    )
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -212,11 +238,16 @@ def _vouch(uid: int, target: str, users: dict[int, dict[int, list[int]]],
 
 def run(ctx: CheckContext) -> list[Result]:
     from node_agent.sdc import spool as sdc_lib
+
     started = time.monotonic()
     if ctx.state_dir is None:
-        return [ctx.skip(f"state directory {ctx.config.state_dir} is not writable: training "
-                         "jobs' SDC verdicts cannot be tracked (set state_dir in the config)",
-                         metric="sdc_spool")]
+        return [
+            ctx.skip(
+                f"state directory {ctx.config.state_dir} is not writable: training "
+                "jobs' SDC verdicts cannot be tracked (set state_dir in the config)",
+                metric="sdc_spool",
+            )
+        ]
     spool = spool_dir(ctx)
     path = cursor_path(ctx.state_dir)
     now = time.time()
@@ -228,15 +259,20 @@ def run(ctx: CheckContext) -> list[Result]:
         cursor["ingested"] = {k: v for k, v in cursor["ingested"].items() if k in present}
         errors: list[tuple[Path, str]] = []
         new = sdc_lib.read_verdicts(spool, errors, skip=cursor["ingested"])
-        users, users_problem = gpu_users(ctx) if any(
-            s.verdict.status == "confirmed" for s in new) else ({}, None)
+        users, users_problem = (
+            gpu_users(ctx) if any(s.verdict.status == "confirmed" for s in new) else ({}, None)
+        )
         groups: dict[tuple[str, str], list[tuple[Any, str, str | None]]] = {}
         passes = 0
         for sv in new:
             v = sv.verdict
             target, uuid, note = map_target(ctx, v.device, v.evidence)
-            cursor["ingested"][sv.path.name] = {"status": v.status, "target": target, "at": now,
-                                                "uid": sv.uid}
+            cursor["ingested"][sv.path.name] = {
+                "status": v.status,
+                "target": target,
+                "at": now,
+                "uid": sv.uid,
+            }
             if v.status == "pass":
                 passes += 1
                 continue
@@ -244,43 +280,76 @@ def run(ctx: CheckContext) -> list[Result]:
                 pids, why = _vouch(sv.uid, target, users, users_problem)
                 if pids:
                     cursor["pending"][target] = {
-                        "gpu_uuid": uuid, "uid": sv.uid, "pids": pids, "file": sv.path.name,
-                        "detail": v.detail[:500] + note, "verdict_at": v.timestamp,
-                        "reported_at": now, "next_try": 0.0, "tries": 0}
+                        "gpu_uuid": uuid,
+                        "uid": sv.uid,
+                        "pids": pids,
+                        "file": sv.path.name,
+                        "detail": v.detail[:500] + note,
+                        "verdict_at": v.timestamp,
+                        "reported_at": now,
+                        "next_try": 0.0,
+                        "tries": 0,
+                    }
                     continue
                 groups.setdefault((target, "unverified"), []).append((sv, note + f"; {why}", uuid))
                 continue
             groups.setdefault((target, v.status), []).append((sv, note, uuid))
         for file, reason in errors:
             if file == spool:  # about the directory (too many files): said, nothing ingested
-                out.append(ctx.result("node", "sdc_spool_unreadable", Status.WARN,
-                                      f"SDC spool {spool}: {reason}", file=str(file)))
+                out.append(
+                    ctx.result(
+                        "node",
+                        "sdc_spool_unreadable",
+                        Status.WARN,
+                        f"SDC spool {spool}: {reason}",
+                        file=str(file),
+                    )
+                )
                 continue
             cursor["ingested"][file.name] = {"status": "unreadable", "target": "node", "at": now}
-            out.append(ctx.result("node", "sdc_spool_unreadable", Status.WARN,
-                                  f"SDC spool file {file} is not a valid verdict ({reason}); "
-                                  "it was not written by node_agent.sdc.write_verdict, or was "
-                                  "damaged: inspect and remove it (reported once)",
-                                  file=str(file)))
+            out.append(
+                ctx.result(
+                    "node",
+                    "sdc_spool_unreadable",
+                    Status.WARN,
+                    f"SDC spool file {file} is not a valid verdict ({reason}); "
+                    "it was not written by node_agent.sdc.write_verdict, or was "
+                    "damaged: inspect and remove it (reported once)",
+                    file=str(file),
+                )
+            )
         out.extend(_report_results(ctx, groups))
         confirmed = _confirm(ctx, cursor, now, started, out)
         out.extend(_standing_results(ctx, cursor, confirmed))
         write_json(path, cursor)
     if not out:
-        out.append(ctx.result(
-            "node", "sdc_spool", Status.PASS,
-            f"SDC spool {spool}: {len(new)} new verdict(s) ({passes} pass), none failing"
-            + (f"; note: {problem}" if problem else ""),
-            value=len(new), unit="verdicts", spool_dir=str(spool), cursor=str(path)))
+        out.append(
+            ctx.result(
+                "node",
+                "sdc_spool",
+                Status.PASS,
+                f"SDC spool {spool}: {len(new)} new verdict(s) ({passes} pass), none failing"
+                + (f"; note: {problem}" if problem else ""),
+                value=len(new),
+                unit="verdicts",
+                spool_dir=str(spool),
+                cursor=str(path),
+            )
+        )
     return out
 
 
 _REPORTS = {
-    "unverified": ("sdc_report_unverified",
-                   "a spooled verdict says silent data corruption was confirmed, but its writer "
-                   "cannot be vouched for, so it is not believed and nothing is done"),
-    "transient": ("sdc_transient", "a training job's probe saw a mismatch its re-run did not "
-                                   "repeat (transient; kept as evidence)"),
+    "unverified": (
+        "sdc_report_unverified",
+        "a spooled verdict says silent data corruption was confirmed, but its writer "
+        "cannot be vouched for, so it is not believed and nothing is done",
+    ),
+    "transient": (
+        "sdc_transient",
+        "a training job's probe saw a mismatch its re-run did not "
+        "repeat (transient; kept as evidence)",
+    ),
     "error": ("sdc_probe_error", "a training job's SDC probe could not run"),
 }
 
@@ -293,24 +362,36 @@ def _report_results(ctx: CheckContext, groups: dict) -> list[Result]:
         first, note, uuid = items[0]
         v = first.verdict
         writers = sorted({sv.uid for sv, *_ in items})
-        out.append(ctx.result(
-            target, metric, Status.WARN,
-            f"{target}: {what}: {v.detail[:300]}{note}; written by uid "
-            f"{', '.join(map(str, writers))}; {len(items)} new verdict(s), first at "
-            f"{_when(v.timestamp)} in {first.path.name}",
-            value=len(items), unit="verdicts", probe=v.probe, shape=list(v.shape),
-            dtype=v.dtype, mismatched_elements=v.mismatched_elements, gpu_uuid=uuid,
-            source="spool (a training user's report)", writer_uids=writers,
-            files=[sv.path.name for sv, *_ in items][:20],
-            verdicts=[sv.verdict.to_dict() for sv, *_ in items][:5]))
+        out.append(
+            ctx.result(
+                target,
+                metric,
+                Status.WARN,
+                f"{target}: {what}: {v.detail[:300]}{note}; written by uid "
+                f"{', '.join(map(str, writers))}; {len(items)} new verdict(s), first at "
+                f"{_when(v.timestamp)} in {first.path.name}",
+                value=len(items),
+                unit="verdicts",
+                probe=v.probe,
+                shape=list(v.shape),
+                dtype=v.dtype,
+                mismatched_elements=v.mismatched_elements,
+                gpu_uuid=uuid,
+                source="spool (a training user's report)",
+                writer_uids=writers,
+                files=[sv.path.name for sv, *_ in items][:20],
+                verdicts=[sv.verdict.to_dict() for sv, *_ in items][:5],
+            )
+        )
     return out
 
 
 # -- the agent's own probe ------------------------------------------------------------------------
 
 
-def _confirm(ctx: CheckContext, cursor: dict[str, Any], now: float, started: float,
-             out: list[Result]) -> set[str]:
+def _confirm(
+    ctx: CheckContext, cursor: dict[str, Any], now: float, started: float, out: list[Result]
+) -> set[str]:
     """Probe the GPUs with pending reports; move confirmed ones to ``standing``; the targets
     the agent confirmed in this run."""
     current = {f"gpu:{g.index}": g.uuid for g in ctx.inventory.gpus}
@@ -324,50 +405,95 @@ def _confirm(ctx: CheckContext, cursor: dict[str, Any], now: float, started: flo
     if not ctx.params.get("confirm", True):
         outcome = {t: ("pending", "confirmation is off (params.confirm: false)") for t in due}
     elif due:
-        budget = min(float(ctx.params.get("confirm_timeout_s", DEFAULT_CONFIRM_TIMEOUT_S)),
-                     _BUDGET_SHARE * ctx.timeout_s - (time.monotonic() - started))
+        budget = min(
+            float(ctx.params.get("confirm_timeout_s", DEFAULT_CONFIRM_TIMEOUT_S)),
+            _BUDGET_SHARE * ctx.timeout_s - (time.monotonic() - started),
+        )
         outcome = own_probe(ctx, [int(t[4:]) for t in due], budget)
     else:
         outcome = {}
     confirmed = set()
     retry_s = float(ctx.params.get("confirm_retry_s", DEFAULT_CONFIRM_RETRY_S))
     for target, report in sorted(cursor["pending"].items()):
-        result, detail = outcome.get(target, ("pending", f"the next probe is due at "
-                                                         f"{_when(report.get('next_try'))}"))
-        who = (f"a training job of uid {report.get('uid')} (pid "
-               f"{', '.join(map(str, report.get('pids') or [])) or '?'}, running on {target})")
-        said = (f"{who} reported silent data corruption confirmed by its probe at "
-                f"{_when(report.get('verdict_at'))}: {report.get('detail', '')[:300]}")
-        common = dict(gpu_uuid=report.get("gpu_uuid"), reporter_uid=report.get("uid"),
-                      reporter_pids=report.get("pids"), file=report.get("file"))
+        result, detail = outcome.get(
+            target, ("pending", f"the next probe is due at {_when(report.get('next_try'))}")
+        )
+        who = (
+            f"a training job of uid {report.get('uid')} (pid "
+            f"{', '.join(map(str, report.get('pids') or [])) or '?'}, running on {target})"
+        )
+        said = (
+            f"{who} reported silent data corruption confirmed by its probe at "
+            f"{_when(report.get('verdict_at'))}: {report.get('detail', '')[:300]}"
+        )
+        common = dict(
+            gpu_uuid=report.get("gpu_uuid"),
+            reporter_uid=report.get("uid"),
+            reporter_pids=report.get("pids"),
+            file=report.get("file"),
+        )
         if result == "confirmed":
             confirmed.add(target)
-            cursor["standing"].append({
-                "target": target, "gpu_uuid": report.get("gpu_uuid"), "confirmed_by": "agent",
-                "reported_by_uid": report.get("uid"), "file": report.get("file"),
-                "detail": detail, "report": report.get("detail", ""),
-                "verdict_at": now, "graded_at": now})
+            cursor["standing"].append(
+                {
+                    "target": target,
+                    "gpu_uuid": report.get("gpu_uuid"),
+                    "confirmed_by": "agent",
+                    "reported_by_uid": report.get("uid"),
+                    "file": report.get("file"),
+                    "detail": detail,
+                    "report": report.get("detail", ""),
+                    "verdict_at": now,
+                    "graded_at": now,
+                }
+            )
             del cursor["pending"][target]
-            out.append(ctx.result(target, "sdc_confirmed", Status.FAIL,
-                                  f"{target}: silent data corruption confirmed by the agent's "
-                                  f"own probe ({detail}), after {said}",
-                                  value=1, unit="verdicts", source="agent probe", **common))
+            out.append(
+                ctx.result(
+                    target,
+                    "sdc_confirmed",
+                    Status.FAIL,
+                    f"{target}: silent data corruption confirmed by the agent's "
+                    f"own probe ({detail}), after {said}",
+                    value=1,
+                    unit="verdicts",
+                    source="agent probe",
+                    **common,
+                )
+            )
         elif result == "clean":
             del cursor["pending"][target]
-            out.append(ctx.result(target, "sdc_reported", Status.WARN,
-                                  f"{target}: {said}; the agent's own probe did not confirm it "
-                                  f"({detail}): not acted on, kept as evidence",
-                                  value=1, unit="verdicts", source="spool (not confirmed)",
-                                  **common))
+            out.append(
+                ctx.result(
+                    target,
+                    "sdc_reported",
+                    Status.WARN,
+                    f"{target}: {said}; the agent's own probe did not confirm it "
+                    f"({detail}): not acted on, kept as evidence",
+                    value=1,
+                    unit="verdicts",
+                    source="spool (not confirmed)",
+                    **common,
+                )
+            )
         else:
             if target in outcome:
                 report["tries"] = int(report.get("tries", 0)) + 1
                 report["next_try"] = now + retry_s
-            out.append(ctx.result(target, "sdc_reported", Status.WARN,
-                                  f"{target}: {said}; awaiting the agent's own probe before "
-                                  f"any action ({detail})",
-                                  value=1, unit="verdicts", source="spool (awaiting the "
-                                  "agent's probe)", tries=report.get("tries", 0), **common))
+            out.append(
+                ctx.result(
+                    target,
+                    "sdc_reported",
+                    Status.WARN,
+                    f"{target}: {said}; awaiting the agent's own probe before "
+                    f"any action ({detail})",
+                    value=1,
+                    unit="verdicts",
+                    source="spool (awaiting the agent's probe)",
+                    tries=report.get("tries", 0),
+                    **common,
+                )
+            )
     return confirmed
 
 
@@ -383,12 +509,16 @@ def own_probe(ctx: CheckContext, indices: list[int], budget_s: float) -> dict[st
 
     targets = [f"gpu:{i}" for i in indices]
     if budget_s < MIN_CONFIRM_BUDGET_S:
-        why = (f"{budget_s:.0f} s left of this check's timeout_s {ctx.timeout_s:g}, too little "
-               "for a probe: raise sdc_spool's timeout_s in the suite")
+        why = (
+            f"{budget_s:.0f} s left of this check's timeout_s {ctx.timeout_s:g}, too little "
+            "for a probe: raise sdc_spool's timeout_s in the suite"
+        )
         return {t: ("pending", why) for t in targets}
     try:
-        base = next((c for c in load_suite("periodic", suites_dir(ctx.config)).checks
-                     if c.check == "sdc"), None)
+        base = next(
+            (c for c in load_suite("periodic", suites_dir(ctx.config)).checks if c.check == "sdc"),
+            None,
+        )
     except ConfigError:
         base = None
     params: dict[str, Any] = json.loads(json.dumps(base.params)) if base else {}
@@ -398,16 +528,31 @@ def own_probe(ctx: CheckContext, indices: list[int], budget_s: float) -> dict[st
         p["repeats"] = max(repeats, int(p.get("repeats", 1)))
     with tempfile.TemporaryDirectory(prefix="node-agent-sdc-confirm-") as tmp:
         suite_path, config_path = Path(tmp) / "confirm.yaml", Path(tmp) / "config.yaml"
-        write_json(suite_path, {"name": "sdc-confirm", "mode": "service", "checks": [
-            {"check": "sdc", "timeout_s": max(1.0, budget_s - 5.0), "params": params}]})
+        write_json(
+            suite_path,
+            {
+                "name": "sdc-confirm",
+                "mode": "service",
+                "checks": [
+                    {"check": "sdc", "timeout_s": max(1.0, budget_s - 5.0), "params": params}
+                ],
+            },
+        )
         # JSON is YAML: the child reads it as config; it runs in / as python -P (never importing
         # from this process's working directory, which others may write to), so every path it
         # gets is absolute
         write_json(config_path, proc.absolute_config(ctx.config.data))
         argv = proc.python_module_argv(
-            "node_agent.commands.main", "check", "--suite", proc.absolute_path(suite_path),
-            "--config", proc.absolute_path(config_path), "--json", "--out",
-            proc.absolute_path(tmp))
+            "node_agent.commands.main",
+            "check",
+            "--suite",
+            proc.absolute_path(suite_path),
+            "--config",
+            proc.absolute_path(config_path),
+            "--json",
+            "--out",
+            proc.absolute_path(tmp),
+        )
         if ctx.scenario is not None:
             argv += ["--simulate", proc.absolute_path(ctx.scenario.source)]
         done = proc.run(argv, timeout_s=budget_s, cwd=proc.CHILD_CWD)
@@ -421,8 +566,10 @@ def own_probe(ctx: CheckContext, indices: list[int], budget_s: float) -> dict[st
     out = {}
     for target in targets:
         mine = [r for r in results if r.get("target") == target and r.get("check") == "sdc"]
-        bad = next((r for r in mine if r.get("metric") == "sdc_confirmed"
-                    and r.get("status") == "fail"), None)
+        bad = next(
+            (r for r in mine if r.get("metric") == "sdc_confirmed" and r.get("status") == "fail"),
+            None,
+        )
         if bad is not None:
             out[target] = ("confirmed", str(bad.get("detail", ""))[:500])
         elif mine and all(r.get("status") in ("pass", "warn") for r in mine):
@@ -450,13 +597,21 @@ def _standing_results(ctx: CheckContext, cursor: dict[str, Any], fresh: set[str]
         if target in fresh:
             continue  # this run's confirmation already names it
         first = faults[0]
-        out.append(ctx.result(
-            target, "sdc_confirmed", Status.FAIL,
-            f"{target}: silent data corruption confirmed by the agent's own probe at "
-            f"{_when(first['graded_at'])} ({first.get('detail', '')}), still standing: it stays "
-            f"FAULT until the GPU is replaced (UUID {first.get('gpu_uuid') or 'unknown'}) or an "
-            "operator runs `node-agent set-healthy` after a repair",
-            value=len(faults), unit="verdicts", gpu_uuid=first.get("gpu_uuid"),
-            source="agent probe (standing)", reporter_uid=first.get("reported_by_uid"),
-            files=[f.get("file") for f in faults][:20]))
+        out.append(
+            ctx.result(
+                target,
+                "sdc_confirmed",
+                Status.FAIL,
+                f"{target}: silent data corruption confirmed by the agent's own probe at "
+                f"{_when(first['graded_at'])} ({first.get('detail', '')}), still standing: it stays "
+                f"FAULT until the GPU is replaced (UUID {first.get('gpu_uuid') or 'unknown'}) or an "
+                "operator runs `node-agent set-healthy` after a repair",
+                value=len(faults),
+                unit="verdicts",
+                gpu_uuid=first.get("gpu_uuid"),
+                source="agent probe (standing)",
+                reporter_uid=first.get("reported_by_uid"),
+                files=[f.get("file") for f in faults][:20],
+            )
+        )
     return out

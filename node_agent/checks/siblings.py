@@ -19,12 +19,21 @@ from node_agent.yamlfile import load_yaml
 
 _RATIO = {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
 PERFORMANCE_SCHEMA: dict[str, Any] = {
-    "type": "object", "additionalProperties": False, "required": ["siblings"],
-    "properties": {"siblings": {
-        "type": "object", "additionalProperties": False,
-        "required": ["warn_below", "error_below"],
-        "properties": {"warn_below": _RATIO, "error_below": _RATIO,
-                       "min_gpus": {"type": "integer", "minimum": 2}}}},
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["siblings"],
+    "properties": {
+        "siblings": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["warn_below", "error_below"],
+            "properties": {
+                "warn_below": _RATIO,
+                "error_below": _RATIO,
+                "min_gpus": {"type": "integer", "minimum": 2},
+            },
+        }
+    },
 }
 
 
@@ -39,24 +48,30 @@ def load_thresholds(config: Config) -> SiblingThresholds:
     """The ``siblings`` thresholds of the configured graders directory (ConfigError if bad)."""
     path = graders_dir(config) / "performance.yaml"
     data = load_yaml(path, PERFORMANCE_SCHEMA, what="performance grading file")["siblings"]
-    return SiblingThresholds(warn_below=data["warn_below"], error_below=data["error_below"],
-                             min_gpus=data.get("min_gpus", 3))
+    return SiblingThresholds(
+        warn_below=data["warn_below"],
+        error_below=data["error_below"],
+        min_gpus=data.get("min_gpus", 3),
+    )
 
 
 @dataclass(frozen=True)
 class SiblingVerdict:
-    status: Status           # pass, warn (clearly below) or fail (far below)
-    ratio: float | None      # figure / siblings' median; None when not compared
+    status: Status  # pass, warn (clearly below) or fail (far below)
+    ratio: float | None  # figure / siblings' median; None when not compared
     siblings_median: float | None
-    detail: str              # "" when the figure is in line with its siblings
+    detail: str  # "" when the figure is in line with its siblings
 
     def evidence(self) -> dict[str, Any]:
-        return {"siblings_median": self.siblings_median,
-                "ratio_to_siblings": None if self.ratio is None else round(self.ratio, 4)}
+        return {
+            "siblings_median": self.siblings_median,
+            "ratio_to_siblings": None if self.ratio is None else round(self.ratio, 4),
+        }
 
 
-def compare_with_siblings(values: Mapping[int, float], thresholds: SiblingThresholds,
-                          what: str, unit: str) -> dict[int, SiblingVerdict]:
+def compare_with_siblings(
+    values: Mapping[int, float], thresholds: SiblingThresholds, what: str, unit: str
+) -> dict[int, SiblingVerdict]:
     """Each GPU's figure (higher is better) against the median of the other GPUs.
 
     >>> v = compare_with_siblings({0: 100, 1: 101, 2: 99, 3: 50}, SiblingThresholds(), "bf16", "TFLOP/s")
@@ -79,8 +94,10 @@ def compare_with_siblings(values: Mapping[int, float], thresholds: SiblingThresh
         else:
             out[index] = SiblingVerdict(Status.PASS, ratio, median, "")
             continue
-        detail = (f"gpu:{index} {what} {value:.4g} {unit} is {words} its siblings' median "
-                  f"{median:.4g} {unit} ({ratio:.0%}; WARN under {thresholds.warn_below:.0%}, "
-                  f"ERROR under {thresholds.error_below:.0%})")
+        detail = (
+            f"gpu:{index} {what} {value:.4g} {unit} is {words} its siblings' median "
+            f"{median:.4g} {unit} ({ratio:.0%}; WARN under {thresholds.warn_below:.0%}, "
+            f"ERROR under {thresholds.error_below:.0%})"
+        )
         out[index] = SiblingVerdict(status, ratio, median, detail)
     return out

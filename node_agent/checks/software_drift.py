@@ -67,8 +67,10 @@ NEEDS: dict[str, dict[str, bool]] = {
     "gb300-288gb": {"fabricmanager": False, "peermem": True},
 }
 
-_NOT_RECORDED = ("not recorded by this capture (node-agent capture keeps NVML, the PCI bus and "
-                 "the kernel log; add a software fault to say what the node had)")
+_NOT_RECORDED = (
+    "not recorded by this capture (node-agent capture keeps NVML, the PCI bus and "
+    "the kernel log; add a software fault to say what the node had)"
+)
 
 SYS_MODULE = Path("/sys/module")
 SYS_INFINIBAND = Path("/sys/class/infiniband")
@@ -84,8 +86,10 @@ ACS_P2P_BREAKING = (1 << 2) | (1 << 3)
 
 
 def run(ctx: CheckContext) -> list[Result]:
-    declared = {k: ctx.config.get(f"node.software.{k}") for k in
-                ("driver", "cuda", "nccl", "vbios", "kernel")}
+    declared = {
+        k: ctx.config.get(f"node.software.{k}")
+        for k in ("driver", "cuda", "nccl", "vbios", "kernel")
+    }
     sim = _sim_software(ctx)
     results: list[Result] = []
     host = ctx.inventory.host
@@ -93,28 +97,43 @@ def run(ctx: CheckContext) -> list[Result]:
     if gpus_down:
         results.extend(gpus_down)
     else:
-        results.append(compare(ctx, "node", "driver_version", "driver", declared["driver"],
-                               host.driver))
+        results.append(
+            compare(ctx, "node", "driver_version", "driver", declared["driver"], host.driver)
+        )
         results.append(compare(ctx, "node", "cuda_version", "cuda", declared["cuda"], host.cuda))
         for gpu in ctx.inventory.gpus:
-            results.append(compare(ctx, f"gpu:{gpu.index}", "vbios_version", "vbios",
-                                   declared["vbios"], gpu.vbios))
+            results.append(
+                compare(
+                    ctx, f"gpu:{gpu.index}", "vbios_version", "vbios", declared["vbios"], gpu.vbios
+                )
+            )
     captured = ctx.scenario is not None and ctx.scenario.captured
     if "kernel" in sim or not captured:  # a capture replays here: this host's kernel is not its
         kernel = sim.get("kernel") or host.kernel
-        results.append(compare(ctx, "node", "kernel_version", "kernel", declared["kernel"],
-                               kernel))
+        results.append(compare(ctx, "node", "kernel_version", "kernel", declared["kernel"], kernel))
     else:
         results.append(ctx.skip(_NOT_RECORDED, metric="kernel_version"))
     if "nccl" in sim:
-        results.append(compare(ctx, "node", "nccl_version", "nccl", declared["nccl"],
-                               sim["nccl"], found_from="the simulated node"))
+        results.append(
+            compare(
+                ctx,
+                "node",
+                "nccl_version",
+                "nccl",
+                declared["nccl"],
+                sim["nccl"],
+                found_from="the simulated node",
+            )
+        )
     elif captured:
         results.append(ctx.skip(_NOT_RECORDED, metric="nccl_version"))
     else:
         nccl, nccl_from = system_nccl(timeout_s=min(10.0, ctx.timeout_s / 3))
-        results.append(compare(ctx, "node", "nccl_version", "nccl", declared["nccl"], nccl,
-                               found_from=nccl_from))
+        results.append(
+            compare(
+                ctx, "node", "nccl_version", "nccl", declared["nccl"], nccl, found_from=nccl_from
+            )
+        )
     needs = _needs(ctx)
     results.append(_fabric_manager(ctx, needs, sim))
     results.append(_peermem(ctx, needs, sim))
@@ -134,30 +153,67 @@ def matches(declared: str, found: str) -> bool:
     return found == declared or found.startswith(declared + ".")
 
 
-def compare(ctx: CheckContext, target: str, metric: str, key: str, declared: str | None,
-            found: str | None, found_from: str = "") -> Result:
+def compare(
+    ctx: CheckContext,
+    target: str,
+    metric: str,
+    key: str,
+    declared: str | None,
+    found: str | None,
+    found_from: str = "",
+) -> Result:
     """One declared value against the found one: pass, or warn naming both."""
     setting = f"node.software.{key}"
     where = f" ({found_from})" if found_from else ""
     if found is None:
         if declared is None:
-            return ctx.result(target, metric, Status.PASS,
-                              f"{key}: none found{where}; nothing declared ({setting})",
-                              value=None, expected=None, found=None)
-        return ctx.result(target, metric, Status.WARN,
-                          f"{key} drift on {target}: expected {declared} ({setting}), found "
-                          f"none{where}", value=None, expected=declared, found=None)
+            return ctx.result(
+                target,
+                metric,
+                Status.PASS,
+                f"{key}: none found{where}; nothing declared ({setting})",
+                value=None,
+                expected=None,
+                found=None,
+            )
+        return ctx.result(
+            target,
+            metric,
+            Status.WARN,
+            f"{key} drift on {target}: expected {declared} ({setting}), found none{where}",
+            value=None,
+            expected=declared,
+            found=None,
+        )
     if declared is None:
-        return ctx.result(target, metric, Status.PASS,
-                          f"{key} {found}{where}; nothing declared ({setting})", value=found,
-                          expected=None, found=found)
+        return ctx.result(
+            target,
+            metric,
+            Status.PASS,
+            f"{key} {found}{where}; nothing declared ({setting})",
+            value=found,
+            expected=None,
+            found=found,
+        )
     if matches(declared, found):
-        return ctx.result(target, metric, Status.PASS,
-                          f"{key} {found}{where} as declared ({setting}: {declared})",
-                          value=found, expected=declared, found=found)
-    return ctx.result(target, metric, Status.WARN,
-                      f"{key} drift on {target}: expected {declared} ({setting}), found "
-                      f"{found}{where}", value=found, expected=declared, found=found)
+        return ctx.result(
+            target,
+            metric,
+            Status.PASS,
+            f"{key} {found}{where} as declared ({setting}: {declared})",
+            value=found,
+            expected=declared,
+            found=found,
+        )
+    return ctx.result(
+        target,
+        metric,
+        Status.WARN,
+        f"{key} drift on {target}: expected {declared} ({setting}), found {found}{where}",
+        value=found,
+        expected=declared,
+        found=found,
+    )
 
 
 # --- NCCL -------------------------------------------------------------------------------------
@@ -217,9 +273,11 @@ def _sim_software(ctx: CheckContext) -> dict[str, Any]:
     # a modelled node is healthy unless a fault says otherwise; a captured node's services and
     # bridges were not recorded (None: skipped with that reason)
     healthy = not ctx.scenario.captured
-    out: dict[str, Any] = {"peermem": True if healthy else None,
-                           "fabricmanager": True if healthy else None,
-                           "acs": [] if healthy else None}
+    out: dict[str, Any] = {
+        "peermem": True if healthy else None,
+        "fabricmanager": True if healthy else None,
+        "acs": [] if healthy else None,
+    }
     for fault in ctx.scenario.faults:
         if fault.kind == "software":
             out.update(fault.params)
@@ -258,22 +316,37 @@ def fabric_manager_running(proc_root: Path = PROC) -> bool:
 def _fabric_manager(ctx: CheckContext, needs: dict[str, bool], sim: dict[str, Any]) -> Result:
     sku = ctx.sku.id if ctx.sku else "unknown SKU"
     if not needs.get("fabricmanager"):
-        return ctx.skip(f"nvidia-fabricmanager not needed on {sku} (no NVSwitch on the node)",
-                        metric="fabric_manager")
+        return ctx.skip(
+            f"nvidia-fabricmanager not needed on {sku} (no NVSwitch on the node)",
+            metric="fabric_manager",
+        )
     if _virtualized(ctx):
-        return ctx.skip("in a VM the fabric manager runs outside the guest (the host or its "
-                        "service VM)", metric="fabric_manager")
+        return ctx.skip(
+            "in a VM the fabric manager runs outside the guest (the host or its service VM)",
+            metric="fabric_manager",
+        )
     if sim and sim["fabricmanager"] is None:
         return ctx.skip(_NOT_RECORDED, metric="fabric_manager")
     running = sim["fabricmanager"] if sim else fabric_manager_running()
     if running:
-        return ctx.result("node", "fabric_manager", Status.PASS,
-                          f"nvidia-fabricmanager running ({sku} has NVSwitches)", value=True)
-    return ctx.result("node", "fabric_manager", Status.WARN,
-                      f"nvidia-fabricmanager not running on {sku}, an NVSwitch board: expected "
-                      "running, found none (systemctl enable --now nvidia-fabricmanager; its "
-                      "version must match the driver's)", value=False, expected="running",
-                      found="not running")
+        return ctx.result(
+            "node",
+            "fabric_manager",
+            Status.PASS,
+            f"nvidia-fabricmanager running ({sku} has NVSwitches)",
+            value=True,
+        )
+    return ctx.result(
+        "node",
+        "fabric_manager",
+        Status.WARN,
+        f"nvidia-fabricmanager not running on {sku}, an NVSwitch board: expected "
+        "running, found none (systemctl enable --now nvidia-fabricmanager; its "
+        "version must match the driver's)",
+        value=False,
+        expected="running",
+        found="not running",
+    )
 
 
 def _peermem(ctx: CheckContext, needs: dict[str, bool], sim: dict[str, Any]) -> Result:
@@ -289,21 +362,37 @@ def _peermem(ctx: CheckContext, needs: dict[str, bool], sim: dict[str, Any]) -> 
             hcas = []
         loaded = (SYS_MODULE / "nvidia_peermem").is_dir()
     if not needs.get("peermem"):
-        return ctx.skip("nvidia_peermem not needed on this SKU (params needs.peermem)",
-                        metric="nvidia_peermem")
+        return ctx.skip(
+            "nvidia_peermem not needed on this SKU (params needs.peermem)", metric="nvidia_peermem"
+        )
     if not hcas:
-        return ctx.skip("no RDMA devices (/sys/class/infiniband is empty): GPUDirect RDMA "
-                        "and nvidia_peermem do not apply", metric="nvidia_peermem")
+        return ctx.skip(
+            "no RDMA devices (/sys/class/infiniband is empty): GPUDirect RDMA "
+            "and nvidia_peermem do not apply",
+            metric="nvidia_peermem",
+        )
     if loaded:
-        return ctx.result("node", "nvidia_peermem", Status.PASS,
-                          f"nvidia_peermem loaded for GPUDirect RDMA ({len(hcas)} RDMA "
-                          "device(s))", value=True, hcas=hcas[:16])
-    return ctx.result("node", "nvidia_peermem", Status.WARN,
-                      f"nvidia_peermem not loaded on a node with {len(hcas)} RDMA device(s): "
-                      "expected loaded, found not loaded; NCCL falls back to copies through "
-                      "host memory unless it can use DMA-BUF (modprobe nvidia_peermem; or "
-                      "declare needs.peermem false where DMA-BUF is used)", value=False,
-                      expected="loaded", found="not loaded", hcas=hcas[:16])
+        return ctx.result(
+            "node",
+            "nvidia_peermem",
+            Status.PASS,
+            f"nvidia_peermem loaded for GPUDirect RDMA ({len(hcas)} RDMA device(s))",
+            value=True,
+            hcas=hcas[:16],
+        )
+    return ctx.result(
+        "node",
+        "nvidia_peermem",
+        Status.WARN,
+        f"nvidia_peermem not loaded on a node with {len(hcas)} RDMA device(s): "
+        "expected loaded, found not loaded; NCCL falls back to copies through "
+        "host memory unless it can use DMA-BUF (modprobe nvidia_peermem; or "
+        "declare needs.peermem false where DMA-BUF is used)",
+        value=False,
+        expected="loaded",
+        found="not loaded",
+        hcas=hcas[:16],
+    )
 
 
 # --- PCIe ACS ---------------------------------------------------------------------------------
@@ -317,12 +406,13 @@ def acs_control(config: bytes) -> int | None:
         return None
     offset, seen = 0x100, 0
     while offset and 0x100 <= offset <= 0xFFC and seen < 64:
-        header = int.from_bytes(config[offset:offset + 4], "little")
+        header = int.from_bytes(config[offset : offset + 4], "little")
         if header in (0, 0xFFFFFFFF):
             return None
         if header & 0xFFFF == ACS_CAP_ID:
-            return int.from_bytes(config[offset + ACS_CTRL_OFFSET:offset + ACS_CTRL_OFFSET + 2],
-                                  "little")
+            return int.from_bytes(
+                config[offset + ACS_CTRL_OFFSET : offset + ACS_CTRL_OFFSET + 2], "little"
+            )
         offset = (header >> 20) & 0xFFC
         seen += 1
     return None
@@ -358,8 +448,11 @@ def _endpoints(ctx: CheckContext) -> list[str]:
 
 def _acs(ctx: CheckContext, sim: dict[str, Any]) -> Result:
     if _virtualized(ctx):
-        return ctx.skip("in a VM the PCIe topology and its ACS are the hypervisor's (ACS "
-                        "is needed there for device assignment)", metric="pcie_acs")
+        return ctx.skip(
+            "in a VM the PCIe topology and its ACS are the hypervisor's (ACS "
+            "is needed there for device assignment)",
+            metric="pcie_acs",
+        )
     if sim and sim["acs"] is None:
         return ctx.skip(_NOT_RECORDED, metric="pcie_acs")
     if sim:
@@ -370,8 +463,11 @@ def _acs(ctx: CheckContext, sim: dict[str, Any]) -> Result:
         if not endpoints:
             return ctx.skip("no GPU or HCA on the PCI bus to look above", metric="pcie_acs")
         if os.geteuid() != 0:
-            return ctx.skip("PCIe ACS not read: only root can read a bridge's extended config "
-                            "space in sysfs (past 64 bytes)", metric="pcie_acs")
+            return ctx.skip(
+                "PCIe ACS not read: only root can read a bridge's extended config "
+                "space in sysfs (past 64 bytes)",
+                metric="pcie_acs",
+            )
         bridges = sorted({b for e in endpoints for b in upstream_bridges(e)})
         on, unreadable = [], 0
         for bridge in bridges:
@@ -385,16 +481,26 @@ def _acs(ctx: CheckContext, sim: dict[str, Any]) -> Result:
                 on.append(bridge)
         checked = f"{len(bridges)} bridge(s) above {len(endpoints)} GPU(s)/HCA(s)"
         if bridges and unreadable == len(bridges):
-            return ctx.skip(f"PCIe ACS not read: the config space of {checked} could not be "
-                            "read", metric="pcie_acs")
+            return ctx.skip(
+                f"PCIe ACS not read: the config space of {checked} could not be read",
+                metric="pcie_acs",
+            )
     if not on:
-        return ctx.result("node", "pcie_acs", Status.PASS,
-                          f"PCIe ACS redirect off on {checked}", value=0)
-    return ctx.result("node", "pcie_acs", Status.WARN,
-                      f"PCIe ACS Request/Completion Redirect on at {', '.join(on[:8])}: expected "
-                      "off on bare metal, found on; GPU peer-to-peer traffic is sent up to the "
-                      "root complex (disable ACS in the BIOS, or setpci ECAP_ACS+6.w=0 at boot)",
-                      value=len(on), expected="off", found="on", bridges=on[:32])
+        return ctx.result(
+            "node", "pcie_acs", Status.PASS, f"PCIe ACS redirect off on {checked}", value=0
+        )
+    return ctx.result(
+        "node",
+        "pcie_acs",
+        Status.WARN,
+        f"PCIe ACS Request/Completion Redirect on at {', '.join(on[:8])}: expected "
+        "off on bare metal, found on; GPU peer-to-peer traffic is sent up to the "
+        "root complex (disable ACS in the BIOS, or setpci ECAP_ACS+6.w=0 at boot)",
+        value=len(on),
+        expected="off",
+        found="on",
+        bridges=on[:32],
+    )
 
 
 def _persistence(ctx: CheckContext) -> Result:
@@ -406,11 +512,19 @@ def _persistence(ctx: CheckContext) -> Result:
         except GpuError as err:
             unread.append(f"gpu:{dev.index}: {err}")
     if off:
-        return ctx.result("node", "persistence_mode", Status.WARN,
-                          f"persistence mode off on GPU(s) {', '.join(map(str, off))}: expected "
-                          "on, found off (nvidia-smi -pm 1 or nvidia-persistenced)",
-                          value=len(off), expected="on", found="off", gpus=off)
+        return ctx.result(
+            "node",
+            "persistence_mode",
+            Status.WARN,
+            f"persistence mode off on GPU(s) {', '.join(map(str, off))}: expected "
+            "on, found off (nvidia-smi -pm 1 or nvidia-persistenced)",
+            value=len(off),
+            expected="on",
+            found="off",
+            gpus=off,
+        )
     if unread and len(unread) == len(ctx.gpu.devices()):
         return ctx.skip(f"persistence mode not readable: {unread[0]}", metric="persistence_mode")
-    return ctx.result("node", "persistence_mode", Status.PASS, "persistence mode on for every GPU",
-                      value=0)
+    return ctx.result(
+        "node", "persistence_mode", Status.PASS, "persistence mode on for every GPU", value=0
+    )

@@ -59,25 +59,51 @@ def supports_o_direct(directory: Path) -> bool:
         os.unlink(probe)
 
 
-def fio_argv(fio: str, filename: Path, size: str, runtime_s: float, direct: bool,
-             ioengine: str = "libaio", iodepth: int = 16) -> list[str]:
+def fio_argv(
+    fio: str,
+    filename: Path,
+    size: str,
+    runtime_s: float,
+    direct: bool,
+    ioengine: str = "libaio",
+    iodepth: int = 16,
+) -> list[str]:
     """fio's command line: global options, then the jobs seqwrite, seqread, randread.
 
     Writing first lays the file out, so the reads read real data.
     """
-    return [fio, "--output-format=json", f"--filename={filename}", f"--size={size}",
-            f"--runtime={runtime_s:g}", "--time_based", f"--direct={int(direct)}",
-            f"--ioengine={ioengine}", f"--iodepth={iodepth}",
-            "--name=seqwrite", "--rw=write", "--bs=1M", "--end_fsync=1",
-            "--name=seqread", "--stonewall", "--rw=read", "--bs=1M",
-            "--name=randread", "--stonewall", "--rw=randread", "--bs=4k"]
+    return [
+        fio,
+        "--output-format=json",
+        f"--filename={filename}",
+        f"--size={size}",
+        f"--runtime={runtime_s:g}",
+        "--time_based",
+        f"--direct={int(direct)}",
+        f"--ioengine={ioengine}",
+        f"--iodepth={iodepth}",
+        "--name=seqwrite",
+        "--rw=write",
+        "--bs=1M",
+        "--end_fsync=1",
+        "--name=seqread",
+        "--stonewall",
+        "--rw=read",
+        "--bs=1M",
+        "--name=randread",
+        "--stonewall",
+        "--rw=randread",
+        "--bs=4k",
+    ]
 
 
 def figures(jobs: dict[str, FioJob]) -> dict[str, float]:
     """MB/s (10^6 B/s) and IOPS from the three jobs, by metric name."""
-    return {"write_bw_mbps": jobs["seqwrite"].write_bw_mbps,
-            "read_bw_mbps": jobs["seqread"].read_bw_mbps,
-            "randread_iops": jobs["randread"].read_iops}
+    return {
+        "write_bw_mbps": jobs["seqwrite"].write_bw_mbps,
+        "read_bw_mbps": jobs["seqread"].read_bw_mbps,
+        "randread_iops": jobs["randread"].read_iops,
+    }
 
 
 def run(ctx: CheckContext) -> list[Result]:
@@ -94,8 +120,14 @@ def run(ctx: CheckContext) -> list[Result]:
 def _run_path(ctx: CheckContext, fio: str, path: Path, label: str = "") -> list[Result]:
     target = f"disk:{path}"
     if not path.is_dir():
-        return [ctx.result(target, "fio", Status.ERROR,
-                           f"storage path {path} is not a directory (config storage.paths)")]
+        return [
+            ctx.result(
+                target,
+                "fio",
+                Status.ERROR,
+                f"storage path {path} is not a directory (config storage.paths)",
+            )
+        ]
     # scratch paths are often writable by every user: fio's file goes into a directory of
     # our own (mkdtemp: a fresh random name, mode 0700), never at a name a user could guess
     # and plant a symlink on (with fs.protected_symlinks=0 or a non-sticky directory, root's
@@ -104,19 +136,32 @@ def _run_path(ctx: CheckContext, fio: str, path: Path, label: str = "") -> list[
         made = tempfile.mkdtemp(prefix=".node-agent-fio-", dir=path)
         fd = os.open(made, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as err:
-        return [ctx.result(target, "fio", Status.ERROR,
-                           f"cannot make a directory in {path}: {err} (config storage.paths)")]
+        return [
+            ctx.result(
+                target,
+                "fio",
+                Status.ERROR,
+                f"cannot make a directory in {path}: {err} (config storage.paths)",
+            )
+        ]
     try:
         st = os.fstat(fd)
         if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700:
-            return [ctx.result(target, "fio", Status.ERROR,
-                               f"the directory made for fio in {path} was replaced before it "
-                               "was opened (someone renamed it): not used")]
+            return [
+                ctx.result(
+                    target,
+                    "fio",
+                    Status.ERROR,
+                    f"the directory made for fio in {path} was replaced before it "
+                    "was opened (someone renamed it): not used",
+                )
+            ]
         # fio reaches the directory through our open descriptor, never by its name: in a
         # directory others may write to, the name can be renamed away and replaced
         held = Path(f"/proc/{os.getpid()}/fd/{fd}")
-        return _run_fio(ctx, fio, path, held if held.is_dir() else Path(made), target, label,
-                        scratch_dir=made)
+        return _run_fio(
+            ctx, fio, path, held if held.is_dir() else Path(made), target, label, scratch_dir=made
+        )
     finally:
         _remove_private(made, fd)
 
@@ -141,55 +186,115 @@ def _remove_private(made: str, fd: int) -> None:
         os.close(fd)
 
 
-def _run_fio(ctx: CheckContext, fio: str, path: Path, private: Path, target: str,
-             label: str, scratch_dir: str) -> list[Result]:
+def _run_fio(
+    ctx: CheckContext,
+    fio: str,
+    path: Path,
+    private: Path,
+    target: str,
+    label: str,
+    scratch_dir: str,
+) -> list[Result]:
     """fio in ``private`` (our own 0700 directory inside the storage path ``path``, reached
     through its descriptor; ``scratch_dir`` is its name, for the evidence)."""
     p = ctx.params
     try:
         direct = supports_o_direct(private)
     except OSError as err:
-        return [ctx.result(target, "fio", Status.ERROR,
-                           f"cannot write a file in {path}: {err} (config storage.paths)")]
+        return [
+            ctx.result(
+                target,
+                "fio",
+                Status.ERROR,
+                f"cannot write a file in {path}: {err} (config storage.paths)",
+            )
+        ]
     runtime_s = float(p.get("runtime_s", 3))
     filename = private / "fio.dat"
-    argv = fio_argv(fio, filename, str(p.get("size", "64M")), runtime_s, direct,
-                    str(p.get("ioengine", "libaio")), int(p.get("iodepth", 16)))
+    argv = fio_argv(
+        fio,
+        filename,
+        str(p.get("size", "64M")),
+        runtime_s,
+        direct,
+        str(p.get("ioengine", "libaio")),
+        int(p.get("iodepth", 16)),
+    )
     evidence: dict[str, Any] = {
-        "direct": direct, "argv": argv, "path_note": label, "scratch_dir": scratch_dir,
-        "io_mode": "O_DIRECT" if direct else
-        "buffered: the filesystem refuses O_DIRECT, figures include the page cache"}
+        "direct": direct,
+        "argv": argv,
+        "path_note": label,
+        "scratch_dir": scratch_dir,
+        "io_mode": "O_DIRECT"
+        if direct
+        else "buffered: the filesystem refuses O_DIRECT, figures include the page cache",
+    }
     # three timed jobs plus layout and fsync; the runner's timeout still bounds the check
     timeout_s = float(p.get("fio_timeout_s", 3 * runtime_s + 60))
     res = proc.run(argv, timeout_s, cwd=proc.CHILD_CWD)
     if not res.ok:
-        return [ctx.result(target, "fio", Status.ERROR, f"fio failed on {path}: "
-                           f"{res.describe_failure()}", returncode=res.returncode,
-                           stderr_tail=_tail(res.stderr), **evidence)]
+        return [
+            ctx.result(
+                target,
+                "fio",
+                Status.ERROR,
+                f"fio failed on {path}: {res.describe_failure()}",
+                returncode=res.returncode,
+                stderr_tail=_tail(res.stderr),
+                **evidence,
+            )
+        ]
     try:
         jobs = parse_fio_json(res.stdout)
         values = figures(jobs)
     except (ParseError, KeyError) as err:
-        return [ctx.result(target, "fio", Status.ERROR,
-                           f"cannot read fio's JSON for {path}: {err}",
-                           stderr_tail=_tail(res.stderr), stdout_tail=res.stdout[-500:],
-                           **evidence)]
+        return [
+            ctx.result(
+                target,
+                "fio",
+                Status.ERROR,
+                f"cannot read fio's JSON for {path}: {err}",
+                stderr_tail=_tail(res.stderr),
+                stdout_tail=res.stdout[-500:],
+                **evidence,
+            )
+        ]
     failed_jobs = {name: job.error for name, job in jobs.items() if job.error}
     if failed_jobs:
-        return [ctx.result(target, "fio", Status.ERROR,
-                           f"fio jobs reported errors on {path}: {failed_jobs} (errno values)",
-                           stderr_tail=_tail(res.stderr), **evidence)]
+        return [
+            ctx.result(
+                target,
+                "fio",
+                Status.ERROR,
+                f"fio jobs reported errors on {path}: {failed_jobs} (errno values)",
+                stderr_tail=_tail(res.stderr),
+                **evidence,
+            )
+        ]
     out = []
     for metric, (job, unit, min_key, words) in METRICS.items():
         value = values[metric]
         minimum = p.get(min_key)
         low = minimum is not None and value < float(minimum)
-        detail = (f"{path}: {words} {value:.1f} {unit}"
-                  + (f", below the minimum {minimum:g} {unit} ({min_key})" if low else "")
-                  + ("" if direct else " (buffered I/O)"))
-        out.append(ctx.result(target, metric, Status.FAIL if low else Status.PASS, detail,
-                              value=round(value, 2), unit=unit, minimum=minimum, job=job,
-                              runtime_ms=jobs[job].runtime_ms, **evidence))
+        detail = (
+            f"{path}: {words} {value:.1f} {unit}"
+            + (f", below the minimum {minimum:g} {unit} ({min_key})" if low else "")
+            + ("" if direct else " (buffered I/O)")
+        )
+        out.append(
+            ctx.result(
+                target,
+                metric,
+                Status.FAIL if low else Status.PASS,
+                detail,
+                value=round(value, 2),
+                unit=unit,
+                minimum=minimum,
+                job=job,
+                runtime_ms=jobs[job].runtime_ms,
+                **evidence,
+            )
+        )
     for r in out:
         r.duration_s = res.duration_s
     return out

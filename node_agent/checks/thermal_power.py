@@ -37,7 +37,7 @@ from node_agent.checks.nvml_health import ABNORMAL_THROTTLE
 from node_agent.gpu.base import GpuError
 from node_agent.model import Result, Status
 
-FULL_LOAD_FRACTION = 0.5     # readings with the burn's throughput in them, of all readings
+FULL_LOAD_FRACTION = 0.5  # readings with the burn's throughput in them, of all readings
 DEFAULT_POWER_FRACTION_MIN = 0.75  # used only without a SKU file; see graders/skus/*.yaml
 DEFAULT_CLOCK_DROP_MAX = 0.30
 
@@ -47,8 +47,9 @@ def run(ctx: CheckContext) -> list[Result]:
     source = "gpu_burn earlier in this suite"
     results: list[Result] = []
     if trace is None:
-        plan = make_plan(ctx, sku_precisions(ctx), float(ctx.params.get("duration_s", 60.0)),
-                         max_precisions=1)
+        plan = make_plan(
+            ctx, sku_precisions(ctx), float(ctx.params.get("duration_s", 60.0)), max_precisions=1
+        )
         outcome = burn(ctx, plan)
         if isinstance(outcome, list):
             return outcome
@@ -67,11 +68,14 @@ def _limits(ctx: CheckContext, index: int) -> dict[str, Any]:
     sku = ctx.sku
     out: dict[str, Any] = {
         "power_fraction_min": sku.limit("power_reached_fraction_min", DEFAULT_POWER_FRACTION_MIN)
-        if sku else DEFAULT_POWER_FRACTION_MIN,
+        if sku
+        else DEFAULT_POWER_FRACTION_MIN,
         "clock_drop_max": sku.limit("sm_clock_drop_max", DEFAULT_CLOCK_DROP_MAX)
-        if sku else DEFAULT_CLOCK_DROP_MAX,
+        if sku
+        else DEFAULT_CLOCK_DROP_MAX,
         "sku_slowdown_c": sku.section("thermal").get("slowdown_c") if sku else None,
-        "sm_max_mhz": None, "memory_max_c": None,
+        "sm_max_mhz": None,
+        "memory_max_c": None,
     }
     device = next((d for d in ctx.gpu.devices() if d.index == index), None)
     if device is not None:
@@ -96,8 +100,7 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
 
 
-def gpu_findings(ctx: CheckContext, index: int, trace: dict[str, Any],
-                 source: str) -> list[Result]:
+def gpu_findings(ctx: CheckContext, index: int, trace: dict[str, Any], source: str) -> list[Result]:
     """All findings of one GPU from its trace (see the module docstring)."""
     target = f"gpu:{index}"
     limits = _limits(ctx, index)
@@ -105,16 +108,22 @@ def gpu_findings(ctx: CheckContext, index: int, trace: dict[str, Any],
     loaded = [i for i, v in enumerate(trace.get("tflops") or []) if v is not None]
     full_load = bool(t_s) and len(loaded) >= FULL_LOAD_FRACTION * len(t_s)
     span = (t_s[-1] - t_s[0]) if len(t_s) > 1 else 0.0
-    load_note = (f"{len(loaded)} of {len(t_s)} readings while its burn ran")
+    load_note = f"{len(loaded)} of {len(t_s)} readings while its burn ran"
     out = [
         _temperature(ctx, target, trace, limits, span),
         _power(ctx, target, trace, limits, loaded, full_load, load_note),
         _clock_drop(ctx, target, trace, limits, loaded),
         _throttle(ctx, target, trace),
         _memory_temperature(ctx, target, trace, limits),
-        ctx.result(target, "load_trace", Status.PASS,
-                   f"{target}: {len(t_s)} telemetry readings over {span:.1f} s under load "
-                   f"(from {source})", value=len(t_s), unit="samples", **trace),
+        ctx.result(
+            target,
+            "load_trace",
+            Status.PASS,
+            f"{target}: {len(t_s)} telemetry readings over {span:.1f} s under load (from {source})",
+            value=len(t_s),
+            unit="samples",
+            **trace,
+        ),
     ]
     return out
 
@@ -123,8 +132,12 @@ def _temperature(ctx, target, trace, limits, span) -> Result:
     temps = trace.get("temp_c") or []
     present = _present(temps)
     if not present:
-        return ctx.result(target, "temperature_max_c", Status.SKIP,
-                          f"{target}: GPU temperature not available during the burn")
+        return ctx.result(
+            target,
+            "temperature_max_c",
+            Status.SKIP,
+            f"{target}: GPU temperature not available during the burn",
+        )
     slowdown = trace.get("slowdown_temp_c") or limits["sku_slowdown_c"]
     hottest = max(present)
     t_s = trace["t_s"]
@@ -134,19 +147,39 @@ def _temperature(ctx, target, trace, limits, span) -> Result:
             if temp is not None and temp >= slowdown:
                 above_s += t_s[i + 1] - t_s[i]
         above_s = min(above_s, span) if span else above_s
-    evidence = {"slowdown_c": slowdown, "time_above_slowdown_s": round(above_s, 3),
-                "load_span_s": round(span, 3), "readings": len(present)}
+    evidence = {
+        "slowdown_c": slowdown,
+        "time_above_slowdown_s": round(above_s, 3),
+        "load_span_s": round(span, 3),
+        "readings": len(present),
+    }
     if slowdown is not None and hottest >= slowdown:
-        return ctx.result(target, "temperature_max_c", Status.FAIL,
-                          f"{target} reached {hottest:g} °C under load, at or above its "
-                          f"slowdown threshold {slowdown:g} °C for {above_s:.1f} s of "
-                          f"{span:.1f} s: it throttles under sustained load; check airflow, "
-                          "fans and heatsink, then re-run", value=hottest, unit="°C", **evidence)
-    return ctx.result(target, "temperature_max_c", Status.PASS,
-                      f"{target} max {hottest:g} °C under load"
-                      + (f" (slowdown at {slowdown:g} °C)" if slowdown is not None
-                         else " (no slowdown threshold known)"),
-                      value=hottest, unit="°C", **evidence)
+        return ctx.result(
+            target,
+            "temperature_max_c",
+            Status.FAIL,
+            f"{target} reached {hottest:g} °C under load, at or above its "
+            f"slowdown threshold {slowdown:g} °C for {above_s:.1f} s of "
+            f"{span:.1f} s: it throttles under sustained load; check airflow, "
+            "fans and heatsink, then re-run",
+            value=hottest,
+            unit="°C",
+            **evidence,
+        )
+    return ctx.result(
+        target,
+        "temperature_max_c",
+        Status.PASS,
+        f"{target} max {hottest:g} °C under load"
+        + (
+            f" (slowdown at {slowdown:g} °C)"
+            if slowdown is not None
+            else " (no slowdown threshold known)"
+        ),
+        value=hottest,
+        unit="°C",
+        **evidence,
+    )
 
 
 def _power(ctx, target, trace, limits, loaded, full_load, load_note) -> Result:
@@ -154,76 +187,136 @@ def _power(ctx, target, trace, limits, loaded, full_load, load_note) -> Result:
     powers = _present(trace.get("power_w") or [], loaded)
     if not powers or not limit:
         why = "power draw" if not powers else "the enforced power limit"
-        return ctx.result(target, "power_reached_fraction", Status.SKIP,
-                          f"{target}: {why} not available under load")
+        return ctx.result(
+            target,
+            "power_reached_fraction",
+            Status.SKIP,
+            f"{target}: {why} not available under load",
+        )
     reached = _percentile(powers, 0.9)
     fraction = reached / limit
     minimum = limits["power_fraction_min"]
-    evidence = {"power_p90_w": reached, "power_max_w": max(powers), "power_limit_w": limit,
-                "minimum": minimum, "full_load": full_load,
-                "rule": "DCGM targeted_power: target_power_min_ratio 0.75"}
+    evidence = {
+        "power_p90_w": reached,
+        "power_max_w": max(powers),
+        "power_limit_w": limit,
+        "minimum": minimum,
+        "full_load": full_load,
+        "rule": "DCGM targeted_power: target_power_min_ratio 0.75",
+    }
     value = round(fraction, 4)
     if not full_load:
-        return ctx.result(target, "power_reached_fraction", Status.SKIP,
-                          f"{target}: power not graded, the GPU did not run at full load "
-                          f"({load_note})", value=value, **evidence)
+        return ctx.result(
+            target,
+            "power_reached_fraction",
+            Status.SKIP,
+            f"{target}: power not graded, the GPU did not run at full load ({load_note})",
+            value=value,
+            **evidence,
+        )
     if fraction < minimum:
-        return ctx.result(target, "power_reached_fraction", Status.FAIL,
-                          f"{target} drew {reached:.0f} W under full load (90th percentile), "
-                          f"{fraction:.0%} of its {limit:.0f} W enforced limit, below "
-                          f"{minimum:.0%}: check power delivery, power-brake and clock "
-                          "settings", value=value, **evidence)
-    return ctx.result(target, "power_reached_fraction", Status.PASS,
-                      f"{target} drew {reached:.0f} W under full load, {fraction:.0%} of its "
-                      f"{limit:.0f} W enforced limit", value=value, **evidence)
+        return ctx.result(
+            target,
+            "power_reached_fraction",
+            Status.FAIL,
+            f"{target} drew {reached:.0f} W under full load (90th percentile), "
+            f"{fraction:.0%} of its {limit:.0f} W enforced limit, below "
+            f"{minimum:.0%}: check power delivery, power-brake and clock "
+            "settings",
+            value=value,
+            **evidence,
+        )
+    return ctx.result(
+        target,
+        "power_reached_fraction",
+        Status.PASS,
+        f"{target} drew {reached:.0f} W under full load, {fraction:.0%} of its "
+        f"{limit:.0f} W enforced limit",
+        value=value,
+        **evidence,
+    )
 
 
 def _clock_drop(ctx, target, trace, limits, loaded) -> Result:
     clocks = _present(trace.get("sm_clock_mhz") or [], loaded)
     if not clocks:
-        return ctx.result(target, "sm_clock_drop", Status.SKIP,
-                          f"{target}: SM clock not available while the burn ran")
+        return ctx.result(
+            target,
+            "sm_clock_drop",
+            Status.SKIP,
+            f"{target}: SM clock not available while the burn ran",
+        )
     sm_max = limits["sm_max_mhz"] or max(clocks)
     median = statistics.median(clocks)
     drop = max(0.0, 1.0 - median / sm_max)
     allowed = limits["clock_drop_max"]
-    evidence = {"sm_clock_median_mhz": median, "sm_clock_min_mhz": min(clocks),
-                "sm_max_mhz": sm_max, "maximum": allowed}
+    evidence = {
+        "sm_clock_median_mhz": median,
+        "sm_clock_min_mhz": min(clocks),
+        "sm_max_mhz": sm_max,
+        "maximum": allowed,
+    }
     status = Status.WARN if drop > allowed else Status.PASS
-    detail = (f"{target} SM clock {median:.0f} MHz under load, {drop:.0%} below its max "
-              f"{sm_max:.0f} MHz" + (f" (more than {allowed:.0%})" if status is Status.WARN
-                                     else ""))
+    detail = (
+        f"{target} SM clock {median:.0f} MHz under load, {drop:.0%} below its max "
+        f"{sm_max:.0f} MHz" + (f" (more than {allowed:.0%})" if status is Status.WARN else "")
+    )
     return ctx.result(target, "sm_clock_drop", status, detail, value=round(drop, 4), **evidence)
 
 
 def _throttle(ctx, target, trace) -> Result:
     readings = _present(trace.get("throttle") or [])
     if not readings:
-        return ctx.result(target, "throttle", Status.SKIP,
-                          f"{target}: clock-event reasons not available during the burn")
+        return ctx.result(
+            target,
+            "throttle",
+            Status.SKIP,
+            f"{target}: clock-event reasons not available during the burn",
+        )
     seen = Counter(reason for reasons in readings for reason in reasons)
     abnormal = sorted(r for r in seen if r in ABNORMAL_THROTTLE)
     evidence = {"reasons_seen": dict(sorted(seen.items())), "readings": len(readings)}
     if abnormal:
         words = ", ".join(f"{r} in {seen[r]} of {len(readings)} readings" for r in abnormal)
-        return ctx.result(target, "throttle", Status.FAIL,
-                          f"{target} clocks held down under load by {words}: the hardware is "
-                          "protecting itself (heat, power brake or an external slowdown "
-                          "signal); check cooling and power delivery", value=",".join(abnormal),
-                          **evidence)
-    return ctx.result(target, "throttle", Status.PASS,
-                      f"{target}: no hardware throttling under load (seen: "
-                      f"{', '.join(sorted(seen)) or 'no reasons'})", value="", **evidence)
+        return ctx.result(
+            target,
+            "throttle",
+            Status.FAIL,
+            f"{target} clocks held down under load by {words}: the hardware is "
+            "protecting itself (heat, power brake or an external slowdown "
+            "signal); check cooling and power delivery",
+            value=",".join(abnormal),
+            **evidence,
+        )
+    return ctx.result(
+        target,
+        "throttle",
+        Status.PASS,
+        f"{target}: no hardware throttling under load (seen: "
+        f"{', '.join(sorted(seen)) or 'no reasons'})",
+        value="",
+        **evidence,
+    )
 
 
 def _memory_temperature(ctx, target, trace, limits) -> Result:
     present = _present(trace.get("mem_temp_c") or [])
     if not present:
-        return ctx.result(target, "memory_temperature_max_c", Status.SKIP,
-                          f"{target}: memory temperature not reported by this GPU")
+        return ctx.result(
+            target,
+            "memory_temperature_max_c",
+            Status.SKIP,
+            f"{target}: memory temperature not reported by this GPU",
+        )
     hottest, mem_max = max(present), limits["memory_max_c"]
     hot = mem_max is not None and hottest >= mem_max
-    return ctx.result(target, "memory_temperature_max_c", Status.WARN if hot else Status.PASS,
-                      f"{target} HBM max {hottest:g} °C under load"
-                      + (f", at or above its max operating {mem_max:g} °C" if hot else ""),
-                      value=hottest, unit="°C", max_c=mem_max)
+    return ctx.result(
+        target,
+        "memory_temperature_max_c",
+        Status.WARN if hot else Status.PASS,
+        f"{target} HBM max {hottest:g} °C under load"
+        + (f", at or above its max operating {mem_max:g} °C" if hot else ""),
+        value=hottest,
+        unit="°C",
+        max_c=mem_max,
+    )

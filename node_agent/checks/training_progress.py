@@ -64,8 +64,10 @@ from node_agent.training.verdict import (
     verdict,
 )
 
-NO_PROCESSES = ("no training process found: none writes heartbeats (node_agent.heartbeat) and "
-                "NVML lists no GPU compute process")
+NO_PROCESSES = (
+    "no training process found: none writes heartbeats (node_agent.heartbeat) and "
+    "NVML lists no GPU compute process"
+)
 NOT_SAMPLED = "not sampled: no other signal of its job suggests a hang"
 SAMPLING_SHARE = 0.6  # stack sampling ends by this share of the check's timeout
 _UNSAFE_TARGET = re.compile(r"[^A-Za-z0-9_.:/@+=-]+")
@@ -126,20 +128,29 @@ def run(ctx: CheckContext) -> list[Result]:
     thread.join(max(0.0, start + limit_s - time.monotonic()))
     if thread.is_alive():
         cancelled.set()
-        return [ctx.result(
-            "node", "training_discovery", Status.WARN,
-            f"training_progress stopped waiting after {limit_s:.0f} s of its {ctx.timeout_s:g} s "
-            f"timeout while {stage['stage']}: something a training process controls (its /proc "
-            "entries, its log file's file system) did not answer; no hang is reported this run "
-            "and the next run tries again", subject="node", cause="deadline",
-            stage=stage["stage"], deadline_s=round(limit_s, 1))]
+        return [
+            ctx.result(
+                "node",
+                "training_discovery",
+                Status.WARN,
+                f"training_progress stopped waiting after {limit_s:.0f} s of its {ctx.timeout_s:g} s "
+                f"timeout while {stage['stage']}: something a training process controls (its /proc "
+                "entries, its log file's file system) did not answer; no hang is reported this run "
+                "and the next run tries again",
+                subject="node",
+                cause="deadline",
+                stage=stage["stage"],
+                deadline_s=round(limit_s, 1),
+            )
+        ]
     if "error" in box:
         raise box["error"]
     return box["results"]
 
 
-def _run(ctx: CheckContext, start: float, stage: dict[str, str],
-         cancelled: threading.Event) -> list[Result]:
+def _run(
+    ctx: CheckContext, start: float, stage: dict[str, str], cancelled: threading.Event
+) -> list[Result]:
     p, th = ctx.params, Thresholds.from_params(ctx.params)
     now = time.time()
     stage["stage"] = "finding the training processes"
@@ -148,18 +159,28 @@ def _run(ctx: CheckContext, start: float, stage: dict[str, str],
     spool = spool_dir(ctx)
     roots = ctx.config.get("training.slurm_cgroup_roots") if ctx.config is not None else None
     found = discover(spool, devices, pids, slurm_cgroup_roots=roots)
-    out = [ctx.result("node", "training_discovery", Status.WARN, message, subject=subject)
-           for subject, message in found.problems]
+    out = [
+        ctx.result("node", "training_discovery", Status.WARN, message, subject=subject)
+        for subject, message in found.problems
+    ]
     state = HangState.load(_state_base(ctx) / "hang", now)
     if state.problem:
         out.append(ctx.result("node", "training_state", Status.WARN, state.problem))
     # a spool file that is not a heartbeat is reported once (the spool is every training
     # user's to write: one bad file must neither crash the check nor repeat a WARN forever)
-    out += [ctx.result("node", "training_discovery", Status.WARN,
-                       f"heartbeat spool file {path} is not a heartbeat ({reason}); skipped: it "
-                       "was not written by node_agent.heartbeat, inspect and remove it "
-                       "(reported once)", subject="node", file=str(path))
-            for path, reason in state.new_bad_files(found.bad_files)]
+    out += [
+        ctx.result(
+            "node",
+            "training_discovery",
+            Status.WARN,
+            f"heartbeat spool file {path} is not a heartbeat ({reason}); skipped: it "
+            "was not written by node_agent.heartbeat, inspect and remove it "
+            "(reported once)",
+            subject="node",
+            file=str(path),
+        )
+        for path, reason in state.new_bad_files(found.bad_files)
+    ]
     # through directory fds that follow no link: a uid's directory is its owner's to swap
     remove_stale(spool, found.dead_heartbeats, now, float(p.get("stale_file_s", 86400)))
     me = os.getpid()  # the agent's own GPU workers (burn, SDC probes) are not training
@@ -169,8 +190,11 @@ def _run(ctx: CheckContext, start: float, stage: dict[str, str],
         if not cancelled.is_set():
             with contextlib.suppress(OSError):
                 state.save()
-        dead = (f"; {len(found.dead_heartbeats)} heartbeat file(s) in {spool} are of exited "
-                "processes" if found.dead_heartbeats else "")
+        dead = (
+            f"; {len(found.dead_heartbeats)} heartbeat file(s) in {spool} are of exited processes"
+            if found.dead_heartbeats
+            else ""
+        )
         return out or [ctx.skip(NO_PROCESSES + dead, metric="training_progress")]
     stage["stage"] = "reading heartbeats, GPU activity and log files"
     signals = _cheap_signals(ctx, procs, devices, now, th)
@@ -188,15 +212,23 @@ def _run(ctx: CheckContext, start: float, stage: dict[str, str],
     for pr in procs:
         mem = state.processes.setdefault(keys[pr.pid], {})
         # would the signals make a hang if they had held long enough? (the veto included)
-        holding = verdict(list(signals[pr.pid].values()), th, agreeing_since_s=float("inf"),
-                          has_heartbeat=pr.heartbeat is not None)
+        holding = verdict(
+            list(signals[pr.pid].values()),
+            th,
+            agreeing_since_s=float("inf"),
+            has_heartbeat=pr.heartbeat is not None,
+        )
         if holding.hung:
             mem.setdefault("agree_since", now)
         else:
             mem.pop("agree_since", None)
         since = now - mem["agree_since"] if "agree_since" in mem else None
-        verdicts[pr.pid] = verdict(list(signals[pr.pid].values()), th, agreeing_since_s=since,
-                                   has_heartbeat=pr.heartbeat is not None)
+        verdicts[pr.pid] = verdict(
+            list(signals[pr.pid].values()),
+            th,
+            agreeing_since_s=since,
+            has_heartbeat=pr.heartbeat is not None,
+        )
         if not verdicts[pr.pid].hung:
             mem.pop("reported", None)
 
@@ -205,8 +237,11 @@ def _run(ctx: CheckContext, start: float, stage: dict[str, str],
         jobs.setdefault(pr.job, []).append(pr)
     origin: dict[int, bool] = {}
     for members in jobs.values():
-        origin.update(likely_origin([(pr.pid, verdicts[pr.pid].hung, signals[pr.pid]["stack"])
-                                     for pr in members]))
+        origin.update(
+            likely_origin(
+                [(pr.pid, verdicts[pr.pid].hung, signals[pr.pid]["stack"]) for pr in members]
+            )
+        )
     slow = _stragglers(jobs, verdicts, state, keys, now, th)
     targets = _targets(jobs)
 
@@ -220,48 +255,93 @@ def _run(ctx: CheckContext, start: float, stage: dict[str, str],
         if v.hung and not pr.job_verified:
             # nothing but the user's word says which job this is (a user's own idle process
             # with a stale heartbeat looks the same): a WARN naming the uid, never a restart
-            out.append(ctx.result(targets[pr.pid], "training_hang", Status.WARN,
-                                  _unverified_detail(pr, v.why, sig), value=age, unit="s",
-                                  verified=False, uid=pr.uid, **ev))
+            out.append(
+                ctx.result(
+                    targets[pr.pid],
+                    "training_hang",
+                    Status.WARN,
+                    _unverified_detail(pr, v.why, sig),
+                    value=age,
+                    unit="s",
+                    verified=False,
+                    uid=pr.uid,
+                    **ev,
+                )
+            )
         elif v.hung:
-            ev["evidence_file"] = evidence_files.get(pr.pid) or state.processes[
-                keys[pr.pid]].get("reported")
-            out.append(ctx.result(targets[pr.pid], "training_hang", Status.FAIL,
-                                  _hang_detail(pr, v.why, sig, origin.get(pr.pid)),
-                                  value=age, unit="s", verified=True, uid=pr.uid, **ev))
+            ev["evidence_file"] = evidence_files.get(pr.pid) or state.processes[keys[pr.pid]].get(
+                "reported"
+            )
+            out.append(
+                ctx.result(
+                    targets[pr.pid],
+                    "training_hang",
+                    Status.FAIL,
+                    _hang_detail(pr, v.why, sig, origin.get(pr.pid)),
+                    value=age,
+                    unit="s",
+                    verified=True,
+                    uid=pr.uid,
+                    **ev,
+                )
+            )
         elif pr.pid in slow:
             s = slow[pr.pid]
-            out.append(ctx.result(
-                targets[pr.pid], "training_straggler", Status.WARN,
-                f"{_who(pr)}: recent {s.what} {s.step_time_s:.3f} s is {s.ratio:.1f}x the "
-                f"median of its {s.peers} peer(s) on this node ({s.peers_median_s:.3f} s; "
-                f"threshold {th.straggler_ratio:g}x, held for {th.straggler_for_s:g} s); it sets "
-                "the pace of the whole job", value=round(s.ratio, 2), unit="x",
-                peers_median_s=s.peers_median_s, compared=s.basis, **ev))
+            out.append(
+                ctx.result(
+                    targets[pr.pid],
+                    "training_straggler",
+                    Status.WARN,
+                    f"{_who(pr)}: recent {s.what} {s.step_time_s:.3f} s is {s.ratio:.1f}x the "
+                    f"median of its {s.peers} peer(s) on this node ({s.peers_median_s:.3f} s; "
+                    f"threshold {th.straggler_ratio:g}x, held for {th.straggler_for_s:g} s); it sets "
+                    "the pace of the whole job",
+                    value=round(s.ratio, 2),
+                    unit="x",
+                    peers_median_s=s.peers_median_s,
+                    compared=s.basis,
+                    **ev,
+                )
+            )
         else:
-            out.append(ctx.result(targets[pr.pid], "training_progress", Status.PASS,
-                                  f"{_who(pr)}: {sig['heartbeat'].detail if age is not None else v.why}",
-                                  value=age, unit="s", **ev))
+            out.append(
+                ctx.result(
+                    targets[pr.pid],
+                    "training_progress",
+                    Status.PASS,
+                    f"{_who(pr)}: {sig['heartbeat'].detail if age is not None else v.why}",
+                    value=age,
+                    unit="s",
+                    **ev,
+                )
+            )
     if not cancelled.is_set():
         with contextlib.suppress(OSError):
             state.save()
     return out
 
 
-def _cheap_signals(ctx: CheckContext, procs: list[TrainingProcess],
-                   devices: list[GpuDevice] | None,
-                   now: float, th: Thresholds) -> dict[int, dict[str, Signal]]:
+def _cheap_signals(
+    ctx: CheckContext,
+    procs: list[TrainingProcess],
+    devices: list[GpuDevice] | None,
+    now: float,
+    th: Thresholds,
+) -> dict[int, dict[str, Signal]]:
     """heartbeat, gpu_activity and log_silence of every process (no waiting, no ptrace)."""
     readings: dict[int, activity.GpuActivity] = {}
     by_index = {d.index: d for d in devices or []}
     silence_s = float(ctx.params.get("log_silence_s", 60))
-    logs = bounded_log_signals([pr.log_file or ctx.params.get("log_file") for pr in procs],
-                               now=now, silence_s=silence_s)
+    logs = bounded_log_signals(
+        [pr.log_file or ctx.params.get("log_file") for pr in procs], now=now, silence_s=silence_s
+    )
     out = {}
     for pr, log_signal in zip(procs, logs, strict=True):
         if not pr.gpus:
-            gpu = Signal.unavailable("gpu_activity", "NVML lists no GPU for this process"
-                                     if devices else "no GPU readings on this node")
+            gpu = Signal.unavailable(
+                "gpu_activity",
+                "NVML lists no GPU for this process" if devices else "no GPU readings on this node",
+            )
         else:
             for i in pr.gpus:
                 if i not in readings and i in by_index:
@@ -271,8 +351,9 @@ def _cheap_signals(ctx: CheckContext, procs: list[TrainingProcess],
             "heartbeat": heartbeat_signal(pr.heartbeat, now, th),
             "stack": Signal.unavailable("stack", NOT_SAMPLED),
             "gpu_activity": gpu,
-            "rdma_traffic": Signal.unavailable("rdma_traffic", "read only while a process is "
-                                                               "suspected"),
+            "rdma_traffic": Signal.unavailable(
+                "rdma_traffic", "read only while a process is suspected"
+            ),
             "log_silence": log_signal,
         }
     return out
@@ -285,8 +366,9 @@ _STAT_LOCK = threading.Lock()
 _STATS_IN_FLIGHT: set[str] = set()  # paths whose stat() from an earlier run never returned
 
 
-def bounded_log_signals(paths: Sequence[str | None], *, now: float, silence_s: float,
-                        limit_s: float = LOG_STAT_S) -> list[Signal]:
+def bounded_log_signals(
+    paths: Sequence[str | None], *, now: float, silence_s: float, limit_s: float = LOG_STAT_S
+) -> list[Signal]:
     """:func:`~node_agent.training.activity.log_silence_signal` of each path, each distinct
     path stat'ed once on a daemon thread of its own, all within ``limit_s``. A path whose stat
     has not returned is unavailable (and not stat'ed again while an earlier stat of it is
@@ -297,8 +379,11 @@ def bounded_log_signals(paths: Sequence[str | None], *, now: float, silence_s: f
         with _STAT_LOCK:
             if path in _STATS_IN_FLIGHT:
                 found[path] = Signal.unavailable(
-                    "log_silence", f"a stat of the job's log file {path} from an earlier run "
-                    "has not returned (a hung network or FUSE file system?)", path=path)
+                    "log_silence",
+                    f"a stat of the job's log file {path} from an earlier run "
+                    "has not returned (a hung network or FUSE file system?)",
+                    path=path,
+                )
                 continue
             _STATS_IN_FLIGHT.add(path)
 
@@ -306,8 +391,9 @@ def bounded_log_signals(paths: Sequence[str | None], *, now: float, silence_s: f
             try:
                 found[path] = activity.log_silence_signal(path, now=now, silence_s=silence_s)
             except Exception as err:  # noqa: BLE001 - the path is a user's text
-                found[path] = Signal.unavailable("log_silence", f"cannot read the job's log "
-                                                 f"file {path!a}: {type(err).__name__}")
+                found[path] = Signal.unavailable(
+                    "log_silence", f"cannot read the job's log file {path!a}: {type(err).__name__}"
+                )
             finally:
                 with _STAT_LOCK:
                     _STATS_IN_FLIGHT.discard(path)
@@ -318,15 +404,26 @@ def bounded_log_signals(paths: Sequence[str | None], *, now: float, silence_s: f
     end = time.monotonic() + limit_s
     for thread in threads:
         thread.join(max(0.0, end - time.monotonic()))
-    return [activity.log_silence_signal(None, now=now, silence_s=silence_s) if p is None
-            else found.get(p) or Signal.unavailable(
-                "log_silence", f"stat of the job's log file {p} did not return within "
-                f"{limit_s:g} s (a hung network or FUSE file system?)", path=p)
-            for p in paths]
+    return [
+        activity.log_silence_signal(None, now=now, silence_s=silence_s)
+        if p is None
+        else found.get(p)
+        or Signal.unavailable(
+            "log_silence",
+            f"stat of the job's log file {p} did not return within "
+            f"{limit_s:g} s (a hung network or FUSE file system?)",
+            path=p,
+        )
+        for p in paths
+    ]
 
 
-def _sample(ctx: CheckContext, suspects: list[TrainingProcess],
-            signals: dict[int, dict[str, Signal]], start: float) -> None:
+def _sample(
+    ctx: CheckContext,
+    suspects: list[TrainingProcess],
+    signals: dict[int, dict[str, Signal]],
+    start: float,
+) -> None:
     """Stacks of every process in a suspect job, with the RDMA counters before and after."""
     if not suspects:
         return
@@ -335,14 +432,23 @@ def _sample(ctx: CheckContext, suspects: list[TrainingProcess],
     before, t0 = activity.read_port_counters(root), time.monotonic()
     # a verified job first, then the processes more signals accuse; sample_stacks takes them
     # in turn from each uid, so one user's many processes cannot crowd out another's hang
-    order = sorted(suspects, key=lambda pr: (not pr.job_verified,
-                                             -sum(s.hang for s in signals[pr.pid].values()),
-                                             pr.pid))
-    stacks = sample_stacks(find_py_spy(p.get("py_spy")), [pr.pid for pr in order],
-                           int(p.get("stack_samples", 3)), float(p.get("stack_interval_s", 1.0)),
-                           start + SAMPLING_SHARE * ctx.timeout_s,
-                           uids={pr.pid: pr.uid for pr in order},
-                           max_calls=int(p.get("stack_max_calls", MAX_CALLS)))
+    order = sorted(
+        suspects,
+        key=lambda pr: (
+            not pr.job_verified,
+            -sum(s.hang for s in signals[pr.pid].values()),
+            pr.pid,
+        ),
+    )
+    stacks = sample_stacks(
+        find_py_spy(p.get("py_spy")),
+        [pr.pid for pr in order],
+        int(p.get("stack_samples", 3)),
+        float(p.get("stack_interval_s", 1.0)),
+        start + SAMPLING_SHARE * ctx.timeout_s,
+        uids={pr.pid: pr.uid for pr in order},
+        max_calls=int(p.get("stack_max_calls", MAX_CALLS)),
+    )
     window = time.monotonic() - t0
     rdma_signal = activity.rdma_traffic_signal(before, activity.read_port_counters(root), window)
     for pr in suspects:
@@ -350,8 +456,9 @@ def _sample(ctx: CheckContext, suspects: list[TrainingProcess],
         signals[pr.pid]["rdma_traffic"] = rdma_signal
 
 
-def _not_sampled(ctx: CheckContext, suspects: list[TrainingProcess],
-                 signals: dict[int, dict[str, Signal]]) -> list[Result]:
+def _not_sampled(
+    ctx: CheckContext, suspects: list[TrainingProcess], signals: dict[int, dict[str, Signal]]
+) -> list[Result]:
     """One WARN naming, per uid, the suspects whose stacks were not sampled and why."""
     missed: dict[tuple[Any, str], list[int]] = {}
     for pr in suspects:
@@ -361,30 +468,54 @@ def _not_sampled(ctx: CheckContext, suspects: list[TrainingProcess],
     if not missed:
         return []
     per_uid = {uid: sum(1 for pr in suspects if pr.uid == uid) for uid, _ in missed}
-    parts = [f"uid {uid}: {len(pids)} of {per_uid[uid]} ("
-             + ("its share of stack_max_calls spent" if why == "budget"
-                else "the sampling deadline came first") + ")"
-             for (uid, why), pids in sorted(missed.items(), key=lambda kv: -len(kv[1]))]
+    parts = [
+        f"uid {uid}: {len(pids)} of {per_uid[uid]} ("
+        + (
+            "its share of stack_max_calls spent"
+            if why == "budget"
+            else "the sampling deadline came first"
+        )
+        + ")"
+        for (uid, why), pids in sorted(missed.items(), key=lambda kv: -len(kv[1]))
+    ]
     count = sum(len(p) for p in missed.values())
-    return [ctx.result(
-        "node", "training_discovery", Status.WARN,
-        f"stacks of {count} suspect process(es) were not sampled this run: "
-        + "; ".join(parts[:10]) + (f"; +{len(parts) - 10} more" if len(parts) > 10 else "")
-        + f". py-spy calls are capped per run (stack_max_calls="
-        f"{int(ctx.params.get('stack_max_calls', MAX_CALLS))}) and shared equally "
-        "between uids, within the check's deadline; their other signals were still read",
-        subject="node", cause="stack-sampling",
-        not_sampled={f"uid:{uid}/{why}": sorted(pids)[:50] for (uid, why), pids in missed.items()})]
+    return [
+        ctx.result(
+            "node",
+            "training_discovery",
+            Status.WARN,
+            f"stacks of {count} suspect process(es) were not sampled this run: "
+            + "; ".join(parts[:10])
+            + (f"; +{len(parts) - 10} more" if len(parts) > 10 else "")
+            + f". py-spy calls are capped per run (stack_max_calls="
+            f"{int(ctx.params.get('stack_max_calls', MAX_CALLS))}) and shared equally "
+            "between uids, within the check's deadline; their other signals were still read",
+            subject="node",
+            cause="stack-sampling",
+            not_sampled={
+                f"uid:{uid}/{why}": sorted(pids)[:50] for (uid, why), pids in missed.items()
+            },
+        )
+    ]
 
 
 def _stragglers(jobs, verdicts, state: HangState, keys, now: float, th: Thresholds):
     """pid -> Straggler for ranks slow for at least ``straggler_for_s`` (kept in the state)."""
     out = {}
     for members in jobs.values():
-        stepping = [pr for pr in members if not verdicts[pr.pid].hung and pr.heartbeat
-                    and pr.heartbeat.get("step_time_s") and not pr.heartbeat.get("pause")]
-        basis = ("compute_time_s" if stepping and all(pr.heartbeat.get("compute_time_s")
-                                                      for pr in stepping) else "step_time_s")
+        stepping = [
+            pr
+            for pr in members
+            if not verdicts[pr.pid].hung
+            and pr.heartbeat
+            and pr.heartbeat.get("step_time_s")
+            and not pr.heartbeat.get("pause")
+        ]
+        basis = (
+            "compute_time_s"
+            if stepping and all(pr.heartbeat.get("compute_time_s") for pr in stepping)
+            else "step_time_s"
+        )
         times = {pr.pid: float(pr.heartbeat[basis]) for pr in stepping}
         slow = {s.pid: s for s in stragglers(times, th.straggler_ratio, basis)}
         for pr in members:
@@ -407,8 +538,11 @@ def _targets(jobs: dict[str | None, list[TrainingProcess]]) -> dict[int, str]:
     for job, members in jobs.items():
         ranks = [pr.rank for pr in members]
         for pr in members:
-            who = (f"rank:{pr.rank}" if pr.rank is not None and ranks.count(pr.rank) == 1
-                   else f"pid:{pr.pid}")
+            who = (
+                f"rank:{pr.rank}"
+                if pr.rank is not None and ranks.count(pr.rank) == 1
+                else f"pid:{pr.pid}"
+            )
             # a job the kernel does not vouch for is named so that no adapter restarts it; a
             # pod's carries its UID from the cgroup, which the Kubernetes adapter checks
             name = pr.restart_job_id if pr.job_verified else f"unverified:{job or 'unknown'}"
@@ -423,56 +557,94 @@ def _who(pr: TrainingProcess) -> str:
 
 def _unverified_detail(pr: TrainingProcess, why: str, sig: dict[str, Signal]) -> str:
     stack = sig["stack"]
-    stack_note = (f"; stuck in {stack.figures['stuck_in']}" if stack.figures.get("stuck_in")
-                  else "" if stack.available else f"; stack unavailable ({stack.detail})")
-    return (f"uid {pr.uid}'s {_who(pr)}: no progress ({why}){stack_note}; its job is not one "
-            "the kernel vouches for (no slurmd or kubepods cgroup of that job holds it), so "
-            "nothing is restarted and the node is not drained: WARN for the job's owner to "
-            "look at")
+    stack_note = (
+        f"; stuck in {stack.figures['stuck_in']}"
+        if stack.figures.get("stuck_in")
+        else ""
+        if stack.available
+        else f"; stack unavailable ({stack.detail})"
+    )
+    return (
+        f"uid {pr.uid}'s {_who(pr)}: no progress ({why}){stack_note}; its job is not one "
+        "the kernel vouches for (no slurmd or kubepods cgroup of that job holds it), so "
+        "nothing is restarted and the node is not drained: WARN for the job's owner to "
+        "look at"
+    )
 
 
-def _hang_detail(pr: TrainingProcess, why: str, sig: dict[str, Signal],
-                 origin: bool | None) -> str:
+def _hang_detail(pr: TrainingProcess, why: str, sig: dict[str, Signal], origin: bool | None) -> str:
     stack = sig["stack"]
-    stack_note = (f"; stuck in {stack.figures['stuck_in']}" if stack.figures.get("stuck_in")
-                  else "" if stack.available else f"; stack unavailable ({stack.detail})")
-    origin_note = {True: "; likely origin: its stack is outside a collective while its hung "
-                         "peers' are inside one",
-                   False: "; waiting in a collective on a peer"}.get(origin, "")
-    return (f"{_who(pr)}: training hang suspected ({why}){stack_note}{origin_note}; the job "
-            f"needs a restart (evidence in the state dir; py-spy dump --pid {pr.pid})")
+    stack_note = (
+        f"; stuck in {stack.figures['stuck_in']}"
+        if stack.figures.get("stuck_in")
+        else ""
+        if stack.available
+        else f"; stack unavailable ({stack.detail})"
+    )
+    origin_note = {
+        True: "; likely origin: its stack is outside a collective while its hung "
+        "peers' are inside one",
+        False: "; waiting in a collective on a peer",
+    }.get(origin, "")
+    return (
+        f"{_who(pr)}: training hang suspected ({why}){stack_note}{origin_note}; the job "
+        f"needs a restart (evidence in the state dir; py-spy dump --pid {pr.pid})"
+    )
 
 
-def _evidence(pr: TrainingProcess, sig: dict[str, Signal], agreeing: Sequence[str],
-              origin: bool | None) -> dict[str, Any]:
+def _evidence(
+    pr: TrainingProcess, sig: dict[str, Signal], agreeing: Sequence[str], origin: bool | None
+) -> dict[str, Any]:
     hb = pr.heartbeat or {}
     beat = sig["heartbeat"]
-    return {"pid": pr.pid, "rank": pr.rank, "local_rank": pr.local_rank,
-            "world_size": pr.world_size, "job": pr.job, "step": hb.get("step"),
-            "step_time_s": hb.get("step_time_s"), "compute_time_s": hb.get("compute_time_s"),
-            "heartbeat_age_s": beat.figures.get("age_s") if beat.available else None,
-            "gpus": list(pr.gpus), "agreeing": list(agreeing), "likely_origin": origin,
-            "signals": {name: sig[name].to_dict() for name in NAMES},
-            "process": pr.to_evidence()}
+    return {
+        "pid": pr.pid,
+        "rank": pr.rank,
+        "local_rank": pr.local_rank,
+        "world_size": pr.world_size,
+        "job": pr.job,
+        "step": hb.get("step"),
+        "step_time_s": hb.get("step_time_s"),
+        "compute_time_s": hb.get("compute_time_s"),
+        "heartbeat_age_s": beat.figures.get("age_s") if beat.available else None,
+        "gpus": list(pr.gpus),
+        "agreeing": list(agreeing),
+        "likely_origin": origin,
+        "signals": {name: sig[name].to_dict() for name in NAMES},
+        "process": pr.to_evidence(),
+    }
 
 
-def _write_evidence(ctx, state: HangState, jobs, verdicts, signals, origin, keys,
-                    now: float) -> dict[int, str]:
+def _write_evidence(
+    ctx, state: HangState, jobs, verdicts, signals, origin, keys, now: float
+) -> dict[int, str]:
     """One evidence file per job with a newly reported hang; pid -> its path."""
     written: dict[int, str] = {}
     for job, members in jobs.items():
         # only a verified job's hang: anyone can make unverified ones, and the newest 200
         # files are kept, so theirs could push a real hang's evidence out
-        new = [pr for pr in members if verdicts[pr.pid].hung and pr.job_verified
-               and not state.processes[keys[pr.pid]].get("reported")]
+        new = [
+            pr
+            for pr in members
+            if verdicts[pr.pid].hung
+            and pr.job_verified
+            and not state.processes[keys[pr.pid]].get("reported")
+        ]
         if not new:
             continue
-        evidence = {"job": job, "host": ctx.inventory.host.hostname if ctx.inventory else socket.gethostname(),
-                    "reported_at": now, "processes": [
-                        {**_evidence(pr, signals[pr.pid], verdicts[pr.pid].agreeing,
-                                     origin.get(pr.pid)),
-                         "hung": verdicts[pr.pid].hung, "why": verdicts[pr.pid].why}
-                        for pr in members]}
+        evidence = {
+            "job": job,
+            "host": ctx.inventory.host.hostname if ctx.inventory else socket.gethostname(),
+            "reported_at": now,
+            "processes": [
+                {
+                    **_evidence(pr, signals[pr.pid], verdicts[pr.pid].agreeing, origin.get(pr.pid)),
+                    "hung": verdicts[pr.pid].hung,
+                    "why": verdicts[pr.pid].why,
+                }
+                for pr in members
+            ],
+        }
         try:
             path = str(state.write_evidence(job, now, evidence))
         except OSError:

@@ -35,8 +35,10 @@ def gbps(bytes_moved: float, seconds: float) -> float:
     2000.0
     """
     if seconds <= 0:
-        raise ValueError(f"a transfer cannot take {seconds!r} s; the device clock did not "
-                         "advance (clock resolution too coarse for this size: use larger buffers)")
+        raise ValueError(
+            f"a transfer cannot take {seconds!r} s; the device clock did not "
+            "advance (clock resolution too coarse for this size: use larger buffers)"
+        )
     return bytes_moved / seconds / GB
 
 
@@ -57,9 +59,13 @@ class RepStats:
     p90_gbps: float  # exceeded by a tenth of the repetitions
 
     def evidence(self) -> dict[str, Any]:
-        return {"median_gbps": round(self.median_gbps, 4), "max_gbps": round(self.max_gbps, 4),
-                "min_gbps": round(self.min_gbps, 4), "p90_gbps": round(self.p90_gbps, 4),
-                "reps": self.reps}
+        return {
+            "median_gbps": round(self.median_gbps, 4),
+            "max_gbps": round(self.max_gbps, 4),
+            "min_gbps": round(self.min_gbps, 4),
+            "p90_gbps": round(self.p90_gbps, 4),
+            "reps": self.reps,
+        }
 
 
 def rep_stats(bytes_per_rep: int, times_s: Sequence[float]) -> RepStats:
@@ -72,10 +78,18 @@ def rep_stats(bytes_per_rep: int, times_s: Sequence[float]) -> RepStats:
         raise ValueError("no repetition was timed (reps must be at least 1)")
     figures = [gbps(bytes_per_rep, t) for t in times_s]
     # "inclusive": interpolated between the figures, never beyond the largest
-    p90 = (statistics.quantiles(figures, n=10, method="inclusive")[-1] if len(figures) > 1
-           else figures[0])
-    return RepStats(median_gbps=statistics.median(figures), max_gbps=max(figures),
-                    min_gbps=min(figures), reps=len(figures), p90_gbps=p90)
+    p90 = (
+        statistics.quantiles(figures, n=10, method="inclusive")[-1]
+        if len(figures) > 1
+        else figures[0]
+    )
+    return RepStats(
+        median_gbps=statistics.median(figures),
+        max_gbps=max(figures),
+        min_gbps=min(figures),
+        reps=len(figures),
+        p90_gbps=p90,
+    )
 
 
 def timed(dev: ComputeDevice, work: Callable[[], object], min_s: float = 0.0) -> float:
@@ -100,8 +114,14 @@ def timed(dev: ComputeDevice, work: Callable[[], object], min_s: float = 0.0) ->
             return elapsed / runs
 
 
-def timed_copy(dev: ComputeDevice, work: Callable[[], object], kind: str, bytes_moved: int,
-               model: CopyModel | None, min_s: float = 0.0) -> float:
+def timed_copy(
+    dev: ComputeDevice,
+    work: Callable[[], object],
+    kind: str,
+    bytes_moved: int,
+    model: CopyModel | None,
+    min_s: float = 0.0,
+) -> float:
     """Seconds one copy takes on ``dev``: timed on a real GPU (:func:`timed`), modeled on a
     simulated one.
 
@@ -142,9 +162,15 @@ def open_specs(ctx: CheckContext) -> tuple[list[ComputeSpec], list[Result] | Non
         return [], ctx.compute_unavailable(str(err))
 
 
-def grade_figures(ctx: CheckContext, metric: str, what: str, figures: Mapping[int, float],
-                  evidence: Mapping[int, dict[str, Any]], minimum_key: str | None,
-                  ungraded_reason: str | None = None) -> list[Result]:
+def grade_figures(
+    ctx: CheckContext,
+    metric: str,
+    what: str,
+    figures: Mapping[int, float],
+    evidence: Mapping[int, dict[str, Any]],
+    minimum_key: str | None,
+    ungraded_reason: str | None = None,
+) -> list[Result]:
     """One result per GPU for ``metric`` (GB/s, higher is better): siblings first, then the
     SKU's ``minimum_key`` on real hardware. A figure can be both far below its siblings and
     below the minimum; the detail then says both. With ``ungraded_reason`` the figures are
@@ -160,30 +186,60 @@ def grade_figures(ctx: CheckContext, metric: str, what: str, figures: Mapping[in
             status, findings = Status.PASS, []
         if apply_minimum and value < minimum:
             status = Status.FAIL
-            findings.append(f"gpu:{index} {what} {value:.4g} GB/s is below the SKU minimum "
-                            f"{minimum:g} GB/s ({ctx.sku.id})")
+            findings.append(
+                f"gpu:{index} {what} {value:.4g} GB/s is below the SKU minimum "
+                f"{minimum:g} GB/s ({ctx.sku.id})"
+            )
         if findings:
             detail = "; ".join(findings)
         else:
-            note = (f"not graded: {ungraded_reason}" if ungraded_reason is not None
-                    else "no SKU minimum applied: simulated node" if ctx.simulated and minimum
-                    else f"SKU minimum {minimum:g} GB/s" if apply_minimum
-                    else "no SKU minimum")
+            note = (
+                f"not graded: {ungraded_reason}"
+                if ungraded_reason is not None
+                else "no SKU minimum applied: simulated node"
+                if ctx.simulated and minimum
+                else f"SKU minimum {minimum:g} GB/s"
+                if apply_minimum
+                else "no SKU minimum"
+            )
             median = verdict.siblings_median
-            detail = (f"gpu:{index} {what} {value:.4g} GB/s"
-                      + (f" (siblings' median {median:.4g} GB/s)" if median else "")
-                      + f"; {note}")
-        out.append(ctx.result(f"gpu:{index}", metric, status, detail, value=round(value, 4),
-                              unit="GB/s", minimum=minimum if apply_minimum else None,
-                              **verdict.evidence(), **evidence.get(index, {})))
+            detail = (
+                f"gpu:{index} {what} {value:.4g} GB/s"
+                + (f" (siblings' median {median:.4g} GB/s)" if median else "")
+                + f"; {note}"
+            )
+        out.append(
+            ctx.result(
+                f"gpu:{index}",
+                metric,
+                status,
+                detail,
+                value=round(value, 4),
+                unit="GB/s",
+                minimum=minimum if apply_minimum else None,
+                **verdict.evidence(),
+                **evidence.get(index, {}),
+            )
+        )
     return out
 
 
-def error_results(ctx: CheckContext, metrics: Sequence[str], index: int, err: BaseException,
-                  doing: str) -> list[Result]:
+def error_results(
+    ctx: CheckContext, metrics: Sequence[str], index: int, err: BaseException, doing: str
+) -> list[Result]:
     """``error`` results for one GPU whose measurement broke (the others still report)."""
-    hint = (" (out of memory: lower params.size_bytes or free the GPU)"
-            if "out of memory" in str(err).lower() else "")
-    return [ctx.result(f"gpu:{index}", metric, Status.ERROR,
-                       f"gpu:{index}: {doing} failed: {type(err).__name__}: {err}{hint}",
-                       error=f"{type(err).__name__}: {err}") for metric in metrics]
+    hint = (
+        " (out of memory: lower params.size_bytes or free the GPU)"
+        if "out of memory" in str(err).lower()
+        else ""
+    )
+    return [
+        ctx.result(
+            f"gpu:{index}",
+            metric,
+            Status.ERROR,
+            f"gpu:{index}: {doing} failed: {type(err).__name__}: {err}{hint}",
+            error=f"{type(err).__name__}: {err}",
+        )
+        for metric in metrics
+    ]

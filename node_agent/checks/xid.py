@@ -71,9 +71,15 @@ def run(ctx: CheckContext) -> list[Result]:
         try:
             records = log.read()
         except OSError as err:
-            results.append(ctx.result("node", "kernel_log", Status.ERROR,
-                                      f"cannot read the kernel log ({log.source}): {err}",
-                                      error=str(err)))
+            results.append(
+                ctx.result(
+                    "node",
+                    "kernel_log",
+                    Status.ERROR,
+                    f"cannot read the kernel log ({log.source}): {err}",
+                    error=str(err),
+                )
+            )
             records = []
     cursor = log_cursor.load(_cursor_path(ctx), log.source) if since == "last_run" else None
     scanner = KernelLogScanner()
@@ -85,15 +91,17 @@ def run(ctx: CheckContext) -> list[Result]:
                 unreadable.append(event)
                 continue
             if isinstance(event, DriverLine):
-                _add_driver_line(event, bus_to_target, nvidia, driver_folds, unreadable,
-                                 log.source)
+                _add_driver_line(event, bus_to_target, nvidia, driver_folds, unreadable, log.source)
                 continue
             bus = normalise_bus(event.pci_bus)
             if nvidia is not None and bus not in bus_to_target and bus not in nvidia:
                 unreadable.append(Unreadable(_not_nvidia(bus), event.raw, event.code))
                 continue
-            target = event.target if isinstance(event, SxidLine) \
+            target = (
+                event.target
+                if isinstance(event, SxidLine)
                 else bus_to_target.get(event.pci_bus, f"pci:{event.pci_bus}")
+            )
             folder.add(event, target, log.source)
     if since == "last_run" and records:
         log_cursor.save(_cursor_path(ctx), log.source, records[-1].seq)
@@ -117,8 +125,9 @@ def run(ctx: CheckContext) -> list[Result]:
         kinds = driver_line_kinds(ctx)
         for key in sorted(driver_folds):
             fold, kind = driver_folds[key], kinds[key[1]]
-            results.append(fold.result(kind.metric, Status(kind.status), kind.name, window,
-                                       boot_epoch))
+            results.append(
+                fold.result(kind.metric, Status(kind.status), kind.name, window, boot_epoch)
+            )
     for result in results:  # every finding says whether its bus ids were checked
         if result.status is not Status.SKIP and result.metric != "kernel_log":
             result.evidence.setdefault("bus_ids", _bus_check(ctx, nvidia))
@@ -128,14 +137,26 @@ def run(ctx: CheckContext) -> list[Result]:
         # no GPU to query: findings in the log still count, but silence is not a pass
         return unavailable + [r for r in results if r.status is not Status.SKIP]
     looked = not log.unavailable_reason or watch_s > 0
-    if not folder.folds and not driver_folds and not unreadable and looked \
-            and not any(r.status is Status.ERROR for r in results):
-        results.append(ctx.result("node", "xid", Status.PASS,
-                                  f"no XIDs, SXids or driver errors {window} ({log.source}: "
-                                  f"{len(records)} lines read"
-                                  + (f"; NVML events watched {watch_s:g} s" if watch_s else "")
-                                  + f"; {_bus_check(ctx, nvidia)})",
-                                  value=0, bus_ids=_bus_check(ctx, nvidia)))
+    if (
+        not folder.folds
+        and not driver_folds
+        and not unreadable
+        and looked
+        and not any(r.status is Status.ERROR for r in results)
+    ):
+        results.append(
+            ctx.result(
+                "node",
+                "xid",
+                Status.PASS,
+                f"no XIDs, SXids or driver errors {window} ({log.source}: "
+                f"{len(records)} lines read"
+                + (f"; NVML events watched {watch_s:g} s" if watch_s else "")
+                + f"; {_bus_check(ctx, nvidia)})",
+                value=0,
+                bus_ids=_bus_check(ctx, nvidia),
+            )
+        )
     return results
 
 
@@ -181,22 +202,30 @@ def _bus_check(ctx: CheckContext, nvidia: frozenset[str] | None) -> str:
 
 
 def _not_nvidia(bus: str) -> str:
-    return (f"the line names bus {bus}, which this host's PCI bus (sysfs) shows is no NVIDIA "
-            "device (vendor 0x10de): not graded as a GPU")
+    return (
+        f"the line names bus {bus}, which this host's PCI bus (sysfs) shows is no NVIDIA "
+        "device (vendor 0x10de): not graded as a GPU"
+    )
 
 
-def _add_driver_line(line: DriverLine, bus_to_target: dict[str, str],
-                     nvidia: frozenset[str] | None, folds: dict[tuple[str, str], DriverFold],
-                     unreadable: list[Unreadable], source: str) -> None:
+def _add_driver_line(
+    line: DriverLine,
+    bus_to_target: dict[str, str],
+    nvidia: frozenset[str] | None,
+    folds: dict[tuple[str, str], DriverFold],
+    unreadable: list[Unreadable],
+    source: str,
+) -> None:
     bus = line.pci_bus
     if line.kind.startswith("aer-"):
         # AER on any device is printed alike: only a GPU's is this check's business
-        is_gpu = bus is not None and (bus in bus_to_target or (
-            bus in nvidia if nvidia is not None else line.device_driver == "nvidia"))
+        is_gpu = bus is not None and (
+            bus in bus_to_target
+            or (bus in nvidia if nvidia is not None else line.device_driver == "nvidia")
+        )
         if not is_gpu:
             return
-    elif bus is not None and nvidia is not None and bus not in bus_to_target \
-            and bus not in nvidia:
+    elif bus is not None and nvidia is not None and bus not in bus_to_target and bus not in nvidia:
         unreadable.append(Unreadable(_not_nvidia(bus), line.raw))
         return
     target = "node" if bus is None else bus_to_target.get(bus, f"pci:{bus}")
@@ -211,14 +240,17 @@ def _unreadable_result(ctx: CheckContext, lines: list[Unreadable], window: str) 
     reasons = sorted({u.reason for u in lines})
     codes = sorted({u.code for u in lines if u.code is not None})
     return ctx.result(
-        "node", "xid_unreadable", Status.WARN,
+        "node",
+        "xid_unreadable",
+        Status.WARN,
         f"{len(lines)} kernel-log line(s) {window} name an Xid or SXid that cannot be read "
         f"({reasons[0]}{' and other reasons' if len(reasons) > 1 else ''}): {lines[0].raw[:200]}",
-        value=len(lines), reasons=reasons, codes=codes,
-        lines=[u.raw for u in lines[:_UNREADABLE_KEPT]])
+        value=len(lines),
+        reasons=reasons,
+        codes=codes,
+        lines=[u.raw for u in lines[:_UNREADABLE_KEPT]],
+    )
 
 
 def _cursor_path(ctx: CheckContext) -> Path | None:
     return ctx.state_dir / "xid_cursor.json" if ctx.state_dir else None
-
-

@@ -55,8 +55,13 @@ class Fold:
     caused_by: set[int] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)  # how a line without an Xid number was read
 
-    def add(self, event: XidLine | SxidLine, source: str, now: Stamp | None = None,
-            burst_gap_s: float = BURST_GAP_S) -> bool:
+    def add(
+        self,
+        event: XidLine | SxidLine,
+        source: str,
+        now: Stamp | None = None,
+        burst_gap_s: float = BURST_GAP_S,
+    ) -> bool:
         """Count one kernel-log event; True when it changed what a grader could conclude (the
         first line, a new variant, or a new burst). ``now`` stands in for a line without a
         time (the daemon's watch: the moment it read the line)."""
@@ -84,8 +89,9 @@ class Fold:
         changed |= self._time(event.stamp or now, burst_gap_s)
         return changed
 
-    def add_nvml(self, message: str, now: Stamp | None = None,
-                 burst_gap_s: float = BURST_GAP_S) -> bool:
+    def add_nvml(
+        self, message: str, now: Stamp | None = None, burst_gap_s: float = BURST_GAP_S
+    ) -> bool:
         """Count an NVML XID event. It carries no line, so it makes no variant: when the kernel
         log has the same event, the line decides; alone, the code's own level does."""
         self.nvml_events += 1
@@ -103,8 +109,9 @@ class Fold:
         if entry is None:
             if len(self.variants) >= MAX_VARIANTS:
                 key = (("other", True),)
-                entry = self.variants.setdefault(key, {"fields": {"other": True}, "count": 0,
-                                                       "line": raw})
+                entry = self.variants.setdefault(
+                    key, {"fields": {"other": True}, "count": 0, "line": raw}
+                )
             else:
                 self.variants[key] = {"fields": fields, "count": 1, "line": raw}
                 return True
@@ -160,16 +167,23 @@ class Fold:
 
     def evidence(self, boot_epoch: float | None = None) -> dict[str, Any]:
         evidence: dict[str, Any] = {
-            "count": self.events, "log_lines": self.count, "nvml_events": self.nvml_events,
+            "count": self.events,
+            "log_lines": self.count,
+            "nvml_events": self.nvml_events,
             "first_seen": self.seen(self.first_s, boot_epoch),
             "last_seen": self.seen(self.last_s, boot_epoch),
-            "rate_per_hour": self.rate_per_hour(), "bursts": self.bursts,
-            "burst_gap_s": BURST_GAP_S, "clock": self.clock,
-            "burst_starts_s": list(self.burst_starts), "untimed_lines": self.untimed,
-            "lines": [self.first_line] + ([self.last_line] if self.last_line
-                                         and self.last_line != self.first_line else []),
-            "variants": [{**v["fields"], "count": v["count"], "line": v["line"]}
-                         for v in self.variants.values()],
+            "rate_per_hour": self.rate_per_hour(),
+            "bursts": self.bursts,
+            "burst_gap_s": BURST_GAP_S,
+            "clock": self.clock,
+            "burst_starts_s": list(self.burst_starts),
+            "untimed_lines": self.untimed,
+            "lines": [self.first_line]
+            + ([self.last_line] if self.last_line and self.last_line != self.first_line else []),
+            "variants": [
+                {**v["fields"], "count": v["count"], "line": v["line"]}
+                for v in self.variants.values()
+            ],
             "sources": sorted(self.sources),
             # the kernel's line and NVML's event API both reported it: two independent witnesses
             "corroborated_by_nvml": self.count > 0 and self.nvml_events > 0,
@@ -186,27 +200,47 @@ class Fold:
             evidence["read_as"] = list(self.notes)
         return evidence
 
-    def result(self, check: str = "xid", window: str = "", boot_epoch: float | None = None) -> Result:
+    def result(
+        self, check: str = "xid", window: str = "", boot_epoch: float | None = None
+    ) -> Result:
         """The fold as one ``fail`` result; the grader gives it its level from the catalog."""
         noun = "SXid" if self.kind == "sxid" else "Xid"
         rate = self.rate_per_hour()
-        how_often = f"{self.events} time(s)" + (f" in {self.bursts} burst(s)" if self.bursts > 1
-                                                else "")
+        how_often = f"{self.events} time(s)" + (
+            f" in {self.bursts} burst(s)" if self.bursts > 1 else ""
+        )
         if rate is not None:
             how_often += f", {rate:g}/h"
         where = f" {window}" if window else ""
-        said = [(", ".join(str(v["fields"][k]) for k in ("unit", "severity", "recovery_action")
-                           if k in v["fields"]), v["count"]) for v in self.variants.values()]
+        said = [
+            (
+                ", ".join(
+                    str(v["fields"][k])
+                    for k in ("unit", "severity", "recovery_action")
+                    if k in v["fields"]
+                ),
+                v["count"],
+            )
+            for v in self.variants.values()
+        ]
         said = [(text, n) for text, n in said if text]
-        printed = ("; printed " + ", ".join(f"{text} x{n}" for text, n in said)) if len(said) > 1 else ""
+        printed = (
+            ("; printed " + ", ".join(f"{text} x{n}" for text, n in said)) if len(said) > 1 else ""
+        )
         if self.notes:
             printed += f" ({'; '.join(self.notes)})"
         if self.count and self.nvml_events:
             printed += f"; corroborated by {self.nvml_events} NVML event(s)"
-        return Result(check=check, target=self.target, metric=self.kind, status=Status.FAIL,
-                      value=self.code, evidence=self.evidence(boot_epoch),
-                      detail=f"{noun} {self.code} on {self.target}, {how_often}{where}{printed}: "
-                             f"{self.first_line}")
+        return Result(
+            check=check,
+            target=self.target,
+            metric=self.kind,
+            status=Status.FAIL,
+            value=self.code,
+            evidence=self.evidence(boot_epoch),
+            detail=f"{noun} {self.code} on {self.target}, {how_often}{where}{printed}: "
+            f"{self.first_line}",
+        )
 
 
 class Folder:
@@ -223,8 +257,9 @@ class Folder:
             fold = self.folds[key] = Fold(kind=kind, target=target, code=code)
         return fold
 
-    def add(self, event: XidLine | SxidLine, target: str, source: str,
-            now: Stamp | None = None) -> tuple[Fold, bool]:
+    def add(
+        self, event: XidLine | SxidLine, target: str, source: str, now: Stamp | None = None
+    ) -> tuple[Fold, bool]:
         kind = "sxid" if isinstance(event, SxidLine) else "xid"
         fold = self.fold(kind, target, event.code)
         return fold, fold.add(event, source, now, self.burst_gap_s)
@@ -259,27 +294,43 @@ class DriverFold:
         self.pci_bus = self.pci_bus or line.pci_bus
         self.first_line = self.first_line or line.raw
         self.last_line = line.raw
-        for values, value in ((self.driver_gpus, line.driver_gpu), (self.statuses, line.status),
-                              (self.ports, line.port), (self.severities, line.severity)):
+        for values, value in (
+            (self.driver_gpus, line.driver_gpu),
+            (self.statuses, line.status),
+            (self.ports, line.port),
+            (self.severities, line.severity),
+        ):
             if value is not None and len(values) < MAX_VARIANTS:
                 values.add(value)  # type: ignore[attr-defined]
         stamp = line.stamp
         if stamp is not None and (self.clock is None or stamp.clock == self.clock):
             self.clock = stamp.clock
-            self.first_s = stamp.seconds if self.first_s is None else min(self.first_s, stamp.seconds)
+            self.first_s = (
+                stamp.seconds if self.first_s is None else min(self.first_s, stamp.seconds)
+            )
             self.last_s = stamp.seconds if self.last_s is None else max(self.last_s, stamp.seconds)
 
-    def result(self, metric: str, status: Status, name: str, window: str = "",
-               boot_epoch: float | None = None, check: str = "xid") -> Result:
+    def result(
+        self,
+        metric: str,
+        status: Status,
+        name: str,
+        window: str = "",
+        boot_epoch: float | None = None,
+        check: str = "xid",
+    ) -> Result:
         """The fold as one result; ``metric``/``status`` from its kind's catalog entry."""
         times = Fold(kind="driver", target=self.target, code=0, clock=self.clock)
         evidence: dict[str, Any] = {
-            "kind": self.kind, "count": self.count,
+            "kind": self.kind,
+            "count": self.count,
             "first_seen": times.seen(self.first_s, boot_epoch),
-            "last_seen": times.seen(self.last_s, boot_epoch), "clock": self.clock,
-            "lines": [self.first_line] + ([self.last_line] if self.last_line != self.first_line
-                                         else []),
-            "sources": sorted(self.sources)}
+            "last_seen": times.seen(self.last_s, boot_epoch),
+            "clock": self.clock,
+            "lines": [self.first_line]
+            + ([self.last_line] if self.last_line != self.first_line else []),
+            "sources": sorted(self.sources),
+        }
         if self.pci_bus:
             evidence["pci_bus"] = self.pci_bus
         if self.driver_gpus:
@@ -291,10 +342,20 @@ class DriverFold:
         if self.severities:
             evidence["aer_severity"] = sorted(self.severities)
         where = f" {window}" if window else ""
-        named = ("" if self.pci_bus or not self.driver_gpus else
-                 f" (the driver's GPU {', '.join(map(str, sorted(self.driver_gpus)))}: the line "
-                 "names no bus)")
-        return Result(check=check, target=self.target, metric=metric, status=status,
-                      value=self.count, unit="lines", evidence=evidence,
-                      detail=f"{name} on {self.target}{named}, {self.count} line(s){where}: "
-                             f"{self.first_line}")
+        named = (
+            ""
+            if self.pci_bus or not self.driver_gpus
+            else f" (the driver's GPU {', '.join(map(str, sorted(self.driver_gpus)))}: the line "
+            "names no bus)"
+        )
+        return Result(
+            check=check,
+            target=self.target,
+            metric=metric,
+            status=status,
+            value=self.count,
+            unit="lines",
+            evidence=evidence,
+            detail=f"{name} on {self.target}{named}, {self.count} line(s){where}: "
+            f"{self.first_line}",
+        )

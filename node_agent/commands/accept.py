@@ -33,8 +33,12 @@ def cmd_run_suite(args: argparse.Namespace) -> int:
         path = json_report.write(report, out_dir)
     finally:
         env.close()
-    code = print_report(report, path, note, args.json,
-                        lambda r: render_summary(r, colour=sys.stdout.isatty(),
-                                                 verbose=args.verbose))
+    code = print_report(
+        report,
+        path,
+        note,
+        args.json,
+        lambda r: render_summary(r, colour=sys.stdout.isatty(), verbose=args.verbose),
+    )
     write_outputs(report, args.html, args.junit)
     return code

@@ -44,18 +44,28 @@ OPERATOR_ACTIONS = ("drain", "resume", "restart", "replace")
 
 def add_act_options(parser: argparse.ArgumentParser) -> None:
     """``--act``, ``--adapter``, ``--dry-run`` for ``accept`` and ``check``."""
-    parser.add_argument("--act", action="store_true",
-                        help="after grading, remediate through the scheduler adapter "
-                             "(drain/restart/replace, with the safety guards)")
+    parser.add_argument(
+        "--act",
+        action="store_true",
+        help="after grading, remediate through the scheduler adapter "
+        "(drain/restart/replace, with the safety guards)",
+    )
     _adapter_options(parser)
 
 
 def _adapter_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--adapter", choices=ADAPTER_NAMES, metavar="NAME",
-                        help=f"scheduler adapter ({', '.join(ADAPTER_NAMES)}; default: "
-                             "adapter.name from the config)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="record what would be done (outcome dry-run), change nothing")
+    parser.add_argument(
+        "--adapter",
+        choices=ADAPTER_NAMES,
+        metavar="NAME",
+        help=f"scheduler adapter ({', '.join(ADAPTER_NAMES)}; default: "
+        "adapter.name from the config)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="record what would be done (outcome dry-run), change nothing",
+    )
 
 
 def add_commands(sub, common) -> None:
@@ -63,8 +73,12 @@ def add_commands(sub, common) -> None:
     act = sub.add_parser("act", help="drain/resume/restart/replace this node now (operator)")
     common(act)
     act.add_argument("action", choices=OPERATOR_ACTIONS)
-    act.add_argument("--reason", metavar="TEXT", help="why (printable, one line, "
-                     "at most 160 characters; stored after the node-agent: prefix)")
+    act.add_argument(
+        "--reason",
+        metavar="TEXT",
+        help="why (printable, one line, "
+        "at most 160 characters; stored after the node-agent: prefix)",
+    )
     _adapter_options(act)
 
     status = sub.add_parser("status", help="remediation state, last grade, journal, breaker")
@@ -72,15 +86,15 @@ def add_commands(sub, common) -> None:
     status.add_argument("--json", action="store_true", help="print the status as JSON")
     status.add_argument("--limit", type=int, default=10, help="journal rows to show")
 
-    healthy = sub.add_parser("set-healthy", help="after a repair: clear the node's remediation "
-                                                 "state and restart counts")
+    healthy = sub.add_parser(
+        "set-healthy", help="after a repair: clear the node's remediation state and restart counts"
+    )
     common(healthy)
     healthy.add_argument("--reason", metavar="TEXT", help="what was repaired")
 
     breaker = sub.add_parser("breaker", help="the circuit breaker of automatic actions")
     common(breaker)
-    breaker.add_argument("op", choices=("reset",), help="reset: close it, automatic actions "
-                                                        "resume")
+    breaker.add_argument("op", choices=("reset",), help="reset: close it, automatic actions resume")
 
     optout = sub.add_parser("optout", help="opt this node out of automatic actions (on|off)")
     common(optout)
@@ -101,12 +115,18 @@ def prepare(args: argparse.Namespace, config: Config) -> Acting | None:
     """Before the suite runs: open the adapter and store for ``--act`` (ConfigError: exit 2)."""
     if not getattr(args, "act", False):
         if getattr(args, "dry_run", False) or getattr(args, "adapter", None):
-            raise ConfigError("--adapter and --dry-run apply only with --act "
-                              "(add --act to remediate after grading)")
+            raise ConfigError(
+                "--adapter and --dry-run apply only with --act "
+                "(add --act to remediate after grading)"
+            )
         return None
     adapter = open_configured_adapter(config, args.adapter)
-    return Acting(config, adapter, open_store(config.state_dir),
-                  bool(args.dry_run or config.get("adapter.dry_run")))
+    return Acting(
+        config,
+        adapter,
+        open_store(config.state_dir),
+        bool(args.dry_run or config.get("adapter.dry_run")),
+    )
 
 
 def act_on_report(acting: Acting | None, env: Environment, report: Report) -> None:
@@ -124,11 +144,18 @@ def act_on_report(acting: Acting | None, env: Environment, report: Report) -> No
 
     try:
         remediator = Remediator(
-            acting.store, acting.adapter, report.host.hostname, Safety.from_config(acting.config),
-            state_dir=state_dir_of(acting.store), dry_run=acting.dry_run,
+            acting.store,
+            acting.adapter,
+            report.host.hostname,
+            Safety.from_config(acting.config),
+            state_dir=state_dir_of(acting.store),
+            dry_run=acting.dry_run,
             boot_time=time.time() if env.simulated else boot_time(),
-            gpu_resetter=gpu_resetter(env), retest=retest, kernel_log=env.kernel_log,
-            gpu_pids=None if env.simulated else evidence.gpu_pids)
+            gpu_resetter=gpu_resetter(env),
+            retest=retest,
+            kernel_log=env.kernel_log,
+            gpu_pids=None if env.simulated else evidence.gpu_pids,
+        )
         outcome = remediator.remediate(report)
     finally:
         acting.store.close()
@@ -145,14 +172,21 @@ def cmd_act(args: argparse.Namespace) -> int:
     adapter = open_configured_adapter(config, args.adapter)
     text = sanitise_operator_text(args.reason)
     store = open_store(config.state_dir)
-    kernel_log: KernelLog | None = (None if args.simulate
-                                    else open_kernel_log(kernel_log_path(config)))
+    kernel_log: KernelLog | None = (
+        None if args.simulate else open_kernel_log(kernel_log_path(config))
+    )
     try:
         remediator = Remediator(
-            store, adapter, node, Safety.from_config(config), state_dir=state_dir_of(store),
+            store,
+            adapter,
+            node,
+            Safety.from_config(config),
+            state_dir=state_dir_of(store),
             dry_run=bool(args.dry_run or config.get("adapter.dry_run")),
-            boot_time=time.time() if args.simulate else boot_time(), kernel_log=kernel_log,
-            gpu_pids=None if args.simulate else evidence.gpu_pids)
+            boot_time=time.time() if args.simulate else boot_time(),
+            kernel_log=kernel_log,
+            gpu_pids=None if args.simulate else evidence.gpu_pids,
+        )
         outcome = remediator.act(args.action, text)
     finally:
         store.close()
@@ -169,8 +203,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         try:
             data = status_data(store, node, config, args.limit)
         except StateUnavailable as err:  # not even a read-only look: say so, in one line
-            print(f"node-agent: state unavailable: {err}; automatic actions are refused",
-                  file=sys.stderr)
+            print(
+                f"node-agent: state unavailable: {err}; automatic actions are refused",
+                file=sys.stderr,
+            )
             return EXIT_AGENT_FAILED
     finally:
         store.close()
@@ -179,52 +215,80 @@ def cmd_status(args: argparse.Namespace) -> int:
         return EXIT_OK
     rec, last, br = data["remediation"], data["last_run"], data["breaker"]
     out = _print_escaped  # what follows may hold text a training job wrote
-    out(f"node {node}: {rec['state']} since {_iso(rec['since'])}"
-        + (f"  ({rec['fault_code']} {rec['target']}, by {rec['trigger']})"
-           if rec["fault_code"] else ""))
+    out(
+        f"node {node}: {rec['state']} since {_iso(rec['since'])}"
+        + (
+            f"  ({rec['fault_code']} {rec['target']}, by {rec['trigger']})"
+            if rec["fault_code"]
+            else ""
+        )
+    )
     if last:
         why = ", ".join(f"{r['rule']} {r['target']}" for r in last["reasons"][:3])
-        out(f"last grade: {last['level']} ({last['suite']} at {_iso(last['at'])})"
-            + (f": {why}" if why else ""))
+        out(
+            f"last grade: {last['level']} ({last['suite']} at {_iso(last['at'])})"
+            + (f": {why}" if why else "")
+        )
     else:
         out("last grade: none recorded (runs are recorded with --act)")
-    out("breaker: " + (f"OPEN since {_iso(br['opened_at'])}: {br['reason']}; reset with "
-                       "`node-agent breaker reset`" if br["open"] else "closed"))
+    out(
+        "breaker: "
+        + (
+            f"OPEN since {_iso(br['opened_at'])}: {br['reason']}; reset with "
+            "`node-agent breaker reset`"
+            if br["open"]
+            else "closed"
+        )
+    )
     out(f"opt-out: {data['opt_out'] or 'no'}")
     hist = data["history"]
-    out(f"remediations in 7 days: {hist['remediations_7d']} of "
+    out(
+        f"remediations in 7 days: {hist['remediations_7d']} of "
         f"safety.max_remediations_7d={hist['max_remediations_7d']}"
-        + (" (HELD for an operator: no further restart)" if hist["held"] else ""))
+        + (" (HELD for an operator: no further restart)" if hist["held"] else "")
+    )
     if hist["hold"]:
         out(f"hold: {hist['hold']}")
-    restarts = ", ".join(f"{code} {n} of {hist['restart_limits'].get(code, '?')}"
-                         for code, n in hist["restarts_per_code"].items())
+    restarts = ", ".join(
+        f"{code} {n} of {hist['restart_limits'].get(code, '?')}"
+        for code, n in hist["restarts_per_code"].items()
+    )
     out(f"restarts per fault code in {hist['restart_window_h']:g} h: {restarts or 'none'}")
     out(f"journal (last {len(data['journal'])}):")
     for row in data["journal"]:
-        out(f"  #{row['id']:<4} {_iso(row['updated_at'])}  {row['action']:<9} "
+        out(
+            f"  #{row['id']:<4} {_iso(row['updated_at'])}  {row['action']:<9} "
             f"{row['state']:<8} {row['trigger']:<8} {row['fault_code'] or '-'} "
-            f"{row['target'] or '-'}  {row['detail'][:120]}")
-    out(f"state: {data['database'] or 'none readable'}"
-        + (f" (UNAVAILABLE: {data['unavailable']}; automatic actions are refused)"
-           if data["unavailable"] else ""))
+            f"{row['target'] or '-'}  {row['detail'][:120]}"
+        )
+    out(
+        f"state: {data['database'] or 'none readable'}"
+        + (
+            f" (UNAVAILABLE: {data['unavailable']}; automatic actions are refused)"
+            if data["unavailable"]
+            else ""
+        )
+    )
     return EXIT_OK
 
 
-def status_data(store: Store, node: str, config: Config, limit: int = 10,
-                now: float | None = None) -> dict:
+def status_data(
+    store: Store, node: str, config: Config, limit: int = 10, now: float | None = None
+) -> dict:
     last = store.last_run(node)
     br = store.breaker()
     record = store.node_record(node)
     return {
         "node": node,
         "remediation": record.to_dict(),
-        "history": _history(store, record, Safety.from_config(config),
-                            time.time() if now is None else now),
+        "history": _history(
+            store, record, Safety.from_config(config), time.time() if now is None else now
+        ),
         "last_run": last.__dict__ if last else None,
         "breaker": br.__dict__,
-        "opt_out": ("config safety.opt_out" if config.get("safety.opt_out")
-                    else store.opted_out(node)),
+        "opt_out": (
+            "config safety.opt_out" if config.get("safety.opt_out") else store.opted_out(node)
+        ),
         "journal": [r.to_dict() for r in store.journal_tail(node, limit)],
         "database": str(store.path) if store.path else None,
         "unavailable": store.unavailable,
@@ -245,17 +309,25 @@ def cmd_set_healthy(args: argparse.Namespace) -> int:
     finally:
         store.close()
     from node_agent.checks.sdc_spool import clear_standing
+
     try:
         sdc = clear_standing(config.state_dir)
     except OSError as err:
         sdc = 0
-        print(f"node-agent: WARNING: cannot clear the standing SDC faults in "
-              f"{config.state_dir}: {err.strerror or err}", file=sys.stderr)
-    print(f"node {node}: {before.state} -> in-service; restart counts and fault history "
-          f"cleared ({text})" + (f"; {sdc} standing SDC finding(s) cleared" if sdc else ""))
+        print(
+            f"node-agent: WARNING: cannot clear the standing SDC faults in "
+            f"{config.state_dir}: {err.strerror or err}",
+            file=sys.stderr,
+        )
+    print(
+        f"node {node}: {before.state} -> in-service; restart counts and fault history "
+        f"cleared ({text})" + (f"; {sdc} standing SDC finding(s) cleared" if sdc else "")
+    )
     if before.state != "in-service":
-        print("the node may still be drained in the scheduler: run `node-agent act resume` "
-              "to return it to service")
+        print(
+            "the node may still be drained in the scheduler: run `node-agent act resume` "
+            "to return it to service"
+        )
     return EXIT_OK
 
 
@@ -268,9 +340,15 @@ def cmd_breaker(args: argparse.Namespace) -> int:
         return _unavailable("breaker reset", err)
     finally:
         store.close()
-    print("breaker reset: " + (f"was open since {_iso(before.opened_at)} ({before.reason}); "
-                               if before.open else "was already closed; ")
-          + "automatic actions are allowed again")
+    print(
+        "breaker reset: "
+        + (
+            f"was open since {_iso(before.opened_at)} ({before.reason}); "
+            if before.open
+            else "was already closed; "
+        )
+        + "automatic actions are allowed again"
+    )
     return EXIT_OK
 
 
@@ -279,14 +357,14 @@ def cmd_optout(args: argparse.Namespace) -> int:
     node = node_name(config, args.simulate)
     store = open_store(config.state_dir)
     try:
-        store.set_opt_out(node, args.switch == "on", time.time(),
-                          sanitise_operator_text(args.reason))
+        store.set_opt_out(
+            node, args.switch == "on", time.time(), sanitise_operator_text(args.reason)
+        )
     except StateUnavailable as err:
         return _unavailable(f"optout {args.switch}", err)
     finally:
         store.close()
-    print(f"node {node}: automatic actions "
-          + ("off (opted out)" if args.switch == "on" else "on"))
+    print(f"node {node}: automatic actions " + ("off (opted out)" if args.switch == "on" else "on"))
     return EXIT_OK
 
 
@@ -307,15 +385,20 @@ def _history(store: Store, record: NodeRecord, safety: Safety, now: float) -> di
     held = record.state == "needs-operator"
     hold = None
     if held:
-        why = ("restarted too often in 7 days" if record.fault_code == REMEDIATIONS_CODE
-               else "restarts spent on a software cause")
-        hold = (f"needs-operator since {_iso(record.since)}: {why} ({record.fault_code} "
-                f"{record.target}); fix the cause, then `node-agent set-healthy` and "
-                "`node-agent act resume`")
+        why = (
+            "restarted too often in 7 days"
+            if record.fault_code == REMEDIATIONS_CODE
+            else "restarts spent on a software cause"
+        )
+        hold = (
+            f"needs-operator since {_iso(record.since)}: {why} ({record.fault_code} "
+            f"{record.target}); fix the cause, then `node-agent set-healthy` and "
+            "`node-agent act resume`"
+        )
     return {
-        "remediations_7d": store.count_done(record.node, REMEDIATION_ACTIONS,
-                                            remediation_window_start(record, now),
-                                            trigger="auto"),
+        "remediations_7d": store.count_done(
+            record.node, REMEDIATION_ACTIONS, remediation_window_start(record, now), trigger="auto"
+        ),
         "max_remediations_7d": safety.max_remediations_7d,
         "restarts_per_code": per_code,
         "restart_limits": limits,
@@ -325,8 +408,13 @@ def _history(store: Store, record: NodeRecord, safety: Safety, now: float) -> di
     }
 
 
-COMMANDS = {"act": cmd_act, "status": cmd_status, "set-healthy": cmd_set_healthy,
-            "breaker": cmd_breaker, "optout": cmd_optout}
+COMMANDS = {
+    "act": cmd_act,
+    "status": cmd_status,
+    "set-healthy": cmd_set_healthy,
+    "breaker": cmd_breaker,
+    "optout": cmd_optout,
+}
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -337,15 +425,17 @@ def _print_escaped(text: str = "") -> None:
 
 
 def _unavailable(what: str, err: StateUnavailable) -> int:
-    print(f"node-agent: {what} not done: state unavailable: {err}; fix the state directory "
-          "(disk space, permissions, mount) and run it again", file=sys.stderr)
+    print(
+        f"node-agent: {what} not done: state unavailable: {err}; fix the state directory "
+        "(disk space, permissions, mount) and run it again",
+        file=sys.stderr,
+    )
     return EXIT_AGENT_FAILED
 
 
 def _exit_for(outcome: Outcome) -> int:
     worst = outcome.worst
-    return EXIT_AGENT_FAILED if worst == "failed" else EXIT_USAGE if worst == "refused" else \
-        EXIT_OK
+    return EXIT_AGENT_FAILED if worst == "failed" else EXIT_USAGE if worst == "refused" else EXIT_OK
 
 
 def _iso(epoch: float | None) -> str:

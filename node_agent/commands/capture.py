@@ -24,16 +24,27 @@ from node_agent.sim.capture import (
 
 
 def add_parser(sub: Any, common: Any) -> None:
-    p = sub.add_parser("capture", help="record this node (NVML call by call, the PCI bus, the "
-                                       "kernel log) as a scenario that replays as this node")
+    p = sub.add_parser(
+        "capture",
+        help="record this node (NVML call by call, the PCI bus, the "
+        "kernel log) as a scenario that replays as this node",
+    )
     common(p)
     p.add_argument("out", metavar="OUT.yaml", help="scenario file to write (replaced whole)")
     p.add_argument("--sku", metavar="NAME", help="SKU file to name when none matches the GPUs")
-    p.add_argument("--kernel-log-records", type=int, default=KERNEL_LOG_RECORDS, metavar="N",
-                   help=f"kernel-log records to keep, the newest (default {KERNEL_LOG_RECORDS})")
-    p.add_argument("--from-readings", metavar="DIR",
-                   help="convert nvidia-ml-py readings (nvml-readings.json, "
-                        "kernel-log-boot.txt, PROVENANCE.md) instead of reading this node")
+    p.add_argument(
+        "--kernel-log-records",
+        type=int,
+        default=KERNEL_LOG_RECORDS,
+        metavar="N",
+        help=f"kernel-log records to keep, the newest (default {KERNEL_LOG_RECORDS})",
+    )
+    p.add_argument(
+        "--from-readings",
+        metavar="DIR",
+        help="convert nvidia-ml-py readings (nvml-readings.json, "
+        "kernel-log-boot.txt, PROVENANCE.md) instead of reading this node",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,10 +53,17 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if args.kernel_log_records < 0:
         raise UsageError("--kernel-log-records: expected 0 or more")
-    argv = ["capture", args.out, *(["--sku", args.sku] if args.sku else []),
-            *(["--simulate", args.simulate] if args.simulate else []),
-            *([f"--kernel-log-records={args.kernel_log_records}"]
-              if args.kernel_log_records != KERNEL_LOG_RECORDS else [])]
+    argv = [
+        "capture",
+        args.out,
+        *(["--sku", args.sku] if args.sku else []),
+        *(["--simulate", args.simulate] if args.simulate else []),
+        *(
+            [f"--kernel-log-records={args.kernel_log_records}"]
+            if args.kernel_log_records != KERNEL_LOG_RECORDS
+            else []
+        ),
+    ]
     try:
         if args.from_readings:
             from node_agent.sim.capture_import import convert
@@ -56,16 +74,21 @@ def run(args: argparse.Namespace) -> int:
             text = _capture_simulated(args, skus, argv)
         else:
             scenario, header = capture_node(
-                skus, argv, sku=args.sku,
+                skus,
+                argv,
+                sku=args.sku,
                 call_timeout_s=float(config.get("nvml.call_timeout_s")),
                 kernel_log_records=args.kernel_log_records,
-                kernel_log_file=kernel_log_path(config))
+                kernel_log_file=kernel_log_path(config),
+            )
             text = dump(scenario, header)
     except CaptureError as err:
         raise UsageError(str(err)) from err
     write_capture(out, text)
-    print(f"node-agent: captured into {out}; replay with: node-agent check --simulate {out}",
-          file=sys.stderr)
+    print(
+        f"node-agent: captured into {out}; replay with: node-agent check --simulate {out}",
+        file=sys.stderr,
+    )
     return EXIT_OK
 
 
@@ -89,14 +112,22 @@ def _capture_simulated(args: argparse.Namespace, skus: dict, argv: list[str]) ->
     with tempfile.TemporaryDirectory(prefix="node-agent-capture-") as tmp:
         tree = write_pci_sysfs(simulated_pci(scenario, sku), Path(tmp) / "devices")
         kmsg = Path(tmp) / "kmsg"  # a missing kmsg: the log comes from the scenario below
-        captured, header = capture_node(skus, argv, sku=args.sku or scenario.sku,
-                                        kernel_log_records=args.kernel_log_records,
-                                        pci_root=tree, kmsg_path=str(kmsg), nvml_lib=lib)
+        captured, header = capture_node(
+            skus,
+            argv,
+            sku=args.sku or scenario.sku,
+            kernel_log_records=args.kernel_log_records,
+            pci_root=tree,
+            kmsg_path=str(kmsg),
+            nvml_lib=lib,
+        )
     captured["hostname"] = scenario.hostname
-    captured["kernel_log"] = log[-args.kernel_log_records:] if args.kernel_log_records else []
+    captured["kernel_log"] = log[-args.kernel_log_records :] if args.kernel_log_records else []
     captured["capture"]["kind"] = "captured-simulated"
     captured["capture"]["simulated_from"] = scenario.source
-    captured["capture"]["kernel_log"] = {"source": "the scenario's simulated kernel log",
-                                         "records": len(captured["kernel_log"])}
+    captured["capture"]["kernel_log"] = {
+        "source": "the scenario's simulated kernel log",
+        "records": len(captured["kernel_log"]),
+    }
     captured["capture"]["pci"] = {"source": "the scenario's simulated PCI bus"}
     return dump(captured, [f"{header[0]} (simulated node: {scenario.source})", *header[1:]])

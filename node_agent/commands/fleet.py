@@ -22,9 +22,17 @@ from node_agent.yamlfile import ConfigError
 EXIT_NO_SUSPECTS, EXIT_SUSPECTS = 0, 3
 
 
-def run(inputs: Sequence[str], graders_dir: Path, *, as_json: bool = False,
-        html: str | None = None, topology: str | None = None,
-        owners: frozenset[int] | None = None, out=sys.stdout, err=sys.stderr) -> int:
+def run(
+    inputs: Sequence[str],
+    graders_dir: Path,
+    *,
+    as_json: bool = False,
+    html: str | None = None,
+    topology: str | None = None,
+    owners: frozenset[int] | None = None,
+    out=sys.stdout,
+    err=sys.stderr,
+) -> int:
     """``node-agent fleet``: 0 nothing found, 3 suspects, fleet stragglers or hung jobs found;
     ConfigError (exit 2) when no report could be read, an input does not exist, or a
     rules/topology file is invalid. ``owners``: believe only report files owned by these uids
@@ -41,12 +49,20 @@ def run(inputs: Sequence[str], graders_dir: Path, *, as_json: bool = False,
     if len(analysis.skipped) > 20:
         print(f"fleet: ... and {len(analysis.skipped) - 20} more skipped", file=err)
     if not analysis.nodes:
-        raise ConfigError(printable(
-            f"fleet: none of {analysis.reports} file(s) is a readable report "
-            f"({len(analysis.unreadable)} unreadable"
-            + (f", first: {analysis.unreadable[0][1]}" if analysis.unreadable else "")
-            + (f"; {len(analysis.skipped)} skipped, first: {analysis.skipped[0][0]}: "
-               f"{analysis.skipped[0][1]}" if analysis.skipped else "") + ")"))
+        raise ConfigError(
+            printable(
+                f"fleet: none of {analysis.reports} file(s) is a readable report "
+                f"({len(analysis.unreadable)} unreadable"
+                + (f", first: {analysis.unreadable[0][1]}" if analysis.unreadable else "")
+                + (
+                    f"; {len(analysis.skipped)} skipped, first: {analysis.skipped[0][0]}: "
+                    f"{analysis.skipped[0][1]}"
+                    if analysis.skipped
+                    else ""
+                )
+                + ")"
+            )
+        )
     if html:
         path = write_fleet_html(analysis, html)
         print(f"fleet html: {path}", file=err)
@@ -69,5 +85,11 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     if args.simulate:
         raise UsageError("fleet reads saved reports; --simulate does not apply")
     config = load_config(args.config)
-    return run(args.reports, graders_dir(config), as_json=args.json,
-               html=args.html, topology=args.topology, owners=report_owners(config))
+    return run(
+        args.reports,
+        graders_dir(config),
+        as_json=args.json,
+        html=args.html,
+        topology=args.topology,
+        owners=report_owners(config),
+    )

@@ -42,7 +42,10 @@ class Regraded:
     @property
     def changed(self) -> bool:
         return (self.saved.level, self.saved.action, set(self.saved.reasons)) != (
-            self.regraded.level, self.regraded.action, set(self.regraded.reasons))
+            self.regraded.level,
+            self.regraded.action,
+            set(self.regraded.reasons),
+        )
 
     @property
     def added(self) -> list[Reason]:
@@ -55,15 +58,18 @@ class Regraded:
         return [r for r in self.saved.reasons if r not in after]
 
     def to_dict(self) -> dict:
-        return {"report": self.path, "hostname": self.report.host.hostname,
-                "changed": self.changed, "saved": self.saved.to_dict(),
-                "regraded": self.regraded.to_dict(),
-                "added_reasons": [r.to_dict() for r in self.added],
-                "removed_reasons": [r.to_dict() for r in self.removed]}
+        return {
+            "report": self.path,
+            "hostname": self.report.host.hostname,
+            "changed": self.changed,
+            "saved": self.saved.to_dict(),
+            "regraded": self.regraded.to_dict(),
+            "added_reasons": [r.to_dict() for r in self.added],
+            "removed_reasons": [r.to_dict() for r in self.removed],
+        }
 
 
-def regrade(paths: Sequence[Path], grader: Grader
-            ) -> tuple[list[Regraded], list[tuple[str, str]]]:
+def regrade(paths: Sequence[Path], grader: Grader) -> tuple[list[Regraded], list[tuple[str, str]]]:
     """(re-graded reports, [(path, why unreadable)]); the saved files are not modified."""
     done, unreadable = [], []
     for path in paths:
@@ -72,19 +78,29 @@ def regrade(paths: Sequence[Path], grader: Grader
         except ReportFormatError as err:
             unreadable.append((str(path), str(err)))
             continue
-        done.append(Regraded(path=str(path), report=report, saved=report.grade,
-                             regraded=grader.grade(report.results, report.mode)))
+        done.append(
+            Regraded(
+                path=str(path),
+                report=report,
+                saved=report.grade,
+                regraded=grader.grade(report.results, report.mode),
+            )
+        )
     return done, unreadable
 
 
 def render_diff(items: list[Regraded], unreadable: list[tuple[str, str]], rules: str) -> str:
     changed = [i for i in items if i.changed]
-    lines = [f"re-graded {len(items)} report(s) with the rules in {rules}: {len(changed)} changed"
-             + (f", {len(unreadable)} unreadable" if unreadable else "")]
+    lines = [
+        f"re-graded {len(items)} report(s) with the rules in {rules}: {len(changed)} changed"
+        + (f", {len(unreadable)} unreadable" if unreadable else "")
+    ]
     for item in changed:
-        lines.append(f"{item.report.host.hostname}: {item.saved.level.name} -> "
-                     f"{item.regraded.level.name} (action {item.saved.action.value} -> "
-                     f"{item.regraded.action.value})  [{item.path}]")
+        lines.append(
+            f"{item.report.host.hostname}: {item.saved.level.name} -> "
+            f"{item.regraded.level.name} (action {item.saved.action.value} -> "
+            f"{item.regraded.action.value})  [{item.path}]"
+        )
         for sign, reasons in (("+", item.added), ("-", item.removed)):
             for r in reasons:
                 lines.append(f"  {sign} {r.level.name:7} {r.target:10} [{r.rule}] {r.message}")
@@ -93,8 +109,14 @@ def render_diff(items: list[Regraded], unreadable: list[tuple[str, str]], rules:
     return "\n".join(lines)
 
 
-def run(inputs: Sequence[str], grader: Grader, rules_label: str, *, as_json: bool = False,
-        out: TextIO = sys.stdout) -> tuple[int | None, list[Regraded]]:
+def run(
+    inputs: Sequence[str],
+    grader: Grader,
+    rules_label: str,
+    *,
+    as_json: bool = False,
+    out: TextIO = sys.stdout,
+) -> tuple[int | None, list[Regraded]]:
     """Re-grade and print the diff; returns (worst re-graded level or None, items).
 
     ConfigError (exit 2) when no input is a readable report.
@@ -105,9 +127,17 @@ def run(inputs: Sequence[str], grader: Grader, rules_label: str, *, as_json: boo
         first = f": {unreadable[0][1]}" if unreadable else ""
         raise ConfigError(f"grade: no readable report among {len(paths)} file(s){first}")
     if as_json:
-        print(json.dumps({"rules": rules_label, "reports": [i.to_dict() for i in items],
-                          "unreadable": [{"path": p, "error": e} for p, e in unreadable]},
-                         indent=2), file=out)
+        print(
+            json.dumps(
+                {
+                    "rules": rules_label,
+                    "reports": [i.to_dict() for i in items],
+                    "unreadable": [{"path": p, "error": e} for p, e in unreadable],
+                },
+                indent=2,
+            ),
+            file=out,
+        )
     else:
         print(render_diff(items, unreadable, rules_label), file=out)
     worst = max((i.regraded.level for i in items), default=Level.HEALTHY)
@@ -120,8 +150,10 @@ def rules_grader(rules_dir: str | None, current: Grader) -> tuple[Grader, str]:
         return current, "current graders directory"
     path = Path(rules_dir)
     if not path.is_dir():
-        raise ConfigError(f"--rules {rules_dir}: not a directory; expected a graders directory "
-                          "holding rules.yaml and xid.yaml (copy the shipped graders/ and edit it)")
+        raise ConfigError(
+            f"--rules {rules_dir}: not a directory; expected a graders directory "
+            "holding rules.yaml and xid.yaml (copy the shipped graders/ and edit it)"
+        )
     from node_agent.grading.rules import load_grader
 
     return load_grader(path), str(path)
@@ -142,8 +174,11 @@ def cmd_grade(args: argparse.Namespace) -> int:
     saved = json_report.read(args.report[0])
     regraded = grader.grade(saved.results, saved.mode)
     if regraded.level != saved.grade.level:
-        print(f"node-agent: note: the saved grade was {saved.grade.level.name}; with the current "
-              f"rules it is {regraded.level.name}", file=sys.stderr)
+        print(
+            f"node-agent: note: the saved grade was {saved.grade.level.name}; with the current "
+            f"rules it is {regraded.level.name}",
+            file=sys.stderr,
+        )
     saved.grade = regraded
     if args.json:
         print(json_report.dumps(saved))

@@ -31,23 +31,46 @@ CHECK = "training_progress"
 
 
 def add_parser(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
-    p = sub.add_parser("hang-check", help="one-shot hang and straggler check of the training "
-                                          "processes on this node")
+    p = sub.add_parser(
+        "hang-check",
+        help="one-shot hang and straggler check of the training processes on this node",
+    )
     common(p)
-    p.add_argument("--pid", type=int, action="append", metavar="PID",
-                   help="look only at this process (repeatable); default: every training "
-                        "process found (heartbeats, NVML compute processes)")
-    p.add_argument("--samples", type=int, metavar="N",
-                   help="py-spy stack samples per process (default: the periodic suite's, 3)")
-    p.add_argument("--interval", type=float, metavar="S",
-                   help="seconds between stack samples (default: the periodic suite's, 1)")
+    p.add_argument(
+        "--pid",
+        type=int,
+        action="append",
+        metavar="PID",
+        help="look only at this process (repeatable); default: every training "
+        "process found (heartbeats, NVML compute processes)",
+    )
+    p.add_argument(
+        "--samples",
+        type=int,
+        metavar="N",
+        help="py-spy stack samples per process (default: the periodic suite's, 3)",
+    )
+    p.add_argument(
+        "--interval",
+        type=float,
+        metavar="S",
+        help="seconds between stack samples (default: the periodic suite's, 1)",
+    )
     p.add_argument("--json", action="store_true", help="print the report alone on stdout")
-    p.add_argument("--out", metavar="DIR", help="directory for the JSON report "
-                   "(default: <state_dir>/reports, or a temp dir)")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="directory for the JSON report (default: <state_dir>/reports, or a temp dir)",
+    )
 
 
-def build_suite(config: Config, suites_dir: Any, pids: list[int] | None,
-                samples: int | None, interval_s: float | None) -> Suite:
+def build_suite(
+    config: Config,
+    suites_dir: Any,
+    pids: list[int] | None,
+    samples: int | None,
+    interval_s: float | None,
+) -> Suite:
     """A one-check suite from the periodic suite's ``training_progress`` entry (or defaults)."""
     base: CheckSpec | None = None
     try:
@@ -64,11 +87,13 @@ def build_suite(config: Config, suites_dir: Any, pids: list[int] | None,
         params["stack_samples"] = samples
     if interval_s is not None:
         params["stack_interval_s"] = interval_s
-    return Suite(name="hang-check", mode="service",
-                 checks=(CheckSpec(CHECK, base.timeout_s if base else 60.0, params),),
-                 source=f"node-agent hang-check (params from "
-                        f"{'periodic suite' if base else 'defaults'})",
-                 description="training hang and straggler check, one-shot")
+    return Suite(
+        name="hang-check",
+        mode="service",
+        checks=(CheckSpec(CHECK, base.timeout_s if base else 60.0, params),),
+        source=f"node-agent hang-check (params from {'periodic suite' if base else 'defaults'})",
+        description="training hang and straggler check, one-shot",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,12 +109,12 @@ def run(args: argparse.Namespace) -> int:
     if args.samples is not None and args.samples < 1:
         raise ConfigError(f"--samples {args.samples}: expected at least 1")
     if args.interval is not None and not (math.isfinite(args.interval) and args.interval >= 0):
-        raise ConfigError(f"--interval {args.interval:g}: expected a finite number of "
-                          "seconds >= 0")
+        raise ConfigError(f"--interval {args.interval:g}: expected a finite number of seconds >= 0")
     config = load_config(args.config)
     suite = build_suite(config, suites_dir(config), args.pid, args.samples, args.interval)
-    return run_and_report(open_environment(config, args.simulate), suite, args.out, args.json,
-                          render)
+    return run_and_report(
+        open_environment(config, args.simulate), suite, args.out, args.json, render
+    )
 
 
 def render(report: Any) -> str:
@@ -97,8 +122,10 @@ def render(report: Any) -> str:
     training processes wrote has its control characters escaped)."""
     from node_agent.report.terminal import printable
 
-    lines = [f"training processes on {report.host.hostname}"
-             + ("  (SIMULATED)" if report.simulated else "")]
+    lines = [
+        f"training processes on {report.host.hostname}"
+        + ("  (SIMULATED)" if report.simulated else "")
+    ]
     for r in report.results:
         ev = r.evidence
         agreeing = ", ".join(str(a) for a in ev.get("agreeing") or []) or "-"
@@ -108,5 +135,3 @@ def render(report: Any) -> str:
     lines.append(f"grade: {g.level.name} (action {g.action.value})")
     lines += [f"  {x.level.name} {x.target} [{x.rule}] {x.message}" for x in g.reasons]
     return "\n".join(printable(line) for line in lines)
-
-

@@ -23,24 +23,30 @@ def cmd_inventory(args: argparse.Namespace) -> int:
             print(json.dumps(data, indent=2))
             return EXIT_OK
         host = inv.host
-        print(f"host {host.hostname}  kernel {host.kernel}  driver {host.driver or 'n/a'}  "
-              f"CUDA {host.cuda or 'n/a'}  backend {host.gpu_backend}"
-              f"{'  (SIMULATED)' if env.simulated else ''}")
+        print(
+            f"host {host.hostname}  kernel {host.kernel}  driver {host.driver or 'n/a'}  "
+            f"CUDA {host.cuda or 'n/a'}  backend {host.gpu_backend}"
+            f"{'  (SIMULATED)' if env.simulated else ''}"
+        )
         if env.gpu.unavailable_reason:
             print(f"no GPUs: {env.gpu.unavailable_reason}")
         print(f"SKU: {inv.sku.id if inv.sku else inv.sku_problem or 'none'}")
         if inv.sku_mismatch:
             print(f"SKU MISMATCH: {inv.sku_mismatch}")
         for g in inv.gpus:
-            print(f"  gpu:{g.index}  {g.name}  {g.pci_bus_id}  {g.uuid}  serial {g.serial or 'n/a'}"
-                  f"  VBIOS {g.vbios or 'n/a'}")
+            print(
+                f"  gpu:{g.index}  {g.name}  {g.pci_bus_id}  {g.uuid}  serial {g.serial or 'n/a'}"
+                f"  VBIOS {g.vbios or 'n/a'}"
+            )
         for index, error in sorted(inv.unreadable.items()):
             print(f"  gpu:{index}  UNREADABLE ({unreadable_kind(error)}): {error}")
         if bus.unreadable:
             print(f"PCI bus: unreadable: {bus.unreadable}")
         else:
-            print(f"PCI bus: {len(bus.gpus)} NVIDIA GPU(s)"
-                  + "".join(f"\n  pci:{g.describe()}" for g in bus.gpus))
+            print(
+                f"PCI bus: {len(bus.gpus)} NVIDIA GPU(s)"
+                + "".join(f"\n  pci:{g.describe()}" for g in bus.gpus)
+            )
         return EXIT_OK
     finally:
         env.close()

@@ -22,17 +22,24 @@ from node_agent.yamlfile import ConfigError
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="PATH",
-                        help="YAML configuration (default /etc/node-agent/config.yaml if present)")
-    parser.add_argument("--simulate", metavar="SCENARIO",
-                        help="run against a simulated node described by a scenario YAML file")
+    parser.add_argument(
+        "--config",
+        metavar="PATH",
+        help="YAML configuration (default /etc/node-agent/config.yaml if present)",
+    )
+    parser.add_argument(
+        "--simulate",
+        metavar="SCENARIO",
+        help="run against a simulated node described by a scenario YAML file",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="node-agent",
         description="Decide whether this GPU node is fit for service; grade it "
-                    "HEALTHY, WARN, ERROR (restart) or FAULT (replace).")
+        "HEALTHY, WARN, ERROR (restart) or FAULT (replace).",
+    )
     parser.add_argument("--version", action="version", version=f"node-agent {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -41,51 +48,85 @@ def build_parser() -> argparse.ArgumentParser:
     inv.add_argument("--json", action="store_true", help="print the inventory as JSON")
 
     for name, default_suite, helptext in (
-            ("accept", "delivery", "run the delivery (acceptance) suite"),
-            ("check", "quick", "run the quick suite (Slurm HealthCheckProgram)")):
+        ("accept", "delivery", "run the delivery (acceptance) suite"),
+        ("check", "quick", "run the quick suite (Slurm HealthCheckProgram)"),
+    ):
         p = sub.add_parser(name, help=helptext)
         _common(p)
-        p.add_argument("--suite", default=default_suite, metavar="NAME|PATH",
-                       help=f"suite name or YAML path (default {default_suite})")
+        p.add_argument(
+            "--suite",
+            default=default_suite,
+            metavar="NAME|PATH",
+            help=f"suite name or YAML path (default {default_suite})",
+        )
         p.add_argument("--json", action="store_true", help="print the report alone on stdout")
-        p.add_argument("--verbose", "-v", action="store_true",
-                       help="list passing results too in the summary")
-        p.add_argument("--out", metavar="DIR", help="directory for the JSON report "
-                       "(default: <state_dir>/reports, or a temp dir)")
+        p.add_argument(
+            "--verbose", "-v", action="store_true", help="list passing results too in the summary"
+        )
+        p.add_argument(
+            "--out",
+            metavar="DIR",
+            help="directory for the JSON report (default: <state_dir>/reports, or a temp dir)",
+        )
         if name == "accept":
             p.add_argument("--only", metavar="CHECK,...", help="run only these checks")
         add_output_arguments(p)
         act.add_act_options(p)
 
-    grade = sub.add_parser("grade", help="re-grade saved reports with the current rules, or "
-                           "with --rules DIR and a diff of the grades that changed")
+    grade = sub.add_parser(
+        "grade",
+        help="re-grade saved reports with the current rules, or "
+        "with --rules DIR and a diff of the grades that changed",
+    )
     _common(grade)
-    grade.add_argument("report", metavar="REPORT.json", nargs="+",
-                       help="saved report(s), or directories of them")
+    grade.add_argument(
+        "report", metavar="REPORT.json", nargs="+", help="saved report(s), or directories of them"
+    )
     grade.add_argument("--json", action="store_true", help="print the re-graded report as JSON")
-    grade.add_argument("--rules", metavar="DIR", help="graders directory (rules.yaml, xid.yaml) "
-                       "to re-grade with; prints the grades that changed")
+    grade.add_argument(
+        "--rules",
+        metavar="DIR",
+        help="graders directory (rules.yaml, xid.yaml) "
+        "to re-grade with; prints the grades that changed",
+    )
     add_output_arguments(grade)
 
-    daemon = sub.add_parser("daemon", help="run in the background: XID watch, periodic checks, "
-                            "Prometheus metrics, remediation (systemd Type=notify)")
+    daemon = sub.add_parser(
+        "daemon",
+        help="run in the background: XID watch, periodic checks, "
+        "Prometheus metrics, remediation (systemd Type=notify)",
+    )
     _common(daemon)
-    daemon.add_argument("--suite", metavar="NAME|PATH",
-                        help="periodic suite (default: daemon.suite, i.e. periodic)")
-    daemon.add_argument("--listen", metavar="HOST:PORT",
-                        help="metrics address (default: daemon.listen, 127.0.0.1:9847)")
-    daemon.add_argument("--log-level", default="INFO",
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    daemon.add_argument(
+        "--suite", metavar="NAME|PATH", help="periodic suite (default: daemon.suite, i.e. periodic)"
+    )
+    daemon.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="metrics address (default: daemon.listen, 127.0.0.1:9847)",
+    )
+    daemon.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
 
-    fleet = sub.add_parser("fleet", help="cross-node outliers, stragglers and hung jobs over "
-                                         "many reports (exit 3 on suspects or hung jobs)")
+    fleet = sub.add_parser(
+        "fleet",
+        help="cross-node outliers, stragglers and hung jobs over "
+        "many reports (exit 3 on suspects or hung jobs)",
+    )
     _common(fleet)
     fleet.add_argument("reports", metavar="REPORT.json|DIR", nargs="+")
     fleet.add_argument("--json", action="store_true", help="print the analysis as JSON")
-    fleet.add_argument("--html", metavar="PATH", help="also write an HTML page of the "
-                       "distributions with the outliers marked")
-    fleet.add_argument("--topology", metavar="FILE",
-                       help="YAML mapping parallel groups to node names; flags whole groups")
+    fleet.add_argument(
+        "--html",
+        metavar="PATH",
+        help="also write an HTML page of the distributions with the outliers marked",
+    )
+    fleet.add_argument(
+        "--topology",
+        metavar="FILE",
+        help="YAML mapping parallel groups to node names; flags whole groups",
+    )
     act.add_commands(sub, _common)
     sdc.add_parser(sub, _common)
     hang_check.add_parser(sub, _common)
@@ -110,16 +151,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - the contract's exit 1, one line unless debugging
         if os.environ.get("NODE_AGENT_DEBUG"):
             raise
-        print(f"node-agent: internal error: {type(err).__name__}: {err} "
-              "(set NODE_AGENT_DEBUG=1 for a traceback and report it)", file=sys.stderr)
+        print(
+            f"node-agent: internal error: {type(err).__name__}: {err} "
+            "(set NODE_AGENT_DEBUG=1 for a traceback and report it)",
+            file=sys.stderr,
+        )
         return EXIT_AGENT_FAILED
 
 
-COMMANDS = {"inventory": cmd_inventory, "accept": cmd_run_suite, "check": cmd_run_suite,
-            "grade": cmd_grade, "daemon": cmd_daemon, "fleet": cmd_fleet,
-            "sdc": sdc.run, "hang-check": hang_check.run, "capture": capture.run,
-            "stop-check": stop_check.cmd_stop_check,
-            **act.COMMANDS}
+COMMANDS = {
+    "inventory": cmd_inventory,
+    "accept": cmd_run_suite,
+    "check": cmd_run_suite,
+    "grade": cmd_grade,
+    "daemon": cmd_daemon,
+    "fleet": cmd_fleet,
+    "sdc": sdc.run,
+    "hang-check": hang_check.run,
+    "capture": capture.run,
+    "stop-check": stop_check.cmd_stop_check,
+    **act.COMMANDS,
+}
 
 if __name__ == "__main__":
     sys.exit(main())

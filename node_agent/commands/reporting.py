@@ -12,13 +12,16 @@ from node_agent.report import json_report
 from node_agent.runner import run_suite
 
 EXIT_OK, EXIT_AGENT_FAILED, EXIT_USAGE, EXIT_ERROR, EXIT_FAULT = 0, 1, 2, 3, 4
-EXIT_FOR_LEVEL = {Level.HEALTHY: EXIT_OK, Level.WARN: EXIT_OK, Level.ERROR: EXIT_ERROR,
-                  Level.FAULT: EXIT_FAULT}
+EXIT_FOR_LEVEL = {
+    Level.HEALTHY: EXIT_OK,
+    Level.WARN: EXIT_OK,
+    Level.ERROR: EXIT_ERROR,
+    Level.FAULT: EXIT_FAULT,
+}
 
 
 class UsageError(Exception):
     """Arguments that parse but do not make sense together (exit 2)."""
-
 
 
 def print_report(report: Report, path, note: str | None, as_json: bool, render) -> int:
@@ -31,8 +34,9 @@ def print_report(report: Report, path, note: str | None, as_json: bool, render) 
     return EXIT_FOR_LEVEL[report.grade.level]
 
 
-def run_and_report(env: Environment, suite, out: str | None, as_json: bool, render,
-                   progress=None) -> int:
+def run_and_report(
+    env: Environment, suite, out: str | None, as_json: bool, render, progress=None
+) -> int:
     """Run ``suite`` on ``env`` (closed afterwards), write the report and print it: the whole
     of a command that runs a suite and does not act on it (``sdc``, ``hang-check``)."""
     try:
@@ -49,7 +53,16 @@ def execute(suite, env: Environment, progress=None) -> Report:
     started = utc_now()
     results = run_suite(suite, env, progress=progress)
     grade = env.grader.grade(results, suite.mode)
-    return Report(host=env.inventory.host, gpus=env.inventory.gpus, suite=suite.name,
-                  mode=suite.mode, started_at=started, finished_at=utc_now(), results=results,
-                  grade=grade, simulated=env.simulated, agent_version=__version__,
-                  sku=env.sku.id if env.sku else None)
+    return Report(
+        host=env.inventory.host,
+        gpus=env.inventory.gpus,
+        suite=suite.name,
+        mode=suite.mode,
+        started_at=started,
+        finished_at=utc_now(),
+        results=results,
+        grade=grade,
+        simulated=env.simulated,
+        agent_version=__version__,
+        sku=env.sku.id if env.sku else None,
+    )

@@ -31,13 +31,22 @@ TIMEOUT_MARGIN_S = 300.0
 def add_parser(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
     p = sub.add_parser("sdc", help="run the silent-data-corruption probes standalone")
     common(p)
-    p.add_argument("--gpus", metavar="LIST",
-                   help="GPU indices to probe, e.g. 0,6 or 0-3 (default: all GPUs)")
-    p.add_argument("--duration", type=float, default=DEFAULT_DURATION_S, metavar="S",
-                   help=f"seconds to keep probing, in rounds (default {DEFAULT_DURATION_S:g})")
+    p.add_argument(
+        "--gpus", metavar="LIST", help="GPU indices to probe, e.g. 0,6 or 0-3 (default: all GPUs)"
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=DEFAULT_DURATION_S,
+        metavar="S",
+        help=f"seconds to keep probing, in rounds (default {DEFAULT_DURATION_S:g})",
+    )
     p.add_argument("--json", action="store_true", help="print the report alone on stdout")
-    p.add_argument("--out", metavar="DIR", help="directory for the JSON report "
-                   "(default: <state_dir>/reports, or a temp dir)")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="directory for the JSON report (default: <state_dir>/reports, or a temp dir)",
+    )
 
 
 def parse_gpu_list(text: str, present: list[int], node_gpus: int) -> list[int]:
@@ -58,20 +67,28 @@ def parse_gpu_list(text: str, present: list[int], node_gpus: int) -> list[int]:
                     raise ValueError
                 chosen.add(int(part))
         except ValueError:
-            raise ValueError(f"--gpus {text!r}: {part!r} is not a GPU index or range; expected "
-                             "a comma-separated list such as 0,6 or 0-3") from None
+            raise ValueError(
+                f"--gpus {text!r}: {part!r} is not a GPU index or range; expected "
+                "a comma-separated list such as 0,6 or 0-3"
+            ) from None
     absent = sorted(chosen - set(present))
     if absent:
         have = ", ".join(map(str, present)) or "none"
-        why = ("" if all(i < node_gpus for i in absent) else
-               f"; the node has {node_gpus} GPU(s), indices 0..{node_gpus - 1}")
-        raise ValueError(f"--gpus {text!r}: GPU {', '.join(map(str, absent))} not present"
-                         f"{why}; visible GPUs: {have}")
+        why = (
+            ""
+            if all(i < node_gpus for i in absent)
+            else f"; the node has {node_gpus} GPU(s), indices 0..{node_gpus - 1}"
+        )
+        raise ValueError(
+            f"--gpus {text!r}: GPU {', '.join(map(str, absent))} not present"
+            f"{why}; visible GPUs: {have}"
+        )
     return sorted(chosen)
 
 
-def build_suite(config: Config, suites_dir: Any, gpus: list[int] | None,
-                duration_s: float) -> Suite:
+def build_suite(
+    config: Config, suites_dir: Any, gpus: list[int] | None, duration_s: float
+) -> Suite:
     """A one-check suite ``sdc`` from the delivery suite's ``sdc`` entry (or the defaults)."""
     base: CheckSpec | None = None
     try:
@@ -87,9 +104,13 @@ def build_suite(config: Config, suites_dir: Any, gpus: list[int] | None,
             p["gpus"] = gpus
     params["simulated"] = simulated
     timeout = duration_s + max(TIMEOUT_MARGIN_S, base.timeout_s if base else 0.0)
-    return Suite(name="sdc", mode="delivery", checks=(CheckSpec("sdc", timeout, params),),
-                 source=f"node-agent sdc (params from {base and 'delivery suite' or 'defaults'})",
-                 description="SDC probes, standalone")
+    return Suite(
+        name="sdc",
+        mode="delivery",
+        checks=(CheckSpec("sdc", timeout, params),),
+        source=f"node-agent sdc (params from {base and 'delivery suite' or 'defaults'})",
+        description="SDC probes, standalone",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,8 +134,10 @@ def run(args: argparse.Namespace) -> int:
             present = [g.index for g in env.inventory.gpus]
             if not present and not env.simulated:
                 why = env.gpu.unavailable_reason or "the GPU backend lists none"
-                raise ConfigError(f"--gpus {args.gpus}: no GPUs visible on this host ({why}); "
-                                 "use --simulate SCENARIO to run the probes on a simulated node")
+                raise ConfigError(
+                    f"--gpus {args.gpus}: no GPUs visible on this host ({why}); "
+                    "use --simulate SCENARIO to run the probes on a simulated node"
+                )
             node_gpus = env.scenario.gpus if env.scenario else (env.expected_gpus or len(present))
             try:
                 gpus = parse_gpu_list(args.gpus, present, max(node_gpus, len(present)))
@@ -124,17 +147,23 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         env.close()
         raise
-    return run_and_report(env, suite, args.out, args.json, render_counts,
-                          progress=ProgressPrinter() if sys.stderr.isatty() else None)
+    return run_and_report(
+        env,
+        suite,
+        args.out,
+        args.json,
+        render_counts,
+        progress=ProgressPrinter() if sys.stderr.isatty() else None,
+    )
 
 
 def render_counts(report: Any) -> str:
     """Verdict counts per GPU and the share of its SMs the exact probes reached
     (``sm_coverage``), then the grade and its reasons (plain text)."""
-    lines = [f"SDC probes on {report.host.hostname}"
-             + ("  (SIMULATED)" if report.simulated else ""),
-             f"{'GPU':<8}{'pass':>8}{'transient':>11}{'confirmed':>11}{'error':>7}{'SMs':>6}"
-             "  result"]
+    lines = [
+        f"SDC probes on {report.host.hostname}" + ("  (SIMULATED)" if report.simulated else ""),
+        f"{'GPU':<8}{'pass':>8}{'transient':>11}{'confirmed':>11}{'error':>7}{'SMs':>6}  result",
+    ]
     for r in report.results:
         counts = r.evidence.get("counts")
         if counts is None:
@@ -142,9 +171,11 @@ def render_counts(report: Any) -> str:
             continue
         cov = r.evidence.get("sm_coverage")
         sms = f"{cov:.0%}" if isinstance(cov, (int, float)) else "-"
-        lines.append(f"{r.target:<8}{counts['pass']:>8}{counts['transient']:>11}"
-                     f"{counts['confirmed']:>11}{counts['error']:>7}{sms:>6}  {r.status.value}"
-                     f" ({r.metric})")
+        lines.append(
+            f"{r.target:<8}{counts['pass']:>8}{counts['transient']:>11}"
+            f"{counts['confirmed']:>11}{counts['error']:>7}{sms:>6}  {r.status.value}"
+            f" ({r.metric})"
+        )
     g = report.grade
     lines.append(f"grade: {g.level.name} (action {g.action.value})")
     lines += [f"  {r.level.name} {r.target} [{r.rule}] {r.message}" for r in g.reasons]

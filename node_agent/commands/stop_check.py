@@ -35,21 +35,50 @@ PHASE_ORDER = ("self", "intra_node", "neighbours", "alignment", "replay")
 
 
 def add_parser(sub: Any, common: Any) -> None:
-    p = sub.add_parser("stop-check", help="one rank per node of a stopped job: find the bad "
-                                          "machine before it restarts (docs/stop_check.md)")
+    p = sub.add_parser(
+        "stop-check",
+        help="one rank per node of a stopped job: find the bad "
+        "machine before it restarts (docs/stop_check.md)",
+    )
     common(p)
-    p.add_argument("--out", metavar="DIR", help="where rank 0 writes stop-check.json and each "
-                   "rank its node's report (default: <state_dir>/reports)")
-    p.add_argument("--replay", action="store_true",
-                   help="also the dual-phase replay, for intermittent corruption")
-    p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, metavar="R",
-                   help=f"replay rounds (default {DEFAULT_ROUNDS})")
-    p.add_argument("--topology", metavar="FILE", help="parallel groups (the fleet topology "
-                   "format): suspects are widened to their groups in 'evict'")
-    p.add_argument("--join-timeout-s", type=float, default=120.0, metavar="S",
-                   help="how long rank 0 waits for every rank to join (default 120)")
-    p.add_argument("--phase-timeout-s", type=float, default=300.0, metavar="S",
-                   help="a collective that takes longer fails its phase (default 300)")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="where rank 0 writes stop-check.json and each "
+        "rank its node's report (default: <state_dir>/reports)",
+    )
+    p.add_argument(
+        "--replay",
+        action="store_true",
+        help="also the dual-phase replay, for intermittent corruption",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=DEFAULT_ROUNDS,
+        metavar="R",
+        help=f"replay rounds (default {DEFAULT_ROUNDS})",
+    )
+    p.add_argument(
+        "--topology",
+        metavar="FILE",
+        help="parallel groups (the fleet topology "
+        "format): suspects are widened to their groups in 'evict'",
+    )
+    p.add_argument(
+        "--join-timeout-s",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="how long rank 0 waits for every rank to join (default 120)",
+    )
+    p.add_argument(
+        "--phase-timeout-s",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="a collective that takes longer fails its phase (default 300)",
+    )
     p.add_argument("--json", action="store_true", help="print this node's report alone")
     act.add_act_options(p)
 
@@ -59,8 +88,9 @@ def _scenario_for(pattern: str | None, rank: int) -> str | None:
         return None
     path = pattern.replace("{rank}", str(rank))
     if not Path(path).is_file():
-        raise ConfigError(f"--simulate {pattern}: no scenario for rank {rank} ({path} does not "
-                          "exist)")
+        raise ConfigError(
+            f"--simulate {pattern}: no scenario for rank {rank} ({path} does not exist)"
+        )
     return path
 
 
@@ -72,6 +102,7 @@ def cmd_stop_check(args: argparse.Namespace) -> int:
     topology = None
     if args.topology:
         from node_agent.fleet.analysis import load_topology
+
         topology = load_topology(args.topology)
     simulate = _scenario_for(args.simulate, place.rank)
     quick = load_suite("quick", suites_dir(config))
@@ -85,6 +116,7 @@ def cmd_stop_check(args: argparse.Namespace) -> int:
 
 def _node_name(config: Any, env: Any, simulate: str | None) -> str:
     from node_agent.remediation.host import node_name
+
     return node_name(config, simulate)
 
 
@@ -109,41 +141,67 @@ def _run(args, place, config, env, quick, acting, topology) -> int:
     import torch
 
     from node_agent.stopcheck.reference import deterministic
+
     deterministic()
     backend = "nccl" if devices and not devices[0].simulated else "gloo"
     try:
         store = ranks.open_store(place, args.join_timeout_s)
         joined = ranks.join(store, place, node, args.join_timeout_s)
     except (RuntimeError, OSError) as err:
-        print(f"node-agent stop-check: rank {place.rank} could not reach rank 0 at "
-              f"{place.master_addr}:{place.master_port}: {printable(str(err))[:200]}",
-              file=sys.stderr)
+        print(
+            f"node-agent stop-check: rank {place.rank} could not reach rank 0 at "
+            f"{place.master_addr}:{place.master_port}: {printable(str(err))[:200]}",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     if joined.missing:
         names = ", ".join(f"rank {r}" for r in joined.missing)
         if place.rank == 0:
-            suspects = [localise.Suspect(_missing_node(args.simulate, r, env), "join", evidence={
-                "rank": r, "did_not_join": True, "waited_s": args.join_timeout_s})
-                for r in joined.missing]
-            path = _write_summary(args, env, place, joined.nodes, {}, suspects, topology,
-                                  started, note=f"{names} did not join")
-            print(f"node-agent stop-check: {names} did not join within "
-                  f"{args.join_timeout_s:g} s; named as suspects in {path}", file=sys.stderr)
+            suspects = [
+                localise.Suspect(
+                    _missing_node(args.simulate, r, env),
+                    "join",
+                    evidence={"rank": r, "did_not_join": True, "waited_s": args.join_timeout_s},
+                )
+                for r in joined.missing
+            ]
+            path = _write_summary(
+                args,
+                env,
+                place,
+                joined.nodes,
+                {},
+                suspects,
+                topology,
+                started,
+                note=f"{names} did not join",
+            )
+            print(
+                f"node-agent stop-check: {names} did not join within "
+                f"{args.join_timeout_s:g} s; named as suspects in {path}",
+                file=sys.stderr,
+            )
         else:
-            print(f"node-agent stop-check: {names} did not join; rank 0 names them",
-                  file=sys.stderr)
+            print(
+                f"node-agent stop-check: {names} did not join; rank 0 names them", file=sys.stderr
+            )
         return EXIT_USAGE
     ranks.init_group(store, place, backend, args.phase_timeout_s)
     stack = _stack(env, torch.__version__)
-    side = phases.NodeSide(place, node, joined.nodes, devices, stack,
-                           quick_report=lambda: execute(quick, env),
-                           slow_link=float(slow[0].params["factor"]) if slow else 1.0,
-                           backend=backend)
+    side = phases.NodeSide(
+        place,
+        node,
+        joined.nodes,
+        devices,
+        stack,
+        quick_report=lambda: execute(quick, env),
+        slow_link=float(slow[0].params["factor"]) if slow else 1.0,
+        backend=backend,
+    )
     outcomes = _phases(args, side, no_compute)
     suspects = [s for o in outcomes.values() for s in o.suspects]
     if place.rank == 0:
-        path = _write_summary(args, env, place, joined.nodes, outcomes, suspects, topology,
-                              started)
+        path = _write_summary(args, env, place, joined.nodes, outcomes, suspects, topology, started)
         print(f"stop-check: {len(suspects)} suspect(s); {path}", file=sys.stderr)
     report = _node_report(env, node, outcomes, started)
     act.act_on_report(acting, env, report)
@@ -152,8 +210,11 @@ def _run(args, place, config, env, quick, acting, topology) -> int:
     _leave(side)
     if note:
         print(f"node-agent: note: {note}", file=sys.stderr)
-    print(json_report.dumps(report) if args.json else
-          render_summary(report, colour=sys.stdout.isatty()))
+    print(
+        json_report.dumps(report)
+        if args.json
+        else render_summary(report, colour=sys.stdout.isatty())
+    )
     print(f"report: {path}", file=sys.stderr)
     return EXIT_FOR_LEVEL[report.grade.level]
 
@@ -164,6 +225,7 @@ def _missing_node(pattern: str | None, rank: int, env: Any) -> str:
     if pattern:
         try:
             from node_agent.sim.scenario import load_scenario
+
             return load_scenario(pattern.replace("{rank}", str(rank)), env.skus).hostname
         except ConfigError:
             pass
@@ -178,16 +240,21 @@ def _leave(side: phases.NodeSide) -> None:
     try:
         dist.barrier()
     except Exception as err:  # noqa: BLE001 - a rank already gone: nothing left to wait for
-        print(f"node-agent stop-check: rank {side.place.rank}: the final barrier failed "
-              f"({type(err).__name__}); leaving", file=sys.stderr)
+        print(
+            f"node-agent stop-check: rank {side.place.rank}: the final barrier failed "
+            f"({type(err).__name__}); leaving",
+            file=sys.stderr,
+        )
     dist.destroy_process_group()
 
 
 def _stack(env: Any, torch_version: str) -> str:
     names = sorted({g.name for g in env.inventory.gpus})
     host = env.inventory.host
-    return (f"{env.sku.id if env.sku else 'unknown-sku'}|{','.join(names)}|driver "
-            f"{host.driver}|cuda {host.cuda}|torch {torch_version}")
+    return (
+        f"{env.sku.id if env.sku else 'unknown-sku'}|{','.join(names)}|driver "
+        f"{host.driver}|cuda {host.cuda}|torch {torch_version}"
+    )
 
 
 def _phases(args, side: phases.NodeSide, no_compute: str | None) -> dict[str, phases.PhaseOutcome]:
@@ -199,14 +266,20 @@ def _phases(args, side: phases.NodeSide, no_compute: str | None) -> dict[str, ph
     dist.all_gather_object(can, (side.node, no_compute))
     cannot = {n: why for n, why in can if why}
     plan: list[tuple[str, Any]] = [("self", phases.phase_self)]
-    compute = [("intra_node", phases.phase_intra_node), ("neighbours", phases.phase_neighbours),
-               ("alignment", phases.phase_alignment)]
+    compute = [
+        ("intra_node", phases.phase_intra_node),
+        ("neighbours", phases.phase_neighbours),
+        ("alignment", phases.phase_alignment),
+    ]
     if args.replay:
         compute.append(("replay", lambda s: phases.phase_replay(s, args.rounds)))
     for name, fn in plan + compute:
         if cannot and name in ("intra_node", "alignment", "replay"):
-            out[name] = phases.PhaseOutcome(name, skipped="no compute on " + "; ".join(
-                f"{n}: {why}" for n, why in sorted(cannot.items())))
+            out[name] = phases.PhaseOutcome(
+                name,
+                skipped="no compute on "
+                + "; ".join(f"{n}: {why}" for n, why in sorted(cannot.items())),
+            )
             continue
         out[name] = phases.run_phase(name, fn, side)
         if out[name].error:
@@ -216,15 +289,21 @@ def _phases(args, side: phases.NodeSide, no_compute: str | None) -> dict[str, ph
     return out
 
 
-def _write_summary(args, env, place, nodes, outcomes, suspects, topology, started,
-                   note: str | None = None) -> Path:
+def _write_summary(
+    args, env, place, nodes, outcomes, suspects, topology, started, note: str | None = None
+) -> Path:
     out_dir, _ = report_dir(env, args.out)
-    data = {"schema": SCHEMA, "agent_version": __version__, "started_at": started,
-            "finished_at": utc_now(), "world_size": place.world_size,
-            "nodes": {str(r): n for r, n in sorted(nodes.items())},
-            "phases": {name: o.to_dict() for name, o in outcomes.items()},
-            "suspects": [s.to_dict() for s in suspects],
-            "evict": localise.evict(suspects, topology)}
+    data = {
+        "schema": SCHEMA,
+        "agent_version": __version__,
+        "started_at": started,
+        "finished_at": utc_now(),
+        "world_size": place.world_size,
+        "nodes": {str(r): n for r, n in sorted(nodes.items())},
+        "phases": {name: o.to_dict() for name, o in outcomes.items()},
+        "suspects": [s.to_dict() for s in suspects],
+        "evict": localise.evict(suspects, topology),
+    }
     if note:
         data["note"] = note
     path = out_dir / "stop-check.json"
@@ -232,8 +311,9 @@ def _write_summary(args, env, place, nodes, outcomes, suspects, topology, starte
     return path
 
 
-def _node_report(env: Any, node: str, outcomes: dict[str, phases.PhaseOutcome],
-                 started: str) -> Report:
+def _node_report(
+    env: Any, node: str, outcomes: dict[str, phases.PhaseOutcome], started: str
+) -> Report:
     """This node's share as a report the normal grading and remediation act on."""
     results: list[Result] = []
     self_phase = outcomes.get("self")
@@ -243,37 +323,83 @@ def _node_report(env: Any, node: str, outcomes: dict[str, phases.PhaseOutcome],
         outcome = outcomes.get(name)
         metric = f"{CHECK}_{name}"
         if outcome is None:
-            results.append(Result(CHECK, "node", metric, Status.SKIP,
-                                  "not run: an earlier phase broke the job's process group"))
+            results.append(
+                Result(
+                    CHECK,
+                    "node",
+                    metric,
+                    Status.SKIP,
+                    "not run: an earlier phase broke the job's process group",
+                )
+            )
             continue
         if outcome.error:
-            results.append(Result(CHECK, "node", metric, Status.ERROR,
-                                  f"the {name} phase broke: {outcome.error}",
-                                  duration_s=outcome.duration_s))
+            results.append(
+                Result(
+                    CHECK,
+                    "node",
+                    metric,
+                    Status.ERROR,
+                    f"the {name} phase broke: {outcome.error}",
+                    duration_s=outcome.duration_s,
+                )
+            )
             continue
         if outcome.skipped:
-            results.append(Result(CHECK, "node", metric, Status.SKIP, outcome.skipped,
-                                  duration_s=outcome.duration_s))
+            results.append(
+                Result(
+                    CHECK,
+                    "node",
+                    metric,
+                    Status.SKIP,
+                    outcome.skipped,
+                    duration_s=outcome.duration_s,
+                )
+            )
             continue
         if name == "self":  # the quick suite's own results grade this node already
             continue
         mine = [s for s in outcome.suspects if s.node == node]
         for s in mine:
             target = f"gpu:{s.gpu}" if s.gpu is not None else "node"
-            results.append(Result(CHECK, target, metric, Status.FAIL,
-                                  _sentence(name, s), evidence=s.to_dict(),
-                                  duration_s=outcome.duration_s))
+            results.append(
+                Result(
+                    CHECK,
+                    target,
+                    metric,
+                    Status.FAIL,
+                    _sentence(name, s),
+                    evidence=s.to_dict(),
+                    duration_s=outcome.duration_s,
+                )
+            )
         if not mine:
             others = sorted({s.node for s in outcome.suspects})
-            results.append(Result(CHECK, "node", metric, Status.PASS,
-                                  f"the {name} phase named no fault here"
-                                  + (f" (it named {', '.join(others)})" if others else ""),
-                                  duration_s=outcome.duration_s))
+            results.append(
+                Result(
+                    CHECK,
+                    "node",
+                    metric,
+                    Status.PASS,
+                    f"the {name} phase named no fault here"
+                    + (f" (it named {', '.join(others)})" if others else ""),
+                    duration_s=outcome.duration_s,
+                )
+            )
     grade = env.grader.grade(results, "service")
-    return Report(host=env.inventory.host, gpus=env.inventory.gpus, suite="stop-check",
-                  mode="service", started_at=started, finished_at=utc_now(), results=results,
-                  grade=grade, simulated=env.simulated, agent_version=__version__,
-                  sku=env.sku.id if env.sku else None)
+    return Report(
+        host=env.inventory.host,
+        gpus=env.inventory.gpus,
+        suite="stop-check",
+        mode="service",
+        started_at=started,
+        finished_at=utc_now(),
+        results=results,
+        grade=grade,
+        simulated=env.simulated,
+        agent_version=__version__,
+        sku=env.sku.id if env.sku else None,
+    )
 
 
 def _sentence(phase: str, s: localise.Suspect) -> str:
@@ -281,9 +407,9 @@ def _sentence(phase: str, s: localise.Suspect) -> str:
     return {
         "intra_node": f"{where}: a copy between this node's GPUs came out wrong or slow",
         "neighbours": "both of this node's ring-neighbour links are slow (or its data arrived "
-                      "wrong), while its neighbours' other links are not",
+        "wrong), while its neighbours' other links are not",
         "alignment": f"{where} computed the reference step differently from the majority of "
-                     "like GPUs in the job (silent data corruption suspected)",
+        "like GPUs in the job (silent data corruption suspected)",
         "replay": "this node sits where disagreeing groups of the replay cross (intermittent "
-                  f"corruption suspected; named in rounds {s.evidence.get('rounds_named')})",
+        f"corruption suspected; named in rounds {s.evidence.get('rounds_named')})",
     }.get(phase, f"named by the {phase} phase")

@@ -53,19 +53,31 @@ def corrupted_count(elements: int) -> int:
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m node_agent.compute.allreduce", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m node_agent.compute.allreduce",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world-size", type=int, required=True)
     ap.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
-    ap.add_argument("--sizes", default="1048576",
-                    help="comma-separated message sizes in bytes (multiples of 4)")
+    ap.add_argument(
+        "--sizes", default="1048576", help="comma-separated message sizes in bytes (multiples of 4)"
+    )
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--corrupt-rank", type=int, default=None,
-                    help="test hook: this rank contributes wrong values")
-    ap.add_argument("--timeout-s", type=float, default=60.0,
-                    help="process-group timeout: how long to wait for peers")
+    ap.add_argument(
+        "--corrupt-rank",
+        type=int,
+        default=None,
+        help="test hook: this rank contributes wrong values",
+    )
+    ap.add_argument(
+        "--timeout-s",
+        type=float,
+        default=60.0,
+        help="process-group timeout: how long to wait for peers",
+    )
     ap.add_argument("--out", default=None, help="also write the JSON line to this file")
     return ap.parse_args(argv)
 
@@ -87,8 +99,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    dist.init_process_group(args.backend, rank=args.rank, world_size=args.world_size,
-                            timeout=datetime.timedelta(seconds=args.timeout_s))
+    dist.init_process_group(
+        args.backend,
+        rank=args.rank,
+        world_size=args.world_size,
+        timeout=datetime.timedelta(seconds=args.timeout_s),
+    )
     rows = []
     try:
         n = args.world_size
@@ -107,23 +123,37 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             sync()
             elapsed = (time.perf_counter() - start) / max(1, args.iters)
 
-            data = torch.full((elements,), float(args.rank + 1), dtype=torch.float32,
-                              device=device)
+            data = torch.full((elements,), float(args.rank + 1), dtype=torch.float32, device=device)
             if args.corrupt_rank == args.rank:
                 data[::CORRUPT_STRIDE] += 1.0
             dist.all_reduce(data)
             sync()
             wrong = int((data != expected).sum().item())
             algbw, busbw = bandwidths(size_bytes, elapsed, n)
-            rows.append({"size_bytes": size_bytes, "elements": elements,
-                         "time_us": elapsed * 1e6, "algbw_gbps": algbw, "busbw_gbps": busbw,
-                         "wrong": wrong})
+            rows.append(
+                {
+                    "size_bytes": size_bytes,
+                    "elements": elements,
+                    "time_us": elapsed * 1e6,
+                    "algbw_gbps": algbw,
+                    "busbw_gbps": busbw,
+                    "wrong": wrong,
+                }
+            )
     finally:
         dist.destroy_process_group()
-    return {"schema": SCHEMA, "rank": args.rank, "world_size": args.world_size,
-            "backend": args.backend, "device": str(device), "torch": torch.__version__,
-            "iters": args.iters, "warmup": args.warmup, "corrupt_rank": args.corrupt_rank,
-            "results": rows}
+    return {
+        "schema": SCHEMA,
+        "rank": args.rank,
+        "world_size": args.world_size,
+        "backend": args.backend,
+        "device": str(device),
+        "torch": torch.__version__,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "corrupt_rank": args.corrupt_rank,
+        "results": rows,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,8 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         doc = measure(args)
         code = 0
     except Exception as err:  # noqa: BLE001 - reported as JSON for the parent to read
-        doc = {"schema": SCHEMA, "rank": args.rank, "world_size": args.world_size,
-               "backend": args.backend, "error": f"{type(err).__name__}: {err}"}
+        doc = {
+            "schema": SCHEMA,
+            "rank": args.rank,
+            "world_size": args.world_size,
+            "backend": args.backend,
+            "error": f"{type(err).__name__}: {err}",
+        }
         code = 1
     line = json.dumps(doc)
     if args.out:

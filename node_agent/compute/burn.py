@@ -78,11 +78,28 @@ from node_agent.gpu.base import GpuBackend, GpuError
 if TYPE_CHECKING:
     import torch
 
-MAX_EVENTS_KEPT = 20      # wrong-element events kept per GPU (the count keeps going)
+MAX_EVENTS_KEPT = 20  # wrong-element events kept per GPU (the count keeps going)
 
-__all__ = ["MAX_ROWS_RECOMPUTED", "PRECISIONS", "U_ACC", "U_ACC_BOUND", "U_OUT", "BurnEngine",
-           "BurnOutcome", "BurnPlan", "DeviceWaits", "RowCheck", "Sample", "Verifier",
-           "WorkerReport", "count_wrong", "fp8_matmul", "make_inputs", "numerics", "run_burn"]
+__all__ = [
+    "MAX_ROWS_RECOMPUTED",
+    "PRECISIONS",
+    "U_ACC",
+    "U_ACC_BOUND",
+    "U_OUT",
+    "BurnEngine",
+    "BurnOutcome",
+    "BurnPlan",
+    "DeviceWaits",
+    "RowCheck",
+    "Sample",
+    "Verifier",
+    "WorkerReport",
+    "count_wrong",
+    "fp8_matmul",
+    "make_inputs",
+    "numerics",
+    "run_burn",
+]
 
 
 # -- the plan and what comes back --------------------------------------------------------------
@@ -96,13 +113,13 @@ class BurnPlan:
     duration_s: float = 300.0
     precisions: tuple[str, ...] = ("bf16", "fp16", "tf32", "fp32")
     max_precisions: int | None = None  # run only the first N precisions every GPU supports
-    sample_s: float = 1.0              # length of one throughput sample (also the heartbeat)
-    verify_every: int = 8              # verify one product in this many
-    verify_block: int = 8              # columns per Freivalds block
-    verify_lag: int = 2                # verified products whose check may still be in flight
-    k_sigma: float = 6.0               # flagging threshold in noise standard deviations
-    stall_s: float = 60.0              # no message for this long: the worker is stalled
-    startup_timeout_s: float = 180.0   # spawn + import torch + open device + prepare inputs
+    sample_s: float = 1.0  # length of one throughput sample (also the heartbeat)
+    verify_every: int = 8  # verify one product in this many
+    verify_block: int = 8  # columns per Freivalds block
+    verify_lag: int = 2  # verified products whose check may still be in flight
+    k_sigma: float = 6.0  # flagging threshold in noise standard deviations
+    stall_s: float = 60.0  # no message for this long: the worker is stalled
+    startup_timeout_s: float = 180.0  # spawn + import torch + open device + prepare inputs
     seed: int = 0
     #: test hook: {"gpu": N, "action": "exit"|"hang"|"raise", "after_samples": K, "code": 7}
     hook: dict[str, Any] | None = None
@@ -133,10 +150,10 @@ class WorkerReport:
     samples: list[Sample] = field(default_factory=list)
     wrong_events: list[dict[str, Any]] = field(default_factory=list)
     wrong_events_total: int = 0
-    failure: str | None = None          # "worker_died" | "worker_stalled"
+    failure: str | None = None  # "worker_died" | "worker_stalled"
     failure_detail: str = ""
     exitcode: int | None = None
-    last_words: str = ""                # the worker's own error text, if it sent one
+    last_words: str = ""  # the worker's own error text, if it sent one
     traceback: str = ""
 
     def samples_of(self, precision: str) -> list[Sample]:
@@ -166,15 +183,16 @@ class GpuTelemetry:
 class BurnOutcome:
     plan: BurnPlan
     workers: dict[int, WorkerReport]
-    precisions: list[str]           # what ran
-    skipped: dict[str, str]         # precisions of the plan that did not run, and why
+    precisions: list[str]  # what ran
+    skipped: dict[str, str]  # precisions of the plan that did not run, and why
     telemetry: dict[int, GpuTelemetry]
     duration_s: float
 
     def trace(self) -> dict[int, dict[str, Any]]:
         """Per GPU, the telemetry joined with the burn's throughput (``gpu_burn.trace``)."""
-        return {i: join_trace(self.telemetry.get(i), w.samples)
-                for i, w in sorted(self.workers.items())}
+        return {
+            i: join_trace(self.telemetry.get(i), w.samples) for i, w in sorted(self.workers.items())
+        }
 
 
 def join_trace(tel: GpuTelemetry | None, samples: list[Sample]) -> dict[str, Any]:
@@ -192,11 +210,17 @@ def join_trace(tel: GpuTelemetry | None, samples: list[Sample]) -> dict[str, Any
         covering = ordered[i] if ordered[i].t0_s <= t else ordered[i - 1]
         return float(f"{covering.tflops:.6g}")
 
-    return {"t_s": [round(t, 3) for t in tel.t_s], "tflops": [tflops_at(t) for t in tel.t_s],
-            "temp_c": list(tel.temp_c), "power_w": list(tel.power_w),
-            "sm_clock_mhz": list(tel.sm_clock_mhz), "mem_temp_c": list(tel.mem_temp_c),
-            "throttle": [list(r) if r is not None else None for r in tel.throttle],
-            "power_limit_w": tel.power_limit_w, "slowdown_temp_c": tel.slowdown_temp_c}
+    return {
+        "t_s": [round(t, 3) for t in tel.t_s],
+        "tflops": [tflops_at(t) for t in tel.t_s],
+        "temp_c": list(tel.temp_c),
+        "power_w": list(tel.power_w),
+        "sm_clock_mhz": list(tel.sm_clock_mhz),
+        "mem_temp_c": list(tel.mem_temp_c),
+        "throttle": [list(r) if r is not None else None for r in tel.throttle],
+        "power_limit_w": tel.power_limit_w,
+        "slowdown_temp_c": tel.slowdown_temp_c,
+    }
 
 
 def phases(precisions: list[str], duration_s: float) -> list[tuple[str, float, float]]:
@@ -289,8 +313,9 @@ class BurnEngine:
     Runs in a worker process (or in-process for the benchmark and tests). ``waits`` is where
     the host waits on the device (default :class:`DeviceWaits`)."""
 
-    def __init__(self, device: ComputeDevice, plan: BurnPlan,
-                 waits: DeviceWaits | None = None) -> None:
+    def __init__(
+        self, device: ComputeDevice, plan: BurnPlan, waits: DeviceWaits | None = None
+    ) -> None:
         self.device = device
         self.plan = plan
         self.waits = waits or DeviceWaits(device.device)
@@ -302,13 +327,15 @@ class BurnEngine:
         skipped: dict[str, str] = {}
         for precision in self.plan.precisions:
             if precision not in PRECISIONS:
-                skipped[precision] = f"unknown precision {precision!r}; known: {', '.join(PRECISIONS)}"
+                skipped[precision] = (
+                    f"unknown precision {precision!r}; known: {', '.join(PRECISIONS)}"
+                )
                 continue
             if not self.device.supports(precision):
                 where = "the CPU" if self.device.device.type == "cpu" else str(self.device.device)
-                skipped[precision] = (f"{precision} GEMMs are not supported on {where}"
-                                      + (" (simulated GPUs compute on the CPU)"
-                                         if self.device.simulated else ""))
+                skipped[precision] = f"{precision} GEMMs are not supported on {where}" + (
+                    " (simulated GPUs compute on the CPU)" if self.device.simulated else ""
+                )
                 continue
             try:
                 self.jobs[precision] = self._job(precision)
@@ -322,19 +349,22 @@ class BurnEngine:
         matmul = fp8_matmul(self.device.device) if precision == "fp8" else self.device.matmul
         with numerics(precision):
             c0 = matmul(a, b)
-        verifier = Verifier(a, b, c0, precision, self.plan.verify_block, self.plan.k_sigma,
-                            self.plan.seed)
+        verifier = Verifier(
+            a, b, c0, precision, self.plan.verify_block, self.plan.k_sigma, self.plan.seed
+        )
         self.waits.synchronize()
         return _Job(a, b, matmul, verifier)
 
-    def run_phase(self, precision: str, t_end: float, t_zero: float,
-                  send: Callable[[tuple], None]) -> None:
+    def run_phase(
+        self, precision: str, t_end: float, t_zero: float, send: Callable[[tuple], None]
+    ) -> None:
         """GEMMs back to back until monotonic time ``t_end``, one sample message per window."""
         while (now := time.monotonic()) < t_end:
             self.run_window(precision, min(now + self.plan.sample_s, t_end), t_zero, send)
 
-    def run_window(self, precision: str, window_end: float, t_zero: float,
-                   send: Callable[[tuple], None]) -> None:
+    def run_window(
+        self, precision: str, window_end: float, t_zero: float, send: Callable[[tuple], None]
+    ) -> None:
         """One sample window: products until monotonic ``window_end``, then one message.
 
         Every ``verify_every``-th product is checked on the device, enqueued behind it, and
@@ -372,8 +402,18 @@ class BurnEngine:
             busy = self.device.gemm_seconds(flops, precision, self.device.clock() - c_start)
             while in_flight:
                 wrong += self._settle(precision, job, in_flight.popleft(), send)
-        send(("sample", w0 - t_zero, time.monotonic() - t_zero, precision, flops, busy,
-              verified, wrong))
+        send(
+            (
+                "sample",
+                w0 - t_zero,
+                time.monotonic() - t_zero,
+                precision,
+                flops,
+                busy,
+                verified,
+                wrong,
+            )
+        )
 
     def _enqueue(self, job: _Job, c: Any, t_s: float) -> _Check:
         """Enqueue the check of ``c`` on the device and its verdict's copy to the host."""
@@ -381,8 +421,9 @@ class BurnEngine:
         host = self.waits.to_host(ok)
         return _Check(c, host, self.waits.record(), t_s)
 
-    def _settle(self, precision: str, job: _Job, check: _Check,
-                send: Callable[[tuple], None]) -> int:
+    def _settle(
+        self, precision: str, job: _Job, check: _Check, send: Callable[[tuple], None]
+    ) -> int:
         """Read one check's verdict (waiting for it if it is not done); recompute flagged rows."""
         if not self.waits.done(check.event):
             self.waits.wait(check.event)
@@ -392,8 +433,15 @@ class BurnEngine:
         rows = [i for i, fine in enumerate(ok) if not fine]
         return self._verify_rows(precision, job, check.c, rows, check.t_s, send)
 
-    def _verify_rows(self, precision: str, job: _Job, c: Any, rows: list[int], t_s: float,
-                     send: Callable[[tuple], None]) -> int:
+    def _verify_rows(
+        self,
+        precision: str,
+        job: _Job,
+        c: Any,
+        rows: list[int],
+        t_s: float,
+        send: Callable[[tuple], None],
+    ) -> int:
         """Flagged rows of ``c``: recompute them on the CPU; re-run the product once when
         wrong (a finding, so this path may wait on the device)."""
         if job.b64_cpu is None:
@@ -403,8 +451,7 @@ class BurnEngine:
         # rows among many flagged ones is then likely among those recomputed)
         most = MAX_ROWS_RECOMPUTED
         picked = rows if len(rows) <= most else [rows[i * len(rows) // most] for i in range(most)]
-        first = count_wrong(job.a, job.b64_cpu, c, picked, precision,
-                            b64_abs_cpu=job.b64_abs_cpu)
+        first = count_wrong(job.a, job.b64_cpu, c, picked, precision, b64_abs_cpu=job.b64_abs_cpu)
         if not first.wrong:
             # flagged by the noise statistics, cleared by the exact recomputation: this
             # product's rounding, within the rigorous bound, is the kernel's too
@@ -413,13 +460,23 @@ class BurnEngine:
         with numerics(precision):
             c2 = job.matmul(job.a, job.b)  # re-run once before believing it
         rows2 = job.verifier.flagged_rows(c2)
-        second = count_wrong(job.a, job.b64_cpu, c2, rows2, precision,
-                             b64_abs_cpu=job.b64_abs_cpu)
-        send(("wrong", {"t_s": round(t_s, 3), "precision": precision,
-                        "shape": list(job.verifier.shape), "wrong": first.wrong,
-                        "rows_flagged": len(rows), "rows_checked": first.rows_checked,
-                        "examples": first.examples, "rerun_wrong": second.wrong,
-                        "confirmed": second.wrong > 0}))
+        second = count_wrong(job.a, job.b64_cpu, c2, rows2, precision, b64_abs_cpu=job.b64_abs_cpu)
+        send(
+            (
+                "wrong",
+                {
+                    "t_s": round(t_s, 3),
+                    "precision": precision,
+                    "shape": list(job.verifier.shape),
+                    "wrong": first.wrong,
+                    "rows_flagged": len(rows),
+                    "rows_checked": first.rows_checked,
+                    "examples": first.examples,
+                    "rerun_wrong": second.wrong,
+                    "confirmed": second.wrong > 0,
+                },
+            )
+        )
         return first.wrong
 
 
@@ -498,8 +555,9 @@ class TelemetrySampler:
     every other GPU-layer error make that reading None, never a crash; a sampler stuck in a
     hung driver call is abandoned after ``stop()`` waits a bounded time."""
 
-    def __init__(self, backend: GpuBackend | None, indices: list[int], interval_s: float,
-                 t_zero: float) -> None:
+    def __init__(
+        self, backend: GpuBackend | None, indices: list[int], interval_s: float, t_zero: float
+    ) -> None:
         self.backend = backend
         self.indices = indices
         self.interval_s = max(0.01, interval_s)
@@ -556,9 +614,17 @@ class TelemetrySampler:
 
 
 def _copy(tel: GpuTelemetry) -> GpuTelemetry:
-    return GpuTelemetry(list(tel.t_s), list(tel.temp_c), list(tel.mem_temp_c), list(tel.power_w),
-                        list(tel.sm_clock_mhz), list(tel.throttle), tel.power_limit_w,
-                        tel.slowdown_temp_c, dict(tel.errors))
+    return GpuTelemetry(
+        list(tel.t_s),
+        list(tel.temp_c),
+        list(tel.mem_temp_c),
+        list(tel.power_w),
+        list(tel.sm_clock_mhz),
+        list(tel.throttle),
+        tel.power_limit_w,
+        tel.slowdown_temp_c,
+        dict(tel.errors),
+    )
 
 
 # -- the supervisor in the parent -----------------------------------------------------------------
@@ -569,12 +635,17 @@ class _Handle:
     report: WorkerReport
     proc: Any
     conn: Any
-    state: str = "starting"   # starting | ready | running | done | failed
+    state: str = "starting"  # starting | ready | running | done | failed
     last_s: float = 0.0
 
 
-def run_burn(specs: list[ComputeSpec], plan: BurnPlan, backend: GpuBackend | None = None,
-             sample_interval_s: float = 1.0, deadline_s: float | None = None) -> BurnOutcome:
+def run_burn(
+    specs: list[ComputeSpec],
+    plan: BurnPlan,
+    backend: GpuBackend | None = None,
+    sample_interval_s: float = 1.0,
+    deadline_s: float | None = None,
+) -> BurnOutcome:
     """Burn every spec's device at once; always returns, within ``deadline_s`` (seconds from
     now) plus the time to kill stragglers.
 
@@ -593,15 +664,24 @@ def run_burn(specs: list[ComputeSpec], plan: BurnPlan, backend: GpuBackend | Non
     try:
         for spec in specs:
             parent, child = mp.Pipe()
-            proc = mp.Process(target=worker_main, args=(spec, plan, child), daemon=True,
-                              name=f"node-agent-burn-gpu{spec.index}")
+            proc = mp.Process(
+                target=worker_main,
+                args=(spec, plan, child),
+                daemon=True,
+                name=f"node-agent-burn-gpu{spec.index}",
+            )
             proc.start()
             child.close()
             handles[spec.index] = _Handle(WorkerReport(spec.index), proc, parent, last_s=began)
         startup_end = min(deadline, began + plan.startup_timeout_s)
-        _supervise(handles, plan, until=startup_end, waiting_for="ready",
-                   stall_detail=f"did not get ready within {plan.startup_timeout_s:g} s "
-                                "(spawn, import torch, open the device, prepare inputs)")
+        _supervise(
+            handles,
+            plan,
+            until=startup_end,
+            waiting_for="ready",
+            stall_detail=f"did not get ready within {plan.startup_timeout_s:g} s "
+            "(spawn, import torch, open the device, prepare inputs)",
+        )
         ready = [h for h in handles.values() if h.state == "ready"]
         precisions, skipped = _agree(plan, [h.report for h in ready])
         if ready and precisions:
@@ -610,22 +690,31 @@ def run_burn(specs: list[ComputeSpec], plan: BurnPlan, backend: GpuBackend | Non
             for h in ready:
                 h.conn.send(("turns", t_zero) if in_turns else ("start", t_zero, schedule))
                 h.state, h.last_s = "running", time.monotonic()
-            sampler = TelemetrySampler(backend, [h.report.index for h in ready],
-                                       sample_interval_s, t_zero)
+            sampler = TelemetrySampler(
+                backend, [h.report.index for h in ready], sample_interval_s, t_zero
+            )
             sampler.start()
-            stall_detail = (f"sent nothing for {plan.stall_s:g} s (a hung GPU, driver or "
-                            "kernel) and was killed")
+            stall_detail = (
+                f"sent nothing for {plan.stall_s:g} s (a hung GPU, driver or kernel) and was killed"
+            )
             try:
                 if in_turns:
                     _hand_out_turns(handles, plan, t_zero, schedule, deadline, stall_detail)
-                _supervise(handles, plan, until=deadline, waiting_for="done",
-                           stall_detail=stall_detail)
+                _supervise(
+                    handles, plan, until=deadline, waiting_for="done", stall_detail=stall_detail
+                )
             finally:
                 telemetry = sampler.stop()
     finally:
         _shutdown(handles)
-    return BurnOutcome(plan, {i: h.report for i, h in handles.items()}, precisions, skipped,
-                       telemetry, time.monotonic() - began)
+    return BurnOutcome(
+        plan,
+        {i: h.report for i, h in handles.items()},
+        precisions,
+        skipped,
+        telemetry,
+        time.monotonic() - began,
+    )
 
 
 def _agree(plan: BurnPlan, reports: list[WorkerReport]) -> tuple[list[str], dict[str, str]]:
@@ -643,8 +732,9 @@ def _agree(plan: BurnPlan, reports: list[WorkerReport]) -> tuple[list[str], dict
     return run, skipped
 
 
-def _supervise(handles: dict[int, _Handle], plan: BurnPlan, until: float, waiting_for: str,
-               stall_detail: str) -> None:
+def _supervise(
+    handles: dict[int, _Handle], plan: BurnPlan, until: float, waiting_for: str, stall_detail: str
+) -> None:
     """Read messages until every live worker reached ``waiting_for`` ("ready" or "done"),
     killing the ones that die, stall, or are still going at ``until``."""
     target_states = {"ready": {"ready"}, "done": {"done"}}[waiting_for]
@@ -656,8 +746,12 @@ def _supervise(handles: dict[int, _Handle], plan: BurnPlan, until: float, waitin
         for h in live:
             stalled = (now - h.last_s > plan.stall_s) if waiting_for == "done" else False
             if stalled or now >= until:
-                _fail(h, "worker_stalled", f"the burn worker of gpu:{h.report.index} "
-                                           + stall_detail, kill=True)
+                _fail(
+                    h,
+                    "worker_stalled",
+                    f"the burn worker of gpu:{h.report.index} " + stall_detail,
+                    kill=True,
+                )
         live = [h for h in live if h.state != "failed"]
         if not live:
             return
@@ -669,9 +763,14 @@ def _supervise(handles: dict[int, _Handle], plan: BurnPlan, until: float, waitin
                 _died(h)
 
 
-def _hand_out_turns(handles: dict[int, _Handle], plan: BurnPlan, t_zero: float,
-                    schedule: list[tuple[str, float, float]], deadline: float,
-                    stall_detail: str) -> None:
+def _hand_out_turns(
+    handles: dict[int, _Handle],
+    plan: BurnPlan,
+    t_zero: float,
+    schedule: list[tuple[str, float, float]],
+    deadline: float,
+    stall_detail: str,
+) -> None:
     """Simulated GPUs: one sample window per worker in turn, round-robin, through every
     phase; then ("end",). A worker that dies or does not answer its turn within ``stall_s``
     is failed and skipped; the others go on."""
@@ -702,8 +801,12 @@ def _supervise_one(h: _Handle, plan: BurnPlan, deadline: float, stall_detail: st
     """Wait briefly for one worker's messages; fail it when it died or stalled."""
     now = time.monotonic()
     if now - h.last_s > plan.stall_s or now >= deadline:
-        _fail(h, "worker_stalled", f"the burn worker of gpu:{h.report.index} " + stall_detail,
-              kill=True)
+        _fail(
+            h,
+            "worker_stalled",
+            f"the burn worker of gpu:{h.report.index} " + stall_detail,
+            kill=True,
+        )
         return
     wait_any([h.conn, h.proc.sentinel], timeout=0.2)
     _drain(h)
@@ -715,8 +818,12 @@ def _died(h: _Handle) -> None:
     _drain(h)
     h.proc.join(1)
     said = f": {h.report.last_words}" if h.report.last_words else ""
-    _fail(h, "worker_died", f"the burn worker of gpu:{h.report.index} exited with code "
-                            f"{h.proc.exitcode}{said}", kill=False)
+    _fail(
+        h,
+        "worker_died",
+        f"the burn worker of gpu:{h.report.index} exited with code {h.proc.exitcode}{said}",
+        kill=False,
+    )
 
 
 def _drain(h: _Handle) -> None:

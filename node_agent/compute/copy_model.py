@@ -40,8 +40,14 @@ if TYPE_CHECKING:
     from node_agent.sim.scenario import Scenario
 
 #: PCIe data rate per lane and direction after line coding, GB/s, by generation (PCI-SIG)
-PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 8 * 128 / 130 / 8, 4: 16 * 128 / 130 / 8,
-                  5: 32 * 128 / 130 / 8, 6: 64 * 242 / 256 / 8}
+PCIE_LANE_GBPS = {
+    1: 0.25,
+    2: 0.5,
+    3: 8 * 128 / 130 / 8,
+    4: 16 * 128 / 130 / 8,
+    5: 32 * 128 / 130 / 8,
+    6: 64 * 242 / 256 / 8,
+}
 #: share of the link's data rate a pinned host<->device copy reaches (~52 of Gen5 x16's 63)
 PCIE_COPY_EFFICIENCY = 0.83
 #: modeled HBM copy rate over the SKU floor; the margin simulated GEMM rates use too
@@ -80,21 +86,28 @@ class CopyModel:
         try:
             return {"h2d": self.h2d_gbps, "d2h": self.d2h_gbps, "hbm": self.hbm_copy_gbps}[kind]
         except KeyError:
-            raise ValueError(f"copy kind {kind!r}; expected one of {', '.join(COPY_KINDS)}") \
-                from None
+            raise ValueError(
+                f"copy kind {kind!r}; expected one of {', '.join(COPY_KINDS)}"
+            ) from None
 
     def seconds(self, kind: str, bytes_moved: int) -> float:
         """Modeled time of a copy that moves ``bytes_moved`` (count it as the check does)."""
         return bytes_moved / (self.gbps(kind) * 1e9)
 
     def evidence(self) -> dict[str, Any]:
-        return {"modeled_gbps": {"h2d": round(self.h2d_gbps, 3), "d2h": round(self.d2h_gbps, 3),
-                                 "hbm": round(self.hbm_copy_gbps, 3)},
-                "model": dict(self.basis)}
+        return {
+            "modeled_gbps": {
+                "h2d": round(self.h2d_gbps, 3),
+                "d2h": round(self.d2h_gbps, 3),
+                "hbm": round(self.hbm_copy_gbps, 3),
+            },
+            "model": dict(self.basis),
+        }
 
 
-def copy_model(index: int, slow_factor: float, scenario: Scenario | None,
-               sku: Sku | None) -> CopyModel:
+def copy_model(
+    index: int, slow_factor: float, scenario: Scenario | None, sku: Sku | None
+) -> CopyModel:
     """The modeled copy rates of simulated GPU ``index`` (see the module docstring)."""
     pcie = dict(DEFAULT_PCIE)
     if sku is not None:
@@ -108,15 +121,24 @@ def copy_model(index: int, slow_factor: float, scenario: Scenario | None,
     link = pcie_link_gbps(gen, lanes) * PCIE_COPY_EFFICIENCY * slow_factor
     floor = sku.minimum("hbm_bw_gbps_min") if sku is not None else None
     hbm = (floor * HBM_RATE_OVER_MINIMUM if floor else HBM_DEFAULT_GBPS) * slow_factor
-    basis = {"pcie_link": f"Gen{gen} x{lanes}", "pcie_expected": f"Gen{gen} x{width}",
-             "pcie_copy_efficiency": PCIE_COPY_EFFICIENCY, "slow_factor": slow_factor,
-             "hbm_from": (f"{HBM_RATE_OVER_MINIMUM} x SKU hbm_bw_gbps_min {floor:g}" if floor
-                          else f"default {HBM_DEFAULT_GBPS:g} GB/s (no SKU floor)")}
+    basis = {
+        "pcie_link": f"Gen{gen} x{lanes}",
+        "pcie_expected": f"Gen{gen} x{width}",
+        "pcie_copy_efficiency": PCIE_COPY_EFFICIENCY,
+        "slow_factor": slow_factor,
+        "hbm_from": (
+            f"{HBM_RATE_OVER_MINIMUM} x SKU hbm_bw_gbps_min {floor:g}"
+            if floor
+            else f"default {HBM_DEFAULT_GBPS:g} GB/s (no SKU floor)"
+        ),
+    }
     return CopyModel(index=index, h2d_gbps=link, d2h_gbps=link, hbm_copy_gbps=hbm, basis=basis)
 
 
-def copy_models(specs: list[ComputeSpec], scenario: Scenario | None,
-                sku: Sku | None) -> dict[int, CopyModel]:
+def copy_models(
+    specs: list[ComputeSpec], scenario: Scenario | None, sku: Sku | None
+) -> dict[int, CopyModel]:
     """Models of the simulated specs, by GPU index (real GPUs have none: they are timed)."""
-    return {s.index: copy_model(s.index, s.slow_factor, scenario, sku)
-            for s in specs if s.simulated}
+    return {
+        s.index: copy_model(s.index, s.slow_factor, scenario, sku) for s in specs if s.simulated
+    }

@@ -43,8 +43,13 @@ if TYPE_CHECKING:
     from node_agent.sim.scenario import Scenario
 
 #: precision name -> torch dtype name; "tf32" is fp32 storage with TF32 tensor-core matmuls
-PRECISION_DTYPES = {"fp8": "float8_e4m3fn", "bf16": "bfloat16", "fp16": "float16",
-                    "tf32": "float32", "fp32": "float32"}
+PRECISION_DTYPES = {
+    "fp8": "float8_e4m3fn",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "tf32": "float32",
+    "fp32": "float32",
+}
 
 
 class ComputeUnavailable(Exception):
@@ -55,14 +60,14 @@ class ComputeUnavailable(Exception):
 class ComputeSpec:
     """Which device to open and, when simulated, which compute faults it carries."""
 
-    index: int                 # the GPU index the results are reported on (target gpu:N)
+    index: int  # the GPU index the results are reported on (target gpu:N)
     simulated: bool = False
-    slow_factor: float = 1.0   # simulated only: measured throughput is multiplied by this
-    corrupt: bool = False      # simulated only: the sdc fault (see the module docstring)
+    slow_factor: float = 1.0  # simulated only: measured throughput is multiplied by this
+    corrupt: bool = False  # simulated only: the sdc fault (see the module docstring)
     sdc_sm: int | None = None  # simulated only: the faulty SM (None: every SM)
-    sdc_rate: float = 1.0      # simulated only: chance a tile on the faulty SM is wrong, per launch
+    sdc_rate: float = 1.0  # simulated only: chance a tile on the faulty SM is wrong, per launch
     sm_count: int | None = None  # simulated only: SMs of the simulated GPU (default: the SKU's)
-    cpu_threads: int = 1       # simulated only: torch intra-op threads of the stand-in
+    cpu_threads: int = 1  # simulated only: torch intra-op threads of the stand-in
     #: simulated only: the modeled GEMM rate of a healthy GPU of the SKU, TFLOP/s per precision
     sim_tflops: tuple[tuple[str, float], ...] = ()
 
@@ -76,8 +81,10 @@ def torch_missing_reason() -> str | None:
     try:
         import torch  # noqa: F401
     except ImportError:
-        return missing_message("torch", "torch", "the load tests (burn, thermal, HBM, PCIe, SDC)") \
+        return (
+            missing_message("torch", "torch", "the load tests (burn, thermal, HBM, PCIe, SDC)")
             + " (a CUDA build on GPU hosts)"
+        )
     return None
 
 
@@ -105,8 +112,9 @@ def sim_sm_count(sku: Sku | None) -> int:
     return int(count) if count else DEFAULT_SM_COUNT
 
 
-def compute_specs(gpu_indices: list[int], scenario: Scenario | None,
-                  sku: Sku | None = None) -> list[ComputeSpec]:
+def compute_specs(
+    gpu_indices: list[int], scenario: Scenario | None, sku: Sku | None = None
+) -> list[ComputeSpec]:
     """One spec per GPU: CUDA devices on a real node, CPU stand-ins with faults when simulated.
 
     Raises ComputeUnavailable when torch is missing, when a real node's torch cannot see
@@ -128,32 +136,48 @@ def compute_specs(gpu_indices: list[int], scenario: Scenario | None,
                 raise ComputeUnavailable(
                     f"{scenario.source}: the sdc fault on gpu {index} names sm {sm}, but a "
                     f"simulated {sku.id if sku else 'GPU'} has {sms} SMs (0..{sms - 1}, the SKU "
-                    "file's sm_count); fix the scenario's 'sm'")
-            specs.append(ComputeSpec(index, simulated=True, slow_factor=factor, corrupt=bool(sdc),
-                                     sdc_sm=sm,
-                                     sdc_rate=float(sdc[0].params.get("rate", 1.0)) if sdc else 1.0,
-                                     sm_count=sms, sim_tflops=sim_tflops_for(sku)))
+                    "file's sm_count); fix the scenario's 'sm'"
+                )
+            specs.append(
+                ComputeSpec(
+                    index,
+                    simulated=True,
+                    slow_factor=factor,
+                    corrupt=bool(sdc),
+                    sdc_sm=sm,
+                    sdc_rate=float(sdc[0].params.get("rate", 1.0)) if sdc else 1.0,
+                    sm_count=sms,
+                    sim_tflops=sim_tflops_for(sku),
+                )
+            )
         return specs
     import torch
 
     if not torch.cuda.is_available():
         build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
-        raise ComputeUnavailable(f"torch {torch.__version__} ({build}) cannot use CUDA on this "
-                                 "host; install a CUDA build of torch matching the driver")
+        raise ComputeUnavailable(
+            f"torch {torch.__version__} ({build}) cannot use CUDA on this "
+            "host; install a CUDA build of torch matching the driver"
+        )
     visible = torch.cuda.device_count()
     missing = [i for i in gpu_indices if i >= visible]
     if missing:
         raise ComputeUnavailable(
             f"torch sees {visible} CUDA device(s) but NVML lists GPU(s) "
-            f"{', '.join(map(str, missing))}; check CUDA_VISIBLE_DEVICES")
+            f"{', '.join(map(str, missing))}; check CUDA_VISIBLE_DEVICES"
+        )
     return [ComputeSpec(i) for i in gpu_indices]
 
 
 class ComputeDevice:
     """One device's compute: tensors, matmul, copies and its clock. Build with open_device()."""
 
-    def __init__(self, spec: ComputeSpec, torch_device: torch.device,
-                 matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    def __init__(
+        self,
+        spec: ComputeSpec,
+        torch_device: torch.device,
+        matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> None:
         self.spec = spec
         self.device = torch_device
         self._matmul = matmul
@@ -236,8 +260,11 @@ class ComputeDevice:
         """What the device is, for a result's evidence."""
         import torch
 
-        out: dict[str, Any] = {"device": str(self.device), "simulated": self.spec.simulated,
-                               "torch": torch.__version__}
+        out: dict[str, Any] = {
+            "device": str(self.device),
+            "simulated": self.spec.simulated,
+            "torch": torch.__version__,
+        }
         if self.device.type == "cuda":
             out["cuda_name"] = torch.cuda.get_device_name(self.device)
         else:
@@ -262,6 +289,10 @@ def open_device(spec: ComputeSpec) -> ComputeDevice:
     if spec.corrupt:
         from node_agent.sdc.inject import corrupting_matmul
 
-        matmul = corrupting_matmul(seed=spec.index, sm=spec.sdc_sm, rate=spec.sdc_rate,
-                                   tiles=sim_model(spec.sm_count or DEFAULT_SM_COUNT))
+        matmul = corrupting_matmul(
+            seed=spec.index,
+            sm=spec.sdc_sm,
+            rate=spec.sdc_rate,
+            tiles=sim_model(spec.sm_count or DEFAULT_SM_COUNT),
+        )
     return ComputeDevice(spec, torch.device("cpu"), matmul)

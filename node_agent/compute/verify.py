@@ -64,14 +64,15 @@ U_ACC = {"bf16": 2.0**-24, "fp16": 2.0**-24, "tf32": 2.0**-24, "fp32": 2.0**-24,
 #: round-to-nearest, truncation, and tensor cores' truncating multi-operand adds (the same
 #: allowance as ``node_agent.sdc.reference.freivalds_check``)
 U_ACC_BOUND = 2.0**-22
-MAX_ROWS_RECOMPUTED = 8   # flagged rows recomputed on the CPU per product (a lower bound beyond)
+MAX_ROWS_RECOMPUTED = 8  # flagged rows recomputed on the CPU per product (a lower bound beyond)
 
 
 # -- numerics (run inside the worker; torch imported lazily) ----------------------------------
 
 
-def make_inputs(precision: str, n: int, device: torch.device,
-                seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def make_inputs(
+    precision: str, n: int, device: torch.device, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Fixed random n×n inputs (A, B) for ``precision`` on ``device``, same on every GPU."""
     import torch
 
@@ -99,8 +100,9 @@ def fp8_matmul(device: torch.device) -> Callable[[torch.Tensor, torch.Tensor], t
     one = torch.ones((), device=device, dtype=torch.float32)
 
     def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        out = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
-                               use_fast_accum=False)
+        out = torch._scaled_mm(
+            a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=False
+        )
         return out[0] if isinstance(out, tuple) else out  # torch < 2.4 returned (out, amax)
 
     return matmul
@@ -135,8 +137,16 @@ class Verifier:
     that repeats it is not flagged.
     """
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, c0: torch.Tensor, precision: str,
-                 block: int = 8, k_sigma: float = 6.0, seed: int = 0) -> None:
+    def __init__(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        c0: torch.Tensor,
+        precision: str,
+        block: int = 8,
+        k_sigma: float = 6.0,
+        seed: int = 0,
+    ) -> None:
         import torch
 
         m, k = a.shape
@@ -175,8 +185,9 @@ class Verifier:
         if precision == "fp8":  # no rigorous bound for a 14-bit accumulator: 8 sigma
             self.bound = self.noise
         else:  # what a correct C can differ by, summed over the block
-            self.bound = 2.0 * (U_OUT[precision] * c_abs + _gamma(k, U_ACC_BOUND) * ab_blk) \
-                + fp32_sum
+            self.bound = (
+                2.0 * (U_OUT[precision] * c_abs + _gamma(k, U_ACC_BOUND) * ab_blk) + fp32_sum
+            )
         self.bias = torch.zeros_like(self.noise)
         self.tol = self.noise.float()
         self._learn(self.deviation(c0), element_ok.reshape(m, nb, block).all(-1))
@@ -241,9 +252,15 @@ class RowCheck:
     examples: list[list[float]]  # [row, col, got, expected]
 
 
-def count_wrong(a: torch.Tensor, b64_cpu: torch.Tensor, c: torch.Tensor, rows: list[int],
-                precision: str, max_rows: int = MAX_ROWS_RECOMPUTED,
-                b64_abs_cpu: torch.Tensor | None = None) -> RowCheck:
+def count_wrong(
+    a: torch.Tensor,
+    b64_cpu: torch.Tensor,
+    c: torch.Tensor,
+    rows: list[int],
+    precision: str,
+    max_rows: int = MAX_ROWS_RECOMPUTED,
+    b64_abs_cpu: torch.Tensor | None = None,
+) -> RowCheck:
     """Recompute ``rows`` of A·B in float64 on the CPU; count elements of C outside the bound
     ``2·(u_out·|c| + gamma_K·(|A|·|B|))`` (u = 2^-22 for the fp32 accumulator, see
     ``U_ACC_BOUND``; fp8: 8 sigma of the noise statistics).

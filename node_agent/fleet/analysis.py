@@ -43,27 +43,42 @@ from node_agent.yamlfile import ConfigError, load_yaml
 #: exit codes of ``node-agent fleet`` (the contract's 2 for usage errors, 1 for agent failures)
 
 FLEET_SCHEMA: dict[str, Any] = {
-    "type": "object", "additionalProperties": False, "required": ["thresholds", "units"],
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["thresholds", "units"],
     "properties": {
-        "thresholds": {"type": "object", "additionalProperties": False,
-                       "required": ["deviation_mads", "relative_floor", "min_samples"],
-                       "properties": {
-                           "deviation_mads": {"type": "number", "exclusiveMinimum": 0},
-                           "relative_floor": {"type": "number", "minimum": 0},
-                           "min_samples": {"type": "integer", "minimum": 3}}},
-        "units": {"type": "object", "additionalProperties": {"enum": ["low", "high", "both",
-                                                                      "ignore"]}},
-        "metrics": {"type": "object", "additionalProperties": {"enum": ["low", "high", "both",
-                                                                        "ignore"]}},
-        "training": {"type": "object", "additionalProperties": False,
-                     "properties": {
-                         "straggler_ratio": {"type": "number", "exclusiveMinimum": 1},
-                         "min_nodes": {"type": "integer", "minimum": 2}}},
+        "thresholds": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["deviation_mads", "relative_floor", "min_samples"],
+            "properties": {
+                "deviation_mads": {"type": "number", "exclusiveMinimum": 0},
+                "relative_floor": {"type": "number", "minimum": 0},
+                "min_samples": {"type": "integer", "minimum": 3},
+            },
+        },
+        "units": {
+            "type": "object",
+            "additionalProperties": {"enum": ["low", "high", "both", "ignore"]},
+        },
+        "metrics": {
+            "type": "object",
+            "additionalProperties": {"enum": ["low", "high", "both", "ignore"]},
+        },
+        "training": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "straggler_ratio": {"type": "number", "exclusiveMinimum": 1},
+                "min_nodes": {"type": "integer", "minimum": 2},
+            },
+        },
     },
 }
 
 TOPOLOGY_SCHEMA: dict[str, Any] = {
-    "type": "object", "minProperties": 1,
+    "type": "object",
+    "minProperties": 1,
     "additionalProperties": {"type": "array", "items": {"type": "string"}, "minItems": 1},
 }
 
@@ -82,8 +97,8 @@ class FleetRules:
     min_samples: int = 8
     units: dict[str, str] = field(default_factory=dict)
     metrics: dict[str, str] = field(default_factory=dict)
-    straggler_ratio: float = 2.0   # a rank this many times the job's median step time
-    straggler_min_nodes: int = 2   # a job on fewer nodes is left to the node's own check
+    straggler_ratio: float = 2.0  # a rank this many times the job's median step time
+    straggler_min_nodes: int = 2  # a job on fewer nodes is left to the node's own check
 
     def direction(self, metric: str, unit: str) -> str | None:
         """``low``/``high``/``both`` — the side on which a figure is bad — or None: not compared."""
@@ -96,11 +111,15 @@ def load_fleet_rules(graders_dir: Path) -> FleetRules:
     data = load_yaml(graders_dir / "fleet.yaml", FLEET_SCHEMA, what="fleet rules")
     t = data["thresholds"]
     training = data.get("training") or {}
-    return FleetRules(deviation_mads=float(t["deviation_mads"]),
-                      relative_floor=float(t["relative_floor"]), min_samples=int(t["min_samples"]),
-                      units=dict(data["units"]), metrics=dict(data.get("metrics") or {}),
-                      straggler_ratio=float(training.get("straggler_ratio", 2.0)),
-                      straggler_min_nodes=int(training.get("min_nodes", 2)))
+    return FleetRules(
+        deviation_mads=float(t["deviation_mads"]),
+        relative_floor=float(t["relative_floor"]),
+        min_samples=int(t["min_samples"]),
+        units=dict(data["units"]),
+        metrics=dict(data.get("metrics") or {}),
+        straggler_ratio=float(training.get("straggler_ratio", 2.0)),
+        straggler_min_nodes=int(training.get("min_nodes", 2)),
+    )
 
 
 def load_topology(path: str | Path) -> dict[str, list[str]]:
@@ -122,12 +141,12 @@ HUNG = "training_hang"
 class TrainingRow(NamedTuple):
     """One training process in a node's report: what ``training_progress`` said about it."""
 
-    metric: str                 # training_progress | training_straggler | training_hang
+    metric: str  # training_progress | training_straggler | training_hang
     target: str
     job: str
     rank: int | None
     pid: int | None
-    step_time_s: float | None   # recent mean step time from its heartbeats
+    step_time_s: float | None  # recent mean step time from its heartbeats
     likely_origin: bool | None  # for a hung rank: the stack says it stopped first
 
 
@@ -145,8 +164,7 @@ class NodeFigures:
 
 
 def _is_number(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -163,10 +181,15 @@ def _training_row(r: dict[str, Any]) -> TrainingRow | None:
         return None
     step = ev.get("step_time_s")
     origin = ev.get("likely_origin")
-    return TrainingRow(sys.intern(str(r["metric"])), str(r["target"]), str(ev["job"]),
-                       _int_or_none(ev.get("rank")), _int_or_none(ev.get("pid")),
-                       float(step) if _is_number(step) and step > 0 else None,
-                       origin if isinstance(origin, bool) else None)
+    return TrainingRow(
+        sys.intern(str(r["metric"])),
+        str(r["target"]),
+        str(ev["job"]),
+        _int_or_none(ev.get("rank")),
+        _int_or_none(ev.get("pid")),
+        float(step) if _is_number(step) and step > 0 else None,
+        origin if isinstance(origin, bool) else None,
+    )
 
 
 class ReportSkipped(Exception):
@@ -190,8 +213,9 @@ def open_report(path: str | Path, owners: frozenset[int] | None = None) -> str:
         if not stat.S_ISREG(st.st_mode):
             raise ReportSkipped("not a regular file")
         if owners is not None and st.st_uid not in owners:
-            raise ReportSkipped(f"owned by uid {st.st_uid}, not one of fleet.report_owner_uids "
-                                f"{sorted(owners)}")
+            raise ReportSkipped(
+                f"owned by uid {st.st_uid}, not one of fleet.report_owner_uids {sorted(owners)}"
+            )
         return f.read().decode("utf-8")
 
 
@@ -231,11 +255,23 @@ def read_figures(path: str | Path, owners: frozenset[int] | None = None) -> Node
             value = r.get("value")
             if r["status"] in ("skip", "error") or not _is_number(value):
                 continue
-            rows.append((intern(str(r["check"])), intern(str(r["target"])),
-                         intern(str(r["metric"])), intern(str(r.get("unit", ""))), float(value)))
-        return NodeFigures(hostname=hostname, sku=str(sku),
-                           finished_at=str(data.get("finished_at", "")), path=str(path), rows=rows,
-                           training=training)
+            rows.append(
+                (
+                    intern(str(r["check"])),
+                    intern(str(r["target"])),
+                    intern(str(r["metric"])),
+                    intern(str(r.get("unit", ""))),
+                    float(value),
+                )
+            )
+        return NodeFigures(
+            hostname=hostname,
+            sku=str(sku),
+            finished_at=str(data.get("finished_at", "")),
+            path=str(path),
+            rows=rows,
+            training=training,
+        )
     except OSError as err:
         raise ReportFormatError(f"{path}: cannot read report: {err.strerror or err}") from None
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
@@ -281,7 +317,7 @@ def _without_evidence(text: str, keep: str | None = None) -> str:
             if head >= 0 and text.startswith(keep_mark, head):
                 pos = end + 1
                 continue
-        parts.append(text[seg:start + len(_EVIDENCE_OPEN) - 1])
+        parts.append(text[seg : start + len(_EVIDENCE_OPEN) - 1])
         seg = pos = end + 1
     if not parts:
         return text
@@ -293,8 +329,9 @@ def _without_evidence(text: str, keep: str | None = None) -> str:
 Problem = tuple[str, str, bool]
 
 
-def _read_chunk(paths: Sequence[str], owners: frozenset[int] | None = None
-                ) -> list[NodeFigures | Problem]:
+def _read_chunk(
+    paths: Sequence[str], owners: frozenset[int] | None = None
+) -> list[NodeFigures | Problem]:
     out: list[NodeFigures | Problem] = []
     for p in paths:
         try:
@@ -330,9 +367,9 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def read_all(paths: Sequence[Path], workers: int | None = None,
-             owners: frozenset[int] | None = None
-             ) -> tuple[list[NodeFigures], list[tuple[str, str]], list[tuple[str, str]]]:
+def read_all(
+    paths: Sequence[Path], workers: int | None = None, owners: frozenset[int] | None = None
+) -> tuple[list[NodeFigures], list[tuple[str, str]], list[tuple[str, str]]]:
     """(readable reports' figures, [(path, why unreadable)], [(path, why skipped)]) in the
     order of ``paths``; ``owners``: believe only files owned by these uids."""
     names = [str(p) for p in paths]
@@ -341,10 +378,13 @@ def read_all(paths: Sequence[Path], workers: int | None = None,
         items = _read_chunk(names, owners)
     else:
         size = max(64, len(names) // (workers * 8))
-        chunks = [names[i:i + size] for i in range(0, len(names), size)]
+        chunks = [names[i : i + size] for i in range(0, len(names), size)]
         with ProcessPoolExecutor(max_workers=workers) as pool:
-            items = [item for chunk in pool.map(_read_chunk, chunks, [owners] * len(chunks))
-                     for item in chunk]
+            items = [
+                item
+                for chunk in pool.map(_read_chunk, chunks, [owners] * len(chunks))
+                for item in chunk
+            ]
     good = [i for i in items if isinstance(i, NodeFigures)]
     bad = [(i[0], i[1]) for i in items if not isinstance(i, NodeFigures) and not i[2]]
     skipped = [(i[0], i[1]) for i in items if not isinstance(i, NodeFigures) and i[2]]
@@ -394,10 +434,19 @@ class MetricGroup:
         return len(self.values)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"sku": self.sku, "check": self.check, "metric": self.metric, "kind": self.kind,
-                "scope": self.scope, "unit": self.unit, "bad_side": self.direction, "n": self.n,
-                "median": _round(self.median), "mad": _round(self.mad),
-                "scale": _round(self.scale)}
+        return {
+            "sku": self.sku,
+            "check": self.check,
+            "metric": self.metric,
+            "kind": self.kind,
+            "scope": self.scope,
+            "unit": self.unit,
+            "bad_side": self.direction,
+            "n": self.n,
+            "median": _round(self.median),
+            "mad": _round(self.mad),
+            "scale": _round(self.scale),
+        }
 
 
 @dataclass(frozen=True)
@@ -418,10 +467,20 @@ class Suspect:
     path: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {"node": self.node, "target": self.target, "sku": self.sku, "check": self.check,
-                "metric": self.metric, "unit": self.unit, "value": self.value,
-                "median": _round(self.median), "deviation_mads": _round(self.deviation_mads, 2),
-                "ratio": _round(self.ratio, 4), "scope": self.scope, "report": self.path}
+        return {
+            "node": self.node,
+            "target": self.target,
+            "sku": self.sku,
+            "check": self.check,
+            "metric": self.metric,
+            "unit": self.unit,
+            "value": self.value,
+            "median": _round(self.median),
+            "deviation_mads": _round(self.deviation_mads, 2),
+            "ratio": _round(self.ratio, 4),
+            "scope": self.scope,
+            "report": self.path,
+        }
 
 
 @dataclass(frozen=True)
@@ -436,17 +495,25 @@ class FleetStraggler:
     target: str
     step_time_s: float
     job_median_s: float  # median step time of the job's other ranks, on all nodes
-    ratio: float         # step_time_s / job_median_s
-    ranks: int           # ranks of the job compared (this one included)
-    nodes: int           # nodes they run on
+    ratio: float  # step_time_s / job_median_s
+    ranks: int  # ranks of the job compared (this one included)
+    nodes: int  # nodes they run on
     path: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {"node": self.node, "job": self.job, "rank": self.rank, "pid": self.pid,
-                "target": self.target, "step_time_s": _round(self.step_time_s),
-                "job_median_step_time_s": _round(self.job_median_s),
-                "ratio": _round(self.ratio, 2), "ranks_compared": self.ranks,
-                "nodes": self.nodes, "report": self.path}
+        return {
+            "node": self.node,
+            "job": self.job,
+            "rank": self.rank,
+            "pid": self.pid,
+            "target": self.target,
+            "step_time_s": _round(self.step_time_s),
+            "job_median_step_time_s": _round(self.job_median_s),
+            "ratio": _round(self.ratio, 2),
+            "ranks_compared": self.ranks,
+            "nodes": self.nodes,
+            "report": self.path,
+        }
 
 
 @dataclass
@@ -454,13 +521,17 @@ class HungNode:
     """The hung ranks of one job on one node; ``origin``: those marked ``likely_origin``."""
 
     node: str
-    ranks: list[str]   # "3", or "pid:4711" when the rank is unknown
+    ranks: list[str]  # "3", or "pid:4711" when the rank is unknown
     origin: list[str]
     path: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {"node": self.node, "hung": self.ranks, "likely_origin": self.origin,
-                "report": self.path}
+        return {
+            "node": self.node,
+            "hung": self.ranks,
+            "likely_origin": self.origin,
+            "report": self.path,
+        }
 
 
 @dataclass(frozen=True)
@@ -476,8 +547,12 @@ class JobHang:
         return [n.node for n in self.nodes if n.origin]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"job": self.job, "hung_ranks": sum(len(n.ranks) for n in self.nodes),
-                "origin_nodes": self.origin_nodes, "nodes": [n.to_dict() for n in self.nodes]}
+        return {
+            "job": self.job,
+            "hung_ranks": sum(len(n.ranks) for n in self.nodes),
+            "origin_nodes": self.origin_nodes,
+            "nodes": [n.to_dict() for n in self.nodes],
+        }
 
 
 def _round(x: float, digits: int = 4) -> float | None:
@@ -529,12 +604,15 @@ class FleetAnalysis:
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema": "node-agent.fleet/1",
-            "thresholds": {"deviation_mads": self.rules.deviation_mads,
-                           "relative_floor": self.rules.relative_floor,
-                           "min_samples": self.rules.min_samples,
-                           "straggler_ratio": self.rules.straggler_ratio,
-                           "straggler_min_nodes": self.rules.straggler_min_nodes},
-            "reports": self.reports, "nodes": len(self.nodes),
+            "thresholds": {
+                "deviation_mads": self.rules.deviation_mads,
+                "relative_floor": self.rules.relative_floor,
+                "min_samples": self.rules.min_samples,
+                "straggler_ratio": self.rules.straggler_ratio,
+                "straggler_min_nodes": self.rules.straggler_min_nodes,
+            },
+            "reports": self.reports,
+            "nodes": len(self.nodes),
             "skus": sorted({n.sku for n in self.nodes}),
             "unreadable": [{"path": p, "error": e} for p, e in self.unreadable],
             "skipped": [{"path": p, "why": w} for p, w in self.skipped],
@@ -584,8 +662,7 @@ def pool(nodes: list[NodeFigures], rules: FleetRules) -> list[MetricGroup]:
     return [groups[k] for k in sorted(groups)]
 
 
-def find_outliers(group: MetricGroup, rules: FleetRules, nodes: list[NodeFigures]
-                  ) -> list[Suspect]:
+def find_outliers(group: MetricGroup, rules: FleetRules, nodes: list[NodeFigures]) -> list[Suspect]:
     """Fill in the group's median/MAD/scale and return its figures beyond the threshold."""
     if group.n < rules.min_samples:
         return []
@@ -611,20 +688,37 @@ def find_outliers(group: MetricGroup, rules: FleetRules, nodes: list[NodeFigures
         else:
             hits = _np.nonzero(_np.abs(dev) >= limit)[0].tolist()
     else:
+
         def bad(d: float) -> bool:
-            return (d <= -limit if group.direction == "low" else d >= limit
-                    if group.direction == "high" else abs(d) >= limit)
+            return (
+                d <= -limit
+                if group.direction == "low"
+                else d >= limit
+                if group.direction == "high"
+                else abs(d) >= limit
+            )
+
         hits = [i for i, v in enumerate(values) if bad((v - median) / scale)]
     out = []
     for i in hits:
         node = nodes[group.nodes[i]]
         value = values[i]
-        out.append(Suspect(node=node.hostname, target=group.targets[i], sku=group.sku,
-                           check=group.check, metric=group.metric, unit=group.unit,
-                           value=value, median=median,
-                           deviation_mads=(value - median) / scale,
-                           ratio=value / median if median else math.inf, scope=group.scope,
-                           path=node.path))
+        out.append(
+            Suspect(
+                node=node.hostname,
+                target=group.targets[i],
+                sku=group.sku,
+                check=group.check,
+                metric=group.metric,
+                unit=group.unit,
+                value=value,
+                median=median,
+                deviation_mads=(value - median) / scale,
+                ratio=value / median if median else math.inf,
+                scope=group.scope,
+                path=node.path,
+            )
+        )
     return out
 
 
@@ -644,8 +738,9 @@ def _median_without(ordered: Sequence[float], i: int) -> float:
     return at(m // 2) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2.0
 
 
-def find_stragglers(nodes: list[NodeFigures], rules: FleetRules
-                    ) -> tuple[list[FleetStraggler], int]:
+def find_stragglers(
+    nodes: list[NodeFigures], rules: FleetRules
+) -> tuple[list[FleetStraggler], int]:
     """(ranks at least ``straggler_ratio`` times their job's median step time, jobs compared).
 
     Only jobs whose stepping ranks are on at least ``straggler_min_nodes`` nodes are compared
@@ -667,17 +762,29 @@ def find_stragglers(nodes: list[NodeFigures], rules: FleetRules
         if len(on) < rules.straggler_min_nodes:
             continue
         compared += 1
-        entries = sorted(((row.step_time_s, index, row) for (index, _), row in ranks.items()),
-                         key=lambda e: e[0])
+        entries = sorted(
+            ((row.step_time_s, index, row) for (index, _), row in ranks.items()), key=lambda e: e[0]
+        )
         ordered = [e[0] for e in entries]
         for i, (step, index, row) in enumerate(entries):
             median = _median_without(ordered, i)
             if median > 0 and step >= rules.straggler_ratio * median:
                 node = nodes[index]
-                out.append(FleetStraggler(
-                    node=node.hostname, job=job, rank=row.rank, pid=row.pid, target=row.target,
-                    step_time_s=step, job_median_s=median, ratio=step / median,
-                    ranks=len(entries), nodes=len(on), path=node.path))
+                out.append(
+                    FleetStraggler(
+                        node=node.hostname,
+                        job=job,
+                        rank=row.rank,
+                        pid=row.pid,
+                        target=row.target,
+                        step_time_s=step,
+                        job_median_s=median,
+                        ratio=step / median,
+                        ranks=len(entries),
+                        nodes=len(on),
+                        path=node.path,
+                    )
+                )
     out.sort(key=lambda s: (-s.ratio, s.job, s.node, str(s.rank)))
     return out, compared
 
@@ -699,30 +806,47 @@ def group_hangs(nodes: list[NodeFigures]) -> list[JobHang]:
                 entry.ranks.append(name)
                 if row.likely_origin:
                     entry.origin.append(name)
-    return [JobHang(job, sorted(by_node.values(), key=lambda n: (not n.origin, n.node)))
-            for job, by_node in sorted(jobs.items())]
+    return [
+        JobHang(job, sorted(by_node.values(), key=lambda n: (not n.origin, n.node)))
+        for job, by_node in sorted(jobs.items())
+    ]
 
 
-def analyse_figures(figures: list[NodeFigures], rules: FleetRules,
-                    unreadable: list[tuple[str, str]] | None = None,
-                    topology: dict[str, list[str]] | None = None,
-                    reports: int | None = None) -> FleetAnalysis:
+def analyse_figures(
+    figures: list[NodeFigures],
+    rules: FleetRules,
+    unreadable: list[tuple[str, str]] | None = None,
+    topology: dict[str, list[str]] | None = None,
+    reports: int | None = None,
+) -> FleetAnalysis:
     """Outliers of already-read figures (the pure part of :func:`analyse`)."""
     nodes, superseded = _newest_per_host(figures)
     groups = pool(nodes, rules)
     suspects = [s for g in groups for s in find_outliers(g, rules, nodes)]
     suspects.sort(key=lambda s: (-abs(s.deviation_mads), s.node, s.target, s.metric))
     stragglers, compared = find_stragglers(nodes, rules)
-    return FleetAnalysis(rules=rules, reports=len(figures) if reports is None else reports,
-                         nodes=nodes, unreadable=list(unreadable or []), superseded=superseded,
-                         groups=groups, suspects=suspects, topology=topology,
-                         stragglers=stragglers, hung_jobs=group_hangs(nodes),
-                         jobs_compared=compared)
+    return FleetAnalysis(
+        rules=rules,
+        reports=len(figures) if reports is None else reports,
+        nodes=nodes,
+        unreadable=list(unreadable or []),
+        superseded=superseded,
+        groups=groups,
+        suspects=suspects,
+        topology=topology,
+        stragglers=stragglers,
+        hung_jobs=group_hangs(nodes),
+        jobs_compared=compared,
+    )
 
 
-def analyse(inputs: Iterable[str | Path], rules: FleetRules,
-            topology: dict[str, list[str]] | None = None,
-            workers: int | None = None, owners: frozenset[int] | None = None) -> FleetAnalysis:
+def analyse(
+    inputs: Iterable[str | Path],
+    rules: FleetRules,
+    topology: dict[str, list[str]] | None = None,
+    workers: int | None = None,
+    owners: frozenset[int] | None = None,
+) -> FleetAnalysis:
     """Read reports (files, or directories of ``*.json``) and find the fleet's outliers.
 
     ``owners``: believe only report files owned by these uids (``node-agent fleet`` run as

@@ -25,13 +25,20 @@ if TYPE_CHECKING:
     from node_agent.sim.scenario import Scenario
 
 __all__ = [
-    "DeviceLost", "GpuBackend", "GpuDevice", "GpuError", "GpuTimeout", "NoPermission",
-    "NotSupported", "open_backend",
+    "DeviceLost",
+    "GpuBackend",
+    "GpuDevice",
+    "GpuError",
+    "GpuTimeout",
+    "NoPermission",
+    "NotSupported",
+    "open_backend",
 ]
 
 
-def open_backend(scenario: Scenario | None = None, scenario_sku: Sku | None = None,
-                 call_timeout_s: float = 10.0) -> GpuBackend:
+def open_backend(
+    scenario: Scenario | None = None, scenario_sku: Sku | None = None, call_timeout_s: float = 10.0
+) -> GpuBackend:
     """Pick the node's GPU backend: simulator, NVML, or none (with the reason).
 
     A captured scenario (``node-agent capture``, docs/capture.md) replays its recorded NVML
@@ -40,8 +47,9 @@ def open_backend(scenario: Scenario | None = None, scenario_sku: Sku | None = No
     if scenario is not None and scenario.nvml is not None:
         from node_agent.gpu.replay import open_replay
 
-        return open_replay(scenario.nvml, scenario.kernel_log, scenario.source,
-                           call_timeout_s=call_timeout_s)
+        return open_replay(
+            scenario.nvml, scenario.kernel_log, scenario.source, call_timeout_s=call_timeout_s
+        )
     if scenario is not None:
         from node_agent.gpu.sim import SimGpuBackend
 

@@ -194,8 +194,14 @@ class Utilization:
 
 #: names of NVML clock-event (throttle) reasons, as returned by ``throttle_reasons()``
 THROTTLE_REASONS = (
-    "gpu_idle", "applications_clocks_setting", "sw_power_cap", "hw_slowdown", "sync_boost",
-    "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown",
+    "gpu_idle",
+    "applications_clocks_setting",
+    "sw_power_cap",
+    "hw_slowdown",
+    "sync_boost",
+    "sw_thermal_slowdown",
+    "hw_thermal_slowdown",
+    "hw_power_brake_slowdown",
     "display_clock_setting",
 )
 
@@ -210,8 +216,14 @@ VIRTUALIZATION_MODES = ("none", "pass_through", "vgpu", "host_vgpu", "host_vsga"
 
 #: ``nvmlGpuRecoveryAction_t`` as names; "none" means the driver asks for nothing
 RECOVERY_ACTIONS = (
-    "none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset", "recover_imex_domain",
-    "bus_reset", "system_reboot",
+    "none",
+    "gpu_reset",
+    "node_reboot",
+    "drain_p2p",
+    "drain_and_reset",
+    "recover_imex_domain",
+    "bus_reset",
+    "system_reboot",
 )
 
 

@@ -46,30 +46,69 @@ BINDINGS_PATHS = (
     Path("/usr/local/dcgm/bindings"),  # DCGM 3.x (older layout), 2.x
     Path("/usr/src/dcgm/bindings"),  # DCGM 2.0
 )
-INSTALL_HINT = ("install DCGM from NVIDIA's CUDA repository (DCGM 4: `apt-get install "
-                "datacenter-gpu-manager-4-core datacenter-gpu-manager-4-cuda12`; DCGM 3: "
-                "`datacenter-gpu-manager`), or set dcgm.bindings_path in the config to the "
-                "directory holding pydcgm.py")
+INSTALL_HINT = (
+    "install DCGM from NVIDIA's CUDA repository (DCGM 4: `apt-get install "
+    "datacenter-gpu-manager-4-core datacenter-gpu-manager-4-cuda12`; DCGM 3: "
+    "`datacenter-gpu-manager`), or set dcgm.bindings_path in the config to the "
+    "directory holding pydcgm.py"
+)
 
 #: dcgmHealthSystems_t (dcgm_structs.h): watch name -> bit
 HEALTH_SYSTEMS = {
-    "pcie": 0x1, "nvlink": 0x2, "pmu": 0x4, "mcu": 0x8, "mem": 0x10, "sm": 0x20,
-    "inforom": 0x40, "thermal": 0x80, "power": 0x100, "driver": 0x200,
-    "nvswitch_nonfatal": 0x400, "nvswitch_fatal": 0x800,
+    "pcie": 0x1,
+    "nvlink": 0x2,
+    "pmu": 0x4,
+    "mcu": 0x8,
+    "mem": 0x10,
+    "sm": 0x20,
+    "inforom": 0x40,
+    "thermal": 0x80,
+    "power": 0x100,
+    "driver": 0x200,
+    "nvswitch_nonfatal": 0x400,
+    "nvswitch_fatal": 0x800,
 }
 #: dcgmHealthWatchResults_t
 HEALTH_RESULTS = {0: "pass", 10: "warn", 20: "fail"}
 #: dcgm_field_entity_group_t (dcgm_fields.h)
-ENTITY_GROUPS = {0: "node", 1: "GPU", 2: "VGPU", 3: "NvSwitch", 4: "GPU_I", 5: "GPU_CI",
-                 6: "Link", 7: "CPU", 8: "CPU_Core"}
+ENTITY_GROUPS = {
+    0: "node",
+    1: "GPU",
+    2: "VGPU",
+    3: "NvSwitch",
+    4: "GPU_I",
+    5: "GPU_CI",
+    6: "Link",
+    7: "CPU",
+    8: "CPU_Core",
+}
 #: dcgmDiagResult_t
 _DIAG_RESULTS = {0: "Pass", 1: "Skip", 2: "Warn", 3: "Fail", 4: None}  # 4: NOT_RUN
 #: display names of dcgmDiagResponse v7-v10 fixed result slots (dcgmi/Diag.cpp)
-_LEVEL_ONE_TESTS = ("Denylist", "NVML Library", "CUDA Main Library", "CUDA Toolkit Library",
-                    "Permissions and OS Blocks", "Persistence Mode", "Environment Variables",
-                    "Page Retirement/Row Remap", "Graphics Processes", "Inforom")
-_PER_GPU_TESTS = ("GPU Memory", "Diagnostic", "PCIe", "SM Stress", "Targeted Stress",
-                  "Targeted Power", "Memory Bandwidth", "Memtest", "Pulse Test", "EUD Test")
+_LEVEL_ONE_TESTS = (
+    "Denylist",
+    "NVML Library",
+    "CUDA Main Library",
+    "CUDA Toolkit Library",
+    "Permissions and OS Blocks",
+    "Persistence Mode",
+    "Environment Variables",
+    "Page Retirement/Row Remap",
+    "Graphics Processes",
+    "Inforom",
+)
+_PER_GPU_TESTS = (
+    "GPU Memory",
+    "Diagnostic",
+    "PCIe",
+    "SM Stress",
+    "Targeted Stress",
+    "Targeted Power",
+    "Memory Bandwidth",
+    "Memtest",
+    "Pulse Test",
+    "EUD Test",
+)
 _MAX_DEVICES = 32  # DCGM_MAX_NUM_DEVICES: an unused perGpuResponses slot carries this gpuId
 
 
@@ -113,10 +152,13 @@ class DiagRequest:
     iterations: int = 1
 
     def __post_init__(self) -> None:
-        if self.tests and any(not t or "," in t or not t.replace("_", "").replace(" ", "")
-                              .isalnum() for t in self.tests):
-            raise ValueError(f"DCGM test names must be words such as memory or pcie; got "
-                             f"{list(self.tests)}")
+        if self.tests and any(
+            not t or "," in t or not t.replace("_", "").replace(" ", "").isalnum()
+            for t in self.tests
+        ):
+            raise ValueError(
+                f"DCGM test names must be words such as memory or pcie; got {list(self.tests)}"
+            )
         if not self.tests and self.level not in (1, 2, 3, 4):
             raise ValueError(f"DCGM diagnostic level must be 1, 2, 3 or 4; got {self.level!r}")
         if self.iterations < 1:
@@ -176,8 +218,9 @@ def health_mask(systems: Sequence[str]) -> int:
     """``["pcie", "mem"]`` -> ``0x11``; ValueError names an unknown system."""
     unknown = [s for s in systems if s not in HEALTH_SYSTEMS]
     if unknown:
-        raise ValueError(f"unknown DCGM health system(s) {unknown}; known: "
-                         f"{', '.join(HEALTH_SYSTEMS)}")
+        raise ValueError(
+            f"unknown DCGM health system(s) {unknown}; known: {', '.join(HEALTH_SYSTEMS)}"
+        )
     mask = 0
     for s in systems:
         mask |= HEALTH_SYSTEMS[s]
@@ -216,8 +259,7 @@ class Bindings:
     diag: Any
 
 
-def load_bindings(path: Path,
-                  importer: Callable[[str], Any] = importlib.import_module) -> Bindings:
+def load_bindings(path: Path, importer: Callable[[str], Any] = importlib.import_module) -> Bindings:
     """Import the bindings from ``path``; DcgmError says which module failed and why.
 
     The directory stays on ``sys.path``: the DCGM modules import one another by top-level
@@ -230,16 +272,26 @@ def load_bindings(path: Path,
         try:
             mods[name] = importer(name)
         except Exception as err:  # noqa: BLE001 - any import failure is a broken install
-            raise DcgmConnectError(f"DCGM bindings in {path} do not import ({name}: "
-                                   f"{type(err).__name__}: {err}); reinstall DCGM or point "
-                                   "dcgm.bindings_path at a working copy") from err
-    return Bindings(path=path, pydcgm=mods["pydcgm"], structs=mods["dcgm_structs"],
-                    agent=mods["dcgm_agent"], diag=mods["DcgmDiag"])
+            raise DcgmConnectError(
+                f"DCGM bindings in {path} do not import ({name}: "
+                f"{type(err).__name__}: {err}); reinstall DCGM or point "
+                "dcgm.bindings_path at a working copy"
+            ) from err
+    return Bindings(
+        path=path,
+        pydcgm=mods["pydcgm"],
+        structs=mods["dcgm_structs"],
+        agent=mods["dcgm_agent"],
+        diag=mods["DcgmDiag"],
+    )
 
 
-def open_dcgm(config: Any, candidates: Sequence[Path] | None = None,
-              loader: Callable[[Path], Bindings] = load_bindings,
-              connect_timeout_s: float = 15.0) -> BindingsDcgm:
+def open_dcgm(
+    config: Any,
+    candidates: Sequence[Path] | None = None,
+    loader: Callable[[Path], Bindings] = load_bindings,
+    connect_timeout_s: float = 15.0,
+) -> BindingsDcgm:
     """Find, load and connect; raises DcgmUnavailable (no bindings) or another DcgmError."""
     configured = config.get("dcgm.bindings_path")
     searched = list(candidates) if candidates is not None else bindings_candidates(configured)
@@ -247,7 +299,9 @@ def open_dcgm(config: Any, candidates: Sequence[Path] | None = None,
     if path is None:
         raise DcgmUnavailable(
             "DCGM Python bindings not found (searched "
-            + ", ".join(str(p) for p in searched) + f"): {INSTALL_HINT}")
+            + ", ".join(str(p) for p in searched)
+            + f"): {INSTALL_HINT}"
+        )
     source = BindingsDcgm(loader(path), hostengine=config.get("dcgm.hostengine"))
     source.connect(connect_timeout_s)
     return source
@@ -275,9 +329,11 @@ def _bounded(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
 
     threading.Thread(target=target, name=f"dcgm-{what}", daemon=True).start()
     if not done.wait(timeout_s):
-        raise DcgmTimeout(f"DCGM {what} did not return within {timeout_s:g} s and was "
-                          "abandoned; check nv-hostengine (journalctl -u nvidia-dcgm) and "
-                          "dmesg for Xids")
+        raise DcgmTimeout(
+            f"DCGM {what} did not return within {timeout_s:g} s and was "
+            "abandoned; check nv-hostengine (journalctl -u nvidia-dcgm) and "
+            "dmesg for Xids"
+        )
     if outcome[1] is not None:
         raise outcome[1]
     return outcome[0]
@@ -299,8 +355,10 @@ class BindingsDcgm:
         self.connection = "not connected"
         error_cls = getattr(bindings.structs, "DCGMError", None)
         self._dcgm_error: type[BaseException] = (
-            error_cls if isinstance(error_cls, type) and issubclass(error_cls, BaseException)
-            else Exception)
+            error_cls
+            if isinstance(error_cls, type) and issubclass(error_cls, BaseException)
+            else Exception
+        )
 
     def connect(self, timeout_s: float = 15.0) -> None:
         """The host engine at ``hostengine``, else an embedded one (``"embedded"``: only that)."""
@@ -309,15 +367,21 @@ class BindingsDcgm:
         refused = ""
         if self._hostengine and self._hostengine != "embedded":
             try:
-                self._handle = _bounded(lambda: b.pydcgm.DcgmHandle(
-                    ipAddress=self._hostengine, opMode=mode), timeout_s, "connect")
+                self._handle = _bounded(
+                    lambda: b.pydcgm.DcgmHandle(ipAddress=self._hostengine, opMode=mode),
+                    timeout_s,
+                    "connect",
+                )
                 self.connection = f"host engine at {self._hostengine}"
                 return
             except (DcgmTimeout, self._dcgm_error) as err:
                 refused = f"; no host engine answered at {self._hostengine}: {err}"
         try:
-            self._handle = _bounded(lambda: b.pydcgm.DcgmHandle(ipAddress=None, opMode=mode),
-                                    timeout_s, "embedded start")
+            self._handle = _bounded(
+                lambda: b.pydcgm.DcgmHandle(ipAddress=None, opMode=mode),
+                timeout_s,
+                "embedded start",
+            )
         except (DcgmTimeout, self._dcgm_error) as err:
             raise DcgmConnectError(
                 f"DCGM bindings in {b.path} load, but no host engine answered"
@@ -333,18 +397,26 @@ class BindingsDcgm:
             return _bounded(fn, timeout_s, what)
         except self._dcgm_error as err:
             code = getattr(err, "value", None)
-            raise DcgmCallError(f"DCGM {what} failed ({self.connection}): {err}"
-                                + (f" [dcgmReturn_t {code}]" if code is not None else "")) from err
+            raise DcgmCallError(
+                f"DCGM {what} failed ({self.connection}): {err}"
+                + (f" [dcgmReturn_t {code}]" if code is not None else "")
+            ) from err
 
     def run_diag(self, request: DiagRequest, timeout_s: float) -> DiagReport:
         """``dcgmActionValidate_v2`` through ``DcgmDiag``; repeats for ``request.iterations``."""
         reports = []
         for i in range(request.iterations):
-            diag = self._b.diag.DcgmDiag(gpuIds=list(request.gpus) or None,
-                                         testNamesStr=request.run_arg, paramsStr="",
-                                         verbose=True)
-            resp = self._call(f"diagnostic -r {request.run_arg}",
-                              lambda d=diag: d.Execute(self._handle.handle), timeout_s)
+            diag = self._b.diag.DcgmDiag(
+                gpuIds=list(request.gpus) or None,
+                testNamesStr=request.run_arg,
+                paramsStr="",
+                verbose=True,
+            )
+            resp = self._call(
+                f"diagnostic -r {request.run_arg}",
+                lambda d=diag: d.Execute(self._handle.handle),
+                timeout_s,
+            )
             one = report_from_response(resp, iteration=i if request.iterations > 1 else None)
             reports.append(one)
             if one.findings and any(f.status == "fail" for f in one.findings):
@@ -352,25 +424,31 @@ class BindingsDcgm:
         if len(reports) == 1:
             return reports[0]
         failed = any(f.status == "fail" for r in reports for f in r.findings)
-        return DiagReport(results=tuple(x for r in reports for x in r.results),
-                          format=reports[0].format, dcgm_version=reports[0].dcgm_version,
-                          driver_version=reports[0].driver_version,
-                          iterations=len(reports), overall="Fail" if failed else "Pass")
+        return DiagReport(
+            results=tuple(x for r in reports for x in r.results),
+            format=reports[0].format,
+            dcgm_version=reports[0].dcgm_version,
+            driver_version=reports[0].driver_version,
+            iterations=len(reports),
+            overall="Fail" if failed else "Pass",
+        )
 
     def set_health_watches(self, systems: int) -> None:
         """``dcgmHealthSet`` on the all-GPUs group, then one field update so the first check
         has data (rate-based watches — PCIe, thermal, power — need about a minute of it)."""
         group = getattr(self._b.structs, "DCGM_GROUP_ALL_GPUS", 0x7FFFFFFF)
         agent = self._b.agent
-        self._call("health watch set", lambda: agent.dcgmHealthSet(
-            self._handle.handle, group, systems))
+        self._call(
+            "health watch set", lambda: agent.dcgmHealthSet(self._handle.handle, group, systems)
+        )
         self._call("field update", lambda: agent.dcgmUpdateAllFields(self._handle.handle, 1))
 
     def check_health(self) -> HealthReport:
         """``dcgmHealthCheck`` on the all-GPUs group."""
         group = getattr(self._b.structs, "DCGM_GROUP_ALL_GPUS", 0x7FFFFFFF)
-        resp = self._call("health check", lambda: self._b.agent.dcgmHealthCheck(
-            self._handle.handle, group))
+        resp = self._call(
+            "health check", lambda: self._b.agent.dcgmHealthCheck(self._handle.handle, group)
+        )
         return health_report_from_response(resp)
 
     def close(self) -> None:
@@ -391,14 +469,19 @@ def health_report_from_response(resp: Any) -> HealthReport:
     for inc in list(resp.incidents)[: int(resp.incidentCount)]:
         group = ENTITY_GROUPS.get(int(inc.entityInfo.entityGroupId), "node")
         code = int(inc.error.code)
-        incidents.append(HealthIncident(
-            system=system_name(int(inc.system)),
-            health=HEALTH_RESULTS.get(int(inc.health), "fail"),
-            error_code=code or None, message=_text(inc.error.msg).strip(),
-            entity_group=group,
-            entity_id=None if group == "node" else int(inc.entityInfo.entityId)))
-    return HealthReport(overall=HEALTH_RESULTS.get(int(resp.overallHealth), "fail"),
-                        incidents=tuple(incidents))
+        incidents.append(
+            HealthIncident(
+                system=system_name(int(inc.system)),
+                health=HEALTH_RESULTS.get(int(inc.health), "fail"),
+                error_code=code or None,
+                message=_text(inc.error.msg).strip(),
+                entity_group=group,
+                entity_id=None if group == "node" else int(inc.entityInfo.entityId),
+            )
+        )
+    return HealthReport(
+        overall=HEALTH_RESULTS.get(int(resp.overallHealth), "fail"), incidents=tuple(incidents)
+    )
 
 
 def report_from_response(resp: Any, iteration: int | None = None) -> DiagReport:
@@ -416,13 +499,22 @@ def report_from_response(resp: Any, iteration: int | None = None) -> DiagReport:
         results, fmt = _results_v12(resp, iteration), "dcgm4"
     else:
         results, fmt = _results_legacy(resp, iteration), "dcgm3"
-    return DiagReport(results=tuple(results), format=fmt, dcgm_version=version,
-                      driver_version=driver, runtime_error=runtime_error)
+    return DiagReport(
+        results=tuple(results),
+        format=fmt,
+        dcgm_version=version,
+        driver_version=driver,
+        runtime_error=runtime_error,
+    )
 
 
 def _warning(err: Any) -> DiagWarning:
-    return DiagWarning(message=_text(err.msg).strip(), error_id=int(err.code) or None,
-                       category=_int_attr(err, "category"), severity=_int_attr(err, "severity"))
+    return DiagWarning(
+        message=_text(err.msg).strip(),
+        error_id=int(err.code) or None,
+        category=_int_attr(err, "category"),
+        severity=_int_attr(err, "severity"),
+    )
 
 
 def _int_attr(obj: Any, name: str) -> int | None:
@@ -430,16 +522,30 @@ def _int_attr(obj: Any, name: str) -> int | None:
     return None if value is None else int(value)
 
 
-def _entity_result(test: str, category: str, group: str, entity: int | None, code: int,
-                   warnings: list[DiagWarning], info: list[str],
-                   iteration: int | None) -> DiagEntityResult | None:
+def _entity_result(
+    test: str,
+    category: str,
+    group: str,
+    entity: int | None,
+    code: int,
+    warnings: list[DiagWarning],
+    info: list[str],
+    iteration: int | None,
+) -> DiagEntityResult | None:
     printed = _DIAG_RESULTS.get(code, "Fail")
     if printed is None:
         return None  # NOT_RUN
-    return DiagEntityResult(test=test, category=category, entity_group=group, entity_id=entity,
-                            status=printed.lower(), printed_status=printed,
-                            warnings=tuple(warnings), info=tuple(i for i in info if i),
-                            iteration=iteration)
+    return DiagEntityResult(
+        test=test,
+        category=category,
+        entity_group=group,
+        entity_id=entity,
+        status=printed.lower(),
+        printed_status=printed,
+        warnings=tuple(warnings),
+        info=tuple(i for i in info if i),
+        iteration=iteration,
+    )
 
 
 def _results_v12(resp: Any, iteration: int | None) -> list[DiagEntityResult]:
@@ -453,8 +559,10 @@ def _results_v12(resp: Any, iteration: int | None) -> list[DiagEntityResult]:
             except (IndexError, TypeError):
                 cat = ""
         errors = [resp.errors[i] for i in list(test.errorIndices)[: int(test.numErrors)]]
-        infos = [resp.info[i] for i in list(getattr(test, "infoIndices", []))[
-            : int(getattr(test, "numInfo", 0))]]
+        infos = [
+            resp.info[i]
+            for i in list(getattr(test, "infoIndices", []))[: int(getattr(test, "numInfo", 0))]
+        ]
         for idx in list(test.resultIndices)[: int(test.numResults)]:
             res = resp.results[idx]
             key = (int(res.entity.entityGroupId), int(res.entity.entityId))
@@ -464,9 +572,15 @@ def _results_v12(resp: Any, iteration: int | None) -> list[DiagEntityResult]:
 
             group = ENTITY_GROUPS.get(key[0], "node")
             made = _entity_result(
-                _text(test.name), cat, group, None if group == "node" else key[1],
-                int(res.result), [_warning(e) for e in errors if mine(e)],
-                [_text(i.msg) for i in infos if mine(i)], iteration)
+                _text(test.name),
+                cat,
+                group,
+                None if group == "node" else key[1],
+                int(res.result),
+                [_warning(e) for e in errors if mine(e)],
+                [_text(i.msg) for i in infos if mine(i)],
+                iteration,
+            )
             if made is not None:
                 out.append(made)
     return out
@@ -481,9 +595,16 @@ def _legacy_errors(result: Any) -> list[DiagWarning]:
 def _results_legacy(resp: Any, iteration: int | None) -> list[DiagEntityResult]:
     out = []
     for i, result in enumerate(list(resp.levelOneResults)[: int(resp.levelOneTestCount)]):
-        made = _entity_result(_LEVEL_ONE_TESTS[i] if i < len(_LEVEL_ONE_TESTS) else f"test {i}",
-                              "Deployment", "node", None, int(result.status),
-                              _legacy_errors(result), [_text(result.info)], iteration)
+        made = _entity_result(
+            _LEVEL_ONE_TESTS[i] if i < len(_LEVEL_ONE_TESTS) else f"test {i}",
+            "Deployment",
+            "node",
+            None,
+            int(result.status),
+            _legacy_errors(result),
+            [_text(result.info)],
+            iteration,
+        )
         if made is not None:
             out.append(made)
     for gpu in resp.perGpuResponses:
@@ -491,8 +612,16 @@ def _results_legacy(resp: Any, iteration: int | None) -> list[DiagEntityResult]:
         if gpu_id >= _MAX_DEVICES:
             continue
         for j, result in enumerate(list(gpu.results)[: len(_PER_GPU_TESTS)]):
-            made = _entity_result(_PER_GPU_TESTS[j], "", "GPU", gpu_id, int(result.status),
-                                  _legacy_errors(result), [_text(result.info)], iteration)
+            made = _entity_result(
+                _PER_GPU_TESTS[j],
+                "",
+                "GPU",
+                gpu_id,
+                int(result.status),
+                _legacy_errors(result),
+                [_text(result.info)],
+                iteration,
+            )
             if made is not None:
                 out.append(made)
     return out

@@ -225,8 +225,16 @@ class NvmlBackend:
                 raise self._translate(err.value, name, gpu) from err
         raise self._translate(_FUNCTION_NOT_FOUND, names[0], gpu)
 
-    def _run(self, name: str, fn: Callable[..., Any], args: tuple[Any, ...], gpu: int | None,
-             worker: _Worker, lock: threading.Lock, timeout_s: float | None = None) -> Any:
+    def _run(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        gpu: int | None,
+        worker: _Worker,
+        lock: threading.Lock,
+        timeout_s: float | None = None,
+    ) -> Any:
         timeout_s = self._timeout_s if timeout_s is None else timeout_s
         with lock:
             if self._wedged is not None:
@@ -234,8 +242,10 @@ class NvmlBackend:
             try:
                 return worker.run(fn, args, timeout_s)
             except _CallTimedOut:
-                self._wedged = (f"NVML call {name}{_on(gpu)} did not return within "
-                                f"{timeout_s:g} s; {_HUNG_ADVICE}")
+                self._wedged = (
+                    f"NVML call {name}{_on(gpu)} did not return within "
+                    f"{timeout_s:g} s; {_HUNG_ADVICE}"
+                )
                 log.error("%s", self._wedged)
                 raise GpuTimeout(self._wedged) from None
 
@@ -244,14 +254,17 @@ class NvmlBackend:
         if code in _UNSUPPORTED_CODES:
             if name not in self._unsupported_logged:
                 self._unsupported_logged.add(name)
-                log.info("%s is not supported by this GPU or driver; reported as not available",
-                         name)
+                log.info(
+                    "%s is not supported by this GPU or driver; reported as not available", name
+                )
             return NotSupported(f"{what} (this GPU or driver does not report it)")
         if code == _NO_PERMISSION:
             return NoPermission(f"{what}: run the agent as root")
         if code in _LOST_CODES:
-            return DeviceLost(f"{what}: the GPU stopped answering (fell off the bus?); "
-                              "check dmesg for Xid 79, then reset the GPU or reboot")
+            return DeviceLost(
+                f"{what}: the GPU stopped answering (fell off the bus?); "
+                "check dmesg for Xid 79, then reset the GPU or reboot"
+            )
         if code == _TIMEOUT:
             return GpuTimeout(f"{what}: {_HUNG_ADVICE}")
         if code == _INVALID_ARGUMENT:
@@ -280,13 +293,17 @@ class NvmlBackend:
             if isinstance(err, GpuTimeout):
                 raise NvmlUnavailable(f"NVML did not initialise: {err}") from err
             code = getattr(err.__cause__, "value", None)
-            raise NvmlUnavailable(_init_failure(code, str(err)),
-                                  broken=code != _LIBRARY_NOT_FOUND) from err
+            raise NvmlUnavailable(
+                _init_failure(code, str(err)), broken=code != _LIBRARY_NOT_FOUND
+            ) from err
 
     def driver(self) -> DriverInfo:
         """``nvidia-smi -q``: Driver Version, CUDA Version; and the NVML version."""
-        cuda = _optional(lambda: self._call(
-            ("nvmlSystemGetCudaDriverVersion_v2", "nvmlSystemGetCudaDriverVersion")))
+        cuda = _optional(
+            lambda: self._call(
+                ("nvmlSystemGetCudaDriverVersion_v2", "nvmlSystemGetCudaDriverVersion")
+            )
+        )
         return DriverInfo(
             driver_version=_optional(lambda: _text(self._call("nvmlSystemGetDriverVersion"))),
             cuda_version=None if cuda is None else f"{cuda // 1000}.{cuda % 1000 // 10}",
@@ -316,18 +333,28 @@ class NvmlBackend:
         wait_ms = max(0, int(timeout_s * 1000))
         while len(events) < 64 and not self._closed:  # drain what is queued, but not forever
             try:
-                data = self._run(name, getattr(lib, name), (self._event_set, wait_ms), None,
-                                 self._event_worker, self._event_lock,
-                                 timeout_s=wait_ms / 1000 + self._timeout_s)
+                data = self._run(
+                    name,
+                    getattr(lib, name),
+                    (self._event_set, wait_ms),
+                    None,
+                    self._event_worker,
+                    self._event_lock,
+                    timeout_s=wait_ms / 1000 + self._timeout_s,
+                )
             except lib.NVMLError as err:
                 if err.value == _TIMEOUT:  # no (further) event within wait_ms
                     return events
                 raise self._translate(err.value, name, None) from err
             if data.eventType & lib.nvmlEventTypeXidCriticalError:
                 gpu = self._event_gpus.get(_handle_key(data.device))
-                events.append(XidEvent(gpu_index=gpu, code=int(data.eventData),
-                                       message=f"Xid {int(data.eventData)}{_on(gpu)} "
-                                               "(NVML event)"))
+                events.append(
+                    XidEvent(
+                        gpu_index=gpu,
+                        code=int(data.eventData),
+                        message=f"Xid {int(data.eventData)}{_on(gpu)} (NVML event)",
+                    )
+                )
             wait_ms = 0
         return events
 
@@ -339,16 +366,23 @@ class NvmlBackend:
         for dev in self._devices or []:
             try:
                 handle = dev.handle()
-                self._call("nvmlDeviceRegisterEvents", handle, lib.nvmlEventTypeXidCriticalError,
-                           event_set, gpu=dev.index)
+                self._call(
+                    "nvmlDeviceRegisterEvents",
+                    handle,
+                    lib.nvmlEventTypeXidCriticalError,
+                    event_set,
+                    gpu=dev.index,
+                )
             except (NotSupported, NoPermission, DeviceLost) as err:
                 log.info("no NVML Xid events from GPU %d: %s", dev.index, err)
                 continue
             gpus[_handle_key(handle)] = dev.index
         if not gpus:
             _optional(lambda: self._call("nvmlEventSetFree", event_set))
-            raise NotSupported("no GPU here reports Xid events through NVML "
-                               "(nvmlDeviceRegisterEvents); read Xids from the kernel log")
+            raise NotSupported(
+                "no GPU here reports Xid events through NVML "
+                "(nvmlDeviceRegisterEvents); read Xids from the kernel log"
+            )
         self._event_gpus, self._event_set = gpus, event_set
 
     def load_hint(self, indices: list[int], active: bool) -> None:
@@ -377,14 +411,20 @@ class NvmlBackend:
 
 def _init_failure(code: int | None, detail: str) -> str:
     if code == _LIBRARY_NOT_FOUND:
-        return ("no NVIDIA driver: libnvidia-ml.so.1 not found "
-                "(install the NVIDIA driver, or run with --simulate)")
+        return (
+            "no NVIDIA driver: libnvidia-ml.so.1 not found "
+            "(install the NVIDIA driver, or run with --simulate)"
+        )
     if code == _DRIVER_NOT_LOADED:
-        return ("no NVIDIA driver: the nvidia kernel module is not loaded "
-                "(check `lsmod | grep nvidia` and dmesg, or run with --simulate)")
+        return (
+            "no NVIDIA driver: the nvidia kernel module is not loaded "
+            "(check `lsmod | grep nvidia` and dmesg, or run with --simulate)"
+        )
     if code == _LIB_RM_VERSION_MISMATCH:
-        return ("NVML library and kernel driver versions differ (driver upgraded without a "
-                "reboot?): reboot, or reload the nvidia kernel modules")
+        return (
+            "NVML library and kernel driver versions differ (driver upgraded without a "
+            "reboot?): reboot, or reload the nvidia kernel modules"
+        )
     if code == _NO_PERMISSION:
         return f"NVML refused to initialise ({detail}): run the agent as root"
     return f"NVML failed to initialise: {detail}"
@@ -402,8 +442,9 @@ class NvmlDevice:
     def handle(self) -> Any:
         """The NVML device handle, fetched once (a lost GPU raises DeviceLost here)."""
         if self._handle is None:
-            self._handle = self._nvml._call("nvmlDeviceGetHandleByIndex", self.index,
-                                            gpu=self.index)
+            self._handle = self._nvml._call(
+                "nvmlDeviceGetHandleByIndex", self.index, gpu=self.index
+            )
         return self._handle
 
     def _call(self, names: str | Sequence[str], *args: Any) -> Any:
@@ -422,7 +463,8 @@ class NvmlDevice:
             serial=_optional(lambda: _text(self._call("nvmlDeviceGetSerial"))),
             vbios=_optional(lambda: _text(self._call("nvmlDeviceGetVbiosVersion"))),
             memory_total_mib=_optional(
-                lambda: int(self._call("nvmlDeviceGetMemoryInfo").total) // _MIB),
+                lambda: int(self._call("nvmlDeviceGetMemoryInfo").total) // _MIB
+            ),
         )
 
     def temperature_c(self) -> int:
@@ -431,8 +473,12 @@ class NvmlDevice:
         ``nvmlDeviceGetTemperatureV`` first: nvml.h 13 deprecates ``nvmlDeviceGetTemperature``
         (nvidia-ml-py: "will be removed in CUDA 14.0"); older drivers and bindings lack the V.
         """
-        return int(self._call(("nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature"),
-                              self._lib.NVML_TEMPERATURE_GPU))
+        return int(
+            self._call(
+                ("nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature"),
+                self._lib.NVML_TEMPERATURE_GPU,
+            )
+        )
 
     def memory_temperature_c(self) -> int:
         """``nvidia-smi --query-gpu=temperature.memory`` (°C; HBM GPUs only)."""
@@ -452,12 +498,15 @@ class NvmlDevice:
             memory_max_operating_c=threshold(lib.NVML_TEMPERATURE_THRESHOLD_MEM_MAX),
         )
         if found == TemperatureThresholds(None, None, None, None):
-            raise NotSupported(f"nvmlDeviceGetTemperatureThreshold on GPU {self.index}: "
-                               "no temperature threshold is reported")
+            raise NotSupported(
+                f"nvmlDeviceGetTemperatureThreshold on GPU {self.index}: "
+                "no temperature threshold is reported"
+            )
         return found
 
     def power(self) -> Power:
         """``nvidia-smi --query-gpu=power.draw,enforced.power.limit,power.default_limit`` (W)."""
+
         def watts(function: str) -> float:  # NVML reports milliwatts
             return self._call(function) / 1000
 
@@ -472,8 +521,9 @@ class NvmlDevice:
         lib = self._lib
         return Clocks(
             sm_mhz=int(self._call("nvmlDeviceGetClockInfo", lib.NVML_CLOCK_SM)),
-            sm_max_mhz=_optional(lambda: self._call("nvmlDeviceGetMaxClockInfo",
-                                                    lib.NVML_CLOCK_SM)),
+            sm_max_mhz=_optional(
+                lambda: self._call("nvmlDeviceGetMaxClockInfo", lib.NVML_CLOCK_SM)
+            ),
             memory_mhz=_optional(lambda: self._call("nvmlDeviceGetClockInfo", lib.NVML_CLOCK_MEM)),
         )
 
@@ -483,8 +533,14 @@ class NvmlDevice:
         Bit i of the mask is ``THROTTLE_REASONS[i]`` (nvmlClocksEventReasonGpuIdle = 0x1 ...
         nvmlClocksEventReasonDisplayClockSetting = 0x100, in nvml.h order).
         """
-        mask = int(self._call(("nvmlDeviceGetCurrentClocksEventReasons",
-                               "nvmlDeviceGetCurrentClocksThrottleReasons")))
+        mask = int(
+            self._call(
+                (
+                    "nvmlDeviceGetCurrentClocksEventReasons",
+                    "nvmlDeviceGetCurrentClocksThrottleReasons",
+                )
+            )
+        )
         return frozenset(name for bit, name in enumerate(THROTTLE_REASONS) if mask & (1 << bit))
 
     def pcie(self) -> PcieLink:
@@ -517,12 +573,19 @@ class NvmlDevice:
             return _optional(lambda: self._call("nvmlDeviceGetTotalEccErrors", error_type, counter))
 
         def aggregate_dbe_at(location: int) -> int | None:
-            return _optional(lambda: self._call(
-                "nvmlDeviceGetMemoryErrorCounter", lib.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-                lib.NVML_AGGREGATE_ECC, location))
+            return _optional(
+                lambda: self._call(
+                    "nvmlDeviceGetMemoryErrorCounter",
+                    lib.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                    lib.NVML_AGGREGATE_ECC,
+                    location,
+                )
+            )
 
-        corrected, uncorrected = (lib.NVML_MEMORY_ERROR_TYPE_CORRECTED,
-                                  lib.NVML_MEMORY_ERROR_TYPE_UNCORRECTED)
+        corrected, uncorrected = (
+            lib.NVML_MEMORY_ERROR_TYPE_CORRECTED,
+            lib.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+        )
         return EccCounts(
             enabled=current == lib.NVML_FEATURE_ENABLED,
             volatile_sbe=total(corrected, lib.NVML_VOLATILE_ECC),
@@ -531,13 +594,19 @@ class NvmlDevice:
             aggregate_dbe=total(uncorrected, lib.NVML_AGGREGATE_ECC),
             aggregate_dbe_sram=aggregate_dbe_at(lib.NVML_MEMORY_LOCATION_SRAM),
             aggregate_dbe_dram=aggregate_dbe_at(lib.NVML_MEMORY_LOCATION_DRAM),
-            sram_uncorrectable_aggregate=None if sram is None else (
-                int(sram.aggregateUncParity) + int(sram.aggregateUncSecDed)),
+            sram_uncorrectable_aggregate=None
+            if sram is None
+            else (int(sram.aggregateUncParity) + int(sram.aggregateUncSecDed)),
             sram_threshold_exceeded=None if sram is None else bool(sram.bThresholdExceeded),
-            sram_uncorrectable_by_unit={} if sram is None else {
-                "l2": int(sram.aggregateUncBucketL2), "sm": int(sram.aggregateUncBucketSm),
-                "pcie": int(sram.aggregateUncBucketPcie), "mcu": int(sram.aggregateUncBucketMcu),
-                "other": int(sram.aggregateUncBucketOther)},
+            sram_uncorrectable_by_unit={}
+            if sram is None
+            else {
+                "l2": int(sram.aggregateUncBucketL2),
+                "sm": int(sram.aggregateUncBucketSm),
+                "pcie": int(sram.aggregateUncBucketPcie),
+                "mcu": int(sram.aggregateUncBucketMcu),
+                "other": int(sram.aggregateUncBucketOther),
+            },
         )
 
     def _sram_status(self) -> Any:
@@ -546,9 +615,11 @@ class NvmlDevice:
         SRAM Threshold Exceeded, Aggregate Uncorrectable SRAM Sources)."""
         struct = getattr(self._lib, "c_nvmlEccSramErrorStatus_v1_t", None)
         if struct is None:
-            raise NotSupported(f"nvmlDeviceGetSramEccErrorStatus on GPU {self.index}: this "
-                               "nvidia-ml-py is too old to have its struct "
-                               "(c_nvmlEccSramErrorStatus_v1_t); upgrade nvidia-ml-py")
+            raise NotSupported(
+                f"nvmlDeviceGetSramEccErrorStatus on GPU {self.index}: this "
+                "nvidia-ml-py is too old to have its struct "
+                "(c_nvmlEccSramErrorStatus_v1_t); upgrade nvidia-ml-py"
+            )
         status = struct()
         if not status.version:  # nvidia-ml-py sets nvmlEccSramErrorStatus_v1 in __init__
             status.version = ctypes.sizeof(status) | (1 << _STRUCT_VERSION_SHIFT)
@@ -558,18 +629,25 @@ class NvmlDevice:
     def retired_pages(self) -> RetiredPages:
         """``nvidia-smi -q -d PAGE_RETIREMENT`` (pre-Ampere GPUs; later ones remap rows)."""
         lib = self._lib
-        sbe = self._call("nvmlDeviceGetRetiredPages",
-                         lib.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS)
-        dbe = self._call("nvmlDeviceGetRetiredPages",
-                         lib.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)
+        sbe = self._call(
+            "nvmlDeviceGetRetiredPages",
+            lib.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
+        )
+        dbe = self._call(
+            "nvmlDeviceGetRetiredPages", lib.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR
+        )
         pending = self._call("nvmlDeviceGetRetiredPagesPendingStatus")
         return RetiredPages(sbe=len(sbe), dbe=len(dbe), pending=pending == lib.NVML_FEATURE_ENABLED)
 
     def row_remap(self) -> RowRemap:
         """``nvidia-smi -q -d ROW_REMAPPER`` (Ampere and later)."""
         corrected, uncorrected, pending, failed = self._call("nvmlDeviceGetRemappedRows")
-        return RowRemap(corrected=int(corrected), uncorrected=int(uncorrected),
-                        pending=bool(pending), failed=bool(failed))
+        return RowRemap(
+            corrected=int(corrected),
+            uncorrected=int(uncorrected),
+            pending=bool(pending),
+            failed=bool(failed),
+        )
 
     def persistence_mode(self) -> bool:
         """``nvidia-smi --query-gpu=persistence_mode``."""
@@ -607,22 +685,25 @@ class NvmlDevice:
             def counter(kind: int, link: int = link) -> int | None:
                 return _optional(lambda: self._call("nvmlDeviceGetNvLinkErrorCounter", link, kind))
 
-            links.append(NvLink(
-                link=link,
-                active=active == lib.NVML_FEATURE_ENABLED,
-                replay_errors=counter(lib.NVML_NVLINK_ERROR_DL_REPLAY),
-                recovery_errors=counter(lib.NVML_NVLINK_ERROR_DL_RECOVERY),
-                crc_errors=counter(lib.NVML_NVLINK_ERROR_DL_CRC_FLIT),
-                p2p_supported=self._nvlink_p2p(link),
-            ))
+            links.append(
+                NvLink(
+                    link=link,
+                    active=active == lib.NVML_FEATURE_ENABLED,
+                    replay_errors=counter(lib.NVML_NVLINK_ERROR_DL_REPLAY),
+                    recovery_errors=counter(lib.NVML_NVLINK_ERROR_DL_RECOVERY),
+                    crc_errors=counter(lib.NVML_NVLINK_ERROR_DL_CRC_FLIT),
+                    p2p_supported=self._nvlink_p2p(link),
+                )
+            )
         return links
 
     def _nvlink_p2p(self, link: int) -> bool:
         """Whether link ``link`` can carry peer-to-peer traffic (NVML_NVLINK_CAP_P2P_SUPPORTED);
         False where the GPU or driver does not report the capability."""
         try:
-            return bool(self._call("nvmlDeviceGetNvLinkCapability", link,
-                                   _NVLINK_CAP_P2P_SUPPORTED))
+            return bool(
+                self._call("nvmlDeviceGetNvLinkCapability", link, _NVLINK_CAP_P2P_SUPPORTED)
+            )
         except (NotSupported, NvmlInvalidArgument):
             return False
 
@@ -639,14 +720,24 @@ class NvmlDevice:
         [] when none run. ``used_memory_bytes`` is None where NVML reports
         NVML_VALUE_NOT_AVAILABLE. Pids are in the host's PID namespace.
         """
-        procs = self._call(("nvmlDeviceGetComputeRunningProcesses_v3",
-                            "nvmlDeviceGetComputeRunningProcesses_v2",
-                            "nvmlDeviceGetComputeRunningProcesses"))
+        procs = self._call(
+            (
+                "nvmlDeviceGetComputeRunningProcesses_v3",
+                "nvmlDeviceGetComputeRunningProcesses_v2",
+                "nvmlDeviceGetComputeRunningProcesses",
+            )
+        )
         out = []
         for p in procs or []:
             used = getattr(p, "usedGpuMemory", None)
-            out.append(GpuProcess(pid=int(p.pid), used_memory_bytes=(
-                None if used is None or int(used) >= _VALUE_NOT_AVAILABLE_ULL else int(used))))
+            out.append(
+                GpuProcess(
+                    pid=int(p.pid),
+                    used_memory_bytes=(
+                        None if used is None or int(used) >= _VALUE_NOT_AVAILABLE_ULL else int(used)
+                    ),
+                )
+            )
         return out
 
     def utilization(self) -> Utilization:
@@ -665,7 +756,6 @@ class NvmlDevice:
         return VIRTUALIZATION_MODES[n] if 0 <= n < len(VIRTUALIZATION_MODES) else f"unknown_{n}"
 
 
-
 def open_nvml(call_timeout_s: float = 10.0, lib: Any = None) -> NvmlBackend:
     """Initialise NVML and return the backend; raise :class:`NvmlUnavailable` saying why not.
 
@@ -675,8 +765,9 @@ def open_nvml(call_timeout_s: float = 10.0, lib: Any = None) -> NvmlBackend:
         try:
             import pynvml as lib
         except ImportError as err:
-            raise NvmlUnavailable("nvidia-ml-py not installed: pip install nvidia-ml-py",
-                                  broken=False) from err
+            raise NvmlUnavailable(
+                "nvidia-ml-py not installed: pip install nvidia-ml-py", broken=False
+            ) from err
     backend = NvmlBackend(lib, call_timeout_s)
     backend.init()
     return backend

@@ -52,9 +52,12 @@ class PciGpu:
         return f"{self.bus_id} ({bound})"
 
     def to_dict(self) -> dict[str, object]:
-        return {"bus_id": self.bus_id,
-                "device_id": None if self.device_id is None else f"0x{self.device_id:04x}",
-                "class": f"0x{self.class_code:06x}", "driver": self.driver}
+        return {
+            "bus_id": self.bus_id,
+            "device_id": None if self.device_id is None else f"0x{self.device_id:04x}",
+            "class": f"0x{self.class_code:06x}",
+            "driver": self.driver,
+        }
 
 
 @dataclass(frozen=True)
@@ -71,8 +74,11 @@ class PciBus:
         return tuple(g for g in self.gpus if not g.passthrough)
 
     def to_dict(self) -> dict[str, object]:
-        return {"root": self.root, "unreadable": self.unreadable,
-                "gpus": [g.to_dict() for g in self.gpus]}
+        return {
+            "root": self.root,
+            "unreadable": self.unreadable,
+            "gpus": [g.to_dict() for g in self.gpus],
+        }
 
 
 def normalise_bus_id(bus_id: str) -> str:
@@ -108,8 +114,9 @@ def read_bus(root: Path = SYSFS_PCI_DEVICES) -> PciBus:
     try:
         entries = sorted(os.listdir(root))
     except OSError as err:
-        return PciBus(gpus=(), root=str(root),
-                      unreadable=f"cannot list {root}: {err.strerror or err}")
+        return PciBus(
+            gpus=(), root=str(root), unreadable=f"cannot list {root}: {err.strerror or err}"
+        )
     gpus = []
     for name in entries:
         device = root / name
@@ -128,13 +135,20 @@ def read_bus(root: Path = SYSFS_PCI_DEVICES) -> PciBus:
             bus_id = normalise_bus_id(name)
         except ValueError:
             continue
-        gpus.append(PciGpu(bus_id=bus_id, device_id=_hex_file(device / "device"),
-                           class_code=class_code, driver=driver))
+        gpus.append(
+            PciGpu(
+                bus_id=bus_id,
+                device_id=_hex_file(device / "device"),
+                class_code=class_code,
+                driver=driver,
+            )
+        )
     return PciBus(gpus=tuple(gpus), root=str(root))
 
 
-def read_functions(root: Path = SYSFS_PCI_DEVICES,
-                   vendor: int = NVIDIA_VENDOR_ID) -> list[dict[str, str | None]]:
+def read_functions(
+    root: Path = SYSFS_PCI_DEVICES, vendor: int = NVIDIA_VENDOR_ID
+) -> list[dict[str, str | None]]:
     """Every PCI function of ``vendor`` under ``root`` as ``node-agent capture`` records it:
     ``bdf``, ``vendor``, ``device``, ``class`` (``0x``-hex text, as sysfs holds them), the
     bound ``driver`` (None when none) and ``physfn`` (an SR-IOV virtual function's parent).
@@ -199,6 +213,8 @@ def compare(bus: PciBus, nvml_bus_ids: Iterable[str], unidentified: int = 0) -> 
     missing = tuple(g for g in bus.host_gpus if g.bus_id not in known)
     if len(missing) <= unidentified:
         missing = ()
-    return BusComparison(not_enumerated=missing,
-                         passthrough=tuple(g for g in bus.gpus if g.passthrough),
-                         unidentified=unidentified)
+    return BusComparison(
+        not_enumerated=missing,
+        passthrough=tuple(g for g in bus.gpus if g.passthrough),
+        unidentified=unidentified,
+    )

@@ -30,9 +30,15 @@ _FIELD_BATCH = 64
 _FIELD_MAX_FALLBACK = 256  # nvidia-ml-py releases without NVML_FI_MAX
 _VALUE_NOT_AVAILABLE_ULL = 2**64 - 1
 #: nvmlFieldValue_t's value member per nvmlValueType_t, and the stand-in's name for the type
-_FIELD_TYPES = (("double", "dVal"), ("uint", "uiVal"), ("ulong", "ulVal"),
-                ("ulonglong", "ullVal"), ("slonglong", "sllVal"), ("sint", "siVal"),
-                ("ushort", "usVal"))
+_FIELD_TYPES = (
+    ("double", "dVal"),
+    ("uint", "uiVal"),
+    ("ulong", "ulVal"),
+    ("ulonglong", "ullVal"),
+    ("slonglong", "sllVal"),
+    ("sint", "siVal"),
+    ("ushort", "usVal"),
+)
 _ECC_LOCATIONS = ("l1", "l2", "dram", "register_file", "texture", "texture_shm", "cbu", "sram")
 _THRESHOLDS = ("shutdown", "slowdown", "mem_max", "gpu_max")
 _CLOCKS = ("graphics", "sm", "mem", "video")
@@ -100,8 +106,10 @@ def record_system(backend: NvmlBackend) -> dict[str, Any]:
     call = backend.call
     r.put("driver_version", lambda: _text(call("nvmlSystemGetDriverVersion")))
     r.put("nvml_version", lambda: _text(call("nvmlSystemGetNVMLVersion")))
-    r.put("cuda_driver_version", lambda: int(call(("nvmlSystemGetCudaDriverVersion_v2",
-                                                   "nvmlSystemGetCudaDriverVersion"))))
+    r.put(
+        "cuda_driver_version",
+        lambda: int(call(("nvmlSystemGetCudaDriverVersion_v2", "nvmlSystemGetCudaDriverVersion"))),
+    )
     return r.keys
 
 
@@ -123,8 +131,12 @@ def record_gpu(backend: NvmlBackend, index: int) -> dict[str, Any]:
     def const(name: str, default: int) -> int:
         return int(getattr(lib, name, default))
 
-    for key, fn in (("name", "nvmlDeviceGetName"), ("uuid", "nvmlDeviceGetUUID"),
-                    ("serial", "nvmlDeviceGetSerial"), ("vbios", "nvmlDeviceGetVbiosVersion")):
+    for key, fn in (
+        ("name", "nvmlDeviceGetName"),
+        ("uuid", "nvmlDeviceGetUUID"),
+        ("serial", "nvmlDeviceGetSerial"),
+        ("vbios", "nvmlDeviceGetVbiosVersion"),
+    ):
         r.put(key, lambda fn=fn: _text(call(fn)))
 
     def pci() -> list[Any]:
@@ -140,39 +152,62 @@ def record_gpu(backend: NvmlBackend, index: int) -> dict[str, Any]:
     r.put_many(("memory.total", "memory.used"), memory)
     r.put("minor_number", lambda: int(call("nvmlDeviceGetMinorNumber")))
     r.put("architecture", lambda: int(call("nvmlDeviceGetArchitecture")))
-    r.put("cuda_compute_capability",
-          lambda: " ".join(str(int(v)) for v in call("nvmlDeviceGetCudaComputeCapability")))
+    r.put(
+        "cuda_compute_capability",
+        lambda: " ".join(str(int(v)) for v in call("nvmlDeviceGetCudaComputeCapability")),
+    )
     r.put("virtualization_mode", lambda: int(call("nvmlDeviceGetVirtualizationMode")))
-    r.put("temperature.gpu", lambda: int(call(("nvmlDeviceGetTemperatureV",
-                                               "nvmlDeviceGetTemperature"),
-                                              const("NVML_TEMPERATURE_GPU", 0))))
+    r.put(
+        "temperature.gpu",
+        lambda: int(
+            call(
+                ("nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature"),
+                const("NVML_TEMPERATURE_GPU", 0),
+            )
+        ),
+    )
     for kind, name in enumerate(_THRESHOLDS):
-        r.put(f"temperature.threshold.{name}",
-              lambda kind=kind: int(call("nvmlDeviceGetTemperatureThreshold", kind)))
-    for key, fn in (("power.usage", "nvmlDeviceGetPowerUsage"),
-                    ("power.enforced_limit", "nvmlDeviceGetEnforcedPowerLimit"),
-                    ("power.limit", "nvmlDeviceGetPowerManagementLimit"),
-                    ("power.default_limit", "nvmlDeviceGetPowerManagementDefaultLimit"),
-                    ("pcie.gen", "nvmlDeviceGetCurrPcieLinkGeneration"),
-                    ("pcie.gen_max", "nvmlDeviceGetMaxPcieLinkGeneration"),
-                    ("pcie.width", "nvmlDeviceGetCurrPcieLinkWidth"),
-                    ("pcie.width_max", "nvmlDeviceGetMaxPcieLinkWidth"),
-                    ("pcie.replay_counter", "nvmlDeviceGetPcieReplayCounter"),
-                    ("retired_pages.pending", "nvmlDeviceGetRetiredPagesPendingStatus"),
-                    ("persistence_mode", "nvmlDeviceGetPersistenceMode"),
-                    ("event_types", "nvmlDeviceGetSupportedEventTypes")):
+        r.put(
+            f"temperature.threshold.{name}",
+            lambda kind=kind: int(call("nvmlDeviceGetTemperatureThreshold", kind)),
+        )
+    for key, fn in (
+        ("power.usage", "nvmlDeviceGetPowerUsage"),
+        ("power.enforced_limit", "nvmlDeviceGetEnforcedPowerLimit"),
+        ("power.limit", "nvmlDeviceGetPowerManagementLimit"),
+        ("power.default_limit", "nvmlDeviceGetPowerManagementDefaultLimit"),
+        ("pcie.gen", "nvmlDeviceGetCurrPcieLinkGeneration"),
+        ("pcie.gen_max", "nvmlDeviceGetMaxPcieLinkGeneration"),
+        ("pcie.width", "nvmlDeviceGetCurrPcieLinkWidth"),
+        ("pcie.width_max", "nvmlDeviceGetMaxPcieLinkWidth"),
+        ("pcie.replay_counter", "nvmlDeviceGetPcieReplayCounter"),
+        ("retired_pages.pending", "nvmlDeviceGetRetiredPagesPendingStatus"),
+        ("persistence_mode", "nvmlDeviceGetPersistenceMode"),
+        ("event_types", "nvmlDeviceGetSupportedEventTypes"),
+    ):
         r.put(key, lambda fn=fn: int(call(fn)))
     for kind, name in enumerate(_CLOCKS):
         r.put(f"clock.{name}", lambda kind=kind: int(call("nvmlDeviceGetClockInfo", kind)))
-        r.put(f"clock_max.{name}",
-              lambda kind=kind: int(call("nvmlDeviceGetMaxClockInfo", kind)))
-    r.put("clocks_event_reasons", lambda: f"{int(call(('nvmlDeviceGetCurrentClocksEventReasons', 'nvmlDeviceGetCurrentClocksThrottleReasons'))):#x}")
-    r.put("clocks_event_reasons_supported", lambda: f"{int(call(('nvmlDeviceGetSupportedClocksEventReasons', 'nvmlDeviceGetSupportedClocksThrottleReasons'))):#x}")
+        r.put(f"clock_max.{name}", lambda kind=kind: int(call("nvmlDeviceGetMaxClockInfo", kind)))
+    r.put(
+        "clocks_event_reasons",
+        lambda: (
+            f"{int(call(('nvmlDeviceGetCurrentClocksEventReasons', 'nvmlDeviceGetCurrentClocksThrottleReasons'))):#x}"
+        ),
+    )
+    r.put(
+        "clocks_event_reasons_supported",
+        lambda: (
+            f"{int(call(('nvmlDeviceGetSupportedClocksEventReasons', 'nvmlDeviceGetSupportedClocksThrottleReasons'))):#x}"
+        ),
+    )
     r.put("utilization", lambda: "{0.gpu} {0.memory}".format(call("nvmlDeviceGetUtilizationRates")))
     _record_ecc(r, call)
     for cause, name in enumerate(("sbe", "dbe")):
-        r.put(f"retired_pages.{name}",
-              lambda cause=cause: len(call("nvmlDeviceGetRetiredPages", cause)))
+        r.put(
+            f"retired_pages.{name}",
+            lambda cause=cause: len(call("nvmlDeviceGetRetiredPages", cause)),
+        )
     r.put("remapped_rows", lambda: " ".join(str(int(v)) for v in call("nvmlDeviceGetRemappedRows")))
     _record_nvlinks(r, call, const("NVML_NVLINK_MAX_LINKS", 18))
     _record_processes(r, call)
@@ -184,11 +219,17 @@ def _record_ecc(r: _Recorder, call: Callable[..., Any]) -> None:
     r.put("ecc.mode", lambda: " ".join(str(int(v)) for v in call("nvmlDeviceGetEccMode")))
     for error_type, kind in enumerate(("corrected", "uncorrected")):
         for counter, which in enumerate(("volatile", "aggregate")):
-            r.put(f"ecc.{kind}.{which}", lambda t=error_type, c=counter: int(
-                call("nvmlDeviceGetTotalEccErrors", t, c)))
+            r.put(
+                f"ecc.{kind}.{which}",
+                lambda t=error_type, c=counter: int(call("nvmlDeviceGetTotalEccErrors", t, c)),
+            )
             for location, where in enumerate(_ECC_LOCATIONS):
-                r.put(f"ecc.{kind}.{which}.{where}", lambda t=error_type, c=counter,
-                      loc=location: int(call("nvmlDeviceGetMemoryErrorCounter", t, c, loc)))
+                r.put(
+                    f"ecc.{kind}.{which}.{where}",
+                    lambda t=error_type, c=counter, loc=location: int(
+                        call("nvmlDeviceGetMemoryErrorCounter", t, c, loc)
+                    ),
+                )
 
     def sram() -> list[Any]:
         import pynvml
@@ -200,14 +241,24 @@ def _record_ecc(r: _Recorder, call: Callable[..., Any]) -> None:
         if not status.version:
             status.version = ctypes.sizeof(status) | (1 << 24)
         call("nvmlDeviceGetSramEccErrorStatus", ctypes.byref(status))
-        return [f"{status.aggregateUncParity} {status.aggregateUncSecDed} {status.aggregateCor}",
-                f"{status.volatileUncParity} {status.volatileUncSecDed} {status.volatileCor}",
-                f"{status.aggregateUncBucketL2} {status.aggregateUncBucketSm} "
-                f"{status.aggregateUncBucketPcie} {status.aggregateUncBucketMcu} "
-                f"{status.aggregateUncBucketOther}", int(bool(status.bThresholdExceeded))]
+        return [
+            f"{status.aggregateUncParity} {status.aggregateUncSecDed} {status.aggregateCor}",
+            f"{status.volatileUncParity} {status.volatileUncSecDed} {status.volatileCor}",
+            f"{status.aggregateUncBucketL2} {status.aggregateUncBucketSm} "
+            f"{status.aggregateUncBucketPcie} {status.aggregateUncBucketMcu} "
+            f"{status.aggregateUncBucketOther}",
+            int(bool(status.bThresholdExceeded)),
+        ]
 
-    r.put_many(("ecc_sram.aggregate", "ecc_sram.volatile", "ecc_sram.aggregate_by_unit",
-                "ecc_sram.threshold_exceeded"), sram)
+    r.put_many(
+        (
+            "ecc_sram.aggregate",
+            "ecc_sram.volatile",
+            "ecc_sram.aggregate_by_unit",
+            "ecc_sram.threshold_exceeded",
+        ),
+        sram,
+    )
 
 
 def _record_nvlinks(r: _Recorder, call: Callable[..., Any], max_links: int) -> None:
@@ -223,22 +274,37 @@ def _record_nvlinks(r: _Recorder, call: Callable[..., Any], max_links: int) -> N
                 del r.keys[key]
             continue
         for cap in _NVLINK_CAPS:
-            r.put(f"nvlink.{link}.cap.{cap}", lambda link=link, cap=cap: int(
-                call("nvmlDeviceGetNvLinkCapability", link, cap)))
+            r.put(
+                f"nvlink.{link}.cap.{cap}",
+                lambda link=link, cap=cap: int(call("nvmlDeviceGetNvLinkCapability", link, cap)),
+            )
         for counter, name in enumerate(_NVLINK_COUNTERS):
-            r.put(f"nvlink.{link}.error.{name}", lambda link=link, counter=counter: int(
-                call("nvmlDeviceGetNvLinkErrorCounter", link, counter)))
+            r.put(
+                f"nvlink.{link}.error.{name}",
+                lambda link=link, counter=counter: int(
+                    call("nvmlDeviceGetNvLinkErrorCounter", link, counter)
+                ),
+            )
 
 
 def _record_processes(r: _Recorder, call: Callable[..., Any]) -> None:
     def processes() -> list[str]:
         out = []
-        for p in call(("nvmlDeviceGetComputeRunningProcesses_v3",
-                       "nvmlDeviceGetComputeRunningProcesses_v2",
-                       "nvmlDeviceGetComputeRunningProcesses")) or []:
+        for p in (
+            call(
+                (
+                    "nvmlDeviceGetComputeRunningProcesses_v3",
+                    "nvmlDeviceGetComputeRunningProcesses_v2",
+                    "nvmlDeviceGetComputeRunningProcesses",
+                )
+            )
+            or []
+        ):
             used = getattr(p, "usedGpuMemory", None)
-            out.append(f"{int(p.pid)} "
-                       f"{'na' if used is None or int(used) >= _VALUE_NOT_AVAILABLE_ULL else int(used)}")
+            out.append(
+                f"{int(p.pid)} "
+                f"{'na' if used is None or int(used) >= _VALUE_NOT_AVAILABLE_ULL else int(used)}"
+            )
         return out
 
     r.put("process", processes)
@@ -252,7 +318,7 @@ def _record_fields(r: _Recorder, call: Callable[..., Any], lib: Any, field_max: 
     id, an absent one answered Not Supported, which is what the replay answers for it."""
     ids = list(range(1, field_max))
     for start in range(0, len(ids), _FIELD_BATCH):
-        batch = ids[start:start + _FIELD_BATCH]
+        batch = ids[start : start + _FIELD_BATCH]
         try:
             values = call("nvmlDeviceGetFieldValues", batch)
         except Exception as err:  # noqa: BLE001 - the whole call failed: each field says so
@@ -270,8 +336,10 @@ def _record_fields(r: _Recorder, call: Callable[..., Any], lib: Any, field_max: 
                 kind, member = _FIELD_TYPES[value.valueType]
                 r.keys[key] = f"{kind} {getattr(value.value, member)}"
             else:
-                r.keys[key] = {"error": f"unknown nvmlValueType_t {value.valueType}",
-                               "code": _UNKNOWN}
+                r.keys[key] = {
+                    "error": f"unknown nvmlValueType_t {value.valueType}",
+                    "code": _UNKNOWN,
+                }
 
 
 def record_nvml(call_timeout_s: float = 10.0, lib: Any = None) -> dict[str, Any]:

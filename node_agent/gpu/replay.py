@@ -46,15 +46,33 @@ _GPU_IS_LOST = 15
 _UNKNOWN = 999
 #: NVML's error strings (nvmlErrorString), so a capture says "Not Supported" as nvidia-smi does
 ERROR_NAMES = {
-    1: "Uninitialized", 2: "Invalid Argument", 3: "Not Supported", 4: "Insufficient Permissions",
-    5: "Already Initialized", 6: "Not Found", 7: "Insufficient Size",
-    8: "Insufficient External Power", 9: "Driver Not Loaded", 10: "Timeout",
-    11: "Interrupt request issue", 12: "NVML Shared Library Not Found", 13: "Function Not Found",
-    14: "Corrupted infoROM", 15: "GPU is lost", 16: "GPU requires restart",
+    1: "Uninitialized",
+    2: "Invalid Argument",
+    3: "Not Supported",
+    4: "Insufficient Permissions",
+    5: "Already Initialized",
+    6: "Not Found",
+    7: "Insufficient Size",
+    8: "Insufficient External Power",
+    9: "Driver Not Loaded",
+    10: "Timeout",
+    11: "Interrupt request issue",
+    12: "NVML Shared Library Not Found",
+    13: "Function Not Found",
+    14: "Corrupted infoROM",
+    15: "GPU is lost",
+    16: "GPU requires restart",
     17: "The operating system has blocked the request.",
-    18: "RM has detected an NVML/RM version mismatch.", 19: "In use by another client",
-    20: "Insufficient Memory", 21: "No data", 22: "Argument version mismatch", 23: "Deprecated",
-    24: "Not Ready", 28: "GPU not found", 29: "Invalid state", 999: "Unknown Error",
+    18: "RM has detected an NVML/RM version mismatch.",
+    19: "In use by another client",
+    20: "Insufficient Memory",
+    21: "No data",
+    22: "Argument version mismatch",
+    23: "Deprecated",
+    24: "Not Ready",
+    28: "GPU not found",
+    29: "Invalid state",
+    999: "Unknown Error",
 }
 #: state keys that are the stand-in's switches or injected events, not an NVML answer: a
 #: capture records what NVML answered, so a capture holding one is refused (scenario schema)
@@ -96,7 +114,8 @@ def _text(key: str, value: Any, strict: bool = True) -> str:
         raise CaptureFormatError(
             f"NVML value of {key!r} ({text[:40]!r}...) holds a control character or is longer "
             f"than {VALUE_MAX} characters: the stand-in library's state file cannot carry it "
-            "(replay it with --simulate instead)")
+            "(replay it with --simulate instead)"
+        )
     return text
 
 
@@ -104,8 +123,10 @@ def _key_lines(section: Mapping[str, Any], strict: bool) -> list[str]:
     lines = []
     for key, value in section.items():
         if not key or len(key) > KEY_MAX or not all(c.isalnum() or c in "._" for c in key):
-            raise CaptureFormatError(f"NVML key {key!r}: expected letters, digits, '.' and '_', "
-                                     f"at most {KEY_MAX} characters")
+            raise CaptureFormatError(
+                f"NVML key {key!r}: expected letters, digits, '.' and '_', "
+                f"at most {KEY_MAX} characters"
+            )
         if key in REPEATED_KEYS and isinstance(value, list):
             lines += [f"{key} {_text(key, item, strict)}" for item in value]
         elif key in _REPEATED_KEY_FUNCTION and error_code(value) is not None:
@@ -118,8 +139,9 @@ def _key_lines(section: Mapping[str, Any], strict: bool) -> list[str]:
     return lines
 
 
-def capture_state_lines(nvml: Mapping[str, Any], source: str = "a capture",
-                        strict: bool = True) -> list[str]:
+def capture_state_lines(
+    nvml: Mapping[str, Any], source: str = "a capture", strict: bool = True
+) -> list[str]:
     """The stand-in state file for a capture's ``nvml`` section (``system``: the global keys,
     ``gpus``: one mapping per GPU NVML enumerated, in NVML's order). ``nvmlInit`` recorded as
     an error makes NVML fail to load, as it did on the captured node.
@@ -150,8 +172,9 @@ class _State:
                 continue
             if not header:
                 if text != STATE_FORMAT:
-                    raise CaptureFormatError(f"expected the header {STATE_FORMAT!r}, found "
-                                             f"{text[:60]!r}")
+                    raise CaptureFormatError(
+                        f"expected the header {STATE_FORMAT!r}, found {text[:60]!r}"
+                    )
                 header = True
                 continue
             if text.startswith("[gpu "):
@@ -171,10 +194,11 @@ def _get(section: list[tuple[str, str]], key: str) -> str | None:
 
 def _switch(section: list[tuple[str, str]], fn: str) -> int:
     """The stand-in's per-function switches: unsupported, absent, error <fn> <code>."""
+
     def names(pattern: str) -> bool:
         if pattern in ("*", fn):
             return True
-        rest = fn[len(pattern):]
+        rest = fn[len(pattern) :]
         return fn.startswith(pattern) and rest.startswith("_v") and rest[2:].isdigit()
 
     for key, value in section:
@@ -211,8 +235,9 @@ class StateNvml:
         raise AttributeError(name)
 
     def __dir__(self) -> list[str]:
-        return sorted(set(super().__dir__()) | {n for n in dir(self._pynvml)
-                                                if n.startswith("NVML_")})
+        return sorted(
+            set(super().__dir__()) | {n for n in dir(self._pynvml) if n.startswith("NVML_")}
+        )
 
     # -- the rules ------------------------------------------------------------------------------
 
@@ -284,8 +309,7 @@ class StateNvml:
         return self._int(self._system("nvmlSystemGetCudaDriverVersion"), "cuda_driver_version")
 
     def nvmlSystemGetCudaDriverVersion_v2(self) -> int:
-        return self._int(self._system("nvmlSystemGetCudaDriverVersion_v2"),
-                         "cuda_driver_version")
+        return self._int(self._system("nvmlSystemGetCudaDriverVersion_v2"), "cuda_driver_version")
 
     def nvmlDeviceGetCount(self) -> int:
         self._system("nvmlDeviceGetCount")
@@ -319,10 +343,10 @@ class StateNvml:
     def nvmlDeviceGetPciInfo(self, handle: Any) -> Any:
         section = self._gpu("nvmlDeviceGetPciInfo", handle)
         bus_id = self._value(section, "pci.bus_id")
-        info = SimpleNamespace(busId=bus_id, busIdLegacy=bus_id[-12:], pciDeviceId=0,
-                               pciSubSystemId=0)
-        for attr, key in (("pciDeviceId", "pci.device_id"), ("pciSubSystemId",
-                                                               "pci.subsystem_id")):
+        info = SimpleNamespace(
+            busId=bus_id, busIdLegacy=bus_id[-12:], pciDeviceId=0, pciSubSystemId=0
+        )
+        for attr, key in (("pciDeviceId", "pci.device_id"), ("pciSubSystemId", "pci.subsystem_id")):
             if _get(section, key) is not None:
                 setattr(info, attr, self._int(section, key))
         return info
@@ -330,15 +354,19 @@ class StateNvml:
     def nvmlDeviceGetMemoryInfo(self, handle: Any) -> Any:
         section = self._gpu("nvmlDeviceGetMemoryInfo", handle)
         total = self._int(section, "memory.total")
-        used = sum(self._int(section, k) for k in ("memory.reserved", "memory.used")
-                   if _get(section, k) is not None)
+        used = sum(
+            self._int(section, k)
+            for k in ("memory.reserved", "memory.used")
+            if _get(section, k) is not None
+        )
         if used > total:
             self._fail(_UNKNOWN)
         return SimpleNamespace(total=total, used=used, free=total - used)
 
     def nvmlDeviceGetVirtualizationMode(self, handle: Any) -> int:
-        return self._int(self._gpu("nvmlDeviceGetVirtualizationMode", handle),
-                         "virtualization_mode")
+        return self._int(
+            self._gpu("nvmlDeviceGetVirtualizationMode", handle), "virtualization_mode"
+        )
 
     # -- temperature, power, clocks, utilization --------------------------------------------------
 
@@ -349,8 +377,16 @@ class StateNvml:
         return self._int(section, "temperature.gpu")
 
     def nvmlDeviceGetTemperatureThreshold(self, handle: Any, kind: int) -> int:
-        names = ("shutdown", "slowdown", "mem_max", "gpu_max", "acoustic_min", "acoustic_curr",
-                 "acoustic_max", "gps_curr")
+        names = (
+            "shutdown",
+            "slowdown",
+            "mem_max",
+            "gpu_max",
+            "acoustic_min",
+            "acoustic_curr",
+            "acoustic_max",
+            "gps_curr",
+        )
         section = self._gpu("nvmlDeviceGetTemperatureThreshold", handle)
         if not 0 <= kind < len(names):
             self._fail(_NOT_SUPPORTED)
@@ -369,8 +405,7 @@ class StateNvml:
         return self._mw("nvmlDeviceGetPowerManagementLimit", handle, "power.limit")
 
     def nvmlDeviceGetPowerManagementDefaultLimit(self, handle: Any) -> int:
-        return self._mw("nvmlDeviceGetPowerManagementDefaultLimit", handle,
-                        "power.default_limit")
+        return self._mw("nvmlDeviceGetPowerManagementDefaultLimit", handle, "power.default_limit")
 
     _CLOCKS = {0: "graphics", 1: "sm", 2: "mem", 3: "video"}
 
@@ -387,16 +422,19 @@ class StateNvml:
         return self._int(section, f"clock_max.{self._CLOCKS[kind]}")
 
     def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any) -> int:
-        return self._int(self._gpu("nvmlDeviceGetCurrentClocksEventReasons", handle),
-                         "clocks_event_reasons")
+        return self._int(
+            self._gpu("nvmlDeviceGetCurrentClocksEventReasons", handle), "clocks_event_reasons"
+        )
 
     def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: Any) -> int:
-        return self._int(self._gpu("nvmlDeviceGetCurrentClocksThrottleReasons", handle),
-                         "clocks_event_reasons")
+        return self._int(
+            self._gpu("nvmlDeviceGetCurrentClocksThrottleReasons", handle), "clocks_event_reasons"
+        )
 
     def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
-        gpu, memory = self._ints(self._gpu("nvmlDeviceGetUtilizationRates", handle),
-                                 "utilization", 2)
+        gpu, memory = self._ints(
+            self._gpu("nvmlDeviceGetUtilizationRates", handle), "utilization", 2
+        )
         return SimpleNamespace(gpu=gpu, memory=memory)
 
     # -- PCIe -------------------------------------------------------------------------------------
@@ -405,8 +443,7 @@ class StateNvml:
         return self._int(self._gpu("nvmlDeviceGetCurrPcieLinkGeneration", handle), "pcie.gen")
 
     def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: Any) -> int:
-        return self._int(self._gpu("nvmlDeviceGetMaxPcieLinkGeneration", handle),
-                         "pcie.gen_max")
+        return self._int(self._gpu("nvmlDeviceGetMaxPcieLinkGeneration", handle), "pcie.gen_max")
 
     def nvmlDeviceGetCurrPcieLinkWidth(self, handle: Any) -> int:
         return self._int(self._gpu("nvmlDeviceGetCurrPcieLinkWidth", handle), "pcie.width")
@@ -415,13 +452,11 @@ class StateNvml:
         return self._int(self._gpu("nvmlDeviceGetMaxPcieLinkWidth", handle), "pcie.width_max")
 
     def nvmlDeviceGetPcieReplayCounter(self, handle: Any) -> int:
-        return self._int(self._gpu("nvmlDeviceGetPcieReplayCounter", handle),
-                         "pcie.replay_counter")
+        return self._int(self._gpu("nvmlDeviceGetPcieReplayCounter", handle), "pcie.replay_counter")
 
     # -- ECC, pages, rows, persistence ------------------------------------------------------------
 
-    _ECC_LOCATIONS = ("l1", "l2", "dram", "register_file", "texture", "texture_shm", "cbu",
-                      "sram")
+    _ECC_LOCATIONS = ("l1", "l2", "dram", "register_file", "texture", "texture_shm", "cbu", "sram")
 
     def _ecc_key(self, error_type: int, counter: int, location: int | None = None) -> str:
         kind = {0: "corrected", 1: "uncorrected"}.get(error_type)
@@ -442,8 +477,9 @@ class StateNvml:
         section = self._gpu("nvmlDeviceGetTotalEccErrors", handle)
         return self._int(section, self._ecc_key(error_type, counter))
 
-    def nvmlDeviceGetMemoryErrorCounter(self, handle: Any, error_type: int, counter: int,
-                                        location: int) -> int:
+    def nvmlDeviceGetMemoryErrorCounter(
+        self, handle: Any, error_type: int, counter: int, location: int
+    ) -> int:
         section = self._gpu("nvmlDeviceGetMemoryErrorCounter", handle)
         return self._int(section, self._ecc_key(error_type, counter, location))
 
@@ -462,8 +498,13 @@ class StateNvml:
         target = status._obj if hasattr(status, "_obj") else status
         (target.aggregateUncParity, target.aggregateUncSecDed, target.aggregateCor) = aggregate
         (target.volatileUncParity, target.volatileUncSecDed, target.volatileCor) = volatile
-        (target.aggregateUncBucketL2, target.aggregateUncBucketSm, target.aggregateUncBucketPcie,
-         target.aggregateUncBucketMcu, target.aggregateUncBucketOther) = unit
+        (
+            target.aggregateUncBucketL2,
+            target.aggregateUncBucketSm,
+            target.aggregateUncBucketPcie,
+            target.aggregateUncBucketMcu,
+            target.aggregateUncBucketOther,
+        ) = unit
         target.bThresholdExceeded = int(exceeded != 0)
         return _SUCCESS
 
@@ -479,8 +520,9 @@ class StateNvml:
         return range(base, base + 0x1000 * n, 0x1000)
 
     def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: Any) -> int:
-        pending = self._int(self._gpu("nvmlDeviceGetRetiredPagesPendingStatus", handle),
-                            "retired_pages.pending")
+        pending = self._int(
+            self._gpu("nvmlDeviceGetRetiredPagesPendingStatus", handle), "retired_pages.pending"
+        )
         return int(bool(pending))
 
     def nvmlDeviceGetRemappedRows(self, handle: Any) -> tuple[int, int, int, int]:
@@ -488,8 +530,9 @@ class StateNvml:
         return rows[0], rows[1], rows[2], rows[3]
 
     def nvmlDeviceGetPersistenceMode(self, handle: Any) -> int:
-        return int(bool(self._int(self._gpu("nvmlDeviceGetPersistenceMode", handle),
-                                  "persistence_mode")))
+        return int(
+            bool(self._int(self._gpu("nvmlDeviceGetPersistenceMode", handle), "persistence_mode"))
+        )
 
     # -- NVLink -----------------------------------------------------------------------------------
 
@@ -531,8 +574,7 @@ class StateNvml:
                 continue
             pid, _, used = value.partition(" ")
             try:
-                memory = (ctypes.c_ulonglong(-1).value if used.strip() == "na"
-                          else int(used, 0))
+                memory = ctypes.c_ulonglong(-1).value if used.strip() == "na" else int(used, 0)
                 procs.append(SimpleNamespace(pid=int(pid), usedGpuMemory=memory))
             except ValueError:
                 self._fail(_UNKNOWN)
@@ -603,9 +645,11 @@ class ReplayDevice(NvmlDevice):
 
     def _at_rest(self, what: str) -> None:
         if self._replay.loaded(self.index):
-            raise NotSupported(f"GPU {self.index}: {what} under load is not in the capture "
-                               "(it holds one moment's readings, not how the GPU behaves "
-                               "under load)")
+            raise NotSupported(
+                f"GPU {self.index}: {what} under load is not in the capture "
+                "(it holds one moment's readings, not how the GPU behaves "
+                "under load)"
+            )
 
     def temperature_c(self) -> int:
         self._at_rest("temperature")
@@ -639,8 +683,9 @@ class ReplayBackend(NvmlBackend):
     name = "replay"
     simulated = True
 
-    def __init__(self, lib: StateNvml, kernel_log: Iterable[str] = (),
-                 call_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, lib: StateNvml, kernel_log: Iterable[str] = (), call_timeout_s: float = 10.0
+    ) -> None:
         super().__init__(lib, call_timeout_s)
         self._kernel_log = list(kernel_log)
         self._load_lock = threading.Lock()
@@ -684,8 +729,12 @@ class ReplayAbsentBackend(AbsentGpuBackend):
         return list(self._kernel_log)
 
 
-def open_replay(nvml: Mapping[str, Any], kernel_log: Iterable[str] = (), source: str = "a capture",
-                call_timeout_s: float = 10.0) -> ReplayBackend | ReplayAbsentBackend:
+def open_replay(
+    nvml: Mapping[str, Any],
+    kernel_log: Iterable[str] = (),
+    source: str = "a capture",
+    call_timeout_s: float = 10.0,
+) -> ReplayBackend | ReplayAbsentBackend:
     """The captured node's GPU backend: NVML replayed, or NVML failing as it failed there."""
     lib = StateNvml(capture_state_lines(nvml, source, strict=False))
     backend = ReplayBackend(lib, kernel_log, call_timeout_s)

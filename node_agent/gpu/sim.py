@@ -67,7 +67,7 @@ _HW_THROTTLE = frozenset({"hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_
 
 
 def pci_bus_id(index: int) -> str:
-    bus = _HGX_BUSES[index] if index < len(_HGX_BUSES) else f"{0xe0 + index:02x}"
+    bus = _HGX_BUSES[index] if index < len(_HGX_BUSES) else f"{0xE0 + index:02x}"
     return f"00000000:{bus.upper()}:00.0"
 
 
@@ -78,16 +78,24 @@ def kernel_bus_id(index: int) -> str:
 
 def xid_kernel_line(index: int, code: int) -> str:
     """The NVRM line the driver prints for an XID (format of driver 535+)."""
-    return (f"NVRM: Xid (PCI:{kernel_bus_id(index)}): {code}, pid='<unknown>', name=<unknown>, "
-            f"simulated Xid {code}")
+    return (
+        f"NVRM: Xid (PCI:{kernel_bus_id(index)}): {code}, pid='<unknown>', name=<unknown>, "
+        f"simulated Xid {code}"
+    )
 
 
 #: what NVML says when it cannot load, as the NVML backend words it (node_agent.gpu.nvml)
 DRIVER_DOWN_REASONS = {
-    "not_loaded": ("no NVIDIA driver: the nvidia kernel module is not loaded (check `lsmod | "
-                   "grep nvidia` and dmesg, or run with --simulate)", True),
-    "not_installed": ("no NVIDIA driver: libnvidia-ml.so.1 not found (install the NVIDIA "
-                      "driver, or run with --simulate)", False),
+    "not_loaded": (
+        "no NVIDIA driver: the nvidia kernel module is not loaded (check `lsmod | "
+        "grep nvidia` and dmesg, or run with --simulate)",
+        True,
+    ),
+    "not_installed": (
+        "no NVIDIA driver: libnvidia-ml.so.1 not found (install the NVIDIA "
+        "driver, or run with --simulate)",
+        False,
+    ),
 }
 
 
@@ -142,9 +150,16 @@ class _CounterSeries:
 class SimGpuDevice:
     """One simulated GPU; readings are the SKU's healthy values unless a fault says otherwise."""
 
-    def __init__(self, index: int, scenario: Scenario, sku: Sku, wedged: threading.Event,
-                 call_timeout_s: float, load: _LoadState | None = None,
-                 series: _CounterSeries | None = None) -> None:
+    def __init__(
+        self,
+        index: int,
+        scenario: Scenario,
+        sku: Sku,
+        wedged: threading.Event,
+        call_timeout_s: float,
+        load: _LoadState | None = None,
+        series: _CounterSeries | None = None,
+    ) -> None:
         self.index = index
         self._scenario = scenario
         self._sku = sku
@@ -172,13 +187,16 @@ class SimGpuDevice:
         # As the NVML backend does: a call that hangs is abandoned after the call timeout,
         # and from then on every call fails fast because the driver is wedged.
         if self._wedged.is_set():
-            raise GpuTimeout(f"GPU {self.index}: an earlier NVML call hung; the driver may be "
-                             "hung (simulated)")
+            raise GpuTimeout(
+                f"GPU {self.index}: an earlier NVML call hung; the driver may be hung (simulated)"
+            )
         if self._scenario.has(self.index, "driver_hang"):
             time.sleep(self._call_timeout_s)
             self._wedged.set()
-            raise GpuTimeout(f"GPU {self.index}: NVML call did not return within "
-                             f"{self._call_timeout_s:g} s; the driver may be hung (simulated)")
+            raise GpuTimeout(
+                f"GPU {self.index}: NVML call did not return within "
+                f"{self._call_timeout_s:g} s; the driver may be hung (simulated)"
+            )
 
     def identity(self) -> Identity:
         self._answer()
@@ -192,9 +210,14 @@ class SimGpuDevice:
             memory = int(fault.params["mib"])
         return Identity(
             index=self.index,
-            uuid="GPU-" + str(uuid.uuid5(uuid.NAMESPACE_OID, f"{self._scenario.hostname}/{self.index}")),
-            name=name, pci_bus_id=pci_bus_id(self.index), serial=f"165082300{self.index:04d}",
-            vbios="96.00.99.00.01", memory_total_mib=memory)
+            uuid="GPU-"
+            + str(uuid.uuid5(uuid.NAMESPACE_OID, f"{self._scenario.hostname}/{self.index}")),
+            name=name,
+            pci_bus_id=pci_bus_id(self.index),
+            serial=f"165082300{self.index:04d}",
+            vbios="96.00.99.00.01",
+            memory_total_mib=memory,
+        )
 
     def temperature_c(self) -> int:
         self._answer()
@@ -214,10 +237,12 @@ class SimGpuDevice:
     def temperature_thresholds(self) -> TemperatureThresholds:
         self._answer()
         thermal = self._sku.section("thermal")
-        return TemperatureThresholds(shutdown_c=thermal.get("shutdown_c"),
-                                     slowdown_c=thermal.get("slowdown_c"),
-                                     gpu_max_operating_c=(thermal.get("slowdown_c") or 90) - 3,
-                                     memory_max_operating_c=95)
+        return TemperatureThresholds(
+            shutdown_c=thermal.get("shutdown_c"),
+            slowdown_c=thermal.get("slowdown_c"),
+            gpu_max_operating_c=(thermal.get("slowdown_c") or 90) - 3,
+            memory_max_operating_c=95,
+        )
 
     def power(self) -> Power:
         self._answer()
@@ -251,15 +276,27 @@ class SimGpuDevice:
         pcie = self._sku.section("pcie")
         gen, width = int(pcie.get("gen", 4)), int(pcie.get("width", 16))
         fault = self._fault("pcie_width")
-        return PcieLink(gen_current=gen, gen_max=gen,
-                        width_current=int(fault.params["lanes"]) if fault else width,
-                        width_max=width, replay_count=self._counter("pcie_replay", 0))
+        return PcieLink(
+            gen_current=gen,
+            gen_max=gen,
+            width_current=int(fault.params["lanes"]) if fault else width,
+            width_max=width,
+            replay_count=self._counter("pcie_replay", 0),
+        )
 
     def ecc(self) -> EccCounts:
         self._answer()
-        dbe = sum(f.params.get("count", 1) for f in self._scenario.faults_on(self.index, "ecc_dbe_volatile"))
-        sbe = self._counter("ecc_sbe_volatile", sum(
-            f.params.get("count", 1) for f in self._scenario.faults_on(self.index, "ecc_sbe_volatile")))
+        dbe = sum(
+            f.params.get("count", 1)
+            for f in self._scenario.faults_on(self.index, "ecc_dbe_volatile")
+        )
+        sbe = self._counter(
+            "ecc_sbe_volatile",
+            sum(
+                f.params.get("count", 1)
+                for f in self._scenario.faults_on(self.index, "ecc_sbe_volatile")
+            ),
+        )
         # The SRAM status (nvmlDeviceGetSramEccErrorStatus) is reported always, as an Ampere or
         # later GPU does to a root agent: 0 errors and no threshold flag unless a fault says so.
         flagged = self._scenario.has(self.index, "sram_threshold_exceeded")
@@ -269,26 +306,40 @@ class SimGpuDevice:
         sram = self._counter("ecc_sram_uncorrectable", sum(by_unit.values()))
         if sram != sum(by_unit.values()):  # a series: its errors are the L2's
             by_unit = {**dict.fromkeys(SRAM_UNITS, 0), "l2": sram}
-        status = {"sram_uncorrectable_aggregate": sram, "sram_threshold_exceeded": flagged,
-                  "sram_uncorrectable_by_unit": by_unit}
-        return EccCounts(enabled=True, volatile_sbe=sbe, volatile_dbe=dbe, aggregate_sbe=sbe,
-                         aggregate_dbe=dbe + sram, aggregate_dbe_sram=sram, aggregate_dbe_dram=dbe,
-                         **status)
+        status = {
+            "sram_uncorrectable_aggregate": sram,
+            "sram_threshold_exceeded": flagged,
+            "sram_uncorrectable_by_unit": by_unit,
+        }
+        return EccCounts(
+            enabled=True,
+            volatile_sbe=sbe,
+            volatile_dbe=dbe,
+            aggregate_sbe=sbe,
+            aggregate_dbe=dbe + sram,
+            aggregate_dbe_sram=sram,
+            aggregate_dbe_dram=dbe,
+            **status,
+        )
 
     def retired_pages(self) -> RetiredPages:
         self._answer()
         # Ampere and later replace page retirement with row remapping (NVML: not supported).
-        raise NotSupported(f"GPU {self.index}: page retirement is not supported on "
-                           f"{self._sku.display_name} (row remapping replaces it)")
+        raise NotSupported(
+            f"GPU {self.index}: page retirement is not supported on "
+            f"{self._sku.display_name} (row remapping replaces it)"
+        )
 
     def row_remap(self) -> RowRemap:
         self._answer()
         pending = self._scenario.has(self.index, "row_remap_pending")
         failed = self._scenario.has(self.index, "row_remap_failure")
-        return RowRemap(corrected=self._counter("remapped_rows_correctable", 0),
-                        uncorrected=self._counter("remapped_rows_uncorrectable",
-                                                  int(pending or failed)),
-                        pending=pending, failed=failed)
+        return RowRemap(
+            corrected=self._counter("remapped_rows_correctable", 0),
+            uncorrected=self._counter("remapped_rows_uncorrectable", int(pending or failed)),
+            pending=pending,
+            failed=failed,
+        )
 
     def persistence_mode(self) -> bool:
         self._answer()
@@ -310,18 +361,28 @@ class SimGpuDevice:
         nvlink = self._sku.section("nvlink")
         wired = int(nvlink.get("links", 0))
         count = int(nvlink.get("indices", wired))
-        return [NvLink(link=i, active=i < wired and i not in down,
-                       replay_errors=self._counter("nvlink_replay", 0, i),
-                       recovery_errors=self._counter("nvlink_recovery", 0, i),
-                       crc_errors=self._counter("nvlink_crc", 0, i), p2p_supported=True)
-                for i in range(count)]
+        return [
+            NvLink(
+                link=i,
+                active=i < wired and i not in down,
+                replay_errors=self._counter("nvlink_replay", 0, i),
+                recovery_errors=self._counter("nvlink_recovery", 0, i),
+                crc_errors=self._counter("nvlink_crc", 0, i),
+                p2p_supported=True,
+            )
+            for i in range(count)
+        ]
 
     def compute_processes(self) -> list[GpuProcess]:
         """The scenario's ``compute_processes`` on this GPU (none unless listed there)."""
         self._answer()
-        return [GpuProcess(pid=p.pid, used_memory_bytes=None if p.used_memory_mib is None
-                           else p.used_memory_mib * _MIB)
-                for p in self._scenario.processes_on(self.index)]
+        return [
+            GpuProcess(
+                pid=p.pid,
+                used_memory_bytes=None if p.used_memory_mib is None else p.used_memory_mib * _MIB,
+            )
+            for p in self._scenario.processes_on(self.index)
+        ]
 
     def utilization(self) -> Utilization:
         """Idle 0/0; under load ~98/60 (memory scaled by ``slow``); ``spin`` 100/0 (%)."""
@@ -338,7 +399,6 @@ class SimGpuDevice:
         """The scenario's ``virtualization`` (default ``none``: bare metal)."""
         self._answer()
         return self._scenario.virtualization
-
 
 
 class SimGpuBackend:
@@ -363,17 +423,24 @@ class SimGpuBackend:
         self._closed = threading.Event()
         self._load = _LoadState()
         series = _CounterSeries(scenario)
-        self._devices: list[GpuDevice] = [] if scenario.driver_down else [
-            SimGpuDevice(i, scenario, sku, self._wedged, call_timeout_s, self._load, series)
-            for i in range(scenario.gpus)
-            if not scenario.has(i, "missing_gpu") and not scenario.has(i, "pci_only")
-        ]
+        self._devices: list[GpuDevice] = (
+            []
+            if scenario.driver_down
+            else [
+                SimGpuDevice(i, scenario, sku, self._wedged, call_timeout_s, self._load, series)
+                for i in range(scenario.gpus)
+                if not scenario.has(i, "missing_gpu") and not scenario.has(i, "pci_only")
+            ]
+        )
 
     def driver(self) -> DriverInfo:
         if self.scenario.driver_down:
             return DriverInfo(driver_version=None, cuda_version=None)
-        return DriverInfo(driver_version=self.scenario.driver, cuda_version=self.scenario.cuda,
-                          nvml_version="12." + self.scenario.driver)
+        return DriverInfo(
+            driver_version=self.scenario.driver,
+            cuda_version=self.scenario.cuda,
+            nvml_version="12." + self.scenario.driver,
+        )
 
     def devices(self) -> list[GpuDevice]:
         return list(self._devices)
@@ -384,8 +451,11 @@ class SimGpuBackend:
             self._closed.wait(timeout_s)
             return []
         self._xids_delivered = True
-        return [XidEvent(gpu_index=f.gpu, code=f.params["code"], message="simulated")
-                for f in self.scenario.faults if f.kind == "xid"]
+        return [
+            XidEvent(gpu_index=f.gpu, code=f.params["code"], message="simulated")
+            for f in self.scenario.faults
+            if f.kind == "xid"
+        ]
 
     def load_hint(self, indices: list[int], active: bool) -> None:
         """Start or stop modelling compute load on these GPUs (see ``_LOAD_*`` above)."""

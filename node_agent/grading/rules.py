@@ -22,28 +22,46 @@ _LEVELS = ["HEALTHY", "WARN", "ERROR", "FAULT"]
 _STR_OR_LIST = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
 
 RULES_SCHEMA: dict[str, Any] = {
-    "type": "object", "additionalProperties": False, "required": ["rules", "fallback"],
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["rules", "fallback"],
     "properties": {
-        "rules": {"type": "array", "items": {
-            "type": "object", "additionalProperties": False, "required": ["id", "level"],
+        "rules": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["id", "level"],
+                "properties": {
+                    "id": {"type": "string", "pattern": r"^[a-z0-9][a-z0-9-]*$"},
+                    "check": {"type": "string"},
+                    "metric": _STR_OR_LIST,
+                    "status": _STR_OR_LIST,
+                    "level": {"enum": [*_LEVELS, "xid_catalog", "sxid_catalog"]},
+                    "why": {"type": "string"},
+                    "remedy": {"enum": list(REMEDIES)},
+                },
+            },
+        },
+        "fallback": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["fail", "warn", "error"],
             "properties": {
-                "id": {"type": "string", "pattern": r"^[a-z0-9][a-z0-9-]*$"},
-                "check": {"type": "string"},
-                "metric": _STR_OR_LIST,
-                "status": _STR_OR_LIST,
-                "level": {"enum": [*_LEVELS, "xid_catalog", "sxid_catalog"]},
-                "why": {"type": "string"},
-                "remedy": {"enum": list(REMEDIES)},
-            }}},
-        "fallback": {"type": "object", "additionalProperties": False,
-                     "required": ["fail", "warn", "error"],
-                     "properties": {
-                         "fail": {"enum": _LEVELS}, "warn": {"enum": _LEVELS},
-                         "error": {"type": "object", "additionalProperties": False,
-                                   "required": ["delivery", "service"],
-                                   "properties": {"delivery": {"enum": _LEVELS},
-                                                  "service": {"enum": _LEVELS},
-                                                  "remedy": {"enum": list(REMEDIES)}}}}},
+                "fail": {"enum": _LEVELS},
+                "warn": {"enum": _LEVELS},
+                "error": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["delivery", "service"],
+                    "properties": {
+                        "delivery": {"enum": _LEVELS},
+                        "service": {"enum": _LEVELS},
+                        "remedy": {"enum": list(REMEDIES)},
+                    },
+                },
+            },
+        },
     },
 }
 
@@ -63,9 +81,11 @@ class Rule:
     remedy: str | None = None  # carried on the Reason (model.REMEDIES)
 
     def matches(self, result: Result) -> bool:
-        return ((self.check is None or self.check == result.check)
-                and (self.metrics is None or result.metric in self.metrics)
-                and result.status.value in self.statuses)
+        return (
+            (self.check is None or self.check == result.check)
+            and (self.metrics is None or result.metric in self.metrics)
+            and result.status.value in self.statuses
+        )
 
 
 @dataclass(frozen=True)
@@ -101,45 +121,73 @@ class Grader:
         level = max((r.level for r in reasons), default=Level.HEALTHY)
         return Grade(level=level, action=ACTION_FOR_LEVEL[level], reasons=tuple(reasons))
 
-    def _catalog_reason(self, rule: Rule, result: Result,
-                        elsewhere: list[Result] | None = None) -> Reason:
+    def _catalog_reason(
+        self, rule: Rule, result: Result, elsewhere: list[Result] | None = None
+    ) -> Reason:
         catalog, noun = (self.sxid, "SXid") if rule.level == "sxid_catalog" else (self.xid, "Xid")
         try:
             verdict = catalog.judge(result, elsewhere)
         except (TypeError, ValueError):  # a hand-edited report without a numeric code
-            return Reason(rule=rule.id, level=catalog.default, target=result.target,
-                          message=f"{result.detail} [{noun} {result.value!r}: not a code]",
-                          remedy=rule.remedy, catalog=catalog.kind)
+            return Reason(
+                rule=rule.id,
+                level=catalog.default,
+                target=result.target,
+                message=f"{result.detail} [{noun} {result.value!r}: not a code]",
+                remedy=rule.remedy,
+                catalog=catalog.kind,
+            )
         code = int(result.value)  # type: ignore[arg-type]
         message = f"{result.detail} [{noun} {code}: {verdict.name}]"
         if verdict.note:
             message += f" ({verdict.note})"
-        return Reason(rule=rule.id, level=verdict.level, target=result.target, message=message,
-                      remedy=rule.remedy, catalog=catalog.kind, code=code,
-                      restarts_before_fault=verdict.restarts_before_fault)
+        return Reason(
+            rule=rule.id,
+            level=verdict.level,
+            target=result.target,
+            message=message,
+            remedy=rule.remedy,
+            catalog=catalog.kind,
+            code=code,
+            restarts_before_fault=verdict.restarts_before_fault,
+        )
 
-    def _reason(self, result: Result, mode: str,
-                elsewhere: list[Result] | None = None) -> Reason | None:
+    def _reason(
+        self, result: Result, mode: str, elsewhere: list[Result] | None = None
+    ) -> Reason | None:
         if result.status in (Status.PASS, Status.SKIP):
             return None
         for rule in self.rules:
             if rule.matches(result):
                 if rule.level in ("xid_catalog", "sxid_catalog"):
                     return self._catalog_reason(rule, result, elsewhere)
-                return Reason(rule=rule.id, level=Level.parse(rule.level),
-                              target=result.target, message=result.detail, remedy=rule.remedy)
+                return Reason(
+                    rule=rule.id,
+                    level=Level.parse(rule.level),
+                    target=result.target,
+                    message=result.detail,
+                    remedy=rule.remedy,
+                )
         if result.status is Status.ERROR:
             level = Level.parse(self.fallback["error"][mode])
-            why = ("a check that could not run is not evidence of health"
-                   if mode == "delivery" else "a check could not run")
-            return Reason(rule=f"check-error-{mode}", level=level, target=result.target,
-                          message=f"{result.check}/{result.metric} could not run ({why}): "
-                                  f"{result.detail}",
-                          remedy=self.fallback["error"].get("remedy"))
+            why = (
+                "a check that could not run is not evidence of health"
+                if mode == "delivery"
+                else "a check could not run"
+            )
+            return Reason(
+                rule=f"check-error-{mode}",
+                level=level,
+                target=result.target,
+                message=f"{result.check}/{result.metric} could not run ({why}): {result.detail}",
+                remedy=self.fallback["error"].get("remedy"),
+            )
         level = Level.parse(self.fallback[result.status.value])
-        return Reason(rule=f"unclassified-{result.status.value}", level=level,
-                      target=result.target, message=f"{result.check}/{result.metric}: "
-                                                    f"{result.detail}")
+        return Reason(
+            rule=f"unclassified-{result.status.value}",
+            level=level,
+            target=result.target,
+            message=f"{result.check}/{result.metric}: {result.detail}",
+        )
 
 
 def load_grader(graders_dir: Path) -> Grader:
@@ -152,11 +200,19 @@ def load_grader(graders_dir: Path) -> Grader:
         raw_rules.insert(0, SXID_RULE)
     for raw in raw_rules:
         metric, status = raw.get("metric"), raw.get("status", "fail")
-        rules.append(Rule(
-            id=raw["id"], level=raw["level"], check=raw.get("check"),
-            metrics=(metric,) if isinstance(metric, str) else tuple(metric) if metric else None,
-            statuses=(status,) if isinstance(status, str) else tuple(status),
-            remedy=raw.get("remedy")))
-    return Grader(rules=tuple(rules), fallback=rules_data["fallback"],
-                  xid=load_xid_catalog(graders_dir / "xid.yaml"),
-                  sxid=load_sxid_catalog(graders_dir / "sxid.yaml"))
+        rules.append(
+            Rule(
+                id=raw["id"],
+                level=raw["level"],
+                check=raw.get("check"),
+                metrics=(metric,) if isinstance(metric, str) else tuple(metric) if metric else None,
+                statuses=(status,) if isinstance(status, str) else tuple(status),
+                remedy=raw.get("remedy"),
+            )
+        )
+    return Grader(
+        rules=tuple(rules),
+        fallback=rules_data["fallback"],
+        xid=load_xid_catalog(graders_dir / "xid.yaml"),
+        sxid=load_sxid_catalog(graders_dir / "sxid.yaml"),
+    )

@@ -33,35 +33,60 @@ SKU_SCHEMA: dict[str, Any] = {
         "memory_total_mib_max": {"type": "integer", "minimum": 1},
         # streaming multiprocessors per GPU: SDC probe shapes are sized so every SM runs tiles
         "sm_count": {"type": "integer", "minimum": 1},
-        "pcie": {"type": "object", "additionalProperties": False,
-                 "properties": {"gen": {"type": "integer"}, "width": {"type": "integer"}}},
+        "pcie": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"gen": {"type": "integer"}, "width": {"type": "integer"}},
+        },
         # links: NVLinks expected active (0 for PCIe cards, whose bridge is optional); the
         # board's wiring, which a VM may not see (node.expected_nvlinks overrides it);
         # indices: link indices NVML answers for on this part (default: links). A PCIe card
         # answers for its die's links, inactive without a bridge; the simulator reports them.
-        "nvlink": {"type": "object", "additionalProperties": False,
-                   "properties": {"links": {"type": "integer", "minimum": 0},
-                                  "indices": {"type": "integer", "minimum": 0}}},
+        "nvlink": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "links": {"type": "integer", "minimum": 0},
+                "indices": {"type": "integer", "minimum": 0},
+            },
+        },
         # the node's RDMA ports as the vendor builds the system (checks/hca_ports.py): how
         # many, and the least rate each should run at
-        "hca": {"type": "object", "additionalProperties": False,
-                "properties": {"ports": {"type": "integer", "minimum": 1},
-                               "min_rate_gbps": {"type": "number", "exclusiveMinimum": 0}}},
+        "hca": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "ports": {"type": "integer", "minimum": 1},
+                "min_rate_gbps": {"type": "number", "exclusiveMinimum": 0},
+            },
+        },
         # host software the system needs (checks/software_drift.py): fabric manager on NVSwitch
         # systems, nvidia_peermem for GPUDirect RDMA
-        "needs": {"type": "object", "additionalProperties": False,
-                  "properties": {"fabricmanager": {"type": "boolean"},
-                                 "peermem": {"type": "boolean"}}},
-        "power": {"type": "object", "additionalProperties": False,
-                  "properties": {"tdp_w": _NUM}},
-        "thermal": {"type": "object", "additionalProperties": False,
-                    "properties": {"slowdown_c": _INT_OR_NULL, "shutdown_c": _INT_OR_NULL}},
+        "needs": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"fabricmanager": {"type": "boolean"}, "peermem": {"type": "boolean"}},
+        },
+        "power": {"type": "object", "additionalProperties": False, "properties": {"tdp_w": _NUM}},
+        "thermal": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"slowdown_c": _INT_OR_NULL, "shutdown_c": _INT_OR_NULL},
+        },
         "limits": {"type": "object", "additionalProperties": _NUM},
         # the precisions gpu_burn runs, in order (intersected with what the device supports)
-        "burn": {"type": "object", "additionalProperties": False,
-                 "properties": {"precisions": {
-                     "type": "array", "minItems": 1, "uniqueItems": True,
-                     "items": {"enum": ["bf16", "fp16", "tf32", "fp32", "fp8"]}}}},
+        "burn": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "precisions": {
+                    "type": "array",
+                    "minItems": 1,
+                    "uniqueItems": True,
+                    "items": {"enum": ["bf16", "fp16", "tf32", "fp32", "fp8"]},
+                }
+            },
+        },
         "performance": {"type": "object", "additionalProperties": _NUM},
     },
 }
@@ -120,7 +145,9 @@ class Sku:
 
     def describe_memory(self) -> str:
         low, high = self.memory_range
-        return f"{self.id}: {low if low is not None else '?'}-{high if high is not None else '?'} MiB"
+        return (
+            f"{self.id}: {low if low is not None else '?'}-{high if high is not None else '?'} MiB"
+        )
 
 
 def _name_key(name: str) -> str:
@@ -131,18 +158,29 @@ def _name_key(name: str) -> str:
 def load_sku(path: Path) -> Sku:
     data = load_yaml(path, SKU_SCHEMA, what="SKU file")
     if data["id"] != path.stem:
-        raise ConfigError(f"{path}: key 'id': {data['id']!r} must equal the file name "
-                          f"{path.stem!r}")
+        raise ConfigError(
+            f"{path}: key 'id': {data['id']!r} must equal the file name {path.stem!r}"
+        )
     low, high = data.get("memory_total_mib_min"), data.get("memory_total_mib_max")
     if low is not None and high is not None and low > high:
-        raise ConfigError(f"{path}: key 'memory_total_mib_max': {high} is below "
-                          f"memory_total_mib_min {low}; expected max >= min")
+        raise ConfigError(
+            f"{path}: key 'memory_total_mib_max': {high} is below "
+            f"memory_total_mib_min {low}; expected max >= min"
+        )
     nvlink = data.get("nvlink") or {}
     if nvlink.get("indices", nvlink.get("links", 0)) < nvlink.get("links", 0):
-        raise ConfigError(f"{path}: key 'nvlink.indices': {nvlink['indices']} is below "
-                          f"nvlink.links {nvlink['links']}; expected indices >= links")
-    return Sku(id=data["id"], display_name=data["display_name"], match=tuple(data["match"]),
-               gpus_per_node=data["gpus_per_node"], data=data, source=str(path))
+        raise ConfigError(
+            f"{path}: key 'nvlink.indices': {nvlink['indices']} is below "
+            f"nvlink.links {nvlink['links']}; expected indices >= links"
+        )
+    return Sku(
+        id=data["id"],
+        display_name=data["display_name"],
+        match=tuple(data["match"]),
+        gpus_per_node=data["gpus_per_node"],
+        data=data,
+        source=str(path),
+    )
 
 
 def load_skus(graders_dir: Path) -> dict[str, Sku]:
@@ -170,14 +208,20 @@ def match_sku(gpus: Sequence[tuple[str, int | None]], skus: dict[str, Sku]) -> S
         return SkuMatch(None)
     names = sorted({" ".join(n.split()) for n, _ in gpus}, key=str.lower)
     if len({_name_key(n) for n in names}) != 1:
-        return SkuMatch(None, f"the GPUs are of different models ({', '.join(names)}): no "
-                              "one SKU baseline applies; set node.sku to grade them against one")
+        return SkuMatch(
+            None,
+            f"the GPUs are of different models ({', '.join(names)}): no "
+            "one SKU baseline applies; set node.sku to grade them against one",
+        )
     name = names[0]
     candidates = [s for s in skus.values() if s.names_gpu(name)]
     if not candidates:
-        return SkuMatch(None, f"no SKU file under graders/skus/ matches GPU name {name!r}: "
-                              "expected GPU count, NVLinks and performance minima are unknown "
-                              "(limits come from NVML alone); add a SKU file or set node.sku")
+        return SkuMatch(
+            None,
+            f"no SKU file under graders/skus/ matches GPU name {name!r}: "
+            "expected GPU count, NVLinks and performance minima are unknown "
+            "(limits come from NVML alone); add a SKU file or set node.sku",
+        )
     memories = sorted(m for _, m in gpus if m is not None)
     typical = memories[(len(memories) - 1) // 2] if memories else None
     fitting = [s for s in candidates if s.memory_problem(typical) is None]
@@ -185,8 +229,14 @@ def match_sku(gpus: Sequence[tuple[str, int | None]], skus: dict[str, Sku]) -> S
         return SkuMatch(fitting[0])
     ranges = "; ".join(s.describe_memory() for s in candidates)
     if not fitting:
-        return SkuMatch(None, f"GPU name {name!r} is that of SKU file(s) {ranges}, but these "
-                              f"GPUs report {typical} MiB: another variant of this GPU; add a "
-                              "SKU file for it or set node.sku")
-    return SkuMatch(None, f"GPU {name!r} with {typical} MiB matches several SKU files "
-                          f"({ranges}): narrow their memory_total_mib_min/max, or set node.sku")
+        return SkuMatch(
+            None,
+            f"GPU name {name!r} is that of SKU file(s) {ranges}, but these "
+            f"GPUs report {typical} MiB: another variant of this GPU; add a "
+            "SKU file for it or set node.sku",
+        )
+    return SkuMatch(
+        None,
+        f"GPU {name!r} with {typical} MiB matches several SKU files "
+        f"({ranges}): narrow their memory_total_mib_min/max, or set node.sku",
+    )

@@ -94,34 +94,49 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
-_WINDOWS = {"type": "object", "additionalProperties": False,
-            "properties": {"window_h": {"type": "number", "exclusiveMinimum": 0},
-                           "k": {"type": "integer", "minimum": 1},
-                           "n": {"type": "integer", "minimum": 1}}}
-_COMMON = {"horizon_days": {"type": "number", "exclusiveMinimum": 0},
-           "min_points": {"type": "integer", "minimum": 3},
-           "min_span_h": {"type": "number", "minimum": 0},
-           "windows": _WINDOWS}
+_WINDOWS = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "window_h": {"type": "number", "exclusiveMinimum": 0},
+        "k": {"type": "integer", "minimum": 1},
+        "n": {"type": "integer", "minimum": 1},
+    },
+}
+_COMMON = {
+    "horizon_days": {"type": "number", "exclusiveMinimum": 0},
+    "min_points": {"type": "integer", "minimum": 3},
+    "min_span_h": {"type": "number", "minimum": 0},
+    "windows": _WINDOWS,
+}
 TRENDS_SCHEMA: dict[str, Any] = {
-    "type": "object", "additionalProperties": False, "required": ["series"],
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["series"],
     "properties": {
         "defaults": {"type": "object", "additionalProperties": False, "properties": _COMMON},
-        "series": {"type": "array", "items": {
-            "type": "object", "additionalProperties": False,
-            "required": ["name", "check", "metric", "kind", "why"],
-            "properties": {
-                "name": {"type": "string", "pattern": r"^[a-z0-9_]{1,64}$"},
-                "check": {"type": "string", "minLength": 1},
-                "metric": {"type": "string", "minLength": 1},
-                "kind": {"enum": ["counter", "gauge"]},
-                "direction": {"enum": ["up", "down"]},
-                "threshold": {"type": "number"},
-                "threshold_sku": {"type": "string", "minLength": 1},
-                "evidence": {"type": "string", "minLength": 1},
-                "margin_from": {"type": "string", "minLength": 1},
-                "unit": {"type": "string"},
-                "why": {"type": "string", "minLength": 1},
-                **_COMMON}}},
+        "series": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name", "check", "metric", "kind", "why"],
+                "properties": {
+                    "name": {"type": "string", "pattern": r"^[a-z0-9_]{1,64}$"},
+                    "check": {"type": "string", "minLength": 1},
+                    "metric": {"type": "string", "minLength": 1},
+                    "kind": {"enum": ["counter", "gauge"]},
+                    "direction": {"enum": ["up", "down"]},
+                    "threshold": {"type": "number"},
+                    "threshold_sku": {"type": "string", "minLength": 1},
+                    "evidence": {"type": "string", "minLength": 1},
+                    "margin_from": {"type": "string", "minLength": 1},
+                    "unit": {"type": "string"},
+                    "why": {"type": "string", "minLength": 1},
+                    **_COMMON,
+                },
+            },
+        },
     },
 }
 
@@ -163,15 +178,24 @@ def load_trend_specs(path: str | Path) -> TrendSpecs:
         merged = {**defaults, **raw}
         windows = {**(defaults.get("windows") or {}), **(raw.get("windows") or {})}
         spec = SeriesSpec(
-            name=raw["name"], check=raw["check"], metric=raw["metric"], kind=raw["kind"],
-            direction=raw.get("direction", "up"), threshold=raw.get("threshold"),
-            threshold_sku=raw.get("threshold_sku"), unit=raw.get("unit", ""), why=raw["why"],
-            evidence_key=raw.get("evidence"), margin_from=raw.get("margin_from"),
+            name=raw["name"],
+            check=raw["check"],
+            metric=raw["metric"],
+            kind=raw["kind"],
+            direction=raw.get("direction", "up"),
+            threshold=raw.get("threshold"),
+            threshold_sku=raw.get("threshold_sku"),
+            unit=raw.get("unit", ""),
+            why=raw["why"],
+            evidence_key=raw.get("evidence"),
+            margin_from=raw.get("margin_from"),
             horizon_days=float(merged.get("horizon_days", 30.0)),
             min_points=int(merged.get("min_points", 4)),
             min_span_h=float(merged.get("min_span_h", 12.0)),
-            window_h=float(windows.get("window_h", 24.0)), k=int(windows.get("k", 3)),
-            n=int(windows.get("n", 4)))
+            window_h=float(windows.get("window_h", 24.0)),
+            k=int(windows.get("k", 3)),
+            n=int(windows.get("n", 4)),
+        )
         if spec.k > spec.n:
             raise ConfigError(f"{where}: windows.k {spec.k} is more than windows.n {spec.n}")
         specs.append(spec)
@@ -182,6 +206,7 @@ def load_trend_specs(path: str | Path) -> TrendSpecs:
 
 
 # -- the arithmetic ------------------------------------------------------------------------------
+
 
 def segments(points: Sequence[Point], kind: str = "counter") -> list[list[Point]]:
     """A counter's points split at each reset (a drop, or a point marked ``reset``); a gauge is
@@ -201,8 +226,12 @@ def theil_sen(points: Sequence[Point]) -> tuple[float, float] | None:
     """(slope per second, intercept at t=0) of the Theil-Sen line; None under two distinct
     times. Example: points (0, 0), (1, 1), (2, 2), (3, 30) give slope 1 (the outlier is out)."""
     pts = _thin(points)
-    slopes = [(b.value - a.value) / (b.at - a.at)
-              for i, a in enumerate(pts) for b in pts[i + 1:] if b.at != a.at]
+    slopes = [
+        (b.value - a.value) / (b.at - a.at)
+        for i, a in enumerate(pts)
+        for b in pts[i + 1 :]
+        if b.at != a.at
+    ]
     if not slopes:
         return None
     slope = statistics.median(slopes)
@@ -262,25 +291,37 @@ class Trend:
         parts = []
         if self.slope_per_day is not None:
             verb = "rising" if self.slope_per_day >= 0 else "falling"
-            parts.append(f"{verb} at {abs(self.slope_per_day):.3g}{unit} per day "
-                         f"(Theil-Sen over {self.points} points since the last reset)")
+            parts.append(
+                f"{verb} at {abs(self.slope_per_day):.3g}{unit} per day "
+                f"(Theil-Sen over {self.points} points since the last reset)"
+            )
         if self.forecast_warns and self.crossing_days is not None:
-            past = (self.latest >= self.threshold if s.direction == "up"
-                    else self.latest <= self.threshold)
+            past = (
+                self.latest >= self.threshold
+                if s.direction == "up"
+                else self.latest <= self.threshold
+            )
             if past:
-                parts.append(f"has reached its threshold {self.threshold:g}{unit} "
-                             f"(now {self.latest:g}) and goes on")
+                parts.append(
+                    f"has reached its threshold {self.threshold:g}{unit} "
+                    f"(now {self.latest:g}) and goes on"
+                )
             else:
-                parts.append(f"crosses its threshold {self.threshold:g}{unit} in about "
-                             f"{self.crossing_days:.1f} days (now {self.latest:g})")
+                parts.append(
+                    f"crosses its threshold {self.threshold:g}{unit} in about "
+                    f"{self.crossing_days:.1f} days (now {self.latest:g})"
+                )
         if self.windows_warn:
-            parts.append(f"rose in {sum(self.rising)} of the last {len(self.rising)} "
-                         f"{s.window_h:g}-hour windows (k={s.k})")
+            parts.append(
+                f"rose in {sum(self.rising)} of the last {len(self.rising)} "
+                f"{s.window_h:g}-hour windows (k={s.k})"
+            )
         return f"{what}: " + "; ".join(parts) if parts else f"{what}: no trend"
 
 
-def evaluate(spec: SeriesSpec, target: str, points: Sequence[Point], now: float,
-             threshold: float | None) -> Trend | None:
+def evaluate(
+    spec: SeriesSpec, target: str, points: Sequence[Point], now: float, threshold: float | None
+) -> Trend | None:
     """Grade one series' trend at ``now``; None for an empty series."""
     if not points:
         return None
@@ -303,13 +344,21 @@ def evaluate(spec: SeriesSpec, target: str, points: Sequence[Point], now: float,
                 crossing = max(0.0, (t_cross - now) / DAY_S)
                 forecast = crossing <= spec.horizon_days
     # k of n: counters only, and inside the current segment (never across a reset)
-    rising = (rising_windows(current, now, spec.window_h, spec.n)
-              if spec.kind == "counter" else [])
+    rising = rising_windows(current, now, spec.window_h, spec.n) if spec.kind == "counter" else []
     windows = spec.kind == "counter" and sum(rising) >= spec.k
-    return Trend(spec=spec, target=target, slope_per_day=slope_day, latest=latest,
-                 threshold=threshold, crossing_days=crossing, rising=rising,
-                 points=len(current), segments=len(segs), forecast_warns=forecast,
-                 windows_warn=windows)
+    return Trend(
+        spec=spec,
+        target=target,
+        slope_per_day=slope_day,
+        latest=latest,
+        threshold=threshold,
+        crossing_days=crossing,
+        rising=rising,
+        points=len(current),
+        segments=len(segs),
+        forecast_warns=forecast,
+        windows_warn=windows,
+    )
 
 
 def trend_result(trend: Trend, points: Sequence[Point]) -> Result:
@@ -318,17 +367,29 @@ def trend_result(trend: Trend, points: Sequence[Point]) -> Result:
     s = trend.spec
     shown = points[-EVIDENCE_POINTS:]
     return Result(
-        check="trends", target=trend.target, metric="trend", status=Status.WARN,
+        check="trends",
+        target=trend.target,
+        metric="trend",
+        status=Status.WARN,
         detail=trend.message() + f" ({s.why})",
         value=None if trend.crossing_days is None else round(trend.crossing_days, 2),
         unit="days" if trend.crossing_days is not None else "",
-        evidence={"series": s.name, "check": s.check, "metric": s.metric, "kind": s.kind,
-                  "slope_per_day": None if trend.slope_per_day is None
-                  else round(trend.slope_per_day, 6),
-                  "threshold": trend.threshold, "crossing_days": None
-                  if trend.crossing_days is None else round(trend.crossing_days, 2),
-                  "latest": trend.latest, "rising_windows": trend.rising,
-                  "window_h": s.window_h, "k": s.k, "n": s.n,
-                  "segment_points": trend.points, "segments": trend.segments,
-                  "points": [[round(p.at, 1), p.value] for p in shown],
-                  "resets_at": [round(p.at, 1) for p in shown if p.reset]})
+        evidence={
+            "series": s.name,
+            "check": s.check,
+            "metric": s.metric,
+            "kind": s.kind,
+            "slope_per_day": None if trend.slope_per_day is None else round(trend.slope_per_day, 6),
+            "threshold": trend.threshold,
+            "crossing_days": None if trend.crossing_days is None else round(trend.crossing_days, 2),
+            "latest": trend.latest,
+            "rising_windows": trend.rising,
+            "window_h": s.window_h,
+            "k": s.k,
+            "n": s.n,
+            "segment_points": trend.points,
+            "segments": trend.segments,
+            "points": [[round(p.at, 1), p.value] for p in shown],
+            "resets_at": [round(p.at, 1) for p in shown if p.reset],
+        },
+    )

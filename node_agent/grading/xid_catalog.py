@@ -34,8 +34,9 @@ from node_agent.model import Level, Result
 from node_agent.yamlfile import ConfigError, load_yaml
 
 _LEVELS = ["HEALTHY", "WARN", "ERROR", "FAULT"]
-_STR_OR_LIST = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"},
-                                                "minItems": 1}]}
+_STR_OR_LIST = {
+    "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}]
+}
 
 #: ``class`` values of an XID entry: ``application`` marks a code that is the job's when it is
 #: spread across GPUs and the GPU's when it repeats on one (NVIDIA's WORKFLOW_XID_13/31)
@@ -45,59 +46,102 @@ APPLICATION = "application"
 SPREAD_WINDOW_S = 24 * 3600.0
 
 _RECURRENCE = {
-    "type": "object", "additionalProperties": False,
+    "type": "object",
+    "additionalProperties": False,
     "required": ["bursts", "within_h", "level", "why"],
     "properties": {
         "bursts": {"type": "integer", "minimum": 2, "maximum": 100},
         "within_h": {"type": "number", "exclusiveMinimum": 0, "maximum": 720},
         "level": {"enum": _LEVELS},
         "why": {"type": "string"},
-    }}
+    },
+}
 
 _DECODE_ROW = {
-    "type": "object", "additionalProperties": False, "required": ["resolution", "level", "why"],
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["resolution", "level", "why"],
     "properties": {
         "unit": _STR_OR_LIST,
         "severity": {"enum": ["Fatal", "Nonfatal"]},
-        "error_status": {"type": "array", "minItems": 1,
-                         "items": {"type": "integer", "minimum": 0, "maximum": 0xFFFFFFFF}},
-        "subcode": {"type": "array", "minItems": 1,
-                    "items": {"type": "string", "pattern": "^[01]{6}$"}},
+        "error_status": {
+            "type": "array",
+            "minItems": 1,
+            "items": {"type": "integer", "minimum": 0, "maximum": 0xFFFFFFFF},
+        },
+        "subcode": {
+            "type": "array",
+            "minItems": 1,
+            "items": {"type": "string", "pattern": "^[01]{6}$"},
+        },
         "recovery_action": _STR_OR_LIST,
         "resolution": {"type": "string"},
         "level": {"enum": _LEVELS},
         "why": {"type": "string"},
-    }}
+    },
+}
 
 XID_SCHEMA: dict[str, Any] = {
-    "type": "object", "additionalProperties": False, "required": ["default", "codes"],
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["default", "codes"],
     "properties": {
-        "default": {"type": "object", "additionalProperties": False, "required": ["level"],
-                    "properties": {"level": {"enum": _LEVELS}, "description": {"type": "string"}}},
-        "codes": {"type": "object", "additionalProperties": {
-            "type": "object", "additionalProperties": False, "required": ["name", "level"],
-            "properties": {"name": {"type": "string"}, "level": {"enum": _LEVELS},
-                           "why": {"type": "string"},
-                           "decode": {"type": "array", "items": _DECODE_ROW, "minItems": 1},
-                           "recurrence": _RECURRENCE,
-                           "restarts_before_fault": {"type": "integer", "minimum": 0,
-                                                     "maximum": 1000},
-                           "class": {"enum": list(XID_CLASSES)}}}},
+        "default": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["level"],
+            "properties": {"level": {"enum": _LEVELS}, "description": {"type": "string"}},
+        },
+        "codes": {
+            "type": "object",
+            "additionalProperties": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name", "level"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "level": {"enum": _LEVELS},
+                    "why": {"type": "string"},
+                    "decode": {"type": "array", "items": _DECODE_ROW, "minItems": 1},
+                    "recurrence": _RECURRENCE,
+                    "restarts_before_fault": {"type": "integer", "minimum": 0, "maximum": 1000},
+                    "class": {"enum": list(XID_CLASSES)},
+                },
+            },
+        },
     },
 }
 
 SXID_SCHEMA: dict[str, Any] = {
-    "type": "object", "additionalProperties": False, "required": ["default", "codes"],
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["default", "codes"],
     "properties": {
-        "default": {"type": "object", "additionalProperties": False, "required": ["level"],
-                    "properties": {"level": {"enum": _LEVELS},
-                                   "nonfatal_level": {"enum": _LEVELS},
-                                   "description": {"type": "string"}}},
-        "codes": {"type": "object", "additionalProperties": {
-            "type": "object", "additionalProperties": False, "required": ["name", "level"],
-            "properties": {"name": {"type": "string"}, "level": {"enum": _LEVELS},
-                           "nonfatal_level": {"enum": _LEVELS},
-                           "why": {"type": "string"}, "recurrence": _RECURRENCE}}},
+        "default": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["level"],
+            "properties": {
+                "level": {"enum": _LEVELS},
+                "nonfatal_level": {"enum": _LEVELS},
+                "description": {"type": "string"},
+            },
+        },
+        "codes": {
+            "type": "object",
+            "additionalProperties": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name", "level"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "level": {"enum": _LEVELS},
+                    "nonfatal_level": {"enum": _LEVELS},
+                    "why": {"type": "string"},
+                    "recurrence": _RECURRENCE,
+                },
+            },
+        },
     },
 }
 
@@ -120,8 +164,9 @@ class DecodeRow:
         return True
 
     def describe(self, fields: dict[str, Any]) -> str:
-        said = " ".join(str(fields[k]) for k in ("unit", "severity", "recovery_action")
-                        if k in fields)
+        said = " ".join(
+            str(fields[k]) for k in ("unit", "severity", "recovery_action") if k in fields
+        )
         return f"{said or 'line'} -> {self.resolution}"
 
 
@@ -163,8 +208,13 @@ class Verdict:
 class Catalog:
     """One catalog file: ``xid`` (``graders/xid.yaml``) or ``sxid`` (``graders/sxid.yaml``)."""
 
-    def __init__(self, kind: str, codes: dict[int, CodeEntry], default: Level,
-                 default_nonfatal: Level | None = None) -> None:
+    def __init__(
+        self,
+        kind: str,
+        codes: dict[int, CodeEntry],
+        default: Level,
+        default_nonfatal: Level | None = None,
+    ) -> None:
         self.kind = kind
         self.codes = codes
         self.default = default
@@ -193,22 +243,30 @@ class Catalog:
         spread = _spread(entry, evidence, elsewhere or []) if entry.cls == APPLICATION else []
         if spread:
             # WORKFLOW_XID_13/31: the same fault on different GPUs is the application's
-            shown = ", ".join(spread[:8]) + (f" and {len(spread) - 8} more" if len(spread) > 8
-                                             else "")
-            note = (f"also on {shown} within {_window_h(entry):g} h: an application error "
-                    "spread across GPUs is the job's, not the node's (no drain)")
+            shown = ", ".join(spread[:8]) + (
+                f" and {len(spread) - 8} more" if len(spread) > 8 else ""
+            )
+            note = (
+                f"also on {shown} within {_window_h(entry):g} h: an application error "
+                "spread across GPUs is the job's, not the node's (no drain)"
+            )
             level = min(verdict.level, Level.WARN)
-            return Verdict(level, verdict.name, _join(verdict.note, note),
-                           entry.restarts_before_fault)
+            return Verdict(
+                level, verdict.name, _join(verdict.note, note), entry.restarts_before_fault
+            )
         if entry.recurrence is not None:
             rec = entry.recurrence
             bursts = rec.count(evidence)
             if bursts >= rec.bursts and rec.level > verdict.level:
-                note = (f"recurred: {bursts} bursts within {rec.within_s / 3600:g} h on "
-                        f"{result.target} (threshold {rec.bursts})")
+                note = (
+                    f"recurred: {bursts} bursts within {rec.within_s / 3600:g} h on "
+                    f"{result.target} (threshold {rec.bursts})"
+                )
                 if entry.cls == APPLICATION:
-                    note += (": repeated on this GPU while the other GPUs are clean, so it is "
-                             "this GPU's, not the job's")
+                    note += (
+                        ": repeated on this GPU while the other GPUs are clean, so it is "
+                        "this GPU's, not the job's"
+                    )
                 verdict = Verdict(rec.level, verdict.name, _join(verdict.note, note))
         return Verdict(verdict.level, verdict.name, verdict.note, entry.restarts_before_fault)
 
@@ -218,8 +276,11 @@ class Catalog:
         if not entry.decode:
             return Verdict(entry.level, entry.name, "")
         if not variants:
-            return Verdict(entry.level, entry.name,
-                           "no kernel-log line to decode (NVML event only): graded by the code")
+            return Verdict(
+                entry.level,
+                entry.name,
+                "no kernel-log line to decode (NVML event only): graded by the code",
+            )
         worst: tuple[Level, str] | None = None
         undecoded = 0
         for fields in variants:
@@ -240,8 +301,9 @@ class Catalog:
         nonfatal_only = severities == {"Nonfatal"}
         if entry is None:
             if nonfatal_only and self.default_nonfatal is not None:
-                return Verdict(self.default_nonfatal, "not in the SXid catalog, printed Non-fatal",
-                               "")
+                return Verdict(
+                    self.default_nonfatal, "not in the SXid catalog, printed Non-fatal", ""
+                )
             return Verdict(self.default, "not in the SXid catalog", "")
         if nonfatal_only and entry.nonfatal_level is not None:
             return Verdict(entry.nonfatal_level, f"{entry.name}, printed Non-fatal", "")
@@ -252,8 +314,11 @@ class Catalog:
 def _said(fields: dict[str, Any]) -> str:
     parts = [str(fields[k]) for k in ("unit", "severity") if k in fields]
     if "error_status" in fields:
-        parts.append(f"status {fields['error_status']:#x}" if isinstance(fields["error_status"], int)
-                     else f"status {fields['error_status']}")
+        parts.append(
+            f"status {fields['error_status']:#x}"
+            if isinstance(fields["error_status"], int)
+            else f"status {fields['error_status']}"
+        )
     if "subcode" in fields:
         parts.append(f"subcode {fields['subcode']}")
     if "recovery_action" in fields:
@@ -276,8 +341,12 @@ def _spread(entry: CodeEntry, evidence: dict[str, Any], elsewhere: list[Result])
     for other in elsewhere:
         theirs = other.evidence or {}
         last = _newest(theirs)
-        if newest is not None and last is not None and theirs.get("clock") == clock \
-                and last < newest - window_s:
+        if (
+            newest is not None
+            and last is not None
+            and theirs.get("clock") == clock
+            and last < newest - window_s
+        ):
             continue
         targets.append(other.target)
     return sorted(set(targets), key=_target_order)
@@ -302,8 +371,11 @@ def _variants(result: Result, evidence: dict[str, Any]) -> list[dict[str, Any]]:
     a daemon that keeps only the line) are decoded from the lines they kept."""
     raw = evidence.get("variants")
     if isinstance(raw, list):
-        return [{k: v for k, v in item.items() if k in _MATCH_KEYS}
-                for item in raw if isinstance(item, dict)]
+        return [
+            {k: v for k, v in item.items() if k in _MATCH_KEYS}
+            for item in raw
+            if isinstance(item, dict)
+        ]
     code = int(result.value)  # type: ignore[arg-type]
     lines = evidence.get("lines") or ([evidence["line"]] if evidence.get("line") else [])
     variants: list[dict[str, Any]] = []
@@ -328,15 +400,19 @@ def _decode_row(raw: dict[str, Any]) -> DecodeRow:
         value = raw[key]
         values = value if isinstance(value, list) else [value]
         match.append((key, frozenset(v.casefold() if isinstance(v, str) else v for v in values)))
-    return DecodeRow(match=tuple(match), resolution=raw["resolution"],
-                     level=Level.parse(raw["level"]))
+    return DecodeRow(
+        match=tuple(match), resolution=raw["resolution"], level=Level.parse(raw["level"])
+    )
 
 
 def _recurrence(raw: dict[str, Any] | None) -> Recurrence | None:
     if raw is None:
         return None
-    return Recurrence(bursts=raw["bursts"], within_s=float(raw["within_h"]) * 3600.0,
-                      level=Level.parse(raw["level"]))
+    return Recurrence(
+        bursts=raw["bursts"],
+        within_s=float(raw["within_h"]) * 3600.0,
+        level=Level.parse(raw["level"]),
+    )
 
 
 def _codes(path: Path, data: dict[str, Any], what: str) -> dict[int, CodeEntry]:
@@ -345,14 +421,20 @@ def _codes(path: Path, data: dict[str, Any], what: str) -> dict[int, CodeEntry]:
         try:
             code = int(key)
         except (TypeError, ValueError):
-            raise ConfigError(f"{path}: key 'codes.{key}': expected an integer {what} code") from None
+            raise ConfigError(
+                f"{path}: key 'codes.{key}': expected an integer {what} code"
+            ) from None
         codes[code] = CodeEntry(
-            name=entry["name"], level=Level.parse(entry["level"]),
+            name=entry["name"],
+            level=Level.parse(entry["level"]),
             decode=tuple(_decode_row(r) for r in entry.get("decode", [])),
             recurrence=_recurrence(entry.get("recurrence")),
-            nonfatal_level=Level.parse(entry["nonfatal_level"]) if "nonfatal_level" in entry
+            nonfatal_level=Level.parse(entry["nonfatal_level"])
+            if "nonfatal_level" in entry
             else None,
-            restarts_before_fault=entry.get("restarts_before_fault"), cls=entry.get("class"))
+            restarts_before_fault=entry.get("restarts_before_fault"),
+            cls=entry.get("class"),
+        )
     return codes
 
 
@@ -364,28 +446,51 @@ def load_xid_catalog(path: Path) -> Catalog:
 def load_sxid_catalog(path: Path) -> Catalog:
     data = load_yaml(path, SXID_SCHEMA, what="SXid catalog")
     default = data["default"]
-    return Catalog("sxid", _codes(path, data, "SXid"), Level.parse(default["level"]),
-                   Level.parse(default["nonfatal_level"]) if "nonfatal_level" in default else None)
+    return Catalog(
+        "sxid",
+        _codes(path, data, "SXid"),
+        Level.parse(default["level"]),
+        Level.parse(default["nonfatal_level"]) if "nonfatal_level" in default else None,
+    )
 
 
 # -- the driver's lines without an Xid (graders/driver_lines.yaml) ---------------------------
 
 #: the kinds node_agent.kernel_log.DriverLine reads; the file must give each of them
-DRIVER_LINE_KINDS = ("gpu-lost", "reset-required", "init-failed", "aer-uncorrectable",
-                     "aer-recovery-failed")
+DRIVER_LINE_KINDS = (
+    "gpu-lost",
+    "reset-required",
+    "init-failed",
+    "aer-uncorrectable",
+    "aer-recovery-failed",
+)
 
 DRIVER_LINES_SCHEMA: dict[str, Any] = {
-    "type": "object", "additionalProperties": False, "required": ["kinds"],
-    "properties": {"kinds": {
-        "type": "object", "additionalProperties": False, "required": list(DRIVER_LINE_KINDS),
-        "properties": {kind: {
-            "type": "object", "additionalProperties": False,
-            "required": ["name", "metric", "status", "level", "why"],
-            "properties": {"name": {"type": "string"},
-                           "metric": {"type": "string", "pattern": r"^[a-z][a-z0-9_]*$"},
-                           "status": {"enum": ["fail", "warn"]},
-                           "level": {"enum": _LEVELS}, "why": {"type": "string"}}}
-            for kind in DRIVER_LINE_KINDS}}},
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["kinds"],
+    "properties": {
+        "kinds": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": list(DRIVER_LINE_KINDS),
+            "properties": {
+                kind: {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["name", "metric", "status", "level", "why"],
+                    "properties": {
+                        "name": {"type": "string"},
+                        "metric": {"type": "string", "pattern": r"^[a-z][a-z0-9_]*$"},
+                        "status": {"enum": ["fail", "warn"]},
+                        "level": {"enum": _LEVELS},
+                        "why": {"type": "string"},
+                    },
+                }
+                for kind in DRIVER_LINE_KINDS
+            },
+        }
+    },
 }
 
 
@@ -404,6 +509,13 @@ class DriverLineKind:
 def load_driver_lines(path: Path) -> dict[str, DriverLineKind]:
     """``graders/driver_lines.yaml`` (ConfigError when invalid or a kind is missing)."""
     data = load_yaml(path, DRIVER_LINES_SCHEMA, what="driver-line catalog")
-    return {kind: DriverLineKind(kind=kind, name=raw["name"], metric=raw["metric"],
-                                 status=raw["status"], level=Level.parse(raw["level"]))
-            for kind, raw in data["kinds"].items()}
+    return {
+        kind: DriverLineKind(
+            kind=kind,
+            name=raw["name"],
+            metric=raw["metric"],
+            status=raw["status"],
+            level=Level.parse(raw["level"]),
+        )
+        for kind, raw in data["kinds"].items()
+    }

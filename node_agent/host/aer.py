@@ -26,9 +26,11 @@ PCI_DEVICES = Path("bus/pci/devices")
 INFINIBAND = Path("class/infiniband")
 BDF = re.compile(r"^[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
 #: file -> the line holding its total
-AER_FILES = {"fatal": ("aer_dev_fatal", "TOTAL_ERR_FATAL"),
-             "nonfatal": ("aer_dev_nonfatal", "TOTAL_ERR_NONFATAL"),
-             "correctable": ("aer_dev_correctable", "TOTAL_ERR_COR")}
+AER_FILES = {
+    "fatal": ("aer_dev_fatal", "TOTAL_ERR_FATAL"),
+    "nonfatal": ("aer_dev_nonfatal", "TOTAL_ERR_NONFATAL"),
+    "correctable": ("aer_dev_correctable", "TOTAL_ERR_COR"),
+}
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,9 @@ class AerCounts:
     bits: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def get(self, severity: str) -> int | None:
-        return {"fatal": self.fatal, "nonfatal": self.nonfatal,
-                "correctable": self.correctable}[severity]
+        return {"fatal": self.fatal, "nonfatal": self.nonfatal, "correctable": self.correctable}[
+            severity
+        ]
 
 
 @dataclass(frozen=True)
@@ -103,8 +106,12 @@ def _counts(device: Path) -> AerCounts | None:
             bits[severity] = nonzero
     if not found:
         return None
-    return AerCounts(fatal=values["fatal"], nonfatal=values["nonfatal"],
-                     correctable=values["correctable"], bits=bits)
+    return AerCounts(
+        fatal=values["fatal"],
+        nonfatal=values["nonfatal"],
+        correctable=values["correctable"],
+        bits=bits,
+    )
 
 
 def read_functions(sys_root: Path = Path("/sys")) -> list[PciFunction]:
@@ -118,8 +125,7 @@ def read_functions(sys_root: Path = Path("/sys")) -> list[PciFunction]:
         device = base / name
         parent = os.path.basename(os.path.dirname(os.path.realpath(device)))
         upstream = normalise_bus_id(parent) if BDF.match(parent) else None
-        out.append(PciFunction(bdf=normalise_bus_id(name), upstream=upstream,
-                               aer=_counts(device)))
+        out.append(PciFunction(bdf=normalise_bus_id(name), upstream=upstream, aer=_counts(device)))
     return out
 
 

@@ -53,7 +53,12 @@ def read_cpus(sys_root: Path = Path("/sys")) -> CpuState:
         tt = base / name / "thermal_throttle"
         if not tt.is_dir():
             continue
-        throttle[int(match.group(1))] = (read_int(tt / "core_throttle_count"),
-                                         read_int(tt / "package_throttle_count"))
-    return CpuState(online=_cpu_list(base / "online"), present=_cpu_list(base / "present"),
-                    throttle=dict(sorted(throttle.items())))
+        throttle[int(match.group(1))] = (
+            read_int(tt / "core_throttle_count"),
+            read_int(tt / "package_throttle_count"),
+        )
+    return CpuState(
+        online=_cpu_list(base / "online"),
+        present=_cpu_list(base / "present"),
+        throttle=dict(sorted(throttle.items())),
+    )

@@ -71,31 +71,46 @@ def read_edac(sys_root: Path = Path("/sys")) -> list[MemoryController]:
     try:
         controllers = _sorted_dirs(root, _MC)
     except FileNotFoundError:
-        raise EdacAbsent(f"{root} does not exist: no EDAC driver for this platform (a VM, or "
-                         "the board's EDAC module, e.g. skx_edac/i10nm_edac/amd64_edac, is not "
-                         "loaded)") from None
+        raise EdacAbsent(
+            f"{root} does not exist: no EDAC driver for this platform (a VM, or "
+            "the board's EDAC module, e.g. skx_edac/i10nm_edac/amd64_edac, is not "
+            "loaded)"
+        ) from None
     except NotADirectoryError:
         raise EdacAbsent(f"{root} is not a directory") from None
     if not controllers:
-        raise EdacAbsent(f"{root} lists no memory controller (the EDAC core is loaded but no "
-                         "platform driver registered one)")
+        raise EdacAbsent(
+            f"{root} lists no memory controller (the EDAC core is loaded but no "
+            "platform driver registered one)"
+        )
     out = []
     for mc in controllers:
         dimms = [_dimm(mc.name, d) for d in _sorted_dirs(mc, _DIMM)]
         if not dimms:
             dimms = [_csrow(mc.name, c) for c in _sorted_dirs(mc, _CSROW)]
-        out.append(MemoryController(
-            name=mc.name, ce=read_int(mc / "ce_count"), ue=read_int(mc / "ue_count"),
-            ce_noinfo=read_int(mc / "ce_noinfo_count"), ue_noinfo=read_int(mc / "ue_noinfo_count"),
-            seconds_since_reset=read_int(mc / "seconds_since_reset"), dimms=tuple(dimms)))
+        out.append(
+            MemoryController(
+                name=mc.name,
+                ce=read_int(mc / "ce_count"),
+                ue=read_int(mc / "ue_count"),
+                ce_noinfo=read_int(mc / "ce_noinfo_count"),
+                ue_noinfo=read_int(mc / "ue_noinfo_count"),
+                seconds_since_reset=read_int(mc / "seconds_since_reset"),
+                dimms=tuple(dimms),
+            )
+        )
     return out
 
 
 def _dimm(mc: str, path: Path) -> Dimm:
-    return Dimm(name=f"{mc}/{path.name}", label=read_text(path / "dimm_label") or "",
-                size_mib=read_int(path / "size"), ce=read_int(path / "dimm_ce_count"),
-                ue=read_int(path / "dimm_ue_count"),
-                location=" ".join((read_text(path / "dimm_location") or "").split()))
+    return Dimm(
+        name=f"{mc}/{path.name}",
+        label=read_text(path / "dimm_label") or "",
+        size_mib=read_int(path / "size"),
+        ce=read_int(path / "dimm_ce_count"),
+        ue=read_int(path / "dimm_ue_count"),
+        location=" ".join((read_text(path / "dimm_location") or "").split()),
+    )
 
 
 def _csrow(mc: str, path: Path) -> Dimm:
@@ -109,6 +124,11 @@ def _csrow(mc: str, path: Path) -> Dimm:
             label = read_text(path / f"{channel}_dimm_label")
             if label:
                 labels.append(label)
-    return Dimm(name=f"{mc}/{path.name}", label="+".join(labels),
-                size_mib=read_int(path / "size_mb"), ce=read_int(path / "ce_count"),
-                ue=read_int(path / "ue_count"), channels=channels)
+    return Dimm(
+        name=f"{mc}/{path.name}",
+        label="+".join(labels),
+        size_mib=read_int(path / "size_mb"),
+        ce=read_int(path / "ce_count"),
+        ue=read_int(path / "ue_count"),
+        channels=channels,
+    )

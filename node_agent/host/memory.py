@@ -28,8 +28,9 @@ class InstalledMemory:
     block_bytes: int | None = None
 
 
-def read_installed(sys_root: Path = Path("/sys"), proc_root: Path = Path("/proc")
-                   ) -> InstalledMemory | None:
+def read_installed(
+    sys_root: Path = Path("/sys"), proc_root: Path = Path("/proc")
+) -> InstalledMemory | None:
     """The node's installed memory, or None when neither source can be read."""
     base = sys_root / "devices/system/memory"
     size_text = read_text(base / "block_size_bytes")
@@ -40,8 +41,12 @@ def read_installed(sys_root: Path = Path("/sys"), proc_root: Path = Path("/proc"
         except (ValueError, OSError):
             count = 0
         if count and block > 0:
-            return InstalledMemory(gib=round(count * block / GIB, 2), source="memory_blocks",
-                                   blocks=count, block_bytes=block)
+            return InstalledMemory(
+                gib=round(count * block / GIB, 2),
+                source="memory_blocks",
+                blocks=count,
+                block_bytes=block,
+            )
     meminfo = read_text(proc_root / "meminfo")
     for line in (meminfo or "").splitlines():
         fields = line.split()

@@ -44,12 +44,18 @@ def list_controllers(sys_root: Path = Path("/sys")) -> list[NvmeController]:
             entries = os.listdir(ctrl)
         except OSError:
             entries = []
-        namespaces = sorted({f"nvme{m.group(1)}n{m.group(2)}"
-                             for e in entries if (m := _NAMESPACE.match(e))})
-        out.append(NvmeController(name=name, model=" ".join((read_text(ctrl / "model") or "").split()),
-                                  serial=(read_text(ctrl / "serial") or "").strip(),
-                                  firmware=(read_text(ctrl / "firmware_rev") or "").strip(),
-                                  namespaces=tuple(namespaces)))
+        namespaces = sorted(
+            {f"nvme{m.group(1)}n{m.group(2)}" for e in entries if (m := _NAMESPACE.match(e))}
+        )
+        out.append(
+            NvmeController(
+                name=name,
+                model=" ".join((read_text(ctrl / "model") or "").split()),
+                serial=(read_text(ctrl / "serial") or "").strip(),
+                firmware=(read_text(ctrl / "firmware_rev") or "").strip(),
+                namespaces=tuple(namespaces),
+            )
+        )
     return out
 
 

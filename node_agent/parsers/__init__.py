@@ -39,8 +39,9 @@ def json_document(text: str, tool: str, expected: str, preview: int = 160) -> An
     if not starts and "{" in text:
         starts = [text.find("{")]
     if not starts:
-        raise ParseError(f"{tool} printed no JSON document (expected {expected}; got "
-                         f"{text.strip()[:preview]!r})")
+        raise ParseError(
+            f"{tool} printed no JSON document (expected {expected}; got {text.strip()[:preview]!r})"
+        )
     decoder = json.JSONDecoder()
     first_error: tuple[int, json.JSONDecodeError] | None = None
     for start in starts:
@@ -51,5 +52,6 @@ def json_document(text: str, tool: str, expected: str, preview: int = 160) -> An
             first_error = first_error or (start, err)
     assert first_error is not None
     _start, err = first_error
-    raise ParseError(f"{tool} JSON is truncated or malformed at character {err.pos} of "
-                     f"{len(text)}: {err.msg}") from err
+    raise ParseError(
+        f"{tool} JSON is truncated or malformed at character {err.pos} of {len(text)}: {err.msg}"
+    ) from err

@@ -32,44 +32,111 @@ from typing import Any
 from node_agent.parsers import ParseError, json_document
 
 #: dcgmErrorSeverity_t (dcgm_errors.h). NONE/UNKNOWN carry no advice; the grade then falls back.
-SEVERITIES = {0: "NONE", 1: "MONITOR", 2: "ISOLATE", 3: "UNKNOWN", 4: "TRIAGE", 5: "CONFIG",
-              6: "RESET"}
+SEVERITIES = {
+    0: "NONE",
+    1: "MONITOR",
+    2: "ISOLATE",
+    3: "UNKNOWN",
+    4: "TRIAGE",
+    5: "CONFIG",
+    6: "RESET",
+}
 #: worst first: what decides a finding's severity when a result carries several errors
 SEVERITY_ORDER = ("ISOLATE", "RESET", "TRIAGE", "UNKNOWN", "CONFIG", "MONITOR", "NONE")
 
 #: dcgmErrorCategory_t (dcgm_errors.h)
 CATEGORIES = {
-    0: "NONE", 1: "PERF_THRESHOLD", 2: "PERF_VIOLATION", 3: "SOFTWARE_CONFIG",
-    4: "SOFTWARE_LIBRARY", 5: "SOFTWARE_XID", 6: "SOFTWARE_CUDA", 7: "SOFTWARE_EUD",
-    8: "SOFTWARE_OTHER", 9: "HARDWARE_THERMAL", 10: "HARDWARE_MEMORY", 11: "HARDWARE_NVLINK",
-    12: "HARDWARE_NVSWITCH", 13: "HARDWARE_PCIE", 14: "HARDWARE_POWER", 15: "HARDWARE_OTHER",
+    0: "NONE",
+    1: "PERF_THRESHOLD",
+    2: "PERF_VIOLATION",
+    3: "SOFTWARE_CONFIG",
+    4: "SOFTWARE_LIBRARY",
+    5: "SOFTWARE_XID",
+    6: "SOFTWARE_CUDA",
+    7: "SOFTWARE_EUD",
+    8: "SOFTWARE_OTHER",
+    9: "HARDWARE_THERMAL",
+    10: "HARDWARE_MEMORY",
+    11: "HARDWARE_NVLINK",
+    12: "HARDWARE_NVSWITCH",
+    13: "HARDWARE_PCIE",
+    14: "HARDWARE_POWER",
+    15: "HARDWARE_OTHER",
     16: "INTERNAL_OTHER",
 }
 
 #: dcgmError_t codes (DCGM_FR_*, dcgm_errors.h) that diagnostics and health watches report most;
 #: a code not listed here is still reported by number.
 ERROR_NAMES = {
-    1: "UNKNOWN", 3: "PCI_REPLAY_RATE", 4: "VOLATILE_DBE_DETECTED", 5: "VOLATILE_SBE_DETECTED",
-    6: "PENDING_PAGE_RETIREMENTS", 7: "RETIRED_PAGES_LIMIT", 8: "RETIRED_PAGES_DBE_LIMIT",
-    9: "CORRUPT_INFOROM", 10: "CLOCKS_EVENT_THERMAL", 11: "POWER_UNREADABLE",
-    12: "CLOCKS_EVENT_POWER", 13: "NVLINK_ERROR_THRESHOLD", 14: "NVLINK_DOWN",
-    15: "NVSWITCH_FATAL_ERROR", 16: "NVSWITCH_NON_FATAL_ERROR", 17: "NVSWITCH_DOWN",
-    19: "NVML_API", 20: "DEVICE_COUNT_MISMATCH", 23: "DENYLISTED_DRIVER",
-    25: "GRAPHICS_PROCESSES", 26: "HOSTENGINE_CONN", 28: "BAD_CUDA_ENV", 29: "PERSISTENCE_MODE",
-    30: "LOW_BANDWIDTH", 31: "HIGH_LATENCY", 40: "THERMAL_VIOLATIONS", 42: "TEMP_VIOLATION",
-    43: "CLOCKS_EVENT_VIOLATION", 44: "INTERNAL", 45: "PCIE_GENERATION", 46: "PCIE_WIDTH",
-    47: "ABORTED", 50: "STRESS_LEVEL", 51: "CUDA_API", 52: "FAULTY_MEMORY",
-    55: "ECC_DISABLED", 56: "MEMORY_ALLOC", 57: "CUDA_DBE", 58: "MEMORY_MISMATCH",
-    59: "CUDA_DEVICE", 61: "ECC_PENDING", 62: "MEMORY_BANDWIDTH", 63: "TARGET_POWER",
-    66: "CUDA_CONTEXT", 70: "NVLINK_CRC_ERROR_THRESHOLD", 71: "NVLINK_ERROR_CRITICAL",
-    72: "ENFORCED_POWER_LIMIT", 79: "L1TAG_MISCOMPARE", 80: "ROW_REMAP_FAILURE",
-    81: "UNCONTAINED_ERROR", 83: "DBE_PENDING_PAGE_RETIREMENTS", 84: "UNCORRECTABLE_ROW_REMAP",
-    85: "PENDING_ROW_REMAP", 86: "BROKEN_P2P_MEMORY_DEVICE", 87: "BROKEN_P2P_WRITER_DEVICE",
-    88: "NVSWITCH_NVLINK_DOWN", 92: "EUD_TIMEOUT", 95: "EUD_TEST_FAILED",
-    98: "PCIE_H_REPLAY_VIOLATION", 99: "GPU_EXPECTED_NVLINKS_UP", 101: "XID_ERROR",
-    102: "SBE_VIOLATION", 103: "DBE_VIOLATION", 104: "PCIE_REPLAY_VIOLATION",
-    108: "CUDA_FM_NOT_INITIALIZED", 109: "SXID_ERROR", 111: "NAN_VALUE",
-    112: "FABRIC_MANAGER_TRAINING_ERROR", 117: "TEST_SKIPPED",
+    1: "UNKNOWN",
+    3: "PCI_REPLAY_RATE",
+    4: "VOLATILE_DBE_DETECTED",
+    5: "VOLATILE_SBE_DETECTED",
+    6: "PENDING_PAGE_RETIREMENTS",
+    7: "RETIRED_PAGES_LIMIT",
+    8: "RETIRED_PAGES_DBE_LIMIT",
+    9: "CORRUPT_INFOROM",
+    10: "CLOCKS_EVENT_THERMAL",
+    11: "POWER_UNREADABLE",
+    12: "CLOCKS_EVENT_POWER",
+    13: "NVLINK_ERROR_THRESHOLD",
+    14: "NVLINK_DOWN",
+    15: "NVSWITCH_FATAL_ERROR",
+    16: "NVSWITCH_NON_FATAL_ERROR",
+    17: "NVSWITCH_DOWN",
+    19: "NVML_API",
+    20: "DEVICE_COUNT_MISMATCH",
+    23: "DENYLISTED_DRIVER",
+    25: "GRAPHICS_PROCESSES",
+    26: "HOSTENGINE_CONN",
+    28: "BAD_CUDA_ENV",
+    29: "PERSISTENCE_MODE",
+    30: "LOW_BANDWIDTH",
+    31: "HIGH_LATENCY",
+    40: "THERMAL_VIOLATIONS",
+    42: "TEMP_VIOLATION",
+    43: "CLOCKS_EVENT_VIOLATION",
+    44: "INTERNAL",
+    45: "PCIE_GENERATION",
+    46: "PCIE_WIDTH",
+    47: "ABORTED",
+    50: "STRESS_LEVEL",
+    51: "CUDA_API",
+    52: "FAULTY_MEMORY",
+    55: "ECC_DISABLED",
+    56: "MEMORY_ALLOC",
+    57: "CUDA_DBE",
+    58: "MEMORY_MISMATCH",
+    59: "CUDA_DEVICE",
+    61: "ECC_PENDING",
+    62: "MEMORY_BANDWIDTH",
+    63: "TARGET_POWER",
+    66: "CUDA_CONTEXT",
+    70: "NVLINK_CRC_ERROR_THRESHOLD",
+    71: "NVLINK_ERROR_CRITICAL",
+    72: "ENFORCED_POWER_LIMIT",
+    79: "L1TAG_MISCOMPARE",
+    80: "ROW_REMAP_FAILURE",
+    81: "UNCONTAINED_ERROR",
+    83: "DBE_PENDING_PAGE_RETIREMENTS",
+    84: "UNCORRECTABLE_ROW_REMAP",
+    85: "PENDING_ROW_REMAP",
+    86: "BROKEN_P2P_MEMORY_DEVICE",
+    87: "BROKEN_P2P_WRITER_DEVICE",
+    88: "NVSWITCH_NVLINK_DOWN",
+    92: "EUD_TIMEOUT",
+    95: "EUD_TEST_FAILED",
+    98: "PCIE_H_REPLAY_VIOLATION",
+    99: "GPU_EXPECTED_NVLINKS_UP",
+    101: "XID_ERROR",
+    102: "SBE_VIOLATION",
+    103: "DBE_VIOLATION",
+    104: "PCIE_REPLAY_VIOLATION",
+    108: "CUDA_FM_NOT_INITIALIZED",
+    109: "SXID_ERROR",
+    111: "NAN_VALUE",
+    112: "FABRIC_MANAGER_TRAINING_ERROR",
+    117: "TEST_SKIPPED",
 }
 
 _STATUSES = {"pass": "pass", "fail": "fail", "warn": "warn", "warning": "warn", "skip": "skip"}
@@ -168,8 +235,10 @@ def parse_diag_json(text: str) -> DiagReport:
     ()
     """
     if "{" not in text and "| Diagnostic" in text:
-        raise ParseError("this is dcgmi diag's text table, not its JSON: run `dcgmi diag -r N "
-                         "-j` (the table's layout changes between DCGM releases)")
+        raise ParseError(
+            "this is dcgmi diag's text table, not its JSON: run `dcgmi diag -r N "
+            "-j` (the table's layout changes between DCGM releases)"
+        )
     doc = json_document(text, "dcgmi diag", "`dcgmi diag -j` output")
     if not isinstance(doc, dict):
         raise ParseError(f"dcgmi diag JSON is a {type(doc).__name__}, expected an object")
@@ -198,26 +267,36 @@ def _parse_iterations(doc: dict[str, Any]) -> DiagReport:
     overall = doc.get("Overall Result")
     warning = doc.get("warning", doc.get("Warning"))
     if first is None and not runtime_errors:
-        raise ParseError("dcgmi diag --iterations JSON holds no completed iteration"
-                         + (f" (Overall Result {overall!r}: {warning})" if overall else ""))
-    return DiagReport(results=tuple(results), format=first.format if first else "none",
-                      dcgm_version=first.dcgm_version if first else None,
-                      driver_version=first.driver_version if first else None,
-                      runtime_error="; ".join(runtime_errors) or None, iterations=len(runs),
-                      overall=str(overall) if overall is not None else None,
-                      overall_warning=str(warning) if warning else None,
-                      missing_iterations=tuple(missing))
+        raise ParseError(
+            "dcgmi diag --iterations JSON holds no completed iteration"
+            + (f" (Overall Result {overall!r}: {warning})" if overall else "")
+        )
+    return DiagReport(
+        results=tuple(results),
+        format=first.format if first else "none",
+        dcgm_version=first.dcgm_version if first else None,
+        driver_version=first.driver_version if first else None,
+        runtime_error="; ".join(runtime_errors) or None,
+        iterations=len(runs),
+        overall=str(overall) if overall is not None else None,
+        overall_warning=str(warning) if warning else None,
+        missing_iterations=tuple(missing),
+    )
 
 
 def _parse_one(doc: dict[str, Any], iteration: int | None) -> DiagReport:
     root_key = next((k for k in _ROOT_KEYS if k in doc), None)
     if root_key is None:
-        raise ParseError("dcgmi diag JSON has no 'DCGM Diagnostic' object (top-level keys: "
-                         f"{', '.join(sorted(doc)) or 'none'})")
+        raise ParseError(
+            "dcgmi diag JSON has no 'DCGM Diagnostic' object (top-level keys: "
+            f"{', '.join(sorted(doc)) or 'none'})"
+        )
     root = doc[root_key]
     if not isinstance(root, dict):
-        raise ParseError(f"dcgmi diag JSON: {root_key!r} is a {type(root).__name__}, "
-                         "expected an object holding 'test_categories'")
+        raise ParseError(
+            f"dcgmi diag JSON: {root_key!r} is a {type(root).__name__}, "
+            "expected an object holding 'test_categories'"
+        )
     meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
     version = meta.get("version") or doc.get("version") or root.get("version")
     driver = meta.get("Driver Version Detected") or doc.get("Driver Version Detected")
@@ -226,8 +305,10 @@ def _parse_one(doc: dict[str, Any], iteration: int | None) -> DiagReport:
     if not isinstance(categories, list):
         raise ParseError("dcgmi diag JSON: 'test_categories' is not a list")
     if not categories and not runtime_error:
-        raise ParseError("dcgmi diag JSON has no test_categories and no runtime_error: "
-                         "the diagnostic reported nothing")
+        raise ParseError(
+            "dcgmi diag JSON has no test_categories and no runtime_error: "
+            "the diagnostic reported nothing"
+        )
     results: list[DiagEntityResult] = []
     formats: set[str] = set()
     for cat in categories:
@@ -236,19 +317,29 @@ def _parse_one(doc: dict[str, Any], iteration: int | None) -> DiagReport:
         cat_name = str(cat.get("category", ""))
         for test in cat.get("tests", []):
             if not isinstance(test, dict) or "name" not in test:
-                raise ParseError(f"dcgmi diag JSON: a test in category {cat_name!r} has no "
-                                 "name")
+                raise ParseError(f"dcgmi diag JSON: a test in category {cat_name!r} has no name")
             results.extend(_test_results(test, cat_name, iteration, formats))
-    fmt = ("dcgm4" if "dcgm4" in formats else "dcgm3" if "dcgm3" in formats
-           else "dcgm2" if "dcgm2" in formats else "none")
-    return DiagReport(results=tuple(results), format=fmt,
-                      dcgm_version=str(version) if version else None,
-                      driver_version=str(driver) if driver else None,
-                      runtime_error=str(runtime_error) if runtime_error else None)
+    fmt = (
+        "dcgm4"
+        if "dcgm4" in formats
+        else "dcgm3"
+        if "dcgm3" in formats
+        else "dcgm2"
+        if "dcgm2" in formats
+        else "none"
+    )
+    return DiagReport(
+        results=tuple(results),
+        format=fmt,
+        dcgm_version=str(version) if version else None,
+        driver_version=str(driver) if driver else None,
+        runtime_error=str(runtime_error) if runtime_error else None,
+    )
 
 
-def _test_results(test: dict[str, Any], category: str, iteration: int | None,
-                  formats: set[str]) -> list[DiagEntityResult]:
+def _test_results(
+    test: dict[str, Any], category: str, iteration: int | None, formats: set[str]
+) -> list[DiagEntityResult]:
     name = str(test["name"])
     entries = test.get("results", [])
     if not isinstance(entries, list):
@@ -258,13 +349,17 @@ def _test_results(test: dict[str, Any], category: str, iteration: int | None,
         entries = [summary]  # DCGM 4: a test with no per-entity result still has a summary
     # DCGM 4 puts test-wide notes ("SRAM Threshold checking was skipped") in the summary only
     summary_info = summary.get("info") if isinstance(summary, dict) else None
-    extra_info = tuple(str(i) for i in summary_info) if isinstance(summary_info, list) else (
-        (str(summary_info),) if summary_info else ())
+    extra_info = (
+        tuple(str(i) for i in summary_info)
+        if isinstance(summary_info, list)
+        else ((str(summary_info),) if summary_info else ())
+    )
     out: list[DiagEntityResult] = []
     for entry in entries:
         if not isinstance(entry, dict) or "status" not in entry:
-            raise ParseError(f"dcgmi diag JSON: a result of test {name!r} has no status: "
-                             f"{str(entry)[:120]}")
+            raise ParseError(
+                f"dcgmi diag JSON: a result of test {name!r} has no status: {str(entry)[:120]}"
+            )
         for group, entity_id, fmt in _entities(entry, name):
             formats.add(fmt)
             result = _entity_result(entry, name, category, group, entity_id, iteration)
@@ -290,25 +385,42 @@ def _entities(entry: dict[str, Any], test: str) -> list[tuple[str, int | None, s
             ids = [p.strip() for p in str(entry["gpu_ids"]).split(",") if p.strip()]
             return [("GPU", int(i), "dcgm2") for i in ids] or [("node", None, "dcgm2")]
     except (TypeError, ValueError) as err:
-        raise ParseError(f"dcgmi diag JSON: test {test!r} names an entity that is not a "
-                         f"number: {err}") from err
+        raise ParseError(
+            f"dcgmi diag JSON: test {test!r} names an entity that is not a number: {err}"
+        ) from err
     return [("node", None, "none")]
 
 
-def _entity_result(entry: dict[str, Any], test: str, category: str, group: str,
-                   entity_id: int | None, iteration: int | None) -> DiagEntityResult:
+def _entity_result(
+    entry: dict[str, Any],
+    test: str,
+    category: str,
+    group: str,
+    entity_id: int | None,
+    iteration: int | None,
+) -> DiagEntityResult:
     printed = str(entry["status"])
     status = _STATUSES.get(printed.strip().lower(), "unknown")
     warnings = _warnings(entry.get("warnings"), test)
     info = entry.get("info")
-    info_t = tuple(str(i) for i in info) if isinstance(info, list) else (
-        (str(info),) if info else ())
-    printed_as_fail = (status == "fail" and bool(warnings)
-                       and all(w.severity_name == "MONITOR" for w in warnings))
-    return DiagEntityResult(test=test, category=category, entity_group=group,
-                            entity_id=entity_id, status="warn" if printed_as_fail else status,
-                            printed_status=printed, warnings=warnings, info=info_t,
-                            iteration=iteration, warn_printed_as_fail=printed_as_fail)
+    info_t = (
+        tuple(str(i) for i in info) if isinstance(info, list) else ((str(info),) if info else ())
+    )
+    printed_as_fail = (
+        status == "fail" and bool(warnings) and all(w.severity_name == "MONITOR" for w in warnings)
+    )
+    return DiagEntityResult(
+        test=test,
+        category=category,
+        entity_group=group,
+        entity_id=entity_id,
+        status="warn" if printed_as_fail else status,
+        printed_status=printed,
+        warnings=warnings,
+        info=info_t,
+        iteration=iteration,
+        warn_printed_as_fail=printed_as_fail,
+    )
 
 
 def _warnings(raw: Any, test: str) -> tuple[DiagWarning, ...]:
@@ -322,12 +434,19 @@ def _warnings(raw: Any, test: str) -> tuple[DiagWarning, ...]:
         elif isinstance(item, dict):
             # 3.x Deployment tests spell the message key "warnings" (Diag.cpp)
             message = item.get("warning", item.get("warnings", ""))
-            out.append(DiagWarning(message=str(message), error_id=_int(item.get("error_id")),
-                                   category=_int(item.get("error_category")),
-                                   severity=_int(item.get("error_severity"))))
+            out.append(
+                DiagWarning(
+                    message=str(message),
+                    error_id=_int(item.get("error_id")),
+                    category=_int(item.get("error_category")),
+                    severity=_int(item.get("error_severity")),
+                )
+            )
         else:
-            raise ParseError(f"dcgmi diag JSON: a warning of test {test!r} is neither text "
-                             f"nor an object: {item!r}")
+            raise ParseError(
+                f"dcgmi diag JSON: a warning of test {test!r} is neither text "
+                f"nor an object: {item!r}"
+            )
     return tuple(out)
 
 
@@ -340,5 +459,14 @@ def _int(value: Any) -> int | None:
         return None
 
 
-__all__ = ["DiagReport", "DiagEntityResult", "DiagWarning", "parse_diag_json", "error_name",
-           "SEVERITIES", "CATEGORIES", "ERROR_NAMES", "SEVERITY_ORDER"]
+__all__ = [
+    "DiagReport",
+    "DiagEntityResult",
+    "DiagWarning",
+    "parse_diag_json",
+    "error_name",
+    "SEVERITIES",
+    "CATEGORIES",
+    "ERROR_NAMES",
+    "SEVERITY_ORDER",
+]

@@ -73,23 +73,27 @@ def parse_fio_json(text: str) -> dict[str, FioJob]:
     """
     errors = error_lines(text)
     if "{" not in text and errors:
-        shown = "; ".join(errors[:3]) + (f" (and {len(errors) - 3} more)" if len(errors) > 3
-                                         else "")
+        shown = "; ".join(errors[:3]) + (
+            f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+        )
         raise ParseError(f"fio printed errors and no JSON report: {shown}")
     doc = json_document(text, "fio", "--output-format=json output", preview=120)
     jobs = doc.get("jobs") if isinstance(doc, dict) else None
     if not isinstance(jobs, list) or not jobs:
         raise ParseError("fio JSON has no 'jobs' list")
-    global_options = doc.get("global options") if isinstance(doc.get("global options"), dict) \
-        else {}
+    global_options = (
+        doc.get("global options") if isinstance(doc.get("global options"), dict) else {}
+    )
     out: dict[str, FioJob] = {}
     for job in jobs:
         if not isinstance(job, dict):
             raise ParseError(f"fio JSON: a job is a {type(job).__name__}, expected an object")
         name = str(job.get("jobname"))
         if "mixed" in job and "read" not in job:
-            raise ParseError(f"fio job {name!r} was run with unified_rw_reporting: it reports "
-                             "one 'mixed' figure, not read and write apart")
+            raise ParseError(
+                f"fio job {name!r} was run with unified_rw_reporting: it reports "
+                "one 'mixed' figure, not read and write apart"
+            )
         try:
             read, write = job["read"], job["write"]
             for direction, section in (("read", read), ("write", write)):
@@ -102,13 +106,17 @@ def parse_fio_json(text: str) -> dict[str, FioJob]:
         try:
             error = int(job.get("error", 0))
             out[name] = FioJob(
-                name=name, error=error,
-                read_bw_bytes=float(read["bw_bytes"]), write_bw_bytes=float(write["bw_bytes"]),
-                read_iops=float(read["iops"]), write_iops=float(write["iops"]),
+                name=name,
+                error=error,
+                read_bw_bytes=float(read["bw_bytes"]),
+                write_bw_bytes=float(write["bw_bytes"]),
+                read_iops=float(read["iops"]),
+                write_iops=float(write["iops"]),
                 read_io_bytes=int(read.get("io_bytes", 0)),
                 write_io_bytes=int(write.get("io_bytes", 0)),
                 runtime_ms=int(max(read.get("runtime", 0), write.get("runtime", 0))),
-                error_lines=tuple(errors) if error else ())
+                error_lines=tuple(errors) if error else (),
+            )
         except (KeyError, TypeError, ValueError) as err:
             raise ParseError(f"fio job {name!r} lacks or mistypes field {err}") from err
     return out
@@ -123,23 +131,35 @@ def _check_rates(job: str, direction: str, section: dict[str, Any]) -> None:
         raise ParseError(
             f"fio job {job!r} {direction}: bw_bytes {bw_bytes} B/s, but io_bytes {io_bytes} "
             f"over runtime {runtime} ms is {expected} B/s (fio prints one computed from the "
-            "other): the report was edited or damaged")
+            "other): the report was edited or damaged"
+        )
     kib = section.get("bw")
     if kib is not None and abs(int(kib) - bw_bytes // 1024) > 1:
-        raise ParseError(f"fio job {job!r} {direction}: bw {kib} KiB/s disagrees with bw_bytes "
-                         f"{bw_bytes} B/s: the report was edited or damaged")
+        raise ParseError(
+            f"fio job {job!r} {direction}: bw {kib} KiB/s disagrees with bw_bytes "
+            f"{bw_bytes} B/s: the report was edited or damaged"
+        )
 
 
-def _check_directions(job: str, doc: dict[str, Any], global_options: dict[str, Any],
-                      read: dict[str, Any], write: dict[str, Any]) -> None:
+def _check_directions(
+    job: str,
+    doc: dict[str, Any],
+    global_options: dict[str, Any],
+    read: dict[str, Any],
+    write: dict[str, Any],
+) -> None:
     options = dict(global_options)
     if isinstance(doc.get("job options"), dict):
         options.update(doc["job options"])
     rw = str(options.get("rw", options.get("readwrite", ""))).split(":")[0]
     if rw in READ_ONLY and int(write.get("io_bytes", 0)) > 0:
-        raise ParseError(f"fio job {job!r} is rw={rw} but reports {write['io_bytes']} bytes "
-                         "written; a read job writes nothing: the report was edited")
+        raise ParseError(
+            f"fio job {job!r} is rw={rw} but reports {write['io_bytes']} bytes "
+            "written; a read job writes nothing: the report was edited"
+        )
     verifies = any(k.startswith("verify") or k == "do_verify" for k in options)
     if rw in WRITE_ONLY and not verifies and int(read.get("io_bytes", 0)) > 0:
-        raise ParseError(f"fio job {job!r} is rw={rw} without verify but reports "
-                         f"{read['io_bytes']} bytes read: the report was edited")
+        raise ParseError(
+            f"fio job {job!r} is rw={rw} without verify but reports "
+            f"{read['io_bytes']} bytes read: the report was edited"
+        )

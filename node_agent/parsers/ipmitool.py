@@ -31,14 +31,31 @@ _ENTITY = re.compile(r"^\s*(\d+)\.(\d+)\s*$")
 
 PRESENT = frozenset({"presence detected", "device present", "device inserted/device present"})
 ABSENT = frozenset({"device absent", "device removed/device absent"})
-FAILED = frozenset({"failure detected", "power supply failure detected", "power supply ac lost",
-                    "ac lost or out-of-range", "power supply inactive"})
+FAILED = frozenset(
+    {
+        "failure detected",
+        "power supply failure detected",
+        "power supply ac lost",
+        "ac lost or out-of-range",
+        "power supply inactive",
+    }
+)
 DEGRADED = frozenset({"predictive failure", "ac out-of-range, but present"})
-REDUNDANCY_LOST = frozenset({"redundancy lost", "non-redundant: sufficient from redundant",
-                             "non-redundant: sufficient from insufficient",
-                             "non-redundant: insufficient resources"})
-REDUNDANCY_DEGRADED = frozenset({"redundancy degraded", "redundancy degraded from fully redundant",
-                                 "redundancy degraded from non-redundant"})
+REDUNDANCY_LOST = frozenset(
+    {
+        "redundancy lost",
+        "non-redundant: sufficient from redundant",
+        "non-redundant: sufficient from insufficient",
+        "non-redundant: insufficient resources",
+    }
+)
+REDUNDANCY_DEGRADED = frozenset(
+    {
+        "redundancy degraded",
+        "redundancy degraded from fully redundant",
+        "redundancy degraded from non-redundant",
+    }
+)
 REDUNDANT = frozenset({"fully redundant"})
 _PSU_WORDS = PRESENT | ABSENT | FAILED | DEGRADED
 _REDUNDANCY_WORDS = REDUNDANCY_LOST | REDUNDANCY_DEGRADED | REDUNDANT
@@ -97,23 +114,37 @@ def parse_sdr(text: str) -> list[SdrRow]:
             name, reading, status = fields
             number, entity = None, None
         else:
-            raise ParseError(f"ipmitool sdr line has {len(fields)} fields, expected 5 "
-                             f"(sdr type/elist) or 3 (sdr list): {line.strip()[:160]!r}")
+            raise ParseError(
+                f"ipmitool sdr line has {len(fields)} fields, expected 5 "
+                f"(sdr type/elist) or 3 (sdr list): {line.strip()[:160]!r}"
+            )
         if not name:
             raise ParseError(f"ipmitool sdr line without a sensor name: {line.strip()[:160]!r}")
         if number is not None and number and not _NUMBER.match(number):
-            raise ParseError(f"ipmitool sdr line: {number!r} is not a sensor number: "
-                             f"{line.strip()[:160]!r}")
+            raise ParseError(
+                f"ipmitool sdr line: {number!r} is not a sensor number: {line.strip()[:160]!r}"
+            )
         analog = bool(_ANALOG.match(reading))
         states: tuple[str, ...] = ()
         if analog:  # an analog value, then the states a discrete sensor also asserts
             states = _states(reading.partition(",")[2])
-        elif reading not in ("No Reading", "Disabled", "Not Readable") \
-                and not reading.lower().startswith("0x"):
+        elif reading not in (
+            "No Reading",
+            "Disabled",
+            "Not Readable",
+        ) and not reading.lower().startswith("0x"):
             states = _states(reading)
-        rows.append(SdrRow(name=name, number=number or None, status=status.lower(),
-                           entity=entity or None, reading=reading, states=states,
-                           analog=analog))
+        rows.append(
+            SdrRow(
+                name=name,
+                number=number or None,
+                status=status.lower(),
+                entity=entity or None,
+                reading=reading,
+                states=states,
+                analog=analog,
+            )
+        )
     return rows
 
 
@@ -174,12 +205,20 @@ def judge_psus(rows: list[SdrRow]) -> tuple[list[PsuState], list[Redundancy]]:
     for row in rows:
         lowered = {s.lower() for s in row.states}
         if lowered & _REDUNDANCY_WORDS:
-            verdict = ("lost" if lowered & REDUNDANCY_LOST else
-                       "degraded" if lowered & REDUNDANCY_DEGRADED else "redundant")
+            verdict = (
+                "lost"
+                if lowered & REDUNDANCY_LOST
+                else "degraded"
+                if lowered & REDUNDANCY_DEGRADED
+                else "redundant"
+            )
             redundancy.append(Redundancy(sensor=row.name, verdict=verdict, states=row.states))
             continue
-        unreadable = row.status == "ns" and row.entity_id == POWER_SUPPLY_ENTITY \
+        unreadable = (
+            row.status == "ns"
+            and row.entity_id == POWER_SUPPLY_ENTITY
             and "status" in row.name.lower()
+        )
         if not (unreadable or _is_status_sensor(row)):
             continue
         if unreadable:
@@ -192,20 +231,40 @@ def judge_psus(rows: list[SdrRow]) -> tuple[list[PsuState], list[Redundancy]]:
             verdict = "degraded"
         else:
             verdict = "ok"
-        psus.append(PsuState(psu=_psu_name(row), sensor=row.name, entity=row.entity,
-                             verdict=verdict, states=row.states, reading=row.reading))
+        psus.append(
+            PsuState(
+                psu=_psu_name(row),
+                sensor=row.name,
+                entity=row.entity,
+                verdict=verdict,
+                states=row.states,
+                reading=row.reading,
+            )
+        )
     # two sensors named alike (Dell names each "Status"): tell them apart by entity
     names = [p.psu for p in psus]
-    psus = [p if names.count(p.psu) == 1 or p.entity is None
-            else PsuState(psu=f"{p.psu}@{p.entity}", sensor=p.sensor, entity=p.entity,
-                          verdict=p.verdict, states=p.states, reading=p.reading)
-            for p in psus]
+    psus = [
+        p
+        if names.count(p.psu) == 1 or p.entity is None
+        else PsuState(
+            psu=f"{p.psu}@{p.entity}",
+            sensor=p.sensor,
+            entity=p.entity,
+            verdict=p.verdict,
+            states=p.states,
+            reading=p.reading,
+        )
+        for p in psus
+    ]
     return psus, redundancy
 
 
 #: what ipmitool prints when there is no BMC device to open (src/plugins/open/open.c)
-NO_DEVICE = re.compile(r"Could not open device at|No such file or directory.*ipmi|"
-                       r"Unable to open.*interface|Error loading interface", re.IGNORECASE)
+NO_DEVICE = re.compile(
+    r"Could not open device at|No such file or directory.*ipmi|"
+    r"Unable to open.*interface|Error loading interface",
+    re.IGNORECASE,
+)
 
 
 def no_bmc_reason(stderr: str) -> str | None:

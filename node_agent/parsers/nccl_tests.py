@@ -102,11 +102,14 @@ def split_prefix(line: str) -> tuple[str | None, str | None, str]:
     """
     match = _MPIRUN.search(line)
     if match:
-        return ("mpirun --tag-output", f"{match.group(1)},{match.group(2)} {match.group(3)}",
-                line[match.end():])
+        return (
+            "mpirun --tag-output",
+            f"{match.group(1)},{match.group(2)} {match.group(3)}",
+            line[match.end() :],
+        )
     match = _SRUN.match(line)
     if match:
-        return "srun --label", match.group(1), line[match.end():]
+        return "srun --label", match.group(1), line[match.end() :]
     return None, None, line
 
 
@@ -168,30 +171,44 @@ def parse_all_reduce_perf(text: str) -> NcclTable:
         if row is not None:
             rows.append(row)
     if columns is None:
-        raise ParseError("no all_reduce_perf table header (# size count type redop ...) in "
-                         "the output")
+        raise ParseError(
+            "no all_reduce_perf table header (# size count type redop ...) in the output"
+        )
     if not rows:
         raise ParseError("all_reduce_perf printed its header but no result rows: truncated")
     if avg is None:
-        raise ParseError(f"all_reduce_perf output ends after {len(rows)} rows without "
-                         "'# Avg bus bandwidth': the run was cut off")
+        raise ParseError(
+            f"all_reduce_perf output ends after {len(rows)} rows without "
+            "'# Avg bus bandwidth': the run was cut off"
+        )
     ranks = _ranks(rank_ids, rank_list_cut)
     _check_all_reduce(rows, program, ranks)
     wrongs_printed = [r for r in rows if r.max_error is not None or r.wrong is not None]
-    validated = (False if validation == 0 or (not wrongs_printed and "#wrong" in columns)
-                 else True if validation or wrongs_printed else None)
-    return NcclTable(rows=rows, avg_busbw_gbps=avg,
-                     out_of_bounds=oob if validated is not False else None,
-                     validated=validated, ranks=ranks, program=program,
-                     launcher_prefix=launcher)
+    validated = (
+        False
+        if validation == 0 or (not wrongs_printed and "#wrong" in columns)
+        else True
+        if validation or wrongs_printed
+        else None
+    )
+    return NcclTable(
+        rows=rows,
+        avg_busbw_gbps=avg,
+        out_of_bounds=oob if validated is not False else None,
+        validated=validated,
+        ranks=ranks,
+        program=program,
+        launcher_prefix=launcher,
+    )
 
 
 def _after_colon(line: str, kind: type, what: str) -> float | int:
     try:
         return kind(line.split(":", 1)[1].split()[0])
     except (IndexError, ValueError) as err:
-        raise ParseError(f"all_reduce_perf line {line!r}: expected a number after "
-                         f"'{what} :'") from err
+        raise ParseError(
+            f"all_reduce_perf line {line!r}: expected a number after '{what} :'"
+        ) from err
 
 
 def _ranks(ids: list[int], cut: bool) -> int | None:
@@ -232,15 +249,21 @@ def _row(columns: list[str], tokens: list[str]) -> NcclRow | None:
         raise ParseError(f"all_reduce_perf header {' '.join(columns)!r} has no time column")
     try:
         time_value = float(first[time_key])
-        return NcclRow(size_bytes=int(first["size"]), count=int(first["count"]),
-                       dtype=first["type"],
-                       time_us=time_value if time_key == "time" else None,
-                       cputime_us=time_value if time_key == "cputime" else None,
-                       algbw_gbps=float(first["algbw"]), busbw_gbps=float(first["busbw"]),
-                       wrong=wrong, max_error=max_error,
-                       inplace_busbw_gbps=_num(second.get("busbw", "N/A")),
-                       inplace_wrong=inplace_wrong, redop=first.get("redop", "sum"),
-                       timestamp=timestamp)
+        return NcclRow(
+            size_bytes=int(first["size"]),
+            count=int(first["count"]),
+            dtype=first["type"],
+            time_us=time_value if time_key == "time" else None,
+            cputime_us=time_value if time_key == "cputime" else None,
+            algbw_gbps=float(first["algbw"]),
+            busbw_gbps=float(first["busbw"]),
+            wrong=wrong,
+            max_error=max_error,
+            inplace_busbw_gbps=_num(second.get("busbw", "N/A")),
+            inplace_wrong=inplace_wrong,
+            redop=first.get("redop", "sum"),
+            timestamp=timestamp,
+        )
     except (KeyError, ValueError) as err:
         raise ParseError(f"all_reduce_perf row {' '.join(tokens)!r}: {err}") from err
 
@@ -248,12 +271,16 @@ def _row(columns: list[str], tokens: list[str]) -> NcclRow | None:
 def _check_all_reduce(rows: list[NcclRow], program: str | None, ranks: int | None) -> None:
     """Refuse a table that is not all-reduce's, or whose figures contradict each other."""
     if program is not None and "all_reduce" not in program:
-        raise ParseError(f"this is {program} output, not all_reduce_perf: its busbw is "
-                         "computed with another factor")
+        raise ParseError(
+            f"this is {program} output, not all_reduce_perf: its busbw is "
+            "computed with another factor"
+        )
     if any(r.redop == _NO_REDUCTION for r in rows):
-        raise ParseError("the table's redop is 'none', which all_reduce_perf never prints "
-                         "(alltoall, all_gather, broadcast and sendrecv do): this is another "
-                         "collective's output and its busbw is not all-reduce bus bandwidth")
+        raise ParseError(
+            "the table's redop is 'none', which all_reduce_perf never prints "
+            "(alltoall, all_gather, broadcast and sendrecv do): this is another "
+            "collective's output and its busbw is not all-reduce bus bandwidth"
+        )
     for row in rows:
         if row.time_us is None or row.time_us <= 0:
             continue
@@ -262,7 +289,8 @@ def _check_all_reduce(rows: list[NcclRow], program: str | None, ranks: int | Non
         if abs(row.algbw_gbps - expected) > 0.011 + 0.002 * expected:
             raise ParseError(
                 f"all_reduce_perf row of {row.size_bytes} B: algbw {row.algbw_gbps:g} GB/s "
-                f"but size / time = {expected:.2f} GB/s: the row is misaligned or edited")
+                f"but size / time = {expected:.2f} GB/s: the row is misaligned or edited"
+            )
     if ranks is not None:
         factor = 2 * (ranks - 1) / ranks
         for row in rows:
@@ -272,4 +300,5 @@ def _check_all_reduce(rows: list[NcclRow], program: str | None, ranks: int | Non
                 raise ParseError(
                     f"all_reduce_perf row of {row.size_bytes} B: busbw {row.busbw_gbps:g} / "
                     f"algbw {row.algbw_gbps:g} is not all-reduce's 2(n-1)/n = {factor:g} for "
-                    f"the {ranks} ranks listed: another collective's table, or an edited one")
+                    f"the {ranks} ranks listed: another collective's table, or an edited one"
+                )

@@ -27,9 +27,14 @@ from typing import Any
 
 from node_agent.parsers import ParseError, json_document
 
-WARNING_BITS = {0: "available spare below threshold", 1: "temperature over threshold",
-                2: "reliability degraded (media or internal errors)", 3: "media read-only",
-                4: "volatile memory backup failed", 5: "persistent memory region read-only"}
+WARNING_BITS = {
+    0: "available spare below threshold",
+    1: "temperature over threshold",
+    2: "reliability degraded (media or internal errors)",
+    3: "media read-only",
+    4: "volatile memory backup failed",
+    5: "persistent memory region read-only",
+}
 #: bits that mean the media itself is failing: spare exhausted, reliability degraded, read-only
 MEDIA_BITS = (0, 2, 3)
 
@@ -81,12 +86,17 @@ def parse_smart_log(text: str) -> SmartLog:
         raw = int(raw.strip(), 16)
     warning = _number({"critical_warning": raw}, "critical_warning") if raw is not None else None
     if warning is None:
-        raise ParseError("nvme smart-log JSON has no critical_warning (expected the SMART / "
-                         f"Health log's fields; got keys {sorted(doc)[:12]})")
-    return SmartLog(critical_warning=warning,
-                    percent_used=_number(doc, "percent_used", "percentage_used"),
-                    avail_spare=_number(doc, "avail_spare", "available_spare"),
-                    spare_thresh=_number(doc, "spare_thresh", "available_spare_threshold"),
-                    media_errors=_number(doc, "media_errors"),
-                    temperature_k=_number(doc, "temperature")
-                    if not isinstance(doc.get("temperature"), dict) else None)
+        raise ParseError(
+            "nvme smart-log JSON has no critical_warning (expected the SMART / "
+            f"Health log's fields; got keys {sorted(doc)[:12]})"
+        )
+    return SmartLog(
+        critical_warning=warning,
+        percent_used=_number(doc, "percent_used", "percentage_used"),
+        avail_spare=_number(doc, "avail_spare", "available_spare"),
+        spare_thresh=_number(doc, "spare_thresh", "available_spare_threshold"),
+        media_errors=_number(doc, "media_errors"),
+        temperature_k=_number(doc, "temperature")
+        if not isinstance(doc.get("temperature"), dict)
+        else None,
+    )

@@ -86,8 +86,9 @@ def to_gbps(value: float, unit: str) -> float:
     try:
         return value * UNIT_TO_GBPS[unit.strip()]
     except KeyError:
-        raise ParseError(f"unknown perftest bandwidth unit {unit!r}; expected one of "
-                         f"{', '.join(UNIT_TO_GBPS)}") from None
+        raise ParseError(
+            f"unknown perftest bandwidth unit {unit!r}; expected one of {', '.join(UNIT_TO_GBPS)}"
+        ) from None
 
 
 def implied_gbps(msg_size_bytes: int, msg_rate_mpps: float) -> float:
@@ -100,12 +101,13 @@ def _agrees(value: float, scale: float, size: int, rate: float, decimals: int) -
     allowing each figure's print rounding (``decimals`` places; MsgRate has 6)."""
     implied = implied_gbps(size, rate)
     got = value * scale
-    rounding = 0.5 * 10 ** -decimals * scale + implied_gbps(size, 0.5e-6)
+    rounding = 0.5 * 10**-decimals * scale + implied_gbps(size, 0.5e-6)
     return abs(got - implied) <= rounding + _SLACK * implied
 
 
-def resolve_unit(value: float, label: str | None, size: int, rate: float | None,
-                 decimals: int = 2) -> tuple[str, str | None, bool]:
+def resolve_unit(
+    value: float, label: str | None, size: int, rate: float | None, decimals: int = 2
+) -> tuple[str, str | None, bool]:
     """(unit to read ``value`` in, note, cross-checked) for one bandwidth figure.
 
     Raises :class:`ParseError` when the figure agrees with no unit, or when there is neither a
@@ -115,29 +117,47 @@ def resolve_unit(value: float, label: str | None, size: int, rate: float | None,
         to_gbps(0.0, label)  # a label perftest never prints is refused
     if rate is None or rate <= 0 or value <= 0:
         if label is None:
-            raise ParseError("perftest JSON names no bandwidth unit and has no MsgRate to tell "
-                             "it by: pass the unit the run used (Gb/sec with --report_gbits, "
-                             "MiB/sec without)")
+            raise ParseError(
+                "perftest JSON names no bandwidth unit and has no MsgRate to tell "
+                "it by: pass the unit the run used (Gb/sec with --report_gbits, "
+                "MiB/sec without)"
+            )
         return label, None, False
     matches = [u for u, scale in _SCALES.items() if _agrees(value, scale, size, rate, decimals)]
     label_scale = None if label is None else _SCALES["Gb/sec" if label == "Gb/sec" else "MiB/sec"]
-    if label is not None and label_scale is not None and _agrees(value, label_scale, size, rate,
-                                                                  decimals):
+    if (
+        label is not None
+        and label_scale is not None
+        and _agrees(value, label_scale, size, rate, decimals)
+    ):
         return label, None, True
     implied = implied_gbps(size, rate)
     if matches:
         unit = matches[0]
         if label is None:
-            return unit, (f"no unit in the output: {value:g} agrees with MsgRate {rate:g} Mpps "
-                          f"x {size} B = {implied:.2f} Gb/s only when read as {unit}"), True
-        return unit, (f"labelled {label} but {value:g} is {unit}: MsgRate {rate:g} Mpps x "
-                      f"{size} B = {implied:.2f} Gb/s (seen when a server prints its client's "
-                      "--report_gbits figures under its own MB/sec header)"), True
+            return (
+                unit,
+                (
+                    f"no unit in the output: {value:g} agrees with MsgRate {rate:g} Mpps "
+                    f"x {size} B = {implied:.2f} Gb/s only when read as {unit}"
+                ),
+                True,
+            )
+        return (
+            unit,
+            (
+                f"labelled {label} but {value:g} is {unit}: MsgRate {rate:g} Mpps x "
+                f"{size} B = {implied:.2f} Gb/s (seen when a server prints its client's "
+                "--report_gbits figures under its own MB/sec header)"
+            ),
+            True,
+        )
     raise ParseError(
         f"perftest bandwidth {value:g} {label or '(no unit)'} at {size} B disagrees with its "
         f"own message rate: {rate:g} Mpps x {size} B = {implied:.2f} Gb/s "
         f"= {implied * 1e9 / 8 / 1048576:.2f} MiB/s; neither unit fits, so the figure cannot "
-        "be trusted")
+        "be trusted"
+    )
 
 
 def _columns(header_line: str) -> list[str]:
@@ -154,29 +174,35 @@ def parse_bw_table(text: str) -> list[BwRow]:
     found = next(((i, m) for i, m in enumerate(map(_HEADER.search, lines)) if m), None)
     if found is None:
         said = [line.strip() for line in lines if line.strip()][:2]
-        raise ParseError("no perftest result table (#bytes ... BW average[...]) in the output; "
-                         "the run ended before reporting"
-                         + (f": {' / '.join(said)}" if said else " (no output)"))
+        raise ParseError(
+            "no perftest result table (#bytes ... BW average[...]) in the output; "
+            "the run ended before reporting" + (f": {' / '.join(said)}" if said else " (no output)")
+        )
     start, _match = found
     columns = _columns(lines[start])
     try:
         i_size, i_iters = columns.index("#bytes"), columns.index("#iterations")
         i_avg = next(i for i, c in enumerate(columns) if c.startswith("BW average["))
     except (ValueError, StopIteration):
-        raise ParseError(f"perftest table header {lines[start].strip()!r} lacks #bytes, "
-                         "#iterations or BW average") from None
+        raise ParseError(
+            f"perftest table header {lines[start].strip()!r} lacks #bytes, "
+            "#iterations or BW average"
+        ) from None
     i_peak = next((i for i, c in enumerate(columns) if c.startswith("BW peak[")), None)
     i_rate = next((i for i, c in enumerate(columns) if c.startswith("MsgRate[")), None)
-    avg_unit = columns[i_avg][len("BW average["):-1]
-    peak_unit = columns[i_peak][len("BW peak["):-1] if i_peak is not None else avg_unit
+    avg_unit = columns[i_avg][len("BW average[") : -1]
+    peak_unit = columns[i_peak][len("BW peak[") : -1] if i_peak is not None else avg_unit
     to_gbps(0.0, avg_unit)  # an unknown label is refused here, before any row
     to_gbps(0.0, peak_unit)
     rows: list[BwRow] = []
     warnings: list[str] = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         tokens = line.split()
-        if (len(tokens) != len(columns) or not all(_NUMBER.match(t) for t in tokens)
-                or "." in tokens[i_size]):
+        if (
+            len(tokens) != len(columns)
+            or not all(_NUMBER.match(t) for t in tokens)
+            or "." in tokens[i_size]
+        ):
             # warnings ("Conflicting CPU frequency ...") may sit inside the table
             if tokens and not set(line.strip()) <= {"-"}:
                 warnings.append(line.strip())
@@ -188,14 +214,25 @@ def parse_bw_table(text: str) -> list[BwRow]:
         unit, note, checked = resolve_unit(float(avg_text), avg_unit, size, rate, decimals)
         peak_in = unit if unit != avg_unit else peak_unit
         peak = to_gbps(float(tokens[i_peak]), peak_in) if i_peak is not None else 0.0
-        rows.append(BwRow(
-            msg_size_bytes=size, iterations=int(tokens[i_iters]),
-            bw_peak_gbps=peak or None, bw_avg_gbps=to_gbps(float(avg_text), unit),
-            msg_rate_mpps=rate, unit_reported=avg_unit, unit_used=unit, unit_note=note,
-            cross_checked=checked, warnings=tuple(warnings)))
+        rows.append(
+            BwRow(
+                msg_size_bytes=size,
+                iterations=int(tokens[i_iters]),
+                bw_peak_gbps=peak or None,
+                bw_avg_gbps=to_gbps(float(avg_text), unit),
+                msg_rate_mpps=rate,
+                unit_reported=avg_unit,
+                unit_used=unit,
+                unit_note=note,
+                cross_checked=checked,
+                warnings=tuple(warnings),
+            )
+        )
     if not rows:
-        raise ParseError("perftest printed its table header but no result row: the output is "
-                         "truncated (the run was killed or its peer vanished)")
+        raise ParseError(
+            "perftest printed its table header but no result row: the output is "
+            "truncated (the run was killed or its peer vanished)"
+        )
     return rows
 
 
@@ -211,8 +248,9 @@ def parse_bw_json(text: str, unit: str | None = None) -> BwRow:
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ParseError(f"perftest JSON is truncated or malformed: {err.msg} at "
-                         f"character {err.pos}") from err
+        raise ParseError(
+            f"perftest JSON is truncated or malformed: {err.msg} at character {err.pos}"
+        ) from err
     try:
         res: Any = doc["results"]
         if isinstance(res, list):  # some builds write one entry per message size
@@ -223,10 +261,17 @@ def parse_bw_json(text: str, unit: str | None = None) -> BwRow:
         rate = float(res["MsgRate"]) if res.get("MsgRate") is not None else None
         chosen, note, checked = resolve_unit(avg, str(label) if label else None, size, rate)
         peak = to_gbps(float(res.get("BW_peak", 0.0)), chosen)
-        return BwRow(msg_size_bytes=size, iterations=int(res["n_iterations"]),
-                     bw_peak_gbps=peak or None, bw_avg_gbps=to_gbps(avg, chosen),
-                     msg_rate_mpps=rate, unit_reported=str(label or ""), unit_used=chosen,
-                     unit_note=note, cross_checked=checked)
+        return BwRow(
+            msg_size_bytes=size,
+            iterations=int(res["n_iterations"]),
+            bw_peak_gbps=peak or None,
+            bw_avg_gbps=to_gbps(avg, chosen),
+            msg_rate_mpps=rate,
+            unit_reported=str(label or ""),
+            unit_used=chosen,
+            unit_note=note,
+            cross_checked=checked,
+        )
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
         if isinstance(err, ParseError):
             raise

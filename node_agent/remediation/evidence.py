@@ -38,29 +38,39 @@ KERNEL_LOG_TAIL_LINES = 300
 #: the whole collection, from the executor's start (GPU pids included) to the last stack: the
 #: Slurm wrapper's 50 s hold the quick suite (seconds on a healthy node), this and the drain
 EVIDENCE_DEADLINE_S = 12.0
-PY_SPY_TIMEOUT_S = 5.0       # one nonblocking dump (tens of ms; bench_hang.py)
+PY_SPY_TIMEOUT_S = 5.0  # one nonblocking dump (tens of ms; bench_hang.py)
 NVIDIA_SMI_TIMEOUT_S = 5.0
-MAX_STACKS = 32              # GPU processes whose stacks are taken (8 GPUs x a few each)
-JOIN_MARGIN_S = 1.0          # past the deadline, what a py-spy's kill may take
+MAX_STACKS = 32  # GPU processes whose stacks are taken (8 GPUs x a few each)
+JOIN_MARGIN_S = 1.0  # past the deadline, what a py-spy's kill may take
 
 
 def gpu_pids(timeout_s: float = NVIDIA_SMI_TIMEOUT_S) -> tuple[list[int], str | None]:
     """PIDs of compute processes on the GPUs (``nvidia-smi --query-compute-apps=pid``)."""
     if proc.which("nvidia-smi") is None:
         return [], "nvidia-smi is not installed, so GPU process ids are unknown"
-    result = proc.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader,nounits"],
-                      timeout_s=timeout_s)
+    result = proc.run(
+        ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader,nounits"],
+        timeout_s=timeout_s,
+    )
     if not result.ok:
         return [], f"cannot list GPU processes: {result.describe_failure()}"
     pids = sorted({int(tok) for tok in result.stdout.split() if tok.strip().isdigit()})
     return pids, None
 
 
-def collect(state_dir: Path, action: str, now: float, report: Report | None,
-            kernel_log: KernelLog | None, pids: Sequence[int] | None,
-            pids_note: str | None = None, *, deadline: float | None = None,
-            py_spy: str | None = None,
-            clock: Callable[[], float] = time.monotonic) -> tuple[Path | None, list[str]]:
+def collect(
+    state_dir: Path,
+    action: str,
+    now: float,
+    report: Report | None,
+    kernel_log: KernelLog | None,
+    pids: Sequence[int] | None,
+    pids_note: str | None = None,
+    *,
+    deadline: float | None = None,
+    py_spy: str | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> tuple[Path | None, list[str]]:
     """Write the evidence directory; returns (its path or None, notes). Never raises.
 
     ``deadline`` (monotonic seconds; default :data:`EVIDENCE_DEADLINE_S` from now) bounds the
@@ -96,8 +106,7 @@ def collect(state_dir: Path, action: str, now: float, report: Report | None,
     else:
         try:
             records = kernel_log.read()[-KERNEL_LOG_TAIL_LINES:]
-            _write(directory / "kernel-log.txt",
-                   "".join(f"{r.text}\n" for r in records), notes)
+            _write(directory / "kernel-log.txt", "".join(f"{r.text}\n" for r in records), notes)
             notes.append(f"kernel log: last {len(records)} lines from {kernel_log.source}")
         except OSError as err:
             notes.append(f"kernel log: cannot read {kernel_log.source}: {err}")
@@ -109,8 +118,13 @@ def collect(state_dir: Path, action: str, now: float, report: Report | None,
     return directory, notes
 
 
-def _stacks(pids: Sequence[int] | None, pids_note: str | None, py_spy: str | None,
-            deadline: float, clock: Callable[[], float]) -> tuple[str, str]:
+def _stacks(
+    pids: Sequence[int] | None,
+    pids_note: str | None,
+    py_spy: str | None,
+    deadline: float,
+    clock: Callable[[], float],
+) -> tuple[str, str]:
     """stacks.txt and its one-line summary: every pid's dump taken at once, by ``deadline``."""
     if not pids:
         why = f"skipped: {pids_note or 'no GPU processes known'}"
@@ -125,12 +139,16 @@ def _stacks(pids: Sequence[int] | None, pids_note: str | None, py_spy: str | Non
         left = deadline - clock()
         if left <= 0.1:
             return
-        result = proc.run([py_spy, "dump", "--nonblocking", "--pid", str(pid)],
-                          timeout_s=min(PY_SPY_TIMEOUT_S, left))
+        result = proc.run(
+            [py_spy, "dump", "--nonblocking", "--pid", str(pid)],
+            timeout_s=min(PY_SPY_TIMEOUT_S, left),
+        )
         got[pid] = result.stdout if result.ok else f"failed: {result.describe_failure()}\n"
 
-    threads = [threading.Thread(target=dump, args=(pid,), name=f"evidence-{pid}", daemon=True)
-               for pid in wanted]
+    threads = [
+        threading.Thread(target=dump, args=(pid,), name=f"evidence-{pid}", daemon=True)
+        for pid in wanted
+    ]
     for t in threads:
         t.start()
     for t in threads:  # a daemon thread left behind never keeps the agent from exiting
@@ -139,16 +157,23 @@ def _stacks(pids: Sequence[int] | None, pids_note: str | None, py_spy: str | Non
     late = [pid for pid in wanted if pid not in got]
     for pid in wanted:
         parts.append(f"=== pid {pid} ===\n")
-        parts.append(got.get(pid) or "not collected: the evidence deadline came first (the "
-                                      "action does not wait for evidence)\n")
+        parts.append(
+            got.get(pid)
+            or "not collected: the evidence deadline came first (the "
+            "action does not wait for evidence)\n"
+        )
     for pid in beyond:
-        parts.append(f"=== pid {pid} ===\nnot collected: only the first {MAX_STACKS} GPU "
-                     "processes' stacks are taken\n")
+        parts.append(
+            f"=== pid {pid} ===\nnot collected: only the first {MAX_STACKS} GPU "
+            "processes' stacks are taken\n"
+        )
     failed = [pid for pid in wanted if got.get(pid, "").startswith("failed:")]
     summary = f"{len(wanted) - len(late) - len(failed)} of {len(pids)} GPU process(es)"
     if late:
-        summary += ("; not collected by the evidence deadline (the action does not wait "
-                    "for evidence): pid " + ", ".join(map(str, late)))
+        summary += (
+            "; not collected by the evidence deadline (the action does not wait "
+            "for evidence): pid " + ", ".join(map(str, late))
+        )
     if failed:
         summary += "; py-spy failed for pid " + ", ".join(map(str, failed))
     if beyond:

@@ -88,8 +88,9 @@ class NvidiaSmiReset:
     """``nvidia-smi --gpu-reset -i N``: needs root and no process on the GPU."""
 
     def reset(self, index: int) -> str:
-        result = proc.run(["nvidia-smi", "--gpu-reset", "-i", str(index)],
-                          timeout_s=GPU_RESET_TIMEOUT_S)
+        result = proc.run(
+            ["nvidia-smi", "--gpu-reset", "-i", str(index)], timeout_s=GPU_RESET_TIMEOUT_S
+        )
         if not result.ok:
             raise GpuResetError(f"GPU reset of gpu:{index} failed: {result.describe_failure()}")
         return f"GPU reset of gpu:{index} (nvidia-smi --gpu-reset -i {index})"
@@ -99,8 +100,10 @@ class SimulatedReset:
     """Stand-in under ``--simulate``: nothing to reset, the scenario's faults persist."""
 
     def reset(self, index: int) -> str:
-        return (f"simulated GPU reset of gpu:{index} (stand-in: the simulator's injected "
-                "faults persist, so the re-test sees them again)")
+        return (
+            f"simulated GPU reset of gpu:{index} (stand-in: the simulator's injected "
+            "faults persist, so the re-test sees them again)"
+        )
 
 
 @dataclass
@@ -128,14 +131,23 @@ def _stderr(message: str) -> None:
 class Remediator:
     """Acts for one node through one adapter. Everything it depends on is a parameter."""
 
-    def __init__(self, store: Store, adapter: SchedulerAdapter, node: str, safety: Safety, *,
-                 state_dir: Path | None, dry_run: bool = False,
-                 clock: Callable[[], float] = time.time, boot_time: float = 0.0,
-                 gpu_resetter: GpuResetter | None = None,
-                 retest: Callable[[], Grade] | None = None,
-                 kernel_log: KernelLog | None = None,
-                 gpu_pids: Callable[[], tuple[list[int], str | None]] | None = None,
-                 warn: Callable[[str], None] = _stderr) -> None:
+    def __init__(
+        self,
+        store: Store,
+        adapter: SchedulerAdapter,
+        node: str,
+        safety: Safety,
+        *,
+        state_dir: Path | None,
+        dry_run: bool = False,
+        clock: Callable[[], float] = time.time,
+        boot_time: float = 0.0,
+        gpu_resetter: GpuResetter | None = None,
+        retest: Callable[[], Grade] | None = None,
+        kernel_log: KernelLog | None = None,
+        gpu_pids: Callable[[], tuple[list[int], str | None]] | None = None,
+        warn: Callable[[str], None] = _stderr,
+    ) -> None:
         self.store, self.adapter, self.node, self.safety = store, adapter, node, safety
         self.state_dir, self.dry_run, self.clock = state_dir, dry_run, clock
         self.boot_time, self.gpu_resetter, self.retest = boot_time, gpu_resetter, retest
@@ -155,9 +167,14 @@ class Remediator:
         self._run_started = self.clock()
         try:
             if record_run:
-                self.store.record_run(self.node, self.clock(), report.suite, report.mode,
-                                      report.grade.level.name,
-                                      [r.to_dict() for r in report.grade.reasons])
+                self.store.record_run(
+                    self.node,
+                    self.clock(),
+                    report.suite,
+                    report.mode,
+                    report.grade.level.name,
+                    [r.to_dict() for r in report.grade.reasons],
+                )
             grade, gpu_reset_tried = report.grade, False
             for _ in range(MAX_REPLANS):
                 p = self._plan(grade, gpu_reset_tried)
@@ -167,8 +184,14 @@ class Remediator:
                 retest_grade, reset_failed = self._run_plan(p, out)
                 if retest_grade is not None:
                     grade, gpu_reset_tried = retest_grade, True
-                    self.store.record_run(self.node, self.clock(), "quick", "service",
-                                          grade.level.name, [r.to_dict() for r in grade.reasons])
+                    self.store.record_run(
+                        self.node,
+                        self.clock(),
+                        "quick",
+                        "service",
+                        grade.level.name,
+                        [r.to_dict() for r in grade.reasons],
+                    )
                 elif reset_failed:
                     gpu_reset_tried = True
                 else:
@@ -187,16 +210,25 @@ class Remediator:
             record = self.store.node_record(self.node)
         except StateUnavailable:
             record = NodeRecord(node=self.node)
-        p = plan(grade, record, self.safety, now=self.clock(), boot_time=self.boot_time,
-                 restart_counts={}, gpu_reset_available=self.gpu_resetter is not None)
+        p = plan(
+            grade,
+            record,
+            self.safety,
+            now=self.clock(),
+            boot_time=self.boot_time,
+            restart_counts={},
+            gpu_reset_available=self.gpu_resetter is not None,
+        )
         out.notes.append(f"state unavailable: {p.note}")
         for step in p.steps:
             if step.action == "retest":
                 continue
-            detail = (f"state unavailable ({why}): opt-out, breaker and journal cannot be read "
-                      f"or kept, so node-agent does not {step.action} {self.node} "
-                      f"({step.reason}); fix the state directory, or act by hand with the "
-                      "scheduler's own tools")
+            detail = (
+                f"state unavailable ({why}): opt-out, breaker and journal cannot be read "
+                f"or kept, so node-agent does not {step.action} {self.node} "
+                f"({step.reason}); fix the state directory, or act by hand with the "
+                "scheduler's own tools"
+            )
             self.warn(f"{step.action} REFUSED: {detail}")
             out.records.append(self._record(step.action, "refused", detail))
         return out
@@ -231,9 +263,11 @@ class Remediator:
         return out
 
     def _unavailable(self, step: Step, why: str, out: Outcome) -> None:
-        detail = (f"state unavailable ({why}): node-agent does not {step.action} {self.node} "
-                  "without its journal, opt-out and breaker; fix the state directory, or act "
-                  "by hand with the scheduler's own tools")
+        detail = (
+            f"state unavailable ({why}): node-agent does not {step.action} {self.node} "
+            "without its journal, opt-out and breaker; fix the state directory, or act "
+            "by hand with the scheduler's own tools"
+        )
         self.warn(f"{step.action} REFUSED: {detail}")
         out.records.append(self._record(step.action, "refused", detail))
 
@@ -243,16 +277,25 @@ class Remediator:
         record = self.store.node_record(self.node)
         since = _window_start(record, self.safety, now)
         # job restarts are not node restarts: they never count towards the node's escalation
-        counts = {code: self.store.count_done(self.node, REMEDIATION_ACTIONS, since,
-                                              fault_code=code)
-                  for code in {fault_code(r) for r in grade.reasons if r.rule not in JOB_RULES}}
+        counts = {
+            code: self.store.count_done(self.node, REMEDIATION_ACTIONS, since, fault_code=code)
+            for code in {fault_code(r) for r in grade.reasons if r.rule not in JOB_RULES}
+        }
         # the node's own automatic restarts, any code: a node that keeps needing them is held
-        remediations = self.store.count_done(self.node, REMEDIATION_ACTIONS,
-                                             remediation_window_start(record, now),
-                                             trigger="auto")
-        return plan(grade, record, self.safety, now=now, boot_time=self.boot_time,
-                    restart_counts=counts, gpu_reset_available=self.gpu_resetter is not None,
-                    gpu_reset_tried=gpu_reset_tried, remediations_7d=remediations)
+        remediations = self.store.count_done(
+            self.node, REMEDIATION_ACTIONS, remediation_window_start(record, now), trigger="auto"
+        )
+        return plan(
+            grade,
+            record,
+            self.safety,
+            now=now,
+            boot_time=self.boot_time,
+            restart_counts=counts,
+            gpu_reset_available=self.gpu_resetter is not None,
+            gpu_reset_tried=gpu_reset_tried,
+            remediations_7d=remediations,
+        )
 
     def _run_plan(self, p: Plan, out: Outcome) -> tuple[Grade | None, bool]:
         """Run the steps in order; stop at the first one not done. Returns (re-test grade,
@@ -267,19 +310,34 @@ class Remediator:
     def _retest(self, step: Step, out: Outcome) -> Grade | None:
         if self.dry_run or self.retest is None:
             why = "dry run" if self.dry_run else "no re-test available in this command"
-            out.records.append(self._record("retest", "dry-run" if self.dry_run else "refused",
-                                            f"would re-test with the quick suite ({why})"))
+            out.records.append(
+                self._record(
+                    "retest",
+                    "dry-run" if self.dry_run else "refused",
+                    f"would re-test with the quick suite ({why})",
+                )
+            )
             return None
         grade = self.retest()
-        detail = (f"quick suite after {step.restart_kind or 'restart'} graded {grade.level.name}"
-                  + (f": {grade.reasons[0].rule} {grade.reasons[0].target}"
-                     if grade.reasons else ""))
+        detail = f"quick suite after {step.restart_kind or 'restart'} graded {grade.level.name}" + (
+            f": {grade.reasons[0].rule} {grade.reasons[0].target}" if grade.reasons else ""
+        )
         now = self.clock()
-        self.store.journal_plan(key=step.key(self.node), node=self.node, action="retest",
-                                reason=step.reason, fault_code=step.fault_code,
-                                target=step.target, attempt=step.attempt, to_state=None,
-                                trigger="auto", adapter=self.adapter.name, now=now,
-                                state="done", detail=detail)
+        self.store.journal_plan(
+            key=step.key(self.node),
+            node=self.node,
+            action="retest",
+            reason=step.reason,
+            fault_code=step.fault_code,
+            target=step.target,
+            attempt=step.attempt,
+            to_state=None,
+            trigger="auto",
+            adapter=self.adapter.name,
+            now=now,
+            state="done",
+            detail=detail,
+        )
         out.records.append(self._record("retest", "done", detail))
         return grade
 
@@ -305,18 +363,27 @@ class Remediator:
             if existing is not None:
                 # a return to service since that row (resume, set-healthy) starts a new
                 # episode, in which the same fault acts again
-                episode_start = max(self.store.node_record(self.node).cleared_at or 0.0,
-                                    self.store.last_done_at(self.node, ("resume",)) or 0.0)
-                if existing.state == "done" and existing.updated_at > episode_start and \
-                        now - existing.updated_at < self.safety.dedup_window_s:
-                    out.notes.append(f"dedup: {step.action} for {step.fault_code} "
-                                     f"{step.target} already done (journal #{existing.id} at "
-                                     f"{_iso(existing.updated_at)}, safety.dedup_window_s="
-                                     f"{self.safety.dedup_window_s:g}); not repeated")
+                episode_start = max(
+                    self.store.node_record(self.node).cleared_at or 0.0,
+                    self.store.last_done_at(self.node, ("resume",)) or 0.0,
+                )
+                if (
+                    existing.state == "done"
+                    and existing.updated_at > episode_start
+                    and now - existing.updated_at < self.safety.dedup_window_s
+                ):
+                    out.notes.append(
+                        f"dedup: {step.action} for {step.fault_code} "
+                        f"{step.target} already done (journal #{existing.id} at "
+                        f"{_iso(existing.updated_at)}, safety.dedup_window_s="
+                        f"{self.safety.dedup_window_s:g}); not repeated"
+                    )
                     return True
                 if existing.state in ("planned", "started"):
-                    out.notes.append(f"{step.action} is in progress elsewhere "
-                                     f"(journal #{existing.id}); not started twice")
+                    out.notes.append(
+                        f"{step.action} is in progress elsewhere "
+                        f"(journal #{existing.id}); not started twice"
+                    )
                     return False
                 if existing.state == "failed":
                     retry = existing
@@ -327,12 +394,25 @@ class Remediator:
         # evidence once per fault: the first attempt took it, a retry does not copy it again
         evidence_note = self._take_evidence(step.action, now) if retry is None else None
         row = self.store.journal_plan(
-            key=key, node=self.node, action=step.action, reason=step.reason,
-            fault_code=step.fault_code, target=step.target, attempt=step.attempt,
-            to_state=step.to_state, trigger=trigger, adapter=self.adapter.name, now=now,
+            key=key,
+            node=self.node,
+            action=step.action,
+            reason=step.reason,
+            fault_code=step.fault_code,
+            target=step.target,
+            attempt=step.attempt,
+            to_state=step.to_state,
+            trigger=trigger,
+            adapter=self.adapter.name,
+            now=now,
             tries=retry.tries if retry is not None else 0,
-            detail=(f"retry {retry.tries + 1} of a failed {step.action} (journal #{retry.id}: "
-                    f"{retry.detail[:200]})" if retry is not None else ""))
+            detail=(
+                f"retry {retry.tries + 1} of a failed {step.action} (journal #{retry.id}: "
+                f"{retry.detail[:200]})"
+                if retry is not None
+                else ""
+            ),
+        )
         self._crash_hook(step.action)
         row = self.store.journal_update(row.id, "started", row.detail, now, count_try=True)
         outcome, detail = self._perform(row)
@@ -345,8 +425,9 @@ class Remediator:
         except StateUnavailable as err:
             # the adapter acted; only its record failed: say so (the row stays "started",
             # and the next run with a working state re-reads the scheduler and closes it)
-            out.records.append(self._record(row.action, outcome, f"{detail}; not recorded in "
-                                            f"the journal: {err}"))
+            out.records.append(
+                self._record(row.action, outcome, f"{detail}; not recorded in the journal: {err}")
+            )
             return False
         return outcome == "done"
 
@@ -361,8 +442,9 @@ class Remediator:
         if step.action == "drain" and not br.open:
             since = max(now - self.safety.breaker_window_h * 3600.0, br.reset_at or 0.0)
             drains = self.store.count_done(None, ("drain",), since, trigger="auto")
-        refusal, trip = guards.breaker(br, drains, self.safety.breaker_max_drains,
-                                       self.safety.breaker_window_h)
+        refusal, trip = guards.breaker(
+            br, drains, self.safety.breaker_max_drains, self.safety.breaker_window_h
+        )
         if trip and refusal:
             self.store.open_breaker(now, refusal)
         if refusal:
@@ -371,15 +453,19 @@ class Remediator:
             return None
         if self.store.node_record(self.node).state == "in-service":
             refusal = guards.rate_limit(
-                self.store.last_done_at(self.node, (*DISRUPTIVE, "resume")), now,
-                self.safety.min_action_interval_s)
+                self.store.last_done_at(self.node, (*DISRUPTIVE, "resume")),
+                now,
+                self.safety.min_action_interval_s,
+            )
             if refusal:
                 return refusal
         try:
             nodes = self.adapter.list_nodes()
         except Exception as err:  # noqa: BLE001 - any adapter failure refuses, never crashes
-            return (f"blast radius: cannot read the drained share from the {self.adapter.name} "
-                    f"adapter ({type(err).__name__}: {err}); not draining blind")
+            return (
+                f"blast radius: cannot read the drained share from the {self.adapter.name} "
+                f"adapter ({type(err).__name__}: {err}); not draining blind"
+            )
         return guards.blast_radius(nodes, self.node, self.safety.max_drained_fraction)
 
     def _job_guard(self, step: Step, now: float) -> str | None:
@@ -388,23 +474,33 @@ class Remediator:
         jobs, cannot requeue jobs faster than one batch per ``safety.min_action_interval_s``).
         The breaker and the blast radius guard drains; a job restart drains nothing."""
         if step.job is None:
-            return (f"{step.fault_code} finding on target {step.target!r} names no job "
-                    "(expected job:<job>/rank:<n> or job:<job>/pid:<n>); no job restarted, "
-                    "the node is not drained")
+            return (
+                f"{step.fault_code} finding on target {step.target!r} names no job "
+                "(expected job:<job>/rank:<n> or job:<job>/pid:<n>); no job restarted, "
+                "the node is not drained"
+            )
         try:
             check_job_id(step.job)
         except AdapterError as err:
             return f"{err}; no job restarted, the node is not drained"
         same = self.store.journal_by_key(step.key(self.node))
-        if same is not None and same.state == "done" and \
-                now - same.updated_at < self.safety.dedup_window_s:
+        if (
+            same is not None
+            and same.state == "done"
+            and now - same.updated_at < self.safety.dedup_window_s
+        ):
             return None  # this very job again: dedup says so, quietly (not a refusal)
         last = self.store.last_done_at(self.node, ("restart-job",))
-        if last is not None and last < self._run_started and \
-                now - last < self.safety.min_action_interval_s:
-            return (f"rate limit: a job on this node was restarted {now - last:.0f} s ago, less "
-                    f"than safety.min_action_interval_s={self.safety.min_action_interval_s:g}; "
-                    "the next run restarts this job if it still hangs")
+        if (
+            last is not None
+            and last < self._run_started
+            and now - last < self.safety.min_action_interval_s
+        ):
+            return (
+                f"rate limit: a job on this node was restarted {now - last:.0f} s ago, less "
+                f"than safety.min_action_interval_s={self.safety.min_action_interval_s:g}; "
+                "the next run restarts this job if it still hangs"
+            )
         return None
 
     def action_key(self, row: JournalRow) -> str:
@@ -413,8 +509,9 @@ class Remediator:
         (since the last set-healthy or resume), so retries share it and a recurrence after a
         repair does not."""
         record = self.store.node_record(self.node)
-        episode = max(record.cleared_at or 0.0,
-                      self.store.last_done_at(self.node, ("resume",)) or 0.0)
+        episode = max(
+            record.cleared_at or 0.0, self.store.last_done_at(self.node, ("resume",)) or 0.0
+        )
         first = self.store.first_seen(row.key, episode)
         first = row.created_at if first is None else min(first, row.created_at)
         return hashlib.sha256(f"{row.key}|{first:.6f}".encode()).hexdigest()
@@ -431,8 +528,10 @@ class Remediator:
                 if row.action == "drain" and state.drained:
                     return "done", f"already drained by node-agent ({state.reason}); not repeated"
                 if row.action == "resume" and not state.drained:
-                    return "done", (f"{self.adapter.name}: {self.node} is not drained "
-                                    f"({state.state}); nothing to resume")
+                    return "done", (
+                        f"{self.adapter.name}: {self.node} is not drained "
+                        f"({state.state}); nothing to resume"
+                    )
             if row.action == "gpu-reset":
                 if self.gpu_resetter is None:
                     return "failed", "no GPU reset available in this command; the next run re-plans"
@@ -446,7 +545,8 @@ class Remediator:
                     "needing restarts is not restarted again; it stays drained, with no further "
                     "restart (a FAULT is still replaced). Find the cause (`node-agent status` "
                     "lists the restarts per fault code), then run `node-agent set-healthy` and "
-                    "`node-agent act resume`")
+                    "`node-agent act resume`"
+                )
             if row.action == "hold":  # bookkeeping: the node is already drained, nothing to call
                 return "done", (
                     f"needs an operator: {row.fault_code} on {row.target} is still there after "
@@ -454,12 +554,17 @@ class Remediator:
                     "software in graders/rules.yaml), which new hardware does not fix; the node "
                     "stays drained, with no further restart or replacement. Fix the cause (e.g. "
                     "rebuild or reinstall the driver for the running kernel), then run "
-                    "`node-agent set-healthy` and `node-agent act resume`")
+                    "`node-agent set-healthy` and `node-agent act resume`"
+                )
             if row.action == "restart-job":
                 job = (row.target or "").removeprefix("job:")
                 return "done", self.adapter.restart_job(self.node, job, row.reason, key=key)
-            call = {"drain": self.adapter.drain, "resume": self.adapter.resume,
-                    "restart": self.adapter.restart, "replace": self.adapter.replace}[row.action]
+            call = {
+                "drain": self.adapter.drain,
+                "resume": self.adapter.resume,
+                "restart": self.adapter.restart,
+                "replace": self.adapter.replace,
+            }[row.action]
             return "done", call(self.node, row.reason, key=key)
         except StateUnavailable:
             raise
@@ -468,26 +573,46 @@ class Remediator:
         except Exception as err:  # noqa: BLE001 - an adapter bug is a failed action, not a crash
             return "failed", f"{self.adapter.name} adapter raised {type(err).__name__}: {err}"
 
-    def _finish(self, row: JournalRow, outcome: str, detail: str, out: Outcome,
-                trigger: str) -> None:
+    def _finish(
+        self, row: JournalRow, outcome: str, detail: str, out: Outcome, trigger: str
+    ) -> None:
         now = self.clock()
         record = self._next_record(row, now) if outcome == "done" else None
         self.store.journal_finish(row.id, outcome, detail, now, record)
         if outcome == "done" and row.action == "hold":
             self.warn(f"{self.node} NEEDS AN OPERATOR: {detail}")
         if outcome in ("failed", "refused"):
-            self.warn(f"{row.action} {outcome.upper()}: {detail}"
-                      + (" (kept in the journal; the next run retries it)"
-                         if outcome == "failed" else ""))
+            self.warn(
+                f"{row.action} {outcome.upper()}: {detail}"
+                + (" (kept in the journal; the next run retries it)" if outcome == "failed" else "")
+            )
         out.records.append(self._record(row.action, outcome, detail))
 
-    def _close_new(self, step: Step, key: str, trigger: str, outcome: str, detail: str,
-                   now: float, out: Outcome) -> None:
-        self.store.journal_plan(key=key, node=self.node, action=step.action, reason=step.reason,
-                                fault_code=step.fault_code, target=step.target,
-                                attempt=step.attempt, to_state=step.to_state, trigger=trigger,
-                                adapter=self.adapter.name, now=now, state=outcome,
-                                detail=detail)
+    def _close_new(
+        self,
+        step: Step,
+        key: str,
+        trigger: str,
+        outcome: str,
+        detail: str,
+        now: float,
+        out: Outcome,
+    ) -> None:
+        self.store.journal_plan(
+            key=key,
+            node=self.node,
+            action=step.action,
+            reason=step.reason,
+            fault_code=step.fault_code,
+            target=step.target,
+            attempt=step.attempt,
+            to_state=step.to_state,
+            trigger=trigger,
+            adapter=self.adapter.name,
+            now=now,
+            state=outcome,
+            detail=detail,
+        )
         if outcome == "refused":
             self.warn(f"{step.action} REFUSED: {detail}")
         out.records.append(self._record(step.action, outcome, detail))
@@ -497,30 +622,50 @@ class Remediator:
             return None
         old = self.store.node_record(self.node)
         if row.to_state == "in-service":
-            return NodeRecord(node=self.node, state="in-service", since=now,
-                              cleared_at=old.cleared_at, detail=row.reason)
+            return NodeRecord(
+                node=self.node,
+                state="in-service",
+                since=now,
+                cleared_at=old.cleared_at,
+                detail=row.reason,
+            )
         restart_kind = {"restart": "reboot", "gpu-reset": "gpu-reset"}.get(row.action)
-        return NodeRecord(node=self.node, state=row.to_state, since=now,
-                          fault_code=row.fault_code, target=row.target, trigger=row.trigger,
-                          restart_kind=restart_kind or old.restart_kind,
-                          requested_at=now if restart_kind else old.requested_at,
-                          cleared_at=old.cleared_at, detail=row.reason)
+        return NodeRecord(
+            node=self.node,
+            state=row.to_state,
+            since=now,
+            fault_code=row.fault_code,
+            target=row.target,
+            trigger=row.trigger,
+            restart_kind=restart_kind or old.restart_kind,
+            requested_at=now if restart_kind else old.requested_at,
+            cleared_at=old.cleared_at,
+            detail=row.reason,
+        )
 
     def _record(self, action: str, outcome: str, detail: str) -> ActionRecord:
-        return ActionRecord(action=action, adapter=self.adapter.name, outcome=outcome,
-                            detail=detail, at=_iso(self.clock()))
+        return ActionRecord(
+            action=action,
+            adapter=self.adapter.name,
+            outcome=outcome,
+            detail=detail,
+            at=_iso(self.clock()),
+        )
 
     # -- recovery, evidence, crash hook --------------------------------------------------------
     def _recover_row(self, row: JournalRow, out: Outcome) -> None:
         now = self.clock()
-        self.warn(f"completing journal #{row.id} ({row.action} {row.fault_code} {row.target}) "
-                  f"left {row.state} at {_iso(row.updated_at)} by an interrupted run")
+        self.warn(
+            f"completing journal #{row.id} ({row.action} {row.fault_code} {row.target}) "
+            f"left {row.state} at {_iso(row.updated_at)} by an interrupted run"
+        )
         if row.action in ("retest", "gpu-reset"):
-            detail = (f"interrupted {row.action} is not replayed (the GPU state is unknown); "
-                      "the next graded run re-plans")
+            detail = (
+                f"interrupted {row.action} is not replayed (the GPU state is unknown); "
+                "the next graded run re-plans"
+            )
             self.store.journal_finish(row.id, "failed", detail, now)
-            out.records.append(self._record(row.action, "failed", f"recovered #{row.id}: "
-                                                                  f"{detail}"))
+            out.records.append(self._record(row.action, "failed", f"recovered #{row.id}: {detail}"))
             return
         row = self.store.journal_update(row.id, "started", row.detail, now, count_try=True)
         outcome, detail = self._perform(row)
@@ -536,9 +681,16 @@ class Remediator:
             pids, pids_note = self.gpu_pids()
         else:
             pids, pids_note = [], "GPU process ids are not known in this run"
-        directory, notes = _evidence.collect(self.state_dir, action, now, self._report,
-                                             self.kernel_log, pids, pids_note,
-                                             deadline=deadline)
+        directory, notes = _evidence.collect(
+            self.state_dir,
+            action,
+            now,
+            self._report,
+            self.kernel_log,
+            pids,
+            pids_note,
+            deadline=deadline,
+        )
         if directory is None:
             self.warn(f"evidence not collected: {'; '.join(notes)}")
             return f"evidence not collected ({notes[0]})"

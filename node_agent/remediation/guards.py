@@ -36,37 +36,50 @@ def sanitise_operator_text(text: str | None, max_len: int = MAX_OPERATOR_REASON_
 def foreign_drain(state: NodeState) -> str | None:
     """A refusal when the node is drained by someone else (its reason lacks the agent prefix)."""
     if state.drained and not is_agent_reason(state.reason):
-        return (f"node {state.name} is drained by someone else (reason {state.reason!r}, "
-                f"state {state.state}); node-agent never overrides or resumes a drain it did "
-                "not make: resume it with the scheduler's own tools")
+        return (
+            f"node {state.name} is drained by someone else (reason {state.reason!r}, "
+            f"state {state.state}); node-agent never overrides or resumes a drain it did "
+            "not make: resume it with the scheduler's own tools"
+        )
     return None
 
 
 def opt_out(config_opt_out: bool, stored: str | None, node: str) -> str | None:
     if config_opt_out:
-        return (f"node {node} is opted out of automatic actions (config safety.opt_out: true); "
-                "set it to false to let node-agent act")
+        return (
+            f"node {node} is opted out of automatic actions (config safety.opt_out: true); "
+            "set it to false to let node-agent act"
+        )
     if stored:
-        return (f"node {node} is opted out of automatic actions ({stored}); "
-                "run `node-agent optout off` to let node-agent act")
+        return (
+            f"node {node} is opted out of automatic actions ({stored}); "
+            "run `node-agent optout off` to let node-agent act"
+        )
     return None
 
 
-def breaker(state: BreakerState, drains_in_window: int, max_drains: int,
-            window_h: float) -> tuple[str | None, bool]:
+def breaker(
+    state: BreakerState, drains_in_window: int, max_drains: int, window_h: float
+) -> tuple[str | None, bool]:
     """(refusal, trip): refused while open; trips when ``drains_in_window`` reached the limit.
 
     The breaker never closes by itself: only ``node-agent breaker reset`` closes it.
     """
     if state.open:
-        return (f"circuit breaker is open since {_iso(state.opened_at)} ({state.reason}); "
-                "automatic actions stay stopped until an operator runs "
-                "`node-agent breaker reset`"), False
+        return (
+            f"circuit breaker is open since {_iso(state.opened_at)} ({state.reason}); "
+            "automatic actions stay stopped until an operator runs "
+            "`node-agent breaker reset`"
+        ), False
     if drains_in_window >= max_drains:
-        why = (f"{drains_in_window} automatic drains in the last {window_h:g} h reached "
-               f"safety.breaker_max_drains={max_drains}")
-        return (f"circuit breaker tripped: {why}; automatic actions stop until an operator "
-                "runs `node-agent breaker reset`"), True
+        why = (
+            f"{drains_in_window} automatic drains in the last {window_h:g} h reached "
+            f"safety.breaker_max_drains={max_drains}"
+        )
+        return (
+            f"circuit breaker tripped: {why}; automatic actions stop until an operator "
+            "runs `node-agent breaker reset`"
+        ), True
     return None, False
 
 
@@ -84,25 +97,30 @@ def blast_radius(nodes: list[NodeState], node: str, max_fraction: float) -> str 
     after = len(drained_by_agent) + 1
     allowed = 0 if max_fraction <= 0 else max(1, math.floor(max_fraction * total + 1e-9))
     if after > allowed:
-        return (f"blast radius: draining {node} would make {after} of {total} nodes drained by "
-                f"node-agent ({after / total:.0%}), above safety.max_drained_fraction="
-                f"{max_fraction:g} (at most {allowed}); already drained: "
-                f"{', '.join(sorted(drained_by_agent)) or 'none'}. Repair or resume those "
-                "first, or raise the limit deliberately")
+        return (
+            f"blast radius: draining {node} would make {after} of {total} nodes drained by "
+            f"node-agent ({after / total:.0%}), above safety.max_drained_fraction="
+            f"{max_fraction:g} (at most {allowed}); already drained: "
+            f"{', '.join(sorted(drained_by_agent)) or 'none'}. Repair or resume those "
+            "first, or raise the limit deliberately"
+        )
     return None
 
 
 def rate_limit(last_action_at: float | None, now: float, min_interval_s: float) -> str | None:
     """Refuse starting a new remediation within ``min_interval_s`` of the last action."""
     if last_action_at is not None and now - last_action_at < min_interval_s:
-        return (f"rate limit: the last action on this node was {now - last_action_at:.0f} s ago, "
-                f"less than safety.min_action_interval_s={min_interval_s:g}; the next run "
-                "acts if the fault is still there")
+        return (
+            f"rate limit: the last action on this node was {now - last_action_at:.0f} s ago, "
+            f"less than safety.min_action_interval_s={min_interval_s:g}; the next run "
+            "acts if the fault is still there"
+        )
     return None
 
 
 def _iso(epoch: float | None) -> str:
     import datetime as _dt
+
     if epoch is None:
         return "an unknown time"
     return _dt.datetime.fromtimestamp(epoch, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -22,6 +22,7 @@ def node_name(config: Config, simulate: str | None = None) -> str:
     if simulate:
         from node_agent.environment import load_data
         from node_agent.sim.scenario import load_scenario
+
         _, skus = load_data(config)
         return load_scenario(simulate, skus).hostname
     return socket.gethostname().split(".")[0]
@@ -40,6 +41,7 @@ def state_dir_of(store: Store):
 
 def boot_time() -> float:
     import psutil
+
     return float(psutil.boot_time())
 
 
@@ -47,4 +49,5 @@ def gpu_resetter(env: Environment):
     if env.simulated:
         return SimulatedReset()
     from node_agent import proc
+
     return NvidiaSmiReset() if proc.which("nvidia-smi") and env.inventory.gpus else None

@@ -45,8 +45,15 @@ from node_agent.remediation.store import NodeRecord
 from node_agent.schedulers.base import MAX_JOB_LEN, sanitise_reason
 
 #: remediation states of a node
-STATES = ("in-service", "drained", "restarting", "retest", "fault", "awaiting-replacement",
-          "needs-operator")
+STATES = (
+    "in-service",
+    "drained",
+    "restarting",
+    "retest",
+    "fault",
+    "awaiting-replacement",
+    "needs-operator",
+)
 #: states in which the agent has drained the node for a restart and a passing re-test resumes it
 RESUMABLE_STATES = ("drained", "restarting", "retest")
 #: actions a plan step can take (the journal's ``action`` column)
@@ -214,9 +221,18 @@ def remediation_window_start(record: NodeRecord, now: float) -> float:
     return max(now - REMEDIATION_WINDOW_S, record.cleared_at or 0.0)
 
 
-def plan(grade: Grade, record: NodeRecord, safety: Safety, *, now: float, boot_time: float,
-         restart_counts: dict[str, int], gpu_reset_available: bool,
-         gpu_reset_tried: bool = False, remediations_7d: int = 0) -> Plan:
+def plan(
+    grade: Grade,
+    record: NodeRecord,
+    safety: Safety,
+    *,
+    now: float,
+    boot_time: float,
+    restart_counts: dict[str, int],
+    gpu_reset_available: bool,
+    gpu_reset_tried: bool = False,
+    remediations_7d: int = 0,
+) -> Plan:
     """What to do about ``grade`` given the node's remediation ``record``.
 
     ``restart_counts`` maps a fault code to the restarts already done for it in the window
@@ -226,29 +242,46 @@ def plan(grade: Grade, record: NodeRecord, safety: Safety, *, now: float, boot_t
     since :func:`remediation_window_start`.
     """
     state = record.state
-    if (state == "restarting" and record.restart_kind == "reboot"
-            and record.requested_at is not None and boot_time < record.requested_at):
-        return Plan(note=f"waiting for the reboot requested at {_iso(record.requested_at)}; "
-                         "the next run after it re-tests the node")
+    if (
+        state == "restarting"
+        and record.restart_kind == "reboot"
+        and record.requested_at is not None
+        and boot_time < record.requested_at
+    ):
+        return Plan(
+            note=f"waiting for the reboot requested at {_iso(record.requested_at)}; "
+            "the next run after it re-tests the node"
+        )
 
-    resumable = state in ("restarting", "retest") or (state == "drained"
-                                                       and record.trigger != "operator")
+    resumable = state in ("restarting", "retest") or (
+        state == "drained" and record.trigger != "operator"
+    )
     if grade.level <= Level.WARN:
         if resumable:
             step = _resume_step(grade.level.name, record)
-            return Plan((step,), note=f"re-test graded {grade.level.name}: resume",
-                        fault_code=record.fault_code, target=record.target)
+            return Plan(
+                (step,),
+                note=f"re-test graded {grade.level.name}: resume",
+                fault_code=record.fault_code,
+                target=record.target,
+            )
         if state in ("fault", "awaiting-replacement"):
-            return Plan(note=f"node is {state} ({record.fault_code} {record.target}); a passing "
-                             "run does not return it: after the repair run `node-agent "
-                             "set-healthy` and `node-agent act resume`")
+            return Plan(
+                note=f"node is {state} ({record.fault_code} {record.target}); a passing "
+                "run does not return it: after the repair run `node-agent "
+                "set-healthy` and `node-agent act resume`"
+            )
         if state == "needs-operator":
-            return Plan(note=f"node needs an operator ({record.fault_code} {record.target}); a "
-                             "passing run does not return it: once the cause is fixed run "
-                             "`node-agent set-healthy` and `node-agent act resume`")
+            return Plan(
+                note=f"node needs an operator ({record.fault_code} {record.target}); a "
+                "passing run does not return it: once the cause is fixed run "
+                "`node-agent set-healthy` and `node-agent act resume`"
+            )
         if state == "drained":
-            return Plan(note="node was drained by an operator through node-agent; resume it "
-                             "with `node-agent act resume`")
+            return Plan(
+                note="node was drained by an operator through node-agent; resume it "
+                "with `node-agent act resume`"
+            )
         return Plan(note=f"{grade.level.name}: no action (never drain for WARN)")
 
     serious = [r for r in grade.reasons if r.level >= Level.ERROR]
@@ -260,42 +293,62 @@ def plan(grade: Grade, record: NodeRecord, safety: Safety, *, now: float, boot_t
         # to keep the node drained (issue 29: a user's idle process with a stale heartbeat
         # kept a drained node from its resume); the node resumes first, then the jobs restart
         step = _resume_step("clean apart from hung training jobs", record)
-        return Plan((step, *jobs.steps), note=f"re-test clean apart from hung training jobs: "
-                                              f"resume; {jobs.note}",
-                    fault_code=record.fault_code, target=record.target)
+        return Plan(
+            (step, *jobs.steps),
+            note=f"re-test clean apart from hung training jobs: resume; {jobs.note}",
+            fault_code=record.fault_code,
+            target=record.target,
+        )
 
     if state == "awaiting-replacement":
-        return Plan(note=f"node is already {state} for {record.fault_code} "
-                         f"{record.target}; nothing more to do until it is repaired")
+        return Plan(
+            note=f"node is already {state} for {record.fault_code} "
+            f"{record.target}; nothing more to do until it is repaired"
+        )
 
     # the node's own findings decide; a hung job beside them ends with the reboot/replacement
     node_reasons = [r for r in grade.reasons if r.rule not in JOB_RULES] or list(grade.reasons)
     node_serious = [r for r in node_reasons if r.level >= Level.ERROR]
-    software = grade.level == Level.ERROR and bool(node_serious) and \
-        all(r.remedy == SOFTWARE for r in node_serious)
+    software = (
+        grade.level == Level.ERROR
+        and bool(node_serious)
+        and all(r.remedy == SOFTWARE for r in node_serious)
+    )
     worst = node_reasons[0] if node_reasons else Reason("ungraded", grade.level, "node", "")
     code, target = fault_code(worst), worst.target
     drained = state != "in-service"
     if state == "fault":  # drained for a FAULT, the replace request not yet done: finish it
         p = _replace_plan(record.fault_code or code, record.target or target, True, Level.FAULT)
-        return Plan(p.steps, note=f"{p.note} (replace request still pending)",
-                    fault_code=p.fault_code, target=p.target)
+        return Plan(
+            p.steps,
+            note=f"{p.note} (replace request still pending)",
+            fault_code=p.fault_code,
+            target=p.target,
+        )
     if grade.level >= Level.FAULT:
         return _replace_plan(code, target, drained, Level.FAULT, note=short_message(worst))
     if state == "needs-operator" and software:
-        return Plan(note=f"node needs an operator since {_iso(record.since)} ({record.fault_code} "
-                         f"{record.target}); still {code} on {target}: no restart or "
-                         "replacement until an operator fixes the cause and runs `node-agent "
-                         "set-healthy` and `node-agent act resume`",
-                    fault_code=record.fault_code, target=record.target)
+        return Plan(
+            note=f"node needs an operator since {_iso(record.since)} ({record.fault_code} "
+            f"{record.target}); still {code} on {target}: no restart or "
+            "replacement until an operator fixes the cause and runs `node-agent "
+            "set-healthy` and `node-agent act resume`",
+            fault_code=record.fault_code,
+            target=record.target,
+        )
 
     restarts = restart_counts.get(code, 0)
     limit = restart_limit(worst, safety)
     if restarts >= limit:
-        where = ("its restarts_before_fault in graders/xid.yaml"
-                 if worst.restarts_before_fault is not None else "safety.max_restarts")
-        why = (f"{code} on {target} is still there after {restarts} restart(s) in "
-               f"{safety.restart_window_h:g} h ({where}={limit})")
+        where = (
+            "its restarts_before_fault in graders/xid.yaml"
+            if worst.restarts_before_fault is not None
+            else "safety.max_restarts"
+        )
+        why = (
+            f"{code} on {target} is still there after {restarts} restart(s) in "
+            f"{safety.restart_window_h:g} h ({where}={limit})"
+        )
         if software:
             return _hold_plan(node_serious, code, target, restarts, drained, why)
         # a software cause beside a hardware one: the hardware finding is what gets replaced
@@ -304,8 +357,13 @@ def plan(grade: Grade, record: NodeRecord, safety: Safety, *, now: float, boot_t
             why += f"; with {fault_code(hardware)} on {hardware.target}, not a software cause"
             code, target = fault_code(hardware), hardware.target
         plan_ = _replace_plan(code, target, drained, Level.FAULT, note="escalated", why=why)
-        return Plan(plan_.steps, note=f"escalated to FAULT: {why}", escalated=True,
-                    fault_code=code, target=target)
+        return Plan(
+            plan_.steps,
+            note=f"escalated to FAULT: {why}",
+            escalated=True,
+            fault_code=code,
+            target=target,
+        )
 
     held = state == "needs-operator" and record.fault_code == REMEDIATIONS_CODE
     if held or remediations_7d >= safety.max_remediations_7d:
@@ -317,24 +375,42 @@ def plan(grade: Grade, record: NodeRecord, safety: Safety, *, now: float, boot_t
         steps.append(Step("drain", reason, "drained", code, target, restarts))
     index = gpu_index(target)
     if gpu_reset_available and not gpu_reset_tried and gpu_reset_allowed(worst):
-        steps.append(Step("gpu-reset", reason, "retest", code, target, restarts,
-                          restart_kind="gpu-reset", gpu_index=index))
-        steps.append(Step("retest", reason, None, code, target, restarts,
-                          restart_kind="gpu-reset"))
-        note = f"ERROR {code} on {target}: drain, GPU reset, re-test (restart {restarts + 1} " \
-               f"of {limit})"
+        steps.append(
+            Step(
+                "gpu-reset",
+                reason,
+                "retest",
+                code,
+                target,
+                restarts,
+                restart_kind="gpu-reset",
+                gpu_index=index,
+            )
+        )
+        steps.append(Step("retest", reason, None, code, target, restarts, restart_kind="gpu-reset"))
+        note = (
+            f"ERROR {code} on {target}: drain, GPU reset, re-test (restart {restarts + 1} "
+            f"of {limit})"
+        )
     else:
-        steps.append(Step("restart", reason, "restarting", code, target, restarts,
-                          restart_kind="reboot"))
-        note = f"ERROR {code} on {target}: drain, reboot request, re-test after the reboot " \
-               f"(restart {restarts + 1} of {limit})"
+        steps.append(
+            Step("restart", reason, "restarting", code, target, restarts, restart_kind="reboot")
+        )
+        note = (
+            f"ERROR {code} on {target}: drain, reboot request, re-test after the reboot "
+            f"(restart {restarts + 1} of {limit})"
+        )
     return Plan(tuple(steps), note=note, fault_code=code, target=target)
 
 
 def _resume_step(graded: str, record: NodeRecord) -> Step:
-    return Step("resume", sanitise_reason(
-        f"re-test passed ({graded}) after {record.fault_code or 'restart'}"),
-        to_state="in-service", fault_code=record.fault_code, target=record.target)
+    return Step(
+        "resume",
+        sanitise_reason(f"re-test passed ({graded}) after {record.fault_code or 'restart'}"),
+        to_state="in-service",
+        fault_code=record.fault_code,
+        target=record.target,
+    )
 
 
 def _job_plan(reasons: list[Reason], state: str) -> Plan:
@@ -352,18 +428,33 @@ def _job_plan(reasons: list[Reason], state: str) -> Plan:
     steps = []
     for (job, raw_target), found in by_job.items():
         first = found[0]
-        where = ",".join(r.target.rsplit("/", 1)[-1] for r in found[:3]) + \
-            (f",+{len(found) - 3}" if len(found) > 3 else "")
+        where = ",".join(r.target.rsplit("/", 1)[-1] for r in found[:3]) + (
+            f",+{len(found) - 3}" if len(found) > 3 else ""
+        )
         target = _printable(f"job:{job}" if job is not None else raw_target)
-        text = f"ERROR {first.rule} job {job if job is not None else '?'} {where} " \
-               f"{short_message(first)}"
-        steps.append(Step("restart-job", sanitise_reason(text), None, fault_code=first.rule,
-                          target=target, job=job))
+        text = (
+            f"ERROR {first.rule} job {job if job is not None else '?'} {where} "
+            f"{short_message(first)}"
+        )
+        steps.append(
+            Step(
+                "restart-job",
+                sanitise_reason(text),
+                None,
+                fault_code=first.rule,
+                target=target,
+                job=job,
+            )
+        )
     jobs = ", ".join(s.target or "?" for s in steps)
-    return Plan(tuple(steps), note=f"ERROR {reasons[0].rule}: restart {len(steps)} hung job(s) "
-                                  f"through the scheduler ({jobs[:300]}); the node is not "
-                                  f"drained and stays {state}",
-                fault_code=reasons[0].rule, target=steps[0].target)
+    return Plan(
+        tuple(steps),
+        note=f"ERROR {reasons[0].rule}: restart {len(steps)} hung job(s) "
+        f"through the scheduler ({jobs[:300]}); the node is not "
+        f"drained and stays {state}",
+        fault_code=reasons[0].rule,
+        target=steps[0].target,
+    )
 
 
 def _printable(text: str, max_len: int = MAX_JOB_LEN + 32) -> str:
@@ -372,8 +463,9 @@ def _printable(text: str, max_len: int = MAX_JOB_LEN + 32) -> str:
     return escaped if len(escaped) <= max_len else escaped[: max_len - 3] + "..."
 
 
-def _hold_plan(reasons: list[Reason], code: str, target: str, restarts: int, drained: bool,
-               why: str) -> Plan:
+def _hold_plan(
+    reasons: list[Reason], code: str, target: str, restarts: int, drained: bool, why: str
+) -> Plan:
     """Restarts spent on software causes only: keep the node drained for an operator.
 
     New hardware would not fix a driver that is not loaded or a check that cannot run, so the
@@ -384,55 +476,80 @@ def _hold_plan(reasons: list[Reason], code: str, target: str, restarts: int, dra
     reason = drain_reason(Level.ERROR, code, target, f"needs-operator {short_message(reasons[0])}")
     steps = [] if drained else [Step("drain", reason, "drained", code, target, restarts)]
     steps.append(Step("hold", reason, "needs-operator", code, target, restarts))
-    note = (f"needs an operator: {why}; every ERROR is a software cause ({causes}: remedy "
-            "software in graders/rules.yaml), which new hardware does not fix, so the node stays "
-            "drained with no further restart or replacement; fix the cause (e.g. rebuild or "
-            "reinstall the driver for the running kernel), then run `node-agent set-healthy` and "
-            "`node-agent act resume`")
+    note = (
+        f"needs an operator: {why}; every ERROR is a software cause ({causes}: remedy "
+        "software in graders/rules.yaml), which new hardware does not fix, so the node stays "
+        "drained with no further restart or replacement; fix the cause (e.g. rebuild or "
+        "reinstall the driver for the running kernel), then run `node-agent set-healthy` and "
+        "`node-agent act resume`"
+    )
     return Plan(tuple(steps), note=note, fault_code=code, target=target)
 
 
-def _remediations_hold_plan(record: NodeRecord, code: str, target: str, count: int,
-                            drained: bool, safety: Safety) -> Plan:
+def _remediations_hold_plan(
+    record: NodeRecord, code: str, target: str, count: int, drained: bool, safety: Safety
+) -> Plan:
     """The node was restarted ``safety.max_remediations_7d`` times in 7 days: no further
     restart. A ``hold`` step (journaled, no adapter call) moves it to ``needs-operator`` with
     the fault code ``remediations-7d``, after a drain if it is not drained; once held, later
     ERRORs plan nothing (a FAULT is still replaced)."""
-    why = (f"node restarted {count} time(s) by node-agent in 7 days (safety.max_remediations_7d="
-           f"{safety.max_remediations_7d}), now {code} on {target}")
+    why = (
+        f"node restarted {count} time(s) by node-agent in 7 days (safety.max_remediations_7d="
+        f"{safety.max_remediations_7d}), now {code} on {target}"
+    )
     if record.state == "needs-operator" and record.fault_code == REMEDIATIONS_CODE:
-        return Plan(note=f"held for an operator since {_iso(record.since)}: {why}; no restart "
-                         "until an operator looks at the node and runs `node-agent set-healthy` "
-                         "and `node-agent act resume`",
-                    fault_code=record.fault_code, target=record.target)
-    reason = drain_reason(Level.ERROR, code, target,
-                          f"needs-operator {count} remediations in 7 d")
+        return Plan(
+            note=f"held for an operator since {_iso(record.since)}: {why}; no restart "
+            "until an operator looks at the node and runs `node-agent set-healthy` "
+            "and `node-agent act resume`",
+            fault_code=record.fault_code,
+            target=record.target,
+        )
+    reason = drain_reason(Level.ERROR, code, target, f"needs-operator {count} remediations in 7 d")
     steps = [] if drained else [Step("drain", reason, "drained", code, target, count)]
     steps.append(Step("hold", reason, "needs-operator", REMEDIATIONS_CODE, "node", count))
-    note = (f"held for an operator: {why}; a node that keeps needing restarts is not restarted "
-            "again: it stays drained until an operator finds the cause, then runs `node-agent "
-            "set-healthy` and `node-agent act resume`")
+    note = (
+        f"held for an operator: {why}; a node that keeps needing restarts is not restarted "
+        "again: it stays drained until an operator finds the cause, then runs `node-agent "
+        "set-healthy` and `node-agent act resume`"
+    )
     return Plan(tuple(steps), note=note, fault_code=REMEDIATIONS_CODE, target="node")
 
 
-def _replace_plan(code: str, target: str, drained: bool, level: Level, note: str = "",
-                  why: str = "") -> Plan:
+def _replace_plan(
+    code: str, target: str, drained: bool, level: Level, note: str = "", why: str = ""
+) -> Plan:
     reason = drain_reason(level, code, target, note)
     steps = [] if drained else [Step("drain", reason, "fault", code, target)]
     steps.append(Step("replace", reason, "awaiting-replacement", code, target))
-    return Plan(tuple(steps), note=why or f"FAULT {code} on {target}: drain, replace",
-                fault_code=code, target=target)
+    return Plan(
+        tuple(steps),
+        note=why or f"FAULT {code} on {target}: drain, replace",
+        fault_code=code,
+        target=target,
+    )
 
 
 def operator_step(action: str, text: str) -> Step:
     """The step for ``node-agent act ACTION --reason TEXT`` (TEXT already sanitised)."""
-    to_state = {"drain": "drained", "resume": "in-service", "restart": "restarting",
-                "replace": "awaiting-replacement"}[action]
+    to_state = {
+        "drain": "drained",
+        "resume": "in-service",
+        "restart": "restarting",
+        "replace": "awaiting-replacement",
+    }[action]
     reason = sanitise_reason(f"operator {action}" + (f": {text}" if text else ""))
-    return Step(action, reason, to_state, fault_code="operator", target="node",
-                restart_kind="reboot" if action == "restart" else None)
+    return Step(
+        action,
+        reason,
+        to_state,
+        fault_code="operator",
+        target="node",
+        restart_kind="reboot" if action == "restart" else None,
+    )
 
 
 def _iso(epoch: float) -> str:
     import datetime as _dt
+
     return _dt.datetime.fromtimestamp(epoch, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -149,8 +149,13 @@ class Store:
     ``unavailable`` is None while the store can be trusted; otherwise it says why not, the
     store is read-only (or empty), and every write raises :class:`StateUnavailable`."""
 
-    def __init__(self, conn: sqlite3.Connection, path: Path | None,
-                 notes: list[str] | None = None, unavailable: str | None = None) -> None:
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        path: Path | None,
+        notes: list[str] | None = None,
+        unavailable: str | None = None,
+    ) -> None:
         self._conn = conn
         self.path = path  # None: nothing on disk could be opened
         self.notes = notes or []  # what went wrong opening it (moved aside, read-only)
@@ -164,8 +169,10 @@ class Store:
         if self.unavailable is None:
             self.unavailable = reason
             self.notes.append(reason)
-            _warn(f"{reason}; automatic actions are refused until it works again (the file "
-                  "is kept as it is)")
+            _warn(
+                f"{reason}; automatic actions are refused until it works again (the file "
+                "is kept as it is)"
+            )
         return StateUnavailable(reason)
 
     @contextmanager
@@ -203,17 +210,30 @@ class Store:
             raise self._fail("reading", err) from err
 
     # -- runs ----------------------------------------------------------------------------------
-    def record_run(self, node: str, at: float, suite: str, mode: str, level: str,
-                   reasons: list[dict[str, Any]], report_path: str | None = None) -> None:
+    def record_run(
+        self,
+        node: str,
+        at: float,
+        suite: str,
+        mode: str,
+        level: str,
+        reasons: list[dict[str, Any]],
+        report_path: str | None = None,
+    ) -> None:
         with self._tx() as c:
-            c.execute("INSERT INTO runs (at, node, suite, mode, level, reasons, report_path) "
-                      "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                      (at, node, suite, mode, level, json.dumps(reasons), report_path))
+            c.execute(
+                "INSERT INTO runs (at, node, suite, mode, level, reasons, report_path) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (at, node, suite, mode, level, json.dumps(reasons), report_path),
+            )
 
     def last_run(self, node: str) -> RunRow | None:
         row = self._rows(
             "SELECT at, suite, mode, level, reasons, report_path FROM runs WHERE node = ? "
-            "ORDER BY id DESC LIMIT 1", (node,), one=True)
+            "ORDER BY id DESC LIMIT 1",
+            (node,),
+            one=True,
+        )
         if row is None:
             return None
         return RunRow(row[0], row[1], row[2], row[3], json.loads(row[4]), row[5])
@@ -222,14 +242,19 @@ class Store:
         """The newest ``limit`` runs at or after ``since``, oldest first."""
         rows = self._rows(
             "SELECT at, suite, mode, level, reasons, report_path FROM runs WHERE node = ? "
-            "AND at >= ? ORDER BY id DESC LIMIT ?", (node, since, limit))
+            "AND at >= ? ORDER BY id DESC LIMIT ?",
+            (node, since, limit),
+        )
         return [RunRow(r[0], r[1], r[2], r[3], json.loads(r[4]), r[5]) for r in reversed(rows)]
 
     # -- node state ----------------------------------------------------------------------------
     def node_record(self, node: str) -> NodeRecord:
         row = self._rows(
             "SELECT node, state, since, fault_code, target, trigger, restart_kind, requested_at,"
-            " cleared_at, detail FROM node_state WHERE node = ?", (node,), one=True)
+            " cleared_at, detail FROM node_state WHERE node = ?",
+            (node,),
+            one=True,
+        )
         return NodeRecord(*row) if row else NodeRecord(node=node)
 
     def set_node_record(self, record: NodeRecord) -> None:
@@ -238,11 +263,23 @@ class Store:
 
     @staticmethod
     def _put_record(c: sqlite3.Connection, r: NodeRecord) -> None:
-        c.execute("INSERT OR REPLACE INTO node_state (node, state, since, fault_code, target, "
-                  "trigger, restart_kind, requested_at, cleared_at, detail) "
-                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                  (r.node, r.state, r.since, r.fault_code, r.target, r.trigger, r.restart_kind,
-                   r.requested_at, r.cleared_at, r.detail))
+        c.execute(
+            "INSERT OR REPLACE INTO node_state (node, state, since, fault_code, target, "
+            "trigger, restart_kind, requested_at, cleared_at, detail) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                r.node,
+                r.state,
+                r.since,
+                r.fault_code,
+                r.target,
+                r.trigger,
+                r.restart_kind,
+                r.requested_at,
+                r.cleared_at,
+                r.detail,
+            ),
+        )
 
     def clear_node(self, node: str, now: float, detail: str) -> NodeRecord:
         """``set-healthy``: back in service; restarts and drains before ``now`` stop counting.
@@ -250,20 +287,35 @@ class Store:
         The journal rows are kept (they are the audit trail); open rows are closed as
         ``refused`` so that crash recovery does not replay them after a repair.
         """
-        record = NodeRecord(node=node, state="in-service", since=now, cleared_at=now,
-                            detail=detail)
+        record = NodeRecord(node=node, state="in-service", since=now, cleared_at=now, detail=detail)
         with self._tx() as c:
             self._put_record(c, record)
-            c.execute("UPDATE journal SET state = 'refused', detail = ?, updated_at = ? "
-                      "WHERE node = ? AND state IN ('planned', 'started')",
-                      (f"cancelled by set-healthy: {detail}", now, node))
+            c.execute(
+                "UPDATE journal SET state = 'refused', detail = ?, updated_at = ? "
+                "WHERE node = ? AND state IN ('planned', 'started')",
+                (f"cancelled by set-healthy: {detail}", now, node),
+            )
         return record
 
     # -- journal -------------------------------------------------------------------------------
-    def journal_plan(self, *, key: str, node: str, action: str, reason: str,
-                     fault_code: str | None, target: str | None, attempt: int,
-                     to_state: str | None, trigger: str, adapter: str, now: float,
-                     state: str = "planned", detail: str = "", tries: int = 0) -> JournalRow:
+    def journal_plan(
+        self,
+        *,
+        key: str,
+        node: str,
+        action: str,
+        reason: str,
+        fault_code: str | None,
+        target: str | None,
+        attempt: int,
+        to_state: str | None,
+        trigger: str,
+        adapter: str,
+        now: float,
+        state: str = "planned",
+        detail: str = "",
+        tries: int = 0,
+    ) -> JournalRow:
         """Write a journal row *before* acting; returns it (with its id). A retry of a failed
         step is a new row with the same key and the tries so far (the journal shows each
         attempt)."""
@@ -274,29 +326,51 @@ class Store:
                 "INSERT INTO journal (key, node, action, reason, fault_code, target, attempt, "
                 "state, detail, to_state, trigger, adapter, tries, created_at, updated_at) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (key, node, action, reason, fault_code, target, attempt, state, detail,
-                 to_state, trigger, adapter, tries, now, now))
+                (
+                    key,
+                    node,
+                    action,
+                    reason,
+                    fault_code,
+                    target,
+                    attempt,
+                    state,
+                    detail,
+                    to_state,
+                    trigger,
+                    adapter,
+                    tries,
+                    now,
+                    now,
+                ),
+            )
             row_id = cur.lastrowid
         return self.journal_row(int(row_id))
 
-    def journal_update(self, row_id: int, state: str, detail: str, now: float,
-                       count_try: bool = False) -> JournalRow:
+    def journal_update(
+        self, row_id: int, state: str, detail: str, now: float, count_try: bool = False
+    ) -> JournalRow:
         if state not in JOURNAL_STATES:
             raise ValueError(f"journal state {state!r} is not one of {JOURNAL_STATES}")
         with self._tx() as c:
-            c.execute("UPDATE journal SET state = ?, detail = ?, updated_at = ?, "
-                      "tries = tries + ? WHERE id = ?",
-                      (state, detail, now, 1 if count_try else 0, row_id))
+            c.execute(
+                "UPDATE journal SET state = ?, detail = ?, updated_at = ?, "
+                "tries = tries + ? WHERE id = ?",
+                (state, detail, now, 1 if count_try else 0, row_id),
+            )
         return self.journal_row(row_id)
 
-    def journal_finish(self, row_id: int, state: str, detail: str, now: float,
-                       record: NodeRecord | None = None) -> JournalRow:
+    def journal_finish(
+        self, row_id: int, state: str, detail: str, now: float, record: NodeRecord | None = None
+    ) -> JournalRow:
         """Close a row and, when it is ``done``, move the node to its new state, atomically."""
         if state not in JOURNAL_STATES:
             raise ValueError(f"journal state {state!r} is not one of {JOURNAL_STATES}")
         with self._tx() as c:
-            c.execute("UPDATE journal SET state = ?, detail = ?, updated_at = ? WHERE id = ?",
-                      (state, detail, now, row_id))
+            c.execute(
+                "UPDATE journal SET state = ?, detail = ?, updated_at = ? WHERE id = ?",
+                (state, detail, now, row_id),
+            )
             if record is not None:
                 self._put_record(c, record)
         return self.journal_row(row_id)
@@ -309,21 +383,28 @@ class Store:
 
     def journal_by_key(self, key: str) -> JournalRow | None:
         """The newest row with this idempotency key."""
-        row = self._rows(f"SELECT {_JCOLS} FROM journal WHERE key = ? "
-                         "ORDER BY id DESC LIMIT 1", (key,), one=True)
+        row = self._rows(
+            f"SELECT {_JCOLS} FROM journal WHERE key = ? ORDER BY id DESC LIMIT 1", (key,), one=True
+        )
         return JournalRow(*row) if row else None
 
     def first_seen(self, key: str, since: float) -> float | None:
         """When a row with this key was first written at or after ``since`` (the start of the
         node's current episode): the fault's first sighting, for the adapters' idempotency."""
-        row = self._rows("SELECT MIN(created_at) FROM journal WHERE key = ? AND created_at >= ?",
-                         (key, since), one=True)
+        row = self._rows(
+            "SELECT MIN(created_at) FROM journal WHERE key = ? AND created_at >= ?",
+            (key, since),
+            one=True,
+        )
         return row[0] if row else None
 
     def open_journal(self, node: str) -> list[JournalRow]:
         """Rows a crash left ``planned`` or ``started``, oldest first."""
-        rows = self._rows(f"SELECT {_JCOLS} FROM journal WHERE node = ? AND state IN "
-                          "('planned', 'started') ORDER BY id", (node,))
+        rows = self._rows(
+            f"SELECT {_JCOLS} FROM journal WHERE node = ? AND state IN "
+            "('planned', 'started') ORDER BY id",
+            (node,),
+        )
         return [JournalRow(*r) for r in rows]
 
     def journal_tail(self, node: str | None = None, limit: int = 20) -> list[JournalRow]:
@@ -331,15 +412,25 @@ class Store:
         if node is None:
             rows = self._rows(f"SELECT {_JCOLS} FROM journal ORDER BY id DESC LIMIT ?", (limit,))
         else:
-            rows = self._rows(f"SELECT {_JCOLS} FROM journal WHERE node = ? "
-                              "ORDER BY id DESC LIMIT ?", (node, limit))
+            rows = self._rows(
+                f"SELECT {_JCOLS} FROM journal WHERE node = ? ORDER BY id DESC LIMIT ?",
+                (node, limit),
+            )
         return [JournalRow(*r) for r in reversed(rows)]
 
-    def count_done(self, node: str | None, actions: tuple[str, ...], since: float,
-                   fault_code: str | None = None, trigger: str | None = None) -> int:
+    def count_done(
+        self,
+        node: str | None,
+        actions: tuple[str, ...],
+        since: float,
+        fault_code: str | None = None,
+        trigger: str | None = None,
+    ) -> int:
         """How many ``done`` rows of these actions (for this node and fault code) since then."""
-        sql = (f"SELECT COUNT(*) FROM journal WHERE state = 'done' AND updated_at >= ? "
-               f"AND action IN ({','.join('?' * len(actions))})")
+        sql = (
+            f"SELECT COUNT(*) FROM journal WHERE state = 'done' AND updated_at >= ? "
+            f"AND action IN ({','.join('?' * len(actions))})"
+        )
         params: list[Any] = [since, *actions]
         if node is not None:
             sql += " AND node = ?"
@@ -352,12 +443,15 @@ class Store:
             params.append(trigger)
         return int(self._rows(sql, params, one=True)[0])
 
-    def done_by_code(self, node: str, actions: tuple[str, ...], since: float,
-                     trigger: str | None = None) -> dict[str, int]:
+    def done_by_code(
+        self, node: str, actions: tuple[str, ...], since: float, trigger: str | None = None
+    ) -> dict[str, int]:
         """``done`` rows of these actions since then, per fault code (``status``: the restarts
         each fault code has had in its window)."""
-        sql = (f"SELECT fault_code, COUNT(*) FROM journal WHERE node = ? AND state = 'done' "
-               f"AND updated_at >= ? AND action IN ({','.join('?' * len(actions))})")
+        sql = (
+            f"SELECT fault_code, COUNT(*) FROM journal WHERE node = ? AND state = 'done' "
+            f"AND updated_at >= ? AND action IN ({','.join('?' * len(actions))})"
+        )
         params: list[Any] = [node, since, *actions]
         if trigger is not None:
             sql += " AND trigger = ?"
@@ -368,29 +462,39 @@ class Store:
     def last_done_at(self, node: str, actions: tuple[str, ...]) -> float | None:
         row = self._rows(
             f"SELECT MAX(updated_at) FROM journal WHERE node = ? AND state = 'done' "
-            f"AND action IN ({','.join('?' * len(actions))})", (node, *actions), one=True)
+            f"AND action IN ({','.join('?' * len(actions))})",
+            (node, *actions),
+            one=True,
+        )
         return row[0] if row else None
 
     # -- breaker -------------------------------------------------------------------------------
     def breaker(self) -> BreakerState:
-        row = self._rows("SELECT open, opened_at, reason, reset_at FROM breaker WHERE id = 1",
-                         one=True)
+        row = self._rows(
+            "SELECT open, opened_at, reason, reset_at FROM breaker WHERE id = 1", one=True
+        )
         return BreakerState(bool(row[0]), row[1], row[2], row[3]) if row else BreakerState()
 
     def open_breaker(self, now: float, reason: str) -> None:
         with self._tx() as c:
-            c.execute("INSERT INTO breaker (id, open, opened_at, reason, reset_at) "
-                      "VALUES (1, 1, ?, ?, (SELECT reset_at FROM breaker WHERE id = 1)) "
-                      "ON CONFLICT(id) DO UPDATE SET open = 1, opened_at = excluded.opened_at, "
-                      "reason = excluded.reason", (now, reason))
+            c.execute(
+                "INSERT INTO breaker (id, open, opened_at, reason, reset_at) "
+                "VALUES (1, 1, ?, ?, (SELECT reset_at FROM breaker WHERE id = 1)) "
+                "ON CONFLICT(id) DO UPDATE SET open = 1, opened_at = excluded.opened_at, "
+                "reason = excluded.reason",
+                (now, reason),
+            )
 
     def reset_breaker(self, now: float) -> BreakerState:
         """Close the breaker; drains before ``now`` no longer count towards tripping it."""
         before = self.breaker()
         with self._tx() as c:
-            c.execute("INSERT INTO breaker (id, open, opened_at, reason, reset_at) "
-                      "VALUES (1, 0, NULL, NULL, ?) ON CONFLICT(id) DO UPDATE SET open = 0, "
-                      "opened_at = NULL, reason = NULL, reset_at = excluded.reset_at", (now,))
+            c.execute(
+                "INSERT INTO breaker (id, open, opened_at, reason, reset_at) "
+                "VALUES (1, 0, NULL, NULL, ?) ON CONFLICT(id) DO UPDATE SET open = 0, "
+                "opened_at = NULL, reason = NULL, reset_at = excluded.reset_at",
+                (now,),
+            )
         return before
 
     # -- opt-out -------------------------------------------------------------------------------
@@ -402,8 +506,10 @@ class Store:
     def set_opt_out(self, node: str, on: bool, now: float, reason: str = "") -> None:
         with self._tx() as c:
             if on:
-                c.execute("INSERT OR REPLACE INTO opt_out (node, at, reason) VALUES (?, ?, ?)",
-                          (node, now, reason or "opted out by an operator"))
+                c.execute(
+                    "INSERT OR REPLACE INTO opt_out (node, at, reason) VALUES (?, ?, ?)",
+                    (node, now, reason or "opted out by an operator"),
+                )
             else:
                 c.execute("DELETE FROM opt_out WHERE node = ?", (node,))
 
@@ -411,8 +517,10 @@ class Store:
         return int(self._rows("SELECT version FROM schema_version", one=True)[0])
 
 
-_JCOLS = ("id, key, node, action, reason, fault_code, target, attempt, state, detail, to_state, "
-          "trigger, adapter, tries, created_at, updated_at")
+_JCOLS = (
+    "id, key, node, action, reason, fault_code, target, attempt, state, detail, to_state, "
+    "trigger, adapter, tries, created_at, updated_at"
+)
 
 
 def _connect(path: Path | str) -> sqlite3.Connection:
@@ -454,13 +562,15 @@ def _check_version(conn: sqlite3.Connection, path: Path | str) -> None:
     if row is not None and int(row[0]) > SCHEMA_VERSION:
         raise NewerSchema(
             f"{path} has schema version {row[0]}; this agent knows up to {SCHEMA_VERSION} "
-            "(written by a newer node-agent)")
+            "(written by a newer node-agent)"
+        )
 
 
 def _not_a_database(err: sqlite3.Error) -> bool:
     """Only this moves a store aside: the file is not SQLite at all, so nothing in it is lost."""
-    return (getattr(err, "sqlite_errorname", None) == "SQLITE_NOTADB"
-            or "file is not a database" in str(err))
+    return getattr(
+        err, "sqlite_errorname", None
+    ) == "SQLITE_NOTADB" or "file is not a database" in str(err)
 
 
 def open_store(state_dir: Path | str, clock: Callable[[], float] = time.time) -> Store:
@@ -478,8 +588,9 @@ def open_store(state_dir: Path | str, clock: Callable[[], float] = time.time) ->
     try:
         private_dir(state_dir)  # 0700: nobody else may read the journal or lock the database
     except OSError as err:
-        return _unavailable_store(path, f"cannot use state dir {state_dir}: "
-                                        f"{err.strerror or err}", notes, read_only=False)
+        return _unavailable_store(
+            path, f"cannot use state dir {state_dir}: {err.strerror or err}", notes, read_only=False
+        )
     for attempt in (1, 2):
         conn = None
         try:
@@ -487,8 +598,9 @@ def open_store(state_dir: Path | str, clock: Callable[[], float] = time.time) ->
             # a read-only disk would show up only at the first action
             for target in (state_dir, path):
                 if target.exists() and not os.access(target, os.W_OK):
-                    raise sqlite3.OperationalError(f"{target} is not writable (a read-only "
-                                                   "file system, or its permissions)")
+                    raise sqlite3.OperationalError(
+                        f"{target} is not writable (a read-only file system, or its permissions)"
+                    )
             conn = _connect(path)
             _init_schema(conn, path)
             _private_files(path)
@@ -501,12 +613,17 @@ def open_store(state_dir: Path | str, clock: Callable[[], float] = time.time) ->
                 try:
                     moved = move_aside(path, clock())
                 except OSError as move_err:
-                    return _unavailable_store(path, f"{path} is not a database and cannot be "
-                                                    f"moved aside ({move_err})", notes)
-                note = (f"state database {path} is not a database ({err}); moved it aside to "
-                        f"{moved} and started a fresh one: remediation history, journal and "
-                        "breaker state are reset; inspect the old file and keep it for the "
-                        "incident record")
+                    return _unavailable_store(
+                        path,
+                        f"{path} is not a database and cannot be moved aside ({move_err})",
+                        notes,
+                    )
+                note = (
+                    f"state database {path} is not a database ({err}); moved it aside to "
+                    f"{moved} and started a fresh one: remediation history, journal and "
+                    "breaker state are reset; inspect the old file and keep it for the "
+                    "incident record"
+                )
                 _warn(note)
                 notes.append(note)
                 continue
@@ -525,13 +642,18 @@ def _open_read_only(path: Path) -> tuple[sqlite3.Connection, str] | None:
     missing). None when neither works or the file is absent."""
     if not path.is_file():
         return None
-    for query, how in (("mode=ro", "read-only"),
-                       ("mode=ro&immutable=1", "read-only, from the main file only (changes "
-                                               "still in the -wal file are not shown)")):
+    for query, how in (
+        ("mode=ro", "read-only"),
+        (
+            "mode=ro&immutable=1",
+            "read-only, from the main file only (changes still in the -wal file are not shown)",
+        ),
+    ):
         conn = None
         try:
-            conn = sqlite3.connect(f"file:{quote(str(path))}?{query}", uri=True, timeout=2.0,
-                                   isolation_level=None)
+            conn = sqlite3.connect(
+                f"file:{quote(str(path))}?{query}", uri=True, timeout=2.0, isolation_level=None
+            )
             conn.execute("PRAGMA query_only = 1")
             conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
             return conn, how
@@ -542,8 +664,9 @@ def _open_read_only(path: Path) -> tuple[sqlite3.Connection, str] | None:
     return None
 
 
-def _unavailable_store(path: Path, why: str, notes: list[str] | None = None,
-                       read_only: bool = True) -> Store:
+def _unavailable_store(
+    path: Path, why: str, notes: list[str] | None = None, read_only: bool = True
+) -> Store:
     """The file is kept; the store refuses every write. Read-only when it can be read."""
     opened = _open_read_only(path) if read_only else None
     if opened is not None:
@@ -554,12 +677,15 @@ def _unavailable_store(path: Path, why: str, notes: list[str] | None = None,
         conn.executescript(_SCHEMA)
         conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
         shown = "nothing of it can be read"
-    note = (f"state unavailable: {why}; the file is kept as it is ({shown}); checks and reports "
-            "go on, automatic actions are refused until the state works again: free the disk, "
-            "fix its permissions or mount, or move the file aside by hand")
+    note = (
+        f"state unavailable: {why}; the file is kept as it is ({shown}); checks and reports "
+        "go on, automatic actions are refused until the state works again: free the disk, "
+        "fix its permissions or mount, or move the file aside by hand"
+    )
     _warn(note)
-    return Store(conn, path if opened is not None else None, [*(notes or []), note],
-                 unavailable=why)
+    return Store(
+        conn, path if opened is not None else None, [*(notes or []), note], unavailable=why
+    )
 
 
 def _private_files(path: Path) -> None:
@@ -590,5 +716,3 @@ def move_aside(path: Path, now: float) -> Path:
         if side.exists():
             side.rename(target.with_name(target.name + suffix))
     return target
-
-

@@ -49,17 +49,26 @@ def require_matplotlib() -> None:
 
 #: worst first when several results share a cell: a finding outranks a check that broke
 STATUS_RANK = {Status.SKIP: 0, Status.PASS: 1, Status.WARN: 2, Status.ERROR: 3, Status.FAIL: 4}
-STATUS_COLOUR = {"pass": "#2e7d32", "warn": "#f9a825", "fail": "#c62828", "error": "#6a1b9a",
-                 "skip": "#9e9e9e"}
+STATUS_COLOUR = {
+    "pass": "#2e7d32",
+    "warn": "#f9a825",
+    "fail": "#c62828",
+    "error": "#6a1b9a",
+    "skip": "#9e9e9e",
+}
 LEVEL_WORDS = {
     Level.HEALTHY: "The node is fit for service.",
     Level.WARN: "The node may stay in service; the findings below deserve a look.",
     Level.ERROR: "A recoverable problem: drain the node, restart it (GPU reset or reboot) and "
-                 "re-test.",
+    "re-test.",
     Level.FAULT: "A hardware fault: drain the node and replace the faulty part.",
 }
-ACTION_WORDS = {"none": "no action", "restart": "drain, restart, re-test",
-                "drain": "drain", "replace": "drain and replace"}
+ACTION_WORDS = {
+    "none": "no action",
+    "restart": "drain, restart, re-test",
+    "drain": "drain",
+    "replace": "drain and replace",
+}
 
 CSS = """
 :root { --pass:#2e7d32; --warn:#f9a825; --fail:#c62828; --error:#6a1b9a; --skip:#9e9e9e; }
@@ -114,16 +123,19 @@ def esc(value: Any) -> str:
 
 def page(title: str, body: str) -> str:
     """A complete page around ``body``; the CSP forbids any load (the page is self-contained)."""
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; "
-            "style-src 'unsafe-inline'; img-src data:\">"
-            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-            "<link rel=\"icon\" href=\"data:,\">"
-            f"<title>{esc(title)}</title><style>{CSS}</style></head>\n<body>\n{body}\n"
-            "</body></html>\n")
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; '
+        "style-src 'unsafe-inline'; img-src data:\">"
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        '<link rel="icon" href="data:,">'
+        f"<title>{esc(title)}</title><style>{CSS}</style></head>\n<body>\n{body}\n"
+        "</body></html>\n"
+    )
 
 
 # -- plotting --------------------------------------------------------------------------------
+
 
 class Plotter:
     """Matplotlib figures to inline SVG, without pyplot's global state or a GUI backend."""
@@ -145,8 +157,11 @@ class Plotter:
         self._count += 1
         # text as <text> (small, selectable); report text is never parsed as mathtext; the hash
         # salt makes element ids deterministic and distinct between the page's figures
-        rc = {"svg.fonttype": "none", "text.parse_math": False,
-              "svg.hashsalt": f"node-agent-{self._count}"}
+        rc = {
+            "svg.fonttype": "none",
+            "text.parse_math": False,
+            "svg.hashsalt": f"node-agent-{self._count}",
+        }
         buf = io.StringIO()
         with self._matplotlib.rc_context(rc):
             fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None})
@@ -156,8 +171,7 @@ class Plotter:
 
 
 def _number(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _series(evidence: dict[str, Any], key: str) -> list[float] | None:
@@ -172,6 +186,7 @@ def _series(evidence: dict[str, Any], key: str) -> list[float] | None:
 
 
 # -- the page's parts ------------------------------------------------------------------------
+
 
 def _gpu_index(target: str) -> int | None:
     m = _GPU_TARGET.match(target)
@@ -191,23 +206,28 @@ def _verdict(report: Report) -> str:
     g = report.grade
     counts = {s: sum(1 for r in report.results if r.status is s) for s in Status}
     reasons = "".join(
-        f"<li class=\"reason level-{r.level.name}\" data-target=\"{esc(r.target)}\">"
+        f'<li class="reason level-{r.level.name}" data-target="{esc(r.target)}">'
         f"<b>{esc(r.level.name)}</b> on <b>{esc(r.target)}</b>: {esc(r.message)} "
-        f"<span class=\"rule\">[rule {esc(r.rule)}]</span></li>"
-        for r in g.reasons if r.level > Level.HEALTHY)
+        f'<span class="rule">[rule {esc(r.rule)}]</span></li>'
+        for r in g.reasons
+        if r.level > Level.HEALTHY
+    )
     return (
-        f"<section id=\"verdict\" class=\"verdict level-{g.level.name}\" "
-        f"data-level=\"{g.level.name}\" data-action=\"{esc(g.action.value)}\">"
-        f"<span class=\"level\">{g.level.name}</span>"
-        f"<span class=\"action\">action: {esc(g.action.value)} "
+        f'<section id="verdict" class="verdict level-{g.level.name}" '
+        f'data-level="{g.level.name}" data-action="{esc(g.action.value)}">'
+        f'<span class="level">{g.level.name}</span>'
+        f'<span class="action">action: {esc(g.action.value)} '
         f"({esc(ACTION_WORDS.get(g.action.value, g.action.value))})</span>"
         f"<div>{esc(LEVEL_WORDS[g.level])}</div>"
         + (f"<ul>{reasons}</ul>" if reasons else "")
         + "</section>"
-        f"<p class=\"meta\">{len(report.results)} results: "
-        + ", ".join(f"{counts[s]} {s.value}" for s in (Status.PASS, Status.WARN, Status.FAIL,
-                                                        Status.ERROR, Status.SKIP))
-        + "</p>")
+        f'<p class="meta">{len(report.results)} results: '
+        + ", ".join(
+            f"{counts[s]} {s.value}"
+            for s in (Status.PASS, Status.WARN, Status.FAIL, Status.ERROR, Status.SKIP)
+        )
+        + "</p>"
+    )
 
 
 def _worst(results: list[Result]) -> Status:
@@ -221,26 +241,38 @@ def _matrix(report: Report, levels: dict[str, Level]) -> str:
         by_cell.setdefault((r.target, r.check), []).append(r)
         if r.check not in checks:
             checks.append(r.check)
-    gpu_indices = sorted({g.index for g in report.gpus}
-                         | {i for r in report.results if (i := _gpu_index(r.target)) is not None}
-                         | {i for t in levels if (i := _gpu_index(t)) is not None})
-    others = sorted({r.target for r in report.results if _gpu_index(r.target) is None}
-                    | {t for t in levels if _gpu_index(t) is None})
+    gpu_indices = sorted(
+        {g.index for g in report.gpus}
+        | {i for r in report.results if (i := _gpu_index(r.target)) is not None}
+        | {i for t in levels if (i := _gpu_index(t)) is not None}
+    )
+    others = sorted(
+        {r.target for r in report.results if _gpu_index(r.target) is None}
+        | {t for t in levels if _gpu_index(t) is None}
+    )
     gpu_checks = [c for c in checks if any((f"gpu:{i}", c) in by_cell for i in gpu_indices)]
     other_checks = [c for c in checks if any((t, c) in by_cell for t in others)]
     out = []
     if gpu_indices:
-        out.append(_matrix_table("gpu-matrix", [f"gpu:{i}" for i in gpu_indices], gpu_checks,
-                                 by_cell, levels, report))
+        out.append(
+            _matrix_table(
+                "gpu-matrix", [f"gpu:{i}" for i in gpu_indices], gpu_checks, by_cell, levels, report
+            )
+        )
     if others:
         out.append("<h3>Node, disks and network adapters</h3>")
         out.append(_matrix_table("node-matrix", others, other_checks, by_cell, levels, report))
-    return "".join(out) or "<p class=\"note\">No results.</p>"
+    return "".join(out) or '<p class="note">No results.</p>'
 
 
-def _matrix_table(table_id: str, targets: list[str], checks: list[str],
-                  by_cell: dict[tuple[str, str], list[Result]], levels: dict[str, Level],
-                  report: Report) -> str:
+def _matrix_table(
+    table_id: str,
+    targets: list[str],
+    checks: list[str],
+    by_cell: dict[tuple[str, str], list[Result]],
+    levels: dict[str, Level],
+    report: Report,
+) -> str:
     names = {f"gpu:{g.index}": g.name for g in report.gpus}
     head = "".join(f"<th>{esc(c)}</th>" for c in checks)
     rows = []
@@ -248,29 +280,38 @@ def _matrix_table(table_id: str, targets: list[str], checks: list[str],
         level = levels.get(target, Level.HEALTHY)
         flagged = level > Level.HEALTHY
         gpu = _gpu_index(target)
-        attrs = (f" data-target=\"{esc(target)}\" data-level=\"{level.name}\""
-                 + (f" data-gpu=\"{gpu}\"" if gpu is not None else "")
-                 + f" class=\"{'gpu-row' if gpu is not None else 'target-row'}"
-                 + (f" flagged level-{level.name}" if flagged else "") + "\"")
-        label = esc(target) + (f"<br><span class=\"meta\">{esc(names[target])}</span>"
-                               if target in names else "")
+        attrs = (
+            f' data-target="{esc(target)}" data-level="{level.name}"'
+            + (f' data-gpu="{gpu}"' if gpu is not None else "")
+            + f' class="{"gpu-row" if gpu is not None else "target-row"}'
+            + (f" flagged level-{level.name}" if flagged else "")
+            + '"'
+        )
+        label = esc(target) + (
+            f'<br><span class="meta">{esc(names[target])}</span>' if target in names else ""
+        )
         cells = []
         for check in checks:
             results = by_cell.get((target, check))
             if not results:
-                cells.append("<td class=\"s-none\">&mdash;</td>")
+                cells.append('<td class="s-none">&mdash;</td>')
                 continue
             worst = _worst(results)
             bad = [r for r in results if r.status not in (Status.PASS, Status.SKIP)]
-            title = "; ".join(f"{r.metric}: {r.status.value}: {r.detail}" for r in
-                              (bad or results))[:600]
-            note = (f"{len(bad)} of {len(results)}" if bad else f"{len(results)}")
-            cells.append(f"<td class=\"s-{worst.value}\" data-check=\"{esc(check)}\" "
-                         f"data-status=\"{worst.value}\" title=\"{esc(title)}\">"
-                         f"{worst.value}<br><span class=\"meta\">{note}</span></td>")
+            title = "; ".join(
+                f"{r.metric}: {r.status.value}: {r.detail}" for r in (bad or results)
+            )[:600]
+            note = f"{len(bad)} of {len(results)}" if bad else f"{len(results)}"
+            cells.append(
+                f'<td class="s-{worst.value}" data-check="{esc(check)}" '
+                f'data-status="{worst.value}" title="{esc(title)}">'
+                f'{worst.value}<br><span class="meta">{note}</span></td>'
+            )
         rows.append(f"<tr{attrs}><th>{label}</th>{''.join(cells)}</tr>")
-    return (f"<table id=\"{table_id}\" class=\"matrix\"><thead><tr><th>target</th>{head}</tr>"
-            f"</thead><tbody>{''.join(rows)}</tbody></table>")
+    return (
+        f'<table id="{table_id}" class="matrix"><thead><tr><th>target</th>{head}</tr>'
+        f"</thead><tbody>{''.join(rows)}</tbody></table>"
+    )
 
 
 _TRACE_PANELS = (  # (evidence key, axis label, threshold key in the trace, threshold label)
@@ -286,7 +327,11 @@ def _burn_plots(report: Report, plotter: Plotter, levels: dict[str, Level]) -> s
     samples: dict[str, list[float]] = {}
     minimum: float | None = None
     for r in report.results:
-        if r.check == "thermal_power" and r.metric == "load_trace" and _gpu_index(r.target) is not None:
+        if (
+            r.check == "thermal_power"
+            and r.metric == "load_trace"
+            and _gpu_index(r.target) is not None
+        ):
             traces[r.target] = r.evidence
         elif r.check == "gpu_burn" and r.metric == "tflops_bf16":
             s = _series(r.evidence, "samples")
@@ -295,7 +340,7 @@ def _burn_plots(report: Report, plotter: Plotter, levels: dict[str, Level]) -> s
             if _number(r.evidence.get("minimum")):
                 minimum = float(r.evidence["minimum"])
     if not traces and not samples:
-        return "<p class=\"note\">No burn traces in this report (the load checks did not run).</p>"
+        return '<p class="note">No burn traces in this report (the load checks did not run).</p>'
     out = []
     for target in sorted(traces, key=lambda t: _gpu_index(t) or 0):
         ev = traces[target]
@@ -309,8 +354,16 @@ def _burn_plots(report: Report, plotter: Plotter, levels: dict[str, Level]) -> s
             ax.tick_params(labelsize=8)
             ax.grid(alpha=0.3)
             if ys is None:
-                ax.text(0.5, 0.5, "not recorded", ha="center", va="center",
-                        transform=ax.transAxes, fontsize=8, color="#757575")
+                ax.text(
+                    0.5,
+                    0.5,
+                    "not recorded",
+                    ha="center",
+                    va="center",
+                    transform=ax.transAxes,
+                    fontsize=8,
+                    color="#757575",
+                )
                 continue
             xs = t_s if t_s and len(t_s) == len(ys) else list(range(len(ys)))
             ax.plot(xs, ys, color="#1565c0", linewidth=1.2)
@@ -318,38 +371,55 @@ def _burn_plots(report: Report, plotter: Plotter, levels: dict[str, Level]) -> s
             limit = ev.get(limit_key) if limit_key else (minimum if key == "tflops" else None)
             if _number(limit):
                 ax.axhline(float(limit), color="#c62828", linestyle="--", linewidth=1)
-                ax.annotate(limit_label or "minimum", xy=(0.01, float(limit)),
-                            xycoords=("axes fraction", "data"), fontsize=7, color="#c62828",
-                            va="bottom")
+                ax.annotate(
+                    limit_label or "minimum",
+                    xy=(0.01, float(limit)),
+                    xycoords=("axes fraction", "data"),
+                    fontsize=7,
+                    color="#c62828",
+                    va="bottom",
+                )
             ax.set_xlabel("time (s)" if xs is t_s else "sample", fontsize=8)
         level = levels.get(target, Level.HEALTHY)
         fig.suptitle(f"{target} over the burn", fontsize=10)
         if drawn:
-            out.append(f"<div class=\"plot{' flagged' if level > Level.HEALTHY else ''}\" "
-                       f"data-target=\"{esc(target)}\">{plotter.svg(fig)}</div>")
+            out.append(
+                f'<div class="plot{" flagged" if level > Level.HEALTHY else ""}" '
+                f'data-target="{esc(target)}">{plotter.svg(fig)}</div>'
+            )
     if samples and not traces:
         fig = plotter.figure(8, 3)
         ax = fig.subplots()
         for target in sorted(samples, key=lambda t: _gpu_index(t) or 0):
-            ax.plot(samples[target], linewidth=1.2, label=target,
-                    color="#c62828" if levels.get(target, Level.HEALTHY) > Level.HEALTHY else None)
+            ax.plot(
+                samples[target],
+                linewidth=1.2,
+                label=target,
+                color="#c62828" if levels.get(target, Level.HEALTHY) > Level.HEALTHY else None,
+            )
         if minimum is not None:
             ax.axhline(minimum, color="#c62828", linestyle="--", linewidth=1)
         ax.set_title("bf16 TFLOP/s samples per GPU (no thermal trace recorded)", fontsize=10)
         ax.set_xlabel("sample", fontsize=8)
         ax.legend(fontsize=7, ncols=4)
         ax.grid(alpha=0.3)
-        out.append(f"<div class=\"plot\">{plotter.svg(fig)}</div>")
+        out.append(f'<div class="plot">{plotter.svg(fig)}</div>')
     return "".join(out)
 
 
 #: (section title, check, metrics) of the bar charts, in the order people read them
 BAR_GROUPS = (
-    ("GPU burn (TFLOP/s)", "gpu_burn",
-     ("tflops_bf16", "tflops_fp16", "tflops_tf32", "tflops_fp32", "tflops_fp8")),
+    (
+        "GPU burn (TFLOP/s)",
+        "gpu_burn",
+        ("tflops_bf16", "tflops_fp16", "tflops_tf32", "tflops_fp32", "tflops_fp8"),
+    ),
     ("HBM bandwidth", "hbm_bandwidth", ("copy_gbps",)),
-    ("PCIe bandwidth", "pcie_bandwidth",
-     ("h2d_gbps", "d2h_gbps", "h2d_gbps_concurrent", "d2h_gbps_concurrent")),
+    (
+        "PCIe bandwidth",
+        "pcie_bandwidth",
+        ("h2d_gbps", "d2h_gbps", "h2d_gbps_concurrent", "d2h_gbps_concurrent"),
+    ),
     ("NCCL all-reduce", "nccl_allreduce", ("busbw_peak_gbps",)),
     ("RDMA", "rdma", ("write_bw_gbps", "port_rate_gbps")),
     ("Storage", "storage", ("write_bw_mbps", "read_bw_mbps", "randread_iops")),
@@ -361,11 +431,22 @@ def _bars(report: Report, plotter: Plotter) -> str:
     for title, check, metrics in BAR_GROUPS:
         panels = []
         for metric in metrics:
-            rows = [r for r in report.results if r.check == check and r.metric == metric
-                    and _number(r.value) and r.status is not Status.SKIP]
+            rows = [
+                r
+                for r in report.results
+                if r.check == check
+                and r.metric == metric
+                and _number(r.value)
+                and r.status is not Status.SKIP
+            ]
             if rows:
-                rows.sort(key=lambda r: (_gpu_index(r.target) is None, _gpu_index(r.target) or 0,
-                                         r.target))
+                rows.sort(
+                    key=lambda r: (
+                        _gpu_index(r.target) is None,
+                        _gpu_index(r.target) or 0,
+                        r.target,
+                    )
+                )
                 panels.append((metric, rows))
         if not panels:
             continue
@@ -383,38 +464,70 @@ def _bars(report: Report, plotter: Plotter) -> str:
             ax.tick_params(axis="x", labelsize=7)
             unit = rows[0].unit
             ax.set_title(f"{metric} ({unit})" if unit else metric, fontsize=9)
-            minima = [(y, float(r.evidence["minimum"])) for y, r in zip(ys, rows, strict=True)
-                      if _number(r.evidence.get("minimum"))]
+            minima = [
+                (y, float(r.evidence["minimum"]))
+                for y, r in zip(ys, rows, strict=True)
+                if _number(r.evidence.get("minimum"))
+            ]
             for y, m in minima:
                 ax.plot([m, m], [y - 0.45, y + 0.45], color="#212121", linewidth=1.6)
             if minima:
-                ax.annotate(f"minimum {minima[0][1]:g}", xy=(minima[0][1], -0.6),
-                            fontsize=7, ha="center", va="bottom", annotation_clip=False)
+                ax.annotate(
+                    f"minimum {minima[0][1]:g}",
+                    xy=(minima[0][1], -0.6),
+                    fontsize=7,
+                    ha="center",
+                    va="bottom",
+                    annotation_clip=False,
+                )
             ax.grid(axis="x", alpha=0.3)
-        out.append(f"<h3>{esc(title)}</h3><div class=\"plot\" data-check=\"{esc(check)}\">"
-                   f"{plotter.svg(fig)}</div>")
+        out.append(
+            f'<h3>{esc(title)}</h3><div class="plot" data-check="{esc(check)}">'
+            f"{plotter.svg(fig)}</div>"
+        )
     if not out:
-        return "<p class=\"note\">No bandwidth or throughput figures in this report.</p>"
-    return ("<p class=\"meta\">Bars are coloured by status; a black tick marks the minimum the "
-            "check applied, where it had one.</p>" + "".join(out))
+        return '<p class="note">No bandwidth or throughput figures in this report.</p>'
+    return (
+        '<p class="meta">Bars are coloured by status; a black tick marks the minimum the '
+        "check applied, where it had one.</p>" + "".join(out)
+    )
 
 
 def _inventory(report: Report) -> str:
     h = report.host
-    host_rows = [("hostname", h.hostname), ("kernel", h.kernel), ("driver", h.driver),
-                 ("CUDA", h.cuda), ("GPU backend", h.gpu_backend), ("SKU", report.sku),
-                 ("suite", f"{report.suite} ({report.mode})"),
-                 ("started", report.started_at), ("finished", report.finished_at),
-                 ("agent", report.agent_version), ("simulated", "yes" if report.simulated else "no")]
-    host = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v if v is not None else 'n/a')}</td></tr>"
-                   for k, v in host_rows)
+    host_rows = [
+        ("hostname", h.hostname),
+        ("kernel", h.kernel),
+        ("driver", h.driver),
+        ("CUDA", h.cuda),
+        ("GPU backend", h.gpu_backend),
+        ("SKU", report.sku),
+        ("suite", f"{report.suite} ({report.mode})"),
+        ("started", report.started_at),
+        ("finished", report.finished_at),
+        ("agent", report.agent_version),
+        ("simulated", "yes" if report.simulated else "no"),
+    ]
+    host = "".join(
+        f"<tr><th>{esc(k)}</th><td>{esc(v if v is not None else 'n/a')}</td></tr>"
+        for k, v in host_rows
+    )
     cols = ("index", "name", "uuid", "pci_bus_id", "serial", "vbios", "memory_total_mib", "sku")
-    gpus = "".join("<tr>" + "".join(f"<td>{esc(getattr(g, c) if getattr(g, c) is not None else 'n/a')}</td>"
-                                    for c in cols) + "</tr>" for g in report.gpus)
-    gpu_table = (f"<table id=\"gpus\"><thead><tr>{''.join(f'<th>{c}</th>' for c in cols)}</tr>"
-                 f"</thead><tbody>{gpus}</tbody></table>" if report.gpus
-                 else "<p class=\"note\">No GPUs in the inventory.</p>")
-    return f"<table id=\"host\">{host}</table><h3>GPUs</h3>{gpu_table}"
+    gpus = "".join(
+        "<tr>"
+        + "".join(
+            f"<td>{esc(getattr(g, c) if getattr(g, c) is not None else 'n/a')}</td>" for c in cols
+        )
+        + "</tr>"
+        for g in report.gpus
+    )
+    gpu_table = (
+        f'<table id="gpus"><thead><tr>{"".join(f"<th>{c}</th>" for c in cols)}</tr>'
+        f"</thead><tbody>{gpus}</tbody></table>"
+        if report.gpus
+        else '<p class="note">No GPUs in the inventory.</p>'
+    )
+    return f'<table id="host">{host}</table><h3>GPUs</h3>{gpu_table}'
 
 
 EVIDENCE_MAX_CHARS = 20000
@@ -425,9 +538,14 @@ def _evidence(evidence: dict[str, Any]) -> str:
         return ""
     text = json.dumps(evidence, indent=1, default=str, ensure_ascii=False)
     if len(text) > EVIDENCE_MAX_CHARS:
-        text = text[:EVIDENCE_MAX_CHARS] + f"\n... ({len(text) - EVIDENCE_MAX_CHARS} more characters in the JSON report)"
-    return (f"<details><summary>evidence ({len(evidence)} keys)</summary>"
-            f"<pre>{esc(text)}</pre></details>")
+        text = (
+            text[:EVIDENCE_MAX_CHARS]
+            + f"\n... ({len(text) - EVIDENCE_MAX_CHARS} more characters in the JSON report)"
+        )
+    return (
+        f"<details><summary>evidence ({len(evidence)} keys)</summary>"
+        f"<pre>{esc(text)}</pre></details>"
+    )
 
 
 def _value(r: Result) -> str:
@@ -448,53 +566,64 @@ def _results(report: Report) -> str:
         rows = [r for r in report.results if r.check == check]
         worst = _worst(rows)
         body = "".join(
-            f"<tr class=\"result s-{r.status.value}\"><td><span class=\"st st-{r.status.value}\">"
+            f'<tr class="result s-{r.status.value}"><td><span class="st st-{r.status.value}">'
             f"{r.status.value}</span></td><td>{esc(r.target)}</td><td>{esc(r.metric)}</td>"
-            f"<td>{esc(_value(r))}</td><td class=\"detail\">{esc(r.detail)}{_evidence(r.evidence)}"
-            f"</td></tr>" for r in rows)
+            f'<td>{esc(_value(r))}</td><td class="detail">{esc(r.detail)}{_evidence(r.evidence)}'
+            f"</td></tr>"
+            for r in rows
+        )
         open_attr = " open" if worst in (Status.FAIL, Status.ERROR) else ""
         out.append(
-            f"<details class=\"check\" data-check=\"{esc(check)}\"{open_attr}><summary>"
+            f'<details class="check" data-check="{esc(check)}"{open_attr}><summary>'
             f"<b>{esc(check)}</b> — {len(rows)} result(s), worst "
-            f"<span class=\"st st-{worst.value}\">{worst.value}</span></summary>"
-            f"<table class=\"results\"><thead><tr><th>status</th><th>target</th><th>metric</th>"
+            f'<span class="st st-{worst.value}">{worst.value}</span></summary>'
+            f'<table class="results"><thead><tr><th>status</th><th>target</th><th>metric</th>'
             f"<th>value</th><th>detail and evidence</th></tr></thead><tbody>{body}</tbody></table>"
-            "</details>")
+            "</details>"
+        )
     return "".join(out)
 
 
 def _actions(report: Report) -> str:
     if not report.actions:
         return ""
-    rows = "".join(f"<tr><td>{esc(a.action)}</td><td>{esc(a.adapter)}</td><td>{esc(a.outcome)}"
-                   f"</td><td>{esc(a.detail)}</td><td>{esc(a.at)}</td></tr>"
-                   for a in report.actions)
-    return ("<h2>Actions taken</h2><table><thead><tr><th>action</th><th>adapter</th>"
-            "<th>outcome</th><th>detail</th><th>at</th></tr></thead>"
-            f"<tbody>{rows}</tbody></table>")
+    rows = "".join(
+        f"<tr><td>{esc(a.action)}</td><td>{esc(a.adapter)}</td><td>{esc(a.outcome)}"
+        f"</td><td>{esc(a.detail)}</td><td>{esc(a.at)}</td></tr>"
+        for a in report.actions
+    )
+    return (
+        "<h2>Actions taken</h2><table><thead><tr><th>action</th><th>adapter</th>"
+        "<th>outcome</th><th>detail</th><th>at</th></tr></thead>"
+        f"<tbody>{rows}</tbody></table>"
+    )
 
 
 def render_html(report: Report) -> str:
     """The whole page as a string (matplotlib required; MissingExtraError otherwise)."""
     plotter = Plotter()
     levels = _target_levels(report)
-    title = (f"node-agent {report.suite}: {report.host.hostname} — {report.grade.level.name}")
-    sim = "<span class=\"badge\">SIMULATED</span>" if report.simulated else ""
+    title = f"node-agent {report.suite}: {report.host.hostname} — {report.grade.level.name}"
+    sim = '<span class="badge">SIMULATED</span>' if report.simulated else ""
     parts = [
         f"<h1>{esc(report.host.hostname)} — {esc(report.suite)} suite{sim}</h1>",
-        f"<p class=\"meta\">{len(report.gpus)} GPU(s), SKU {esc(report.sku or 'unknown')}, "
+        f'<p class="meta">{len(report.gpus)} GPU(s), SKU {esc(report.sku or "unknown")}, '
         f"driver {esc(report.host.driver or 'n/a')}, finished {esc(report.finished_at)}</p>",
         _verdict(report),
         _actions(report),
-        "<h2>GPU × check</h2><p class=\"meta\">Each cell shows the worst status of that check on "
+        '<h2>GPU × check</h2><p class="meta">Each cell shows the worst status of that check on '
         "that GPU (and how many results); a GPU named by a grade reason is outlined. Hover a "
         "cell for the details.</p>",
         _matrix(report, levels),
-        "<h2>Over the burn</h2>", _burn_plots(report, plotter, levels),
-        "<h2>Bandwidth and throughput against minima</h2>", _bars(report, plotter),
-        "<h2>Inventory</h2>", _inventory(report),
-        "<h2>All results</h2>", _results(report),
-        f"<p class=\"meta\">Written by node-agent {esc(report.agent_version)}; the JSON report is "
+        "<h2>Over the burn</h2>",
+        _burn_plots(report, plotter, levels),
+        "<h2>Bandwidth and throughput against minima</h2>",
+        _bars(report, plotter),
+        "<h2>Inventory</h2>",
+        _inventory(report),
+        "<h2>All results</h2>",
+        _results(report),
+        f'<p class="meta">Written by node-agent {esc(report.agent_version)}; the JSON report is '
         "the record.</p>",
     ]
     return page(title, "\n".join(parts))
@@ -512,4 +641,3 @@ def write_text_atomic(text: str, path: str | Path) -> Path:
     except OSError as err:
         raise ConfigError(f"{path}: cannot write: {err.strerror or err}") from err
     return path
-

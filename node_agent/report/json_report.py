@@ -36,8 +36,10 @@ def loads(text: str, where: str) -> Report:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ReportFormatError(f"{where}: not valid JSON (line {err.lineno} column {err.colno}: "
-                                f"{err.msg}); was the file truncated?") from err
+        raise ReportFormatError(
+            f"{where}: not valid JSON (line {err.lineno} column {err.colno}: "
+            f"{err.msg}); was the file truncated?"
+        ) from err
     try:
         return Report.from_dict(data)
     except ReportFormatError as err:

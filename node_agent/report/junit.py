@@ -45,30 +45,44 @@ def build_junit(report: Report) -> ET.Element:
     reasons_by_target: dict[str, list[str]] = {}
     for reason in report.grade.reasons:
         reasons_by_target.setdefault(reason.target, []).append(
-            f"{reason.level.name} [{reason.rule}]: {reason.message}")
+            f"{reason.level.name} [{reason.rule}]: {reason.message}"
+        )
 
-    suite = ET.Element("testsuite", name=_text(f"node-agent.{report.suite}.{report.host.hostname}"),
-                       hostname=_text(report.host.hostname), timestamp=_text(report.started_at.rstrip("Z")),
-                       package="node-agent")
+    suite = ET.Element(
+        "testsuite",
+        name=_text(f"node-agent.{report.suite}.{report.host.hostname}"),
+        hostname=_text(report.host.hostname),
+        timestamp=_text(report.started_at.rstrip("Z")),
+        package="node-agent",
+    )
     props = ET.SubElement(suite, "properties")
-    for name, value in (("grade", report.grade.level.name), ("action", report.grade.action.value),
-                        ("suite", report.suite), ("mode", report.mode),
-                        ("sku", report.sku or ""), ("driver", report.host.driver or ""),
-                        ("simulated", str(report.simulated).lower()),
-                        ("agent_version", report.agent_version)):
+    for name, value in (
+        ("grade", report.grade.level.name),
+        ("action", report.grade.action.value),
+        ("suite", report.suite),
+        ("mode", report.mode),
+        ("sku", report.sku or ""),
+        ("driver", report.host.driver or ""),
+        ("simulated", str(report.simulated).lower()),
+        ("agent_version", report.agent_version),
+    ):
         ET.SubElement(props, "property", name=name, value=_text(value))
     for i, reason in enumerate(report.grade.reasons):
-        ET.SubElement(props, "property", name=f"reason.{i}",
-                      value=_text(f"{reason.level.name} {reason.target} [{reason.rule}] "
-                                  f"{reason.message}"))
+        ET.SubElement(
+            props,
+            "property",
+            name=f"reason.{i}",
+            value=_text(f"{reason.level.name} {reason.target} [{reason.rule}] {reason.message}"),
+        )
 
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     total_time = 0.0
     for (check, target), results in cases.items():
         seconds = max((r.duration_s for r in results), default=0.0)
         total_time += seconds
-        case = ET.SubElement(suite, "testcase", classname=_text(check), name=_text(target),
-                             time=f"{seconds:.3f}")
+        case = ET.SubElement(
+            suite, "testcase", classname=_text(check), name=_text(target), time=f"{seconds:.3f}"
+        )
         counts["tests"] += 1
         statuses = {r.status for r in results}
         failed = [r for r in results if r.status is Status.FAIL]
@@ -76,13 +90,15 @@ def build_junit(report: Report) -> ET.Element:
         reasons = reasons_by_target.get(target, [])
         if failed:
             counts["failures"] += 1
-            el = ET.SubElement(case, "failure", type="fail",
-                               message=_text(_message(failed, reasons, check)))
+            el = ET.SubElement(
+                case, "failure", type="fail", message=_text(_message(failed, reasons, check))
+            )
             el.text = _text("\n".join(_line(r) for r in failed + errored))
         elif errored:
             counts["errors"] += 1
-            el = ET.SubElement(case, "error", type="error",
-                               message=_text(_message(errored, reasons, check)))
+            el = ET.SubElement(
+                case, "error", type="error", message=_text(_message(errored, reasons, check))
+            )
             el.text = _text("\n".join(_line(r) for r in errored))
         elif statuses == {Status.SKIP}:
             counts["skipped"] += 1
@@ -95,9 +111,15 @@ def build_junit(report: Report) -> ET.Element:
     suite.set("errors", str(counts["errors"]))
     suite.set("skipped", str(counts["skipped"]))
     suite.set("time", f"{total_time:.3f}")
-    root = ET.Element("testsuites", name="node-agent", tests=str(counts["tests"]),
-                      failures=str(counts["failures"]), errors=str(counts["errors"]),
-                      skipped=str(counts["skipped"]), time=f"{total_time:.3f}")
+    root = ET.Element(
+        "testsuites",
+        name="node-agent",
+        tests=str(counts["tests"]),
+        failures=str(counts["failures"]),
+        errors=str(counts["errors"]),
+        skipped=str(counts["skipped"]),
+        time=f"{total_time:.3f}",
+    )
     root.append(suite)
     return root
 
@@ -113,7 +135,7 @@ def _message(results: list[Result], reasons: list[str], check: str) -> str:
 def junit_xml(report: Report) -> str:
     root = build_junit(report)
     ET.indent(root)
-    return "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n" + ET.tostring(root, encoding="unicode") + "\n"
+    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 
 
 def write_junit(report: Report, path: str | Path) -> Path:

@@ -25,23 +25,29 @@ def check_outputs(html: str | None, junit: str | None) -> None:
         if p.is_dir():
             raise ConfigError(f"{option} {path}: is a directory; name the file to write")
         if not p.parent.is_dir():
-            raise ConfigError(f"{option} {path}: directory {p.parent} does not exist; create it "
-                              "or choose another path")
+            raise ConfigError(
+                f"{option} {path}: directory {p.parent} does not exist; create it "
+                "or choose another path"
+            )
     if html:
         from node_agent.report.html import require_matplotlib
+
         require_matplotlib()
 
 
-def write_outputs(report: Report, html: str | None, junit: str | None,
-                  err: TextIO = sys.stderr) -> list[Path]:
+def write_outputs(
+    report: Report, html: str | None, junit: str | None, err: TextIO = sys.stderr
+) -> list[Path]:
     """Write the requested files; name each on ``err`` (stdout may carry the JSON report)."""
     written = []
     if html:
         from node_agent.report.html import write_html
+
         written.append(write_html(report, html))
         print(f"html: {written[-1]}", file=err)
     if junit:
         from node_agent.report.junit import write_junit
+
         written.append(write_junit(report, junit))
         print(f"junit: {written[-1]}", file=err)
     return written
@@ -49,8 +55,12 @@ def write_outputs(report: Report, html: str | None, junit: str | None,
 
 def add_output_arguments(parser) -> None:
     """``--html PATH`` and ``--junit PATH`` on an argparse parser."""
-    parser.add_argument("--html", metavar="PATH",
-                        help="also write a self-contained HTML report with plots "
-                             f"(needs the `report` extra: {install_command('report')})")
-    parser.add_argument("--junit", metavar="PATH",
-                        help="also write JUnit XML: one test case per check and target")
+    parser.add_argument(
+        "--html",
+        metavar="PATH",
+        help="also write a self-contained HTML report with plots "
+        f"(needs the `report` extra: {install_command('report')})",
+    )
+    parser.add_argument(
+        "--junit", metavar="PATH", help="also write JUnit XML: one test case per check and target"
+    )

@@ -36,21 +36,34 @@ def open_adapter(config: Config, name: str | None = None) -> SchedulerAdapter:
     chosen = name or config.get("adapter.name") or "log"
     if chosen == "log":
         from node_agent.schedulers.log import LogAdapter
+
         return LogAdapter.from_config(config)
     if chosen == "slurm":
         from node_agent.schedulers.slurm import SlurmAdapter
+
         return SlurmAdapter.from_config(config)
     if chosen == "kubernetes":
         from node_agent.schedulers.kubernetes import KubernetesAdapter
+
         return KubernetesAdapter.from_config(config)
     if chosen == "webhook":
         from node_agent.schedulers.webhook import WebhookAdapter
+
         return WebhookAdapter.from_config(config)
     raise AdapterError(f"unknown adapter {chosen!r}; choose one of {', '.join(ADAPTER_NAMES)}")
 
 
 __all__ = [
-    "ADAPTER_NAMES", "JOB_KINDS", "REASON_PREFIX", "AdapterError", "JobKind", "NodeState",
-    "SchedulerAdapter", "check_job_id", "check_node_name", "is_agent_reason", "open_adapter",
+    "ADAPTER_NAMES",
+    "JOB_KINDS",
+    "REASON_PREFIX",
+    "AdapterError",
+    "JobKind",
+    "NodeState",
+    "SchedulerAdapter",
+    "check_job_id",
+    "check_node_name",
+    "is_agent_reason",
+    "open_adapter",
     "sanitise_reason",
 ]

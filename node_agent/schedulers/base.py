@@ -73,8 +73,7 @@ class SchedulerAdapter(Protocol):
 
     def list_nodes(self) -> list[NodeState]: ...  # all nodes it manages (blast radius)
 
-    def restart_job(self, node: str, job: str, reason: str, *,
-                    key: str | None = None) -> str:
+    def restart_job(self, node: str, job: str, reason: str, *, key: str | None = None) -> str:
         """Restart the training job ``job`` (``slurm:<id>``, ``pod:<ns>/<name>``...) that hung
         on ``node``, through the scheduler; the node itself is not touched. Returns a detail
         line; raises AdapterError for a job this adapter cannot restart or that does not run
@@ -115,8 +114,14 @@ def show_job(job: object, max_len: int = 80) -> str:
     return text if len(text) <= max_len else text[: max_len - 4] + "...'"
 
 
-def check_job_id(job: str, *, accepts: Sequence[JobKind] = (), adapter: str = "node-agent",
-                 node: str = "this node", what: str = "jobs") -> tuple[str, str]:
+def check_job_id(
+    job: str,
+    *,
+    accepts: Sequence[JobKind] = (),
+    adapter: str = "node-agent",
+    node: str = "this node",
+    what: str = "jobs",
+) -> tuple[str, str]:
     """Validate the untrusted job id ``job``; returns ``(kind, id)`` or raises AdapterError.
 
     Every job must be ``<kind>:<id>`` with a kind of :data:`JOB_KINDS` and an id of letters,
@@ -132,14 +137,16 @@ def check_job_id(job: str, *, accepts: Sequence[JobKind] = (), adapter: str = "n
             f"refusing to restart job {show_job(job)}: the agent could not verify which job the "
             "hung process belongs to (its environment was unreadable, only a heartbeat file "
             "named the job, or the Slurm job id in its environment is not the one slurmd's "
-            "cgroup holds it in); restart the job by hand after checking the evidence")
+            "cgroup holds it in); restart the job by hand after checking the evidence"
+        )
     match = _JOB_RE.fullmatch(job) if isinstance(job, str) and len(job) <= MAX_JOB_LEN else None
     if match is None or match.group("kind") not in JOB_KINDS:
         raise AdapterError(
             f"refusing job id {show_job(job)}: a job id must be <kind>:<id> with kind one of "
             f"{', '.join(JOB_KINDS)} and an id of letters, digits and ._:/@+- (at most "
             f"{MAX_JOB_LEN} characters); it comes from a training process's environment or "
-            "heartbeat file, so it is checked before any scheduler sees it")
+            "heartbeat file, so it is checked before any scheduler sees it"
+        )
     kind, ident = match.group("kind"), match.group("id")
     if not accepts:
         return kind, ident
@@ -147,8 +154,10 @@ def check_job_id(job: str, *, accepts: Sequence[JobKind] = (), adapter: str = "n
         if kind == rule.kind and rule.id_re.fullmatch(ident):
             return kind, ident
     expected = " or ".join(rule.example for rule in accepts)
-    raise AdapterError(f"the {adapter} adapter restarts only {what} running on {node}; job "
-                       f"{show_job(job)} is not one (expected {expected})")
+    raise AdapterError(
+        f"the {adapter} adapter restarts only {what} running on {node}; job "
+        f"{show_job(job)} is not one (expected {expected})"
+    )
 
 
 def is_agent_reason(reason: str | None) -> bool:
@@ -161,7 +170,8 @@ def check_node_name(node: str) -> str:
         raise AdapterError(
             f"refusing node name {node!r}: a node name must match "
             f"{_NODE_RE.pattern} and be at most {_NODE_MAX_LEN} characters; "
-            "set node.name in the config to the scheduler's name for this host")
+            "set node.name in the config to the scheduler's name for this host"
+        )
     return node
 
 

@@ -89,9 +89,12 @@ _DNS_SUBDOMAIN = rf"{_DNS_LABEL}(?:\.{_DNS_LABEL})*"
 # a pod UID as the API server writes it (RFC 4122, lower-case)
 _POD_UID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 #: the jobs restart_job accepts: the pod's name and, after '@', its UID from the kernel
-POD_JOB = JobKind("pod", re.compile(rf"(?:{_DNS_LABEL}/)?{_DNS_SUBDOMAIN}@{_POD_UID}"),
-                  "pod:<name>@<uid> or pod:<namespace>/<name>@<uid>, lower-case DNS-1123 "
-                  "names and the pod UID from the process's kubepods cgroup")
+POD_JOB = JobKind(
+    "pod",
+    re.compile(rf"(?:{_DNS_LABEL}/)?{_DNS_SUBDOMAIN}@{_POD_UID}"),
+    "pod:<name>@<uid> or pod:<namespace>/<name>@<uid>, lower-case DNS-1123 "
+    "names and the pod UID from the process's kubepods cgroup",
+)
 
 
 def _now_iso() -> str:
@@ -116,8 +119,9 @@ def _load_api_client(kubeconfig: str | None):
     try:
         from kubernetes import client, config
     except ImportError as err:
-        raise AdapterError("the kubernetes adapter needs the official client: "
-                           f"{install_command('k8s')}") from err
+        raise AdapterError(
+            f"the kubernetes adapter needs the official client: {install_command('k8s')}"
+        ) from err
     import os
 
     try:
@@ -126,16 +130,25 @@ def _load_api_client(kubeconfig: str | None):
             return client.ApiClient()
         return config.new_client_from_config(config_file=kubeconfig)
     except Exception as err:  # the loaders raise ConfigException, OSError, YAML errors
-        raise AdapterError(f"cannot load Kubernetes credentials ({err}); run in a pod with the "
-                           "node-agent ServiceAccount or set adapter.kubernetes.kubeconfig") from err
+        raise AdapterError(
+            f"cannot load Kubernetes credentials ({err}); run in a pod with the "
+            "node-agent ServiceAccount or set adapter.kubernetes.kubeconfig"
+        ) from err
 
 
 class KubernetesAdapter:
     name = "kubernetes"
 
-    def __init__(self, api_client: Any, taint_key: str = "node-agent/health",
-                 timeout_s: float = 10, clock: Callable[[], str] = _now_iso,
-                 pod_namespace: str = "default", *, own_node: str) -> None:
+    def __init__(
+        self,
+        api_client: Any,
+        taint_key: str = "node-agent/health",
+        timeout_s: float = 10,
+        clock: Callable[[], str] = _now_iso,
+        pod_namespace: str = "default",
+        *,
+        own_node: str,
+    ) -> None:
         from kubernetes import client
 
         self.api = client.CoreV1Api(api_client)
@@ -147,15 +160,23 @@ class KubernetesAdapter:
 
     @classmethod
     def from_config(cls, config: Config) -> KubernetesAdapter:
-        return cls(_load_api_client(config.get("adapter.kubernetes.kubeconfig")),
-                   taint_key=config.get("adapter.kubernetes.taint_key"),
-                   pod_namespace=config.get("adapter.kubernetes.pod_namespace"),
-                   own_node=own_node_name(config))
+        return cls(
+            _load_api_client(config.get("adapter.kubernetes.kubeconfig")),
+            taint_key=config.get("adapter.kubernetes.taint_key"),
+            pod_namespace=config.get("adapter.kubernetes.pod_namespace"),
+            own_node=own_node_name(config),
+        )
 
     # -- plumbing ----------------------------------------------------------------------------
 
-    def _call(self, what: str, fn: Callable[..., Any], *args: Any,
-              hints: dict[int, str] | None = None, **kwargs: Any) -> Any:
+    def _call(
+        self,
+        what: str,
+        fn: Callable[..., Any],
+        *args: Any,
+        hints: dict[int, str] | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """Call the client raw (no model round trip) and return the decoded JSON body.
 
         ``hints`` replaces the operator hint for an HTTP status (the defaults are about nodes).
@@ -166,22 +187,31 @@ class KubernetesAdapter:
             resp = fn(*args, _preload_content=False, _request_timeout=self.timeout_s, **kwargs)
             data = resp.data
         except ApiException as err:
-            body = (err.body.decode(errors="replace") if isinstance(err.body, bytes)
-                    else str(err.body or ""))
-            hint = {403: "; the ServiceAccount needs the RBAC of packaging/kubernetes/rbac.yaml",
-                    404: "; set node.name to this node's Kubernetes node name",
-                    409: "; the node changed meanwhile, the action can be retried"
-                    }.get(err.status or 0, "")
+            body = (
+                err.body.decode(errors="replace")
+                if isinstance(err.body, bytes)
+                else str(err.body or "")
+            )
+            hint = {
+                403: "; the ServiceAccount needs the RBAC of packaging/kubernetes/rbac.yaml",
+                404: "; set node.name to this node's Kubernetes node name",
+                409: "; the node changed meanwhile, the action can be retried",
+            }.get(err.status or 0, "")
             hint = (hints or {}).get(err.status or 0, hint)
-            raise AdapterError(f"Kubernetes API {what}: HTTP {err.status} {err.reason}: "
-                               f"{body[:500]}{hint}") from err
+            raise AdapterError(
+                f"Kubernetes API {what}: HTTP {err.status} {err.reason}: {body[:500]}{hint}"
+            ) from err
         except Exception as err:  # urllib3 connection/timeouts: the API server is unreachable
-            raise AdapterError(f"Kubernetes API {what}: {type(err).__name__}: {err}; "
-                               "check that the API server is reachable") from err
+            raise AdapterError(
+                f"Kubernetes API {what}: {type(err).__name__}: {err}; "
+                "check that the API server is reachable"
+            ) from err
         try:
             return json.loads(data) if data else {}
         except ValueError as err:
-            raise AdapterError(f"Kubernetes API {what}: answer is not JSON: {data[:200]!r}") from err
+            raise AdapterError(
+                f"Kubernetes API {what}: answer is not JSON: {data[:200]!r}"
+            ) from err
 
     def _only_own(self, node: str, action: str) -> str:
         """``node``, checked to be this agent's own: it never acts on another node."""
@@ -190,7 +220,8 @@ class KubernetesAdapter:
             raise AdapterError(
                 f"refusing to {action} {node}: the kubernetes adapter acts only on its own node "
                 f"{self.own_node} (node.name, else NODE_AGENT_NODE_NAME, else the hostname); "
-                "nothing sent")
+                "nothing sent"
+            )
         return node
 
     def _get(self, node: str) -> dict[str, Any]:
@@ -214,37 +245,60 @@ class KubernetesAdapter:
         if taint is not None:
             stored = (meta.get("annotations") or {}).get(ANN_REASON)
             reason = stored if is_agent_reason(stored) else f"node-agent: {taint.get('value', '')}"
-        return NodeState(name=meta.get("name", ""),
-                         state=ready + (",SchedulingDisabled" if unschedulable else ""),
-                         drained=unschedulable, reason=reason)
+        return NodeState(
+            name=meta.get("name", ""),
+            state=ready + (",SchedulingDisabled" if unschedulable else ""),
+            drained=unschedulable,
+            reason=reason,
+        )
 
     def _set_condition(self, node: str, healthy: bool, reason_word: str, message: str) -> None:
         now = self._clock()
-        body = {"status": {"conditions": [{
-            "type": CONDITION_TYPE, "status": "True" if healthy else "False",
-            "reason": reason_word, "message": message,
-            "lastHeartbeatTime": now, "lastTransitionTime": now}]}}
+        body = {
+            "status": {
+                "conditions": [
+                    {
+                        "type": CONDITION_TYPE,
+                        "status": "True" if healthy else "False",
+                        "reason": reason_word,
+                        "message": message,
+                        "lastHeartbeatTime": now,
+                        "lastTransitionTime": now,
+                    }
+                ]
+            }
+        }
         self._call(f"PATCH node {node} status", self.api.patch_node_status, node, body)
 
-    def _cordon_and_taint(self, node: str, reason: str, extra_annotations: dict[str, Any],
-                          condition_reason: str) -> tuple[str, NodeState]:
+    def _cordon_and_taint(
+        self, node: str, reason: str, extra_annotations: dict[str, Any], condition_reason: str
+    ) -> tuple[str, NodeState]:
         obj = self._get(node)
         before = self._state(obj)
         if before.drained and not before.drained_by_agent:
-            return (f"{LEFT_AS_IS} {node} is cordoned by someone else (no {self.taint_key} "
-                    "taint); left as it is"), before
+            return (
+                f"{LEFT_AS_IS} {node} is cordoned by someone else (no {self.taint_key} "
+                "taint); left as it is"
+            ), before
         spec = obj.get("spec") or {}
         taints = [t for t in spec.get("taints") or [] if t.get("key") != self.taint_key]
         taints.append({"key": self.taint_key, "value": taint_value(reason), "effect": "NoSchedule"})
         annotations = {ANN_REASON: reason, **extra_annotations}
         if not spec.get("unschedulable"):
             annotations[ANN_CORDONED] = "true"
-        body = {"metadata": {"resourceVersion": (obj.get("metadata") or {}).get("resourceVersion"),
-                             "annotations": annotations},
-                "spec": {"unschedulable": True, "taints": taints}}
+        body = {
+            "metadata": {
+                "resourceVersion": (obj.get("metadata") or {}).get("resourceVersion"),
+                "annotations": annotations,
+            },
+            "spec": {"unschedulable": True, "taints": taints},
+        }
         self._call(f"PATCH node {node}", self.api.patch_node, node, body)
         self._set_condition(node, False, condition_reason, reason)
-        return f"kubernetes: cordoned and tainted {node} ({self.taint_key}={taint_value(reason)}:NoSchedule; {reason})", before
+        return (
+            f"kubernetes: cordoned and tainted {node} ({self.taint_key}={taint_value(reason)}:NoSchedule; {reason})",
+            before,
+        )
 
     # -- the interface -----------------------------------------------------------------------
 
@@ -264,19 +318,23 @@ class KubernetesAdapter:
         node = self._only_own(node, "replace")
         text = sanitise_reason(reason)
         if not text.startswith("node-agent: replace:"):
-            text = sanitise_reason("node-agent: replace: " + text[len("node-agent:"):].strip())
+            text = sanitise_reason("node-agent: replace: " + text[len("node-agent:") :].strip())
         return self._cordon_and_taint(node, text, {}, "NodeAgentReplace")[0]
 
     def restart(self, node: str, reason: str, *, key: str | None = None) -> str:
         node = self._only_own(node, "restart")
         reason = sanitise_reason(reason)
-        detail, before = self._cordon_and_taint(node, reason, {ANN_REBOOT: self._clock()},
-                                                "NodeAgentRebootRequested")
+        detail, before = self._cordon_and_taint(
+            node, reason, {ANN_REBOOT: self._clock()}, "NodeAgentRebootRequested"
+        )
         if detail.startswith(LEFT_AS_IS):
-            raise AdapterError(f"refusing to request a reboot of {node}: it is cordoned by "
-                               "someone else")
-        return (f"{REBOOT_REQUESTED} Kubernetes has no reboot API; {node} is cordoned and "
-                f"annotated {ANN_REBOOT} for a reboot operator ({reason})")
+            raise AdapterError(
+                f"refusing to request a reboot of {node}: it is cordoned by someone else"
+            )
+        return (
+            f"{REBOOT_REQUESTED} Kubernetes has no reboot API; {node} is cordoned and "
+            f"annotated {ANN_REBOOT} for a reboot operator ({reason})"
+        )
 
     def resume(self, node: str, reason: str, *, key: str | None = None) -> str:
         node = self._only_own(node, "resume")
@@ -287,7 +345,8 @@ class KubernetesAdapter:
             if state.drained:
                 raise AdapterError(
                     f"refusing to resume {node}: it is cordoned by someone else (no "
-                    f"{self.taint_key} taint); uncordon it by hand (kubectl uncordon {node})")
+                    f"{self.taint_key} taint); uncordon it by hand (kubectl uncordon {node})"
+                )
             return f"kubernetes: {node} already in service; nothing to resume"
         meta, spec = obj.get("metadata") or {}, obj.get("spec") or {}
         agent_cordoned = (meta.get("annotations") or {}).get(ANN_CORDONED) == "true"
@@ -295,63 +354,92 @@ class KubernetesAdapter:
         new_spec: dict[str, Any] = {"taints": taints}
         if agent_cordoned:
             new_spec["unschedulable"] = False
-        body = {"metadata": {"resourceVersion": meta.get("resourceVersion"),
-                             "annotations": {ANN_REASON: None, ANN_CORDONED: None,
-                                             ANN_REBOOT: None}},
-                "spec": new_spec}
+        body = {
+            "metadata": {
+                "resourceVersion": meta.get("resourceVersion"),
+                "annotations": {ANN_REASON: None, ANN_CORDONED: None, ANN_REBOOT: None},
+            },
+            "spec": new_spec,
+        }
         self._call(f"PATCH node {node}", self.api.patch_node, node, body)
         self._set_condition(node, True, "NodeAgentHealthy", reason)
         kept = "" if agent_cordoned else " (left cordoned: the agent did not cordon it)"
         return f"kubernetes: removed {self.taint_key} taint from {node}{kept}; {reason}"
 
-    def restart_job(self, node: str, job: str, reason: str, *,
-                    key: str | None = None) -> str:
+    def restart_job(self, node: str, job: str, reason: str, *, key: str | None = None) -> str:
         """Delete the hung pod ``job`` (``pod:[<ns>/]<name>``) on ``node``; its controller
         recreates it. Raises AdapterError for another kind of job, a pod on another node, a
         pod without a controller, or an API error."""
         from kubernetes import client
 
         node, reason = self._only_own(node, "restart a job on"), sanitise_reason(reason)
-        _, ident = check_job_id(job, accepts=(POD_JOB,), adapter="Kubernetes", node=node,
-                                what="pods")
+        _, ident = check_job_id(
+            job, accepts=(POD_JOB,), adapter="Kubernetes", node=node, what="pods"
+        )
         ident, _, kernel_uid = ident.partition("@")
         namespace, _, name = ident.rpartition("/")
         namespace = namespace or self.pod_namespace
         if len(name) > 253:
-            raise AdapterError(f"the Kubernetes adapter restarts only pods running on {node}; "
-                               f"job {job} names a pod longer than 253 characters")
+            raise AdapterError(
+                f"the Kubernetes adapter restarts only pods running on {node}; "
+                f"job {job} names a pod longer than 253 characters"
+            )
         where = f"pod {namespace}/{name}"
-        pod = self._call(f"GET {where}", self.api.read_namespaced_pod, name, namespace,
-                         hints={404: f"; no such pod: the job id {job} came from a training "
-                                     "process; check adapter.kubernetes.pod_namespace for "
-                                     "pod:<name> ids"})
+        pod = self._call(
+            f"GET {where}",
+            self.api.read_namespaced_pod,
+            name,
+            namespace,
+            hints={
+                404: f"; no such pod: the job id {job} came from a training "
+                "process; check adapter.kubernetes.pod_namespace for "
+                "pod:<name> ids"
+            },
+        )
         meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
         if meta.get("uid") != kernel_uid:
-            raise AdapterError(f"refusing to delete {where}: its uid is {meta.get('uid')!r}, but "
-                               f"the hung process runs in pod uid {kernel_uid} (its kubepods "
-                               "cgroup); the name came from the process's environment, which "
-                               "named another pod: nothing deleted, check the evidence")
+            raise AdapterError(
+                f"refusing to delete {where}: its uid is {meta.get('uid')!r}, but "
+                f"the hung process runs in pod uid {kernel_uid} (its kubepods "
+                "cgroup); the name came from the process's environment, which "
+                "named another pod: nothing deleted, check the evidence"
+            )
         on = spec.get("nodeName")
         if on != node:
-            raise AdapterError(f"the Kubernetes adapter restarts only pods running on {node}; "
-                               f"job {job} is {where} on {on or 'no node (not scheduled)'}; "
-                               "not deleted")
+            raise AdapterError(
+                f"the Kubernetes adapter restarts only pods running on {node}; "
+                f"job {job} is {where} on {on or 'no node (not scheduled)'}; "
+                "not deleted"
+            )
         phase = (pod.get("status") or {}).get("phase") or "Unknown"
         if meta.get("deletionTimestamp"):
-            return (f"{JOB_NOT_RUNNING} {where} is already being deleted (since "
-                    f"{meta['deletionTimestamp']}); nothing deleted; {reason}")
+            return (
+                f"{JOB_NOT_RUNNING} {where} is already being deleted (since "
+                f"{meta['deletionTimestamp']}); nothing deleted; {reason}"
+            )
         if phase != "Running":
             return f"{JOB_NOT_RUNNING} {where} is {phase}, not Running; nothing deleted; {reason}"
         owner = next((o for o in meta.get("ownerReferences") or [] if o.get("controller")), None)
         if owner is None:
-            raise AdapterError(f"refusing to delete {where}: it has no controller "
-                               "(metadata.ownerReferences), so deleting it would end the job "
-                               "for good instead of restarting it; restart it by hand")
+            raise AdapterError(
+                f"refusing to delete {where}: it has no controller "
+                "(metadata.ownerReferences), so deleting it would end the job "
+                "for good instead of restarting it; restart it by hand"
+            )
         uid = kernel_uid
         body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid))
-        self._call(f"DELETE {where}", self.api.delete_namespaced_pod, name, namespace,
-                   body=body, hints={404: "; the pod is already gone (restarted or ended)",
-                                     409: "; the pod was replaced meanwhile (another uid): "
-                                          "not deleted"})
-        return (f"kubernetes: deleted {where} on {node} (uid {uid}); its controller "
-                f"{owner.get('kind')}/{owner.get('name')} creates it again; {reason}")
+        self._call(
+            f"DELETE {where}",
+            self.api.delete_namespaced_pod,
+            name,
+            namespace,
+            body=body,
+            hints={
+                404: "; the pod is already gone (restarted or ended)",
+                409: "; the pod was replaced meanwhile (another uid): not deleted",
+            },
+        )
+        return (
+            f"kubernetes: deleted {where} on {node} (uid {uid}); its controller "
+            f"{owner.get('kind')}/{owner.get('name')} creates it again; {reason}"
+        )

@@ -39,8 +39,9 @@ def _now_iso() -> str:
 class LogAdapter:
     name = "log"
 
-    def __init__(self, path: str | Path, node: str | None = None,
-                 clock: Callable[[], str] = _now_iso) -> None:
+    def __init__(
+        self, path: str | Path, node: str | None = None, clock: Callable[[], str] = _now_iso
+    ) -> None:
         self.path = Path(path)
         self.node = node
         self._clock = clock
@@ -49,12 +50,19 @@ class LogAdapter:
     def from_config(cls, config: Config) -> LogAdapter:
         return cls(config.state_dir / "actions.log", node=config.get("node.name"))
 
-    def _record(self, action: str, node: str, reason: str, job: str | None = None,
-                key: str | None = None) -> str:
+    def _record(
+        self, action: str, node: str, reason: str, job: str | None = None, key: str | None = None
+    ) -> str:
         node = check_node_name(node)
         reason = sanitise_reason(reason)
-        entry = {"at": self._clock(), "adapter": self.name, "action": action, "node": node,
-                 "reason": reason, **({"key": key} if key else {})}
+        entry = {
+            "at": self._clock(),
+            "adapter": self.name,
+            "action": action,
+            "node": node,
+            "reason": reason,
+            **({"key": key} if key else {}),
+        }
         if job is not None:
             check_job_id(job)
             entry["job"] = job
@@ -70,14 +78,15 @@ class LogAdapter:
             finally:
                 os.close(fd)
         except OSError as err:
-            raise AdapterError(f"log adapter cannot write {self.path}: {err}; "
-                               "check state_dir in the config and its permissions") from err
+            raise AdapterError(
+                f"log adapter cannot write {self.path}: {err}; "
+                "check state_dir in the config and its permissions"
+            ) from err
         what = f"{action} {job} on {node}" if job is not None else f"{action} {node}"
         return f"log: would {what} ({reason}); recorded in {self.path}"
 
     def node_state(self, node: str) -> NodeState:
-        return NodeState(name=check_node_name(node), state="in-service", drained=False,
-                         reason=None)
+        return NodeState(name=check_node_name(node), state="in-service", drained=False, reason=None)
 
     def drain(self, node: str, reason: str, *, key: str | None = None) -> str:
         return self._record("drain", node, reason, key=key)
@@ -91,8 +100,7 @@ class LogAdapter:
     def replace(self, node: str, reason: str, *, key: str | None = None) -> str:
         return self._record("replace", node, reason, key=key)
 
-    def restart_job(self, node: str, job: str, reason: str, *,
-                    key: str | None = None) -> str:
+    def restart_job(self, node: str, job: str, reason: str, *, key: str | None = None) -> str:
         return self._record("restart-job", node, reason, job=job, key=key)
 
     def list_nodes(self) -> list[NodeState]:

@@ -70,9 +70,12 @@ REBOOT_UNAVAILABLE = "reboot-unavailable:"  # detail prefix: no RebootProgram (s
 LEFT_AS_IS = "left-as-is:"  # detail prefix: drained by someone else, their reason kept
 JOB_NOT_RUNNING = "job-not-running:"  # detail prefix: restart_job found nothing to requeue
 #: the jobs restart_job accepts: a Slurm job id, or <array job id>_<task id>
-SLURM_JOB = JobKind("slurm", re.compile(r"\d+(_\d+)?@uid:\d{1,10}"),
-                    "slurm:<job id>@uid:<uid of the hung process>, e.g. slurm:1234@uid:1001 or "
-                    "slurm:1234_7@uid:1001")
+SLURM_JOB = JobKind(
+    "slurm",
+    re.compile(r"\d+(_\d+)?@uid:\d{1,10}"),
+    "slurm:<job id>@uid:<uid of the hung process>, e.g. slurm:1234@uid:1001 or "
+    "slurm:1234_7@uid:1001",
+)
 # State flags after the base state ("IDLE+DRAIN", "MIXED+DRAIN", "DOWN+FAIL"): any of these
 # means the scheduler will not start new jobs on the node (drained or draining).
 _DRAIN_FLAGS = {"DRAIN", "DRAINING", "DRAINED", "FAIL", "FAILING"}
@@ -102,17 +105,23 @@ def parse_show_node(text: str) -> list[NodeState]:
         flags = set(state.upper().rstrip("*").split("+")[1:])
         base = state.upper().split("+")[0].rstrip("*~#!%$@^-")
         drained = bool(flags & _DRAIN_FLAGS) or base in {"DRAINED", "DRAINING", "DRAIN", "FAIL"}
-        nodes.append(NodeState(name=fields["NodeName"], state=state, drained=drained,
-                               reason=reason))
+        nodes.append(
+            NodeState(name=fields["NodeName"], state=state, drained=drained, reason=reason)
+        )
     return nodes
 
 
 class SlurmAdapter:
     name = "slurm"
 
-    def __init__(self, scontrol: str = "scontrol", timeout_s: float = 15,
-                 env: Mapping[str, str] | None = None, runner: Runner = proc.run,
-                 squeue: str = "squeue") -> None:
+    def __init__(
+        self,
+        scontrol: str = "scontrol",
+        timeout_s: float = 15,
+        env: Mapping[str, str] | None = None,
+        runner: Runner = proc.run,
+        squeue: str = "squeue",
+    ) -> None:
         self.scontrol = scontrol
         self.squeue = squeue
         self.timeout_s = float(timeout_s)
@@ -121,17 +130,21 @@ class SlurmAdapter:
 
     @classmethod
     def from_config(cls, config: Config) -> SlurmAdapter:
-        return cls(scontrol=config.get("adapter.slurm.scontrol"),
-                   timeout_s=config.get("adapter.slurm.timeout_s"),
-                   squeue=config.get("adapter.slurm.squeue"))
+        return cls(
+            scontrol=config.get("adapter.slurm.scontrol"),
+            timeout_s=config.get("adapter.slurm.timeout_s"),
+            squeue=config.get("adapter.slurm.squeue"),
+        )
 
     # -- plumbing ----------------------------------------------------------------------------
 
     def _scontrol(self, *args: str) -> proc.ProcResult:
         result = self._run([self.scontrol, *args], self.timeout_s, env=self.env)
         if result.not_found:
-            raise AdapterError(f"{self.scontrol}: command not found; install slurm-client or "
-                               "set adapter.slurm.scontrol to its path")
+            raise AdapterError(
+                f"{self.scontrol}: command not found; install slurm-client or "
+                "set adapter.slurm.scontrol to its path"
+            )
         return result
 
     def _checked(self, *args: str) -> str:
@@ -142,11 +155,14 @@ class SlurmAdapter:
 
     def _squeue(self, *args: str) -> list[list[str]]:
         """``squeue --noheader --array ARGS`` as rows of ``|``-separated fields."""
-        result = self._run([self.squeue, "--noheader", "--array", *args], self.timeout_s,
-                           env=self.env)
+        result = self._run(
+            [self.squeue, "--noheader", "--array", *args], self.timeout_s, env=self.env
+        )
         if result.not_found:
-            raise AdapterError(f"{self.squeue}: command not found; install slurm-client or "
-                               "set adapter.slurm.squeue to its path")
+            raise AdapterError(
+                f"{self.squeue}: command not found; install slurm-client or "
+                "set adapter.slurm.squeue to its path"
+            )
         if not result.ok:
             raise AdapterError(_failure(result))
         return [line.strip().split("|") for line in result.stdout.splitlines() if line.strip()]
@@ -159,8 +175,10 @@ class SlurmAdapter:
         for state in nodes:
             if state.name == node:
                 return state
-        raise AdapterError(f"`{self.scontrol} show node -o {node}` did not list node {node}; "
-                           "set node.name to the node's Slurm NodeName")
+        raise AdapterError(
+            f"`{self.scontrol} show node -o {node}` did not list node {node}; "
+            "set node.name to the node's Slurm NodeName"
+        )
 
     def list_nodes(self) -> list[NodeState]:
         return parse_show_node(self._checked("show", "node", "-o"))
@@ -184,7 +202,8 @@ class SlurmAdapter:
             raise AdapterError(
                 f"refusing to resume {node}: it was drained by someone else "
                 f"(Reason={current.reason!r}); resume it by hand with `scontrol update "
-                f"NodeName={node} State=RESUME` if that drain is over")
+                f"NodeName={node} State=RESUME` if that drain is over"
+            )
         result = self._scontrol("update", f"NodeName={node}", "State=RESUME", f"Reason={reason}")
         if not result.ok and (result.timed_out or self.node_state(node).drained):
             # (Slurm answers "Invalid node state" for some states it resumes all the same.)
@@ -198,26 +217,28 @@ class SlurmAdapter:
         if before.drained and not before.drained_by_agent:
             raise AdapterError(
                 f"refusing to reboot {node}: it was drained by someone else "
-                f"(Reason={before.reason!r}) and a reboot would replace their reason")
+                f"(Reason={before.reason!r}) and a reboot would replace their reason"
+            )
         result = self._scontrol("reboot", "ASAP", "nextstate=RESUME", f"reason={reason}", node)
         if result.ok:
-            return (f"slurm: reboot requested for {node} (ASAP, nextstate=RESUME, "
-                    f"reason={reason})")
+            return f"slurm: reboot requested for {node} (ASAP, nextstate=RESUME, reason={reason})"
         if "RebootProgram" in result.stderr + result.stdout and not result.timed_out:
             # Slurm cannot reboot this cluster's nodes; keep the node out of service instead.
             current = self.node_state(node)
             if not current.drained:
                 self.drain(node, reason)
-            return (f"{REBOOT_UNAVAILABLE} Slurm has no RebootProgram in slurm.conf, so {node} "
-                    f"was not rebooted; it stays drained ({current.reason or reason}) for the "
-                    "re-test. Set RebootProgram in slurm.conf to let the agent reboot nodes.")
+            return (
+                f"{REBOOT_UNAVAILABLE} Slurm has no RebootProgram in slurm.conf, so {node} "
+                f"was not rebooted; it stays drained ({current.reason or reason}) for the "
+                "re-test. Set RebootProgram in slurm.conf to let the agent reboot nodes."
+            )
         raise AdapterError(_failure(result))
 
     def replace(self, node: str, reason: str, *, key: str | None = None) -> str:
         node = check_node_name(node)
         text = sanitise_reason(reason)
         if not text.startswith(REPLACE_PREFIX):
-            text = sanitise_reason(REPLACE_PREFIX + " " + text[len("node-agent:"):].strip())
+            text = sanitise_reason(REPLACE_PREFIX + " " + text[len("node-agent:") :].strip())
         current = self.node_state(node)
         if current.drained and not current.drained_by_agent:
             return _left_as_is(current, "replace")
@@ -225,9 +246,7 @@ class SlurmAdapter:
         self._checked("update", f"NodeName={node}", "State=FAIL", f"Reason={text}")
         return f"slurm: {node} set to FAIL for hardware replacement (Reason={text})"
 
-
-    def restart_job(self, node: str, job: str, reason: str, *,
-                    key: str | None = None) -> str:
+    def restart_job(self, node: str, job: str, reason: str, *, key: str | None = None) -> str:
         """Requeue the Slurm job ``job`` (``slurm:<id>@uid:<uid>``) if it is RUNNING on
         ``node`` and belongs to ``uid`` (the hung process's).
 
@@ -241,9 +260,11 @@ class SlurmAdapter:
             raise AdapterError(
                 f"refusing to requeue Slurm job {show_job(job)}: the job id does not carry the "
                 "uid of the hung process (slurm:<id>@uid:<uid>), so whose job it is cannot be "
-                "checked against Slurm's; requeue it by hand (scontrol requeue) after checking")
-        _, ident = check_job_id(job, accepts=(SLURM_JOB,), adapter="Slurm", node=node,
-                                what="Slurm jobs")
+                "checked against Slurm's; requeue it by hand (scontrol requeue) after checking"
+            )
+        _, ident = check_job_id(
+            job, accepts=(SLURM_JOB,), adapter="Slurm", node=node, what="Slurm jobs"
+        )
         job_id, uid = split_job_uid(ident)
         refuse = f"the Slurm adapter restarts only Slurm jobs running on {node}; job {job}"
         try:
@@ -253,59 +274,77 @@ class SlurmAdapter:
                 raise
             rows = []
         if not rows:
-            raise AdapterError(f"{refuse} is not known to Slurm (squeue: Invalid job id "
-                               "specified); the id came from a training process: check its "
-                               "SLURM_JOB_ID and the job with squeue")
+            raise AdapterError(
+                f"{refuse} is not known to Slurm (squeue: Invalid job id "
+                "specified); the id came from a training process: check its "
+                "SLURM_JOB_ID and the job with squeue"
+            )
         if len(rows) != 1 or len(rows[0]) != 5:
             shown = ", ".join("|".join(r) for r in rows[:5]) or "nothing"
-            raise AdapterError(f"{refuse} is not one running job: squeue --jobs={job_id} "
-                               f"listed {len(rows)} record(s) ({shown}); an array job id names "
-                               "all its tasks: the heartbeat should carry the task's own "
-                               "SLURM_JOB_ID")
+            raise AdapterError(
+                f"{refuse} is not one running job: squeue --jobs={job_id} "
+                f"listed {len(rows)} record(s) ({shown}); an array job id names "
+                "all its tasks: the heartbeat should carry the task's own "
+                "SLURM_JOB_ID"
+            )
         unique_id, shown_id, state, nodelist, owner = rows[0]
         if not owner.isdigit():
             raise AdapterError(
                 f"REFUSED: not requeueing Slurm job {shown_id}: squeue did not say whose job it "
                 f"is (UserId {owner[:40]!r}), so it cannot be checked against the hung "
-                f"process's uid {uid}; requeue it by hand after checking")
+                f"process's uid {uid}; requeue it by hand after checking"
+            )
         if int(owner) != uid:
             raise AdapterError(
                 f"REFUSED: not requeueing Slurm job {shown_id}: it belongs to uid {owner}, but "
                 f"the hung process that named it runs as uid {uid}; a user's process can name "
                 "another user's job (SLURM_JOB_ID is the user's to set), so only the job's own "
-                "processes may have it requeued. Check the process and the job by hand")
+                "processes may have it requeued. Check the process and the job by hand"
+            )
         if state != "RUNNING":
-            return (f"{JOB_NOT_RUNNING} Slurm job {shown_id} is {state}, not running; nothing "
-                    f"requeued (already requeued, e.g. by another node's agent for the same "
-                    f"hang, or ended); {reason}")
-        on_node = self._squeue("--states=RUNNING", f"--jobs={unique_id}", f"--nodelist={node}",
-                               "--format=%A")
+            return (
+                f"{JOB_NOT_RUNNING} Slurm job {shown_id} is {state}, not running; nothing "
+                f"requeued (already requeued, e.g. by another node's agent for the same "
+                f"hang, or ended); {reason}"
+            )
+        on_node = self._squeue(
+            "--states=RUNNING", f"--jobs={unique_id}", f"--nodelist={node}", "--format=%A"
+        )
         if [unique_id] not in on_node:
-            raise AdapterError(f"{refuse} runs on {nodelist or 'no node'}, not on {node}; not "
-                               "requeued")
+            raise AdapterError(
+                f"{refuse} runs on {nodelist or 'no node'}, not on {node}; not requeued"
+            )
         result = self._scontrol("requeue", unique_id)
         if not result.ok:
             raise AdapterError(_requeue_failure(result, shown_id))
-        return (f"slurm: requeued job {shown_id} (JobId={unique_id}, was RUNNING on "
-                f"{nodelist}); Slurm restarts it; {reason}")
+        return (
+            f"slurm: requeued job {shown_id} (JobId={unique_id}, was RUNNING on "
+            f"{nodelist}); Slurm restarts it; {reason}"
+        )
 
 
 def _requeue_failure(result: proc.ProcResult, job: str) -> str:
     text = _describe(result)
     if "presently disabled" in text:
-        return (f"{text}; job {job} cannot be requeued (submitted with --no-requeue, or "
-                "JobRequeue=0 in slurm.conf): cancel it with scancel if it is hung")
+        return (
+            f"{text}; job {job} cannot be requeued (submitted with --no-requeue, or "
+            "JobRequeue=0 in slurm.conf): cancel it with scancel if it is hung"
+        )
     if "Only batch jobs" in text:
-        return (f"{text}; job {job} is an interactive (srun/salloc) job, which Slurm cannot "
-                "requeue: cancel it with scancel if it is hung")
+        return (
+            f"{text}; job {job} is an interactive (srun/salloc) job, which Slurm cannot "
+            "requeue: cancel it with scancel if it is hung"
+        )
     if "Access/permission denied" in text or "Invalid user" in text:
         return text + "; scontrol requeue needs SlurmUser, root or the job's owner"
     return text + "; check that slurmctld is up (`scontrol ping`) and SLURM_CONF points at it"
 
 
 def _left_as_is(current: NodeState, action: str) -> str:
-    return (f"{LEFT_AS_IS} {current.name} is already {current.state} by someone else "
-            f"(Reason={current.reason!r}); not changed by {action}, their reason kept")
+    return (
+        f"{LEFT_AS_IS} {current.name} is already {current.state} by someone else "
+        f"(Reason={current.reason!r}); not changed by {action}, their reason kept"
+    )
 
 
 def _describe(result: proc.ProcResult) -> str:
@@ -323,4 +362,3 @@ def _failure(result: proc.ProcResult) -> str:
     if "Access/permission denied" in text or "Invalid user" in text:
         return text + "; scontrol update needs SlurmUser or root: run the agent as root"
     return text + "; check that slurmctld is up (`scontrol ping`) and SLURM_CONF points at it"
-

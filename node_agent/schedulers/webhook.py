@@ -84,8 +84,7 @@ _MAX_ANSWER_CHARS = 300
 
 def sign(secret: bytes, body: bytes, timestamp: int | str) -> str:
     """The signature header value: ``sha256=<hex HMAC-SHA256 of b"<timestamp>." + body>``."""
-    return "sha256=" + hmac.new(secret, f"{timestamp}.".encode() + body,
-                                hashlib.sha256).hexdigest()
+    return "sha256=" + hmac.new(secret, f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
 
 
 def idempotency_key(node: str, action: str, reason: str, job: str | None = None) -> str:
@@ -111,23 +110,37 @@ def check_url(url: str) -> str:
             loopback = False
         if loopback:
             return url
-        raise AdapterError(f"adapter.webhook.url {url!r}: plain http is allowed only to a "
-                           "loopback address (127.0.0.1, ::1, localhost); use https:// with "
-                           "adapter.webhook.ca_file for a receiver on the network")
-    raise AdapterError(f"adapter.webhook.url {url!r}: expected an https:// URL (or http:// to "
-                       "a loopback address)")
+        raise AdapterError(
+            f"adapter.webhook.url {url!r}: plain http is allowed only to a "
+            "loopback address (127.0.0.1, ::1, localhost); use https:// with "
+            "adapter.webhook.ca_file for a receiver on the network"
+        )
+    raise AdapterError(
+        f"adapter.webhook.url {url!r}: expected an https:// URL (or http:// to a loopback address)"
+    )
 
 
 class WebhookAdapter:
     name = "webhook"
 
-    def __init__(self, url: str, secret: bytes, timeout_s: float = 5, retries: int = 3,
-                 backoff_s: float = 1.0, sleep: Callable[[float], None] = time.sleep,
-                 clock: Callable[[], str] = _now_iso, session: Any = None, *,
-                 deadline_s: float = 30.0, ca_file: str | None = None,
-                 client_cert: str | None = None, client_key: str | None = None,
-                 unix_time: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        url: str,
+        secret: bytes,
+        timeout_s: float = 5,
+        retries: int = 3,
+        backoff_s: float = 1.0,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], str] = _now_iso,
+        session: Any = None,
+        *,
+        deadline_s: float = 30.0,
+        ca_file: str | None = None,
+        client_cert: str | None = None,
+        client_key: str | None = None,
+        unix_time: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         import requests
 
         self.url = check_url(url)
@@ -143,7 +156,8 @@ class WebhookAdapter:
         self._session = session or requests.Session()
         self._verify: bool | str = ca_file or True
         self._cert: tuple[str, str] | str | None = (
-            (client_cert, client_key) if client_cert and client_key else client_cert or None)
+            (client_cert, client_key) if client_cert and client_key else client_cert or None
+        )
 
     @classmethod
     def from_config(cls, config: Config) -> WebhookAdapter:
@@ -152,13 +166,16 @@ class WebhookAdapter:
         if not url:
             raise AdapterError("the webhook adapter needs adapter.webhook.url in the config")
         if not secret_file:
-            raise AdapterError("the webhook adapter needs adapter.webhook.secret_file (a file "
-                               "holding the HMAC secret shared with the receiver)")
+            raise AdapterError(
+                "the webhook adapter needs adapter.webhook.secret_file (a file "
+                "holding the HMAC secret shared with the receiver)"
+            )
         try:
             secret = Path(secret_file).read_bytes().rstrip(b"\r\n")
         except OSError as err:
-            raise AdapterError(f"cannot read adapter.webhook.secret_file {secret_file}: "
-                               f"{err.strerror}") from err
+            raise AdapterError(
+                f"cannot read adapter.webhook.secret_file {secret_file}: {err.strerror}"
+            ) from err
         if not secret:
             raise AdapterError(f"adapter.webhook.secret_file {secret_file} is empty")
         w = "adapter.webhook."
@@ -168,13 +185,20 @@ class WebhookAdapter:
                 raise AdapterError(f"{w}{key} {path}: no such file")
         if config.get(w + "client_key") and not config.get(w + "client_cert"):
             raise AdapterError(f"{w}client_key is set without {w}client_cert")
-        if not url.startswith("https://") and (config.get(w + "ca_file")
-                                               or config.get(w + "client_cert")):
+        if not url.startswith("https://") and (
+            config.get(w + "ca_file") or config.get(w + "client_cert")
+        ):
             raise AdapterError(f"{w}ca_file/client_cert apply to an https:// url only")
-        return cls(url, secret, timeout_s=config.get(w + "timeout_s"),
-                   retries=config.get(w + "retries"), deadline_s=config.get(w + "deadline_s"),
-                   ca_file=config.get(w + "ca_file"), client_cert=config.get(w + "client_cert"),
-                   client_key=config.get(w + "client_key"))
+        return cls(
+            url,
+            secret,
+            timeout_s=config.get(w + "timeout_s"),
+            retries=config.get(w + "retries"),
+            deadline_s=config.get(w + "deadline_s"),
+            ca_file=config.get(w + "ca_file"),
+            client_cert=config.get(w + "client_cert"),
+            client_key=config.get(w + "client_key"),
+        )
 
     def _send(self, body: bytes, headers: dict[str, str], timeout_s: float) -> Any:
         """One POST, abandoned at ``timeout_s`` whatever the receiver does (a slow drip of
@@ -183,9 +207,16 @@ class WebhookAdapter:
 
         def post() -> None:
             try:
-                resp = self._session.post(self.url, data=body, headers=headers,
-                                          timeout=timeout_s, verify=self._verify,
-                                          cert=self._cert, stream=True, allow_redirects=False)
+                resp = self._session.post(
+                    self.url,
+                    data=body,
+                    headers=headers,
+                    timeout=timeout_s,
+                    verify=self._verify,
+                    cert=self._cert,
+                    stream=True,
+                    allow_redirects=False,
+                )
                 # the answer is only read for the journal: a bounded piece of it
                 raw = resp.raw.read(4 * _MAX_ANSWER_CHARS, decode_content=True) or b""
                 box["answer"] = (resp.status_code, raw.decode("utf-8", "replace"))
@@ -202,8 +233,9 @@ class WebhookAdapter:
             raise box["error"]
         return box["answer"]
 
-    def _post(self, action: str, node: str, reason: str, job: str | None = None,
-              key: str | None = None) -> str:
+    def _post(
+        self, action: str, node: str, reason: str, job: str | None = None, key: str | None = None
+    ) -> str:
         import requests
 
         node, reason = check_node_name(node), sanitise_reason(reason)
@@ -228,12 +260,24 @@ class WebhookAdapter:
                 break
             timestamp = int(self._unix_time())
             nonce = secrets.token_hex(16)
-            payload = {"schema": BODY_SCHEMA, "action": action, "node": node, "reason": reason,
-                       "idempotency_key": key or idempotency_key(node, action, reason, job),
-                       "at": self._clock(), "timestamp": timestamp, "nonce": nonce, **extra}
+            payload = {
+                "schema": BODY_SCHEMA,
+                "action": action,
+                "node": node,
+                "reason": reason,
+                "idempotency_key": key or idempotency_key(node, action, reason, job),
+                "at": self._clock(),
+                "timestamp": timestamp,
+                "nonce": nonce,
+                **extra,
+            }
             body = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
-            headers = {"Content-Type": "application/json", TIMESTAMP_HEADER: str(timestamp),
-                       NONCE_HEADER: nonce, SIGNATURE_HEADER: sign(self._secret, body, timestamp)}
+            headers = {
+                "Content-Type": "application/json",
+                TIMESTAMP_HEADER: str(timestamp),
+                NONCE_HEADER: nonce,
+                SIGNATURE_HEADER: sign(self._secret, body, timestamp),
+            }
             made += 1
             try:
                 status, answer = self._send(body, headers, min(self.timeout_s, left))
@@ -242,14 +286,17 @@ class WebhookAdapter:
                 continue
             text = " ".join(answer.split())[:_MAX_ANSWER_CHARS]
             if 200 <= status < 300:
-                return f"webhook: {what} accepted by {self.url} (HTTP {status}" \
-                       + (f": {text})" if text else ")")
+                return f"webhook: {what} accepted by {self.url} (HTTP {status}" + (
+                    f": {text})" if text else ")"
+                )
             last = f"HTTP {status}: {text}"
             if status < 500 and status not in _RETRY_STATUS:
                 raise AdapterError(f"webhook {self.url} refused {what}: {last}")
-        raise AdapterError(f"webhook {self.url}: {what} failed after {made} attempt(s) within "
-                           f"the {self.deadline_s:g} s deadline (adapter.webhook.deadline_s); "
-                           f"last: {last}; check the receiver and adapter.webhook.url")
+        raise AdapterError(
+            f"webhook {self.url}: {what} failed after {made} attempt(s) within "
+            f"the {self.deadline_s:g} s deadline (adapter.webhook.deadline_s); "
+            f"last: {last}; check the receiver and adapter.webhook.url"
+        )
 
     def node_state(self, node: str) -> NodeState:
         return NodeState(name=check_node_name(node), state="unknown", drained=False, reason=None)
@@ -269,6 +316,5 @@ class WebhookAdapter:
     def replace(self, node: str, reason: str, *, key: str | None = None) -> str:
         return self._post("replace", node, reason, key=key)
 
-    def restart_job(self, node: str, job: str, reason: str, *,
-                    key: str | None = None) -> str:
+    def restart_job(self, node: str, job: str, reason: str, *, key: str | None = None) -> str:
         return self._post("restart-job", node, reason, job=job, key=key)

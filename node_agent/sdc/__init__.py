@@ -27,18 +27,46 @@ from node_agent.sdc.spool import (
     write_verdict,
 )
 
-_PROBE_NAMES = ("DTYPES", "DEFAULT_SHAPES", "ProbeSpec", "SdcProbe", "accumulator_check",
-                "corrupting_matmul", "cublas_workspace_bytes", "default_specs", "digest_probe",
-                "exact_gemm_probe", "fit_whole_gpu", "freivalds_check", "freivalds_probe", "golden",
-                "golden_out",
-                "odd_one_out", "probe_memory_bytes", "run_probes", "strict_matmul",
-                "whole_gpu_specs")
+_PROBE_NAMES = (
+    "DTYPES",
+    "DEFAULT_SHAPES",
+    "ProbeSpec",
+    "SdcProbe",
+    "accumulator_check",
+    "corrupting_matmul",
+    "cublas_workspace_bytes",
+    "default_specs",
+    "digest_probe",
+    "exact_gemm_probe",
+    "fit_whole_gpu",
+    "freivalds_check",
+    "freivalds_probe",
+    "golden",
+    "golden_out",
+    "odd_one_out",
+    "probe_memory_bytes",
+    "run_probes",
+    "strict_matmul",
+    "whole_gpu_specs",
+)
 #: the GPU validation's figures (node_agent.sdc.validation), loaded on first use too
-_VALIDATION_NAMES = ("measure_sm_coverage", "measure_training_overhead", "sdc_sm_coverage",
-                     "sdc_training_overhead_percent")
+_VALIDATION_NAMES = (
+    "measure_sm_coverage",
+    "measure_training_overhead",
+    "sdc_sm_coverage",
+    "sdc_training_overhead_percent",
+)
 
-__all__ = ["SPOOL_SCHEMA", "Verdict", "default_spool_dir", "read_spool", "read_spool_files",
-           "write_verdict", *_PROBE_NAMES, *_VALIDATION_NAMES]
+__all__ = [
+    "SPOOL_SCHEMA",
+    "Verdict",
+    "default_spool_dir",
+    "read_spool",
+    "read_spool_files",
+    "write_verdict",
+    *_PROBE_NAMES,
+    *_VALIDATION_NAMES,
+]
 
 
 def __getattr__(name: str) -> Any:

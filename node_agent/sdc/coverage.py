@@ -46,15 +46,20 @@ class Coverage:
     why: str | None = None
 
     def evidence(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"sm_coverage": round(self.value, 4),
-                               "sm_coverage_method": self.method, "sm_count": self.sm_count,
-                               "sms_reached": self.sms_reached}
+        out: dict[str, Any] = {
+            "sm_coverage": round(self.value, 4),
+            "sm_coverage_method": self.method,
+            "sm_count": self.sm_count,
+            "sms_reached": self.sms_reached,
+        }
         if self.why:
             out["sm_coverage_note"] = self.why
         return out
 
 
-def modeled(model: TileModel, shapes: Iterable[tuple[int, int]], why: str | None = None) -> Coverage:
+def modeled(
+    model: TileModel, shapes: Iterable[tuple[int, int]], why: str | None = None
+) -> Coverage:
     """Coverage of a round of ``(M, N)`` outputs under the tile model (the share it is sure of)."""
     shapes = list(shapes)
     value = model.coverage(shapes)
@@ -121,7 +126,10 @@ def _jiterator(device: torch.device, blocks: int) -> torch.Tensor:
 
 
 KERNELS: dict[str, Callable[[torch.device, int], torch.Tensor]] = {
-    "cupy": _cupy, "triton": _triton, "jiterator": _jiterator}
+    "cupy": _cupy,
+    "triton": _triton,
+    "jiterator": _jiterator,
+}
 
 
 def smids(device: torch.device, blocks: int, method: str = "auto") -> tuple[set[int], str]:
@@ -137,19 +145,30 @@ def smids(device: torch.device, blocks: int, method: str = "auto") -> tuple[set[
         try:
             ids = KERNELS[name](device, blocks)
         except Exception as err:  # noqa: BLE001 - an unavailable kernel is the next one's turn
-            failures.append(f"{name}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+            failures.append(
+                f"{name}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            )
             continue
         seen = {int(v) for v in ids.tolist() if int(v) >= 0}
         if not seen:
             failures.append(f"{name}: recorded no SM id")
             continue
         return seen, name
-    raise RuntimeError("cannot read %smid on " + str(device) + ": " + "; ".join(failures)
-                       + " (install cupy or triton, or use a CUDA build of torch with NVRTC)")
+    raise RuntimeError(
+        "cannot read %smid on "
+        + str(device)
+        + ": "
+        + "; ".join(failures)
+        + " (install cupy or triton, or use a CUDA build of torch with NVRTC)"
+    )
 
 
-def measure(device: torch.device | str, model: TileModel, shapes: Iterable[tuple[int, int]],
-            method: str = "auto") -> Coverage:
+def measure(
+    device: torch.device | str,
+    model: TileModel,
+    shapes: Iterable[tuple[int, int]],
+    method: str = "auto",
+) -> Coverage:
     """Coverage of a probe round of ``(M, N)`` outputs on ``device``: measured with ``%smid``
     on a CUDA GPU (one grid per shape, one block per tile), the model's figure elsewhere or when
     no kernel can be built (``why`` says which)."""

@@ -52,12 +52,12 @@ class Numerics:
     """How one probe dtype computes: input and output dtypes, TF32, and the exactness budget."""
 
     name: str
-    dtype: torch.dtype          # inputs
-    out_dtype: torch.dtype      # what the GEMM writes
-    tf32: bool                  # fp32 tensors on TF32 tensor cores
-    full_bits: int              # significant bits of the input format (implicit bit included)
-    acc_bits: int               # every partial sum stays below 2**acc_bits (exact accumulator)
-    scale_exp: int = 0          # inputs are integers * 2**-scale_exp
+    dtype: torch.dtype  # inputs
+    out_dtype: torch.dtype  # what the GEMM writes
+    tf32: bool  # fp32 tensors on TF32 tensor cores
+    full_bits: int  # significant bits of the input format (implicit bit included)
+    acc_bits: int  # every partial sum stays below 2**acc_bits (exact accumulator)
+    scale_exp: int = 0  # inputs are integers * 2**-scale_exp
 
 
 _FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -83,8 +83,13 @@ DTYPES: dict[str, tuple[torch.dtype, bool]] = {n: (x.dtype, x.tf32) for n, x in 
 #: 4 * 2047**2 < 2**24, so K = 4), then 8-bit inputs with K = 256 (256 * 255**2 < 2**24) for
 #: the deep-K path training's GEMMs take (every k-lane of the MMA, the K loop, split-K).
 WHOLE_GPU_SPECS: tuple[tuple[str, int, int], ...] = (
-    ("bf16", 8, 256), ("fp16", 11, 4), ("tf32", 11, 4), ("fp8", 4, 32),
-    ("fp16", 8, 256), ("tf32", 8, 256), ("fp32", 8, 256),
+    ("bf16", 8, 256),
+    ("fp16", 11, 4),
+    ("tf32", 11, 4),
+    ("fp8", 4, 32),
+    ("fp16", 8, 256),
+    ("tf32", 8, 256),
+    ("fp32", 8, 256),
 )
 
 
@@ -152,22 +157,27 @@ def input_bits(spec: ProbeSpec) -> int:
     limit = 2**x.acc_bits
     if spec.bits is not None:
         if not 1 <= spec.bits <= x.full_bits:
-            raise ValueError(f"exact probe {spec.label()}: bits {spec.bits} outside 1..{x.full_bits} "
-                             f"({spec.dtype} has {x.full_bits} significant bits)")
+            raise ValueError(
+                f"exact probe {spec.label()}: bits {spec.bits} outside 1..{x.full_bits} "
+                f"({spec.dtype} has {x.full_bits} significant bits)"
+            )
         vmax = 2**spec.bits - 1
         if spec.k * vmax * vmax >= limit:
             raise ValueError(
                 f"exact probe {spec.label()}: worst-case |partial sum| K*vmax^2 = "
                 f"{spec.k * vmax * vmax} exceeds {limit}, the exact range of the "
                 f"{x.acc_bits}-bit accumulator; use K <= {(limit - 1) // (vmax * vmax)} for "
-                f"{spec.bits}-bit inputs")
+                f"{spec.bits}-bit inputs"
+            )
         return spec.bits
     for bits in range(x.full_bits, 0, -1):
         vmax = 2**bits - 1
         if spec.k * vmax * vmax < limit:
             return bits
-    raise ValueError(f"exact probe {spec.label()}: K = {spec.k} exceeds {limit - 1}: even inputs "
-                     f"of +-1 could round in the {x.acc_bits}-bit accumulator; use a smaller K")
+    raise ValueError(
+        f"exact probe {spec.label()}: K = {spec.k} exceeds {limit - 1}: even inputs "
+        f"of +-1 could round in the {x.acc_bits}-bit accumulator; use a smaller K"
+    )
 
 
 def check_spec(spec: ProbeSpec) -> tuple[Numerics, int]:
@@ -179,8 +189,9 @@ def check_spec(spec: ProbeSpec) -> tuple[Numerics, int]:
     if pm < 1 or pn < 1 or spec.m % pm or spec.n % pn:
         raise ValueError(f"exact probe {spec.label()}: block {spec.block} must divide M x N")
     if spec.dtype == "fp8" and (spec.m % 16 or spec.k % 16 or spec.n % 16):
-        raise ValueError(f"exact probe {spec.label()}: fp8 GEMMs (torch._scaled_mm) need M, K, N "
-                         "multiples of 16")
+        raise ValueError(
+            f"exact probe {spec.label()}: fp8 GEMMs (torch._scaled_mm) need M, K, N multiples of 16"
+        )
     bits = input_bits(spec)
     return x, 2**bits - 1
 
@@ -231,8 +242,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> t
         if one is None:
             one = _ONES[key] = torch.ones((), device=a.device, dtype=torch.float32)
         kw = {"out": out} if out is not None else {}
-        res = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
-                               use_fast_accum=False, **kw)
+        res = torch._scaled_mm(
+            a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=False, **kw
+        )
         return res[0] if isinstance(res, tuple) else res  # torch < 2.4 returned (out, amax)
     if out is not None:
         return torch.matmul(a, b, out=out)
@@ -373,8 +385,9 @@ class ExactState:
     """One spec's inputs and golden on one device (made on the stream current at creation, which
     must be the stream the probe runs on), and the queued comparison."""
 
-    def __init__(self, spec: ProbeSpec, device: torch.device,
-                 tiles: TileModel | None = None) -> None:
+    def __init__(
+        self, spec: ProbeSpec, device: torch.device, tiles: TileModel | None = None
+    ) -> None:
         self.spec = spec
         self.device = device
         self.numerics, _ = check_spec(spec)
@@ -388,14 +401,20 @@ class ExactState:
         self.gold = self.golden_block.to(device)
         pm, pn = spec.period
         self._gold4 = self.gold.view(1, pm, 1, pn)
-        self._tiled = tiles is not None and spec.m % tiles.tile_m == 0 and spec.n % tiles.tile_n == 0
+        self._tiled = (
+            tiles is not None and spec.m % tiles.tile_m == 0 and spec.n % tiles.tile_n == 0
+        )
 
     @property
     def tile_count(self) -> int:
         return self.tiles.tiles(self.spec.m, self.spec.n) if self.tiles else 0
 
-    def launch(self, mm: Matmul | None = None, workspace: Workspace | None = None,
-               readback: Readback | None = None) -> Callable[[], Outcome]:
+    def launch(
+        self,
+        mm: Matmul | None = None,
+        workspace: Workspace | None = None,
+        readback: Readback | None = None,
+    ) -> Callable[[], Outcome]:
         """Queue the GEMM and its comparison on the current stream; return ``read()``.
 
         With ``readback`` (pinned buffers), only device work and non-blocking copies are
@@ -408,7 +427,9 @@ class ExactState:
         pm, pn = s.period
         with strict_matmul(self.numerics.tf32):
             if mm is None and workspace is not None:
-                out = gemm(self.a, self.b, out=workspace.out_view(s.m, s.n, self.numerics.out_dtype))
+                out = gemm(
+                    self.a, self.b, out=workspace.out_view(s.m, s.n, self.numerics.out_dtype)
+                )
             else:
                 out = (mm or gemm)(self.a, self.b)
         shape4 = (s.m // pm, pm, s.n // pn, pn)
@@ -431,7 +452,11 @@ class ExactState:
                 n = int(readback.count[0])
                 ev: dict[str, Any] = {}
                 if n and tile_bad is not None:
-                    ev.update(self._tile_evidence(readback.tiles[: tile_bad.numel()].nonzero().view(-1).tolist()))
+                    ev.update(
+                        self._tile_evidence(
+                            readback.tiles[: tile_bad.numel()].nonzero().view(-1).tolist()
+                        )
+                    )
                 return Outcome(n, s.m * s.n, ev)
 
             return read_pinned
@@ -443,12 +468,16 @@ class ExactState:
                 idx = torch.nonzero(bad2)
                 first = idx[:5].tolist()
                 gold = self.golden_block
-                ev["first"] = [[[i, j], float(out[i, j]), float(gold[i % pm, j % pn])] for i, j in first]
+                ev["first"] = [
+                    [[i, j], float(out[i, j]), float(gold[i % pm, j % pn])] for i, j in first
+                ]
                 if self.tiles is not None:
                     if tile_bad is not None:
                         bad_tiles = tile_bad.nonzero().view(-1).tolist()
                     else:
-                        bad_tiles = sorted({self.tiles.tile_of(i, j, s.n) for i, j in idx[:10_000].tolist()})
+                        bad_tiles = sorted(
+                            {self.tiles.tile_of(i, j, s.n) for i, j in idx[:10_000].tolist()}
+                        )
                     ev.update(self._tile_evidence(bad_tiles))
             return Outcome(n, s.m * s.n, ev)
 
@@ -460,16 +489,22 @@ class ExactState:
         launch started."""
         assert self.tiles is not None
         residues = self.tiles.sm_counts(bad_tiles)
-        return {"tiles": bad_tiles[:32], "tiles_mismatched": len(bad_tiles),
-                "tiles_total": self.tile_count, "tile": list(self.tiles.tile),
-                "tile_residues": {str(k): v for k, v in residues.items()},
-                "sm_count": self.tiles.sm_count}
+        return {
+            "tiles": bad_tiles[:32],
+            "tiles_mismatched": len(bad_tiles),
+            "tiles_total": self.tile_count,
+            "tile": list(self.tiles.tile),
+            "tile_residues": {str(k): v for k, v in residues.items()},
+            "sm_count": self.tiles.sm_count,
+        }
 
 
 _STATES: dict[tuple[Any, ...], ExactState] = {}
 
 
-def exact_state(spec: ProbeSpec, device: torch.device, tiles: TileModel | None = None) -> ExactState:
+def exact_state(
+    spec: ProbeSpec, device: torch.device, tiles: TileModel | None = None
+) -> ExactState:
     """The cached :class:`ExactState` of ``spec`` on ``device`` and its current stream."""
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
     key = (spec, str(device), str(stream), tiles)
@@ -529,8 +564,9 @@ class AccumulatorCheck:
         size_out = torch.empty((), dtype=x.out_dtype).element_size()
         return (self.a.numel() + self.b.numel()) * size_in + self.total * (size_out + 1)
 
-    def launch(self, mm: Matmul | None = None,
-               pinned: torch.Tensor | None = None) -> Callable[[], str | None]:
+    def launch(
+        self, mm: Matmul | None = None, pinned: torch.Tensor | None = None
+    ) -> Callable[[], str | None]:
         """Queue the check on the current stream; ``read()`` gives None or the skip reason.
         With ``pinned`` (3 float64, pinned host memory) nothing synchronises: call ``read()``
         after an event recorded behind the copy has completed."""
@@ -539,8 +575,12 @@ class AccumulatorCheck:
             out = (mm or gemm)(self.a, self.b)
         # statistics in the output dtype (exact: small integers, scaled), so the transient
         # memory is the output and one mask, nothing wider
-        stats = torch.stack([out.min().double(), out.max().double(),
-                             (out != self._want).sum().double()]) * self._unscale
+        stats = (
+            torch.stack(
+                [out.min().double(), out.max().double(), (out != self._want).sum().double()]
+            )
+            * self._unscale
+        )
         if pinned is not None:
             pinned.copy_(stats, non_blocking=True)
             return lambda: self.judge(*pinned.tolist())
@@ -550,17 +590,28 @@ class AccumulatorCheck:
         if wrong == 0:
             return None
         if wrong == self.total and lo == hi and lo == int(lo) and 0 <= lo < self.exact:
-            return (f"{self.name}: this GEMM kernel accumulates in lower precision than the exact "
-                    f"probe needs ({self.numerics.acc_bits} bits): a sum of "
-                    f"+-2^{self.numerics.acc_bits - 1} and {self.exact} ones came out {int(lo)}, "
-                    f"not {self.exact}; the {self.name} exact probes are skipped")
-        log.warning("sdc accumulator check %s: %d of %d elements wrong, not the lower-precision "
-                    "pattern (the probes will report it)", self.name, int(wrong), self.total)
+            return (
+                f"{self.name}: this GEMM kernel accumulates in lower precision than the exact "
+                f"probe needs ({self.numerics.acc_bits} bits): a sum of "
+                f"+-2^{self.numerics.acc_bits - 1} and {self.exact} ones came out {int(lo)}, "
+                f"not {self.exact}; the {self.name} exact probes are skipped"
+            )
+        log.warning(
+            "sdc accumulator check %s: %d of %d elements wrong, not the lower-precision "
+            "pattern (the probes will report it)",
+            self.name,
+            int(wrong),
+            self.total,
+        )
         return None
 
 
-def accumulator_check(name: str, device: torch.device | str, matmul: Matmul | None = None,
-                      tiles: TileModel | None = None) -> str | None:
+def accumulator_check(
+    name: str,
+    device: torch.device | str,
+    matmul: Matmul | None = None,
+    tiles: TileModel | None = None,
+) -> str | None:
     """None when ``name``'s GEMM on ``device`` keeps every bit the exact probe relies on.
 
     Otherwise the reason the dtype must be skipped: every output element came back the same
@@ -588,8 +639,13 @@ def tile_model_for(device: torch.device | str, sm_count: int | None = None) -> T
     return tiles_mod.sim_model(sm_count)
 
 
-def plan_whole_gpu(model: TileModel, dtypes: tuple[str, ...] | list[str], tiles_per_sm: int,
-                   block: int, seed: int = 0) -> list[ProbeSpec]:
+def plan_whole_gpu(
+    model: TileModel,
+    dtypes: tuple[str, ...] | list[str],
+    tiles_per_sm: int,
+    block: int,
+    seed: int = 0,
+) -> list[ProbeSpec]:
     """The ``WHOLE_GPU_SPECS`` of these dtypes for a GPU of this tile model (pure: no device).
 
     >>> from node_agent.sdc.tiles import gpu_model
@@ -599,13 +655,18 @@ def plan_whole_gpu(model: TileModel, dtypes: tuple[str, ...] | list[str], tiles_
     import node_agent.sdc.tiles as tiles_mod
 
     m, n = tiles_mod.whole_gpu_mn(model, tiles_per_sm, block)
-    return [ProbeSpec(m, k, n, name, seed=seed, bits=bits, block=(block, block))
-            for name, bits, k in WHOLE_GPU_SPECS if name in dtypes]
+    return [
+        ProbeSpec(m, k, n, name, seed=seed, bits=bits, block=(block, block))
+        for name, bits, k in WHOLE_GPU_SPECS
+        if name in dtypes
+    ]
 
 
 def whole_gpu_specs(
-    device: torch.device | str, tiles: TileModel | None = None,
-    dtypes: tuple[str, ...] | list[str] | None = None, tiles_per_sm: int | None = None,
+    device: torch.device | str,
+    tiles: TileModel | None = None,
+    dtypes: tuple[str, ...] | list[str] | None = None,
+    tiles_per_sm: int | None = None,
     seed: int = 0,
 ) -> tuple[list[ProbeSpec], dict[str, str]]:
     """The whole-GPU exact specs for ``device`` (``WHOLE_GPU_SPECS`` whose dtype is in

@@ -43,8 +43,14 @@ def _mask(dtype: torch.dtype, bit: int | None) -> tuple[torch.dtype, int]:
 
 
 def corrupting_matmul(
-    bit: int | None = None, seed: int = 0, times: int | None = None, base: Matmul | None = None,
-    *, tiles: TileModel | None = None, sm: int | None = None, rate: float = 1.0,
+    bit: int | None = None,
+    seed: int = 0,
+    times: int | None = None,
+    base: Matmul | None = None,
+    *,
+    tiles: TileModel | None = None,
+    sm: int | None = None,
+    rate: float = 1.0,
 ) -> Matmul:
     """A matmul that returns wrong elements: the simulated faulty GPU.
 
@@ -70,7 +76,9 @@ def corrupting_matmul(
             return out
         view, mask = _mask(out.dtype, bit)
         if tiles is None:
-            idx = torch.randint(0, out.numel(), (1,), generator=torch.Generator().manual_seed(seed)).item()
+            idx = torch.randint(
+                0, out.numel(), (1,), generator=torch.Generator().manual_seed(seed)
+            ).item()
             out = out.clone()
             out.view(-1).view(view)[idx] ^= mask
             return out

@@ -159,8 +159,9 @@ def default_specs(
     only on CUDA), inputs as wide as K allows."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if shapes is None:
-        specs, _ = whole_gpu_specs(dev, tiles, tuple(dtypes) if dtypes is not None else None,
-                                   tiles_per_sm, seed)
+        specs, _ = whole_gpu_specs(
+            dev, tiles, tuple(dtypes) if dtypes is not None else None, tiles_per_sm, seed
+        )
         return specs
     names = [d for d in (dtypes or SHAPE_DTYPES) if dtype_unsupported(d, dev) is None]
     return [ProbeSpec(*shape, dtype=d, seed=seed) for shape in shapes for d in names]
@@ -183,8 +184,12 @@ def cublas_workspace_bytes(device: torch.device | str) -> int:
     return 4096 * 8 * 1024 if major in (9, 10, 12) else 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
-def probe_memory_bytes(specs: Iterable[ProbeSpec], tiles: TileModel | None = None,
-                       acc_dtypes: Iterable[str] = (), workspace_bytes: int = 0) -> int:
+def probe_memory_bytes(
+    specs: Iterable[ProbeSpec],
+    tiles: TileModel | None = None,
+    acc_dtypes: Iterable[str] = (),
+    workspace_bytes: int = 0,
+) -> int:
     """Device bytes an in-training probe with these specs holds at most: every spec's inputs
     and golden block, one output buffer and one mismatch mask (the largest spec's), the
     per-tile map, the accumulator checks' inputs plus one check's transient output and mask,
@@ -209,9 +214,15 @@ def probe_memory_bytes(specs: Iterable[ProbeSpec], tiles: TileModel | None = Non
     return total + peak
 
 
-def fit_whole_gpu(model: TileModel, dtypes: Iterable[str], tiles_per_sm: int, block: int,
-                  max_bytes: float, workspace_bytes: int = 0,
-                  seed: int = 0) -> tuple[list[ProbeSpec], int, int]:
+def fit_whole_gpu(
+    model: TileModel,
+    dtypes: Iterable[str],
+    tiles_per_sm: int,
+    block: int,
+    max_bytes: float,
+    workspace_bytes: int = 0,
+    seed: int = 0,
+) -> tuple[list[ProbeSpec], int, int]:
     """(specs, tiles per SM, device bytes): the most tiles per SM, up to ``tiles_per_sm``, whose
     whole-GPU specs fit ``max_bytes`` (``probe_memory_bytes``, ``workspace_bytes`` included);
     ValueError when even 1 tile per SM does not. Pure: no device needed.
@@ -230,9 +241,11 @@ def fit_whole_gpu(model: TileModel, dtypes: Iterable[str], tiles_per_sm: int, bl
         if need <= max_bytes:
             return specs, per_sm, need
         if per_sm <= 1:
-            raise ValueError(f"whole-GPU probes need {need / 2**20:.1f} MiB of device memory even "
-                             f"at 1 tile per SM ({workspace_bytes / 2**20:.1f} MiB cuBLAS "
-                             f"workspace included), over {max_bytes / 2**20:.1f} MiB")
+            raise ValueError(
+                f"whole-GPU probes need {need / 2**20:.1f} MiB of device memory even "
+                f"at 1 tile per SM ({workspace_bytes / 2**20:.1f} MiB cuBLAS "
+                f"workspace included), over {max_bytes / 2**20:.1f} MiB"
+            )
         per_sm -= 1
 
 
@@ -246,8 +259,11 @@ def _sync(device: torch.device) -> None:
 
 
 def exact_gemm_probe(
-    spec: ProbeSpec, device: torch.device | str = "cpu", matmul: Matmul | None = None,
-    clock: Clock = time.perf_counter, tiles: TileModel | None = None,
+    spec: ProbeSpec,
+    device: torch.device | str = "cpu",
+    matmul: Matmul | None = None,
+    clock: Clock = time.perf_counter,
+    tiles: TileModel | None = None,
 ) -> Verdict:
     """Run one exact-arithmetic GEMM on ``device`` (on its current stream), compare with the
     golden value; re-run once on a mismatch. ``tiles`` (the device's tile model) adds which
@@ -263,13 +279,17 @@ def exact_gemm_probe(
     first = state.launch(matmul)()
     rerun = state.launch(matmul)() if first.mismatched else None
     _sync(dev)
-    return make_verdict("exact_gemm", spec, dev, first, rerun, clock() - t0,
-                        {"input_bits": input_bits(spec)})
+    return make_verdict(
+        "exact_gemm", spec, dev, first, rerun, clock() - t0, {"input_bits": input_bits(spec)}
+    )
 
 
 def run_probes(
-    device: torch.device | str, duration_s: float | None = None, matmul: Matmul | None = None,
-    shapes: Iterable[tuple[int, int, int]] | None = None, clock: Clock = time.monotonic,
+    device: torch.device | str,
+    duration_s: float | None = None,
+    matmul: Matmul | None = None,
+    shapes: Iterable[tuple[int, int, int]] | None = None,
+    clock: Clock = time.monotonic,
     tiles: TileModel | None = None,
 ) -> list[Verdict]:
     """Run the accumulator checks and every exact (whole-GPU unless ``shapes``), digest and
@@ -314,7 +334,9 @@ def run_probes(
 
     for spec in specs:
         guarded("exact_gemm", exact_gemm_probe, spec, tiles=model)
-    digest_names = [d for d in ("fp32", "bf16", "fp16", "tf32") if dtype_unsupported(d, dev) is None]
+    digest_names = [
+        d for d in ("fp32", "bf16", "fp16", "tf32") if dtype_unsupported(d, dev) is None
+    ]
     for shape in shapes or DEFAULT_SHAPES:
         for name in digest_names:
             guarded("digest_gemm", digest_probe, ProbeSpec(*shape, dtype=name))
@@ -323,8 +345,12 @@ def run_probes(
         guarded("freivalds", freivalds_probe, ProbeSpec(big, big, big, name))
     while duration_s is not None and clock() - start < duration_s:
         for spec in specs:
-            guarded("exact_gemm", exact_gemm_probe, dataclasses.replace(spec, seed=spec.seed + 1),
-                    tiles=model)
+            guarded(
+                "exact_gemm",
+                exact_gemm_probe,
+                dataclasses.replace(spec, seed=spec.seed + 1),
+                tiles=model,
+            )
             if clock() - start >= duration_s:
                 break
     return verdicts
@@ -336,12 +362,12 @@ def run_probes(
 
 @dataclasses.dataclass
 class _Pending:
-    kind: str                # "exact_gemm" or "digest_gemm"
+    kind: str  # "exact_gemm" or "digest_gemm"
     spec: ProbeSpec
     read: Callable[[], Any]
-    start: Any               # torch.cuda.Event or clock value
+    start: Any  # torch.cuda.Event or clock value
     end: Any
-    host_s: float = 0.0      # host time spent queuing it (the training thread's cost)
+    host_s: float = 0.0  # host time spent queuing it (the training thread's cost)
     first: Outcome | None = None  # set while a confirmation re-run is in flight
     first_cost_s: float = 0.0
 
@@ -430,7 +456,11 @@ class SdcProbe:
         if not 0 < budget_fraction < 1:
             raise ValueError(f"budget_fraction must be in (0, 1), got {budget_fraction}")
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if torch.cuda.is_available()
+                else torch.device("cpu")
+            )
         elif isinstance(device, int):
             device = torch.device("cuda", device)
         self.device = torch.device(device)
@@ -444,13 +474,20 @@ class SdcProbe:
         self.tiles = tile_model_for(self.device, sm_count)
         cuda = self.device.type == "cuda"
         self.specs, self.tiles_per_sm, self.memory_bytes = self._size(
-            seed, list(shapes) if shapes is not None else None,
-            tuple(dtypes) if dtypes is not None else None, tiles_per_sm, max_memory_mib)
+            seed,
+            list(shapes) if shapes is not None else None,
+            tuple(dtypes) if dtypes is not None else None,
+            tiles_per_sm,
+            max_memory_mib,
+        )
         self.skipped: dict[str, str] = {}
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         self._digests: dict[ProbeSpec, str] = {}
-        self._digest_specs = [ProbeSpec(*s, dtype=d, seed=seed) for s in DEFAULT_SHAPES
-                              for d in ("bf16", "fp32")] if digests else []
+        self._digest_specs = (
+            [ProbeSpec(*s, dtype=d, seed=seed) for s in DEFAULT_SHAPES for d in ("bf16", "fp32")]
+            if digests
+            else []
+        )
         self._digest_plan = itertools.cycle(self._digest_specs) if digests else None
         self._digest_host: dict[ProbeSpec, torch.Tensor] = {}
         self._states: dict[ProbeSpec, ExactState] = {}
@@ -469,7 +506,8 @@ class SdcProbe:
         self.cost_s = 0.0
         self._last_cost_s = max(self._warm.values(), default=0.0)
         self._recent: collections.deque[float] = collections.deque(
-            maxlen=max(RECENT_COSTS, len(self.specs) + len(self._digest_specs)))
+            maxlen=max(RECENT_COSTS, len(self.specs) + len(self._digest_specs))
+        )
         #: host seconds of the recent step() calls that started and read nothing (recent
         #: only: one call the OS or the garbage collector paused must not slow probes for good)
         self._idle_calls: collections.deque[float] = collections.deque(maxlen=IDLE_CALLS)
@@ -481,9 +519,14 @@ class SdcProbe:
 
     # -- set-up (construction only: uploads and allocations happen here, not in step()) ------
 
-    def _size(self, seed: int, shapes: list[tuple[int, int, int]] | None,
-              dtypes: tuple[str, ...] | None, tiles_per_sm: int,
-              max_memory_mib: float) -> tuple[list[ProbeSpec], int, int]:
+    def _size(
+        self,
+        seed: int,
+        shapes: list[tuple[int, int, int]] | None,
+        dtypes: tuple[str, ...] | None,
+        tiles_per_sm: int,
+        max_memory_mib: float,
+    ) -> tuple[list[ProbeSpec], int, int]:
         """The specs, tiles per SM and device bytes (``fit_whole_gpu`` on CUDA)."""
         if self.device.type != "cuda" or shapes is not None:
             specs = default_specs(self.device, shapes, seed, self.tiles, dtypes, tiles_per_sm)
@@ -494,33 +537,50 @@ class SdcProbe:
             workspace = cublas_workspace_bytes(self.device)
             need = probe_memory_bytes(specs, self.tiles, {s.dtype for s in specs}, workspace)
             if need > max_memory_mib * 2**20:
-                raise ValueError(f"SdcProbe on {self.device}: the given shapes need "
-                                 f"{need / 2**20:.1f} MiB of device memory, over "
-                                 f"max_memory_mib={max_memory_mib:g}")
+                raise ValueError(
+                    f"SdcProbe on {self.device}: the given shapes need "
+                    f"{need / 2**20:.1f} MiB of device memory, over "
+                    f"max_memory_mib={max_memory_mib:g}"
+                )
             return specs, tiles_per_sm, need
         from node_agent.sdc.tiles import GPU_BLOCK
 
         _, skipped = whole_gpu_specs(self.device, self.tiles, dtypes, 1)
-        names = [d for d, _, _ in WHOLE_GPU_SPECS
-                 if d not in skipped and (dtypes is None or d in dtypes)]
+        names = [
+            d for d, _, _ in WHOLE_GPU_SPECS if d not in skipped and (dtypes is None or d in dtypes)
+        ]
         try:
-            return fit_whole_gpu(self.tiles, names, tiles_per_sm, GPU_BLOCK,
-                                 max_memory_mib * 2**20, cublas_workspace_bytes(self.device), seed)
+            return fit_whole_gpu(
+                self.tiles,
+                names,
+                tiles_per_sm,
+                GPU_BLOCK,
+                max_memory_mib * 2**20,
+                cublas_workspace_bytes(self.device),
+                seed,
+            )
         except ValueError as err:
-            raise ValueError(f"SdcProbe on {self.device}: {err}; raise max_memory_mib or pass "
-                             "fewer dtypes") from None
+            raise ValueError(
+                f"SdcProbe on {self.device}: {err}; raise max_memory_mib or pass fewer dtypes"
+            ) from None
 
     def _prepare(self) -> None:
-        ctx = (torch.cuda.stream(self._stream) if self._stream is not None
-               else contextlib.nullcontext())
-        dev = torch.cuda.device(self.device) if self._stream is not None else contextlib.nullcontext()
+        ctx = (
+            torch.cuda.stream(self._stream)
+            if self._stream is not None
+            else contextlib.nullcontext()
+        )
+        dev = (
+            torch.cuda.device(self.device) if self._stream is not None else contextlib.nullcontext()
+        )
         with dev, ctx:
             for name in sorted({s.dtype for s in self.specs}):
                 try:
                     why = AccumulatorCheck(name, self.device, self.tiles).launch(self.matmul)()
                 except Exception as err:  # noqa: BLE001 - step() reports a dtype that cannot run
-                    log.warning("sdc accumulator check %s on %s could not run: %s", name,
-                                self.device, err)
+                    log.warning(
+                        "sdc accumulator check %s on %s could not run: %s", name, self.device, err
+                    )
                     why = None
                 if why:
                     self.skipped[name] = why
@@ -531,10 +591,15 @@ class SdcProbe:
             for spec in self._digest_specs:
                 a, b = _random_inputs(spec, self.device)
                 if self._stream is not None:
-                    self._digest_host[spec] = torch.empty(spec.m, spec.n, dtype=a.dtype, pin_memory=True)
+                    self._digest_host[spec] = torch.empty(
+                        spec.m, spec.n, dtype=a.dtype, pin_memory=True
+                    )
             if self._stream is not None and self.specs:
-                self._workspace = Workspace(self.device, max(output_bytes(s) for s in self.specs),
-                                            max(s.m * s.n for s in self.specs))
+                self._workspace = Workspace(
+                    self.device,
+                    max(output_bytes(s) for s in self.specs),
+                    max(s.m * s.n for s in self.specs),
+                )
                 self._readback = Readback(max(st.tile_count for st in self._states.values()))
             if self.matmul is None:
                 self._warm_up()
@@ -549,8 +614,11 @@ class SdcProbe:
             for _ in range(2):  # the second run is timed: the first pays one-off initialisation
                 t0 = time.perf_counter()
                 if state.launch(None, self._workspace)().mismatched:
-                    log.warning("sdc on %s: warm-up run of %s mismatched; the rotation "
-                                "re-checks it", self.device, spec.label())
+                    log.warning(
+                        "sdc on %s: warm-up run of %s mismatched; the rotation re-checks it",
+                        self.device,
+                        spec.label(),
+                    )
             self._warm[("exact_gemm", spec)] = time.perf_counter() - t0
 
     def _coverage(self, measure: bool) -> Coverage:
@@ -563,8 +631,11 @@ class SdcProbe:
                     return sdc_coverage.measure(self.device, self.tiles, shapes)
             except Exception as err:  # noqa: BLE001 - never fail a training job over a figure
                 log.warning("sdc: measuring sm_coverage on %s failed: %s", self.device, err)
-        why = ("simulated GPU: coverage from the tile model" if self._stream is None
-               else "not measured (measure_coverage=False or it failed)")
+        why = (
+            "simulated GPU: coverage from the tile model"
+            if self._stream is None
+            else "not measured (measure_coverage=False or it failed)"
+        )
         return sdc_coverage.modeled(self.tiles, shapes, why)
 
     def _build_plan(self) -> None:
@@ -573,7 +644,9 @@ class SdcProbe:
         self._next = self._take()
 
     def _take(self) -> tuple[str, ProbeSpec] | None:
-        if self._digest_plan is not None and (self._plan is None or self._in_round >= len(self.specs)):
+        if self._digest_plan is not None and (
+            self._plan is None or self._in_round >= len(self.specs)
+        ):
             self._in_round = 0
             return ("digest_gemm", next(self._digest_plan))
         if self._plan is None:
@@ -674,8 +747,9 @@ class SdcProbe:
             return self._finish(self._pending)
         return None
 
-    def _launch(self, kind: str, spec: ProbeSpec, first: Outcome | None = None,
-                first_cost_s: float = 0.0) -> _Pending:
+    def _launch(
+        self, kind: str, spec: ProbeSpec, first: Outcome | None = None, first_cost_s: float = 0.0
+    ) -> _Pending:
         t0 = self.clock()
         if self._stream is not None:
             with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
@@ -737,7 +811,11 @@ class SdcProbe:
             prev = self._digests.get(p.spec)
             if prev is None:
                 self._digests[p.spec] = result
-            outcome = Outcome(int(prev is not None and result != prev), 1, {"digest": result, "previous_digest": prev})
+            outcome = Outcome(
+                int(prev is not None and result != prev),
+                1,
+                {"digest": result, "previous_digest": prev},
+            )
         if p.first is None and outcome.mismatched:
             # Re-run before believing it; the verdict comes when the re-run completes.
             self._pending = self._launch(p.kind, p.spec, outcome, cost)
@@ -749,8 +827,16 @@ class SdcProbe:
         if p.kind == "exact_gemm":
             hits = self._window.hits() if first.mismatched else 0
             self._window.record(int(first.mismatched > 0) + int(bool(rerun and rerun.mismatched)))
-        v = make_verdict(p.kind, p.spec, self.device, first, rerun, p.first_cost_s + cost,
-                         self._evidence(), window_hits=hits)
+        v = make_verdict(
+            p.kind,
+            p.spec,
+            self.device,
+            first,
+            rerun,
+            p.first_cost_s + cost,
+            self._evidence(),
+            window_hits=hits,
+        )
         if p.kind == "exact_gemm":
             v.evidence["input_bits"] = input_bits(p.spec)
         if p.kind == "digest_gemm" and v.status != "pass":
@@ -758,7 +844,11 @@ class SdcProbe:
             v.detail = (
                 f"digest_gemm {p.spec.label()}: output sha256 differs from this device's earlier "
                 f"{first.evidence.get('previous_digest', '')[:16]}; "
-                + ("re-run differed again" if v.status == "confirmed" else "re-run matched the earlier digest")
+                + (
+                    "re-run differed again"
+                    if v.status == "confirmed"
+                    else "re-run matched the earlier digest"
+                )
             )
         self._errors = 0
         self._record(v)

@@ -39,8 +39,10 @@ def _random_inputs(spec: ProbeSpec, device: torch.device) -> tuple[torch.Tensor,
     hit = _RANDOM_INPUTS.get(key)
     if hit is None:
         if spec.dtype not in NUMERICS or spec.dtype == "fp8":
-            raise ValueError(f"digest/Freivalds probe dtype {spec.dtype!r} is not one of "
-                             f"{sorted(set(NUMERICS) - {'fp8'})}")
+            raise ValueError(
+                f"digest/Freivalds probe dtype {spec.dtype!r} is not one of "
+                f"{sorted(set(NUMERICS) - {'fp8'})}"
+            )
         dtype = NUMERICS[spec.dtype].dtype
         g = torch.Generator().manual_seed(spec.seed)
         a = torch.randn(spec.m, spec.k, generator=g, dtype=torch.float32).to(dtype)
@@ -63,8 +65,11 @@ def _digest_once(spec: ProbeSpec, device: torch.device, matmul: Matmul) -> str:
 
 
 def digest_probe(
-    spec: ProbeSpec, device: torch.device | str = "cpu", matmul: Matmul | None = None,
-    previous: str | None = None, clock: Clock = time.perf_counter,
+    spec: ProbeSpec,
+    device: torch.device | str = "cpu",
+    matmul: Matmul | None = None,
+    previous: str | None = None,
+    clock: Clock = time.perf_counter,
 ) -> Verdict:
     """Random full-mantissa GEMM; ``evidence['digest']`` is the sha256 of the output bytes.
 
@@ -91,7 +96,12 @@ def digest_probe(
     else:
         v.detail = (
             f"digest_gemm {spec.label()}: output sha256 {d1[:16]} differs from this device's "
-            f"earlier {previous[:16]}; " + ("re-run differed again" if v.status == "confirmed" else "re-run matched the earlier digest")
+            f"earlier {previous[:16]}; "
+            + (
+                "re-run differed again"
+                if v.status == "confirmed"
+                else "re-run matched the earlier digest"
+            )
         )
         v.mismatched_elements = 0  # unknown: a digest says that bits differ, not how many
     return v
@@ -120,8 +130,12 @@ def odd_one_out(digests: Mapping[Hashable, str]) -> list[Hashable]:
 #: this many bits is exact in it
 _SIGNIFICAND_BITS = {torch.float64: 53, torch.float32: 24, torch.bfloat16: 8, torch.float16: 11}
 #: half the smallest subnormal of C's dtype: the absolute error of rounding a tiny sum into it
-_UNDERFLOW = {torch.float64: 2.0**-1075, torch.float32: 2.0**-150, torch.bfloat16: 2.0**-134,
-              torch.float16: 2.0**-25}
+_UNDERFLOW = {
+    torch.float64: 2.0**-1075,
+    torch.float32: 2.0**-150,
+    torch.bfloat16: 2.0**-134,
+    torch.float16: 2.0**-25,
+}
 #: the fp32 accumulator of GPU and CPU GEMMs, taken as 4 units of fp32's 2^-24: tensor cores add
 #: several aligned products at once and truncate toward zero (Fasi, Higham, Mikaitis, Pranesh,
 #: "Numerical behavior of NVIDIA tensor cores", PeerJ CS 2021), which loses less than one fp32
@@ -152,8 +166,9 @@ def _is_integral(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all()) and bool((t == torch.round(t)).all())
 
 
-def _exact_possible(a64: torch.Tensor, b64: torch.Tensor, out_dtype: torch.dtype, k: int,
-                    tf32: bool) -> tuple[bool, float]:
+def _exact_possible(
+    a64: torch.Tensor, b64: torch.Tensor, out_dtype: torch.dtype, k: int, tf32: bool
+) -> tuple[bool, float]:
     """(whether C = A·B can be exact, the largest |C| can be): integer inputs that TF32 keeps,
     and every partial sum an integer the fp32 accumulator and C's dtype both hold exactly."""
     if not (_is_integral(a64) and _is_integral(b64)):
@@ -170,7 +185,9 @@ def _exact_possible(a64: torch.Tensor, b64: torch.Tensor, out_dtype: torch.dtype
     return cbound <= 2.0 ** min(bits, acc_bits), cbound
 
 
-def freivalds_bound(A: torch.Tensor, C: torch.Tensor, k: int, tf32: bool = False) -> tuple[float, float, float]:
+def freivalds_bound(
+    A: torch.Tensor, C: torch.Tensor, k: int, tf32: bool = False
+) -> tuple[float, float, float]:
     """(u_c, g_ab, eta): the float-mode bound is ``u_c·(|C|·|x|) + g_ab·(|A|·(|B|·|x|)) +
     eta·sum|x|`` per row or block (see :func:`freivalds_check`)."""
     u_out = 2.0 ** -_SIGNIFICAND_BITS.get(C.dtype, 53)
@@ -180,14 +197,19 @@ def freivalds_bound(A: torch.Tensor, C: torch.Tensor, k: int, tf32: bool = False
     # + eta; the float64 products C·x and A·(B·x) add gamma_n and gamma_(K+n) of float64.
     g64 = _gamma(k + n + 2, _F64_ROUNDOFF)
     u_c = _MARGIN * (u_out / (1.0 - u_out) + g64)
-    g_ab = _MARGIN * (_gamma(k, _ACC_ROUNDOFF) * (1.0 + u_in) ** 2 + 2.0 * u_in + u_in * u_in
-                      + g64)
+    g_ab = _MARGIN * (_gamma(k, _ACC_ROUNDOFF) * (1.0 + u_in) ** 2 + 2.0 * u_in + u_in * u_in + g64)
     return u_c, g_ab, _MARGIN * _UNDERFLOW.get(C.dtype, 0.0)
 
 
 def freivalds_check(
-    A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, rounds: int = 2, rtol: float | None = None,
-    seed: int = 0, tf32: bool = False, blocks: int = FREIVALDS_BLOCKS,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    rounds: int = 2,
+    rtol: float | None = None,
+    seed: int = 0,
+    tf32: bool = False,
+    blocks: int = FREIVALDS_BLOCKS,
 ) -> int:
     """Number of rows i of C = A·B where C·x disagrees with A·(B·x), in O(n²) per round.
 
@@ -222,8 +244,16 @@ def freivalds_check(
     Non-finite rows of C always disagree. ``blocks`` (float mode) costs O(blocks·n²) for the
     reference; 1 compares whole rows.
     """
-    if A.dim() != 2 or B.dim() != 2 or C.dim() != 2 or A.shape[1] != B.shape[0] or C.shape != (A.shape[0], B.shape[1]):
-        raise ValueError(f"freivalds_check: shapes A{tuple(A.shape)} B{tuple(B.shape)} C{tuple(C.shape)} do not chain")
+    if (
+        A.dim() != 2
+        or B.dim() != 2
+        or C.dim() != 2
+        or A.shape[1] != B.shape[0]
+        or C.shape != (A.shape[0], B.shape[1])
+    ):
+        raise ValueError(
+            f"freivalds_check: shapes A{tuple(A.shape)} B{tuple(B.shape)} C{tuple(C.shape)} do not chain"
+        )
     if blocks < 1:
         raise ValueError(f"freivalds_check: blocks must be >= 1, got {blocks}")
     dev = C.device
@@ -264,9 +294,9 @@ def freivalds_check(
         # |x_j| in [0.5, 1.5): a changed element of C moves its block by at least half the change.
         x = torch.rand(n, 1, generator=g, dtype=torch.float64) + 0.5
         x = (x * (torch.randint(0, 2, x.shape, generator=g) * 2 - 1)).to(dev)
-        xb = onehot * x            # n × nb: x, split by column block
+        xb = onehot * x  # n × nb: x, split by column block
         ax = xb.abs()
-        lhs = c0 @ xb              # m × nb
+        lhs = c0 @ xb  # m × nb
         rhs = a64 @ (b64 @ xb)
         if rtol is not None:
             tol = rtol * (abs_a @ (abs_b @ ax) + abs_c @ ax)
@@ -277,7 +307,9 @@ def freivalds_check(
 
 
 def freivalds_probe(
-    spec: ProbeSpec, device: torch.device | str = "cpu", matmul: Matmul | None = None,
+    spec: ProbeSpec,
+    device: torch.device | str = "cpu",
+    matmul: Matmul | None = None,
     clock: Clock = time.perf_counter,
 ) -> Verdict:
     """A random GEMM (as a burn test would run) verified by ``freivalds_check``; re-run once."""
@@ -295,5 +327,7 @@ def freivalds_probe(
     first = once()
     rerun = once() if first.mismatched else None
     v = make_verdict("freivalds", spec, dev, first, rerun, clock() - t0)
-    v.detail = v.detail.replace("elements differ", "rows disagree").replace("elements match", "rows agree")
+    v.detail = v.detail.replace("elements differ", "rows disagree").replace(
+        "elements match", "rows agree"
+    )
     return v

@@ -91,22 +91,31 @@ class Verdict:
             raise ValueError(f"status is {str(d['status'])[:40]!r}, expected one of {cls.STATUSES}")
         for key in ("probe", "device", "dtype", "detail"):
             if not isinstance(d[key], str) or len(d[key]) > cls.TEXT_MAX:
-                raise ValueError(f"field {key!r} is not a string of at most {cls.TEXT_MAX} "
-                                 "characters")
+                raise ValueError(
+                    f"field {key!r} is not a string of at most {cls.TEXT_MAX} characters"
+                )
         for key in ("probe", "device", "dtype"):  # names: no control characters (detail is
             bad = CONTROL_CHARACTERS.search(d[key])  # prose, escaped wherever it is shown)
             if bad:
-                raise ValueError(f"field {key!r} holds the control character "
-                                 f"U+{ord(bad.group()):04X} ({d[key][:40]!r}); a name never does")
+                raise ValueError(
+                    f"field {key!r} holds the control character "
+                    f"U+{ord(bad.group()):04X} ({d[key][:40]!r}); a name never does"
+                )
         shape = d["shape"]
-        if not (isinstance(shape, (list, tuple)) and 1 <= len(shape) <= 4 and all(
-                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape)):
-            raise ValueError(f"field 'shape' is {str(shape)[:60]}, expected 1 to 4 "
-                             "non-negative integers")
+        if not (
+            isinstance(shape, (list, tuple))
+            and 1 <= len(shape) <= 4
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape)
+        ):
+            raise ValueError(
+                f"field 'shape' is {str(shape)[:60]}, expected 1 to 4 non-negative integers"
+            )
         count = d["mismatched_elements"]
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-            raise ValueError(f"field 'mismatched_elements' is {str(count)[:40]!r}, expected a "
-                             "non-negative integer")
+            raise ValueError(
+                f"field 'mismatched_elements' is {str(count)[:40]!r}, expected a "
+                "non-negative integer"
+            )
         for key in ("duration_s", "timestamp"):
             x = d[key]
             if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
@@ -179,14 +188,19 @@ def spool_names(spool_dir: str | os.PathLike[str], limit: int = SPOOL_MAX_LISTED
         return set()
     try:
         with os.scandir(dir_fd) as it:
-            return set(itertools.islice((e.name for e in it if e.name.endswith(".json")
-                                         and not e.name.startswith(".")), limit))
+            return set(
+                itertools.islice(
+                    (e.name for e in it if e.name.endswith(".json") and not e.name.startswith(".")),
+                    limit,
+                )
+            )
     finally:
         os.close(dir_fd)
 
 
 def read_spool(
-    spool_dir: str | os.PathLike[str], errors: list[tuple[Path, str]] | None = None,
+    spool_dir: str | os.PathLike[str],
+    errors: list[tuple[Path, str]] | None = None,
 ) -> list[Verdict]:
     """Every verdict in ``spool_dir`` (only ``*.json`` files), oldest name first.
 
@@ -198,7 +212,8 @@ def read_spool(
 
 
 def read_spool_files(
-    spool_dir: str | os.PathLike[str], errors: list[tuple[Path, str]] | None = None,
+    spool_dir: str | os.PathLike[str],
+    errors: list[tuple[Path, str]] | None = None,
     skip: Iterable[str] = (),
 ) -> list[tuple[Path, Verdict]]:
     """Like ``read_spool`` but with each verdict's file, for a reader that keeps a cursor;
@@ -207,8 +222,10 @@ def read_spool_files(
 
 
 def read_verdicts(
-    spool_dir: str | os.PathLike[str], errors: list[tuple[Path, str]] | None = None,
-    skip: Iterable[str] = (), max_files: int = SPOOL_MAX_FILES,
+    spool_dir: str | os.PathLike[str],
+    errors: list[tuple[Path, str]] | None = None,
+    skip: Iterable[str] = (),
+    max_files: int = SPOOL_MAX_FILES,
 ) -> list[SpooledVerdict]:
     """The verdicts in ``spool_dir`` with their writers' uids (see :class:`SpooledVerdict`),
     oldest name first; at most ``max_files`` files are opened (the rest: a later call).

@@ -30,9 +30,11 @@ from node_agent.sdc.exact import tile_model_for, whole_gpu_specs
 
 def _cuda_device(device: torch.device | str | int | None) -> torch.device:
     if not torch.cuda.is_available():
-        raise RuntimeError(f"no CUDA device: torch {torch.__version__} "
-                           f"({'CPU-only build' if torch.version.cuda is None else 'CUDA ' + torch.version.cuda}) "
-                           "sees none; run this on a GPU host")
+        raise RuntimeError(
+            f"no CUDA device: torch {torch.__version__} "
+            f"({'CPU-only build' if torch.version.cuda is None else 'CUDA ' + torch.version.cuda}) "
+            "sees none; run this on a GPU host"
+        )
     if device is None:
         return torch.device("cuda", torch.cuda.current_device())
     if isinstance(device, int):
@@ -43,8 +45,12 @@ def _cuda_device(device: torch.device | str | int | None) -> torch.device:
     return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
 
 
-def measure_sm_coverage(device: torch.device | str | int | None = None, *,
-                        tiles_per_sm: int | None = None, method: str = "auto") -> Coverage:
+def measure_sm_coverage(
+    device: torch.device | str | int | None = None,
+    *,
+    tiles_per_sm: int | None = None,
+    method: str = "auto",
+) -> Coverage:
     """Measure a whole-GPU probe round's SM coverage on a CUDA device with ``%smid``.
 
     ``device``: default the current CUDA device; ``tiles_per_sm``: default the delivery
@@ -67,8 +73,12 @@ def measure_sm_coverage(device: torch.device | str | int | None = None, *,
     return Coverage(min(1.0, len(seen) / sm_count), f"smid:{used}", sm_count, len(seen), blocks)
 
 
-def sdc_sm_coverage(device: torch.device | str | int | None = None, *,
-                    tiles_per_sm: int | None = None, method: str = "auto") -> float:
+def sdc_sm_coverage(
+    device: torch.device | str | int | None = None,
+    *,
+    tiles_per_sm: int | None = None,
+    method: str = "auto",
+) -> float:
     """``sdc_sm_coverage`` (0..1) of the current (or given) CUDA device: see
     :func:`measure_sm_coverage`."""
     return measure_sm_coverage(device, tiles_per_sm=tiles_per_sm, method=method).value
@@ -136,12 +146,14 @@ class _TinyTransformer(torch.nn.Module):
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, d_model)
         self.pos = torch.nn.Parameter(torch.zeros(seq, d_model))
-        block = torch.nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0,
-                                                 batch_first=True, norm_first=True)
+        block = torch.nn.TransformerEncoderLayer(
+            d_model, heads, 4 * d_model, dropout=0.0, batch_first=True, norm_first=True
+        )
         self.blocks = torch.nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
         self.norm = torch.nn.LayerNorm(d_model)
-        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(seq),
-                             persistent=False)
+        self.register_buffer(
+            "mask", torch.nn.Transformer.generate_square_subsequent_mask(seq), persistent=False
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]
@@ -150,10 +162,19 @@ class _TinyTransformer(torch.nn.Module):
 
 
 def measure_training_overhead(
-    device: torch.device | str | int | None = None, *, budget_fraction: float = 0.001,
-    pairs: int = 8, steps_per_block: int = 50, warmup_steps: int = 20,
-    d_model: int = 512, heads: int = 8, layers: int = 4, seq: int = 256, batch: int = 16,
-    vocab: int = 8192, probe_kwargs: dict[str, Any] | None = None,
+    device: torch.device | str | int | None = None,
+    *,
+    budget_fraction: float = 0.001,
+    pairs: int = 8,
+    steps_per_block: int = 50,
+    warmup_steps: int = 20,
+    d_model: int = 512,
+    heads: int = 8,
+    layers: int = 4,
+    seq: int = 256,
+    batch: int = 16,
+    vocab: int = 8192,
+    probe_kwargs: dict[str, Any] | None = None,
 ) -> Overhead:
     """Train a small transformer (defaults: 4 layers, d_model 512, seq 256, batch 16, AdamW,
     bf16 autocast on CUDA) in ``pairs`` alternating blocks of ``steps_per_block`` steps without
@@ -174,7 +195,11 @@ def measure_training_overhead(
     from node_agent.sdc.probes import SdcProbe
 
     if device is None:
-        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        dev = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
     else:
         dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
     cuda = dev.type == "cuda"
@@ -183,15 +208,19 @@ def measure_training_overhead(
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator(device="cpu").manual_seed(0)
     tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g).to(dev)
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cuda
-                else torch.autocast("cpu", enabled=False))
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if cuda
+        else torch.autocast("cpu", enabled=False)
+    )
 
     def train_step() -> None:
         opt.zero_grad(set_to_none=True)
         with autocast:
             logits = model(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab),
-                                                     tokens[:, 1:].reshape(-1))
+            loss = torch.nn.functional.cross_entropy(
+                logits.float().reshape(-1, vocab), tokens[:, 1:].reshape(-1)
+            )
         loss.backward()
         opt.step()
 
@@ -214,8 +243,13 @@ def measure_training_overhead(
     clock = PausableClock()
     counts: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="sdc-overhead-") as spool:
-        probe = SdcProbe(dev, budget_fraction=budget_fraction, spool_dir=spool, clock=clock,
-                         **(probe_kwargs or {}))
+        probe = SdcProbe(
+            dev,
+            budget_fraction=budget_fraction,
+            spool_dir=spool,
+            clock=clock,
+            **(probe_kwargs or {}),
+        )
         for _ in range(warmup_steps):
             train_step()
         sync()
@@ -234,15 +268,22 @@ def measure_training_overhead(
             counts[v.status] = counts.get(v.status, 0) + 1
         elapsed = clock()
     return Overhead(
-        percent=statistics.median(ratios) * 100.0, pairs=pairs, steps_per_block=steps_per_block,
-        step_ms_off=statistics.fmean(off) * 1e3, step_ms_on=statistics.fmean(on) * 1e3,
+        percent=statistics.median(ratios) * 100.0,
+        pairs=pairs,
+        steps_per_block=steps_per_block,
+        step_ms_off=statistics.fmean(off) * 1e3,
+        step_ms_on=statistics.fmean(on) * 1e3,
         probe_share_percent=(probe.cost_s / elapsed * 100.0) if elapsed > 0 else 0.0,
-        probes_run=probe.probes_run, budget_fraction=budget_fraction, device=str(dev),
-        verdicts=counts)
+        probes_run=probe.probes_run,
+        budget_fraction=budget_fraction,
+        device=str(dev),
+        verdicts=counts,
+    )
 
 
-def sdc_training_overhead_percent(device: torch.device | str | int | None = None,
-                                  **kwargs: Any) -> float:
+def sdc_training_overhead_percent(
+    device: torch.device | str | int | None = None, **kwargs: Any
+) -> float:
     """The in-training probe's overhead on a small transformer loop, percent (median over
     off/on block pairs); keyword arguments as :func:`measure_training_overhead`."""
     return measure_training_overhead(device, **kwargs).percent

@@ -21,31 +21,46 @@ from node_agent.sdc.exact import Outcome, ProbeSpec
 from node_agent.sdc.spool import Verdict
 
 
-def describe(probe: str, spec: ProbeSpec, o: Outcome, rerun: Outcome | None,
-             window_hits: int = 0) -> str:
+def describe(
+    probe: str, spec: ProbeSpec, o: Outcome, rerun: Outcome | None, window_hits: int = 0
+) -> str:
     if not o.mismatched:
         return f"{probe} {spec.label()}: all {o.total} elements match"
-    firsts = "; ".join(f"{tuple(i)} got {g!r} expected {e!r}" for i, g, e in o.evidence.get("first", []))
+    firsts = "; ".join(
+        f"{tuple(i)} got {g!r} expected {e!r}" for i, g, e in o.evidence.get("first", [])
+    )
     if rerun is not None and rerun.mismatched:
         again = f"re-run mismatched too ({rerun.mismatched} differ)"
     elif window_hits:
-        again = (f"re-run matched, but {window_hits} other probe run(s) on this device mismatched "
-                 "in the same window (intermittent)")
+        again = (
+            f"re-run matched, but {window_hits} other probe run(s) on this device mismatched "
+            "in the same window (intermittent)"
+        )
     else:
         again = "re-run matched (transient)"
     where = ""
     if "tiles_mismatched" in o.evidence:
         residues = o.evidence.get("tile_residues", {})
-        where = (f"; {o.evidence['tiles_mismatched']} of {o.evidence['tiles_total']} tiles, "
-                 f"{len(residues)} SM residue class(es) mod {o.evidence['sm_count']}"
-                 + (" (one SM under the tile model)" if len(residues) == 1 else ""))
-    return (f"{probe} {spec.label()}: {o.mismatched} of {o.total} elements differ{where}; {again}"
-            + (f"; first: {firsts}" if firsts else ""))
+        where = (
+            f"; {o.evidence['tiles_mismatched']} of {o.evidence['tiles_total']} tiles, "
+            f"{len(residues)} SM residue class(es) mod {o.evidence['sm_count']}"
+            + (" (one SM under the tile model)" if len(residues) == 1 else "")
+        )
+    return (
+        f"{probe} {spec.label()}: {o.mismatched} of {o.total} elements differ{where}; {again}"
+        + (f"; first: {firsts}" if firsts else "")
+    )
 
 
 def make_verdict(
-    probe: str, spec: ProbeSpec, device: Any, first: Outcome, rerun: Outcome | None,
-    duration_s: float, evidence: dict[str, Any] | None = None, window_hits: int = 0,
+    probe: str,
+    spec: ProbeSpec,
+    device: Any,
+    first: Outcome,
+    rerun: Outcome | None,
+    duration_s: float,
+    evidence: dict[str, Any] | None = None,
+    window_hits: int = 0,
 ) -> Verdict:
     """The verdict of a probe run and its re-run (``window_hits``: other mismatching runs on
     the device inside the confirmation window)."""
@@ -63,22 +78,34 @@ def make_verdict(
         ev["window_mismatches"] = window_hits
     ev.update(evidence or {})
     return Verdict(
-        probe=probe, device=str(device), shape=spec.shape, dtype=spec.dtype, status=status,
+        probe=probe,
+        device=str(device),
+        shape=spec.shape,
+        dtype=spec.dtype,
+        status=status,
         mismatched_elements=first.mismatched,
         detail=describe(probe, spec, first, rerun, window_hits),
-        duration_s=duration_s, timestamp=time.time(), evidence=ev,
+        duration_s=duration_s,
+        timestamp=time.time(),
+        evidence=ev,
     )
 
 
-def error_verdict(probe: str, spec: ProbeSpec | None, device: Any, err: BaseException,
-                  duration_s: float = 0.0) -> Verdict:
+def error_verdict(
+    probe: str, spec: ProbeSpec | None, device: Any, err: BaseException, duration_s: float = 0.0
+) -> Verdict:
     """The ``error`` verdict of a probe that raised (it could not run: never a pass)."""
     label = spec.label() if spec else ""
     return Verdict(
-        probe=probe, device=str(device), shape=spec.shape if spec else (),
-        dtype=spec.dtype if spec else "", status="error", mismatched_elements=0,
+        probe=probe,
+        device=str(device),
+        shape=spec.shape if spec else (),
+        dtype=spec.dtype if spec else "",
+        status="error",
+        mismatched_elements=0,
         detail=f"{probe} {label} could not run: {type(err).__name__}: {err}",
-        duration_s=duration_s, timestamp=time.time(),
+        duration_s=duration_s,
+        timestamp=time.time(),
     )
 
 
@@ -114,7 +141,8 @@ def upgrade_in_window(verdict: Verdict, window: Window) -> Verdict:
         verdict.detail = verdict.detail.replace(
             "re-run matched (transient)",
             f"re-run matched, but {hits} other probe run(s) on this device mismatched in the same "
-            "window (intermittent)")
+            "window (intermittent)",
+        )
     return verdict
 
 

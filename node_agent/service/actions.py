@@ -39,14 +39,17 @@ _STOP = object()
 class DaemonRemediation:
     """Callable as the daemon's ``on_grade`` hook; ``record`` counts actions for /metrics."""
 
-    def __init__(self, config: Config, simulate: str | None,
-                 record: Callable[[str, str], None]) -> None:
+    def __init__(
+        self, config: Config, simulate: str | None, record: Callable[[str, str], None]
+    ) -> None:
         from node_agent.remediation.host import node_name, open_configured_adapter
 
         self._config = config
         self._simulate = simulate
         self._record = record
-        self.adapter = open_configured_adapter(config, None)  # ConfigError (exit 2) before anything runs
+        self.adapter = open_configured_adapter(
+            config, None
+        )  # ConfigError (exit 2) before anything runs
         self.node = node_name(config, simulate)
         #: this node's remediation state as the store last said (None: not read yet, or the
         #: store unavailable); /metrics exports whether the agent holds the node drained
@@ -96,8 +99,12 @@ class DaemonRemediation:
                     failures += 1
                     delay = self.retry_delay_s(failures)
                     retry_at = time.monotonic() + delay
-                    log.warning("remediation: an action did not go through; retrying in %.0f s "
-                                "while the grade stands (attempt %d)", delay, failures + 1)
+                    log.warning(
+                        "remediation: an action did not go through; retrying in %.0f s "
+                        "while the grade stands (attempt %d)",
+                        delay,
+                        failures + 1,
+                    )
                 else:
                     retry_at = None
         finally:
@@ -105,8 +112,9 @@ class DaemonRemediation:
 
     def _read_state(self, store) -> None:
         try:
-            self.state = None if store.unavailable is not None else \
-                store.node_record(self.node).state
+            self.state = (
+                None if store.unavailable is not None else store.node_record(self.node).state
+            )
         except Exception:  # noqa: BLE001 - a store that fails here is unavailable for metrics too
             self.state = None
 
@@ -132,21 +140,36 @@ class DaemonRemediation:
             return env.grader.grade(run_suite(quick, env), quick.mode)
 
         remediator = Remediator(
-            store, self.adapter, self.node, Safety.from_config(self._config),
-            state_dir=state_dir_of(store), dry_run=bool(self._config.get("adapter.dry_run")),
+            store,
+            self.adapter,
+            self.node,
+            Safety.from_config(self._config),
+            state_dir=state_dir_of(store),
+            dry_run=bool(self._config.get("adapter.dry_run")),
             boot_time=time.time() if env.simulated else boot_time(),
-            gpu_resetter=gpu_resetter(env), retest=retest, kernel_log=env.kernel_log,
-            gpu_pids=None if env.simulated else evidence.gpu_pids)
+            gpu_resetter=gpu_resetter(env),
+            retest=retest,
+            kernel_log=env.kernel_log,
+            gpu_pids=None if env.simulated else evidence.gpu_pids,
+        )
         try:
             if item is None:
                 outcome = remediator.recover()
             else:
                 grade, results, _ = item
-                report = Report(host=env.inventory.host, gpus=env.inventory.gpus,
-                                suite="daemon", mode="service", started_at=utc_now(),
-                                finished_at=utc_now(), results=results, grade=grade,
-                                simulated=env.simulated, agent_version=__version__,
-                                sku=env.sku.id if env.sku else None)
+                report = Report(
+                    host=env.inventory.host,
+                    gpus=env.inventory.gpus,
+                    suite="daemon",
+                    mode="service",
+                    started_at=utc_now(),
+                    finished_at=utc_now(),
+                    results=results,
+                    grade=grade,
+                    simulated=env.simulated,
+                    agent_version=__version__,
+                    sku=env.sku.id if env.sku else None,
+                )
                 outcome = remediator.remediate(report, record_run=not retry)
         except Exception:  # noqa: BLE001 - the daemon outlives a remediation bug; logged loudly
             log.exception("remediation failed; the action stays in the journal for retry")
@@ -155,8 +178,13 @@ class DaemonRemediation:
         for rec in outcome.records:
             self._record(rec.action, rec.outcome)
             # a detail or note can quote what a user wrote (a job name, a heartbeat's text)
-            log.warning("action %s via %s: %s (%s)", printable(rec.action),
-                        printable(rec.adapter), printable(rec.outcome), printable(rec.detail))
+            log.warning(
+                "action %s via %s: %s (%s)",
+                printable(rec.action),
+                printable(rec.adapter),
+                printable(rec.outcome),
+                printable(rec.detail),
+            )
         for note in outcome.notes:
             if note:
                 log.info("remediation: %s", printable(note))
@@ -165,6 +193,8 @@ class DaemonRemediation:
 
 def _wants_retry(outcome) -> bool:
     """A step failed, or was refused only because the agent's own state was unavailable."""
-    return any(r.outcome == "failed" or (r.outcome == "refused"
-                                         and r.detail.startswith("state unavailable"))
-               for r in outcome.records)
+    return any(
+        r.outcome == "failed"
+        or (r.outcome == "refused" and r.detail.startswith("state unavailable"))
+        for r in outcome.records
+    )

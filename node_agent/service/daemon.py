@@ -69,11 +69,18 @@ class _Scheduled:
 class Daemon:
     """One daemon; ``run()`` blocks until ``stop()`` (or SIGTERM) and returns an exit code."""
 
-    def __init__(self, config_path: str | None, simulate: str | None = None, *,
-                 suite: str | None = None, listen: str | None = None,
-                 notifier: Notifier | None = None, on_grade: GradeHook | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        config_path: str | None,
+        simulate: str | None = None,
+        *,
+        suite: str | None = None,
+        listen: str | None = None,
+        notifier: Notifier | None = None,
+        on_grade: GradeHook | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self._config_path = config_path
         self._simulate = simulate
         self._suite_name = suite
@@ -113,12 +120,18 @@ class Daemon:
             self._remediation = DaemonRemediation(self.config, simulate, self.record_action)
             self._on_grade = self._remediation
         # counter history and trends, in wall-clock time (a test advances simulated days)
-        self._trends = TrendWatch.open(trends_file(graders_dir(self.config),
-                                                   shipped_graders_dir()),
-                                       self.config.state_dir, wall_clock)
-        self._watch = XidWatch(lambda: self.env.gpu, lambda: self.env.kernel_log,
-                               self._on_xid, poll_s=float(self.config.get("daemon.xid_poll_s")),
-                               report_sxid=True)
+        self._trends = TrendWatch.open(
+            trends_file(graders_dir(self.config), shipped_graders_dir()),
+            self.config.state_dir,
+            wall_clock,
+        )
+        self._watch = XidWatch(
+            lambda: self.env.gpu,
+            lambda: self.env.kernel_log,
+            self._on_xid,
+            poll_s=float(self.config.get("daemon.xid_poll_s")),
+            report_sxid=True,
+        )
 
     # -- set-up ---------------------------------------------------------------------------------
     def _load_suite(self, config: Config) -> Suite:
@@ -138,7 +151,9 @@ class Daemon:
             return None
 
     def _start_http(self) -> None:
-        host, _, port = str(self._listen_override or self.config.get("daemon.listen")).rpartition(":")
+        host, _, port = str(self._listen_override or self.config.get("daemon.listen")).rpartition(
+            ":"
+        )
 
         def metrics() -> tuple[int, str, bytes]:
             return 200, CONTENT_TYPE_LATEST, generate_latest(self._registry)
@@ -148,11 +163,14 @@ class Daemon:
             return 200 if healthy else 503, "text/plain; charset=utf-8", text.encode()
 
         try:
-            self._server = MetricsServer((host, int(port)), {"/metrics": metrics,
-                                                             "/healthz": healthz})
+            self._server = MetricsServer(
+                (host, int(port)), {"/metrics": metrics, "/healthz": healthz}
+            )
         except OSError as err:
-            raise ConfigError(f"daemon.listen {host}:{port}: cannot listen: {err.strerror}; "
-                              "choose another address in the config (daemon.listen)") from err
+            raise ConfigError(
+                f"daemon.listen {host}:{port}: cannot listen: {err.strerror}; "
+                "choose another address in the config (daemon.listen)"
+            ) from err
         self.listen_address = self._server.server_address[:2]
         threading.Thread(target=self._server.serve_forever, name="http", daemon=True).start()
 
@@ -163,7 +181,8 @@ class Daemon:
         for note in ensure_spool_dirs(self.config.spool_dir):
             log.warning("spool: %s", note)
         in_process = {c.check for c in self.suite.checks} - set(
-            self.config.get("daemon.subprocess_checks"))
+            self.config.get("daemon.subprocess_checks")
+        )
         if in_process & FORKSERVER_CHECKS:
             # before any other thread runs: never from a working directory others may write to
             proc.start_forkserver_in_child_cwd()
@@ -177,9 +196,14 @@ class Daemon:
         self._watch.start()
         self._start_nvhcd()
         threading.Thread(target=self._checks_loop, name="checks", daemon=True).start()
-        log.info("node-agent daemon up: %s, suite %s (%d checks), metrics on http://%s:%d/metrics%s",
-                 self.env.inventory.host.hostname, self.suite.name, len(self.suite.checks),
-                 *self.listen_address, " (SIMULATED)" if self.env.simulated else "")
+        log.info(
+            "node-agent daemon up: %s, suite %s (%d checks), metrics on http://%s:%d/metrics%s",
+            self.env.inventory.host.hostname,
+            self.suite.name,
+            len(self.suite.checks),
+            *self.listen_address,
+            " (SIMULATED)" if self.env.simulated else "",
+        )
         self._notifier.ready(f"watching {len(self.env.inventory.gpus)} GPU(s)")
         interval = min(0.25, self._notifier.watchdog_interval_s or 0.25)
         next_nvml_retry = self._clock() + float(self.config.get("daemon.nvml_retry_s"))
@@ -191,8 +215,11 @@ class Daemon:
                 self.reload_config()
             if self._simulate and self._mtime(self._simulate) != self._scenario_mtime:
                 self._reopen("the scenario file changed")
-            elif not self._simulate and self.env.gpu.unavailable_reason \
-                    and self.last_tick >= next_nvml_retry:
+            elif (
+                not self._simulate
+                and self.env.gpu.unavailable_reason
+                and self.last_tick >= next_nvml_retry
+            ):
                 next_nvml_retry = self.last_tick + float(self.config.get("daemon.nvml_retry_s"))
                 self._reopen("retrying NVML", only_if_gpus=True)
         self._shutdown()
@@ -234,15 +261,17 @@ class Daemon:
             suite = self._load_suite(config)
             env = open_environment(config, self._simulate)
         except ConfigError as err:
-            log.error("CONFIG RELOAD REFUSED, keeping the running configuration: %s",
-                      printable(err))
+            log.error(
+                "CONFIG RELOAD REFUSED, keeping the running configuration: %s", printable(err)
+            )
             self._notifier.ready("config reload refused")
             return False
         with self._lock:
             old, self.env, self.config, self.suite = self.env, env, config, suite
             self._schedule = self._make_schedule(suite)
-            self._results = {k: v for k, v in self._results.items()
-                             if k in {c.check for c in suite.checks}}
+            self._results = {
+                k: v for k, v in self._results.items() if k in {c.check for c in suite.checks}
+            }
         old.close()
         log.info("configuration reloaded from %s", config.source)
         self._notifier.ready("config reloaded")
@@ -254,8 +283,11 @@ class Daemon:
         try:
             env = open_environment(self.config, self._simulate)
         except ConfigError as err:
-            log.error("%s, but the new environment does not load (kept the old one): %s", why,
-                      printable(err))
+            log.error(
+                "%s, but the new environment does not load (kept the old one): %s",
+                why,
+                printable(err),
+            )
             return
         if only_if_gpus and env.gpu.unavailable_reason:
             env.close()
@@ -265,8 +297,12 @@ class Daemon:
             for item in self._schedule:  # re-examine the node at once
                 item.next_due = self._clock()
         old.close()
-        log.warning("%s: environment reopened (%s, %d GPU(s))", why,
-                    env.inventory.host.gpu_backend, len(env.inventory.gpus))
+        log.warning(
+            "%s: environment reopened (%s, %d GPU(s))",
+            why,
+            env.inventory.host.gpu_backend,
+            len(env.inventory.gpus),
+        )
         self._wake_checks.set()
 
     # -- checks ---------------------------------------------------------------------------------
@@ -295,8 +331,15 @@ class Daemon:
                     results = run_check(due.spec, env, "service", shared)
             except Exception as err:  # noqa: BLE001 - run_check itself must not kill the loop
                 log.exception("running %s failed", due.spec.check)
-                results = [Result(check=due.spec.check, target="node", metric="crashed",
-                                  status=Status.ERROR, detail=f"{type(err).__name__}: {err}")]
+                results = [
+                    Result(
+                        check=due.spec.check,
+                        target="node",
+                        metric="crashed",
+                        status=Status.ERROR,
+                        detail=f"{type(err).__name__}: {err}",
+                    )
+                ]
             self._record(due.spec.check, results, started, self._clock() - t0)
 
     def _run_in_subprocess(self, spec: CheckSpec) -> list[Result]:
@@ -316,18 +359,37 @@ class Daemon:
             config = self.config
         with tempfile.TemporaryDirectory(prefix="node-agent-check-") as tmp:
             suite_path = Path(tmp).absolute() / f"{spec.check}.yaml"
-            suite_path.write_text(yaml.safe_dump({
-                "name": f"periodic-{spec.check}", "mode": "service",
-                "checks": [{"check": spec.check, "timeout_s": spec.timeout_s,
-                            "params": spec.params}]}))
+            suite_path.write_text(
+                yaml.safe_dump(
+                    {
+                        "name": f"periodic-{spec.check}",
+                        "mode": "service",
+                        "checks": [
+                            {
+                                "check": spec.check,
+                                "timeout_s": spec.timeout_s,
+                                "params": spec.params,
+                            }
+                        ],
+                    }
+                )
+            )
             # the child runs in / as python -P (never importing from the daemon's working
             # directory, which others may write to): every path it gets is absolute, the
             # config's own included (JSON is YAML: the child reads it as its config)
             config_path = suite_path.with_name("config.yaml")
             config_path.write_text(json.dumps(proc.absolute_config(config.data)))
             argv = proc.python_module_argv(
-                "node_agent.commands.main", "check", "--suite", str(suite_path),
-                "--config", str(config_path), "--json", "--out", str(suite_path.parent))
+                "node_agent.commands.main",
+                "check",
+                "--suite",
+                str(suite_path),
+                "--config",
+                str(config_path),
+                "--json",
+                "--out",
+                str(suite_path.parent),
+            )
             if self._simulate:
                 argv += ["--simulate", proc.absolute_path(self._simulate)]
             done = proc.run(argv, timeout_s=spec.timeout_s + 60, cwd=proc.CHILD_CWD)
@@ -338,8 +400,15 @@ class Daemon:
                 detail = f"unreadable report from the child process: {err}"
         else:
             detail = done.describe_failure()
-        return [Result(check=spec.check, target="node", metric="ran", status=Status.ERROR,
-                       detail=f"check {spec.check} in a child process failed: {detail}")]
+        return [
+            Result(
+                check=spec.check,
+                target="node",
+                metric="ran",
+                status=Status.ERROR,
+                detail=f"check {spec.check} in a child process failed: {detail}",
+            )
+        ]
 
     def _record(self, check: str, results: list[Result], started: float, duration: float) -> None:
         worst = max((r.status for r in results), key=_STATUS_ORDER.index, default=None)
@@ -365,8 +434,11 @@ class Daemon:
                         kept = self._xid_results.get(key)
                         if kept is None or _count(r) >= _count(kept):
                             self._xid_results[key] = r
-                results = [r for r in results
-                           if not (r.metric in ("xid", "sxid") and r.status is Status.FAIL)]
+                results = [
+                    r
+                    for r in results
+                    if not (r.metric in ("xid", "sxid") and r.status is Status.FAIL)
+                ]
             self._results[check] = results
             self._hangs.update(check, results)  # counts training_progress's new hangs
             if check in SDC_CHECKS:
@@ -374,8 +446,11 @@ class Daemon:
                     if r.target.startswith("gpu:"):
                         self._sdc[(r.target, _SDC_OUTCOME[r.status])] += 1
         if worst is Status.ERROR:
-            log.warning("check %s could not run: %s", printable(check), printable(
-                "; ".join(r.detail for r in results if r.status is Status.ERROR)[:500]))
+            log.warning(
+                "check %s could not run: %s",
+                printable(check),
+                printable("; ".join(r.detail for r in results if r.status is Status.ERROR)[:500]),
+            )
         self._regrade(f"check {check}")
 
     # -- XIDs -----------------------------------------------------------------------------------
@@ -387,14 +462,22 @@ class Daemon:
             env = self.env
             index = sighting.gpu_index
             if index is None and sighting.pci_bus and sighting.kind == "xid":
-                index = next((g.index for g in env.inventory.gpus
-                              if normalise_bus(g.pci_bus_id) == sighting.pci_bus), None)
-            target = sighting.target or (f"gpu:{index}" if index is not None
-                                         else f"pci:{sighting.pci_bus or '?'}")
+                index = next(
+                    (
+                        g.index
+                        for g in env.inventory.gpus
+                        if normalise_bus(g.pci_bus_id) == sighting.pci_bus
+                    ),
+                    None,
+                )
+            target = sighting.target or (
+                f"gpu:{index}" if index is not None else f"pci:{sighting.pci_bus or '?'}"
+            )
             if sighting.kind == "xid":
                 # the fold's count is cumulative: the counter follows it, never goes back
                 self._xid_counts[(index, sighting.code)] = max(
-                    sighting.count, self._xid_counts[(index, sighting.code)])
+                    sighting.count, self._xid_counts[(index, sighting.code)]
+                )
             key = (target, sighting.code)
             first = key not in self._xid_results
             self._xid_results[key] = sighting.result(target)
@@ -402,15 +485,25 @@ class Daemon:
         if first:
             catalog = env.grader.sxid if sighting.kind == "sxid" else env.grader.xid
             level, name = catalog.level(sighting.code)
-            log.warning("%s %d (%s) on %s from %s: %s", noun, sighting.code, printable(name),
-                        printable(target), printable(sighting.source), level.name)
+            log.warning(
+                "%s %d (%s) on %s from %s: %s",
+                noun,
+                sighting.code,
+                printable(name),
+                printable(target),
+                printable(sighting.source),
+                level.name,
+            )
         self._regrade(f"{noun} {sighting.code} on {target} ({sighting.why})")
 
     # -- grading --------------------------------------------------------------------------------
     def current_results(self) -> list[Result]:
         with self._lock:
-            return ([r for rs in self._results.values() for r in rs]
-                    + list(self._xid_results.values()) + self._trends.results())
+            return (
+                [r for rs in self._results.values() for r in rs]
+                + list(self._xid_results.values())
+                + self._trends.results()
+            )
 
     def _regrade(self, why: str) -> None:
         with self._lock:
@@ -425,10 +518,16 @@ class Daemon:
         if grade.level != previous.level:
             # reasons quote what users wrote (a heartbeat's job, its pause reason, a process's
             # name): every such text is escaped, one line per reason (docs/security.md)
-            log.warning("grade %s -> %s after %s%s", previous.level.name, grade.level.name,
-                        printable(why), "".join(f"\n  {r.level.name} {printable(r.target)}: "
-                                                f"{printable(r.message)}"
-                                                for r in grade.reasons[:10]))
+            log.warning(
+                "grade %s -> %s after %s%s",
+                previous.level.name,
+                grade.level.name,
+                printable(why),
+                "".join(
+                    f"\n  {r.level.name} {printable(r.target)}: {printable(r.message)}"
+                    for r in grade.reasons[:10]
+                ),
+            )
         if self._on_grade is not None:
             try:
                 self._on_grade(grade, results, env)
@@ -444,15 +543,19 @@ class Daemon:
             return
         from node_agent.service.nvhcd import HealthAnswerer, NvhcdServer
 
-        answerer = HealthAnswerer(self.grade_view, self._refresh_for_nvhcd,
-                                  max_age_s=float(self.config.get("daemon.nvhcd.max_age_s")),
-                                  min_refresh_s=float(self.config.get("daemon.nvhcd.min_refresh_s")))
+        answerer = HealthAnswerer(
+            self.grade_view,
+            self._refresh_for_nvhcd,
+            max_age_s=float(self.config.get("daemon.nvhcd.max_age_s")),
+            min_refresh_s=float(self.config.get("daemon.nvhcd.min_refresh_s")),
+        )
         server = NvhcdServer(answerer, path, group=self.config.get("daemon.nvhcd.group"))
         try:
             server.start()
         except (OSError, KeyError, ImportError, RuntimeError) as err:
-            log.error("NVRx node health check NOT served on %s: %s", printable(path),
-                      printable(err))
+            log.error(
+                "NVRx node health check NOT served on %s: %s", printable(path), printable(err)
+            )
             return
         self._nvhcd = server
         log.info("NVRx node health check served on unix://%s", printable(path))
@@ -464,10 +567,20 @@ class Daemon:
         with self._lock:
             if self._graded_at is None:
                 return None
-            return GradeView(self.grade.level.name,
-                             [{"rule": r.rule, "level": r.level.name, "target": r.target,
-                               "message": r.message} for r in self.grade.reasons],
-                             graded_at=self._graded_at, suite=self.suite.name)
+            return GradeView(
+                self.grade.level.name,
+                [
+                    {
+                        "rule": r.rule,
+                        "level": r.level.name,
+                        "target": r.target,
+                        "message": r.message,
+                    }
+                    for r in self.grade.reasons
+                ],
+                graded_at=self._graded_at,
+                suite=self.suite.name,
+            )
 
     def _refresh_for_nvhcd(self):
         """The grade with the quick suite's passive checks (NVML, Xid, DCGM health: no load) run
@@ -484,10 +597,15 @@ class Daemon:
             xids = list(self._xid_results.values())
         results = [r for rs in (*kept.values(), *fresh.values()) for r in rs] + xids
         grade = env.grader.grade(results, "service")
-        return GradeView(grade.level.name,
-                         [{"rule": r.rule, "level": r.level.name, "target": r.target,
-                           "message": r.message} for r in grade.reasons],
-                         graded_at=time.time(), suite=quick.name)
+        return GradeView(
+            grade.level.name,
+            [
+                {"rule": r.rule, "level": r.level.name, "target": r.target, "message": r.message}
+                for r in grade.reasons
+            ],
+            graded_at=time.time(),
+            suite=quick.name,
+        )
 
     def record_action(self, action: str, outcome: str) -> None:
         with self._lock:
@@ -497,15 +615,20 @@ class Daemon:
     def snapshot(self) -> Snapshot:
         with self._lock:
             return Snapshot(
-                hostname=self.env.inventory.host.hostname, level=self.grade.level,
+                hostname=self.env.inventory.host.hostname,
+                level=self.grade.level,
                 checks={k: CheckStats(**vars(v)) for k, v in self._stats.items()},
                 results=self.current_results(),
                 gpu_uuids={g.index: g.uuid for g in self.env.inventory.gpus},
-                xid_counts=dict(self._xid_counts), sdc_outcomes=dict(self._sdc),
-                actions=dict(self._actions), simulated=self.env.simulated,
+                xid_counts=dict(self._xid_counts),
+                sdc_outcomes=dict(self._sdc),
+                actions=dict(self._actions),
+                simulated=self.env.simulated,
                 hang_suspicions=self._hangs.total,
-                remediation_state=(self._remediation.state if self._remediation is not None
-                                   else None))
+                remediation_state=(
+                    self._remediation.state if self._remediation is not None else None
+                ),
+            )
 
 
 def _sku_limits(env: Environment) -> dict | None:
@@ -521,6 +644,10 @@ def _count(result: Result) -> int:
 
 
 _STATUS_ORDER = [Status.SKIP, Status.PASS, Status.WARN, Status.FAIL, Status.ERROR]
-_SDC_OUTCOME = {Status.PASS: "pass", Status.WARN: "transient", Status.FAIL: "confirmed",
-                Status.ERROR: "error", Status.SKIP: "skipped"}
-
+_SDC_OUTCOME = {
+    Status.PASS: "pass",
+    Status.WARN: "transient",
+    Status.FAIL: "confirmed",
+    Status.ERROR: "error",
+    Status.SKIP: "skipped",
+}

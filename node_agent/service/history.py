@@ -92,8 +92,14 @@ class History:
     ``problem`` is None while the history works; otherwise it says why not (then
     :meth:`record` does nothing and :meth:`points` answers empty)."""
 
-    def __init__(self, conn: sqlite3.Connection | None, path: Path, clock: Callable[[], float],
-                 bound: Bound, problem: str | None = None) -> None:
+    def __init__(
+        self,
+        conn: sqlite3.Connection | None,
+        path: Path,
+        clock: Callable[[], float],
+        bound: Bound,
+        problem: str | None = None,
+    ) -> None:
         self._conn = conn
         self.path = path
         self._clock = clock
@@ -120,8 +126,10 @@ class History:
                 self._conn.execute("BEGIN IMMEDIATE")
                 for s in samples:
                     self._add(s, now)
-                if self._compacted_at is None or now - self._compacted_at >= \
-                        self.bound.compact_every_s:
+                if (
+                    self._compacted_at is None
+                    or now - self._compacted_at >= self.bound.compact_every_s
+                ):
                     self._compact(now)
                     self._compacted_at = now
                 self._conn.execute("COMMIT")
@@ -133,10 +141,14 @@ class History:
     def _series_id(self, s: Sample) -> int:
         key = (s.check, s.target, s.metric)
         if key not in self._ids:
-            self._conn.execute("INSERT OR IGNORE INTO series (check_name, target, metric, kind) "
-                               "VALUES (?, ?, ?, ?)", (*key, s.kind))
-            row = self._conn.execute("SELECT id FROM series WHERE check_name = ? AND target = ? "
-                                     "AND metric = ?", key).fetchone()
+            self._conn.execute(
+                "INSERT OR IGNORE INTO series (check_name, target, metric, kind) "
+                "VALUES (?, ?, ?, ?)",
+                (*key, s.kind),
+            )
+            row = self._conn.execute(
+                "SELECT id FROM series WHERE check_name = ? AND target = ? AND metric = ?", key
+            ).fetchone()
             self._ids[key] = int(row[0])
         return self._ids[key]
 
@@ -144,17 +156,23 @@ class History:
         sid = self._series_id(s)
         last = self._conn.execute(
             "SELECT rowid, tier, at, value, n, reset FROM points WHERE series = ? "
-            "ORDER BY at DESC LIMIT 1", (sid,)).fetchone()
+            "ORDER BY at DESC LIMIT 1",
+            (sid,),
+        ).fetchone()
         dropped = s.kind == "counter" and last is not None and s.value < last[3]
         bucket = self.bound.raw_bucket_s
         if last is not None and last[1] == 0 and now // bucket == last[2] // bucket:
             rowid, _, _, value, n, reset = last
             new = s.value if s.kind == "counter" else (value * n + s.value) / (n + 1)
-            self._conn.execute("UPDATE points SET at = ?, value = ?, n = ?, reset = ? "
-                               "WHERE rowid = ?", (now, new, n + 1, int(reset or dropped), rowid))
+            self._conn.execute(
+                "UPDATE points SET at = ?, value = ?, n = ?, reset = ? WHERE rowid = ?",
+                (now, new, n + 1, int(reset or dropped), rowid),
+            )
             return
-        self._conn.execute("INSERT INTO points (series, tier, at, value, n, reset) "
-                           "VALUES (?, 0, ?, ?, 1, ?)", (sid, now, s.value, int(dropped)))
+        self._conn.execute(
+            "INSERT INTO points (series, tier, at, value, n, reset) VALUES (?, 0, ?, ?, 1, ?)",
+            (sid, now, s.value, int(dropped)),
+        )
 
     def _compact(self, now: float) -> None:
         """Raw points past 48 h into hourly ones, hourly past 30 days into daily ones, daily
@@ -165,7 +183,9 @@ class History:
             cutoff = (now - keep_s) // size_s * size_s  # whole buckets only
             rows = self._conn.execute(
                 "SELECT series, at, value, n, reset FROM points WHERE tier = ? AND at < ? "
-                "ORDER BY series, at", (tier, cutoff)).fetchall()
+                "ORDER BY series, at",
+                (tier, cutoff),
+            ).fetchall()
             if not rows:
                 continue
             groups: dict[tuple[int, float], list[tuple]] = {}
@@ -174,18 +194,30 @@ class History:
             self._conn.execute("DELETE FROM points WHERE tier = ? AND at < ?", (tier, cutoff))
             self._conn.executemany(
                 "INSERT INTO points (series, tier, at, value, n, reset) VALUES (?, ?, ?, ?, ?, ?)",
-                [_merge(sid, tier + 1, group, kinds.get(sid, "counter"))
-                 for (sid, _), group in groups.items()])
-        for (sid,) in self._conn.execute("SELECT series FROM points WHERE tier = 2 GROUP BY "
-                                         "series HAVING COUNT(*) > ?", (b.daily_cap,)).fetchall():
-            (edge,) = self._conn.execute("SELECT at FROM points WHERE series = ? AND tier = 2 "
-                                         "ORDER BY at DESC LIMIT 1 OFFSET ?",
-                                         (sid, b.daily_cap - 1)).fetchone()
-            self._conn.execute("DELETE FROM points WHERE series = ? AND tier = 2 AND at < ?",
-                               (sid, edge))
-        stale = [r[0] for r in self._conn.execute(
-            "SELECT series FROM points GROUP BY series HAVING MAX(at) < ?",
-            (now - b.drop_after_s,)).fetchall()]
+                [
+                    _merge(sid, tier + 1, group, kinds.get(sid, "counter"))
+                    for (sid, _), group in groups.items()
+                ],
+            )
+        for (sid,) in self._conn.execute(
+            "SELECT series FROM points WHERE tier = 2 GROUP BY series HAVING COUNT(*) > ?",
+            (b.daily_cap,),
+        ).fetchall():
+            (edge,) = self._conn.execute(
+                "SELECT at FROM points WHERE series = ? AND tier = 2 "
+                "ORDER BY at DESC LIMIT 1 OFFSET ?",
+                (sid, b.daily_cap - 1),
+            ).fetchone()
+            self._conn.execute(
+                "DELETE FROM points WHERE series = ? AND tier = 2 AND at < ?", (sid, edge)
+            )
+        stale = [
+            r[0]
+            for r in self._conn.execute(
+                "SELECT series FROM points GROUP BY series HAVING MAX(at) < ?",
+                (now - b.drop_after_s,),
+            ).fetchall()
+        ]
         for sid in stale:
             self._conn.execute("DELETE FROM points WHERE series = ?", (sid,))
             self._conn.execute("DELETE FROM series WHERE id = ?", (sid,))
@@ -195,8 +227,11 @@ class History:
     def _fail(self, why: str) -> None:
         if self.problem is None:
             self.problem = why
-            log.warning("counter history unavailable: %s; trends are not graded until the "
-                        "daemon restarts with a working history (checks go on)", why)
+            log.warning(
+                "counter history unavailable: %s; trends are not graded until the "
+                "daemon restarts with a working history (checks go on)",
+                why,
+            )
 
     # -- reading --------------------------------------------------------------------------------
     def series(self) -> list[tuple[str, str, str]]:
@@ -205,8 +240,12 @@ class History:
             if self._conn is None or self.problem is not None:
                 return []
             try:
-                return [tuple(r) for r in self._conn.execute(
-                    "SELECT check_name, target, metric FROM series ORDER BY id").fetchall()]
+                return [
+                    tuple(r)
+                    for r in self._conn.execute(
+                        "SELECT check_name, target, metric FROM series ORDER BY id"
+                    ).fetchall()
+                ]
             except sqlite3.Error as err:
                 self._fail(f"reading {self.path} failed: {err}")
                 return []
@@ -220,7 +259,8 @@ class History:
                 rows = self._conn.execute(
                     "SELECT p.at, p.value, p.reset FROM points p JOIN series s ON s.id = p.series "
                     "WHERE s.check_name = ? AND s.target = ? AND s.metric = ? ORDER BY p.at",
-                    (check, target, metric)).fetchall()
+                    (check, target, metric),
+                ).fetchall()
             except sqlite3.Error as err:
                 self._fail(f"reading {self.path} failed: {err}")
                 return []
@@ -238,8 +278,11 @@ class History:
             if self._conn is not None and self.problem is None:
                 with suppress(sqlite3.Error):
                     self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        return sum(f.stat().st_size for f in (self.path, self.path.with_name(DB_NAME + "-wal"))
-                   if f.exists())
+        return sum(
+            f.stat().st_size
+            for f in (self.path, self.path.with_name(DB_NAME + "-wal"))
+            if f.exists()
+        )
 
     def close(self) -> None:
         with self._lock:
@@ -257,8 +300,9 @@ def _merge(sid: int, tier: int, group: list[tuple], kind: str) -> tuple:
     return (sid, tier, group[-1][1], value, n, int(any(r[4] for r in group)))
 
 
-def open_history(state_dir: Path | str, clock: Callable[[], float] = time.time,
-                 bound: Bound | None = None) -> History:
+def open_history(
+    state_dir: Path | str, clock: Callable[[], float] = time.time, bound: Bound | None = None
+) -> History:
     """Open (or create) ``<state_dir>/history.db``; never raises for its own state (a history
     that cannot be used has its ``problem`` set and records nothing)."""
     bound = bound or Bound()
@@ -269,16 +313,17 @@ def open_history(state_dir: Path | str, clock: Callable[[], float] = time.time,
         try:
             private_dir(state_dir)
             if not path.exists():  # made 0600 before SQLite writes a byte of it
-                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW,
-                                 0o600))
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600))
             st = path.lstat()
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
                 raise OSError(f"{path} is not a regular file of the agent's own")
             if not os.access(path, os.W_OK) or not os.access(state_dir, os.W_OK):
-                raise OSError(f"{path} is not writable (a read-only file system, or its "
-                              "permissions)")
-            conn = sqlite3.connect(str(path), timeout=5.0, isolation_level=None,
-                                   check_same_thread=False)
+                raise OSError(
+                    f"{path} is not writable (a read-only file system, or its permissions)"
+                )
+            conn = sqlite3.connect(
+                str(path), timeout=5.0, isolation_level=None, check_same_thread=False
+            )
             if str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]).lower() != "wal":
                 raise sqlite3.DatabaseError(f"cannot switch {path} to WAL mode")
             conn.execute("PRAGMA synchronous = NORMAL")
@@ -290,8 +335,10 @@ def open_history(state_dir: Path | str, clock: Callable[[], float] = time.time,
             if row is None:
                 conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
             elif int(row[0]) > SCHEMA_VERSION:
-                raise OSError(f"{path} has schema version {row[0]}; this agent knows up to "
-                              f"{SCHEMA_VERSION} (written by a newer agent): kept as it is")
+                raise OSError(
+                    f"{path} has schema version {row[0]}; this agent knows up to "
+                    f"{SCHEMA_VERSION} (written by a newer agent): kept as it is"
+                )
             for name in (DB_NAME + "-wal", DB_NAME + "-shm"):
                 side = path.with_name(name)
                 if side.exists() and side.stat().st_mode & 0o077:
@@ -309,17 +356,22 @@ def open_history(state_dir: Path | str, clock: Callable[[], float] = time.time,
                 try:
                     moved = move_aside(path, clock())
                 except OSError as move_err:
-                    return History(None, path, clock, bound,
-                                   f"{path} is not a database and cannot be moved aside: "
-                                   f"{move_err}")
-                notes.append(f"counter history {path} was not a database ({err}); moved it "
-                             f"aside to {moved} and started a fresh one (trends start over)")
+                    return History(
+                        None,
+                        path,
+                        clock,
+                        bound,
+                        f"{path} is not a database and cannot be moved aside: {move_err}",
+                    )
+                notes.append(
+                    f"counter history {path} was not a database ({err}); moved it "
+                    f"aside to {moved} and started a fresh one (trends start over)"
+                )
                 continue
             return History(None, path, clock, bound, f"cannot use {path}: {err}")
         except OSError as err:
             if conn is not None:
                 with suppress(sqlite3.Error):
                     conn.close()
-            return History(None, path, clock, bound,
-                           f"cannot use {path}: {err.strerror or err}")
+            return History(None, path, clock, bound, f"cannot use {path}: {err.strerror or err}")
     raise AssertionError("unreachable")  # pragma: no cover

@@ -33,15 +33,23 @@ from node_agent.model import Level, Result, Status
 
 #: result metric of nvml_health -> (Prometheus name, help); values are the readings
 GPU_READINGS: dict[str, tuple[str, str]] = {
-    "temperature": ("node_agent_gpu_temperature_celsius", "GPU core temperature (nvidia-smi "
-                    "temperature.gpu)"),
-    "memory_temperature": ("node_agent_gpu_memory_temperature_celsius",
-                           "HBM temperature where the GPU reports it"),
+    "temperature": (
+        "node_agent_gpu_temperature_celsius",
+        "GPU core temperature (nvidia-smi temperature.gpu)",
+    ),
+    "memory_temperature": (
+        "node_agent_gpu_memory_temperature_celsius",
+        "HBM temperature where the GPU reports it",
+    ),
     "power": ("node_agent_gpu_power_usage_watts", "GPU power draw (nvidia-smi power.draw)"),
-    "ecc_dbe_volatile": ("node_agent_gpu_ecc_dbe_volatile_errors",
-                         "Uncorrectable (double-bit) ECC errors since the driver loaded"),
-    "ecc_sbe_volatile": ("node_agent_gpu_ecc_sbe_volatile_errors",
-                         "Corrected (single-bit) ECC errors since the driver loaded"),
+    "ecc_dbe_volatile": (
+        "node_agent_gpu_ecc_dbe_volatile_errors",
+        "Uncorrectable (double-bit) ECC errors since the driver loaded",
+    ),
+    "ecc_sbe_volatile": (
+        "node_agent_gpu_ecc_sbe_volatile_errors",
+        "Corrected (single-bit) ECC errors since the driver loaded",
+    ),
     "pcie_replay": ("node_agent_gpu_pcie_replay_errors", "PCIe replay counter"),
 }
 STATUSES = [s.value for s in Status]
@@ -51,24 +59,50 @@ STATUSES = [s.value for s in Status]
 #: ``tflops_<precision>`` of gpu_burn, ``copy_gbps`` of hbm_bandwidth, the four PCIe figures of
 #: pcie_bandwidth, ``busbw_peak_gbps`` of nccl_allreduce. Base units (FLOP/s, bytes/s) as
 #: Prometheus' conventions ask; the checks report TFLOP/s and GB/s (10^9 B/s).
-BURN = ("node_agent_gpu_burn_flops_per_second", "Sustained GEMM throughput of the GPU in the "
-        "latest gpu_burn run (FLOP/s), per precision")
-HBM = ("node_agent_gpu_hbm_copy_bytes_per_second", "Device-to-device copy bandwidth of the GPU's "
-       "memory in the latest hbm_bandwidth run (bytes/s, the p90 of its repetitions)")
-PCIE = ("node_agent_gpu_pcie_bytes_per_second", "Host-device copy bandwidth over PCIe in the "
-        "latest pcie_bandwidth run (bytes/s): direction h2d|d2h, mode alone|concurrent")
-BUSBW = ("node_agent_allreduce_busbw_bytes_per_second", "Peak all-reduce bus bandwidth of the "
-         "node in the latest nccl_allreduce run (bytes/s, nccl-tests' busbw)")
-PCIE_FIGURES = {"h2d_gbps": ("h2d", "alone"), "d2h_gbps": ("d2h", "alone"),
-                "h2d_gbps_concurrent": ("h2d", "concurrent"),
-                "d2h_gbps_concurrent": ("d2h", "concurrent")}
+BURN = (
+    "node_agent_gpu_burn_flops_per_second",
+    "Sustained GEMM throughput of the GPU in the latest gpu_burn run (FLOP/s), per precision",
+)
+HBM = (
+    "node_agent_gpu_hbm_copy_bytes_per_second",
+    "Device-to-device copy bandwidth of the GPU's "
+    "memory in the latest hbm_bandwidth run (bytes/s, the p90 of its repetitions)",
+)
+PCIE = (
+    "node_agent_gpu_pcie_bytes_per_second",
+    "Host-device copy bandwidth over PCIe in the "
+    "latest pcie_bandwidth run (bytes/s): direction h2d|d2h, mode alone|concurrent",
+)
+BUSBW = (
+    "node_agent_allreduce_busbw_bytes_per_second",
+    "Peak all-reduce bus bandwidth of the "
+    "node in the latest nccl_allreduce run (bytes/s, nccl-tests' busbw)",
+)
+PCIE_FIGURES = {
+    "h2d_gbps": ("h2d", "alone"),
+    "d2h_gbps": ("d2h", "alone"),
+    "h2d_gbps_concurrent": ("h2d", "concurrent"),
+    "d2h_gbps_concurrent": ("d2h", "concurrent"),
+}
 #: HCA port counters (sysfs ``counters/`` names) that the rdma and hca_ports results carry in
 #: their evidence; exported as they read, so the rules can see them rise
-HCA_COUNTERS = ("symbol_error", "link_downed", "port_rcv_errors", "link_error_recovery",
-                "local_link_integrity_errors", "excessive_buffer_overrun_errors")
+HCA_COUNTERS = (
+    "symbol_error",
+    "link_downed",
+    "port_rcv_errors",
+    "link_error_recovery",
+    "local_link_integrity_errors",
+    "excessive_buffer_overrun_errors",
+)
 #: remediation states in which the agent has the node drained (remediation/plan.py STATES)
-DRAINED_STATES = ("drained", "restarting", "retest", "fault", "awaiting-replacement",
-                  "needs-operator")
+DRAINED_STATES = (
+    "drained",
+    "restarting",
+    "retest",
+    "fault",
+    "awaiting-replacement",
+    "needs-operator",
+)
 
 #: the check whose per-process results become the training metrics (docs/training_hangs.md)
 TRAINING_CHECK = "training_progress"
@@ -107,10 +141,17 @@ class MetricsServer:
     timeout, a cap, a malformed request). The interface is ``socketserver``'s, which the daemon
     used before: ``server_address``, ``serve_forever``, ``shutdown``, ``server_close``."""
 
-    def __init__(self, address: tuple[str, int], routes: Mapping[str, Callable[[], Answer]], *,
-                 request_s: float = REQUEST_S, connection_s: float = CONNECTION_S,
-                 max_per_peer: int = MAX_PER_PEER, max_connections: int = MAX_CONNECTIONS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        routes: Mapping[str, Callable[[], Answer]],
+        *,
+        request_s: float = REQUEST_S,
+        connection_s: float = CONNECTION_S,
+        max_per_peer: int = MAX_PER_PEER,
+        max_connections: int = MAX_CONNECTIONS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         host, port = address
         host = host.strip("[]")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -182,8 +223,7 @@ class MetricsServer:
     def _wait(self, poll_interval: float) -> float:
         if not self._conns:
             return poll_interval
-        soonest = min(c.deadline(self.request_s, self.connection_s)
-                      for c in self._conns.values())
+        soonest = min(c.deadline(self.request_s, self.connection_s) for c in self._conns.values())
         return max(0.0, min(poll_interval, soonest - self._clock()))
 
     def _drain_wake(self) -> None:
@@ -214,8 +254,10 @@ class MetricsServer:
         """Close the oldest connection still waiting for its request, of ``peer`` when it is at
         its cap, of anyone when all are at theirs."""
         mine = [c for c in self._conns.values() if c.peer == peer]
-        for pool, cap in ((mine, self.max_per_peer),
-                          (list(self._conns.values()), self.max_connections)):
+        for pool, cap in (
+            (mine, self.max_per_peer),
+            (list(self._conns.values()), self.max_connections),
+        ):
             while len(pool) >= cap:
                 waiting = [c for c in pool if c.out is None] or pool
                 oldest = min(waiting, key=lambda c: c.opened)
@@ -255,8 +297,11 @@ class MetricsServer:
         path = target.split("?")[0]
         route = self.routes.get(path)
         if route is None:
-            return method, (404, "text/plain", b"not found: try "
-                            + ", ".join(sorted(self.routes)).encode() + b"\n")
+            return method, (
+                404,
+                "text/plain",
+                b"not found: try " + ", ".join(sorted(self.routes)).encode() + b"\n",
+            )
         try:
             return method, route()
         except Exception:  # noqa: BLE001 - a broken route answers 500, the server goes on
@@ -266,8 +311,10 @@ class MetricsServer:
     def _answer(self, conn: _Conn, answer: Answer, dropped: bool, with_body: bool = True) -> None:
         code, ctype, body = answer
         reason = _REASONS.get(code, "")
-        head = (f"HTTP/1.0 {code} {reason}\r\nContent-Type: {ctype}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode("latin-1")
+        head = (
+            f"HTTP/1.0 {code} {reason}\r\nContent-Type: {ctype}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        ).encode("latin-1")
         conn.out = memoryview(head + body if with_body else head)
         conn.inbox = b""
         if dropped:
@@ -326,15 +373,21 @@ class _Conn:
         return self.opened + (request_s if self.out is None else connection_s)
 
 
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-            431: "Request Header Fields Too Large", 500: "Internal Server Error",
-            503: "Service Unavailable"}
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
 
 
 @dataclass
 class CheckStats:
     runs: int = 0
-    errors: int = 0                 # runs that produced an ``error`` result (crash, timeout...)
+    errors: int = 0  # runs that produced an ``error`` result (crash, timeout...)
     last_run_unix: float | None = None
     last_duration_s: float | None = None
     worst_status: str | None = None
@@ -347,13 +400,13 @@ class Snapshot:
     hostname: str
     level: Level
     checks: dict[str, CheckStats]
-    results: list[Result]                                  # current results, all checks
+    results: list[Result]  # current results, all checks
     gpu_uuids: dict[int, str]
-    xid_counts: dict[tuple[int | None, int], int]          # (gpu index, code) -> occurrences
+    xid_counts: dict[tuple[int | None, int], int]  # (gpu index, code) -> occurrences
     sdc_outcomes: dict[tuple[str, str], int] = field(default_factory=dict)  # (target, outcome)
-    actions: dict[tuple[str, str], int] = field(default_factory=dict)       # (action, outcome)
+    actions: dict[tuple[str, str], int] = field(default_factory=dict)  # (action, outcome)
     simulated: bool = False
-    hang_suspicions: int = 0     # HangTracker.total: processes seen going from not hung to hung
+    hang_suspicions: int = 0  # HangTracker.total: processes seen going from not hung to hung
     #: the node's remediation state from the agent's store (remediation/plan.py STATES), when
     #: the daemon can read it; None: drained-by-agent is inferred from ``actions``
     remediation_state: str | None = None
@@ -369,35 +422,51 @@ class DaemonCollector(Collector):
         s = self._snapshot()
         host = [s.hostname]
 
-        up = GaugeMetricFamily("node_agent_up", "1 while the node-agent daemon is running",
-                               labels=["hostname", "simulated"])
+        up = GaugeMetricFamily(
+            "node_agent_up",
+            "1 while the node-agent daemon is running",
+            labels=["hostname", "simulated"],
+        )
         up.add_metric([s.hostname, str(s.simulated).lower()], 1)
         yield up
 
-        level = GaugeMetricFamily("node_agent_health_level", "The node's grade: 0 HEALTHY, "
-                                  "1 WARN, 2 ERROR (restart), 3 FAULT (replace)",
-                                  labels=["hostname"])
+        level = GaugeMetricFamily(
+            "node_agent_health_level",
+            "The node's grade: 0 HEALTHY, 1 WARN, 2 ERROR (restart), 3 FAULT (replace)",
+            labels=["hostname"],
+        )
         level.add_metric(host, int(s.level))
         yield level
-        grade = GaugeMetricFamily("node_agent_health", "1 for the node's current grade",
-                                  labels=["hostname", "level"])
+        grade = GaugeMetricFamily(
+            "node_agent_health", "1 for the node's current grade", labels=["hostname", "level"]
+        )
         for lv in Level:
             grade.add_metric([s.hostname, lv.name], 1 if lv == s.level else 0)
         yield grade
 
-        status = GaugeMetricFamily("node_agent_check_status", "1 for the worst status of the "
-                                   "check's latest run", labels=["hostname", "check", "status"])
-        last = GaugeMetricFamily("node_agent_check_last_run_timestamp_seconds",
-                                 "When the check last finished (Unix time)",
-                                 labels=["hostname", "check"])
-        duration = GaugeMetricFamily("node_agent_check_duration_seconds",
-                                     "How long the check's latest run took",
-                                     labels=["hostname", "check"])
-        runs = CounterMetricFamily("node_agent_check_runs", "Runs of the check",
-                                   labels=["hostname", "check"])
-        errors = CounterMetricFamily("node_agent_check_errors", "Runs of the check that could "
-                                     "not complete (crash, timeout, tool failure)",
-                                     labels=["hostname", "check"])
+        status = GaugeMetricFamily(
+            "node_agent_check_status",
+            "1 for the worst status of the check's latest run",
+            labels=["hostname", "check", "status"],
+        )
+        last = GaugeMetricFamily(
+            "node_agent_check_last_run_timestamp_seconds",
+            "When the check last finished (Unix time)",
+            labels=["hostname", "check"],
+        )
+        duration = GaugeMetricFamily(
+            "node_agent_check_duration_seconds",
+            "How long the check's latest run took",
+            labels=["hostname", "check"],
+        )
+        runs = CounterMetricFamily(
+            "node_agent_check_runs", "Runs of the check", labels=["hostname", "check"]
+        )
+        errors = CounterMetricFamily(
+            "node_agent_check_errors",
+            "Runs of the check that could not complete (crash, timeout, tool failure)",
+            labels=["hostname", "check"],
+        )
         for name, st in sorted(s.checks.items()):
             for value in STATUSES:
                 status.add_metric([s.hostname, name, value], 1 if st.worst_status == value else 0)
@@ -411,25 +480,43 @@ class DaemonCollector(Collector):
 
         yield from _gpu_readings(s)
 
-        xids = CounterMetricFamily("node_agent_gpu_xid_errors", "XID errors seen by the "
-                                   "daemon's watch, per code: occurrences (kernel-log lines, "
-                                   "else NVML events), not reports; a flood's count is brought "
-                                   "up to date at least once a minute",
-                                   labels=["hostname", "gpu", "uuid", "code"])
-        for (gpu, code), count in sorted(s.xid_counts.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+        xids = CounterMetricFamily(
+            "node_agent_gpu_xid_errors",
+            "XID errors seen by the "
+            "daemon's watch, per code: occurrences (kernel-log lines, "
+            "else NVML events), not reports; a flood's count is brought "
+            "up to date at least once a minute",
+            labels=["hostname", "gpu", "uuid", "code"],
+        )
+        for (gpu, code), count in sorted(
+            s.xid_counts.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])
+        ):
             gpu_label = "" if gpu is None else str(gpu)
-            xids.add_metric([s.hostname, gpu_label, s.gpu_uuids.get(gpu, "") if gpu is not None
-                             else "", str(code)], count)
+            xids.add_metric(
+                [
+                    s.hostname,
+                    gpu_label,
+                    s.gpu_uuids.get(gpu, "") if gpu is not None else "",
+                    str(code),
+                ],
+                count,
+            )
         yield xids
 
-        sdc = CounterMetricFamily("node_agent_sdc_probes", "SDC probe verdicts by outcome",
-                                  labels=["hostname", "gpu", "outcome"])
+        sdc = CounterMetricFamily(
+            "node_agent_sdc_probes",
+            "SDC probe verdicts by outcome",
+            labels=["hostname", "gpu", "outcome"],
+        )
         for (target, outcome), count in sorted(s.sdc_outcomes.items()):
             sdc.add_metric([s.hostname, target.removeprefix("gpu:"), outcome], count)
         yield sdc
 
-        actions = CounterMetricFamily("node_agent_actions", "Remediation actions by kind and "
-                                      "outcome", labels=["hostname", "action", "outcome"])
+        actions = CounterMetricFamily(
+            "node_agent_actions",
+            "Remediation actions by kind and outcome",
+            labels=["hostname", "action", "outcome"],
+        )
         for (action, outcome), count in sorted(s.actions.items()):
             actions.add_metric([s.hostname, action, outcome], count)
         yield actions
@@ -492,14 +579,21 @@ def _training(s: Snapshot) -> Iterator[Metric]:
     and the daemon's count of hang suspicions. A process with several results (a straggler
     also reports its progress) is one series: hung if any says so, the first known figures."""
     labels = ["hostname", "job", "rank", "pid"]
-    age = GaugeMetricFamily("node_agent_training_heartbeat_age_seconds", "Seconds since the "
-                            "training process's last heartbeat (node_agent.heartbeat)",
-                            labels=labels)
-    step = GaugeMetricFamily("node_agent_training_step_time_seconds", "The training "
-                             "process's recent mean step time, from its heartbeats",
-                             labels=labels)
-    hang = GaugeMetricFamily("node_agent_training_hang_suspected", "1 while training_progress "
-                             "calls the process hung, 0 while it steps", labels=labels)
+    age = GaugeMetricFamily(
+        "node_agent_training_heartbeat_age_seconds",
+        "Seconds since the training process's last heartbeat (node_agent.heartbeat)",
+        labels=labels,
+    )
+    step = GaugeMetricFamily(
+        "node_agent_training_step_time_seconds",
+        "The training process's recent mean step time, from its heartbeats",
+        labels=labels,
+    )
+    hang = GaugeMetricFamily(
+        "node_agent_training_hang_suspected",
+        "1 while training_progress calls the process hung, 0 while it steps",
+        labels=labels,
+    )
     processes: dict[tuple[str, str, str], dict[str, float | None]] = {}
     for r in s.results:
         if r.check != TRAINING_CHECK or r.metric not in TRAINING_METRICS:
@@ -517,28 +611,39 @@ def _training(s: Snapshot) -> Iterator[Metric]:
             age.add_metric(values, p["age"])
         if p["step"] is not None:
             step.add_metric(values, p["step"])
-    total = CounterMetricFamily("node_agent_training_hang_suspicions", "Training processes "
-                                "the daemon saw go from stepping (or unseen) to hung",
-                                labels=["hostname"])
+    total = CounterMetricFamily(
+        "node_agent_training_hang_suspicions",
+        "Training processes the daemon saw go from stepping (or unseen) to hung",
+        labels=["hostname"],
+    )
     total.add_metric([s.hostname], s.hang_suspicions)
     yield from (age, step, hang, total)
 
 
 def _gpu_readings(s: Snapshot) -> Iterator[Metric]:
-    families = {metric: GaugeMetricFamily(name, help_, labels=["hostname", "gpu", "uuid"])
-                for metric, (name, help_) in GPU_READINGS.items()}
-    remap = {kind: GaugeMetricFamily(f"node_agent_gpu_row_remap_{kind}",
-                                     f"1 when the GPU reports a row remap {kind}",
-                                     labels=["hostname", "gpu", "uuid"])
-             for kind in ("pending", "failure")}
+    families = {
+        metric: GaugeMetricFamily(name, help_, labels=["hostname", "gpu", "uuid"])
+        for metric, (name, help_) in GPU_READINGS.items()
+    }
+    remap = {
+        kind: GaugeMetricFamily(
+            f"node_agent_gpu_row_remap_{kind}",
+            f"1 when the GPU reports a row remap {kind}",
+            labels=["hostname", "gpu", "uuid"],
+        )
+        for kind in ("pending", "failure")
+    }
     remap_state: dict[int, dict[str, int]] = {}
     for r in s.results:
         if not r.target.startswith("gpu:"):
             continue
         index = int(r.target[4:])
         labels = [s.hostname, str(index), s.gpu_uuids.get(index, "")]
-        if r.metric in families and isinstance(r.value, (int, float)) \
-                and not isinstance(r.value, bool):
+        if (
+            r.metric in families
+            and isinstance(r.value, (int, float))
+            and not isinstance(r.value, bool)
+        ):
             families[r.metric].add_metric(labels, float(r.value))
         elif r.metric == "row_remap":
             remap_state.setdefault(index, {"pending": 0, "failure": 0})
@@ -588,7 +693,7 @@ def _throughput(s: Snapshot) -> Iterator[Metric]:
             continue
         gpu = [s.hostname, str(index), s.gpu_uuids.get(index, "")]
         if r.check == "gpu_burn" and r.metric.startswith("tflops_"):
-            add(burn, [*gpu, _label(r.metric[len("tflops_"):])], value * 1e12)
+            add(burn, [*gpu, _label(r.metric[len("tflops_") :])], value * 1e12)
         elif r.check == "hbm_bandwidth" and r.metric == "copy_gbps":
             add(hbm, gpu, value * 1e9)
         elif r.check == "pcie_bandwidth" and r.metric in PCIE_FIGURES:
@@ -600,26 +705,37 @@ def _error_counters(s: Snapshot) -> Iterator[Metric]:
     """Counters the rules forecast: remapped rows per cause (nvml_health's row-remap results),
     HCA port error counters (the rdma and hca_ports results' evidence). Gauges: they read as
     the hardware reports them and fall back to 0 when the driver reloads or the GPU resets."""
-    rows = GaugeMetricFamily("node_agent_gpu_remapped_rows", "Rows of the GPU's memory "
-                             "remapped, by cause: correctable or uncorrectable errors "
-                             "(nvidia-smi -q -d ROW_REMAPPER)",
-                             labels=["hostname", "gpu", "uuid", "cause"])
-    hca = GaugeMetricFamily("node_agent_hca_port_errors", "An InfiniBand/RoCE port's error "
-                            "counter as sysfs reads it (counters/<counter>)",
-                            labels=["hostname", "hca", "port", "counter"])
+    rows = GaugeMetricFamily(
+        "node_agent_gpu_remapped_rows",
+        "Rows of the GPU's memory "
+        "remapped, by cause: correctable or uncorrectable errors "
+        "(nvidia-smi -q -d ROW_REMAPPER)",
+        labels=["hostname", "gpu", "uuid", "cause"],
+    )
+    hca = GaugeMetricFamily(
+        "node_agent_hca_port_errors",
+        "An InfiniBand/RoCE port's error counter as sysfs reads it (counters/<counter>)",
+        labels=["hostname", "hca", "port", "counter"],
+    )
     seen: set[tuple[str, ...]] = set()
     for r in s.results:
         ev = r.evidence or {}
         index = _gpu_index(r.target)
-        if index is not None and r.metric in ("row_remap", "row_remap_pending",
-                                              "row_remap_failure"):
-            for cause, key in (("correctable", "corrected_rows"),
-                               ("uncorrectable", "uncorrected_rows")):
+        if index is not None and r.metric in (
+            "row_remap",
+            "row_remap_pending",
+            "row_remap_failure",
+        ):
+            for cause, key in (
+                ("correctable", "corrected_rows"),
+                ("uncorrectable", "uncorrected_rows"),
+            ):
                 value = _number(ev.get(key))
                 if value is not None and ("rows", str(index), cause) not in seen:
                     seen.add(("rows", str(index), cause))
-                    rows.add_metric([s.hostname, str(index), s.gpu_uuids.get(index, ""),
-                                     cause], value)
+                    rows.add_metric(
+                        [s.hostname, str(index), s.gpu_uuids.get(index, ""), cause], value
+                    )
         elif r.target.startswith("hca:"):
             device, port = _label(ev.get("device")), _label(ev.get("port"))
             if not device:
@@ -648,10 +764,13 @@ def drained_by_agent(s: Snapshot) -> tuple[int, str]:
 
 
 def _drained(s: Snapshot) -> Iterator[Metric]:
-    drained = GaugeMetricFamily("node_agent_drained_by_agent", "1 while the agent has this "
-                                "node drained (source: state = the remediation store, actions "
-                                "= drains minus resumes this daemon counted)",
-                                labels=["hostname", "source"])
+    drained = GaugeMetricFamily(
+        "node_agent_drained_by_agent",
+        "1 while the agent has this "
+        "node drained (source: state = the remediation store, actions "
+        "= drains minus resumes this daemon counted)",
+        labels=["hostname", "source"],
+    )
     value, source = drained_by_agent(s)
     drained.add_metric([s.hostname, source], value)
     yield drained

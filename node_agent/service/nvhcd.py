@@ -59,22 +59,30 @@ def message_classes() -> tuple[type, type]:
     """(HealthCheckRequest, HealthCheckResponse), built from descriptors equal to nvhcd.proto's."""
     from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-    fdp = descriptor_pb2.FileDescriptorProto(name="nvhcd.proto", package="nvhcd",
-                                             syntax="proto3")
+    fdp = descriptor_pb2.FileDescriptorProto(name="nvhcd.proto", package="nvhcd", syntax="proto3")
     f = descriptor_pb2.FieldDescriptorProto
     req = fdp.message_type.add(name="HealthCheckRequest")
     req.field.add(name="args", number=1, type=f.TYPE_STRING, label=f.LABEL_REPEATED)
     resp = fdp.message_type.add(name="HealthCheckResponse")
-    for name, number, kind in (("success", 1, f.TYPE_BOOL), ("exit_code", 2, f.TYPE_INT32),
-                               ("output", 3, f.TYPE_STRING), ("error", 4, f.TYPE_STRING)):
+    for name, number, kind in (
+        ("success", 1, f.TYPE_BOOL),
+        ("exit_code", 2, f.TYPE_INT32),
+        ("output", 3, f.TYPE_STRING),
+        ("error", 4, f.TYPE_STRING),
+    ):
         resp.field.add(name=name, number=number, type=kind, label=f.LABEL_OPTIONAL)
     svc = fdp.service.add(name="HealthCheckService")
-    svc.method.add(name=METHOD, input_type=".nvhcd.HealthCheckRequest",
-                   output_type=".nvhcd.HealthCheckResponse")
+    svc.method.add(
+        name=METHOD,
+        input_type=".nvhcd.HealthCheckRequest",
+        output_type=".nvhcd.HealthCheckResponse",
+    )
     pool = descriptor_pool.DescriptorPool()
     pool.Add(fdp)
-    return (message_factory.GetMessageClass(pool.FindMessageTypeByName("nvhcd.HealthCheckRequest")),
-            message_factory.GetMessageClass(pool.FindMessageTypeByName("nvhcd.HealthCheckResponse")))
+    return (
+        message_factory.GetMessageClass(pool.FindMessageTypeByName("nvhcd.HealthCheckRequest")),
+        message_factory.GetMessageClass(pool.FindMessageTypeByName("nvhcd.HealthCheckResponse")),
+    )
 
 
 class HealthAnswerer:
@@ -84,10 +92,14 @@ class HealthAnswerer:
     the quick suite and returns its grade. Both are the daemon's; neither acts.
     """
 
-    def __init__(self, latest: Callable[[], GradeView | None],
-                 refresh: Callable[[], GradeView | None], max_age_s: float = DEFAULT_MAX_AGE_S,
-                 min_refresh_s: float = DEFAULT_MIN_REFRESH_S,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        latest: Callable[[], GradeView | None],
+        refresh: Callable[[], GradeView | None],
+        max_age_s: float = DEFAULT_MAX_AGE_S,
+        min_refresh_s: float = DEFAULT_MIN_REFRESH_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self._latest, self._refresh = latest, refresh
         self.max_age_s, self.min_refresh_s = max_age_s, min_refresh_s
         self._clock = clock
@@ -103,7 +115,9 @@ class HealthAnswerer:
             view = _newest(self._latest(), self._refreshed)
             now = self._clock()
             stale = view is None or now - view.graded_at > self.max_age_s
-            may_refresh = self._last_refresh is None or now - self._last_refresh >= self.min_refresh_s
+            may_refresh = (
+                self._last_refresh is None or now - self._last_refresh >= self.min_refresh_s
+            )
             refreshed = False
             if stale and may_refresh:
                 self._last_refresh = now
@@ -113,24 +127,42 @@ class HealthAnswerer:
                     refreshed = True
                 except Exception as err:  # noqa: BLE001 - the answer says it; the daemon goes on
                     if view is None:
-                        return {"success": False, "exit_code": 1, "output": "",
-                                "error": f"node-agent could not grade this node: "
-                                         f"{type(err).__name__}: {str(err)[:200]}"}
+                        return {
+                            "success": False,
+                            "exit_code": 1,
+                            "output": "",
+                            "error": f"node-agent could not grade this node: "
+                            f"{type(err).__name__}: {str(err)[:200]}",
+                        }
         if view is None:
-            return {"success": False, "exit_code": 1, "output": "",
-                    "error": "node-agent has not graded this node yet; ask again shortly"}
+            return {
+                "success": False,
+                "exit_code": 1,
+                "output": "",
+                "error": "node-agent has not graded this node yet; ask again shortly",
+            }
         failed = [r for r in view.reasons if r.get("level") in ("ERROR", "FAULT")]
-        output = {"fail_count": len(failed),
-                  "failed_checks": sorted({r.get("rule", "") for r in failed}),
-                  "level": view.level, "reasons": view.reasons[:20],
-                  "graded_at": view.graded_at, "age_s": round(max(0.0, now - view.graded_at), 1),
-                  "suite": view.suite, "refreshed": refreshed,
-                  "source": "node-agent", "args_received": [a[:64] for a in args[:16]]}
+        output = {
+            "fail_count": len(failed),
+            "failed_checks": sorted({r.get("rule", "") for r in failed}),
+            "level": view.level,
+            "reasons": view.reasons[:20],
+            "graded_at": view.graded_at,
+            "age_s": round(max(0.0, now - view.graded_at), 1),
+            "suite": view.suite,
+            "refreshed": refreshed,
+            "source": "node-agent",
+            "args_received": [a[:64] for a in args[:16]],
+        }
         success = view.level in ("HEALTHY", "WARN")
         if not success and not failed:  # a level without its reasons still fails the check
             output["fail_count"] = 1
-        return {"success": success, "exit_code": _EXIT.get(view.level, 1),
-                "output": json.dumps(output, sort_keys=True), "error": ""}
+        return {
+            "success": success,
+            "exit_code": _EXIT.get(view.level, 1),
+            "output": json.dumps(output, sort_keys=True),
+            "error": "",
+        }
 
 
 def _newest(a: GradeView | None, b: GradeView | None) -> GradeView | None:
@@ -142,8 +174,12 @@ def _newest(a: GradeView | None, b: GradeView | None) -> GradeView | None:
 class NvhcdServer:
     """The gRPC server on a Unix socket. ``start()`` binds and serves; ``stop()`` ends it."""
 
-    def __init__(self, answerer: HealthAnswerer, socket_path: str | os.PathLike[str],
-                 group: str | None = None) -> None:
+    def __init__(
+        self,
+        answerer: HealthAnswerer,
+        socket_path: str | os.PathLike[str],
+        group: str | None = None,
+    ) -> None:
         self.answerer = answerer
         self.path = Path(socket_path)
         self.group = group
@@ -157,15 +193,23 @@ class NvhcdServer:
         def run_health_check(request: Any, context: Any) -> Any:
             return response_cls(**self.answerer.answer(list(request.args)))
 
-        handler = grpc.method_handlers_generic_handler(SERVICE, {
-            METHOD: grpc.unary_unary_rpc_method_handler(
-                run_health_check, request_deserializer=request_cls.FromString,
-                response_serializer=response_cls.SerializeToString)})
+        handler = grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                METHOD: grpc.unary_unary_rpc_method_handler(
+                    run_health_check,
+                    request_deserializer=request_cls.FromString,
+                    response_serializer=response_cls.SerializeToString,
+                )
+            },
+        )
         _clear_stale_socket(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2,
-                                                        thread_name_prefix="nvhcd"),
-                             handlers=[handler], maximum_concurrent_rpcs=MAX_CONCURRENT)
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="nvhcd"),
+            handlers=[handler],
+            maximum_concurrent_rpcs=MAX_CONCURRENT,
+        )
         if server.add_insecure_port(f"unix://{self.path}") == 0:
             raise OSError(f"cannot listen on {self.path}")
         server.start()
@@ -194,6 +238,8 @@ def _clear_stale_socket(path: Path) -> None:
     except FileNotFoundError:
         return
     if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
-        raise OSError(f"{path} exists and is not a socket this daemon left behind (owner uid "
-                      f"{st.st_uid}): remove it or set daemon.nvhcd.socket elsewhere")
+        raise OSError(
+            f"{path} exists and is not a socket this daemon left behind (owner uid "
+            f"{st.st_uid}): remove it or set daemon.nvhcd.socket elsewhere"
+        )
     os.unlink(path)

@@ -30,7 +30,8 @@ class Notifier:
         mine = not pid or pid == str(os.getpid())
         #: seconds between watchdog pings systemd expects (half its timeout), or None
         self.watchdog_interval_s: float | None = (
-            int(usec) / 2e6 if usec.isdigit() and int(usec) > 0 and mine else None)
+            int(usec) / 2e6 if usec.isdigit() and int(usec) > 0 and mine else None
+        )
 
     @property
     def enabled(self) -> bool:

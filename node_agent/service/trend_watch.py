@@ -46,9 +46,13 @@ class TrendWatch:
     (the daemon's checks thread, outside the daemon's lock: SQLite may wait on the disk); any
     thread may call :meth:`results`, which reads the list the last update published."""
 
-    def __init__(self, specs: TrendSpecs, history: History,
-                 clock: Callable[[], float] = time.time,
-                 evaluate_every_s: float = EVALUATE_EVERY_S) -> None:
+    def __init__(
+        self,
+        specs: TrendSpecs,
+        history: History,
+        clock: Callable[[], float] = time.time,
+        evaluate_every_s: float = EVALUATE_EVERY_S,
+    ) -> None:
         self.specs = specs
         self.history = history
         self._clock = clock
@@ -59,8 +63,9 @@ class TrendWatch:
         self._publish()
 
     @classmethod
-    def open(cls, trends_path: Path, state_dir: Path,
-             clock: Callable[[], float] = time.time) -> TrendWatch:
+    def open(
+        cls, trends_path: Path, state_dir: Path, clock: Callable[[], float] = time.time
+    ) -> TrendWatch:
         """Specs from ``trends_path`` (ConfigError when it is wrong), history under
         ``state_dir`` (never raises: an unusable history is a WARN)."""
         return cls(load_trend_specs(trends_path), open_history(state_dir, clock), clock)
@@ -75,10 +80,12 @@ class TrendWatch:
         finally:
             self._publish()
 
-    def _update(self, samples: list[tuple[SeriesSpec, str, float]],
-                sku_limits: dict[str, Any] | None) -> None:
-        self.history.record(Sample(s.check, target, _metric_key(s), s.kind, value)
-                            for s, target, value in samples)
+    def _update(
+        self, samples: list[tuple[SeriesSpec, str, float]], sku_limits: dict[str, Any] | None
+    ) -> None:
+        self.history.record(
+            Sample(s.check, target, _metric_key(s), s.kind, value) for s, target, value in samples
+        )
         now = self._clock()
         for spec, target, _ in samples:
             key = (spec.name, target)
@@ -102,15 +109,31 @@ class TrendWatch:
         out = list(self._warns.values())
         problem = self.history.problem or self.history.notice
         if problem:
-            out.append(Result(check="trends", target="node", metric="history", status=Status.WARN,
-                              detail=f"counter history: {problem}; trends "
-                              + ("are not graded" if self.history.problem else "start over"),
-                              evidence={"path": str(self.history.path)}))
+            out.append(
+                Result(
+                    check="trends",
+                    target="node",
+                    metric="history",
+                    status=Status.WARN,
+                    detail=f"counter history: {problem}; trends "
+                    + ("are not graded" if self.history.problem else "start over"),
+                    evidence={"path": str(self.history.path)},
+                )
+            )
         watched = len(self._evaluated)
-        out.append(Result(check="trends", target="node", metric="trends", status=Status.PASS,
-                          detail=f"{watched} series watched, {len(self._warns)} trending "
-                          f"towards their thresholds", value=len(self._warns), unit="series",
-                          evidence={"series": watched}))
+        out.append(
+            Result(
+                check="trends",
+                target="node",
+                metric="trends",
+                status=Status.PASS,
+                detail=f"{watched} series watched, {len(self._warns)} trending "
+                f"towards their thresholds",
+                value=len(self._warns),
+                unit="series",
+                evidence={"series": watched},
+            )
+        )
         self._published = tuple(out)  # one assignment: readers see the old list or the new
 
     def close(self) -> None:
@@ -120,5 +143,8 @@ class TrendWatch:
 def _metric_key(spec: SeriesSpec) -> str:
     """The metric a series is kept under: the result's metric, with the series' name when the
     value is not the result's value (two series may read one result)."""
-    return spec.metric if spec.evidence_key is None and spec.margin_from is None \
+    return (
+        spec.metric
+        if spec.evidence_key is None and spec.margin_from is None
         else f"{spec.metric}:{spec.name}"
+    )

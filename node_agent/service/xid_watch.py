@@ -69,15 +69,15 @@ class XidSighting:
     """One finding as the watch has folded it so far (the daemon keeps the latest per key)."""
 
     code: int
-    gpu_index: int | None   # None when the source names no GPU we know
-    pci_bus: str | None     # normalised "0000:3b:00" from the kernel log (the NVSwitch's for SXid)
-    source: str             # "nvml-event" and/or the kernel-log source
-    line: str               # the line most likely to decide (a Fatal one when there is one)
-    kind: str = "xid"       # "xid" | "sxid"
+    gpu_index: int | None  # None when the source names no GPU we know
+    pci_bus: str | None  # normalised "0000:3b:00" from the kernel log (the NVSwitch's for SXid)
+    source: str  # "nvml-event" and/or the kernel-log source
+    line: str  # the line most likely to decide (a Fatal one when there is one)
+    kind: str = "xid"  # "xid" | "sxid"
     target: str | None = None  # "nvswitch:N" for an SXid; GPUs are named by the daemon
-    count: int = 1          # occurrences folded so far
+    count: int = 1  # occurrences folded so far
     evidence: dict[str, Any] = field(default_factory=dict, compare=False)  # the fold's evidence
-    why: str = "first"      # first | new variant | new burst | update | nvml event without a line
+    why: str = "first"  # first | new variant | new burst | update | nvml event without a line
 
     def result(self, target: str) -> Result:
         """The finding as the ``xid`` check reports it (metric ``xid`` or ``sxid``), for the
@@ -88,17 +88,30 @@ class XidSighting:
         evidence = dict(self.evidence) if self.evidence else {"count": self.count}
         evidence.setdefault("source", self.source)
         evidence.setdefault("line", self.line)
-        return Result(check="xid", target=target, metric=self.kind, status=Status.FAIL,
-                      value=self.code, evidence=evidence,
-                      detail=f"{noun} {self.code} on {target} seen by the daemon's watch "
-                             f"({self.source}), {how}: {self.line}")
+        return Result(
+            check="xid",
+            target=target,
+            metric=self.kind,
+            status=Status.FAIL,
+            value=self.code,
+            evidence=evidence,
+            detail=f"{noun} {self.code} on {target} seen by the daemon's watch "
+            f"({self.source}), {how}: {self.line}",
+        )
 
 
 class XidWatch:
-    def __init__(self, gpu: Callable[[], GpuBackend], kernel_log: Callable[[], KernelLog],
-                 on_xid: Callable[[XidSighting], None], poll_s: float = 0.5,
-                 update_s: float = 60.0, nvml_grace_s: float = 2.0, report_sxid: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        gpu: Callable[[], GpuBackend],
+        kernel_log: Callable[[], KernelLog],
+        on_xid: Callable[[XidSighting], None],
+        poll_s: float = 0.5,
+        update_s: float = 60.0,
+        nvml_grace_s: float = 2.0,
+        report_sxid: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._gpu = gpu
         self._kernel_log = kernel_log
         self._on_xid = on_xid
@@ -141,8 +154,9 @@ class XidWatch:
             try:
                 events = backend.wait_xid_events(self._poll_s)
             except NotSupported as err:
-                log.info("NVML does not report XID events here (%s); the kernel log is watched",
-                         err)
+                log.info(
+                    "NVML does not report XID events here (%s); the kernel log is watched", err
+                )
                 unsupported_by = backend
                 continue
             except GpuError as err:
@@ -190,8 +204,9 @@ class XidWatch:
             follower.close()
 
     # -- folding (public for tests: the sources above only feed these) --------------------------
-    def kernel_records(self, records: list[LogRecord], scanner: KernelLogScanner,
-                       source: str) -> None:
+    def kernel_records(
+        self, records: list[LogRecord], scanner: KernelLogScanner, source: str
+    ) -> None:
         """Fold kernel-log records; report what changed."""
         reports: list[XidSighting] = []
         now = Stamp("wall", time.time())
@@ -199,27 +214,41 @@ class XidWatch:
             for record in records:
                 for event in scanner.feed(record):
                     if isinstance(event, Unreadable):
-                        log.warning("kernel log names an Xid/SXid that cannot be read (%s): %s",
-                                    event.reason, event.raw[:200])
+                        log.warning(
+                            "kernel log names an Xid/SXid that cannot be read (%s): %s",
+                            event.reason,
+                            event.raw[:200],
+                        )
                         continue
                     if isinstance(event, DriverLine):
                         continue  # graded by the periodic xid check (driver_lines.yaml)
                     if isinstance(event, SxidLine) and not self._report_sxid:
                         continue  # left to the periodic xid check (see report_sxid)
-                    key_target = event.target if isinstance(event, SxidLine) \
+                    key_target = (
+                        event.target
+                        if isinstance(event, SxidLine)
                         else self._gpu_target(event.pci_bus)
-                    if key_target.startswith(("pci:", "nvswitch:")) \
-                            and not self._nvidia_bus(event.pci_bus, source):
-                        log.warning("kernel log names bus %s, which the PCI bus (sysfs) shows "
-                                    "is no NVIDIA device: not graded as a GPU: %s",
-                                    normalise_bus(event.pci_bus), event.raw[:200])
+                    )
+                    if key_target.startswith(("pci:", "nvswitch:")) and not self._nvidia_bus(
+                        event.pci_bus, source
+                    ):
+                        log.warning(
+                            "kernel log names bus %s, which the PCI bus (sysfs) shows "
+                            "is no NVIDIA device: not graded as a GPU: %s",
+                            normalise_bus(event.pci_bus),
+                            event.raw[:200],
+                        )
                         continue
                     fold, changed = self._folder.add(event, key_target, source, now)
                     key = (fold.kind, fold.target, fold.code)
                     self._nvml_pending.pop(key, None)
-                    why = ("first" if fold.count == 1 and fold.nvml_events == 0 else
-                           "kernel line of an NVML event" if fold.count == 1 else
-                           "new variant or burst")
+                    why = (
+                        "first"
+                        if fold.count == 1 and fold.nvml_events == 0
+                        else "kernel line of an NVML event"
+                        if fold.count == 1
+                        else "new variant or burst"
+                    )
                     reports.extend(self._consider(key, fold, changed, why))
         self._report(reports)
 
@@ -237,8 +266,9 @@ class XidWatch:
                 reports.extend(self._consider(key, fold, changed, "nvml event"))
         self._report(reports)
 
-    def _consider(self, key: tuple[str, str, int], fold: Fold, changed: bool,
-                  why: str) -> list[XidSighting]:
+    def _consider(
+        self, key: tuple[str, str, int], fold: Fold, changed: bool, why: str
+    ) -> list[XidSighting]:
         now = self._clock()
         if changed or now - self._reported.get(key, float("-inf")) >= self._update_s:
             self._reported[key] = now
@@ -288,8 +318,9 @@ class XidWatch:
             mapping = {}
             if not backend.unavailable_reason:
                 try:
-                    mapping = {normalise_bus(d.identity().pci_bus_id): d.index
-                               for d in backend.devices()}
+                    mapping = {
+                        normalise_bus(d.identity().pci_bus_id): d.index for d in backend.devices()
+                    }
                 except (GpuError, ValueError) as err:
                     log.info("cannot map PCI buses to GPU indices (%s); XIDs named by bus", err)
             self._bus_map = (backend, mapping)
@@ -299,16 +330,24 @@ class XidWatch:
     @staticmethod
     def _sighting(fold: Fold, why: str) -> XidSighting:
         match = _GPU_TARGET.match(fold.target)
-        decisive = next((v["line"] for v in fold.variants.values()
-                         if v["fields"].get("severity") == "Fatal"), None)
+        decisive = next(
+            (v["line"] for v in fold.variants.values() if v["fields"].get("severity") == "Fatal"),
+            None,
+        )
         return XidSighting(
-            code=fold.code, gpu_index=int(match.group(1)) if match else None,
-            pci_bus=normalise_bus(fold.pci_bus) if fold.pci_bus and fold.kind == "xid"
+            code=fold.code,
+            gpu_index=int(match.group(1)) if match else None,
+            pci_bus=normalise_bus(fold.pci_bus)
+            if fold.pci_bus and fold.kind == "xid"
             else fold.pci_bus,
             source=", ".join(sorted(fold.sources)),
-            line=decisive or fold.last_line or fold.first_line, kind=fold.kind,
-            target=fold.target if fold.kind == "sxid" else None, count=fold.events,
-            evidence=fold.evidence(), why=why)
+            line=decisive or fold.last_line or fold.first_line,
+            kind=fold.kind,
+            target=fold.target if fold.kind == "sxid" else None,
+            count=fold.events,
+            evidence=fold.evidence(),
+            why=why,
+        )
 
     def _report(self, sightings: list[XidSighting]) -> None:
         for sighting in sightings:

@@ -54,8 +54,9 @@ class CaptureError(Exception):
     """The capture cannot be written as asked; the message says what to do."""
 
 
-def read_kmsg_tail(path: str = _KMSG,
-                   limit: int = KERNEL_LOG_RECORDS) -> tuple[list[str], str | None]:
+def read_kmsg_tail(
+    path: str = _KMSG, limit: int = KERNEL_LOG_RECORDS
+) -> tuple[list[str], str | None]:
     """The last ``limit`` records of the kernel's ring buffer, each as ``/dev/kmsg`` gives it
     (``prio,seq,usec,flags;message``, its continuation ``KEY=value`` lines left out, kmsg's
     ``\\xNN`` escapes kept), and None; or no records and why not."""
@@ -107,8 +108,10 @@ def read_file_tail(path: str, limit: int = KERNEL_LOG_RECORDS) -> tuple[list[str
         if not stat.S_ISREG(st.st_mode):
             return [], f"{path} is not a regular file"
         if os.geteuid() == 0 and (st.st_uid != 0 or st.st_mode & 0o022):
-            return [], (f"{path} is owned by uid {st.st_uid} or writable by others: a kernel "
-                        "log must be root's alone")
+            return [], (
+                f"{path} is owned by uid {st.st_uid} or writable by others: a kernel "
+                "log must be root's alone"
+            )
         with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
             fd = -1
             lines = collections.deque((line.rstrip("\r\n") for line in f), maxlen=limit)
@@ -130,29 +133,47 @@ def _replayed(nvml: dict[str, Any], skus: dict[str, Sku]) -> tuple[Any, Any, str
     recording, as the replay will."""
     backend = open_replay(nvml, source="the capture being written")
     try:
-        return (collect(backend, skus, "auto", hostname="capture"), backend.driver(),
-                backend.unavailable_reason)
+        return (
+            collect(backend, skus, "auto", hostname="capture"),
+            backend.driver(),
+            backend.unavailable_reason,
+        )
     finally:
         backend.close()
 
 
-def build_scenario(nvml: dict[str, Any], pci: Sequence[dict[str, Any]],
-                   kernel_log: Sequence[str], skus: dict[str, Sku],
-                   provenance: dict[str, Any], hostname: str,
-                   sku: str | None = None) -> dict[str, Any]:
+def build_scenario(
+    nvml: dict[str, Any],
+    pci: Sequence[dict[str, Any]],
+    kernel_log: Sequence[str],
+    skus: dict[str, Sku],
+    provenance: dict[str, Any],
+    hostname: str,
+    sku: str | None = None,
+) -> dict[str, Any]:
     """The capture as a scenario mapping (key order as written)."""
     inventory, driver, unavailable = _replayed(nvml, skus)
     if sku is not None and sku not in skus:
-        raise CaptureError(f"--sku {sku!r} is not a SKU file under graders/skus/; expected one "
-                           f"of: {', '.join(sorted(skus))}")
+        raise CaptureError(
+            f"--sku {sku!r} is not a SKU file under graders/skus/; expected one "
+            f"of: {', '.join(sorted(skus))}"
+        )
     chosen = sku or (inventory.sku.id if inventory.sku else None)
     if chosen is None:
-        why = (f"NVML is not usable: {unavailable}" if unavailable
-               else inventory.sku_problem or "NVML listed no GPU")
-        raise CaptureError(f"no SKU file matches this node ({why}): name one with --sku NAME "
-                           f"(one of: {', '.join(sorted(skus))}), or add a SKU file")
-    scenario: dict[str, Any] = {"capture": provenance, "sku": chosen,
-                                "hostname": _host_key(hostname)}
+        why = (
+            f"NVML is not usable: {unavailable}"
+            if unavailable
+            else inventory.sku_problem or "NVML listed no GPU"
+        )
+        raise CaptureError(
+            f"no SKU file matches this node ({why}): name one with --sku NAME "
+            f"(one of: {', '.join(sorted(skus))}), or add a SKU file"
+        )
+    scenario: dict[str, Any] = {
+        "capture": provenance,
+        "sku": chosen,
+        "hostname": _host_key(hostname),
+    }
     init = (nvml.get("system") or {}).get("nvmlInit")
     if error_code(init) is not None:
         scenario["driver"] = _DRIVER_DOWN.get(error_code(init) or 0, "not_loaded")
@@ -181,8 +202,12 @@ class _Dumper(yaml.SafeDumper):
     pass
 
 
-_Dumper.add_representer(_Flow, lambda dumper, data: dumper.represent_mapping(
-    "tag:yaml.org,2002:map", data.items(), flow_style=True))
+_Dumper.add_representer(
+    _Flow,
+    lambda dumper, data: dumper.represent_mapping(
+        "tag:yaml.org,2002:map", data.items(), flow_style=True
+    ),
+)
 
 
 def _flowed(value: Any) -> Any:
@@ -198,16 +223,28 @@ def _flowed(value: Any) -> Any:
 def dump(scenario: dict[str, Any], header: Sequence[str]) -> str:
     """The scenario file's text: ``header`` as comments, then the YAML."""
     lines = [f"# {_clean(line)}".rstrip() for line in header]
-    body = yaml.dump(_flowed(scenario), Dumper=_Dumper, sort_keys=False,
-                     default_flow_style=False, width=100, allow_unicode=False)
+    body = yaml.dump(
+        _flowed(scenario),
+        Dumper=_Dumper,
+        sort_keys=False,
+        default_flow_style=False,
+        width=100,
+        allow_unicode=False,
+    )
     return "\n".join(lines) + ("\n" if lines else "") + body
 
 
-def capture_node(skus: dict[str, Sku], argv: Sequence[str], sku: str | None = None,
-                 call_timeout_s: float = 10.0, kernel_log_records: int = KERNEL_LOG_RECORDS,
-                 pci_root: Path = SYSFS_PCI_DEVICES, kmsg_path: str = _KMSG,
-                 nvml_lib: Any = None,
-                 kernel_log_file: str | None = None) -> tuple[dict[str, Any], list[str]]:
+def capture_node(
+    skus: dict[str, Sku],
+    argv: Sequence[str],
+    sku: str | None = None,
+    call_timeout_s: float = 10.0,
+    kernel_log_records: int = KERNEL_LOG_RECORDS,
+    pci_root: Path = SYSFS_PCI_DEVICES,
+    kmsg_path: str = _KMSG,
+    nvml_lib: Any = None,
+    kernel_log_file: str | None = None,
+) -> tuple[dict[str, Any], list[str]]:
     """Read this node and return (the scenario mapping, its header lines). The kernel log is
     ``/dev/kmsg``'s records, or the lines of ``kernel_log_file`` (``kernel_log.path``: a
     node whose kernel log the agent reads from a file)."""
@@ -221,25 +258,36 @@ def capture_node(skus: dict[str, Sku], argv: Sequence[str], sku: str | None = No
     except PciUnreadable as err:
         pci, pci_note = [], str(err)
     log_source = kernel_log_file or kmsg_path
-    records, log_note = (read_file_tail(kernel_log_file, kernel_log_records) if kernel_log_file
-                         else read_kmsg_tail(kmsg_path, kernel_log_records))
+    records, log_note = (
+        read_file_tail(kernel_log_file, kernel_log_records)
+        if kernel_log_file
+        else read_kmsg_tail(kmsg_path, kernel_log_records)
+    )
     host = socket.gethostname()
     provenance: dict[str, Any] = {
-        "format": FORMAT, "kind": "captured", "host": host, "date": now,
-        "agent_version": __version__, "command": " ".join(["node-agent", *argv]),
+        "format": FORMAT,
+        "kind": "captured",
+        "host": host,
+        "date": now,
+        "agent_version": __version__,
+        "command": " ".join(["node-agent", *argv]),
         "kernel": platform.release(),
-        "kernel_log": {"source": log_source, "records": len(records),
-                       **({"unavailable": log_note} if log_note else {})},
+        "kernel_log": {
+            "source": log_source,
+            "records": len(records),
+            **({"unavailable": log_note} if log_note else {}),
+        },
         "pci": {"source": str(pci_root), **({"unavailable": pci_note} if pci_note else {})},
     }
-    scenario = build_scenario(nvml, pci, records, skus, provenance,
-                              host.split(".")[0], sku)
-    header = [f"node-agent capture of {host} at {now} (node-agent {__version__})",
-              f"command: {provenance['command']}",
-              "Replay: node-agent check --simulate THIS.yaml; or the stand-in NVML library "
-              "(docs/capture.md).",
-              "It holds this node's NVML readings, PCI functions and kernel-log tail: review "
-              "before attaching it to a bug report."]
+    scenario = build_scenario(nvml, pci, records, skus, provenance, host.split(".")[0], sku)
+    header = [
+        f"node-agent capture of {host} at {now} (node-agent {__version__})",
+        f"command: {provenance['command']}",
+        "Replay: node-agent check --simulate THIS.yaml; or the stand-in NVML library "
+        "(docs/capture.md).",
+        "It holds this node's NVML readings, PCI functions and kernel-log tail: review "
+        "before attaching it to a bug report.",
+    ]
     return scenario, header
 
 

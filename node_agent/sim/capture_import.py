@@ -46,44 +46,105 @@ GPU_DRIVER = "nvidia"
 _CODES = {name.lower(): code for code, name in ERROR_NAMES.items()}
 # readings name -> state key, for calls answering one value
 _SIMPLE = {
-    "Name": "name", "UUID": "uuid", "Serial": "serial", "VbiosVersion": "vbios",
-    "Temperature": "temperature.gpu", "PowerUsage": "power.usage",
-    "EnforcedPowerLimit": "power.enforced_limit", "PowerManagementLimit": "power.limit",
+    "Name": "name",
+    "UUID": "uuid",
+    "Serial": "serial",
+    "VbiosVersion": "vbios",
+    "Temperature": "temperature.gpu",
+    "PowerUsage": "power.usage",
+    "EnforcedPowerLimit": "power.enforced_limit",
+    "PowerManagementLimit": "power.limit",
     "PowerManagementDefaultLimit": "power.default_limit",
-    "PersistenceMode": "persistence_mode", "RetiredPagesPendingStatus": "retired_pages.pending",
-    "CurrPcieLinkGeneration": "pcie.gen", "MaxPcieLinkGeneration": "pcie.gen_max",
-    "CurrPcieLinkWidth": "pcie.width", "MaxPcieLinkWidth": "pcie.width_max",
-    "PcieReplayCounter": "pcie.replay_counter", "VirtualizationMode": "virtualization_mode",
-    "Architecture": "architecture", "MinorNumber": "minor_number",
+    "PersistenceMode": "persistence_mode",
+    "RetiredPagesPendingStatus": "retired_pages.pending",
+    "CurrPcieLinkGeneration": "pcie.gen",
+    "MaxPcieLinkGeneration": "pcie.gen_max",
+    "CurrPcieLinkWidth": "pcie.width",
+    "MaxPcieLinkWidth": "pcie.width_max",
+    "PcieReplayCounter": "pcie.replay_counter",
+    "VirtualizationMode": "virtualization_mode",
+    "Architecture": "architecture",
+    "MinorNumber": "minor_number",
     "SupportedEventTypes": "event_types",
 }
-_HEX_KEYS = {"CurrentClocksEventReasons": "clocks_event_reasons",
-             "SupportedClocksEventReasons": "clocks_event_reasons_supported"}
+_HEX_KEYS = {
+    "CurrentClocksEventReasons": "clocks_event_reasons",
+    "SupportedClocksEventReasons": "clocks_event_reasons_supported",
+}
 # readings that answer the same call another reading already gives (older NVML names)
-_ALIASES = {"CurrentClocksThrottleReasons": "CurrentClocksEventReasons",
-            "SupportedClocksThrottleReasons": "SupportedClocksEventReasons"}
-_NUMBERS = {"EccMode": "ecc.mode", "RemappedRows": "remapped_rows",
-            "CudaComputeCapability": "cuda_compute_capability"}
+_ALIASES = {
+    "CurrentClocksThrottleReasons": "CurrentClocksEventReasons",
+    "SupportedClocksThrottleReasons": "SupportedClocksEventReasons",
+}
+_NUMBERS = {
+    "EccMode": "ecc.mode",
+    "RemappedRows": "remapped_rows",
+    "CudaComputeCapability": "cuda_compute_capability",
+}
 _CLOCKS = {"gr": "graphics", "sm": "sm", "mem": "mem", "video": "video"}
 _THRESHOLDS = ("shutdown", "slowdown", "mem_max", "gpu_max")
-_ECC_LOCATIONS = {"l1": "l1", "l2": "l2", "dram": "dram", "reg": "register_file",
-                  "tex": "texture", "shm": "texture_shm", "cbu": "cbu", "sram": "sram"}
-_NVLINK = {"state": "state", "version": "version", "cap_p2p": "cap.0",
-           "err_replay": "error.replay", "err_recovery": "error.recovery",
-           "err_crc_flit": "error.crc_flit"}
+_ECC_LOCATIONS = {
+    "l1": "l1",
+    "l2": "l2",
+    "dram": "dram",
+    "reg": "register_file",
+    "tex": "texture",
+    "shm": "texture_shm",
+    "cbu": "cbu",
+    "sram": "sram",
+}
+_NVLINK = {
+    "state": "state",
+    "version": "version",
+    "cap_p2p": "cap.0",
+    "err_replay": "error.replay",
+    "err_recovery": "error.recovery",
+    "err_crc_flit": "error.crc_flit",
+}
 _FIELD_TYPES = ("double", "uint", "ulong", "ulonglong", "slonglong", "sint", "ushort")
 #: the NVML backend's calls, as state keys, so ``capture.not_read`` can name what is missing
 BACKEND_KEYS = (
-    "name", "uuid", "pci.bus_id", "serial", "vbios", "memory.total", "temperature.gpu",
-    "temperature.threshold.shutdown", "temperature.threshold.slowdown",
-    "temperature.threshold.gpu_max", "temperature.threshold.mem_max", "power.usage",
-    "power.enforced_limit", "power.default_limit", "clock.sm", "clock_max.sm", "clock.mem",
-    "clocks_event_reasons", "pcie.gen", "pcie.gen_max", "pcie.width", "pcie.width_max",
-    "pcie.replay_counter", "ecc.mode", "ecc.corrected.volatile", "ecc.uncorrected.volatile",
-    "ecc.corrected.aggregate", "ecc.uncorrected.aggregate", "ecc.uncorrected.aggregate.sram",
-    "ecc.uncorrected.aggregate.dram", "ecc_sram.aggregate", "retired_pages.sbe",
-    "retired_pages.dbe", "retired_pages.pending", "remapped_rows", "persistence_mode",
-    "field.82", "field.230", "nvlink.0.state", "utilization", "virtualization_mode",
+    "name",
+    "uuid",
+    "pci.bus_id",
+    "serial",
+    "vbios",
+    "memory.total",
+    "temperature.gpu",
+    "temperature.threshold.shutdown",
+    "temperature.threshold.slowdown",
+    "temperature.threshold.gpu_max",
+    "temperature.threshold.mem_max",
+    "power.usage",
+    "power.enforced_limit",
+    "power.default_limit",
+    "clock.sm",
+    "clock_max.sm",
+    "clock.mem",
+    "clocks_event_reasons",
+    "pcie.gen",
+    "pcie.gen_max",
+    "pcie.width",
+    "pcie.width_max",
+    "pcie.replay_counter",
+    "ecc.mode",
+    "ecc.corrected.volatile",
+    "ecc.uncorrected.volatile",
+    "ecc.corrected.aggregate",
+    "ecc.uncorrected.aggregate",
+    "ecc.uncorrected.aggregate.sram",
+    "ecc.uncorrected.aggregate.dram",
+    "ecc_sram.aggregate",
+    "retired_pages.sbe",
+    "retired_pages.dbe",
+    "retired_pages.pending",
+    "remapped_rows",
+    "persistence_mode",
+    "field.82",
+    "field.230",
+    "nvlink.0.state",
+    "utilization",
+    "virtualization_mode",
     "event_types",
 )
 
@@ -111,8 +172,11 @@ def _put(keys: dict[str, Any], key: str, reading: Any, convert=lambda v: v) -> N
 def _field_ids() -> dict[str, int]:
     import pynvml
 
-    return {name: int(getattr(pynvml, name)) for name in dir(pynvml)
-            if name.startswith("NVML_FI_DEV_") and isinstance(getattr(pynvml, name), int)}
+    return {
+        name: int(getattr(pynvml, name))
+        for name in dir(pynvml)
+        if name.startswith("NVML_FI_DEV_") and isinstance(getattr(pynvml, name), int)
+    }
 
 
 def convert_gpu(gpu: dict[str, Any], unmapped: set[str]) -> dict[str, Any]:
@@ -128,8 +192,7 @@ def convert_gpu(gpu: dict[str, Any], unmapped: set[str]) -> dict[str, Any]:
         elif name in _ALIASES:
             _put(keys, _HEX_KEYS[_ALIASES[name]], reading, lambda v: f"{int(v):#x}")
         elif name in _NUMBERS:
-            _put(keys, _NUMBERS[name], reading,
-                 lambda v: " ".join(str(int(x)) for x in v))
+            _put(keys, _NUMBERS[name], reading, lambda v: " ".join(str(int(x)) for x in v))
         elif name == "PciInfo":
             _pci(keys, reading)
         elif name == "MemoryInfo" and isinstance(reading, dict) and "total" in reading:
@@ -161,8 +224,11 @@ def convert_gpu(gpu: dict[str, Any], unmapped: set[str]) -> dict[str, Any]:
                 if cause in reading:
                     _put(keys, f"retired_pages.{cause}", reading[cause], len)
         elif name == "ComputeRunningProcesses" and isinstance(reading, list):
-            procs = [f"{int(p['pid'])} {p.get('usedGpuMemory', 'na')}" for p in reading
-                     if isinstance(p, dict) and "pid" in p]
+            procs = [
+                f"{int(p['pid'])} {p.get('usedGpuMemory', 'na')}"
+                for p in reading
+                if isinstance(p, dict) and "pid" in p
+            ]
             if procs:
                 keys["process"] = procs
         elif name == "nvlink" and isinstance(reading, dict):
@@ -180,8 +246,7 @@ def _pci(keys: dict[str, Any], reading: Any) -> None:
         keys["pci.bus_id"] = value
     elif isinstance(reading, dict) and "busId" in reading:
         keys["pci.bus_id"] = str(reading["busId"])
-        for attr, key in (("pciDeviceId", "pci.device_id"), ("pciSubSystemId",
-                                                            "pci.subsystem_id")):
+        for attr, key in (("pciDeviceId", "pci.device_id"), ("pciSubSystemId", "pci.subsystem_id")):
             if isinstance(reading.get(attr), int):
                 keys[key] = reading[attr]
 
@@ -207,8 +272,11 @@ def _fields(keys: dict[str, Any], fields: dict[str, Any], unmapped: set[str]) ->
             continue
         ret, kind = reading.get("ret"), reading.get("type")
         if ret != 0:
-            converted[field_id] = recorded_error(int(ret)) if isinstance(ret, int) else {
-                "error": str(ret), "code": 999}
+            converted[field_id] = (
+                recorded_error(int(ret))
+                if isinstance(ret, int)
+                else {"error": str(ret), "code": 999}
+            )
         elif isinstance(kind, int) and 0 <= kind < len(_FIELD_TYPES):
             converted[field_id] = f"{_FIELD_TYPES[kind]} {reading.get('value')}"
         else:
@@ -224,10 +292,15 @@ def _pci_functions(gpus: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not isinstance(info, dict) or "busId" not in info:
             continue
         ids = info.get("pciDeviceId")
-        out.append({"bdf": normalise_bus_id(str(info["busId"])),
-                    "vendor": f"0x{(ids & 0xFFFF) if isinstance(ids, int) else NVIDIA_VENDOR_ID:04x}",
-                    "device": f"0x{ids >> 16:04x}" if isinstance(ids, int) else None,
-                    "class": GPU_CLASS, "driver": GPU_DRIVER})
+        out.append(
+            {
+                "bdf": normalise_bus_id(str(info["busId"])),
+                "vendor": f"0x{(ids & 0xFFFF) if isinstance(ids, int) else NVIDIA_VENDOR_ID:04x}",
+                "device": f"0x{ids >> 16:04x}" if isinstance(ids, int) else None,
+                "class": GPU_CLASS,
+                "driver": GPU_DRIVER,
+            }
+        )
     return out
 
 
@@ -237,7 +310,7 @@ def _section(text: str, marker: str) -> list[str]:
     for i, line in enumerate(lines):
         if marker in line:
             body = []
-            for follow in lines[i + 1:]:
+            for follow in lines[i + 1 :]:
                 if follow.startswith("#") or (follow.startswith("**") and body):
                     break
                 body.append(follow)
@@ -253,10 +326,14 @@ def oracle_of(provenance: str) -> dict[str, Any]:
     declared = re.search(r"`node\.expected_gpus: (\d+)` declared: \*\*([A-Z]+)\*\*", lines)
     undeclared = re.search(r"Nothing declared: at most \*\*([A-Z]+)\*\*", lines)
     if not declared or not undeclared:
-        raise CaptureError(f"{PROVENANCE}: the operator's conclusions do not state the grade "
-                           "with node.expected_gpus declared and with nothing declared")
-    return {"declared": {"node.expected_gpus": int(declared[1]), "grade": declared[2]},
-            "undeclared": {"at_most": undeclared[1], "never": ["ERROR", "FAULT"]}}
+        raise CaptureError(
+            f"{PROVENANCE}: the operator's conclusions do not state the grade "
+            "with node.expected_gpus declared and with nothing declared"
+        )
+    return {
+        "declared": {"node.expected_gpus": int(declared[1]), "grade": declared[2]},
+        "undeclared": {"at_most": undeclared[1], "never": ["ERROR", "FAULT"]},
+    }
 
 
 def convert(src: Path, skus: dict[str, Sku], command: str) -> str:
@@ -279,26 +356,39 @@ def convert(src: Path, skus: dict[str, Sku], command: str) -> str:
     title = provenance.splitlines()[0] if provenance else ""
     date = re.search(r"\d{4}-\d{2}-\d{2}", title)
     record: dict[str, Any] = {
-        "format": FORMAT, "kind": "converted",
+        "format": FORMAT,
+        "kind": "converted",
         "source": f"{src.name}/ ({READINGS}, {KERNEL_LOG}, {PROVENANCE})",
         "host": _machine(provenance) or src.name,
         "date": date[0] if date else None,
         "reader": "nvidia-ml-py, call by call (the readings); the kernel log as dmesg printed it",
         "command": command,
         "oracle": oracle_of(provenance),
-        "assumed": {"pci.class": f"{GPU_CLASS} (3D controller: not in the readings)",
-                    "pci.driver": f"{GPU_DRIVER} (NVML answered, so the driver was bound)"},
+        "assumed": {
+            "pci.class": f"{GPU_CLASS} (3D controller: not in the readings)",
+            "pci.driver": f"{GPU_DRIVER} (NVML answered, so the driver was bound)",
+        },
         "not_read": not_read,
         "unmapped": sorted(unmapped),
     }
-    scenario = build_scenario({"system": system, "gpus": gpus}, _pci_functions(readings["gpus"]),
-                              kernel_log, skus, record, _hostname(src))
-    header = [f"Converted from {record['source']} by node_agent.sim.capture_import; do not edit:",
-              f"regenerate with `{command}`.",
-              "", "The machine (from PROVENANCE.md):",
-              *_section(provenance, "The machine"),
-              "", "What a good operator concludes (the oracle, from PROVENANCE.md):",
-              *_section(provenance, "What a good operator concludes")]
+    scenario = build_scenario(
+        {"system": system, "gpus": gpus},
+        _pci_functions(readings["gpus"]),
+        kernel_log,
+        skus,
+        record,
+        _hostname(src),
+    )
+    header = [
+        f"Converted from {record['source']} by node_agent.sim.capture_import; do not edit:",
+        f"regenerate with `{command}`.",
+        "",
+        "The machine (from PROVENANCE.md):",
+        *_section(provenance, "The machine"),
+        "",
+        "What a good operator concludes (the oracle, from PROVENANCE.md):",
+        *_section(provenance, "What a good operator concludes"),
+    ]
     return dump(scenario, header)
 
 
@@ -325,7 +415,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m node_agent.sim.capture_import",
         description="Convert nvidia-ml-py readings of a real host (nvml-readings.json, "
-                    "kernel-log-boot.txt, PROVENANCE.md) into a capture scenario.")
+        "kernel-log-boot.txt, PROVENANCE.md) into a capture scenario.",
+    )
     parser.add_argument("src", help="the readings directory")
     parser.add_argument("--out", required=True, help="scenario file to write")
     args = parser.parse_args(argv)

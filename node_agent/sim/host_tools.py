@@ -102,29 +102,36 @@ def write_edac(scenario: Scenario, sys_root: Path) -> None:
             if label not in labels:
                 raise SimFaultError(
                     f"scenario fault {kind} names DIMM {label!r}, which the simulated node does "
-                    f"not have (its DIMMs: {population[0].label} ... {population[-1].label})")
+                    f"not have (its DIMMs: {population[0].label} ... {population[-1].label})"
+                )
             counts[label][key] += int(fault.params.get("count", 1))
-    gone = {d.label for d in population[len(population) - _missing_dimms(scenario):]}
+    gone = {d.label for d in population[len(population) - _missing_dimms(scenario) :]}
     base = sys_root / "devices/system/edac/mc"
     for socket in range(SOCKETS):
         mc = base / f"mc{socket}"
         mine = [d for d in population if d.mc == socket and d.label not in gone]
         mc.mkdir(parents=True)
-        values = {"mc_name": f"Intel_10nm Socket#{socket} IMC#0",
-                  "size_mb": len(mine) * DIMM_GIB * 1024,
-                  "seconds_since_reset": SECONDS_SINCE_RESET,
-                  "ce_count": sum(counts[d.label]["ce"] for d in mine),
-                  "ue_count": sum(counts[d.label]["ue"] for d in mine),
-                  "ce_noinfo_count": 0, "ue_noinfo_count": 0}
+        values = {
+            "mc_name": f"Intel_10nm Socket#{socket} IMC#0",
+            "size_mb": len(mine) * DIMM_GIB * 1024,
+            "seconds_since_reset": SECONDS_SINCE_RESET,
+            "ce_count": sum(counts[d.label]["ce"] for d in mine),
+            "ue_count": sum(counts[d.label]["ue"] for d in mine),
+            "ce_noinfo_count": 0,
+            "ue_noinfo_count": 0,
+        }
         for name, value in values.items():
             (mc / name).write_text(f"{value}\n")
         for dimm in mine:
             path = mc / f"dimm{dimm.slot}"
             path.mkdir()
-            for name, value in (("dimm_label", dimm.label), ("size", DIMM_GIB * 1024),
-                                ("dimm_location", f"channel {dimm.slot // 2} slot {dimm.slot % 2}"),
-                                ("dimm_ce_count", counts[dimm.label]["ce"]),
-                                ("dimm_ue_count", counts[dimm.label]["ue"])):
+            for name, value in (
+                ("dimm_label", dimm.label),
+                ("size", DIMM_GIB * 1024),
+                ("dimm_location", f"channel {dimm.slot // 2} slot {dimm.slot % 2}"),
+                ("dimm_ce_count", counts[dimm.label]["ce"]),
+                ("dimm_ue_count", counts[dimm.label]["ue"]),
+            ):
                 (path / name).write_text(f"{value}\n")
 
 
@@ -153,11 +160,36 @@ def write_cpus(scenario: Scenario, sys_root: Path) -> None:
         (tt / "package_throttle_count").write_text(f"{count}\n")
 
 
-_COR_BITS = ("RxErr", "BadTLP", "BadDLLP", "Rollover", "Timeout", "NonFatalErr", "CorrIntErr",
-             "HeaderOF")
-_UNCOR_BITS = ("Undefined", "DLP", "SDES", "TLP", "FCP", "CmpltTO", "CmpltAbrt", "UnxCmplt",
-               "RxOF", "MalfTLP", "ECRC", "UnsupReq", "ACSViol", "UncorrIntErr", "BlockedTLP",
-               "AtomicOpBlocked", "TLPBlockedErr", "PoisonTLPBlocked")
+_COR_BITS = (
+    "RxErr",
+    "BadTLP",
+    "BadDLLP",
+    "Rollover",
+    "Timeout",
+    "NonFatalErr",
+    "CorrIntErr",
+    "HeaderOF",
+)
+_UNCOR_BITS = (
+    "Undefined",
+    "DLP",
+    "SDES",
+    "TLP",
+    "FCP",
+    "CmpltTO",
+    "CmpltAbrt",
+    "UnxCmplt",
+    "RxOF",
+    "MalfTLP",
+    "ECRC",
+    "UnsupReq",
+    "ACSViol",
+    "UncorrIntErr",
+    "BlockedTLP",
+    "AtomicOpBlocked",
+    "TLPBlockedErr",
+    "PoisonTLPBlocked",
+)
 #: the error bit a simulated AER fault of each severity sets (a GPU link's typical ones)
 _FAULT_BIT = {"correctable": "BadTLP", "nonfatal": "CmpltTO", "fatal": "DLP"}
 
@@ -175,8 +207,9 @@ def write_pci(scenario: Scenario, sku: Sku | None, sys_root: Path) -> None:
     taken = {f.bus_id for f in functions} | set(hca_bdf.values())
     # the bridge directly upstream of each GPU and HCA: bus - 1
     upstream: dict[str, str] = {}
-    for bdf in [f.bus_id for f in functions if f.class_code >> 8 in (0x0300, 0x0302)] \
-            + list(hca_bdf.values()):
+    for bdf in [f.bus_id for f in functions if f.class_code >> 8 in (0x0300, 0x0302)] + list(
+        hca_bdf.values()
+    ):
         bus = int(bdf[5:7], 16)
         bridge = f"{bdf[:4]}:{bus - 1:02x}:00.0"
         if bus > 0 and bridge not in taken:
@@ -192,8 +225,9 @@ def write_pci(scenario: Scenario, sku: Sku | None, sys_root: Path) -> None:
         if fault.params.get("bridge"):
             bdf = upstream.get(bdf, bdf)
         severity = fault.params["severity"]
-        counts.setdefault(bdf, {})[severity] = counts.get(bdf, {}).get(severity, 0) \
-            + int(fault.params.get("count", 1))
+        counts.setdefault(bdf, {})[severity] = counts.get(bdf, {}).get(severity, 0) + int(
+            fault.params.get("count", 1)
+        )
     root = sys_root / "devices" / "pci0000:00"
     links = sys_root / "bus/pci/devices"
     links.mkdir(parents=True)
@@ -206,9 +240,10 @@ def write_pci(scenario: Scenario, sku: Sku | None, sys_root: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
         mine = counts.get(bdf, {})
         for severity, (name, total, bits) in {
-                "correctable": ("aer_dev_correctable", "TOTAL_ERR_COR", _COR_BITS),
-                "nonfatal": ("aer_dev_nonfatal", "TOTAL_ERR_NONFATAL", _UNCOR_BITS),
-                "fatal": ("aer_dev_fatal", "TOTAL_ERR_FATAL", _UNCOR_BITS)}.items():
+            "correctable": ("aer_dev_correctable", "TOTAL_ERR_COR", _COR_BITS),
+            "nonfatal": ("aer_dev_nonfatal", "TOTAL_ERR_NONFATAL", _UNCOR_BITS),
+            "fatal": ("aer_dev_fatal", "TOTAL_ERR_FATAL", _UNCOR_BITS),
+        }.items():
             hit = _FAULT_BIT[severity] if severity in mine else None
             (path / name).write_text(_aer_text(bits, total, hit, mine.get(severity, 0)))
         os.symlink(path, links / bdf)
@@ -224,23 +259,40 @@ def _smart_log(scenario: Scenario, disk: str) -> dict:
         if fault.params["disk"] == disk:
             warning |= int(fault.params.get("warning", 0x04))
     # nvme-cli 2.4+ JSON (node_agent.parsers.nvme): a healthy data-center drive, lightly worn
-    return {"critical_warning": warning, "temperature": 310, "avail_spare": 100,
-            "spare_thresh": 10, "percent_used": 3, "endurance_grp_critical_warning_summary": 0,
-            "data_units_read": 91231456, "data_units_written": 120345678,
-            "host_read_commands": 1843211456, "host_write_commands": 2211045678,
-            "controller_busy_time": 4512, "power_cycles": 41, "power_on_hours": 8760,
-            "unsafe_shutdowns": 7, "media_errors": 4 if warning & 0x04 else 0,
-            "num_err_log_entries": 0, "warning_temp_time": 0, "critical_comp_time": 0}
+    return {
+        "critical_warning": warning,
+        "temperature": 310,
+        "avail_spare": 100,
+        "spare_thresh": 10,
+        "percent_used": 3,
+        "endurance_grp_critical_warning_summary": 0,
+        "data_units_read": 91231456,
+        "data_units_written": 120345678,
+        "host_read_commands": 1843211456,
+        "host_write_commands": 2211045678,
+        "controller_busy_time": 4512,
+        "power_cycles": 41,
+        "power_on_hours": 8760,
+        "unsafe_shutdowns": 7,
+        "media_errors": 4 if warning & 0x04 else 0,
+        "num_err_log_entries": 0,
+        "warning_temp_time": 0,
+        "critical_comp_time": 0,
+    }
 
 
 def write_nvme(scenario: Scenario, paths: HostPaths, bindir: Path) -> str:
     for fault in _faults(scenario, "nvme_critical_warning"):
         if fault.params["disk"] not in NVME:
-            raise SimFaultError(f"scenario fault nvme_critical_warning names disk "
-                                f"{fault.params['disk']!r}, which the simulated node does not "
-                                f"have (its NVMe controllers: {', '.join(NVME)})")
-    mounts = ["sysfs /sys sysfs rw,nosuid,nodev,noexec,relatime 0 0",
-              "proc /proc proc rw,nosuid,nodev,noexec,relatime 0 0"]
+            raise SimFaultError(
+                f"scenario fault nvme_critical_warning names disk "
+                f"{fault.params['disk']!r}, which the simulated node does not "
+                f"have (its NVMe controllers: {', '.join(NVME)})"
+            )
+    mounts = [
+        "sysfs /sys sysfs rw,nosuid,nodev,noexec,relatime 0 0",
+        "proc /proc proc rw,nosuid,nodev,noexec,relatime 0 0",
+    ]
     for n, (name, mount) in enumerate(NVME.items()):
         ctrl = paths.sys / "class/nvme" / name
         (ctrl / f"{name}n1").mkdir(parents=True)
@@ -262,8 +314,10 @@ def write_ipmitool(scenario: Scenario, paths: HostPaths, bindir: Path) -> str:
     failed = {f.params["psu"] for f in _faults(scenario, "psu_failed")}
     unknown = failed - set(PSUS)
     if unknown:
-        raise SimFaultError(f"scenario fault psu_failed names {sorted(unknown)[0]!r}, which the "
-                            f"simulated node does not have (its supplies: {', '.join(PSUS)})")
+        raise SimFaultError(
+            f"scenario fault psu_failed names {sorted(unknown)[0]!r}, which the "
+            f"simulated node does not have (its supplies: {', '.join(PSUS)})"
+        )
     paths.dev.mkdir(parents=True, exist_ok=True)
     (paths.dev / "ipmi0").write_text("")
     rows = []
@@ -273,18 +327,21 @@ def write_ipmitool(scenario: Scenario, paths: HostPaths, bindir: Path) -> str:
     redundancy = "Redundancy Degraded" if failed else "Fully Redundant"
     rows.append(f"{'PS Redundancy':<16} | 6Ah | ok  | 20.1 | {redundancy}")
     rows.append(f"{'PSU Power In':<16} | 6Bh | ok  | 10.1 | {1850 if not failed else 2210} Watts")
-    tool = write_executable(bindir, "ipmitool",
-                            IPMITOOL_SOURCE.replace("@ROWS@", repr("\n".join(rows))))
+    tool = write_executable(
+        bindir, "ipmitool", IPMITOOL_SOURCE.replace("@ROWS@", repr("\n".join(rows)))
+    )
     return str(tool)
 
 
-def build(scenario: Scenario, sku: Sku | None, workdir: Path,
-          parts: tuple[str, ...] = PARTS) -> HostPaths:
+def build(
+    scenario: Scenario, sku: Sku | None, workdir: Path, parts: tuple[str, ...] = PARTS
+) -> HostPaths:
     """Write the simulated host's ``parts`` under ``workdir`` (the caller owns and removes it);
     the returned paths point the host readers at them. SimFaultError for a fault naming a
     device the simulated host does not have."""
-    paths = HostPaths(sys=workdir / "sys", proc=workdir / "proc", dev=workdir / "dev",
-                      simulated=True)
+    paths = HostPaths(
+        sys=workdir / "sys", proc=workdir / "proc", dev=workdir / "dev", simulated=True
+    )
     paths.sys.mkdir(parents=True)
     paths.proc.mkdir(parents=True)
     ipmitool = nvme = "ipmitool-not-written"
@@ -300,8 +357,9 @@ def build(scenario: Scenario, sku: Sku | None, workdir: Path,
         nvme = write_nvme(scenario, paths, workdir / "bin")
     if "ipmi" in parts:
         ipmitool = write_ipmitool(scenario, paths, workdir / "bin")
-    return HostPaths(sys=paths.sys, proc=paths.proc, dev=paths.dev, ipmitool=ipmitool,
-                     nvme=nvme, simulated=True)
+    return HostPaths(
+        sys=paths.sys, proc=paths.proc, dev=paths.dev, ipmitool=ipmitool, nvme=nvme, simulated=True
+    )
 
 
 NVME_SOURCE = r'''"""nvme stand-in of a simulated node (written by node_agent.sim.host_tools; not nvme-cli)."""

@@ -66,12 +66,29 @@ DRIVER_DOWN_INIT_ERRORS = {"not_loaded": 9, "not_installed": 12}
 # The fault kinds this module turns into NVML answers. All others act elsewhere: compute,
 # RDMA, the kernel log (``kernel_log``), the PCI bus (``pci_only``'s bus entry; the GPU itself
 # is not enumerated here, as ``missing_gpu``).
-NVML_FAULT_KINDS = frozenset({
-    "xid", "row_remap_pending", "row_remap_failure", "ecc_dbe_volatile", "ecc_sbe_volatile",
-    "ecc_sram_uncorrectable", "sram_threshold_exceeded", "memory_total", "missing_gpu",
-    "pci_only", "gpu_lost", "temperature", "pcie_width", "throttle", "nvlink_down",
-    "recovery_action", "persistence_off", "driver_hang", "spin",
-})
+NVML_FAULT_KINDS = frozenset(
+    {
+        "xid",
+        "row_remap_pending",
+        "row_remap_failure",
+        "ecc_dbe_volatile",
+        "ecc_sbe_volatile",
+        "ecc_sram_uncorrectable",
+        "sram_threshold_exceeded",
+        "memory_total",
+        "missing_gpu",
+        "pci_only",
+        "gpu_lost",
+        "temperature",
+        "pcie_width",
+        "throttle",
+        "nvlink_down",
+        "recovery_action",
+        "persistence_off",
+        "driver_hang",
+        "spin",
+    }
+)
 _FLAG_FAULTS = ("gpu_lost", "driver_hang")  # NVML answers, not readings: rendered as switches
 
 
@@ -93,16 +110,20 @@ class Switch:
 
     def __post_init__(self) -> None:
         if self.kind not in ("unsupported", "absent", "error", "hang"):
-            raise ValueError(f"switch kind {self.kind!r}: expected unsupported, absent, error or "
-                             "hang")
+            raise ValueError(
+                f"switch kind {self.kind!r}: expected unsupported, absent, error or hang"
+            )
         if (self.kind == "error") != (self.code is not None):
             raise ValueError("an 'error' switch needs a code, and only it")
         if not self.function or any(c.isspace() for c in self.function):
             raise ValueError(f"switch function {self.function!r}: one NVML function name or *")
 
     def line(self) -> str:
-        return (f"error {self.function} {self.code}" if self.kind == "error"
-                else f"{self.kind} {self.function}")
+        return (
+            f"error {self.function} {self.code}"
+            if self.kind == "error"
+            else f"{self.kind} {self.function}"
+        )
 
 
 def cuda_version_int(version: str) -> int:
@@ -146,6 +167,7 @@ def _device_lines(dev: GpuDevice) -> list[str]:
         put("temperature.threshold.mem_max", thresholds.memory_max_operating_c)
     power = _reading(dev.power)
     if power is not None:
+
         def mw(watts: float | None) -> int | None:
             return None if watts is None else round(watts * 1000)
 
@@ -186,8 +208,10 @@ def _device_lines(dev: GpuDevice) -> list[str]:
             # the simulator keeps one count: all SEC-DED (a real GPU splits parity/SEC-DED)
             put("ecc_sram.aggregate", f"0 {ecc.sram_uncorrectable_aggregate} 0")
             put("ecc_sram.volatile", "0 0 0")
-            put("ecc_sram.aggregate_by_unit",
-                " ".join(str(ecc.sram_uncorrectable_by_unit.get(u, 0)) for u in SRAM_UNITS))
+            put(
+                "ecc_sram.aggregate_by_unit",
+                " ".join(str(ecc.sram_uncorrectable_by_unit.get(u, 0)) for u in SRAM_UNITS),
+            )
         if ecc.sram_threshold_exceeded is not None:
             put("ecc_sram.threshold_exceeded", int(ecc.sram_threshold_exceeded))
     pages = _reading(dev.retired_pages)
@@ -197,8 +221,10 @@ def _device_lines(dev: GpuDevice) -> list[str]:
         put("retired_pages.pending", int(pages.pending))
     remap = _reading(dev.row_remap)
     if remap is not None:
-        put("remapped_rows", f"{remap.corrected} {remap.uncorrected} {int(remap.pending)} "
-                             f"{int(remap.failed)}")
+        put(
+            "remapped_rows",
+            f"{remap.corrected} {remap.uncorrected} {int(remap.pending)} {int(remap.failed)}",
+        )
     persistence = _reading(dev.persistence_mode)
     if persistence is not None:
         put("persistence_mode", int(persistence))
@@ -229,8 +255,12 @@ def _device_lines(dev: GpuDevice) -> list[str]:
     return out
 
 
-def render(scenario: Scenario, sku: Sku, switches: Iterable[Switch] = (),
-           extra: Mapping[int | None, Sequence[str]] | None = None) -> str:
+def render(
+    scenario: Scenario,
+    sku: Sku,
+    switches: Iterable[Switch] = (),
+    extra: Mapping[int | None, Sequence[str]] | None = None,
+) -> str:
     """The state file for ``scenario`` (a node of ``sku``), with ``switches`` applied.
 
     ``extra`` appends raw state lines to the global section (key None) or to a GPU's section
@@ -243,20 +273,28 @@ def render(scenario: Scenario, sku: Sku, switches: Iterable[Switch] = (),
         return _render_capture(scenario, switches, extra)
     for gpu in [s.gpu for s in switches] + list(extra):
         if gpu is not None and not 0 <= gpu < scenario.gpus:
-            raise ConfigError(f"nvml_state: GPU {gpu} is not one of the scenario's "
-                              f"{scenario.gpus} GPUs (0..{scenario.gpus - 1})")
+            raise ConfigError(
+                f"nvml_state: GPU {gpu} is not one of the scenario's "
+                f"{scenario.gpus} GPUs (0..{scenario.gpus - 1})"
+            )
     # Readings come from the simulator's model of a GPU that answers; lost and hung GPUs
     # become switches below, and missing ones are simply not enumerated.
-    answering = replace(scenario, faults=tuple(f for f in scenario.faults
-                                               if f.kind not in _FLAG_FAULTS))
+    answering = replace(
+        scenario, faults=tuple(f for f in scenario.faults if f.kind not in _FLAG_FAULTS)
+    )
     backend = SimGpuBackend(answering, sku)
-    lines = [FORMAT,
-             f"# rendered by node_agent.sim.nvml_state from {scenario.source} (sku {sku.id})"]
+    lines = [
+        FORMAT,
+        f"# rendered by node_agent.sim.nvml_state from {scenario.source} (sku {sku.id})",
+    ]
     if scenario.driver_down:  # NVML does not load: no GPUs, no versions
         lines.append(f"error nvmlInit {DRIVER_DOWN_INIT_ERRORS[scenario.driver_down]}")
     else:
-        lines += [f"driver_version {scenario.driver}", f"nvml_version 12.{scenario.driver}",
-                  f"cuda_driver_version {cuda_version_int(scenario.cuda)}"]
+        lines += [
+            f"driver_version {scenario.driver}",
+            f"nvml_version 12.{scenario.driver}",
+            f"cuda_driver_version {cuda_version_int(scenario.cuda)}",
+        ]
     lines += [s.line() for s in switches if s.gpu is None]
     lines += extra.get(None, ())
     for nvml_index, dev in enumerate(backend.devices()):
@@ -268,23 +306,29 @@ def render(scenario: Scenario, sku: Sku, switches: Iterable[Switch] = (),
             lines.append("lost 1")
         if scenario.has(dev.index, "driver_hang"):
             lines.append("hang *")
-        lines += [f"xid {i} {f.params['code']}" for i, f in enumerate(scenario.faults)
-                  if f.kind == "xid" and f.gpu == dev.index]
+        lines += [
+            f"xid {i} {f.params['code']}"
+            for i, f in enumerate(scenario.faults)
+            if f.kind == "xid" and f.gpu == dev.index
+        ]
         lines += [s.line() for s in switches if s.gpu == dev.index]
         lines += extra.get(dev.index, ())
     backend.close()
     return "\n".join(lines) + "\n"
 
 
-def _render_capture(scenario: Scenario, switches: tuple[Switch, ...],
-                    extra: Mapping[int | None, Sequence[str]]) -> str:
+def _render_capture(
+    scenario: Scenario, switches: tuple[Switch, ...], extra: Mapping[int | None, Sequence[str]]
+) -> str:
     """A captured node's state file: its recorded NVML keys as they are (docs/capture.md),
     then the switches and extra lines. ``gpu`` numbers are NVML's (a capture has no others)."""
     assert scenario.nvml is not None
     for gpu in [s.gpu for s in switches] + list(extra):
         if gpu is not None and not 0 <= gpu < scenario.gpus:
-            raise ConfigError(f"nvml_state: GPU {gpu} is not one of the capture's "
-                              f"{scenario.gpus} GPUs (0..{scenario.gpus - 1})")
+            raise ConfigError(
+                f"nvml_state: GPU {gpu} is not one of the capture's "
+                f"{scenario.gpus} GPUs (0..{scenario.gpus - 1})"
+            )
     try:
         lines = capture_state_lines(scenario.nvml, scenario.source)
     except CaptureFormatError as err:
@@ -305,8 +349,9 @@ def _render_capture(scenario: Scenario, switches: tuple[Switch, ...],
     return "\n".join(out) + "\n"
 
 
-def _gpu_additions(gpu: int, switches: tuple[Switch, ...],
-                   extra: Mapping[int | None, Sequence[str]]) -> list[str]:
+def _gpu_additions(
+    gpu: int, switches: tuple[Switch, ...], extra: Mapping[int | None, Sequence[str]]
+) -> list[str]:
     return [s.line() for s in switches if s.gpu == gpu] + list(extra.get(gpu, ()))
 
 
@@ -323,8 +368,12 @@ def write_state(path: str | Path, text: str) -> None:
         raise
 
 
-def render_file(scenario_path: str | Path, out: str | Path, switches: Iterable[Switch] = (),
-                graders_dir: str | Path | None = None) -> Scenario:
+def render_file(
+    scenario_path: str | Path,
+    out: str | Path,
+    switches: Iterable[Switch] = (),
+    graders_dir: str | Path | None = None,
+) -> Scenario:
     """Load and validate a scenario file (as ``--simulate`` does) and write its state file."""
     if graders_dir is None:
         from node_agent import resources
@@ -361,17 +410,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m node_agent.sim.nvml_state",
         description="Render a scenario into the stand-in NVML library's state file "
-                    "(docs/nvml_fake.md).")
+        "(docs/nvml_fake.md).",
+    )
     parser.add_argument("scenario", help="scenario YAML (as for --simulate)")
     parser.add_argument("--out", required=True, help="state file to write (replaced whole)")
     parser.add_argument("--graders-dir", help="graders directory with skus/ (default: shipped)")
-    for kind, what in (("unsupported", "NVML_ERROR_NOT_SUPPORTED"),
-                       ("absent", "NVML_ERROR_FUNCTION_NOT_FOUND"),
-                       ("hang", "a call that does not return")):
-        parser.add_argument(f"--{kind}", action="append", default=[], type=_switch_arg(kind),
-                            metavar="[GPU:]FUNCTION", help=f"{what} from FUNCTION (or *)")
-    parser.add_argument("--error", action="append", default=[], type=_switch_arg("error"),
-                        metavar="[GPU:]FUNCTION=CODE", help="FUNCTION returns nvmlReturn_t CODE")
+    for kind, what in (
+        ("unsupported", "NVML_ERROR_NOT_SUPPORTED"),
+        ("absent", "NVML_ERROR_FUNCTION_NOT_FOUND"),
+        ("hang", "a call that does not return"),
+    ):
+        parser.add_argument(
+            f"--{kind}",
+            action="append",
+            default=[],
+            type=_switch_arg(kind),
+            metavar="[GPU:]FUNCTION",
+            help=f"{what} from FUNCTION (or *)",
+        )
+    parser.add_argument(
+        "--error",
+        action="append",
+        default=[],
+        type=_switch_arg("error"),
+        metavar="[GPU:]FUNCTION=CODE",
+        help="FUNCTION returns nvmlReturn_t CODE",
+    )
     args = parser.parse_args(argv)
     switches = [*args.unsupported, *args.absent, *args.hang, *args.error]
     try:

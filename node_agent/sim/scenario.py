@@ -29,29 +29,50 @@ _DRIVER_NAME = r"^[A-Za-z0-9_.-]+$"
 DRIVER_DOWN_STATES = ("not_loaded", "not_installed")
 #: fault kinds a capture takes on top of its recording: those acting outside NVML (a capture
 #: replays NVML as recorded; to change what NVML says, edit the recorded value)
-CAPTURE_FAULT_KINDS = frozenset({"kernel_log", "slow", "slow_link", "sdc", "hca_port_down",
-                                 "hca_rate", "hca_slow", "hca_flap", "hca_errors", "software",
-                                 "mce", "pstore_panic"})
+CAPTURE_FAULT_KINDS = frozenset(
+    {
+        "kernel_log",
+        "slow",
+        "slow_link",
+        "sdc",
+        "hca_port_down",
+        "hca_rate",
+        "hca_slow",
+        "hca_flap",
+        "hca_errors",
+        "software",
+        "mce",
+        "pstore_panic",
+    }
+)
 _HEX = r"^0x[0-9a-fA-F]+$"
 _BDF = {"type": "string", "pattern": r"^[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$"}
 #: one recorded NVML answer (docs/capture.md): a value, several (a key NVML repeats, e.g.
 #: ``process``), or the NVML error the call returned
 _NVML_SCALAR = {"type": ["string", "integer", "number", "boolean"]}
-_NVML_VALUE = {"anyOf": [
-    _NVML_SCALAR,
-    {"type": "array", "items": _NVML_SCALAR},
-    {"type": "object", "additionalProperties": False, "required": ["error"],
-     "properties": {"error": {"type": "string"}, "code": {"type": "integer"}}},
-]}
-_NVML_KEYS = {"type": "object",
-              "propertyNames": {"pattern": r"^[A-Za-z0-9_.]{1,63}$",
-                                "not": {"enum": list(RESERVED_KEYS)}},
-              "additionalProperties": _NVML_VALUE}
+_NVML_VALUE = {
+    "anyOf": [
+        _NVML_SCALAR,
+        {"type": "array", "items": _NVML_SCALAR},
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["error"],
+            "properties": {"error": {"type": "string"}, "code": {"type": "integer"}},
+        },
+    ]
+}
+_NVML_KEYS = {
+    "type": "object",
+    "propertyNames": {"pattern": r"^[A-Za-z0-9_.]{1,63}$", "not": {"enum": list(RESERVED_KEYS)}},
+    "additionalProperties": _NVML_VALUE,
+}
 
 
 def _fault(kind: str, props: dict[str, Any], required: tuple[str, ...] = ("gpu",)) -> dict:
     return {
-        "type": "object", "additionalProperties": False,
+        "type": "object",
+        "additionalProperties": False,
         "required": ["kind", *required],
         "properties": {"kind": {"const": kind}, "gpu": _GPU, **props},
     }
@@ -60,7 +81,8 @@ def _fault(kind: str, props: dict[str, Any], required: tuple[str, ...] = ("gpu",
 def _hca_fault(kind: str, props: dict[str, Any], required: tuple[str, ...] = ("hca",)) -> dict:
     """A fault on an RDMA device named in the scenario's ``hcas`` (key ``hca``, not ``gpu``)."""
     return {
-        "type": "object", "additionalProperties": False,
+        "type": "object",
+        "additionalProperties": False,
         "required": ["kind", *required],
         "properties": {"kind": {"const": kind}, "hca": _HCA, **props},
     }
@@ -75,12 +97,15 @@ FAULT_SCHEMAS: dict[str, dict[str, Any]] = {
     "ecc_sbe_volatile": _fault("ecc_sbe_volatile", {"count": {"type": "integer", "minimum": 1}}),
     # uncorrectable SRAM errors over the GPU's life (nvmlDeviceGetSramEccErrorStatus), in one
     # unit (default l2), and the driver's flag that they meet NVIDIA's RMA threshold
-    "ecc_sram_uncorrectable": _fault("ecc_sram_uncorrectable", {
-        "count": {"type": "integer", "minimum": 1}, "unit": {"enum": list(SRAM_UNITS)}}),
+    "ecc_sram_uncorrectable": _fault(
+        "ecc_sram_uncorrectable",
+        {"count": {"type": "integer", "minimum": 1}, "unit": {"enum": list(SRAM_UNITS)}},
+    ),
     "sram_threshold_exceeded": _fault("sram_threshold_exceeded", {}),
     # NVML reports this memory.total (MiB) for the GPU instead of its SKU's
-    "memory_total": _fault("memory_total", {"mib": {"type": "integer", "minimum": 1}},
-                           ("gpu", "mib")),
+    "memory_total": _fault(
+        "memory_total", {"mib": {"type": "integer", "minimum": 1}}, ("gpu", "mib")
+    ),
     # gone from the PCI bus and from NVML (fell off the bus before the driver loaded)
     "missing_gpu": _fault("missing_gpu", {}),
     # on the PCI bus, not enumerated by NVML (the driver failed to initialise it); ``driver``:
@@ -88,102 +113,187 @@ FAULT_SCHEMAS: dict[str, dict[str, Any]] = {
     "pci_only": _fault("pci_only", {"driver": {"type": "string", "pattern": _DRIVER_NAME}}),
     # a raw kernel-log line; ``{bus}`` becomes GPU ``gpu``'s bus id in the kernel's form
     # (0000:ab:00); ``gpu`` may be left out for node-level lines (SXids, fabric manager)
-    "kernel_log": _fault("kernel_log", {"line": {"type": "string", "minLength": 1}},
-                         ("line",)),
+    "kernel_log": _fault("kernel_log", {"line": {"type": "string", "minLength": 1}}, ("line",)),
     "gpu_lost": _fault("gpu_lost", {}),
     "temperature": _fault("temperature", {"celsius": {"type": "number"}}, ("gpu", "celsius")),
-    "pcie_width": _fault("pcie_width", {"lanes": {"type": "integer", "minimum": 1}},
-                         ("gpu", "lanes")),
-    "throttle": _fault("throttle", {"reasons": {"type": "array", "minItems": 1,
-                                                "items": {"enum": list(THROTTLE_REASONS)}}},
-                       ("gpu", "reasons")),
-    "nvlink_down": _fault("nvlink_down", {"link": {"type": "integer", "minimum": 0}},
-                          ("gpu", "link")),
-    "recovery_action": _fault("recovery_action", {"action": {"enum": list(RECOVERY_ACTIONS)}},
-                              ("gpu", "action")),
+    "pcie_width": _fault(
+        "pcie_width", {"lanes": {"type": "integer", "minimum": 1}}, ("gpu", "lanes")
+    ),
+    "throttle": _fault(
+        "throttle",
+        {"reasons": {"type": "array", "minItems": 1, "items": {"enum": list(THROTTLE_REASONS)}}},
+        ("gpu", "reasons"),
+    ),
+    "nvlink_down": _fault(
+        "nvlink_down", {"link": {"type": "integer", "minimum": 0}}, ("gpu", "link")
+    ),
+    "recovery_action": _fault(
+        "recovery_action", {"action": {"enum": list(RECOVERY_ACTIONS)}}, ("gpu", "action")
+    ),
     "persistence_off": _fault("persistence_off", {}),
     "driver_hang": _fault("driver_hang", {}),
-    "slow": _fault("slow", {"factor": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}},
-                   ("gpu", "factor")),
+    "slow": _fault(
+        "slow",
+        {"factor": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}},
+        ("gpu", "factor"),
+    ),
     # one defective SM (``sm``, default: every SM) corrupting a share ``rate`` of the tiles it
     # computes (default 1.0: every time); see docs/sdc.md
-    "sdc": _fault("sdc", {"sm": {"type": "integer", "minimum": 0},
-                          "rate": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}}),
+    "sdc": _fault(
+        "sdc",
+        {
+            "sm": {"type": "integer", "minimum": 0},
+            "rate": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        },
+    ),
     # a kernel spinning on a peer that never arrives (hung collective): busy, but no work done
     "spin": _fault("spin", {}),
     # the node's inter-node transfers take 1/factor as long (a degraded NIC or cable): acts on
     # stop-check's transfers between nodes (node_agent.stopcheck.phases), the node as a whole
-    "slow_link": _fault("slow_link", {"factor": {"type": "number", "exclusiveMinimum": 0,
-                                                 "maximum": 1}}, ("factor",)),
+    "slow_link": _fault(
+        "slow_link",
+        {"factor": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}},
+        ("factor",),
+    ),
     # a counter that moves over simulated days (docs/trends.md): the GPU's ``counter`` reads
     # values[0] at its first read, values[1] at the next, ...; the last value stays. ``every_h``
     # is the simulated hours between values (what a test or bench advances its clock by between
     # reads); ``link`` names the NVLink of an nvlink_* counter (default 0)
-    "counter_series": _fault("counter_series", {
-        "counter": {"enum": ["ecc_sbe_volatile", "ecc_sram_uncorrectable", "pcie_replay",
-                             "remapped_rows_uncorrectable", "remapped_rows_correctable",
-                             "nvlink_replay", "nvlink_recovery", "nvlink_crc"]},
-        "values": {"type": "array", "minItems": 1,
-                   "items": {"type": "integer", "minimum": 0}},
-        "every_h": {"type": "number", "exclusiveMinimum": 0},
-        "link": {"type": "integer", "minimum": 0}}, ("gpu", "counter", "values")),
+    "counter_series": _fault(
+        "counter_series",
+        {
+            "counter": {
+                "enum": [
+                    "ecc_sbe_volatile",
+                    "ecc_sram_uncorrectable",
+                    "pcie_replay",
+                    "remapped_rows_uncorrectable",
+                    "remapped_rows_correctable",
+                    "nvlink_replay",
+                    "nvlink_recovery",
+                    "nvlink_crc",
+                ]
+            },
+            "values": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+            "every_h": {"type": "number", "exclusiveMinimum": 0},
+            "link": {"type": "integer", "minimum": 0},
+        },
+        ("gpu", "counter", "values"),
+    ),
     # an HCA port's error counter grows at ``per_hour`` since the simulated node booted
     # (node_agent.sim.tools: an hour before the scenario file was written), so it moves
     # between runs; link_downed growth is down-up cycles (flaps) to the hca_ports check
-    "hca_errors": _hca_fault("hca_errors", {
-        "counter": {"enum": ["link_downed", "symbol_error", "port_rcv_errors",
-                             "link_error_recovery", "excessive_buffer_overrun_errors",
-                             "local_link_integrity_errors", "port_xmit_discards",
-                             "local_ack_timeout_err", "rnr_nak_retry_err"]},
-        "per_hour": {"type": "number", "exclusiveMinimum": 0}}, ("hca", "counter", "per_hour")),
+    "hca_errors": _hca_fault(
+        "hca_errors",
+        {
+            "counter": {
+                "enum": [
+                    "link_downed",
+                    "symbol_error",
+                    "port_rcv_errors",
+                    "link_error_recovery",
+                    "excessive_buffer_overrun_errors",
+                    "local_link_integrity_errors",
+                    "port_xmit_discards",
+                    "local_ack_timeout_err",
+                    "rnr_nak_retry_err",
+                ]
+            },
+            "per_hour": {"type": "number", "exclusiveMinimum": 0},
+        },
+        ("hca", "counter", "per_hour"),
+    ),
     # the kernel's distress (checks/kernel_distress.py): ``count`` machine checks in the kernel
     # log, corrected (the bank records and "Machine check events logged") or, with ``fatal``,
     # the exception, "Processor context corrupt" and the panic line; ``pstore_panic``: panics
     # kept in pstore from before this boot (``count``, default 1)
-    "mce": _fault("mce", {"count": {"type": "integer", "minimum": 1},
-                          "fatal": {"type": "boolean"}}, ("count",)),
+    "mce": _fault(
+        "mce",
+        {"count": {"type": "integer", "minimum": 1}, "fatal": {"type": "boolean"}},
+        ("count",),
+    ),
     "pstore_panic": _fault("pstore_panic", {"count": {"type": "integer", "minimum": 1}}, ()),
     # the simulated node's software where it differs from this host's or from a healthy node
     # (checks/software_drift.py): NCCL and kernel versions; nvidia_peermem loaded and
     # nvidia-fabricmanager running (default true); ``acs``: bridges above GPUs/HCAs with PCIe
     # ACS on (default none)
-    "software": _fault("software", {
-        "nccl": {"type": "string", "minLength": 1}, "kernel": {"type": "string", "minLength": 1},
-        "peermem": {"type": "boolean"}, "fabricmanager": {"type": "boolean"},
-        "acs": {"type": "array", "items": _BDF}}, ()),
+    "software": _fault(
+        "software",
+        {
+            "nccl": {"type": "string", "minLength": 1},
+            "kernel": {"type": "string", "minLength": 1},
+            "peermem": {"type": "boolean"},
+            "fabricmanager": {"type": "boolean"},
+            "acs": {"type": "array", "items": _BDF},
+        },
+        (),
+    ),
     # the host (node_agent.sim.host_tools builds EDAC, memory blocks, CPUs, the PCI tree's AER
     # counters and the nvme/ipmitool stand-ins from these; docs/host_checks.md): errors on a
     # DIMM named by its label (CPU0_DIMM_A1 ... CPU1_DIMM_H2); memory gone; CPU 0's thermal
     # throttle counters; AER errors on a GPU's or an HCA's function (``bridge``: on the bridge
     # directly upstream of it); an NVMe drive's critical-warning byte (default 0x04); a PSU
     # (PS1..PS6) asserting "Failure detected"
-    "edac_ue": _fault("edac_ue", {"dimm": {"type": "string", "pattern": r"^[A-Za-z0-9_#.+-]{1,64}$"},
-                                  "count": {"type": "integer", "minimum": 1}}, ("dimm",)),
-    "edac_ce": _fault("edac_ce", {"dimm": {"type": "string", "pattern": r"^[A-Za-z0-9_#.+-]{1,64}$"},
-                                  "count": {"type": "integer", "minimum": 1}}, ("dimm", "count")),
-    "memory_missing": _fault("memory_missing", {"gib": {"type": "number", "exclusiveMinimum": 0}},
-                             ("gib",)),
-    "cpu_throttle": _fault("cpu_throttle", {"count": {"type": "integer", "minimum": 1}},
-                           ("count",)),
-    "aer": {"type": "object", "additionalProperties": False, "required": ["kind", "severity"],
-            "oneOf": [{"required": ["gpu"]}, {"required": ["hca"]}],
-            "properties": {"kind": {"const": "aer"}, "gpu": _GPU, "hca": _HCA,
-                           "severity": {"enum": ["fatal", "nonfatal", "correctable"]},
-                           "count": {"type": "integer", "minimum": 1},
-                           "bridge": {"type": "boolean"}}},
-    "nvme_critical_warning": _fault("nvme_critical_warning", {
-        "disk": {"type": "string", "pattern": r"^nvme[0-9]+$"},
-        "warning": {"type": "integer", "minimum": 1, "maximum": 255}}, ("disk",)),
-    "psu_failed": _fault("psu_failed", {"psu": {"type": "string",
-                                                "pattern": r"^[A-Za-z0-9_.-]{1,32}$"}}, ("psu",)),
+    "edac_ue": _fault(
+        "edac_ue",
+        {
+            "dimm": {"type": "string", "pattern": r"^[A-Za-z0-9_#.+-]{1,64}$"},
+            "count": {"type": "integer", "minimum": 1},
+        },
+        ("dimm",),
+    ),
+    "edac_ce": _fault(
+        "edac_ce",
+        {
+            "dimm": {"type": "string", "pattern": r"^[A-Za-z0-9_#.+-]{1,64}$"},
+            "count": {"type": "integer", "minimum": 1},
+        },
+        ("dimm", "count"),
+    ),
+    "memory_missing": _fault(
+        "memory_missing", {"gib": {"type": "number", "exclusiveMinimum": 0}}, ("gib",)
+    ),
+    "cpu_throttle": _fault(
+        "cpu_throttle", {"count": {"type": "integer", "minimum": 1}}, ("count",)
+    ),
+    "aer": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["kind", "severity"],
+        "oneOf": [{"required": ["gpu"]}, {"required": ["hca"]}],
+        "properties": {
+            "kind": {"const": "aer"},
+            "gpu": _GPU,
+            "hca": _HCA,
+            "severity": {"enum": ["fatal", "nonfatal", "correctable"]},
+            "count": {"type": "integer", "minimum": 1},
+            "bridge": {"type": "boolean"},
+        },
+    },
+    "nvme_critical_warning": _fault(
+        "nvme_critical_warning",
+        {
+            "disk": {"type": "string", "pattern": r"^nvme[0-9]+$"},
+            "warning": {"type": "integer", "minimum": 1, "maximum": 255},
+        },
+        ("disk",),
+    ),
+    "psu_failed": _fault(
+        "psu_failed", {"psu": {"type": "string", "pattern": r"^[A-Za-z0-9_.-]{1,32}$"}}, ("psu",)
+    ),
     # RDMA (node_agent.sim.tools builds the HCAs' sysfs and an ib_write_bw stand-in from these)
     "hca_port_down": _hca_fault("hca_port_down", {}),
-    "hca_rate": _hca_fault("hca_rate", {"gbps": {"type": "number", "exclusiveMinimum": 0}},
-                           ("hca", "gbps")),
-    "hca_slow": _hca_fault("hca_slow", {"factor": {"type": "number", "exclusiveMinimum": 0,
-                                                   "maximum": 1}}, ("hca", "factor")),
-    "hca_flap": _hca_fault("hca_flap", {"count": {"type": "integer", "minimum": 1}},
-                           ("hca", "count")),
+    "hca_rate": _hca_fault(
+        "hca_rate", {"gbps": {"type": "number", "exclusiveMinimum": 0}}, ("hca", "gbps")
+    ),
+    "hca_slow": _hca_fault(
+        "hca_slow",
+        {"factor": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}},
+        ("hca", "factor"),
+    ),
+    "hca_flap": _hca_fault(
+        "hca_flap", {"count": {"type": "integer", "minimum": 1}}, ("hca", "count")
+    ),
 }
 
 SCENARIO_SCHEMA: dict[str, Any] = {
@@ -198,29 +308,48 @@ SCENARIO_SCHEMA: dict[str, Any] = {
         "cuda": {"type": "string"},
         "hcas": {"type": "array", "items": _HCA, "uniqueItems": True},
         # what the simulated NVML lists as compute processes (nvmlDeviceGetComputeRunningProcesses)
-        "compute_processes": {"type": "array", "items": {
-            "type": "object", "additionalProperties": False, "required": ["gpu", "pid"],
-            "properties": {"gpu": _GPU, "pid": {"type": "integer", "minimum": 1},
-                           "used_memory_mib": {"type": "integer", "minimum": 0}}}},
+        "compute_processes": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["gpu", "pid"],
+                "properties": {
+                    "gpu": _GPU,
+                    "pid": {"type": "integer", "minimum": 1},
+                    "used_memory_mib": {"type": "integer", "minimum": 0},
+                },
+            },
+        },
         # bare metal unless said (nvmlDeviceGetVirtualizationMode of every simulated GPU)
         "virtualization": {"enum": list(VIRTUALIZATION_MODES)},
         # -- a captured node (node-agent capture; docs/capture.md) --
         # where, when and how it was captured, or what it was converted from
         "capture": {"type": "object"},
         # NVML call by call: the stand-in library's state keys, each with its value or error
-        "nvml": {"type": "object", "additionalProperties": False, "required": ["gpus"],
-                 "properties": {"system": _NVML_KEYS,
-                                "gpus": {"type": "array", "items": _NVML_KEYS}}},
+        "nvml": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["gpus"],
+            "properties": {"system": _NVML_KEYS, "gpus": {"type": "array", "items": _NVML_KEYS}},
+        },
         # the NVIDIA functions on the PCI bus, as sysfs showed them
-        "pci": {"type": "array", "items": {
-            "type": "object", "additionalProperties": False,
-            "required": ["bdf", "vendor", "class"],
-            "properties": {"bdf": _BDF,
-                           "vendor": {"type": "string", "pattern": _HEX},
-                           "device": {"type": ["string", "null"], "pattern": _HEX},
-                           "class": {"type": "string", "pattern": _HEX},
-                           "driver": {"type": ["string", "null"], "pattern": _DRIVER_NAME},
-                           "physfn": _BDF}}},
+        "pci": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["bdf", "vendor", "class"],
+                "properties": {
+                    "bdf": _BDF,
+                    "vendor": {"type": "string", "pattern": _HEX},
+                    "device": {"type": ["string", "null"], "pattern": _HEX},
+                    "class": {"type": "string", "pattern": _HEX},
+                    "driver": {"type": ["string", "null"], "pattern": _DRIVER_NAME},
+                    "physfn": _BDF,
+                },
+            },
+        },
         # the kernel log's tail, one record a line (kmsg's "prio,seq,usec,flags;" kept)
         "kernel_log": {"type": "array", "items": {"type": "string"}},
         "faults": {
@@ -304,16 +433,20 @@ def load_scenario(path: str | Path, known_skus: dict[str, Any] | None = None) ->
     data = load_yaml(path, SCENARIO_SCHEMA, what="scenario file")
     source = str(path)
     if known_skus is not None and data["sku"] not in known_skus:
-        raise ConfigError(f"{source}: key 'sku': {data['sku']!r} is not a SKU file under "
-                          f"graders/skus/; expected one of: {', '.join(sorted(known_skus))}")
+        raise ConfigError(
+            f"{source}: key 'sku': {data['sku']!r} is not a SKU file under "
+            f"graders/skus/; expected one of: {', '.join(sorted(known_skus))}"
+        )
     nvml = data.get("nvml")
     gpus = data.get("gpus")
     if nvml is not None:
         recorded = len(nvml["gpus"])
         if gpus is not None and gpus != recorded:
-            raise ConfigError(f"{source}: key 'gpus': {gpus}, but nvml.gpus records {recorded} "
-                              "GPUs (a capture has the GPUs NVML enumerated); drop 'gpus' or "
-                              "make them agree")
+            raise ConfigError(
+                f"{source}: key 'gpus': {gpus}, but nvml.gpus records {recorded} "
+                "GPUs (a capture has the GPUs NVML enumerated); drop 'gpus' or "
+                "make them agree"
+            )
         gpus = recorded
     if gpus is None:
         gpus = known_skus[data["sku"]].gpus_per_node if known_skus else 8
@@ -322,48 +455,78 @@ def load_scenario(path: str | Path, known_skus: dict[str, Any] | None = None) ->
     for i, raw in enumerate(data.get("faults") or []):
         validate(raw, FAULT_SCHEMAS[raw["kind"]], f"{source}: faults[{i}]")
         if nvml is not None and raw["kind"] not in CAPTURE_FAULT_KINDS:
-            raise ConfigError(f"{source}: faults[{i}]: kind {raw['kind']!r} acts on NVML, which "
-                              "a capture replays as recorded; edit the recorded value under "
-                              "'nvml' instead (a capture takes only: "
-                              f"{', '.join(sorted(CAPTURE_FAULT_KINDS))})")
+            raise ConfigError(
+                f"{source}: faults[{i}]: kind {raw['kind']!r} acts on NVML, which "
+                "a capture replays as recorded; edit the recorded value under "
+                "'nvml' instead (a capture takes only: "
+                f"{', '.join(sorted(CAPTURE_FAULT_KINDS))})"
+            )
         if "gpu" in raw and raw["gpu"] >= gpus:
-            raise ConfigError(f"{source}: faults[{i}]: key 'gpu': {raw['gpu']} is out of range "
-                              f"for a node of {gpus} GPUs (0..{gpus - 1})")
+            raise ConfigError(
+                f"{source}: faults[{i}]: key 'gpu': {raw['gpu']} is out of range "
+                f"for a node of {gpus} GPUs (0..{gpus - 1})"
+            )
         if "hca" in raw and raw["hca"] not in hcas:
-            raise ConfigError(f"{source}: faults[{i}]: key 'hca': {raw['hca']!r} is not one of "
-                              f"the scenario's hcas ({', '.join(hcas) or 'none listed'}); add it "
-                              "to 'hcas'")
+            raise ConfigError(
+                f"{source}: faults[{i}]: key 'hca': {raw['hca']!r} is not one of "
+                f"the scenario's hcas ({', '.join(hcas) or 'none listed'}); add it "
+                "to 'hcas'"
+            )
         if raw["kind"] == "kernel_log" and ("\n" in raw["line"] or "\r" in raw["line"]):
-            raise ConfigError(f"{source}: faults[{i}]: key 'line': one kernel-log line, "
-                              "without line breaks; expected one kernel_log fault per line")
+            raise ConfigError(
+                f"{source}: faults[{i}]: key 'line': one kernel-log line, "
+                "without line breaks; expected one kernel_log fault per line"
+            )
         if raw["kind"] == "kernel_log" and "{bus}" in raw["line"] and "gpu" not in raw:
-            raise ConfigError(f"{source}: faults[{i}]: key 'line' uses {{bus}} but the fault "
-                              "names no gpu; add 'gpu: N' (whose bus id replaces {bus}) or "
-                              "write the bus id into the line")
+            raise ConfigError(
+                f"{source}: faults[{i}]: key 'line' uses {{bus}} but the fault "
+                "names no gpu; add 'gpu: N' (whose bus id replaces {bus}) or "
+                "write the bus id into the line"
+            )
         if raw["kind"] in ("pci_only", "missing_gpu") and any(
-                f.gpu == raw["gpu"] and f.kind in ("pci_only", "missing_gpu")
-                and f.kind != raw["kind"] for f in faults):
-            raise ConfigError(f"{source}: faults[{i}]: gpu {raw['gpu']} cannot be both "
-                              "missing_gpu (gone from the PCI bus) and pci_only (on the bus, "
-                              "not in NVML); keep one")
+            f.gpu == raw["gpu"] and f.kind in ("pci_only", "missing_gpu") and f.kind != raw["kind"]
+            for f in faults
+        ):
+            raise ConfigError(
+                f"{source}: faults[{i}]: gpu {raw['gpu']} cannot be both "
+                "missing_gpu (gone from the PCI bus) and pci_only (on the bus, "
+                "not in NVML); keep one"
+            )
         params = {k: v for k, v in raw.items() if k not in ("kind", "gpu", "hca")}
-        faults.append(Fault(kind=raw["kind"], gpu=raw.get("gpu"), params=params,
-                            hca=raw.get("hca")))
+        faults.append(
+            Fault(kind=raw["kind"], gpu=raw.get("gpu"), params=params, hca=raw.get("hca"))
+        )
     processes = []
     for i, raw in enumerate(data.get("compute_processes") or []):
         if raw["gpu"] >= gpus:
-            raise ConfigError(f"{source}: compute_processes[{i}]: key 'gpu': {raw['gpu']} is out "
-                              f"of range for a node of {gpus} GPUs (0..{gpus - 1})")
-        processes.append(ComputeProcess(gpu=raw["gpu"], pid=raw["pid"],
-                                        used_memory_mib=raw.get("used_memory_mib")))
+            raise ConfigError(
+                f"{source}: compute_processes[{i}]: key 'gpu': {raw['gpu']} is out "
+                f"of range for a node of {gpus} GPUs (0..{gpus - 1})"
+            )
+        processes.append(
+            ComputeProcess(
+                gpu=raw["gpu"], pid=raw["pid"], used_memory_mib=raw.get("used_memory_mib")
+            )
+        )
     for i, line in enumerate(data.get("kernel_log") or []):
         if "\n" in line or "\r" in line:
-            raise ConfigError(f"{source}: kernel_log[{i}]: one kernel-log record a line, "
-                              "without line breaks (kmsg writes a break inside a record as "
-                              "\\x0a)")
-    optional = {k: data[k] for k in ("hostname", "driver", "cuda", "virtualization", "capture")
-                if k in data}
-    return Scenario(sku=data["sku"], gpus=gpus, source=source, hcas=hcas,
-                    faults=tuple(faults), compute_processes=tuple(processes), nvml=nvml,
-                    pci=tuple(data.get("pci") or ()),
-                    kernel_log=tuple(data.get("kernel_log") or ()), **optional)
+            raise ConfigError(
+                f"{source}: kernel_log[{i}]: one kernel-log record a line, "
+                "without line breaks (kmsg writes a break inside a record as "
+                "\\x0a)"
+            )
+    optional = {
+        k: data[k] for k in ("hostname", "driver", "cuda", "virtualization", "capture") if k in data
+    }
+    return Scenario(
+        sku=data["sku"],
+        gpus=gpus,
+        source=source,
+        hcas=hcas,
+        faults=tuple(faults),
+        compute_processes=tuple(processes),
+        nvml=nvml,
+        pci=tuple(data.get("pci") or ()),
+        kernel_log=tuple(data.get("kernel_log") or ()),
+        **optional,
+    )

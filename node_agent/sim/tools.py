@@ -59,8 +59,14 @@ from node_agent.sim.scenario import Scenario
 
 #: InfiniBand 4X link rates (Gb/s) and the names sysfs prints after them (IBTA; kernel
 #: ``ib_rate_to_mbps``): what ``/sys/class/infiniband/*/ports/*/rate`` reads.
-IB_4X_RATES = {40: "4X QDR", 56: "4X FDR", 100: "4X EDR", 200: "4X HDR", 400: "4X NDR",
-               800: "4X XDR"}
+IB_4X_RATES = {
+    40: "4X QDR",
+    56: "4X FDR",
+    100: "4X EDR",
+    200: "4X HDR",
+    400: "4X NDR",
+    800: "4X XDR",
+}
 #: ib_write_bw average / line rate on a healthy port: 388.72 Gb/s on a 400 Gb/s NDR port
 #: (tests/data/perftest/ib_write_bw_gbits.txt, ConnectX-7, 64 KiB messages).
 WRITE_BW_EFFICIENCY = 388.72 / 400
@@ -122,9 +128,15 @@ def healthy_rate_gbps(sku: Sku | None) -> float:
 
 #: The error counters a simulated port has, zero unless a fault says otherwise: ``counters/``
 #: (IBTA PortCounters, drivers/infiniband/core/sysfs.c) and mlx5's ``hw_counters/``.
-PORT_COUNTERS = ("link_downed", "symbol_error", "port_rcv_errors", "link_error_recovery",
-                 "excessive_buffer_overrun_errors", "local_link_integrity_errors",
-                 "port_xmit_discards")
+PORT_COUNTERS = (
+    "link_downed",
+    "symbol_error",
+    "port_rcv_errors",
+    "link_error_recovery",
+    "excessive_buffer_overrun_errors",
+    "local_link_integrity_errors",
+    "port_xmit_discards",
+)
 HW_COUNTERS = ("local_ack_timeout_err", "rnr_nak_retry_err")
 #: the simulated node's uptime when its scenario file was written
 BOOTED_BEFORE_SCENARIO_S = 3600.0
@@ -146,8 +158,9 @@ def simulated_boot_time(scenario: Scenario, now: float | None = None) -> float:
     return min(written, now) - BOOTED_BEFORE_SCENARIO_S
 
 
-def simulated_hcas(scenario: Scenario, sku: Sku | None,
-                   uptime_s: float = BOOTED_BEFORE_SCENARIO_S) -> tuple[SimHca, ...]:
+def simulated_hcas(
+    scenario: Scenario, sku: Sku | None, uptime_s: float = BOOTED_BEFORE_SCENARIO_S
+) -> tuple[SimHca, ...]:
     """The scenario's ``hcas`` with its RDMA faults applied, ``uptime_s`` after boot."""
     out = []
     healthy = healthy_rate_gbps(sku)
@@ -160,14 +173,23 @@ def simulated_hcas(scenario: Scenario, sku: Sku | None,
             bw *= float(fault.params["factor"])
         counters = dict.fromkeys(PORT_COUNTERS, 0)
         hw_counters = dict.fromkeys(HW_COUNTERS, 0)
-        counters["link_downed"] = sum(int(f.params["count"])
-                                      for f in scenario.hca_faults(name, "hca_flap"))
+        counters["link_downed"] = sum(
+            int(f.params["count"]) for f in scenario.hca_faults(name, "hca_flap")
+        )
         for fault in scenario.hca_faults(name, "hca_errors"):
             into = hw_counters if fault.params["counter"] in HW_COUNTERS else counters
             into[fault.params["counter"]] += int(float(fault.params["per_hour"]) * uptime_s / 3600)
-        out.append(SimHca(name=name, active=not scenario.hca_faults(name, "hca_port_down"),
-                          rate_gbps=rate, write_bw_gbps=round(bw, 2), counters=counters,
-                          hw_counters=hw_counters, bus_id=hca_bus_id(index)))
+        out.append(
+            SimHca(
+                name=name,
+                active=not scenario.hca_faults(name, "hca_port_down"),
+                rate_gbps=rate,
+                write_bw_gbps=round(bw, 2),
+                counters=counters,
+                hw_counters=hw_counters,
+                bus_id=hca_bus_id(index),
+            )
+        )
     return tuple(out)
 
 
@@ -177,8 +199,12 @@ def write_sysfs(hcas: tuple[SimHca, ...], root: Path) -> Path:
     for hca in hcas:
         port = root / hca.name / "ports" / "1"
         (port / "counters").mkdir(parents=True)
-        for name, text in (("state", hca.state), ("phys_state", hca.phys_state),
-                           ("rate", hca.rate_text), ("link_layer", hca.link_layer)):
+        for name, text in (
+            ("state", hca.state),
+            ("phys_state", hca.phys_state),
+            ("rate", hca.rate_text),
+            ("link_layer", hca.link_layer),
+        ):
             (port / name).write_text(text + "\n")
         for name, value in hca.counters.items():
             (port / "counters" / name).write_text(f"{value}\n")
@@ -226,17 +252,34 @@ def simulated_pci(scenario: Scenario, sku: Sku | None = None) -> tuple[SimPciDev
             driver = only[-1].params.get("driver")
         else:
             driver = "nvidia"
-        devices.append(SimPciDevice(bus_id=normalise_bus_id(pci_bus_id(index)),
-                                    vendor=NVIDIA_VENDOR_ID, class_code=_GPU_CLASS, driver=driver))
+        devices.append(
+            SimPciDevice(
+                bus_id=normalise_bus_id(pci_bus_id(index)),
+                vendor=NVIDIA_VENDOR_ID,
+                class_code=_GPU_CLASS,
+                driver=driver,
+            )
+        )
     links = int(sku.section("nvlink").get("links", 0)) if sku else 0
     if links and scenario.gpus >= 8:  # HGX baseboards carry their NVSwitches
         for n in range(scenario.gpus // 2):
-            devices.append(SimPciDevice(bus_id=f"0000:{0x05 + n:02x}:00.0",
-                                        vendor=NVIDIA_VENDOR_ID, class_code=_NVSWITCH_CLASS,
-                                        driver=None if scenario.driver_down else "nvidia-nvswitch"))
+            devices.append(
+                SimPciDevice(
+                    bus_id=f"0000:{0x05 + n:02x}:00.0",
+                    vendor=NVIDIA_VENDOR_ID,
+                    class_code=_NVSWITCH_CLASS,
+                    driver=None if scenario.driver_down else "nvidia-nvswitch",
+                )
+            )
     for n, _hca in enumerate(scenario.hcas):
-        devices.append(SimPciDevice(bus_id=hca_bus_id(n), vendor=_MELLANOX_VENDOR_ID,
-                                    class_code=_INFINIBAND_CLASS, driver="mlx5_core"))
+        devices.append(
+            SimPciDevice(
+                bus_id=hca_bus_id(n),
+                vendor=_MELLANOX_VENDOR_ID,
+                class_code=_INFINIBAND_CLASS,
+                driver="mlx5_core",
+            )
+        )
     return tuple(devices)
 
 
@@ -251,14 +294,25 @@ def captured_pci(scenario: Scenario) -> tuple[SimPciDevice, ...]:
         seen.add(bus_id)
         device = entry.get("device")
         physfn = entry.get("physfn")
-        devices.append(SimPciDevice(bus_id=bus_id, vendor=int(entry["vendor"], 16),
-                                    class_code=int(entry["class"], 16),
-                                    driver=entry.get("driver"),
-                                    device=0 if device is None else int(device, 16),
-                                    physfn=None if physfn is None else normalise_bus_id(physfn)))
+        devices.append(
+            SimPciDevice(
+                bus_id=bus_id,
+                vendor=int(entry["vendor"], 16),
+                class_code=int(entry["class"], 16),
+                driver=entry.get("driver"),
+                device=0 if device is None else int(device, 16),
+                physfn=None if physfn is None else normalise_bus_id(physfn),
+            )
+        )
     for n, _hca in enumerate(scenario.hcas):
-        devices.append(SimPciDevice(bus_id=hca_bus_id(n), vendor=_MELLANOX_VENDOR_ID,
-                                    class_code=_INFINIBAND_CLASS, driver="mlx5_core"))
+        devices.append(
+            SimPciDevice(
+                bus_id=hca_bus_id(n),
+                vendor=_MELLANOX_VENDOR_ID,
+                class_code=_INFINIBAND_CLASS,
+                driver="mlx5_core",
+            )
+        )
     return tuple(devices)
 
 
@@ -290,18 +344,24 @@ def write_executable(bindir: Path, name: str, source: str) -> Path:
     return path
 
 
-def rdma_tools(scenario: Scenario, sku: Sku | None, workdir: Path,
-               now: float | None = None) -> SimRdma:
+def rdma_tools(
+    scenario: Scenario, sku: Sku | None, workdir: Path, now: float | None = None
+) -> SimRdma:
     """Write the simulated HCAs' sysfs tree and ``ib_write_bw`` under ``workdir``, as they
     read at ``now`` (Unix seconds; default: the present)."""
     now = time.time() if now is None else now
     uptime = now - simulated_boot_time(scenario, now)
     hcas = simulated_hcas(scenario, sku, uptime)
     root = write_sysfs(hcas, workdir / "sys" / "class" / "infiniband")
-    figures = {h.name: {"active": h.active, "bw_gbps": h.write_bw_gbps,
-                        "link_layer": h.link_layer} for h in hcas}
-    tool = write_executable(workdir / "bin", "ib_write_bw",
-                            IB_WRITE_BW_SOURCE.replace("@FIGURES@", repr(json.dumps(figures))))
+    figures = {
+        h.name: {"active": h.active, "bw_gbps": h.write_bw_gbps, "link_layer": h.link_layer}
+        for h in hcas
+    }
+    tool = write_executable(
+        workdir / "bin",
+        "ib_write_bw",
+        IB_WRITE_BW_SOURCE.replace("@FIGURES@", repr(json.dumps(figures))),
+    )
     return SimRdma(sysfs_root=root, ib_write_bw=tool, hcas=hcas, uptime_s=uptime)
 
 

@@ -69,10 +69,20 @@ def odd_hashes(hashes: Iterable[GpuHash], phase: str = "alignment") -> list[Susp
             continue
         for m in members:
             if m.digest != majority:
-                out.append(Suspect(m.node, phase, gpu=m.gpu, evidence={
-                    "hash": m.digest, "majority_hash": majority, "stack": stack,
-                    "agreeing_gpus": sum(1 for x in members if x.digest == majority),
-                    "gpus": len(members)}))
+                out.append(
+                    Suspect(
+                        m.node,
+                        phase,
+                        gpu=m.gpu,
+                        evidence={
+                            "hash": m.digest,
+                            "majority_hash": majority,
+                            "stack": stack,
+                            "agreeing_gpus": sum(1 for x in members if x.digest == majority),
+                            "gpus": len(members),
+                        },
+                    )
+                )
     return out
 
 
@@ -81,8 +91,7 @@ def undecided_stacks(hashes: Iterable[GpuHash]) -> list[str]:
     by_stack: dict[str, list[str]] = {}
     for h in hashes:
         by_stack.setdefault(h.stack, []).append(h.digest)
-    return sorted(s for s, d in by_stack.items()
-                  if len(set(d)) > 1 and _strict_majority(d) is None)
+    return sorted(s for s, d in by_stack.items() if len(set(d)) > 1 and _strict_majority(d) is None)
 
 
 def _strict_majority(values: Sequence[str]) -> str | None:
@@ -101,8 +110,12 @@ def ring_pairs(n: int) -> list[tuple[int, int]]:
     return [(i, (i + 1) % n) for i in range(n)]
 
 
-def slow_nodes(pair_gbps: Mapping[tuple[int, int], float], nodes: Sequence[str],
-               slow_below: float = 0.5, phase: str = "neighbours") -> list[Suspect]:
+def slow_nodes(
+    pair_gbps: Mapping[tuple[int, int], float],
+    nodes: Sequence[str],
+    slow_below: float = 0.5,
+    phase: str = "neighbours",
+) -> list[Suspect]:
     """Nodes whose every neighbour pair is slow: below ``slow_below`` x the median pair.
 
     A slow link slows both pairs it is part of; each neighbour then has one slow pair and one
@@ -117,10 +130,20 @@ def slow_nodes(pair_gbps: Mapping[tuple[int, int], float], nodes: Sequence[str],
     for rank, node in enumerate(nodes):
         mine = {p: v for p, v in pair_gbps.items() if rank in p}
         if mine and all(p in slow for p in mine):
-            out.append(Suspect(node, phase, evidence={
-                "pairs_gbps": {f"{nodes[a]}<->{nodes[b]}": round(v, 3) for (a, b), v in
-                               sorted(mine.items())},
-                "median_pair_gbps": round(median, 3), "slow_below": slow_below}))
+            out.append(
+                Suspect(
+                    node,
+                    phase,
+                    evidence={
+                        "pairs_gbps": {
+                            f"{nodes[a]}<->{nodes[b]}": round(v, 3)
+                            for (a, b), v in sorted(mine.items())
+                        },
+                        "median_pair_gbps": round(median, 3),
+                        "slow_below": slow_below,
+                    },
+                )
+            )
     return out
 
 
@@ -159,8 +182,9 @@ def disagreeing(groups: Sequence[GroupResult]) -> list[GroupResult]:
     the majority of unanimous groups' results."""
     unanimous = [g.min_digest for g in groups if g.unanimous]
     majority = _strict_majority(unanimous) if unanimous else None
-    return [g for g in groups if not g.unanimous or (majority is not None
-                                                    and g.min_digest != majority)]
+    return [
+        g for g in groups if not g.unanimous or (majority is not None and g.min_digest != majority)
+    ]
 
 
 def cross(rows: Sequence[GroupResult], columns: Sequence[GroupResult]) -> set[int]:

@@ -44,11 +44,11 @@ class NodeSide:
 
     place: Place
     node: str
-    nodes: dict[int, str]        # rank -> node name (everyone joined)
+    nodes: dict[int, str]  # rank -> node name (everyone joined)
     devices: list[ComputeDevice]
-    stack: str                   # SKU and software: GPUs of one stack must agree bit for bit
+    stack: str  # SKU and software: GPUs of one stack must agree bit for bit
     quick_report: Callable[[], Report]
-    slow_link: float = 1.0       # simulated only: the node's inter-node transfers' speed factor
+    slow_link: float = 1.0  # simulated only: the node's inter-node transfers' speed factor
     backend: str = "gloo"
 
 
@@ -63,9 +63,11 @@ class PhaseOutcome:
     report: Report | None = None  # phase "self": this node's quick-suite report
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"duration_s": round(self.duration_s, 3),
-                               "suspects": [s.to_dict() for s in self.suspects],
-                               "figures": self.figures}
+        out: dict[str, Any] = {
+            "duration_s": round(self.duration_s, 3),
+            "suspects": [s.to_dict() for s in self.suspects],
+            "figures": self.figures,
+        }
         if self.skipped:
             out["skipped"] = self.skipped
         if self.error:
@@ -97,13 +99,23 @@ def run_phase(name: str, fn: Callable[[NodeSide], PhaseOutcome], side: NodeSide)
 def phase_self(side: NodeSide) -> PhaseOutcome:
     """Every node runs its quick suite; a node graded ERROR or FAULT is a suspect already."""
     report = side.quick_report()
-    mine = {"node": side.node, "level": report.grade.level.name,
-            "reasons": [f"{r.target}: {r.message}" for r in report.grade.reasons][:10]}
+    mine = {
+        "node": side.node,
+        "level": report.grade.level.name,
+        "reasons": [f"{r.target}: {r.message}" for r in report.grade.reasons][:10],
+    }
     shared = _gather(mine, side.place.world_size)
-    suspects = [Suspect(s["node"], "self", evidence={"level": s["level"], "reasons": s["reasons"]})
-                for s in shared if Level[s["level"]] >= Level.ERROR]
-    return PhaseOutcome("self", suspects=suspects, report=report,
-                        figures={s["node"]: {"level": s["level"]} for s in shared})
+    suspects = [
+        Suspect(s["node"], "self", evidence={"level": s["level"], "reasons": s["reasons"]})
+        for s in shared
+        if Level[s["level"]] >= Level.ERROR
+    ]
+    return PhaseOutcome(
+        "self",
+        suspects=suspects,
+        report=report,
+        figures={s["node"]: {"level": s["level"]} for s in shared},
+    )
 
 
 # -- 2. intra-node ------------------------------------------------------------------------------
@@ -147,16 +159,29 @@ def phase_intra_node(side: NodeSide) -> PhaseOutcome:
     for node, data in shared:
         for key, bad in data["bad_bytes"].items():
             src, dst = (int(x) for x in key.split("->"))
-            suspects.append(Suspect(node, "intra_node", gpu=dst, evidence={
-                "pair": key, "wrong_bytes": bad,
-                "note": "the copy's destination is named; its source may be at fault"}))
+            suspects.append(
+                Suspect(
+                    node,
+                    "intra_node",
+                    gpu=dst,
+                    evidence={
+                        "pair": key,
+                        "wrong_bytes": bad,
+                        "note": "the copy's destination is named; its source may be at fault",
+                    },
+                )
+            )
         if data.get("bandwidth_graded") and len(data["pairs"]) >= 2:
             suspects.extend(_slow_gpus(node, data["pairs"]))
-    outcome = PhaseOutcome("intra_node", suspects=suspects,
-                           figures={node: data for node, data in shared})
+    outcome = PhaseOutcome(
+        "intra_node", suspects=suspects, figures={node: data for node, data in shared}
+    )
     if len(devices) < 2:
-        outcome.skipped = (f"{side.node} has {len(devices)} GPU: nothing to exchange within the "
-                           "node") if side.place.rank == 0 else None
+        outcome.skipped = (
+            (f"{side.node} has {len(devices)} GPU: nothing to exchange within the node")
+            if side.place.rank == 0
+            else None
+        )
     return outcome
 
 
@@ -168,8 +193,17 @@ def _slow_gpus(node: str, pairs: dict[str, float]) -> list[Suspect]:
     for gpu in sorted(gpus):
         theirs = [k for k in pairs if str(gpu) in k.split("->")]
         if theirs and all(k in slow for k in theirs):
-            out.append(Suspect(node, "intra_node", gpu=gpu, evidence={
-                "pairs_gbps": {k: pairs[k] for k in theirs}, "median_pair_gbps": median}))
+            out.append(
+                Suspect(
+                    node,
+                    "intra_node",
+                    gpu=gpu,
+                    evidence={
+                        "pairs_gbps": {k: pairs[k] for k in theirs},
+                        "median_pair_gbps": median,
+                    },
+                )
+            )
     return out
 
 
@@ -209,17 +243,26 @@ def phase_neighbours(side: NodeSide) -> PhaseOutcome:
     mine = {"rank": rank, "seconds": statistics.median(times), "wrong_elements": wrong}
     shared = _gather(mine, n)
     seconds = {s["rank"]: s["seconds"] for s in shared}
-    pair_gbps = {(a, b): NEIGHBOUR_BYTES / max(seconds[a], seconds[b]) / 1e9
-                 for a, b in localise.ring_pairs(n)}
-    suspects = localise.slow_nodes(pair_gbps, [side.nodes[r] for r in range(n)],
-                                   SLOW_PAIR_SHARE)
+    pair_gbps = {
+        (a, b): NEIGHBOUR_BYTES / max(seconds[a], seconds[b]) / 1e9
+        for a, b in localise.ring_pairs(n)
+    }
+    suspects = localise.slow_nodes(pair_gbps, [side.nodes[r] for r in range(n)], SLOW_PAIR_SHARE)
     for s in shared:
         if s["wrong_elements"]:
-            suspects.append(Suspect(side.nodes[s["rank"]], "neighbours", evidence={
-                "wrong_elements_received": s["wrong_elements"],
-                "from": side.nodes[(s["rank"] - 1) % n]}))
-    figures = {f"{side.nodes[a]}<->{side.nodes[b]}": round(v, 3)
-               for (a, b), v in sorted(pair_gbps.items())}
+            suspects.append(
+                Suspect(
+                    side.nodes[s["rank"]],
+                    "neighbours",
+                    evidence={
+                        "wrong_elements_received": s["wrong_elements"],
+                        "from": side.nodes[(s["rank"] - 1) % n],
+                    },
+                )
+            )
+    figures = {
+        f"{side.nodes[a]}<->{side.nodes[b]}": round(v, 3) for (a, b), v in sorted(pair_gbps.items())
+    }
     return PhaseOutcome("neighbours", suspects=suspects, figures={"pairs_gbps": figures})
 
 
@@ -230,23 +273,35 @@ def phase_alignment(side: NodeSide) -> PhaseOutcome:
     """Every GPU runs the same reference step; within a stack the majority hash is right. An odd
     GPU runs it again (one more round) and the evidence says whether it repeated."""
     n = side.place.world_size
-    mine = [GpuHash(side.node, dev.spec.index, run_step(dev, ALIGNMENT_SEED).digest, side.stack)
-            for dev in side.devices]
+    mine = [
+        GpuHash(side.node, dev.spec.index, run_step(dev, ALIGNMENT_SEED).digest, side.stack)
+        for dev in side.devices
+    ]
     everyone = [h for part in _gather(mine, n) for h in part]
     suspects = localise.odd_hashes(everyone)
     mine_odd = {s.gpu for s in suspects if s.node == side.node}
-    again = {dev.spec.index: run_step(dev, ALIGNMENT_SEED).digest
-             for dev in side.devices if dev.spec.index in mine_odd}
-    reruns = {(node, gpu): d for node, part in _gather((side.node, again), n)
-              for gpu, d in part.items()}
+    again = {
+        dev.spec.index: run_step(dev, ALIGNMENT_SEED).digest
+        for dev in side.devices
+        if dev.spec.index in mine_odd
+    }
+    reruns = {
+        (node, gpu): d for node, part in _gather((side.node, again), n) for gpu, d in part.items()
+    }
     confirmed = []
     for s in suspects:
         rerun = reruns.get((s.node, s.gpu))
-        evidence = {**s.evidence, "rerun_hash": rerun,
-                    "repeated": rerun is not None and rerun != s.evidence["majority_hash"]}
+        evidence = {
+            **s.evidence,
+            "rerun_hash": rerun,
+            "repeated": rerun is not None and rerun != s.evidence["majority_hash"],
+        }
         confirmed.append(Suspect(s.node, s.phase, evidence, s.gpu))
-    figures = {"gpus": len(everyone), "stacks": sorted({h.stack for h in everyone}),
-               "undecided_stacks": localise.undecided_stacks(everyone)}
+    figures = {
+        "gpus": len(everyone),
+        "stacks": sorted({h.stack for h in everyone}),
+        "undecided_stacks": localise.undecided_stacks(everyone),
+    }
     return PhaseOutcome("alignment", suspects=confirmed, figures=figures)
 
 
@@ -283,11 +338,23 @@ def phase_replay(side: NodeSide, rounds: int) -> PhaseOutcome:
         col_results = _groups(cols, shared, "col")
         for r in localise.cross(row_results, col_results):
             named.setdefault(r, []).append(rnd)
-    suspects = [Suspect(side.nodes[r], "replay", evidence={
-        "rounds_named": rnds, "rounds": rounds,
-        "grid": {"rows": rows, "columns": cols}}) for r, rnds in sorted(named.items())]
-    return PhaseOutcome("replay", suspects=suspects,
-                        figures={"rounds": rounds, "rows": len(rows), "columns": len(cols)})
+    suspects = [
+        Suspect(
+            side.nodes[r],
+            "replay",
+            evidence={
+                "rounds_named": rnds,
+                "rounds": rounds,
+                "grid": {"rows": rows, "columns": cols},
+            },
+        )
+        for r, rnds in sorted(named.items())
+    ]
+    return PhaseOutcome(
+        "replay",
+        suspects=suspects,
+        figures={"rounds": rounds, "rows": len(rows), "columns": len(cols)},
+    )
 
 
 def _groups(members: list[list[int]], shared: list[dict[str, Any]], axis: str) -> list[GroupResult]:

@@ -53,32 +53,43 @@ def place_from_env(env: Mapping[str, str] | None = None) -> Place:
     rank = _int(env, "RANK", "SLURM_PROCID", "JOB_COMPLETION_INDEX")
     world = _int(env, "WORLD_SIZE", "SLURM_NTASKS")
     if rank is None or world is None:
-        raise ConfigError("stop-check runs as one rank per node of a torch.distributed job: "
-                          "start it with torchrun, srun or a Kubernetes indexed Job (RANK and "
-                          "WORLD_SIZE, or SLURM_PROCID and SLURM_NTASKS, are not set)")
+        raise ConfigError(
+            "stop-check runs as one rank per node of a torch.distributed job: "
+            "start it with torchrun, srun or a Kubernetes indexed Job (RANK and "
+            "WORLD_SIZE, or SLURM_PROCID and SLURM_NTASKS, are not set)"
+        )
     if world < 2:
-        raise ConfigError(f"stop-check compares nodes with each other, but WORLD_SIZE={world}: "
-                          "run it over at least two nodes (one rank per node); for one node "
-                          "run `node-agent check`")
+        raise ConfigError(
+            f"stop-check compares nodes with each other, but WORLD_SIZE={world}: "
+            "run it over at least two nodes (one rank per node); for one node "
+            "run `node-agent check`"
+        )
     if not 0 <= rank < world:
         raise ConfigError(f"rank {rank} is outside the job's world of {world}")
     addr = env.get("MASTER_ADDR", "").strip()
     port = _int(env, "MASTER_PORT")
     if not addr or port is None:
-        raise ConfigError("MASTER_ADDR and MASTER_PORT are not set: export the first node's "
-                          "address and a free port in the job script (torchrun sets them)")
-    return Place(rank, world, addr, port,
-                 env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true")
+        raise ConfigError(
+            "MASTER_ADDR and MASTER_PORT are not set: export the first node's "
+            "address and a free port in the job script (torchrun sets them)"
+        )
+    return Place(
+        rank, world, addr, port, env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    )
 
 
 def open_store(place: Place, timeout_s: float) -> Any:
     """The job's key-value store: torchrun's, or one rank 0 hosts at MASTER_ADDR:MASTER_PORT."""
     import torch.distributed as dist
 
-    store = dist.TCPStore(place.master_addr, place.master_port, place.world_size,
-                          is_master=place.rank == 0 and not place.agent_store,
-                          timeout=timedelta(seconds=timeout_s),
-                          wait_for_workers=False)
+    store = dist.TCPStore(
+        place.master_addr,
+        place.master_port,
+        place.world_size,
+        is_master=place.rank == 0 and not place.agent_store,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
     return dist.PrefixStore(_PREFIX, store)
 
 
@@ -96,11 +107,16 @@ def join(store: Any, place: Place, node: str, deadline_s: float) -> Joined:
         end = time.monotonic() + deadline_s
         while time.monotonic() < end and not store.check(keys):
             time.sleep(0.1)
-        nodes = {r: store.get(f"join/{r}").decode(errors="replace")
-                 for r in range(place.world_size) if store.check([f"join/{r}"])}
+        nodes = {
+            r: store.get(f"join/{r}").decode(errors="replace")
+            for r in range(place.world_size)
+            if store.check([f"join/{r}"])
+        }
         missing = [r for r in range(place.world_size) if r not in nodes]
-        store.set("joined", json.dumps({"nodes": {str(k): v for k, v in nodes.items()},
-                                        "missing": missing}))
+        store.set(
+            "joined",
+            json.dumps({"nodes": {str(k): v for k, v in nodes.items()}, "missing": missing}),
+        )
         return Joined(nodes, missing)
     store.wait(["joined"], timedelta(seconds=deadline_s + 30))
     data = json.loads(store.get("joined"))
@@ -111,5 +127,10 @@ def init_group(store: Any, place: Place, backend: str, timeout_s: float) -> None
     """The job's process group over the same store (every rank joined)."""
     import torch.distributed as dist
 
-    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=place.rank,
-                            world_size=place.world_size, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("pg", store),
+        rank=place.rank,
+        world_size=place.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )

@@ -81,7 +81,7 @@ def run_step(device: ComputeDevice, seed: int) -> StepResult:
         return (torch.randn(*shape, generator=g) * scale).to(device=device.device, dtype=dtype)
 
     x, t = draw(d, d, scale=1.0), draw(d, d, scale=1.0)
-    w1, w2 = draw(d, d, scale=d ** -0.5), draw(d, d, scale=d ** -0.5)
+    w1, w2 = draw(d, d, scale=d**-0.5), draw(d, d, scale=d**-0.5)
     mm = device.matmul
     pre = mm(x, w1)
     h = torch.relu(pre)

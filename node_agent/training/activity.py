@@ -72,24 +72,32 @@ def read_gpu_activity(device: GpuDevice) -> GpuActivity:
     try:
         power = device.power()
         power_w = power.usage_w
-        limit_w = (power.enforced_limit_w if power.enforced_limit_w is not None
-                   else power.default_limit_w)
+        limit_w = (
+            power.enforced_limit_w if power.enforced_limit_w is not None else power.default_limit_w
+        )
     except GpuError as err:
         failed("power", err)
     return GpuActivity(device.index, gpu_pct, memory_pct, power_w, limit_w, tuple(errors))
 
 
 def _missing_fields(reading: GpuActivity) -> list[str]:
-    missing = [name for name in ("gpu_pct", "memory_pct", "power_w", "power_limit_w")
-               if getattr(reading, name) is None]
+    missing = [
+        name
+        for name in ("gpu_pct", "memory_pct", "power_w", "power_limit_w")
+        if getattr(reading, name) is None
+    ]
     if reading.power_limit_w is not None and reading.power_limit_w <= 0:
         missing.append("power_limit_w (not positive)")
     return missing
 
 
-def gpu_activity_signal(readings: Sequence[GpuActivity], *, busy_pct: float = 90,
-                        idle_memory_pct: float = 10,
-                        idle_power_fraction: float = 0.4) -> Signal:
+def gpu_activity_signal(
+    readings: Sequence[GpuActivity],
+    *,
+    busy_pct: float = 90,
+    idle_memory_pct: float = 10,
+    idle_power_fraction: float = 0.4,
+) -> Signal:
     """The ``gpu_activity`` signal of one process's GPUs (one reading each).
 
     ``hang`` when EVERY GPU shows the spin signature: ``gpu_pct >= busy_pct`` while
@@ -115,42 +123,72 @@ def gpu_activity_signal(readings: Sequence[GpuActivity], *, busy_pct: float = 90
     #     "working" (a false hang needs low power AND low memory traffic AND full utilization).
     #   None of the three is a measurement yet; bench them on a GPU host before tightening.
     if not readings:
-        return Signal.unavailable("gpu_activity", "no GPU readings: the process's GPUs are not "
-                                                  "known, so their activity cannot be judged")
-    thresholds = {"busy_pct": busy_pct, "idle_memory_pct": idle_memory_pct,
-                  "idle_power_fraction": idle_power_fraction}
+        return Signal.unavailable(
+            "gpu_activity",
+            "no GPU readings: the process's GPUs are not known, so their activity cannot be judged",
+        )
+    thresholds = {
+        "busy_pct": busy_pct,
+        "idle_memory_pct": idle_memory_pct,
+        "idle_power_fraction": idle_power_fraction,
+    }
     gpus: list[dict[str, Any]] = []
     incomplete: list[str] = []
     for r in readings:
-        gpus.append({"index": r.index, "gpu_pct": r.gpu_pct, "memory_pct": r.memory_pct,
-                     "power_w": r.power_w, "power_limit_w": r.power_limit_w})
+        gpus.append(
+            {
+                "index": r.index,
+                "gpu_pct": r.gpu_pct,
+                "memory_pct": r.memory_pct,
+                "power_w": r.power_w,
+                "power_limit_w": r.power_limit_w,
+            }
+        )
         missing = _missing_fields(r)
         if missing:
             why = f" ({'; '.join(r.errors)})" if r.errors else ""
             incomplete.append(f"GPU {r.index} did not report {', '.join(missing)}{why}")
     if incomplete:
         return Signal.unavailable(
-            "gpu_activity", "cannot judge GPU activity: " + "; ".join(incomplete),
-            gpus=gpus, **thresholds)
+            "gpu_activity",
+            "cannot judge GPU activity: " + "; ".join(incomplete),
+            gpus=gpus,
+            **thresholds,
+        )
     for r, gpu in zip(readings, gpus, strict=True):
         assert r.gpu_pct is not None and r.memory_pct is not None  # checked above
         assert r.power_w is not None and r.power_limit_w is not None
-        gpu["spinning"] = (r.gpu_pct >= busy_pct and r.memory_pct <= idle_memory_pct
-                           and r.power_w <= idle_power_fraction * r.power_limit_w)
+        gpu["spinning"] = (
+            r.gpu_pct >= busy_pct
+            and r.memory_pct <= idle_memory_pct
+            and r.power_w <= idle_power_fraction * r.power_limit_w
+        )
     spinning = [g for g in gpus if g["spinning"]]
     figures = {"gpus": gpus, **thresholds}
     if len(spinning) == len(gpus):
         worst = max(g["power_w"] / g["power_limit_w"] for g in gpus)
-        return Signal("gpu_activity", True, True,
-                      f"all {len(gpus)} GPU(s) of the process busy (utilization >= {busy_pct:g}%) "
-                      f"but near idle: memory <= {idle_memory_pct:g}%, power at most "
-                      f"{worst:.0%} of the limit: a kernel spinning on a peer", figures)
+        return Signal(
+            "gpu_activity",
+            True,
+            True,
+            f"all {len(gpus)} GPU(s) of the process busy (utilization >= {busy_pct:g}%) "
+            f"but near idle: memory <= {idle_memory_pct:g}%, power at most "
+            f"{worst:.0%} of the limit: a kernel spinning on a peer",
+            figures,
+        )
     working = [g for g in gpus if not g["spinning"]]
-    sample = ", ".join(f"GPU {g['index']} {g['gpu_pct']}% util, {g['memory_pct']}% memory, "
-                       f"{g['power_w']:.0f}/{g['power_limit_w']:.0f} W" for g in working[:3])
-    return Signal("gpu_activity", True, False,
-                  f"{len(working)} of {len(gpus)} GPU(s) not in the spin signature ({sample})",
-                  figures)
+    sample = ", ".join(
+        f"GPU {g['index']} {g['gpu_pct']}% util, {g['memory_pct']}% memory, "
+        f"{g['power_w']:.0f}/{g['power_limit_w']:.0f} W"
+        for g in working[:3]
+    )
+    return Signal(
+        "gpu_activity",
+        True,
+        False,
+        f"{len(working)} of {len(gpus)} GPU(s) not in the spin signature ({sample})",
+        figures,
+    )
 
 
 # -- RDMA port traffic ---------------------------------------------------------------------------
@@ -200,9 +238,13 @@ def read_port_counters(root: Path = rdma.SYSFS_ROOT) -> dict[str, tuple[int, int
     return found
 
 
-def rdma_traffic_signal(before: Mapping[str, tuple[int, int]],
-                        after: Mapping[str, tuple[int, int]], window_s: float, *,
-                        min_bytes: int = 0) -> Signal:
+def rdma_traffic_signal(
+    before: Mapping[str, tuple[int, int]],
+    after: Mapping[str, tuple[int, int]],
+    window_s: float,
+    *,
+    min_bytes: int = 0,
+) -> Signal:
     """The ``rdma_traffic`` signal from two :func:`read_port_counters` readings ``window_s`` apart.
 
     ``hang`` when no active port's sent or received data moved more than ``min_bytes`` over the
@@ -219,12 +261,17 @@ def rdma_traffic_signal(before: Mapping[str, tuple[int, int]],
     sharper.
     """
     if not before and not after:
-        return Signal.unavailable("rdma_traffic", "no active RDMA port in /sys/class/infiniband: "
-                                                  "the job's traffic cannot be watched here")
+        return Signal.unavailable(
+            "rdma_traffic",
+            "no active RDMA port in /sys/class/infiniband: "
+            "the job's traffic cannot be watched here",
+        )
     if window_s <= 0:
-        return Signal.unavailable("rdma_traffic", f"the two counter readings are {window_s:g} s "
-                                                  "apart: movement needs a positive window",
-                                  window_s=window_s)
+        return Signal.unavailable(
+            "rdma_traffic",
+            f"the two counter readings are {window_s:g} s apart: movement needs a positive window",
+            window_s=window_s,
+        )
     common = sorted(set(before) & set(after))
     changed = sorted(set(before) ^ set(after))
     ports: dict[str, dict[str, int | None]] = {}
@@ -234,8 +281,9 @@ def rdma_traffic_signal(before: Mapping[str, tuple[int, int]],
     watched = 0
     for key in common:
         ports[key] = {}
-        for name, label, old, new in zip(DATA_COUNTERS, ("xmit_bytes", "rcv_bytes"),
-                                         before[key], after[key], strict=True):
+        for name, label, old, new in zip(
+            DATA_COUNTERS, ("xmit_bytes", "rcv_bytes"), before[key], after[key], strict=True
+        ):
             if old == new == SATURATED_32:
                 saturated.append(f"{key} {name}")
                 ports[key][label] = None
@@ -255,22 +303,37 @@ def rdma_traffic_signal(before: Mapping[str, tuple[int, int]],
             figures[name] = items
     if not common:
         return Signal.unavailable(
-            "rdma_traffic", f"the active RDMA ports changed between the two readings "
-                            f"({', '.join(changed)}): no port to compare", **figures)
+            "rdma_traffic",
+            f"the active RDMA ports changed between the two readings "
+            f"({', '.join(changed)}): no port to compare",
+            **figures,
+        )
     if not watched:
         return Signal.unavailable(
-            "rdma_traffic", f"the data counters of {', '.join(common)} are saturated at "
-                            f"{SATURATED_32} (32-bit PortCounters stop there): reset them "
-                            "(`perfquery -R`, infiniband-diags) to watch traffic", **figures)
+            "rdma_traffic",
+            f"the data counters of {', '.join(common)} are saturated at "
+            f"{SATURATED_32} (32-bit PortCounters stop there): reset them "
+            "(`perfquery -R`, infiniband-diags) to watch traffic",
+            **figures,
+        )
     if moved:
         moving = sorted(set(moved))
-        return Signal("rdma_traffic", True, False,
-                      f"RDMA data moved in {window_s:g} s on {', '.join(moving)}"
-                      + (f" (counter reset: {', '.join(reset)})" if reset else ""), figures)
-    return Signal("rdma_traffic", True, True,
-                  f"no RDMA data moved (more than {min_bytes} B) in {window_s:g} s on any active "
-                  f"port ({', '.join(common)}): the job exchanges no data with its peers",
-                  figures)
+        return Signal(
+            "rdma_traffic",
+            True,
+            False,
+            f"RDMA data moved in {window_s:g} s on {', '.join(moving)}"
+            + (f" (counter reset: {', '.join(reset)})" if reset else ""),
+            figures,
+        )
+    return Signal(
+        "rdma_traffic",
+        True,
+        True,
+        f"no RDMA data moved (more than {min_bytes} B) in {window_s:g} s on any active "
+        f"port ({', '.join(common)}): the job exchanges no data with its peers",
+        figures,
+    )
 
 
 # -- log silence ---------------------------------------------------------------------------------
@@ -286,32 +349,54 @@ def log_silence_signal(path: str | None, *, now: float, silence_s: float) -> Sig
     ``silence_s`` has no default: how long a job may stay quiet is the job's to say.
     """
     if path is None:
-        return Signal.unavailable("log_silence", "no log file configured: set NODE_AGENT_TRAIN_LOG "
-                                                 "in the job's environment or "
-                                                 "Heartbeat(log_file=...)")
+        return Signal.unavailable(
+            "log_silence",
+            "no log file configured: set NODE_AGENT_TRAIN_LOG "
+            "in the job's environment or "
+            "Heartbeat(log_file=...)",
+        )
     if not os.path.isabs(path):  # relative to what? the job's cwd is not the agent's
-        return Signal.unavailable("log_silence", f"the job's log file {path!r} is not an "
-                                                 "absolute path: name it from /", path=path)
+        return Signal.unavailable(
+            "log_silence",
+            f"the job's log file {path!r} is not an absolute path: name it from /",
+            path=path,
+        )
     try:
         st = os.stat(path)
     except ValueError as err:  # a NUL byte, a lone surrogate: the user's text, not a path
-        return Signal.unavailable("log_silence", f"the job's log file {path!a} is not a path "
-                                                 f"the system can use ({err})", path=ascii(path))
+        return Signal.unavailable(
+            "log_silence",
+            f"the job's log file {path!a} is not a path the system can use ({err})",
+            path=ascii(path),
+        )
     except FileNotFoundError:
-        return Signal.unavailable("log_silence", f"the job's log file {path} does not exist "
-                                                 "(check NODE_AGENT_TRAIN_LOG / log_file)",
-                                  path=path)
+        return Signal.unavailable(
+            "log_silence",
+            f"the job's log file {path} does not exist (check NODE_AGENT_TRAIN_LOG / log_file)",
+            path=path,
+        )
     except OSError as err:
-        return Signal.unavailable("log_silence", f"cannot stat the job's log file {path}: "
-                                                 f"{err.strerror or err}", path=path)
+        return Signal.unavailable(
+            "log_silence",
+            f"cannot stat the job's log file {path}: {err.strerror or err}",
+            path=path,
+        )
     if stat.S_ISDIR(st.st_mode):
-        return Signal.unavailable("log_silence", f"the job's log file {path} is a directory: "
-                                                 "name the file the job writes", path=path)
+        return Signal.unavailable(
+            "log_silence",
+            f"the job's log file {path} is a directory: name the file the job writes",
+            path=path,
+        )
     silent_s = round(now - st.st_mtime, 1)
     figures = {"path": path, "silent_s": silent_s, "silence_s": silence_s}
     if silent_s > silence_s:
-        return Signal("log_silence", True, True,
-                      f"{path} not written for {silent_s:.0f} s (threshold {silence_s:g} s)",
-                      figures)
-    return Signal("log_silence", True, False, f"{path} written {max(silent_s, 0):.0f} s ago",
-                  figures)
+        return Signal(
+            "log_silence",
+            True,
+            True,
+            f"{path} not written for {silent_s:.0f} s (threshold {silence_s:g} s)",
+            figures,
+        )
+    return Signal(
+        "log_silence", True, False, f"{path} written {max(silent_s, 0):.0f} s ago", figures
+    )

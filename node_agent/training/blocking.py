@@ -67,12 +67,17 @@ OWN_REASON = frozenset({"data_loader", "checkpoint", "other"})
 _STDLIB = re.compile(r"(^|/)lib/python\d+(\.\d+)?/(?!site-packages/|dist-packages/)")
 _NATIVE_FILE = re.compile(r"\.so(\.[\d.]+)?$|\.dylib$")
 _ADDRESS = re.compile(r"^0x[0-9a-fA-F]+$")
-_NATIVE_COLLECTIVE = re.compile(r"^(c10d::|gloo::|nccl[A-Z_]|ncclKernel|ncclDevKernel)"
-                                r"|ProcessGroup(NCCL|Gloo|MPI|UCC)")
-_NATIVE_DEVICE = re.compile(r"^(cuda(Stream|Device|Event)Synchronize|cu(Stream|Ctx|Event)"
-                            r"Synchronize)")
-_MEGATRON_DDP = frozenset({"start_grad_sync", "finish_grad_sync", "start_param_sync",
-                           "finish_param_sync"})
+_NATIVE_COLLECTIVE = re.compile(
+    r"^(c10d::|gloo::|nccl[A-Z_]|ncclKernel|ncclDevKernel)"
+    r"|ProcessGroup(NCCL|Gloo|MPI|UCC)"
+)
+_NATIVE_DEVICE = re.compile(
+    r"^(cuda(Stream|Device|Event)Synchronize|cu(Stream|Ctx|Event)"
+    r"Synchronize)"
+)
+_MEGATRON_DDP = frozenset(
+    {"start_grad_sync", "finish_grad_sync", "start_param_sync", "finish_param_sync"}
+)
 
 
 @dataclass(frozen=True)
@@ -107,8 +112,12 @@ def is_native(frame: dict[str, Any]) -> bool:
     if path.endswith(".py"):
         return False
     # py-spy sets ``module`` (the shared object or executable) on native frames only
-    return bool(frame.get("module") or _NATIVE_FILE.search(path)
-                or _ADDRESS.match(str(frame.get("name", ""))) or frame.get("line") == 0)
+    return bool(
+        frame.get("module")
+        or _NATIVE_FILE.search(path)
+        or _ADDRESS.match(str(frame.get("name", "")))
+        or frame.get("line") == 0
+    )
 
 
 def _function(frame: dict[str, Any]) -> str:
@@ -130,8 +139,9 @@ def frame_kind(frame: dict[str, Any]) -> tuple[str, str] | None:
     if not path or path.startswith("<") or _STDLIB.search(path):
         return None  # the standard library and frozen modules: how it waits, not what for
     if "torch/distributed/" in path:
-        if "torch/distributed/elastic/" in path or path.endswith(("torch/distributed/run.py",
-                                                                  "torch/distributed/launch.py")):
+        if "torch/distributed/elastic/" in path or path.endswith(
+            ("torch/distributed/run.py", "torch/distributed/launch.py")
+        ):
             return "launcher", "torch.distributed.elastic / torchrun"
         if "torch/distributed/checkpoint/" in path:
             return "checkpoint", "torch.distributed.checkpoint"
@@ -148,9 +158,13 @@ def frame_kind(frame: dict[str, Any]) -> tuple[str, str] | None:
         return "checkpoint", "torch.save/load, safetensors"
     if "deepspeed/comm/" in path:
         return "collective", "DeepSpeed comm"
-    if path.endswith(("megatron/core/tensor_parallel/mappings.py",
-                      "megatron/core/pipeline_parallel/p2p_communication.py",
-                      "megatron/core/distributed/finalize_model_grads.py")):
+    if path.endswith(
+        (
+            "megatron/core/tensor_parallel/mappings.py",
+            "megatron/core/pipeline_parallel/p2p_communication.py",
+            "megatron/core/distributed/finalize_model_grads.py",
+        )
+    ):
         return "collective", "Megatron-Core communication"
     if "megatron/core/distributed/" in path and _function(frame) in _MEGATRON_DDP:
         return "collective", "Megatron-Core DDP grad/param sync"

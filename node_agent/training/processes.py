@@ -76,25 +76,25 @@ class TrainingProcess:
     """One training process, as found; ``None`` means "not known", never "zero"."""
 
     pid: int
-    start_ticks: int | None        # /proc/<pid>/stat field 22: clock ticks since boot
-    uid: int | None                # effective uid (the owner of files it creates)
-    cmdline: list[str]             # the first 20 arguments, each cut to 200 characters
-    rank: int | None               # RANK
-    local_rank: int | None         # LOCAL_RANK
-    world_size: int | None         # WORLD_SIZE
-    job: str | None                # slurm:<id> | torchelastic:<id> | pod:<name> | ppid:<pid>
-    job_source: str | None         # slurm | torchelastic | pod | ppid | argument (heartbeat)
+    start_ticks: int | None  # /proc/<pid>/stat field 22: clock ticks since boot
+    uid: int | None  # effective uid (the owner of files it creates)
+    cmdline: list[str]  # the first 20 arguments, each cut to 200 characters
+    rank: int | None  # RANK
+    local_rank: int | None  # LOCAL_RANK
+    world_size: int | None  # WORLD_SIZE
+    job: str | None  # slurm:<id> | torchelastic:<id> | pod:<name> | ppid:<pid>
+    job_source: str | None  # slurm | torchelastic | pod | ppid | argument (heartbeat)
     slurm_job_id: str | None
-    pod: str | None                # Kubernetes pod name
-    pod_namespace: str | None      # POD_NAMESPACE or KUBERNETES_NAMESPACE, when a pod
-    identity_source: str           # "environ" | "heartbeat" | "none"
-    gpus: tuple[int, ...]          # GPU indices NVML lists the pid on
+    pod: str | None  # Kubernetes pod name
+    pod_namespace: str | None  # POD_NAMESPACE or KUBERNETES_NAMESPACE, when a pod
+    identity_source: str  # "environ" | "heartbeat" | "none"
+    gpus: tuple[int, ...]  # GPU indices NVML lists the pid on
     heartbeat: dict[str, Any] | None  # its heartbeat record (heartbeat.read_heartbeats)
     heartbeat_path: str | None
-    log_file: str | None           # NODE_AGENT_TRAIN_LOG, else the heartbeat's "log_file"
-    parents: list[int]             # ancestor pids, nearest first, pid 1 left out
-    children: list[int]            # direct children (dataloader workers, ...)
-    sources: tuple[str, ...]       # subset of ("heartbeat", "nvml", "pid"): how it was found
+    log_file: str | None  # NODE_AGENT_TRAIN_LOG, else the heartbeat's "log_file"
+    parents: list[int]  # ancestor pids, nearest first, pid 1 left out
+    children: list[int]  # direct children (dataloader workers, ...)
+    sources: tuple[str, ...]  # subset of ("heartbeat", "nvml", "pid"): how it was found
     slurm_cgroup_job: str | None = None  # the Slurm job id in /proc/<pid>/cgroup (slurmd's)
     pod_uid: str | None = None  # the pod UID in /proc/<pid>/cgroup (the kubelet's kubepods)
 
@@ -108,8 +108,11 @@ class TrainingProcess:
             return False
         if self.job_source == "slurm":
             # the uid travels with the job to the adapter, which compares it with the job's owner
-            return (self.slurm_cgroup_job is not None and self.uid is not None
-                    and self.slurm_cgroup_job == self.slurm_job_id)
+            return (
+                self.slurm_cgroup_job is not None
+                and self.uid is not None
+                and self.slurm_cgroup_job == self.slurm_job_id
+            )
         if self.job_source == "pod":
             return self.pod_uid is not None
         return False  # torchelastic, ppid, argument: nothing but the user's word
@@ -132,15 +135,27 @@ class TrainingProcess:
         """JSON-friendly fields for a result's evidence: the heartbeat record is left out (its
         step data is reported on its own) and the command line is one string."""
         return {
-            "pid": self.pid, "start_ticks": self.start_ticks, "uid": self.uid,
-            "cmdline": " ".join(self.cmdline), "rank": self.rank, "local_rank": self.local_rank,
-            "world_size": self.world_size, "job": self.job, "job_source": self.job_source,
-            "slurm_job_id": self.slurm_job_id, "pod": self.pod,
-            "pod_namespace": self.pod_namespace, "identity_source": self.identity_source,
-            "gpus": list(self.gpus), "heartbeat_path": self.heartbeat_path,
-            "log_file": self.log_file, "parents": list(self.parents),
-            "children": list(self.children), "sources": list(self.sources),
-            "slurm_cgroup_job": self.slurm_cgroup_job, "pod_uid": self.pod_uid,
+            "pid": self.pid,
+            "start_ticks": self.start_ticks,
+            "uid": self.uid,
+            "cmdline": " ".join(self.cmdline),
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "world_size": self.world_size,
+            "job": self.job,
+            "job_source": self.job_source,
+            "slurm_job_id": self.slurm_job_id,
+            "pod": self.pod,
+            "pod_namespace": self.pod_namespace,
+            "identity_source": self.identity_source,
+            "gpus": list(self.gpus),
+            "heartbeat_path": self.heartbeat_path,
+            "log_file": self.log_file,
+            "parents": list(self.parents),
+            "children": list(self.children),
+            "sources": list(self.sources),
+            "slurm_cgroup_job": self.slurm_cgroup_job,
+            "pod_uid": self.pod_uid,
             "job_verified": self.job_verified,
         }
 
@@ -166,8 +181,9 @@ class Discovery:
 # -- /proc readings -------------------------------------------------------------------------------
 
 
-def alive(pid: int, expected_start_ticks: int | None = None,
-          proc_root: Path = Path("/proc")) -> bool:
+def alive(
+    pid: int, expected_start_ticks: int | None = None, proc_root: Path = Path("/proc")
+) -> bool:
     """The process runs: ``pid`` exists, is not a zombie, and (where both are known) started at
     ``expected_start_ticks`` — so a reused pid is not taken for the process that wrote a
     heartbeat. ``alive(rec["pid"], rec.get("start_ticks"))`` checks a heartbeat's writer."""
@@ -264,8 +280,9 @@ def slurm_job_of_cgroup(path: Path, roots: Sequence[str], uid: int | None) -> st
     for pattern in roots:
         root = Path(pattern).parts
         if len(parts) <= len(root) or not all(
-                fnmatch.fnmatchcase(have, want) for have, want in zip(parts[:len(root)], root,
-                                                                     strict=True)):
+            fnmatch.fnmatchcase(have, want)
+            for have, want in zip(parts[: len(root)], root, strict=True)
+        ):
             continue
         depth = len(root)
         level = _UID_DIR.fullmatch(parts[depth])
@@ -282,9 +299,14 @@ def slurm_job_of_cgroup(path: Path, roots: Sequence[str], uid: int | None) -> st
     return None
 
 
-def read_slurm_cgroup_job(pid: int, proc_root: Path = Path("/proc"), *,
-                          uid: int | None = None, roots: Sequence[str] | None = None,
-                          cgroup_fs: Path = CGROUP_FS) -> str | None:
+def read_slurm_cgroup_job(
+    pid: int,
+    proc_root: Path = Path("/proc"),
+    *,
+    uid: int | None = None,
+    roots: Sequence[str] | None = None,
+    cgroup_fs: Path = CGROUP_FS,
+) -> str | None:
     """The job id of the Slurm cgroup holding ``pid``, from ``<proc_root>/<pid>/cgroup``; None
     outside one, or when the hierarchies disagree.
 
@@ -346,8 +368,11 @@ def read_pod_uid(pid: int, proc_root: Path = Path("/proc")) -> str | None:
         text = (proc_root / str(pid) / "cgroup").read_text(errors="replace")
     except OSError:
         return None
-    uids = {uid for line in text.splitlines()
-            if (uid := _pod_uid_of_path(line.split(":", 2)[-1])) is not None}
+    uids = {
+        uid
+        for line in text.splitlines()
+        if (uid := _pod_uid_of_path(line.split(":", 2)[-1])) is not None
+    }
     return uids.pop() if len(uids) == 1 else None
 
 
@@ -365,10 +390,16 @@ def read_cmdline(pid: int, proc_root: Path = Path("/proc")) -> list[str]:
 # -- discovery ------------------------------------------------------------------------------------
 
 
-def discover(spool_dir: Path, gpus: Sequence[GpuDevice] | None = None,
-             pids: Sequence[int] | None = None, proc_root: Path = Path("/proc"), *,
-             slurm_cgroup_roots: Sequence[str] | None = None, cgroup_fs: Path = CGROUP_FS,
-             make_user_dirs: bool | None = None) -> Discovery:
+def discover(
+    spool_dir: Path,
+    gpus: Sequence[GpuDevice] | None = None,
+    pids: Sequence[int] | None = None,
+    proc_root: Path = Path("/proc"),
+    *,
+    slurm_cgroup_roots: Sequence[str] | None = None,
+    cgroup_fs: Path = CGROUP_FS,
+    make_user_dirs: bool | None = None,
+) -> Discovery:
     """Find this node's training processes (see the module docstring).
 
     ``spool_dir``: the heartbeat spool; ``gpus``: devices whose NVML compute processes count as
@@ -410,15 +441,35 @@ def discover(spool_dir: Path, gpus: Sequence[GpuDevice] | None = None,
     tree = _ProcessTree()
     cgroups = _CgroupReading(slurm_cgroup_roots, cgroup_fs)
     for pid in candidates:
-        sources = tuple(s for s, hit in ((HEARTBEAT, pid in beats), (NVML, pid in on_gpus),
-                                         (PID, wanted is not None)) if hit)
-        found = _inspect(pid, sources, beats.get(pid), on_gpus.get(pid, ()), tree, proc_root,
-                         out.problems, cgroups)
+        sources = tuple(
+            s
+            for s, hit in (
+                (HEARTBEAT, pid in beats),
+                (NVML, pid in on_gpus),
+                (PID, wanted is not None),
+            )
+            if hit
+        )
+        found = _inspect(
+            pid,
+            sources,
+            beats.get(pid),
+            on_gpus.get(pid, ()),
+            tree,
+            proc_root,
+            out.problems,
+            cgroups,
+        )
         if found is not None:
             out.processes.append(found)
         elif wanted is not None:
-            out.problems.append((f"pid:{pid}", f"pid {pid} was asked for but is not running "
-                                               "(or is a zombie): nothing to inspect"))
+            out.problems.append(
+                (
+                    f"pid:{pid}",
+                    f"pid {pid} was asked for but is not running "
+                    "(or is a zombie): nothing to inspect",
+                )
+            )
     return out
 
 
@@ -430,8 +481,12 @@ class _CgroupReading:
     cgroup_fs: Path
 
 
-def _make_user_dirs(spool_dir: Path, on_gpus: dict[int, set[int]],
-                    live: dict[int, list[SpoolFile]], problems: list[tuple[str, str]]) -> None:
+def _make_user_dirs(
+    spool_dir: Path,
+    on_gpus: dict[int, set[int]],
+    live: dict[int, list[SpoolFile]],
+    problems: list[tuple[str, str]],
+) -> None:
     """Each uid that runs a GPU process, or wrote a live heartbeat outside its own directory
     (its directory's name was squatted), gets its own heartbeat directory."""
     uids = set()
@@ -454,18 +509,27 @@ def _nvml_pids(gpus: Sequence[GpuDevice], problems: list[tuple[str, str]]) -> di
         try:
             listed = dev.compute_processes()
         except GpuError as err:
-            problems.append((f"gpu:{dev.index}", f"cannot list the compute processes on GPU "
-                             f"{dev.index} ({type(err).__name__}: {err}); training processes "
-                             "on it are found only from heartbeats or given pids"))
+            problems.append(
+                (
+                    f"gpu:{dev.index}",
+                    f"cannot list the compute processes on GPU "
+                    f"{dev.index} ({type(err).__name__}: {err}); training processes "
+                    "on it are found only from heartbeats or given pids",
+                )
+            )
             continue
         for proc in listed:
             on_gpus.setdefault(proc.pid, set()).add(dev.index)
     return on_gpus
 
 
-def _drop_invisible(candidates: list[int], on_gpus: dict[int, set[int]],
-                    gpus: Sequence[GpuDevice], proc_root: Path,
-                    problems: list[tuple[str, str]]) -> None:
+def _drop_invisible(
+    candidates: list[int],
+    on_gpus: dict[int, set[int]],
+    gpus: Sequence[GpuDevice],
+    proc_root: Path,
+    problems: list[tuple[str, str]],
+) -> None:
     """Remove NVML pids /proc does not show. A pid NVML still lists when asked again (so a
     process that just exited is not blamed) means the agent sees another PID namespace."""
     missing = [p for p in candidates if p in on_gpus and not (proc_root / str(p)).exists()]
@@ -476,9 +540,14 @@ def _drop_invisible(candidates: list[int], on_gpus: dict[int, set[int]],
         candidates.remove(pid)
         if pid in again and not (proc_root / str(pid)).exists():
             where = ", ".join(f"gpu:{k}" for k in sorted(on_gpus[pid]))
-            problems.append((f"pid:{pid}", f"pid {pid} uses {where} but is not visible in "
-                             f"{proc_root} (the agent runs in another PID namespace: give it "
-                             "the host's, hostPID: true in Kubernetes, --pid=host in Docker)"))
+            problems.append(
+                (
+                    f"pid:{pid}",
+                    f"pid {pid} uses {where} but is not visible in "
+                    f"{proc_root} (the agent runs in another PID namespace: give it "
+                    "the host's, hostPID: true in Kubernetes, --pid=host in Docker)",
+                )
+            )
 
 
 class _ProcessTree:
@@ -519,10 +588,16 @@ def _effective_uid(proc: psutil.Process) -> int | None:
         return None
 
 
-def _inspect(pid: int, sources: tuple[str, ...], beat: tuple[Path, dict[str, Any]] | None,
-             gpus: Collection[int], tree: _ProcessTree, proc_root: Path,
-             problems: list[tuple[str, str]],
-             cgroups: _CgroupReading | None = None) -> TrainingProcess | None:
+def _inspect(
+    pid: int,
+    sources: tuple[str, ...],
+    beat: tuple[Path, dict[str, Any]] | None,
+    gpus: Collection[int],
+    tree: _ProcessTree,
+    proc_root: Path,
+    problems: list[tuple[str, str]],
+    cgroups: _CgroupReading | None = None,
+) -> TrainingProcess | None:
     """One candidate as a TrainingProcess; None when it is not running (any more)."""
     try:
         proc = psutil.Process(pid)
@@ -550,46 +625,77 @@ def _inspect(pid: int, sources: tuple[str, ...], beat: tuple[Path, dict[str, Any
         identity["pod_namespace"] = record.get("pod_namespace")
     else:
         identity, source = {k: None for k in (*_IDENTITY_KEYS, "pod_namespace")}, "none"
-        problems.append((f"pid:{pid}", f"pid {pid}: cannot read {proc_root}/{pid}/environ "
-                         f"({env_error}) and no trusted heartbeat names it, so its rank and job "
-                         f"are unknown: {_PRIVILEGE_ADVICE}"))
+        problems.append(
+            (
+                f"pid:{pid}",
+                f"pid {pid}: cannot read {proc_root}/{pid}/environ "
+                f"({env_error}) and no trusted heartbeat names it, so its rank and job "
+                f"are unknown: {_PRIVILEGE_ADVICE}",
+            )
+        )
     log_file = (env or {}).get("NODE_AGENT_TRAIN_LOG") or (record or {}).get("log_file")
     if log_file:
         try:
-            check_log_file(log_file, f"pid {pid}'s log file (NODE_AGENT_TRAIN_LOG or its "
-                                     "heartbeat's log_file)")
+            check_log_file(
+                log_file, f"pid {pid}'s log file (NODE_AGENT_TRAIN_LOG or its heartbeat's log_file)"
+            )
         except ValueError as err:
-            problems.append((f"pid:{pid}", f"{err}: not read, so the log-silence signal is "
-                             "unavailable for it; give an absolute path"))
+            problems.append(
+                (
+                    f"pid:{pid}",
+                    f"{err}: not read, so the log-silence signal is "
+                    "unavailable for it; give an absolute path",
+                )
+            )
             log_file = None
     cgroups = cgroups or _CgroupReading(None, CGROUP_FS)
     return TrainingProcess(
-        pid=pid, start_ticks=ticks, uid=uid, cmdline=read_cmdline(pid, proc_root),
-        rank=identity["rank"], local_rank=identity["local_rank"],
-        world_size=identity["world_size"], job=identity["job"],
-        job_source=identity["job_source"], slurm_job_id=identity["slurm_job_id"],
-        pod=identity["pod"], pod_namespace=identity["pod_namespace"], identity_source=source,
-        gpus=tuple(sorted(gpus)), heartbeat=record,
+        pid=pid,
+        start_ticks=ticks,
+        uid=uid,
+        cmdline=read_cmdline(pid, proc_root),
+        rank=identity["rank"],
+        local_rank=identity["local_rank"],
+        world_size=identity["world_size"],
+        job=identity["job"],
+        job_source=identity["job_source"],
+        slurm_job_id=identity["slurm_job_id"],
+        pod=identity["pod"],
+        pod_namespace=identity["pod_namespace"],
+        identity_source=source,
+        gpus=tuple(sorted(gpus)),
+        heartbeat=record,
         heartbeat_path=None if path is None else str(path),
-        log_file=str(log_file) if log_file else None, parents=tree.parents(ppid),
-        children=tree.children(pid), sources=sources,
-        slurm_cgroup_job=read_slurm_cgroup_job(pid, proc_root, uid=uid, roots=cgroups.roots,
-                                               cgroup_fs=cgroups.cgroup_fs),
-        pod_uid=pod_uid)
+        log_file=str(log_file) if log_file else None,
+        parents=tree.parents(ppid),
+        children=tree.children(pid),
+        sources=sources,
+        slurm_cgroup_job=read_slurm_cgroup_job(
+            pid, proc_root, uid=uid, roots=cgroups.roots, cgroup_fs=cgroups.cgroup_fs
+        ),
+        pod_uid=pod_uid,
+    )
 
 
-def _identity_from_environ(env: dict[str, str], ppid: int, record: dict[str, Any] | None,
-                           pod_uid: str | None = None) -> dict[str, Any]:
+def _identity_from_environ(
+    env: dict[str, str], ppid: int, record: dict[str, Any] | None, pod_uid: str | None = None
+) -> dict[str, Any]:
     """identity_from_env's fields plus ``pod_namespace``. Where the environment is silent and
     the process's own (trusted) heartbeat says more — ranks passed as arguments, as with
     ``mp.spawn``, or ``Heartbeat(job=...)`` — the heartbeat's value is kept. In a pod the
     kernel vouches for (``pod_uid``), the pod is the job even under torchrun: the pod is what
     Kubernetes restarts, and a torchelastic run id has no witness."""
     identity = identity_from_env(env, ppid=ppid)
-    identity["pod_namespace"] = (env.get("POD_NAMESPACE") or env.get("KUBERNETES_NAMESPACE")
-                                 or None) if identity["pod"] else None
-    if pod_uid is not None and identity["pod"] and identity["job_source"] in ("torchelastic",
-                                                                             "ppid"):
+    identity["pod_namespace"] = (
+        (env.get("POD_NAMESPACE") or env.get("KUBERNETES_NAMESPACE") or None)
+        if identity["pod"]
+        else None
+    )
+    if (
+        pod_uid is not None
+        and identity["pod"]
+        and identity["job_source"] in ("torchelastic", "ppid")
+    ):
         identity["job"], identity["job_source"] = f"pod:{identity['pod']}", "pod"
     if identity["job_source"] == "pod" and identity["pod_namespace"] and "/" not in identity["pod"]:
         identity["job"] = f"pod:{identity['pod_namespace']}/{identity['pod']}"
@@ -602,8 +708,9 @@ def _identity_from_environ(env: dict[str, str], ppid: int, record: dict[str, Any
     return identity
 
 
-def _trusted_heartbeat(pid: int, uid: int | None, beats: list[SpoolFile],
-                       problems: list[tuple[str, str]]) -> tuple[Path, dict[str, Any]] | None:
+def _trusted_heartbeat(
+    pid: int, uid: int | None, beats: list[SpoolFile], problems: list[tuple[str, str]]
+) -> tuple[Path, dict[str, Any]] | None:
     """The heartbeat that may speak for ``pid``: one owned by the process's own uid (root's
     file for root's processes only: a root-owned file must not vouch for another user's pid).
 
@@ -617,15 +724,26 @@ def _trusted_heartbeat(pid: int, uid: int | None, beats: list[SpoolFile],
             trusted.append((path, record))
             continue
         runs_as = "an unknown uid" if uid is None else f"uid {uid}"
-        problems.append((f"pid:{pid}", f"heartbeat file {path} claims pid {pid} but is owned by "
-                         f"uid {owner} while pid {pid} runs as {runs_as}: ignored, since any "
-                         "training user can write the spool; remove the file, and beat from "
-                         "the training process itself (node_agent.heartbeat.Heartbeat)"))
+        problems.append(
+            (
+                f"pid:{pid}",
+                f"heartbeat file {path} claims pid {pid} but is owned by "
+                f"uid {owner} while pid {pid} runs as {runs_as}: ignored, since any "
+                "training user can write the spool; remove the file, and beat from "
+                "the training process itself (node_agent.heartbeat.Heartbeat)",
+            )
+        )
     if not trusted:
         return None
-    trusted.sort(key=lambda b: (b[0].stem == str(pid), float(b[1].get("step_at") or 0)),
-                 reverse=True)
+    trusted.sort(
+        key=lambda b: (b[0].stem == str(pid), float(b[1].get("step_at") or 0)), reverse=True
+    )
     for path, _ in trusted[1:]:
-        problems.append((f"pid:{pid}", f"heartbeat files {trusted[0][0]} and {path} both claim "
-                         f"pid {pid}; using {trusted[0][0]}: remove the other"))
+        problems.append(
+            (
+                f"pid:{pid}",
+                f"heartbeat files {trusted[0][0]} and {path} both claim "
+                f"pid {pid}; using {trusted[0][0]}: remove the other",
+            )
+        )
     return trusted[0]

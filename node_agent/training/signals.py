@@ -34,5 +34,9 @@ class Signal:
         return cls(name, False, False, reason, dict(figures))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"available": self.available, "hang": self.hang, "detail": self.detail,
-                **self.figures}
+        return {
+            "available": self.available,
+            "hang": self.hang,
+            "detail": self.detail,
+            **self.figures,
+        }

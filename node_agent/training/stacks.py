@@ -36,17 +36,21 @@ from node_agent import proc
 from node_agent.training.blocking import Blocked, classify
 from node_agent.training.signals import Signal
 
-PY_SPY_TIMEOUT_S = 10.0    # cap of one nonblocking sample (tens of ms; bench_hang.py)
-BLOCKING_TIMEOUT_S = 5.0   # cap of one call that stops the process (--native, or a retry)
-MIN_CALL_S = 0.5           # no call starts with less of the deadline left
-MAX_CALLS = 64             # py-spy calls per run (param stack_max_calls): 8 ranks x 3 samples
-                           # + natives fit twice over
-MAX_WORKERS = 16           # py-spy calls in flight at once, shared between uids
-JOIN_MARGIN_S = 2.0        # past the deadline, what a py-spy's kill may take before it is left
-PY_SPY_MISSING = (f"py-spy is not installed, though node-agent depends on it: {sys.executable} -m pip "
-                  "install 'py-spy>=0.3.14' (or put py-spy on the agent's PATH)")
-PTRACE_FIX = ("py-spy needs ptrace permission: run the agent as root or with CAP_SYS_PTRACE, "
-              "or set kernel.yama.ptrace_scope=0")
+PY_SPY_TIMEOUT_S = 10.0  # cap of one nonblocking sample (tens of ms; bench_hang.py)
+BLOCKING_TIMEOUT_S = 5.0  # cap of one call that stops the process (--native, or a retry)
+MIN_CALL_S = 0.5  # no call starts with less of the deadline left
+MAX_CALLS = 64  # py-spy calls per run (param stack_max_calls): 8 ranks x 3 samples
+# + natives fit twice over
+MAX_WORKERS = 16  # py-spy calls in flight at once, shared between uids
+JOIN_MARGIN_S = 2.0  # past the deadline, what a py-spy's kill may take before it is left
+PY_SPY_MISSING = (
+    f"py-spy is not installed, though node-agent depends on it: {sys.executable} -m pip "
+    "install 'py-spy>=0.3.14' (or put py-spy on the agent's PATH)"
+)
+PTRACE_FIX = (
+    "py-spy needs ptrace permission: run the agent as root or with CAP_SYS_PTRACE, "
+    "or set kernel.yama.ptrace_scope=0"
+)
 MAX_FRAMES = 20
 
 
@@ -80,8 +84,9 @@ def in_collective(frames: list[dict[str, Any]]) -> bool:
     return classify(frames).waits_on_peers
 
 
-def dump_once(py_spy: str, pid: int, timeout_s: float, native: bool = False,
-              nonblocking: bool = False) -> list[dict[str, Any]] | str:
+def dump_once(
+    py_spy: str, pid: int, timeout_s: float, native: bool = False, nonblocking: bool = False
+) -> list[dict[str, Any]] | str:
     """One sample: the main thread's frames, innermost first; or why there is none.
 
     ``native`` adds the C/C++ frames (``py-spy dump --native``), where ``c10d::Work::wait``
@@ -119,14 +124,16 @@ class _Budget:
     flight, so a uid whose processes keep py-spy waiting holds only its own lanes, never
     another uid's."""
 
-    def __init__(self, quota: dict[Any, int], width: int, deadline: float,
-                 clock: Callable[[], float]) -> None:
+    def __init__(
+        self, quota: dict[Any, int], width: int, deadline: float, clock: Callable[[], float]
+    ) -> None:
         self.quota, self.deadline, self.clock = dict(quota), deadline, clock
         self.lanes = {uid: threading.BoundedSemaphore(width) for uid in quota}
         self.lock = threading.Lock()
 
-    def call(self, uid: Any, fn: Dump, py_spy: str, pid: int,
-             cap_s: float) -> list[dict[str, Any]] | str | None:
+    def call(
+        self, uid: Any, fn: Dump, py_spy: str, pid: int, cap_s: float
+    ) -> list[dict[str, Any]] | str | None:
         """One py-spy call within the uid's quota and what is left of the deadline (never more
         than ``cap_s``); None when neither allows one."""
         with self.lanes[uid]:
@@ -139,17 +146,28 @@ class _Budget:
 
     def why_not(self, uid: Any) -> str:
         if self.quota[uid] <= 0:
-            return (f"uid {uid}'s share of this run's py-spy calls is spent "
-                    "(stack_max_calls, shared equally between the uids sampled)")
+            return (
+                f"uid {uid}'s share of this run's py-spy calls is spent "
+                "(stack_max_calls, shared equally between the uids sampled)"
+            )
         return "the check's sampling deadline came first"
 
 
-def sample_stacks(py_spy: str | None, pids: Sequence[int], samples: int, interval_s: float,
-                  deadline: float, *, sleep: Callable[[float], None] = time.sleep,
-                  dump: Dump | None = None, native_dump: Dump | None = None,
-                  uids: Mapping[int, Any] | None = None, max_calls: int = MAX_CALLS,
-                  workers: int = MAX_WORKERS,
-                  clock: Callable[[], float] = time.monotonic) -> dict[int, Signal]:
+def sample_stacks(
+    py_spy: str | None,
+    pids: Sequence[int],
+    samples: int,
+    interval_s: float,
+    deadline: float,
+    *,
+    sleep: Callable[[float], None] = time.sleep,
+    dump: Dump | None = None,
+    native_dump: Dump | None = None,
+    uids: Mapping[int, Any] | None = None,
+    max_calls: int = MAX_CALLS,
+    workers: int = MAX_WORKERS,
+    clock: Callable[[], float] = time.monotonic,
+) -> dict[int, Signal]:
     """The ``stack`` signal of each pid from ``samples`` samples ``interval_s`` apart.
 
     ``hang`` is True when every sample of the process's main thread is the same (names, files
@@ -189,16 +207,24 @@ def sample_stacks(py_spy: str | None, pids: Sequence[int], samples: int, interva
     per_pid = max(1, samples)
     owner = {pid: (uids or {}).get(pid) for pid in pids}
     chosen, skipped = _choose(list(pids), owner, per_pid, max_calls)
-    out: dict[int, Signal] = {pid: Signal.unavailable(
-        "stack", f"not sampled: uid {owner[pid]}'s share of this run's {max_calls} py-spy calls "
-        f"went to {n} other process(es) of that uid (stack_max_calls, shared equally between "
-        "uids)", not_sampled="budget", uid=owner[pid]) for pid, n in skipped.items()}
+    out: dict[int, Signal] = {
+        pid: Signal.unavailable(
+            "stack",
+            f"not sampled: uid {owner[pid]}'s share of this run's {max_calls} py-spy calls "
+            f"went to {n} other process(es) of that uid (stack_max_calls, shared equally between "
+            "uids)",
+            not_sampled="budget",
+            uid=owner[pid],
+        )
+        for pid, n in skipped.items()
+    }
     if not chosen:
         return out
     groups = list(dict.fromkeys(owner[pid] for pid in chosen))
     spare = max(0, max_calls - per_pid * len(chosen))
-    quota = {uid: per_pid * sum(owner[p] == uid for p in chosen) + spare // len(groups)
-             for uid in groups}
+    quota = {
+        uid: per_pid * sum(owner[p] == uid for p in chosen) + spare // len(groups) for uid in groups
+    }
     budget = _Budget(quota, max(1, workers // len(groups)), deadline, clock)
     start = clock()
 
@@ -215,10 +241,12 @@ def sample_stacks(py_spy: str | None, pids: Sequence[int], samples: int, interva
             if got is None:
                 if not taken:
                     return Signal.unavailable(
-                        "stack", f"not sampled: {budget.why_not(uid)} "
+                        "stack",
+                        f"not sampled: {budget.why_not(uid)} "
                         f"({clock() - start:.1f} s into sampling)",
                         not_sampled="deadline" if budget.quota[uid] > 0 else "budget",
-                        uid=uid)
+                        uid=uid,
+                    )
                 break
             if isinstance(got, str):
                 return Signal.unavailable("stack", got, samples_taken=len(taken))
@@ -238,9 +266,16 @@ def sample_stacks(py_spy: str | None, pids: Sequence[int], samples: int, interva
     end = deadline + JOIN_MARGIN_S
     for t in threads:
         t.join(max(0.0, end - clock()))
-        out[t.pid] = t.result if t.result is not None else Signal.unavailable(
-            "stack", "not sampled: py-spy did not return by the sampling deadline",
-            not_sampled="deadline", uid=owner[t.pid])
+        out[t.pid] = (
+            t.result
+            if t.result is not None
+            else Signal.unavailable(
+                "stack",
+                "not sampled: py-spy did not return by the sampling deadline",
+                not_sampled="deadline",
+                uid=owner[t.pid],
+            )
+        )
     return {pid: out[pid] for pid in pids}
 
 
@@ -257,8 +292,9 @@ class _Worker(threading.Thread):
         self.result = self.fn(self.pid)
 
 
-def _choose(pids: list[int], owner: Mapping[int, Any], per_pid: int,
-            max_calls: int) -> tuple[list[int], dict[int, int]]:
+def _choose(
+    pids: list[int], owner: Mapping[int, Any], per_pid: int, max_calls: int
+) -> tuple[list[int], dict[int, int]]:
     """The pids to sample, taken in turn from each uid (in the order given) while their
     ``per_pid`` calls fit in ``max_calls``; and the others, each with how many of its uid's
     processes were sampled."""
@@ -281,8 +317,10 @@ def _stuck(samples: list[list[dict[str, Any]]]) -> bool:
     return len(samples) > 1 and all(k == keys[0] for k in keys) and bool(samples[-1])
 
 
-def _blocked(last: list[dict[str, Any]], native: list[dict[str, Any]] | str | None,
-             ) -> tuple[Blocked, str | None]:
+def _blocked(
+    last: list[dict[str, Any]],
+    native: list[dict[str, Any]] | str | None,
+) -> tuple[Blocked, str | None]:
     """What the last sample waits in, refined by a native sample; and a note on the latter."""
     blocked = classify(last)
     if native is None:
@@ -295,8 +333,11 @@ def _blocked(last: list[dict[str, Any]], native: list[dict[str, Any]] | str | No
     return blocked, "native frames name no collective or GPU wait"
 
 
-def _signal(samples: list[list[dict[str, Any]]],
-            native: list[dict[str, Any]] | str | None = None, cut: bool = False) -> Signal:
+def _signal(
+    samples: list[list[dict[str, Any]]],
+    native: list[dict[str, Any]] | str | None = None,
+    cut: bool = False,
+) -> Signal:
     if not samples:
         return Signal.unavailable("stack", "no time left in the check's timeout to sample")
     keys = [[(f.get("name"), f.get("filename"), f.get("line")) for f in s] for s in samples]
@@ -304,17 +345,25 @@ def _signal(samples: list[list[dict[str, Any]]],
     last = samples[-1]
     stuck_in = frame_text(last[0]) if identical and last else None
     blocked, native_note = _blocked(last, native)
-    detail = (f"the same stack in {len(samples)} samples, stuck in {stuck_in}" if stuck_in
-              else f"the stack changed between {len(samples)} samples" if len(samples) > 1
-              else "one sample only: cannot tell whether the stack moves")
+    detail = (
+        f"the same stack in {len(samples)} samples, stuck in {stuck_in}"
+        if stuck_in
+        else f"the stack changed between {len(samples)} samples"
+        if len(samples) > 1
+        else "one sample only: cannot tell whether the stack moves"
+    )
     if stuck_in:
         detail += f"; blocked in {blocked.kind.replace('_', ' ')} ({blocked.via})"
     if cut:
         detail += " (sampling cut short by the check's deadline or its py-spy budget)"
     figures: dict[str, Any] = {
-        "samples": len(samples), "identical": identical, "stuck_in": stuck_in,
-        "in_collective": blocked.waits_on_peers, "blocked_in": blocked.to_dict(),
-        "frames": [frame_text(f) for f in last[:MAX_FRAMES]]}
+        "samples": len(samples),
+        "identical": identical,
+        "stuck_in": stuck_in,
+        "in_collective": blocked.waits_on_peers,
+        "blocked_in": blocked.to_dict(),
+        "frames": [frame_text(f) for f in last[:MAX_FRAMES]],
+    }
     if native is not None:
         figures["native_sample"] = native_note or "used"
     return Signal("stack", True, identical and bool(last), detail, figures)

@@ -36,8 +36,13 @@ def process_key(pid: int, start_ticks: int | None) -> str:
 class HangState:
     """Load with :meth:`load`, change ``processes[key]`` dicts, then :meth:`save` (atomic)."""
 
-    def __init__(self, directory: Path, processes: dict[str, dict[str, Any]] | None = None,
-                 problem: str | None = None, bad_files: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        processes: dict[str, dict[str, Any]] | None = None,
+        problem: str | None = None,
+        bad_files: dict[str, str] | None = None,
+    ) -> None:
         self.directory = directory
         self.processes = processes or {}
         self.problem = problem  # set when the file on disk could not be used
@@ -52,24 +57,34 @@ class HangState:
         path = directory / "state.json"
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-            if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(
-                    data.get("processes"), dict):
+            if (
+                not isinstance(data, dict)
+                or data.get("schema") != SCHEMA
+                or not isinstance(data.get("processes"), dict)
+            ):
                 raise ValueError(f"not a {SCHEMA} file")
             bad = data.get("bad_files")
-            return cls(directory, {k: v for k, v in data["processes"].items()
-                                   if isinstance(v, dict)},
-                       bad_files={str(k): str(v) for k, v in bad.items()}
-                       if isinstance(bad, dict) else None)
+            return cls(
+                directory,
+                {k: v for k, v in data["processes"].items() if isinstance(v, dict)},
+                bad_files={str(k): str(v) for k, v in bad.items()}
+                if isinstance(bad, dict)
+                else None,
+            )
         except FileNotFoundError:
             return cls(directory)
         except (OSError, ValueError) as err:
             aside = path.with_name(f"state.json.corrupt-{int(now)}")
             with contextlib.suppress(OSError):
                 os.replace(path, aside)
-            return cls(directory, problem=(
-                f"hang state {path} was unreadable ({type(err).__name__}: {err}); moved to "
-                f"{aside.name} and started afresh: signals that must hold across runs start "
-                "counting again"))
+            return cls(
+                directory,
+                problem=(
+                    f"hang state {path} was unreadable ({type(err).__name__}: {err}); moved to "
+                    f"{aside.name} and started afresh: signals that must hold across runs start "
+                    "counting again"
+                ),
+            )
 
     def keep_only(self, keys: set[str]) -> None:
         """Forget processes that are gone."""
@@ -79,14 +94,14 @@ class HangState:
         """Of this run's unusable spool files, those not reported before with the same reason;
         names no longer unusable are forgotten (a file fixed and broken again is new)."""
         now = {path.name: (path, reason) for path, reason in found}
-        fresh = [item for name, item in sorted(now.items())
-                 if self.bad_files.get(name) != item[1]]
+        fresh = [item for name, item in sorted(now.items()) if self.bad_files.get(name) != item[1]]
         self.bad_files = {name: reason for name, (_, reason) in now.items()}
         return fresh
 
     def save(self) -> None:
-        write_json(self.path, {"schema": SCHEMA, "processes": self.processes,
-                               "bad_files": self.bad_files})
+        write_json(
+            self.path, {"schema": SCHEMA, "processes": self.processes, "bad_files": self.bad_files}
+        )
 
     def write_evidence(self, job: str | None, now: float, evidence: dict[str, Any]) -> Path:
         """One hang episode of one job as ``evidence/<UTC time>-<job>.json``; returns the path."""
@@ -99,4 +114,3 @@ class HangState:
             with contextlib.suppress(OSError):
                 stale.unlink()
         return path
-

@@ -24,19 +24,20 @@ from node_agent.training.signals import Signal
 class Thresholds:
     """The check's params (see docs/training_hangs.md for the reason behind each default)."""
 
-    stall_after_s: float = 30.0       # no step this long: the heartbeat signal says hang
-    hang_after_s: float = 300.0       # no step this long: a hang on the heartbeat alone
-    hang_step_multiple: float = 5.0   # ... and never before 5 of the process's own steps
-    agree: int = 2                    # signals that must agree to suspect a hang sooner
-    confirm_s: float = 20.0           # processes without heartbeats: agreement held this long
-    straggler_ratio: float = 2.0      # issue 10: "a rank 2x slower than its peers"
-    straggler_for_s: float = 30.0     # ... persistently: for this long
+    stall_after_s: float = 30.0  # no step this long: the heartbeat signal says hang
+    hang_after_s: float = 300.0  # no step this long: a hang on the heartbeat alone
+    hang_step_multiple: float = 5.0  # ... and never before 5 of the process's own steps
+    agree: int = 2  # signals that must agree to suspect a hang sooner
+    confirm_s: float = 20.0  # processes without heartbeats: agreement held this long
+    straggler_ratio: float = 2.0  # issue 10: "a rank 2x slower than its peers"
+    straggler_for_s: float = 30.0  # ... persistently: for this long
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> Thresholds:
         known = {f.name: f.type for f in fields(cls)}
-        return cls(**{k: (int(v) if k == "agree" else float(v))
-                      for k, v in params.items() if k in known})
+        return cls(
+            **{k: (int(v) if k == "agree" else float(v)) for k, v in params.items() if k in known}
+        )
 
 
 def heartbeat_signal(record: Mapping[str, Any] | None, now: float, th: Thresholds) -> Signal:
@@ -45,43 +46,67 @@ def heartbeat_signal(record: Mapping[str, Any] | None, now: float, th: Threshold
     Figures: ``age_s`` (since the last step), ``stall_after_s`` and ``hang_after_s`` (both
     raised to ``hang_step_multiple`` x the process's own step time), ``pause`` when declared."""
     if record is None:
-        return Signal.unavailable("heartbeat", "the process writes no heartbeats "
-                                               "(node_agent.heartbeat)")
+        return Signal.unavailable(
+            "heartbeat", "the process writes no heartbeats (node_agent.heartbeat)"
+        )
     age = max(0.0, now - float(record["step_at"]))
     own = th.hang_step_multiple * float(record.get("step_time_s") or 0.0)
     stall, alone = max(th.stall_after_s, own), max(th.hang_after_s, own)
-    figures = {"age_s": round(age, 1), "step": record.get("step"),
-               "step_time_s": record.get("step_time_s"), "stall_after_s": round(stall, 1),
-               "hang_after_s": round(alone, 1)}
+    figures = {
+        "age_s": round(age, 1),
+        "step": record.get("step"),
+        "step_time_s": record.get("step_time_s"),
+        "stall_after_s": round(stall, 1),
+        "hang_after_s": round(alone, 1),
+    }
     pause = record.get("pause")
     if isinstance(pause, dict) and pause.get("since") is not None:
         paused_s = max(0.0, now - float(pause["since"]))
         max_s = float(pause.get("max_s") or 0.0)
         figures["pause"] = {**pause, "paused_s": round(paused_s, 1)}
         if paused_s <= max_s:
-            return Signal("heartbeat", True, False,
-                          f"paused for {pause.get('reason')!s:.60} ({paused_s:.0f} s of at most "
-                          f"{max_s:.0f} s)", figures)
-        return Signal("heartbeat", True, True,
-                      f"the declared pause ({pause.get('reason')!s:.60}) overran: {paused_s:.0f} "
-                      f"s, declared at most {max_s:.0f} s", {**figures, "alone": True})
+            return Signal(
+                "heartbeat",
+                True,
+                False,
+                f"paused for {pause.get('reason')!s:.60} ({paused_s:.0f} s of at most "
+                f"{max_s:.0f} s)",
+                figures,
+            )
+        return Signal(
+            "heartbeat",
+            True,
+            True,
+            f"the declared pause ({pause.get('reason')!s:.60}) overran: {paused_s:.0f} "
+            f"s, declared at most {max_s:.0f} s",
+            {**figures, "alone": True},
+        )
     if age > stall:
-        return Signal("heartbeat", True, True,
-                      f"no training step for {age:.1f} s (last step {record.get('step')}; "
-                      f"stall threshold {stall:.1f} s)", {**figures, "alone": age > alone})
-    return Signal("heartbeat", True, False,
-                  f"step {record.get('step')}, {age:.1f} s ago", figures)
+        return Signal(
+            "heartbeat",
+            True,
+            True,
+            f"no training step for {age:.1f} s (last step {record.get('step')}; "
+            f"stall threshold {stall:.1f} s)",
+            {**figures, "alone": age > alone},
+        )
+    return Signal("heartbeat", True, False, f"step {record.get('step')}, {age:.1f} s ago", figures)
 
 
 @dataclass(frozen=True)
 class Verdict:
     hung: bool
-    agreeing: tuple[str, ...]   # the signals that say "no progress"
-    why: str                    # one line: what made (or did not make) the verdict
+    agreeing: tuple[str, ...]  # the signals that say "no progress"
+    why: str  # one line: what made (or did not make) the verdict
 
 
-def verdict(signals: Sequence[Signal], th: Thresholds, *, agreeing_since_s: float | None,
-            has_heartbeat: bool) -> Verdict:
+def verdict(
+    signals: Sequence[Signal],
+    th: Thresholds,
+    *,
+    agreeing_since_s: float | None,
+    has_heartbeat: bool,
+) -> Verdict:
     """Hung or not, from one process's signals.
 
     ``agreeing_since_s``: how long (seconds) the signals have agreed across runs, None when
@@ -92,19 +117,32 @@ def verdict(signals: Sequence[Signal], th: Thresholds, *, agreeing_since_s: floa
     if beat is not None and beat.hang and beat.figures.get("alone"):
         return Verdict(True, agreeing, f"heartbeat alone: {beat.detail}")
     stack = next((s for s in signals if s.name == "stack"), None)
-    if stack is not None and stack.available and not stack.hang and stack.figures.get(
-            "samples", 0) > 1:
+    if (
+        stack is not None
+        and stack.available
+        and not stack.hang
+        and stack.figures.get("samples", 0) > 1
+    ):
         # a stack that moves between samples is direct evidence that the process runs (a
         # checkpoint write, an evaluation); only the heartbeat alone can still call it hung
-        return Verdict(False, agreeing, f"the stack moves between samples ({stack.detail}); "
-                                        "the process runs")
+        return Verdict(
+            False, agreeing, f"the stack moves between samples ({stack.detail}); the process runs"
+        )
     if len(agreeing) < th.agree:
-        return Verdict(False, agreeing, f"{len(agreeing)} of {len(available)} available "
-                                        f"signal(s) say no progress; {th.agree} must agree")
+        return Verdict(
+            False,
+            agreeing,
+            f"{len(agreeing)} of {len(available)} available "
+            f"signal(s) say no progress; {th.agree} must agree",
+        )
     if not has_heartbeat and (agreeing_since_s or 0.0) < th.confirm_s:
-        return Verdict(False, agreeing, f"{', '.join(agreeing)} agree, for "
-                                        f"{agreeing_since_s or 0:.0f} s of the {th.confirm_s:g} "
-                                        "s a process without heartbeats must hold")
+        return Verdict(
+            False,
+            agreeing,
+            f"{', '.join(agreeing)} agree, for "
+            f"{agreeing_since_s or 0:.0f} s of the {th.confirm_s:g} "
+            "s a process without heartbeats must hold",
+        )
     return Verdict(True, agreeing, f"{len(agreeing)} signals agree: {', '.join(agreeing)}")
 
 
@@ -139,7 +177,7 @@ class Straggler:
     step_time_s: float
     peers_median_s: float
     peers: int
-    basis: str = "step_time_s"   # or compute_time_s: the time before the step's collective
+    basis: str = "step_time_s"  # or compute_time_s: the time before the step's collective
 
     @property
     def ratio(self) -> float:
@@ -150,8 +188,9 @@ class Straggler:
         return "compute time per step" if self.basis == "compute_time_s" else "step time"
 
 
-def stragglers(step_times: Mapping[int, float], ratio: float,
-               basis: str = "step_time_s") -> list[Straggler]:
+def stragglers(
+    step_times: Mapping[int, float], ratio: float, basis: str = "step_time_s"
+) -> list[Straggler]:
     """The pids of one job whose recent step time is at least ``ratio`` x their peers' median
     (each compared with the others, so one slow rank cannot raise its own bar)."""
     out = []

@@ -27,9 +27,17 @@ def ctx_for():
         pytest.skip(f"NVML unavailable: {backend.unavailable_reason}")
 
     def make(check, **params):
-        return CheckContext(check=check, gpu=backend, kernel_log=None,
-                            config=config_from_dict({}), inventory=None, sku=None,
-                            expected_gpus=None, params=params, state_dir=Path("/tmp"))
+        return CheckContext(
+            check=check,
+            gpu=backend,
+            kernel_log=None,
+            config=config_from_dict({}),
+            inventory=None,
+            sku=None,
+            expected_gpus=None,
+            params=params,
+            state_dir=Path("/tmp"),
+        )
 
     yield make
     backend.close()
@@ -47,8 +55,9 @@ def test_gpu_copy_bandwidth_is_measured_per_gpu(ctx_for):
 
 
 def test_pcie_copies_are_pinned_and_link_read_under_load(ctx_for):
-    results = pcie_bandwidth.run(ctx_for("pcie_bandwidth", size_bytes=64 << 20, reps=5,
-                                         concurrent_s=0.5))
+    results = pcie_bandwidth.run(
+        ctx_for("pcie_bandwidth", size_bytes=64 << 20, reps=5, concurrent_s=0.5)
+    )
     h2d = [r for r in results if r.metric == "h2d_gbps"]
     assert len(h2d) == torch.cuda.device_count()
     for r in h2d:

@@ -20,8 +20,15 @@ pytestmark = [
 def test_burn_on_gpu_0_is_fast_correct_and_traced():
     backend = open_backend()
     try:
-        plan = BurnPlan(size=4096, duration_s=6.0, precisions=("bf16", "fp32"), sample_s=0.5,
-                        verify_every=8, stall_s=60.0, startup_timeout_s=120.0)
+        plan = BurnPlan(
+            size=4096,
+            duration_s=6.0,
+            precisions=("bf16", "fp32"),
+            sample_s=0.5,
+            verify_every=8,
+            stall_s=60.0,
+            startup_timeout_s=120.0,
+        )
         out = run_burn([ComputeSpec(0)], plan, backend, sample_interval_s=0.5, deadline_s=200)
     finally:
         backend.close()
@@ -49,8 +56,7 @@ def test_correct_products_on_the_gpu_never_send_the_burn_to_the_cpu(monkeypatch,
 
     recomputed = []
     real = burn.count_wrong
-    monkeypatch.setattr(burn, "count_wrong",
-                        lambda *a, **k: recomputed.append(1) or real(*a, **k))
+    monkeypatch.setattr(burn, "count_wrong", lambda *a, **k: recomputed.append(1) or real(*a, **k))
 
     class Counting(burn.DeviceWaits):
         drains = 0

@@ -23,8 +23,9 @@ from node_agent.sdc.probes import ProbeSpec, SdcProbe  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(),
-                       reason="no CUDA GPU (torch.cuda.is_available() is False)"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="no CUDA GPU (torch.cuda.is_available() is False)"
+    ),
 ]
 
 FP32_ACC = ["fp32", "tf32", "bf16", "fp16"]
@@ -74,8 +75,11 @@ def test_gpu_whole_gpu_exact_specs_equal_their_goldens():
     model = exact.tile_model_for(dev)
     specs, skipped = sdc.whole_gpu_specs(dev, model)
     assert model.sm_count == torch.cuda.get_device_properties(dev).multi_processor_count
-    lower = {d: why for d in {s.dtype for s in specs}
-             if (why := sdc.accumulator_check(d, dev, tiles=model))}
+    lower = {
+        d: why
+        for d in {s.dtype for s in specs}
+        if (why := sdc.accumulator_check(d, dev, tiles=model))
+    }
     assert set(lower) <= {"fp8"}, lower  # only fp8 may accumulate narrower than fp32
     for spec in specs:
         if spec.dtype in lower:
@@ -83,13 +87,18 @@ def test_gpu_whole_gpu_exact_specs_equal_their_goldens():
         assert model.coverage([(spec.m, spec.n)]) == 1.0
         v = sdc.exact_gemm_probe(spec, dev, tiles=model)
         assert v.status == "pass", v.detail
-    print(f"\n{torch.cuda.get_device_name(dev)}: {[s.label() for s in specs]}; skipped {skipped}; "
-          f"lower-precision {lower}")
+    print(
+        f"\n{torch.cuda.get_device_name(dev)}: {[s.label() for s in specs]}; skipped {skipped}; "
+        f"lower-precision {lower}"
+    )
 
 
 @pytest.mark.parametrize("dtype", FP32_ACC)
-@pytest.mark.parametrize("shape", list(sdc.DEFAULT_SHAPES) + [(1024, 256, 1024), (4096, 64, 512)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "shape",
+    list(sdc.DEFAULT_SHAPES) + [(1024, 256, 1024), (4096, 64, 512)],
+    ids=lambda s: "x".join(map(str, s)),
+)
 def test_gpu_explicit_shapes_equal_their_goldens(dtype: str, shape) -> None:
     spec = ProbeSpec(*shape, dtype=dtype)
     v = sdc.exact_gemm_probe(spec, "cuda")
@@ -218,8 +227,11 @@ def test_collect_reads_back_a_completed_probe_and_starts_no_other(tmp_path) -> N
 
 def test_side_stream_probe_confirms_injected_corruption(tmp_path) -> None:
     dev = _cuda()
-    probe = SdcProbe(budget_fraction=0.5, spool_dir=tmp_path,
-                     matmul=sdc.corrupting_matmul(tiles=exact.tile_model_for(dev), sm=11))
+    probe = SdcProbe(
+        budget_fraction=0.5,
+        spool_dir=tmp_path,
+        matmul=sdc.corrupting_matmul(tiles=exact.tile_model_for(dev), sm=11),
+    )
     verdicts = _drain(probe, want=2)
     assert {v.status for v in verdicts} == {"confirmed"}
     assert all(len(v.evidence["tile_residues"]) == 1 for v in verdicts)  # one SM's tiles
@@ -233,8 +245,10 @@ def test_probe_device_memory_stays_within_what_it_states(tmp_path) -> None:
     _drain(probe, want=len(probe.specs))
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - before
-    print(f"\nSdcProbe holds {held / 2**20:.1f} MiB (states {probe.memory_bytes / 2**20:.1f} MiB, "
-          f"{probe.tiles_per_sm} tile(s) per SM, shapes {sorted({s.shape for s in probe.specs})})")
+    print(
+        f"\nSdcProbe holds {held / 2**20:.1f} MiB (states {probe.memory_bytes / 2**20:.1f} MiB, "
+        f"{probe.tiles_per_sm} tile(s) per SM, shapes {sorted({s.shape for s in probe.specs})})"
+    )
     assert probe.memory_bytes <= 64 * 2**20
     assert held <= 64 * 2**20
     assert held <= probe.memory_bytes + 2**20  # 1 MiB for allocator rounding of small tensors
@@ -247,8 +261,7 @@ def test_training_overhead_harness_runs_on_the_gpu():
     must pass, be counted (the last one read back too) and keep the probe within its budget."""
     from node_agent.sdc.validation import measure_training_overhead
 
-    o = measure_training_overhead(pairs=2, steps_per_block=20, warmup_steps=5,
-                                  budget_fraction=0.05)
+    o = measure_training_overhead(pairs=2, steps_per_block=20, warmup_steps=5, budget_fraction=0.05)
     print(f"\n{o}")
     assert math.isfinite(o.percent) and o.probes_run >= 2, o
     assert o.verdicts == {"pass": o.probes_run}, o

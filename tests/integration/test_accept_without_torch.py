@@ -31,13 +31,21 @@ _backend.close()
 GPUS_ON_BUS = read_bus().host_gpus
 pytestmark = pytest.mark.skipif(
     HAS_DRIVER or bool(GPUS_ON_BUS),
-    reason="this host has a working NVIDIA driver (GPU checks run, not skip)" if HAS_DRIVER
+    reason="this host has a working NVIDIA driver (GPU checks run, not skip)"
+    if HAS_DRIVER
     else f"this host has NVIDIA GPUs on its PCI bus ({len(GPUS_ON_BUS)}): without torch the "
-    "delivery suite is an ERROR there, by design")
+    "delivery suite is an ERROR there, by design",
+)
 
 #: the delivery suite's checks that compute on a GPU with torch
-TORCH_CHECKS = {"gpu_burn", "thermal_power", "hbm_bandwidth", "pcie_bandwidth", "sdc",
-                "nccl_allreduce"}
+TORCH_CHECKS = {
+    "gpu_burn",
+    "thermal_power",
+    "hbm_bandwidth",
+    "pcie_bandwidth",
+    "sdc",
+    "nccl_allreduce",
+}
 #: what an environment without torch raises on ``import torch``
 NO_TORCH = "raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n"
 
@@ -49,10 +57,15 @@ def without_torch(tmp_path) -> dict[str, str]:
     stub.mkdir(parents=True)
     (stub / "__init__.py").write_text(NO_TORCH)
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(stub.parent), *filter(None, [env.get("PYTHONPATH")])])
-    probe = subprocess.run([sys.executable, "-P", "-c", "import torch"], env=env, cwd="/",
-                           capture_output=True, text=True, timeout=60)
+    env["PYTHONPATH"] = os.pathsep.join([str(stub.parent), *filter(None, [env.get("PYTHONPATH")])])
+    probe = subprocess.run(
+        [sys.executable, "-P", "-c", "import torch"],
+        env=env,
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert probe.returncode != 0 and "No module named 'torch'" in probe.stderr, probe.stderr
     return env
 
@@ -63,16 +76,42 @@ def test_accept_without_torch_exits_0_with_every_gpu_check_skipped(tmp_path, wit
     kernel_log = tmp_path / "kern.log"
     kernel_log.write_text("")
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"),
-                                      "spool_dir": str(tmp_path / "spool"),
-                                      "kernel_log": {"path": str(kernel_log)}}))
-    checks = [c.check for c in load_suite("delivery", suites_dir(load_config(config))).checks
-              if c.check != "storage"]
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "state_dir": str(tmp_path / "state"),
+                "spool_dir": str(tmp_path / "spool"),
+                "kernel_log": {"path": str(kernel_log)},
+            }
+        )
+    )
+    checks = [
+        c.check
+        for c in load_suite("delivery", suites_dir(load_config(config))).checks
+        if c.check != "storage"
+    ]
     assert TORCH_CHECKS <= set(checks)
     run = subprocess.run(
-        [sys.executable, "-P", "-m", "node_agent.commands.main", "accept", "--json",
-         "--only", ",".join(checks), "--config", str(config), "--out", str(tmp_path / "out")],
-        env=without_torch, cwd="/", capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-P",
+            "-m",
+            "node_agent.commands.main",
+            "accept",
+            "--json",
+            "--only",
+            ",".join(checks),
+            "--config",
+            str(config),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        env=without_torch,
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "Traceback" not in run.stderr, run.stderr
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     report = json.loads(run.stdout)
@@ -82,8 +121,18 @@ def test_accept_without_torch_exits_0_with_every_gpu_check_skipped(tmp_path, wit
     assert set(by_check) == set(checks)
     assert not [r for r in report["results"] if r["status"] == "error"]
     # the host's own checks read the host, GPU or not (a pass, or a skip for what it lacks)
-    host_checks = {"inventory", "rdma", "hca_ports", "host_memory", "host_power", "pcie_aer",
-                   "nvme_health", "host_cpu", "kernel_distress", "software_drift"}
+    host_checks = {
+        "inventory",
+        "rdma",
+        "hca_ports",
+        "host_memory",
+        "host_power",
+        "pcie_aer",
+        "nvme_health",
+        "host_cpu",
+        "kernel_distress",
+        "software_drift",
+    }
     for check in checks:
         if check in host_checks:
             assert all(r["status"] in ("pass", "skip") for r in by_check[check]), by_check[check]
@@ -102,4 +151,3 @@ def test_sdc_no_coverage_evidence_is_the_coverage_modules_none_ran():
     from node_agent.sdc.coverage import NONE_RAN
 
     assert NO_COVERAGE_EVIDENCE == NONE_RAN.evidence()
-

@@ -21,9 +21,16 @@ SMALL = {"sizes": SIZES, "iters": 5, "warmup": 2, "cpu_ranks": 2, "timeout_s": 6
 
 
 def make_ctx(**params) -> CheckContext:
-    return CheckContext(check="nccl_allreduce", gpu=AbsentGpuBackend("no GPU on CI"),
-                        kernel_log=None, config=config_from_dict({}), inventory=None, sku=None,
-                        expected_gpus=None, params={**SMALL, **params})
+    return CheckContext(
+        check="nccl_allreduce",
+        gpu=AbsentGpuBackend("no GPU on CI"),
+        kernel_log=None,
+        config=config_from_dict({}),
+        inventory=None,
+        sku=None,
+        expected_gpus=None,
+        params={**SMALL, **params},
+    )
 
 
 def by_metric(results, metric):
@@ -41,7 +48,8 @@ def test_gloo_allreduce_two_ranks_measures_every_size_correctly():
         # busbw = algbw * 2(n-1)/n, and n=2 makes them equal
         assert r.evidence["busbw"] == pytest.approx(r.evidence["algbw"])
         assert r.evidence["algbw"] == pytest.approx(
-            r.evidence["size_bytes"] / (r.evidence["time_us"] * 1e-6) / 1e9)
+            r.evidence["size_bytes"] / (r.evidence["time_us"] * 1e-6) / 1e9
+        )
     (peak,) = by_metric(results, "busbw_peak_gbps")
     assert peak.status is Status.PASS and "not graded" in peak.detail
     assert peak.value == max(r.value for r in rows)
@@ -69,8 +77,9 @@ def _worker_pids() -> set[int]:
 def test_peer_that_never_connects_is_error_at_the_time_limit_and_leaves_no_process():
     before = _worker_pids()
     start = time.monotonic()
-    runs = nccl_allreduce.run_ranks(2, "gloo", [4096], iters=1, warmup=0, timeout_s=6,
-                                    start_ranks=[0])  # rank 1 never starts
+    runs = nccl_allreduce.run_ranks(
+        2, "gloo", [4096], iters=1, warmup=0, timeout_s=6, start_ranks=[0]
+    )  # rank 1 never starts
     elapsed = time.monotonic() - start
     assert elapsed < 15
     ctx = make_ctx()
@@ -105,17 +114,20 @@ def test_nccl_peak_graded_against_sku_minimum_only_for_nccl(peak, status):
 
     from node_agent.grading.sku import load_sku
 
-    sku = load_sku(Path(__file__).resolve().parents[2] / "graders" / "skus"
-                   / "h100-sxm5-80gb.yaml")  # nccl_allreduce_busbw_gbps_min: 400
+    sku = load_sku(
+        Path(__file__).resolve().parents[2] / "graders" / "skus" / "h100-sxm5-80gb.yaml"
+    )  # nccl_allreduce_busbw_gbps_min: 400
     ctx = make_ctx()
     ctx.sku = sku
-    rows = [{"size_bytes": 1 << 30, "time_us": 1.0, "algbw": peak / 1.75, "busbw": peak,
-             "wrong": 0}]
+    rows = [
+        {"size_bytes": 1 << 30, "time_us": 1.0, "algbw": peak / 1.75, "busbw": peak, "wrong": 0}
+    ]
     nccl = nccl_allreduce._results(ctx, rows, {"backend": "nccl"}, ungraded=None, duration=1.0)
     (result,) = by_metric(nccl, "busbw_peak_gbps")
     assert result.status is status and result.evidence["minimum"] == 400
-    gloo = nccl_allreduce._results(ctx, rows, {"backend": "gloo"}, ungraded="backend gloo on CPU",
-                                   duration=1.0)
+    gloo = nccl_allreduce._results(
+        ctx, rows, {"backend": "gloo"}, ungraded="backend gloo on CPU", duration=1.0
+    )
     assert by_metric(gloo, "busbw_peak_gbps")[0].status is Status.PASS
 
 
@@ -124,8 +136,9 @@ def _h100_sku():
 
     from node_agent.grading.sku import load_sku
 
-    return load_sku(Path(__file__).resolve().parents[2] / "graders" / "skus"
-                    / "h100-sxm5-80gb.yaml")
+    return load_sku(
+        Path(__file__).resolve().parents[2] / "graders" / "skus" / "h100-sxm5-80gb.yaml"
+    )
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 4])
@@ -136,8 +149,10 @@ def test_the_board_minimum_does_not_grade_fewer_ranks_than_the_board_has(ranks):
     why = nccl_allreduce._not_graded_because(ctx, "nccl", ranks)
     assert why is not None and "all 8 GPUs" in why and f"had {ranks} ranks" in why
     rows = [{"size_bytes": 1 << 30, "time_us": 1.0, "algbw": 60.0, "busbw": 60.0, "wrong": 0}]
-    (peak,) = by_metric(nccl_allreduce._results(ctx, rows, {"backend": "nccl"}, ungraded=why,
-                                                duration=1.0), "busbw_peak_gbps")
+    (peak,) = by_metric(
+        nccl_allreduce._results(ctx, rows, {"backend": "nccl"}, ungraded=why, duration=1.0),
+        "busbw_peak_gbps",
+    )
     assert peak.status is Status.PASS and "not graded" in peak.detail
 
 
@@ -177,8 +192,9 @@ def test_ranks_never_import_from_the_working_directory(tmp_path, monkeypatch):
     """An agent started in a directory others can write to: a planted torch.py there must
     not run in the ranks (they run as python -P in /)."""
     marker = tmp_path / "planted-ran"
-    (tmp_path / "torch.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
-                                       "raise ImportError('planted torch')\n")
+    (tmp_path / "torch.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\nraise ImportError('planted torch')\n"
+    )
     monkeypatch.chdir(tmp_path)
     results = nccl_allreduce.run(make_ctx(sizes=[4096]))
     assert not marker.exists()

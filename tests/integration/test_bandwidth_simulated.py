@@ -16,14 +16,24 @@ import pytest
 from node_agent.gpu import open_backend
 
 ONLY = ("--only", "hbm_bandwidth,pcie_bandwidth")
-METRICS = {"hbm_bandwidth": {"copy_gbps"},
-           "pcie_bandwidth": {"h2d_gbps", "d2h_gbps", "h2d_gbps_concurrent",
-                              "d2h_gbps_concurrent", "pcie_link_under_load"}}
+METRICS = {
+    "hbm_bandwidth": {"copy_gbps"},
+    "pcie_bandwidth": {
+        "h2d_gbps",
+        "d2h_gbps",
+        "h2d_gbps_concurrent",
+        "d2h_gbps_concurrent",
+        "pcie_link_under_load",
+    },
+}
 
 
 def results(report, check, metric=None):
-    return [r for r in report["results"]
-            if r["check"] == check and (metric is None or r["metric"] == metric)]
+    return [
+        r
+        for r in report["results"]
+        if r["check"] == check and (metric is None or r["metric"] == metric)
+    ]
 
 
 def test_healthy_node_measures_every_gpu_and_grades_healthy(agent, scenario):
@@ -35,8 +45,9 @@ def test_healthy_node_measures_every_gpu_and_grades_healthy(agent, scenario):
         found = results(report, check)
         assert {r["metric"] for r in found} == metrics
         for metric in metrics:
-            assert sorted(r["target"] for r in results(report, check, metric)) == \
-                [f"gpu:{i}" for i in range(8)], (check, metric)
+            assert sorted(r["target"] for r in results(report, check, metric)) == [
+                f"gpu:{i}" for i in range(8)
+            ], (check, metric)
     for r in report["results"]:
         assert r["status"] == "pass", r
         if r["unit"] == "GB/s":
@@ -54,8 +65,14 @@ def test_healthy_node_measures_every_gpu_and_grades_healthy(agent, scenario):
 
 
 def test_slow_gpu_grades_warn_or_worse_naming_gpu_and_both_figures(agent, scenario):
-    run = agent("accept", "--simulate", scenario([{"kind": "slow", "gpu": 3, "factor": 0.5}]),
-                *ONLY, "--json", timeout=240)
+    run = agent(
+        "accept",
+        "--simulate",
+        scenario([{"kind": "slow", "gpu": 3, "factor": 0.5}]),
+        *ONLY,
+        "--json",
+        timeout=240,
+    )
     report = run.json()
     assert report["grade"]["level"] in ("WARN", "ERROR", "FAULT")
     assert {r["target"] for r in report["grade"]["reasons"]} == {"gpu:3"}
@@ -71,15 +88,26 @@ def test_slow_gpu_grades_warn_or_worse_naming_gpu_and_both_figures(agent, scenar
 
 
 def test_pcie_link_trained_narrow_under_load_is_fault(agent, scenario):
-    run = agent("accept", "--simulate", scenario([{"kind": "pcie_width", "gpu": 4, "lanes": 8}]),
-                "--only", "pcie_bandwidth", "--json", timeout=240)
+    run = agent(
+        "accept",
+        "--simulate",
+        scenario([{"kind": "pcie_width", "gpu": 4, "lanes": 8}]),
+        "--only",
+        "pcie_bandwidth",
+        "--json",
+        timeout=240,
+    )
     assert run.code == 4, run.stderr
     report = run.json()
-    (reason,) = [r for r in report["grade"]["reasons"]
-                 if r["rule"] == "pcie-link-degraded-under-load"]
+    (reason,) = [
+        r for r in report["grade"]["reasons"] if r["rule"] == "pcie-link-degraded-under-load"
+    ]
     assert reason["target"] == "gpu:4" and "x8 of x16" in reason["message"]
-    (link,) = [r for r in results(report, "pcie_bandwidth", "pcie_link_under_load")
-               if r["target"] == "gpu:4"]
+    (link,) = [
+        r
+        for r in results(report, "pcie_bandwidth", "pcie_link_under_load")
+        if r["target"] == "gpu:4"
+    ]
     assert link["evidence"]["copies_in_flight"] >= 1
     # the narrow link carries half the traffic of its x16 siblings, as a real one would
     h2d = {r["target"]: r for r in results(report, "pcie_bandwidth", "h2d_gbps")}
@@ -100,8 +128,7 @@ def busy_core():
         spinner.wait(timeout=10)
 
 
-def test_healthy_node_is_healthy_three_runs_in_a_row_on_a_busy_machine(agent, scenario,
-                                                                        busy_core):
+def test_healthy_node_is_healthy_three_runs_in_a_row_on_a_busy_machine(agent, scenario, busy_core):
     # Timed on the CPU, this graded WARN ("bandwidth below siblings") in 3 of 4 runs with other
     # work on the machine; the copy model makes a healthy GPU's figure independent of the host.
     path = scenario()
@@ -110,8 +137,11 @@ def test_healthy_node_is_healthy_three_runs_in_a_row_on_a_busy_machine(agent, sc
         assert run.code == 0, run.stderr
         report = run.json()
         assert report["grade"]["level"] == "HEALTHY", (attempt, report["grade"])
-        ratios = {r["evidence"]["ratio_to_siblings"] for r in report["results"]
-                  if r["unit"] == "GB/s" and r["metric"] in ("copy_gbps", "h2d_gbps", "d2h_gbps")}
+        ratios = {
+            r["evidence"]["ratio_to_siblings"]
+            for r in report["results"]
+            if r["unit"] == "GB/s" and r["metric"] in ("copy_gbps", "h2d_gbps", "d2h_gbps")
+        }
         assert ratios == {1.0}, attempt
     assert busy_core.poll() is None  # the other core was busy the whole time
 
@@ -127,6 +157,7 @@ def test_without_gpus_or_simulation_both_checks_skip_with_the_reason(agent):
     assert run.code == 0, run.stderr
     report = run.json()
     assert {r["check"] for r in report["results"]} == set(METRICS)
-    assert all(r["status"] == "skip" and "no NVIDIA driver" in r["detail"]
-               for r in report["results"])
+    assert all(
+        r["status"] == "skip" and "no NVIDIA driver" in r["detail"] for r in report["results"]
+    )
     assert report["grade"]["level"] == "HEALTHY"

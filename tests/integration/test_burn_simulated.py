@@ -21,28 +21,49 @@ def accept(agent, scenario_path):
 
 
 def results(report, check=None, metric=None, target=None):
-    return [r for r in report["results"]
-            if (check is None or r["check"] == check) and (metric is None or r["metric"] == metric)
-            and (target is None or r["target"] == target)]
+    return [
+        r
+        for r in report["results"]
+        if (check is None or r["check"] == check)
+        and (metric is None or r["metric"] == metric)
+        and (target is None or r["target"] == target)
+    ]
 
 
 def test_healthy_node_grades_healthy_and_leaves_a_trace_per_gpu(agent, scenario):
     report = accept(agent, scenario())
     assert report["grade"] == {"level": "HEALTHY", "action": "none", "reasons": []}
-    tflops = [r for r in results(report, "gpu_burn") if r["metric"].startswith("tflops_")
-              and r["target"] != "node"]
+    tflops = [
+        r
+        for r in results(report, "gpu_burn")
+        if r["metric"].startswith("tflops_") and r["target"] != "node"
+    ]
     # the simulated suite burns the H100's CPU-capable precisions (fp8 has no CPU GEMM)
-    assert {r["metric"] for r in tflops} == {"tflops_bf16", "tflops_fp16", "tflops_tf32",
-                                             "tflops_fp32"}
-    assert all(r["value"] > 0 and r["unit"] == "TFLOP/s" and r["evidence"]["samples"]
-               for r in tflops)
+    assert {r["metric"] for r in tflops} == {
+        "tflops_bf16",
+        "tflops_fp16",
+        "tflops_tf32",
+        "tflops_fp32",
+    }
+    assert all(
+        r["value"] > 0 and r["unit"] == "TFLOP/s" and r["evidence"]["samples"] for r in tflops
+    )
     assert len(tflops) == 4 * 8
     traces = results(report, "thermal_power", "load_trace")
     assert sorted(r["target"] for r in traces) == [f"gpu:{i}" for i in range(8)]
     for r in traces:
         trace = r["evidence"]
-        assert set(trace) == {"t_s", "tflops", "temp_c", "power_w", "sm_clock_mhz", "mem_temp_c",
-                              "throttle", "power_limit_w", "slowdown_temp_c"}
+        assert set(trace) == {
+            "t_s",
+            "tflops",
+            "temp_c",
+            "power_w",
+            "sm_clock_mhz",
+            "mem_temp_c",
+            "throttle",
+            "power_limit_w",
+            "slowdown_temp_c",
+        }
         assert trace["t_s"] and any(v is not None for v in trace["tflops"])
         assert trace["power_limit_w"] == 700 and trace["slowdown_temp_c"] == 90
 
@@ -50,11 +71,17 @@ def test_healthy_node_grades_healthy_and_leaves_a_trace_per_gpu(agent, scenario)
 def test_slow_gpu_warns_naming_its_figure_and_the_siblings_median(agent, scenario):
     report = accept(agent, scenario([{"kind": "slow", "gpu": 3, "factor": 0.5}]))
     assert report["grade"]["level"] in ("WARN", "ERROR", "FAULT")
-    shortfalls = [r for r in results(report, "gpu_burn", target="gpu:3")
-                  if r["metric"].startswith("tflops_") and r["status"] in ("warn", "fail")]
+    shortfalls = [
+        r
+        for r in results(report, "gpu_burn", target="gpu:3")
+        if r["metric"].startswith("tflops_") and r["status"] in ("warn", "fail")
+    ]
     assert shortfalls, "gpu:3 should be below its siblings in every precision"
-    reasons = [x for x in report["grade"]["reasons"]
-               if x["target"] == "gpu:3" and x["rule"].startswith("burn-throughput")]
+    reasons = [
+        x
+        for x in report["grade"]["reasons"]
+        if x["target"] == "gpu:3" and x["rule"].startswith("burn-throughput")
+    ]
     assert reasons
     for result in shortfalls:
         figure = f"{result['value']:.4g}"
@@ -75,13 +102,21 @@ def test_sdc_gpu_has_confirmed_wrong_elements_and_grades_fault(agent, scenario):
     assert "wrong elements" in reason["message"] and "128x128x128" in reason["message"]
 
 
-@pytest.mark.parametrize("fault, words, level", [
-    ({"kind": "temperature", "gpu": 0, "celsius": 95}, ["95 °C", "slowdown threshold 90 °C"],
-     "WARN"),
-    ({"kind": "throttle", "gpu": 2, "reasons": ["hw_slowdown"]}, ["hw_slowdown"], "ERROR"),
-], ids=["temperature", "hw_slowdown"])
-def test_heat_or_hw_throttle_under_load_names_the_gpu_and_reason(agent, scenario, fault, words,
-                                                                 level):
+@pytest.mark.parametrize(
+    "fault, words, level",
+    [
+        (
+            {"kind": "temperature", "gpu": 0, "celsius": 95},
+            ["95 °C", "slowdown threshold 90 °C"],
+            "WARN",
+        ),
+        ({"kind": "throttle", "gpu": 2, "reasons": ["hw_slowdown"]}, ["hw_slowdown"], "ERROR"),
+    ],
+    ids=["temperature", "hw_slowdown"],
+)
+def test_heat_or_hw_throttle_under_load_names_the_gpu_and_reason(
+    agent, scenario, fault, words, level
+):
     report = accept(agent, scenario([fault]))
     target = f"gpu:{fault['gpu']}"
     assert report["grade"]["level"] == level
@@ -91,8 +126,9 @@ def test_heat_or_hw_throttle_under_load_names_the_gpu_and_reason(agent, scenario
 
 
 def test_thermal_power_runs_its_own_burn_when_gpu_burn_did_not_run(agent, scenario):
-    run = agent("accept", "--simulate", scenario(gpus=4), "--only", "thermal_power", "--json",
-                timeout=300)
+    run = agent(
+        "accept", "--simulate", scenario(gpus=4), "--only", "thermal_power", "--json", timeout=300
+    )
     assert run.code == 0, run.stderr
     report = run.json()
     traces = results(report, "thermal_power", "load_trace")
@@ -111,6 +147,7 @@ def test_without_gpus_and_without_simulation_both_checks_skip_with_the_reason(ag
     assert run.code == 0, run.stderr
     report = run.json()
     assert {r["check"] for r in report["results"]} == {"gpu_burn", "thermal_power"}
-    assert all(r["status"] == "skip" and "no NVIDIA driver" in r["detail"]
-               for r in report["results"])
+    assert all(
+        r["status"] == "skip" and "no NVIDIA driver" in r["detail"] for r in report["results"]
+    )
     assert report["grade"]["level"] == "HEALTHY"

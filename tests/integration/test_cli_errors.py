@@ -12,18 +12,24 @@ def one_line(stderr: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("text, must_name", [
-    ("adapter: {name: slurm\n", "not valid YAML"),
-    ("adapter: {nmae: slurm}\n", "adapter.nmae"),
-    ("safety: {max_restarts: two}\n", "safety.max_restarts"),
-    ("adapter: {name: pagerduty}\n", "adapter.name"),
-    ("node: {sku: no-such-sku}\n", "node.sku"),
-])
-def test_bad_config_exits_2_with_one_line_naming_the_key(agent, tmp_path, scenario, text, must_name):
+@pytest.mark.parametrize(
+    "text, must_name",
+    [
+        ("adapter: {name: slurm\n", "not valid YAML"),
+        ("adapter: {nmae: slurm}\n", "adapter.nmae"),
+        ("safety: {max_restarts: two}\n", "safety.max_restarts"),
+        ("adapter: {name: pagerduty}\n", "adapter.name"),
+        ("node: {sku: no-such-sku}\n", "node.sku"),
+    ],
+)
+def test_bad_config_exits_2_with_one_line_naming_the_key(
+    agent, tmp_path, scenario, text, must_name
+):
     config = tmp_path / "bad.yaml"
     config.write_text(text)
-    run = agent("accept", "--config", str(config), "--simulate", scenario(), "--out",
-                str(tmp_path / "out"))
+    run = agent(
+        "accept", "--config", str(config), "--simulate", scenario(), "--out", str(tmp_path / "out")
+    )
     assert run.code == 2
     line = one_line(run.stderr)
     assert str(config) in line and must_name in line
@@ -42,12 +48,15 @@ def test_missing_scenario_file_exits_2(agent, tmp_path):
     assert "scenario file not found" in one_line(run.stderr)
 
 
-@pytest.mark.parametrize("faults, must_name", [
-    ([{"kind": "meteor", "gpu": 1}], "faults.0.kind"),
-    ([{"kind": "xid", "gpu": 1}], "code"),
-    ([{"kind": "xid", "gpu": 9, "code": 79}], "out of range"),
-    ([{"kind": "pcie_width", "gpu": 1, "lanes": "eight"}], "lanes"),
-])
+@pytest.mark.parametrize(
+    "faults, must_name",
+    [
+        ([{"kind": "meteor", "gpu": 1}], "faults.0.kind"),
+        ([{"kind": "xid", "gpu": 1}], "code"),
+        ([{"kind": "xid", "gpu": 9, "code": 79}], "out of range"),
+        ([{"kind": "pcie_width", "gpu": 1, "lanes": "eight"}], "lanes"),
+    ],
+)
 def test_bad_scenario_exits_2_naming_the_fault(agent, scenario, faults, must_name):
     run = agent("accept", "--simulate", scenario(faults))
     assert run.code == 2

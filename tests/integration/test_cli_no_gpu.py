@@ -15,8 +15,10 @@ _backend.close()
 GPUS_ON_BUS = read_bus().host_gpus
 pytestmark = pytest.mark.skipif(
     HAS_DRIVER or bool(GPUS_ON_BUS),
-    reason="this host has a working NVIDIA driver" if HAS_DRIVER else
-    f"this host has NVIDIA GPUs on its PCI bus ({len(GPUS_ON_BUS)})")
+    reason="this host has a working NVIDIA driver"
+    if HAS_DRIVER
+    else f"this host has NVIDIA GPUs on its PCI bus ({len(GPUS_ON_BUS)})",
+)
 
 
 def test_inventory_json_has_empty_gpu_list(agent):
@@ -53,6 +55,9 @@ def test_accept_skips_every_gpu_check_with_the_reason(agent):
     assert {r["check"] for r in gpu_results} == set(GPU_CHECKS)
     assert all(r["status"] == "skip" for r in gpu_results)
     assert all("no NVIDIA driver" in r["detail"] for r in gpu_results)
-    assert all("no NVIDIA GPU on the PCI bus" in r["detail"] for r in gpu_results
-               if r["check"] != "nccl_allreduce")
+    assert all(
+        "no NVIDIA GPU on the PCI bus" in r["detail"]
+        for r in gpu_results
+        if r["check"] != "nccl_allreduce"
+    )
     assert report["grade"]["level"] == "HEALTHY"

@@ -47,14 +47,17 @@ def test_xid79_grades_fault_naming_gpu_and_code(agent, scenario):
     assert "Xid 79" in reason["message"]
 
 
-@pytest.mark.parametrize("fault, rule", [
-    ({"kind": "ecc_dbe_volatile", "gpu": 1, "count": 2}, "ecc-dbe-volatile"),
-    ({"kind": "row_remap_failure", "gpu": 2}, "row-remap-failure"),
-    ({"kind": "missing_gpu", "gpu": 7}, "gpu-missing"),
-    ({"kind": "pcie_width", "gpu": 4, "lanes": 8}, "pcie-width-degraded"),
-    ({"kind": "gpu_lost", "gpu": 3}, "gpu-lost"),
-    ({"kind": "nvlink_down", "gpu": 6, "link": 3}, "nvlink-down"),
-])
+@pytest.mark.parametrize(
+    "fault, rule",
+    [
+        ({"kind": "ecc_dbe_volatile", "gpu": 1, "count": 2}, "ecc-dbe-volatile"),
+        ({"kind": "row_remap_failure", "gpu": 2}, "row-remap-failure"),
+        ({"kind": "missing_gpu", "gpu": 7}, "gpu-missing"),
+        ({"kind": "pcie_width", "gpu": 4, "lanes": 8}, "pcie-width-degraded"),
+        ({"kind": "gpu_lost", "gpu": 3}, "gpu-lost"),
+        ({"kind": "nvlink_down", "gpu": 6, "link": 3}, "nvlink-down"),
+    ],
+)
 def test_hardware_faults_grade_fault_with_replace(agent, scenario, fault, rule):
     run = agent("check", "--simulate", scenario([fault]), "--json")
     assert run.code == 4, run.stderr
@@ -68,16 +71,20 @@ def test_hardware_faults_grade_fault_with_replace(agent, scenario, fault, rule):
 
 
 def test_missing_gpu_reason_says_how_many_are_visible(agent, scenario):
-    report = agent("check", "--simulate", scenario([{"kind": "missing_gpu", "gpu": 7}]),
-                   "--json").json()
+    report = agent(
+        "check", "--simulate", scenario([{"kind": "missing_gpu", "gpu": 7}]), "--json"
+    ).json()
     (reason,) = reasons(report, "FAULT")
     assert "7 of 8" in reason["message"]
 
 
-@pytest.mark.parametrize("fault, rule", [
-    ({"kind": "row_remap_pending", "gpu": 2}, "row-remap-pending"),
-    ({"kind": "recovery_action", "gpu": 1, "action": "gpu_reset"}, "recovery-action"),
-])
+@pytest.mark.parametrize(
+    "fault, rule",
+    [
+        ({"kind": "row_remap_pending", "gpu": 2}, "row-remap-pending"),
+        ({"kind": "recovery_action", "gpu": 1, "action": "gpu_reset"}, "recovery-action"),
+    ],
+)
 def test_recoverable_states_grade_error_with_restart(agent, scenario, fault, rule):
     run = agent("check", "--simulate", scenario([fault]), "--json")
     assert run.code == 3, run.stderr
@@ -89,8 +96,12 @@ def test_recoverable_states_grade_error_with_restart(agent, scenario, fault, rul
 
 
 def test_temperature_above_slowdown_warns_with_the_threshold(agent, scenario):
-    run = agent("check", "--simulate", scenario([{"kind": "temperature", "gpu": 0, "celsius": 91}]),
-                "--json")
+    run = agent(
+        "check",
+        "--simulate",
+        scenario([{"kind": "temperature", "gpu": 0, "celsius": 91}]),
+        "--json",
+    )
     assert run.code == 0, run.stderr
     report = run.json()
     assert report["grade"]["level"] == "WARN"
@@ -105,25 +116,29 @@ def test_temperature_at_shutdown_threshold_is_fault(agent, scenario):
 
 
 def test_hw_slowdown_throttle_warns_naming_the_reason(agent, scenario):
-    report = agent("check", "--simulate",
-                   scenario([{"kind": "throttle", "gpu": 2, "reasons": ["hw_slowdown"]}]),
-                   "--json").json()
+    report = agent(
+        "check",
+        "--simulate",
+        scenario([{"kind": "throttle", "gpu": 2, "reasons": ["hw_slowdown"]}]),
+        "--json",
+    ).json()
     assert report["grade"]["level"] == "WARN"
     (reason,) = reasons(report)
     assert reason["target"] == "gpu:2" and "hw_slowdown" in reason["message"]
 
 
 def test_several_faults_worst_decides_and_every_fault_is_a_reason(agent, scenario):
-    faults = [{"kind": "xid", "gpu": 5, "code": 79},
-              {"kind": "row_remap_pending", "gpu": 2},
-              {"kind": "temperature", "gpu": 0, "celsius": 91},
-              {"kind": "ecc_dbe_volatile", "gpu": 1, "count": 1}]
+    faults = [
+        {"kind": "xid", "gpu": 5, "code": 79},
+        {"kind": "row_remap_pending", "gpu": 2},
+        {"kind": "temperature", "gpu": 0, "celsius": 91},
+        {"kind": "ecc_dbe_volatile", "gpu": 1, "count": 1},
+    ]
     run = agent("accept", "--simulate", scenario(faults), "--json")
     assert run.code == 4
     report = run.json()
     found = {(r["target"], r["level"]) for r in reasons(report)}
-    assert found == {("gpu:5", "FAULT"), ("gpu:1", "FAULT"), ("gpu:2", "ERROR"),
-                     ("gpu:0", "WARN")}
+    assert found == {("gpu:5", "FAULT"), ("gpu:1", "FAULT"), ("gpu:2", "ERROR"), ("gpu:0", "WARN")}
     levels = [r["level"] for r in reasons(report)]
     assert levels == sorted(levels, key=["FAULT", "ERROR", "WARN"].index), "worst first"
 
@@ -135,8 +150,9 @@ def test_application_xid_13_warns_and_does_not_drain(agent, scenario):
 
 
 def test_a_hung_driver_grades_error_and_the_run_goes_on(agent, scenario):
-    run = agent("check", "--json", "--simulate", scenario([{"kind": "driver_hang", "gpu": 3}]),
-                timeout=60)
+    run = agent(
+        "check", "--json", "--simulate", scenario([{"kind": "driver_hang", "gpu": 3}]), timeout=60
+    )
     assert run.code == 3, run.stderr
     report = run.json()
     hung = [r for r in report["results"] if r["metric"] == "driver_hang"]
@@ -202,14 +218,18 @@ LIGHT = ("--only", "inventory,nvml_health,xid")
 
 @pytest.mark.parametrize("state", ["not_loaded", "not_installed"])
 def test_gpus_on_the_bus_without_a_driver_grade_error_at_delivery_naming_what_to_do(
-        agent, scenario, state):
+    agent, scenario, state
+):
     run = agent("accept", "--simulate", scenario(sku="l40s-48gb", driver=state), *LIGHT, "--json")
     assert run.code == 3, run.stderr
     report = run.json()
     assert report["grade"]["level"] == "ERROR"
     assert {r["rule"] for r in reasons(report)} == {"driver-not-loaded"}
-    detail = next(r["detail"] for r in report["results"]
-                  if r["check"] == "nvml_health" and r["metric"] == "driver_not_loaded")
+    detail = next(
+        r["detail"]
+        for r in report["results"]
+        if r["check"] == "nvml_health" and r["metric"] == "driver_not_loaded"
+    )
     assert "8 NVIDIA GPU(s) on the PCI bus" in detail and "0000:18:00.0" in detail
     for advice in ("nvidia.ko", "dmesg | grep -i nvrm", "dkms", "modprobe nvidia"):
         assert advice in detail
@@ -230,13 +250,17 @@ def test_inventory_without_a_driver_lists_the_gpus_on_the_bus(agent, scenario):
     data = run.json()
     assert data["gpus"] == [] and "not loaded" in data["unavailable_reason"]
     assert [(g["bus_id"], g["driver"]) for g in data["pci"]["gpus"]] == [
-        ("0000:18:00.0", None), ("0000:2a:00.0", None), ("0000:3a:00.0", None),
-        ("0000:5d:00.0", None)]
+        ("0000:18:00.0", None),
+        ("0000:2a:00.0", None),
+        ("0000:3a:00.0", None),
+        ("0000:5d:00.0", None),
+    ]
 
 
 def test_a_gpu_on_the_bus_but_not_in_nvml_is_a_fault_naming_its_bus_id(agent, scenario):
-    run = agent("accept", "--simulate", scenario(faults=[{"kind": "pci_only", "gpu": 3}]),
-                *LIGHT, "--json")
+    run = agent(
+        "accept", "--simulate", scenario(faults=[{"kind": "pci_only", "gpu": 3}]), *LIGHT, "--json"
+    )
     assert run.code == 4, run.stderr
     report = run.json()
     assert report["grade"]["action"] == "replace"
@@ -246,9 +270,13 @@ def test_a_gpu_on_the_bus_but_not_in_nvml_is_a_fault_naming_its_bus_id(agent, sc
 
 
 def test_a_gpu_handed_to_a_vm_is_neither_missing_nor_lost(agent, scenario):
-    run = agent("accept", "--simulate",
-                scenario(faults=[{"kind": "pci_only", "gpu": 7, "driver": "vfio-pci"}]),
-                *LIGHT, "--json")
+    run = agent(
+        "accept",
+        "--simulate",
+        scenario(faults=[{"kind": "pci_only", "gpu": 7, "driver": "vfio-pci"}]),
+        *LIGHT,
+        "--json",
+    )
     assert run.code == 0, run.stderr
     report = run.json()
     assert report["grade"]["level"] == "HEALTHY", reasons(report)
@@ -261,8 +289,13 @@ def test_a_gpu_handed_to_a_vm_is_neither_missing_nor_lost(agent, scenario):
 
 def test_a_raw_kernel_log_line_reaches_the_xid_check_with_the_gpus_bus_id(agent, scenario):
     line = "NVRM: Xid (PCI:{bus}): 79, pid=1234, GPU has fallen off the bus."
-    run = agent("accept", "--simulate",
-                scenario(faults=[{"kind": "kernel_log", "gpu": 2, "line": line}]), *LIGHT, "--json")
+    run = agent(
+        "accept",
+        "--simulate",
+        scenario(faults=[{"kind": "kernel_log", "gpu": 2, "line": line}]),
+        *LIGHT,
+        "--json",
+    )
     assert run.code == 4, run.stderr
     xid = [r for r in reasons(run.json(), "FAULT") if r["rule"] == "xid"]
     assert [r["target"] for r in xid] == ["gpu:2"]
@@ -279,24 +312,39 @@ def test_a_kernel_log_line_with_bus_but_no_gpu_is_a_clear_config_error(agent, sc
 
 
 def test_sram_threshold_exceeded_is_a_fault_and_sram_errors_below_it_warn(agent, scenario):
-    run = agent("accept", "--simulate", scenario(faults=[
-        {"kind": "ecc_sram_uncorrectable", "gpu": 1, "count": 2, "unit": "sm"},
-        {"kind": "ecc_sram_uncorrectable", "gpu": 4, "count": 5},
-        {"kind": "sram_threshold_exceeded", "gpu": 4},
-    ]), *LIGHT, "--json")
+    run = agent(
+        "accept",
+        "--simulate",
+        scenario(
+            faults=[
+                {"kind": "ecc_sram_uncorrectable", "gpu": 1, "count": 2, "unit": "sm"},
+                {"kind": "ecc_sram_uncorrectable", "gpu": 4, "count": 5},
+                {"kind": "sram_threshold_exceeded", "gpu": 4},
+            ]
+        ),
+        *LIGHT,
+        "--json",
+    )
     assert run.code == 4, run.stderr
     found = {(r["rule"], r["target"], r["level"]) for r in reasons(run.json())}
-    assert found == {("sram-threshold-exceeded", "gpu:4", "FAULT"),
-                     ("ecc-sram-uncorrectable", "gpu:1", "WARN")}
+    assert found == {
+        ("sram-threshold-exceeded", "gpu:4", "FAULT"),
+        ("ecc-sram-uncorrectable", "gpu:1", "WARN"),
+    }
 
 
 def test_inventory_json_keeps_a_lost_gpu(agent, scenario):
-    run = agent("inventory", "--json", "--simulate",
-                scenario(gpus=4, faults=[{"kind": "gpu_lost", "gpu": 2}]))
+    run = agent(
+        "inventory",
+        "--json",
+        "--simulate",
+        scenario(gpus=4, faults=[{"kind": "gpu_lost", "gpu": 2}]),
+    )
     assert run.code == 0, run.stderr
     data = run.json()
     assert [g["index"] for g in data["gpus"]] == [0, 1, 3]
     assert [(g["index"], g["status"]) for g in data["unreadable_gpus"]] == [(2, "gpu_lost")]
-    text = agent("inventory", "--simulate", scenario(gpus=4, faults=[{"kind": "gpu_lost",
-                                                                       "gpu": 2}]))
+    text = agent(
+        "inventory", "--simulate", scenario(gpus=4, faults=[{"kind": "gpu_lost", "gpu": 2}])
+    )
     assert "gpu:2  UNREADABLE (gpu_lost)" in text.stdout

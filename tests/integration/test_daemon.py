@@ -27,9 +27,12 @@ from node_agent.service.daemon import Daemon
 from node_agent.service.sd_notify import Notifier
 
 PERIODIC = {
-    "name": "test-periodic", "mode": "service",
-    "checks": [{"check": "nvml_health", "timeout_s": 10, "every_s": 1},
-               {"check": "xid", "timeout_s": 10, "every_s": 2, "params": {"since": "boot"}}],
+    "name": "test-periodic",
+    "mode": "service",
+    "checks": [
+        {"check": "nvml_health", "timeout_s": 10, "every_s": 1},
+        {"check": "xid", "timeout_s": 10, "every_s": 2, "params": {"since": "boot"}},
+    ],
 }
 
 
@@ -80,16 +83,22 @@ def node(tmp_path):
 
         def write(self, faults=()):
             tmp = self.scenario.with_suffix(".tmp")
-            tmp.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 8,
-                                           "faults": list(faults)}))
+            tmp.write_text(
+                yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 8, "faults": list(faults)})
+            )
             os.replace(tmp, self.scenario)
 
     n = Node()
     n.write()
-    n.config.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"),
-                                        "spool_dir": str(tmp_path / "spool"),
-                                        "daemon": {"listen": f"127.0.0.1:{n.port}",
-                                                   "xid_poll_s": 0.2}}))
+    n.config.write_text(
+        yaml.safe_dump(
+            {
+                "state_dir": str(tmp_path / "state"),
+                "spool_dir": str(tmp_path / "spool"),
+                "daemon": {"listen": f"127.0.0.1:{n.port}", "xid_poll_s": 0.2},
+            }
+        )
+    )
     n.suite.write_text(yaml.safe_dump(PERIODIC))
     return n
 
@@ -102,8 +111,9 @@ def running(node):
 
     def start(**kwargs) -> Daemon:
         daemon = Daemon(str(node.config), str(node.scenario), suite=str(node.suite), **kwargs)
-        thread = threading.Thread(target=lambda: codes.append(daemon.run(install_signals=False)),
-                                  daemon=True)
+        thread = threading.Thread(
+            target=lambda: codes.append(daemon.run(install_signals=False)), daemon=True
+        )
         thread.start()
         started.append(daemon)
         assert wait_for(lambda: daemon.listen_address, 10), "daemon did not start listening"
@@ -119,8 +129,12 @@ def test_metrics_and_healthz_answer_on_loopback(node, running):
     base = f"http://127.0.0.1:{node.port}"
     status, body = get(base + "/healthz")
     assert status == 200 and body.startswith("ok")
-    wait_for(lambda: metric_value(get(base + "/metrics")[1], "node_agent_check_runs_total",
-                                  check="nvml_health"), 10)
+    wait_for(
+        lambda: metric_value(
+            get(base + "/metrics")[1], "node_agent_check_runs_total", check="nvml_health"
+        ),
+        10,
+    )
     status, text = get(base + "/metrics")
     assert status == 200
     assert metric_value(text, "node_agent_up") == 1
@@ -140,8 +154,10 @@ def test_xid_injected_while_running_is_graded_and_exported_within_two_seconds(no
 
     def exported():
         text = get(base + "/metrics")[1]
-        return (metric_value(text, "node_agent_gpu_xid_errors_total", gpu="5", code="79")
-                and metric_value(text, "node_agent_health_level") == 3)
+        return (
+            metric_value(text, "node_agent_gpu_xid_errors_total", gpu="5", code="79")
+            and metric_value(text, "node_agent_health_level") == 3
+        )
 
     assert wait_for(exported, 2.0, interval_s=0.02), "Xid 79 not in /metrics within 2 s"
     latency = time.monotonic() - injected
@@ -150,14 +166,16 @@ def test_xid_injected_while_running_is_graded_and_exported_within_two_seconds(no
     print(f"xid injection -> metric latency {latency:.3f} s")
 
 
-def test_check_that_raises_every_time_does_not_stop_the_others(node, running, monkeypatch,
-                                                               tmp_path):
+def test_check_that_raises_every_time_does_not_stop_the_others(
+    node, running, monkeypatch, tmp_path
+):
     boom = tmp_path / "boom_check.py"
     boom.write_text("def run(ctx):\n    raise RuntimeError('broken on purpose')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(checks.REGISTRY, "boom", "boom_check")
-    suite = dict(PERIODIC, checks=[{"check": "boom", "every_s": 0.2, "timeout_s": 5},
-                                   *PERIODIC["checks"]])
+    suite = dict(
+        PERIODIC, checks=[{"check": "boom", "every_s": 0.2, "timeout_s": 5}, *PERIODIC["checks"]]
+    )
     node.suite.write_text(yaml.safe_dump(suite))
     running()
     base = f"http://127.0.0.1:{node.port}"
@@ -207,16 +225,36 @@ def test_systemd_readiness_and_watchdog_pings_reach_the_notify_socket(node, runn
 
 def _start_subprocess(node, *extra) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "node_agent.commands.main", "daemon", "--config", str(node.config),
-         "--simulate", str(node.scenario), "--suite", str(node.suite), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "node_agent.commands.main",
+            "daemon",
+            "--config",
+            str(node.config),
+            "--simulate",
+            str(node.scenario),
+            "--suite",
+            str(node.suite),
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_sigterm_exits_zero_within_five_seconds(node):
     proc = _start_subprocess(node)
     try:
-        assert wait_for(lambda: get(f"http://127.0.0.1:{node.port}/healthz", 1)[0] == 200
-                        if proc.poll() is None else True, 30)
+        assert wait_for(
+            lambda: (
+                get(f"http://127.0.0.1:{node.port}/healthz", 1)[0] == 200
+                if proc.poll() is None
+                else True
+            ),
+            30,
+        )
         assert proc.poll() is None, proc.stderr.read()
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=5)
@@ -244,16 +282,24 @@ def run(ctx):
 """
 
 
-def test_hung_training_process_is_exported_and_counted_once(node, running, monkeypatch,
-                                                              tmp_path):
+def test_hung_training_process_is_exported_and_counted_once(node, running, monkeypatch, tmp_path):
     """The contract of training_progress's results (docs/training_hangs.md), from a stand-in
     check: stepping on the first run, hung on every later one -> one suspicion."""
     (tmp_path / "fake_training_check.py").write_text(FAKE_TRAINING_CHECK)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(checks.REGISTRY, "training_progress", "fake_training_check")
-    suite = dict(PERIODIC, checks=[*PERIODIC["checks"], {
-        "check": "training_progress", "every_s": 0.2, "timeout_s": 5,
-        "params": {"runs_file": str(tmp_path / "runs")}}])
+    suite = dict(
+        PERIODIC,
+        checks=[
+            *PERIODIC["checks"],
+            {
+                "check": "training_progress",
+                "every_s": 0.2,
+                "timeout_s": 5,
+                "params": {"runs_file": str(tmp_path / "runs")},
+            },
+        ],
+    )
     node.suite.write_text(yaml.safe_dump(suite))
     daemon = running()
     base = f"http://127.0.0.1:{node.port}"
@@ -262,14 +308,18 @@ def test_hung_training_process_is_exported_and_counted_once(node, running, monke
     def hung_for_three_runs():
         runs = daemon.snapshot().checks.get("training_progress")
         text = get(base + "/metrics")[1]
-        return (runs and runs.runs >= 4
-                and metric_value(text, "node_agent_training_hang_suspected", **labels) == 1
-                and text)
+        return (
+            runs
+            and runs.runs >= 4
+            and metric_value(text, "node_agent_training_hang_suspected", **labels) == 1
+            and text
+        )
 
     text = wait_for(hung_for_three_runs, 30, interval_s=0.1)
     assert text, get(base + "/metrics")[1]
-    assert metric_value(text, "node_agent_training_hang_suspicions_total") == 1, \
+    assert metric_value(text, "node_agent_training_hang_suspicions_total") == 1, (
         "hung across several runs of the check: one suspicion"
+    )
     assert metric_value(text, "node_agent_training_step_time_seconds", **labels) == 0.25
     assert metric_value(text, "node_agent_training_heartbeat_age_seconds", **labels) >= 2.0
 
@@ -285,11 +335,14 @@ def promtool():
 def test_metrics_pass_promtool_check(node, running, promtool):
     running()
     base = f"http://127.0.0.1:{node.port}"
-    wait_for(lambda: metric_value(get(base + "/metrics")[1], "node_agent_check_runs_total",
-                                  check="xid"), 10)
+    wait_for(
+        lambda: metric_value(get(base + "/metrics")[1], "node_agent_check_runs_total", check="xid"),
+        10,
+    )
     text = get(base + "/metrics")[1]
-    proc = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
-                          text=True, timeout=30)
+    proc = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -301,17 +354,35 @@ def test_prometheus_server_scrapes_the_daemon(node, running, promtool, tmp_path)
     running()
     prom_port = free_port()
     config = tmp_path / "prometheus.yml"
-    config.write_text(yaml.safe_dump({
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "scrape_configs": [{"job_name": "node-agent",
-                            "static_configs": [{"targets": [f"127.0.0.1:{node.port}"]}]}]}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                "scrape_configs": [
+                    {
+                        "job_name": "node-agent",
+                        "static_configs": [{"targets": [f"127.0.0.1:{node.port}"]}],
+                    }
+                ],
+            }
+        )
+    )
     server = subprocess.Popen(
-        [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{prom_port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        [
+            prometheus,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{prom_port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        query = (f"http://127.0.0.1:{prom_port}/api/v1/query?query="
-                 "node_agent_health_level%7Bjob%3D%22node-agent%22%7D")
+        query = (
+            f"http://127.0.0.1:{prom_port}/api/v1/query?query="
+            "node_agent_health_level%7Bjob%3D%22node-agent%22%7D"
+        )
 
         def scraped():
             if server.poll() is not None:
@@ -361,19 +432,32 @@ def test_fault_is_acted_on_once_even_across_kill_9_and_restart(node):
     node.write([{"kind": "xid", "gpu": 5, "code": 79}])
     proc = _start_subprocess(node)
     try:
-        assert wait_for(lambda: len(_actions_log(node)) >= 2 and _journal_done(node) >= 2,
-                        60), proc.stderr
+        assert wait_for(lambda: len(_actions_log(node)) >= 2 and _journal_done(node) >= 2, 60), (
+            proc.stderr
+        )
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         first = _actions_log(node)  # read after the kill: whatever the first daemon finished
         proc = _start_subprocess(node)
         assert wait_for(lambda: get(f"http://127.0.0.1:{node.port}/healthz", 1)[0] == 200, 60)
-        text = wait_for(lambda: (t := get(f"http://127.0.0.1:{node.port}/metrics")[1])
-                        and metric_value(t, "node_agent_health_level") == 3 and t, 60)
+        text = wait_for(
+            lambda: (
+                (t := get(f"http://127.0.0.1:{node.port}/metrics")[1])
+                and metric_value(t, "node_agent_health_level") == 3
+                and t
+            ),
+            60,
+        )
         assert text
         # the drain was the first daemon's: the new one knows it from the store, not its counters
-        drained = wait_for(lambda: metric_value(get(f"http://127.0.0.1:{node.port}/metrics")[1],
-                                                "node_agent_drained_by_agent", source="state"), 30)
+        drained = wait_for(
+            lambda: metric_value(
+                get(f"http://127.0.0.1:{node.port}/metrics")[1],
+                "node_agent_drained_by_agent",
+                source="state",
+            ),
+            30,
+        )
         assert drained == 1
         time.sleep(2)  # give a duplicate every chance to appear
     finally:

@@ -48,16 +48,44 @@ def daemon(tmp_path):
     scenario, sock = tmp_path / "scenario.yaml", tmp_path / "run" / "nvhcd.sock"
     write_scenario(scenario, [])
     suite = tmp_path / "periodic.yaml"
-    suite.write_text(yaml.safe_dump({"name": "periodic", "mode": "service", "checks": [
-        {"check": "sdc_spool", "timeout_s": 30, "every_s": 3600}]}))
+    suite.write_text(
+        yaml.safe_dump(
+            {
+                "name": "periodic",
+                "mode": "service",
+                "checks": [{"check": "sdc_spool", "timeout_s": 30, "every_s": 3600}],
+            }
+        )
+    )
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump({
-        "state_dir": str(tmp_path / "state"), "spool_dir": str(tmp_path / "spool"),
-        "daemon": {"listen": "127.0.0.1:0", "act": True,
-                   "nvhcd": {"socket": str(sock), "max_age_s": 0.5, "min_refresh_s": 0}}}))
-    proc = subprocess.Popen([AGENT, "daemon", "--config", str(config), "--simulate",
-                             str(scenario), "--suite", str(suite)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "state_dir": str(tmp_path / "state"),
+                "spool_dir": str(tmp_path / "spool"),
+                "daemon": {
+                    "listen": "127.0.0.1:0",
+                    "act": True,
+                    "nvhcd": {"socket": str(sock), "max_age_s": 0.5, "min_refresh_s": 0},
+                },
+            }
+        )
+    )
+    proc = subprocess.Popen(
+        [
+            AGENT,
+            "daemon",
+            "--config",
+            str(config),
+            "--simulate",
+            str(scenario),
+            "--suite",
+            str(suite),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert wait_for(sock.exists, 60), proc.stderr.read() if proc.poll() is not None else ""
         yield proc, scenario, sock, tmp_path / "state"
@@ -80,16 +108,18 @@ def test_the_daemon_answers_healthy_error_and_fault_and_never_acts_on_a_request(
     assert healthy is True and output["fail_count"] == 0 and output["level"] == "HEALTHY"
 
     write_scenario(scenario, [{"kind": "row_remap_pending", "gpu": 2}])
-    healthy, output = wait_for(lambda: (lambda a: a if a[1]["level"] == "ERROR" else None)(
-        ask(sock)), 30)
+    healthy, output = wait_for(
+        lambda: (lambda a: a if a[1]["level"] == "ERROR" else None)(ask(sock)), 30
+    )
     assert healthy is False and output["fail_count"] >= 1
     assert any(r["target"] == "gpu:2" for r in output["reasons"])
 
     # a FAULT only NVML's counters show (the daemon's XID watch, which acts on its own evidence,
     # does not see it): volatile double-bit ECC errors
     write_scenario(scenario, [{"kind": "ecc_dbe_volatile", "gpu": 5, "count": 2}])
-    healthy, output = wait_for(lambda: (lambda a: a if a[1]["level"] == "FAULT" else None)(
-        ask(sock)), 30)
+    healthy, output = wait_for(
+        lambda: (lambda a: a if a[1]["level"] == "FAULT" else None)(ask(sock)), 30
+    )
     assert healthy is False
     assert any(r["target"] == "gpu:5" and r["level"] == "FAULT" for r in output["reasons"])
 

@@ -57,15 +57,27 @@ def daemon_on(tmp_path):
 
     def start(faults, clock) -> Daemon:
         scenario = tmp_path / "scenario.yaml"
-        scenario.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 8,
-                                            "faults": faults}))
+        scenario.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 8, "faults": faults}))
         config = tmp_path / "config.yaml"
-        config.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"),
-                                          "spool_dir": str(tmp_path / "spool"),
-                                          "daemon": {"listen": f"127.0.0.1:{free_port()}"}}))
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "state_dir": str(tmp_path / "state"),
+                    "spool_dir": str(tmp_path / "spool"),
+                    "daemon": {"listen": f"127.0.0.1:{free_port()}"},
+                }
+            )
+        )
         suite = tmp_path / "periodic.yaml"
-        suite.write_text(yaml.safe_dump({"name": "trends", "mode": "service", "checks": [
-            {"check": "nvml_health", "timeout_s": 10, "every_s": 0.5}]}))
+        suite.write_text(
+            yaml.safe_dump(
+                {
+                    "name": "trends",
+                    "mode": "service",
+                    "checks": [{"check": "nvml_health", "timeout_s": 10, "every_s": 0.5}],
+                }
+            )
+        )
         daemon = Daemon(str(config), str(scenario), suite=str(suite), wall_clock=clock)
         threading.Thread(target=lambda: daemon.run(install_signals=False), daemon=True).start()
         started.append(daemon)
@@ -88,15 +100,27 @@ def drive(daemon: Daemon, clock: WallClock, n: int) -> None:
         clock.now += 6 * H
 
 
-def test_counter_rising_over_simulated_days_grades_trend_warn_with_its_forecast(daemon_on,
-                                                                               tmp_path):
+def test_counter_rising_over_simulated_days_grades_trend_warn_with_its_forecast(
+    daemon_on, tmp_path
+):
     clock = WallClock()
     values = [STEP * i for i in range(60)]
-    daemon = daemon_on([{"kind": "counter_series", "gpu": 3, "counter": "ecc_sbe_volatile",
-                         "values": values, "every_h": 6}], clock)
+    daemon = daemon_on(
+        [
+            {
+                "kind": "counter_series",
+                "gpu": 3,
+                "counter": "ecc_sbe_volatile",
+                "values": values,
+                "every_h": 6,
+            }
+        ],
+        clock,
+    )
     drive(daemon, clock, 8)
-    reason = wait_for(lambda: next((r for r in daemon.grade.reasons
-                                    if r.rule == "trend-forecast"), None), 5)
+    reason = wait_for(
+        lambda: next((r for r in daemon.grade.reasons if r.rule == "trend-forecast"), None), 5
+    )
     assert reason is not None, daemon.grade.reasons
     assert reason.target == "gpu:3" and reason.level is Level.WARN
     assert daemon.grade.level is Level.WARN and daemon.grade.action == "none"
@@ -116,8 +140,18 @@ def test_counter_rising_over_simulated_days_grades_trend_warn_with_its_forecast(
 def test_counter_reset_by_a_reboot_gives_no_trend(daemon_on):
     clock = WallClock()
     values = [0, 200, 400, 600, 0, 0, 0, 0, 0]  # 800 a day, then a reboot: back to 0 and flat
-    daemon = daemon_on([{"kind": "counter_series", "gpu": 1, "counter": "ecc_sbe_volatile",
-                         "values": values, "every_h": 6}], clock)
+    daemon = daemon_on(
+        [
+            {
+                "kind": "counter_series",
+                "gpu": 1,
+                "counter": "ecc_sbe_volatile",
+                "values": values,
+                "every_h": 6,
+            }
+        ],
+        clock,
+    )
     drive(daemon, clock, len(values))
     assert wait_for(lambda: runs(daemon) >= len(values), 5)
     assert not [r for r in daemon.current_results() if r.metric == "trend"]
@@ -133,7 +167,8 @@ def test_unusable_history_is_a_warn_and_the_daemon_goes_on(daemon_on, tmp_path):
     clock = WallClock()
     daemon = daemon_on([], clock)
     drive(daemon, clock, 2)
-    reason = wait_for(lambda: next((r for r in daemon.grade.reasons
-                                    if r.rule == "trend-history"), None), 5)
+    reason = wait_for(
+        lambda: next((r for r in daemon.grade.reasons if r.rule == "trend-history"), None), 5
+    )
     assert reason is not None and daemon.grade.level is Level.WARN
     assert runs(daemon) >= 2  # the checks go on

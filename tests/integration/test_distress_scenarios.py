@@ -15,17 +15,30 @@ NVME = "[ {t}.5] nvme nvme0: I/O {tag} QID 4 timeout, reset controller"
 
 
 def distress(report):
-    return [r for r in report["results"] if r["check"] == "kernel_distress"
-            and r["status"] in ("warn", "fail")]
+    return [
+        r
+        for r in report["results"]
+        if r["check"] == "kernel_distress" and r["status"] in ("warn", "fail")
+    ]
 
 
 def suite_file(tmp_path, mode="service"):
     path = tmp_path / "host-suite.yaml"
-    path.write_text(yaml.safe_dump({"name": "host", "mode": mode, "checks": [
-        {"check": "inventory", "timeout_s": 30}, {"check": "nvml_health", "timeout_s": 30},
-        {"check": "xid", "timeout_s": 15},
-        {"check": "kernel_distress", "timeout_s": 15, "params": {"since": "last_run"}},
-        {"check": "software_drift", "timeout_s": 30}]}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "host",
+                "mode": mode,
+                "checks": [
+                    {"check": "inventory", "timeout_s": 30},
+                    {"check": "nvml_health", "timeout_s": 30},
+                    {"check": "xid", "timeout_s": 15},
+                    {"check": "kernel_distress", "timeout_s": 15, "params": {"since": "last_run"}},
+                    {"check": "software_drift", "timeout_s": 30},
+                ],
+            }
+        )
+    )
     return str(path)
 
 
@@ -39,8 +52,9 @@ def test_hung_task_grades_warn_and_exits_0(agent, scenario):
 
 
 def test_soft_lockup_grades_error_and_exits_3(agent, scenario):
-    run = agent("check", "--simulate", scenario([{"kind": "kernel_log", "line": SOFT_LOCKUP}]),
-                "--json")
+    run = agent(
+        "check", "--simulate", scenario([{"kind": "kernel_log", "line": SOFT_LOCKUP}]), "--json"
+    )
     assert run.code == 3, run.stderr
     reasons = run.json()["grade"]["reasons"]
     assert [(r["rule"], r["level"]) for r in reasons] == [("kernel-soft-lockup", "ERROR")]
@@ -53,15 +67,15 @@ def test_corrected_mces_grade_warn_and_a_fatal_one_error(agent, scenario):
     assert report["grade"]["level"] == "WARN"
     (found,) = distress(report)
     assert (found["metric"], found["value"]) == ("mce_corrected", 4)  # 3 records + the notice
-    fatal = agent("check", "--simulate", scenario([{"kind": "mce", "count": 1, "fatal": True}]),
-                  "--json")
+    fatal = agent(
+        "check", "--simulate", scenario([{"kind": "mce", "count": 1, "fatal": True}]), "--json"
+    )
     assert fatal.code == 3
     assert {r["rule"] for r in fatal.json()["grade"]["reasons"]} == {"kernel-mce-uncorrected"}
 
 
 def test_repeated_nvme_timeouts_grade_error_naming_the_disk(agent, scenario):
-    faults = [{"kind": "kernel_log", "line": NVME.format(t=500 + i, tag=100 + i)}
-              for i in range(3)]
+    faults = [{"kind": "kernel_log", "line": NVME.format(t=500 + i, tag=100 + i)} for i in range(3)]
     run = agent("check", "--simulate", scenario(faults), "--json")
     assert run.code == 3, run.stderr
     (reason,) = run.json()["grade"]["reasons"]
@@ -71,19 +85,31 @@ def test_repeated_nvme_timeouts_grade_error_naming_the_disk(agent, scenario):
 def test_a_panic_kept_in_pstore_warns_and_a_recurring_one_grades_error(agent, scenario):
     once = agent("check", "--simulate", scenario([{"kind": "pstore_panic"}]), "--json")
     assert (once.code, once.json()["grade"]["level"]) == (0, "WARN")
-    again = agent("check", "--simulate", scenario([{"kind": "pstore_panic", "count": 2}]),
-                  "--json")
+    again = agent("check", "--simulate", scenario([{"kind": "pstore_panic", "count": 2}]), "--json")
     assert again.code == 3
     assert [r["rule"] for r in again.json()["grade"]["reasons"]] == ["pstore-panic-recurring"]
 
 
 def test_nccl_drift_grades_warn_naming_expected_and_found(agent, scenario, tmp_path):
     config = tmp_path / "drift-config.yaml"
-    config.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"),
-                                      "node": {"software": {"nccl": "2.21.5",
-                                                            "driver": "570.86.15"}}}))
-    run = agent("accept", "--only", "software_drift", "--config", str(config), "--simulate",
-                scenario([{"kind": "software", "nccl": "2.18.1"}]), "--json")
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "state_dir": str(tmp_path / "state"),
+                "node": {"software": {"nccl": "2.21.5", "driver": "570.86.15"}},
+            }
+        )
+    )
+    run = agent(
+        "accept",
+        "--only",
+        "software_drift",
+        "--config",
+        str(config),
+        "--simulate",
+        scenario([{"kind": "software", "nccl": "2.18.1"}]),
+        "--json",
+    )
     assert run.code == 0, run.stderr
     report = run.json()
     assert report["grade"]["level"] == "WARN"

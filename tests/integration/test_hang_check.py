@@ -52,8 +52,9 @@ def _py_spy_works(pid: int) -> bool:
 
 def test_hang_check_pid_shows_the_stack_and_exits_0_when_one_signal_says_stuck(agent, tmp_path):
     with _children({"RANK": "3", "SLURM_JOB_ID": "4242"}) as (child,):
-        run = agent("hang-check", "--pid", str(child.pid), "--samples", "2", "--interval",
-                    "0.2", "--json")
+        run = agent(
+            "hang-check", "--pid", str(child.pid), "--samples", "2", "--interval", "0.2", "--json"
+        )
         assert run.code == 0, run.stderr
         (result,) = run.json()["results"]
         # SLURM_JOB_ID set by hand, no slurmd cgroup: named, but never restarted by the agent
@@ -91,23 +92,42 @@ def test_hang_check_on_a_pid_that_is_not_running_says_so(agent):
 
 def _scenario(tmp_path: Path, pids_on_gpu: dict[int, int], spinning: list[int]) -> str:
     path = tmp_path / "scenario.yaml"
-    path.write_text(yaml.safe_dump({
-        "sku": "h100-sxm5-80gb", "gpus": 8,
-        "compute_processes": [{"gpu": g, "pid": pid} for pid, g in pids_on_gpu.items()],
-        "faults": [{"kind": "spin", "gpu": g} for g in spinning]}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "sku": "h100-sxm5-80gb",
+                "gpus": 8,
+                "compute_processes": [{"gpu": g, "pid": pid} for pid, g in pids_on_gpu.items()],
+                "faults": [{"kind": "spin", "gpu": g} for g in spinning],
+            }
+        )
+    )
     return str(path)
 
 
 def _suite(tmp_path: Path, **params) -> str:
     path = tmp_path / "suite.yaml"
-    path.write_text(yaml.safe_dump({"name": "progress", "mode": "service", "checks": [
-        {"check": "training_progress", "timeout_s": 60,
-         "params": {"stack_samples": 2, "stack_interval_s": 0.2, **params}}]}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "progress",
+                "mode": "service",
+                "checks": [
+                    {
+                        "check": "training_progress",
+                        "timeout_s": 60,
+                        "params": {"stack_samples": 2, "stack_interval_s": 0.2, **params},
+                    }
+                ],
+            }
+        )
+    )
     return str(path)
 
 
 def test_gpu_process_without_heartbeats_spinning_and_still_is_hung_once_confirmed(
-        agent, tmp_path, slurm_job):
+    agent, tmp_path, slurm_job
+):
     """NVML lists two ranks of a Slurm job (slurmd's cgroup holds them: tests/slurm_cgroup.py);
     gpu 0's kernel spins and its stack stands still across two runs ``confirm_s`` apart: a
     hang. gpu 1 works normally: never hung."""
@@ -115,8 +135,10 @@ def test_gpu_process_without_heartbeats_spinning_and_still_is_hung_once_confirme
     job = f"job:slurm:77@uid:{os.geteuid()}"
     with _children({**env, "RANK": "0"}, {**env, "RANK": "1"}) as (r0, r1):
         if not _py_spy_works(r0.pid):
-            pytest.skip("py-spy is missing or may not ptrace here: the stack signal, which "
-                        "must agree with the GPU, cannot be read")
+            pytest.skip(
+                "py-spy is missing or may not ptrace here: the stack signal, which "
+                "must agree with the GPU, cannot be read"
+            )
         for child in (r0, r1):
             slurm_job.adopt(child.pid, 77)
         scenario = _scenario(tmp_path, {r0.pid: 0, r1.pid: 1}, spinning=[0])
@@ -147,10 +169,20 @@ def test_the_same_hang_in_a_job_only_its_environment_names_is_a_warn(agent, tmp_
     env = {"TORCHELASTIC_RUN_ID": "sim-job", "WORLD_SIZE": "1", "RANK": "0"}
     with _children(env) as (r0,):
         if not _py_spy_works(r0.pid):
-            pytest.skip("py-spy is missing or may not ptrace here: the stack signal, which "
-                        "must agree with the GPU, cannot be read")
-        run = agent("hang-check", "--simulate", _scenario(tmp_path, {r0.pid: 0}, spinning=[0]),
-                    "--samples", "2", "--interval", "0.2", "--json")
+            pytest.skip(
+                "py-spy is missing or may not ptrace here: the stack signal, which "
+                "must agree with the GPU, cannot be read"
+            )
+        run = agent(
+            "hang-check",
+            "--simulate",
+            _scenario(tmp_path, {r0.pid: 0}, spinning=[0]),
+            "--samples",
+            "2",
+            "--interval",
+            "0.2",
+            "--json",
+        )
         assert run.code == 0, run.stderr
         report = run.json()
         (hang,) = [r for r in report["results"] if r["metric"] == "training_hang"]

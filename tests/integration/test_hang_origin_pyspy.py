@@ -21,10 +21,12 @@ import pytest
 from node_agent.training.stacks import dump_once, find_py_spy, sample_stacks
 from node_agent.training.verdict import likely_origin
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
-                                reason="torch is not installed: no gloo ranks to hang")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None,
+    reason="torch is not installed: no gloo ranks to hang",
+)
 
-RANK = r'''
+RANK = r"""
 import os, queue, sys, threading, time
 import torch, torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
@@ -55,7 +57,7 @@ else:
     q = queue.Queue()
     threading.Thread(target=lambda: None).start()
     next_batch(q)
-'''
+"""
 
 
 def _free_port() -> int:
@@ -68,15 +70,25 @@ def _job(tmp_path, mode: str) -> list[subprocess.Popen]:
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     port = str(_free_port())
-    return [subprocess.Popen([sys.executable, str(script), mode],
-                             env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2",
-                                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
-                             start_new_session=True)
-            for r in range(2)]
+    return [
+        subprocess.Popen(
+            [sys.executable, str(script), mode],
+            env={
+                **os.environ,
+                "RANK": str(r),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            },
+            start_new_session=True,
+        )
+        for r in range(2)
+    ]
 
 
-def _until_blocked(py_spy: str, procs: list[subprocess.Popen], where: dict[int, str],
-                   timeout_s: float = 90) -> None:
+def _until_blocked(
+    py_spy: str, procs: list[subprocess.Popen], where: dict[int, str], timeout_s: float = 90
+) -> None:
     """Wait until each rank's main thread shows its blocking frame (torch imports take
     seconds); skip when py-spy cannot read the processes here."""
     deadline = time.monotonic() + timeout_s
@@ -116,12 +128,14 @@ def jobs(tmp_path):
         p.wait(timeout=10)
 
 
-@pytest.mark.parametrize("mode, blocked_frame, kind", [
-    ("dataloader", "_MultiProcessingDataLoaderIter._try_get_data", "data_loader"),
-    ("queue", "next_batch", "other"),
-])
-def test_rank_blocked_outside_the_collective_is_named_the_origin(jobs, mode, blocked_frame,
-                                                                   kind):
+@pytest.mark.parametrize(
+    "mode, blocked_frame, kind",
+    [
+        ("dataloader", "_MultiProcessingDataLoaderIter._try_get_data", "data_loader"),
+        ("queue", "next_batch", "other"),
+    ],
+)
+def test_rank_blocked_outside_the_collective_is_named_the_origin(jobs, mode, blocked_frame, kind):
     py_spy = find_py_spy()
     if py_spy is None:
         pytest.skip("py-spy is not installed (pip install py-spy)")
@@ -137,7 +151,11 @@ def test_rank_blocked_outside_the_collective_is_named_the_origin(jobs, mode, blo
     assert blocked_frame in stopped.figures["blocked_in"]["frame"]
     assert stopped.figures["in_collective"] is False
     # a stdlib "wait" frame is innermost on the stopped rank: what used to read as a collective
-    assert "wait" in stopped.figures["frames"][0].lower() or "select" in \
-        stopped.figures["frames"][0].lower()
+    assert (
+        "wait" in stopped.figures["frames"][0].lower()
+        or "select" in stopped.figures["frames"][0].lower()
+    )
     assert likely_origin([(pids[0], True, waiting), (pids[1], True, stopped)]) == {
-        pids[0]: False, pids[1]: True}
+        pids[0]: False,
+        pids[1]: True,
+    }

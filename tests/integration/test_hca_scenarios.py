@@ -17,9 +17,16 @@ HCAS = [f"mlx5_{n}" for n in range(8)]  # HGX H100: 8 compute-fabric ports (grad
 def service_suite(tmp_path) -> str:
     """The check alone, in service mode (what the quick and periodic suites run)."""
     path = tmp_path / "hca-suite.yaml"
-    path.write_text(yaml.safe_dump({"name": "hca", "description": "hca_ports alone",
-                                    "mode": "service",
-                                    "checks": [{"check": "hca_ports", "timeout_s": 15}]}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "hca",
+                "description": "hca_ports alone",
+                "mode": "service",
+                "checks": [{"check": "hca_ports", "timeout_s": 15}],
+            }
+        )
+    )
     return str(path)
 
 
@@ -74,8 +81,10 @@ def test_flapping_port_grades_warn_naming_the_hca(agent, scenario, tmp_path):
 
 
 def test_port_that_keeps_flapping_grades_error(agent, scenario, tmp_path):
-    path = scenario([{"kind": "hca_errors", "hca": "mlx5_2", "counter": "link_downed",
-                      "per_hour": 1_000_000}], hcas=HCAS)
+    path = scenario(
+        [{"kind": "hca_errors", "hca": "mlx5_2", "counter": "link_downed", "per_hour": 1_000_000}],
+        hcas=HCAS,
+    )
     suite = service_suite(tmp_path)
     first = agent("check", "--simulate", path, "--suite", suite, "--json")
     assert first.code == 0, first.stderr
@@ -86,8 +95,10 @@ def test_port_that_keeps_flapping_grades_error(agent, scenario, tmp_path):
 
 
 def test_error_counter_growing_fast_grades_error_on_the_next_run(agent, scenario, tmp_path):
-    path = scenario([{"kind": "hca_errors", "hca": "mlx5_4", "counter": "symbol_error",
-                      "per_hour": 1e9}], hcas=HCAS)
+    path = scenario(
+        [{"kind": "hca_errors", "hca": "mlx5_4", "counter": "symbol_error", "per_hour": 1e9}],
+        hcas=HCAS,
+    )
     suite = service_suite(tmp_path)
     first = agent("check", "--simulate", path, "--suite", suite, "--json")
     assert first.code == 0 and first.json()["grade"]["level"] == "HEALTHY"  # a baseline
@@ -97,8 +108,10 @@ def test_error_counter_growing_fast_grades_error_on_the_next_run(agent, scenario
 
 
 def test_mlx5_module_over_temperature_grades_error_naming_the_hca(agent, scenario, tmp_path):
-    line = ("mlx5_core 0000:0c:00.5: mlx5_port_module_event:1131:(pid 0): Port module "
-            "event[error]: module 0, Cable error, High Temperature")
+    line = (
+        "mlx5_core 0000:0c:00.5: mlx5_port_module_event:1131:(pid 0): Port module "
+        "event[error]: module 0, Cable error, High Temperature"
+    )
     path = scenario([{"kind": "kernel_log", "line": line}], hcas=HCAS)
     run = agent("check", "--simulate", path, "--suite", service_suite(tmp_path), "--json")
     assert run.code == 3, run.stderr
@@ -106,8 +119,9 @@ def test_mlx5_module_over_temperature_grades_error_naming_the_hca(agent, scenari
 
 
 def test_unknown_counter_in_hca_errors_is_a_usage_error(agent, scenario):
-    path = scenario([{"kind": "hca_errors", "hca": "mlx5_0", "counter": "bogus",
-                      "per_hour": 1}], hcas=HCAS)
+    path = scenario(
+        [{"kind": "hca_errors", "hca": "mlx5_0", "counter": "bogus", "per_hour": 1}], hcas=HCAS
+    )
     run = agent("accept", "--simulate", path, "--only", "hca_ports", "--json")
     assert run.code == 2
     assert "counter" in run.stderr and len(run.stderr.strip().splitlines()) == 1

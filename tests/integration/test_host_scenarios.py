@@ -31,22 +31,46 @@ def test_healthy_node_stays_healthy_three_runs_in_a_row(agent, scenario):
         assert report["grade"]["level"] == "HEALTHY", report["grade"]
         mine = [r for r in report["results"] if r["check"] in HOST_CHECKS.split(",")]
         assert {r["check"] for r in mine} == set(HOST_CHECKS.split(","))
-        assert all(r["status"] == "pass" for r in mine), \
-            [(r["check"], r["metric"], r["status"], r["detail"]) for r in mine
-             if r["status"] != "pass"]
+        assert all(r["status"] == "pass" for r in mine), [
+            (r["check"], r["metric"], r["status"], r["detail"])
+            for r in mine
+            if r["status"] != "pass"
+        ]
 
 
-@pytest.mark.parametrize("fault, check, code, level, rule, target", [
-    ({"kind": "edac_ue", "dimm": "CPU1_DIMM_C2"}, "host_memory", 4, "FAULT",
-     "edac-uncorrectable", "dimm:CPU1_DIMM_C2"),
-    ({"kind": "psu_failed", "psu": "PS3"}, "host_power", 3, "ERROR", "psu-failed", "psu:PS3"),
-    ({"kind": "aer", "gpu": 2, "severity": "fatal"}, "pcie_aer", 3, "ERROR", "pcie-aer-fatal",
-     "gpu:2"),
-    ({"kind": "nvme_critical_warning", "disk": "nvme1"}, "nvme_health", 0, "WARN",
-     "nvme-critical-warning", "disk:nvme1"),
-])
-def test_host_fault_grades_and_names_the_device(agent, scenario, fault, check, code, level,
-                                                rule, target):
+@pytest.mark.parametrize(
+    "fault, check, code, level, rule, target",
+    [
+        (
+            {"kind": "edac_ue", "dimm": "CPU1_DIMM_C2"},
+            "host_memory",
+            4,
+            "FAULT",
+            "edac-uncorrectable",
+            "dimm:CPU1_DIMM_C2",
+        ),
+        ({"kind": "psu_failed", "psu": "PS3"}, "host_power", 3, "ERROR", "psu-failed", "psu:PS3"),
+        (
+            {"kind": "aer", "gpu": 2, "severity": "fatal"},
+            "pcie_aer",
+            3,
+            "ERROR",
+            "pcie-aer-fatal",
+            "gpu:2",
+        ),
+        (
+            {"kind": "nvme_critical_warning", "disk": "nvme1"},
+            "nvme_health",
+            0,
+            "WARN",
+            "nvme-critical-warning",
+            "disk:nvme1",
+        ),
+    ],
+)
+def test_host_fault_grades_and_names_the_device(
+    agent, scenario, fault, check, code, level, rule, target
+):
     run = accept(agent, scenario([fault], hcas=HCAS), check)
     assert run.code == code, run.stderr
     grade = run.json()["grade"]
@@ -56,10 +80,12 @@ def test_host_fault_grades_and_names_the_device(agent, scenario, fault, check, c
 
 
 def test_missing_memory_ce_rate_throttling_and_hca_aer_each_named(agent, scenario):
-    faults = [{"kind": "memory_missing", "gib": 64},
-              {"kind": "edac_ce", "dimm": "CPU0_DIMM_A1", "count": 40},
-              {"kind": "cpu_throttle", "count": 3},
-              {"kind": "aer", "hca": "mlx5_1", "severity": "nonfatal", "bridge": True}]
+    faults = [
+        {"kind": "memory_missing", "gib": 64},
+        {"kind": "edac_ce", "dimm": "CPU0_DIMM_A1", "count": 40},
+        {"kind": "cpu_throttle", "count": 3},
+        {"kind": "aer", "hca": "mlx5_1", "severity": "nonfatal", "bridge": True},
+    ]
     run = accept(agent, scenario(faults, hcas=HCAS), "host_memory,pcie_aer,host_cpu")
     assert run.code == 4, run.stderr
     grade = run.json()["grade"]
@@ -68,7 +94,8 @@ def test_missing_memory_ce_rate_throttling_and_hca_aer_each_named(agent, scenari
         ("memory-missing", "FAULT", "node"),
         ("edac-correctable-rate", "WARN", "dimm:CPU0_DIMM_A1"),
         ("cpu-thermal-throttle", "WARN", "node"),
-        ("pcie-aer-nonfatal", "WARN", "hca:mlx5_1")}
+        ("pcie-aer-nonfatal", "WARN", "hca:mlx5_1"),
+    }
 
 
 def test_psu_failure_also_degrades_redundancy(agent, scenario):
@@ -92,8 +119,9 @@ def test_captured_node_skips_host_checks_its_capture_did_not_record(agent):
     real = Path(__file__).resolve().parents[2] / "scenarios" / "real" / "h100-sxm5-vm.yaml"
     run = accept(agent, str(real))
     mine = [r for r in run.json()["results"] if r["check"] in HOST_CHECKS.split(",")]
-    assert len(mine) == 5 and all(r["status"] == "skip" and "not recorded" in r["detail"]
-                                  for r in mine)
+    assert len(mine) == 5 and all(
+        r["status"] == "skip" and "not recorded" in r["detail"] for r in mine
+    )
 
 
 def _host_has(path: str) -> bool:
@@ -103,10 +131,12 @@ def _host_has(path: str) -> bool:
         return False
 
 
-@pytest.mark.skipif(_host_has("/sys/devices/system/edac/mc") or _host_has("/sys/class/nvme")
-                    or any(Path(p).exists() for p in ("/dev/ipmi0", "/dev/ipmi/0",
-                                                      "/dev/ipmidev/0")),
-                    reason="this host has EDAC, NVMe or a BMC: its checks read real hardware")
+@pytest.mark.skipif(
+    _host_has("/sys/devices/system/edac/mc")
+    or _host_has("/sys/class/nvme")
+    or any(Path(p).exists() for p in ("/dev/ipmi0", "/dev/ipmi/0", "/dev/ipmidev/0")),
+    reason="this host has EDAC, NVMe or a BMC: its checks read real hardware",
+)
 def test_host_without_edac_ipmi_or_nvme_skips_each_with_its_reason(agent):
     run = agent("accept", "--only", "host_memory,host_power,nvme_health", "--json")
     assert run.code == 0, run.stderr
@@ -117,6 +147,8 @@ def test_host_without_edac_ipmi_or_nvme_skips_each_with_its_reason(agent):
     assert psu["status"] == "skip" and ("ipmitool" in psu["detail"] or "BMC" in psu["detail"])
     disk = results[("nvme_health", "nvme")]
     assert disk["status"] == "skip" and "no NVMe controller" in disk["detail"]
-    assert not [r for r in run.json()["results"]
-                if r["check"] in ("host_memory", "host_power", "nvme_health")
-                and r["status"] == "pass"]
+    assert not [
+        r
+        for r in run.json()["results"]
+        if r["check"] in ("host_memory", "host_power", "nvme_health") and r["status"] == "pass"
+    ]

@@ -19,13 +19,25 @@ from node_agent.report.html import write_html
 from node_agent.report.synthetic import synthetic_report
 
 CHROMIUM = shutil.which("chromium") or (
-    "/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
+    "/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None
+)
 needs_chromium = pytest.mark.skipif(
-    CHROMIUM is None, reason="chromium not installed (Debian package `chromium`; "
-                             "scripts/install-test-system-deps installs it)")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--enable-logging=stderr", "--v=0"]
+    CHROMIUM is None,
+    reason="chromium not installed (Debian package `chromium`; "
+    "scripts/install-test-system-deps installs it)",
+)
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--enable-logging=stderr",
+    "--v=0",
+]
 
 
 @dataclass
@@ -35,8 +47,11 @@ class Page:
     elements: list[tuple[str, dict[str, str]]]
 
     def find(self, tag: str, **attrs: str) -> list[dict[str, str]]:
-        return [a for t, a in self.elements if t == tag
-                and all(a.get(k.replace("_", "-")) == v for k, v in attrs.items())]
+        return [
+            a
+            for t, a in self.elements
+            if t == tag and all(a.get(k.replace("_", "-")) == v for k, v in attrs.items())
+        ]
 
 
 class _Collect(HTMLParser):
@@ -50,8 +65,12 @@ class _Collect(HTMLParser):
 
 def chromium(url: str, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
     profile = tmp_path / f"chromium-profile-{len(list(tmp_path.glob('chromium-profile-*')))}"
-    return subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *extra, url],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *extra, url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def load(path: Path, tmp_path: Path) -> Page:
@@ -65,8 +84,13 @@ def load(path: Path, tmp_path: Path) -> Page:
 
 def screenshot(path: Path, tmp_path: Path, name: str) -> Path:
     png = tmp_path / name
-    proc = chromium(path.resolve().as_uri(), tmp_path, f"--screenshot={png}",
-                    "--window-size=1300,2000", "--hide-scrollbars")
+    proc = chromium(
+        path.resolve().as_uri(),
+        tmp_path,
+        f"--screenshot={png}",
+        "--window-size=1300,2000",
+        "--hide-scrollbars",
+    )
     assert proc.returncode == 0 and png.exists(), proc.stderr[-2000:]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     artefacts = os.environ.get("NODE_AGENT_ARTIFACTS")
@@ -80,10 +104,12 @@ def screenshot(path: Path, tmp_path: Path, name: str) -> Path:
 def test_console_check_catches_script_errors_and_blocked_fetches(tmp_path):
     """The no-console-errors assertions below could not fail if this detector saw nothing."""
     bad = tmp_path / "bad.html"
-    bad.write_text("<html><head><meta http-equiv=\"Content-Security-Policy\" "
-                   "content=\"default-src 'none'; script-src 'unsafe-inline'\"></head><body>"
-                   "<script>throw new Error('planted')</script>"
-                   "<img src=\"http://127.0.0.1:9/x.png\"></body></html>")
+    bad.write_text(
+        '<html><head><meta http-equiv="Content-Security-Policy" '
+        "content=\"default-src 'none'; script-src 'unsafe-inline'\"></head><body>"
+        "<script>throw new Error('planted')</script>"
+        '<img src="http://127.0.0.1:9/x.png"></body></html>'
+    )
     page = load(bad, tmp_path)
     assert any("Uncaught" in ln and "planted" in ln for ln in page.console), page.console
     assert any("Content Security Policy" in ln for ln in page.console), page.console
@@ -91,11 +117,20 @@ def test_console_check_catches_script_errors_and_blocked_fetches(tmp_path):
 
 @needs_chromium
 def test_fault_node_html_in_chromium_shows_fault_and_highlights_the_faulty_gpu(
-        agent, scenario, tmp_path):
+    agent, scenario, tmp_path
+):
     html = tmp_path / "fault.html"
-    run = agent("accept", "--simulate", scenario([{"kind": "xid", "gpu": 5, "code": 79}]),
-                "--only", "inventory,nvml_health,xid", "--out", str(tmp_path / "reports"),
-                "--html", str(html))
+    run = agent(
+        "accept",
+        "--simulate",
+        scenario([{"kind": "xid", "gpu": 5, "code": 79}]),
+        "--only",
+        "inventory,nvml_health,xid",
+        "--out",
+        str(tmp_path / "reports"),
+        "--html",
+        str(html),
+    )
     assert run.code == 4, run.stderr
     assert f"html: {html}" in run.stderr
     page = load(html, tmp_path)
@@ -115,8 +150,9 @@ def test_fault_node_html_in_chromium_shows_fault_and_highlights_the_faulty_gpu(
 
 @needs_chromium
 def test_report_with_burn_traces_draws_plots_with_thresholds_and_bandwidth_bars(tmp_path):
-    report = synthetic_report("node-traces", seed=7, trace_points=90, gpu_factors={3: 0.88},
-                              faults={3: "slow"})
+    report = synthetic_report(
+        "node-traces", seed=7, trace_points=90, gpu_factors={3: 0.88}, faults={3: "slow"}
+    )
     html = write_html(report, tmp_path / "traces.html")
     page = load(html, tmp_path)
     assert page.console == []
@@ -124,8 +160,14 @@ def test_report_with_burn_traces_draws_plots_with_thresholds_and_bandwidth_bars(
     assert burn and "flagged" in burn[0]["class"].split()
     assert len([a for a in page.find("div") if a.get("data-target", "").startswith("gpu:")]) == 8
     assert sum(1 for t, _ in page.elements if t == "svg") >= 8 + 5
-    for check in ("gpu_burn", "hbm_bandwidth", "pcie_bandwidth", "nccl_allreduce", "rdma",
-                  "storage"):
+    for check in (
+        "gpu_burn",
+        "hbm_bandwidth",
+        "pcie_bandwidth",
+        "nccl_allreduce",
+        "rdma",
+        "storage",
+    ):
         assert page.find("div", data_check=check), check
     text = html.read_text()
     assert "power limit" in text and "slowdown" in text and "minimum 2500" in text
@@ -146,27 +188,55 @@ def test_html_page_loads_nothing_from_the_network(tmp_path):
     text = write_html(synthetic_report("n", trace_points=10), tmp_path / "x.html").read_text()
     assert "default-src 'none'" in text
     lowered = text.lower()
-    for fetch in ('src="http', "src='http", 'href="http', "href='http", "url(http", "url('http", "@import",
-                  "<link rel=\"stylesheet"):
+    for fetch in (
+        'src="http',
+        "src='http",
+        'href="http',
+        "href='http",
+        "url(http",
+        "url('http",
+        "@import",
+        '<link rel="stylesheet',
+    ):
         assert fetch not in lowered, fetch
 
 
 def test_html_without_matplotlib_is_a_usage_error_naming_the_extra(scenario, tmp_path):
-    blocker = ("import sys\n"
-               "class Block:\n"
-               "    def find_spec(self, name, path=None, target=None):\n"
-               "        if name == 'matplotlib' or name.startswith('matplotlib.'):\n"
-               "            raise ImportError('blocked for the test')\n"
-               "sys.meta_path.insert(0, Block())\n"
-               "from node_agent.commands.main import main\n"
-               "sys.exit(main())\n")
+    blocker = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'matplotlib' or name.startswith('matplotlib.'):\n"
+        "            raise ImportError('blocked for the test')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from node_agent.commands.main import main\n"
+        "sys.exit(main())\n"
+    )
     out = tmp_path / "reports"
     config = tmp_path / "config.yaml"
     config.write_text(f"state_dir: {tmp_path / 'state'}\n")
-    proc = subprocess.run([sys.executable, "-c", blocker, "accept", "--simulate", scenario(),
-                           "--only", "xid", "--out", str(out), "--html", str(tmp_path / "r.html"),
-                           "--config", str(config)],
-                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            blocker,
+            "accept",
+            "--simulate",
+            scenario(),
+            "--only",
+            "xid",
+            "--out",
+            str(out),
+            "--html",
+            str(tmp_path / "r.html"),
+            "--config",
+            str(config),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "pip install 'node-agent[report]'" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1

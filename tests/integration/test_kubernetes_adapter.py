@@ -19,8 +19,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-kubernetes = pytest.importorskip("kubernetes", reason="kubernetes client not installed: "
-                                 "pip install -e '.[k8s]' (make deps-test)")
+kubernetes = pytest.importorskip(
+    "kubernetes", reason="kubernetes client not installed: pip install -e '.[k8s]' (make deps-test)"
+)
 
 from node_agent.config import config_from_dict  # noqa: E402
 from node_agent.schedulers import AdapterError  # noqa: E402
@@ -38,10 +39,13 @@ SMP = "application/strategic-merge-patch+json"
 
 
 def make_node(name: str, unschedulable: bool = False, taints=None) -> dict:
-    return {"kind": "Node", "apiVersion": "v1",
-            "metadata": {"name": name, "resourceVersion": "100", "annotations": {}},
-            "spec": {"unschedulable": unschedulable, "taints": taints or []},
-            "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+    return {
+        "kind": "Node",
+        "apiVersion": "v1",
+        "metadata": {"name": name, "resourceVersion": "100", "annotations": {}},
+        "spec": {"unschedulable": unschedulable, "taints": taints or []},
+        "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+    }
 
 
 def strategic_merge(target: dict, patch: dict, path: str = "") -> None:
@@ -59,15 +63,40 @@ def strategic_merge(target: dict, patch: dict, path: str = "") -> None:
             target[key] = copy.deepcopy(value)
 
 
-def make_pod(namespace: str, name: str, node: str | None, phase: str = "Running",
-             controller: str | None = "Job", uid: str = "6f1c2d3e-4a5b-4c6d-8e7f-000000000001") -> dict:
-    owners = [{"apiVersion": "batch/v1", "kind": controller, "name": f"{name}-ctl",
-               "uid": "owner-uid", "controller": True}] if controller else []
-    return {"kind": "Pod", "apiVersion": "v1",
-            "metadata": {"name": name, "namespace": namespace, "uid": uid,
-                         "resourceVersion": "7", "ownerReferences": owners},
-            "spec": {"nodeName": node, "containers": [{"name": "trainer", "image": "t"}]},
-            "status": {"phase": phase}}
+def make_pod(
+    namespace: str,
+    name: str,
+    node: str | None,
+    phase: str = "Running",
+    controller: str | None = "Job",
+    uid: str = "6f1c2d3e-4a5b-4c6d-8e7f-000000000001",
+) -> dict:
+    owners = (
+        [
+            {
+                "apiVersion": "batch/v1",
+                "kind": controller,
+                "name": f"{name}-ctl",
+                "uid": "owner-uid",
+                "controller": True,
+            }
+        ]
+        if controller
+        else []
+    )
+    return {
+        "kind": "Pod",
+        "apiVersion": "v1",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": uid,
+            "resourceVersion": "7",
+            "ownerReferences": owners,
+        },
+        "spec": {"nodeName": node, "containers": [{"name": "trainer", "image": "t"}]},
+        "status": {"phase": phase},
+    }
 
 
 class FakeNodeApi:
@@ -91,9 +120,14 @@ class FakeNodeApi:
                 self.wfile.write(data)
 
             def _record(self, body=None):
-                api.requests.append({"method": self.command, "path": self.path.split("?")[0],
-                                     "content_type": self.headers.get("Content-Type"),
-                                     "body": body})
+                api.requests.append(
+                    {
+                        "method": self.command,
+                        "path": self.path.split("?")[0],
+                        "content_type": self.headers.get("Content-Type"),
+                        "body": body,
+                    }
+                )
 
             def do_GET(self):
                 self._record()
@@ -103,16 +137,30 @@ class FakeNodeApi:
                 if parts[2:3] == ["namespaces"] and parts[4:5] == ["pods"]:
                     pod = api.pods.get((parts[3], parts[5]))
                     if pod is None:
-                        return self._send(404, {"kind": "Status", "reason": "NotFound",
-                                                "message": f'pods "{parts[5]}" not found'})
+                        return self._send(
+                            404,
+                            {
+                                "kind": "Status",
+                                "reason": "NotFound",
+                                "message": f'pods "{parts[5]}" not found',
+                            },
+                        )
                     return self._send(200, pod)
                 if parts == ["api", "v1", "nodes"]:
-                    return self._send(200, {"kind": "NodeList", "apiVersion": "v1",
-                                            "items": list(api.nodes.values())})
+                    return self._send(
+                        200,
+                        {"kind": "NodeList", "apiVersion": "v1", "items": list(api.nodes.values())},
+                    )
                 node = api.nodes.get(parts[-1])
                 if node is None:
-                    return self._send(404, {"kind": "Status", "reason": "NotFound",
-                                            "message": f'nodes "{parts[-1]}" not found'})
+                    return self._send(
+                        404,
+                        {
+                            "kind": "Status",
+                            "reason": "NotFound",
+                            "message": f'nodes "{parts[-1]}" not found',
+                        },
+                    )
                 return self._send(200, node)
 
             def do_PATCH(self):
@@ -122,10 +170,18 @@ class FakeNodeApi:
                 node = api.nodes[parts[3]]
                 rv = (body.get("metadata") or {}).get("resourceVersion")
                 if rv is not None and rv != node["metadata"]["resourceVersion"]:
-                    return self._send(409, {"kind": "Status", "reason": "Conflict",
-                                            "message": "the object has been modified"})
+                    return self._send(
+                        409,
+                        {
+                            "kind": "Status",
+                            "reason": "Conflict",
+                            "message": "the object has been modified",
+                        },
+                    )
                 strategic_merge(node, body)
-                node["metadata"]["resourceVersion"] = str(int(node["metadata"]["resourceVersion"]) + 1)
+                node["metadata"]["resourceVersion"] = str(
+                    int(node["metadata"]["resourceVersion"]) + 1
+                )
                 return self._send(200, node)
 
             def do_DELETE(self):
@@ -135,14 +191,26 @@ class FakeNodeApi:
                 parts = self.path.split("?")[0].strip("/").split("/")
                 pod = api.pods.get((parts[3], parts[5]))
                 if pod is None:
-                    return self._send(404, {"kind": "Status", "reason": "NotFound",
-                                            "message": f'pods "{parts[5]}" not found'})
+                    return self._send(
+                        404,
+                        {
+                            "kind": "Status",
+                            "reason": "NotFound",
+                            "message": f'pods "{parts[5]}" not found',
+                        },
+                    )
                 uid = ((body or {}).get("preconditions") or {}).get("uid")
                 if uid is not None and uid != pod["metadata"]["uid"]:
-                    return self._send(409, {"kind": "Status", "reason": "Conflict",
-                                            "message": "Precondition failed: UID in precondition"
-                                                       f": {uid}, UID in object meta: "
-                                                       f"{pod['metadata']['uid']}"})
+                    return self._send(
+                        409,
+                        {
+                            "kind": "Status",
+                            "reason": "Conflict",
+                            "message": "Precondition failed: UID in precondition"
+                            f": {uid}, UID in object meta: "
+                            f"{pod['metadata']['uid']}",
+                        },
+                    )
                 del api.pods[(parts[3], parts[5])]
                 return self._send(200, pod)
 
@@ -162,29 +230,39 @@ class FakeNodeApi:
 @pytest.fixture
 def api():
     U9 = "6f1c2d3e-4a5b-4c6d-8e7f-000000000009"
-    fake = FakeNodeApi({"gpu-01": make_node("gpu-01"), "gpu-02": make_node("gpu-02"),
-                        "gpu-03": make_node("gpu-03", unschedulable=True)},
-                       {("ml", "trainer-0"): make_pod("ml", "trainer-0", "gpu-01"),
-                        ("ml", "trainer-1"): make_pod("ml", "trainer-1", "gpu-02"),
-                        ("default", "solo"): make_pod("default", "solo", "gpu-01",
-                                                      controller=None),
-                        ("default", "trainer-9"): make_pod("default", "trainer-9", "gpu-01",
-                                                           uid=U9),
-                        ("ml", "done-0"): make_pod("ml", "done-0", "gpu-01",
-                                                   phase="Succeeded")})
+    fake = FakeNodeApi(
+        {
+            "gpu-01": make_node("gpu-01"),
+            "gpu-02": make_node("gpu-02"),
+            "gpu-03": make_node("gpu-03", unschedulable=True),
+        },
+        {
+            ("ml", "trainer-0"): make_pod("ml", "trainer-0", "gpu-01"),
+            ("ml", "trainer-1"): make_pod("ml", "trainer-1", "gpu-02"),
+            ("default", "solo"): make_pod("default", "solo", "gpu-01", controller=None),
+            ("default", "trainer-9"): make_pod("default", "trainer-9", "gpu-01", uid=U9),
+            ("ml", "done-0"): make_pod("ml", "done-0", "gpu-01", phase="Succeeded"),
+        },
+    )
     yield fake
     fake.close()
 
 
-def adapter_for(api: FakeNodeApi, pod_namespace: str = "default",
-                own_node: str = "gpu-01") -> KubernetesAdapter:
+def adapter_for(
+    api: FakeNodeApi, pod_namespace: str = "default", own_node: str = "gpu-01"
+) -> KubernetesAdapter:
     from kubernetes import client
 
     configuration = client.Configuration()
     configuration.host = api.url
-    return KubernetesAdapter(client.ApiClient(configuration), taint_key="node-agent/health",
-                             timeout_s=5, clock=lambda: NOW, pod_namespace=pod_namespace,
-                             own_node=own_node)
+    return KubernetesAdapter(
+        client.ApiClient(configuration),
+        taint_key="node-agent/health",
+        timeout_s=5,
+        clock=lambda: NOW,
+        pod_namespace=pod_namespace,
+        own_node=own_node,
+    )
 
 
 def test_drain_cordons_taints_and_sets_condition_false_with_exact_requests(api):
@@ -195,18 +273,31 @@ def test_drain_cordons_taints_and_sets_condition_false_with_exact_requests(api):
     assert spec_patch["path"] == "/api/v1/nodes/gpu-01"
     assert spec_patch["content_type"] == SMP
     assert spec_patch["body"] == {
-        "metadata": {"resourceVersion": "100",
-                     "annotations": {ANN_REASON: "node-agent: FAULT xid79 gpu:5",
-                                     ANN_CORDONED: "true"}},
-        "spec": {"unschedulable": True,
-                 "taints": [{"key": "node-agent/health", "value": "FAULT",
-                             "effect": "NoSchedule"}]}}
+        "metadata": {
+            "resourceVersion": "100",
+            "annotations": {ANN_REASON: "node-agent: FAULT xid79 gpu:5", ANN_CORDONED: "true"},
+        },
+        "spec": {
+            "unschedulable": True,
+            "taints": [{"key": "node-agent/health", "value": "FAULT", "effect": "NoSchedule"}],
+        },
+    }
     assert status_patch["path"] == "/api/v1/nodes/gpu-01/status"
     assert status_patch["content_type"] == SMP
-    assert status_patch["body"] == {"status": {"conditions": [{
-        "type": "GPUHealthy", "status": "False", "reason": "NodeAgentDrained",
-        "message": "node-agent: FAULT xid79 gpu:5",
-        "lastHeartbeatTime": NOW, "lastTransitionTime": NOW}]}}
+    assert status_patch["body"] == {
+        "status": {
+            "conditions": [
+                {
+                    "type": "GPUHealthy",
+                    "status": "False",
+                    "reason": "NodeAgentDrained",
+                    "message": "node-agent: FAULT xid79 gpu:5",
+                    "lastHeartbeatTime": NOW,
+                    "lastTransitionTime": NOW,
+                }
+            ]
+        }
+    }
     state = adapter_for(api).node_state("gpu-01")
     assert state.drained and state.drained_by_agent
     assert state.state == "Ready,SchedulingDisabled"
@@ -216,8 +307,10 @@ def test_drain_keeps_other_taints(api):
     api.nodes["gpu-01"]["spec"]["taints"] = [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}]
     adapter_for(api).drain("gpu-01", "ERROR xid48 gpu:3")
     taints = api.patches()[0]["body"]["spec"]["taints"]
-    assert taints == [{"key": "nvidia.com/gpu", "effect": "NoSchedule"},
-                      {"key": "node-agent/health", "value": "ERROR", "effect": "NoSchedule"}]
+    assert taints == [
+        {"key": "nvidia.com/gpu", "effect": "NoSchedule"},
+        {"key": "node-agent/health", "value": "ERROR", "effect": "NoSchedule"},
+    ]
 
 
 def test_resume_removes_taint_uncordons_and_sets_condition_true(api):
@@ -228,12 +321,18 @@ def test_resume_removes_taint_uncordons_and_sets_condition_true(api):
     spec_patch, status_patch = api.patches()
     assert spec_patch["content_type"] == SMP
     assert spec_patch["body"] == {
-        "metadata": {"resourceVersion": "102",
-                     "annotations": {ANN_REASON: None, ANN_CORDONED: None, ANN_REBOOT: None}},
-        "spec": {"taints": [], "unschedulable": False}}
+        "metadata": {
+            "resourceVersion": "102",
+            "annotations": {ANN_REASON: None, ANN_CORDONED: None, ANN_REBOOT: None},
+        },
+        "spec": {"taints": [], "unschedulable": False},
+    }
     cond = status_patch["body"]["status"]["conditions"][0]
-    assert (cond["type"], cond["status"], cond["reason"]) == ("GPUHealthy", "True",
-                                                             "NodeAgentHealthy")
+    assert (cond["type"], cond["status"], cond["reason"]) == (
+        "GPUHealthy",
+        "True",
+        "NodeAgentHealthy",
+    )
     node = api.nodes["gpu-01"]
     assert node["spec"] == {"unschedulable": False, "taints": []}
     assert not adapter.node_state("gpu-01").drained
@@ -253,8 +352,10 @@ def test_node_cordoned_by_someone_else_is_never_uncordoned(api):
 def test_resume_of_a_node_the_agent_only_tainted_leaves_it_cordoned(api):
     """Cordoned by the agent's own earlier drain without the cordoned mark (e.g. an older
     agent): the taint goes, the cordon stays for a person to lift."""
-    api.nodes["gpu-01"]["spec"] = {"unschedulable": True, "taints": [
-        {"key": "node-agent/health", "value": "ERROR", "effect": "NoSchedule"}]}
+    api.nodes["gpu-01"]["spec"] = {
+        "unschedulable": True,
+        "taints": [{"key": "node-agent/health", "value": "ERROR", "effect": "NoSchedule"}],
+    }
     detail = adapter_for(api).resume("gpu-01", "re-test passed")
     assert "left cordoned" in detail
     assert "unschedulable" not in api.patches()[0]["body"]["spec"]
@@ -273,7 +374,8 @@ def test_replace_uses_replace_reason_and_condition(api):
     adapter_for(api).replace("gpu-01", "FAULT row_remap_failure gpu:2")
     spec_patch, status_patch = api.patches()
     assert spec_patch["body"]["metadata"]["annotations"][ANN_REASON].startswith(
-        "node-agent: replace: FAULT")
+        "node-agent: replace: FAULT"
+    )
     assert status_patch["body"]["status"]["conditions"][0]["reason"] == "NodeAgentReplace"
 
 
@@ -317,8 +419,14 @@ def test_open_adapter_with_missing_kubeconfig_says_what_to_set(tmp_path, monkeyp
     from node_agent.schedulers import open_adapter
 
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    config = config_from_dict({"adapter": {"name": "kubernetes", "kubernetes": {
-        "kubeconfig": str(tmp_path / "missing-kubeconfig")}}})
+    config = config_from_dict(
+        {
+            "adapter": {
+                "name": "kubernetes",
+                "kubernetes": {"kubeconfig": str(tmp_path / "missing-kubeconfig")},
+            }
+        }
+    )
     with pytest.raises(AdapterError, match="adapter.kubernetes.kubeconfig"):
         open_adapter(config)
 
@@ -334,8 +442,7 @@ def test_restart_job_deletes_the_pod_on_this_node_with_a_uid_precondition(api):
     assert "Job/trainer-0-ctl" in detail
     get, delete = api.requests
     assert (get["method"], get["path"]) == ("GET", "/api/v1/namespaces/ml/pods/trainer-0")
-    assert (delete["method"], delete["path"]) == ("DELETE",
-                                                  "/api/v1/namespaces/ml/pods/trainer-0")
+    assert (delete["method"], delete["path"]) == ("DELETE", "/api/v1/namespaces/ml/pods/trainer-0")
     assert delete["body"]["preconditions"] == {"uid": U1}
     assert ("ml", "trainer-0") not in api.pods
     assert api.patches() == []  # the node is not touched
@@ -346,13 +453,15 @@ def test_restart_job_of_a_pod_without_namespace_uses_the_configured_one(api):
     assert api.requests[-1]["path"] == "/api/v1/namespaces/default/pods/trainer-9"
     assert ("default", "trainer-9") not in api.pods
     with pytest.raises(AdapterError, match="404.*pod_namespace"):
-        adapter_for(api, pod_namespace="team-a").restart_job("gpu-01", f"pod:trainer-1@{U1}",
-                                                             HANG)
+        adapter_for(api, pod_namespace="team-a").restart_job("gpu-01", f"pod:trainer-1@{U1}", HANG)
 
 
 def test_restart_job_refuses_a_pod_on_another_node(api):
-    with pytest.raises(AdapterError, match="restarts only pods running on gpu-01; job "
-                                           "pod:ml/trainer-1@.* is pod ml/trainer-1 on gpu-02"):
+    with pytest.raises(
+        AdapterError,
+        match="restarts only pods running on gpu-01; job "
+        "pod:ml/trainer-1@.* is pod ml/trainer-1 on gpu-02",
+    ):
         adapter_for(api).restart_job("gpu-01", f"pod:ml/trainer-1@{U1}", HANG)
     assert [r["method"] for r in api.requests] == ["GET"]
     assert ("ml", "trainer-1") in api.pods
@@ -386,9 +495,20 @@ def test_restart_job_of_a_pod_replaced_meanwhile_is_a_conflict_not_a_second_dele
     assert ("ml", "trainer-0") in api.pods
 
 
-@pytest.mark.parametrize("job", ["slurm:1234", "pod:ML/Trainer", "pod:a/b/c", "pod:-x",
-                                 "pod:x;reboot", "pod:" + "a" * 260, "pod:../etc",
-                                 "pod:ml/trainer-0", "pod:ml/trainer-0@uid-1"])
+@pytest.mark.parametrize(
+    "job",
+    [
+        "slurm:1234",
+        "pod:ML/Trainer",
+        "pod:a/b/c",
+        "pod:-x",
+        "pod:x;reboot",
+        "pod:" + "a" * 260,
+        "pod:../etc",
+        "pod:ml/trainer-0",
+        "pod:ml/trainer-0@uid-1",
+    ],
+)
 def test_restart_job_refuses_other_or_invalid_job_ids_before_any_request(api, job):
     with pytest.raises(AdapterError, match="job id|restarts only pods running on gpu-01"):
         adapter_for(api).restart_job("gpu-01", job, HANG)
@@ -423,10 +543,15 @@ def test_restart_job_on_another_node_is_refused_before_any_request(api):
 def test_own_node_is_node_name_then_the_downward_api_then_the_hostname():
     from node_agent.schedulers.kubernetes import own_node_name
 
-    assert own_node_name(config_from_dict({"node": {"name": "gpu-07"}}),
-                         {"NODE_AGENT_NODE_NAME": "gpu-09"}) == "gpu-07"
+    assert (
+        own_node_name(
+            config_from_dict({"node": {"name": "gpu-07"}}), {"NODE_AGENT_NODE_NAME": "gpu-09"}
+        )
+        == "gpu-07"
+    )
     assert own_node_name(config_from_dict({}), {"NODE_AGENT_NODE_NAME": "gpu-09"}) == "gpu-09"
     import socket
+
     assert own_node_name(config_from_dict({}), {}) == socket.gethostname().split(".")[0]
 
 
@@ -445,8 +570,9 @@ def test_the_adapters_own_writes_pass_the_admission_policy(api, action):
         spec_written = copy.deepcopy(after)
         spec_written["status"] = copy.deepcopy(before["status"])
         assert spec_written != before, act
-        for req, new, old in ((request("UPDATE", "nodes", "gpu-01"), spec_written, before),
-                              (request("UPDATE", "nodes", "gpu-01", sub="status"), after,
-                               spec_written)):
+        for req, new, old in (
+            (request("UPDATE", "nodes", "gpu-01"), spec_written, before),
+            (request("UPDATE", "nodes", "gpu-01", sub="status"), after, spec_written),
+        ):
             decision = admit(req, new, old)
             assert decision.matched and decision.allowed, (act, decision.messages)

@@ -41,10 +41,17 @@ SCENARIOS = {
     "row_remap_failure": ([{"kind": "row_remap_failure", "gpu": 2}], "FAULT"),
     "ecc_dbe_volatile": ([{"kind": "ecc_dbe_volatile", "gpu": 1, "count": 2}], "FAULT"),
     "ecc_sbe_volatile": ([{"kind": "ecc_sbe_volatile", "gpu": 1, "count": 5000}], "WARN"),
-    "ecc_sram_uncorrectable": ([{"kind": "ecc_sram_uncorrectable", "gpu": 1, "count": 2,
-                                 "unit": "sm"}], "WARN"),
-    "sram_threshold_exceeded": ([{"kind": "ecc_sram_uncorrectable", "gpu": 4, "count": 5},
-                                 {"kind": "sram_threshold_exceeded", "gpu": 4}], "FAULT"),
+    "ecc_sram_uncorrectable": (
+        [{"kind": "ecc_sram_uncorrectable", "gpu": 1, "count": 2, "unit": "sm"}],
+        "WARN",
+    ),
+    "sram_threshold_exceeded": (
+        [
+            {"kind": "ecc_sram_uncorrectable", "gpu": 4, "count": 5},
+            {"kind": "sram_threshold_exceeded", "gpu": 4},
+        ],
+        "FAULT",
+    ),
     "memory_total": ([{"kind": "memory_total", "gpu": 6, "mib": 40960}], "WARN"),
     "missing_gpu": ([{"kind": "missing_gpu", "gpu": 7}], "FAULT"),
     "gpu_lost": ([{"kind": "gpu_lost", "gpu": 3}], "FAULT"),
@@ -56,20 +63,29 @@ SCENARIOS = {
     "recovery_action": ([{"kind": "recovery_action", "gpu": 1, "action": "gpu_reset"}], "ERROR"),
     "persistence_off": ([{"kind": "persistence_off", "gpu": 0}], "WARN"),
     "spin": ([{"kind": "spin", "gpu": 4}], "HEALTHY"),
-    "faulty_h100": (yaml.safe_load((harness.REPO / "scenarios" / "faulty-h100.yaml").read_text())
-                    ["faults"], "FAULT"),
+    "faulty_h100": (
+        yaml.safe_load((harness.REPO / "scenarios" / "faulty-h100.yaml").read_text())["faults"],
+        "FAULT",
+    ),
 }
 # Scenarios whose grade rests on the PCI bus as well as NVML: (scenario keys, level, the rules
 # only --simulate's bus gives, the rules only this host's bus gives)
 BUS_SCENARIOS = {
     # NVML enumerates 7 GPUs both ways; only the simulated bus shows the 8th by its bus id
-    "pci_only": ({"faults": [{"kind": "pci_only", "gpu": 3}]}, "FAULT",
-                 {("gpu-not-enumerated", "pci:0000:5d:00.0", "FAULT")}, set()),
+    "pci_only": (
+        {"faults": [{"kind": "pci_only", "gpu": 3}]},
+        "FAULT",
+        {("gpu-not-enumerated", "pci:0000:5d:00.0", "FAULT")},
+        set(),
+    ),
     # nvmlInit fails with NVML_ERROR_DRIVER_NOT_LOADED both ways; GPUs on the simulated bus
     # make it driver-not-loaded, a bus without them a broken driver: ERROR either way
-    "driver_not_loaded": ({"driver": "not_loaded"}, "ERROR",
-                          {("driver-not-loaded", "node", "ERROR")},
-                          {("gpu-driver-broken", "node", "ERROR")}),
+    "driver_not_loaded": (
+        {"driver": "not_loaded"},
+        "ERROR",
+        {("driver-not-loaded", "node", "ERROR")},
+        {("gpu-driver-broken", "node", "ERROR")},
+    ),
 }
 EXIT = {"HEALTHY": 0, "WARN": 0, "ERROR": 3, "FAULT": 4}
 XID_WATCH = {"check": "xid", "timeout_s": 15, "params": {"since": "boot", "watch_s": 0.3}}
@@ -97,27 +113,37 @@ def node(nvml_fake_lib, tmp_path):
 
         def scenario(self, faults, **keys) -> Path:
             path = tmp_path / "scenario.yaml"
-            path.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 8,
-                                            "faults": list(faults), **keys}))
+            path.write_text(
+                yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 8, "faults": list(faults), **keys})
+            )
             return path
 
-        def run(self, *args: str, scenario: Path, simulate: bool,
-                timeout: float = 120) -> subprocess.CompletedProcess:
-            argv = [sys.executable, "-m", "node_agent.commands.main", *args,
-                    "--config", str(self.config)]
+        def run(
+            self, *args: str, scenario: Path, simulate: bool, timeout: float = 120
+        ) -> subprocess.CompletedProcess:
+            argv = [
+                sys.executable,
+                "-m",
+                "node_agent.commands.main",
+                *args,
+                "--config",
+                str(self.config),
+            ]
             if simulate:
                 env = harness.agent_env()
                 env.pop("LD_LIBRARY_PATH")
                 argv += ["--simulate", str(scenario)]
             else:
                 env = harness.agent_env(scenario=scenario)
-            return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                                  cwd=tmp_path, env=env)
+            return subprocess.run(
+                argv, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=env
+            )
 
     n = Node()
     # call_timeout_s: the library renders the scenario (a Python start) inside nvmlInit
-    n.config.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"),
-                                        "nvml": {"call_timeout_s": 3}}))
+    n.config.write_text(
+        yaml.safe_dump({"state_dir": str(tmp_path / "state"), "nvml": {"call_timeout_s": 3}})
+    )
     for path, shipped in ((n.quick, "quick"), (n.delivery, "delivery")):
         suite = yaml.safe_load((harness.REPO / "suites" / f"{shipped}.yaml").read_text())
         suite["name"] = f"{shipped}-events"
@@ -148,8 +174,7 @@ def test_check_on_the_stand_in_library_grades_like_simulate(node, name):
 
 
 @pytest.mark.parametrize("name", sorted(BUS_SCENARIOS))
-def test_check_on_the_stand_in_library_grades_a_bus_dependent_fault_at_the_same_level(node,
-                                                                                       name):
+def test_check_on_the_stand_in_library_grades_a_bus_dependent_fault_at_the_same_level(node, name):
     keys, level, sim_only, nvml_only = BUS_SCENARIOS[name]
     keys = dict(keys)
     scenario = node.scenario(keys.pop("faults", []), **keys)
@@ -162,18 +187,30 @@ def test_check_on_the_stand_in_library_grades_a_bus_dependent_fault_at_the_same_
     assert set(real_reasons) - set(sim_reasons) == nvml_only
 
 
-@pytest.mark.parametrize("name", ["healthy", "faulty_h100", "gpu_lost", "missing_gpu",
-                                  "sram_threshold_exceeded"])
+@pytest.mark.parametrize(
+    "name", ["healthy", "faulty_h100", "gpu_lost", "missing_gpu", "sram_threshold_exceeded"]
+)
 def test_accept_nvml_checks_on_the_stand_in_library_grade_like_simulate(node, name):
     faults, _ = SCENARIOS[name]
     scenario = node.scenario(faults)
-    args = ("accept", "--suite", str(node.delivery), "--only", "inventory,nvml_health,xid",
-            "--json", "--out", str(node.config.parent / "out"))
+    args = (
+        "accept",
+        "--suite",
+        str(node.delivery),
+        "--only",
+        "inventory,nvml_health,xid",
+        "--json",
+        "--out",
+        str(node.config.parent / "out"),
+    )
     simulated = node.run(*args, scenario=scenario, simulate=True)
     real = node.run(*args, scenario=scenario, simulate=False)
     assert _graded(real) == _graded(simulated), real.stderr
     assert {r["check"] for r in json.loads(real.stdout)["results"]} == {
-        "inventory", "nvml_health", "xid"}
+        "inventory",
+        "nvml_health",
+        "xid",
+    }
 
 
 # Captures (docs/capture.md) replay both ways too: a simulated node captured through the
@@ -182,12 +219,16 @@ def test_accept_nvml_checks_on_the_stand_in_library_grade_like_simulate(node, na
 # so the captured faults here are NVML readings.)
 CAPTURED = {
     "healthy": [],
-    "hardware": [{"kind": "row_remap_failure", "gpu": 2}, {"kind": "pcie_width", "gpu": 4,
-                                                             "lanes": 8},
-                 {"kind": "nvlink_down", "gpu": 6, "link": 3},
-                 {"kind": "temperature", "gpu": 0, "celsius": 95}],
-    "recoverable": [{"kind": "recovery_action", "gpu": 1, "action": "gpu_reset"},
-                    {"kind": "persistence_off", "gpu": 0}],
+    "hardware": [
+        {"kind": "row_remap_failure", "gpu": 2},
+        {"kind": "pcie_width", "gpu": 4, "lanes": 8},
+        {"kind": "nvlink_down", "gpu": 6, "link": 3},
+        {"kind": "temperature", "gpu": 0, "celsius": 95},
+    ],
+    "recoverable": [
+        {"kind": "recovery_action", "gpu": 1, "action": "gpu_reset"},
+        {"kind": "persistence_off", "gpu": 0},
+    ],
 }
 
 
@@ -211,9 +252,23 @@ def test_check_where_no_gpu_reports_xid_events_skips_the_watch_and_grades_health
     state = node.config.parent / "nvml.state"
     render_file(scenario, state, [Switch("unsupported", "nvmlDeviceRegisterEvents")])
     proc = subprocess.run(
-        [sys.executable, "-m", "node_agent.commands.main", "check", "--suite", str(node.quick),
-         "--json", "--config", str(node.config)], capture_output=True, text=True, timeout=120,
-        env=harness.agent_env(state=state), cwd=node.config.parent)
+        [
+            sys.executable,
+            "-m",
+            "node_agent.commands.main",
+            "check",
+            "--suite",
+            str(node.quick),
+            "--json",
+            "--config",
+            str(node.config),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=harness.agent_env(state=state),
+        cwd=node.config.parent,
+    )
     assert _graded(proc) == (0, "HEALTHY", []), proc.stderr
     (skip,) = [r for r in json.loads(proc.stdout)["results"] if r["metric"] == "nvml_events"]
     assert skip["status"] == "skip" and "no GPU here reports Xid events" in skip["detail"]
@@ -222,8 +277,9 @@ def test_check_where_no_gpu_reports_xid_events_skips_the_watch_and_grades_health
 def _gpus(proc: subprocess.CompletedProcess) -> list[tuple]:
     assert proc.returncode == 0, proc.stderr
     inventory = json.loads(proc.stdout)
-    return [(g["index"], g["uuid"], g["pci_bus_id"], g["name"], g.get("sku"))
-            for g in inventory["gpus"]]
+    return [
+        (g["index"], g["uuid"], g["pci_bus_id"], g["name"], g.get("sku")) for g in inventory["gpus"]
+    ]
 
 
 @pytest.mark.parametrize("name", ["healthy", "missing_gpu", "gpu_lost", "faulty_h100"])
@@ -245,7 +301,8 @@ def test_inventory_on_the_stand_in_library_lists_the_same_gpus_as_simulate(node,
 def _metric(text: str, name: str, **labels: str) -> float | None:
     for line in text.splitlines():
         if (line.startswith(name + "{") or line.startswith(name + " ")) and all(
-                f'{k}="{v}"' in line for k, v in labels.items()):
+            f'{k}="{v}"' in line for k, v in labels.items()
+        ):
             return float(line.rsplit(" ", 1)[1])
     return None
 
@@ -268,45 +325,81 @@ def _wait(predicate, timeout_s: float):
 
 
 def test_daemon_on_the_stand_in_library_sees_an_xid_and_a_lost_gpu_injected_while_running(
-        nvml_fake_lib, tmp_path):
+    nvml_fake_lib, tmp_path
+):
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"),
-                                      "spool_dir": str(tmp_path / "spool"),
-                                      "daemon": {"listen": f"127.0.0.1:{port}",
-                                                 "xid_poll_s": 0.2}}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "state_dir": str(tmp_path / "state"),
+                "spool_dir": str(tmp_path / "spool"),
+                "daemon": {"listen": f"127.0.0.1:{port}", "xid_poll_s": 0.2},
+            }
+        )
+    )
     suite = tmp_path / "periodic.yaml"
-    suite.write_text(yaml.safe_dump({"name": "t", "mode": "service", "checks": [
-        {"check": "nvml_health", "timeout_s": 10, "every_s": 1}]}))
+    suite.write_text(
+        yaml.safe_dump(
+            {
+                "name": "t",
+                "mode": "service",
+                "checks": [{"check": "nvml_health", "timeout_s": 10, "every_s": 1}],
+            }
+        )
+    )
     scenario, state = tmp_path / "scenario.yaml", tmp_path / "nvml.state"
 
     def inject(faults):  # what a test does to the node under a running daemon
-        scenario.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 8,
-                                            "faults": faults}))
+        scenario.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 8, "faults": faults}))
         render_file(scenario, state)
 
     inject([])
     proc = subprocess.Popen(
-        [sys.executable, "-m", "node_agent.commands.main", "daemon", "--config", str(config),
-         "--suite", str(suite)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=harness.agent_env(state=state), cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "node_agent.commands.main",
+            "daemon",
+            "--config",
+            str(config),
+            "--suite",
+            str(suite),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=harness.agent_env(state=state),
+        cwd=tmp_path,
+    )
     try:
-        assert _wait(lambda: _metric(_scrape(port), "node_agent_gpu_temperature_celsius",
-                                     gpu="3") == 38, 30), _scrape(port) or "daemon not up"
+        assert _wait(
+            lambda: _metric(_scrape(port), "node_agent_gpu_temperature_celsius", gpu="3") == 38, 30
+        ), _scrape(port) or "daemon not up"
         assert _metric(_scrape(port), "node_agent_health_level") == 0
         inject([{"kind": "xid", "gpu": 5, "code": 79}])
-        assert _wait(lambda: _metric(_scrape(port), "node_agent_gpu_xid_errors_total",
-                                     gpu="5", code="79"), 10), _scrape(port)
+        assert _wait(
+            lambda: _metric(_scrape(port), "node_agent_gpu_xid_errors_total", gpu="5", code="79"),
+            10,
+        ), _scrape(port)
         assert _wait(lambda: _metric(_scrape(port), "node_agent_health_level") == 3, 10)
         inject([{"kind": "xid", "gpu": 5, "code": 79}, {"kind": "gpu_lost", "gpu": 3}])
-        assert _wait(lambda: _metric(_scrape(port), "node_agent_check_status",
-                                     check="nvml_health", status="fail") == 1, 10)
-        assert _metric(_scrape(port), "node_agent_gpu_xid_errors_total", gpu="5",
-                       code="79") == 1  # the Xid came once
+        assert _wait(
+            lambda: (
+                _metric(
+                    _scrape(port), "node_agent_check_status", check="nvml_health", status="fail"
+                )
+                == 1
+            ),
+            10,
+        )
+        assert (
+            _metric(_scrape(port), "node_agent_gpu_xid_errors_total", gpu="5", code="79") == 1
+        )  # the Xid came once
     finally:
         proc.terminate()
         try:
@@ -315,4 +408,3 @@ def test_daemon_on_the_stand_in_library_sees_an_xid_and_a_lost_gpu_injected_whil
             proc.kill()
             out, _ = proc.communicate()
     assert proc.returncode == 0, out
-

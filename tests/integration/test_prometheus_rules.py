@@ -40,8 +40,9 @@ def promtool():
 
 
 def rules() -> list[dict]:
-    return [rule for group in yaml.safe_load(RULES.read_text())["groups"]
-            for rule in group["rules"]]
+    return [
+        rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]
+    ]
 
 
 def run(argv: list[str]) -> subprocess.CompletedProcess:
@@ -91,26 +92,45 @@ def test_every_rule_says_what_it_finds_in_a_comment():
 
 def exported_series() -> set[str]:
     """Every series name the daemon's collector renders, from a snapshot that has them all."""
+
     def r(check, target, metric, value=1.0, **evidence):
         return Result(check, target, metric, Status.PASS, "", value=value, evidence=evidence)
 
     snap = Snapshot(
-        hostname="n1", level=Level.HEALTHY, gpu_uuids={0: "GPU-0"},
+        hostname="n1",
+        level=Level.HEALTHY,
+        gpu_uuids={0: "GPU-0"},
         checks={"xid": CheckStats(runs=1, errors=0, last_run_unix=1.0, last_duration_s=0.1)},
-        xid_counts={(0, 79): 1}, sdc_outcomes={("gpu:0", "pass"): 1},
+        xid_counts={(0, 79): 1},
+        sdc_outcomes={("gpu:0", "pass"): 1},
         actions={("drain", "done"): 1},
-        results=[r("nvml_health", "gpu:0", m) for m in
-                 ("temperature", "memory_temperature", "power", "ecc_dbe_volatile",
-                  "ecc_sbe_volatile", "pcie_replay")]
-        + [r("nvml_health", "gpu:0", "row_remap", corrected_rows=1, uncorrected_rows=0),
-           r("rdma", "hca:mlx5_0", "link_errors", device="mlx5_0", port="1", symbol_error=1),
-           r("gpu_burn", "gpu:0", "tflops_bf16"), r("hbm_bandwidth", "gpu:0", "copy_gbps"),
-           r("pcie_bandwidth", "gpu:0", "h2d_gbps"),
-           r("nccl_allreduce", "node", "busbw_peak_gbps")])
+        results=[
+            r("nvml_health", "gpu:0", m)
+            for m in (
+                "temperature",
+                "memory_temperature",
+                "power",
+                "ecc_dbe_volatile",
+                "ecc_sbe_volatile",
+                "pcie_replay",
+            )
+        ]
+        + [
+            r("nvml_health", "gpu:0", "row_remap", corrected_rows=1, uncorrected_rows=0),
+            r("rdma", "hca:mlx5_0", "link_errors", device="mlx5_0", port="1", symbol_error=1),
+            r("gpu_burn", "gpu:0", "tflops_bf16"),
+            r("hbm_bandwidth", "gpu:0", "copy_gbps"),
+            r("pcie_bandwidth", "gpu:0", "h2d_gbps"),
+            r("nccl_allreduce", "node", "busbw_peak_gbps"),
+        ],
+    )
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DaemonCollector(lambda: snap))
-    return {sample.name for family in text_string_to_metric_families(
-        generate_latest(registry).decode()) for sample in family.samples}
+    return {
+        sample.name
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for sample in family.samples
+    }
 
 
 def series_read(expr: str) -> set[str]:
@@ -124,6 +144,7 @@ def dashboard_exprs() -> list[str]:
         for p in panels:
             yield from (t["expr"] for t in p.get("targets", []))
             yield from walk(p.get("panels", []))
+
     return list(walk(json.loads(DASHBOARD.read_text())["panels"]))
 
 

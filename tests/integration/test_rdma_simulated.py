@@ -16,16 +16,27 @@ def test_healthy_hcas_pass_with_the_perftest_figures(agent, scenario):
     assert report["grade"]["level"] == "HEALTHY"
     bw = [r for r in report["results"] if r["metric"] == "write_bw_gbps"]
     assert sorted(r["target"] for r in bw) == ["hca:mlx5_0", "hca:mlx5_1"]
-    assert all(r["status"] == "pass" and r["value"] == pytest.approx(388.72, rel=1e-3)
-               and r["evidence"]["source"] == "table" for r in bw)
+    assert all(
+        r["status"] == "pass"
+        and r["value"] == pytest.approx(388.72, rel=1e-3)
+        and r["evidence"]["source"] == "table"
+        for r in bw
+    )
     assert all(r["status"] == "pass" for r in report["results"])
 
 
-@pytest.mark.parametrize("fault, rules, target, words", [
-    ({"kind": "hca_port_down", "hca": "mlx5_1"}, {"rdma-port-down"}, "hca:mlx5_1", "DOWN"),
-    ({"kind": "hca_rate", "hca": "mlx5_0", "gbps": 200},
-     {"rdma-port-rate-degraded", "rdma-write-bw-low"}, "hca:mlx5_0", "200 Gb/sec (4X HDR)"),
-])
+@pytest.mark.parametrize(
+    "fault, rules, target, words",
+    [
+        ({"kind": "hca_port_down", "hca": "mlx5_1"}, {"rdma-port-down"}, "hca:mlx5_1", "DOWN"),
+        (
+            {"kind": "hca_rate", "hca": "mlx5_0", "gbps": 200},
+            {"rdma-port-rate-degraded", "rdma-write-bw-low"},
+            "hca:mlx5_0",
+            "200 Gb/sec (4X HDR)",
+        ),
+    ],
+)
 def test_degraded_hca_grades_fault_naming_the_hca(agent, scenario, fault, rules, target, words):
     run = agent("accept", "--simulate", scenario([fault], hcas=HCAS), "--only", "rdma", "--json")
     assert run.code == 4, run.stderr
@@ -37,9 +48,14 @@ def test_degraded_hca_grades_fault_naming_the_hca(agent, scenario, fault, rules,
 
 
 def test_slow_hca_grades_error_on_write_bandwidth(agent, scenario):
-    run = agent("accept", "--simulate",
-                scenario([{"kind": "hca_slow", "hca": "mlx5_0", "factor": 0.5}], hcas=HCAS),
-                "--only", "rdma", "--json")
+    run = agent(
+        "accept",
+        "--simulate",
+        scenario([{"kind": "hca_slow", "hca": "mlx5_0", "factor": 0.5}], hcas=HCAS),
+        "--only",
+        "rdma",
+        "--json",
+    )
     assert run.code == 3, run.stderr
     (reason,) = run.json()["grade"]["reasons"]
     assert (reason["rule"], reason["target"]) == ("rdma-write-bw-low", "hca:mlx5_0")
@@ -47,7 +63,11 @@ def test_slow_hca_grades_error_on_write_bandwidth(agent, scenario):
 
 
 def test_fault_on_an_unlisted_hca_is_a_usage_error(agent, scenario):
-    run = agent("accept", "--simulate",
-                scenario([{"kind": "hca_port_down", "hca": "mlx5_3"}], hcas=HCAS), "--json")
+    run = agent(
+        "accept",
+        "--simulate",
+        scenario([{"kind": "hca_port_down", "hca": "mlx5_3"}], hcas=HCAS),
+        "--json",
+    )
     assert run.code == 2
     assert "mlx5_3" in run.stderr and len(run.stderr.strip().splitlines()) == 1

@@ -48,15 +48,29 @@ def _config(tmp_path: Path, declared: bool) -> Path:
     log.write_text("")
     node = {"expected_gpus": ORACLE["declared"]["node.expected_gpus"]} if declared else {}
     path = tmp_path / f"config-{'declared' if declared else 'undeclared'}.yaml"
-    path.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"), "node": node,
-                                    "kernel_log": {"path": str(log)},
-                                    "nvml": {"call_timeout_s": 5}}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "state_dir": str(tmp_path / "state"),
+                "node": node,
+                "kernel_log": {"path": str(log)},
+                "nvml": {"call_timeout_s": 5},
+            }
+        )
+    )
     return path
 
 
 def _graded(tmp_path: Path, command: str, config: Path, simulate: bool) -> tuple:
-    argv = [sys.executable, "-m", "node_agent.commands.main", *COMMANDS[command], "--json",
-            "--config", str(config)]
+    argv = [
+        sys.executable,
+        "-m",
+        "node_agent.commands.main",
+        *COMMANDS[command],
+        "--json",
+        "--config",
+        str(config),
+    ]
     if command == "accept":
         argv += ["--out", str(tmp_path / "out")]
     if simulate:
@@ -65,8 +79,7 @@ def _graded(tmp_path: Path, command: str, config: Path, simulate: bool) -> tuple
         argv += ["--simulate", str(SCENARIO)]
     else:
         env = harness.agent_env(scenario=SCENARIO)
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                          env=env)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
     assert proc.stdout.strip(), proc.stderr
     report = json.loads(proc.stdout)
     assert len(report["gpus"]) == 1 and report["gpus"][0]["name"] == "NVIDIA H100 80GB HBM3"
@@ -77,7 +90,8 @@ def _graded(tmp_path: Path, command: str, config: Path, simulate: bool) -> tuple
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_the_real_h100_with_its_gpu_count_declared_grades_healthy_both_ways(
-        nvml_fake_lib, tmp_path, command):
+    nvml_fake_lib, tmp_path, command
+):
     config = _config(tmp_path, declared=True)
     simulated = _graded(tmp_path, command, config, simulate=True)
     stand_in = _graded(tmp_path, command, config, simulate=False)
@@ -88,7 +102,8 @@ def test_the_real_h100_with_its_gpu_count_declared_grades_healthy_both_ways(
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_the_real_h100_with_nothing_declared_is_at_most_warn_never_error_or_fault(
-        nvml_fake_lib, tmp_path, command):
+    nvml_fake_lib, tmp_path, command
+):
     config = _config(tmp_path, declared=False)
     graded = []
     for simulate in (True, False):

@@ -55,10 +55,20 @@ def outcomes(report) -> list[tuple[str, str]]:
     return [(a["action"], a["outcome"]) for a in report["actions"]]
 
 
-def test_xid79_accept_with_act_drains_and_replaces_naming_the_fault(agent, scenario, config,
-                                                                     logged):
-    run = agent("accept", "--only", "xid", "--simulate", scenario(XID79), "--act", "--json",
-                "--config", config())
+def test_xid79_accept_with_act_drains_and_replaces_naming_the_fault(
+    agent, scenario, config, logged
+):
+    run = agent(
+        "accept",
+        "--only",
+        "xid",
+        "--simulate",
+        scenario(XID79),
+        "--act",
+        "--json",
+        "--config",
+        config(),
+    )
     assert run.code == 4, run.stderr
     report = run.json()
     assert outcomes(report) == [("drain", "done"), ("replace", "done")]
@@ -69,24 +79,32 @@ def test_xid79_accept_with_act_drains_and_replaces_naming_the_fault(agent, scena
 
 def test_report_written_to_disk_carries_the_actions(agent, scenario, config, tmp_path):
     out = tmp_path / "reports"
-    run = agent("check", "--simulate", scenario(XID79), "--act", "--out", str(out),
-                "--config", config())
+    run = agent(
+        "check", "--simulate", scenario(XID79), "--act", "--out", str(out), "--config", config()
+    )
     assert run.code == 4
     (saved,) = out.glob("report-*.json")
     assert [a["action"] for a in json.loads(saved.read_text())["actions"]] == ["drain", "replace"]
 
 
 def test_warn_with_act_takes_no_action(agent, scenario, config, logged):
-    run = agent("check", "--simulate", scenario([{"kind": "temperature", "gpu": 0,
-                                                  "celsius": 91}]),
-                "--act", "--json", "--config", config())
+    run = agent(
+        "check",
+        "--simulate",
+        scenario([{"kind": "temperature", "gpu": 0, "celsius": 91}]),
+        "--act",
+        "--json",
+        "--config",
+        config(),
+    )
     assert run.code == 0, run.stderr
     assert run.json()["actions"] == [] and logged() == []
 
 
 def test_dry_run_records_dry_run_and_the_adapter_is_not_called(agent, scenario, config, logged):
-    run = agent("check", "--simulate", scenario(XID79), "--act", "--dry-run", "--json",
-                "--config", config())
+    run = agent(
+        "check", "--simulate", scenario(XID79), "--act", "--dry-run", "--json", "--config", config()
+    )
     assert run.code == 4
     assert outcomes(run.json()) == [("drain", "dry-run"), ("replace", "dry-run")]
     assert logged() == []
@@ -97,15 +115,20 @@ def test_dry_run_without_act_is_a_usage_error(agent, scenario, config):
     assert run.code == 2 and "--act" in run.stderr
 
 
-def test_error_goes_drain_reset_retest_reboot_then_resumes_after_reboot(agent, scenario, config,
-                                                                      logged):
+def test_error_goes_drain_reset_retest_reboot_then_resumes_after_reboot(
+    agent, scenario, config, logged
+):
     cfg = config()
     first = agent("check", "--simulate", scenario(REMAP), "--act", "--json", "--config", cfg)
     assert first.code == 3, first.stderr
     # under simulation the GPU reset is a stand-in and the injected fault persists, so the
     # quick re-test fails and the agent asks the scheduler for a reboot
-    assert outcomes(first.json()) == [("drain", "done"), ("gpu-reset", "done"),
-                                      ("retest", "done"), ("restart", "done")]
+    assert outcomes(first.json()) == [
+        ("drain", "done"),
+        ("gpu-reset", "done"),
+        ("retest", "done"),
+        ("restart", "done"),
+    ]
     status = agent("status", "--json", "--config", cfg).json()
     assert status["remediation"]["state"] == "restarting"
     # each simulated run is a fresh boot (the documented stand-in for the reboot): the fault
@@ -114,8 +137,7 @@ def test_error_goes_drain_reset_retest_reboot_then_resumes_after_reboot(agent, s
     assert second.code == 0
     assert outcomes(second.json()) == [("resume", "done")]
     assert [a for a, _ in logged()] == ["drain", "restart"]  # log adapter: never drained for real
-    assert agent("status", "--json", "--config", cfg).json()["remediation"]["state"] == \
-        "in-service"
+    assert agent("status", "--json", "--config", cfg).json()["remediation"]["state"] == "in-service"
 
 
 def test_error_recurring_after_max_restarts_escalates_to_replace(agent, scenario, config, logged):
@@ -127,8 +149,9 @@ def test_error_recurring_after_max_restarts_escalates_to_replace(agent, scenario
     assert "escalated" in logged()[-1][1]
 
 
-def test_node_restarted_too_often_in_7_days_is_held_and_status_says_so(agent, scenario, config,
-                                                                       logged):
+def test_node_restarted_too_often_in_7_days_is_held_and_status_says_so(
+    agent, scenario, config, logged
+):
     """safety.max_remediations_7d: 2. The first run resets the GPU and asks for a reboot (two
     restarts of the node); the second finds the fault again and holds the node for an operator
     instead of restarting it a third time: loud on stderr, a hold row, and in ``status``."""
@@ -173,8 +196,7 @@ def test_set_healthy_then_act_resume_returns_the_node(agent, scenario, config, l
     agent("check", "--simulate", scenario(XID79), "--act", "--config", cfg)
     run = agent("set-healthy", "--reason", "GPU 5 replaced, RMA 77", "--config", cfg)
     assert run.code == 0 and "act resume" in run.stdout
-    assert agent("status", "--json", "--config", cfg).json()["remediation"]["state"] == \
-        "in-service"
+    assert agent("status", "--json", "--config", cfg).json()["remediation"]["state"] == "in-service"
     resume = agent("act", "resume", "--config", cfg)
     assert resume.code == 0, resume.stderr
 
@@ -214,8 +236,9 @@ def test_optout_stops_automatic_actions_until_turned_off(agent, scenario, config
 
 
 def test_act_reason_is_sanitised_before_it_reaches_the_adapter(agent, config, logged):
-    run = agent("act", "drain", "--reason", "fan\nState=RESUME \"x\"\x07" + "z" * 400,
-                "--config", config())
+    run = agent(
+        "act", "drain", "--reason", 'fan\nState=RESUME "x"\x07' + "z" * 400, "--config", config()
+    )
     assert run.code == 0, run.stderr
     ((action, reason),) = logged()
     assert action == "drain" and reason.startswith("node-agent: operator drain: fan State=RESUME")
@@ -229,14 +252,20 @@ def test_act_dry_run_prints_and_records_nothing(agent, config, logged):
 
 
 def _agent_process(args, tmp_path, **env):
-    argv = [sys.executable, "-c", "import sys; from node_agent.commands.main import main; sys.exit(main())",
-            *args]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                          env={**os.environ, **env})
+    argv = [
+        sys.executable,
+        "-c",
+        "import sys; from node_agent.commands.main import main; sys.exit(main())",
+        *args,
+    ]
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=120, cwd=tmp_path, env={**os.environ, **env}
+    )
 
 
 def test_kill_9_between_journal_and_act_completes_the_action_exactly_once(
-        scenario, config, logged, tmp_path):
+    scenario, config, logged, tmp_path
+):
     # NODE_AGENT_TEST_CRASH_AFTER_JOURNAL (see node_agent/remediation/executor.py) makes the agent
     # SIGKILL itself after journaling the drain as started and before calling the adapter.
     cfg = config()
@@ -254,8 +283,9 @@ def test_kill_9_between_journal_and_act_completes_the_action_exactly_once(
     assert [a for a, _ in logged()] == ["drain", "replace"], third.stderr
 
 
-def test_corrupt_state_database_is_moved_aside_and_the_run_goes_on(agent, scenario, config,
-                                                                   tmp_path):
+def test_corrupt_state_database_is_moved_aside_and_the_run_goes_on(
+    agent, scenario, config, tmp_path
+):
     state = tmp_path / "state"
     state.mkdir()
     (state / "node-agent.db").write_bytes(os.urandom(4096))
@@ -268,8 +298,9 @@ def test_corrupt_state_database_is_moved_aside_and_the_run_goes_on(agent, scenar
 
 def test_invalid_safety_key_is_a_configuration_error_naming_the_key(agent, tmp_path):
     path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"),
-                                    "safety": {"breaker_max_drains": 0}}))
+    path.write_text(
+        yaml.safe_dump({"state_dir": str(tmp_path / "state"), "safety": {"breaker_max_drains": 0}})
+    )
     run = agent("status", "--config", str(path))
     assert run.code == 2 and "breaker_max_drains" in run.stderr
 
@@ -301,12 +332,17 @@ Remediator(store, LogAdapter.from_config(config), sys.argv[2], Safety.from_confi
 
 
 def test_kill_9_before_a_job_restart_sends_it_once_and_status_shows_it(
-        agent, scenario, config, logged, tmp_path):
+    agent, scenario, config, logged, tmp_path
+):
     cfg = config()
-    crashed = subprocess.run([sys.executable, "-c", _HUNG_JOB_RUN, cfg, NODE],
-                             capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                             env={**os.environ, "NODE_AGENT_TEST_CRASH_AFTER_JOURNAL":
-                                  "restart-job"})
+    crashed = subprocess.run(
+        [sys.executable, "-c", _HUNG_JOB_RUN, cfg, NODE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "NODE_AGENT_TEST_CRASH_AFTER_JOURNAL": "restart-job"},
+    )
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     assert logged() == []
     journal = agent("status", "--json", "--config", cfg).json()["journal"]
@@ -315,12 +351,15 @@ def test_kill_9_before_a_job_restart_sends_it_once_and_status_shows_it(
     again = agent("check", "--simulate", scenario(), "--act", "--json", "--config", cfg)
     assert again.code == 0, again.stderr
     assert "completing journal" in again.stderr
-    assert logged() == [("restart-job", "node-agent: ERROR training-hang job slurm:77 rank:3 "
-                                         "rank 3 made no step for 412 s")]
+    assert logged() == [
+        (
+            "restart-job",
+            "node-agent: ERROR training-hang job slurm:77 rank:3 rank 3 made no step for 412 s",
+        )
+    ]
     status = agent("status", "--json", "--config", cfg).json()
     (row,) = status["journal"]
-    assert (row["action"], row["state"], row["target"]) == ("restart-job", "done",
-                                                           "job:slurm:77")
+    assert (row["action"], row["state"], row["target"]) == ("restart-job", "done", "job:slurm:77")
     assert "recovered journal" in row["detail"] and "slurm:77" in row["detail"]
     assert status["remediation"]["state"] == "in-service"  # the node was never drained
     human = agent("status", "--config", cfg).stdout

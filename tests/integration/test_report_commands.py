@@ -17,8 +17,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 def saved_report(agent, scenario, tmp_path, faults, name="reports"):
     out = tmp_path / name
-    run = agent("accept", "--simulate", scenario(faults), "--only", "inventory,nvml_health,xid",
-                "--out", str(out), "--json")
+    run = agent(
+        "accept",
+        "--simulate",
+        scenario(faults),
+        "--only",
+        "inventory,nvml_health,xid",
+        "--out",
+        str(out),
+        "--json",
+    )
     (path,) = out.glob("report-*.json")
     return run, path
 
@@ -45,7 +53,8 @@ def test_grade_rules_shows_the_grade_a_threshold_change_would_give(agent, scenar
 
 
 def test_grade_rules_over_a_directory_lists_only_changed_grades_and_unreadable_files(
-        agent, scenario, tmp_path):
+    agent, scenario, tmp_path
+):
     saved_report(agent, scenario, tmp_path, [{"kind": "xid", "gpu": 0, "code": 13}], "week")
     json_report.write(synthetic_report("healthy-node", seed=3), tmp_path / "week")
     (tmp_path / "week" / "broken.json").write_text("{")
@@ -73,8 +82,9 @@ def test_grade_rules_naming_a_missing_directory_is_a_usage_error(agent, tmp_path
 
 def test_grade_writes_html_and_junit_of_a_saved_report(agent, tmp_path):
     path = json_report.write(synthetic_report("n", faults={1: "xid79"}), tmp_path)
-    run = agent("grade", str(path), "--junit", str(tmp_path / "j.xml"),
-                "--html", str(tmp_path / "r.html"))
+    run = agent(
+        "grade", str(path), "--junit", str(tmp_path / "j.xml"), "--html", str(tmp_path / "r.html")
+    )
     assert run.code == 4, run.stderr
     root = ET.parse(tmp_path / "j.xml").getroot()
     assert root.get("failures") == "1"
@@ -92,15 +102,23 @@ def test_fleet_exits_3_with_suspects_and_0_without(agent, tmp_path):
     slow.mkdir()
     for i in range(30):
         json_report.write(synthetic_report(f"n{i:02d}", seed=i), clean)
-        json_report.write(synthetic_report(f"n{i:02d}", seed=i,
-                                           gpu_factors={4: 0.85} if i == 9 else None), slow)
+        json_report.write(
+            synthetic_report(f"n{i:02d}", seed=i, gpu_factors={4: 0.85} if i == 9 else None), slow
+        )
     ok = agent("fleet", str(clean))
     assert ok.code == 0, ok.stderr
     assert "no suspects" in ok.stdout
     topo = tmp_path / "topo.yaml"
     topo.write_text(yaml.safe_dump({"dp-0": ["n08", "n09"], "dp-1": ["n10", "n11"]}))
-    bad = agent("fleet", str(slow), "--json", "--topology", str(topo),
-                "--html", str(tmp_path / "fleet.html"))
+    bad = agent(
+        "fleet",
+        str(slow),
+        "--json",
+        "--topology",
+        str(topo),
+        "--html",
+        str(tmp_path / "fleet.html"),
+    )
     assert bad.code == 3, bad.stderr
     data = bad.json()
     assert {(s["node"], s["target"]) for s in data["suspects"]} == {("n09", "gpu:4")}

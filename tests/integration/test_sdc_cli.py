@@ -47,12 +47,14 @@ def test_accept_sdc_on_healthy_node_grades_healthy(agent, scenario):
     assert len(report["results"]) == 8
 
 
-@pytest.mark.parametrize("name", ["sdc-sm17-gpu6.yaml", "sdc-sm17-gpu6-intermittent.yaml"],
-                         ids=["rate-1.0", "rate-0.3"])
+@pytest.mark.parametrize(
+    "name", ["sdc-sm17-gpu6.yaml", "sdc-sm17-gpu6-intermittent.yaml"], ids=["rate-1.0", "rate-0.3"]
+)
 def test_accept_finds_one_faulty_sm_of_132_on_gpu6_and_only_there(agent, name):
     scenario = yaml.safe_load((SCENARIOS / name).read_text())
-    assert scenario["faults"] == [{"kind": "sdc", "gpu": 6, "sm": 17,
-                                   **({"rate": 0.3} if "intermittent" in name else {})}]
+    assert scenario["faults"] == [
+        {"kind": "sdc", "gpu": 6, "sm": 17, **({"rate": 0.3} if "intermittent" in name else {})}
+    ]
     run = agent("accept", "--simulate", str(SCENARIOS / name), "--only", "sdc", "--json")
     assert run.code == 4, run.stderr
     report = run.json()
@@ -65,8 +67,17 @@ def test_accept_finds_one_faulty_sm_of_132_on_gpu6_and_only_there(agent, name):
 
 
 def test_sdc_command_finds_an_intermittent_sm_in_20_seconds(agent, tmp_path):
-    run = agent("sdc", "--simulate", str(SCENARIOS / "sdc-sm97-gpu2-half.yaml"), "--duration",
-                "20", "--json", "--config", config(tmp_path), timeout=300)
+    run = agent(
+        "sdc",
+        "--simulate",
+        str(SCENARIOS / "sdc-sm97-gpu2-half.yaml"),
+        "--duration",
+        "20",
+        "--json",
+        "--config",
+        config(tmp_path),
+        timeout=300,
+    )
     assert run.code == 4, run.stderr
     report = run.json()
     assert {r["target"] for r in report["results"] if r["status"] != "pass"} == {"gpu:2"}
@@ -77,18 +88,30 @@ def test_sdc_command_finds_an_intermittent_sm_in_20_seconds(agent, tmp_path):
 
 
 def test_healthy_node_stays_healthy_with_full_coverage(agent):
-    run = agent("accept", "--simulate", str(SCENARIOS / "healthy-h100.yaml"), "--only", "sdc",
-                "--json")
+    run = agent(
+        "accept", "--simulate", str(SCENARIOS / "healthy-h100.yaml"), "--only", "sdc", "--json"
+    )
     assert run.code == 0, run.stderr
     report = run.json()
     assert report["grade"]["level"] == "HEALTHY"
     assert {(r["metric"], r["evidence"]["sm_coverage"]) for r in report["results"]} == {
-        ("sdc_probes", 1.0)}
+        ("sdc_probes", 1.0)
+    }
 
 
 def test_sdc_command_on_faulty_gpu_exits_4_with_sdc_report(agent, scenario, tmp_path):
-    run = agent("sdc", "--simulate", scenario(SDC6), "--gpus", "0,6", "--duration", "2",
-                "--json", "--config", config(tmp_path))
+    run = agent(
+        "sdc",
+        "--simulate",
+        scenario(SDC6),
+        "--gpus",
+        "0,6",
+        "--duration",
+        "2",
+        "--json",
+        "--config",
+        config(tmp_path),
+    )
     assert run.code == 4, run.stderr
     report = run.json()
     assert report["suite"] == "sdc"
@@ -100,8 +123,17 @@ def test_sdc_command_on_faulty_gpu_exits_4_with_sdc_report(agent, scenario, tmp_
 
 
 def test_sdc_command_prints_verdict_counts_per_gpu(agent, scenario, tmp_path):
-    run = agent("sdc", "--simulate", scenario(), "--gpus", "1-2", "--duration", "0.5",
-                "--config", config(tmp_path))
+    run = agent(
+        "sdc",
+        "--simulate",
+        scenario(),
+        "--gpus",
+        "1-2",
+        "--duration",
+        "0.5",
+        "--config",
+        config(tmp_path),
+    )
     assert run.code == 0, run.stderr
     lines = run.stdout.splitlines()
     assert any(line.startswith("gpu:1") and "pass (sdc_probes)" in line for line in lines)
@@ -109,11 +141,14 @@ def test_sdc_command_prints_verdict_counts_per_gpu(agent, scenario, tmp_path):
     assert "grade: HEALTHY" in run.stdout
 
 
-@pytest.mark.parametrize("gpus, message", [
-    ("9", "GPU 9 not present; the node has 8 GPU(s)"),
-    ("0,x", "'x' is not a GPU index or range"),
-    ("3-1", "'3-1' is not a GPU index or range"),
-])
+@pytest.mark.parametrize(
+    "gpus, message",
+    [
+        ("9", "GPU 9 not present; the node has 8 GPU(s)"),
+        ("0,x", "'x' is not a GPU index or range"),
+        ("3-1", "'3-1' is not a GPU index or range"),
+    ],
+)
 def test_sdc_command_bad_gpu_list_is_usage_error(agent, scenario, tmp_path, gpus, message):
     run = agent("sdc", "--simulate", scenario(), "--gpus", gpus, "--config", config(tmp_path))
     assert run.code == 2
@@ -126,10 +161,18 @@ def test_periodic_suite_runs_healthy_under_simulation(agent, scenario):
     assert run.code == 0, run.stderr
     report = run.json()
     assert report["suite"] == "periodic" and report["grade"]["level"] in ("HEALTHY", "WARN")
-    assert {r["check"] for r in report["results"]} >= {"nvml_health", "xid", "sdc", "sdc_spool",
-                                                        "storage"}
-    assert not [r for r in report["results"] if r["check"].startswith("sdc")
-                and r["status"] not in ("pass",)]
+    assert {r["check"] for r in report["results"]} >= {
+        "nvml_health",
+        "xid",
+        "sdc",
+        "sdc_spool",
+        "storage",
+    }
+    assert not [
+        r
+        for r in report["results"]
+        if r["check"].startswith("sdc") and r["status"] not in ("pass",)
+    ]
 
 
 def test_periodic_suite_gives_each_check_a_cadence():
@@ -138,10 +181,21 @@ def test_periodic_suite_gives_each_check_a_cadence():
 
     suite = load_suite("periodic", _shipped("node_agent.suites"))
     cadence = {c.check: c.every_s for c in suite.checks}
-    assert cadence == {"nvml_health": 10, "xid": 30, "sdc_spool": 60, "sdc": 600,
-                       "storage": 3600, "training_progress": 15,
-                       # the rest of the node (docs/host_checks.md)
-                       "hca_ports": 15, "kernel_distress": 60, "software_drift": 3600,
-                       "host_memory": 300, "pcie_aer": 60, "host_cpu": 60, "host_power": 300,
-                       "nvme_health": 3600}
+    assert cadence == {
+        "nvml_health": 10,
+        "xid": 30,
+        "sdc_spool": 60,
+        "sdc": 600,
+        "storage": 3600,
+        "training_progress": 15,
+        # the rest of the node (docs/host_checks.md)
+        "hca_ports": 15,
+        "kernel_distress": 60,
+        "software_drift": 3600,
+        "host_memory": 300,
+        "pcie_aer": 60,
+        "host_cpu": 60,
+        "host_power": 300,
+        "nvme_health": 3600,
+    }
     assert suite.mode == "service"

@@ -33,14 +33,19 @@ def test_every_sku_file_has_a_healthy_scenario():
 def test_healthy_scenario_of_each_sku_grades_healthy_three_runs_in_a_row(agent, sku):
     path = healthy_scenarios()[sku]
     expected_gpus = yaml.safe_load((REPO / "graders" / "skus" / f"{sku}.yaml").read_text())[
-        "gpus_per_node"]
+        "gpus_per_node"
+    ]
     for attempt in range(3):
-        run = agent("accept", "--simulate", str(path), "--only", "inventory,nvml_health,xid",
-                    "--json")
+        run = agent(
+            "accept", "--simulate", str(path), "--only", "inventory,nvml_health,xid", "--json"
+        )
         assert run.code == 0, (attempt, run.stderr)
         report = run.json()
-        findings = [(r["check"], r["target"], r["metric"], r["status"], r["detail"])
-                    for r in report["results"] if r["status"] in ("warn", "fail", "error")]
+        findings = [
+            (r["check"], r["target"], r["metric"], r["status"], r["detail"])
+            for r in report["results"]
+            if r["status"] in ("warn", "fail", "error")
+        ]
         assert report["grade"] == {"level": "HEALTHY", "action": "none", "reasons": []}, findings
         assert not findings, findings
         assert report["sku"] == sku

@@ -64,8 +64,13 @@ def test_resume_returns_drained_node_to_service(slurm):
 
 
 def test_node_drained_by_hand_reports_its_own_reason_not_the_agents(slurm):
-    slurm.run("scontrol", "update", f"NodeName={slurm.node}", "State=DRAIN",
-              "Reason=bad DIMM, ticket 4711")
+    slurm.run(
+        "scontrol",
+        "update",
+        f"NodeName={slurm.node}",
+        "State=DRAIN",
+        "Reason=bad DIMM, ticket 4711",
+    )
     state = adapter_for(slurm).node_state(slurm.node)
     assert state.drained
     assert state.reason == "bad DIMM, ticket 4711"
@@ -74,8 +79,13 @@ def test_node_drained_by_hand_reports_its_own_reason_not_the_agents(slurm):
 
 
 def test_node_drained_by_hand_is_never_resumed_rebooted_or_relabelled(slurm):
-    slurm.run("scontrol", "update", f"NodeName={slurm.node}", "State=DRAIN",
-              "Reason=bad DIMM, ticket 4711")
+    slurm.run(
+        "scontrol",
+        "update",
+        f"NodeName={slurm.node}",
+        "State=DRAIN",
+        "Reason=bad DIMM, ticket 4711",
+    )
     adapter = adapter_for(slurm)
     with pytest.raises(AdapterError, match="drained by someone else"):
         adapter.resume(slurm.node, "re-test passed")
@@ -95,10 +105,16 @@ def test_resume_of_a_node_in_service_is_a_no_op(slurm):
 
 
 def test_list_nodes_reports_every_node_with_its_drain_state(slurm):
-    slurm.run("scontrol", "update", f"NodeName={slurm.fake_nodes[0]}", "State=DRAIN",
-              "Reason=node-agent: FAULT xid79 gpu:1")
-    slurm.run("scontrol", "update", f"NodeName={slurm.fake_nodes[1]}", "State=DRAIN",
-              "Reason=maintenance")
+    slurm.run(
+        "scontrol",
+        "update",
+        f"NodeName={slurm.fake_nodes[0]}",
+        "State=DRAIN",
+        "Reason=node-agent: FAULT xid79 gpu:1",
+    )
+    slurm.run(
+        "scontrol", "update", f"NodeName={slurm.fake_nodes[1]}", "State=DRAIN", "Reason=maintenance"
+    )
     nodes = {n.name: n for n in adapter_for(slurm).list_nodes()}
     assert set(nodes) == set(slurm.all_nodes)
     assert nodes[slurm.fake_nodes[0]].drained_by_agent
@@ -145,8 +161,9 @@ def rebootable_cluster(tmp_path_factory):
     reason = _slurm.missing_reason()
     if reason:
         pytest.skip(reason)
-    cluster = _slurm.start_cluster(tmp_path_factory.mktemp("slurm-reboot"),
-                                   reboot_program="/bin/true")
+    cluster = _slurm.start_cluster(
+        tmp_path_factory.mktemp("slurm-reboot"), reboot_program="/bin/true"
+    )
     try:
         yield cluster
     finally:
@@ -236,7 +253,9 @@ def test_restart_job_requeues_a_real_batch_job_running_on_the_node(slurm):
     job = slurm.submit()
     running = slurm.wait_job(job, "RUNNING")
     assert running["NodeList"] == slurm.node and running["Restarts"] == "0"
-    detail = adapter_for(slurm).restart_job(slurm.node, f"slurm:{job}@uid:0", HANG_REASON.format(job))
+    detail = adapter_for(slurm).restart_job(
+        slurm.node, f"slurm:{job}@uid:0", HANG_REASON.format(job)
+    )
     assert detail.startswith(f"slurm: requeued job {job}"), detail
     fields = slurm.show_job(job)
     assert fields["Restarts"] == "1", fields
@@ -253,8 +272,11 @@ def test_restart_job_refuses_a_job_running_on_another_node_and_does_not_requeue_
     job = slurm.submit()
     slurm.wait_job(job, "RUNNING")
     other = slurm.fake_nodes[0]
-    with pytest.raises(AdapterError, match=rf"restarts only Slurm jobs running on {other}; "
-                                           rf"job slurm:{job}@uid:0 runs on {slurm.node}"):
+    with pytest.raises(
+        AdapterError,
+        match=rf"restarts only Slurm jobs running on {other}; "
+        rf"job slurm:{job}@uid:0 runs on {slurm.node}",
+    ):
         adapter_for(slurm).restart_job(other, f"slurm:{job}@uid:0", HANG_REASON.format(job))
     fields = slurm.show_job(job)
     assert (fields["JobState"], fields["Restarts"]) == ("RUNNING", "0"), fields
@@ -263,7 +285,9 @@ def test_restart_job_refuses_a_job_running_on_another_node_and_does_not_requeue_
 def test_restart_job_leaves_a_job_that_is_not_running_alone(slurm):
     job = slurm.submit("--hold")
     slurm.wait_job(job, "PENDING")
-    detail = adapter_for(slurm).restart_job(slurm.node, f"slurm:{job}@uid:0", HANG_REASON.format(job))
+    detail = adapter_for(slurm).restart_job(
+        slurm.node, f"slurm:{job}@uid:0", HANG_REASON.format(job)
+    )
     assert detail.startswith(JOB_NOT_RUNNING) and "PENDING" in detail, detail
     assert slurm.show_job(job)["Restarts"] == "0"
 
@@ -292,11 +316,13 @@ def test_restart_job_refuses_another_users_job_and_does_not_requeue_it(slurm):
     1001: a user's process may put any SLURM_JOB_ID in its environment."""
     job = slurm.submit()
     slurm.wait_job(job, "RUNNING")
-    with pytest.raises(AdapterError, match=rf"REFUSED: not requeueing Slurm job {job}: it "
-                                           r"belongs to uid 0, but the hung process that named "
-                                           r"it runs as uid 1001"):
-        adapter_for(slurm).restart_job(slurm.node, f"slurm:{job}@uid:1001",
-                                       HANG_REASON.format(job))
+    with pytest.raises(
+        AdapterError,
+        match=rf"REFUSED: not requeueing Slurm job {job}: it "
+        r"belongs to uid 0, but the hung process that named "
+        r"it runs as uid 1001",
+    ):
+        adapter_for(slurm).restart_job(slurm.node, f"slurm:{job}@uid:1001", HANG_REASON.format(job))
     fields = slurm.show_job(job)
     assert (fields["JobState"], fields["Restarts"]) == ("RUNNING", "0"), fields
 
@@ -309,11 +335,24 @@ def test_restart_job_refuses_a_job_id_without_the_processes_uid(slurm, tmp_path)
     assert slurm.show_job(job)["Restarts"] == "0"
 
 
-@pytest.mark.parametrize("job", ["pod:ml/trainer-0", "torchelastic:abc", "slurm:1;reboot",
-                                 "slurm:1 State=RESUME", "slurm:-h", "slurm:12_x", "slurm:",
-                                 "slurm:1@uid:0;reboot", "slurm:1@uid:-1", "slurm:1@uid:0@uid:0"])
-def test_restart_job_refuses_other_or_hostile_job_ids_before_any_slurm_command(slurm, tmp_path,
-                                                                              job):
+@pytest.mark.parametrize(
+    "job",
+    [
+        "pod:ml/trainer-0",
+        "torchelastic:abc",
+        "slurm:1;reboot",
+        "slurm:1 State=RESUME",
+        "slurm:-h",
+        "slurm:12_x",
+        "slurm:",
+        "slurm:1@uid:0;reboot",
+        "slurm:1@uid:-1",
+        "slurm:1@uid:0@uid:0",
+    ],
+)
+def test_restart_job_refuses_other_or_hostile_job_ids_before_any_slurm_command(
+    slurm, tmp_path, job
+):
     marker = tmp_path / "ran"
     spy = tmp_path / "spy"
     spy.write_text(f"#!/bin/sh\ntouch {marker}\n")

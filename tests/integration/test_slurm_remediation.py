@@ -31,28 +31,43 @@ ROW_REMAP_PENDING = [{"kind": "row_remap_pending", "gpu": 2}]
 @pytest.fixture
 def node_agent(slurm, tmp_path):
     """Run the real CLI with a config whose node.name is the Slurm node, SLURM_CONF set."""
+
     def write_config(**safety) -> str:
         path = tmp_path / "config.yaml"
-        path.write_text(yaml.safe_dump({
-            "node": {"name": slurm.node}, "state_dir": str(tmp_path / "state"),
-            "adapter": {"name": "log", "slurm": {"timeout_s": 15}},
-            **({"safety": safety} if safety else {})}))
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "node": {"name": slurm.node},
+                    "state_dir": str(tmp_path / "state"),
+                    "adapter": {"name": "log", "slurm": {"timeout_s": 15}},
+                    **({"safety": safety} if safety else {}),
+                }
+            )
+        )
         return str(path)
 
     config = {"path": write_config(max_drained_fraction=0.5)}
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        argv = [sys.executable, "-c", "import sys; from node_agent.commands.main import main; "
-                "sys.exit(main())", *args, "--config", config["path"]]
-        return subprocess.run(argv, capture_output=True, text=True, timeout=240,
-                              env=slurm.env(), cwd=tmp_path)
+        argv = [
+            sys.executable,
+            "-c",
+            "import sys; from node_agent.commands.main import main; sys.exit(main())",
+            *args,
+            "--config",
+            config["path"],
+        ]
+        return subprocess.run(
+            argv, capture_output=True, text=True, timeout=240, env=slurm.env(), cwd=tmp_path
+        )
 
     run.configure = lambda **safety: config.update(path=write_config(**safety))  # type: ignore[attr-defined]
     return run
 
 
-def test_xid79_accept_act_leaves_node_drained_with_reason_naming_the_fault(slurm, node_agent,
-                                                                           scenario):
+def test_xid79_accept_act_leaves_node_drained_with_reason_naming_the_fault(
+    slurm, node_agent, scenario
+):
     proc = node_agent("accept", "--simulate", scenario(XID79), "--act", "--adapter", "slurm")
     assert proc.returncode == 4, proc.stderr  # FAULT
     fields = slurm.show_node()
@@ -60,14 +75,20 @@ def test_xid79_accept_act_leaves_node_drained_with_reason_naming_the_fault(slurm
     reason = fields["Reason"]
     assert reason.startswith("node-agent:")
     assert "FAULT" in reason and "79" in reason and "gpu:5" in reason, reason
-    listed = [line for line in slurm.sinfo_reasons().splitlines()
-              if line.startswith(f"{slurm.node}|")]
+    listed = [
+        line for line in slurm.sinfo_reasons().splitlines() if line.startswith(f"{slurm.node}|")
+    ]
     assert listed and "79" in listed[0] and "gpu:5" in listed[0], slurm.sinfo_reasons()
 
 
 def test_node_drained_by_hand_is_never_resumed_by_the_agent(slurm, node_agent, scenario):
-    slurm.run("scontrol", "update", f"NodeName={slurm.node}", "State=DRAIN",
-              "Reason=bad DIMM, ticket 4711")
+    slurm.run(
+        "scontrol",
+        "update",
+        f"NodeName={slurm.node}",
+        "State=DRAIN",
+        "Reason=bad DIMM, ticket 4711",
+    )
     for faults in (ROW_REMAP_PENDING, []):  # an ERROR to remediate, then a clean node
         node_agent("check", "--simulate", scenario(faults), "--act", "--adapter", "slurm")
         fields = slurm.show_node()
@@ -76,8 +97,9 @@ def test_node_drained_by_hand_is_never_resumed_by_the_agent(slurm, node_agent, s
 
 
 def test_error_drains_requests_reboot_retests_and_resumes(slurm, node_agent, scenario):
-    first = node_agent("accept", "--simulate", scenario(ROW_REMAP_PENDING), "--act",
-                       "--adapter", "slurm")
+    first = node_agent(
+        "accept", "--simulate", scenario(ROW_REMAP_PENDING), "--act", "--adapter", "slurm"
+    )
     assert first.returncode == 3, first.stderr  # ERROR
     out = first.stdout + first.stderr
     assert "reboot-unavailable:" in out  # the documented stand-in: no RebootProgram here
@@ -90,11 +112,17 @@ def test_error_drains_requests_reboot_retests_and_resumes(slurm, node_agent, sce
     assert slurm.node not in slurm.run("sinfo", "-R", "--noheader", "-o", "%N").stdout
 
 
-def test_blast_radius_refuses_drain_when_share_already_drained_by_agent(slurm, node_agent,
-                                                                        scenario):
+def test_blast_radius_refuses_drain_when_share_already_drained_by_agent(
+    slurm, node_agent, scenario
+):
     for fake in slurm.fake_nodes[:2]:  # 2 of 4 nodes already drained by the agent
-        slurm.run("scontrol", "update", f"NodeName={fake}", "State=DRAIN",
-                  "Reason=node-agent: FAULT xid79 gpu:0")
+        slurm.run(
+            "scontrol",
+            "update",
+            f"NodeName={fake}",
+            "State=DRAIN",
+            "Reason=node-agent: FAULT xid79 gpu:0",
+        )
     node_agent.configure(max_drained_fraction=0.25)
     proc = node_agent("accept", "--simulate", scenario(XID79), "--act", "--adapter", "slurm")
     out = proc.stdout + proc.stderr
@@ -118,9 +146,18 @@ class _Report:
 def _hang(job: str, uid: int = 0) -> Grade:
     """The grade training_progress gives a verified job's hang: the job carries the hung
     process's uid (the test's jobs run as root, sbatch as root)."""
-    return Grade(Level.ERROR, Action.RESTART, (Reason(
-        "training-hang", Level.ERROR, f"job:slurm:{job}@uid:{uid}/rank:0",
-        "rank 0 (pid 4242) made no step for 412 s; stuck in all_reduce"),))
+    return Grade(
+        Level.ERROR,
+        Action.RESTART,
+        (
+            Reason(
+                "training-hang",
+                Level.ERROR,
+                f"job:slurm:{job}@uid:{uid}/rank:0",
+                "rank 0 (pid 4242) made no step for 412 s; stuck in all_reduce",
+            ),
+        ),
+    )
 
 
 def test_hung_job_is_requeued_through_slurm_and_the_node_stays_in_service(slurm, tmp_path):
@@ -129,8 +166,9 @@ def test_hung_job_is_requeued_through_slurm_and_the_node_stays_in_service(slurm,
     store = open_store(tmp_path / "state")
     try:
         adapter = SlurmAdapter(env=slurm.env())
-        rem = Remediator(store, adapter, slurm.node, Safety(), state_dir=tmp_path / "state",
-                         warn=lambda _m: None)
+        rem = Remediator(
+            store, adapter, slurm.node, Safety(), state_dir=tmp_path / "state", warn=lambda _m: None
+        )
         out = rem.remediate(_Report(_hang(job)))
         assert [(r.action, r.outcome) for r in out.records] == [("restart-job", "done")], out
         assert slurm.show_job(job)["Restarts"] == "1"
@@ -152,8 +190,14 @@ def test_a_hung_process_naming_another_users_job_gets_no_requeue(slurm, tmp_path
     slurm.wait_job(job, "RUNNING")
     store = open_store(tmp_path / "state")
     try:
-        rem = Remediator(store, SlurmAdapter(env=slurm.env()), slurm.node, Safety(),
-                         state_dir=tmp_path / "state", warn=lambda _m: None)
+        rem = Remediator(
+            store,
+            SlurmAdapter(env=slurm.env()),
+            slurm.node,
+            Safety(),
+            state_dir=tmp_path / "state",
+            warn=lambda _m: None,
+        )
         out = rem.remediate(_Report(_hang(job, uid=1001)))
         (rec,) = out.records
         assert (rec.action, rec.outcome) == ("restart-job", "failed"), rec
@@ -172,15 +216,28 @@ def test_recovered_job_restart_after_the_requeue_happened_is_not_repeated(slurm,
     slurm.run("scontrol", "requeue", job)  # what the interrupted run had done
     store = open_store(tmp_path / "state")
     try:
-        store.journal_plan(key=f"{slurm.node}|restart-job|training-hang@job:slurm:{job}@uid:0|0",
-                           node=slurm.node, action="restart-job",
-                           reason=f"node-agent: ERROR training-hang job slurm:{job}@uid:0",
-                           fault_code="training-hang", target=f"job:slurm:{job}@uid:0",
-                           attempt=0,
-                           to_state=None, trigger="auto", adapter="slurm", now=0.0,
-                           state="started")
-        out = Remediator(store, SlurmAdapter(env=slurm.env()), slurm.node, Safety(),
-                         state_dir=None, warn=lambda _m: None).recover()
+        store.journal_plan(
+            key=f"{slurm.node}|restart-job|training-hang@job:slurm:{job}@uid:0|0",
+            node=slurm.node,
+            action="restart-job",
+            reason=f"node-agent: ERROR training-hang job slurm:{job}@uid:0",
+            fault_code="training-hang",
+            target=f"job:slurm:{job}@uid:0",
+            attempt=0,
+            to_state=None,
+            trigger="auto",
+            adapter="slurm",
+            now=0.0,
+            state="started",
+        )
+        out = Remediator(
+            store,
+            SlurmAdapter(env=slurm.env()),
+            slurm.node,
+            Safety(),
+            state_dir=None,
+            warn=lambda _m: None,
+        ).recover()
         (rec,) = out.records
         assert rec.outcome == "done" and JOB_NOT_RUNNING in rec.detail, rec.detail
         assert slurm.show_job(job)["Restarts"] == "1"

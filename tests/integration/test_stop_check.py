@@ -43,9 +43,16 @@ def job(tmp_path):
         scen = tmp_path / "scenarios"
         scen.mkdir(exist_ok=True)
         for rank in range(nodes):
-            (scen / f"n{rank}.yaml").write_text(yaml.safe_dump({
-                "sku": "h100-sxm5-80gb", "gpus": 8, "hostname": f"node{rank}",
-                "faults": (faults or {}).get(rank, [])}))
+            (scen / f"n{rank}.yaml").write_text(
+                yaml.safe_dump(
+                    {
+                        "sku": "h100-sxm5-80gb",
+                        "gpus": 8,
+                        "hostname": f"node{rank}",
+                        "faults": (faults or {}).get(rank, []),
+                    }
+                )
+            )
         return scen
 
     make.config = config  # type: ignore[attr-defined]
@@ -57,10 +64,21 @@ def spawn(ranks, world: int, args: list[str], port: int, cwd: Path) -> dict[int,
     """Start the given ranks as a launcher would (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
     procs = {}
     for rank in ranks:
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        procs[rank] = subprocess.Popen([AGENT, "stop-check", *args], env=env, cwd=cwd,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        procs[rank] = subprocess.Popen(
+            [AGENT, "stop-check", *args],
+            env=env,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
     return procs
 
 
@@ -82,8 +100,9 @@ def summary(out: Path) -> dict:
 
 
 def named(data: dict, phase: str | None = None) -> set[tuple[str, int | None]]:
-    return {(s["node"], s.get("gpu")) for s in data["suspects"]
-            if phase is None or s["phase"] == phase}
+    return {
+        (s["node"], s.get("gpu")) for s in data["suspects"] if phase is None or s["phase"] == phase
+    }
 
 
 def node_report(out: Path, node: str) -> dict:
@@ -97,10 +116,29 @@ def test_a_healthy_six_node_job_under_torchrun_names_no_suspect(job, tmp_path):
     if torchrun is None:
         pytest.skip("torchrun is not installed beside this Python (it ships with torch)")
     proc = subprocess.run(
-        [torchrun, "--nnodes", "1", "--nproc-per-node", str(NODES), "--master-port",
-         str(free_port()), "--no-python", AGENT, "stop-check", "--config", str(job.config),
-         "--simulate", str(scen / "n{rank}.yaml"), "--out", str(job.out)],
-        capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=tmp_path)
+        [
+            torchrun,
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            str(NODES),
+            "--master-port",
+            str(free_port()),
+            "--no-python",
+            AGENT,
+            "stop-check",
+            "--config",
+            str(job.config),
+            "--simulate",
+            str(scen / "n{rank}.yaml"),
+            "--out",
+            str(job.out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = summary(job.out)
     assert data["schema"] == "node-agent.stop-check/1"
@@ -116,11 +154,24 @@ def test_a_healthy_six_node_job_under_torchrun_names_no_suspect(job, tmp_path):
 def test_each_phase_names_exactly_its_bad_node_and_act_drains_them(job, tmp_path):
     """node1 fails its quick suite (Xid 79), node3's link is slow, node4's GPU 1 corrupts every
     product: each phase names exactly its node, and --act drains each through the remediation."""
-    scen = job({1: [{"kind": "xid", "gpu": 5, "code": 79}],
-                3: [{"kind": "slow_link", "factor": 0.2}],
-                4: [{"kind": "sdc", "gpu": 1}]})
-    args = ["--config", str(job.config), "--simulate", str(scen / "n{rank}.yaml"),
-            "--out", str(job.out), "--act", "--adapter", "log"]
+    scen = job(
+        {
+            1: [{"kind": "xid", "gpu": 5, "code": 79}],
+            3: [{"kind": "slow_link", "factor": 0.2}],
+            4: [{"kind": "sdc", "gpu": 1}],
+        }
+    )
+    args = [
+        "--config",
+        str(job.config),
+        "--simulate",
+        str(scen / "n{rank}.yaml"),
+        "--out",
+        str(job.out),
+        "--act",
+        "--adapter",
+        "log",
+    ]
     codes = finish(spawn(range(NODES), NODES, args, free_port(), tmp_path))
     data = summary(job.out)
     assert named(data, "self") == {("node1", None)}
@@ -140,8 +191,17 @@ def test_each_phase_names_exactly_its_bad_node_and_act_drains_them(job, tmp_path
 
 def test_replay_names_the_node_whose_sm_corrupts_now_and_then(job, tmp_path):
     scen = job({2: [{"kind": "sdc", "gpu": 6, "sm": 17, "rate": 0.3}]})
-    args = ["--config", str(job.config), "--simulate", str(scen / "n{rank}.yaml"),
-            "--out", str(job.out), "--replay", "--rounds", "4"]
+    args = [
+        "--config",
+        str(job.config),
+        "--simulate",
+        str(scen / "n{rank}.yaml"),
+        "--out",
+        str(job.out),
+        "--replay",
+        "--rounds",
+        "4",
+    ]
     finish(spawn(range(NODES), NODES, args, free_port(), tmp_path))
     data = summary(job.out)
     assert named(data, "replay") == {("node2", None)}
@@ -154,8 +214,9 @@ def test_a_slurm_step_names_the_bad_node_and_evicts_its_parallel_group(job, slur
     simulated node (SLURM_PROCID, SLURM_NTASKS) on the loopback slurmd."""
     scen = job({4: [{"kind": "sdc", "gpu": 1}]})
     topology = tmp_path / "topology.yaml"
-    topology.write_text(yaml.safe_dump({"pp0": ["node0", "node1", "node2"],
-                                        "pp1": ["node3", "node4", "node5"]}))
+    topology.write_text(
+        yaml.safe_dump({"pp0": ["node0", "node1", "node2"], "pp1": ["node3", "node4", "node5"]})
+    )
     srun = shutil.which("srun")
     if srun is None:
         pytest.skip("srun is not installed (Debian package slurm-client)")
@@ -163,10 +224,29 @@ def test_a_slurm_step_names_the_bad_node_and_evicts_its_parallel_group(job, slur
     for key in ("RANK", "WORLD_SIZE"):
         env.pop(key, None)
     proc = subprocess.run(
-        [srun, "--overcommit", "-N1", f"-n{NODES}", "--kill-on-bad-exit=0", AGENT, "stop-check",
-         "--config", str(job.config), "--simulate", str(scen / "n{rank}.yaml"),
-         "--out", str(job.out), "--topology", str(topology)],
-        capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=tmp_path)
+        [
+            srun,
+            "--overcommit",
+            "-N1",
+            f"-n{NODES}",
+            "--kill-on-bad-exit=0",
+            AGENT,
+            "stop-check",
+            "--config",
+            str(job.config),
+            "--simulate",
+            str(scen / "n{rank}.yaml"),
+            "--out",
+            str(job.out),
+            "--topology",
+            str(topology),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        env=env,
+        cwd=tmp_path,
+    )
     assert (job.out / "stop-check.json").exists(), (proc.returncode, proc.stderr[-3000:])
     data = summary(job.out)
     assert named(data) == {("node4", 1)}
@@ -175,8 +255,16 @@ def test_a_slurm_step_names_the_bad_node_and_evicts_its_parallel_group(job, slur
 
 def test_a_rank_that_never_joins_is_named_by_rank_0_and_the_others_exit_2(job, tmp_path):
     scen = job(nodes=3)
-    args = ["--config", str(job.config), "--simulate", str(scen / "n{rank}.yaml"),
-            "--out", str(job.out), "--join-timeout-s", "5"]
+    args = [
+        "--config",
+        str(job.config),
+        "--simulate",
+        str(scen / "n{rank}.yaml"),
+        "--out",
+        str(job.out),
+        "--join-timeout-s",
+        "5",
+    ]
     codes = finish(spawn(range(2), 3, args, free_port(), tmp_path))
     assert {r: c for r, (c, _) in codes.items()} == {0: 2, 1: 2}
     assert "rank 2 did not join" in codes[0][1]
@@ -194,7 +282,8 @@ def test_a_rank_without_its_scenario_exits_2_with_one_line(job, tmp_path):
     assert code == 2
     assert err.strip().splitlines() == [
         f"node-agent: error: --simulate {scen}/n{{rank}}.yaml: no scenario for rank 1 "
-        f"({scen}/n1.yaml does not exist)"]
+        f"({scen}/n1.yaml does not exist)"
+    ]
 
 
 def test_a_one_node_job_is_a_usage_error(job, tmp_path):

@@ -16,9 +16,16 @@ SMALL = {"size": "16M", "runtime_s": 1, "iodepth": 8}
 
 
 def make_ctx(paths: list[str], **params) -> CheckContext:
-    return CheckContext(check="storage", gpu=AbsentGpuBackend("no GPU on CI"), kernel_log=None,
-                        config=config_from_dict({"storage": {"paths": paths}}), inventory=None,
-                        sku=None, expected_gpus=None, params={**SMALL, **params})
+    return CheckContext(
+        check="storage",
+        gpu=AbsentGpuBackend("no GPU on CI"),
+        kernel_log=None,
+        config=config_from_dict({"storage": {"paths": paths}}),
+        inventory=None,
+        sku=None,
+        expected_gpus=None,
+        params={**SMALL, **params},
+    )
 
 
 def test_fio_is_installed():

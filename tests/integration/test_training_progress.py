@@ -89,7 +89,7 @@ def _in_slurm_job(cgroups, procs) -> None:
         cgroups.adopt(p.pid, SLURM_JOB)
 
 
-SYNC_WORKER = '''
+SYNC_WORKER = """
 import os, sys, time
 import torch
 import torch.distributed as dist
@@ -108,15 +108,22 @@ while True:
     dist.all_reduce(t)                       # everyone waits for the slowest here
     hb.beat(step, compute_s=compute_s)
     step += 1
-'''
+"""
 
 
 def _suite(tmp_path: Path, **params) -> str:
     """A suite of training_progress alone; ``params`` override the check's defaults."""
     path = tmp_path / "progress-suite.yaml"
     params = {"spool_dir": str(_spool(tmp_path)), **params}
-    path.write_text(yaml.safe_dump({"name": "progress", "mode": "service", "checks": [
-        {"check": "training_progress", "timeout_s": 60, "params": params}]}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "progress",
+                "mode": "service",
+                "checks": [{"check": "training_progress", "timeout_s": 60, "params": params}],
+            }
+        )
+    )
     return str(path)
 
 
@@ -133,8 +140,14 @@ def _start(tmp_path: Path, source: str, args: list[str], env_by_rank: list[dict[
     procs = []
     for extra in env_by_rank:
         env = {**os.environ, "TORCHELASTIC_RUN_ID": "test-job", **extra}
-        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), *args],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+        )
     return procs
 
 
@@ -154,7 +167,8 @@ def _wait_for_steps(spool: Path, pids: list[int], min_step: int, deadline_s: flo
             with contextlib.suppress(OSError, ValueError):
                 steps[pid] = json.loads((spool / f"{pid}.json").read_text())
         if len(steps) == len(pids) and all(
-                r["step"] >= min_step and r["step_time_s"] for r in steps.values()):
+            r["step"] >= min_step and r["step_time_s"] for r in steps.values()
+        ):
             return
         dead = [p for p in procs if p.poll() is not None]
         assert not dead, f"worker exited: {dead[0].stderr.read().decode()[-2000:]}"
@@ -172,8 +186,10 @@ def _poll(agent, suite: str, until, deadline_s: float = 90):
         seen.append((run.code, run.json()))
         if until(seen[-1][1]):
             return seen
-    pytest.fail(f"condition not reached within {deadline_s} s; last report: "
-                f"{json.dumps(seen[-1][1]['results'], indent=1)[:3000] if seen else None}")
+    pytest.fail(
+        f"condition not reached within {deadline_s} s; last report: "
+        f"{json.dumps(seen[-1][1]['results'], indent=1)[:3000] if seen else None}"
+    )
 
 
 def _by_metric(report, metric):
@@ -183,8 +199,11 @@ def _by_metric(report, metric):
 def _one_straggler(agent, tmp_path: Path, straggler_for_s: float):
     """Run the check until it names a straggler: (every report seen, the last, its straggler).
     The grade is WARN (exit 0): a straggler is never acted on."""
-    seen = _poll(agent, _suite(tmp_path, **{**FAST, "straggler_for_s": straggler_for_s}),
-                 lambda rep: _by_metric(rep, "training_straggler"))
+    seen = _poll(
+        agent,
+        _suite(tmp_path, **{**FAST, "straggler_for_s": straggler_for_s}),
+        lambda rep: _by_metric(rep, "training_straggler"),
+    )
     code, report = seen[-1]
     assert code == 0 and report["grade"]["level"] == "WARN"
     (slow,) = _by_metric(report, "training_straggler")
@@ -208,9 +227,12 @@ def _stack(result: dict) -> dict:
 
 def test_rank_that_stops_stepping_is_reported_hung_and_grades_error(agent, tmp_path, slurm_job):
     spool, stop = _spool(tmp_path), tmp_path / "stop"
-    procs = _start(tmp_path, WORKER, [str(spool), "0.05", str(stop)],
-                   [{"RANK": str(r), "WORLD_SIZE": "3", "SLURM_JOB_ID": SLURM_JOB}
-                    for r in range(3)])
+    procs = _start(
+        tmp_path,
+        WORKER,
+        [str(spool), "0.05", str(stop)],
+        [{"RANK": str(r), "WORLD_SIZE": "3", "SLURM_JOB_ID": SLURM_JOB} for r in range(3)],
+    )
     _in_slurm_job(slurm_job, procs)
     try:
         _wait_for_steps(spool, [p.pid for p in procs], 3, 60, procs)
@@ -220,7 +242,10 @@ def test_rank_that_stops_stepping_is_reported_hung_and_grades_error(agent, tmp_p
         assert before.code == 0, before.stderr
         assert not _by_metric(before.json(), "training_hang")
         assert {r["target"] for r in _by_metric(before.json(), "training_progress")} == {
-            f"{VERIFIED}/rank:0", f"{VERIFIED}/rank:1", f"{VERIFIED}/rank:2"}
+            f"{VERIFIED}/rank:0",
+            f"{VERIFIED}/rank:1",
+            f"{VERIFIED}/rank:2",
+        }
 
         (tmp_path / "stop.rank2").touch()  # rank 2 stops stepping; it stays alive
         seen = _poll(agent, suite, lambda rep: _by_metric(rep, "training_hang"))
@@ -239,10 +264,15 @@ def test_rank_that_stops_stepping_is_reported_hung_and_grades_error(agent, tmp_p
         evidence = json.loads(Path(hang["evidence"]["evidence_file"]).read_text())
         assert evidence["job"] == f"slurm:{SLURM_JOB}" and len(evidence["processes"]) == 3
         # the healthy ranks are never called hung
-        assert all(r["target"] == f"{VERIFIED}/rank:2" for _, rep in seen
-                   for r in _by_metric(rep, "training_hang"))
+        assert all(
+            r["target"] == f"{VERIFIED}/rank:2"
+            for _, rep in seen
+            for r in _by_metric(rep, "training_hang")
+        )
         assert {r["target"] for r in _by_metric(report, "training_progress")} == {
-            f"{VERIFIED}/rank:0", f"{VERIFIED}/rank:1"}
+            f"{VERIFIED}/rank:0",
+            f"{VERIFIED}/rank:1",
+        }
     finally:
         _stop(procs)
     # the processes are gone: their heartbeats are ignored, nothing is hung any more
@@ -257,8 +287,12 @@ def test_a_hang_of_a_job_the_kernel_does_not_vouch_for_is_a_warn_naming_its_uid(
     stopped rank is a WARN naming the uid, never an ERROR, and no evidence file is written
     (anyone can make such a hang; the newest 200 files are kept, and real hangs' must stay)."""
     spool, stop = _spool(tmp_path), tmp_path / "stop"
-    procs = _start(tmp_path, WORKER, [str(spool), "0.05", str(stop)],
-                   [{"RANK": str(r), "WORLD_SIZE": "2"} for r in range(2)])
+    procs = _start(
+        tmp_path,
+        WORKER,
+        [str(spool), "0.05", str(stop)],
+        [{"RANK": str(r), "WORLD_SIZE": "2"} for r in range(2)],
+    )
     try:
         _wait_for_steps(spool, [p.pid for p in procs], 3, 60, procs)
         (tmp_path / "stop.rank1").touch()
@@ -273,20 +307,30 @@ def test_a_hang_of_a_job_the_kernel_does_not_vouch_for_is_a_warn_naming_its_uid(
         assert "nothing is restarted" in hang["detail"]
         assert "evidence_file" not in hang["evidence"] or not hang["evidence"]["evidence_file"]
         assert not (tmp_path / "state" / "hang" / "evidence").exists() or not list(
-            (tmp_path / "state" / "hang" / "evidence").iterdir())
+            (tmp_path / "state" / "hang" / "evidence").iterdir()
+        )
     finally:
         _stop(procs)
 
 
 def test_rank_three_times_slower_is_a_straggler_warn_never_a_hang(agent, tmp_path):
     spool = _spool(tmp_path)
-    procs = _start(tmp_path, WORKER, [str(spool), "0.05", str(tmp_path / "never")],
-                   [{"RANK": "0"}, {"RANK": "1"}])
+    procs = _start(
+        tmp_path,
+        WORKER,
+        [str(spool), "0.05", str(tmp_path / "never")],
+        [{"RANK": "0"}, {"RANK": "1"}],
+    )
     script = tmp_path / "worker.py"
     env = {**os.environ, "TORCHELASTIC_RUN_ID": "test-job", "RANK": "2"}
-    procs.append(subprocess.Popen([sys.executable, str(script), str(spool), "0.15",
-                                   str(tmp_path / "never")], env=env,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    procs.append(
+        subprocess.Popen(
+            [sys.executable, str(script), str(spool), "0.15", str(tmp_path / "never")],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+    )
     try:
         _wait_for_steps(spool, [p.pid for p in procs], 3, 60, procs)
         seen, report, slow = _one_straggler(agent, tmp_path, straggler_for_s=2)
@@ -336,19 +380,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is None,
-                    reason="torch is not installed: no gloo all-reduce to hang")
+@pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None,
+    reason="torch is not installed: no gloo all-reduce to hang",
+)
 def test_gloo_allreduce_hang_is_reported_within_60_s_naming_the_stopped_rank_as_origin(
-        agent, tmp_path, slurm_job):
+    agent, tmp_path, slurm_job
+):
     """The issue's scenario, with the periodic suite's defaults (stall 30 s, 3 stack samples
     1 s apart) and the check run every 15 s as the daemon does: three real ranks all-reduce
     over gloo; rank 2 stops joining (sleeps outside the collective), then resumes."""
     spool, stop = _spool(tmp_path), tmp_path / "stop"
     port = str(_free_port())
-    procs = _start(tmp_path, GLOO_WORKER, [str(spool), str(stop)],
-                   [{"RANK": str(r), "WORLD_SIZE": "3", "LOCAL_RANK": str(r),
-                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                     "SLURM_JOB_ID": SLURM_JOB} for r in range(3)])
+    procs = _start(
+        tmp_path,
+        GLOO_WORKER,
+        [str(spool), str(stop)],
+        [
+            {
+                "RANK": str(r),
+                "WORLD_SIZE": "3",
+                "LOCAL_RANK": str(r),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "SLURM_JOB_ID": SLURM_JOB,
+            }
+            for r in range(3)
+        ],
+    )
     _in_slurm_job(slurm_job, procs)
     every_s = 15.0
     try:
@@ -372,8 +431,9 @@ def test_gloo_allreduce_hang_is_reported_within_60_s_naming_the_stopped_rank_as_
             time.sleep(max(0.0, every_s - (time.monotonic() - tick)))
         latency_s, report = seen[-1]
         hangs = {r["target"]: r for r in _by_metric(report, "training_hang")}
-        assert set(hangs) == {f"{VERIFIED}/rank:0", f"{VERIFIED}/rank:1",
-                              f"{VERIFIED}/rank:2"}, report
+        assert set(hangs) == {f"{VERIFIED}/rank:0", f"{VERIFIED}/rank:1", f"{VERIFIED}/rank:2"}, (
+            report
+        )
         assert latency_s <= 60, f"hang reported {latency_s:.1f} s after it started"
         assert report["grade"]["level"] == "ERROR"
         origin, waiting = hangs[f"{VERIFIED}/rank:2"], hangs[f"{VERIFIED}/rank:0"]
@@ -384,9 +444,13 @@ def test_gloo_allreduce_hang_is_reported_within_60_s_naming_the_stopped_rank_as_
         assert _stack(waiting)["in_collective"] is True
 
         stop.unlink()  # rank 2 joins again: the job makes progress, nothing is hung any more
-        _wait_for_steps(spool, [p.pid for p in procs],
-                        max(json.loads((spool / f"{p.pid}.json").read_text())["step"]
-                            for p in procs) + 5, 60, procs)
+        _wait_for_steps(
+            spool,
+            [p.pid for p in procs],
+            max(json.loads((spool / f"{p.pid}.json").read_text())["step"] for p in procs) + 5,
+            60,
+            procs,
+        )
         after = agent("check", "--suite", suite, "--json")
         assert after.code == 0, after.stderr
         assert not _by_metric(after.json(), "training_hang")
@@ -395,21 +459,32 @@ def test_gloo_allreduce_hang_is_reported_within_60_s_naming_the_stopped_rank_as_
         _stop(procs)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is None,
-                    reason="torch is not installed: no gloo all-reduce to synchronise ranks")
+@pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None,
+    reason="torch is not installed: no gloo all-reduce to synchronise ranks",
+)
 def test_straggler_in_a_synchronous_job_is_found_from_the_compute_time_before_the_collective(
-        agent, tmp_path):
+    agent, tmp_path
+):
     """In a synchronous all-reduce job every rank's step time is the slowest rank's; the rank
     that is slow shows only in the time it spends before the collective (``compute_s``)."""
     spool = _spool(tmp_path)
     port = str(_free_port())
-    procs = _start(tmp_path, SYNC_WORKER, [str(spool)],
-                   [{"RANK": str(r), "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
-                     "MASTER_PORT": port} for r in range(3)])
+    procs = _start(
+        tmp_path,
+        SYNC_WORKER,
+        [str(spool)],
+        [
+            {"RANK": str(r), "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+            for r in range(3)
+        ],
+    )
     try:
         _wait_for_steps(spool, [p.pid for p in procs], 5, 120, procs)
         seen, report, slow = _one_straggler(agent, tmp_path, straggler_for_s=1)
-        assert slow["target"] == f"{JOB}/rank:2" and slow["evidence"]["compared"] == "compute_time_s"
+        assert (
+            slow["target"] == f"{JOB}/rank:2" and slow["evidence"]["compared"] == "compute_time_s"
+        )
         assert slow["value"] >= 2 and "compute time per step" in slow["detail"]
         step_times = [r["evidence"]["step_time_s"] for r in report["results"]]
         assert max(step_times) < 1.5 * min(step_times)  # the step times alone show nothing
@@ -423,9 +498,17 @@ def test_heartbeats_of_exited_processes_older_than_stale_file_s_are_removed(agen
     one of an exited process stays (its job may be restarting)."""
     spool = _spool(tmp_path)
     for _ in range(2):
-        subprocess.run([sys.executable, "-c", "import sys\nfrom node_agent.heartbeat import "
-                        "Heartbeat\nHeartbeat(sys.argv[1], min_interval_s=0).beat(1)",
-                        str(spool)], check=True, env={**os.environ, "RANK": "0"})
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys\nfrom node_agent.heartbeat import "
+                "Heartbeat\nHeartbeat(sys.argv[1], min_interval_s=0).beat(1)",
+                str(spool),
+            ],
+            check=True,
+            env={**os.environ, "RANK": "0"},
+        )
     old, recent = sorted(spool.glob("*.json"))
     os.utime(old, (time.time() - 7200, time.time() - 7200))
     run = agent("check", "--suite", _suite(tmp_path, stale_file_s=3600), "--json")

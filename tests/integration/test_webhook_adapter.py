@@ -36,8 +36,9 @@ def receiver_check(secret: bytes, headers, raw: bytes, seen_nonces: set, now: fl
     timestamp = headers.get(TIMESTAMP_HEADER, "")
     if not timestamp.isdigit() or abs(now - int(timestamp)) > 300:
         return "stale or missing timestamp"
-    expected = "sha256=" + hmac.new(secret, timestamp.encode() + b"." + raw,
-                                    hashlib.sha256).hexdigest()
+    expected = (
+        "sha256=" + hmac.new(secret, timestamp.encode() + b"." + raw, hashlib.sha256).hexdigest()
+    )
     if not hmac.compare_digest(expected, headers.get(SIGNATURE_HEADER, "")):
         return "bad signature"
     nonce = json.loads(raw)["nonce"]
@@ -64,10 +65,16 @@ class Receiver:
             def do_POST(self):
                 raw = self.rfile.read(int(self.headers["Content-Length"]))
                 problem = receiver_check(SECRET, self.headers, raw, rcv.nonces, time.time())
-                rcv.received.append({"body": json.loads(raw), "valid": not problem,
-                                     "problem": problem, "raw": raw,
-                                     "headers": dict(self.headers),
-                                     "content_type": self.headers.get("Content-Type")})
+                rcv.received.append(
+                    {
+                        "body": json.loads(raw),
+                        "valid": not problem,
+                        "problem": problem,
+                        "raw": raw,
+                        "headers": dict(self.headers),
+                        "content_type": self.headers.get("Content-Type"),
+                    }
+                )
                 code = 401 if problem else (rcv.statuses.pop(0) if rcv.statuses else 200)
                 data = json.dumps({"ok": code == 200, "note": f"answer {code}"}).encode()
                 self.send_response(code)
@@ -110,9 +117,20 @@ def receiver():
 def adapter_for(url: str, tmp_path, retries=3, secret=SECRET, **extra):
     secret_file = tmp_path / "webhook.secret"
     secret_file.write_bytes(secret + b"\n")
-    config = config_from_dict({"adapter": {"name": "webhook", "webhook": {
-        "url": url, "secret_file": str(secret_file), "timeout_s": 2, "retries": retries,
-        **extra}}})
+    config = config_from_dict(
+        {
+            "adapter": {
+                "name": "webhook",
+                "webhook": {
+                    "url": url,
+                    "secret_file": str(secret_file),
+                    "timeout_s": 2,
+                    "retries": retries,
+                    **extra,
+                },
+            }
+        }
+    )
     adapter = open_adapter(config)
     assert isinstance(adapter, WebhookAdapter)
     sleeps: list[float] = []
@@ -167,7 +185,9 @@ def test_500_every_time_is_adapter_error_after_retries_with_last_body(tmp_path):
     rcv = Receiver(statuses=[500] * 10)
     try:
         adapter, sleeps = adapter_for(rcv.url, tmp_path, retries=2)
-        with pytest.raises(AdapterError, match=r"after 3 attempt\(s\).*; last: HTTP 500.*answer 500"):
+        with pytest.raises(
+            AdapterError, match=r"after 3 attempt\(s\).*; last: HTTP 500.*answer 500"
+        ):
             adapter.drain("gpu-01", "FAULT xid79 gpu:5")
         assert len(rcv.received) == 3
         assert sleeps == [1.0, 2.0]
@@ -186,8 +206,14 @@ def test_receiver_down_is_adapter_error_after_retries(tmp_path):
 
 
 def test_missing_secret_file_is_adapter_error_naming_the_key(tmp_path):
-    config = config_from_dict({"adapter": {"name": "webhook", "webhook": {
-        "url": "http://127.0.0.1:9/x", "secret_file": str(tmp_path / "nope")}}})
+    config = config_from_dict(
+        {
+            "adapter": {
+                "name": "webhook",
+                "webhook": {"url": "http://127.0.0.1:9/x", "secret_file": str(tmp_path / "nope")},
+            }
+        }
+    )
     with pytest.raises(AdapterError, match="adapter.webhook.secret_file"):
         open_adapter(config)
 
@@ -204,16 +230,22 @@ def test_restart_job_posts_signed_event_with_the_job_and_a_per_job_key(receiver,
     assert detail.startswith("webhook: restart-job slurm:1234@uid:1001 on gpu-01 accepted")
     adapter.restart_job("gpu-01", "slurm:1234@uid:1001", reason)
     adapter.restart_job("gpu-01", "slurm:1235@uid:1001", reason)  # another job, same words
-    adapter.restart_job("gpu-01", "pod:ml/trainer-0@0f3c6b0e-2f6a-4b7c-9a7e-1234567890ab",
-                        reason)
+    adapter.restart_job("gpu-01", "pod:ml/trainer-0@0f3c6b0e-2f6a-4b7c-9a7e-1234567890ab", reason)
     first, again, other, pod = receiver.received
     assert first["valid"]
     body = first["body"]
     # the job and the uid of the process that hung, for the receiver to check the job's owner
     assert (body["action"], body["node"], body["job"], body["uid"], body["reason"]) == (
-        "restart-job", "gpu-01", "slurm:1234", 1001, reason)
+        "restart-job",
+        "gpu-01",
+        "slurm:1234",
+        1001,
+        reason,
+    )
     assert (pod["body"]["job"], pod["body"]["uid"]) == (
-        "pod:ml/trainer-0@0f3c6b0e-2f6a-4b7c-9a7e-1234567890ab", None)
+        "pod:ml/trainer-0@0f3c6b0e-2f6a-4b7c-9a7e-1234567890ab",
+        None,
+    )
     assert first["body"]["idempotency_key"] == again["body"]["idempotency_key"]
     assert other["body"]["idempotency_key"] != first["body"]["idempotency_key"]
 
@@ -225,9 +257,7 @@ def test_restart_job_with_a_hostile_job_id_posts_nothing(receiver, tmp_path):
     assert receiver.received == []
 
 
-
-def test_a_replayed_request_is_refused_by_a_receiver_that_checks_as_documented(
-        receiver, tmp_path):
+def test_a_replayed_request_is_refused_by_a_receiver_that_checks_as_documented(receiver, tmp_path):
     import requests
 
     adapter, _ = adapter_for(receiver.url, tmp_path)
@@ -236,15 +266,19 @@ def test_a_replayed_request_is_refused_by_a_receiver_that_checks_as_documented(
     assert first["valid"] and first["body"]["schema"] == "node-agent.action/2"
     assert first["headers"][TIMESTAMP_HEADER] == str(first["body"]["timestamp"])
     assert first["headers"][NONCE_HEADER] == first["body"]["nonce"]
-    headers = {k: first["headers"][k] for k in (TIMESTAMP_HEADER, NONCE_HEADER,
-                                                  SIGNATURE_HEADER, "Content-Type")}
+    headers = {
+        k: first["headers"][k]
+        for k in (TIMESTAMP_HEADER, NONCE_HEADER, SIGNATURE_HEADER, "Content-Type")
+    }
     # the very same bytes again: the nonce was seen
     again = requests.post(receiver.url, data=first["raw"], headers=headers, timeout=5)
     assert again.status_code == 401 and receiver.received[-1]["problem"] == "replayed nonce"
     # a fresh nonce in the header does not help: the signed body holds the old one
     headers[NONCE_HEADER] = "0" * 32
-    assert requests.post(receiver.url, data=first["raw"], headers=headers,
-                         timeout=5).status_code == 401
+    assert (
+        requests.post(receiver.url, data=first["raw"], headers=headers, timeout=5).status_code
+        == 401
+    )
     # nor does a fresh timestamp: the signature covers it
     headers[TIMESTAMP_HEADER] = str(first["body"]["timestamp"] + 1)
     requests.post(receiver.url, data=first["raw"], headers=headers, timeout=5)
@@ -252,7 +286,8 @@ def test_a_replayed_request_is_refused_by_a_receiver_that_checks_as_documented(
     # and a request older than 5 minutes is stale
     old = {TIMESTAMP_HEADER: str(int(time.time()) - 301)}
     assert receiver_check(SECRET, old, first["raw"], set(), time.time()) == (
-        "stale or missing timestamp")
+        "stale or missing timestamp"
+    )
 
 
 def test_each_request_has_a_fresh_nonce_but_the_action_keeps_its_key(receiver, tmp_path):
@@ -263,8 +298,10 @@ def test_each_request_has_a_fresh_nonce_but_the_action_keeps_its_key(receiver, t
     assert a["nonce"] != b["nonce"] and a["idempotency_key"] == b["idempotency_key"] == "k" * 64
 
 
-@pytest.mark.parametrize("url", ["http://10.1.2.3/hook", "http://receiver.example/hook",
-                                 "ftp://127.0.0.1/x", "127.0.0.1:80"])
+@pytest.mark.parametrize(
+    "url",
+    ["http://10.1.2.3/hook", "http://receiver.example/hook", "ftp://127.0.0.1/x", "127.0.0.1:80"],
+)
 def test_plain_http_is_refused_unless_the_receiver_is_on_loopback(tmp_path, url):
     with pytest.raises(AdapterError, match="adapter.webhook.url"):
         adapter_for(url, tmp_path)
@@ -273,8 +310,12 @@ def test_plain_http_is_refused_unless_the_receiver_is_on_loopback(tmp_path, url)
 def test_http_to_loopback_is_allowed():
     from node_agent.schedulers.webhook import check_url
 
-    for url in ("http://127.0.0.1:9/x", "http://[::1]:9/x", "http://localhost/x",
-                "https://receiver.example/x"):
+    for url in (
+        "http://127.0.0.1:9/x",
+        "http://[::1]:9/x",
+        "http://localhost/x",
+        "https://receiver.example/x",
+    ):
         assert check_url(url) == url
 
 
@@ -289,25 +330,68 @@ def pki(tmp_path):
         pytest.skip("the openssl command is not installed: no certificates for the TLS test")
     d = tmp_path / "pki"
     d.mkdir()
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
-             "-keyout", str(d / "ca.key"), "-out", str(d / "ca.pem"))
-    for name, ext in (("server", "subjectAltName=IP:127.0.0.1"),
-                      ("client", "extendedKeyUsage=clientAuth")):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
-                 "-keyout", str(d / f"{name}.key"), "-out", str(d / f"{name}.csr"))
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=test-ca",
+        "-keyout",
+        str(d / "ca.key"),
+        "-out",
+        str(d / "ca.pem"),
+    )
+    for name, ext in (
+        ("server", "subjectAltName=IP:127.0.0.1"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ):
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN={name}",
+            "-keyout",
+            str(d / f"{name}.key"),
+            "-out",
+            str(d / f"{name}.csr"),
+        )
         (d / f"{name}.ext").write_text(ext + "\n")
-        _openssl("x509", "-req", "-in", str(d / f"{name}.csr"), "-CA", str(d / "ca.pem"),
-                 "-CAkey", str(d / "ca.key"), "-CAcreateserial", "-days", "2",
-                 "-extfile", str(d / f"{name}.ext"), "-out", str(d / f"{name}.pem"))
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            str(d / f"{name}.csr"),
+            "-CA",
+            str(d / "ca.pem"),
+            "-CAkey",
+            str(d / "ca.key"),
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            str(d / f"{name}.ext"),
+            "-out",
+            str(d / f"{name}.pem"),
+        )
     return d
 
 
 def test_https_with_a_ca_bundle_and_a_client_certificate(pki, tmp_path):
     rcv = Receiver(tls=(str(pki / "server.pem"), str(pki / "server.key"), str(pki / "ca.pem")))
     try:
-        adapter, _ = adapter_for(rcv.url, tmp_path, ca_file=str(pki / "ca.pem"),
-                                 client_cert=str(pki / "client.pem"),
-                                 client_key=str(pki / "client.key"))
+        adapter, _ = adapter_for(
+            rcv.url,
+            tmp_path,
+            ca_file=str(pki / "ca.pem"),
+            client_cert=str(pki / "client.pem"),
+            client_key=str(pki / "client.key"),
+        )
         assert "HTTP 200" in adapter.drain("gpu-01", "FAULT xid79 gpu:5")
         assert [r["valid"] for r in rcv.received] == [True]
         # without the CA the server is not trusted; without the client certificate the

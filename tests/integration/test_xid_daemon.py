@@ -22,10 +22,14 @@ import yaml
 from node_agent.service import daemon as daemon_module
 from node_agent.service.daemon import Daemon
 
-NONFATAL_149 = ("NVRM: Xid (PCI:{bus}): 149, NETIR_BER_EVENT Nonfatal XC0 i0 Link 03 "
-                "(0x00086226 0x00000001 0x00000000 0x00000000 0x00000000 0x00000000)")
-FATAL_149 = ("NVRM: Xid (PCI:{bus}): 149, NETIR_LINK_EVT Fatal XC0 i0 Link 08 "
-             "(0x004505c6 0x00000000 0x00000000 0x00000000 0x00000000 0x00000000)")
+NONFATAL_149 = (
+    "NVRM: Xid (PCI:{bus}): 149, NETIR_BER_EVENT Nonfatal XC0 i0 Link 03 "
+    "(0x00086226 0x00000001 0x00000000 0x00000000 0x00000000 0x00000000)"
+)
+FATAL_149 = (
+    "NVRM: Xid (PCI:{bus}): 149, NETIR_LINK_EVT Fatal XC0 i0 Link 08 "
+    "(0x004505c6 0x00000000 0x00000000 0x00000000 0x00000000 0x00000000)"
+)
 FATAL_SXID = "nvidia-nvswitch1: SXid (PCI:0000:06:00.0): 20034, Fatal, Link 48 LTSSM Fault Up"
 FLOOD = 3000
 
@@ -41,8 +45,10 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.05):
 
 
 def flood(gpu: int, n: int, line: str = NONFATAL_149):
-    return [{"kind": "kernel_log", "gpu": gpu, "line": f"[{1000 + i * 0.01:.6f}] {line}"}
-            for i in range(n)]
+    return [
+        {"kind": "kernel_log", "gpu": gpu, "line": f"[{1000 + i * 0.01:.6f}] {line}"}
+        for i in range(n)
+    ]
 
 
 @pytest.fixture
@@ -53,8 +59,11 @@ def daemon(tmp_path, monkeypatch, request):
     options = getattr(request, "param", {})
     sku = options.get("sku", "gb200-186gb")
     if "update_s" in options:
-        monkeypatch.setattr(daemon_module, "XidWatch",
-                            functools.partial(daemon_module.XidWatch, update_s=options["update_s"]))
+        monkeypatch.setattr(
+            daemon_module,
+            "XidWatch",
+            functools.partial(daemon_module.XidWatch, update_s=options["update_s"]),
+        )
     scenario = tmp_path / "scenario.yaml"
     config = tmp_path / "config.yaml"
     suite = tmp_path / "periodic.yaml"
@@ -68,12 +77,26 @@ def daemon(tmp_path, monkeypatch, request):
         os.replace(tmp, scenario)
 
     write()
-    config.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"),
-                                      "spool_dir": str(tmp_path / "spool"),
-                                      "daemon": {"listen": f"127.0.0.1:{port}", "xid_poll_s": 0.2}}))
-    suite.write_text(yaml.safe_dump({
-        "name": "test-periodic", "mode": "service",
-        "checks": [{"check": "xid", "timeout_s": 20, "every_s": 2, "params": {"since": "boot"}}]}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "state_dir": str(tmp_path / "state"),
+                "spool_dir": str(tmp_path / "spool"),
+                "daemon": {"listen": f"127.0.0.1:{port}", "xid_poll_s": 0.2},
+            }
+        )
+    )
+    suite.write_text(
+        yaml.safe_dump(
+            {
+                "name": "test-periodic",
+                "mode": "service",
+                "checks": [
+                    {"check": "xid", "timeout_s": 20, "every_s": 2, "params": {"since": "boot"}}
+                ],
+            }
+        )
+    )
     calls: list[object] = []
     original = Daemon._on_xid
 
@@ -132,14 +155,16 @@ def scraped_xid_count(d, gpu: str, code: str) -> float | None:
 def test_xid_counter_counts_every_line_of_a_flood_not_the_watch_reports(daemon):
     daemon.write(flood(gpu=2, n=FLOOD))
     # the first report carries the count so far; the rest arrives with the next update
-    assert wait_for(lambda: scraped_xid_count(daemon, "2", "149") == FLOOD, 15), \
-        scraped_xid_count(daemon, "2", "149")
+    assert wait_for(lambda: scraped_xid_count(daemon, "2", "149") == FLOOD, 15), scraped_xid_count(
+        daemon, "2", "149"
+    )
     assert len(daemon.calls) < 10, f"{len(daemon.calls)} calls for {FLOOD} lines"
     (kept,) = [r for r in daemon.current_results() if r.metric == "xid"]
     assert (kept.target, kept.evidence["count"]) == ("gpu:2", FLOOD)
     daemon.write(flood(gpu=2, n=FLOOD) + flood(gpu=2, n=1, line=FATAL_149))
-    assert wait_for(lambda: scraped_xid_count(daemon, "2", "149") == FLOOD + 1, 10), \
+    assert wait_for(lambda: scraped_xid_count(daemon, "2", "149") == FLOOD + 1, 10), (
         scraped_xid_count(daemon, "2", "149")
+    )
 
 
 @pytest.mark.parametrize("daemon", [{"sku": "h100-sxm5-80gb"}], indirect=True)
@@ -148,8 +173,9 @@ def test_watch_reports_an_sxid_as_a_node_level_finding_on_its_nvswitch(daemon):
     assert wait_for(lambda: daemon.grade.level.name == "ERROR", 10), daemon.grade
     (reason,) = [r for r in daemon.grade.reasons if r.rule == "sxid"]
     assert reason.target == "nvswitch:1" and "SXid 20034: LTSSM Fault Up" in reason.message
-    assert wait_for(lambda: [s for s in daemon.calls if s.kind == "sxid"], 5), \
+    assert wait_for(lambda: [s for s in daemon.calls if s.kind == "sxid"], 5), (
         "the watch never reported the SXid"
+    )
     sighting = next(s for s in daemon.calls if s.kind == "sxid")
     assert (sighting.target, sighting.code) == ("nvswitch:1", 20034)
     # an NVSwitch is not a GPU: the GPU Xid counter has no series for it
@@ -163,17 +189,29 @@ def test_kept_xid_result_is_the_one_that_counted_more_lines(tmp_path):
 
     scenario, config = tmp_path / "scenario.yaml", tmp_path / "config.yaml"
     scenario.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 2, "faults": []}))
-    config.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"),
-                                      "spool_dir": str(tmp_path / "spool")}))
+    config.write_text(
+        yaml.safe_dump({"state_dir": str(tmp_path / "state"), "spool_dir": str(tmp_path / "spool")})
+    )
     d = Daemon(str(config), str(scenario))
     try:
+
         def xid(count, metric="xid", target="gpu:0", code=79):
-            return Result(check="xid", target=target, metric=metric, status=Status.FAIL,
-                          value=code, detail=f"{metric} {code} x{count}", evidence={"count": count})
+            return Result(
+                check="xid",
+                target=target,
+                metric=metric,
+                status=Status.FAIL,
+                value=code,
+                detail=f"{metric} {code} x{count}",
+                evidence={"count": count},
+            )
 
         def kept():
-            return {(r.target, r.metric): r.evidence["count"] for r in d.current_results()
-                    if r.metric in ("xid", "sxid")}
+            return {
+                (r.target, r.metric): r.evidence["count"]
+                for r in d.current_results()
+                if r.metric in ("xid", "sxid")
+            }
 
         d._record("xid", [xid(50), xid(2, "sxid", "nvswitch:1", 20034)], time.time(), 0.1)
         d._record("xid", [xid(3), xid(1, "sxid", "nvswitch:1", 20034)], time.time(), 0.1)

@@ -12,10 +12,14 @@ import os
 
 import pytest
 
-NONFATAL_149 = ("[171167.620236] NVRM: Xid (PCI:{bus}): 149, NETIR_BER_EVENT Nonfatal XC0 i0 Link 03 "
-                "(0x00086226 0x00000001 0x00000000 0x00000000 0x00000000 0x00000000)")
-FATAL_149 = ("[171167.969026] NVRM: Xid (PCI:{bus}): 149, NETIR_LINK_EVT Fatal XC0 i0 Link 08 "
-             "(0x004505c6 0x00000000 0x00000000 0x00000000 0x00000000 0x00000000)")
+NONFATAL_149 = (
+    "[171167.620236] NVRM: Xid (PCI:{bus}): 149, NETIR_BER_EVENT Nonfatal XC0 i0 Link 03 "
+    "(0x00086226 0x00000001 0x00000000 0x00000000 0x00000000 0x00000000)"
+)
+FATAL_149 = (
+    "[171167.969026] NVRM: Xid (PCI:{bus}): 149, NETIR_LINK_EVT Fatal XC0 i0 Link 08 "
+    "(0x004505c6 0x00000000 0x00000000 0x00000000 0x00000000 0x00000000)"
+)
 
 
 def gb200(scenario, faults, **extra):
@@ -39,8 +43,10 @@ def test_nonfatal_nvlink5_xid149_line_warns_and_exits_0(agent, scenario):
 
 
 def test_fatal_nvlink5_xid149_line_grades_error_and_exits_3(agent, scenario):
-    faults = [{"kind": "kernel_log", "gpu": 2, "line": NONFATAL_149},
-              {"kind": "kernel_log", "gpu": 2, "line": FATAL_149}]
+    faults = [
+        {"kind": "kernel_log", "gpu": 2, "line": NONFATAL_149},
+        {"kind": "kernel_log", "gpu": 2, "line": FATAL_149},
+    ]
     run = agent("check", "--simulate", gb200(scenario, faults), "--json")
     assert run.code == 3, run.stderr
     report = run.json()
@@ -50,12 +56,15 @@ def test_fatal_nvlink5_xid149_line_grades_error_and_exits_3(agent, scenario):
 
 
 def test_xid79_fallen_off_bus_without_xid_line_grades_fault_when_the_driver_did_not_load(
-        agent, scenario):
+    agent, scenario
+):
     """realworld/xid/x19: the GPU fell off the bus during the driver's probe; NVML never loads."""
-    lines = ["[ 1843.308145] NVRM: The NVIDIA GPU {bus}.0",
-             "               NVRM: (PCI ID: 10de:2901) installed in this system has",
-             "               NVRM: fallen off the bus and is not responding to commands.",
-             "[ 1843.439662] NVRM: The NVIDIA probe routine failed for 1 device(s)."]
+    lines = [
+        "[ 1843.308145] NVRM: The NVIDIA GPU {bus}.0",
+        "               NVRM: (PCI ID: 10de:2901) installed in this system has",
+        "               NVRM: fallen off the bus and is not responding to commands.",
+        "[ 1843.439662] NVRM: The NVIDIA probe routine failed for 1 device(s).",
+    ]
     faults = [{"kind": "kernel_log", "gpu": 5, "line": line} for line in lines]
     run = agent("check", "--simulate", scenario(faults, driver="not_loaded"), "--json")
     assert run.code == 4, run.stderr
@@ -66,18 +75,31 @@ def test_xid79_fallen_off_bus_without_xid_line_grades_fault_when_the_driver_did_
     assert "without an Xid line" in reason["message"]
 
 
-@pytest.mark.parametrize("line, level, code", [
-    ("[6781753.400584] nvidia-nvswitch1: SXid (PCI:0000:06:00.0): 20034, Fatal, Link 48 LTSSM Fault Up",
-     "ERROR", 3),
-    ("[73309.599396] nvidia-nvswitch1: SXid (PCI:0000:06:00.0): 20001, Non-fatal, Link 04 TX Replay Error",
-     "WARN", 0),
-])
+@pytest.mark.parametrize(
+    "line, level, code",
+    [
+        (
+            "[6781753.400584] nvidia-nvswitch1: SXid (PCI:0000:06:00.0): 20034, Fatal, Link 48 LTSSM Fault Up",
+            "ERROR",
+            3,
+        ),
+        (
+            "[73309.599396] nvidia-nvswitch1: SXid (PCI:0000:06:00.0): 20001, Non-fatal, Link 04 TX Replay Error",
+            "WARN",
+            0,
+        ),
+    ],
+)
 def test_sxid_line_grades_its_nvswitch_per_the_catalog(agent, scenario, line, level, code):
     run = agent("check", "--simulate", scenario([{"kind": "kernel_log", "line": line}]), "--json")
     assert run.code == code, run.stderr
     report = run.json()
     (reason,) = xid_reasons(report)
-    assert (reason["target"], reason["level"], report["grade"]["level"]) == ("nvswitch:1", level, level)
+    assert (reason["target"], reason["level"], report["grade"]["level"]) == (
+        "nvswitch:1",
+        level,
+        level,
+    )
 
 
 # -- the driver's lines without an Xid, and PCIe AER (graders/driver_lines.yaml) --------------
@@ -86,26 +108,37 @@ def test_sxid_line_grades_its_nvswitch_per_the_catalog(agent, scenario, line, le
 # (0x%08x)", osinit.c's "RmInitAdapter failed! (0x%x:0x%x:%d)" under "NVRM: GPU <bdf>:") as
 # realworld/xid/x11 and x18 show them, and Linux's drivers/pci/pcie/aer.c ("PCIe Bus Error:
 # severity=Uncorrected (Fatal)") and err.c ("AER: device recovery failed").
-RESET_REQUIRED = ("[ 921.622] NVRM: GPU {bus}.0: nvAssertOkFailedNoLog: Assertion failed: Reset "
-                  "required [NV_ERR_RESET_REQUIRED] (0x00000062) returned from status @ "
-                  "kernel_channel.c:2874")
+RESET_REQUIRED = (
+    "[ 921.622] NVRM: GPU {bus}.0: nvAssertOkFailedNoLog: Assertion failed: Reset "
+    "required [NV_ERR_RESET_REQUIRED] (0x00000062) returned from status @ "
+    "kernel_channel.c:2874"
+)
 INIT_FAILED = "[  218.250408] NVRM: GPU {bus}.0: RmInitAdapter failed! (0x24:0x72:1568)"
-GPU_LOST = ("[ 4123.3] NVRM: GPU {bus}.0: nvCheckOkFailedNoLog: Check failed: GPU lost from the "
-            "bus [NV_ERR_GPU_IS_LOST] (0x0000000F) returned from pRmApi->Control")
-AER_ERROR = ("[ 3182.43] nvidia {bus}.0: PCIe Bus Error: severity=Uncorrected (Fatal), "
-             "type=Transaction Layer, (Receiver ID)")
+GPU_LOST = (
+    "[ 4123.3] NVRM: GPU {bus}.0: nvCheckOkFailedNoLog: Check failed: GPU lost from the "
+    "bus [NV_ERR_GPU_IS_LOST] (0x0000000F) returned from pRmApi->Control"
+)
+AER_ERROR = (
+    "[ 3182.43] nvidia {bus}.0: PCIe Bus Error: severity=Uncorrected (Fatal), "
+    "type=Transaction Layer, (Receiver ID)"
+)
 AER_FAILED = "[ 3182.67] pcieport 0000:17:00.0: AER: device recovery failed"
 
 
-@pytest.mark.parametrize("lines, metric, level, code", [
-    ([RESET_REQUIRED], "recovery_action", "ERROR", 3),
-    ([INIT_FAILED, INIT_FAILED], "driver_init_failed", "ERROR", 3),
-    ([GPU_LOST], "gpu_lost", "FAULT", 4),
-    ([AER_ERROR, AER_FAILED], "pcie_aer_recovery_failed", "ERROR", 3),
-    ([AER_ERROR], "pcie_aer_uncorrectable", "WARN", 0),
-], ids=["reset-required", "init-failed", "gpu-lost", "aer-recovery-failed", "aer-recovered"])
-def test_driver_line_without_an_xid_grades_the_gpu_it_names(agent, scenario, lines, metric, level,
-                                                             code):
+@pytest.mark.parametrize(
+    "lines, metric, level, code",
+    [
+        ([RESET_REQUIRED], "recovery_action", "ERROR", 3),
+        ([INIT_FAILED, INIT_FAILED], "driver_init_failed", "ERROR", 3),
+        ([GPU_LOST], "gpu_lost", "FAULT", 4),
+        ([AER_ERROR, AER_FAILED], "pcie_aer_recovery_failed", "ERROR", 3),
+        ([AER_ERROR], "pcie_aer_uncorrectable", "WARN", 0),
+    ],
+    ids=["reset-required", "init-failed", "gpu-lost", "aer-recovery-failed", "aer-recovered"],
+)
+def test_driver_line_without_an_xid_grades_the_gpu_it_names(
+    agent, scenario, lines, metric, level, code
+):
     faults = [{"kind": "kernel_log", "gpu": 3, "line": line} for line in lines]
     run = agent("check", "--simulate", scenario(faults), "--json")
     assert run.code == code, run.stderr
@@ -113,18 +146,23 @@ def test_driver_line_without_an_xid_grades_the_gpu_it_names(agent, scenario, lin
     assert report["grade"]["level"] == level
     assert [r["target"] for r in report["grade"]["reasons"] if r["level"] == level] == ["gpu:3"]
     (finding,) = [r for r in report["results"] if r["check"] == "xid" and r["metric"] == metric]
-    assert (finding["target"], finding["value"]) == ("gpu:3", len(lines) if metric !=
-                                                    "pcie_aer_recovery_failed" else 1)
+    assert (finding["target"], finding["value"]) == (
+        "gpu:3",
+        len(lines) if metric != "pcie_aer_recovery_failed" else 1,
+    )
     assert finding["evidence"]["pci_bus"] and "simulated node" in finding["evidence"]["bus_ids"]
 
 
 # -- no test reads the host's kernel log -------------------------------------------------------
 
+
 def test_cli_agent_reads_the_kernel_log_its_test_owns(agent, owned_kernel_log):
     """The ``agent`` subprocess (its own --config, no kernel_log.path) reads the test's file,
     not this host's /dev/kmsg: a line written there is what the xid check reports."""
-    owned_kernel_log.write_text("[ 4123.331842] NVRM: Xid (PCI:0000:3b:00): 13, pid=7, "
-                                "name=python3, Graphics SM Warp Exception\n")
+    owned_kernel_log.write_text(
+        "[ 4123.331842] NVRM: Xid (PCI:0000:3b:00): 13, pid=7, "
+        "name=python3, Graphics SM Warp Exception\n"
+    )
     run = agent("accept", "--json", "--only", "xid")
     report = run.json()
     (xid,) = [r for r in report["results"] if r["metric"] == "xid" and r["status"] == "fail"]

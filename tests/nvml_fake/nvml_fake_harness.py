@@ -28,17 +28,30 @@ SPARSE_SWITCHES = (
     Switch("absent", "nvmlSystemGetCudaDriverVersion_v2"),
     Switch("absent", "nvmlDeviceGetCurrentClocksEventReasons"),
     Switch("absent", "nvmlDeviceGetComputeRunningProcesses_v3"),
-    *(Switch("unsupported", fn) for fn in (
-        "nvmlSystemGetNVMLVersion", "nvmlDeviceGetSerial", "nvmlDeviceGetVbiosVersion",
-        "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetTemperatureThreshold",
-        "nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetPowerManagementDefaultLimit",
-        "nvmlDeviceGetMaxClockInfo", "nvmlDeviceGetPcieReplayCounter",
-        "nvmlDeviceGetMemoryErrorCounter", "nvmlDeviceGetSramEccErrorStatus",
-        "nvmlDeviceGetRetiredPages",
-        "nvmlDeviceGetRemappedRows", "nvmlDeviceGetNvLinkErrorCounter",
-        "nvmlDeviceGetNvLinkCapability", "nvmlDeviceGetComputeRunningProcesses",
-        "nvmlDeviceGetUtilizationRates", "nvmlDeviceRegisterEvents",
-        "nvmlDeviceGetPersistenceMode")),
+    *(
+        Switch("unsupported", fn)
+        for fn in (
+            "nvmlSystemGetNVMLVersion",
+            "nvmlDeviceGetSerial",
+            "nvmlDeviceGetVbiosVersion",
+            "nvmlDeviceGetMemoryInfo",
+            "nvmlDeviceGetTemperatureThreshold",
+            "nvmlDeviceGetEnforcedPowerLimit",
+            "nvmlDeviceGetPowerManagementDefaultLimit",
+            "nvmlDeviceGetMaxClockInfo",
+            "nvmlDeviceGetPcieReplayCounter",
+            "nvmlDeviceGetMemoryErrorCounter",
+            "nvmlDeviceGetSramEccErrorStatus",
+            "nvmlDeviceGetRetiredPages",
+            "nvmlDeviceGetRemappedRows",
+            "nvmlDeviceGetNvLinkErrorCounter",
+            "nvmlDeviceGetNvLinkCapability",
+            "nvmlDeviceGetComputeRunningProcesses",
+            "nvmlDeviceGetUtilizationRates",
+            "nvmlDeviceRegisterEvents",
+            "nvmlDeviceGetPersistenceMode",
+        )
+    ),
 )
 # ... and the driver predates the memory-temperature and recovery-action fields
 SPARSE_FIELDS = ("field.82 error 3", "field.230 error 3")
@@ -74,21 +87,31 @@ def preload(config: pytest.Config) -> ctypes.CDLL:
     import pynvml
 
     if real_driver_present() and "not gpu" not in (config.option.markexpr or ""):
-        pytest.skip("a real NVIDIA driver is here and this run includes the gpu tests: the "
-                    "in-process stand-in would shadow it (run with -m 'not gpu')")
+        pytest.skip(
+            "a real NVIDIA driver is here and this run includes the gpu tests: the "
+            "in-process stand-in would shadow it (run with -m 'not gpu')"
+        )
     lib = ctypes.CDLL(str(LIB), mode=ctypes.RTLD_GLOBAL)
     if pynvml.nvmlLib is not None and pynvml.nvmlLib._handle != lib._handle:
         pytest.skip("pynvml already loaded another libnvidia-ml.so.1 in this process")
     return lib
 
 
-def agent_env(*, state: str | Path | None = None, scenario: str | Path | None = None,
-              python: str | None = None) -> dict[str, str]:
+def agent_env(
+    *,
+    state: str | Path | None = None,
+    scenario: str | Path | None = None,
+    python: str | None = None,
+) -> dict[str, str]:
     """The environment of a subprocess that loads the stand-in as its libnvidia-ml.so.1."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("NVML_FAKE_STATE", "NVML_FAKE_SCENARIO", "NVML_FAKE_PYTHON")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("NVML_FAKE_STATE", "NVML_FAKE_SCENARIO", "NVML_FAKE_PYTHON")
+    }
     env["LD_LIBRARY_PATH"] = os.pathsep.join(
-        [str(LIB_DIR), *filter(None, [os.environ.get("LD_LIBRARY_PATH")])])
+        [str(LIB_DIR), *filter(None, [os.environ.get("LD_LIBRARY_PATH")])]
+    )
     if state is not None:
         env["NVML_FAKE_STATE"] = str(state)
     if scenario is not None:

@@ -39,27 +39,55 @@ class Attacker:
     children: list[subprocess.Popen] = field(default_factory=list)
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/", "LANG": "C.UTF-8",
-                "PYTHONPATH": str(REPO), **(extra or {})}
+        return {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "HOME": "/",
+            "LANG": "C.UTF-8",
+            "PYTHONPATH": str(REPO),
+            **(extra or {}),
+        }
 
-    def run(self, argv: list[str], env: dict[str, str] | None = None, timeout: float = 60,
-            check: bool = True) -> subprocess.CompletedProcess:
-        done = subprocess.run([*self.drop, *argv], env=self.env(env), capture_output=True,
-                              text=True, timeout=timeout, cwd="/")
+    def run(
+        self,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        timeout: float = 60,
+        check: bool = True,
+    ) -> subprocess.CompletedProcess:
+        done = subprocess.run(
+            [*self.drop, *argv],
+            env=self.env(env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd="/",
+        )
         if check and done.returncode != 0:
-            raise AssertionError(f"as {self.name}: {argv} exited {done.returncode}: "
-                                 f"{done.stderr[-2000:]}")
+            raise AssertionError(
+                f"as {self.name}: {argv} exited {done.returncode}: {done.stderr[-2000:]}"
+            )
         return done
 
-    def py(self, code: str, *args: str, env: dict[str, str] | None = None,
-           timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
+    def py(
+        self,
+        code: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        timeout: float = 60,
+        check: bool = True,
+    ) -> subprocess.CompletedProcess:
         """Run Python ``code`` as the user (``sys.argv[1:]`` = ``args``)."""
         return self.run([self.python, "-c", code, *args], env=env, timeout=timeout, check=check)
 
     def popen(self, code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         """A long-lived Python process of the user; it must print one line when ready."""
-        child = subprocess.Popen([*self.drop, self.python, "-c", code, *args],
-                                 env=self.env(env), stdout=subprocess.PIPE, text=True, cwd="/")
+        child = subprocess.Popen(
+            [*self.drop, self.python, "-c", code, *args],
+            env=self.env(env),
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd="/",
+        )
         self.children.append(child)
         child.first_line = child.stdout.readline().strip()
         if not child.first_line:
@@ -78,8 +106,14 @@ class Attacker:
 
 def _drop_prefix(user: str, uid: int, gid: int) -> list[str] | None:
     if shutil.which("setpriv"):
-        return ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
-                "--inh-caps=-all", "--"]
+        return [
+            "setpriv",
+            f"--reuid={uid}",
+            f"--regid={gid}",
+            "--clear-groups",
+            "--inh-caps=-all",
+            "--",
+        ]
     if shutil.which("runuser"):
         return ["runuser", "-u", user, "--"]
     return None
@@ -92,9 +126,14 @@ def _usable_python(prefix: list[str]) -> str | None:
     for candidate in (sys.executable, shutil.which(version), shutil.which("python3")):
         if not candidate:
             continue
-        probe = subprocess.run([*prefix, candidate, "-c", "import sys; print(sys.version_info[:2])"],
-                               capture_output=True, text=True, timeout=60,
-                               env={"PATH": "/usr/bin:/bin"}, cwd="/")
+        probe = subprocess.run(
+            [*prefix, candidate, "-c", "import sys; print(sys.version_info[:2])"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={"PATH": "/usr/bin:/bin"},
+            cwd="/",
+        )
         if probe.returncode == 0 and probe.stdout.strip() == str(tuple(sys.version_info[:2])):
             return candidate
     return None
@@ -103,25 +142,42 @@ def _usable_python(prefix: list[str]) -> str | None:
 @pytest.fixture(scope="session")
 def attacker():
     if os.geteuid() != 0:
-        pytest.skip("the security tests need root: they create a user with useradd and run "
-                    "the agent as root against it")
+        pytest.skip(
+            "the security tests need root: they create a user with useradd and run "
+            "the agent as root against it"
+        )
     if not (shutil.which("useradd") and shutil.which("userdel")):
         pytest.skip("useradd/userdel are not installed (Debian package passwd)")
     name = f"na-attk-{uuid.uuid4().hex[:8]}"
-    made = subprocess.run(["useradd", "--system", "--no-create-home", "--user-group",
-                           "--shell", "/usr/sbin/nologin", name], capture_output=True, text=True)
+    made = subprocess.run(
+        [
+            "useradd",
+            "--system",
+            "--no-create-home",
+            "--user-group",
+            "--shell",
+            "/usr/sbin/nologin",
+            name,
+        ],
+        capture_output=True,
+        text=True,
+    )
     if made.returncode != 0:
         pytest.skip(f"useradd {name} failed: {made.stderr.strip()}")
     try:
         entry = pwd.getpwnam(name)
         prefix = _drop_prefix(name, entry.pw_uid, entry.pw_gid)
         if prefix is None:
-            pytest.skip("neither setpriv nor runuser is installed (util-linux): cannot run "
-                        "anything as the unprivileged user")
+            pytest.skip(
+                "neither setpriv nor runuser is installed (util-linux): cannot run "
+                "anything as the unprivileged user"
+            )
         python = _usable_python(prefix)
         if python is None:
-            pytest.skip(f"no Python {sys.version_info.major}.{sys.version_info.minor} that "
-                        f"user {name} may execute ({sys.executable} is not reachable for it)")
+            pytest.skip(
+                f"no Python {sys.version_info.major}.{sys.version_info.minor} that "
+                f"user {name} may execute ({sys.executable} is not reachable for it)"
+            )
         yield Attacker(name, entry.pw_uid, entry.pw_gid, prefix, python)
     finally:
         subprocess.run(["userdel", name], capture_output=True)

@@ -33,12 +33,19 @@ for i in range(int(sys.argv[2])):
 SLEEPER = "import time; print('ready', flush=True); time.sleep(120)"
 
 
-def run_agent(*args: str, timeout: float = 240, env: dict[str, str] | None = None
-              ) -> subprocess.CompletedProcess:
+def run_agent(
+    *args: str, timeout: float = 240, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """The real ``node-agent`` command, as root."""
     argv = [sys.executable, "-m", "node_agent.commands.main", *args]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def write_yaml(path: Path, data: dict) -> str:
@@ -60,13 +67,16 @@ def node(base: Path, name: str = "node.yaml", **extra) -> str:
 
 
 def config(base: Path, **extra) -> str:
-    return write_yaml(base / "config.yaml", {"state_dir": str(base / "state"),
-                                             "spool_dir": str(base / "spool"), **extra})
+    return write_yaml(
+        base / "config.yaml",
+        {"state_dir": str(base / "state"), "spool_dir": str(base / "spool"), **extra},
+    )
 
 
 def suite(base: Path, *checks: dict, name: str = "attack") -> str:
-    return write_yaml(base / f"{name}.yaml", {"name": name, "mode": "service",
-                                              "checks": list(checks)})
+    return write_yaml(
+        base / f"{name}.yaml", {"name": name, "mode": "service", "checks": list(checks)}
+    )
 
 
 def private_tmp(base: Path) -> dict[str, str]:
@@ -126,25 +136,41 @@ time.sleep(120)
 
 
 def test_fifo_devzero_symlink_lease_and_junk_in_the_spools_are_skipped_once_never_hang(
-        user, shared_dir):
+    user, shared_dir
+):
     sdc, hb = spool(shared_dir, "sdc"), spool(shared_dir, "heartbeat")
     victim = user.popen(SLEEPER)  # the attacker's own process, named by its broken heartbeat
     user.py(MAKE_JUNK, str(sdc), str(hb), str(victim.pid))
     user.popen(HOLD_LEASE, str(sdc / "8-leased.json"))
     cfg, scen = config(shared_dir), node(shared_dir)
-    checks = suite(shared_dir, {"check": "sdc_spool", "timeout_s": 20,
-                                "params": {"spool_dir": str(sdc)}},
-                   {"check": "training_progress", "timeout_s": 20,
-                    "params": {"stack_samples": 1, "spool_dir": str(hb)}})
-    first = report(run_agent("check", "--suite", checks, "--simulate", scen, "--config", cfg,
-                             "--json"))
+    checks = suite(
+        shared_dir,
+        {"check": "sdc_spool", "timeout_s": 20, "params": {"spool_dir": str(sdc)}},
+        {
+            "check": "training_progress",
+            "timeout_s": 20,
+            "params": {"stack_samples": 1, "spool_dir": str(hb)},
+        },
+    )
+    first = report(
+        run_agent("check", "--suite", checks, "--simulate", scen, "--config", cfg, "--json")
+    )
     assert first["grade"]["level"] in ("HEALTHY", "WARN"), first["grade"]
     assert not [r for r in first["results"] if r["status"] == "error"], first["results"]
-    unreadable = {Path(r["evidence"]["file"]).name: r["detail"]
-                  for r in results(first, "sdc_spool_unreadable")}
-    assert set(unreadable) == {"1-fifo-confirmed.json", "2-zero-confirmed.json", "3-deep.json",
-                               "4-big.json", "5-own.json", "6-hardlink.json",
-                               "7-string-for-number.json", "8-leased.json"}
+    unreadable = {
+        Path(r["evidence"]["file"]).name: r["detail"]
+        for r in results(first, "sdc_spool_unreadable")
+    }
+    assert set(unreadable) == {
+        "1-fifo-confirmed.json",
+        "2-zero-confirmed.json",
+        "3-deep.json",
+        "4-big.json",
+        "5-own.json",
+        "6-hardlink.json",
+        "7-string-for-number.json",
+        "8-leased.json",
+    }
     assert "FIFO" in unreadable["1-fifo-confirmed.json"]
     assert "symbolic link" in unreadable["2-zero-confirmed.json"]
     assert "levels deep" in unreadable["3-deep.json"]
@@ -152,14 +178,25 @@ def test_fifo_devzero_symlink_lease_and_junk_in_the_spools_are_skipped_once_neve
     assert "hard links" in unreadable["6-hardlink.json"]
     assert "mismatched_elements" in unreadable["7-string-for-number.json"]
     assert "without waiting" in unreadable["8-leased.json"]
-    skipped = {Path(r["evidence"]["file"]).name for r in results(first, "training_discovery")
-               if "file" in r["evidence"]}
-    assert skipped == {"1-fifo-confirmed.json", "2-zero-confirmed.json", "3-deep.json",
-                       "4-big.json", "5-own.json", "6-hardlink.json", f"{victim.pid}.json"}
+    skipped = {
+        Path(r["evidence"]["file"]).name
+        for r in results(first, "training_discovery")
+        if "file" in r["evidence"]
+    }
+    assert skipped == {
+        "1-fifo-confirmed.json",
+        "2-zero-confirmed.json",
+        "3-deep.json",
+        "4-big.json",
+        "5-own.json",
+        "6-hardlink.json",
+        f"{victim.pid}.json",
+    }
     # the victim process is still watched (NVML-less here: it is simply not a training process)
     # and nothing of the junk is reported a second time
-    second = report(run_agent("check", "--suite", checks, "--simulate", scen, "--config", cfg,
-                              "--json"))
+    second = report(
+        run_agent("check", "--suite", checks, "--simulate", scen, "--config", cfg, "--json")
+    )
     assert not results(second, "sdc_spool_unreadable")
     assert not [r for r in results(second, "training_discovery") if "file" in r["evidence"]]
     assert not [r for r in second["results"] if r["status"] == "error"]
@@ -169,40 +206,51 @@ def test_fifo_devzero_symlink_lease_and_junk_in_the_spools_are_skipped_once_neve
 
 
 def test_forged_confirmed_sdc_verdicts_for_every_gpu_are_warns_naming_the_writer_never_an_action(
-        user, shared_dir):
+    user, shared_dir
+):
     sdc = spool(shared_dir, "sdc")
     user.py(FORGE_VERDICTS, str(sdc), "8", "confirmed")
     assert {f.stat().st_uid for f in sdc.iterdir()} == {user.uid}
     cfg, scen = config(shared_dir), node(shared_dir)
-    checks = suite(shared_dir, {"check": "sdc_spool", "timeout_s": 60,
-                                "params": {"spool_dir": str(sdc)}})
-    first = report(run_agent("check", "--suite", checks, "--simulate", scen, "--config", cfg,
-                             "--json", "--act"))
+    checks = suite(
+        shared_dir, {"check": "sdc_spool", "timeout_s": 60, "params": {"spool_dir": str(sdc)}}
+    )
+    first = report(
+        run_agent(
+            "check", "--suite", checks, "--simulate", scen, "--config", cfg, "--json", "--act"
+        )
+    )
     assert first["grade"]["level"] == "WARN", first["grade"]
     forged = results(first, "sdc_report_unverified")
     assert sorted(r["target"] for r in forged) == [f"gpu:{i}" for i in range(8)]
     assert all(f"written by uid {user.uid}" in r["detail"] for r in forged)
     assert not [a for a in first["actions"] if a["outcome"] == "done"], first["actions"]
     # nothing stands: the next run is clean, and the agent never acted
-    second = report(run_agent("check", "--suite", checks, "--simulate", scen, "--config", cfg,
-                              "--json", "--act"))
+    second = report(
+        run_agent(
+            "check", "--suite", checks, "--simulate", scen, "--config", cfg, "--json", "--act"
+        )
+    )
     assert second["grade"]["level"] == "HEALTHY" and second["actions"] == []
     status = json.loads(run_agent("status", "--json", "--config", cfg, "--simulate", scen).stdout)
     assert status["journal"] == [] and status["remediation"]["state"] == "in-service"
 
 
-def test_a_users_report_about_its_own_gpu_is_only_a_reason_for_the_agent_to_probe(
-        user, shared_dir):
+def test_a_users_report_about_its_own_gpu_is_only_a_reason_for_the_agent_to_probe(user, shared_dir):
     sdc = spool(shared_dir, "sdc")
     job = user.popen(SLEEPER)  # the user's process that NVML lists on gpu:3
     user.py(FORGE_VERDICTS, str(sdc), "4", "confirmed")  # cuda:0..3
     cfg = config(shared_dir)
-    checks = suite(shared_dir, {"check": "sdc_spool", "timeout_s": 120,
-                                "params": {"spool_dir": str(sdc)}})
+    checks = suite(
+        shared_dir, {"check": "sdc_spool", "timeout_s": 120, "params": {"spool_dir": str(sdc)}}
+    )
     on_gpu3 = [{"gpu": 3, "pid": job.pid}]
     healthy = node(shared_dir, "healthy.yaml", compute_processes=on_gpu3)
-    rep = report(run_agent("check", "--suite", checks, "--simulate", healthy, "--config", cfg,
-                           "--json", "--act"))
+    rep = report(
+        run_agent(
+            "check", "--suite", checks, "--simulate", healthy, "--config", cfg, "--json", "--act"
+        )
+    )
     assert rep["grade"]["level"] == "WARN" and rep["actions"] == []
     (probed,) = results(rep, "sdc_reported")
     assert probed["target"] == "gpu:3" and "did not confirm it" in probed["detail"]
@@ -210,10 +258,14 @@ def test_a_users_report_about_its_own_gpu_is_only_a_reason_for_the_agent_to_prob
     assert len(results(rep, "sdc_report_unverified")) == 3  # cuda:0..2: nothing of its there
     # on a GPU that really corrupts, the agent's own probe confirms: FAULT, and only then acts
     user.py(FORGE_VERDICTS, str(sdc), "4", "confirmed")
-    sick = node(shared_dir, "sick.yaml", compute_processes=on_gpu3,
-                faults=[{"kind": "sdc", "gpu": 3}])
-    rep = report(run_agent("check", "--suite", checks, "--simulate", sick, "--config", cfg,
-                           "--json", "--act"))
+    sick = node(
+        shared_dir, "sick.yaml", compute_processes=on_gpu3, faults=[{"kind": "sdc", "gpu": 3}]
+    )
+    rep = report(
+        run_agent(
+            "check", "--suite", checks, "--simulate", sick, "--config", cfg, "--json", "--act"
+        )
+    )
     assert rep["grade"]["level"] == "FAULT"
     (fault,) = results(rep, "sdc_confirmed")
     assert fault["evidence"]["source"] == "agent probe" and fault["target"] == "gpu:3"
@@ -261,9 +313,11 @@ def test_a_state_dir_an_older_agent_left_open_is_made_private_again(user, shared
     store = open_store(state)
     try:
         assert (state.stat().st_mode & 0o777) == 0o700
-        assert {(f.name, f.stat().st_mode & 0o777) for f in state.iterdir()
-                if f.name.startswith("node-agent.db")} <= {
-            ("node-agent.db", 0o600), ("node-agent.db-wal", 0o600), ("node-agent.db-shm", 0o600)}
+        assert {
+            (f.name, f.stat().st_mode & 0o777)
+            for f in state.iterdir()
+            if f.name.startswith("node-agent.db")
+        } <= {("node-agent.db", 0o600), ("node-agent.db-wal", 0o600), ("node-agent.db-shm", 0o600)}
         assert user.py(LOCK_SHM, str(state / "node-agent.db-shm")).stdout.startswith("denied")
     finally:
         store.close()
@@ -315,14 +369,18 @@ def test_spool_dirs_are_sticky_so_one_user_cannot_remove_anothers_reports(user, 
     from node_agent.atomic_file import ensure_spool_dirs
 
     root = shared_dir / "spool"
-    assert ensure_spool_dirs(root) == [f"made spool {root / 'heartbeat'} (mode 1777)",
-                                       f"made spool {root / 'sdc'} (mode 1777)"]
+    assert ensure_spool_dirs(root) == [
+        f"made spool {root / 'heartbeat'} (mode 1777)",
+        f"made spool {root / 'sdc'} (mode 1777)",
+    ]
     for kind in ("heartbeat", "sdc"):
         assert (root / kind).stat().st_mode & 0o7777 == 0o1777
     theirs = root / "heartbeat" / "4242.json"
     theirs.write_text("{}")
     assert user.py(DELETE, str(theirs)).stdout.split("\n")[:2] == [
-        "denied Operation not permitted", "wrote"]
+        "denied Operation not permitted",
+        "wrote",
+    ]
     # a spool an operator opened up without the sticky bit gets it back
     (root / "sdc").chmod(0o777)
     assert "added it" in ensure_spool_dirs(root)[0]
@@ -347,8 +405,7 @@ print("planted")
 """
 
 
-def test_an_unusable_state_dir_never_sends_reports_through_another_users_symlinks(
-        user, shared_dir):
+def test_an_unusable_state_dir_never_sends_reports_through_another_users_symlinks(user, shared_dir):
     tmp = shared_dir / "tmp"  # stands in for /tmp: TMPDIR points the agent here
     tmp.mkdir()
     tmp.chmod(0o1777)
@@ -357,8 +414,16 @@ def test_an_unusable_state_dir_never_sends_reports_through_another_users_symlink
     user.py(PLANT_REPORT_LINKS, str(tmp), str(victim))
     cfg = config(shared_dir, state_dir="/proc/node-agent-state")  # cannot be created
     checks = suite(shared_dir, {"check": "inventory", "timeout_s": 30})
-    done = run_agent("check", "--suite", checks, "--simulate", node(shared_dir), "--config", cfg,
-                     env={"TMPDIR": str(tmp)})
+    done = run_agent(
+        "check",
+        "--suite",
+        checks,
+        "--simulate",
+        node(shared_dir),
+        "--config",
+        cfg,
+        env={"TMPDIR": str(tmp)},
+    )
     assert done.returncode == 0, done.stderr
     assert victim.read_text() == "root's own content\n"
     written = Path(done.stderr.split("report: ")[1].split()[0])
@@ -387,51 +452,78 @@ def small_fs(shared_dir):
     """A 4 MiB tmpfs, world-writable like /var/tmp, holding the state dir."""
     mnt = shared_dir / "fs"
     mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=1777", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m,mode=1777", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}): the full and read-only "
-                    "disk cases need one")
+        pytest.skip(
+            f"cannot mount a tmpfs here ({done.stderr.strip()}): the full and read-only "
+            "disk cases need one"
+        )
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def test_a_disk_another_user_filled_keeps_the_opt_out_and_refuses_every_action(
-        user, shared_dir, small_fs):
-    cfg = config(shared_dir, state_dir=str(small_fs / "state"),
-                 safety={"max_drained_fraction": 1.0})
+    user, shared_dir, small_fs
+):
+    cfg = config(
+        shared_dir, state_dir=str(small_fs / "state"), safety={"max_drained_fraction": 1.0}
+    )
     xid79 = node(shared_dir, "xid79.yaml", faults=[{"kind": "xid", "gpu": 5, "code": 79}])
-    assert run_agent("optout", "on", "--reason", "maintenance", "--config", cfg, "--simulate",
-                     xid79).returncode == 0
+    assert (
+        run_agent(
+            "optout", "on", "--reason", "maintenance", "--config", cfg, "--simulate", xid79
+        ).returncode
+        == 0
+    )
     db = small_fs / "state" / "node-agent.db"
     before = db.read_bytes()
     assert "full:" in user.py(FILL, str(small_fs / "filler")).stdout
-    rep = report(run_agent("check", "--act", "--json", "--config", cfg, "--simulate", xid79,
-                           env=private_tmp(shared_dir)))
+    rep = report(
+        run_agent(
+            "check",
+            "--act",
+            "--json",
+            "--config",
+            cfg,
+            "--simulate",
+            xid79,
+            env=private_tmp(shared_dir),
+        )
+    )
     assert rep["grade"]["level"] == "FAULT"  # the checks and the report go on
     assert rep["actions"] and {a["outcome"] for a in rep["actions"]} == {"refused"}
-    assert all("state unavailable" in a["detail"] or "opted out" in a["detail"]
-               for a in rep["actions"]), rep["actions"]
+    assert all(
+        "state unavailable" in a["detail"] or "opted out" in a["detail"] for a in rep["actions"]
+    ), rep["actions"]
     assert db.read_bytes() == before and not list(db.parent.glob("*.corrupt-*"))
     assert not (small_fs / "state" / "actions.log").exists()
     (small_fs / "filler").unlink()
-    status = json.loads(run_agent("status", "--json", "--config", cfg, "--simulate",
-                                  xid79).stdout)
+    status = json.loads(run_agent("status", "--json", "--config", cfg, "--simulate", xid79).stdout)
     assert status["opt_out"] == "maintenance" and status["journal"] == []
 
 
 @pytest.mark.parametrize("leftovers", [False, True], ids=["closed-cleanly", "wal-and-shm-left"])
-def test_a_read_only_disk_still_shows_status_and_refuses_every_action(shared_dir, small_fs,
-                                                                      leftovers):
+def test_a_read_only_disk_still_shows_status_and_refuses_every_action(
+    shared_dir, small_fs, leftovers
+):
     import shutil
 
     from node_agent.remediation.store import open_store
 
-    cfg = config(shared_dir, state_dir=str(small_fs / "state"),
-                 safety={"max_drained_fraction": 1.0})
+    cfg = config(
+        shared_dir, state_dir=str(small_fs / "state"), safety={"max_drained_fraction": 1.0}
+    )
     xid79 = node(shared_dir, "xid79.yaml", faults=[{"kind": "xid", "gpu": 5, "code": 79}])
-    assert run_agent("optout", "on", "--reason", "maintenance", "--config", cfg, "--simulate",
-                     xid79).returncode == 0
+    assert (
+        run_agent(
+            "optout", "on", "--reason", "maintenance", "--config", cfg, "--simulate", xid79
+        ).returncode
+        == 0
+    )
     if leftovers:  # a crash left the -wal and -shm files (SQLite then opens read-only silently)
         scratch = shared_dir / "scratch"
         store = open_store(scratch)
@@ -439,14 +531,25 @@ def test_a_read_only_disk_still_shows_status_and_refuses_every_action(shared_dir
         for name in ("node-agent.db", "node-agent.db-wal", "node-agent.db-shm"):
             shutil.copy(scratch / name, small_fs / "state" / name)
         store.close()
-    ro = subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], capture_output=True,
-                        text=True)
+    ro = subprocess.run(
+        ["mount", "-o", "remount,ro", str(small_fs)], capture_output=True, text=True
+    )
     assert ro.returncode == 0, ro.stderr
     status = run_agent("status", "--config", cfg, "--simulate", xid79)
     assert status.returncode == 0, status.stderr
     assert "opt-out: maintenance" in status.stdout and "UNAVAILABLE" in status.stdout
-    rep = report(run_agent("check", "--act", "--json", "--config", cfg, "--simulate", xid79,
-                           env=private_tmp(shared_dir)))
+    rep = report(
+        run_agent(
+            "check",
+            "--act",
+            "--json",
+            "--config",
+            cfg,
+            "--simulate",
+            xid79,
+            env=private_tmp(shared_dir),
+        )
+    )
     assert rep["grade"]["level"] == "FAULT" and rep["actions"]
     assert {a["outcome"] for a in rep["actions"]} == {"refused"}
     assert all("state unavailable" in a["detail"] for a in rep["actions"])
@@ -511,25 +614,58 @@ def test_the_daemon_retries_a_failed_action_while_the_fault_stands_under_one_key
     receiver = Receiver()
     secret = shared_dir / "secret"
     secret.write_text("s3cret\n")
-    cfg = config(shared_dir, adapter={"name": "webhook", "webhook": {
-        "url": receiver.url, "secret_file": str(secret), "timeout_s": 2, "retries": 0}},
+    cfg = config(
+        shared_dir,
+        adapter={
+            "name": "webhook",
+            "webhook": {
+                "url": receiver.url,
+                "secret_file": str(secret),
+                "timeout_s": 2,
+                "retries": 0,
+            },
+        },
         safety={"max_drained_fraction": 1.0},
-        daemon={"listen": "127.0.0.1:0", "retry_initial_s": 0.5, "retry_max_s": 2})
+        daemon={"listen": "127.0.0.1:0", "retry_initial_s": 0.5, "retry_max_s": 2},
+    )
     xid79 = node(shared_dir, "xid79.yaml", faults=[{"kind": "xid", "gpu": 5, "code": 79}])
-    checks = suite(shared_dir, {"check": "nvml_health", "timeout_s": 30, "every_s": 600},
-                   name="periodic-small")
+    checks = suite(
+        shared_dir, {"check": "nvml_health", "timeout_s": 30, "every_s": 600}, name="periodic-small"
+    )
     log = open(shared_dir / "daemon.log", "w")
-    daemon = subprocess.Popen([sys.executable, "-m", "node_agent.commands.main", "daemon",
-                               "--config", cfg, "--simulate", xid79, "--suite", checks],
-                              stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    daemon = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "node_agent.commands.main",
+            "daemon",
+            "--config",
+            cfg,
+            "--simulate",
+            xid79,
+            "--suite",
+            checks,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+    )
     try:
-        failed = _until("three failed drains", lambda: [
-            r for r in _journal(cfg, xid79) if r["action"] == "drain"
-            and r["state"] == "failed"][2:])
+        failed = _until(
+            "three failed drains",
+            lambda: [
+                r for r in _journal(cfg, xid79) if r["action"] == "drain" and r["state"] == "failed"
+            ][2:],
+        )
         assert all("HTTP 503" in r["detail"] for r in failed)
         receiver.up.set()  # the outage ends; nothing else changes
-        rows = _until("the drain and the replace", lambda: [
-            r for r in _journal(cfg, xid79) if r["state"] == "done"][1:] and _journal(cfg, xid79))
+        rows = _until(
+            "the drain and the replace",
+            lambda: (
+                [r for r in _journal(cfg, xid79) if r["state"] == "done"][1:]
+                and _journal(cfg, xid79)
+            ),
+        )
     finally:
         daemon.terminate()
         daemon.wait(timeout=60)
@@ -557,17 +693,44 @@ time.sleep(120)
 """
 
 
-def test_a_pod_name_in_the_environment_never_makes_another_pod_a_restart_target(
-        user, shared_dir):
+def test_a_pod_name_in_the_environment_never_makes_another_pod_a_restart_target(user, shared_dir):
     hb = spool(shared_dir, "heartbeat")
-    job = user.popen(STALE_BEATER, str(hb), env={"KUBERNETES_POD_NAME": "kube-system/cilium-x",
-                                                 "KUBERNETES_SERVICE_HOST": "10.0.0.1",
-                                                 "RANK": "0"})
+    job = user.popen(
+        STALE_BEATER,
+        str(hb),
+        env={
+            "KUBERNETES_POD_NAME": "kube-system/cilium-x",
+            "KUBERNETES_SERVICE_HOST": "10.0.0.1",
+            "RANK": "0",
+        },
+    )
     cfg = config(shared_dir)
-    checks = suite(shared_dir, {"check": "training_progress", "timeout_s": 60, "params": {
-        "spool_dir": str(hb), "stall_after_s": 30, "hang_after_s": 60, "stack_samples": 1}})
-    rep = report(run_agent("check", "--suite", checks, "--simulate", node(shared_dir),
-                           "--config", cfg, "--json", "--act"))
+    checks = suite(
+        shared_dir,
+        {
+            "check": "training_progress",
+            "timeout_s": 60,
+            "params": {
+                "spool_dir": str(hb),
+                "stall_after_s": 30,
+                "hang_after_s": 60,
+                "stack_samples": 1,
+            },
+        },
+    )
+    rep = report(
+        run_agent(
+            "check",
+            "--suite",
+            checks,
+            "--simulate",
+            node(shared_dir),
+            "--config",
+            cfg,
+            "--json",
+            "--act",
+        )
+    )
     (hang,) = results(rep, "training_hang")
     assert hang["target"] == "job:unverified:pod:kube-system/cilium-x/rank:0"
     assert hang["evidence"]["process"]["pid"] == job.pid
@@ -587,10 +750,20 @@ def test_a_root_owned_heartbeat_does_not_speak_for_another_users_process(user, s
     hb = spool(shared_dir, "heartbeat")
     victim = user.popen(SLEEPER, env={"RANK": "3"})
     forged = hb / f"{victim.pid}.json"  # written by root (a root job, or a root helper)
-    forged.write_text(json.dumps({"schema": SCHEMA, "pid": victim.pid, "step": 1,
-                                  "start_ticks": process_start_ticks(victim.pid),
-                                  "step_at": 1.0, "job": "slurm:1", "rank": 0,
-                                  "log_file": "/etc/shadow"}))
+    forged.write_text(
+        json.dumps(
+            {
+                "schema": SCHEMA,
+                "pid": victim.pid,
+                "step": 1,
+                "start_ticks": process_start_ticks(victim.pid),
+                "step_at": 1.0,
+                "job": "slurm:1",
+                "rank": 0,
+                "log_file": "/etc/shadow",
+            }
+        )
+    )
     found = discover(hb, pids=[victim.pid])
     (p,) = found.processes
     assert (p.uid, p.heartbeat, p.rank, p.log_file) == (user.uid, None, 3, None)
@@ -598,9 +771,11 @@ def test_a_root_owned_heartbeat_does_not_speak_for_another_users_process(user, s
     assert subject == f"pid:{victim.pid}" and "owned by uid 0" in message
     # and the user's own file is believed for the user's own process
     forged.unlink()
-    user.py("import json, sys; json.dump(json.loads(sys.argv[2]), open(sys.argv[1], 'w'))",
-            str(forged), json.dumps({"schema": SCHEMA, "pid": victim.pid, "step": 7,
-                                     "step_at": 1.0}))
+    user.py(
+        "import json, sys; json.dump(json.loads(sys.argv[2]), open(sys.argv[1], 'w'))",
+        str(forged),
+        json.dumps({"schema": SCHEMA, "pid": victim.pid, "step": 7, "step_at": 1.0}),
+    )
     (p,) = discover(hb, pids=[victim.pid]).processes
     assert p.heartbeat is not None and p.heartbeat["step"] == 7
 
@@ -623,10 +798,12 @@ print("written")
 def test_control_characters_a_user_wrote_reach_the_terminal_escaped(user, shared_dir):
     sdc = spool(shared_dir, "sdc")
     user.py(ESCAPES, str(sdc))
-    checks = suite(shared_dir, {"check": "sdc_spool", "timeout_s": 30,
-                                "params": {"spool_dir": str(sdc)}})
-    done = run_agent("check", "--suite", checks, "--simulate", node(shared_dir),
-                     "--config", config(shared_dir))
+    checks = suite(
+        shared_dir, {"check": "sdc_spool", "timeout_s": 30, "params": {"spool_dir": str(sdc)}}
+    )
+    done = run_agent(
+        "check", "--suite", checks, "--simulate", node(shared_dir), "--config", config(shared_dir)
+    )
     assert done.returncode == 0, done.stderr
     for bad in ("\x1b", "\x07", "\r", "\u202e"):
         assert bad not in done.stdout and bad not in done.stderr, repr(bad)
@@ -679,23 +856,40 @@ def test_the_units_capability_bounding_set_covers_what_the_agent_reads(user, sha
     from node_agent.training.stacks import find_py_spy
 
     if shutil.which("setpriv") is None:
-        pytest.skip("setpriv (util-linux) is not installed: cannot run with the unit's "
-                    "capability bounding set")
+        pytest.skip(
+            "setpriv (util-linux) is not installed: cannot run with the unit's "
+            "capability bounding set"
+        )
     hb = spool(shared_dir, "heartbeat")
     job = user.popen(SLEEPER, env={"RANK": "0"})
     mine = hb / "mine.json"
     stale = hb / "stale.json"
-    user.py("import sys\nfor p in sys.argv[1:]:\n    open(p, 'w').write('{}')", str(mine),
-            str(stale))
+    user.py(
+        "import sys\nfor p in sys.argv[1:]:\n    open(p, 'w').write('{}')", str(mine), str(stale)
+    )
     mine.chmod(0o600)  # as Heartbeat's mkstemp makes them
     assert mine.stat().st_uid == user.uid
     caps = ",".join("+" + c.lower().removeprefix("cap_") for c in _unit_capabilities())
     py_spy = find_py_spy(None) or ""
 
     def probe(bounding: str) -> dict:
-        done = subprocess.run(["setpriv", f"--bounding-set=-all{bounding}", "--",
-                               sys.executable, "-c", PROBE, str(mine), str(job.pid), str(stale),
-                               py_spy], capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [
+                "setpriv",
+                f"--bounding-set=-all{bounding}",
+                "--",
+                sys.executable,
+                "-c",
+                PROBE,
+                str(mine),
+                str(job.pid),
+                str(stale),
+                py_spy,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout)
 
@@ -720,8 +914,12 @@ def test_systemd_analyze_scores_the_unit_ok(shared_dir):
 
     if shutil.which("systemd-analyze") is None:
         pytest.skip("systemd-analyze is not installed (Debian package systemd)")
-    done = subprocess.run(["systemd-analyze", "security", "--offline=yes", str(UNIT)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", str(UNIT)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if "offline" in done.stderr and done.returncode != 0:
         pytest.skip(f"this systemd-analyze cannot score a unit file offline: {done.stderr}")
     line = next(x for x in done.stdout.splitlines() if "Overall exposure level" in x)

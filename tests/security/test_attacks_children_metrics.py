@@ -110,15 +110,20 @@ def agent_config(base: Path, **extra) -> str:
     """A config for root's agent: its own state, spool and (empty) kernel log."""
     d = root_dir(base)
     (d / "kern.log").write_text("")
-    return write_yaml(d / "config.yaml", {"state_dir": str(d / "state"),
-                                          "spool_dir": str(d / "spool"),
-                                          "kernel_log": {"path": str(d / "kern.log")},
-                                          "daemon": {"act": False}, **extra})
+    return write_yaml(
+        d / "config.yaml",
+        {
+            "state_dir": str(d / "state"),
+            "spool_dir": str(d / "spool"),
+            "kernel_log": {"path": str(d / "kern.log")},
+            "daemon": {"act": False},
+            **extra,
+        },
+    )
 
 
 def scenario(base: Path, gpus: int = 2) -> str:
-    return write_yaml(root_dir(base) / f"node-{gpus}.yaml", {"sku": "h100-sxm5-80gb",
-                                                             "gpus": gpus})
+    return write_yaml(root_dir(base) / f"node-{gpus}.yaml", {"sku": "h100-sxm5-80gb", "gpus": gpus})
 
 
 def markers(marks: Path) -> list[str]:
@@ -126,6 +131,7 @@ def markers(marks: Path) -> list[str]:
 
 
 # -- High 3: a planted node_agent/ in root's working directory -----------------------------------
+
 
 @pytest.fixture
 def planted(user, shared_dir):
@@ -140,10 +146,15 @@ def planted(user, shared_dir):
 def test_planted_package_would_run_as_root_under_plain_python_m(planted):
     # the control: what the agent's children did before (python -m in the inherited cwd)
     work, marks = planted
-    subprocess.run([sys.executable, "-m", "node_agent.commands.main", "--help"], cwd=work,
-                   capture_output=True, timeout=60)
-    assert "node_agent.0" in markers(marks), "the planted package was not imported: the " \
-        "control does not reproduce the attack"
+    subprocess.run(
+        [sys.executable, "-m", "node_agent.commands.main", "--help"],
+        cwd=work,
+        capture_output=True,
+        timeout=60,
+    )
+    assert "node_agent.0" in markers(marks), (
+        "the planted package was not imported: the control does not reproduce the attack"
+    )
 
 
 def test_daemon_child_check_never_imports_the_planted_package(planted, shared_dir, monkeypatch):
@@ -156,16 +167,17 @@ def test_daemon_child_check_never_imports_the_planted_package(planted, shared_di
         results = daemon._run_in_subprocess(CheckSpec(check="nvml_health", timeout_s=60))
     finally:
         daemon.env.close()
-    assert results and all(r.status is not Status.ERROR for r in results), \
-        [r.detail for r in results]
+    assert results and all(r.status is not Status.ERROR for r in results), [
+        r.detail for r in results
+    ]
     assert {r.check for r in results} == {"nvml_health"}
     assert markers(marks) == []
 
 
-def test_sdc_confirmation_probe_never_imports_the_planted_package(planted, shared_dir,
-                                                                   monkeypatch):
-    pytest.importorskip("torch", reason="the confirming probe computes on the CPU with torch "
-                        "under simulation")
+def test_sdc_confirmation_probe_never_imports_the_planted_package(planted, shared_dir, monkeypatch):
+    pytest.importorskip(
+        "torch", reason="the confirming probe computes on the CPU with torch under simulation"
+    )
     from node_agent.checks import sdc_spool
 
     work, marks = planted
@@ -173,11 +185,20 @@ def test_sdc_confirmation_probe_never_imports_the_planted_package(planted, share
     env = open_environment(config, scenario(shared_dir))
     monkeypatch.chdir(work)
     try:
-        ctx = CheckContext(check="sdc_spool", gpu=env.gpu, kernel_log=env.kernel_log,
-                           config=config, inventory=env.inventory, sku=env.sku,
-                           expected_gpus=env.expected_gpus, mode="service",
-                           params={"confirm_repeats": 1},
-                           state_dir=None, timeout_s=180, scenario=env.scenario)
+        ctx = CheckContext(
+            check="sdc_spool",
+            gpu=env.gpu,
+            kernel_log=env.kernel_log,
+            config=config,
+            inventory=env.inventory,
+            sku=env.sku,
+            expected_gpus=env.expected_gpus,
+            mode="service",
+            params={"confirm_repeats": 1},
+            state_dir=None,
+            timeout_s=180,
+            scenario=env.scenario,
+        )
         outcome = sdc_spool.own_probe(ctx, [0], budget_s=170)
     finally:
         env.close()
@@ -186,7 +207,8 @@ def test_sdc_confirmation_probe_never_imports_the_planted_package(planted, share
 
 
 def test_forkserver_of_a_root_command_never_imports_from_its_working_directory(
-        user, planted, shared_dir):
+    user, planted, shared_dir
+):
     # root runs `node-agent accept` (a console script: its own directory first on sys.path,
     # no -P) from the user's directory; the burn and PCIe checks start their workers from
     # multiprocessing's forkserver, a `python -c` that would put that directory first
@@ -195,16 +217,52 @@ def test_forkserver_of_a_root_command_never_imports_from_its_working_directory(
     user.py(PLANT, str(work), str(marks), "multiprocessing/__init__.py=multiprocessing")
     d = root_dir(shared_dir)
     launcher = d / "node-agent"
-    launcher.write_text("import sys\nfrom node_agent.commands.main import main\n"
-                        "if __name__ == '__main__':\n    sys.exit(main())\n")  # as pip writes it
-    suite = write_yaml(d / "pcie.yaml", {"name": "pcie", "mode": "delivery", "checks": [
-        {"check": "pcie_bandwidth", "timeout_s": 120, "params": {"simulated": {
-            "size_bytes": 65536, "reps": 3, "warmup": 1, "concurrent_s": 0.1}}}]})
+    launcher.write_text(
+        "import sys\nfrom node_agent.commands.main import main\n"
+        "if __name__ == '__main__':\n    sys.exit(main())\n"
+    )  # as pip writes it
+    suite = write_yaml(
+        d / "pcie.yaml",
+        {
+            "name": "pcie",
+            "mode": "delivery",
+            "checks": [
+                {
+                    "check": "pcie_bandwidth",
+                    "timeout_s": 120,
+                    "params": {
+                        "simulated": {
+                            "size_bytes": 65536,
+                            "reps": 3,
+                            "warmup": 1,
+                            "concurrent_s": 0.1,
+                        }
+                    },
+                }
+            ],
+        },
+    )
     done = subprocess.run(
-        [sys.executable, str(launcher), "accept", "--json", "--suite", os.path.relpath(suite, work),
-         "--simulate", scenario(shared_dir, gpus=1), "--config", agent_config(shared_dir),
-         "--out", str(d / "out")], cwd=work, capture_output=True, text=True, timeout=240,
-        env={**os.environ, "PYTHONPATH": ""})
+        [
+            sys.executable,
+            str(launcher),
+            "accept",
+            "--json",
+            "--suite",
+            os.path.relpath(suite, work),
+            "--simulate",
+            scenario(shared_dir, gpus=1),
+            "--config",
+            agent_config(shared_dir),
+            "--out",
+            str(d / "out"),
+        ],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout)["results"]
     assert {r["status"] for r in results} == {"pass"}, [r["detail"] for r in results]
@@ -234,16 +292,17 @@ def followable_symlinks():
         before = knob.read_text().strip()
         knob.write_text("0")
     except OSError as err:
-        pytest.skip(f"cannot set fs.protected_symlinks=0 here ({err.strerror}): the sticky "
-                    "directory case needs it")
+        pytest.skip(
+            f"cannot set fs.protected_symlinks=0 here ({err.strerror}): the sticky "
+            "directory case needs it"
+        )
     try:
         yield
     finally:
         knob.write_text(before)
 
 
-@pytest.mark.parametrize("mode", [0o1777, 0o777], ids=["sticky-protected_symlinks=0",
-                                                      "non-sticky"])
+@pytest.mark.parametrize("mode", [0o1777, 0o777], ids=["sticky-protected_symlinks=0", "non-sticky"])
 def test_fio_never_writes_through_sprayed_symlinks(user, shared_dir, mode, request):
     import shutil
 
@@ -263,10 +322,16 @@ def test_fio_never_writes_through_sprayed_symlinks(user, shared_dir, mode, reque
     link = scratch / f".node-agent-fio-{os.getpid()}.dat"
     # the control: root follows the user's link to the victim (the attack's precondition)
     assert link.read_bytes()[:64] == PRECIOUS[:64]
-    ctx = CheckContext(check="storage", gpu=AbsentGpuBackend("no GPU"), kernel_log=None,
-                       config=config_from_dict({"storage": {"paths": [str(scratch)]}}),
-                       inventory=None, sku=None, expected_gpus=None,
-                       params={"size": "4M", "runtime_s": 1, "iodepth": 4})
+    ctx = CheckContext(
+        check="storage",
+        gpu=AbsentGpuBackend("no GPU"),
+        kernel_log=None,
+        config=config_from_dict({"storage": {"paths": [str(scratch)]}}),
+        inventory=None,
+        sku=None,
+        expected_gpus=None,
+        params={"size": "4M", "runtime_s": 1, "iodepth": 4},
+    )
     results = storage.run(ctx)
     assert {r.status for r in results} == {Status.PASS}, [r.detail for r in results]
     assert victim.read_bytes() == PRECIOUS
@@ -304,10 +369,16 @@ def test_fio_never_writes_through_a_directory_swapped_in_after_it_was_made(user,
         user.py(SWAP_DIR, str(scratch), str(victim))
         return real_run(argv, timeout_s, **kw)
 
-    ctx = CheckContext(check="storage", gpu=AbsentGpuBackend("no GPU"), kernel_log=None,
-                       config=config_from_dict({"storage": {"paths": [str(scratch)]}}),
-                       inventory=None, sku=None, expected_gpus=None,
-                       params={"size": "4M", "runtime_s": 1, "iodepth": 4})
+    ctx = CheckContext(
+        check="storage",
+        gpu=AbsentGpuBackend("no GPU"),
+        kernel_log=None,
+        config=config_from_dict({"storage": {"paths": [str(scratch)]}}),
+        inventory=None,
+        sku=None,
+        expected_gpus=None,
+        params={"size": "4M", "runtime_s": 1, "iodepth": 4},
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(storage.proc, "run", swap_then_run)
         results = storage.run(ctx)
@@ -319,6 +390,7 @@ def test_fio_never_writes_through_a_directory_swapped_in_after_it_was_made(user,
 
 
 # -- Medium 5: idle connections against the metrics endpoint ------------------------------------
+
 
 def _get(port: int, path: str) -> int:
     try:
@@ -333,12 +405,16 @@ def _get(port: int, path: str) -> int:
 
 def test_64_idle_connections_never_starve_scrapes(user, shared_dir):
     config = agent_config(shared_dir, daemon={"act": False, "listen": "127.0.0.1:0"})
-    suite = write_yaml(root_dir(shared_dir) / "suite.yaml", {
-        "name": "idle", "mode": "service",
-        "checks": [{"check": "inventory", "timeout_s": 10, "every_s": 60}]})
+    suite = write_yaml(
+        root_dir(shared_dir) / "suite.yaml",
+        {
+            "name": "idle",
+            "mode": "service",
+            "checks": [{"check": "inventory", "timeout_s": 10, "every_s": 60}],
+        },
+    )
     daemon = Daemon(config, scenario(shared_dir), suite=suite)
-    thread = threading.Thread(target=daemon.run, kwargs={"install_signals": False},
-                              daemon=True)
+    thread = threading.Thread(target=daemon.run, kwargs={"install_signals": False}, daemon=True)
     thread.start()
     try:
         deadline = time.monotonic() + 15
@@ -357,19 +433,37 @@ def test_64_idle_connections_never_starve_scrapes(user, shared_dir):
 
 # -- Low 10 and 11: fleet believes only root's reports and escapes what users wrote -------------
 
+
 def _hang(job: str) -> Result:
     """A hung rank as ``training_progress`` reports it from a user's heartbeat (the job name is
     the user's text)."""
-    return Result("training_progress", f"job:{job}/rank:0", "training_hang", Status.FAIL,
-                  "rank 0 hung", value=400.0, unit="s",
-                  evidence={"pid": 4242, "rank": 0, "job": job, "step_time_s": 1.0,
-                            "heartbeat_age_s": 400.0, "likely_origin": True})
+    return Result(
+        "training_progress",
+        f"job:{job}/rank:0",
+        "training_hang",
+        Status.FAIL,
+        "rank 0 hung",
+        value=400.0,
+        unit="s",
+        evidence={
+            "pid": 4242,
+            "rank": 0,
+            "job": job,
+            "step_time_s": 1.0,
+            "heartbeat_age_s": 400.0,
+            "likely_origin": True,
+        },
+    )
 
 
 def run_fleet(directory: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-P", "-m", "node_agent.commands.main", "fleet",
-                           str(directory)], capture_output=True, text=True, timeout=120,
-                          cwd="/")
+    return subprocess.run(
+        [sys.executable, "-P", "-m", "node_agent.commands.main", "fleet", str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd="/",
+    )
 
 
 def test_forged_newer_report_of_a_user_is_skipped_and_named(user, shared_dir):
@@ -412,10 +506,23 @@ def test_daemon_log_escapes_a_heartbeats_text(shared_dir, caplog):
     text = "job slurm:5 paused: checkpoint\x1b[2J\x1b[Hgrade HEALTHY\u202e\ud800"
     try:
         with caplog.at_level(logging.INFO, logger="node_agent.service.daemon"):
-            daemon._record("training_progress", [Result(
-                "training_progress", "job:slurm:5/rank:0", "training_straggler", Status.WARN,
-                text, value=3.0, unit="x", evidence={"job": "slurm:5\x1b[31m"})],
-                time.time(), 0.1)
+            daemon._record(
+                "training_progress",
+                [
+                    Result(
+                        "training_progress",
+                        "job:slurm:5/rank:0",
+                        "training_straggler",
+                        Status.WARN,
+                        text,
+                        value=3.0,
+                        unit="x",
+                        evidence={"job": "slurm:5\x1b[31m"},
+                    )
+                ],
+                time.time(),
+                0.1,
+            )
     finally:
         daemon.env.close()
     logged = caplog.text

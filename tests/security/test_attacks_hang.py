@@ -94,8 +94,11 @@ def periodic_entry(spool_dir: Path) -> dict:
     params), reading the test's spool."""
     periodic = yaml.safe_load((REPO / "suites" / "periodic.yaml").read_text())
     (entry,) = [c for c in periodic["checks"] if c["check"] == "training_progress"]
-    return {"check": "training_progress", "timeout_s": entry["timeout_s"],
-            "params": {**entry["params"], "spool_dir": str(spool_dir)}}
+    return {
+        "check": "training_progress",
+        "timeout_s": entry["timeout_s"],
+        "params": {**entry["params"], "spool_dir": str(spool_dir)},
+    }
 
 
 def _state(pid: int) -> str:
@@ -116,12 +119,21 @@ def vfork_blocked(attacker):
     base.chmod(0o755)
     src, lib = base / "vfork.c", base / "libvfork.so"
     src.write_text(VFORK_C)
-    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(lib), str(src)], check=True,
-                   capture_output=True, timeout=60)
+    subprocess.run(
+        [cc, "-shared", "-fPIC", "-O2", "-o", str(lib), str(src)],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     lib.chmod(0o755)
     hb = spool(base, "heartbeat")
-    launcher = attacker.popen(VFORK_LAUNCHER, str(hb), str(lib), str(ATTACK_PROCESSES),
-                              env={"SLURM_JOB_ID": "4242", "RANK": "0"})
+    launcher = attacker.popen(
+        VFORK_LAUNCHER,
+        str(hb),
+        str(lib),
+        str(ATTACK_PROCESSES),
+        env={"SLURM_JOB_ID": "4242", "RANK": "0"},
+    )
     pids = [int(p) for p in launcher.first_line.split()[1:]]
     try:
         deadline = time.monotonic() + 30
@@ -138,7 +150,8 @@ def vfork_blocked(attacker):
 
 
 def test_80_processes_blocked_in_vfork_with_stale_heartbeats_are_a_warn_never_a_drain(
-        attacker, shared_dir, vfork_blocked):
+    attacker, shared_dir, vfork_blocked
+):
     """Issue 29, High 1: a stopping py-spy waits its whole timeout on each such process, so
     the check ran past its 45 s, check-hang graded ERROR, and the node was drained and a
     reboot requested. Now: samples do not stop the process, calls are capped and shared per
@@ -154,8 +167,18 @@ def test_80_processes_blocked_in_vfork_with_stale_heartbeats_are_a_warn_never_a_
     entry = periodic_entry(hb)
     checks = suite(shared_dir, entry)
     began = time.monotonic()
-    done = run_agent("check", "--act", "--suite", checks, "--simulate", node(shared_dir),
-                     "--config", config(shared_dir), "--json", timeout=180)
+    done = run_agent(
+        "check",
+        "--act",
+        "--suite",
+        checks,
+        "--simulate",
+        node(shared_dir),
+        "--config",
+        config(shared_dir),
+        "--json",
+        timeout=180,
+    )
     took_s = time.monotonic() - began
     rep = report(done)
     assert done.returncode == 0, rep["grade"]
@@ -169,8 +192,11 @@ def test_80_processes_blocked_in_vfork_with_stale_heartbeats_are_a_warn_never_a_
     assert all(r["status"] == "warn" and r["evidence"]["verified"] is False for r in hangs)
     assert all(f"uid {attacker.uid}'s" in r["detail"] for r in hangs)
     # what was not sampled, and why, is said: the uid's share of the py-spy calls
-    (missed,) = [r for r in results(rep, "training_discovery")
-                 if r["evidence"].get("cause") == "stack-sampling"]
+    (missed,) = [
+        r
+        for r in results(rep, "training_discovery")
+        if r["evidence"].get("cause") == "stack-sampling"
+    ]
     assert f"uid {attacker.uid}:" in missed["detail"]
     assert "share of stack_max_calls" in missed["detail"]
     sampled = [r for r in hangs if r["evidence"]["signals"]["stack"]["available"]]
@@ -178,7 +204,8 @@ def test_80_processes_blocked_in_vfork_with_stale_heartbeats_are_a_warn_never_a_
 
 
 def test_the_daemon_watching_80_vfork_blocked_processes_stays_at_warn_and_never_acts(
-        shared_dir, vfork_blocked):
+    shared_dir, vfork_blocked
+):
     """The same attack on the daemon (issue 29: it drained the node and asked for a reboot):
     its training_progress runs every 5 s here, as its periodic suite's entry otherwise; after
     two runs the node is WARN, in service, and the journal is empty."""
@@ -187,17 +214,45 @@ def test_the_daemon_watching_80_vfork_blocked_processes_stays_at_warn_and_never_
     scen = node(shared_dir)
     checks = suite(shared_dir, {**periodic_entry(hb), "every_s": 5}, name="periodic-hang")
     log = open(shared_dir / "daemon.log", "w")
-    daemon = subprocess.Popen([sys.executable, "-m", "node_agent.commands.main", "daemon",
-                               "--config", cfg, "--simulate", scen, "--suite", checks],
-                              stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    daemon = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "node_agent.commands.main",
+            "daemon",
+            "--config",
+            cfg,
+            "--simulate",
+            scen,
+            "--suite",
+            checks,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+    )
     try:
         time.sleep(1)
-        status = _until_status(cfg, scen, lambda st: st.get("last_run") and len(
-            [r for r in st["last_run"]["reasons"] if r["rule"] == "training-hang-unverified"]) == len(pids),
-            log=shared_dir / "daemon.log")
+        status = _until_status(
+            cfg,
+            scen,
+            lambda st: (
+                st.get("last_run")
+                and len(
+                    [
+                        r
+                        for r in st["last_run"]["reasons"]
+                        if r["rule"] == "training-hang-unverified"
+                    ]
+                )
+                == len(pids)
+            ),
+            log=shared_dir / "daemon.log",
+        )
         first = status["last_run"]["at"]
-        status = _until_status(cfg, scen, lambda st: st["last_run"]["at"] > first,
-                               log=shared_dir / "daemon.log")
+        status = _until_status(
+            cfg, scen, lambda st: st["last_run"]["at"] > first, log=shared_dir / "daemon.log"
+        )
     finally:
         daemon.terminate()
         daemon.wait(timeout=60)
@@ -219,30 +274,59 @@ def _until_status(cfg: str, scen: str, ready, timeout_s: float = 90.0, log=None)
                 return status
         time.sleep(1.0)
     tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
-    pytest.fail(f"the daemon's status did not get there within {timeout_s:g} s; last status "
-                f"{json.dumps(status.get('last_run'))[:1500]}; daemon log: {tail}")
+    pytest.fail(
+        f"the daemon's status did not get there within {timeout_s:g} s; last status "
+        f"{json.dumps(status.get('last_run'))[:1500]}; daemon log: {tail}"
+    )
 
 
 def test_a_users_idle_process_with_a_stale_heartbeat_is_a_warn_and_never_blocks_a_resume(
-        user, shared_dir):
+    user, shared_dir
+):
     """Issue 29, Low 9: the idle process graded the node ERROR, so a node the agent had
     drained for a restart never resumed after its clean re-test. Now its hang is a WARN naming
     the uid, and the re-test resumes the node."""
     hb = spool(shared_dir, "heartbeat")
     idle = user.popen(STALE_IDLE, str(hb), env={"SLURM_JOB_ID": "4242", "RANK": "0"})
     cfg = config(shared_dir)
-    checks = suite(shared_dir, {"check": "xid", "timeout_s": 15, "params": {"since": "boot"}},
-                   periodic_entry(hb))
+    checks = suite(
+        shared_dir,
+        {"check": "xid", "timeout_s": 15, "params": {"since": "boot"}},
+        periodic_entry(hb),
+    )
     # an Xid 119 (GSP RPC timeout, ERROR) on the simulated node: drained, reboot requested
-    sick = report(run_agent("check", "--act", "--suite", checks, "--config", cfg, "--json",
-                            "--simulate", node(shared_dir, "sick.yaml", faults=[
-                                {"kind": "xid", "gpu": 2, "code": 119}])))
+    sick = report(
+        run_agent(
+            "check",
+            "--act",
+            "--suite",
+            checks,
+            "--config",
+            cfg,
+            "--json",
+            "--simulate",
+            node(shared_dir, "sick.yaml", faults=[{"kind": "xid", "gpu": 2, "code": 119}]),
+        )
+    )
     assert [(a["action"], a["outcome"]) for a in sick["actions"]] == [
-        ("drain", "done"), ("restart", "done")]
+        ("drain", "done"),
+        ("restart", "done"),
+    ]
     # after the reboot (the simulated node boots at once) the re-test is clean but for the
     # user's stale heartbeat
-    retest = report(run_agent("check", "--act", "--suite", checks, "--config", cfg, "--json",
-                              "--simulate", node(shared_dir)))
+    retest = report(
+        run_agent(
+            "check",
+            "--act",
+            "--suite",
+            checks,
+            "--config",
+            cfg,
+            "--json",
+            "--simulate",
+            node(shared_dir),
+        )
+    )
     (hang,) = results(retest, "training_hang")
     assert hang["evidence"]["pid"] == idle.pid and hang["status"] == "warn"
     assert f"uid {user.uid}'s" in hang["detail"]

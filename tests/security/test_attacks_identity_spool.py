@@ -69,9 +69,14 @@ time.sleep(120)
 
 def run_agent(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """The real ``node-agent`` command, as root."""
-    return subprocess.run([sys.executable, "-m", "node_agent.commands.main", *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env=dict(os.environ))
+    return subprocess.run(
+        [sys.executable, "-m", "node_agent.commands.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=dict(os.environ),
+    )
 
 
 def write_yaml(path: Path, data: dict) -> str:
@@ -89,12 +94,28 @@ def heartbeat_spool(base: Path) -> Path:
 
 def hang_check(base: Path, hb: Path) -> list[str]:
     """``node-agent check`` arguments for a training_progress run on ``hb``, as root."""
-    cfg = write_yaml(base / "config.yaml", {"state_dir": str(base / "state"),
-                                            "spool_dir": str(base / "spool")})
-    suite = write_yaml(base / "hang.yaml", {"name": "hang", "mode": "service", "checks": [
-        {"check": "training_progress", "timeout_s": 60, "params": {
-            "spool_dir": str(hb), "stall_after_s": 30, "hang_after_s": 60,
-            "stack_samples": 1}}]})
+    cfg = write_yaml(
+        base / "config.yaml", {"state_dir": str(base / "state"), "spool_dir": str(base / "spool")}
+    )
+    suite = write_yaml(
+        base / "hang.yaml",
+        {
+            "name": "hang",
+            "mode": "service",
+            "checks": [
+                {
+                    "check": "training_progress",
+                    "timeout_s": 60,
+                    "params": {
+                        "spool_dir": str(hb),
+                        "stall_after_s": 30,
+                        "hang_after_s": 60,
+                        "stack_samples": 1,
+                    },
+                }
+            ],
+        },
+    )
     node = write_yaml(base / "node.yaml", {"sku": "h100-sxm5-80gb", "gpus": 8})
     return ["check", "--suite", suite, "--simulate", node, "--config", cfg, "--json"]
 
@@ -117,14 +138,31 @@ def victim(attacker):
     """A second unprivileged user, made like the attacker: the one whose heartbeats the
     attacker tries to block or hide."""
     name = f"na-vict-{uuid.uuid4().hex[:8]}"
-    made = subprocess.run(["useradd", "--system", "--no-create-home", "--user-group",
-                           "--shell", "/usr/sbin/nologin", name], capture_output=True, text=True)
+    made = subprocess.run(
+        [
+            "useradd",
+            "--system",
+            "--no-create-home",
+            "--user-group",
+            "--shell",
+            "/usr/sbin/nologin",
+            name,
+        ],
+        capture_output=True,
+        text=True,
+    )
     if made.returncode != 0:
         pytest.skip(f"useradd {name} failed: {made.stderr.strip()}")
     entry = pwd.getpwnam(name)
     if attacker.drop[0] == "setpriv":
-        drop = ["setpriv", f"--reuid={entry.pw_uid}", f"--regid={entry.pw_gid}",
-                "--clear-groups", "--inh-caps=-all", "--"]
+        drop = [
+            "setpriv",
+            f"--reuid={entry.pw_uid}",
+            f"--regid={entry.pw_gid}",
+            "--clear-groups",
+            "--inh-caps=-all",
+            "--",
+        ]
     else:
         drop = ["runuser", "-u", name, "--"]
     who = type(attacker)(name, entry.pw_uid, entry.pw_gid, drop, attacker.python)
@@ -136,6 +174,7 @@ def victim(attacker):
 
 
 # -- High 2: a job_N cgroup in the user's own delegated subtree -----------------------------------
+
 
 def _cgroup2_mount() -> Path | None:
     """Where the kernel's cgroup v2 hierarchy is mounted (``/sys/fs/cgroup``, or
@@ -170,8 +209,12 @@ class Cgroups:
         """What systemd's Delegate=yes does for a user's unit: the directory and its
         cgroup.procs, cgroup.threads and cgroup.subtree_control become the user's."""
         path = self.make(rel)
-        for p in (path, path / "cgroup.procs", path / "cgroup.threads",
-                  path / "cgroup.subtree_control"):
+        for p in (
+            path,
+            path / "cgroup.procs",
+            path / "cgroup.threads",
+            path / "cgroup.subtree_control",
+        ):
             os.chown(p, uid, gid)
         return path
 
@@ -180,8 +223,11 @@ class Cgroups:
         (path / "cgroup.procs").write_text(str(pid))
 
     def remove(self) -> None:
-        for d in sorted((p for p in self.base.rglob("*") if p.is_dir()),
-                        key=lambda p: len(p.parts), reverse=True):
+        for d in sorted(
+            (p for p in self.base.rglob("*") if p.is_dir()),
+            key=lambda p: len(p.parts),
+            reverse=True,
+        ):
             for _ in range(50):  # a killed process leaves its cgroup a moment later
                 try:
                     d.rmdir()
@@ -195,13 +241,17 @@ class Cgroups:
 def cgroups(user):
     mount = _cgroup2_mount()
     if mount is None:
-        pytest.skip("no cgroup v2 hierarchy is mounted here: the delegated-cgroup attack "
-                    "needs one (the built-tree version is in tests/unit)")
+        pytest.skip(
+            "no cgroup v2 hierarchy is mounted here: the delegated-cgroup attack "
+            "needs one (the built-tree version is in tests/unit)"
+        )
     try:
         tree = Cgroups(mount)
     except OSError as err:
-        pytest.skip(f"cannot make a cgroup under {mount} ({err.strerror}): the "
-                    "delegated-cgroup attack needs a writable cgroup v2 hierarchy")
+        pytest.skip(
+            f"cannot make a cgroup under {mount} ({err.strerror}): the "
+            "delegated-cgroup attack needs a writable cgroup v2 hierarchy"
+        )
     try:
         yield tree
     finally:
@@ -215,8 +265,14 @@ def _delegated_job(user, cgroups, hb: Path, job: str):
     service = f"user.slice/user-{user.uid}.slice/user@{user.uid}.service"
     cgroups.make(f"user.slice/user-{user.uid}.slice")
     delegated = cgroups.delegate(service, user.uid, user.gid)
-    proc = user.popen(DELEGATED_JOB, str(hb), str(delegated), job, cgroups.rel(delegated),
-                      env={"SLURM_JOB_ID": job, "RANK": "0"})
+    proc = user.popen(
+        DELEGATED_JOB,
+        str(hb),
+        str(delegated),
+        job,
+        cgroups.rel(delegated),
+        env={"SLURM_JOB_ID": job, "RANK": "0"},
+    )
     assert proc.first_line == "started"
     cgroups.put(proc.pid, delegated)
     line = proc.stdout.readline().strip()
@@ -224,8 +280,7 @@ def _delegated_job(user, cgroups, hb: Path, job: str):
     return proc, line
 
 
-def test_a_job_cgroup_in_the_users_delegated_subtree_gets_no_restart_job(user, shared_dir,
-                                                                          cgroups):
+def test_a_job_cgroup_in_the_users_delegated_subtree_gets_no_restart_job(user, shared_dir, cgroups):
     hb = heartbeat_spool(shared_dir)
     proc, line = _delegated_job(user, cgroups, hb, "4242")
     rep = report(run_agent(*hang_check(shared_dir, hb), "--act"))
@@ -233,13 +288,17 @@ def test_a_job_cgroup_in_the_users_delegated_subtree_gets_no_restart_job(user, s
     assert hang["target"] == "job:unverified:slurm:4242/rank:0", hang["target"]
     process = hang["evidence"]["process"]
     assert (process["slurm_job_id"], process["slurm_cgroup_job"], process["job_verified"]) == (
-        "4242", None, False)
+        "4242",
+        None,
+        False,
+    )
     assert not [a for a in rep.get("actions", []) if a["outcome"] == "done"], rep["actions"]
     assert not (shared_dir / "state" / "actions.log").exists()  # nothing reached the adapter
 
 
 def test_slurmds_job_cgroup_is_believed_and_a_root_wide_enough_to_hold_the_users_is_not(
-        user, shared_dir, cgroups):
+    user, shared_dir, cgroups
+):
     """The control: the same kind of process put by root in a root-owned
     slurmstepd.scope/job_<id>/step_0/user/task_0 (as slurmstepd does) is that job's, and
     carries its uid; a configured root that takes the user's subtree in still refuses the
@@ -253,8 +312,9 @@ def test_slurmds_job_cgroup_is_believed_and_a_root_wide_enough_to_hold_the_users
     cgroups.put(honest.pid, task)
     scope = str(cgroups.base / "system.slice" / "slurmstepd.scope")
     wide = str(cgroups.base / "user.slice" / "*" / "*" / "*")
-    found = discover(hb, pids=[attack.pid, honest.pid], slurm_cgroup_roots=[scope, wide],
-                     cgroup_fs=cgroups.mount)
+    found = discover(
+        hb, pids=[attack.pid, honest.pid], slurm_cgroup_roots=[scope, wide], cgroup_fs=cgroups.mount
+    )
     by_pid = {p.pid: p for p in found.processes}
     assert by_pid[honest.pid].job_verified
     assert by_pid[honest.pid].restart_job_id == f"slurm:4243@uid:{user.uid}"
@@ -262,6 +322,7 @@ def test_slurmds_job_cgroup_is_believed_and_a_root_wide_enough_to_hold_the_users
 
 
 # -- High 2, the adapter: another user's real Slurm job ------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def slurm_cluster(tmp_path_factory):
@@ -278,8 +339,9 @@ def slurm_cluster(tmp_path_factory):
         cluster.stop()
 
 
-def test_a_verified_job_of_another_user_is_never_requeued(user, shared_dir, cgroups,
-                                                          slurm_cluster, tmp_path):
+def test_a_verified_job_of_another_user_is_never_requeued(
+    user, shared_dir, cgroups, slurm_cluster, tmp_path
+):
     """A real Slurm job runs as root. The attacker's process sits in a job cgroup of that id
     under a root slurmd's (the kernel's word: a job of the user's own would look so; here
     root put it there) and names the job: the identity check passes, and the adapter still
@@ -301,12 +363,19 @@ def test_a_verified_job_of_another_user_is_never_requeued(user, shared_dir, cgro
     task = cgroups.make(f"system.slice/slurmstepd.scope/job_{job}/step_0/user/task_0")
     proc = user.popen(STALE_BEATER, str(hb), env={"SLURM_JOB_ID": job, "RANK": "0"})
     cgroups.put(proc.pid, task)
-    (found,) = discover(hb, pids=[proc.pid], cgroup_fs=cgroups.mount, slurm_cgroup_roots=[
-        str(cgroups.base / "system.slice" / "slurmstepd.scope")]).processes
+    (found,) = discover(
+        hb,
+        pids=[proc.pid],
+        cgroup_fs=cgroups.mount,
+        slurm_cgroup_roots=[str(cgroups.base / "system.slice" / "slurmstepd.scope")],
+    ).processes
     job_id = found.restart_job_id
     assert job_id == f"slurm:{job}@uid:{user.uid}"
-    grade = Grade(Level.ERROR, Action.RESTART, (Reason(
-        "training-hang", Level.ERROR, f"job:{job_id}/rank:0", "rank 0 made no step"),))
+    grade = Grade(
+        Level.ERROR,
+        Action.RESTART,
+        (Reason("training-hang", Level.ERROR, f"job:{job_id}/rank:0", "rank 0 made no step"),),
+    )
 
     class Hung:
         suite, mode = "periodic", "service"
@@ -319,14 +388,21 @@ def test_a_verified_job_of_another_user_is_never_requeued(user, shared_dir, cgro
 
     store = open_store(tmp_path / "state")
     try:
-        out = Remediator(store, SlurmAdapter(env=slurm.env()), slurm.node, Safety(),
-                         state_dir=tmp_path / "state", warn=lambda _m: None).remediate(Hung())
+        out = Remediator(
+            store,
+            SlurmAdapter(env=slurm.env()),
+            slurm.node,
+            Safety(),
+            state_dir=tmp_path / "state",
+            warn=lambda _m: None,
+        ).remediate(Hung())
     finally:
         store.close()
     (rec,) = out.records
     assert (rec.action, rec.outcome) == ("restart-job", "failed"), rec
-    assert f"belongs to uid 0, but the hung process that named it runs as uid {user.uid}" \
-        in rec.detail, rec.detail
+    assert (
+        f"belongs to uid 0, but the hung process that named it runs as uid {user.uid}" in rec.detail
+    ), rec.detail
     fields = slurm.show_job(job)
     assert (fields["JobState"], fields["Restarts"]) == ("RUNNING", "0"), fields
 
@@ -349,7 +425,8 @@ print("forged", flush=True)
 
 @pytest.mark.parametrize("kind", ["job", "log_file"])
 def test_a_surrogate_job_or_a_nul_log_file_leaves_metrics_and_hang_detection_working(
-        user, victim, shared_dir, kind):
+    user, victim, shared_dir, kind
+):
     from prometheus_client import CollectorRegistry, generate_latest
 
     from node_agent.model import Level, Result
@@ -364,13 +441,20 @@ def test_a_surrogate_job_or_a_nul_log_file_leaves_metrics_and_hang_detection_wor
     # the victim's real hang is still found
     assert of_pid(rep, "training_hang", hung.pid), [r["metric"] for r in rep["results"]]
     # the forged file is refused, once, naming its writer
-    (refused,) = [r for r in results(rep, "training_discovery")
-                  if f"{sleeper.pid}.json" in r["detail"]]
+    (refused,) = [
+        r for r in results(rep, "training_discovery") if f"{sleeper.pid}.json" in r["detail"]
+    ]
     assert refused["status"] == "warn" and f"written by uid {user.uid}" in refused["detail"]
     assert ("lone surrogate" if kind == "job" else "NUL byte") in refused["detail"]
     # the daemon's /metrics collector renders this run's results
-    snap = Snapshot(hostname="n1", level=Level.WARN, checks={}, gpu_uuids={}, xid_counts={},
-                    results=[Result.from_dict(r) for r in rep["results"]])
+    snap = Snapshot(
+        hostname="n1",
+        level=Level.WARN,
+        checks={},
+        gpu_uuids={},
+        xid_counts={},
+        results=[Result.from_dict(r) for r in rep["results"]],
+    )
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DaemonCollector(lambda: snap))
     text = generate_latest(registry).decode()
@@ -398,8 +482,7 @@ print("squatted", flush=True)
 """
 
 
-def test_a_squatted_spool_does_not_block_or_hide_another_users_heartbeats(user, victim,
-                                                                        shared_dir):
+def test_a_squatted_spool_does_not_block_or_hide_another_users_heartbeats(user, victim, shared_dir):
     from node_agent.training.processes import discover
 
     hb = heartbeat_spool(shared_dir)
@@ -421,8 +504,7 @@ def test_a_squatted_spool_does_not_block_or_hide_another_users_heartbeats(user, 
     # the victim's next writer uses its own directory, which nobody else can write in
     again = victim.popen(STALE_BEATER, str(hb), env={"RANK": "1"})
     assert Path(again.first_line) == hb / str(victim.uid) / f"{again.pid}.json"
-    assert {q.pid for q in discover(hb, pids=[again.pid]).processes if q.heartbeat} == {
-        again.pid}
+    assert {q.pid for q in discover(hb, pids=[again.pid]).processes if q.heartbeat} == {again.pid}
 
 
 FLOOD = r"""
@@ -459,16 +541,31 @@ def test_a_70000_entry_flood_hides_no_other_users_heartbeat(user, victim, shared
 def test_grade_html_renders_a_saved_report_that_carries_a_lone_surrogate(shared_dir):
     """The spool readers refuse such text; a report that got one some other way (an older
     agent's, a report edited by hand) is still rendered, the surrogate written as its escape."""
-    rep = {"schema": "node-agent.report/1", "agent_version": "0", "simulated": True,
-           "host": {"hostname": "n1", "kernel": "k", "driver": None, "cuda": None},
-           "gpus": [], "suite": "quick", "started_at": "2026-01-01T00:00:00Z",
-           "finished_at": "2026-01-01T00:00:01Z", "grade": {"level": "HEALTHY",
-                                                          "action": "none", "reasons": []},
-           "actions": [], "results": [{
-               "check": "training_progress", "target": "job:\ud800/rank:0",
-               "metric": "training_progress", "value": 1.0, "unit": "s", "status": "pass",
-               "detail": "job \ud800 steps", "evidence": {"job": "\ud800", "pid": 5},
-               "duration_s": 0.1}]}
+    rep = {
+        "schema": "node-agent.report/1",
+        "agent_version": "0",
+        "simulated": True,
+        "host": {"hostname": "n1", "kernel": "k", "driver": None, "cuda": None},
+        "gpus": [],
+        "suite": "quick",
+        "started_at": "2026-01-01T00:00:00Z",
+        "finished_at": "2026-01-01T00:00:01Z",
+        "grade": {"level": "HEALTHY", "action": "none", "reasons": []},
+        "actions": [],
+        "results": [
+            {
+                "check": "training_progress",
+                "target": "job:\ud800/rank:0",
+                "metric": "training_progress",
+                "value": 1.0,
+                "unit": "s",
+                "status": "pass",
+                "detail": "job \ud800 steps",
+                "evidence": {"job": "\ud800", "pid": 5},
+                "duration_s": 0.1,
+            }
+        ],
+    }
     saved = shared_dir / "old.json"
     saved.write_text(json.dumps(rep))  # ensure_ascii: \ud800 as JSON writes it
     page = shared_dir / "old.html"

@@ -51,7 +51,9 @@ FILE_NAMES = {
     "mce_fatal": "mce: [Hardware Error]: Machine check: Processor context corrupt",
 }
 
-GENUINE_SOFT_LOCKUP = "0,{seq},{usec},-;watchdog: BUG: soft lockup - CPU#3 stuck for 23s! [kworker:311]"
+GENUINE_SOFT_LOCKUP = (
+    "0,{seq},{usec},-;watchdog: BUG: soft lockup - CPU#3 stuck for 23s! [kworker:311]"
+)
 
 #: the user's program for the OOM: take the name, say the pid, wait until root has put it in
 #: the memory cgroup named by argv[2], then fill memory until the kernel kills it
@@ -76,9 +78,15 @@ def node(shared_dir):
     kernel_log.write_text("")
     kernel_log.chmod(0o644)
     config = shared_dir / "config.yaml"
-    config.write_text(yaml.safe_dump({
-        "state_dir": str(shared_dir / "state"), "spool_dir": str(shared_dir / "spool"),
-        "kernel_log": {"path": str(kernel_log)}}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "state_dir": str(shared_dir / "state"),
+                "spool_dir": str(shared_dir / "spool"),
+                "kernel_log": {"path": str(kernel_log)},
+            }
+        )
+    )
     return config, kernel_log
 
 
@@ -91,9 +99,14 @@ def attack_dir(shared_dir, user):
 
 
 def run_agent(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "node_agent.commands.main", *args],
-                          capture_output=True, text=True, timeout=240, cwd="/",
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    return subprocess.run(
+        [sys.executable, "-m", "node_agent.commands.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd="/",
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
 
 
 def check(config: Path, *extra: str) -> tuple[int, dict]:
@@ -103,13 +116,17 @@ def check(config: Path, *extra: str) -> tuple[int, dict]:
 
 
 def distress(report: dict) -> list[dict]:
-    return [r for r in report["results"] if r["check"] == "kernel_distress"
-            and r["status"] in ("warn", "fail", "error")]
+    return [
+        r
+        for r in report["results"]
+        if r["check"] == "kernel_distress" and r["status"] in ("warn", "fail", "error")
+    ]
 
 
 @pytest.mark.parametrize("form", sorted(FILE_NAMES))
 def test_segfault_in_a_file_named_like_a_distress_line_leaves_check_act_healthy(
-        user, attack_dir, node, form):
+    user, attack_dir, node, form
+):
     config, kernel_log = node
     record, recorded_by = segfault_record(user, attack_dir, FILE_NAMES[form], NAME)
     print(f"record ({recorded_by}): {record}")
@@ -118,8 +135,9 @@ def test_segfault_in_a_file_named_like_a_distress_line_leaves_check_act_healthy(
     assert code == 0 and report["actions"] == [], report["grade"]
     assert distress(report) == [], distress(report)
     # the control: the kernel's own soft lockup record in the same log is graded ERROR
-    kernel_log.write_text(record + "\n" + GENUINE_SOFT_LOCKUP.format(seq=90002, usec=404608999)
-                          + "\n")
+    kernel_log.write_text(
+        record + "\n" + GENUINE_SOFT_LOCKUP.format(seq=90002, usec=404608999) + "\n"
+    )
     code, report = check(config)
     assert code == 3 and [r["metric"] for r in distress(report)] == ["soft_lockup"]
 
@@ -152,8 +170,7 @@ def _memory_cgroup() -> Path | None:
 def _kill_records_of(pid: int) -> list[str]:
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        mine = [r for r in _kmsg_records()
-                if f",pid={pid}," in r or f"Killed process {pid} (" in r]
+        mine = [r for r in _kmsg_records() if f",pid={pid}," in r or f"Killed process {pid} (" in r]
         if any("Killed process" in r for r in mine):
             return mine
         time.sleep(0.1)
@@ -187,12 +204,14 @@ def test_a_users_real_oom_kill_named_like_a_lockup_is_warn_at_most_and_never_act
                     time.sleep(0.1)
     if not records:  # mm/oom_kill.c, dump_oom_summary and __oom_kill_process, as printed
         pid = 4406
-        records = [f"6,1525,4236730401,-;oom-kill:constraint=CONSTRAINT_MEMCG,nodemask=(null),"
-                   f"cpuset=/,mems_allowed=0,oom_memcg=/x,task_memcg=/x,task={NAME[:15]},"
-                   f"pid={pid},uid={user.uid}",
-                   f"3,1526,4236730427,-;Memory cgroup out of memory: Killed process {pid} "
-                   f"({NAME[:15]}) total-vm:49460kB, anon-rss:39552kB, file-rss:6632kB, "
-                   f"shmem-rss:0kB, UID:{user.uid} pgtables:136kB oom_score_adj:0"]
+        records = [
+            f"6,1525,4236730401,-;oom-kill:constraint=CONSTRAINT_MEMCG,nodemask=(null),"
+            f"cpuset=/,mems_allowed=0,oom_memcg=/x,task_memcg=/x,task={NAME[:15]},"
+            f"pid={pid},uid={user.uid}",
+            f"3,1526,4236730427,-;Memory cgroup out of memory: Killed process {pid} "
+            f"({NAME[:15]}) total-vm:49460kB, anon-rss:39552kB, file-rss:6632kB, "
+            f"shmem-rss:0kB, UID:{user.uid} pgtables:136kB oom_score_adj:0",
+        ]
     print(f"records ({recorded_by}):", *records, sep="\n")
     kernel_log.write_text("\n".join(records) + "\n")
     code, report = check(config, "--act")
@@ -205,9 +224,11 @@ def test_a_users_real_oom_kill_named_like_a_lockup_is_warn_at_most_and_never_act
 
 def test_a_users_hung_task_named_like_a_lockup_is_warn_at_most_and_never_acts(user, node):
     config, kernel_log = node
-    child = user.popen("import ctypes, os, sys, time\nctypes.CDLL(None).prctl(15, sys.argv[1]"
-                       ".encode()[:15], 0, 0, 0)\nprint(os.getpid(), flush=True)\ntime.sleep(60)",
-                       NAME)
+    child = user.popen(
+        "import ctypes, os, sys, time\nctypes.CDLL(None).prctl(15, sys.argv[1]"
+        ".encode()[:15], 0, 0, 0)\nprint(os.getpid(), flush=True)\ntime.sleep(60)",
+        NAME,
+    )
     pid = int(child.first_line)
     comm = Path(f"/proc/{pid}/comm").read_text().rstrip("\n")
     assert comm == NAME[:15]

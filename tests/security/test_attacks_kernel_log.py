@@ -45,7 +45,7 @@ GPU_LESS = "0000:18:00"  # the bus the fake lines name: no NVIDIA device needs t
 ATTACK_NAMES = {
     "xid79": f"Xid (PCI:{GPU_LESS}): 79, GPU has fallen off the bus",
     "xid48": f"Xid (PCI:{GPU_LESS}): 48, pid=1, An uncorrectable double bit error (DBE) has been "
-             "detected on GPU in the framebuffer at partition 6, subpartition 0.",
+    "detected on GPU in the framebuffer at partition 6, subpartition 0.",
     "nvrm_fallen": f"NVRM: GPU {GPU_LESS}.0: GPU has fallen off the bus.",
     "sxid": "nvidia-nvswitch0: SXid (PCI:0000:06:00.0): 20034, Fatal, Link 48 LTSSM Fault Up",
 }
@@ -72,8 +72,10 @@ ctypes.CFUNCTYPE(None)(address)()
 """
 
 #: a genuine driver record (the kernel's facility, the driver's prefix): the control
-GENUINE_XID13 = ("4,{seq},{usec},-;NVRM: Xid (PCI:0000:3b:00): 13, pid=7, name=python3, Graphics "
-                 "SM Warp Exception on (GPC 0, TPC 1, SM 0): Out Of Range Address")
+GENUINE_XID13 = (
+    "4,{seq},{usec},-;NVRM: Xid (PCI:0000:3b:00): 13, pid=7, name=python3, Graphics "
+    "SM Warp Exception on (GPC 0, TPC 1, SM 0): Out Of Range Address"
+)
 
 
 def _kmsg_records() -> list[str]:
@@ -119,9 +121,12 @@ def segfault_record(user, directory: Path, name: str, comm: str = "") -> tuple[s
             time.sleep(0.1)
     # emulated exactly as arch/x86/mm/fault.c prints it, prio 6 = facility 0 (kernel), level 6
     shown = (comm or "python3")[:15]
-    return (f"6,90001,404608925,-;{shown}[{pid}]: segfault at 0 ip 00007f294070e000 sp "
-            f"00007ffc0d02cd28 error 6 in {name}[0,7f294070e000+1000] likely on CPU 0 "
-            "(core 0, socket 0)", "emulated: this kernel logs no user segfaults here")
+    return (
+        f"6,90001,404608925,-;{shown}[{pid}]: segfault at 0 ip 00007f294070e000 sp "
+        f"00007ffc0d02cd28 error 6 in {name}[0,7f294070e000+1000] likely on CPU 0 "
+        "(core 0, socket 0)",
+        "emulated: this kernel logs no user segfaults here",
+    )
 
 
 @pytest.fixture
@@ -141,16 +146,27 @@ def node(shared_dir):
     kernel_log.write_text("")
     kernel_log.chmod(0o644)
     config = shared_dir / "config.yaml"
-    config.write_text(yaml.safe_dump({
-        "state_dir": str(shared_dir / "state"), "spool_dir": str(shared_dir / "spool"),
-        "kernel_log": {"path": str(kernel_log)}}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "state_dir": str(shared_dir / "state"),
+                "spool_dir": str(shared_dir / "spool"),
+                "kernel_log": {"path": str(kernel_log)},
+            }
+        )
+    )
     return config, kernel_log
 
 
 def run_agent(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "node_agent.commands.main", *args],
-                          capture_output=True, text=True, timeout=240, cwd="/",
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    return subprocess.run(
+        [sys.executable, "-m", "node_agent.commands.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd="/",
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
 
 
 def check_act(config: Path) -> tuple[int, dict]:
@@ -162,7 +178,8 @@ def check_act(config: Path) -> tuple[int, dict]:
 @pytest.mark.parametrize("form", sorted(ATTACK_NAMES))
 @pytest.mark.parametrize("comm", ["", "NVRM: Xid (PCI:"], ids=["python3", "named-like-NVRM"])
 def test_segfault_in_a_file_named_like_a_driver_line_leaves_check_act_healthy(
-        user, attack_dir, node, form, comm):
+    user, attack_dir, node, form, comm
+):
     config, kernel_log = node
     record, recorded_by = segfault_record(user, attack_dir, ATTACK_NAMES[form], comm)
     print(f"record ({recorded_by}): {record}")
@@ -175,8 +192,11 @@ def test_segfault_in_a_file_named_like_a_driver_line_leaves_check_act_healthy(
     kernel_log.write_text(record + "\n" + GENUINE_XID13.format(seq=90002, usec=404608999) + "\n")
     done = run_agent("check", "--json", "--config", str(config))
     graded = json.loads(done.stdout)
-    assert [(r["target"], r["value"]) for r in graded["results"]
-            if r["check"] == "xid" and r["status"] == "fail"] == [("pci:0000:3b:00", 13)]
+    assert [
+        (r["target"], r["value"])
+        for r in graded["results"]
+        if r["check"] == "xid" and r["status"] == "fail"
+    ] == [("pci:0000:3b:00", 13)]
 
 
 def test_a_users_write_to_dev_kmsg_is_refused_or_not_believed(user, node):
@@ -184,12 +204,17 @@ def test_a_users_write_to_dev_kmsg_is_refused_or_not_believed(user, node):
     here, as a root container or a misconfigured mode could), the kernel stamps the record
     facility 1, user: read back from /dev/kmsg, or built exactly so where it cannot be read."""
     config, kernel_log = node
-    tried = user.py("import os\ntry:\n    os.open('/dev/kmsg', os.O_WRONLY)\n    print('opened')\n"
-                    "except OSError as e:\n    print(type(e).__name__)\n", check=False)
+    tried = user.py(
+        "import os\ntry:\n    os.open('/dev/kmsg', os.O_WRONLY)\n    print('opened')\n"
+        "except OSError as e:\n    print(type(e).__name__)\n",
+        check=False,
+    )
     assert tried.stdout.strip() in ("PermissionError", "FileNotFoundError"), tried
     marker = uuid.uuid4().hex[:8]
-    line = (f"NVRM: Xid (PCI:{GPU_LESS}): 79, pid='<unknown>', name=<unknown>, GPU has fallen off "
-            f"the bus. {marker}")
+    line = (
+        f"NVRM: Xid (PCI:{GPU_LESS}): 79, pid='<unknown>', name=<unknown>, GPU has fallen off "
+        f"the bus. {marker}"
+    )
     record = None
     try:
         fd = os.open("/dev/kmsg", os.O_WRONLY)
@@ -217,8 +242,9 @@ def wait_for(predicate, timeout_s: float):
     return bool(predicate())
 
 
-def test_daemon_watching_the_log_takes_no_action_on_the_injected_lines(user, attack_dir, node,
-                                                                        shared_dir, monkeypatch):
+def test_daemon_watching_the_log_takes_no_action_on_the_injected_lines(
+    user, attack_dir, node, shared_dir, monkeypatch
+):
     """The daemon (real mode, acting: ``daemon.act``) follows its kernel log while the user
     segfaults in each named file; its grade stays HEALTHY and it never acts. A genuine driver
     line appended afterwards is graded within seconds: the watch was reading."""
@@ -232,8 +258,17 @@ def test_daemon_watching_the_log_takes_no_action_on_the_injected_lines(user, att
     data["daemon"] = {"listen": f"127.0.0.1:{port}", "xid_poll_s": 0.2, "act": True}
     config.write_text(yaml.safe_dump(data))
     suite = shared_dir / "periodic.yaml"
-    suite.write_text(yaml.safe_dump({"name": "attack-periodic", "mode": "service", "checks": [
-        {"check": "xid", "timeout_s": 20, "every_s": 1, "params": {"since": "boot"}}]}))
+    suite.write_text(
+        yaml.safe_dump(
+            {
+                "name": "attack-periodic",
+                "mode": "service",
+                "checks": [
+                    {"check": "xid", "timeout_s": 20, "every_s": 1, "params": {"since": "boot"}}
+                ],
+            }
+        )
+    )
     acted: list[object] = []
     original = Daemon.record_action
 
@@ -255,14 +290,16 @@ def test_daemon_watching_the_log_takes_no_action_on_the_injected_lines(user, att
                 log.write(record + "\n")
         time.sleep(3)  # several watch polls and periodic xid checks
         assert daemon.grade.level.name == "HEALTHY", daemon.grade
-        assert not [r for r in daemon.current_results() if r.check == "xid"
-                    and r.status.value == "fail"]
+        assert not [
+            r for r in daemon.current_results() if r.check == "xid" and r.status.value == "fail"
+        ]
         assert acted == []
         with kernel_log.open("a") as log:
             log.write(GENUINE_XID13.format(seq=90010, usec=404609999) + "\n")
         assert wait_for(lambda: daemon.grade.level.name == "WARN", 10), daemon.grade
-        assert [(r.target, r.level.name) for r in daemon.grade.reasons
-                if r.rule == "xid"] == [("pci:0000:3b:00", "WARN")]
+        assert [(r.target, r.level.name) for r in daemon.grade.reasons if r.rule == "xid"] == [
+            ("pci:0000:3b:00", "WARN")
+        ]
     finally:
         daemon.stop()
         thread.join(5)
@@ -272,7 +309,7 @@ def test_the_attack_record_would_have_been_a_fault_for_a_reader_that_searched_th
     """What the attack relied on, kept as a check on the fixture: the record holds a complete
     driver line in its middle (a reader searching for ``Xid (`` anywhere found Xid 79)."""
     name = ATTACK_NAMES["xid79"]
-    record = (f"6,1,1,-;python3[1]: segfault at 0 ip 0 sp 0 error 6 in {name}[7f294070e000+1000]")
+    record = f"6,1,1,-;python3[1]: segfault at 0 ip 0 sp 0 error 6 in {name}[7f294070e000+1000]"
     assert re.search(r"Xid \(PCI:0000:18:00\): 79", record)
     from node_agent.kernel_log import parse_line
 

@@ -43,14 +43,25 @@ class FakeGpu:
     """A GPU that answers what it is told to: no GPU exists on CI, and the spin signature
     (busy, cold, no memory traffic) cannot be produced on demand even where one does."""
 
-    def __init__(self, index: int = 0, util: Utilization | Exception = SPIN_UTIL,
-                 power: Power | Exception = SPIN_POWER):
+    def __init__(
+        self,
+        index: int = 0,
+        util: Utilization | Exception = SPIN_UTIL,
+        power: Power | Exception = SPIN_POWER,
+    ):
         self.index = index
         self._util, self._power = util, power
 
     def identity(self) -> Identity:
-        return Identity(self.index, f"GPU-fake-{self.index}", "NVIDIA H100 80GB HBM3",
-                        f"00000000:{self.index + 0x18:02X}:00.0", None, None, 81559)
+        return Identity(
+            self.index,
+            f"GPU-fake-{self.index}",
+            "NVIDIA H100 80GB HBM3",
+            f"00000000:{self.index + 0x18:02X}:00.0",
+            None,
+            None,
+            81559,
+        )
 
     def utilization(self) -> Utilization:
         if isinstance(self._util, Exception):
@@ -64,13 +75,11 @@ class FakeGpu:
 
 
 def spinning(index: int = 0) -> GpuActivity:
-    return GpuActivity(index, gpu_pct=100, memory_pct=0, power_w=110.0,
-                       power_limit_w=H100_LIMIT_W)
+    return GpuActivity(index, gpu_pct=100, memory_pct=0, power_w=110.0, power_limit_w=H100_LIMIT_W)
 
 
 def working(index: int = 0) -> GpuActivity:
-    return GpuActivity(index, gpu_pct=100, memory_pct=55, power_w=640.0,
-                       power_limit_w=H100_LIMIT_W)
+    return GpuActivity(index, gpu_pct=100, memory_pct=55, power_w=640.0, power_limit_w=H100_LIMIT_W)
 
 
 def test_read_gpu_activity_takes_utilization_and_enforced_power_limit():
@@ -84,10 +93,19 @@ def test_read_gpu_activity_falls_back_to_default_limit_when_enforced_unreported(
 
 
 def test_read_gpu_activity_turns_gpu_errors_into_none_fields_with_the_reason():
-    reading = read_gpu_activity(FakeGpu(1, util=NotSupported("nvmlDeviceGetUtilizationRates"),
-                                        power=DeviceLost("GPU 1 fell off the bus")))
+    reading = read_gpu_activity(
+        FakeGpu(
+            1,
+            util=NotSupported("nvmlDeviceGetUtilizationRates"),
+            power=DeviceLost("GPU 1 fell off the bus"),
+        )
+    )
     assert (reading.gpu_pct, reading.memory_pct, reading.power_w, reading.power_limit_w) == (
-        None, None, None, None)
+        None,
+        None,
+        None,
+        None,
+    )
     assert any("NotSupported" in e for e in reading.errors)
     assert any("DeviceLost" in e and "fell off the bus" in e for e in reading.errors)
 
@@ -138,8 +156,9 @@ def test_no_gpu_readings_is_unavailable_with_reason():
 
 
 def test_missing_field_is_unavailable_naming_the_gpu_field_and_error():
-    partial = GpuActivity(1, None, None, 110.0, H100_LIMIT_W,
-                          errors=("utilization: NotSupported: vGPU guest",))
+    partial = GpuActivity(
+        1, None, None, 110.0, H100_LIMIT_W, errors=("utilization: NotSupported: vGPU guest",)
+    )
     signal = gpu_activity_signal([spinning(0), partial])
     assert not signal.available and not signal.hang
     assert "GPU 1" in signal.detail and "gpu_pct" in signal.detail
@@ -181,7 +200,8 @@ def test_down_port_is_ignored(tmp_path):
 def test_port_without_pma_counters_is_left_out(tmp_path):
     make_data_port(tmp_path, "mlx5_0")
     (tmp_path / "mlx5_0" / "ports" / "1" / "counters" / "port_rcv_data").write_text(
-        "N/A (no PMA)\n")
+        "N/A (no PMA)\n"
+    )
     assert read_port_counters(tmp_path) == {}
 
 
@@ -192,8 +212,10 @@ def test_counters_unchanged_over_the_window_is_a_hang(tmp_path):
     after = read_port_counters(tmp_path)
     signal = rdma_traffic_signal(before, after, 10.0)
     assert signal.name == "rdma_traffic" and signal.available and signal.hang
-    assert signal.figures["ports"] == {"mlx5_0/1": {"xmit_bytes": 0, "rcv_bytes": 0},
-                                       "mlx5_1/2": {"xmit_bytes": 0, "rcv_bytes": 0}}
+    assert signal.figures["ports"] == {
+        "mlx5_0/1": {"xmit_bytes": 0, "rcv_bytes": 0},
+        "mlx5_1/2": {"xmit_bytes": 0, "rcv_bytes": 0},
+    }
     assert signal.figures["window_s"] == 10.0
 
 
@@ -207,8 +229,7 @@ def test_counters_moved_is_not_a_hang_and_reports_bytes(tmp_path):
 
 
 def test_movement_within_min_bytes_is_still_a_hang():
-    signal = rdma_traffic_signal({"mlx5_0/1": (0, 0)}, {"mlx5_0/1": (256, 0)}, 5.0,
-                                 min_bytes=4096)
+    signal = rdma_traffic_signal({"mlx5_0/1": (0, 0)}, {"mlx5_0/1": (256, 0)}, 5.0, min_bytes=4096)
     assert signal.hang and signal.figures["ports"]["mlx5_0/1"]["xmit_bytes"] == 1024
 
 
@@ -220,12 +241,14 @@ def test_counter_that_went_backwards_counts_as_movement():
 
 
 def test_saturated_32_bit_counter_is_left_out_not_read_as_standing_still():
-    moving = rdma_traffic_signal({"mlx5_0/1": (SATURATED_32, 10)},
-                                 {"mlx5_0/1": (SATURATED_32, 90)}, 5.0)
+    moving = rdma_traffic_signal(
+        {"mlx5_0/1": (SATURATED_32, 10)}, {"mlx5_0/1": (SATURATED_32, 90)}, 5.0
+    )
     assert moving.available and not moving.hang
     assert moving.figures["saturated"] == ["mlx5_0/1 port_xmit_data"]
-    stuck = rdma_traffic_signal({"mlx5_0/1": (SATURATED_32, SATURATED_32)},
-                                {"mlx5_0/1": (SATURATED_32, SATURATED_32)}, 5.0)
+    stuck = rdma_traffic_signal(
+        {"mlx5_0/1": (SATURATED_32, SATURATED_32)}, {"mlx5_0/1": (SATURATED_32, SATURATED_32)}, 5.0
+    )
     assert not stuck.available and "perfquery -R" in stuck.detail
 
 
@@ -247,8 +270,9 @@ def test_no_rdma_device_is_unavailable(tmp_path):
     assert counters == {}
     signal = rdma_traffic_signal(counters, counters, 5.0)
     assert not signal.available and not signal.hang
-    assert signal.detail == ("no active RDMA port in /sys/class/infiniband: the job's traffic "
-                             "cannot be watched here")
+    assert signal.detail == (
+        "no active RDMA port in /sys/class/infiniband: the job's traffic cannot be watched here"
+    )
 
 
 def test_only_down_ports_is_unavailable(tmp_path):

@@ -26,12 +26,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nvml_fake"))
 import nvml_fake_harness as harness  # noqa: E402  (tests/nvml_fake, not an installed module)
 
 READINGS = {
-    "identity": base.Identity, "temperature_c": int, "temperature_thresholds": base.TemperatureThresholds,
-    "power": base.Power, "clocks": base.Clocks, "throttle_reasons": frozenset, "pcie": base.PcieLink,
-    "ecc": base.EccCounts, "row_remap": base.RowRemap, "persistence_mode": bool,
-    "recovery_action": str, "nvlinks": list, "memory_temperature_c": int,
-    "retired_pages": base.RetiredPages, "compute_processes": list,
-    "utilization": base.Utilization, "virtualization_mode": str,
+    "identity": base.Identity,
+    "temperature_c": int,
+    "temperature_thresholds": base.TemperatureThresholds,
+    "power": base.Power,
+    "clocks": base.Clocks,
+    "throttle_reasons": frozenset,
+    "pcie": base.PcieLink,
+    "ecc": base.EccCounts,
+    "row_remap": base.RowRemap,
+    "persistence_mode": bool,
+    "recovery_action": str,
+    "nvlinks": list,
+    "memory_temperature_c": int,
+    "retired_pages": base.RetiredPages,
+    "compute_processes": list,
+    "utilization": base.Utilization,
+    "virtualization_mode": str,
 }
 
 
@@ -64,7 +75,8 @@ def assert_contract(backend):
             assert isinstance(proc, base.GpuProcess) and isinstance(proc.pid, int), proc
             assert proc.pid > 0
             assert proc.used_memory_bytes is None or (
-                isinstance(proc.used_memory_bytes, int) and proc.used_memory_bytes >= 0), proc
+                isinstance(proc.used_memory_bytes, int) and proc.used_memory_bytes >= 0
+            ), proc
         util = _reading(device, "utilization")
         if util is not None:
             assert isinstance(util.gpu_pct, int) and isinstance(util.memory_pct, int), util
@@ -103,8 +115,10 @@ def _h100():
 
 def test_spin_fault_reads_fully_busy_with_no_memory_traffic_and_near_idle_power():
     sku = _h100()
-    backend = open_backend(Scenario(sku=sku.id, gpus=2, source="t", faults=(
-        Fault(kind="spin", gpu=1, params={}),)), sku)
+    backend = open_backend(
+        Scenario(sku=sku.id, gpus=2, source="t", faults=(Fault(kind="spin", gpu=1, params={}),)),
+        sku,
+    )
     healthy, spinning = backend.devices()
     assert spinning.utilization() == base.Utilization(gpu_pct=100, memory_pct=0)
     idle_w = healthy.power().usage_w
@@ -118,20 +132,34 @@ def test_spin_fault_reads_fully_busy_with_no_memory_traffic_and_near_idle_power(
 
 def test_simulator_lists_the_scenario_compute_processes_per_gpu():
     sku = _h100()
-    backend = open_backend(Scenario(sku=sku.id, gpus=3, source="t", compute_processes=(
-        ComputeProcess(gpu=0, pid=4242, used_memory_mib=1024), ComputeProcess(gpu=0, pid=4243),
-        ComputeProcess(gpu=2, pid=4244))), sku)
+    backend = open_backend(
+        Scenario(
+            sku=sku.id,
+            gpus=3,
+            source="t",
+            compute_processes=(
+                ComputeProcess(gpu=0, pid=4242, used_memory_mib=1024),
+                ComputeProcess(gpu=0, pid=4243),
+                ComputeProcess(gpu=2, pid=4244),
+            ),
+        ),
+        sku,
+    )
     gpu0, gpu1, gpu2 = backend.devices()
-    assert gpu0.compute_processes() == [base.GpuProcess(4242, 1024 * 1024 * 1024),
-                                        base.GpuProcess(4243, None)]
+    assert gpu0.compute_processes() == [
+        base.GpuProcess(4242, 1024 * 1024 * 1024),
+        base.GpuProcess(4243, None),
+    ]
     assert gpu1.compute_processes() == []
     assert gpu2.compute_processes() == [base.GpuProcess(4244, None)]
 
 
 def test_scenario_file_compute_processes_are_loaded_and_range_checked(tmp_path):
     path = tmp_path / "s.yaml"
-    path.write_text("sku: h100-sxm5-80gb\ngpus: 2\ncompute_processes:\n"
-                    "  - {gpu: 1, pid: 77, used_memory_mib: 10}\nfaults: [{kind: spin, gpu: 0}]\n")
+    path.write_text(
+        "sku: h100-sxm5-80gb\ngpus: 2\ncompute_processes:\n"
+        "  - {gpu: 1, pid: 77, used_memory_mib: 10}\nfaults: [{kind: spin, gpu: 0}]\n"
+    )
     loaded = load_scenario(path)
     assert loaded.compute_processes == (ComputeProcess(gpu=1, pid=77, used_memory_mib=10),)
     assert loaded.has(0, "spin")
@@ -143,9 +171,13 @@ def test_scenario_file_compute_processes_are_loaded_and_range_checked(tmp_path):
 @pytest.mark.parametrize("fault", ["gpu_lost", "driver_hang"])
 def test_new_simulated_readings_fail_like_the_others_on_a_lost_or_hung_gpu(fault):
     sku = _h100()
-    scenario = Scenario(sku=sku.id, gpus=1, source="t",
-                        faults=(Fault(kind=fault, gpu=0, params={}),),
-                        compute_processes=(ComputeProcess(gpu=0, pid=4242),))
+    scenario = Scenario(
+        sku=sku.id,
+        gpus=1,
+        source="t",
+        faults=(Fault(kind=fault, gpu=0, params={}),),
+        compute_processes=(ComputeProcess(gpu=0, pid=4242),),
+    )
     (dev,) = SimGpuBackend(scenario, sku, call_timeout_s=0.01).devices()
     error = base.DeviceLost if fault == "gpu_lost" else base.GpuTimeout
     with pytest.raises(error):
@@ -203,8 +235,12 @@ def fake_nvml(nvml_fake_lib, tmp_path, monkeypatch):
     open_.state = state
     yield open_
     if state.exists():  # let calls a test left hanging return before the library is shut down
-        write_state(state, "".join(line for line in state.read_text().splitlines(True)
-                                   if not line.startswith("hang ")))
+        write_state(
+            state,
+            "".join(
+                line for line in state.read_text().splitlines(True) if not line.startswith("hang ")
+            ),
+        )
         time.sleep(0.05)
     for backend in opened:
         backend.close()
@@ -233,8 +269,9 @@ def test_nvml_backend_on_the_stand_in_library_keeps_the_contract_on_a_healthy_h1
     backend = fake_nvml(load_scenario(harness.REPO / "scenarios" / "healthy-h100.yaml"))
     assert_contract(backend)
     assert len(backend.devices()) == 8
-    assert backend.driver() == base.DriverInfo(driver_version="570.86.15", cuda_version="12.8",
-                                               nvml_version="12.570.86.15")
+    assert backend.driver() == base.DriverInfo(
+        driver_version="570.86.15", cuda_version="12.8", nvml_version="12.570.86.15"
+    )
     for dev in backend.devices():
         assert dev.recovery_action() == "none"
         assert len(dev.nvlinks()) == 18
@@ -244,15 +281,29 @@ def test_nvml_backend_on_the_stand_in_library_keeps_the_contract_on_a_healthy_h1
 
 
 def test_nvml_backend_keeps_the_contract_where_optional_functions_are_unsupported(fake_nvml):
-    scenario = Scenario(sku="h100-sxm5-80gb", gpus=2, source="t",
-                        compute_processes=(ComputeProcess(gpu=0, pid=4242),))
-    backend = fake_nvml(scenario, harness.SPARSE_SWITCHES,
-                        extra={0: harness.SPARSE_FIELDS, 1: harness.SPARSE_FIELDS})
+    scenario = Scenario(
+        sku="h100-sxm5-80gb",
+        gpus=2,
+        source="t",
+        compute_processes=(ComputeProcess(gpu=0, pid=4242),),
+    )
+    backend = fake_nvml(
+        scenario,
+        harness.SPARSE_SWITCHES,
+        extra={0: harness.SPARSE_FIELDS, 1: harness.SPARSE_FIELDS},
+    )
     assert_contract(backend)
     dev = backend.devices()[0]
-    for method in ("recovery_action", "memory_temperature_c", "temperature_thresholds",
-                   "retired_pages", "row_remap", "persistence_mode", "compute_processes",
-                   "utilization"):
+    for method in (
+        "recovery_action",
+        "memory_temperature_c",
+        "temperature_thresholds",
+        "retired_pages",
+        "row_remap",
+        "persistence_mode",
+        "compute_processes",
+        "utilization",
+    ):
         with pytest.raises(base.NotSupported):
             getattr(dev, method)()
     ident = dev.identity()
@@ -282,8 +333,12 @@ NVML_FAULTS = {
     "row_remap_failure": {"kind": "row_remap_failure", "gpu": 2},
     "ecc_dbe_volatile": {"kind": "ecc_dbe_volatile", "gpu": 1, "count": 2},
     "ecc_sbe_volatile": {"kind": "ecc_sbe_volatile", "gpu": 1, "count": 5000},
-    "ecc_sram_uncorrectable": {"kind": "ecc_sram_uncorrectable", "gpu": 2, "count": 3,
-                               "unit": "sm"},
+    "ecc_sram_uncorrectable": {
+        "kind": "ecc_sram_uncorrectable",
+        "gpu": 2,
+        "count": 3,
+        "unit": "sm",
+    },
     "sram_threshold_exceeded": {"kind": "sram_threshold_exceeded", "gpu": 1},
     "memory_total": {"kind": "memory_total", "gpu": 0, "mib": 40960},
     "missing_gpu": {"kind": "missing_gpu", "gpu": 3},
@@ -308,8 +363,13 @@ def test_every_nvml_level_fault_kind_has_a_parity_case():
 def test_nvml_backend_reads_each_fault_as_the_simulator_shows_it(fake_nvml, kind):
     raw = dict(NVML_FAULTS[kind])
     fault = Fault(kind=raw.pop("kind"), gpu=raw.pop("gpu"), params=raw)
-    scenario = Scenario(sku="h100-sxm5-80gb", gpus=4, source="t", faults=(fault,),
-                        compute_processes=(ComputeProcess(gpu=0, pid=4242, used_memory_mib=512),))
+    scenario = Scenario(
+        sku="h100-sxm5-80gb",
+        gpus=4,
+        source="t",
+        faults=(fault,),
+        compute_processes=(ComputeProcess(gpu=0, pid=4242, used_memory_mib=512),),
+    )
     sim = SimGpuBackend(scenario, _sku(scenario.sku), call_timeout_s=0.3)
     nvml = fake_nvml(scenario, call_timeout_s=0.3)
     sim_readings, nvml_readings = _node_readings(sim), _node_readings(nvml)
@@ -332,11 +392,23 @@ def test_nvml_backend_reads_each_fault_as_the_simulator_shows_it(fake_nvml, kind
 
 def test_the_faults_read_through_nvml_are_the_ones_injected(fake_nvml):
     """The parity above would hold if neither way showed a fault: these are the values."""
-    scenario = Scenario(sku="h100-sxm5-80gb", gpus=4, source="t", faults=tuple(
-        Fault(kind=raw["kind"], gpu=raw["gpu"],
-              params={k: v for k, v in raw.items() if k not in ("kind", "gpu")})
-        for raw in (NVML_FAULTS["ecc_sram_uncorrectable"], NVML_FAULTS["sram_threshold_exceeded"],
-                    NVML_FAULTS["memory_total"])))
+    scenario = Scenario(
+        sku="h100-sxm5-80gb",
+        gpus=4,
+        source="t",
+        faults=tuple(
+            Fault(
+                kind=raw["kind"],
+                gpu=raw["gpu"],
+                params={k: v for k, v in raw.items() if k not in ("kind", "gpu")},
+            )
+            for raw in (
+                NVML_FAULTS["ecc_sram_uncorrectable"],
+                NVML_FAULTS["sram_threshold_exceeded"],
+                NVML_FAULTS["memory_total"],
+            )
+        ),
+    )
     gpu0, gpu1, gpu2, gpu3 = fake_nvml(scenario).devices()
     assert gpu0.identity().memory_total_mib == 40960
     ecc1, ecc2 = gpu1.ecc(), gpu2.ecc()
@@ -371,8 +443,9 @@ def test_a_scenario_virtualization_key_reads_the_same_through_the_simulator_and_
 
 
 def _state_nvml(scenario, switches=(), call_timeout_s=0.3):
-    backend = NvmlBackend(StateNvml(render(scenario, _sku(scenario.sku), switches).splitlines()),
-                          call_timeout_s)
+    backend = NvmlBackend(
+        StateNvml(render(scenario, _sku(scenario.sku), switches).splitlines()), call_timeout_s
+    )
     backend.init()
     return backend
 
@@ -384,9 +457,14 @@ def test_the_python_replay_answers_nvml_as_the_stand_in_library_does(fake_nvml, 
     (A hang is the stand-in's alone: a capture records a call that timed out as its error.)"""
     raw = dict(NVML_FAULTS[kind])
     fault = Fault(kind=raw.pop("kind"), gpu=raw.pop("gpu"), params=raw)
-    scenario = Scenario(sku="h100-sxm5-80gb", gpus=4, source="t", faults=(fault,),
-                        virtualization="pass_through",
-                        compute_processes=(ComputeProcess(gpu=0, pid=4242, used_memory_mib=512),))
+    scenario = Scenario(
+        sku="h100-sxm5-80gb",
+        gpus=4,
+        source="t",
+        faults=(fault,),
+        virtualization="pass_through",
+        compute_processes=(ComputeProcess(gpu=0, pid=4242, used_memory_mib=512),),
+    )
     python, c = _state_nvml(scenario), fake_nvml(scenario, call_timeout_s=0.3)
     try:
         assert _node_readings(python) == _node_readings(c)

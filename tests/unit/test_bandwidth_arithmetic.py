@@ -80,22 +80,30 @@ def test_timed_keeps_going_while_the_clock_has_not_moved():
 
 
 def _ctx(sku="h100-sxm5-80gb"):
-    return CheckContext(check="pcie_bandwidth", gpu=AbsentGpuBackend("test"), kernel_log=None,
-                        config=config_from_dict({}), inventory=None,
-                        sku=load_sku(REPO / "graders" / "skus" / f"{sku}.yaml") if sku else None,
-                        expected_gpus=None)
+    return CheckContext(
+        check="pcie_bandwidth",
+        gpu=AbsentGpuBackend("test"),
+        kernel_log=None,
+        config=config_from_dict({}),
+        inventory=None,
+        sku=load_sku(REPO / "graders" / "skus" / f"{sku}.yaml") if sku else None,
+        expected_gpus=None,
+    )
 
 
 def _link(gen, width, gen_max=5, width_max=16):
     return LinkReading(link=PcieLink(gen, gen_max, width, width_max, 0), copies_in_flight=3)
 
 
-@pytest.mark.parametrize("gen, width, status, words", [
-    (5, 16, Status.PASS, "Gen5 x16 while copying"),
-    (5, 8, Status.FAIL, "x8 of x16"),
-    (4, 16, Status.FAIL, "Gen4 of Gen5"),
-    (3, 4, Status.FAIL, "Gen3 of Gen5 and x4 of x16"),
-])
+@pytest.mark.parametrize(
+    "gen, width, status, words",
+    [
+        (5, 16, Status.PASS, "Gen5 x16 while copying"),
+        (5, 8, Status.FAIL, "x8 of x16"),
+        (4, 16, Status.FAIL, "Gen4 of Gen5"),
+        (3, 4, Status.FAIL, "Gen3 of Gen5 and x4 of x16"),
+    ],
+)
 def test_link_under_load_graded_against_sku_gen_and_width(gen, width, status, words):
     result = link_result(_ctx(), 2, _link(gen, width))
     assert result.status is status and result.target == "gpu:2"
@@ -120,13 +128,24 @@ def test_link_not_readable_is_skip_and_a_hung_read_is_error():
 
 
 def _scenario(*faults, gpus=8, sku="h100-sxm5-80gb"):
-    return Scenario(sku=sku, gpus=gpus, source="test",
-                    faults=tuple(Fault(kind=k, gpu=g, params=p) for k, g, p in faults))
+    return Scenario(
+        sku=sku,
+        gpus=gpus,
+        source="test",
+        faults=tuple(Fault(kind=k, gpu=g, params=p) for k, g, p in faults),
+    )
 
 
-@pytest.mark.parametrize("gen, width, expected", [
-    (3, 16, 15.75), (4, 16, 31.51), (5, 16, 63.02), (5, 8, 31.51), (6, 16, 121.0),
-])
+@pytest.mark.parametrize(
+    "gen, width, expected",
+    [
+        (3, 16, 15.75),
+        (4, 16, 31.51),
+        (5, 16, 63.02),
+        (5, 8, 31.51),
+        (6, 16, 121.0),
+    ],
+)
 def test_pcie_link_rate_per_direction_after_line_coding(gen, width, expected):
     assert pcie_link_gbps(gen, width) == pytest.approx(expected, abs=0.01)
 
@@ -153,15 +172,16 @@ def test_narrow_link_and_slow_fault_show_in_the_model():
     assert slow.hbm_copy_gbps / healthy.hbm_copy_gbps == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("sku_file", sorted(p.name for p in (REPO / "graders" / "skus").glob(
-    "*.yaml")))
+@pytest.mark.parametrize(
+    "sku_file", sorted(p.name for p in (REPO / "graders" / "skus").glob("*.yaml"))
+)
 def test_every_sku_models_its_healthy_gpus_alike(sku_file):
     sku = load_sku(REPO / "graders" / "skus" / sku_file)
     specs = [ComputeSpec(i, simulated=True) for i in range(sku.gpus_per_node or 8)]
     models = copy_models(specs, _scenario(sku=sku.id), sku)
     figures = {(m.h2d_gbps, m.d2h_gbps, m.hbm_copy_gbps) for m in models.values()}
     assert len(figures) == 1  # the same figure for every healthy GPU: siblings' ratio 1.0
-    (h2d, _, hbm), = figures
+    ((h2d, _, hbm),) = figures
     assert h2d > 0 and hbm > 0
 
 

@@ -44,8 +44,7 @@ def test_a_correct_product_flags_no_row_and_has_no_wrong_element(precision, seed
     verifier = Verifier(a, b, c, precision)
     assert verifier.flagged_rows(c) == []
     # the rigorous per-element bound holds for every row, not only flagged ones
-    assert count_wrong(a, b.float().double(), c, list(range(64)), precision,
-                       max_rows=64).wrong == 0
+    assert count_wrong(a, b.float().double(), c, list(range(64)), precision, max_rows=64).wrong == 0
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -99,10 +98,13 @@ def engine_with(matmul, precision="fp32"):
     return engine
 
 
-@pytest.mark.parametrize("wrong_calls, confirmed, rerun_wrong", [
-    ({3}, False, 0),                # wrong once: the re-run is right -> transient
-    (set(range(3, 100)), True, 1),  # wrong every time -> confirmed
-])
+@pytest.mark.parametrize(
+    "wrong_calls, confirmed, rerun_wrong",
+    [
+        ({3}, False, 0),  # wrong once: the re-run is right -> transient
+        (set(range(3, 100)), True, 1),  # wrong every time -> confirmed
+    ],
+)
 def test_a_wrong_product_is_rerun_once_and_classified(wrong_calls, confirmed, rerun_wrong):
     # calls: 1 = prepare's first product, 2 = warm-up, 3 = the first verified product
     engine = engine_with(FlakyMatmul(wrong_calls))
@@ -155,7 +157,7 @@ def truncating_product(a, b, step=8):
     a64, b64 = a.double(), b.double()
     acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32)
     for k0 in range(0, a.shape[1], step):
-        exact = acc.double() + a64[:, k0:k0 + step] @ b64[k0:k0 + step]
+        exact = acc.double() + a64[:, k0 : k0 + step] @ b64[k0 : k0 + step]
         nearest = exact.float()
         away = nearest.double().abs() > exact.abs()
         acc = torch.where(away, torch.nextafter(nearest, torch.zeros_like(nearest)), nearest)
@@ -226,10 +228,13 @@ class Recomputations:
         monkeypatch.setattr(burn, "count_wrong", counting)
 
 
-@pytest.mark.parametrize("first, most", [
-    (None, 0),           # the kernel preparation saw is the kernel that runs
-    (torch.matmul, 1),   # it changed after preparation: one recomputation clears it, then none
-])
+@pytest.mark.parametrize(
+    "first, most",
+    [
+        (None, 0),  # the kernel preparation saw is the kernel that runs
+        (torch.matmul, 1),  # it changed after preparation: one recomputation clears it, then none
+    ],
+)
 def test_a_correct_tf32_kernel_does_not_send_the_burn_to_the_cpu(monkeypatch, first, most):
     kernel = TruncatingTensorCore(first)
     device = ComputeDevice(ComputeSpec(0, simulated=True), CPU, kernel)
@@ -253,8 +258,8 @@ class CountingWaits(burn.DeviceWaits):
         super().__init__(CPU)
         self.launched = launched
         self.synchronizes = 0
-        self.waits = []        # products launched after the awaited check's record
-        self.host = set()      # the host copies it handed out (reading them is free)
+        self.waits = []  # products launched after the awaited check's record
+        self.host = set()  # the host copies it handed out (reading them is free)
         self.recorded = []
 
     def to_host(self, t):
@@ -284,8 +289,18 @@ class HostReads(torch.overrides.TorchFunctionMode):
     """Every read of a tensor's values by the host (each a full synchronisation on a GPU),
     except of the host copies the engine's waits handed out."""
 
-    READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy",
-             "nonzero", "to"}
+    READS = {
+        "item",
+        "tolist",
+        "__bool__",
+        "__int__",
+        "__float__",
+        "__index__",
+        "cpu",
+        "numpy",
+        "nonzero",
+        "to",
+    }
 
     def __init__(self, allowed):
         super().__init__()
@@ -327,7 +342,7 @@ def test_a_window_synchronises_once_and_waits_only_on_checks_well_behind(precisi
     products = sample[4] / (2.0 * 64**3)
     assert products >= 12, "the window should have run a dozen products"
     assert waits.synchronizes == 1  # the window's end, nothing else drains the device
-    assert reads.reads == []        # no .item()/.tolist()/.cpu()/nonzero on a device tensor
+    assert reads.reads == []  # no .item()/.tolist()/.cpu()/nonzero on a device tensor
     # each wait is for a check at least verify_lag x verify_every products old: the device
     # still has those queued behind it
     assert waits.waits and min(waits.waits) >= plan.verify_lag * plan.verify_every
@@ -356,21 +371,37 @@ def test_a_wrong_product_is_reported_a_bounded_number_of_products_later():
 
 
 def test_join_trace_pairs_each_reading_with_the_sample_window_around_it():
-    tel = GpuTelemetry(t_s=[0.0, 0.5, 1.5, 2.5, 3.5], temp_c=[40, 50, 60, None, 61],
-                       mem_temp_c=[None] * 5, power_w=[100, 600, 650, 640, 100],
-                       sm_clock_mhz=[1980] * 5, throttle=[["gpu_idle"], ["sw_power_cap"], None,
-                                                          ["sw_power_cap"], []],
-                       power_limit_w=700.0, slowdown_temp_c=90)
-    samples = [Sample(0.2, 1.0, "bf16", 2e12, 1.0, 1, 0),   # 2 TFLOP/s over [0.2, 1.0]
-               Sample(2.0, 3.0, "bf16", 4e12, 1.0, 1, 0)]   # 4 TFLOP/s over [2.0, 3.0]
+    tel = GpuTelemetry(
+        t_s=[0.0, 0.5, 1.5, 2.5, 3.5],
+        temp_c=[40, 50, 60, None, 61],
+        mem_temp_c=[None] * 5,
+        power_w=[100, 600, 650, 640, 100],
+        sm_clock_mhz=[1980] * 5,
+        throttle=[["gpu_idle"], ["sw_power_cap"], None, ["sw_power_cap"], []],
+        power_limit_w=700.0,
+        slowdown_temp_c=90,
+    )
+    samples = [
+        Sample(0.2, 1.0, "bf16", 2e12, 1.0, 1, 0),  # 2 TFLOP/s over [0.2, 1.0]
+        Sample(2.0, 3.0, "bf16", 4e12, 1.0, 1, 0),
+    ]  # 4 TFLOP/s over [2.0, 3.0]
     trace = join_trace(tel, samples)
     # before the first window: None; inside: its figure; between windows: the last one held;
     # after the last window: None
     assert trace["tflops"] == [None, 2.0, 2.0, 4.0, None]
     assert trace["temp_c"] == [40, 50, 60, None, 61]
     assert trace["throttle"][2] is None and trace["power_limit_w"] == 700.0
-    assert list(trace) == ["t_s", "tflops", "temp_c", "power_w", "sm_clock_mhz", "mem_temp_c",
-                           "throttle", "power_limit_w", "slowdown_temp_c"]
+    assert list(trace) == [
+        "t_s",
+        "tflops",
+        "temp_c",
+        "power_w",
+        "sm_clock_mhz",
+        "mem_temp_c",
+        "throttle",
+        "power_limit_w",
+        "slowdown_temp_c",
+    ]
 
 
 class HalfBlindGpu:
@@ -423,8 +454,16 @@ def test_telemetry_keeps_sampling_when_readings_are_unsupported_or_time_out():
 
 
 def tiny_plan(**hook):
-    return BurnPlan(size=32, duration_s=1.0, precisions=("fp32",), sample_s=0.02,
-                    verify_every=1000, stall_s=3.0, startup_timeout_s=120.0, hook=hook or None)
+    return BurnPlan(
+        size=32,
+        duration_s=1.0,
+        precisions=("fp32",),
+        sample_s=0.02,
+        verify_every=1000,
+        stall_s=3.0,
+        startup_timeout_s=120.0,
+        hook=hook or None,
+    )
 
 
 def sim_specs(n=3):
@@ -432,8 +471,9 @@ def sim_specs(n=3):
 
 
 def test_a_worker_that_exits_is_an_error_for_that_gpu_only():
-    out = run_burn(sim_specs(), tiny_plan(gpu=1, action="exit", after_samples=1, code=7),
-                   deadline_s=150)
+    out = run_burn(
+        sim_specs(), tiny_plan(gpu=1, action="exit", after_samples=1, code=7), deadline_s=150
+    )
     dead = out.workers[1]
     assert dead.failure == "worker_died" and dead.exitcode == 7
     assert "gpu:1" in dead.failure_detail and "code 7" in dead.failure_detail
@@ -442,8 +482,7 @@ def test_a_worker_that_exits_is_an_error_for_that_gpu_only():
 
 
 def test_a_worker_that_raises_reports_its_exception_text():
-    out = run_burn(sim_specs(2), tiny_plan(gpu=0, action="raise", after_samples=2),
-                   deadline_s=150)
+    out = run_burn(sim_specs(2), tiny_plan(gpu=0, action="raise", after_samples=2), deadline_s=150)
     dead = out.workers[0]
     assert dead.failure == "worker_died" and dead.exitcode == 3
     assert "injected failure" in dead.last_words and "injected failure" in dead.failure_detail
@@ -451,8 +490,7 @@ def test_a_worker_that_raises_reports_its_exception_text():
 
 
 def test_a_worker_that_stops_sending_is_killed_as_stalled_and_the_run_ends():
-    out = run_burn(sim_specs(2), tiny_plan(gpu=1, action="hang", after_samples=1),
-                   deadline_s=150)
+    out = run_burn(sim_specs(2), tiny_plan(gpu=1, action="hang", after_samples=1), deadline_s=150)
     stalled = out.workers[1]
     assert stalled.failure == "worker_stalled" and "3 s" in stalled.failure_detail
     assert stalled.exitcode is not None  # killed, not left behind
@@ -460,8 +498,14 @@ def test_a_worker_that_stops_sending_is_killed_as_stalled_and_the_run_ends():
 
 
 def test_precisions_no_gpu_supports_are_skipped_with_the_reason():
-    plan = BurnPlan(size=32, duration_s=0.3, precisions=("fp8", "fp32"), sample_s=0.02,
-                    verify_every=1000, stall_s=3.0)
+    plan = BurnPlan(
+        size=32,
+        duration_s=0.3,
+        precisions=("fp8", "fp32"),
+        sample_s=0.02,
+        verify_every=1000,
+        stall_s=3.0,
+    )
     out = run_burn(sim_specs(1), plan, deadline_s=150)
     assert out.precisions == ["fp32"]
     assert "not supported on the CPU" in out.skipped["fp8"]
@@ -479,19 +523,34 @@ def thermal_ctx(scenario_faults=()):
 
     config = config_from_dict({})
     sku = load_skus(resources.graders_dir(config))["h100-sxm5-80gb"]
-    scenario = Scenario(sku=sku.id, gpus=2, source="t",
-                        faults=tuple(Fault(**f) for f in scenario_faults))
-    return CheckContext(check="thermal_power", gpu=SimGpuBackend(scenario, sku), kernel_log=None,
-                        config=config, inventory=None, sku=sku, expected_gpus=2,
-                        scenario=scenario)
+    scenario = Scenario(
+        sku=sku.id, gpus=2, source="t", faults=tuple(Fault(**f) for f in scenario_faults)
+    )
+    return CheckContext(
+        check="thermal_power",
+        gpu=SimGpuBackend(scenario, sku),
+        kernel_log=None,
+        config=config,
+        inventory=None,
+        sku=sku,
+        expected_gpus=2,
+        scenario=scenario,
+    )
 
 
 def trace(power, tflops, temps=None, throttle=None, clocks=None):
     n = len(power)
-    return {"t_s": [i * 1.0 for i in range(n)], "tflops": tflops, "temp_c": temps or [60] * n,
-            "power_w": power, "sm_clock_mhz": clocks or [1980] * n, "mem_temp_c": [50] * n,
-            "throttle": throttle or [["sw_power_cap"]] * n, "power_limit_w": 700.0,
-            "slowdown_temp_c": 90}
+    return {
+        "t_s": [i * 1.0 for i in range(n)],
+        "tflops": tflops,
+        "temp_c": temps or [60] * n,
+        "power_w": power,
+        "sm_clock_mhz": clocks or [1980] * n,
+        "mem_temp_c": [50] * n,
+        "throttle": throttle or [["sw_power_cap"]] * n,
+        "power_limit_w": 700.0,
+        "slowdown_temp_c": 90,
+    }
 
 
 def findings(ctx, tr):
@@ -515,8 +574,19 @@ def test_low_power_is_not_graded_when_the_gpu_did_not_run_at_full_load():
 def test_sw_power_cap_is_normal_but_hw_power_brake_is_a_finding():
     calm = findings(thermal_ctx(), trace([680.0] * 4, [1.0] * 4))
     assert calm["throttle"].status.value == "pass"
-    braked = findings(thermal_ctx(), trace([680.0] * 4, [1.0] * 4, throttle=[
-        ["sw_power_cap"], ["hw_power_brake_slowdown", "sw_power_cap"], ["sw_power_cap"], None]))
+    braked = findings(
+        thermal_ctx(),
+        trace(
+            [680.0] * 4,
+            [1.0] * 4,
+            throttle=[
+                ["sw_power_cap"],
+                ["hw_power_brake_slowdown", "sw_power_cap"],
+                ["sw_power_cap"],
+                None,
+            ],
+        ),
+    )
     assert braked["throttle"].status.value == "fail"
     assert "hw_power_brake_slowdown in 1 of 3 readings" in braked["throttle"].detail
 
@@ -529,12 +599,19 @@ def test_time_above_slowdown_is_measured_from_the_readings():
 
 
 def test_a_trace_without_readings_skips_rather_than_passes():
-    empty = {k: [] for k in ("t_s", "tflops", "temp_c", "power_w", "sm_clock_mhz",
-                             "mem_temp_c", "throttle")}
+    empty = {
+        k: []
+        for k in ("t_s", "tflops", "temp_c", "power_w", "sm_clock_mhz", "mem_temp_c", "throttle")
+    }
     got = findings(thermal_ctx(), {**empty, "power_limit_w": None, "slowdown_temp_c": None})
     assert {m: r.status.value for m, r in got.items()} == {
-        "temperature_max_c": "skip", "power_reached_fraction": "skip", "sm_clock_drop": "skip",
-        "throttle": "skip", "memory_temperature_max_c": "skip", "load_trace": "pass"}
+        "temperature_max_c": "skip",
+        "power_reached_fraction": "skip",
+        "sm_clock_drop": "skip",
+        "throttle": "skip",
+        "memory_temperature_max_c": "skip",
+        "load_trace": "pass",
+    }
 
 
 # -- gpu-validate's burn_vs_plain, per precision ----------------------------------------------
@@ -560,22 +637,38 @@ def test_burn_vs_plain_reports_every_precision_and_the_lowest_ratio():
     steps = _gpu_validate_steps()
     step = steps.STEP_BY_NAME["burn_vs_plain"]
     assert set(step.figures) == {"burn_vs_plain_matmul"} | {
-        f"burn_vs_plain_matmul_{p}" for p in ("bf16", "fp16", "tf32", "fp32", "fp8")}
-    got = steps.burn_vs_plain(device="cpu", precisions=("fp32", "bf16", "fp8"), size=64,
-                              block_s=0.05, pairs=2, command="c")
+        f"burn_vs_plain_matmul_{p}" for p in ("bf16", "fp16", "tf32", "fp32", "fp8")
+    }
+    got = steps.burn_vs_plain(
+        device="cpu",
+        precisions=("fp32", "bf16", "fp8"),
+        size=64,
+        block_s=0.05,
+        pairs=2,
+        command="c",
+    )
     assert got["burn_vs_plain_matmul_fp32"]["value"] > 0
     assert got["burn_vs_plain_matmul_bf16"]["value"] > 0
     fp8 = got["burn_vs_plain_matmul_fp8"]
     assert fp8["value"] is None and fp8["reason"].startswith("not run: fp8 GEMMs are not supported")
-    lowest = min(got["burn_vs_plain_matmul_fp32"]["value"], got["burn_vs_plain_matmul_bf16"]["value"])
+    lowest = min(
+        got["burn_vs_plain_matmul_fp32"]["value"], got["burn_vs_plain_matmul_bf16"]["value"]
+    )
     assert got["burn_vs_plain_matmul"]["value"] == lowest
     assert got["burn_vs_plain_matmul"]["detail"].startswith("the lowest precision's ratio")
 
 
 def test_burn_vs_plain_names_the_precisions_its_time_box_leaves_out():
     steps = _gpu_validate_steps()
-    got = steps.burn_vs_plain(device="cpu", precisions=("fp32",), size=64, block_s=0.05,
-                              pairs=2, command="c", deadline_s=0.01)
+    got = steps.burn_vs_plain(
+        device="cpu",
+        precisions=("fp32",),
+        size=64,
+        block_s=0.05,
+        pairs=2,
+        command="c",
+        deadline_s=0.01,
+    )
     assert got["burn_vs_plain_matmul_fp32"]["reason"].startswith("not run: the step's time box")
     assert got["burn_vs_plain_matmul"]["value"] is None
     assert "fp32: not run: the step's time box" in got["burn_vs_plain_matmul"]["reason"]

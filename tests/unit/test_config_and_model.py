@@ -38,13 +38,16 @@ def test_partial_section_keeps_other_defaults(tmp_path):
     assert config.get("adapter.webhook.retries") == 3
 
 
-@pytest.mark.parametrize("text, fragment", [
-    ("state_dir: [a, b]\n", "key 'state_dir': expected string"),
-    ("daemon: {listen: 'localhost'}\n", "daemon.listen"),
-    ("safety: {max_drained_fraction: 1.5}\n", "safety.max_drained_fraction"),
-    ("node: {name: 'bad name; rm -rf /'}\n", "node.name"),
-    ("- just\n- a list\n", "expected object"),
-])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("state_dir: [a, b]\n", "key 'state_dir': expected string"),
+        ("daemon: {listen: 'localhost'}\n", "daemon.listen"),
+        ("safety: {max_drained_fraction: 1.5}\n", "safety.max_drained_fraction"),
+        ("node: {name: 'bad name; rm -rf /'}\n", "node.name"),
+        ("- just\n- a list\n", "expected object"),
+    ],
+)
 def test_invalid_values_name_the_key(tmp_path, text, fragment):
     path = tmp_path / "c.yaml"
     path.write_text(text)
@@ -63,12 +66,16 @@ def test_yaml_syntax_error_gives_line_number(tmp_path):
 def make_report() -> Report:
     return Report(
         host=HostInfo(hostname="n1", kernel="6.1", driver="570.86.15", cuda="12.8"),
-        gpus=[], suite="quick", mode="service", started_at="2026-11-21T00:00:00Z",
+        gpus=[],
+        suite="quick",
+        mode="service",
+        started_at="2026-11-21T00:00:00Z",
         finished_at="2026-11-21T00:00:05Z",
-        results=[Result("xid", "gpu:5", "xid", Status.FAIL, "Xid 79", value=79,
-                        evidence={"count": 1})],
-        grade=Grade(Level.FAULT, Action.REPLACE,
-                    (Reason("xid", Level.FAULT, "gpu:5", "Xid 79"),)))
+        results=[
+            Result("xid", "gpu:5", "xid", Status.FAIL, "Xid 79", value=79, evidence={"count": 1})
+        ],
+        grade=Grade(Level.FAULT, Action.REPLACE, (Reason("xid", Level.FAULT, "gpu:5", "Xid 79"),)),
+    )
 
 
 def test_report_round_trips_through_json():
@@ -93,15 +100,20 @@ def test_report_with_a_malformed_result_is_a_clear_error():
 
 # -- SKU files and scenarios: bad input names the file, the key and what was expected ----------
 
-SKU_BASE = ("id: {id}\ndisplay_name: X\nmatch: ['NVIDIA X']\ngpus_per_node: 8\n")
+SKU_BASE = "id: {id}\ndisplay_name: X\nmatch: ['NVIDIA X']\ngpus_per_node: 8\n"
 
 
-@pytest.mark.parametrize("extra, fragment", [
-    ("memory_total_mib_min: 90000\nmemory_total_mib_max: 80000\n",
-     "key 'memory_total_mib_max': 80000 is below memory_total_mib_min 90000"),
-    ("nvlink: {links: 18, indices: 12}\n", "key 'nvlink.indices': 12 is below nvlink.links 18"),
-    ("gpus_per_node_fixed: maybe\n", "gpus_per_node_fixed"),
-])
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (
+            "memory_total_mib_min: 90000\nmemory_total_mib_max: 80000\n",
+            "key 'memory_total_mib_max': 80000 is below memory_total_mib_min 90000",
+        ),
+        ("nvlink: {links: 18, indices: 12}\n", "key 'nvlink.indices': 12 is below nvlink.links 18"),
+        ("gpus_per_node_fixed: maybe\n", "gpus_per_node_fixed"),
+    ],
+)
 def test_inconsistent_sku_files_are_refused_naming_the_key(tmp_path, extra, fragment):
     from node_agent.grading.sku import load_sku
 
@@ -118,9 +130,18 @@ def test_the_shipped_sku_files_load_and_the_new_ids_are_there():
     from node_agent.grading.sku import load_skus
 
     skus = load_skus(resources.graders_dir(config_from_dict({})))
-    assert {"h100-pcie-80gb", "h100-nvl-94gb", "h20-96gb", "l40s-48gb", "a100-sxm4-40gb",
-            "a100-pcie-80gb", "b200-sxm-180gb", "gb200-186gb", "b300-sxm-288gb",
-            "gb300-288gb"} <= set(skus)
+    assert {
+        "h100-pcie-80gb",
+        "h100-nvl-94gb",
+        "h20-96gb",
+        "l40s-48gb",
+        "a100-sxm4-40gb",
+        "a100-pcie-80gb",
+        "b200-sxm-180gb",
+        "gb200-186gb",
+        "b300-sxm-288gb",
+        "gb300-288gb",
+    } <= set(skus)
     for sku in skus.values():
         low, high = sku.memory_range
         assert low is not None and high is not None and low < high, sku.id
@@ -129,12 +150,15 @@ def test_the_shipped_sku_files_load_and_the_new_ids_are_there():
         assert (links == 0) == (not sku.fixed_gpu_count), sku.id
 
 
-@pytest.mark.parametrize("fault, fragment", [
-    ({"kind": "kernel_log", "line": "NVRM: Xid (PCI:{bus}): 79"}, "uses {bus} but"),
-    ({"kind": "kernel_log", "gpu": 1, "line": "one\ntwo"}, "without line breaks"),
-    ({"kind": "pci_only", "gpu": 1, "driver": "bad driver"}, "faults[0]"),
-    ({"kind": "ecc_sram_uncorrectable", "gpu": 1, "unit": "l3"}, "faults[0]"),
-])
+@pytest.mark.parametrize(
+    "fault, fragment",
+    [
+        ({"kind": "kernel_log", "line": "NVRM: Xid (PCI:{bus}): 79"}, "uses {bus} but"),
+        ({"kind": "kernel_log", "gpu": 1, "line": "one\ntwo"}, "without line breaks"),
+        ({"kind": "pci_only", "gpu": 1, "driver": "bad driver"}, "faults[0]"),
+        ({"kind": "ecc_sram_uncorrectable", "gpu": 1, "unit": "l3"}, "faults[0]"),
+    ],
+)
 def test_bad_new_fault_kinds_are_refused_naming_the_fault(tmp_path, fault, fragment):
     from node_agent.sim.scenario import load_scenario
 
@@ -149,8 +173,15 @@ def test_a_gpu_cannot_be_both_off_the_bus_and_on_it(tmp_path):
     from node_agent.sim.scenario import load_scenario
 
     path = tmp_path / "s.yaml"
-    path.write_text(json.dumps({"sku": "h100-sxm5-80gb", "gpus": 2, "faults": [
-        {"kind": "missing_gpu", "gpu": 1}, {"kind": "pci_only", "gpu": 1}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "sku": "h100-sxm5-80gb",
+                "gpus": 2,
+                "faults": [{"kind": "missing_gpu", "gpu": 1}, {"kind": "pci_only", "gpu": 1}],
+            }
+        )
+    )
     with pytest.raises(ConfigError, match="cannot be both missing_gpu"):
         load_scenario(path)
 
@@ -161,12 +192,23 @@ def test_kernel_log_lines_keep_scenario_order_and_take_the_kernels_bus_form(tmp_
     from node_agent.sim.scenario import load_scenario
 
     path = tmp_path / "s.yaml"
-    path.write_text(json.dumps({"sku": "h100-sxm5-80gb", "gpus": 8, "faults": [
-        {"kind": "kernel_log", "line": "nvidia-nvswitch2: SXid (PCI:0000:07:00.0): 12028, "
-                                       "Non-fatal, Link 44 egress non-posted PRIV error"},
-        {"kind": "xid", "gpu": 1, "code": 48},
-        {"kind": "kernel_log", "gpu": 5, "line": "NVRM: GPU at PCI:{bus}: GPU-4a1c"},
-    ]}))
+    path.write_text(
+        json.dumps(
+            {
+                "sku": "h100-sxm5-80gb",
+                "gpus": 8,
+                "faults": [
+                    {
+                        "kind": "kernel_log",
+                        "line": "nvidia-nvswitch2: SXid (PCI:0000:07:00.0): 12028, "
+                        "Non-fatal, Link 44 egress non-posted PRIV error",
+                    },
+                    {"kind": "xid", "gpu": 1, "code": 48},
+                    {"kind": "kernel_log", "gpu": 5, "line": "NVRM: GPU at PCI:{bus}: GPU-4a1c"},
+                ],
+            }
+        )
+    )
     scenario = load_scenario(path)
     sku = load_sku(Path(__file__).resolve().parents[2] / "graders/skus/h100-sxm5-80gb.yaml")
     lines = SimGpuBackend(scenario, sku).kernel_log_lines()

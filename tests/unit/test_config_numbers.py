@@ -15,15 +15,17 @@ from node_agent.yamlfile import ConfigError
 MAIN = [sys.executable, "-m", "node_agent.commands.main"]
 
 
-@pytest.mark.parametrize("text, key", [
-    ("safety:\n  max_drained_fraction: .nan\n", "safety.max_drained_fraction"),
-    ("daemon:\n  default_every_s: .nan\n", "daemon.default_every_s"),
-    ("adapter:\n  webhook:\n    timeout_s: .inf\n", "adapter.webhook.timeout_s"),
-    ("safety:\n  dedup_window_s: -.inf\n", "safety.dedup_window_s"),
-    ("nvml:\n  call_timeout_s: .NaN\n", "nvml.call_timeout_s"),
-])
-def test_nan_and_infinity_in_the_config_are_a_one_line_error_naming_the_key(tmp_path, text,
-                                                                             key):
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("safety:\n  max_drained_fraction: .nan\n", "safety.max_drained_fraction"),
+        ("daemon:\n  default_every_s: .nan\n", "daemon.default_every_s"),
+        ("adapter:\n  webhook:\n    timeout_s: .inf\n", "adapter.webhook.timeout_s"),
+        ("safety:\n  dedup_window_s: -.inf\n", "safety.dedup_window_s"),
+        ("nvml:\n  call_timeout_s: .NaN\n", "nvml.call_timeout_s"),
+    ],
+)
+def test_nan_and_infinity_in_the_config_are_a_one_line_error_naming_the_key(tmp_path, text, key):
     path = tmp_path / "config.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError) as err:
@@ -40,14 +42,34 @@ def test_nan_given_as_a_dict_is_refused_too():
 
 def test_a_suite_cadence_of_nan_is_exit_2_with_one_line_before_anything_runs(tmp_path):
     suite = tmp_path / "suite.yaml"
-    suite.write_text(yaml.safe_dump({"name": "s", "mode": "service", "checks": [
-        {"check": "inventory", "timeout_s": 10, "every_s": float("nan")}]}))
+    suite.write_text(
+        yaml.safe_dump(
+            {
+                "name": "s",
+                "mode": "service",
+                "checks": [{"check": "inventory", "timeout_s": 10, "every_s": float("nan")}],
+            }
+        )
+    )
     scenario = tmp_path / "node.yaml"
     scenario.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 2}))
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state")}))
-    done = subprocess.run([*MAIN, "check", "--suite", str(suite), "--simulate", str(scenario),
-                           "--config", str(config)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            *MAIN,
+            "check",
+            "--suite",
+            str(suite),
+            "--simulate",
+            str(scenario),
+            "--config",
+            str(config),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and done.stdout == ""
     (line,) = done.stderr.strip().splitlines()
     assert "checks.0.every_s" in line and "not a finite number" in line

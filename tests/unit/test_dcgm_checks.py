@@ -63,9 +63,13 @@ class SimulatedGpus(RealLikeGpus):
 class FakeDcgm:
     """DcgmSource fake: returns the report it was given, records what the check asked."""
 
-    def __init__(self, report: DiagReport | None = None, health: HealthReport | None = None,
-                 diag_error: Exception | None = None,
-                 connection: str = "host engine at localhost") -> None:
+    def __init__(
+        self,
+        report: DiagReport | None = None,
+        health: HealthReport | None = None,
+        diag_error: Exception | None = None,
+        connection: str = "host engine at localhost",
+    ) -> None:
         self.connection = connection
         self.report, self.health, self.diag_error = report, health, diag_error
         self.requests: list[tuple[DiagRequest, float]] = []
@@ -91,9 +95,17 @@ class FakeDcgm:
 
 
 def ctx_for(check: str, gpu=None, timeout_s: float = 60.0, **params) -> CheckContext:
-    return CheckContext(check=check, gpu=gpu or RealLikeGpus(), kernel_log=None,
-                        config=config_from_dict({}), inventory=None, sku=None,
-                        expected_gpus=None, params=params, timeout_s=timeout_s)
+    return CheckContext(
+        check=check,
+        gpu=gpu or RealLikeGpus(),
+        kernel_log=None,
+        config=config_from_dict({}),
+        inventory=None,
+        sku=None,
+        expected_gpus=None,
+        params=params,
+        timeout_s=timeout_s,
+    )
 
 
 def opener_of(source):
@@ -119,8 +131,11 @@ def test_failed_memory_test_on_gpu2_grades_fault_naming_gpu_test_and_dcgm_error_
     source = FakeDcgm(fixture("dcgm3_r3_memory_fail.json"))
     results = dcgm_diag.run(ctx_for("dcgm_diag", level=3), opener=opener_of(source))
     (finding,) = results
-    assert (finding.target, finding.metric, finding.status) == ("gpu:2", "diag_isolate",
-                                                                Status.FAIL)
+    assert (finding.target, finding.metric, finding.status) == (
+        "gpu:2",
+        "diag_isolate",
+        Status.FAIL,
+    )
     assert finding.evidence["test"] == "GPU Memory"
     assert finding.evidence["error_id"] == 58
     assert finding.evidence["error_name"] == "DCGM_FR_MEMORY_MISMATCH"
@@ -137,8 +152,9 @@ def test_failed_memory_test_on_gpu2_grades_fault_naming_gpu_test_and_dcgm_error_
 
 
 def test_failed_memory_test_without_severity_dcgm2_grades_error_on_gpu2():
-    results = dcgm_diag.run(ctx_for("dcgm_diag"),
-                            opener=opener_of(FakeDcgm(fixture("dcgm2_r2_memory_fail.json"))))
+    results = dcgm_diag.run(
+        ctx_for("dcgm_diag"), opener=opener_of(FakeDcgm(fixture("dcgm2_r2_memory_fail.json")))
+    )
     (finding,) = results
     assert (finding.target, finding.metric) == ("gpu:2", "diag_fail")
     grade = GRADER.grade(results)
@@ -147,8 +163,9 @@ def test_failed_memory_test_without_severity_dcgm2_grades_error_on_gpu2():
 
 
 def test_passing_diag_adds_one_pass_and_nothing_to_the_grade():
-    results = dcgm_diag.run(ctx_for("dcgm_diag"),
-                            opener=opener_of(FakeDcgm(fixture("dcgm4_r3_pass.json"))))
+    results = dcgm_diag.run(
+        ctx_for("dcgm_diag"), opener=opener_of(FakeDcgm(fixture("dcgm4_r3_pass.json")))
+    )
     (summary,) = results
     assert (summary.target, summary.metric, summary.status) == ("node", "diag", Status.PASS)
     assert summary.evidence["targets"] == [f"gpu:{i}" for i in range(8)]
@@ -156,19 +173,24 @@ def test_passing_diag_adds_one_pass_and_nothing_to_the_grade():
 
 
 def test_severities_isolate_reset_monitor_grade_fault_error_warn_per_gpu():
-    results = dcgm_diag.run(ctx_for("dcgm_diag"),
-                            opener=opener_of(FakeDcgm(fixture("dcgm4_r3_memory_isolate.json"))))
+    results = dcgm_diag.run(
+        ctx_for("dcgm_diag"), opener=opener_of(FakeDcgm(fixture("dcgm4_r3_memory_isolate.json")))
+    )
     grade = GRADER.grade(results)
     levels = {r.target: (r.rule, r.level) for r in grade.reasons}
-    assert levels == {"gpu:2": ("dcgm-diag-isolate", Level.FAULT),
-                      "gpu:6": ("dcgm-diag-reset", Level.ERROR),
-                      "gpu:4": ("dcgm-diag-monitor", Level.WARN)}
+    assert levels == {
+        "gpu:2": ("dcgm-diag-isolate", Level.FAULT),
+        "gpu:6": ("dcgm-diag-reset", Level.ERROR),
+        "gpu:4": ("dcgm-diag-monitor", Level.WARN),
+    }
     assert grade.level is Level.FAULT
 
 
 def test_warn_printed_as_fail_grades_warn_and_says_so():
-    results = dcgm_diag.run(ctx_for("dcgm_diag"), opener=opener_of(
-        FakeDcgm(fixture("dcgm3_r2_warn_printed_as_fail.json"))))
+    results = dcgm_diag.run(
+        ctx_for("dcgm_diag"),
+        opener=opener_of(FakeDcgm(fixture("dcgm3_r2_warn_printed_as_fail.json"))),
+    )
     pcie = next(r for r in results if r.target == "gpu:5")
     assert (pcie.metric, pcie.status) == ("diag_monitor", Status.WARN)
     assert "printed this WARN as 'Fail'" in pcie.evidence["note"]
@@ -179,8 +201,10 @@ def test_warn_printed_as_fail_grades_warn_and_says_so():
 
 
 def test_iterations_failure_is_one_result_naming_the_failing_iteration():
-    results = dcgm_diag.run(ctx_for("dcgm_diag", level=1, iterations=3), opener=opener_of(
-        FakeDcgm(fixture("dcgm4_r1_iterations_fail.json"))))
+    results = dcgm_diag.run(
+        ctx_for("dcgm_diag", level=1, iterations=3),
+        opener=opener_of(FakeDcgm(fixture("dcgm4_r1_iterations_fail.json"))),
+    )
     (finding,) = results
     assert (finding.target, finding.metric) == ("gpu:1", "diag_reset")
     assert finding.evidence["iterations_with_finding"] == [2]
@@ -188,8 +212,9 @@ def test_iterations_failure_is_one_result_naming_the_failing_iteration():
 
 
 def test_runtime_error_is_an_error_result_and_blocks_delivery():
-    results = dcgm_diag.run(ctx_for("dcgm_diag"),
-                            opener=opener_of(FakeDcgm(fixture("dcgm4_runtime_error.json"))))
+    results = dcgm_diag.run(
+        ctx_for("dcgm_diag"), opener=opener_of(FakeDcgm(fixture("dcgm4_runtime_error.json")))
+    )
     (err,) = results
     assert err.status is Status.ERROR
     assert "paused" in err.detail
@@ -215,22 +240,24 @@ def test_bindings_present_but_no_host_engine_is_an_error_not_a_skip():
 def test_named_tests_param_runs_those_tests_instead_of_a_level():
     source = FakeDcgm(fixture("dcgm4_r3_pass.json"))
     dcgm_diag.run(ctx_for("dcgm_diag", tests="memory, pcie"), opener=opener_of(source))
-    (request, _), = source.requests
+    ((request, _),) = source.requests
     assert request.run_arg == "memory,pcie"
 
 
 def test_diag_timeout_stays_inside_the_checks_own_timeout():
     source = FakeDcgm(fixture("dcgm4_r3_pass.json"))
     dcgm_diag.run(ctx_for("dcgm_diag", timeout_s=3600), opener=opener_of(source))
-    (_, timeout_s), = source.requests
+    ((_, timeout_s),) = source.requests
     assert 0 < timeout_s < 3600
 
 
-@pytest.mark.parametrize("params", [{"level": 7}, {"level": "three"}, {"iterations": 0},
-                                    {"tests": ["memory;rm"]}])
+@pytest.mark.parametrize(
+    "params", [{"level": 7}, {"level": "three"}, {"iterations": 0}, {"tests": ["memory;rm"]}]
+)
 def test_bad_suite_params_are_an_error_naming_the_param(params):
-    (err,) = dcgm_diag.run(ctx_for("dcgm_diag", **params),
-                           opener=opener_of(FakeDcgm(fixture("dcgm4_r3_pass.json"))))
+    (err,) = dcgm_diag.run(
+        ctx_for("dcgm_diag", **params), opener=opener_of(FakeDcgm(fixture("dcgm4_r3_pass.json")))
+    )
     assert err.status is Status.ERROR
     assert "suite" in err.detail
 
@@ -238,8 +265,7 @@ def test_bad_suite_params_are_an_error_naming_the_param(params):
 # -- skips ---------------------------------------------------------------------------------------
 
 
-def test_no_bindings_and_no_dcgmi_skips_naming_paths_searched_and_package(tmp_path,
-                                                                          monkeypatch):
+def test_no_bindings_and_no_dcgmi_skips_naming_paths_searched_and_package(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no dcgmi anywhere
     opener = lambda config: open_dcgm(config, candidates=[tmp_path / "absent"])  # noqa: E731
     (skip,) = dcgm_diag.run(ctx_for("dcgm_diag"), opener=opener)
@@ -276,15 +302,19 @@ def test_configured_bindings_path_is_where_the_bindings_are_loaded_from(tmp_path
 
 @pytest.mark.parametrize("module", [dcgm_diag, dcgm_health])
 def test_simulated_node_skips_with_reason(module):
-    (skip,) = module.run(ctx_for(module.__name__.rsplit(".", 1)[1], gpu=SimulatedGpus()),
-                         opener=lambda c: pytest.fail("a simulated node must not open DCGM"))
+    (skip,) = module.run(
+        ctx_for(module.__name__.rsplit(".", 1)[1], gpu=SimulatedGpus()),
+        opener=lambda c: pytest.fail("a simulated node must not open DCGM"),
+    )
     assert skip.status is Status.SKIP and "simulated" in skip.detail
 
 
 @pytest.mark.parametrize("module", [dcgm_diag, dcgm_health])
 def test_host_without_gpu_driver_skips_before_touching_dcgm(module):
-    (skip,) = module.run(ctx_for("x", gpu=AbsentGpuBackend("no NVIDIA driver")),
-                         opener=lambda c: pytest.fail("no GPU: DCGM must not be opened"))
+    (skip,) = module.run(
+        ctx_for("x", gpu=AbsentGpuBackend("no NVIDIA driver")),
+        opener=lambda c: pytest.fail("no GPU: DCGM must not be opened"),
+    )
     assert skip.status is Status.SKIP and "no NVIDIA driver" in skip.detail
 
 
@@ -301,8 +331,9 @@ def stand_in_dcgmi(tmp_path: Path, body: str) -> Path:
 
 def run_cli(tmp_path, body, timeout_s=60.0, **params):
     dcgmi = stand_in_dcgmi(tmp_path, body)
-    return dcgm_diag.run(ctx_for("dcgm_diag", timeout_s=timeout_s, dcgmi=str(dcgmi), **params),
-                         opener=no_bindings)
+    return dcgm_diag.run(
+        ctx_for("dcgm_diag", timeout_s=timeout_s, dcgmi=str(dcgmi), **params), opener=no_bindings
+    )
 
 
 def test_dcgmi_cli_json_with_failed_memory_test_grades_fault_on_gpu2(tmp_path):
@@ -310,8 +341,11 @@ def test_dcgmi_cli_json_with_failed_memory_test_grades_fault_on_gpu2(tmp_path):
     results = run_cli(tmp_path, f'cat "{DATA / "dcgm4_r3_memory_isolate.json"}"\nexit 226')
     assert (tmp_path / "argv").read_text().split() == ["diag", "-r", "3", "-j"]
     memory = next(r for r in results if r.evidence.get("test") == "memory")
-    assert (memory.target, memory.metric, memory.evidence["via"]) == ("gpu:2", "diag_isolate",
-                                                                      "dcgmi")
+    assert (memory.target, memory.metric, memory.evidence["via"]) == (
+        "gpu:2",
+        "diag_isolate",
+        "dcgmi",
+    )
     assert memory.evidence["error_id"] == 58
     assert GRADER.grade(results).level is Level.FAULT
 
@@ -329,8 +363,9 @@ def test_dcgmi_truncated_json_is_an_error_not_a_pass(tmp_path):
 
 
 def test_dcgmi_exiting_nonzero_without_json_is_an_error_with_its_stderr(tmp_path):
-    (err,) = run_cli(tmp_path, 'echo "Error: unable to establish a connection to the '
-                               'host engine" >&2\nexit 1')
+    (err,) = run_cli(
+        tmp_path, 'echo "Error: unable to establish a connection to the host engine" >&2\nexit 1'
+    )
     assert err.status is Status.ERROR
     assert "exited 1" in err.detail and "host engine" in err.detail
 
@@ -363,8 +398,9 @@ def test_dcgmi_argv_passes_iterations_and_a_remote_host_only():
 
 
 def incident(system, health, code, gpu, message="m"):
-    return HealthIncident(system=system, health=health, error_code=code, message=message,
-                          entity_id=gpu)
+    return HealthIncident(
+        system=system, health=health, error_code=code, message=message, entity_id=gpu
+    )
 
 
 def test_health_sets_the_default_watches_and_reports_no_incident_as_pass():
@@ -377,13 +413,22 @@ def test_health_sets_the_default_watches_and_reports_no_incident_as_pass():
 
 
 def test_health_incidents_grade_by_subsystem_and_keep_dcgm_code_and_message():
-    report = HealthReport(overall="fail", incidents=(
-        incident("mem", "fail", 4, 3, "Detected 2 volatile double-bit ECC error(s) in GPU 3."),
-        incident("mem", "warn", 85, 1, "GPU 1 had uncorrectable memory errors and row "
-                                       "remapping is pending."),
-        incident("pcie", "warn", 3, 5, "Detected more than 8 PCIe replays per minute"),
-        incident("thermal", "fail", 42, 0, "Temperature is too high"),
-        incident("power", "pass", None, 0, "")))
+    report = HealthReport(
+        overall="fail",
+        incidents=(
+            incident("mem", "fail", 4, 3, "Detected 2 volatile double-bit ECC error(s) in GPU 3."),
+            incident(
+                "mem",
+                "warn",
+                85,
+                1,
+                "GPU 1 had uncorrectable memory errors and row remapping is pending.",
+            ),
+            incident("pcie", "warn", 3, 5, "Detected more than 8 PCIe replays per minute"),
+            incident("thermal", "fail", 42, 0, "Temperature is too high"),
+            incident("power", "pass", None, 0, ""),
+        ),
+    )
     results = dcgm_health.run(ctx_for("dcgm_health"), opener=opener_of(FakeDcgm(health=report)))
     by_target = {r.target: r for r in results}
     assert set(by_target) == {"gpu:3", "gpu:1", "gpu:5", "gpu:0"}  # the PASS is not a finding
@@ -394,10 +439,12 @@ def test_health_incidents_grade_by_subsystem_and_keep_dcgm_code_and_message():
     assert by_target["gpu:1"].metric == "health_reset_pending"
     grade = GRADER.grade(results, mode="service")
     levels = {r.target: (r.rule, r.level) for r in grade.reasons}
-    assert levels == {"gpu:3": ("dcgm-health-hardware-fail", Level.FAULT),
-                      "gpu:1": ("dcgm-health-reset-pending", Level.ERROR),
-                      "gpu:5": ("dcgm-health-warn", Level.WARN),
-                      "gpu:0": ("dcgm-health-fail", Level.ERROR)}
+    assert levels == {
+        "gpu:3": ("dcgm-health-hardware-fail", Level.FAULT),
+        "gpu:1": ("dcgm-health-reset-pending", Level.ERROR),
+        "gpu:5": ("dcgm-health-warn", Level.WARN),
+        "gpu:0": ("dcgm-health-fail", Level.ERROR),
+    }
 
 
 def test_health_watch_as_periodic_source_sets_watches_once_and_polls_each_time():
@@ -410,8 +457,10 @@ def test_health_watch_as_periodic_source_sets_watches_once_and_polls_each_time()
 
 
 def test_unknown_health_system_param_is_an_error_before_dcgm_is_opened():
-    (err,) = dcgm_health.run(ctx_for("dcgm_health", systems=["mem", "gpu_vibes"]),
-                             opener=lambda c: pytest.fail("must not open DCGM"))
+    (err,) = dcgm_health.run(
+        ctx_for("dcgm_health", systems=["mem", "gpu_vibes"]),
+        opener=lambda c: pytest.fail("must not open DCGM"),
+    )
     assert err.status is Status.ERROR and "gpu_vibes" in err.detail
 
 
@@ -435,8 +484,9 @@ class FakeDCGMError(Exception):
         self.value = value
 
 
-def fake_bindings(refuse_hostengine=False, refuse_embedded=False, diag_response=None,
-                  health_response=None):
+def fake_bindings(
+    refuse_hostengine=False, refuse_embedded=False, diag_response=None, health_response=None
+):
     calls = SimpleNamespace(handles=[], health_set=[], shutdowns=0)
 
     class Handle:
@@ -461,11 +511,18 @@ def fake_bindings(refuse_hostengine=False, refuse_embedded=False, diag_response=
     agent = SimpleNamespace(
         dcgmHealthSet=lambda h, g, s: calls.health_set.append((h, g, s)),
         dcgmUpdateAllFields=lambda h, wait: None,
-        dcgmHealthCheck=lambda h, g: health_response)
-    structs = SimpleNamespace(DCGMError=FakeDCGMError, DCGM_OPERATION_MODE_AUTO=1,
-                              DCGM_GROUP_ALL_GPUS=0x7FFFFFFF)
-    return Bindings(path=Path("/fake/bindings"), pydcgm=SimpleNamespace(DcgmHandle=Handle),
-                    structs=structs, agent=agent, diag=SimpleNamespace(DcgmDiag=Diag)), calls
+        dcgmHealthCheck=lambda h, g: health_response,
+    )
+    structs = SimpleNamespace(
+        DCGMError=FakeDCGMError, DCGM_OPERATION_MODE_AUTO=1, DCGM_GROUP_ALL_GPUS=0x7FFFFFFF
+    )
+    return Bindings(
+        path=Path("/fake/bindings"),
+        pydcgm=SimpleNamespace(DcgmHandle=Handle),
+        structs=structs,
+        agent=agent,
+        diag=SimpleNamespace(DcgmDiag=Diag),
+    ), calls
 
 
 def test_backend_connects_to_the_host_engine_and_says_so():
@@ -482,8 +539,9 @@ def test_backend_starts_embedded_engine_when_no_host_engine_answers_and_says_why
     bindings, calls = fake_bindings(refuse_hostengine=True)
     source = BindingsDcgm(bindings, hostengine="localhost")
     source.connect()
-    assert source.connection.startswith("embedded host engine (no host engine answered at "
-                                        "localhost")
+    assert source.connection.startswith(
+        "embedded host engine (no host engine answered at localhost"
+    )
     assert calls.handles == [None]
 
 
@@ -503,17 +561,41 @@ def entity(group, eid):
 
 def test_dcgm4_response_struct_becomes_the_same_model_as_the_json():
     resp = ns(
-        dcgmVersion=b"4.2.3\0", driverVersion=b"570.124.06\0", systemError=ns(msg=b""),
-        numTests=1, categories=[b"Hardware"],
-        tests=[ns(name=b"memory", categoryIndex=0, numResults=2, resultIndices=[0, 1],
-                  numErrors=1, errorIndices=[0], numInfo=1, infoIndices=[0])],
+        dcgmVersion=b"4.2.3\0",
+        driverVersion=b"570.124.06\0",
+        systemError=ns(msg=b""),
+        numTests=1,
+        categories=[b"Hardware"],
+        tests=[
+            ns(
+                name=b"memory",
+                categoryIndex=0,
+                numResults=2,
+                resultIndices=[0, 1],
+                numErrors=1,
+                errorIndices=[0],
+                numInfo=1,
+                infoIndices=[0],
+            )
+        ],
         results=[ns(entity=entity(1, 0), result=0), ns(entity=entity(1, 2), result=3)],
-        errors=[ns(entity=entity(1, 2), code=58, category=10, severity=2,
-                   msg=b"A memory mismatch was detected on GPU 2\0")],
-        info=[ns(entity=entity(1, 0), msg=b"Allocated 150215999488 bytes\0")])
+        errors=[
+            ns(
+                entity=entity(1, 2),
+                code=58,
+                category=10,
+                severity=2,
+                msg=b"A memory mismatch was detected on GPU 2\0",
+            )
+        ],
+        info=[ns(entity=entity(1, 0), msg=b"Allocated 150215999488 bytes\0")],
+    )
     report = report_from_response(resp)
-    assert (report.format, report.dcgm_version, report.driver_version) == ("dcgm4", "4.2.3",
-                                                                           "570.124.06")
+    assert (report.format, report.dcgm_version, report.driver_version) == (
+        "dcgm4",
+        "4.2.3",
+        "570.124.06",
+    )
     (finding,) = report.findings
     assert (finding.test, finding.category, finding.target) == ("memory", "Hardware", "gpu:2")
     assert finding.worst_severity == "ISOLATE" and finding.warnings[0].error_id == 58
@@ -524,29 +606,44 @@ def test_dcgm4_response_struct_becomes_the_same_model_as_the_json():
 def test_dcgm3_response_struct_with_per_gpu_slots_becomes_the_model():
     def slot(status, code=0, msg=b"", severity=0):
         err = ns(code=code, msg=msg, category=10 if code else 0, severity=severity)
-        return ns(status=status, error=[err, ns(code=0, msg=b"", category=0, severity=0)],
-                  info=b"")
+        return ns(status=status, error=[err, ns(code=0, msg=b"", category=0, severity=0)], info=b"")
 
     not_run = slot(4)
-    resp = ns(dcgmVersion=b"3.3.5", driverVersion=b"535.154.05", systemError=ns(msg=b""),
-              levelOneTestCount=2, levelOneResults=[slot(0), slot(0)],
-              perGpuResponses=[
-                  ns(gpuId=0, results=[slot(0)] + [not_run] * 9),
-                  ns(gpuId=2, results=[slot(3, 58, b"memory mismatch on GPU 2", 2)]
-                     + [not_run] * 9),
-                  ns(gpuId=32, results=[not_run] * 10)])
+    resp = ns(
+        dcgmVersion=b"3.3.5",
+        driverVersion=b"535.154.05",
+        systemError=ns(msg=b""),
+        levelOneTestCount=2,
+        levelOneResults=[slot(0), slot(0)],
+        perGpuResponses=[
+            ns(gpuId=0, results=[slot(0)] + [not_run] * 9),
+            ns(gpuId=2, results=[slot(3, 58, b"memory mismatch on GPU 2", 2)] + [not_run] * 9),
+            ns(gpuId=32, results=[not_run] * 10),
+        ],
+    )
     report = report_from_response(resp)
     assert report.format == "dcgm3"
     (finding,) = report.findings
-    assert (finding.test, finding.target, finding.worst_severity) == ("GPU Memory", "gpu:2",
-                                                                      "ISOLATE")
-    assert {r.test for r in report.results if r.target == "node"} == {"Denylist",
-                                                                      "NVML Library"}
+    assert (finding.test, finding.target, finding.worst_severity) == (
+        "GPU Memory",
+        "gpu:2",
+        "ISOLATE",
+    )
+    assert {r.test for r in report.results if r.target == "node"} == {"Denylist", "NVML Library"}
 
 
 def test_backend_runs_the_requested_level_and_converts_the_response():
-    resp = ns(dcgmVersion=b"4.2.3", driverVersion=b"", systemError=ns(msg=b""), numTests=0,
-              categories=[], tests=[], results=[], errors=[], info=[])
+    resp = ns(
+        dcgmVersion=b"4.2.3",
+        driverVersion=b"",
+        systemError=ns(msg=b""),
+        numTests=0,
+        categories=[],
+        tests=[],
+        results=[],
+        errors=[],
+        info=[],
+    )
     bindings, calls = fake_bindings(diag_response=resp)
     source = BindingsDcgm(bindings)
     source.connect()
@@ -556,11 +653,24 @@ def test_backend_runs_the_requested_level_and_converts_the_response():
 
 
 def test_backend_health_sets_watches_on_all_gpus_and_reads_incidents():
-    resp = ns(overallHealth=20, incidentCount=1, incidents=[
-        ns(system=0x10, health=20, error=ns(code=4, msg=b"Detected 1 volatile DBE in GPU 3\0"),
-           entityInfo=entity(1, 3)),
-        ns(system=0x1, health=10, error=ns(code=3, msg=b"beyond incidentCount"),
-           entityInfo=entity(1, 0))])
+    resp = ns(
+        overallHealth=20,
+        incidentCount=1,
+        incidents=[
+            ns(
+                system=0x10,
+                health=20,
+                error=ns(code=4, msg=b"Detected 1 volatile DBE in GPU 3\0"),
+                entityInfo=entity(1, 3),
+            ),
+            ns(
+                system=0x1,
+                health=10,
+                error=ns(code=3, msg=b"beyond incidentCount"),
+                entityInfo=entity(1, 0),
+            ),
+        ],
+    )
     bindings, calls = fake_bindings(health_response=resp)
     source = BindingsDcgm(bindings)
     source.connect()
@@ -590,8 +700,16 @@ def test_backend_translates_a_dcgm_api_error_into_dcgm_call_error():
 
 @pytest.mark.parametrize("suite, check", [("delivery", "dcgm_diag"), ("quick", "dcgm_health")])
 def test_simulated_healthy_node_skips_dcgm_with_reason_and_stays_healthy(agent, suite, check):
-    run = agent("accept", "--simulate", str(REPO / "scenarios" / "healthy-h100.yaml"),
-                "--suite", suite, "--only", check, "--json")
+    run = agent(
+        "accept",
+        "--simulate",
+        str(REPO / "scenarios" / "healthy-h100.yaml"),
+        "--suite",
+        suite,
+        "--only",
+        check,
+        "--json",
+    )
     assert run.code == 0, run.stderr
     report = run.json()
     (result,) = report["results"]

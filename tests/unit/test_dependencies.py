@@ -21,8 +21,12 @@ tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard libr
 REPO = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 #: import name -> the extra that provides it; every other third-party import must be core
-OPTIONAL_IMPORTS = {"torch": "torch", "kubernetes": "k8s", "matplotlib": "report",
-                    "numpy": "report"}
+OPTIONAL_IMPORTS = {
+    "torch": "torch",
+    "kubernetes": "k8s",
+    "matplotlib": "report",
+    "numpy": "report",
+}
 #: used only on a GPU, where present, and never installed by the agent: they come with the GPU
 #: node's CUDA stack (triton with torch's CUDA builds); the SDC %smid coverage kernel tries
 #: each in turn and says which ran (node_agent/sdc/coverage.py)
@@ -62,8 +66,10 @@ def test_every_import_outside_the_optional_groups_is_a_core_dependency():
             continue
         dists = {_name(d) for d in providers.get(module, [])}
         assert dists, f"{module} (imported by {sorted(files)}) is not installed in the test venv"
-        assert dists & core, (f"{module} (imported by {sorted(files)}) comes from {sorted(dists)}, "
-                              "which is not a core dependency in pyproject.toml")
+        assert dists & core, (
+            f"{module} (imported by {sorted(files)}) comes from {sorted(dists)}, "
+            "which is not a core dependency in pyproject.toml"
+        )
 
 
 def test_daemon_webhook_and_stack_signal_need_no_extra():
@@ -73,8 +79,11 @@ def test_daemon_webhook_and_stack_signal_need_no_extra():
 
 
 def test_optional_groups_match_pyproject_and_cover_the_optional_imports():
-    declared = {extra: tuple(reqs) for extra, reqs in PYPROJECT["optional-dependencies"].items()
-                if extra != "dev"}
+    declared = {
+        extra: tuple(reqs)
+        for extra, reqs in PYPROJECT["optional-dependencies"].items()
+        if extra != "dev"
+    }
     assert declared == extras.EXTRAS
     for module, extra in OPTIONAL_IMPORTS.items():
         assert module in {_name(r) for r in extras.EXTRAS[extra]}, (module, extra)
@@ -94,14 +103,22 @@ def test_install_command_targets_the_running_interpreter_and_names_the_extra():
 def test_install_command_names_the_requirements_where_node_agent_is_not_installed(tmp_path):
     """Run from a source tree (PYTHONPATH, as gpu-validate runs it) pip cannot add an extra to a
     node-agent it does not know, so the command names the requirements themselves."""
-    code = ("import importlib.metadata as m, sys\n"
-            "real = m.distribution\n"
-            "def fake(name):\n"
-            "    if name == 'node-agent': raise m.PackageNotFoundError(name)\n"
-            "    return real(name)\n"
-            "m.distribution = fake\n"
-            "from node_agent import extras\n"
-            "print(extras.install_command('report'))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=REPO, check=True, timeout=60).stdout.strip()
+    code = (
+        "import importlib.metadata as m, sys\n"
+        "real = m.distribution\n"
+        "def fake(name):\n"
+        "    if name == 'node-agent': raise m.PackageNotFoundError(name)\n"
+        "    return real(name)\n"
+        "m.distribution = fake\n"
+        "from node_agent import extras\n"
+        "print(extras.install_command('report'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
     assert out == f"{sys.executable} -m pip install 'matplotlib>=3.7' 'numpy>=1.24'"

@@ -25,8 +25,11 @@ from node_agent.sdc.reference import freivalds_check  # noqa: E402
 
 BURN_SIZE_ON_CPU = 4096
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-_EXPONENT_BITS = {torch.float32: range(23, 31), torch.bfloat16: range(7, 15),
-                  torch.float16: range(10, 15)}
+_EXPONENT_BITS = {
+    torch.float32: range(23, 31),
+    torch.bfloat16: range(7, 15),
+    torch.float16: range(10, 15),
+}
 
 
 def gpu_product(a: torch.Tensor, b: torch.Tensor, out: torch.dtype) -> torch.Tensor:
@@ -124,15 +127,16 @@ def test_a_correct_full_mantissa_product_flags_no_row_and_a_flip_is_caught(dtype
     assert freivalds_check(a, b, flip_exponent_bit(c, 17, 5)) == 1
 
 
-def truncating_tensor_core(a: torch.Tensor, b: torch.Tensor, out: torch.dtype,
-                           step: int = 8) -> torch.Tensor:
+def truncating_tensor_core(
+    a: torch.Tensor, b: torch.Tensor, out: torch.dtype, step: int = 8
+) -> torch.Tensor:
     """A stand-in for a tensor core's accumulation: ``step`` products at a time added to the
     fp32 accumulator, each sum truncated toward zero (Fasi, Higham, Mikaitis, Pranesh 2021:
     biased, unlike round-to-nearest), then rounded once into ``out``."""
     a64, b64 = a.double(), b.double()
     acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32)
     for k0 in range(0, a.shape[1], step):
-        exact_sum = acc.double() + a64[:, k0:k0 + step] @ b64[k0:k0 + step]
+        exact_sum = acc.double() + a64[:, k0 : k0 + step] @ b64[k0 : k0 + step]
         rounded = exact_sum.float()
         away = rounded.double().abs() > exact_sum.abs()
         acc = torch.where(away, torch.nextafter(rounded, torch.zeros_like(rounded)), rounded)

@@ -23,7 +23,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("gpu_validate", REPO / "bench" / "gpu_validate.py")
+    spec = importlib.util.spec_from_file_location(
+        "gpu_validate", REPO / "bench" / "gpu_validate.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules["gpu_validate"] = module  # dataclasses look their module up by name
     spec.loader.exec_module(module)
@@ -79,20 +81,29 @@ def test_a_step_that_raises_records_its_error_as_the_reason(tmp_path):
 
 
 def test_a_step_that_exits_without_figures_is_explained_by_its_last_words(tmp_path):
-    argv = [sys.executable, "-c", "print('CUDA error: an illegal memory access'); raise SystemExit(3)"]
+    argv = [
+        sys.executable,
+        "-c",
+        "print('CUDA error: an illegal memory access'); raise SystemExit(3)",
+    ]
     figures, outcome = gv.run_step_child(_step(), 60.0, tmp_path, argv)
     assert outcome.outcome == "failed"
     assert figures["pcie_h2d_gbps"]["reason"] == (
-        "step failed (exit 3): CUDA error: an illegal memory access")
+        "step failed (exit 3): CUDA error: an illegal memory access"
+    )
 
 
 def test_a_figure_the_step_left_out_gets_a_reason_and_one_it_gave_is_kept(tmp_path):
     payload = tmp_path / "payload.json"
-    payload.write_text(json.dumps(
-        {"figures": {"hbm_gbps": {"value": 2950.5, "detail": "p90 of 10 copies"}}}))
+    payload.write_text(
+        json.dumps({"figures": {"hbm_gbps": {"value": 2950.5, "detail": "p90 of 10 copies"}}})
+    )
     result = tmp_path / "partial.result.json"  # where run_step_child looks for a step's figures
-    argv = [sys.executable, "-c",
-            f"import shutil; shutil.copyfile({str(payload)!r}, {str(result)!r})"]
+    argv = [
+        sys.executable,
+        "-c",
+        f"import shutil; shutil.copyfile({str(payload)!r}, {str(result)!r})",
+    ]
     figures, outcome = gv.run_step_child(_step(name="partial"), 60.0, tmp_path, argv)
     assert outcome.outcome == "ok"
     assert figures["hbm_gbps"]["value"] == 2950.5 and figures["hbm_gbps"]["reason"] is None
@@ -107,8 +118,10 @@ def test_every_null_has_a_reason_and_check_figures_finds_one_that_has_none():
     assert gv.check_figures(figures) == []
     figures["daemon_rss_mb"] = {"value": None, "unit": "MiB", "reason": " ", "command": "x"}
     del figures["burn_tflops_fp8"]
-    assert gv.check_figures(figures) == ["missing figure burn_tflops_fp8",
-                                         "daemon_rss_mb: null without a reason"]
+    assert gv.check_figures(figures) == [
+        "missing figure burn_tflops_fp8",
+        "daemon_rss_mb: null without a reason",
+    ]
 
 
 def test_the_budget_leaves_later_steps_their_minimum():
@@ -135,11 +148,21 @@ def test_the_steps_fit_a_ten_minute_command_limit():
 def test_markdown_has_machine_date_and_one_row_per_figure_with_pipes_escaped(tmp_path):
     figures = {n: gv.figure(n, None, "no GPU here: a | b", "cmd") for n in gv.UNITS}
     figures["hbm_gbps"] = gv.figure("hbm_gbps", 2951.25, None, "node-agent accept", "p90")
-    doc = {"date": "2026-11-23T17:00:00Z", "duration_s": 3.0, "budget_s": 510.0,
-           "machine": {"gpu": "NVIDIA H100 80GB HBM3", "driver": "580.159.04", "cuda": "13.0",
-                       "torch": "2.11.0+cu130", "python": "3.12.3", "hostname": "gpu"},
-           "figures": figures, "steps": [{"name": "bandwidth", "outcome": "ok", "seconds": 21.5,
-                                          "box_s": 90.0}]}
+    doc = {
+        "date": "2026-11-23T17:00:00Z",
+        "duration_s": 3.0,
+        "budget_s": 510.0,
+        "machine": {
+            "gpu": "NVIDIA H100 80GB HBM3",
+            "driver": "580.159.04",
+            "cuda": "13.0",
+            "torch": "2.11.0+cu130",
+            "python": "3.12.3",
+            "hostname": "gpu",
+        },
+        "figures": figures,
+        "steps": [{"name": "bandwidth", "outcome": "ok", "seconds": 21.5, "box_s": 90.0}],
+    }
     md = gv.render_markdown(doc)
     assert "NVIDIA H100 80GB HBM3, driver 580.159.04, CUDA 13.0" in md
     assert "2026-11-23T17:00:00Z" in md
@@ -158,20 +181,41 @@ def test_markdown_has_machine_date_and_one_row_per_figure_with_pipes_escaped(tmp
 
 
 def test_pytest_counts_come_from_the_junit_report(tmp_path):
-    (tmp_path / "test_sample.py").write_text(textwrap.dedent("""
+    (tmp_path / "test_sample.py").write_text(
+        textwrap.dedent("""
         import pytest
         def test_ok(): assert True
         def test_also_ok(): assert 1 + 1 == 2
         def test_broken(): assert False, "NVML said no"
         @pytest.mark.skip(reason="no GPU")
         def test_skipped(): pass
-    """))
+    """)
+    )
     junit = tmp_path / "junit.xml"
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                    f"--junitxml={junit}", "-o", "addopts=", str(tmp_path / "test_sample.py")],
-                   cwd=tmp_path, capture_output=True, timeout=120)
-    assert steps.pytest_counts(junit) == {"tests": 4, "failed": 1, "errors": 0, "skipped": 1,
-                                       "passed": 2}
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={junit}",
+            "-o",
+            "addopts=",
+            str(tmp_path / "test_sample.py"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        timeout=120,
+    )
+    assert steps.pytest_counts(junit) == {
+        "tests": 4,
+        "failed": 1,
+        "errors": 0,
+        "skipped": 1,
+        "passed": 2,
+    }
     outcomes = steps._case_outcomes(junit)
     assert outcomes["test_ok"] == "passed"
     assert outcomes["test_skipped"].startswith("skipped: no GPU")
@@ -183,7 +227,8 @@ def test_a_test_module_that_fails_to_collect_makes_the_pytest_figure_null(tmp_pa
     still read "39 tests passed": a module that is not collected is a failed figure."""
     (tmp_path / "test_fine.py").write_text("def test_ok():\n    assert True\n")
     (tmp_path / "test_broken_import.py").write_text(
-        "import no_such_module_here  # noqa: F401\n\ndef test_never_runs():\n    pass\n")
+        "import no_such_module_here  # noqa: F401\n\ndef test_never_runs():\n    pass\n"
+    )
     args = ["-o", "addopts=", "--continue-on-collection-errors", str(tmp_path)]  # as the step
     got = steps._pytest_figure("pytest_gpu", "cmd", args, 120)
     assert got["value"] is None, got
@@ -223,18 +268,29 @@ def test_gpu_wheels_leaves_out_what_the_host_has_and_reads_markers_for_its_pytho
     evaluated for the host's Python, not this one's."""
     wheels = _gpu_wheels()
     have = tmp_path / "host-packages.txt"
-    have.write_text("# python3 -m pip list --format=freeze\nPyYAML==6.0.2\ntorch==2.11.0\n"
-                    "prometheus_client==0.21.0\n-e git+https://example.invalid/x#egg=x\n"
-                    "requests @ file:///wheels/requests-2.32.3-py3-none-any.whl\n\n")
+    have.write_text(
+        "# python3 -m pip list --format=freeze\nPyYAML==6.0.2\ntorch==2.11.0\n"
+        "prometheus_client==0.21.0\n-e git+https://example.invalid/x#egg=x\n"
+        "requests @ file:///wheels/requests-2.32.3-py3-none-any.whl\n\n"
+    )
     assert wheels.host_has(have) == {"pyyaml", "torch", "prometheus-client", "requests"}
     old, new = wheels.marker_env("3.10", "x86_64"), wheels.marker_env("3.12", "x86_64")
     assert wheels.marker_applies('python_version < "3.11"', old)
     assert not wheels.marker_applies('python_version < "3.11"', new)
     assert not wheels.marker_applies('extra == "format"', new)
     assert {"torch", "ruff"} <= wheels.NOT_NEEDED  # the host's own CUDA torch; lint only
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu-wheels"), str(tmp_path),
-                           "--python-version", "twelve"], capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "gpu-wheels"),
+            str(tmp_path),
+            "--python-version",
+            "twelve",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "expected 3.X" in proc.stderr
 
 
@@ -243,20 +299,33 @@ def test_the_sdc_overhead_figure_is_null_with_the_reason_when_no_probe_ran(monke
     from types import SimpleNamespace
 
     def fake(probes_run, share):
-        return SimpleNamespace(percent=5.66, pairs=2, steps_per_block=10, step_ms_off=11.4,
-                               step_ms_on=12.0, probe_share_percent=share,
-                               probes_run=probes_run, budget_fraction=0.001, device="cuda:0",
-                               verdicts={"pass": probes_run} if probes_run else {},
-                               within_budget=share <= 0.1)
+        return SimpleNamespace(
+            percent=5.66,
+            pairs=2,
+            steps_per_block=10,
+            step_ms_off=11.4,
+            step_ms_on=12.0,
+            probe_share_percent=share,
+            probes_run=probes_run,
+            budget_fraction=0.001,
+            device="cuda:0",
+            verdicts={"pass": probes_run} if probes_run else {},
+            within_budget=share <= 0.1,
+        )
 
     monkeypatch.setattr(steps, "_validation", lambda name: (lambda: fake(0, 0.0), None))
     got = steps.step_sdc_overhead(60)["sdc_probe_overhead_pct"]
     assert got["value"] is None and got["reason"].startswith("no probe ran: 2 pairs of 10 steps")
     monkeypatch.setattr(steps, "_validation", lambda name: (lambda: fake(3, 0.087), None))
     got = steps.step_sdc_overhead(60)["sdc_probe_overhead_pct"]
-    assert got["value"] == 5.66 and "0.087 % of the time it ran (3 probes), within its 0.1 % budget" in got["detail"]
+    assert (
+        got["value"] == 5.66
+        and "0.087 % of the time it ran (3 probes), within its 0.1 % budget" in got["detail"]
+    )
     monkeypatch.setattr(steps, "_validation", lambda name: (lambda: fake(4, 0.116), None))
-    assert "OVER its 0.1 % budget" in steps.step_sdc_overhead(60)["sdc_probe_overhead_pct"]["detail"]
+    assert (
+        "OVER its 0.1 % budget" in steps.step_sdc_overhead(60)["sdc_probe_overhead_pct"]["detail"]
+    )
 
 
 # -- the work tree without an install, as a GPU host without a package index runs it ----------
@@ -273,25 +342,47 @@ def _bare_python(root: Path) -> Path:
     import sysconfig
 
     venv = root / "bare-venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     python = venv / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c",
-                              "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True, timeout=60).stdout.strip()
-    ours = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
-                          *site.getsitepackages()])
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
+    ours = dict.fromkeys(
+        [
+            sysconfig.get_paths()["purelib"],
+            sysconfig.get_paths()["platlib"],
+            *site.getsitepackages(),
+        ]
+    )
     (Path(purelib) / "agent-dependencies.pth").write_text(
-        "".join(f"{p}\n" for p in ours if Path(p).is_dir()))
+        "".join(f"{p}\n" for p in ours if Path(p).is_dir())
+    )
     return python
 
 
 def _copy_of_the_tree(dest: Path) -> Path:
     """This tree's source files (``git ls-files``: tracked, and new files not ignored) copied
     to ``dest``: no build output, no egg-info, nothing an install leaves behind."""
-    names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                           cwd=REPO, capture_output=True, check=True,
-                           timeout=60).stdout.decode().split("\0")
+    names = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=REPO,
+            capture_output=True,
+            check=True,
+            timeout=60,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, names):
         src = REPO / name
         if src.is_file() and not src.is_symlink():
@@ -315,9 +406,17 @@ def _bare_env(tree: Path) -> dict[str, str]:
 
 
 #: what the steps import, and what the agent's own children import (the checks, the CLI)
-STEP_IMPORTS = ("node_agent.gpu", "node_agent.compute.burn", "node_agent.compute.devices",
-                "node_agent.commands.main", "node_agent.suite", "node_agent.environment",
-                "node_agent.sim.nvml_state", "node_agent.sdc.validation", "gpu_validate_steps")
+STEP_IMPORTS = (
+    "node_agent.gpu",
+    "node_agent.compute.burn",
+    "node_agent.compute.devices",
+    "node_agent.commands.main",
+    "node_agent.suite",
+    "node_agent.environment",
+    "node_agent.sim.nvml_state",
+    "node_agent.sdc.validation",
+    "gpu_validate_steps",
+)
 
 
 def test_the_harness_puts_the_work_tree_first_on_its_steps_path(monkeypatch):
@@ -353,8 +452,14 @@ def test_the_work_tree_runs_without_an_install_of_node_agent(bare_tree):
             "shipped": str(resources.shipped_graders_dir()),
         }}))
     """)
-    proc = subprocess.run([str(python), "-c", code], cwd="/", env=_bare_env(tree),
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [str(python), "-c", code],
+        cwd="/",
+        env=_bare_env(tree),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen["node_agent"] == str(tree / "node_agent" / "__init__.py")
@@ -368,9 +473,25 @@ def test_pytest_gpu_collects_every_test_from_the_bare_work_tree(bare_tree):
     """``pytest -m gpu`` as the pytest_gpu step runs it: a collection error (the GPU host's
     tests/unit/test_hardware_model.py) is a failed figure, so there must be none."""
     python, tree = bare_tree
-    proc = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
-                           "gpu", "--collect-only", "tests"], cwd=tree, env=_bare_env(tree),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            str(python),
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "gpu",
+            "--collect-only",
+            "tests",
+        ],
+        cwd=tree,
+        env=_bare_env(tree),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert " error" not in out.lower(), out[-4000:]
@@ -386,17 +507,46 @@ def test_the_simulator_contract_and_the_agent_cli_run_from_the_bare_work_tree(ba
     python, tree = bare_tree
     env = _bare_env(tree)
     contract = subprocess.run(
-        [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "tests/unit/test_backend_contract.py", "-k", "simulator"],
-        cwd=tree, env=env, capture_output=True, text=True, timeout=300)
+        [
+            str(python),
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/unit/test_backend_contract.py",
+            "-k",
+            "simulator",
+        ],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert contract.returncode == 0, (contract.stdout + contract.stderr)[-4000:]
     assert re.search(r"\b[4-9]\d* passed|\b\d{2,} passed", contract.stdout), contract.stdout
     config = tmp_path / "config.yaml"
     config.write_text(f"state_dir: {tmp_path / 'state'}\n")
     run = subprocess.run(
-        [str(python), "-P", "-m", "node_agent.commands.main", "check", "--simulate",
-         str(tree / "scenarios" / "healthy-h100.yaml"), "--json", "--config", str(config)],
-        cwd="/", env=env, capture_output=True, text=True, timeout=300)
+        [
+            str(python),
+            "-P",
+            "-m",
+            "node_agent.commands.main",
+            "check",
+            "--simulate",
+            str(tree / "scenarios" / "healthy-h100.yaml"),
+            "--json",
+            "--config",
+            str(config),
+        ],
+        cwd="/",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout)
     assert report["grade"]["level"] == "HEALTHY", report["grade"]
@@ -406,8 +556,9 @@ def test_the_simulator_contract_and_the_agent_cli_run_from_the_bare_work_tree(ba
 def test_burn_vs_plain_runs_the_engine_and_the_plain_loop_on_the_same_device():
     """On the CPU at a tiny size (the harness, not the figure: CPU ratios mean nothing)."""
     pytest.importorskip("torch")
-    got = steps.burn_vs_plain(device="cpu", precision="fp32", size=64, block_s=0.05, pairs=2,
-                           command="c")["burn_vs_plain_matmul"]
+    got = steps.burn_vs_plain(
+        device="cpu", precision="fp32", size=64, block_s=0.05, pairs=2, command="c"
+    )["burn_vs_plain_matmul"]
     assert got["value"] is not None and got["value"] > 0, got
     assert got["reason"] is None and got["unit"] == "ratio"
     assert "2 pairs of 0.05 s" in got["detail"] and "device cpu" in got["detail"]

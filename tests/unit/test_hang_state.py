@@ -26,8 +26,9 @@ def test_a_corrupt_state_file_is_moved_aside_and_said(tmp_path):
 def test_evidence_files_are_named_by_job_and_the_oldest_are_dropped(tmp_path, monkeypatch):
     monkeypatch.setattr(hang_state, "KEEP_EVIDENCE", 2)
     s = HangState(tmp_path)
-    paths = [s.write_evidence("slurm:12/../../etc", 1_700_000_000.0 + i, {"i": i})
-             for i in range(3)]
+    paths = [
+        s.write_evidence("slurm:12/../../etc", 1_700_000_000.0 + i, {"i": i}) for i in range(3)
+    ]
     left = sorted(p.name for p in (tmp_path / "evidence").iterdir())
     assert left == sorted(p.name for p in paths[1:])
     assert all("/" not in p.name.removesuffix(".json") for p in paths)

@@ -35,17 +35,29 @@ def test_a_moving_stack_vetoes_other_signals_until_the_heartbeat_alone_is_enough
     # a checkpoint being written: no step, a silent log, but the stack moves
     moving = Signal("stack", True, False, "changed", {"samples": 3})
     log = Signal("log_silence", True, True, "")
-    v = verdict([heartbeat_signal(_beat(120), NOW, TH), moving, log], TH,
-                agreeing_since_s=None, has_heartbeat=True)
+    v = verdict(
+        [heartbeat_signal(_beat(120), NOW, TH), moving, log],
+        TH,
+        agreeing_since_s=None,
+        has_heartbeat=True,
+    )
     assert not v.hung and "the process runs" in v.why
-    assert verdict([heartbeat_signal(_beat(301), NOW, TH), moving], TH, agreeing_since_s=None,
-                   has_heartbeat=True).hung
+    assert verdict(
+        [heartbeat_signal(_beat(301), NOW, TH), moving],
+        TH,
+        agreeing_since_s=None,
+        has_heartbeat=True,
+    ).hung
 
 
 def test_the_heartbeat_alone_is_a_hang_after_hang_after_s():
     beat = heartbeat_signal(_beat(301), NOW, TH)
-    v = verdict([beat, Signal.unavailable("stack", "no py-spy")], TH, agreeing_since_s=None,
-                has_heartbeat=True)
+    v = verdict(
+        [beat, Signal.unavailable("stack", "no py-spy")],
+        TH,
+        agreeing_since_s=None,
+        has_heartbeat=True,
+    )
     assert v.hung and v.why.startswith("heartbeat alone")
 
 
@@ -74,8 +86,11 @@ def test_a_process_without_heartbeats_must_hold_agreement_for_confirm_s():
 
 
 def test_unavailable_signals_neither_accuse_nor_clear():
-    signals = [heartbeat_signal(_beat(40), NOW, TH), Signal.unavailable("stack", "no py-spy"),
-               Signal.unavailable("rdma_traffic", "no HCA")]
+    signals = [
+        heartbeat_signal(_beat(40), NOW, TH),
+        Signal.unavailable("stack", "no py-spy"),
+        Signal.unavailable("rdma_traffic", "no HCA"),
+    ]
     v = verdict(signals, TH, agreeing_since_s=None, has_heartbeat=True)
     assert not v.hung and v.agreeing == ("heartbeat",) and "1 of 1" in v.why
 
@@ -83,8 +98,9 @@ def test_unavailable_signals_neither_accuse_nor_clear():
 def test_agree_is_configurable():
     th = Thresholds.from_params({"agree": 1, "stall_after_s": 10, "unknown": 3})
     assert th.agree == 1 and th.stall_after_s == 10
-    assert verdict([heartbeat_signal(_beat(11), NOW, th)], th, agreeing_since_s=None,
-                   has_heartbeat=True).hung
+    assert verdict(
+        [heartbeat_signal(_beat(11), NOW, th)], th, agreeing_since_s=None, has_heartbeat=True
+    ).hung
 
 
 def test_a_rank_twice_as_slow_as_its_peers_is_a_straggler_and_they_are_not():

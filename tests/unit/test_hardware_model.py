@@ -31,24 +31,44 @@ GRADER = load_grader(GRADERS)
 NO_PCI = PciBus(gpus=(), root="test")
 
 
-def context(check: str, sku_id: str, gpus: int = 8, faults=(), *, sku_setting: str | None = None,
-            no_sku: bool = False, simulated: bool = True, config=None, expected=None,
-            virtualization: str = "none", pci: PciBus | None = None):
+def context(
+    check: str,
+    sku_id: str,
+    gpus: int = 8,
+    faults=(),
+    *,
+    sku_setting: str | None = None,
+    no_sku: bool = False,
+    simulated: bool = True,
+    config=None,
+    expected=None,
+    virtualization: str = "none",
+    pci: PciBus | None = None,
+):
     """A check context over simulated GPUs of ``sku_id``. ``simulated=False`` grades them as
     real hardware would be (no scenario, an empty PCI bus handed in, or ``pci``)."""
-    scenario = Scenario(sku=sku_id, gpus=gpus, source="t", faults=tuple(faults),
-                        virtualization=virtualization)
+    scenario = Scenario(
+        sku=sku_id, gpus=gpus, source="t", faults=tuple(faults), virtualization=virtualization
+    )
     backend = SimGpuBackend(scenario, SKUS[sku_id])
     inv = collect(backend, SKUS, sku_setting or sku_id)
     sku = None if no_sku else inv.sku
     cfg = config_from_dict(config or {})
     if expected is None:
-        expected = cfg.get("node.expected_gpus") or (gpus if simulated else
-                                                      sku.gpus_per_node if sku else None)
-    return CheckContext(check=check, gpu=backend, kernel_log=LinesKernelLog([]), config=cfg,
-                        inventory=inv, sku=sku, expected_gpus=expected,
-                        scenario=scenario if simulated else None,
-                        pci=None if simulated else pci or NO_PCI)
+        expected = cfg.get("node.expected_gpus") or (
+            gpus if simulated else sku.gpus_per_node if sku else None
+        )
+    return CheckContext(
+        check=check,
+        gpu=backend,
+        kernel_log=LinesKernelLog([]),
+        config=cfg,
+        inventory=inv,
+        sku=sku,
+        expected_gpus=expected,
+        scenario=scenario if simulated else None,
+        pci=None if simulated else pci or NO_PCI,
+    )
 
 
 def by_metric(results, metric):
@@ -58,8 +78,9 @@ def by_metric(results, metric):
 # -- NVLink ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sku_id", ["h100-pcie-80gb", "h100-nvl-94gb", "a100-pcie-80gb",
-                                    "l40s-48gb"])
+@pytest.mark.parametrize(
+    "sku_id", ["h100-pcie-80gb", "h100-nvl-94gb", "a100-pcie-80gb", "l40s-48gb"]
+)
 def test_pcie_cards_without_a_bridge_are_not_nvlink_faults(sku_id):
     results = nvml_health.run(context("nvml_health", sku_id))
     states = by_metric(results, "nvlink_state")
@@ -93,8 +114,9 @@ def test_link_indices_that_deny_p2p_capability_are_not_links():
 
 
 def test_a_sku_link_count_still_catches_a_down_link():
-    results = nvml_health.run(context("nvml_health", "b200-sxm-180gb",
-                                      faults=[Fault("nvlink_down", 5, {"link": 17})]))
+    results = nvml_health.run(
+        context("nvml_health", "b200-sxm-180gb", faults=[Fault("nvlink_down", 5, {"link": 17})])
+    )
     down = [r for r in by_metric(results, "nvlink_state") if r.status is Status.FAIL]
     assert [(r.target, r.value, r.evidence["expected"]) for r in down] == [("gpu:5", 17, 18)]
     assert "17 of 18" in down[0].detail
@@ -104,26 +126,34 @@ def test_a_sku_link_count_still_catches_a_down_link():
 # -- SKU matching --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("gpus, expected", [
-    ([("NVIDIA GB300", 284208)] * 4, "gb300-288gb"),            # GB300 NVL72 tray
-    ([("A100-SXM4-40GB", 40536)] * 8, "a100-sxm4-40gb"),        # a pre-R470 driver's name
-    ([("NVIDIA L40S", 46068)] * 4, "l40s-48gb"),                # ECC on
-    ([("NVIDIA L40S", 49140)] * 4, "l40s-48gb"),                # ECC off: still an L40S
-    ([("NVIDIA H100 80GB HBM3", 81559)] * 7 + [("NVIDIA H100 80GB HBM3", 40000)],
-     "h100-sxm5-80gb"),                                         # the node's median decides
-    ([("nvidia h20", None)] * 8, "h20-96gb"),                   # memory not reported: the name
-])
+@pytest.mark.parametrize(
+    "gpus, expected",
+    [
+        ([("NVIDIA GB300", 284208)] * 4, "gb300-288gb"),  # GB300 NVL72 tray
+        ([("A100-SXM4-40GB", 40536)] * 8, "a100-sxm4-40gb"),  # a pre-R470 driver's name
+        ([("NVIDIA L40S", 46068)] * 4, "l40s-48gb"),  # ECC on
+        ([("NVIDIA L40S", 49140)] * 4, "l40s-48gb"),  # ECC off: still an L40S
+        (
+            [("NVIDIA H100 80GB HBM3", 81559)] * 7 + [("NVIDIA H100 80GB HBM3", 40000)],
+            "h100-sxm5-80gb",
+        ),  # the node's median decides
+        ([("nvidia h20", None)] * 8, "h20-96gb"),  # memory not reported: the name
+    ],
+)
 def test_skus_are_matched_by_name_and_memory(gpus, expected):
     found = match_sku(gpus, SKUS)
     assert found.sku is not None and found.sku.id == expected, found.problem
 
 
-@pytest.mark.parametrize("gpus, fragment", [
-    ([("NVIDIA GB300", 256703)], "another variant"),            # DGX Station GB300
-    ([("NVIDIA H20", 143771)] * 8, "another variant"),          # the 141 GB H20
-    ([("Tesla T4", 15360)], "no SKU file"),
-    ([("NVIDIA L40S", 46068), ("NVIDIA H100 PCIe", 81559)], "different models"),
-])
+@pytest.mark.parametrize(
+    "gpus, fragment",
+    [
+        ([("NVIDIA GB300", 256703)], "another variant"),  # DGX Station GB300
+        ([("NVIDIA H20", 143771)] * 8, "another variant"),  # the 141 GB H20
+        ([("Tesla T4", 15360)], "no SKU file"),
+        ([("NVIDIA L40S", 46068), ("NVIDIA H100 PCIe", 81559)], "different models"),
+    ],
+)
 def test_no_sku_is_chosen_where_name_or_memory_disagree(gpus, fragment):
     found = match_sku(gpus, SKUS)
     assert found.sku is None and fragment in found.problem
@@ -131,8 +161,10 @@ def test_no_sku_is_chosen_where_name_or_memory_disagree(gpus, fragment):
 
 def test_two_sku_files_that_both_fit_are_ambiguous_not_a_guess():
     data = {"memory_total_mib_min": 80000, "memory_total_mib_max": 90000}
-    twins = {n: Sku(id=n, display_name=n, match=("NVIDIA X",), gpus_per_node=8, data=data,
-                    source=n) for n in ("a", "b")}
+    twins = {
+        n: Sku(id=n, display_name=n, match=("NVIDIA X",), gpus_per_node=8, data=data, source=n)
+        for n in ("a", "b")
+    }
     found = match_sku([("NVIDIA X", 81000)], twins)
     assert found.sku is None and "several" in found.problem
 
@@ -177,8 +209,9 @@ def test_a_server_with_fewer_add_in_cards_than_the_common_build_is_not_missing_g
 
 
 def test_an_add_in_card_count_is_still_checked_when_configured():
-    ctx = context("nvml_health", "l40s-48gb", gpus=4, simulated=False,
-                  config={"node": {"expected_gpus": 8}})
+    ctx = context(
+        "nvml_health", "l40s-48gb", gpus=4, simulated=False, config={"node": {"expected_gpus": 8}}
+    )
     [count] = by_metric(nvml_health.run(ctx), "gpu_count")
     assert count.status is Status.FAIL and "4 of 8" in count.detail
 
@@ -190,8 +223,9 @@ def test_a_baseboard_sku_still_counts_its_gpus():
 
 
 def test_a_vm_holding_part_of_a_baseboard_warns_naming_expected_gpus():
-    ctx = context("nvml_health", "h100-sxm5-80gb", gpus=2, simulated=False,
-                  virtualization="pass_through")
+    ctx = context(
+        "nvml_health", "h100-sxm5-80gb", gpus=2, simulated=False, virtualization="pass_through"
+    )
     results = nvml_health.run(ctx)
     [count] = by_metric(results, "gpu_count")
     assert count.status is Status.WARN and "2 of 8" in count.detail
@@ -200,11 +234,23 @@ def test_a_vm_holding_part_of_a_baseboard_warns_naming_expected_gpus():
 
 
 def test_a_vm_holding_part_of_a_baseboard_with_a_gpu_nvml_lost_still_faults():
-    bus = PciBus(gpus=tuple(PciGpu(bus_id=f"0000:{b:02x}:00.0", device_id=0x2330,
-                                   class_code=0x030200, driver="nvidia")
-                            for b in (0x18, 0x2a, 0x3a)), root="test")
-    ctx = context("nvml_health", "h100-sxm5-80gb", gpus=2, simulated=False,
-                  virtualization="pass_through", pci=bus)
+    bus = PciBus(
+        gpus=tuple(
+            PciGpu(
+                bus_id=f"0000:{b:02x}:00.0", device_id=0x2330, class_code=0x030200, driver="nvidia"
+            )
+            for b in (0x18, 0x2A, 0x3A)
+        ),
+        root="test",
+    )
+    ctx = context(
+        "nvml_health",
+        "h100-sxm5-80gb",
+        gpus=2,
+        simulated=False,
+        virtualization="pass_through",
+        pci=bus,
+    )
     results = nvml_health.run(ctx)
     [count] = by_metric(results, "gpu_count")
     assert count.status is Status.FAIL and "0000:3a:00.0" in count.detail
@@ -213,18 +259,28 @@ def test_a_vm_holding_part_of_a_baseboard_with_a_gpu_nvml_lost_still_faults():
 
 def test_a_simulated_vm_missing_a_gpu_is_counted_against_its_scenario():
     # a scenario's gpus is the node's own count, as node.expected_gpus is
-    results = nvml_health.run(context("nvml_health", "h100-sxm5-80gb",
-                                      faults=[Fault("missing_gpu", 7, {})],
-                                      virtualization="pass_through"))
+    results = nvml_health.run(
+        context(
+            "nvml_health",
+            "h100-sxm5-80gb",
+            faults=[Fault("missing_gpu", 7, {})],
+            virtualization="pass_through",
+        )
+    )
     [count] = by_metric(results, "gpu_count")
     assert count.status is Status.FAIL and "7 of 8" in count.detail
     assert GRADER.grade(results).level is Level.FAULT
 
 
 def test_a_vm_that_sees_its_nvlinks_grades_them_as_bare_metal_does():
-    results = nvml_health.run(context("nvml_health", "h100-sxm5-80gb",
-                                      faults=[Fault("nvlink_down", 2, {"link": 4})],
-                                      virtualization="pass_through"))
+    results = nvml_health.run(
+        context(
+            "nvml_health",
+            "h100-sxm5-80gb",
+            faults=[Fault("nvlink_down", 2, {"link": 4})],
+            virtualization="pass_through",
+        )
+    )
     down = [r for r in by_metric(results, "nvlink_state") if r.status is not Status.PASS]
     assert [(r.target, r.status) for r in down] == [("gpu:2", Status.FAIL)]
     assert GRADER.grade(results).level is Level.FAULT
@@ -245,8 +301,7 @@ def test_inventory_json_keeps_a_lost_gpu_with_its_error():
 def test_nvlink_counters_are_readings_of_the_worst_link_with_every_link_in_the_evidence():
     """The counter history follows a rising NVLink (graders/trends.yaml) only if nvml_health
     reports the counters: per GPU, the worst link's value, every link in the evidence."""
-    rising = Fault("counter_series", 3, {"counter": "nvlink_recovery", "values": [505],
-                                         "link": 7})
+    rising = Fault("counter_series", 3, {"counter": "nvlink_recovery", "values": [505], "link": 7})
     results = nvml_health.run(context("nvml_health", "h100-sxm5-80gb", faults=(rising,)))
     recoveries = {r.target: r for r in by_metric(results, "nvlink_recovery_errors")}
     assert set(recoveries) == {f"gpu:{i}" for i in range(8)}

@@ -29,18 +29,36 @@ HOUR = 3600.0
 T0 = 1_760_000_000.0
 
 
-def make_port(root: Path, dev: str, port: str = "1", state: str = "4: ACTIVE",
-              phys: str = "5: LinkUp", rate: str = "400 Gb/sec (4X NDR)",
-              layer: str = "InfiniBand", bus: str | None = None, **counters: int) -> None:
+def make_port(
+    root: Path,
+    dev: str,
+    port: str = "1",
+    state: str = "4: ACTIVE",
+    phys: str = "5: LinkUp",
+    rate: str = "400 Gb/sec (4X NDR)",
+    layer: str = "InfiniBand",
+    bus: str | None = None,
+    **counters: int,
+) -> None:
     d = root / dev / "ports" / port
     (d / "counters").mkdir(parents=True, exist_ok=True)
     (d / "hw_counters").mkdir(exist_ok=True)
-    for name, text in (("state", state), ("phys_state", phys), ("rate", rate),
-                       ("link_layer", layer)):
+    for name, text in (
+        ("state", state),
+        ("phys_state", phys),
+        ("rate", rate),
+        ("link_layer", layer),
+    ):
         (d / name).write_text(text + "\n")
-    for name in ("link_downed", "symbol_error", "port_rcv_errors", "link_error_recovery",
-                 "excessive_buffer_overrun_errors", "local_link_integrity_errors",
-                 "port_xmit_discards"):
+    for name in (
+        "link_downed",
+        "symbol_error",
+        "port_rcv_errors",
+        "link_error_recovery",
+        "excessive_buffer_overrun_errors",
+        "local_link_integrity_errors",
+        "port_xmit_discards",
+    ):
         (d / "counters" / name).write_text(f"{counters.get(name, 0)}\n")
     for name in ("local_ack_timeout_err", "rnr_nak_retry_err"):
         (d / "hw_counters" / name).write_text(f"{counters.get(name, 0)}\n")
@@ -64,14 +82,24 @@ def eight_ports(root: Path, **kwargs) -> None:
         make_port(root, f"mlx5_{n}", bus=f"0000:{0x18 + n:02x}:00.0", **kwargs)
 
 
-def make_ctx(root: Path, state: Path | None, lines: list[str] | None = None,
-             sku: str | None = "h100-sxm5-80gb", **params) -> CheckContext:
+def make_ctx(
+    root: Path,
+    state: Path | None,
+    lines: list[str] | None = None,
+    sku: str | None = "h100-sxm5-80gb",
+    **params,
+) -> CheckContext:
     return CheckContext(
-        check="hca_ports", gpu=AbsentGpuBackend("no GPU on CI"),
+        check="hca_ports",
+        gpu=AbsentGpuBackend("no GPU on CI"),
         kernel_log=LinesKernelLog(lines or [], source="test lines"),
-        config=config_from_dict({}), inventory=None,
+        config=config_from_dict({}),
+        inventory=None,
         sku=load_sku(REPO / "graders" / "skus" / f"{sku}.yaml") if sku else None,
-        expected_gpus=None, params={"sysfs_root": str(root), **params}, state_dir=state)
+        expected_gpus=None,
+        params={"sysfs_root": str(root), **params},
+        state_dir=state,
+    )
 
 
 def run(ctx: CheckContext, now: float, uptime: float | None = 30 * 24 * HOUR):
@@ -163,8 +191,9 @@ def test_slower_storage_ports_beside_all_eight_fabric_ports_pass(tree, tmp_path)
 
 def test_without_a_sku_expectation_a_port_below_its_peers_fails(tree, tmp_path):
     for n in range(4):
-        make_port(tree, f"mlx5_{n}", rate="200 Gb/sec (4X HDR)" if n == 2 else
-                  "400 Gb/sec (4X NDR)")
+        make_port(
+            tree, f"mlx5_{n}", rate="200 Gb/sec (4X HDR)" if n == 2 else "400 Gb/sec (4X NDR)"
+        )
     results = run(make_ctx(tree, tmp_path / "state", sku="h100-pcie-80gb"), T0)
     low = by(results, "hca:mlx5_2", "port_rate_gbps")
     assert low.status is Status.FAIL and low.evidence["peers_gbps"] == 400.0
@@ -175,8 +204,9 @@ def test_params_override_the_sku_and_ignore_an_unused_port(tree, tmp_path):
     for n in range(4):
         make_port(tree, f"mlx5_{n}")
     make_port(tree, "mlx5_1", port="2", state="1: DOWN", phys="3: Disabled")
-    results = run(make_ctx(tree, tmp_path / "state", ports=4, min_rate_gbps=400,
-                           ignore=["mlx5_1/2"]), T0)
+    results = run(
+        make_ctx(tree, tmp_path / "state", ports=4, min_rate_gbps=400, ignore=["mlx5_1/2"]), T0
+    )
     assert by(results, "node", "port_count").status is Status.PASS
     ignored = by(results, "hca:mlx5_1/2", "link_state")
     assert ignored.status is Status.SKIP and "ignore" in ignored.detail
@@ -361,29 +391,60 @@ def kmsg(prio: int, text: str, seq: int = 1) -> str:
     return f"{prio},{seq},{seq * 1000},-;{text}"
 
 
-@pytest.mark.parametrize("text, metric, status", [
-    ("mlx5_core 0000:1a:00.0: mlx5_port_module_event:1131:(pid 0): Port module event[error]: "
-     "module 0, Cable error, High Temperature", "mlx5_module_temperature", Status.FAIL),
-    ("mlx5_core 0000:1a:00.0: port_module:258:(pid 0): Port module event[error]: module 0, "
-     "Cable error, Bad or shorted cable/module", "mlx5_module_error", Status.FAIL),
-    ("mlx5_core 0000:1a:00.0: temp_warn:165:(pid 0): High temperature on sensors with bit set "
-     "0 1", "mlx5_asic_temperature", Status.WARN),
-    ("mlx5_core 0000:1a:00.0: mlx5_pcie_event:299:(pid 268269): Detected insufficient power on "
-     "the PCIe slot (27W).", "mlx5_insufficient_power", Status.WARN),
-    ("mlx5_core 0000:1a:00.0: wait_func:964:(pid 112): ENABLE_HCA(0x104) timeout. Will cause a "
-     "leak of a command resource", "mlx5_command_timeout", Status.FAIL),
-    ("mlx5_core 0000:1a:00.0: mlx5_cmd_out_err:838:(pid 1441): CREATE_QP(0x500) op_mod(0x0) "
-     "failed, status bad parameter(0x3), syndrome (0x1234), err(-22)",
-     "mlx5_command_failed", Status.WARN),
-    ("mlx5_core 0000:1a:00.0: poll_health:852:(pid 0): device's health compromised - reached "
-     "miss count", "mlx5_health_compromised", Status.FAIL),
-    ("mlx5_core 0000:1a:00.0: Fatal error 1 detected", "mlx5_fatal_error", Status.FAIL),
-])
+@pytest.mark.parametrize(
+    "text, metric, status",
+    [
+        (
+            "mlx5_core 0000:1a:00.0: mlx5_port_module_event:1131:(pid 0): Port module event[error]: "
+            "module 0, Cable error, High Temperature",
+            "mlx5_module_temperature",
+            Status.FAIL,
+        ),
+        (
+            "mlx5_core 0000:1a:00.0: port_module:258:(pid 0): Port module event[error]: module 0, "
+            "Cable error, Bad or shorted cable/module",
+            "mlx5_module_error",
+            Status.FAIL,
+        ),
+        (
+            "mlx5_core 0000:1a:00.0: temp_warn:165:(pid 0): High temperature on sensors with bit set "
+            "0 1",
+            "mlx5_asic_temperature",
+            Status.WARN,
+        ),
+        (
+            "mlx5_core 0000:1a:00.0: mlx5_pcie_event:299:(pid 268269): Detected insufficient power on "
+            "the PCIe slot (27W).",
+            "mlx5_insufficient_power",
+            Status.WARN,
+        ),
+        (
+            "mlx5_core 0000:1a:00.0: wait_func:964:(pid 112): ENABLE_HCA(0x104) timeout. Will cause a "
+            "leak of a command resource",
+            "mlx5_command_timeout",
+            Status.FAIL,
+        ),
+        (
+            "mlx5_core 0000:1a:00.0: mlx5_cmd_out_err:838:(pid 1441): CREATE_QP(0x500) op_mod(0x0) "
+            "failed, status bad parameter(0x3), syndrome (0x1234), err(-22)",
+            "mlx5_command_failed",
+            Status.WARN,
+        ),
+        (
+            "mlx5_core 0000:1a:00.0: poll_health:852:(pid 0): device's health compromised - reached "
+            "miss count",
+            "mlx5_health_compromised",
+            Status.FAIL,
+        ),
+        ("mlx5_core 0000:1a:00.0: Fatal error 1 detected", "mlx5_fatal_error", Status.FAIL),
+    ],
+)
 def test_mlx5_line_forms_grade_naming_the_hca(tree, tmp_path, text, metric, status):
     eight_ports(tree)
     make_port(tree, "mlx5_9", bus="0000:1a:00.0")
-    results = run(make_ctx(tree, tmp_path / "state",
-                           [kmsg(3, text), f"[ 17.98] kernel: {text}"]), T0)
+    results = run(
+        make_ctx(tree, tmp_path / "state", [kmsg(3, text), f"[ 17.98] kernel: {text}"]), T0
+    )
     finding = by(results, "hca:mlx5_9", metric)
     assert finding.status is status and finding.value == 2
     assert finding.evidence["bus_id"] == "0000:1a:00.0"
@@ -391,20 +452,27 @@ def test_mlx5_line_forms_grade_naming_the_hca(tree, tmp_path, text, metric, stat
 
 def test_access_reg_failures_from_counter_reads_are_not_counted(tree, tmp_path):
     eight_ports(tree)
-    line = ("mlx5_core 0000:18:00.0: mlx5_cmd_out_err:838:(pid 1441871): ACCESS_REG(0x805) "
-            "op_mod(0x1) failed, status bad resource(0x5), syndrome (0x305684), err(-22)")
+    line = (
+        "mlx5_core 0000:18:00.0: mlx5_cmd_out_err:838:(pid 1441871): ACCESS_REG(0x805) "
+        "op_mod(0x1) failed, status bad resource(0x5), syndrome (0x305684), err(-22)"
+    )
     results = run(make_ctx(tree, tmp_path / "state", [kmsg(3, line)]), T0)
     assert by(results, "node", "kernel_lines").status is Status.PASS
 
 
-@pytest.mark.parametrize("line", [
-    # a user's write to /dev/kmsg is facility 1 (devkmsg_write), never the kernel's
-    kmsg(11, "mlx5_core 0000:18:00.0: Fatal error 1 detected"),
-    # the driver's words in the middle of another message (a user's process name, a path)
-    kmsg(6, "python3[4242]: segfault at 0 ip 0 in mlx5_core 0000:18:00.0: Fatal error 1 detected"),
-    # a user program's syslog line
-    "Nov 25 01:00:00 node7 logger[77]: mlx5_core 0000:18:00.0: Fatal error 1 detected",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        # a user's write to /dev/kmsg is facility 1 (devkmsg_write), never the kernel's
+        kmsg(11, "mlx5_core 0000:18:00.0: Fatal error 1 detected"),
+        # the driver's words in the middle of another message (a user's process name, a path)
+        kmsg(
+            6, "python3[4242]: segfault at 0 ip 0 in mlx5_core 0000:18:00.0: Fatal error 1 detected"
+        ),
+        # a user program's syslog line
+        "Nov 25 01:00:00 node7 logger[77]: mlx5_core 0000:18:00.0: Fatal error 1 detected",
+    ],
+)
 def test_lines_the_driver_did_not_write_are_not_believed(tree, tmp_path, line):
     eight_ports(tree)
     results = run(make_ctx(tree, tmp_path / "state", [line]), T0)
@@ -414,15 +482,21 @@ def test_lines_the_driver_did_not_write_are_not_believed(tree, tmp_path, line):
 def test_a_line_for_a_function_with_no_rdma_device_names_its_bus_id(tree, tmp_path):
     eight_ports(tree)
     line = kmsg(3, "mlx5_core 0000:99:00.1: Fatal error 2 detected")
-    finding = by(run(make_ctx(tree, tmp_path / "state", [line]), T0), "hca:0000:99:00.1",
-                 "mlx5_fatal_error")
+    finding = by(
+        run(make_ctx(tree, tmp_path / "state", [line]), T0), "hca:0000:99:00.1", "mlx5_fatal_error"
+    )
     assert finding.status is Status.FAIL
 
 
 def test_since_last_run_reports_each_line_once(tree, tmp_path):
     eight_ports(tree)
-    lines = [kmsg(4, "mlx5_core 0000:18:00.0: mlx5_pcie_event:299:(pid 1): Detected "
-                     "insufficient power on the PCIe slot (27W).")]
+    lines = [
+        kmsg(
+            4,
+            "mlx5_core 0000:18:00.0: mlx5_pcie_event:299:(pid 1): Detected "
+            "insufficient power on the PCIe slot (27W).",
+        )
+    ]
     ctx = make_ctx(tree, tmp_path / "state", lines, since="last_run")
     assert by(run(ctx, T0), "hca:mlx5_0", "mlx5_insufficient_power").status is Status.WARN
     assert by(run(ctx, T0 + 15), "node", "kernel_lines").status is Status.PASS
@@ -443,14 +517,16 @@ def test_shipped_hca_grading_file_loads_and_names_known_skus():
     skus = {p.stem for p in (REPO / "graders" / "skus").glob("*.yaml")}
     assert set(table.skus) <= skus
     assert table.flap_count == 3 and table.flap_window_s == 12 * HOUR
-    assert {c.name for c in table.counters} >= {"symbol_error", "port_rcv_errors",
-                                                 "excessive_buffer_overrun_errors"}
+    assert {c.name for c in table.counters} >= {
+        "symbol_error",
+        "port_rcv_errors",
+        "excessive_buffer_overrun_errors",
+    }
 
 
 def test_a_bad_since_param_is_an_error_that_says_what_is_expected(tree, tmp_path):
     eight_ports(tree)
-    bad = by(run(make_ctx(tree, tmp_path / "state", since="yesterday"), T0), "node",
-             "kernel_lines")
+    bad = by(run(make_ctx(tree, tmp_path / "state", since="yesterday"), T0), "node", "kernel_lines")
     assert bad.status is Status.ERROR and "'boot' or 'last_run'" in bad.detail
 
 

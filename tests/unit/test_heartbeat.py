@@ -80,24 +80,33 @@ def test_beat_never_raises_on_an_unwritable_spool_and_warns_once(tmp_path, caplo
 
 
 def test_identity_comes_from_the_launchers_environment():
-    env = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "16", "SLURM_JOB_ID": "4242",
-           "TORCHELASTIC_RUN_ID": "run-x"}
+    env = {
+        "RANK": "5",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "16",
+        "SLURM_JOB_ID": "4242",
+        "TORCHELASTIC_RUN_ID": "run-x",
+    }
     ident = identity_from_env(env)
     assert (ident["rank"], ident["local_rank"], ident["world_size"]) == (5, 1, 16)
     assert ident["job"] == "slurm:4242" and ident["torchelastic_run_id"] == "run-x"
     assert identity_from_env({"TORCHELASTIC_RUN_ID": "run-x"})["job"] == "torchelastic:run-x"
     assert identity_from_env({"KUBERNETES_POD_NAME": "trainer-0"})["job"] == "pod:trainer-0"
-    assert identity_from_env({"HOSTNAME": "trainer-1", "KUBERNETES_SERVICE_HOST": "10.0.0.1"}
-                             )["job"] == "pod:trainer-1"
+    assert (
+        identity_from_env({"HOSTNAME": "trainer-1", "KUBERNETES_SERVICE_HOST": "10.0.0.1"})["job"]
+        == "pod:trainer-1"
+    )
     # outside Kubernetes HOSTNAME is the node, not a job: the launcher's pid groups the ranks
     bare = identity_from_env({"HOSTNAME": "node7", "RANK": "x"}, ppid=999)
     assert bare["job"] == "ppid:999" and bare["rank"] is None
 
 
 def test_heartbeat_module_imports_without_torch_or_the_agent(tmp_path):
-    code = ("import sys; import node_agent.heartbeat as h; "
-            "bad = [m for m in ('torch', 'yaml', 'psutil', 'node_agent.checks') if m in sys.modules]; "
-            "print(bad)")
+    code = (
+        "import sys; import node_agent.heartbeat as h; "
+        "bad = [m for m in ('torch', 'yaml', 'psutil', 'node_agent.checks') if m in sys.modules]; "
+        "print(bad)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -167,21 +176,27 @@ def test_compute_time_is_the_mean_of_compute_s_given_since_the_last_write(tmp_pa
 
 # -- clean strings -----------------------------------------------------------------------------
 
+
 def _beat(**extra) -> str:
-    return json.dumps({"schema": SCHEMA, "pid": os.getpid(), "step": 1, "step_at": 1.0, **extra},
-                      ensure_ascii=True)
+    return json.dumps(
+        {"schema": SCHEMA, "pid": os.getpid(), "step": 1, "step_at": 1.0, **extra},
+        ensure_ascii=True,
+    )
 
 
-@pytest.mark.parametrize("extra, why", [
-    ({"job": "\ud800"}, "lone surrogate"),                  # valid JSON, no text: \ud800
-    ({"pause": {"reason": "x\udfff", "since": 1.0, "max_s": 1.0}}, "lone surrogate"),
-    ({"log_file": "/tmp/a\0b"}, "NUL byte"),
-    ({"\ud800": 1}, "lone surrogate"),                      # in a key too
-    ({"job": "slurm:1\x1b[2J"}, "control character U+001B"),
-    ({"hostname": "a\u202eb"}, "control character U+202E"),
-    ({"log_file": "train.log"}, "not an absolute path"),
-    ({"log_file": "/logs/a\nb.log"}, "control character U+000A"),
-])
+@pytest.mark.parametrize(
+    "extra, why",
+    [
+        ({"job": "\ud800"}, "lone surrogate"),  # valid JSON, no text: \ud800
+        ({"pause": {"reason": "x\udfff", "since": 1.0, "max_s": 1.0}}, "lone surrogate"),
+        ({"log_file": "/tmp/a\0b"}, "NUL byte"),
+        ({"\ud800": 1}, "lone surrogate"),  # in a key too
+        ({"job": "slurm:1\x1b[2J"}, "control character U+001B"),
+        ({"hostname": "a\u202eb"}, "control character U+202E"),
+        ({"log_file": "train.log"}, "not an absolute path"),
+        ({"log_file": "/logs/a\nb.log"}, "control character U+000A"),
+    ],
+)
 def test_a_heartbeat_with_unusable_text_is_refused_naming_its_writer(tmp_path, extra, why):
     (tmp_path / "bad.json").write_text(_beat(**extra))
     (tmp_path / "good.json").write_text(_beat(job="slurm:1", log_file="/logs/train.log"))
@@ -199,6 +214,7 @@ def test_a_surrogate_pair_is_text_and_is_kept(tmp_path):
 
 
 # -- where each uid writes, and what the reader believes ---------------------------------------
+
 
 def _shared(path):
     path.mkdir(mode=0o755)
@@ -271,16 +287,25 @@ def test_ensure_user_spool_takes_a_squatted_name_back_for_its_uid(tmp_path):
 
 
 def test_ensure_spool_dirs_makes_reachable_spools_whatever_the_umask(tmp_path):
-    code = ("import os, sys; os.umask(0o077); from node_agent.atomic_file import "
-            "ensure_spool_dirs; print(ensure_spool_dirs(sys.argv[1]))")
+    code = (
+        "import os, sys; os.umask(0o077); from node_agent.atomic_file import "
+        "ensure_spool_dirs; print(ensure_spool_dirs(sys.argv[1]))"
+    )
     root = tmp_path / "var" / "spool" / "node-agent"
-    done = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
-    modes = {p: oct(os.stat(p).st_mode & 0o7777) for p in
-             (root.parent, root, root / "heartbeat", root / "sdc")}
-    assert modes == {root.parent: "0o755", root: "0o755", root / "heartbeat": "0o1777",
-                     root / "sdc": "0o1777"}
+    modes = {
+        p: oct(os.stat(p).st_mode & 0o7777)
+        for p in (root.parent, root, root / "heartbeat", root / "sdc")
+    }
+    assert modes == {
+        root.parent: "0o755",
+        root: "0o755",
+        root / "heartbeat": "0o1777",
+        root / "sdc": "0o1777",
+    }
     root.chmod(0o700)  # what an older agent under umask 077 left
     assert any("made it 0755" in n for n in ensure_spool_dirs(root))
     assert oct(os.stat(root).st_mode & 0o7777) == "0o755"
@@ -306,11 +331,11 @@ def test_remove_stale_never_follows_a_uid_directory_swapped_for_a_link(tmp_path)
     assert sorted(p.name for p in paths) == ["7.json", "8.json"]
     own.rename(spool / ".moved")
     os.symlink(victim, own)  # the swap
-    assert remove_stale(spool, paths, now=old + 100_000, older_than_s=86_400) == [
-        spool / "8.json"]
+    assert remove_stale(spool, paths, now=old + 100_000, older_than_s=86_400) == [spool / "8.json"]
     assert (victim / "7.json").read_text() == "root's"
     os.unlink(own)
     (spool / ".moved").rename(own)
     assert remove_stale(spool, paths, now=old + 100_000, older_than_s=86_400) == [own / "7.json"]
-    assert remove_stale(spool, [tmp_path / "etc" / "7.json"], now=old + 100_000,
-                        older_than_s=0) == []  # never outside the spool
+    assert (
+        remove_stale(spool, [tmp_path / "etc" / "7.json"], now=old + 100_000, older_than_s=0) == []
+    )  # never outside the spool

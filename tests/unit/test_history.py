@@ -42,6 +42,7 @@ def test_history_is_private_and_in_wal_mode(tmp_path):
         if path.exists():
             assert stat.S_IMODE(path.stat().st_mode) == 0o600, name
     import sqlite3
+
     with sqlite3.connect(state / DB_NAME) as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     history.close()
@@ -140,8 +141,9 @@ def test_an_unwritable_history_is_a_warn_and_records_nothing(tmp_path):
     history.record([counter(1)])  # does not raise
     assert history.points("nvml_health", "gpu:0", "ecc_sbe_volatile") == []
     watch = TrendWatch(load_trend_specs(shipped_graders_dir() / "trends.yaml"), history)
-    watch.update([Result("nvml_health", "gpu:0", "ecc_sbe_volatile", Status.PASS, "", value=3)],
-                 None)
+    watch.update(
+        [Result("nvml_health", "gpu:0", "ecc_sbe_volatile", Status.PASS, "", value=3)], None
+    )
     (warn,) = [r for r in watch.results() if r.metric == "history"]
     assert warn.status is Status.WARN and "not graded" in warn.detail
 
@@ -157,11 +159,16 @@ def test_a_history_that_fails_mid_run_becomes_unavailable(tmp_path):
 
 def test_trend_watch_warns_on_a_rising_counter_and_keeps_the_series(tmp_path):
     clock = Clock()
-    watch = TrendWatch(load_trend_specs(shipped_graders_dir() / "trends.yaml"),
-                       open_history(tmp_path, clock), clock)
+    watch = TrendWatch(
+        load_trend_specs(shipped_graders_dir() / "trends.yaml"),
+        open_history(tmp_path, clock),
+        clock,
+    )
     for i in range(16):  # 80 a day for 4 days; the SKU's line is 1000
-        watch.update([Result("nvml_health", "gpu:5", "ecc_sbe_volatile", Status.PASS, "",
-                             value=20 * i)], {"ecc_sbe_volatile_max": 1000})
+        watch.update(
+            [Result("nvml_health", "gpu:5", "ecc_sbe_volatile", Status.PASS, "", value=20 * i)],
+            {"ecc_sbe_volatile_max": 1000},
+        )
         clock.now += 6 * H
     (trend,) = [r for r in watch.results() if r.metric == "trend"]
     assert trend.target == "gpu:5" and trend.status is Status.WARN

@@ -89,33 +89,57 @@ def graders_with(tmp_path: Path, code: int, name: str, extra: str) -> Grader:
 def line(env, gpu: int, code: int, at_s: float | None = None) -> str:
     """A driver 535+ Xid line for ``gpu`` (as the kernel prints its bus), with a dmesg time."""
     bus = normalise_bus(env.inventory.gpus[gpu].pci_bus_id)
-    text = {31: f"NVRM: Xid (PCI:{bus}): 31, pid=2512125, name=python3.10, Ch 00000008, "
-                "intr 00000000. MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_8 faulted @ "
-                "0x73ac_1c000000. Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_WRITE",
-            13: f"NVRM: Xid (PCI:{bus}): 13, pid=4242, name=python3, Graphics SM Warp "
-                "Exception on (GPC 0, TPC 1, SM 0): Out Of Range Address"}.get(
-        code, f"NVRM: Xid (PCI:{bus}): {code}, pid='<unknown>', name=<unknown>, Ch 00000001")
+    text = {
+        31: f"NVRM: Xid (PCI:{bus}): 31, pid=2512125, name=python3.10, Ch 00000008, "
+        "intr 00000000. MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_8 faulted @ "
+        "0x73ac_1c000000. Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_WRITE",
+        13: f"NVRM: Xid (PCI:{bus}): 13, pid=4242, name=python3, Graphics SM Warp "
+        "Exception on (GPC 0, TPC 1, SM 0): Out Of Range Address",
+    }.get(code, f"NVRM: Xid (PCI:{bus}): {code}, pid='<unknown>', name=<unknown>, Ch 00000001")
     return text if at_s is None else f"[{at_s:12.6f}] {text}"
 
 
 def xid_results(env, lines: list[str]):
-    ctx = CheckContext(check="xid", gpu=env.gpu, kernel_log=LinesKernelLog(lines),
-                       config=env.config, inventory=env.inventory, sku=env.sku,
-                       expected_gpus=env.expected_gpus, mode="service", params={})
+    ctx = CheckContext(
+        check="xid",
+        gpu=env.gpu,
+        kernel_log=LinesKernelLog(lines),
+        config=env.config,
+        inventory=env.inventory,
+        sku=env.sku,
+        expected_gpus=env.expected_gpus,
+        mode="service",
+        params={},
+    )
     return xid_check.run(ctx)
 
 
 def report_of(results, grade: Grade) -> Report:
-    return Report(host=HostInfo(hostname=NODE, kernel="test"), gpus=[], suite="quick",
-                  mode="service", started_at="", finished_at="", results=results, grade=grade)
+    return Report(
+        host=HostInfo(hostname=NODE, kernel="test"),
+        gpus=[],
+        suite="quick",
+        mode="service",
+        started_at="",
+        finished_at="",
+        results=results,
+        grade=grade,
+    )
 
 
 def remediator(store, tmp_path, clock, safety: Safety | None = None, warn=None) -> Remediator:
     """The real remediator with the real ``log`` adapter; every run comes after the reboot the
     previous one requested (boot time far ahead of the clock), as a reboot hook would see it."""
-    return Remediator(store, LogAdapter(tmp_path / "actions.log"), NODE, safety or Safety(),
-                      state_dir=None, clock=clock, boot_time=T0 + 365 * DAY_S,
-                      warn=warn if warn is not None else (lambda _msg: None))
+    return Remediator(
+        store,
+        LogAdapter(tmp_path / "actions.log"),
+        NODE,
+        safety or Safety(),
+        state_dir=None,
+        clock=clock,
+        boot_time=T0 + 365 * DAY_S,
+        warn=warn if warn is not None else (lambda _msg: None),
+    )
 
 
 def run_once(env, grader: Grader, rem: Remediator, lines: list[str]) -> tuple[Grade, list]:
@@ -143,8 +167,9 @@ def restarts_until_replaced(env, grader, store, tmp_path, code: int, runs: int) 
 def test_same_xid_after_its_third_restart_grades_fault(env, store, tmp_path):
     """An operator's catalog gives Xid 95 three restarts (safety.max_restarts stays 2): the
     fourth sighting, after the third restart, is replaced."""
-    grader = graders_with(tmp_path, 95, "Uncontained memory error",
-                          "    restarts_before_fault: 3\n")
+    grader = graders_with(
+        tmp_path, 95, "Uncontained memory error", "    restarts_before_fault: 3\n"
+    )
     clock = Clock()
     rem = remediator(store, tmp_path, clock)
     notes = []
@@ -166,18 +191,25 @@ def test_same_xid_after_its_third_restart_grades_fault(env, store, tmp_path):
 def test_without_a_catalog_value_the_same_xid_gets_safety_max_restarts(env, store, tmp_path):
     grader = load_grader(shipped())
     assert grader.xid.codes[95].restarts_before_fault is None
-    assert restarts_until_replaced(env, grader, store, tmp_path, 95, 4) == \
-        ["drain", "restart", "restart", "replace"]
+    assert restarts_until_replaced(env, grader, store, tmp_path, 95, 4) == [
+        "drain",
+        "restart",
+        "restart",
+        "replace",
+    ]
 
 
-@pytest.mark.parametrize("code, restarts", [
-    (74, 1),    # WORKFLOW_NVLINK_ERR: the vendor once a reset or reboot fails to clear it
-    (109, 4),   # RESET_GPU, CONTACT_SUPPORT "if it persists": NVSentinel's 5 in 24 h
-    (119, 2),   # GPU reset, then a power cycle
-])
-def test_shipped_restarts_before_fault_decide_when_the_same_xid_is_replaced(env, store,
-                                                                            tmp_path, code,
-                                                                            restarts):
+@pytest.mark.parametrize(
+    "code, restarts",
+    [
+        (74, 1),  # WORKFLOW_NVLINK_ERR: the vendor once a reset or reboot fails to clear it
+        (109, 4),  # RESET_GPU, CONTACT_SUPPORT "if it persists": NVSentinel's 5 in 24 h
+        (119, 2),  # GPU reset, then a power cycle
+    ],
+)
+def test_shipped_restarts_before_fault_decide_when_the_same_xid_is_replaced(
+    env, store, tmp_path, code, restarts
+):
     grader = load_grader(shipped())
     assert grader.xid.codes[code].restarts_before_fault == restarts
     done = restarts_until_replaced(env, grader, store, tmp_path, code, restarts + 2)
@@ -199,8 +231,11 @@ def test_node_remediated_five_times_in_7_days_is_held_not_restarted(env, store, 
     done = [a for a, state in acted(store) if state == "done"]
     assert done == ["drain", "restart", "restart", "restart", "restart", "restart", "hold"]
     record = store.node_record(NODE)
-    assert (record.state, record.fault_code, record.target) == \
-        ("needs-operator", REMEDIATIONS_CODE, "node")
+    assert (record.state, record.fault_code, record.target) == (
+        "needs-operator",
+        REMEDIATIONS_CODE,
+        "node",
+    )
     hold = store.journal_tail(NODE, 1)[0]
     assert hold.action == "hold" and hold.fault_code == REMEDIATIONS_CODE and hold.attempt == 5
     assert "safety.max_remediations_7d=5" in hold.detail
@@ -215,8 +250,7 @@ def test_node_remediated_five_times_in_7_days_is_held_not_restarted(env, store, 
     assert [a for a, _ in acted(store)][-1] == "replace"
 
 
-def test_held_node_stays_held_after_its_remediations_leave_the_7_day_window(env, store,
-                                                                             tmp_path):
+def test_held_node_stays_held_after_its_remediations_leave_the_7_day_window(env, store, tmp_path):
     grader, clock = load_grader(shipped()), Clock()
     rem = remediator(store, tmp_path, clock, Safety(max_remediations_7d=2))
     for code in (95, 46, 109):
@@ -228,8 +262,7 @@ def test_held_node_stays_held_after_its_remediations_leave_the_7_day_window(env,
     assert [a for a, _ in acted(store)][-1] == "hold"  # an operator releases it, not time
 
 
-def test_remediations_older_than_7_days_or_before_set_healthy_do_not_count(env, store,
-                                                                          tmp_path):
+def test_remediations_older_than_7_days_or_before_set_healthy_do_not_count(env, store, tmp_path):
     grader, clock = load_grader(shipped()), Clock()
     rem = remediator(store, tmp_path, clock, Safety(max_remediations_7d=2))
     run_once(env, grader, rem, [line(env, 3, 95)])
@@ -265,8 +298,9 @@ def test_status_shows_restarts_per_code_the_7_day_count_and_the_hold(env, store,
     for code in (109, 109, 95, 46):
         run_once(env, grader, rem, [line(env, 3, code)])
         clock.t += 600
-    config = config_from_dict({"state_dir": str(tmp_path / "state"),
-                               "safety": {"max_remediations_7d": 3}})
+    config = config_from_dict(
+        {"state_dir": str(tmp_path / "state"), "safety": {"max_remediations_7d": 3}}
+    )
     hist = status_data(store, NODE, config, now=clock.t)["history"]
     assert hist["remediations_7d"] == 3 and hist["max_remediations_7d"] == 3
     assert hist["restarts_per_code"] == {"xid-109": 2, "xid-95": 1}
@@ -289,8 +323,7 @@ def test_xid31_on_gpus_0_to_7_is_a_warn_for_the_job_and_takes_no_action(env, sto
     assert not (tmp_path / "actions.log").exists()
 
 
-def test_xid31_repeated_on_gpu3_with_the_others_clean_is_an_error_for_gpu3(env, store,
-                                                                         tmp_path):
+def test_xid31_repeated_on_gpu3_with_the_others_clean_is_an_error_for_gpu3(env, store, tmp_path):
     lines = [line(env, 3, 31, t) for t in (100.0, 2000.0, 4000.0)]
     grader, clock = load_grader(shipped()), Clock()
     grade, _records = run_once(env, grader, remediator(store, tmp_path, clock), lines)
@@ -303,8 +336,9 @@ def test_xid31_repeated_on_gpu3_with_the_others_clean_is_an_error_for_gpu3(env, 
 def test_xid13_spread_across_gpus_stays_warn_and_repeated_on_one_gpu_is_error(env):
     grader = load_grader(shipped())
     times = [100.0 + 1000.0 * i for i in range(5)]  # 5 bursts: 13's recurrence threshold
-    spread = grader.grade(xid_results(env, [line(env, g, 13, t) for t in times
-                                            for g in (0, 4)]), "service")
+    spread = grader.grade(
+        xid_results(env, [line(env, g, 13, t) for t in times for g in (0, 4)]), "service"
+    )
     assert spread.level is Level.WARN
     one = grader.grade(xid_results(env, [line(env, 4, 13, t) for t in times]), "service")
     assert (one.level, one.reasons[0].target) == (Level.ERROR, "gpu:4")
@@ -322,7 +356,8 @@ def test_the_same_code_on_another_gpu_outside_the_window_does_not_make_it_the_jo
 def test_a_hardware_xid_on_every_gpu_is_not_the_jobs(env):
     """Only the application class is judged by spread: Xid 95 on every GPU is still ERROR."""
     grade = load_grader(shipped()).grade(
-        xid_results(env, [line(env, g, 95, 100.0) for g in range(8)]), "service")
+        xid_results(env, [line(env, g, 95, 100.0) for g in range(8)]), "service"
+    )
     assert {r.level for r in grade.reasons} == {Level.ERROR}
 
 
@@ -338,11 +373,14 @@ def test_reason_carries_catalog_code_and_restarts_through_a_saved_report(env):
         Reason.from_dict({**reason.to_dict(), "catalog": "bogus"})
 
 
-@pytest.mark.parametrize("extra, key", [
-    ("    restarts_before_fault: -1\n", "restarts_before_fault"),
-    ("    restarts_before_fault: two\n", "restarts_before_fault"),
-    ("    class: firmware\n", "class"),
-])
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        ("    restarts_before_fault: -1\n", "restarts_before_fault"),
+        ("    restarts_before_fault: two\n", "restarts_before_fault"),
+        ("    class: firmware\n", "class"),
+    ],
+)
 def test_a_broken_restarts_before_fault_or_class_is_a_config_error(tmp_path, extra, key):
     with pytest.raises(ConfigError, match=rf"xid.yaml.*{key}"):
         graders_with(tmp_path, 95, "Uncontained memory error", extra)
@@ -353,4 +391,3 @@ def test_the_application_class_is_marked_where_nvidia_leaves_the_code_to_the_app
     assert {c for c, e in codes.items() if e.cls == "application"} >= {13, 31, 43, 45}
     assert all(codes[c].level <= Level.WARN for c in codes if codes[c].cls == "application")
     assert codes[79].cls is None and codes[95].cls is None
-

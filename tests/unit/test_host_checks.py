@@ -22,19 +22,36 @@ from node_agent.inventory import Inventory
 from node_agent.model import GpuInfo, HostInfo, Status
 
 
-def make_ctx(tmp_path: Path, check: str, config: dict | None = None, gpus=(), state=True,
-             **params) -> CheckContext:
-    inventory = Inventory(host=HostInfo(hostname="h", kernel="6.8"),
-                          gpus=[GpuInfo(index=i, uuid=f"GPU-{i}", name="NVIDIA H100 80GB HBM3",
-                                        pci_bus_id=bus) for i, bus in gpus], sku=None)
+def make_ctx(
+    tmp_path: Path, check: str, config: dict | None = None, gpus=(), state=True, **params
+) -> CheckContext:
+    inventory = Inventory(
+        host=HostInfo(hostname="h", kernel="6.8"),
+        gpus=[
+            GpuInfo(index=i, uuid=f"GPU-{i}", name="NVIDIA H100 80GB HBM3", pci_bus_id=bus)
+            for i, bus in gpus
+        ],
+        sku=None,
+    )
     state_dir = tmp_path / "state" if state else None
     if state_dir:
         state_dir.mkdir(exist_ok=True)
-    base = {"sys_root": str(tmp_path / "sys"), "proc_root": str(tmp_path / "proc"),
-            "dev_root": str(tmp_path / "dev")}
-    return CheckContext(check=check, gpu=AbsentGpuBackend("no GPU"), kernel_log=None,
-                        config=config_from_dict(config or {}), inventory=inventory, sku=None,
-                        expected_gpus=None, state_dir=state_dir, params={**base, **params})
+    base = {
+        "sys_root": str(tmp_path / "sys"),
+        "proc_root": str(tmp_path / "proc"),
+        "dev_root": str(tmp_path / "dev"),
+    }
+    return CheckContext(
+        check=check,
+        gpu=AbsentGpuBackend("no GPU"),
+        kernel_log=None,
+        config=config_from_dict(config or {}),
+        inventory=inventory,
+        sku=None,
+        expected_gpus=None,
+        state_dir=state_dir,
+        params={**base, **params},
+    )
 
 
 def write(path: Path, text: str) -> None:
@@ -57,17 +74,28 @@ def tool(tmp_path: Path, name: str, body: str) -> str:
 
 # -- host_memory ------------------------------------------------------------------------------
 
+
 def edac_dimm(tmp_path, mc, n, label, ce=0, ue=0, size=65536):
     d = tmp_path / "sys/devices/system/edac/mc" / mc / f"dimm{n}"
-    for name, value in (("dimm_label", label), ("size", size), ("dimm_ce_count", ce),
-                        ("dimm_ue_count", ue), ("dimm_location", f"channel {n} slot 0")):
+    for name, value in (
+        ("dimm_label", label),
+        ("size", size),
+        ("dimm_ce_count", ce),
+        ("dimm_ue_count", ue),
+        ("dimm_location", f"channel {n} slot 0"),
+    ):
         write(d / name, f"{value}\n")
 
 
 def edac_mc(tmp_path, mc, ce=0, ue=0, since_s=3600, ue_noinfo=0):
     d = tmp_path / "sys/devices/system/edac/mc" / mc
-    for name, value in (("ce_count", ce), ("ue_count", ue), ("ce_noinfo_count", 0),
-                        ("ue_noinfo_count", ue_noinfo), ("seconds_since_reset", since_s)):
+    for name, value in (
+        ("ce_count", ce),
+        ("ue_count", ue),
+        ("ce_noinfo_count", 0),
+        ("ue_noinfo_count", ue_noinfo),
+        ("seconds_since_reset", since_s),
+    ):
         write(d / name, f"{value}\n")
 
 
@@ -114,9 +142,15 @@ def test_edac_ce_rate_from_history_kept_between_runs(tmp_path):
 def test_edac_csrow_layout_of_older_kernels(tmp_path):
     edac_mc(tmp_path, "mc0", ue=2)
     row = tmp_path / "sys/devices/system/edac/mc/mc0/csrow0"
-    for name, value in (("ce_count", 0), ("ue_count", 2), ("size_mb", 16384),
-                        ("ch0_ce_count", 0), ("ch0_dimm_label", "DIMM_A0"),
-                        ("ch1_ce_count", 0), ("ch1_dimm_label", "DIMM_B0")):
+    for name, value in (
+        ("ce_count", 0),
+        ("ue_count", 2),
+        ("size_mb", 16384),
+        ("ch0_ce_count", 0),
+        ("ch0_dimm_label", "DIMM_A0"),
+        ("ch1_ce_count", 0),
+        ("ch1_dimm_label", "DIMM_B0"),
+    ):
         write(row / name, f"{value}\n")
     ue = by(host_memory.run(make_ctx(tmp_path, "host_memory")), "edac_ue")
     assert ue.target == "dimm:DIMM_A0+DIMM_B0" and ue.value == 2
@@ -141,8 +175,9 @@ def test_a_missing_dimm_fails_against_expected_memory(tmp_path):
     memory_blocks(tmp_path, 992)  # 1984 GiB of 2048: one 64 GiB DIMM gone
     edac_mc(tmp_path, "mc0")
     edac_dimm(tmp_path, "mc0", 0, "A1", size=65536)
-    results = host_memory.run(make_ctx(tmp_path, "host_memory",
-                                       {"node": {"expected_memory_gib": 2048}}))
+    results = host_memory.run(
+        make_ctx(tmp_path, "host_memory", {"node": {"expected_memory_gib": 2048}})
+    )
     missing = by(results, "memory_missing")
     assert missing.status is Status.FAIL and missing.evidence["missing_gib"] == 64
     assert "about 1 DIMM(s) of 64 GiB" in missing.detail
@@ -159,19 +194,26 @@ def test_memtotal_fallback_allows_for_the_kernels_reservations(tmp_path):
 
 # -- host_power -------------------------------------------------------------------------------
 
-PS_OK = ("PS1 Status       | C8h | ok  | 10.1 | Presence detected\n"
-         "PS2 Status       | C9h | ok  | 10.2 | Presence detected\n")
+PS_OK = (
+    "PS1 Status       | C8h | ok  | 10.1 | Presence detected\n"
+    "PS2 Status       | C9h | ok  | 10.2 | Presence detected\n"
+)
 
 
 def ipmitool(tmp_path, out, err="", code=0):
-    return tool(tmp_path, "ipmitool",
-                f"sys.stdout.write({out!r}); sys.stderr.write({err!r}); sys.exit({code})\n")
+    return tool(
+        tmp_path,
+        "ipmitool",
+        f"sys.stdout.write({out!r}); sys.stderr.write({err!r}); sys.exit({code})\n",
+    )
 
 
 def test_failed_psu_fails_naming_it(tmp_path):
     write(tmp_path / "dev/ipmi0", "")
-    prog = ipmitool(tmp_path, PS_OK.replace("10.2 | Presence detected",
-                                            "10.2 | Presence detected, Failure detected"))
+    prog = ipmitool(
+        tmp_path,
+        PS_OK.replace("10.2 | Presence detected", "10.2 | Presence detected, Failure detected"),
+    )
     results = host_power.run(make_ctx(tmp_path, "host_power", ipmitool=prog))
     failed = by(results, "psu_status", "psu:PS2")
     assert failed.status is Status.FAIL and "Failure detected" in failed.detail
@@ -187,15 +229,19 @@ def test_no_bmc_device_is_a_skip(tmp_path):
 
 def test_ipmitool_that_cannot_open_the_device_is_a_skip(tmp_path):
     write(tmp_path / "dev/ipmi0", "")
-    prog = ipmitool(tmp_path, "", "Could not open device at /dev/ipmi0 or /dev/ipmi/0 or "
-                                  "/dev/ipmidev/0: No such device or address\n", 1)
+    prog = ipmitool(
+        tmp_path,
+        "",
+        "Could not open device at /dev/ipmi0 or /dev/ipmi/0 or "
+        "/dev/ipmidev/0: No such device or address\n",
+        1,
+    )
     (skip,) = host_power.run(make_ctx(tmp_path, "host_power", ipmitool=prog))
     assert skip.status is Status.SKIP and "Could not open device" in skip.detail
 
 
 def test_missing_ipmitool_is_a_skip_naming_the_package(tmp_path):
-    (skip,) = host_power.run(make_ctx(tmp_path, "host_power",
-                                      ipmitool="ipmitool-not-on-this-host"))
+    (skip,) = host_power.run(make_ctx(tmp_path, "host_power", ipmitool="ipmitool-not-on-this-host"))
     assert skip.status is Status.SKIP and "package `ipmitool`" in skip.detail
 
 
@@ -269,6 +315,7 @@ def test_no_aer_counters_is_a_skip_with_the_reason(tmp_path):
 
 # -- nvme_health ------------------------------------------------------------------------------
 
+
 def nvme_tree(tmp_path, names=("nvme0",), mounts="/dev/nvme0n1p2 / ext4 rw 0 0\n"):
     for name in names:
         ctrl = tmp_path / "sys/class/nvme" / name
@@ -280,7 +327,10 @@ def nvme_tree(tmp_path, names=("nvme0",), mounts="/dev/nvme0n1p2 / ext4 rw 0 0\n
 
 
 def nvme(tmp_path, logs: dict, err="", code=0):
-    return tool(tmp_path, "nvme", f"""
+    return tool(
+        tmp_path,
+        "nvme",
+        f"""
 logs = {logs!r}
 name = sys.argv[2].rsplit('/', 1)[-1]
 assert sys.argv[1] == 'smart-log' and sys.argv[3:] == ['-o', 'json'], sys.argv
@@ -288,11 +338,18 @@ sys.stderr.write({err!r})
 if {code}:
     sys.exit({code})
 print(json.dumps(logs[name], indent=2))
-""")
+""",
+    )
 
 
-HEALTHY = {"critical_warning": 0, "temperature": 305, "avail_spare": 100, "spare_thresh": 10,
-           "percent_used": 4, "media_errors": 0}
+HEALTHY = {
+    "critical_warning": 0,
+    "temperature": 305,
+    "avail_spare": 100,
+    "spare_thresh": 10,
+    "percent_used": 4,
+    "media_errors": 0,
+}
 
 
 def test_critical_warning_warns_naming_the_disk(tmp_path):
@@ -334,6 +391,7 @@ def test_no_nvme_or_no_nvme_cli_or_no_root_is_a_skip(tmp_path):
 
 # -- host_cpu ---------------------------------------------------------------------------------
 
+
 def cpus(tmp_path, online, present, throttle=None):
     base = tmp_path / "sys/devices/system/cpu"
     write(base / "online", online + "\n")
@@ -363,6 +421,8 @@ def test_throttle_growth_between_runs_warns(tmp_path):
 def test_no_throttle_counters_and_no_expectation_are_skips(tmp_path):
     cpus(tmp_path, "0-1", "0-1")
     results = host_cpu.run(make_ctx(tmp_path, "host_cpu"))
-    assert {r.metric: r.status for r in results} == {"cpu_throttle": Status.SKIP,
-                                                      "cpus_online": Status.SKIP}
+    assert {r.metric: r.status for r in results} == {
+        "cpu_throttle": Status.SKIP,
+        "cpus_online": Status.SKIP,
+    }
     assert "node.expected_cpus" in by(results, "cpus_online").detail

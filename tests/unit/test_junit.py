@@ -9,12 +9,17 @@ from node_agent.report.junit import junit_xml, write_junit
 from node_agent.report.synthetic import synthetic_report
 
 # The common Jenkins/GitLab JUnit schema: which children and attributes each element may carry
-ALLOWED_CHILDREN = {"testsuites": {"testsuite"},
-                    "testsuite": {"properties", "testcase", "system-out", "system-err"},
-                    "properties": {"property"},
-                    "testcase": {"skipped", "error", "failure", "system-out", "system-err"}}
-REQUIRED_ATTRS = {"testsuite": {"name", "tests"}, "testcase": {"name", "classname"},
-                  "property": {"name", "value"}}
+ALLOWED_CHILDREN = {
+    "testsuites": {"testsuite"},
+    "testsuite": {"properties", "testcase", "system-out", "system-err"},
+    "properties": {"property"},
+    "testcase": {"skipped", "error", "failure", "system-out", "system-err"},
+}
+REQUIRED_ATTRS = {
+    "testsuite": {"name", "tests"},
+    "testcase": {"name", "classname"},
+    "property": {"name", "value"},
+}
 
 
 def parse(report) -> ET.Element:
@@ -22,8 +27,11 @@ def parse(report) -> ET.Element:
 
 
 def case(root: ET.Element, classname: str, name: str) -> ET.Element:
-    (found,) = [c for c in root.iter("testcase")
-                if c.get("classname") == classname and c.get("name") == name]
+    (found,) = [
+        c
+        for c in root.iter("testcase")
+        if c.get("classname") == classname and c.get("name") == name
+    ]
     return found
 
 
@@ -65,9 +73,17 @@ def test_check_that_could_not_run_is_an_error_and_all_skipped_is_skipped():
 
 
 def test_untrusted_text_with_markup_and_control_characters_stays_well_formed(tmp_path):
-    report = synthetic_report("evil<host>&\"", faults={1: "xid79"})
-    report.results.append(Result("xid", "gpu:1", "xid", Status.FAIL,
-                                 "</failure><injected/>\x00\x1b[31m ]]> bell\x07", value=79))
+    report = synthetic_report('evil<host>&"', faults={1: "xid79"})
+    report.results.append(
+        Result(
+            "xid",
+            "gpu:1",
+            "xid",
+            Status.FAIL,
+            "</failure><injected/>\x00\x1b[31m ]]> bell\x07",
+            value=79,
+        )
+    )
     path = write_junit(report, tmp_path / "junit.xml")
     root = ET.parse(path).getroot()
     assert not list(root.iter("injected"))

@@ -36,8 +36,9 @@ def test_resume_of_its_own_node_is_allowed() -> None:
 def test_writing_its_own_condition_is_allowed() -> None:
     old = node()
     new = copy.deepcopy(old)
-    new["status"]["conditions"].append({"type": "GPUHealthy", "status": "False",
-                                        "reason": "NodeAgentDrained"})
+    new["status"]["conditions"].append(
+        {"type": "GPUHealthy", "status": "False", "reason": "NodeAgentDrained"}
+    )
     decision = admit(request("UPDATE", "nodes", "gpu-01", sub="status"), new, old)
     assert decision.allowed, decision.messages
 

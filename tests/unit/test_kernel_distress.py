@@ -56,65 +56,136 @@ from node_agent.model import Level, Status
 #: (line as the kernel prints it, kind, subject, process)
 FORMS = [
     ("INFO: task python3:4242 blocked for more than 122 seconds.", "hung_task", None, "python3"),
-    ("INFO: task kworker/u16:2:811 blocked for more than 120 seconds.", "hung_task", None,
-     "kworker/u16:2"),
-    ("watchdog: BUG: soft lockup - CPU#12 stuck for 23s! [python3:1234]", "soft_lockup", None,
-     "python3"),
-    ("NMI watchdog: BUG: soft lockup - CPU#3 stuck for 22s! [kworker/3:1:311]", "soft_lockup",
-     None, "kworker/3:1"),
+    (
+        "INFO: task kworker/u16:2:811 blocked for more than 120 seconds.",
+        "hung_task",
+        None,
+        "kworker/u16:2",
+    ),
+    (
+        "watchdog: BUG: soft lockup - CPU#12 stuck for 23s! [python3:1234]",
+        "soft_lockup",
+        None,
+        "python3",
+    ),
+    (
+        "NMI watchdog: BUG: soft lockup - CPU#3 stuck for 22s! [kworker/3:1:311]",
+        "soft_lockup",
+        None,
+        "kworker/3:1",
+    ),
     ("BUG: soft lockup - CPU#0 stuck for 67s! [swapper/0:0]", "soft_lockup", None, "swapper/0"),
     ("watchdog: Watchdog detected hard LOCKUP on cpu 7", "hard_lockup", None, None),
     ("watchdog: CPU7: Watchdog detected hard LOCKUP on cpu 7", "hard_lockup", None, None),
-    ("Out of memory: Killed process 5123 (python3) total-vm:98765432kB, anon-rss:8765432kB, "
-     "file-rss:0kB, shmem-rss:0kB, UID:1001 pgtables:17000kB oom_score_adj:0", "oom_kill", None,
-     "python3"),
-    ("Memory cgroup out of memory: Killed process 5124 (pt_main_thread) total-vm:1000kB, "
-     "anon-rss:900kB, file-rss:0kB, shmem-rss:0kB, UID:1001 pgtables:100kB oom_score_adj:0",
-     "oom_kill", None, "pt_main_thread"),
-    ("oom-kill:constraint=CONSTRAINT_MEMCG,nodemask=(null),cpuset=/,mems_allowed=0-1,"
-     "oom_memcg=/slurm/uid_1001/job_77,task_memcg=/slurm/uid_1001/job_77/step_0,task=python3,"
-     "pid=5124,uid=1001", "oom_summary", None, "python3"),
+    (
+        "Out of memory: Killed process 5123 (python3) total-vm:98765432kB, anon-rss:8765432kB, "
+        "file-rss:0kB, shmem-rss:0kB, UID:1001 pgtables:17000kB oom_score_adj:0",
+        "oom_kill",
+        None,
+        "python3",
+    ),
+    (
+        "Memory cgroup out of memory: Killed process 5124 (pt_main_thread) total-vm:1000kB, "
+        "anon-rss:900kB, file-rss:0kB, shmem-rss:0kB, UID:1001 pgtables:100kB oom_score_adj:0",
+        "oom_kill",
+        None,
+        "pt_main_thread",
+    ),
+    (
+        "oom-kill:constraint=CONSTRAINT_MEMCG,nodemask=(null),cpuset=/,mems_allowed=0-1,"
+        "oom_memcg=/slurm/uid_1001/job_77,task_memcg=/slurm/uid_1001/job_77/step_0,task=python3,"
+        "pid=5124,uid=1001",
+        "oom_summary",
+        None,
+        "python3",
+    ),
     ("nvme nvme0: I/O 123 QID 4 timeout, reset controller", "nvme_timeout", "nvme0", None),
-    ("nvme nvme1: I/O tag 28 (401c) opcode 0x2 (I/O Cmd) QID 1 timeout, aborting "
-     "req_op:READ(0) size:4096", "nvme_timeout", "nvme1", None),
-    ("nvme nvme0: controller is down; will reset: CSTS=0xffffffff, PCI_STATUS=0xffff",
-     "nvme_reset", "nvme0", None),
+    (
+        "nvme nvme1: I/O tag 28 (401c) opcode 0x2 (I/O Cmd) QID 1 timeout, aborting "
+        "req_op:READ(0) size:4096",
+        "nvme_timeout",
+        "nvme1",
+        None,
+    ),
+    (
+        "nvme nvme0: controller is down; will reset: CSTS=0xffffffff, PCI_STATUS=0xffff",
+        "nvme_reset",
+        "nvme0",
+        None,
+    ),
     ("nvme nvme2: Removing after probe failure status: -19", "nvme_failed", "nvme2", None),
     ("EXT4-fs (nvme0n1p1): Remounting filesystem read-only", "fs_readonly", "nvme0n1p1", None),
-    ("XFS (md0): Corruption of in-memory data (0x8) detected at xfs_trans_cancel+0x13c/0x150 "
-     "(fs/xfs/xfs_trans.c:1097).  Shutting down filesystem.", "fs_readonly", "md0", None),
-    ("XFS (dm-3): Filesystem has been shut down due to log error (0x2).", "fs_readonly", "dm-3",
-     None),
+    (
+        "XFS (md0): Corruption of in-memory data (0x8) detected at xfs_trans_cancel+0x13c/0x150 "
+        "(fs/xfs/xfs_trans.c:1097).  Shutting down filesystem.",
+        "fs_readonly",
+        "md0",
+        None,
+    ),
+    (
+        "XFS (dm-3): Filesystem has been shut down due to log error (0x2).",
+        "fs_readonly",
+        "dm-3",
+        None,
+    ),
     ("BTRFS error (device sdb1): forced readonly", "fs_readonly", "sdb1", None),
-    ("nfs: server storage01 not responding, still trying", "nfs_not_responding", "storage01",
-     None),
+    ("nfs: server storage01 not responding, still trying", "nfs_not_responding", "storage01", None),
     ("nfs: server storage01 OK", "nfs_ok", "storage01", None),
-    ("Lustre: scratch-MDT0000-mdc-ffff9c1e8b3f4000: Connection to scratch-MDT0000 (at "
-     "10.0.0.2@o2ib) was lost; in progress operations using this service will wait for recovery "
-     "to complete", "lustre_lost", "scratch-MDT0000", None),
+    (
+        "Lustre: scratch-MDT0000-mdc-ffff9c1e8b3f4000: Connection to scratch-MDT0000 (at "
+        "10.0.0.2@o2ib) was lost; in progress operations using this service will wait for recovery "
+        "to complete",
+        "lustre_lost",
+        "scratch-MDT0000",
+        None,
+    ),
     ("mce: [Hardware Error]: Machine check events logged", "mce_logged", None, None),
-    ("mce: [Hardware Error]: CPU 0: Machine Check: 0 Bank 7: 8c00004000010090", "mce_record",
-     None, None),
-    ("mce: [Hardware Error]: CPU 3: Machine Check Exception: 5 Bank 4: be00000000800400",
-     "mce_record", None, None),
+    (
+        "mce: [Hardware Error]: CPU 0: Machine Check: 0 Bank 7: 8c00004000010090",
+        "mce_record",
+        None,
+        None,
+    ),
+    (
+        "mce: [Hardware Error]: CPU 3: Machine Check Exception: 5 Bank 4: be00000000800400",
+        "mce_record",
+        None,
+        None,
+    ),
     ("mce: [Hardware Error]: Machine check: Processor context corrupt", "mce_fatal", None, None),
     ("Kernel panic - not syncing: Fatal machine check", "mce_fatal", None, None),
-    ("Memory failure: 0x3f2a1: recovery action for dirty LRU page: Recovered", "memory_failure",
-     None, None),
+    (
+        "Memory failure: 0x3f2a1: recovery action for dirty LRU page: Recovered",
+        "memory_failure",
+        None,
+        None,
+    ),
 ]
 
 #: what a log puts in front of the kernel's message (docs/xid.md, "Rules of belief")
-PREFIXES = ["", "[ 1843.308145] ", "[Sun Feb 23 16:24:18 2025] ", "2025-02-23T16:24:18,123456+00:00 ",
-            "kern  :err   : [ 1843.308145] ", "Dec  2 11:38:27 worker4 kernel: [  218.25] ",
-            "6,3964,206764307,-;"]
+PREFIXES = [
+    "",
+    "[ 1843.308145] ",
+    "[Sun Feb 23 16:24:18 2025] ",
+    "2025-02-23T16:24:18,123456+00:00 ",
+    "kern  :err   : [ 1843.308145] ",
+    "Dec  2 11:38:27 worker4 kernel: [  218.25] ",
+    "6,3964,206764307,-;",
+]
 
 
 @pytest.fixture
 def env(tmp_path):
     """A simulated 8-GPU H100 node (no faults): its inventory, config and shipped grader."""
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"),
-                                      "host": {"ras_mc_ctl": "ras-mc-ctl-not-installed-here"}}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "state_dir": str(tmp_path / "state"),
+                "host": {"ras_mc_ctl": "ras-mc-ctl-not-installed-here"},
+            }
+        )
+    )
     scenario = tmp_path / "scenario.yaml"
     scenario.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 8}))
     environment = open_environment(load_config(config), str(scenario))
@@ -126,11 +197,18 @@ def run_check(env, lines=None, log=None, state_dir=None, **params):
     """The check on this host's path (no scenario): pstore at a directory of the test's own."""
     params.setdefault("pstore_root", "/nonexistent/pstore")
     params.setdefault("pstore_archive", "/nonexistent/pstore-archive")
-    ctx = CheckContext(check="kernel_distress", gpu=env.gpu,
-                       kernel_log=log if log is not None else LinesKernelLog(lines or []),
-                       config=env.config, inventory=env.inventory, sku=env.sku,
-                       expected_gpus=env.expected_gpus, mode="service", params=params,
-                       state_dir=state_dir)
+    ctx = CheckContext(
+        check="kernel_distress",
+        gpu=env.gpu,
+        kernel_log=log if log is not None else LinesKernelLog(lines or []),
+        config=env.config,
+        inventory=env.inventory,
+        sku=env.sku,
+        expected_gpus=env.expected_gpus,
+        mode="service",
+        params=params,
+        state_dir=state_dir,
+    )
     return kd.run(ctx)
 
 
@@ -147,8 +225,9 @@ def grade(env, results):
 
 
 @pytest.mark.parametrize("prefix", PREFIXES, ids=lambda p: p.strip()[:12] or "bare")
-@pytest.mark.parametrize("line,kind,subject,process", FORMS, ids=[f[1] + str(i) for i, f in
-                                                                   enumerate(FORMS)])
+@pytest.mark.parametrize(
+    "line,kind,subject,process", FORMS, ids=[f[1] + str(i) for i, f in enumerate(FORMS)]
+)
 def test_every_distress_form_is_read_behind_every_prefix(line, kind, subject, process, prefix):
     event = parse_distress(prefix + line)
     assert event is not None, prefix + line
@@ -165,8 +244,10 @@ def test_mce_status_bits_say_corrected_uncorrected_and_context_corrupt():
 
 def test_oom_summary_reads_the_uid_the_kernel_printed_not_one_in_the_task_name():
     """The task name (15 characters, the user's) cannot stand in for the tail the kernel writes."""
-    line = ("oom-kill:constraint=CONSTRAINT_NONE,nodemask=(null),cpuset=/,mems_allowed=0,"
-            "global_oom,task_memcg=/user.slice/a,task=x,pid=1,uid=0,pid=777,uid=1001")
+    line = (
+        "oom-kill:constraint=CONSTRAINT_NONE,nodemask=(null),cpuset=/,mems_allowed=0,"
+        "global_oom,task_memcg=/user.slice/a,task=x,pid=1,uid=0,pid=777,uid=1001"
+    )
     event = parse_distress(line)
     assert (event.pid, event.field("uid"), event.field("scope")) == (777, 1001, "global")
 
@@ -174,24 +255,27 @@ def test_oom_summary_reads_the_uid_the_kernel_printed_not_one_in_the_task_name()
 # --- the rules of belief ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("line", [
-    # a user's program's syslog line, the same text
-    "Dec  2 11:38:27 worker4 python3[77]: watchdog: BUG: soft lockup - CPU#1 stuck for 23s! [x:1]",
-    # dmesg --decode: the user facility
-    "user  :warn  : [ 12.5] watchdog: BUG: soft lockup - CPU#1 stuck for 23s! [x:1]",
-    # a write to /dev/kmsg: facility 1 (prio 12 = 1 << 3 | 4), devkmsg_write
-    "12,4001,5000000,-;watchdog: BUG: soft lockup - CPU#1 stuck for 23s! [x:1]",
-    # the kernel's report of a user's segfault in a file named after a distress line
-    "[ 12.5] python3[4242]: segfault at 0 ip 00007f29 sp 00007ffc error 6 in watchdog: BUG: soft "
-    "lockup - CPU#0 stuck for 23s! [x:1][7f294070e000+1000]",
-    # ... by a process named after one (15 characters of it)
-    "[ 12.5] BUG: soft locku[4242]: segfault at 0 ip 00007f29 sp 00007ffc error 6 in x[0+1000]",
-    "[ 12.5] nvme nvme0: I/O[4242]: segfault at 0 ip 00007f29 sp 00007ffc error 6 in QID 1 "
-    "timeout, reset controller[0+1000]",
-    # a form in the middle of a line is never searched
-    "[ 12.5] sshd: note INFO: task python3:1 blocked for more than 120 seconds.",
-    "[ 12.5] x EXT4-fs (sda1): Remounting filesystem read-only",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        # a user's program's syslog line, the same text
+        "Dec  2 11:38:27 worker4 python3[77]: watchdog: BUG: soft lockup - CPU#1 stuck for 23s! [x:1]",
+        # dmesg --decode: the user facility
+        "user  :warn  : [ 12.5] watchdog: BUG: soft lockup - CPU#1 stuck for 23s! [x:1]",
+        # a write to /dev/kmsg: facility 1 (prio 12 = 1 << 3 | 4), devkmsg_write
+        "12,4001,5000000,-;watchdog: BUG: soft lockup - CPU#1 stuck for 23s! [x:1]",
+        # the kernel's report of a user's segfault in a file named after a distress line
+        "[ 12.5] python3[4242]: segfault at 0 ip 00007f29 sp 00007ffc error 6 in watchdog: BUG: soft "
+        "lockup - CPU#0 stuck for 23s! [x:1][7f294070e000+1000]",
+        # ... by a process named after one (15 characters of it)
+        "[ 12.5] BUG: soft locku[4242]: segfault at 0 ip 00007f29 sp 00007ffc error 6 in x[0+1000]",
+        "[ 12.5] nvme nvme0: I/O[4242]: segfault at 0 ip 00007f29 sp 00007ffc error 6 in QID 1 "
+        "timeout, reset controller[0+1000]",
+        # a form in the middle of a line is never searched
+        "[ 12.5] sshd: note INFO: task python3:1 blocked for more than 120 seconds.",
+        "[ 12.5] x EXT4-fs (sda1): Remounting filesystem read-only",
+    ],
+)
 def test_lines_the_kernel_did_not_write_as_distress_are_refused(line):
     assert parse_distress(line) is None
 
@@ -199,23 +283,27 @@ def test_lines_the_kernel_did_not_write_as_distress_are_refused(line):
 def test_a_hung_task_named_like_a_soft_lockup_is_a_hung_task_at_most():
     """A process named ``BUG: soft lockup`` (cut to 15 characters by the kernel) that hangs is
     quoted inside the hung-task form: it stays a hung task (WARN), never a lockup."""
-    event = parse_distress("[ 200.1] INFO: task BUG: soft locku:4242 blocked for more than 120 "
-                           "seconds.")
+    event = parse_distress(
+        "[ 200.1] INFO: task BUG: soft locku:4242 blocked for more than 120 seconds."
+    )
     assert (event.kind, event.process, event.pid) == ("hung_task", "BUG: soft locku", 4242)
 
 
 def test_user_facility_records_and_later_lines_of_a_record_give_nothing():
-    records = [LogRecord(1, "INFO: task a:1 blocked for more than 120 seconds.", 1.0, facility=1),
-               LogRecord(2, "x\nwatchdog: BUG: soft lockup - CPU#1 stuck for 23s! [x:1]", 2.0,
-                         facility=0),
-               LogRecord(3, "INFO: task b:2 blocked for more than 120 seconds.", 3.0, facility=0)]
+    records = [
+        LogRecord(1, "INFO: task a:1 blocked for more than 120 seconds.", 1.0, facility=1),
+        LogRecord(2, "x\nwatchdog: BUG: soft lockup - CPU#1 stuck for 23s! [x:1]", 2.0, facility=0),
+        LogRecord(3, "INFO: task b:2 blocked for more than 120 seconds.", 3.0, facility=0),
+    ]
     assert [(e.kind, e.process) for e in scan_distress(records)] == [("hung_task", "b")]
 
 
 def test_a_user_facility_record_in_a_saved_log_is_refused_by_the_check(env, tmp_path):
     saved = tmp_path / "kmsg.txt"
-    saved.write_text("12,1,5000000,-;watchdog: BUG: soft lockup - CPU#1 stuck for 23s! [x:1]\n"
-                     "4,2,6000000,-;INFO: task python3:4242 blocked for more than 120 seconds.\n")
+    saved.write_text(
+        "12,1,5000000,-;watchdog: BUG: soft lockup - CPU#1 stuck for 23s! [x:1]\n"
+        "4,2,6000000,-;INFO: task python3:4242 blocked for more than 120 seconds.\n"
+    )
     saved.chmod(0o644)
     results = run_check(env, log=FileKernelLog(str(saved)))
     assert [r.metric for r in results if r.status is not Status.PASS] == ["hung_task", "ras_mce"]
@@ -225,8 +313,9 @@ def test_a_user_facility_record_in_a_saved_log_is_refused_by_the_check(env, tmp_
 
 
 def test_hung_task_grades_warn_naming_the_task(env):
-    results = run_check(env, ["[ 363.2] INFO: task python3:4242 blocked for more than 122 "
-                              "seconds."])
+    results = run_check(
+        env, ["[ 363.2] INFO: task python3:4242 blocked for more than 122 seconds."]
+    )
     hung = finding(results, "hung_task")
     assert hung.status is Status.WARN and "python3:4242" in hung.detail
     g = grade(env, results)
@@ -239,10 +328,16 @@ def test_hung_task_never_grades_above_warn_even_as_a_fail(env):
     assert grade(env, results).level is Level.WARN
 
 
-@pytest.mark.parametrize("line,metric", [
-    ("[ 400.1] watchdog: BUG: soft lockup - CPU#12 stuck for 23s! [python3:1234]", "soft_lockup"),
-    ("[ 400.1] watchdog: CPU7: Watchdog detected hard LOCKUP on cpu 7", "hard_lockup"),
-])
+@pytest.mark.parametrize(
+    "line,metric",
+    [
+        (
+            "[ 400.1] watchdog: BUG: soft lockup - CPU#12 stuck for 23s! [python3:1234]",
+            "soft_lockup",
+        ),
+        ("[ 400.1] watchdog: CPU7: Watchdog detected hard LOCKUP on cpu 7", "hard_lockup"),
+    ],
+)
 def test_lockups_grade_error(env, line, metric):
     results = run_check(env, [line])
     assert finding(results, metric).status is Status.FAIL
@@ -262,11 +357,14 @@ def test_oom_kill_grades_warn_naming_the_process_global_or_not(env):
 
 def test_nvme_timeout_warns_and_repeated_timeouts_grade_error_naming_the_disk(env):
     once = run_check(env, ["[ 500.1] nvme nvme0: I/O 123 QID 4 timeout, reset controller"])
-    assert (finding(once, "nvme_timeout").target, grade(env, once).level) == ("disk:nvme0",
-                                                                             Level.WARN)
-    lines = [f"[ {500 + i}.1] nvme nvme0: I/O {100 + i} QID 4 timeout, reset controller"
-             for i in range(2)] + ["[ 503.0] nvme nvme0: controller is down; will reset: "
-                                   "CSTS=0xffffffff, PCI_STATUS=0xffff"]
+    assert (finding(once, "nvme_timeout").target, grade(env, once).level) == (
+        "disk:nvme0",
+        Level.WARN,
+    )
+    lines = [
+        f"[ {500 + i}.1] nvme nvme0: I/O {100 + i} QID 4 timeout, reset controller"
+        for i in range(2)
+    ] + ["[ 503.0] nvme nvme0: controller is down; will reset: CSTS=0xffffffff, PCI_STATUS=0xffff"]
     repeated = run_check(env, lines)
     result = finding(repeated, "nvme_timeout")
     assert (result.target, result.status, result.value) == ("disk:nvme0", Status.FAIL, 3)
@@ -308,10 +406,14 @@ def test_corrected_machine_checks_warn_and_fatal_ones_grade_error(env):
 
 
 def test_flood_of_hung_tasks_is_one_finding_with_count_bursts_and_capped_names(env):
-    lines = [f"[{1000.0 + i:10.3f}] INFO: task w{i}:{i} blocked for more than 120 seconds."
-             for i in range(5000)]
-    lines += [f"[{9000.0 + i:10.3f}] INFO: task v:{i} blocked for more than 120 seconds."
-              for i in range(3)]
+    lines = [
+        f"[{1000.0 + i:10.3f}] INFO: task w{i}:{i} blocked for more than 120 seconds."
+        for i in range(5000)
+    ]
+    lines += [
+        f"[{9000.0 + i:10.3f}] INFO: task v:{i} blocked for more than 120 seconds."
+        for i in range(3)
+    ]
     hung = finding(run_check(env, lines), "hung_task")
     assert hung.value == 5003 and hung.evidence["bursts"] == 2
     assert len(hung.evidence["names"]) == 16 and hung.detail.count(":") < 40
@@ -332,7 +434,9 @@ def test_since_last_run_reports_each_line_once(env, tmp_path):
     again = run_check(env, log=log, state_dir=state, since="last_run")
     assert finding(first, "hung_task").value == 1
     assert sorted(r.metric for r in again if r.status is not Status.SKIP) == [
-        "kernel_distress", "pstore_panic"]
+        "kernel_distress",
+        "pstore_panic",
+    ]
 
 
 def test_an_unreadable_kernel_log_is_an_error_not_a_pass(env, tmp_path):
@@ -343,9 +447,11 @@ def test_an_unreadable_kernel_log_is_an_error_not_a_pass(env, tmp_path):
 
 # --- rasdaemon --------------------------------------------------------------------------------
 
-RAS_SUMMARY = ("No Memory errors.\n\nNo PCIe AER errors.\n\nNo Extlog errors.\n"
-               "MCE records summary:\n\t2 Corrected error, no action required. errors\n"
-               "\t1 Uncorrected error, Processor context corrupt errors\n")
+RAS_SUMMARY = (
+    "No Memory errors.\n\nNo PCIe AER errors.\n\nNo Extlog errors.\n"
+    "MCE records summary:\n\t2 Corrected error, no action required. errors\n"
+    "\t1 Uncorrected error, Processor context corrupt errors\n"
+)
 
 
 def test_ras_summary_counts_corrected_and_uncorrected_mce_records():
@@ -365,9 +471,11 @@ def test_without_rasdaemon_the_check_skips_it_with_the_reason(env):
 
 
 def write_dump(root: Path, name: str, n: int, why: str = "Panic") -> None:
-    (root / name).write_text(f"{why}#{n} Part1\n<6>[ 8800.1] nvme nvme0: I/O 1 QID 1 timeout, "
-                             "reset controller\n<0>[ 8849.2] Kernel panic - not syncing: "
-                             "softlockup: hung tasks\n")
+    (root / name).write_text(
+        f"{why}#{n} Part1\n<6>[ 8800.1] nvme nvme0: I/O 1 QID 1 timeout, "
+        "reset controller\n<0>[ 8849.2] Kernel panic - not syncing: "
+        "softlockup: hung tasks\n"
+    )
 
 
 def test_one_panic_in_pstore_warns_naming_it_and_a_second_grades_error(env, tmp_path):
@@ -394,24 +502,34 @@ def test_old_dumps_and_systemd_pstore_archives_are_read_by_age(env, tmp_path):
     write_dump(root, old.name, 3)
     week_ago = time.time() - 8 * 24 * 3600
     os.utime(old, (week_ago, week_ago))
-    result = finding(run_check(env, [], pstore_root=str(root), pstore_archive=str(archive)),
-                     "pstore_panic")
+    result = finding(
+        run_check(env, [], pstore_root=str(root), pstore_archive=str(archive)), "pstore_panic"
+    )
     assert (result.status, result.value) == (Status.WARN, 1)
     assert result.evidence["dumps"][0]["directory"].endswith("1732500000")
 
 
 def test_an_empty_pstore_passes(env, tmp_path):
-    assert finding(run_check(env, [], pstore_root=str(tmp_path)), "pstore_panic").status \
-        is Status.PASS
+    assert (
+        finding(run_check(env, [], pstore_root=str(tmp_path)), "pstore_panic").status is Status.PASS
+    )
 
 
-@pytest.mark.skipif(kd.pstore_mounted(kd.PSTORE_ROOT),
-                    reason="this host has pstore mounted at /sys/fs/pstore")
+@pytest.mark.skipif(
+    kd.pstore_mounted(kd.PSTORE_ROOT), reason="this host has pstore mounted at /sys/fs/pstore"
+)
 def test_without_pstore_mounted_the_check_skips_it_with_the_reason(env):
-    ctx = CheckContext(check="kernel_distress", gpu=env.gpu, kernel_log=LinesKernelLog([]),
-                       config=env.config, inventory=env.inventory, sku=env.sku,
-                       expected_gpus=env.expected_gpus, mode="service",
-                       params={"pstore_archive": "/nonexistent/pstore-archive"})
+    ctx = CheckContext(
+        check="kernel_distress",
+        gpu=env.gpu,
+        kernel_log=LinesKernelLog([]),
+        config=env.config,
+        inventory=env.inventory,
+        sku=env.sku,
+        expected_gpus=env.expected_gpus,
+        mode="service",
+        params={"pstore_archive": "/nonexistent/pstore-archive"},
+    )
     (pstore,) = [r for r in kd.run(ctx) if r.metric == "pstore"]
     assert pstore.status is Status.SKIP and "mount -t pstore" in pstore.detail
 
@@ -420,7 +538,7 @@ def test_rasdaemon_records_are_read_through_the_configured_tool(env, tmp_path, m
     """rasdaemon is not installed here (it needs its daemon and database), so a stand-in script
     prints ``ras-mc-ctl --summary`` in the format above; the check runs it as it runs the tool."""
     tool = tmp_path / "ras-mc-ctl"
-    tool.write_text("#!/bin/sh\n[ \"$1\" = --summary ] || exit 2\nprintf '%s' \"$SUMMARY\"\n")
+    tool.write_text('#!/bin/sh\n[ "$1" = --summary ] || exit 2\nprintf \'%s\' "$SUMMARY"\n')
     tool.chmod(0o755)
     env.config.data["host"]["ras_mc_ctl"] = str(tool)
     monkeypatch.setenv("SUMMARY", RAS_SUMMARY)
@@ -435,9 +553,16 @@ def test_a_captured_node_skips_pstore_it_did_not_record(tmp_path):
     real = Path(__file__).resolve().parents[2] / "scenarios" / "real" / "h100-sxm5-vm.yaml"
     env = open_environment(load_config(config), str(real))
     try:
-        ctx = CheckContext(check="kernel_distress", gpu=env.gpu, kernel_log=env.kernel_log,
-                           config=env.config, inventory=env.inventory, sku=env.sku,
-                           expected_gpus=None, scenario=env.scenario)
+        ctx = CheckContext(
+            check="kernel_distress",
+            gpu=env.gpu,
+            kernel_log=env.kernel_log,
+            config=env.config,
+            inventory=env.inventory,
+            sku=env.sku,
+            expected_gpus=None,
+            scenario=env.scenario,
+        )
         results = kd.run(ctx)
     finally:
         env.close()

@@ -51,8 +51,12 @@ def import_graph() -> dict[str, set[str]]:
 
     for name, path in modules.items():
         for node in runtime_nodes(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
-                    and node.module.startswith("node_agent"):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.level == 0
+                and node.module.startswith("node_agent")
+            ):
                 for alias in node.names:
                     full = f"{node.module}.{alias.name}"
                     add(name, full if full in modules else node.module)
@@ -121,8 +125,9 @@ def test_every_wing_says_what_it_does():
 
 
 def test_no_module_over_a_thousand_lines():
-    long = {str(p): n for p in PACKAGE.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 1000}
+    long = {
+        str(p): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 1000
+    }
     assert long == {}
 
 
@@ -133,16 +138,25 @@ def _new_modules_after(statement: str) -> list[str]:
         {statement}
         print("\\n".join(sorted(set(sys.modules) - before)))
         """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.split()
 
 
 def test_heartbeat_imports_nothing_outside_the_standard_library():
     new = _new_modules_after("from node_agent.heartbeat import Heartbeat")
-    foreign = [m for m in new if m.split(".")[0] not in sys.stdlib_module_names
-               and m not in ("node_agent", "node_agent.heartbeat")]
+    foreign = [
+        m
+        for m in new
+        if m.split(".")[0] not in sys.stdlib_module_names
+        and m not in ("node_agent", "node_agent.heartbeat")
+    ]
     assert foreign == []
 
 
@@ -175,8 +189,11 @@ def test_shipped_data_is_read_through_resources_never_imported_as_a_package():
                     names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
                 elif isinstance(node, ast.Constant) and isinstance(node.value, str):
                     names = [node.value]
-                bad = [n for n in names if n.startswith(("node_agent.suites", "node_agent.graders"))
-                       and " " not in n]
+                bad = [
+                    n
+                    for n in names
+                    if n.startswith(("node_agent.suites", "node_agent.graders")) and " " not in n
+                ]
                 if bad:
                     offenders.append(f"{path.relative_to(REPO)}:{node.lineno}: {bad[0]}")
     assert offenders == []
@@ -187,8 +204,11 @@ def test_every_wing_ships_in_the_wheel():
     and in an editable install, and is absent from the wheel an operator installs."""
     import tomllib
 
-    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-                 ["packages"])
-    wings = {".".join(p.parent.relative_to(REPO).parts)
-             for p in (REPO / "node_agent").rglob("__init__.py")}
+    listed = set(
+        tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    wings = {
+        ".".join(p.parent.relative_to(REPO).parts)
+        for p in (REPO / "node_agent").rglob("__init__.py")
+    }
     assert wings - listed == set()

@@ -9,26 +9,57 @@ from node_agent.model import Level, Result, Status
 from node_agent.service.metrics import MAX_LABEL_CHARS, DaemonCollector, HangTracker, Snapshot
 
 
-def training(metric: str, status: Status, *, pid: int, rank: int | None = 0,
-             job: str = "slurm:1234", age: float | None = 1.5,
-             step_time: float | None = 0.4, **extra) -> Result:
+def training(
+    metric: str,
+    status: Status,
+    *,
+    pid: int,
+    rank: int | None = 0,
+    job: str = "slurm:1234",
+    age: float | None = 1.5,
+    step_time: float | None = 0.4,
+    **extra,
+) -> Result:
     """A per-process ``training_progress`` result in the shape of docs/training_hangs.md."""
     target = f"job:{job}/rank:{rank}" if rank is not None else f"job:{job}/pid:{pid}"
-    value = {"training_progress": age, "training_hang": age,
-             "training_straggler": 2.5}[metric]
-    return Result("training_progress", target, metric, status, f"{metric} of pid {pid}",
-                  value=value, unit="x" if metric == "training_straggler" else "s",
-                  evidence={"pid": pid, "rank": rank, "local_rank": rank, "world_size": 16,
-                            "job": job, "step": 120, "step_time_s": step_time,
-                            "heartbeat_age_s": age, "gpus": [0], "signals": {},
-                            "agreeing": ["heartbeat"] if metric == "training_hang" else [],
-                            "likely_origin": None, **extra})
+    value = {"training_progress": age, "training_hang": age, "training_straggler": 2.5}[metric]
+    return Result(
+        "training_progress",
+        target,
+        metric,
+        status,
+        f"{metric} of pid {pid}",
+        value=value,
+        unit="x" if metric == "training_straggler" else "s",
+        evidence={
+            "pid": pid,
+            "rank": rank,
+            "local_rank": rank,
+            "world_size": 16,
+            "job": job,
+            "step": 120,
+            "step_time_s": step_time,
+            "heartbeat_age_s": age,
+            "gpus": [0],
+            "signals": {},
+            "agreeing": ["heartbeat"] if metric == "training_hang" else [],
+            "likely_origin": None,
+            **extra,
+        },
+    )
 
 
 def scrape(results: list[Result], hang_suspicions: int = 0) -> dict[str, list]:
     """name -> samples, from ``generate_latest`` of a fresh registry, parsed back."""
-    snap = Snapshot(hostname="n1", level=Level.HEALTHY, checks={}, results=results,
-                    gpu_uuids={}, xid_counts={}, hang_suspicions=hang_suspicions)
+    snap = Snapshot(
+        hostname="n1",
+        level=Level.HEALTHY,
+        checks={},
+        results=results,
+        gpu_uuids={},
+        xid_counts={},
+        hang_suspicions=hang_suspicions,
+    )
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DaemonCollector(lambda: snap))
     text = generate_latest(registry).decode()
@@ -44,29 +75,48 @@ def by_pid(samples) -> dict[str, float]:
 
 
 def test_training_gauges_carry_job_rank_pid_and_the_heartbeat_figures():
-    m = scrape([training("training_progress", Status.PASS, pid=11, rank=0, age=2.0,
-                         step_time=0.5),
-                training("training_hang", Status.FAIL, pid=12, rank=1, age=400.0,
-                         step_time=0.5)])
+    m = scrape(
+        [
+            training("training_progress", Status.PASS, pid=11, rank=0, age=2.0, step_time=0.5),
+            training("training_hang", Status.FAIL, pid=12, rank=1, age=400.0, step_time=0.5),
+        ]
+    )
     ages = m["node_agent_training_heartbeat_age_seconds"]
-    assert {(s.labels["job"], s.labels["rank"], s.labels["pid"], s.labels["hostname"], s.value)
-            for s in ages} == {("slurm:1234", "0", "11", "n1", 2.0),
-                               ("slurm:1234", "1", "12", "n1", 400.0)}
+    assert {
+        (s.labels["job"], s.labels["rank"], s.labels["pid"], s.labels["hostname"], s.value)
+        for s in ages
+    } == {("slurm:1234", "0", "11", "n1", 2.0), ("slurm:1234", "1", "12", "n1", 400.0)}
     assert by_pid(m["node_agent_training_hang_suspected"]) == {"11": 0.0, "12": 1.0}
     assert by_pid(m["node_agent_training_step_time_seconds"]) == {"11": 0.5, "12": 0.5}
 
 
 def test_straggler_is_not_a_hang_and_its_progress_result_is_the_same_series():
-    m = scrape([training("training_straggler", Status.WARN, pid=21, step_time=1.2),
-                training("training_progress", Status.PASS, pid=21, step_time=1.2)])
-    assert [(s.labels["pid"], s.value) for s in m["node_agent_training_hang_suspected"]] == \
-        [("21", 0.0)], "one series per process, never a duplicate sample"
+    m = scrape(
+        [
+            training("training_straggler", Status.WARN, pid=21, step_time=1.2),
+            training("training_progress", Status.PASS, pid=21, step_time=1.2),
+        ]
+    )
+    assert [(s.labels["pid"], s.value) for s in m["node_agent_training_hang_suspected"]] == [
+        ("21", 0.0)
+    ], "one series per process, never a duplicate sample"
     assert by_pid(m["node_agent_training_step_time_seconds"]) == {"21": 1.2}
 
 
 def test_process_without_heartbeat_has_no_age_or_step_time_and_an_empty_rank():
-    m = scrape([training("training_progress", Status.PASS, pid=31, rank=None, age=None,
-                         step_time=None, job="ppid:77")])
+    m = scrape(
+        [
+            training(
+                "training_progress",
+                Status.PASS,
+                pid=31,
+                rank=None,
+                age=None,
+                step_time=None,
+                job="ppid:77",
+            )
+        ]
+    )
     assert "node_agent_training_heartbeat_age_seconds" not in m
     assert "node_agent_training_step_time_seconds" not in m
     (sample,) = m["node_agent_training_hang_suspected"]
@@ -74,15 +124,30 @@ def test_process_without_heartbeat_has_no_age_or_step_time_and_an_empty_rank():
 
 
 def test_discovery_problems_and_other_checks_make_no_training_series():
-    m = scrape([Result("training_progress", "node", "training_discovery", Status.WARN,
-                       "cannot list processes"),
-                Result("nvml_health", "gpu:0", "training_hang", Status.FAIL, "not ours",
-                       evidence={"pid": 1})])
+    m = scrape(
+        [
+            Result(
+                "training_progress",
+                "node",
+                "training_discovery",
+                Status.WARN,
+                "cannot list processes",
+            ),
+            Result(
+                "nvml_health",
+                "gpu:0",
+                "training_hang",
+                Status.FAIL,
+                "not ours",
+                evidence={"pid": 1},
+            ),
+        ]
+    )
     assert "node_agent_training_hang_suspected" not in m
 
 
 def test_untrusted_job_label_is_cut_and_escaped():
-    job = 'pod:ns/' + '"\\\n' * 10 + "x" * 500
+    job = "pod:ns/" + '"\\\n' * 10 + "x" * 500
     m = scrape([training("training_hang", Status.FAIL, pid=41, job=job)])
     (sample,) = m["node_agent_training_hang_suspected"]
     assert sample.labels["job"] == job[:MAX_LABEL_CHARS], "escaped on the wire, parsed back"
@@ -97,16 +162,21 @@ def test_a_lone_surrogate_in_a_job_label_is_escaped_and_the_scrape_still_renders
 
 def test_hang_suspicions_counter_is_exported_even_at_zero():
     assert [s.value for s in scrape([])["node_agent_training_hang_suspicions_total"]] == [0.0]
-    assert [s.value for s in scrape([], hang_suspicions=3)[
-        "node_agent_training_hang_suspicions_total"]] == [3.0]
+    assert [
+        s.value for s in scrape([], hang_suspicions=3)["node_agent_training_hang_suspicions_total"]
+    ] == [3.0]
 
 
 def test_hang_tracker_counts_a_process_once_while_it_stays_hung():
     t = HangTracker()
-    stepping = [training("training_progress", Status.PASS, pid=1),
-                training("training_progress", Status.PASS, pid=2, rank=1)]
-    hung = [training("training_hang", Status.FAIL, pid=1),
-            training("training_progress", Status.PASS, pid=2, rank=1)]
+    stepping = [
+        training("training_progress", Status.PASS, pid=1),
+        training("training_progress", Status.PASS, pid=2, rank=1),
+    ]
+    hung = [
+        training("training_hang", Status.FAIL, pid=1),
+        training("training_progress", Status.PASS, pid=2, rank=1),
+    ]
     t.update("training_progress", stepping)
     assert t.total == 0
     t.update("training_progress", hung)
@@ -119,12 +189,16 @@ def test_hang_tracker_counts_a_process_once_while_it_stays_hung():
 
 def test_hang_tracker_counts_each_hung_process_and_ignores_broken_runs_and_other_checks():
     t = HangTracker()
-    both = [training("training_hang", Status.FAIL, pid=1),
-            training("training_hang", Status.FAIL, pid=2, rank=1)]
+    both = [
+        training("training_hang", Status.FAIL, pid=1),
+        training("training_hang", Status.FAIL, pid=2, rank=1),
+    ]
     t.update("training_progress", both)
     assert t.total == 2
-    t.update("training_progress", [Result("training_progress", "node", "crashed",
-                                          Status.ERROR, "timed out")])
+    t.update(
+        "training_progress",
+        [Result("training_progress", "node", "crashed", Status.ERROR, "timed out")],
+    )
     t.update("training_progress", both)
     assert t.total == 2, "a run that could not complete is no news about the processes"
     t.update("xid", [])
@@ -154,8 +228,9 @@ def _serve(**kw):
 
     from node_agent.service.metrics import MetricsServer
 
-    server = MetricsServer(("127.0.0.1", 0), {"/metrics": lambda: (200, "text/plain", b"ok\n")},
-                           **kw)
+    server = MetricsServer(
+        ("127.0.0.1", 0), {"/metrics": lambda: (200, "text/plain", b"ok\n")}, **kw
+    )
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 
@@ -209,9 +284,11 @@ def test_head_answers_headers_only_and_other_methods_405():
 
     server = _serve()
     try:
-        for request, status, body in ((b"HEAD /metrics HTTP/1.1\r\n\r\n", b"200", b""),
-                                      (b"POST /metrics HTTP/1.1\r\n\r\n", b"405", b"only GET\n"),
-                                      (b"nonsense\r\n\r\n", b"400", b"bad request\n")):
+        for request, status, body in (
+            (b"HEAD /metrics HTTP/1.1\r\n\r\n", b"200", b""),
+            (b"POST /metrics HTTP/1.1\r\n\r\n", b"405", b"only GET\n"),
+            (b"nonsense\r\n\r\n", b"400", b"bad request\n"),
+        ):
             with socket.create_connection(server.server_address[:2], timeout=5) as sock:
                 sock.sendall(request)
                 reply = b""
@@ -247,8 +324,11 @@ def test_scrapes_are_served_while_a_peer_keeps_200_idle_connections_open_past_it
     import sys
 
     server = _serve()  # 64 per peer: every newcomer of the holder closes an older one of its own
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_IDLE, str(server.server_address[1]),
-                               "200"], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_IDLE, str(server.server_address[1]), "200"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "ready"
         codes = [_get(server.server_address[1], timeout=5)[0] for _ in range(40)]
@@ -266,8 +346,17 @@ def test_scrapes_are_served_while_a_peer_keeps_200_idle_connections_open_past_it
 
 
 def scrape_snapshot(**kw) -> dict[str, list]:
-    snap = Snapshot(**{"hostname": "n1", "level": Level.HEALTHY, "checks": {}, "results": [],
-                       "gpu_uuids": {0: "GPU-aaa", 1: "GPU-bbb"}, "xid_counts": {}, **kw})
+    snap = Snapshot(
+        **{
+            "hostname": "n1",
+            "level": Level.HEALTHY,
+            "checks": {},
+            "results": [],
+            "gpu_uuids": {0: "GPU-aaa", 1: "GPU-bbb"},
+            "xid_counts": {},
+            **kw,
+        }
+    )
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DaemonCollector(lambda: snap))
     out: dict[str, list] = {}
@@ -278,63 +367,127 @@ def scrape_snapshot(**kw) -> dict[str, list]:
 
 
 def test_throughput_figures_are_exported_per_gpu_in_base_units():
-    m = scrape_snapshot(results=[
-        Result("gpu_burn", "gpu:0", "tflops_bf16", Status.PASS, "", value=712.5, unit="TFLOP/s"),
-        Result("gpu_burn", "gpu:1", "tflops_bf16", Status.FAIL, "slow", value=600.0,
-               unit="TFLOP/s"),
-        Result("gpu_burn", "gpu:0", "tflops_fp8", Status.PASS, "", value=1400.0, unit="TFLOP/s"),
-        Result("hbm_bandwidth", "gpu:1", "copy_gbps", Status.PASS, "", value=2900.0, unit="GB/s"),
-        Result("pcie_bandwidth", "gpu:0", "h2d_gbps", Status.PASS, "", value=55.0, unit="GB/s"),
-        Result("pcie_bandwidth", "gpu:0", "d2h_gbps_concurrent", Status.PASS, "", value=40.0,
-               unit="GB/s"),
-        Result("nccl_allreduce", "node", "busbw_peak_gbps", Status.PASS, "", value=480.0,
-               unit="GB/s"),
-        Result("nccl_allreduce", "node", "busbw_gbps", Status.PASS, "", value=12.0, unit="GB/s"),
-    ])
-    burn = {(s.labels["gpu"], s.labels["uuid"], s.labels["precision"]): s.value
-            for s in m["node_agent_gpu_burn_flops_per_second"]}
-    assert burn == {("0", "GPU-aaa", "bf16"): 712.5e12, ("1", "GPU-bbb", "bf16"): 600e12,
-                    ("0", "GPU-aaa", "fp8"): 1400e12}, "a failing (slow) GPU is the point"
+    m = scrape_snapshot(
+        results=[
+            Result(
+                "gpu_burn", "gpu:0", "tflops_bf16", Status.PASS, "", value=712.5, unit="TFLOP/s"
+            ),
+            Result(
+                "gpu_burn", "gpu:1", "tflops_bf16", Status.FAIL, "slow", value=600.0, unit="TFLOP/s"
+            ),
+            Result(
+                "gpu_burn", "gpu:0", "tflops_fp8", Status.PASS, "", value=1400.0, unit="TFLOP/s"
+            ),
+            Result(
+                "hbm_bandwidth", "gpu:1", "copy_gbps", Status.PASS, "", value=2900.0, unit="GB/s"
+            ),
+            Result("pcie_bandwidth", "gpu:0", "h2d_gbps", Status.PASS, "", value=55.0, unit="GB/s"),
+            Result(
+                "pcie_bandwidth",
+                "gpu:0",
+                "d2h_gbps_concurrent",
+                Status.PASS,
+                "",
+                value=40.0,
+                unit="GB/s",
+            ),
+            Result(
+                "nccl_allreduce",
+                "node",
+                "busbw_peak_gbps",
+                Status.PASS,
+                "",
+                value=480.0,
+                unit="GB/s",
+            ),
+            Result(
+                "nccl_allreduce", "node", "busbw_gbps", Status.PASS, "", value=12.0, unit="GB/s"
+            ),
+        ]
+    )
+    burn = {
+        (s.labels["gpu"], s.labels["uuid"], s.labels["precision"]): s.value
+        for s in m["node_agent_gpu_burn_flops_per_second"]
+    }
+    assert burn == {
+        ("0", "GPU-aaa", "bf16"): 712.5e12,
+        ("1", "GPU-bbb", "bf16"): 600e12,
+        ("0", "GPU-aaa", "fp8"): 1400e12,
+    }, "a failing (slow) GPU is the point"
     (hbm,) = m["node_agent_gpu_hbm_copy_bytes_per_second"]
     assert (hbm.labels["gpu"], hbm.value) == ("1", 2900e9)
-    assert {(s.labels["direction"], s.labels["mode"]): s.value
-            for s in m["node_agent_gpu_pcie_bytes_per_second"]} == {("h2d", "alone"): 55e9,
-                                                                    ("d2h", "concurrent"): 40e9}
-    assert [(s.labels, s.value) for s in m["node_agent_allreduce_busbw_bytes_per_second"]] == \
-        [({"hostname": "n1"}, 480e9)], "the peak only, not each message size"
+    assert {
+        (s.labels["direction"], s.labels["mode"]): s.value
+        for s in m["node_agent_gpu_pcie_bytes_per_second"]
+    } == {("h2d", "alone"): 55e9, ("d2h", "concurrent"): 40e9}
+    assert [(s.labels, s.value) for s in m["node_agent_allreduce_busbw_bytes_per_second"]] == [
+        ({"hostname": "n1"}, 480e9)
+    ], "the peak only, not each message size"
 
 
 def test_a_throughput_check_that_skipped_or_broke_makes_no_series():
-    m = scrape_snapshot(results=[
-        Result("gpu_burn", "node", "tflops_fp8", Status.SKIP, "fp8 not supported"),
-        Result("gpu_burn", "gpu:0", "tflops_bf16", Status.ERROR, "worker died", value=None),
-        Result("hbm_bandwidth", "gpu:0", "copy_gbps", Status.ERROR, "timed out", value=1.0),
-        Result("nvml_health", "gpu:0", "copy_gbps", Status.PASS, "not this check", value=1.0),
-    ])
+    m = scrape_snapshot(
+        results=[
+            Result("gpu_burn", "node", "tflops_fp8", Status.SKIP, "fp8 not supported"),
+            Result("gpu_burn", "gpu:0", "tflops_bf16", Status.ERROR, "worker died", value=None),
+            Result("hbm_bandwidth", "gpu:0", "copy_gbps", Status.ERROR, "timed out", value=1.0),
+            Result("nvml_health", "gpu:0", "copy_gbps", Status.PASS, "not this check", value=1.0),
+        ]
+    )
     assert "node_agent_gpu_burn_flops_per_second" not in m
     assert "node_agent_gpu_hbm_copy_bytes_per_second" not in m
 
 
 def test_remapped_rows_and_hca_port_counters_are_exported_as_read():
-    m = scrape_snapshot(results=[
-        Result("nvml_health", "gpu:1", "row_remap", Status.PASS, "", value=1,
-               evidence={"corrected_rows": 3, "uncorrected_rows": 1}),
-        Result("rdma", "hca:mlx5_0", "link_errors", Status.WARN, "", value=7,
-               evidence={"device": "mlx5_0", "port": "1", "symbol_error": 5, "link_downed": 2,
-                         "port_rcv_errors": None, "link_layer": "InfiniBand"}),
-    ])
-    assert {(s.labels["gpu"], s.labels["uuid"], s.labels["cause"]): s.value
-            for s in m["node_agent_gpu_remapped_rows"]} == {("1", "GPU-bbb", "correctable"): 3,
-                                                            ("1", "GPU-bbb", "uncorrectable"): 1}
-    assert {(s.labels["hca"], s.labels["port"], s.labels["counter"]): s.value
-            for s in m["node_agent_hca_port_errors"]} == {("mlx5_0", "1", "symbol_error"): 5,
-                                                          ("mlx5_0", "1", "link_downed"): 2}, \
+    m = scrape_snapshot(
+        results=[
+            Result(
+                "nvml_health",
+                "gpu:1",
+                "row_remap",
+                Status.PASS,
+                "",
+                value=1,
+                evidence={"corrected_rows": 3, "uncorrected_rows": 1},
+            ),
+            Result(
+                "rdma",
+                "hca:mlx5_0",
+                "link_errors",
+                Status.WARN,
+                "",
+                value=7,
+                evidence={
+                    "device": "mlx5_0",
+                    "port": "1",
+                    "symbol_error": 5,
+                    "link_downed": 2,
+                    "port_rcv_errors": None,
+                    "link_layer": "InfiniBand",
+                },
+            ),
+        ]
+    )
+    assert {
+        (s.labels["gpu"], s.labels["uuid"], s.labels["cause"]): s.value
+        for s in m["node_agent_gpu_remapped_rows"]
+    } == {("1", "GPU-bbb", "correctable"): 3, ("1", "GPU-bbb", "uncorrectable"): 1}
+    assert {
+        (s.labels["hca"], s.labels["port"], s.labels["counter"]): s.value
+        for s in m["node_agent_hca_port_errors"]
+    } == {("mlx5_0", "1", "symbol_error"): 5, ("mlx5_0", "1", "link_downed"): 2}, (
         "an unreadable counter (None) is no series, never a 0"
+    )
 
 
 def test_drained_by_agent_reads_the_remediation_state_when_the_daemon_gives_it():
-    for state, drained in (("in-service", 0), ("drained", 1), ("restarting", 1),
-                           ("awaiting-replacement", 1), ("needs-operator", 1)):
+    for state, drained in (
+        ("in-service", 0),
+        ("drained", 1),
+        ("restarting", 1),
+        ("awaiting-replacement", 1),
+        ("needs-operator", 1),
+    ):
         (sample,) = scrape_snapshot(remediation_state=state)["node_agent_drained_by_agent"]
         assert (sample.value, sample.labels["source"]) == (drained, "state"), state
 

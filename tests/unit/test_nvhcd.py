@@ -20,8 +20,18 @@ from node_agent.service.nvhcd import (  # noqa: E402
     message_classes,
 )
 
-FAULT = GradeView("FAULT", [{"rule": "xid-79", "level": "FAULT", "target": "gpu:5",
-                             "message": "Xid 79: GPU has fallen off the bus"}], graded_at=1000.0)
+FAULT = GradeView(
+    "FAULT",
+    [
+        {
+            "rule": "xid-79",
+            "level": "FAULT",
+            "target": "gpu:5",
+            "message": "Xid 79: GPU has fallen off the bus",
+        }
+    ],
+    graded_at=1000.0,
+)
 HEALTHY = GradeView("HEALTHY", [], graded_at=1000.0)
 
 
@@ -88,8 +98,9 @@ def test_no_grade_and_a_failing_refresh_is_an_error_not_a_pass():
 def test_nvrx_contract_client_over_a_real_unix_socket(tmp_path):
     sock = tmp_path / "nvhcd.sock"
     view = {"now": HEALTHY}
-    server = NvhcdServer(HealthAnswerer(lambda: view["now"], lambda: view["now"],
-                                        clock=lambda: 1010.0), sock)
+    server = NvhcdServer(
+        HealthAnswerer(lambda: view["now"], lambda: view["now"], clock=lambda: 1010.0), sock
+    )
     server.start()
     try:
         assert oct(sock.stat().st_mode & 0o777) == "0o666"

@@ -53,24 +53,53 @@ class Handle:
 
 GPUS = [
     {  # an H100-like GPU with NVLink, answering in str like current nvidia-ml-py
-        "uuid": "GPU-aaaa", "name": "NVIDIA H100 80GB HBM3", "bus": "00000000:1B:00.0",
-        "serial": "1650123456789", "vbios": "96.00.74.00.0D", "total": 81559 * 1024 * 1024,
-        "ecc": (1, 1), "sbe": (3, 40), "dbe": (0, 2), "dbe_sram": 1, "dbe_dram": 1,
-        "remap": (2, 1, 0, 0), "pcie": (5, 5, 16, 16), "replay": 0, "mask": 0x0,
-        "recovery": 0, "links": 2, "p2p_links": {0},
+        "uuid": "GPU-aaaa",
+        "name": "NVIDIA H100 80GB HBM3",
+        "bus": "00000000:1B:00.0",
+        "serial": "1650123456789",
+        "vbios": "96.00.74.00.0D",
+        "total": 81559 * 1024 * 1024,
+        "ecc": (1, 1),
+        "sbe": (3, 40),
+        "dbe": (0, 2),
+        "dbe_sram": 1,
+        "dbe_dram": 1,
+        "remap": (2, 1, 0, 0),
+        "pcie": (5, 5, 16, 16),
+        "replay": 0,
+        "mask": 0x0,
+        "recovery": 0,
+        "links": 2,
+        "p2p_links": {0},
         # nvmlEccSramErrorStatus: unc. parity, unc. SEC-DED, by unit (l2 sm pcie mcu other), flag
         "sram": (2, 3, (1, 4, 0, 0, 0), 1),
         # two ranks; the second's memory not reported (bindings turn ULL -1 into None)
-        "procs": [(4242, 61_000 * 1024 * 1024), (4243, None)], "util": (97, 58),
+        "procs": [(4242, 61_000 * 1024 * 1024), (4243, None)],
+        "util": (97, 58),
     },
     {  # an older-bindings GPU: strings come back as bytes; no NVLink; throttled, pending remap
-        "uuid": b"GPU-bbbb", "name": b"NVIDIA A100-SXM4-40GB", "bus": b"00000000:3B:00.0",
-        "serial": b"1320000000001", "vbios": b"92.00.45.00.06", "total": 40960 * 1024 * 1024,
-        "ecc": (1, 1), "sbe": (0, 0), "dbe": (1, 1), "dbe_sram": None, "dbe_dram": 1,
-        "remap": (0, 3, 1, 1), "pcie": (3, 4, 8, 16), "replay": 17, "mask": 0x4 | 0x40,
-        "recovery": 2, "links": 0, "p2p_links": set(), "sram": None,
+        "uuid": b"GPU-bbbb",
+        "name": b"NVIDIA A100-SXM4-40GB",
+        "bus": b"00000000:3B:00.0",
+        "serial": b"1320000000001",
+        "vbios": b"92.00.45.00.06",
+        "total": 40960 * 1024 * 1024,
+        "ecc": (1, 1),
+        "sbe": (0, 0),
+        "dbe": (1, 1),
+        "dbe_sram": None,
+        "dbe_dram": 1,
+        "remap": (0, 3, 1, 1),
+        "pcie": (3, 4, 8, 16),
+        "replay": 17,
+        "mask": 0x4 | 0x40,
+        "recovery": 2,
+        "links": 0,
+        "p2p_links": set(),
+        "sram": None,
         # older bindings pass NVML_VALUE_NOT_AVAILABLE through as 2**64 - 1
-        "procs": [(5150, 2**64 - 1)], "util": (100, 0),
+        "procs": [(5150, 2**64 - 1)],
+        "util": (100, 0),
     },
 ]
 
@@ -78,13 +107,26 @@ GPUS = [
 class FakeSramStatus(ctypes.Structure):
     """nvidia-ml-py's c_nvmlEccSramErrorStatus_v1_t: nvml.h's layout; __init__ sets the version."""
 
-    _fields_ = [("version", ctypes.c_uint),
-                *((name, ctypes.c_ulonglong) for name in (
-                    "aggregateUncParity", "aggregateUncSecDed", "aggregateCor",
-                    "volatileUncParity", "volatileUncSecDed", "volatileCor",
-                    "aggregateUncBucketL2", "aggregateUncBucketSm", "aggregateUncBucketPcie",
-                    "aggregateUncBucketMcu", "aggregateUncBucketOther")),
-                ("bThresholdExceeded", ctypes.c_uint)]
+    _fields_ = [
+        ("version", ctypes.c_uint),
+        *(
+            (name, ctypes.c_ulonglong)
+            for name in (
+                "aggregateUncParity",
+                "aggregateUncSecDed",
+                "aggregateCor",
+                "volatileUncParity",
+                "volatileUncSecDed",
+                "volatileCor",
+                "aggregateUncBucketL2",
+                "aggregateUncBucketSm",
+                "aggregateUncBucketPcie",
+                "aggregateUncBucketMcu",
+                "aggregateUncBucketOther",
+            )
+        ),
+        ("bThresholdExceeded", ctypes.c_uint),
+    ]
 
     def __init__(self) -> None:
         super().__init__(version=SRAM_STATUS_V1)
@@ -102,20 +144,39 @@ def make_fake_nvml(gpus: list[dict] | None = None) -> SimpleNamespace:
     gpus = [dict(g) for g in (gpus or GPUS)]
     handles = [Handle(i) for i in range(len(gpus))]
     lib = SimpleNamespace(
-        NVMLError=FakeNVMLError, errors={}, calls=[], events=[], registered=[],
-        NVML_ERROR_NOT_SUPPORTED=NOT_SUPPORTED, NVML_ERROR_GPU_IS_LOST=GPU_IS_LOST,
-        NVML_FEATURE_DISABLED=0, NVML_FEATURE_ENABLED=1,
-        NVML_TEMPERATURE_GPU=0, NVML_TEMPERATURE_THRESHOLD_SHUTDOWN=0,
-        NVML_TEMPERATURE_THRESHOLD_SLOWDOWN=1, NVML_TEMPERATURE_THRESHOLD_MEM_MAX=2,
-        NVML_TEMPERATURE_THRESHOLD_GPU_MAX=3, NVML_CLOCK_SM=1, NVML_CLOCK_MEM=2,
-        NVML_VOLATILE_ECC=0, NVML_AGGREGATE_ECC=1, NVML_MEMORY_ERROR_TYPE_CORRECTED=0,
-        NVML_MEMORY_ERROR_TYPE_UNCORRECTED=1, NVML_MEMORY_LOCATION_DRAM=2,
-        NVML_MEMORY_LOCATION_SRAM=7, NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS=0,
-        NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR=1, NVML_NVLINK_MAX_LINKS=36,
-        NVML_NVLINK_ERROR_DL_REPLAY=0, NVML_NVLINK_ERROR_DL_RECOVERY=1,
-        NVML_NVLINK_ERROR_DL_CRC_FLIT=2, NVML_FI_DEV_MEMORY_TEMP=82,
-        NVML_FI_DEV_GET_GPU_RECOVERY_ACTION=230, nvmlEventTypeXidCriticalError=0x8,
-        c_nvmlEccSramErrorStatus_v1_t=FakeSramStatus, sram_versions=[],
+        NVMLError=FakeNVMLError,
+        errors={},
+        calls=[],
+        events=[],
+        registered=[],
+        NVML_ERROR_NOT_SUPPORTED=NOT_SUPPORTED,
+        NVML_ERROR_GPU_IS_LOST=GPU_IS_LOST,
+        NVML_FEATURE_DISABLED=0,
+        NVML_FEATURE_ENABLED=1,
+        NVML_TEMPERATURE_GPU=0,
+        NVML_TEMPERATURE_THRESHOLD_SHUTDOWN=0,
+        NVML_TEMPERATURE_THRESHOLD_SLOWDOWN=1,
+        NVML_TEMPERATURE_THRESHOLD_MEM_MAX=2,
+        NVML_TEMPERATURE_THRESHOLD_GPU_MAX=3,
+        NVML_CLOCK_SM=1,
+        NVML_CLOCK_MEM=2,
+        NVML_VOLATILE_ECC=0,
+        NVML_AGGREGATE_ECC=1,
+        NVML_MEMORY_ERROR_TYPE_CORRECTED=0,
+        NVML_MEMORY_ERROR_TYPE_UNCORRECTED=1,
+        NVML_MEMORY_LOCATION_DRAM=2,
+        NVML_MEMORY_LOCATION_SRAM=7,
+        NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS=0,
+        NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR=1,
+        NVML_NVLINK_MAX_LINKS=36,
+        NVML_NVLINK_ERROR_DL_REPLAY=0,
+        NVML_NVLINK_ERROR_DL_RECOVERY=1,
+        NVML_NVLINK_ERROR_DL_CRC_FLIT=2,
+        NVML_FI_DEV_MEMORY_TEMP=82,
+        NVML_FI_DEV_GET_GPU_RECOVERY_ACTION=230,
+        nvmlEventTypeXidCriticalError=0x8,
+        c_nvmlEccSramErrorStatus_v1_t=FakeSramStatus,
+        sram_versions=[],
     )
 
     def fake(name, gpu_arg=True):
@@ -127,8 +188,10 @@ def make_fake_nvml(gpus: list[dict] | None = None) -> SimpleNamespace:
                 if code is not None:
                     raise FakeNVMLError(code)
                 return body(*args)
+
             setattr(lib, name, call)
             return call
+
         return decorate
 
     fake("nvmlInit")(lambda: None)
@@ -147,8 +210,9 @@ def make_fake_nvml(gpus: list[dict] | None = None) -> SimpleNamespace:
     fake("nvmlDeviceGetVbiosVersion")(lambda h: g(h)["vbios"])
     fake("nvmlDeviceGetMemoryInfo")(lambda h: SimpleNamespace(total=g(h)["total"]))
     fake("nvmlDeviceGetTemperature")(lambda h, sensor: 41 + h.index)
-    fake("nvmlDeviceGetTemperatureThreshold")(lambda h, kind: {0: 92, 1: 89, 3: 87}.get(kind)
-                                              or _raise(NOT_SUPPORTED))
+    fake("nvmlDeviceGetTemperatureThreshold")(
+        lambda h, kind: {0: 92, 1: 89, 3: 87}.get(kind) or _raise(NOT_SUPPORTED)
+    )
     fake("nvmlDeviceGetPowerUsage")(lambda h: 312_456)
     fake("nvmlDeviceGetEnforcedPowerLimit")(lambda h: 700_000)
     fake("nvmlDeviceGetPowerManagementDefaultLimit")(lambda h: 700_000)
@@ -162,7 +226,8 @@ def make_fake_nvml(gpus: list[dict] | None = None) -> SimpleNamespace:
     fake("nvmlDeviceGetPcieReplayCounter")(lambda h: g(h)["replay"])
     fake("nvmlDeviceGetEccMode")(lambda h: list(g(h)["ecc"]))
     fake("nvmlDeviceGetTotalEccErrors")(
-        lambda h, kind, counter: g(h)["sbe" if kind == 0 else "dbe"][counter])
+        lambda h, kind, counter: g(h)["sbe" if kind == 0 else "dbe"][counter]
+    )
 
     def memory_error_counter(h, kind, counter, location):
         value = g(h)["dbe_sram" if location == 7 else "dbe_dram"]
@@ -179,8 +244,13 @@ def make_fake_nvml(gpus: list[dict] | None = None) -> SimpleNamespace:
             _raise(NOT_SUPPORTED)
         parity, secded, units, exceeded = g(h)["sram"]
         status.aggregateUncParity, status.aggregateUncSecDed = parity, secded
-        (status.aggregateUncBucketL2, status.aggregateUncBucketSm, status.aggregateUncBucketPcie,
-         status.aggregateUncBucketMcu, status.aggregateUncBucketOther) = units
+        (
+            status.aggregateUncBucketL2,
+            status.aggregateUncBucketSm,
+            status.aggregateUncBucketPcie,
+            status.aggregateUncBucketMcu,
+            status.aggregateUncBucketOther,
+        ) = units
         status.bThresholdExceeded = exceeded
         return 0
 
@@ -194,9 +264,14 @@ def make_fake_nvml(gpus: list[dict] | None = None) -> SimpleNamespace:
         values = []
         for fid in field_ids:
             n = {82: 55, 230: g(h)["recovery"]}.get(fid)
-            values.append(SimpleNamespace(
-                fieldId=fid, nvmlReturn=NOT_SUPPORTED if n is None else 0, valueType=1,
-                value=SimpleNamespace(uiVal=n or 0)))
+            values.append(
+                SimpleNamespace(
+                    fieldId=fid,
+                    nvmlReturn=NOT_SUPPORTED if n is None else 0,
+                    valueType=1,
+                    value=SimpleNamespace(uiVal=n or 0),
+                )
+            )
         return values
 
     fake("nvmlDeviceGetFieldValues")(field_values)
@@ -214,13 +289,20 @@ def make_fake_nvml(gpus: list[dict] | None = None) -> SimpleNamespace:
 
     fake("nvmlDeviceGetNvLinkCapability")(nvlink_capability)
     fake("nvmlDeviceGetNvLinkErrorCounter")(
-        lambda h, link, counter: _raise(NOT_SUPPORTED) if counter == 1 else 10 * link + counter)
+        lambda h, link, counter: _raise(NOT_SUPPORTED) if counter == 1 else 10 * link + counter
+    )
 
-    fake("nvmlDeviceGetComputeRunningProcesses_v3")(lambda h: [
-        SimpleNamespace(pid=pid, usedGpuMemory=used, gpuInstanceId=0xFFFFFFFF,
-                        computeInstanceId=0xFFFFFFFF) for pid, used in g(h)["procs"]])
+    fake("nvmlDeviceGetComputeRunningProcesses_v3")(
+        lambda h: [
+            SimpleNamespace(
+                pid=pid, usedGpuMemory=used, gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF
+            )
+            for pid, used in g(h)["procs"]
+        ]
+    )
     fake("nvmlDeviceGetUtilizationRates")(
-        lambda h: SimpleNamespace(gpu=g(h)["util"][0], memory=g(h)["util"][1]))
+        lambda h: SimpleNamespace(gpu=g(h)["util"][0], memory=g(h)["util"][1])
+    )
 
     fake("nvmlEventSetCreate")(lambda: "event-set")
     fake("nvmlDeviceRegisterEvents")(lambda h, kinds, event_set: lib.registered.append(h.index))
@@ -281,7 +363,10 @@ def test_devices_are_read_once_and_handles_cached(backend, lib):
 def test_driver_info_formats_cuda_version_and_decodes_bytes(backend):
     info = backend.driver()
     assert (info.driver_version, info.cuda_version, info.nvml_version) == (
-        "550.54.15", "12.4", "12.550.54.15")
+        "550.54.15",
+        "12.4",
+        "12.550.54.15",
+    )
 
 
 def test_cuda_version_falls_back_to_v1_when_v2_function_not_found(lib):
@@ -295,9 +380,17 @@ def test_cuda_version_falls_back_to_v1_when_v2_function_not_found(lib):
 def test_identity_reads_str_and_decodes_bytes(backend):
     first, second = (d.identity() for d in backend.devices())
     assert (first.uuid, first.name, first.pci_bus_id, first.memory_total_mib) == (
-        "GPU-aaaa", "NVIDIA H100 80GB HBM3", "00000000:1B:00.0", 81559)
+        "GPU-aaaa",
+        "NVIDIA H100 80GB HBM3",
+        "00000000:1B:00.0",
+        81559,
+    )
     assert (second.index, second.uuid, second.name, second.pci_bus_id) == (
-        1, "GPU-bbbb", "NVIDIA A100-SXM4-40GB", "00000000:3B:00.0")
+        1,
+        "GPU-bbbb",
+        "NVIDIA A100-SXM4-40GB",
+        "00000000:3B:00.0",
+    )
     assert (second.serial, second.vbios) == ("1320000000001", "92.00.45.00.06")
 
 
@@ -312,7 +405,11 @@ def test_ecc_counts_by_type_counter_and_location(backend):
     ecc0, ecc1 = (d.ecc() for d in backend.devices())
     assert ecc0.enabled is True
     assert (ecc0.volatile_sbe, ecc0.aggregate_sbe, ecc0.volatile_dbe, ecc0.aggregate_dbe) == (
-        3, 40, 0, 2)
+        3,
+        40,
+        0,
+        2,
+    )
     assert (ecc0.aggregate_dbe_sram, ecc0.aggregate_dbe_dram) == (1, 1)
     assert (ecc1.aggregate_dbe_sram, ecc1.aggregate_dbe_dram) == (None, 1)
 
@@ -323,8 +420,11 @@ def test_ecc_reads_the_sram_status_as_a_sum_a_flag_and_units(backend, lib):
     assert (ecc0.sram_uncorrectable_aggregate, ecc0.sram_threshold_exceeded) == (5, True)
     assert ecc0.sram_uncorrectable_by_unit == {"l2": 1, "sm": 4, "pcie": 0, "mcu": 0, "other": 0}
     # a GPU that does not report it (pre-Ampere): not reported, the other counters still read
-    assert (ecc1.sram_uncorrectable_aggregate, ecc1.sram_threshold_exceeded,
-            ecc1.sram_uncorrectable_by_unit) == (None, None, {})
+    assert (
+        ecc1.sram_uncorrectable_aggregate,
+        ecc1.sram_threshold_exceeded,
+        ecc1.sram_uncorrectable_by_unit,
+    ) == (None, None, {})
     assert ecc1.aggregate_dbe_dram == 1
     assert lib.sram_versions == [SRAM_STATUS_V1, SRAM_STATUS_V1]
 
@@ -333,8 +433,11 @@ def test_ecc_without_root_reads_the_counters_but_not_the_sram_status(backend, li
     lib.errors[("nvmlDeviceGetSramEccErrorStatus", None)] = NO_PERMISSION
     with caplog.at_level(logging.INFO, logger="node_agent.gpu.nvml"):
         ecc0, _ = (d.ecc() for d in backend.devices())
-    assert (ecc0.aggregate_dbe, ecc0.sram_uncorrectable_aggregate,
-            ecc0.sram_threshold_exceeded) == (2, None, None)
+    assert (
+        ecc0.aggregate_dbe,
+        ecc0.sram_uncorrectable_aggregate,
+        ecc0.sram_threshold_exceeded,
+    ) == (2, None, None)
     assert sum("SRAM ECC status not read" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -393,14 +496,16 @@ def test_throttle_reasons_fall_back_to_older_function_name(lib):
 def test_recovery_action_is_named_and_unknown_values_kept(backend, lib):
     assert gpu(backend, 0).recovery_action() == "none"
     assert gpu(backend, 1).recovery_action() == "node_reboot"
-    lib.nvmlDeviceGetFieldValues = lambda h, ids: [SimpleNamespace(
-        nvmlReturn=0, valueType=1, value=SimpleNamespace(uiVal=99))]
+    lib.nvmlDeviceGetFieldValues = lambda h, ids: [
+        SimpleNamespace(nvmlReturn=0, valueType=1, value=SimpleNamespace(uiVal=99))
+    ]
     assert gpu(backend, 0).recovery_action() == "unknown_99"
 
 
 def test_field_value_not_supported_in_its_return_code(backend, lib):
-    lib.nvmlDeviceGetFieldValues = lambda h, ids: [SimpleNamespace(
-        nvmlReturn=NOT_FOUND, valueType=1, value=SimpleNamespace(uiVal=0))]
+    lib.nvmlDeviceGetFieldValues = lambda h, ids: [
+        SimpleNamespace(nvmlReturn=NOT_FOUND, valueType=1, value=SimpleNamespace(uiVal=0))
+    ]
     with pytest.raises(NotSupported, match="NVML_FI_DEV_GET_GPU_RECOVERY_ACTION.*GPU 0"):
         gpu(backend, 0).recovery_action()
 
@@ -410,8 +515,12 @@ def test_temperatures_power_clocks_and_persistence(backend):
     assert dev.temperature_c() == 41
     assert dev.memory_temperature_c() == 55
     thresholds = dev.temperature_thresholds()
-    assert (thresholds.shutdown_c, thresholds.slowdown_c, thresholds.gpu_max_operating_c,
-            thresholds.memory_max_operating_c) == (92, 89, 87, None)
+    assert (
+        thresholds.shutdown_c,
+        thresholds.slowdown_c,
+        thresholds.gpu_max_operating_c,
+        thresholds.memory_max_operating_c,
+    ) == (92, 89, 87, None)
     power = dev.power()
     assert (power.usage_w, power.enforced_limit_w, power.default_limit_w) == (312.456, 700, 700)
     clocks = dev.clocks()
@@ -433,10 +542,22 @@ def test_retired_pages_counts_and_pending(backend):
 
 def test_nvlinks_list_existing_links_and_none_for_unsupported_counters(backend):
     assert gpu(backend, 0).nvlinks() == [
-        NvLink(link=0, active=True, replay_errors=0, recovery_errors=None, crc_errors=2,
-               p2p_supported=True),
-        NvLink(link=1, active=True, replay_errors=10, recovery_errors=None, crc_errors=12,
-               p2p_supported=False),
+        NvLink(
+            link=0,
+            active=True,
+            replay_errors=0,
+            recovery_errors=None,
+            crc_errors=2,
+            p2p_supported=True,
+        ),
+        NvLink(
+            link=1,
+            active=True,
+            replay_errors=10,
+            recovery_errors=None,
+            crc_errors=12,
+            p2p_supported=False,
+        ),
     ]
 
 
@@ -444,7 +565,9 @@ def test_nvlink_p2p_reads_false_where_the_capability_is_not_reported(backend, li
     lib.errors[("nvmlDeviceGetNvLinkCapability", 0)] = NOT_SUPPORTED
     links = gpu(backend, 0).nvlinks()
     assert [(link.link, link.active, link.p2p_supported) for link in links] == [
-        (0, True, False), (1, True, False)]
+        (0, True, False),
+        (1, True, False),
+    ]
 
 
 def test_nvlinks_empty_when_gpu_has_no_nvlink(backend):
@@ -454,7 +577,8 @@ def test_nvlinks_empty_when_gpu_has_no_nvlink(backend):
 def test_compute_processes_list_pids_and_memory_or_none(backend):
     assert gpu(backend, 0).compute_processes() == [
         GpuProcess(pid=4242, used_memory_bytes=61_000 * 1024 * 1024),
-        GpuProcess(pid=4243, used_memory_bytes=None)]
+        GpuProcess(pid=4243, used_memory_bytes=None),
+    ]
     assert gpu(backend, 1).compute_processes() == [GpuProcess(pid=5150, used_memory_bytes=None)]
 
 
@@ -468,7 +592,8 @@ def test_compute_processes_empty_when_none_run(lib):
 def test_compute_processes_fall_back_to_v2_on_an_older_driver(lib):
     lib.errors[("nvmlDeviceGetComputeRunningProcesses_v3", None)] = FUNCTION_NOT_FOUND
     lib.nvmlDeviceGetComputeRunningProcesses_v2 = lambda h: [
-        SimpleNamespace(pid=7, usedGpuMemory=1024)]
+        SimpleNamespace(pid=7, usedGpuMemory=1024)
+    ]
     backend = open_nvml(lib=lib)
     assert gpu(backend, 0).compute_processes() == [GpuProcess(pid=7, used_memory_bytes=1024)]
     backend.close()
@@ -500,8 +625,11 @@ def test_new_readings_fail_fast_once_the_driver_is_wedged(lib, release):
     with pytest.raises(GpuTimeout, match="nvmlDeviceGetUtilizationRates on GPU 0 did not return"):
         gpu(backend, 0).utilization()
     started = time.monotonic()
-    with pytest.raises(GpuTimeout, match="^skipped nvmlDeviceGetComputeRunningProcesses_v3 "
-                                         "on GPU 0: NVML call nvmlDeviceGetUtilizationRates"):
+    with pytest.raises(
+        GpuTimeout,
+        match="^skipped nvmlDeviceGetComputeRunningProcesses_v3 "
+        "on GPU 0: NVML call nvmlDeviceGetUtilizationRates",
+    ):
         gpu(backend, 0).compute_processes()
     assert time.monotonic() - started < 0.1
     backend.close()
@@ -567,13 +695,18 @@ def test_hung_call_times_out_then_later_calls_fail_fast(lib, release):
     lib.nvmlDeviceGetTemperature = lambda h, sensor: release.wait(30)
     dev = gpu(backend, 0)
     started = time.monotonic()
-    with pytest.raises(GpuTimeout, match="nvmlDeviceGetTemperature on GPU 0 did not return "
-                                         "within 0.2 s; the driver may be hung"):
+    with pytest.raises(
+        GpuTimeout,
+        match="nvmlDeviceGetTemperature on GPU 0 did not return "
+        "within 0.2 s; the driver may be hung",
+    ):
         dev.temperature_c()
     assert time.monotonic() - started < 1.5
 
     started = time.monotonic()
-    with pytest.raises(GpuTimeout, match="^skipped nvmlDevice.* on GPU 0: NVML call nvmlDeviceGetTemperature"):
+    with pytest.raises(
+        GpuTimeout, match="^skipped nvmlDevice.* on GPU 0: NVML call nvmlDeviceGetTemperature"
+    ):
         dev.power()
     assert time.monotonic() - started < 0.1
     backend.close()  # must not wait on the hung call
@@ -616,7 +749,8 @@ def test_missing_bindings_are_unavailable_with_install_hint(monkeypatch):
 def test_xid_event_maps_device_handle_to_gpu_index(backend, lib):
     lib.events.append(SimpleNamespace(device=lib.handles[1], eventType=0x8, eventData=79))
     assert backend.wait_xid_events(timeout_s=1.0) == [
-        XidEvent(gpu_index=1, code=79, message="Xid 79 on GPU 1 (NVML event)")]
+        XidEvent(gpu_index=1, code=79, message="Xid 79 on GPU 1 (NVML event)")
+    ]
     assert lib.registered == [0, 1]
 
 

@@ -29,12 +29,16 @@ import nvml_fake_harness as harness  # noqa: E402  (tests/nvml_fake, not an inst
 
 MIB = 1024 * 1024
 GPU0 = [
-    "name NVIDIA H100 80GB HBM3", "uuid GPU-0e1c0e5c-95a4-4a7a-8c0c-000000000000",
-    "pci.bus_id 00000000:3B:00.0", "event_types 0x8",
+    "name NVIDIA H100 80GB HBM3",
+    "uuid GPU-0e1c0e5c-95a4-4a7a-8c0c-000000000000",
+    "pci.bus_id 00000000:3B:00.0",
+    "event_types 0x8",
 ]
 GPU1 = [
-    "name NVIDIA H100 80GB HBM3", "uuid GPU-0e1c0e5c-95a4-4a7a-8c0c-000000000001",
-    "pci.bus_id 00000000:5D:00.0", "event_types 0x8",
+    "name NVIDIA H100 80GB HBM3",
+    "uuid GPU-0e1c0e5c-95a4-4a7a-8c0c-000000000001",
+    "pci.bus_id 00000000:5D:00.0",
+    "event_types 0x8",
 ]
 HEAD = ["driver_version 550.54.15", "nvml_version 12.550.54.15", "cuda_driver_version 12040"]
 
@@ -74,8 +78,12 @@ def nvml(nvml_fake_lib, tmp_path, monkeypatch):
     open_.state, open_.write = state, write
     yield open_
     if state.exists():  # release calls left hanging before shutting the library down
-        write_state(state, "".join(line for line in state.read_text().splitlines(True)
-                                   if not line.startswith("hang ")))
+        write_state(
+            state,
+            "".join(
+                line for line in state.read_text().splitlines(True) if not line.startswith("hang ")
+            ),
+        )
         time.sleep(0.05)
     for backend in opened:
         backend.close()
@@ -102,28 +110,50 @@ def _symbols(function, seen: set[str]) -> set[str]:
 
 def test_the_stand_in_exports_every_symbol_the_nvml_backend_reaches(nvml_fake_lib):
     backend_source = Path(nvml_module.__file__).read_text()
-    functions = {name for name in re.findall(r'"(nvml\w+)"', backend_source)
-                 if callable(getattr(pynvml, name, None))}
+    functions = {
+        name
+        for name in re.findall(r'"(nvml\w+)"', backend_source)
+        if callable(getattr(pynvml, name, None))
+    }
     assert {"nvmlInit", "nvmlDeviceGetFieldValues", "nvmlEventSetWait_v2"} <= functions
     symbols = set().union(*(_symbols(getattr(pynvml, f), {f}) for f in functions))
     symbols |= {"nvmlErrorString"}  # NVMLError.__str__
     lib = ctypes.CDLL(str(nvml_fake_lib))
     assert sorted(s for s in symbols if not hasattr(lib, s)) == []
-    assert {"nvmlInitWithFlags", "nvmlDeviceGetPciInfo_v3", "nvmlDeviceGetCount_v2",
-            "nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetComputeRunningProcesses_v3"} <= symbols
+    assert {
+        "nvmlInitWithFlags",
+        "nvmlDeviceGetPciInfo_v3",
+        "nvmlDeviceGetCount_v2",
+        "nvmlDeviceGetHandleByIndex_v2",
+        "nvmlDeviceGetComputeRunningProcesses_v3",
+    } <= symbols
 
 
 # -- identity and driver ------------------------------------------------------------------------
 
 
 def test_identity_reads_name_uuid_bus_id_serial_vbios_and_memory_bytes_as_mib(nvml):
-    dev = only_gpu(nvml(GPU0 + ["serial 1652023001234", "vbios 96.00.74.00.0B",
-                                f"memory.total {81559 * MIB + 4096}", "memory.reserved 536870912",
-                                "memory.used 1048576"]))
+    dev = only_gpu(
+        nvml(
+            GPU0
+            + [
+                "serial 1652023001234",
+                "vbios 96.00.74.00.0B",
+                f"memory.total {81559 * MIB + 4096}",
+                "memory.reserved 536870912",
+                "memory.used 1048576",
+            ]
+        )
+    )
     assert dev.identity() == base.Identity(
-        index=0, uuid="GPU-0e1c0e5c-95a4-4a7a-8c0c-000000000000", name="NVIDIA H100 80GB HBM3",
-        pci_bus_id="00000000:3B:00.0", serial="1652023001234", vbios="96.00.74.00.0B",
-        memory_total_mib=81559)
+        index=0,
+        uuid="GPU-0e1c0e5c-95a4-4a7a-8c0c-000000000000",
+        name="NVIDIA H100 80GB HBM3",
+        pci_bus_id="00000000:3B:00.0",
+        serial="1652023001234",
+        vbios="96.00.74.00.0B",
+        memory_total_mib=81559,
+    )
 
 
 def test_identity_leaves_unreported_serial_vbios_and_memory_empty(nvml):
@@ -145,8 +175,14 @@ def test_driver_reads_versions_and_cuda_as_major_minor(nvml):
 
 
 def test_driver_falls_back_to_the_v1_cuda_version_on_an_older_driver(nvml):
-    backend = nvml(GPU0, head=[*HEAD, "absent nvmlSystemGetCudaDriverVersion_v2",
-                               "unsupported nvmlSystemGetNVMLVersion"])
+    backend = nvml(
+        GPU0,
+        head=[
+            *HEAD,
+            "absent nvmlSystemGetCudaDriverVersion_v2",
+            "unsupported nvmlSystemGetNVMLVersion",
+        ],
+    )
     assert backend.driver() == base.DriverInfo("550.54.15", "12.4", None)
 
 
@@ -155,18 +191,29 @@ def test_driver_falls_back_to_the_v1_cuda_version_on_an_older_driver(nvml):
 
 @pytest.mark.parametrize("driver", ["current", "older", "without the deprecated call"])
 def test_temperatures_read_degrees_c_from_the_sensor_and_the_memory_temp_field(nvml, driver):
-    switch = {"current": [], "older": ["absent nvmlDeviceGetTemperatureV"],
-              "without the deprecated call": ["absent nvmlDeviceGetTemperature"]}[driver]
+    switch = {
+        "current": [],
+        "older": ["absent nvmlDeviceGetTemperatureV"],
+        "without the deprecated call": ["absent nvmlDeviceGetTemperature"],
+    }[driver]
     dev = only_gpu(nvml(GPU0 + ["temperature.gpu 71", "field.82 uint 65", *switch]))
     assert (dev.temperature_c(), dev.memory_temperature_c()) == (71, 65)
 
 
 def test_temperature_thresholds_read_each_threshold_and_none_where_unreported(nvml):
-    dev = only_gpu(nvml(GPU0 + ["temperature.threshold.shutdown 92",
-                                "temperature.threshold.slowdown 89",
-                                "temperature.threshold.mem_max 95"]))
+    dev = only_gpu(
+        nvml(
+            GPU0
+            + [
+                "temperature.threshold.shutdown 92",
+                "temperature.threshold.slowdown 89",
+                "temperature.threshold.mem_max 95",
+            ]
+        )
+    )
     assert dev.temperature_thresholds() == base.TemperatureThresholds(
-        shutdown_c=92, slowdown_c=89, gpu_max_operating_c=None, memory_max_operating_c=95)
+        shutdown_c=92, slowdown_c=89, gpu_max_operating_c=None, memory_max_operating_c=95
+    )
 
 
 def test_temperature_thresholds_not_supported_when_none_is_reported(nvml):
@@ -175,10 +222,13 @@ def test_temperature_thresholds_not_supported_when_none_is_reported(nvml):
 
 
 def test_power_reads_milliwatts_as_watts(nvml):
-    dev = only_gpu(nvml(GPU0 + ["power.usage 123456", "power.enforced_limit 700000",
-                                "power.default_limit 650000"]))
-    assert dev.power() == base.Power(usage_w=123.456, enforced_limit_w=700.0,
-                                     default_limit_w=650.0)
+    dev = only_gpu(
+        nvml(
+            GPU0
+            + ["power.usage 123456", "power.enforced_limit 700000", "power.default_limit 650000"]
+        )
+    )
+    assert dev.power() == base.Power(usage_w=123.456, enforced_limit_w=700.0, default_limit_w=650.0)
 
 
 def test_clocks_read_mhz(nvml):
@@ -191,8 +241,12 @@ def test_clock_event_reasons_read_the_bit_mask_as_names(nvml, older_driver):
     switch = ["absent nvmlDeviceGetCurrentClocksEventReasons"] if older_driver else []
     dev = only_gpu(nvml(GPU0 + ["clocks_event_reasons 0x14c", *switch]))
     # 0x4 SwPowerCap, 0x8 HwSlowdown, 0x40 HwThermalSlowdown, 0x100 DisplayClockSetting
-    assert dev.throttle_reasons() == {"sw_power_cap", "hw_slowdown", "hw_thermal_slowdown",
-                                      "display_clock_setting"}
+    assert dev.throttle_reasons() == {
+        "sw_power_cap",
+        "hw_slowdown",
+        "hw_thermal_slowdown",
+        "display_clock_setting",
+    }
 
 
 def test_utilization_reads_percentages(nvml):
@@ -203,28 +257,64 @@ def test_utilization_reads_percentages(nvml):
 
 
 def test_pcie_reads_generation_width_and_replays(nvml):
-    dev = only_gpu(nvml(GPU0 + ["pcie.gen 4", "pcie.gen_max 5", "pcie.width 8",
-                                "pcie.width_max 16", "pcie.replay_counter 3"]))
-    assert dev.pcie() == base.PcieLink(gen_current=4, gen_max=5, width_current=8, width_max=16,
-                                       replay_count=3)
+    dev = only_gpu(
+        nvml(
+            GPU0
+            + [
+                "pcie.gen 4",
+                "pcie.gen_max 5",
+                "pcie.width 8",
+                "pcie.width_max 16",
+                "pcie.replay_counter 3",
+            ]
+        )
+    )
+    assert dev.pcie() == base.PcieLink(
+        gen_current=4, gen_max=5, width_current=8, width_max=16, replay_count=3
+    )
 
 
 def test_ecc_reads_volatile_aggregate_and_location_counters(nvml):
-    dev = only_gpu(nvml(GPU0 + [
-        "ecc.mode 1 1", "ecc.corrected.volatile 12", "ecc.uncorrected.volatile 2",
-        "ecc.corrected.aggregate 40", "ecc.uncorrected.aggregate 3",
-        "ecc.uncorrected.aggregate.sram 1", "ecc.uncorrected.aggregate.dram 2"]))
-    assert dev.ecc() == base.EccCounts(enabled=True, volatile_sbe=12, volatile_dbe=2,
-                                       aggregate_sbe=40, aggregate_dbe=3, aggregate_dbe_sram=1,
-                                       aggregate_dbe_dram=2)
+    dev = only_gpu(
+        nvml(
+            GPU0
+            + [
+                "ecc.mode 1 1",
+                "ecc.corrected.volatile 12",
+                "ecc.uncorrected.volatile 2",
+                "ecc.corrected.aggregate 40",
+                "ecc.uncorrected.aggregate 3",
+                "ecc.uncorrected.aggregate.sram 1",
+                "ecc.uncorrected.aggregate.dram 2",
+            ]
+        )
+    )
+    assert dev.ecc() == base.EccCounts(
+        enabled=True,
+        volatile_sbe=12,
+        volatile_dbe=2,
+        aggregate_sbe=40,
+        aggregate_dbe=3,
+        aggregate_dbe_sram=1,
+        aggregate_dbe_dram=2,
+    )
 
 
 def test_ecc_reads_the_sram_status_parity_plus_sec_ded_the_flag_and_the_units(nvml):
-    dev = only_gpu(nvml(GPU0 + [
-        "ecc.mode 1 1", "ecc.uncorrected.aggregate 7",
-        # unc. parity, unc. SEC-DED, corrected; by unit: l2 sm pcie mcu other
-        "ecc_sram.aggregate 2 5 11", "ecc_sram.volatile 1 0 3",
-        "ecc_sram.aggregate_by_unit 3 0 1 2 1", "ecc_sram.threshold_exceeded 1"]))
+    dev = only_gpu(
+        nvml(
+            GPU0
+            + [
+                "ecc.mode 1 1",
+                "ecc.uncorrected.aggregate 7",
+                # unc. parity, unc. SEC-DED, corrected; by unit: l2 sm pcie mcu other
+                "ecc_sram.aggregate 2 5 11",
+                "ecc_sram.volatile 1 0 3",
+                "ecc_sram.aggregate_by_unit 3 0 1 2 1",
+                "ecc_sram.threshold_exceeded 1",
+            ]
+        )
+    )
     ecc = dev.ecc()
     assert (ecc.sram_uncorrectable_aggregate, ecc.sram_threshold_exceeded) == (7, True)
     assert ecc.sram_uncorrectable_by_unit == {"l2": 3, "sm": 0, "pcie": 1, "mcu": 2, "other": 1}
@@ -239,14 +329,17 @@ def test_sram_status_reads_zero_and_no_flag_on_a_healthy_gpu(nvml):
 
 @pytest.mark.parametrize("why", ["pre-Ampere", "not root", "older driver"])
 def test_sram_status_is_not_reported_where_nvml_does_not_answer_it(nvml, why):
-    lines = {"pre-Ampere": [],  # no ecc_sram.* key: NVML_ERROR_NOT_SUPPORTED
-             "not root": ["ecc_sram.threshold_exceeded 1",
-                          "error nvmlDeviceGetSramEccErrorStatus 4"],
-             "older driver": ["ecc_sram.threshold_exceeded 1",
-                              "absent nvmlDeviceGetSramEccErrorStatus"]}[why]
+    lines = {
+        "pre-Ampere": [],  # no ecc_sram.* key: NVML_ERROR_NOT_SUPPORTED
+        "not root": ["ecc_sram.threshold_exceeded 1", "error nvmlDeviceGetSramEccErrorStatus 4"],
+        "older driver": ["ecc_sram.threshold_exceeded 1", "absent nvmlDeviceGetSramEccErrorStatus"],
+    }[why]
     ecc = only_gpu(nvml(GPU0 + ["ecc.mode 1 1", "ecc.uncorrected.volatile 2", *lines])).ecc()
-    assert (ecc.sram_uncorrectable_aggregate, ecc.sram_threshold_exceeded,
-            ecc.sram_uncorrectable_by_unit) == (None, None, {})
+    assert (
+        ecc.sram_uncorrectable_aggregate,
+        ecc.sram_threshold_exceeded,
+        ecc.sram_uncorrectable_by_unit,
+    ) == (None, None, {})
     assert ecc.volatile_dbe == 2  # the other counters still read
 
 
@@ -264,8 +357,7 @@ def test_sram_status_struct_of_the_wrong_version_is_refused_like_the_real_librar
 
 def test_a_binding_too_old_for_the_sram_status_reads_it_as_not_reported(nvml):
     older = _OlderBinding({"c_nvmlEccSramErrorStatus_v1_t", "nvmlDeviceGetSramEccErrorStatus"})
-    ecc = only_gpu(nvml(GPU0 + ["ecc.mode 1 1", "ecc_sram.threshold_exceeded 1"],
-                        lib=older)).ecc()
+    ecc = only_gpu(nvml(GPU0 + ["ecc.mode 1 1", "ecc_sram.threshold_exceeded 1"], lib=older)).ecc()
     assert (ecc.enabled, ecc.sram_threshold_exceeded) == (True, None)
 
 
@@ -275,23 +367,25 @@ def test_ecc_disabled_reads_as_disabled(nvml):
 
 
 def test_retired_pages_count_each_cause_through_the_two_call_protocol(nvml):
-    dev = only_gpu(nvml(GPU0 + ["retired_pages.sbe 3", "retired_pages.dbe 1",
-                                "retired_pages.pending 1"]))
+    dev = only_gpu(
+        nvml(GPU0 + ["retired_pages.sbe 3", "retired_pages.dbe 1", "retired_pages.pending 1"])
+    )
     assert dev.retired_pages() == base.RetiredPages(sbe=3, dbe=1, pending=True)
 
 
 def test_row_remap_reads_counts_and_flags(nvml):
     dev = only_gpu(nvml(GPU0 + ["remapped_rows 5 2 1 0"]))
-    assert dev.row_remap() == base.RowRemap(corrected=5, uncorrected=2, pending=True,
-                                            failed=False)
+    assert dev.row_remap() == base.RowRemap(corrected=5, uncorrected=2, pending=True, failed=False)
 
 
 def test_persistence_mode_reads_the_enable_state(nvml):
     assert only_gpu(nvml(GPU0 + ["persistence_mode 0"])).persistence_mode() is False
 
 
-@pytest.mark.parametrize(("value", "action"), [("uint 0", "none"), ("uint 4", "drain_and_reset"),
-                                               ("uint 12", "unknown_12")])
+@pytest.mark.parametrize(
+    ("value", "action"),
+    [("uint 0", "none"), ("uint 4", "drain_and_reset"), ("uint 12", "unknown_12")],
+)
 def test_recovery_action_reads_field_230(nvml, value, action):
     assert only_gpu(nvml(GPU0 + [f"field.230 {value}"])).recovery_action() == action
 
@@ -327,8 +421,13 @@ def test_field_readings_work_with_a_binding_that_predates_the_field_names(nvml):
 # -- NVLink ---------------------------------------------------------------------------------------
 
 
-def _link(i: int, state: int, valid: bool = True, errors: tuple[int, int, int] = (0, 0, 0),
-          p2p: bool | None = None):
+def _link(
+    i: int,
+    state: int,
+    valid: bool = True,
+    errors: tuple[int, int, int] = (0, 0, 0),
+    p2p: bool | None = None,
+):
     lines = [f"nvlink.{i}.state {state}"]
     if valid:
         lines += [f"nvlink.{i}.cap.0 1", f"nvlink.{i}.cap.5 1"]
@@ -342,20 +441,34 @@ def _link(i: int, state: int, valid: bool = True, errors: tuple[int, int, int] =
 def test_nvlinks_read_state_and_dl_error_counters(nvml):
     dev = only_gpu(nvml(GPU0 + _link(0, 1, errors=(7, 1, 2)) + _link(1, 0)))
     assert dev.nvlinks() == [
-        base.NvLink(link=0, active=True, replay_errors=7, recovery_errors=1, crc_errors=2,
-                    p2p_supported=True),
-        base.NvLink(link=1, active=False, replay_errors=0, recovery_errors=0, crc_errors=0,
-                    p2p_supported=True),
+        base.NvLink(
+            link=0,
+            active=True,
+            replay_errors=7,
+            recovery_errors=1,
+            crc_errors=2,
+            p2p_supported=True,
+        ),
+        base.NvLink(
+            link=1,
+            active=False,
+            replay_errors=0,
+            recovery_errors=0,
+            crc_errors=0,
+            p2p_supported=True,
+        ),
     ]
 
 
 def test_nvlink_p2p_capability_reads_the_p2p_supported_capability(nvml):
     # link 1 is valid but says it cannot carry P2P traffic; link 2 leaves the capability out
-    lines = (_link(0, 1) + _link(1, 0, p2p=False)
-             + ["nvlink.2.state 1", "nvlink.2.cap.5 1"])
+    lines = _link(0, 1) + _link(1, 0, p2p=False) + ["nvlink.2.state 1", "nvlink.2.cap.5 1"]
     links = only_gpu(nvml(GPU0 + lines)).nvlinks()
     assert [(link.link, link.active, link.p2p_supported) for link in links] == [
-        (0, True, True), (1, False, False), (2, True, False)]
+        (0, True, True),
+        (1, False, False),
+        (2, True, False),
+    ]
 
 
 def test_nvlink_p2p_reads_false_where_capabilities_are_not_supported(nvml):
@@ -366,8 +479,13 @@ def test_nvlink_p2p_reads_false_where_capabilities_are_not_supported(nvml):
 def test_nvlink_indexes_answering_inactive_without_the_valid_capability_are_not_links(nvml):
     # links 0-1 are the GPU's (1 is down); 2-3 answer "inactive" but NVML_NVLINK_CAP_VALID
     # says they are not links here; 4 answers "not supported"; indexes past 4 are invalid
-    lines = (_link(0, 1) + _link(1, 0) + _link(2, 0, valid=False) + _link(3, 0, valid=False)
-             + ["nvlink.4.state error 3"])
+    lines = (
+        _link(0, 1)
+        + _link(1, 0)
+        + _link(2, 0, valid=False)
+        + _link(3, 0, valid=False)
+        + ["nvlink.4.state error 3"]
+    )
     links = only_gpu(nvml(GPU0 + lines)).nvlinks()
     assert [(link.link, link.active) for link in links] == [(0, True), (1, False)]
 
@@ -407,8 +525,10 @@ def test_a_virtualization_mode_newer_than_the_agent_reads_unknown(nvml):
 def test_compute_processes_read_pids_and_used_bytes(nvml, older_driver):
     switch = ["absent nvmlDeviceGetComputeRunningProcesses_v3"] if older_driver else []
     dev = only_gpu(nvml(GPU0 + ["process 4242 1073741824", "process 4243 na", *switch]))
-    assert dev.compute_processes() == [base.GpuProcess(4242, 1073741824),
-                                       base.GpuProcess(4243, None)]
+    assert dev.compute_processes() == [
+        base.GpuProcess(4242, 1073741824),
+        base.GpuProcess(4243, None),
+    ]
 
 
 def test_compute_processes_empty_when_none_run(nvml):
@@ -447,9 +567,16 @@ def test_xid_events_not_supported_when_no_gpu_registers_them(nvml):
 # -- errors, hangs, init --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("code", "error"), [(3, base.NotSupported), (4, base.NoPermission),
-                                             (15, base.DeviceLost), (10, base.GpuTimeout),
-                                             (999, base.GpuError)])
+@pytest.mark.parametrize(
+    ("code", "error"),
+    [
+        (3, base.NotSupported),
+        (4, base.NoPermission),
+        (15, base.DeviceLost),
+        (10, base.GpuTimeout),
+        (999, base.GpuError),
+    ],
+)
 def test_nvml_return_codes_become_the_backend_errors(nvml, code, error):
     dev = only_gpu(nvml(GPU0 + ["temperature.gpu 40", f"error nvmlDeviceGetTemperatureV {code}"]))
     with pytest.raises(error, match="nvmlDeviceGetTemperatureV on GPU 0"):
@@ -457,8 +584,12 @@ def test_nvml_return_codes_become_the_backend_errors(nvml, code, error):
 
 
 def test_a_hung_call_times_out_and_later_calls_fail_fast(nvml):
-    dev = only_gpu(nvml(GPU0 + ["temperature.gpu 40", "power.usage 1000",
-                                "hang nvmlDeviceGetPowerUsage"], call_timeout_s=0.3))
+    dev = only_gpu(
+        nvml(
+            GPU0 + ["temperature.gpu 40", "power.usage 1000", "hang nvmlDeviceGetPowerUsage"],
+            call_timeout_s=0.3,
+        )
+    )
     started = time.monotonic()
     with pytest.raises(base.GpuTimeout, match="nvmlDeviceGetPowerUsage on GPU 0 did not return"):
         dev.power()
@@ -480,8 +611,7 @@ def test_nvml_init_version_mismatch_says_to_reboot(nvml):
         nvml(GPU0, head=[*HEAD, "error nvmlInit 18"])
 
 
-def test_the_unconfigured_library_answers_like_a_host_without_a_driver(nvml_fake_lib,
-                                                                       monkeypatch):
+def test_the_unconfigured_library_answers_like_a_host_without_a_driver(nvml_fake_lib, monkeypatch):
     monkeypatch.delenv("NVML_FAKE_STATE", raising=False)
     monkeypatch.delenv("NVML_FAKE_SCENARIO", raising=False)
     with pytest.raises(NvmlUnavailable, match="no NVIDIA driver") as caught:
@@ -501,7 +631,8 @@ def test_a_malformed_state_file_fails_init_with_an_error(nvml, capfd):
 
 
 def test_a_scenario_named_by_nvml_fake_scenario_is_rendered_and_rerendered_on_change(
-        nvml_fake_lib, tmp_path, monkeypatch):
+    nvml_fake_lib, tmp_path, monkeypatch
+):
     scenario = tmp_path / "node.yaml"
     scenario.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 2}))
     monkeypatch.delenv("NVML_FAKE_STATE", raising=False)
@@ -512,8 +643,15 @@ def test_a_scenario_named_by_nvml_fake_scenario_is_rendered_and_rerendered_on_ch
         gpu0, gpu1 = backend.devices()
         assert gpu1.identity().pci_bus_id == "00000000:2A:00.0"
         assert gpu0.temperature_c() == 38
-        scenario.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 2, "faults": [
-            {"kind": "temperature", "gpu": 0, "celsius": 93}]}))
+        scenario.write_text(
+            yaml.safe_dump(
+                {
+                    "sku": "h100-sxm5-80gb",
+                    "gpus": 2,
+                    "faults": [{"kind": "temperature", "gpu": 0, "celsius": 93}],
+                }
+            )
+        )
         assert gpu0.temperature_c() == 93
     finally:
         backend.close()

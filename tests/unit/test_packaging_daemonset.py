@@ -42,15 +42,24 @@ def test_daemonset_liveness_is_an_exec_probe_that_runs_in_root():
 def test_liveness_command_passes_on_200_and_fails_on_503():
     _, daemonset = _docs()
     command = daemonset["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["exec"][
-        "command"]
+        "command"
+    ]
     healthy = {"ok": True}
-    server = MetricsServer(("127.0.0.1", 0), {"/healthz": lambda: (
-        (200, "text/plain", b"ok HEALTHY\n") if healthy["ok"] else
-        (503, "text/plain", b"stalled\n"))})
+    server = MetricsServer(
+        ("127.0.0.1", 0),
+        {
+            "/healthz": lambda: (
+                (200, "text/plain", b"ok HEALTHY\n")
+                if healthy["ok"]
+                else (503, "text/plain", b"stalled\n")
+            )
+        },
+    )
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    argv = [sys.executable if a == "python3" else a.replace(":9847/",
-                                                            f":{server.server_address[1]}/")
-            for a in command]
+    argv = [
+        sys.executable if a == "python3" else a.replace(":9847/", f":{server.server_address[1]}/")
+        for a in command
+    ]
     try:
         assert subprocess.run(argv, capture_output=True, timeout=30).returncode == 0
         healthy["ok"] = False

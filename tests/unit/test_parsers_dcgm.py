@@ -38,18 +38,26 @@ def test_dcgm4_memory_failure_on_gpu2_keeps_code_category_and_severity():
     assert error_name(warning.error_id) == "DCGM_FR_MEMORY_MISMATCH"
     assert "memory mismatch" in warning.message
     severities = {f.target: (f.test, f.status, f.worst_severity) for f in report.findings}
-    assert severities == {"gpu:2": ("memory", "fail", "ISOLATE"),
-                          "gpu:6": ("software", "fail", "RESET"),
-                          "gpu:4": ("targeted_power", "warn", "MONITOR")}
+    assert severities == {
+        "gpu:2": ("memory", "fail", "ISOLATE"),
+        "gpu:6": ("software", "fail", "RESET"),
+        "gpu:4": ("targeted_power", "warn", "MONITOR"),
+    }
 
 
 def test_dcgm33_gpu_id_format_memory_failure_on_gpu2_is_isolate():
     report = load("dcgm3_r3_memory_fail.json")
     assert (report.format, report.dcgm_version, report.driver_version) == (
-        "dcgm3", "3.3.5", "535.154.05")
+        "dcgm3",
+        "3.3.5",
+        "535.154.05",
+    )
     (finding,) = report.findings
-    assert (finding.test, finding.target, finding.worst_severity) == ("GPU Memory", "gpu:2",
-                                                                      "ISOLATE")
+    assert (finding.test, finding.target, finding.worst_severity) == (
+        "GPU Memory",
+        "gpu:2",
+        "ISOLATE",
+    )
     assert finding.warnings[0].error_id == 58
     # Deployment tests name no GPU: they land on the node
     assert {r.target for r in report.results if r.category == "Deployment"} == {"node"}
@@ -66,10 +74,14 @@ def test_dcgm3_warn_printed_as_fail_with_only_monitor_errors_reads_as_warn():
 
 def test_dcgm3_deployment_warning_message_under_key_warnings_and_integer_gpu_id():
     persistence = {f.test: f for f in load("dcgm3_r2_warn_printed_as_fail.json").findings}[
-        "Persistence Mode"]
+        "Persistence Mode"
+    ]
     # a CONFIG error printed Fail stays a failure (only MONITOR-only results are WARNs)
     assert (persistence.target, persistence.status, persistence.worst_severity) == (
-        "gpu:0", "fail", "CONFIG")
+        "gpu:0",
+        "fail",
+        "CONFIG",
+    )
     assert persistence.warnings[0].message.startswith("Persistence mode for GPU 0")
     assert persistence.warnings[0].error_id == 29
 
@@ -96,8 +108,11 @@ def test_iterations_output_keeps_each_run_and_the_overall_result():
 
 
 def test_iterations_with_a_null_run_records_it_missing():
-    text = ('{"iterations": [' + (DATA / "dcgm4_r3_pass.json").read_text()
-            + ', null], "Overall Result": "Fail", "warning": "aborted"}')
+    text = (
+        '{"iterations": ['
+        + (DATA / "dcgm4_r3_pass.json").read_text()
+        + ', null], "Overall Result": "Fail", "warning": "aborted"}'
+    )
     report = parse_diag_json(text)
     assert report.missing_iterations == (1,)
     assert report.overall == "Fail"
@@ -115,26 +130,34 @@ def test_text_before_the_json_document_is_skipped():
 
 
 def test_unknown_status_is_kept_as_unknown_not_pass():
-    text = ('{"DCGM Diagnostic": {"test_categories": [{"category": "Hardware", "tests": [{'
-            '"name": "memory", "results": [{"entity_group": "GPU", "entity_id": 3, '
-            '"status": "Mystery"}]}]}]}}')
+    text = (
+        '{"DCGM Diagnostic": {"test_categories": [{"category": "Hardware", "tests": [{'
+        '"name": "memory", "results": [{"entity_group": "GPU", "entity_id": 3, '
+        '"status": "Mystery"}]}]}]}}'
+    )
     (finding,) = parse_diag_json(text).findings
-    assert (finding.target, finding.status, finding.printed_status) == ("gpu:3", "unknown",
-                                                                        "Mystery")
+    assert (finding.target, finding.status, finding.printed_status) == (
+        "gpu:3",
+        "unknown",
+        "Mystery",
+    )
 
 
-@pytest.mark.parametrize("text", [
-    "",
-    "Error: unable to connect to host engine\n",
-    (DATA / "dcgm4_truncated.json").read_text(),
-    '{"DCGM Diagnostic": {"test_categories": []}}',
-    '{"something": "else"}',
-    '[1, 2]',
-    '{"DCGM Diagnostic": {"test_categories": [{"category": "Hardware", "tests": [{"name": '
-    '"memory", "results": [{"gpu_id": "two", "status": "Fail"}]}]}]}}',
-    '{"DCGM Diagnostic": {"test_categories": [{"category": "Hardware", "tests": [{"name": '
-    '"memory", "results": [{"gpu_id": "2"}]}]}]}}',
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "Error: unable to connect to host engine\n",
+        (DATA / "dcgm4_truncated.json").read_text(),
+        '{"DCGM Diagnostic": {"test_categories": []}}',
+        '{"something": "else"}',
+        "[1, 2]",
+        '{"DCGM Diagnostic": {"test_categories": [{"category": "Hardware", "tests": [{"name": '
+        '"memory", "results": [{"gpu_id": "two", "status": "Fail"}]}]}]}}',
+        '{"DCGM Diagnostic": {"test_categories": [{"category": "Hardware", "tests": [{"name": '
+        '"memory", "results": [{"gpu_id": "2"}]}]}]}}',
+    ],
+)
 def test_truncated_empty_or_malformed_output_raises_parse_error(text):
     with pytest.raises(ParseError):
         parse_diag_json(text)

@@ -101,9 +101,13 @@ def test_ac_out_of_range_but_present_stays_one_state_and_is_degraded():
 
 def test_sdr_list_three_field_form_parses():
     # `ipmitool sdr list`, as in ipmitool/ipmitool issue #176
-    rows = parse_sdr("PS1 Status       | 0x00              | ok\nPS2 Status       | 0x00              | ok\n")
-    assert [(r.name, r.status, r.entity) for r in rows] == [("PS1 Status", "ok", None),
-                                                            ("PS2 Status", "ok", None)]
+    rows = parse_sdr(
+        "PS1 Status       | 0x00              | ok\nPS2 Status       | 0x00              | ok\n"
+    )
+    assert [(r.name, r.status, r.entity) for r in rows] == [
+        ("PS1 Status", "ok", None),
+        ("PS2 Status", "ok", None),
+    ]
 
 
 def test_a_malformed_sensor_line_is_refused():
@@ -113,22 +117,38 @@ def test_a_malformed_sensor_line_is_refused():
 
 def test_no_bmc_device_is_recognised_from_ipmitool_stderr():
     # src/plugins/open/open.c
-    stderr = ("Could not open device at /dev/ipmi0 or /dev/ipmi/0 or /dev/ipmidev/0: No such "
-              "file or directory\n")
+    stderr = (
+        "Could not open device at /dev/ipmi0 or /dev/ipmi/0 or /dev/ipmidev/0: No such "
+        "file or directory\n"
+    )
     assert no_bmc_reason(stderr).startswith("Could not open device")
     assert no_bmc_reason("Invalid command\n") is None
 
 
 # -- nvme-cli ---------------------------------------------------------------------------------
 
+
 def _smart(**over):
-    doc = {"critical_warning": 0, "temperature": 301, "avail_spare": 100, "spare_thresh": 5,
-           "percent_used": 15, "endurance_grp_critical_warning_summary": 0,
-           "data_units_read": 499296134, "data_units_written": 1474968593,
-           "host_read_commands": 9347931143, "host_write_commands": 51493840602,
-           "controller_busy_time": 1974546, "power_cycles": 290, "power_on_hours": 38313,
-           "unsafe_shutdowns": 139, "media_errors": 0, "num_err_log_entries": 17,
-           "warning_temp_time": 0, "critical_comp_time": 0}
+    doc = {
+        "critical_warning": 0,
+        "temperature": 301,
+        "avail_spare": 100,
+        "spare_thresh": 5,
+        "percent_used": 15,
+        "endurance_grp_critical_warning_summary": 0,
+        "data_units_read": 499296134,
+        "data_units_written": 1474968593,
+        "host_read_commands": 9347931143,
+        "host_write_commands": 51493840602,
+        "controller_busy_time": 1974546,
+        "power_cycles": 290,
+        "power_on_hours": 38313,
+        "unsafe_shutdowns": 139,
+        "media_errors": 0,
+        "num_err_log_entries": 17,
+        "warning_temp_time": 0,
+        "critical_comp_time": 0,
+    }
     doc.update(over)
     return doc
 
@@ -137,14 +157,18 @@ def test_nvme_cli_1x_and_2_4_plain_numbers():
     # 1.x printed its long doubles "%.0Lf" in nvme-cli's own JSON writer (" : " separators)
     text = json.dumps(_smart(), indent=2, separators=(",", " : "))
     log = parse_smart_log(text)
-    assert (log.critical_warning, log.percent_used, log.avail_spare, log.spare_thresh,
-            log.media_errors) == (0, 15, 100, 5, 0)
+    assert (
+        log.critical_warning,
+        log.percent_used,
+        log.avail_spare,
+        log.spare_thresh,
+        log.media_errors,
+    ) == (0, 15, 100, 5, 0)
     assert log.warnings == [] and not log.media_warning
 
 
 def test_nvme_cli_2_2_uint128_counters_as_strings():
-    text = json.dumps(_smart(media_errors="12", data_units_read="499296134",
-                             critical_warning=4))
+    text = json.dumps(_smart(media_errors="12", data_units_read="499296134", critical_warning=4))
     log = parse_smart_log(text)
     assert log.media_errors == 12 and log.critical_warning == 4
     assert log.media_warning
@@ -152,17 +176,31 @@ def test_nvme_cli_2_2_uint128_counters_as_strings():
 
 
 def test_nvme_cli_verbose_critical_warning_object():
-    crt = {"value": 2, "available_spare": 0, "temp_threshold": 1, "reliability_degraded": 0,
-           "ro": 0, "vmbu_failed": 0, "pmr_ro": 0}
+    crt = {
+        "value": 2,
+        "available_spare": 0,
+        "temp_threshold": 1,
+        "reliability_degraded": 0,
+        "ro": 0,
+        "vmbu_failed": 0,
+        "pmr_ro": 0,
+    }
     log = parse_smart_log(json.dumps(_smart(critical_warning=crt)))
     assert log.critical_warning == 2
     assert log.warnings == ["temperature over threshold"] and not log.media_warning
 
 
 def test_smartctl_spelling_percentage_used_is_read():
-    doc = {"nvme_smart_health_information_log": {
-        "critical_warning": 1, "temperature": 36, "available_spare": 4,
-        "available_spare_threshold": 10, "percentage_used": 97, "media_errors": 0}}
+    doc = {
+        "nvme_smart_health_information_log": {
+            "critical_warning": 1,
+            "temperature": 36,
+            "available_spare": 4,
+            "available_spare_threshold": 10,
+            "percentage_used": 97,
+            "media_errors": 0,
+        }
+    }
     log = parse_smart_log(json.dumps(doc))
     assert (log.percent_used, log.avail_spare, log.spare_thresh) == (97, 4, 10)
     assert log.warnings == ["available spare below threshold"] and log.media_warning

@@ -15,8 +15,14 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "nccl_tests"
 
 def test_current_table_rows_and_average():
     table = parse_all_reduce_perf((DATA / "all_reduce_perf_ok.txt").read_text())
-    assert [r.size_bytes for r in table.rows] == [8, 1024, 1048576, 67108864, 1073741824,
-                                                  8589934592]
+    assert [r.size_bytes for r in table.rows] == [
+        8,
+        1024,
+        1048576,
+        67108864,
+        1073741824,
+        8589934592,
+    ]
     last = table.rows[-1]
     assert (last.time_us, last.algbw_gbps, last.busbw_gbps) == (36598, 234.71, 410.75)
     assert last.inplace_busbw_gbps == 410.94
@@ -74,5 +80,6 @@ def test_bus_factor_reproduces_the_captured_table():
     table = parse_all_reduce_perf((DATA / "all_reduce_perf_ok.txt").read_text())
     for row in table.rows[2:]:
         assert row.busbw_gbps == pytest.approx(row.algbw_gbps * bus_factor(8), abs=0.01)
-        assert row.algbw_gbps == pytest.approx(row.size_bytes / (row.time_us * 1e-6) / 1e9,
-                                               rel=2e-3)
+        assert row.algbw_gbps == pytest.approx(
+            row.size_bytes / (row.time_us * 1e-6) / 1e9, rel=2e-3
+        )

@@ -13,11 +13,14 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "perftest"
 MIB_TO_GBPS = 1048576 * 8 / 1e9
 
 
-@pytest.mark.parametrize("name, size, iters, avg_gbps, unit", [
-    ("ib_write_bw_gbits.txt", 65536, 3707100, 388.72, "Gb/sec"),
-    ("ib_write_bw_mb.txt", 65536, 5000, 11030.45 * MIB_TO_GBPS, "MB/sec"),
-    ("ib_write_bw_mib_roce.txt", 65536, 279928, 5830.79 * MIB_TO_GBPS, "MiB/sec"),
-])
+@pytest.mark.parametrize(
+    "name, size, iters, avg_gbps, unit",
+    [
+        ("ib_write_bw_gbits.txt", 65536, 3707100, 388.72, "Gb/sec"),
+        ("ib_write_bw_mb.txt", 65536, 5000, 11030.45 * MIB_TO_GBPS, "MB/sec"),
+        ("ib_write_bw_mib_roce.txt", 65536, 279928, 5830.79 * MIB_TO_GBPS, "MiB/sec"),
+    ],
+)
 def test_bw_table_converts_each_unit_to_gbps(name, size, iters, avg_gbps, unit):
     (row,) = parse_bw_table((DATA / name).read_text())
     assert row.msg_size_bytes == size
@@ -40,8 +43,10 @@ def test_truncated_table_raises_parse_error():
 
 def test_output_without_table_raises_parse_error():
     with pytest.raises(ParseError, match="no perftest result table"):
-        parse_bw_table(" Couldn't connect to 127.0.0.1:18515\nUnable to open file descriptor "
-                       "for socket connection")
+        parse_bw_table(
+            " Couldn't connect to 127.0.0.1:18515\nUnable to open file descriptor "
+            "for socket connection"
+        )
 
 
 def test_out_json_results():

@@ -31,8 +31,10 @@ MIB = 1048576 * 8 / 1e9  # Gb/s per MiB/s
 def sample(folder: str, name: str) -> str:
     path = REALWORLD / folder / name
     if not path.exists():
-        pytest.skip(f"real-world sample {path} is not there (the shared samples folder is "
-                    "absent from this checkout)")
+        pytest.skip(
+            f"real-world sample {path} is not there (the shared samples folder is "
+            "absent from this checkout)"
+        )
     return path.read_text(encoding="utf-8")
 
 
@@ -48,22 +50,70 @@ def sample_names(folder: str) -> set[str]:
 #: name -> (rows, last row (size, time_us, algbw, busbw, in-place busbw), avg busbw,
 #:          ranks listed, validated, launcher prefix)
 NCCL_READ = {
-    "n01_gcm_single_node_8xA100_nccl2.16.txt":
-        (6, (1073741824, 8109.1, 132.41, 231.72, 231.70), 210.99, 8, True, None),
-    "n02_gcm_two_node_16xA100_nccl2.12.txt":
-        (6, (1073741824, 11013.0, 97.50, 182.80, 181.39), 150.209, 16, True, None),
-    "n04_nccl-ebpf_tag-output_nccl-tests2.18_rtx5090.txt":
-        (8, (134217728, 58479.5, 2.30, 2.30, 2.31), 1.57614, 2, True, "mpirun --tag-output"),
-    "n05_azureml-gpu-diag_K80_error-col_info-line.txt":
-        (7, (2147483648, 1258554.0, 1.71, 2.56, 2.56), 2.54225, 4, True, None),
-    "n06_aws-efa-eks_2node_error-col_nccl-info.txt":
-        (29, (2147483648, 826687.0, 2.60, 2.60, 2.59), 1.16154, None, True, None),
-    "n07_nccl-tests-290_single-node_8xH100.txt":
-        (6, (4294967296, 15870.0, 270.63, 473.60, 476.53), 439.369, 8, True, None),
-    "n08_nccl-tests-290_two-node_16xH100_srun-label_c0-NA.txt":
-        (11, (8589934592, 103530.0, 82.97, 155.57, 155.56), 142.735, 16, False, "srun --label"),
-    "n09_awsome-distributed-training_p4de_srun-label_25MB.txt":
-        (1, (26214400, 2009.1, 13.05, 24.46, 26.23), 25.3468, None, True, "srun --label"),
+    "n01_gcm_single_node_8xA100_nccl2.16.txt": (
+        6,
+        (1073741824, 8109.1, 132.41, 231.72, 231.70),
+        210.99,
+        8,
+        True,
+        None,
+    ),
+    "n02_gcm_two_node_16xA100_nccl2.12.txt": (
+        6,
+        (1073741824, 11013.0, 97.50, 182.80, 181.39),
+        150.209,
+        16,
+        True,
+        None,
+    ),
+    "n04_nccl-ebpf_tag-output_nccl-tests2.18_rtx5090.txt": (
+        8,
+        (134217728, 58479.5, 2.30, 2.30, 2.31),
+        1.57614,
+        2,
+        True,
+        "mpirun --tag-output",
+    ),
+    "n05_azureml-gpu-diag_K80_error-col_info-line.txt": (
+        7,
+        (2147483648, 1258554.0, 1.71, 2.56, 2.56),
+        2.54225,
+        4,
+        True,
+        None,
+    ),
+    "n06_aws-efa-eks_2node_error-col_nccl-info.txt": (
+        29,
+        (2147483648, 826687.0, 2.60, 2.60, 2.59),
+        1.16154,
+        None,
+        True,
+        None,
+    ),
+    "n07_nccl-tests-290_single-node_8xH100.txt": (
+        6,
+        (4294967296, 15870.0, 270.63, 473.60, 476.53),
+        439.369,
+        8,
+        True,
+        None,
+    ),
+    "n08_nccl-tests-290_two-node_16xH100_srun-label_c0-NA.txt": (
+        11,
+        (8589934592, 103530.0, 82.97, 155.57, 155.56),
+        142.735,
+        16,
+        False,
+        "srun --label",
+    ),
+    "n09_awsome-distributed-training_p4de_srun-label_25MB.txt": (
+        1,
+        (26214400, 2009.1, 13.05, 24.46, 26.23),
+        25.3468,
+        None,
+        True,
+        "srun --label",
+    ),
 }
 NCCL_REFUSED = {
     "n03_gcm_mpirun_not_enough_slots.txt": "no all_reduce_perf table header",
@@ -81,8 +131,13 @@ def test_nccl_sample_read_to_hand_checked_figures(name):
     table = parse_all_reduce_perf(sample("nccl", name))
     assert len(table.rows) == rows
     r = table.rows[-1]
-    assert (r.size_bytes, r.time_us, r.algbw_gbps, r.busbw_gbps,
-            r.inplace_busbw_gbps) == pytest.approx(last)
+    assert (
+        r.size_bytes,
+        r.time_us,
+        r.algbw_gbps,
+        r.busbw_gbps,
+        r.inplace_busbw_gbps,
+    ) == pytest.approx(last)
     assert table.avg_busbw_gbps == pytest.approx(avg)
     assert (table.ranks, table.validated, table.launcher_prefix) == (ranks, validated, launcher)
     sizes = [row.size_bytes for row in table.rows]
@@ -103,7 +158,9 @@ def test_validation_off_claims_no_correctness():
 
 
 def test_old_error_column_keeps_max_error_and_out_of_bounds():
-    table = parse_all_reduce_perf(sample("nccl", "n05_azureml-gpu-diag_K80_error-col_info-line.txt"))
+    table = parse_all_reduce_perf(
+        sample("nccl", "n05_azureml-gpu-diag_K80_error-col_info-line.txt")
+    )
     assert {r.max_error for r in table.rows} == {2e-07}
     assert table.out_of_bounds == 0 and all(r.wrong is None for r in table.rows)
 
@@ -114,8 +171,10 @@ NCCL_N08 = "n08_nccl-tests-290_two-node_16xH100_srun-label_c0-NA.txt"
 
 def _with_cputime(text: str) -> str:
     """-C 1 (util.cu writeResultHeader): the time columns are named cputime; figures alike."""
-    return "\n".join(re.sub(r"\btime\b", "cputime", line) if "algbw" in line else line
-                     for line in text.splitlines())
+    return "\n".join(
+        re.sub(r"\btime\b", "cputime", line) if "algbw" in line else line
+        for line in text.splitlines()
+    )
 
 
 def _with_timestamps(text: str) -> str:
@@ -149,8 +208,10 @@ def test_timestamp_variant_reads_rows_and_timestamps():
 
 
 def test_srun_label_with_cputime_and_timestamps_together():
-    text = "\n".join(" 0: " + line for line in
-                     _with_timestamps(_with_cputime(sample("nccl", NCCL_N07))).splitlines())
+    text = "\n".join(
+        " 0: " + line
+        for line in _with_timestamps(_with_cputime(sample("nccl", NCCL_N07))).splitlines()
+    )
     table = parse_all_reduce_perf(text)
     assert table.launcher_prefix == "srun --label"
     assert table.rows[-1].busbw_gbps == 473.60 and table.rows[-1].cputime_us == 15870.0
@@ -161,9 +222,11 @@ def test_tagged_lines_of_other_ranks_and_stderr_are_not_read():
     lines = text.splitlines()
     at = next(i for i, line in enumerate(lines) if "  4194304 " in line)
     # rank 1 printing a row-shaped line, and an error on rank 0's stderr, inside the table
-    lines[at:at] = ["[1,1]<stdout>:     4194304       1048576     float     sum      -1  1.00"
-                    "    9.99    9.99       0  1.00    9.99    9.99       0",
-                    "[1,0]<stderr>: NCCL WARN something"]
+    lines[at:at] = [
+        "[1,1]<stdout>:     4194304       1048576     float     sum      -1  1.00"
+        "    9.99    9.99       0  1.00    9.99    9.99       0",
+        "[1,0]<stderr>: NCCL WARN something",
+    ]
     table = parse_all_reduce_perf("\n".join(lines))
     assert [r.busbw_gbps for r in table.rows if r.size_bytes == 4194304] == [0.96]
 
@@ -171,12 +234,15 @@ def test_tagged_lines_of_other_ranks_and_stderr_are_not_read():
 NCCL_N04 = "n04_nccl-ebpf_tag-output_nccl-tests2.18_rtx5090.txt"
 
 
-@pytest.mark.parametrize("lead", [
-    "   ",  # issue 24: "   [1,0]<stdout>:" saved indented was refused as "no table header"
-    "\t",
-    "Mon Jun 10 12:00:00 2024",  # a time in front, as --timestamp-output or a collector puts it
-    "2024-06-10T12:00:00Z node7 job-17 ",
-])
+@pytest.mark.parametrize(
+    "lead",
+    [
+        "   ",  # issue 24: "   [1,0]<stdout>:" saved indented was refused as "no table header"
+        "\t",
+        "Mon Jun 10 12:00:00 2024",  # a time in front, as --timestamp-output or a collector puts it
+        "2024-06-10T12:00:00Z node7 job-17 ",
+    ],
+)
 def test_mpirun_tag_is_read_wherever_it_sits_on_the_line(lead):
     """n04 with something in front of every line's [job,rank]<stream>: tag: the same table."""
     text = sample("nccl", NCCL_N04)
@@ -184,8 +250,10 @@ def test_mpirun_tag_is_read_wherever_it_sits_on_the_line(lead):
     table = parse_all_reduce_perf(moved)
     expected = parse_all_reduce_perf(text)
     assert table.rows == expected.rows and len(table.rows) == 8
-    assert (table.avg_busbw_gbps, table.launcher_prefix) == (expected.avg_busbw_gbps,
-                                                             "mpirun --tag-output")
+    assert (table.avg_busbw_gbps, table.launcher_prefix) == (
+        expected.avg_busbw_gbps,
+        "mpirun --tag-output",
+    )
 
 
 def test_indented_srun_label_is_read():
@@ -212,32 +280,51 @@ def test_busbw_ratio_of_another_collective_is_refused():
 #: name -> (rows, (size, iterations, avg Gb/s, peak Gb/s or None) of the last row,
 #:          unit read in, label corrected)
 PERFTEST_READ = {
-    "p01_glimmer_dgx-spark_roce_D_gbits_4qp.txt": (1, (1048576, 71244, 99.61, None),
-                                                   "Gb/sec", False),
+    "p01_glimmer_dgx-spark_roce_D_gbits_4qp.txt": (
+        1,
+        (1048576, 71244, 99.61, None),
+        "Gb/sec",
+        False,
+    ),
     "p02_perftest-273_postlist_gbits_8B.txt": (1, (8, 224958464, 0.48, None), "Gb/sec", False),
-    "p03_nvidia-gpu-operator-docs_gpudirect_sweep_a_indented.txt":
-        (23, (8388608, 5000, 92.39, 92.39), "Gb/sec", False),
-    "p04_aks-rdma-doc_rdmacm_tos_4qp_gbits.txt": (1, (65536, 20000, 98.01, 98.01), "Gb/sec",
-                                                  False),
-    "p05_send_bw_UD_D10_MBsec_cpufreq-warning.txt":
-        (1, (4096, 17338400, 11288.12 * MIB, None), "MB/sec", False),
-    "p06_read_bw_rdmacm_MBsec_cpufreq-warning.txt":
-        (1, (65536, 1000, 10401.68 * MIB, 10402.09 * MIB), "MB/sec", False),
-    "p07_perftest-132_sweep_gbits_inc-accuracy_excerpt.txt": (4, (16, 5000, 0.34, 0.34),
-                                                              "Gb/sec", False),
+    "p03_nvidia-gpu-operator-docs_gpudirect_sweep_a_indented.txt": (
+        23,
+        (8388608, 5000, 92.39, 92.39),
+        "Gb/sec",
+        False,
+    ),
+    "p04_aks-rdma-doc_rdmacm_tos_4qp_gbits.txt": (1, (65536, 20000, 98.01, 98.01), "Gb/sec", False),
+    "p05_send_bw_UD_D10_MBsec_cpufreq-warning.txt": (
+        1,
+        (4096, 17338400, 11288.12 * MIB, None),
+        "MB/sec",
+        False,
+    ),
+    "p06_read_bw_rdmacm_MBsec_cpufreq-warning.txt": (
+        1,
+        (65536, 1000, 10401.68 * MIB, 10402.09 * MIB),
+        "MB/sec",
+        False,
+    ),
+    "p07_perftest-132_sweep_gbits_inc-accuracy_excerpt.txt": (
+        4,
+        (16, 5000, 0.34, 0.34),
+        "Gb/sec",
+        False,
+    ),
     # header MB/sec, but 0.183585 Mpps x 65536 B = 96.25 Gb/s: the number is Gb/s
     "p10_aws-hpc-doc_D_MBsec_RoCE.txt": (1, (65536, 1101500, 96.25, None), "Gb/sec", True),
 }
 PERFTEST_REFUSED = {
-    "p08_perftest-228_couldnt_connect.txt":
-        "no perftest result table.*Couldn't connect to 192.168.125.211:18515",
+    "p08_perftest-228_couldnt_connect.txt": "no perftest result table.*Couldn't connect to 192.168.125.211:18515",
 }
 PERFTEST_JSON = "p09_k8s-e2e_out_json_no-report_gbits.json"
 
 
 def test_every_perftest_sample_has_an_expectation():
-    assert sample_names("perftest") == (set(PERFTEST_READ) | set(PERFTEST_REFUSED)
-                                        | {PERFTEST_JSON})
+    assert sample_names("perftest") == (
+        set(PERFTEST_READ) | set(PERFTEST_REFUSED) | {PERFTEST_JSON}
+    )
 
 
 @pytest.mark.parametrize("name", sorted(PERFTEST_READ))
@@ -276,8 +363,10 @@ def test_bandwidth_that_fits_no_unit_is_refused():
 
 def test_cpu_frequency_warning_inside_the_table_is_kept():
     (row,) = parse_bw_table(sample("perftest", "p05_send_bw_UD_D10_MBsec_cpufreq-warning.txt"))
-    assert row.warnings == ("Conflicting CPU frequency values detected: 800.565000 != "
-                            "3311.538000. CPU Frequency is not max.",)
+    assert row.warnings == (
+        "Conflicting CPU frequency values detected: 800.565000 != "
+        "3311.538000. CPU Frequency is not max.",
+    )
 
 
 def test_out_json_without_unit_is_read_as_mib_not_gbits():
@@ -300,28 +389,28 @@ def test_out_json_with_a_wrong_caller_unit_is_corrected():
 
 #: name -> {job: (read bw_bytes, write bw_bytes, read iops, write iops, runtime ms, error)}
 FIO_READ = {
-    "f02_virtualclient_fio3.26_readwrite.json":
-        {"disk_fill": (149343283, 67267937, 569.699415, 256.606819, 4957, 0)},
-    "f03_virtualclient_fio3.26_windows_randwrite.json":
-        {"fio_randwrite_1GB_4k_d1_th1_direct": (0, 8876980, 0.0, 2167.231601, 120958, 0)},
-    "f05_virtualclient_fio3.13_errors_prefix.txt":
-        {"fiotest": (202249835, 0, 49501.318267, 0.0, 2655, 42)},
+    "f02_virtualclient_fio3.26_readwrite.json": {
+        "disk_fill": (149343283, 67267937, 569.699415, 256.606819, 4957, 0)
+    },
+    "f03_virtualclient_fio3.26_windows_randwrite.json": {
+        "fio_randwrite_1GB_4k_d1_th1_direct": (0, 8876980, 0.0, 2167.231601, 120958, 0)
+    },
+    "f05_virtualclient_fio3.13_errors_prefix.txt": {
+        "fiotest": (202249835, 0, 49501.318267, 0.0, 2655, 42)
+    },
     # the JSON's 13116864 B/s is the "(13.1MB/s)" of the normal report printed after it
-    "f08_cbt_fio3.42_json-plus-normal_trailing_text.txt":
-        {"/dev/nvme8n6": (0, 13116864, 0.0, 3201.659668, 10002, 0)},
+    "f08_cbt_fio3.42_json-plus-normal_trailing_text.txt": {
+        "/dev/nvme8n6": (0, 13116864, 0.0, 3201.659668, 10002, 0)
+    },
 }
 FIO_REFUSED = {
     # read: 1071141824 B over 110948 ms is 9654449 B/s, not the 7876980 printed (edited copy)
-    "f01_virtualclient_fio3.26_randrw.json":
-        "read: bw_bytes 7876980 B/s, but io_bytes 1071141824 over runtime 110948 ms is "
-        "9654449 B/s",
-    "f04_virtualclient_fio3.13_randread.json":
-        "is rw=randread but reports 1073741824 bytes written",
-    "f06_virtualclient_fio_error_only.txt":
-        "printed errors and no JSON report: fio: pid=4879, err=84/.*and 1 more",
-    "f07_virtualclient_fio_verify_error.txt":
-        "printed errors and no JSON report: sha256: verify failed at file "
-        "fio_randwrite_1GB_32k_d1_th1_direct.0.0 offset 668565504",
+    "f01_virtualclient_fio3.26_randrw.json": "read: bw_bytes 7876980 B/s, but io_bytes 1071141824 over runtime 110948 ms is "
+    "9654449 B/s",
+    "f04_virtualclient_fio3.13_randread.json": "is rw=randread but reports 1073741824 bytes written",
+    "f06_virtualclient_fio_error_only.txt": "printed errors and no JSON report: fio: pid=4879, err=84/.*and 1 more",
+    "f07_virtualclient_fio_verify_error.txt": "printed errors and no JSON report: sha256: verify failed at file "
+    "fio_randwrite_1GB_32k_d1_th1_direct.0.0 offset 668565504",
 }
 
 
@@ -335,8 +424,12 @@ def test_fio_sample_read_to_hand_checked_figures(name):
     assert set(jobs) == set(FIO_READ[name])
     for job, (rbw, wbw, riops, wiops, runtime, error) in FIO_READ[name].items():
         j = jobs[job]
-        assert (j.read_bw_bytes, j.write_bw_bytes, j.runtime_ms, j.error) == (rbw, wbw,
-                                                                              runtime, error)
+        assert (j.read_bw_bytes, j.write_bw_bytes, j.runtime_ms, j.error) == (
+            rbw,
+            wbw,
+            runtime,
+            error,
+        )
         assert (j.read_iops, j.write_iops) == pytest.approx((riops, wiops))
 
 
@@ -360,15 +453,30 @@ DCGM_READ = {
     "d02_virtualclient_dcgm_r2.json": ("dcgm2", None, 11, []),
     "d03_virtualclient_dcgm_r3.json": ("dcgm2", None, 16, []),
     "d05_glimmer_gb10-level1.json": ("dcgm4", "4.2.3", 1, [("software", "gpu:0", "fail")]),
-    "d05_glimmer_gb10-level2-partial-skip.json":
-        ("dcgm4", "4.2.3", 3, [("software", "gpu:0", "fail")]),
-    "d05_glimmer_gb10-level2-plugins-allowed.json":
-        ("dcgm4", "4.5.2", 3, [("software", "gpu:0", "fail")]),
-    "d05_glimmer_gb10-level2-plugins-gated.json":
-        ("dcgm4", "4.5.2", 3, [("software", "gpu:0", "fail")]),
-    "d06_gcm_dcgm2x_fail_warn.json": ("none", None, 9, [("Persistence Mode", "node", "fail"),
-                                                        ("Environment Variables", "node",
-                                                         "warn")]),
+    "d05_glimmer_gb10-level2-partial-skip.json": (
+        "dcgm4",
+        "4.2.3",
+        3,
+        [("software", "gpu:0", "fail")],
+    ),
+    "d05_glimmer_gb10-level2-plugins-allowed.json": (
+        "dcgm4",
+        "4.5.2",
+        3,
+        [("software", "gpu:0", "fail")],
+    ),
+    "d05_glimmer_gb10-level2-plugins-gated.json": (
+        "dcgm4",
+        "4.5.2",
+        3,
+        [("software", "gpu:0", "fail")],
+    ),
+    "d06_gcm_dcgm2x_fail_warn.json": (
+        "none",
+        None,
+        9,
+        [("Persistence Mode", "node", "fail"), ("Environment Variables", "node", "warn")],
+    ),
     "d07_gcm_dcgm2x_warn.json": ("none", None, 9, [("Persistence Mode", "node", "warn")]),
 }
 DCGM_REFUSED = {
@@ -401,7 +509,10 @@ def test_dcgm4_persistence_mode_error_is_decoded():
     (finding,) = report.findings
     (warning,) = finding.warnings
     assert (warning.error_id, warning.severity_name, warning.category_name) == (
-        29, "CONFIG", "SOFTWARE_OTHER")
+        29,
+        "CONFIG",
+        "SOFTWARE_OTHER",
+    )
     assert error_name(warning.error_id) == "DCGM_FR_PERSISTENCE_MODE"
     assert report.driver_version == "580.82.09"
     # the test-wide note DCGM 4 keeps only in test_summary travels with the result

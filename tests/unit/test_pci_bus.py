@@ -42,14 +42,17 @@ def kernel_tree(tmp_path: Path, devices: list[tuple[str, str, str, str, str | No
 
 
 def test_reader_keeps_display_and_3d_nvidia_functions_and_names_their_driver(tmp_path):
-    root = kernel_tree(tmp_path, [
-        ("0000:18:00.0", "0x10de", "0x2330", "0x030200", "nvidia"),      # H100 SXM5, 3D
-        ("0000:2a:00.0", "0x10de", "0x26b9", "0x030000", None),          # VGA class, no driver
-        ("0000:2a:00.1", "0x10de", "0x22ba", "0x040300", "snd_hda_intel"),  # its HDMI audio
-        ("0000:05:00.0", "0x10de", "0x22a3", "0x068000", "nvidia-nvswitch"),  # NVSwitch: bridge
-        ("0000:0c:00.0", "0x15b3", "0x1021", "0x020700", "mlx5_core"),   # ConnectX-7
-        ("0000:ab:00.0", "0x10de", "0x2331", "0x030200", "vfio-pci"),    # handed to a VM
-    ])
+    root = kernel_tree(
+        tmp_path,
+        [
+            ("0000:18:00.0", "0x10de", "0x2330", "0x030200", "nvidia"),  # H100 SXM5, 3D
+            ("0000:2a:00.0", "0x10de", "0x26b9", "0x030000", None),  # VGA class, no driver
+            ("0000:2a:00.1", "0x10de", "0x22ba", "0x040300", "snd_hda_intel"),  # its HDMI audio
+            ("0000:05:00.0", "0x10de", "0x22a3", "0x068000", "nvidia-nvswitch"),  # NVSwitch: bridge
+            ("0000:0c:00.0", "0x15b3", "0x1021", "0x020700", "mlx5_core"),  # ConnectX-7
+            ("0000:ab:00.0", "0x10de", "0x2331", "0x030200", "vfio-pci"),  # handed to a VM
+        ],
+    )
     bus = read_bus(root)
     assert bus.unreadable is None
     assert [(g.bus_id, g.driver, g.class_code) for g in bus.gpus] == [
@@ -63,10 +66,13 @@ def test_reader_keeps_display_and_3d_nvidia_functions_and_names_their_driver(tmp
 
 
 def test_sriov_virtual_functions_are_not_counted_again(tmp_path):
-    root = write_pci_sysfs((
-        SimPciDevice("0000:3b:00.0", 0x10DE, 0x030200, "nvidia"),
-        SimPciDevice("0000:3b:00.4", 0x10DE, 0x030200, "nvidia", physfn="0000:3b:00.0"),
-    ), tmp_path / "devices")
+    root = write_pci_sysfs(
+        (
+            SimPciDevice("0000:3b:00.0", 0x10DE, 0x030200, "nvidia"),
+            SimPciDevice("0000:3b:00.4", 0x10DE, 0x030200, "nvidia", physfn="0000:3b:00.0"),
+        ),
+        tmp_path / "devices",
+    )
     assert [g.bus_id for g in read_bus(root).gpus] == ["0000:3b:00.0"]
 
 
@@ -89,18 +95,24 @@ def test_this_hosts_real_sysfs_reads_without_error():
         pytest.skip(f"{SYSFS_PCI_DEVICES} does not exist here (no sysfs in this container)")
     bus = read_bus()
     assert bus.unreadable is None
-    nvidia = sorted(p.name for p in SYSFS_PCI_DEVICES.iterdir()
-                    if (p / "vendor").read_text().strip() == "0x10de"
-                    and (p / "class").read_text().strip()[:6] in ("0x0300", "0x0302"))
+    nvidia = sorted(
+        p.name
+        for p in SYSFS_PCI_DEVICES.iterdir()
+        if (p / "vendor").read_text().strip() == "0x10de"
+        and (p / "class").read_text().strip()[:6] in ("0x0300", "0x0302")
+    )
     assert [g.bus_id for g in bus.gpus] == [normalise_bus_id(n) for n in nvidia]
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("00000000:3B:00.0", "0000:3b:00.0"),   # NVML
-    ("0000:3b:00.0", "0000:3b:00.0"),       # sysfs
-    ("00000008:01:00.0", "0008:01:00.0"),   # Grace: a non-zero domain
-    ("10000:01:00.0", "10000:01:00.0"),     # Intel VMD domains are five hex digits
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("00000000:3B:00.0", "0000:3b:00.0"),  # NVML
+        ("0000:3b:00.0", "0000:3b:00.0"),  # sysfs
+        ("00000008:01:00.0", "0008:01:00.0"),  # Grace: a non-zero domain
+        ("10000:01:00.0", "10000:01:00.0"),  # Intel VMD domains are five hex digits
+    ],
+)
 def test_bus_ids_compare_in_one_form(text, expected):
     assert normalise_bus_id(text) == expected
 

@@ -55,10 +55,12 @@ def test_at_the_deadline_the_whole_group_is_killed():
 
 
 def test_a_grandchild_in_its_own_session_cannot_hold_run_past_the_deadline():
-    code = ("import subprocess, time\n"
-            "c = subprocess.Popen(['setsid', 'sleep', '30'])\n"  # holds stdout, outside the group
-            "print(c.pid, flush=True)\n"
-            "time.sleep(300)\n")
+    code = (
+        "import subprocess, time\n"
+        "c = subprocess.Popen(['setsid', 'sleep', '30'])\n"  # holds stdout, outside the group
+        "print(c.pid, flush=True)\n"
+        "time.sleep(300)\n"
+    )
     result = proc.run([sys.executable, "-c", code], timeout_s=1)
     stray = int(result.stdout.strip())
     try:
@@ -81,11 +83,16 @@ def test_child_config_paths_are_made_absolute_and_program_names_kept(tmp_path, m
     from node_agent.proc import absolute_config
 
     monkeypatch.chdir(tmp_path)
-    data = {**DEFAULTS, "state_dir": "state", "storage": {"paths": ["scratch", "/abs"]},
-            "kernel_log": {"path": "kern.log"},
-            "adapter": {**DEFAULTS["adapter"],
-                        "slurm": {"scontrol": "scontrol", "squeue": "bin/squeue",
-                                  "timeout_s": 15}}}
+    data = {
+        **DEFAULTS,
+        "state_dir": "state",
+        "storage": {"paths": ["scratch", "/abs"]},
+        "kernel_log": {"path": "kern.log"},
+        "adapter": {
+            **DEFAULTS["adapter"],
+            "slurm": {"scontrol": "scontrol", "squeue": "bin/squeue", "timeout_s": 15},
+        },
+    }
     out = absolute_config(data)
     assert out["state_dir"] == str(tmp_path / "state")
     assert out["storage"]["paths"] == [str(tmp_path / "scratch"), "/abs"]
@@ -112,7 +119,12 @@ def test_forkserver_starts_from_root_dir_and_the_working_directory_is_restored(t
     # started this one's already
     import subprocess
 
-    done = subprocess.run([sys.executable, "-P", "-c", FORKSERVER_CWD], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-P", "-c", FORKSERVER_CWD],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(tmp_path), "/", "True"]

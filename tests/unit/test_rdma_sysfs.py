@@ -22,23 +22,40 @@ REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "tests" / "data" / "perftest"
 
 
-def make_port(root: Path, dev: str, port: str = "1", state: str = "4: ACTIVE",
-              phys: str = "5: LinkUp", rate: str = "400 Gb/sec (4X NDR)",
-              layer: str = "InfiniBand", **counters: int) -> None:
+def make_port(
+    root: Path,
+    dev: str,
+    port: str = "1",
+    state: str = "4: ACTIVE",
+    phys: str = "5: LinkUp",
+    rate: str = "400 Gb/sec (4X NDR)",
+    layer: str = "InfiniBand",
+    **counters: int,
+) -> None:
     d = root / dev / "ports" / port
     (d / "counters").mkdir(parents=True)
-    for name, text in (("state", state), ("phys_state", phys), ("rate", rate),
-                       ("link_layer", layer)):
+    for name, text in (
+        ("state", state),
+        ("phys_state", phys),
+        ("rate", rate),
+        ("link_layer", layer),
+    ):
         (d / name).write_text(text + "\n")
     for name in rdma.COUNTERS:
         (d / "counters" / name).write_text(f"{counters.get(name, 0)}\n")
 
 
 def make_ctx(root: Path, **params) -> CheckContext:
-    return CheckContext(check="rdma", gpu=AbsentGpuBackend("no GPU on CI"), kernel_log=None,
-                        config=config_from_dict({}), inventory=None,
-                        sku=load_sku(REPO / "graders" / "skus" / "h100-sxm5-80gb.yaml"),
-                        expected_gpus=None, params={"sysfs_root": str(root), **params})
+    return CheckContext(
+        check="rdma",
+        gpu=AbsentGpuBackend("no GPU on CI"),
+        kernel_log=None,
+        config=config_from_dict({}),
+        inventory=None,
+        sku=load_sku(REPO / "graders" / "skus" / "h100-sxm5-80gb.yaml"),
+        expected_gpus=None,
+        params={"sysfs_root": str(root), **params},
+    )
 
 
 def by(results, target, metric):
@@ -48,19 +65,33 @@ def by(results, target, metric):
 
 def test_discover_reads_state_rate_layer_and_counters(tmp_path):
     make_port(tmp_path, "mlx5_0", symbol_error=3)
-    make_port(tmp_path, "mlx5_1", port="1", state="1: DOWN", phys="3: Disabled",
-              rate="10 Gb/sec (4X SDR)", layer="Ethernet")
+    make_port(
+        tmp_path,
+        "mlx5_1",
+        port="1",
+        state="1: DOWN",
+        phys="3: Disabled",
+        rate="10 Gb/sec (4X SDR)",
+        layer="Ethernet",
+    )
     ports = rdma.discover(tmp_path)
     assert [(p.device, p.state, p.phys_state, p.rate_gbps, p.link_layer) for p in ports] == [
         ("mlx5_0", "ACTIVE", "LinkUp", 400.0, "InfiniBand"),
-        ("mlx5_1", "DOWN", "Disabled", 10.0, "Ethernet")]
+        ("mlx5_1", "DOWN", "Disabled", 10.0, "Ethernet"),
+    ]
     assert ports[0].counters == {"link_downed": 0, "symbol_error": 3, "port_rcv_errors": 0}
 
 
-@pytest.mark.parametrize("text, gbps", [("400 Gb/sec (4X NDR)", 400.0),
-                                        ("200 Gb/sec (4X HDR)", 200.0),
-                                        ("56 Gb/sec (4X FDR)", 56.0),
-                                        ("2.5 Gb/sec (1X SDR)", 2.5), ("", None)])
+@pytest.mark.parametrize(
+    "text, gbps",
+    [
+        ("400 Gb/sec (4X NDR)", 400.0),
+        ("200 Gb/sec (4X HDR)", 200.0),
+        ("56 Gb/sec (4X FDR)", 56.0),
+        ("2.5 Gb/sec (1X SDR)", 2.5),
+        ("", None),
+    ],
+)
 def test_parse_rate_gbps(text, gbps):
     assert rdma.parse_rate_gbps(text) == gbps
 
@@ -115,6 +146,7 @@ def path_with(tmp_path, monkeypatch):
     def install(body: str) -> None:
         _stub_ib_write_bw(tmp_path / "bin", body)
         monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+
     return install
 
 
@@ -159,9 +191,11 @@ def test_ib_write_bw_nonzero_exit_is_error_with_stderr(tmp_path, path_with):
 def test_ib_write_bw_out_json_preferred_when_supported(tmp_path, path_with):
     make_port(tmp_path / "sys", "mlx5_0")
     # the stub advertises --out_json in --help and writes the captured JSON file
-    path_with('for a in "$@"; do case "$a" in --help) echo "  --out_json"; exit 0;; '
-              f'--out_json_file=*) cp "{DATA / "ib_write_bw_out.json"}" "${{a#*=}}";; esac; '
-              'done\necho "no table printed"\n')
+    path_with(
+        'for a in "$@"; do case "$a" in --help) echo "  --out_json"; exit 0;; '
+        f'--out_json_file=*) cp "{DATA / "ib_write_bw_out.json"}" "${{a#*=}}";; esac; '
+        'done\necho "no table printed"\n'
+    )
     results = rdma.run(make_ctx(tmp_path / "sys", server_start_s=0))
     bw = by(results, "hca:mlx5_0", "write_bw_gbps")
     assert bw.status is Status.PASS and bw.evidence["source"] == "json"

@@ -58,8 +58,9 @@ class FakeAdapter:
             raise self.fail
         self.calls.append((action, node, reason))
         if drained is not None:
-            self.state = NodeState(node, "DRAIN" if drained else "IDLE", drained,
-                                   reason if drained else None)
+            self.state = NodeState(
+                node, "DRAIN" if drained else "IDLE", drained, reason if drained else None
+            )
         return f"fake {action} {node}"
 
     def drain(self, node, reason, *, key=None):
@@ -117,21 +118,32 @@ class FakeReset:
         return f"reset gpu:{index}"
 
 
-def grade(level: Level, rule: str = "xid", target: str = "gpu:5", message: str = "",
-          code: int | None = None) -> Grade:
+def grade(
+    level: Level,
+    rule: str = "xid",
+    target: str = "gpu:5",
+    message: str = "",
+    code: int | None = None,
+) -> Grade:
     """A grade of one reason; an ``xid`` reason carries its catalog code as the grader gives
     it (79 unless told)."""
     if level == Level.HEALTHY:
         return Grade(Level.HEALTHY, Action.NONE)
     if rule == "xid" and code is None:
         code = 79
-    msg = message or (f"Xid {code} on {target} [Xid {code}: fallen off the bus]" if rule == "xid"
-                      else f"{rule} on {target}")
-    action = {Level.WARN: Action.NONE, Level.ERROR: Action.RESTART,
-              Level.FAULT: Action.REPLACE}[level]
-    return Grade(level, action, (Reason(rule, level, target, msg,
-                                        catalog="xid" if code is not None else None,
-                                        code=code),))
+    msg = message or (
+        f"Xid {code} on {target} [Xid {code}: fallen off the bus]"
+        if rule == "xid"
+        else f"{rule} on {target}"
+    )
+    action = {Level.WARN: Action.NONE, Level.ERROR: Action.RESTART, Level.FAULT: Action.REPLACE}[
+        level
+    ]
+    return Grade(
+        level,
+        action,
+        (Reason(rule, level, target, msg, catalog="xid" if code is not None else None, code=code),),
+    )
 
 
 HEALTHY = Grade(Level.HEALTHY, Action.NONE)
@@ -159,15 +171,32 @@ def store(tmp_path):
 
 def make(store, adapter=None, clock=None, safety=None, warnings=None, **kw):
     warnings = [] if warnings is None else warnings
-    return Remediator(store, adapter or FakeAdapter(), NODE, safety or Safety(),
-                      state_dir=None, clock=clock or Clock(), warn=warnings.append, **kw)
+    return Remediator(
+        store,
+        adapter or FakeAdapter(),
+        NODE,
+        safety or Safety(),
+        state_dir=None,
+        clock=clock or Clock(),
+        warn=warnings.append,
+        **kw,
+    )
 
 
-def plan_for(g, record=None, counts=None, now=T0, boot=T0, reset=False, tried=False,
-             remediations=0, **safety):
-    return plan(g, record or NodeRecord(NODE), Safety(**safety), now=now, boot_time=boot,
-                restart_counts=counts or {}, gpu_reset_available=reset, gpu_reset_tried=tried,
-                remediations_7d=remediations)
+def plan_for(
+    g, record=None, counts=None, now=T0, boot=T0, reset=False, tried=False, remediations=0, **safety
+):
+    return plan(
+        g,
+        record or NodeRecord(NODE),
+        Safety(**safety),
+        now=now,
+        boot_time=boot,
+        restart_counts=counts or {},
+        gpu_reset_available=reset,
+        gpu_reset_tried=tried,
+        remediations_7d=remediations,
+    )
 
 
 # -- planning ---------------------------------------------------------------------------------
@@ -193,8 +222,10 @@ def test_fault_plans_drain_then_replace_with_reason_naming_the_fault():
 
 def test_error_without_gpu_reset_plans_drain_and_reboot_request():
     p = plan_for(ERR_HANG, reset=True)
-    assert [(s.action, s.to_state) for s in p.steps] == [("drain", "drained"),
-                                                         ("restart", "restarting")]
+    assert [(s.action, s.to_state) for s in p.steps] == [
+        ("drain", "drained"),
+        ("restart", "restarting"),
+    ]
     assert p.steps[1].restart_kind == "reboot"
 
 
@@ -205,23 +236,43 @@ def test_pending_row_remap_plans_gpu_reset_and_quick_retest():
 
 
 def test_after_a_gpu_reset_in_this_run_the_next_restart_is_a_reboot():
-    p = plan_for(ERR_REMAP, record=NodeRecord(NODE, "retest", T0), reset=True, tried=True,
-                 counts={"row-remap-pending": 1})
+    p = plan_for(
+        ERR_REMAP,
+        record=NodeRecord(NODE, "retest", T0),
+        reset=True,
+        tried=True,
+        counts={"row-remap-pending": 1},
+    )
     assert [s.action for s in p.steps] == ["restart"]
 
 
 def test_fault_recurring_after_max_restarts_escalates_to_fault():
-    p = plan_for(ERR_HANG, record=NodeRecord(NODE, "restarting", T0, restart_kind="reboot",
-                                             requested_at=T0 - 10),
-                 counts={"driver-hang": 2}, max_restarts=2)
+    p = plan_for(
+        ERR_HANG,
+        record=NodeRecord(NODE, "restarting", T0, restart_kind="reboot", requested_at=T0 - 10),
+        counts={"driver-hang": 2},
+        max_restarts=2,
+    )
     assert p.escalated and [s.action for s in p.steps] == ["replace"]
     assert "FAULT driver-hang" in p.steps[0].reason and "max_restarts=2" in p.note
 
 
 def test_a_codes_restarts_before_fault_on_the_reason_replaces_safety_max_restarts():
-    xid109 = Grade(Level.ERROR, Action.RESTART, (Reason(
-        "xid", Level.ERROR, "gpu:1", "Xid 109", catalog="xid", code=109,
-        restarts_before_fault=4),))
+    xid109 = Grade(
+        Level.ERROR,
+        Action.RESTART,
+        (
+            Reason(
+                "xid",
+                Level.ERROR,
+                "gpu:1",
+                "Xid 109",
+                catalog="xid",
+                code=109,
+                restarts_before_fault=4,
+            ),
+        ),
+    )
     restarting = NodeRecord(NODE, "restarting", T0, restart_kind="reboot", requested_at=T0 - 10)
     p = plan_for(xid109, record=restarting, counts={"xid-109": 3}, max_restarts=2)
     assert [s.action for s in p.steps] == ["restart"] and "restart 4 of 4" in p.note
@@ -232,7 +283,9 @@ def test_a_codes_restarts_before_fault_on_the_reason_replaces_safety_max_restart
 def test_a_node_restarted_max_remediations_7d_times_is_held_not_restarted():
     p = plan_for(ERR_HANG, remediations=5)
     assert [(s.action, s.to_state, s.fault_code) for s in p.steps] == [
-        ("drain", "drained", "driver-hang"), ("hold", "needs-operator", "remediations-7d")]
+        ("drain", "drained", "driver-hang"),
+        ("hold", "needs-operator", "remediations-7d"),
+    ]
     assert "needs-operator 5 remediations in 7 d" in p.steps[0].reason
     assert "safety.max_remediations_7d=5" in p.note
     assert [s.action for s in plan_for(ERR_HANG, remediations=4).steps] == ["drain", "restart"]
@@ -264,13 +317,17 @@ def graded_kernel_lines(grader, lines: list[str]) -> Grade:
 
 
 SXID_20034 = "nvidia-nvswitch0: SXid (PCI:0000:c3:00.0): 20034, Fatal, Link 28 LTSSM Fault Up"
-SXID_22012 = "nvidia-nvswitch1: SXid (PCI:0000:c4:00.0): 22012, Fatal, Link 3 Minion Link NA interrupt"
+SXID_22012 = (
+    "nvidia-nvswitch1: SXid (PCI:0000:c4:00.0): 22012, Fatal, Link 3 Minion Link NA interrupt"
+)
 
 
 def test_sxid_restarts_are_counted_per_sxid_code_apart_from_xids(grader):
     g = graded_kernel_lines(grader, [SXID_20034, SXID_22012])
-    assert [(r.rule, fault_code(r)) for r in g.reasons] == [("sxid", "sxid-20034"),
-                                                          ("sxid", "sxid-22012")]
+    assert [(r.rule, fault_code(r)) for r in g.reasons] == [
+        ("sxid", "sxid-20034"),
+        ("sxid", "sxid-22012"),
+    ]
     assert short_message(g.reasons[0]).startswith("SXid 20034: LTSSM Fault Up")
     # an Xid with the same number (not in the XID catalog: ERROR) keeps its own count
     xid = grader.grade([Result("xid", "gpu:0", "xid", Status.FAIL, "Xid 20034", value=20034)])
@@ -284,9 +341,14 @@ def test_sxid_restarts_are_counted_per_sxid_code_apart_from_xids(grader):
 
 
 def test_the_fault_code_is_the_reasons_typed_code_never_its_message():
-    r = Reason("sxid", Level.ERROR, "nvswitch:0",
-               "SXid 20034 on nvswitch:0: odd text [Xid 79 [SXid 20034: LTSSM Fault Up]",
-               catalog="sxid", code=20034)
+    r = Reason(
+        "sxid",
+        Level.ERROR,
+        "nvswitch:0",
+        "SXid 20034 on nvswitch:0: odd text [Xid 79 [SXid 20034: LTSSM Fault Up]",
+        catalog="sxid",
+        code=20034,
+    )
     assert fault_code(r) == "sxid-20034"
     # a message that quotes a code decides nothing: a reason without a typed code is its rule
     assert fault_code(Reason("xid", Level.ERROR, "gpu:1", "x [Xid 79: fallen off]")) == "xid"
@@ -296,7 +358,8 @@ def test_the_fault_code_is_the_reasons_typed_code_never_its_message():
 NO_DRIVER_DETAIL = (
     "8 NVIDIA GPU(s) on the PCI bus (0000:18:00.0 10de:2330, ...) but the NVIDIA kernel driver "
     "(nvidia.ko) is not loaded or holds none of them, so no GPU can be used: check `dmesg | grep "
-    "-i nvrm` for why nvidia.ko did not load [NVML: NVML Shared Library Not Found]")
+    "-i nvrm` for why nvidia.ko did not load [NVML: NVML Shared Library Not Found]"
+)
 
 
 def graded(grader, *results: Result, mode: str = "service") -> Grade:
@@ -308,12 +371,14 @@ def no_driver() -> Result:
 
 
 def remap_pending() -> Result:
-    return Result("nvml_health", "gpu:2", "row_remap_pending", Status.FAIL,
-                  "1 row remap pending on gpu:2")
+    return Result(
+        "nvml_health", "gpu:2", "row_remap_pending", Status.FAIL, "1 row remap pending on gpu:2"
+    )
 
 
-AFTER_REBOOTS = NodeRecord(NODE, "restarting", T0, "driver-not-loaded", "node", "auto",
-                           "reboot", T0 - 10)
+AFTER_REBOOTS = NodeRecord(
+    NODE, "restarting", T0, "driver-not-loaded", "node", "auto", "reboot", T0 - 10
+)
 
 
 def test_driver_not_loaded_after_max_restarts_stays_drained_for_an_operator(grader):
@@ -322,8 +387,9 @@ def test_driver_not_loaded_after_max_restarts_stays_drained_for_an_operator(grad
     p = plan_for(g, record=AFTER_REBOOTS, counts={"driver-not-loaded": 2}, max_restarts=2)
     assert [(s.action, s.to_state) for s in p.steps] == [("hold", "needs-operator")]
     assert not p.escalated and "replace" not in [s.action for s in p.steps]
-    assert p.note.startswith("needs an operator: driver-not-loaded on node is still there "
-                             "after 2 restart(s)")
+    assert p.note.startswith(
+        "needs an operator: driver-not-loaded on node is still there after 2 restart(s)"
+    )
     assert "set-healthy" in p.note and "act resume" in p.note
     assert "needs-operator" in p.steps[0].reason and "ERROR driver-not-loaded" in p.steps[0].reason
     # held: the next runs neither restart nor replace, whatever software ERROR they see
@@ -340,15 +406,18 @@ def test_driver_not_loaded_after_max_restarts_stays_drained_for_an_operator(grad
 def test_software_cause_on_a_node_back_in_service_is_drained_again_then_held(grader):
     """An operator resumed without set-healthy: the restarts still count, so drain and hold."""
     p = plan_for(graded(grader, no_driver()), counts={"driver-not-loaded": 2}, max_restarts=2)
-    assert [(s.action, s.to_state) for s in p.steps] == [("drain", "drained"),
-                                                         ("hold", "needs-operator")]
+    assert [(s.action, s.to_state) for s in p.steps] == [
+        ("drain", "drained"),
+        ("hold", "needs-operator"),
+    ]
 
 
 def test_hardware_error_surviving_its_restarts_still_escalates_to_replace(grader):
     g = graded(grader, remap_pending())
     assert g.reasons[0].remedy is None
-    record = NodeRecord(NODE, "restarting", T0, "row-remap-pending", "gpu:2", "auto", "reboot",
-                        T0 - 10)
+    record = NodeRecord(
+        NODE, "restarting", T0, "row-remap-pending", "gpu:2", "auto", "reboot", T0 - 10
+    )
     p = plan_for(g, record=record, counts={"row-remap-pending": 2}, max_restarts=2)
     assert p.escalated and [s.action for s in p.steps] == ["replace"]
     assert "FAULT row-remap-pending gpu:2" in p.steps[0].reason
@@ -358,7 +427,10 @@ def test_a_mix_of_software_and_hardware_errors_escalates_naming_the_hardware(gra
     hang = Result("gpu_burn", "gpu:0", "timeout", Status.ERROR, "timed out after 900 s")
     g = graded(grader, hang, remap_pending(), no_driver())
     assert [(r.rule, r.remedy) for r in g.reasons] == [
-        ("check-hang", "software"), ("row-remap-pending", None), ("driver-not-loaded", "software")]
+        ("check-hang", "software"),
+        ("row-remap-pending", None),
+        ("driver-not-loaded", "software"),
+    ]
     p = plan_for(g, record=AFTER_REBOOTS, counts={"check-hang": 2}, max_restarts=2)
     assert p.escalated and [s.action for s in p.steps] == ["replace"]
     assert "FAULT row-remap-pending gpu:2" in p.steps[0].reason
@@ -411,8 +483,10 @@ def test_passing_run_does_not_return_a_node_awaiting_replacement():
 
 
 def test_drained_for_fault_with_replace_pending_finishes_the_replace():
-    p = plan_for(grade(Level.ERROR, "driver-hang", "gpu:3"),
-                 record=NodeRecord(NODE, "fault", T0, "xid-79", "gpu:5", "auto"))
+    p = plan_for(
+        grade(Level.ERROR, "driver-hang", "gpu:3"),
+        record=NodeRecord(NODE, "fault", T0, "xid-79", "gpu:5", "auto"),
+    )
     assert [(s.action, s.fault_code) for s in p.steps] == [("replace", "xid-79")]
 
 
@@ -434,8 +508,7 @@ def test_fault_drains_and_replaces_through_the_adapter(store):
     adapter = FakeAdapter()
     out = make(store, adapter).remediate(FakeReport(FAULT79))
     assert adapter.actions() == ["drain", "replace"]
-    assert [(r.action, r.outcome) for r in out.records] == [("drain", "done"),
-                                                           ("replace", "done")]
+    assert [(r.action, r.outcome) for r in out.records] == [("drain", "done"), ("replace", "done")]
     assert store.node_record(NODE).state == "awaiting-replacement"
     assert [r.state for r in store.journal_tail(NODE)] == ["done", "done"]
 
@@ -443,7 +516,8 @@ def test_fault_drains_and_replaces_through_the_adapter(store):
 def test_error_drains_resets_retests_and_resumes_on_pass(store):
     adapter, resets = FakeAdapter(), FakeReset()
     out = make(store, adapter, gpu_resetter=resets, retest=lambda: HEALTHY).remediate(
-        FakeReport(ERR_REMAP))
+        FakeReport(ERR_REMAP)
+    )
     assert adapter.actions() == ["drain", "resume"] and resets.resets == [2]
     assert [r.action for r in out.records] == ["drain", "gpu-reset", "retest", "resume"]
     assert store.node_record(NODE).state == "in-service"
@@ -452,15 +526,17 @@ def test_error_drains_resets_retests_and_resumes_on_pass(store):
 def test_error_surviving_gpu_reset_gets_a_reboot_request(store):
     adapter = FakeAdapter()
     make(store, adapter, gpu_resetter=FakeReset(), retest=lambda: ERR_REMAP).remediate(
-        FakeReport(ERR_REMAP))
+        FakeReport(ERR_REMAP)
+    )
     assert adapter.actions() == ["drain", "restart"]
     assert store.node_record(NODE).state == "restarting"
 
 
 def test_failed_gpu_reset_falls_back_to_reboot_request(store):
     adapter = FakeAdapter()
-    out = make(store, adapter, gpu_resetter=FakeReset(fail=True),
-               retest=lambda: HEALTHY).remediate(FakeReport(ERR_REMAP))
+    out = make(store, adapter, gpu_resetter=FakeReset(fail=True), retest=lambda: HEALTHY).remediate(
+        FakeReport(ERR_REMAP)
+    )
     assert adapter.actions() == ["drain", "restart"]
     assert ("gpu-reset", "failed") in [(r.action, r.outcome) for r in out.records]
 
@@ -477,8 +553,13 @@ def test_error_after_reboot_counts_restarts_then_escalates(store):
 
 def test_restarts_outside_the_window_do_not_count(store):
     adapter, clock = FakeAdapter(), Clock()
-    rem = make(store, adapter, clock, boot_time=T0 + 10 * 86400,
-               safety=Safety(max_restarts=1, restart_window_h=1))
+    rem = make(
+        store,
+        adapter,
+        clock,
+        boot_time=T0 + 10 * 86400,
+        safety=Safety(max_restarts=1, restart_window_h=1),
+    )
     rem.remediate(FakeReport(ERR_HANG))
     clock.t += 2 * 3600
     rem.remediate(FakeReport(ERR_HANG))
@@ -499,8 +580,9 @@ def test_set_healthy_clears_restart_counts(store):
 
 def test_node_drained_by_hand_is_never_resumed(store):
     adapter = FakeAdapter()
-    store.set_node_record(NodeRecord(NODE, "restarting", T0 - 100, "driver-hang", "gpu:3",
-                                     "auto", "reboot", T0 - 100))
+    store.set_node_record(
+        NodeRecord(NODE, "restarting", T0 - 100, "driver-hang", "gpu:3", "auto", "reboot", T0 - 100)
+    )
     adapter.state = NodeState(NODE, "DRAIN", True, "bad fan, ticket 1234 -- alice")
     out = make(store, adapter, boot_time=T0).remediate(FakeReport(HEALTHY))
     assert adapter.calls == []
@@ -600,7 +682,8 @@ def test_same_fault_in_the_dedup_window_does_not_act_twice(store):
     adapter.state = NodeState(NODE, "IDLE", False, None)
     clock.t += 30
     out = make(store, adapter, clock, safety=Safety(min_action_interval_s=0)).remediate(
-        FakeReport(FAULT79))
+        FakeReport(FAULT79)
+    )
     assert adapter.actions() == ["drain", "replace"]
     assert any("dedup" in n for n in out.notes)
 
@@ -623,7 +706,8 @@ def test_opted_out_node_gets_no_automatic_action(store, how):
     if how == "store":
         store.set_opt_out(NODE, True, T0, "burn-in by vendor")
     out = make(store, adapter, safety=Safety(opt_out=how == "config")).remediate(
-        FakeReport(FAULT79))
+        FakeReport(FAULT79)
+    )
     assert adapter.calls == [] and "opted out" in out.records[0].detail
 
 
@@ -631,8 +715,10 @@ def test_dry_run_records_dry_run_and_changes_nothing(store):
     adapter = FakeAdapter()
     out = make(store, adapter, dry_run=True).remediate(FakeReport(FAULT79))
     assert adapter.calls == []
-    assert [(r.action, r.outcome) for r in out.records] == [("drain", "dry-run"),
-                                                           ("replace", "dry-run")]
+    assert [(r.action, r.outcome) for r in out.records] == [
+        ("drain", "dry-run"),
+        ("replace", "dry-run"),
+    ]
     assert store.node_record(NODE).state == "in-service"
     assert [r.state for r in store.journal_tail(NODE)] == ["dry-run", "dry-run"]
 
@@ -662,10 +748,20 @@ def test_adapter_bug_is_a_failed_action_not_a_crash(store):
 
 
 def test_recovery_completes_a_started_drain_once(store):
-    store.journal_plan(key=f"{NODE}|drain|xid-79@gpu:5|0", node=NODE, action="drain",
-                       reason=f"{REASON_PREFIX} FAULT xid-79 gpu:5", fault_code="xid-79",
-                       target="gpu:5", attempt=0, to_state="fault", trigger="auto",
-                       adapter="fake", now=T0 - 5, state="started")
+    store.journal_plan(
+        key=f"{NODE}|drain|xid-79@gpu:5|0",
+        node=NODE,
+        action="drain",
+        reason=f"{REASON_PREFIX} FAULT xid-79 gpu:5",
+        fault_code="xid-79",
+        target="gpu:5",
+        attempt=0,
+        to_state="fault",
+        trigger="auto",
+        adapter="fake",
+        now=T0 - 5,
+        state="started",
+    )
     adapter = FakeAdapter()
     out = make(store, adapter).recover()
     assert adapter.actions() == ["drain"] and out.records[0].outcome == "done"
@@ -675,9 +771,20 @@ def test_recovery_completes_a_started_drain_once(store):
 
 
 def test_recovery_does_not_repeat_a_drain_already_in_place(store):
-    store.journal_plan(key="k", node=NODE, action="drain", reason=f"{REASON_PREFIX} x",
-                       fault_code="xid-79", target="gpu:5", attempt=0, to_state="fault",
-                       trigger="auto", adapter="fake", now=T0 - 5, state="started")
+    store.journal_plan(
+        key="k",
+        node=NODE,
+        action="drain",
+        reason=f"{REASON_PREFIX} x",
+        fault_code="xid-79",
+        target="gpu:5",
+        attempt=0,
+        to_state="fault",
+        trigger="auto",
+        adapter="fake",
+        now=T0 - 5,
+        state="started",
+    )
     adapter = FakeAdapter()
     adapter.state = NodeState(NODE, "DRAIN", True, f"{REASON_PREFIX} x")
     out = make(store, adapter).recover()
@@ -704,9 +811,16 @@ def test_evidence_is_collected_before_a_disruptive_action(store, tmp_path):
     from node_agent.kernel_log import LinesKernelLog
 
     adapter = FakeAdapter()
-    rem = Remediator(store, adapter, NODE, Safety(), state_dir=tmp_path, clock=Clock(),
-                     kernel_log=LinesKernelLog(["NVRM: Xid (PCI:0000:3b:00): 79, pid=1"]),
-                     warn=lambda _m: None)
+    rem = Remediator(
+        store,
+        adapter,
+        NODE,
+        Safety(),
+        state_dir=tmp_path,
+        clock=Clock(),
+        kernel_log=LinesKernelLog(["NVRM: Xid (PCI:0000:3b:00): 79, pid=1"]),
+        warn=lambda _m: None,
+    )
     out = rem.act("drain", "looks sick")
     (directory,) = (tmp_path / "evidence").iterdir()
     assert directory.name.endswith("-drain")
@@ -719,9 +833,11 @@ def _sh_py_spy(tmp_path, slow_pid: int | None = None) -> str:
     """A py-spy stand-in (no GPU processes exist here to dump): prints a stack for any pid,
     logs its argv, and for ``slow_pid`` never answers, as py-spy does for a process it waits on."""
     path = tmp_path / "py-spy"
-    path.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/argv.log\n"
-                    f"[ \"$4\" = \"{slow_pid}\" ] && exec sleep 60\n"
-                    "echo \"Thread 1 (idle): MainThread\"\necho \"    wait (train.py:1)\"\n")
+    path.write_text(
+        f'#!/bin/sh\necho "$@" >> {tmp_path}/argv.log\n'
+        f'[ "$4" = "{slow_pid}" ] && exec sleep 60\n'
+        'echo "Thread 1 (idle): MainThread"\necho "    wait (train.py:1)"\n'
+    )
     path.chmod(0o755)
     return str(path)
 
@@ -733,9 +849,16 @@ def test_evidence_stacks_are_taken_at_once_without_stopping_anyone_and_by_one_de
     from node_agent.remediation import evidence
 
     py_spy = _sh_py_spy(tmp_path, slow_pid=222)
-    directory, notes = evidence.collect(tmp_path / "state", "drain", T0, None, None,
-                                        [111, 222, 333], py_spy=py_spy,
-                                        deadline=time.monotonic() + 1.5)
+    directory, notes = evidence.collect(
+        tmp_path / "state",
+        "drain",
+        T0,
+        None,
+        None,
+        [111, 222, 333],
+        py_spy=py_spy,
+        deadline=time.monotonic() + 1.5,
+    )
     stacks = (directory / "stacks.txt").read_text()
     assert stacks.count("MainThread") == 2
     section = stacks.split("=== pid 222 ===")[1].split("===")[0]
@@ -751,8 +874,9 @@ def test_evidence_takes_at_most_max_stacks_and_says_which_it_left(tmp_path):
     from node_agent.remediation import evidence
 
     pids = list(range(1000, 1000 + evidence.MAX_STACKS + 2))
-    directory, notes = evidence.collect(tmp_path / "state", "drain", T0, None, None, pids,
-                                        py_spy=_sh_py_spy(tmp_path))
+    directory, notes = evidence.collect(
+        tmp_path / "state", "drain", T0, None, None, pids, py_spy=_sh_py_spy(tmp_path)
+    )
     stacks = (directory / "stacks.txt").read_text()
     assert stacks.count("MainThread") == evidence.MAX_STACKS
     assert f"=== pid {pids[-1]} ===\nnot collected: only the first" in stacks
@@ -762,32 +886,50 @@ def test_evidence_takes_at_most_max_stacks_and_says_which_it_left(tmp_path):
 # -- hung training jobs: restart the job through the scheduler, never the node ----------------
 def hang(*targets: str, level: Level = Level.ERROR) -> Grade:
     """A grade with one training-hang reason per target (as graders/rules.yaml grades it)."""
-    return Grade(level, Action.RESTART if level == Level.ERROR else Action.NONE, tuple(
-        Reason("training-hang", level, t, f"{t.rsplit('/', 1)[-1]} made no step for 412 s; "
-               "stuck in all_reduce") for t in targets))
+    return Grade(
+        level,
+        Action.RESTART if level == Level.ERROR else Action.NONE,
+        tuple(
+            Reason(
+                "training-hang",
+                level,
+                t,
+                f"{t.rsplit('/', 1)[-1]} made no step for 412 s; stuck in all_reduce",
+            )
+            for t in targets
+        ),
+    )
 
 
 def with_reasons(g: Grade, *more: Reason) -> Grade:
     reasons = (*g.reasons, *more)
     level = max(r.level for r in reasons)
-    return Grade(level, {Level.ERROR: Action.RESTART, Level.FAULT: Action.REPLACE}[level],
-                 reasons)
+    return Grade(level, {Level.ERROR: Action.RESTART, Level.FAULT: Action.REPLACE}[level], reasons)
 
 
-XID48 = Reason("xid", Level.ERROR, "gpu:1", "Xid 48 on gpu:1 [Xid 48: double bit ECC error]",
-               catalog="xid", code=48)
+XID48 = Reason(
+    "xid",
+    Level.ERROR,
+    "gpu:1",
+    "Xid 48 on gpu:1 [Xid 48: double bit ECC error]",
+    catalog="xid",
+    code=48,
+)
 
 
-@pytest.mark.parametrize(("target", "job"), [
-    ("job:slurm:1234/rank:3", "slurm:1234"),
-    ("job:slurm:1234_7/pid:4242", "slurm:1234_7"),
-    ("job:pod:ml/trainer-0/rank:0", "pod:ml/trainer-0"),
-    ("job:torchelastic:run:a/b/rank:12", "torchelastic:run:a/b"),
-    ("job:ppid:777/pid:778", "ppid:777"),
-    ("rank:3", None),
-    ("job:slurm:1/rank:x", None),
-    ("job:slurm:1\n/rank:0", None),
-])
+@pytest.mark.parametrize(
+    ("target", "job"),
+    [
+        ("job:slurm:1234/rank:3", "slurm:1234"),
+        ("job:slurm:1234_7/pid:4242", "slurm:1234_7"),
+        ("job:pod:ml/trainer-0/rank:0", "pod:ml/trainer-0"),
+        ("job:torchelastic:run:a/b/rank:12", "torchelastic:run:a/b"),
+        ("job:ppid:777/pid:778", "ppid:777"),
+        ("rank:3", None),
+        ("job:slurm:1/rank:x", None),
+        ("job:slurm:1\n/rank:0", None),
+    ],
+)
 def test_job_of_reads_the_job_anchored_at_the_end_of_the_target(target, job):
     assert job_of(target) == job
 
@@ -806,7 +948,11 @@ def test_training_hang_alone_restarts_the_job_and_never_drains_the_node(store):
     assert store.node_record(NODE).state == "in-service"
     (row,) = store.journal_tail(NODE)
     assert (row.action, row.state, row.target, row.to_state) == (
-        "restart-job", "done", "job:slurm:1234", None)
+        "restart-job",
+        "done",
+        "job:slurm:1234",
+        None,
+    )
 
 
 @pytest.mark.parametrize("state", ["fault", "awaiting-replacement"])
@@ -831,13 +977,16 @@ def test_a_hung_job_never_keeps_a_node_the_agent_drained_from_its_resume(store, 
     # issue 29, Low 9: after a clean re-test, a hang on the node (a user's idle process with
     # a stale heartbeat, or a real job's) kept the node drained; the node's own findings are
     # clean, so it resumes, and then the job is restarted
-    store.set_node_record(NodeRecord(NODE, state, T0 - 100, "xid-31", "gpu:0", "auto",
-                                     restart_kind="gpu-reset"))
+    store.set_node_record(
+        NodeRecord(NODE, state, T0 - 100, "xid-31", "gpu:0", "auto", restart_kind="gpu-reset")
+    )
     adapter = FakeAdapter()
     adapter.state = NodeState(NODE, "DRAIN", True, "node-agent: ERROR xid-31 gpu:0")
     out = make(store, adapter).remediate(FakeReport(hang("job:slurm:9/rank:0")))
-    assert [(r.action, r.outcome) for r in out.records] == [("resume", "done"),
-                                                            ("restart-job", "done")]
+    assert [(r.action, r.outcome) for r in out.records] == [
+        ("resume", "done"),
+        ("restart-job", "done"),
+    ]
     assert adapter.actions() == ["resume", "restart-job"]
     assert store.node_record(NODE).state == "in-service"
 
@@ -848,23 +997,34 @@ def test_hang_beside_a_hardware_error_takes_the_node_path(store):
     g = Grade(g.level, g.action, g.reasons)
     p = plan_for(g)
     assert [(s.action, s.fault_code, s.target) for s in p.steps] == [
-        ("drain", "xid-48", "gpu:1"), ("restart", "xid-48", "gpu:1")]
+        ("drain", "xid-48", "gpu:1"),
+        ("restart", "xid-48", "gpu:1"),
+    ]
     adapter = FakeAdapter()
     make(store, adapter).remediate(FakeReport(g))
     assert adapter.actions() == ["drain", "restart"] and adapter.jobs == []
 
 
 def test_hang_beside_a_fault_replaces_the_node():
-    fault = Reason("xid", Level.FAULT, "gpu:5", "Xid 79 on gpu:5 [Xid 79: fallen off the bus]",
-                   catalog="xid", code=79)
+    fault = Reason(
+        "xid",
+        Level.FAULT,
+        "gpu:5",
+        "Xid 79 on gpu:5 [Xid 79: fallen off the bus]",
+        catalog="xid",
+        code=79,
+    )
     p = plan_for(with_reasons(hang("job:slurm:1/rank:0"), fault))
     assert [s.action for s in p.steps] == ["drain", "replace"]
     assert "xid-79" in p.steps[0].reason
 
 
 def test_straggler_warn_never_acts(store):
-    g = Grade(Level.WARN, Action.NONE, (Reason("training-straggler", Level.WARN,
-                                               "job:slurm:1/rank:2", "2.4x slower"),))
+    g = Grade(
+        Level.WARN,
+        Action.NONE,
+        (Reason("training-straggler", Level.WARN, "job:slurm:1/rank:2", "2.4x slower"),),
+    )
     assert plan_for(g).steps == ()
     adapter = FakeAdapter()
     out = make(store, adapter).remediate(FakeReport(g))
@@ -896,15 +1056,18 @@ def test_same_hung_job_is_restarted_once_and_a_different_one_gets_its_own(store)
     assert adapter.jobs == ["slurm:11", "slurm:12"]
 
 
-@pytest.mark.parametrize("target", [
-    "job:slurm:1;rm -rf /",             # not .../rank:N: names no job
-    "job:slurm:1;rm -rf //rank:0",      # a job id with shell metacharacters
-    "job:slurm:$(reboot)/rank:1",
-    "job:../../etc/passwd/rank:1",      # not a known job kind
-    "job:slurm:1 State=RESUME/pid:9",   # an argument of its own for scontrol
-    "job:pod:ml/x\x1b[2J/rank:0",      # terminal escapes
-    "rank:3",
-])
+@pytest.mark.parametrize(
+    "target",
+    [
+        "job:slurm:1;rm -rf /",  # not .../rank:N: names no job
+        "job:slurm:1;rm -rf //rank:0",  # a job id with shell metacharacters
+        "job:slurm:$(reboot)/rank:1",
+        "job:../../etc/passwd/rank:1",  # not a known job kind
+        "job:slurm:1 State=RESUME/pid:9",  # an argument of its own for scontrol
+        "job:pod:ml/x\x1b[2J/rank:0",  # terminal escapes
+        "rank:3",
+    ],
+)
 def test_malformed_or_hostile_job_target_is_refused_without_an_adapter_call(store, target):
     adapter, warnings = FakeAdapter(), []
     out = make(store, adapter, warnings=warnings).remediate(FakeReport(hang(target)))
@@ -958,8 +1121,7 @@ def test_open_breaker_does_not_stop_a_job_restart_but_opt_out_does(store):
     make(store, adapter).remediate(FakeReport(hang("job:slurm:1/rank:0")))
     assert adapter.jobs == ["slurm:1"]
     store.set_opt_out(NODE, True, T0, "burn-in by vendor")
-    out = make(store, adapter, Clock(T0 + 3600)).remediate(
-        FakeReport(hang("job:slurm:2/rank:0")))
+    out = make(store, adapter, Clock(T0 + 3600)).remediate(FakeReport(hang("job:slurm:2/rank:0")))
     assert adapter.jobs == ["slurm:1"] and "opted out" in out.records[0].detail
 
 
@@ -972,8 +1134,12 @@ def test_dry_run_job_restart_records_and_calls_nothing(store):
 
 
 def test_failed_job_restart_is_kept_and_retried(store):
-    adapter = FakeAdapter(fail=AdapterError("the Slurm adapter restarts only Slurm jobs "
-                                            "running on gpu-01; job slurm:1 runs on gpu-02"))
+    adapter = FakeAdapter(
+        fail=AdapterError(
+            "the Slurm adapter restarts only Slurm jobs "
+            "running on gpu-01; job slurm:1 runs on gpu-02"
+        )
+    )
     clock = Clock()
     out = make(store, adapter, clock).remediate(FakeReport(hang("job:slurm:1/rank:0")))
     assert out.records[0].outcome == "failed" and "runs on gpu-02" in out.records[0].detail
@@ -986,11 +1152,20 @@ def test_failed_job_restart_is_kept_and_retried(store):
 
 
 def test_recovery_sends_an_interrupted_job_restart_again(store):
-    store.journal_plan(key=f"{NODE}|restart-job|training-hang@job:slurm:42|0", node=NODE,
-                       action="restart-job", reason=f"{REASON_PREFIX} ERROR training-hang job "
-                       "slurm:42", fault_code="training-hang", target="job:slurm:42", attempt=0,
-                       to_state=None, trigger="auto", adapter="fake", now=T0 - 5,
-                       state="started")
+    store.journal_plan(
+        key=f"{NODE}|restart-job|training-hang@job:slurm:42|0",
+        node=NODE,
+        action="restart-job",
+        reason=f"{REASON_PREFIX} ERROR training-hang job slurm:42",
+        fault_code="training-hang",
+        target="job:slurm:42",
+        attempt=0,
+        to_state=None,
+        trigger="auto",
+        adapter="fake",
+        now=T0 - 5,
+        state="started",
+    )
     adapter = FakeAdapter()
     out = make(store, adapter).recover()
     assert adapter.jobs == ["slurm:42"] and out.records[0].outcome == "done"
@@ -999,8 +1174,9 @@ def test_recovery_sends_an_interrupted_job_restart_again(store):
 
 def test_evidence_is_collected_before_a_job_restart(store, tmp_path):
     adapter = FakeAdapter()
-    rem = Remediator(store, adapter, NODE, Safety(), state_dir=tmp_path, clock=Clock(),
-                     warn=lambda _m: None)
+    rem = Remediator(
+        store, adapter, NODE, Safety(), state_dir=tmp_path, clock=Clock(), warn=lambda _m: None
+    )
     out = rem.remediate(FakeReport(hang("job:slurm:1/rank:0")))
     (directory,) = (tmp_path / "evidence").iterdir()
     assert directory.name.endswith("-restart-job")
@@ -1008,14 +1184,27 @@ def test_evidence_is_collected_before_a_job_restart(store, tmp_path):
     assert str(directory) in out.records[0].detail
 
 
-@pytest.mark.parametrize("job", ["slurm:1234", "torchelastic:2f9c-11", "pod:ml/trainer-0",
-                                 "ppid:4242"])
+@pytest.mark.parametrize(
+    "job", ["slurm:1234", "torchelastic:2f9c-11", "pod:ml/trainer-0", "ppid:4242"]
+)
 def test_check_job_id_accepts_the_kinds_the_heartbeat_writes(job):
     assert check_job_id(job) == tuple(job.split(":", 1))
 
 
-@pytest.mark.parametrize("job", ["slurm:1;rm -rf /", "slurm:", "cron:1", "slurm:1 x=y",
-                                 "pod:$(id)", "slurm:-h", "x" * 300, "", None])
+@pytest.mark.parametrize(
+    "job",
+    [
+        "slurm:1;rm -rf /",
+        "slurm:",
+        "cron:1",
+        "slurm:1 x=y",
+        "pod:$(id)",
+        "slurm:-h",
+        "x" * 300,
+        "",
+        None,
+    ],
+)
 def test_check_job_id_refuses_with_what_a_job_id_must_be(job):
     with pytest.raises(AdapterError, match="a job id must be <kind>:<id>"):
         check_job_id(job)
@@ -1034,9 +1223,16 @@ def test_log_adapter_records_a_job_restart_and_refuses_a_hostile_job(tmp_path):
     assert "would restart-job slurm:7 on gpu-01" in detail
     with pytest.raises(AdapterError, match="refusing job id"):
         adapter.restart_job(NODE, "slurm:7;reboot", "x")
-    assert adapter.records() == [{"action": "restart-job", "adapter": "log", "at": "T",
-                                  "job": "slurm:7", "node": NODE,
-                                  "reason": "node-agent: ERROR training-hang job slurm:7"}]
+    assert adapter.records() == [
+        {
+            "action": "restart-job",
+            "adapter": "log",
+            "at": "T",
+            "job": "slurm:7",
+            "node": NODE,
+            "reason": "node-agent: ERROR training-hang job slurm:7",
+        }
+    ]
 
 
 def test_every_adapter_and_the_fake_implement_restart_job_of_the_protocol(tmp_path):
@@ -1045,8 +1241,12 @@ def test_every_adapter_and_the_fake_implement_restart_job_of_the_protocol(tmp_pa
     from node_agent.schedulers.slurm import SlurmAdapter
     from node_agent.schedulers.webhook import WebhookAdapter
 
-    adapters = [FakeAdapter(), LogAdapter(tmp_path / "a.log"), SlurmAdapter(),
-                WebhookAdapter("http://127.0.0.1:9/x", b"s")]
+    adapters = [
+        FakeAdapter(),
+        LogAdapter(tmp_path / "a.log"),
+        SlurmAdapter(),
+        WebhookAdapter("http://127.0.0.1:9/x", b"s"),
+    ]
     for adapter in adapters:
         assert isinstance(adapter, SchedulerAdapter), type(adapter).__name__
         assert callable(adapter.restart_job)
@@ -1069,8 +1269,10 @@ def test_an_unavailable_store_refuses_every_step_and_calls_no_adapter(tmp_path):
     try:
         assert store.unavailable is not None
         out = make(store, adapter, warnings=warnings).remediate(FakeReport(FAULT79))
-        assert [(r.action, r.outcome) for r in out.records] == [("drain", "refused"),
-                                                                ("replace", "refused")]
+        assert [(r.action, r.outcome) for r in out.records] == [
+            ("drain", "refused"),
+            ("replace", "refused"),
+        ]
         assert all("state unavailable" in r.detail for r in out.records)
         assert adapter.calls == [] and len(warnings) == 2
         op = make(store, adapter).act("drain", "by hand")

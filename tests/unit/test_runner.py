@@ -19,8 +19,9 @@ from node_agent.suite import CheckSpec, Suite
 def env(tmp_path):
     path = tmp_path / "healthy.yaml"
     path.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 2}))
-    environment = open_environment(config_from_dict({"state_dir": str(tmp_path / "state")}),
-                                   str(path))
+    environment = open_environment(
+        config_from_dict({"state_dir": str(tmp_path / "state")}), str(path)
+    )
     yield environment
     environment.close()
 
@@ -76,8 +77,11 @@ def test_a_check_that_reports_nothing_is_an_error_not_a_pass(env, fake_checks):
 
 def test_progress_is_reported_for_each_check(env, fake_checks):
     events = []
-    runner.run_suite(suite_of(CheckSpec("fine"), CheckSpec("fine")), env,
-                     progress=lambda event, spec, i, n, results: events.append((event, i, n)))
+    runner.run_suite(
+        suite_of(CheckSpec("fine"), CheckSpec("fine")),
+        env,
+        progress=lambda event, spec, i, n, results: events.append((event, i, n)),
+    )
     assert events == [("start", 1, 2), ("done", 1, 2), ("start", 2, 2), ("done", 2, 2)]
 
 

@@ -70,8 +70,14 @@ def test_a_probe_costlier_in_training_than_at_warm_up_does_not_overspend_the_bud
     overspend (by its excess), and after it the budget holds at every completion."""
     clock = Clock()
     cost = {"now": 0.001}
-    probe = SdcProbe("cpu", budget_fraction=BUDGET, spool_dir=tmp_path, clock=clock,
-                     shapes=SHAPES, matmul=_costing(clock, cost))
+    probe = SdcProbe(
+        "cpu",
+        budget_fraction=BUDGET,
+        spool_dir=tmp_path,
+        clock=clock,
+        shapes=SHAPES,
+        matmul=_costing(clock, cost),
+    )
     warm: list[float] = []
     assert _train(probe, clock, 400, warm) >= 2 * len(probe.specs)  # every spec known at 1 ms
     assert all(share <= BUDGET + 1e-12 for share in warm[1:])
@@ -89,8 +95,14 @@ def test_every_step_calls_host_time_counts_against_the_budget(tmp_path):
     """step() is called at every training step, probe or not: its host time is the probe's
     cost too, so the probes run less often and probe plus bookkeeping stay within budget."""
     clock = Clock(tick_s=2e-6)  # each clock read: 2 us of the training thread's time
-    probe = SdcProbe("cpu", budget_fraction=BUDGET, spool_dir=tmp_path, clock=clock,
-                     shapes=SHAPES, matmul=_costing(clock, {"now": 0.005}))
+    probe = SdcProbe(
+        "cpu",
+        budget_fraction=BUDGET,
+        spool_dir=tmp_path,
+        clock=clock,
+        shapes=SHAPES,
+        matmul=_costing(clock, {"now": 0.005}),
+    )
     before = probe.cost_s
     clock.advance(STEP_S)
     assert probe.step() is not None  # injected matmul: the first probe runs at once
@@ -108,8 +120,14 @@ def test_every_step_calls_host_time_counts_against_the_budget(tmp_path):
 
 def test_collect_reads_nothing_back_and_starts_nothing_when_no_probe_is_in_flight(tmp_path):
     clock = Clock()
-    probe = SdcProbe("cpu", budget_fraction=0.5, spool_dir=tmp_path, clock=clock,
-                     shapes=SHAPES, matmul=_costing(clock, {"now": 0.001}))
+    probe = SdcProbe(
+        "cpu",
+        budget_fraction=0.5,
+        spool_dir=tmp_path,
+        clock=clock,
+        shapes=SHAPES,
+        matmul=_costing(clock, {"now": 0.001}),
+    )
     clock.advance(100.0)  # the budget would allow a probe now
     assert probe.collect() is None and probe.probes_run == 0
     assert probe.step() is not None and probe.probes_run == 1  # on the CPU a probe completes

@@ -29,8 +29,12 @@ from node_agent.runner import run_check  # noqa: E402
 from node_agent.sdc import probes as sdc_lib  # noqa: E402
 from node_agent.suite import CheckSpec  # noqa: E402
 
-SMALL = {"shapes": [[16, 16, 16], [17, 32, 9]], "dtypes": ["fp32", "bf16", "fp16"],
-         "repeats": 1, "freivalds_n": 32}
+SMALL = {
+    "shapes": [[16, 16, 16], [17, 32, 9]],
+    "dtypes": ["fp32", "bf16", "fp16"],
+    "repeats": 1,
+    "freivalds_n": 32,
+}
 
 
 @pytest.fixture
@@ -43,8 +47,9 @@ def node(tmp_path):
 
     def make(gpus=4, faults=(), **extra):
         path = tmp_path / f"scenario-{len(envs)}.yaml"
-        path.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": gpus,
-                                        "faults": list(faults), **extra}))
+        path.write_text(
+            yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": gpus, "faults": list(faults), **extra})
+        )
         env = open_environment(load_config(config_path), str(path))
         envs.append(env)
         return env
@@ -59,9 +64,18 @@ def run_sdc(env, mode="delivery", **params):
 
 
 def ctx_for(env, check="sdc", **params) -> CheckContext:
-    return CheckContext(check=check, gpu=env.gpu, kernel_log=env.kernel_log, config=env.config,
-                        inventory=env.inventory, sku=env.sku, expected_gpus=env.expected_gpus,
-                        params=params, state_dir=env.writable_state_dir(), scenario=env.scenario)
+    return CheckContext(
+        check=check,
+        gpu=env.gpu,
+        kernel_log=env.kernel_log,
+        config=env.config,
+        inventory=env.inventory,
+        sku=env.sku,
+        expected_gpus=env.expected_gpus,
+        params=params,
+        state_dir=env.writable_state_dir(),
+        scenario=env.scenario,
+    )
 
 
 def by_target(results):
@@ -82,8 +96,11 @@ def test_corrupting_gpu_is_the_only_one_confirmed_and_is_odd_one_out(node):
     assert {t for t, r in got.items() if r.status is not Status.PASS} == {"gpu:2"}
     # the detail names the probe, shape, dtype and how many elements were wrong
     assert "exact_gemm fp32 16x16x16: 1 of 256 elements differ" in got["gpu:2"].detail
-    cross = [f for f in got["gpu:2"].evidence["findings"]
-             if f["probe"] == "digest_gemm" and "odd one out" in f["detail"]]
+    cross = [
+        f
+        for f in got["gpu:2"].evidence["findings"]
+        if f["probe"] == "digest_gemm" and "odd one out" in f["detail"]
+    ]
     assert cross and all(f["status"] == "confirmed" for f in cross)
     assert len(cross) == len(SMALL["shapes"]) * len(SMALL["dtypes"])
 
@@ -103,8 +120,11 @@ def test_gpu_that_changes_from_its_earlier_digest_is_confirmed_on_the_next_run(n
     results = run_sdc(node(gpus=2, faults=[{"kind": "sdc", "gpu": 1}]), digest_history=True)
     got = by_target(results)
     assert got["gpu:0"].status is Status.PASS
-    history = [f for f in got["gpu:1"].evidence["findings"]
-               if f["probe"] == "digest_gemm" and "earlier digest" in f["detail"]]
+    history = [
+        f
+        for f in got["gpu:1"].evidence["findings"]
+        if f["probe"] == "digest_gemm" and "earlier digest" in f["detail"]
+    ]
     assert history and {f["status"] for f in history} == {"confirmed"}
 
 
@@ -124,7 +144,8 @@ def test_stored_digest_mismatch_with_same_software_is_confirmed(node):
     got = by_target(run_sdc(node(gpus=2)))
     assert got["gpu:0"].metric == "sdc_confirmed"
     assert "earlier digest" in got["gpu:0"].detail or any(
-        "earlier digest" in f["detail"] for f in got["gpu:0"].evidence["findings"])
+        "earlier digest" in f["detail"] for f in got["gpu:0"].evidence["findings"]
+    )
 
 
 def test_software_change_invalidates_stored_digest_and_says_so(node):
@@ -163,8 +184,9 @@ def test_invalid_shape_param_is_an_error_that_names_it(node):
 
 
 def _device(index: int, matmul=None) -> ComputeDevice:
-    return ComputeDevice(ComputeSpec(index, simulated=True), torch.device("cpu"),
-                         matmul or torch.matmul)
+    return ComputeDevice(
+        ComputeSpec(index, simulated=True), torch.device("cpu"), matmul or torch.matmul
+    )
 
 
 def _plan(**kw):
@@ -191,8 +213,10 @@ def corrupt_once(shape: tuple[int, int], base=None):
 
 def test_single_unrepeated_mismatch_is_transient_warn_with_evidence(node):
     env = node(gpus=3)
-    runs = {i: sdc_check.GpuRun(i, _device(i, corrupt_once((16, 16)) if i == 1 else None))
-            for i in range(3)}
+    runs = {
+        i: sdc_check.GpuRun(i, _device(i, corrupt_once((16, 16)) if i == 1 else None))
+        for i in range(3)
+    }
     sdc_check.probe_node(runs, _plan())
     statuses = [v.status for v in runs[1].verdicts]
     assert statuses.count("transient") == 1 and "confirmed" not in statuses
@@ -220,8 +244,10 @@ def test_a_second_mismatch_in_the_run_confirms_a_clean_rerun(node):
 
 def test_repeated_mismatch_is_confirmed_fault(node):
     env = node(gpus=3)
-    runs = {i: sdc_check.GpuRun(i, _device(i, sdc_lib.corrupting_matmul() if i == 0 else None))
-            for i in range(3)}
+    runs = {
+        i: sdc_check.GpuRun(i, _device(i, sdc_lib.corrupting_matmul() if i == 0 else None))
+        for i in range(3)
+    }
     sdc_check.probe_node(runs, _plan())
     (r,) = sdc_check.results_for(ctx_for(env), runs[0])
     assert (r.metric, r.status) == ("sdc_confirmed", Status.FAIL)
@@ -253,8 +279,11 @@ def test_duration_repeats_rounds_over_a_bounded_set_of_seeds():
 
     runs = {0: sdc_check.GpuRun(0, open_device(ComputeSpec(0, simulated=True)))}
     ticks = iter(range(1000))  # one "second" per clock read
-    sdc_check.probe_node(runs, _plan(repeats=1, duration_s=6, seeds=2, shapes=[[15, 16, 17]]),
-                         clock=lambda: next(ticks))
+    sdc_check.probe_node(
+        runs,
+        _plan(repeats=1, duration_s=6, seeds=2, shapes=[[15, 16, 17]]),
+        clock=lambda: next(ticks),
+    )
     assert runs[0].rounds >= 4
     assert {v.status for v in runs[0].verdicts} == {"pass"}
     assert {key[2] for key in exact._GOLDEN if key[0] == (15, 16, 17)} == {0, 1}
@@ -262,8 +291,12 @@ def test_duration_repeats_rounds_over_a_bounded_set_of_seeds():
 
 # -- whole-GPU probes and the faulty SM -------------------------------------------------------
 
-WHOLE = {"dtypes": ["fp32", "bf16", "fp16"], "digest_shapes": [[16, 16, 16]], "repeats": 2,
-         "freivalds_n": 32}
+WHOLE = {
+    "dtypes": ["fp32", "bf16", "fp16"],
+    "digest_shapes": [[16, 16, 16]],
+    "repeats": 2,
+    "freivalds_n": 32,
+}
 
 
 @pytest.mark.parametrize("rate", [1.0, 0.3])
@@ -280,8 +313,9 @@ def test_one_faulty_sm_of_132_is_found_on_its_gpu_only(node, rate):
 
 
 def test_every_result_reports_sm_coverage_1_on_the_simulated_h100(node):
-    results = run_sdc(node(gpus=4, faults=[{"kind": "sdc", "gpu": 1, "sm": 100}]), **WHOLE,
-                      shapes=None)
+    results = run_sdc(
+        node(gpus=4, faults=[{"kind": "sdc", "gpu": 1, "sm": 100}]), **WHOLE, shapes=None
+    )
     assert len(results) == 4
     for r in results:
         assert r.evidence["sm_coverage"] == 1.0 and r.evidence["sm_count"] == 132
@@ -311,7 +345,9 @@ def test_a_dtype_whose_kernel_accumulates_in_lower_precision_is_skipped_with_the
         return acc.to(torch.bfloat16)
 
     runs = {0: sdc_check.GpuRun(0, _device(0, narrow_bf16))}
-    sdc_check.probe_node(runs, _plan(shapes=None, digest_shapes=[[16, 16, 16]], dtypes=["bf16", "fp32"]))
+    sdc_check.probe_node(
+        runs, _plan(shapes=None, digest_shapes=[[16, 16, 16]], dtypes=["bf16", "fp32"])
+    )
     (r,) = sdc_check.results_for(ctx_for(env), runs[0])
     assert r.status is Status.PASS
     assert set(r.evidence["skipped_dtypes"]) == {"bf16"}

@@ -59,7 +59,9 @@ def narrow_accumulator(bits: int, only: torch.dtype | None = None):
             acc = acc + torch.outer(x[:, k], y[k, :])
             mant, exp = torch.frexp(acc)
             acc = torch.ldexp(torch.trunc(mant * 2.0**bits) / 2.0**bits, exp)
-        return acc.to(torch.bfloat16 if a.dtype == getattr(torch, "float8_e4m3fn", None) else a.dtype)
+        return acc.to(
+            torch.bfloat16 if a.dtype == getattr(torch, "float8_e4m3fn", None) else a.dtype
+        )
 
     return matmul
 
@@ -113,9 +115,14 @@ def test_sm_count_comes_from_the_sku_file_on_a_simulated_node():
 def _scenario(faults=()):
     from node_agent.sim.scenario import Fault, Scenario
 
-    return Scenario(sku="h100-sxm5-80gb", gpus=8, source="test",
-                    faults=tuple(Fault("sdc", f["gpu"], {k: v for k, v in f.items() if k != "gpu"})
-                                 for f in faults))
+    return Scenario(
+        sku="h100-sxm5-80gb",
+        gpus=8,
+        source="test",
+        faults=tuple(
+            Fault("sdc", f["gpu"], {k: v for k, v in f.items() if k != "gpu"}) for f in faults
+        ),
+    )
 
 
 def test_scenario_sm_outside_the_sku_is_refused_with_the_fix():
@@ -132,18 +139,28 @@ def test_scenario_sm_outside_the_sku_is_refused_with_the_fix():
 
 
 def test_whole_gpu_specs_use_each_dtypes_full_significand_with_an_exact_k():
-    full = {s.dtype: s for s in exact.plan_whole_gpu(gpu_model(132), list(exact.NUMERICS), 4, 256)
-            if exact.input_bits(s) == exact.NUMERICS[s.dtype].full_bits}
+    full = {
+        s.dtype: s
+        for s in exact.plan_whole_gpu(gpu_model(132), list(exact.NUMERICS), 4, 256)
+        if exact.input_bits(s) == exact.NUMERICS[s.dtype].full_bits
+    }
     assert {d: (exact.input_bits(s), s.k) for d, s in full.items()} == {
-        "bf16": (8, 256), "fp16": (11, 4), "tf32": (11, 4), "fp8": (4, 32)}
+        "bf16": (8, 256),
+        "fp16": (11, 4),
+        "tf32": (11, 4),
+        "fp8": (4, 32),
+    }
     for spec in exact.plan_whole_gpu(gpu_model(132), list(exact.NUMERICS), 4, 256):
         vmax = 2 ** exact.input_bits(spec) - 1
         # every partial sum, in any order, stays below the accumulator's exact range
         assert spec.k * vmax * vmax < 2 ** exact.NUMERICS[spec.dtype].acc_bits
 
 
-@pytest.mark.parametrize("spec", exact.plan_whole_gpu(SIM, list(exact.NUMERICS), 2, 64),
-                         ids=lambda s: f"{s.label()}-{exact.input_bits(s)}b")
+@pytest.mark.parametrize(
+    "spec",
+    exact.plan_whole_gpu(SIM, list(exact.NUMERICS), 2, 64),
+    ids=lambda s: f"{s.label()}-{exact.input_bits(s)}b",
+)
 def test_inputs_are_full_significand_integers_exact_in_their_dtype(spec):
     a, b, c = sdc.golden(spec)
     bits = exact.input_bits(spec)
@@ -153,12 +170,15 @@ def test_inputs_are_full_significand_integers_exact_in_their_dtype(spec):
         assert int(t.abs().max()) <= 2**bits - 1
         # three in four use every significant bit: the multipliers see full significands
         assert (t.abs() >= 2 ** (bits - 1)).double().mean() > 0.7
-        scaled = t.double() * 2.0 ** -x.scale_exp
+        scaled = t.double() * 2.0**-x.scale_exp
         assert torch.equal(scaled.to(x.dtype).double(), scaled)  # representable exactly
 
 
-@pytest.mark.parametrize("spec", exact.plan_whole_gpu(SIM, ["bf16", "fp16", "fp8"], 2, 64)[:4],
-                         ids=lambda s: f"{s.label()}-{exact.input_bits(s)}b")
+@pytest.mark.parametrize(
+    "spec",
+    exact.plan_whole_gpu(SIM, ["bf16", "fp16", "fp8"], 2, 64)[:4],
+    ids=lambda s: f"{s.label()}-{exact.input_bits(s)}b",
+)
 def test_golden_is_the_exact_sum_rounded_once_to_nearest_even(spec):
     _, _, c = sdc.golden(spec)
     x = exact.NUMERICS[spec.dtype]
@@ -172,8 +192,10 @@ def test_golden_is_the_exact_sum_rounded_once_to_nearest_even(spec):
 def test_golden_rounding_breaks_ties_to_even():
     assert [rne(v, 8) for v in (257, 259, 261, 263)] == [256, 260, 260, 264]
     ints = torch.tensor([257, 259, 261, 263])
-    assert torch.equal(ints.to(torch.float32).to(torch.bfloat16).to(torch.int64),
-                       torch.tensor([256, 260, 260, 264]))
+    assert torch.equal(
+        ints.to(torch.float32).to(torch.bfloat16).to(torch.int64),
+        torch.tensor([256, 260, 260, 264]),
+    )
 
 
 def test_spec_whose_sums_could_round_is_refused_with_the_largest_safe_k():
@@ -197,8 +219,9 @@ def test_every_whole_gpu_spec_passes_on_a_healthy_cpu_fp8_included():
 def test_healthy_cpu_shows_no_mismatch_over_600_exact_probes():
     statuses = set()
     for i in range(600):
-        spec = ProbeSpec(32, (4, 64, 256)[i % 3], 48, ("fp16", "bf16", "fp32")[i % 3], seed=i % 7,
-                         block=(16, 16))
+        spec = ProbeSpec(
+            32, (4, 64, 256)[i % 3], 48, ("fp16", "bf16", "fp32")[i % 3], seed=i % 7, block=(16, 16)
+        )
         v = sdc.exact_gemm_probe(spec)
         statuses.add(v.status)
         assert v.mismatched_elements == 0, v.detail
@@ -213,13 +236,15 @@ def test_corrupting_matmul_yields_confirmed_mismatch_naming_shape_dtype_count(dt
     assert v.mismatched_elements == 1
     assert v.shape == (48, 64, 40) and v.dtype == dtype
     assert f"{dtype} 48x64x40" in v.detail and "1 of 1920 elements differ" in v.detail
-    (idx, got, expected), = v.evidence["first"]
+    ((idx, got, expected),) = v.evidence["first"]
     assert expected == float(sdc.golden_out(spec)[idx[0], idx[1]]) and got != expected
 
 
 @pytest.mark.parametrize("bit", [0, 10, 22, 23, 30, 31])
 def test_any_flipped_fp32_bit_is_caught(bit: int) -> None:
-    v = sdc.exact_gemm_probe(ProbeSpec(32, 32, 32, "fp32", seed=1), matmul=sdc.corrupting_matmul(bit=bit, seed=5))
+    v = sdc.exact_gemm_probe(
+        ProbeSpec(32, 32, 32, "fp32", seed=1), matmul=sdc.corrupting_matmul(bit=bit, seed=5)
+    )
     assert v.status == "confirmed", v.detail
 
 
@@ -233,11 +258,21 @@ def test_corruption_on_first_call_only_is_transient_not_confirmed() -> None:
 
 def test_probe_restores_tf32_and_reduced_precision_flags() -> None:
     m = torch.backends.cuda.matmul
-    before = (m.allow_tf32, m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction)
+    before = (
+        m.allow_tf32,
+        m.allow_bf16_reduced_precision_reduction,
+        m.allow_fp16_reduced_precision_reduction,
+    )
     seen = []
 
     def spy(a, b):
-        seen.append((m.allow_tf32, m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction))
+        seen.append(
+            (
+                m.allow_tf32,
+                m.allow_bf16_reduced_precision_reduction,
+                m.allow_fp16_reduced_precision_reduction,
+            )
+        )
         return torch.matmul(a, b)
 
     m.allow_tf32 = True
@@ -247,7 +282,11 @@ def test_probe_restores_tf32_and_reduced_precision_flags() -> None:
         assert m.allow_tf32 is True
     finally:
         m.allow_tf32 = before[0]
-    assert (m.allow_tf32, m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction) == before
+    assert (
+        m.allow_tf32,
+        m.allow_bf16_reduced_precision_reduction,
+        m.allow_fp16_reduced_precision_reduction,
+    ) == before
 
 
 # -- the accumulator check -----------------------------------------------------------------
@@ -261,7 +300,9 @@ def test_an_fp32_accumulator_passes_the_accumulator_check(dtype):
 @pytest.mark.parametrize("dtype, bits", [("bf16", 14), ("fp16", 16), ("fp8", 10)])
 def test_a_kernel_accumulating_in_lower_precision_is_detected_and_named(dtype, bits):
     why = sdc.accumulator_check(dtype, "cpu", narrow_accumulator(bits), SIM)
-    assert why is not None and why.startswith(f"{dtype}: this GEMM kernel accumulates in lower precision")
+    assert why is not None and why.startswith(
+        f"{dtype}: this GEMM kernel accumulates in lower precision"
+    )
     assert "skipped" in why
 
 
@@ -276,8 +317,10 @@ def test_a_faulty_sm_is_not_mistaken_for_a_narrow_accumulator():
 def test_whole_gpu_specs_skip_what_the_cpu_lacks_with_the_reason():
     specs, skipped = sdc.whole_gpu_specs("cpu")
     assert {s.dtype for s in specs} == {"bf16", "fp16", "fp32"}
-    assert skipped == {"tf32": "tf32: the CPU has no TF32 tensor cores",
-                       "fp8": "fp8: the CPU has no fp8 GEMM"}
+    assert skipped == {
+        "tf32": "tf32: the CPU has no TF32 tensor cores",
+        "fp8": "fp8: the CPU has no fp8 GEMM",
+    }
 
 
 # -- the simulated faulty SM ----------------------------------------------------------------
@@ -340,7 +383,9 @@ def test_a_second_mismatch_in_the_window_confirms_an_intermittent_fault():
     window = Window()
     first = sdc.exact_gemm_probe(SMALL, matmul=sdc.corrupting_matmul(times=1))
     assert upgrade_in_window(first, window).status == "transient"
-    second = sdc.exact_gemm_probe(ProbeSpec(32, 32, 32, "bf16"), matmul=sdc.corrupting_matmul(times=1))
+    second = sdc.exact_gemm_probe(
+        ProbeSpec(32, 32, 32, "bf16"), matmul=sdc.corrupting_matmul(times=1)
+    )
     second = upgrade_in_window(second, window)
     assert second.status == "confirmed" and second.evidence["window_mismatches"] == 1
     assert "other probe run(s) on this device mismatched" in second.detail
@@ -351,7 +396,9 @@ def test_a_clean_window_leaves_a_lone_mismatch_transient():
     upgrade_in_window(sdc.exact_gemm_probe(SMALL, matmul=sdc.corrupting_matmul(times=1)), window)
     for _ in range(3):
         upgrade_in_window(sdc.exact_gemm_probe(SMALL), window)
-    late = upgrade_in_window(sdc.exact_gemm_probe(SMALL, matmul=sdc.corrupting_matmul(times=1)), window)
+    late = upgrade_in_window(
+        sdc.exact_gemm_probe(SMALL, matmul=sdc.corrupting_matmul(times=1)), window
+    )
     assert late.status == "transient"  # the first mismatch left the window
 
 
@@ -369,7 +416,9 @@ def test_mismatch_evidence_says_the_wrong_tiles_ran_on_one_sm():
 def test_coverage_on_a_cpu_stand_in_comes_from_the_model():
     cov = sdc_coverage.measure("cpu", SIM, [(320, 256)])
     assert (cov.value, cov.method, cov.sm_count) == (1.0, "model", 132)
-    assert cov.evidence()["sm_coverage"] == 1.0 and "tile model" in cov.evidence()["sm_coverage_note"]
+    assert (
+        cov.evidence()["sm_coverage"] == 1.0 and "tile model" in cov.evidence()["sm_coverage_note"]
+    )
     assert sdc_coverage.modeled(gpu_model(132), [(128, 128)]).value == pytest.approx(1 / 132)
 
 
@@ -396,8 +445,13 @@ def test_digest_differing_from_earlier_is_confirmed_when_repeated_transient_when
     spec = ProbeSpec(32, 32, 32, "fp32", seed=2)
     prev = sdc.digest_probe(spec).evidence["digest"]
     assert sdc.digest_probe(spec, previous=prev).status == "pass"
-    assert sdc.digest_probe(spec, previous=prev, matmul=sdc.corrupting_matmul()).status == "confirmed"
-    assert sdc.digest_probe(spec, previous=prev, matmul=sdc.corrupting_matmul(times=1)).status == "transient"
+    assert (
+        sdc.digest_probe(spec, previous=prev, matmul=sdc.corrupting_matmul()).status == "confirmed"
+    )
+    assert (
+        sdc.digest_probe(spec, previous=prev, matmul=sdc.corrupting_matmul(times=1)).status
+        == "transient"
+    )
 
 
 @pytest.mark.parametrize(
@@ -481,7 +535,9 @@ def test_run_probes_turns_a_crashing_matmul_into_error_verdicts() -> None:
 
 
 def _verdict(status: str = "confirmed") -> Verdict:
-    return sdc.exact_gemm_probe(SMALL, matmul=sdc.corrupting_matmul() if status == "confirmed" else None)
+    return sdc.exact_gemm_probe(
+        SMALL, matmul=sdc.corrupting_matmul() if status == "confirmed" else None
+    )
 
 
 def test_spool_round_trip(tmp_path) -> None:
@@ -508,7 +564,11 @@ def test_half_written_spool_files_are_never_read_as_verdicts(tmp_path) -> None:
     verdicts = sdc.read_spool(tmp_path, errors=errors)
     assert len(verdicts) == 1 and verdicts[0].status == "confirmed"
     assert sorted(p.name for p, _ in errors) == [
-        "sdc-empty.json", "sdc-nostatus.json", "sdc-other.json", "sdc-truncated.json"]
+        "sdc-empty.json",
+        "sdc-nostatus.json",
+        "sdc-other.json",
+        "sdc-truncated.json",
+    ]
 
 
 def test_read_spool_of_missing_dir_is_empty(tmp_path) -> None:
@@ -532,7 +592,10 @@ def _timed_matmul(clock: FakeClock, cost_s: float, inner=None):
 def test_sdc_probe_step_respects_the_budget_with_an_injected_clock(tmp_path) -> None:
     clock = FakeClock()
     probe = SdcProbe(
-        "cpu", budget_fraction=0.001, spool_dir=tmp_path, clock=clock,
+        "cpu",
+        budget_fraction=0.001,
+        spool_dir=tmp_path,
+        clock=clock,
         matmul=_timed_matmul(clock, 0.01),
     )
     ran = 0
@@ -564,8 +627,13 @@ def test_sdc_probe_spends_its_budget_round_robin_on_whole_gpu_probes(tmp_path) -
 
 def test_every_sdc_probe_verdict_reports_sm_coverage_1_on_the_simulated_h100(tmp_path) -> None:
     clock = FakeClock()
-    probe = SdcProbe("cpu", budget_fraction=0.5, spool_dir=tmp_path, clock=clock,
-                     matmul=sdc.corrupting_matmul(tiles=SIM, sm=40))
+    probe = SdcProbe(
+        "cpu",
+        budget_fraction=0.5,
+        spool_dir=tmp_path,
+        clock=clock,
+        matmul=sdc.corrupting_matmul(tiles=SIM, sm=40),
+    )
     verdicts = []
     for _ in range(6):
         clock.advance(10)
@@ -601,8 +669,12 @@ def test_sdc_probe_confirms_an_intermittent_fault_by_a_second_mismatch_in_the_ro
 
 def test_sdc_probe_skips_a_dtype_whose_kernel_accumulates_in_lower_precision(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="node_agent.sdc.probes"):
-        probe = SdcProbe("cpu", spool_dir=tmp_path, budget_fraction=0.5,
-                         matmul=narrow_accumulator(14, only=torch.bfloat16))
+        probe = SdcProbe(
+            "cpu",
+            spool_dir=tmp_path,
+            budget_fraction=0.5,
+            matmul=narrow_accumulator(14, only=torch.bfloat16),
+        )
     assert set(probe.skipped) == {"bf16"} and "lower precision" in probe.skipped["bf16"]
     assert {s.dtype for s in probe.specs} == {"fp16", "fp32"}
     v = probe.step()
@@ -612,8 +684,9 @@ def test_sdc_probe_skips_a_dtype_whose_kernel_accumulates_in_lower_precision(tmp
 
 def test_in_training_probe_fits_64_mib_on_an_h100_cublas_workspace_included():
     names = [d for d, _, _ in exact.WHOLE_GPU_SPECS]
-    specs, per_sm, need = sdc.fit_whole_gpu(gpu_model(132), names, sdc.TRAINING_TILES_PER_SM,
-                                            256, 64 * 2**20, 32 * 2**20)
+    specs, per_sm, need = sdc.fit_whole_gpu(
+        gpu_model(132), names, sdc.TRAINING_TILES_PER_SM, 256, 64 * 2**20, 32 * 2**20
+    )
     assert need <= 64 * 2**20 and per_sm >= 1
     assert {s.dtype for s in specs} == set(names)
     assert gpu_model(132).coverage([(s.m, s.n) for s in specs]) == 1.0
@@ -666,8 +739,14 @@ def test_sdc_probe_confirmed_fault_is_spooled(tmp_path) -> None:
 def test_sdc_probe_digest_drift_on_same_device_is_confirmed(tmp_path) -> None:
     clock = FakeClock()
     state = {"mm": exact.gemm}
-    probe = SdcProbe("cpu", spool_dir=tmp_path, clock=clock, digests=True,
-                     matmul=lambda a, b: state["mm"](a, b), budget_fraction=0.5)
+    probe = SdcProbe(
+        "cpu",
+        spool_dir=tmp_path,
+        clock=clock,
+        digests=True,
+        matmul=lambda a, b: state["mm"](a, b),
+        budget_fraction=0.5,
+    )
     rounds = len(probe.specs) + 1  # every exact spec, then one digest probe
     seen = []
     for _ in range(2 * rounds):
@@ -737,9 +816,19 @@ def test_training_overhead_harness_runs_a_transformer_with_and_without_the_probe
     """The harness only (timing on this shared CPU is noise; the figure comes from a GPU)."""
     from node_agent.sdc import measure_training_overhead, sdc_training_overhead_percent
 
-    o = measure_training_overhead("cpu", pairs=2, steps_per_block=3, warmup_steps=1, d_model=32,
-                                  heads=2, layers=1, seq=16, batch=2, vocab=64,
-                                  budget_fraction=0.5)
+    o = measure_training_overhead(
+        "cpu",
+        pairs=2,
+        steps_per_block=3,
+        warmup_steps=1,
+        d_model=32,
+        heads=2,
+        layers=1,
+        seq=16,
+        batch=2,
+        vocab=64,
+        budget_fraction=0.5,
+    )
     assert o.probes_run >= 1 and o.verdicts.get("pass", 0) >= 1 and math.isfinite(o.percent)
     assert o.pairs == 2 and o.step_ms_off > 0 and o.step_ms_on > 0
     assert callable(sdc_training_overhead_percent)
@@ -769,13 +858,17 @@ def test_sdc_imports_only_stdlib_and_torch() -> None:
         """
     )
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
     assert out.returncode == 0, out.stderr
     new = [m for m in out.stdout.split() if m]
     assert "node_agent.sdc.probes" in new
     foreign = [
-        m for m in new
-        if m not in ("node_agent", "node_agent.heartbeat") and not m.startswith("node_agent.sdc")
+        m
+        for m in new
+        if m not in ("node_agent", "node_agent.heartbeat")
+        and not m.startswith("node_agent.sdc")
         and m.split(".")[0] not in sys.stdlib_module_names
         and not m.startswith("torch")
     ]

@@ -27,7 +27,8 @@ from node_agent.sdc import spool as sdc_lib
 
 needs_torch = pytest.mark.skipif(
     subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode != 0,
-    reason="torch is not installed: the agent's own SDC probe cannot run")
+    reason="torch is not installed: the agent's own SDC probe cannot run",
+)
 
 
 @pytest.fixture
@@ -35,14 +36,16 @@ def node(tmp_path):
     """``node(gpus=8, faults=(), **scenario)`` -> an opened simulated Environment whose state
     dir is ``tmp_path/state`` (shared by every node of one test)."""
     config_path = tmp_path / "config.yaml"
-    config_path.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"),
-                                           "spool_dir": str(tmp_path / "spool")}))
+    config_path.write_text(
+        yaml.safe_dump({"state_dir": str(tmp_path / "state"), "spool_dir": str(tmp_path / "spool")})
+    )
     envs = []
 
     def make(gpus=8, faults=(), **extra):
         path = tmp_path / f"scenario-{len(envs)}.yaml"
-        path.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": gpus,
-                                        "faults": list(faults), **extra}))
+        path.write_text(
+            yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": gpus, "faults": list(faults), **extra})
+        )
         env = open_environment(load_config(config_path), str(path))
         envs.append(env)
         return env
@@ -62,11 +65,20 @@ def job():
 
 
 def ctx_for(env, timeout_s: float = 120.0, **params) -> CheckContext:
-    return CheckContext(check="sdc_spool", gpu=env.gpu, kernel_log=env.kernel_log,
-                        config=env.config, inventory=env.inventory, sku=env.sku,
-                        expected_gpus=env.expected_gpus, mode="service", params=params,
-                        state_dir=env.writable_state_dir(), scenario=env.scenario,
-                        timeout_s=timeout_s)
+    return CheckContext(
+        check="sdc_spool",
+        gpu=env.gpu,
+        kernel_log=env.kernel_log,
+        config=env.config,
+        inventory=env.inventory,
+        sku=env.sku,
+        expected_gpus=env.expected_gpus,
+        mode="service",
+        params=params,
+        state_dir=env.writable_state_dir(),
+        scenario=env.scenario,
+        timeout_s=timeout_s,
+    )
 
 
 def spool_of(env):
@@ -75,10 +87,17 @@ def spool_of(env):
 
 def verdict(status: str, device: str = "cuda:3", **evidence) -> sdc_lib.Verdict:
     return sdc_lib.Verdict(
-        probe="exact_gemm", device=device, shape=(128, 128, 128), dtype="bf16", status=status,
+        probe="exact_gemm",
+        device=device,
+        shape=(128, 128, 128),
+        dtype="bf16",
+        status=status,
         mismatched_elements=1 if status != "pass" else 0,
         detail=f"exact_gemm bf16 128x128x128: 1 of 16384 elements differ ({status})",
-        duration_s=0.003, timestamp=1763726400.0, evidence=evidence)
+        duration_s=0.003,
+        timestamp=1763726400.0,
+        evidence=evidence,
+    )
 
 
 def only(results, metric=None):
@@ -109,7 +128,8 @@ def test_confirmed_verdict_of_another_uid_than_the_gpus_process_is_not_believed(
 
 @needs_torch
 def test_report_of_the_gpus_own_process_makes_the_agent_probe_and_a_clean_probe_stays_warn(
-        node, job):
+    node, job
+):
     env = node(compute_processes=[{"gpu": 3, "pid": job.pid}])
     sdc_lib.write_verdict(spool_of(env), verdict("confirmed"))
     r = only(sdc_spool.run(ctx_for(env)), "sdc_reported")
@@ -162,10 +182,24 @@ def test_standing_fault_of_an_older_agent_that_believed_the_spool_becomes_a_repo
     env = node()
     cursor = sdc_spool.cursor_path(env.config.state_dir)
     cursor.parent.mkdir(parents=True)
-    cursor.write_text(json.dumps({"schema": sdc_spool.CURSOR_SCHEMA, "ingested": {},
-                                  "standing": [{"file": "sdc-1.json", "target": "gpu:3",
-                                                "gpu_uuid": None, "detail": "forged",
-                                                "verdict_at": 1.0, "graded_at": 2.0}]}))
+    cursor.write_text(
+        json.dumps(
+            {
+                "schema": sdc_spool.CURSOR_SCHEMA,
+                "ingested": {},
+                "standing": [
+                    {
+                        "file": "sdc-1.json",
+                        "target": "gpu:3",
+                        "gpu_uuid": None,
+                        "detail": "forged",
+                        "verdict_at": 1.0,
+                        "graded_at": 2.0,
+                    }
+                ],
+            }
+        )
+    )
     r = only(sdc_spool.run(ctx_for(env, confirm=False)), "sdc_reported")
     assert r.status is Status.WARN and "confirmation is off" in r.detail
 
@@ -218,14 +252,18 @@ def test_cursor_forgets_files_removed_from_the_spool(node):
     assert json.loads(cursor.read_text())["ingested"] == {}
 
 
-@pytest.mark.parametrize("field, value, why", [
-    ("device", "cuda:3\ud800", "lone surrogate"),       # valid JSON (\ud800), no text
-    ("detail", "ok\u0000HEALTHY", "NUL byte"),
-    ("device", "cuda:3\x1b[2J", "control character U+001B"),
-    ("probe", "exact\u202egemm", "control character U+202E"),
-])
-def test_a_verdict_with_unusable_text_is_reported_unreadable_naming_its_writer(node, field,
-                                                                               value, why):
+@pytest.mark.parametrize(
+    "field, value, why",
+    [
+        ("device", "cuda:3\ud800", "lone surrogate"),  # valid JSON (\ud800), no text
+        ("detail", "ok\u0000HEALTHY", "NUL byte"),
+        ("device", "cuda:3\x1b[2J", "control character U+001B"),
+        ("probe", "exact\u202egemm", "control character U+202E"),
+    ],
+)
+def test_a_verdict_with_unusable_text_is_reported_unreadable_naming_its_writer(
+    node, field, value, why
+):
     env = node()
     spool = spool_of(env)
     spool.mkdir(parents=True)
@@ -246,4 +284,6 @@ def test_control_characters_in_a_verdicts_detail_are_kept_for_the_terminal_to_es
     sdc_lib.write_verdict(spool_of(env), verdict("transient"))
     data = {**verdict("transient").to_dict(), "detail": "mismatch \x1b[31mred\x1b[0m"}
     (spool_of(env) / "sdc-2-2-2-transient.json").write_text(json.dumps(data))
-    assert [v.detail for v in sdc_lib.read_spool(spool_of(env))][-1] == "mismatch \x1b[31mred\x1b[0m"
+    assert [v.detail for v in sdc_lib.read_spool(spool_of(env))][
+        -1
+    ] == "mismatch \x1b[31mred\x1b[0m"

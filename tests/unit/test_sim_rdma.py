@@ -25,20 +25,29 @@ SKUS = load_skus(REPO / "graders")
 
 def _scenario(tmp_path, faults=(), hcas=("mlx5_0", "mlx5_1"), sku="h100-sxm5-80gb"):
     path = tmp_path / "s.yaml"
-    path.write_text(yaml.safe_dump({"sku": sku, "gpus": 8, "hcas": list(hcas),
-                                    "faults": list(faults)}))
+    path.write_text(
+        yaml.safe_dump({"sku": sku, "gpus": 8, "hcas": list(hcas), "faults": list(faults)})
+    )
     return load_scenario(path, SKUS)
 
 
 def _ctx(scenario, **params):
-    return CheckContext(check="rdma", gpu=AbsentGpuBackend("no GPU"), kernel_log=None,
-                        config=config_from_dict({}), inventory=None, sku=SKUS[scenario.sku],
-                        expected_gpus=None, scenario=scenario,
-                        params={"server_start_s": 0, **params})
+    return CheckContext(
+        check="rdma",
+        gpu=AbsentGpuBackend("no GPU"),
+        kernel_log=None,
+        config=config_from_dict({}),
+        inventory=None,
+        sku=SKUS[scenario.sku],
+        expected_gpus=None,
+        scenario=scenario,
+        params={"server_start_s": 0, **params},
+    )
 
 
-@pytest.mark.parametrize("sku, rate", [("h100-sxm5-80gb", 400.0), ("h200-sxm-141gb", 400.0),
-                                       ("a100-sxm4-80gb", 200.0)])
+@pytest.mark.parametrize(
+    "sku, rate", [("h100-sxm5-80gb", 400.0), ("h200-sxm-141gb", 400.0), ("a100-sxm4-80gb", 200.0)]
+)
 def test_simulated_hca_rate_follows_the_sku(sku, rate):
     assert sim_tools.healthy_rate_gbps(SKUS[sku]) == rate
 
@@ -47,15 +56,17 @@ def test_sysfs_tree_is_read_by_the_real_discovery(tmp_path):
     sim = sim_tools.rdma_tools(_scenario(tmp_path), SKUS["h100-sxm5-80gb"], tmp_path / "w")
     ports = rdma.discover(sim.sysfs_root)
     assert [(p.device, p.state, p.phys_state, p.rate_text, p.link_layer) for p in ports] == [
-        (d, "ACTIVE", "LinkUp", "400 Gb/sec (4X NDR)", "InfiniBand") for d in ("mlx5_0", "mlx5_1")]
+        (d, "ACTIVE", "LinkUp", "400 Gb/sec (4X NDR)", "InfiniBand") for d in ("mlx5_0", "mlx5_1")
+    ]
     assert ports[0].counters == {"link_downed": 0, "symbol_error": 0, "port_rcv_errors": 0}
 
 
 @pytest.mark.parametrize("flags, unit", [(["--report_gbits"], "Gb/sec"), ([], "MiB/sec")])
 def test_stand_in_prints_perftest_table_the_real_parser_reads(tmp_path, flags, unit):
     sim = sim_tools.rdma_tools(_scenario(tmp_path), SKUS["h100-sxm5-80gb"], tmp_path / "w")
-    res = proc.run([str(sim.ib_write_bw), "-d", "mlx5_1", "-i", "1", *flags, "-D", "5",
-                    "127.0.0.1"], 30)
+    res = proc.run(
+        [str(sim.ib_write_bw), "-d", "mlx5_1", "-i", "1", *flags, "-D", "5", "127.0.0.1"], 30
+    )
     assert res.ok, res.describe_failure()
     (row,) = parse_bw_table(res.stdout)
     assert row.unit_reported == unit and row.msg_size_bytes == 65536
@@ -70,17 +81,22 @@ def test_stand_in_refuses_an_unknown_device_like_perftest(tmp_path):
 
 
 def test_rdma_check_under_simulation_uses_the_simulated_tree(tmp_path):
-    results = rdma.run(_ctx(_scenario(tmp_path, [{"kind": "hca_slow", "hca": "mlx5_0",
-                                                  "factor": 0.5}])))
+    results = rdma.run(
+        _ctx(_scenario(tmp_path, [{"kind": "hca_slow", "hca": "mlx5_0", "factor": 0.5}]))
+    )
     bw = {r.target: r for r in results if r.metric == "write_bw_gbps"}
     assert bw["hca:mlx5_1"].status is Status.PASS and bw["hca:mlx5_1"].evidence["source"] == "table"
     assert bw["hca:mlx5_0"].status is Status.FAIL and bw["hca:mlx5_0"].value == pytest.approx(
-        194.36, abs=0.01)
+        194.36, abs=0.01
+    )
 
 
 def test_simulated_flapping_link_counts_link_downed(tmp_path):
-    results = rdma.run(_ctx(_scenario(tmp_path, [{"kind": "hca_flap", "hca": "mlx5_1",
-                                                  "count": 3}]), perftest=False))
+    results = rdma.run(
+        _ctx(
+            _scenario(tmp_path, [{"kind": "hca_flap", "hca": "mlx5_1", "count": 3}]), perftest=False
+        )
+    )
     (noisy,) = [r for r in results if r.metric == "link_errors" and r.status is Status.WARN]
     assert noisy.target == "hca:mlx5_1" and noisy.evidence["link_downed"] == 3
 
@@ -121,19 +137,24 @@ def test_every_error_counter_is_written_zero_on_a_healthy_port(tmp_path):
 
 
 def test_hca_errors_counter_grows_with_the_simulated_uptime(tmp_path):
-    scenario = _scenario(tmp_path, [{"kind": "hca_errors", "hca": "mlx5_1",
-                                     "counter": "symbol_error", "per_hour": 3600}])
+    scenario = _scenario(
+        tmp_path,
+        [{"kind": "hca_errors", "hca": "mlx5_1", "counter": "symbol_error", "per_hour": 3600}],
+    )
     boot = sim_tools.simulated_boot_time(scenario)
-    early = sim_tools.rdma_tools(scenario, SKUS["h100-sxm5-80gb"], tmp_path / "a",
-                                 now=boot + 3660)
-    late = sim_tools.rdma_tools(scenario, SKUS["h100-sxm5-80gb"], tmp_path / "b",
-                                now=boot + 7200)
-    read = lambda sim: int((sim.sysfs_root / "mlx5_1" / "ports" / "1" / "counters"  # noqa: E731
-                            / "symbol_error").read_text())
+    early = sim_tools.rdma_tools(scenario, SKUS["h100-sxm5-80gb"], tmp_path / "a", now=boot + 3660)
+    late = sim_tools.rdma_tools(scenario, SKUS["h100-sxm5-80gb"], tmp_path / "b", now=boot + 7200)
+
+    def read(sim):
+        return int(
+            (sim.sysfs_root / "mlx5_1" / "ports" / "1" / "counters" / "symbol_error").read_text()
+        )
+
     assert (read(early), read(late)) == (3660, 7200)  # 3600/h: one a second since boot
     assert (early.uptime_s, late.uptime_s) == (3660, 7200)
-    assert (early.sysfs_root / "mlx5_0" / "ports" / "1" / "counters"
-            / "symbol_error").read_text() == "0\n"
+    assert (
+        early.sysfs_root / "mlx5_0" / "ports" / "1" / "counters" / "symbol_error"
+    ).read_text() == "0\n"
 
 
 def test_the_simulated_node_booted_an_hour_before_its_scenario_file(tmp_path):

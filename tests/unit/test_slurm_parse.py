@@ -37,12 +37,23 @@ def test_show_node_of_one_node_without_reason():
     assert node.name == "na-fake3" and node.state == "UNKNOWN" and node.reason is None
 
 
-@pytest.mark.parametrize("state, drained", [
-    ("IDLE", False), ("MIXED", False), ("ALLOCATED", False), ("DOWN*", False),
-    ("IDLE+DRAIN", True), ("MIXED+DRAIN", True), ("ALLOCATED+DRAIN", True),
-    ("DOWN*+DRAIN", True), ("IDLE+FAIL", True), ("IDLE+DRAIN+REBOOT_REQUESTED", True),
-    ("IDLE+NOT_RESPONDING", False), ("DOWN+REBOOT_ISSUED", False),
-])
+@pytest.mark.parametrize(
+    "state, drained",
+    [
+        ("IDLE", False),
+        ("MIXED", False),
+        ("ALLOCATED", False),
+        ("DOWN*", False),
+        ("IDLE+DRAIN", True),
+        ("MIXED+DRAIN", True),
+        ("ALLOCATED+DRAIN", True),
+        ("DOWN*+DRAIN", True),
+        ("IDLE+FAIL", True),
+        ("IDLE+DRAIN+REBOOT_REQUESTED", True),
+        ("IDLE+NOT_RESPONDING", False),
+        ("DOWN+REBOOT_ISSUED", False),
+    ],
+)
 def test_drain_and_fail_flags_mean_drained(state, drained):
     [node] = parse_show_node(f"NodeName=n1 Arch=x86_64 State={state} Partitions=gpu")
     assert node.drained is drained
@@ -52,13 +63,16 @@ def test_lines_that_are_not_node_records_are_ignored():
     assert parse_show_node("Node n1 not found\n\n") == []
 
 
-@pytest.mark.parametrize("raw, expected", [
-    ("FAULT xid79 gpu:5", "node-agent: FAULT xid79 gpu:5"),
-    ("node-agent: FAULT xid79 gpu:5", "node-agent: FAULT xid79 gpu:5"),
-    ('a "quoted" $(x) `y`; z | w', "node-agent: a _quoted_ _(x) _y__ z _ w"),
-    ("line1\nline2\r\n\tline3", "node-agent: line1 line2 line3"),
-    ("nul\x00esc\x1b é", "node-agent: nul?esc? ?"),
-])
+@pytest.mark.parametrize(
+    "raw, expected",
+    [
+        ("FAULT xid79 gpu:5", "node-agent: FAULT xid79 gpu:5"),
+        ("node-agent: FAULT xid79 gpu:5", "node-agent: FAULT xid79 gpu:5"),
+        ('a "quoted" $(x) `y`; z | w', "node-agent: a _quoted_ _(x) _y__ z _ w"),
+        ("line1\nline2\r\n\tline3", "node-agent: line1 line2 line3"),
+        ("nul\x00esc\x1b é", "node-agent: nul?esc? ?"),
+    ],
+)
 def test_reason_is_printable_ascii_without_quotes_or_newlines(raw, expected):
     assert sanitise_reason(raw) == expected
 
@@ -93,6 +107,11 @@ def test_scontrol_argv_is_a_list_with_one_reason_argument():
     adapter = SlurmAdapter(scontrol="/usr/bin/scontrol", timeout_s=7, runner=runner)
     adapter.drain("n1", 'FAULT "xid79"\nState=RESUME')
     update = calls[-1][0]
-    assert update == ("/usr/bin/scontrol", "update", "NodeName=n1", "State=DRAIN",
-                      "Reason=node-agent: FAULT _xid79_ State=RESUME")
+    assert update == (
+        "/usr/bin/scontrol",
+        "update",
+        "NodeName=n1",
+        "State=DRAIN",
+        "Reason=node-agent: FAULT _xid79_ State=RESUME",
+    )
     assert all(timeout == 7 for _, timeout in calls)

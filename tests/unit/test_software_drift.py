@@ -29,19 +29,29 @@ from node_agent.model import Level, Status
 
 def node(tmp_path, software=None, faults=(), **scenario):
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"),
-                                      "node": {"software": software or {}}}))
+    config.write_text(
+        yaml.safe_dump({"state_dir": str(tmp_path / "state"), "node": {"software": software or {}}})
+    )
     path = tmp_path / "scenario.yaml"
-    path.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 8, "faults": list(faults),
-                                    **scenario}))
+    path.write_text(
+        yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 8, "faults": list(faults), **scenario})
+    )
     return open_environment(load_config(config), str(path))
 
 
 def run(env, **params):
-    ctx = CheckContext(check="software_drift", gpu=env.gpu, kernel_log=LinesKernelLog([]),
-                       config=env.config, inventory=env.inventory, sku=env.sku,
-                       expected_gpus=env.expected_gpus, mode="delivery", params=params,
-                       scenario=env.scenario)
+    ctx = CheckContext(
+        check="software_drift",
+        gpu=env.gpu,
+        kernel_log=LinesKernelLog([]),
+        config=env.config,
+        inventory=env.inventory,
+        sku=env.sku,
+        expected_gpus=env.expected_gpus,
+        mode="delivery",
+        params=params,
+        scenario=env.scenario,
+    )
     return sd.run(ctx)
 
 
@@ -67,9 +77,11 @@ def test_nothing_declared_passes_with_what_was_found(tmp_path):
 
 
 def test_driver_nccl_and_vbios_drift_warn_naming_expected_and_found(tmp_path):
-    env = node(tmp_path, {"driver": "575.51.03", "nccl": "2.21.5", "vbios": "96.00.99.00.01",
-                          "cuda": "12.8"},
-               faults=[{"kind": "software", "nccl": "2.18.1"}])
+    env = node(
+        tmp_path,
+        {"driver": "575.51.03", "nccl": "2.21.5", "vbios": "96.00.99.00.01", "cuda": "12.8"},
+        faults=[{"kind": "software", "nccl": "2.18.1"}],
+    )
     try:
         results = run(env)
         g = env.grader.grade(results, "delivery")
@@ -87,10 +99,14 @@ def test_driver_nccl_and_vbios_drift_warn_naming_expected_and_found(tmp_path):
 
 
 def test_fabric_manager_peermem_acs_and_persistence_drift_each_warn(tmp_path):
-    env = node(tmp_path, hcas=["mlx5_0"],
-               faults=[{"kind": "software", "fabricmanager": False, "peermem": False,
-                        "acs": ["0000:17:01.0"]},
-                       {"kind": "persistence_off", "gpu": 3}])
+    env = node(
+        tmp_path,
+        hcas=["mlx5_0"],
+        faults=[
+            {"kind": "software", "fabricmanager": False, "peermem": False, "acs": ["0000:17:01.0"]},
+            {"kind": "persistence_off", "gpu": 3},
+        ],
+    )
     try:
         results = run(env)
         g = env.grader.grade(results, "service")
@@ -104,8 +120,11 @@ def test_fabric_manager_peermem_acs_and_persistence_drift_each_warn(tmp_path):
 
 
 def test_peermem_is_not_needed_without_rdma_devices_nor_fabric_manager_in_a_vm(tmp_path):
-    env = node(tmp_path, virtualization="pass_through",
-               faults=[{"kind": "software", "fabricmanager": False, "peermem": False}])
+    env = node(
+        tmp_path,
+        virtualization="pass_through",
+        faults=[{"kind": "software", "fabricmanager": False, "peermem": False}],
+    )
     try:
         results = run(env)
     finally:
@@ -128,9 +147,11 @@ def test_nccl_version_is_the_name_its_soname_link_resolves_to(tmp_path):
     lib = tmp_path / "libnccl.so.2.21.5"
     lib.write_bytes(b"\x7fELF")
     (tmp_path / "libnccl.so.2").symlink_to(lib.name)
-    text = (f"12 libs found in cache `/etc/ld.so.cache'\n"
-            f"\tlibnccl.so.2 (libc6,x86-64) => {tmp_path / 'libnccl.so.2'}\n"
-            "\tlibc.so.6 (libc6,x86-64) => /lib/x86_64-linux-gnu/libc.so.6\n")
+    text = (
+        f"12 libs found in cache `/etc/ld.so.cache'\n"
+        f"\tlibnccl.so.2 (libc6,x86-64) => {tmp_path / 'libnccl.so.2'}\n"
+        "\tlibc.so.6 (libc6,x86-64) => /lib/x86_64-linux-gnu/libc.so.6\n"
+    )
     (path,) = sd.parse_ldconfig_nccl(text)
     assert sd.nccl_version_of(path) == "2.21.5"
     assert sd.nccl_version_of(str(tmp_path / "libnccl.so")) is None
@@ -150,8 +171,8 @@ def config_space(caps: list[tuple[int, bytes]]) -> bytes:
     for i, (cap_id, body) in enumerate(caps):
         nxt = offset + 0x40 if i + 1 < len(caps) else 0
         header = cap_id | (1 << 16) | (nxt << 20)
-        space[offset:offset + 4] = header.to_bytes(4, "little")
-        space[offset + 4:offset + 4 + len(body)] = body
+        space[offset : offset + 4] = header.to_bytes(4, "little")
+        space[offset + 4 : offset + 4 + len(body)] = body
         offset = nxt
     return bytes(space)
 
@@ -186,8 +207,10 @@ def test_fabric_manager_counts_only_a_root_process(tmp_path):
     assert sd.fabric_manager_running(proc_root) is (os.stat(proc_root / "77").st_uid == 0)
 
 
-@pytest.mark.skipif(os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband"),
-                    reason="this host has RDMA devices")
+@pytest.mark.skipif(
+    os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband"),
+    reason="this host has RDMA devices",
+)
 def test_on_this_host_without_gpus_the_check_skips_what_it_cannot_see(tmp_path):
     """Real mode (no scenario) on a host without GPUs or HCAs: no pass for what was not seen."""
     config = tmp_path / "config.yaml"
@@ -196,9 +219,17 @@ def test_on_this_host_without_gpus_the_check_skips_what_it_cannot_see(tmp_path):
     try:
         if env.inventory.gpus:
             pytest.skip("this host has GPUs")
-        results = sd.run(CheckContext(check="software_drift", gpu=env.gpu,
-                                      kernel_log=LinesKernelLog([]), config=env.config,
-                                      inventory=env.inventory, sku=env.sku, expected_gpus=None))
+        results = sd.run(
+            CheckContext(
+                check="software_drift",
+                gpu=env.gpu,
+                kernel_log=LinesKernelLog([]),
+                config=env.config,
+                inventory=env.inventory,
+                sku=env.sku,
+                expected_gpus=None,
+            )
+        )
     finally:
         env.close()
     assert not by_metric(results, "driver_version") and not by_metric(results, "persistence_mode")

@@ -18,10 +18,14 @@ from node_agent.stopcheck.localise import (
 STACK = "h100-sxm5-80gb|driver 580|torch 2.13"
 
 
-def hashes(bad: dict[tuple[str, int], str], nodes: int = 6, gpus: int = 8,
-           stack: str = STACK) -> list[GpuHash]:
-    return [GpuHash(f"n{n}", g, bad.get((f"n{n}", g), "good"), stack)
-            for n in range(nodes) for g in range(gpus)]
+def hashes(
+    bad: dict[tuple[str, int], str], nodes: int = 6, gpus: int = 8, stack: str = STACK
+) -> list[GpuHash]:
+    return [
+        GpuHash(f"n{n}", g, bad.get((f"n{n}", g), "good"), stack)
+        for n in range(nodes)
+        for g in range(gpus)
+    ]
 
 
 def test_the_gpu_that_disagrees_with_its_stacks_majority_is_named_down_to_the_gpu():
@@ -66,16 +70,21 @@ def test_the_replay_names_where_the_disagreeing_row_and_column_cross():
     rows, cols = grid(6)  # rows [0,1,2] [3,4,5], columns [0,3] [1,4] [2,5]
 
     def results(groups, bad_rank):
-        return [GroupResult(tuple(g), "x" if bad_rank in g else "ok",
-                            "y" if bad_rank in g else "ok") for g in groups]
+        return [
+            GroupResult(tuple(g), "x" if bad_rank in g else "ok", "y" if bad_rank in g else "ok")
+            for g in groups
+        ]
 
     assert cross(results(rows, 2), results(cols, 2)) == {2}
     assert cross(results(rows, 99), results(cols, 99)) == set()
 
 
 def test_a_unanimous_group_that_differs_from_the_other_groups_disagrees():
-    rows = [GroupResult((0, 1), "ok", "ok"), GroupResult((2, 3), "off", "off"),
-            GroupResult((4, 5), "ok", "ok")]
+    rows = [
+        GroupResult((0, 1), "ok", "ok"),
+        GroupResult((2, 3), "off", "off"),
+        GroupResult((4, 5), "ok", "ok"),
+    ]
     cols = [GroupResult((0, 2, 4), "ok", "ok"), GroupResult((1, 3, 5), "off", "ok")]
     assert cross(rows, cols) == {3}
 

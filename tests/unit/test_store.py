@@ -27,9 +27,19 @@ def store(tmp_path):
 
 
 def _plan(store, key="gpu-01|drain|xid-79@gpu:5|0", action="drain", now=T0, **kw):
-    args = dict(key=key, node="gpu-01", action=action, reason="node-agent: FAULT xid-79 gpu:5",
-                fault_code="xid-79", target="gpu:5", attempt=0, to_state="fault",
-                trigger="auto", adapter="log", now=now)
+    args = dict(
+        key=key,
+        node="gpu-01",
+        action=action,
+        reason="node-agent: FAULT xid-79 gpu:5",
+        fault_code="xid-79",
+        target="gpu:5",
+        attempt=0,
+        to_state="fault",
+        trigger="auto",
+        adapter="log",
+        now=now,
+    )
     args.update(kw)
     return store.journal_plan(**args)
 
@@ -71,8 +81,13 @@ def test_journal_rows_left_planned_or_started_are_open(store):
 
 def test_journal_finish_moves_node_state_in_the_same_transaction(store):
     row = _plan(store)
-    store.journal_finish(row.id, "done", "drained", T0 + 5,
-                         NodeRecord("gpu-01", "fault", T0 + 5, "xid-79", "gpu:5", "auto"))
+    store.journal_finish(
+        row.id,
+        "done",
+        "drained",
+        T0 + 5,
+        NodeRecord("gpu-01", "fault", T0 + 5, "xid-79", "gpu:5", "auto"),
+    )
     assert store.node_record("gpu-01").state == "fault"
     assert store.journal_row(row.id).state == "done"
 
@@ -83,12 +98,15 @@ def test_unknown_journal_state_is_rejected(store):
 
 
 def test_count_done_filters_by_action_fault_time_and_trigger(store):
-    for i, (action, code, trigger) in enumerate([("restart", "xid-31", "auto"),
-                                                 ("gpu-reset", "xid-31", "auto"),
-                                                 ("restart", "row-remap-pending", "auto"),
-                                                 ("drain", "xid-31", "operator")]):
-        row = _plan(store, key=f"k{i}", action=action, fault_code=code, trigger=trigger,
-                    now=T0 + i)
+    for i, (action, code, trigger) in enumerate(
+        [
+            ("restart", "xid-31", "auto"),
+            ("gpu-reset", "xid-31", "auto"),
+            ("restart", "row-remap-pending", "auto"),
+            ("drain", "xid-31", "operator"),
+        ]
+    ):
+        row = _plan(store, key=f"k{i}", action=action, fault_code=code, trigger=trigger, now=T0 + i)
         store.journal_finish(row.id, "done", "", T0 + i)
     assert store.count_done("gpu-01", ("restart", "gpu-reset"), T0, fault_code="xid-31") == 2
     assert store.count_done("gpu-01", ("restart", "gpu-reset"), T0 + 1, fault_code="xid-31") == 1
@@ -128,8 +146,9 @@ def test_opt_out_flag_round_trips(store):
 
 
 def test_run_history_keeps_last_grade(store):
-    store.record_run("gpu-01", T0, "quick", "service", "ERROR",
-                     [{"rule": "xid", "target": "gpu:1"}])
+    store.record_run(
+        "gpu-01", T0, "quick", "service", "ERROR", [{"rule": "xid", "target": "gpu:1"}]
+    )
     store.record_run("gpu-01", T0 + 1, "delivery", "delivery", "HEALTHY", [])
     last = store.last_run("gpu-01")
     assert (last.suite, last.level, last.reasons) == ("delivery", "HEALTHY", [])
@@ -182,7 +201,7 @@ def test_a_newer_agents_database_is_kept_and_read_only(tmp_path, capsys):
 def test_a_damaged_database_is_kept_not_replaced(tmp_path):
     _opted_out_db(tmp_path)
     data = bytearray((tmp_path / DB_NAME).read_bytes())
-    data[4096: 4096 + 100] = b"\xee" * 100  # page 2 ruined, the file header intact
+    data[4096 : 4096 + 100] = b"\xee" * 100  # page 2 ruined, the file header intact
     (tmp_path / DB_NAME).write_bytes(bytes(data))
     store = open_store(tmp_path)
     try:
@@ -243,22 +262,32 @@ def test_state_dir_of_another_user_is_not_used(tmp_path):
 
 
 def test_done_restarts_are_counted_per_fault_code_since_a_time(store):
-    for i, (action, code, state) in enumerate([("restart", "xid-109", "done"),
-                                               ("gpu-reset", "xid-109", "done"),
-                                               ("restart", "xid-95", "done"),
-                                               ("restart", "xid-95", "failed"),
-                                               ("drain", "xid-95", "done")]):
+    for i, (action, code, state) in enumerate(
+        [
+            ("restart", "xid-109", "done"),
+            ("gpu-reset", "xid-109", "done"),
+            ("restart", "xid-95", "done"),
+            ("restart", "xid-95", "failed"),
+            ("drain", "xid-95", "done"),
+        ]
+    ):
         row = _plan(store, key=f"k{i}", action=action, fault_code=code, now=T0 + i)
         store.journal_finish(row.id, state, "", T0 + i)
-    assert store.done_by_code("gpu-01", ("restart", "gpu-reset"), T0) == {"xid-109": 2,
-                                                                        "xid-95": 1}
+    assert store.done_by_code("gpu-01", ("restart", "gpu-reset"), T0) == {"xid-109": 2, "xid-95": 1}
     assert store.done_by_code("gpu-01", ("restart", "gpu-reset"), T0 + 2) == {"xid-95": 1}
     assert store.done_by_code("other", ("restart",), T0) == {}
 
 
 def test_runs_since_keep_the_graded_reasons_with_their_typed_fields(store):
-    reason = {"rule": "xid", "level": "ERROR", "target": "gpu:3", "message": "m",
-              "catalog": "xid", "code": 109, "restarts_before_fault": 4}
+    reason = {
+        "rule": "xid",
+        "level": "ERROR",
+        "target": "gpu:3",
+        "message": "m",
+        "catalog": "xid",
+        "code": 109,
+        "restarts_before_fault": 4,
+    }
     store.record_run("gpu-01", T0, "quick", "service", "ERROR", [reason])
     store.record_run("gpu-01", T0 + 10, "quick", "service", "HEALTHY", [])
     runs = store.runs_since("gpu-01", T0 - 1)

@@ -22,9 +22,19 @@ from node_agent.heartbeat import SCHEMA, identity_from_env, process_start_ticks
 from node_agent.training import processes as tp
 from node_agent.training.processes import alive, discover
 
-LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID",
-                 "KUBERNETES_POD_NAME", "KUBERNETES_SERVICE_HOST", "POD_NAMESPACE",
-                 "KUBERNETES_NAMESPACE", "NODE_AGENT_TRAIN_LOG", "NODE_AGENT_STATE_DIR")
+LAUNCHER_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "SLURM_JOB_ID",
+    "TORCHELASTIC_RUN_ID",
+    "KUBERNETES_POD_NAME",
+    "KUBERNETES_SERVICE_HOST",
+    "POD_NAMESPACE",
+    "KUBERNETES_NAMESPACE",
+    "NODE_AGENT_TRAIN_LOG",
+    "NODE_AGENT_STATE_DIR",
+)
 
 SLEEPER = "import time; print('ready', flush=True); time.sleep(60)"
 BEATER = """
@@ -78,8 +88,12 @@ def spawn():
 
     def start(code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-        child = subprocess.Popen([sys.executable, "-c", code, *args], env={**base, **(env or {})},
-                                 stdout=subprocess.PIPE, text=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", code, *args],
+            env={**base, **(env or {})},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         children.append(child)
         child.first_line = child.stdout.readline().strip()
         assert child.first_line, f"child {child.pid} did not start"
@@ -93,8 +107,15 @@ def spawn():
 
 
 def write_beat(spool: Path, pid: int, name: str | None = None, **extra) -> Path:
-    record = {"schema": SCHEMA, "pid": pid, "start_ticks": process_start_ticks(pid),
-              "step": 10, "step_at": time.time(), "step_time_s": 0.5, **extra}
+    record = {
+        "schema": SCHEMA,
+        "pid": pid,
+        "start_ticks": process_start_ticks(pid),
+        "step": 10,
+        "step_at": time.time(),
+        "step_time_s": 0.5,
+        **extra,
+    }
     path = spool / (name or f"{pid}.json")
     path.write_text(json.dumps(record))
     return path
@@ -109,16 +130,25 @@ def by_pid(found) -> dict[int, tp.TrainingProcess]:
 
 def test_rank_and_job_come_from_the_process_environment(spool, spawn, tmp_path):
     log = str(tmp_path / "train.log")
-    env = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "SLURM_JOB_ID": "777",
-           "NODE_AGENT_TRAIN_LOG": log}
+    env = {
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "8",
+        "SLURM_JOB_ID": "777",
+        "NODE_AGENT_TRAIN_LOG": log,
+    }
     child = spawn(BEATER, str(spool), env=env)
     found = discover(spool)
     assert found.problems == [] and found.dead_heartbeats == []
     (p,) = found.processes
     assert (p.pid, p.rank, p.local_rank, p.world_size) == (child.pid, 3, 1, 8)
     assert (p.job, p.job_source, p.slurm_job_id, p.pod) == ("slurm:777", "slurm", "777", None)
-    assert (p.identity_source, p.log_file, p.sources, p.gpus) == ("environ", log,
-                                                                  ("heartbeat",), ())
+    assert (p.identity_source, p.log_file, p.sources, p.gpus) == (
+        "environ",
+        log,
+        ("heartbeat",),
+        (),
+    )
     assert p.heartbeat_path == str(spool / f"{child.pid}.json")
     assert p.heartbeat["pid"] == child.pid and p.heartbeat["step"] == 0
     assert p.start_ticks == process_start_ticks(child.pid) == p.heartbeat["start_ticks"]
@@ -132,11 +162,22 @@ def test_rank_and_job_come_from_the_process_environment(spool, spawn, tmp_path):
 
 
 def test_pod_name_and_namespace_come_from_a_kubernetes_environment(spool, spawn):
-    child = spawn(SLEEPER, env={"KUBERNETES_SERVICE_HOST": "10.0.0.1", "HOSTNAME": "trainer-0",
-                                "POD_NAMESPACE": "ml", "RANK": "0"})
+    child = spawn(
+        SLEEPER,
+        env={
+            "KUBERNETES_SERVICE_HOST": "10.0.0.1",
+            "HOSTNAME": "trainer-0",
+            "POD_NAMESPACE": "ml",
+            "RANK": "0",
+        },
+    )
     (p,) = discover(spool, pids=[child.pid]).processes
-    assert (p.job, p.job_source, p.pod, p.pod_namespace) == ("pod:ml/trainer-0", "pod",
-                                                            "trainer-0", "ml")
+    assert (p.job, p.job_source, p.pod, p.pod_namespace) == (
+        "pod:ml/trainer-0",
+        "pod",
+        "trainer-0",
+        "ml",
+    )
     assert p.sources == ("pid",) and p.heartbeat is None
 
 
@@ -147,8 +188,7 @@ def test_without_a_job_variable_the_job_is_the_launcher_ppid(spool, spawn):
     assert p.rank is None and p.pod_namespace is None and p.identity_source == "environ"
 
 
-def test_rank_and_job_given_to_the_heartbeat_fill_in_where_the_environment_is_silent(
-        spool, spawn):
+def test_rank_and_job_given_to_the_heartbeat_fill_in_where_the_environment_is_silent(spool, spawn):
     child = spawn(BEATER, str(spool), "5", "exp-42")  # mp.spawn passes the rank as an argument
     (p,) = discover(spool).processes
     assert (p.pid, p.rank, p.job, p.job_source) == (child.pid, 5, "exp-42", "argument")
@@ -157,8 +197,17 @@ def test_rank_and_job_given_to_the_heartbeat_fill_in_where_the_environment_is_si
 
 def test_unreadable_environ_falls_back_to_the_heartbeat_claims(spool, spawn, monkeypatch):
     child = spawn(SLEEPER, env={"RANK": "9"})
-    write_beat(spool, child.pid, rank=2, local_rank=2, world_size=4, job="slurm:55",
-               job_source="slurm", slurm_job_id="55", log_file="/var/log/job.log")
+    write_beat(
+        spool,
+        child.pid,
+        rank=2,
+        local_rank=2,
+        world_size=4,
+        job="slurm:55",
+        job_source="slurm",
+        slurm_job_id="55",
+        log_file="/var/log/job.log",
+    )
 
     def denied(pid, proc_root=Path("/proc")):
         raise PermissionError(13, "Permission denied")
@@ -171,7 +220,8 @@ def test_unreadable_environ_falls_back_to_the_heartbeat_claims(spool, spawn, mon
 
 
 def test_unreadable_environ_without_heartbeat_is_identity_none_with_advice(
-        spool, spawn, monkeypatch):
+    spool, spawn, monkeypatch
+):
     child = spawn(SLEEPER, env={"RANK": "9"})
 
     def denied(pid, proc_root=Path("/proc")):
@@ -191,8 +241,9 @@ def test_proc_root_is_read_for_environ_stat_and_cmdline(spool, spawn, tmp_path):
     fake = tmp_path / "proc" / str(child.pid)
     fake.mkdir(parents=True)
     fake.joinpath("environ").write_bytes(b"RANK=6\0TORCHELASTIC_RUN_ID=abc\0")
-    fake.joinpath("stat").write_bytes(f"{child.pid} (py thon) S 1 " .encode()
-                                      + b" ".join([b"0"] * 17) + b" 4242 0 0")
+    fake.joinpath("stat").write_bytes(
+        f"{child.pid} (py thon) S 1 ".encode() + b" ".join([b"0"] * 17) + b" 4242 0 0"
+    )
     fake.joinpath("cmdline").write_bytes(b"train.py\0" + b"x" * 500 + b"\0")
     (p,) = discover(spool, pids=[child.pid], proc_root=tmp_path / "proc").processes
     assert (p.rank, p.job, p.start_ticks) == (6, "torchelastic:abc", 4242)
@@ -224,18 +275,26 @@ def test_explicit_pid_that_is_not_running_is_a_problem(spool, spawn):
     gone.wait()
     found = discover(spool, pids=[gone.pid])
     assert found.processes == []
-    assert found.problems == [(f"pid:{gone.pid}", f"pid {gone.pid} was asked for but is not "
-                                                  "running (or is a zombie): nothing to inspect")]
+    assert found.problems == [
+        (
+            f"pid:{gone.pid}",
+            f"pid {gone.pid} was asked for but is not running (or is a zombie): nothing to inspect",
+        )
+    ]
 
 
 def test_nvml_process_without_heartbeat_is_found_with_its_gpus_and_tree(spool, spawn):
     parent = spawn(PARENT, env={"RANK": "4", "TORCHELASTIC_RUN_ID": "run-1"})
     worker = int(parent.first_line)
-    found = discover(spool, gpus=[FakeGpu(0, [parent.pid]), FakeGpu(1, [parent.pid]),
-                                  FakeGpu(2)])
+    found = discover(spool, gpus=[FakeGpu(0, [parent.pid]), FakeGpu(1, [parent.pid]), FakeGpu(2)])
     (p,) = found.processes
-    assert (p.pid, p.sources, p.gpus, p.rank, p.job) == (parent.pid, ("nvml",), (0, 1), 4,
-                                                         "torchelastic:run-1")
+    assert (p.pid, p.sources, p.gpus, p.rank, p.job) == (
+        parent.pid,
+        ("nvml",),
+        (0, 1),
+        4,
+        "torchelastic:run-1",
+    )
     assert p.children == [worker] and p.parents[0] == os.getpid()
     (w,) = discover(spool, pids=[worker]).processes
     assert w.parents[:2] == [parent.pid, os.getpid()]
@@ -247,9 +306,14 @@ def test_nvml_pid_not_in_proc_is_a_pid_namespace_problem(spool, spawn):
     gpus = [FakeGpu(0, [child.pid]), FakeGpu(1, [ghost])]
     found = discover(spool, gpus=gpus)
     assert [p.pid for p in found.processes] == [child.pid]
-    assert found.problems == [(f"pid:{ghost}", f"pid {ghost} uses gpu:1 but is not visible in "
-                               "/proc (the agent runs in another PID namespace: give it the "
-                               "host's, hostPID: true in Kubernetes, --pid=host in Docker)")]
+    assert found.problems == [
+        (
+            f"pid:{ghost}",
+            f"pid {ghost} uses gpu:1 but is not visible in "
+            "/proc (the agent runs in another PID namespace: give it the "
+            "host's, hostPID: true in Kubernetes, --pid=host in Docker)",
+        )
+    ]
     assert gpus[1].asked == 2 and gpus[0].asked == 1  # asked again before blaming the namespace
 
 
@@ -268,9 +332,13 @@ def test_nvml_pid_that_exited_before_the_second_look_is_not_blamed(spool):
 
 def test_nvml_failure_is_a_problem_per_gpu_not_an_exception(spool, spawn):
     child = spawn(SLEEPER)
-    gpus = [FakeGpu(0, error=DeviceLost("nvmlDeviceGetComputeRunningProcesses_v3 on GPU 0: "
-                                        "GPU is lost")),
-            FakeGpu(1, error=NotSupported("no process list on GPU 1")), FakeGpu(2, [child.pid])]
+    gpus = [
+        FakeGpu(
+            0, error=DeviceLost("nvmlDeviceGetComputeRunningProcesses_v3 on GPU 0: GPU is lost")
+        ),
+        FakeGpu(1, error=NotSupported("no process list on GPU 1")),
+        FakeGpu(2, [child.pid]),
+    ]
     found = discover(spool, gpus=gpus)
     assert [(p.pid, p.gpus) for p in found.processes] == [(child.pid, (2,))]
     assert [s for s, _ in found.problems] == ["gpu:0", "gpu:1"]
@@ -294,7 +362,12 @@ def test_heartbeat_owned_by_another_user_does_not_speak_for_the_process(spool, s
     # still found through NVML, but without the forged record or its claims
     (p,) = discover(spool, gpus=[FakeGpu(0, [child.pid])]).processes
     assert (p.sources, p.heartbeat, p.heartbeat_path, p.rank, p.log_file) == (
-        ("nvml",), None, None, 1, None)
+        ("nvml",),
+        None,
+        None,
+        1,
+        None,
+    )
 
 
 def test_heartbeat_of_a_reused_pid_is_dead(spool, spawn):
@@ -314,8 +387,10 @@ def test_heartbeat_of_an_exited_or_zombie_process_is_dead(spool):
         deadline = time.monotonic() + 10
         while alive(zombie.pid) and time.monotonic() < deadline:
             time.sleep(0.01)
-        beats = [write_beat(spool, exited.pid, start_ticks=None),
-                 write_beat(spool, zombie.pid, start_ticks=None)]
+        beats = [
+            write_beat(spool, exited.pid, start_ticks=None),
+            write_beat(spool, zombie.pid, start_ticks=None),
+        ]
         found = discover(spool)
         assert found.processes == [] and sorted(found.dead_heartbeats) == sorted(beats)
     finally:
@@ -331,9 +406,17 @@ def test_file_that_is_not_a_heartbeat_is_a_bad_file_not_a_process(spool):
     assert path == junk and "schema" in reason
 
 
-@pytest.mark.parametrize("field, value", [("step_time_s", "fast"), ("start_ticks", "1"),
-                                          ("step_at", None), ("pause", "checkpoint"),
-                                          ("rank", 1.5), ("job", ["slurm:1"])])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("step_time_s", "fast"),
+        ("start_ticks", "1"),
+        ("step_at", None),
+        ("pause", "checkpoint"),
+        ("rank", 1.5),
+        ("job", ["slurm:1"]),
+    ],
+)
 def test_a_heartbeat_with_a_value_of_the_wrong_type_is_a_bad_file(spool, spawn, field, value):
     child = spawn(SLEEPER)
     path = write_beat(spool, child.pid, **{field: value})
@@ -401,7 +484,11 @@ def test_evidence_is_json_and_leaves_the_heartbeat_record_out(spool, spawn):
     assert "heartbeat" not in evidence and evidence["heartbeat_path"] == p.heartbeat_path
     assert evidence["cmdline"] == " ".join(p.cmdline)
     assert (evidence["rank"], evidence["job"], evidence["sources"], evidence["gpus"]) == (
-        0, "slurm:1", ["heartbeat"], [])
+        0,
+        "slurm:1",
+        ["heartbeat"],
+        [],
+    )
 
 
 def _cgroup_tree(tmp_path: Path, procs: dict[int, str], owned: dict[str, int] | None = None):
@@ -432,13 +519,16 @@ def test_slurm_job_is_verified_only_by_slurmds_cgroup_not_by_the_environment(tmp
     (cgroup_v2.html "Hierarchy overview"; v1: slurm/uid_<uid>/job_<id>/step_<n>)."""
     from node_agent.training.processes import read_slurm_cgroup_job
 
-    proc, fs = _cgroup_tree(tmp_path, {
-        1: "0::/system.slice/slurmstepd.scope/job_4242/step_0/user/task_0",            # v2
-        2: "4:memory:/slurm/uid_1000/job_77/step_batch\n2:cpu:/",                        # v1
-        3: "0::/user.slice/user-1000.slice/session-3.scope",                             # no job
-        5: "0::/system.slice/node7_slurmstepd.scope/job_9/step_extern/user/task_0",      # multi
-        6: "0::/slurm.slice/slurmstepd.scope/job_10/step_0/user/task_0",  # slurmd's own slice
-    })
+    proc, fs = _cgroup_tree(
+        tmp_path,
+        {
+            1: "0::/system.slice/slurmstepd.scope/job_4242/step_0/user/task_0",  # v2
+            2: "4:memory:/slurm/uid_1000/job_77/step_batch\n2:cpu:/",  # v1
+            3: "0::/user.slice/user-1000.slice/session-3.scope",  # no job
+            5: "0::/system.slice/node7_slurmstepd.scope/job_9/step_extern/user/task_0",  # multi
+            6: "0::/slurm.slice/slurmstepd.scope/job_10/step_0/user/task_0",  # slurmd's own slice
+        },
+    )
     roots = _roots(fs)
 
     def job(pid, uid=1000):
@@ -454,13 +544,16 @@ def test_slurm_job_is_verified_only_by_slurmds_cgroup_not_by_the_environment(tmp
     assert read_slurm_cgroup_job(1, proc, uid=1000) is None
 
 
-@pytest.mark.parametrize("path", [
-    # systemd's user manager delegates user@<uid>.service to the user: a job_N made inside it
-    "user.slice/user-1000.slice/user@1000.service/app.slice/job_4242",
-    "user.slice/user-1000.slice/user@1000.service/app.slice/job_4242/step_0",
-    # a name that looks like slurmd's scope, inside the user's subtree
-    "user.slice/user-1000.slice/user@1000.service/slurmstepd.scope/job_4242",
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        # systemd's user manager delegates user@<uid>.service to the user: a job_N made inside it
+        "user.slice/user-1000.slice/user@1000.service/app.slice/job_4242",
+        "user.slice/user-1000.slice/user@1000.service/app.slice/job_4242/step_0",
+        # a name that looks like slurmd's scope, inside the user's subtree
+        "user.slice/user-1000.slice/user@1000.service/slurmstepd.scope/job_4242",
+    ],
+)
 def test_a_job_cgroup_a_user_made_in_its_own_delegated_subtree_is_no_slurm_job(tmp_path, path):
     from node_agent.training.processes import read_slurm_cgroup_job
 
@@ -477,8 +570,11 @@ def test_a_job_cgroup_a_user_made_in_its_own_delegated_subtree_is_no_slurm_job(t
 def test_a_user_owned_directory_between_the_job_and_slurmds_root_is_refused(tmp_path):
     from node_agent.training.processes import read_slurm_cgroup_job
 
-    proc, fs = _cgroup_tree(tmp_path, {1: "0::/system.slice/slurmstepd.scope/job_5/step_0"},
-                            owned={"system.slice/slurmstepd.scope/job_5": 1000})
+    proc, fs = _cgroup_tree(
+        tmp_path,
+        {1: "0::/system.slice/slurmstepd.scope/job_5/step_0"},
+        owned={"system.slice/slurmstepd.scope/job_5": 1000},
+    )
     assert read_slurm_cgroup_job(1, proc, uid=1000, roots=_roots(fs), cgroup_fs=fs) is None
     # a symlink in the chain is not a directory of root's either
     target = tmp_path / "elsewhere"
@@ -493,11 +589,29 @@ def test_a_user_owned_directory_between_the_job_and_slurmds_root_is_refused(tmp_
 def test_a_verified_slurm_job_carries_the_processes_uid_to_the_adapter():
     from node_agent.training.processes import TrainingProcess
 
-    base = dict(pid=1, start_ticks=1, uid=1000, cmdline=[], rank=0, local_rank=0,
-                world_size=1, job="slurm:42", job_source="slurm", slurm_job_id="42",
-                pod=None, pod_namespace=None, identity_source="environ", gpus=(),
-                heartbeat=None, heartbeat_path=None, log_file=None, parents=[],
-                children=[], sources=("pid",), slurm_cgroup_job="42")
+    base = dict(
+        pid=1,
+        start_ticks=1,
+        uid=1000,
+        cmdline=[],
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        job="slurm:42",
+        job_source="slurm",
+        slurm_job_id="42",
+        pod=None,
+        pod_namespace=None,
+        identity_source="environ",
+        gpus=(),
+        heartbeat=None,
+        heartbeat_path=None,
+        log_file=None,
+        parents=[],
+        children=[],
+        sources=("pid",),
+        slurm_cgroup_job="42",
+    )
     assert TrainingProcess(**base).restart_job_id == "slurm:42@uid:1000"
     unknown = TrainingProcess(**{**base, "uid": None})  # whose it is cannot be said
     assert not unknown.job_verified and unknown.restart_job_id is None
@@ -507,26 +621,50 @@ def test_only_an_environment_job_with_a_matching_cgroup_may_be_acted_on():
     from node_agent.training.processes import TrainingProcess
 
     def proc(**kw):
-        base = dict(pid=1, start_ticks=1, uid=0, cmdline=[], rank=0, local_rank=0,
-                    world_size=1, job="slurm:42", job_source="slurm", slurm_job_id="42",
-                    pod=None, pod_namespace=None, identity_source="environ", gpus=(),
-                    heartbeat=None, heartbeat_path=None, log_file=None, parents=[],
-                    children=[], sources=("pid",), slurm_cgroup_job="42")
+        base = dict(
+            pid=1,
+            start_ticks=1,
+            uid=0,
+            cmdline=[],
+            rank=0,
+            local_rank=0,
+            world_size=1,
+            job="slurm:42",
+            job_source="slurm",
+            slurm_job_id="42",
+            pod=None,
+            pod_namespace=None,
+            identity_source="environ",
+            gpus=(),
+            heartbeat=None,
+            heartbeat_path=None,
+            log_file=None,
+            parents=[],
+            children=[],
+            sources=("pid",),
+            slurm_cgroup_job="42",
+        )
         return TrainingProcess(**{**base, **kw})
 
     assert proc().job_verified
-    assert not proc(slurm_cgroup_job="41").job_verified      # SLURM_JOB_ID set by hand
-    assert not proc(slurm_cgroup_job=None).job_verified      # not in a Slurm job at all
+    assert not proc(slurm_cgroup_job="41").job_verified  # SLURM_JOB_ID set by hand
+    assert not proc(slurm_cgroup_job=None).job_verified  # not in a Slurm job at all
     assert not proc(identity_source="heartbeat").job_verified  # only a file said so
     assert not proc(job="label", job_source="argument").job_verified
     assert not proc(job="ppid:7", job_source="ppid").job_verified
     # a torchelastic run id is whatever the user exported: no kernel witness, never acted on
     assert not proc(job="torchelastic:x", job_source="torchelastic").job_verified
-    pod = dict(job="pod:ml/trainer-0", job_source="pod", pod="trainer-0", pod_namespace="ml",
-               slurm_job_id=None, slurm_cgroup_job=None)
+    pod = dict(
+        job="pod:ml/trainer-0",
+        job_source="pod",
+        pod="trainer-0",
+        pod_namespace="ml",
+        slurm_job_id=None,
+        slurm_cgroup_job=None,
+    )
     uid = "0f3c6b0e-2f6a-4b7c-9a7e-1234567890ab"
-    assert not proc(**pod).job_verified                       # KUBERNETES_POD_NAME alone
-    assert proc(**pod, pod_uid=uid).job_verified              # the kubepods cgroup agrees
+    assert not proc(**pod).job_verified  # KUBERNETES_POD_NAME alone
+    assert proc(**pod, pod_uid=uid).job_verified  # the kubepods cgroup agrees
     assert proc(**pod, pod_uid=uid).restart_job_id == f"pod:ml/trainer-0@{uid}"
     assert proc(job="torchelastic:x", job_source="torchelastic").restart_job_id is None
 
@@ -534,28 +672,46 @@ def test_only_an_environment_job_with_a_matching_cgroup_may_be_acted_on():
 UID = "0f3c6b0e-2f6a-4b7c-9a7e-1234567890ab"
 
 
-@pytest.mark.parametrize("cgroup, uid", [
-    # cgroup v2, systemd driver (containerd), as the agent in the host's cgroup namespace sees it
-    (f"0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{UID.replace('-', '_')}"
-     ".slice/cri-containerd-1f2e.scope\n", UID),
-    # guaranteed QoS, systemd driver
-    (f"0::/kubepods.slice/kubepods-pod{UID.replace('-', '_')}.slice/cri-containerd-1f.scope\n",
-     UID),
-    # cgroup v1, cgroupfs driver: every hierarchy names the same pod
-    (f"12:memory:/kubepods/besteffort/pod{UID}/abc\n11:pids:/kubepods/besteffort/pod{UID}/abc\n"
-     "1:name=systemd:/kubepods/besteffort/pod" + UID + "/abc\n0::/\n", UID),
-    # the agent itself in a pod with a cgroup namespace: other pods' paths are relative
-    (f"0::/../../kubepods-besteffort-pod{UID.replace('-', '_')}.slice/cri-containerd-9.scope\n",
-     UID),
-    # a user's delegated subtree can hold a cgroup named like a pod's, but not above itself
-    (f"0::/user.slice/user-1000.slice/user@1000.service/app.slice/kubepods-pod"
-     f"{UID.replace('-', '_')}.slice\n", None),
-    (f"0::/../../../user.slice/user-1000.slice/kubepods-pod{UID.replace('-', '_')}.slice\n",
-     None),
-    # Slurm, and two hierarchies that disagree
-    ("0::/system.slice/slurmstepd.scope/job_42/step_0/user/task_0\n", None),
-    (f"12:memory:/kubepods/pod{UID}/a\n11:pids:/kubepods/pod{UID[:-1]}0/a\n", None),
-])
+@pytest.mark.parametrize(
+    "cgroup, uid",
+    [
+        # cgroup v2, systemd driver (containerd), as the agent in the host's cgroup namespace sees it
+        (
+            f"0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{UID.replace('-', '_')}"
+            ".slice/cri-containerd-1f2e.scope\n",
+            UID,
+        ),
+        # guaranteed QoS, systemd driver
+        (
+            f"0::/kubepods.slice/kubepods-pod{UID.replace('-', '_')}.slice/cri-containerd-1f.scope\n",
+            UID,
+        ),
+        # cgroup v1, cgroupfs driver: every hierarchy names the same pod
+        (
+            f"12:memory:/kubepods/besteffort/pod{UID}/abc\n11:pids:/kubepods/besteffort/pod{UID}/abc\n"
+            "1:name=systemd:/kubepods/besteffort/pod" + UID + "/abc\n0::/\n",
+            UID,
+        ),
+        # the agent itself in a pod with a cgroup namespace: other pods' paths are relative
+        (
+            f"0::/../../kubepods-besteffort-pod{UID.replace('-', '_')}.slice/cri-containerd-9.scope\n",
+            UID,
+        ),
+        # a user's delegated subtree can hold a cgroup named like a pod's, but not above itself
+        (
+            f"0::/user.slice/user-1000.slice/user@1000.service/app.slice/kubepods-pod"
+            f"{UID.replace('-', '_')}.slice\n",
+            None,
+        ),
+        (
+            f"0::/../../../user.slice/user-1000.slice/kubepods-pod{UID.replace('-', '_')}.slice\n",
+            None,
+        ),
+        # Slurm, and two hierarchies that disagree
+        ("0::/system.slice/slurmstepd.scope/job_42/step_0/user/task_0\n", None),
+        (f"12:memory:/kubepods/pod{UID}/a\n11:pids:/kubepods/pod{UID[:-1]}0/a\n", None),
+    ],
+)
 def test_pod_uid_comes_only_from_a_kubepods_cgroup(tmp_path, cgroup, uid):
     from node_agent.training.processes import read_pod_uid
 
@@ -572,14 +728,22 @@ def test_a_pod_named_only_by_the_environment_is_an_unverified_job(spool, spawn):
 
 
 def test_in_a_kernel_attested_pod_the_pod_is_the_job_even_under_torchrun(spool, spawn, tmp_path):
-    child = spawn(SLEEPER, env={"KUBERNETES_POD_NAME": "trainer-0", "POD_NAMESPACE": "ml",
-                                "TORCHELASTIC_RUN_ID": "run-1", "RANK": "2"})
+    child = spawn(
+        SLEEPER,
+        env={
+            "KUBERNETES_POD_NAME": "trainer-0",
+            "POD_NAMESPACE": "ml",
+            "TORCHELASTIC_RUN_ID": "run-1",
+            "RANK": "2",
+        },
+    )
     fake = tmp_path / "proc" / str(child.pid)
     fake.mkdir(parents=True)
     for name in ("environ", "stat", "cmdline"):
         fake.joinpath(name).write_bytes(Path(f"/proc/{child.pid}/{name}").read_bytes())
-    fake.joinpath("cgroup").write_text(f"0::/kubepods.slice/kubepods-pod{UID.replace('-', '_')}"
-                                       ".slice/cri-containerd-1.scope\n")
+    fake.joinpath("cgroup").write_text(
+        f"0::/kubepods.slice/kubepods-pod{UID.replace('-', '_')}.slice/cri-containerd-1.scope\n"
+    )
     (p,) = discover(spool, pids=[child.pid], proc_root=tmp_path / "proc").processes
     assert (p.job, p.job_source, p.pod_uid, p.rank) == ("pod:ml/trainer-0", "pod", UID, 2)
     assert p.job_verified and p.restart_job_id == f"pod:ml/trainer-0@{UID}"

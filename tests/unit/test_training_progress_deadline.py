@@ -21,10 +21,19 @@ from node_agent.suite import CheckSpec
 
 
 def _ctx(tmp_path: Path, timeout_s: float, **params) -> CheckContext:
-    return CheckContext(check="training_progress", gpu=None, kernel_log=None, config=None,
-                        inventory=None, sku=None, expected_gpus=None, mode="service",
-                        params={"spool_dir": str(tmp_path / "spool"), **params},
-                        state_dir=tmp_path / "state", timeout_s=timeout_s)
+    return CheckContext(
+        check="training_progress",
+        gpu=None,
+        kernel_log=None,
+        config=None,
+        inventory=None,
+        sku=None,
+        expected_gpus=None,
+        mode="service",
+        params={"spool_dir": str(tmp_path / "spool"), **params},
+        state_dir=tmp_path / "state",
+        timeout_s=timeout_s,
+    )
 
 
 def test_the_checks_own_deadline_comes_before_the_runners_timeout():
@@ -35,7 +44,8 @@ def test_the_checks_own_deadline_comes_before_the_runners_timeout():
 
 
 def test_a_discovery_that_never_returns_is_a_warn_naming_the_stage_not_a_check_hang(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     release = threading.Event()
 
     def stuck_discover(*_args, **_kwargs):  # /proc of a process stuck in the kernel
@@ -57,12 +67,23 @@ def test_through_the_runner_the_same_stall_is_never_the_runners_timeout(tmp_path
     release = threading.Event()
     monkeypatch.setattr(tp, "discover", lambda *a, **k: release.wait(30))
     # what the runner reads of an Environment, for a node with no GPU and no config
-    env = SimpleNamespace(gpu=None, kernel_log=None, inventory=None, sku=None,
-                          expected_gpus=None, scenario=None, simulated=False, config=None,
-                          writable_state_dir=lambda: tmp_path / "state")
+    env = SimpleNamespace(
+        gpu=None,
+        kernel_log=None,
+        inventory=None,
+        sku=None,
+        expected_gpus=None,
+        scenario=None,
+        simulated=False,
+        config=None,
+        writable_state_dir=lambda: tmp_path / "state",
+    )
     try:
-        results = run_check(CheckSpec("training_progress", 3.0,
-                                      {"spool_dir": str(tmp_path / "spool")}), env, "service")
+        results = run_check(
+            CheckSpec("training_progress", 3.0, {"spool_dir": str(tmp_path / "spool")}),
+            env,
+            "service",
+        )
     finally:
         release.set()
     assert [r.metric for r in results] == ["training_discovery"]
@@ -82,8 +103,9 @@ def test_a_log_file_whose_stat_never_returns_is_unavailable_and_not_stated_again
 
     monkeypatch.setattr(tp.activity, "log_silence_signal", stat)
     try:
-        first = tp.bounded_log_signals(["/fuse/job.log", "/nonexistent/x.log", None],
-                                       now=0.0, silence_s=60, limit_s=0.3)
+        first = tp.bounded_log_signals(
+            ["/fuse/job.log", "/nonexistent/x.log", None], now=0.0, silence_s=60, limit_s=0.3
+        )
         again = tp.bounded_log_signals(["/fuse/job.log"], now=0.0, silence_s=60, limit_s=0.3)
     finally:
         release.set()

@@ -26,8 +26,17 @@ H = 3600.0
 
 
 def spec(**kw) -> SeriesSpec:
-    base = dict(name="ecc", check="nvml_health", metric="ecc_sbe_volatile", kind="counter",
-                direction="up", threshold=1000.0, threshold_sku=None, unit="errors", why="test")
+    base = dict(
+        name="ecc",
+        check="nvml_health",
+        metric="ecc_sbe_volatile",
+        kind="counter",
+        direction="up",
+        threshold=1000.0,
+        threshold_sku=None,
+        unit="errors",
+        why="test",
+    )
     return SeriesSpec(**{**base, **kw})
 
 
@@ -61,7 +70,7 @@ def test_theil_sen_thins_a_long_series_and_keeps_its_slope():
 
 def test_k_of_n_counts_windows_the_counter_rose_in():
     # one point every 6 h for 4 days; the counter rises on days 1, 2 and 4 (newest first: 4, 2, 1)
-    values = [0, 0, 0, 0,  1, 1, 2, 2,  3, 3, 3, 4,  4, 4, 4, 4,  4, 6, 6, 6]
+    values = [0, 0, 0, 0, 1, 1, 2, 2, 3, 3, 3, 4, 4, 4, 4, 4, 4, 6, 6, 6]
     pts = series(values)
     now = pts[-1].at
     rising = rising_windows(pts, now, 24, 4)
@@ -71,7 +80,7 @@ def test_k_of_n_counts_windows_the_counter_rose_in():
 
 
 def test_k_of_n_needs_k_windows():
-    values = [0, 0, 0, 0,  0, 0, 0, 0,  0, 0, 0, 1,  1, 1, 1, 1,  1, 1, 1, 2]
+    values = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2]
     pts = series(values)
     trend = evaluate(spec(threshold=1e9), "gpu:0", pts, pts[-1].at, 1e9)
     assert sum(trend.rising) == 2
@@ -156,10 +165,24 @@ def test_a_falling_gauge_forecasts_its_lower_threshold():
 
 
 def test_series_values_from_value_evidence_and_margin():
-    rows = Result("nvml_health", "gpu:0", "row_remap", Status.PASS, "", value=1,
-                  evidence={"corrected_rows": 9})
-    temp = Result("thermal_power", "gpu:0", "temperature_max_c", Status.PASS, "", value=80,
-                  evidence={"slowdown_c": 87})
+    rows = Result(
+        "nvml_health",
+        "gpu:0",
+        "row_remap",
+        Status.PASS,
+        "",
+        value=1,
+        evidence={"corrected_rows": 9},
+    )
+    temp = Result(
+        "thermal_power",
+        "gpu:0",
+        "temperature_max_c",
+        Status.PASS,
+        "",
+        value=80,
+        evidence={"slowdown_c": 87},
+    )
     assert spec(metric="row_remap").value_of(rows) == 1
     assert spec(metric="row_remap", evidence_key="corrected_rows").value_of(rows) == 9
     assert spec(metric="temperature_max_c", margin_from="slowdown_c").value_of(temp) == 7
@@ -177,20 +200,46 @@ def test_threshold_from_the_sku_else_the_fixed_one():
 def test_shipped_trends_file_loads_and_names_the_issue_series():
     specs = load_trend_specs(shipped_graders_dir() / "trends.yaml")
     names = {s.name for s in specs.series}
-    assert {"ecc_sbe_volatile", "pcie_replay", "remapped_rows_uncorrectable",
-            "nvlink_recovery", "hca_symbol_errors", "hca_link_downed", "edac_ce",
-            "thermal_margin", "throughput_bf16"} <= names
+    assert {
+        "ecc_sbe_volatile",
+        "pcie_replay",
+        "remapped_rows_uncorrectable",
+        "nvlink_recovery",
+        "hca_symbol_errors",
+        "hca_link_downed",
+        "edac_ce",
+        "thermal_margin",
+        "throughput_bf16",
+    } <= names
     assert all(s.why for s in specs.series)
-    result = Result("nvml_health", "gpu:2", "row_remap", Status.PASS, "", value=0,
-                    evidence={"corrected_rows": 3})
+    result = Result(
+        "nvml_health",
+        "gpu:2",
+        "row_remap",
+        Status.PASS,
+        "",
+        value=0,
+        evidence={"corrected_rows": 3},
+    )
     got = {(s.name, target, v) for s, target, v in specs.samples([result])}
-    assert got == {("remapped_rows_uncorrectable", "gpu:2", 0.0),
-                   ("remapped_rows_correctable", "gpu:2", 3.0)}
-    port = Result("hca_ports", "hca:mlx5_0", "error_rates", Status.WARN, "", value=12.0,
-                  evidence={"symbol_error": 340, "link_downed": 2, "port": 1})
+    assert got == {
+        ("remapped_rows_uncorrectable", "gpu:2", 0.0),
+        ("remapped_rows_correctable", "gpu:2", 3.0),
+    }
+    port = Result(
+        "hca_ports",
+        "hca:mlx5_0",
+        "error_rates",
+        Status.WARN,
+        "",
+        value=12.0,
+        evidence={"symbol_error": 340, "link_downed": 2, "port": 1},
+    )
     got = {(s.name, target, v) for s, target, v in specs.samples([port])}
-    assert got == {("hca_symbol_errors", "hca:mlx5_0", 340.0),
-                   ("hca_link_downed", "hca:mlx5_0", 2.0)}
+    assert got == {
+        ("hca_symbol_errors", "hca:mlx5_0", 340.0),
+        ("hca_link_downed", "hca:mlx5_0", 2.0),
+    }
 
 
 def test_a_trends_file_without_a_threshold_is_refused(tmp_path):

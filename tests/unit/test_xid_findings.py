@@ -25,8 +25,9 @@ from node_agent.model import Level, Status
 from node_agent.service.xid_watch import XidWatch
 
 SAMPLES = Path(__file__).resolve().parents[2] / ".." / "shared" / "realworld" / "xid"
-needs_samples = pytest.mark.skipif(not SAMPLES.is_dir(),
-                                   reason=f"real kernel-log samples not found at {SAMPLES}")
+needs_samples = pytest.mark.skipif(
+    not SAMPLES.is_dir(), reason=f"real kernel-log samples not found at {SAMPLES}"
+)
 
 
 @pytest.fixture
@@ -47,9 +48,17 @@ def bus(env, index: int) -> str:
 
 
 def run_xid(env, lines, gpu=None, **params):
-    ctx = CheckContext(check="xid", gpu=gpu or env.gpu, kernel_log=LinesKernelLog(lines),
-                       config=env.config, inventory=env.inventory, sku=env.sku,
-                       expected_gpus=env.expected_gpus, mode="service", params=params)
+    ctx = CheckContext(
+        check="xid",
+        gpu=gpu or env.gpu,
+        kernel_log=LinesKernelLog(lines),
+        config=env.config,
+        inventory=env.inventory,
+        sku=env.sku,
+        expected_gpus=env.expected_gpus,
+        mode="service",
+        params=params,
+    )
     return xid_check.run(ctx)
 
 
@@ -66,8 +75,10 @@ def test_flood_of_10000_lines_of_one_code_is_one_finding_with_count_and_rate(env
     evidence = finding.evidence
     assert evidence["count"] == 10_000 and evidence["bursts"] == 1
     assert evidence["rate_per_hour"] == pytest.approx(10_000 / 999.9 * 3600, rel=1e-3)
-    assert (evidence["first_seen"], evidence["last_seen"]) == ("1000.000 s after boot",
-                                                               "1999.900 s after boot")
+    assert (evidence["first_seen"], evidence["last_seen"]) == (
+        "1000.000 s after boot",
+        "1999.900 s after boot",
+    )
     assert len(evidence["lines"]) == 2 and len(evidence["variants"]) == 1
     grade = env.grader.grade(results, "service")
     assert len(grade.reasons) == 1 and grade.level is Level.WARN
@@ -75,10 +86,16 @@ def test_flood_of_10000_lines_of_one_code_is_one_finding_with_count_and_rate(env
 
 
 def test_flood_of_sxid_lines_is_one_finding_per_nvswitch(env):
-    lines = [f"[{10.0 + i:10.6f}] nvidia-nvswitch{i % 2}: SXid (PCI:0000:0{5 + i % 2}:00.0): 20009, "
-             f"Non-fatal, Link {i % 60} RX Short Error Rate" for i in range(2000)]
+    lines = [
+        f"[{10.0 + i:10.6f}] nvidia-nvswitch{i % 2}: SXid (PCI:0000:0{5 + i % 2}:00.0): 20009, "
+        f"Non-fatal, Link {i % 60} RX Short Error Rate"
+        for i in range(2000)
+    ]
     sxids = findings(run_xid(env, lines), "sxid")
-    assert [(f.target, f.evidence["count"]) for f in sxids] == [("nvswitch:0", 1000), ("nvswitch:1", 1000)]
+    assert [(f.target, f.evidence["count"]) for f in sxids] == [
+        ("nvswitch:0", 1000),
+        ("nvswitch:1", 1000),
+    ]
     assert len(sxids[0].evidence["links"]) == 30
 
 
@@ -93,13 +110,18 @@ def test_xid79_fallen_off_bus_without_xid_line_grades_fault(env):
     (finding,) = findings(results)
     assert (finding.target, finding.value) == ("pci:0000:b3:00", 79)
     grade = env.grader.grade(results, "service")
-    assert grade.level is Level.FAULT and "[Xid 79: GPU has fallen off the bus]" in grade.reasons[0].message
+    assert (
+        grade.level is Level.FAULT
+        and "[Xid 79: GPU has fallen off the bus]" in grade.reasons[0].message
+    )
 
 
 def test_fallen_off_bus_message_names_the_gpu_it_came_from(env):
-    lines = [f"[ 1843.308145] NVRM: The NVIDIA GPU {bus(env, 6)}.0",
-             "               NVRM: (PCI ID: 10de:2330) installed in this system has",
-             "               NVRM: fallen off the bus and is not responding to commands."]
+    lines = [
+        f"[ 1843.308145] NVRM: The NVIDIA GPU {bus(env, 6)}.0",
+        "               NVRM: (PCI ID: 10de:2330) installed in this system has",
+        "               NVRM: fallen off the bus and is not responding to commands.",
+    ]
     (finding,) = findings(run_xid(env, lines))
     assert (finding.target, finding.value) == ("gpu:6", 79)
     assert env.grader.grade([finding]).level is Level.FAULT
@@ -107,7 +129,9 @@ def test_fallen_off_bus_message_names_the_gpu_it_came_from(env):
 
 def test_without_a_driver_a_clean_log_is_a_skip_not_a_pass(env):
     no_driver = AbsentGpuBackend("no NVIDIA driver on this host")
-    results = run_xid(env, ["[ 1.0] Linux version 6.1.0", "[ 2.0] usb 1-1: new device"], gpu=no_driver)
+    results = run_xid(
+        env, ["[ 1.0] Linux version 6.1.0", "[ 2.0] usb 1-1: new device"], gpu=no_driver
+    )
     (only,) = results
     assert only.status is Status.SKIP and only.detail.startswith("no NVIDIA driver on this host")
 
@@ -118,17 +142,24 @@ def test_redacted_xid_lines_are_a_warn_that_says_why(env):
     results = run_xid(env, path.read_text().splitlines())
     (unreadable,) = [r for r in results if r.metric == "xid_unreadable"]
     assert unreadable.status is Status.WARN and unreadable.value == 2
-    assert "not readable ('PCI:...')" in unreadable.detail and unreadable.evidence["codes"] == [137, 145]
+    assert "not readable ('PCI:...')" in unreadable.detail and unreadable.evidence["codes"] == [
+        137,
+        145,
+    ]
     assert env.grader.grade(results, "service").level is Level.WARN
 
 
 def test_mig_instances_fold_into_their_gpu_with_the_instances_listed(env):
-    lines = [f"NVRM: Xid (PCI:{bus(env, 1)} GPU-I:0{n}): 43, pid={n}, name=x, Ch 00000008" for n in (1, 2, 1)]
+    lines = [
+        f"NVRM: Xid (PCI:{bus(env, 1)} GPU-I:0{n}): 43, pid={n}, name=x, Ch 00000008"
+        for n in (1, 2, 1)
+    ]
     (finding,) = findings(run_xid(env, lines))
     assert finding.target == "gpu:1" and finding.evidence["gpu_instances"] == [1, 2]
 
 
 # -- the daemon's watch ---------------------------------------------------------------------------
+
 
 class FakeClock:
     def __init__(self) -> None:
@@ -167,10 +198,14 @@ def test_watch_folds_a_flood_into_a_few_reports(env):
 def test_watch_reports_a_fatal_line_among_a_nonfatal_flood_at_once(env):
     watch, reports, _ = watch_for(env)
     gpu = bus(env, 0)
-    ber = (f"NVRM: Xid (PCI:{gpu}): 149, NETIR_BER_EVENT Nonfatal XC0 i0 Link 03 "
-           "(0x00086226 0x00000001 0x00000000 0x00000000 0x00000000 0x00000000)")
-    fatal = (f"NVRM: Xid (PCI:{gpu}): 149, NETIR_LINK_EVT Fatal XC0 i0 Link 08 "
-             "(0x004505c6 0x00000000 0x00000000 0x00000000 0x00000000 0x00000000)")
+    ber = (
+        f"NVRM: Xid (PCI:{gpu}): 149, NETIR_BER_EVENT Nonfatal XC0 i0 Link 03 "
+        "(0x00086226 0x00000001 0x00000000 0x00000000 0x00000000 0x00000000)"
+    )
+    fatal = (
+        f"NVRM: Xid (PCI:{gpu}): 149, NETIR_LINK_EVT Fatal XC0 i0 Link 08 "
+        "(0x004505c6 0x00000000 0x00000000 0x00000000 0x00000000 0x00000000)"
+    )
     scanner = KernelLogScanner()
     watch.kernel_records(records([ber] * 500), scanner, "/dev/kmsg")
     assert env.grader.grade([reports[-1].result("gpu:0")]).level is Level.WARN
@@ -185,8 +220,10 @@ def test_watch_nvml_event_waits_for_its_kernel_line_before_it_is_graded(env):
     watch.kernel_log_watched = True
     watch.nvml_event(0, 149, "")
     assert reports == []  # an NVML 149 alone would grade by its code (ERROR)
-    line = (f"NVRM: Xid (PCI:{bus(env, 0)}): 149, NETIR_BER_EVENT Nonfatal XC0 i0 Link 03 "
-            "(0x00086226 0x00000001 0x00000000 0x00000000 0x00000000 0x00000000)")
+    line = (
+        f"NVRM: Xid (PCI:{bus(env, 0)}): 149, NETIR_BER_EVENT Nonfatal XC0 i0 Link 03 "
+        "(0x00086226 0x00000001 0x00000000 0x00000000 0x00000000 0x00000000)"
+    )
     watch.kernel_records(records([line]), KernelLogScanner(), "/dev/kmsg")
     (report,) = reports
     assert (report.gpu_index, report.count, report.evidence["nvml_events"]) == (0, 1, 1)
@@ -205,7 +242,11 @@ def test_watch_nvml_event_without_a_kernel_line_is_graded_by_its_code_after_the_
     clock.now += 2.5
     watch._flush()
     (report,) = reports
-    assert (report.gpu_index, report.code, report.why) == (4, 79, "nvml event without a kernel-log line")
+    assert (report.gpu_index, report.code, report.why) == (
+        4,
+        79,
+        "nvml event without a kernel-log line",
+    )
     assert env.grader.grade([report.result("gpu:4")]).level is Level.FAULT
 
 
@@ -223,12 +264,21 @@ def test_watch_leaves_sxids_to_the_check_unless_the_handler_names_nvswitches(env
 
 # -- rules of belief: the host's PCI bus, NVML's corroboration ----------------------------------
 
+
 def run_live(env, lines, **params):
     """The check on lines read as *this host's own* log (kmsg/the journal), whose bus ids the
     host's sysfs can confirm."""
-    ctx = CheckContext(check="xid", gpu=env.gpu, kernel_log=LinesKernelLog(lines, live=True),
-                       config=env.config, inventory=env.inventory, sku=env.sku,
-                       expected_gpus=env.expected_gpus, mode="service", params=params)
+    ctx = CheckContext(
+        check="xid",
+        gpu=env.gpu,
+        kernel_log=LinesKernelLog(lines, live=True),
+        config=env.config,
+        inventory=env.inventory,
+        sku=env.sku,
+        expected_gpus=env.expected_gpus,
+        mode="service",
+        params=params,
+    )
     return xid_check.run(ctx)
 
 
@@ -249,8 +299,11 @@ def sysfs(tmp_path, monkeypatch):
 def test_xid_on_a_bus_that_is_no_nvidia_device_is_a_warn_never_a_gpu_fault(env, sysfs):
     """The injected line names a bus where this host has an Intel NIC (or nothing at all)."""
     sysfs("0000:e9:00.0", "0x8086")
-    lines = ["NVRM: Xid (PCI:0000:e9:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen "
-             "off the bus.", "NVRM: Xid (PCI:0000:77:00): 48, pid=1, DBE"]
+    lines = [
+        "NVRM: Xid (PCI:0000:e9:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen "
+        "off the bus.",
+        "NVRM: Xid (PCI:0000:77:00): 48, pid=1, DBE",
+    ]
     results = run_live(env, lines)
     assert findings(results) == []
     (unreadable,) = [r for r in results if r.metric == "xid_unreadable"]
@@ -260,15 +313,17 @@ def test_xid_on_a_bus_that_is_no_nvidia_device_is_a_warn_never_a_gpu_fault(env, 
 
 def test_xid_on_an_nvidia_bus_nvml_does_not_list_is_still_graded(env, sysfs):
     sysfs("0000:c1:00.0", "0x10de")
-    (finding,) = findings(run_live(env, ["NVRM: Xid (PCI:0000:c1:00): 79, pid=1, GPU has fallen "
-                                         "off the bus."]))
+    (finding,) = findings(
+        run_live(env, ["NVRM: Xid (PCI:0000:c1:00): 79, pid=1, GPU has fallen off the bus."])
+    )
     assert (finding.target, finding.value) == ("pci:0000:c1:00", 79)
 
 
 def test_a_saved_log_takes_bus_ids_as_printed_and_says_so(env, sysfs):
     sysfs("0000:e9:00.0", "0x8086")
-    (finding,) = findings(run_xid(env, ["NVRM: Xid (PCI:0000:e9:00): 79, pid=1, GPU has fallen "
-                                        "off the bus."]))
+    (finding,) = findings(
+        run_xid(env, ["NVRM: Xid (PCI:0000:e9:00): 79, pid=1, GPU has fallen off the bus."])
+    )
     assert finding.target == "pci:0000:e9:00"
     (passed,) = [r for r in run_xid(env, []) if r.status is Status.PASS]
     assert "bus ids taken as printed (a saved log" in passed.detail
@@ -292,8 +347,10 @@ def test_xid_nvml_also_reported_is_corroborated_in_the_evidence(env):
     from node_agent.gpu.base import XidEvent
 
     gpu = EventsFrom(env.gpu, [XidEvent(gpu_index=3, code=79, message="event")])
-    lines = [f"NVRM: Xid (PCI:{bus(env, 3)}): 79, pid=1, GPU has fallen off the bus.",
-             f"NVRM: Xid (PCI:{bus(env, 4)}): 79, pid=1, GPU has fallen off the bus."]
+    lines = [
+        f"NVRM: Xid (PCI:{bus(env, 3)}): 79, pid=1, GPU has fallen off the bus.",
+        f"NVRM: Xid (PCI:{bus(env, 4)}): 79, pid=1, GPU has fallen off the bus.",
+    ]
     by_target = {f.target: f for f in findings(run_xid(env, lines, gpu=gpu, watch_s=0.01))}
     assert by_target["gpu:3"].evidence["corroborated_by_nvml"] is True
     assert "corroborated by 1 NVML event" in by_target["gpu:3"].detail
@@ -312,8 +369,11 @@ def test_watch_drops_a_line_whose_bus_sysfs_shows_is_no_nvidia_device(env, sysfs
     from node_agent.service import xid_watch
 
     sysfs("0000:e9:00.0", "0x8086")
-    monkeypatch.setattr(xid_watch, "nvidia_buses",
-                        lambda log: xid_check.nvidia_buses(log, xid_check.SYSFS_PCI_DEVICES))
+    monkeypatch.setattr(
+        xid_watch,
+        "nvidia_buses",
+        lambda log: xid_check.nvidia_buses(log, xid_check.SYSFS_PCI_DEVICES),
+    )
     live = LinesKernelLog([], source="/dev/kmsg", live=True)
     reports = []
     watch = XidWatch(lambda: env.gpu, lambda: live, reports.append, clock=FakeClock())
@@ -324,15 +384,29 @@ def test_watch_drops_a_line_whose_bus_sysfs_shows_is_no_nvidia_device(env, sysfs
 
 # -- the driver's lines without an Xid: graded as graders/driver_lines.yaml says -------------
 
+
 def test_every_driver_line_kind_grades_at_its_catalog_level_through_the_shipped_rules(env):
     from node_agent.checks.xid_fold import DriverFold
     from node_agent.kernel_log import DriverLine
 
-    kinds = xid_check.driver_line_kinds(CheckContext(
-        check="xid", gpu=env.gpu, kernel_log=LinesKernelLog([]), config=env.config,
-        inventory=env.inventory, sku=env.sku, expected_gpus=8))
-    assert set(kinds) == {"gpu-lost", "reset-required", "init-failed", "aer-uncorrectable",
-                          "aer-recovery-failed"}
+    kinds = xid_check.driver_line_kinds(
+        CheckContext(
+            check="xid",
+            gpu=env.gpu,
+            kernel_log=LinesKernelLog([]),
+            config=env.config,
+            inventory=env.inventory,
+            sku=env.sku,
+            expected_gpus=8,
+        )
+    )
+    assert set(kinds) == {
+        "gpu-lost",
+        "reset-required",
+        "init-failed",
+        "aer-uncorrectable",
+        "aer-recovery-failed",
+    }
     for kind in kinds.values():
         fold = DriverFold(kind=kind.kind, target="gpu:0")
         fold.add(DriverLine(kind=kind.kind, pci_bus="0000:e9:00", message="m", raw="r"), "log")
@@ -341,44 +415,66 @@ def test_every_driver_line_kind_grades_at_its_catalog_level_through_the_shipped_
         assert env.grader.grade([result], "delivery").level is kind.level, kind.kind
 
 
-@pytest.mark.parametrize("line, metric, level", [
-    ("NVRM: GPU {bus}.0: RmInitAdapter failed! (0x24:0x72:1568)", "driver_init_failed",
-     Level.ERROR),
-    ("NVRM: GPU {bus}.0: nvAssertOkFailedNoLog: Assertion failed: Reset required "
-     "[NV_ERR_RESET_REQUIRED] (0x00000062)", "recovery_action", Level.ERROR),
-    ("NVRM: GPU {bus}.0: nvCheckOkFailedNoLog: Check failed: GPU lost from the bus "
-     "[NV_ERR_GPU_IS_LOST] (0x0000000F)", "gpu_lost", Level.FAULT),
-])
+@pytest.mark.parametrize(
+    "line, metric, level",
+    [
+        (
+            "NVRM: GPU {bus}.0: RmInitAdapter failed! (0x24:0x72:1568)",
+            "driver_init_failed",
+            Level.ERROR,
+        ),
+        (
+            "NVRM: GPU {bus}.0: nvAssertOkFailedNoLog: Assertion failed: Reset required "
+            "[NV_ERR_RESET_REQUIRED] (0x00000062)",
+            "recovery_action",
+            Level.ERROR,
+        ),
+        (
+            "NVRM: GPU {bus}.0: nvCheckOkFailedNoLog: Check failed: GPU lost from the bus "
+            "[NV_ERR_GPU_IS_LOST] (0x0000000F)",
+            "gpu_lost",
+            Level.FAULT,
+        ),
+    ],
+)
 def test_driver_line_names_the_gpu_by_its_bus(env, line, metric, level):
     results = run_xid(env, [line.format(bus=bus(env, 5))] * 2)
     (finding,) = [r for r in results if r.metric == metric]
-    assert (finding.target, finding.value, finding.evidence["pci_bus"]) == \
-        ("gpu:5", 2, bus(env, 5))
+    assert (finding.target, finding.value, finding.evidence["pci_bus"]) == ("gpu:5", 2, bus(env, 5))
     assert env.grader.grade(results, "service").level is level
 
 
 def test_driver_line_naming_only_the_drivers_gpu_number_is_the_nodes(env):
-    line = ("NVRM: GPU5 nvCheckOkFailedNoLog: Check failed: GPU lost from the bus "
-            "[NV_ERR_GPU_IS_LOST] (0x0000000F)")
+    line = (
+        "NVRM: GPU5 nvCheckOkFailedNoLog: Check failed: GPU lost from the bus "
+        "[NV_ERR_GPU_IS_LOST] (0x0000000F)"
+    )
     (finding,) = [r for r in run_xid(env, [line]) if r.metric == "gpu_lost"]
     assert finding.target == "node" and finding.evidence["driver_gpus"] == [5]
     assert "the driver's GPU 5" in finding.detail
 
 
 def test_aer_on_a_device_that_is_not_a_gpu_is_not_this_checks(env):
-    lines = ["nvme 0000:5e:00.0: PCIe Bus Error: severity=Uncorrected (Fatal), type=Transaction "
-             "Layer, (Receiver ID)", "pcieport 0000:5d:00.0: AER: device recovery failed"]
+    lines = [
+        "nvme 0000:5e:00.0: PCIe Bus Error: severity=Uncorrected (Fatal), type=Transaction "
+        "Layer, (Receiver ID)",
+        "pcieport 0000:5d:00.0: AER: device recovery failed",
+    ]
     results = run_xid(env, lines)
     assert [r.status for r in results] == [Status.PASS]
 
 
 def test_aer_on_a_gpu_with_failed_recovery_grades_error(env):
-    lines = [f"nvidia {bus(env, 2)}.0: PCIe Bus Error: severity=Uncorrected (Fatal), "
-             "type=Transaction Layer, (Receiver ID)",
-             "pcieport 0000:17:00.0: AER: device recovery failed"]
+    lines = [
+        f"nvidia {bus(env, 2)}.0: PCIe Bus Error: severity=Uncorrected (Fatal), "
+        "type=Transaction Layer, (Receiver ID)",
+        "pcieport 0000:17:00.0: AER: device recovery failed",
+    ]
     results = run_xid(env, lines)
-    assert {(r.metric, r.target) for r in results if r.status is not Status.PASS} == \
-        {("pcie_aer_uncorrectable", "gpu:2"), ("pcie_aer_recovery_failed", "gpu:2")}
+    assert {(r.metric, r.target) for r in results if r.status is not Status.PASS} == {
+        ("pcie_aer_uncorrectable", "gpu:2"),
+        ("pcie_aer_recovery_failed", "gpu:2"),
+    }
     assert env.grader.grade(results, "service").level is Level.ERROR
 
 
@@ -391,8 +487,11 @@ def test_watch_findings_of_xid31_on_every_gpu_grade_as_the_jobs_warn(env):
     mmu = "NVRM: Xid (PCI:{}): 31, pid=77, name=python3, Ch 00000008, intr 0. MMU Fault"
     seq = iter(range(1, 100))
     for burst_s in (1000.0, 3000.0, 5000.0):
-        watch.kernel_records([LogRecord(next(seq), mmu.format(bus(env, g)), boot_s=burst_s + g)
-                              for g in range(8)], scanner, "/dev/kmsg")
+        watch.kernel_records(
+            [LogRecord(next(seq), mmu.format(bus(env, g)), boot_s=burst_s + g) for g in range(8)],
+            scanner,
+            "/dev/kmsg",
+        )
     latest = {r.gpu_index: r for r in reports}  # the daemon keeps the latest per finding
     kept = [latest[g].result(f"gpu:{g}") for g in range(8)]
     assert all(r.evidence["bursts"] == 3 for r in kept)
