@@ -79,7 +79,8 @@ deps-test: $(VENV)/.test-deps
 nvml-fake: venv
 	PYTHON="$(abspath $(BIN)/python)" scripts/build-nvml-fake
 
-test: deps-test nvml-fake
+# The claims the code makes are checked first (lint: ruff, the format, mypy), then the tests.
+test: lint nvml-fake
 	$(BIN)/python -m pytest -q -m "not gpu" $(ARGS)
 
 test-gpu: deps-test nvml-fake
@@ -87,6 +88,8 @@ test-gpu: deps-test nvml-fake
 
 lint: deps-test
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 # The wheels for a GPU host that reaches no package index, downloaded here.
 gpu-wheels: venv

@@ -16,7 +16,7 @@ from node_agent.config import Config
 from node_agent.gpu import open_backend
 from node_agent.gpu.base import GpuBackend
 from node_agent.grading.rules import Grader, load_grader
-from node_agent.grading.sku import Sku, load_skus
+from node_agent.hardware.sku import Sku, load_skus
 from node_agent.inventory import Inventory, collect
 from node_agent.kernel_log import KernelLog, LinesKernelLog, open_kernel_log
 from node_agent.sim.scenario import Scenario, load_scenario

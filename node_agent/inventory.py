@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from node_agent.gpu.base import DeviceLost, GpuBackend, GpuError, GpuTimeout
 from node_agent.gpu.pci import SYSFS_PCI_DEVICES, PciBus, read_bus
-from node_agent.grading.sku import Sku, match_sku
+from node_agent.hardware.sku import Sku, match_sku
 from node_agent.model import GpuInfo, HostInfo
 
 if TYPE_CHECKING:

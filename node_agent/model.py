@@ -24,6 +24,24 @@ class Status(str, enum.Enum):
     SKIP = "skip"
     ERROR = "error"
 
+    @property
+    def severity(self) -> int:
+        """The one order of "the worst status", everywhere: skip < pass < warn < error < fail.
+
+        A ``fail`` is a finding; an ``error`` is a check that could not say, so it ranks below a
+        finding and above anything that passed.
+        """
+        return _STATUS_SEVERITY[self]
+
+
+_STATUS_SEVERITY = {
+    Status.SKIP: 0,
+    Status.PASS: 1,
+    Status.WARN: 2,
+    Status.ERROR: 3,
+    Status.FAIL: 4,
+}
+
 
 class Level(enum.IntEnum):
     """Node grade, ordered: the worst reason decides."""
@@ -58,6 +76,29 @@ ACTION_FOR_LEVEL = {
 }
 
 
+class Recovery(str, enum.Enum):
+    """The driver's own recovery action for a GPU (``nvmlGpuRecoveryAction_t``), as a finding
+    carries it: the remediation plan chooses a GPU reset or a reboot from this, never from text."""
+
+    NONE = "none"
+    GPU_RESET = "gpu_reset"
+    NODE_REBOOT = "node_reboot"
+    DRAIN_P2P = "drain_p2p"
+    DRAIN_AND_RESET = "drain_and_reset"
+    RECOVER_IMEX_DOMAIN = "recover_imex_domain"
+    BUS_RESET = "bus_reset"
+    SYSTEM_REBOOT = "system_reboot"
+    UNKNOWN = "unknown"  # a value newer than this list (NVML's ``unknown_<n>``)
+
+    @classmethod
+    def parse(cls, name: str) -> Recovery:
+        """The action NVML named; a name this list lacks is UNKNOWN (never an error)."""
+        try:
+            return cls(name)
+        except ValueError:
+            return cls.UNKNOWN
+
+
 class ReportFormatError(ValueError):
     """A saved report that cannot be read: wrong schema version, missing or mistyped field."""
 
@@ -79,9 +120,11 @@ class Result:
     unit: str = ""
     evidence: dict[str, Any] = field(default_factory=dict)
     duration_s: float = 0.0
+    #: the driver's recovery action this finding reports (a typed fact for the plan), or None
+    recovery: Recovery | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "check": self.check,
             "target": self.target,
             "metric": self.metric,
@@ -92,6 +135,9 @@ class Result:
             "evidence": self.evidence,
             "duration_s": round(self.duration_s, 3),
         }
+        if self.recovery is not None:
+            data["recovery"] = self.recovery.value
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Result:
@@ -106,6 +152,7 @@ class Result:
                 unit=str(data.get("unit", "")),
                 evidence=dict(data.get("evidence") or {}),
                 duration_s=float(data.get("duration_s", 0.0)),
+                recovery=Recovery.parse(str(data["recovery"])) if data.get("recovery") else None,
             )
         except (KeyError, ValueError, TypeError) as err:
             raise ReportFormatError(f"result {data!r:.120}: {err}") from err
@@ -316,6 +363,22 @@ class Report:
             raise ReportFormatError(f"report field missing or malformed: {err}") from err
 
 
+def utc_iso(epoch: float | None = None) -> str:
+    """The one time format of reports, journals, spools and adapters: ISO-8601 UTC with
+    seconds, e.g. ``2026-11-21T12:00:00Z`` (``epoch`` None: now)."""
+    moment = (
+        _dt.datetime.now(_dt.timezone.utc)
+        if epoch is None
+        else _dt.datetime.fromtimestamp(epoch, _dt.timezone.utc)
+    )
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def utc_stamp(epoch: float | None = None) -> str:
+    """The same instant for a file name (no ``:``), e.g. ``20261121T120000Z``."""
+    return utc_iso(epoch).replace("-", "").replace(":", "")
+
+
 def utc_now() -> str:
     """ISO-8601 UTC timestamp with seconds, e.g. ``2026-11-21T12:00:00Z``."""
-    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return utc_iso()

@@ -15,7 +15,7 @@ from typing import Any
 from node_agent.config import Config
 from node_agent.gpu.base import GpuBackend
 from node_agent.gpu.pci import PciBus
-from node_agent.grading.sku import Sku
+from node_agent.hardware.sku import Sku
 from node_agent.inventory import Inventory, read_pci_bus
 from node_agent.kernel_log import KernelLog
 from node_agent.model import Result, Status

@@ -37,7 +37,7 @@ from node_agent.checks import CheckContext, log_cursor
 from node_agent.checks.xid_fold import DriverFold, Folder
 from node_agent.gpu.base import GpuError
 from node_agent.gpu.pci import NVIDIA_VENDOR_ID, SYSFS_PCI_DEVICES
-from node_agent.grading.xid_catalog import DriverLineKind, load_driver_lines
+from node_agent.hardware.driver_lines import DriverLineKind, load_driver_lines
 from node_agent.kernel_log import (
     DriverLine,
     KernelLog,

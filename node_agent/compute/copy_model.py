@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from node_agent.compute.devices import ComputeSpec
-    from node_agent.grading.sku import Sku
+    from node_agent.hardware.sku import Sku
     from node_agent.sim.scenario import Scenario
 
 #: PCIe data rate per lane and direction after line coding, GB/s, by generation (PCI-SIG)

@@ -39,7 +39,7 @@ from node_agent.sdc.tiles import DEFAULT_SM_COUNT, TileModel, gpu_model, sim_mod
 if TYPE_CHECKING:
     import torch
 
-    from node_agent.grading.sku import Sku
+    from node_agent.hardware.sku import Sku
     from node_agent.sim.scenario import Scenario
 
 #: precision name -> torch dtype name; "tf32" is fp32 storage with TF32 tensor-core matmuls

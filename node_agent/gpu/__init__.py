@@ -21,7 +21,7 @@ from node_agent.gpu.base import (
 )
 
 if TYPE_CHECKING:
-    from node_agent.grading.sku import Sku
+    from node_agent.hardware.sku import Sku
     from node_agent.sim.scenario import Scenario
 
 __all__ = [

@@ -35,7 +35,7 @@ from node_agent.gpu.base import (
 )
 
 if TYPE_CHECKING:  # the scenario is handed in; importing it would make a circle through gpu/
-    from node_agent.grading.sku import Sku
+    from node_agent.hardware.sku import Sku
     from node_agent.sim.scenario import Scenario
 
 # PCI bus numbers of the eight GPUs on an HGX baseboard, as NVML prints them.

@@ -38,7 +38,7 @@ from node_agent import __version__
 from node_agent.gpu.base import VIRTUALIZATION_MODES
 from node_agent.gpu.pci import SYSFS_PCI_DEVICES, PciUnreadable, read_functions
 from node_agent.gpu.replay import error_code, open_replay
-from node_agent.grading.sku import Sku
+from node_agent.hardware.sku import Sku
 from node_agent.inventory import collect
 from node_agent.yamlfile import ConfigError
 

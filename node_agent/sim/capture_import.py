@@ -34,7 +34,7 @@ from typing import Any
 
 from node_agent.gpu.pci import NVIDIA_VENDOR_ID, normalise_bus_id
 from node_agent.gpu.replay import ERROR_NAMES, recorded_error
-from node_agent.grading.sku import Sku
+from node_agent.hardware.sku import Sku
 from node_agent.sim.capture import FORMAT, CaptureError, build_scenario, dump
 
 READINGS = "nvml-readings.json"
@@ -408,7 +408,7 @@ def _hostname(src: Path) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     from node_agent import resources
     from node_agent.config import config_from_dict
-    from node_agent.grading.sku import load_skus
+    from node_agent.hardware.sku import load_skus
     from node_agent.sim.capture import write_capture
     from node_agent.yamlfile import ConfigError
 

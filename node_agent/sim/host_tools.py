@@ -36,7 +36,7 @@ from pathlib import Path
 
 from node_agent.gpu.pci import normalise_bus_id
 from node_agent.gpu.sim import pci_bus_id
-from node_agent.grading.sku import Sku
+from node_agent.hardware.sku import Sku
 from node_agent.host.paths import HostPaths, format_cpu_list
 from node_agent.sim.scenario import Scenario
 from node_agent.sim.tools import simulated_pci, write_executable

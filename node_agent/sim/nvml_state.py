@@ -43,7 +43,7 @@ from node_agent.gpu.base import (
 )
 from node_agent.gpu.replay import CaptureFormatError, capture_state_lines
 from node_agent.gpu.sim import SimGpuBackend
-from node_agent.grading.sku import Sku, load_skus
+from node_agent.hardware.sku import Sku, load_skus
 from node_agent.sim.scenario import Scenario, load_scenario
 from node_agent.yamlfile import ConfigError
 

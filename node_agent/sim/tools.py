@@ -54,7 +54,7 @@ from pathlib import Path
 
 from node_agent.gpu.pci import NVIDIA_VENDOR_ID, normalise_bus_id
 from node_agent.gpu.sim import pci_bus_id
-from node_agent.grading.sku import Sku
+from node_agent.hardware.sku import Sku
 from node_agent.sim.scenario import Scenario
 
 #: InfiniBand 4X link rates (Gb/s) and the names sysfs prints after them (IBTA; kernel

@@ -112,7 +112,7 @@ def test_torch_missing_skips_with_install_hint(monkeypatch):
 def test_nccl_peak_graded_against_sku_minimum_only_for_nccl(peak, status):
     from pathlib import Path
 
-    from node_agent.grading.sku import load_sku
+    from node_agent.hardware.sku import load_sku
 
     sku = load_sku(
         Path(__file__).resolve().parents[2] / "graders" / "skus" / "h100-sxm5-80gb.yaml"
@@ -134,7 +134,7 @@ def test_nccl_peak_graded_against_sku_minimum_only_for_nccl(peak, status):
 def _h100_sku():
     from pathlib import Path
 
-    from node_agent.grading.sku import load_sku
+    from node_agent.hardware.sku import load_sku
 
     return load_sku(
         Path(__file__).resolve().parents[2] / "graders" / "skus" / "h100-sxm5-80gb.yaml"

@@ -14,7 +14,7 @@ from node_agent.compute.devices import ComputeSpec, open_device
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
 from node_agent.gpu.base import GpuTimeout, NotSupported, PcieLink
-from node_agent.grading.sku import load_sku
+from node_agent.hardware.sku import load_sku
 from node_agent.model import Status
 from node_agent.sim.scenario import Fault, Scenario
 

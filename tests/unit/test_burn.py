@@ -518,7 +518,7 @@ def thermal_ctx(scenario_faults=()):
     from node_agent import resources
     from node_agent.checks import CheckContext
     from node_agent.gpu.sim import SimGpuBackend
-    from node_agent.grading.sku import load_skus
+    from node_agent.hardware.sku import load_skus
     from node_agent.sim.scenario import Fault, Scenario
 
     config = config_from_dict({})

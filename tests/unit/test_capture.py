@@ -24,7 +24,7 @@ from node_agent.gpu import base, open_backend
 from node_agent.gpu.pci import read_functions
 from node_agent.gpu.record import record_nvml
 from node_agent.gpu.replay import StateNvml
-from node_agent.grading.sku import load_skus
+from node_agent.hardware.sku import load_skus
 from node_agent.inventory import read_pci_bus
 from node_agent.sim.capture import build_scenario, capture_node, dump, read_kmsg_tail
 from node_agent.sim.nvml_state import render

@@ -115,7 +115,7 @@ SKU_BASE = "id: {id}\ndisplay_name: X\nmatch: ['NVIDIA X']\ngpus_per_node: 8\n"
     ],
 )
 def test_inconsistent_sku_files_are_refused_naming_the_key(tmp_path, extra, fragment):
-    from node_agent.grading.sku import load_sku
+    from node_agent.hardware.sku import load_sku
 
     path = tmp_path / "x-sku.yaml"
     path.write_text(SKU_BASE.format(id="x-sku") + extra)
@@ -127,7 +127,7 @@ def test_inconsistent_sku_files_are_refused_naming_the_key(tmp_path, extra, frag
 def test_the_shipped_sku_files_load_and_the_new_ids_are_there():
     from node_agent import resources
     from node_agent.config import config_from_dict
-    from node_agent.grading.sku import load_skus
+    from node_agent.hardware.sku import load_skus
 
     skus = load_skus(resources.graders_dir(config_from_dict({})))
     assert {
@@ -188,7 +188,7 @@ def test_a_gpu_cannot_be_both_off_the_bus_and_on_it(tmp_path):
 
 def test_kernel_log_lines_keep_scenario_order_and_take_the_kernels_bus_form(tmp_path):
     from node_agent.gpu.sim import SimGpuBackend
-    from node_agent.grading.sku import load_sku
+    from node_agent.hardware.sku import load_sku
     from node_agent.sim.scenario import load_scenario
 
     path = tmp_path / "s.yaml"

@@ -18,7 +18,7 @@ from node_agent.gpu.base import DeviceLost, NvLink
 from node_agent.gpu.pci import PciBus, PciGpu
 from node_agent.gpu.sim import SimGpuBackend
 from node_agent.grading.rules import load_grader
-from node_agent.grading.sku import Sku, load_skus, match_sku
+from node_agent.hardware.sku import Sku, load_skus, match_sku
 from node_agent.inventory import collect
 from node_agent.kernel_log import LinesKernelLog
 from node_agent.model import Level, Status

@@ -58,7 +58,7 @@ from node_agent.gpu.base import (
 )
 from node_agent.gpu.pci import PciBus, PciGpu
 from node_agent.grading.rules import load_grader
-from node_agent.grading.sku import load_skus
+from node_agent.hardware.sku import load_skus
 from node_agent.inventory import collect
 from node_agent.kernel_log import LinesKernelLog
 from node_agent.model import Level, Result, Status

@@ -15,7 +15,7 @@ import pytest
 from node_agent.checks import CheckContext, rdma
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
-from node_agent.grading.sku import load_sku
+from node_agent.hardware.sku import load_sku
 from node_agent.model import Status
 
 REPO = Path(__file__).resolve().parents[2]

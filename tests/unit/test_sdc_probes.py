@@ -101,7 +101,7 @@ def test_old_fixed_probe_shapes_reach_one_to_three_of_an_h100s_132_sms():
 
 def test_sm_count_comes_from_the_sku_file_on_a_simulated_node():
     from node_agent.compute.devices import compute_specs, open_device
-    from node_agent.grading.sku import load_sku
+    from node_agent.hardware.sku import load_sku
     from node_agent.resources import _shipped
 
     sku = load_sku(_shipped("node_agent.graders") / "skus" / "b200-sxm-180gb.yaml")
@@ -127,7 +127,7 @@ def _scenario(faults=()):
 
 def test_scenario_sm_outside_the_sku_is_refused_with_the_fix():
     from node_agent.compute.devices import ComputeUnavailable, compute_specs
-    from node_agent.grading.sku import load_sku
+    from node_agent.hardware.sku import load_sku
     from node_agent.resources import _shipped
 
     sku = load_sku(_shipped("node_agent.graders") / "skus" / "h100-sxm5-80gb.yaml")

@@ -12,7 +12,7 @@ from node_agent import proc
 from node_agent.checks import CheckContext, rdma
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
-from node_agent.grading.sku import load_skus
+from node_agent.hardware.sku import load_skus
 from node_agent.model import Status
 from node_agent.parsers.perftest import parse_bw_table
 from node_agent.sim import tools as sim_tools
