@@ -5,13 +5,189 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from node_agent.yamlfile import ConfigError, load_yaml
 
 DEFAULT_CONFIG_PATH = Path("/etc/node-agent/config.yaml")
+
+
+@dataclass(frozen=True)
+class Software:
+    """``node.software``: the golden software set (None = not checked)."""
+
+    driver: str | None
+    cuda: str | None
+    nccl: str | None
+    vbios: str | None
+    kernel: str | None
+
+    def as_dict(self) -> dict[str, str | None]:
+        """Component -> expected version, in the config's order (``driver``, ``cuda``, ...)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """``node``: what this node should be."""
+
+    name: str | None
+    sku: str  # "auto" or a SKU id
+    expected_gpus: int | None
+    expected_nvlinks: int | None
+    expected_memory_gib: float | None
+    expected_cpus: int | None
+    software: Software
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """``host``: the host checks' tools (docs/host_checks.md)."""
+
+    ipmitool: str
+    nvme: str
+    ras_mc_ctl: str
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class KernelLogConfig:
+    """``kernel_log``: None = this host's kernel log; a path = that file instead."""
+
+    path: str | None
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """``training``: None = the built-in cgroup roots (docs/training_hangs.md)."""
+
+    slurm_cgroup_roots: tuple[str, ...] | None
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """``fleet``: run as root, believe only report files owned by these uids."""
+
+    report_owner_uids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """``storage``: the scratch paths the storage checks measure."""
+
+    paths: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class WebhookConfig:
+    """``adapter.webhook`` (docs/remediation.md)."""
+
+    url: str | None
+    secret_file: str | None
+    timeout_s: float
+    retries: int
+    deadline_s: float  # the whole action, retries and backoff included
+    ca_file: str | None
+    client_cert: str | None
+    client_key: str | None
+
+
+@dataclass(frozen=True)
+class KubernetesConfig:
+    """``adapter.kubernetes``."""
+
+    kubeconfig: str | None
+    taint_key: str
+    pod_namespace: str
+
+
+@dataclass(frozen=True)
+class SlurmConfig:
+    """``adapter.slurm``: the programs (a bare name is looked up on PATH)."""
+
+    scontrol: str
+    squeue: str
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """``adapter``: which scheduler adapter acts, and each adapter's settings."""
+
+    name: str  # log | slurm | kubernetes | webhook
+    dry_run: bool
+    webhook: WebhookConfig
+    kubernetes: KubernetesConfig
+    slurm: SlurmConfig
+
+
+@dataclass(frozen=True)
+class Safety:
+    """``safety``: the remediation guards (docs/remediation.md for each). The field defaults
+    are the configuration's defaults (:data:`DEFAULTS` takes them from here)."""
+
+    max_drained_fraction: float = 0.1
+    max_restarts: int = 2
+    restart_window_h: float = 24.0
+    breaker_max_drains: int = 5
+    breaker_window_h: float = 1.0
+    dedup_window_s: float = 600.0
+    min_action_interval_s: float = 60.0
+    opt_out: bool = False
+    #: remediations of this node in 7 days after which it is held for an operator
+    max_remediations_7d: int = 5
+
+
+@dataclass(frozen=True)
+class NvhcdConfig:
+    """``daemon.nvhcd``: NVRx's node health-check service; off while ``socket`` is None."""
+
+    socket: str | None
+    group: str | None
+    max_age_s: float
+    min_refresh_s: float
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """``daemon``: the long-running service."""
+
+    listen: str  # host:port
+    suite: str
+    default_every_s: float
+    xid_poll_s: float
+    nvml_retry_s: float
+    act: bool
+    retry_initial_s: float
+    retry_max_s: float
+    subprocess_checks: tuple[str, ...]
+    nvhcd: NvhcdConfig
+
+
+@dataclass(frozen=True)
+class NvmlConfig:
+    """``nvml``."""
+
+    call_timeout_s: float
+
+
+@dataclass(frozen=True)
+class DcgmConfig:
+    """``dcgm``: None = the DCGM bindings' usual places."""
+
+    bindings_path: str | None
+    hostengine: str
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _opt_path(value: Any) -> Path | None:
+    return None if value is None else Path(value)
+
 
 DEFAULTS: dict[str, Any] = {
     "node": {
@@ -61,18 +237,8 @@ DEFAULTS: dict[str, Any] = {
         },
         "slurm": {"scontrol": "scontrol", "squeue": "squeue", "timeout_s": 15},
     },
-    "safety": {
-        "max_drained_fraction": 0.1,
-        "max_restarts": 2,
-        "restart_window_h": 24,
-        "breaker_max_drains": 5,
-        "breaker_window_h": 1,
-        "dedup_window_s": 600,
-        "min_action_interval_s": 60,
-        "opt_out": False,
-        # remediations of this node in 7 days after which it is held for an operator
-        "max_remediations_7d": 5,
-    },
+    # the remediation guards: their defaults are the fields of Safety
+    "safety": asdict(Safety()),
     "daemon": {
         "listen": "127.0.0.1:9847",
         "suite": "periodic",
@@ -238,25 +404,136 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Config:
-    """Validated configuration; ``data`` holds every key with defaults filled in."""
+    """Validated configuration, read through its typed sections (``config.node.expected_gpus``,
+    ``config.adapter.slurm.scontrol``), parsed once when the config is built.
+
+    ``data`` holds every key with defaults filled in, as plain data: a child process gets the
+    configuration as that (``proc.absolute_config(config.data)``)."""
 
     data: dict[str, Any]
     source: str
+    node: NodeConfig = field(init=False, repr=False, compare=False)
+    host: HostConfig = field(init=False, repr=False, compare=False)
+    kernel_log: KernelLogConfig = field(init=False, repr=False, compare=False)
+    training: TrainingConfig = field(init=False, repr=False, compare=False)
+    fleet: FleetConfig = field(init=False, repr=False, compare=False)
+    storage: StorageConfig = field(init=False, repr=False, compare=False)
+    adapter: AdapterConfig = field(init=False, repr=False, compare=False)
+    safety: Safety = field(init=False, repr=False, compare=False)
+    daemon: DaemonConfig = field(init=False, repr=False, compare=False)
+    nvml: NvmlConfig = field(init=False, repr=False, compare=False)
+    dcgm: DcgmConfig = field(init=False, repr=False, compare=False)
+    #: the private state directory
+    state_dir: Path = field(init=False, repr=False, compare=False)
+    #: the root of the spools training jobs write to (``<spool_dir>/heartbeat``, ``/sdc``)
+    spool_dir: Path = field(init=False, repr=False, compare=False)
+    #: None = the suites / graders that ship with the agent
+    suites_dir: Path | None = field(init=False, repr=False, compare=False)
+    graders_dir: Path | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name, value in _sections(self.data).items():
+            object.__setattr__(self, name, value)
 
     def get(self, dotted: str) -> Any:
+        """The raw value at a dotted key. Read the typed sections instead; kept while call
+        sites move to them."""
         node: Any = self.data
         for part in dotted.split("."):
             node = node[part]
         return node
 
-    @property
-    def state_dir(self) -> Path:
-        return Path(self.data["state_dir"])
 
-    @property
-    def spool_dir(self) -> Path:
-        """The root of the spools training jobs write to (``<spool_dir>/heartbeat``, ``/sdc``)."""
-        return Path(self.data["spool_dir"])
+def _sections(d: dict[str, Any]) -> dict[str, Any]:
+    """The typed sections of validated, defaults-filled ``data`` (numbers as float or int)."""
+    n, sw, h = d["node"], d["node"]["software"], d["host"]
+    a, w, k, sl = (
+        d["adapter"],
+        d["adapter"]["webhook"],
+        d["adapter"]["kubernetes"],
+        d["adapter"]["slurm"],
+    )
+    dm, nv, s = d["daemon"], d["daemon"]["nvhcd"], d["safety"]
+    roots = d["training"]["slurm_cgroup_roots"]
+    return {
+        "node": NodeConfig(
+            name=n["name"],
+            sku=n["sku"],
+            expected_gpus=n["expected_gpus"],
+            expected_nvlinks=n["expected_nvlinks"],
+            expected_memory_gib=_opt_float(n["expected_memory_gib"]),
+            expected_cpus=n["expected_cpus"],
+            software=Software(**{f.name: sw[f.name] for f in fields(Software)}),
+        ),
+        "host": HostConfig(
+            ipmitool=h["ipmitool"],
+            nvme=h["nvme"],
+            ras_mc_ctl=h["ras_mc_ctl"],
+            timeout_s=float(h["timeout_s"]),
+        ),
+        "kernel_log": KernelLogConfig(path=d["kernel_log"]["path"]),
+        "training": TrainingConfig(slurm_cgroup_roots=None if roots is None else tuple(roots)),
+        "fleet": FleetConfig(report_owner_uids=tuple(d["fleet"]["report_owner_uids"])),
+        "storage": StorageConfig(paths=tuple(d["storage"]["paths"])),
+        "adapter": AdapterConfig(
+            name=a["name"],
+            dry_run=a["dry_run"],
+            webhook=WebhookConfig(
+                url=w["url"],
+                secret_file=w["secret_file"],
+                timeout_s=float(w["timeout_s"]),
+                retries=w["retries"],
+                deadline_s=float(w["deadline_s"]),
+                ca_file=w["ca_file"],
+                client_cert=w["client_cert"],
+                client_key=w["client_key"],
+            ),
+            kubernetes=KubernetesConfig(
+                kubeconfig=k["kubeconfig"],
+                taint_key=k["taint_key"],
+                pod_namespace=k["pod_namespace"],
+            ),
+            slurm=SlurmConfig(
+                scontrol=sl["scontrol"], squeue=sl["squeue"], timeout_s=float(sl["timeout_s"])
+            ),
+        ),
+        "safety": Safety(
+            max_drained_fraction=float(s["max_drained_fraction"]),
+            max_restarts=s["max_restarts"],
+            restart_window_h=float(s["restart_window_h"]),
+            breaker_max_drains=s["breaker_max_drains"],
+            breaker_window_h=float(s["breaker_window_h"]),
+            dedup_window_s=float(s["dedup_window_s"]),
+            min_action_interval_s=float(s["min_action_interval_s"]),
+            opt_out=s["opt_out"],
+            max_remediations_7d=s["max_remediations_7d"],
+        ),
+        "daemon": DaemonConfig(
+            listen=dm["listen"],
+            suite=dm["suite"],
+            default_every_s=float(dm["default_every_s"]),
+            xid_poll_s=float(dm["xid_poll_s"]),
+            nvml_retry_s=float(dm["nvml_retry_s"]),
+            act=dm["act"],
+            retry_initial_s=float(dm["retry_initial_s"]),
+            retry_max_s=float(dm["retry_max_s"]),
+            subprocess_checks=tuple(dm["subprocess_checks"]),
+            nvhcd=NvhcdConfig(
+                socket=nv["socket"],
+                group=nv["group"],
+                max_age_s=float(nv["max_age_s"]),
+                min_refresh_s=float(nv["min_refresh_s"]),
+            ),
+        ),
+        "nvml": NvmlConfig(call_timeout_s=float(d["nvml"]["call_timeout_s"])),
+        "dcgm": DcgmConfig(
+            bindings_path=d["dcgm"]["bindings_path"], hostengine=d["dcgm"]["hostengine"]
+        ),
+        "state_dir": Path(d["state_dir"]),
+        "spool_dir": Path(d["spool_dir"]),
+        "suites_dir": _opt_path(d["suites_dir"]),
+        "graders_dir": _opt_path(d["graders_dir"]),
+    }
 
 
 #: the node's scheduler name where the host's own name is not it (a Kubernetes pod's hostname is
@@ -268,7 +545,7 @@ def configured_node_name(config: Config, environ: Mapping[str, str] | None = Non
     """``node.name`` from the config, else ``$NODE_AGENT_NODE_NAME``, else None (the caller
     falls back to a scenario's host name or the short hostname)."""
     env = os.environ if environ is None else environ
-    return config.get("node.name") or env.get(NODE_NAME_ENV, "").strip() or None
+    return config.node.name or env.get(NODE_NAME_ENV, "").strip() or None
 
 
 def load_config(path: str | Path | None) -> Config:

@@ -55,17 +55,16 @@ def shipped_graders_dir() -> Path:
 
 
 def suites_dir(config: Config) -> Path:
-    return _dir(config.get("suites_dir"), "node_agent.suites", "suites_dir", config)
+    return _dir(config.suites_dir, "node_agent.suites", "suites_dir", config)
 
 
 def graders_dir(config: Config) -> Path:
-    return _dir(config.get("graders_dir"), "node_agent.graders", "graders_dir", config)
+    return _dir(config.graders_dir, "node_agent.graders", "graders_dir", config)
 
 
-def _dir(override: str | None, package: str, key: str, config: Config) -> Path:
+def _dir(override: Path | None, package: str, key: str, config: Config) -> Path:
     if override is None:
         return _shipped(package)
-    path = Path(override)
-    if not path.is_dir():
-        raise ConfigError(f"{config.source}: key '{key}': {override!r} is not a directory")
-    return path
+    if not override.is_dir():
+        raise ConfigError(f"{config.source}: key '{key}': {str(override)!r} is not a directory")
+    return override
