@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
                 skus,
                 argv,
                 sku=args.sku,
-                call_timeout_s=float(config.get("nvml.call_timeout_s")),
+                call_timeout_s=config.nvml.call_timeout_s,
                 kernel_log_records=args.kernel_log_records,
                 kernel_log_file=kernel_log_path(config),
             )

@@ -78,7 +78,7 @@ def report_owners(config: Config, euid: int | None = None) -> frozenset[int] | N
     root (a report is then a root action's input: one forged by a user could hide a node's
     hung job), None (any owner) otherwise, where it reads only what its user may read."""
     euid = os.geteuid() if euid is None else euid
-    return frozenset(config.get("fleet.report_owner_uids")) if euid == 0 else None
+    return frozenset(config.fleet.report_owner_uids) if euid == 0 else None
 
 
 def cmd_fleet(args: argparse.Namespace) -> int:
