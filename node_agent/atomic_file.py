@@ -34,11 +34,14 @@ class UnsafeDirectory(OSError):
     """A directory the agent will not keep its state in (owner, mode or parent are wrong)."""
 
 
-def write_text(path: Path, text: str) -> None:
+def write_text(path: Path, text: str, *, sync_dir: bool = False) -> None:
     """Replace ``path`` with ``text``: a new temp file beside it (``mkstemp``: ``O_EXCL``, mode
     0600, an unguessable name), fsync, ``os.replace``. Another user's symlink at the final name
     is replaced, never written through. A lone surrogate (text a user wrote can carry one
-    into a report) is written as its escape, ``\\ud800``, never a failed write."""
+    into a report) is written as its escape, ``\\ud800``, never a failed write.
+
+    ``sync_dir``: fsync the directory too, so the rename itself survives a crash (where the
+    file system allows it)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as f:
@@ -50,6 +53,13 @@ def write_text(path: Path, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    if sync_dir:
+        with contextlib.suppress(OSError):  # not every file system lets a directory be synced
+            dfd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
 
 
 def write_json(path: Path, data: Any) -> None:

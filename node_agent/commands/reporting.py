@@ -7,7 +7,7 @@ import sys
 
 from node_agent import __version__
 from node_agent.environment import Environment, report_dir
-from node_agent.model import Level, Report, utc_now
+from node_agent.model import Level, Report, utc_iso
 from node_agent.report import json_report
 from node_agent.runner import run_suite
 
@@ -50,7 +50,7 @@ def run_and_report(
 
 def execute(suite, env: Environment, progress=None) -> Report:
     """Run a suite against an environment and grade it: the whole path to a verdict."""
-    started = utc_now()
+    started = utc_iso()
     results = run_suite(suite, env, progress=progress)
     grade = env.grader.grade(results, suite.mode)
     return Report(
@@ -59,7 +59,7 @@ def execute(suite, env: Environment, progress=None) -> Report:
         suite=suite.name,
         mode=suite.mode,
         started_at=started,
-        finished_at=utc_now(),
+        finished_at=utc_iso(),
         results=results,
         grade=grade,
         simulated=env.simulated,

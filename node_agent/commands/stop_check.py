@@ -20,7 +20,7 @@ from node_agent.commands import act
 from node_agent.commands.reporting import EXIT_FOR_LEVEL, EXIT_USAGE, execute
 from node_agent.config import load_config
 from node_agent.environment import open_environment, report_dir
-from node_agent.model import Report, Result, Status, utc_now
+from node_agent.model import Report, Result, Status, utc_iso
 from node_agent.report import json_report
 from node_agent.report.terminal import printable, render_summary
 from node_agent.resources import suites_dir
@@ -133,7 +133,7 @@ def _devices(env: Any) -> tuple[list[Any], str | None]:
 
 
 def _run(args, place, config, env, quick, acting, topology) -> int:
-    started = utc_now()
+    started = utc_iso()
     simulate = env.scenario.source if env.scenario is not None else None
     node = _node_name(config, env, simulate)
     devices, no_compute = _devices(env)
@@ -297,7 +297,7 @@ def _write_summary(
         "schema": SCHEMA,
         "agent_version": __version__,
         "started_at": started,
-        "finished_at": utc_now(),
+        "finished_at": utc_iso(),
         "world_size": place.world_size,
         "nodes": {str(r): n for r, n in sorted(nodes.items())},
         "phases": {name: o.to_dict() for name, o in outcomes.items()},
@@ -393,7 +393,7 @@ def _node_report(
         suite="stop-check",
         mode="service",
         started_at=started,
-        finished_at=utc_now(),
+        finished_at=utc_iso(),
         results=results,
         grade=grade,
         simulated=env.simulated,

@@ -47,8 +47,6 @@ def require_matplotlib() -> None:
 
 # -- status and level vocabulary -------------------------------------------------------------
 
-#: worst first when several results share a cell: a finding outranks a check that broke
-STATUS_RANK = {Status.SKIP: 0, Status.PASS: 1, Status.WARN: 2, Status.ERROR: 3, Status.FAIL: 4}
 STATUS_COLOUR = {
     "pass": "#2e7d32",
     "warn": "#f9a825",
@@ -231,7 +229,9 @@ def _verdict(report: Report) -> str:
 
 
 def _worst(results: list[Result]) -> Status:
-    return max((r.status for r in results), key=STATUS_RANK.__getitem__)
+    """The status a cell shows when several results share it (``Status.severity``: a finding
+    outranks a check that broke)."""
+    return max((r.status for r in results), key=lambda status: status.severity)
 
 
 def _matrix(report: Report, levels: dict[str, Level]) -> str:

@@ -12,19 +12,18 @@ names, and then only as a reason to run the agent's own probe (docs/security.md)
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import json
 import logging
 import math
 import os
-import tempfile
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from node_agent import atomic_file
 from node_agent.heartbeat import (
     CONTROL_CHARACTERS,
     SPOOL_MAX_FILES,
@@ -151,7 +150,8 @@ _spool_seq = itertools.count()
 
 
 def write_verdict(spool_dir: str | os.PathLike[str], verdict: Verdict) -> Path:
-    """Write one verdict atomically: temp file in the same dir, fsync, ``os.replace``.
+    """Write one verdict atomically (:func:`node_agent.atomic_file.write_text`, the directory
+    synced too).
 
     The temp name starts with ``.`` and ends in ``.tmp``; readers take only ``*.json``, so a
     half-written file is never read.  Returns the final path.
@@ -159,23 +159,7 @@ def write_verdict(spool_dir: str | os.PathLike[str], verdict: Verdict) -> Path:
     d = Path(spool_dir)
     d.mkdir(parents=True, exist_ok=True)
     name = f"sdc-{time.time_ns()}-{os.getpid()}-{next(_spool_seq)}-{verdict.status}.json"
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=d)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(verdict.to_dict(), f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, d / name)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):  # make the rename itself durable; not all fs allow it
-        dfd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+    atomic_file.write_text(d / name, json.dumps(verdict.to_dict(), sort_keys=True), sync_dir=True)
     return d / name
 
 
