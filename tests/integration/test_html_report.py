@@ -14,9 +14,9 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from synthetic_reports import synthetic_report  # tests/synthetic_reports.py
 
 from node_agent.report.html import write_html
-from node_agent.report.synthetic import synthetic_report
 
 CHROMIUM = shutil.which("chromium") or (
     "/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None

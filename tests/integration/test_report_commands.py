@@ -8,9 +8,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import yaml
+from synthetic_reports import synthetic_report  # tests/synthetic_reports.py
 
 from node_agent.report import json_report
-from node_agent.report.synthetic import synthetic_report
 
 REPO = Path(__file__).resolve().parents[2]
 

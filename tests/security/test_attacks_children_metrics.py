@@ -30,13 +30,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from synthetic_reports import synthetic_report  # tests/synthetic_reports.py
 
 from node_agent.checks import CheckContext
 from node_agent.config import load_config
 from node_agent.environment import open_environment
 from node_agent.model import Result, Status
 from node_agent.report import json_report
-from node_agent.report.synthetic import synthetic_report
 from node_agent.service.daemon import Daemon
 from node_agent.suite import CheckSpec
 

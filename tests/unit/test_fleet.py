@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from synthetic_reports import MINIMUM_TFLOPS, synthetic_report  # tests/synthetic_reports.py
 
 from node_agent.commands import fleet as fleet_command
 from node_agent.fleet import analysis as fleet
@@ -15,7 +16,6 @@ from node_agent.fleet.analysis import analyse, analyse_figures, load_fleet_rules
 from node_agent.fleet.text import render_text
 from node_agent.model import Result, Status
 from node_agent.report import json_report
-from node_agent.report.synthetic import MINIMUM_TFLOPS, synthetic_report
 from node_agent.yamlfile import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]

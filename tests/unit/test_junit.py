@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
+from synthetic_reports import synthetic_report  # tests/synthetic_reports.py
+
 from node_agent.model import Result, Status
 from node_agent.report.junit import junit_xml, write_junit
-from node_agent.report.synthetic import synthetic_report
 
 # The common Jenkins/GitLab JUnit schema: which children and attributes each element may carry
 ALLOWED_CHILDREN = {

@@ -1,10 +1,11 @@
-"""Synthetic delivery reports, built from the real model objects, for tests, benchmarks and demos.
+"""Synthetic delivery reports for the tests, built from the real model objects.
 
 A report here carries the compute checks' result contract (``gpu_burn`` TFLOP/s with
 ``samples``, ``thermal_power`` ``load_trace`` with its time series, ``hbm_bandwidth``,
-``pcie_bandwidth``) next to the existing node-level checks (``nccl_allreduce``, ``storage``,
-``rdma``), with seeded noise, so that fleet statistics and report rendering can be exercised
-without hardware. Nothing in the agent's run path imports this module.
+``pcie_bandwidth``) next to the node-level checks (``nccl_allreduce``, ``storage``, ``rdma``),
+with seeded noise, so that fleet statistics and report rendering can be exercised without
+hardware. It lives under ``tests/`` (imported as ``synthetic_reports``: ``tests/conftest.py``
+puts this directory on ``sys.path``) and is not part of the installed package.
 
 Example::
 
