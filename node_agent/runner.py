@@ -4,6 +4,11 @@
 Checks run on a daemon thread the runner waits on with the check's timeout. A driver call can
 hang for good; the thread is then abandoned (it cannot be killed) and the result says so.
 Subprocesses started by checks carry their own timeouts (``node_agent.proc``).
+
+A check hands a value to a later check only as a declared output (``OUTPUTS`` in the producer,
+``INPUTS`` in the consumer: :mod:`node_agent.checks.behaviour`); the runner keeps one
+:class:`~node_agent.checks.behaviour.Handover` per suite run and gives each check only the
+inputs it declares.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 
 from node_agent import proc
 from node_agent.checks import CheckContext, resolve
+from node_agent.checks.behaviour import Handover
 from node_agent.environment import Environment
 from node_agent.model import Result, Status
 from node_agent.suite import CheckSpec, Suite
@@ -35,11 +41,13 @@ class _Outcome:
 
 
 def run_check(
-    spec: CheckSpec, env: Environment, mode: str, shared: dict | None = None
+    spec: CheckSpec, env: Environment, mode: str, handover: Handover | None = None
 ) -> list[Result]:
     """Run one check within its timeout; always returns at least one result.
 
-    ``shared`` is the suite run's hand-over dict between checks (CheckContext.shared)."""
+    ``handover`` carries the suite run's declared outputs from earlier checks to this one's
+    declared inputs, and takes this one's outputs when it finished in time."""
+    given = handover.inputs_for(spec.check) if handover is not None else {}
     params = dict(spec.params)
     # Under simulation, load checks run their real code on the CPU at small sizes (DESIGN.md):
     # a suite gives those sizes in `params.simulated`.
@@ -59,7 +67,7 @@ def run_check(
         state_dir=env.writable_state_dir(),
         timeout_s=spec.timeout_s,
         scenario=env.scenario,
-        shared=shared if shared is not None else {},
+        shared=given,
     )
     outcome = _Outcome()
 
@@ -110,13 +118,15 @@ def run_check(
         ]
     for result in results:  # a result without its own timing carries its check's
         result.duration_s = result.duration_s or duration
+    if handover is not None:
+        handover.collect(spec.check, given)
     return results
 
 
 def run_suite(suite: Suite, env: Environment, progress: Progress | None = None) -> list[Result]:
     """Run the suite's checks in order; returns every result."""
     all_results: list[Result] = []
-    shared: dict = {}
+    handover = Handover()
     total = len(suite.checks)
     if any(spec.check in FORKSERVER_CHECKS for spec in suite.checks):
         # before any check thread runs: the forkserver must not start in the caller's working
@@ -125,7 +135,7 @@ def run_suite(suite: Suite, env: Environment, progress: Progress | None = None) 
     for i, spec in enumerate(suite.checks, start=1):
         if progress:
             progress("start", spec, i, total, [])
-        results = run_check(spec, env, suite.mode, shared)
+        results = run_check(spec, env, suite.mode, handover)
         all_results.extend(results)
         if progress:
             progress("done", spec, i, total, results)

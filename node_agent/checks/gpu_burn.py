@@ -20,10 +20,9 @@ Params (seconds, except ``size``): ``duration_s`` (300), ``size`` (8192), ``prec
 (default: the SKU's), ``sample_s`` (1), ``sample_interval_s`` (telemetry, 1), ``verify_every``
 (8), ``verify_block`` (8), ``verify_lag`` (2: verified products whose on-device check may still
 be in flight; the host never runs further ahead), ``stall_s`` (60), ``startup_timeout_s``
-(180), ``test_hook`` (tests only: make one worker exit, hang or raise; see
-:class:`node_agent.compute.burn.BurnPlan`).
+(180).
 
-Hand-over: ``ctx.shared["gpu_burn.trace"]`` (:data:`TRACE_KEY`) holds, per GPU index, the
+Output ``trace`` (declared in :data:`OUTPUTS`, read by ``thermal_power``): per GPU index, the
 telemetry read through the GPU layer during the burn joined with the throughput:
 ``{"t_s", "tflops", "temp_c", "power_w", "sm_clock_mhz", "mem_temp_c", "throttle",
 "power_limit_w", "slowdown_temp_c"}`` (lists over time, the last two single values);
@@ -38,103 +37,14 @@ from __future__ import annotations
 from typing import Any
 
 from node_agent.checks import CheckContext
+from node_agent.checks.behaviour import put_output
+from node_agent.checks.burn_common import burn, make_plan, sku_precisions, worker_failures
 from node_agent.checks.siblings import compare_with_siblings, load_thresholds
-from node_agent.compute.burn import BurnOutcome, BurnPlan, WorkerReport, run_burn
-from node_agent.compute.devices import ComputeUnavailable, compute_specs
+from node_agent.compute.burn import BurnOutcome, BurnPlan, WorkerReport
 from node_agent.model import Result, Status
 
-TRACE_KEY = "gpu_burn.trace"
-DEFAULT_PRECISIONS = ("bf16", "fp16", "tf32", "fp32")
-
-
-def sku_precisions(ctx: CheckContext) -> tuple[str, ...]:
-    """The precisions to burn: ``params.precisions``, else the SKU's, else a safe default."""
-    if ctx.params.get("precisions"):
-        return tuple(ctx.params["precisions"])
-    listed = ctx.sku.section("burn").get("precisions") if ctx.sku else None
-    return tuple(listed) if listed else DEFAULT_PRECISIONS
-
-
-def make_plan(
-    ctx: CheckContext,
-    precisions: tuple[str, ...],
-    duration_s: float,
-    max_precisions: int | None = None,
-) -> BurnPlan:
-    p = ctx.params
-    return BurnPlan(
-        size=int(p.get("size", 8192)),
-        duration_s=float(duration_s),
-        precisions=precisions,
-        max_precisions=max_precisions,
-        sample_s=float(p.get("sample_s", 1.0)),
-        verify_every=int(p.get("verify_every", 8)),
-        verify_block=int(p.get("verify_block", 8)),
-        verify_lag=int(p.get("verify_lag", 2)),
-        stall_s=float(p.get("stall_s", 60.0)),
-        startup_timeout_s=float(p.get("startup_timeout_s", 180.0)),
-        hook=p.get("test_hook"),
-    )
-
-
-def burn(ctx: CheckContext, plan: BurnPlan) -> BurnOutcome | list[Result]:
-    """Run the burn on every GPU of the node, or say why it cannot run (skip/error results).
-
-    Finishes within the check's ``timeout_s``: the engine's deadline leaves a margin for
-    killing stragglers, and a duration that cannot fit is an error before anything starts."""
-    unavailable = ctx.gpus_unavailable()
-    if unavailable:
-        return unavailable
-    indices = [d.index for d in ctx.gpu.devices()]
-    if not indices:
-        return [ctx.skip("no GPUs visible: nothing to burn")]
-    try:
-        specs = compute_specs(indices, ctx.scenario, ctx.sku)
-    except ComputeUnavailable as err:
-        return ctx.compute_unavailable(str(err))
-    deadline_s = ctx.timeout_s - max(10.0, 0.1 * ctx.timeout_s)
-    if plan.duration_s + plan.stall_s > deadline_s:
-        return [
-            ctx.result(
-                "node",
-                "burn_plan",
-                Status.ERROR,
-                f"params.duration_s {plan.duration_s:g} s plus stall_s "
-                f"{plan.stall_s:g} s does not fit in the check's timeout_s "
-                f"{ctx.timeout_s:g} s (less a {ctx.timeout_s - deadline_s:g} s "
-                "margin): raise timeout_s in the suite file or shorten the burn",
-                duration_s=plan.duration_s,
-                timeout_s=ctx.timeout_s,
-            )
-        ]
-    return run_burn(
-        specs,
-        plan,
-        ctx.gpu,
-        sample_interval_s=float(ctx.params.get("sample_interval_s", 1.0)),
-        deadline_s=deadline_s,
-    )
-
-
-def worker_failures(ctx: CheckContext, outcome: BurnOutcome) -> list[Result]:
-    """One ``error`` result per GPU whose worker died or stalled."""
-    out = []
-    for index, w in sorted(outcome.workers.items()):
-        if w.failure:
-            out.append(
-                ctx.result(
-                    f"gpu:{index}",
-                    w.failure,
-                    Status.ERROR,
-                    w.failure_detail + "; look for Xid errors in the kernel log, reset the GPU "
-                    "and re-run the burn",
-                    exitcode=w.exitcode,
-                    error=w.last_words,
-                    traceback=w.traceback[-2000:],
-                    samples_received=len(w.samples),
-                )
-            )
-    return out
+#: what the burn hands to later checks of the suite run (checks/behaviour.py)
+OUTPUTS = ("trace",)
 
 
 def run(ctx: CheckContext) -> list[Result]:
@@ -142,7 +52,7 @@ def run(ctx: CheckContext) -> list[Result]:
     outcome = burn(ctx, plan)
     if isinstance(outcome, list):
         return outcome
-    ctx.shared[TRACE_KEY] = outcome.trace()
+    put_output(ctx, "trace", outcome.trace())
     results = [
         ctx.result("node", f"tflops_{p}", Status.SKIP, why) for p, why in outcome.skipped.items()
     ]

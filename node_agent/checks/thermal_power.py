@@ -1,7 +1,8 @@
 """Check ``thermal_power``: temperature, power, clocks and throttling of each GPU under load.
 
-It grades the telemetry trace that ``gpu_burn`` left in ``ctx.shared["gpu_burn.trace"]``
-(read through the GPU layer while every GPU ran GEMMs; keys in :mod:`node_agent.checks.gpu_burn`).
+It grades the telemetry trace that ``gpu_burn`` hands over as its declared output ``trace``
+(:data:`INPUTS`; read through the GPU layer while every GPU ran GEMMs; keys in
+:mod:`node_agent.checks.gpu_burn`).
 When the burn did not run earlier in the suite, it runs its own short burn
 (``params.duration_s``, default 60 s, the SKU's first precision) to get one.
 
@@ -32,18 +33,21 @@ from collections import Counter
 from typing import Any
 
 from node_agent.checks import CheckContext
-from node_agent.checks.gpu_burn import TRACE_KEY, burn, make_plan, sku_precisions, worker_failures
-from node_agent.checks.nvml_health import ABNORMAL_THROTTLE
+from node_agent.checks.behaviour import get_input
+from node_agent.checks.burn_common import burn, make_plan, sku_precisions, worker_failures
 from node_agent.gpu.base import GpuError
+from node_agent.gpu.throttle import ABNORMAL_THROTTLE
 from node_agent.model import Result, Status
 
 FULL_LOAD_FRACTION = 0.5  # readings with the burn's throughput in them, of all readings
 DEFAULT_POWER_FRACTION_MIN = 0.75  # used only without a SKU file; see graders/skus/*.yaml
 DEFAULT_CLOCK_DROP_MAX = 0.30
+#: the burn's telemetry trace, from gpu_burn earlier in the suite run (checks/behaviour.py)
+INPUTS = {"trace": "gpu_burn"}
 
 
 def run(ctx: CheckContext) -> list[Result]:
-    trace = ctx.shared.get(TRACE_KEY)
+    trace = get_input(ctx, "trace")
     source = "gpu_burn earlier in this suite"
     results: list[Result] = []
     if trace is None:

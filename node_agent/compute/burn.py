@@ -121,8 +121,10 @@ class BurnPlan:
     stall_s: float = 60.0  # no message for this long: the worker is stalled
     startup_timeout_s: float = 180.0  # spawn + import torch + open device + prepare inputs
     seed: int = 0
-    #: test hook: {"gpu": N, "action": "exit"|"hang"|"raise", "after_samples": K, "code": 7}
-    hook: dict[str, Any] | None = None
+    #: called in each worker with (GPU index, samples sent so far) before its first sample and
+    #: after each one; it must pickle (a module-level function): the workers are processes.
+    #: Tests inject one that makes a worker exit, hang or raise.
+    after_sample: Callable[[int, int], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -480,18 +482,9 @@ class BurnEngine:
         return first.wrong
 
 
-def _hook(plan: BurnPlan, index: int, samples_sent: int) -> None:
-    """Test hook: make this worker exit, hang or raise after a number of samples."""
-    hook = plan.hook
-    if not hook or hook.get("gpu") != index or samples_sent != int(hook.get("after_samples", 0)):
-        return
-    action = hook.get("action")
-    if action == "exit":
-        os._exit(int(hook.get("code", 7)))
-    if action == "hang":
-        time.sleep(3600)
-    if action == "raise":
-        raise RuntimeError("injected failure (burn test hook)")
+def _after_sample(plan: BurnPlan, index: int, samples_sent: int) -> None:
+    if plan.after_sample is not None:
+        plan.after_sample(index, samples_sent)
 
 
 def worker_main(spec: ComputeSpec, plan: BurnPlan, conn: Any) -> None:
@@ -500,7 +493,7 @@ def worker_main(spec: ComputeSpec, plan: BurnPlan, conn: Any) -> None:
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     sent = 0
     try:
-        _hook(plan, spec.index, 0)
+        _after_sample(plan, spec.index, 0)
         device = open_device(spec)
         engine = BurnEngine(device, plan)
         skipped = engine.prepare()
@@ -512,7 +505,7 @@ def worker_main(spec: ComputeSpec, plan: BurnPlan, conn: Any) -> None:
             conn.send(message)
             if message[0] == "sample":
                 sent += 1
-                _hook(plan, spec.index, sent)
+                _after_sample(plan, spec.index, sent)
 
         if msg[0] == "start":  # free-running: the whole schedule
             _, t_zero, schedule = msg

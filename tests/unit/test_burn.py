@@ -3,6 +3,10 @@ telemetry and the thermal findings."""
 
 from __future__ import annotations
 
+import os
+import time
+from dataclasses import dataclass
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -453,7 +457,29 @@ def test_telemetry_keeps_sampling_when_readings_are_unsupported_or_time_out():
     assert "GpuTimeout" in tel.errors["power"] and "memory_temperature" in tel.errors
 
 
-def tiny_plan(**hook):
+@dataclass(frozen=True)
+class Fault:
+    """Injected into the burn's workers (``BurnPlan.after_sample``): GPU ``gpu``'s worker
+    exits with ``code``, hangs or raises once it has sent ``after_samples`` samples. A
+    module-level class, so it pickles into the worker processes."""
+
+    gpu: int
+    action: str  # exit | hang | raise
+    after_samples: int = 0
+    code: int = 7
+
+    def __call__(self, index: int, samples_sent: int) -> None:
+        if index != self.gpu or samples_sent != self.after_samples:
+            return
+        if self.action == "exit":
+            os._exit(self.code)
+        if self.action == "hang":
+            time.sleep(3600)
+        if self.action == "raise":
+            raise RuntimeError("injected failure (burn test fault)")
+
+
+def tiny_plan(**fault):
     return BurnPlan(
         size=32,
         duration_s=1.0,
@@ -462,7 +488,7 @@ def tiny_plan(**hook):
         verify_every=1000,
         stall_s=3.0,
         startup_timeout_s=120.0,
-        hook=hook or None,
+        after_sample=Fault(**fault) if fault else None,
     )
 
 

@@ -1,0 +1,155 @@
+"""What a check does in service, declared beside its ``run()``: the daemon reads it, never a name.
+
+A check module may declare, next to ``run(ctx)``:
+
+``SERVICE = ServiceBehaviour(sticky=..., fold=..., metrics=...)``
+    - ``sticky(result)``: the key under which a result stays part of the grade for the
+      daemon's life, whatever window a later run reads (``None``: not sticky). The xid check's
+      Xid/SXid findings are sticky, one per ``(target, code)``.
+    - ``fold(kept, new)``: which of two sticky results under one key is kept (default: the
+      new one). The xid check keeps the one that counted more lines.
+    - ``metrics``: a :class:`MetricsFactory`; the daemon builds one collector per factory
+      (two checks that report one thing, ``sdc`` and ``sdc_spool``, share one) and registers it
+      in its Prometheus registry. ``observe(results)`` is called with every run's results
+      (and, for the xid check, with the XID watch's findings); ``collect()`` renders the
+      families fresh at each scrape, client_python style.
+
+``OUTPUTS = ("trace",)`` and ``INPUTS = {"trace": "gpu_burn"}``
+    A value one check hands to a later one in the same suite run: the producer declares the
+    name and sets it with :func:`put_output`; the consumer declares where it comes from and
+    reads it with :func:`get_input`. The runner hands over only what is declared.
+
+A check without ``SERVICE`` gets :data:`PLAIN`: nothing sticky, no metrics of its own.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from node_agent.model import Result
+
+if TYPE_CHECKING:
+    from node_agent.checks import CheckContext
+
+#: prefix under which the runner hands declared values over (``CheckContext.shared``)
+_IO_PREFIX = "io:"
+
+
+@dataclass(frozen=True)
+class NodeLabels:
+    """The labels every series of the node carries, read fresh at each scrape."""
+
+    hostname: str
+    gpu_uuids: Mapping[int, str]
+
+
+class CheckMetrics(Protocol):
+    """One check's own Prometheus collector (``prometheus_client`` calls ``collect()``)."""
+
+    def observe(self, results: Sequence[Result]) -> None:
+        """Take one run's results (or the XID watch's findings) into the collector's state."""
+
+    def collect(self) -> Iterable[Any]:
+        """The metric families, rendered now."""
+
+
+#: builds a check's collector; its argument gives the node's labels at scrape time
+MetricsFactory = Callable[[Callable[[], NodeLabels]], CheckMetrics]
+
+
+def keep_new(kept: Result, new: Result) -> Result:
+    """The default fold: the newer result replaces the kept one."""
+    return new
+
+
+@dataclass(frozen=True)
+class ServiceBehaviour:
+    """A check's behaviour in the daemon (see the module docstring)."""
+
+    sticky: Callable[[Result], Hashable | None] | None = None
+    fold: Callable[[Result, Result], Result] = keep_new
+    metrics: MetricsFactory | None = None
+
+    def sticky_key(self, result: Result) -> Hashable | None:
+        return None if self.sticky is None else self.sticky(result)
+
+
+PLAIN = ServiceBehaviour()
+
+
+def _module(check: str) -> Any:
+    from node_agent.checks import REGISTRY
+
+    try:
+        return importlib.import_module(REGISTRY[check])
+    except KeyError:
+        raise KeyError(
+            f"unknown check {check!r}; known checks: {', '.join(sorted(REGISTRY))}"
+        ) from None
+
+
+def behaviour(check: str) -> ServiceBehaviour:
+    """The registered check's ``SERVICE`` (``PLAIN`` when it declares none). Imports the
+    check's module, which imports nothing heavy at module level (compute checks import torch
+    inside their functions)."""
+    found = getattr(_module(check), "SERVICE", PLAIN)
+    if not isinstance(found, ServiceBehaviour):
+        raise TypeError(f"check {check}: SERVICE must be a ServiceBehaviour, not {found!r}")
+    return found
+
+
+def outputs(check: str) -> tuple[str, ...]:
+    """The names the check declares it hands to later checks (``OUTPUTS``)."""
+    return tuple(getattr(_module(check), "OUTPUTS", ()))
+
+
+def inputs(check: str) -> dict[str, str]:
+    """The check's declared inputs: name -> the check that produces it (``INPUTS``)."""
+    return dict(getattr(_module(check), "INPUTS", {}))
+
+
+def put_output(ctx: CheckContext, name: str, value: Any) -> None:
+    """Hand ``value`` to later checks under a name this check declares in ``OUTPUTS``."""
+    if name not in outputs(ctx.check):
+        raise KeyError(f"check {ctx.check} does not declare {name!r} in OUTPUTS")
+    ctx.shared[_IO_PREFIX + name] = value
+
+
+def get_input(ctx: CheckContext, name: str) -> Any:
+    """The value of a declared input (``INPUTS``), or None when its producer did not run
+    earlier in this suite run."""
+    if name not in inputs(ctx.check):
+        raise KeyError(f"check {ctx.check} does not declare {name!r} in INPUTS")
+    return ctx.shared.get(_IO_PREFIX + name)
+
+
+class Handover:
+    """One suite run's declared values: ``(producer, name) -> value``. The runner collects each
+    check's declared outputs after it ran and gives each check only its declared inputs."""
+
+    def __init__(self) -> None:
+        self._values: dict[tuple[str, str], Any] = {}
+
+    def inputs_for(self, check: str) -> dict[str, Any]:
+        wanted = inputs(check) if check_known(check) else {}
+        return {
+            _IO_PREFIX + name: self._values[(producer, name)]
+            for name, producer in wanted.items()
+            if (producer, name) in self._values
+        }
+
+    def collect(self, check: str, given: Mapping[str, Any]) -> None:
+        if not check_known(check):
+            return
+        for name in outputs(check):
+            if _IO_PREFIX + name in given:
+                self._values[(check, name)] = given[_IO_PREFIX + name]
+
+
+def check_known(check: str) -> bool:
+    from node_agent.checks import REGISTRY
+
+    return check in REGISTRY
