@@ -1,5 +1,7 @@
-"""The house in wings: the package's shape is a contract (no import circles, small modules, the
-public training-side imports unchanged)."""
+"""The house in wings: the package's shape is a contract (imports go down the data path and never
+in a circle, small modules, the public training-side imports unchanged).
+
+The layers are ``LAYERS`` below, lowest first; docs/architecture.md explains the order."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "node_agent"
@@ -101,6 +105,98 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return cycles
+
+
+#: The data path, lowest first. A module imports modules of its own layer or of layers below it,
+#: never above: a layer names wings (``node_agent/<wing>/``) and top-level modules
+#: (``node_agent/<module>.py``), and within one layer imports are free. Imports under
+#: ``if TYPE_CHECKING:`` are annotations, never run, and are not counted. A new wing or top-level
+#: module takes its place here (test_every_wing_has_a_place_in_the_layers).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    # the data model, files, config and the one subprocess helper: used by everything
+    ("model", "yamlfile", "atomic_file", "extras", "heartbeat", "config", "resources", "proc"),
+    ("parsers",),  # pure parsers of tools' output
+    ("gpu",),  # the one GPU interface and its backends
+    ("host",),  # the host's own files (sysfs, procfs) and tools
+    ("kernel_log", "kernel_log_distress"),  # the kernel log and its readers
+    ("hardware",),  # SKU descriptions, the driver-line catalog
+    ("inventory",),  # the GPUs and the PCI bus, read through gpu/, matched to a SKU
+    ("sim",),  # the stand-in node (scenarios, tool stand-ins) and the capture of a real one
+    ("sdc",),  # the SDC probe library and its spool (imported by training jobs)
+    ("compute",),  # the compute boundary, the burn engine, the all-reduce
+    ("training",),  # training processes on the node: discovery, signals, verdicts
+    ("checks",),  # one module per check -> Result
+    ("grading",),  # Results -> Grade
+    ("suite",),  # suite definitions naming checks
+    ("environment",),  # what a run has: config, GPU backend, inventory, ports; chosen once
+    ("runner",),  # a suite run in an environment: each check isolated and time-bounded
+    ("report",),  # a run's report: JSON, terminal, JUnit, HTML
+    ("schedulers",),  # the adapters: Slurm, Kubernetes, webhook, log
+    ("remediation",),  # Grade -> plan -> guarded actions through an adapter
+    ("stopcheck",),  # the stop-check between training runs
+    ("service",),  # the daemon: one way in
+    ("fleet",),  # many nodes' reports
+    ("commands",),  # the command line: the other way in
+)
+
+
+def _unit(module: str) -> str | None:
+    """The wing or top-level module a module belongs to (None for the package itself)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def upward_imports(
+    graph: dict[str, set[str]], layers: tuple[tuple[str, ...], ...] = LAYERS
+) -> list[str]:
+    """Each import that goes up the layers, as "importer -> imported: the rule it breaks". An
+    import of a package is left out where the same module imports a module inside it (importing
+    ``a.b.c`` runs ``a.b``)."""
+    rank = {unit: i for i, layer in enumerate(layers) for unit in layer}
+    found = []
+    for src in sorted(graph):
+        targets = graph[src]
+        for dst in sorted(targets):
+            if any(t.startswith(dst + ".") for t in targets):
+                continue
+            low, high = _unit(src), _unit(dst)
+            if low is None or high is None or low not in rank or high not in rank:
+                continue
+            if rank[high] > rank[low]:
+                found.append(f"{src} -> {dst}: {low} may not import {high}, a layer above it")
+    return found
+
+
+def test_imports_go_down_the_data_path():
+    upward = upward_imports(import_graph())
+    if upward:
+        pytest.fail(
+            f"{len(upward)} import(s) go up the layers (LAYERS in this file; docs/architecture.md):"
+            " move the shared part down into a module of its own, or pass it in from above\n  "
+            + "\n  ".join(upward),
+            pytrace=False,
+        )
+
+
+def test_upward_imports_sees_an_import_above_and_allows_its_own_layer_and_below():
+    layers = (("model", "config"), ("gpu",), ("checks",))
+    graph = {
+        "node_agent.config": {"node_agent.model"},  # the same layer
+        "node_agent.checks.xid": {"node_agent.checks.base", "node_agent.gpu"},  # own wing, below
+        "node_agent.gpu.nvml": {"node_agent.checks", "node_agent.checks.rdma"},  # up
+        "node_agent.gpu": {"node_agent"},  # the package itself
+    }
+    assert upward_imports(graph, layers) == [
+        "node_agent.gpu.nvml -> node_agent.checks.rdma: gpu may not import checks, a layer above it"
+    ]
+
+
+def test_every_wing_has_a_place_in_the_layers():
+    placed = {unit for layer in LAYERS for unit in layer}
+    units = {u for m in _modules() if (u := _unit(m)) is not None}
+    assert units - placed == set(), "place each in LAYERS, between what it imports and its users"
+    assert placed - units == set(), "LAYERS names what no longer exists"
+    assert len(placed) == sum(map(len, LAYERS)), "a name in two layers"
 
 
 def test_no_import_circles_even_through_imports_inside_functions():
