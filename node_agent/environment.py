@@ -1,6 +1,9 @@
-"""Everything one invocation works against, opened once: config, graders, SKU, GPUs, kernel log.
+"""Everything one invocation works against, opened once: config, graders, SKU, GPUs, kernel log,
+and the ports the checks read the node through (:mod:`node_agent.checks.ports`).
 
-This is the single place where the simulator or the real hardware is chosen.
+This is the single place where a scenario's stand-in node or the real hardware is chosen:
+``open_environment(config, simulate=path)`` opens the scenario's; without ``simulate``, this
+host's. Checks never ask which; they read ``Environment.ports``.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from pathlib import Path
 
 from node_agent import resources
 from node_agent.atomic_file import private_dir
+from node_agent.checks.ports import Ports, stand_in_ports
 from node_agent.config import Config
 from node_agent.gpu import open_backend
 from node_agent.gpu.base import GpuBackend
@@ -32,6 +36,8 @@ class Environment:
     kernel_log: KernelLog
     inventory: Inventory
     scenario: Scenario | None
+    #: what the checks read the node through, chosen with it (this host's unless a scenario's)
+    ports: Ports = Ports()
 
     @property
     def simulated(self) -> bool:
@@ -110,6 +116,7 @@ def open_environment(config: Config, simulate: str | None = None) -> Environment
         hostname = config.get("node.name")
         sku_setting = config.get("node.sku")
     inventory = collect(backend, skus, sku_setting, hostname=hostname)
+    ports = Ports() if scenario is None else stand_in_ports(scenario, inventory.sku, backend)
     return Environment(
         config=config,
         grader=grader,
@@ -118,6 +125,7 @@ def open_environment(config: Config, simulate: str | None = None) -> Environment
         kernel_log=kernel_log,
         inventory=inventory,
         scenario=scenario,
+        ports=ports,
     )
 
 

@@ -12,14 +12,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from node_agent.checks.ports import Ports, stand_in_ports
 from node_agent.config import Config
 from node_agent.gpu.base import GpuBackend
 from node_agent.gpu.pci import PciBus
 from node_agent.hardware.sku import Sku
-from node_agent.inventory import Inventory, read_pci_bus
+from node_agent.inventory import Inventory
 from node_agent.kernel_log import KernelLog
 from node_agent.model import Result, Status
 from node_agent.sim.scenario import Scenario
+
+#: this host's ports: the default of a CheckContext given none
+HOST_PORTS = Ports()
 
 #: check name -> module implementing ``run(ctx)``; imported lazily (compute checks pull in torch)
 REGISTRY: dict[str, str] = {
@@ -65,15 +69,25 @@ class CheckContext:
     params: dict[str, Any] = field(default_factory=dict)
     state_dir: Path | None = None  # writable directory for cursors, or None
     timeout_s: float = 60.0  # the runner abandons the check after this; bound subprocesses below it
-    scenario: Scenario | None = None  # the simulated node, for faults at the compute boundary
+    #: where the check reads the node (trees, tools, compute, clock), chosen once with the node
+    #: (``open_environment``); this host's unless given
+    ports: Ports = HOST_PORTS
+    #: a scenario whose stand-in ports are built here when ``ports`` is not given (for callers
+    #: that hold a scenario rather than an Environment). TRANSITIONAL: a check reads its ports,
+    #: never this; it goes when the last check reading it has moved to the ports
+    scenario: Scenario | None = None
     #: one suite run's hand-over between checks (e.g. the burn's telemetry trace for
     #: thermal_power); keys are documented by the check that writes them
     shared: dict[str, Any] = field(default_factory=dict)
     #: the NVIDIA GPUs on the PCI bus; read on first use (``pci_bus()``) unless given
     pci: PciBus | None = field(default=None, repr=False)
 
+    def __post_init__(self) -> None:
+        if self.scenario is not None and self.ports is HOST_PORTS:
+            self.ports = stand_in_ports(self.scenario, self.sku, self.gpu)
+
     @property
-    def simulated(self) -> bool:
+    def simulated(self) -> bool:  # TRANSITIONAL, as ``scenario``
         return self.scenario is not None
 
     def result(
@@ -101,10 +115,10 @@ class CheckContext:
         return self.result(target, metric, Status.SKIP, reason)
 
     def pci_bus(self) -> PciBus:
-        """The NVIDIA GPUs on the node's PCI bus (sysfs; the simulated node's tree under
-        simulation), read once per check."""
+        """The NVIDIA GPUs on the node's PCI bus (``ports.pci_bus``: this host's sysfs, or a
+        stand-in's tree), read once per check."""
         if self.pci is None:
-            self.pci = read_pci_bus(self.scenario, self.sku)
+            self.pci = self.ports.pci_bus()
         return self.pci
 
     def gpus_unavailable(self) -> list[Result] | None:

@@ -4,7 +4,7 @@ Runs a level (``params.level`` 1-4; 1 takes seconds, 2 about two minutes, 3 abou
 hour or more) or named tests (``params.tests``: ``[memory, pcie]``) through DCGM's Python
 bindings (:mod:`node_agent.gpu.dcgm`), or through ``dcgmi diag -r N -j`` when only the
 command-line tool is installed. Neither: ``skip`` naming the paths searched and the package.
-A simulated node has no DCGM: ``skip``.
+A node whose ports have no DCGM (a scenario's stand-in): ``skip``.
 
 Each test that did not pass on an entity becomes one result on that entity (``gpu:2``; ``node``
 for tests that name none), keeping DCGM's error code, category and severity as evidence. The
@@ -35,10 +35,8 @@ from node_agent.model import Result, Status
 from node_agent.parsers import ParseError
 from node_agent.parsers.dcgm_diag import DiagEntityResult, DiagReport, error_name, parse_diag_json
 
-SIMULATED = (
-    "simulated node: DCGM is not simulated (the NVML checks see the injected faults); "
-    "on real hardware this runs `dcgmi diag`"
-)
+#: said after the reason the node has no DCGM (``ports.dcgm_absent``)
+ON_REAL_HARDWARE = "on real hardware this runs `dcgmi diag`"
 DCGMI_MISSING = "and no `dcgmi` on PATH either"
 
 #: metric and operator advice per DCGM severity (DCGM "Diagnostic Errors" reference)
@@ -82,8 +80,8 @@ def diag_timeout_s(ctx: CheckContext) -> float:
 
 
 def run(ctx: CheckContext, opener: Opener = open_dcgm) -> list[Result]:
-    if ctx.gpu.simulated:
-        return [ctx.skip(SIMULATED)]
+    if ctx.ports.dcgm_absent is not None:
+        return [ctx.skip(f"{ctx.ports.dcgm_absent}; {ON_REAL_HARDWARE}")]
     unavailable = ctx.gpus_unavailable()
     if unavailable:
         return unavailable

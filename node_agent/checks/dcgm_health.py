@@ -35,10 +35,8 @@ from node_agent.gpu.dcgm import (
 from node_agent.model import Result, Status
 
 DEFAULT_SYSTEMS = ("pcie", "mem", "inforom", "thermal", "power", "nvlink", "driver")
-SIMULATED = (
-    "simulated node: DCGM is not simulated (the NVML checks see the injected faults); "
-    "on real hardware this reads DCGM's health watches"
-)
+#: said after the reason the node has no DCGM (``ports.dcgm_absent``)
+ON_REAL_HARDWARE = "on real hardware this reads DCGM's health watches"
 #: DCGM_FR_PENDING_PAGE_RETIREMENTS, DCGM_FR_DBE_PENDING_PAGE_RETIREMENTS,
 #: DCGM_FR_PENDING_ROW_REMAP: the fix is a GPU reset (NVIDIA GPU memory error management)
 RESET_PENDING_CODES = frozenset({6, 83, 85})
@@ -127,8 +125,8 @@ def incident_results(ctx: CheckContext, report: HealthReport, via: str) -> list[
 
 
 def run(ctx: CheckContext, opener: Opener = open_dcgm) -> list[Result]:
-    if ctx.gpu.simulated:
-        return [ctx.skip(SIMULATED)]
+    if ctx.ports.dcgm_absent is not None:
+        return [ctx.skip(f"{ctx.ports.dcgm_absent}; {ON_REAL_HARDWARE}")]
     unavailable = ctx.gpus_unavailable()
     if unavailable:
         return unavailable

@@ -11,18 +11,17 @@ alike instead of on the one being measured.
 Result per GPU (target ``gpu:N``): ``copy_gbps`` = the 90th percentile of the repetitions'
 GB/s, with median, max, min and the figures of the run in evidence. Not the median, for the
 reason ``pcie_bandwidth`` gives: a busy host can only slow a copy down, so the upper figures
-are the GPU's and the lower ones the host's; on an idle host they agree within a percent or
-two. (A median of a simulated GPU's copies graded one healthy stand-in below 0.92 of its
-siblings on the shared 2-core CI machine while the test suite ran other processes.) Graded against the GPU's siblings (graders/performance.yaml)
-and, on real hardware only, the SKU's ``hbm_bw_gbps_min``.
+are the GPU's and the lower ones the host's (docs/load_tests.md). Graded against the GPU's
+siblings (graders/performance.yaml) and, where the figures are measured
+(``ports.compute.measured``), the SKU's ``hbm_bw_gbps_min``.
 
-Under ``--simulate`` each GPU is a CPU stand-in (``node_agent.compute.devices``): the same code copies
-CPU tensors at the suite's ``simulated`` size, but a copy's time is modeled, not measured
+On a scenario's node each GPU is a CPU stand-in (``node_agent.compute.devices``): the same code
+copies CPU tensors at the suite's stand-in size, but a copy's time is modelled, not measured
 (:mod:`node_agent.compute.copy_model`: 1.15 x the SKU's ``hbm_bw_gbps_min``, times a ``slow``
 GPU's factor), because CPU memcpys time the host's load rather than a GPU's memory; a healthy
-simulated node therefore grades the same on an idle and on a busy machine.
+stand-in node therefore grades the same on an idle and on a busy machine.
 Params: ``size_bytes`` (4 GiB), ``reps`` (10), ``warmup`` (2), ``sample_min_s`` (0: one copy
-per repetition on a real GPU; ignored under simulation).
+per repetition on a real GPU; ignored where copies are modelled).
 """
 
 from __future__ import annotations

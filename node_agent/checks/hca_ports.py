@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import json
 import re
-import tempfile
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +49,6 @@ from node_agent import atomic_file, resources
 from node_agent.checks import CheckContext, log_cursor, rdma
 from node_agent.kernel_log import kernel_message
 from node_agent.model import Result, Status
-from node_agent.sim import tools as sim_tools
 from node_agent.yamlfile import load_yaml
 
 SYSFS_ROOT = rdma.SYSFS_ROOT
@@ -279,15 +276,14 @@ def uptime_s(path: Path = UPTIME) -> float | None:
 
 
 def run(ctx: CheckContext) -> list[Result]:
-    now = time.time()
-    if ctx.simulated and "sysfs_root" not in ctx.params:
-        # A simulated node's HCAs: the sysfs tree node_agent.sim.tools writes for this run,
-        # read below exactly as the real one is.
-        if not ctx.scenario.hcas:
-            return [ctx.skip("no RDMA device: the simulated node's scenario lists no hcas")]
-        with tempfile.TemporaryDirectory(prefix="node-agent-sim-hca-") as tmp:
-            sim = sim_tools.rdma_tools(ctx.scenario, ctx.sku, Path(tmp), now=now)
-            return check(ctx, sim.sysfs_root, now=now, uptime=sim.uptime_s)
+    now = ctx.ports.clock()
+    if ctx.ports.rdma_tree is not None and "sysfs_root" not in ctx.params:
+        # The HCAs the node's ports build (a scenario's: the sysfs tree node_agent.sim.tools
+        # writes for this run), read below exactly as the real one is.
+        with ctx.ports.rdma_tree(now) as view:
+            if view.absent is not None:
+                return [ctx.skip(view.absent)]
+            return check(ctx, view.sysfs_root, now=now, uptime=view.uptime_s)
     return check(ctx, Path(ctx.params.get("sysfs_root", SYSFS_ROOT)), now=now, uptime=uptime_s())
 
 

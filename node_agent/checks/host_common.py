@@ -1,5 +1,5 @@
-"""What the host checks share: where they read (the host, a test's tree, or the simulated
-node's), their thresholds (``graders/host.yaml``), and counters kept between runs.
+"""What the host checks share: where they read (the host, a test's tree, or the tree of the
+node's ``ports``), their thresholds (``graders/host.yaml``), and counters kept between runs.
 
 Params every host check takes (tests point them at trees of their own): ``sys_root`` (default
 ``/sys``), ``proc_root`` (``/proc``), ``dev_root`` (``/dev``); the tools come from the config
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -85,14 +84,13 @@ def thresholds(ctx: CheckContext, section: str) -> dict[str, float]:
 
 @contextlib.contextmanager
 def host_paths(ctx: CheckContext, parts: tuple[str, ...]) -> Iterator[HostPaths]:
-    """The roots and tools to read: under ``--simulate`` (and no ``sys_root`` param) the
-    simulated node's ``parts`` written to a temporary directory for this run
-    (:mod:`node_agent.sim.host_tools`); else ``params`` over the real host's."""
-    if ctx.simulated and "sys_root" not in ctx.params:
-        from node_agent.sim import host_tools
-
-        with tempfile.TemporaryDirectory(prefix="node-agent-sim-host-") as tmp:
-            yield host_tools.build(ctx.scenario, ctx.sku, Path(tmp), parts)
+    """The roots and tools to read: a ``sys_root`` param's tree (a test's), else the tree the
+    node's ports build for ``parts`` (a scenario's stand-in host, written to a temporary
+    directory for this run: :mod:`node_agent.sim.host_tools`), else the real host's.
+    StandInFault when a scenario's fault names a part the stand-in lacks."""
+    if ctx.ports.host_tree is not None and "sys_root" not in ctx.params:
+        with ctx.ports.host_tree(parts) as paths:
+            yield paths
         return
     yield HostPaths(
         sys=Path(ctx.params.get("sys_root", "/sys")),
@@ -104,16 +102,11 @@ def host_paths(ctx: CheckContext, parts: tuple[str, ...]) -> Iterator[HostPaths]
 
 
 def not_recorded(ctx: CheckContext, metric: str) -> list[Result] | None:
-    """For a captured node replayed through ``--simulate`` (docs/capture.md): its host
-    hardware was not recorded, so the host checks skip rather than judge a model of it."""
-    if ctx.scenario is not None and ctx.scenario.captured and "sys_root" not in ctx.params:
-        return [
-            ctx.skip(
-                "the captured node's host hardware (EDAC, PSUs, AER, NVMe, CPUs) was "
-                "not recorded; only its GPUs and PCI bus replay",
-                metric=metric,
-            )
-        ]
+    """For a node whose host hardware cannot be judged (a captured node replayed through
+    ``--simulate``, docs/capture.md: its host was not recorded), the skip that says so, rather
+    than a judgment of a model of it; None where the host checks read it."""
+    if ctx.ports.host_unrecorded is not None and "sys_root" not in ctx.params:
+        return [ctx.skip(ctx.ports.host_unrecorded, metric=metric)]
     return None
 
 

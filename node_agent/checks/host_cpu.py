@@ -9,7 +9,7 @@ Reads ``/sys/devices/system/cpu`` (:mod:`node_agent.host.cpu`):
   run counts from boot; a drop is a reset. No ``thermal_throttle`` directory (not x86, most
   VMs): a ``skip`` saying so.
 * ``cpus_online`` (``node``) — ``fail`` (graded ERROR) when fewer CPUs are online than
-  ``node.expected_cpus`` (under ``--simulate`` without it, the simulated host's), naming the
+  ``node.expected_cpus`` (without it, what the node's ports declare: a scenario's host's), naming the
   missing ones; a ``skip`` when nothing declares what to expect.
 Params: ``sys_root``.
 """
@@ -83,10 +83,9 @@ def _throttle(ctx: CheckContext, state) -> Result:
 def _online(ctx: CheckContext, state) -> Result:
     expected = ctx.config.get("node.expected_cpus")
     declared_by = "node.expected_cpus"
-    if expected is None and ctx.simulated:
-        from node_agent.sim.host_tools import CPUS
-
-        expected, declared_by = CPUS, "the simulated host's CPUs"
+    if expected is None and ctx.ports.declared_host is not None:
+        declared = ctx.ports.declared_host
+        expected, declared_by = declared.cpus, f"{declared.declared_by}'s CPUs"
     if state.online is None:
         return ctx.skip("/sys/devices/system/cpu/online cannot be read", metric="cpus_online")
     online = len(state.online)

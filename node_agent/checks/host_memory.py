@@ -12,7 +12,7 @@ Reads the EDAC tree (:mod:`node_agent.host.edac`) and the memory blocks or MemTo
   count since the controller's ``seconds_since_reset``, per 24 h (all of it when the reset was
   less than a day ago).
 * ``memory_installed`` (``node``) — installed memory against ``node.expected_memory_gib``
-  (under ``--simulate`` without it, the simulated host's own): ``fail`` (``memory_missing``)
+  (without it, what the node's ports declare: a scenario's host's own): ``fail`` (``memory_missing``)
   when more than ``missing_dimm_fraction`` of a DIMM is missing; a ``skip`` saying so when
   nothing declares what to expect.
 No EDAC (a VM, no platform driver): the EDAC results are one ``skip`` with the reason.
@@ -27,6 +27,7 @@ import time
 from node_agent import atomic_file
 from node_agent.checks import CheckContext
 from node_agent.checks.host_common import host_paths, not_recorded, thresholds
+from node_agent.checks.ports import StandInFault
 from node_agent.host.edac import EdacAbsent, MemoryController, read_edac
 from node_agent.host.memory import read_installed
 from node_agent.host.paths import entity_name
@@ -55,9 +56,7 @@ def run(ctx: CheckContext) -> list[Result]:
                     ),
                 )
             installed = read_installed(paths.sys, paths.proc)
-    except ValueError as err:  # a simulated fault naming a DIMM the node lacks
-        if not ctx.simulated:
-            raise
+    except StandInFault as err:  # a scenario's fault naming a DIMM the stand-in lacks
         return [ctx.result("node", "scenario", Status.ERROR, str(err))]
     results: list[Result] = []
     if controllers is None:
@@ -233,10 +232,9 @@ def _installed(
 ) -> Result:
     expected = ctx.config.get("node.expected_memory_gib")
     declared_by = "node.expected_memory_gib"
-    if expected is None and ctx.simulated:
-        from node_agent.sim.host_tools import expected_memory_gib
-
-        expected, declared_by = expected_memory_gib(), "the simulated host's memory"
+    if expected is None and ctx.ports.declared_host is not None:
+        declared = ctx.ports.declared_host
+        expected, declared_by = declared.memory_gib, f"{declared.declared_by}'s memory"
     if installed is None:
         return ctx.skip(
             "installed memory unreadable: neither /sys/devices/system/memory nor "

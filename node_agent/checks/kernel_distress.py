@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,8 +159,7 @@ def run(ctx: CheckContext) -> list[Result]:
                     error=str(err),
                 )
             )
-    if ctx.scenario is not None:
-        records = records + simulated_records(ctx.scenario, start_seq=len(records) + 1)
+    records = records + ctx.ports.extra_kernel_records(len(records) + 1)
     cursor = log_cursor.load(_cursor_path(ctx), log.source) if since == "last_run" else None
     fresh = [r for r in records if cursor is None or r.seq > cursor]
     if since == "last_run" and records and read_ok:
@@ -316,39 +314,6 @@ def _result(
     )
 
 
-# --- the simulated node -----------------------------------------------------------------------
-
-#: a corrected memory-controller error and the Skylake-SP fatal one (status bits: VAL|EN|
-#: MISCV|ADDRV and, for the fatal one, UC|PCC): the forms arch/x86/kernel/cpu/mce/core.c prints
-SIM_MCE_CORRECTED = "mce: [Hardware Error]: CPU {cpu}: Machine Check: 0 Bank 7: 8c00004000010090"
-SIM_MCE_FATAL = (
-    "mce: [Hardware Error]: CPU {cpu}: Machine Check Exception: 5 Bank 4: be00000000800400",
-    "mce: [Hardware Error]: Machine check: Processor context corrupt",
-    "Kernel panic - not syncing: Fatal machine check",
-)
-SIM_MCE_LOGGED = "mce: [Hardware Error]: Machine check events logged"
-
-
-def simulated_records(scenario: Any, start_seq: int = 1) -> list[LogRecord]:
-    """The kernel-log records a simulated node's ``mce`` faults print (kmsg records of the
-    kernel's facility, as /dev/kmsg gives them): ``count`` corrected bank records and the
-    notice, or with ``fatal: true`` the exception, the context-corrupt line and the panic."""
-    lines: list[str] = []
-    for f in scenario.faults:
-        if f.kind != "mce":
-            continue
-        count = int(f.params.get("count", 1))
-        if f.params.get("fatal"):
-            for _ in range(count):
-                lines.extend(line.format(cpu=3) for line in SIM_MCE_FATAL)
-        else:
-            lines.extend(SIM_MCE_CORRECTED.format(cpu=i % 8) for i in range(count))
-            lines.append(SIM_MCE_LOGGED)
-    return [
-        LogRecord(start_seq + i, line, boot_s=100.0 + i, facility=0) for i, line in enumerate(lines)
-    ]
-
-
 # --- rasdaemon --------------------------------------------------------------------------------
 
 _RAS_ROW = re.compile(r"^\s+(?P<count>\d+)\s+(?P<msg>.+?)\s+errors\s*$")
@@ -396,8 +361,8 @@ def parse_ras_summary(text: str) -> dict[str, Any] | None:
 
 def rasdaemon_results(ctx: CheckContext) -> list[Result]:
     """rasdaemon's MCE records (``ras-mc-ctl --summary``), where it is installed."""
-    if ctx.scenario is not None:
-        return []  # a simulated node's machine checks are its kernel log's (the mce fault)
+    if not ctx.ports.rasdaemon:
+        return []  # the node's machine checks are its kernel log's (a stand-in's mce fault)
     tool = str(ctx.config.get("host.ras_mc_ctl"))
     if proc.which(tool) is None:
         return [
@@ -556,8 +521,16 @@ def pstore_results(ctx: CheckContext) -> list[Result]:
     CPU or firmware), and the node is drained and re-tested, as a repeated Xid is."""
     max_age_h = ctx.params.get("pstore_max_age_h", 168)
     max_age_s = None if max_age_h is None else float(max_age_h) * 3600
-    if ctx.scenario is not None:
-        return _simulated_pstore(ctx, max_age_s)
+    if ctx.ports.pstore_unrecorded is not None:
+        return [ctx.skip(ctx.ports.pstore_unrecorded, metric="pstore")]
+    if ctx.ports.pstore_tree is not None:
+        # the node's ports build its pstore (a scenario's pstore_panic faults as the files the
+        # efi backend keeps), read by the same reader
+        with ctx.ports.pstore_tree() as view:
+            results = _grade_pstore(ctx, list(view.roots), max_age_s)
+        for r in results:
+            r.evidence["roots"] = [view.label or str(root) for root in view.roots]
+        return results
     root = Path(ctx.params.get("pstore_root", PSTORE_ROOT))
     archive = Path(ctx.params.get("pstore_archive", PSTORE_ARCHIVE))
     if "pstore_root" not in ctx.params and not pstore_mounted(root):
@@ -574,34 +547,6 @@ def pstore_results(ctx: CheckContext) -> list[Result]:
             )
         ]
     return _grade_pstore(ctx, [root, archive], max_age_s)
-
-
-def _simulated_pstore(ctx: CheckContext, max_age_s: float | None) -> list[Result]:
-    """A simulated node's ``pstore_panic`` faults as the files pstore keeps (efi backend), in a
-    temporary directory read by the real reader."""
-    if ctx.scenario.captured:  # type: ignore[union-attr]
-        return [
-            ctx.skip(
-                "pstore was not recorded by this capture (node-agent capture keeps "
-                "NVML, the PCI bus and the kernel log)",
-                metric="pstore",
-            )
-        ]
-    faults = [f for f in ctx.scenario.faults if f.kind == "pstore_panic"]  # type: ignore[union-attr]
-    with tempfile.TemporaryDirectory(prefix="node-agent-pstore-") as tmp:
-        n = 0
-        for f in faults:
-            for _ in range(int(f.params.get("count", 1))):
-                n += 1
-                Path(tmp, f"dmesg-efi-17{n:08d}01001").write_text(
-                    f"Panic#{n} Part1\n<4>[ 8821.100000] watchdog: BUG: soft lockup - CPU#5 stuck "
-                    f"for 22s! [kworker/5:1:311]\n<0>[ 8849.200000] Kernel panic - not syncing: "
-                    "softlockup: hung tasks\n"
-                )
-        results = _grade_pstore(ctx, [Path(tmp)], max_age_s)
-    for r in results:
-        r.evidence["roots"] = ["simulated pstore"]
-    return results
 
 
 def _grade_pstore(ctx: CheckContext, roots: list[Path], max_age_s: float | None) -> list[Result]:

@@ -1,7 +1,7 @@
 """Check ``nccl_allreduce``: all-reduce bandwidth and correctness across the node's ranks.
 
-With real CUDA GPUs the ranks use backend ``nccl``, one per GPU; otherwise (no GPU, or a
-simulated node) ``params.cpu_ranks`` (default 2) CPU processes use ``gloo``, which exercises the
+With real CUDA GPUs the ranks use backend ``nccl``, one per GPU; otherwise (no GPU, or a node
+whose compute port runs on CPU stand-ins) ``params.cpu_ranks`` (default 2) CPU processes use ``gloo``, which exercises the
 same path and correctness test but whose bandwidth says nothing about the node's GPUs — the SKU
 minimum ``nccl_allreduce_busbw_gbps_min`` (a figure of the whole board over NVLink) is applied
 only to ``nccl`` on real GPUs, with as many ranks as the SKU has GPUs per node, on a host that
@@ -175,7 +175,9 @@ def torch_available() -> bool:
 
 
 def _has_real_gpus(ctx: CheckContext) -> bool:
-    return not ctx.gpu.simulated and not ctx.gpu.unavailable_reason and len(ctx.gpu.devices()) > 0
+    return (
+        ctx.ports.compute.measured and not ctx.gpu.unavailable_reason and len(ctx.gpu.devices()) > 0
+    )
 
 
 def run(ctx: CheckContext) -> list[Result]:
@@ -193,8 +195,8 @@ def run(ctx: CheckContext) -> list[Result]:
             return [one_rank_skip(ctx, world_size, backend)]
         if p.get("use_nccl_tests") and proc.which("all_reduce_perf"):
             return _run_nccl_tests(ctx, world_size, sizes, iters, warmup, timeout_s)
-    elif ctx.gpu.simulated or "cpu_ranks" in p:
-        # the same code path across real processes on the CPU (simulation, CI)
+    elif not ctx.ports.compute.measured or "cpu_ranks" in p:
+        # the same code path across real processes on the CPU (stand-in GPUs, CI)
         backend = "gloo"
         world_size = int(p.get("cpu_ranks", 2))
     else:
@@ -226,7 +228,7 @@ def run(ctx: CheckContext) -> list[Result]:
         "world_size": world_size,
         "iters": iters,
         "warmup": warmup,
-        "simulated": ctx.gpu.simulated,
+        "stand_in": not ctx.ports.compute.measured,
         "tool": "torch.distributed",
         "torch": doc.get("torch"),
     }
@@ -460,7 +462,7 @@ def _run_nccl_tests(
         "world_size": world_size,
         "iters": iters,
         "warmup": warmup,
-        "simulated": False,
+        "stand_in": False,
         "tool": "all_reduce_perf",
         "avg_busbw_gbps": table.avg_busbw_gbps,
         "out_of_bounds": table.out_of_bounds,

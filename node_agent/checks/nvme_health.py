@@ -20,6 +20,7 @@ from __future__ import annotations
 from node_agent import proc
 from node_agent.checks import CheckContext
 from node_agent.checks.host_common import host_paths, not_recorded, thresholds, tool_timeout_s
+from node_agent.checks.ports import StandInFault
 from node_agent.host.nvme import CONTROLLER, controllers_holding, list_controllers
 from node_agent.host.paths import HostPaths
 from node_agent.model import Result, Status
@@ -35,9 +36,7 @@ def run(ctx: CheckContext) -> list[Result]:
     try:
         with host_paths(ctx, ("nvme",)) as paths:
             return _run(ctx, paths)
-    except ValueError as err:  # a simulated fault naming a disk the node lacks
-        if not ctx.simulated:
-            raise
+    except StandInFault as err:  # a scenario's fault naming a disk the stand-in lacks
         return [ctx.result("node", "scenario", Status.ERROR, str(err))]
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from node_agent import model
 from node_agent.checks import CheckContext, host_view
 from node_agent.gpu.base import (
     DeviceLost,
@@ -35,11 +36,9 @@ from node_agent.gpu.base import (
     NotSupported,
 )
 from node_agent.gpu.pci import compare
+from node_agent.gpu.throttle import ABNORMAL_THROTTLE
 from node_agent.model import Result, Status
 
-# Throttle reasons that mean the hardware is protecting itself. SW power cap, idle and
-# application-clock settings are normal operation (NVML nvmlClocksEventReason* docs).
-ABNORMAL_THROTTLE = ("hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
 # Recovery actions that ask for a reset or reboot (nvmlGpuRecoveryAction_t).
 _RESET_ACTIONS = {
     "gpu_reset",
@@ -79,7 +78,7 @@ def _expected_gpus(ctx: CheckContext) -> tuple[int | None, str]:
     if (
         sku is not None
         and not sku.fixed_gpu_count
-        and not ctx.simulated
+        and ctx.ports.gpu_count_from is None
         and ctx.config.get("node.expected_gpus") is None
     ):
         return None, (
@@ -114,9 +113,9 @@ def _gpu_count(ctx: CheckContext) -> Result:
     note = f" ({handed} more handed to a VM)" if handed else ""
     expected = max(expected - handed, 0)
     declared = ctx.config.get("node.expected_gpus") is not None
-    # a simulated scenario's count is the node's own, as a declared one is; a captured node's is
+    # a modelled scenario's count is the node's own, as a declared one is; a captured node's is
     # only what the recorded host showed, so it is judged as that host would be
-    modelled = ctx.simulated and not (ctx.scenario is not None and ctx.scenario.captured)
+    modelled = ctx.ports.gpu_count_from == "scenario"
     evidence = {
         "expected": expected,
         "visible": visible,
@@ -723,17 +722,17 @@ def _recovery(ctx, dev, target, reading, out) -> None:
     if action is None:
         return
     needs = action in _RESET_ACTIONS or action.startswith("unknown")
-    out.append(
-        ctx.result(
-            target,
-            "recovery_action",
-            Status.FAIL if needs else Status.PASS,
-            f"the driver asks for recovery action {action}"
-            if needs
-            else "the driver asks for no recovery action",
-            value=action,
-        )
+    result = ctx.result(
+        target,
+        "recovery_action",
+        Status.FAIL if needs else Status.PASS,
+        f"the driver asks for recovery action {action}"
+        if needs
+        else "the driver asks for no recovery action",
+        value=action,
     )
+    result.recovery = model.Recovery.parse(action)
+    out.append(result)
 
 
 def _nvlink(ctx, dev, target, reading, out) -> None:

@@ -11,10 +11,8 @@ untimed copies each way, then:
    A copy moves ``size_bytes`` once (bandwidthTest's convention); GB/s = 10^9 B/s. The value is
    the 90th percentile of the repetitions' GB/s (median, max and min are in evidence): a
    host<->device copy also crosses host memory and the CPU that waits on it, so a busy host
-   slows some repetitions — never speeds one up — and the upper figures are the link's own. On
-   an idle host a GPU's copies agree within a percent or two and p90 is the median; on the
-   shared 2-core CI machine, medians of one simulated GPU's copies dropped to 73% of its
-   siblings' in 1 run of 10 while its p90 stayed within 3% (docs/load_tests.md).
+   slows some repetitions — never speeds one up — and the upper figures are the link's own
+   (why p90 and not the median: docs/load_tests.md).
 2. **Link under load** (``pcie_link_under_load``): each GPU copies back to back while another
    thread reads its link (``GpuDevice.pcie()``, NVML ``nvmlDeviceGetCurrPcieLinkGeneration``/
    ``Width``); copies continue until the reading has landed. An idle GPU drops its link to a
@@ -30,16 +28,16 @@ untimed copies each way, then:
 
 Grading: every metric against the GPU's siblings (graders/performance.yaml); on real hardware
 the one-at-a-time figures also against the SKU's ``pcie_h2d_gbps_min``/``pcie_d2h_gbps_min``
-(not the concurrent ones: a healthy shared switch legitimately divides its uplink). Under
-simulation the concurrent figures are reported, not graded (``SIMULATED_TOGETHER``).
+(not the concurrent ones: a healthy shared switch legitimately divides its uplink). Where the
+node's compute port models its figures (CPU stand-ins), the concurrent figures are reported,
+not graded (``STAND_IN_TOGETHER``).
 
-Under ``--simulate`` each GPU is a CPU stand-in (``node_agent.compute.devices``): pinned memory is
-skipped (``pin_memory`` needs CUDA) and the "transfers" are CPU-to-CPU tensor copies — the
-evidence says so. Their time is modeled, not measured (:mod:`node_agent.compute.copy_model`):
+On a scenario's node each GPU is a CPU stand-in (``node_agent.compute.devices``): pinned memory
+is skipped (``pin_memory`` needs CUDA) and the "transfers" are CPU-to-CPU tensor copies — the
+evidence says so. Their time is modelled, not measured (:mod:`node_agent.compute.copy_model`):
 the link's data rate (the SKU's generation, the scenario's ``pcie_width`` lanes) x 0.83 x a
-``slow`` GPU's factor. Timed on the CPU, the copies measured the host's load: a healthy node
-graded WARN ("below siblings") in 3 of 4 runs with other work on the 2-core machine. The link
-under load comes from the simulated NVML.
+``slow`` GPU's factor (why modelled: docs/load_tests.md). The link under load comes from the
+stand-in's NVML.
 Params: ``size_bytes`` (256 MiB), ``reps`` (10), ``warmup`` (2), ``concurrent_s`` (2.0 per
 direction), ``link_timeout_s`` (10), ``worker_timeout_s`` (120 + 2 x concurrent_s),
 ``sample_min_s`` (0: one copy per timed sample; see ``transfer.timed``).
@@ -75,15 +73,14 @@ DEFAULT_CONCURRENT_S = 2.0
 ALONE = ("h2d_gbps", "d2h_gbps")
 TOGETHER = ("h2d_gbps_concurrent", "d2h_gbps_concurrent")
 LINK = "pcie_link_under_load"
-# Measured on the 2-core CI machine (docs/load_tests.md): eight CPU stand-in processes copying
-# at once differ by up to ~8-20% from one another under a busy host — they contend for two
-# cores and their caches, not for a PCIe switch — which would read as a slow GPU.
-SIMULATED_TOGETHER = (
-    "simulated node: CPU stand-ins copying together contend for the host's "
+# CPU stand-ins copying at once contend for the host's cores and caches, not for a PCIe switch,
+# and differ from one another by more than a slow GPU would (docs/load_tests.md)
+STAND_IN_TOGETHER = (
+    "stand-in node: CPU stand-ins copying together contend for the host's "
     "cores and caches, not for a PCIe switch (graded on real hardware)"
 )
-SIMULATED_NOTE = (
-    "simulated: CPU-to-CPU tensor copies, not pinned (pin_memory needs CUDA), "
+STAND_IN_NOTE = (
+    "stand-in: CPU-to-CPU tensor copies, not pinned (pin_memory needs CUDA), "
     "timed by the copy model (the link's rate x efficiency x slow factor; "
     "node_agent.compute.copy_model); only the ratios to the siblings are graded"
 )
@@ -97,7 +94,7 @@ class _Gpu:
     host: Any  # torch.Tensor on the CPU, pinned on CUDA nodes
     device_buf: Any  # torch.Tensor on the device
     stream: Any  # torch.cuda.Stream, or None on the CPU
-    model: CopyModel | None = None  # a simulated GPU's modeled copy rates
+    model: CopyModel | None = None  # a stand-in GPU's modelled copy rates
     times: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in ALONE})
 
     def stream_context(self):
@@ -116,7 +113,7 @@ class _Gpu:
             self.host.copy_(self.device_buf, non_blocking=True)
 
     def timed(self, kind: str, min_s: float) -> float:
-        """Seconds of one ``h2d`` or ``d2h`` copy (timed on a GPU, modeled when simulated)."""
+        """Seconds of one ``h2d`` or ``d2h`` copy (timed on a GPU, modelled on a stand-in)."""
         work = self.h2d if kind == "h2d" else self.d2h
         return timed_copy(self.dev, work, kind, int(self.host.numel()), self.model, min_s)
 
@@ -236,7 +233,7 @@ def run(ctx: CheckContext) -> list[Result]:
                 together_figures[metric],
                 evidence[metric],
                 None,
-                SIMULATED_TOGETHER if ctx.simulated else None,
+                None if ctx.ports.compute.measured else STAND_IN_TOGETHER,
             )
         )
     for index in sorted(links):
@@ -265,8 +262,8 @@ def _setup(spec: ComputeSpec, size: int, warmup: int, model: CopyModel | None = 
 
 
 def _memory_note(g: _Gpu) -> dict[str, Any]:
-    if g.dev.simulated:
-        return {"pinned": False, "note": SIMULATED_NOTE}
+    if g.dev.stand_in:
+        return {"pinned": False, "note": STAND_IN_NOTE}
     return {"pinned": bool(g.host.is_pinned())}
 
 
@@ -418,8 +415,8 @@ def _concurrent(
     in the steady state of a GPU copy they equal the median anyway. A fixed window rather than a fixed
     number of copies keeps every GPU loaded for the whole measurement (a fast GPU does not
     finish early and leave the switch to the others). Processes rather than threads because a
-    simulated GPU's clock is its process's CPU time: each stand-in then measures its own
-    copies, whatever share of the two CI cores the scheduler gave it."""
+    stand-in GPU's clock is its process's CPU time: each stand-in then measures its own
+    copies, whatever share of the host's cores the scheduler gave it."""
     import multiprocessing
 
     out: _Together = {m: {} for m in TOGETHER}

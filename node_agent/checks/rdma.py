@@ -38,7 +38,6 @@ from node_agent.checks import CheckContext
 from node_agent.model import Result, Status
 from node_agent.parsers import ParseError
 from node_agent.parsers.perftest import BwRow, parse_bw_json, parse_bw_table
-from node_agent.sim import tools as sim_tools
 
 SYSFS_ROOT = Path("/sys/class/infiniband")
 PERFTEST_MISSING = "ib_write_bw not installed (Debian package `perftest`: apt-get install perftest)"
@@ -115,14 +114,13 @@ def discover(root: Path = SYSFS_ROOT) -> list[Port]:
 
 
 def run(ctx: CheckContext) -> list[Result]:
-    if ctx.simulated and "sysfs_root" not in ctx.params:
-        # A simulated node's HCAs: a sysfs tree and an ib_write_bw stand-in written for this
-        # run (node_agent.sim.tools); everything below reads them as it reads the real ones.
-        if not ctx.scenario.hcas:
-            return [ctx.skip("no RDMA device: the simulated node's scenario lists no hcas")]
-        with tempfile.TemporaryDirectory(prefix="node-agent-sim-rdma-") as tmp:
-            sim = sim_tools.rdma_tools(ctx.scenario, ctx.sku, Path(tmp))
-            return _run(ctx, sim.sysfs_root, str(sim.ib_write_bw))
+    if ctx.ports.rdma_tree is not None and "sysfs_root" not in ctx.params:
+        # The HCAs the node's ports build (a scenario's: a sysfs tree and an ib_write_bw
+        # stand-in written for this run, node_agent.sim.tools); read as the real ones are.
+        with ctx.ports.rdma_tree(ctx.ports.clock()) as view:
+            if view.absent is not None:
+                return [ctx.skip(view.absent)]
+            return _run(ctx, view.sysfs_root, view.ib_write_bw)
     return _run(ctx, Path(ctx.params.get("sysfs_root", SYSFS_ROOT)), ctx.params.get("ib_write_bw"))
 
 

@@ -90,7 +90,8 @@ def run(ctx: CheckContext) -> list[Result]:
         k: ctx.config.get(f"node.software.{k}")
         for k in ("driver", "cuda", "nccl", "vbios", "kernel")
     }
-    sim = _sim_software(ctx)
+    # the software a stand-in declares (a scenario's); empty: this host's, read here
+    sim: dict[str, Any] = dict(ctx.ports.software.values) if ctx.ports.software else {}
     results: list[Result] = []
     host = ctx.inventory.host
     gpus_down = ctx.gpus_unavailable()
@@ -107,13 +108,14 @@ def run(ctx: CheckContext) -> list[Result]:
                     ctx, f"gpu:{gpu.index}", "vbios_version", "vbios", declared["vbios"], gpu.vbios
                 )
             )
-    captured = ctx.scenario is not None and ctx.scenario.captured
-    if "kernel" in sim or not captured:  # a capture replays here: this host's kernel is not its
+    if "kernel" in sim and sim["kernel"] is None:  # a capture: this host's kernel is not its
+        results.append(ctx.skip(_NOT_RECORDED, metric="kernel_version"))
+    else:
         kernel = sim.get("kernel") or host.kernel
         results.append(compare(ctx, "node", "kernel_version", "kernel", declared["kernel"], kernel))
-    else:
-        results.append(ctx.skip(_NOT_RECORDED, metric="kernel_version"))
-    if "nccl" in sim:
+    if "nccl" in sim and sim["nccl"] is None:
+        results.append(ctx.skip(_NOT_RECORDED, metric="nccl_version"))
+    elif "nccl" in sim:
         results.append(
             compare(
                 ctx,
@@ -122,11 +124,9 @@ def run(ctx: CheckContext) -> list[Result]:
                 "nccl",
                 declared["nccl"],
                 sim["nccl"],
-                found_from="the simulated node",
+                found_from=ctx.ports.software.source if ctx.ports.software else "",
             )
         )
-    elif captured:
-        results.append(ctx.skip(_NOT_RECORDED, metric="nccl_version"))
     else:
         nccl, nccl_from = system_nccl(timeout_s=min(10.0, ctx.timeout_s / 3))
         results.append(
@@ -267,26 +267,9 @@ def _needs(ctx: CheckContext) -> dict[str, bool]:
     return needs
 
 
-def _sim_software(ctx: CheckContext) -> dict[str, Any]:
-    if ctx.scenario is None:
-        return {}
-    # a modelled node is healthy unless a fault says otherwise; a captured node's services and
-    # bridges were not recorded (None: skipped with that reason)
-    healthy = not ctx.scenario.captured
-    out: dict[str, Any] = {
-        "peermem": True if healthy else None,
-        "fabricmanager": True if healthy else None,
-        "acs": [] if healthy else None,
-    }
-    for fault in ctx.scenario.faults:
-        if fault.kind == "software":
-            out.update(fault.params)
-    return out
-
-
 def _virtualized(ctx: CheckContext) -> bool:
-    if ctx.scenario is not None:
-        return ctx.scenario.virtualization != "none"
+    if ctx.ports.software is not None:
+        return ctx.ports.software.virtualized
     try:
         devices = ctx.gpu.devices()
         return bool(devices) and devices[0].virtualization_mode() != "none"
@@ -353,7 +336,7 @@ def _peermem(ctx: CheckContext, needs: dict[str, bool], sim: dict[str, Any]) -> 
     if sim and sim["peermem"] is None:
         return ctx.skip(_NOT_RECORDED, metric="nvidia_peermem")
     if sim:
-        hcas = list(ctx.scenario.hcas) if ctx.scenario is not None else []
+        hcas = list(ctx.ports.software.hcas) if ctx.ports.software is not None else []
         loaded = bool(sim["peermem"])
     else:
         try:
@@ -457,7 +440,7 @@ def _acs(ctx: CheckContext, sim: dict[str, Any]) -> Result:
         return ctx.skip(_NOT_RECORDED, metric="pcie_acs")
     if sim:
         on = sorted(sim.get("acs") or [])
-        checked = "the simulated node's bridges"
+        checked = "the stand-in node's bridges"
     else:
         endpoints = _endpoints(ctx)
         if not endpoints:

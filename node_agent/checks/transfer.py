@@ -4,11 +4,12 @@ timing on a compute device's clock, opening the devices, and grading the per-GPU
 Units: GB/s is 10^9 bytes per second, as nvidia-smi, bandwidthTest and nccl-tests print it.
 Grading follows DESIGN.md: every figure is compared with the median of its siblings on the same
 node (``graders/performance.yaml``: WARN clearly below, ``fail`` far below); the SKU's absolute
-minimum (``graders/skus/*.yaml`` ``performance``) applies on real hardware only, because a
-simulated GPU is a CPU stand-in whose absolute figures mean nothing.
+minimum (``graders/skus/*.yaml`` ``performance``) applies where the node's compute port measures
+(``ports.compute.measured``: real GPUs), not to a scenario's CPU stand-ins, whose absolute
+figures mean nothing.
 
-Timing: a real GPU's copies are timed on its clock (:func:`timed`); a simulated GPU's copies
-run on the CPU but their time is modeled from the SKU's link and memory figures and the
+Timing: a real GPU's copies are timed on its clock (:func:`timed`); a stand-in GPU's copies
+run on the CPU but their time is modelled from the SKU's link and memory figures and the
 scenario's faults (:func:`timed_copy`, :mod:`node_agent.compute.copy_model`).
 """
 
@@ -21,8 +22,8 @@ from typing import Any
 
 from node_agent.checks import CheckContext
 from node_agent.checks.siblings import compare_with_siblings, load_thresholds
-from node_agent.compute.copy_model import CopyModel, copy_models
-from node_agent.compute.devices import ComputeDevice, ComputeSpec, ComputeUnavailable, compute_specs
+from node_agent.compute.copy_model import CopyModel
+from node_agent.compute.devices import ComputeDevice, ComputeSpec, ComputeUnavailable
 from node_agent.model import Result, Status
 
 GB = 1e9  # bytes in a GB (decimal, as bandwidth tools report)
@@ -97,9 +98,9 @@ def timed(dev: ComputeDevice, work: Callable[[], object], min_s: float = 0.0) ->
 
     ``work`` runs back to back until the clock has advanced by more than ``min_s`` (at least
     once, and until the clock moved at all); the result is the elapsed time over the runs.
-    On a real GPU one large copy is milliseconds and ``min_s`` stays 0. On a simulated device
+    On a real GPU one large copy is milliseconds and ``min_s`` stays 0. On a stand-in device
     the clock is CPU time divided by the ``slow`` factor (:meth:`ComputeDevice.clock`), so a slow
-    simulated GPU measures slower; there the small CPU copies are microseconds, near the
+    stand-in GPU measures slower; there the small CPU copies are microseconds, near the
     resolution of CPU-time accounting, and a ``min_s`` of a fraction of a millisecond keeps
     every sample well above it."""
     runs = 0
@@ -122,17 +123,17 @@ def timed_copy(
     model: CopyModel | None,
     min_s: float = 0.0,
 ) -> float:
-    """Seconds one copy takes on ``dev``: timed on a real GPU (:func:`timed`), modeled on a
-    simulated one.
+    """Seconds one copy takes on ``dev``: timed on a real GPU (:func:`timed`), modelled on a
+    stand-in.
 
-    On a simulated GPU the copy still runs once (the same buffers and code as on a GPU, and
+    On a stand-in GPU the copy still runs once (the same buffers and code as on a GPU, and
     its failures are real), but the figure is ``model.seconds(kind, bytes_moved)``: CPU
-    stand-ins timing memcpys measure the host's load, not a link (a healthy simulated node
-    graded WARN in 3 of 4 busy runs), see :mod:`node_agent.compute.copy_model`.
+    stand-ins timing memcpys measure the host's load, not a link (docs/load_tests.md), see
+    :mod:`node_agent.compute.copy_model`.
     """
     if model is None:
-        if dev.simulated:
-            raise ValueError(f"{dev.label} is simulated but has no copy model")
+        if dev.stand_in:
+            raise ValueError(f"{dev.label} is a stand-in but has no copy model")
         return timed(dev, work, min_s)
     work()
     dev.synchronize()
@@ -140,16 +141,17 @@ def timed_copy(
 
 
 def open_models(ctx: CheckContext, specs: Sequence[ComputeSpec]) -> dict[int, CopyModel]:
-    """The copy models of a simulated node's GPUs (empty on a real node)."""
-    return copy_models(list(specs), ctx.scenario, ctx.sku) if ctx.simulated else {}
+    """The copy models of the node's stand-in GPUs (empty where compute is measured)."""
+    return ctx.ports.compute.copy_models(list(specs))
 
 
 def open_specs(ctx: CheckContext) -> tuple[list[ComputeSpec], list[Result] | None]:
     """The compute specs of the node's GPUs, or the results that say why there are none.
 
-    A real node without a driver skips (``ctx.gpus_unavailable``); a simulated node computes on
-    CPU stand-ins; torch missing or unable to use CUDA skips with the operator's next step."""
-    if not ctx.simulated:
+    Where compute is measured on the node's GPUs, a node without a driver skips
+    (``ctx.gpus_unavailable``); a scenario's node computes on CPU stand-ins; torch missing or
+    unable to use CUDA skips with the operator's next step."""
+    if ctx.ports.compute.measured:
         unavailable = ctx.gpus_unavailable()
         if unavailable:
             return [], unavailable
@@ -157,7 +159,7 @@ def open_specs(ctx: CheckContext) -> tuple[list[ComputeSpec], list[Result] | Non
     if not indices:
         return [], [ctx.skip("no GPUs visible: nothing to measure")]
     try:
-        return compute_specs(indices, ctx.scenario, ctx.sku), None
+        return ctx.ports.compute.specs(indices), None
     except ComputeUnavailable as err:
         return [], ctx.compute_unavailable(str(err))
 
@@ -177,7 +179,8 @@ def grade_figures(
     reported (ratio to the siblings in evidence) but always ``pass``, the reason in the detail."""
     verdicts = compare_with_siblings(figures, load_thresholds(ctx.config), what, "GB/s")
     minimum = ctx.sku.minimum(minimum_key) if ctx.sku and minimum_key else None
-    apply_minimum = minimum is not None and not ctx.simulated and ungraded_reason is None
+    measured = ctx.ports.compute.measured
+    apply_minimum = minimum is not None and measured and ungraded_reason is None
     out = []
     for index, value in sorted(figures.items()):
         verdict = verdicts[index]
@@ -196,8 +199,8 @@ def grade_figures(
             note = (
                 f"not graded: {ungraded_reason}"
                 if ungraded_reason is not None
-                else "no SKU minimum applied: simulated node"
-                if ctx.simulated and minimum
+                else "no SKU minimum applied: modelled figures of stand-in GPUs"
+                if not measured and minimum
                 else f"SKU minimum {minimum:g} GB/s"
                 if apply_minimum
                 else "no SKU minimum"

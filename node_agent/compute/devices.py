@@ -39,6 +39,7 @@ from node_agent.sdc.tiles import DEFAULT_SM_COUNT, TileModel, gpu_model, sim_mod
 if TYPE_CHECKING:
     import torch
 
+    from node_agent.compute.copy_model import CopyModel
     from node_agent.hardware.sku import Sku
     from node_agent.sim.scenario import Scenario
 
@@ -74,6 +75,11 @@ class ComputeSpec:
     @property
     def target(self) -> str:
         return f"gpu:{self.index}"
+
+    @property
+    def stand_in(self) -> bool:
+        """A CPU stand-in for a scenario's GPU (its figures are modelled, not measured)."""
+        return self.simulated
 
 
 def torch_missing_reason() -> str | None:
@@ -169,6 +175,35 @@ def compute_specs(
     return [ComputeSpec(i) for i in gpu_indices]
 
 
+@dataclass(frozen=True)
+class ComputeSource:
+    """Where the compute checks run, chosen once with the node: the node's CUDA GPUs (no
+    scenario: figures are measured and held to the SKU's minima), or a scenario's CPU stand-ins
+    (figures are modelled from the SKU and the scenario's faults; only their ratios to the
+    siblings are graded)."""
+
+    scenario: Scenario | None = None
+    sku: Sku | None = None
+
+    @property
+    def measured(self) -> bool:
+        """True when figures are measured on the node's GPUs, so the SKU minima apply."""
+        return self.scenario is None
+
+    def specs(self, gpu_indices: list[int]) -> list[ComputeSpec]:
+        """One spec per GPU (:func:`compute_specs`); ComputeUnavailable says why there is none."""
+        return compute_specs(gpu_indices, self.scenario, self.sku)
+
+    def copy_models(self, specs: list[ComputeSpec]) -> dict[int, CopyModel]:
+        """The copy models of the stand-in GPUs among ``specs`` (none for real GPUs: they are
+        timed)."""
+        if self.scenario is None:
+            return {}
+        from node_agent.compute.copy_model import copy_models
+
+        return copy_models(specs, self.scenario, self.sku)
+
+
 class ComputeDevice:
     """One device's compute: tensors, matmul, copies and its clock. Build with open_device()."""
 
@@ -184,6 +219,11 @@ class ComputeDevice:
 
     @property
     def simulated(self) -> bool:
+        return self.spec.simulated
+
+    @property
+    def stand_in(self) -> bool:
+        """A CPU stand-in for a scenario's GPU."""
         return self.spec.simulated
 
     @property

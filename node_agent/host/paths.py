@@ -1,6 +1,6 @@
 """Where the host readers look: the roots of sysfs, procfs and /dev, and the tools.
 
-One value handed to every reader, so a test or a simulated node swaps the whole host at once.
+One value handed to every reader, so a test or a stand-in node swaps the whole host at once.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class HostPaths:
     ipmitool: str = "ipmitool"
     nvme: str = "nvme"
     #: said in results so a reader knows where the figures came from
-    simulated: bool = False
+    stand_in: bool = False
 
 
 def read_text(path: Path) -> str | None:

@@ -33,11 +33,13 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from node_agent.gpu.pci import normalise_bus_id
 from node_agent.gpu.sim import pci_bus_id
 from node_agent.hardware.sku import Sku
 from node_agent.host.paths import HostPaths, format_cpu_list
+from node_agent.kernel_log import LogRecord
 from node_agent.sim.scenario import Scenario
 from node_agent.sim.tools import simulated_pci, write_executable
 
@@ -340,7 +342,7 @@ def build(
     the returned paths point the host readers at them. SimFaultError for a fault naming a
     device the simulated host does not have."""
     paths = HostPaths(
-        sys=workdir / "sys", proc=workdir / "proc", dev=workdir / "dev", simulated=True
+        sys=workdir / "sys", proc=workdir / "proc", dev=workdir / "dev", stand_in=True
     )
     paths.sys.mkdir(parents=True)
     paths.proc.mkdir(parents=True)
@@ -358,7 +360,7 @@ def build(
     if "ipmi" in parts:
         ipmitool = write_ipmitool(scenario, paths, workdir / "bin")
     return HostPaths(
-        sys=paths.sys, proc=paths.proc, dev=paths.dev, ipmitool=ipmitool, nvme=nvme, simulated=True
+        sys=paths.sys, proc=paths.proc, dev=paths.dev, ipmitool=ipmitool, nvme=nvme, stand_in=True
     )
 
 
@@ -395,3 +397,70 @@ if sys.argv[1:3] == ["sdr", "type"] and len(sys.argv) == 4 and sys.argv[3] == "P
 print("Invalid command", file=sys.stderr)
 sys.exit(1)
 '''
+
+
+# --- the kernel's records, pstore and software ---------------------------------------------------
+
+#: a corrected memory-controller error and the Skylake-SP fatal one (status bits: VAL|EN|
+#: MISCV|ADDRV and, for the fatal one, UC|PCC): the forms arch/x86/kernel/cpu/mce/core.c prints
+MCE_CORRECTED = "mce: [Hardware Error]: CPU {cpu}: Machine Check: 0 Bank 7: 8c00004000010090"
+MCE_FATAL = (
+    "mce: [Hardware Error]: CPU {cpu}: Machine Check Exception: 5 Bank 4: be00000000800400",
+    "mce: [Hardware Error]: Machine check: Processor context corrupt",
+    "Kernel panic - not syncing: Fatal machine check",
+)
+MCE_LOGGED = "mce: [Hardware Error]: Machine check events logged"
+
+
+def mce_records(scenario: Scenario, start_seq: int = 1) -> list[LogRecord]:
+    """The kernel-log records the scenario's ``mce`` faults print (kmsg records of the
+    kernel's facility, as /dev/kmsg gives them): ``count`` corrected bank records and the
+    notice, or with ``fatal: true`` the exception, the context-corrupt line and the panic."""
+    lines: list[str] = []
+    for f in scenario.faults:
+        if f.kind != "mce":
+            continue
+        count = int(f.params.get("count", 1))
+        if f.params.get("fatal"):
+            for _ in range(count):
+                lines.extend(line.format(cpu=3) for line in MCE_FATAL)
+        else:
+            lines.extend(MCE_CORRECTED.format(cpu=i % 8) for i in range(count))
+            lines.append(MCE_LOGGED)
+    return [
+        LogRecord(start_seq + i, line, boot_s=100.0 + i, facility=0) for i, line in enumerate(lines)
+    ]
+
+
+def write_pstore(scenario: Scenario, root: Path) -> None:
+    """The scenario's ``pstore_panic`` faults as the files pstore keeps (efi backend), under
+    ``root``: one dump of a soft lockup's panic per ``count``."""
+    n = 0
+    for f in scenario.faults:
+        if f.kind != "pstore_panic":
+            continue
+        for _ in range(int(f.params.get("count", 1))):
+            n += 1
+            Path(root, f"dmesg-efi-17{n:08d}01001").write_text(
+                f"Panic#{n} Part1\n<4>[ 8821.100000] watchdog: BUG: soft lockup - CPU#5 stuck "
+                f"for 22s! [kworker/5:1:311]\n<0>[ 8849.200000] Kernel panic - not syncing: "
+                "softlockup: hung tasks\n"
+            )
+
+
+def software_facts(scenario: Scenario) -> dict[str, Any]:
+    """The host software the scenario declares (``software_drift``): a modelled node is healthy
+    unless a ``software`` fault says otherwise; a captured node's services and bridges were not
+    recorded (None: a skip), nor its kernel and NCCL unless a fault names them."""
+    healthy = not scenario.captured
+    out: dict[str, Any] = {
+        "peermem": True if healthy else None,
+        "fabricmanager": True if healthy else None,
+        "acs": [] if healthy else None,
+    }
+    if not healthy:
+        out.update({"kernel": None, "nccl": None})
+    for fault in scenario.faults:
+        if fault.kind == "software":
+            out.update(fault.params)
+    return out

@@ -201,5 +201,5 @@ def test_simulated_copy_time_is_the_model_not_the_cpu_time():
     seconds = timed_copy(dev, copy_and_burn, "hbm", copy_bytes(src.numel()), model)
     assert ran == [1] and bool((dst == 1).all())
     assert seconds == model.seconds("hbm", 2 << 16)
-    with pytest.raises(ValueError, match="simulated but has no copy model"):
+    with pytest.raises(ValueError, match="is a stand-in but has no copy model"):
         timed_copy(dev, copy_and_burn, "hbm", 1, None)

@@ -16,7 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from node_agent.checks import CheckContext, dcgm_diag, dcgm_health
+from node_agent.checks import HOST_PORTS, CheckContext, dcgm_diag, dcgm_health
+from node_agent.checks.ports import STAND_IN_NO_DCGM, Ports
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
 from node_agent.gpu.dcgm import (
@@ -45,7 +46,8 @@ GRADER = load_grader(REPO / "graders")
 
 
 class RealLikeGpus:
-    """A GPU backend that is present and not simulated (the DCGM checks only ask that)."""
+    """A GPU backend that is present (the DCGM checks only ask that; whether DCGM is there is
+    the node's ports')."""
 
     name = "fake"
     simulated = False
@@ -54,10 +56,6 @@ class RealLikeGpus:
 
     def devices(self):
         return []
-
-
-class SimulatedGpus(RealLikeGpus):
-    simulated = True
 
 
 class FakeDcgm:
@@ -94,7 +92,9 @@ class FakeDcgm:
         self.closed = True
 
 
-def ctx_for(check: str, gpu=None, timeout_s: float = 60.0, **params) -> CheckContext:
+def ctx_for(
+    check: str, gpu=None, timeout_s: float = 60.0, ports: Ports = HOST_PORTS, **params
+) -> CheckContext:
     return CheckContext(
         check=check,
         gpu=gpu or RealLikeGpus(),
@@ -105,6 +105,7 @@ def ctx_for(check: str, gpu=None, timeout_s: float = 60.0, **params) -> CheckCon
         expected_gpus=None,
         params=params,
         timeout_s=timeout_s,
+        ports=ports,
     )
 
 
@@ -301,12 +302,14 @@ def test_configured_bindings_path_is_where_the_bindings_are_loaded_from(tmp_path
 
 
 @pytest.mark.parametrize("module", [dcgm_diag, dcgm_health])
-def test_simulated_node_skips_with_reason(module):
+def test_node_without_dcgm_port_skips_with_reason(module):
+    ports = Ports(dcgm_absent=STAND_IN_NO_DCGM)
     (skip,) = module.run(
-        ctx_for(module.__name__.rsplit(".", 1)[1], gpu=SimulatedGpus()),
-        opener=lambda c: pytest.fail("a simulated node must not open DCGM"),
+        ctx_for(module.__name__.rsplit(".", 1)[1], ports=ports),
+        opener=lambda c: pytest.fail("a stand-in node must not open DCGM"),
     )
-    assert skip.status is Status.SKIP and "simulated" in skip.detail
+    assert skip.status is Status.SKIP and skip.detail.startswith(STAND_IN_NO_DCGM)
+    assert skip.detail.endswith(module.ON_REAL_HARDWARE)
 
 
 @pytest.mark.parametrize("module", [dcgm_diag, dcgm_health])
@@ -714,5 +717,5 @@ def test_simulated_healthy_node_skips_dcgm_with_reason_and_stays_healthy(agent, 
     report = run.json()
     (result,) = report["results"]
     assert (result["check"], result["status"]) == (check, "skip")
-    assert "simulated node: DCGM is not simulated" in result["detail"]
+    assert "stand-in node: DCGM is not modelled" in result["detail"]
     assert report["grade"] == {"level": "HEALTHY", "action": "none", "reasons": []}

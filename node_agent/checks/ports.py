@@ -1,0 +1,229 @@
+"""The ports a check reads the node through, chosen once per invocation.
+
+``open_environment`` picks the node (this host, or a scenario's stand-in) and hands every check
+the same :class:`Ports`: where the host checks read sysfs, procfs and their tools, where the
+RDMA checks find the HCAs and ``ib_write_bw``, whether DCGM can be asked, where compute runs and
+whether its figures are measured (SKU minima apply) or modelled, what a stand-in host declares
+about itself, extra kernel-log records and pstore dumps, the software a stand-in declares, the
+PCI bus, the clock. A check asks its port and never whether the node is a stand-in: the same
+code reads a scenario's tree and the host's.
+
+``Ports()`` is this host's; :func:`stand_in_ports` builds a scenario's. Ports that cost
+something to build (a temporary sysfs tree, a perftest stand-in) are context managers built on
+use and removed when the check leaves them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from node_agent.compute.devices import ComputeSource
+from node_agent.gpu.base import GpuBackend
+from node_agent.gpu.pci import PciBus
+from node_agent.hardware.sku import Sku
+from node_agent.host.paths import HostPaths
+from node_agent.inventory import read_pci_bus
+from node_agent.kernel_log import LogRecord
+from node_agent.sim import host_tools
+from node_agent.sim import tools as sim_tools
+from node_agent.sim.host_tools import SimFaultError as StandInFault
+from node_agent.sim.scenario import Scenario
+
+__all__ = [
+    "DeclaredHost",
+    "LoadModel",
+    "Ports",
+    "PstoreView",
+    "RdmaView",
+    "StandInFault",
+    "StandInSoftware",
+    "stand_in_ports",
+]
+
+#: the skip reason of a check whose part of the node a capture did not record
+CAPTURE_HOST_UNRECORDED = (
+    "the captured node's host hardware (EDAC, PSUs, AER, NVMe, CPUs) was "
+    "not recorded; only its GPUs and PCI bus replay"
+)
+CAPTURE_PSTORE_UNRECORDED = (
+    "pstore was not recorded by this capture (node-agent capture keeps "
+    "NVML, the PCI bus and the kernel log)"
+)
+#: why a stand-in node has no DCGM to ask
+STAND_IN_NO_DCGM = "stand-in node: DCGM is not modelled (the NVML checks see the injected faults)"
+
+
+@dataclass(frozen=True)
+class RdmaView:
+    """Where the RDMA checks read: the ``/sys/class/infiniband`` tree, the ``ib_write_bw`` to
+    run (None: the one on PATH), and the node's uptime in seconds (None: read ``/proc/uptime``).
+    ``absent`` says why the node has no HCA to read at all (the checks skip with it)."""
+
+    sysfs_root: Path
+    ib_write_bw: str | None = None
+    uptime_s: float | None = None
+    absent: str | None = None
+
+
+@dataclass(frozen=True)
+class PstoreView:
+    """The pstore directories to read and, where they are not the host's, what to call them."""
+
+    roots: tuple[Path, ...]
+    label: str | None = None
+
+
+@dataclass(frozen=True)
+class DeclaredHost:
+    """What a stand-in host declares about itself where the config declares nothing (the
+    host checks' expected memory and CPUs), and who declares it (for the detail)."""
+
+    memory_gib: float
+    cpus: int
+    declared_by: str = "the stand-in host"
+
+
+@dataclass(frozen=True)
+class StandInSoftware:
+    """The host software a stand-in declares (``software_drift``). ``values`` holds
+    ``kernel``, ``nccl``, ``peermem``, ``fabricmanager`` and ``acs`` where declared: a key
+    absent means "read this host's", a key set to None means "not recorded" (a skip)."""
+
+    values: Mapping[str, Any]
+    hcas: tuple[str, ...] = ()
+    virtualized: bool = False
+    source: str = "the stand-in node"
+
+
+@runtime_checkable
+class LoadModel(Protocol):
+    """A GPU backend that models readings under load (the stand-in's NVML): told when compute
+    load starts and stops on which GPUs. Real hardware reports its own state and has none."""
+
+    def load_hint(self, indices: list[int], active: bool) -> None: ...
+
+
+def _no_load_hint(indices: list[int], active: bool) -> None:
+    """Real GPUs report their own state under load: nothing to tell them."""
+
+
+@dataclass(frozen=True)
+class Ports:
+    """What a check reads the node through. ``Ports()`` is this host's: every tree None (the
+    host's own roots, or a test's ``params``), compute measured on the node's GPUs."""
+
+    #: builds the host tree of ``parts`` (edac, memory, cpu, pci, nvme, ipmi) for one check;
+    #: None: the host's own ``/sys``, ``/proc``, ``/dev`` and the configured tools.
+    #: StandInFault when a scenario's fault names a part the node lacks
+    host_tree: Callable[[tuple[str, ...]], contextlib.AbstractContextManager[HostPaths]] | None = (
+        None
+    )
+    #: why the host checks cannot judge this node's host hardware (a capture did not record
+    #: it): they skip with it. None: they read it
+    host_unrecorded: str | None = None
+    #: builds the RDMA view at a Unix time; None: the host's ``/sys/class/infiniband``
+    rdma_tree: Callable[[float], contextlib.AbstractContextManager[RdmaView]] | None = None
+    #: why there is no DCGM to ask (the DCGM checks skip with it); None: ask this host's
+    dcgm_absent: str | None = None
+    #: where compute runs, and whether its figures are measured or modelled
+    compute: ComputeSource = field(default_factory=ComputeSource)
+    #: a stand-in host's own memory and CPUs (None: only the config declares them)
+    declared_host: DeclaredHost | None = None
+    #: kernel-log records beyond the log's own (a stand-in's machine checks), numbered from
+    #: the given sequence number
+    extra_kernel_records: Callable[[int], list[LogRecord]] = lambda start_seq: []
+    #: where machine checks are read besides the kernel log: True for rasdaemon's records
+    rasdaemon: bool = True
+    #: builds the pstore view; None: the host's pstore (and systemd-pstore's archive)
+    pstore_tree: Callable[[], contextlib.AbstractContextManager[PstoreView]] | None = None
+    #: why pstore cannot be judged (not recorded); None: it is read
+    pstore_unrecorded: str | None = None
+    #: the host software a stand-in declares; None: this host's, read by the check
+    software: StandInSoftware | None = None
+    #: who declares the node's GPU count besides the config: "scenario" (a modelled node's
+    #: count is its own), "capture" (what a recorded host showed), None (the SKU's)
+    gpu_count_from: str | None = None
+    #: the NVIDIA GPUs on the PCI bus (read on use)
+    pci_bus: Callable[[], PciBus] = read_pci_bus
+    #: why a kernel log's PCI bus ids cannot be checked against this host's sysfs (None: they
+    #: can be, where the log is this host's live one)
+    bus_ids_as_printed: str | None = None
+    #: command-line arguments that reopen this node in a child ``node-agent`` process
+    reopen_args: tuple[str, ...] = ()
+    #: tells the GPUs' model that compute load started or stopped (a no-op on real GPUs)
+    load_hint: Callable[[list[int], bool], None] = _no_load_hint
+    #: the wall clock, Unix seconds
+    clock: Callable[[], float] = time.time
+    #: the process table checks read (``/proc``)
+    proc_root: Path = Path("/proc")
+
+
+def stand_in_ports(scenario: Scenario, sku: Sku | None, backend: GpuBackend) -> Ports:
+    """The ports of a scenario's stand-in node: its host, HCAs, pstore and kernel records
+    written for each check from the scenario, compute on CPU stand-ins with modelled figures.
+
+    A captured node (a recorded host replayed, docs/capture.md) replays its GPUs and PCI bus;
+    what the capture did not record (host hardware, pstore, most software) is a skip."""
+    captured = scenario.captured
+
+    @contextlib.contextmanager
+    def host_tree(parts: tuple[str, ...]) -> Iterator[HostPaths]:
+        with tempfile.TemporaryDirectory(prefix="node-agent-stand-in-host-") as tmp:
+            yield host_tools.build(scenario, sku, Path(tmp), parts)
+
+    @contextlib.contextmanager
+    def rdma_tree(now: float) -> Iterator[RdmaView]:
+        if not scenario.hcas:
+            yield RdmaView(
+                sysfs_root=Path("/nonexistent"),
+                absent="no RDMA device: the stand-in node's scenario lists no hcas",
+            )
+            return
+        with tempfile.TemporaryDirectory(prefix="node-agent-stand-in-rdma-") as tmp:
+            built = sim_tools.rdma_tools(scenario, sku, Path(tmp), now=now)
+            yield RdmaView(
+                sysfs_root=built.sysfs_root,
+                ib_write_bw=str(built.ib_write_bw),
+                uptime_s=built.uptime_s,
+            )
+
+    @contextlib.contextmanager
+    def pstore_tree() -> Iterator[PstoreView]:
+        with tempfile.TemporaryDirectory(prefix="node-agent-stand-in-pstore-") as tmp:
+            host_tools.write_pstore(scenario, Path(tmp))
+            yield PstoreView(roots=(Path(tmp),), label="the stand-in's pstore")
+
+    hint = backend.load_hint if isinstance(backend, LoadModel) else _no_load_hint
+    return Ports(
+        host_tree=host_tree,
+        host_unrecorded=CAPTURE_HOST_UNRECORDED if captured else None,
+        rdma_tree=rdma_tree,
+        dcgm_absent=STAND_IN_NO_DCGM,
+        compute=ComputeSource(scenario=scenario, sku=sku),
+        declared_host=DeclaredHost(
+            memory_gib=host_tools.expected_memory_gib(),
+            cpus=host_tools.CPUS,
+            declared_by="the stand-in host",
+        ),
+        extra_kernel_records=lambda start_seq: host_tools.mce_records(scenario, start_seq),
+        rasdaemon=False,  # a stand-in's machine checks are its kernel log's (the mce fault)
+        pstore_tree=pstore_tree,
+        pstore_unrecorded=CAPTURE_PSTORE_UNRECORDED if captured else None,
+        software=StandInSoftware(
+            values=host_tools.software_facts(scenario),
+            hcas=tuple(scenario.hcas),
+            virtualized=scenario.virtualization != "none",
+        ),
+        gpu_count_from="capture" if captured else "scenario",
+        pci_bus=lambda: read_pci_bus(scenario, sku),
+        bus_ids_as_printed="bus ids taken as printed (a stand-in node)",
+        reopen_args=("--simulate", os.path.abspath(scenario.source)),
+        load_hint=hint,
+    )
