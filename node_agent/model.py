@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import enum
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -107,7 +108,8 @@ class ReportFormatError(ValueError):
 class Result:
     """One measurement or verdict of one check on one target.
 
-    ``target`` is ``node``, ``gpu:3``, ``hca:mlx5_0`` or ``disk:/scratch``; ``value`` carries
+    ``target`` is ``node``, ``gpu:3``, ``hca:mlx5_0``, ``disk:/scratch``, ``nvswitch:0`` or
+    ``job:<job>/rank:<n>`` (read by :meth:`Target.parse`, never by hand); ``value`` carries
     its ``unit``; ``evidence`` holds what a person needs to believe the status.
     """
 
@@ -122,6 +124,11 @@ class Result:
     duration_s: float = 0.0
     #: the driver's recovery action this finding reports (a typed fact for the plan), or None
     recovery: Recovery | None = None
+
+    @property
+    def entity(self) -> Target:
+        """What the result is about: its target, parsed (:meth:`Target.parse`)."""
+        return Target.parse(self.target)
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -158,34 +165,125 @@ class Result:
             raise ReportFormatError(f"result {data!r:.120}: {err}") from err
 
 
-#: values of a rule's ``remedy`` (graders/rules.yaml): ``software`` marks a finding whose cause
-#: a restart may clear but a hardware swap never does (no driver, NVML broken, a check that
-#: could not run); an ERROR of such findings only, that survives its restarts, waits for an
-#: operator instead of being escalated to a replacement (docs/remediation.md)
-REMEDIES = ("software",)
+class Remedy(str, enum.Enum):
+    """The remedy class of a finding, a rule's ``remedy`` in graders/rules.yaml (JSON form
+    ``remedy: software``).
+
+    ``software`` marks a finding whose cause a restart may clear but a hardware swap never does
+    (no driver, NVML broken, a check that could not run): an ERROR of such findings only, that
+    survives its restarts, waits for an operator instead of being escalated to a replacement
+    (docs/remediation.md). ``hardware`` says so explicitly; a finding with no marker is treated
+    as hardware.
+    """
+
+    SOFTWARE = "software"
+    HARDWARE = "hardware"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+#: the values of a rule's ``remedy`` (:class:`Remedy`)
+REMEDIES = tuple(r.value for r in Remedy)
 #: the catalogs a Reason's ``catalog`` names: ``graders/xid.yaml`` and ``graders/sxid.yaml``
 CATALOGS = ("xid", "sxid")
+
+# job:<job>/rank:<n> or job:<job>/pid:<n>; <job> may itself hold ':' and '/', so the member is
+# anchored at the end (docs/training_hangs.md); '.' never matches a newline
+_JOB_TARGET = re.compile(r"job:(?P<job>.+)/(?P<member>rank|pid):(?P<n>[0-9]+)")
+_GPU_TARGET = re.compile(r"gpu:(?P<n>[0-9]+)")
+
+
+@dataclass(frozen=True)
+class Target:
+    """A finding's target, parsed in this one place: what it names, as fields.
+
+    ``kind`` is the part before the first ``:`` (``node``, ``gpu``, ``hca``, ``disk``,
+    ``nvswitch``, ``job``; ``node`` for the bare word), ``name`` the rest (the job, for a job).
+    ``gpu_index`` is set for ``gpu:<n>``; ``job`` (untrusted text: a training process wrote it)
+    and ``rank`` or ``pid`` for ``job:<job>/rank:<n>`` and ``job:<job>/pid:<n>``.
+
+    >>> Target.parse("gpu:3").gpu_index
+    3
+    >>> Target.parse("job:pod:ml/trainer-0/rank:3").job
+    'pod:ml/trainer-0'
+    >>> Target.parse("disk:/scratch")
+    Target(kind='disk', name='/scratch', gpu_index=None, job=None, rank=None, pid=None)
+    """
+
+    kind: str
+    name: str
+    gpu_index: int | None = None
+    job: str | None = None
+    rank: int | None = None
+    pid: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Target:
+        """Never fails: a target of no known form is its kind and name as written (a job target
+        that names no job has ``job`` None)."""
+        gpu = _GPU_TARGET.fullmatch(text)
+        if gpu:
+            return cls("gpu", gpu.group("n"), gpu_index=int(gpu.group("n")))
+        job = _JOB_TARGET.fullmatch(text)
+        if job:
+            n = int(job.group("n"))
+            rank, pid = (n, None) if job.group("member") == "rank" else (None, n)
+            return cls("job", job.group("job"), job=job.group("job"), rank=rank, pid=pid)
+        kind, sep, name = text.partition(":")
+        return cls(kind, name) if sep else cls(text or "node", "")
 
 
 @dataclass(frozen=True)
 class Reason:
     """Why a grade is what it is: the rule that fired, on which target, with what evidence.
 
-    ``remedy`` is the rule's ``remedy`` marker (one of :data:`REMEDIES`), None when it has none.
-    ``catalog`` and ``code`` name the catalog entry that graded it (``xid`` 79, ``sxid`` 20034;
-    None for a rule that reads no catalog); ``restarts_before_fault`` is that entry's count of
-    restarts after which the same code is hardware (None: ``safety.max_restarts`` applies). The
-    remediation plan reads these fields, never the message.
+    The remediation plan reads the typed fields, never the message (which is for people):
+
+    * ``remedy``: the rule's remedy class (:class:`Remedy`), None when the rule has none;
+    * ``catalog``, ``code`` and ``name``: the catalog entry that graded it (``xid`` 79 "GPU has
+      fallen off the bus", ``sxid`` 20034; None for a rule that reads no catalog);
+    * ``restarts_before_fault``: that entry's count of restarts after which the same code is
+      hardware (None: ``safety.max_restarts`` applies);
+    * ``recovery``: the driver's recovery action the finding reports (:class:`Recovery`);
+    * the entity (:attr:`entity`: its GPU index, job, or other kind and id), parsed from
+      ``target`` by :meth:`Target.parse`.
     """
 
     rule: str
     level: Level
     target: str
     message: str
-    remedy: str | None = None
+    remedy: Remedy | None = None
     catalog: str | None = None
     code: int | None = None
     restarts_before_fault: int | None = None
+    name: str | None = None
+    recovery: Recovery | None = None
+
+    def __post_init__(self) -> None:
+        # callers may name the enums by their JSON strings ("software", "gpu_reset")
+        if self.remedy is not None and not isinstance(self.remedy, Remedy):
+            object.__setattr__(self, "remedy", _remedy(self.remedy, self.rule))
+        if self.recovery is not None and not isinstance(self.recovery, Recovery):
+            object.__setattr__(self, "recovery", Recovery.parse(str(self.recovery)))
+
+    @property
+    def entity(self) -> Target:
+        """What the finding is about: its target, parsed."""
+        return Target.parse(self.target)
+
+    @property
+    def gpu_index(self) -> int | None:
+        return self.entity.gpu_index
+
+    @property
+    def job(self) -> str | None:
+        """The training job a job finding names (untrusted text), else None."""
+        return self.entity.job
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -194,36 +292,48 @@ class Reason:
             "target": self.target,
             "message": self.message,
         }
-        for key in ("remedy", "catalog", "code", "restarts_before_fault"):
+        for key in ("remedy", "catalog", "code", "restarts_before_fault", "name", "recovery"):
             value = getattr(self, key)
             if value is not None:
-                data[key] = value
+                data[key] = value.value if isinstance(value, enum.Enum) else value
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Reason:
+        """A reason as :meth:`to_dict` wrote it; a report written before a field existed reads
+        with that field None."""
         remedy = data.get("remedy")
-        if remedy is not None and remedy not in REMEDIES:
-            raise ValueError(
-                f"unknown remedy {remedy!r} in reason {data.get('rule')!r}; "
-                f"expected one of {', '.join(REMEDIES)}"
-            )
         catalog = data.get("catalog")
         if catalog is not None and catalog not in CATALOGS:
             raise ValueError(
                 f"unknown catalog {catalog!r} in reason {data.get('rule')!r}; "
                 f"expected one of {', '.join(CATALOGS)}"
             )
+        name = data.get("name")
+        if name is not None and not isinstance(name, str):
+            raise ValueError(f"reason {data.get('rule')!r}: name must be a string, found {name!r}")
+        recovery = data.get("recovery")
         return cls(
             rule=data["rule"],
             level=Level.parse(data["level"]),
             target=data["target"],
             message=data["message"],
-            remedy=remedy,
+            remedy=None if remedy is None else _remedy(remedy, data.get("rule")),
             catalog=catalog,
             code=_optional_int(data, "code"),
             restarts_before_fault=_optional_int(data, "restarts_before_fault"),
+            name=name,
+            recovery=None if recovery is None else Recovery.parse(str(recovery)),
         )
+
+
+def _remedy(value: object, rule: object) -> Remedy:
+    try:
+        return Remedy(value)
+    except ValueError:
+        raise ValueError(
+            f"unknown remedy {value!r} in reason {rule!r}; expected one of {', '.join(REMEDIES)}"
+        ) from None
 
 
 def _optional_int(data: dict[str, Any], key: str) -> int | None:

@@ -14,22 +14,15 @@ from dataclasses import dataclass
 
 from node_agent.commands.reporting import EXIT_AGENT_FAILED, EXIT_OK, EXIT_USAGE
 from node_agent.config import Config, load_config
-from node_agent.environment import Environment, kernel_log_path
-from node_agent.kernel_log import KernelLog, open_kernel_log
-from node_agent.model import Grade, Report
-from node_agent.remediation import evidence
-from node_agent.remediation.executor import Outcome, Remediator
+from node_agent.environment import Environment
+from node_agent.model import Grade, Report, utc_iso
+from node_agent.remediation.executor import Outcome
 from node_agent.remediation.guards import sanitise_operator_text
-from node_agent.remediation.host import (
-    boot_time,
-    gpu_resetter,
-    node_name,
-    open_configured_adapter,
-    state_dir_of,
-)
+from node_agent.remediation.host import node_name, open_configured_adapter, open_remediator
 from node_agent.remediation.plan import (
     REMEDIATION_ACTIONS,
     REMEDIATIONS_CODE,
+    NodeState,
     Safety,
     remediation_window_start,
     restart_window_start,
@@ -125,7 +118,7 @@ def prepare(args: argparse.Namespace, config: Config) -> Acting | None:
         config,
         adapter,
         open_store(config.state_dir),
-        bool(args.dry_run or config.get("adapter.dry_run")),
+        bool(args.dry_run) or config.adapter.dry_run,
     )
 
 
@@ -143,18 +136,14 @@ def act_on_report(acting: Acting | None, env: Environment, report: Report) -> No
         return env.grader.grade(run_suite(quick, env), quick.mode)
 
     try:
-        remediator = Remediator(
+        remediator = open_remediator(
+            env,
+            acting.config,
             acting.store,
             acting.adapter,
             report.host.hostname,
-            Safety.from_config(acting.config),
-            state_dir=state_dir_of(acting.store),
             dry_run=acting.dry_run,
-            boot_time=time.time() if env.simulated else boot_time(),
-            gpu_resetter=gpu_resetter(env),
             retest=retest,
-            kernel_log=env.kernel_log,
-            gpu_pids=None if env.simulated else evidence.gpu_pids,
         )
         outcome = remediator.remediate(report)
     finally:
@@ -172,20 +161,15 @@ def cmd_act(args: argparse.Namespace) -> int:
     adapter = open_configured_adapter(config, args.adapter)
     text = sanitise_operator_text(args.reason)
     store = open_store(config.state_dir)
-    kernel_log: KernelLog | None = (
-        None if args.simulate else open_kernel_log(kernel_log_path(config))
-    )
     try:
-        remediator = Remediator(
+        remediator = open_remediator(
+            None,
+            config,
             store,
             adapter,
             node,
-            Safety.from_config(config),
-            state_dir=state_dir_of(store),
-            dry_run=bool(args.dry_run or config.get("adapter.dry_run")),
-            boot_time=time.time() if args.simulate else boot_time(),
-            kernel_log=kernel_log,
-            gpu_pids=None if args.simulate else evidence.gpu_pids,
+            simulated=bool(args.simulate),
+            dry_run=bool(args.dry_run),
         )
         outcome = remediator.act(args.action, text)
     finally:
@@ -281,14 +265,10 @@ def status_data(
     return {
         "node": node,
         "remediation": record.to_dict(),
-        "history": _history(
-            store, record, Safety.from_config(config), time.time() if now is None else now
-        ),
+        "history": _history(store, record, config.safety, time.time() if now is None else now),
         "last_run": last.__dict__ if last else None,
         "breaker": br.__dict__,
-        "opt_out": (
-            "config safety.opt_out" if config.get("safety.opt_out") else store.opted_out(node)
-        ),
+        "opt_out": ("config safety.opt_out" if config.safety.opt_out else store.opted_out(node)),
         "journal": [r.to_dict() for r in store.journal_tail(node, limit)],
         "database": str(store.path) if store.path else None,
         "unavailable": store.unavailable,
@@ -323,7 +303,7 @@ def cmd_set_healthy(args: argparse.Namespace) -> int:
         f"node {node}: {before.state} -> in-service; restart counts and fault history "
         f"cleared ({text})" + (f"; {sdc} standing SDC finding(s) cleared" if sdc else "")
     )
-    if before.state != "in-service":
+    if before.state is not NodeState.IN_SERVICE:
         print(
             "the node may still be drained in the scheduler: run `node-agent act resume` "
             "to return it to service"
@@ -382,7 +362,7 @@ def _history(store: Store, record: NodeRecord, safety: Safety, now: float) -> di
             key = f"{reason.get('rule')}-{code}"
             if isinstance(code, int) and isinstance(rbf, int) and key in limits:
                 limits[key] = rbf
-    held = record.state == "needs-operator"
+    held = record.state is NodeState.NEEDS_OPERATOR
     hold = None
     if held:
         why = (
@@ -439,6 +419,5 @@ def _exit_for(outcome: Outcome) -> int:
 
 
 def _iso(epoch: float | None) -> str:
-    if epoch is None:
-        return "-"
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
+    """A time for ``status``: ISO-8601 UTC, or ``-`` for none."""
+    return "-" if epoch is None else utc_iso(epoch)

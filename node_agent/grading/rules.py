@@ -5,7 +5,9 @@
 (read by :mod:`node_agent.grading.xid_catalog`, which decodes the lines and applies the
 recurrence thresholds); a result no rule matches falls back by its status. The worst reason
 decides the grade; every reason above HEALTHY is kept. A rule's ``remedy`` marker (and the
-fallback's for a check that could not run) is carried on its Reason for the remediation plan.
+fallback's for a check that could not run) is carried on its Reason for the remediation plan,
+with the typed facts the plan reads: the catalog code and name, the driver's recovery action
+(:func:`recovery_of`); the entity and job come from the target (``model.Target``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from node_agent.grading.xid_catalog import Catalog, load_sxid_catalog, load_xid_catalog
-from node_agent.model import ACTION_FOR_LEVEL, REMEDIES, Grade, Level, Reason, Result, Status
+from node_agent.model import (
+    ACTION_FOR_LEVEL,
+    REMEDIES,
+    Grade,
+    Level,
+    Reason,
+    Recovery,
+    Remedy,
+    Result,
+    Status,
+)
 from node_agent.yamlfile import load_yaml
 
 _LEVELS = ["HEALTHY", "WARN", "ERROR", "FAULT"]
@@ -78,7 +90,7 @@ class Rule:
     check: str | None = None
     metrics: tuple[str, ...] | None = None
     statuses: tuple[str, ...] = ("fail",)
-    remedy: str | None = None  # carried on the Reason (model.REMEDIES)
+    remedy: Remedy | None = None  # carried on the Reason
 
     def matches(self, result: Result) -> bool:
         return (
@@ -135,6 +147,7 @@ class Grader:
                 message=f"{result.detail} [{noun} {result.value!r}: not a code]",
                 remedy=rule.remedy,
                 catalog=catalog.kind,
+                recovery=recovery_of(result),
             )
         code = int(result.value)  # type: ignore[arg-type]
         message = f"{result.detail} [{noun} {code}: {verdict.name}]"
@@ -149,6 +162,8 @@ class Grader:
             catalog=catalog.kind,
             code=code,
             restarts_before_fault=verdict.restarts_before_fault,
+            name=verdict.name,
+            recovery=recovery_of(result),
         )
 
     def _reason(
@@ -166,6 +181,7 @@ class Grader:
                     target=result.target,
                     message=result.detail,
                     remedy=rule.remedy,
+                    recovery=recovery_of(result),
                 )
         if result.status is Status.ERROR:
             level = Level.parse(self.fallback["error"][mode])
@@ -179,7 +195,8 @@ class Grader:
                 level=level,
                 target=result.target,
                 message=f"{result.check}/{result.metric} could not run ({why}): {result.detail}",
-                remedy=self.fallback["error"].get("remedy"),
+                remedy=_remedy(self.fallback["error"].get("remedy")),
+                recovery=recovery_of(result),
             )
         level = Level.parse(self.fallback[result.status.value])
         return Reason(
@@ -187,7 +204,30 @@ class Grader:
             level=level,
             target=result.target,
             message=f"{result.check}/{result.metric}: {result.detail}",
+            recovery=recovery_of(result),
         )
+
+
+#: the metric whose value names the driver's recovery action (``nvml_health``)
+RECOVERY_METRIC = "recovery_action"
+
+
+def recovery_of(result: Result) -> Recovery | None:
+    """The driver's recovery action a result reports, as the Reason carries it.
+
+    ``Result.recovery`` when the check set it; else, for the ``recovery_action`` metric, its
+    value (the ``nvmlGpuRecoveryAction_t`` name the check reports, e.g. ``node_reboot``): a
+    typed value, never the detail text.
+    """
+    if result.recovery is not None:
+        return result.recovery
+    if result.metric == RECOVERY_METRIC and isinstance(result.value, str):
+        return Recovery.parse(result.value)
+    return None
+
+
+def _remedy(value: str | None) -> Remedy | None:
+    return None if value is None else Remedy(value)
 
 
 def load_grader(graders_dir: Path) -> Grader:
@@ -207,7 +247,7 @@ def load_grader(graders_dir: Path) -> Grader:
                 check=raw.get("check"),
                 metrics=(metric,) if isinstance(metric, str) else tuple(metric) if metric else None,
                 statuses=(status,) if isinstance(status, str) else tuple(status),
-                remedy=raw.get("remedy"),
+                remedy=_remedy(raw.get("remedy")),
             )
         )
     return Grader(

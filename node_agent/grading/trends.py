@@ -25,7 +25,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from node_agent.model import Result, Status
 from node_agent.yamlfile import ConfigError, load_yaml
@@ -90,7 +90,7 @@ class SeriesSpec:
         return self.threshold
 
 
-def _number(value: Any) -> bool:
+def _number(value: object) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
@@ -295,7 +295,8 @@ class Trend:
                 f"{verb} at {abs(self.slope_per_day):.3g}{unit} per day "
                 f"(Theil-Sen over {self.points} points since the last reset)"
             )
-        if self.forecast_warns and self.crossing_days is not None:
+        # a crossing is only forecast against a threshold (trend_of)
+        if self.forecast_warns and self.crossing_days is not None and self.threshold is not None:
             past = (
                 self.latest >= self.threshold
                 if s.direction == "up"

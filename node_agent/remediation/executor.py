@@ -29,18 +29,13 @@ target named no job, or whose job id does not pass ``check_job_id``, is ``refuse
 adapter call. Guards: opt-out, dedup (the key holds the job) and a rate limit between job
 restarts of different runs apply; the breaker and the blast radius do not (nothing is drained).
 
-Test-only hook: with ``NODE_AGENT_TEST_CRASH_AFTER_JOURNAL`` set to ``1`` (any action) or to an
-action name (``drain``, ``replace``...), the process SIGKILLs itself after the step is journaled
-``started`` and before the adapter is called — the crash-recovery test uses it. It is read only
-from the environment and does nothing when unset.
+A test that needs a crash between the journal and the adapter call passes ``after_journal``: a
+callable run with each step once it is journaled ``started``, before the adapter is called.
 """
 
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
-import os
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -50,7 +45,7 @@ from typing import Protocol
 
 from node_agent import proc
 from node_agent.kernel_log import KernelLog
-from node_agent.model import ActionRecord, Grade, Report
+from node_agent.model import ActionRecord, Grade, Report, Target, utc_iso
 from node_agent.remediation import evidence as _evidence
 from node_agent.remediation import guards
 from node_agent.remediation.plan import (
@@ -68,11 +63,16 @@ from node_agent.remediation.plan import (
     remediation_window_start,
 )
 from node_agent.remediation.plan import restart_window_start as _window_start
+from node_agent.remediation.states import NodeState, RestartKind, StepAction
 from node_agent.remediation.store import JournalRow, NodeRecord, StateUnavailable, Store
 from node_agent.schedulers.base import AdapterError, SchedulerAdapter, check_job_id
 
-CRASH_ENV = "NODE_AGENT_TEST_CRASH_AFTER_JOURNAL"
 GPU_RESET_TIMEOUT_S = 120.0
+#: the restart each restarting step action is (the node record keeps it while restarting)
+_RESTART_KIND_OF: dict[str, RestartKind] = {
+    StepAction.RESTART: RestartKind.REBOOT,
+    StepAction.GPU_RESET: RestartKind.GPU_RESET,
+}
 MAX_REPLANS = 4  # drain -> GPU reset -> re-test -> reboot: a run never loops further
 
 
@@ -120,10 +120,6 @@ class Outcome:
         return None
 
 
-def _iso(epoch: float) -> str:
-    return _dt.datetime.fromtimestamp(epoch, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def _stderr(message: str) -> None:
     print(f"node-agent: {message}", file=sys.stderr)
 
@@ -147,11 +143,14 @@ class Remediator:
         kernel_log: KernelLog | None = None,
         gpu_pids: Callable[[], tuple[list[int], str | None]] | None = None,
         warn: Callable[[str], None] = _stderr,
+        after_journal: Callable[[Step], None] | None = None,
     ) -> None:
         self.store, self.adapter, self.node, self.safety = store, adapter, node, safety
         self.state_dir, self.dry_run, self.clock = state_dir, dry_run, clock
         self.boot_time, self.gpu_resetter, self.retest = boot_time, gpu_resetter, retest
         self.kernel_log, self.gpu_pids, self.warn = kernel_log, gpu_pids, warn
+        #: called with each step once it is journaled "started", before the adapter acts
+        self.after_journal = after_journal
         self._evidence_taken = False
         self._report: Report | None = None
         self._run_started = float("-inf")  # job restarts since then are this run's own
@@ -375,7 +374,7 @@ class Remediator:
                     out.notes.append(
                         f"dedup: {step.action} for {step.fault_code} "
                         f"{step.target} already done (journal #{existing.id} at "
-                        f"{_iso(existing.updated_at)}, safety.dedup_window_s="
+                        f"{utc_iso(existing.updated_at)}, safety.dedup_window_s="
                         f"{self.safety.dedup_window_s:g}); not repeated"
                     )
                     return True
@@ -413,7 +412,8 @@ class Remediator:
                 else ""
             ),
         )
-        self._crash_hook(step.action)
+        if self.after_journal is not None:
+            self.after_journal(step)
         row = self.store.journal_update(row.id, "started", row.detail, now, count_try=True)
         outcome, detail = self._perform(row)
         if evidence_note and outcome == "done":
@@ -535,7 +535,9 @@ class Remediator:
             if row.action == "gpu-reset":
                 if self.gpu_resetter is None:
                     return "failed", "no GPU reset available in this command; the next run re-plans"
-                index = int((row.target or "gpu:-1").split(":")[1])
+                index = Target.parse(row.target or "").gpu_index
+                if index is None:
+                    return "failed", f"a GPU reset needs a GPU target, found {row.target!r}"
                 return "done", self.gpu_resetter.reset(index)
             if row.action == "hold" and row.fault_code == REMEDIATIONS_CODE:
                 return "done", (
@@ -621,18 +623,19 @@ class Remediator:
         if row.to_state is None:
             return None
         old = self.store.node_record(self.node)
-        if row.to_state == "in-service":
+        state = NodeState(row.to_state)
+        if state is NodeState.IN_SERVICE:
             return NodeRecord(
                 node=self.node,
-                state="in-service",
+                state=state,
                 since=now,
                 cleared_at=old.cleared_at,
                 detail=row.reason,
             )
-        restart_kind = {"restart": "reboot", "gpu-reset": "gpu-reset"}.get(row.action)
+        restart_kind = _RESTART_KIND_OF.get(row.action)
         return NodeRecord(
             node=self.node,
-            state=row.to_state,
+            state=state,
             since=now,
             fault_code=row.fault_code,
             target=row.target,
@@ -649,15 +652,15 @@ class Remediator:
             adapter=self.adapter.name,
             outcome=outcome,
             detail=detail,
-            at=_iso(self.clock()),
+            at=utc_iso(self.clock()),
         )
 
-    # -- recovery, evidence, crash hook --------------------------------------------------------
+    # -- recovery, evidence --------------------------------------------------------
     def _recover_row(self, row: JournalRow, out: Outcome) -> None:
         now = self.clock()
         self.warn(
             f"completing journal #{row.id} ({row.action} {row.fault_code} {row.target}) "
-            f"left {row.state} at {_iso(row.updated_at)} by an interrupted run"
+            f"left {row.state} at {utc_iso(row.updated_at)} by an interrupted run"
         )
         if row.action in ("retest", "gpu-reset"):
             detail = (
@@ -695,9 +698,3 @@ class Remediator:
             self.warn(f"evidence not collected: {'; '.join(notes)}")
             return f"evidence not collected ({notes[0]})"
         return f"evidence in {directory}"
-
-    @staticmethod
-    def _crash_hook(action: str) -> None:
-        wanted = os.environ.get(CRASH_ENV)
-        if wanted and wanted in ("1", action):
-            os.kill(os.getpid(), signal.SIGKILL)  # test only: a kill -9 between journal and act

@@ -26,6 +26,7 @@ Times are UNIX epoch seconds (float) passed in by the caller, so that tests need
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import sqlite3
@@ -40,6 +41,7 @@ from typing import Any
 from urllib.parse import quote
 
 from node_agent.atomic_file import private_dir
+from node_agent.remediation.states import NodeState, RestartKind
 
 DB_NAME = "node-agent.db"
 SCHEMA_VERSION = 1
@@ -107,18 +109,27 @@ class NodeRecord:
     """The remediation state of one node (``in-service`` when never seen)."""
 
     node: str
-    state: str = "in-service"
+    state: NodeState = NodeState.IN_SERVICE
     since: float = 0.0
     fault_code: str | None = None
     target: str | None = None
     trigger: str | None = None  # who started this episode: auto | operator
-    restart_kind: str | None = None  # gpu-reset | reboot, while restarting
+    restart_kind: RestartKind | None = None  # while restarting
     requested_at: float | None = None  # when the restart was requested
     cleared_at: float | None = None  # last set-healthy; history before it does not count
     detail: str | None = None
 
+    def __post_init__(self) -> None:
+        # the store and callers may give the on-disk strings ("drained", "reboot"); ValueError
+        # for a string that names no state
+        if not isinstance(self.state, NodeState):
+            object.__setattr__(self, "state", NodeState(self.state))
+        if self.restart_kind is not None and not isinstance(self.restart_kind, RestartKind):
+            object.__setattr__(self, "restart_kind", RestartKind(self.restart_kind))
+
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """The record as JSON-ready values (the enums as their on-disk strings)."""
+        return {k: v.value if isinstance(v, enum.Enum) else v for k, v in self.__dict__.items()}
 
 
 @dataclass(frozen=True)
@@ -201,7 +212,7 @@ class Store:
                 self._conn.execute("ROLLBACK")
             raise self._fail("writing", err) from err
 
-    def _rows(self, sql: str, params: tuple | list = (), one: bool = False) -> Any:
+    def _rows(self, sql: str, params: tuple[Any, ...] | list[Any] = (), one: bool = False) -> Any:
         """A query; a failing read makes the store unavailable (StateUnavailable)."""
         try:
             cur = self._conn.execute(sql, params)
@@ -255,7 +266,14 @@ class Store:
             (node,),
             one=True,
         )
-        return NodeRecord(*row) if row else NodeRecord(node=node)
+        if not row:
+            return NodeRecord(node=node)
+        try:
+            return NodeRecord(*row)
+        except ValueError as err:  # a state or restart kind this agent does not know
+            reason = f"reading {self.path or 'the state database'}: node {node!r}: {err}"
+            self.unavailable = self.unavailable or reason
+            raise StateUnavailable(reason) from err
 
     def set_node_record(self, record: NodeRecord) -> None:
         with self._tx() as c:
@@ -269,12 +287,12 @@ class Store:
             "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 r.node,
-                r.state,
+                r.state.value,
                 r.since,
                 r.fault_code,
                 r.target,
                 r.trigger,
-                r.restart_kind,
+                r.restart_kind.value if r.restart_kind is not None else None,
                 r.requested_at,
                 r.cleared_at,
                 r.detail,
@@ -287,7 +305,9 @@ class Store:
         The journal rows are kept (they are the audit trail); open rows are closed as
         ``refused`` so that crash recovery does not replay them after a repair.
         """
-        record = NodeRecord(node=node, state="in-service", since=now, cleared_at=now, detail=detail)
+        record = NodeRecord(
+            node=node, state=NodeState.IN_SERVICE, since=now, cleared_at=now, detail=detail
+        )
         with self._tx() as c:
             self._put_record(c, record)
             c.execute(
@@ -345,7 +365,9 @@ class Store:
                 ),
             )
             row_id = cur.lastrowid
-        return self.journal_row(int(row_id))
+        if row_id is None:  # sqlite3 sets it after every INSERT
+            raise StateUnavailable("writing the journal: the new row has no id")
+        return self.journal_row(row_id)
 
     def journal_update(
         self, row_id: int, state: str, detail: str, now: float, count_try: bool = False

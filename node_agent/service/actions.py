@@ -28,7 +28,7 @@ from collections.abc import Callable
 from node_agent import __version__
 from node_agent.config import Config
 from node_agent.environment import Environment
-from node_agent.model import Grade, Report, Result, utc_now
+from node_agent.model import Grade, Report, Result, utc_iso
 from node_agent.report.terminal import printable
 
 log = logging.getLogger("node_agent.service.daemon.actions")
@@ -54,7 +54,7 @@ class DaemonRemediation:
         #: this node's remediation state as the store last said (None: not read yet, or the
         #: store unavailable); /metrics exports whether the agent holds the node drained
         self.state: str | None = None
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.Queue[object] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="remediation", daemon=True)
 
     def start(self, env: Environment) -> None:
@@ -72,7 +72,8 @@ class DaemonRemediation:
         from node_agent.remediation.store import open_store
 
         store = open_store(self._config.state_dir)
-        item, failures, retry_at = None, 0, None
+        item, failures = None, 0
+        retry_at: float | None = None
         try:
             self._act(store, None)  # crash recovery first
             self._read_state(store)
@@ -120,15 +121,12 @@ class DaemonRemediation:
 
     def retry_delay_s(self, failures: int) -> float:
         """Seconds before the next try after ``failures`` failed ones: initial, doubling, capped."""
-        initial = float(self._config.get("daemon.retry_initial_s"))
-        cap = float(self._config.get("daemon.retry_max_s"))
+        initial = self._config.daemon.retry_initial_s
+        cap = self._config.daemon.retry_max_s
         return min(cap, initial * 2 ** min(failures - 1, 30))
 
     def _act(self, store, item, retry: bool = False):
-        from node_agent.remediation import evidence
-        from node_agent.remediation.executor import Remediator
-        from node_agent.remediation.host import boot_time, gpu_resetter, state_dir_of
-        from node_agent.remediation.plan import Safety
+        from node_agent.remediation.host import open_remediator
         from node_agent.resources import suites_dir
         from node_agent.runner import run_suite
         from node_agent.suite import load_suite
@@ -139,18 +137,8 @@ class DaemonRemediation:
             quick = load_suite("quick", suites_dir(self._config))
             return env.grader.grade(run_suite(quick, env), quick.mode)
 
-        remediator = Remediator(
-            store,
-            self.adapter,
-            self.node,
-            Safety.from_config(self._config),
-            state_dir=state_dir_of(store),
-            dry_run=bool(self._config.get("adapter.dry_run")),
-            boot_time=time.time() if env.simulated else boot_time(),
-            gpu_resetter=gpu_resetter(env),
-            retest=retest,
-            kernel_log=env.kernel_log,
-            gpu_pids=None if env.simulated else evidence.gpu_pids,
+        remediator = open_remediator(
+            env, self._config, store, self.adapter, self.node, retest=retest
         )
         try:
             if item is None:
@@ -162,8 +150,8 @@ class DaemonRemediation:
                     gpus=env.inventory.gpus,
                     suite="daemon",
                     mode="service",
-                    started_at=utc_now(),
-                    finished_at=utc_now(),
+                    started_at=utc_iso(),
+                    finished_at=utc_iso(),
                     results=results,
                     grade=grade,
                     simulated=env.simulated,

@@ -263,15 +263,41 @@ def _agent_process(args, tmp_path, **env):
     )
 
 
+# The agent's command line in a child Python whose remediators SIGKILL the process once the step
+# named by argv[1] is journaled, before the adapter is called (the executor's ``after_journal``).
+_CRASHING_AGENT = """
+import os, signal, sys
+from node_agent.commands.main import main
+from node_agent.remediation.executor import Remediator
+
+crash_at = sys.argv.pop(1)
+init = Remediator.__init__
+
+def crash(step):
+    if step.action == crash_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+def crashing_init(self, *args, **kwargs):
+    init(self, *args, **{**kwargs, "after_journal": crash})
+
+Remediator.__init__ = crashing_init
+sys.exit(main())
+"""
+
+
 def test_kill_9_between_journal_and_act_completes_the_action_exactly_once(
     scenario, config, logged, tmp_path
 ):
-    # NODE_AGENT_TEST_CRASH_AFTER_JOURNAL (see node_agent/remediation/executor.py) makes the agent
-    # SIGKILL itself after journaling the drain as started and before calling the adapter.
     cfg = config()
     args = ["check", "--simulate", scenario(XID79), "--act", "--json", "--config", cfg]
-    crashed = _agent_process(args, tmp_path, NODE_AGENT_TEST_CRASH_AFTER_JOURNAL="drain")
-    assert crashed.returncode == -signal.SIGKILL
+    crashed = subprocess.run(
+        [sys.executable, "-c", _CRASHING_AGENT, "drain", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     assert logged() == []
     again = _agent_process(args, tmp_path)
     assert again.returncode == 4, again.stderr
@@ -308,10 +334,9 @@ def test_invalid_safety_key_is_a_configuration_error_naming_the_key(agent, tmp_p
 # A hung training job: the check side reports it as ERROR rule training-hang on
 # job:<job>/rank:<n>; the remediation restarts the job through the adapter and leaves the node.
 _HUNG_JOB_RUN = """
-import sys
+import os, signal, sys
 from node_agent.config import load_config
 from node_agent.model import Action, Grade, Level, Reason
-from node_agent.remediation.plan import Safety
 from node_agent.remediation.executor import Remediator
 from node_agent.schedulers.log import LogAdapter
 from node_agent.remediation.store import open_store
@@ -326,8 +351,13 @@ class Report:
 
 config = load_config(sys.argv[1])
 store = open_store(config.state_dir)
-Remediator(store, LogAdapter.from_config(config), sys.argv[2], Safety.from_config(config),
-           state_dir=config.state_dir).remediate(Report())
+
+def crash(step):  # a kill -9 once the job restart is journaled, before the adapter is called
+    if step.action == "restart-job":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+Remediator(store, LogAdapter.from_config(config), sys.argv[2], config.safety,
+           state_dir=config.state_dir, after_journal=crash).remediate(Report())
 """
 
 
@@ -341,7 +371,6 @@ def test_kill_9_before_a_job_restart_sends_it_once_and_status_shows_it(
         text=True,
         timeout=120,
         cwd=tmp_path,
-        env={**os.environ, "NODE_AGENT_TEST_CRASH_AFTER_JOURNAL": "restart-job"},
     )
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     assert logged() == []

@@ -1,0 +1,79 @@
+"""The remediation vocabulary: a node's states, the actions of a plan step, the kinds of restart.
+
+Each is a ``str`` enum whose values are the strings the store keeps on disk (``remediation.db``
+columns ``state``, ``action``, ``restart_kind``) and that ``status`` shows, so an existing
+database reads unchanged and ``member == "drained"`` holds. :mod:`node_agent.remediation.plan`
+decides with them; :mod:`node_agent.remediation.store` reads and writes them.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from node_agent.model import Recovery
+
+
+class _Word(str, enum.Enum):
+    """A str enum that prints as its value (``f"{NodeState.DRAINED}"`` is ``drained``)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class NodeState(_Word):
+    """Where a node is in its remediation (DESIGN.md, "Remediation and safety")::
+
+    in-service -> drained -> restarting -> retest -> in-service
+                      \\-> fault -> awaiting-replacement
+                      \\-> needs-operator   (set-healthy + act resume)
+    """
+
+    IN_SERVICE = "in-service"
+    DRAINED = "drained"
+    RESTARTING = "restarting"
+    RETEST = "retest"
+    FAULT = "fault"
+    AWAITING_REPLACEMENT = "awaiting-replacement"
+    NEEDS_OPERATOR = "needs-operator"
+
+
+class StepAction(_Word):
+    """What one plan step does (the journal's ``action`` column)."""
+
+    DRAIN = "drain"
+    GPU_RESET = "gpu-reset"
+    RESTART = "restart"  # a reboot request through the scheduler adapter
+    RETEST = "retest"
+    RESUME = "resume"
+    REPLACE = "replace"
+    RESTART_JOB = "restart-job"
+    HOLD = "hold"  # journaled, no adapter call: the node waits for an operator
+
+
+class RestartKind(_Word):
+    """How a node (or its GPU) is restarted."""
+
+    GPU_RESET = "gpu-reset"
+    REBOOT = "reboot"
+
+
+#: the restart the driver's recovery action asks for (``nvmlGpuRecoveryAction_t``, NVML API
+#: reference): NODE_REBOOT and SYSTEM_REBOOT ask for a reboot; GPU_RESET, DRAIN_AND_RESET and
+#: BUS_RESET for a reset of the GPU (after its work is drained); DRAIN_P2P and
+#: RECOVER_IMEX_DOMAIN ask for no reboot, so a GPU reset is tried first, as for an action newer
+#: than this list (UNKNOWN) or none: a reset that does not clear the fault leads to a reboot
+#: (the re-test after a reset plans the reboot).
+RESTART_FOR_RECOVERY: dict[Recovery, RestartKind] = {
+    Recovery.NONE: RestartKind.GPU_RESET,
+    Recovery.GPU_RESET: RestartKind.GPU_RESET,
+    Recovery.NODE_REBOOT: RestartKind.REBOOT,
+    Recovery.DRAIN_P2P: RestartKind.GPU_RESET,
+    Recovery.DRAIN_AND_RESET: RestartKind.GPU_RESET,
+    Recovery.RECOVER_IMEX_DOMAIN: RestartKind.GPU_RESET,
+    Recovery.BUS_RESET: RestartKind.GPU_RESET,
+    Recovery.SYSTEM_REBOOT: RestartKind.REBOOT,
+    Recovery.UNKNOWN: RestartKind.GPU_RESET,
+}
