@@ -17,7 +17,7 @@ from node_agent import resources
 from node_agent.atomic_file import private_dir
 from node_agent.checks.ports import Ports, stand_in_ports
 from node_agent.config import Config
-from node_agent.gpu import open_backend
+from node_agent.gpu import open_backend, open_stand_in
 from node_agent.gpu.base import GpuBackend
 from node_agent.grading.rules import Grader, load_grader
 from node_agent.hardware.sku import Sku, load_skus
@@ -103,9 +103,10 @@ def open_environment(config: Config, simulate: str | None = None) -> Environment
     grader, skus = load_data(config)
     scenario = load_scenario(simulate, skus) if simulate else None
     if scenario is not None:
-        backend = open_backend(scenario, skus[scenario.sku])
+        stand_in = open_stand_in(scenario, skus[scenario.sku])
+        backend: GpuBackend = stand_in
         kernel_log: KernelLog = LinesKernelLog(
-            backend.kernel_log_lines(), source="simulated kernel log"
+            stand_in.kernel_log_lines(), source="simulated kernel log"
         )
         hostname = config.get("node.name") or scenario.hostname
         # a captured node is matched to its SKU as the recorded host was (node.sku, else auto)

@@ -132,7 +132,7 @@ class CheckContext:
             return None
         bus = self.pci_bus()
         gpus = bus.host_gpus
-        evidence = {"pci_gpus": [g.to_dict() for g in bus.gpus], "nvml": reason}
+        evidence: dict[str, Any] = {"pci_gpus": [g.to_dict() for g in bus.gpus], "nvml": reason}
         if gpus and not any(g.driver == "nvidia" for g in gpus):
             # the two checks every suite starts with explain it; the others say it briefly
             detail = (

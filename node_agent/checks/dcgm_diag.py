@@ -136,7 +136,7 @@ def run_cli(ctx: CheckContext, dcgmi: str, request: DiagRequest, timeout_s: floa
     """Run ``dcgmi diag -j`` and grade its JSON; every way it can break is an ``error``."""
     argv = dcgmi_argv(dcgmi, request, ctx.config.get("dcgm.hostengine"))
     res = proc.run(argv, timeout_s)
-    ev = {"via": "dcgmi", "argv": argv, "returncode": res.returncode}
+    ev: dict[str, Any] = {"via": "dcgmi", "argv": argv, "returncode": res.returncode}
     if res.timed_out or res.not_found or (res.returncode is None):
         return [
             ctx.result(
@@ -193,7 +193,7 @@ def results_from_report(
     ctx: CheckContext, report: DiagReport, request: DiagRequest, via: str
 ) -> list[Result]:
     """One result per failed test and entity; one ``pass`` when DCGM found nothing."""
-    base = {
+    base: dict[str, Any] = {
         "via": via,
         "run": request.run_arg,
         "dcgm_version": report.dcgm_version,

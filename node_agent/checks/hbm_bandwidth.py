@@ -26,6 +26,7 @@ per repetition on a real GPU; ignored where copies are modelled).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from node_agent.checks import CheckContext
@@ -85,7 +86,7 @@ def run(ctx: CheckContext) -> list[Result]:
                 times[index].append(
                     timed_copy(
                         dev,
-                        lambda d=dst, s=src: d.copy_(s),
+                        functools.partial(dst.copy_, src),
                         "hbm",
                         copy_bytes(size),
                         models.get(index),

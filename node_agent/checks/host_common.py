@@ -55,7 +55,7 @@ HOST_SCHEMA: dict[str, Any] = {
         },
     },
 }
-DEFAULTS = {
+DEFAULTS: dict[str, dict[str, float]] = {
     "memory": {
         "ce_per_24h_max": 10,
         "missing_dimm_fraction": 0.5,
@@ -74,7 +74,7 @@ def thresholds(ctx: CheckContext, section: str) -> dict[str, float]:
     path = graders_dir(ctx.config) / "host.yaml"
     if not path.is_file():
         path = shipped_graders_dir() / "host.yaml"
-    data = (
+    data: dict[str, Any] = (
         load_yaml(path, HOST_SCHEMA, what="host grading file", empty_ok=True)
         if path.is_file()
         else {}

@@ -223,9 +223,9 @@ def grade_lines(
         elif k in ("nfs_not_responding", "lustre_lost"):
             fold(k, "node", line.subject).add(line, line.subject)
         elif k == "nfs_ok":
-            f = folds.get(("nfs_not_responding", line.subject))
-            if f is not None:
-                f.facts["recovered_line"] = line.raw
+            lost = folds.get(("nfs_not_responding", line.subject))
+            if lost is not None:
+                lost.facts["recovered_line"] = line.raw
         elif k == "mce_record":
             if line.field("context_corrupt") or line.field("exception"):
                 kind = "mce_fatal" if line.field("context_corrupt") else "mce_uncorrected"

@@ -457,7 +457,7 @@ def _run_nccl_tests(
         }
         for r in table.rows
     ]
-    evidence = {
+    evidence: dict[str, Any] = {
         "backend": "nccl",
         "world_size": world_size,
         "iters": iters,

@@ -17,6 +17,8 @@ Params: ``sys_root``, ``proc_root`` (its ``self/mounts``), ``dev_root``, ``nvme`
 
 from __future__ import annotations
 
+from typing import Any
+
 from node_agent import proc
 from node_agent.checks import CheckContext
 from node_agent.checks.host_common import host_paths, not_recorded, thresholds, tool_timeout_s
@@ -63,7 +65,7 @@ def _run(ctx: CheckContext, paths: HostPaths) -> list[Result]:
             continue
         target = f"disk:{ctrl.name}"
         holds = sorted(p for p, c in scratch.items() if c == ctrl.name)
-        evidence = {
+        evidence: dict[str, Any] = {
             "model": ctrl.model,
             "serial": ctrl.serial,
             "firmware": ctrl.firmware,

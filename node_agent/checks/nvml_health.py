@@ -116,7 +116,7 @@ def _gpu_count(ctx: CheckContext) -> Result:
     # a modelled scenario's count is the node's own, as a declared one is; a captured node's is
     # only what the recorded host showed, so it is judged as that host would be
     modelled = ctx.ports.gpu_count_from == "scenario"
-    evidence = {
+    evidence: dict[str, Any] = {
         "expected": expected,
         "visible": visible,
         "pci_gpus": on_bus,
@@ -222,7 +222,7 @@ def _pci_bus(ctx: CheckContext) -> list[Result]:
         ]
     inv = ctx.inventory
     found = compare(bus, [g.pci_bus_id for g in inv.gpus], unidentified=len(inv.unreadable))
-    evidence = {
+    evidence: dict[str, Any] = {
         "pci_gpus": len(bus.gpus),
         "nvml_gpus": len(ctx.gpu.devices()),
         "passthrough": [g.bus_id for g in found.passthrough],
@@ -518,7 +518,7 @@ def _pcie(ctx, dev, target, reading, out) -> None:
     if link is None:
         return
     expected_width = (ctx.sku.section("pcie").get("width") if ctx.sku else None) or link.width_max
-    evidence = {
+    evidence: dict[str, Any] = {
         "gen_current": link.gen_current,
         "gen_max": link.gen_max,
         "width_current": link.width_current,
@@ -618,7 +618,7 @@ def _temperature(ctx, dev, target, reading, out) -> None:
     sku_thermal = ctx.sku.section("thermal") if ctx.sku else {}
     slowdown = (limits.slowdown_c if limits else None) or sku_thermal.get("slowdown_c")
     shutdown = (limits.shutdown_c if limits else None) or sku_thermal.get("shutdown_c")
-    evidence = {
+    evidence: dict[str, Any] = {
         "slowdown_c": slowdown,
         "shutdown_c": shutdown,
         "threshold_source": "nvml" if limits and limits.slowdown_c else "sku",
@@ -664,7 +664,7 @@ def _power(ctx, dev, target, reading, out) -> None:
     power = reading("power", dev.power)
     if power is None:
         return
-    evidence = {
+    evidence: dict[str, Any] = {
         "enforced_limit_w": power.enforced_limit_w,
         "default_limit_w": power.default_limit_w,
     }
@@ -820,7 +820,7 @@ def _nvlink_state(ctx: CheckContext, target: str, links: list, mode: str = "none
     active = [link.link for link in links if link.active]
     usable = [link for link in links if link.p2p_supported is not False]
     idle = [link.link for link in usable if not link.active]
-    evidence = {
+    evidence: dict[str, Any] = {
         "active": active,
         "indices": len(links),
         "inactive": idle,
@@ -830,9 +830,10 @@ def _nvlink_state(ctx: CheckContext, target: str, links: list, mode: str = "none
     declared = ctx.config.get("node.expected_nvlinks")
     if declared is not None:
         return _nvlink_against(ctx, target, links, declared, "node.expected_nvlinks", evidence)
+    sku_id = ctx.sku.id if ctx.sku else None
     expected = ctx.sku.section("nvlink").get("links") if ctx.sku else None
     if expected:
-        where = f"SKU {ctx.sku.id}"
+        where = f"SKU {sku_id}"
         if not links and mode != "none":
             return ctx.result(
                 target,
@@ -882,7 +883,7 @@ def _nvlink_state(ctx: CheckContext, target: str, links: list, mode: str = "none
             target,
             "nvlink_state",
             Status.PASS,
-            f"SKU {ctx.sku.id} expects no NVLink ({bridged}; {len(links)} link "
+            f"SKU {sku_id} expects no NVLink ({bridged}; {len(links)} link "
             "indices answer, inactive ones are not wired)",
             value=len(active),
             unit="links",

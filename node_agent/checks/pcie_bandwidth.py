@@ -346,11 +346,12 @@ def link_result(ctx: CheckContext, index: int, reading: LinkReading) -> Result:
             error=str(err),
         )
     link = reading.link
-    sku_pcie = ctx.sku.section("pcie") if ctx.sku else {}
+    sku = ctx.sku
+    sku_pcie = sku.section("pcie") if sku else {}
     want_gen = int(sku_pcie.get("gen") or link.gen_max)
     want_width = int(sku_pcie.get("width") or link.width_max)
-    source = f"SKU {ctx.sku.id}" if sku_pcie else "the link's maximum"
-    evidence = {
+    source = f"SKU {sku.id}" if sku and sku_pcie else "the link's maximum"
+    evidence: dict[str, Any] = {
         "gen_current": link.gen_current,
         "gen_max": link.gen_max,
         "width_current": link.width_current,

@@ -22,10 +22,10 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from node_agent.compute.devices import ComputeSource
-from node_agent.gpu.base import GpuBackend
+from node_agent.gpu.base import GpuBackend, StandInBackend
 from node_agent.gpu.pci import PciBus
 from node_agent.hardware.sku import Sku
 from node_agent.host.paths import HostPaths
@@ -38,7 +38,6 @@ from node_agent.sim.scenario import Scenario
 
 __all__ = [
     "DeclaredHost",
-    "LoadModel",
     "Ports",
     "PstoreView",
     "RdmaView",
@@ -100,14 +99,6 @@ class StandInSoftware:
     hcas: tuple[str, ...] = ()
     virtualized: bool = False
     source: str = "the stand-in node"
-
-
-@runtime_checkable
-class LoadModel(Protocol):
-    """A GPU backend that models readings under load (the stand-in's NVML): told when compute
-    load starts and stops on which GPUs. Real hardware reports its own state and has none."""
-
-    def load_hint(self, indices: list[int], active: bool) -> None: ...
 
 
 def _no_load_hint(indices: list[int], active: bool) -> None:
@@ -200,7 +191,7 @@ def stand_in_ports(scenario: Scenario, sku: Sku | None, backend: GpuBackend) -> 
             host_tools.write_pstore(scenario, Path(tmp))
             yield PstoreView(roots=(Path(tmp),), label="the stand-in's pstore")
 
-    hint = backend.load_hint if isinstance(backend, LoadModel) else _no_load_hint
+    hint = backend.load_hint if isinstance(backend, StandInBackend) else _no_load_hint
     return Ports(
         host_tree=host_tree,
         host_unrecorded=CAPTURE_HOST_UNRECORDED if captured else None,

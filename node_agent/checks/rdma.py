@@ -32,6 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from node_agent import proc
 from node_agent.checks import CheckContext
@@ -146,7 +147,7 @@ def _run(ctx: CheckContext, root: Path, ib_write_bw: str | None) -> list[Result]
 
 def port_results(ctx: CheckContext, port: Port, minimum: float | None) -> list[Result]:
     """link_state, port_rate_gbps and link_errors of one port, from sysfs alone."""
-    ev = {
+    ev: dict[str, Any] = {
         "device": port.device,
         "port": port.port,
         "link_layer": port.link_layer,
@@ -286,7 +287,7 @@ def _write_bw(
         client = proc.run(client_argv, timeout)
         thread.join()
         json_text = json_file.read_text() if json_file and json_file.exists() else None
-    ev = {
+    ev: dict[str, Any] = {
         "device": port.device,
         "port": port.port,
         "duration_s": duration,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import stat
 import tempfile
 from pathlib import Path
@@ -166,6 +165,29 @@ def _run_path(ctx: CheckContext, fio: str, path: Path, label: str = "") -> list[
         _remove_private(made, fd)
 
 
+def _remove_tree_at(name: str, dir_fd: int) -> None:
+    """Remove the directory ``name`` under ``dir_fd`` and all it holds, never following a
+    link (``shutil.rmtree``'s ``dir_fd`` needs Python 3.11; this runs on 3.10 too)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+    except OSError:
+        return
+    try:
+        for entry in os.listdir(fd):
+            try:
+                os.unlink(entry, dir_fd=fd)
+            except IsADirectoryError:
+                _remove_tree_at(entry, fd)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(name, dir_fd=dir_fd)
+    except OSError:
+        pass
+
+
 def _remove_private(made: str, fd: int) -> None:
     """Empty the directory we made (through its descriptor), then remove it by name only if
     the name is still that directory."""
@@ -174,7 +196,7 @@ def _remove_private(made: str, fd: int) -> None:
             try:
                 os.unlink(name, dir_fd=fd)
             except IsADirectoryError:
-                shutil.rmtree(name, dir_fd=fd, ignore_errors=True)
+                _remove_tree_at(name, fd)
             except OSError:
                 pass
         st, named = os.fstat(fd), os.lstat(made)

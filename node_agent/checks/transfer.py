@@ -187,11 +187,11 @@ def grade_figures(
         status, findings = verdict.status, [verdict.detail] if verdict.detail else []
         if ungraded_reason is not None:
             status, findings = Status.PASS, []
-        if apply_minimum and value < minimum:
+        if apply_minimum and minimum is not None and value < minimum:
             status = Status.FAIL
             findings.append(
                 f"gpu:{index} {what} {value:.4g} GB/s is below the SKU minimum "
-                f"{minimum:g} GB/s ({ctx.sku.id})"
+                f"{minimum:g} GB/s ({ctx.sku.id if ctx.sku else 'no SKU'})"
             )
         if findings:
             detail = "; ".join(findings)

@@ -285,3 +285,15 @@ class GpuBackend(Protocol):
     def wait_xid_events(self, timeout_s: float) -> list[XidEvent]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class StandInBackend(GpuBackend, Protocol):
+    """A scenario's GPUs (the modelled NVML, or a captured node's replay): a backend that also
+    prints the stand-in node's kernel log and is told when compute load starts and stops, so
+    that it can model what a GPU reports under load. Real backends have neither: the hardware
+    writes its own log and reports its own state. Reached through the environment's ports
+    (``Ports.load_hint``), never through :class:`GpuBackend`."""
+
+    def kernel_log_lines(self) -> list[str]: ...
+    def load_hint(self, indices: list[int], active: bool) -> None: ...

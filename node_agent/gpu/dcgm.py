@@ -390,7 +390,7 @@ class BindingsDcgm:
             ) from err
         self.connection = "embedded host engine" + (refused and f" ({refused[2:]})")
 
-    def _call(self, what: str, fn: Callable[[], Any], timeout_s: float = 30.0) -> Any:
+    def _call(self, what: str, fn: Callable[..., Any], timeout_s: float = 30.0) -> Any:
         if self._handle is None:
             raise DcgmCallError(f"DCGM {what}: not connected")
         try:

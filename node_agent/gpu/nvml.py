@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from node_agent.gpu.base import (
     RECOVERY_ACTIONS,
@@ -53,6 +53,7 @@ _NOT_SUPPORTED = 3
 _NO_PERMISSION = 4
 _NOT_FOUND = 6
 _DRIVER_NOT_LOADED = 9
+_T = TypeVar("_T")
 _TIMEOUT = 10
 _LIBRARY_NOT_FOUND = 12
 _FUNCTION_NOT_FOUND = 13
@@ -161,7 +162,7 @@ def _handle_key(handle: Any) -> Any:
         return handle
 
 
-def _optional(read: Callable[[], Any]) -> Any:
+def _optional(read: Callable[[], _T]) -> _T | None:
     """The value, or None where this GPU does not report it."""
     try:
         return read()
@@ -508,7 +509,7 @@ class NvmlDevice:
         """``nvidia-smi --query-gpu=power.draw,enforced.power.limit,power.default_limit`` (W)."""
 
         def watts(function: str) -> float:  # NVML reports milliwatts
-            return self._call(function) / 1000
+            return float(self._call(function)) / 1000
 
         return Power(
             usage_w=watts("nvmlDeviceGetPowerUsage"),
@@ -570,15 +571,19 @@ class NvmlDevice:
             sram = None
 
         def total(error_type: int, counter: int) -> int | None:
-            return _optional(lambda: self._call("nvmlDeviceGetTotalEccErrors", error_type, counter))
+            return _optional(
+                lambda: int(self._call("nvmlDeviceGetTotalEccErrors", error_type, counter))
+            )
 
         def aggregate_dbe_at(location: int) -> int | None:
             return _optional(
-                lambda: self._call(
-                    "nvmlDeviceGetMemoryErrorCounter",
-                    lib.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-                    lib.NVML_AGGREGATE_ECC,
-                    location,
+                lambda: int(
+                    self._call(
+                        "nvmlDeviceGetMemoryErrorCounter",
+                        lib.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                        lib.NVML_AGGREGATE_ECC,
+                        location,
+                    )
                 )
             )
 
@@ -651,7 +656,7 @@ class NvmlDevice:
 
     def persistence_mode(self) -> bool:
         """``nvidia-smi --query-gpu=persistence_mode``."""
-        return self._call("nvmlDeviceGetPersistenceMode") == self._lib.NVML_FEATURE_ENABLED
+        return bool(self._call("nvmlDeviceGetPersistenceMode") == self._lib.NVML_FEATURE_ENABLED)
 
     def recovery_action(self) -> str:
         """What the driver asks for to recover this GPU (``nvidia-smi -q``: GPU Recovery Action).
@@ -683,7 +688,9 @@ class NvmlDevice:
                 continue
 
             def counter(kind: int, link: int = link) -> int | None:
-                return _optional(lambda: self._call("nvmlDeviceGetNvLinkErrorCounter", link, kind))
+                return _optional(
+                    lambda: int(self._call("nvmlDeviceGetNvLinkErrorCounter", link, kind))
+                )
 
             links.append(
                 NvLink(
@@ -763,11 +770,12 @@ def open_nvml(call_timeout_s: float = 10.0, lib: Any = None) -> NvmlBackend:
     """
     if lib is None:
         try:
-            import pynvml as lib
+            import pynvml
         except ImportError as err:
             raise NvmlUnavailable(
                 "nvidia-ml-py not installed: pip install nvidia-ml-py", broken=False
             ) from err
+        lib = pynvml
     backend = NvmlBackend(lib, call_timeout_s)
     backend.init()
     return backend

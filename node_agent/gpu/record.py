@@ -78,7 +78,7 @@ class _Recorder:
     def __init__(self) -> None:
         self.keys: dict[str, Any] = {}
 
-    def put(self, key: str, read: Callable[[], Any]) -> Any:
+    def put(self, key: str, read: Callable[..., Any]) -> Any:
         try:
             value = read()
         except Exception as err:  # noqa: BLE001 - every answer is data, a crash is none

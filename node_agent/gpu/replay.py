@@ -253,7 +253,7 @@ class StateNvml:
         self._fail(_switch(self._state.system, fn))
         index = getattr(handle, "index", None)
         if not isinstance(index, int) or not 0 <= index < len(self._state.gpus):
-            self._fail(_INVALID_ARGUMENT)
+            raise self._pynvml.NVMLError(_INVALID_ARGUMENT)
         section = self._state.gpus[index]
         lost = _get(section, "lost")
         if lost is not None and lost != "0":
@@ -727,6 +727,9 @@ class ReplayAbsentBackend(AbsentGpuBackend):
 
     def kernel_log_lines(self) -> list[str]:
         return list(self._kernel_log)
+
+    def load_hint(self, indices: list[int], active: bool) -> None:
+        """Nothing to model: NVML did not load on the captured node."""
 
 
 def open_replay(

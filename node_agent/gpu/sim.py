@@ -36,7 +36,7 @@ from node_agent.gpu.base import (
 
 if TYPE_CHECKING:  # the scenario is handed in; importing it would make a circle through gpu/
     from node_agent.hardware.sku import Sku
-    from node_agent.sim.scenario import Scenario
+    from node_agent.sim.scenario import Fault, Scenario
 
 # PCI bus numbers of the eight GPUs on an HGX baseboard, as NVML prints them.
 _HGX_BUSES = ("18", "2a", "3a", "5d", "9a", "ab", "ba", "db")
@@ -177,7 +177,7 @@ class SimGpuDevice:
         fault = self._fault("throttle")
         return bool(fault and _HW_THROTTLE & set(fault.params["reasons"]))
 
-    def _fault(self, kind: str):
+    def _fault(self, kind: str) -> Fault | None:
         faults = self._scenario.faults_on(self.index, kind)
         return faults[-1] if faults else None
 
@@ -306,11 +306,6 @@ class SimGpuDevice:
         sram = self._counter("ecc_sram_uncorrectable", sum(by_unit.values()))
         if sram != sum(by_unit.values()):  # a series: its errors are the L2's
             by_unit = {**dict.fromkeys(SRAM_UNITS, 0), "l2": sram}
-        status = {
-            "sram_uncorrectable_aggregate": sram,
-            "sram_threshold_exceeded": flagged,
-            "sram_uncorrectable_by_unit": by_unit,
-        }
         return EccCounts(
             enabled=True,
             volatile_sbe=sbe,
@@ -319,7 +314,9 @@ class SimGpuDevice:
             aggregate_dbe=dbe + sram,
             aggregate_dbe_sram=sram,
             aggregate_dbe_dram=dbe,
-            **status,
+            sram_uncorrectable_aggregate=sram,
+            sram_threshold_exceeded=flagged,
+            sram_uncorrectable_by_unit=by_unit,
         )
 
     def retired_pages(self) -> RetiredPages:
@@ -467,7 +464,7 @@ class SimGpuBackend:
         line with ``{bus}`` replaced by its GPU's bus id."""
         lines = list(self.scenario.kernel_log)
         for fault in self.scenario.faults:
-            if fault.kind == "xid":
+            if fault.kind == "xid" and fault.gpu is not None:  # the schema requires its gpu
                 lines.append(xid_kernel_line(fault.gpu, fault.params["code"]))
             elif fault.kind == "kernel_log":
                 line = fault.params["line"]

@@ -309,7 +309,7 @@ def _section(text: str, marker: str) -> list[str]:
     lines = text.splitlines()
     for i, line in enumerate(lines):
         if marker in line:
-            body = []
+            body: list[str] = []
             for follow in lines[i + 1 :]:
                 if follow.startswith("#") or (follow.startswith("**") and body):
                     break

@@ -451,7 +451,7 @@ def load_scenario(path: str | Path, known_skus: dict[str, Any] | None = None) ->
     if gpus is None:
         gpus = known_skus[data["sku"]].gpus_per_node if known_skus else 8
     hcas = tuple(data.get("hcas", []))
-    faults = []
+    faults: list[Fault] = []
     for i, raw in enumerate(data.get("faults") or []):
         validate(raw, FAULT_SCHEMAS[raw["kind"]], f"{source}: faults[{i}]")
         if nvml is not None and raw["kind"] not in CAPTURE_FAULT_KINDS:
