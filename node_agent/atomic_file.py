@@ -21,6 +21,7 @@ import os
 import secrets
 import shutil
 import stat
+import sys
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -229,7 +230,10 @@ def ensure_user_spool(spool_dir: Path | str, uid: int) -> str | None:
             moved = os.stat(aside, dir_fd=top, follow_symlinks=False)  # what was really moved
             if stat.S_ISDIR(moved.st_mode):
                 # rmtree works through fds and never follows a link (avoids_symlink_attacks)
-                shutil.rmtree(aside, dir_fd=top, ignore_errors=True)
+                if sys.version_info >= (3, 11):
+                    shutil.rmtree(aside, dir_fd=top, ignore_errors=True)
+                else:  # no dir_fd before 3.11: the same entry through the held directory's fd
+                    shutil.rmtree(f"/proc/self/fd/{top}/{aside}", ignore_errors=True)
             else:
                 with contextlib.suppress(OSError):
                     os.unlink(aside, dir_fd=top)

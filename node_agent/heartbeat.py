@@ -521,9 +521,9 @@ def _pick_fairly(entries: list[tuple[str, int]], limit: int) -> list[str]:
     while queues and len(picked) < limit:
         alive = []
         for q in queues:
-            name = next(q, None)
-            if name is not None and len(picked) < limit:
-                picked.append(name)
+            taken = next(q, None)
+            if taken is not None and len(picked) < limit:
+                picked.append(taken)
                 alive.append(q)
         queues = alive
     return sorted(picked)

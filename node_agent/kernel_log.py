@@ -127,7 +127,7 @@ def line_stamp(prefix: str) -> Stamp | None:
                 ),
             )
         if (m := _ISO_STAMP.search(prefix)) is not None:
-            seconds = calendar.timegm(time.strptime(m["t"], "%Y-%m-%dT%H:%M:%S"))
+            seconds = float(calendar.timegm(time.strptime(m["t"], "%Y-%m-%dT%H:%M:%S")))
             seconds += float("0." + m["frac"]) if m["frac"] else 0.0
             tz = m["tz"]
             if tz and tz != "Z":
@@ -673,8 +673,10 @@ class KernelLogScanner:
             else:
                 self._aer[bus] = (event, left - 1)
 
-    def _aer_failed(self, port: str, raw: str, stamp: Stamp | None) -> list[DriverLine]:
-        out = [
+    def _aer_failed(
+        self, port: str, raw: str, stamp: Stamp | None
+    ) -> list[Event | Unreadable | DriverLine]:
+        out: list[Event | Unreadable | DriverLine] = [
             DriverLine(
                 kind="aer-recovery-failed",
                 pci_bus=bus,

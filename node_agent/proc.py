@@ -172,14 +172,14 @@ def run(
     except OSError as err:
         return ProcResult(argv, None, "", str(err), 0.0)
     try:
-        out, err = proc.communicate(input=input_text, timeout=timeout_s)
+        out, errout = proc.communicate(input=input_text, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         kill_group(proc)
-        out, err = _leftover_output(proc)
-        return ProcResult(argv, None, out, err, time.monotonic() - start, timed_out=True)
+        out, errout = _leftover_output(proc)
+        return ProcResult(argv, None, out, errout, time.monotonic() - start, timed_out=True)
     # it exited; a child it left behind in its group would run on unbounded: end it now
     _kill_pgid(proc.pid)
-    return ProcResult(argv, proc.returncode, out, err, time.monotonic() - start)
+    return ProcResult(argv, proc.returncode, out, errout, time.monotonic() - start)
 
 
 #: after a kill, how long to read what is left in the pipes before closing them

@@ -7,6 +7,7 @@ expected, so the CLI can print it and exit 2 without a traceback.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ def _non_finite(data: Any, path: tuple[str, ...] = ()) -> tuple[str, float] | No
     """(key path, value) of the first NaN or infinity in ``data``, else None."""
     if isinstance(data, float) and not math.isfinite(data):
         return ".".join(path) or "(top level)", data
+    items: Iterable[tuple[Any, Any]]
     if isinstance(data, dict):
         items = data.items()
     elif isinstance(data, (list, tuple)):

@@ -64,8 +64,8 @@ def run(
             )
         )
     if html:
-        path = write_fleet_html(analysis, html)
-        print(f"fleet html: {path}", file=err)
+        written = write_fleet_html(analysis, html)
+        print(f"fleet html: {written}", file=err)
     if as_json:
         print(json.dumps(analysis.to_dict(), indent=2), file=out)
     else:

@@ -116,8 +116,8 @@ def run(
     *,
     as_json: bool = False,
     out: TextIO = sys.stdout,
-) -> tuple[int | None, list[Regraded]]:
-    """Re-grade and print the diff; returns (worst re-graded level or None, items).
+) -> tuple[Level, list[Regraded]]:
+    """Re-grade and print the diff; returns (the worst re-graded level, items).
 
     ConfigError (exit 2) when no input is a readable report.
     """

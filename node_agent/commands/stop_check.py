@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -262,11 +263,12 @@ def _phases(args, side: phases.NodeSide, no_compute: str | None) -> dict[str, ph
 
     out: dict[str, phases.PhaseOutcome] = {}
     # whether every node can compute decides the compute phases for all ranks alike
-    can = [None] * side.place.world_size
+    can: list[tuple[str, str | None] | None] = [None] * side.place.world_size
     dist.all_gather_object(can, (side.node, no_compute))
-    cannot = {n: why for n, why in can if why}
-    plan: list[tuple[str, Any]] = [("self", phases.phase_self)]
-    compute = [
+    cannot = {n: why for n, why in filter(None, can) if why}
+    Phase = Callable[[phases.NodeSide], phases.PhaseOutcome]
+    plan: list[tuple[str, Phase]] = [("self", phases.phase_self)]
+    compute: list[tuple[str, Phase]] = [
         ("intra_node", phases.phase_intra_node),
         ("neighbours", phases.phase_neighbours),
         ("alignment", phases.phase_alignment),

@@ -34,7 +34,8 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from types import ModuleType
+from typing import Any, NamedTuple, TypeGuard
 
 from node_agent.model import REPORT_SCHEMA, ReportFormatError
 from node_agent.report import json_report
@@ -163,7 +164,7 @@ class NodeFigures:
     training: list[TrainingRow] = field(default_factory=list)
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -393,10 +394,13 @@ def read_all(
 
 # -- statistics ------------------------------------------------------------------------------
 
+_np: ModuleType | None
 try:  # numpy is optional (the `report` extra); the pure-Python path gives the same numbers
-    import numpy as _np
+    import numpy
 except ImportError:  # pragma: no cover - exercised where numpy is absent
     _np = None
+else:
+    _np = numpy
 
 
 def _median(values: Sequence[float]) -> float:
@@ -679,7 +683,7 @@ def find_outliers(group: MetricGroup, rules: FleetRules, nodes: list[NodeFigures
     if scale <= 0:
         return []  # every figure identical (and zero): nothing stands out
     limit = rules.deviation_mads
-    if arr is not None:
+    if _np is not None and arr is not None:
         dev = (arr - median) / scale
         if group.direction == "low":
             hits = _np.nonzero(dev <= -limit)[0].tolist()
@@ -748,13 +752,15 @@ def find_stragglers(
     the median of the job's *other* ranks, so with two ranks each is compared with the other.
     Hung ranks are left out: their step time is from before the hang.
     """
-    jobs: dict[str, dict[tuple[int, Any], TrainingRow]] = {}
+    # job -> (node index, pid or target) -> (step time, row)
+    jobs: dict[str, dict[tuple[int, Any], tuple[float, TrainingRow]]] = {}
     for index, node in enumerate(nodes):
         for row in node.training:
             if row.metric in STEPPING and row.step_time_s is not None:
                 ranks = jobs.setdefault(_job_key(row.job, node.hostname), {})
                 # a straggler also reports its progress: one entry per process
-                ranks.setdefault((index, row.pid if row.pid is not None else row.target), row)
+                key = (index, row.pid if row.pid is not None else row.target)
+                ranks.setdefault(key, (row.step_time_s, row))
     out: list[FleetStraggler] = []
     compared = 0
     for job, ranks in sorted(jobs.items()):
@@ -763,7 +769,7 @@ def find_stragglers(
             continue
         compared += 1
         entries = sorted(
-            ((row.step_time_s, index, row) for (index, _), row in ranks.items()), key=lambda e: e[0]
+            ((step, index, row) for (index, _), (step, row) in ranks.items()), key=lambda e: e[0]
         )
         ordered = [e[0] for e in entries]
         for i, (step, index, row) in enumerate(entries):

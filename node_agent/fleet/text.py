@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from node_agent.fleet.analysis import FleetAnalysis
 from node_agent.report.terminal import printable
 
@@ -64,8 +66,8 @@ def render_text(analysis: FleetAnalysis, limit: int = 50) -> str:
     return "\n".join(printable(line) for line in lines)
 
 
-def _table(rows: list[tuple[str, ...]]) -> list[str]:
-    rows = [tuple(printable(c) for c in r) for r in rows]
+def _table(table: Sequence[Sequence[str]]) -> list[str]:
+    rows = [tuple(printable(c) for c in r) for r in table]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return [
         "  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows

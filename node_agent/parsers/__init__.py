@@ -51,7 +51,8 @@ def json_document(text: str, tool: str, expected: str, preview: int = 160) -> An
         except json.JSONDecodeError as err:
             first_error = first_error or (start, err)
     assert first_error is not None
-    _start, err = first_error
+    _start, decode_error = first_error
     raise ParseError(
-        f"{tool} JSON is truncated or malformed at character {err.pos} of {len(text)}: {err.msg}"
-    ) from err
+        f"{tool} JSON is truncated or malformed at character {decode_error.pos} of {len(text)}: "
+        f"{decode_error.msg}"
+    ) from decode_error

@@ -297,7 +297,7 @@ def _parse_one(doc: dict[str, Any], iteration: int | None) -> DiagReport:
             f"dcgmi diag JSON: {root_key!r} is a {type(root).__name__}, "
             "expected an object holding 'test_categories'"
         )
-    meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
+    meta = doc["metadata"] if isinstance(doc.get("metadata"), dict) else {}
     version = meta.get("version") or doc.get("version") or root.get("version")
     driver = meta.get("Driver Version Detected") or doc.get("Driver Version Detected")
     runtime_error = root.get("runtime_error")

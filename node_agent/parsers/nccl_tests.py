@@ -41,7 +41,9 @@ What else real output carries, and how it is read (nccl-tests ``src/util.cu``, v
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from node_agent.parsers import ParseError
 
@@ -202,7 +204,10 @@ def parse_all_reduce_perf(text: str) -> NcclTable:
     )
 
 
-def _after_colon(line: str, kind: type, what: str) -> float | int:
+_Number = TypeVar("_Number", int, float)
+
+
+def _after_colon(line: str, kind: Callable[[str], _Number], what: str) -> _Number:
     try:
         return kind(line.split(":", 1)[1].split()[0])
     except (IndexError, ValueError) as err:

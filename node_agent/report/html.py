@@ -20,7 +20,7 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from node_agent import atomic_file
 from node_agent.extras import missing_message
@@ -155,20 +155,22 @@ class Plotter:
         self._count += 1
         # text as <text> (small, selectable); report text is never parsed as mathtext; the hash
         # salt makes element ids deterministic and distinct between the page's figures
-        rc = {
-            "svg.fonttype": "none",
-            "text.parse_math": False,
-            "svg.hashsalt": f"node-agent-{self._count}",
-        }
         buf = io.StringIO()
-        with self._matplotlib.rc_context(rc):
+        with self._matplotlib.rc_context(
+            {
+                "svg.fonttype": "none",
+                "text.parse_math": False,
+                "svg.hashsalt": f"node-agent-{self._count}",
+            }
+        ):
             fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None})
         text = buf.getvalue()
         start = text.find("<svg")
         return text[start:] if start >= 0 else text
 
 
-def _number(value: Any) -> bool:
+def _number(value: object) -> TypeGuard[float]:
+    """A finite int or float (not a bool)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -455,7 +457,7 @@ def _bars(report: Report, plotter: Plotter) -> str:
         axes = fig.subplots(1, len(panels), squeeze=False)[0]
         for ax, (metric, rows) in zip(axes, panels, strict=True):
             labels = [r.target for r in rows]
-            values = [float(r.value) for r in rows]
+            values = [float(r.value) for r in rows if _number(r.value)]  # every row (above)
             colours = [STATUS_COLOUR.get(r.status.value, "#757575") for r in rows]
             ys = list(range(len(rows)))
             ax.barh(ys, values, color=colours, height=0.7)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -64,9 +64,13 @@ def corrupting_matmul(
     """
     if not 0 < rate <= 1:
         raise ValueError(f"corrupting_matmul: rate must be in (0, 1], got {rate}")
+    mm: Matmul
     if base is None:
-        from node_agent.sdc.exact import gemm as base
-    mm: Matmul = base
+        from node_agent.sdc.exact import gemm
+
+        mm = gemm
+    else:
+        mm = base
     calls = itertools.count()
     rng = random.Random(seed)
 
@@ -76,9 +80,11 @@ def corrupting_matmul(
             return out
         view, mask = _mask(out.dtype, bit)
         if tiles is None:
-            idx = torch.randint(
-                0, out.numel(), (1,), generator=torch.Generator().manual_seed(seed)
-            ).item()
+            idx = int(
+                torch.randint(
+                    0, out.numel(), (1,), generator=torch.Generator().manual_seed(seed)
+                ).item()
+            )
             out = out.clone()
             out.view(-1).view(view)[idx] ^= mask
             return out
@@ -86,6 +92,7 @@ def corrupting_matmul(
             raise ValueError(f"corrupting_matmul: sm {sm} out of range for {tiles.sm_count} SMs")
         m, n = out.shape[-2], out.shape[-1]
         rotation = rng.randrange(tiles.sm_count)
+        faulty: Iterable[int]
         if sm is None:
             faulty = range(tiles.tiles(m, n))
         else:

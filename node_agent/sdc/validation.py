@@ -142,6 +142,8 @@ class _TinyTransformer(torch.nn.Module):
     """A small decoder-style language model: embedding, ``layers`` pre-norm transformer
     blocks (``torch.nn.TransformerEncoderLayer`` with a causal mask), a tied output head."""
 
+    mask: torch.Tensor  # a buffer (``register_buffer``), typed for the checker
+
     def __init__(self, vocab: int, d_model: int, heads: int, layers: int, seq: int) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, d_model)

@@ -158,12 +158,12 @@ def phase_intra_node(side: NodeSide) -> PhaseOutcome:
     suspects: list[Suspect] = []
     for node, data in shared:
         for key, bad in data["bad_bytes"].items():
-            src, dst = (int(x) for x in key.split("->"))
+            _src_index, dst_index = (int(x) for x in key.split("->"))
             suspects.append(
                 Suspect(
                     node,
                     "intra_node",
-                    gpu=dst,
+                    gpu=dst_index,
                     evidence={
                         "pair": key,
                         "wrong_bytes": bad,
@@ -228,9 +228,9 @@ def phase_neighbours(side: NodeSide) -> PhaseOutcome:
     for it in range(NEIGHBOUR_ITERS + 1):
         dist.barrier()
         start = time.perf_counter()
-        reqs = [dist.isend(send, right), dist.irecv(recv, left)]
-        for req in reqs:
-            req.wait()
+        for req in (dist.isend(send, right), dist.irecv(recv, left)):
+            if req is not None:  # None: this rank is not in the group (never here)
+                req.wait()
         if where != "cpu":
             torch.cuda.synchronize(where)
         elapsed = time.perf_counter() - start
