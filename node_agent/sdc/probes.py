@@ -388,9 +388,8 @@ class SdcProbe:
     probe is the largest of its own last cost (its warm-up's until it has run in training) and
     the cost of every probe of the last round (:data:`RECENT_COSTS`): on a GPU busy with
     training a probe's stream waits behind the training kernels, and a probe costs what its
-    neighbours did there, not what it cost on the idle GPU at construction (on an H100 about
-    1.4 ms in training against at most 0.64 ms at warm-up; taking the warm-up's figure let four
-    probes spend 0.116 % of a 4.84 s run against a 0.1 % budget). So a probe that costs no more than the costliest recent one leaves
+    neighbours did there, not what it cost on the idle GPU at construction (docs/sdc.md gives
+    the measured figures). So a probe that costs no more than the costliest recent one leaves
     ``cost <= budget_fraction * elapsed`` true when it completes; one that costs more (the first
     under training load) overspends by that excess only, which the next start waits to repay.
 

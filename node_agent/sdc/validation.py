@@ -189,11 +189,9 @@ def measure_training_overhead(
     ``SdcProbe`` (its spool is a temporary directory).
 
     The budget decides how many probes run: ``budget_fraction`` x the "on" time must cover a
-    probe's cost before the first starts. On an H100 (gpu-validate, 2026-11-24: 4 probes cost
-    0.116 % of 4.84 s) a probe in training costs about 1.4 ms, so at 0.1 % each probe needs
-    1.4 s of "on" time; the defaults give about 4.8 s there (8 pairs of 50 steps of 12 ms). A
-    shorter run measures no probe at all (``probes_run`` 0); a check of the harness raises the
-    budget instead."""
+    probe's cost before the first starts, so the defaults are sized for several probes on a
+    data-centre GPU (the figures and their sizing are in docs/sdc.md). A shorter run measures
+    no probe at all (``probes_run`` 0); a check of the harness raises the budget instead."""
     from node_agent.sdc.probes import SdcProbe
 
     if device is None:
