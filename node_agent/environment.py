@@ -49,7 +49,7 @@ class Environment:
 
     @property
     def expected_gpus(self) -> int | None:
-        configured = self.config.get("node.expected_gpus")
+        configured = self.config.node.expected_gpus
         if configured is not None:
             return configured
         if self.scenario is not None and not self.scenario.captured:
@@ -76,7 +76,7 @@ def load_data(config: Config) -> tuple[Grader, dict[str, Sku]]:
     """Grader and SKU files, validated (ConfigError on any problem)."""
     graders = resources.graders_dir(config)
     skus = load_skus(graders)
-    sku_setting = config.get("node.sku")
+    sku_setting = config.node.sku
     if sku_setting != "auto" and sku_setting not in skus:
         raise ConfigError(
             f"{config.source}: key 'node.sku': {sku_setting!r} is not a SKU file "
@@ -95,7 +95,7 @@ KERNEL_LOG_ENV = "NODE_AGENT_KERNEL_LOG"
 def kernel_log_path(config: Config) -> str | None:
     """The kernel log this invocation reads: ``kernel_log.path``, else ``$NODE_AGENT_KERNEL_LOG``,
     else None (this host's: /dev/kmsg, else ``journalctl -k``)."""
-    return config.get("kernel_log.path") or os.environ.get(KERNEL_LOG_ENV) or None
+    return config.kernel_log.path or os.environ.get(KERNEL_LOG_ENV) or None
 
 
 def open_environment(config: Config, simulate: str | None = None) -> Environment:
@@ -108,14 +108,14 @@ def open_environment(config: Config, simulate: str | None = None) -> Environment
         kernel_log: KernelLog = LinesKernelLog(
             stand_in.kernel_log_lines(), source="simulated kernel log"
         )
-        hostname = config.get("node.name") or scenario.hostname
+        hostname: str | None = config.node.name or scenario.hostname
         # a captured node is matched to its SKU as the recorded host was (node.sku, else auto)
-        sku_setting = config.get("node.sku") if scenario.captured else scenario.sku
+        sku_setting = config.node.sku if scenario.captured else scenario.sku
     else:
-        backend = open_backend(call_timeout_s=float(config.get("nvml.call_timeout_s")))
+        backend = open_backend(call_timeout_s=config.nvml.call_timeout_s)
         kernel_log = open_kernel_log(kernel_log_path(config))
-        hostname = config.get("node.name")
-        sku_setting = config.get("node.sku")
+        hostname = config.node.name
+        sku_setting = config.node.sku
     inventory = collect(backend, skus, sku_setting, hostname=hostname)
     ports = Ports() if scenario is None else stand_in_ports(scenario, inventory.sku, backend)
     return Environment(

@@ -134,7 +134,7 @@ def dcgmi_argv(dcgmi: str, request: DiagRequest, host: str | None = None) -> lis
 
 def run_cli(ctx: CheckContext, dcgmi: str, request: DiagRequest, timeout_s: float) -> list[Result]:
     """Run ``dcgmi diag -j`` and grade its JSON; every way it can break is an ``error``."""
-    argv = dcgmi_argv(dcgmi, request, ctx.config.get("dcgm.hostengine"))
+    argv = dcgmi_argv(dcgmi, request, ctx.config.dcgm.hostengine)
     res = proc.run(argv, timeout_s)
     ev: dict[str, Any] = {"via": "dcgmi", "argv": argv, "returncode": res.returncode}
     if res.timed_out or res.not_found or (res.returncode is None):

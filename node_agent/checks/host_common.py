@@ -96,8 +96,8 @@ def host_paths(ctx: CheckContext, parts: tuple[str, ...]) -> Iterator[HostPaths]
         sys=Path(ctx.params.get("sys_root", "/sys")),
         proc=Path(ctx.params.get("proc_root", "/proc")),
         dev=Path(ctx.params.get("dev_root", "/dev")),
-        ipmitool=str(ctx.params.get("ipmitool") or ctx.config.get("host.ipmitool")),
-        nvme=str(ctx.params.get("nvme") or ctx.config.get("host.nvme")),
+        ipmitool=str(ctx.params.get("ipmitool") or ctx.config.host.ipmitool),
+        nvme=str(ctx.params.get("nvme") or ctx.config.host.nvme),
     )
 
 
@@ -112,7 +112,7 @@ def not_recorded(ctx: CheckContext, metric: str) -> list[Result] | None:
 
 def tool_timeout_s(ctx: CheckContext) -> float:
     """``host.timeout_s``, kept under the check's own timeout."""
-    return max(1.0, min(float(ctx.config.get("host.timeout_s")), ctx.timeout_s * 0.8))
+    return max(1.0, min(ctx.config.host.timeout_s, ctx.timeout_s * 0.8))
 
 
 @dataclass

@@ -81,7 +81,7 @@ def _throttle(ctx: CheckContext, state) -> Result:
 
 
 def _online(ctx: CheckContext, state) -> Result:
-    expected = ctx.config.get("node.expected_cpus")
+    expected = ctx.config.node.expected_cpus
     declared_by = "node.expected_cpus"
     if expected is None and ctx.ports.declared_host is not None:
         declared = ctx.ports.declared_host

@@ -230,7 +230,7 @@ def _installed(
     controllers: list[MemoryController] | None,
     limits: dict[str, float],
 ) -> Result:
-    expected = ctx.config.get("node.expected_memory_gib")
+    expected = ctx.config.node.expected_memory_gib
     declared_by = "node.expected_memory_gib"
     if expected is None and ctx.ports.declared_host is not None:
         declared = ctx.ports.declared_host

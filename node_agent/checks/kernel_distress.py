@@ -363,7 +363,7 @@ def rasdaemon_results(ctx: CheckContext) -> list[Result]:
     """rasdaemon's MCE records (``ras-mc-ctl --summary``), where it is installed."""
     if not ctx.ports.rasdaemon:
         return []  # the node's machine checks are its kernel log's (a stand-in's mce fault)
-    tool = str(ctx.config.get("host.ras_mc_ctl"))
+    tool = ctx.config.host.ras_mc_ctl
     if proc.which(tool) is None:
         return [
             ctx.skip(
@@ -373,7 +373,7 @@ def rasdaemon_results(ctx: CheckContext) -> list[Result]:
             )
         ]
     # under the runner's limit for the check, so a slow tool is a skip, never an abandoned check
-    timeout_s = min(float(ctx.config.get("host.timeout_s")), ctx.timeout_s / 2)
+    timeout_s = min(ctx.config.host.timeout_s, ctx.timeout_s / 2)
     done = proc.run([tool, "--summary"], timeout_s=timeout_s)
     if not done.ok:
         return [

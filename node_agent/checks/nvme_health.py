@@ -58,7 +58,7 @@ def _run(ctx: CheckContext, paths: HostPaths) -> list[Result]:
             )
         ]
     wear_max = thresholds(ctx, "nvme")["percent_used_max"]
-    scratch = controllers_holding(list(ctx.config.get("storage.paths") or []), paths.proc)
+    scratch = controllers_holding(list(ctx.config.storage.paths), paths.proc)
     results: list[Result] = []
     for ctrl in controllers:
         if not CONTROLLER.match(ctrl.name):  # never a name sysfs did not give in this form

@@ -79,7 +79,7 @@ def _expected_gpus(ctx: CheckContext) -> tuple[int | None, str]:
         sku is not None
         and not sku.fixed_gpu_count
         and ctx.ports.gpu_count_from is None
-        and ctx.config.get("node.expected_gpus") is None
+        and ctx.config.node.expected_gpus is None
     ):
         return None, (
             f"SKU {sku.id} is an add-in card whose count is the server's build; set "
@@ -112,7 +112,7 @@ def _gpu_count(ctx: CheckContext) -> Result:
     handed = 0 if bus.unreadable else len(bus.gpus) - len(bus.host_gpus)
     note = f" ({handed} more handed to a VM)" if handed else ""
     expected = max(expected - handed, 0)
-    declared = ctx.config.get("node.expected_gpus") is not None
+    declared = ctx.config.node.expected_gpus is not None
     # a modelled scenario's count is the node's own, as a declared one is; a captured node's is
     # only what the recorded host showed, so it is judged as that host would be
     modelled = ctx.ports.gpu_count_from == "scenario"
@@ -827,7 +827,7 @@ def _nvlink_state(ctx: CheckContext, target: str, links: list, mode: str = "none
         "not_p2p_capable": [link.link for link in links if link.p2p_supported is False],
         "virtualization": mode,
     }
-    declared = ctx.config.get("node.expected_nvlinks")
+    declared = ctx.config.node.expected_nvlinks
     if declared is not None:
         return _nvlink_against(ctx, target, links, declared, "node.expected_nvlinks", evidence)
     sku_id = ctx.sku.id if ctx.sku else None

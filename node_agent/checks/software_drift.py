@@ -86,10 +86,7 @@ ACS_P2P_BREAKING = (1 << 2) | (1 << 3)
 
 
 def run(ctx: CheckContext) -> list[Result]:
-    declared = {
-        k: ctx.config.get(f"node.software.{k}")
-        for k in ("driver", "cuda", "nccl", "vbios", "kernel")
-    }
+    declared = ctx.config.node.software.as_dict()
     # the software a stand-in declares (a scenario's); empty: this host's, read here
     sim: dict[str, Any] = dict(ctx.ports.software.values) if ctx.ports.software else {}
     results: list[Result] = []

@@ -109,7 +109,7 @@ def run(ctx: CheckContext) -> list[Result]:
     fio = proc.which("fio")
     if fio is None:
         return [ctx.skip(FIO_MISSING)]
-    paths = list(ctx.config.get("storage.paths") or [])
+    paths = list(ctx.config.storage.paths)
     if paths:
         return [r for path in paths for r in _run_path(ctx, fio, Path(path))]
     with tempfile.TemporaryDirectory(prefix="node-agent-storage-") as tmp:

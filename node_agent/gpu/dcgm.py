@@ -293,7 +293,7 @@ def open_dcgm(
     connect_timeout_s: float = 15.0,
 ) -> BindingsDcgm:
     """Find, load and connect; raises DcgmUnavailable (no bindings) or another DcgmError."""
-    configured = config.get("dcgm.bindings_path")
+    configured = config.dcgm.bindings_path
     searched = list(candidates) if candidates is not None else bindings_candidates(configured)
     path = find_bindings(searched)
     if path is None:
@@ -302,7 +302,7 @@ def open_dcgm(
             + ", ".join(str(p) for p in searched)
             + f"): {INSTALL_HINT}"
         )
-    source = BindingsDcgm(loader(path), hostengine=config.get("dcgm.hostengine"))
+    source = BindingsDcgm(loader(path), hostengine=config.dcgm.hostengine)
     source.connect(connect_timeout_s)
     return source
 

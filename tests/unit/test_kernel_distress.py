@@ -38,6 +38,7 @@ The node is simulated only for its inventory and grader; the check reads a list 
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from pathlib import Path
@@ -47,7 +48,7 @@ import yaml
 
 from node_agent.checks import CheckContext
 from node_agent.checks import kernel_distress as kd
-from node_agent.config import load_config
+from node_agent.config import Config, load_config
 from node_agent.environment import open_environment
 from node_agent.kernel_log import FileKernelLog, LinesKernelLog, LogRecord
 from node_agent.kernel_log_distress import parse_distress, scan_distress
@@ -540,7 +541,9 @@ def test_rasdaemon_records_are_read_through_the_configured_tool(env, tmp_path, m
     tool = tmp_path / "ras-mc-ctl"
     tool.write_text('#!/bin/sh\n[ "$1" = --summary ] || exit 2\nprintf \'%s\' "$SUMMARY"\n')
     tool.chmod(0o755)
-    env.config.data["host"]["ras_mc_ctl"] = str(tool)
+    data = copy.deepcopy(env.config.data)
+    data["host"]["ras_mc_ctl"] = str(tool)
+    env.config = Config(data, env.config.source)  # sections are parsed when a config is built
     monkeypatch.setenv("SUMMARY", RAS_SUMMARY)
     (ras,) = [r for r in run_check(env, []) if r.metric == "ras_mce"]
     assert (ras.status, ras.value, ras.evidence["uncorrected"]) == (Status.WARN, 3, 1)
