@@ -66,7 +66,7 @@ def run_check(
         params=params,
         state_dir=env.writable_state_dir(),
         timeout_s=spec.timeout_s,
-        scenario=env.scenario,
+        ports=env.ports,
         shared=given,
     )
     outcome = _Outcome()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from node_agent.checks import CheckContext
 from node_agent.compute.burn import BurnOutcome, BurnPlan, run_burn
-from node_agent.compute.devices import ComputeUnavailable, compute_specs
+from node_agent.compute.devices import ComputeUnavailable
 from node_agent.model import Result, Status
 
 DEFAULT_PRECISIONS = ("bf16", "fp16", "tf32", "fp32")
@@ -54,7 +54,7 @@ def burn(ctx: CheckContext, plan: BurnPlan) -> BurnOutcome | list[Result]:
     if not indices:
         return [ctx.skip("no GPUs visible: nothing to burn")]
     try:
-        specs = compute_specs(indices, ctx.scenario, ctx.sku)
+        specs = ctx.ports.compute.specs(indices)
     except ComputeUnavailable as err:
         return ctx.compute_unavailable(str(err))
     deadline_s = ctx.timeout_s - max(10.0, 0.1 * ctx.timeout_s)
@@ -78,6 +78,7 @@ def burn(ctx: CheckContext, plan: BurnPlan) -> BurnOutcome | list[Result]:
         ctx.gpu,
         sample_interval_s=float(ctx.params.get("sample_interval_s", 1.0)),
         deadline_s=deadline_s,
+        load_hint=ctx.ports.load_hint,
     )
 
 

@@ -4,10 +4,10 @@ One worker process per GPU runs n×n GEMMs back to back for ``duration_s`` in ea
 SKU lists (``burn.precisions`` in ``graders/skus/*.yaml``) that the device supports, the
 duration split evenly between them (engine and verification: :mod:`node_agent.compute.burn`). Results:
 
-- ``tflops_<precision>`` per GPU: the median of the sustained-TFLOP/s samples (on a simulated
-  node the GEMM time is modeled from the SKU's rate: ``ComputeDevice.gemm_seconds``), status from the
-  GPU's ratio to its siblings' median (``graders/performance.yaml``) and, on real hardware
-  only, the SKU minimum ``tflops_<precision>_min`` (below it: ``fail``). Evidence: ``samples``
+- ``tflops_<precision>`` per GPU: the median of the sustained-TFLOP/s samples (on a stand-in
+  node the GEMM time is modelled from the SKU's rate: ``ComputeDevice.gemm_seconds``), status
+  from the GPU's ratio to its siblings' median (``graders/performance.yaml``) and, where the
+  figures are measured (``ports.compute.measured``), the SKU minimum ``tflops_<precision>_min`` (below it: ``fail``). Evidence: ``samples``
   (``[[t_s, tflops], ...]`` over time), ``device``, ``siblings_median``,
   ``ratio_to_siblings``, ``minimum``.
 - ``wrong_elements`` per GPU: ``fail`` when a wrong product repeated on its re-run
@@ -97,7 +97,9 @@ def _throughput(ctx: CheckContext, outcome: BurnOutcome) -> list[Result]:
             values, thresholds, what=f"{precision} GEMM", unit="TFLOP/s"
         )
         minimum = (
-            None if ctx.simulated or not ctx.sku else ctx.sku.minimum(f"tflops_{precision}_min")
+            ctx.sku.minimum(f"tflops_{precision}_min")
+            if ctx.sku and ctx.ports.compute.measured
+            else None
         )
         for index, value in sorted(values.items()):
             w = outcome.workers[index]

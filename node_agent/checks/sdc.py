@@ -1,8 +1,8 @@
 """Check ``sdc``: silent-data-corruption probes on every GPU of the node.
 
 The probes are the library's (``node_agent.sdc``, see ``docs/sdc.md``); this module runs them on
-the node's compute devices (``node_agent.compute.devices``: CUDA GPUs, or CPU stand-ins under
-``--simulate`` whose matmul a scenario's ``sdc`` fault corrupts, tile by tile on one SM or all)
+the node's compute devices (``ports.compute``: CUDA GPUs, or a scenario's CPU stand-ins whose
+matmul its ``sdc`` fault corrupts, tile by tile on one SM or all)
 and turns the verdicts into results:
 
 0. per GPU and dtype, the accumulator check: a GEMM kernel that accumulates in lower precision
@@ -38,7 +38,7 @@ does not see), not SDC: its baseline is replaced and the result says so.
 
 Params: ``dtypes`` (of fp32, tf32, bf16, fp16, fp8; those the device lacks are dropped, with a
 note when asked for by name), ``tiles_per_sm`` (output tiles per SM of a whole-GPU exact probe;
-default 4 on a GPU, 2 simulated), ``shapes`` ([[M, K, N], ...]: explicit exact shapes instead of
+default 4 on a GPU, 2 on a CPU stand-in), ``shapes`` ([[M, K, N], ...]: explicit exact shapes instead of
 whole-GPU ones, and the digest shapes unless ``digest_shapes`` is given), ``digest_shapes``
 (default the library's small ``DEFAULT_SHAPES``), ``repeats`` (exact-probe rounds, default 2),
 ``duration_s`` (keep running rounds until then; default none), ``seeds`` (distinct input seeds
@@ -62,6 +62,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from node_agent.checks import CheckContext
+from node_agent.checks.behaviour import ServiceBehaviour
+from node_agent.checks.sdc_metrics import SdcVerdicts
 from node_agent.compute import devices as compute
 from node_agent.model import Result, Status
 
@@ -71,6 +73,8 @@ if TYPE_CHECKING:
     from node_agent.sdc.coverage import Coverage
     from node_agent.sdc.verdicts import Window
 
+#: in the daemon: each GPU's verdict counts in node_agent_sdc_probes_total (checks/sdc_metrics.py)
+SERVICE = ServiceBehaviour(metrics=SdcVerdicts)
 HISTORY_SCHEMA = "node-agent.sdc-digests/1"
 DEFAULT_REPEATS = 2
 DEFAULT_SEEDS = 4
@@ -706,10 +710,10 @@ def run(ctx: CheckContext) -> list[Result]:
             [ctx.skip("no GPUs visible: nothing to probe for silent data corruption")]
         )
     try:
-        specs = compute.compute_specs(indices, ctx.scenario, ctx.sku)
+        specs = ctx.ports.compute.specs(indices)
     except compute.ComputeUnavailable as err:
         return _no_coverage(ctx.compute_unavailable(str(err)))
-    on_cuda = not ctx.simulated
+    on_cuda = ctx.ports.compute.measured
     try:
         plan, plan_notes = make_plan(ctx.params, on_cuda)
     except ValueError as err:
@@ -780,7 +784,11 @@ def run(ctx: CheckContext) -> list[Result]:
         if run.uuid and not run.suspect and run.digests:
             history.store(run.uuid, software[run.index], run.digests)
         out.extend(
-            results_for(ctx, run, {"simulated": ctx.simulated, "software": software[run.index]})
+            results_for(
+                ctx,
+                run,
+                {"stand_in": not ctx.ports.compute.measured, "software": software[run.index]},
+            )
         )
     try:
         history.save()

@@ -59,9 +59,14 @@ from typing import Any
 
 from node_agent.atomic_file import write_json
 from node_agent.checks import CheckContext
+from node_agent.checks.behaviour import ServiceBehaviour
+from node_agent.checks.sdc_metrics import SdcVerdicts
 from node_agent.gpu.base import GpuError
 from node_agent.model import Result, Status
 
+#: in the daemon: a confirmed or cleared report counts in node_agent_sdc_probes_total, with the
+#: sdc check's own verdicts (checks/sdc_metrics.py)
+SERVICE = ServiceBehaviour(metrics=SdcVerdicts)
 CURSOR_SCHEMA = "node-agent.sdc-spool-cursor/1"
 DEFAULT_CONFIRM_REPEATS = 3
 DEFAULT_CONFIRM_TIMEOUT_S = 300.0

@@ -22,8 +22,8 @@ Findings per GPU (target ``gpu:N``):
   temperature is ``warn``.
 - ``load_trace`` (``pass``, informational): the GPU's whole trace as evidence, for plots.
 
-Under simulation the simulator models these readings under load (``GpuBackend.load_hint``),
-so the same thresholds apply to them.
+On a stand-in node the scenario models these readings under load (``ports.load_hint``), so
+the same thresholds apply to them.
 """
 
 from __future__ import annotations

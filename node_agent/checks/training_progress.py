@@ -42,11 +42,14 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.core import CounterMetricFamily, Metric
+
 from node_agent.checks import CheckContext
+from node_agent.checks.behaviour import NodeLabels, ServiceBehaviour
 from node_agent.checks.rdma import SYSFS_ROOT
 from node_agent.gpu.base import GpuDevice, GpuError
 from node_agent.heartbeat import remove_stale
@@ -653,3 +656,53 @@ def _write_evidence(
             state.processes[keys[pr.pid]]["reported"] = path
             written[pr.pid] = path
     return written
+
+
+# -- in the daemon (checks/behaviour.py) ---------------------------------------------------------
+
+
+class HangSuspicions:
+    """Counts hang suspicions: a training process (job, pid) going from not hung to hung;
+    exported as ``node_agent_training_hang_suspicions_total``.
+
+    The daemon feeds it every run of this check; a process hung across many runs counts once,
+    one that recovers and hangs again counts twice. A run that could not complete (only
+    ``error`` results) says nothing about the processes and leaves the state as it was.
+    """
+
+    def __init__(self, labels: Callable[[], NodeLabels]) -> None:
+        self._labels = labels
+        self._lock = threading.Lock()
+        self.total = 0
+        self._hung: set[tuple[str, str]] = set()
+
+    def observe(self, results: Sequence[Result]) -> None:
+        if results and all(r.status is Status.ERROR for r in results):
+            return
+        hung = {_process_key(r) for r in results if r.metric == "training_hang"}
+        with self._lock:
+            self.total += len(hung - self._hung)
+            self._hung = hung
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "node_agent_training_hang_suspicions",
+            "Training processes the daemon saw go from stepping (or unseen) to hung",
+            labels=["hostname"],
+        )
+        with self._lock:
+            total = self.total
+        family.add_metric([self._labels().hostname], total)
+        yield family
+
+
+def _process_key(r: Result) -> tuple[str, str]:
+    """(job, pid) of a per-process result; the target when both are missing, so two
+    unidentified processes are never one."""
+    job, pid = r.evidence.get("job"), r.evidence.get("pid")
+    if job is None and pid is None:
+        return (r.target, "")
+    return (str(job), str(pid))
+
+
+SERVICE = ServiceBehaviour(metrics=HangSuspicions)

@@ -12,8 +12,9 @@ Only what the driver wrote is believed (``kernel_log``'s rules of belief: kernel
 message starting with the driver's prefix, never a user's fault report). On this host's own log
 (kmsg, the journal) a bus id that the PCI bus in sysfs shows is no NVIDIA device (vendor
 0x10de) is never graded as a GPU: the line becomes ``xid_unreadable`` (WARN) with that reason.
-A saved log (``kernel_log.path``) and a simulated node have no sysfs of their own to ask: their
-bus ids are taken as printed, and the result says which applied. Where NVML reported the same
+A saved log (``kernel_log.path``) and a stand-in node (``ports.bus_ids_as_printed``) have no
+sysfs of their own to ask: their bus ids are taken as printed, and the result says which
+applied. Where NVML reported the same
 Xid through its event API (``watch_s``), the finding says it is corroborated.
 
 The driver's lines without an Xid (reset required, RmInitAdapter failed, GPU lost) and PCIe AER
@@ -34,7 +35,8 @@ from pathlib import Path
 
 from node_agent import resources
 from node_agent.checks import CheckContext, log_cursor
-from node_agent.checks.xid_fold import DriverFold, Folder
+from node_agent.checks.behaviour import ServiceBehaviour
+from node_agent.checks.xid_fold import DriverFold, Folder, keep_fuller
 from node_agent.gpu.base import GpuError
 from node_agent.gpu.pci import NVIDIA_VENDOR_ID, SYSFS_PCI_DEVICES
 from node_agent.hardware.driver_lines import DriverLineKind, load_driver_lines
@@ -52,6 +54,18 @@ from node_agent.model import Result, Status
 _UNREADABLE_KEPT = 5  # example lines kept for a person to look at
 
 
+def sticky_key(result: Result) -> tuple[str, int] | None:
+    """An Xid or SXid finding stays part of the daemon's grade for its life, whichever window a
+    later run reads: one per (target, code). The daemon's XID watch files its findings under
+    the same key."""
+    if result.metric in ("xid", "sxid") and result.status is Status.FAIL:
+        return (result.target, int(result.value))
+    return None
+
+
+SERVICE = ServiceBehaviour(sticky=sticky_key, fold=keep_fuller)
+
+
 def run(ctx: CheckContext) -> list[Result]:
     unavailable = ctx.gpus_unavailable()
     since = ctx.params.get("since", "boot")
@@ -63,7 +77,7 @@ def run(ctx: CheckContext) -> list[Result]:
     unreadable: list[Unreadable] = []
 
     log = ctx.kernel_log
-    nvidia = None if ctx.simulated else nvidia_buses(log)
+    nvidia = None if ctx.ports.bus_ids_as_printed else nvidia_buses(log)
     if log.unavailable_reason:
         results.append(ctx.skip(log.unavailable_reason, metric="kernel_log"))
         records: list[LogRecord] = []
@@ -194,8 +208,8 @@ def driver_line_kinds(ctx: CheckContext) -> dict[str, DriverLineKind]:
 def _bus_check(ctx: CheckContext, nvidia: frozenset[str] | None) -> str:
     if nvidia is not None:
         return "bus ids checked against this host's PCI bus (sysfs)"
-    if ctx.simulated:
-        return "bus ids taken as printed (a simulated node)"
+    if ctx.ports.bus_ids_as_printed:
+        return ctx.ports.bus_ids_as_printed
     if not ctx.kernel_log.live:
         return "bus ids taken as printed (a saved log: no sysfs of its host to ask)"
     return "bus ids taken as printed (sysfs could not be listed)"

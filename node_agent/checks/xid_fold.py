@@ -13,12 +13,11 @@ Used by the ``xid`` check (one read of the log) and the daemon's XID watch (even
 
 from __future__ import annotations
 
-import datetime as _dt
 from dataclasses import dataclass, field
 from typing import Any
 
 from node_agent.kernel_log import DriverLine, Stamp, SxidLine, XidLine
-from node_agent.model import Result, Status
+from node_agent.model import Result, Status, utc_iso
 
 #: Events closer than this belong to one burst: NVSentinel's health-events-analyzer default
 #: ``burst_gap_seconds`` (3 minutes, NVIDIA/NVSentinel#248), which its repeated-XID rule counts.
@@ -163,7 +162,7 @@ class Fold:
             if boot_epoch is None:
                 return f"{seconds:.3f} s after boot"
             seconds += boot_epoch
-        return _dt.datetime.fromtimestamp(seconds, _dt.timezone.utc).isoformat(timespec="seconds")
+        return utc_iso(seconds)
 
     def evidence(self, boot_epoch: float | None = None) -> dict[str, Any]:
         evidence: dict[str, Any] = {
@@ -359,3 +358,16 @@ class DriverFold:
             detail=f"{name} on {self.target}{named}, {self.count} line(s){where}: "
             f"{self.first_line}",
         )
+
+
+def counted(result: Result) -> int:
+    """The occurrences a folded Xid/SXid result counted (0 when it carries no count)."""
+    count = (result.evidence or {}).get("count")
+    return count if isinstance(count, int) and not isinstance(count, bool) else 0
+
+
+def keep_fuller(kept: Result, new: Result) -> Result:
+    """Of two findings on one (target, code), the one that counted more lines; the newer one
+    on a tie. A later run that read a shorter window (``since: last_run``) does not replace a
+    fuller finding."""
+    return new if counted(new) >= counted(kept) else kept

@@ -543,15 +543,22 @@ def _reading(tel: GpuTelemetry, name: str, query: Callable[[], Any]) -> Any:
 class TelemetrySampler:
     """Reads each GPU through the GPU layer every ``interval_s`` while the burn runs.
 
-    ``start()`` tells the backend the load started (``load_hint``) and takes the first
-    reading at once; ``stop()`` ends it and returns the readings. NotSupported, GpuTimeout and
+    ``start()`` tells ``load_hint`` the load started (a stand-in node models its readings
+    under load from it; on real GPUs it does nothing) and takes the first reading at once;
+    ``stop()`` ends it and returns the readings. NotSupported, GpuTimeout and
     every other GPU-layer error make that reading None, never a crash; a sampler stuck in a
     hung driver call is abandoned after ``stop()`` waits a bounded time."""
 
     def __init__(
-        self, backend: GpuBackend | None, indices: list[int], interval_s: float, t_zero: float
+        self,
+        backend: GpuBackend | None,
+        indices: list[int],
+        interval_s: float,
+        t_zero: float,
+        load_hint: Callable[[list[int], bool], None] | None = None,
     ) -> None:
         self.backend = backend
+        self.load_hint = load_hint
         self.indices = indices
         self.interval_s = max(0.01, interval_s)
         self.t_zero = t_zero
@@ -564,7 +571,8 @@ class TelemetrySampler:
     def start(self) -> None:
         if self.backend is not None:
             self._devices = {d.index: d for d in self.backend.devices() if d.index in self.indices}
-            self.backend.load_hint(self.indices, True)
+        if self.load_hint is not None:
+            self.load_hint(self.indices, True)
         self._thread.start()
 
     def _loop(self) -> None:
@@ -600,8 +608,8 @@ class TelemetrySampler:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(wait_s)
-        if self.backend is not None:
-            self.backend.load_hint(self.indices, False)
+        if self.load_hint is not None:
+            self.load_hint(self.indices, False)
         with self._lock:
             return {i: _copy(t) for i, t in self.telemetry.items()}
 
@@ -638,12 +646,15 @@ def run_burn(
     backend: GpuBackend | None = None,
     sample_interval_s: float = 1.0,
     deadline_s: float | None = None,
+    load_hint: Callable[[list[int], bool], None] | None = None,
 ) -> BurnOutcome:
     """Burn every spec's device at once; always returns, within ``deadline_s`` (seconds from
     now) plus the time to kill stragglers.
 
     A worker that dies or stalls is killed and reported in its :class:`WorkerReport`; the
-    others run on. Telemetry is read through ``backend`` while the GEMMs run.
+    others run on. Telemetry is read through ``backend`` while the GEMMs run; ``load_hint``
+    (the check's port: a stand-in node models its readings under load) hears when the load
+    starts and stops.
     """
     mp = multiprocessing.get_context("forkserver")
     mp.set_forkserver_preload(["torch", "node_agent.compute.devices"])
@@ -684,7 +695,7 @@ def run_burn(
                 h.conn.send(("turns", t_zero) if in_turns else ("start", t_zero, schedule))
                 h.state, h.last_s = "running", time.monotonic()
             sampler = TelemetrySampler(
-                backend, [h.report.index for h in ready], sample_interval_s, t_zero
+                backend, [h.report.index for h in ready], sample_interval_s, t_zero, load_hint
             )
             sampler.start()
             stall_detail = (

@@ -13,6 +13,13 @@ history (``<state_dir>/history.db``) and their trends are graded as ``trends`` r
 Every change of results is re-graded at once; a changed grade goes to ``on_grade`` (the
 remediation hook) and the log. Nothing here exits on a check's failure: a check that raises or
 hangs is an ``error`` result and a rising ``node_agent_check_errors_total``.
+
+The daemon names no check: what a check does in service it declares beside its ``run()``
+(``SERVICE``, :mod:`node_agent.checks.behaviour`): which results stay part of the grade for
+the daemon's life and how two of them fold into one (the xid check's findings), and the
+Prometheus collector of its own (one per factory, registered at start, fed each run's
+results). Checks listed in ``daemon.subprocess_checks`` run in a child process
+(:mod:`node_agent.service.check_child`).
 """
 
 from __future__ import annotations
@@ -23,40 +30,44 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from node_agent import proc
 from node_agent.atomic_file import ensure_spool_dirs
+from node_agent.checks import REGISTRY
+from node_agent.checks.behaviour import (
+    CheckMetrics,
+    Handover,
+    MetricsFactory,
+    NodeLabels,
+    behaviour,
+)
 from node_agent.config import Config, load_config
 from node_agent.environment import Environment, open_environment
-from node_agent.kernel_log import normalise_bus
-from node_agent.model import Grade, Level, Result, Status
+from node_agent.model import Action, Grade, Level, Result, Status
 from node_agent.report.terminal import printable
 from node_agent.resources import graders_dir, shipped_graders_dir, suites_dir
 from node_agent.runner import FORKSERVER_CHECKS, run_check
-from node_agent.service.metrics import (
-    CheckStats,
-    DaemonCollector,
-    HangTracker,
-    MetricsServer,
-    Snapshot,
-)
+from node_agent.service.check_child import ChildSpec, run_in_child
+from node_agent.service.metrics import CheckStats, DaemonCollector, MetricsServer, Snapshot
 from node_agent.service.sd_notify import Notifier
 from node_agent.service.trend_watch import TrendWatch, trends_file
 from node_agent.service.xid_watch import XidSighting, XidWatch
 from node_agent.suite import CheckSpec, Suite, load_suite
 from node_agent.yamlfile import ConfigError
 
+if TYPE_CHECKING:
+    from node_agent.service.actions import DaemonRemediation
+    from node_agent.service.nvhcd import GradeView, NvhcdServer
+
 log = logging.getLogger("node_agent.service.daemon")
 
 #: called with (new grade, all current results, environment) when the grade changes
 GradeHook = Callable[[Grade, list[Result], Environment], None]
-
-SDC_CHECKS = ("sdc", "sdc_spool")
 
 
 @dataclass
@@ -99,22 +110,25 @@ class Daemon:
         self._schedule = self._make_schedule(self.suite)
         self._results: dict[str, list[Result]] = {}
         self._stats: dict[str, CheckStats] = {}
-        self._xid_results: dict[tuple[str, int], Result] = {}
-        self._xid_counts: Counter[tuple[int | None, int]] = Counter()
-        self._sdc: Counter[tuple[str, str]] = Counter()
+        #: results that stay part of the grade for the daemon's life (a check's SERVICE.sticky),
+        #: one per (check, key), folded by the check's SERVICE.fold
+        self._sticky: dict[tuple[str, Hashable], Result] = {}
         self._actions: Counter[tuple[str, str]] = Counter()
-        self._hangs = HangTracker()  # node_agent_training_hang_suspicions_total
-        self.grade: Grade = Grade(level=Level.HEALTHY, action="none", reasons=())
+        self.grade: Grade = Grade(level=Level.HEALTHY, action=Action.NONE, reasons=())
         self._graded_at: float | None = None  # time.time() of the last grading, None before any
-        self._nvhcd = None  # NVRx's node health-check service, when daemon.nvhcd.socket is set
+        self._nvhcd: NvhcdServer | None = None  # NVRx's health-check service (daemon.nvhcd)
         self.last_tick = clock()
         self._scenario_mtime = self._mtime(simulate)
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(DaemonCollector(self.snapshot))
+        #: the checks' own collectors, one per factory (checks/behaviour.py)
+        self._check_metrics: dict[MetricsFactory, CheckMetrics] = {}
+        for check in REGISTRY:
+            self._metrics_of(check)
         self._server: MetricsServer | None = None
         self.listen_address: tuple[str, int] | None = None
-        self._remediation = None
-        if on_grade is None and self.config.get("daemon.act"):
+        self._remediation: DaemonRemediation | None = None
+        if on_grade is None and self.config.daemon.act:
             from node_agent.service.actions import DaemonRemediation
 
             self._remediation = DaemonRemediation(self.config, simulate, self.record_action)
@@ -129,18 +143,21 @@ class Daemon:
             lambda: self.env.gpu,
             lambda: self.env.kernel_log,
             self._on_xid,
-            poll_s=float(self.config.get("daemon.xid_poll_s")),
+            poll_s=self.config.daemon.xid_poll_s,
             report_sxid=True,
+            gpus=lambda: self.env.inventory.gpus,
+            labels=self._labels,
         )
+        self._registry.register(self._watch)
 
     # -- set-up ---------------------------------------------------------------------------------
     def _load_suite(self, config: Config) -> Suite:
-        name = self._suite_name or config.get("daemon.suite")
+        name = self._suite_name or config.daemon.suite
         return load_suite(name, suites_dir(config))
 
     def _make_schedule(self, suite: Suite) -> list[_Scheduled]:
         now = self._clock()
-        default = float(self.config.get("daemon.default_every_s"))
+        default = self.config.daemon.default_every_s
         return [_Scheduled(spec, float(spec.every_s or default), now) for spec in suite.checks]
 
     @staticmethod
@@ -151,9 +168,7 @@ class Daemon:
             return None
 
     def _start_http(self) -> None:
-        host, _, port = str(self._listen_override or self.config.get("daemon.listen")).rpartition(
-            ":"
-        )
+        host, _, port = (self._listen_override or self.config.daemon.listen).rpartition(":")
 
         def metrics() -> tuple[int, str, bytes]:
             return 200, CONTENT_TYPE_LATEST, generate_latest(self._registry)
@@ -181,7 +196,7 @@ class Daemon:
         for note in ensure_spool_dirs(self.config.spool_dir):
             log.warning("spool: %s", note)
         in_process = {c.check for c in self.suite.checks} - set(
-            self.config.get("daemon.subprocess_checks")
+            self.config.daemon.subprocess_checks
         )
         if in_process & FORKSERVER_CHECKS:
             # before any other thread runs: never from a working directory others may write to
@@ -196,17 +211,19 @@ class Daemon:
         self._watch.start()
         self._start_nvhcd()
         threading.Thread(target=self._checks_loop, name="checks", daemon=True).start()
+        host, port = self.listen_address or ("?", 0)
         log.info(
             "node-agent daemon up: %s, suite %s (%d checks), metrics on http://%s:%d/metrics%s",
             self.env.inventory.host.hostname,
             self.suite.name,
             len(self.suite.checks),
-            *self.listen_address,
+            host,
+            port,
             " (SIMULATED)" if self.env.simulated else "",
         )
         self._notifier.ready(f"watching {len(self.env.inventory.gpus)} GPU(s)")
         interval = min(0.25, self._notifier.watchdog_interval_s or 0.25)
-        next_nvml_retry = self._clock() + float(self.config.get("daemon.nvml_retry_s"))
+        next_nvml_retry = self._clock() + self.config.daemon.nvml_retry_s
         while not self._stop.wait(interval):
             self.last_tick = self._clock()
             self._notifier.watchdog()
@@ -220,7 +237,7 @@ class Daemon:
                 and self.env.gpu.unavailable_reason
                 and self.last_tick >= next_nvml_retry
             ):
-                next_nvml_retry = self.last_tick + float(self.config.get("daemon.nvml_retry_s"))
+                next_nvml_retry = self.last_tick + self.config.daemon.nvml_retry_s
                 self._reopen("retrying NVML", only_if_gpus=True)
         self._shutdown()
         return 0
@@ -307,7 +324,7 @@ class Daemon:
 
     # -- checks ---------------------------------------------------------------------------------
     def _checks_loop(self) -> None:
-        shared: dict = {}
+        handover = Handover()
         while not self._stop.is_set():
             with self._lock:
                 due = min(self._schedule, key=lambda s: s.next_due, default=None)
@@ -325,10 +342,10 @@ class Daemon:
             started = time.time()
             t0 = self._clock()
             try:
-                if due.spec.check in self.config.get("daemon.subprocess_checks"):
+                if due.spec.check in self.config.daemon.subprocess_checks:
                     results = self._run_in_subprocess(due.spec)
                 else:
-                    results = run_check(due.spec, env, "service", shared)
+                    results = run_check(due.spec, env, "service", handover)
             except Exception as err:  # noqa: BLE001 - run_check itself must not kill the loop
                 log.exception("running %s failed", due.spec.check)
                 results = [
@@ -343,75 +360,27 @@ class Daemon:
             self._record(due.spec.check, results, started, self._clock() - t0)
 
     def _run_in_subprocess(self, spec: CheckSpec) -> list[Result]:
-        """Run a compute check as ``node-agent check`` in a child process.
+        """Run a check in a child process (``daemon.subprocess_checks``; check_child.py).
 
         Compute checks import torch (hundreds of MB resident); the daemon stays small by never
-        importing it. The child's report carries the results; its failure is an error result.
-        """
-        import json
-        import tempfile
-
-        import yaml
-
-        from node_agent.model import Report, ReportFormatError
-
+        importing it, and a check wedged in the driver takes only the child with it. The child
+        runs in / as python -P (never importing from the daemon's working directory, which
+        others may write to): every path it gets is absolute, the config's own included."""
         with self._lock:
             config = self.config
-        with tempfile.TemporaryDirectory(prefix="node-agent-check-") as tmp:
-            suite_path = Path(tmp).absolute() / f"{spec.check}.yaml"
-            suite_path.write_text(
-                yaml.safe_dump(
-                    {
-                        "name": f"periodic-{spec.check}",
-                        "mode": "service",
-                        "checks": [
-                            {
-                                "check": spec.check,
-                                "timeout_s": spec.timeout_s,
-                                "params": spec.params,
-                            }
-                        ],
-                    }
-                )
-            )
-            # the child runs in / as python -P (never importing from the daemon's working
-            # directory, which others may write to): every path it gets is absolute, the
-            # config's own included (JSON is YAML: the child reads it as its config)
-            config_path = suite_path.with_name("config.yaml")
-            config_path.write_text(json.dumps(proc.absolute_config(config.data)))
-            argv = proc.python_module_argv(
-                "node_agent.commands.main",
-                "check",
-                "--suite",
-                str(suite_path),
-                "--config",
-                str(config_path),
-                "--json",
-                "--out",
-                str(suite_path.parent),
-            )
-            if self._simulate:
-                argv += ["--simulate", proc.absolute_path(self._simulate)]
-            done = proc.run(argv, timeout_s=spec.timeout_s + 60, cwd=proc.CHILD_CWD)
-        if done.returncode in (0, 3, 4):
-            try:
-                return Report.from_dict(json.loads(done.stdout)).results
-            except (ValueError, KeyError, TypeError, ReportFormatError) as err:
-                detail = f"unreadable report from the child process: {err}"
-        else:
-            detail = done.describe_failure()
-        return [
-            Result(
+        return run_in_child(
+            ChildSpec(
                 check=spec.check,
-                target="node",
-                metric="ran",
-                status=Status.ERROR,
-                detail=f"check {spec.check} in a child process failed: {detail}",
+                timeout_s=spec.timeout_s,
+                params=spec.params,
+                mode="service",
+                config=proc.absolute_config(config.data),
+                scenario=proc.absolute_path(self._simulate) if self._simulate else None,
             )
-        ]
+        )
 
     def _record(self, check: str, results: list[Result], started: float, duration: float) -> None:
-        worst = max((r.status for r in results), key=_STATUS_ORDER.index, default=None)
+        worst = max((r.status for r in results), key=lambda s: s.severity, default=None)
         # the counter history (SQLite; outside the lock, which the XID watch and /metrics need)
         try:
             self._trends.update(results, _sku_limits(self.env))
@@ -424,27 +393,12 @@ class Daemon:
             stats.last_run_unix = started + duration
             stats.last_duration_s = duration
             stats.worst_status = worst.value if worst else None
-            if check == "xid":
-                # an XID or SXid stays part of the grade for the daemon's life, whichever window
-                # the check read; the watch's findings live in the same place, one per (target,
-                # code): the one that has counted the most lines (the later one on a tie) is kept
-                for r in results:
-                    if r.metric in ("xid", "sxid") and r.status is Status.FAIL:
-                        key = (r.target, int(r.value))
-                        kept = self._xid_results.get(key)
-                        if kept is None or _count(r) >= _count(kept):
-                            self._xid_results[key] = r
-                results = [
-                    r
-                    for r in results
-                    if not (r.metric in ("xid", "sxid") and r.status is Status.FAIL)
-                ]
-            self._results[check] = results
-            self._hangs.update(check, results)  # counts training_progress's new hangs
-            if check in SDC_CHECKS:
-                for r in results:
-                    if r.target.startswith("gpu:"):
-                        self._sdc[(r.target, _SDC_OUTCOME[r.status])] += 1
+            # a sticky result (the check's SERVICE.sticky) is kept apart, folded with the one
+            # kept under its key; the others are this run's until the next
+            self._results[check] = [r for r in results if not self._stick(r)]
+            metrics = self._metrics_of(check)
+        if metrics is not None:
+            metrics.observe(results)
         if worst is Status.ERROR:
             log.warning(
                 "check %s could not run: %s",
@@ -453,55 +407,73 @@ class Daemon:
             )
         self._regrade(f"check {check}")
 
+    def _stick(self, result: Result, live: bool = False) -> bool:
+        """Keep ``result`` if its check calls it sticky (under the lock); True when it is.
+        ``live``: the XID watch's own fold of the same finding, which always replaces what is
+        kept (its count grows with every line it folds)."""
+        if result.check not in REGISTRY:
+            return False
+        hooks = behaviour(result.check)
+        key = hooks.sticky_key(result)
+        if key is None:
+            return False
+        kept = self._sticky.get((result.check, key))
+        self._sticky[(result.check, key)] = (
+            result if kept is None or live else hooks.fold(kept, result)
+        )
+        return True
+
+    def _metrics_of(self, check: str) -> CheckMetrics | None:
+        """The check's own collector (its SERVICE.metrics), built and registered on first use;
+        checks that share a factory share the collector."""
+        if check not in REGISTRY:
+            return None
+        factory = behaviour(check).metrics
+        if factory is None:
+            return None
+        collector = self._check_metrics.get(factory)
+        if collector is None:
+            collector = self._check_metrics[factory] = factory(self._labels)
+            self._registry.register(collector)
+        return collector
+
+    def _labels(self) -> NodeLabels:
+        with self._lock:
+            return NodeLabels(
+                self.env.inventory.host.hostname,
+                {g.index: g.uuid for g in self.env.inventory.gpus},
+            )
+
     # -- XIDs -----------------------------------------------------------------------------------
     def _on_xid(self, sighting: XidSighting) -> None:
-        """One folded finding from the watch: a first line, a new variant or burst, or a count
-        update (at most once a minute). The latest replaces the kept result for its key; the
-        Prometheus counter takes the finding's count (occurrences, not reports)."""
+        """One folded finding from the watch, named (its target set): a first line, a new
+        variant or burst, or a count update (at most once a minute). It is kept as its check's
+        sticky result under the same key as that check's own findings, replacing what is kept
+        there (the watch's fold only grows)."""
+        result = sighting.result()
         with self._lock:
             env = self.env
-            index = sighting.gpu_index
-            if index is None and sighting.pci_bus and sighting.kind == "xid":
-                index = next(
-                    (
-                        g.index
-                        for g in env.inventory.gpus
-                        if normalise_bus(g.pci_bus_id) == sighting.pci_bus
-                    ),
-                    None,
-                )
-            target = sighting.target or (
-                f"gpu:{index}" if index is not None else f"pci:{sighting.pci_bus or '?'}"
-            )
-            if sighting.kind == "xid":
-                # the fold's count is cumulative: the counter follows it, never goes back
-                self._xid_counts[(index, sighting.code)] = max(
-                    sighting.count, self._xid_counts[(index, sighting.code)]
-                )
-            key = (target, sighting.code)
-            first = key not in self._xid_results
-            self._xid_results[key] = sighting.result(target)
-        noun = "SXid" if sighting.kind == "sxid" else "Xid"
+            first = (result.check, behaviour(result.check).sticky_key(result)) not in self._sticky
+            self._stick(result, live=True)
         if first:
-            catalog = env.grader.sxid if sighting.kind == "sxid" else env.grader.xid
-            level, name = catalog.level(sighting.code)
+            level, name = sighting.catalog_entry(env.grader)
             log.warning(
                 "%s %d (%s) on %s from %s: %s",
-                noun,
+                sighting.noun,
                 sighting.code,
                 printable(name),
-                printable(target),
+                printable(result.target),
                 printable(sighting.source),
                 level.name,
             )
-        self._regrade(f"{noun} {sighting.code} on {target} ({sighting.why})")
+        self._regrade(f"{sighting.noun} {sighting.code} on {result.target} ({sighting.why})")
 
     # -- grading --------------------------------------------------------------------------------
     def current_results(self) -> list[Result]:
         with self._lock:
             return (
                 [r for rs in self._results.values() for r in rs]
-                + list(self._xid_results.values())
+                + list(self._sticky.values())
                 + self._trends.results()
             )
 
@@ -538,7 +510,8 @@ class Daemon:
     def _start_nvhcd(self) -> None:
         """Serve NVRx's RunHealthCheck on ``daemon.nvhcd.socket`` from the latest grade; a
         service that cannot start is logged, and the daemon goes on without it."""
-        path = self.config.get("daemon.nvhcd.socket")
+        settings = self.config.daemon.nvhcd
+        path = settings.socket
         if not path:
             return
         from node_agent.service.nvhcd import HealthAnswerer, NvhcdServer
@@ -546,10 +519,10 @@ class Daemon:
         answerer = HealthAnswerer(
             self.grade_view,
             self._refresh_for_nvhcd,
-            max_age_s=float(self.config.get("daemon.nvhcd.max_age_s")),
-            min_refresh_s=float(self.config.get("daemon.nvhcd.min_refresh_s")),
+            max_age_s=settings.max_age_s,
+            min_refresh_s=settings.min_refresh_s,
         )
-        server = NvhcdServer(answerer, path, group=self.config.get("daemon.nvhcd.group"))
+        server = NvhcdServer(answerer, path, group=settings.group)
         try:
             server.start()
         except (OSError, KeyError, ImportError, RuntimeError) as err:
@@ -560,7 +533,7 @@ class Daemon:
         self._nvhcd = server
         log.info("NVRx node health check served on unix://%s", printable(path))
 
-    def grade_view(self):
+    def grade_view(self) -> GradeView | None:
         """The latest grade as the NVRx service answers from it (None before any grading)."""
         from node_agent.service.nvhcd import GradeView
 
@@ -582,7 +555,7 @@ class Daemon:
                 suite=self.suite.name,
             )
 
-    def _refresh_for_nvhcd(self):
+    def _refresh_for_nvhcd(self) -> GradeView:
         """The grade with the quick suite's passive checks (NVML, Xid, DCGM health: no load) run
         now, for the NVRx service's answer alone: the daemon's own state and its actions follow
         its own schedule, so a request never causes an action (the service rate-limits this)."""
@@ -594,8 +567,8 @@ class Daemon:
         fresh = {spec.check: run_check(spec, env, "service") for spec in quick.checks}
         with self._lock:
             kept = {k: v for k, v in self._results.items() if k not in fresh}
-            xids = list(self._xid_results.values())
-        results = [r for rs in (*kept.values(), *fresh.values()) for r in rs] + xids
+            sticky = list(self._sticky.values())
+        results = [r for rs in (*kept.values(), *fresh.values()) for r in rs] + sticky
         grade = env.grader.grade(results, "service")
         return GradeView(
             grade.level.name,
@@ -620,34 +593,15 @@ class Daemon:
                 checks={k: CheckStats(**vars(v)) for k, v in self._stats.items()},
                 results=self.current_results(),
                 gpu_uuids={g.index: g.uuid for g in self.env.inventory.gpus},
-                xid_counts=dict(self._xid_counts),
-                sdc_outcomes=dict(self._sdc),
                 actions=dict(self._actions),
                 simulated=self.env.simulated,
-                hang_suspicions=self._hangs.total,
                 remediation_state=(
                     self._remediation.state if self._remediation is not None else None
                 ),
             )
 
 
-def _sku_limits(env: Environment) -> dict | None:
+def _sku_limits(env: Environment) -> dict[str, object] | None:
     """The SKU's limits and performance minima, where trends.yaml's ``threshold_sku`` looks."""
     sku = env.sku
     return None if sku is None else {**sku.section("performance"), **sku.section("limits")}
-
-
-def _count(result: Result) -> int:
-    """The occurrences a folded XID/SXid result counted (0 when it carries no count)."""
-    count = (result.evidence or {}).get("count")
-    return count if isinstance(count, int) else 0
-
-
-_STATUS_ORDER = [Status.SKIP, Status.PASS, Status.WARN, Status.FAIL, Status.ERROR]
-_SDC_OUTCOME = {
-    Status.PASS: "pass",
-    Status.WARN: "transient",
-    Status.FAIL: "confirmed",
-    Status.ERROR: "error",
-    Status.SKIP: "skipped",
-}

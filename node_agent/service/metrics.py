@@ -1,5 +1,9 @@
 """Prometheus metrics of the daemon: one collector that renders the daemon's state each scrape.
 
+The checks' own counters are not here: a check declares its collector beside its ``run()``
+(``SERVICE.metrics``, checks/behaviour.py: the SDC verdicts, the training hang suspicions) and
+the XID watch is the collector of the Xid counter; the daemon registers them beside this one.
+
 Naming follows Prometheus' conventions (base units in names, ``_total`` for counters,
 ``_timestamp_seconds``) and dcgm-exporter's labels (``gpu``, ``UUID``-like ``uuid``,
 ``hostname``) so dashboards can join ours with theirs. Nothing is registered at import: the
@@ -402,11 +406,8 @@ class Snapshot:
     checks: dict[str, CheckStats]
     results: list[Result]  # current results, all checks
     gpu_uuids: dict[int, str]
-    xid_counts: dict[tuple[int | None, int], int]  # (gpu index, code) -> occurrences
-    sdc_outcomes: dict[tuple[str, str], int] = field(default_factory=dict)  # (target, outcome)
     actions: dict[tuple[str, str], int] = field(default_factory=dict)  # (action, outcome)
     simulated: bool = False
-    hang_suspicions: int = 0  # HangTracker.total: processes seen going from not hung to hung
     #: the node's remediation state from the agent's store (remediation/plan.py STATES), when
     #: the daemon can read it; None: drained-by-agent is inferred from ``actions``
     remediation_state: str | None = None
@@ -480,38 +481,6 @@ class DaemonCollector(Collector):
 
         yield from _gpu_readings(s)
 
-        xids = CounterMetricFamily(
-            "node_agent_gpu_xid_errors",
-            "XID errors seen by the "
-            "daemon's watch, per code: occurrences (kernel-log lines, "
-            "else NVML events), not reports; a flood's count is brought "
-            "up to date at least once a minute",
-            labels=["hostname", "gpu", "uuid", "code"],
-        )
-        for (gpu, code), count in sorted(
-            s.xid_counts.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])
-        ):
-            gpu_label = "" if gpu is None else str(gpu)
-            xids.add_metric(
-                [
-                    s.hostname,
-                    gpu_label,
-                    s.gpu_uuids.get(gpu, "") if gpu is not None else "",
-                    str(code),
-                ],
-                count,
-            )
-        yield xids
-
-        sdc = CounterMetricFamily(
-            "node_agent_sdc_probes",
-            "SDC probe verdicts by outcome",
-            labels=["hostname", "gpu", "outcome"],
-        )
-        for (target, outcome), count in sorted(s.sdc_outcomes.items()):
-            sdc.add_metric([s.hostname, target.removeprefix("gpu:"), outcome], count)
-        yield sdc
-
         actions = CounterMetricFamily(
             "node_agent_actions",
             "Remediation actions by kind and outcome",
@@ -543,40 +512,9 @@ def _number(value: object) -> float | None:
     return None
 
 
-def _process_key(r: Result) -> tuple[str, str]:
-    """(job, pid) of a per-process ``training_progress`` result; the target when both are
-    missing, so two unidentified processes are never one."""
-    job, pid = r.evidence.get("job"), r.evidence.get("pid")
-    if job is None and pid is None:
-        return (r.target, "")
-    return (_label(job), _label(pid))
-
-
-class HangTracker:
-    """Counts hang suspicions: a training process (job, pid) going from not hung to hung.
-
-    The daemon feeds it every run of ``training_progress``; a process hung across many runs
-    counts once, one that recovers and hangs again counts twice. A run that could not complete
-    (only ``error`` results) says nothing about the processes and leaves the state as it was.
-    """
-
-    def __init__(self) -> None:
-        self.total = 0
-        self._hung: set[tuple[str, str]] = set()
-
-    def update(self, check: str, results: list[Result]) -> None:
-        if check != TRAINING_CHECK:
-            return
-        if results and all(r.status is Status.ERROR for r in results):
-            return
-        hung = {_process_key(r) for r in results if r.metric == "training_hang"}
-        self.total += len(hung - self._hung)
-        self._hung = hung
-
-
 def _training(s: Snapshot) -> Iterator[Metric]:
-    """Per training process (labels job, rank, pid): heartbeat age, step time, hang suspected;
-    and the daemon's count of hang suspicions. A process with several results (a straggler
+    """Per training process (labels job, rank, pid): heartbeat age, step time, hang suspected
+    (the count of hang suspicions is training_progress's own collector). A process with several results (a straggler
     also reports its progress) is one series: hung if any says so, the first known figures."""
     labels = ["hostname", "job", "rank", "pid"]
     age = GaugeMetricFamily(
@@ -611,13 +549,7 @@ def _training(s: Snapshot) -> Iterator[Metric]:
             age.add_metric(values, p["age"])
         if p["step"] is not None:
             step.add_metric(values, p["step"])
-    total = CounterMetricFamily(
-        "node_agent_training_hang_suspicions",
-        "Training processes the daemon saw go from stepping (or unseen) to hung",
-        labels=["hostname"],
-    )
-    total.add_metric([s.hostname], s.hang_suspicions)
-    yield from (age, step, hang, total)
+    yield from (age, step, hang)
 
 
 def _gpu_readings(s: Snapshot) -> Iterator[Metric]:

@@ -30,18 +30,28 @@ the same GPU, the finding's evidence says it is corroborated.
 SXids are reported only with ``report_sxid=True``: a handler that names targets from
 ``sighting.target`` (``nvswitch:N``) passes it; one that does not would file an SXid under a PCI
 address as an Xid, so without the flag SXids are left to the periodic ``xid`` check.
+
+With ``gpus`` (a getter of the inventory's GPUs) every sighting reaches the handler named: a
+GPU's index found from its bus where the source printed only the bus, its ``target``
+(``gpu:N``, else ``pci:<bus>``). The watch is also a Prometheus collector
+(``node_agent_gpu_xid_errors_total``: occurrences per GPU and code, following the fold's count)
+once the daemon gives it its labels (``labels``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from prometheus_client.core import CounterMetricFamily, Metric
+
+from node_agent.checks.behaviour import NodeLabels
 from node_agent.checks.xid import nvidia_buses
 from node_agent.checks.xid_fold import Fold, Folder
 from node_agent.gpu.base import GpuBackend, GpuError, NotSupported
@@ -57,9 +67,30 @@ from node_agent.kernel_log import (
     Unreadable,
     normalise_bus,
 )
-from node_agent.model import Result, Status
+from node_agent.model import Level, Result, Status
 
 log = logging.getLogger(__name__)
+
+
+class _InventoryGpu(Protocol):
+    @property
+    def index(self) -> int: ...
+    @property
+    def pci_bus_id(self) -> str: ...
+
+
+class _Catalog(Protocol):
+    def level(self, code: int) -> tuple[Level, str]: ...
+
+
+class _Catalogs(Protocol):
+    """What the watch reads of the grader: its XID and SXid catalogs."""
+
+    @property
+    def xid(self) -> _Catalog: ...
+    @property
+    def sxid(self) -> _Catalog: ...
+
 
 _GPU_TARGET = re.compile(r"^gpu:(\d+)$")
 
@@ -79,13 +110,36 @@ class XidSighting:
     evidence: dict[str, Any] = field(default_factory=dict, compare=False)  # the fold's evidence
     why: str = "first"  # first | new variant | new burst | update | nvml event without a line
 
-    def result(self, target: str) -> Result:
+    @property
+    def noun(self) -> str:
+        return "SXid" if self.kind == "sxid" else "Xid"
+
+    def named(self, gpus: Sequence[_InventoryGpu]) -> XidSighting:
+        """The sighting with its GPU index found from its bus among ``gpus`` where the source
+        printed only the bus, and its ``target`` set (``gpu:N``, else ``pci:<bus>``)."""
+        index = self.gpu_index
+        if index is None and self.pci_bus and self.kind == "xid":
+            index = next(
+                (g.index for g in gpus if normalise_bus(g.pci_bus_id) == self.pci_bus), None
+            )
+        target = self.target or (
+            f"gpu:{index}" if index is not None else f"pci:{self.pci_bus or '?'}"
+        )
+        return dataclasses.replace(self, gpu_index=index, target=target)
+
+    def catalog_entry(self, grader: _Catalogs) -> tuple[Level, str]:
+        """(level, name) of the code in the grader's XID or SXid catalog."""
+        return (grader.sxid if self.kind == "sxid" else grader.xid).level(self.code)
+
+    def result(self, target: str | None = None) -> Result:
         """The finding as the ``xid`` check reports it (metric ``xid`` or ``sxid``), for the
-        daemon to keep one per (target, code) and grade."""
-        noun = "SXid" if self.kind == "sxid" else "Xid"
+        daemon to keep one per (target, code) and grade; ``target`` defaults to the
+        sighting's own (:meth:`named`)."""
+        target = target or self.target or f"pci:{self.pci_bus or '?'}"
+        noun = self.noun
         rate = self.evidence.get("rate_per_hour")
         how = f"{self.count} time(s)" + (f", {rate:g}/h" if isinstance(rate, (int, float)) else "")
-        evidence = dict(self.evidence) if self.evidence else {"count": self.count}
+        evidence: dict[str, Any] = dict(self.evidence) if self.evidence else {"count": self.count}
         evidence.setdefault("source", self.source)
         evidence.setdefault("line", self.line)
         return Result(
@@ -111,7 +165,13 @@ class XidWatch:
         nvml_grace_s: float = 2.0,
         report_sxid: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        gpus: Callable[[], Sequence[_InventoryGpu]] | None = None,
+        labels: Callable[[], NodeLabels] | None = None,
     ) -> None:
+        self._gpus = gpus
+        self._labels = labels
+        #: (GPU index or None, code) -> occurrences, following each fold's cumulative count
+        self.xid_counts: dict[tuple[int | None, int], int] = {}
         self._gpu = gpu
         self._kernel_log = kernel_log
         self._on_xid = on_xid
@@ -351,7 +411,34 @@ class XidWatch:
 
     def _report(self, sightings: list[XidSighting]) -> None:
         for sighting in sightings:
+            if self._gpus is not None:
+                sighting = sighting.named(self._gpus())
+            if sighting.kind == "xid":
+                key = (sighting.gpu_index, sighting.code)
+                with self._lock:  # the fold's count is cumulative: never goes back
+                    self.xid_counts[key] = max(sighting.count, self.xid_counts.get(key, 0))
             try:
                 self._on_xid(sighting)
             except Exception:  # noqa: BLE001 - the watch must outlive a bad handler
                 log.exception("handling %s failed", sighting)
+
+    # -- metrics --------------------------------------------------------------------------------
+    def collect(self) -> Iterator[Metric]:
+        """``node_agent_gpu_xid_errors_total{gpu, uuid, code}`` (a Prometheus collector; the
+        daemon registers the watch when it gives it ``labels``)."""
+        node = self._labels() if self._labels is not None else NodeLabels("", {})
+        family = CounterMetricFamily(
+            "node_agent_gpu_xid_errors",
+            "XID errors seen by the daemon's watch, per code: occurrences (kernel-log lines, "
+            "else NVML events), not reports; a flood's count is brought up to date at least "
+            "once a minute",
+            labels=["hostname", "gpu", "uuid", "code"],
+        )
+        with self._lock:
+            counts = sorted(self.xid_counts.items(), key=lambda kv: (str(kv[0][0]), kv[0][1]))
+        for (gpu, code), count in counts:
+            uuid = node.gpu_uuids.get(gpu, "") if gpu is not None else ""
+            family.add_metric(
+                [node.hostname, "" if gpu is None else str(gpu), uuid, str(code)], count
+            )
+        yield family

@@ -266,6 +266,7 @@ def test_sigterm_exits_zero_within_five_seconds(node):
 FAKE_TRAINING_CHECK = """
 from pathlib import Path
 from node_agent.model import Status
+from node_agent.checks.training_progress import SERVICE  # the real check's daemon behaviour
 
 def run(ctx):
     runs = Path(ctx.params["runs_file"])

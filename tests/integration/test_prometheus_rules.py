@@ -20,8 +20,10 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from node_agent.checks.behaviour import NodeLabels, behaviour
 from node_agent.model import Level, Result, Status
 from node_agent.service.metrics import CheckStats, DaemonCollector, Snapshot
+from node_agent.service.xid_watch import XidWatch
 
 PACKAGING = Path(__file__).resolve().parents[2] / "packaging" / "prometheus"
 RULES = PACKAGING / "node-agent.rules.yml"
@@ -91,7 +93,8 @@ def test_every_rule_says_what_it_finds_in_a_comment():
 
 
 def exported_series() -> set[str]:
-    """Every series name the daemon's collector renders, from a snapshot that has them all."""
+    """Every series name the daemon's collectors render (its own, the checks' own and the XID
+    watch's), from a state that has them all."""
 
     def r(check, target, metric, value=1.0, **evidence):
         return Result(check, target, metric, Status.PASS, "", value=value, evidence=evidence)
@@ -101,8 +104,6 @@ def exported_series() -> set[str]:
         level=Level.HEALTHY,
         gpu_uuids={0: "GPU-0"},
         checks={"xid": CheckStats(runs=1, errors=0, last_run_unix=1.0, last_duration_s=0.1)},
-        xid_counts={(0, 79): 1},
-        sdc_outcomes={("gpu:0", "pass"): 1},
         actions={("drain", "done"): 1},
         results=[
             r("nvml_health", "gpu:0", m)
@@ -126,6 +127,19 @@ def exported_series() -> set[str]:
     )
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DaemonCollector(lambda: snap))
+    labels = NodeLabels("n1", {0: "GPU-0"})
+    for check, result in (
+        ("sdc", r("sdc", "gpu:0", "sdc_digest")),
+        ("training_progress", r("training_progress", "job:1/rank:0", "training_progress")),
+    ):
+        factory = behaviour(check).metrics
+        assert factory is not None, f"{check} declares no collector"
+        collector = factory(lambda: labels)
+        collector.observe([result])
+        registry.register(collector)
+    watch = XidWatch(lambda: None, lambda: None, lambda s: None, labels=lambda: labels)
+    watch.xid_counts[(0, 79)] = 1
+    registry.register(watch)
     return {
         sample.name
         for family in text_string_to_metric_families(generate_latest(registry).decode())

@@ -452,7 +452,6 @@ def test_a_surrogate_job_or_a_nul_log_file_leaves_metrics_and_hang_detection_wor
         level=Level.WARN,
         checks={},
         gpu_uuids={},
-        xid_counts={},
         results=[Result.from_dict(r) for r in rep["results"]],
     )
     registry = CollectorRegistry(auto_describe=False)

@@ -446,7 +446,9 @@ class OneGpuBackend:
 
 def test_telemetry_keeps_sampling_when_readings_are_unsupported_or_time_out():
     backend = OneGpuBackend()
-    sampler = TelemetrySampler(backend, [0], interval_s=0.01, t_zero=burn.time.monotonic())
+    sampler = TelemetrySampler(
+        backend, [0], interval_s=0.01, t_zero=burn.time.monotonic(), load_hint=backend.load_hint
+    )
     sampler.start()
     burn.time.sleep(0.05)
     tel = sampler.stop()[0]

@@ -1,12 +1,19 @@
-"""The daemon's training metrics, rendered through a real Prometheus registry (node_agent.service.metrics)."""
+"""The daemon's training metrics, rendered through a real Prometheus registry
+(node_agent.service.metrics, and training_progress's own collector)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from node_agent.checks.behaviour import NodeLabels, behaviour
+from node_agent.checks.training_progress import HangSuspicions
 from node_agent.model import Level, Result, Status
-from node_agent.service.metrics import MAX_LABEL_CHARS, DaemonCollector, HangTracker, Snapshot
+from node_agent.service.metrics import MAX_LABEL_CHARS, DaemonCollector, Snapshot
+
+
+def HangTracker() -> HangSuspicions:  # noqa: N802 - the tests below read as before
+    return HangSuspicions(lambda: NodeLabels("n1", {}))
 
 
 def training(
@@ -49,19 +56,19 @@ def training(
     )
 
 
-def scrape(results: list[Result], hang_suspicions: int = 0) -> dict[str, list]:
-    """name -> samples, from ``generate_latest`` of a fresh registry, parsed back."""
+def scrape(results: list[Result], hangs: HangSuspicions | None = None) -> dict[str, list]:
+    """name -> samples, from ``generate_latest`` of a fresh registry, parsed back: the daemon's
+    collector and training_progress's own (``hangs``, a fresh one by default)."""
     snap = Snapshot(
         hostname="n1",
         level=Level.HEALTHY,
         checks={},
         results=results,
         gpu_uuids={},
-        xid_counts={},
-        hang_suspicions=hang_suspicions,
     )
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DaemonCollector(lambda: snap))
+    registry.register(hangs or HangTracker())
     text = generate_latest(registry).decode()
     out: dict[str, list] = {}
     for family in text_string_to_metric_families(text):
@@ -162,9 +169,17 @@ def test_a_lone_surrogate_in_a_job_label_is_escaped_and_the_scrape_still_renders
 
 def test_hang_suspicions_counter_is_exported_even_at_zero():
     assert [s.value for s in scrape([])["node_agent_training_hang_suspicions_total"]] == [0.0]
-    assert [
-        s.value for s in scrape([], hang_suspicions=3)["node_agent_training_hang_suspicions_total"]
-    ] == [3.0]
+    hangs = HangTracker()
+    hangs.observe([training("training_hang", Status.FAIL, pid=p, rank=p) for p in (1, 2, 3)])
+    assert [s.value for s in scrape([], hangs)["node_agent_training_hang_suspicions_total"]] == [
+        3.0
+    ]
+
+
+def test_training_progress_declares_the_hang_counter_and_other_checks_do_not():
+    """The daemon feeds a check's results only to the collector its SERVICE declares."""
+    assert behaviour("training_progress").metrics is HangSuspicions
+    assert behaviour("xid").metrics is None and behaviour("nvml_health").metrics is None
 
 
 def test_hang_tracker_counts_a_process_once_while_it_stays_hung():
@@ -177,35 +192,31 @@ def test_hang_tracker_counts_a_process_once_while_it_stays_hung():
         training("training_hang", Status.FAIL, pid=1),
         training("training_progress", Status.PASS, pid=2, rank=1),
     ]
-    t.update("training_progress", stepping)
+    t.observe(stepping)
     assert t.total == 0
-    t.update("training_progress", hung)
-    t.update("training_progress", hung)
+    t.observe(hung)
+    t.observe(hung)
     assert t.total == 1, "still hung on the next run: the same suspicion"
-    t.update("training_progress", stepping)
-    t.update("training_progress", hung)
+    t.observe(stepping)
+    t.observe(hung)
     assert t.total == 2, "recovered, then hung again: a new suspicion"
 
 
-def test_hang_tracker_counts_each_hung_process_and_ignores_broken_runs_and_other_checks():
+def test_hang_tracker_counts_each_hung_process_and_ignores_broken_runs():
     t = HangTracker()
     both = [
         training("training_hang", Status.FAIL, pid=1),
         training("training_hang", Status.FAIL, pid=2, rank=1),
     ]
-    t.update("training_progress", both)
+    t.observe(both)
     assert t.total == 2
-    t.update(
-        "training_progress",
-        [Result("training_progress", "node", "crashed", Status.ERROR, "timed out")],
-    )
-    t.update("training_progress", both)
+    t.observe([Result("training_progress", "node", "crashed", Status.ERROR, "timed out")])
+    t.observe(both)
     assert t.total == 2, "a run that could not complete is no news about the processes"
-    t.update("xid", [])
-    t.update("training_progress", both)
+    t.observe(both)
     assert t.total == 2
     same_pid_other_job = [training("training_hang", Status.FAIL, pid=1, job="slurm:99")]
-    t.update("training_progress", same_pid_other_job)
+    t.observe(same_pid_other_job)
     assert t.total == 3
 
 
@@ -353,7 +364,6 @@ def scrape_snapshot(**kw) -> dict[str, list]:
             "checks": {},
             "results": [],
             "gpu_uuids": {0: "GPU-aaa", 1: "GPU-bbb"},
-            "xid_counts": {},
             **kw,
         }
     )
