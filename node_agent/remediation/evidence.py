@@ -21,16 +21,15 @@ unreadable to users (``dmesg_restrict``), and the stacks show their code.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from node_agent import proc
-from node_agent.atomic_file import create_private, private_dir
+from node_agent.atomic_file import private_dir, write_text
 from node_agent.kernel_log import KernelLog
-from node_agent.model import Report
+from node_agent.model import Report, utc_stamp
 from node_agent.report import json_report
 from node_agent.training.stacks import PY_SPY_MISSING, find_py_spy
 
@@ -77,7 +76,7 @@ def collect(
     stacks; ``py_spy`` defaults to :func:`~node_agent.training.stacks.find_py_spy`."""
     if deadline is None:
         deadline = clock() + EVIDENCE_DEADLINE_S
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+    stamp = utc_stamp(now)
     directory = state_dir / "evidence" / f"{stamp}-{action}"
     notes: list[str] = []
     try:
@@ -183,8 +182,6 @@ def _stacks(
 
 def _write(path: Path, text: str, notes: list[str]) -> None:
     try:
-        fd = create_private(path)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        write_text(path, text)
     except OSError as err:
         notes.append(f"cannot write {path}: {err.strerror or err}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 
+from node_agent.model import utc_iso
 from node_agent.remediation.store import BreakerState
 from node_agent.schedulers.base import NodeState, is_agent_reason
 
@@ -119,8 +120,4 @@ def rate_limit(last_action_at: float | None, now: float, min_interval_s: float) 
 
 
 def _iso(epoch: float | None) -> str:
-    import datetime as _dt
-
-    if epoch is None:
-        return "an unknown time"
-    return _dt.datetime.fromtimestamp(epoch, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return "an unknown time" if epoch is None else utc_iso(epoch)

@@ -41,6 +41,7 @@ from typing import Any
 from urllib.parse import quote
 
 from node_agent.atomic_file import private_dir
+from node_agent.model import utc_stamp
 from node_agent.remediation.states import NodeState, RestartKind
 
 DB_NAME = "node-agent.db"
@@ -726,7 +727,7 @@ def _private_files(path: Path) -> None:
 def move_aside(path: Path, now: float) -> Path:
     """Rename a database that is not SQLite (and its -wal/-shm) to ``<name>.corrupt-<time>``,
     keeping it for a person; returns where it went."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+    stamp = utc_stamp(now)
     target = path.with_name(f"{path.name}.corrupt-{stamp}")
     n = 1
     while target.exists():

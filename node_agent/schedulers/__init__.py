@@ -33,7 +33,7 @@ def open_adapter(config: Config, name: str | None = None) -> SchedulerAdapter:
     Raises AdapterError for an unknown name or a configuration the adapter cannot use
     (e.g. webhook without a URL), with what to set.
     """
-    chosen = name or config.get("adapter.name") or "log"
+    chosen = name or config.adapter.name or "log"
     if chosen == "log":
         from node_agent.schedulers.log import LogAdapter
 

@@ -53,7 +53,6 @@ ValidatingAdmissionPolicy in packaging/kubernetes/admission-policy.yaml does, in
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import re
 import socket
@@ -61,6 +60,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from node_agent.extras import install_command
+from node_agent.model import utc_iso
 from node_agent.schedulers.base import (
     AdapterError,
     JobKind,
@@ -95,10 +95,6 @@ POD_JOB = JobKind(
     "pod:<name>@<uid> or pod:<namespace>/<name>@<uid>, lower-case DNS-1123 "
     "names and the pod UID from the process's kubepods cgroup",
 )
-
-
-def _now_iso() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def taint_value(reason: str) -> str:
@@ -144,7 +140,7 @@ class KubernetesAdapter:
         api_client: Any,
         taint_key: str = "node-agent/health",
         timeout_s: float = 10,
-        clock: Callable[[], str] = _now_iso,
+        clock: Callable[[], str] = utc_iso,
         pod_namespace: str = "default",
         *,
         own_node: str,
@@ -161,9 +157,9 @@ class KubernetesAdapter:
     @classmethod
     def from_config(cls, config: Config) -> KubernetesAdapter:
         return cls(
-            _load_api_client(config.get("adapter.kubernetes.kubeconfig")),
-            taint_key=config.get("adapter.kubernetes.taint_key"),
-            pod_namespace=config.get("adapter.kubernetes.pod_namespace"),
+            _load_api_client(config.adapter.kubernetes.kubeconfig),
+            taint_key=config.adapter.kubernetes.taint_key,
+            pod_namespace=config.adapter.kubernetes.pod_namespace,
             own_node=own_node_name(config),
         )
 

@@ -12,7 +12,6 @@ The node always reads as in service: nothing was really drained.
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import os
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from node_agent.atomic_file import create_private
+from node_agent.model import utc_iso
 from node_agent.schedulers.base import (
     AdapterError,
     NodeState,
@@ -32,15 +32,11 @@ if TYPE_CHECKING:
     from node_agent.config import Config
 
 
-def _now_iso() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-
-
 class LogAdapter:
     name = "log"
 
     def __init__(
-        self, path: str | Path, node: str | None = None, clock: Callable[[], str] = _now_iso
+        self, path: str | Path, node: str | None = None, clock: Callable[[], str] = utc_iso
     ) -> None:
         self.path = Path(path)
         self.node = node
@@ -48,7 +44,7 @@ class LogAdapter:
 
     @classmethod
     def from_config(cls, config: Config) -> LogAdapter:
-        return cls(config.state_dir / "actions.log", node=config.get("node.name"))
+        return cls(config.state_dir / "actions.log", node=config.node.name)
 
     def _record(
         self, action: str, node: str, reason: str, job: str | None = None, key: str | None = None

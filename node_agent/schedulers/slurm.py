@@ -131,9 +131,9 @@ class SlurmAdapter:
     @classmethod
     def from_config(cls, config: Config) -> SlurmAdapter:
         return cls(
-            scontrol=config.get("adapter.slurm.scontrol"),
-            timeout_s=config.get("adapter.slurm.timeout_s"),
-            squeue=config.get("adapter.slurm.squeue"),
+            scontrol=config.adapter.slurm.scontrol,
+            timeout_s=config.adapter.slurm.timeout_s,
+            squeue=config.adapter.slurm.squeue,
         )
 
     # -- plumbing ----------------------------------------------------------------------------

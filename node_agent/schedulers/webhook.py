@@ -47,7 +47,6 @@ A webhook cannot tell the node's state: ``node_state`` reports ``unknown`` (not 
 
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
 import hmac
 import ipaddress
@@ -60,6 +59,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from node_agent.model import utc_iso
 from node_agent.schedulers.base import (
     AdapterError,
     NodeState,
@@ -91,10 +91,6 @@ def idempotency_key(node: str, action: str, reason: str, job: str | None = None)
     """SHA-256 over (node, action, reason[, job]): the key when the caller gives none."""
     text = f"{node}\n{action}\n{reason}" + (f"\n{job}" if job is not None else "")
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _now_iso() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def check_url(url: str) -> str:
@@ -131,7 +127,7 @@ class WebhookAdapter:
         retries: int = 3,
         backoff_s: float = 1.0,
         sleep: Callable[[float], None] = time.sleep,
-        clock: Callable[[], str] = _now_iso,
+        clock: Callable[[], str] = utc_iso,
         session: Any = None,
         *,
         deadline_s: float = 30.0,
@@ -161,8 +157,8 @@ class WebhookAdapter:
 
     @classmethod
     def from_config(cls, config: Config) -> WebhookAdapter:
-        url = config.get("adapter.webhook.url")
-        secret_file = config.get("adapter.webhook.secret_file")
+        web = config.adapter.webhook
+        url, secret_file = web.url, web.secret_file
         if not url:
             raise AdapterError("the webhook adapter needs adapter.webhook.url in the config")
         if not secret_file:
@@ -179,25 +175,26 @@ class WebhookAdapter:
         if not secret:
             raise AdapterError(f"adapter.webhook.secret_file {secret_file} is empty")
         w = "adapter.webhook."
-        for key in ("ca_file", "client_cert", "client_key"):
-            path = config.get(w + key)
+        for key, path in (
+            ("ca_file", web.ca_file),
+            ("client_cert", web.client_cert),
+            ("client_key", web.client_key),
+        ):
             if path and not Path(path).is_file():
                 raise AdapterError(f"{w}{key} {path}: no such file")
-        if config.get(w + "client_key") and not config.get(w + "client_cert"):
+        if web.client_key and not web.client_cert:
             raise AdapterError(f"{w}client_key is set without {w}client_cert")
-        if not url.startswith("https://") and (
-            config.get(w + "ca_file") or config.get(w + "client_cert")
-        ):
+        if not url.startswith("https://") and (web.ca_file or web.client_cert):
             raise AdapterError(f"{w}ca_file/client_cert apply to an https:// url only")
         return cls(
             url,
             secret,
-            timeout_s=config.get(w + "timeout_s"),
-            retries=config.get(w + "retries"),
-            deadline_s=config.get(w + "deadline_s"),
-            ca_file=config.get(w + "ca_file"),
-            client_cert=config.get(w + "client_cert"),
-            client_key=config.get(w + "client_key"),
+            timeout_s=web.timeout_s,
+            retries=web.retries,
+            deadline_s=web.deadline_s,
+            ca_file=web.ca_file,
+            client_cert=web.client_cert,
+            client_key=web.client_key,
         )
 
     def _send(self, body: bytes, headers: dict[str, str], timeout_s: float) -> Any:
