@@ -26,16 +26,16 @@ def test_empty_config_file_means_all_defaults(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("")
     config = load_config(path)
-    assert config.get("adapter.name") == "log"
-    assert config.get("safety.max_drained_fraction") == 0.1
+    assert config.adapter.name == "log"
+    assert config.safety.max_drained_fraction == 0.1
 
 
 def test_partial_section_keeps_other_defaults(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("adapter: {name: slurm}\n")
     config = load_config(path)
-    assert config.get("adapter.name") == "slurm"
-    assert config.get("adapter.webhook.retries") == 3
+    assert config.adapter.name == "slurm"
+    assert config.adapter.webhook.retries == 3
 
 
 @pytest.mark.parametrize(
