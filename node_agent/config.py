@@ -1,4 +1,16 @@
-"""The agent's YAML configuration: defaults, validation, clear errors (see DESIGN.md)."""
+"""The agent's YAML configuration: defaults, validation, clear errors (see DESIGN.md).
+
+``load_config(path)`` (or ``config_from_dict`` for tests and embedding) returns a
+:class:`Config` whose typed, frozen sections are read by the code::
+
+    config = load_config("/etc/node-agent/config.yaml")
+    config.node.expected_gpus        # int | None
+    config.adapter.slurm.timeout_s   # float
+    config.safety.max_restarts       # int
+
+Each key has its default in :data:`DEFAULTS`, its rule in :data:`SCHEMA` and its typed field in
+a section below (docs/configuration.md lists them for operators).
+"""
 
 from __future__ import annotations
 
