@@ -24,7 +24,10 @@ import datetime
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+from node_agent import atomic_file
 
 SCHEMA = "node-agent.allreduce/1"
 #: every CORRUPT_STRIDE-th element of the corrupt rank's contribution is off by one
@@ -172,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
     line = json.dumps(doc)
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as fh:
-            fh.write(line + "\n")
+        atomic_file.write_text(Path(args.out), line + "\n")
     print(line, flush=True)
     return code
 

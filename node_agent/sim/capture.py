@@ -27,7 +27,6 @@ import os
 import platform
 import socket
 import stat
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from node_agent.gpu.pci import SYSFS_PCI_DEVICES, PciUnreadable, read_functions
 from node_agent.gpu.replay import error_code, open_replay
 from node_agent.hardware.sku import Sku
 from node_agent.inventory import collect
+from node_agent.model import utc_iso
 from node_agent.yamlfile import ConfigError
 
 FORMAT = 1
@@ -250,7 +250,7 @@ def capture_node(
     node whose kernel log the agent reads from a file)."""
     from node_agent.gpu.record import record_nvml
 
-    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    now = utc_iso()
     nvml = record_nvml(call_timeout_s=call_timeout_s, lib=nvml_lib)
     try:
         pci: list[dict[str, Any]] = list(read_functions(pci_root))

@@ -25,14 +25,13 @@ or point the library at the scenario itself (``NVML_FAKE_SCENARIO``): it runs th
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from node_agent import atomic_file
 from node_agent.gpu.base import (
     RECOVERY_ACTIONS,
     SRAM_UNITS,
@@ -356,16 +355,9 @@ def _gpu_additions(
 
 
 def write_state(path: str | Path, text: str) -> None:
-    """Write the state file whole (temporary file + rename): the library never reads half."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write the state file whole (``atomic_file``: temporary file + rename): the library never
+    reads half."""
+    atomic_file.write_text(Path(path), text)
 
 
 def render_file(
