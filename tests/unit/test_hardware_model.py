@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 
 from node_agent import resources
-from node_agent.checks import CheckContext, nvml_health
+from node_agent.checks import HOST_PORTS, CheckContext, nvml_health
 from node_agent.checks import inventory as inventory_check
+from node_agent.checks.ports import stand_in_ports
 from node_agent.config import config_from_dict
 from node_agent.gpu.base import DeviceLost, NvLink
 from node_agent.gpu.pci import PciBus, PciGpu
@@ -55,7 +56,7 @@ def context(
     sku = None if no_sku else inv.sku
     cfg = config_from_dict(config or {})
     if expected is None:
-        expected = cfg.get("node.expected_gpus") or (
+        expected = cfg.node.expected_gpus or (
             gpus if simulated else sku.gpus_per_node if sku else None
         )
     return CheckContext(
@@ -66,7 +67,7 @@ def context(
         inventory=inv,
         sku=sku,
         expected_gpus=expected,
-        scenario=scenario if simulated else None,
+        ports=stand_in_ports(scenario, sku, backend) if simulated else HOST_PORTS,
         pci=None if simulated else pci or NO_PCI,
     )
 

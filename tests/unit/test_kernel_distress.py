@@ -564,7 +564,7 @@ def test_a_captured_node_skips_pstore_it_did_not_record(tmp_path):
             inventory=env.inventory,
             sku=env.sku,
             expected_gpus=None,
-            scenario=env.scenario,
+            ports=env.ports,
         )
         results = kd.run(ctx)
     finally:

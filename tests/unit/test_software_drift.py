@@ -50,7 +50,7 @@ def run(env, **params):
         expected_gpus=env.expected_gpus,
         mode="delivery",
         params=params,
-        scenario=env.scenario,
+        ports=env.ports,
     )
     return sd.run(ctx)
 
