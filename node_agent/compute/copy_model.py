@@ -2,8 +2,7 @@
 
 A simulated GPU is a CPU stand-in, and its copies are CPU memcpys. Their time says what the
 host's cores were doing (other processes, the other stand-ins, cache evictions), not what a
-GPU's link or memory would do: timed on the CPU, a healthy simulated node graded WARN from
-"PCIe bandwidth below siblings" in 3 of 4 runs with other work on a 2-core machine. So, as
+GPU's link or memory would do (measured: docs/load_tests.md, "Simulated copy bandwidth"). So, as
 simulated GEMM time is modeled from the SKU's rate (:meth:`ComputeDevice.gemm_seconds`),
 simulated copy time is modeled here, and the stand-in's copy still runs (the checks' code path,
 buffers and error handling are the real ones) but its CPU time is not the measurement.

@@ -272,8 +272,8 @@ class ComputeDevice:
         A real GPU: ``measured_s``. A simulated one: the time its modeled rate (the SKU's,
         times the ``slow`` factor) needs for that work. The stand-in still computes and the
         burn still verifies every product on the CPU, but CPU stand-ins sharing a few cores
-        would otherwise time each other's scheduling and cache noise (seen: a healthy stand-in
-        at 0.81 of its siblings on an idle 2-core VM), not a GPU.
+        would otherwise time each other's scheduling and cache noise, not a GPU
+        (docs/load_tests.md).
         """
         if not self.spec.simulated:
             return measured_s
