@@ -9,7 +9,7 @@ on their way to trouble. Two rules, each a WARN with the series as evidence (doc
    to 29 % of the points may be outliers without moving it), gives "rising at X per day,
    crosses its threshold in about N days". A crossing within ``horizon_days`` warns.
 2. **Rising in k of the last n windows.** NVIDIA's resiliency extension marks a link bad when
-   its error counters rise in k of the last n sampling windows (issue 28); a counter that
+   its error counters rise in k of the last n sampling windows; a counter that
    climbs in most recent windows is a bad part even when its slope is small.
 
 A counter that resets (a reboot, a driver reload, a GPU reset: the value drops) starts a new
