@@ -107,9 +107,10 @@ def _throughput(ctx: CheckContext, outcome: BurnOutcome) -> list[Result]:
             status, details = verdict.status, [verdict.detail] if verdict.detail else []
             if minimum is not None and value < minimum:
                 status = Status.FAIL
+                sku = ctx.sku.display_name if ctx.sku else "the SKU file"
                 details.append(
                     f"gpu:{index} {precision} GEMM {value:.4g} TFLOP/s is below the "
-                    f"SKU minimum {minimum:g} TFLOP/s ({ctx.sku.display_name})"
+                    f"SKU minimum {minimum:g} TFLOP/s ({sku})"
                 )
             samples = w.samples_of(precision)
             if not details:

@@ -57,7 +57,7 @@ import os
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -317,7 +317,9 @@ def _cross_gpu(runs: Mapping[int, GpuRun], specs: Iterable[sdc_lib.ProbeSpec]) -
         digests = {i: r.digests[key] for i, r in runs.items() if key in r.digests}
         if len(digests) < 2:
             continue
-        odd = sdc_lib.odd_one_out(digests)
+        by_gpu: dict[Hashable, str] = {i: d for i, d in digests.items()}
+        odd_keys = set(sdc_lib.odd_one_out(by_gpu))
+        odd = [i for i in digests if i in odd_keys]
         if not odd:
             continue
         majority = Counter(digests.values()).most_common(1)[0]
@@ -421,7 +423,8 @@ def _forgive_stale_history(runs: Mapping[int, GpuRun]) -> None:
         for n, v in enumerate(run.verdicts):
             if v.probe != "digest_gemm" or v.status == "pass" or "digest" not in v.evidence:
                 continue
-            spec = sdc_lib.ProbeSpec(*v.shape, dtype=v.dtype)
+            rows, inner, cols = v.shape
+            spec = sdc_lib.ProbeSpec(rows, inner, cols, dtype=v.dtype)
             key = spec_key(spec)
             digests = {i: r.digests[key] for i, r in runs.items() if key in r.digests}
             if len(digests) < MIN_GPUS_FOR_MAJORITY:

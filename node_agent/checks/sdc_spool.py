@@ -51,7 +51,6 @@ import datetime as _dt
 import fcntl
 import json
 import os
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -71,6 +70,8 @@ CURSOR_SCHEMA = "node-agent.sdc-spool-cursor/1"
 DEFAULT_CONFIRM_REPEATS = 3
 DEFAULT_CONFIRM_TIMEOUT_S = 300.0
 DEFAULT_CONFIRM_RETRY_S = 600.0  # the periodic suite's sdc cadence: no more probing than that
+#: the child that runs one check for a caller (its JSON interface: service/check_child.py)
+CHECK_CHILD = "node_agent.service.check_child"
 #: a child probe needs this much of the check's time to be worth starting (torch's import,
 #: CUDA start-up and one round of the periodic probe: 4-5 s measured under --simulate here)
 MIN_CONFIRM_BUDGET_S = 8.0
@@ -112,7 +113,7 @@ def _load(path: Path) -> tuple[dict[str, Any], str | None]:
         data = json.loads(path.read_text(encoding="utf-8"))
         if data.get("schema") != CURSOR_SCHEMA:
             raise ValueError(f"schema {data.get('schema')!r}, expected {CURSOR_SCHEMA!r}")
-        cursor = {
+        cursor: dict[str, Any] = {
             "schema": CURSOR_SCHEMA,
             "ingested": dict(data["ingested"]),
             "standing": [],
@@ -503,14 +504,17 @@ def _confirm(
 
 
 def own_probe(ctx: CheckContext, indices: list[int], budget_s: float) -> dict[str, tuple[str, str]]:
-    """Run the agent's ``sdc`` check on ``indices`` in a child ``node-agent check`` (torch stays
-    out of this process) within ``budget_s``; target -> ("confirmed"|"clean"|"pending",
-    detail). The child gets this run's configuration and scenario, and the periodic suite's
-    ``sdc`` params (so ``min_free_mib`` keeps it from pushing a job out of GPU memory)."""
+    """Run the agent's ``sdc`` check on ``indices`` in a child process (torch stays out of this
+    process) within ``budget_s``; target -> ("confirmed"|"clean"|"pending", detail).
+
+    The child is the daemon's check child (``python -P -m node_agent.service.check_child``,
+    started by its module name: a check imports nothing above it), given the check spec as
+    JSON: this run's configuration and node (``ports.reopen_args``), and the periodic suite's
+    ``sdc`` params (so ``min_free_mib`` keeps it from pushing a job out of GPU memory) with
+    this check's GPUs and ``confirm_repeats``. It runs in / as python -P (never importing from
+    this process's working directory, which others may write to), so every path it gets is
+    absolute."""
     from node_agent import proc
-    from node_agent.resources import suites_dir
-    from node_agent.suite import load_suite
-    from node_agent.yamlfile import ConfigError
 
     targets = [f"gpu:{i}" for i in indices]
     if budget_s < MIN_CONFIRM_BUDGET_S:
@@ -519,55 +523,31 @@ def own_probe(ctx: CheckContext, indices: list[int], budget_s: float) -> dict[st
             "for a probe: raise sdc_spool's timeout_s in the suite"
         )
         return {t: ("pending", why) for t in targets}
-    try:
-        base = next(
-            (c for c in load_suite("periodic", suites_dir(ctx.config)).checks if c.check == "sdc"),
-            None,
-        )
-    except ConfigError:
-        base = None
-    params: dict[str, Any] = json.loads(json.dumps(base.params)) if base else {}
-    repeats = int(ctx.params.get("confirm_repeats", DEFAULT_CONFIRM_REPEATS))
-    for p in (params, params.setdefault("simulated", {})):
-        p["gpus"] = list(indices)
-        p["repeats"] = max(repeats, int(p.get("repeats", 1)))
-    with tempfile.TemporaryDirectory(prefix="node-agent-sdc-confirm-") as tmp:
-        suite_path, config_path = Path(tmp) / "confirm.yaml", Path(tmp) / "config.yaml"
-        write_json(
-            suite_path,
-            {
-                "name": "sdc-confirm",
-                "mode": "service",
-                "checks": [
-                    {"check": "sdc", "timeout_s": max(1.0, budget_s - 5.0), "params": params}
-                ],
-            },
-        )
-        # JSON is YAML: the child reads it as config; it runs in / as python -P (never importing
-        # from this process's working directory, which others may write to), so every path it
-        # gets is absolute
-        write_json(config_path, proc.absolute_config(ctx.config.data))
-        argv = proc.python_module_argv(
-            "node_agent.commands.main",
-            "check",
-            "--suite",
-            proc.absolute_path(suite_path),
-            "--config",
-            proc.absolute_path(config_path),
-            "--json",
-            "--out",
-            proc.absolute_path(tmp),
-        )
-        if ctx.scenario is not None:
-            argv += ["--simulate", proc.absolute_path(ctx.scenario.source)]
-        done = proc.run(argv, timeout_s=budget_s, cwd=proc.CHILD_CWD)
-    if done.returncode not in (0, 3, 4):
+    spec = {
+        "check": "sdc",
+        "params": {
+            "gpus": list(indices),
+            "repeats": int(ctx.params.get("confirm_repeats", DEFAULT_CONFIRM_REPEATS)),
+        },
+        "params_from_suite": "periodic",
+        "timeout_s": max(1.0, budget_s - 5.0),
+        "mode": "service",
+        "config": proc.absolute_config(ctx.config.data),
+        "reopen_args": list(ctx.ports.reopen_args),
+    }
+    done = proc.run(
+        proc.python_module_argv(CHECK_CHILD),
+        timeout_s=budget_s,
+        cwd=proc.CHILD_CWD,
+        input_text=json.dumps(spec),
+    )
+    if not done.ok:
         why = f"the probe did not run: {done.describe_failure()}"
         return {t: ("pending", why) for t in targets}
     try:
         results = json.loads(done.stdout)["results"]
     except (ValueError, KeyError, TypeError) as err:
-        return {t: ("pending", f"the probe's report is unreadable ({err})") for t in targets}
+        return {t: ("pending", f"the probe's answer is unreadable ({err})") for t in targets}
     out = {}
     for target in targets:
         mine = [r for r in results if r.get("target") == target and r.get("check") == "sdc"]

@@ -50,9 +50,9 @@ from prometheus_client.core import CounterMetricFamily, Metric
 
 from node_agent.checks import CheckContext
 from node_agent.checks.behaviour import NodeLabels, ServiceBehaviour
-from node_agent.checks.rdma import SYSFS_ROOT
 from node_agent.gpu.base import GpuDevice, GpuError
 from node_agent.heartbeat import remove_stale
+from node_agent.host.infiniband import SYSFS_ROOT
 from node_agent.model import Result, Status
 from node_agent.training import activity
 from node_agent.training.processes import TrainingProcess, discover
@@ -584,11 +584,15 @@ def _hang_detail(pr: TrainingProcess, why: str, sig: dict[str, Signal], origin: 
         if stack.available
         else f"; stack unavailable ({stack.detail})"
     )
-    origin_note = {
-        True: "; likely origin: its stack is outside a collective while its hung "
-        "peers' are inside one",
-        False: "; waiting in a collective on a peer",
-    }.get(origin, "")
+    origin_note = (
+        {
+            True: "; likely origin: its stack is outside a collective while its hung "
+            "peers' are inside one",
+            False: "; waiting in a collective on a peer",
+        }.get(origin, "")
+        if origin is not None
+        else ""
+    )
     return (
         f"{_who(pr)}: training hang suspected ({why}){stack_note}{origin_note}; the job "
         f"needs a restart (evidence in the state dir; py-spy dump --pid {pr.pid})"

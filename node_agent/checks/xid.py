@@ -59,7 +59,8 @@ def sticky_key(result: Result) -> tuple[str, int] | None:
     later run reads: one per (target, code). The daemon's XID watch files its findings under
     the same key."""
     if result.metric in ("xid", "sxid") and result.status is Status.FAIL:
-        return (result.target, int(result.value))
+        if isinstance(result.value, (int, float)) and not isinstance(result.value, bool):
+            return (result.target, int(result.value))
     return None
 
 
@@ -128,9 +129,9 @@ def run(ctx: CheckContext) -> list[Result]:
             # that); the kernel log still carries the Xids
             results.append(ctx.skip(f"NVML Xid events not watched: {err}", metric="nvml_events"))
             events, watch_s = [], 0
-        for event in events:
-            target = f"gpu:{event.gpu_index}" if event.gpu_index is not None else "node"
-            folder.fold("xid", target, event.code).add_nvml(event.message)
+        for nvml_event in events:
+            target = f"gpu:{nvml_event.gpu_index}" if nvml_event.gpu_index is not None else "node"
+            folder.fold("xid", target, nvml_event.code).add_nvml(nvml_event.message)
 
     window = "since boot" if since == "boot" else "since the last run"
     boot_epoch = time.time() - time.monotonic() if log.live else None

@@ -14,10 +14,12 @@ Used by the ``xid`` check (one read of the log) and the daemon's XID watch (even
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from node_agent.kernel_log import DriverLine, Stamp, SxidLine, XidLine
 from node_agent.model import Result, Status, utc_iso
+
+T = TypeVar("T")
 
 #: Events closer than this belong to one burst: NVSentinel's health-events-analyzer default
 #: ``burst_gap_seconds`` (3 minutes, NVIDIA/NVSentinel#248), which its repeated-XID rule counts.
@@ -293,14 +295,10 @@ class DriverFold:
         self.pci_bus = self.pci_bus or line.pci_bus
         self.first_line = self.first_line or line.raw
         self.last_line = line.raw
-        for values, value in (
-            (self.driver_gpus, line.driver_gpu),
-            (self.statuses, line.status),
-            (self.ports, line.port),
-            (self.severities, line.severity),
-        ):
-            if value is not None and len(values) < MAX_VARIANTS:
-                values.add(value)  # type: ignore[attr-defined]
+        _add_bounded(self.driver_gpus, line.driver_gpu)
+        _add_bounded(self.statuses, line.status)
+        _add_bounded(self.ports, line.port)
+        _add_bounded(self.severities, line.severity)
         stamp = line.stamp
         if stamp is not None and (self.clock is None or stamp.clock == self.clock):
             self.clock = stamp.clock
@@ -371,3 +369,9 @@ def keep_fuller(kept: Result, new: Result) -> Result:
     on a tie. A later run that read a shorter window (``since: last_run``) does not replace a
     fuller finding."""
     return new if counted(new) >= counted(kept) else kept
+
+
+def _add_bounded(values: set[T], value: T | None) -> None:
+    """Add a distinct value to a fold's set, at most ``MAX_VARIANTS`` of them."""
+    if value is not None and len(values) < MAX_VARIANTS:
+        values.add(value)

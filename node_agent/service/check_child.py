@@ -7,9 +7,15 @@ command line's:
 
 - :func:`run_in_child` (the daemon's side) starts ``python -P -m node_agent.service.check_child``
   in :data:`node_agent.proc.CHILD_CWD` and writes one :class:`ChildSpec` to its stdin as JSON:
-  ``{"check", "params", "timeout_s", "mode", "config", "scenario"}`` (``config`` is the daemon's
-  configuration data with its paths made absolute; ``scenario`` the simulated node's file, or
-  null).
+  ``{"check", "params", "timeout_s", "mode", "config", "reopen_args", "params_from_suite"}``
+  (``config`` is the caller's configuration data with its paths made absolute;
+  ``reopen_args`` the arguments that reopen the caller's node, ``ports.reopen_args``:
+  ``["--simulate", "/abs/scenario.yaml"]`` for a stand-in node, empty for this host;
+  ``params_from_suite`` a suite whose entry for the check gives the params that ``params``
+  then override, or null).
+- A check that needs a probe of another check (``sdc_spool`` confirming a report with ``sdc``)
+  starts the same child by its module name and writes the same JSON: no check imports this
+  module.
 - The child (:func:`main`) opens the environment, runs the check through the runner (its
   timeout, a crash or a hang become ``error`` results as in the daemon) and writes
   ``{"results": [Result.to_dict(), ...]}`` to stdout.
@@ -46,7 +52,8 @@ class ChildSpec:
     params: dict[str, Any] = field(default_factory=dict)
     mode: str = "service"
     config: dict[str, Any] = field(default_factory=dict)  # Config.data, paths absolute
-    scenario: str | None = None  # the simulated node's file (absolute), None on real hardware
+    reopen_args: tuple[str, ...] = ()  # ports.reopen_args of the caller's node
+    params_from_suite: str | None = None  # the suite whose entry for the check ``params`` amend
 
     def to_json(self) -> str:
         return json.dumps(
@@ -56,9 +63,23 @@ class ChildSpec:
                 "timeout_s": self.timeout_s,
                 "mode": self.mode,
                 "config": self.config,
-                "scenario": self.scenario,
+                "reopen_args": list(self.reopen_args),
+                "params_from_suite": self.params_from_suite,
             }
         )
+
+    @property
+    def scenario(self) -> str | None:
+        """The stand-in node's scenario file named by ``reopen_args`` (None: this host)."""
+        args = list(self.reopen_args)
+        if not args:
+            return None
+        if len(args) != 2 or args[0] != "--simulate" or not os.path.isabs(args[1]):
+            raise ValueError(
+                f"the check spec's 'reopen_args' must be empty or ['--simulate', an absolute "
+                f"path], not {args!r}"
+            )
+        return args[1]
 
     @classmethod
     def from_json(cls, text: str) -> ChildSpec:
@@ -68,18 +89,23 @@ class ChildSpec:
             raise ValueError(f"the check spec must be a JSON object, not {type(data).__name__}")
         check, timeout_s = data.get("check"), data.get("timeout_s")
         params, config = data.get("params") or {}, data.get("config") or {}
-        scenario, mode = data.get("scenario"), data.get("mode", "service")
+        reopen, mode = data.get("reopen_args") or [], data.get("mode", "service")
+        suite = data.get("params_from_suite")
         if not isinstance(check, str) or not check:
             raise ValueError("the check spec has no 'check' (a registered check's name)")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
             raise ValueError(f"the check spec's 'timeout_s' must be a number, not {timeout_s!r}")
         if not isinstance(params, dict) or not isinstance(config, dict):
             raise ValueError("the check spec's 'params' and 'config' must be JSON objects")
-        if scenario is not None and not isinstance(scenario, str):
-            raise ValueError("the check spec's 'scenario' must be a path or null")
+        if not isinstance(reopen, list) or not all(isinstance(a, str) for a in reopen):
+            raise ValueError("the check spec's 'reopen_args' must be a list of strings")
+        if suite is not None and not isinstance(suite, str):
+            raise ValueError("the check spec's 'params_from_suite' must be a suite name or null")
         if mode not in ("delivery", "service"):
             raise ValueError(f"the check spec's 'mode' must be delivery or service, not {mode!r}")
-        return cls(check, float(timeout_s), params, mode, config, scenario)
+        spec = cls(check, float(timeout_s), params, mode, config, tuple(reopen), suite)
+        spec.scenario  # noqa: B018 - validates reopen_args now, with the others
+        return spec
 
 
 def run_spec(spec: ChildSpec) -> list[Result]:
@@ -89,14 +115,46 @@ def run_spec(spec: ChildSpec) -> list[Result]:
     from node_agent.runner import FORKSERVER_CHECKS, run_check
     from node_agent.suite import CheckSpec
 
-    config = config_from_dict(spec.config, source="(the daemon's configuration)")
+    config = config_from_dict(spec.config, source="(the parent's configuration)")
+    params = spec.params
+    if spec.params_from_suite is not None:
+        params = _amended(_suite_params(config, spec.params_from_suite, spec.check), params)
     if spec.check in FORKSERVER_CHECKS:
         proc.start_forkserver_in_child_cwd()
     env = open_environment(config, spec.scenario)
     try:
-        return run_check(CheckSpec(spec.check, spec.timeout_s, spec.params), env, spec.mode)
+        return run_check(CheckSpec(spec.check, spec.timeout_s, params), env, spec.mode)
     finally:
         env.close()
+
+
+def _suite_params(config: Any, suite_name: str, check: str) -> dict[str, Any]:
+    """The params of ``check``'s entry in the suite (a deep copy); {} when the suite has none
+    or does not load."""
+    from node_agent.resources import suites_dir
+    from node_agent.suite import load_suite
+    from node_agent.yamlfile import ConfigError
+
+    try:
+        suite = load_suite(suite_name, suites_dir(config))
+    except ConfigError:
+        return {}
+    entry = next((c for c in suite.checks if c.check == check), None)
+    return json.loads(json.dumps(entry.params)) if entry is not None else {}
+
+
+#: a suite entry's params for a stand-in node (the runner applies them over the others)
+STAND_IN_PARAMS = "simulated"
+
+
+def _amended(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``overrides`` applied to its params and to its stand-in section, so an
+    override holds on this host and on a stand-in node alike."""
+    out = {**base, **overrides}
+    stand_in = base.get(STAND_IN_PARAMS)
+    if isinstance(stand_in, dict):
+        out[STAND_IN_PARAMS] = {**stand_in, **overrides}
+    return out
 
 
 def main() -> int:

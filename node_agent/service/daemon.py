@@ -375,7 +375,9 @@ class Daemon:
                 params=spec.params,
                 mode="service",
                 config=proc.absolute_config(config.data),
-                scenario=proc.absolute_path(self._simulate) if self._simulate else None,
+                reopen_args=("--simulate", proc.absolute_path(self._simulate))
+                if self._simulate
+                else (),
             )
         )
 

@@ -138,15 +138,22 @@ class History:
                     self._conn.execute("ROLLBACK")
                 self._fail(f"writing {self.path} failed: {err}")
 
+    @property
+    def _db(self) -> sqlite3.Connection:
+        """The open connection (the helpers below run only while it is: their callers check)."""
+        if self._conn is None:
+            raise sqlite3.ProgrammingError(f"the counter history {self.path} is closed")
+        return self._conn
+
     def _series_id(self, s: Sample) -> int:
         key = (s.check, s.target, s.metric)
         if key not in self._ids:
-            self._conn.execute(
+            self._db.execute(
                 "INSERT OR IGNORE INTO series (check_name, target, metric, kind) "
                 "VALUES (?, ?, ?, ?)",
                 (*key, s.kind),
             )
-            row = self._conn.execute(
+            row = self._db.execute(
                 "SELECT id FROM series WHERE check_name = ? AND target = ? AND metric = ?", key
             ).fetchone()
             self._ids[key] = int(row[0])
@@ -154,7 +161,7 @@ class History:
 
     def _add(self, s: Sample, now: float) -> None:
         sid = self._series_id(s)
-        last = self._conn.execute(
+        last = self._db.execute(
             "SELECT rowid, tier, at, value, n, reset FROM points WHERE series = ? "
             "ORDER BY at DESC LIMIT 1",
             (sid,),
@@ -164,12 +171,12 @@ class History:
         if last is not None and last[1] == 0 and now // bucket == last[2] // bucket:
             rowid, _, _, value, n, reset = last
             new = s.value if s.kind == "counter" else (value * n + s.value) / (n + 1)
-            self._conn.execute(
+            self._db.execute(
                 "UPDATE points SET at = ?, value = ?, n = ?, reset = ? WHERE rowid = ?",
                 (now, new, n + 1, int(reset or dropped), rowid),
             )
             return
-        self._conn.execute(
+        self._db.execute(
             "INSERT INTO points (series, tier, at, value, n, reset) VALUES (?, 0, ?, ?, 1, ?)",
             (sid, now, s.value, int(dropped)),
         )
@@ -178,10 +185,10 @@ class History:
         """Raw points past 48 h into hourly ones, hourly past 30 days into daily ones, daily
         beyond the cap and series silent for 400 days deleted."""
         b = self.bound
-        kinds = dict(self._conn.execute("SELECT id, kind FROM series").fetchall())
+        kinds = dict(self._db.execute("SELECT id, kind FROM series").fetchall())
         for tier, keep_s, size_s in ((0, b.raw_keep_s, 3600.0), (1, b.hourly_keep_s, 86400.0)):
             cutoff = (now - keep_s) // size_s * size_s  # whole buckets only
-            rows = self._conn.execute(
+            rows = self._db.execute(
                 "SELECT series, at, value, n, reset FROM points WHERE tier = ? AND at < ? "
                 "ORDER BY series, at",
                 (tier, cutoff),
@@ -191,36 +198,36 @@ class History:
             groups: dict[tuple[int, float], list[tuple]] = {}
             for row in rows:
                 groups.setdefault((row[0], row[1] // size_s), []).append(row)
-            self._conn.execute("DELETE FROM points WHERE tier = ? AND at < ?", (tier, cutoff))
-            self._conn.executemany(
+            self._db.execute("DELETE FROM points WHERE tier = ? AND at < ?", (tier, cutoff))
+            self._db.executemany(
                 "INSERT INTO points (series, tier, at, value, n, reset) VALUES (?, ?, ?, ?, ?, ?)",
                 [
                     _merge(sid, tier + 1, group, kinds.get(sid, "counter"))
                     for (sid, _), group in groups.items()
                 ],
             )
-        for (sid,) in self._conn.execute(
+        for (sid,) in self._db.execute(
             "SELECT series FROM points WHERE tier = 2 GROUP BY series HAVING COUNT(*) > ?",
             (b.daily_cap,),
         ).fetchall():
-            (edge,) = self._conn.execute(
+            (edge,) = self._db.execute(
                 "SELECT at FROM points WHERE series = ? AND tier = 2 "
                 "ORDER BY at DESC LIMIT 1 OFFSET ?",
                 (sid, b.daily_cap - 1),
             ).fetchone()
-            self._conn.execute(
+            self._db.execute(
                 "DELETE FROM points WHERE series = ? AND tier = 2 AND at < ?", (sid, edge)
             )
         stale = [
             r[0]
-            for r in self._conn.execute(
+            for r in self._db.execute(
                 "SELECT series FROM points GROUP BY series HAVING MAX(at) < ?",
                 (now - b.drop_after_s,),
             ).fetchall()
         ]
         for sid in stale:
-            self._conn.execute("DELETE FROM points WHERE series = ?", (sid,))
-            self._conn.execute("DELETE FROM series WHERE id = ?", (sid,))
+            self._db.execute("DELETE FROM points WHERE series = ?", (sid,))
+            self._db.execute("DELETE FROM series WHERE id = ?", (sid,))
         if stale:
             self._ids = {k: v for k, v in self._ids.items() if v not in stale}
 
@@ -307,7 +314,7 @@ def open_history(
     that cannot be used has its ``problem`` set and records nothing)."""
     bound = bound or Bound()
     path = Path(state_dir) / DB_NAME
-    notes = []
+    notes: list[str] = []
     for attempt in (1, 2):
         conn = None
         try:

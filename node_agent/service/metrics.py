@@ -193,7 +193,7 @@ class MetricsServer:
                     elif sock is self._wake_r:
                         self._drain_wake()
                     elif sock in self._conns:
-                        conn = self._conns[sock]  # type: ignore[index]
+                        conn = self._conns[sock]
                         if events & selectors.EVENT_READ and conn.out is None:
                             self._read(conn)
                         elif events & selectors.EVENT_WRITE and conn.out is not None:
@@ -544,7 +544,7 @@ def _training(s: Snapshot) -> Iterator[Metric]:
         p["step"] = p["step"] if p["step"] is not None else _number(ev.get("step_time_s"))
     for key, p in sorted(processes.items()):
         values = [s.hostname, *key]
-        hang.add_metric(values, p["hang"])
+        hang.add_metric(values, p["hang"] or 0)
         if p["age"] is not None:
             age.add_metric(values, p["age"])
         if p["step"] is not None:

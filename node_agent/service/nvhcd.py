@@ -29,7 +29,10 @@ from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from google.protobuf.message import Message
 
 SERVICE = "nvhcd.HealthCheckService"
 METHOD = "RunHealthCheck"
@@ -55,7 +58,7 @@ class GradeView:
 _EXIT = {"HEALTHY": 0, "WARN": 0, "ERROR": 3, "FAULT": 4}
 
 
-def message_classes() -> tuple[type, type]:
+def message_classes() -> tuple[type[Message], type[Message]]:
     """(HealthCheckRequest, HealthCheckResponse), built from descriptors equal to nvhcd.proto's."""
     from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 

@@ -245,6 +245,7 @@ class XidWatch:
                             follower.close()
                         follower, followed = KmsgFollower(source.path), source
                         scanner = KernelLogScanner()
+                    assert follower is not None  # made above for this source
                     self.kernel_log_watched = True
                     records = follower.wait(self._poll_s)
                 else:

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from node_agent.checks import rdma
 from node_agent.gpu.base import GpuDevice, GpuError
+from node_agent.host import infiniband
 from node_agent.training.signals import Signal
 
 # -- GPU activity --------------------------------------------------------------------------------
@@ -206,17 +206,17 @@ WORD_BYTES = 4
 SATURATED_32 = 2**32 - 1
 
 
-def read_port_counters(root: Path = rdma.SYSFS_ROOT) -> dict[str, tuple[int, int]]:
+def read_port_counters(root: Path = infiniband.SYSFS_ROOT) -> dict[str, tuple[int, int]]:
     """``{"<dev>/<port>": (port_xmit_data, port_rcv_data)}`` for the ACTIVE ports under ``root``.
 
     Raw counter units: 4-byte words (IBTA), not bytes; :func:`rdma_traffic_signal` converts.
-    Port state comes from :func:`node_agent.checks.rdma.discover`. A port whose data counters
+    Port state comes from :func:`node_agent.host.infiniband.discover`. A port whose data counters
     cannot be read (absent, or ``N/A (no PMA)`` when the HCA answers no PerfMgt query) is left
     out; so is everything when ``root`` cannot be listed. Each counter file read is one
     PerfMgt MAD to the HCA (sysfs.c ``get_perf_mad``), cheap enough for every few seconds.
     """
     try:
-        ports = rdma.discover(root)
+        ports = infiniband.discover(root)
     except OSError:
         return {}
     found: dict[str, tuple[int, int]] = {}
@@ -294,8 +294,9 @@ def rdma_traffic_signal(
                 ports[key][label] = None
                 moved.append(key)
                 continue
-            ports[key][label] = (new - old) * WORD_BYTES
-            if ports[key][label] > min_bytes:
+            moved_bytes = (new - old) * WORD_BYTES
+            ports[key][label] = moved_bytes
+            if moved_bytes > min_bytes:
                 moved.append(key)
     figures: dict[str, Any] = {"ports": ports, "window_s": window_s, "min_bytes": min_bytes}
     for name, items in (("reset", reset), ("saturated", saturated), ("ports_changed", changed)):

@@ -569,7 +569,7 @@ class _ProcessTree:
 
     def parents(self, ppid: int) -> list[int]:
         """``ppid`` and its ancestors, nearest first, up to (and without) pid 1."""
-        table, out = self._scan(), []
+        table, out = self._scan(), list[int]()
         while ppid > 1 and ppid not in out and len(out) < _MAX_ANCESTORS:
             out.append(ppid)
             ppid = table.get(ppid, 0)

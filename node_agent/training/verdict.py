@@ -34,10 +34,11 @@ class Thresholds:
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> Thresholds:
-        known = {f.name: f.type for f in fields(cls)}
-        return cls(
-            **{k: (int(v) if k == "agree" else float(v)) for k, v in params.items() if k in known}
-        )
+        known = {f.name for f in fields(cls)}
+        given: dict[str, Any] = {
+            k: (int(v) if k == "agree" else float(v)) for k, v in params.items() if k in known
+        }
+        return cls(**given)
 
 
 def heartbeat_signal(record: Mapping[str, Any] | None, now: float, th: Thresholds) -> Signal:

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 from node_agent.checks import CheckContext
 from node_agent.checks import training_progress as tp
+from node_agent.checks.ports import Ports
 from node_agent.model import Status
 from node_agent.runner import run_check
 from node_agent.suite import CheckSpec
@@ -73,7 +74,7 @@ def test_through_the_runner_the_same_stall_is_never_the_runners_timeout(tmp_path
         inventory=None,
         sku=None,
         expected_gpus=None,
-        scenario=None,
+        ports=Ports(),
         simulated=False,
         config=None,
         writable_state_dir=lambda: tmp_path / "state",
