@@ -29,8 +29,5 @@ class AbsentGpuBackend:
     def wait_xid_events(self, timeout_s: float) -> list[XidEvent]:
         return []
 
-    def load_hint(self, indices: list[int], active: bool) -> None:
-        """Nothing to model: there are no GPUs."""
-
     def close(self) -> None:
         pass

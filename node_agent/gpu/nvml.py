@@ -386,9 +386,6 @@ class NvmlBackend:
             )
         self._event_gpus, self._event_set = gpus, event_set
 
-    def load_hint(self, indices: list[int], active: bool) -> None:
-        """Ignored: real GPUs report their own temperature, power and clocks under load."""
-
     def close(self) -> None:
         """``nvmlShutdown``. Safe to call twice; does not wait on a hung driver."""
         if self._closed:

@@ -186,13 +186,21 @@ def test_new_simulated_readings_fail_like_the_others_on_a_lost_or_hung_gpu(fault
         dev.utilization()
 
 
-def test_every_backend_accepts_load_hints():
+def test_load_hints_reach_only_a_stand_in_and_are_a_no_op_on_this_host():
+    from node_agent.checks.ports import Ports, stand_in_ports
     from node_agent.gpu.absent import AbsentGpuBackend
 
     absent = AbsentGpuBackend("no NVIDIA driver")
     assert isinstance(absent, base.GpuBackend)
-    absent.load_hint([0, 1], True)  # nothing to model; must not raise
-    absent.load_hint([0, 1], False)
+    assert not isinstance(absent, base.StandInBackend)  # real hardware reports its own state
+    host = Ports()
+    host.load_hint([0, 1], True)  # nothing to model; must not raise
+    host.load_hint([0, 1], False)
+    sku = load_skus(resources.graders_dir(config_from_dict({})))["h100-sxm5-80gb"]
+    scenario = Scenario(sku=sku.id, gpus=2, source="t")
+    stand_in = open_backend(scenario, sku)
+    assert isinstance(stand_in, base.StandInBackend)
+    assert stand_in_ports(scenario, sku, stand_in).load_hint == stand_in.load_hint
 
 
 @pytest.mark.gpu
