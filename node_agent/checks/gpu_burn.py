@@ -7,9 +7,9 @@ duration split evenly between them (engine and verification: :mod:`node_agent.co
 - ``tflops_<precision>`` per GPU: the median of the sustained-TFLOP/s samples (on a stand-in
   node the GEMM time is modelled from the SKU's rate: ``ComputeDevice.gemm_seconds``), status
   from the GPU's ratio to its siblings' median (``graders/performance.yaml``) and, where the
-  figures are measured (``ports.compute.measured``), the SKU minimum ``tflops_<precision>_min`` (below it: ``fail``). Evidence: ``samples``
-  (``[[t_s, tflops], ...]`` over time), ``device``, ``siblings_median``,
-  ``ratio_to_siblings``, ``minimum``.
+  figures are measured (``ports.compute.measured``), the SKU minimum
+  ``tflops_<precision>_min`` (below it: ``fail``). Evidence: ``samples`` (``[[t_s, tflops],
+  ...]`` over time), ``device``, ``siblings_median``, ``ratio_to_siblings``, ``minimum``.
 - ``wrong_elements`` per GPU: ``fail`` when a wrong product repeated on its re-run
   (confirmed), ``warn`` when it did not (transient, evidence kept), else ``pass``.
 - ``worker_died`` / ``worker_stalled`` (``error``) for a GPU whose worker exited or went silent

@@ -72,8 +72,8 @@ DEFAULT_CONFIRM_TIMEOUT_S = 300.0
 DEFAULT_CONFIRM_RETRY_S = 600.0  # the periodic suite's sdc cadence: no more probing than that
 #: the child that runs one check for a caller (its JSON interface: service/check_child.py)
 CHECK_CHILD = "node_agent.service.check_child"
-#: a child probe needs this much of the check's time to be worth starting (torch's import,
-#: CUDA start-up and one round of the periodic probe: 4-5 s measured under --simulate here)
+#: a child probe needs this much of the check's time to be worth starting: torch's import,
+#: CUDA start-up and one round of the periodic probe (docs/sdc.md, "The confirming probe's time")
 MIN_CONFIRM_BUDGET_S = 8.0
 #: of the check's own timeout, the share a confirmation may use (the rest: reading, writing)
 _BUDGET_SHARE = 0.8

@@ -160,7 +160,7 @@ def _run(
     devices = _devices(ctx)
     pids = [int(x) for x in p["pids"]] if p.get("pids") else None
     spool = spool_dir(ctx)
-    roots = ctx.config.get("training.slurm_cgroup_roots") if ctx.config is not None else None
+    roots = ctx.config.training.slurm_cgroup_roots if ctx.config is not None else None
     found = discover(spool, devices, pids, slurm_cgroup_roots=roots)
     out = [
         ctx.result("node", "training_discovery", Status.WARN, message, subject=subject)

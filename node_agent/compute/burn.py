@@ -2,9 +2,8 @@
 
 **Processes.** One worker process per GPU, all GPUs at once, started from a multiprocessing
 ``forkserver`` that has imported torch once (never plain ``fork``: CUDA does not survive it; the
-server itself never touches CUDA). Against ``spawn``, which imports torch again in every
-worker, this saves about 2 CPU-seconds per GPU — 16 s of a 2-core CI machine's time for eight
-simulated GPUs. Each worker rebuilds its device with
+server itself never touches CUDA); ``spawn`` would import torch again in every worker (the
+cost is in docs/load_tests.md). Each worker rebuilds its device with
 :func:`node_agent.compute.devices.open_device`, prepares fixed random inputs for every precision of the
 plan, reports ``ready``, and on the parent's ``start`` runs large GEMMs back to back through the
 precisions' phases (the burn's duration split evenly, every GPU in the same precision at the
@@ -18,12 +17,12 @@ every other worker. Messages (tuples, first item the kind)::
     ("error", text, traceback)  # the worker's last words before it exits non-zero
     ("done",)
 
-Simulated GPUs take turns on the CPU: the parent hands out one sample window at a time,
+Stand-in GPUs take turns on the CPU: the parent hands out one sample window at a time,
 round-robin (``("turn", precision)``, answered by the sample). Eight CPU stand-ins time-slicing
-two cores would measure each other's interference instead of their own speed, and windows of
+a few cores would measure each other's interference instead of their own speed, and windows of
 one round sit close together in time, so a load change on the machine hits every stand-in
-alike; measured, this keeps a healthy node's sibling ratios within a few percent on a loaded
-2-core machine (docs/load_tests.md). Real GPUs run free, all at once.
+alike and a healthy node's sibling ratios stay close (docs/load_tests.md). Real GPUs run free,
+all at once.
 
 ``t0_s``/``t1_s`` bound the sample window in wall-clock seconds since the burn started (the
 monotonic clock is system-wide on Linux, so the parent and the workers share it); ``busy_s``
