@@ -173,12 +173,13 @@ def main() -> int:
     return 0
 
 
-def run_in_child(spec: ChildSpec) -> list[Result]:
+def run_in_child(spec: ChildSpec, grace_s: float = GRACE_S) -> list[Result]:
     """Run ``spec`` in a child Python and return its results; a child that crashed, hung or
-    wrote something unreadable is one ``error`` result that says so."""
+    wrote something unreadable is one ``error`` result that says so. The child is killed
+    ``grace_s`` after the check's own timeout."""
     argv = proc.python_module_argv(__name__)
     done = proc.run(
-        argv, timeout_s=spec.timeout_s + GRACE_S, cwd=proc.CHILD_CWD, input_text=spec.to_json()
+        argv, timeout_s=spec.timeout_s + grace_s, cwd=proc.CHILD_CWD, input_text=spec.to_json()
     )
     if done.ok:
         try:
