@@ -10,6 +10,7 @@ instead (the hooks of ``tests/realworld_ci.py``, loaded here for every test).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -85,26 +86,54 @@ class Run:
         return json.loads(self.stdout)
 
 
+def run_agent(args: tuple[str, ...], home: Path, timeout: float = 120, env=None) -> Run:
+    """Run ``node-agent ARGS`` in ``home`` through its console entry point; ``accept``,
+    ``check``, ``inventory`` and ``grade`` without ``--config`` get one with its state in
+    ``home``."""
+    argv = [
+        sys.executable,
+        "-c",
+        "import sys; from node_agent.commands.main import main; sys.exit(main())",
+        *args,
+    ]
+    if "--config" not in args and args and args[0] in ("accept", "check", "inventory", "grade"):
+        config = home / "agent-config.yaml"
+        if not config.exists():
+            config.write_text(yaml.safe_dump({"state_dir": str(home / "state")}))
+        argv += ["--config", str(config)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=home, env=env)
+    return Run(proc.returncode, proc.stdout, proc.stderr)
+
+
 @pytest.fixture
 def agent(tmp_path):
     """Run ``node-agent ARGS`` as a subprocess through its console entry point."""
 
     def run(*args: str, timeout: float = 120) -> Run:
-        argv = [
-            sys.executable,
-            "-c",
-            "import sys; from node_agent.commands.main import main; sys.exit(main())",
-            *args,
-        ]
-        if "--config" not in args and args and args[0] in ("accept", "check", "inventory", "grade"):
-            config = tmp_path / "agent-config.yaml"
-            if not config.exists():
-                config.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state")}))
-            argv += ["--config", str(config)]
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
-        return Run(proc.returncode, proc.stdout, proc.stderr)
+        return run_agent(args, tmp_path, timeout)
 
     return run
+
+
+@dataclass
+class ModuleAgent:
+    """``agent`` for a module-scoped fixture (one run several tests read): runs in ``home``,
+    its agent reading a kernel log of its own there, as ``owned_kernel_log`` gives each test's
+    (function fixtures, that one included, start after a module's)."""
+
+    home: Path
+
+    def __call__(self, *args: str, timeout: float = 120) -> Run:
+        log = self.home / "owned-kernel-log.txt"
+        if not log.exists():
+            log.write_text("")
+            log.chmod(0o644)
+        return run_agent(args, self.home, timeout, env={**os.environ, KERNEL_LOG_ENV: str(log)})
+
+
+@pytest.fixture(scope="module")
+def module_agent(tmp_path_factory) -> ModuleAgent:
+    return ModuleAgent(tmp_path_factory.mktemp("module-agent"))
 
 
 @pytest.fixture
