@@ -50,17 +50,15 @@ probe never pushes a training job out of memory; default 2048).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from node_agent.atomic_file import write_json
 from node_agent.checks import CheckContext
 from node_agent.checks.behaviour import ServiceBehaviour
 from node_agent.checks.sdc_metrics import SdcVerdicts
@@ -197,23 +195,12 @@ class DigestHistory:
         entry["updated_at"] = time.time()
 
     def save(self) -> None:
-        """Write atomically (temp file + rename); a crash leaves the old file or the new one."""
+        """Write atomically (``atomic_file``: temp file + rename); a crash leaves the old file
+        or the new one."""
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(
-            prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent
-        )
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(
-                    {"schema": HISTORY_SCHEMA, "gpus": self._gpus}, f, sort_keys=True, indent=1
-                )
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        write_json(self.path, {"schema": HISTORY_SCHEMA, "gpus": self._gpus})
 
 
 def history_path(state_dir: Path | None) -> Path | None:
