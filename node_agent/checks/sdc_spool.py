@@ -47,7 +47,6 @@ leaves every report a WARN and never probes), ``confirm_repeats`` (3), ``confirm
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import fcntl
 import json
 import os
@@ -61,7 +60,7 @@ from node_agent.checks import CheckContext
 from node_agent.checks.behaviour import ServiceBehaviour
 from node_agent.checks.sdc_metrics import SdcVerdicts
 from node_agent.gpu.base import GpuError
-from node_agent.model import Result, Status
+from node_agent.model import Result, Status, utc_iso
 
 #: in the daemon: a confirmed or cleared report counts in node_agent_sdc_probes_total, with the
 #: sdc check's own verdicts (checks/sdc_metrics.py)
@@ -162,7 +161,7 @@ def clear_standing(state_dir: Path) -> int:
 def _when(ts: float | None) -> str:
     if ts is None:
         return "an unknown time"
-    return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return utc_iso(ts)
 
 
 def map_target(

@@ -15,7 +15,6 @@ saying so.
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import json
 import os
 import re
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from node_agent.atomic_file import write_json
+from node_agent.model import utc_stamp
 
 SCHEMA = "node-agent.hang-state/1"
 KEEP_EVIDENCE = 200
@@ -105,7 +105,7 @@ class HangState:
 
     def write_evidence(self, job: str | None, now: float, evidence: dict[str, Any]) -> Path:
         """One hang episode of one job as ``evidence/<UTC time>-<job>.json``; returns the path."""
-        stamp = _dt.datetime.fromtimestamp(now, _dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        stamp = utc_stamp(now)
         name = f"{stamp}-{_UNSAFE.sub('_', job or 'unknown-job')[:80]}.json"
         path = self.directory / "evidence" / name
         write_json(path, evidence)
