@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -71,24 +71,20 @@ class CheckContext:
     timeout_s: float = 60.0  # the runner abandons the check after this; bound subprocesses below it
     #: where the check reads the node (trees, tools, compute, clock), chosen once with the node
     #: (``open_environment``); this host's unless given
-    ports: Ports = HOST_PORTS
-    #: a scenario whose stand-in ports are built here when ``ports`` is not given (for callers
-    #: that hold a scenario rather than an Environment). TRANSITIONAL: a check reads its ports,
-    #: never this; it goes when the last check reading it has moved to the ports
-    scenario: Scenario | None = None
+    ports: Ports = field(default=HOST_PORTS, repr=False)
+    #: init-only: a scenario whose stand-in ports are built here when no ``ports`` are given
+    #: (for callers that hold a scenario rather than an Environment). Not kept: a check reads
+    #: its ports, never the scenario
+    scenario: InitVar[Scenario | None] = None
     #: one suite run's hand-over between checks (e.g. the burn's telemetry trace for
     #: thermal_power); keys are documented by the check that writes them
     shared: dict[str, Any] = field(default_factory=dict)
     #: the NVIDIA GPUs on the PCI bus; read on first use (``pci_bus()``) unless given
     pci: PciBus | None = field(default=None, repr=False)
 
-    def __post_init__(self) -> None:
-        if self.scenario is not None and self.ports is HOST_PORTS:
-            self.ports = stand_in_ports(self.scenario, self.sku, self.gpu)
-
-    @property
-    def simulated(self) -> bool:  # TRANSITIONAL, as ``scenario``
-        return self.scenario is not None
+    def __post_init__(self, scenario: Scenario | None) -> None:
+        if scenario is not None and self.ports is HOST_PORTS:
+            self.ports = stand_in_ports(scenario, self.sku, self.gpu)
 
     def result(
         self,
@@ -187,6 +183,11 @@ class CheckContext:
                 )
             ]
         return [self.skip(reason, metric="compute")]
+
+
+# the scenario is an argument of __init__ only: reading ``ctx.scenario`` fails loudly rather than
+# reading the dataclass default (None) as "this host"
+delattr(CheckContext, "scenario")
 
 
 def driver_not_loaded_detail(reason: str, gpus: tuple[Any, ...]) -> str:

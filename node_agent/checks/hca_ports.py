@@ -46,12 +46,13 @@ from pathlib import Path
 from typing import Any
 
 from node_agent import atomic_file, resources
-from node_agent.checks import CheckContext, log_cursor, rdma
+from node_agent.checks import CheckContext, log_cursor
+from node_agent.host import infiniband
 from node_agent.kernel_log import kernel_message
 from node_agent.model import Result, Status
 from node_agent.yamlfile import load_yaml
 
-SYSFS_ROOT = rdma.SYSFS_ROOT
+SYSFS_ROOT = infiniband.SYSFS_ROOT
 STATE_FILE = "hca_ports.json"
 UPTIME = Path("/proc/uptime")
 #: the most down-up cycles one run adds to a port's history (a saturated or huge jump is still
@@ -219,9 +220,9 @@ def expectation(ctx: CheckContext, table: HcaGrading) -> Expectation:
 
 @dataclass(frozen=True)
 class PortReading:
-    """One port (``rdma.Port``: state, rate, link layer) and its error counters."""
+    """One port (``infiniband.Port``: state, rate, link layer) and its error counters."""
 
-    port: rdma.Port
+    port: infiniband.Port
     counters: dict[str, int | None] = field(default_factory=dict)
     link_downed: int | None = None
 
@@ -242,7 +243,7 @@ def read_ports(root: Path, rules: tuple[CounterRule, ...]) -> list[PortReading]:
     """Every port under ``root`` with the counters ``rules`` name (None: absent or unreadable,
     e.g. ``N/A (no PMA)``)."""
     out = []
-    for port in rdma.discover(root):
+    for port in infiniband.discover(root):
         base = root / port.device / "ports" / port.port
         counters = {r.name: _read_int(base / r.dir / r.name) for r in rules}
         out.append(PortReading(port, counters, _read_int(base / "counters" / "link_downed")))
@@ -476,7 +477,7 @@ def missing_results(
     return out
 
 
-def _majority_rates(ports: list[rdma.Port]) -> dict[str, float]:
+def _majority_rates(ports: list[infiniband.Port]) -> dict[str, float]:
     """Per link layer, the rate more than half of its ACTIVE ports run at (2 ports or more)."""
     out = {}
     for layer in {p.link_layer for p in ports}:
@@ -491,7 +492,7 @@ def _majority_rates(ports: list[rdma.Port]) -> dict[str, float]:
 
 def _rate_result(
     ctx: CheckContext,
-    port: rdma.Port,
+    port: infiniband.Port,
     expect: Expectation,
     short: bool,
     peers: float | None,

@@ -105,6 +105,11 @@ def _no_load_hint(indices: list[int], active: bool) -> None:
     """Real GPUs report their own state under load: nothing to tell them."""
 
 
+def _no_records(start_seq: int) -> list[LogRecord]:
+    """This host's kernel log is all there is."""
+    return []
+
+
 @dataclass(frozen=True)
 class Ports:
     """What a check reads the node through. ``Ports()`` is this host's: every tree None (the
@@ -129,7 +134,7 @@ class Ports:
     declared_host: DeclaredHost | None = None
     #: kernel-log records beyond the log's own (a stand-in's machine checks), numbered from
     #: the given sequence number
-    extra_kernel_records: Callable[[int], list[LogRecord]] = lambda start_seq: []
+    extra_kernel_records: Callable[[int], list[LogRecord]] = _no_records
     #: where machine checks are read besides the kernel log: True for rasdaemon's records
     rasdaemon: bool = True
     #: builds the pstore view; None: the host's pstore (and systemd-pstore's archive)

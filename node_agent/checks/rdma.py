@@ -26,92 +26,21 @@ scenario's RDMA faults applied there; this module reads them exactly as it reads
 
 from __future__ import annotations
 
-import re
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from node_agent import proc
 from node_agent.checks import CheckContext
+from node_agent.host.infiniband import SYSFS_ROOT, Port, discover
 from node_agent.model import Result, Status
 from node_agent.parsers import ParseError
 from node_agent.parsers.perftest import BwRow, parse_bw_json, parse_bw_table
 
-SYSFS_ROOT = Path("/sys/class/infiniband")
 PERFTEST_MISSING = "ib_write_bw not installed (Debian package `perftest`: apt-get install perftest)"
-COUNTERS = ("link_downed", "symbol_error", "port_rcv_errors")
 WARN_COUNTERS = ("link_downed", "symbol_error")
-_RATE = re.compile(r"^\s*([\d.]+)\s*Gb/sec")
-
-
-@dataclass(frozen=True)
-class Port:
-    """One RDMA port as sysfs shows it."""
-
-    device: str
-    port: str
-    state: str  # "ACTIVE", "DOWN", "INIT", "ARMED" (from "4: ACTIVE")
-    phys_state: str  # "LinkUp", "Polling", "Disabled" (from "5: LinkUp")
-    rate_text: str  # "400 Gb/sec (4X NDR)"
-    rate_gbps: float | None
-    link_layer: str  # "InfiniBand" or "Ethernet"
-    counters: dict[str, int | None] = field(default_factory=dict)
-
-    @property
-    def target(self) -> str:
-        return f"hca:{self.device}" if self.port == "1" else f"hca:{self.device}/{self.port}"
-
-
-def parse_rate_gbps(text: str) -> float | None:
-    """``"400 Gb/sec (4X NDR)"`` -> 400.0; None when sysfs says something else.
-
-    >>> parse_rate_gbps("200 Gb/sec (4X HDR)")
-    200.0
-    """
-    match = _RATE.match(text)
-    return float(match.group(1)) if match else None
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return ""
-
-
-def _state_name(text: str) -> str:
-    """``"4: ACTIVE"`` -> ``"ACTIVE"`` (sysfs prints the enum value, a colon, the name)."""
-    return text.split(":", 1)[1].strip() if ":" in text else text.strip()
-
-
-def discover(root: Path = SYSFS_ROOT) -> list[Port]:
-    """Every port of every RDMA device under ``root``, sorted by device and port."""
-    ports: list[Port] = []
-    if not root.is_dir():
-        return ports
-    for dev in sorted(p for p in root.iterdir() if (p / "ports").is_dir()):
-        for port_dir in sorted((dev / "ports").iterdir(), key=lambda p: p.name):
-            counters: dict[str, int | None] = {}
-            for name in COUNTERS:
-                text = _read(port_dir / "counters" / name)
-                counters[name] = int(text) if text.isdigit() else None
-            rate_text = _read(port_dir / "rate")
-            ports.append(
-                Port(
-                    device=dev.name,
-                    port=port_dir.name,
-                    state=_state_name(_read(port_dir / "state")),
-                    phys_state=_state_name(_read(port_dir / "phys_state")),
-                    rate_text=rate_text,
-                    rate_gbps=parse_rate_gbps(rate_text),
-                    link_layer=_read(port_dir / "link_layer"),
-                    counters=counters,
-                )
-            )
-    return ports
 
 
 def run(ctx: CheckContext) -> list[Result]:

@@ -16,6 +16,7 @@ from node_agent.checks import CheckContext, rdma
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
 from node_agent.hardware.sku import load_sku
+from node_agent.host import infiniband
 from node_agent.model import Status
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,7 +42,7 @@ def make_port(
         ("link_layer", layer),
     ):
         (d / name).write_text(text + "\n")
-    for name in rdma.COUNTERS:
+    for name in infiniband.COUNTERS:
         (d / "counters" / name).write_text(f"{counters.get(name, 0)}\n")
 
 
@@ -74,7 +75,7 @@ def test_discover_reads_state_rate_layer_and_counters(tmp_path):
         rate="10 Gb/sec (4X SDR)",
         layer="Ethernet",
     )
-    ports = rdma.discover(tmp_path)
+    ports = infiniband.discover(tmp_path)
     assert [(p.device, p.state, p.phys_state, p.rate_gbps, p.link_layer) for p in ports] == [
         ("mlx5_0", "ACTIVE", "LinkUp", 400.0, "InfiniBand"),
         ("mlx5_1", "DOWN", "Disabled", 10.0, "Ethernet"),
@@ -93,7 +94,7 @@ def test_discover_reads_state_rate_layer_and_counters(tmp_path):
     ],
 )
 def test_parse_rate_gbps(text, gbps):
-    assert rdma.parse_rate_gbps(text) == gbps
+    assert infiniband.parse_rate_gbps(text) == gbps
 
 
 def test_no_rdma_device_skips_with_reason(tmp_path):

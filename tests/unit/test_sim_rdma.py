@@ -10,9 +10,11 @@ import yaml
 
 from node_agent import proc
 from node_agent.checks import CheckContext, rdma
+from node_agent.checks.ports import stand_in_ports
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
 from node_agent.hardware.sku import load_skus
+from node_agent.host import infiniband
 from node_agent.model import Status
 from node_agent.parsers.perftest import parse_bw_table
 from node_agent.sim import tools as sim_tools
@@ -40,7 +42,7 @@ def _ctx(scenario, **params):
         inventory=None,
         sku=SKUS[scenario.sku],
         expected_gpus=None,
-        scenario=scenario,
+        ports=stand_in_ports(scenario, SKUS[scenario.sku], AbsentGpuBackend("no GPU")),
         params={"server_start_s": 0, **params},
     )
 
@@ -54,7 +56,7 @@ def test_simulated_hca_rate_follows_the_sku(sku, rate):
 
 def test_sysfs_tree_is_read_by_the_real_discovery(tmp_path):
     sim = sim_tools.rdma_tools(_scenario(tmp_path), SKUS["h100-sxm5-80gb"], tmp_path / "w")
-    ports = rdma.discover(sim.sysfs_root)
+    ports = infiniband.discover(sim.sysfs_root)
     assert [(p.device, p.state, p.phys_state, p.rate_text, p.link_layer) for p in ports] == [
         (d, "ACTIVE", "LinkUp", "400 Gb/sec (4X NDR)", "InfiniBand") for d in ("mlx5_0", "mlx5_1")
     ]
