@@ -25,6 +25,7 @@ A check without ``SERVICE`` gets :data:`PLAIN`: nothing sticky, no metrics of it
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -58,6 +59,27 @@ class CheckMetrics(Protocol):
 
 #: builds a check's collector; its argument gives the node's labels at scrape time
 MetricsFactory = Callable[[Callable[[], NodeLabels]], CheckMetrics]
+
+#: label values from training processes' heartbeats are untrusted text: Prometheus escapes
+#: them, but a job id of megabytes would bloat every scrape, so they are cut to this length
+MAX_LABEL_CHARS = 128
+
+
+def label(value: object) -> str:
+    """An untrusted label value: cut to ``MAX_LABEL_CHARS``; a lone surrogate (JSON's
+    ``"\\ud800"``), which UTF-8 cannot encode and which would fail the whole scrape, is shown
+    escaped (``\\ud800``)."""
+    if value is None:
+        return ""
+    text = str(value)[:MAX_LABEL_CHARS]
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def number(value: object) -> float | None:
+    """A finite number as a sample value; None for anything else (a bool included)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
 
 
 def keep_new(kept: Result, new: Result) -> Result:

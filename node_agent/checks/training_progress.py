@@ -46,10 +46,10 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from node_agent.checks import CheckContext
-from node_agent.checks.behaviour import NodeLabels, ServiceBehaviour
+from node_agent.checks.behaviour import NodeLabels, ServiceBehaviour, label, number
 from node_agent.gpu.base import GpuDevice, GpuError
 from node_agent.heartbeat import remove_stale
 from node_agent.host.infiniband import SYSFS_ROOT
@@ -665,13 +665,21 @@ def _write_evidence(
 # -- in the daemon (checks/behaviour.py) ---------------------------------------------------------
 
 
-class HangSuspicions:
-    """Counts hang suspicions: a training process (job, pid) going from not hung to hung;
-    exported as ``node_agent_training_hang_suspicions_total``.
+#: per-process result metrics -> 1 when the result is a hang suspicion
+_PROCESS_METRICS = {"training_progress": 0, "training_straggler": 0, "training_hang": 1}
 
-    The daemon feeds it every run of this check; a process hung across many runs counts once,
-    one that recovers and hangs again counts twice. A run that could not complete (only
-    ``error`` results) says nothing about the processes and leaves the state as it was.
+
+class TrainingMetrics:
+    """The check's Prometheus series (docs/training_hangs.md).
+
+    Per training process (labels job, rank, pid), from the latest run: heartbeat age, step
+    time, hang suspected. A process with several results (a straggler also reports its
+    progress) is one series: hung if any says so, the first known figures.
+
+    ``node_agent_training_hang_suspicions_total``: processes (job, pid) seen going from not
+    hung to hung. A process hung across many runs counts once, one that recovers and hangs
+    again counts twice. A run that could not complete (only ``error`` results) says nothing
+    about the processes and leaves the state as it was.
     """
 
     def __init__(self, labels: Callable[[], NodeLabels]) -> None:
@@ -679,25 +687,61 @@ class HangSuspicions:
         self._lock = threading.Lock()
         self.total = 0
         self._hung: set[tuple[str, str]] = set()
+        self._latest: list[Result] = []
 
     def observe(self, results: Sequence[Result]) -> None:
-        if results and all(r.status is Status.ERROR for r in results):
-            return
-        hung = {_process_key(r) for r in results if r.metric == "training_hang"}
         with self._lock:
+            self._latest = list(results)
+            if results and all(r.status is Status.ERROR for r in results):
+                return
+            hung = {_process_key(r) for r in results if r.metric == "training_hang"}
             self.total += len(hung - self._hung)
             self._hung = hung
 
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(
+        hostname = self._labels().hostname
+        with self._lock:
+            latest, total = list(self._latest), self.total
+        names = ["hostname", "job", "rank", "pid"]
+        age = GaugeMetricFamily(
+            "node_agent_training_heartbeat_age_seconds",
+            "Seconds since the training process's last heartbeat (node_agent.heartbeat)",
+            labels=names,
+        )
+        step = GaugeMetricFamily(
+            "node_agent_training_step_time_seconds",
+            "The training process's recent mean step time, from its heartbeats",
+            labels=names,
+        )
+        hang = GaugeMetricFamily(
+            "node_agent_training_hang_suspected",
+            "1 while training_progress calls the process hung, 0 while it steps",
+            labels=names,
+        )
+        processes: dict[tuple[str, str, str], dict[str, float | None]] = {}
+        for r in latest:
+            if r.metric not in _PROCESS_METRICS:
+                continue
+            ev = r.evidence
+            key = (label(ev.get("job")), label(ev.get("rank")), label(ev.get("pid")))
+            p = processes.setdefault(key, {"hang": 0, "age": None, "step": None})
+            p["hang"] = max(p["hang"] or 0, _PROCESS_METRICS[r.metric])
+            p["age"] = p["age"] if p["age"] is not None else number(ev.get("heartbeat_age_s"))
+            p["step"] = p["step"] if p["step"] is not None else number(ev.get("step_time_s"))
+        for key, p in sorted(processes.items()):
+            values = [hostname, *key]
+            hang.add_metric(values, p["hang"] or 0)
+            if p["age"] is not None:
+                age.add_metric(values, p["age"])
+            if p["step"] is not None:
+                step.add_metric(values, p["step"])
+        suspicions = CounterMetricFamily(
             "node_agent_training_hang_suspicions",
             "Training processes the daemon saw go from stepping (or unseen) to hung",
             labels=["hostname"],
         )
-        with self._lock:
-            total = self.total
-        family.add_metric([self._labels().hostname], total)
-        yield family
+        suspicions.add_metric([hostname], total)
+        yield from (age, step, hang, suspicions)
 
 
 def _process_key(r: Result) -> tuple[str, str]:
@@ -709,4 +753,4 @@ def _process_key(r: Result) -> tuple[str, str]:
     return (str(job), str(pid))
 
 
-SERVICE = ServiceBehaviour(metrics=HangSuspicions)
+SERVICE = ServiceBehaviour(metrics=TrainingMetrics)

@@ -1,7 +1,7 @@
 """Prometheus metrics of the daemon: one collector that renders the daemon's state each scrape.
 
 The checks' own counters are not here: a check declares its collector beside its ``run()``
-(``SERVICE.metrics``, checks/behaviour.py: the SDC verdicts, the training hang suspicions) and
+(``SERVICE.metrics``, checks/behaviour.py: the SDC verdicts, the training processes) and
 the XID watch is the collector of the Xid counter; the daemon registers them beside this one.
 
 Naming follows Prometheus' conventions (base units in names, ``_total`` for counters,
@@ -22,7 +22,6 @@ request at once) is always served. Errors of a client are logged at debug level.
 from __future__ import annotations
 
 import logging
-import math
 import selectors
 import socket
 import threading
@@ -33,6 +32,8 @@ from dataclasses import dataclass, field
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from node_agent.checks.behaviour import label as _label
+from node_agent.checks.behaviour import number as _number
 from node_agent.model import Level, Result, Status
 
 #: result metric of nvml_health -> (Prometheus name, help); values are the readings
@@ -108,13 +109,6 @@ DRAINED_STATES = (
     "needs-operator",
 )
 
-#: the check whose per-process results become the training metrics (docs/training_hangs.md)
-TRAINING_CHECK = "training_progress"
-#: its per-process result metrics -> 1 when the result is a hang suspicion
-TRAINING_METRICS = {"training_progress": 0, "training_straggler": 0, "training_hang": 1}
-#: label values from training processes' heartbeats are untrusted text: Prometheus escapes
-#: them, but a job id of megabytes would bloat every scrape, so they are cut to this length
-MAX_LABEL_CHARS = 128
 #: a client must send its request line and headers within this (a scrape sends them at once)
 REQUEST_S = 1.0
 #: the longest a connection may stay open, a slow reader of the answer included (Prometheus'
@@ -490,66 +484,9 @@ class DaemonCollector(Collector):
             actions.add_metric([s.hostname, action, outcome], count)
         yield actions
 
-        yield from _training(s)
         yield from _throughput(s)
         yield from _error_counters(s)
         yield from _drained(s)
-
-
-def _label(value: object) -> str:
-    """An untrusted label value: cut to ``MAX_LABEL_CHARS``; a lone surrogate (JSON's
-    ``"\\ud800"``), which UTF-8 cannot encode and which would fail the whole scrape, is shown
-    escaped (``\\ud800``)."""
-    if value is None:
-        return ""
-    text = str(value)[:MAX_LABEL_CHARS]
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def _number(value: object) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    return None
-
-
-def _training(s: Snapshot) -> Iterator[Metric]:
-    """Per training process (labels job, rank, pid): heartbeat age, step time, hang suspected
-    (the count of hang suspicions is training_progress's own collector). A process with several results (a straggler
-    also reports its progress) is one series: hung if any says so, the first known figures."""
-    labels = ["hostname", "job", "rank", "pid"]
-    age = GaugeMetricFamily(
-        "node_agent_training_heartbeat_age_seconds",
-        "Seconds since the training process's last heartbeat (node_agent.heartbeat)",
-        labels=labels,
-    )
-    step = GaugeMetricFamily(
-        "node_agent_training_step_time_seconds",
-        "The training process's recent mean step time, from its heartbeats",
-        labels=labels,
-    )
-    hang = GaugeMetricFamily(
-        "node_agent_training_hang_suspected",
-        "1 while training_progress calls the process hung, 0 while it steps",
-        labels=labels,
-    )
-    processes: dict[tuple[str, str, str], dict[str, float | None]] = {}
-    for r in s.results:
-        if r.check != TRAINING_CHECK or r.metric not in TRAINING_METRICS:
-            continue
-        ev = r.evidence
-        key = (_label(ev.get("job")), _label(ev.get("rank")), _label(ev.get("pid")))
-        p = processes.setdefault(key, {"hang": 0, "age": None, "step": None})
-        p["hang"] = max(p["hang"] or 0, TRAINING_METRICS[r.metric])
-        p["age"] = p["age"] if p["age"] is not None else _number(ev.get("heartbeat_age_s"))
-        p["step"] = p["step"] if p["step"] is not None else _number(ev.get("step_time_s"))
-    for key, p in sorted(processes.items()):
-        values = [s.hostname, *key]
-        hang.add_metric(values, p["hang"] or 0)
-        if p["age"] is not None:
-            age.add_metric(values, p["age"])
-        if p["step"] is not None:
-            step.add_metric(values, p["step"])
-    yield from (age, step, hang)
 
 
 def _gpu_readings(s: Snapshot) -> Iterator[Metric]:

@@ -130,7 +130,10 @@ def exported_series() -> set[str]:
     labels = NodeLabels("n1", {0: "GPU-0"})
     for check, result in (
         ("sdc", r("sdc", "gpu:0", "sdc_digest")),
-        ("training_progress", r("training_progress", "job:1/rank:0", "training_progress")),
+        (
+            "training_progress",
+            r("training_progress", "job:1/rank:0", "training_progress", pid=1, job="1"),
+        ),
     ):
         factory = behaviour(check).metrics
         assert factory is not None, f"{check} declares no collector"

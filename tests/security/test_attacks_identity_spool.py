@@ -429,8 +429,8 @@ def test_a_surrogate_job_or_a_nul_log_file_leaves_metrics_and_hang_detection_wor
 ):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from node_agent.model import Level, Result
-    from node_agent.service.metrics import DaemonCollector, Snapshot
+    from node_agent.checks.behaviour import NodeLabels, behaviour
+    from node_agent.model import Result
 
     hb = heartbeat_spool(shared_dir)
     sleeper = user.popen("import time; print('up', flush=True); time.sleep(120)")
@@ -446,16 +446,14 @@ def test_a_surrogate_job_or_a_nul_log_file_leaves_metrics_and_hang_detection_wor
     ]
     assert refused["status"] == "warn" and f"written by uid {user.uid}" in refused["detail"]
     assert ("lone surrogate" if kind == "job" else "NUL byte") in refused["detail"]
-    # the daemon's /metrics collector renders this run's results
-    snap = Snapshot(
-        hostname="n1",
-        level=Level.WARN,
-        checks={},
-        gpu_uuids={},
-        results=[Result.from_dict(r) for r in rep["results"]],
-    )
+    # the check's own /metrics collector (the daemon's, for this check) renders this run
+    factory = behaviour("training_progress").metrics
+    assert factory is not None
+    collector = factory(lambda: NodeLabels("n1", {}))
+    run = [Result.from_dict(r) for r in rep["results"] if r["check"] == "training_progress"]
+    collector.observe(run)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(DaemonCollector(lambda: snap))
+    registry.register(collector)
     text = generate_latest(registry).decode()
     assert f'pid="{hung.pid}"' in text and "node_agent_training_hang_suspected" in text
     # and grade --html renders the saved report

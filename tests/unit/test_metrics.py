@@ -6,14 +6,14 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from node_agent.checks.behaviour import NodeLabels, behaviour
-from node_agent.checks.training_progress import HangSuspicions
+from node_agent.checks.behaviour import MAX_LABEL_CHARS, NodeLabels, behaviour
+from node_agent.checks.training_progress import TrainingMetrics
 from node_agent.model import Level, Result, Status
-from node_agent.service.metrics import MAX_LABEL_CHARS, DaemonCollector, Snapshot
+from node_agent.service.metrics import DaemonCollector, Snapshot
 
 
-def HangTracker() -> HangSuspicions:  # noqa: N802 - the tests below read as before
-    return HangSuspicions(lambda: NodeLabels("n1", {}))
+def HangTracker() -> TrainingMetrics:  # noqa: N802 - the tests below read as before
+    return TrainingMetrics(lambda: NodeLabels("n1", {}))
 
 
 def training(
@@ -56,9 +56,16 @@ def training(
     )
 
 
-def scrape(results: list[Result], hangs: HangSuspicions | None = None) -> dict[str, list]:
+def scrape(results: list[Result], hangs: TrainingMetrics | None = None) -> dict[str, list]:
     """name -> samples, from ``generate_latest`` of a fresh registry, parsed back: the daemon's
-    collector and training_progress's own (``hangs``, a fresh one by default)."""
+    collector and training_progress's own. ``results`` reach the latter as the daemon hands
+    them over: each check's to the collector its SERVICE declares (``hangs``: one that has
+    observed its runs already)."""
+    if hangs is None:
+        hangs = HangTracker()
+        for check in sorted({r.check for r in results}):
+            if behaviour(check).metrics is TrainingMetrics:
+                hangs.observe([r for r in results if r.check == check])
     snap = Snapshot(
         hostname="n1",
         level=Level.HEALTHY,
@@ -68,7 +75,7 @@ def scrape(results: list[Result], hangs: HangSuspicions | None = None) -> dict[s
     )
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DaemonCollector(lambda: snap))
-    registry.register(hangs or HangTracker())
+    registry.register(hangs)
     text = generate_latest(registry).decode()
     out: dict[str, list] = {}
     for family in text_string_to_metric_families(text):
@@ -178,7 +185,7 @@ def test_hang_suspicions_counter_is_exported_even_at_zero():
 
 def test_training_progress_declares_the_hang_counter_and_other_checks_do_not():
     """The daemon feeds a check's results only to the collector its SERVICE declares."""
-    assert behaviour("training_progress").metrics is HangSuspicions
+    assert behaviour("training_progress").metrics is TrainingMetrics
     assert behaviour("xid").metrics is None and behaviour("nvml_health").metrics is None
 
 
