@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import platform
 import socket
-import tempfile
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -128,14 +127,13 @@ def _choose_sku(
 def read_pci_bus(
     scenario: Scenario | None = None, sku: Sku | None = None, root: Path = SYSFS_PCI_DEVICES
 ) -> PciBus:
-    """The NVIDIA GPUs on this node's PCI bus: ``root`` on real hardware; for a simulated
-    node, the tree :mod:`node_agent.sim.tools` writes for the scenario, read by the same
-    reader (in a temporary directory, removed before this returns)."""
+    """The NVIDIA GPUs on this node's PCI bus (sysfs under ``root``). A stand-in node's bus is
+    its ports' (``ports.pci_bus``: :func:`node_agent.sim.tools.stand_in_pci_bus`).
+
+    TRANSITIONAL: ``scenario`` is kept only until ``commands/inventory.py`` reads
+    ``env.ports.pci_bus()``; it is the one import of ``sim`` from below it."""
     if scenario is None:
         return read_bus(root)
-    from node_agent.sim.tools import simulated_pci, write_pci_sysfs
+    from node_agent.sim.tools import stand_in_pci_bus
 
-    with tempfile.TemporaryDirectory(prefix="node-agent-pci-") as tmp:
-        tree = write_pci_sysfs(simulated_pci(scenario, sku), Path(tmp) / "devices")
-        bus = read_bus(tree)
-    return replace(bus, root="simulated PCI bus")
+    return stand_in_pci_bus(scenario, sku)

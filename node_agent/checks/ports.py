@@ -218,7 +218,7 @@ def stand_in_ports(scenario: Scenario, sku: Sku | None, backend: GpuBackend) -> 
             virtualized=scenario.virtualization != "none",
         ),
         gpu_count_from="capture" if captured else "scenario",
-        pci_bus=lambda: read_pci_bus(scenario, sku),
+        pci_bus=lambda: sim_tools.stand_in_pci_bus(scenario, sku),
         bus_ids_as_printed="bus ids taken as printed (a stand-in node)",
         reopen_args=("--simulate", os.path.abspath(scenario.source)),
         load_hint=hint,

@@ -48,11 +48,12 @@ import json
 import os
 import stat
 import sys
+import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from node_agent.gpu.pci import NVIDIA_VENDOR_ID, normalise_bus_id
+from node_agent.gpu.pci import NVIDIA_VENDOR_ID, PciBus, normalise_bus_id, read_bus
 from node_agent.gpu.sim import pci_bus_id
 from node_agent.hardware.sku import Sku
 from node_agent.sim.scenario import Scenario
@@ -333,6 +334,16 @@ def write_pci_sysfs(devices: tuple[SimPciDevice, ...], root: Path) -> Path:
         if dev.physfn:
             os.symlink(root / dev.physfn, path / "physfn")
     return root
+
+
+def stand_in_pci_bus(scenario: Scenario, sku: Sku | None = None) -> PciBus:
+    """The NVIDIA GPUs on the stand-in node's PCI bus: the tree :func:`write_pci_sysfs` writes
+    for the scenario, read by the real reader (in a temporary directory, removed before this
+    returns)."""
+    with tempfile.TemporaryDirectory(prefix="node-agent-pci-") as tmp:
+        tree = write_pci_sysfs(simulated_pci(scenario, sku), Path(tmp) / "devices")
+        bus = read_bus(tree)
+    return replace(bus, root="simulated PCI bus")
 
 
 def write_executable(bindir: Path, name: str, source: str) -> Path:

@@ -25,11 +25,10 @@ from node_agent.gpu.pci import read_functions
 from node_agent.gpu.record import record_nvml
 from node_agent.gpu.replay import StateNvml
 from node_agent.hardware.sku import load_skus
-from node_agent.inventory import read_pci_bus
 from node_agent.sim.capture import build_scenario, capture_node, dump, read_kmsg_tail
 from node_agent.sim.nvml_state import render
 from node_agent.sim.scenario import Scenario, load_scenario
-from node_agent.sim.tools import SimPciDevice, write_pci_sysfs
+from node_agent.sim.tools import SimPciDevice, stand_in_pci_bus, write_pci_sysfs
 from node_agent.yamlfile import ConfigError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nvml_fake"))
@@ -349,7 +348,7 @@ def test_the_pci_bus_is_recorded_from_sysfs_and_replayed_as_that_bus(tmp_path, s
         record_nvml(call_timeout_s=2, lib=_lib(H100)), functions, [], skus, {"kind": "test"}, "n"
     )
     loaded = _save_and_load(tmp_path, scenario, skus)
-    bus = read_pci_bus(loaded, skus[loaded.sku])
+    bus = stand_in_pci_bus(loaded, skus[loaded.sku])
     assert [(g.bus_id, g.driver, g.device_id) for g in bus.gpus] == [
         ("0000:3b:00.0", "nvidia", 0x2330),
         ("0000:5d:00.0", "vfio-pci", 0x2330),
