@@ -29,6 +29,10 @@ from node_agent.suite import CheckSpec, Suite
 #: checks whose workers come from multiprocessing's forkserver (compute/burn.py, pcie_bandwidth)
 FORKSERVER_CHECKS = frozenset({"gpu_burn", "thermal_power", "pcie_bandwidth"})
 
+#: a suite entry's params for a stand-in node, applied over its others when the node is one
+#: (DESIGN.md: load checks run their real code on the CPU at small sizes)
+STAND_IN_PARAMS = "simulated"
+
 #: progress(event, spec, index, total, results) — event is "start" or "done"
 Progress = Callable[[str, CheckSpec, int, int, list[Result]], None]
 
@@ -49,11 +53,9 @@ def run_check(
     declared inputs, and takes this one's outputs when it finished in time."""
     given = handover.inputs_for(spec.check) if handover is not None else {}
     params = dict(spec.params)
-    # Under simulation, load checks run their real code on the CPU at small sizes (DESIGN.md):
-    # a suite gives those sizes in `params.simulated`.
-    simulated_params = params.pop("simulated", None) or {}
+    stand_in_params = params.pop(STAND_IN_PARAMS, None) or {}
     if env.simulated:
-        params.update(simulated_params)
+        params.update(stand_in_params)
     ctx = CheckContext(
         check=spec.check,
         gpu=env.gpu,

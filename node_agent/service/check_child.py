@@ -143,14 +143,12 @@ def _suite_params(config: Any, suite_name: str, check: str) -> dict[str, Any]:
     return json.loads(json.dumps(entry.params)) if entry is not None else {}
 
 
-#: a suite entry's params for a stand-in node (the runner applies them over the others)
-STAND_IN_PARAMS = "simulated"
-
-
 def _amended(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """``base`` with ``overrides`` applied to its params and to its stand-in section, so an
     override holds on this host and on a stand-in node alike."""
     out = {**base, **overrides}
+    from node_agent.runner import STAND_IN_PARAMS
+
     stand_in = base.get(STAND_IN_PARAMS)
     if isinstance(stand_in, dict):
         out[STAND_IN_PARAMS] = {**stand_in, **overrides}
