@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from node_agent.compute.devices import ComputeSource
 from node_agent.gpu.base import GpuBackend, StandInBackend
@@ -145,7 +145,7 @@ class Ports:
     software: StandInSoftware | None = None
     #: who declares the node's GPU count besides the config: "scenario" (a modelled node's
     #: count is its own), "capture" (what a recorded host showed), None (the SKU's)
-    gpu_count_from: str | None = None
+    gpu_count_from: Literal["scenario", "capture"] | None = None
     #: the NVIDIA GPUs on the PCI bus (read on use)
     pci_bus: Callable[[], PciBus] = read_pci_bus
     #: why a kernel log's PCI bus ids cannot be checked against this host's sysfs (None: they
@@ -157,8 +157,6 @@ class Ports:
     load_hint: Callable[[list[int], bool], None] = _no_load_hint
     #: the wall clock, Unix seconds
     clock: Callable[[], float] = time.time
-    #: the process table checks read (``/proc``)
-    proc_root: Path = Path("/proc")
 
 
 def stand_in_ports(scenario: Scenario, sku: Sku | None, backend: GpuBackend) -> Ports:
