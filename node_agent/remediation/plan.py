@@ -161,6 +161,15 @@ class Step:
     # remediator before any adapter sees it); None when the target named no job
     job: str | None = None
 
+    def __post_init__(self) -> None:
+        # a caller may name the enums by their stored words ("restart", "restarting")
+        for name, kind in (("action", StepAction), ("to_state", NodeState)):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                object.__setattr__(self, name, kind(value))
+        if self.restart_kind is not None and not isinstance(self.restart_kind, RestartKind):
+            object.__setattr__(self, "restart_kind", RestartKind(self.restart_kind))
+
     def key(self, node: str) -> str:
         """Idempotency key (node, action, fault, attempt): the same step never runs twice."""
         return f"{node}|{self.action}|{self.fault_code or '-'}@{self.target or '-'}|{self.attempt}"

@@ -42,6 +42,7 @@ from node_agent.remediation.plan import (
     Plan,
     RestartKind,
     Safety,
+    Step,
     StepAction,
     Verdict,
     fault_code,
@@ -331,6 +332,13 @@ def test_open_remediator_chooses_the_simulators_ports_from_the_environment(tmp_p
 
 
 def test_a_plan_step_prints_as_its_stored_word():
+    step = Step("restart", "r", "restarting", restart_kind="reboot")
+    assert (step.action, step.to_state, step.restart_kind) == (
+        StepAction.RESTART,
+        NodeState.RESTARTING,
+        RestartKind.REBOOT,
+    )
+    assert step.key("n") == "n|restart|-@-|0"
     assert f"{StepAction.GPU_RESET} {RestartKind.REBOOT} {NodeState.NEEDS_OPERATOR}" == (
         "gpu-reset reboot needs-operator"
     )
