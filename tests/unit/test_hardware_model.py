@@ -22,7 +22,7 @@ from node_agent.grading.rules import load_grader
 from node_agent.hardware.sku import Sku, load_skus, match_sku
 from node_agent.inventory import collect
 from node_agent.kernel_log import LinesKernelLog
-from node_agent.model import Level, Status
+from node_agent.model import Level, Recovery, Status
 from node_agent.sim.scenario import Fault, Scenario
 
 CONFIG = config_from_dict({})
@@ -311,3 +311,21 @@ def test_nvlink_counters_are_readings_of_the_worst_link_with_every_link_in_the_e
     assert recoveries["gpu:0"].value == 0 and len(recoveries["gpu:0"].evidence["per_link"]) == 18
     for metric in ("nvlink_replay_errors", "nvlink_crc_errors"):
         assert len(by_metric(results, metric)) == 8
+
+
+@pytest.mark.parametrize(
+    "action, recovery, status",
+    [
+        ("none", Recovery.NONE, Status.PASS),
+        ("gpu_reset", Recovery.GPU_RESET, Status.FAIL),
+        ("node_reboot", Recovery.NODE_REBOOT, Status.FAIL),
+        ("drain_p2p", Recovery.DRAIN_P2P, Status.FAIL),
+    ],
+)
+def test_the_drivers_recovery_action_is_a_typed_fact_of_the_result(action, recovery, status):
+    """The planner reads ``Result.recovery`` (a model.Recovery), never the detail's words."""
+    faults = [Fault("recovery_action", 2, {"action": action})]
+    results = nvml_health.run(context("nvml_health", "h100-sxm5-80gb", faults=faults))
+    (result,) = [r for r in by_metric(results, "recovery_action") if r.target == "gpu:2"]
+    assert (result.recovery, result.status, result.value) == (recovery, status, action)
+    assert result.to_dict()["recovery"] == recovery.value
