@@ -190,7 +190,8 @@ class BurnOutcome:
     duration_s: float
 
     def trace(self) -> dict[int, dict[str, Any]]:
-        """Per GPU, the telemetry joined with the burn's throughput (``gpu_burn.trace``)."""
+        """Per GPU, the telemetry joined with the burn's throughput: the ``trace`` that
+        gpu_burn hands to thermal_power."""
         return {
             i: join_trace(self.telemetry.get(i), w.samples) for i, w in sorted(self.workers.items())
         }
