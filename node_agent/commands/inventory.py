@@ -8,14 +8,14 @@ import json
 from node_agent.commands.reporting import EXIT_OK
 from node_agent.config import load_config
 from node_agent.environment import open_environment
-from node_agent.inventory import read_pci_bus, unreadable_kind
+from node_agent.inventory import unreadable_kind
 
 
 def cmd_inventory(args: argparse.Namespace) -> int:
     env = open_environment(load_config(args.config), args.simulate)
     try:
         inv = env.inventory
-        bus = read_pci_bus(env.scenario, env.sku)
+        bus = env.ports.pci_bus()
         if args.json:
             data = inv.to_dict()
             data["unavailable_reason"] = env.gpu.unavailable_reason
