@@ -322,7 +322,7 @@ def context(
     backend = CapturedBackend(devices or [CapturedGpu()])
     inv = collect(backend, SKUS, "auto")
     cfg = config_from_dict(config or {})
-    expected = cfg.get("node.expected_gpus")
+    expected = cfg.node.expected_gpus
     if expected is None and inv.sku is not None:
         expected = inv.sku.gpus_per_node
     return CheckContext(

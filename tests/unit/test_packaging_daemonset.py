@@ -27,7 +27,7 @@ def test_daemonset_listens_on_loopback_and_the_config_loads(tmp_path):
     config_map, _ = _docs()
     path = tmp_path / "config.yaml"
     path.write_text(config_map["data"]["config.yaml"])
-    assert load_config(path).get("daemon.listen") == "127.0.0.1:9847"
+    assert load_config(path).daemon.listen == "127.0.0.1:9847"
 
 
 def test_daemonset_liveness_is_an_exec_probe_that_runs_in_root():
