@@ -40,10 +40,12 @@ from node_agent import proc
 from node_agent.atomic_file import ensure_spool_dirs
 from node_agent.checks import REGISTRY
 from node_agent.checks.behaviour import (
+    PLAIN,
     CheckMetrics,
     Handover,
     MetricsFactory,
     NodeLabels,
+    ServiceBehaviour,
     behaviour,
 )
 from node_agent.config import Config, load_config
@@ -123,6 +125,7 @@ class Daemon:
         self._registry.register(DaemonCollector(self.snapshot))
         #: the checks' own collectors, one per factory (checks/behaviour.py)
         self._check_metrics: dict[MetricsFactory, CheckMetrics] = {}
+        self._broken_hooks: set[str] = set()
         for check in REGISTRY:
             self._metrics_of(check)
         self._server: MetricsServer | None = None
@@ -413,9 +416,7 @@ class Daemon:
         """Keep ``result`` if its check calls it sticky (under the lock); True when it is.
         ``live``: the XID watch's own fold of the same finding, which always replaces what is
         kept (its count grows with every line it folds)."""
-        if result.check not in REGISTRY:
-            return False
-        hooks = behaviour(result.check)
+        hooks = self._hooks(result.check)
         key = hooks.sticky_key(result)
         if key is None:
             return False
@@ -428,9 +429,7 @@ class Daemon:
     def _metrics_of(self, check: str) -> CheckMetrics | None:
         """The check's own collector (its SERVICE.metrics), built and registered on first use;
         checks that share a factory share the collector."""
-        if check not in REGISTRY:
-            return None
-        factory = behaviour(check).metrics
+        factory = self._hooks(check).metrics
         if factory is None:
             return None
         collector = self._check_metrics.get(factory)
@@ -438,6 +437,21 @@ class Daemon:
             collector = self._check_metrics[factory] = factory(self._labels)
             self._registry.register(collector)
         return collector
+
+    def _hooks(self, check: str) -> ServiceBehaviour:
+        """The check's SERVICE; PLAIN for a name the registry lacks or a module that does not
+        import (its runs report that themselves), logged once."""
+        if check not in REGISTRY:
+            return PLAIN
+        try:
+            return behaviour(check)
+        except Exception as err:  # noqa: BLE001 - a broken check module must not stop the daemon
+            if check not in self._broken_hooks:
+                self._broken_hooks.add(check)
+                log.error(
+                    "check %s: its service behaviour cannot be read: %s", check, printable(err)
+                )
+            return PLAIN
 
     def _labels(self) -> NodeLabels:
         with self._lock:
@@ -455,7 +469,7 @@ class Daemon:
         result = sighting.result()
         with self._lock:
             env = self.env
-            first = (result.check, behaviour(result.check).sticky_key(result)) not in self._sticky
+            first = (result.check, self._hooks(result.check).sticky_key(result)) not in self._sticky
             self._stick(result, live=True)
         if first:
             level, name = sighting.catalog_entry(env.grader)
