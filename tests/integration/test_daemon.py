@@ -467,3 +467,24 @@ def test_fault_is_acted_on_once_even_across_kill_9_and_restart(node):
     actions = [a.get("action") for a in _actions_log(node)]
     assert actions == [a.get("action") for a in first], actions
     assert actions.count("drain") == 1 and actions.count("replace") == 1
+
+
+def test_a_check_module_that_does_not_import_leaves_the_daemon_running(tmp_path, monkeypatch):
+    """The daemon reads each check's SERVICE from its module; a module that cannot be imported
+    is a plain check (its runs report the crash), never a daemon that cannot start."""
+    from node_agent.model import Result, Status
+
+    monkeypatch.setitem(checks.REGISTRY, "broken", "node_agent_no_such_module")
+    scenario, config = tmp_path / "scenario.yaml", tmp_path / "config.yaml"
+    scenario.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 2, "faults": []}))
+    config.write_text(
+        yaml.safe_dump({"state_dir": str(tmp_path / "state"), "spool_dir": str(tmp_path / "spool")})
+    )
+    d = Daemon(str(config), str(scenario))
+    try:
+        failed = Result("broken", "node", "crashed", Status.ERROR, "ModuleNotFoundError")
+        d._record("broken", [failed], time.time(), 0.1)
+        assert [r.metric for r in d.current_results() if r.check == "broken"] == ["crashed"]
+        assert d.grade.level.name != "HEALTHY"
+    finally:
+        d.env.close()
