@@ -206,7 +206,7 @@ def test_bad_config_on_reload_is_refused_and_the_old_one_kept(node, running):
     node.config.write_text("daemon: {listen: [not, a, string]}\n")
     assert daemon.reload_config() is False
     assert get(f"http://127.0.0.1:{node.port}/healthz")[0] == 200
-    assert daemon.config.get("daemon.xid_poll_s") == 0.2
+    assert daemon.config.daemon.xid_poll_s == 0.2
 
 
 def test_systemd_readiness_and_watchdog_pings_reach_the_notify_socket(node, running, tmp_path):
