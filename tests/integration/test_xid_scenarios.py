@@ -150,7 +150,7 @@ def test_driver_line_without_an_xid_grades_the_gpu_it_names(
         "gpu:3",
         len(lines) if metric != "pcie_aer_recovery_failed" else 1,
     )
-    assert finding["evidence"]["pci_bus"] and "simulated node" in finding["evidence"]["bus_ids"]
+    assert finding["evidence"]["pci_bus"] and "stand-in node" in finding["evidence"]["bus_ids"]
 
 
 # -- no test reads the host's kernel log -------------------------------------------------------
