@@ -1,5 +1,5 @@
 """Host and GPU inventory, read through the GPU interface (``node-agent inventory``), and the
-PCI bus the GPUs sit on (sysfs, or the simulated node's tree)."""
+PCI bus the GPUs sit on (this host's sysfs; a stand-in's bus is read in :mod:`node_agent.sim.tools`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from node_agent.hardware.sku import Sku, match_sku
 from node_agent.model import GpuInfo, HostInfo
 
 if TYPE_CHECKING:
-    from node_agent.sim.scenario import Scenario
+    pass
 
 
 @dataclass
@@ -124,16 +124,7 @@ def _choose_sku(
     return found.sku, found.problem, None
 
 
-def read_pci_bus(
-    scenario: Scenario | None = None, sku: Sku | None = None, root: Path = SYSFS_PCI_DEVICES
-) -> PciBus:
+def read_pci_bus(root: Path = SYSFS_PCI_DEVICES) -> PciBus:
     """The NVIDIA GPUs on this node's PCI bus (sysfs under ``root``). A stand-in node's bus is
-    its ports' (``ports.pci_bus``: :func:`node_agent.sim.tools.stand_in_pci_bus`).
-
-    TRANSITIONAL: ``scenario`` is kept only until ``commands/inventory.py`` reads
-    ``env.ports.pci_bus()``; it is the one import of ``sim`` from below it."""
-    if scenario is None:
-        return read_bus(root)
-    from node_agent.sim.tools import stand_in_pci_bus
-
-    return stand_in_pci_bus(scenario, sku)
+    its ports' (``ports.pci_bus``: :func:`node_agent.sim.tools.stand_in_pci_bus`)."""
+    return read_bus(root)
