@@ -447,14 +447,6 @@ class Config:
         for name, value in _sections(self.data).items():
             object.__setattr__(self, name, value)
 
-    def get(self, dotted: str) -> Any:
-        """The raw value at a dotted key. Read the typed sections instead; kept while call
-        sites move to them."""
-        node: Any = self.data
-        for part in dotted.split("."):
-            node = node[part]
-        return node
-
 
 def _sections(d: dict[str, Any]) -> dict[str, Any]:
     """The typed sections of validated, defaults-filled ``data`` (numbers as float or int)."""
