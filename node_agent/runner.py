@@ -69,7 +69,7 @@ def run_check(
         state_dir=env.writable_state_dir(),
         timeout_s=spec.timeout_s,
         ports=env.ports,
-        shared=given,
+        handover=given,
     )
     outcome = _Outcome()
 

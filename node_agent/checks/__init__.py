@@ -76,9 +76,10 @@ class CheckContext:
     #: (for callers that hold a scenario rather than an Environment). Not kept: a check reads
     #: its ports, never the scenario
     scenario: InitVar[Scenario | None] = None
-    #: one suite run's hand-over between checks (e.g. the burn's telemetry trace for
-    #: thermal_power); keys are documented by the check that writes them
-    shared: dict[str, Any] = field(default_factory=dict)
+    #: the values this check's declared inputs (``INPUTS``) receive from earlier checks of the
+    #: run, and where its declared outputs (``OUTPUTS``) go; read and written only through
+    #: ``behaviour.get_input`` / ``put_output``
+    handover: dict[str, Any] = field(default_factory=dict)
     #: the NVIDIA GPUs on the PCI bus; read on first use (``pci_bus()``) unless given
     pci: PciBus | None = field(default=None, repr=False)
 

@@ -35,7 +35,7 @@ from node_agent.model import Result
 if TYPE_CHECKING:
     from node_agent.checks import CheckContext
 
-#: prefix under which the runner hands declared values over (``CheckContext.shared``)
+#: prefix under which the runner hands declared values over (``CheckContext.handover``)
 _IO_PREFIX = "io:"
 
 
@@ -137,7 +137,7 @@ def put_output(ctx: CheckContext, name: str, value: Any) -> None:
     """Hand ``value`` to later checks under a name this check declares in ``OUTPUTS``."""
     if name not in outputs(ctx.check):
         raise KeyError(f"check {ctx.check} does not declare {name!r} in OUTPUTS")
-    ctx.shared[_IO_PREFIX + name] = value
+    ctx.handover[_IO_PREFIX + name] = value
 
 
 def get_input(ctx: CheckContext, name: str) -> Any:
@@ -145,7 +145,7 @@ def get_input(ctx: CheckContext, name: str) -> Any:
     earlier in this suite run."""
     if name not in inputs(ctx.check):
         raise KeyError(f"check {ctx.check} does not declare {name!r} in INPUTS")
-    return ctx.shared.get(_IO_PREFIX + name)
+    return ctx.handover.get(_IO_PREFIX + name)
 
 
 class Handover:
