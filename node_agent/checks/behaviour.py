@@ -12,7 +12,8 @@ A check module may declare, next to ``run(ctx)``:
       (two checks that report one thing, ``sdc`` and ``sdc_spool``, share one) and registers it
       in its Prometheus registry. ``observe(results)`` is called with every run's results
       (and, for the xid check, with the XID watch's findings); ``collect()`` renders the
-      families fresh at each scrape, client_python style.
+      families fresh at each scrape, client_python style. A collector that renders the
+      latest run (a reading, a throughput figure) subclasses :class:`LatestResults`.
 
 ``OUTPUTS = ("trace",)`` and ``INPUTS = {"trace": "gpu_burn"}``
     A value one check hands to a later one in the same suite run: the producer declares the
@@ -26,13 +27,16 @@ from __future__ import annotations
 
 import importlib
 import math
+import threading
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from node_agent.model import Result
+from node_agent.model import Result, Status, Target
 
 if TYPE_CHECKING:
+    from prometheus_client.core import GaugeMetricFamily
+
     from node_agent.checks import CheckContext
 
 #: prefix under which the runner hands declared values over (``CheckContext.handover``)
@@ -80,6 +84,62 @@ def number(value: object) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)
     return None
+
+
+def figure(result: Result) -> float | None:
+    """A result's value as a sample: None for a skip, an error or a value that is no finite
+    number (a failing figure, a slow GPU's, is the point and counts)."""
+    if result.status in (Status.SKIP, Status.ERROR):
+        return None
+    return number(result.value)
+
+
+def add_once(
+    family: GaugeMetricFamily, labels: list[str], value: float, seen: set[tuple[str, ...]]
+) -> None:
+    """Add one sample per series: the first result wins, so a figure reported twice never
+    makes a duplicate sample (which fails the whole scrape)."""
+    key = (family.name, *labels)
+    if key not in seen:
+        seen.add(key)
+        family.add_metric(labels, value)
+
+
+def gpu_labels(node: NodeLabels, target: str) -> list[str] | None:
+    """``[hostname, gpu, uuid]`` for a ``gpu:N`` target (dcgm-exporter's labels), None for any
+    other target."""
+    index = Target.parse(target).gpu_index
+    if index is None:
+        return None
+    return [node.hostname, str(index), node.gpu_uuids.get(index, "")]
+
+
+class LatestResults:
+    """Base of a collector that renders the latest run of the checks that feed it.
+
+    ``observe`` keeps each check's newest results (a run replaces that check's previous one,
+    so a run that skipped or broke takes its figures away); a subclass's ``collect()`` reads
+    them with :meth:`latest`. A collector two checks share keeps one run per check, in the
+    order the checks first reported.
+    """
+
+    def __init__(self, labels: Callable[[], NodeLabels]) -> None:
+        self._labels = labels
+        self._lock = threading.Lock()
+        self._runs: dict[str, list[Result]] = {}
+
+    def observe(self, results: Sequence[Result]) -> None:
+        runs: dict[str, list[Result]] = {}
+        for r in results:
+            runs.setdefault(r.check, []).append(r)
+        with self._lock:
+            self._runs.update(runs)
+
+    def latest(self) -> tuple[NodeLabels, list[Result]]:
+        """(the node's labels now, the latest results of every check that fed this)."""
+        node = self._labels()
+        with self._lock:
+            return node, [r for run in self._runs.values() for r in run]
 
 
 def keep_new(kept: Result, new: Result) -> Result:

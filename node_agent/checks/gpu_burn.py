@@ -34,10 +34,21 @@ without torch, or on a host where torch cannot use CUDA, the check skips with th
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+from prometheus_client.core import GaugeMetricFamily, Metric
+
 from node_agent.checks import CheckContext
-from node_agent.checks.behaviour import put_output
+from node_agent.checks.behaviour import (
+    LatestResults,
+    ServiceBehaviour,
+    add_once,
+    figure,
+    gpu_labels,
+    label,
+    put_output,
+)
 from node_agent.checks.burn_common import burn, make_plan, sku_precisions, worker_failures
 from node_agent.checks.siblings import compare_with_siblings, load_thresholds
 from node_agent.compute.burn import BurnOutcome, BurnPlan, WorkerReport
@@ -195,3 +206,28 @@ def _wrong_elements(
     return ctx.result(
         target, "wrong_elements", status, detail, value=count, unit="elements", **evidence
     )
+
+
+class BurnMetrics(LatestResults):
+    """``node_agent_gpu_burn_flops_per_second{gpu,uuid,precision}``: the latest run's
+    ``tflops_<precision>`` per GPU in FLOP/s (base units), for the fleet's outlier rules
+    (packaging/prometheus/). A slow (failing) figure is exported; a skip or an error is none."""
+
+    def collect(self) -> Iterator[Metric]:
+        node, results = self.latest()
+        family = GaugeMetricFamily(
+            "node_agent_gpu_burn_flops_per_second",
+            "Sustained GEMM throughput of the GPU in the latest gpu_burn run (FLOP/s), "
+            "per precision",
+            labels=["hostname", "gpu", "uuid", "precision"],
+        )
+        seen: set[tuple[str, ...]] = set()
+        for r in results:
+            value, gpu = figure(r), gpu_labels(node, r.target)
+            if value is not None and gpu is not None and r.metric.startswith("tflops_"):
+                precision = label(r.metric.removeprefix("tflops_"))
+                add_once(family, [*gpu, precision], value * 1e12, seen)
+        yield family
+
+
+SERVICE = ServiceBehaviour(metrics=BurnMetrics)

@@ -27,9 +27,19 @@ per repetition on a real GPU; ignored where copies are modelled).
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from typing import Any
 
+from prometheus_client.core import GaugeMetricFamily, Metric
+
 from node_agent.checks import CheckContext
+from node_agent.checks.behaviour import (
+    LatestResults,
+    ServiceBehaviour,
+    add_once,
+    figure,
+    gpu_labels,
+)
 from node_agent.checks.transfer import (
     copy_bytes,
     error_results,
@@ -116,3 +126,26 @@ def run(ctx: CheckContext) -> list[Result]:
     devices.clear()  # free the buffers before grading
     out.extend(grade_figures(ctx, METRIC, "HBM copy", figures, evidence, "hbm_bw_gbps_min"))
     return out
+
+
+class HbmMetrics(LatestResults):
+    """``node_agent_gpu_hbm_copy_bytes_per_second{gpu,uuid}``: the latest run's ``copy_gbps``
+    per GPU in bytes/s (a skip or an error makes no series)."""
+
+    def collect(self) -> Iterator[Metric]:
+        node, results = self.latest()
+        family = GaugeMetricFamily(
+            "node_agent_gpu_hbm_copy_bytes_per_second",
+            "Device-to-device copy bandwidth of the GPU's memory in the latest hbm_bandwidth "
+            "run (bytes/s, the p90 of its repetitions)",
+            labels=["hostname", "gpu", "uuid"],
+        )
+        seen: set[tuple[str, ...]] = set()
+        for r in results:
+            value, gpu = figure(r), gpu_labels(node, r.target)
+            if value is not None and gpu is not None and r.metric == METRIC:
+                add_once(family, gpu, value * 1e9, seen)
+        yield family
+
+
+SERVICE = ServiceBehaviour(metrics=HbmMetrics)

@@ -47,6 +47,8 @@ from typing import Any
 
 from node_agent import atomic_file, resources
 from node_agent.checks import CheckContext, log_cursor
+from node_agent.checks.behaviour import ServiceBehaviour
+from node_agent.checks.hca_metrics import HcaPortErrors
 from node_agent.host import infiniband
 from node_agent.kernel_log import kernel_message
 from node_agent.model import Result, Status
@@ -984,3 +986,6 @@ def save_state(ctx: CheckContext, state: dict[str, Any]) -> None:
     path = _state_path(ctx)
     if path is not None:
         atomic_file.write_json(path, state)
+
+
+SERVICE = ServiceBehaviour(metrics=HcaPortErrors)

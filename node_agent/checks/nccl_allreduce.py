@@ -31,14 +31,17 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.core import GaugeMetricFamily, Metric
+
 import node_agent
 from node_agent import proc
 from node_agent.checks import CheckContext, host_view
+from node_agent.checks.behaviour import LatestResults, ServiceBehaviour, add_once, figure
 from node_agent.extras import install_command
 from node_agent.gpu.base import GpuError
 from node_agent.model import Result, Status
@@ -498,3 +501,26 @@ def _run_nccl_tests(
             )
         )
     return out
+
+
+class BusbwMetrics(LatestResults):
+    """``node_agent_allreduce_busbw_bytes_per_second``: the latest run's ``busbw_peak_gbps``
+    (the node's peak, not each message size) in bytes/s; a skip or an error makes no series."""
+
+    def collect(self) -> Iterator[Metric]:
+        node, results = self.latest()
+        family = GaugeMetricFamily(
+            "node_agent_allreduce_busbw_bytes_per_second",
+            "Peak all-reduce bus bandwidth of the node in the latest nccl_allreduce run "
+            "(bytes/s, nccl-tests' busbw)",
+            labels=["hostname"],
+        )
+        seen: set[tuple[str, ...]] = set()
+        for r in results:
+            value = figure(r)
+            if value is not None and r.metric == "busbw_peak_gbps" and r.target == "node":
+                add_once(family, [node.hostname], value * 1e9, seen)
+        yield family
+
+
+SERVICE = ServiceBehaviour(metrics=BusbwMetrics)

@@ -27,6 +27,8 @@ from typing import Any
 
 from node_agent import model
 from node_agent.checks import CheckContext, host_view
+from node_agent.checks.behaviour import ServiceBehaviour
+from node_agent.checks.nvml_metrics import NvmlReadings
 from node_agent.gpu.base import (
     DeviceLost,
     GpuDevice,
@@ -955,3 +957,6 @@ def _nvlink_against(
         expected=expected,
         **evidence,
     )
+
+
+SERVICE = ServiceBehaviour(metrics=NvmlReadings)

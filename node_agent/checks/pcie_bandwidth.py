@@ -48,10 +48,20 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client.core import GaugeMetricFamily, Metric
+
 from node_agent.checks import CheckContext
+from node_agent.checks.behaviour import (
+    LatestResults,
+    ServiceBehaviour,
+    add_once,
+    figure,
+    gpu_labels,
+)
 from node_agent.checks.transfer import (
     error_results,
     grade_figures,
@@ -518,3 +528,35 @@ def concurrent_worker(
         barrier.abort()  # the others stop waiting for this one
         result["error"] = f"{type(err).__name__}: {err}"
     queue.put((spec.index, result))
+
+
+#: a figure's metric -> its (direction, mode) labels in the exported series
+PCIE_FIGURES = {
+    "h2d_gbps": ("h2d", "alone"),
+    "d2h_gbps": ("d2h", "alone"),
+    "h2d_gbps_concurrent": ("h2d", "concurrent"),
+    "d2h_gbps_concurrent": ("d2h", "concurrent"),
+}
+
+
+class PcieMetrics(LatestResults):
+    """``node_agent_gpu_pcie_bytes_per_second{gpu,uuid,direction,mode}``: the latest run's four
+    figures per GPU in bytes/s (a skip or an error makes no series)."""
+
+    def collect(self) -> Iterator[Metric]:
+        node, results = self.latest()
+        family = GaugeMetricFamily(
+            "node_agent_gpu_pcie_bytes_per_second",
+            "Host-device copy bandwidth over PCIe in the latest pcie_bandwidth run (bytes/s): "
+            "direction h2d|d2h, mode alone|concurrent",
+            labels=["hostname", "gpu", "uuid", "direction", "mode"],
+        )
+        seen: set[tuple[str, ...]] = set()
+        for r in results:
+            value, gpu = figure(r), gpu_labels(node, r.target)
+            if value is not None and gpu is not None and r.metric in PCIE_FIGURES:
+                add_once(family, [*gpu, *PCIE_FIGURES[r.metric]], value * 1e9, seen)
+        yield family
+
+
+SERVICE = ServiceBehaviour(metrics=PcieMetrics)

@@ -34,6 +34,8 @@ from typing import Any
 
 from node_agent import proc
 from node_agent.checks import CheckContext
+from node_agent.checks.behaviour import ServiceBehaviour
+from node_agent.checks.hca_metrics import HcaPortErrors
 from node_agent.host.infiniband import SYSFS_ROOT, Port, discover
 from node_agent.model import Result, Status
 from node_agent.parsers import ParseError
@@ -269,3 +271,6 @@ def _write_bw(
         perftest_warnings=list(row.warnings),
         **ev,
     )
+
+
+SERVICE = ServiceBehaviour(metrics=HcaPortErrors)

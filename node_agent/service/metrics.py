@@ -1,8 +1,11 @@
 """Prometheus metrics of the daemon: one collector that renders the daemon's state each scrape.
 
-The checks' own counters are not here: a check declares its collector beside its ``run()``
-(``SERVICE.metrics``, checks/behaviour.py: the SDC verdicts, the training processes) and
-the XID watch is the collector of the Xid counter; the daemon registers them beside this one.
+Here are only the node-wide series: the grade, each check's status, runs and run times, the
+remediation actions and whether the agent has the node drained. What a check measures is
+exported by the check's own collector, declared beside its ``run()`` (``SERVICE.metrics``,
+checks/behaviour.py: GPU readings, throughput figures, HCA port counters, SDC verdicts,
+training processes), and the XID watch is the collector of the Xid counter; the daemon
+registers them beside this one.
 
 Naming follows Prometheus' conventions (base units in names, ``_total`` for counters,
 ``_timestamp_seconds``) and dcgm-exporter's labels (``gpu``, ``UUID``-like ``uuid``,
@@ -32,73 +35,9 @@ from dataclasses import dataclass, field
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from node_agent.checks.behaviour import label as _label
-from node_agent.checks.behaviour import number as _number
 from node_agent.model import Level, Result, Status
 
-#: result metric of nvml_health -> (Prometheus name, help); values are the readings
-GPU_READINGS: dict[str, tuple[str, str]] = {
-    "temperature": (
-        "node_agent_gpu_temperature_celsius",
-        "GPU core temperature (nvidia-smi temperature.gpu)",
-    ),
-    "memory_temperature": (
-        "node_agent_gpu_memory_temperature_celsius",
-        "HBM temperature where the GPU reports it",
-    ),
-    "power": ("node_agent_gpu_power_usage_watts", "GPU power draw (nvidia-smi power.draw)"),
-    "ecc_dbe_volatile": (
-        "node_agent_gpu_ecc_dbe_volatile_errors",
-        "Uncorrectable (double-bit) ECC errors since the driver loaded",
-    ),
-    "ecc_sbe_volatile": (
-        "node_agent_gpu_ecc_sbe_volatile_errors",
-        "Corrected (single-bit) ECC errors since the driver loaded",
-    ),
-    "pcie_replay": ("node_agent_gpu_pcie_replay_errors", "PCIe replay counter"),
-}
 STATUSES = [s.value for s in Status]
-
-#: (check, metric) of a throughput result -> (family, extra labels, factor to base units). The
-#: latest result of each check, so the fleet's rules (packaging/prometheus/) compare nodes:
-#: ``tflops_<precision>`` of gpu_burn, ``copy_gbps`` of hbm_bandwidth, the four PCIe figures of
-#: pcie_bandwidth, ``busbw_peak_gbps`` of nccl_allreduce. Base units (FLOP/s, bytes/s) as
-#: Prometheus' conventions ask; the checks report TFLOP/s and GB/s (10^9 B/s).
-BURN = (
-    "node_agent_gpu_burn_flops_per_second",
-    "Sustained GEMM throughput of the GPU in the latest gpu_burn run (FLOP/s), per precision",
-)
-HBM = (
-    "node_agent_gpu_hbm_copy_bytes_per_second",
-    "Device-to-device copy bandwidth of the GPU's "
-    "memory in the latest hbm_bandwidth run (bytes/s, the p90 of its repetitions)",
-)
-PCIE = (
-    "node_agent_gpu_pcie_bytes_per_second",
-    "Host-device copy bandwidth over PCIe in the "
-    "latest pcie_bandwidth run (bytes/s): direction h2d|d2h, mode alone|concurrent",
-)
-BUSBW = (
-    "node_agent_allreduce_busbw_bytes_per_second",
-    "Peak all-reduce bus bandwidth of the "
-    "node in the latest nccl_allreduce run (bytes/s, nccl-tests' busbw)",
-)
-PCIE_FIGURES = {
-    "h2d_gbps": ("h2d", "alone"),
-    "d2h_gbps": ("d2h", "alone"),
-    "h2d_gbps_concurrent": ("h2d", "concurrent"),
-    "d2h_gbps_concurrent": ("d2h", "concurrent"),
-}
-#: HCA port counters (sysfs ``counters/`` names) that the rdma and hca_ports results carry in
-#: their evidence; exported as they read, so the rules can see them rise
-HCA_COUNTERS = (
-    "symbol_error",
-    "link_downed",
-    "port_rcv_errors",
-    "link_error_recovery",
-    "local_link_integrity_errors",
-    "excessive_buffer_overrun_errors",
-)
 #: remediation states in which the agent has the node drained (remediation/plan.py STATES)
 DRAINED_STATES = (
     "drained",
@@ -398,13 +337,15 @@ class Snapshot:
     hostname: str
     level: Level
     checks: dict[str, CheckStats]
-    results: list[Result]  # current results, all checks
-    gpu_uuids: dict[int, str]
     actions: dict[tuple[str, str], int] = field(default_factory=dict)  # (action, outcome)
     simulated: bool = False
     #: the node's remediation state from the agent's store (remediation/plan.py STATES), when
     #: the daemon can read it; None: drained-by-agent is inferred from ``actions``
     remediation_state: str | None = None
+    #: rendered by no series here (what checks measure is their own collectors' to render):
+    #: the daemon still hands them over, and they go once it stops
+    results: list[Result] = field(default_factory=list)
+    gpu_uuids: dict[int, str] = field(default_factory=dict)
 
 
 class DaemonCollector(Collector):
@@ -473,8 +414,6 @@ class DaemonCollector(Collector):
             errors.add_metric([s.hostname, name], st.errors)
         yield from (status, last, duration, runs, errors)
 
-        yield from _gpu_readings(s)
-
         actions = CounterMetricFamily(
             "node_agent_actions",
             "Remediation actions by kind and outcome",
@@ -484,137 +423,7 @@ class DaemonCollector(Collector):
             actions.add_metric([s.hostname, action, outcome], count)
         yield actions
 
-        yield from _throughput(s)
-        yield from _error_counters(s)
         yield from _drained(s)
-
-
-def _gpu_readings(s: Snapshot) -> Iterator[Metric]:
-    families = {
-        metric: GaugeMetricFamily(name, help_, labels=["hostname", "gpu", "uuid"])
-        for metric, (name, help_) in GPU_READINGS.items()
-    }
-    remap = {
-        kind: GaugeMetricFamily(
-            f"node_agent_gpu_row_remap_{kind}",
-            f"1 when the GPU reports a row remap {kind}",
-            labels=["hostname", "gpu", "uuid"],
-        )
-        for kind in ("pending", "failure")
-    }
-    remap_state: dict[int, dict[str, int]] = {}
-    for r in s.results:
-        if not r.target.startswith("gpu:"):
-            continue
-        index = int(r.target[4:])
-        labels = [s.hostname, str(index), s.gpu_uuids.get(index, "")]
-        if (
-            r.metric in families
-            and isinstance(r.value, (int, float))
-            and not isinstance(r.value, bool)
-        ):
-            families[r.metric].add_metric(labels, float(r.value))
-        elif r.metric == "row_remap":
-            remap_state.setdefault(index, {"pending": 0, "failure": 0})
-        elif r.metric in ("row_remap_pending", "row_remap_failure"):
-            remap_state.setdefault(index, {"pending": 0, "failure": 0})[r.metric[10:]] = 1
-    for index, state in sorted(remap_state.items()):
-        for kind, value in state.items():
-            remap[kind].add_metric([s.hostname, str(index), s.gpu_uuids.get(index, "")], value)
-    yield from families.values()
-    yield from remap.values()
-
-
-def _gpu_index(target: str) -> int | None:
-    if not target.startswith("gpu:"):
-        return None
-    try:
-        return int(target[4:])
-    except ValueError:
-        return None
-
-
-def _throughput(s: Snapshot) -> Iterator[Metric]:
-    """The latest throughput and bandwidth figures of the heavy checks, in base units; a check
-    that never ran (or whose result has no figure: a skip, an error) makes no series."""
-    gpu_labels = ["hostname", "gpu", "uuid"]
-    burn = GaugeMetricFamily(*BURN, labels=[*gpu_labels, "precision"])
-    hbm = GaugeMetricFamily(*HBM, labels=gpu_labels)
-    pcie = GaugeMetricFamily(*PCIE, labels=[*gpu_labels, "direction", "mode"])
-    busbw = GaugeMetricFamily(*BUSBW, labels=["hostname"])
-    seen: set[tuple[str, ...]] = set()  # one sample per series: the first result wins
-
-    def add(family: GaugeMetricFamily, labels: list[str], value: float) -> None:
-        key = (family.name, *labels)
-        if key not in seen:
-            seen.add(key)
-            family.add_metric(labels, value)
-
-    for r in s.results:
-        value = _number(r.value)
-        if value is None or r.status in (Status.SKIP, Status.ERROR):
-            continue
-        if r.check == "nccl_allreduce" and r.metric == "busbw_peak_gbps" and r.target == "node":
-            add(busbw, [s.hostname], value * 1e9)
-            continue
-        index = _gpu_index(r.target)
-        if index is None:
-            continue
-        gpu = [s.hostname, str(index), s.gpu_uuids.get(index, "")]
-        if r.check == "gpu_burn" and r.metric.startswith("tflops_"):
-            add(burn, [*gpu, _label(r.metric[len("tflops_") :])], value * 1e12)
-        elif r.check == "hbm_bandwidth" and r.metric == "copy_gbps":
-            add(hbm, gpu, value * 1e9)
-        elif r.check == "pcie_bandwidth" and r.metric in PCIE_FIGURES:
-            add(pcie, [*gpu, *PCIE_FIGURES[r.metric]], value * 1e9)
-    yield from (burn, hbm, pcie, busbw)
-
-
-def _error_counters(s: Snapshot) -> Iterator[Metric]:
-    """Counters the rules forecast: remapped rows per cause (nvml_health's row-remap results),
-    HCA port error counters (the rdma and hca_ports results' evidence). Gauges: they read as
-    the hardware reports them and fall back to 0 when the driver reloads or the GPU resets."""
-    rows = GaugeMetricFamily(
-        "node_agent_gpu_remapped_rows",
-        "Rows of the GPU's memory "
-        "remapped, by cause: correctable or uncorrectable errors "
-        "(nvidia-smi -q -d ROW_REMAPPER)",
-        labels=["hostname", "gpu", "uuid", "cause"],
-    )
-    hca = GaugeMetricFamily(
-        "node_agent_hca_port_errors",
-        "An InfiniBand/RoCE port's error counter as sysfs reads it (counters/<counter>)",
-        labels=["hostname", "hca", "port", "counter"],
-    )
-    seen: set[tuple[str, ...]] = set()
-    for r in s.results:
-        ev = r.evidence or {}
-        index = _gpu_index(r.target)
-        if index is not None and r.metric in (
-            "row_remap",
-            "row_remap_pending",
-            "row_remap_failure",
-        ):
-            for cause, key in (
-                ("correctable", "corrected_rows"),
-                ("uncorrectable", "uncorrected_rows"),
-            ):
-                value = _number(ev.get(key))
-                if value is not None and ("rows", str(index), cause) not in seen:
-                    seen.add(("rows", str(index), cause))
-                    rows.add_metric(
-                        [s.hostname, str(index), s.gpu_uuids.get(index, ""), cause], value
-                    )
-        elif r.target.startswith("hca:"):
-            device, port = _label(ev.get("device")), _label(ev.get("port"))
-            if not device:
-                continue
-            for counter in HCA_COUNTERS:
-                value = _number(ev.get(counter))
-                if value is not None and ("hca", device, port, counter) not in seen:
-                    seen.add(("hca", device, port, counter))
-                    hca.add_metric([s.hostname, device, port, counter], value)
-    yield from (rows, hca)
 
 
 def drained_by_agent(s: Snapshot) -> tuple[int, str]:

@@ -102,44 +102,40 @@ def exported_series() -> set[str]:
     snap = Snapshot(
         hostname="n1",
         level=Level.HEALTHY,
-        gpu_uuids={0: "GPU-0"},
         checks={"xid": CheckStats(runs=1, errors=0, last_run_unix=1.0, last_duration_s=0.1)},
         actions={("drain", "done"): 1},
-        results=[
-            r("nvml_health", "gpu:0", m)
-            for m in (
-                "temperature",
-                "memory_temperature",
-                "power",
-                "ecc_dbe_volatile",
-                "ecc_sbe_volatile",
-                "pcie_replay",
-            )
-        ]
-        + [
-            r("nvml_health", "gpu:0", "row_remap", corrected_rows=1, uncorrected_rows=0),
-            r("rdma", "hca:mlx5_0", "link_errors", device="mlx5_0", port="1", symbol_error=1),
-            r("gpu_burn", "gpu:0", "tflops_bf16"),
-            r("hbm_bandwidth", "gpu:0", "copy_gbps"),
-            r("pcie_bandwidth", "gpu:0", "h2d_gbps"),
-            r("nccl_allreduce", "node", "busbw_peak_gbps"),
-        ],
     )
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DaemonCollector(lambda: snap))
     labels = NodeLabels("n1", {0: "GPU-0"})
-    for check, result in (
-        ("sdc", r("sdc", "gpu:0", "sdc_digest")),
-        (
-            "training_progress",
-            r("training_progress", "job:1/rank:0", "training_progress", pid=1, job="1"),
-        ),
-    ):
+    results = [
+        r("nvml_health", "gpu:0", m)
+        for m in (
+            "temperature",
+            "memory_temperature",
+            "power",
+            "ecc_dbe_volatile",
+            "ecc_sbe_volatile",
+            "pcie_replay",
+        )
+    ] + [
+        r("nvml_health", "gpu:0", "row_remap", corrected_rows=1, uncorrected_rows=0),
+        r("rdma", "hca:mlx5_0", "link_errors", device="mlx5_0", port="1", symbol_error=1),
+        r("gpu_burn", "gpu:0", "tflops_bf16"),
+        r("hbm_bandwidth", "gpu:0", "copy_gbps"),
+        r("pcie_bandwidth", "gpu:0", "h2d_gbps"),
+        r("nccl_allreduce", "node", "busbw_peak_gbps"),
+        r("sdc", "gpu:0", "sdc_digest"),
+        r("training_progress", "job:1/rank:0", "training_progress", pid=1, job="1"),
+    ]
+    collectors: dict[object, object] = {}
+    for check in dict.fromkeys(x.check for x in results):
         factory = behaviour(check).metrics
         assert factory is not None, f"{check} declares no collector"
-        collector = factory(lambda: labels)
-        collector.observe([result])
-        registry.register(collector)
+        if factory not in collectors:
+            collectors[factory] = factory(lambda: labels)
+            registry.register(collectors[factory])
+        collectors[factory].observe([x for x in results if x.check == check])
     watch = XidWatch(lambda: None, lambda: None, lambda s: None, labels=lambda: labels)
     watch.xid_counts[(0, 79)] = 1
     registry.register(watch)

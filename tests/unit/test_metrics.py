@@ -1,12 +1,17 @@
-"""The daemon's training metrics, rendered through a real Prometheus registry
-(node_agent.service.metrics, and training_progress's own collector)."""
+"""The daemon's metrics, rendered through a real Prometheus registry: the daemon's node-wide
+series (node_agent.service.metrics) and the checks' own collectors (each check's
+``SERVICE.metrics``: training_progress's processes, nvml_health's readings, the throughput
+checks' figures, the HCA port counters of rdma and hca_ports)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from node_agent.checks.behaviour import MAX_LABEL_CHARS, NodeLabels, behaviour
+from node_agent.checks import REGISTRY
+from node_agent.checks.behaviour import MAX_LABEL_CHARS, CheckMetrics, NodeLabels, behaviour
+from node_agent.checks.hca_metrics import HcaPortErrors
+from node_agent.checks.nvml_metrics import NvmlReadings
 from node_agent.checks.training_progress import TrainingMetrics
 from node_agent.model import Level, Result, Status
 from node_agent.service.metrics import DaemonCollector, Snapshot
@@ -56,32 +61,46 @@ def training(
     )
 
 
-def scrape(results: list[Result], hangs: TrainingMetrics | None = None) -> dict[str, list]:
-    """name -> samples, from ``generate_latest`` of a fresh registry, parsed back: the daemon's
-    collector and training_progress's own. ``results`` reach the latter as the daemon hands
-    them over: each check's to the collector its SERVICE declares (``hangs``: one that has
-    observed its runs already)."""
-    if hangs is None:
-        hangs = HangTracker()
-        for check in sorted({r.check for r in results}):
-            if behaviour(check).metrics is TrainingMetrics:
-                hangs.observe([r for r in results if r.check == check])
-    snap = Snapshot(
-        hostname="n1",
-        level=Level.HEALTHY,
-        checks={},
-        results=results,
-        gpu_uuids={},
-    )
+def check_collectors(
+    results: list[Result],
+    labels: NodeLabels,
+    built: dict[object, CheckMetrics] | None = None,
+) -> list[CheckMetrics]:
+    """The checks' own collectors, as the daemon builds and feeds them: one per factory that a
+    check's SERVICE declares (``built``: some already built), each run's results to the
+    collector of the check that ran."""
+    built = {} if built is None else built
+    for check in dict.fromkeys(r.check for r in results):
+        factory = behaviour(check).metrics
+        if factory is not None:
+            if factory not in built:
+                built[factory] = factory(lambda: labels)
+            built[factory].observe([r for r in results if r.check == check])
+    return list(built.values())
+
+
+def render(snap: Snapshot, collectors: list[CheckMetrics]) -> dict[str, list]:
+    """name -> samples, from ``generate_latest`` of a fresh registry, parsed back."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DaemonCollector(lambda: snap))
-    registry.register(hangs)
-    text = generate_latest(registry).decode()
+    for collector in collectors:
+        registry.register(collector)
     out: dict[str, list] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
         for sample in family.samples:
             out.setdefault(sample.name, []).append(sample)
     return out
+
+
+def scrape(results: list[Result], hangs: TrainingMetrics | None = None) -> dict[str, list]:
+    """The daemon's collector and the checks' own, ``results`` fed to the collector their
+    check's SERVICE declares (``hangs``: training_progress's, one that has observed its runs
+    already)."""
+    built: dict[object, CheckMetrics] = {TrainingMetrics: hangs or HangTracker()}
+    if hangs is not None:
+        results = [r for r in results if behaviour(r.check).metrics is not TrainingMetrics]
+    snap = Snapshot(hostname="n1", level=Level.HEALTHY, checks={})
+    return render(snap, check_collectors(results, NodeLabels("n1", {}), built))
 
 
 def by_pid(samples) -> dict[str, float]:
@@ -186,7 +205,8 @@ def test_hang_suspicions_counter_is_exported_even_at_zero():
 def test_training_progress_declares_the_hang_counter_and_other_checks_do_not():
     """The daemon feeds a check's results only to the collector its SERVICE declares."""
     assert behaviour("training_progress").metrics is TrainingMetrics
-    assert behaviour("xid").metrics is None and behaviour("nvml_health").metrics is None
+    assert behaviour("xid").metrics is None, "the XID watch is the Xid counter's collector"
+    assert behaviour("nvml_health").metrics is NvmlReadings
 
 
 def test_hang_tracker_counts_a_process_once_while_it_stays_hung():
@@ -363,24 +383,14 @@ def test_scrapes_are_served_while_a_peer_keeps_200_idle_connections_open_past_it
 # -- the fleet's series: throughput, error counters, drained by the agent -----------------------
 
 
-def scrape_snapshot(**kw) -> dict[str, list]:
-    snap = Snapshot(
-        **{
-            "hostname": "n1",
-            "level": Level.HEALTHY,
-            "checks": {},
-            "results": [],
-            "gpu_uuids": {0: "GPU-aaa", 1: "GPU-bbb"},
-            **kw,
-        }
-    )
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(DaemonCollector(lambda: snap))
-    out: dict[str, list] = {}
-    for family in text_string_to_metric_families(generate_latest(registry).decode()):
-        for sample in family.samples:
-            out.setdefault(sample.name, []).append(sample)
-    return out
+GPU_UUIDS = {0: "GPU-aaa", 1: "GPU-bbb"}
+
+
+def scrape_snapshot(results: list[Result] = (), **kw) -> dict[str, list]:
+    """The daemon's collector on a snapshot of ``kw``, and the checks' own collectors fed
+    ``results`` (each check's run to the collector its SERVICE declares)."""
+    snap = Snapshot(**{"hostname": "n1", "level": Level.HEALTHY, "checks": {}, **kw})
+    return render(snap, check_collectors(list(results), NodeLabels("n1", GPU_UUIDS)))
 
 
 def test_throughput_figures_are_exported_per_gpu_in_base_units():
@@ -519,3 +529,98 @@ def test_drained_by_agent_falls_back_to_the_actions_counted_since_the_daemon_sta
     assert drained({("drain", "done"): 1, ("drain", "refused"): 4}) == 1
     assert drained({("drain", "done"): 1, ("resume", "done"): 1}) == 0
     assert drained({("drain", "dry-run"): 2}) == 0, "a dry run drains nothing"
+
+
+# -- one home per family: the daemon's collector renders no check's results ---------------------
+
+
+def every_check_collector(labels: NodeLabels) -> list[CheckMetrics]:
+    """One collector per factory that any registered check declares, as the daemon builds them
+    at start."""
+    built: dict[object, CheckMetrics] = {}
+    for check in REGISTRY:
+        factory = behaviour(check).metrics
+        if factory is not None and factory not in built:
+            built[factory] = factory(lambda: labels)
+    return list(built.values())
+
+
+def test_every_family_has_one_home_in_the_exposition():
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(
+        DaemonCollector(lambda: Snapshot(hostname="n1", level=Level.HEALTHY, checks={}))
+    )
+    for collector in every_check_collector(NodeLabels("n1", GPU_UUIDS)):
+        registry.register(collector)
+    text = generate_latest(registry).decode()
+    names = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+    assert sorted(names) == sorted(set(names)), "a family rendered twice fails the scrape"
+    assert "node_agent_hca_port_errors" in names and "node_agent_gpu_remapped_rows" in names
+
+
+def test_the_daemons_collector_renders_only_node_wide_series_whatever_results_it_holds():
+    results = [
+        Result("nvml_health", "gpu:0", "temperature", Status.PASS, "", value=40.0),
+        Result("gpu_burn", "gpu:0", "tflops_bf16", Status.PASS, "", value=700.0),
+        Result("nccl_allreduce", "node", "busbw_peak_gbps", Status.PASS, "", value=400.0),
+    ]
+    snap = Snapshot(
+        hostname="n1", level=Level.HEALTHY, checks={}, results=results, gpu_uuids=GPU_UUIDS
+    )
+    rendered = render(snap, [])
+    assert not [n for n in rendered if n.startswith(("node_agent_gpu_", "node_agent_allreduce"))]
+    assert scrape_snapshot(results)["node_agent_gpu_temperature_celsius"][0].value == 40.0
+
+
+def test_rdma_and_hca_ports_feed_one_family_and_a_run_replaces_only_its_own_checks_counters():
+    def port(check: str, device: str, symbol_error: int | None) -> Result:
+        evidence = {"device": device, "port": "1", "symbol_error": symbol_error}
+        return Result(check, f"hca:{device}", "link_errors", Status.PASS, "", evidence=evidence)
+
+    assert behaviour("rdma").metrics is behaviour("hca_ports").metrics is HcaPortErrors
+    (collector,) = check_collectors(
+        [port("rdma", "mlx5_0", 5), port("hca_ports", "mlx5_1", 9)], NodeLabels("n1", {})
+    )
+
+    def counters() -> dict[str, float]:
+        m = render(Snapshot(hostname="n1", level=Level.HEALTHY, checks={}), [collector])
+        return {s.labels["hca"]: s.value for s in m.get("node_agent_hca_port_errors", [])}
+
+    assert counters() == {"mlx5_0": 5, "mlx5_1": 9}
+    collector.observe([port("hca_ports", "mlx5_1", 11)])
+    assert counters() == {"mlx5_0": 5, "mlx5_1": 11}, "rdma's run stays until rdma runs again"
+    collector.observe([Result("rdma", "node", "rdma", Status.ERROR, "ib_write_bw timed out")])
+    assert counters() == {"mlx5_1": 11}, "a run that could not read the ports takes its series"
+
+
+def test_a_throughput_figure_is_the_latest_runs_and_a_broken_run_takes_it_away():
+    (burn,) = check_collectors(
+        [Result("gpu_burn", "gpu:1", "tflops_bf16", Status.PASS, "", value=700.0)],
+        NodeLabels("n1", GPU_UUIDS),
+    )
+
+    def flops() -> list[tuple[str, float]]:
+        m = render(Snapshot(hostname="n1", level=Level.HEALTHY, checks={}), [burn])
+        return [
+            (s.labels["uuid"], s.value) for s in m.get("node_agent_gpu_burn_flops_per_second", [])
+        ]
+
+    assert flops() == [("GPU-bbb", 700e12)]
+    burn.observe([Result("gpu_burn", "gpu:1", "tflops_bf16", Status.FAIL, "slow", value=500.0)])
+    assert flops() == [("GPU-bbb", 500e12)]
+    burn.observe([Result("gpu_burn", "node", "crashed", Status.ERROR, "worker died")])
+    assert flops() == []
+
+
+def test_row_remap_state_is_exported_per_gpu_as_nvml_health_read_it():
+    m = scrape_snapshot(
+        [
+            Result("nvml_health", "gpu:1", "row_remap_pending", Status.WARN, "", value=1),
+            Result("nvml_health", "gpu:0", "row_remap", Status.PASS, "", value=0),
+            Result("nvml_health", "gpu:0", "power", Status.PASS, "", value=True),
+        ]
+    )
+    pending = {s.labels["gpu"]: s.value for s in m["node_agent_gpu_row_remap_pending"]}
+    failure = {s.labels["gpu"]: s.value for s in m["node_agent_gpu_row_remap_failure"]}
+    assert (pending, failure) == ({"0": 0, "1": 1}, {"0": 0, "1": 0})
+    assert "node_agent_gpu_power_usage_watts" not in m, "a bool is no reading"
