@@ -18,7 +18,7 @@ reports ``error``. Where ``all_reduce_perf`` (nccl-tests) is on PATH and
 ``params.use_nccl_tests`` is true, it is run on the GPUs and its table parsed instead.
 
 Params: ``sizes`` (bytes, list), ``iters``, ``warmup``, ``cpu_ranks``, ``world_size`` (GPU
-ranks; default all GPUs), ``timeout_s``, ``use_nccl_tests``, ``corrupt_rank`` (test hook).
+ranks; default all GPUs), ``timeout_s``, ``use_nccl_tests``.
 Results (target ``node``): ``busbw_gbps`` per size, ``busbw_peak_gbps``, ``wrong_elements``.
 """
 
@@ -77,7 +77,6 @@ def worker_argv(
     iters: int,
     warmup: int,
     timeout_s: float,
-    corrupt_rank: int | None = None,
     python: str = sys.executable,
 ) -> list[str]:
     """``python -P -m node_agent.compute.allreduce ...``: a rank that never imports from its
@@ -98,8 +97,6 @@ def worker_argv(
         "--timeout-s",
         f"{timeout_s:g}",
     ]
-    if corrupt_rank is not None:
-        args += ["--corrupt-rank", str(corrupt_rank)]
     return proc.python_module_argv("node_agent.compute.allreduce", *args, python=python)
 
 
@@ -125,18 +122,22 @@ def run_ranks(
     iters: int,
     warmup: int,
     timeout_s: float,
-    corrupt_rank: int | None = None,
     start_ranks: Sequence[int] | None = None,
+    master_port: int | None = None,
 ) -> list[RankRun]:
-    """Start the ranks (all, or only ``start_ranks`` — a test of a peer that never connects),
-    wait for all of them within ``timeout_s``, and return what each printed.
+    """Start the ranks (all, or only ``start_ranks``: a test of a peer that never connects, or
+    one that runs a rank itself), wait for all of them within ``timeout_s``, and return what
+    each printed. They meet on 127.0.0.1:``master_port`` (default: a port free now).
 
     Every rank runs through :func:`proc.run` on its own thread, so a rank still running at the
     deadline is killed with its process group: nothing is left behind.
     """
     env = child_env(
         dict(
-            os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1"
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(master_port or free_port()),
+            PYTHONUNBUFFERED="1",
         )
     )
     # the group's own timeout ends a rank waiting for a peer a little before we kill it
@@ -146,9 +147,7 @@ def run_ranks(
 
     def one(rank: int) -> None:
         runs[rank] = proc.run(
-            worker_argv(
-                rank, world_size, backend, sizes, iters, warmup, group_timeout, corrupt_rank
-            ),
+            worker_argv(rank, world_size, backend, sizes, iters, warmup, group_timeout),
             timeout_s,
             env=env,
             cwd=proc.CHILD_CWD,
@@ -207,9 +206,7 @@ def run(ctx: CheckContext) -> list[Result]:
     if world_size < 2:
         return [one_rank_skip(ctx, world_size, backend)]
     start = time.monotonic()
-    runs = run_ranks(
-        world_size, backend, sizes, iters, warmup, timeout_s, corrupt_rank=p.get("corrupt_rank")
-    )
+    runs = run_ranks(world_size, backend, sizes, iters, warmup, timeout_s)
     duration = time.monotonic() - start
     failure = _failure(ctx, runs, timeout_s)
     if failure:

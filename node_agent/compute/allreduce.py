@@ -9,9 +9,9 @@ For every size: ``--warmup`` untimed all-reduces, then ``--iters`` timed ones on
 (sums stay 0, so no value overflows however many iterations run), then one correctness round in
 which rank r contributes float32 ``r + 1`` everywhere. The exact sum ``n(n+1)/2`` is a small
 integer, representable in float32, so any element that differs is wrong — not rounding.
-``--corrupt-rank K`` makes rank K add 1 to every 64th element of its contribution (a test hook
-standing in for a rank that computes or transfers bad data); those elements must come back
-wrong.
+:func:`measure` takes a ``spoil`` callable that alters the rank's contribution before it is
+reduced: a test runs a rank in its own process with one, standing in for a rank that computes
+or transfers bad data, and the spoiled elements must come back wrong on every rank.
 
 Figures follow nccl-tests (PERFORMANCE.md): ``algbw = size_bytes / time``,
 ``busbw = algbw * 2(n-1)/n``, in GB/s (10^9 bytes/s), time per iteration in microseconds.
@@ -24,15 +24,16 @@ import datetime
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from node_agent import atomic_file
 
 SCHEMA = "node-agent.allreduce/1"
-#: every CORRUPT_STRIDE-th element of the corrupt rank's contribution is off by one
-CORRUPT_STRIDE = 64
 DTYPE_BYTES = 4  # float32
+#: alters a rank's contribution (a float32 tensor) in place before the correctness round
+Spoil = Callable[[Any], None]
 
 
 def bus_factor(world_size: int) -> float:
@@ -50,12 +51,8 @@ def bandwidths(size_bytes: int, time_s: float, world_size: int) -> tuple[float, 
     return algbw, algbw * bus_factor(world_size)
 
 
-def corrupted_count(elements: int) -> int:
-    """How many elements ``--corrupt-rank`` spoils in a buffer of ``elements``."""
-    return len(range(0, elements, CORRUPT_STRIDE))
-
-
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The rank's arguments (``argv`` as :func:`nccl_allreduce.worker_argv` writes them)."""
     ap = argparse.ArgumentParser(
         prog="python -m node_agent.compute.allreduce",
         description=__doc__,
@@ -70,12 +67,6 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument(
-        "--corrupt-rank",
-        type=int,
-        default=None,
-        help="test hook: this rank contributes wrong values",
-    )
-    ap.add_argument(
         "--timeout-s",
         type=float,
         default=60.0,
@@ -85,8 +76,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Join the group, sweep the sizes, leave the group; the JSON-ready measurement."""
+def measure(args: argparse.Namespace, spoil: Spoil | None = None) -> dict[str, Any]:
+    """Join the group, sweep the sizes, leave the group; the JSON-ready measurement.
+    ``spoil``: alters this rank's contribution to each correctness round (see the module
+    docstring); None for a rank that contributes what it should."""
     import torch
     import torch.distributed as dist
 
@@ -127,8 +120,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             elapsed = (time.perf_counter() - start) / max(1, args.iters)
 
             data = torch.full((elements,), float(args.rank + 1), dtype=torch.float32, device=device)
-            if args.corrupt_rank == args.rank:
-                data[::CORRUPT_STRIDE] += 1.0
+            if spoil is not None:
+                spoil(data)
             dist.all_reduce(data)
             sync()
             wrong = int((data != expected).sum().item())
@@ -154,13 +147,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "torch": torch.__version__,
         "iters": args.iters,
         "warmup": args.warmup,
-        "corrupt_rank": args.corrupt_rank,
         "results": rows,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parse_args(argv)
+    args = parse_args(argv)
     try:
         doc = measure(args)
         code = 0

@@ -5,13 +5,14 @@ torch (CPU build) is a dev dependency of these tests: pip install torch==2.13.0.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import psutil
 import pytest
 
 from node_agent.checks import CheckContext, nccl_allreduce
-from node_agent.compute.allreduce import corrupted_count
+from node_agent.compute import allreduce
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
 from node_agent.model import Status
@@ -57,8 +58,49 @@ def test_gloo_allreduce_two_ranks_measures_every_size_correctly():
     assert wrong.status is Status.PASS and wrong.value == 0
 
 
-def test_corrupted_rank_contribution_is_counted_wrong():
-    results = nccl_allreduce.run(make_ctx(corrupt_rank=1))
+#: every CORRUPT_STRIDE-th element of the wrong rank's contribution is off by one
+CORRUPT_STRIDE = 64
+
+
+def corrupted_count(elements: int) -> int:
+    """How many elements :func:`spoil_every_64th` spoils in a buffer of ``elements``."""
+    return len(range(0, elements, CORRUPT_STRIDE))
+
+
+def spoil_every_64th(data) -> None:
+    data[::CORRUPT_STRIDE] += 1.0
+
+
+def test_corrupted_rank_contribution_is_counted_wrong(monkeypatch):
+    """Rank 1 contributes wrong data: it runs in this process, its contribution spoiled by an
+    injected callable; rank 0 is the check's own rank process, whose figures the check reads."""
+    real = nccl_allreduce.run_ranks
+
+    def rank_1_here(world_size, backend, sizes, iters, warmup, timeout_s, **kw):
+        port = nccl_allreduce.free_port()
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        argv = nccl_allreduce.worker_argv(1, world_size, backend, sizes, iters, warmup, 30.0)
+        args = allreduce.parse_args(argv[argv.index("node_agent.compute.allreduce") + 1 :])
+        here: dict = {}
+
+        def rank_1() -> None:
+            try:
+                here["doc"] = allreduce.measure(args, spoil=spoil_every_64th)
+            except Exception as err:  # noqa: BLE001 - reported by the assertion below
+                here["error"] = err
+
+        thread = threading.Thread(target=rank_1, daemon=True)
+        thread.start()
+        runs = real(
+            world_size, backend, sizes, iters, warmup, timeout_s, start_ranks=[0], master_port=port
+        )
+        thread.join(timeout_s)
+        assert "doc" in here, f"the wrong rank did not run: {here.get('error')}"
+        return runs
+
+    monkeypatch.setattr(nccl_allreduce, "run_ranks", rank_1_here)
+    results = nccl_allreduce.run(make_ctx())
     (wrong,) = by_metric(results, "wrong_elements")
     assert wrong.status is Status.FAIL
     assert wrong.value == sum(corrupted_count(s // 4) for s in SIZES)
