@@ -28,6 +28,8 @@ telemetry read through the GPU layer during the burn joined with the throughput:
 "power_limit_w", "slowdown_temp_c"}`` (lists over time, the last two single values);
 ``thermal_power`` grades it and the HTML report plots it.
 
+In the daemon the latest figures are exported by :class:`BurnMetrics` (``SERVICE``).
+
 Torch is required (the compute layer is torch-only; a CuPy engine would duplicate all of it):
 without torch, or on a host where torch cannot use CUDA, the check skips with the reason.
 """

@@ -20,6 +20,7 @@ copies CPU tensors at the suite's stand-in size, but a copy's time is modelled, 
 (:mod:`node_agent.compute.copy_model`: 1.15 x the SKU's ``hbm_bw_gbps_min``, times a ``slow``
 GPU's factor), because CPU memcpys time the host's load rather than a GPU's memory; a healthy
 stand-in node therefore grades the same on an idle and on a busy machine.
+In the daemon the latest figures are exported by :class:`HbmMetrics` (``SERVICE``).
 Params: ``size_bytes`` (4 GiB), ``reps`` (10), ``warmup`` (2), ``sample_min_s`` (0: one copy
 per repetition on a real GPU; ignored where copies are modelled).
 """

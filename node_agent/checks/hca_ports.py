@@ -33,7 +33,9 @@ belief"); the bus id becomes ``hca:<dev>`` through ``/sys/class/infiniband/<dev>
 No RDMA device: skip with the reason. Params: ``sysfs_root`` (default
 ``/sys/class/infiniband``), ``ports`` / ``min_rate_gbps`` (override the SKU's), ``ignore``
 (``["mlx5_9", "mlx5_4/2"]``: ports not cabled on purpose), ``since`` (``boot``, default, or
-``last_run``: kernel lines after the previous run's cursor).
+``last_run``: kernel lines after the previous run's cursor). In the daemon the ports' error
+counters are exported by the collector this check shares with ``rdma``
+(:mod:`node_agent.checks.hca_metrics`).
 """
 
 from __future__ import annotations

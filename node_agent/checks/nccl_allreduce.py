@@ -20,6 +20,7 @@ reports ``error``. Where ``all_reduce_perf`` (nccl-tests) is on PATH and
 Params: ``sizes`` (bytes, list), ``iters``, ``warmup``, ``cpu_ranks``, ``world_size`` (GPU
 ranks; default all GPUs), ``timeout_s``, ``use_nccl_tests``.
 Results (target ``node``): ``busbw_gbps`` per size, ``busbw_peak_gbps``, ``wrong_elements``.
+In the daemon the latest peak is exported by :class:`BusbwMetrics` (``SERVICE``).
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ nothing declared and no trace of a lost GPU, is a WARN naming ``node.expected_gp
 NVML does not answer for on a virtualized GPU are a skip with the reason. A FAULT needs
 positive evidence of a broken part: a link NVML reports down, a GPU the bus or the kernel log
 shows lost.
+
+In the daemon the readings are exported by the check's collector,
+:class:`node_agent.checks.nvml_metrics.NvmlReadings`.
 """
 
 from __future__ import annotations

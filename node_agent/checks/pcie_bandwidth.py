@@ -38,6 +38,7 @@ evidence says so. Their time is modelled, not measured (:mod:`node_agent.compute
 the link's data rate (the SKU's generation, the scenario's ``pcie_width`` lanes) x 0.83 x a
 ``slow`` GPU's factor (why modelled: docs/load_tests.md). The link under load comes from the
 stand-in's NVML.
+In the daemon the latest figures are exported by :class:`PcieMetrics` (``SERVICE``).
 Params: ``size_bytes`` (256 MiB), ``reps`` (10), ``warmup`` (2), ``concurrent_s`` (2.0 per
 direction), ``link_timeout_s`` (10), ``worker_timeout_s`` (120 + 2 x concurrent_s),
 ``sample_min_s`` (0: one copy per timed sample; see ``transfer.timed``).

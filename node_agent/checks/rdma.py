@@ -19,9 +19,13 @@ Params: ``sysfs_root``, ``ib_write_bw`` (path of the perftest binary; default: f
 ``perftest`` (default true), ``duration_s`` (5), ``gid_index`` (RoCE), ``tcp_port`` (18515),
 ``server_start_s`` (1.0: how long the server gets to listen).
 
-Under ``--simulate`` (and no ``sysfs_root`` param) the scenario's ``hcas`` become a sysfs tree
-and an ``ib_write_bw`` stand-in in a temporary directory (:mod:`node_agent.sim.tools`), with the
-scenario's RDMA faults applied there; this module reads them exactly as it reads real ones.
+On a scenario's node (the environment's ports carry an RDMA tree, ``ctx.ports.rdma_tree``) and
+no ``sysfs_root`` param, the scenario's ``hcas`` become a sysfs tree and an ``ib_write_bw``
+stand-in in a temporary directory (:mod:`node_agent.sim.tools`), with the scenario's RDMA faults
+applied there; this module reads them exactly as it reads real ones.
+
+In the daemon the ports' error counters are exported by the collector this check shares with
+``hca_ports`` (:mod:`node_agent.checks.hca_metrics`).
 """
 
 from __future__ import annotations
