@@ -607,8 +607,6 @@ class Daemon:
                 hostname=self.env.inventory.host.hostname,
                 level=self.grade.level,
                 checks={k: CheckStats(**vars(v)) for k, v in self._stats.items()},
-                results=self.current_results(),
-                gpu_uuids={g.index: g.uuid for g in self.env.inventory.gpus},
                 actions=dict(self._actions),
                 simulated=self.env.simulated,
                 remediation_state=(

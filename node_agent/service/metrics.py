@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from node_agent.model import Level, Result, Status
+from node_agent.model import Level, Status
 
 STATUSES = [s.value for s in Status]
 #: remediation states in which the agent has the node drained (remediation/plan.py STATES)
@@ -342,10 +342,6 @@ class Snapshot:
     #: the node's remediation state from the agent's store (remediation/plan.py STATES), when
     #: the daemon can read it; None: drained-by-agent is inferred from ``actions``
     remediation_state: str | None = None
-    #: rendered by no series here (what checks measure is their own collectors' to render):
-    #: the daemon still hands them over, and they go once it stops
-    results: list[Result] = field(default_factory=list)
-    gpu_uuids: dict[int, str] = field(default_factory=dict)
 
 
 class DaemonCollector(Collector):

@@ -558,15 +558,15 @@ def test_every_family_has_one_home_in_the_exposition():
     assert "node_agent_hca_port_errors" in names and "node_agent_gpu_remapped_rows" in names
 
 
-def test_the_daemons_collector_renders_only_node_wide_series_whatever_results_it_holds():
+def test_the_daemons_collector_renders_only_node_wide_series_and_holds_no_results():
     results = [
         Result("nvml_health", "gpu:0", "temperature", Status.PASS, "", value=40.0),
         Result("gpu_burn", "gpu:0", "tflops_bf16", Status.PASS, "", value=700.0),
         Result("nccl_allreduce", "node", "busbw_peak_gbps", Status.PASS, "", value=400.0),
     ]
-    snap = Snapshot(
-        hostname="n1", level=Level.HEALTHY, checks={}, results=results, gpu_uuids=GPU_UUIDS
-    )
+    # what checks measure reaches a scrape only through the checks' own collectors
+    assert not {"results", "gpu_uuids"} & set(Snapshot.__dataclass_fields__)
+    snap = Snapshot(hostname="n1", level=Level.HEALTHY, checks={})
     rendered = render(snap, [])
     assert not [n for n in rendered if n.startswith(("node_agent_gpu_", "node_agent_allreduce"))]
     assert scrape_snapshot(results)["node_agent_gpu_temperature_celsius"][0].value == 40.0
