@@ -36,17 +36,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from node_agent.model import Level, Status
+from node_agent.remediation.states import NodeState
 
 STATUSES = [s.value for s in Status]
-#: remediation states in which the agent has the node drained (remediation/plan.py STATES)
-DRAINED_STATES = (
-    "drained",
-    "restarting",
-    "retest",
-    "fault",
-    "awaiting-replacement",
-    "needs-operator",
-)
+#: remediation states in which the agent has the node drained: every state but in-service
+DRAINED_STATES = tuple(s.value for s in NodeState if s is not NodeState.IN_SERVICE)
 
 #: a client must send its request line and headers within this (a scrape sends them at once)
 REQUEST_S = 1.0
