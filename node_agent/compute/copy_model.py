@@ -30,11 +30,11 @@ machine, however busy; a fault still shows, by the factor it carries.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from node_agent.compute.devices import ComputeSpec
     from node_agent.hardware.sku import Sku
     from node_agent.sim.scenario import Scenario
 
@@ -134,8 +134,19 @@ def copy_model(
     return CopyModel(index=index, h2d_gbps=link, d2h_gbps=link, hbm_copy_gbps=hbm, basis=basis)
 
 
+class _Spec(Protocol):
+    """What a copy model reads of a device spec (``compute.devices.ComputeSpec``)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def slow_factor(self) -> float: ...
+    @property
+    def simulated(self) -> bool: ...
+
+
 def copy_models(
-    specs: list[ComputeSpec], scenario: Scenario | None, sku: Sku | None
+    specs: Sequence[_Spec], scenario: Scenario | None, sku: Sku | None
 ) -> dict[int, CopyModel]:
     """Models of the simulated specs, by GPU index (real GPUs have none: they are timed)."""
     return {
