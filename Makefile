@@ -87,8 +87,8 @@ test-gpu: deps-test nvml-fake
 	$(BIN)/python -m pytest -q -m gpu $(ARGS)
 
 lint: deps-test
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
+	$(BIN)/ruff check --no-cache .
+	$(BIN)/ruff format --check --no-cache .
 	$(BIN)/mypy
 
 # The wheels for a GPU host that reaches no package index, downloaded here.
