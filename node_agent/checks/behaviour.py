@@ -57,6 +57,10 @@ class CheckMetrics(Protocol):
     def observe(self, results: Sequence[Result]) -> None:
         """Take one run's results (or the XID watch's findings) into the collector's state."""
 
+    def forget(self, check: str) -> None:
+        """``check`` left the daemon's schedule (a reload dropped it): its gauges go, so a scrape
+        never shows a stale reading as current; a counter keeps its total (it never goes back)."""
+
     def collect(self) -> Iterable[Any]:
         """The metric families, rendered now."""
 
@@ -134,6 +138,10 @@ class LatestResults:
             runs.setdefault(r.check, []).append(r)
         with self._lock:
             self._runs.update(runs)
+
+    def forget(self, check: str) -> None:
+        with self._lock:
+            self._runs.pop(check, None)
 
     def latest(self) -> tuple[NodeLabels, list[Result]]:
         """(the node's labels now, the latest results of every check that fed this)."""

@@ -41,6 +41,9 @@ class SdcVerdicts:
                 if r.target.startswith("gpu:"):
                     self.counts[(r.target, OUTCOME[r.status])] += 1
 
+    def forget(self, check: str) -> None:
+        """Nothing to drop: a verdict count is a counter, and a counter never goes back."""
+
     def collect(self) -> Iterator[Metric]:
         hostname = self._labels().hostname
         family = CounterMetricFamily(

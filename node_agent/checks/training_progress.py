@@ -698,6 +698,12 @@ class TrainingMetrics:
             self.total += len(hung - self._hung)
             self._hung = hung
 
+    def forget(self, check: str) -> None:
+        """The per-process gauges go; the suspicions counter keeps its total."""
+        with self._lock:
+            self._latest = []
+            self._hung = set()
+
     def collect(self) -> Iterator[Metric]:
         hostname = self._labels().hostname
         with self._lock:

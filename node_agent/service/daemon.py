@@ -287,11 +287,15 @@ class Daemon:
             self._notifier.ready("config reload refused")
             return False
         with self._lock:
+            scheduled = {c.check for c in suite.checks}
+            dropped = {c.check for c in self.suite.checks} - scheduled
             old, self.env, self.config, self.suite = self.env, env, config, suite
             self._schedule = self._make_schedule(suite)
-            self._results = {
-                k: v for k, v in self._results.items() if k in {c.check for c in suite.checks}
-            }
+            self._results = {k: v for k, v in self._results.items() if k in scheduled}
+        for check in sorted(dropped):
+            metrics = self._metrics_of(check)
+            if metrics is not None:
+                metrics.forget(check)
         old.close()
         log.info("configuration reloaded from %s", config.source)
         self._notifier.ready("config reloaded")

@@ -209,6 +209,20 @@ def test_bad_config_on_reload_is_refused_and_the_old_one_kept(node, running):
     assert daemon.config.daemon.xid_poll_s == 0.2
 
 
+def test_a_reload_that_drops_a_check_takes_its_readings_off_the_scrape(node, running):
+    daemon = running()
+    base = f"http://127.0.0.1:{node.port}"
+    assert wait_for(
+        lambda: metric_value(get(base + "/metrics")[1], "node_agent_gpu_temperature_celsius"),
+        30,
+    ), "nvml_health's temperatures never reached /metrics"
+    node.suite.write_text(yaml.safe_dump({**PERIODIC, "checks": PERIODIC["checks"][1:]}))
+    assert daemon.reload_config() is True
+    text = get(base + "/metrics")[1]
+    assert metric_value(text, "node_agent_gpu_temperature_celsius") is None, text
+    assert metric_value(text, "node_agent_check_runs_total", check="xid") is not None
+
+
 def test_systemd_readiness_and_watchdog_pings_reach_the_notify_socket(node, running, tmp_path):
     path = str(tmp_path / "notify.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

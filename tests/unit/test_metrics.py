@@ -593,6 +593,36 @@ def test_rdma_and_hca_ports_feed_one_family_and_a_run_replaces_only_its_own_chec
     assert counters() == {"mlx5_1": 11}, "a run that could not read the ports takes its series"
 
 
+def test_a_check_the_daemon_no_longer_runs_is_forgotten_gauges_go_and_counters_stay():
+    """A reload that drops a check calls ``forget``: no stale reading is scraped as current."""
+
+    def port(check: str, device: str) -> Result:
+        evidence = {"device": device, "port": "1", "symbol_error": 3}
+        return Result(check, f"hca:{device}", "link_errors", Status.PASS, "", evidence=evidence)
+
+    (hca,) = check_collectors(
+        [port("rdma", "mlx5_0"), port("hca_ports", "mlx5_1")], NodeLabels("n1", {})
+    )
+    hca.forget("rdma")
+    m = render(Snapshot(hostname="n1", level=Level.HEALTHY, checks={}), [hca])
+    assert {s.labels["hca"] for s in m["node_agent_hca_port_errors"]} == {"mlx5_1"}
+
+    hangs = HangTracker()
+    hangs.observe([training("training_hang", Status.FAIL, pid=1)])
+    hangs.forget("training_progress")
+    m = scrape([], hangs)
+    assert "node_agent_training_hang_suspected" not in m
+    assert [s.value for s in m["node_agent_training_hang_suspicions_total"]] == [1.0]
+    hangs.observe([training("training_hang", Status.FAIL, pid=1)])
+    assert hangs.total == 2, "back on the schedule and hung: seen going from unseen to hung"
+
+    sdc_result = Result("sdc", "gpu:0", "sdc", Status.PASS, "")
+    (sdc,) = check_collectors([sdc_result], NodeLabels("n1", {}))
+    sdc.forget("sdc")
+    m = render(Snapshot(hostname="n1", level=Level.HEALTHY, checks={}), [sdc])
+    assert [s.value for s in m["node_agent_sdc_probes_total"]] == [1.0]
+
+
 def test_a_throughput_figure_is_the_latest_runs_and_a_broken_run_takes_it_away():
     (burn,) = check_collectors(
         [Result("gpu_burn", "gpu:1", "tflops_bf16", Status.PASS, "", value=700.0)],
