@@ -18,13 +18,12 @@ import html
 import io
 import json
 import math
-import re
 from pathlib import Path
 from typing import Any, TypeGuard
 
 from node_agent import atomic_file
 from node_agent.extras import missing_message
-from node_agent.model import Level, Report, Result, Status
+from node_agent.model import Level, Report, Result, Status, Target
 from node_agent.yamlfile import ConfigError
 
 
@@ -111,7 +110,6 @@ summary { cursor: pointer; color: #1565c0; }
 .note { color: #555; font-style: italic; }
 """
 
-_GPU_TARGET = re.compile(r"^gpu:(\d+)$")
 
 
 def esc(value: Any) -> str:
@@ -189,8 +187,7 @@ def _series(evidence: dict[str, Any], key: str) -> list[float] | None:
 
 
 def _gpu_index(target: str) -> int | None:
-    m = _GPU_TARGET.match(target)
-    return int(m.group(1)) if m else None
+    return Target.parse(target).gpu_index
 
 
 def _target_levels(report: Report) -> dict[str, Level]:
