@@ -4,9 +4,13 @@ Runs ``ipmitool sdr type "Power Supply"`` (``host.ipmitool``, ``host.timeout_s``
 power supply's status sensor and each redundancy sensor (:mod:`node_agent.parsers.ipmitool`):
 
 * ``psu_status`` (target ``psu:<name>``) — ``fail`` for a supply that failed (Failure detected,
-  AC lost, inactive, a configuration error) or is absent (no presence asserted): the node runs
-  on its remaining supplies, one more failure from going dark (graded ERROR); ``warn`` for a
-  predictive failure, AC out of range, or a status sensor with no reading.
+  AC lost, inactive, a configuration error): the node runs on its remaining supplies, one more
+  failure from going dark (graded ERROR); ``warn`` for a predictive failure, AC out of range, or
+  a status sensor with no reading.
+  An absent supply (no presence asserted) is judged by the BMC's redundancy sensors, since many
+  boards list a sensor for a slot that is empty by design: ``fail`` when one says redundancy is
+  lost or degraded (the design wants that supply), ``pass`` when all say fully redundant (the
+  slot is empty by design), ``warn`` when there is none to tell (no drain on a guess).
 * ``psu_redundancy`` (``node``) — ``fail`` when the BMC says redundancy is lost, ``warn`` when
   degraded.
 No ipmitool (Debian package ``ipmitool``), no BMC device (``/dev/ipmi0``, ``/dev/ipmi/0``,
@@ -24,7 +28,13 @@ from node_agent.checks.ports import StandInFault
 from node_agent.host.paths import HostPaths, entity_name
 from node_agent.model import Result, Status
 from node_agent.parsers import ParseError
-from node_agent.parsers.ipmitool import judge_psus, no_bmc_reason, parse_sdr
+from node_agent.parsers.ipmitool import (
+    PsuState,
+    Redundancy,
+    judge_psus,
+    no_bmc_reason,
+    parse_sdr,
+)
 
 ARGV = ("sdr", "type", "Power Supply")
 DEVICES = ("ipmi0", "ipmi/0", "ipmidev/0")  # where ipmitool's open interface looks
@@ -102,7 +112,8 @@ def _run(ctx: CheckContext, paths: HostPaths) -> list[Result]:
                 metric="psu",
             )
         ]
-    results = [_psu_result(ctx, p) for p in psus]
+    design = _design_verdict(redundancy)
+    results = [_psu_result(ctx, p, design) for p in psus]
     for r in redundancy:
         status = {"lost": Status.FAIL, "degraded": Status.WARN}.get(r.verdict, Status.PASS)
         results.append(
@@ -129,15 +140,34 @@ _WORDS = {
 }
 
 
-def _psu_result(ctx: CheckContext, psu) -> Result:
+def _design_verdict(redundancy: list[Redundancy]) -> str | None:
+    """What the BMC's redundancy sensors say of the supplies' design: ``short`` (one says lost or
+    degraded), ``met`` (all say fully redundant), None (the BMC has none)."""
+    if not redundancy:
+        return None
+    return "met" if all(r.verdict == "redundant" for r in redundancy) else "short"
+
+
+#: an absent supply's status, by what the redundancy sensors say of the design
+_ABSENT = {"short": Status.FAIL, "met": Status.PASS, None: Status.WARN}
+
+
+def _psu_result(ctx: CheckContext, psu: PsuState, design: str | None) -> Result:
     status = {
         "failed": Status.FAIL,
-        "absent": Status.FAIL,
+        "absent": _ABSENT[design],
         "degraded": Status.WARN,
         "unreadable": Status.WARN,
     }.get(psu.verdict, Status.PASS)
     said = ", ".join(psu.states) or psu.reading or "nothing asserted"
-    if status is Status.FAIL:
+    if psu.verdict == "absent" and design != "short":
+        detail = f"power supply {psu.psu} ({psu.sensor}) {_WORDS['absent']}: " + (
+            "an empty slot by design, as the BMC reports the supplies fully redundant"
+            if design == "met"
+            else "this BMC has no redundancy sensor to tell a slot empty by design from a "
+            "pulled or unplugged supply; look at the chassis"
+        )
+    elif status is Status.FAIL:
         detail = (
             f"power supply {psu.psu} ({psu.sensor}) {_WORDS[psu.verdict]}: {said}; the "
             "node runs without its redundancy, one more supply failure from going dark "
@@ -154,6 +184,7 @@ def _psu_result(ctx: CheckContext, psu) -> Result:
         detail,
         value=psu.verdict,
         sensor=psu.sensor,
+        redundancy=design,
         entity=psu.entity,
         states=list(psu.states),
     )

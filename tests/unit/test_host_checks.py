@@ -220,6 +220,44 @@ def test_failed_psu_fails_naming_it(tmp_path):
     assert by(results, "psu_status", "psu:PS1").status is Status.PASS
 
 
+def psu_statuses(tmp_path, sdr: str) -> dict[str, Status]:
+    write(tmp_path / "dev/ipmi0", "")
+    results = host_power.run(make_ctx(tmp_path, "host_power", ipmitool=ipmitool(tmp_path, sdr)))
+    return {r.target: r.status for r in results}
+
+
+EMPTY_PS3 = PS_OK + "PS3 Status       | CAh | ok  | 10.3 |\n"
+
+
+def test_an_absent_supply_the_bmc_calls_fully_redundant_is_an_empty_slot_not_a_drain(tmp_path):
+    statuses = psu_statuses(
+        tmp_path, EMPTY_PS3 + "PS Redundancy    | 77h | ok  |  7.1 | Fully Redundant\n"
+    )
+    assert statuses == {
+        "psu:PS1": Status.PASS,
+        "psu:PS2": Status.PASS,
+        "psu:PS3": Status.PASS,
+        "node": Status.PASS,
+    }
+
+
+def test_an_absent_supply_with_redundancy_lost_fails(tmp_path):
+    statuses = psu_statuses(
+        tmp_path, EMPTY_PS3 + "PS Redundancy    | 77h | ok  |  7.1 | Redundancy Lost\n"
+    )
+    assert statuses["psu:PS3"] is Status.FAIL and statuses["node"] is Status.FAIL
+
+
+def test_an_absent_supply_no_redundancy_sensor_explains_is_a_warning_with_its_reason(tmp_path):
+    write(tmp_path / "dev/ipmi0", "")
+    results = host_power.run(
+        make_ctx(tmp_path, "host_power", ipmitool=ipmitool(tmp_path, EMPTY_PS3))
+    )
+    absent = by(results, "psu_status", "psu:PS3")
+    assert absent.status is Status.WARN
+    assert "no redundancy sensor" in absent.detail and absent.evidence["redundancy"] is None
+
+
 def test_no_bmc_device_is_a_skip(tmp_path):
     prog = ipmitool(tmp_path, PS_OK)
     (tmp_path / "dev").mkdir()
