@@ -48,13 +48,31 @@ def which(program: str) -> str | None:
     return shutil.which(program)
 
 
+#: Python 3.10 has no ``-P``. ``-c`` code starts with ``sys.path[0] == ""`` (the working
+#: directory), added after ``site`` ran: the code drops it before it imports anything (``sys`` is
+#: built in), then runs the module as ``-m`` does.
+_DROP_CWD = "import sys; del sys.path[0]\n"
+_RUN_MODULE = "import runpy; runpy._run_module_as_main(sys.argv.pop(1))"
+
+
 def python_module_argv(module: str, *args: str, python: str = sys.executable) -> list[str]:
     """``python -P -m module args...``: a child Python that never imports from its working
     directory. Plain ``-m`` puts the cwd first on ``sys.path``, so a root agent started from a
     directory others can write to would run a planted ``node_agent/`` or ``torch.py`` as root;
-    ``-P`` (Python 3.11) leaves it out. ``PYTHONPATH`` still applies: it is root's own setting.
-    Run such children with ``cwd="/"`` (:data:`CHILD_CWD`) and absolute path arguments."""
-    return [python, "-P", "-m", module, *args]
+    ``-P`` (Python 3.11) leaves it out, and on 3.10 a ``-c`` bootstrap does the same.
+    ``PYTHONPATH`` still applies: it is root's own setting. Run such children with
+    ``cwd="/"`` (:data:`CHILD_CWD`) and absolute path arguments."""
+    if sys.version_info >= (3, 11):
+        return [python, "-P", "-m", module, *args]
+    return [python, "-c", _DROP_CWD + _RUN_MODULE, module, *args]
+
+
+def python_code_argv(code: str, *args: str, python: str = sys.executable) -> list[str]:
+    """``python -P -c code args...``, on 3.10 as well: code that never imports from the working
+    directory."""
+    if sys.version_info >= (3, 11):
+        return [python, "-P", "-c", code, *args]
+    return [python, "-c", _DROP_CWD + code, *args]
 
 
 #: where the agent's own children run: a directory only root can write to

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import yaml
@@ -22,6 +21,7 @@ import yaml
 from node_agent.config import load_config
 from node_agent.gpu import open_backend
 from node_agent.gpu.pci import read_bus
+from node_agent.proc import python_code_argv, python_module_argv
 from node_agent.resources import suites_dir
 from node_agent.suite import load_suite
 
@@ -59,7 +59,7 @@ def without_torch(tmp_path) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(stub.parent), *filter(None, [env.get("PYTHONPATH")])])
     probe = subprocess.run(
-        [sys.executable, "-P", "-c", "import torch"],
+        python_code_argv("import torch"),
         env=env,
         cwd="/",
         capture_output=True,
@@ -93,10 +93,7 @@ def test_accept_without_torch_exits_0_with_every_gpu_check_skipped(tmp_path, wit
     assert TORCH_CHECKS <= set(checks)
     run = subprocess.run(
         [
-            sys.executable,
-            "-P",
-            "-m",
-            "node_agent.commands.main",
+            *python_module_argv("node_agent.commands.main"),
             "accept",
             "--json",
             "--only",

@@ -16,6 +16,7 @@ from node_agent.compute import allreduce
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
 from node_agent.model import Status
+from node_agent.proc import python_module_argv
 
 SIZES = [4096, 65536, 1048576]
 SMALL = {"sizes": SIZES, "iters": 5, "warmup": 2, "cpu_ranks": 2, "timeout_s": 60}
@@ -246,7 +247,8 @@ def test_ranks_never_import_from_the_working_directory(tmp_path, monkeypatch):
 
 def test_rank_argv_is_python_dash_p_and_the_child_path_has_no_empty_entry():
     argv = nccl_allreduce.worker_argv(0, 2, "gloo", [4096], 1, 0, 5.0, python="/py")
-    assert argv[:4] == ["/py", "-P", "-m", "node_agent.compute.allreduce"]
+    start = python_module_argv("node_agent.compute.allreduce", python="/py")
+    assert argv[: len(start)] == start
     env = nccl_allreduce.child_env({"PYTHONPATH": ":/opt/x:"})
     entries = env["PYTHONPATH"].split(":")
     assert "" not in entries and entries[0] == "/opt/x"

@@ -36,6 +36,7 @@ from node_agent.checks import CheckContext
 from node_agent.config import load_config
 from node_agent.environment import open_environment
 from node_agent.model import Result, Status
+from node_agent.proc import python_module_argv
 from node_agent.report import json_report
 from node_agent.service.daemon import Daemon
 from node_agent.suite import CheckSpec
@@ -458,7 +459,7 @@ def _hang(job: str) -> Result:
 
 def run_fleet(directory: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-P", "-m", "node_agent.commands.main", "fleet", str(directory)],
+        python_module_argv("node_agent.commands.main", "fleet", str(directory)),
         capture_output=True,
         text=True,
         timeout=120,

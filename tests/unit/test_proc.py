@@ -71,11 +71,28 @@ def test_a_grandchild_in_its_own_session_cannot_hold_run_past_the_deadline():
         os.kill(stray, 9)
 
 
-def test_python_children_never_import_from_their_working_directory():
-    from node_agent.proc import python_module_argv
+PLANTED = "open({marker!r}, 'w').write('imported'); raise SystemExit(9)\n"
 
-    argv = python_module_argv("node_agent.commands.main", "check")
-    assert argv[1:4] == ["-P", "-m", "node_agent.commands.main"]
+
+def test_python_children_never_import_from_their_working_directory(tmp_path):
+    """A planted ``node_agent/`` and ``json.py`` in the child's working directory are never
+    imported, on Python 3.10 (no ``-P``) as on 3.11 and later."""
+    import subprocess
+
+    from node_agent.proc import python_code_argv, python_module_argv
+
+    marker = tmp_path / "planted-code-ran"
+    (tmp_path / "node_agent").mkdir()
+    (tmp_path / "node_agent" / "__init__.py").write_text(PLANTED.format(marker=str(marker)))
+    (tmp_path / "json.py").write_text(PLANTED.format(marker=str(marker)))
+    for argv in (
+        python_module_argv("node_agent.commands.main", "--help"),
+        python_code_argv("import json, sys, node_agent; print(sys.argv[1:])", "a", "b"),
+    ):
+        done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert not marker.exists(), f"{argv[:3]} imported the planted code"
+    assert done.stdout.strip() == "['a', 'b']"
 
 
 def test_child_config_paths_are_made_absolute_and_program_names_kept(tmp_path, monkeypatch):
@@ -120,7 +137,7 @@ def test_forkserver_starts_from_root_dir_and_the_working_directory_is_restored(t
     import subprocess
 
     done = subprocess.run(
-        [sys.executable, "-P", "-c", FORKSERVER_CWD],
+        proc.python_code_argv(FORKSERVER_CWD),
         cwd=tmp_path,
         capture_output=True,
         text=True,
