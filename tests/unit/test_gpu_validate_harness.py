@@ -19,6 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from node_agent.proc import python_module_argv
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -530,10 +532,7 @@ def test_the_simulator_contract_and_the_agent_cli_run_from_the_bare_work_tree(ba
     config.write_text(f"state_dir: {tmp_path / 'state'}\n")
     run = subprocess.run(
         [
-            str(python),
-            "-P",
-            "-m",
-            "node_agent.commands.main",
+            *python_module_argv("node_agent.commands.main", python=str(python)),
             "check",
             "--simulate",
             str(tree / "scenarios" / "healthy-h100.yaml"),
