@@ -145,3 +145,16 @@ def test_forkserver_starts_from_root_dir_and_the_working_directory_is_restored(t
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(tmp_path), "/", "True"]
+
+
+def test_only_proc_spells_the_child_python_flags():
+    """``-P`` exists from Python 3.11 only; a child argv built by hand would fail on 3.10."""
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[2] / "node_agent"
+    spelled = [
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if '"-P"' in path.read_text(encoding="utf-8") and path.name != "proc.py"
+    ]
+    assert spelled == []
