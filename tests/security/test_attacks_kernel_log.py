@@ -106,15 +106,30 @@ def _exception_trace_on() -> bool:
         return False
 
 
+def _sequence(record: str) -> int:
+    """A kmsg record's sequence number (``prio,seq,usec,flags;``), -1 for none."""
+    fields = record.split(";", 1)[0].split(",")
+    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else -1
+
+
 def segfault_record(user, directory: Path, name: str, comm: str = "") -> tuple[str, str]:
-    """(the kmsg record of the user's segfault in a file called ``name``, how it was had)."""
+    """(the kmsg record of the user's segfault in a file called ``name``, how it was had).
+
+    Its record is the one after the crash with its pid: the ring buffer keeps earlier runs'
+    crashes, and a pid is reused."""
+    readable = _exception_trace_on() and os.access("/dev/kmsg", os.R_OK)
+    before = max((_sequence(r) for r in _kmsg_records()), default=-1) if readable else -1
     done = user.py(SEGFAULT_IN_NAMED_FILE, str(directory), name, comm, check=False)
     assert done.returncode in (-11, 139), f"the user's program did not segfault: {done}"
     pid = int(done.stdout.split()[0])
-    if _exception_trace_on() and os.access("/dev/kmsg", os.R_OK):
+    if readable:
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            mine = [r for r in _kmsg_records() if f"[{pid}]: segfault at " in r]
+            mine = [
+                r
+                for r in _kmsg_records()
+                if f"[{pid}]: segfault at " in r and _sequence(r) > before
+            ]
             if mine:
                 assert name in mine[0], f"the kernel's record does not name the file: {mine[0]}"
                 return mine[0], "the kernel (read back from /dev/kmsg)"
