@@ -51,7 +51,7 @@ def which(program: str) -> str | None:
 #: Python 3.10 has no ``-P``. ``-c`` code starts with ``sys.path[0] == ""`` (the working
 #: directory), added after ``site`` ran: the code drops it before it imports anything (``sys`` is
 #: built in), then runs the module as ``-m`` does.
-_DROP_CWD = "import sys; del sys.path[0]\n"
+_DROP_CWD = "import sys; sys.path[:] = [p for p in sys.path if p]\n"
 _RUN_MODULE = "import runpy; runpy._run_module_as_main(sys.argv.pop(1))"
 
 
