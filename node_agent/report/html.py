@@ -111,7 +111,6 @@ summary { cursor: pointer; color: #1565c0; }
 """
 
 
-
 def esc(value: Any) -> str:
     """Text from a report, safe inside HTML text and attribute values."""
     return html.escape("" if value is None else str(value), quote=True)
