@@ -292,6 +292,8 @@ class Daemon:
             old, self.env, self.config, self.suite = self.env, env, config, suite
             self._schedule = self._make_schedule(suite)
             self._results = {k: v for k, v in self._results.items() if k in scheduled}
+            for check in dropped & self._stats.keys():
+                self._stats[check].scheduled = False
         for check in sorted(dropped):
             metrics = self._metrics_of(check)
             if metrics is not None:
@@ -397,6 +399,7 @@ class Daemon:
             log.exception("recording the trends of %s failed", printable(check))
         with self._lock:
             stats = self._stats.setdefault(check, CheckStats())
+            stats.scheduled = True
             stats.runs += 1
             stats.errors += any(r.status is Status.ERROR for r in results)
             stats.last_run_unix = started + duration

@@ -322,6 +322,9 @@ class CheckStats:
     last_run_unix: float | None = None
     last_duration_s: float | None = None
     worst_status: str | None = None
+    #: False once a reload took the check off the schedule: its gauges leave the scrape (no stale
+    #: status shown as current), its counters stay
+    scheduled: bool = True
 
 
 @dataclass
@@ -394,12 +397,15 @@ class DaemonCollector(Collector):
             labels=["hostname", "check"],
         )
         for name, st in sorted(s.checks.items()):
-            for value in STATUSES:
-                status.add_metric([s.hostname, name, value], 1 if st.worst_status == value else 0)
-            if st.last_run_unix is not None:
-                last.add_metric([s.hostname, name], st.last_run_unix)
-            if st.last_duration_s is not None:
-                duration.add_metric([s.hostname, name], st.last_duration_s)
+            if st.scheduled:
+                for value in STATUSES:
+                    status.add_metric(
+                        [s.hostname, name, value], 1 if st.worst_status == value else 0
+                    )
+                if st.last_run_unix is not None:
+                    last.add_metric([s.hostname, name], st.last_run_unix)
+                if st.last_duration_s is not None:
+                    duration.add_metric([s.hostname, name], st.last_duration_s)
             runs.add_metric([s.hostname, name], st.runs)
             errors.add_metric([s.hostname, name], st.errors)
         yield from (status, last, duration, runs, errors)

@@ -220,6 +220,8 @@ def test_a_reload_that_drops_a_check_takes_its_readings_off_the_scrape(node, run
     assert daemon.reload_config() is True
     text = get(base + "/metrics")[1]
     assert metric_value(text, "node_agent_gpu_temperature_celsius") is None, text
+    assert metric_value(text, "node_agent_check_status", check="nvml_health") is None, text
+    assert metric_value(text, "node_agent_check_runs_total", check="nvml_health"), "a counter stays"
     assert metric_value(text, "node_agent_check_runs_total", check="xid") is not None
 
 
