@@ -322,18 +322,12 @@ class Remediator:
             f": {grade.reasons[0].rule} {grade.reasons[0].target}" if grade.reasons else ""
         )
         now = self.clock()
-        self.store.journal_plan(
-            key=step.key(self.node),
-            node=self.node,
-            action="retest",
-            reason=step.reason,
-            fault_code=step.fault_code,
-            target=step.target,
-            attempt=step.attempt,
-            to_state=None,
-            trigger="auto",
-            adapter=self.adapter.name,
-            now=now,
+        self._journal(
+            step,
+            step.key(self.node),
+            "auto",
+            now,
+            side_action="retest",
             state="done",
             detail=detail,
         )
@@ -392,18 +386,11 @@ class Remediator:
             return True
         # evidence once per fault: the first attempt took it, a retry does not copy it again
         evidence_note = self._take_evidence(step.action, now) if retry is None else None
-        row = self.store.journal_plan(
-            key=key,
-            node=self.node,
-            action=step.action,
-            reason=step.reason,
-            fault_code=step.fault_code,
-            target=step.target,
-            attempt=step.attempt,
-            to_state=step.to_state,
-            trigger=trigger,
-            adapter=self.adapter.name,
-            now=now,
+        row = self._journal(
+            step,
+            key,
+            trigger,
+            now,
             tries=retry.tries if retry is not None else 0,
             detail=(
                 f"retry {retry.tries + 1} of a failed {step.action} (journal #{retry.id}: "
@@ -590,6 +577,38 @@ class Remediator:
             )
         out.records.append(self._record(row.action, outcome, detail))
 
+    def _journal(
+        self,
+        step: Step,
+        key: str,
+        trigger: str,
+        now: float,
+        *,
+        side_action: str | None = None,
+        state: str = "planned",
+        detail: str = "",
+        tries: int = 0,
+    ) -> JournalRow:
+        """A journal row for ``step`` on this node through this adapter. ``side_action``: an
+        action taken for the step that is not the step itself (the retest after a restart); it
+        moves the node to no state."""
+        return self.store.journal_plan(
+            key=key,
+            node=self.node,
+            action=side_action or step.action,
+            reason=step.reason,
+            fault_code=step.fault_code,
+            target=step.target,
+            attempt=step.attempt,
+            to_state=None if side_action else step.to_state,
+            trigger=trigger,
+            adapter=self.adapter.name,
+            now=now,
+            state=state,
+            detail=detail,
+            tries=tries,
+        )
+
     def _close_new(
         self,
         step: Step,
@@ -600,21 +619,7 @@ class Remediator:
         now: float,
         out: Outcome,
     ) -> None:
-        self.store.journal_plan(
-            key=key,
-            node=self.node,
-            action=step.action,
-            reason=step.reason,
-            fault_code=step.fault_code,
-            target=step.target,
-            attempt=step.attempt,
-            to_state=step.to_state,
-            trigger=trigger,
-            adapter=self.adapter.name,
-            now=now,
-            state=outcome,
-            detail=detail,
-        )
+        self._journal(step, key, trigger, now, state=outcome, detail=detail)
         if outcome == "refused":
             self.warn(f"{step.action} REFUSED: {detail}")
         out.records.append(self._record(step.action, outcome, detail))
