@@ -145,6 +145,7 @@ def parse_all_reduce_perf(text: str) -> NcclTable:
     program: str | None = None
     rank_ids: list[int] = []
     rank_list_cut = False
+    unread: list[list[str]] = []  # row-shaped lines that are not rows
     for line in lines:
         line_launcher, line_label, rest = split_prefix(line)
         if launcher is not None and (line_launcher, line_label) != (launcher, label):
@@ -169,19 +170,22 @@ def parse_all_reduce_perf(text: str) -> NcclTable:
             continue
         if columns is None or not stripped:
             continue
-        row = _row(columns, stripped.split())
+        tokens = stripped.split()
+        row = _row(columns, tokens)
         if row is not None:
             rows.append(row)
+        elif tokens[0].isdigit():  # a line that starts like a row and is not one
+            unread.append(tokens)
     if columns is None:
         raise ParseError(
             "no all_reduce_perf table header (# size count type redop ...) in the output"
         )
-    if not rows:
-        raise ParseError("all_reduce_perf printed its header but no result rows: truncated")
+    _refuse_unread(columns, rows, unread, ended=avg is not None)
     if avg is None:
         raise ParseError(
             f"all_reduce_perf output ends after {len(rows)} rows without "
-            "'# Avg bus bandwidth': the run was cut off"
+            "'# Avg bus bandwidth': the run was cut off (killed, timed out, or a rank died "
+            "mid-run); the rows before the cut are not a whole run"
         )
     ranks = _ranks(rank_ids, rank_list_cut)
     _check_all_reduce(rows, program, ranks)
@@ -269,8 +273,85 @@ def _row(columns: list[str], tokens: list[str]) -> NcclRow | None:
             redop=first.get("redop", "sum"),
             timestamp=timestamp,
         )
-    except (KeyError, ValueError) as err:
-        raise ParseError(f"all_reduce_perf row {' '.join(tokens)!r}: {err}") from err
+    except (KeyError, ValueError):
+        raise ParseError(_edited(columns, tokens)) from None
+
+
+#: what each column holds: a count, a figure, a word; ``#wrong`` and ``error`` may be N/A
+_INT_COLUMNS = frozenset({"size", "count", "root"})
+_WORD_COLUMNS = frozenset({"type", "redop"})
+
+
+def _cell_fits(name: str, token: str) -> bool:
+    if name in _INT_COLUMNS:
+        return re.fullmatch(r"-?\d+", token) is not None
+    if name in _WORD_COLUMNS:
+        return re.fullmatch(r"[a-z][a-z0-9_]*", token) is not None
+    if name in ("#wrong", "error") and token == "N/A":
+        return True
+    return _num(token) is not None
+
+
+def _edited(columns: list[str], tokens: list[str]) -> str:
+    """The refusal of a row with a cell that cannot be what its column prints."""
+    names = columns[:-1] if columns[-1] == "timestamp" else columns
+    bad = [(n, t) for n, t in zip(names, tokens, strict=False) if not _cell_fits(n, t)]
+    cell = f"the {bad[0][0]} cell is {bad[0][1]!r}" if bad else "a cell does not fit its column"
+    return (
+        f"all_reduce_perf row {' '.join(tokens)[:160]!r}: {cell}, which nccl-tests never "
+        "prints there: the row was edited or corrupted after the run"
+    )
+
+
+def _refuse_unread(
+    columns: list[str], rows: list[NcclRow], unread: list[list[str]], ended: bool
+) -> None:
+    """Refuse a table with lines that start like a row and are not one, naming why: another
+    collective's table (its rows leave the ``redop`` column empty, as alltoall_perf before
+    nccl-tests 2.11 did), an edited cell, or a last row cut off mid-line; and a header with no
+    row under it, which is a run that ended before its first size, not a cut-off table."""
+    width = len(columns) + (1 if columns[-1] == "timestamp" else 0)
+    short = [t for t in unread if len(t) < width]
+    if "redop" in columns and short and all(_no_redop(columns, t) for t in short):
+        if len(short) > 1 or rows or ended:
+            raise ParseError(
+                f"{len(short)} row(s) leave the redop column empty ({' '.join(short[0])[:120]!r}):"
+                " this is another collective's table (alltoall, all_gather and broadcast "
+                "print no reduction), not all_reduce_perf's; its busbw is not all-reduce "
+                "bus bandwidth"
+            )
+    full = [t for t in unread if len(t) == width]
+    if full:
+        raise ParseError(_edited(columns, full[0]))
+    if unread and not ended and len(unread[-1]) < width:
+        raise ParseError(
+            f"all_reduce_perf output is cut off inside a row ({len(unread[-1])} of {width} "
+            f"fields: {' '.join(unread[-1])[:120]!r}) after {len(rows)} whole row(s): the run "
+            "was killed or its output truncated mid-line"
+        )
+    if unread:
+        raise ParseError(
+            f"all_reduce_perf line {' '.join(unread[0])[:120]!r} starts like a result row but "
+            f"has {len(unread[0])} fields where the header has {width}: the table was edited "
+            "or two outputs were mixed"
+        )
+    if not rows:
+        raise ParseError(
+            "all_reduce_perf printed its table header and no result row under it: the run "
+            "ended before its first message size completed (killed, timed out, or hung in "
+            "the first collective); read the launcher's log for why"
+        )
+
+
+def _no_redop(columns: list[str], tokens: list[str]) -> bool:
+    """Whether ``tokens`` is a row of ``columns`` with the redop cell left empty."""
+    at = columns.index("redop")
+    names = columns[:at] + columns[at + 1 :]
+    if columns[-1] == "timestamp":
+        names, tokens = names[:-1], tokens[: len(names) - 1]
+    return len(tokens) == len(names) and all(
+        _cell_fits(n, t) for n, t in zip(names, tokens, strict=True)
+    )
 
 
 def _check_all_reduce(rows: list[NcclRow], program: str | None, ranks: int | None) -> None:

@@ -58,6 +58,7 @@ UNIT_TO_GBPS: dict[str, float] = {
 _SCALES = {"Gb/sec": 1.0, "MiB/sec": 1048576 * 8 / 1e9}
 
 _HEADER = re.compile(r"#bytes\s.*BW average\[([^\]]+)\]")
+_LAT_HEADER = re.compile(r"#bytes\s+#iterations\s+t_min\[")
 _COLUMN = re.compile(r"#\w+|[A-Za-z_]+(?: [A-Za-z0-9_]+)?\[[^\]]*\]")
 _NUMBER = re.compile(r"^\d+(\.\d+)?$")
 #: relative slack of the cross-check beyond print rounding (perftest's own timing jitter
@@ -172,6 +173,11 @@ def parse_bw_table(text: str) -> list[BwRow]:
     """
     lines = text.splitlines()
     found = next(((i, m) for i, m in enumerate(map(_HEADER.search, lines)) if m), None)
+    if found is None and (latency := next((x for x in lines if _LAT_HEADER.search(x)), None)):
+        raise ParseError(
+            f"this is a perftest latency table ({latency.strip()[:100]!r}: ib_*_lat), not a "
+            "bandwidth run's: it has no BW average to read"
+        )
     if found is None:
         said = [line.strip() for line in lines if line.strip()][:2]
         raise ParseError(
@@ -196,6 +202,7 @@ def parse_bw_table(text: str) -> list[BwRow]:
     to_gbps(0.0, peak_unit)
     rows: list[BwRow] = []
     warnings: list[str] = []
+    unread: list[list[str]] = []  # lines that start like a row (a size) and are not one
     for line in lines[start + 1 :]:
         tokens = line.split()
         if (
@@ -203,8 +210,10 @@ def parse_bw_table(text: str) -> list[BwRow]:
             or not all(_NUMBER.match(t) for t in tokens)
             or "." in tokens[i_size]
         ):
+            if tokens and tokens[0].isdigit():
+                unread.append(tokens)
             # warnings ("Conflicting CPU frequency ...") may sit inside the table
-            if tokens and not set(line.strip()) <= {"-"}:
+            elif tokens and not set(line.strip()) <= {"-"}:
                 warnings.append(line.strip())
             continue
         size = int(tokens[i_size])
@@ -228,12 +237,44 @@ def parse_bw_table(text: str) -> list[BwRow]:
                 warnings=tuple(warnings),
             )
         )
+    _refuse_unread(columns, rows, unread)
+    return rows
+
+
+def _refuse_unread(columns: list[str], rows: list[BwRow], unread: list[list[str]]) -> None:
+    """Refuse a table with a line that starts like a row and is not one, naming why: a cell
+    that is not a number (edited), a last row cut short (truncated), a row of another width;
+    and a header with no row at all (the run ended before its first measurement)."""
+    width = len(columns)
+    for tokens in unread:
+        if len(tokens) == width:
+            name, cell = next(
+                (c, t)
+                for c, t in zip(columns, tokens, strict=True)
+                if not _NUMBER.match(t) or (c == "#bytes" and "." in t)
+            )
+            raise ParseError(
+                f"perftest row {' '.join(tokens)[:120]!r}: the {name} cell is {cell!r}, which "
+                "perftest never prints there: the row was edited or corrupted after the run"
+            )
+    if unread and len(unread[-1]) < width and all(_NUMBER.match(t) for t in unread[-1]):
+        raise ParseError(
+            f"perftest output is truncated inside a row ({len(unread[-1])} of {width} fields: "
+            f"{' '.join(unread[-1])[:120]!r}) after {len(rows)} whole row(s): the output was "
+            "cut off mid-line"
+        )
+    if unread:
+        raise ParseError(
+            f"perftest line {' '.join(unread[0])[:120]!r} starts like a result row but has "
+            f"{len(unread[0])} fields where the header has {width}: the table was edited or "
+            "two outputs were mixed"
+        )
     if not rows:
         raise ParseError(
-            "perftest printed its table header but no result row: the output is "
-            "truncated (the run was killed or its peer vanished)"
+            "perftest printed its table header and no result row under it: the run ended "
+            "before its first measurement (killed, timed out, or its peer vanished); read the "
+            "server's and the client's output for why"
         )
-    return rows
 
 
 def parse_bw_json(text: str, unit: str | None = None) -> BwRow:

@@ -62,6 +62,59 @@ def test_truncated_table_raises_parse_error():
         parse_all_reduce_perf((DATA / "all_reduce_perf_truncated.txt").read_text())
 
 
+#: nccl-tests issue 78 (github.com/NVIDIA/nccl-tests/issues/78): alltoall_perf of a release
+#: that left the redop cell empty under the all-reduce header
+ALLTOALL_NO_REDOP = """\
+#                                                       out-of-place                       in-place
+#       size         count      type   redop     time   algbw   busbw  error     time   algbw   busbw  error
+#        (B)    (elements)                       (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)
+   268435456       1048576     float           520935    0.52    0.51  0e+00   519562    0.52    0.51  1e+00
+   536870912       2097152     float          1041974    0.52    0.51  0e+00  1041299    0.52    0.51  1e+00
+# Out of bounds values : 0 OK
+# Avg bus bandwidth    : 0.507636
+"""
+
+
+def test_alltoall_table_without_redop_is_refused_as_another_collective():
+    with pytest.raises(ParseError, match="leave the redop column empty.*another collective"):
+        parse_all_reduce_perf(ALLTOALL_NO_REDOP)
+
+
+def test_one_edited_cell_is_refused_as_edited_not_truncated():
+    text = (DATA / "all_reduce_perf_ok.txt").read_text().replace("172.74", "172.7a")
+    with pytest.raises(ParseError, match="the algbw cell is '172.7a'.*edited"):
+        parse_all_reduce_perf(text)
+
+
+def test_header_with_no_rows_says_the_run_ended_before_its_first_size():
+    text = (DATA / "all_reduce_perf_truncated.txt").read_text()
+    header_only = text[: text.index("           8 ")]
+    with pytest.raises(ParseError, match="header and no result row.*before its first"):
+        parse_all_reduce_perf(header_only)
+
+
+def test_row_cut_mid_line_is_refused_as_cut_off():
+    text = (DATA / "all_reduce_perf_truncated.txt").read_text()
+    with pytest.raises(ParseError, match="cut off inside a row \\(11 of 13 fields"):
+        parse_all_reduce_perf(text[: text.index("17.13") + 5] + "\n")
+
+
+def test_the_four_refusals_are_four_different_messages():
+    ok = (DATA / "all_reduce_perf_ok.txt").read_text()
+    cut = (DATA / "all_reduce_perf_truncated.txt").read_text()
+    said = set()
+    for text in (
+        ALLTOALL_NO_REDOP,
+        ok.replace("172.74", "172.7a"),
+        cut[: cut.index("    8 ")],
+        cut,
+    ):
+        with pytest.raises(ParseError) as err:
+            parse_all_reduce_perf(text)
+        said.add(str(err.value)[:40])
+    assert len(said) == 4
+
+
 def test_output_without_header_raises_parse_error():
     with pytest.raises(ParseError, match="no all_reduce_perf table header"):
         parse_all_reduce_perf("NCCL WARN Cuda failure 'out of memory'\n")

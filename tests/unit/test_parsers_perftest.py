@@ -36,9 +36,47 @@ def test_duration_mode_zero_peak_is_none_not_zero():
     assert row.bw_peak_gbps == pytest.approx(11030.78 * MIB_TO_GBPS)
 
 
-def test_truncated_table_raises_parse_error():
-    with pytest.raises(ParseError, match="truncated"):
+def test_header_with_no_rows_says_the_run_ended_before_its_first_measurement():
+    with pytest.raises(ParseError, match="header and no result row.*before its first"):
         parse_bw_table((DATA / "ib_write_bw_truncated.txt").read_text())
+
+
+def test_row_cut_mid_line_is_refused_as_truncated():
+    text = (DATA / "ib_write_bw_mb.txt").read_text()
+    cut = text[: text.index("11030.45") + len("11030.45")]
+    with pytest.raises(ParseError, match="truncated inside a row \\(4 of 5 fields"):
+        parse_bw_table(cut)
+
+
+def test_one_edited_cell_is_refused_as_edited_not_truncated():
+    text = (DATA / "ib_write_bw_mb.txt").read_text().replace("11030.45", "11030.4S")
+    with pytest.raises(ParseError, match="BW average\\[MB/sec\\] cell is '11030.4S'.*edited"):
+        parse_bw_table(text)
+
+
+def test_latency_table_is_refused_as_another_test():
+    text = (
+        " #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]\n"
+        " 2       1000          1.03           3.56         1.06               1.07\n"
+    )
+    with pytest.raises(ParseError, match="latency table.*not a bandwidth run"):
+        parse_bw_table(text)
+
+
+def test_the_four_refusals_are_four_different_messages():
+    header = (DATA / "ib_write_bw_truncated.txt").read_text()
+    full = (DATA / "ib_write_bw_mb.txt").read_text()
+    said = set()
+    for text in (
+        header,
+        full[: full.index("11030.45") + 8],
+        full.replace("11030.45", "11030.4S"),
+        " #bytes #iterations t_min[usec] t_max[usec]\n 2 1000 1.03 3.56\n",
+    ):
+        with pytest.raises(ParseError) as err:
+            parse_bw_table(text)
+        said.add(str(err.value).split(":")[0])
+    assert len(said) == 4
 
 
 def test_output_without_table_raises_parse_error():
