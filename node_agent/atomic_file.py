@@ -11,6 +11,8 @@ path another user controls (DESIGN.md, "Trust boundary"; docs/security.md).
   whatever the agent's umask.
 - :func:`ensure_user_spool`: a uid's own heartbeat directory, made by root for that uid, or
   taken back from whoever squatted its name.
+- :func:`remove_tree`: remove a tree another user made, through directory fds, never following
+  a link or leaving the file system, without recursion, holding at most a few dozen fds.
 """
 
 from __future__ import annotations
@@ -19,9 +21,7 @@ import contextlib
 import json
 import os
 import secrets
-import shutil
 import stat
-import sys
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -188,6 +188,99 @@ def ensure_spool_dirs(root: Path | str, kinds: Iterable[str] = SPOOL_KINDS) -> l
     return notes
 
 
+#: :func:`remove_tree`'s caps: directory fds held at once (deeper directories are moved up to
+#: the tree's top and removed from there), and entries removed in one call (each costs a few
+#: microseconds; a user can make as many as its inode quota allows)
+REMOVE_MAX_DEPTH = 32
+REMOVE_MAX_ENTRIES = 200_000
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def remove_tree(
+    parent_fd: int,
+    name: str,
+    *,
+    where: Path | str | None = None,
+    max_depth: int = REMOVE_MAX_DEPTH,
+    max_entries: int = REMOVE_MAX_ENTRIES,
+) -> str | None:
+    """Remove the entry ``name`` of the directory open as ``parent_fd``, and everything in it
+    when it is a directory, as ``rm -rf --one-file-system`` would; returns None when it is
+    gone, else a sentence saying what is left and how to remove it. Never raises.
+
+    Made for trees another user made: every directory is opened through its parent's fd with
+    ``O_NOFOLLOW`` (a link is unlinked, never followed); a directory on another file system is
+    left alone; nothing recurses, and at most ``max_depth`` directory fds are held: a directory
+    found deeper is renamed to the top of the tree under a new name and removed from there, so
+    a tree nested thousands deep is removed whole (``shutil.rmtree`` recurses once per level
+    and raises RecursionError near 1,000). At most ``max_entries`` entries are removed in one
+    call. ``where``: the directory ``parent_fd`` is, for the sentence."""
+    path = Path(where or f"/proc/self/fd/{parent_fd}") / name
+    try:
+        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            os.unlink(name, dir_fd=parent_fd)
+            return None
+        top = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        return f"cannot remove {path}: {err.strerror or err}; remove it by hand"
+    try:
+        left = _empty_tree(top, os.fstat(top).st_dev, max_depth, max_entries)
+        if left is None:
+            os.rmdir(name, dir_fd=parent_fd)
+    except OSError as err:
+        left = f"{err.strerror or err}"
+    finally:
+        os.close(top)
+    if left is None:
+        return None
+    return (
+        f"could not remove all of {path} ({left}); remove it by hand: "
+        f"rm -rf --one-file-system {path}"
+    )
+
+
+def _empty_tree(top: int, dev: int, max_depth: int, max_entries: int) -> str | None:
+    """Remove everything in the directory open as ``top`` (see :func:`remove_tree`); None when
+    it is empty, else why not. Raises OSError."""
+    stack: list[tuple[int, str]] = [(top, "")]  # (fd, its name in the directory below it)
+    budget = max_entries
+    try:
+        while stack:
+            fd = stack[-1][0]
+            subdir = None
+            with os.scandir(fd) as entries:
+                for entry in entries:
+                    budget -= 1
+                    if budget < 0:
+                        return f"more than {max_entries} entries"
+                    if entry.is_dir(follow_symlinks=False):
+                        subdir = entry.name
+                        break
+                    os.unlink(entry.name, dir_fd=fd)
+            if subdir is None:  # empty now: remove it from the directory it is in
+                if len(stack) == 1:
+                    return None
+                _, done = stack.pop()
+                os.close(fd)
+                os.rmdir(done, dir_fd=stack[-1][0])
+            elif len(stack) >= max_depth:  # too deep to hold: move it up to the top
+                os.rename(subdir, f".deep-{secrets.token_hex(8)}", src_dir_fd=fd, dst_dir_fd=top)
+            else:
+                child = os.open(subdir, _DIR_FLAGS, dir_fd=fd)
+                if os.fstat(child).st_dev != dev:
+                    os.close(child)
+                    return f"{subdir} is on another file system (a mount point)"
+                stack.append((child, subdir))
+        return None
+    finally:
+        for fd, _ in stack[1:]:
+            os.close(fd)
+
+
 def ensure_user_spool(spool_dir: Path | str, uid: int) -> str | None:
     """Make ``<spool_dir>/<uid>`` uid's own heartbeat directory (mode 0700, owner ``uid``), as
     root; returns a note when something was wrong, else None. Never raises.
@@ -228,19 +321,13 @@ def ensure_user_spool(spool_dir: Path | str, uid: int) -> str | None:
             aside = f".squatted-{name}-{secrets.token_hex(6)}"
             os.rename(name, aside, src_dir_fd=top, dst_dir_fd=top)
             moved = os.stat(aside, dir_fd=top, follow_symlinks=False)  # what was really moved
-            if stat.S_ISDIR(moved.st_mode):
-                # rmtree works through fds and never follows a link (avoids_symlink_attacks)
-                if sys.version_info >= (3, 11):
-                    shutil.rmtree(aside, dir_fd=top, ignore_errors=True)
-                else:  # no dir_fd before 3.11: the same entry through the held directory's fd
-                    shutil.rmtree(f"/proc/self/fd/{top}/{aside}", ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    os.unlink(aside, dir_fd=top)
+            left = remove_tree(top, aside, where=d)
+            what = "a directory" if stat.S_ISDIR(moved.st_mode) else "not a directory"
             note = (
                 f"heartbeat directory name {d / name} was taken by uid {have.st_uid} "
-                f"({'a directory' if stat.S_ISDIR(have.st_mode) else 'not a directory'}), "
-                f"keeping uid {uid}'s heartbeats out: removed it and made uid {uid}'s own"
+                f"({what}), keeping uid {uid}'s heartbeats out: "
+                + ("removed it" if left is None else f"moved it aside, but {left}")
+                + f" and made uid {uid}'s own"
             )
         os.mkdir(name, 0o700, dir_fd=top)
         fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)

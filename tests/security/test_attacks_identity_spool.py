@@ -504,6 +504,45 @@ def test_a_squatted_spool_does_not_block_or_hide_another_users_heartbeats(user, 
     assert {q.pid for q in discover(hb, pids=[again.pid]).processes if q.heartbeat} == {again.pid}
 
 
+NEST = r"""
+import os, sys
+spool, victim_uid, depth = sys.argv[1], sys.argv[2], int(sys.argv[3])
+os.mkdir(os.path.join(spool, victim_uid), 0o755)   # the victim's directory name, taken first
+fd = os.open(os.path.join(spool, victim_uid), os.O_RDONLY | os.O_DIRECTORY)
+for _ in range(depth):                             # deeper than Python's recursion limit
+    os.symlink("/etc/shadow", "shadow", dir_fd=fd)  # a link root must unlink, never follow
+    os.mkdir("d", 0o755, dir_fd=fd)
+    fd, old = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd), fd
+    os.close(old)
+print("nested", flush=True)
+"""
+
+
+def test_a_squatted_name_nested_1500_deep_is_removed_and_hang_detection_keeps_working(
+    user, victim, shared_dir
+):
+    """Issue 34: root's removal of a squatted name recursed once per level and raised
+    RecursionError at 1,500 levels, so training_progress crashed on every run. Now the tree
+    is removed without recursion, the victim gets its directory, and its hang is still found."""
+    hb = heartbeat_spool(shared_dir)
+    user.py(NEST, str(hb), str(victim.uid), "1500", timeout=300)
+    hung = victim.popen(STALE_BEATER, str(hb), env={"RANK": "0"})
+    assert Path(hung.first_line).parent == hb  # its directory's name was taken
+    shadow = os.stat("/etc/shadow")
+    rep = report(run_agent(*hang_check(shared_dir, hb), timeout=600))
+    errors = [r for r in rep["results"] if r["status"] == "error"]
+    assert not errors, errors
+    assert of_pid(rep, "training_hang", hung.pid), [r["metric"] for r in rep["results"]]
+    (taken,) = [r for r in results(rep, "training_discovery") if "was taken by" in r["detail"]]
+    assert taken["status"] == "warn" and f"taken by uid {user.uid}" in taken["detail"]
+    assert "removed it" in taken["detail"], taken["detail"]
+    # nothing of the squat is left, the victim's own directory stands, /etc/shadow untouched
+    assert sorted(p.name for p in hb.iterdir() if p.name.startswith(".")) == []
+    st = os.lstat(hb / str(victim.uid))
+    assert (st.st_uid, st.st_mode & 0o777) == (victim.uid, 0o700)
+    assert os.stat("/etc/shadow") == shadow
+
+
 FLOOD = r"""
 import os, sys
 where, count = sys.argv[1], int(sys.argv[2])
