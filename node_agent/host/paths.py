@@ -19,6 +19,9 @@ class HostPaths:
     dev: Path = Path("/dev")
     ipmitool: str = "ipmitool"
     nvme: str = "nvme"
+    smartctl: str = "smartctl"  # smartmontools: the NVMe health log where nvme-cli is absent
+    ipmi_sensors: str = "ipmi-sensors"  # FreeIPMI: the BMC where ipmitool is absent
+    ipmi_sel: str = "ipmi-sel"
     #: said in results so a reader knows where the figures came from
     stand_in: bool = False
 

@@ -11,8 +11,17 @@ The JSON has changed with nvme-cli's versions (``nvme-print-json.c`` / ``nvme-pr
 * with ``-H``/verbose, ``critical_warning`` is an object: ``{"value": 4, "available_spare": 0,
   "temp_threshold": 0, "reliability_degraded": 1, "ro": 0, "vmbu_failed": 0, "pmr_ro": 0}``.
 
-smartctl's JSON names the same fields ``percentage_used``, ``available_spare`` and
-``available_spare_threshold`` under ``nvme_smart_health_information_log``; those are read too.
+smartctl's JSON (``smartctl -x -j /dev/nvmeN``, smartmontools 7.0 on: ``nvmeprint.cpp``,
+``print_smart_log``) names the same fields ``percentage_used``, ``available_spare`` and
+``available_spare_threshold`` under ``nvme_smart_health_information_log``, with the temperature in
+Celsius; :func:`parse_smartctl_json` reads it with the device, model and serial smartctl prints
+beside it and the messages it gives where it could not read the log.
+
+Available Spare and its threshold are percentages (0-100; NVMe Base Specification, SMART / Health
+log bytes 3 and 4): spare below the threshold is a drive out of the blocks it remaps failing
+flash to, whether or not the drive also set critical-warning bit 0. A threshold over 100 is
+reserved by the specification and is not compared. Percentage Used may exceed 100 (255 stands
+for anything over 254): 100 is the rated endurance reached.
 
 Critical warning bits (NVM Express Base Specification, SMART / Health Information, byte 0):
 0 available spare below threshold, 1 temperature, 2 reliability degraded (media or internal
@@ -56,6 +65,17 @@ class SmartLog:
     def media_warning(self) -> bool:
         return any(self.critical_warning >> bit & 1 for bit in MEDIA_BITS)
 
+    @property
+    def spare_below_threshold(self) -> bool:
+        """Available Spare under its threshold (a threshold the spec reserves, over 100, is
+        never compared)."""
+        return (
+            self.avail_spare is not None
+            and self.spare_thresh is not None
+            and 0 <= self.spare_thresh <= 100
+            and self.avail_spare < self.spare_thresh
+        )
+
 
 def _number(doc: dict[str, Any], *keys: str) -> int | None:
     for key in keys:
@@ -78,7 +98,73 @@ def parse_smart_log(text: str) -> SmartLog:
     doc = json_document(text, "nvme smart-log", "-o json output")
     if not isinstance(doc, dict):
         raise ParseError(f"nvme smart-log JSON is a {type(doc).__name__}, expected an object")
-    doc = doc.get("nvme_smart_health_information_log", doc)  # smartctl --json
+    if "nvme_smart_health_information_log" in doc:  # smartctl --json
+        return parse_smartctl_json(text).log
+    return _health_log(doc, kelvin=True)
+
+
+@dataclass(frozen=True)
+class SmartctlReport:
+    """What ``smartctl -x -j /dev/nvmeN`` says of one NVMe controller."""
+
+    log: SmartLog
+    device: str | None
+    model: str | None
+    serial: str | None
+    exit_status: int | None  # smartctl's bit mask (smartctl(8), RETURN VALUES)
+    messages: tuple[str, ...]
+
+
+def _messages(doc: dict[str, Any]) -> tuple[str, ...]:
+    tool = doc.get("smartctl")
+    found = tool.get("messages") if isinstance(tool, dict) else None
+    if not isinstance(found, list):
+        return ()
+    return tuple(str(m.get("string", ""))[:200] for m in found if isinstance(m, dict))
+
+
+def parse_smartctl_json(text: str) -> SmartctlReport:
+    """One ``smartctl -x -j`` (or ``-a -j``, ``--json=c``) document of an NVMe device.
+
+    ParseError when it is not JSON, or holds no ``nvme_smart_health_information_log`` (a device
+    smartctl could not open or read: its own messages are in the error, e.g. "Permission
+    denied"; an ATA or SCSI disk, which has no NVMe health log)."""
+    doc = json_document(text, "smartctl", "-j output")
+    if not isinstance(doc, dict):
+        raise ParseError(f"smartctl JSON is a {type(doc).__name__}, expected an object")
+    said = _messages(doc)
+    health = doc.get("nvme_smart_health_information_log")
+    if not isinstance(health, dict):
+        protocol = (
+            (doc.get("device") or {}).get("protocol")
+            if isinstance(doc.get("device"), dict)
+            else None
+        )
+        raise ParseError(
+            "smartctl JSON has no nvme_smart_health_information_log"
+            + (
+                f" (the device speaks {protocol}, not NVMe)"
+                if protocol and protocol != "NVMe"
+                else ""
+            )
+            + (f": smartctl said {'; '.join(said)}" if said else "")
+        )
+    tool = doc.get("smartctl") if isinstance(doc.get("smartctl"), dict) else {}
+    status = tool.get("exit_status") if isinstance(tool, dict) else None
+    device = doc.get("device") if isinstance(doc.get("device"), dict) else {}
+    return SmartctlReport(
+        log=_health_log(health, kelvin=False),
+        device=str(device.get("name")) if device.get("name") else None,
+        model=str(doc["model_name"]).strip() if doc.get("model_name") else None,
+        serial=str(doc["serial_number"]).strip() if doc.get("serial_number") else None,
+        exit_status=status if isinstance(status, int) and not isinstance(status, bool) else None,
+        messages=said,
+    )
+
+
+def _health_log(doc: dict[str, Any], kelvin: bool) -> SmartLog:
+    """The SMART / Health figures of nvme-cli's object (``kelvin``: its temperature is in
+    kelvin) or smartctl's ``nvme_smart_health_information_log`` (Celsius)."""
     raw = doc.get("critical_warning")
     if isinstance(raw, dict):  # -H: the bits spelt out, the byte under "value"
         raw = raw.get("value")
@@ -96,7 +182,12 @@ def parse_smart_log(text: str) -> SmartLog:
         avail_spare=_number(doc, "avail_spare", "available_spare"),
         spare_thresh=_number(doc, "spare_thresh", "available_spare_threshold"),
         media_errors=_number(doc, "media_errors"),
-        temperature_k=_number(doc, "temperature")
-        if not isinstance(doc.get("temperature"), dict)
-        else None,
+        temperature_k=_temperature_k(doc, kelvin),
     )
+
+
+def _temperature_k(doc: dict[str, Any], kelvin: bool) -> int | None:
+    if isinstance(doc.get("temperature"), dict):
+        return None
+    value = _number(doc, "temperature")
+    return value if value is None or kelvin else value + 273

@@ -415,13 +415,40 @@ def test_wear_over_ninety_percent_warns(tmp_path):
     assert (wear.status, wear.value) == (Status.WARN, 93)
 
 
+def test_spare_below_threshold_in_nvme_cli_form_fails_without_the_warning_bit(tmp_path):
+    nvme_tree(tmp_path)
+    prog = nvme(tmp_path, {"nvme0": {**HEALTHY, "avail_spare": 4, "spare_thresh": 10}})
+    spare = by(nvme_health.run(make_ctx(tmp_path, "nvme_health", nvme=prog)), "available_spare")
+    assert (spare.status, spare.value, spare.evidence["limit"]) == (Status.FAIL, 4, 10)
+
+
+def test_a_reserved_spare_threshold_is_not_compared(tmp_path):
+    nvme_tree(tmp_path)
+    prog = nvme(tmp_path, {"nvme0": {**HEALTHY, "avail_spare": 64, "spare_thresh": 255}})
+    spare = by(nvme_health.run(make_ctx(tmp_path, "nvme_health", nvme=prog)), "available_spare")
+    assert spare.status is Status.WARN and "reserves" in spare.detail
+
+
+def test_percentage_used_at_100_warns_naming_the_rated_endurance(tmp_path):
+    nvme_tree(tmp_path)
+    prog = nvme(tmp_path, {"nvme0": {**HEALTHY, "percent_used": 100}})
+    results = nvme_health.run(make_ctx(tmp_path, "nvme_health", nvme=prog))
+    wear = by(results, "wear")
+    assert wear.status is Status.WARN and "rated endurance reached" in wear.detail
+
+
 def test_no_nvme_or_no_nvme_cli_or_no_root_is_a_skip(tmp_path):
     (tmp_path / "sys").mkdir()
     (skip,) = nvme_health.run(make_ctx(tmp_path, "nvme_health"))
     assert skip.status is Status.SKIP and "no NVMe controller" in skip.detail
     nvme_tree(tmp_path)
-    (skip,) = nvme_health.run(make_ctx(tmp_path, "nvme_health", nvme="nvme-not-on-this-host"))
+    (skip,) = nvme_health.run(
+        make_ctx(
+            tmp_path, "nvme_health", nvme="nvme-not-on-this-host", smartctl="smartctl-not-here"
+        )
+    )
     assert skip.status is Status.SKIP and "nvme-cli" in skip.detail
+    assert "smartmontools" in skip.detail
     prog = nvme(tmp_path, {}, "open: Permission denied\n", 1)
     (skip,) = nvme_health.run(make_ctx(tmp_path, "nvme_health", nvme=prog))
     assert skip.status is Status.SKIP and "needs root" in skip.detail
