@@ -15,9 +15,11 @@ Plain data in, no scenario objects: ``node_agent.sim`` sits above this wing.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -30,6 +32,19 @@ from node_agent.gpu.base import (
     Utilization,
 )
 from node_agent.gpu.nvml import NvmlBackend, NvmlDevice, NvmlUnavailable
+from node_agent.gpu.nvml_calls import (
+    CALLS,
+    REPEATED_KEYS,
+    UINT_MAX,
+    ULL_MAX,
+    Call,
+    NvmlAnswer,
+    answer,
+    by_name,
+    lookup,
+    read_numbers,
+    read_text,
+)
 
 STATE_FORMAT = "nvml-fake-state 1"
 #: the stand-in's limits (tests/nvml_fake/nvml_fake.h: FAKE_KEY_MAX, FAKE_VALUE_MAX less the NUL)
@@ -77,8 +92,6 @@ ERROR_NAMES = {
 #: state keys that are the stand-in's switches or injected events, not an NVML answer: a
 #: capture records what NVML answered, so a capture holding one is refused (scenario schema)
 RESERVED_KEYS = ("hang", "unsupported", "absent", "error", "xid")
-#: keys the stand-in repeats (one line per item) rather than overwrites
-REPEATED_KEYS = frozenset({"process", "xid"})
 #: a recorded error on a repeated key cannot be a value: it becomes a switch on its function
 _REPEATED_KEY_FUNCTION = {"process": "nvmlDeviceGetComputeRunningProcesses"}
 
@@ -185,13 +198,6 @@ class _State:
             section.append((key, value.strip()))
 
 
-def _get(section: list[tuple[str, str]], key: str) -> str | None:
-    for k, v in reversed(section):
-        if k == key:
-            return v
-    return None
-
-
 def _switch(section: list[tuple[str, str]], fn: str) -> int:
     """The stand-in's per-function switches: unsupported, absent, error <fn> <code>."""
 
@@ -215,13 +221,16 @@ def _switch(section: list[tuple[str, str]], fn: str) -> int:
 
 class StateNvml:
     """The part of nvidia-ml-py's ``pynvml`` the NVML backend calls, answered from a state
-    file's text by the stand-in library's rules. Constants, structs and ``NVMLError`` are
-    nvidia-ml-py's own; a function not here is absent (NVML_ERROR_FUNCTION_NOT_FOUND), as on
+    file's text by the stand-in library's rules. The calls of the NVML call table
+    (:mod:`node_agent.gpu.nvml_calls`, ``calls``) are answered by the table's rules; the
+    methods below are the table's ``custom`` calls. Constants, structs and ``NVMLError`` are
+    nvidia-ml-py's own; a function in neither is absent (NVML_ERROR_FUNCTION_NOT_FOUND), as on
     an older driver."""
 
-    def __init__(self, lines: Iterable[str]) -> None:
+    def __init__(self, lines: Iterable[str], calls: tuple[Call, ...] = CALLS) -> None:
         import pynvml
 
+        self._calls = by_name(calls)
         self._pynvml = pynvml
         self._state = _State(lines)
         self.NVMLError = pynvml.NVMLError
@@ -229,6 +238,9 @@ class StateNvml:
         self._closed = threading.Event()
 
     def __getattr__(self, name: str) -> Any:
+        call = self.__dict__.get("_calls", {}).get(name)
+        if call is not None:
+            return functools.partial(self._answer, call, name)
         # constants and structs only: an NVML function this class does not answer is absent
         if name.startswith(("NVML_", "nvmlEventType", "c_nvml", "NVMLError")):
             return getattr(self._pynvml, name)
@@ -236,10 +248,23 @@ class StateNvml:
 
     def __dir__(self) -> list[str]:
         return sorted(
-            set(super().__dir__()) | {n for n in dir(self._pynvml) if n.startswith("NVML_")}
+            set(super().__dir__())
+            | set(self._calls)
+            | {n for n in dir(self._pynvml) if n.startswith("NVML_")}
         )
 
     # -- the rules ------------------------------------------------------------------------------
+
+    def _answer(self, call: Call, name: str, *args: Any) -> Any:
+        """A table call: ``(handle, *args)`` for a device call, ``(*args)`` for a system one."""
+        if call.system:
+            section = self._system(name)
+        else:
+            handle, *args = args  # type: ignore[assignment]
+            section = self._gpu(name, handle)
+        with self._rules():
+            value = answer(call, section, tuple(int(a) for a in args))
+        return SimpleNamespace(**value) if isinstance(value, dict) else value
 
     def _fail(self, code: int) -> None:
         if code != _SUCCESS:
@@ -255,41 +280,25 @@ class StateNvml:
         if not isinstance(index, int) or not 0 <= index < len(self._state.gpus):
             raise self._pynvml.NVMLError(_INVALID_ARGUMENT)
         section = self._state.gpus[index]
-        lost = _get(section, "lost")
+        lost = lookup(section, "lost")
         if lost is not None and lost != "0":
             self._fail(_GPU_IS_LOST)
         self._fail(_switch(section, fn))
         return section
 
-    def _value(self, section: list[tuple[str, str]], key: str) -> str:
-        value = _get(section, key)
-        if value is None:
-            self._fail(_NOT_SUPPORTED)
-        assert value is not None
-        if value.startswith("error "):
-            code = value[6:].strip()
-            self._fail(int(code) if code.lstrip("-").isdigit() else _UNKNOWN)
-        return value
-
-    def _int(self, section: list[tuple[str, str]], key: str) -> int:
-        value = self._value(section, key)
+    @contextlib.contextmanager
+    def _rules(self) -> Iterator[None]:
+        """The table's answers (NvmlAnswer) as nvidia-ml-py's NVMLError."""
         try:
-            return int(value, 0)
-        except ValueError:
-            self._fail(_UNKNOWN)
-            raise
+            yield
+        except NvmlAnswer as err:
+            raise self._pynvml.NVMLError(err.code) from None
 
-    def _ints(self, section: list[tuple[str, str]], key: str, n: int) -> list[int]:
-        value = self._value(section, key)
-        try:
-            numbers = [int(v, 0) for v in value.split()]
-        except ValueError:
-            numbers = []
-        if len(numbers) != n:
-            self._fail(_UNKNOWN)
-        return numbers
+    def _ints(self, section: list[tuple[str, str]], key: str, n: int = 1) -> list[int]:
+        with self._rules():
+            return read_numbers(section, key, [UINT_MAX] * n)
 
-    # -- init, system, enumeration ----------------------------------------------------------------
+    # -- the custom calls: init, enumeration ------------------------------------------------------
 
     def nvmlInit(self) -> None:
         self._system("nvmlInit")
@@ -298,18 +307,6 @@ class StateNvml:
     def nvmlShutdown(self) -> None:
         self._initialised = max(0, self._initialised - 1)
         self._closed.set()
-
-    def nvmlSystemGetDriverVersion(self) -> str:
-        return self._value(self._system("nvmlSystemGetDriverVersion"), "driver_version")
-
-    def nvmlSystemGetNVMLVersion(self) -> str:
-        return self._value(self._system("nvmlSystemGetNVMLVersion"), "nvml_version")
-
-    def nvmlSystemGetCudaDriverVersion(self) -> int:
-        return self._int(self._system("nvmlSystemGetCudaDriverVersion"), "cuda_driver_version")
-
-    def nvmlSystemGetCudaDriverVersion_v2(self) -> int:
-        return self._int(self._system("nvmlSystemGetCudaDriverVersion_v2"), "cuda_driver_version")
 
     def nvmlDeviceGetCount(self) -> int:
         self._system("nvmlDeviceGetCount")
@@ -323,165 +320,32 @@ class StateNvml:
         self._gpu("nvmlDeviceGetHandleByIndex", handle)
         return handle
 
-    # -- identity ---------------------------------------------------------------------------------
-
-    def _str(self, fn: str, handle: Any, key: str) -> str:
-        return self._value(self._gpu(fn, handle), key)
-
-    def nvmlDeviceGetName(self, handle: Any) -> str:
-        return self._str("nvmlDeviceGetName", handle, "name")
-
-    def nvmlDeviceGetUUID(self, handle: Any) -> str:
-        return self._str("nvmlDeviceGetUUID", handle, "uuid")
-
-    def nvmlDeviceGetSerial(self, handle: Any) -> str:
-        return self._str("nvmlDeviceGetSerial", handle, "serial")
-
-    def nvmlDeviceGetVbiosVersion(self, handle: Any) -> str:
-        return self._str("nvmlDeviceGetVbiosVersion", handle, "vbios")
+    # -- structs and several keys -------------------------------------------------------------------
 
     def nvmlDeviceGetPciInfo(self, handle: Any) -> Any:
         section = self._gpu("nvmlDeviceGetPciInfo", handle)
-        bus_id = self._value(section, "pci.bus_id")
+        with self._rules():
+            bus_id = read_text(section, "pci.bus_id")
         info = SimpleNamespace(
             busId=bus_id, busIdLegacy=bus_id[-12:], pciDeviceId=0, pciSubSystemId=0
         )
         for attr, key in (("pciDeviceId", "pci.device_id"), ("pciSubSystemId", "pci.subsystem_id")):
-            if _get(section, key) is not None:
-                setattr(info, attr, self._int(section, key))
+            if lookup(section, key) is not None:
+                setattr(info, attr, self._ints(section, key)[0])
         return info
 
     def nvmlDeviceGetMemoryInfo(self, handle: Any) -> Any:
         section = self._gpu("nvmlDeviceGetMemoryInfo", handle)
-        total = self._int(section, "memory.total")
-        used = sum(
-            self._int(section, k)
-            for k in ("memory.reserved", "memory.used")
-            if _get(section, k) is not None
-        )
+        with self._rules():
+            (total,) = read_numbers(section, "memory.total", [ULL_MAX])
+            used = sum(
+                read_numbers(section, k, [ULL_MAX])[0]
+                for k in ("memory.reserved", "memory.used")
+                if lookup(section, k) is not None
+            )
         if used > total:
             self._fail(_UNKNOWN)
         return SimpleNamespace(total=total, used=used, free=total - used)
-
-    def nvmlDeviceGetVirtualizationMode(self, handle: Any) -> int:
-        return self._int(
-            self._gpu("nvmlDeviceGetVirtualizationMode", handle), "virtualization_mode"
-        )
-
-    # -- temperature, power, clocks, utilization --------------------------------------------------
-
-    def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
-        section = self._gpu("nvmlDeviceGetTemperature", handle)
-        if sensor != self._pynvml.NVML_TEMPERATURE_GPU:
-            self._fail(_NOT_SUPPORTED)
-        return self._int(section, "temperature.gpu")
-
-    def nvmlDeviceGetTemperatureThreshold(self, handle: Any, kind: int) -> int:
-        names = (
-            "shutdown",
-            "slowdown",
-            "mem_max",
-            "gpu_max",
-            "acoustic_min",
-            "acoustic_curr",
-            "acoustic_max",
-            "gps_curr",
-        )
-        section = self._gpu("nvmlDeviceGetTemperatureThreshold", handle)
-        if not 0 <= kind < len(names):
-            self._fail(_NOT_SUPPORTED)
-        return self._int(section, f"temperature.threshold.{names[kind]}")
-
-    def _mw(self, fn: str, handle: Any, key: str) -> int:
-        return self._int(self._gpu(fn, handle), key)
-
-    def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:
-        return self._mw("nvmlDeviceGetPowerUsage", handle, "power.usage")
-
-    def nvmlDeviceGetEnforcedPowerLimit(self, handle: Any) -> int:
-        return self._mw("nvmlDeviceGetEnforcedPowerLimit", handle, "power.enforced_limit")
-
-    def nvmlDeviceGetPowerManagementLimit(self, handle: Any) -> int:
-        return self._mw("nvmlDeviceGetPowerManagementLimit", handle, "power.limit")
-
-    def nvmlDeviceGetPowerManagementDefaultLimit(self, handle: Any) -> int:
-        return self._mw("nvmlDeviceGetPowerManagementDefaultLimit", handle, "power.default_limit")
-
-    _CLOCKS = {0: "graphics", 1: "sm", 2: "mem", 3: "video"}
-
-    def nvmlDeviceGetClockInfo(self, handle: Any, kind: int) -> int:
-        section = self._gpu("nvmlDeviceGetClockInfo", handle)
-        if kind not in self._CLOCKS:
-            self._fail(_INVALID_ARGUMENT)
-        return self._int(section, f"clock.{self._CLOCKS[kind]}")
-
-    def nvmlDeviceGetMaxClockInfo(self, handle: Any, kind: int) -> int:
-        section = self._gpu("nvmlDeviceGetMaxClockInfo", handle)
-        if kind not in self._CLOCKS:
-            self._fail(_INVALID_ARGUMENT)
-        return self._int(section, f"clock_max.{self._CLOCKS[kind]}")
-
-    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any) -> int:
-        return self._int(
-            self._gpu("nvmlDeviceGetCurrentClocksEventReasons", handle), "clocks_event_reasons"
-        )
-
-    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: Any) -> int:
-        return self._int(
-            self._gpu("nvmlDeviceGetCurrentClocksThrottleReasons", handle), "clocks_event_reasons"
-        )
-
-    def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
-        gpu, memory = self._ints(
-            self._gpu("nvmlDeviceGetUtilizationRates", handle), "utilization", 2
-        )
-        return SimpleNamespace(gpu=gpu, memory=memory)
-
-    # -- PCIe -------------------------------------------------------------------------------------
-
-    def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: Any) -> int:
-        return self._int(self._gpu("nvmlDeviceGetCurrPcieLinkGeneration", handle), "pcie.gen")
-
-    def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: Any) -> int:
-        return self._int(self._gpu("nvmlDeviceGetMaxPcieLinkGeneration", handle), "pcie.gen_max")
-
-    def nvmlDeviceGetCurrPcieLinkWidth(self, handle: Any) -> int:
-        return self._int(self._gpu("nvmlDeviceGetCurrPcieLinkWidth", handle), "pcie.width")
-
-    def nvmlDeviceGetMaxPcieLinkWidth(self, handle: Any) -> int:
-        return self._int(self._gpu("nvmlDeviceGetMaxPcieLinkWidth", handle), "pcie.width_max")
-
-    def nvmlDeviceGetPcieReplayCounter(self, handle: Any) -> int:
-        return self._int(self._gpu("nvmlDeviceGetPcieReplayCounter", handle), "pcie.replay_counter")
-
-    # -- ECC, pages, rows, persistence ------------------------------------------------------------
-
-    _ECC_LOCATIONS = ("l1", "l2", "dram", "register_file", "texture", "texture_shm", "cbu", "sram")
-
-    def _ecc_key(self, error_type: int, counter: int, location: int | None = None) -> str:
-        kind = {0: "corrected", 1: "uncorrected"}.get(error_type)
-        which = {0: "volatile", 1: "aggregate"}.get(counter)
-        if kind is None or which is None:
-            self._fail(_INVALID_ARGUMENT)
-        if location is None:
-            return f"ecc.{kind}.{which}"
-        if not 0 <= location < len(self._ECC_LOCATIONS):
-            self._fail(_INVALID_ARGUMENT)
-        return f"ecc.{kind}.{which}.{self._ECC_LOCATIONS[location]}"
-
-    def nvmlDeviceGetEccMode(self, handle: Any) -> list[int]:
-        current, pending = self._ints(self._gpu("nvmlDeviceGetEccMode", handle), "ecc.mode", 2)
-        return [int(bool(current)), int(bool(pending))]
-
-    def nvmlDeviceGetTotalEccErrors(self, handle: Any, error_type: int, counter: int) -> int:
-        section = self._gpu("nvmlDeviceGetTotalEccErrors", handle)
-        return self._int(section, self._ecc_key(error_type, counter))
-
-    def nvmlDeviceGetMemoryErrorCounter(
-        self, handle: Any, error_type: int, counter: int, location: int
-    ) -> int:
-        section = self._gpu("nvmlDeviceGetMemoryErrorCounter", handle)
-        return self._int(section, self._ecc_key(error_type, counter, location))
 
     def nvmlDeviceGetSramEccErrorStatus(self, handle: Any, status: Any) -> int:
         section = self._gpu("nvmlDeviceGetSramEccErrorStatus", handle)
@@ -489,7 +353,7 @@ class StateNvml:
             self._fail(_NOT_SUPPORTED)
 
         def numbers(key: str, n: int) -> list[int]:
-            return [0] * n if _get(section, key) is None else self._ints(section, key, n)
+            return [0] * n if lookup(section, key) is None else self._ints(section, key, n)
 
         aggregate = numbers("ecc_sram.aggregate", 3)
         volatile = numbers("ecc_sram.volatile", 3)
@@ -513,56 +377,9 @@ class StateNvml:
         key = {0: "retired_pages.sbe", 1: "retired_pages.dbe"}.get(cause)
         if key is None:
             self._fail(_INVALID_ARGUMENT)
-        n = self._int(section, str(key))
-        if not 0 <= n <= 0xFFFFFFFF:  # an unsigned int in NVML, as the stand-in checks
-            self._fail(_UNKNOWN)
+        (n,) = self._ints(section, str(key))
         base = 0x100000 * (cause + 1)  # made-up addresses, as the stand-in's; never listed
         return range(base, base + 0x1000 * n, 0x1000)
-
-    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: Any) -> int:
-        pending = self._int(
-            self._gpu("nvmlDeviceGetRetiredPagesPendingStatus", handle), "retired_pages.pending"
-        )
-        return int(bool(pending))
-
-    def nvmlDeviceGetRemappedRows(self, handle: Any) -> tuple[int, int, int, int]:
-        rows = self._ints(self._gpu("nvmlDeviceGetRemappedRows", handle), "remapped_rows", 4)
-        return rows[0], rows[1], rows[2], rows[3]
-
-    def nvmlDeviceGetPersistenceMode(self, handle: Any) -> int:
-        return int(
-            bool(self._int(self._gpu("nvmlDeviceGetPersistenceMode", handle), "persistence_mode"))
-        )
-
-    # -- NVLink -----------------------------------------------------------------------------------
-
-    def _nvlink(self, section: list[tuple[str, str]], link: int, what: str) -> str:
-        """nvlink.<link>.<what>: an index the state does not describe is INVALID_ARGUMENT on a
-        GPU with NVLink keys and NOT_SUPPORTED on one without; a link whose state is an
-        error answers that error for every call on it (the stand-in's rules)."""
-        if not 0 <= link < self._pynvml.NVML_NVLINK_MAX_LINKS:
-            self._fail(_INVALID_ARGUMENT)
-        if _get(section, f"nvlink.{link}.state") is None:
-            has_links = any(k.startswith("nvlink.") for k, _ in section)
-            self._fail(_INVALID_ARGUMENT if has_links else _NOT_SUPPORTED)
-        self._value(section, f"nvlink.{link}.state")
-        return f"nvlink.{link}.{what}"
-
-    def nvmlDeviceGetNvLinkState(self, handle: Any, link: int) -> int:
-        section = self._gpu("nvmlDeviceGetNvLinkState", handle)
-        return int(bool(self._int(section, self._nvlink(section, link, "state"))))
-
-    def nvmlDeviceGetNvLinkCapability(self, handle: Any, link: int, capability: int) -> int:
-        section = self._gpu("nvmlDeviceGetNvLinkCapability", handle)
-        key = self._nvlink(section, link, f"cap.{capability}")
-        return 0 if _get(section, key) is None else self._int(section, key)
-
-    def nvmlDeviceGetNvLinkErrorCounter(self, handle: Any, link: int, counter: int) -> int:
-        names = ("replay", "recovery", "crc_flit", "crc_data", "ecc_data")
-        section = self._gpu("nvmlDeviceGetNvLinkErrorCounter", handle)
-        if not 0 <= counter < len(names):
-            self._fail(_INVALID_ARGUMENT)
-        return self._int(section, self._nvlink(section, link, f"error.{names[counter]}"))
 
     # -- processes and events ---------------------------------------------------------------------
 
@@ -589,7 +406,9 @@ class StateNvml:
             field_id, scope = field_id if isinstance(field_id, tuple) else (field_id, 0)
             out.fieldId, out.scopeId = field_id, scope
             out.valueType = 1
-            text = _get(section, f"field.{field_id}.{scope}") or _get(section, f"field.{field_id}")
+            text = lookup(section, f"field.{field_id}.{scope}") or lookup(
+                section, f"field.{field_id}"
+            )
             if text is None:
                 out.nvmlReturn = _NOT_SUPPORTED
                 continue
@@ -617,7 +436,9 @@ class StateNvml:
         self._system("nvmlEventSetFree")
 
     def nvmlDeviceRegisterEvents(self, handle: Any, event_types: int, event_set: Any) -> None:
-        supported = self._int(self._gpu("nvmlDeviceRegisterEvents", handle), "event_types")
+        section = self._gpu("nvmlDeviceRegisterEvents", handle)
+        with self._rules():
+            (supported,) = read_numbers(section, "event_types", [ULL_MAX])
         if event_types & ~supported:
             self._fail(_NOT_SUPPORTED)
         event_set.registered.add(handle.index)

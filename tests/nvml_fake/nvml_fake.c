@@ -238,7 +238,10 @@ static nvmlReturn_t bad_value(const char *key, const char *v)
     return NVML_ERROR_UNKNOWN;
 }
 
-static nvmlReturn_t get_ull(const fake_section_t *s, const char *key, unsigned long long *out)
+/* n numbers in one value ("remapped_rows 0 1 1 0"), each at most limits[i]: what does not
+ * parse, or is too large for its C type, is NVML_ERROR_UNKNOWN (the table's rule). */
+static nvmlReturn_t get_numbers(const fake_section_t *s, const char *key, unsigned long long *out,
+                                int n, const unsigned long long *limits)
 {
     const char *v = fake_get(s, key);
     nvmlReturn_t rc;
@@ -246,25 +249,46 @@ static nvmlReturn_t get_ull(const fake_section_t *s, const char *key, unsigned l
         return NVML_ERROR_NOT_SUPPORTED;
     if (value_error(v, &rc))
         return rc;
-    char *end;
-    errno = 0;
-    unsigned long long n = strtoull(v, &end, 0);
-    if (errno || end == v || *end || *v == '-')
-        return bad_value(key, v);
-    *out = n;
-    return NVML_SUCCESS;
+    const char *p = v;
+    for (int i = 0; i < n; i++) {
+        while (*p == ' ' || *p == '\t')
+            p++;
+        char *end;
+        errno = 0;
+        unsigned long long x = strtoull(p, &end, 0);
+        if (errno || end == p || *p == '-' || x > limits[i])
+            return bad_value(key, v);
+        out[i] = x;
+        p = end;
+    }
+    while (*p == ' ' || *p == '\t')
+        p++;
+    return *p ? bad_value(key, v) : NVML_SUCCESS;
+}
+
+static const unsigned long long UINT_LIMITS[] = {0xffffffffULL, 0xffffffffULL, 0xffffffffULL,
+                                                 0xffffffffULL, 0xffffffffULL, 0xffffffffULL,
+                                                 0xffffffffULL, 0xffffffffULL};
+
+static nvmlReturn_t get_ull(const fake_section_t *s, const char *key, unsigned long long *out)
+{
+    static const unsigned long long limit[] = {~0ULL};
+    return get_numbers(s, key, out, 1, limit);
+}
+
+/* Several unsigned ints in one value (at most 8). */
+static nvmlReturn_t get_uints(const fake_section_t *s, const char *key, unsigned *out, int n)
+{
+    unsigned long long v[8];
+    nvmlReturn_t rc = get_numbers(s, key, v, n, UINT_LIMITS);
+    for (int i = 0; rc == NVML_SUCCESS && i < n; i++)
+        out[i] = (unsigned)v[i];
+    return rc;
 }
 
 static nvmlReturn_t get_uint(const fake_section_t *s, const char *key, unsigned int *out)
 {
-    unsigned long long n = 0;
-    nvmlReturn_t rc = get_ull(s, key, &n);
-    if (rc == NVML_SUCCESS) {
-        if (n > 0xffffffffULL)
-            return bad_value(key, fake_get(s, key));
-        *out = (unsigned int)n;
-    }
-    return rc;
+    return get_uints(s, key, out, 1);
 }
 
 static nvmlReturn_t get_str(const fake_section_t *s, const char *key, char *out, unsigned int len)
@@ -283,29 +307,25 @@ static nvmlReturn_t get_str(const fake_section_t *s, const char *key, char *out,
     return NVML_SUCCESS;
 }
 
-/* Several unsigned numbers in one value ("remapped_rows 0 1 1 0"). */
-static nvmlReturn_t get_uints(const fake_section_t *s, const char *key, unsigned *out, int n)
+/* The NVLink rule: a link index the state does not describe is INVALID_ARGUMENT on a GPU with
+ * NVLink (an index beyond its links) and NOT_SUPPORTED on one without; a link whose state is
+ * "error <code>" answers that code for every call on it (a captured link NVML did not answer
+ * for: docs/capture.md). */
+static nvmlReturn_t nvlink_check(const fake_section_t *gpu, unsigned link)
 {
-    const char *v = fake_get(s, key);
-    nvmlReturn_t rc;
-    if (!v)
-        return NVML_ERROR_NOT_SUPPORTED;
-    if (value_error(v, &rc))
-        return rc;
-    const char *p = v;
-    for (int i = 0; i < n; i++) {
-        char *end;
-        errno = 0;
-        unsigned long n_i = strtoul(p, &end, 0);
-        if (errno || end == p || n_i > 0xffffffffUL)
-            return bad_value(key, v);
-        out[i] = (unsigned)n_i;
-        p = end;
-    }
-    while (*p == ' ' || *p == '\t')
-        p++;
-    return *p ? bad_value(key, v) : NVML_SUCCESS;
+    char key[FAKE_KEY_MAX];
+    snprintf(key, sizeof key, "nvlink.%u.state", link);
+    const char *state = fake_get(gpu, key);
+    if (!state)
+        return fake_has_prefix(gpu, "nvlink.") ? NVML_ERROR_INVALID_ARGUMENT : NVML_ERROR_NOT_SUPPORTED;
+    nvmlReturn_t rc = NVML_SUCCESS;
+    value_error(state, &rc);
+    return rc;
 }
+
+/* -- the getters generated from the NVML call table (node_agent/gpu/nvml_calls.py) ---------- */
+
+#include "nvml_fake_calls.h"
 
 /* -- errors --------------------------------------------------------------------------------- */
 
@@ -369,43 +389,6 @@ EXPORT nvmlReturn_t nvmlShutdown(void)
     if (--g_init_count == 0)
         fake_state_release();
     DONE(NVML_SUCCESS);
-}
-
-/* -- system --------------------------------------------------------------------------------- */
-
-EXPORT nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length)
-{
-    SYSTEM_CALL();
-    DONE(get_str(global, "driver_version", version, length));
-}
-
-EXPORT nvmlReturn_t nvmlSystemGetNVMLVersion(char *version, unsigned int length)
-{
-    SYSTEM_CALL();
-    DONE(get_str(global, "nvml_version", version, length));
-}
-
-static nvmlReturn_t cuda_version(const fake_section_t *global, int *out)
-{
-    unsigned v = 0;
-    if (!out)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    nvmlReturn_t rc = get_uint(global, "cuda_driver_version", &v);
-    if (rc == NVML_SUCCESS)
-        *out = (int)v;
-    return rc;
-}
-
-EXPORT nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *cudaDriverVersion)
-{
-    SYSTEM_CALL();
-    DONE(cuda_version(global, cudaDriverVersion));
-}
-
-EXPORT nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *cudaDriverVersion)
-{
-    SYSTEM_CALL();
-    DONE(cuda_version(global, cudaDriverVersion));
 }
 
 /* -- enumeration ---------------------------------------------------------------------------- */
@@ -489,57 +472,6 @@ EXPORT nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
 }
 
 /* -- identity ------------------------------------------------------------------------------- */
-
-EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
-{
-    DEVICE_CALL(device);
-    DONE(get_str(gpu, "name", name, length));
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
-{
-    DEVICE_CALL(device);
-    DONE(get_str(gpu, "uuid", uuid, length));
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetSerial(nvmlDevice_t device, char *serial, unsigned int length)
-{
-    DEVICE_CALL(device);
-    DONE(get_str(gpu, "serial", serial, length));
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetVbiosVersion(nvmlDevice_t device, char *version, unsigned int length)
-{
-    DEVICE_CALL(device);
-    DONE(get_str(gpu, "vbios", version, length));
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minorNumber)
-{
-    DEVICE_CALL(device);
-    REQUIRE(minorNumber);
-    DONE(get_uint(gpu, "minor_number", minorNumber));
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetArchitecture(nvmlDevice_t device, nvmlDeviceArchitecture_t *arch)
-{
-    DEVICE_CALL(device);
-    REQUIRE(arch);
-    DONE(get_uint(gpu, "architecture", arch));
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor)
-{
-    DEVICE_CALL(device);
-    REQUIRE(major && minor);
-    unsigned cc[2];
-    rc = get_uints(gpu, "cuda_compute_capability", cc, 2);
-    if (rc == NVML_SUCCESS) {
-        *major = (int)cc[0];
-        *minor = (int)cc[1];
-    }
-    DONE(rc);
-}
 
 static nvmlReturn_t pci_info(const fake_section_t *gpu, nvmlPciInfo_t *pci)
 {
@@ -636,15 +568,6 @@ EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v
 
 /* -- temperature ---------------------------------------------------------------------------- */
 
-EXPORT nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, nvmlTemperatureSensors_t sensorType,
-                                             unsigned int *temp)
-{
-    DEVICE_CALL(device);
-    REQUIRE(temp && (int)sensorType >= 0 && sensorType < NVML_TEMPERATURE_COUNT);
-    DONE(sensorType == NVML_TEMPERATURE_GPU ? get_uint(gpu, "temperature.gpu", temp)
-                                            : NVML_ERROR_NOT_SUPPORTED);
-}
-
 EXPORT nvmlReturn_t nvmlDeviceGetTemperatureV(nvmlDevice_t device, nvmlTemperature_t *temperature)
 {
     DEVICE_CALL(device);
@@ -659,23 +582,6 @@ EXPORT nvmlReturn_t nvmlDeviceGetTemperatureV(nvmlDevice_t device, nvmlTemperatu
     if (rc == NVML_SUCCESS)
         temperature->temperature = (int)celsius;
     DONE(rc);
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetTemperatureThreshold(nvmlDevice_t device,
-                                                      nvmlTemperatureThresholds_t thresholdType,
-                                                      unsigned int *temp)
-{
-    static const char *const names[] = {
-        "shutdown", "slowdown", "mem_max", "gpu_max", "acoustic_min", "acoustic_curr",
-        "acoustic_max", "gps_curr",
-    };
-    DEVICE_CALL(device);
-    REQUIRE(temp && (int)thresholdType >= 0 && thresholdType < NVML_TEMPERATURE_THRESHOLD_COUNT);
-    if ((size_t)thresholdType >= sizeof names / sizeof names[0])
-        DONE(NVML_ERROR_NOT_SUPPORTED);
-    char key[FAKE_KEY_MAX];
-    snprintf(key, sizeof key, "temperature.threshold.%s", names[thresholdType]);
-    DONE(get_uint(gpu, key, temp));
 }
 
 /* -- field values --------------------------------------------------------------------------- */
@@ -744,211 +650,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCoun
     DONE(NVML_SUCCESS);
 }
 
-/* -- power and clocks ----------------------------------------------------------------------- */
-
-EXPORT nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *power)
-{
-    DEVICE_CALL(device);
-    REQUIRE(power);
-    DONE(get_uint(gpu, "power.usage", power));
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetEnforcedPowerLimit(nvmlDevice_t device, unsigned int *limit)
-{
-    DEVICE_CALL(device);
-    REQUIRE(limit);
-    DONE(get_uint(gpu, "power.enforced_limit", limit));
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetPowerManagementLimit(nvmlDevice_t device, unsigned int *limit)
-{
-    DEVICE_CALL(device);
-    REQUIRE(limit);
-    DONE(get_uint(gpu, "power.limit", limit));
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetPowerManagementDefaultLimit(nvmlDevice_t device, unsigned int *defaultLimit)
-{
-    DEVICE_CALL(device);
-    REQUIRE(defaultLimit);
-    DONE(get_uint(gpu, "power.default_limit", defaultLimit));
-}
-
-static const char *clock_name(nvmlClockType_t type)
-{
-    switch (type) {
-    case NVML_CLOCK_GRAPHICS: return "graphics";
-    case NVML_CLOCK_SM: return "sm";
-    case NVML_CLOCK_MEM: return "mem";
-    case NVML_CLOCK_VIDEO: return "video";
-    default: return NULL;
-    }
-}
-
-static nvmlReturn_t clock_value(const fake_section_t *gpu, const char *prefix, nvmlClockType_t type,
-                                unsigned int *clock)
-{
-    const char *name = clock_name(type);
-    if (!name || !clock)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    char key[FAKE_KEY_MAX];
-    snprintf(key, sizeof key, "%s.%s", prefix, name);
-    return get_uint(gpu, key, clock);
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t device, nvmlClockType_t type, unsigned int *clock)
-{
-    DEVICE_CALL(device);
-    DONE(clock_value(gpu, "clock", type, clock));
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetMaxClockInfo(nvmlDevice_t device, nvmlClockType_t type, unsigned int *clock)
-{
-    DEVICE_CALL(device);
-    DONE(clock_value(gpu, "clock_max", type, clock));
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetCurrentClocksEventReasons(nvmlDevice_t device,
-                                                           unsigned long long *clocksEventReasons)
-{
-    DEVICE_CALL(device);
-    REQUIRE(clocksEventReasons);
-    DONE(get_ull(gpu, "clocks_event_reasons", clocksEventReasons));
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(nvmlDevice_t device,
-                                                              unsigned long long *clocksThrottleReasons)
-{
-    DEVICE_CALL(device);
-    REQUIRE(clocksThrottleReasons);
-    DONE(get_ull(gpu, "clocks_event_reasons", clocksThrottleReasons));
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetSupportedClocksEventReasons(nvmlDevice_t device,
-                                                             unsigned long long *supportedClocksEventReasons)
-{
-    DEVICE_CALL(device);
-    REQUIRE(supportedClocksEventReasons);
-    DONE(get_ull(gpu, "clocks_event_reasons_supported", supportedClocksEventReasons));
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetSupportedClocksThrottleReasons(nvmlDevice_t device,
-                                                                unsigned long long *supportedClocksThrottleReasons)
-{
-    DEVICE_CALL(device);
-    REQUIRE(supportedClocksThrottleReasons);
-    DONE(get_ull(gpu, "clocks_event_reasons_supported", supportedClocksThrottleReasons));
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *utilization)
-{
-    DEVICE_CALL(device);
-    REQUIRE(utilization);
-    unsigned u[2];
-    rc = get_uints(gpu, "utilization", u, 2);
-    if (rc == NVML_SUCCESS) {
-        utilization->gpu = u[0];
-        utilization->memory = u[1];
-    }
-    DONE(rc);
-}
-
-/* -- PCIe ----------------------------------------------------------------------------------- */
-
-EXPORT nvmlReturn_t nvmlDeviceGetCurrPcieLinkGeneration(nvmlDevice_t device, unsigned int *currLinkGen)
-{
-    DEVICE_CALL(device);
-    REQUIRE(currLinkGen);
-    DONE(get_uint(gpu, "pcie.gen", currLinkGen));
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetMaxPcieLinkGeneration(nvmlDevice_t device, unsigned int *maxLinkGen)
-{
-    DEVICE_CALL(device);
-    REQUIRE(maxLinkGen);
-    DONE(get_uint(gpu, "pcie.gen_max", maxLinkGen));
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetCurrPcieLinkWidth(nvmlDevice_t device, unsigned int *currLinkWidth)
-{
-    DEVICE_CALL(device);
-    REQUIRE(currLinkWidth);
-    DONE(get_uint(gpu, "pcie.width", currLinkWidth));
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetMaxPcieLinkWidth(nvmlDevice_t device, unsigned int *maxLinkWidth)
-{
-    DEVICE_CALL(device);
-    REQUIRE(maxLinkWidth);
-    DONE(get_uint(gpu, "pcie.width_max", maxLinkWidth));
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetPcieReplayCounter(nvmlDevice_t device, unsigned int *value)
-{
-    DEVICE_CALL(device);
-    REQUIRE(value);
-    DONE(get_uint(gpu, "pcie.replay_counter", value));
-}
-
-/* -- ECC, retired pages, row remapping ------------------------------------------------------ */
-
-EXPORT nvmlReturn_t nvmlDeviceGetEccMode(nvmlDevice_t device, nvmlEnableState_t *current,
-                                         nvmlEnableState_t *pending)
-{
-    DEVICE_CALL(device);
-    REQUIRE(current && pending);
-    unsigned mode[2];
-    rc = get_uints(gpu, "ecc.mode", mode, 2);
-    if (rc == NVML_SUCCESS) {
-        *current = mode[0] ? NVML_FEATURE_ENABLED : NVML_FEATURE_DISABLED;
-        *pending = mode[1] ? NVML_FEATURE_ENABLED : NVML_FEATURE_DISABLED;
-    }
-    DONE(rc);
-}
-
-static nvmlReturn_t ecc_key(char *key, size_t len, nvmlMemoryErrorType_t errorType,
-                            nvmlEccCounterType_t counterType, int location)
-{
-    static const char *const locations[] = {"l1", "l2", "dram", "register_file", "texture",
-                                            "texture_shm", "cbu", "sram"};
-    const char *type = errorType == NVML_MEMORY_ERROR_TYPE_CORRECTED ? "corrected"
-                     : errorType == NVML_MEMORY_ERROR_TYPE_UNCORRECTED ? "uncorrected" : NULL;
-    const char *counter = counterType == NVML_VOLATILE_ECC ? "volatile"
-                        : counterType == NVML_AGGREGATE_ECC ? "aggregate" : NULL;
-    if (!type || !counter)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    if (location < 0) {
-        snprintf(key, len, "ecc.%s.%s", type, counter);
-        return NVML_SUCCESS;
-    }
-    if ((size_t)location >= sizeof locations / sizeof locations[0])
-        return NVML_ERROR_INVALID_ARGUMENT;
-    snprintf(key, len, "ecc.%s.%s.%s", type, counter, locations[location]);
-    return NVML_SUCCESS;
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, nvmlMemoryErrorType_t errorType,
-                                                nvmlEccCounterType_t counterType,
-                                                unsigned long long *eccCounts)
-{
-    DEVICE_CALL(device);
-    REQUIRE(eccCounts);
-    char key[FAKE_KEY_MAX];
-    rc = ecc_key(key, sizeof key, errorType, counterType, -1);
-    DONE(rc == NVML_SUCCESS ? get_ull(gpu, key, eccCounts) : rc);
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetMemoryErrorCounter(nvmlDevice_t device, nvmlMemoryErrorType_t errorType,
-                                                    nvmlEccCounterType_t counterType,
-                                                    nvmlMemoryLocation_t locationType,
-                                                    unsigned long long *count)
-{
-    DEVICE_CALL(device);
-    REQUIRE(count && (int)locationType >= 0);
-    char key[FAKE_KEY_MAX];
-    rc = ecc_key(key, sizeof key, errorType, counterType, (int)locationType);
-    DONE(rc == NVML_SUCCESS ? get_ull(gpu, key, count) : rc);
-}
+/* -- ECC, retired pages -------------------------------------------------------------------- */
 
 /* ecc_sram.aggregate / ecc_sram.volatile "<uncorrectable parity> <uncorrectable SEC-DED>
  * <corrected>", ecc_sram.aggregate_by_unit "<l2> <sm> <pcie> <mcu> <other>",
@@ -1045,139 +747,6 @@ EXPORT nvmlReturn_t nvmlDeviceGetRetiredPages_v2(nvmlDevice_t device, nvmlPageRe
     DONE(retired(gpu, cause, pageCount, addresses, timestamps));
 }
 
-EXPORT nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t device, nvmlEnableState_t *isPending)
-{
-    DEVICE_CALL(device);
-    REQUIRE(isPending);
-    unsigned pending = 0;
-    rc = get_uint(gpu, "retired_pages.pending", &pending);
-    if (rc == NVML_SUCCESS)
-        *isPending = pending ? NVML_FEATURE_ENABLED : NVML_FEATURE_DISABLED;
-    DONE(rc);
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corrRows,
-                                              unsigned int *uncRows, unsigned int *isPending,
-                                              unsigned int *failureOccurred)
-{
-    DEVICE_CALL(device);
-    REQUIRE(corrRows && uncRows && isPending && failureOccurred);
-    unsigned rows[4];
-    rc = get_uints(gpu, "remapped_rows", rows, 4);
-    if (rc == NVML_SUCCESS) {
-        *corrRows = rows[0];
-        *uncRows = rows[1];
-        *isPending = rows[2];
-        *failureOccurred = rows[3];
-    }
-    DONE(rc);
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, nvmlEnableState_t *mode)
-{
-    DEVICE_CALL(device);
-    REQUIRE(mode);
-    unsigned on = 0;
-    rc = get_uint(gpu, "persistence_mode", &on);
-    if (rc == NVML_SUCCESS)
-        *mode = on ? NVML_FEATURE_ENABLED : NVML_FEATURE_DISABLED;
-    DONE(rc);
-}
-
-/* virtualization_mode: an nvmlGpuVirtualizationMode_t (0 none/bare metal, 1 pass-through,
- * 2 vGPU, 3 host vGPU, 4 host vSGA). */
-EXPORT nvmlReturn_t nvmlDeviceGetVirtualizationMode(nvmlDevice_t device,
-                                                    nvmlGpuVirtualizationMode_t *pVirtualMode)
-{
-    DEVICE_CALL(device);
-    REQUIRE(pVirtualMode);
-    unsigned mode = 0;
-    rc = get_uint(gpu, "virtualization_mode", &mode);
-    if (rc == NVML_SUCCESS)
-        *pVirtualMode = (nvmlGpuVirtualizationMode_t)mode;
-    DONE(rc);
-}
-
-/* -- NVLink --------------------------------------------------------------------------------- */
-
-/* nvlink.<link>.<what>. A link index the state does not describe is INVALID_ARGUMENT on a GPU
- * with NVLink (an index beyond its links) and NOT_SUPPORTED on one without; a link whose state
- * is "error <code>" answers that code for every call on it (a captured link NVML did not
- * answer for: docs/capture.md). */
-static nvmlReturn_t nvlink_key(const fake_section_t *gpu, unsigned link, const char *what,
-                               char *key, size_t len)
-{
-    if (link >= NVML_NVLINK_MAX_LINKS)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    char state_key[FAKE_KEY_MAX];
-    snprintf(state_key, sizeof state_key, "nvlink.%u.state", link);
-    const char *state = fake_get(gpu, state_key);
-    if (!state)
-        return fake_has_prefix(gpu, "nvlink.") ? NVML_ERROR_INVALID_ARGUMENT : NVML_ERROR_NOT_SUPPORTED;
-    nvmlReturn_t rc;
-    if (value_error(state, &rc))
-        return rc;
-    snprintf(key, len, "nvlink.%u.%s", link, what);
-    return NVML_SUCCESS;
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned int link,
-                                             nvmlEnableState_t *isActive)
-{
-    DEVICE_CALL(device);
-    REQUIRE(isActive);
-    char key[FAKE_KEY_MAX];
-    unsigned active = 0;
-    rc = nvlink_key(gpu, link, "state", key, sizeof key);
-    if (rc == NVML_SUCCESS)
-        rc = get_uint(gpu, key, &active);
-    if (rc == NVML_SUCCESS)
-        *isActive = active ? NVML_FEATURE_ENABLED : NVML_FEATURE_DISABLED;
-    DONE(rc);
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetNvLinkVersion(nvmlDevice_t device, unsigned int link, unsigned int *version)
-{
-    DEVICE_CALL(device);
-    REQUIRE(version);
-    char key[FAKE_KEY_MAX];
-    rc = nvlink_key(gpu, link, "version", key, sizeof key);
-    DONE(rc == NVML_SUCCESS ? get_uint(gpu, key, version) : rc);
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetNvLinkCapability(nvmlDevice_t device, unsigned int link,
-                                                  nvmlNvLinkCapability_t capability,
-                                                  unsigned int *capResult)
-{
-    DEVICE_CALL(device);
-    REQUIRE(capResult && (int)capability >= 0 && capability < NVML_NVLINK_CAP_COUNT);
-    char what[32], key[FAKE_KEY_MAX];
-    snprintf(what, sizeof what, "cap.%d", (int)capability);
-    rc = nvlink_key(gpu, link, what, key, sizeof key);
-    if (rc == NVML_SUCCESS) {
-        *capResult = 0; /* a capability the state does not list is not there */
-        rc = get_uint(gpu, key, capResult);
-        if (rc == NVML_ERROR_NOT_SUPPORTED && !fake_get(gpu, key))
-            rc = NVML_SUCCESS;
-    }
-    DONE(rc);
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetNvLinkErrorCounter(nvmlDevice_t device, unsigned int link,
-                                                    nvmlNvLinkErrorCounter_t counter,
-                                                    unsigned long long *counterValue)
-{
-    static const char *const names[] = {"replay", "recovery", "crc_flit", "crc_data", "ecc_data"};
-    DEVICE_CALL(device);
-    REQUIRE(counterValue && (int)counter >= 0);
-    if ((size_t)counter >= sizeof names / sizeof names[0])
-        DONE(NVML_ERROR_INVALID_ARGUMENT);
-    char what[32], key[FAKE_KEY_MAX];
-    snprintf(what, sizeof what, "error.%s", names[counter]);
-    rc = nvlink_key(gpu, link, what, key, sizeof key);
-    DONE(rc == NVML_SUCCESS ? get_ull(gpu, key, counterValue) : rc);
-}
-
 /* -- processes ------------------------------------------------------------------------------ */
 
 /* "process <pid> <used bytes|na>" lines; NVML's two-call protocol (size, then fill). */
@@ -1260,13 +829,6 @@ EXPORT nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
     free(set->delivered);
     free(set);
     DONE(NVML_SUCCESS);
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device, unsigned long long *eventTypes)
-{
-    DEVICE_CALL(device);
-    REQUIRE(eventTypes);
-    DONE(get_ull(gpu, "event_types", eventTypes));
 }
 
 EXPORT nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long eventTypes,
