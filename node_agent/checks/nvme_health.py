@@ -18,8 +18,9 @@ parsed by :mod:`node_agent.parsers.nvme`; ``host.timeout_s`` bounds each:
   ``nvme.percent_used_max`` (90), and always at 100 or more: the drive has used its rated
   endurance (the NVMe specification's 100; it may go on working, so no drain).
 * ``media_errors`` (``disk:nvmeN``) — ``warn`` when the drive counted media and data integrity
-  errors (data it could not recover) since it was made: kept visible, the drive's own verdict
-  is the critical warning and the spare.
+  errors (data it could not recover) since it was made and raised no critical warning (with
+  one, the warning's detail counts them): kept visible, the drive's own verdict is the critical
+  warning and the spare.
 No NVMe controller, or neither nvme-cli nor smartctl (Debian/Ubuntu packages ``nvme-cli``,
 ``smartmontools``): a ``skip`` with the reason; a drive that refuses the log to a non-root
 user: a ``skip`` saying to run as root.
@@ -198,6 +199,8 @@ def _critical_warning(
         f"{name} raised its critical warning 0x{log.critical_warning:02x}: "
         f"{'; '.join(log.warnings) or 'reserved bits'}"
     )
+    if log.media_errors:
+        detail += f"; {log.media_errors} media and data integrity error(s) over its life"
     if on_scratch:
         detail += (
             f"; it holds {', '.join(holds)} (storage.paths), which the suites need: replace the "
@@ -279,7 +282,7 @@ def _spare_wear_media(
                 **evidence,
             )  # fmt: skip
         )
-    if log.media_errors:
+    if log.media_errors and not log.critical_warning:  # else the warning's detail says it
         results.append(
             ctx.result(
                 target,
