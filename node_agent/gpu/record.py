@@ -20,10 +20,10 @@ from typing import Any
 
 from node_agent.gpu.base import DeviceLost, GpuError, GpuTimeout, NoPermission, NotSupported
 from node_agent.gpu.nvml import NvmlBackend, NvmlUnavailable, open_nvml
+from node_agent.gpu.nvml_calls import CALLS, Call, recorded_value
 from node_agent.gpu.replay import recorded_error
 
 _UNKNOWN = 999
-_INVALID_ARGUMENT = 2
 _NOT_SUPPORTED = 3
 _GPU_IS_LOST = 15
 _FIELD_BATCH = 64
@@ -39,11 +39,6 @@ _FIELD_TYPES = (
     ("sint", "siVal"),
     ("ushort", "usVal"),
 )
-_ECC_LOCATIONS = ("l1", "l2", "dram", "register_file", "texture", "texture_shm", "cbu", "sram")
-_THRESHOLDS = ("shutdown", "slowdown", "mem_max", "gpu_max")
-_CLOCKS = ("graphics", "sm", "mem", "video")
-_NVLINK_COUNTERS = ("replay", "recovery", "crc_flit")
-_NVLINK_CAPS = (0, 5)  # NVML_NVLINK_CAP_P2P_SUPPORTED, NVML_NVLINK_CAP_VALID
 
 
 def _code(err: BaseException) -> int:
@@ -100,21 +95,39 @@ class _Recorder:
                 self.keys[key] = value
 
 
-def record_system(backend: NvmlBackend) -> dict[str, Any]:
+def _record_table(
+    r: _Recorder, call: Callable[..., Any], calls: Sequence[Call], system: bool
+) -> None:
+    """Every table call of this scope, in the table's order, for each recorded argument;
+    a custom call through its hand-written recorder (``_CUSTOM``)."""
+    link_calls = [c for c in calls if any(a.link for a in c.args) and c.record]
+    for c in calls:
+        if c.system != system or not c.record:
+            continue
+        if c.custom:
+            custom = _CUSTOM.get(c.function)
+            if custom is not None:
+                custom(r, call)
+        elif c is (link_calls or [None])[0]:
+            _record_nvlinks(r, call, link_calls)
+        elif c not in link_calls:
+            for values, key in c.keys():
+                r.put(
+                    key,
+                    lambda c=c, values=values: recorded_value(c, call(c.newer + c.names, *values)),
+                )
+
+
+def record_system(backend: NvmlBackend, calls: Sequence[Call] = CALLS) -> dict[str, Any]:
     """The global keys: driver, NVML and CUDA versions."""
     r = _Recorder()
-    call = backend.call
-    r.put("driver_version", lambda: _text(call("nvmlSystemGetDriverVersion")))
-    r.put("nvml_version", lambda: _text(call("nvmlSystemGetNVMLVersion")))
-    r.put(
-        "cuda_driver_version",
-        lambda: int(call(("nvmlSystemGetCudaDriverVersion_v2", "nvmlSystemGetCudaDriverVersion"))),
-    )
+    _record_table(r, backend.call, calls, system=True)
     return r.keys
 
 
-def record_gpu(backend: NvmlBackend, index: int) -> dict[str, Any]:
-    """GPU ``index``'s keys, call by call (docs/nvml_fake.md names each key's NVML call)."""
+def record_gpu(backend: NvmlBackend, index: int, calls: Sequence[Call] = CALLS) -> dict[str, Any]:
+    """GPU ``index``'s keys, call by call, as the NVML call table (gpu/nvml_calls.py) names
+    them."""
     lib = backend.lib
     try:
         handle = backend.call("nvmlDeviceGetHandleByIndex", index, gpu=index)
@@ -128,109 +141,36 @@ def record_gpu(backend: NvmlBackend, index: int) -> dict[str, Any]:
     def call(names: str | Sequence[str], *args: Any) -> Any:
         return backend.call(names, handle, *args, gpu=index)
 
-    def const(name: str, default: int) -> int:
-        return int(getattr(lib, name, default))
+    _record_table(r, call, calls, system=False)
+    _record_fields(r, call, lib, int(getattr(lib, "NVML_FI_MAX", _FIELD_MAX_FALLBACK)))
+    return r.keys
 
-    for key, fn in (
-        ("name", "nvmlDeviceGetName"),
-        ("uuid", "nvmlDeviceGetUUID"),
-        ("serial", "nvmlDeviceGetSerial"),
-        ("vbios", "nvmlDeviceGetVbiosVersion"),
-    ):
-        r.put(key, lambda fn=fn: _text(call(fn)))
 
+def _record_pci(r: _Recorder, call: Callable[..., Any]) -> None:
     def pci() -> list[Any]:
         info = call("nvmlDeviceGetPciInfo")
         return [_text(info.busId), int(info.pciDeviceId), int(info.pciSubSystemId)]
 
     r.put_many(("pci.bus_id", "pci.device_id", "pci.subsystem_id"), pci)
 
+
+def _record_memory(r: _Recorder, call: Callable[..., Any]) -> None:
     def memory() -> list[Any]:
         info = call("nvmlDeviceGetMemoryInfo")
         return [int(info.total), int(info.used)]
 
     r.put_many(("memory.total", "memory.used"), memory)
-    r.put("minor_number", lambda: int(call("nvmlDeviceGetMinorNumber")))
-    r.put("architecture", lambda: int(call("nvmlDeviceGetArchitecture")))
-    r.put(
-        "cuda_compute_capability",
-        lambda: " ".join(str(int(v)) for v in call("nvmlDeviceGetCudaComputeCapability")),
-    )
-    r.put("virtualization_mode", lambda: int(call("nvmlDeviceGetVirtualizationMode")))
-    r.put(
-        "temperature.gpu",
-        lambda: int(
-            call(
-                ("nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature"),
-                const("NVML_TEMPERATURE_GPU", 0),
-            )
-        ),
-    )
-    for kind, name in enumerate(_THRESHOLDS):
-        r.put(
-            f"temperature.threshold.{name}",
-            lambda kind=kind: int(call("nvmlDeviceGetTemperatureThreshold", kind)),
-        )
-    for key, fn in (
-        ("power.usage", "nvmlDeviceGetPowerUsage"),
-        ("power.enforced_limit", "nvmlDeviceGetEnforcedPowerLimit"),
-        ("power.limit", "nvmlDeviceGetPowerManagementLimit"),
-        ("power.default_limit", "nvmlDeviceGetPowerManagementDefaultLimit"),
-        ("pcie.gen", "nvmlDeviceGetCurrPcieLinkGeneration"),
-        ("pcie.gen_max", "nvmlDeviceGetMaxPcieLinkGeneration"),
-        ("pcie.width", "nvmlDeviceGetCurrPcieLinkWidth"),
-        ("pcie.width_max", "nvmlDeviceGetMaxPcieLinkWidth"),
-        ("pcie.replay_counter", "nvmlDeviceGetPcieReplayCounter"),
-        ("retired_pages.pending", "nvmlDeviceGetRetiredPagesPendingStatus"),
-        ("persistence_mode", "nvmlDeviceGetPersistenceMode"),
-        ("event_types", "nvmlDeviceGetSupportedEventTypes"),
-    ):
-        r.put(key, lambda fn=fn: int(call(fn)))
-    for kind, name in enumerate(_CLOCKS):
-        r.put(f"clock.{name}", lambda kind=kind: int(call("nvmlDeviceGetClockInfo", kind)))
-        r.put(f"clock_max.{name}", lambda kind=kind: int(call("nvmlDeviceGetMaxClockInfo", kind)))
-    r.put(
-        "clocks_event_reasons",
-        lambda: (
-            f"{int(call(('nvmlDeviceGetCurrentClocksEventReasons', 'nvmlDeviceGetCurrentClocksThrottleReasons'))):#x}"
-        ),
-    )
-    r.put(
-        "clocks_event_reasons_supported",
-        lambda: (
-            f"{int(call(('nvmlDeviceGetSupportedClocksEventReasons', 'nvmlDeviceGetSupportedClocksThrottleReasons'))):#x}"
-        ),
-    )
-    r.put("utilization", lambda: "{0.gpu} {0.memory}".format(call("nvmlDeviceGetUtilizationRates")))
-    _record_ecc(r, call)
+
+
+def _record_retired_pages(r: _Recorder, call: Callable[..., Any]) -> None:
     for cause, name in enumerate(("sbe", "dbe")):
         r.put(
             f"retired_pages.{name}",
             lambda cause=cause: len(call("nvmlDeviceGetRetiredPages", cause)),
         )
-    r.put("remapped_rows", lambda: " ".join(str(int(v)) for v in call("nvmlDeviceGetRemappedRows")))
-    _record_nvlinks(r, call, const("NVML_NVLINK_MAX_LINKS", 18))
-    _record_processes(r, call)
-    _record_fields(r, call, lib, const("NVML_FI_MAX", _FIELD_MAX_FALLBACK))
-    return r.keys
 
 
-def _record_ecc(r: _Recorder, call: Callable[..., Any]) -> None:
-    r.put("ecc.mode", lambda: " ".join(str(int(v)) for v in call("nvmlDeviceGetEccMode")))
-    for error_type, kind in enumerate(("corrected", "uncorrected")):
-        for counter, which in enumerate(("volatile", "aggregate")):
-            r.put(
-                f"ecc.{kind}.{which}",
-                lambda t=error_type, c=counter: int(call("nvmlDeviceGetTotalEccErrors", t, c)),
-            )
-            for location, where in enumerate(_ECC_LOCATIONS):
-                r.put(
-                    f"ecc.{kind}.{which}.{where}",
-                    lambda t=error_type, c=counter, loc=location: int(
-                        call("nvmlDeviceGetMemoryErrorCounter", t, c, loc)
-                    ),
-                )
-
+def _record_sram(r: _Recorder, call: Callable[..., Any]) -> None:
     def sram() -> list[Any]:
         import pynvml
 
@@ -261,30 +201,22 @@ def _record_ecc(r: _Recorder, call: Callable[..., Any]) -> None:
     )
 
 
-def _record_nvlinks(r: _Recorder, call: Callable[..., Any], max_links: int) -> None:
-    """Each link index's state; where it answers, its capabilities and error counters. An
-    index NVML calls an invalid argument (past the GPU's links) is left out, as the stand-in
-    answers for an index it does not describe."""
-    for link in range(max_links):
-        key = f"nvlink.{link}.state"
-        r.put(key, lambda link=link: int(call("nvmlDeviceGetNvLinkState", link)))
-        state = r.keys[key]
-        if isinstance(state, dict):
-            if state.get("code") == _INVALID_ARGUMENT:
+def _record_nvlinks(r: _Recorder, call: Callable[..., Any], link_calls: Sequence[Call]) -> None:
+    """Each link index's state (the first NVLink call of the table); where it answers, the
+    other NVLink calls on it. An index NVML calls an invalid argument (past the GPU's links) is
+    left out, as the stand-in answers for an index it does not describe."""
+    state, *others = link_calls
+    for (link,), key in state.keys():
+        r.put(key, lambda link=link: recorded_value(state, call(state.names, link)))
+        value = r.keys[key]
+        if isinstance(value, dict):
+            if value.get("code") in state.omit:
                 del r.keys[key]
             continue
-        for cap in _NVLINK_CAPS:
-            r.put(
-                f"nvlink.{link}.cap.{cap}",
-                lambda link=link, cap=cap: int(call("nvmlDeviceGetNvLinkCapability", link, cap)),
-            )
-        for counter, name in enumerate(_NVLINK_COUNTERS):
-            r.put(
-                f"nvlink.{link}.error.{name}",
-                lambda link=link, counter=counter: int(
-                    call("nvmlDeviceGetNvLinkErrorCounter", link, counter)
-                ),
-            )
+        for c in others:
+            for values, other in c.keys():
+                if values[0] == link:
+                    r.put(other, lambda c=c, v=values: recorded_value(c, call(c.names, *v)))
 
 
 def _record_processes(r: _Recorder, call: Callable[..., Any]) -> None:
@@ -310,6 +242,15 @@ def _record_processes(r: _Recorder, call: Callable[..., Any]) -> None:
     r.put("process", processes)
     if r.keys["process"] == []:
         del r.keys["process"]  # none running: the stand-in lists none without the key
+
+
+_CUSTOM: dict[str, Callable[[_Recorder, Callable[..., Any]], None]] = {
+    "nvmlDeviceGetPciInfo": _record_pci,
+    "nvmlDeviceGetMemoryInfo": _record_memory,
+    "nvmlDeviceGetSramEccErrorStatus": _record_sram,
+    "nvmlDeviceGetRetiredPages": _record_retired_pages,
+    "nvmlDeviceGetComputeRunningProcesses": _record_processes,
+}
 
 
 def _record_fields(r: _Recorder, call: Callable[..., Any], lib: Any, field_max: int) -> None:
@@ -342,7 +283,9 @@ def _record_fields(r: _Recorder, call: Callable[..., Any], lib: Any, field_max: 
                 }
 
 
-def record_nvml(call_timeout_s: float = 10.0, lib: Any = None) -> dict[str, Any]:
+def record_nvml(
+    call_timeout_s: float = 10.0, lib: Any = None, calls: Sequence[Call] = CALLS
+) -> dict[str, Any]:
     """This node's NVML as a capture's ``nvml`` section: ``system`` and one mapping per GPU
     NVML enumerates. NVML that does not load is recorded as ``nvmlInit``'s error."""
     try:
@@ -352,12 +295,12 @@ def record_nvml(call_timeout_s: float = 10.0, lib: Any = None) -> dict[str, Any]
         code = _code(cause) if isinstance(cause, GpuError) else 12
         return {"system": {"nvmlInit": recorded_error(code)}, "gpus": []}
     try:
-        system = record_system(backend)
+        system = record_system(backend, calls)
         try:
             count = int(backend.call("nvmlDeviceGetCount"))
         except GpuError as err:
             system["nvmlDeviceGetCount"] = _failure(err)
             count = 0
-        return {"system": system, "gpus": [record_gpu(backend, i) for i in range(count)]}
+        return {"system": system, "gpus": [record_gpu(backend, i, calls) for i in range(count)]}
     finally:
         backend.close()

@@ -32,14 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from node_agent import atomic_file
-from node_agent.gpu.base import (
-    RECOVERY_ACTIONS,
-    SRAM_UNITS,
-    THROTTLE_REASONS,
-    VIRTUALIZATION_MODES,
-    GpuDevice,
-    NotSupported,
-)
+from node_agent.gpu.base import GpuDevice, NotSupported
+from node_agent.gpu.nvml_calls import CALLS, FIELDS, Call, model_values
 from node_agent.gpu.replay import CaptureFormatError, capture_state_lines
 from node_agent.gpu.sim import SimGpuBackend
 from node_agent.hardware.sku import Sku, load_skus
@@ -48,16 +42,6 @@ from node_agent.yamlfile import ConfigError
 
 FORMAT = "nvml-fake-state 1"
 
-# NVML constants the state file uses (nvml.h; part of the C ABI)
-_FI_DEV_MEMORY_TEMP = 82
-_FI_DEV_NVLINK_LINK_COUNT = 91
-_FI_DEV_GET_GPU_RECOVERY_ACTION = 230
-_NVLINK_CAP_P2P_SUPPORTED = 0
-_NVLINK_CAP_VALID = 5
-# nvmlEventType*: SingleBitEccError, DoubleBitEccError, PState, XidCriticalError, Clock
-_EVENT_TYPES = 0x1 | 0x2 | 0x4 | 0x8 | 0x10
-_ALL_CLOCK_EVENT_REASONS = (1 << len(THROTTLE_REASONS)) - 1
-_MIB = 1024 * 1024
 # nvmlReturn_t (nvml.h) nvmlInit answers for a scenario's ``driver: not_loaded`` (the kernel
 # module is not loaded: NVML_ERROR_DRIVER_NOT_LOADED) and ``not_installed`` (what nvidia-ml-py
 # raises where it cannot load libnvidia-ml.so.1: NVML_ERROR_LIBRARY_NOT_FOUND)
@@ -131,126 +115,34 @@ def cuda_version_int(version: str) -> int:
     return int(major) * 1000 + int(minor or 0) * 10
 
 
-def _reading(read: Callable[[], Any]) -> Any:
-    try:
-        return read()
-    except NotSupported:
-        return None
+def _device_lines(dev: GpuDevice, calls: Sequence[Call] = CALLS) -> list[str]:
+    """What one simulated GPU reports, as state-file lines (NVML's units): each call of the
+    NVML call table with a model (``reading``, ``to_state``) and each modelled field, from
+    the simulator's readings (one read per reading; a reading the GPU does not have leaves its
+    keys out)."""
+    readings: dict[str, Any] = {}
 
+    def read(method: str) -> Any:
+        if method not in readings:
+            try:
+                readings[method] = getattr(dev, method)() if method else None
+            except NotSupported:
+                readings[method] = NotSupported
+        return readings[method]
 
-def _device_lines(dev: GpuDevice) -> list[str]:
-    """What one simulated GPU reports, as state-file lines (NVML's units)."""
     out: list[str] = []
-
-    def put(key: str, value: Any) -> None:
+    for call in calls:
+        reading = read(call.reading)
+        if call.to_state is None or reading is NotSupported:
+            continue
+        for key, value in model_values(call, reading).items():
+            values = value if isinstance(value, list) else [value]
+            out += [f"{key} {v}" for v in values if v is not None]
+    for field in FIELDS:
+        reading = read(field.reading)
+        value = None if reading is NotSupported else field.to_state(reading)
         if value is not None:
-            out.append(f"{key} {value}")
-
-    ident = dev.identity()
-    put("name", ident.name)
-    put("uuid", ident.uuid)
-    put("pci.bus_id", ident.pci_bus_id)
-    put("serial", ident.serial)
-    put("vbios", ident.vbios)
-    if ident.memory_total_mib is not None:
-        put("memory.total", ident.memory_total_mib * _MIB)
-    put("temperature.gpu", _reading(dev.temperature_c))
-    mem_temp = _reading(dev.memory_temperature_c)
-    if mem_temp is not None:
-        put(f"field.{_FI_DEV_MEMORY_TEMP}", f"uint {mem_temp}")
-    thresholds = _reading(dev.temperature_thresholds)
-    if thresholds is not None:
-        put("temperature.threshold.shutdown", thresholds.shutdown_c)
-        put("temperature.threshold.slowdown", thresholds.slowdown_c)
-        put("temperature.threshold.gpu_max", thresholds.gpu_max_operating_c)
-        put("temperature.threshold.mem_max", thresholds.memory_max_operating_c)
-    power = _reading(dev.power)
-    if power is not None:
-
-        def mw(watts: float | None) -> int | None:
-            return None if watts is None else round(watts * 1000)
-
-        put("power.usage", mw(power.usage_w))
-        put("power.enforced_limit", mw(power.enforced_limit_w))
-        put("power.limit", mw(power.enforced_limit_w))
-        put("power.default_limit", mw(power.default_limit_w))
-    clocks = _reading(dev.clocks)
-    if clocks is not None:
-        put("clock.sm", clocks.sm_mhz)
-        put("clock.graphics", clocks.sm_mhz)
-        put("clock_max.sm", clocks.sm_max_mhz)
-        put("clock_max.graphics", clocks.sm_max_mhz)
-        put("clock.mem", clocks.memory_mhz)
-    reasons = _reading(dev.throttle_reasons)
-    if reasons is not None:
-        mask = sum(1 << THROTTLE_REASONS.index(r) for r in reasons)
-        put("clocks_event_reasons", f"{mask:#x}")
-        put("clocks_event_reasons_supported", f"{_ALL_CLOCK_EVENT_REASONS:#x}")
-    pcie = _reading(dev.pcie)
-    if pcie is not None:
-        put("pcie.gen", pcie.gen_current)
-        put("pcie.gen_max", pcie.gen_max)
-        put("pcie.width", pcie.width_current)
-        put("pcie.width_max", pcie.width_max)
-        put("pcie.replay_counter", pcie.replay_count)
-    ecc = _reading(dev.ecc)
-    if ecc is not None:
-        on = int(ecc.enabled)
-        put("ecc.mode", f"{on} {on}")
-        put("ecc.corrected.volatile", ecc.volatile_sbe)
-        put("ecc.uncorrected.volatile", ecc.volatile_dbe)
-        put("ecc.corrected.aggregate", ecc.aggregate_sbe)
-        put("ecc.uncorrected.aggregate", ecc.aggregate_dbe)
-        put("ecc.uncorrected.aggregate.sram", ecc.aggregate_dbe_sram)
-        put("ecc.uncorrected.aggregate.dram", ecc.aggregate_dbe_dram)
-        if ecc.sram_uncorrectable_aggregate is not None:
-            # the simulator keeps one count: all SEC-DED (a real GPU splits parity/SEC-DED)
-            put("ecc_sram.aggregate", f"0 {ecc.sram_uncorrectable_aggregate} 0")
-            put("ecc_sram.volatile", "0 0 0")
-            put(
-                "ecc_sram.aggregate_by_unit",
-                " ".join(str(ecc.sram_uncorrectable_by_unit.get(u, 0)) for u in SRAM_UNITS),
-            )
-        if ecc.sram_threshold_exceeded is not None:
-            put("ecc_sram.threshold_exceeded", int(ecc.sram_threshold_exceeded))
-    pages = _reading(dev.retired_pages)
-    if pages is not None:
-        put("retired_pages.sbe", pages.sbe)
-        put("retired_pages.dbe", pages.dbe)
-        put("retired_pages.pending", int(pages.pending))
-    remap = _reading(dev.row_remap)
-    if remap is not None:
-        put(
-            "remapped_rows",
-            f"{remap.corrected} {remap.uncorrected} {int(remap.pending)} {int(remap.failed)}",
-        )
-    persistence = _reading(dev.persistence_mode)
-    if persistence is not None:
-        put("persistence_mode", int(persistence))
-    action = _reading(dev.recovery_action)
-    if action is not None:
-        put(f"field.{_FI_DEV_GET_GPU_RECOVERY_ACTION}", f"uint {RECOVERY_ACTIONS.index(action)}")
-    links = _reading(dev.nvlinks) or []
-    if links:
-        put(f"field.{_FI_DEV_NVLINK_LINK_COUNT}", f"uint {len(links)}")
-    for link in links:
-        put(f"nvlink.{link.link}.state", int(link.active))
-        if link.p2p_supported is not None:
-            put(f"nvlink.{link.link}.cap.{_NVLINK_CAP_P2P_SUPPORTED}", int(link.p2p_supported))
-        put(f"nvlink.{link.link}.cap.{_NVLINK_CAP_VALID}", 1)
-        put(f"nvlink.{link.link}.error.replay", link.replay_errors)
-        put(f"nvlink.{link.link}.error.recovery", link.recovery_errors)
-        put(f"nvlink.{link.link}.error.crc_flit", link.crc_errors)
-    for proc in _reading(dev.compute_processes) or []:
-        used = "na" if proc.used_memory_bytes is None else proc.used_memory_bytes
-        put("process", f"{proc.pid} {used}")
-    util = _reading(dev.utilization)
-    if util is not None:
-        put("utilization", f"{util.gpu_pct} {util.memory_pct}")
-    mode = _reading(dev.virtualization_mode)
-    if mode in VIRTUALIZATION_MODES:
-        put("virtualization_mode", VIRTUALIZATION_MODES.index(mode))
-    put("event_types", f"{_EVENT_TYPES:#x}")
+            out.append(f"field.{field.field_id} uint {value}")
     return out
 
 
