@@ -104,6 +104,53 @@ class ReportFormatError(ValueError):
     """A saved report that cannot be read: wrong schema version, missing or mistyped field."""
 
 
+@dataclass(frozen=True)
+class PlannedEvent:
+    """A maintenance the node's cloud announced ahead (``cloud_maintenance``): a typed fact the
+    remediation plan reads for a ``planned`` remedy and names in the drain reason.
+
+    ``provider`` is ``gcp``, ``aws``, ``azure`` or ``command``; ``kind`` the provider's own word
+    (``TERMINATE_ON_HOST_MAINTENANCE``, ``system-reboot``, ``Redeploy``); ``starts_at`` and
+    ``ends_at`` ISO-8601 UTC (None: not announced, or already begun); ``acknowledge`` (Azure
+    Scheduled Events only) asks the agent to acknowledge the event once it drained the node.
+    """
+
+    provider: str
+    kind: str
+    event_id: str | None = None
+    starts_at: str | None = None
+    ends_at: str | None = None
+    acknowledge: bool = False
+
+    def describe(self) -> str:
+        """``gcp TERMINATE_ON_HOST_MAINTENANCE from 2026-11-21T12:00:00Z``: what a drain reason
+        and ``sinfo -R`` show."""
+        when = f" from {self.starts_at}" if self.starts_at else " now"
+        return f"{self.provider} {self.kind}{when}" + (
+            f" until {self.ends_at}" if self.ends_at else ""
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None and v is not False}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> PlannedEvent:
+        if not isinstance(data, dict) or not isinstance(data.get("kind"), str):
+            raise ValueError(f"planned event {data!r:.120}: expected an object with a kind")
+        optional = {}
+        for key in ("event_id", "starts_at", "ends_at"):
+            value = data.get(key)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"planned event: {key} must be a string, found {value!r}")
+            optional[key] = value
+        return cls(
+            provider=str(data.get("provider", "")),
+            kind=data["kind"],
+            acknowledge=bool(data.get("acknowledge", False)),
+            **optional,
+        )
+
+
 @dataclass
 class Result:
     """One measurement or verdict of one check on one target.
@@ -124,6 +171,8 @@ class Result:
     duration_s: float = 0.0
     #: the driver's recovery action this finding reports (a typed fact for the plan), or None
     recovery: Recovery | None = None
+    #: the announced maintenance this finding reports (``cloud_maintenance``), or None
+    planned: PlannedEvent | None = None
 
     @property
     def entity(self) -> Target:
@@ -144,6 +193,8 @@ class Result:
         }
         if self.recovery is not None:
             data["recovery"] = self.recovery.value
+        if self.planned is not None:
+            data["planned"] = self.planned.to_dict()
         return data
 
     @classmethod
@@ -160,6 +211,7 @@ class Result:
                 evidence=dict(data.get("evidence") or {}),
                 duration_s=float(data.get("duration_s", 0.0)),
                 recovery=Recovery.parse(str(data["recovery"])) if data.get("recovery") else None,
+                planned=PlannedEvent.from_dict(data["planned"]) if data.get("planned") else None,
             )
         except (KeyError, ValueError, TypeError) as err:
             raise ReportFormatError(f"result {data!r:.120}: {err}") from err
@@ -173,11 +225,14 @@ class Remedy(str, enum.Enum):
     (no driver, NVML broken, a check that could not run): an ERROR of such findings only, that
     survives its restarts, waits for an operator instead of being escalated to a replacement
     (docs/remediation.md). ``hardware`` says so explicitly; a finding with no marker is treated
-    as hardware.
+    as hardware. ``planned`` marks an event announced ahead (a cloud's host maintenance,
+    :class:`PlannedEvent`): an ERROR of such findings only drains the node, with no restart and
+    no replacement, and a passing re-test after the event resumes it (docs/cloud.md).
     """
 
     SOFTWARE = "software"
     HARDWARE = "hardware"
+    PLANNED = "planned"
 
     def __str__(self) -> str:
         return self.value
@@ -249,6 +304,7 @@ class Reason:
     * ``restarts_before_fault``: that entry's count of restarts after which the same code is
       hardware (None: ``safety.max_restarts`` applies);
     * ``recovery``: the driver's recovery action the finding reports (:class:`Recovery`);
+    * ``planned``: the announced maintenance a ``planned`` finding reports (:class:`PlannedEvent`);
     * the entity (:attr:`entity`: its GPU index, job, or other kind and id), parsed from
       ``target`` by :meth:`Target.parse`.
     """
@@ -263,6 +319,7 @@ class Reason:
     restarts_before_fault: int | None = None
     name: str | None = None
     recovery: Recovery | None = None
+    planned: PlannedEvent | None = None
 
     def __post_init__(self) -> None:
         # callers may name the enums by their JSON strings ("software", "gpu_reset")
@@ -296,6 +353,8 @@ class Reason:
             value = getattr(self, key)
             if value is not None:
                 data[key] = value.value if isinstance(value, enum.Enum) else value
+        if self.planned is not None:
+            data["planned"] = self.planned.to_dict()
         return data
 
     @classmethod
@@ -313,6 +372,7 @@ class Reason:
         if name is not None and not isinstance(name, str):
             raise ValueError(f"reason {data.get('rule')!r}: name must be a string, found {name!r}")
         recovery = data.get("recovery")
+        planned = data.get("planned")
         return cls(
             rule=data["rule"],
             level=Level.parse(data["level"]),
@@ -324,6 +384,7 @@ class Reason:
             restarts_before_fault=_optional_int(data, "restarts_before_fault"),
             name=name,
             recovery=None if recovery is None else Recovery.parse(str(recovery)),
+            planned=None if planned is None else PlannedEvent.from_dict(planned),
         )
 
 

@@ -51,6 +51,7 @@ REGISTRY: dict[str, str] = {
     "hca_ports": "node_agent.checks.hca_ports",
     "kernel_distress": "node_agent.checks.kernel_distress",
     "software_drift": "node_agent.checks.software_drift",
+    "cloud_maintenance": "node_agent.checks.cloud_maintenance",
 }
 
 

@@ -20,6 +20,7 @@ from node_agent.grading.xid_catalog import Catalog, load_sxid_catalog, load_xid_
 from node_agent.model import (
     ACTION_FOR_LEVEL,
     REMEDIES,
+    Action,
     Grade,
     Level,
     Reason,
@@ -131,7 +132,7 @@ class Grader:
                 reasons.append(reason)
         reasons.sort(key=lambda r: (-r.level, r.target, r.rule))
         level = max((r.level for r in reasons), default=Level.HEALTHY)
-        return Grade(level=level, action=ACTION_FOR_LEVEL[level], reasons=tuple(reasons))
+        return Grade(level=level, action=action_for(level, reasons), reasons=tuple(reasons))
 
     def _catalog_reason(
         self, rule: Rule, result: Result, elsewhere: list[Result] | None = None
@@ -182,6 +183,7 @@ class Grader:
                     message=result.detail,
                     remedy=rule.remedy,
                     recovery=recovery_of(result),
+                    planned=result.planned,
                 )
         if result.status is Status.ERROR:
             level = Level.parse(self.fallback["error"][mode])
@@ -206,6 +208,16 @@ class Grader:
             message=f"{result.check}/{result.metric}: {result.detail}",
             recovery=recovery_of(result),
         )
+
+
+def action_for(level: Level, reasons: list[Reason]) -> Action:
+    """The grade's action: :data:`ACTION_FOR_LEVEL`, except an ERROR whose every ERROR reason is
+    an announced maintenance (``remedy: planned``), which asks for a drain alone (no restart:
+    the cloud takes the host; docs/cloud.md)."""
+    serious = [r for r in reasons if r.level >= Level.ERROR]
+    if level is Level.ERROR and serious and all(r.remedy is Remedy.PLANNED for r in serious):
+        return Action.DRAIN
+    return ACTION_FOR_LEVEL[level]
 
 
 #: the metric whose value names the driver's recovery action (``nvml_health``)

@@ -17,13 +17,24 @@ health check wrapper (``packaging/slurm/node-agent-healthcheck``) gives the whol
 Every failure becomes a note. The directory is
 0700 and its files 0600, created with ``O_EXCL|O_NOFOLLOW``: the kernel log it copies may be
 unreadable to users (``dmesg_restrict``), and the stacks show their code.
+
+Before a replace request, the driver's own evidence (:class:`BugReportCollector`): NVIDIA's RMA
+process asks for ``nvidia-bug-report.sh`` output taken while the fault is present, and after a
+drain and a reboot that state is gone. It runs as ``nvidia-bug-report.sh --safe-mode
+--output-file <state_dir>/bug-reports/nvidia-bug-report-<journal row id>.log`` (the script
+appends ``.gz`` when gzip is there), time-boxed (:data:`BUG_REPORT_TIMEOUT_S`), its file size
+capped (:data:`BUG_REPORT_MAX_BYTES`: ``prlimit --fsize`` where util-linux has it, and cut to the
+cap after), the newest :data:`BUG_REPORTS_KEPT` kept. A missing script, a run that hangs or
+fails, each is a note; none of them stops the replace request.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from node_agent import proc
@@ -41,6 +52,15 @@ PY_SPY_TIMEOUT_S = 5.0  # one nonblocking dump (tens of ms; bench_hang.py)
 NVIDIA_SMI_TIMEOUT_S = 5.0
 MAX_STACKS = 32  # GPU processes whose stacks are taken (8 GPUs x a few each)
 JOIN_MARGIN_S = 1.0  # past the deadline, what a py-spy's kill may take
+#: the driver's bug-report script (ships with the NVIDIA driver, in /usr/bin)
+NVIDIA_BUG_REPORT = "nvidia-bug-report.sh"
+#: ``--safe-mode`` skips the parts that can hang on a sick GPU; on an 8-GPU node it takes a
+#: minute or two. The replace request waits for it, once per fault
+BUG_REPORT_TIMEOUT_S = 180.0
+#: a compressed report is a few MB; the cap keeps a runaway one from filling the state disk
+BUG_REPORT_MAX_BYTES = 256 * 1024 * 1024
+BUG_REPORTS_KEPT = 3  # the newest few; older ones are removed
+BUG_REPORT_DIR = "bug-reports"
 
 
 def gpu_pids(timeout_s: float = NVIDIA_SMI_TIMEOUT_S) -> tuple[list[int], str | None]:
@@ -185,3 +205,116 @@ def _write(path: Path, text: str, notes: list[str]) -> None:
         write_text(path, text)
     except OSError as err:
         notes.append(f"cannot write {path}: {err.strerror or err}")
+
+
+@dataclass(frozen=True)
+class BugReport:
+    """What a bug-report run left: its file (None: none written) and one line for people."""
+
+    path: Path | None
+    note: str
+
+
+class BugReportCollector:
+    """``nvidia-bug-report.sh --safe-mode`` into the state directory, bounded in time and size.
+
+    ``program``: the script (default: :data:`NVIDIA_BUG_REPORT` found on PATH); ``unavailable``:
+    why no report is taken in this run (a simulated node: the script would describe this host,
+    not the node under test). Everything it depends on is a parameter; the defaults are the
+    module's constants."""
+
+    def __init__(
+        self,
+        program: str | None = None,
+        *,
+        timeout_s: float = BUG_REPORT_TIMEOUT_S,
+        max_bytes: int = BUG_REPORT_MAX_BYTES,
+        keep: int = BUG_REPORTS_KEPT,
+        unavailable: str | None = None,
+        run: Callable[..., proc.ProcResult] = proc.run,
+    ) -> None:
+        self.program, self.timeout_s, self.max_bytes = program, timeout_s, max_bytes
+        self.keep, self.unavailable, self._run = max(1, keep), unavailable, run
+
+    def _program(self) -> str | None:
+        if self.program is not None:
+            return self.program if os.access(self.program, os.X_OK) else None
+        return proc.which(NVIDIA_BUG_REPORT)
+
+    def describe(self, state_dir: Path | None) -> str:
+        """What :meth:`collect` would do (a dry run says it)."""
+        if self.unavailable:
+            return f"no driver bug report ({self.unavailable})"
+        program = self._program()
+        if program is None:
+            return f"no driver bug report ({self._absent()})"
+        where = state_dir / BUG_REPORT_DIR if state_dir is not None else "the state directory"
+        return (
+            f"{program} --safe-mode into {where}/nvidia-bug-report-<journal id>.log.gz "
+            f"(within {self.timeout_s:g} s, at most {self.max_bytes} bytes)"
+        )
+
+    def _absent(self) -> str:
+        name = self.program or NVIDIA_BUG_REPORT
+        return (
+            f"{name} is not installed or not executable (it ships with the NVIDIA driver); "
+            "take it by hand before the node is repaired if the vendor asks for it"
+        )
+
+    def collect(self, state_dir: Path, row_id: int) -> BugReport:
+        """Run the script for journal row ``row_id``; never raises."""
+        if self.unavailable:
+            return BugReport(None, f"no driver bug report ({self.unavailable})")
+        program = self._program()
+        if program is None:
+            return BugReport(None, f"no driver bug report: {self._absent()}")
+        try:
+            directory = private_dir(state_dir / BUG_REPORT_DIR)
+        except OSError as err:
+            return BugReport(
+                None, f"no driver bug report: cannot make {state_dir}/{BUG_REPORT_DIR}: {err}"
+            )
+        base = directory / f"nvidia-bug-report-{row_id}.log"
+        argv = [program, "--safe-mode", "--output-file", str(base)]
+        prlimit = proc.which("prlimit")
+        if prlimit is not None:  # the kernel stops a write past the cap (RLIMIT_FSIZE)
+            argv = [prlimit, f"--fsize={self.max_bytes}", "--", *argv]
+        result = self._run(argv, timeout_s=self.timeout_s, cwd=str(directory))
+        found = [p for p in (base.with_name(base.name + ".gz"), base) if p.is_file()]
+        path = found[0] if found else None
+        if path is not None:
+            path = self._capped(path)
+        self._prune(directory)
+        if result.ok and path is not None:
+            return BugReport(path, f"driver bug report in {path}")
+        why = result.describe_failure() if not result.ok else "it wrote no file"
+        if path is not None:
+            return BugReport(
+                path, f"driver bug report incomplete ({why}); partial output in {path}"
+            )
+        return BugReport(None, f"no driver bug report: {why}")
+
+    def _capped(self, path: Path) -> Path:
+        try:
+            if path.stat().st_size > self.max_bytes:
+                os.truncate(path, self.max_bytes)
+            os.chmod(path, 0o600)
+        except OSError:
+            pass  # what is there is kept; the note names it
+        return path
+
+    def _prune(self, directory: Path) -> None:
+        """Keep the newest ``keep`` reports (by modification time)."""
+        try:
+            reports = sorted(
+                (p for p in directory.glob("nvidia-bug-report-*.log*") if p.is_file()),
+                key=lambda p: p.stat().st_mtime,
+                reverse=True,
+            )
+        except OSError:
+            return
+        for old in reports[self.keep :]:
+            try:
+                old.unlink()
+            except OSError:
+                pass

@@ -29,6 +29,16 @@ target named no job, or whose job id does not pass ``check_job_id``, is ``refuse
 adapter call. Guards: opt-out, dedup (the key holds the job) and a rate limit between job
 restarts of different runs apply; the breaker and the blast radius do not (nothing is drained).
 
+A ``replace`` step first takes the driver's bug report (``nvidia-bug-report.sh --safe-mode``,
+:class:`~node_agent.remediation.evidence.BugReportCollector`) named with its journal row's id;
+the adapter's replace request (the webhook's ``evidence`` key), the journal and the report name
+the file, or say why there is none. A dry run says what it would collect.
+
+A planned drain (an announced maintenance, ``remedy: planned``) takes no evidence (nothing is
+broken); where its event asks for it (Azure Scheduled Events with the check's ``acknowledge``),
+the event is acknowledged once the drain is done (``acknowledge_event``), so the platform may
+start it at once.
+
 A test that needs a crash between the journal and the adapter call passes ``after_journal``: a
 callable run with each step once it is journaled ``started``, before the adapter is called.
 """
@@ -45,7 +55,7 @@ from typing import Protocol
 
 from node_agent import proc
 from node_agent.kernel_log import KernelLog
-from node_agent.model import ActionRecord, Grade, Report, Target, utc_iso
+from node_agent.model import ActionRecord, Grade, PlannedEvent, Report, Target, utc_iso
 from node_agent.remediation import evidence as _evidence
 from node_agent.remediation import guards
 from node_agent.remediation.plan import (
@@ -144,6 +154,8 @@ class Remediator:
         gpu_pids: Callable[[], tuple[list[int], str | None]] | None = None,
         warn: Callable[[str], None] = _stderr,
         after_journal: Callable[[Step], None] | None = None,
+        bug_report: _evidence.BugReportCollector | None = None,
+        acknowledge_event: Callable[[PlannedEvent], str] | None = None,
     ) -> None:
         self.store, self.adapter, self.node, self.safety = store, adapter, node, safety
         self.state_dir, self.dry_run, self.clock = state_dir, dry_run, clock
@@ -151,6 +163,10 @@ class Remediator:
         self.kernel_log, self.gpu_pids, self.warn = kernel_log, gpu_pids, warn
         #: called with each step once it is journaled "started", before the adapter acts
         self.after_journal = after_journal
+        #: the driver's bug report before a replace request (None: not taken in this command)
+        self.bug_report = bug_report
+        #: acknowledges an announced maintenance after its drain (default: the cloud's own API)
+        self.acknowledge_event = acknowledge_event or _acknowledge_event
         self._evidence_taken = False
         self._report: Report | None = None
         self._run_started = float("-inf")  # job restarts since then are this run's own
@@ -382,10 +398,17 @@ class Remediator:
                     retry = existing
         if self.dry_run:
             detail = f"dry run: would {step.action} {self.node} ({step.reason})"
+            if step.action == "replace":
+                detail += f"; would first collect {self._bug_report_plan()}"
             self._close_new(step, key, trigger, "dry-run", detail, now, out)
             return True
-        # evidence once per fault: the first attempt took it, a retry does not copy it again
-        evidence_note = self._take_evidence(step.action, now) if retry is None else None
+        # evidence once per fault: the first attempt took it, a retry does not copy it again;
+        # a planned drain has nothing broken to show
+        evidence_note = (
+            self._take_evidence(step.action, now)
+            if retry is None and step.planned is None
+            else None
+        )
         row = self._journal(
             step,
             key,
@@ -402,9 +425,14 @@ class Remediator:
         if self.after_journal is not None:
             self.after_journal(step)
         row = self.store.journal_update(row.id, "started", row.detail, now, count_try=True)
-        outcome, detail = self._perform(row)
+        bug = self._take_bug_report(row) if step.action == "replace" else None
+        outcome, detail = self._perform(row, evidence=str(bug.path) if bug and bug.path else None)
         if evidence_note and outcome == "done":
             detail = f"{detail}; {evidence_note}"
+        if bug is not None:
+            detail = f"{detail}; {bug.note}"
+        if outcome == "done" and step.planned is not None and step.planned.acknowledge:
+            detail = f"{detail}; {self._acknowledge(step.planned)}"
         if retry is not None:
             detail = f"retry {row.tries} of {step.action} (after journal #{retry.id}): {detail}"
         try:
@@ -503,8 +531,9 @@ class Remediator:
         first = row.created_at if first is None else min(first, row.created_at)
         return hashlib.sha256(f"{row.key}|{first:.6f}".encode()).hexdigest()
 
-    def _perform(self, row: JournalRow) -> tuple[str, str]:
-        """Call the adapter (or the GPU resetter) for one started row: (outcome, detail)."""
+    def _perform(self, row: JournalRow, evidence: str | None = None) -> tuple[str, str]:
+        """Call the adapter (or the GPU resetter) for one started row: (outcome, detail).
+        ``evidence``: the driver bug report a replace request names."""
         try:
             key = self.action_key(row)
             if row.action in ("drain", "resume", "replace"):
@@ -548,11 +577,14 @@ class Remediator:
             if row.action == "restart-job":
                 job = (row.target or "").removeprefix("job:")
                 return "done", self.adapter.restart_job(self.node, job, row.reason, key=key)
+            if row.action == "replace":
+                return "done", self.adapter.replace(
+                    self.node, row.reason, key=key, evidence=evidence
+                )
             call = {
                 "drain": self.adapter.drain,
                 "resume": self.adapter.resume,
                 "restart": self.adapter.restart,
-                "replace": self.adapter.replace,
             }[row.action]
             return "done", call(self.node, row.reason, key=key)
         except StateUnavailable:
@@ -703,3 +735,39 @@ class Remediator:
             self.warn(f"evidence not collected: {'; '.join(notes)}")
             return f"evidence not collected ({notes[0]})"
         return f"evidence in {directory}"
+
+    def _bug_report_plan(self) -> str:
+        if self.bug_report is None:
+            return "no driver bug report (not taken in this command)"
+        return self.bug_report.describe(self.state_dir)
+
+    def _take_bug_report(self, row: JournalRow) -> _evidence.BugReport:
+        """The driver's bug report for this replace request, named with its journal row id."""
+        if self.bug_report is None:
+            return _evidence.BugReport(None, "no driver bug report (not taken in this command)")
+        if self.state_dir is None:
+            return _evidence.BugReport(None, "no driver bug report (no state directory)")
+        report = self.bug_report.collect(self.state_dir, row.id)
+        if report.path is None:
+            self.warn(report.note)
+        return report
+
+    def _acknowledge(self, event: PlannedEvent) -> str:
+        """Acknowledge the announced maintenance after its drain; a failure is a note (the
+        event then starts at its announced time, as it would have anyway)."""
+        try:
+            return self.acknowledge_event(event)
+        except Exception as err:  # noqa: BLE001 - the drain is done; the ack is a courtesy
+            note = f"{event.provider} event {event.event_id} not acknowledged: {err}"
+            self.warn(note)
+            return note
+
+
+def _acknowledge_event(event: PlannedEvent) -> str:
+    """The cloud's own acknowledgement of an announced maintenance (Azure Scheduled Events'
+    ``StartRequests`` on the link-local address)."""
+    from node_agent.host import cloud_metadata
+
+    if event.provider != "azure" or event.event_id is None:
+        return f"{event.provider} events take no acknowledgement"
+    return cloud_metadata.acknowledge(event.event_id)

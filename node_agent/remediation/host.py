@@ -80,7 +80,8 @@ def open_remediator(
     kernel log and the GPU processes for evidence. An operator's ``act`` opens no environment:
     it passes None and says ``simulated`` itself (``--simulate``); it gets no GPU reset.
     ``dry_run`` adds to ``adapter.dry_run`` from the config; ``after_journal`` is the executor's
-    hook run after each step is journaled, before the adapter acts.
+    hook run after each step is journaled, before the adapter acts. A replace request is
+    preceded by the driver's bug report (``nvidia-bug-report.sh``; not on a simulated node).
     """
     sim = env.simulated if env is not None else simulated
     kernel_log: KernelLog | None
@@ -101,4 +102,12 @@ def open_remediator(
         kernel_log=kernel_log,
         gpu_pids=None if sim else evidence.gpu_pids,
         after_journal=after_journal,
+        bug_report=evidence.BugReportCollector(
+            unavailable=(
+                "simulated node: nvidia-bug-report.sh would describe this host, not the "
+                "simulated node"
+                if sim
+                else None
+            )
+        ),
     )

@@ -19,7 +19,8 @@ plans nothing (a passing re-test resumes a node the agent drained); RESTART drai
 restarts: a GPU reset and a re-test where the finding allows it (:func:`gpu_reset_allowed`),
 else a reboot request through the scheduler adapter, re-tested by the next graded run; a
 RESTART whose every ERROR is a hung training job restarts the jobs instead; REPLACE drains, then
-asks for a replacement; DRAIN is an operator's (``node-agent act drain``: :func:`operator_step`).
+asks for a replacement; DRAIN is an operator's (``node-agent act drain``: :func:`operator_step`)
+or an announced maintenance's (every ERROR ``remedy: planned``: drain alone, no restart).
 
 The rules (DESIGN.md, "Remediation and safety"):
 
@@ -37,6 +38,12 @@ The rules (DESIGN.md, "Remediation and safety"):
 * HEALTHY/WARN never cause a drain; they resume a node only when the agent itself drained it
   for a restart and this is the passing re-test. A re-test whose only ERRORs are hung training
   jobs (``JOB_RULES``) passes for the node: it resumes, then the jobs are restarted.
+* An announced maintenance (ERROR whose every node ERROR has ``remedy: planned``: the
+  ``cloud_maintenance`` check inside its lead time) drains the node to ``planned`` with the
+  event in the drain reason, and nothing else: no restart (the cloud takes the host), no
+  replacement, no restart counted. While the event stands the node waits; the first passing
+  re-test after it resumes the node (a maintenance that ends in a broken node grades ERROR or
+  FAULT and takes that path from ``planned``).
 * A hung training job (ERROR whose every ERROR-or-worse reason is a job rule, ``JOB_RULES``) is
   not the node's fault: one ``restart-job`` step per hung job, through the scheduler, and the
   node's state does not change. A hardware ERROR/FAULT beside it takes the node path instead
@@ -59,6 +66,7 @@ from node_agent.model import (
     Action,
     Grade,
     Level,
+    PlannedEvent,
     Reason,
     Remedy,
     Target,
@@ -101,8 +109,9 @@ __all__ = [
 
 #: remediation states of a node (the store's strings)
 STATES = tuple(s.value for s in NodeState)
-#: states in which the agent has drained the node for a restart and a passing re-test resumes it
-RESUMABLE_STATES = (NodeState.DRAINED, NodeState.RESTARTING, NodeState.RETEST)
+#: states in which the agent has drained the node (for a restart, or ahead of an announced
+#: maintenance) and a passing re-test resumes it
+RESUMABLE_STATES = (NodeState.DRAINED, NodeState.RESTARTING, NodeState.RETEST, NodeState.PLANNED)
 #: actions a plan step can take (the journal's ``action`` column)
 ACTIONS = tuple(a.value for a in StepAction)
 #: actions that take the node (or its GPUs) out of work: the rate limit of a drain counts them
@@ -117,7 +126,8 @@ JOB_RULES = frozenset({"training-hang"})
 #: RESTART: a GPU reset and its re-test where the finding allows it, else a reboot request)
 STEPS_FOR_ACTION: Mapping[Action, tuple[tuple[StepAction, ...], ...]] = {
     Action.NONE: ((),),
-    Action.DRAIN: ((StepAction.DRAIN,),),  # an operator's only: the grade never asks for it
+    # an operator's, and an announced maintenance's (every ERROR remedy planned)
+    Action.DRAIN: ((StepAction.DRAIN,),),
     Action.RESTART: (
         (StepAction.DRAIN, StepAction.GPU_RESET, StepAction.RETEST),
         (StepAction.DRAIN, StepAction.RESTART),
@@ -160,6 +170,9 @@ class Step:
     # restart-job: the job, as the finding's target names it (untrusted text, checked by the
     # remediator before any adapter sees it); None when the target named no job
     job: str | None = None
+    # a planned drain: the announced maintenance it is for (the executor acknowledges it after
+    # the drain where the event asks for that: Azure Scheduled Events)
+    planned: PlannedEvent | None = None
 
     def __post_init__(self) -> None:
         # a caller may name the enums by their stored words ("restart", "restarting")
@@ -279,6 +292,7 @@ class Phase(enum.Enum):
     FAULT = "fault"  # drained for a FAULT, the replace request not yet done
     AWAITING_REPLACEMENT = "awaiting-replacement"
     NEEDS_OPERATOR = "needs-operator"  # restarts spent on software causes
+    PLANNED = "planned"  # drained ahead of an announced maintenance
     HELD = "needs-operator for remediations-7d"  # held for too many remediations
 
 
@@ -294,6 +308,7 @@ class Verdict(enum.Enum):
     SOFTWARE = "restart a software cause"  # every node ERROR has remedy software
     SOFTWARE_OVERUSED = "restart a software cause, remediations-7d reached"
     SOFTWARE_SPENT = "restart a software cause, restarts spent"  # -> hold for an operator
+    PLANNED = "drain for an announced maintenance"  # every node ERROR has remedy planned
 
 
 class Move(enum.Enum):
@@ -316,6 +331,8 @@ class Move(enum.Enum):
     NOTE_SOFTWARE_HELD = "say it is held for an operator (software cause)"
     HOLD_REMEDIATIONS = "hold for an operator (remediations-7d)"
     NOTE_HELD = "say it is held for an operator (remediations-7d)"
+    PLANNED_DRAIN = "drain for the announced maintenance, no restart"
+    NOTE_PLANNED = "say it waits for the announced maintenance to end"
 
 
 _ERRORS = (Verdict.ERROR, Verdict.SOFTWARE)
@@ -334,6 +351,7 @@ _DEFAULT: Mapping[Verdict, Move] = {
     Verdict.SOFTWARE_OVERUSED: Move.HOLD_REMEDIATIONS,
     Verdict.SPENT: Move.ESCALATE,
     Verdict.SOFTWARE_SPENT: Move.HOLD_SOFTWARE,
+    Verdict.PLANNED: Move.PLANNED_DRAIN,  # on a drained node: a note, nothing to drain
 }
 _RESUMING = {Verdict.PASS: Move.RESUME, Verdict.JOBS: Move.RESUME_THEN_JOBS}
 _OVERRIDES: Mapping[Phase, Mapping[Verdict, Move]] = {
@@ -342,6 +360,7 @@ _OVERRIDES: Mapping[Phase, Mapping[Verdict, Move]] = {
     Phase.RESTARTING: _RESUMING,
     Phase.RETEST: _RESUMING,
     Phase.OPERATOR_DRAINED: {Verdict.PASS: Move.NOTE_OPERATOR_DRAIN},
+    Phase.PLANNED: {**_RESUMING, Verdict.PLANNED: Move.NOTE_PLANNED},
     Phase.REBOOT_PENDING: {v: Move.WAIT_REBOOT for v in Verdict},
     Phase.FAULT: {
         Verdict.PASS: Move.NOTE_REPAIR,
@@ -419,6 +438,8 @@ def _verdict(c: _Case) -> Verdict:
         return Verdict.FAULT
     if c.serious and all(r.rule in JOB_RULES for r in c.serious):
         return Verdict.JOBS
+    if c.node_serious and all(r.remedy is Remedy.PLANNED for r in c.node_serious):
+        return Verdict.PLANNED
     software = bool(c.node_serious) and all(r.remedy is Remedy.SOFTWARE for r in c.node_serious)
     if c.restarts >= c.limit:
         return Verdict.SOFTWARE_SPENT if software else Verdict.SPENT
@@ -739,6 +760,43 @@ def _restart(c: _Case) -> Plan:
     return Plan(tuple(steps), note=note, fault_code=code, target=target)
 
 
+def _planned_what(c: _Case) -> str:
+    event = c.worst.planned
+    return event.describe() if event is not None else short_message(c.worst)
+
+
+def _planned_drain(c: _Case) -> Plan:
+    """Drain ahead of the announced maintenance, and nothing else: the drain reason names the
+    event (its kind and start, from the typed ``Reason.planned``); the node moves to
+    ``planned``, from which a passing re-test after the event resumes it."""
+    code, target, what = c.code, c.worst.target, _planned_what(c)
+    if c.drained:
+        return Plan(
+            note=f"planned maintenance {what}: the node is already {c.record.state} "
+            f"({c.record.fault_code} {c.record.target}); nothing more to do for the event",
+            fault_code=c.record.fault_code,
+            target=c.record.target,
+        )
+    reason = drain_reason(Level.ERROR, code, target, f"planned {what}")
+    step = Step(StepAction.DRAIN, reason, NodeState.PLANNED, code, target, planned=c.worst.planned)
+    return Plan(
+        (step,),
+        note=f"planned maintenance {what}: drain ahead of it (no restart, no replacement); "
+        "a passing re-test after the event resumes the node",
+        fault_code=code,
+        target=target,
+    )
+
+
+def _note_planned(c: _Case) -> Plan:
+    return Plan(
+        note=f"drained since {utc_iso(c.record.since)} for the planned maintenance "
+        f"{_planned_what(c)}; it resumes when a re-test after the event passes",
+        fault_code=c.record.fault_code,
+        target=c.record.target,
+    )
+
+
 _BUILDERS: Mapping[Move, Callable[[_Case], Plan]] = {
     Move.NO_ACTION: _no_action,
     Move.WAIT_REBOOT: _wait_reboot,
@@ -757,6 +815,8 @@ _BUILDERS: Mapping[Move, Callable[[_Case], Plan]] = {
     Move.NOTE_SOFTWARE_HELD: _note_software_held,
     Move.HOLD_REMEDIATIONS: _hold_remediations,
     Move.NOTE_HELD: _note_held,
+    Move.PLANNED_DRAIN: _planned_drain,
+    Move.NOTE_PLANNED: _note_planned,
 }
 
 

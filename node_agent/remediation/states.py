@@ -29,6 +29,8 @@ class NodeState(_Word):
     in-service -> drained -> restarting -> retest -> in-service
                       \\-> fault -> awaiting-replacement
                       \\-> needs-operator   (set-healthy + act resume)
+    in-service -> planned -> in-service   (a cloud's announced maintenance: drained ahead of it,
+                                           resumed by a passing re-test after it)
     """
 
     IN_SERVICE = "in-service"
@@ -38,6 +40,7 @@ class NodeState(_Word):
     FAULT = "fault"
     AWAITING_REPLACEMENT = "awaiting-replacement"
     NEEDS_OPERATOR = "needs-operator"
+    PLANNED = "planned"  # drained ahead of an announced maintenance (remedy planned)
 
 
 class StepAction(_Word):

@@ -68,8 +68,11 @@ class SchedulerAdapter(Protocol):
     # a reboot request
     def restart(self, node: str, reason: str, *, key: str | None = None) -> str: ...
 
-    # drain + mark for replacement
-    def replace(self, node: str, reason: str, *, key: str | None = None) -> str: ...
+    # drain + mark for replacement; ``evidence`` names the driver bug report taken before it
+    # (a path on the node, remediation/evidence.py), for the people who repair the node
+    def replace(
+        self, node: str, reason: str, *, key: str | None = None, evidence: str | None = None
+    ) -> str: ...
 
     def list_nodes(self) -> list[NodeState]: ...  # all nodes it manages (blast radius)
 

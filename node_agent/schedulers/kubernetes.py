@@ -310,7 +310,11 @@ class KubernetesAdapter:
         reason = sanitise_reason(reason)
         return self._cordon_and_taint(node, reason, {}, "NodeAgentDrained")[0]
 
-    def replace(self, node: str, reason: str, *, key: str | None = None) -> str:
+    def replace(
+        self, node: str, reason: str, *, key: str | None = None, evidence: str | None = None
+    ) -> str:
+        """Cordon and taint; the evidence file is named in the detail (the journal and
+        report), on the node's own disk."""
         node = self._only_own(node, "replace")
         text = sanitise_reason(reason)
         if not text.startswith("node-agent: replace:"):

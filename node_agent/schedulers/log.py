@@ -47,7 +47,13 @@ class LogAdapter:
         return cls(config.state_dir / "actions.log", node=config.node.name)
 
     def _record(
-        self, action: str, node: str, reason: str, job: str | None = None, key: str | None = None
+        self,
+        action: str,
+        node: str,
+        reason: str,
+        job: str | None = None,
+        key: str | None = None,
+        evidence: str | None = None,
     ) -> str:
         node = check_node_name(node)
         reason = sanitise_reason(reason)
@@ -58,6 +64,7 @@ class LogAdapter:
             "node": node,
             "reason": reason,
             **({"key": key} if key else {}),
+            **({"evidence": evidence} if evidence else {}),
         }
         if job is not None:
             check_job_id(job)
@@ -93,8 +100,10 @@ class LogAdapter:
     def restart(self, node: str, reason: str, *, key: str | None = None) -> str:
         return self._record("restart", node, reason, key=key)
 
-    def replace(self, node: str, reason: str, *, key: str | None = None) -> str:
-        return self._record("replace", node, reason, key=key)
+    def replace(
+        self, node: str, reason: str, *, key: str | None = None, evidence: str | None = None
+    ) -> str:
+        return self._record("replace", node, reason, key=key, evidence=evidence)
 
     def restart_job(self, node: str, job: str, reason: str, *, key: str | None = None) -> str:
         return self._record("restart-job", node, reason, job=job, key=key)

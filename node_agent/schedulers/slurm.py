@@ -234,7 +234,11 @@ class SlurmAdapter:
             )
         raise AdapterError(_failure(result))
 
-    def replace(self, node: str, reason: str, *, key: str | None = None) -> str:
+    def replace(
+        self, node: str, reason: str, *, key: str | None = None, evidence: str | None = None
+    ) -> str:
+        """``State=FAIL``; the evidence file is named in the detail (the journal and report),
+        not in Slurm's reason, which stays short for ``sinfo -R``."""
         node = check_node_name(node)
         text = sanitise_reason(reason)
         if not text.startswith(REPLACE_PREFIX):

@@ -24,7 +24,10 @@ cannot be replayed later or with another nonce. A receiver (docs/schedulers.md h
    completing a half-done action after a crash), and new for the same fault after a repair
    (it covers the fault's first sighting in the episode, ``remediation/executor.py``).
 
-``restart_job`` posts action ``restart-job`` with two more keys, ``"job": "slurm:1234"`` and
+``replace`` adds ``"evidence": "<path>"`` when the agent took the driver's bug report before
+the request (``nvidia-bug-report.sh``, a file on the node under its state directory: the
+receiver fetches it for the RMA; remediation/evidence.py); the key is absent when none was
+taken. ``restart_job`` posts action ``restart-job`` with two more keys, ``"job": "slurm:1234"`` and
 ``"uid": 1001``, the uid of the hung process (only a job the kernel vouched for reaches an
 adapter: ``training/processes.py``; a pod's job carries its UID, ``pod:<ns>/<name>@<uid>``, and
 ``uid`` is null when the job carries none). The receiver restarts it and must check itself
@@ -231,16 +234,22 @@ class WebhookAdapter:
         return box["answer"]
 
     def _post(
-        self, action: str, node: str, reason: str, job: str | None = None, key: str | None = None
+        self,
+        action: str,
+        node: str,
+        reason: str,
+        job: str | None = None,
+        key: str | None = None,
+        evidence: str | None = None,
     ) -> str:
         import requests
 
         node, reason = check_node_name(node), sanitise_reason(reason)
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = {"evidence": evidence} if evidence else {}
         if job is not None:
             check_job_id(job)
             bare, uid = split_job_uid(job)
-            extra = {"job": bare, "uid": uid}
+            extra.update(job=bare, uid=uid)
         what = f"{action} {job} on {node}" if job is not None else f"{action} {node}"
         start = self._monotonic()
         last = "no attempt made"
@@ -310,8 +319,10 @@ class WebhookAdapter:
     def restart(self, node: str, reason: str, *, key: str | None = None) -> str:
         return self._post("restart", node, reason, key=key)
 
-    def replace(self, node: str, reason: str, *, key: str | None = None) -> str:
-        return self._post("replace", node, reason, key=key)
+    def replace(
+        self, node: str, reason: str, *, key: str | None = None, evidence: str | None = None
+    ) -> str:
+        return self._post("replace", node, reason, key=key, evidence=evidence)
 
     def restart_job(self, node: str, job: str, reason: str, *, key: str | None = None) -> str:
         return self._post("restart-job", node, reason, job=job, key=key)

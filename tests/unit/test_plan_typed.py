@@ -25,6 +25,7 @@ from node_agent.model import (
     Action,
     Grade,
     Level,
+    PlannedEvent,
     Reason,
     Recovery,
     Remedy,
@@ -91,6 +92,23 @@ def recovery(action: str) -> Result:
     )
 
 
+#: what the cloud_maintenance check reports inside its lead time (docs/cloud.md)
+MAINTENANCE = PlannedEvent(
+    "gcp", "TERMINATE_ON_HOST_MAINTENANCE", None, "2026-11-21T12:00:00Z", "2026-11-21T13:00:00Z"
+)
+
+
+def maintenance(event: PlannedEvent = MAINTENANCE) -> Result:
+    return Result(
+        "cloud_maintenance",
+        "node",
+        "maintenance_event",
+        Status.FAIL,
+        f"gcp maintenance {event.kind} inside the lead time",
+        planned=event,
+    )
+
+
 def hung(target: str) -> Result:
     return Result("training_progress", target, "training_hang", Status.FAIL, "no step for 412 s")
 
@@ -108,6 +126,8 @@ FINDINGS: dict[str, list[Result]] = {
     "software": [NO_DRIVER],
     "software-beside-hardware": [NO_DRIVER, recovery("gpu_reset")],
     "hang-beside-fault": [hung("job:slurm:77/rank:3"), *kernel_findings([XID79])],
+    "cloud-maintenance": [maintenance()],
+    "maintenance-beside-error": [maintenance(), recovery("node_reboot")],
 }
 
 #: node states and histories each set of findings is planned in
@@ -125,6 +145,9 @@ CONTEXTS: dict[str, dict] = {
     "remediations-7d reached": {"remediations_7d": 5},
     "needs an operator": {"record": NodeRecord(NODE, "needs-operator", T0, "driver-not-loaded")},
     "drained for a fault": {"record": NodeRecord(NODE, "fault", T0, "xid-79", "gpu:5", "auto")},
+    "drained for maintenance": {
+        "record": NodeRecord(NODE, "planned", T0, "cloud-maintenance", "node", "auto")
+    },
 }
 
 
@@ -297,6 +320,7 @@ def test_the_transition_table_is_total_and_the_store_keeps_its_strings():
         "fault",
         "awaiting-replacement",
         "needs-operator",
+        "planned",
     ]
     assert NodeRecord(NODE, "drained").state is NodeState.DRAINED
     assert (
@@ -342,3 +366,58 @@ def test_a_plan_step_prints_as_its_stored_word():
     assert f"{StepAction.GPU_RESET} {RestartKind.REBOOT} {NodeState.NEEDS_OPERATOR}" == (
         "gpu-reset reboot needs-operator"
     )
+
+
+def test_a_planned_maintenance_drains_naming_the_event_and_never_restarts(grader):
+    grade = grader.grade([maintenance()], "service")
+    assert (grade.level, grade.action) == (Level.ERROR, Action.DRAIN)
+    assert grade.reasons[0].remedy is Remedy.PLANNED and grade.reasons[0].planned == MAINTENANCE
+    # nothing about restarts counts: a maintenance is not the node's fault
+    for context in ("in-service", "remediations-7d reached"):
+        p = plan_in(renamed_grade(grade), CONTEXTS[context])
+        (step,) = p.steps
+        assert (step.action, step.to_state, step.fault_code) == (
+            StepAction.DRAIN,
+            NodeState.PLANNED,
+            "cloud-maintenance",
+        )
+        assert step.planned == MAINTENANCE
+        assert step.reason.startswith("node-agent: ERROR cloud-maintenance node planned gcp")
+        assert "TERMINATE_ON_HOST_MAINTENANCE from 2026-11-21T12:00:00Z" in step.reason
+
+
+def test_a_node_drained_for_maintenance_waits_while_it_stands_and_resumes_after(grader):
+    drained = CONTEXTS["drained for maintenance"]
+    waiting = plan_in(grader.grade([maintenance()], "service"), drained)
+    assert waiting.steps == () and "resumes when a re-test after the event passes" in waiting.note
+    after = plan_in(grader.grade([], "service"), drained)
+    assert [(s.action, s.to_state) for s in after.steps] == [
+        (StepAction.RESUME, NodeState.IN_SERVICE)
+    ]
+    announced = dataclasses.replace(maintenance(), status=Status.WARN)
+    assert [s.action for s in plan_in(grader.grade([announced], "service"), drained).steps] == [
+        StepAction.RESUME
+    ]
+
+
+def test_a_broken_node_after_the_maintenance_takes_the_fault_path(grader):
+    drained = CONTEXTS["drained for maintenance"]
+    fault = plan_in(grader.grade(kernel_findings([XID79]), "service"), drained)
+    assert [s.action for s in fault.steps] == [StepAction.REPLACE]
+    error = plan_in(grader.grade([recovery("node_reboot")], "service"), drained)
+    assert [s.action for s in error.steps] == [StepAction.RESTART]
+
+
+def test_a_hardware_error_beside_a_maintenance_is_restarted_as_before(grader):
+    grade = grader.grade([maintenance(), recovery("node_reboot")], "service")
+    assert grade.action is Action.RESTART
+    assert [s.action for s in plan_in(grade, {}).steps] == [StepAction.DRAIN, StepAction.RESTART]
+
+
+def test_a_planned_event_survives_json():
+    result = maintenance()
+    assert Result.from_dict(result.to_dict()).planned == MAINTENANCE
+    reason = Reason("cloud-maintenance", Level.ERROR, "node", "m", "planned", planned=MAINTENANCE)
+    assert Reason.from_dict(reason.to_dict()) == reason
+    with pytest.raises(ValueError, match="planned event"):
+        Reason.from_dict({**reason.to_dict(), "planned": {"starts_at": "x"}})

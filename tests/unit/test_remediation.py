@@ -49,6 +49,7 @@ class FakeAdapter:
         self.fail = fail
         self.jobs: list[str] = []  # the job of each restart_job call
         self.keys: list[str | None] = []  # the idempotency key of each call, failed ones too
+        self.evidence: list[str | None] = []  # the bug report each replace request named
 
     def node_state(self, node: str) -> NodeState:
         return self.state
@@ -75,8 +76,9 @@ class FakeAdapter:
         self.keys.append(key)
         return self._do("restart", node, reason, None)
 
-    def replace(self, node, reason, *, key=None):
+    def replace(self, node, reason, *, key=None, evidence=None):
         self.keys.append(key)
+        self.evidence.append(evidence)
         return self._do("replace", node, reason, True)
 
     def restart_job(self, node, job, reason, *, key=None):

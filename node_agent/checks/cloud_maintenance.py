@@ -1,0 +1,269 @@
+"""Check ``cloud_maintenance``: host maintenance the node's cloud has announced.
+
+The cloud often knows before the node does: a host maintenance or a retirement is announced
+minutes to days ahead through the instance metadata service (:mod:`node_agent.host.cloud_metadata`
+reads GCP, AWS IMDSv2 and Azure Scheduled Events on the link-local address, or an operator's
+command for any other cloud). One result, ``maintenance_event`` (``node``):
+
+* ``pass`` — nothing announced;
+* ``warn`` — an event announced further ahead than ``lead_time_s``: its kind and start time, so
+  the operator sees it coming (graded WARN: never a drain);
+* ``fail`` — an event inside ``lead_time_s`` (default 30 min), begun, or announced with no start
+  time (GCP's ``maintenance-event`` is set about 60 min ahead for GPU VMs): graded ERROR with
+  ``remedy: planned`` (graders/rules.yaml), which drains the node with no restart and no
+  replacement; the result carries the event (``Result.planned``) for the drain reason, and the
+  node resumes when a re-test after the event's end passes (docs/cloud.md);
+* ``skip`` — not a cloud instance (DMI), a stand-in node, or no metadata service answered within
+  ``timeout_s``;
+* ``error`` — the service answered something other than its documented API (never a pass).
+
+Params (:class:`Params`, validated): ``provider`` (``auto``: from DMI; ``gcp``, ``aws``,
+``azure``, ``command``, ``none``), ``lead_time_s`` (1800), ``timeout_s`` (2), ``command`` (argv
+of a program printing ``{"events": [...]}``, for ``provider: command``), ``wait_s`` (GCP only:
+``wait_for_change`` for up to this long, for a daemon suite that watches; 0: a plain read),
+``acknowledge`` (Azure only: acknowledge the event once the agent drained the node, so the
+platform starts it at once), ``dmi_root`` and ``metadata_url`` (for tests only: a tree of their
+own, and a metadata stand-in on a loopback address; the link-local address otherwise).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from node_agent import atomic_file
+from node_agent.checks import CheckContext
+from node_agent.host import cloud_metadata as cm
+from node_agent.model import PlannedEvent, Result, Status
+
+#: how long before an announced event the node is drained: long enough for the scheduler to
+#: stop placing jobs and for short jobs to finish (NVSentinel's csp-health-monitor quarantines
+#: on the announcement; GCP gives GPU VMs about 60 min notice)
+LEAD_TIME_S = 1800.0
+#: one request to the link-local service: it answers in milliseconds on a cloud instance
+TIMEOUT_S = 2.0
+_KEYS = (
+    "provider",
+    "lead_time_s",
+    "timeout_s",
+    "command",
+    "wait_s",
+    "acknowledge",
+    "dmi_root",
+    "metadata_url",
+)
+
+
+@dataclass(frozen=True)
+class Params:
+    """The check's parameters (a suite's ``params``), validated by :meth:`parse`."""
+
+    provider: str = "auto"
+    lead_time_s: float = LEAD_TIME_S
+    timeout_s: float = TIMEOUT_S
+    command: tuple[str, ...] = ()
+    wait_s: float = 0.0
+    acknowledge: bool = False
+    dmi_root: str = "/"
+    metadata_url: str = cm.LINK_LOCAL
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> Params:
+        """ValueError naming the key and what was expected."""
+        where = "suite params of cloud_maintenance"
+        unknown = sorted(set(raw) - set(_KEYS))
+        if unknown:
+            raise ValueError(
+                f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(_KEYS)}"
+            )
+        p = cls(**{k: raw[k] for k in _KEYS if k in raw and k != "command"})
+        if p.provider not in ("auto", "none", *cm.PROVIDERS):
+            raise ValueError(
+                f"{where}: provider {p.provider!r}: expected auto, none, {', '.join(cm.PROVIDERS)}"
+            )
+        for key in ("lead_time_s", "timeout_s", "wait_s"):
+            value = getattr(p, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{where}: {key} must be a number >= 0, found {value!r}")
+        if p.timeout_s <= 0:
+            raise ValueError(f"{where}: timeout_s must be above 0")
+        if not isinstance(p.acknowledge, bool):
+            raise ValueError(f"{where}: acknowledge must be true or false")
+        command = raw.get("command", [])
+        if not isinstance(command, list) or not all(isinstance(a, str) for a in command):
+            raise ValueError(f"{where}: command must be a list of strings (an argv)")
+        if p.provider == "command" and not command:
+            raise ValueError(f"{where}: provider command needs command (an argv)")
+        _check_url(p.metadata_url, where)
+        return cls(**{**p.__dict__, "command": tuple(command)})
+
+
+def _check_url(url: Any, where: str) -> None:
+    """The link-local address, or (tests) http on a loopback address; nothing else."""
+    parts = urlsplit(url) if isinstance(url, str) else None
+    try:
+        address = ipaddress.ip_address(parts.hostname or "") if parts else None
+    except ValueError:
+        address = None
+    if (
+        parts is None
+        or parts.scheme != "http"
+        or address is None
+        or not (address.is_loopback or str(address) == "169.254.169.254")
+    ):
+        raise ValueError(
+            f"{where}: metadata_url {url!r}: the metadata service is reached on "
+            f"{cm.LINK_LOCAL} only (a loopback http URL is for tests)"
+        )
+
+
+def run(ctx: CheckContext) -> list[Result]:
+    try:
+        params = Params.parse(ctx.params)
+    except (TypeError, ValueError) as err:
+        return [ctx.result("node", "maintenance_event", Status.ERROR, str(err))]
+    provider, why = _provider(ctx, params)
+    if provider is None:
+        return [ctx.skip(why, metric="maintenance_event")]
+    timeout = max(0.2, min(params.timeout_s, ctx.timeout_s * 0.4))
+    try:
+        events, notes = _read(ctx, params, provider, timeout)
+    except cm.MetadataUnreachable as err:
+        return [
+            ctx.skip(f"{provider}: {err}; no maintenance can be read", "node", "maintenance_event")
+        ]
+    except cm.MetadataMalformed as err:
+        return [
+            ctx.result(
+                "node",
+                "maintenance_event",
+                Status.ERROR,
+                f"{provider} metadata service: {err}; announced maintenance cannot be read",
+                provider=provider,
+            )
+        ]
+    return [judge(ctx, params, provider, events, notes)]
+
+
+def _provider(ctx: CheckContext, params: Params) -> tuple[str | None, str]:
+    if params.provider == "none":
+        return None, "provider none in the suite: no cloud metadata is read"
+    if params.provider != "auto":
+        return params.provider, ""
+    if ctx.ports.host_tree is not None or ctx.ports.host_unrecorded is not None:
+        if params.dmi_root == "/":
+            return None, "stand-in node: no cloud metadata service is modelled"
+    found, dmi = cm.detect_provider(Path(params.dmi_root))
+    if found is None:
+        shown = ", ".join(f"{k}={v!r}" for k, v in dmi.items() if v) or "unreadable"
+        return None, (
+            f"not a GCP, AWS or Azure instance by its DMI strings ({shown}); for another "
+            "cloud set provider: command with a command printing its events"
+        )
+    return found, ""
+
+
+def _read(
+    ctx: CheckContext, params: Params, provider: str, timeout: float
+) -> tuple[list[cm.Event], dict[str, Any]]:
+    if provider == "command":
+        return cm.read_command(params.command, timeout_s=max(timeout, ctx.timeout_s * 0.5)), {}
+    http = cm.Http(params.metadata_url, timeout)
+    if provider == "aws":
+        return cm.read_aws(http), {}
+    if provider == "azure":
+        events, vm = cm.read_azure(http)
+        return events, {"vm_name": vm}
+    etag_file = ctx.state_dir / "cloud_maintenance.etag" if ctx.state_dir else None
+    etag = None
+    if params.wait_s > 0 and etag_file is not None:
+        try:
+            etag = etag_file.read_text().strip() or None
+        except OSError:
+            etag = None
+    wait = min(params.wait_s, max(0.0, ctx.timeout_s * 0.5))
+    events, new_etag = cm.read_gcp(http, wait_s=wait, etag=etag)
+    if params.wait_s > 0 and etag_file is not None and new_etag:
+        try:
+            atomic_file.write_text(etag_file, new_etag)
+        except OSError:
+            pass  # the next wait starts without it: it returns at once, nothing is lost
+    return events, {}
+
+
+def judge(
+    ctx: CheckContext,
+    params: Params,
+    provider: str,
+    events: list[cm.Event],
+    notes: dict[str, Any],
+) -> Result:
+    """The one result for the events read: pass, warn (ahead), or fail (inside the lead time)."""
+    now = ctx.ports.clock()
+    current = [e for e in events if e.ends_at is None or e.ends_at > now]
+    evidence = {
+        "provider": provider,
+        "events": [e.to_dict() for e in events],
+        "lead_time_s": params.lead_time_s,
+        **notes,
+    }
+    if not current:
+        past = f" ({len(events)} already over)" if events else ""
+        return ctx.result(
+            "node",
+            "maintenance_event",
+            Status.PASS,
+            f"{provider}: no maintenance announced{past}",
+            value=None,
+            unit="s",
+            **evidence,
+        )
+    event = min(current, key=lambda e: e.starts_at if e.starts_at is not None else float("-inf"))
+    lead = None if event.starts_at is None else max(0.0, event.starts_at - now)
+    planned = PlannedEvent(
+        provider=provider,
+        kind=event.kind,
+        event_id=event.event_id,
+        starts_at=cm.iso(event.starts_at),
+        ends_at=cm.iso(event.ends_at),
+        acknowledge=params.acknowledge and provider == "azure" and event.event_id is not None,
+    )
+    ends = f", until {planned.ends_at}" if planned.ends_at else ""
+    more = f" (and {len(current) - 1} more)" if len(current) > 1 else ""
+    if lead is None or lead <= params.lead_time_s:
+        when = (
+            f"starting at {planned.starts_at}, in {lead / 60:.0f} min"
+            if lead is not None and lead > 0
+            else "now (begun, or announced with no start time)"
+        )
+        status, detail = (
+            Status.FAIL,
+            (
+                f"{provider} maintenance {event.kind} {when}{ends}{more}: inside the "
+                f"{params.lead_time_s / 60:g} min lead time; drain the node (no restart, no "
+                "replacement) and resume it after the event"
+            ),
+        )
+    else:
+        status, detail = (
+            Status.WARN,
+            (
+                f"{provider} maintenance {event.kind} announced, starting at {planned.starts_at} "
+                f"(in {lead / 3600:.1f} h){ends}{more}; drained {params.lead_time_s / 60:g} min ahead"
+            ),
+        )
+    result = ctx.result(
+        "node",
+        "maintenance_event",
+        status,
+        detail,
+        value=round(lead, 1) if lead is not None else 0.0,
+        unit="s",
+        **evidence,
+    )
+    result.planned = planned
+    return result
