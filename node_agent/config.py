@@ -158,8 +158,10 @@ class NvhcdConfig:
 
     socket: str | None
     group: str | None
-    max_age_s: float
-    min_refresh_s: float
+    #: concurrent calls one uid may hold open; past it that uid's oldest call is closed
+    max_per_uid: int
+    #: the longest one call may take, its request's arrival included (seconds)
+    call_s: float
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,8 @@ class DaemonConfig:
     retry_max_s: float
     subprocess_checks: tuple[str, ...]
     nvhcd: NvhcdConfig
+    #: runs in a row that timed out or failed after which a check's failure is a finding
+    failures_warn_after: int
 
 
 @dataclass(frozen=True)
@@ -270,9 +274,12 @@ DEFAULTS: dict[str, Any] = {
             "pcie_bandwidth",
             "nccl_allreduce",
         ],
-        # NVRx's node health-check service (docs/stop_check.md): off unless a socket
-        # path is set (NVRx's default is /var/run/nvhcd.sock)
-        "nvhcd": {"socket": None, "group": None, "max_age_s": 60, "min_refresh_s": 30},
+        # a check that times out or fails this many runs in a row is a WARN of its own
+        # (a child wedged in NVML or DCGM: docs/daemon.md)
+        "failures_warn_after": 3,
+        # NVRx's node health-check service (docs/daemon.md): off unless a socket path is set
+        # (the shipped unit's runtime directory: /run/node-agent/nvhcd.sock)
+        "nvhcd": {"socket": None, "group": None, "max_per_uid": 4, "call_s": 5},
     },
     "nvml": {"call_timeout_s": 10},
     "dcgm": {"bindings_path": None, "hostengine": "localhost"},
@@ -388,12 +395,13 @@ SCHEMA: dict[str, Any] = _obj(
                 "retry_max_s": {"type": "number", "exclusiveMinimum": 0},
                 "subprocess_checks": {"type": "array", "items": {"type": "string"}},
                 "act": {"type": "boolean"},
+                "failures_warn_after": {"type": "integer", "minimum": 1},
                 "nvhcd": _obj(
                     {
                         "socket": {"type": ["string", "null"], "pattern": "^/"},
                         "group": {"type": ["string", "null"], "minLength": 1},
-                        "max_age_s": {"type": "number", "exclusiveMinimum": 0},
-                        "min_refresh_s": {"type": "number", "minimum": 0},
+                        "max_per_uid": {"type": "integer", "minimum": 1, "maximum": 64},
+                        "call_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 60},
                     }
                 ),
             }
@@ -525,9 +533,10 @@ def _sections(d: dict[str, Any]) -> dict[str, Any]:
             nvhcd=NvhcdConfig(
                 socket=nv["socket"],
                 group=nv["group"],
-                max_age_s=float(nv["max_age_s"]),
-                min_refresh_s=float(nv["min_refresh_s"]),
+                max_per_uid=int(nv["max_per_uid"]),
+                call_s=float(nv["call_s"]),
             ),
+            failures_warn_after=int(dm["failures_warn_after"]),
         ),
         "nvml": NvmlConfig(call_timeout_s=float(d["nvml"]["call_timeout_s"])),
         "dcgm": DcgmConfig(

@@ -1,15 +1,21 @@
 """A client of the node health-check service that keeps NVRx's wire contract and behaviour.
 
 The registry serves nvidia-resiliency-ext only up to 0.4.1, which has no node health-check
-client, so the tests cannot use NVRx's own ``NodeHealthCheck`` class. This one follows it
-(nvidia_resiliency_ext/shared_utils/health_check.py, ``NodeHealthCheck``): its stubs are
-generated at test time from our ``packaging/nvrx/nvhcd.proto`` (the same package, service,
-method and field numbers as NVRx's), and it decides as NVRx does:
+client, so the tests cannot use NVRx's own ``NodeHealthCheck`` class. This one follows it line
+for line in what it decides (nvidia_resiliency_ext/shared_utils/health_check.py,
+``NodeHealthCheck._perform_health_check`` and ``_validate_and_get_target``, NVRx 0.7): its stubs
+are generated at test time from our ``packaging/nvrx/nvhcd.proto`` (the same package, service,
+method and field numbers as NVRx's ``shared_utils/proto/nvhcd.proto``), and
 
-- the endpoint ``unix:///path``, ``/path`` or ``./path`` is a Unix socket; another form, or a
-  socket path that does not exist, skips the check (healthy);
-- a gRPC connectivity error skips the check (healthy): the service is optional;
-- ``success`` false is unhealthy; otherwise the JSON ``output`` must hold ``fail_count`` 0.
+- the endpoint ``unix:///path``, ``/path`` or ``./path`` is a Unix socket; another form skips
+  the check (healthy); the socket's existence is tested once, when the client is made, and a
+  missing (or unreachable: ``os.path.exists`` is false) socket skips the check (healthy);
+- each call opens an insecure channel and calls ``RunHealthCheck`` with NVRx's default request
+  (``--no-slurm --group prolog epilog logs gpu`` since 0.7) and its default 60 s timeout;
+- any exception of the call (a timeout, a refused or reset connection, RESOURCE_EXHAUSTED)
+  skips the check (healthy): NVRx fails open, which is why the service must not;
+- ``success`` false is unhealthy; then the JSON ``output`` must parse and hold ``fail_count``,
+  and only ``fail_count == 0`` is healthy.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class NodeHealthCheck:
         self.args = list(args)
         self.request_timeout_sec = request_timeout_sec
         self.last_output: dict | None = None
+        self.last_response = None
         self.skipped: str | None = None
         self._target = self._resolve(endpoint)
 
@@ -84,15 +91,25 @@ class NodeHealthCheck:
                 response = stub.RunHealthCheck(
                     self._pb2.HealthCheckRequest(args=self.args), timeout=self.request_timeout_sec
                 )
-        except Exception as err:  # NVRx: a connectivity error skips the check
+                self.last_response = response
+                if not response.success:
+                    self._remember(response.output)
+                    return False
+                try:
+                    output = json.loads(response.output)
+                except json.JSONDecodeError:
+                    return False
+                self.last_output = output
+                if output.get("fail_count") is None:
+                    return False
+                return output["fail_count"] == 0
+        except Exception as err:  # NVRx: a connectivity error skips the check (healthy)
             self.skipped = f"connectivity: {err}"
             return True
+
+    def _remember(self, output: str) -> None:
+        """Keep the output of an unhealthy answer for the test to read (NVRx logs it)."""
         try:
-            self.last_output = json.loads(response.output) if response.output else None
+            self.last_output = json.loads(output) if output else None
         except json.JSONDecodeError:
-            return False
-        if not response.success:
-            return False
-        if self.last_output is None or self.last_output.get("fail_count") is None:
-            return False
-        return self.last_output["fail_count"] == 0
+            self.last_output = None

@@ -12,7 +12,16 @@ history (``<state_dir>/history.db``) and their trends are graded as ``trends`` r
 (``service.trend_watch``, docs/trends.md): WARNs, never an action.
 Every change of results is re-graded at once; a changed grade goes to ``on_grade`` (the
 remediation hook) and the log. Nothing here exits on a check's failure: a check that raises or
-hangs is an ``error`` result and a rising ``node_agent_check_errors_total``.
+hangs is an ``error`` result and a rising ``node_agent_check_errors_total``; one that does so
+``daemon.failures_warn_after`` runs in a row is a WARN of its own (a source wedged in NVML or
+DCGM), and each check's result age is a metric.
+
+The grade is the node's state (:mod:`node_agent.service.node_state`): the latest results of
+every scheduled check (a run of one check never replaces another's), the sticky findings and
+the grade, kept in ``<state_dir>/daemon-state.json`` and read back at start. Until every
+scheduled check has a result (stored ones of this boot count) the daemon answers the stored
+ERROR/FAULT or UNKNOWN (:func:`~node_agent.service.node_state.answered`): in NVRx's answer,
+``/healthz`` and ``node_agent_grade_unknown``.
 
 The daemon names no check: what a check does in service it declares beside its ``run()``
 (``SERVICE``, :mod:`node_agent.checks.behaviour`): which results stay part of the grade for
@@ -37,7 +46,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from node_agent import proc
-from node_agent.atomic_file import ensure_spool_dirs
+from node_agent.atomic_file import ensure_spool_dirs, private_dir
 from node_agent.checks import REGISTRY
 from node_agent.checks.behaviour import (
     PLAIN,
@@ -56,6 +65,15 @@ from node_agent.resources import graders_dir, shipped_graders_dir, suites_dir
 from node_agent.runner import FORKSERVER_CHECKS, run_check
 from node_agent.service.check_child import ChildSpec, run_in_child
 from node_agent.service.metrics import CheckStats, DaemonCollector, MetricsServer, Snapshot
+from node_agent.service.node_state import (
+    CheckResults,
+    NodeView,
+    StateFile,
+    Stored,
+    ViewReason,
+    answered,
+    owners,
+)
 from node_agent.service.sd_notify import Notifier
 from node_agent.service.trend_watch import TrendWatch, trends_file
 from node_agent.service.xid_watch import XidSighting, XidWatch
@@ -64,7 +82,7 @@ from node_agent.yamlfile import ConfigError
 
 if TYPE_CHECKING:
     from node_agent.service.actions import DaemonRemediation
-    from node_agent.service.nvhcd import GradeView, NvhcdServer
+    from node_agent.service.nvhcd import NvhcdServer
 
 log = logging.getLogger("node_agent.service.daemon")
 
@@ -110,7 +128,10 @@ class Daemon:
         self.env: Environment = open_environment(self.config, simulate)
         self.suite: Suite = self._load_suite(self.config)
         self._schedule = self._make_schedule(self.suite)
-        self._results: dict[str, list[Result]] = {}
+        #: each scheduled check's latest results (a run replaces its own check's, no other's)
+        self._results: dict[str, CheckResults] = {}
+        #: findings about the daemon itself (the NVRx service not served), by source
+        self._own: dict[str, list[Result]] = {}
         self._stats: dict[str, CheckStats] = {}
         #: results that stay part of the grade for the daemon's life (a check's SERVICE.sticky),
         #: one per (check, key), folded by the check's SERVICE.fold
@@ -118,6 +139,8 @@ class Daemon:
         self._actions: Counter[tuple[str, str]] = Counter()
         self.grade: Grade = Grade(level=Level.HEALTHY, action=Action.NONE, reasons=())
         self._graded_at: float | None = None  # time.time() of the last grading, None before any
+        #: what the daemon answers for the node (NVRx, /healthz); None before the first grading
+        self.view: NodeView | None = None
         self._nvhcd: NvhcdServer | None = None  # NVRx's health-check service (daemon.nvhcd)
         self.last_tick = clock()
         self._scenario_mtime = self._mtime(simulate)
@@ -152,8 +175,38 @@ class Daemon:
             labels=self._labels,
         )
         self._registry.register(self._watch)
+        self._state = StateFile(self.config.state_dir)
+        #: the latest graded state waiting to be written by the "state" thread (a write
+        #: fsyncs: never on the path from a finding to the grade)
+        self._pending: tuple[dict[str, CheckResults], list[Result], Grade] | None = None
+        self._dirty = threading.Event()
+        self._stored_grade = self._restore()
 
     # -- set-up ---------------------------------------------------------------------------------
+    def _restore(self) -> Grade | None:
+        """Read the stored state back: this boot's results of checks still scheduled, and the
+        sticky findings; returns the stored grade (the answer's stand-in until complete)."""
+        try:
+            private_dir(self.config.state_dir)
+        except OSError as err:
+            log.error("state dir %s: %s; the node's state is not kept", self.config.state_dir, err)
+            return None
+        stored: Stored = self._state.load()
+        scheduled = {c.check for c in self.suite.checks}
+        self._results = {k: v for k, v in stored.checks.items() if k in scheduled}
+        for result in stored.sticky:
+            self._stick(result, live=True)
+        if stored.checks or stored.grade is not None:
+            log.info(
+                "daemon state read back from %s: %d check(s) with results of this boot, %d "
+                "sticky finding(s), stored grade %s",
+                self._state.path,
+                len(self._results),
+                len(stored.sticky),
+                stored.grade.level.name if stored.grade else "none",
+            )
+        return stored.grade
+
     def _load_suite(self, config: Config) -> Suite:
         name = self._suite_name or config.daemon.suite
         return load_suite(name, suites_dir(config))
@@ -194,6 +247,9 @@ class Daemon:
 
     # -- running --------------------------------------------------------------------------------
     def run(self, install_signals: bool = True) -> int:
+        # first: NVRx treats a missing socket as healthy; until the first grading the service
+        # answers "not graded yet" (success false), and its own trouble is graded at start
+        self._start_nvhcd()
         # the spools training jobs write to: one sticky directory per kind, apart from the
         # private state dir (docs/security.md); a problem is logged, the daemon goes on
         for note in ensure_spool_dirs(self.config.spool_dir):
@@ -211,8 +267,9 @@ class Daemon:
             signal.signal(signal.SIGHUP, lambda *_: self._reload.set())
         if self._remediation is not None:
             self._remediation.start(self.env)
+        self._regrade("start (stored state read back)")
+        threading.Thread(target=self._save_loop, name="state", daemon=True).start()
         self._watch.start()
-        self._start_nvhcd()
         threading.Thread(target=self._checks_loop, name="checks", daemon=True).start()
         host, port = self.listen_address or ("?", 0)
         log.info(
@@ -248,6 +305,7 @@ class Daemon:
     def stop(self) -> None:
         self._stop.set()
         self._wake_checks.set()
+        self._dirty.set()
 
     def _shutdown(self) -> None:
         self._notifier.stopping()
@@ -260,17 +318,22 @@ class Daemon:
         if self._server:
             self._server.shutdown()
             self._server.server_close()
+        self._save_pending()
         with self._lock:
             self.env.close()
             self._trends.close()
 
     def healthz(self) -> tuple[bool, str]:
-        """Healthy while the main loop ticks; the grade is in the body, not the status code
-        (a FAULT node's agent is working as intended)."""
+        """Healthy while the main loop ticks; the answered grade (UNKNOWN until every check has
+        a result) is in the body, not the status code (a FAULT node's agent works as intended)."""
         age = self._clock() - self.last_tick
         if age > 10:
             return False, f"stalled: main loop last ticked {age:.0f} s ago\n"
-        return True, f"ok {self.grade.level.name}\n"
+        view = self.view
+        if view is None or view.unknown:
+            missing = len(view.missing) if view else len(self.suite.checks)
+            return True, f"ok UNKNOWN ({missing} scheduled check(s) have no result yet)\n"
+        return True, f"ok {view.level}\n"
 
     # -- configuration and environment ----------------------------------------------------------
     def reload_config(self) -> bool:
@@ -292,6 +355,7 @@ class Daemon:
             old, self.env, self.config, self.suite = self.env, env, config, suite
             self._schedule = self._make_schedule(suite)
             self._results = {k: v for k, v in self._results.items() if k in scheduled}
+            self._stored_grade = self.grade if self.view and not self.view.unknown else None
             for check in dropped & self._stats.keys():
                 self._stats[check].scheduled = False
         for check in sorted(dropped):
@@ -301,6 +365,7 @@ class Daemon:
         old.close()
         log.info("configuration reloaded from %s", config.source)
         self._notifier.ready("config reloaded")
+        self._regrade("config reload")
         self._wake_checks.set()
         return True
 
@@ -366,7 +431,10 @@ class Daemon:
                         detail=f"{type(err).__name__}: {err}",
                     )
                 ]
-            self._record(due.spec.check, results, started, self._clock() - t0)
+            with self._lock:
+                current = any(item is due for item in self._schedule)
+            if current:  # else a reload made a new schedule while it ran: it runs again anew
+                self._record(due.spec.check, results, started, self._clock() - t0)
 
     def _run_in_subprocess(self, spec: CheckSpec) -> list[Result]:
         """Run a check in a child process (``daemon.subprocess_checks``; check_child.py).
@@ -397,17 +465,22 @@ class Daemon:
             self._trends.update(results, _sku_limits(self.env))
         except Exception:  # noqa: BLE001 - trends must never stop the checks
             log.exception("recording the trends of %s failed", printable(check))
+        failed = any(r.status is Status.ERROR for r in results)
         with self._lock:
             stats = self._stats.setdefault(check, CheckStats())
             stats.scheduled = True
             stats.runs += 1
-            stats.errors += any(r.status is Status.ERROR for r in results)
+            stats.errors += failed
+            stats.failing_runs = stats.failing_runs + 1 if failed else 0
             stats.last_run_unix = started + duration
             stats.last_duration_s = duration
             stats.worst_status = worst.value if worst else None
             # a sticky result (the check's SERVICE.sticky) is kept apart, folded with the one
             # kept under its key; the others are this run's until the next
-            self._results[check] = [r for r in results if not self._stick(r)]
+            kept = [r for r in results if not self._stick(r)]
+            if stats.failing_runs >= self.config.daemon.failures_warn_after:
+                kept.append(_repeated_failure(check, stats.failing_runs, results))
+            self._results[check] = CheckResults(kept, started + duration)
             metrics = self._metrics_of(check)
         if metrics is not None:
             metrics.observe(results)
@@ -495,9 +568,10 @@ class Daemon:
     def current_results(self) -> list[Result]:
         with self._lock:
             return (
-                [r for rs in self._results.values() for r in rs]
+                [r for entry in self._results.values() for r in entry.results]
                 + list(self._sticky.values())
                 + self._trends.results()
+                + [r for rs in self._own.values() for r in rs]
             )
 
     def _regrade(self, why: str) -> None:
@@ -508,6 +582,9 @@ class Daemon:
             previous, self.grade = self.grade, grade
             self._graded_at = time.time()
             env = self.env
+            self.view = self._make_view(grade, results)
+            self._pending = (dict(self._results), list(self._sticky.values()), grade)
+        self._dirty.set()
         if not changed:
             return
         if grade.level != previous.level:
@@ -529,79 +606,98 @@ class Daemon:
             except Exception:  # noqa: BLE001 - remediation trouble must not stop the watch
                 log.exception("acting on grade %s failed", grade.level.name)
 
-    # -- NVRx's node health check (docs/stop_check.md) -------------------------------------------
+    def _save_loop(self) -> None:
+        """The "state" thread: write the latest graded state whenever there is a newer one."""
+        while not self._stop.is_set():
+            self._dirty.wait()
+            self._save_pending()
+
+    def _save_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+            self._dirty.clear()
+        if pending is not None:
+            self._state.save(*pending)
+
+    def _make_view(self, grade: Grade, results: list[Result]) -> NodeView:
+        """What the daemon answers for the node (under the lock): the grade once every scheduled
+        check has a result, else the grade's ERROR/FAULT, the stored one's, or UNKNOWN."""
+        scheduled = [c.check for c in self.suite.checks]
+        missing = tuple(c for c in scheduled if c not in self._results)
+        if not missing and self._stored_grade is not None:
+            log.info("the node's state is known: every scheduled check has a result")
+            self._stored_grade = None
+        level, reasons, stored = answered(grade, not missing, self._stored_grade)
+        uids = owners(results)
+        return NodeView(
+            level,
+            tuple(
+                ViewReason(
+                    r.rule,
+                    r.level.name,
+                    r.target,
+                    r.message,
+                    owner_uid=next(iter(uids[r.target]))
+                    if len(uids.get(r.target, ())) == 1
+                    else None,
+                    about_users=r.entity.kind == "job" or r.target in uids,
+                    catalog=r.catalog,
+                    code=r.code,
+                    name=r.name,
+                )
+                for r in reasons
+            ),
+            graded_at=self._graded_at or time.time(),
+            complete=not missing,
+            missing=missing,
+            finished={k: v.finished_unix for k, v in self._results.items()},
+            restored=frozenset(k for k, v in self._results.items() if v.restored),
+            stored_grade=stored,
+            suite=self.suite.name,
+        )
+
+    # -- NVRx's node health check (docs/daemon.md) ----------------------------------------------
     def _start_nvhcd(self) -> None:
-        """Serve NVRx's RunHealthCheck on ``daemon.nvhcd.socket`` from the latest grade; a
-        service that cannot start is logged, and the daemon goes on without it."""
+        """Serve NVRx's RunHealthCheck on ``daemon.nvhcd.socket`` from the node's view. A service
+        that cannot start, or that the job's users cannot reach, is a WARN of its own."""
         settings = self.config.daemon.nvhcd
         path = settings.socket
         if not path:
             return
         from node_agent.service.nvhcd import HealthAnswerer, NvhcdServer
 
-        answerer = HealthAnswerer(
-            self.grade_view,
-            self._refresh_for_nvhcd,
-            max_age_s=settings.max_age_s,
-            min_refresh_s=settings.min_refresh_s,
+        server = NvhcdServer(
+            HealthAnswerer(lambda: self.view),
+            path,
+            group=settings.group,
+            max_per_uid=settings.max_per_uid,
+            call_s=settings.call_s,
         )
-        server = NvhcdServer(answerer, path, group=settings.group)
         try:
-            server.start()
+            notes = server.start()
         except (OSError, KeyError, ImportError, RuntimeError) as err:
             log.error(
                 "NVRx node health check NOT served on %s: %s", printable(path), printable(err)
             )
-            return
-        self._nvhcd = server
-        log.info("NVRx node health check served on unix://%s", printable(path))
-
-    def grade_view(self) -> GradeView | None:
-        """The latest grade as the NVRx service answers from it (None before any grading)."""
-        from node_agent.service.nvhcd import GradeView
-
+            notes = [f"NVRx's node health check is NOT served on {path}: {err}"]
+        else:
+            self._nvhcd = server
+            log.info("NVRx node health check served on unix://%s", printable(path))
+        for note in notes:
+            log.warning("%s", printable(note))
         with self._lock:
-            if self._graded_at is None:
-                return None
-            return GradeView(
-                self.grade.level.name,
-                [
-                    {
-                        "rule": r.rule,
-                        "level": r.level.name,
-                        "target": r.target,
-                        "message": r.message,
-                    }
-                    for r in self.grade.reasons
-                ],
-                graded_at=self._graded_at,
-                suite=self.suite.name,
-            )
-
-    def _refresh_for_nvhcd(self) -> GradeView:
-        """The grade with the quick suite's passive checks (NVML, Xid, DCGM health: no load) run
-        now, for the NVRx service's answer alone: the daemon's own state and its actions follow
-        its own schedule, so a request never causes an action (the service rate-limits this)."""
-        from node_agent.service.nvhcd import GradeView
-
-        quick = load_suite("quick", suites_dir(self.config))
-        with self._lock:
-            env = self.env
-        fresh = {spec.check: run_check(spec, env, "service") for spec in quick.checks}
-        with self._lock:
-            kept = {k: v for k, v in self._results.items() if k not in fresh}
-            sticky = list(self._sticky.values())
-        results = [r for rs in (*kept.values(), *fresh.values()) for r in rs] + sticky
-        grade = env.grader.grade(results, "service")
-        return GradeView(
-            grade.level.name,
-            [
-                {"rule": r.rule, "level": r.level.name, "target": r.target, "message": r.message}
-                for r in grade.reasons
-            ],
-            graded_at=time.time(),
-            suite=quick.name,
-        )
+            self._own["nvhcd"] = [
+                Result(
+                    check="nvhcd",
+                    target="node",
+                    metric="nvhcd_unreachable",
+                    status=Status.WARN,
+                    detail=f"{note}; NVRx treats a missing or unreachable service as healthy, "
+                    "so its restarts do not ask this node (docs/daemon.md)",
+                    evidence={"socket": path},
+                )
+                for note in notes
+            ]
 
     def record_action(self, action: str, outcome: str) -> None:
         with self._lock:
@@ -619,7 +715,28 @@ class Daemon:
                 remediation_state=(
                     self._remediation.state if self._remediation is not None else None
                 ),
+                unknown=self.view is None or self.view.unknown,
+                result_unix={k: v.finished_unix for k, v in self._results.items()},
+                nvhcd_served=(
+                    None if not self.config.daemon.nvhcd.socket else self._nvhcd is not None
+                ),
             )
+
+
+def _repeated_failure(check: str, runs: int, results: list[Result]) -> Result:
+    """The WARN of a check that timed out or failed ``runs`` runs in a row: the source it reads
+    (NVML, DCGM, a tool) may be wedged, and its own results say nothing new meanwhile."""
+    what = "; ".join(r.detail for r in results if r.status is Status.ERROR)[:300]
+    return Result(
+        check=check,
+        target="node",
+        metric="repeated_failure",
+        status=Status.WARN,
+        detail=f"check {check} timed out or failed {runs} runs in a row (latest: {what}); the "
+        "source it reads (NVML, DCGM, a tool) may be hung: see the daemon's log",
+        value=runs,
+        evidence={"failing_runs": runs},
+    )
 
 
 def _sku_limits(env: Environment) -> dict[str, object] | None:

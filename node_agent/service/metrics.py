@@ -17,9 +17,11 @@ daemon builds a fresh ``CollectorRegistry`` and registers one :class:`DaemonColl
 connections must cost nothing and never block a scrape: one thread multiplexes every connection
 with a selector (no thread or slot per connection), a connection that has not sent its request
 line and headers within ``REQUEST_S`` is closed, none stays longer than ``CONNECTION_S``, one
-peer address holds at most ``MAX_PER_PEER`` and all peers ``MAX_CONNECTIONS``; past a cap the
-*oldest* connection still waiting for its request is closed, so the newest (a scrape sends its
-request at once) is always served. Errors of a client are logged at debug level.
+peer holds at most ``MAX_PER_PEER`` and all peers ``MAX_CONNECTIONS``; past a cap the *oldest*
+connection still waiting for its request is closed, so the newest (a scrape sends its request
+at once) is always served. A peer is a uid where the other end is on this host (the kernel's
+socket diagnostics say who owns it: :func:`~node_agent.service.peers.tcp_peer_uid`), since a
+local user has all of 127/8 to connect from; a remote peer is its address. Errors of a client are logged at debug level.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from prometheus_client.registry import Collector
 
 from node_agent.model import Level, Status
 from node_agent.remediation.states import NodeState
+from node_agent.service.peers import tcp_peer_uid
 
 STATUSES = [s.value for s in Status]
 #: remediation states in which the agent has the node drained: every state but in-service
@@ -47,8 +50,8 @@ REQUEST_S = 1.0
 #: the longest a connection may stay open, a slow reader of the answer included (Prometheus'
 #: own default scrape timeout is 10 s; a scrape is answered in milliseconds)
 CONNECTION_S = 5.0
-#: open connections from one peer address, and from all peers; past either the oldest one that
-#: is still waiting for its request is closed
+#: open connections of one peer (a local uid, or a remote address), and of all peers; past
+#: either the oldest one that is still waiting for its request is closed
 MAX_PER_PEER = 64
 MAX_CONNECTIONS = 512
 #: connections accepted in one turn of the loop before the open ones are read again
@@ -82,6 +85,7 @@ class MetricsServer:
         max_per_peer: int = MAX_PER_PEER,
         max_connections: int = MAX_CONNECTIONS,
         clock: Callable[[], float] = time.monotonic,
+        peer_of: Callable[[socket.socket], int | None] = tcp_peer_uid,
     ) -> None:
         host, port = address
         host = host.strip("[]")
@@ -94,6 +98,7 @@ class MetricsServer:
         self.max_per_peer, self.max_connections = max_per_peer, max_connections
         self.served = self.dropped = 0
         self._clock = clock
+        self._peer_of = peer_of
         self._conns: dict[socket.socket, _Conn] = {}
         self._selector = selectors.DefaultSelector()
         self._selector.register(self.socket, selectors.EVENT_READ)
@@ -174,7 +179,8 @@ class MetricsServer:
                 log.debug("http: accept failed: %s", err)
                 return
             sock.setblocking(False)
-            peer = str(addr[0])
+            uid = self._peer_of(sock)
+            peer = f"uid {uid}" if uid is not None else str(addr[0])
             conn = _Conn(sock, peer, self._clock())
             self._make_room(peer)
             self._conns[sock] = conn
@@ -322,6 +328,8 @@ class CheckStats:
     last_run_unix: float | None = None
     last_duration_s: float | None = None
     worst_status: str | None = None
+    #: runs in a row that produced an ``error`` result (0 after a run that did not)
+    failing_runs: int = 0
     #: False once a reload took the check off the schedule: its gauges leave the scrape (no stale
     #: status shown as current), its counters stay
     scheduled: bool = True
@@ -339,6 +347,15 @@ class Snapshot:
     #: the node's remediation state from the agent's store (remediation/plan.py STATES), when
     #: the daemon can read it; None: drained-by-agent is inferred from ``actions``
     remediation_state: str | None = None
+    #: True while some scheduled check has no result and no stored ERROR/FAULT stands: the
+    #: daemon answers UNKNOWN (service/node_state.py)
+    unknown: bool = False
+    #: check -> when its latest result was made (Unix time; a stored one's included)
+    result_unix: dict[str, float] = field(default_factory=dict)
+    #: whether NVRx's service is served (None: not configured)
+    nvhcd_served: bool | None = None
+    #: the scrape's time (Unix), for the result ages
+    now_unix: float = field(default_factory=time.time)
 
 
 class DaemonCollector(Collector):
@@ -409,6 +426,7 @@ class DaemonCollector(Collector):
             runs.add_metric([s.hostname, name], st.runs)
             errors.add_metric([s.hostname, name], st.errors)
         yield from (status, last, duration, runs, errors)
+        yield from _state_series(s)
 
         actions = CounterMetricFamily(
             "node_agent_actions",
@@ -420,6 +438,45 @@ class DaemonCollector(Collector):
         yield actions
 
         yield from _drained(s)
+
+
+def _state_series(s: Snapshot) -> Iterator[Metric]:
+    """Whether the daemon knows the node's state, each check's result age, the NVRx service."""
+    unknown = GaugeMetricFamily(
+        "node_agent_grade_unknown",
+        "1 while some scheduled check has no result yet and no stored ERROR/FAULT stands "
+        "(the daemon answers UNKNOWN)",
+        labels=["hostname"],
+    )
+    unknown.add_metric([s.hostname], int(s.unknown))
+    yield unknown
+    age = GaugeMetricFamily(
+        "node_agent_check_result_age_seconds",
+        "Age of the check's latest result (a stalled check loop shows as a growing age)",
+        labels=["hostname", "check"],
+    )
+    failing = GaugeMetricFamily(
+        "node_agent_check_failing_runs",
+        "Runs in a row of the check that timed out or failed (0 after one that did not)",
+        labels=["hostname", "check"],
+    )
+    for name, at in sorted(s.result_unix.items()):
+        st = s.checks.get(name)
+        if st is not None and not st.scheduled:
+            continue
+        age.add_metric([s.hostname, name], max(0.0, s.now_unix - at))
+    for name, st in sorted(s.checks.items()):
+        if st.scheduled:
+            failing.add_metric([s.hostname, name], st.failing_runs)
+    yield from (age, failing)
+    if s.nvhcd_served is not None:
+        served = GaugeMetricFamily(
+            "node_agent_nvhcd_served",
+            "1 while NVRx's node health-check service answers on its socket",
+            labels=["hostname"],
+        )
+        served.add_metric([s.hostname], int(s.nvhcd_served))
+        yield served
 
 
 def drained_by_agent(s: Snapshot) -> tuple[int, str]:

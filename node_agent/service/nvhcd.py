@@ -1,16 +1,29 @@
-"""NVRx's node health-check service, answered from the daemon's latest grade.
+"""NVRx's node health-check service, answered from the node's state; it fails closed.
 
 NVIDIA's resiliency extension restarts a job's workers in place; before it does, its
 ``ft_launcher`` asks a node-local gRPC service over a Unix socket
 (``--ft-node-health-check-endpoint unix:///var/run/nvhcd.sock``) whether the node is fit:
 ``nvhcd.HealthCheckService/RunHealthCheck`` (packaging/nvrx/nvhcd.proto states the wire contract).
-NVRx reads ``success`` and, in the JSON ``output``, ``fail_count``: 0 is healthy.
+NVRx reads ``success`` and, in the JSON ``output``, ``fail_count``: 0 is healthy. It treats a
+timeout, a refused call and a missing socket as "healthy, skip", so this service must never
+time out, refuse or vanish while the node is not known to be healthy:
 
-The answer is the daemon's latest grade (HEALTHY or WARN: fit; ERROR or FAULT: not, with the
-reasons in ``output``). A grade older than ``max_age_s`` is refreshed by running the quick suite,
-at most once per ``min_refresh_s`` however many ask; a request never causes an action, and the
-client's ``args`` are recorded, never run. The socket is 0666 (any local user may ask: the job
-runs as its user) or 0660 with ``daemon.nvhcd.group``; asking is all a client can do.
+- the answer is the daemon's :class:`~node_agent.service.node_state.NodeView`, already made
+  (HEALTHY or WARN: fit; ERROR, FAULT or UNKNOWN: not, with the reasons); a call reads it and
+  never waits on a check, so a stalled client never delays another;
+- a gate in front of gRPC (:class:`_Gate`) owns the public socket: it reads each caller's uid
+  (``SO_PEERCRED``), holds at most ``max_per_uid`` calls of one uid and ``MAX_CALLS`` in all
+  (past a cap the oldest call of that uid, or of the uid holding most, is closed), and closes a
+  call older than ``call_s``; gRPC listens on a private socket (0700 directory) with more
+  workers than the gate lets calls through, one stream per connection;
+- a caller is told the node's level and its reasons, with other users' jobs, pids and stack
+  frames left out unless the caller's uid owns them (root sees all);
+- the request's ``args`` (NVRx >= 0.7 sends ``--no-slurm --group prolog epilog logs gpu``)
+  are accepted, logged and echoed, never run; only ``RunHealthCheck`` is served.
+
+The socket is 0666 (the job runs as its user) or 0660 with ``daemon.nvhcd.group``, in a
+directory the job's users can traverse (a missing one is made 0755, or 0750 for the group; one
+they cannot reach is a WARN finding, as is a socket that cannot be served).
 
 The message classes are built at run time from descriptors equal to the .proto's (no generated
 code, so no protoc and no generated-code/runtime version pairing to keep);
@@ -19,10 +32,17 @@ code, so no protoc and no generated-code/runtime version pairing to keep);
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import json
+import logging
 import os
+import secrets
+import select
+import shutil
+import socket
 import stat
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -31,29 +51,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from node_agent.report.terminal import printable
+from node_agent.service.node_state import NodeView
+from node_agent.service.peers import unix_peer
+
 if TYPE_CHECKING:
     from google.protobuf.message import Message
 
+log = logging.getLogger("node_agent.service.nvhcd")
+
 SERVICE = "nvhcd.HealthCheckService"
 METHOD = "RunHealthCheck"
-DEFAULT_SOCKET = "/var/run/nvhcd.sock"
-#: a grade older than this is refreshed before it answers (seconds)
-DEFAULT_MAX_AGE_S = 60.0
-#: the quick suite runs at most this often for the service, however many ask (seconds)
-DEFAULT_MIN_REFRESH_S = 30.0
-#: concurrent requests served; more wait in gRPC's queue (a job's ranks ask at once)
-MAX_CONCURRENT = 16
-
-
-@dataclass(frozen=True)
-class GradeView:
-    """What the service answers from: a grade, its reasons and when it was made."""
-
-    level: str  # HEALTHY | WARN | ERROR | FAULT
-    reasons: list[dict[str, str]] = field(default_factory=list)  # rule, level, target, message
-    graded_at: float = 0.0  # time.time() of the grade
-    suite: str = ""
-
+#: the shipped unit's runtime directory; tmpfiles links NVRx's default /run/nvhcd.sock to it
+DEFAULT_SOCKET = "/run/node-agent/nvhcd.sock"
+#: calls of one uid held open at once (daemon.nvhcd.max_per_uid's default)
+MAX_PER_UID = 4
+#: calls held open at once in all; gRPC has twice as many workers
+MAX_CALLS = 64
+#: the longest a call may take, its request's arrival included (daemon.nvhcd.call_s's default);
+#: an answer takes milliseconds (it is read, never computed)
+CALL_S = 5.0
+#: the abstract-socket prefix of the gate's connections to gRPC (the peer gRPC reports)
+_PEER_PREFIX = "node-agent-nvhcd-"
+#: the largest request read (NVRx sends a few short args)
+MAX_REQUEST_BYTES = 64 << 10
 
 _EXIT = {"HEALTHY": 0, "WARN": 0, "ERROR": 3, "FAULT": 4}
 
@@ -89,73 +110,61 @@ def message_classes() -> tuple[type[Message], type[Message]]:
 
 
 class HealthAnswerer:
-    """The service's logic, apart from gRPC: from the latest grade to NVRx's answer.
+    """The service's logic, apart from gRPC: from the node's view to NVRx's answer.
 
-    ``latest()`` returns the daemon's latest grade (None before the first); ``refresh()`` runs
-    the quick suite and returns its grade. Both are the daemon's; neither acts.
-    """
+    ``view()`` returns the daemon's current :class:`NodeView` (None before its first grading);
+    it is read, never computed, so an answer never waits on a check."""
 
     def __init__(
-        self,
-        latest: Callable[[], GradeView | None],
-        refresh: Callable[[], GradeView | None],
-        max_age_s: float = DEFAULT_MAX_AGE_S,
-        min_refresh_s: float = DEFAULT_MIN_REFRESH_S,
-        clock: Callable[[], float] = time.time,
+        self, view: Callable[[], NodeView | None], clock: Callable[[], float] = time.time
     ) -> None:
-        self._latest, self._refresh = latest, refresh
-        self.max_age_s, self.min_refresh_s = max_age_s, min_refresh_s
+        self._view = view
         self._clock = clock
         self._lock = threading.Lock()
-        self._last_refresh: float | None = None
-        self._refreshed: GradeView | None = None  # the last refresh's grade, newer or not
+        self._args_seen: set[tuple[str, ...]] = set()
         self.requests = 0
 
-    def answer(self, args: list[str]) -> dict[str, Any]:
-        """The response's fields for one request."""
+    def answer(self, args: list[str], uid: int | None = None) -> dict[str, Any]:
+        """The response's fields for one request of ``uid`` (None: unknown, told the least)."""
+        shown = [printable(a)[:64] for a in args[:16]]
         with self._lock:
             self.requests += 1
-            view = _newest(self._latest(), self._refreshed)
-            now = self._clock()
-            stale = view is None or now - view.graded_at > self.max_age_s
-            may_refresh = (
-                self._last_refresh is None or now - self._last_refresh >= self.min_refresh_s
+            first = tuple(shown) not in self._args_seen and len(self._args_seen) < 32
+            self._args_seen.add(tuple(shown))
+        (log.info if first else log.debug)(
+            "NVRx health check asked by uid %s with args %s", uid, " ".join(shown) or "(none)"
+        )
+        view, now = self._view(), self._clock()
+        common: dict[str, Any] = {"source": "node-agent", "args_received": shown}
+        if view is None or view.unknown:
+            why = (
+                view.why_unknown()
+                if view is not None
+                else "node-agent has not graded this node yet; ask again shortly"
             )
-            refreshed = False
-            if stale and may_refresh:
-                self._last_refresh = now
-                try:
-                    self._refreshed = self._refresh() or self._refreshed
-                    view = _newest(view, self._refreshed)
-                    refreshed = True
-                except Exception as err:  # noqa: BLE001 - the answer says it; the daemon goes on
-                    if view is None:
-                        return {
-                            "success": False,
-                            "exit_code": 1,
-                            "output": "",
-                            "error": f"node-agent could not grade this node: "
-                            f"{type(err).__name__}: {str(err)[:200]}",
-                        }
-        if view is None:
-            return {
-                "success": False,
-                "exit_code": 1,
-                "output": "",
-                "error": "node-agent has not graded this node yet; ask again shortly",
+            output = {
+                **common,
+                "fail_count": 1,
+                "failed_checks": ["node-state-unknown"],
+                "level": "UNKNOWN",
+                "missing_checks": list(view.missing) if view else [],
+                "reasons": view.reasons_for(uid)[:20] if view else [],
             }
-        failed = [r for r in view.reasons if r.get("level") in ("ERROR", "FAULT")]
+            return {"success": False, "exit_code": 1, "output": _json(output), "error": why}
+        failed = [r for r in view.reasons if r.level in ("ERROR", "FAULT")]
         output = {
+            **common,
             "fail_count": len(failed),
-            "failed_checks": sorted({r.get("rule", "") for r in failed}),
+            "failed_checks": sorted({r.rule for r in failed}),
             "level": view.level,
-            "reasons": view.reasons[:20],
+            "reasons": view.reasons_for(uid)[:20],
             "graded_at": view.graded_at,
             "age_s": round(max(0.0, now - view.graded_at), 1),
+            "complete": view.complete,
+            "stored_grade": view.stored_grade,
+            "result_age_s": view.ages(now),
+            "restored_checks": sorted(view.restored),
             "suite": view.suite,
-            "refreshed": refreshed,
-            "source": "node-agent",
-            "args_received": [a[:64] for a in args[:16]],
         }
         success = view.level in ("HEALTHY", "WARN")
         if not success and not failed:  # a level without its reasons still fails the check
@@ -163,40 +172,246 @@ class HealthAnswerer:
         return {
             "success": success,
             "exit_code": _EXIT.get(view.level, 1),
-            "output": json.dumps(output, sort_keys=True),
+            "output": _json(output),
             "error": "",
         }
 
 
-def _newest(a: GradeView | None, b: GradeView | None) -> GradeView | None:
-    if a is None or b is None:
-        return a or b
-    return a if a.graded_at >= b.graded_at else b
+def _json(data: dict[str, Any]) -> str:
+    return json.dumps(data, sort_keys=True)
+
+
+@dataclass
+class _Call:
+    """One caller's connection through the gate, and its connection on to gRPC."""
+
+    uid: int
+    client: socket.socket
+    backend: socket.socket
+    opened: float
+    token: str
+    closed: threading.Event = field(default_factory=threading.Event)
+
+    def close(self) -> None:
+        self.closed.set()
+        for sock in (self.client, self.backend):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+class _Gate:
+    """The public socket: who calls (``SO_PEERCRED``), how many at once, for how long.
+
+    Each accepted call gets a connection to the private gRPC socket bound to an unguessable
+    abstract name; gRPC reports that name as the call's peer, and :meth:`uid_of` maps it back
+    to the caller's uid. A thread per call copies bytes until either side closes or
+    ``call_s`` passes (calls are at most ``max_calls``, so threads are too)."""
+
+    def __init__(
+        self,
+        public: Path,
+        backend: str,
+        *,
+        max_per_uid: int,
+        max_calls: int,
+        call_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.public, self.backend = public, backend
+        self.max_per_uid, self.max_calls, self.call_s = max_per_uid, max_calls, call_s
+        self._clock = clock
+        self._calls: dict[str, _Call] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.evicted = 0
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(public))
+        self.listener.listen(128)
+        self.listener.settimeout(0.25)
+
+    def serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError as err:
+                if self._stop.is_set():
+                    return
+                log.debug("nvhcd: accept failed: %s", err)
+                time.sleep(0.05)
+                continue
+            try:
+                self._admit(client)
+            except OSError as err:
+                log.warning("nvhcd: a call could not be passed on to gRPC: %s", err)
+                client.close()
+
+    def _admit(self, client: socket.socket) -> None:
+        uid = unix_peer(client).uid
+        token = secrets.token_hex(12)
+        backend = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            backend.bind("\0" + _PEER_PREFIX + token)
+            backend.settimeout(1.0)
+            backend.connect(self.backend)
+        except OSError:
+            backend.close()
+            raise
+        call = _Call(uid, client, backend, self._clock(), token)
+        with self._lock:
+            self._make_room(uid)
+            self._calls[token] = call
+        threading.Thread(target=self._pump, args=(call,), name="nvhcd-call", daemon=True).start()
+
+    def _make_room(self, uid: int) -> None:
+        """Under the lock: close the oldest call of ``uid`` while it is at its cap, and the
+        oldest of the uid holding most while all are at theirs."""
+        while True:
+            mine = [c for c in self._calls.values() if c.uid == uid and not c.closed.is_set()]
+            live = [c for c in self._calls.values() if not c.closed.is_set()]
+            if len(mine) >= self.max_per_uid:
+                victim = min(mine, key=lambda c: c.opened)
+            elif len(live) >= self.max_calls:
+                counts: dict[int, int] = {}
+                for c in live:
+                    counts[c.uid] = counts.get(c.uid, 0) + 1
+                heaviest = max(counts, key=lambda u: counts[u])
+                victim = min((c for c in live if c.uid == heaviest), key=lambda c: c.opened)
+            else:
+                return
+            victim.close()
+            self.evicted += 1
+            log.debug("nvhcd: closed a call of uid %d to make room (a cap)", victim.uid)
+
+    def _pump(self, call: _Call) -> None:
+        ends = {call.client.fileno(): (call.client, call.backend)}
+        ends[call.backend.fileno()] = (call.backend, call.client)
+        poller = select.poll()
+        for fd in ends:
+            poller.register(fd, select.POLLIN)
+        try:
+            while not call.closed.is_set():
+                left = call.opened + self.call_s - self._clock()
+                if left <= 0:
+                    log.debug(
+                        "nvhcd: a call of uid %d passed %.1f s: closed", call.uid, self.call_s
+                    )
+                    return
+                for fd, _ in poller.poll(left * 1000):
+                    src, dst = ends[fd]
+                    try:
+                        data = src.recv(65536)
+                        if data:
+                            dst.settimeout(max(0.01, left))
+                            dst.sendall(data)
+                    except OSError:
+                        data = b""
+                    if not data:
+                        return
+        finally:
+            call.close()
+            call.client.close()
+            call.backend.close()
+            with self._lock:
+                self._calls.pop(call.token, None)
+
+    def uid_of(self, peer: str) -> int | None:
+        """The caller's uid for gRPC's ``context.peer()`` of a call through the gate."""
+        _, _, name = peer.partition(":")
+        if not name.startswith(_PEER_PREFIX):
+            return None
+        with self._lock:
+            call = self._calls.get(name[len(_PEER_PREFIX) :])
+        return call.uid if call is not None else None
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.listener.close()
+        with self._lock:
+            for call in list(self._calls.values()):
+                call.close()
 
 
 class NvhcdServer:
-    """The gRPC server on a Unix socket. ``start()`` binds and serves; ``stop()`` ends it."""
+    """The service: the gate on ``socket_path`` in front of gRPC on a private socket.
+    ``start()`` binds and serves, returning what keeps the job's users from reaching it (a
+    note each, for the daemon's findings); ``stop()`` ends it."""
 
     def __init__(
         self,
         answerer: HealthAnswerer,
         socket_path: str | os.PathLike[str],
         group: str | None = None,
+        *,
+        max_per_uid: int = MAX_PER_UID,
+        max_calls: int = MAX_CALLS,
+        call_s: float = CALL_S,
     ) -> None:
         self.answerer = answerer
         self.path = Path(socket_path)
         self.group = group
+        self.max_per_uid, self.max_calls, self.call_s = max_per_uid, max_calls, call_s
         self._server: Any = None
+        self._gate: _Gate | None = None
+        self._private: str | None = None
 
-    def start(self) -> None:
+    def start(self) -> list[str]:
         import grpc
 
+        gid = grp.getgrnam(self.group).gr_gid if self.group else -1
+        notes = _make_parent(self.path.parent, gid)
+        _clear_stale_socket(self.path)
+        self._private = tempfile.mkdtemp(prefix="node-agent-nvhcd-")  # 0700, root's
+        backend = os.path.join(self._private, "grpc.sock")
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=2 * self.max_calls, thread_name_prefix="nvhcd"),
+            handlers=[self._handler(grpc)],
+            options=[
+                ("grpc.max_concurrent_streams", 1),
+                ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+            ],
+        )
+        if server.add_insecure_port(f"unix:{backend}") == 0:
+            shutil.rmtree(self._private, ignore_errors=True)
+            raise OSError(f"cannot listen on {backend}")
+        server.start()
+        self._server = server
+        try:
+            self._gate = _Gate(
+                self.path,
+                backend,
+                max_per_uid=self.max_per_uid,
+                max_calls=self.max_calls,
+                call_s=self.call_s,
+            )
+            if gid != -1:
+                os.chown(self.path, -1, gid)
+            os.chmod(self.path, 0o660 if self.group else 0o666)
+        except OSError:
+            self.stop()
+            raise
+        threading.Thread(target=self._gate.serve, name="nvhcd-gate", daemon=True).start()
+        return notes
+
+    def _handler(self, grpc: Any) -> Any:
         request_cls, response_cls = message_classes()
 
         def run_health_check(request: Any, context: Any) -> Any:
-            return response_cls(**self.answerer.answer(list(request.args)))
+            gate = self._gate
+            uid = gate.uid_of(context.peer()) if gate is not None else None
+            try:
+                return response_cls(**self.answerer.answer(list(request.args), uid))
+            except Exception as err:  # noqa: BLE001 - an exception would read as "skip" to NVRx
+                log.exception("nvhcd: answering failed")
+                return response_cls(
+                    success=False,
+                    exit_code=1,
+                    output=_json({"fail_count": 1, "failed_checks": ["node-agent-error"]}),
+                    error=f"node-agent could not answer: {type(err).__name__}",
+                )
 
-        handler = grpc.method_handlers_generic_handler(
+        return grpc.method_handlers_generic_handler(
             SERVICE,
             {
                 METHOD: grpc.unary_unary_rpc_method_handler(
@@ -206,31 +421,49 @@ class NvhcdServer:
                 )
             },
         )
-        _clear_stale_socket(self.path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="nvhcd"),
-            handlers=[handler],
-            maximum_concurrent_rpcs=MAX_CONCURRENT,
-        )
-        if server.add_insecure_port(f"unix://{self.path}") == 0:
-            raise OSError(f"cannot listen on {self.path}")
-        server.start()
-        self._server = server
-        gid = grp.getgrnam(self.group).gr_gid if self.group else -1
-        if gid != -1:
-            os.chown(self.path, -1, gid)
-        os.chmod(self.path, 0o660 if self.group else 0o666)
+
+    @property
+    def evicted(self) -> int:
+        """Calls the gate closed to make room (a cap)."""
+        return self._gate.evicted if self._gate is not None else 0
 
     def stop(self, grace_s: float = 1.0) -> None:
+        if self._gate is not None:
+            self._gate.stop()
+            self._gate = None
         if self._server is not None:
             self._server.stop(grace_s).wait()
             self._server = None
+        if self._private is not None:
+            shutil.rmtree(self._private, ignore_errors=True)
+            self._private = None
         try:
             if stat.S_ISSOCK(os.lstat(self.path).st_mode):
                 os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+def _make_parent(directory: Path, gid: int) -> list[str]:
+    """Make the socket's directory if missing (0755, or 0750 and ``gid``'s); return a note for
+    each directory on the way that keeps the job's users from reaching the socket."""
+    if not directory.exists():
+        directory.mkdir(parents=True, mode=0o755)
+        if gid != -1:
+            os.chown(directory, -1, gid)
+        os.chmod(directory, 0o750 if gid != -1 else 0o755)  # whatever the umask
+    notes = []
+    for d in (directory, *directory.parents):
+        st = os.stat(d)
+        reachable = st.st_mode & 0o001 or (gid != -1 and st.st_gid == gid and st.st_mode & 0o010)
+        if not reachable:
+            notes.append(
+                f"the NVRx socket's directory {d} is mode {stat.S_IMODE(st.st_mode):04o} (uid "
+                f"{st.st_uid}): the job's users cannot reach {directory}; make it 0755 (or "
+                "name a group in daemon.nvhcd.group and give it that group)"
+            )
+            break
+    return notes
 
 
 def _clear_stale_socket(path: Path) -> None:

@@ -54,7 +54,7 @@ def test_whole_numbers_given_for_a_float_setting_read_as_float():
         {
             "node": {"expected_memory_gib": 512},
             "host": {"timeout_s": 7},
-            "daemon": {"xid_poll_s": 1, "nvhcd": {"max_age_s": 90}},
+            "daemon": {"xid_poll_s": 1, "nvhcd": {"call_s": 9}},
             "safety": {"restart_window_h": 12, "max_restarts": 4},
         }
     )
@@ -62,7 +62,7 @@ def test_whole_numbers_given_for_a_float_setting_read_as_float():
     assert isinstance(config.node.expected_memory_gib, float)
     assert isinstance(config.host.timeout_s, float)
     assert isinstance(config.daemon.xid_poll_s, float)
-    assert isinstance(config.daemon.nvhcd.max_age_s, float)
+    assert isinstance(config.daemon.nvhcd.call_s, float)
     assert isinstance(config.safety.restart_window_h, float)
     assert config.safety.max_restarts == 4 and isinstance(config.safety.max_restarts, int)
 

@@ -13,26 +13,33 @@ pytest.importorskip("grpc_tools", reason="grpcio-tools is not installed: make de
 
 from nvrx_client import NodeHealthCheck, generated_modules  # noqa: E402
 
+from node_agent.service.node_state import NodeView, ViewReason, answered  # noqa: E402
 from node_agent.service.nvhcd import (  # noqa: E402
-    GradeView,
     HealthAnswerer,
     NvhcdServer,
     message_classes,
 )
 
-FAULT = GradeView(
+XID79 = ViewReason(
+    "xid",
     "FAULT",
-    [
-        {
-            "rule": "xid-79",
-            "level": "FAULT",
-            "target": "gpu:5",
-            "message": "Xid 79: GPU has fallen off the bus",
-        }
-    ],
-    graded_at=1000.0,
+    "gpu:5",
+    "NVRM: Xid (PCI:0000:ab:00): 79, pid=4242, name=secret_train.py, GPU has fallen off the bus",
+    catalog="xid",
+    code=79,
+    name="GPU has fallen off the bus",
 )
-HEALTHY = GradeView("HEALTHY", [], graded_at=1000.0)
+HANG = ViewReason(
+    "training-hang",
+    "ERROR",
+    "job:slurm:77@uid:1234/rank:3",
+    "rank 3 (pid 999, job llama-secret): stuck in all_reduce (model.py:42)",
+    owner_uid=1234,
+    about_users=True,
+)
+FAULT = NodeView("FAULT", (XID79,), graded_at=1000.0, complete=True)
+HEALTHY = NodeView("HEALTHY", (), graded_at=1000.0, complete=True)
+UNKNOWN = NodeView("UNKNOWN", (), graded_at=1000.0, missing=("nvml_health", "hca_ports"))
 
 
 def test_the_runtime_messages_are_the_protos_field_for_field():
@@ -53,12 +60,12 @@ def test_the_runtime_messages_are_the_protos_field_for_field():
     assert [m.name for m in service.methods] == ["RunHealthCheck"]
 
 
-def answerer(view, refresh=None, **kw):
-    return HealthAnswerer(lambda: view, refresh or (lambda: view), clock=lambda: 1010.0, **kw)
+def answerer(view):
+    return HealthAnswerer(lambda: view, clock=lambda: 1010.0)
 
 
-def test_a_fresh_healthy_grade_answers_success_with_no_failures():
-    answer = answerer(HEALTHY).answer(["--group", "gpu"])
+def test_a_complete_healthy_state_answers_success_with_no_failures():
+    answer = answerer(HEALTHY).answer(["--group", "gpu"], uid=0)
     assert answer["success"] is True and answer["exit_code"] == 0
     output = json.loads(answer["output"])
     assert output["fail_count"] == 0 and output["level"] == "HEALTHY"
@@ -66,52 +73,111 @@ def test_a_fresh_healthy_grade_answers_success_with_no_failures():
 
 
 def test_a_fault_answers_unhealthy_with_its_reasons():
-    answer = answerer(FAULT).answer([])
+    answer = answerer(FAULT).answer([], uid=0)
     output = json.loads(answer["output"])
     assert answer["success"] is False and answer["exit_code"] == 4
-    assert output["fail_count"] == 1 and output["failed_checks"] == ["xid-79"]
+    assert output["fail_count"] == 1 and output["failed_checks"] == ["xid"]
     assert "fallen off the bus" in output["reasons"][0]["message"]
 
 
-def test_a_stale_grade_is_refreshed_at_most_once_per_interval():
-    calls = []
-
-    def refresh():
-        calls.append(1)
-        return GradeView("HEALTHY", graded_at=1005.0)
-
-    a = answerer(GradeView("HEALTHY", graded_at=0.0), refresh, max_age_s=60, min_refresh_s=30)
-    for _ in range(20):
-        a.answer([])
-    assert len(calls) == 1 and a.requests == 20
+def test_an_unknown_state_fails_the_check_and_says_which_checks_have_not_run():
+    answer = answerer(UNKNOWN).answer([], uid=1000)
+    output = json.loads(answer["output"])
+    assert answer["success"] is False and output["fail_count"] == 1
+    assert output["level"] == "UNKNOWN" and output["missing_checks"] == ["nvml_health", "hca_ports"]
+    assert "nvml_health" in answer["error"] and "no result" in answer["error"]
 
 
-def test_no_grade_and_a_failing_refresh_is_an_error_not_a_pass():
-    def broken():
-        raise RuntimeError("NVML did not load")
+def test_before_the_first_grading_the_answer_is_not_a_pass():
+    answer = HealthAnswerer(lambda: None, clock=lambda: 5.0).answer([])
+    assert answer["success"] is False and "not graded" in answer["error"]
+    assert json.loads(answer["output"])["fail_count"] == 1
 
-    answer = HealthAnswerer(lambda: None, broken, clock=lambda: 5.0).answer([])
-    assert answer["success"] is False
-    assert "could not grade this node" in answer["error"]
+
+def test_nvrx_07_default_args_are_accepted_logged_and_echoed_escaped(caplog):
+    args = ["--no-slurm", "--group", "prolog", "epilog", "logs", "gpu"]
+    with caplog.at_level("INFO", logger="node_agent.service.nvhcd"):
+        answer = answerer(HEALTHY).answer(args, uid=1000)
+        evil = answerer(HEALTHY).answer(["--group", "gpu\x1b[2J\nFAKE LINE"], uid=1000)
+    assert answer["success"] is True
+    assert json.loads(answer["output"])["args_received"] == args
+    assert "--no-slurm --group prolog epilog logs gpu" in caplog.text
+    assert "\x1b" not in caplog.text and "\nFAKE" not in caplog.text
+    assert "\x1b" not in json.loads(evil["output"])["args_received"][1]
+
+
+def test_another_users_job_pid_and_frames_are_left_out_of_the_answer():
+    view = NodeView("ERROR", (HANG, XID79), graded_at=1000.0, complete=True)
+    stranger = json.dumps(json.loads(answerer(view).answer([], uid=2000)["output"]))
+    for secret in ("llama-secret", "slurm:77", "1234", "pid 999", "model.py", "secret_train"):
+        assert secret not in stranger
+    assert "Xid 79" in stranger or "xid 79" in stranger  # the typed finding stays
+    owner = json.loads(answerer(view).answer([], uid=1234)["output"])
+    assert "llama-secret" in owner["reasons"][0]["message"]
+    assert "secret_train" not in json.dumps(owner)  # the Xid line's process is not theirs
+    root = json.dumps(json.loads(answerer(view).answer([], uid=0)["output"]))
+    assert "llama-secret" in root and "secret_train" in root
+    unknown_caller = json.dumps(json.loads(answerer(view).answer([], uid=None)["output"]))
+    assert "llama-secret" not in unknown_caller
+
+
+def test_a_stored_fault_stands_until_every_check_has_a_result():
+    from node_agent.model import Action, Grade, Level, Reason
+
+    stored = Grade(Level.FAULT, Action.REPLACE, (Reason("xid", Level.FAULT, "gpu:5", "Xid 79"),))
+    partial = Grade(Level.HEALTHY, Action.NONE, ())
+    assert answered(partial, False, stored)[:1] == ("FAULT",)
+    assert answered(partial, False, None)[0] == "UNKNOWN"
+    assert answered(partial, True, stored)[0] == "HEALTHY"
+    error = Grade(Level.ERROR, Action.RESTART, (Reason("r", Level.ERROR, "gpu:1", "m"),))
+    assert answered(error, False, None)[0] == "ERROR"
 
 
 def test_nvrx_contract_client_over_a_real_unix_socket(tmp_path):
-    sock = tmp_path / "nvhcd.sock"
+    sock = tmp_path / "run" / "nvhcd.sock"
     view = {"now": HEALTHY}
-    server = NvhcdServer(
-        HealthAnswerer(lambda: view["now"], lambda: view["now"], clock=lambda: 1010.0), sock
-    )
-    server.start()
+    server = NvhcdServer(HealthAnswerer(lambda: view["now"], clock=lambda: 1010.0), sock)
+    server.start()  # pytest's tmp_path is 0700: a note, not a failure
     try:
         assert oct(sock.stat().st_mode & 0o777) == "0o666"
+        assert oct(sock.parent.stat().st_mode & 0o777) == "0o755"
         client = NodeHealthCheck(str(sock))
         assert client() is True and client.last_output["fail_count"] == 0
         view["now"] = FAULT
-        assert client() is False and client.last_output["failed_checks"] == ["xid-79"]
+        assert client() is False and client.last_output["failed_checks"] == ["xid"]
+        view["now"] = UNKNOWN
+        assert client() is False and client.skipped is None
     finally:
         server.stop()
     assert not sock.exists()
     assert NodeHealthCheck(f"unix://{sock}")() is True  # service down: NVRx skips
+
+
+def test_a_socket_directory_users_cannot_traverse_is_reported(tmp_path):
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    server = NvhcdServer(answerer(HEALTHY), private / "nvhcd.sock")
+    notes = server.start()
+    try:
+        assert notes and "cannot reach" in notes[0] and str(private) in notes[0]
+    finally:
+        server.stop()
+
+
+def test_only_run_health_check_is_served(tmp_path):
+    import grpc
+
+    sock = tmp_path / "nvhcd.sock"
+    server = NvhcdServer(answerer(HEALTHY), sock)
+    server.start()
+    try:
+        with grpc.insecure_channel(f"unix://{sock}") as channel:
+            other = channel.unary_unary("/grpc.health.v1.Health/Check")
+            with pytest.raises(grpc.RpcError) as err:
+                other(b"", timeout=5)
+        assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        server.stop()
 
 
 def test_the_server_refuses_to_replace_a_file_it_did_not_leave(tmp_path):
