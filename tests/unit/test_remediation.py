@@ -6,16 +6,24 @@ Planning is tested as a pure function; the guards, journal and recovery through
 
 from __future__ import annotations
 
+import gzip
+import os
+import stat
+import sys
 import time
+from pathlib import Path
 
 import pytest
+from cloud_metadata_standin import MetadataStandIn  # tests/cloud_metadata_standin.py
 
 from node_agent import resources
 from node_agent.checks.xid_fold import Folder
 from node_agent.config import config_from_dict
 from node_agent.grading.rules import load_grader
+from node_agent.host import cloud_metadata
 from node_agent.kernel_log import SxidLine, scan_lines
-from node_agent.model import Action, Grade, Level, Reason, Result, Status
+from node_agent.model import Action, Grade, Level, PlannedEvent, Reason, Result, Status
+from node_agent.remediation.evidence import BugReportCollector
 from node_agent.remediation.executor import GpuResetError, Remediator
 from node_agent.remediation.guards import blast_radius, sanitise_operator_text
 from node_agent.remediation.plan import (
@@ -1327,3 +1335,160 @@ def test_the_same_fault_after_a_repair_gets_a_new_idempotency_key(store):
     make(store, adapter, clock).remediate(FakeReport(FAULT79))
     assert adapter.actions() == ["drain", "replace", "drain", "replace"]
     assert adapter.keys[2] != first and adapter.keys[0] != adapter.keys[1]
+
+
+# -- an announced maintenance: drain, no restart, resume after ------------------------------------
+MAINTENANCE = PlannedEvent(
+    "azure", "Redeploy", "602d9444", "2023-11-14T22:43:20Z", None, acknowledge=True
+)
+PLANNED = Grade(
+    Level.ERROR,
+    Action.DRAIN,
+    (
+        Reason(
+            "cloud-maintenance",
+            Level.ERROR,
+            "node",
+            "azure maintenance Redeploy inside the lead time",
+            remedy="planned",
+            planned=MAINTENANCE,
+        ),
+    ),
+)
+
+
+def test_a_planned_maintenance_drains_acknowledges_waits_and_resumes_after(store):
+    """The Azure acknowledgement goes to the Scheduled Events stand-in on loopback (no cloud
+    here: tests/cloud_metadata_standin.py serves the documented API)."""
+    adapter = FakeAdapter()
+    with MetadataStandIn() as cloud:
+        rem = make(
+            store,
+            adapter,
+            acknowledge_event=lambda e: cloud_metadata.acknowledge(e.event_id, base_url=cloud.url),
+        )
+        out = rem.remediate(FakeReport(PLANNED))
+        assert cloud.acks == [{"StartRequests": [{"EventId": "602d9444"}]}]
+    assert adapter.actions() == ["drain"]
+    assert adapter.calls[0][2] == (
+        "node-agent: ERROR cloud-maintenance node planned azure Redeploy from 2023-11-14T22:43:20Z"
+    )
+    assert store.node_record(NODE).state == "planned"
+    assert "acknowledged Azure scheduled event 602d9444" in out.records[0].detail
+    # the event stands: the node waits, drained, with no restart and no replacement
+    waiting = rem.remediate(FakeReport(PLANNED))
+    assert adapter.actions() == ["drain"] and waiting.records == []
+    assert any("resumes when a re-test after the event passes" in n for n in waiting.notes)
+    rem.remediate(FakeReport(HEALTHY))
+    assert adapter.actions() == ["drain", "resume"]
+    assert store.node_record(NODE).state == "in-service"
+
+
+def test_a_failed_acknowledgement_leaves_the_drain_done(store):
+    warnings: list[str] = []
+
+    def refuse(event):
+        raise cloud_metadata.MetadataUnreachable("no metadata service answered")
+
+    out = make(store, warnings=warnings, acknowledge_event=refuse).remediate(FakeReport(PLANNED))
+    (record,) = out.records
+    assert record.outcome == "done" and "not acknowledged" in record.detail
+    assert any("not acknowledged" in w for w in warnings)
+
+
+# -- the driver's bug report before a replacement -------------------------------------------------
+# Stand-ins for nvidia-bug-report.sh: no NVIDIA driver (and so no script) on this machine. Each
+# takes the real script's arguments; the real one writes <output-file>.gz when gzip is there.
+WRITES = """
+import gzip, sys
+assert "--safe-mode" in sys.argv
+out = sys.argv[sys.argv.index("--output-file") + 1]
+with gzip.open(out + ".gz", "wt") as f:
+    f.write("nvidia-bug-report.sh stand-in: the fault is present\\n" * 200)
+print("Complete.")
+"""
+HANGS = "import time; time.sleep(120)"
+
+
+def bug_script(tmp_path: Path, body: str) -> str:
+    path = tmp_path / "nvidia-bug-report.sh"
+    path.write_text(f"#!{sys.executable}\n{body}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def with_bug_report(store, tmp_path, collector, adapter=None, warnings=None, **kw):
+    return Remediator(
+        store,
+        adapter or FakeAdapter(),
+        NODE,
+        Safety(),
+        state_dir=tmp_path / "state",
+        clock=Clock(),
+        warn=(warnings if warnings is not None else []).append,
+        bug_report=collector,
+        **kw,
+    )
+
+
+REPLACE_KEY = f"{NODE}|replace|xid-79@gpu:5|0"
+
+
+def test_a_replace_request_names_the_bug_report_taken_before_it(store, tmp_path):
+    adapter = FakeAdapter()
+    collector = BugReportCollector(bug_script(tmp_path, WRITES))
+    out = with_bug_report(store, tmp_path, collector, adapter).remediate(FakeReport(FAULT79))
+    assert adapter.actions() == ["drain", "replace"]
+    row = store.journal_by_key(REPLACE_KEY)
+    expected = tmp_path / "state" / "bug-reports" / f"nvidia-bug-report-{row.id}.log.gz"
+    assert adapter.evidence == [str(expected)]
+    with gzip.open(expected, "rt") as f:
+        assert "the fault is present" in f.read()
+    assert stat.S_IMODE(expected.stat().st_mode) == 0o600
+    assert f"driver bug report in {expected}" in out.records[-1].detail
+    assert str(expected) in row.detail
+
+
+def test_a_bug_report_that_hangs_is_cut_off_and_the_replace_goes_on(store, tmp_path):
+    adapter = FakeAdapter()
+    collector = BugReportCollector(bug_script(tmp_path, HANGS), timeout_s=1)
+    start = time.monotonic()
+    out = with_bug_report(store, tmp_path, collector, adapter).remediate(FakeReport(FAULT79))
+    assert time.monotonic() - start < 15
+    assert adapter.actions() == ["drain", "replace"] and adapter.evidence == [None]
+    assert "did not finish within 1 s and was killed" in out.records[-1].detail
+
+
+def test_a_missing_bug_report_script_is_said_and_the_replace_goes_on(store, tmp_path):
+    adapter, warnings = FakeAdapter(), []
+    collector = BugReportCollector(str(tmp_path / "absent" / "nvidia-bug-report.sh"))
+    out = with_bug_report(store, tmp_path, collector, adapter, warnings).remediate(
+        FakeReport(FAULT79)
+    )
+    assert adapter.actions() == ["drain", "replace"] and adapter.evidence == [None]
+    assert "is not installed" in out.records[-1].detail
+    assert any("ships with the NVIDIA driver" in w for w in warnings)
+
+
+def test_a_dry_run_says_which_bug_report_it_would_collect(store, tmp_path):
+    script = bug_script(tmp_path, WRITES)
+    out = with_bug_report(store, tmp_path, BugReportCollector(script), dry_run=True).remediate(
+        FakeReport(FAULT79)
+    )
+    replace = [r for r in out.records if r.action == "replace"][0]
+    assert replace.outcome == "dry-run"
+    assert f"would first collect {script} --safe-mode into" in replace.detail
+    assert not (tmp_path / "state" / "bug-reports").exists()
+
+
+def test_only_the_newest_bug_reports_are_kept_and_each_is_capped(tmp_path):
+    state = tmp_path / "state"
+    collector = BugReportCollector(bug_script(tmp_path, WRITES), keep=2)
+    for row_id in (1, 2, 3, 4):
+        report = collector.collect(state, row_id)
+        assert report.path is not None
+        os.utime(report.path, (T0 + row_id, T0 + row_id))
+    kept = sorted(p.name for p in (state / "bug-reports").iterdir())
+    assert kept == ["nvidia-bug-report-3.log.gz", "nvidia-bug-report-4.log.gz"]
+    capped = BugReportCollector(bug_script(tmp_path, WRITES), max_bytes=64).collect(state, 5)
+    assert capped.path is not None and capped.path.stat().st_size <= 64
