@@ -6,8 +6,11 @@ Reads ``/sys/devices/system/cpu`` (:mod:`node_agent.host.cpu`):
   ``core_throttle_count`` and ``package_throttle_count``) grew since the last run by more than
   ``graders/host.yaml`` ``cpu.throttle_growth_max``: the CPUs ran into their thermal limit and
   slowed down (fans, heatsink, airflow). Last counts in ``state_dir``/``host_cpu.json``; a first
-  run counts from boot; a drop is a reset. No ``thermal_throttle`` directory (not x86, most
-  VMs): a ``skip`` saying so.
+  run counts from boot; a drop is a reset. Where the ``thermal_throttle`` directory is absent
+  (sysfs not exposed, a container), the same counters are read from the kernel log's therm_throt
+  lines (``CPU3: Package temperature above threshold, cpu clock throttled (total events = N)``,
+  their printed totals; :mod:`node_agent.host.cpu`). Neither (not x86, most VMs): a ``skip``
+  saying so.
 * ``cpus_online`` (``node``) — ``fail`` (graded ERROR) when fewer CPUs are online than
   ``node.expected_cpus`` (without it, what the node's ports declare: a scenario's host's), naming the
   missing ones; a ``skip`` when nothing declares what to expect.
@@ -18,7 +21,13 @@ from __future__ import annotations
 
 from node_agent.checks import CheckContext
 from node_agent.checks.host_common import Counters, host_paths, not_recorded, thresholds
-from node_agent.host.cpu import read_cpus
+from node_agent.checks.host_log import kernel_messages
+from node_agent.host.cpu import (
+    THROTTLE_WORDS,
+    parse_throttle_message,
+    read_cpus,
+    throttle_from_lines,
+)
 from node_agent.host.paths import format_cpu_list
 from node_agent.model import Result, Status
 
@@ -31,19 +40,31 @@ def run(ctx: CheckContext) -> list[Result]:
     return [_throttle(ctx, state), _online(ctx, state)]
 
 
+def _log_counters(ctx: CheckContext) -> tuple[dict[int, tuple[int | None, int | None]], str]:
+    """The throttle counters the kernel log's therm_throt lines show, and what was read."""
+    found = kernel_messages(ctx, THROTTLE_WORDS)
+    lines = [t for m in found.messages if (t := parse_throttle_message(m.text)) is not None]
+    said = found.unreadable or f"{found.source}: {len(lines)} throttle line(s)"
+    return throttle_from_lines(lines), said
+
+
 def _throttle(ctx: CheckContext, state) -> Result:
-    if not state.throttle:
-        return ctx.skip(
-            "no CPU thermal throttle counters (/sys/devices/system/cpu/cpu*/"
-            "thermal_throttle absent: not an x86 host with the therm_throt driver, "
-            "or a VM)",
-            metric="cpu_throttle",
-        )
+    throttle, source = state.throttle, "sysfs"
+    if not throttle:
+        throttle, said = _log_counters(ctx)
+        source = f"kernel log ({said})"
+        if not throttle:
+            return ctx.skip(
+                "no CPU thermal throttle counters (/sys/devices/system/cpu/cpu*/"
+                "thermal_throttle absent: not an x86 host with the therm_throt driver, "
+                f"or a VM) and no therm_throt line in the kernel log ({said})",
+                metric="cpu_throttle",
+            )
     limit = thresholds(ctx, "cpu")["throttle_growth_max"]
     counters = Counters.load(ctx, "host_cpu")
     grew: dict[str, int] = {}
     total = 0
-    for cpu, (core, package) in state.throttle.items():
+    for cpu, (core, package) in throttle.items():
         for kind, value in (("core", core), ("package", package)):
             if value is None:
                 continue
@@ -67,16 +88,18 @@ def _throttle(ctx: CheckContext, state) -> Result:
             limit=limit,
             grew=grew,
             total_since_boot=total,
+            source=source,
         )
     return ctx.result(
         "node",
         "cpu_throttle",
         Status.PASS,
-        f"no CPU thermal throttling since the last run ({len(state.throttle)} "
-        f"CPUs, {total} episode(s) since boot)",
+        f"no CPU thermal throttling since the last run ({len(throttle)} "
+        f"CPUs, {total} episode(s) since boot; {source})",
         value=0,
         unit="episodes",
         total_since_boot=total,
+        source=source,
     )
 
 

@@ -15,6 +15,15 @@ Reads the EDAC tree (:mod:`node_agent.host.edac`) and the memory blocks or MemTo
   (without it, what the node's ports declare: a scenario's host's own): ``fail`` (``memory_missing``)
   when more than ``missing_dimm_fraction`` of a DIMM is missing; a ``skip`` saying so when
   nothing declares what to expect.
+* ``ghes_ue`` (``dimm:<label>``, else ``memory:ghes``) — ``fail`` (graded ERROR: drain, reboot,
+  memory test) for memory errors the firmware reported uncorrected (APEI GHES records in the
+  kernel log, severity ``recoverable`` or ``fatal``: :mod:`node_agent.host.ghes`), naming the
+  DIMM the record names. ERROR rather than EDAC's FAULT: the firmware's label is its own guess
+  (often a slot name, a node/card/module, or none), and a ``recoverable`` error was contained
+  (the page taken offline); a DIMM that errs again after its restarts escalates to FAULT.
+* ``ghes_ce_rate`` (same targets) — ``warn`` when the firmware's corrected memory errors on one
+  DIMM exceed ``memory.ce_per_24h_max`` per 24 h (over the records' span where it is a day or
+  more, else their count); ``ghes`` (``node``) passes when the log holds no such record.
 No EDAC (a VM, no platform driver): the EDAC results are one ``skip`` with the reason.
 Params: ``sys_root``, ``proc_root`` (trees of a test's own).
 """
@@ -27,8 +36,10 @@ import time
 from node_agent import atomic_file
 from node_agent.checks import CheckContext
 from node_agent.checks.host_common import host_paths, not_recorded, thresholds
+from node_agent.checks.host_log import kernel_messages
 from node_agent.checks.ports import StandInFault
 from node_agent.host.edac import EdacAbsent, MemoryController, read_edac
+from node_agent.host.ghes import GHES_WORDS, GhesMemoryError, parse_ghes
 from node_agent.host.memory import read_installed
 from node_agent.host.paths import entity_name
 from node_agent.model import Result, Status
@@ -63,8 +74,119 @@ def run(ctx: CheckContext) -> list[Result]:
         results.append(ctx.skip(f"no EDAC memory error counters: {absent}", metric="edac"))
     else:
         results.extend(_edac(ctx, controllers, limits))
+    results.extend(_ghes(ctx, limits))
     results.append(_installed(ctx, installed, controllers, limits))
     return results
+
+
+def _ghes(ctx: CheckContext, limits: dict[str, float]) -> list[Result]:
+    """The memory errors the firmware reported through APEI GHES, from the kernel log."""
+    found = kernel_messages(ctx, GHES_WORDS)
+    if found.unreadable:
+        return [
+            ctx.skip(f"firmware memory-error records not read: {found.unreadable}", metric="ghes")
+        ]
+    errors = parse_ghes(m.text for m in found.messages)
+    if not errors:
+        return [
+            ctx.result(
+                "node",
+                "ghes",
+                Status.PASS,
+                f"no memory-error record from the firmware (APEI GHES) in the kernel log "
+                f"({found.source})",
+                value=0,
+                unit="records",
+            )
+        ]
+    stamps = [m.stamp for m in found.messages]
+    by_target: dict[str, list[GhesMemoryError]] = {}
+    for err in errors:
+        label = err.label or err.place
+        by_target.setdefault(f"dimm:{entity_name(label)}" if label else "memory:ghes", []).append(
+            err
+        )
+    results: list[Result] = []
+    for target, errs in by_target.items():
+        results.extend(_ghes_target(ctx, target, errs, stamps, limits["ce_per_24h_max"]))
+    return results
+
+
+def _ghes_target(
+    ctx: CheckContext,
+    target: str,
+    errs: list[GhesMemoryError],
+    stamps: list,
+    ce_max: float,
+) -> list[Result]:
+    first = errs[0]
+    where = (
+        f"DIMM {first.label}"
+        if first.label
+        else f"memory at {first.place}"
+        if first.place
+        else "memory the firmware did not place on a DIMM"
+    )
+    evidence = {
+        "label": first.label,
+        "place": first.place,
+        "records": [
+            {"severity": e.severity, "error_type": e.error_type, "seq": e.seq} for e in errs
+        ][:20],
+        "source": "APEI GHES (kernel log)",
+    }
+    results: list[Result] = []
+    uncorrected = [e for e in errs if e.uncorrected]
+    if uncorrected:
+        kinds = sorted({e.severity for e in uncorrected})
+        results.append(
+            ctx.result(
+                target,
+                "ghes_ue",
+                Status.FAIL,
+                f"{where}: {len(uncorrected)} uncorrected memory error(s) reported by the firmware "
+                f"({' and '.join(kinds)}, APEI GHES): the memory returned data ECC could not "
+                "repair; drain, reboot and run a memory test, and replace the DIMM if it errs again",
+                value=len(uncorrected),
+                unit="errors",
+                **evidence,
+            )
+        )
+    corrected = [e for e in errs if not e.uncorrected]
+    if corrected:
+        rate, basis = _ghes_rate(corrected, stamps)
+        if rate > ce_max:
+            results.append(
+                ctx.result(
+                    target,
+                    "ghes_ce_rate",
+                    Status.WARN,
+                    f"{where}: {rate:.0f} corrected memory errors per 24 h reported by the firmware "
+                    f"({basis}), over {ce_max:g} (graders/host.yaml memory.ce_per_24h_max): plan "
+                    "the DIMM's replacement",
+                    value=round(rate, 1),
+                    unit="CE/24h",
+                    limit=ce_max,
+                    **evidence,
+                )
+            )
+    return results
+
+
+def _ghes_rate(corrected: list[GhesMemoryError], stamps: list) -> tuple[float, str]:
+    """Corrected records per 24 h: over the span of their boot-clock times where that is a day
+    or more, else the count itself (all of it within a day)."""
+    times = [
+        s.seconds
+        for e in corrected
+        if (s := stamps[e.line_index] if e.line_index < len(stamps) else None) is not None
+        and s.clock == "boot"
+    ]
+    count = len(corrected)
+    if len(times) == count and times and max(times) - min(times) > DAY_S:
+        span = max(times) - min(times)
+        return count * DAY_S / span, f"{count} in {span / 3600:.0f} h of the kernel log"
+    return float(count), f"{count} in the kernel log"
 
 
 def _edac(

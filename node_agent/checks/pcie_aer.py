@@ -22,8 +22,10 @@ from __future__ import annotations
 
 from node_agent.checks import CheckContext
 from node_agent.checks.host_common import Counters, host_paths, not_recorded, thresholds
+from node_agent.checks.pcie_aer_log import log_results
 from node_agent.gpu.pci import normalise_bus_id
 from node_agent.host.aer import PciFunction, read_functions, read_hca_functions
+from node_agent.host.nvme import read_nvme_functions
 from node_agent.model import Result, Status
 
 _SEVERITY = {
@@ -35,6 +37,24 @@ _SEVERITY = {
 def _gpus(ctx: CheckContext) -> list:
     """The GPUs NVML enumerated (none when the inventory could not be taken)."""
     return list(ctx.inventory.gpus) if ctx.inventory is not None else []
+
+
+def _gpu_targets(ctx: CheckContext) -> dict[str, str]:
+    """bdf -> ``gpu:N`` for the GPUs NVML enumerated."""
+    out = {}
+    for gpu in _gpus(ctx):
+        try:
+            out[normalise_bus_id(gpu.pci_bus_id)] = f"gpu:{gpu.index}"
+        except ValueError:
+            continue
+    return out
+
+
+def _named(hcas: dict[str, str], nvmes: dict[str, str]) -> dict[str, str]:
+    return {
+        **{b: f"hca:{n}" for b, n in hcas.items()},
+        **{b: f"disk:{n}" for b, n in nvmes.items()},
+    }
 
 
 def _gpu_bus_ids(ctx: CheckContext) -> set[str]:
@@ -70,35 +90,42 @@ def _owners(
 def run(ctx: CheckContext) -> list[Result]:
     if skip := not_recorded(ctx, "aer"):
         return skip
-    limit = thresholds(ctx, "pcie_aer")["correctable_growth_max"]
+    unread: Result | None = None
+    functions: list[PciFunction] = []
     with host_paths(ctx, ("pci",)) as paths:
         try:
             functions = read_functions(paths.sys)
         except PermissionError as err:
-            return [
-                ctx.skip(
-                    f"the AER counters can be read only by root ({err.filename}: "
-                    f"{err.strerror}); run the agent as root",
-                    metric="aer",
-                )
-            ]
+            unread = ctx.skip(
+                f"the AER counters can be read only by root ({err.filename}: "
+                f"{err.strerror}); run the agent as root",
+                metric="aer",
+            )
         except OSError as err:
-            return [
-                ctx.skip(
-                    f"the PCI bus cannot be listed ({paths.sys / 'bus/pci/devices'}: "
-                    f"{err.strerror or err})",
-                    metric="aer",
-                )
-            ]
+            unread = ctx.skip(
+                f"the PCI bus cannot be listed ({paths.sys / 'bus/pci/devices'}: "
+                f"{err.strerror or err})",
+                metric="aer",
+            )
         hcas = read_hca_functions(paths.sys)
+        nvmes = read_nvme_functions(paths.sys)
+    results = [unread] if unread is not None else _counters(ctx, functions, hcas, paths.sys)
+    return results + log_results(ctx, functions, {**_gpu_targets(ctx), **_named(hcas, nvmes)})
+
+
+def _counters(
+    ctx: CheckContext, functions: list[PciFunction], hcas: dict[str, str], sys_root
+) -> list[Result]:
+    """The sysfs AER counters' results (see the module's docstring)."""
+    limit = thresholds(ctx, "pcie_aer")["correctable_growth_max"]
     with_aer = [f for f in functions if f.aer is not None]
     if not with_aer:
         return [
             ctx.skip(
                 f"no PCI device exposes AER counters ({len(functions)} device(s) under "
-                f"{paths.sys / 'bus/pci/devices'}, none with aer_dev_*): the kernel "
+                f"{sys_root / 'bus/pci/devices'}, none with aer_dev_*): the kernel "
                 "lacks CONFIG_PCIEAER, the firmware keeps AER to itself "
-                "(firmware-first), or this is a VM",
+                "(firmware-first), or this is a VM; the kernel log's AER lines are read instead",
                 metric="aer",
             )
         ]

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from node_agent.gpu.pci import normalise_bus_id
 from node_agent.host.paths import read_text
 
 NVME_CLASS = Path("class/nvme")
@@ -86,4 +87,21 @@ def controllers_holding(paths: list[str], proc_root: Path = Path("/proc")) -> di
         match = _BLOCK.match(os.path.basename(best[1]))
         if match:
             out[path] = f"nvme{match.group(1)}"
+    return out
+
+
+def read_nvme_functions(sys_root: Path = Path("/sys")) -> dict[str, str]:
+    """PCI function -> NVMe controller name, from ``/sys/class/nvme/<nvmeN>/device``."""
+    base = sys_root / NVME_CLASS
+    out: dict[str, str] = {}
+    try:
+        names = sorted(n for n in os.listdir(base) if CONTROLLER.match(n))
+    except OSError:
+        return out
+    for name in names:
+        try:
+            target = os.path.basename(os.path.realpath(base / name / "device"))
+            out[normalise_bus_id(target)] = name
+        except (OSError, ValueError):
+            continue
     return out

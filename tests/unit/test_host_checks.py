@@ -347,7 +347,7 @@ def test_correctable_growth_between_runs_warns_and_a_drop_is_a_reset(tmp_path):
 
 def test_no_aer_counters_is_a_skip_with_the_reason(tmp_path):
     pci_device(tmp_path, ("0000:00:01.0",), aer=False)
-    (skip,) = pcie_aer.run(make_ctx(tmp_path, "pcie_aer"))
+    skip = by(pcie_aer.run(make_ctx(tmp_path, "pcie_aer")), "aer")
     assert skip.status is Status.SKIP and "CONFIG_PCIEAER" in skip.detail
 
 

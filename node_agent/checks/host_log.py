@@ -1,0 +1,62 @@
+"""The kernel's own messages, for the host checks that read the kernel log (``pcie_aer``,
+``host_memory``, ``host_cpu``).
+
+The framing in front of each message (the kmsg header, ``dmesg`` and syslog times, hosts,
+``kernel:``) and what is believed (a record of the kernel's facility, only a record's first line)
+are :mod:`node_agent.kernel_log`'s, through its public reader (``kernel_message``); the checks'
+own modules (:mod:`node_agent.host.aer_lines`, :mod:`node_agent.host.ghes`,
+:mod:`node_agent.host.cpu`) match the message from its first character, never the middle of a
+line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from node_agent.checks import CheckContext
+from node_agent.kernel_log import Stamp, kernel_message, line_stamp
+
+
+@dataclass(frozen=True)
+class KernelMessage:
+    seq: int
+    stamp: Stamp | None
+    text: str  # the message, from the kernel's own first character
+
+
+@dataclass
+class KernelMessages:
+    """The messages read, where from, and why none could be (``unreadable``: None when read)."""
+
+    messages: list[KernelMessage] = field(default_factory=list)
+    source: str = "none"
+    unreadable: str | None = None
+
+
+def kernel_messages(ctx: CheckContext, words: tuple[str, ...]) -> KernelMessages:
+    """The kernel's messages holding one of ``words`` (a cheap test before the framing is
+    parsed), from the node's kernel log and its ports' extra records."""
+    log = ctx.kernel_log
+    if log is None:
+        return KernelMessages(unreadable="no kernel log to read")
+    if log.unavailable_reason:
+        return KernelMessages(source=log.source, unreadable=log.unavailable_reason)
+    try:
+        records = log.read()
+    except OSError as err:
+        return KernelMessages(source=log.source, unreadable=f"cannot read {log.source}: {err}")
+    records = records + ctx.ports.extra_kernel_records(len(records) + 1)
+    out: list[KernelMessage] = []
+    for record in records:
+        if not record.from_kernel:
+            continue
+        first = record.text.split("\n", 1)[0]
+        if not any(word in first for word in words):
+            continue
+        found = kernel_message(first)
+        if found is None:
+            continue
+        prefix, message = found
+        stamp = Stamp("boot", record.boot_s) if record.boot_s is not None else line_stamp(prefix)
+        out.append(KernelMessage(record.seq, stamp, message))
+    return KernelMessages(out, log.source)
