@@ -9,10 +9,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import shutil
 import socket
 import ssl
 import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -20,6 +22,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from node_agent.config import config_from_dict
+from node_agent.model import Action, Grade, Level, Reason
+from node_agent.remediation.evidence import BugReportCollector
+from node_agent.remediation.executor import Remediator
+from node_agent.remediation.plan import Safety
+from node_agent.remediation.store import open_store
 from node_agent.schedulers import AdapterError, open_adapter
 from node_agent.schedulers.webhook import (
     NONCE_HEADER,
@@ -418,3 +425,48 @@ def test_a_receiver_that_drips_its_answer_cannot_hold_the_agent_past_the_deadlin
         assert time.monotonic() - started < 10
     finally:
         rcv.close()
+
+
+def test_a_replace_request_names_the_driver_bug_report_for_the_receiver(receiver, tmp_path):
+    """The remediator takes the bug report first and the signed body names its file. The
+    nvidia-bug-report.sh here is a stand-in (no NVIDIA driver on this machine) that writes its
+    ``--output-file`` as the real one does (``.gz`` appended)."""
+    script = tmp_path / "nvidia-bug-report.sh"
+    script.write_text(
+        f"#!{sys.executable}\nimport gzip, sys\n"
+        "out = sys.argv[sys.argv.index('--output-file') + 1]\n"
+        "gzip.open(out + '.gz', 'wt').write('stand-in report\\n')\n"
+    )
+    script.chmod(0o755)
+    adapter, _ = adapter_for(receiver.url, tmp_path)
+    store = open_store(tmp_path / "state")
+    try:
+        rem = Remediator(
+            store,
+            adapter,
+            "gpu-01",
+            Safety(),
+            state_dir=tmp_path / "state",
+            warn=lambda _m: None,
+            bug_report=BugReportCollector(str(script)),
+        )
+        reason = Reason("xid", Level.FAULT, "gpu:5", "Xid 79", catalog="xid", code=79)
+        rem.remediate(_FaultReport(Grade(Level.FAULT, Action.REPLACE, (reason,))))
+    finally:
+        store.close()
+    bodies = {r["body"]["action"]: r["body"] for r in receiver.received}
+    assert set(bodies) == {"drain", "replace"} and all(r["valid"] for r in receiver.received)
+    evidence = bodies["replace"]["evidence"]
+    assert evidence.startswith(str(tmp_path / "state" / "bug-reports" / "nvidia-bug-report-"))
+    assert evidence.endswith(".log.gz") and os.path.isfile(evidence)
+    assert "evidence" not in bodies["drain"]
+
+
+class _FaultReport:
+    """The fields of a Report the remediator reads."""
+
+    def __init__(self, grade: Grade):
+        self.grade, self.suite, self.mode = grade, "quick", "service"
+
+    def to_dict(self) -> dict:
+        return {"grade": self.grade.to_dict()}
