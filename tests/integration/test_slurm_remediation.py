@@ -12,13 +12,16 @@ its reboot.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
+from cloud_metadata_standin import MetadataStandIn  # tests/cloud_metadata_standin.py
 
-from node_agent.model import Action, Grade, Level, Reason
+from node_agent.model import Action, Grade, Level, Reason, utc_iso
 from node_agent.remediation.executor import Remediator
 from node_agent.remediation.plan import Safety
 from node_agent.remediation.store import open_store
@@ -260,3 +263,70 @@ def test_recovered_job_restart_after_the_requeue_happened_is_not_repeated(slurm,
         assert store.open_journal(slurm.node) == []
     finally:
         store.close()
+
+
+def test_a_planned_maintenance_drains_naming_the_event_and_resumes_after_it(
+    slurm, node_agent, scenario, tmp_path
+):
+    """The cloud's metadata service is a stand-in on loopback serving GCP's documented API
+    (no cloud here: tests/cloud_metadata_standin.py); Slurm and the CLI are real."""
+    soon = time.time() + 10 * 60
+    window = {
+        "type": "SCHEDULED",
+        "maintenance_status": "PENDING",
+        "window_start_time": utc_iso(soon),
+        "window_end_time": utc_iso(soon + 3600),
+    }
+    with MetadataStandIn() as cloud:
+        suite = tmp_path / "cloud.yaml"
+        suite.write_text(
+            yaml.safe_dump(
+                {
+                    "name": "cloud",
+                    "mode": "service",
+                    "checks": [
+                        {
+                            "check": "cloud_maintenance",
+                            "timeout_s": 10,
+                            "params": {"provider": "gcp", "metadata_url": cloud.url},
+                        }
+                    ],
+                }
+            )
+        )
+
+        def check() -> subprocess.CompletedProcess:
+            return node_agent(
+                "check",
+                "--suite",
+                str(suite),
+                "--simulate",
+                scenario([]),
+                "--json",
+                "--act",
+                "--adapter",
+                "slurm",
+            )
+
+        cloud.gcp_event, cloud.gcp_upcoming = "TERMINATE_ON_HOST_MAINTENANCE", window
+        first = check()
+        assert first.returncode == 3, first.stderr  # ERROR, remedy planned
+        actions = [(a["action"], a["outcome"]) for a in json.loads(first.stdout)["actions"]]
+        assert actions == [("drain", "done")], first.stdout  # no reboot, no replacement
+        fields = slurm.show_node()
+        assert "DRAIN" in fields["State"], fields
+        assert fields["Reason"].startswith(
+            "node-agent: ERROR cloud-maintenance node planned gcp TERMINATE_ON_HOST_MAINTENANCE "
+            f"from {utc_iso(soon)}"
+        ), fields
+        # the event stands: still drained, nothing more done
+        second = check()
+        assert json.loads(second.stdout)["actions"] == [], second.stdout
+        assert "DRAIN" in slurm.show_node()["State"]
+        # the event is over (the metadata service announces nothing): the re-test resumes it
+        cloud.gcp_event, cloud.gcp_upcoming = "NONE", None
+        third = check()
+        assert third.returncode == 0, third.stderr
+        assert [a["action"] for a in json.loads(third.stdout)["actions"]] == ["resume"]
+        assert "DRAIN" not in slurm.show_node()["State"]
+        assert slurm.node not in slurm.run("sinfo", "-R", "--noheader", "-o", "%N").stdout
