@@ -1,12 +1,15 @@
-"""The first real GPU the agent ran on, replayed both ways in every test run, graded as its
-oracle says (scenarios/real/h100-sxm5-vm.yaml, converted from
+"""The real GPUs the agent ran on, replayed both ways in every test run, graded as their
+oracles say: the first (scenarios/real/h100-sxm5-vm.yaml, converted from
 ../shared/realworld/gpu-h100-vm/: one H100 SXM5 passed through to a VM, every NVLink call Not
-Supported, healthy; the agent once graded it FAULT, replace).
+Supported, healthy; the agent once graded it FAULT, replace) and an H200 captured by
+``node-agent capture`` (../shared/realworld/gpu-h200-vm/capture.yaml, read where it lies: one
+H200 passed through to a VM, healthy; its oracle is its PROVENANCE.md's, written out below).
 
 Both ways: ``--simulate`` (the capture's NVML replayed through the real NVML backend in
 Python) and the stand-in ``libnvidia-ml.so.1`` serving it (``NVML_FAKE_SCENARIO``: the real
 nvidia-ml-py through ctypes). NVML is the one thing not real: no GPU runs here. The oracle is
-read from the scenario (``capture.oracle``, written from PROVENANCE.md by the converter):
+read from the H100's scenario (``capture.oracle``, written from PROVENANCE.md by the
+converter) and is the same for the H200:
 
 * with ``node.expected_gpus: 1`` declared: HEALTHY, alike both ways (level, reasons, exit code);
 * with nothing declared: at most WARN, never ERROR or FAULT; a WARN names the setting to declare.
@@ -30,6 +33,18 @@ import nvml_fake_harness as harness  # noqa: E402  (tests/nvml_fake, not an inst
 
 SCENARIO = harness.REPO / "scenarios" / "real" / "h100-sxm5-vm.yaml"
 ORACLE = yaml.safe_load(SCENARIO.read_text())["capture"]["oracle"]
+H200_CAPTURE = harness.REPO.parent / "shared" / "realworld" / "gpu-h200-vm" / "capture.yaml"
+#: ../shared/realworld/gpu-h200-vm/PROVENANCE.md: "`node.expected_gpus: 1` declared: HEALTHY.
+#: Nothing declared: at most WARN, naming what could not be verified. Never ERROR or FAULT."
+H200_ORACLE = {
+    "declared": {"node.expected_gpus": 1, "grade": "HEALTHY"},
+    "undeclared": {"at_most": "WARN", "never": ["ERROR", "FAULT"]},
+}
+#: name -> (scenario, oracle, the GPU's NVML name)
+CAPTURES = {
+    "h100": (SCENARIO, ORACLE, "NVIDIA H100 80GB HBM3"),
+    "h200": (H200_CAPTURE, H200_ORACLE, "NVIDIA H200"),
+}
 ORDER = ["HEALTHY", "WARN", "ERROR", "FAULT"]
 EXIT = {"HEALTHY": 0, "WARN": 0, "ERROR": 3, "FAULT": 4}
 COMMANDS = {
@@ -43,10 +58,18 @@ def nvml_fake_lib():
     return harness.build()
 
 
-def _config(tmp_path: Path, declared: bool) -> Path:
+@pytest.fixture(params=sorted(CAPTURES))
+def capture(request) -> tuple:
+    scenario, oracle, name = CAPTURES[request.param]
+    if not scenario.is_file():
+        pytest.skip(f"the real capture is not here: {scenario}")
+    return scenario, oracle, name
+
+
+def _config(tmp_path: Path, oracle: dict, declared: bool) -> Path:
     log = tmp_path / "kernel.log"  # the host's kernel log is not the captured node's
     log.write_text("")
-    node = {"expected_gpus": ORACLE["declared"]["node.expected_gpus"]} if declared else {}
+    node = {"expected_gpus": oracle["declared"]["node.expected_gpus"]} if declared else {}
     path = tmp_path / f"config-{'declared' if declared else 'undeclared'}.yaml"
     path.write_text(
         yaml.safe_dump(
@@ -61,7 +84,8 @@ def _config(tmp_path: Path, declared: bool) -> Path:
     return path
 
 
-def _graded(tmp_path: Path, command: str, config: Path, simulate: bool) -> tuple:
+def _graded(tmp_path: Path, capture: tuple, command: str, config: Path, simulate: bool) -> tuple:
+    scenario, _oracle, gpu_name = capture
     argv = [
         sys.executable,
         "-m",
@@ -76,40 +100,42 @@ def _graded(tmp_path: Path, command: str, config: Path, simulate: bool) -> tuple
     if simulate:
         env = harness.agent_env()
         env.pop("LD_LIBRARY_PATH")
-        argv += ["--simulate", str(SCENARIO)]
+        argv += ["--simulate", str(scenario)]
     else:
-        env = harness.agent_env(scenario=SCENARIO)
+        env = harness.agent_env(scenario=scenario)
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
     assert proc.stdout.strip(), proc.stderr
     report = json.loads(proc.stdout)
-    assert len(report["gpus"]) == 1 and report["gpus"][0]["name"] == "NVIDIA H100 80GB HBM3"
+    assert len(report["gpus"]) == 1 and report["gpus"][0]["name"] == gpu_name
     grade = report["grade"]
     reasons = sorted((r["rule"], r["target"], r["level"]) for r in grade["reasons"])
     return proc.returncode, grade["level"], reasons, grade["reasons"]
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
-def test_the_real_h100_with_its_gpu_count_declared_grades_healthy_both_ways(
-    nvml_fake_lib, tmp_path, command
+def test_a_real_gpu_with_its_gpu_count_declared_grades_healthy_both_ways(
+    nvml_fake_lib, tmp_path, capture, command
 ):
-    config = _config(tmp_path, declared=True)
-    simulated = _graded(tmp_path, command, config, simulate=True)
-    stand_in = _graded(tmp_path, command, config, simulate=False)
-    level = ORACLE["declared"]["grade"]
+    oracle = capture[1]
+    config = _config(tmp_path, oracle, declared=True)
+    simulated = _graded(tmp_path, capture, command, config, simulate=True)
+    stand_in = _graded(tmp_path, capture, command, config, simulate=False)
+    level = oracle["declared"]["grade"]
     assert simulated[:3] == (EXIT[level], level, []), simulated[3]
     assert stand_in[:3] == simulated[:3], stand_in[3]
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
-def test_the_real_h100_with_nothing_declared_is_at_most_warn_never_error_or_fault(
-    nvml_fake_lib, tmp_path, command
+def test_a_real_gpu_with_nothing_declared_is_at_most_warn_never_error_or_fault(
+    nvml_fake_lib, tmp_path, capture, command
 ):
-    config = _config(tmp_path, declared=False)
+    oracle = capture[1]
+    config = _config(tmp_path, oracle, declared=False)
     graded = []
     for simulate in (True, False):
-        code, level, rules, reasons = _graded(tmp_path, command, config, simulate)
-        assert level not in ORACLE["undeclared"]["never"], reasons
-        assert ORDER.index(level) <= ORDER.index(ORACLE["undeclared"]["at_most"]), reasons
+        code, level, rules, reasons = _graded(tmp_path, capture, command, config, simulate)
+        assert level not in oracle["undeclared"]["never"], reasons
+        assert ORDER.index(level) <= ORDER.index(oracle["undeclared"]["at_most"]), reasons
         assert code == EXIT[level]
         for reason in reasons:  # what could not be verified, and what to declare
             assert reason["level"] == "WARN" and "node.expected_" in reason["message"], reason
