@@ -20,6 +20,7 @@ method and field numbers as NVRx's ``shared_utils/proto/nvhcd.proto``), and
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
@@ -31,6 +32,7 @@ PROTO = Path(__file__).resolve().parents[1] / "packaging" / "nvrx" / "nvhcd.prot
 DEFAULT_ARGS = ("--no-slurm", "--group", "prolog", "epilog", "logs", "gpu")  # NVRx's defaults
 
 
+@functools.cache
 def generated_modules():
     """(nvhcd_pb2, nvhcd_pb2_grpc) compiled from packaging/nvrx/nvhcd.proto with grpc_tools."""
     from grpc_tools import protoc

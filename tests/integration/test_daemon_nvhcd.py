@@ -1,10 +1,11 @@
-"""The real daemon answers NVRx's node health check over its Unix socket (docs/stop_check.md).
+"""The real daemon answers NVRx's node health check over its Unix socket, and fails closed.
 
 The daemon runs as a subprocess on a simulated node; the client keeps NVRx's wire contract and
-behaviour (tests/nvrx_client.py says why it is not NVRx's own class: the registry's NVRx has no
-node health-check client). The daemon's periodic suite here reads only the SDC spool, so what
-NVML says reaches the answer only through the service's own quick-suite refresh: the test can
-then see that a request grades the node without ever causing an action.
+behaviour (tests/nvrx_client.py says why it is not NVRx's own class), including its fail-open
+rules: a missing socket, a timeout or a refused call reads as healthy. So the daemon must answer
+from the node's state, never from a partial run: the FAULT here (an HCA port down and an
+uncorrectable memory error, which no Xid announces) is found by the schedule's last check, and
+the checks before it grade HEALTHY.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,9 +24,21 @@ import yaml
 pytest.importorskip("grpc", reason="grpcio is not installed: make deps-test")
 pytest.importorskip("grpc_tools", reason="grpcio-tools is not installed: make deps-test")
 
-from nvrx_client import NodeHealthCheck  # noqa: E402
+from nvrx_client import DEFAULT_ARGS, NodeHealthCheck  # noqa: E402
 
 AGENT = str(Path(sys.executable).with_name("node-agent"))
+FAULTS = [
+    {"kind": "hca_port_down", "hca": "mlx5_1"},
+    {"kind": "edac_ue", "dimm": "CPU0_DIMM_A1", "count": 1},
+]
+SUITE = {
+    "name": "periodic",
+    "mode": "service",
+    "checks": [
+        {"check": c, "timeout_s": 30, "every_s": 3600}
+        for c in ("nvml_health", "sdc_spool", "inventory", "hca_ports", "host_memory")
+    ],
+}
 
 
 def wait_for(predicate, timeout_s: float):
@@ -39,114 +53,186 @@ def wait_for(predicate, timeout_s: float):
 
 def write_scenario(path: Path, faults: list[dict]) -> None:
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 8, "faults": faults}))
+    tmp.write_text(
+        yaml.safe_dump(
+            {"sku": "h100-sxm5-80gb", "gpus": 8, "hcas": ["mlx5_0", "mlx5_1"], "faults": faults}
+        )
+    )
     os.replace(tmp, path)
 
 
+class Node:
+    """A simulated node and its daemon's files; ``start()`` runs ``node-agent daemon``."""
+
+    def __init__(self, tmp_path: Path, faults: list[dict]) -> None:
+        self.scenario = tmp_path / "scenario.yaml"
+        self.sock = tmp_path / "run" / "nvhcd.sock"
+        self.state = tmp_path / "state"
+        self.config = tmp_path / "config.yaml"
+        self.suite = tmp_path / "periodic.yaml"
+        write_scenario(self.scenario, faults)
+        self.suite.write_text(yaml.safe_dump(SUITE))
+        self.config.write_text(
+            yaml.safe_dump(
+                {
+                    "state_dir": str(self.state),
+                    "spool_dir": str(tmp_path / "spool"),
+                    "daemon": {
+                        "listen": "127.0.0.1:0",
+                        "act": False,
+                        "nvhcd": {"socket": str(self.sock)},
+                    },
+                }
+            )
+        )
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> subprocess.Popen:
+        argv = [AGENT, "daemon", "--config", str(self.config), "--simulate", str(self.scenario)]
+        self.proc = subprocess.Popen(
+            [*argv, "--suite", str(self.suite)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        return self.proc
+
+    def stop(self) -> str:
+        if self.proc is None:
+            return ""
+        self.proc.terminate()
+        try:
+            _, err = self.proc.communicate(timeout=30)
+        finally:
+            self.proc = None
+        return err
+
+
 @pytest.fixture
-def daemon(tmp_path):
-    scenario, sock = tmp_path / "scenario.yaml", tmp_path / "run" / "nvhcd.sock"
-    write_scenario(scenario, [])
-    suite = tmp_path / "periodic.yaml"
-    suite.write_text(
-        yaml.safe_dump(
-            {
-                "name": "periodic",
-                "mode": "service",
-                "checks": [{"check": "sdc_spool", "timeout_s": 30, "every_s": 3600}],
-            }
-        )
-    )
-    config = tmp_path / "config.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "state_dir": str(tmp_path / "state"),
-                "spool_dir": str(tmp_path / "spool"),
-                "daemon": {
-                    "listen": "127.0.0.1:0",
-                    "act": True,
-                    "nvhcd": {"socket": str(sock), "max_age_s": 0.5, "min_refresh_s": 0},
-                },
-            }
-        )
-    )
-    proc = subprocess.Popen(
-        [
-            AGENT,
-            "daemon",
-            "--config",
-            str(config),
-            "--simulate",
-            str(scenario),
-            "--suite",
-            str(suite),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+def node(tmp_path):
+    n = Node(tmp_path, FAULTS)
     try:
-        assert wait_for(sock.exists, 60), proc.stderr.read() if proc.poll() is not None else ""
-        yield proc, scenario, sock, tmp_path / "state"
+        yield n
     finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+        n.stop()
 
 
-def ask(sock: Path) -> tuple[bool, dict]:
-    client = NodeHealthCheck(f"unix://{sock}")
-    healthy = client()
-    assert client.skipped is None, client.skipped
-    return healthy, client.last_output
+def poll(sock: Path, seconds: float, every_s: float = 0.25) -> list[tuple[float, bool, dict]]:
+    """NVRx's client asked every ``every_s`` for ``seconds``, each time as a launcher that just
+    started (NVRx tests the socket's existence once, when its client is made)."""
+    answers, t0 = [], time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        client = NodeHealthCheck(f"unix://{sock}")
+        healthy = client()
+        answers.append(
+            (
+                round(time.monotonic() - t0, 2),
+                healthy,
+                {"skipped": client.skipped, **(client.last_output or {})},
+            )
+        )
+        time.sleep(every_s)
+    return answers
 
 
-def test_the_daemon_answers_healthy_error_and_fault_and_never_acts_on_a_request(daemon):
-    proc, scenario, sock, state = daemon
-    assert oct(sock.stat().st_mode & 0o777) == "0o666"
-    healthy, output = ask(sock)
-    assert healthy is True and output["fail_count"] == 0 and output["level"] == "HEALTHY"
-
-    write_scenario(scenario, [{"kind": "row_remap_pending", "gpu": 2}])
-    healthy, output = wait_for(
-        lambda: (lambda a: a if a[1]["level"] == "ERROR" else None)(ask(sock)), 30
-    )
-    assert healthy is False and output["fail_count"] >= 1
-    assert any(r["target"] == "gpu:2" for r in output["reasons"])
-
-    # a FAULT only NVML's counters show (the daemon's XID watch, which acts on its own evidence,
-    # does not see it): volatile double-bit ECC errors
-    write_scenario(scenario, [{"kind": "ecc_dbe_volatile", "gpu": 5, "count": 2}])
-    healthy, output = wait_for(
-        lambda: (lambda a: a if a[1]["level"] == "FAULT" else None)(ask(sock)), 30
-    )
-    assert healthy is False
-    assert any(r["target"] == "gpu:5" and r["level"] == "FAULT" for r in output["reasons"])
-
-    # asking graded the node for the answer; the daemon itself acted on nothing
-    log = state / "actions.log"
-    assert not log.exists() or log.read_text().strip() == ""
+def check_never_healthy(answers: list[tuple[float, bool, dict]]) -> list[dict]:
+    """No answer said healthy; a skip only for a socket not made yet, before the first answer.
+    Returns the answers that came from the daemon."""
+    served = [a for a in answers if a[2]["skipped"] is None]
+    assert served, f"the daemon never answered: {answers[-3:]}"
+    assert not [a for a in answers if a[1] and a[2]["skipped"] is None], answers
+    first = answers.index(served[0])
+    late_skips = [a for a in answers[first:] if a[2]["skipped"] is not None]
+    assert not late_skips, f"the service vanished or failed open once up: {late_skips[:3]}"
+    assert all("does not exist" in a[2]["skipped"] for a in answers[:first]), answers[:first]
+    return [a[2] for a in served]
 
 
-def test_with_the_daemon_down_nvrx_skips_the_check(daemon):
-    proc, _, sock, _ = daemon
-    proc.terminate()
-    assert proc.wait(timeout=20) == 0
-    assert not sock.exists()
-    client = NodeHealthCheck(f"unix://{sock}")
-    assert client() is True and "does not exist" in client.skipped
+def test_a_fault_node_is_never_answered_healthy_from_its_first_second_nor_after_a_restart(node):
+    node.start()
+    served = check_never_healthy(poll(node.sock, 20))
+    levels = [a["level"] for a in served]
+    assert "UNKNOWN" in levels and levels[-1] == "FAULT", levels
+    assert levels.index("FAULT") > levels.index("UNKNOWN")  # UNKNOWN first, then the state
+    last = served[-1]
+    assert last["complete"] is True and {"hca-port-down"} <= set(last["failed_checks"])
+    assert sorted(last["result_age_s"]) == sorted(c["check"] for c in SUITE["checks"])
+    assert last["args_received"] == list(DEFAULT_ARGS)  # NVRx 0.7's request, accepted
+    state = node.state / "daemon-state.json"
+    assert oct(state.stat().st_mode & 0o777) == "0o600"
+    assert json.loads(state.read_text())["grade"]["level"] == "FAULT"
+    err = node.stop()
+    assert "--no-slurm --group prolog epilog logs gpu" in err
+
+    node.start()
+    served = check_never_healthy(poll(node.sock, 20))
+    # this boot's stored results count at once, marked as restored with their age
+    assert served[0]["level"] == "FAULT", served[0]
+    assert set(served[0]["restored_checks"]) == {c["check"] for c in SUITE["checks"]}
 
 
-def test_many_ranks_asking_at_once_run_the_quick_suite_once_per_interval(tmp_path):
-    """The answerer alone, with the daemon's refresh counted: 64 requests, one refresh."""
-    from node_agent.service.nvhcd import GradeView, HealthAnswerer
+def test_two_stalled_calls_do_not_delay_a_third(node):
+    """Two calls that send their headers and never their message (same uid: under the cap)."""
+    import grpc
 
-    calls = []
+    node.start()
+    assert wait_for(node.sock.exists, 30)
+    release = threading.Event()
 
-    def refresh():
-        calls.append(time.time())
-        return GradeView("HEALTHY", graded_at=time.time())
+    def never():
+        release.wait(30)
+        return
+        yield  # a generator that sends no message
 
-    answerer = HealthAnswerer(lambda: None, refresh, max_age_s=60, min_refresh_s=30)
-    answers = [json.loads(answerer.answer([])["output"]) for _ in range(64)]
-    assert len(calls) == 1 and all(a["fail_count"] == 0 for a in answers)
+    stalled = []
+    for _ in range(2):
+        channel = grpc.insecure_channel(
+            f"unix://{node.sock}", options=[("grpc.use_local_subchannel_pool", 1)]
+        )
+        call = channel.stream_unary(
+            "/nvhcd.HealthCheckService/RunHealthCheck",
+            request_serializer=bytes,
+            response_deserializer=bytes,
+        )
+        stalled.append((channel, call.future(never(), timeout=30)))
+    try:
+        time.sleep(0.5)  # both are in the service, waiting for a message
+        for _ in range(5):
+            client = NodeHealthCheck(str(node.sock), request_timeout_sec=1.0)
+            t0 = time.monotonic()
+            healthy = client()
+            took = time.monotonic() - t0
+            assert client.skipped is None, client.skipped  # answered, not timed out
+            assert healthy is False and took < 1.0, (took, client.last_output)
+    finally:
+        release.set()
+        for channel, _ in stalled:
+            channel.close()
+
+
+def test_a_service_that_cannot_be_served_is_a_warn_in_the_grade(tmp_path):
+    """A socket path whose directory cannot be made (a file stands there): the daemon runs on,
+    and says so in its grade and its metrics."""
+    import urllib.request
+
+    from node_agent.service.daemon import Daemon
+
+    (tmp_path / "run").write_text("a file, not a directory")
+    n = Node(tmp_path, [])
+    suite = {**SUITE, "checks": [{"check": "inventory", "timeout_s": 30, "every_s": 3600}]}
+    n.suite.write_text(yaml.safe_dump(suite))
+    daemon = Daemon(str(n.config), str(n.scenario), suite=str(n.suite))
+    thread = threading.Thread(target=daemon.run, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    try:
+        assert wait_for(lambda: daemon.view and daemon.view.complete, 60), daemon.view
+        reasons = [r for r in daemon.grade.reasons if r.target == "node"]
+        assert daemon.grade.level.name == "WARN"
+        assert any("NOT served" in r.message for r in reasons), reasons
+        port = daemon.listen_address[1]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        assert 'node_agent_nvhcd_served{hostname="sim-node"} 0.0' in text
+    finally:
+        daemon.stop()
+        thread.join(10)
