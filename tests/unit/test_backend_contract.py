@@ -493,11 +493,25 @@ def test_the_python_replay_answers_like_the_stand_in_where_functions_are_unsuppo
         python.close()
 
 
-def test_the_real_h100_capture_reads_alike_through_simulate_and_the_stand_in(fake_nvml):
-    """scenarios/real/h100-sxm5-vm.yaml: one H100, pass-through, every NVLink call Not
-    Supported; what --simulate opens (the replay backend) and what the stand-in serves agree."""
+REAL_CAPTURES = {
+    "h100": (harness.REPO / "scenarios" / "real" / "h100-sxm5-vm.yaml", "NVIDIA H100 80GB HBM3"),
+    "h200": (
+        harness.REPO.parent / "shared" / "realworld" / "gpu-h200-vm" / "capture.yaml",
+        "NVIDIA H200",
+    ),
+}
+
+
+@pytest.mark.parametrize("which", sorted(REAL_CAPTURES))
+def test_the_real_h100_capture_reads_alike_through_simulate_and_the_stand_in(fake_nvml, which):
+    """scenarios/real/h100-sxm5-vm.yaml (one H100) and ../shared/realworld/gpu-h200-vm's
+    capture (one H200), each pass-through, every NVLink call Not Supported: what --simulate
+    opens (the replay backend) and what the stand-in serves agree."""
+    path, name = REAL_CAPTURES[which]
+    if not path.is_file():
+        pytest.skip(f"the real capture is not here: {path}")
     skus = load_skus(resources.graders_dir(config_from_dict({})))
-    scenario = load_scenario(harness.REPO / "scenarios" / "real" / "h100-sxm5-vm.yaml", skus)
+    scenario = load_scenario(path, skus)
     replay = open_backend(scenario, skus[scenario.sku])
     try:
         assert replay.simulated and replay.name == "replay"
@@ -509,7 +523,7 @@ def test_the_real_h100_capture_reads_alike_through_simulate_and_the_stand_in(fak
         assert dev.nvlinks() == []
         with pytest.raises(base.NotSupported):
             dev.retired_pages()
-        assert dev.identity().name == "NVIDIA H100 80GB HBM3"
+        assert dev.identity().name == name
         assert dev.row_remap() == base.RowRemap(0, 0, False, False)
         assert replay.driver() == base.DriverInfo("580.159.04", "13.0", "13.580.159.04")
     finally:
