@@ -504,3 +504,87 @@ def test_a_check_module_that_does_not_import_leaves_the_daemon_running(tmp_path,
         assert d.grade.level.name != "HEALTHY"
     finally:
         d.env.close()
+
+
+def test_a_corrupt_state_file_is_set_aside_and_the_grade_is_unknown_until_checks_ran(
+    node, running, caplog
+):
+    state = Path(yaml.safe_load(node.config.read_text())["state_dir"])
+    state.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (state / "daemon-state.json").write_text('{"schema": "node-agent.daemon-state/1", "checks": {')
+    slow = {**PERIODIC, "checks": [*PERIODIC["checks"], {"check": "sdc_spool", "every_s": 60}]}
+    node.suite.write_text(yaml.safe_dump(slow))
+    # the last check starts only after a pause, so the UNKNOWN answer can be seen
+    original = Daemon._make_schedule
+
+    def late_last(self, suite):
+        schedule = original(self, suite)
+        schedule[-1].next_due += 2.0
+        return schedule
+
+    with caplog.at_level("ERROR", logger="node_agent.service.node_state"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(Daemon, "_make_schedule", late_last)
+            daemon = running()
+            assert wait_for(lambda: daemon.view is not None, 10)
+            assert daemon.view.unknown and "sdc_spool" in daemon.view.missing
+            assert get(f"http://127.0.0.1:{node.port}/healthz")[1].startswith("ok UNKNOWN")
+            text = get(f"http://127.0.0.1:{node.port}/metrics")[1]
+            assert metric_value(text, "node_agent_grade_unknown") == 1
+            assert wait_for(lambda: daemon.view.complete, 30), daemon.view.missing
+    assert daemon.view.level == "HEALTHY"
+    assert get(f"http://127.0.0.1:{node.port}/healthz")[1] == "ok HEALTHY\n"
+    assert (
+        metric_value(get(f"http://127.0.0.1:{node.port}/metrics")[1], "node_agent_grade_unknown")
+        == 0
+    )
+    (line,) = [r.getMessage() for r in caplog.records if "cannot be read" in r.getMessage()]
+    assert "daemon-state.json" in line and "kept as" in line and "UNKNOWN" in line
+    aside = list(state.glob("daemon-state.json.unreadable-*"))
+    assert len(aside) == 1 and aside[0].read_text().endswith('"checks": {')
+
+
+def test_a_check_that_fails_runs_in_a_row_is_a_finding_and_its_result_age_a_metric(tmp_path):
+    """A check wedged in NVML or DCGM: each run times out; after daemon.failures_warn_after
+    runs in a row the failure is a WARN naming the check, and a run that passes clears it."""
+    from node_agent.model import Result, Status
+
+    scenario, config, suite = tmp_path / "s.yaml", tmp_path / "c.yaml", tmp_path / "p.yaml"
+    scenario.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 2, "faults": []}))
+    suite.write_text(yaml.safe_dump(PERIODIC))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "state_dir": str(tmp_path / "state"),
+                "spool_dir": str(tmp_path / "spool"),
+                "daemon": {"failures_warn_after": 2},
+            }
+        )
+    )
+    d = Daemon(str(config), str(scenario), suite=str(suite))
+    try:
+        hung = Result("nvml_health", "node", "timeout", Status.ERROR, "no answer in 10 s")
+        d._record("nvml_health", [hung], time.time() - 30, 10.0)
+        assert not [r for r in d.current_results() if r.metric == "repeated_failure"]
+        d._record("nvml_health", [hung], time.time() - 10, 10.0)
+        (stall,) = [r for r in d.current_results() if r.metric == "repeated_failure"]
+        assert stall.status is Status.WARN and "nvml_health" in stall.detail
+        assert "2 runs in a row" in stall.detail and "no answer in 10 s" in stall.detail
+        assert any("repeated_failure" in r.message for r in d.grade.reasons)
+        snap = d.snapshot()
+        assert snap.checks["nvml_health"].failing_runs == 2
+        assert 0 <= snap.now_unix - snap.result_unix["nvml_health"] < 5
+        ok = Result("nvml_health", "gpu:0", "temperature", Status.PASS, "40 C")
+        d._record("nvml_health", [ok], time.time(), 0.1)
+        assert not [r for r in d.current_results() if r.metric == "repeated_failure"]
+        # the state is kept: latest results per check, read back by the next daemon
+        d._save_pending()
+        again = Daemon(str(config), str(scenario), suite=str(suite))
+        try:
+            kept = again._results["nvml_health"]
+            assert kept.restored and [r.metric for r in kept.results] == ["temperature"]
+            assert "xid" not in again._results  # no run, no result
+        finally:
+            again.env.close()
+    finally:
+        d.env.close()
