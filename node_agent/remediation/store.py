@@ -50,6 +50,19 @@ SCHEMA_VERSION = 1
 #: may write at once; each transaction is milliseconds) before the state counts as unavailable
 BUSY_TIMEOUT_S = 10.0
 
+#: the ``runs`` table's bounds (issue 34: a run is recorded at every grade change, every 15 s
+#: under a load of stale heartbeats, and 200 of them grew the table about 1 GB a day): rows
+#: older than RUNS_MAX_AGE_S or beyond the newest RUNS_MAX_ROWS are deleted at open and every
+#: RUNS_PRUNE_EVERY rows added; a run's reasons are kept up to RUN_REASONS_MAX_BYTES of JSON,
+#: the highest levels first (the run's report has them all). Worst case: 20,000 x 8 KiB.
+RUNS_MAX_AGE_S = 400 * 86400.0
+RUNS_MAX_ROWS = 20_000
+RUNS_PRUNE_EVERY = 100
+RUN_REASONS_MAX_BYTES = 8192
+#: free pages that make an open compact the file (VACUUM): an agent that ran before the
+#: bounds may have left gigabytes that SQLite would otherwise keep for reuse, never return
+COMPACT_FREE_BYTES = 64 << 20
+
 #: journal states; ``planned`` and ``started`` are the ones a crash can leave behind
 JOURNAL_STATES = ("planned", "started", "done", "failed", "refused", "dry-run")
 OPEN_STATES = ("planned", "started")
@@ -172,6 +185,7 @@ class Store:
         self.path = path  # None: nothing on disk could be opened
         self.notes = notes or []  # what went wrong opening it (moved aside, read-only)
         self.unavailable = unavailable
+        self._added = 0  # runs recorded since the last prune
 
     def close(self) -> None:
         self._conn.close()
@@ -232,12 +246,37 @@ class Store:
         reasons: list[dict[str, Any]],
         report_path: str | None = None,
     ) -> None:
+        """Add a graded run (its reasons bounded: :func:`bounded_reasons`); every
+        :data:`RUNS_PRUNE_EVERY` runs, prune the table (:meth:`prune_runs`, ``at`` as now)."""
         with self._tx() as c:
             c.execute(
                 "INSERT INTO runs (at, node, suite, mode, level, reasons, report_path) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (at, node, suite, mode, level, json.dumps(reasons), report_path),
+                (at, node, suite, mode, level, bounded_reasons(reasons), report_path),
             )
+        self._added += 1
+        if self._added >= RUNS_PRUNE_EVERY:
+            self.prune_runs(at)
+
+    def prune_runs(
+        self,
+        now: float,
+        max_age_s: float = RUNS_MAX_AGE_S,
+        max_rows: int = RUNS_MAX_ROWS - RUNS_PRUNE_EVERY,
+    ) -> int:
+        """Delete the runs older than ``max_age_s`` and all but the newest ``max_rows``;
+        returns how many went. The default leaves room for the rows added before the next
+        prune, so the table never holds more than RUNS_MAX_ROWS. Two deletes: milliseconds
+        for a full table."""
+        with self._tx() as c:
+            gone = c.execute("DELETE FROM runs WHERE at < ?", (now - max_age_s,)).rowcount
+            gone += c.execute(
+                "DELETE FROM runs WHERE id <= (SELECT id FROM runs ORDER BY id DESC "
+                "LIMIT 1 OFFSET ?)",
+                (max_rows,),
+            ).rowcount
+        self._added = 0
+        return gone
 
     def last_run(self, node: str) -> RunRow | None:
         row = self._rows(
@@ -546,6 +585,36 @@ _JCOLS = (
 )
 
 
+_LEVEL_ORDER = {"FAULT": 0, "ERROR": 1, "WARN": 2}
+
+
+def bounded_reasons(reasons: list[dict[str, Any]], max_bytes: int = RUN_REASONS_MAX_BYTES) -> str:
+    """``reasons`` as the ``runs`` table keeps them: JSON of at most about ``max_bytes``. When
+    they are longer, the highest levels are kept first (FAULT, ERROR, WARN: what the restart
+    limits and ``status`` read), each reason whole and in its place, and one last entry (rule
+    ``runs-reasons-cut``) says how many were left out."""
+    text = json.dumps(reasons)
+    if len(text) <= max_bytes:
+        return text
+    room = max_bytes - 200  # for the closing note
+    keep: set[int] = set()
+    for i in sorted(
+        range(len(reasons)), key=lambda i: _LEVEL_ORDER.get(reasons[i].get("level"), 3)
+    ):
+        size = len(json.dumps(reasons[i])) + 2
+        if size <= room:
+            keep.add(i)
+            room -= size
+    cut = len(reasons) - len(keep)
+    note = {
+        "rule": "runs-reasons-cut",
+        "level": "HEALTHY",
+        "target": "node",
+        "message": f"{cut} more reason(s) of this run are not kept here (its report has them)",
+    }
+    return json.dumps([r for i, r in enumerate(reasons) if i in keep] + [note])
+
+
 def _connect(path: Path | str) -> sqlite3.Connection:
     # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE in Store._tx).
     conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
@@ -627,7 +696,9 @@ def open_store(state_dir: Path | str, clock: Callable[[], float] = time.time) ->
             conn = _connect(path)
             _init_schema(conn, path)
             _private_files(path)
-            return Store(conn, path, notes)
+            store = Store(conn, path, notes)
+            _prune_at_open(store, clock())
+            return store
         except sqlite3.Error as err:
             if conn is not None:
                 with suppress(sqlite3.Error):
@@ -657,6 +728,30 @@ def open_store(state_dir: Path | str, clock: Callable[[], float] = time.time) ->
                     conn.close()
             return _unavailable_store(path, f"cannot use {path}: {err}", notes)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _prune_at_open(store: Store, now: float) -> None:
+    """Prune the runs table, and compact the file when an older agent left much free space in
+    it (VACUUM copies only what is kept: a second or so for a full table). A failure to
+    prune makes the store unavailable, as any failed write does; one to compact is a note."""
+    try:
+        store.prune_runs(now)
+    except StateUnavailable:
+        return
+    try:
+        free, size = (
+            store._conn.execute(f"PRAGMA {what}").fetchone()[0]
+            for what in ("freelist_count", "page_size")
+        )
+        if free * size >= COMPACT_FREE_BYTES:
+            store._conn.execute("VACUUM")  # in WAL mode the file shrinks at the checkpoint
+            store._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            store.notes.append(
+                f"state database {store.path}: compacted {free * size >> 20} MiB that older "
+                "runs had left free"
+            )
+    except sqlite3.Error as err:
+        store.notes.append(f"state database {store.path} could not be compacted: {err}")
 
 
 def _open_read_only(path: Path) -> tuple[sqlite3.Connection, str] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 
@@ -293,3 +294,76 @@ def test_runs_since_keep_the_graded_reasons_with_their_typed_fields(store):
     runs = store.runs_since("gpu-01", T0 - 1)
     assert [r.level for r in runs] == ["ERROR", "HEALTHY"] and runs[0].reasons == [reason]
     assert [r.level for r in store.runs_since("gpu-01", T0 + 5)] == ["HEALTHY"]
+
+
+# -- the runs table is bounded (issue 34) ---------------------------------------------------------
+
+
+def _reason(level: str, i: int, size: int = 300) -> dict:
+    return {"rule": "check-hang", "level": level, "target": f"pid:{i}", "message": "x" * size}
+
+
+def test_runs_older_than_the_age_limit_are_pruned_as_rows_are_added(store):
+    day = 86400.0
+    for i in range(store_mod.RUNS_PRUNE_EVERY):
+        store.record_run("gpu-01", T0 + i * day, "quick", "service", "WARN", [])
+    # the 100th row pruned what was more than 400 days older than itself
+    runs = store.runs_since("gpu-01", 0, limit=1000)
+    assert len(runs) == store_mod.RUNS_PRUNE_EVERY  # 99 days apart at most: nothing too old
+    store.record_run("gpu-01", T0 + 500 * day, "quick", "service", "WARN", [])
+    assert store.prune_runs(T0 + 500 * day) == store_mod.RUNS_PRUNE_EVERY
+    assert [r.at for r in store.runs_since("gpu-01", 0)] == [T0 + 500 * day]
+
+
+def test_only_the_newest_rows_are_kept_past_the_count_limit(store):
+    for i in range(30):
+        store.record_run("gpu-01", T0 + i, "quick", "service", "WARN", [])
+    assert store.prune_runs(T0 + 30, max_rows=10) == 20
+    assert [r.at for r in store.runs_since("gpu-01", 0)] == [T0 + i for i in range(20, 30)]
+
+
+def test_the_runs_table_is_pruned_when_the_store_is_opened(tmp_path):
+    s = open_store(tmp_path / "state", clock=lambda: T0)
+    s.record_run("gpu-01", T0 - 401 * 86400, "quick", "service", "WARN", [])
+    s.record_run("gpu-01", T0 - 399 * 86400, "quick", "service", "HEALTHY", [])
+    s.close()
+    again = open_store(tmp_path / "state", clock=lambda: T0)
+    try:
+        assert [r.level for r in again.runs_since("gpu-01", 0)] == ["HEALTHY"]
+    finally:
+        again.close()
+
+
+def test_200_hang_reasons_are_cut_to_the_bound_keeping_the_highest_levels(store):
+    reasons = [_reason("WARN", i) for i in range(200)]
+    reasons.insert(50, _reason("ERROR", 999, size=50) | {"code": 109, "restarts_before_fault": 4})
+    store.record_run("gpu-01", T0, "daemon", "service", "ERROR", reasons)
+    (row,) = store._rows("SELECT length(reasons) FROM runs")
+    assert row[0] <= store_mod.RUN_REASONS_MAX_BYTES
+    kept = store.last_run("gpu-01").reasons
+    assert reasons[50] in kept  # the ERROR, with its typed fields, whatever its place
+    assert kept[-1]["rule"] == "runs-reasons-cut"
+    assert kept[-1]["message"].startswith(f"{201 - (len(kept) - 1)} more reason(s)")
+    # reasons that fit are kept as they are, with no note
+    store.record_run("gpu-01", T0 + 1, "daemon", "service", "WARN", reasons[:3])
+    assert store.last_run("gpu-01").reasons == reasons[:3]
+
+
+def test_an_open_compacts_the_space_an_unbounded_table_left(tmp_path, monkeypatch):
+    monkeypatch.setattr(store_mod, "COMPACT_FREE_BYTES", 1 << 20)
+    s = open_store(tmp_path / "state", clock=lambda: T0)
+    big = [_reason("WARN", i, size=4000) for i in range(2)]
+    for _ in range(400):  # what an older agent left: ~3 MiB of rows, soon to be too old
+        s._conn.execute(
+            "INSERT INTO runs (at, node, suite, mode, level, reasons) VALUES (?,?,?,?,?,?)",
+            (T0 - 500 * 86400, "gpu-01", "daemon", "service", "WARN", json.dumps(big)),
+        )
+    s.close()
+    db = tmp_path / "state" / DB_NAME
+    before = db.stat().st_size
+    again = open_store(tmp_path / "state", clock=lambda: T0)
+    try:
+        assert any("compacted" in n for n in again.notes), again.notes
+        assert db.stat().st_size < before / 4
+    finally:
+        again.close()
