@@ -1,5 +1,6 @@
 """How the agent creates its own files and directories: atomically, privately, never through a
-path another user controls (DESIGN.md, "Trust boundary"; docs/security.md).
+path another user controls (DESIGN.md, "Trust boundary"; docs/security.md); and how it reads a
+file someone else supplied.
 
 - :func:`write_text`, :func:`write_json`: temp file in the same directory (``mkstemp``: ``O_EXCL``, mode 0600), fsync,
   ``os.replace``: the file is the old one or the new one, never half of one, and a symlink
@@ -11,6 +12,8 @@ path another user controls (DESIGN.md, "Trust boundary"; docs/security.md).
   whatever the agent's umask.
 - :func:`ensure_user_spool`: a uid's own heartbeat directory, made by root for that uid, or
   taken back from whoever squatted its name.
+- :func:`read_foreign`: a file someone else supplied (a readings directory, an ``nvidia-smi``
+  dump): a regular file with one link, opened without following a link or blocking, size-capped.
 - :func:`remove_tree`: remove a tree another user made, through directory fds, never following
   a link or leaving the file system, without recursion, holding at most a few dozen fds.
 """
@@ -18,6 +21,7 @@ path another user controls (DESIGN.md, "Trust boundary"; docs/security.md).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -186,6 +190,69 @@ def ensure_spool_dirs(root: Path | str, kinds: Iterable[str] = SPOOL_KINDS) -> l
         except OSError as err:
             notes.append(f"cannot make spool {d}: {err.strerror or err}")
     return notes
+
+
+#: :func:`read_foreign`'s default cap: more than any tool output the agent converts (a
+#: kernel log of a long boot is a few MiB, ``nvidia-smi -q -x`` of 8 GPUs about 300 KiB)
+FOREIGN_MAX_BYTES = 32 << 20
+
+
+class ForeignFileRefused(OSError):
+    """A file someone else supplied that the agent will not read; the message names it, says
+    what it is, and what to do."""
+
+
+def read_foreign(
+    path: Path | str, *, dir_fd: int | None = None, max_bytes: int = FOREIGN_MAX_BYTES
+) -> bytes:
+    """The bytes of ``path`` (relative to ``dir_fd`` when given), a file someone else may have
+    made: ``O_NOFOLLOW`` (a symlink, say to /etc/shadow, is refused, never read),
+    ``O_NONBLOCK`` (a FIFO cannot stall the reader), then ``fstat``: a regular file with one
+    link (a hard link to a file its maker could not read is refused too) of at most
+    ``max_bytes``. Raises :class:`ForeignFileRefused` naming the file and why, or OSError when
+    it cannot be opened (missing, no permission)."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, dir_fd=dir_fd)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise ForeignFileRefused(
+                f"{path} is a symbolic link: a supplied file is never followed; copy the "
+                "file itself there"
+            ) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = {
+                stat.S_IFIFO: "a FIFO",
+                stat.S_IFCHR: "a character device",
+                stat.S_IFBLK: "a block device",
+                stat.S_IFDIR: "a directory",
+                stat.S_IFSOCK: "a socket",
+            }.get(stat.S_IFMT(st.st_mode), "not a regular file")
+            raise ForeignFileRefused(f"{path} is {kind}, not a regular file: not read")
+        if st.st_nlink != 1:
+            raise ForeignFileRefused(
+                f"{path} has {st.st_nlink} hard links: not read (it may be another "
+                "user's file linked in); copy the file itself there"
+            )
+        if st.st_size > max_bytes:
+            raise ForeignFileRefused(
+                f"{path} is {st.st_size} bytes, more than the {max_bytes} read: not read"
+            )
+        chunks, total = [], 0
+        while total <= max_bytes:
+            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+        if total > max_bytes:
+            raise ForeignFileRefused(f"{path} grew past {max_bytes} bytes while read: not read")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 #: :func:`remove_tree`'s caps: directory fds held at once (deeper directories are moved up to

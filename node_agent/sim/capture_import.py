@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from node_agent.atomic_file import FOREIGN_MAX_BYTES, ForeignFileRefused, read_foreign
 from node_agent.gpu.pci import NVIDIA_VENDOR_ID, normalise_bus_id
 from node_agent.gpu.replay import ERROR_NAMES, recorded_error
 from node_agent.hardware.sku import Sku
@@ -40,6 +42,8 @@ from node_agent.sim.capture import FORMAT, CaptureError, build_scenario, dump
 READINGS = "nvml-readings.json"
 KERNEL_LOG = "kernel-log-boot.txt"
 PROVENANCE = "PROVENANCE.md"
+#: the most read of each file of a readings directory
+MAX_BYTES = FOREIGN_MAX_BYTES
 #: what the readings do not hold, and the replay needs (module docstring)
 GPU_CLASS = "0x030200"
 GPU_DRIVER = "nvidia"
@@ -338,12 +342,12 @@ def oracle_of(provenance: str) -> dict[str, Any]:
 
 def convert(src: Path, skus: dict[str, Sku], command: str) -> str:
     """The capture scenario's text for the readings directory ``src``."""
+    texts = read_directory(src, (READINGS, KERNEL_LOG, PROVENANCE))
     try:
-        readings = json.loads((src / READINGS).read_text())
-        kernel_log = (src / KERNEL_LOG).read_text().splitlines()
-        provenance = (src / PROVENANCE).read_text()
-    except (OSError, ValueError) as err:
-        raise CaptureError(f"{src}: cannot read the readings: {err}") from err
+        readings = json.loads(texts[READINGS])
+    except ValueError as err:
+        raise CaptureError(f"{src / READINGS}: not JSON: {err}") from err
+    kernel_log, provenance = texts[KERNEL_LOG].splitlines(), texts[PROVENANCE]
     if not isinstance(readings, dict) or not isinstance(readings.get("gpus"), list):
         raise CaptureError(f"{src / READINGS}: expected an object with a 'gpus' list")
     unmapped: set[str] = set()
@@ -390,6 +394,31 @@ def convert(src: Path, skus: dict[str, Sku], command: str) -> str:
         *_section(provenance, "What a good operator concludes"),
     ]
     return dump(scenario, header)
+
+
+def read_directory(src: Path, names: Sequence[str]) -> dict[str, str]:
+    """The files ``names`` of the directory ``src`` as text. The directory is someone else's
+    (a bug report, a support ticket): each file is opened through the directory's fd with
+    :func:`atomic_file.read_foreign` (no link followed, regular files only, size-capped), so
+    a link to /etc/shadow is refused, never copied into a scenario. CaptureError names what
+    was refused or missing."""
+    try:
+        dir_fd = os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as err:
+        raise CaptureError(f"{src}: cannot open the directory: {err.strerror or err}") from err
+    try:
+        return {name: _read_text(src, name, dir_fd) for name in names}
+    finally:
+        os.close(dir_fd)
+
+
+def _read_text(src: Path, name: str, dir_fd: int) -> str:
+    try:
+        return read_foreign(name, dir_fd=dir_fd, max_bytes=MAX_BYTES).decode("utf-8", "replace")
+    except ForeignFileRefused as err:
+        raise CaptureError(f"{src}: {err}") from err
+    except OSError as err:
+        raise CaptureError(f"{src / name}: cannot read it: {err.strerror or err}") from err
 
 
 def _machine(provenance: str) -> str | None:

@@ -530,3 +530,50 @@ def test_the_real_h100_scenario_carries_its_provenance_and_oracle(skus):
     assert "What a good operator concludes" in header and "Pass-Through" not in header
     assert [p["bdf"] for p in loaded.pci] == ["0000:00:06.0"]
     assert any("FBHUB Interrupt detected" in line for line in loaded.kernel_log)
+
+
+# -- a readings directory is someone else's (issue 34) --------------------------------------------
+
+
+def _readings_dir(tmp_path: Path) -> Path:
+    if not SHARED_H100.is_dir():
+        pytest.skip(f"the real readings are not here ({SHARED_H100} is absent)")
+    src = tmp_path / "readings"
+    src.mkdir()
+    for name in ("nvml-readings.json", "kernel-log-boot.txt", "PROVENANCE.md"):
+        (src / name).write_bytes((SHARED_H100 / name).read_bytes())
+    return src
+
+
+@pytest.mark.parametrize(
+    ("make", "said"),
+    [
+        (lambda p, secret: (p.unlink(), p.symlink_to(secret)), "is a symbolic link"),
+        (lambda p, secret: (p.unlink(), os.mkfifo(p)), "is a FIFO, not a regular file"),
+        (lambda p, secret: (p.unlink(), os.link(secret, p)), "has 2 hard links"),
+    ],
+    ids=["symlink", "fifo", "hardlink"],
+)
+def test_a_link_or_fifo_in_a_readings_directory_is_refused_naming_it(tmp_path, skus, make, said):
+    from node_agent.sim.capture import CaptureError
+    from node_agent.sim.capture_import import convert
+
+    src = _readings_dir(tmp_path)
+    secret = tmp_path / "secret"
+    secret.write_text("root:$6$secret-hash:19000:0:99999:7:::\n")
+    make(src / "kernel-log-boot.txt", secret)
+    with pytest.raises(CaptureError) as err:
+        convert(src, skus, "test")
+    assert "kernel-log-boot.txt" in str(err.value) and said in str(err.value)
+    assert "secret-hash" not in str(err.value)
+
+
+def test_an_oversized_file_in_a_readings_directory_is_refused(tmp_path, skus, monkeypatch):
+    from node_agent.sim import capture_import
+    from node_agent.sim.capture import CaptureError
+    from node_agent.sim.capture_import import convert
+
+    src = _readings_dir(tmp_path)
+    monkeypatch.setattr(capture_import, "MAX_BYTES", 1000)
+    with pytest.raises(CaptureError, match=r"nvml-readings.json is \d+ bytes, more than the 1000"):
+        convert(src, skus, "test")
