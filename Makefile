@@ -2,7 +2,8 @@
 #   make accept   install the agent and run acceptance on this host
 #   make test     install what the tests need (system packages too) and run them
 # Also: make demo (the simulator on a faulty node), make check (quick suite), make lint,
-# make gpu-validate (the GPU proof; README.md "The GPU proof"), make gpu-wheels (its wheels).
+# make gpu-validate (the GPU proof; README.md "The GPU proof"), make gpu-wheels (its wheels),
+# make image (the container image the Kubernetes manifests run; docs/kubernetes.md).
 PYTHON  ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
@@ -18,7 +19,7 @@ GPU_HOST_PACKAGES ?=
 GPU_HOST_PYTHON ?=
 
 .PHONY: accept check demo test test-gpu lint clean venv deps-test deps-demo nvml-fake \
-	gpu-wheels gpu-validate
+	gpu-wheels gpu-validate image
 
 # The default install runs everything the README documents (the daemon, its metrics, the
 # webhook adapter, py-spy stacks); only torch, the Kubernetes client and the HTML report's
@@ -103,6 +104,15 @@ gpu-wheels: venv
 # .whl/ where that python3 lacks the agent's dependencies (scripts/gpu-validate).
 gpu-validate:
 	scripts/gpu-validate $(ARGS)
+
+# The container image (packaging/container/): IMAGE names it, IMAGE_TORCH a torch requirement to
+# put in it (none by default; the CUDA build for the stop-check Job). Builds with docker, podman
+# or buildah, whichever works here; docs/kubernetes.md.
+IMAGE ?= localhost/node-agent:latest
+IMAGE_TORCH ?=
+image: venv
+	$(BIN)/python packaging/container/build-image --tag "$(IMAGE)" \
+		$(if $(IMAGE_TORCH),--torch "$(IMAGE_TORCH)")
 
 clean:
 	rm -rf $(VENV) $(OUT) build *.egg-info .pytest_cache
