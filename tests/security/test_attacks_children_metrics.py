@@ -76,6 +76,34 @@ while True:
         except OSError:
             pass
 """
+# n idle connections from n addresses of 127/8, each reopened (from its own address) once the
+# server closes it: a cap per source address caps none of them
+HOLD_SPREAD = """
+import resource, select, socket, sys
+port, n = int(sys.argv[1]), int(sys.argv[2])
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, n + 256), hard))
+
+def connect(i):
+    s = socket.socket()
+    s.bind((f"127.{1 + i // 65025}.{i // 255 % 255}.{1 + i % 255}", 0))
+    s.connect(("127.0.0.1", port))
+    return s
+
+socks = {}
+for i in range(n):
+    socks[connect(i)] = i
+print("ready", flush=True)
+while True:
+    readable, _, _ = select.select(list(socks)[:1000], [], [], 0.1)
+    for s in readable:
+        i = socks.pop(s)
+        s.close()
+        try:
+            socks[connect(i)] = i
+        except OSError:
+            pass
+"""
 # symlinks at every name the storage check used to give fio's file (.node-agent-fio-<pid>.dat)
 SPRAY = """
 import os, sys
@@ -530,3 +558,39 @@ def test_daemon_log_escapes_a_heartbeats_text(shared_dir, caplog):
     assert "grade HEALTHY -> WARN" in logged
     assert "\x1b" not in logged and "\u202e" not in logged and "\ud800" not in logged
     assert "checkpoint\\x1b[2J\\x1b[Hgrade HEALTHY\\u202e\\ud800" in logged
+
+
+def test_2000_idle_connections_from_all_of_127_8_never_starve_scrapes(user, shared_dir):
+    """Medium (round 3): the cap was per source address, and a local user has all of 127/8:
+    2 of 30 scrapes failed. The cap is per uid now (the kernel's socket diagnostics name the
+    owner of a local connection's other end)."""
+    config = agent_config(shared_dir, daemon={"act": False, "listen": "127.0.0.1:0"})
+    suite = write_yaml(
+        root_dir(shared_dir) / "suite.yaml",
+        {
+            "name": "idle",
+            "mode": "service",
+            "checks": [{"check": "inventory", "timeout_s": 10, "every_s": 60}],
+        },
+    )
+    daemon = Daemon(config, scenario(shared_dir), suite=suite)
+    thread = threading.Thread(target=daemon.run, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 15
+        while daemon.listen_address is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        port = daemon.listen_address[1]
+        assert _get(port, "/healthz") == 200
+        user.popen(HOLD_SPREAD, str(port), "2000")
+        time.sleep(1.0)  # the user holds what the server lets it, reopening the rest
+        server = daemon._server
+        assert server is not None
+        held = [c.peer for c in list(server._conns.values())]
+        assert len(held) <= 64 and set(held) <= {f"uid {user.uid}"}, sorted(set(held))[:5]
+        codes = [_get(port, "/metrics" if i % 2 else "/healthz") for i in range(30)]
+        assert codes == [200] * 30
+        assert server.dropped >= 2000 - 64
+    finally:
+        daemon.stop()
+        thread.join(10)
