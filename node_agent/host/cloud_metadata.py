@@ -194,6 +194,38 @@ def _word(value: Any, what: str, url: str) -> str:
     return value
 
 
+def _epoch_rfc3339(text: str) -> float:
+    return _dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def _epoch_aws(text: str) -> float:
+    moment = _dt.datetime.strptime(text, "%d %b %Y %H:%M:%S GMT")
+    return moment.replace(tzinfo=_dt.timezone.utc).timestamp()
+
+
+def _epoch_rfc1123(text: str) -> float:
+    return email.utils.parsedate_to_datetime(text).timestamp()
+
+
+#: each provider's time format: its parser and how to name it in an error
+RFC3339 = (_epoch_rfc3339, "an RFC 3339 time")
+AWS_TIME = (_epoch_aws, "a time like '21 Jan 2019 09:00:43 GMT'")
+RFC1123 = (_epoch_rfc1123, "an RFC 1123 time")
+
+
+def _time(
+    value: Any, form: tuple[Callable[[str], float], str], what: str, url: str
+) -> float | None:
+    """Epoch seconds of a provider's time field; None when absent or empty."""
+    if value in (None, ""):
+        return None
+    parse, name = form
+    try:
+        return parse(str(value))
+    except (TypeError, ValueError) as err:
+        raise MetadataMalformed(f"{url}: {what} {value!r:.60} is not {name}") from err
+
+
 def _http_error(status: int, text: str, url: str) -> MetadataMalformed:
     return MetadataMalformed(f"{url} answered HTTP {status}: {' '.join(text.split())[:200]}")
 
@@ -202,15 +234,6 @@ def _http_error(status: int, text: str, url: str) -> MetadataMalformed:
 GCP_HEADERS = {"Metadata-Flavor": "Google"}
 GCP_EVENT = "computeMetadata/v1/instance/maintenance-event"
 GCP_UPCOMING = "computeMetadata/v1/instance/upcoming-maintenance"
-
-
-def _rfc3339(value: Any, what: str, url: str) -> float | None:
-    if value in (None, ""):
-        return None
-    try:
-        return _dt.datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
-    except ValueError as err:
-        raise MetadataMalformed(f"{url}: {what} {value!r:.60} is not an RFC 3339 time") from err
 
 
 def read_gcp(http: Http, wait_s: float = 0.0, etag: str | None = None) -> tuple[list[Event], str]:
@@ -265,8 +288,8 @@ def _gcp_upcoming(http: Http) -> Event | None:
     return Event(
         "gcp",
         _word(data.get("type") or "SCHEDULED", "type", url),
-        starts_at=_rfc3339(data.get("window_start_time"), "window_start_time", url),
-        ends_at=_rfc3339(data.get("window_end_time"), "window_end_time", url),
+        starts_at=_time(data.get("window_start_time"), RFC3339, "window_start_time", url),
+        ends_at=_time(data.get("window_end_time"), RFC3339, "window_end_time", url),
         status=str(data.get("maintenance_status") or ""),
         description="upcoming-maintenance",
     )
@@ -276,18 +299,6 @@ def _gcp_upcoming(http: Http) -> Event | None:
 AWS_TOKEN = "latest/api/token"
 AWS_EVENTS = "latest/meta-data/events/maintenance/scheduled"
 _AWS_DONE = ("completed", "canceled", "cancelled")
-
-
-def _aws_time(value: Any, what: str, url: str) -> float | None:
-    if value in (None, ""):
-        return None
-    try:
-        moment = _dt.datetime.strptime(str(value), "%d %b %Y %H:%M:%S GMT")
-    except ValueError as err:
-        raise MetadataMalformed(
-            f"{url}: {what} {value!r:.60} is not a time like '21 Jan 2019 09:00:43 GMT'"
-        ) from err
-    return moment.replace(tzinfo=_dt.timezone.utc).timestamp()
 
 
 def read_aws(http: Http) -> list[Event]:
@@ -318,8 +329,8 @@ def read_aws(http: Http) -> list[Event]:
                 "aws",
                 _word(raw.get("Code"), "Code", url),
                 event_id=_word(raw.get("EventId"), "EventId", url) if raw.get("EventId") else None,
-                starts_at=_aws_time(raw.get("NotBefore"), "NotBefore", url),
-                ends_at=_aws_time(raw.get("NotAfter"), "NotAfter", url),
+                starts_at=_time(raw.get("NotBefore"), AWS_TIME, "NotBefore", url),
+                ends_at=_time(raw.get("NotAfter"), AWS_TIME, "NotAfter", url),
                 status=state,
                 description=description,
             )
@@ -331,15 +342,6 @@ def read_aws(http: Http) -> list[Event]:
 AZURE_HEADERS = {"Metadata": "true"}
 AZURE_EVENTS = "metadata/scheduledevents"
 AZURE_NAME = "metadata/instance/compute/name"
-
-
-def _rfc1123(value: Any, what: str, url: str) -> float | None:
-    if value in (None, ""):
-        return None
-    try:
-        return email.utils.parsedate_to_datetime(str(value)).timestamp()
-    except (TypeError, ValueError) as err:
-        raise MetadataMalformed(f"{url}: {what} {value!r:.60} is not an RFC 1123 time") from err
 
 
 def _azure_vm_name(http: Http) -> str | None:
@@ -374,7 +376,7 @@ def read_azure(http: Http) -> tuple[list[Event], str | None]:
         resources = raw.get("Resources") or []
         if vm is not None and isinstance(resources, list) and resources and vm not in resources:
             continue  # an event of another VM of the availability set
-        start = _rfc1123(raw.get("NotBefore"), "NotBefore", url)
+        start = _time(raw.get("NotBefore"), RFC1123, "NotBefore", url)
         duration = raw.get("DurationInSeconds")
         ends = (
             start + duration
@@ -436,8 +438,8 @@ def read_command(
                 "command",
                 _word(raw.get("kind"), "kind", what),
                 event_id=_word(raw["id"], "id", what) if raw.get("id") else None,
-                starts_at=_rfc3339(raw.get("starts_at"), "starts_at", what),
-                ends_at=_rfc3339(raw.get("ends_at"), "ends_at", what),
+                starts_at=_time(raw.get("starts_at"), RFC3339, "starts_at", what),
+                ends_at=_time(raw.get("ends_at"), RFC3339, "ends_at", what),
                 status=str(raw.get("status") or ""),
             )
         )

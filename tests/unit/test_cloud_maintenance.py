@@ -271,6 +271,11 @@ def test_the_acknowledge_param_rides_on_the_planned_event_for_azure_only(tmp_pat
         ("gcp", "/computeMetadata/v1/instance/upcoming-maintenance", "{not json"),
         ("aws", "/latest/meta-data/events/maintenance/scheduled", '{"Code": "x"}'),
         ("azure", "/metadata/scheduledevents", '{"Events": [{"EventType": "Reboot"}]}'),
+        (
+            "aws",
+            "/latest/meta-data/events/maintenance/scheduled",
+            '[{"Code": "system-reboot", "NotBefore": "tomorrow morning"}]',
+        ),
     ],
 )
 def test_a_malformed_answer_is_a_clear_error_never_healthy(tmp_path, standin, provider, path, body):
