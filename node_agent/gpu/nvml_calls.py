@@ -45,6 +45,37 @@ SUCCESS = 0
 INVALID_ARGUMENT = 2
 NOT_SUPPORTED = 3
 UNKNOWN = 999
+#: NVML's error strings (nvmlErrorString), so a capture says "Not Supported" as nvidia-smi
+#: does; the stand-in library's nvmlErrorString is generated from them
+ERROR_NAMES = {
+    1: "Uninitialized",
+    2: "Invalid Argument",
+    3: "Not Supported",
+    4: "Insufficient Permissions",
+    5: "Already Initialized",
+    6: "Not Found",
+    7: "Insufficient Size",
+    8: "Insufficient External Power",
+    9: "Driver Not Loaded",
+    10: "Timeout",
+    11: "Interrupt request issue",
+    12: "NVML Shared Library Not Found",
+    13: "Function Not Found",
+    14: "Corrupted infoROM",
+    15: "GPU is lost",
+    16: "GPU requires restart",
+    17: "The operating system has blocked the request.",
+    18: "RM has detected an NVML/RM version mismatch.",
+    19: "In use by another client",
+    20: "Insufficient Memory",
+    21: "No data",
+    22: "Argument version mismatch",
+    23: "Deprecated",
+    24: "Not Ready",
+    28: "GPU not found",
+    29: "Invalid state",
+    999: "Unknown Error",
+}
 #: NVML_NVLINK_MAX_LINKS (nvml.h)
 NVLINK_MAX_LINKS = 18
 #: the largest value each C out type holds (a state value beyond it is NVML_ERROR_UNKNOWN)

@@ -101,6 +101,7 @@ def _record_table(
     """Every table call of this scope, in the table's order, for each recorded argument;
     a custom call through its hand-written recorder (``_CUSTOM``)."""
     link_calls = [c for c in calls if any(a.link for a in c.args) and c.record]
+    first_link = link_calls[0] if link_calls else None
     for c in calls:
         if c.system != system or not c.record:
             continue
@@ -108,7 +109,7 @@ def _record_table(
             custom = _CUSTOM.get(c.function)
             if custom is not None:
                 custom(r, call)
-        elif c is (link_calls or [None])[0]:
+        elif c is first_link:
             _record_nvlinks(r, call, link_calls)
         elif c not in link_calls:
             for values, key in c.keys():

@@ -34,9 +34,13 @@ from node_agent.gpu.base import (
 from node_agent.gpu.nvml import NvmlBackend, NvmlDevice, NvmlUnavailable
 from node_agent.gpu.nvml_calls import (
     CALLS,
+    ERROR_NAMES,
+    INVALID_ARGUMENT,
+    NOT_SUPPORTED,
     REPEATED_KEYS,
     UINT_MAX,
     ULL_MAX,
+    UNKNOWN,
     Call,
     NvmlAnswer,
     answer,
@@ -52,48 +56,14 @@ KEY_MAX = 63
 VALUE_MAX = 255
 #: nvmlReturn_t codes used here (nvml.h)
 _SUCCESS = 0
-_INVALID_ARGUMENT = 2
-_NOT_SUPPORTED = 3
-_INSUFFICIENT_SIZE = 7
 _TIMEOUT = 10
 _FUNCTION_NOT_FOUND = 13
 _GPU_IS_LOST = 15
-_UNKNOWN = 999
-#: NVML's error strings (nvmlErrorString), so a capture says "Not Supported" as nvidia-smi does
-ERROR_NAMES = {
-    1: "Uninitialized",
-    2: "Invalid Argument",
-    3: "Not Supported",
-    4: "Insufficient Permissions",
-    5: "Already Initialized",
-    6: "Not Found",
-    7: "Insufficient Size",
-    8: "Insufficient External Power",
-    9: "Driver Not Loaded",
-    10: "Timeout",
-    11: "Interrupt request issue",
-    12: "NVML Shared Library Not Found",
-    13: "Function Not Found",
-    14: "Corrupted infoROM",
-    15: "GPU is lost",
-    16: "GPU requires restart",
-    17: "The operating system has blocked the request.",
-    18: "RM has detected an NVML/RM version mismatch.",
-    19: "In use by another client",
-    20: "Insufficient Memory",
-    21: "No data",
-    22: "Argument version mismatch",
-    23: "Deprecated",
-    24: "Not Ready",
-    28: "GPU not found",
-    29: "Invalid state",
-    999: "Unknown Error",
-}
 #: state keys that are the stand-in's switches or injected events, not an NVML answer: a
 #: capture records what NVML answered, so a capture holding one is refused (scenario schema)
 RESERVED_KEYS = ("hang", "unsupported", "absent", "error", "xid")
 #: a recorded error on a repeated key cannot be a value: it becomes a switch on its function
-_REPEATED_KEY_FUNCTION = {"process": "nvmlDeviceGetComputeRunningProcesses"}
+_REPEATED_KEY_FUNCTION = {c.key: c.function for c in CALLS if c.key in REPEATED_KEYS}
 
 
 class CaptureFormatError(ValueError):
@@ -104,7 +74,7 @@ def error_code(value: Any) -> int | None:
     """The nvmlReturn_t of a recorded ``{error: ..., code: N}``, or None for a value."""
     if isinstance(value, Mapping) and "error" in value:
         code = value.get("code")
-        return int(code) if isinstance(code, int) else _UNKNOWN
+        return int(code) if isinstance(code, int) else UNKNOWN
     return None
 
 
@@ -209,7 +179,7 @@ def _switch(section: list[tuple[str, str]], fn: str) -> int:
 
     for key, value in section:
         if key == "unsupported" and names(value):
-            return _NOT_SUPPORTED
+            return NOT_SUPPORTED
         if key == "absent" and names(value):
             return _FUNCTION_NOT_FOUND
         if key == "error":
@@ -278,7 +248,7 @@ class StateNvml:
         self._fail(_switch(self._state.system, fn))
         index = getattr(handle, "index", None)
         if not isinstance(index, int) or not 0 <= index < len(self._state.gpus):
-            raise self._pynvml.NVMLError(_INVALID_ARGUMENT)
+            raise self._pynvml.NVMLError(INVALID_ARGUMENT)
         section = self._state.gpus[index]
         lost = lookup(section, "lost")
         if lost is not None and lost != "0":
@@ -315,7 +285,7 @@ class StateNvml:
     def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
         self._system("nvmlDeviceGetHandleByIndex")
         if not 0 <= index < len(self._state.gpus):
-            self._fail(_INVALID_ARGUMENT)
+            self._fail(INVALID_ARGUMENT)
         handle = SimpleNamespace(index=index)
         self._gpu("nvmlDeviceGetHandleByIndex", handle)
         return handle
@@ -344,13 +314,13 @@ class StateNvml:
                 if lookup(section, k) is not None
             )
         if used > total:
-            self._fail(_UNKNOWN)
+            self._fail(UNKNOWN)
         return SimpleNamespace(total=total, used=used, free=total - used)
 
     def nvmlDeviceGetSramEccErrorStatus(self, handle: Any, status: Any) -> int:
         section = self._gpu("nvmlDeviceGetSramEccErrorStatus", handle)
         if not any(k.startswith("ecc_sram.") for k, _ in section):
-            self._fail(_NOT_SUPPORTED)
+            self._fail(NOT_SUPPORTED)
 
         def numbers(key: str, n: int) -> list[int]:
             return [0] * n if lookup(section, key) is None else self._ints(section, key, n)
@@ -376,7 +346,7 @@ class StateNvml:
         section = self._gpu("nvmlDeviceGetRetiredPages", handle)
         key = {0: "retired_pages.sbe", 1: "retired_pages.dbe"}.get(cause)
         if key is None:
-            self._fail(_INVALID_ARGUMENT)
+            self._fail(INVALID_ARGUMENT)
         (n,) = self._ints(section, str(key))
         base = 0x100000 * (cause + 1)  # made-up addresses, as the stand-in's; never listed
         return range(base, base + 0x1000 * n, 0x1000)
@@ -394,7 +364,7 @@ class StateNvml:
                 memory = ctypes.c_ulonglong(-1).value if used.strip() == "na" else int(used, 0)
                 procs.append(SimpleNamespace(pid=int(pid), usedGpuMemory=memory))
             except ValueError:
-                self._fail(_UNKNOWN)
+                self._fail(UNKNOWN)
         return procs
 
     def nvmlDeviceGetFieldValues(self, handle: Any, field_ids: list[Any]) -> Any:
@@ -410,11 +380,11 @@ class StateNvml:
                 section, f"field.{field_id}"
             )
             if text is None:
-                out.nvmlReturn = _NOT_SUPPORTED
+                out.nvmlReturn = NOT_SUPPORTED
                 continue
             if text.startswith("error "):
                 code = text[6:].strip()
-                out.nvmlReturn = int(code) if code.lstrip("-").isdigit() else _UNKNOWN
+                out.nvmlReturn = int(code) if code.lstrip("-").isdigit() else UNKNOWN
                 continue
             kind, _, number = text.partition(" ")
             try:
@@ -422,7 +392,7 @@ class StateNvml:
                 value = float(number) if t == 0 else int(number, 0)
                 setattr(out.value, members[t], value)
             except (ValueError, TypeError, OverflowError):
-                out.nvmlReturn = _UNKNOWN
+                out.nvmlReturn = UNKNOWN
                 continue
             out.valueType = t
             out.nvmlReturn = _SUCCESS
@@ -440,7 +410,7 @@ class StateNvml:
         with self._rules():
             (supported,) = read_numbers(section, "event_types", [ULL_MAX])
         if event_types & ~supported:
-            self._fail(_NOT_SUPPORTED)
+            self._fail(NOT_SUPPORTED)
         event_set.registered.add(handle.index)
 
     def nvmlEventSetWait_v2(self, event_set: Any, timeout_ms: int) -> Any:
