@@ -9,7 +9,8 @@ file someone else supplied.
   a directory someone else owns, or whose parent anyone may rename entries in, is refused.
 - :func:`create_private`: a new file with ``O_CREAT|O_EXCL|O_NOFOLLOW``, mode 0600.
 - :func:`ensure_spool_dirs`: the spools training jobs write to, one sticky directory per kind,
-  whatever the agent's umask.
+  whatever the agent's umask; :func:`spool_unreachable` names a directory on the way that
+  keeps training users out.
 - :func:`ensure_user_spool`: a uid's own heartbeat directory, made by root for that uid, or
   taken back from whoever squatted its name.
 - :func:`read_foreign`: a file someone else supplied (a readings directory, an ``nvidia-smi``
@@ -107,14 +108,50 @@ def _check_parent(path: Path) -> None:
         )
 
 
+def make_dirs(path: Path, mode: int) -> None:
+    """Make ``path`` (``mode``) and its missing parents (0755), whatever the umask: under the
+    systemd unit's and the CLI's 077, ``mkdir -p`` makes every parent 0700, and a parent the
+    state dir (0700) shares with the spool then keeps every training user out of the spool.
+    Modes are set with ``chmod`` after ``mkdir``; an existing directory is left as it is."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for made in reversed(missing):
+        with contextlib.suppress(OSError):  # made by someone else meanwhile: theirs to set
+            os.chmod(made, mode if made == path else 0o755)
+
+
+def spool_unreachable(root: Path | str) -> list[str]:
+    """A note for each directory on the way to the spool ``root`` that other users may not
+    pass (neither ``o+x`` nor ``g+x``), naming it and the fix; [] when training users can
+    reach the spool. A directory traversable by its group only is taken as the operator's
+    choice (training users in that group)."""
+    notes = []
+    real = Path(os.path.realpath(root))
+    for d in reversed(real.parents):
+        try:
+            mode = os.stat(d).st_mode
+        except OSError as err:
+            notes.append(f"cannot read {d} on the way to the spool: {err.strerror or err}")
+            break
+        if not mode & (stat.S_IXOTH | stat.S_IXGRP):
+            notes.append(
+                f"training users cannot reach the spool {root}: {d} is mode "
+                f"{stat.S_IMODE(mode):04o}, so no user can write heartbeats or SDC verdicts "
+                f"and hang detection sees no job's own report; fix: chmod o+x {d} (or set "
+                "spool_dir outside it; the state dir itself stays 0700)"
+            )
+    return notes
+
+
 def private_dir(path: Path | str) -> Path:
-    """``path`` as a directory only this user may enter (0700), made with missing parents.
+    """``path`` as a directory only this user may enter (0700), made with missing parents
+    (0755: a parent it shares with the spool must let training users through).
 
     An existing directory of ours with group/other permissions is tightened to 0700 (an older
     agent made it 0755). Raises :class:`UnsafeDirectory` when it belongs to another user or
     sits in a directory others may rename entries in; OSError when it cannot be made."""
     path = Path(path)
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    make_dirs(path, 0o700)
     real = path.resolve()
     _check_parent(real)
     st = os.stat(real)
@@ -138,15 +175,12 @@ def ensure_spool_dirs(root: Path | str, kinds: Iterable[str] = SPOOL_KINDS) -> l
     systemd unit and the CLI) cannot leave a spool nobody else may enter. An existing root
     the agent made 0700 is opened to 0755. An existing kind directory keeps its mode (an
     operator may restrict it to a group, 1770) except that the sticky bit is added when others
-    may write to it. Returns notes of what was changed or is wrong (a symlink, another owner),
-    for the log; never raises."""
+    may write to it. Returns notes of what was changed or is wrong (a symlink, another owner,
+    a directory on the way others may not pass: :func:`spool_unreachable`), for the log;
+    never raises."""
     root, notes = Path(root), []
     try:
-        missing = [p for p in (root, *root.parents) if not p.exists()]
-        root.mkdir(mode=0o755, parents=True, exist_ok=True)
-        for made in reversed(missing):  # parents too: the umask narrowed every one of them
-            with contextlib.suppress(OSError):
-                os.chmod(made, 0o755)
+        make_dirs(root, 0o755)
         st = os.lstat(root)
         if stat.S_ISLNK(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
             notes.append(
@@ -162,6 +196,7 @@ def ensure_spool_dirs(root: Path | str, kinds: Iterable[str] = SPOOL_KINDS) -> l
             )
     except OSError as err:
         return [f"cannot make the spool {root}: {err.strerror or err}"]
+    notes += spool_unreachable(root)
     for kind in kinds:
         d = root / kind
         try:

@@ -16,6 +16,7 @@ import os
 import signal
 import sqlite3
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -77,7 +78,10 @@ def _runs_table_attack(shared_dir: Path, hb: Path, pids: list[int]) -> None:
     store._conn.execute("BEGIN")
     store._conn.executemany(
         "INSERT INTO runs (at, node, suite, mode, level, reasons) VALUES (?,?,?,?,?,?)",
-        [(time.time() - 86400 + i, "n", "daemon", "service", "WARN", "[]") for i in range(RUNS_MAX_ROWS + 50)],
+        [
+            (time.time() - 86400 + i, "n", "daemon", "service", "WARN", "[]")
+            for i in range(RUNS_MAX_ROWS + 50)
+        ],
     )
     store._conn.execute("COMMIT")
     store.close()
@@ -147,3 +151,80 @@ def test_a_readings_directory_with_a_link_to_etc_shadow_is_refused(user, shared_
     shadow = Path("/etc/shadow").read_text() if Path("/etc/shadow").exists() else ""
     first = shadow.split(":", 2)[:2]
     assert not first[1:] or ":".join(first) not in done.stderr
+
+
+# -- Low: the state dir and the spool share a parent that does not exist yet ----------------------
+
+USER_BEATS = r"""
+import sys
+from node_agent.heartbeat import Heartbeat
+hb = Heartbeat(sys.argv[1], min_interval_s=0)
+hb.beat(1)
+print(hb.path, flush=True)
+"""
+
+
+def _daemon_until_spool(shared_dir: Path, base: Path) -> str:
+    """Root's real daemon, under the systemd unit's umask 077, with state_dir and spool_dir
+    side by side in ``base``; stopped once it made the spool. Returns its log."""
+    cfg = config(
+        shared_dir,
+        state_dir=str(base / "state"),
+        spool_dir=str(base / "spool"),
+        daemon={"listen": "127.0.0.1:0"},
+    )
+    entry = {"check": "training_progress", "timeout_s": 30, "every_s": 300, "params": {}}
+    log_path = shared_dir / "daemon.log"
+    with open(log_path, "w") as log:
+        daemon = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "node_agent.commands.main",
+                "daemon",
+                "--config",
+                cfg,
+                "--simulate",
+                node(shared_dir),
+                "--suite",
+                suite(shared_dir, entry, name="spool-parent"),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            umask=0o077,
+        )
+        try:
+            deadline = time.monotonic() + 90
+            while not (base / "spool" / "sdc").is_dir() and time.monotonic() < deadline:
+                assert daemon.poll() is None, log_path.read_text()[-3000:]
+                time.sleep(0.2)
+        finally:
+            daemon.terminate()
+            daemon.wait(timeout=60)
+    return log_path.read_text()
+
+
+def test_a_spool_beside_the_state_dir_in_a_new_parent_is_reachable_by_users(user, shared_dir):
+    """The parent was made 0700 (the umask): no user could write a heartbeat, and nothing
+    said so. Now the parents the agent makes are 0755 and the state dir alone is 0700."""
+    base = shared_dir / "node-agent"
+    log = _daemon_until_spool(shared_dir, base)
+    assert "cannot reach the spool" not in log
+    assert (base.stat().st_mode & 0o777, (base / "state").stat().st_mode & 0o777) == (0o755, 0o700)
+    written = Path(user.py(USER_BEATS, str(base / "spool" / "heartbeat")).stdout.strip())
+    assert written == base / "spool" / "heartbeat" / str(user.uid) / f"{written.stem}.json"
+    assert written.stat().st_uid == user.uid
+
+
+def test_an_existing_parent_users_cannot_pass_is_named_at_the_daemons_start(user, shared_dir):
+    base = shared_dir / "node-agent"
+    base.mkdir(mode=0o700)  # what an older agent left
+    base.chmod(0o700)
+    log = _daemon_until_spool(shared_dir, base)
+    assert f"training users cannot reach the spool {base / 'spool'}: {base} is mode 0700" in log
+    assert f"chmod o+x {base}" in log
+    # the warning is right: the user really cannot write a heartbeat there
+    done = user.py(USER_BEATS, str(base / "spool" / "heartbeat"))
+    assert f"make {base / 'spool' / 'heartbeat'} writable for this user" in done.stderr
+    assert not (base / "spool" / "heartbeat" / str(user.uid)).exists()
