@@ -108,6 +108,9 @@ def test_dry_run_records_dry_run_and_the_adapter_is_not_called(agent, scenario, 
     assert run.code == 4
     assert outcomes(run.json()) == [("drain", "dry-run"), ("replace", "dry-run")]
     assert logged() == []
+    # a simulated node's bug report would be this host's: the dry run says none is taken
+    replace = run.json()["actions"][1]["detail"]
+    assert "would first collect no driver bug report (simulated node" in replace
 
 
 def test_dry_run_without_act_is_a_usage_error(agent, scenario, config):
@@ -249,6 +252,8 @@ def test_act_reason_is_sanitised_before_it_reaches_the_adapter(agent, config, lo
 def test_act_dry_run_prints_and_records_nothing(agent, config, logged):
     run = agent("act", "replace", "--dry-run", "--config", config())
     assert run.code == 0 and "dry-run" in run.stdout and logged() == []
+    # what it would collect first: the driver's bug report, or why there is none here
+    assert "would first collect" in run.stdout and "nvidia-bug-report.sh" in run.stdout
 
 
 def _agent_process(args, tmp_path, **env):
