@@ -23,7 +23,9 @@ Reads the EDAC tree (:mod:`node_agent.host.edac`) and the memory blocks or MemTo
   (the page taken offline); a DIMM that errs again after its restarts escalates to FAULT.
 * ``ghes_ce_rate`` (same targets) — ``warn`` when the firmware's corrected memory errors on one
   DIMM exceed ``memory.ce_per_24h_max`` per 24 h (over the records' span where it is a day or
-  more, else their count); ``ghes`` (``node``) passes when the log holds no such record.
+  more, else their count); ``ghes`` (``node``) passes when the log holds no such record on a
+  host whose firmware has error sources (``/sys/bus/platform/devices/GHES.*``); without them,
+  nothing is said.
 No EDAC (a VM, no platform driver): the EDAC results are one ``skip`` with the reason.
 Params: ``sys_root``, ``proc_root`` (trees of a test's own).
 """
@@ -39,7 +41,7 @@ from node_agent.checks.host_common import host_paths, not_recorded, thresholds
 from node_agent.checks.host_log import kernel_messages
 from node_agent.checks.ports import StandInFault
 from node_agent.host.edac import EdacAbsent, MemoryController, read_edac
-from node_agent.host.ghes import GHES_WORDS, GhesMemoryError, parse_ghes
+from node_agent.host.ghes import GHES_WORDS, GhesMemoryError, ghes_sources, parse_ghes
 from node_agent.host.memory import read_installed
 from node_agent.host.paths import entity_name
 from node_agent.model import Result, Status
@@ -67,6 +69,7 @@ def run(ctx: CheckContext) -> list[Result]:
                     ),
                 )
             installed = read_installed(paths.sys, paths.proc)
+            sources = ghes_sources(paths.sys)
     except StandInFault as err:  # a scenario's fault naming a DIMM the stand-in lacks
         return [ctx.result("node", "scenario", Status.ERROR, str(err))]
     results: list[Result] = []
@@ -74,27 +77,33 @@ def run(ctx: CheckContext) -> list[Result]:
         results.append(ctx.skip(f"no EDAC memory error counters: {absent}", metric="edac"))
     else:
         results.extend(_edac(ctx, controllers, limits))
-    results.extend(_ghes(ctx, limits))
+    results.extend(_ghes(ctx, limits, sources))
     results.append(_installed(ctx, installed, controllers, limits))
     return results
 
 
-def _ghes(ctx: CheckContext, limits: dict[str, float]) -> list[Result]:
-    """The memory errors the firmware reported through APEI GHES, from the kernel log."""
+def _ghes(ctx: CheckContext, limits: dict[str, float], sources: int) -> list[Result]:
+    """The memory errors the firmware reported through APEI GHES, from the kernel log; a pass
+    only where the firmware has error sources (``sources``), else nothing: no record from a
+    host without them is no evidence."""
     found = kernel_messages(ctx, GHES_WORDS)
     if found.unreadable:
+        if not sources:
+            return []
         return [
             ctx.skip(f"firmware memory-error records not read: {found.unreadable}", metric="ghes")
         ]
     errors = parse_ghes(m.text for m in found.messages)
+    if not errors and not sources:
+        return []
     if not errors:
         return [
             ctx.result(
                 "node",
                 "ghes",
                 Status.PASS,
-                f"no memory-error record from the firmware (APEI GHES) in the kernel log "
-                f"({found.source})",
+                f"no memory-error record from the firmware's {sources} error source(s) (APEI "
+                f"GHES) in the kernel log ({found.source})",
                 value=0,
                 unit="records",
             )

@@ -29,9 +29,11 @@ Only a message that starts with ``{N}[Hardware Error]: `` (or ``[Hardware Error]
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 _LINE = re.compile(r"^(?:\{(?P<seq>\d{1,10})\})?\[Hardware Error\]: ?(?P<body>.*)$")
 _START = re.compile(r"^Hardware error from APEI Generic Hardware Error Source: (?P<src>\d+)")
@@ -154,3 +156,13 @@ def _line(record: _Record, body: str) -> None:
 
 #: words one of which every message read here holds
 GHES_WORDS = ("[Hardware Error]",)
+
+
+def ghes_sources(sys_root: Path = Path("/sys")) -> int:
+    """How many firmware error sources the kernel registered (``GHES.N`` platform devices,
+    one per Generic Hardware Error Source in the ACPI HEST table); 0 on a host without them
+    (most VMs, firmware without APEI), where no record is no evidence."""
+    try:
+        return sum(1 for n in os.listdir(sys_root / "bus/platform/devices") if n.startswith("GHES"))
+    except OSError:
+        return 0

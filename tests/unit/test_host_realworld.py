@@ -9,16 +9,18 @@ published output, and the kernel log is the published lines.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from node_agent import resources
-from node_agent.checks import nvme_health
+from node_agent.checks import host_cpu, host_memory, nvme_health, pcie_aer
 from node_agent.config import config_from_dict
 from node_agent.grading.rules import load_grader
+from node_agent.kernel_log import LinesKernelLog
 from node_agent.model import Level, Status
-from tests.unit.test_host_checks import make_ctx, nvme_tree, tool
+from tests.unit.test_host_checks import make_ctx, nvme_tree, pci_device, tool
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "realworld"
 GRADER = load_grader(resources.graders_dir(config_from_dict({})))
@@ -111,3 +113,223 @@ def test_smartctl_that_could_not_open_the_device_is_an_error_with_its_words(tmp_
     (err,) = smartctl_results(tmp_path, text, code=2)
     assert err.status is Status.ERROR and err.metric == "smart_log"
     assert "/dev/nvme0 failed: No such device" in err.detail
+
+
+# -- PCIe AER from the kernel log, attributed through the PCI tree -----------------------------
+
+#: dmesg -H's relative times ("[  +0.000844]"), which the kernel-log reader's framing does not
+#: know yet: taken off here so the messages are read as published
+RELATIVE_TIME = re.compile(r"^\[\s*\+\d+\.\d+\] ")
+
+
+def log_ctx(tmp_path: Path, check: str, lines: list[str], **kwargs):
+    ctx = make_ctx(tmp_path, check, **kwargs)
+    ctx.kernel_log = LinesKernelLog(lines, source="a published log")
+    return ctx
+
+
+def sample_lines(folder: str, name: str) -> list[str]:
+    text = (DATA / folder / name).read_text()
+    return [RELATIVE_TIME.sub("", line) for line in text.splitlines()]
+
+
+#: sample -> (the PCI tree: chains of bdfs, root port first; GPUs (index, NVML bus id);
+#:            the oracle's level; the target it names, None for none)
+AER = {
+    "a01_returnn-1500_gpu-below-root-port_fatal_recovery-failed.log": (
+        [("0000:00:03.0", "0000:03:00.0"), ("0000:00:03.0", "0000:03:00.1")],
+        [(0, "00000000:03:00.0")],
+        Level.ERROR,
+        "gpu:0",
+    ),
+    "a02_minisforum-ms02-ultra-10_xhci-thunderbolt_recovery-failed_syslog.log": (
+        [("0000:80:1b.4", "0000:84:00.0"), ("0000:80:1b.4", "0000:97:00.0")],
+        [],
+        Level.WARN,
+        "pci:0000:97:00.0",
+    ),
+    "a03_geerlingguy-rpi-pcie-600_ahci-below-root_nonfatal_recovery-failed.log": (
+        [("0000:00:00.0", "0000:01:00.0")],
+        [],
+        Level.WARN,
+        "pci:0000:01:00.0",
+    ),
+    "a04_pop-os-751_nvme-corrected-rxerr.log": (
+        [("0000:00:1d.0", "0000:03:00.0")],
+        [],
+        Level.HEALTHY,
+        None,
+    ),
+    "a05_geerlingguy-rpi-pcie-64_jmb585-corrected-at-boot_id-form.log": (
+        [("0000:00:1d.0", "0000:02:00.0")],
+        [],
+        Level.HEALTHY,
+        None,
+    ),
+}
+
+
+def test_every_aer_sample_has_an_oracle():
+    assert names("pcie_aer") == sorted(AER)
+
+
+@pytest.mark.parametrize("name", sorted(AER))
+def test_aer_sample_grades_as_its_oracle_on_a_host_without_aer_counters(tmp_path, name):
+    chains, gpus, oracle, target = AER[name]
+    for chain in chains:
+        pci_device(tmp_path, chain, aer=False)  # firmware-first: no aer_dev_* in sysfs
+    ctx = log_ctx(tmp_path, "pcie_aer", sample_lines("pcie_aer", name), gpus=gpus)
+    results = pcie_aer.run(ctx)
+    assert level(results) is oracle, [(r.target, r.metric, r.status, r.detail) for r in results]
+    if target is not None:
+        assert target in {r.target for r in results if r.metric == "aer_log_uncorrectable"}
+
+
+def test_a_gpu_below_a_port_that_failed_recovery_is_named_with_the_port(tmp_path):
+    name = "a01_returnn-1500_gpu-below-root-port_fatal_recovery-failed.log"
+    chains, gpus, _level, _target = AER[name]
+    for chain in chains:
+        pci_device(tmp_path, chain, aer=False)
+    ctx = log_ctx(tmp_path, "pcie_aer", sample_lines("pcie_aer", name), gpus=gpus)
+    (gpu,) = [r for r in pcie_aer.run(ctx) if r.target == "gpu:0"]
+    assert gpu.status is Status.FAIL and "pcieport 0000:00:03.0" in gpu.evidence["reported_by"]
+    assert gpu.evidence["fatal"] == 1 and "can't recover" in gpu.detail
+
+
+def test_without_a_pci_tree_the_gpu_is_named_by_its_nvml_bus_id(tmp_path):
+    (tmp_path / "sys").mkdir()
+    name = "a01_returnn-1500_gpu-below-root-port_fatal_recovery-failed.log"
+    ctx = log_ctx(
+        tmp_path, "pcie_aer", sample_lines("pcie_aer", name), gpus=[(0, "00000000:03:00.0")]
+    )
+    results = pcie_aer.run(ctx)
+    assert "gpu:0" in {r.target for r in results if r.status is Status.FAIL}
+    assert level(results) is Level.ERROR
+
+
+def test_a_user_line_that_looks_like_aer_is_not_read(tmp_path):
+    """A user's program's syslog line, and a segfault report whose process name is AER text:
+    the message does not start with the PCI core's own text, so nothing is read."""
+    pci_device(tmp_path, ("0000:00:03.0", "0000:03:00.0"), aer=False)
+    lines = [
+        "Sep 22 09:59:09 pve python3[77]: nvidia 0000:03:00.0: AER: can't recover (no "
+        "error_detected callback)",
+        "[ 9.1] nvidia 0000:03[4242]: segfault at 0 ip 0 sp 0 error 4 in "
+        "pcieport 0000:00:03.0: AER: device recovery failed",
+        "[ 9.2] hello pcieport 0000:00:03.0: AER: device recovery failed",
+    ]
+    ctx = log_ctx(tmp_path, "pcie_aer", lines, gpus=[(0, "00000000:03:00.0")])
+    results = pcie_aer.run(ctx)
+    assert level(results) is Level.HEALTHY
+    assert [r.metric for r in results if r.status is Status.PASS] == ["aer_log"]
+
+
+def test_corrected_errors_sustained_over_the_rate_warn_on_the_drive(tmp_path):
+    pci_device(tmp_path, ("0000:00:1d.0", "0000:03:00.0"), aer=False)
+    write_nvme_link(tmp_path, "nvme0", "0000:03:00.0")
+    line = (
+        "[{t:>11.6f}] nvme 0000:03:00.0: AER: PCIe Bus Error: severity=Corrected, "
+        "type=Physical Layer, (Receiver ID)"
+    )
+    lines = [line.format(t=120.0 + 90.0 * i) for i in range(60)]  # 60 in 1.5 h: 40 an hour
+    results = pcie_aer.run(log_ctx(tmp_path, "pcie_aer", lines))
+    (rate,) = [r for r in results if r.metric == "aer_log_correctable_rate"]
+    assert (rate.target, rate.status) == ("disk:nvme0", Status.WARN)
+    assert rate.value == pytest.approx(40.5, abs=0.5)
+
+
+def write_nvme_link(tmp_path: Path, name: str, bdf: str) -> None:
+    ctrl = tmp_path / "sys/class/nvme" / name
+    ctrl.mkdir(parents=True)
+    (ctrl / "device").symlink_to(tmp_path / "sys/bus/pci/devices" / bdf)
+
+
+# -- memory errors the firmware reports (APEI GHES), CPU thermal throttling -----------------------
+
+#: sample -> (the oracle's level, the target it names)
+GHES = {
+    "g01_node-problem-detector-846_corrected_cpu2-dimm30.log": (Level.HEALTHY, None),
+    "g02_node-problem-detector-846_recoverable_fru-b1.log": (Level.ERROR, "dimm:B1"),
+    "g03_node-exporter-3511_proxmox_corrected_fru-d2.log": (Level.HEALTHY, None),
+    "g04_custom-kernel-6_bert-fatal-firmware-record-not-memory.log": (Level.HEALTHY, None),
+}
+THROTTLE = {
+    "t01_throttled-186_x1c6_mce-prefix_dmesg.log": 2675 * 2 + 3654 * 8,
+    "t02_multibootusb-164_core-throttle_no-prefix_dmesg.log": 58678 * 2,
+}
+
+
+def test_every_ghes_and_throttle_sample_has_an_oracle():
+    assert names("ghes_thermal") == sorted(set(GHES) | set(THROTTLE))
+
+
+def memory_results(tmp_path: Path, lines: list[str]):
+    (tmp_path / "sys").mkdir(exist_ok=True)  # no EDAC: firmware-first
+    return host_memory.run(log_ctx(tmp_path, "host_memory", lines))
+
+
+@pytest.mark.parametrize("name", sorted(GHES))
+def test_ghes_sample_grades_as_its_oracle_where_edac_is_absent(tmp_path, name):
+    oracle, target = GHES[name]
+    results = memory_results(tmp_path, sample_lines("ghes_thermal", name))
+    memory = [r for r in results if r.metric not in ("memory_installed", "memory_missing")]
+    assert level(memory) is oracle, [(r.target, r.metric, r.status, r.detail) for r in memory]
+    if target is not None:
+        (ue,) = [r for r in memory if r.metric == "ghes_ue"]
+        assert ue.target == target and "recoverable" in ue.detail
+
+
+def test_the_corrected_record_names_its_dimm_and_stays_under_the_rate(tmp_path):
+    lines = sample_lines("ghes_thermal", "g01_node-problem-detector-846_corrected_cpu2-dimm30.log")
+    results = memory_results(tmp_path, lines * 11)  # 11 records: over 10 a day
+    (rate,) = [r for r in results if r.metric == "ghes_ce_rate"]
+    assert (rate.target, rate.status, rate.value) == ("dimm:CPU_2_DIMM_30", Status.WARN, 11)
+
+
+def test_a_fatal_memory_record_without_a_dimm_is_an_error_on_unplaced_memory(tmp_path):
+    lines = [
+        "[ 5.1] {9}[Hardware Error]: event severity: fatal",
+        "[ 5.1] {9}[Hardware Error]:  Error 0, type: fatal",
+        "[ 5.1] {9}[Hardware Error]:  fru_text: CorrectedErr",
+        "[ 5.1] {9}[Hardware Error]:   section_type: memory error",
+        "[ 5.1] {9}[Hardware Error]:   DIMM location: not present. DMI handle: 0x0021",
+    ]
+    (ue,) = [r for r in memory_results(tmp_path, lines) if r.metric == "ghes_ue"]
+    assert (ue.target, ue.status) == ("memory:ghes", Status.FAIL)
+
+
+def test_a_user_line_that_looks_like_a_ghes_record_is_not_read(tmp_path):
+    lines = [
+        "Dec 29 05:24:23 proxmox logger[9]: {3}[Hardware Error]: event severity: fatal",
+        "[ 9.1] evil[4242]: segfault at 0 ip 0 in {3}[Hardware Error]:  Error 0, type: fatal",
+        "[ 9.2] x {3}[Hardware Error]:   section_type: memory error",
+    ]
+    results = memory_results(tmp_path, lines)
+    assert not [r for r in results if r.metric.startswith("ghes_")]
+
+
+@pytest.mark.parametrize("name", sorted(THROTTLE))
+def test_throttle_lines_warn_where_the_sysfs_counters_are_absent(tmp_path, name):
+    (tmp_path / "sys/devices/system/cpu").mkdir(parents=True)
+    ctx = log_ctx(tmp_path, "host_cpu", sample_lines("ghes_thermal", name))
+    results = host_cpu.run(ctx)
+    (throttle,) = [r for r in results if r.metric == "cpu_throttle"]
+    assert throttle.status is Status.WARN and throttle.value == THROTTLE[name]
+    assert throttle.evidence["source"].startswith("kernel log")
+    assert level([throttle]) is Level.WARN
+
+
+def test_no_throttle_line_and_no_counters_is_a_skip_naming_both(tmp_path):
+    (tmp_path / "sys/devices/system/cpu").mkdir(parents=True)
+    lines = sample_lines("ghes_thermal", "g01_node-problem-detector-846_corrected_cpu2-dimm30.log")
+    results = host_cpu.run(log_ctx(tmp_path, "host_cpu", lines))
+    (throttle,) = [r for r in results if r.metric == "cpu_throttle"]
+    assert throttle.status is Status.SKIP and "no therm_throt line" in throttle.detail
+
+
+def test_no_ghes_record_passes_only_where_the_firmware_has_error_sources(tmp_path):
+    lines = sample_lines("ghes_thermal", "t02_multibootusb-164_core-throttle_no-prefix_dmesg.log")
+    assert not [r for r in memory_results(tmp_path, lines) if r.metric == "ghes"]
+    (tmp_path / "sys/bus/platform/devices/GHES.0").mkdir(parents=True)
+    (ghes,) = [r for r in memory_results(tmp_path, lines) if r.metric == "ghes"]
+    assert ghes.status is Status.PASS and "1 error source" in ghes.detail
