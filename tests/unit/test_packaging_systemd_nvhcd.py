@@ -1,0 +1,73 @@
+"""The shipped systemd unit lets the daemon serve NVRx's socket, at NVRx's default path too.
+
+The unit makes /run read-only (ProtectSystem=strict); the round's finding was a daemon that
+could not create /var/run/nvhcd.sock and ran on unserved. The unit now gives it a runtime
+directory, and the tmpfiles snippet links NVRx's default path to the socket there.
+"""
+
+from __future__ import annotations
+
+import configparser
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from node_agent.service.nvhcd import DEFAULT_SOCKET
+
+REPO = Path(__file__).resolve().parents[2]
+UNIT = REPO / "packaging" / "systemd" / "node-agent.service"
+TMPFILES = REPO / "packaging" / "systemd" / "node-agent-tmpfiles.conf"
+
+
+def service_section() -> dict[str, str]:
+    parser = configparser.ConfigParser(strict=False, interpolation=None)
+    parser.optionxform = str  # keys are case-sensitive in systemd
+    parser.read_string(UNIT.read_text())
+    return dict(parser["Service"])
+
+
+def test_the_unit_gives_the_daemon_a_runtime_directory_users_can_reach():
+    service = service_section()
+    assert service["ProtectSystem"] == "strict"  # /run is read-only but for what is named
+    assert service["RuntimeDirectory"] == "node-agent"
+    assert service["RuntimeDirectoryMode"] == "0755"
+    assert Path(DEFAULT_SOCKET).parent == Path("/run") / service["RuntimeDirectory"]
+
+
+def test_tmpfiles_links_nvrx_default_socket_path_to_the_daemons(tmp_path):
+    if shutil.which("systemd-tmpfiles") is None:
+        pytest.skip("systemd-tmpfiles is not installed (Debian package systemd)")
+    done = subprocess.run(
+        ["systemd-tmpfiles", "--create", f"--root={tmp_path}", str(TMPFILES)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    link = tmp_path / "run" / "nvhcd.sock"
+    assert link.is_symlink() and os.readlink(link) == DEFAULT_SOCKET
+
+
+def test_nvrx_asking_through_the_link_reaches_the_daemon(tmp_path):
+    pytest.importorskip("grpc", reason="grpcio is not installed: make deps-test")
+    pytest.importorskip("grpc_tools", reason="grpcio-tools is not installed: make deps-test")
+    from nvrx_client import NodeHealthCheck
+
+    from node_agent.service.node_state import NodeView
+    from node_agent.service.nvhcd import HealthAnswerer, NvhcdServer
+
+    real = tmp_path / "run" / "node-agent" / "nvhcd.sock"
+    link = tmp_path / "run" / "nvhcd.sock"
+    server = NvhcdServer(HealthAnswerer(lambda: NodeView("FAULT", graded_at=1.0)), real)
+    server.start()
+    try:
+        link.symlink_to(real)
+        client = NodeHealthCheck(f"unix://{link}")
+        assert client() is False and client.skipped is None
+        assert client.last_output["level"] == "FAULT"
+    finally:
+        server.stop()
+    assert NodeHealthCheck(f"unix://{link}")() is True  # the link dangles: NVRx skips
