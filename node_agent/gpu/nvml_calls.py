@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import product
+from operator import attrgetter
 from typing import Any
 
 from node_agent.gpu.base import (
@@ -207,8 +208,13 @@ def _mw(watts: float | None) -> int | None:
     return None if watts is None else round(watts * 1000)
 
 
-def _ident(what: str) -> Callable[[Any], Any]:
-    return lambda ident: getattr(ident, what)
+def _each(reading: str, c_type: str, *rows: tuple[str, str, Callable[[Any], Any]]) -> list[Call]:
+    """One call per row ``(function, key, its state value from the reading)``, each returning
+    one ``c_type`` and modelled from the same reading."""
+    return [
+        Call(function, key, (Out(c_type, "value"),), reading=reading, to_state=value)
+        for function, key, value in rows
+    ]
 
 
 _CLOCK = Arg("nvmlClockType_t", "type", ("graphics", "sm", "mem", "video"))
@@ -274,21 +280,13 @@ CALLS: tuple[Call, ...] = (
         aliases=("nvmlSystemGetCudaDriverVersion",),
         system=True,
     ),
-    Call("nvmlDeviceGetName", "name", _string("name"), reading="identity", to_state=_ident("name")),
-    Call("nvmlDeviceGetUUID", "uuid", _string("uuid"), reading="identity", to_state=_ident("uuid")),
-    Call(
-        "nvmlDeviceGetSerial",
-        "serial",
-        _string("serial"),
-        reading="identity",
-        to_state=_ident("serial"),
-    ),
-    Call(
-        "nvmlDeviceGetVbiosVersion",
-        "vbios",
-        _string("version"),
-        reading="identity",
-        to_state=_ident("vbios"),
+    *_each(
+        "identity",
+        "char",
+        ("nvmlDeviceGetName", "name", attrgetter("name")),
+        ("nvmlDeviceGetUUID", "uuid", attrgetter("uuid")),
+        ("nvmlDeviceGetSerial", "serial", attrgetter("serial")),
+        ("nvmlDeviceGetVbiosVersion", "vbios", attrgetter("vbios")),
     ),
     Call(
         "nvmlDeviceGetPciInfo",
@@ -354,68 +352,30 @@ CALLS: tuple[Call, ...] = (
             "temperature.threshold.mem_max": t.memory_max_operating_c,
         },
     ),
-    Call(
-        "nvmlDeviceGetPowerUsage",
-        "power.usage",
-        _uint("power"),
-        reading="power",
-        to_state=lambda p: _mw(p.usage_w),
+    *_each(
+        "power",
+        "unsigned int",
+        ("nvmlDeviceGetPowerUsage", "power.usage", lambda p: _mw(p.usage_w)),
+        (
+            "nvmlDeviceGetEnforcedPowerLimit",
+            "power.enforced_limit",
+            lambda p: _mw(p.enforced_limit_w),
+        ),
+        ("nvmlDeviceGetPowerManagementLimit", "power.limit", lambda p: _mw(p.enforced_limit_w)),
+        (
+            "nvmlDeviceGetPowerManagementDefaultLimit",
+            "power.default_limit",
+            lambda p: _mw(p.default_limit_w),
+        ),
     ),
-    Call(
-        "nvmlDeviceGetEnforcedPowerLimit",
-        "power.enforced_limit",
-        _uint("limit"),
-        reading="power",
-        to_state=lambda p: _mw(p.enforced_limit_w),
-    ),
-    Call(
-        "nvmlDeviceGetPowerManagementLimit",
-        "power.limit",
-        _uint("limit"),
-        reading="power",
-        to_state=lambda p: _mw(p.enforced_limit_w),
-    ),
-    Call(
-        "nvmlDeviceGetPowerManagementDefaultLimit",
-        "power.default_limit",
-        _uint("defaultLimit"),
-        reading="power",
-        to_state=lambda p: _mw(p.default_limit_w),
-    ),
-    Call(
-        "nvmlDeviceGetCurrPcieLinkGeneration",
-        "pcie.gen",
-        _uint("currLinkGen"),
-        reading="pcie",
-        to_state=lambda p: p.gen_current,
-    ),
-    Call(
-        "nvmlDeviceGetMaxPcieLinkGeneration",
-        "pcie.gen_max",
-        _uint("maxLinkGen"),
-        reading="pcie",
-        to_state=lambda p: p.gen_max,
-    ),
-    Call(
-        "nvmlDeviceGetCurrPcieLinkWidth",
-        "pcie.width",
-        _uint("currLinkWidth"),
-        reading="pcie",
-        to_state=lambda p: p.width_current,
-    ),
-    Call(
-        "nvmlDeviceGetMaxPcieLinkWidth",
-        "pcie.width_max",
-        _uint("maxLinkWidth"),
-        reading="pcie",
-        to_state=lambda p: p.width_max,
-    ),
-    Call(
-        "nvmlDeviceGetPcieReplayCounter",
-        "pcie.replay_counter",
-        _uint("value"),
-        reading="pcie",
-        to_state=lambda p: p.replay_count,
+    *_each(
+        "pcie",
+        "unsigned int",
+        ("nvmlDeviceGetCurrPcieLinkGeneration", "pcie.gen", attrgetter("gen_current")),
+        ("nvmlDeviceGetMaxPcieLinkGeneration", "pcie.gen_max", attrgetter("gen_max")),
+        ("nvmlDeviceGetCurrPcieLinkWidth", "pcie.width", attrgetter("width_current")),
+        ("nvmlDeviceGetMaxPcieLinkWidth", "pcie.width_max", attrgetter("width_max")),
+        ("nvmlDeviceGetPcieReplayCounter", "pcie.replay_counter", attrgetter("replay_count")),
     ),
     Call(
         "nvmlDeviceGetRetiredPagesPendingStatus",
