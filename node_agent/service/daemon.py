@@ -717,6 +717,7 @@ class Daemon:
                 ),
                 unknown=self.view is None or self.view.unknown,
                 result_unix={k: v.finished_unix for k, v in self._results.items()},
+                intervals={item.spec.check: item.every_s for item in self._schedule},
                 nvhcd_served=(
                     None if not self.config.daemon.nvhcd.socket else self._nvhcd is not None
                 ),

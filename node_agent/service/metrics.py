@@ -352,6 +352,8 @@ class Snapshot:
     unknown: bool = False
     #: check -> when its latest result was made (Unix time; a stored one's included)
     result_unix: dict[str, float] = field(default_factory=dict)
+    #: check -> its cadence (seconds), for each scheduled check
+    intervals: dict[str, float] = field(default_factory=dict)
     #: whether NVRx's service is served (None: not configured)
     nvhcd_served: bool | None = None
     #: the scrape's time (Unix), for the result ages
@@ -468,7 +470,14 @@ def _state_series(s: Snapshot) -> Iterator[Metric]:
     for name, st in sorted(s.checks.items()):
         if st.scheduled:
             failing.add_metric([s.hostname, name], st.failing_runs)
-    yield from (age, failing)
+    interval = GaugeMetricFamily(
+        "node_agent_check_interval_seconds",
+        "The check's cadence in the daemon's schedule (every_s)",
+        labels=["hostname", "check"],
+    )
+    for name, every_s in sorted(s.intervals.items()):
+        interval.add_metric([s.hostname, name], every_s)
+    yield from (age, failing, interval)
     if s.nvhcd_served is not None:
         served = GaugeMetricFamily(
             "node_agent_nvhcd_served",

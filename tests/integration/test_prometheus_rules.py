@@ -104,6 +104,9 @@ def exported_series() -> set[str]:
         level=Level.HEALTHY,
         checks={"xid": CheckStats(runs=1, errors=0, last_run_unix=1.0, last_duration_s=0.1)},
         actions={("drain", "done"): 1},
+        result_unix={"xid": 1.0},
+        intervals={"xid": 30.0},
+        nvhcd_served=True,
     )
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DaemonCollector(lambda: snap))
