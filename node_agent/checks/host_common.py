@@ -54,6 +54,11 @@ HOST_SCHEMA: dict[str, Any] = {
             "additionalProperties": False,
             "properties": {"throttle_growth_max": _NUM},
         },
+        "power": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"sel_recent_h": _NUM},
+        },
     },
 }
 DEFAULTS: dict[str, dict[str, float]] = {
@@ -69,6 +74,10 @@ DEFAULTS: dict[str, dict[str, float]] = {
     # (checks/pcie_aer_log.py); a sustained 10 an hour is a link that keeps failing its CRC
     "pcie_aer": {"correctable_growth_max": 0, "correctable_per_hour_max": 10},
     "cpu": {"throttle_growth_max": 0},
+    # a power event in the BMC's log younger than this many hours is the node's present (ERROR);
+    # older, history (WARN): a day covers the cadence of every suite, and a supply or feed that
+    # failed today is one to look at before the node runs on its last supply
+    "power": {"sel_recent_h": 24},
 }
 
 

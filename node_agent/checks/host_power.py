@@ -1,7 +1,12 @@
-"""Check ``host_power``: power-supply presence and status from the BMC over IPMI.
+"""Check ``host_power``: power-supply presence and status from the BMC over IPMI, and the power
+events in its event log.
 
-Runs ``ipmitool sdr type "Power Supply"`` (``host.ipmitool``, ``host.timeout_s``) and judges each
-power supply's status sensor and each redundancy sensor (:mod:`node_agent.parsers.ipmitool`):
+Runs ``ipmitool sdr type "Power Supply"`` and ``ipmitool -v sdr type "Power Unit"`` (the power
+unit's redundancy sensor, type 09h, whose list view says ``ok`` while it asserts "Redundancy
+Lost": ipmitool issue 176), or where ipmitool is absent FreeIPMI's ``ipmi-sensors
+--sensor-types=Power_Supply,Power_Unit`` (``host.ipmitool``, ``ipmi_sensors``;
+``host.timeout_s``), and judges each power supply's status sensor and each redundancy sensor
+(:mod:`node_agent.parsers.ipmitool`, :mod:`node_agent.parsers.freeipmi`):
 
 * ``psu_status`` (target ``psu:<name>``) — ``fail`` for a supply that failed (Failure detected,
   AC lost, inactive, a configuration error): the node runs on its remaining supplies, one more
@@ -13,32 +18,46 @@ power supply's status sensor and each redundancy sensor (:mod:`node_agent.parser
   slot is empty by design), ``warn`` when there is none to tell (no drain on a guess).
 * ``psu_redundancy`` (``node``) — ``fail`` when the BMC says redundancy is lost, ``warn`` when
   degraded.
-No ipmitool (Debian package ``ipmitool``), no BMC device (``/dev/ipmi0``, ``/dev/ipmi/0``,
-``/dev/ipmidev/0``: the ``ipmi_si``/``ipmi_devintf`` modules not loaded, or no BMC), or a BMC
-that lists no power-supply sensor: a ``skip`` with the reason.
-Params: ``dev_root``, ``ipmitool`` (the program; default ``host.ipmitool``).
+* ``sel_power``/``sel`` — the event log's power events (``ipmitool sel elist``, or FreeIPMI's
+  ``ipmi-sel``): :mod:`node_agent.checks.power_sel`.
+Neither tool (Debian packages ``ipmitool``, ``freeipmi-tools``), no BMC device (``/dev/ipmi0``,
+``/dev/ipmi/0``, ``/dev/ipmidev/0``: the ``ipmi_si``/``ipmi_devintf`` modules not loaded, or no
+BMC), or a BMC that lists no power-supply sensor: a ``skip`` with the reason.
+Params: ``dev_root``, ``ipmitool`` (the program; default ``host.ipmitool``), ``ipmi_sensors``,
+``ipmi_sel``.
 """
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 from node_agent import proc
 from node_agent.checks import CheckContext
-from node_agent.checks.host_common import host_paths, not_recorded, tool_timeout_s
+from node_agent.checks.host_common import host_paths, not_recorded, thresholds, tool_timeout_s
 from node_agent.checks.ports import StandInFault
+from node_agent.checks.power_sel import sel_results
 from node_agent.host.paths import HostPaths, entity_name
 from node_agent.model import Result, Status
 from node_agent.parsers import ParseError
+from node_agent.parsers.freeipmi import parse_ipmi_sensors
 from node_agent.parsers.ipmitool import (
     PsuState,
     Redundancy,
     judge_psus,
     no_bmc_reason,
     parse_sdr,
+    parse_sdr_verbose,
 )
+from node_agent.parsers.sel import parse_sel, parse_sel_time
 
 ARGV = ("sdr", "type", "Power Supply")
+UNIT_ARGV = ("sdr", "type", "Power Unit")  # run with -v: the states, not the list view's "ok"
+FREEIPMI_ARGV = ("--sensor-types=Power_Supply,Power_Unit",)
 DEVICES = ("ipmi0", "ipmi/0", "ipmidev/0")  # where ipmitool's open interface looks
-MISSING = "ipmitool not installed (Debian/Ubuntu package `ipmitool`)"
+MISSING = (
+    "neither ipmitool nor FreeIPMI is installed (Debian/Ubuntu package `ipmitool`, or "
+    "`freeipmi-tools`)"
+)
 
 
 def run(ctx: CheckContext) -> list[Result]:
@@ -51,12 +70,22 @@ def run(ctx: CheckContext) -> list[Result]:
         return [ctx.result("node", "scenario", Status.ERROR, str(err))]
 
 
+def _tools(paths: HostPaths) -> tuple[str, str] | None:
+    """("ipmitool", program), else ("freeipmi", ipmi-sensors), else None."""
+    if (program := proc.which(paths.ipmitool)) is not None:  # a path must be an executable
+        return "ipmitool", program
+    if (program := proc.which(paths.ipmi_sensors)) is not None:
+        return "freeipmi", program
+    return None
+
+
 def _run(ctx: CheckContext, paths: HostPaths) -> list[Result]:
-    program = proc.which(paths.ipmitool)  # a path (host.ipmitool) must be an executable file
-    if program is None:
+    tools = _tools(paths)
+    if tools is None:
         return [
             ctx.skip(
-                f"{MISSING} ({paths.ipmitool!r} not found); cannot read the power supplies",
+                f"{MISSING} ({paths.ipmitool!r} and {paths.ipmi_sensors!r} not found); cannot "
+                "read the power supplies",
                 metric="psu",
             )
         ]
@@ -70,45 +99,57 @@ def _run(ctx: CheckContext, paths: HostPaths) -> list[Result]:
                 metric="psu",
             )
         ]
-    out = proc.run([program, *ARGV], timeout_s=tool_timeout_s(ctx))
+    kind, program = tools
+    argv = [program, *ARGV] if kind == "ipmitool" else [program, *FREEIPMI_ARGV]
+    out = proc.run(argv, timeout_s=tool_timeout_s(ctx))
     if not out.ok:
-        reason = no_bmc_reason(out.stderr)
-        if reason:
-            return [ctx.skip(f"ipmitool cannot reach the BMC: {reason}", metric="psu")]
-        if "permission denied" in out.stderr.lower():
-            return [
-                ctx.skip(
-                    f"ipmitool cannot open the BMC device as this user (run as "
-                    f"root): {out.describe_failure()}",
-                    metric="psu",
-                )
-            ]
-        return [
-            ctx.result(
-                "node",
-                "psu",
-                Status.ERROR,
-                f"reading the power supplies failed: {out.describe_failure()}",
-            )
-        ]
+        return [_unread(ctx, out, kind)]
     try:
-        psus, redundancy = judge_psus(parse_sdr(out.stdout))
+        rows = parse_sdr(out.stdout) if kind == "ipmitool" else parse_ipmi_sensors(out.stdout)
     except ParseError as err:
         return [
             ctx.result(
                 "node",
                 "psu",
                 Status.ERROR,
-                f"ipmitool output unreadable: {err}",
+                f"{kind} output unreadable: {err}",
                 stdout_head=out.stdout[:500],
             )
         ]
+    if kind == "ipmitool":  # the Power Unit's redundancy sensor (09h) beside the supplies
+        unit = proc.run([program, "-v", *UNIT_ARGV], timeout_s=tool_timeout_s(ctx))
+        rows += parse_sdr_verbose(unit.stdout) if unit.ok else []
+    psus, redundancy = judge_psus(rows)
+    results = _judged(ctx, psus, redundancy, kind)
+    return results + _sel(ctx, paths, kind, program)
+
+
+def _unread(ctx: CheckContext, out: proc.ProcResult, kind: str) -> Result:
+    reason = no_bmc_reason(out.stderr)
+    if reason:
+        return ctx.skip(f"{kind} cannot reach the BMC: {reason}", metric="psu")
+    if "permission denied" in out.stderr.lower():
+        return ctx.skip(
+            f"{kind} cannot open the BMC device as this user (run as root): "
+            f"{out.describe_failure()}",
+            metric="psu",
+        )
+    return ctx.result(
+        "node", "psu", Status.ERROR, f"reading the power supplies failed: {out.describe_failure()}"
+    )
+
+
+def _judged(
+    ctx: CheckContext, psus: list[PsuState], redundancy: list[Redundancy], kind: str
+) -> list[Result]:
     if not psus and not redundancy:
         return [
             ctx.skip(
                 "the BMC lists no power-supply status sensor (`ipmitool sdr type "
                 '"Power Supply"` printed none): this platform\'s BMC does not report '
-                "its supplies over IPMI",
+                "its supplies over IPMI"
+                if kind == "ipmitool"
+                else "the BMC lists no power-supply sensor (ipmi-sensors printed none)",
                 metric="psu",
             )
         ]
@@ -129,6 +170,32 @@ def _run(ctx: CheckContext, paths: HostPaths) -> list[Result]:
             )
         )
     return results
+
+
+def _sel(ctx: CheckContext, paths: HostPaths, kind: str, program: str) -> list[Result]:
+    """The BMC's event log (:mod:`node_agent.checks.power_sel`); a skip where it cannot be read."""
+    if kind == "ipmitool":
+        argv = [program, "sel", "elist"]
+    elif (ipmi_sel := proc.which(paths.ipmi_sel)) is not None:
+        argv = [ipmi_sel, "--output-event-state"]
+    else:
+        return [
+            ctx.skip(f"the BMC's event log not read: {paths.ipmi_sel!r} not found", metric="sel")
+        ]
+    out = proc.run(argv, timeout_s=tool_timeout_s(ctx))
+    if not out.ok:
+        return [ctx.skip(f"the BMC's event log not read: {out.describe_failure()}", metric="sel")]
+    try:
+        events = parse_sel(out.stdout)
+    except ParseError as err:
+        return [ctx.skip(f"the BMC's event log not read: {err}", metric="sel")]
+    now, clock = datetime.now(timezone.utc), "this host's clock"
+    if kind == "ipmitool":
+        got = proc.run([program, "sel", "time", "get"], timeout_s=tool_timeout_s(ctx))
+        if got.ok and (bmc := parse_sel_time(got.stdout)) is not None:
+            now, clock = bmc, "the BMC's clock"
+    recent_h = thresholds(ctx, "power")["sel_recent_h"]
+    return sel_results(ctx, events, now, clock, recent_h)
 
 
 _WORDS = {

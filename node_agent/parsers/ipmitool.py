@@ -217,7 +217,8 @@ def judge_psus(rows: list[SdrRow]) -> tuple[list[PsuState], list[Redundancy]]:
         unreadable = (
             row.status == "ns"
             and row.entity_id == POWER_SUPPLY_ENTITY
-            and "status" in row.name.lower()
+            and ("status" in row.name.lower() or bool(_PSU_NAME.search(row.name)))
+            and not row.analog
         )
         if not (unreadable or _is_status_sensor(row)):
             continue
@@ -262,7 +263,7 @@ def judge_psus(rows: list[SdrRow]) -> tuple[list[PsuState], list[Redundancy]]:
 #: what ipmitool prints when there is no BMC device to open (src/plugins/open/open.c)
 NO_DEVICE = re.compile(
     r"Could not open device at|No such file or directory.*ipmi|"
-    r"Unable to open.*interface|Error loading interface",
+    r"Unable to open.*interface|Error loading interface|could not find inband device",
     re.IGNORECASE,
 )
 
@@ -273,3 +274,63 @@ def no_bmc_reason(stderr: str) -> str | None:
         if NO_DEVICE.search(line):
             return line.strip()[:300]
     return None
+
+
+# -- the verbose form: `ipmitool -v sdr type "Power Unit"` ---------------------------------------
+
+_V_ID = re.compile(r"^Sensor ID\s*:\s*(?P<name>.*?)\s*\((?P<num>0x[0-9A-Fa-f]+)\)\s*$")
+_V_ENTITY = re.compile(r"^\s*Entity ID\s*:\s*(?P<entity>\d+\.\d+)")
+_V_ASSERTED = re.compile(r"^\s*States Asserted\s*:\s*(?P<rest>.*)$")
+_V_STATE = re.compile(r"^\s*\[(?P<state>[^\]]+)\]\s*$")
+_V_FIELD = re.compile(r"^\s*[A-Z][A-Za-z ()/-]*:\s")
+
+
+def parse_sdr_verbose(text: str) -> list[SdrRow]:
+    """The discrete sensors of ``ipmitool -v sdr ...`` (``ipmi_sdr_print_sensor_full``/
+    ``_compact`` verbose): one record per ``Sensor ID : <name> (0xNN)``, its ``Entity ID`` and
+    the bracketed states under ``States Asserted``. The list view prints the same sensor as
+    ``Pwr Unit Redund | 0x00 | ok`` with no states (ipmitool issue 176: "ok" while "Redundancy
+    Lost" is asserted); this form names them.
+
+    >>> [r.states for r in parse_sdr_verbose("Sensor ID : Pwr Unit Redund (0x2)\\n"
+    ...     " Entity ID : 21.1 (Power Management)\\n States Asserted : Power Unit\\n"
+    ...     "                  [Redundancy Lost]\\n")]
+    [('Redundancy Lost',)]
+    """
+    rows: list[SdrRow] = []
+    current: dict | None = None
+    in_states = False
+    for line in text.splitlines():
+        if (m := _V_ID.match(line.strip())) is not None:
+            if current is not None:
+                rows.append(_verbose_row(current))
+            current, in_states = {"name": m["name"], "number": m["num"], "states": []}, False
+            continue
+        if current is None:
+            continue
+        if (m := _V_ENTITY.match(line)) is not None:
+            current["entity"] = m["entity"]
+        elif (m := _V_ASSERTED.match(line)) is not None:
+            in_states = True
+            if (s := _V_STATE.match(m["rest"])) is not None:
+                current["states"].append(s["state"].strip())
+        elif in_states and (s := _V_STATE.match(line)) is not None:
+            current["states"].append(s["state"].strip())
+        elif in_states and (_V_FIELD.match(line) or not line.strip()):
+            in_states = False
+    if current is not None:
+        rows.append(_verbose_row(current))
+    return rows
+
+
+def _verbose_row(record: dict) -> SdrRow:
+    states = tuple(record["states"])
+    return SdrRow(
+        name=record["name"],
+        number=record["number"],
+        status="ok",
+        entity=record.get("entity"),
+        reading=", ".join(states),
+        states=states,
+        analog=False,
+    )

@@ -14,7 +14,7 @@ HGX-class server (the model, not a measurement of one):
   ``/sys/class/infiniband/<hca>/device`` to the HCA's function);
 * two NVMe controllers, ``nvme0`` holding ``/`` and ``nvme1`` holding ``/raid``;
 * six power supplies ``PS1``..``PS6`` and a redundancy sensor, as ``ipmitool sdr type "Power
-  Supply"`` prints them.
+  Supply"`` prints them; no Power Unit sensor, and an empty event log (``sel elist``).
 
 Faults (``node_agent.sim.scenario``): ``edac_ue``/``edac_ce`` {dimm, count} on a DIMM's
 counters, ``memory_missing`` {gib} (memory blocks and the DIMMs that held them gone),
@@ -391,8 +391,17 @@ IPMITOOL_SOURCE = r'''"""ipmitool stand-in of a simulated node (written by node_
 import sys
 
 ROWS = @ROWS@
-if sys.argv[1:3] == ["sdr", "type"] and len(sys.argv) == 4 and sys.argv[3] == "Power Supply":
+args = sys.argv[1:]
+if args == ["sdr", "type", "Power Supply"]:
     print(ROWS)
+    sys.exit(0)
+if args == ["-v", "sdr", "type", "Power Unit"]:
+    sys.exit(0)  # this board's supplies report redundancy under Power Supply only
+if args == ["sel", "elist"]:
+    print("SEL has no entries")
+    sys.exit(0)
+if args == ["sel", "time", "get"]:
+    print("01/01/2026 00:00:00")
     sys.exit(0)
 print("Invalid command", file=sys.stderr)
 sys.exit(1)

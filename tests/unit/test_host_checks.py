@@ -200,11 +200,29 @@ PS_OK = (
 )
 
 
-def ipmitool(tmp_path, out, err="", code=0):
+def ipmitool(tmp_path, out, err="", code=0, unit="", sel="SEL has no entries\n"):
+    """An ipmitool stand-in: ``out`` for ``sdr type "Power Supply"``, ``unit`` for ``-v sdr type
+    "Power Unit"``, ``sel`` for ``sel elist``, a fixed BMC clock for ``sel time get``; ``err``
+    and ``code`` for every call."""
     return tool(
         tmp_path,
         "ipmitool",
-        f"sys.stdout.write({out!r}); sys.stderr.write({err!r}); sys.exit({code})\n",
+        f"""
+args = sys.argv[1:]
+sys.stderr.write({err!r})
+if {code}:
+    sys.exit({code})
+if args == ["sdr", "type", "Power Supply"]:
+    sys.stdout.write({out!r})
+elif args == ["-v", "sdr", "type", "Power Unit"]:
+    sys.stdout.write({unit!r})
+elif args == ["sel", "elist"]:
+    sys.stdout.write({sel!r})
+elif args == ["sel", "time", "get"]:
+    print("12/10/2024 09:00:00")
+else:
+    sys.exit("unexpected " + repr(args))
+""",
     )
 
 
@@ -223,7 +241,7 @@ def test_failed_psu_fails_naming_it(tmp_path):
 def psu_statuses(tmp_path, sdr: str) -> dict[str, Status]:
     write(tmp_path / "dev/ipmi0", "")
     results = host_power.run(make_ctx(tmp_path, "host_power", ipmitool=ipmitool(tmp_path, sdr)))
-    return {r.target: r.status for r in results}
+    return {r.target: r.status for r in results if r.metric in ("psu_status", "psu_redundancy")}
 
 
 EMPTY_PS3 = PS_OK + "PS3 Status       | CAh | ok  | 10.3 |\n"
@@ -279,8 +297,12 @@ def test_ipmitool_that_cannot_open_the_device_is_a_skip(tmp_path):
 
 
 def test_missing_ipmitool_is_a_skip_naming_the_package(tmp_path):
-    (skip,) = host_power.run(make_ctx(tmp_path, "host_power", ipmitool="ipmitool-not-on-this-host"))
+    ctx = make_ctx(
+        tmp_path, "host_power", ipmitool="ipmitool-not-on-this-host", ipmi_sensors="not-here"
+    )
+    (skip,) = host_power.run(ctx)
     assert skip.status is Status.SKIP and "package `ipmitool`" in skip.detail
+    assert "freeipmi-tools" in skip.detail
 
 
 def test_ipmitool_failing_otherwise_is_an_error(tmp_path):
