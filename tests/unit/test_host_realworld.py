@@ -10,17 +10,21 @@ published output, and the kernel log is the published lines.
 from __future__ import annotations
 
 import re
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 
 from node_agent import resources
-from node_agent.checks import host_cpu, host_memory, nvme_health, pcie_aer
+from node_agent.checks import host_cpu, host_memory, host_power, nvme_health, pcie_aer
+from node_agent.checks.power_sel import sel_results
 from node_agent.config import config_from_dict
 from node_agent.grading.rules import load_grader
 from node_agent.kernel_log import LinesKernelLog
 from node_agent.model import Level, Status
-from tests.unit.test_host_checks import make_ctx, nvme_tree, pci_device, tool
+from node_agent.parsers.ipmitool import judge_psus, parse_sdr
+from node_agent.parsers.sel import parse_sel
+from tests.unit.test_host_checks import PS_OK, ipmitool, make_ctx, nvme_tree, pci_device, tool
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "realworld"
 GRADER = load_grader(resources.graders_dir(config_from_dict({})))
@@ -333,3 +337,133 @@ def test_no_ghes_record_passes_only_where_the_firmware_has_error_sources(tmp_pat
     (tmp_path / "sys/bus/platform/devices/GHES.0").mkdir(parents=True)
     (ghes,) = [r for r in memory_results(tmp_path, lines) if r.metric == "ghes"]
     assert ghes.status is Status.PASS and "1 error source" in ghes.detail
+
+
+# -- the BMC: power supplies, the Power Unit's redundancy sensor, the event log --------------------
+
+
+def power_sample(name: str) -> str:
+    return (DATA / "ipmi_power" / name).read_text()
+
+
+def freeipmi(tmp_path: Path, sensors: str, sel: str) -> dict[str, str]:
+    """ipmi-sensors and ipmi-sel stand-ins printing published output (no BMC runs here)."""
+    sensors_prog = tool(
+        tmp_path,
+        "ipmi-sensors",
+        "assert sys.argv[1:] == ['--sensor-types=Power_Supply,Power_Unit'], sys.argv\n"
+        f"sys.stdout.write({sensors!r})\n",
+    )
+    sel_prog = tool(tmp_path, "ipmi-sel", f"sys.stdout.write({sel!r})\n")
+    return {"ipmitool": "ipmitool-not-here", "ipmi_sensors": sensors_prog, "ipmi_sel": sel_prog}
+
+
+def power_results(tmp_path: Path, **tools: str):
+    (tmp_path / "dev").mkdir(exist_ok=True)
+    (tmp_path / "dev/ipmi0").write_text("")
+    return host_power.run(make_ctx(tmp_path, "host_power", **tools))
+
+
+EMPTY_FREEIPMI_SEL = "ID | Date | Time | Name | Type | State | Event\n"
+
+
+def test_redundancy_lost_the_list_view_calls_ok_is_read_from_the_power_unit(tmp_path):
+    """ipmitool issue 176: `sdr` says "Pwr Unit Redund | 0x00 | ok"; -v asserts Redundancy Lost."""
+    listed = power_sample("p01a_ipmitool-176_sdr-list-view_all-ok.txt")
+    rows = parse_sdr(listed)
+    assert judge_psus(rows) == ([], [])  # the list view tells nothing either way
+    prog = ipmitool(
+        tmp_path,
+        listed,
+        unit=power_sample("p01b_ipmitool-176_verbose_pwr-unit-redundancy-lost.txt"),
+    )
+    results = power_results(tmp_path, ipmitool=prog)
+    (lost,) = [r for r in results if r.metric == "psu_redundancy"]
+    assert lost.status is Status.FAIL and lost.evidence["sensor"] == "Pwr Unit Redund"
+    assert level(results) is Level.ERROR
+
+
+def test_a_psu_failure_in_freeipmis_sel_is_an_error_the_day_it_happened(tmp_path):
+    events = parse_sel(power_sample("p02_check-ipmi-sensor-66_ipmi-sel_psu2-failure.txt"))
+    ctx = make_ctx(tmp_path, "host_power")
+    that_night = datetime(2024, 12, 9, 22, 0, tzinfo=timezone.utc)
+    (failed,) = sel_results(ctx, events, that_night, "the BMC's clock", 24)
+    assert (failed.target, failed.status) == ("psu:Power_Supply_2_PS2", Status.FAIL)
+    a_week_on = that_night + timedelta(days=7)
+    (old,) = sel_results(ctx, events, a_week_on, "the BMC's clock", 24)
+    assert old.status is Status.WARN and "older than 24 h" in old.detail
+
+
+def test_the_psu_failure_read_through_freeipmi_on_a_later_day_is_history(tmp_path):
+    tools = freeipmi(
+        tmp_path, "", power_sample("p02_check-ipmi-sensor-66_ipmi-sel_psu2-failure.txt")
+    )
+    results = power_results(tmp_path, **tools)
+    (sel,) = [r for r in results if r.metric == "sel_power"]
+    assert sel.status is Status.WARN and sel.evidence["last"].startswith("2024-12-09T21:12:29")
+    assert level(results) is Level.WARN
+
+
+def test_a_sel_of_firmware_progress_only_is_healthy(tmp_path):
+    prog = ipmitool(
+        tmp_path,
+        PS_OK,
+        sel=power_sample("p03_op-build-594_ipmitool-sel-list_firmware-progress-only.txt"),
+    )
+    results = power_results(tmp_path, ipmitool=prog)
+    (sel,) = [r for r in results if r.metric == "sel"]
+    assert sel.status is Status.PASS and "12 entries" in sel.detail
+    assert level(results) is Level.HEALTHY
+
+
+def test_freeipmi_sensors_of_a_present_supply_and_full_redundancy_are_healthy(tmp_path):
+    tools = freeipmi(
+        tmp_path,
+        power_sample("p04_check-ipmi-sensor-67_ipmi-sensors_psu2-present_fully-redundant.txt"),
+        EMPTY_FREEIPMI_SEL,
+    )
+    results = power_results(tmp_path, **tools)
+    assert {(r.target, r.metric, r.status) for r in results} == {
+        ("psu:PSU2", "psu_status", Status.PASS),
+        ("node", "psu_redundancy", Status.PASS),
+        ("node", "sel", Status.PASS),
+    }
+    assert level(results) is Level.HEALTHY
+
+
+def test_freeipmi_supplies_without_a_reading_warn(tmp_path):
+    """freeipmi-mirror issue 45: HPE's BMC gives no reading for its supplies (one was failing,
+    per iLO): the agent cannot tell, so it warns and names them, and never drains on it."""
+    tools = freeipmi(
+        tmp_path,
+        power_sample("p05_freeipmi-mirror-45_hpe-dl360g10_ipmi-sensors-W-discretereading_grep.txt"),
+        EMPTY_FREEIPMI_SEL,
+    )
+    results = power_results(tmp_path, **tools)
+    warned = {r.target for r in results if r.status is Status.WARN}
+    assert warned == {"psu:Power_Supply_1", "psu:Power_Supply_2"}
+    assert level(results) is Level.WARN
+
+
+def test_every_power_sample_has_a_test():
+    assert names("ipmi_power") == sorted(
+        [
+            "p01a_ipmitool-176_sdr-list-view_all-ok.txt",
+            "p01b_ipmitool-176_verbose_pwr-unit-redundancy-lost.txt",
+            "p02_check-ipmi-sensor-66_ipmi-sel_psu2-failure.txt",
+            "p03_op-build-594_ipmitool-sel-list_firmware-progress-only.txt",
+            "p04_check-ipmi-sensor-67_ipmi-sensors_psu2-present_fully-redundant.txt",
+            "p05_freeipmi-mirror-45_hpe-dl360g10_ipmi-sensors-W-discretereading_grep.txt",
+        ]
+    )
+
+
+def test_the_csv_form_reads_as_the_table_form():
+    """``ipmitool -c sel elist`` prints the same fields with commas (no public capture found:
+    p03 rewritten as ipmitool's CSV printer writes it)."""
+    table = power_sample("p03_op-build-594_ipmitool-sel-list_firmware-progress-only.txt")
+    csv = "\n".join(",".join(f.strip() for f in line.split("|")) for line in table.splitlines())
+    assert parse_sel(csv) == parse_sel(table)
+    failed = "1,12/10/2024,08:30:00,Power Supply PS1 Status,Power Supply AC lost,Asserted\n"
+    (event,) = parse_sel(failed)
+    assert (event.kind, event.sensor) == ("failure", "PS1 Status")
