@@ -180,6 +180,12 @@ def parse_all_reduce_perf(text: str) -> NcclTable:
         raise ParseError(
             "no all_reduce_perf table header (# size count type redop ...) in the output"
         )
+    if "redop" not in columns or "type" not in columns:
+        raise ParseError(
+            f"the table header ({' '.join(columns)[:100]!r}) has no type and redop columns, which "
+            "all_reduce_perf always prints: this is another tool's or collective's table "
+            "(mscclpp-test's alltoall prints none), and its busbw is not all-reduce bus bandwidth"
+        )
     _refuse_unread(columns, rows, unread, ended=avg is not None)
     if avg is None:
         raise ParseError(

@@ -136,3 +136,37 @@ def test_bus_factor_reproduces_the_captured_table():
         assert row.algbw_gbps == pytest.approx(
             row.size_bytes / (row.time_us * 1e-6) / 1e9, rel=2e-3
         )
+
+
+# -- real tables other people published (tests/data/realworld/collective_tables/PROVENANCE.md) --
+
+REAL = Path(__file__).resolve().parents[1] / "data" / "realworld" / "collective_tables"
+
+
+def test_real_alltoall_without_redop_is_refused_as_another_collective():
+    text = (REAL / "c01_nccl-tests-78_alltoall_no-redop-cell.txt").read_text()
+    with pytest.raises(ParseError, match="leave the redop column empty.*another collective"):
+        parse_all_reduce_perf(text)
+
+
+def test_real_all_reduce_of_the_same_report_is_read():
+    table = parse_all_reduce_perf(
+        (REAL / "c02_nccl-tests-78_all_reduce_64xV100_error-col.txt").read_text()
+    )
+    assert [(r.size_bytes, r.busbw_gbps) for r in table.rows] == [
+        (268435456, 4.33),
+        (536870912, 4.32),
+    ]
+    assert table.avg_busbw_gbps == pytest.approx(4.32178)
+
+
+def test_real_mscclpp_alltoall_is_refused_as_another_tools_table():
+    text = (REAL / "c03_mscclpp-87_mscclpp-test_alltoall_1n8p.txt").read_text()
+    with pytest.raises(ParseError, match="no type and redop columns.*another tool's or collective"):
+        parse_all_reduce_perf(text)
+
+
+def test_one_edited_cell_of_a_real_table_is_refused_as_edited():
+    text = (REAL / "c02_nccl-tests-78_all_reduce_64xV100_error-col.txt").read_text()
+    with pytest.raises(ParseError, match="the busbw cell is '4.3E'.*edited"):
+        parse_all_reduce_perf(text.replace("4.33  2e-06   122165", "4.3E  2e-06   122165"))

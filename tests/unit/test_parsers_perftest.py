@@ -102,3 +102,28 @@ def test_truncated_out_json_raises_parse_error():
 def test_unknown_unit_raises_parse_error():
     with pytest.raises(ParseError, match="unknown perftest bandwidth unit"):
         to_gbps(1.0, "KB/sec")
+
+
+# -- real tables other people published (tests/data/realworld/collective_tables/PROVENANCE.md) --
+
+REAL = Path(__file__).resolve().parents[1] / "data" / "realworld" / "collective_tables"
+SWEEP = "c04_perftest-132_write_bw_-a_gbits_first-rows.txt"
+RDMA_CM = "c05_perftest-pr342_write_bw_rdma-cm_first-row.txt"
+
+
+@pytest.mark.parametrize("name, rows, last_gbps", [(SWEEP, 3, 0.17), (RDMA_CM, 1, 42.31)])
+def test_real_tables_are_read_and_cross_checked(name, rows, last_gbps):
+    read = parse_bw_table((REAL / name).read_text())
+    assert len(read) == rows and read[-1].bw_avg_gbps == pytest.approx(last_gbps)
+    assert all(r.cross_checked for r in read)
+
+
+def test_the_real_tables_refused_for_each_cause_say_which():
+    sweep = (REAL / SWEEP).read_text()
+    header_only = (REAL / RDMA_CM).read_text().rsplit("\n 65536", 1)[0] + "\n"
+    with pytest.raises(ParseError, match="header and no result row"):
+        parse_bw_table(header_only)
+    with pytest.raises(ParseError, match="truncated inside a row \\(3 of 5 fields"):
+        parse_bw_table(sweep[: sweep.index("0.17   ") + 4])
+    with pytest.raises(ParseError, match="the #iterations cell is '5O00'.*edited"):
+        parse_bw_table(sweep.replace(" 4          5000 ", " 4          5O00 "))
