@@ -14,14 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from node_agent.kernel_log import (
-    _COMM_LED,
-    _USER_FAULT,
-    LogRecord,
-    Stamp,
-    kernel_message,
-    line_stamp,
-)
+from node_agent.kernel_log import LogRecord, Stamp, kernel_message, line_stamp
+from node_agent.kernel_log.reading import believed_messages
 
 
 @dataclass(frozen=True)
@@ -269,12 +263,7 @@ def parse_distress(line: str) -> DistressLine | None:
     if not any(word in line for word in _DISTRESS_WORDS):
         return None
     found = kernel_message(line)
-    if found is None:
-        return None
-    prefix, message = found
-    if _USER_FAULT.search(message) or _COMM_LED.match(message):
-        return None
-    return _distress(prefix, message)
+    return None if found is None else _distress(*found)
 
 
 def _distress(prefix: str, message: str) -> DistressLine | None:
@@ -349,13 +338,11 @@ def _distress(prefix: str, message: str) -> DistressLine | None:
 
 def scan_distress(records: Iterable[LogRecord]) -> list[DistressLine]:
     """Every distress line in ``records``, in order: records the kernel did not write (facility
-    other than 0) give nothing, and only a record's first line is a message."""
+    other than 0) and never-source records (``framing.refusal``, with the later lines of a text
+    log's API-mismatch record) give nothing, and only a record's first line is a message."""
     out: list[DistressLine] = []
-    for record in records:
-        if not record.from_kernel:
-            continue
-        first = record.text.split("\n", 1)[0]
-        event = parse_distress(first)
+    for record, prefix, message in believed_messages(records, _DISTRESS_WORDS):
+        event = _distress(prefix, message)
         if event is None:
             continue
         if record.boot_s is not None:

@@ -19,7 +19,8 @@ Xid through its event API (``watch_s``), the finding says it is corroborated.
 
 The driver's lines without an Xid (reset required, RmInitAdapter failed, GPU lost) and PCIe AER
 uncorrectable errors on a GPU's bus become one result per (target, kind) whose metric and status
-``graders/driver_lines.yaml`` gives.
+``graders/driver_lines.yaml`` gives; a driver line that names no GPU's bus (``NVRM: GPU5 ...``)
+is the node's, metric ``driver_line_no_gpu``, WARN at most whatever its kind.
 
 The kernel log is read even when NVML cannot be: a GPU that fell off the bus can stop the driver
 from loading (realworld/xid/x19: "fallen off the bus" and "probe routine failed"), and that is
@@ -52,6 +53,10 @@ from node_agent.kernel_log import (
 from node_agent.model import Result, Status
 
 _UNREADABLE_KEPT = 5  # example lines kept for a person to look at
+#: the metric of a driver line that names no GPU (``NVRM: GPU5 ...``: the driver's own number,
+#: not NVML's index; no bus): WARN at most, whatever its kind. Which GPU it is cannot be known,
+#: and a line that names none is the form a user's text could most easily take (issue 34).
+NO_GPU_METRIC = "driver_line_no_gpu"
 
 
 def sticky_key(result: Result) -> tuple[str, int] | None:
@@ -140,6 +145,11 @@ def run(ctx: CheckContext) -> list[Result]:
         kinds = driver_line_kinds(ctx)
         for key in sorted(driver_folds):
             fold, kind = driver_folds[key], kinds[key[1]]
+            if fold.pci_bus is None:  # the line names no GPU: never more than a WARN
+                results.append(
+                    fold.result(NO_GPU_METRIC, Status.WARN, kind.name, window, boot_epoch)
+                )
+                continue
             results.append(
                 fold.result(kind.metric, Status(kind.status), kind.name, window, boot_epoch)
             )

@@ -257,15 +257,12 @@ def wait_for(predicate, timeout_s: float):
     return bool(predicate())
 
 
-def test_daemon_watching_the_log_takes_no_action_on_the_injected_lines(
-    user, attack_dir, node, shared_dir, monkeypatch
-):
-    """The daemon (real mode, acting: ``daemon.act``) follows its kernel log while the user
-    segfaults in each named file; its grade stays HEALTHY and it never acts. A genuine driver
-    line appended afterwards is graded within seconds: the watch was reading."""
+def daemon_on(node, shared_dir, monkeypatch):
+    """Root's daemon in real mode, acting (``daemon.act``), following ``node``'s kernel log with
+    a periodic ``xid`` check every second; yields (daemon, the actions it recorded)."""
     from node_agent.service.daemon import Daemon
 
-    config, kernel_log = node
+    config, _ = node
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -295,26 +292,39 @@ def test_daemon_watching_the_log_takes_no_action_on_the_injected_lines(
     daemon = Daemon(str(config), None, suite=str(suite))
     thread = threading.Thread(target=lambda: daemon.run(install_signals=False), daemon=True)
     thread.start()
+    assert wait_for(lambda: daemon.listen_address, 15), "daemon did not start"
+    return daemon, thread, acted
+
+
+def assert_daemon_healthy_then_reads_a_genuine_line(daemon, kernel_log, acted):
+    """The daemon's grade stays HEALTHY with no action after several watch polls and periodic
+    checks; a genuine driver line appended then is graded within seconds (it was reading)."""
+    time.sleep(3)
+    assert daemon.grade.level.name == "HEALTHY", daemon.grade
+    assert not [
+        r for r in daemon.current_results() if r.check == "xid" and r.status.value == "fail"
+    ]
+    assert acted == []
+    with kernel_log.open("a") as log:
+        log.write(GENUINE_XID13.format(seq=90010, usec=404609999) + "\n")
+    assert wait_for(lambda: daemon.grade.level.name == "WARN", 10), daemon.grade
+    assert [(r.target, r.level.name) for r in daemon.grade.reasons if r.rule == "xid"] == [
+        ("pci:0000:3b:00", "WARN")
+    ]
+
+
+def test_daemon_watching_the_log_takes_no_action_on_the_injected_lines(
+    user, attack_dir, node, shared_dir, monkeypatch
+):
+    """The daemon follows its kernel log while the user segfaults in each named file."""
+    _, kernel_log = node
+    daemon, thread, acted = daemon_on(node, shared_dir, monkeypatch)
     try:
-        assert wait_for(lambda: daemon.listen_address, 15), "daemon did not start"
-        records = []
         for name in ATTACK_NAMES.values():
             record, _ = segfault_record(user, attack_dir, name)
-            records.append(record)
             with kernel_log.open("a") as log:
                 log.write(record + "\n")
-        time.sleep(3)  # several watch polls and periodic xid checks
-        assert daemon.grade.level.name == "HEALTHY", daemon.grade
-        assert not [
-            r for r in daemon.current_results() if r.check == "xid" and r.status.value == "fail"
-        ]
-        assert acted == []
-        with kernel_log.open("a") as log:
-            log.write(GENUINE_XID13.format(seq=90010, usec=404609999) + "\n")
-        assert wait_for(lambda: daemon.grade.level.name == "WARN", 10), daemon.grade
-        assert [(r.target, r.level.name) for r in daemon.grade.reasons if r.rule == "xid"] == [
-            ("pci:0000:3b:00", "WARN")
-        ]
+        assert_daemon_healthy_then_reads_a_genuine_line(daemon, kernel_log, acted)
     finally:
         daemon.stop()
         thread.join(5)

@@ -444,14 +444,23 @@ def test_driver_line_names_the_gpu_by_its_bus(env, line, metric, level):
     assert env.grader.grade(results, "service").level is level
 
 
-def test_driver_line_naming_only_the_drivers_gpu_number_is_the_nodes(env):
-    line = (
+@pytest.mark.parametrize(
+    "line",
+    [
         "NVRM: GPU5 nvCheckOkFailedNoLog: Check failed: GPU lost from the bus "
-        "[NV_ERR_GPU_IS_LOST] (0x0000000F)"
-    )
-    (finding,) = [r for r in run_xid(env, [line]) if r.metric == "gpu_lost"]
+        "[NV_ERR_GPU_IS_LOST] (0x0000000F)",
+        "NVRM: GPU5 nvAssertOkFailedNoLog: Assertion failed: Reset required "
+        "[NV_ERR_RESET_REQUIRED] (0x00000062) returned from status @ kernel_channel.c:2874",
+    ],
+)
+def test_driver_line_naming_only_the_drivers_gpu_number_is_the_nodes_and_warn_at_most(env, line):
+    """The driver's own GPU number is not NVML's index and names no bus: which GPU it is cannot
+    be known, so the line is the node's and grades WARN, never a drain (issue 34)."""
+    results = run_xid(env, [line])
+    (finding,) = [r for r in results if r.metric == "driver_line_no_gpu"]
     assert finding.target == "node" and finding.evidence["driver_gpus"] == [5]
-    assert "the driver's GPU 5" in finding.detail
+    assert finding.status is Status.WARN and "the driver's GPU 5" in finding.detail
+    assert env.grader.grade(results, "service").level is Level.WARN
 
 
 def test_aer_on_a_device_that_is_not_a_gpu_is_not_this_checks(env):
