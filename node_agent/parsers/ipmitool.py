@@ -175,6 +175,9 @@ def _psu_name(row: SdrRow) -> str:
 
 
 _PSU_NAME = re.compile(r"\bPSU?[\s_]?\d|\bpower[\s_]?supply", re.IGNORECASE)
+#: a sensor named for the supply itself ("Power Supply 1", "PSU2"; FreeIPMI's HPE rows), not
+#: one of its readings ("PSU2_PWRGD", "PS 1 Output")
+_SUPPLY_ITSELF = re.compile(r"^(?:power[\s_]?supply|PSU?)[\s_]?\d{1,2}$", re.IGNORECASE)
 
 
 def _is_status_sensor(row: SdrRow) -> bool:
@@ -217,7 +220,7 @@ def judge_psus(rows: list[SdrRow]) -> tuple[list[PsuState], list[Redundancy]]:
         unreadable = (
             row.status == "ns"
             and row.entity_id == POWER_SUPPLY_ENTITY
-            and ("status" in row.name.lower() or bool(_PSU_NAME.search(row.name)))
+            and ("status" in row.name.lower() or bool(_SUPPLY_ITSELF.match(row.name)))
             and not row.analog
         )
         if not (unreadable or _is_status_sensor(row)):

@@ -115,9 +115,13 @@ class SmartctlReport:
     messages: tuple[str, ...]
 
 
+def _object(doc: dict[str, Any], key: str) -> dict[str, Any]:
+    value = doc.get(key)
+    return value if isinstance(value, dict) else {}
+
+
 def _messages(doc: dict[str, Any]) -> tuple[str, ...]:
-    tool = doc.get("smartctl")
-    found = tool.get("messages") if isinstance(tool, dict) else None
+    found = _object(doc, "smartctl").get("messages")
     if not isinstance(found, list):
         return ()
     return tuple(str(m.get("string", ""))[:200] for m in found if isinstance(m, dict))
@@ -133,25 +137,21 @@ def parse_smartctl_json(text: str) -> SmartctlReport:
     if not isinstance(doc, dict):
         raise ParseError(f"smartctl JSON is a {type(doc).__name__}, expected an object")
     said = _messages(doc)
+    device = _object(doc, "device")
+    tool = _object(doc, "smartctl")
     health = doc.get("nvme_smart_health_information_log")
     if not isinstance(health, dict):
-        protocol = (
-            (doc.get("device") or {}).get("protocol")
-            if isinstance(doc.get("device"), dict)
-            else None
-        )
+        protocol = device.get("protocol")
         raise ParseError(
             "smartctl JSON has no nvme_smart_health_information_log"
             + (
                 f" (the device speaks {protocol}, not NVMe)"
-                if protocol and protocol != "NVMe"
+                if protocol not in (None, "NVMe")
                 else ""
             )
             + (f": smartctl said {'; '.join(said)}" if said else "")
         )
-    tool = doc.get("smartctl") if isinstance(doc.get("smartctl"), dict) else {}
-    status = tool.get("exit_status") if isinstance(tool, dict) else None
-    device = doc.get("device") if isinstance(doc.get("device"), dict) else {}
+    status = tool.get("exit_status")
     return SmartctlReport(
         log=_health_log(health, kelvin=False),
         device=str(device.get("name")) if device.get("name") else None,
