@@ -190,10 +190,8 @@ def _critical_warning(
     evidence: dict[str, Any],
 ) -> Result:
     if not log.critical_warning:
-        return ctx.result(
-            target, "critical_warning", Status.PASS, f"{name}: no critical warning", value=0,
-            **evidence,
-        )  # fmt: skip
+        detail = f"{name}: no critical warning"
+        return ctx.result(target, "critical_warning", Status.PASS, detail, value=0, **evidence)
     on_scratch = log.media_warning and holds
     detail = (
         f"{name} raised its critical warning 0x{log.critical_warning:02x}: "
@@ -224,64 +222,9 @@ def _spare_wear_media(
     wear_max: float,
     evidence: dict[str, Any],
 ) -> list[Result]:
-    results: list[Result] = []
-    spare, floor = log.avail_spare, log.spare_thresh
-    if spare is not None and floor is not None:
-        if log.spare_below_threshold:
-            status = Status.FAIL
-            detail = (
-                f"{name}: {spare} % spare left, below its threshold of {floor} %: the drive has "
-                "run out of the blocks it remaps failing flash to, and its writes are next to "
-                "fail; drain and replace the drive"
-            )
-        elif floor > 100:
-            status = Status.WARN
-            detail = (
-                f"{name}: Available Spare Threshold {floor} % is a value the NVMe specification "
-                f"reserves (0-100), so the spare ({spare} %) cannot be judged; the drive's "
-                "firmware reports nonsense: update it or ask its vendor"
-            )
-        else:
-            status = Status.PASS
-            detail = f"{name}: {spare} % spare left (threshold {floor} %)"
-        results.append(
-            ctx.result(
-                target,
-                "available_spare",
-                status,
-                detail,
-                value=spare,
-                unit="%",
-                limit=floor,
-                **evidence,
-            )  # fmt: skip
-        )
+    results = [r for r in (_spare(ctx, target, name, log, evidence),) if r is not None]
     if log.percent_used is not None:
-        used = log.percent_used
-        worn = used > wear_max or used >= ENDURANCE_PERCENT
-        detail = f"{name}: {used} % of its rated endurance used"
-        if used >= ENDURANCE_PERCENT:
-            detail += (
-                " (100 = the rated endurance reached; the drive may go on working, but its "
-                "vendor no longer vouches for it): plan its replacement"
-            )
-        elif worn:
-            detail += (
-                f", over {wear_max:g} % (graders/host.yaml nvme.percent_used_max): plan its "
-                "replacement"
-            )
-        results.append(
-            ctx.result(
-                target,
-                "wear",
-                Status.WARN if worn else Status.PASS,
-                detail,
-                value=used,
-                unit="%",
-                limit=wear_max,
-                **evidence,
-            )  # fmt: skip
-        )
+        results.append(_wear(ctx, target, name, log.percent_used, wear_max, evidence))
     if log.media_errors and not log.critical_warning:  # else the warning's detail says it
         results.append(
             ctx.result(
@@ -297,3 +240,62 @@ def _spare_wear_media(
             )
         )
     return results
+
+
+def _spare(
+    ctx: CheckContext, target: str, name: str, log: SmartLog, evidence: dict[str, Any]
+) -> Result | None:
+    spare, floor = log.avail_spare, log.spare_thresh
+    if spare is None or floor is None:
+        return None
+    if log.spare_below_threshold:
+        status = Status.FAIL
+        detail = (
+            f"{name}: {spare} % spare left, below its threshold of {floor} %: the drive has "
+            "run out of the blocks it remaps failing flash to, and its writes are next to "
+            "fail; drain and replace the drive"
+        )
+    elif floor > 100:
+        status = Status.WARN
+        detail = (
+            f"{name}: Available Spare Threshold {floor} % is a value the NVMe specification "
+            f"reserves (0-100), so the spare ({spare} %) cannot be judged; the drive's "
+            "firmware reports nonsense: update it or ask its vendor"
+        )
+    else:
+        status = Status.PASS
+        detail = f"{name}: {spare} % spare left (threshold {floor} %)"
+    return ctx.result(
+        target, "available_spare", status, detail, value=spare, unit="%", limit=floor, **evidence
+    )
+
+
+def _wear(
+    ctx: CheckContext,
+    target: str,
+    name: str,
+    used: int,
+    wear_max: float,
+    evidence: dict[str, Any],
+) -> Result:
+    worn = used > wear_max or used >= ENDURANCE_PERCENT
+    detail = f"{name}: {used} % of its rated endurance used"
+    if used >= ENDURANCE_PERCENT:
+        detail += (
+            " (100 = the rated endurance reached; the drive may go on working, but its "
+            "vendor no longer vouches for it): plan its replacement"
+        )
+    elif worn:
+        detail += (
+            f", over {wear_max:g} % (graders/host.yaml nvme.percent_used_max): plan its replacement"
+        )
+    return ctx.result(
+        target,
+        "wear",
+        Status.WARN if worn else Status.PASS,
+        detail,
+        value=used,
+        unit="%",
+        limit=wear_max,
+        **evidence,
+    )

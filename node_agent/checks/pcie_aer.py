@@ -58,13 +58,72 @@ def _named(hcas: dict[str, str], nvmes: dict[str, str]) -> dict[str, str]:
 
 
 def _gpu_bus_ids(ctx: CheckContext) -> set[str]:
-    out = set()
-    for gpu in _gpus(ctx):
-        try:
-            out.add(normalise_bus_id(gpu.pci_bus_id))
-        except ValueError:
-            continue
-    return out
+    return set(_gpu_targets(ctx))
+
+
+def _function_results(
+    ctx: CheckContext,
+    fn: PciFunction,
+    named: list[str],
+    via: str,
+    counters: Counters,
+    limit: float,
+) -> list[Result]:
+    """One function's counters: its uncorrectable totals, its correctable growth."""
+    assert fn.aer is not None
+    target = named[0] if named else f"pci:{fn.bdf}"
+    evidence = {
+        "bdf": fn.bdf,
+        "upstream": fn.upstream,
+        "behind": named,
+        "bits": fn.aer.bits,
+        "fatal": fn.aer.fatal,
+        "nonfatal": fn.aer.nonfatal,
+        "correctable": fn.aer.correctable,
+    }
+    who = f"{target}{via}" if named else f"PCI device {fn.bdf}"
+    results: list[Result] = []
+    for severity, (metric, status, words) in _SEVERITY.items():
+        count = fn.aer.get(severity)
+        if count:
+            bits = ", ".join(f"{k} {v}" for k, v in fn.aer.bits.get(severity, {}).items())
+            results.append(
+                ctx.result(
+                    target,
+                    metric,
+                    status,
+                    f"{who}: {count} {words} PCIe error(s) since boot"
+                    + (f" ({bits})" if bits else "")
+                    + (
+                        "; the link needed a reset: drain, reboot and re-test, reseat or replace "
+                        "if it recurs"
+                        if severity == "fatal"
+                        else ""
+                    ),
+                    value=count,
+                    unit="errors",
+                    **evidence,
+                )
+            )
+    if fn.aer.correctable is not None:
+        grew = counters.growth(fn.bdf, fn.aer.correctable)
+        if grew > limit:
+            results.append(
+                ctx.result(
+                    target,
+                    "aer_correctable",
+                    Status.WARN,
+                    f"{who}: correctable PCIe errors grew by {grew} since the last run "
+                    f"({fn.aer.correctable} since boot; graders/host.yaml "
+                    f"pcie_aer.correctable_growth_max {limit:g}): a marginal link (riser, "
+                    "slot, retimer)",
+                    value=grew,
+                    unit="errors",
+                    limit=limit,
+                    **evidence,
+                )
+            )
+    return results
 
 
 def _owners(
@@ -138,62 +197,11 @@ def _counters(
     counters = Counters.load(ctx, "pcie_aer")
     results: list[Result] = []
     for fn in with_aer:
-        assert fn.aer is not None
         named = owners.get(fn.bdf, [])
-        target = named[0] if named else f"pci:{fn.bdf}"
         via = ""
         if named and fn.bdf not in gpu_bdfs and fn.bdf not in hcas:
             via = f" (on the bridge {fn.bdf} directly upstream of {', '.join(named)})"
-        evidence = {
-            "bdf": fn.bdf,
-            "upstream": fn.upstream,
-            "behind": named,
-            "bits": fn.aer.bits,
-            "fatal": fn.aer.fatal,
-            "nonfatal": fn.aer.nonfatal,
-            "correctable": fn.aer.correctable,
-        }
-        who = f"{target}{via}" if named else f"PCI device {fn.bdf}"
-        for severity, (metric, status, words) in _SEVERITY.items():
-            count = fn.aer.get(severity)
-            if count:
-                bits = ", ".join(f"{k} {v}" for k, v in fn.aer.bits.get(severity, {}).items())
-                results.append(
-                    ctx.result(
-                        target,
-                        metric,
-                        status,
-                        f"{who}: {count} {words} PCIe error(s) since boot"
-                        + (f" ({bits})" if bits else "")
-                        + (
-                            "; the link needed a reset: drain, reboot and re-test, reseat or replace "
-                            "if it recurs"
-                            if severity == "fatal"
-                            else ""
-                        ),
-                        value=count,
-                        unit="errors",
-                        **evidence,
-                    )
-                )
-        if fn.aer.correctable is not None:
-            grew = counters.growth(fn.bdf, fn.aer.correctable)
-            if grew > limit:
-                results.append(
-                    ctx.result(
-                        target,
-                        "aer_correctable",
-                        Status.WARN,
-                        f"{who}: correctable PCIe errors grew by {grew} since the last run "
-                        f"({fn.aer.correctable} since boot; graders/host.yaml "
-                        f"pcie_aer.correctable_growth_max {limit:g}): a marginal link (riser, "
-                        "slot, retimer)",
-                        value=grew,
-                        unit="errors",
-                        limit=limit,
-                        **evidence,
-                    )
-                )
+        results.extend(_function_results(ctx, fn, named, via, counters, limit))
     counters.save()
     if not results:
         results.append(

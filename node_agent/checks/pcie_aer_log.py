@@ -124,10 +124,6 @@ def log_results(
                 unit="lines",
             )
         ]
-    # a device named by its driver where sysfs cannot place it
-    for _m, line in lines:
-        if line.bdf not in named and line.driver in DRIVER_KINDS and not functions:
-            named = {**named, line.bdf: f"pci:{line.bdf}"}
     limit = thresholds(ctx, "pcie_aer")["correctable_per_hour_max"]
     kinds = {bdf: line.driver for _m, line in lines for bdf in [line.bdf]}
     results: list[Result] = []

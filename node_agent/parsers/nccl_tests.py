@@ -180,12 +180,6 @@ def parse_all_reduce_perf(text: str) -> NcclTable:
         raise ParseError(
             "no all_reduce_perf table header (# size count type redop ...) in the output"
         )
-    if "redop" not in columns or "type" not in columns:
-        raise ParseError(
-            f"the table header ({' '.join(columns)[:100]!r}) has no type and redop columns, which "
-            "all_reduce_perf always prints: this is another tool's or collective's table "
-            "(mscclpp-test's alltoall prints none), and its busbw is not all-reduce bus bandwidth"
-        )
     _refuse_unread(columns, rows, unread, ended=avg is not None)
     if avg is None:
         raise ParseError(
@@ -316,6 +310,12 @@ def _refuse_unread(
     collective's table (its rows leave the ``redop`` column empty, as alltoall_perf before
     nccl-tests 2.11 did), an edited cell, or a last row cut off mid-line; and a header with no
     row under it, which is a run that ended before its first size, not a cut-off table."""
+    if "redop" not in columns or "type" not in columns:
+        raise ParseError(
+            f"the table header ({' '.join(columns)[:100]!r}) has no type and redop columns, which "
+            "all_reduce_perf always prints: this is another tool's or collective's table "
+            "(mscclpp-test's alltoall prints none), and its busbw is not all-reduce bus bandwidth"
+        )
     width = len(columns) + (1 if columns[-1] == "timestamp" else 0)
     short = [t for t in unread if len(t) < width]
     if "redop" in columns and short and all(_no_redop(columns, t) for t in short):
