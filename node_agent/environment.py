@@ -22,7 +22,12 @@ from node_agent.gpu.base import GpuBackend
 from node_agent.grading.rules import Grader, load_grader
 from node_agent.hardware.sku import Sku, load_skus
 from node_agent.inventory import Inventory, collect
-from node_agent.kernel_log import KernelLog, LinesKernelLog, open_kernel_log
+from node_agent.kernel_log import (
+    KernelLog,
+    LinesKernelLog,
+    UnavailableKernelLog,
+    open_kernel_log,
+)
 from node_agent.sim.scenario import Scenario, load_scenario
 from node_agent.yamlfile import ConfigError
 
@@ -98,6 +103,17 @@ def kernel_log_path(config: Config) -> str | None:
     return config.kernel_log.path or os.environ.get(KERNEL_LOG_ENV) or None
 
 
+def _scenario_kernel_log(scenario: Scenario, lines: list[str]) -> KernelLog:
+    """A scenario's kernel log; for a capture that holds none because none could be read (a
+    conversion from nvidia-smi, a host whose kmsg was not readable: ``capture.kernel_log.
+    unavailable``), a log that says so, so the checks that read it skip with that reason
+    instead of reading an empty log as a clean one. Lines a fault adds are read as given."""
+    missing = ((scenario.capture or {}).get("kernel_log") or {}) if scenario.captured else {}
+    if not lines and isinstance(missing, dict) and missing.get("unavailable"):
+        return UnavailableKernelLog(f"the capture holds no kernel log: {missing['unavailable']}")
+    return LinesKernelLog(lines, source="simulated kernel log")
+
+
 def open_environment(config: Config, simulate: str | None = None) -> Environment:
     """Validate everything first (ConfigError: nothing has run), then open the hardware."""
     grader, skus = load_data(config)
@@ -105,9 +121,7 @@ def open_environment(config: Config, simulate: str | None = None) -> Environment
     if scenario is not None:
         stand_in = open_stand_in(scenario, skus[scenario.sku])
         backend: GpuBackend = stand_in
-        kernel_log: KernelLog = LinesKernelLog(
-            stand_in.kernel_log_lines(), source="simulated kernel log"
-        )
+        kernel_log: KernelLog = _scenario_kernel_log(scenario, stand_in.kernel_log_lines())
         hostname: str | None = config.node.name or scenario.hostname
         # a captured node is matched to its SKU as the recorded host was (node.sku, else auto)
         sku_setting = config.node.sku if scenario.captured else scenario.sku

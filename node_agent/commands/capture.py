@@ -1,7 +1,8 @@
 """``node-agent capture OUT.yaml``: this node as a scenario that replays as this node
 (docs/capture.md). With ``--simulate SCENARIO`` the simulated node is captured instead, through
 the same recorder (its NVML answered by the stand-in's rules in Python); with
-``--from-readings DIR`` nvidia-ml-py readings saved on another host are converted."""
+``--from-readings DIR`` nvidia-ml-py readings saved on another host are converted, with
+``--from-nvidia-smi FILE`` what ``nvidia-smi -q`` (or ``-q -x``) printed there."""
 
 from __future__ import annotations
 
@@ -39,11 +40,19 @@ def add_parser(sub: Any, common: Any) -> None:
         metavar="N",
         help=f"kernel-log records to keep, the newest (default {KERNEL_LOG_RECORDS})",
     )
-    p.add_argument(
+    source = p.add_mutually_exclusive_group()
+    source.add_argument(
         "--from-readings",
         metavar="DIR",
         help="convert nvidia-ml-py readings (nvml-readings.json, "
         "kernel-log-boot.txt, PROVENANCE.md) instead of reading this node",
+    )
+    source.add_argument(
+        "--from-nvidia-smi",
+        metavar="FILE",
+        help="convert what `nvidia-smi -q` or `nvidia-smi -q -x` printed (a bug report's "
+        "attachment) instead of reading this node; what it does not print (the kernel log, "
+        "the PCI bus, NVLink per link) is said in the file, not invented",
     )
 
 
@@ -70,6 +79,11 @@ def run(args: argparse.Namespace) -> int:
 
             command = f"node-agent capture --from-readings {args.from_readings} {args.out}"
             text = convert(Path(args.from_readings), skus, command)
+        elif args.from_nvidia_smi:
+            from node_agent.sim import nvidia_smi
+
+            command = f"node-agent capture --from-nvidia-smi {args.from_nvidia_smi} {args.out}"
+            text = nvidia_smi.convert(Path(args.from_nvidia_smi), skus, command, sku=args.sku)
         elif args.simulate:
             text = _capture_simulated(args, skus, argv)
         else:
