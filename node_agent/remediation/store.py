@@ -599,7 +599,7 @@ def bounded_reasons(reasons: list[dict[str, Any]], max_bytes: int = RUN_REASONS_
     room = max_bytes - 200  # for the closing note
     keep: set[int] = set()
     for i in sorted(
-        range(len(reasons)), key=lambda i: _LEVEL_ORDER.get(reasons[i].get("level"), 3)
+        range(len(reasons)), key=lambda i: _LEVEL_ORDER.get(str(reasons[i].get("level")), 3)
     ):
         size = len(json.dumps(reasons[i])) + 2
         if size <= room:

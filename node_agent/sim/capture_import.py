@@ -34,8 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from node_agent.atomic_file import FOREIGN_MAX_BYTES, ForeignFileRefused, read_foreign
+from node_agent.gpu.nvml_calls import ERROR_NAMES
 from node_agent.gpu.pci import NVIDIA_VENDOR_ID, normalise_bus_id
-from node_agent.gpu.replay import ERROR_NAMES, recorded_error
+from node_agent.gpu.replay import recorded_error
 from node_agent.hardware.sku import Sku
 from node_agent.sim.capture import FORMAT, CaptureError, build_scenario, dump
 
