@@ -309,7 +309,7 @@ def _pci_functions(gpus: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _section(text: str, marker: str) -> list[str]:
+def section(text: str, marker: str) -> list[str]:
     """The lines after the line holding ``marker`` up to the next heading or bold title."""
     lines = text.splitlines()
     for i, line in enumerate(lines):
@@ -327,7 +327,7 @@ def _section(text: str, marker: str) -> list[str]:
 
 def oracle_of(provenance: str) -> dict[str, Any]:
     """The grades PROVENANCE.md's "What a good operator concludes" gives, as data."""
-    lines = "\n".join(_section(provenance, "What a good operator concludes"))
+    lines = "\n".join(section(provenance, "What a good operator concludes"))
     declared = re.search(r"`node\.expected_gpus: (\d+)` declared: \*\*([A-Z]+)\*\*", lines)
     undeclared = re.search(r"Nothing declared: at most \*\*([A-Z]+)\*\*", lines)
     if not declared or not undeclared:
@@ -389,10 +389,10 @@ def convert(src: Path, skus: dict[str, Sku], command: str) -> str:
         f"regenerate with `{command}`.",
         "",
         "The machine (from PROVENANCE.md):",
-        *_section(provenance, "The machine"),
+        *section(provenance, "The machine"),
         "",
         "What a good operator concludes (the oracle, from PROVENANCE.md):",
-        *_section(provenance, "What a good operator concludes"),
+        *section(provenance, "What a good operator concludes"),
     ]
     return dump(scenario, header)
 
@@ -425,7 +425,7 @@ def _read_text(src: Path, name: str, dir_fd: int) -> str:
 def _machine(provenance: str) -> str | None:
     """The first line of PROVENANCE.md's machine description, without its list mark."""
     try:
-        lines = [line.strip(" -;") for line in _section(provenance, "The machine") if line.strip()]
+        lines = [line.strip(" -;") for line in section(provenance, "The machine") if line.strip()]
     except CaptureError:
         return None
     return lines[0] if lines else None

@@ -38,6 +38,7 @@ from node_agent.gpu.pci import NVIDIA_VENDOR_ID, normalise_bus_id
 from node_agent.gpu.replay import recorded_error
 from node_agent.hardware.sku import Sku
 from node_agent.sim.capture import FORMAT, CaptureError, build_scenario, dump
+from node_agent.sim.capture_import import BACKEND_KEYS, oracle_of, section
 
 #: what a PROVENANCE.md beside the file may add (the machine, the operator's conclusions)
 PROVENANCE = "PROVENANCE.md"
@@ -94,46 +95,6 @@ _EVENT_REASONS = (
     (0x80, "hw_power_brake_slowdown", "HW Slowdown/HW Power Brake Slowdown"),
     (0x100, "display_clocks_setting", "Display Clock Setting"),
 )
-#: the agent's NVML calls a conversion cannot fill from nvidia-smi's print (``not_read``)
-_BACKEND_KEYS = (
-    "name",
-    "uuid",
-    "pci.bus_id",
-    "serial",
-    "vbios",
-    "memory.total",
-    "temperature.gpu",
-    "temperature.threshold.shutdown",
-    "temperature.threshold.slowdown",
-    "temperature.threshold.gpu_max",
-    "temperature.threshold.mem_max",
-    "power.usage",
-    "power.enforced_limit",
-    "power.default_limit",
-    "clock.sm",
-    "clock_max.sm",
-    "clock.mem",
-    "clocks_event_reasons",
-    "pcie.gen",
-    "pcie.gen_max",
-    "pcie.width",
-    "pcie.width_max",
-    "pcie.replay_counter",
-    "ecc.mode",
-    "ecc.corrected.volatile",
-    "ecc.uncorrected.volatile",
-    "ecc.corrected.aggregate",
-    "ecc.uncorrected.aggregate",
-    "retired_pages.sbe",
-    "retired_pages.dbe",
-    "retired_pages.pending",
-    "remapped_rows",
-    "persistence_mode",
-    "field.230",
-    "utilization",
-    "virtualization_mode",
-)
-
 Tree = dict[str, Any]  # one section: name -> text, or a nested section
 
 
@@ -311,6 +272,10 @@ def _hex(text: str) -> int:
     return int(text.strip().lower().removeprefix("0x"), 16)
 
 
+def _milliwatts(text: str) -> int:
+    return round(_number(text) * 1000)
+
+
 def _named(table: dict[str, int]) -> Callable[[str], int]:
     def convert(text: str) -> int:
         return table[text.strip().lower()]
@@ -403,25 +368,25 @@ _FIELDS: tuple[tuple[str, str, str, Callable[[str], Any]], ...] = (
         "|power_readings/power_draw",
         "GPU Power Readings/Instantaneous Power Draw|GPU Power Readings/Power Draw"
         "|Power Readings/Power Draw",
-        lambda t: round(_number(t) * 1000),
+        _milliwatts,
     ),
     (
         "power.enforced_limit",
         "gpu_power_readings/current_power_limit|power_readings/enforced_power_limit",
         "GPU Power Readings/Current Power Limit|Power Readings/Enforced Power Limit",
-        lambda t: round(_number(t) * 1000),
+        _milliwatts,
     ),
     (
         "power.limit",
         "gpu_power_readings/requested_power_limit|power_readings/power_limit",
         "GPU Power Readings/Requested Power Limit|Power Readings/Power Limit",
-        lambda t: round(_number(t) * 1000),
+        _milliwatts,
     ),
     (
         "power.default_limit",
         "gpu_power_readings/default_power_limit|power_readings/default_power_limit",
         "GPU Power Readings/Default Power Limit|Power Readings/Default Power Limit",
-        lambda t: round(_number(t) * 1000),
+        _milliwatts,
     ),
     ("clock.graphics", "clocks/graphics_clock", "Clocks/Graphics", _int),
     ("clock.sm", "clocks/sm_clock", "Clocks/SM", _int),
@@ -748,7 +713,7 @@ def convert(src: Path, skus: dict[str, Sku], command: str, sku: str | None = Non
         "pci.driver": "nvidia (nvidia-smi answered, so the driver was bound)",
     }
     gpus = [gpu_keys(smi, tree, assumed) for _, tree in smi.gpus]
-    not_read = sorted({k for g in gpus if "lost" not in g for k in _BACKEND_KEYS if k not in g})
+    not_read = sorted({k for g in gpus if "lost" not in g for k in BACKEND_KEYS if k not in g})
     stamp = smi.head.get("timestamp", "")
     record: dict[str, Any] = {
         "format": FORMAT,
@@ -782,11 +747,9 @@ def convert(src: Path, skus: dict[str, Sku], command: str, sku: str | None = Non
 def _add_provenance(text: str, record: dict[str, Any], header: list[str]) -> None:
     """PROVENANCE.md's source, machine and operator's conclusions into the header, and its
     grades into ``capture.oracle`` when it states them (the form capture_import reads)."""
-    from node_agent.sim.capture_import import _section, oracle_of
-
     for title in ("The source", "The machine", "What a good operator concludes"):
         try:
-            body = _section(text, title)
+            body = section(text, title)
         except CaptureError:
             continue
         header += ["", f"{title} (from {PROVENANCE}):", *body]
