@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import socket
 import statistics
 import subprocess
@@ -50,6 +51,10 @@ def one_run(nodes: int, gpus: int, replay: bool, workdir: Path) -> dict:
                 {"sku": "h100-sxm5-80gb", "gpus": gpus, "hostname": f"node{rank}", "faults": []}
             )
         )
+    key = workdir / "job.key"
+    if not key.exists():  # the job's key, as the launchers make it (every message is signed)
+        key.write_text(secrets.token_hex(32) + "\n")
+        key.chmod(0o600)
     config = workdir / "config.yaml"
     config.write_text(
         yaml.safe_dump({"state_dir": str(workdir / "state"), "kernel_log": {"path": os.devnull}})
@@ -60,6 +65,8 @@ def one_run(nodes: int, gpus: int, replay: bool, workdir: Path) -> dict:
         "stop-check",
         "--config",
         str(config),
+        "--key-file",
+        str(key),
         "--simulate",
         str(scen / "n{rank}.yaml"),
         "--out",

@@ -5,12 +5,17 @@ each rank joins the others, runs the phases (docs/stop_check.md) and grades its 
 its share; rank 0 writes ``stop-check.json`` with the suspects and, with ``--topology``, the
 parallel groups to evict. ``--act`` drains a suspect through the normal remediation and its
 guards, like any other grade.
+
+Ranks believe each other only under the job's key (``--key-file``,
+:mod:`node_agent.stopcheck.signed`): a rank that cannot verify a peer stops every rank it can
+with exit 2 and one line, and nothing is written, named or drained.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +30,7 @@ from node_agent.model import Report, Result, Status, utc_iso
 from node_agent.report import json_report
 from node_agent.report.terminal import printable, render_summary
 from node_agent.resources import suites_dir
-from node_agent.stopcheck import localise, phases, ranks
+from node_agent.stopcheck import localise, phases, ranks, signed
 from node_agent.suite import load_suite
 from node_agent.yamlfile import ConfigError
 
@@ -80,6 +85,12 @@ def add_parser(sub: Any, common: Any) -> None:
         metavar="S",
         help="a collective that takes longer fails its phase (default 300)",
     )
+    p.add_argument(
+        "--key-file",
+        metavar="PATH",
+        help="the job's key (required): 64 hex characters, mode 0600, owned by you or root; "
+        "every message between ranks is signed with it",
+    )
     p.add_argument("--json", action="store_true", help="print this node's report alone")
     act.add_act_options(p)
 
@@ -96,7 +107,16 @@ def _scenario_for(pattern: str | None, rank: int) -> str | None:
 
 
 def cmd_stop_check(args: argparse.Namespace) -> int:
+    if not args.key_file:
+        raise ConfigError(
+            "stop-check needs --key-file PATH, the job's key that every rank holds "
+            "(umask 077; openssl rand -hex 32 > PATH; see docs/stop_check.md)"
+        )
+    key = signed.load_key(args.key_file)
     place = ranks.place_from_env()
+    # torch's C++ side logs a page of stack frames for a store connection refused or closed (a
+    # stranger's store going away); the rank's one line on stderr says what happened instead
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if args.rounds < 1:
         raise ConfigError("--rounds must be at least 1")
     config = load_config(args.config)
@@ -110,7 +130,14 @@ def cmd_stop_check(args: argparse.Namespace) -> int:
     acting = act.prepare(args, config)
     env = open_environment(config, simulate)
     try:
-        return _run(args, place, config, env, quick, acting, topology)
+        return _run(args, place, key, config, env, quick, acting, topology)
+    except signed.PeerUnverified as err:
+        print(
+            f"node-agent stop-check: rank {place.rank} stops: {printable(str(err))[:300]}; "
+            "nothing named or drained",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     finally:
         env.close()
 
@@ -133,7 +160,7 @@ def _devices(env: Any) -> tuple[list[Any], str | None]:
         return [], str(err)
 
 
-def _run(args, place, config, env, quick, acting, topology) -> int:
+def _run(args, place, key, config, env, quick, acting, topology) -> int:
     started = utc_iso()
     simulate = env.scenario.source if env.scenario is not None else None
     node = _node_name(config, env, simulate)
@@ -146,12 +173,13 @@ def _run(args, place, config, env, quick, acting, topology) -> int:
     deterministic()
     backend = "nccl" if devices and not devices[0].simulated else "gloo"
     try:
-        store = ranks.open_store(place, args.join_timeout_s)
-        joined = ranks.join(store, place, node, args.join_timeout_s)
+        store = ranks.open_store(place, key, args.join_timeout_s)
+        joined = ranks.join(store, place, node, key, args.join_timeout_s)
     except (RuntimeError, OSError) as err:
+        first = printable(str(err)).strip().splitlines()[:1] or [type(err).__name__]
         print(
-            f"node-agent stop-check: rank {place.rank} could not reach rank 0 at "
-            f"{place.master_addr}:{place.master_port}: {printable(str(err))[:200]}",
+            f"node-agent stop-check: rank {place.rank} could not verify rank 0 at "
+            f"{place.master_addr}:{place.master_port} ({first[0][:160]}): nothing named",
             file=sys.stderr,
         )
         return EXIT_USAGE
@@ -187,19 +215,27 @@ def _run(args, place, config, env, quick, acting, topology) -> int:
                 f"node-agent stop-check: {names} did not join; rank 0 names them", file=sys.stderr
             )
         return EXIT_USAGE
-    ranks.init_group(store, place, backend, args.phase_timeout_s)
+    ranks.init_group(store, place, key, joined.session, backend, args.phase_timeout_s)
     stack = _stack(env, torch.__version__)
+    where = devices[0].device if backend == "nccl" else "cpu"
     side = phases.NodeSide(
         place,
         node,
         joined.nodes,
+        signed.Exchange(key, joined.session, place.rank, place.world_size, where),
         devices,
         stack,
         quick_report=lambda: execute(quick, env),
         slow_link=float(slow[0].params["factor"]) if slow else 1.0,
         backend=backend,
     )
-    outcomes = _phases(args, side, no_compute)
+    try:
+        outcomes = _phases(args, side, no_compute)
+    except signed.PeerUnverified:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        raise
     suspects = [s for o in outcomes.values() for s in o.suspects]
     if place.rank == 0:
         path = _write_summary(args, env, place, joined.nodes, outcomes, suspects, topology, started)
@@ -259,13 +295,10 @@ def _stack(env: Any, torch_version: str) -> str:
 
 
 def _phases(args, side: phases.NodeSide, no_compute: str | None) -> dict[str, phases.PhaseOutcome]:
-    import torch.distributed as dist
-
     out: dict[str, phases.PhaseOutcome] = {}
     # whether every node can compute decides the compute phases for all ranks alike
-    can: list[tuple[str, str | None] | None] = [None] * side.place.world_size
-    dist.all_gather_object(can, (side.node, no_compute))
-    cannot = {n: why for n, why in filter(None, can) if why}
+    can = side.exchange.gather("can", {"no_compute": no_compute}, {"no_compute": signed.Maybe(str)})
+    cannot = {side.nodes[r]: c["no_compute"] for r, c in enumerate(can) if c["no_compute"]}
     Phase = Callable[[phases.NodeSide], phases.PhaseOutcome]
     plan: list[tuple[str, Phase]] = [("self", phases.phase_self)]
     compute: list[tuple[str, Phase]] = [

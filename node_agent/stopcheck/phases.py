@@ -19,6 +19,7 @@ from node_agent.model import Level, Report
 from node_agent.stopcheck import localise
 from node_agent.stopcheck.localise import GpuHash, GroupResult, Suspect
 from node_agent.stopcheck.reference import digest, run_step
+from node_agent.stopcheck.signed import Exchange, MapOf, PeerUnverified
 
 if TYPE_CHECKING:
     from node_agent.compute.devices import ComputeDevice
@@ -44,7 +45,8 @@ class NodeSide:
 
     place: Place
     node: str
-    nodes: dict[int, str]  # rank -> node name (everyone joined)
+    nodes: dict[int, str]  # rank -> node name (everyone joined), bound by the signed join
+    exchange: Exchange  # every rank's data, signed; indexed by rank, never by a name in it
     devices: list[ComputeDevice]
     stack: str  # SKU and software: GPUs of one stack must agree bit for bit
     quick_report: Callable[[], Report]
@@ -75,18 +77,31 @@ class PhaseOutcome:
         return out
 
 
-def _gather(obj: Any, world: int) -> list[Any]:
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
+#: what each phase's message holds (:func:`node_agent.stopcheck.signed.check`); a node's name is
+#: never in it: the rank it came from, bound at join, says whose it is
+_HASHES = [{"gpu": int, "digest": lambda v: isinstance(v, str) and len(v) == 64}]
+_PAIR = r"\d{1,4}->\d{1,4}"
+SCHEMAS: dict[str, Any] = {
+    "self": {"level": lambda v: v in Level.__members__, "reasons": [str]},
+    "intra_node": {
+        "pairs": MapOf(float, _PAIR),
+        "bad_bytes": MapOf(int, _PAIR),
+        "copies": int,
+        "bandwidth_graded": bool,
+    },
+    "neighbours": {"seconds": float, "wrong_elements": int},
+    "alignment": {"stack": str, "hashes": _HASHES},
+    "alignment-rerun": {"hashes": _HASHES},
+    "replay": {"row": (int, str, str), "col": (int, str, str)},
+}
 
 
 def run_phase(name: str, fn: Callable[[NodeSide], PhaseOutcome], side: NodeSide) -> PhaseOutcome:
     start = time.monotonic()
     try:
         outcome = fn(side)
+    except PeerUnverified:  # not a broken phase: a peer that cannot be believed stops the run
+        raise
     except Exception as err:  # a peer gone, a collective timed out: the group is broken
         outcome = PhaseOutcome(name, error=f"{type(err).__name__}: {str(err)[:300]}")
     outcome.duration_s = time.monotonic() - start
@@ -100,21 +115,20 @@ def phase_self(side: NodeSide) -> PhaseOutcome:
     """Every node runs its quick suite; a node graded ERROR or FAULT is a suspect already."""
     report = side.quick_report()
     mine = {
-        "node": side.node,
         "level": report.grade.level.name,
         "reasons": [f"{r.target}: {r.message}" for r in report.grade.reasons][:10],
     }
-    shared = _gather(mine, side.place.world_size)
+    shared = side.exchange.gather("self", mine, SCHEMAS["self"])
     suspects = [
-        Suspect(s["node"], "self", evidence={"level": s["level"], "reasons": s["reasons"]})
-        for s in shared
+        Suspect(side.nodes[r], "self", evidence={"level": s["level"], "reasons": s["reasons"]})
+        for r, s in enumerate(shared)
         if Level[s["level"]] >= Level.ERROR
     ]
     return PhaseOutcome(
         "self",
         suspects=suspects,
         report=report,
-        figures={s["node"]: {"level": s["level"]} for s in shared},
+        figures={side.nodes[r]: {"level": s["level"]} for r, s in enumerate(shared)},
     )
 
 
@@ -132,7 +146,7 @@ def phase_intra_node(side: NodeSide) -> PhaseOutcome:
     """An all-to-all among the node's GPUs, pair by pair: every byte checked, bandwidth compared
     with the node's other pairs (GPUs only: simulated GPUs share the host's memory)."""
     devices = side.devices
-    mine: dict[str, Any] = {"pairs": {}, "bad_bytes": {}}
+    mine: dict[str, Any] = {"pairs": {}, "bad_bytes": {}, "copies": 0, "bandwidth_graded": False}
     if len(devices) >= 2:
         simulated = devices[0].simulated
         size = SIM_INTRA_NODE_BYTES if simulated else INTRA_NODE_BYTES
@@ -149,14 +163,15 @@ def phase_intra_node(side: NodeSide) -> PhaseOutcome:
                 key = f"{src.spec.index}->{dst.spec.index}"
                 if not simulated:  # simulated GPUs share the host's memory: no link to time
                     mine["pairs"][key] = round(size / elapsed / 1e9, 3)
-                mine["copies"] = mine.get("copies", 0) + 1
+                mine["copies"] += 1
                 bad = int((out.cpu() != buf.cpu()).sum())
                 if bad:
                     mine["bad_bytes"][key] = bad
         mine["bandwidth_graded"] = not simulated
-    shared = _gather((side.node, mine), side.place.world_size)
+    shared = side.exchange.gather("intra_node", mine, SCHEMAS["intra_node"])
     suspects: list[Suspect] = []
-    for node, data in shared:
+    for rank, data in enumerate(shared):
+        node = side.nodes[rank]
         for key, bad in data["bad_bytes"].items():
             _src_index, dst_index = (int(x) for x in key.split("->"))
             suspects.append(
@@ -174,7 +189,9 @@ def phase_intra_node(side: NodeSide) -> PhaseOutcome:
         if data.get("bandwidth_graded") and len(data["pairs"]) >= 2:
             suspects.extend(_slow_gpus(node, data["pairs"]))
     outcome = PhaseOutcome(
-        "intra_node", suspects=suspects, figures={node: data for node, data in shared}
+        "intra_node",
+        suspects=suspects,
+        figures={side.nodes[r]: data for r, data in enumerate(shared)},
     )
     if len(devices) < 2:
         outcome.skipped = (
@@ -240,23 +257,23 @@ def phase_neighbours(side: NodeSide) -> PhaseOutcome:
         wrong += int((recv != float(left + 1)).sum())
         if it:  # the first exchange connects the pair: not timed
             times.append(elapsed)
-    mine = {"rank": rank, "seconds": statistics.median(times), "wrong_elements": wrong}
-    shared = _gather(mine, n)
-    seconds = {s["rank"]: s["seconds"] for s in shared}
+    mine = {"seconds": statistics.median(times), "wrong_elements": wrong}
+    shared = side.exchange.gather("neighbours", mine, SCHEMAS["neighbours"])
+    seconds = {r: s["seconds"] for r, s in enumerate(shared)}
     pair_gbps = {
-        (a, b): NEIGHBOUR_BYTES / max(seconds[a], seconds[b]) / 1e9
+        (a, b): NEIGHBOUR_BYTES / max(seconds[a], seconds[b], 1e-9) / 1e9
         for a, b in localise.ring_pairs(n)
     }
     suspects = localise.slow_nodes(pair_gbps, [side.nodes[r] for r in range(n)], SLOW_PAIR_SHARE)
-    for s in shared:
+    for r, s in enumerate(shared):
         if s["wrong_elements"]:
             suspects.append(
                 Suspect(
-                    side.nodes[s["rank"]],
+                    side.nodes[r],
                     "neighbours",
                     evidence={
                         "wrong_elements_received": s["wrong_elements"],
-                        "from": side.nodes[(s["rank"] - 1) % n],
+                        "from": side.nodes[(r - 1) % n],
                     },
                 )
             )
@@ -272,21 +289,31 @@ def phase_neighbours(side: NodeSide) -> PhaseOutcome:
 def phase_alignment(side: NodeSide) -> PhaseOutcome:
     """Every GPU runs the same reference step; within a stack the majority hash is right. An odd
     GPU runs it again (one more round) and the evidence says whether it repeated."""
-    n = side.place.world_size
-    mine = [
-        GpuHash(side.node, dev.spec.index, run_step(dev, ALIGNMENT_SEED).digest, side.stack)
-        for dev in side.devices
+    mine = {
+        "stack": side.stack,
+        "hashes": [
+            {"gpu": dev.spec.index, "digest": run_step(dev, ALIGNMENT_SEED).digest}
+            for dev in side.devices
+        ],
+    }
+    shared = side.exchange.gather("alignment", mine, SCHEMAS["alignment"])
+    everyone = [
+        GpuHash(side.nodes[r], h["gpu"], h["digest"], part["stack"])
+        for r, part in enumerate(shared)
+        for h in part["hashes"]
     ]
-    everyone = [h for part in _gather(mine, n) for h in part]
     suspects = localise.odd_hashes(everyone)
     mine_odd = {s.gpu for s in suspects if s.node == side.node}
-    again = {
-        dev.spec.index: run_step(dev, ALIGNMENT_SEED).digest
+    again = [
+        {"gpu": dev.spec.index, "digest": run_step(dev, ALIGNMENT_SEED).digest}
         for dev in side.devices
         if dev.spec.index in mine_odd
-    }
+    ]
+    shared = side.exchange.gather("alignment-rerun", {"hashes": again}, SCHEMAS["alignment-rerun"])
     reruns = {
-        (node, gpu): d for node, part in _gather((side.node, again), n) for gpu, d in part.items()
+        (side.nodes[r], h["gpu"]): h["digest"]
+        for r, part in enumerate(shared)
+        for h in part["hashes"]
     }
     confirmed = []
     for s in suspects:
@@ -327,13 +354,13 @@ def phase_replay(side: NodeSide, rounds: int) -> PhaseOutcome:
         outs = [run_step(dev, REPLAY_SEED + rnd).output for dev in side.devices]
         where = side.devices[0].device if side.backend == "nccl" else "cpu"
         tensor = torch.stack([o.to(device=where, dtype=torch.float32) for o in outs])
-        mine: dict[str, Any] = {"rank": rank}
+        mine: dict[str, Any] = {}
         for axis, groups, index in (("row", row_groups, my_row), ("col", col_groups, my_col)):
             low, high = tensor.clone(), tensor.clone()
             dist.all_reduce(low, dist.ReduceOp.MIN, group=groups[index])
             dist.all_reduce(high, dist.ReduceOp.MAX, group=groups[index])
-            mine[axis] = (index, digest(low), digest(high))
-        shared = _gather(mine, n)
+            mine[axis] = [index, digest(low), digest(high)]
+        shared = side.exchange.gather("replay", mine, SCHEMAS["replay"])
         row_results = _groups(rows, shared, "row")
         col_results = _groups(cols, shared, "col")
         for r in localise.cross(row_results, col_results):
@@ -359,7 +386,9 @@ def phase_replay(side: NodeSide, rounds: int) -> PhaseOutcome:
 
 def _groups(members: list[list[int]], shared: list[dict[str, Any]], axis: str) -> list[GroupResult]:
     by_index: dict[int, tuple[str, str]] = {}
-    for s in shared:
+    for rank, s in enumerate(shared):
         index, low, high = s[axis]
+        if not 0 <= index < len(members) or rank not in members[index]:
+            raise PeerUnverified(f"rank {rank}'s replay message names {axis} {index}, not its own")
         by_index.setdefault(index, (low, high))
     return [GroupResult(tuple(m), *by_index[i]) for i, m in enumerate(members)]

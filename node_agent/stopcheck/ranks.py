@@ -5,25 +5,33 @@ itself: ``TORCHELASTIC_USE_AGENT_STORE=True``); ``srun`` sets ``SLURM_PROCID`` a
 ``SLURM_NTASKS``; an indexed Kubernetes Job sets ``JOB_COMPLETION_INDEX``. ``MASTER_ADDR`` and
 ``MASTER_PORT`` must then be exported by the job script (the first node and a free port).
 
-Joining is checked before any collective: every rank writes its node's name into the job's
-store, and rank 0 waits for all of them until the join deadline. A rank that never arrives is
-then named by rank 0 (``did not join``) instead of every rank hanging in the process group's
-set-up until its own timeout with nobody named.
+Joining is checked before any collective: every rank writes a signed join record (its node's
+name and a fresh nonce, :mod:`node_agent.stopcheck.signed`) into the job's store, and rank 0
+waits for all of them until the join deadline, then publishes the records it verified, signed. A
+rank that never arrives is then named by rank 0 (``did not join``) instead of every rank hanging
+in the process group's set-up until its own timeout with nobody named; a record nobody can verify
+stops every rank (exit 2). The node a rank speaks for is the one its join record bound it to.
+
+The store's keys live under a prefix derived from the job's key. That keeps a stranger who
+connects to the store from writing where the ranks read on torch versions without
+``Store.list_keys``; with it (torch 2.13 has it) the names can be listed, and the signatures
+alone keep a stranger's records from being believed.
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
 import os
+import secrets
+import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from node_agent.stopcheck import signed
 from node_agent.yamlfile import ConfigError
-
-_PREFIX = "node-agent/stop-check"
 
 
 @dataclass(frozen=True)
@@ -78,58 +86,133 @@ def place_from_env(env: Mapping[str, str] | None = None) -> Place:
     )
 
 
-def open_store(place: Place, timeout_s: float) -> Any:
-    """The job's key-value store: torchrun's, or one rank 0 hosts at MASTER_ADDR:MASTER_PORT."""
+def listen(place: Place) -> int:
+    """Rank 0's listening socket at ``MASTER_ADDR:MASTER_PORT``, bound before anything else so
+    that a port someone else holds fails closed (ConfigError, exit 2) before any rank joins.
+
+    ``SO_REUSEADDR`` only lets the bind pass over the port's old TIME_WAIT connections: on Linux
+    no second socket may bind an address a listening socket holds, with or without it, and
+    ``SO_REUSEPORT`` (which would let another socket of the same uid share the port) is never
+    set. The descriptor is handed to the store (``master_listen_fd``), which owns it from then.
+    """
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            place.master_addr, place.master_port, type=socket.SOCK_STREAM
+        )[0]
+    except OSError as err:
+        raise ConfigError(f"MASTER_ADDR={place.master_addr!r} does not resolve: {err}") from err
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(1024)
+    except OSError as err:
+        sock.close()
+        raise ConfigError(
+            f"stop-check rank 0 cannot listen on {addr[0]}:{place.master_port} "
+            f"({err.strerror}): another process holds the port; nothing run, pick a free "
+            "MASTER_PORT"
+        ) from err
+    return sock.detach()
+
+
+def open_store(place: Place, key: bytes, timeout_s: float) -> Any:
+    """The job's key-value store under this job's key-derived prefix: torchrun's, or one rank 0
+    hosts on its own listening socket (:func:`listen`)."""
     import torch.distributed as dist
 
+    master = place.rank == 0 and not place.agent_store
     store = dist.TCPStore(
         place.master_addr,
         place.master_port,
         place.world_size,
-        is_master=place.rank == 0 and not place.agent_store,
+        is_master=master,
         timeout=timedelta(seconds=timeout_s),
         wait_for_workers=False,
+        master_listen_fd=listen(place) if master else None,
     )
-    return dist.PrefixStore(_PREFIX, store)
+    return dist.PrefixStore(signed.store_prefix(key), store)
 
 
 @dataclass(frozen=True)
 class Joined:
-    nodes: dict[int, str]  # rank -> node name, for every rank that joined
+    nodes: dict[int, str]  # rank -> node name, bound by each rank's signed join record
     missing: list[int]
+    session: str  # every later message's session: a digest of rank 0's signed record
 
 
-def join(store: Any, place: Place, node: str, deadline_s: float) -> Joined:
-    """Announce this rank's node and learn who joined (rank 0 decides after ``deadline_s``)."""
-    store.set(f"join/{place.rank}", node)
+JOIN_SESSION = "join"
+_JOIN_SCHEMA = {"node": str, "nonce": lambda v: isinstance(v, str) and len(v) == 32}
+_MEMBER = {"rank": int, "node": str, "nonce": str}
+_JOINED_SCHEMA = {"members": [_MEMBER], "missing": [int], "refused": [int]}
+
+
+def join(store: Any, place: Place, node: str, key: bytes, deadline_s: float) -> Joined:
+    """Announce this rank's node with a fresh nonce, signed; rank 0 gathers the records it can
+    verify until ``deadline_s`` and publishes them, signed; every rank checks rank 0's record and
+    that its own nonce is in it (an earlier run's records replayed by someone else are not).
+    PeerUnverified when a record cannot be believed, on every rank that sees it."""
+    nonce = secrets.token_hex(16)
+    mine = {"node": node, "nonce": nonce}
+    store.set(f"join/{place.rank}", signed.seal(key, JOIN_SESSION, "join", 0, place.rank, mine))
     if place.rank == 0:
-        keys = [f"join/{r}" for r in range(place.world_size)]
-        end = time.monotonic() + deadline_s
-        while time.monotonic() < end and not store.check(keys):
-            time.sleep(0.1)
-        nodes = {
-            r: store.get(f"join/{r}").decode(errors="replace")
-            for r in range(place.world_size)
-            if store.check([f"join/{r}"])
-        }
-        missing = [r for r in range(place.world_size) if r not in nodes]
-        store.set(
-            "joined",
-            json.dumps({"nodes": {str(k): v for k, v in nodes.items()}, "missing": missing}),
+        wire = _publish(store, place, key, deadline_s)
+    else:
+        store.wait(["joined"], timedelta(seconds=deadline_s + 30))
+        wire = store.get("joined")
+    data = signed.unseal(key, wire, JOIN_SESSION, "joined", 0, 0, _JOINED_SCHEMA)
+    members = {m["rank"]: m for m in data["members"]}
+    if members.get(place.rank, {}).get("nonce") != nonce:
+        raise signed.PeerUnverified(
+            "rank 0's join record does not carry this rank's fresh nonce (an old run's record "
+            "replayed, or a stranger's)"
         )
-        return Joined(nodes, missing)
-    store.wait(["joined"], timedelta(seconds=deadline_s + 30))
-    data = json.loads(store.get("joined"))
-    return Joined({int(k): v for k, v in data["nodes"].items()}, list(data["missing"]))
+    if data["refused"]:
+        raise signed.PeerUnverified(
+            "rank 0 could not verify the join record of "
+            + ", ".join(f"rank {r}" for r in data["refused"])
+            + " (a wrong key or a stranger)"
+        )
+    return Joined(
+        {r: m["node"] for r, m in sorted(members.items())},
+        list(data["missing"]),
+        hashlib.sha256(wire).hexdigest()[:32],
+    )
 
 
-def init_group(store: Any, place: Place, backend: str, timeout_s: float) -> None:
-    """The job's process group over the same store (every rank joined)."""
+def _publish(store: Any, place: Place, key: bytes, deadline_s: float) -> bytes:
+    keys = [f"join/{r}" for r in range(place.world_size)]
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end and not store.check(keys):
+        time.sleep(0.1)
+    members, refused = [], []
+    for r in range(place.world_size):
+        if not store.check([f"join/{r}"]):
+            continue
+        try:
+            got = signed.unseal(
+                key, store.get(f"join/{r}"), JOIN_SESSION, "join", 0, r, _JOIN_SCHEMA
+            )
+            members.append({"rank": r, **got})
+        except signed.PeerUnverified:
+            refused.append(r)
+    seen = {m["rank"] for m in members} | set(refused)
+    missing = [r for r in range(place.world_size) if r not in seen]
+    record = {"members": members, "missing": missing, "refused": refused}
+    wire = signed.seal(key, JOIN_SESSION, "joined", 0, 0, record)
+    store.set("joined", wire)
+    return wire
+
+
+def init_group(
+    store: Any, place: Place, key: bytes, session: str, backend: str, timeout_s: float
+) -> None:
+    """The job's process group over the same store, under a prefix of this session's."""
     import torch.distributed as dist
 
     dist.init_process_group(
         backend,
-        store=dist.PrefixStore("pg", store),
+        store=dist.PrefixStore("pg/" + signed.derive(key, "pg|" + session).hex()[:32], store),
         rank=place.rank,
         world_size=place.world_size,
         timeout=timedelta(seconds=timeout_s),

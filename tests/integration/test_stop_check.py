@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -31,6 +32,15 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def make_key(path: Path, mode: int = 0o600) -> Path:
+    """A job key as the launchers make it: 32 random bytes as hex, private to its owner."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    path.chmod(mode)
+    return path
 
 
 @pytest.fixture
@@ -56,6 +66,7 @@ def job(tmp_path):
         return scen
 
     make.config = config  # type: ignore[attr-defined]
+    make.key = make_key(tmp_path / "job.key")  # type: ignore[attr-defined]
     make.out = tmp_path / "out"  # type: ignore[attr-defined]
     return make
 
@@ -129,6 +140,10 @@ def test_a_healthy_six_node_job_under_torchrun_names_no_suspect(job, tmp_path):
             "stop-check",
             "--config",
             str(job.config),
+            "--key-file",
+            str(job.key),
+            "--key-file",
+            str(job.key),
             "--simulate",
             str(scen / "n{rank}.yaml"),
             "--out",
@@ -164,6 +179,8 @@ def test_each_phase_names_exactly_its_bad_node_and_act_drains_them(job, tmp_path
     args = [
         "--config",
         str(job.config),
+        "--key-file",
+        str(job.key),
         "--simulate",
         str(scen / "n{rank}.yaml"),
         "--out",
@@ -194,6 +211,8 @@ def test_replay_names_the_node_whose_sm_corrupts_now_and_then(job, tmp_path):
     args = [
         "--config",
         str(job.config),
+        "--key-file",
+        str(job.key),
         "--simulate",
         str(scen / "n{rank}.yaml"),
         "--out",
@@ -234,6 +253,10 @@ def test_a_slurm_step_names_the_bad_node_and_evicts_its_parallel_group(job, slur
             "stop-check",
             "--config",
             str(job.config),
+            "--key-file",
+            str(job.key),
+            "--key-file",
+            str(job.key),
             "--simulate",
             str(scen / "n{rank}.yaml"),
             "--out",
@@ -258,6 +281,8 @@ def test_a_rank_that_never_joins_is_named_by_rank_0_and_the_others_exit_2(job, t
     args = [
         "--config",
         str(job.config),
+        "--key-file",
+        str(job.key),
         "--simulate",
         str(scen / "n{rank}.yaml"),
         "--out",
@@ -276,7 +301,14 @@ def test_a_rank_that_never_joins_is_named_by_rank_0_and_the_others_exit_2(job, t
 def test_a_rank_without_its_scenario_exits_2_with_one_line(job, tmp_path):
     scen = job(nodes=2)
     (scen / "n1.yaml").unlink()
-    args = ["--config", str(job.config), "--simulate", str(scen / "n{rank}.yaml")]
+    args = [
+        "--config",
+        str(job.config),
+        "--key-file",
+        str(job.key),
+        "--simulate",
+        str(scen / "n{rank}.yaml"),
+    ]
     codes = finish(spawn([1], 2, args, free_port(), tmp_path))
     code, err = codes[1]
     assert code == 2
@@ -287,6 +319,10 @@ def test_a_rank_without_its_scenario_exits_2_with_one_line(job, tmp_path):
 
 
 def test_a_one_node_job_is_a_usage_error(job, tmp_path):
-    codes = finish(spawn([0], 1, ["--config", str(job.config)], free_port(), tmp_path))
+    codes = finish(
+        spawn(
+            [0], 1, ["--config", str(job.config), "--key-file", str(job.key)], free_port(), tmp_path
+        )
+    )
     code, err = codes[0]
     assert code == 2 and "WORLD_SIZE=1" in err and len(err.strip().splitlines()) == 1
