@@ -501,6 +501,8 @@ class SdcProbe:
         self._pending: _Pending | None = None
         self._errors = 0
         self._blocked_until = float("-inf")
+        #: no probe can start before this clock time (the budget gate, cached by _may_start)
+        self._gate_at = float("-inf")
         self.started = clock()
         self.cost_s = 0.0
         self._last_cost_s = max(self._warm.values(), default=0.0)
@@ -673,12 +675,20 @@ class SdcProbe:
         return max(own, max(self._recent, default=0.0)) + 2 * max(self._idle_calls, default=0.0)
 
     def _may_start(self, now: float) -> bool:
-        if now < self._blocked_until or self._next is None:
+        if now < self._blocked_until or now < self._gate_at or self._next is None:
             return False
         # With an injected matmul there is no warm-up: the first probe runs at once, as nothing
         # is known of its cost; every later one waits for the budget.
-        within = self.cost_s + self.expected_cost_s() <= self.budget_fraction * (now - self.started)
-        return within or (self.probes_run == 0 and not self._warm)
+        need = self.cost_s + self.expected_cost_s()
+        if need <= self.budget_fraction * (now - self.started) or (
+            self.probes_run == 0 and not self._warm
+        ):
+            return True
+        # The earliest the budget can allow it: cost_s only grows, so until then the calls
+        # skip the gate's arithmetic. Their own cost is charged, and the gate, recomputed
+        # then, waits again if it has to: the budget still holds by construction.
+        self._gate_at = self.started + need / self.budget_fraction
+        return False
 
     # -- the loop hook -----------------------------------------------------------------------
 
@@ -692,7 +702,7 @@ class SdcProbe:
         runs = self.probes_run
         pending = self._pending
         try:
-            return self._step()
+            return self._step(entered)
         except Exception as err:
             if self.raise_errors:
                 raise
@@ -730,12 +740,12 @@ class SdcProbe:
             return self._pending.kind, self._pending.spec
         return self._next or ("exact_gemm", None)
 
-    def _step(self) -> Verdict | None:
+    def _step(self, now: float) -> Verdict | None:
+        """``now``: the clock as step() was entered (one read less on every idle call)."""
         if self._pending is not None:
             if not self._done(self._pending):
                 return None
             return self._finish(self._pending)
-        now = self.clock()
         if not self._may_start(now):
             return None
         assert self._next is not None

@@ -19,6 +19,7 @@ import dataclasses
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -95,7 +96,9 @@ class Overhead:
     probe's self-measured cost (``SdcProbe.cost_s``: every ``step()``'s host time and the
     probes' GPU time, the last probe's read back) over the time it ran, x 100. With
     ``probes_run`` 0 the run was too short for the budget to buy one probe, and ``percent`` is
-    the noise of two identical loops."""
+    the noise of two identical loops. ``pair_percents``: each pair's overhead, in order;
+    ``probe_cost_ms``: the probe's whole cost (its GPU time and every ``step()``'s host time);
+    ``on_s``: the time the probe's clock ran (the "on" blocks)."""
 
     percent: float
     pairs: int
@@ -107,6 +110,9 @@ class Overhead:
     budget_fraction: float
     device: str
     verdicts: dict[str, int]
+    pair_percents: list[float] = dataclasses.field(default_factory=list)
+    probe_cost_ms: float = 0.0
+    on_s: float = 0.0
 
     @property
     def within_budget(self) -> bool:
@@ -117,25 +123,32 @@ class Overhead:
         return {**dataclasses.asdict(self), "within_budget": self.within_budget}
 
 
+#: the steps timed after the warm-up that size the blocks when ``block_s`` is given
+SIZING_STEPS = 5
+
+
 class PausableClock:
     """Monotonic seconds that only advance while running: the probe's view of training time,
-    so budget saved while the probe is off is not spent in a burst when it comes back."""
+    so budget saved while the probe is off is not spent in a burst when it comes back.
+    ``source``: the underlying clock (seconds; default ``time.perf_counter``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, source: Callable[[], float] = time.perf_counter) -> None:
+        self.source = source
         self.total = 0.0
         self.since: float | None = None
 
     def resume(self) -> None:
         if self.since is None:
-            self.since = time.perf_counter()
+            self.since = self.source()
 
     def pause(self) -> None:
         if self.since is not None:
-            self.total += time.perf_counter() - self.since
+            self.total += self.source() - self.since
             self.since = None
 
     def __call__(self) -> float:
-        return self.total + (time.perf_counter() - self.since if self.since is not None else 0.0)
+        since = self.since
+        return self.total + (self.source() - since if since is not None else 0.0)
 
 
 class _TinyTransformer(torch.nn.Module):
@@ -163,45 +176,11 @@ class _TinyTransformer(torch.nn.Module):
         return self.norm(x) @ self.embed.weight.t()
 
 
-def measure_training_overhead(
-    device: torch.device | str | int | None = None,
-    *,
-    budget_fraction: float = 0.001,
-    pairs: int = 8,
-    steps_per_block: int = 50,
-    warmup_steps: int = 20,
-    d_model: int = 512,
-    heads: int = 8,
-    layers: int = 4,
-    seq: int = 256,
-    batch: int = 16,
-    vocab: int = 8192,
-    probe_kwargs: dict[str, Any] | None = None,
-) -> Overhead:
-    """Train a small transformer (defaults: 4 layers, d_model 512, seq 256, batch 16, AdamW,
-    bf16 autocast on CUDA) in ``pairs`` alternating blocks of ``steps_per_block`` steps without
-    and with ``SdcProbe.step()`` after each step, and compare the blocks' mean step times.
-
-    Blocks end with a device synchronise (to time them); inside a block nothing synchronises,
-    so the probe's side stream overlaps training as it would in a real job. The probe's clock
-    (:class:`PausableClock`) runs in the "on" blocks only. ``device``: default the current CUDA
-    device, else the CPU (for a harness check; the CPU figure is noise). ``probe_kwargs`` go to
-    ``SdcProbe`` (its spool is a temporary directory).
-
-    The budget decides how many probes run: ``budget_fraction`` x the "on" time must cover a
-    probe's cost before the first starts, so the defaults are sized for several probes on a
-    data-centre GPU (the figures and their sizing are in docs/sdc.md). A shorter run measures
-    no probe at all (``probes_run`` 0); a check of the harness raises the budget instead."""
-    from node_agent.sdc.probes import SdcProbe
-
-    if device is None:
-        dev = (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
-    else:
-        dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+def _training(
+    dev: torch.device, vocab: int, d_model: int, heads: int, layers: int, seq: int, batch: int
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """One training step of a fresh :class:`_TinyTransformer` (AdamW, bf16 autocast on CUDA)
+    on fixed tokens, and the device synchronise that ends a timed block."""
     cuda = dev.type == "cuda"
     torch.manual_seed(0)
     model = _TinyTransformer(vocab, d_model, heads, layers, seq).to(dev)
@@ -228,6 +207,72 @@ def measure_training_overhead(
         if cuda:
             torch.cuda.synchronize(dev)
 
+    return train_step, sync
+
+
+def _warm_up(
+    train_step: Callable[[], None],
+    sync: Callable[[], None],
+    steps: int,
+    block_s: float | None,
+    steps_per_block: int,
+) -> int:
+    """Run the warm-up; the steps per block: ``steps_per_block``, or with ``block_s`` the steps
+    that fit in it at the pace of a few timed steps after the warm-up (at least 10)."""
+    for _ in range(steps):
+        train_step()
+    sync()
+    if block_s is None:
+        return steps_per_block
+    t0 = time.perf_counter()
+    for _ in range(SIZING_STEPS):
+        train_step()
+    sync()
+    step_s = (time.perf_counter() - t0) / SIZING_STEPS
+    return max(10, round(block_s / max(step_s, 1e-6)))
+
+
+def measure_training_overhead(
+    device: torch.device | str | int | None = None,
+    *,
+    budget_fraction: float = 0.001,
+    pairs: int = 8,
+    steps_per_block: int = 50,
+    warmup_steps: int = 20,
+    block_s: float | None = None,
+    d_model: int = 512,
+    heads: int = 8,
+    layers: int = 4,
+    seq: int = 256,
+    batch: int = 16,
+    vocab: int = 8192,
+    probe_kwargs: dict[str, Any] | None = None,
+) -> Overhead:
+    """Train a small transformer (defaults: 4 layers, d_model 512, seq 256, batch 16, AdamW,
+    bf16 autocast on CUDA) in ``pairs`` alternating blocks of ``steps_per_block`` steps without
+    and with ``SdcProbe.step()`` after each step, and compare the blocks' mean step times.
+
+    Blocks end with a device synchronise (to time them); inside a block nothing synchronises,
+    so the probe's side stream overlaps training as it would in a real job. The probe's clock
+    (:class:`PausableClock`) runs in the "on" blocks only. ``block_s``, when given, sizes the
+    blocks in seconds instead: ``steps_per_block`` becomes the number of steps the warm-up's
+    mean step time fits in it (at least 10), so the budget's share of the "on" time is known
+    before the run (8 pairs of 3 s: 24 ms at 0.1 %, ten probes or more on a data-centre GPU).
+    ``device``: default the current CUDA device, else the CPU (for a harness check; the CPU
+    figure is noise). ``probe_kwargs`` go to ``SdcProbe`` (its spool is a temporary
+    directory).
+
+    The budget decides how many probes run: ``budget_fraction`` x the "on" time must cover a
+    probe's cost before the first starts, so the defaults are sized for several probes on a
+    data-centre GPU (the figures and their sizing are in docs/sdc.md). A shorter run measures
+    no probe at all (``probes_run`` 0); a check of the harness raises the budget instead."""
+    from node_agent.sdc.probes import SdcProbe
+
+    if device is None:
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    train_step, sync = _training(dev, vocab, d_model, heads, layers, seq, batch)
+
     def block(probe: SdcProbe | None) -> float:
         sync()
         t0 = time.perf_counter()
@@ -250,9 +295,7 @@ def measure_training_overhead(
             clock=clock,
             **(probe_kwargs or {}),
         )
-        for _ in range(warmup_steps):
-            train_step()
-        sync()
+        steps_per_block = _warm_up(train_step, sync, warmup_steps, block_s, steps_per_block)
         off: list[float] = []
         on: list[float] = []
         ratios: list[float] = []
@@ -269,6 +312,9 @@ def measure_training_overhead(
         elapsed = clock()
     return Overhead(
         percent=statistics.median(ratios) * 100.0,
+        pair_percents=[r * 100.0 for r in ratios],
+        probe_cost_ms=probe.cost_s * 1e3,
+        on_s=elapsed,
         pairs=pairs,
         steps_per_block=steps_per_block,
         step_ms_off=statistics.fmean(off) * 1e3,

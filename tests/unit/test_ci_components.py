@@ -30,6 +30,9 @@ PROGRAMS_OF_PACKAGE = {
     "slurm-client": ("srun", "sbatch", "scontrol", "sinfo", "squeue", "scancel"),
     "munge": ("munged",),
     "chromium": ("chromium",),
+    # the container image's test (tests/integration/test_image.py): builder and Debian base
+    "buildah": ("buildah",),
+    "debootstrap": ("debootstrap",),
 }
 
 #: Python modules ``make deps-test`` installs (the pinned CPU torch, the dev and k8s extras)
