@@ -368,34 +368,9 @@ class Remediator:
             if refusal:
                 self._close_new(step, key, trigger, "refused", refusal, now, out)
                 return False
-            existing = self.store.journal_by_key(key)
-            if existing is not None:
-                # a return to service since that row (resume, set-healthy) starts a new
-                # episode, in which the same fault acts again
-                episode_start = max(
-                    self.store.node_record(self.node).cleared_at or 0.0,
-                    self.store.last_done_at(self.node, ("resume",)) or 0.0,
-                )
-                if (
-                    existing.state == "done"
-                    and existing.updated_at > episode_start
-                    and now - existing.updated_at < self.safety.dedup_window_s
-                ):
-                    out.notes.append(
-                        f"dedup: {step.action} for {step.fault_code} "
-                        f"{step.target} already done (journal #{existing.id} at "
-                        f"{utc_iso(existing.updated_at)}, safety.dedup_window_s="
-                        f"{self.safety.dedup_window_s:g}); not repeated"
-                    )
-                    return True
-                if existing.state in ("planned", "started"):
-                    out.notes.append(
-                        f"{step.action} is in progress elsewhere "
-                        f"(journal #{existing.id}); not started twice"
-                    )
-                    return False
-                if existing.state == "failed":
-                    retry = existing
+            decided, retry = self._seen_before(step, key, now, out)
+            if decided is not None:
+                return decided
         if self.dry_run:
             detail = f"dry run: would {step.action} {self.node} ({step.reason})"
             if step.action == "replace":
@@ -425,14 +400,9 @@ class Remediator:
         if self.after_journal is not None:
             self.after_journal(step)
         row = self.store.journal_update(row.id, "started", row.detail, now, count_try=True)
-        bug = self._take_bug_report(row) if step.action == "replace" else None
-        outcome, detail = self._perform(row, evidence=str(bug.path) if bug and bug.path else None)
+        outcome, detail = self._act(step, row)
         if evidence_note and outcome == "done":
             detail = f"{detail}; {evidence_note}"
-        if bug is not None:
-            detail = f"{detail}; {bug.note}"
-        if outcome == "done" and step.planned is not None and step.planned.acknowledge:
-            detail = f"{detail}; {self._acknowledge(step.planned)}"
         if retry is not None:
             detail = f"retry {row.tries} of {step.action} (after journal #{retry.id}): {detail}"
         try:
@@ -445,6 +415,50 @@ class Remediator:
             )
             return False
         return outcome == "done"
+
+    def _seen_before(
+        self, step: Step, key: str, now: float, out: Outcome
+    ) -> tuple[bool | None, JournalRow | None]:
+        """The journal's earlier row of this step's key: (True: done in this episode, dedup;
+        False: in progress elsewhere; None: go on) and the failed row this attempt retries."""
+        existing = self.store.journal_by_key(key)
+        if existing is None:
+            return None, None
+        # a return to service since that row (resume, set-healthy) starts a new episode, in
+        # which the same fault acts again
+        episode_start = max(
+            self.store.node_record(self.node).cleared_at or 0.0,
+            self.store.last_done_at(self.node, ("resume",)) or 0.0,
+        )
+        if (
+            existing.state == "done"
+            and existing.updated_at > episode_start
+            and now - existing.updated_at < self.safety.dedup_window_s
+        ):
+            out.notes.append(
+                f"dedup: {step.action} for {step.fault_code} "
+                f"{step.target} already done (journal #{existing.id} at "
+                f"{utc_iso(existing.updated_at)}, safety.dedup_window_s="
+                f"{self.safety.dedup_window_s:g}); not repeated"
+            )
+            return True, None
+        if existing.state in ("planned", "started"):
+            out.notes.append(
+                f"{step.action} is in progress elsewhere (journal #{existing.id}); not started twice"
+            )
+            return False, None
+        return None, existing if existing.state == "failed" else None
+
+    def _act(self, step: Step, row: JournalRow) -> tuple[str, str]:
+        """Perform a started row with what goes with its step: the driver's bug report before
+        a replace request (named in it), the acknowledgement of a planned drain's event."""
+        bug = self._take_bug_report(row) if step.action == "replace" else None
+        outcome, detail = self._perform(row, evidence=str(bug.path) if bug and bug.path else None)
+        if bug is not None:
+            detail = f"{detail}; {bug.note}"
+        if outcome == "done" and step.planned is not None and step.planned.acknowledge:
+            detail = f"{detail}; {self._acknowledge(step.planned)}"
+        return outcome, detail
 
     def _guard(self, step: Step, now: float) -> str | None:
         refusal = guards.opt_out(self.safety.opt_out, self.store.opted_out(self.node), self.node)
