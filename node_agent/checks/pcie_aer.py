@@ -15,7 +15,9 @@ errors); anything else is ``pci:<bdf>``.
   ``graders/host.yaml`` ``pcie_aer.correctable_growth_max`` (the last counts are kept in
   ``state_dir``/``pcie_aer.json``; a first run counts from boot; a drop is a reset).
 No device with AER counters (a kernel without ``CONFIG_PCIEAER``, firmware-first AER, a VM):
-one ``skip`` saying so. Params: ``sys_root``.
+one ``skip`` saying so, and the kernel log's AER messages are read instead
+(:mod:`node_agent.checks.pcie_aer_log`); where the counters exist they already count every error
+the log prints, so the log is not read twice. Params: ``sys_root``.
 """
 
 from __future__ import annotations
@@ -169,6 +171,8 @@ def run(ctx: CheckContext) -> list[Result]:
         hcas = read_hca_functions(paths.sys)
         nvmes = read_nvme_functions(paths.sys)
     results = [unread] if unread is not None else _counters(ctx, functions, hcas, paths.sys)
+    if any(f.aer is not None for f in functions):
+        return results  # the counters hold every error the log prints: read once, not twice
     return results + log_results(ctx, functions, {**_gpu_targets(ctx), **_named(hcas, nvmes)})
 
 

@@ -467,3 +467,15 @@ def test_the_csv_form_reads_as_the_table_form():
     failed = "1,12/10/2024,08:30:00,Power Supply PS1 Status,Power Supply AC lost,Asserted\n"
     (event,) = parse_sel(failed)
     assert (event.kind, event.sensor) == ("failure", "PS1 Status")
+
+
+def test_where_the_aer_counters_exist_the_log_is_not_read_twice(tmp_path):
+    name = "a01_returnn-1500_gpu-below-root-port_fatal_recovery-failed.log"
+    pci_device(tmp_path, ("0000:00:03.0",), fatal=1)
+    pci_device(tmp_path, ("0000:00:03.0", "0000:03:00.0"))
+    ctx = log_ctx(tmp_path, "pcie_aer", sample_lines("pcie_aer", name), gpus=[(0, "0:3:0.0")])
+    results = pcie_aer.run(ctx)
+    assert not [r for r in results if r.metric.startswith("aer_log")]
+    assert [(r.target, r.metric) for r in results if r.status is Status.FAIL] == [
+        ("gpu:0", "aer_fatal")
+    ]
