@@ -152,3 +152,22 @@ def test_host_without_edac_ipmi_or_nvme_skips_each_with_its_reason(agent):
         for r in run.json()["results"]
         if r["check"] in ("host_memory", "host_power", "nvme_health") and r["status"] == "pass"
     ]
+
+
+def test_a_firmware_reported_uncorrected_memory_error_names_its_dimm(agent, scenario):
+    """The kernel log of a firmware-first host (APEI GHES, a recoverable memory error on slot B1,
+    as kubernetes/node-problem-detector PR 846 shows the kernel printing it): ERROR naming the
+    DIMM, read beside EDAC (which the simulated host has, with no error counted)."""
+    lines = (
+        "[ 812.1] {3}[Hardware Error]: Hardware error from APEI Generic Hardware Error Source: 4",
+        "[ 812.1] {3}[Hardware Error]: event severity: recoverable",
+        "[ 812.1] {3}[Hardware Error]:  Error 0, type: recoverable",
+        "[ 812.1] {3}[Hardware Error]:  fru_text: B1",
+        "[ 812.1] {3}[Hardware Error]:   section_type: memory error",
+    )
+    faults = [{"kind": "kernel_log", "line": line} for line in lines]
+    run = accept(agent, scenario(faults, hcas=HCAS), "host_memory")
+    assert run.code == 3, run.stderr
+    grade = run.json()["grade"]
+    assert grade["level"] == "ERROR"
+    assert [r["target"] for r in grade["reasons"] if r["level"] == "ERROR"] == ["dimm:B1"]
