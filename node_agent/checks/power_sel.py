@@ -16,6 +16,7 @@ lost or degraded; asserted) is judged by its age against the BMC's own clock
 
 from __future__ import annotations
 
+import re
 from datetime import datetime, timedelta
 
 from node_agent.checks import CheckContext
@@ -30,10 +31,17 @@ _WORDS = {
 }
 
 
+#: FreeIPMI's ipmi-sel puts the entity in front of the sensor's name ("Power Supply 2 PS2 Status")
+_ENTITY_PREFIX = re.compile(r"^Power Supply \d+ (?=\S)")
+
+
 def _target(event: SelEvent) -> str:
+    """``psu:<name>`` as the supply's status sensor names it (``PS2 Status`` -> ``psu:PS2``, the
+    target ``psu_status`` gives the same supply), ``node`` for the power unit and redundancy."""
     if event.sensor_type != "Power Supply" or event.kind != "failure":
         return "node"
-    name = event.sensor.removesuffix(" Status").removesuffix("_STATUS").strip() or event.sensor
+    name = _ENTITY_PREFIX.sub("", event.sensor)
+    name = re.sub(r"[\s_-]*status$", "", name, flags=re.IGNORECASE).strip() or event.sensor
     return f"psu:{entity_name(name)}"
 
 
