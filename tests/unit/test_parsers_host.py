@@ -17,9 +17,12 @@ import json
 
 import pytest
 
+from node_agent.host.aer_lines import parse_aer_message
+from node_agent.host.ghes import parse_ghes
 from node_agent.parsers import ParseError
 from node_agent.parsers.ipmitool import judge_psus, no_bmc_reason, parse_sdr
-from node_agent.parsers.nvme import parse_smart_log
+from node_agent.parsers.nvme import parse_smart_log, parse_smartctl_json
+from node_agent.parsers.sel import parse_sel
 
 # -- ipmitool ----------------------------------------------------------------------------------
 
@@ -213,3 +216,79 @@ def test_smart_log_banner_before_json_and_missing_field():
         parse_smart_log(json.dumps({"temperature": 300}))
     with pytest.raises(ParseError, match="no JSON"):
         parse_smart_log("NVMe status: Access Denied: Access to the namespace is denied\n")
+
+
+# -- the SEL, FreeIPMI, smartctl, and the kernel's AER and GHES messages -----------------------
+
+
+def test_sel_pre_init_and_deasserted_events_are_kept_apart():
+    """ipmitool's `sel elist` (lib/ipmi_sel.c): an event before the BMC's clock was set has no
+    time; a deassertion (the supply came back) is not a failure."""
+    events = parse_sel(
+        "   1 | Pre-Init   |  0000012 | Power Supply PS1 Status | Failure detected | Asserted\n"
+        "   2 | 12/10/2024 | 08:31:00 | Power Supply PS1 Status | Failure detected | Deasserted\n"
+        "   3 | 12/10/2024 | 08:32:00 | Power Unit Pwr Unit Redund | Redundancy Lost | Asserted\n"
+    )
+    assert [(e.when is None, e.kind) for e in events] == [
+        (True, "failure"),
+        (False, None),
+        (False, "redundancy_lost"),
+    ]
+
+
+def test_sel_of_no_known_form_is_refused_and_an_empty_log_is_empty():
+    assert parse_sel("SEL has no entries\n") == []
+    with pytest.raises(ParseError, match="no SEL entry"):
+        parse_sel("Error: Unable to establish IPMI v2 / RMCP+ session\n")
+
+
+@pytest.mark.parametrize(
+    "message, kind, severity, source",
+    [
+        (
+            "pcieport 0000:80:1b.4: AER: Uncorrectable (Fatal) error message received from "
+            "0000:81:00.0",
+            "received",
+            "fatal",
+            "0000:81:00.0",
+        ),
+        (
+            "nvme 0000:03:00.0: PCIe Bus Error: severity=Correctable, type=Physical Layer, "
+            "(Receiver ID)",
+            "bus_error",
+            "corrected",
+            None,
+        ),
+        ("pcieport 0000:00:03.0: device recovery failed", "recovery_failed", None, None),
+    ],
+)
+def test_aer_wordings_of_each_kernel_read_alike(message, kind, severity, source):
+    """6.x's "error message received from" and "Correctable", 4.x's bare "device recovery
+    failed" (drivers/pci/pcie/aer.c, err.c)."""
+    line = parse_aer_message(message)
+    assert line is not None and (line.kind, line.severity, line.source) == (kind, severity, source)
+
+
+def test_a_ghes_section_of_another_type_is_not_a_memory_error():
+    errors = parse_ghes(
+        [
+            "{5}[Hardware Error]: event severity: fatal",
+            "{5}[Hardware Error]:  Error 0, type: fatal",
+            "{5}[Hardware Error]:   section_type: PCIe error",
+            "{5}[Hardware Error]:  Error 1, type: corrected",
+            "{5}[Hardware Error]:   section_type: memory error",
+            "{5}[Hardware Error]:   DIMM location: not present. DMI handle: 0x0021",
+        ]
+    )
+    assert [(e.severity, e.label) for e in errors] == [("corrected", None)]
+
+
+def test_smartctl_temperature_is_celsius_and_a_sata_disk_is_refused():
+    doc = {
+        "smartctl": {"exit_status": 0},
+        "nvme_smart_health_information_log": {"critical_warning": 0, "temperature": 36},
+    }
+    assert parse_smartctl_json(json.dumps(doc)).log.temperature_k == 309
+    sata = {"smartctl": {"exit_status": 0}, "device": {"protocol": "ATA"}}
+    with pytest.raises(ParseError, match="speaks ATA, not NVMe"):
+        parse_smartctl_json(json.dumps(sata))
