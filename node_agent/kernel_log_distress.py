@@ -42,6 +42,9 @@ class DistressLine:
     ``oom_kill``              ``Out of memory: Killed process <pid> (<comm>) total-vm:... UID:<uid> ...``
                               and ``Memory cgroup out of memory: Killed process ...`` (mm/oom_kill.c,
                               ``__oom_kill_process``; a bare ``Killed process`` before 4.19)
+                              and before 5.0 ``Out of memory: Kill process <pid> (<comm>) score <s> or
+                              sacrifice child`` (``oom_kill_process``; the ``Killed process`` line
+                              that follows it is the same kill)
     ``oom_summary``           ``oom-kill:constraint=<C>,...,task_memcg=<cg>,task=<comm>,pid=<p>,uid=<u>``
                               (mm/oom_kill.c, ``dump_oom_summary``, 4.19+)
     ``nvme_timeout``          ``nvme nvme<N>: I/O <tag> QID <q> timeout, reset controller`` (and
@@ -69,6 +72,8 @@ class DistressLine:
                               ``Kernel panic - not syncing: Fatal machine check``
     ``memory_failure``        ``Memory failure: <pfn>: recovery action for <page>: <result>``
                               (mm/memory-failure.c, ``action_result``): an uncorrected memory error
+    ``file_max``              ``VFS: file-max limit <n> reached`` (fs/file_table.c,
+                              ``alloc_empty_file``): the node's table of open files is full
     ========================  ========================================================================
 
     Every form is read under the rules of belief of this module: a record of the kernel's
@@ -108,6 +113,7 @@ DISTRESS_KINDS = (
     "mce_record",
     "mce_fatal",
     "memory_failure",
+    "file_max",
 )
 
 _COMM = r"(?P<comm>.{0,15}?)"  # a task's name as the kernel quotes it: at most 15 characters
@@ -139,7 +145,14 @@ _DISTRESS_FORMS: tuple[tuple[str, re.Pattern[str]], ...] = (
         re.compile(
             r"^(?:(?P<why>Out of memory|Memory cgroup out of memory)"
             r"(?: \([a-z_]+\))?: )?Killed process (?P<pid>\d+) "
-            rf"\({_COMM}\) total-vm:\d+kB(?:.*? UID:(?P<uid>\d+))?"
+            rf"\({_COMM}\),? (?:UID \d+, )?total-vm:\d+kB(?:.*? UID:(?P<uid>\d+))?"
+        ),
+    ),
+    (
+        "oom_kill",
+        re.compile(
+            r"^(?P<why>Out of memory|Memory cgroup out of memory)(?: \([a-z_]+\))?: Kill "
+            rf"process (?P<pid>\d+) \({_COMM}\) score (?P<score>\d+) or sacrifice child"
         ),
     ),
     (
@@ -216,6 +229,7 @@ _DISTRESS_FORMS: tuple[tuple[str, re.Pattern[str]], ...] = (
             r"Machine check.*))$"
         ),
     ),
+    ("file_max", re.compile(r"^VFS: file-max limit (?P<limit>\d+) reached")),
     (
         "memory_failure",
         re.compile(
@@ -231,6 +245,8 @@ _DISTRESS_WORDS = (
     "lockup",
     "LOCKUP",
     "Killed process",
+    "Kill process",
+    "file-max",
     "oom-kill:",
     "nvme",
     "-fs (",
@@ -281,7 +297,7 @@ def _distress(prefix: str, message: str) -> DistressLine | None:
             or groups.get("server")
         )
         fields: dict[str, Any] = {}
-        for key in ("cpu", "seconds", "uid", "bank", "qid", "tag"):
+        for key in ("cpu", "seconds", "uid", "bank", "qid", "tag", "score", "limit"):
             if key in groups:
                 fields[key] = int(groups.pop(key))
         if kind == "oom_kill":

@@ -13,7 +13,10 @@ hung task                 ``hung_task``         warn (WARN) naming the tasks: a 
                                                 server), so never above WARN (docs/security.md)
 soft / hard lockup        ``soft_lockup``,      fail (ERROR): a CPU stuck in the kernel
                           ``hard_lockup``
-OOM kill                  ``oom_kill``          warn (WARN) naming the process: see ``_OOM_WHY``
+OOM kill                  ``oom_kill``          warn (WARN) naming the process: see ``_OOM_WHY``;
+                                                the pre-5.0 ``Kill process ... or sacrifice
+                                                child`` with its ``Killed process`` is one kill
+file table full           ``file_max_reached``  warn (WARN): see ``_FILE_MAX_WHY``
 NVMe timeout / reset      ``nvme_timeout``      warn (WARN) on ``disk:nvmeN``; fail (ERROR) from
                                                 ``nvme_repeat`` (default 3) timeouts and resets,
                                                 or a controller the driver removed or gave up on
@@ -70,6 +73,17 @@ _KEPT = 16  # tasks, processes, CPUs, servers named per finding (a flood names t
 _OOM_WHY = (
     "an OOM kill is the job's memory, not the node's: graded WARN at most (a user can "
     "cause every form of it)"
+)
+
+#: The decision on ``VFS: file-max limit N reached`` (issue 37): WARN. Every process on the node
+#: then fails to open files (the agent, the jobs' checkpoints), so an operator must see it; but
+#: the table is filled by processes, and a user's can fill it (many processes, each up to its
+#: RLIMIT_NOFILE), so, as for OOM kills, what a user can cause grades WARN at most. The remedy
+#: is the operator's: raise fs.file-max (proc(5), /proc/sys/fs/file-max) or find the leak
+#: (/proc/sys/fs/file-nr).
+_FILE_MAX_WHY = (
+    "the node's open-file table is full: raise fs.file-max or find the process holding the "
+    "files; WARN at most (a user's processes can fill it)"
 )
 
 
@@ -195,6 +209,7 @@ def grade_lines(
     """Distress lines -> one result per (kind, subject), graded as the module says."""
     folds: dict[tuple[str, str | None], DistressFold] = {}
     oom_context: dict[int, DistressLine] = {}
+    chosen: set[int] = set()  # pids an older kernel named before it killed them
 
     def fold(kind: str, target: str, subject: str | None = None) -> DistressFold:
         key = (kind, subject)
@@ -213,7 +228,14 @@ def grade_lines(
             if line.pid is not None:
                 oom_context[line.pid] = line
         elif k == "oom_kill":
+            if line.field("score") is not None and line.pid is not None:
+                chosen.add(line.pid)  # before 5.0: "Kill process <pid> ... score" first
+            elif line.pid in chosen:
+                chosen.discard(line.pid)
+                continue  # its "Killed process <pid>" line: the same kill
             fold("oom_kill", "node").add(line, task)
+        elif k == "file_max":
+            fold("file_max", "node").add(line, f"limit {line.field('limit')}")
         elif k in ("nvme_timeout", "nvme_reset", "nvme_failed"):
             f = fold("nvme", f"disk:{line.subject}", line.subject)
             f.add(line)
@@ -250,6 +272,8 @@ def grade_lines(
                 }
             )
             f.facts.update(scopes=scopes, why=_OOM_WHY)
+        elif kind == "file_max":
+            f.facts["why"] = _FILE_MAX_WHY
         out.append(_result(ctx, f, window, boot_epoch, source))
     return out
 
@@ -266,8 +290,13 @@ _TITLES = {
     "mce_corrected": "corrected machine check(s)",
     "mce_uncorrected": "uncorrected machine check(s) / memory failure(s)",
     "mce_fatal": "fatal machine check(s)",
+    "file_max": "the kernel's table of open files full (fs.file-max reached)",
 }
-_METRIC = {"lustre_lost": "lustre_connection_lost", "nvme": "nvme_timeout"}
+_METRIC = {
+    "lustre_lost": "lustre_connection_lost",
+    "nvme": "nvme_timeout",
+    "file_max": "file_max_reached",
+}
 
 
 def _result(

@@ -21,6 +21,9 @@ DRIVER_LINE_KINDS = (
     "aer-recovery-failed",
 )
 
+#: kinds a graders directory may leave out: the built-in entry below applies where it does
+OPTIONAL_KINDS = ("va-space-exhausted",)
+
 DRIVER_LINES_SCHEMA: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
@@ -43,7 +46,7 @@ DRIVER_LINES_SCHEMA: dict[str, Any] = {
                         "why": {"type": "string"},
                     },
                 }
-                for kind in DRIVER_LINE_KINDS
+                for kind in DRIVER_LINE_KINDS + OPTIONAL_KINDS
             },
         }
     },
@@ -62,16 +65,34 @@ class DriverLineKind:
     level: Level
 
 
+#: The built-in entries of the optional kinds. ``va-space-exhausted`` (issue 37): WARN. The
+#: driver ran out of a GPU's virtual address space for mappings (BAR1), which a workload's own
+#: allocations do (open-gpu-kernel-modules#1140, #1187: a browser, a desktop session); in the
+#: field it ended in a locked GPU, which the driver then reports itself (an RC watchdog, an Xid,
+#: NVML), graded by those. The line names no GPU, and a driver line that names none is WARN at
+#: most (docs/xid.md, "Rules of belief").
+BUILTIN_KINDS = {
+    "va-space-exhausted": DriverLineKind(
+        kind="va-space-exhausted",
+        name="GPU virtual address space exhausted (can't alloc VA space, NV_ERR_NO_MEMORY)",
+        metric="gpu_va_space_exhausted",
+        status="warn",
+        level=Level.WARN,
+    ),
+}
+
+
 def load_driver_lines(path: Path) -> dict[str, DriverLineKind]:
-    """``graders/driver_lines.yaml`` (ConfigError when invalid or a kind is missing)."""
+    """``graders/driver_lines.yaml`` (ConfigError when invalid or a kind is missing); the
+    optional kinds it leaves out get their built-in entries."""
     data = load_yaml(path, DRIVER_LINES_SCHEMA, what="driver-line catalog")
-    return {
-        kind: DriverLineKind(
+    kinds = dict(BUILTIN_KINDS)
+    for kind, raw in data["kinds"].items():
+        kinds[kind] = DriverLineKind(
             kind=kind,
             name=raw["name"],
             metric=raw["metric"],
             status=raw["status"],
             level=Level.parse(raw["level"]),
         )
-        for kind, raw in data["kinds"].items()
-    }
+    return kinds

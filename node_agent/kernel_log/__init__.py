@@ -41,7 +41,9 @@ from node_agent.kernel_log.framing import (
     line_stamp,
     refusal,
 )
+from node_agent.kernel_log.journal import journal_records
 from node_agent.kernel_log.reading import believed_messages
+from node_agent.kernel_log.record import LogRecord
 from node_agent.kernel_log.sources import (
     FILE_READ_BYTES,
     FileKernelLog,
@@ -50,10 +52,9 @@ from node_agent.kernel_log.sources import (
     KmsgFollower,
     KmsgKernelLog,
     LinesKernelLog,
-    LogRecord,
     UnavailableKernelLog,
     _parse_kmsg_record,
-    journal_records,
+    file_records,
     open_kernel_log,
 )
 
@@ -78,6 +79,7 @@ __all__ = [
     "XidLine",
     "_parse_kmsg_record",
     "believed_messages",
+    "file_records",
     "frame",
     "journal_records",
     "kernel_message",

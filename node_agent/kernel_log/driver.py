@@ -23,7 +23,7 @@ from node_agent.kernel_log.framing import (
     line_stamp,
     refusal,
 )
-from node_agent.kernel_log.sources import LogRecord
+from node_agent.kernel_log.record import LogRecord
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,8 @@ class DriverLine:
     - ``init-failed``: ``GPU <bdf>: RmInitAdapter failed! (0x..:0x..:N)``
       (``src/nvidia/arch/nvalloc/unix/src/osinit.c``, ``RmInitAdapter``);
     - ``gpu-lost``: ``GPU lost from the bus [NV_ERR_GPU_IS_LOST] (0x0000000F)``;
+    - ``va-space-exhausted``: ``dmaAllocMapping_GM107: can't alloc VA space for mapping.``
+      (the GPU's virtual address space used up; it comes with ``NV_ERR_NO_MEMORY``);
     - ``aer-uncorrectable``: ``<drv> <bdf>: PCIe Bus Error: severity=Uncorrected (Fatal)`` (or
       ``Uncorrectable``, kernels from 6.10 on; ``drivers/pci/pcie/aer.c``, ``aer_print_error``);
     - ``aer-recovery-failed``: ``pcieport <port>: AER: device recovery failed``
@@ -175,6 +177,14 @@ _ASSERTED = {
     "NV_ERR_GPU_IS_LOST": ("GPU lost from the bus", 0x0F, "gpu-lost"),
     "NV_ERR_RESET_REQUIRED": ("Reset required", 0x62, "reset-required"),
 }
+#: the driver's GPU virtual-address exhaustion (virt_mem_allocator_gm107.c, dmaAllocMapping_GM107:
+#: "can't alloc VA space for mapping."; open-gpu-kernel-modules#1140, #1187: BAR1 VA space used
+#: up by a workload, each followed by "Assertion failed: Out of memory [NV_ERR_NO_MEMORY]" and in
+#: the field by an RC watchdog "GPU is probably locked"). The line names no GPU.
+_VA_SPACE = re.compile(
+    rf"^NVRM: (?:GPU(?P<n>\d{{1,3}}) |GPU (?P<bdf>{_BUS}(?:\.[0-7])?): )?"
+    r"dmaAllocMapping_[A-Z0-9]{2,8}: can't alloc VA space for mapping\.?$"
+)
 #: osinit.c, RmInitAdapter: NV_DEV_PRINTF(..., "RmInitAdapter failed! (0x%x:0x%x:%d)") under
 #: "NVRM: GPU <domain:bus:dev.fn>: " (init status, RM status, source line)
 _INIT_FAILED = re.compile(
@@ -298,6 +308,8 @@ def _nvrm_kind(text: str) -> tuple[str | None, str | None, int | None, int | Non
     only in the driver's own anchored forms; (None, ...) for any other ``NVRM:`` line."""
     if (m := _INIT_FAILED.match(text)) is not None:
         return "init-failed", m["bdf"], None, int(m["hex"], 16)
+    if (m := _VA_SPACE.match(text)) is not None:
+        return "va-space-exhausted", m["bdf"], int(m["n"]) if m["n"] else None, None
     m = _ASSERTION.match(text)
     if m is None or m["name"] not in _ASSERTED:
         return None, None, None, None

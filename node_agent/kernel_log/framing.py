@@ -25,6 +25,7 @@ records are **never sources**, whatever they start with (:func:`refusal` says wh
 from __future__ import annotations
 
 import calendar
+import json
 import re
 import time
 from dataclasses import dataclass
@@ -89,28 +90,58 @@ def line_stamp(prefix: str) -> Stamp | None:
     return None
 
 
-# -- where a kernel message starts: the prefixes a log puts in front of it --------------------
+# -- the framing grammar: what a log puts in front of the kernel's message -----------------------
 _BUS = r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}"
 _BDF = _BUS + r"\.[0-7]"
-_MONTH = r"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)"
+_ISO = (
+    r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[,.]\d{1,9})?(?: ?(?:Z|[+-]\d\d:?\d\d|UTC|[A-Z]{3,5}))?"
+)
+#: a month's name in any language (``Dec``, ``Dez``, ``déc.``, ``дек``) or as CJK prints it (``12月``)
+_ANY_MONTH = r"(?:[^\W\d_]{2,10}\.?|\d{1,2}[月월])"
 _P_KMSG = re.compile(r"^(?P<prio>\d+),\d+,\d+,[^;]*;")
-_P_BOOT = re.compile(r"^\[\s*\d+\.\d+\]\s?")
-_P_CTIME = re.compile(
-    rf"^\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) {_MONTH} +\d{{1,2}} "
-    r"\d\d:\d\d:\d\d \d{4}\]\s?"
+#: a syslog PRI (RFC 3164 and 5424): facility << 3 | severity
+_P_PRI = re.compile(r"^<(?P<prio>\d{1,3})>(?P<v5424>1 )?")
+#: Talos (``talosctl dmesg``): "<node>: <facility>: <level>: [<ISO time>]: "
+_P_TALOS = re.compile(
+    r"^(?P<node>[^\s:]{1,255}): +(?P<fac>[a-z0-9]{2,8}): *"
+    r"(?:emerg|alert|crit|err|warning|warn|notice|info|debug): +\[(?P<t>[^\]\n]{8,40})\]: "
 )
-_P_ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[,.]\d{1,9})?(?:Z|[+-]\d\d:?\d\d)?\s")
+#: ``dmesg --decode``: "<facility>:<level>: " padded
 _P_DECODE = re.compile(
-    r"^(?P<fac>[a-z0-9]+)\s*:\s*(?:emerg|alert|crit|err|warn|notice|info|debug)"
-    r"\s*:\s"
+    r"^(?P<fac>[a-z0-9]+)\s*:\s*(?:emerg|alert|crit|err|warn|notice|info|debug)\s*:\s"
 )
-_P_SYSLOG_TIME = re.compile(
-    rf"^(?:{_MONTH} +\d{{1,2}} \d\d:\d\d:\d\d"
-    r"|\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[,.]\d{1,9})?(?:Z|[+-]\d\d:?\d\d)?"
-    r"|\[\s*\d+\.\d+\])\s+"
+#: a time in brackets: dmesg's ``[ 123.456]``, ``--show-delta``'s ``[ 123.456 < 0.001>]``,
+#: ``--human``'s ``[  +0.000012]`` and ``[Dec 2 11:38]``, ``-T``/``--ctime`` in any language
+_P_BRACKET_TIME = re.compile(
+    r"^\[(?:\s*\+?\d+\.\d+(?:\s*<\s*\d+\.\d+>)?"
+    rf"|[^\W\d_]{{2,10}}\.? +{_ANY_MONTH} +\d{{1,2}} \d\d:\d\d:\d\d \d{{4}}"
+    rf"|{_ANY_MONTH} ?\d{{1,2}} \d\d:\d\d(?::\d\d)?"
+    rf"|{_ISO})\]:?(?: |$|(?=\[))"
 )
-#: "<host> <identifier>[pid]: " after a syslog/journal time; only "kernel" is the kernel
-_P_SYSLOG_HOST = re.compile(r"^(?P<host>[^\s\[\]:]+) (?P<ident>[^\s\[\]:]+)(?:\[\d+\])?: ")
+#: OpenWrt's ``logread``: "<ctime> <facility>.<level> " before "kernel: " (no host)
+_P_LOGREAD = re.compile(
+    rf"^[^\W\d_]{{2,10}}\.? +{_ANY_MONTH} +\d{{1,2}} \d\d:\d\d:\d\d \d{{4}} "
+    r"(?P<fac>[a-z0-9]{2,8})\.(?:emerg|alert|crit|err|warning|warn|notice|info|debug) "
+)
+#: a time without brackets: syslog's ``Dec  2 11:38:27`` (any month name, ``.123456`` from
+#: ``journalctl -o short-precise``), ISO / RFC 3339 / RFC 5424 and ``dmesg --time-format iso``,
+#: ``journalctl -o short-full`` (``Tue 2024-01-02 03:04:05 UTC``) and ``short-unix``
+_P_TIME = re.compile(
+    rf"^(?:{_ANY_MONTH} +\d{{1,2}},? \d\d:\d\d:\d\d(?:\.\d{{1,9}})?"
+    rf"|\d{{1,2}}\. ?{_ANY_MONTH} \d\d:\d\d:\d\d"
+    rf"|(?:[^\W\d_]{{2,10}}\.? )?{_ISO}"
+    r"|\d{9,11}\.\d{1,9}) "
+)
+#: ``dmesg --time-format iso``: a comma before the microseconds, the offset with a colon, no host
+_P_DMESG_ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d,\d{6}[+-]\d\d:\d\d ")
+#: the printk caller (``CONFIG_PRINTK_CALLER``): ``[ T1946]`` (a task) or ``[ C3]`` (a CPU)
+_P_CALLER = re.compile(r"^\[\s*[TC]\d{1,10}\] ?")
+#: "[<host> ]<identifier>[<pid>]: " after a syslog time; only the identifier "kernel" is the kernel
+_P_HOST_IDENT = re.compile(
+    r"^(?:(?P<host>[^\s\[\]:]{1,255}) )?(?P<ident>[^\s\[\]:]{1,64})(?:\[\d+\])?: "
+)
+#: RFC 5424 after the time: "<host> <app> <procid> <msgid> <structured data> "
+_P_5424 = re.compile(r"^(?P<host>\S{1,255}) (?P<app>\S{1,48}) \S{1,128} \S{1,32} (?:-|\[.*?\]) ?")
 _P_KERNEL = re.compile(r"^kernel: ")
 DRIVER_START = re.compile(r"^(?:NVRM: |nvidia-nvswitch\d+:? )")
 #: the kernel's device prefix, dev_printk's "<driver> <domain:bus:dev.fn>: "
@@ -120,6 +151,9 @@ DEVICE_START = re.compile(rf"^(?P<drv>[A-Za-z0-9_.-]+) (?P<bdf>{_BDF}): ")
 _DISTRESS_START = re.compile(
     r"^(?:nvme nvme\d+: |EXT[234]-fs \(|XFS \(|Memory failure: |NMI watchdog: )"
 )
+#: a message a tool quotes whole (``msg="NVRM: ..."``, ``"NVRM: ..."``): a JSON string at the end
+_P_QUOTED = re.compile(r'^(?:[a-z_]{1,16}=)?(?P<q>"(?:[^"\\\n]|\\.)*")$')
+
 
 # -- messages that are never sources ----------------------------------------------------------
 #: the kernel's reports of a user's fault, which print the user's process and file names:
@@ -158,49 +192,107 @@ def refusal(message: str) -> str | None:
 
 def frame(line: str) -> tuple[str, str] | None:
     """``(prefix, message)``: the framing in front of the kernel's message and the message, or
-    None when the line is not the kernel's own (a user program's syslog line, a kmsg record of
-    another facility, ``dmesg --decode`` of another facility). Nothing is refused here for
-    what the message says: see :func:`kernel_message`.
+    None when the framing says another writer wrote the line (a user program's syslog line, a
+    kmsg record or syslog PRI of another facility, ``dmesg --decode`` or Talos of another
+    facility). Nothing is refused here for what the message says: see :func:`kernel_message`.
 
-    Strips, in this order and each at most once: leading blanks, a kmsg header (None unless
-    facility 0), ``dmesg --decode``'s ``kern  :err   :`` (None unless ``kern``), a ``dmesg`` time
-    (``[ 123.456]``, ``-T``/``--ctime``, ISO), a syslog/journal ``<time> <host> <ident>:`` (None
-    unless the identifier is ``kernel``), a bare ``kernel:``, then the kernel's own
-    ``[ 123.456]`` a syslog line repeats.
+    The grammar, each part at most once and in this order (docs/xid.md, "Framings"): leading
+    blanks; a kmsg header or a syslog PRI (RFC 3164, RFC 5424); Talos' ``<node>: kern: <level>:
+    [<time>]:``; ``dmesg --decode``'s ``kern  :err   :``; a time (bracketed: ``dmesg`` in every
+    ``--time-format``; or bare: syslog with any month name, ISO, the journal's outputs); the
+    printk caller ``[ T1946]``; then, after a bare time, ``[<host> ]kernel[<pid>]:`` (RFC 5424:
+    ``<host> kernel <procid> <msgid> <sd>``), after a bracketed one an optional ``<host>
+    kernel:`` (``journalctl -o short-monotonic``); a bare ``kernel:``; the kernel's own time
+    and caller that a syslog line repeats; and a message a tool quotes whole.
     """
     rest = line.lstrip()
+    rest, ok, rfc5424 = _source_marks(rest)
+    if not ok:
+        return None
+    bracketed = _P_BRACKET_TIME.match(rest) or _P_DMESG_ISO.match(rest)
+    bare = None if bracketed is not None else _P_TIME.match(rest)
+    if bracketed is not None:
+        rest = _after_bracket_time(rest[bracketed.end() :])
+    elif bare is not None:
+        rest = rest[bare.end() :]
+        if (m := _P_CALLER.match(rest)) is not None:
+            rest = rest[m.end() :]
+        sender = (_P_5424 if rfc5424 else _P_HOST_IDENT).match(rest)
+        if sender is None:
+            return None  # a time and no sender: no line of a known form
+        who = sender.groupdict().get("app") or sender["ident"]
+        if who != "kernel":
+            return None  # a user program's syslog line
+        rest = rest[sender.end() :]
+    if (m := _P_KERNEL.match(rest)) is not None:
+        rest = rest[m.end() :]
+        bare = bare or m
+    if bare is not None and (m := _P_BRACKET_TIME.match(rest)) is not None:
+        rest = _after_bracket_time(rest[m.end() :], host=False)  # syslog repeats the kernel's
+    return line[: len(line) - len(rest)], _unquoted(rest.rstrip())
+
+
+def _source_marks(rest: str) -> tuple[str, bool, bool]:
+    """``(rest, the writer may be the kernel, RFC 5424)`` after what names the writer up front:
+    a kmsg header or a syslog PRI (facility 0 only), Talos' and ``--decode``'s facility
+    (``kern`` only)."""
+    rfc5424 = False
     if (m := _P_KMSG.match(rest)) is not None:
         if int(m["prio"]) >> 3 != KERNEL_FACILITY:
-            return None
+            return rest, False, False
+        rest = rest[m.end() :]
+    elif (m := _P_PRI.match(rest)) is not None:
+        if int(m["prio"]) >> 3 != KERNEL_FACILITY:
+            return rest, False, False
+        rfc5424 = m["v5424"] is not None
+        rest = rest[m.end() :]
+    if (m := _P_TALOS.match(rest)) is not None:
+        if m["fac"] != "kern":
+            return rest, False, False
         rest = rest[m.end() :]
     if (m := _P_DECODE.match(rest)) is not None:
         if m["fac"] != "kern":
-            return None
+            return rest, False, False
         rest = rest[m.end() :]
-    if (m := _P_CTIME.match(rest) or _P_ISO.match(rest) or _P_BOOT.match(rest)) is not None:
-        after = rest[m.end() :]
-        host = _P_SYSLOG_HOST.match(after)
-        if (
-            host is not None
-            and not DRIVER_START.match(after)
-            and not DEVICE_START.match(after)
-            and not _DISTRESS_START.match(after)
-        ):
-            # "<time> host ident: msg" (journalctl -o short-monotonic / short-iso, RFC 3339 syslog)
-            if host["ident"] != "kernel":
-                return None
-            after = after[host.end() :]
-        rest = after
-    elif (m := _P_SYSLOG_TIME.match(rest)) is not None:
-        host = _P_SYSLOG_HOST.match(rest[m.end() :])
-        if host is None or host["ident"] != "kernel":
-            return None  # a user program's syslog line, or a line of no known form
-        rest = rest[m.end() + host.end() :]
-    if (m := _P_KERNEL.match(rest)) is not None:
+    if (m := _P_LOGREAD.match(rest)) is not None:
+        if m["fac"] != "kern":
+            return rest, False, False
         rest = rest[m.end() :]
-    if (m := _P_BOOT.match(rest)) is not None:  # syslog repeats the kernel's own time
-        rest = rest[m.end() :]
-    return line[: len(line) - len(rest)], rest.rstrip()
+    return rest, True, rfc5424
+
+
+def _after_bracket_time(after: str, host: bool = True) -> str:
+    """What follows a bracketed time: the caller id, and (``host``) the ``<host> kernel:`` of
+    ``journalctl -o short-monotonic`` where it is one (a syslog-looking ``<host> <ident>:`` of
+    another identifier is left in place: the message then starts with it and is no driver's)."""
+    if (m := _P_CALLER.match(after)) is not None:
+        after = after[m.end() :]
+    if not host:
+        return after
+    sender = _P_HOST_IDENT.match(after)
+    if (
+        sender is not None
+        and sender["host"] is not None
+        and sender["ident"] == "kernel"
+        and not DRIVER_START.match(after)
+        and not DEVICE_START.match(after)
+        and not _DISTRESS_START.match(after)
+    ):
+        after = after[sender.end() :]
+    return after
+
+
+def _unquoted(message: str) -> str:
+    """A message a tool quotes whole (``"NVRM: ..."``, ``msg="NVRM: ..."``) without its quotes;
+    any other message as it is."""
+    m = _P_QUOTED.match(message)
+    if m is None:
+        return message
+    try:
+        text = json.loads(m["q"])
+    except ValueError:
+        return message
+    return text if isinstance(text, str) else message
 
 
 def kernel_message(line: str) -> tuple[str, str] | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from node_agent.kernel_log.framing import MessageReader, kernel_message, refusal
-from node_agent.kernel_log.sources import LogRecord
+from node_agent.kernel_log.record import LogRecord
 
 
 def believed_messages(

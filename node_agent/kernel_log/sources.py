@@ -6,37 +6,15 @@ of lines. Each source gives :class:`LogRecord` in order; the source says who wro
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import select
 import stat
-from dataclasses import dataclass
 from typing import Protocol
 
 from node_agent import proc
-from node_agent.kernel_log.framing import KERNEL_FACILITY
-
-
-@dataclass(frozen=True)
-class LogRecord:
-    seq: int  # monotonically increasing position (kmsg sequence number or line number)
-    text: str  # may hold several lines (a multi-line kmsg record, a journal entry)
-    boot_s: float | None = None  # the record's own time since boot, where the source gives it
-    #: syslog facility from the kmsg header (0 = kernel, 1 = user: a write to /dev/kmsg);
-    #: None where the source does not say (a saved text line: its prefix is checked instead)
-    facility: int | None = None
-
-    @property
-    def whole(self) -> bool:
-        """True where the record holds all the lines the kernel printed in it (kmsg, the
-        journal); False for a line of a text log, where a record's later lines come after it."""
-        return self.facility is not None or "\n" in self.text
-
-    @property
-    def from_kernel(self) -> bool:
-        """False for a record the kernel did not write itself (facility other than 0)."""
-        return self.facility is None or self.facility == KERNEL_FACILITY
+from node_agent.kernel_log.journal import journal_file_records, journal_form, journal_records
+from node_agent.kernel_log.record import LogRecord
 
 
 class KernelLog(Protocol):
@@ -68,9 +46,9 @@ FILE_READ_BYTES = 16 << 20
 
 
 class FileKernelLog:
-    """A file read as the kernel log (config ``kernel_log.path``): a saved ``dmesg`` or
-    ``journalctl -k`` text, a capture's tail, one line per record. A line that carries a kmsg
-    header (``6,123,456789,-;NVRM: ...``) keeps its facility, sequence number and time.
+    """A file read as the kernel log (config ``kernel_log.path``): a saved ``dmesg``, syslog or
+    ``journalctl -k`` text, a capture's tail, or the journal's ``-o export``/``verbose``/``json``
+    output (:func:`file_records`). The framing grammar reads its lines as it reads any log's.
 
     Read with ``O_NOFOLLOW|O_NONBLOCK`` and checked with ``fstat``: a regular file; when the
     agent runs as root, owned by root and writable by nobody else (a file another user can write
@@ -103,20 +81,31 @@ class FileKernelLog:
                 chunks.append(chunk)
         finally:
             os.close(fd)
-        lines = b"".join(chunks).decode("utf-8", "replace").split("\n")
-        if skip:
-            lines = lines[1:]  # the first line was cut
-        records = []
-        for i, line in enumerate(lines):
-            if not line:
-                continue
-            record = _parse_kmsg_record(line) if _KMSG_LINE.match(line) else None
-            records.append(
-                LogRecord(i + 1, line)
-                if record is None
-                else LogRecord(i + 1, record.text, record.boot_s, record.facility)
-            )
-        return records
+        return file_records(b"".join(chunks), cut=bool(skip))
+
+
+def file_records(data: bytes, cut: bool = False) -> list[LogRecord]:
+    """A saved log's records, by its form: the journal's ``-o export``, ``-o verbose`` or
+    ``-o json`` (each entry believed only with ``_TRANSPORT=kernel``, as the journal source),
+    else text, one line per record (a line with a kmsg header keeps its facility, sequence
+    number and time). ``cut``: the data starts inside a line (a file read from its tail)."""
+    if cut:
+        data = data[data.find(b"\n") + 1 :]
+    form = journal_form(data)
+    if form is not None:
+        return journal_file_records(data, form)
+    lines = data.decode("utf-8", "replace").split("\n")
+    records = []
+    for i, line in enumerate(lines):
+        if not line:
+            continue
+        record = _parse_kmsg_record(line) if _KMSG_LINE.match(line) else None
+        records.append(
+            LogRecord(i + 1, line)
+            if record is None
+            else LogRecord(i + 1, record.text, record.boot_s, record.facility)
+        )
+    return records
 
 
 class KmsgKernelLog:
@@ -229,37 +218,6 @@ class JournalKernelLog:
         if not result.ok:
             raise OSError(result.describe_failure())
         return journal_records(result.stdout)
-
-
-def journal_records(text: str) -> list[LogRecord]:
-    """``journalctl -o json`` output -> the kernel's records (see :class:`JournalKernelLog`)."""
-    records: list[LogRecord] = []
-    for i, line in enumerate(text.splitlines()):
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(entry, dict) or entry.get("_TRANSPORT") != "kernel":
-            continue
-        facility = entry.get("SYSLOG_FACILITY")
-        if facility is not None and str(facility) != str(KERNEL_FACILITY):
-            continue
-        message = entry.get("MESSAGE")
-        if isinstance(message, list):  # journald stores non-UTF-8 text as a byte array
-            message = bytes(b for b in message if isinstance(b, int) and 0 <= b < 256).decode(
-                "utf-8", "replace"
-            )
-        if not isinstance(message, str):
-            continue
-        boot_s: float | None = None
-        for key in ("_SOURCE_MONOTONIC_TIMESTAMP", "__MONOTONIC_TIMESTAMP"):
-            try:
-                boot_s = int(entry[key]) / 1e6
-                break
-            except (KeyError, TypeError, ValueError):
-                continue
-        records.append(LogRecord(i + 1, message, boot_s, facility=KERNEL_FACILITY))
-    return records
 
 
 class UnavailableKernelLog:

@@ -161,6 +161,28 @@ FORMS = [
         None,
         None,
     ),
+    # before 5.0 (mm/oom_kill.c, oom_kill_process): the victim named first, then killed
+    (
+        "Out of memory: Kill process 21518 (python2) score 752 or sacrifice child",
+        "oom_kill",
+        None,
+        "python2",
+    ),
+    (
+        "Memory cgroup out of memory: Kill process 42453 (memcg_test_1) score 0 or sacrifice child",
+        "oom_kill",
+        None,
+        "memcg_test_1",
+    ),
+    (
+        "Killed process 42453 (memcg_test_1), UID 0, total-vm:7296kB, anon-rss:96kB, "
+        "file-rss:164kB, shmem-rss:0kB",
+        "oom_kill",
+        None,
+        "memcg_test_1",
+    ),
+    # fs/file_table.c, alloc_empty_file
+    ("VFS: file-max limit 1000000 reached", "file_max", None, None),
 ]
 
 #: what a log puts in front of the kernel's message (docs/xid.md, "Rules of belief")

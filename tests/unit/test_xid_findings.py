@@ -406,6 +406,7 @@ def test_every_driver_line_kind_grades_at_its_catalog_level_through_the_shipped_
         "init-failed",
         "aer-uncorrectable",
         "aer-recovery-failed",
+        "va-space-exhausted",  # built in where the graders directory leaves it out
     }
     for kind in kinds.values():
         fold = DriverFold(kind=kind.kind, target="gpu:0")
