@@ -20,6 +20,7 @@ import ctypes
 import functools
 import threading
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -189,6 +190,14 @@ def _switch(section: list[tuple[str, str]], fn: str) -> int:
     return _SUCCESS
 
 
+@dataclass(frozen=True)
+class _Handle:
+    """A device handle: hashable and equal per GPU, as NVML's handles (pointers) are, so the
+    backend can key its Xid event registrations by handle."""
+
+    index: int
+
+
 class StateNvml:
     """The part of nvidia-ml-py's ``pynvml`` the NVML backend calls, answered from a state
     file's text by the stand-in library's rules. The calls of the NVML call table
@@ -286,7 +295,7 @@ class StateNvml:
         self._system("nvmlDeviceGetHandleByIndex")
         if not 0 <= index < len(self._state.gpus):
             self._fail(INVALID_ARGUMENT)
-        handle = SimpleNamespace(index=index)
+        handle = _Handle(index)
         self._gpu("nvmlDeviceGetHandleByIndex", handle)
         return handle
 

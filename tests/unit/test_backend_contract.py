@@ -15,7 +15,7 @@ from node_agent import resources
 from node_agent.config import config_from_dict
 from node_agent.gpu import base, open_backend
 from node_agent.gpu.nvml import NvmlBackend, open_nvml
-from node_agent.gpu.replay import StateNvml
+from node_agent.gpu.replay import StateNvml, open_replay
 from node_agent.gpu.sim import SimGpuBackend
 from node_agent.hardware.sku import load_skus
 from node_agent.sim.nvml_state import NVML_FAULT_KINDS, render, write_state
@@ -528,3 +528,14 @@ def test_the_real_h100_capture_reads_alike_through_simulate_and_the_stand_in(fak
         assert replay.driver() == base.DriverInfo("580.159.04", "13.0", "13.580.159.04")
     finally:
         replay.close()
+
+
+def test_a_replayed_capture_whose_gpus_report_xid_events_waits_for_them():
+    """A capture that recorded ``event_types`` (a real H200's did) registers its GPUs for Xid
+    events under --simulate, and a wait with none pending returns none, as NVML's does."""
+    gpu = {"name": "NVIDIA H200", "uuid": "GPU-1", "pci.bus_id": "00000000:00:06.0"}
+    backend = open_replay({"system": {}, "gpus": [{**gpu, "event_types": 65439}]})
+    try:
+        assert backend.wait_xid_events(0.05) == []
+    finally:
+        backend.close()
