@@ -57,9 +57,17 @@ BURN_PRECISIONS = ("bf16", "fp16", "tf32", "fp8")
 #: the burn: n of the n x n GEMMs (the delivery suite's), seconds per precision
 BURN_SIZE, BURN_S_PER_PRECISION = 8192, 6.0
 #: burn against plain matmul: every precision the burn runs, blocks of this many seconds,
-#: alternating, this many pairs per precision (5 x 3 x 2 x 2 s = 60 s of GEMMs)
+#: alternating, this many pairs per precision (5 x 3 x 2 x 1 s = 30 s of GEMMs; on an H200 the
+#: pairs of 2 s agreed within 0.004, so 1 s blocks lose nothing). Where the step's box leaves
+#: less, each precision gets an equal share of what is left, in blocks down to the minimum.
 VS_PLAIN_PRECISIONS = ("bf16", "fp16", "tf32", "fp32", "fp8")
-VS_PLAIN_BLOCK_S, VS_PLAIN_PAIRS = 2.0, 3
+VS_PLAIN_BLOCK_S, VS_PLAIN_PAIRS, VS_PLAIN_MIN_BLOCK_S = 1.0, 3, 0.25
+#: per precision, beside its blocks: the plain loop's untimed first product, the engine's
+#: sampling set-up, the reading back
+VS_PLAIN_SLACK_S = 2.0
+#: the SDC overhead: pairs of blocks of this many seconds (8 x 3 s "on": 24 ms of probe time at
+#: the 0.1 % budget, ten probes or more at ~1.4 ms each), shortened to fit the step's box
+SDC_OVERHEAD_PAIRS, SDC_OVERHEAD_BLOCK_S, SDC_OVERHEAD_SETUP_S = 8, 3.0, 25.0
 DAEMON_WINDOW_S = 60.0
 SDC_MODULE = "node_agent.sdc.validation"
 #: the delivery suite's long durations, shortened so that the whole suite fits in its box here
@@ -115,7 +123,7 @@ STEPS = (
         "burn_vs_plain",
         ("burn_vs_plain_matmul",) + tuple(f"burn_vs_plain_matmul_{p}" for p in VS_PLAIN_PRECISIONS),
         ("cuda",),
-        110,
+        80,
         30,
         f"{PY} bench/gpu_validate.py --only burn_vs_plain  # BurnEngine vs torch.matmul, "
         f"{','.join(VS_PLAIN_PRECISIONS)} n={BURN_SIZE}, {VS_PLAIN_PAIRS} x "
@@ -141,7 +149,7 @@ STEPS = (
         "sdc_overhead",
         ("sdc_probe_overhead_pct",),
         ("cuda",),
-        90,
+        100,
         30,
         f"{PY} bench/gpu_validate.py --only sdc_overhead  # {SDC_MODULE}",
     ),
@@ -452,9 +460,12 @@ def burn_vs_plain(
     own A and B), kernel and numerics, alternating blocks in one process (the order flips every
     pair, so drift of clocks and temperature hits both sides alike); the median of the pairs'
     ratios. The plain loop launches back to back, at most 4 products ahead of the device
-    (events, never a drain) and synchronises once per block: as fast as the device goes. ``burn_vs_plain_matmul``: the lowest of the precisions' ratios (the goal,
-    >= 0.97, holds for every precision). A precision the device lacks is null with the reason;
-    one the ``deadline_s`` (seconds from now) leaves no time for is null saying so."""
+    (events, never a drain) and synchronises once per block: as fast as the device goes.
+    ``burn_vs_plain_matmul``: the lowest of the precisions' ratios (the goal, >= 0.97, holds
+    for every precision). A precision the device lacks is null with the reason. With
+    ``deadline_s`` (seconds from now) each precision still to run gets an equal share of the
+    time left: blocks of ``block_s``, or shorter down to VS_PLAIN_MIN_BLOCK_S; a precision
+    the share leaves no time for is null saying so."""
     import torch
 
     from node_agent.compute.burn import BurnEngine, BurnPlan, numerics
@@ -472,22 +483,24 @@ def burn_vs_plain(
     figures: dict[str, Any] = {}
     measured: dict[str, float] = {}
     details: list[str] = []
+    todo = [p for p in wanted if p not in skipped]
     for p in wanted:
         name = f"burn_vs_plain_matmul_{p}"
         if p in skipped:
             figures[name] = figure(name, None, f"not run: {skipped[p]}", command)
             continue
-        need_s = 2 * pairs * block_s + 2.0
-        if deadline_s is not None and time.monotonic() - began + need_s > deadline_s:
+        block = _vs_plain_block(block_s, pairs, deadline_s, time.monotonic() - began, todo)
+        todo.remove(p)
+        if block is None:
             figures[name] = figure(
                 name,
                 None,
-                f"not run: the step's time box ({deadline_s:g} s) "
-                f"left too little for {pairs} pairs of {block_s:g} s",
+                f"not run: the step's time box ({deadline_s:g} s) left too little for "
+                f"{pairs} pairs of {VS_PLAIN_MIN_BLOCK_S:g} s blocks",
                 command,
             )
             continue
-        ours, plain = _burn_and_plain(engine, cdev, p, block_s, pairs, numerics)
+        ours, plain = _burn_and_plain(engine, cdev, p, block, pairs, numerics)
         ratios = [a / b for a, b in zip(ours, plain, strict=True)]
         measured[p] = statistics.median(ratios)
         figures[name] = figure(
@@ -498,7 +511,7 @@ def burn_vs_plain(
             (
                 f"{p} n={size}: burn engine median {statistics.median(ours):.4g} TFLOP/s, plain "
                 f"matmul median {statistics.median(plain):.4g} TFLOP/s; per-pair ratios "
-                f"{', '.join(f'{r:.3f}' for r in ratios)} ({pairs} pairs of {block_s:g} s, order "
+                f"{', '.join(f'{r:.3f}' for r in ratios)} ({pairs} pairs of {block:g} s, order "
                 f"alternating; the engine verifies 1 product in {plan.verify_every}); device "
                 f"{cdev.device}"
             ),
@@ -525,6 +538,18 @@ def burn_vs_plain(
             command,
         )
     return figures
+
+
+def _vs_plain_block(
+    block_s: float, pairs: int, deadline_s: float | None, used_s: float, todo: list[str]
+) -> float | None:
+    """The block length for the next of the ``todo`` precisions: ``block_s``, or its equal
+    share of the time left before ``deadline_s``; None under VS_PLAIN_MIN_BLOCK_S."""
+    if deadline_s is None:
+        return block_s
+    share_s = (deadline_s - used_s) / max(1, len(todo)) - VS_PLAIN_SLACK_S
+    block = min(block_s, round(share_s / (2 * pairs), 2))
+    return block if block >= VS_PLAIN_MIN_BLOCK_S else None
 
 
 def _burn_and_plain(
@@ -681,34 +706,33 @@ def step_sdc_sm_coverage(box_s: float) -> dict[str, Any]:
 
 def step_sdc_overhead(box_s: float) -> dict[str, Any]:
     """sdc_probe_overhead_pct: measure_training_overhead() (a small transformer trained in
-    alternating blocks without and with SdcProbe.step() at the default 0.1 % budget)."""
+    alternating blocks without and with SdcProbe.step() at the default 0.1 % budget), its
+    blocks sized in seconds to fit the box (SDC_OVERHEAD_*). Null only when no probe ran: two
+    identical loops differ by noise alone."""
     name = "sdc_probe_overhead_pct"
-    command = f"{PY} -c 'from {SDC_MODULE} import measure_training_overhead as m; print(m())'"
+    pairs = SDC_OVERHEAD_PAIRS
+    block_s = max(0.5, min(SDC_OVERHEAD_BLOCK_S, (box_s - SDC_OVERHEAD_SETUP_S) / (2 * pairs)))
+    command = (
+        f"{PY} -c 'from {SDC_MODULE} import measure_training_overhead as m; "
+        f"print(m(pairs={pairs}, block_s={block_s:g}))'"
+    )
     fn, why = _validation("measure_training_overhead")
     if fn is None:
         return {name: figure(name, None, why, command)}
-    o = fn()
+    o = fn(pairs=pairs, block_s=block_s)
     budget_pct = 100 * o.budget_fraction
-    if o.probes_run == 0:  # two identical loops: the "overhead" would be their noise
-        return {
-            name: figure(
-                name,
-                None,
-                (
-                    f"no probe ran: {o.pairs} pairs of {o.steps_per_block} steps of {o.step_ms_on:.3f} "
-                    f"ms gave the {budget_pct:g} % budget too little time to buy one; {o.device}"
-                ),
-                command,
-            )
-        }
-    detail = (
-        f"median over {o.pairs} off/on pairs of {o.steps_per_block} steps: "
-        f"{o.step_ms_off:.3f} ms/step without, {o.step_ms_on:.3f} ms with; the probe's own "
-        f"cost {o.probe_share_percent:.3f} % of the time it ran ({o.probes_run} probes), "
+    seen = (
+        f"{o.probes_run} probes in {o.on_s:.1f} s of training with the probe, costing "
+        f"{o.probe_cost_ms:.2f} ms ({o.probe_share_percent:.3f} % of that time, "
         + ("within" if o.within_budget else "OVER")
-        + f" its {budget_pct:g} % budget; verdicts {o.verdicts}; {o.device}"
+        + f" its {budget_pct:g} % budget); per-pair overheads "
+        + ", ".join(f"{p:+.2f} %" for p in o.pair_percents)
+        + f"; {o.pairs} pairs of {o.steps_per_block} steps, {o.step_ms_off:.3f} ms/step "
+        f"without, {o.step_ms_on:.3f} ms with; verdicts {o.verdicts}; {o.device}"
     )
-    return {name: figure(name, o.percent, None, command, detail)}
+    if o.probes_run == 0:
+        return {name: figure(name, None, f"no probe ran: {seen}", command)}
+    return {name: figure(name, o.percent, None, command, f"median over the pairs; {seen}")}
 
 
 def delivery_suite(path: Path) -> dict[str, Any]:

@@ -297,37 +297,66 @@ def test_gpu_wheels_leaves_out_what_the_host_has_and_reads_markers_for_its_pytho
 
 
 def test_the_sdc_overhead_figure_is_null_with_the_reason_when_no_probe_ran(monkeypatch):
-    """Two identical loops differ by noise alone: that is no overhead figure."""
+    """Two identical loops differ by noise alone: that is no overhead figure. With probes, the
+    figure says how many ran, each pair's overhead and the budget."""
     from types import SimpleNamespace
 
-    def fake(probes_run, share):
-        return SimpleNamespace(
-            percent=5.66,
-            pairs=2,
-            steps_per_block=10,
-            step_ms_off=11.4,
-            step_ms_on=12.0,
-            probe_share_percent=share,
-            probes_run=probes_run,
-            budget_fraction=0.001,
-            device="cuda:0",
-            verdicts={"pass": probes_run} if probes_run else {},
-            within_budget=share <= 0.1,
-        )
+    asked = {}
 
-    monkeypatch.setattr(steps, "_validation", lambda name: (lambda: fake(0, 0.0), None))
+    def fake(probes_run, share):
+        def measure(**kwargs):
+            asked.update(kwargs)
+            return SimpleNamespace(
+                percent=5.66,
+                pairs=2,
+                steps_per_block=10,
+                step_ms_off=11.4,
+                step_ms_on=12.0,
+                probe_share_percent=share,
+                probes_run=probes_run,
+                budget_fraction=0.001,
+                device="cuda:0",
+                verdicts={"pass": probes_run} if probes_run else {},
+                within_budget=share <= 0.1,
+                pair_percents=[5.5, 5.8],
+                probe_cost_ms=share * 24,
+                on_s=24.0,
+            )
+
+        return measure
+
+    monkeypatch.setattr(steps, "_validation", lambda name: (fake(0, 0.0), None))
     got = steps.step_sdc_overhead(60)["sdc_probe_overhead_pct"]
-    assert got["value"] is None and got["reason"].startswith("no probe ran: 2 pairs of 10 steps")
-    monkeypatch.setattr(steps, "_validation", lambda name: (lambda: fake(3, 0.087), None))
-    got = steps.step_sdc_overhead(60)["sdc_probe_overhead_pct"]
-    assert (
-        got["value"] == 5.66
-        and "0.087 % of the time it ran (3 probes), within its 0.1 % budget" in got["detail"]
-    )
-    monkeypatch.setattr(steps, "_validation", lambda name: (lambda: fake(4, 0.116), None))
+    assert got["value"] is None and got["reason"].startswith("no probe ran: 0 probes in 24.0 s")
+    assert asked["pairs"] == steps.SDC_OVERHEAD_PAIRS and asked["block_s"] <= 60 / 16
+    monkeypatch.setattr(steps, "_validation", lambda name: (fake(3, 0.087), None))
+    got = steps.step_sdc_overhead(100)["sdc_probe_overhead_pct"]
+    assert got["value"] == 5.66 and asked["block_s"] == steps.SDC_OVERHEAD_BLOCK_S
+    assert "3 probes in 24.0 s" in got["detail"] and "within its 0.1 % budget" in got["detail"]
+    assert "per-pair overheads +5.50 %, +5.80 %" in got["detail"]
+    monkeypatch.setattr(steps, "_validation", lambda name: (fake(4, 0.116), None))
     assert (
         "OVER its 0.1 % budget" in steps.step_sdc_overhead(60)["sdc_probe_overhead_pct"]["detail"]
     )
+
+
+def test_burn_vs_plain_shares_a_short_box_so_that_every_precision_is_measured():
+    """The H200's full run left fp32 and fp8 unmeasured: 2 s blocks did not fit what the box
+    had left. Each precision now gets an equal share, in shorter blocks down to a minimum."""
+    todo = list(steps.VS_PLAIN_PRECISIONS)
+    pairs = steps.VS_PLAIN_PAIRS
+    assert steps._vs_plain_block(1.0, pairs, None, 0.0, todo) == 1.0  # no deadline: as given
+    assert steps._vs_plain_block(1.0, pairs, 75.0, 10.0, todo) == 1.0  # room for all five
+    blocks = []
+    used = 10.0
+    for p in list(todo):  # a 40 s box: 30 s left for five precisions after the set-up
+        block = steps._vs_plain_block(1.0, pairs, 40.0, used, todo)
+        todo.remove(p)
+        assert block is not None and steps.VS_PLAIN_MIN_BLOCK_S <= block < 1.0, (p, block)
+        blocks.append(block)
+        used += 2 * pairs * block + steps.VS_PLAIN_SLACK_S
+    assert used <= 40.0 + 1e-9, (used, blocks)
+    assert steps._vs_plain_block(1.0, pairs, 12.0, 10.0, ["fp8"]) is None  # under the minimum
 
 
 # -- the work tree without an install, as a GPU host without a package index runs it ----------
