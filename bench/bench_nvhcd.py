@@ -27,26 +27,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-STALL = """
-import sys, threading, grpc
-sock, n = sys.argv[1], int(sys.argv[2])
-forever = threading.Event()
-
-def never():
-    forever.wait()
-    return
-    yield
-
-calls = []
-for _ in range(n):
-    ch = grpc.insecure_channel(f"unix://{sock}", options=[("grpc.use_local_subchannel_pool", 1)])
-    m = ch.stream_unary("/nvhcd.HealthCheckService/RunHealthCheck",
-                        request_serializer=bytes, response_deserializer=bytes)
-    calls.append((ch, m.future(never(), timeout=600)))
-print("ready", flush=True)
-forever.wait()
-"""
-
 
 def timed_calls(sock: Path, n: int) -> list[float]:
     from nvrx_client import NodeHealthCheck
@@ -77,11 +57,14 @@ def stall(sock: Path, n: int, user: str | None) -> subprocess.Popen:
             f"--regid={entry.pw_gid}",
             "--clear-groups",
         ]
+    from nvrx_client import STALL
+
     child = subprocess.Popen(
         [*prefix, sys.executable, "-c", STALL, str(sock), str(n)],
         stdout=subprocess.PIPE,
         text=True,
         cwd="/",
+        env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"},
     )
     if child.stdout is None or child.stdout.readline().strip() != "ready":
         raise SystemExit("the stalling process did not start")

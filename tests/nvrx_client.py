@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 PROTO = Path(__file__).resolve().parents[1] / "packaging" / "nvrx" / "nvhcd.proto"
@@ -115,3 +116,40 @@ class NodeHealthCheck:
             self.last_output = json.loads(output) if output else None
         except json.JSONDecodeError:
             self.last_output = None
+
+
+#: a script: ``python -c STALL SOCKET N`` opens N calls that never send their message, prints
+#: "ready" and holds them (``tests/`` on its PYTHONPATH)
+STALL = """
+import sys, threading
+from nvrx_client import stall_calls
+stall_calls(sys.argv[1], int(sys.argv[2]), threading.Event())
+print("ready", flush=True)
+threading.Event().wait()
+"""
+
+
+def stall_calls(sock, n: int, release: threading.Event) -> list:
+    """Open ``n`` calls of ``RunHealthCheck`` on ``sock`` that send their headers and never
+    their message (each on its own connection: a local subchannel pool per channel) until
+    ``release`` is set; returns the (channel, future) pairs. The stalled client of the round's
+    finding, not a part of NVRx."""
+    import grpc
+
+    def never():
+        release.wait()
+        return
+        yield  # a generator that sends no message
+
+    calls = []
+    for _ in range(n):
+        channel = grpc.insecure_channel(
+            f"unix://{sock}", options=[("grpc.use_local_subchannel_pool", 1)]
+        )
+        method = channel.stream_unary(
+            "/nvhcd.HealthCheckService/RunHealthCheck",
+            request_serializer=bytes,
+            response_deserializer=bytes,
+        )
+        calls.append((channel, method.future(never(), timeout=600)))
+    return calls

@@ -175,17 +175,17 @@ class Daemon:
             labels=self._labels,
         )
         self._registry.register(self._watch)
-        self._state = StateFile(self.config.state_dir)
-        #: the latest graded state waiting to be written by the "state" thread (a write
-        #: fsyncs: never on the path from a finding to the grade)
-        self._pending: tuple[dict[str, CheckResults], list[Result], Grade] | None = None
-        self._dirty = threading.Event()
         self._stored_grade = self._restore()
 
     # -- set-up ---------------------------------------------------------------------------------
     def _restore(self) -> Grade | None:
         """Read the stored state back: this boot's results of checks still scheduled, and the
         sticky findings; returns the stored grade (the answer's stand-in until complete)."""
+        self._state = StateFile(self.config.state_dir)
+        #: the latest graded state waiting to be written by the "state" thread (a write
+        #: fsyncs: never on the path from a finding to the grade)
+        self._pending: tuple[dict[str, CheckResults], list[Result], Grade] | None = None
+        self._dirty = threading.Event()
         try:
             private_dir(self.config.state_dir)
         except OSError as err:

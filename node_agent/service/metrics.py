@@ -397,15 +397,12 @@ class DaemonCollector(Collector):
             "1 for the worst status of the check's latest run",
             labels=["hostname", "check", "status"],
         )
-        last = GaugeMetricFamily(
+        last = _check_gauge(
             "node_agent_check_last_run_timestamp_seconds",
             "When the check last finished (Unix time)",
-            labels=["hostname", "check"],
         )
-        duration = GaugeMetricFamily(
-            "node_agent_check_duration_seconds",
-            "How long the check's latest run took",
-            labels=["hostname", "check"],
+        duration = _check_gauge(
+            "node_agent_check_duration_seconds", "How long the check's latest run took"
         )
         runs = CounterMetricFamily(
             "node_agent_check_runs", "Runs of the check", labels=["hostname", "check"]
@@ -442,6 +439,11 @@ class DaemonCollector(Collector):
         yield from _drained(s)
 
 
+def _check_gauge(name: str, documentation: str) -> GaugeMetricFamily:
+    """A gauge with one series per check (labels hostname, check)."""
+    return GaugeMetricFamily(name, documentation, labels=["hostname", "check"])
+
+
 def _state_series(s: Snapshot) -> Iterator[Metric]:
     """Whether the daemon knows the node's state, each check's result age, the NVRx service."""
     unknown = GaugeMetricFamily(
@@ -452,15 +454,13 @@ def _state_series(s: Snapshot) -> Iterator[Metric]:
     )
     unknown.add_metric([s.hostname], int(s.unknown))
     yield unknown
-    age = GaugeMetricFamily(
+    age = _check_gauge(
         "node_agent_check_result_age_seconds",
         "Age of the check's latest result (a stalled check loop shows as a growing age)",
-        labels=["hostname", "check"],
     )
-    failing = GaugeMetricFamily(
+    failing = _check_gauge(
         "node_agent_check_failing_runs",
         "Runs in a row of the check that timed out or failed (0 after one that did not)",
-        labels=["hostname", "check"],
     )
     for name, at in sorted(s.result_unix.items()):
         st = s.checks.get(name)
@@ -470,10 +470,9 @@ def _state_series(s: Snapshot) -> Iterator[Metric]:
     for name, st in sorted(s.checks.items()):
         if st.scheduled:
             failing.add_metric([s.hostname, name], st.failing_runs)
-    interval = GaugeMetricFamily(
+    interval = _check_gauge(
         "node_agent_check_interval_seconds",
         "The check's cadence in the daemon's schedule (every_s)",
-        labels=["hostname", "check"],
     )
     for name, every_s in sorted(s.intervals.items()):
         interval.add_metric([s.hostname, name], every_s)

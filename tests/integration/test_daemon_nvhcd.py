@@ -24,7 +24,7 @@ import yaml
 pytest.importorskip("grpc", reason="grpcio is not installed: make deps-test")
 pytest.importorskip("grpc_tools", reason="grpcio-tools is not installed: make deps-test")
 
-from nvrx_client import DEFAULT_ARGS, NodeHealthCheck  # noqa: E402
+from nvrx_client import DEFAULT_ARGS, NodeHealthCheck, stall_calls  # noqa: E402
 
 AGENT = str(Path(sys.executable).with_name("node-agent"))
 FAULTS = [
@@ -173,28 +173,11 @@ def test_a_fault_node_is_never_answered_healthy_from_its_first_second_nor_after_
 
 def test_two_stalled_calls_do_not_delay_a_third(node):
     """Two calls that send their headers and never their message (same uid: under the cap)."""
-    import grpc
 
     node.start()
     assert wait_for(node.sock.exists, 30)
     release = threading.Event()
-
-    def never():
-        release.wait(30)
-        return
-        yield  # a generator that sends no message
-
-    stalled = []
-    for _ in range(2):
-        channel = grpc.insecure_channel(
-            f"unix://{node.sock}", options=[("grpc.use_local_subchannel_pool", 1)]
-        )
-        call = channel.stream_unary(
-            "/nvhcd.HealthCheckService/RunHealthCheck",
-            request_serializer=bytes,
-            response_deserializer=bytes,
-        )
-        stalled.append((channel, call.future(never(), timeout=30)))
+    stalled = stall_calls(node.sock, 2, release)
     try:
         time.sleep(0.5)  # both are in the service, waiting for a message
         for _ in range(5):

@@ -23,7 +23,7 @@ import yaml
 pytest.importorskip("grpc", reason="grpcio is not installed: make deps-test")
 pytest.importorskip("grpc_tools", reason="grpcio-tools is not installed: make deps-test")
 
-from nvrx_client import NodeHealthCheck  # noqa: E402
+from nvrx_client import STALL, NodeHealthCheck  # noqa: E402
 
 from node_agent.model import Result, Status  # noqa: E402
 from node_agent.service.daemon import Daemon  # noqa: E402
@@ -36,28 +36,6 @@ from nvrx_client import NodeHealthCheck
 client = NodeHealthCheck(sys.argv[1], request_timeout_sec=5)
 healthy = client()
 print(json.dumps({"healthy": healthy, "skipped": client.skipped, "output": client.last_output}))
-"""
-# n calls that send their headers and never their message, each on its own connection
-STALL = """
-import sys, threading, grpc
-sock, n = sys.argv[1], int(sys.argv[2])
-forever = threading.Event()
-
-def never():
-    forever.wait()
-    return
-    yield
-
-calls = []
-for _ in range(n):
-    channel = grpc.insecure_channel(f"unix://{sock}", options=[("grpc.use_local_subchannel_pool", 1)])
-    method = channel.stream_unary(
-        "/nvhcd.HealthCheckService/RunHealthCheck",
-        request_serializer=bytes, response_deserializer=bytes,
-    )
-    calls.append((channel, method.future(never(), timeout=600)))
-print("ready", flush=True)
-forever.wait()
 """
 VICTIM_UID = 4321  # another user's job: its uid need not exist for the daemon to report it
 
