@@ -217,6 +217,9 @@ def _hex(word: str) -> int | None:
 
 #: words one of which every line read here holds: a cheap test before the prefixes are parsed
 _WORTH_PARSING = ("NVRM", "nvidia-nvswitch", "PCIe Bus Error", "AER:")
+#: what a record must hold for the scanner to look at it (the API-mismatch record's first line
+#: starts a text log's quarantine, see framing.MessageReader)
+_FEED_WORDS = (*_WORTH_PARSING, "API mismatch")
 
 
 def _driver_message(line: str, reader: MessageReader | None = None) -> tuple[str, str] | None:
@@ -437,6 +440,13 @@ class KernelLogScanner:
     def feed(self, record: LogRecord) -> list[Event | Unreadable | DriverLine]:
         if not record.from_kernel:
             return []
+        if (
+            self._pending is None
+            and not self._reader.inside
+            and not any(word in record.text for word in _FEED_WORDS)
+        ):
+            self._age_aer()  # a line of no driver: counts only as a line passing
+            return []
         # a record of kmsg or the journal holds all its lines: it is refused whole (a netfilter
         # prefix with a newline puts the tail on a later line); a text log's line is one line
         whole = record.whole
@@ -496,6 +506,8 @@ class KernelLogScanner:
         return [event]
 
     def _age_aer(self) -> None:
+        if not self._aer:
+            return
         for bus, (event, left) in list(self._aer.items()):
             if left <= 1:
                 del self._aer[bus]

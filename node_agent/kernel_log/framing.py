@@ -349,6 +349,11 @@ class MessageReader:
         self._stamp: Stamp | None = None
         self._last = ""
 
+    @property
+    def inside(self) -> bool:
+        """True while the lines read are a text log's API-mismatch record."""
+        return self._left > 0
+
     def message(self, line: str, words: tuple[str, ...] = ()) -> tuple[str, str] | None:
         """What :func:`kernel_message` gives, or None for a line inside an API-mismatch record.
         ``words``: the caller reads only messages that hold one of them (a cheap test first)."""
