@@ -173,7 +173,7 @@ def _run(args, place, key, config, env, quick, acting, topology) -> int:
     deterministic()
     backend = "nccl" if devices and not devices[0].simulated else "gloo"
     try:
-        store = ranks.open_store(place, key, args.join_timeout_s)
+        store = ranks.open_store(place, args.join_timeout_s)
         joined = ranks.join(store, place, node, key, args.join_timeout_s)
     except (RuntimeError, OSError) as err:
         first = printable(str(err)).strip().splitlines()[:1] or [type(err).__name__]
@@ -184,38 +184,8 @@ def _run(args, place, key, config, env, quick, acting, topology) -> int:
         )
         return EXIT_USAGE
     if joined.missing:
-        names = ", ".join(f"rank {r}" for r in joined.missing)
-        if place.rank == 0:
-            suspects = [
-                localise.Suspect(
-                    _missing_node(args.simulate, r, env),
-                    "join",
-                    evidence={"rank": r, "did_not_join": True, "waited_s": args.join_timeout_s},
-                )
-                for r in joined.missing
-            ]
-            path = _write_summary(
-                args,
-                env,
-                place,
-                joined.nodes,
-                {},
-                suspects,
-                topology,
-                started,
-                note=f"{names} did not join",
-            )
-            print(
-                f"node-agent stop-check: {names} did not join within "
-                f"{args.join_timeout_s:g} s; named as suspects in {path}",
-                file=sys.stderr,
-            )
-        else:
-            print(
-                f"node-agent stop-check: {names} did not join; rank 0 names them", file=sys.stderr
-            )
-        return EXIT_USAGE
-    ranks.init_group(store, place, key, joined.session, backend, args.phase_timeout_s)
+        return _not_all_joined(args, env, place, joined, topology, started)
+    ranks.init_group(joined.store, place, key, joined.session, backend, args.phase_timeout_s)
     stack = _stack(env, torch.__version__)
     where = devices[0].device if backend == "nccl" else "cpu"
     side = phases.NodeSide(
@@ -254,6 +224,40 @@ def _run(args, place, key, config, env, quick, acting, topology) -> int:
     )
     print(f"report: {path}", file=sys.stderr)
     return EXIT_FOR_LEVEL[report.grade.level]
+
+
+def _not_all_joined(args, env, place, joined: ranks.Joined, topology, started: str) -> int:
+    """Some ranks never joined: rank 0 names them (their nodes where known) and every rank
+    stops with exit 2, before any collective could hang on them."""
+    names = ", ".join(f"rank {r}" for r in joined.missing)
+    if place.rank != 0:
+        print(f"node-agent stop-check: {names} did not join; rank 0 names them", file=sys.stderr)
+        return EXIT_USAGE
+    suspects = [
+        localise.Suspect(
+            _missing_node(args.simulate, r, env),
+            "join",
+            evidence={"rank": r, "did_not_join": True, "waited_s": args.join_timeout_s},
+        )
+        for r in joined.missing
+    ]
+    path = _write_summary(
+        args,
+        env,
+        place,
+        joined.nodes,
+        {},
+        suspects,
+        topology,
+        started,
+        note=f"{names} did not join",
+    )
+    print(
+        f"node-agent stop-check: {names} did not join within {args.join_timeout_s:g} s; "
+        f"named as suspects in {path}",
+        file=sys.stderr,
+    )
+    return EXIT_USAGE
 
 
 def _missing_node(pattern: str | None, rank: int, env: Any) -> str:
@@ -355,72 +359,7 @@ def _node_report(
     if self_phase is not None and self_phase.report is not None:
         results.extend(self_phase.report.results)
     for name in PHASE_ORDER:
-        outcome = outcomes.get(name)
-        metric = f"{CHECK}_{name}"
-        if outcome is None:
-            results.append(
-                Result(
-                    CHECK,
-                    "node",
-                    metric,
-                    Status.SKIP,
-                    "not run: an earlier phase broke the job's process group",
-                )
-            )
-            continue
-        if outcome.error:
-            results.append(
-                Result(
-                    CHECK,
-                    "node",
-                    metric,
-                    Status.ERROR,
-                    f"the {name} phase broke: {outcome.error}",
-                    duration_s=outcome.duration_s,
-                )
-            )
-            continue
-        if outcome.skipped:
-            results.append(
-                Result(
-                    CHECK,
-                    "node",
-                    metric,
-                    Status.SKIP,
-                    outcome.skipped,
-                    duration_s=outcome.duration_s,
-                )
-            )
-            continue
-        if name == "self":  # the quick suite's own results grade this node already
-            continue
-        mine = [s for s in outcome.suspects if s.node == node]
-        for s in mine:
-            target = f"gpu:{s.gpu}" if s.gpu is not None else "node"
-            results.append(
-                Result(
-                    CHECK,
-                    target,
-                    metric,
-                    Status.FAIL,
-                    _sentence(name, s),
-                    evidence=s.to_dict(),
-                    duration_s=outcome.duration_s,
-                )
-            )
-        if not mine:
-            others = sorted({s.node for s in outcome.suspects})
-            results.append(
-                Result(
-                    CHECK,
-                    "node",
-                    metric,
-                    Status.PASS,
-                    f"the {name} phase named no fault here"
-                    + (f" (it named {', '.join(others)})" if others else ""),
-                    duration_s=outcome.duration_s,
-                )
-            )
+        results.extend(_phase_results(name, outcomes.get(name), node))
     grade = env.grader.grade(results, "service")
     return Report(
         host=env.inventory.host,
@@ -435,6 +374,41 @@ def _node_report(
         agent_version=__version__,
         sku=env.sku.id if env.sku else None,
     )
+
+
+def _phase_results(name: str, outcome: phases.PhaseOutcome | None, node: str) -> list[Result]:
+    """One phase's results for this node: skipped, broken, a fail per suspect here, or a pass."""
+    metric = f"{CHECK}_{name}"
+    if outcome is None:
+        why = "not run: an earlier phase broke the job's process group"
+        return [Result(CHECK, "node", metric, Status.SKIP, why)]
+    took = outcome.duration_s
+    if outcome.error:
+        why = f"the {name} phase broke: {outcome.error}"
+        return [Result(CHECK, "node", metric, Status.ERROR, why, duration_s=took)]
+    if outcome.skipped:
+        return [Result(CHECK, "node", metric, Status.SKIP, outcome.skipped, duration_s=took)]
+    if name == "self":  # the quick suite's own results grade this node already
+        return []
+    mine = [s for s in outcome.suspects if s.node == node]
+    if not mine:
+        others = sorted({s.node for s in outcome.suspects})
+        said = f"the {name} phase named no fault here" + (
+            f" (it named {', '.join(others)})" if others else ""
+        )
+        return [Result(CHECK, "node", metric, Status.PASS, said, duration_s=took)]
+    return [
+        Result(
+            CHECK,
+            f"gpu:{s.gpu}" if s.gpu is not None else "node",
+            metric,
+            Status.FAIL,
+            _sentence(name, s),
+            evidence=s.to_dict(),
+            duration_s=took,
+        )
+        for s in mine
+    ]
 
 
 def _sentence(phase: str, s: localise.Suspect) -> str:

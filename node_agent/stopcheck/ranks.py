@@ -116,13 +116,13 @@ def listen(place: Place) -> int:
     return sock.detach()
 
 
-def open_store(place: Place, key: bytes, timeout_s: float) -> Any:
-    """The job's key-value store under this job's key-derived prefix: torchrun's, or one rank 0
-    hosts on its own listening socket (:func:`listen`)."""
+def open_store(place: Place, timeout_s: float) -> Any:
+    """The job's key-value store: torchrun's, or one rank 0 hosts on its own listening socket
+    (:func:`listen`). :func:`join` puts this job's keys under a prefix derived from its key."""
     import torch.distributed as dist
 
     master = place.rank == 0 and not place.agent_store
-    store = dist.TCPStore(
+    return dist.TCPStore(
         place.master_addr,
         place.master_port,
         place.world_size,
@@ -131,7 +131,6 @@ def open_store(place: Place, key: bytes, timeout_s: float) -> Any:
         wait_for_workers=False,
         master_listen_fd=listen(place) if master else None,
     )
-    return dist.PrefixStore(signed.store_prefix(key), store)
 
 
 @dataclass(frozen=True)
@@ -139,27 +138,37 @@ class Joined:
     nodes: dict[int, str]  # rank -> node name, bound by each rank's signed join record
     missing: list[int]
     session: str  # every later message's session: a digest of rank 0's signed record
+    store: Any  # the store under this job's prefix, for the process group
 
 
 JOIN_SESSION = "join"
 _JOIN_SCHEMA = {"node": str, "nonce": lambda v: isinstance(v, str) and len(v) == 32}
 _MEMBER = {"rank": int, "node": str, "nonce": str}
 _JOINED_SCHEMA = {"members": [_MEMBER], "missing": [int], "refused": [int]}
+#: outside the job's prefix, so that a rank holding another key is seen (and told) at once
+#: rather than waited for: each rank's key id (a digest that reveals nothing of the key), and
+#: rank 0's word that it stopped. A stranger can write both: it can only stop the run.
+KEY_IDS = "node-agent/stop-check/key-id"
+STOPPED = "node-agent/stop-check/stopped"
 
 
-def join(store: Any, place: Place, node: str, key: bytes, deadline_s: float) -> Joined:
+def join(raw: Any, place: Place, node: str, key: bytes, deadline_s: float) -> Joined:
     """Announce this rank's node with a fresh nonce, signed; rank 0 gathers the records it can
     verify until ``deadline_s`` and publishes them, signed; every rank checks rank 0's record and
     that its own nonce is in it (an earlier run's records replayed by someone else are not).
-    PeerUnverified when a record cannot be believed, on every rank that sees it."""
+    PeerUnverified when a record cannot be believed, on every rank that sees it; TimeoutError
+    when rank 0's record never comes."""
+    import torch.distributed as dist
+
+    store: Any = dist.PrefixStore(signed.store_prefix(key), raw)  # set() takes bytes too
     nonce = secrets.token_hex(16)
     mine = {"node": node, "nonce": nonce}
+    raw.set(f"{KEY_IDS}/{place.rank}", _key_id(key))
     store.set(f"join/{place.rank}", signed.seal(key, JOIN_SESSION, "join", 0, place.rank, mine))
     if place.rank == 0:
-        wire = _publish(store, place, key, deadline_s)
+        wire = _publish(raw, store, place, key, deadline_s)
     else:
-        store.wait(["joined"], timedelta(seconds=deadline_s + 30))
-        wire = store.get("joined")
+        wire = _await_joined(raw, store, deadline_s + 30)
     data = signed.unseal(key, wire, JOIN_SESSION, "joined", 0, 0, _JOINED_SCHEMA)
     members = {m["rank"]: m for m in data["members"]}
     if members.get(place.rank, {}).get("nonce") != nonce:
@@ -177,17 +186,43 @@ def join(store: Any, place: Place, node: str, key: bytes, deadline_s: float) -> 
         {r: m["node"] for r, m in sorted(members.items())},
         list(data["missing"]),
         hashlib.sha256(wire).hexdigest()[:32],
+        store,
     )
 
 
-def _publish(store: Any, place: Place, key: bytes, deadline_s: float) -> bytes:
+def _key_id(key: bytes) -> str:
+    return signed.derive(key, "key-id").hex()[:16]
+
+
+def _await_joined(raw: Any, store: Any, timeout_s: float) -> bytes:
+    end = time.monotonic() + timeout_s
+    while not store.check(["joined"]):
+        if raw.check([STOPPED]):
+            raise signed.PeerUnverified(
+                "rank 0 stopped the run: a rank holds another key than rank 0's, or a stranger "
+                "said so"
+            )
+        if time.monotonic() > end:
+            raise TimeoutError(f"no join record from rank 0 within {timeout_s:g} s")
+        time.sleep(0.1)
+    return bytes(store.get("joined"))
+
+
+def _publish(raw: Any, store: Any, place: Place, key: bytes, deadline_s: float) -> bytes:
+    mine = _key_id(key)
     keys = [f"join/{r}" for r in range(place.world_size)]
     end = time.monotonic() + deadline_s
-    while time.monotonic() < end and not store.check(keys):
+    other: list[int] = []
+    while time.monotonic() < end and not store.check(keys) and not other:
         time.sleep(0.1)
-    members, refused = [], []
+        other = [
+            r
+            for r in range(place.world_size)
+            if raw.check([f"{KEY_IDS}/{r}"]) and raw.get(f"{KEY_IDS}/{r}") != mine.encode()
+        ]
+    members, refused = [], list(other)
     for r in range(place.world_size):
-        if not store.check([f"join/{r}"]):
+        if r in other or not store.check([f"join/{r}"]):
             continue
         try:
             got = signed.unseal(
@@ -198,9 +233,11 @@ def _publish(store: Any, place: Place, key: bytes, deadline_s: float) -> bytes:
             refused.append(r)
     seen = {m["rank"] for m in members} | set(refused)
     missing = [r for r in range(place.world_size) if r not in seen]
-    record = {"members": members, "missing": missing, "refused": refused}
+    record = {"members": members, "missing": missing, "refused": sorted(refused)}
     wire = signed.seal(key, JOIN_SESSION, "joined", 0, 0, record)
     store.set("joined", wire)
+    if refused:
+        raw.set(STOPPED, "1")
     return wire
 
 

@@ -67,6 +67,14 @@ def job(tmp_path):
 
     make.config = config  # type: ignore[attr-defined]
     make.key = make_key(tmp_path / "job.key")  # type: ignore[attr-defined]
+
+    def args(scen: Path, out: bool = True) -> list[str]:
+        """The options every rank takes: the config, the job's key, its scenario, --out."""
+        common = ["--config", str(config), "--key-file", str(make.key)]  # type: ignore[attr-defined]
+        common += ["--simulate", str(scen / "n{rank}.yaml")]
+        return common + (["--out", str(tmp_path / "out")] if out else [])
+
+    make.args = args  # type: ignore[attr-defined]
     make.out = tmp_path / "out"  # type: ignore[attr-defined]
     return make
 
@@ -138,16 +146,7 @@ def test_a_healthy_six_node_job_under_torchrun_names_no_suspect(job, tmp_path):
             "--no-python",
             AGENT,
             "stop-check",
-            "--config",
-            str(job.config),
-            "--key-file",
-            str(job.key),
-            "--key-file",
-            str(job.key),
-            "--simulate",
-            str(scen / "n{rank}.yaml"),
-            "--out",
-            str(job.out),
+            *job.args(scen),
         ],
         capture_output=True,
         text=True,
@@ -177,14 +176,7 @@ def test_each_phase_names_exactly_its_bad_node_and_act_drains_them(job, tmp_path
         }
     )
     args = [
-        "--config",
-        str(job.config),
-        "--key-file",
-        str(job.key),
-        "--simulate",
-        str(scen / "n{rank}.yaml"),
-        "--out",
-        str(job.out),
+        *job.args(scen),
         "--act",
         "--adapter",
         "log",
@@ -209,14 +201,7 @@ def test_each_phase_names_exactly_its_bad_node_and_act_drains_them(job, tmp_path
 def test_replay_names_the_node_whose_sm_corrupts_now_and_then(job, tmp_path):
     scen = job({2: [{"kind": "sdc", "gpu": 6, "sm": 17, "rate": 0.3}]})
     args = [
-        "--config",
-        str(job.config),
-        "--key-file",
-        str(job.key),
-        "--simulate",
-        str(scen / "n{rank}.yaml"),
-        "--out",
-        str(job.out),
+        *job.args(scen),
         "--replay",
         "--rounds",
         "4",
@@ -251,16 +236,7 @@ def test_a_slurm_step_names_the_bad_node_and_evicts_its_parallel_group(job, slur
             "--kill-on-bad-exit=0",
             AGENT,
             "stop-check",
-            "--config",
-            str(job.config),
-            "--key-file",
-            str(job.key),
-            "--key-file",
-            str(job.key),
-            "--simulate",
-            str(scen / "n{rank}.yaml"),
-            "--out",
-            str(job.out),
+            *job.args(scen),
             "--topology",
             str(topology),
         ],
@@ -279,14 +255,7 @@ def test_a_slurm_step_names_the_bad_node_and_evicts_its_parallel_group(job, slur
 def test_a_rank_that_never_joins_is_named_by_rank_0_and_the_others_exit_2(job, tmp_path):
     scen = job(nodes=3)
     args = [
-        "--config",
-        str(job.config),
-        "--key-file",
-        str(job.key),
-        "--simulate",
-        str(scen / "n{rank}.yaml"),
-        "--out",
-        str(job.out),
+        *job.args(scen),
         "--join-timeout-s",
         "5",
     ]
@@ -301,14 +270,7 @@ def test_a_rank_that_never_joins_is_named_by_rank_0_and_the_others_exit_2(job, t
 def test_a_rank_without_its_scenario_exits_2_with_one_line(job, tmp_path):
     scen = job(nodes=2)
     (scen / "n1.yaml").unlink()
-    args = [
-        "--config",
-        str(job.config),
-        "--key-file",
-        str(job.key),
-        "--simulate",
-        str(scen / "n{rank}.yaml"),
-    ]
+    args = job.args(scen, out=False)
     codes = finish(spawn([1], 2, args, free_port(), tmp_path))
     code, err = codes[1]
     assert code == 2
@@ -326,3 +288,88 @@ def test_a_one_node_job_is_a_usage_error(job, tmp_path):
     )
     code, err = codes[0]
     assert code == 2 and "WORLD_SIZE=1" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_rank_with_the_wrong_key_stops_every_rank_with_exit_2_and_names_nobody(job, tmp_path):
+    scen = job(nodes=3)
+    wrong = make_key(tmp_path / "other.key")
+    common = [*job.args(scen), "--act", "--adapter", "log", "--join-timeout-s", "60"]
+    port = free_port()
+    procs = spawn([0, 1], 3, common, port, tmp_path)
+    procs.update(spawn([2], 3, [*common, "--key-file", str(wrong)], port, tmp_path))
+    codes = finish(procs)
+    for rank, (code, err) in codes.items():
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2, (rank, err[-2000:])
+        assert len(lines) == 1 and "nothing named" in lines[0], (rank, lines)
+    assert "could not verify the join record of rank 2" in codes[0][1]
+    assert "rank 0 stopped the run" in codes[2][1]  # told at once, not after the deadline
+    assert not (job.out / "stop-check.json").exists()
+    assert not list(job.out.glob("report-*.json")) if job.out.exists() else True
+    assert not (tmp_path / "state" / "actions.log").exists()
+
+
+@pytest.mark.parametrize("problem", ["missing", "mode 0644", "symlink"])
+def test_a_missing_or_loose_key_file_is_exit_2_naming_it_with_nothing_run(job, tmp_path, problem):
+    scen = job(nodes=2)
+    args = [a for a in job.args(scen) if a not in ("--key-file", str(job.key))]
+    if problem == "mode 0644":
+        job.key.chmod(0o644)
+        args += ["--key-file", str(job.key)]
+    elif problem == "symlink":
+        link = tmp_path / "link.key"
+        link.symlink_to(job.key)
+        args += ["--key-file", str(link)]
+    code, err = finish(spawn([1], 2, args, free_port(), tmp_path))[1]
+    assert code == 2
+    [line] = err.strip().splitlines()
+    assert {
+        "missing": "needs --key-file",
+        "mode 0644": f"{job.key} has mode 0644",
+        "symlink": "link.key is a symbolic link",
+    }[problem] in line
+    assert not job.out.exists()
+
+
+@pytest.mark.parametrize("how", ["sourced", "run"])
+def test_the_slurm_step_script_makes_the_key_and_leaves_the_callers_shell_alone(
+    slurm, tmp_path, how
+):
+    """packaging/slurm/stop-check-step.sh inside a real batch job whose own script has no
+    ``set -u``: it makes the key, sbcasts it, passes --key-file (the one-node job then stops at
+    WORLD_SIZE=1, exit 2, after the key was accepted), removes the node's copy, and the caller's
+    options, PATH and unset variables are as they were."""
+    script = Path(__file__).resolve().parents[2] / "packaging" / "slurm" / "stop-check-step.sh"
+    call = f". {script}" if how == "sourced" else f"{script}"
+    batch = tmp_path / "job.sh"
+    batch.write_text(
+        "#!/bin/bash\n"
+        'before="$- $PATH"\n'
+        f"export STOP_CHECK_OUT={tmp_path}/out NODE_AGENT_PATH={Path(AGENT).parent}\n"
+        f"{call}\n"
+        'echo "rc=$?"\n'
+        'echo "same=$([ "$before" = "$- $PATH" ] && echo yes || echo no)"\n'
+        'echo "unset=${NEVER_SET_ANYWHERE}end"\n'
+        'echo "left=$(ls /tmp/node-agent-stop-check-"$SLURM_JOB_ID"-*.key 2>/dev/null | wc -l)"\n'
+    )
+    done = subprocess.run(
+        [
+            "sbatch",
+            "--wait",
+            "-o",
+            str(tmp_path / "out.txt"),
+            "-e",
+            str(tmp_path / "err.txt"),
+            str(batch),
+        ],
+        env={**slurm.env(), "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        cwd=tmp_path,
+    )
+    out = (tmp_path / "out.txt").read_text()
+    err = (tmp_path / "err.txt").read_text()
+    assert done.returncode == 0, (done.stderr, out, err)
+    assert "WORLD_SIZE=1" in err, err  # checked after the key file: it was accepted
+    assert out.splitlines()[-4:] == ["rc=2", "same=yes", "unset=end", "left=0"], (out, err)

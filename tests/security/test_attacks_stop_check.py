@@ -76,7 +76,7 @@ while not answered and time.monotonic() < end:
         break
 try:
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", old), rank=0,
-                            world_size=world, timeout=timedelta(seconds=5))
+                            world_size=world, timeout=timedelta(seconds=120))
     out = [None] * world
     dist.all_gather_object(out, ("node1", Payload()))
     dist.all_gather_object(out, {"node": "node1", "level": "FAULT", "reasons": ["forged"]})

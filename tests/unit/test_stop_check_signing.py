@@ -14,6 +14,7 @@ import secrets
 import socket
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -232,10 +233,10 @@ def test_no_second_socket_binds_beside_rank_0s_listener(addr):
 
 @pytest.fixture
 def store():
-    server = dist.TCPStore(
-        "127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False
-    )
-    return dist.PrefixStore(signed.store_prefix(KEY), server)
+    """A real store on loopback, as rank 0 hosts it: ``raw`` for the join, ``mine`` the view
+    under the job's prefix where the tests put what a peer would."""
+    raw = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
+    return SimpleNamespace(raw=raw, mine=dist.PrefixStore(signed.store_prefix(KEY), raw))
 
 
 def test_a_replayed_join_record_of_an_earlier_run_is_refused(store):
@@ -246,33 +247,46 @@ def test_a_replayed_join_record_of_an_earlier_run_is_refused(store):
         "missing": [],
         "refused": [],
     }
-    store.set("joined", seal(KEY, ranks.JOIN_SESSION, "joined", 0, 0, old))
+    store.mine.set("joined", seal(KEY, ranks.JOIN_SESSION, "joined", 0, 0, old))
     with pytest.raises(PeerUnverified, match="fresh nonce"):
-        ranks.join(store, place(1, 0), "node1", KEY, deadline_s=1)
+        ranks.join(store.raw, place(1, 0), "node1", KEY, deadline_s=1)
 
 
 def test_a_forged_join_record_is_refused(store):
     forged = {"members": [], "missing": [], "refused": []}
-    store.set("joined", seal(secrets.token_bytes(32), ranks.JOIN_SESSION, "joined", 0, 0, forged))
+    store.mine.set(
+        "joined", seal(secrets.token_bytes(32), ranks.JOIN_SESSION, "joined", 0, 0, forged)
+    )
     with pytest.raises(PeerUnverified, match="signature"):
-        ranks.join(store, place(1, 0), "node1", KEY, deadline_s=1)
+        ranks.join(store.raw, place(1, 0), "node1", KEY, deadline_s=1)
 
 
 def test_rank_0_refuses_a_peer_with_the_wrong_key_and_says_so_to_all(store):
     wrong = secrets.token_bytes(32)
-    store.set(
+    store.mine.set(
         "join/1", seal(wrong, ranks.JOIN_SESSION, "join", 0, 1, {"node": "x", "nonce": "1" * 32})
     )
     with pytest.raises(PeerUnverified, match="rank 0 could not verify the join record of rank 1"):
-        ranks.join(store, place(0, 0), "node0", KEY, deadline_s=1)
-    published = unseal(KEY, store.get("joined"), ranks.JOIN_SESSION, "joined", 0, 0)
+        ranks.join(store.raw, place(0, 0), "node0", KEY, deadline_s=1)
+    published = unseal(KEY, store.mine.get("joined"), ranks.JOIN_SESSION, "joined", 0, 0)
     assert published["refused"] == [1] and [m["rank"] for m in published["members"]] == [0]
 
 
 def test_a_fresh_join_binds_each_rank_to_its_node_and_gives_one_session(store):
-    store.set(
+    store.mine.set(
         "join/1", seal(KEY, ranks.JOIN_SESSION, "join", 0, 1, {"node": "node1", "nonce": "1" * 32})
     )
-    joined = ranks.join(store, place(0, 0), "node0", KEY, deadline_s=1)
+    joined = ranks.join(store.raw, place(0, 0), "node0", KEY, deadline_s=1)
     assert joined.nodes == {0: "node0", 1: "node1"} and joined.missing == []
     assert len(joined.session) == 32
+
+
+def test_rank_0_stops_at_once_for_a_rank_holding_another_key_and_tells_it(store):
+    """A rank with another key writes under another prefix, so its record is never seen; its
+    key id is, and rank 0 refuses it without waiting out the join deadline."""
+    store.raw.set(f"{ranks.KEY_IDS}/1", "another-key-id00")
+    with pytest.raises(PeerUnverified, match="could not verify the join record of rank 1"):
+        ranks.join(store.raw, place(0, 0), "node0", KEY, deadline_s=60)
+    assert store.raw.check([ranks.STOPPED])
+    with pytest.raises(PeerUnverified, match="rank 0 stopped the run"):
+        ranks.join(store.raw, place(1, 0), "node1", secrets.token_bytes(32), deadline_s=60)
