@@ -61,6 +61,9 @@ class HostConfig:
     ipmitool: str
     nvme: str
     ras_mc_ctl: str
+    smartctl: str
+    ipmi_sensors: str
+    ipmi_sel: str
     timeout_s: float
 
 
@@ -218,7 +221,15 @@ DEFAULTS: dict[str, Any] = {
         "software": {"driver": None, "cuda": None, "nccl": None, "vbios": None, "kernel": None},
     },
     # the host checks' tools (docs/host_checks.md)
-    "host": {"ipmitool": "ipmitool", "nvme": "nvme", "ras_mc_ctl": "ras-mc-ctl", "timeout_s": 15},
+    "host": {
+        "ipmitool": "ipmitool",
+        "nvme": "nvme",
+        "ras_mc_ctl": "ras-mc-ctl",
+        "smartctl": "smartctl",
+        "ipmi_sensors": "ipmi-sensors",
+        "ipmi_sel": "ipmi-sel",
+        "timeout_s": 15,
+    },
     # the kernel log the agent reads for driver messages: null = this host's (/dev/kmsg, else
     # journalctl -k); a path = that file instead (a saved log, a test's own log)
     "kernel_log": {"path": None},
@@ -315,6 +326,9 @@ SCHEMA: dict[str, Any] = _obj(
                 "ipmitool": {"type": "string", "minLength": 1},
                 "nvme": {"type": "string", "minLength": 1},
                 "ras_mc_ctl": {"type": "string", "minLength": 1},
+                "smartctl": {"type": "string", "minLength": 1},
+                "ipmi_sensors": {"type": "string", "minLength": 1},
+                "ipmi_sel": {"type": "string", "minLength": 1},
                 "timeout_s": {"type": "number", "exclusiveMinimum": 0},
             }
         ),
@@ -481,6 +495,9 @@ def _sections(d: dict[str, Any]) -> dict[str, Any]:
             ipmitool=h["ipmitool"],
             nvme=h["nvme"],
             ras_mc_ctl=h["ras_mc_ctl"],
+            smartctl=h["smartctl"],
+            ipmi_sensors=h["ipmi_sensors"],
+            ipmi_sel=h["ipmi_sel"],
             timeout_s=float(h["timeout_s"]),
         ),
         "kernel_log": KernelLogConfig(path=d["kernel_log"]["path"]),

@@ -3,8 +3,8 @@ node's ``ports``), their thresholds (``graders/host.yaml``), and counters kept b
 
 Params every host check takes (tests point them at trees of their own): ``sys_root`` (default
 ``/sys``), ``proc_root`` (``/proc``), ``dev_root`` (``/dev``); the tools come from the config
-(``host.ipmitool``, ``host.nvme``) unless ``params`` name them; ``smartctl``, ``ipmi_sensors`` and
-``ipmi_sel`` (FreeIPMI) are found on ``PATH`` unless ``params`` name them.
+(``host.ipmitool``, ``host.nvme``, ``host.smartctl``, and FreeIPMI's ``host.ipmi_sensors`` and
+``host.ipmi_sel``) unless ``params`` name them.
 """
 
 from __future__ import annotations
@@ -111,9 +111,9 @@ def host_paths(ctx: CheckContext, parts: tuple[str, ...]) -> Iterator[HostPaths]
         dev=Path(ctx.params.get("dev_root", "/dev")),
         ipmitool=str(ctx.params.get("ipmitool") or ctx.config.host.ipmitool),
         nvme=str(ctx.params.get("nvme") or ctx.config.host.nvme),
-        smartctl=str(ctx.params.get("smartctl") or "smartctl"),
-        ipmi_sensors=str(ctx.params.get("ipmi_sensors") or "ipmi-sensors"),
-        ipmi_sel=str(ctx.params.get("ipmi_sel") or "ipmi-sel"),
+        smartctl=str(ctx.params.get("smartctl") or ctx.config.host.smartctl),
+        ipmi_sensors=str(ctx.params.get("ipmi_sensors") or ctx.config.host.ipmi_sensors),
+        ipmi_sel=str(ctx.params.get("ipmi_sel") or ctx.config.host.ipmi_sel),
     )
 
 
