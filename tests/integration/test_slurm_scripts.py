@@ -199,7 +199,7 @@ def test_epilog_under_slurmd_drains_node_a_job_left_with_xid79(cluster, settings
     hook(cluster, "epilog", "node-agent-epilog", settings)
     job = cluster.submit(wrap="true")
     deadline = time.monotonic() + 60
-    while "DRAIN" not in cluster.show_node()["State"] and time.monotonic() < deadline:
+    while not is_agents_fault_drain(cluster.show_node()) and time.monotonic() < deadline:
         time.sleep(0.5)
     node = cluster.show_node()
     assert is_agents_fault_drain(node), (
