@@ -3,7 +3,7 @@
 
 The framing in front of each message (the kmsg header, ``dmesg`` and syslog times, hosts,
 ``kernel:``) and what is believed (a record of the kernel's facility, only a record's first line)
-are :mod:`node_agent.kernel_log`'s, through its public reader (``kernel_message``); the checks'
+are :mod:`node_agent.kernel_log`'s, through its public reader (``believed_messages``); the checks'
 own modules (:mod:`node_agent.host.aer_lines`, :mod:`node_agent.host.ghes`,
 :mod:`node_agent.host.cpu`) match the message from its first character, never the middle of a
 line.
@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 
 from node_agent.checks import CheckContext
-from node_agent.kernel_log import Stamp, kernel_message, line_stamp
+from node_agent.kernel_log import Stamp, believed_messages, line_stamp
 
 
 @dataclass(frozen=True)
@@ -48,17 +48,11 @@ def kernel_messages(ctx: CheckContext, words: tuple[str, ...]) -> KernelMessages
         return KernelMessages(source=log.source, unreadable=f"cannot read {log.source}: {err}")
     records = records + ctx.ports.extra_kernel_records(len(records) + 1)
     holds = re.compile("|".join(map(re.escape, words))).search  # one C-speed test per record
+    # the one reader of belief: it refuses whole records no user text may lead (a netfilter LOG
+    # record, the driver's API-mismatch record with all its lines, in a text log too)
+    wanted = (r for r in records if holds(r.text) is not None)
     out: list[KernelMessage] = []
-    for record in records:
-        if holds(record.text) is None or not record.from_kernel:
-            continue
-        first = record.text.split("\n", 1)[0]
-        if holds(first) is None:
-            continue
-        found = kernel_message(first)
-        if found is None:
-            continue
-        prefix, message = found
+    for record, prefix, message in believed_messages(wanted, words):
         stamp = Stamp("boot", record.boot_s) if record.boot_s is not None else line_stamp(prefix)
         out.append(KernelMessage(record.seq, stamp, message))
     return KernelMessages(out, log.source)
