@@ -114,9 +114,10 @@ def cmd_stop_check(args: argparse.Namespace) -> int:
         )
     key = signed.load_key(args.key_file)
     place = ranks.place_from_env()
-    # torch's C++ side logs a page of stack frames for a store connection refused or closed (a
-    # stranger's store going away); the rank's one line on stderr says what happened instead
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    # torch's C++ side logs a page of stack frames for a store connection refused, timed out or
+    # closed (a stranger's store going away); the rank's one line on stderr says what happened
+    if not os.environ.get("NODE_AGENT_DEBUG"):
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     if args.rounds < 1:
         raise ConfigError("--rounds must be at least 1")
     config = load_config(args.config)

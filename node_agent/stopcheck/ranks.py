@@ -150,6 +150,9 @@ _JOINED_SCHEMA = {"members": [_MEMBER], "missing": [int], "refused": [int]}
 #: rank 0's word that it stopped. A stranger can write both: it can only stop the run.
 KEY_IDS = "node-agent/stop-check/key-id"
 STOPPED = "node-agent/stop-check/stopped"
+#: how many ranks have read rank 0's word: rank 0 hosts the store, and when it stops the run it
+#: waits for them before it exits with it
+SEEN = "node-agent/stop-check/seen"
 
 
 def join(raw: Any, place: Place, node: str, key: bytes, deadline_s: float) -> Joined:
@@ -168,7 +171,10 @@ def join(raw: Any, place: Place, node: str, key: bytes, deadline_s: float) -> Jo
     if place.rank == 0:
         wire = _publish(raw, store, place, key, deadline_s)
     else:
-        wire = _await_joined(raw, store, deadline_s + 30)
+        try:
+            wire = _await_joined(raw, store, deadline_s + 30)
+        finally:
+            raw.add(SEEN, 1)
     data = signed.unseal(key, wire, JOIN_SESSION, "joined", 0, 0, _JOINED_SCHEMA)
     members = {m["rank"]: m for m in data["members"]}
     if members.get(place.rank, {}).get("nonce") != nonce:
@@ -236,8 +242,10 @@ def _publish(raw: Any, store: Any, place: Place, key: bytes, deadline_s: float) 
     record = {"members": members, "missing": missing, "refused": sorted(refused)}
     wire = signed.seal(key, JOIN_SESSION, "joined", 0, 0, record)
     store.set("joined", wire)
-    if refused:
+    if refused:  # every rank is told before rank 0 (and the store it hosts) goes
         raw.set(STOPPED, "1")
+        while raw.add(SEEN, 0) < place.world_size - 1 and time.monotonic() < end + 30:
+            time.sleep(0.1)
     return wire
 
 

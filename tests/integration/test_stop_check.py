@@ -373,3 +373,42 @@ def test_the_slurm_step_script_makes_the_key_and_leaves_the_callers_shell_alone(
     assert done.returncode == 0, (done.stderr, out, err)
     assert "WORLD_SIZE=1" in err, err  # checked after the key file: it was accepted
     assert out.splitlines()[-4:] == ["rc=2", "same=yes", "unset=end", "left=0"], (out, err)
+
+
+EXCHANGE_RANK = r"""
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+from node_agent.stopcheck.signed import Exchange, PeerUnverified
+
+rank, port, strict = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "strict"
+store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=60))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+ex = Exchange(bytes(32), "s" * 32, rank, 2)
+print(ex.gather("one", {"x": rank}))
+try:
+    ex.gather("two", {"x": rank}, {"x": str} if strict else None)
+except PeerUnverified as err:
+    print(f"stopped: {err}")
+"""
+
+
+def test_a_rank_that_cannot_verify_a_message_stops_the_others_too(tmp_path):
+    """Two real gloo ranks: the first exchange verifies on both; in the second only rank 1
+    refuses what it got (it expects another type), and rank 0, which verified everything,
+    stops as well instead of going on alone."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", EXCHANGE_RANK, str(r), str(port), "strict" if r else "lax"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+        )
+        for r in (0, 1)
+    ]
+    outs = [p.communicate(timeout=RUN_TIMEOUT_S)[0].splitlines() for p in procs]
+    assert [o[0] for o in outs] == ["[{'x': 0}, {'x': 1}]"] * 2, outs
+    assert outs[0][1] == "stopped: another rank could not verify a two message", outs
+    assert outs[1][1].startswith("stopped: rank 0's two message does not fit its schema"), outs

@@ -12,6 +12,7 @@ import hmac
 import os
 import secrets
 import socket
+import threading
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -266,6 +267,7 @@ def test_rank_0_refuses_a_peer_with_the_wrong_key_and_says_so_to_all(store):
     store.mine.set(
         "join/1", seal(wrong, ranks.JOIN_SESSION, "join", 0, 1, {"node": "x", "nonce": "1" * 32})
     )
+    store.raw.add(ranks.SEEN, 1)  # rank 1 will have read rank 0's word: rank 0 need not wait
     with pytest.raises(PeerUnverified, match="rank 0 could not verify the join record of rank 1"):
         ranks.join(store.raw, place(0, 0), "node0", KEY, deadline_s=1)
     published = unseal(KEY, store.mine.get("joined"), ranks.JOIN_SESSION, "joined", 0, 0)
@@ -281,12 +283,24 @@ def test_a_fresh_join_binds_each_rank_to_its_node_and_gives_one_session(store):
     assert len(joined.session) == 32
 
 
-def test_rank_0_stops_at_once_for_a_rank_holding_another_key_and_tells_it(store):
+def test_rank_0_stops_at_once_for_a_rank_holding_another_key_and_waits_until_it_is_told(store):
     """A rank with another key writes under another prefix, so its record is never seen; its
-    key id is, and rank 0 refuses it without waiting out the join deadline."""
-    store.raw.set(f"{ranks.KEY_IDS}/1", "another-key-id00")
+    key id is, and rank 0 refuses it without waiting out the join deadline, and stays (it hosts
+    the store) until that rank has read that the run stopped."""
+    port = store.raw.port
+    other = {}
+
+    def rank_1() -> None:
+        client = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=10))
+        try:
+            ranks.join(client, place(1, port), "node1", secrets.token_bytes(32), deadline_s=60)
+        except PeerUnverified as err:
+            other["error"] = str(err)
+
+    peer = threading.Thread(target=rank_1)
+    peer.start()
     with pytest.raises(PeerUnverified, match="could not verify the join record of rank 1"):
-        ranks.join(store.raw, place(0, 0), "node0", KEY, deadline_s=60)
-    assert store.raw.check([ranks.STOPPED])
-    with pytest.raises(PeerUnverified, match="rank 0 stopped the run"):
-        ranks.join(store.raw, place(1, 0), "node1", secrets.token_bytes(32), deadline_s=60)
+        ranks.join(store.raw, place(0, port), "node0", KEY, deadline_s=60)
+    peer.join(timeout=30)
+    assert other["error"].startswith("rank 0 stopped the run")
+    assert store.raw.add(ranks.SEEN, 0) == 1
