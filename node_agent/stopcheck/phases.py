@@ -5,6 +5,11 @@ summary gathers grow with it, in bytes); each ends with the same list of suspect
 (:mod:`node_agent.stopcheck.localise` decides, on data every rank holds). A phase that cannot run
 here says why (``skipped``); a phase that broke (a peer vanished, a collective timed out) says
 how (``error``) and the phases after it do not run, since the group is no longer whole.
+
+What ranks share is data, signed with the job's key (:class:`~node_agent.stopcheck.signed.Exchange`)
+and checked against the phase's schema (:data:`SCHEMAS`), indexed by rank: whose node it is comes
+from the signed join, never from the message. A message that cannot be verified is not a broken
+phase but :class:`~node_agent.stopcheck.signed.PeerUnverified`, which stops the run.
 """
 
 from __future__ import annotations
