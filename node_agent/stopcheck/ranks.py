@@ -252,12 +252,16 @@ def _publish(raw: Any, store: Any, place: Place, key: bytes, deadline_s: float) 
 def init_group(
     store: Any, place: Place, key: bytes, session: str, backend: str, timeout_s: float
 ) -> None:
-    """The job's process group over the same store, under a prefix of this session's."""
+    """The job's process group over the same store, under a prefix of this session's, every
+    value the group sets there signed (:mod:`node_agent.stopcheck.signed_store`)."""
     import torch.distributed as dist
 
+    from node_agent.stopcheck.signed_store import SignedStore
+
+    prefixed = dist.PrefixStore("pg/" + signed.derive(key, "pg|" + session).hex()[:32], store)
     dist.init_process_group(
         backend,
-        store=dist.PrefixStore("pg/" + signed.derive(key, "pg|" + session).hex()[:32], store),
+        store=SignedStore(prefixed, signed.derive(key, "pg-values|" + session)),
         rank=place.rank,
         world_size=place.world_size,
         timeout=timedelta(seconds=timeout_s),

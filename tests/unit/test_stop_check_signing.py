@@ -304,3 +304,39 @@ def test_rank_0_stops_at_once_for_a_rank_holding_another_key_and_waits_until_it_
     peer.join(timeout=30)
     assert other["error"].startswith("rank 0 stopped the run")
     assert store.raw.add(ranks.SEEN, 0) == 1
+
+
+# -- the process group's rendezvous values ------------------------------------------------------
+
+
+def test_the_groups_store_values_round_trip_under_the_key(store):
+    from node_agent.stopcheck.signed_store import SignedStore
+
+    group_store = SignedStore(store.raw, signed.derive(KEY, "pg-values|s1"))
+    group_store.set("rank_1/address", b"10.0.0.2:41234")
+    assert group_store.get("rank_1/address") == b"10.0.0.2:41234"
+
+
+def test_a_rank_address_a_stranger_rewrote_in_the_store_is_refused(store):
+    """A local user can list the store's keys and set any of them: the address gloo would connect
+    to is then someone else's, and reading it stops the group instead of connecting there."""
+    from node_agent.stopcheck.signed_store import SignedStore
+
+    group_store = SignedStore(store.raw, signed.derive(KEY, "pg-values|s1"))
+    group_store.set("rank_1/address", b"10.0.0.2:41234")
+    store.raw.set("rank_1/address", b"\0" * 32 + b"127.0.0.1:6666")  # the stranger's
+    with pytest.raises(RuntimeError, match="not signed with the job's key"):
+        group_store.get("rank_1/address")
+
+
+def test_a_value_signed_for_another_run_or_key_name_is_refused(store):
+    from node_agent.stopcheck.signed_store import SignedStore
+
+    earlier_run = SignedStore(store.raw, signed.derive(KEY, "pg-values|s0"))
+    earlier_run.set("rank_1/address", b"10.0.0.2:41234")
+    this_run = SignedStore(store.raw, signed.derive(KEY, "pg-values|s1"))
+    with pytest.raises(RuntimeError, match="not signed"):
+        this_run.get("rank_1/address")
+    store.raw.set("rank_0/address", store.raw.get("rank_1/address"))  # moved to another name
+    with pytest.raises(RuntimeError, match="not signed"):
+        earlier_run.get("rank_0/address")
