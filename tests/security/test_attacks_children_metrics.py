@@ -17,6 +17,7 @@ confirmation) or as the real ``node-agent`` command; the simulator stands in for
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -432,7 +434,10 @@ def _get(port: int, path: str) -> int:
         return 0
 
 
-def test_64_idle_connections_never_starve_scrapes(user, shared_dir):
+@contextlib.contextmanager
+def serving_daemon(shared_dir: Path) -> Iterator[tuple[Daemon, int]]:
+    """A root daemon on a stand-in node with one slow check, serving /metrics on a free
+    loopback port: (the daemon, its port), stopped on leaving."""
     config = agent_config(shared_dir, daemon={"act": False, "listen": "127.0.0.1:0"})
     suite = write_yaml(
         root_dir(shared_dir) / "suite.yaml",
@@ -451,13 +456,18 @@ def test_64_idle_connections_never_starve_scrapes(user, shared_dir):
             time.sleep(0.05)
         port = daemon.listen_address[1]
         assert _get(port, "/healthz") == 200
+        yield daemon, port
+    finally:
+        daemon.stop()
+        thread.join(10)
+
+
+def test_64_idle_connections_never_starve_scrapes(user, shared_dir):
+    with serving_daemon(shared_dir) as (_daemon, port):
         user.popen(HOLD_IDLE, str(port), "64")
         time.sleep(0.5)  # the 64 are connected and idle
         codes = [_get(port, "/metrics" if i % 2 else "/healthz") for i in range(40)]
         assert codes == [200] * 40
-    finally:
-        daemon.stop()
-        thread.join(10)
 
 
 # -- Low 10 and 11: fleet believes only root's reports and escapes what users wrote -------------
@@ -564,24 +574,7 @@ def test_2000_idle_connections_from_all_of_127_8_never_starve_scrapes(user, shar
     """Medium (round 3): the cap was per source address, and a local user has all of 127/8:
     2 of 30 scrapes failed. The cap is per uid now (the kernel's socket diagnostics name the
     owner of a local connection's other end)."""
-    config = agent_config(shared_dir, daemon={"act": False, "listen": "127.0.0.1:0"})
-    suite = write_yaml(
-        root_dir(shared_dir) / "suite.yaml",
-        {
-            "name": "idle",
-            "mode": "service",
-            "checks": [{"check": "inventory", "timeout_s": 10, "every_s": 60}],
-        },
-    )
-    daemon = Daemon(config, scenario(shared_dir), suite=suite)
-    thread = threading.Thread(target=daemon.run, kwargs={"install_signals": False}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 15
-        while daemon.listen_address is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        port = daemon.listen_address[1]
-        assert _get(port, "/healthz") == 200
+    with serving_daemon(shared_dir) as (daemon, port):
         user.popen(HOLD_SPREAD, str(port), "2000")
         time.sleep(1.0)  # the user holds what the server lets it, reopening the rest
         server = daemon._server
@@ -591,6 +584,3 @@ def test_2000_idle_connections_from_all_of_127_8_never_starve_scrapes(user, shar
         codes = [_get(port, "/metrics" if i % 2 else "/healthz") for i in range(30)]
         assert codes == [200] * 30
         assert server.dropped >= 2000 - 64
-    finally:
-        daemon.stop()
-        thread.join(10)
