@@ -252,7 +252,7 @@ def _publish(raw: Any, store: Any, place: Place, key: bytes, deadline_s: float) 
 def init_group(
     store: Any, place: Place, key: bytes, session: str, backend: str, timeout_s: float
 ) -> None:
-    """The job's process group over the same store, under a prefix of this session's, every
+    """The job's process group over the same store, under a prefix of this run's (``session``), every
     value the group sets there signed (:mod:`node_agent.stopcheck.signed_store`)."""
     import torch.distributed as dist
 
