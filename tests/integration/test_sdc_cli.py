@@ -197,5 +197,7 @@ def test_periodic_suite_gives_each_check_a_cadence():
         "host_cpu": 60,
         "host_power": 300,
         "nvme_health": 3600,
+        # what the cloud announced (docs/cloud.md)
+        "cloud_maintenance": 60,
     }
     assert suite.mode == "service"

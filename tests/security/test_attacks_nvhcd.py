@@ -134,7 +134,7 @@ def test_a_users_stalled_calls_never_delay_the_jobs_answer(user, daemon):
     d, sock = daemon
     d._record("training_progress", [_hang(VICTIM_UID, "job", 777)], time.time(), 0.1)
     user.popen(STALL, str(sock), "16", env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
-    time.sleep(1.0)  # all 16 are in
+    time.sleep(1.0)  # the 16 are in, or on their way
     took = []
     for _ in range(20):
         client = NodeHealthCheck(str(sock), request_timeout_sec=1.0)
@@ -144,4 +144,9 @@ def test_a_users_stalled_calls_never_delay_the_jobs_answer(user, daemon):
         assert client.skipped is None, client.skipped  # answered, never timed out
         assert healthy is False
     assert max(took) < 1.0, took
-    assert d._nvhcd is not None and d._nvhcd.evicted >= 16 - 4  # the user keeps at most 4
+    # the user holds at most 4 at any time; the rest were closed to make room (or ran past
+    # their 5 s on a slow machine, which closes them too)
+    gate = d._nvhcd._gate if d._nvhcd is not None else None
+    assert gate is not None and gate.evicted >= 1
+    held = [c for c in list(gate._calls.values()) if c.uid == user.uid and not c.closed.is_set()]
+    assert len(held) <= 4, len(held)
