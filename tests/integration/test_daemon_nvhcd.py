@@ -152,8 +152,11 @@ def test_a_fault_node_is_never_answered_healthy_from_its_first_second_nor_after_
     node.start()
     served = check_never_healthy(poll(node.sock, 20))
     levels = [a["level"] for a in served]
-    assert "UNKNOWN" in levels and levels[-1] == "FAULT", levels
-    assert levels.index("FAULT") > levels.index("UNKNOWN")  # UNKNOWN first, then the state
+    assert levels[-1] == "FAULT", levels
+    # before the schedule is complete the answer is UNKNOWN, or a failure already found (how
+    # far the first checks got by the first answer depends on the machine's speed)
+    early = [a["level"] for a in served if not a["complete"]]
+    assert set(early) <= {"UNKNOWN", "ERROR", "FAULT"}, levels
     last = served[-1]
     assert last["complete"] is True and {"hca-port-down"} <= set(last["failed_checks"])
     assert sorted(last["result_age_s"]) == sorted(c["check"] for c in SUITE["checks"])
