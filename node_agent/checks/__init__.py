@@ -52,6 +52,9 @@ REGISTRY: dict[str, str] = {
     "kernel_distress": "node_agent.checks.kernel_distress",
     "software_drift": "node_agent.checks.software_drift",
     "cloud_maintenance": "node_agent.checks.cloud_maintenance",
+    # the NVLink fabric of multi-node NVLink systems (GB200/GB300 NVL72) and its IMEX domain
+    "nvlink_fabric": "node_agent.checks.nvlink_fabric",
+    "imex": "node_agent.checks.imex",
 }
 
 
