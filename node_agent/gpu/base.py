@@ -158,6 +158,86 @@ class NvLink:
     p2p_supported: bool | None = None
 
 
+#: ``nvmlGpuFabricState_t`` as names (NVML_GPU_FABRIC_STATE_NOT_SUPPORTED = 0 ... COMPLETED = 3)
+FABRIC_STATES = ("not_supported", "not_started", "in_progress", "completed")
+#: NVML_GPU_FABRIC_HEALTH_SUMMARY_* as names (nvmlGpuFabricInfo_v3_t.healthSummary)
+FABRIC_HEALTH_SUMMARIES = ("not_supported", "healthy", "unhealthy", "limited_capacity")
+#: the two-bit fields of the fabric health mask that say TRUE (1) when something is wrong, with
+#: their NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_* (nvml.h; 2 is FALSE, 0 not supported)
+FABRIC_HEALTH_FLAGS = (
+    ("degraded_bandwidth", 0),
+    ("route_recovery", 2),
+    ("route_unhealthy", 4),
+    ("access_timeout_recovery", 6),
+)
+#: NVML_GPU_FABRIC_HEALTH_MASK_INCORRECT_CONFIGURATION_* (shift 8, width 0xf): 0 not supported,
+#: 1 none (correct), then the reason the fabric refused the GPU's configuration
+FABRIC_INCORRECT_CONFIGURATION = (
+    None,
+    None,
+    "incorrect_sysguid",
+    "incorrect_chassis_serial",
+    "no_partition",
+    "insufficient_nvlinks",
+    "incompatible_gpu_firmware",
+    "invalid_location",
+    "gpu_state_invalid",
+)
+#: NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_GFM_STATE: 2 is the Global Fabric Manager disconnected
+_GFM_SHIFT = 14
+
+
+@dataclass(frozen=True)
+class GpuFabric:
+    """``nvidia-smi -q``'s Fabric section (``nvmlDeviceGetGpuFabricInfoV``, version 3 struct;
+    the older ``nvmlDeviceGetGpuFabricInfo`` has no health mask or summary): the GPU's
+    registration with the NVLink fabric manager.
+
+    ``state`` is a name from :data:`FABRIC_STATES`; ``status`` the probe's ``nvmlReturn_t``
+    (0: success; NVML says to read it only once the state is ``completed``);
+    ``cluster_uuid`` the NVLink domain's UUID (8-4-4-4-12 hex; all zeros where the GPU is in no
+    multi-node domain, as on an HGX board whose NVSwitches are its own); ``clique_id`` the
+    fabric clique inside that domain; ``health_mask`` the raw mask (None from the older call),
+    ``health_summary`` a name from :data:`FABRIC_HEALTH_SUMMARIES` (None from older calls).
+    """
+
+    state: str
+    status: int
+    cluster_uuid: str
+    clique_id: int
+    health_mask: int | None = None
+    health_summary: str | None = None
+
+    @property
+    def in_domain(self) -> bool:
+        """The GPU belongs to a multi-node NVLink domain: its ClusterUUID is not zero."""
+        return self.cluster_uuid.replace("-", "").strip("0") != ""
+
+    @property
+    def health(self) -> list[str]:
+        """What the health mask says is wrong, by name ([] when nothing is, or no mask)."""
+        mask = self.health_mask or 0
+        out = [name for name, shift in FABRIC_HEALTH_FLAGS if (mask >> shift) & 0x3 == 1]
+        config = (mask >> 8) & 0xF
+        if config < len(FABRIC_INCORRECT_CONFIGURATION) and FABRIC_INCORRECT_CONFIGURATION[config]:
+            out.append(f"incorrect_configuration:{FABRIC_INCORRECT_CONFIGURATION[config]}")
+        if (mask >> _GFM_SHIFT) & 0x3 == 2:
+            out.append("fabric_manager_disconnected")
+        return out
+
+
+def fabric_mask(*flags: str) -> int:
+    """A health mask with ``flags`` (names of :data:`FABRIC_HEALTH_FLAGS`) TRUE and the other
+    flags FALSE, as a GPU that reports every field answers."""
+    mask = 0
+    for name, shift in FABRIC_HEALTH_FLAGS:
+        mask |= (1 if name in flags else 2) << shift
+    unknown = set(flags) - {name for name, _ in FABRIC_HEALTH_FLAGS}
+    if unknown:
+        raise ValueError(f"unknown fabric health flags {sorted(unknown)}")
+    return mask | (1 << 8)  # configuration correct
+
+
 @dataclass(frozen=True)
 class XidEvent:
     """An XID seen as an NVML event (the kernel log carries the same codes as text)."""
@@ -260,6 +340,12 @@ class GpuDevice(Protocol):
     def nvlinks(self) -> list[NvLink]: ...
     def compute_processes(self) -> list[GpuProcess]: ...
     def utilization(self) -> Utilization: ...
+
+    def fabric(self) -> GpuFabric:
+        """``nvidia-smi -q``'s Fabric section: the GPU's place in the NVLink fabric. Raises
+        :class:`NotSupported` where the GPU has no fabric to report (before Hopper, PCIe cards,
+        a driver without the call)."""
+        ...
 
     def virtualization_mode(self) -> str:
         """``nvidia-smi -q``: GPU Virtualization Mode, as a name from ``VIRTUALIZATION_MODES``

@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from node_agent.gpu.base import (
+    FABRIC_HEALTH_SUMMARIES,
+    FABRIC_STATES,
     RECOVERY_ACTIONS,
     THROTTLE_REASONS,
     VIRTUALIZATION_MODES,
@@ -29,6 +31,7 @@ from node_agent.gpu.base import (
     EccCounts,
     GpuDevice,
     GpuError,
+    GpuFabric,
     GpuProcess,
     GpuTimeout,
     Identity,
@@ -718,6 +721,33 @@ class NvmlDevice:
         except (NotSupported, NvmlInvalidArgument):
             return False
 
+    def fabric(self) -> GpuFabric:
+        """``nvidia-smi -q``'s Fabric section: ``nvmlDeviceGetGpuFabricInfoV`` with the version 3
+        struct (health mask and summary), else the older ``nvmlDeviceGetGpuFabricInfo`` (a
+        driver or nvidia-ml-py without the versioned call). Not Supported: no fabric."""
+        v3 = getattr(self._lib, "c_nvmlGpuFabricInfo_v3_t", None)
+        if v3 is not None:
+            info = v3()
+            if not info.version:
+                info.version = ctypes.sizeof(info) | (3 << _STRUCT_VERSION_SHIFT)
+            try:
+                self._call("nvmlDeviceGetGpuFabricInfoV", ctypes.byref(info))
+                return fabric_info(info, versioned=True)
+            except (DeviceLost, GpuTimeout, NoPermission):
+                raise
+            except GpuError as err:
+                newer: GpuError | None = err  # a driver without V or v3: ask the older call
+        else:
+            newer = None
+        info = self._lib.c_nvmlGpuFabricInfo_t()
+        try:
+            self._call("nvmlDeviceGetGpuFabricInfo", ctypes.byref(info))
+        except NotSupported:
+            if newer is not None and not isinstance(newer, NotSupported):
+                raise newer from None
+            raise
+        return fabric_info(info, versioned=False)
+
     def compute_processes(self) -> list[GpuProcess]:
         """``nvidia-smi --query-compute-apps=pid,used_memory``: the compute processes on this GPU.
 
@@ -758,6 +788,29 @@ class NvmlDevice:
         """
         n = int(self._call("nvmlDeviceGetVirtualizationMode"))
         return VIRTUALIZATION_MODES[n] if 0 <= n < len(VIRTUALIZATION_MODES) else f"unknown_{n}"
+
+
+def fabric_info(info: Any, versioned: bool) -> GpuFabric:
+    """A filled ``nvmlGpuFabricInfo_t`` / ``_v3_t`` as a :class:`GpuFabric`."""
+    raw = bytes(bytearray(info.clusterUuid))
+    hexed = raw.hex()
+    uuid = "-".join(hexed[a:b] for a, b in ((0, 8), (8, 12), (12, 16), (16, 20), (20, 32)))
+    state = int(info.state) & 0xFF  # nvmlGpuFabricState_t is one byte (a binding may read 4)
+    summary = int(getattr(info, "healthSummary", 0)) if versioned else None
+    return GpuFabric(
+        state=FABRIC_STATES[state] if state < len(FABRIC_STATES) else f"unknown_{state}",
+        status=int(info.status),
+        cluster_uuid=uuid,
+        clique_id=int(info.cliqueId),
+        health_mask=int(info.healthMask) if versioned else None,
+        health_summary=None
+        if summary is None
+        else (
+            FABRIC_HEALTH_SUMMARIES[summary]
+            if summary < len(FABRIC_HEALTH_SUMMARIES)
+            else f"unknown_{summary}"
+        ),
+    )
 
 
 def open_nvml(call_timeout_s: float = 10.0, lib: Any = None) -> NvmlBackend:

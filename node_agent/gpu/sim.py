@@ -20,6 +20,7 @@ from node_agent.gpu.base import (
     DriverInfo,
     EccCounts,
     GpuDevice,
+    GpuFabric,
     GpuProcess,
     GpuTimeout,
     Identity,
@@ -32,6 +33,7 @@ from node_agent.gpu.base import (
     TemperatureThresholds,
     Utilization,
     XidEvent,
+    fabric_mask,
 )
 
 if TYPE_CHECKING:  # the scenario is handed in; importing it would make a circle through gpu/
@@ -64,6 +66,19 @@ _LOAD_MEMORY_PCT = 60
 _SPIN_POWER_FRACTION = 0.15
 _MIB = 1024 * 1024
 _HW_THROTTLE = frozenset({"hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown"})
+
+
+_ZERO_UUID = "00000000-0000-0000-0000-000000000000"
+
+
+def nvlink_domain(scenario: Scenario) -> tuple[str, int]:
+    """The ClusterUUID and CliqueID of the scenario's multi-node NVLink domain: its
+    ``nvlink_domain``, else a UUID from the hostname and clique 1."""
+    domain = scenario.nvlink_domain
+    cluster = domain.get("cluster_uuid") or str(
+        uuid.uuid5(uuid.NAMESPACE_DNS, f"nvlink-domain.{scenario.hostname}")
+    )
+    return cluster, int(domain.get("clique_id", 1))
 
 
 def pci_bus_id(index: int) -> str:
@@ -369,6 +384,39 @@ class SimGpuDevice:
             )
             for i in range(count)
         ]
+
+    def fabric(self) -> GpuFabric:
+        """What the SKU's ``nvlink.fabric`` says the hardware reports: ``multi_node`` (a
+        GB200/GB300 tray: the scenario's ``nvlink_domain``), ``nvswitch`` (an HGX board: a
+        zero ClusterUUID); anything else Not Supported. Faults: ``fabric_degraded``,
+        ``fabric_incomplete``, ``wrong_clique``."""
+        self._answer()
+        kind = self._sku.section("nvlink").get("fabric")
+        if kind not in ("multi_node", "nvswitch"):
+            raise NotSupported(
+                f"nvmlDeviceGetGpuFabricInfoV on GPU {self.index}: Not Supported (simulated: "
+                f"SKU {self._sku.id} has no NVLink fabric)"
+            )
+        cluster, clique = _ZERO_UUID, 0
+        if kind == "multi_node":
+            cluster, clique = nvlink_domain(self._scenario)
+        wrong = self._fault("wrong_clique")
+        if wrong:
+            clique = int(wrong.params.get("clique", clique + 1))
+        incomplete = self._fault("fabric_incomplete")
+        degraded = self._fault("fabric_degraded")
+        flags = list(degraded.params.get("mask", ["degraded_bandwidth"])) if degraded else []
+        summary = "healthy"
+        if flags:
+            summary = "limited_capacity" if flags == ["degraded_bandwidth"] else "unhealthy"
+        return GpuFabric(
+            state=incomplete.params.get("state", "in_progress") if incomplete else "completed",
+            status=int(incomplete.params.get("status", 0)) if incomplete else 0,
+            cluster_uuid=cluster,
+            clique_id=clique,
+            health_mask=fabric_mask(*flags),
+            health_summary=summary,
+        )
 
     def compute_processes(self) -> list[GpuProcess]:
         """The scenario's ``compute_processes`` on this GPU (none unless listed there)."""

@@ -42,12 +42,16 @@ SKU_SCHEMA: dict[str, Any] = {
         # board's wiring, which a VM may not see (node.expected_nvlinks overrides it);
         # indices: link indices NVML answers for on this part (default: links). A PCIe card
         # answers for its die's links, inactive without a bridge; the simulator reports them.
+        # fabric: what nvmlDeviceGetGpuFabricInfoV reports on this hardware (multi_node: a
+        # GB200/GB300 NVL72 tray in a rack-wide NVLink domain; nvswitch: an HGX board whose
+        # NVSwitches are its own; absent: no fabric), so the simulator answers as it would.
         "nvlink": {
             "type": "object",
             "additionalProperties": False,
             "properties": {
                 "links": {"type": "integer", "minimum": 0},
                 "indices": {"type": "integer", "minimum": 0},
+                "fabric": {"enum": ["multi_node", "nvswitch"]},
             },
         },
         # the node's RDMA ports as the vendor builds the system (checks/hca_ports.py): how
@@ -104,10 +108,12 @@ class Sku:
     source: str
 
     def limit(self, key: str, default: float | None = None) -> float | None:
-        return self.data.get("limits", {}).get(key, default)
+        value: float | None = self.data.get("limits", {}).get(key, default)
+        return value
 
     def minimum(self, key: str) -> float | None:
-        return self.data.get("performance", {}).get(key)
+        value: float | None = self.data.get("performance", {}).get(key)
+        return value
 
     def section(self, key: str) -> dict[str, Any]:
         return dict(self.data.get(key) or {})

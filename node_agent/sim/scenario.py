@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from node_agent.gpu.base import (
+    FABRIC_HEALTH_FLAGS,
     RECOVERY_ACTIONS,
     SRAM_UNITS,
     THROTTLE_REASONS,
@@ -69,7 +70,9 @@ _NVML_KEYS = {
 }
 
 
-def _fault(kind: str, props: dict[str, Any], required: tuple[str, ...] = ("gpu",)) -> dict:
+def _fault(
+    kind: str, props: dict[str, Any], required: tuple[str, ...] = ("gpu",)
+) -> dict[str, Any]:
     return {
         "type": "object",
         "additionalProperties": False,
@@ -78,7 +81,9 @@ def _fault(kind: str, props: dict[str, Any], required: tuple[str, ...] = ("gpu",
     }
 
 
-def _hca_fault(kind: str, props: dict[str, Any], required: tuple[str, ...] = ("hca",)) -> dict:
+def _hca_fault(
+    kind: str, props: dict[str, Any], required: tuple[str, ...] = ("hca",)
+) -> dict[str, Any]:
     """A fault on an RDMA device named in the scenario's ``hcas`` (key ``hca``, not ``gpu``)."""
     return {
         "type": "object",
@@ -127,6 +132,30 @@ FAULT_SCHEMAS: dict[str, dict[str, Any]] = {
     "nvlink_down": _fault(
         "nvlink_down", {"link": {"type": "integer", "minimum": 0}}, ("gpu", "link")
     ),
+    # the NVLink fabric (nvmlDeviceGetGpuFabricInfoV) of a SKU whose nvlink.fabric says it
+    # has one: the health mask says ``mask`` (default degraded_bandwidth) is TRUE
+    "fabric_degraded": _fault(
+        "fabric_degraded",
+        {
+            "mask": {
+                "type": "array",
+                "minItems": 1,
+                "uniqueItems": True,
+                "items": {"enum": [name for name, _ in FABRIC_HEALTH_FLAGS]},
+            }
+        },
+    ),
+    # the GPU's registration with the fabric manager never completed (default in_progress)
+    # or completed with an error status (``status``: an nvmlReturn_t code)
+    "fabric_incomplete": _fault(
+        "fabric_incomplete",
+        {
+            "state": {"enum": ["not_started", "in_progress", "completed"]},
+            "status": {"type": "integer", "minimum": 1},
+        },
+    ),
+    # the GPU reports another clique than the tray's (``clique``, default the tray's + 1)
+    "wrong_clique": _fault("wrong_clique", {"clique": {"type": "integer", "minimum": 0}}),
     "recovery_action": _fault(
         "recovery_action", {"action": {"enum": list(RECOVERY_ACTIONS)}}, ("gpu", "action")
     ),
@@ -323,6 +352,19 @@ SCENARIO_SCHEMA: dict[str, Any] = {
         },
         # bare metal unless said (nvmlDeviceGetVirtualizationMode of every simulated GPU)
         "virtualization": {"enum": list(VIRTUALIZATION_MODES)},
+        # the NVLink domain of a SKU with a multi-node fabric (nvlink.fabric: multi_node):
+        # the ClusterUUID and CliqueID its GPUs report (default: from the hostname, clique 1)
+        "nvlink_domain": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "cluster_uuid": {
+                    "type": "string",
+                    "pattern": r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$",
+                },
+                "clique_id": {"type": "integer", "minimum": 0, "maximum": 4294967295},
+            },
+        },
         # -- a captured node (node-agent capture; docs/capture.md) --
         # where, when and how it was captured, or what it was converted from
         "capture": {"type": "object"},
@@ -396,6 +438,8 @@ class Scenario:
     faults: tuple[Fault, ...] = field(default_factory=tuple)
     compute_processes: tuple[ComputeProcess, ...] = ()
     virtualization: str = "none"
+    #: ``nvlink_domain``: the ClusterUUID and CliqueID of a multi-node fabric (empty: defaults)
+    nvlink_domain: dict[str, Any] = field(default_factory=dict)
     #: a captured node (docs/capture.md): its provenance, NVML as recorded (the stand-in's
     #: state keys, ``system`` and one mapping per GPU), PCI functions and kernel-log records
     capture: dict[str, Any] | None = None
@@ -516,7 +560,9 @@ def load_scenario(path: str | Path, known_skus: dict[str, Any] | None = None) ->
                 "\\x0a)"
             )
     optional = {
-        k: data[k] for k in ("hostname", "driver", "cuda", "virtualization", "capture") if k in data
+        k: data[k]
+        for k in ("hostname", "driver", "cuda", "virtualization", "capture", "nvlink_domain")
+        if k in data
     }
     return Scenario(
         sku=data["sku"],
