@@ -7,15 +7,13 @@ import platform
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
-from node_agent.gpu.base import DeviceLost, GpuBackend, GpuError, GpuTimeout
+from node_agent.gpu.base import DeviceLost, GpuBackend, GpuError, GpuFabric, GpuTimeout
+from node_agent.gpu.nvlink_topology import fabric_dict, read_fabric, tray_domain
 from node_agent.gpu.pci import SYSFS_PCI_DEVICES, PciBus, read_bus
 from node_agent.hardware.sku import Sku, match_sku
 from node_agent.model import GpuInfo, HostInfo
-
-if TYPE_CHECKING:
-    pass
 
 
 @dataclass
@@ -29,18 +27,35 @@ class Inventory:
     sku_problem: str | None = None
     #: a forced ``node.sku`` that does not name these GPUs: what disagrees
     sku_mismatch: str | None = None
+    #: each GPU's NVLink fabric (``nvidia-smi -q``'s Fabric), by index; absent: none reported
+    fabrics: dict[int, GpuFabric] = field(default_factory=dict)
 
-    def unreadable_gpus(self) -> list[dict]:
+    @property
+    def nvlink_domain(self) -> tuple[str, int] | None:
+        """The tray's multi-node NVLink domain (ClusterUUID, CliqueID), or None."""
+        return tray_domain(self.fabrics)
+
+    def unreadable_gpus(self) -> list[dict[str, Any]]:
         """The GPUs NVML enumerates but whose identity could not be read, with why."""
         return [
             {"index": index, "status": unreadable_kind(error), "error": str(error)}
             for index, error in sorted(self.unreadable.items())
         ]
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
+        """The inventory as reports carry it. ``nvlink_domain`` and each GPU's ``fabric`` are
+        a contract (``node-agent fleet`` groups trays by them): ``{"cluster_uuid": str,
+        "clique_id": int}`` or null; ``{"state", "status", "cluster_uuid", "clique_id",
+        "health"}`` or null."""
+        domain = self.nvlink_domain
         return {
             "host": self.host.to_dict(),
-            "gpus": [g.to_dict() for g in self.gpus],
+            "gpus": [
+                {**g.to_dict(), "fabric": fabric_dict(self.fabrics.get(g.index))} for g in self.gpus
+            ],
+            "nvlink_domain": None
+            if domain is None
+            else {"cluster_uuid": domain[0], "clique_id": domain[1]},
             "unreadable_gpus": self.unreadable_gpus(),
             "sku": self.sku.id if self.sku else None,
             "sku_problem": self.sku_problem,
@@ -74,12 +89,19 @@ def collect(
     )
     gpus: list[GpuInfo] = []
     unreadable: dict[int, GpuError] = {}
+    fabrics: dict[int, GpuFabric] = {}
     for device in backend.devices():
         try:
             ident = device.identity()
         except GpuError as err:
             unreadable[device.index] = err
             continue
+        try:
+            fabric = read_fabric(device)
+        except GpuError:
+            fabric = None  # the nvlink_fabric check reports why
+        if fabric is not None:
+            fabrics[ident.index] = fabric
         gpus.append(
             GpuInfo(
                 index=ident.index,
@@ -101,6 +123,7 @@ def collect(
         unreadable=unreadable,
         sku_problem=problem,
         sku_mismatch=mismatch,
+        fabrics=fabrics,
     )
 
 

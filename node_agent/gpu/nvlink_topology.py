@@ -19,7 +19,10 @@ real GB200 tray on AWS p6e is a pass-through VM whose fabric answers Completed, 
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from node_agent.gpu.base import (
     GpuBackend,
@@ -29,6 +32,7 @@ from node_agent.gpu.base import (
     NotSupported,
     NvLink,
 )
+from node_agent.gpu.nvml_calls import ERROR_NAMES
 
 MULTI_NODE = "multi_node"
 NVSWITCH = "nvswitch"
@@ -119,11 +123,16 @@ def node(per_gpu: list[Applicability]) -> Applicability:
 
 
 def read_fabric(dev: GpuDevice) -> GpuFabric | None:
-    """The GPU's fabric, or None where NVML reports none (Not Supported)."""
+    """The GPU's fabric, or None where NVML reports none (Not Supported), or where the device
+    predates the reading (a GpuDevice written before ``fabric()``: it reports no fabric)."""
+    query = getattr(dev, "fabric", None)
+    if query is None:
+        return None
     try:
-        return dev.fabric()
+        fabric: GpuFabric = query()
     except NotSupported:
         return None
+    return fabric
 
 
 def gpu_applicability(dev: GpuDevice) -> Applicability:
@@ -163,3 +172,36 @@ def nvlink_applicability(backend: GpuBackend) -> Applicability:
     except GpuError as err:
         return Applicability(UNKNOWN, f"the GPUs could not be listed: {err}")
     return node([gpu_applicability(dev) for dev in devices])
+
+
+def tray_domain(fabrics: Mapping[int, GpuFabric]) -> tuple[str, int] | None:
+    """The tray's NVLink domain (ClusterUUID, CliqueID): the one most of its GPUs in a domain
+    report (the lowest GPU's on a tie), so a GPU in another clique stands out; None where no
+    GPU is in a multi-node domain."""
+    members = [
+        (i, (f.cluster_uuid, f.clique_id)) for i, f in sorted(fabrics.items()) if f.in_domain
+    ]
+    if not members:
+        return None
+    counts = Counter(domain for _, domain in members)
+    best = max(counts.values())
+    return next(domain for _, domain in members if counts[domain] == best)
+
+
+def status_name(status: int) -> str:
+    """The fabric probe's ``nvmlReturn_t`` as NVML (and nvidia-smi) word it: ``Success``."""
+    return "Success" if status == 0 else ERROR_NAMES.get(status, f"NVML error {status}")
+
+
+def fabric_dict(fabric: GpuFabric | None) -> dict[str, Any] | None:
+    """A GPU's fabric in the report's inventory (``gpus[i].fabric``; fleet/domains.py reads
+    these keys): state, status, cluster_uuid, clique_id, health; None where there is none."""
+    if fabric is None:
+        return None
+    return {
+        "state": fabric.state,
+        "status": status_name(fabric.status),
+        "cluster_uuid": fabric.cluster_uuid,
+        "clique_id": fabric.clique_id,
+        "health": fabric.health,
+    }
