@@ -1,10 +1,278 @@
-"""``imex``: being built; until then it skips and says so."""
+"""Check ``imex``: the IMEX domain this node belongs to, where IMEX is configured (docs/imex.md).
+
+IMEX (NVIDIA's Internode Memory Exchange service, ``nvidia-imex``) shares GPU memory across the
+trays of a multi-node NVLink domain (GB200/GB300 NVL72). It is judged only where it is
+configured: the IMEX nodes config (``IMEX_NODE_CONFIG_FILE`` of the daemon's config, default
+``/etc/nvidia-imex/nodes_config.cfg``) exists and lists nodes. Anywhere else (a single-node
+HGX, a PCIe or pass-through GPU VM, a tray whose IMEX was never set up) the check is a ``skip``
+that says so, never a finding: an "IMEX unhealthy" verdict on a host that does not use IMEX is
+the field's commonest false positive (NVSentinel #1471, DCGM #308). An installed
+``nvidia-imex`` service with no nodes config is named in that skip (the package is installed on
+hosts where it never starts).
+
+Where it is configured, ``nvidia-imex-ctl -N -j`` (run through :func:`node_agent.proc.run`,
+argv only) gives the domain (parsed by :mod:`node_agent.parsers.imex`). Two results on
+``node``:
+
+* ``imex_node``: this node's state in its domain (found by the address in ``params.local``,
+  else by the addresses and names of this host): ``pass`` when READY; ``fail`` (rule
+  ``imex-node-not-ready``, ERROR) otherwise, naming the state; ``warn`` when no node of the
+  domain is this host (set ``local`` to its address in the nodes config);
+* ``imex_domain``: ``pass`` when the domain is UP and every node the config lists is READY;
+  ``fail`` (rule ``imex-domain-incomplete``, ERROR) otherwise, naming each node that is not
+  READY with its state, and each configured address the tool did not list.
+
+The tool missing where IMEX is configured is an ``error`` naming the package (``nvidia-imex``);
+the tool failing, timing out, or printing something truncated or unreadable is an ``error``
+naming what was expected. A stand-in node (a scenario or a replayed capture) models no IMEX:
+a skip.
+
+Params (:class:`Params`): ``tool`` (``nvidia-imex-ctl``), ``config``
+(``/etc/nvidia-imex/config.cfg``, passed to the tool with ``-c``), ``nodes_config`` (the nodes
+config when the daemon's config names none), ``local`` (this node's address as the nodes
+config writes it; empty: found from the host), ``timeout_s`` (10), ``service_units`` (where an
+installed ``nvidia-imex`` unit is looked for).
+"""
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from node_agent import proc
 from node_agent.checks import CheckContext
 from node_agent.model import Result, Status
+from node_agent.parsers import ParseError
+from node_agent.parsers.imex import UP, ImexDomain, ImexNode, parse, parse_nodes_config
+
+PACKAGE = "nvidia-imex"
+DEFAULT_CONFIG = "/etc/nvidia-imex/config.cfg"
+DEFAULT_NODES_CONFIG = "/etc/nvidia-imex/nodes_config.cfg"
+SERVICE_UNITS = (
+    "/etc/systemd/system/nvidia-imex.service",
+    "/usr/lib/systemd/system/nvidia-imex.service",
+    "/lib/systemd/system/nvidia-imex.service",
+)
+#: where this host's own IPv4 addresses are read (the LOCAL routes of every interface)
+FIB_TRIE = Path("/proc/net/fib_trie")
+#: the config key that names the nodes config (NVIDIA IMEX guide, "IMEX Service Config Options")
+NODE_CONFIG_KEY = "IMEX_NODE_CONFIG_FILE"
+#: the most a nodes config may list (an NVL72 domain has 18 trays; a larger NVL576 is 144);
+#: a bigger file is not a nodes config
+MAX_NODES = 1024
+MAX_CONFIG_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Params:
+    """The check's parameters (a suite's ``params``), validated by :meth:`parse`."""
+
+    tool: str = "nvidia-imex-ctl"
+    config: str = DEFAULT_CONFIG
+    nodes_config: str = DEFAULT_NODES_CONFIG
+    local: str = ""
+    timeout_s: float = 10.0
+    service_units: tuple[str, ...] = SERVICE_UNITS
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> Params:
+        """ValueError naming the key and what was expected."""
+        where = "suite params of imex"
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {known}")
+        for key in ("tool", "config", "nodes_config", "local"):
+            if key in raw and not isinstance(raw[key], str):
+                raise ValueError(f"{where}: {key} must be a string, found {raw[key]!r}")
+        for key in ("tool", "config", "nodes_config"):
+            if key in raw and not raw[key]:
+                raise ValueError(f"{where}: {key} must not be empty")
+        timeout = raw.get("timeout_s", cls.timeout_s)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"{where}: timeout_s must be a number above 0, found {timeout!r}")
+        units = raw.get("service_units", list(SERVICE_UNITS))
+        if not isinstance(units, list) or not all(isinstance(u, str) for u in units):
+            raise ValueError(f"{where}: service_units must be a list of paths")
+        scalars = {k: raw[k] for k in ("tool", "config", "nodes_config", "local") if k in raw}
+        return cls(**scalars, timeout_s=float(timeout), service_units=tuple(units))
 
 
 def run(ctx: CheckContext) -> list[Result]:
-    return [ctx.result("node", "imex", Status.SKIP, "this check is not built yet")]
+    try:
+        params = Params.parse(ctx.params)
+    except ValueError as err:
+        return [ctx.result("node", "imex", Status.ERROR, str(err))]
+    if ctx.ports.software is not None:
+        return [ctx.skip(f"{ctx.ports.software.source} models no IMEX service", metric="imex")]
+    nodes_path = _nodes_config_path(params)
+    configured = _configured_nodes(nodes_path)
+    if isinstance(configured, str):
+        return [ctx.result("node", "imex", Status.ERROR, configured, nodes_config=str(nodes_path))]
+    if configured is None:
+        return [ctx.skip(_not_configured(params, nodes_path), metric="imex")]
+    argv = [params.tool, "-c", params.config, "-N", "-j"]
+    out = proc.run(argv, timeout_s=min(params.timeout_s, max(1.0, ctx.timeout_s - 1.0)))
+    if out.not_found:
+        return [
+            ctx.result(
+                "node",
+                "imex",
+                Status.ERROR,
+                f"IMEX is configured ({nodes_path} lists {len(configured)} nodes) but "
+                f"{params.tool} is not found; install the {PACKAGE} package (the IMEX service "
+                f"and its control tool) or set the check's tool param",
+                nodes_config=str(nodes_path),
+            )
+        ]
+    try:
+        if not out.ok:
+            raise ParseError(out.describe_failure())
+        domain = parse(out.stdout)
+    except ParseError as err:
+        return [
+            ctx.result(
+                "node",
+                "imex",
+                Status.ERROR,
+                f"could not read the IMEX domain: {err} (expected `{' '.join(argv)}` to print "
+                f"the domain's nodes and its state)",
+                command=argv,
+            )
+        ]
+    local = _local_node(domain, params.local)
+    return [
+        _node_result(ctx, domain, local, configured),
+        _domain_result(ctx, domain, configured),
+    ]
+
+
+def _nodes_config_path(params: Params) -> Path:
+    """The daemon config's ``IMEX_NODE_CONFIG_FILE`` where it sets one, else the param's."""
+    try:
+        text = Path(params.config).read_text(errors="replace")[:MAX_CONFIG_BYTES]
+    except OSError:
+        return Path(params.nodes_config)
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip() == NODE_CONFIG_KEY and value.strip():
+            return Path(value.strip())
+    return Path(params.nodes_config)
+
+
+def _configured_nodes(path: Path) -> list[str] | str | None:
+    """The nodes config's addresses; None when there is none (IMEX not configured); a
+    message when it exists but cannot be read as one."""
+    try:
+        with path.open("rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        return f"cannot read the IMEX nodes config {path}: {err.strerror or err}"
+    if len(raw) > MAX_CONFIG_BYTES:
+        return f"the IMEX nodes config {path} is over {MAX_CONFIG_BYTES} bytes: not a nodes list"
+    nodes = parse_nodes_config(raw.decode(errors="replace"))
+    if len(nodes) > MAX_NODES:
+        return f"the IMEX nodes config {path} lists {len(nodes)} nodes (at most {MAX_NODES})"
+    return nodes or None
+
+
+def _not_configured(params: Params, nodes_path: Path) -> str:
+    units = [u for u in params.service_units if Path(u).exists()]
+    installed = (
+        f"the {PACKAGE} service is installed ({units[0]}) but " if units else "no IMEX service: "
+    )
+    return (
+        f"IMEX is not configured on this node: {installed}no nodes config at {nodes_path} "
+        f"(IMEX applies only to a multi-node NVLink domain whose nodes it lists)"
+    )
+
+
+def _local_node(domain: ImexDomain, declared: str) -> ImexNode | None:
+    """This node in the domain: the one the output marks, else the one whose address or name
+    is the declared one or one of this host's."""
+    marked = [n for n in domain.nodes if n.local]
+    if marked:
+        return marked[0]
+    names = {declared} if declared else _host_names()
+    return next((n for n in domain.nodes if {n.host, n.hostname} & names), None)
+
+
+def _host_names() -> set[str]:
+    names = {socket.gethostname(), socket.getfqdn()}
+    try:
+        lines = FIB_TRIE.read_text().splitlines()
+    except OSError:
+        return names
+    # "|-- 10.0.0.5" followed by "/32 host LOCAL": an address of this host
+    for prev, line in zip(lines, lines[1:], strict=False):
+        if "host LOCAL" in line and "|--" in prev:
+            names.add(prev.split("|--", 1)[1].strip())
+    return names - {"", "127.0.0.1"}
+
+
+def _states(nodes: list[ImexNode]) -> str:
+    return ", ".join(f"{n.label()} {n.state}" for n in nodes)
+
+
+def _node_result(
+    ctx: CheckContext, domain: ImexDomain, local: ImexNode | None, configured: list[str]
+) -> Result:
+    if local is None:
+        return ctx.result(
+            "node",
+            "imex_node",
+            Status.WARN,
+            f"none of the IMEX domain's {len(domain.nodes)} nodes is this host (its names and "
+            f"addresses match none of {', '.join(n.host for n in domain.nodes[:8])}); set the "
+            f"imex check's local param to this node's address in the nodes config",
+            nodes=[n.host for n in domain.nodes],
+        )
+    ok = local.ready
+    return ctx.result(
+        "node",
+        "imex_node",
+        Status.PASS if ok else Status.FAIL,
+        f"this node's IMEX daemon ({local.label()}) is {local.state}"
+        + ("" if ok else ": it shares no memory across the NVLink domain until it is READY"),
+        value=local.state,
+        index=local.index,
+        host=local.host,
+        version=local.version,
+    )
+
+
+def _domain_result(ctx: CheckContext, domain: ImexDomain, configured: list[str]) -> Result:
+    not_ready = [n for n in domain.nodes if not n.ready]
+    listed = {n.host for n in domain.nodes} | {n.hostname for n in domain.nodes}
+    unlisted = [a for a in configured if a not in listed]
+    ready = len(domain.ready)
+    ok = domain.state == UP and ready >= len(configured) and not not_ready
+    problems = []
+    if not_ready:
+        problems.append(f"not READY: {_states(not_ready)}")
+    if unlisted:
+        problems.append(f"configured but not in the domain: {', '.join(unlisted[:18])}")
+    unconnected = domain.unconnected()
+    if unconnected and not ok:
+        problems.append(
+            "not connected: " + ", ".join(f"#{a}->#{b} {word}" for a, b, word in unconnected[:18])
+        )
+    return ctx.result(
+        "node",
+        "imex_domain",
+        Status.PASS if ok else Status.FAIL,
+        f"IMEX domain {domain.state}: {ready} of {len(configured)} configured nodes READY"
+        + ("" if ok else "; " + "; ".join(problems)),
+        value=ready,
+        unit="nodes",
+        state=domain.state,
+        configured=len(configured),
+        nodes={str(n.index): {"host": n.host, "state": n.state} for n in domain.nodes},
+        unconnected=[list(u) for u in unconnected],
+        form=domain.form,
+    )
