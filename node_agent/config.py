@@ -8,33 +8,78 @@
     config.adapter.slurm.timeout_s   # float
     config.safety.max_restarts       # int
 
-Each key has its default in :data:`DEFAULTS`, its rule in :data:`SCHEMA` and its typed field in
-a section below (docs/configuration.md lists them for operators).
+Each key is written once, as a field of its section below: its type, its default and its
+bounds (``key(15.0, gt=0)``). The defaults (:data:`DEFAULTS`), the file's schema
+(:data:`SCHEMA`, whose errors name the key) and the parsing into sections are derived from
+those fields; docs/configuration.md lists every key for operators, and a test holds it to them.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import os
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from node_agent.yamlfile import ConfigError, load_yaml
+from node_agent.yamlfile import ConfigError, load_yaml, validate
 
 DEFAULT_CONFIG_PATH = Path("/etc/node-agent/config.yaml")
+
+_T = TypeVar("_T")
+_RULE = "config_rule"  # a key's field metadata: its JSON Schema bounds
+
+
+def key(
+    default: _T,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    pattern: str | None = None,
+    min_length: int | None = None,
+    choices: Sequence[str] | None = None,
+) -> _T:
+    """One configuration key, as a section's field: its default and the bounds its value keeps.
+
+    The type is the field's annotation (``str``, ``int``, ``float``, ``bool``, ``Path``, a
+    ``tuple[X, ...]`` read from a YAML list, any of them ``| None``). ``ge``/``gt``/``le`` bound
+    a number, ``pattern`` and ``min_length`` a string, ``choices`` lists the values allowed; on a
+    tuple they bound each item."""
+    bounds = {
+        "minimum": ge,
+        "exclusiveMinimum": gt,
+        "maximum": le,
+        "pattern": pattern,
+        "minLength": min_length,
+        "enum": None if choices is None else list(choices),
+    }
+    rule = {name: bound for name, bound in bounds.items() if bound is not None}
+    return field(default=default, metadata={_RULE: rule})
+
+
+def section(cls: type[_T]) -> _T:
+    """A nested section of the configuration (``adapter.slurm``): its keys are ``cls``'s."""
+    return field(default_factory=cls, metadata={_RULE: {}})
+
+
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 
 
 @dataclass(frozen=True)
 class Software:
     """``node.software``: the golden software set (None = not checked)."""
 
-    driver: str | None
-    cuda: str | None
-    nccl: str | None
-    vbios: str | None
-    kernel: str | None
+    driver: str | None = key(None)
+    cuda: str | None = key(None)
+    nccl: str | None = key(None)
+    vbios: str | None = key(None)
+    kernel: str | None = key(None)
 
     def as_dict(self) -> dict[str, str | None]:
         """Component -> expected version, in the config's order (``driver``, ``cuda``, ...)."""
@@ -45,525 +90,278 @@ class Software:
 class NodeConfig:
     """``node``: what this node should be."""
 
-    name: str | None
-    sku: str  # "auto" or a SKU id
-    expected_gpus: int | None
-    expected_nvlinks: int | None
-    expected_memory_gib: float | None
-    expected_cpus: int | None
-    software: Software
+    name: str | None = key(None, pattern=_NAME)
+    sku: str = key("auto", pattern=r"^[a-z0-9][a-z0-9._-]*$")  # "auto" or a SKU id
+    expected_gpus: int | None = key(None, ge=0)
+    expected_nvlinks: int | None = key(None, ge=0)
+    expected_memory_gib: float | None = key(None, gt=0)
+    expected_cpus: int | None = key(None, ge=1)
+    software: Software = section(Software)
 
 
 @dataclass(frozen=True)
 class HostConfig:
     """``host``: the host checks' tools (docs/host_checks.md)."""
 
-    ipmitool: str
-    nvme: str
-    ras_mc_ctl: str
-    smartctl: str
-    ipmi_sensors: str
-    ipmi_sel: str
-    timeout_s: float
+    ipmitool: str = key("ipmitool", min_length=1)
+    nvme: str = key("nvme", min_length=1)
+    ras_mc_ctl: str = key("ras-mc-ctl", min_length=1)
+    smartctl: str = key("smartctl", min_length=1)
+    ipmi_sensors: str = key("ipmi-sensors", min_length=1)
+    ipmi_sel: str = key("ipmi-sel", min_length=1)
+    timeout_s: float = key(15.0, gt=0)
 
 
 @dataclass(frozen=True)
 class KernelLogConfig:
     """``kernel_log``: None = this host's kernel log; a path = that file instead."""
 
-    path: str | None
+    path: str | None = key(None)
 
 
 @dataclass(frozen=True)
 class TrainingConfig:
     """``training``: None = the built-in cgroup roots (docs/training_hangs.md)."""
 
-    slurm_cgroup_roots: tuple[str, ...] | None
+    slurm_cgroup_roots: tuple[str, ...] | None = key(None, min_length=1)
 
 
 @dataclass(frozen=True)
 class FleetConfig:
     """``fleet``: run as root, believe only report files owned by these uids."""
 
-    report_owner_uids: tuple[int, ...]
+    report_owner_uids: tuple[int, ...] = key((0,), ge=0)
 
 
 @dataclass(frozen=True)
 class StorageConfig:
     """``storage``: the scratch paths the storage checks measure."""
 
-    paths: tuple[str, ...]
+    paths: tuple[str, ...] = key(())
 
 
 @dataclass(frozen=True)
 class WebhookConfig:
     """``adapter.webhook`` (docs/remediation.md)."""
 
-    url: str | None
-    secret_file: str | None
-    timeout_s: float
-    retries: int
-    deadline_s: float  # the whole action, retries and backoff included
-    ca_file: str | None
-    client_cert: str | None
-    client_key: str | None
+    url: str | None = key(None)
+    secret_file: str | None = key(None)
+    timeout_s: float = key(5.0, gt=0)
+    retries: int = key(3, ge=0)
+    #: the whole action, retries and backoff included (4 x 5 s + 1 + 2 + 4 s fit)
+    deadline_s: float = key(30.0, gt=0)
+    ca_file: str | None = key(None)
+    client_cert: str | None = key(None)
+    client_key: str | None = key(None)
 
 
 @dataclass(frozen=True)
 class KubernetesConfig:
     """``adapter.kubernetes``."""
 
-    kubeconfig: str | None
-    taint_key: str
-    pod_namespace: str
+    kubeconfig: str | None = key(None)
+    taint_key: str = key("node-agent/health")
+    #: a DNS-1123 label: the namespace of a job named pod:<name>
+    pod_namespace: str = key("default", pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
 @dataclass(frozen=True)
 class SlurmConfig:
     """``adapter.slurm``: the programs (a bare name is looked up on PATH)."""
 
-    scontrol: str
-    squeue: str
-    timeout_s: float
+    scontrol: str = key("scontrol", min_length=1)
+    squeue: str = key("squeue", min_length=1)
+    timeout_s: float = key(15.0, gt=0)
 
 
 @dataclass(frozen=True)
 class AdapterConfig:
     """``adapter``: which scheduler adapter acts, and each adapter's settings."""
 
-    name: str  # log | slurm | kubernetes | webhook
-    dry_run: bool
-    webhook: WebhookConfig
-    kubernetes: KubernetesConfig
-    slurm: SlurmConfig
+    name: str = key("log", choices=("log", "slurm", "kubernetes", "webhook"))
+    dry_run: bool = key(False)
+    webhook: WebhookConfig = section(WebhookConfig)
+    kubernetes: KubernetesConfig = section(KubernetesConfig)
+    slurm: SlurmConfig = section(SlurmConfig)
 
 
 @dataclass(frozen=True)
 class Safety:
-    """``safety``: the remediation guards (docs/remediation.md for each). The field defaults
-    are the configuration's defaults (:data:`DEFAULTS` takes them from here)."""
+    """``safety``: the remediation guards (docs/remediation.md for each)."""
 
-    max_drained_fraction: float = 0.1
-    max_restarts: int = 2
-    restart_window_h: float = 24.0
-    breaker_max_drains: int = 5
-    breaker_window_h: float = 1.0
-    dedup_window_s: float = 600.0
-    min_action_interval_s: float = 60.0
-    opt_out: bool = False
+    max_drained_fraction: float = key(0.1, ge=0, le=1)
+    max_restarts: int = key(2, ge=0)
+    restart_window_h: float = key(24.0, gt=0)
+    breaker_max_drains: int = key(5, ge=1)
+    breaker_window_h: float = key(1.0, gt=0)
+    dedup_window_s: float = key(600.0, ge=0)
+    min_action_interval_s: float = key(60.0, ge=0)
+    opt_out: bool = key(False)
     #: remediations of this node in 7 days after which it is held for an operator
-    max_remediations_7d: int = 5
+    max_remediations_7d: int = key(5, ge=1)
 
 
 @dataclass(frozen=True)
 class NvhcdConfig:
     """``daemon.nvhcd``: NVRx's node health-check service; off while ``socket`` is None."""
 
-    socket: str | None
-    group: str | None
+    socket: str | None = key(None, pattern="^/")
+    group: str | None = key(None, min_length=1)
     #: concurrent calls one uid may hold open; past it that uid's oldest call is closed
-    max_per_uid: int
+    max_per_uid: int = key(4, ge=1, le=64)
     #: the longest one call may take, its request's arrival included (seconds)
-    call_s: float
+    call_s: float = key(5.0, gt=0, le=60)
 
 
 @dataclass(frozen=True)
 class DaemonConfig:
-    """``daemon``: the long-running service."""
+    """``daemon``: the long-running service (docs/daemon.md)."""
 
-    listen: str  # host:port
-    suite: str
-    default_every_s: float
-    xid_poll_s: float
-    nvml_retry_s: float
-    act: bool
-    retry_initial_s: float
-    retry_max_s: float
-    subprocess_checks: tuple[str, ...]
-    nvhcd: NvhcdConfig
+    listen: str = key("127.0.0.1:9847", pattern=r"^[^:\s]+:\d{1,5}$")  # host:port
+    suite: str = key("periodic")
+    default_every_s: float = key(300.0, gt=0)
+    xid_poll_s: float = key(0.5, gt=0, le=5)
+    nvml_retry_s: float = key(30.0, gt=0)
+    act: bool = key(True)
+    #: a failed action is retried while its grade stands: 30 s, doubling, up to 10 min
+    retry_initial_s: float = key(30.0, gt=0)
+    retry_max_s: float = key(600.0, gt=0)
+    #: compute checks import torch: they run in a child so that the daemon stays small
+    subprocess_checks: tuple[str, ...] = key(
+        ("sdc", "gpu_burn", "thermal_power", "hbm_bandwidth", "pcie_bandwidth", "nccl_allreduce")
+    )
+    nvhcd: NvhcdConfig = section(NvhcdConfig)
     #: runs in a row that timed out or failed after which a check's failure is a finding
-    failures_warn_after: int
+    failures_warn_after: int = key(3, ge=1)
 
 
 @dataclass(frozen=True)
 class NvmlConfig:
     """``nvml``."""
 
-    call_timeout_s: float
+    call_timeout_s: float = key(10.0, gt=0)
 
 
 @dataclass(frozen=True)
 class DcgmConfig:
     """``dcgm``: None = the DCGM bindings' usual places."""
 
-    bindings_path: str | None
-    hostengine: str
-
-
-def _opt_float(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
-def _opt_path(value: Any) -> Path | None:
-    return None if value is None else Path(value)
-
-
-DEFAULTS: dict[str, Any] = {
-    "node": {
-        "name": None,
-        "sku": "auto",
-        "expected_gpus": None,
-        "expected_nvlinks": None,
-        # the host: installed memory (GiB) and online CPUs this node should have
-        "expected_memory_gib": None,
-        "expected_cpus": None,
-        # the golden software set; a value that differs on the node is a WARN (drift)
-        "software": {"driver": None, "cuda": None, "nccl": None, "vbios": None, "kernel": None},
-    },
-    # the host checks' tools (docs/host_checks.md)
-    "host": {
-        "ipmitool": "ipmitool",
-        "nvme": "nvme",
-        "ras_mc_ctl": "ras-mc-ctl",
-        "smartctl": "smartctl",
-        "ipmi_sensors": "ipmi-sensors",
-        "ipmi_sel": "ipmi-sel",
-        "timeout_s": 15,
-    },
-    # the kernel log the agent reads for driver messages: null = this host's (/dev/kmsg, else
-    # journalctl -k); a path = that file instead (a saved log, a test's own log)
-    "kernel_log": {"path": None},
-    # training processes: null = the built-in default (docs/training_hangs.md)
-    "training": {"slurm_cgroup_roots": None},
-    # node-agent fleet, run as root: believe only report files owned by these uids
-    "fleet": {"report_owner_uids": [0]},
-    "state_dir": "/var/lib/node-agent",
-    # where training jobs write heartbeats and SDC verdicts: apart from the private state_dir
-    "spool_dir": "/var/spool/node-agent",
-    "suites_dir": None,
-    "graders_dir": None,
-    "storage": {"paths": []},
-    "adapter": {
-        "name": "log",
-        "dry_run": False,
-        "webhook": {
-            "url": None,
-            "secret_file": None,
-            "timeout_s": 5,
-            "retries": 3,
-            # the whole action, retries and backoff included (4 x 5 s + 1 + 2 + 4 s fit)
-            "deadline_s": 30,
-            "ca_file": None,
-            "client_cert": None,
-            "client_key": None,
-        },
-        "kubernetes": {
-            "kubeconfig": None,
-            "taint_key": "node-agent/health",
-            "pod_namespace": "default",
-        },
-        "slurm": {"scontrol": "scontrol", "squeue": "squeue", "timeout_s": 15},
-    },
-    # the remediation guards: their defaults are the fields of Safety
-    "safety": asdict(Safety()),
-    "daemon": {
-        "listen": "127.0.0.1:9847",
-        "suite": "periodic",
-        "default_every_s": 300,
-        "xid_poll_s": 0.5,
-        "nvml_retry_s": 30,
-        "act": True,
-        # a failed action is retried while its grade stands: 30 s, doubling, <= 10 min
-        "retry_initial_s": 30,
-        "retry_max_s": 600,
-        # compute checks import torch: run them in a child so the daemon stays small
-        "subprocess_checks": [
-            "sdc",
-            "gpu_burn",
-            "thermal_power",
-            "hbm_bandwidth",
-            "pcie_bandwidth",
-            "nccl_allreduce",
-        ],
-        # a check that times out or fails this many runs in a row is a WARN of its own
-        # (a child wedged in NVML or DCGM: docs/daemon.md)
-        "failures_warn_after": 3,
-        # NVRx's node health-check service (docs/daemon.md): off unless a socket path is set
-        # (the shipped unit's runtime directory: /run/node-agent/nvhcd.sock)
-        "nvhcd": {"socket": None, "group": None, "max_per_uid": 4, "call_s": 5},
-    },
-    "nvml": {"call_timeout_s": 10},
-    "dcgm": {"bindings_path": None, "hostengine": "localhost"},
-}
-
-_NULLABLE_STR = {"type": ["string", "null"]}
-
-
-def _obj(props: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "object", "additionalProperties": False, "properties": props}
-
-
-SCHEMA: dict[str, Any] = _obj(
-    {
-        "node": _obj(
-            {
-                "name": {
-                    "type": ["string", "null"],
-                    "pattern": r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$",
-                },
-                "sku": {"type": "string", "pattern": r"^[a-z0-9][a-z0-9._-]*$"},
-                "expected_gpus": {"type": ["integer", "null"], "minimum": 0},
-                "expected_nvlinks": {"type": ["integer", "null"], "minimum": 0},
-                "expected_memory_gib": {"type": ["number", "null"], "exclusiveMinimum": 0},
-                "expected_cpus": {"type": ["integer", "null"], "minimum": 1},
-                "software": _obj(
-                    {k: _NULLABLE_STR for k in ("driver", "cuda", "nccl", "vbios", "kernel")}
-                ),
-            }
-        ),
-        "host": _obj(
-            {
-                "ipmitool": {"type": "string", "minLength": 1},
-                "nvme": {"type": "string", "minLength": 1},
-                "ras_mc_ctl": {"type": "string", "minLength": 1},
-                "smartctl": {"type": "string", "minLength": 1},
-                "ipmi_sensors": {"type": "string", "minLength": 1},
-                "ipmi_sel": {"type": "string", "minLength": 1},
-                "timeout_s": {"type": "number", "exclusiveMinimum": 0},
-            }
-        ),
-        "kernel_log": _obj({"path": _NULLABLE_STR}),
-        "training": _obj(
-            {
-                "slurm_cgroup_roots": {
-                    "type": ["array", "null"],
-                    "items": {"type": "string", "minLength": 1},
-                }
-            }
-        ),
-        "fleet": _obj(
-            {"report_owner_uids": {"type": "array", "items": {"type": "integer", "minimum": 0}}}
-        ),
-        "state_dir": {"type": "string", "minLength": 1},
-        "spool_dir": {"type": "string", "minLength": 1},
-        "suites_dir": _NULLABLE_STR,
-        "graders_dir": _NULLABLE_STR,
-        "storage": _obj({"paths": {"type": "array", "items": {"type": "string"}}}),
-        "adapter": _obj(
-            {
-                "name": {"enum": ["log", "slurm", "kubernetes", "webhook"]},
-                "dry_run": {"type": "boolean"},
-                "webhook": _obj(
-                    {
-                        "url": _NULLABLE_STR,
-                        "secret_file": _NULLABLE_STR,
-                        "timeout_s": {"type": "number", "exclusiveMinimum": 0},
-                        "retries": {"type": "integer", "minimum": 0},
-                        "deadline_s": {"type": "number", "exclusiveMinimum": 0},
-                        "ca_file": _NULLABLE_STR,
-                        "client_cert": _NULLABLE_STR,
-                        "client_key": _NULLABLE_STR,
-                    }
-                ),
-                "kubernetes": _obj(
-                    {
-                        "kubeconfig": _NULLABLE_STR,
-                        "taint_key": {"type": "string"},
-                        # DNS-1123 label: the namespace of a job named pod:<name>
-                        "pod_namespace": {
-                            "type": "string",
-                            "pattern": r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$",
-                        },
-                    }
-                ),
-                "slurm": _obj(
-                    {
-                        "scontrol": {"type": "string", "minLength": 1},
-                        "squeue": {"type": "string", "minLength": 1},
-                        "timeout_s": {"type": "number", "exclusiveMinimum": 0},
-                    }
-                ),
-            }
-        ),
-        "safety": _obj(
-            {
-                "max_drained_fraction": {"type": "number", "minimum": 0, "maximum": 1},
-                "max_restarts": {"type": "integer", "minimum": 0},
-                "restart_window_h": {"type": "number", "exclusiveMinimum": 0},
-                "breaker_max_drains": {"type": "integer", "minimum": 1},
-                "breaker_window_h": {"type": "number", "exclusiveMinimum": 0},
-                "dedup_window_s": {"type": "number", "minimum": 0},
-                "min_action_interval_s": {"type": "number", "minimum": 0},
-                "opt_out": {"type": "boolean"},
-                "max_remediations_7d": {"type": "integer", "minimum": 1},
-            }
-        ),
-        "daemon": _obj(
-            {
-                "listen": {"type": "string", "pattern": r"^[^:\s]+:\d{1,5}$"},
-                "suite": {"type": "string"},
-                "default_every_s": {"type": "number", "exclusiveMinimum": 0},
-                "xid_poll_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 5},
-                "nvml_retry_s": {"type": "number", "exclusiveMinimum": 0},
-                "retry_initial_s": {"type": "number", "exclusiveMinimum": 0},
-                "retry_max_s": {"type": "number", "exclusiveMinimum": 0},
-                "subprocess_checks": {"type": "array", "items": {"type": "string"}},
-                "act": {"type": "boolean"},
-                "failures_warn_after": {"type": "integer", "minimum": 1},
-                "nvhcd": _obj(
-                    {
-                        "socket": {"type": ["string", "null"], "pattern": "^/"},
-                        "group": {"type": ["string", "null"], "minLength": 1},
-                        "max_per_uid": {"type": "integer", "minimum": 1, "maximum": 64},
-                        "call_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 60},
-                    }
-                ),
-            }
-        ),
-        "nvml": _obj({"call_timeout_s": {"type": "number", "exclusiveMinimum": 0}}),
-        "dcgm": _obj({"bindings_path": _NULLABLE_STR, "hostengine": {"type": "string"}}),
-    }
-)
-
-
-def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    merged = copy.deepcopy(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
+    bindings_path: str | None = key(None)
+    hostengine: str = key("localhost")
 
 
 @dataclass(frozen=True)
 class Config:
     """Validated configuration, read through its typed sections (``config.node.expected_gpus``,
-    ``config.adapter.slurm.scontrol``), parsed once when the config is built.
+    ``config.adapter.slurm.scontrol``), parsed once when the config is built from ``data``.
 
     ``data`` holds every key with defaults filled in, as plain data: a child process gets the
-    configuration as that (``proc.absolute_config(config.data)``)."""
+    configuration as that (``proc.absolute_config(config.data)``). The fields after it are the
+    file's top level, in the file's order."""
 
     data: dict[str, Any]
     source: str
-    node: NodeConfig = field(init=False, repr=False, compare=False)
-    host: HostConfig = field(init=False, repr=False, compare=False)
-    kernel_log: KernelLogConfig = field(init=False, repr=False, compare=False)
-    training: TrainingConfig = field(init=False, repr=False, compare=False)
-    fleet: FleetConfig = field(init=False, repr=False, compare=False)
-    storage: StorageConfig = field(init=False, repr=False, compare=False)
-    adapter: AdapterConfig = field(init=False, repr=False, compare=False)
-    safety: Safety = field(init=False, repr=False, compare=False)
-    daemon: DaemonConfig = field(init=False, repr=False, compare=False)
-    nvml: NvmlConfig = field(init=False, repr=False, compare=False)
-    dcgm: DcgmConfig = field(init=False, repr=False, compare=False)
+    node: NodeConfig = section(NodeConfig)
+    host: HostConfig = section(HostConfig)
+    kernel_log: KernelLogConfig = section(KernelLogConfig)
+    training: TrainingConfig = section(TrainingConfig)
+    fleet: FleetConfig = section(FleetConfig)
     #: the private state directory
-    state_dir: Path = field(init=False, repr=False, compare=False)
+    state_dir: Path = key(Path("/var/lib/node-agent"), min_length=1)
     #: the root of the spools training jobs write to (``<spool_dir>/heartbeat``, ``/sdc``)
-    spool_dir: Path = field(init=False, repr=False, compare=False)
+    spool_dir: Path = key(Path("/var/spool/node-agent"), min_length=1)
     #: None = the suites / graders that ship with the agent
-    suites_dir: Path | None = field(init=False, repr=False, compare=False)
-    graders_dir: Path | None = field(init=False, repr=False, compare=False)
+    suites_dir: Path | None = key(None)
+    graders_dir: Path | None = key(None)
+    storage: StorageConfig = section(StorageConfig)
+    adapter: AdapterConfig = section(AdapterConfig)
+    safety: Safety = section(Safety)
+    daemon: DaemonConfig = section(DaemonConfig)
+    nvml: NvmlConfig = section(NvmlConfig)
+    dcgm: DcgmConfig = section(DcgmConfig)
 
     def __post_init__(self) -> None:
-        for name, value in _sections(self.data).items():
-            object.__setattr__(self, name, value)
+        for f, kind in _keys(Config):
+            object.__setattr__(self, f.name, _parse(kind, self.data[f.name]))
 
 
-def _sections(d: dict[str, Any]) -> dict[str, Any]:
-    """The typed sections of validated, defaults-filled ``data`` (numbers as float or int)."""
-    n, sw, h = d["node"], d["node"]["software"], d["host"]
-    a, w, k, sl = (
-        d["adapter"],
-        d["adapter"]["webhook"],
-        d["adapter"]["kubernetes"],
-        d["adapter"]["slurm"],
-    )
-    dm, nv, s = d["daemon"], d["daemon"]["nvhcd"], d["safety"]
-    roots = d["training"]["slurm_cgroup_roots"]
-    return {
-        "node": NodeConfig(
-            name=n["name"],
-            sku=n["sku"],
-            expected_gpus=n["expected_gpus"],
-            expected_nvlinks=n["expected_nvlinks"],
-            expected_memory_gib=_opt_float(n["expected_memory_gib"]),
-            expected_cpus=n["expected_cpus"],
-            software=Software(**{f.name: sw[f.name] for f in fields(Software)}),
-        ),
-        "host": HostConfig(
-            ipmitool=h["ipmitool"],
-            nvme=h["nvme"],
-            ras_mc_ctl=h["ras_mc_ctl"],
-            smartctl=h["smartctl"],
-            ipmi_sensors=h["ipmi_sensors"],
-            ipmi_sel=h["ipmi_sel"],
-            timeout_s=float(h["timeout_s"]),
-        ),
-        "kernel_log": KernelLogConfig(path=d["kernel_log"]["path"]),
-        "training": TrainingConfig(slurm_cgroup_roots=None if roots is None else tuple(roots)),
-        "fleet": FleetConfig(report_owner_uids=tuple(d["fleet"]["report_owner_uids"])),
-        "storage": StorageConfig(paths=tuple(d["storage"]["paths"])),
-        "adapter": AdapterConfig(
-            name=a["name"],
-            dry_run=a["dry_run"],
-            webhook=WebhookConfig(
-                url=w["url"],
-                secret_file=w["secret_file"],
-                timeout_s=float(w["timeout_s"]),
-                retries=w["retries"],
-                deadline_s=float(w["deadline_s"]),
-                ca_file=w["ca_file"],
-                client_cert=w["client_cert"],
-                client_key=w["client_key"],
-            ),
-            kubernetes=KubernetesConfig(
-                kubeconfig=k["kubeconfig"],
-                taint_key=k["taint_key"],
-                pod_namespace=k["pod_namespace"],
-            ),
-            slurm=SlurmConfig(
-                scontrol=sl["scontrol"], squeue=sl["squeue"], timeout_s=float(sl["timeout_s"])
-            ),
-        ),
-        "safety": Safety(
-            max_drained_fraction=float(s["max_drained_fraction"]),
-            max_restarts=s["max_restarts"],
-            restart_window_h=float(s["restart_window_h"]),
-            breaker_max_drains=s["breaker_max_drains"],
-            breaker_window_h=float(s["breaker_window_h"]),
-            dedup_window_s=float(s["dedup_window_s"]),
-            min_action_interval_s=float(s["min_action_interval_s"]),
-            opt_out=s["opt_out"],
-            max_remediations_7d=s["max_remediations_7d"],
-        ),
-        "daemon": DaemonConfig(
-            listen=dm["listen"],
-            suite=dm["suite"],
-            default_every_s=float(dm["default_every_s"]),
-            xid_poll_s=float(dm["xid_poll_s"]),
-            nvml_retry_s=float(dm["nvml_retry_s"]),
-            act=dm["act"],
-            retry_initial_s=float(dm["retry_initial_s"]),
-            retry_max_s=float(dm["retry_max_s"]),
-            subprocess_checks=tuple(dm["subprocess_checks"]),
-            nvhcd=NvhcdConfig(
-                socket=nv["socket"],
-                group=nv["group"],
-                max_per_uid=int(nv["max_per_uid"]),
-                call_s=float(nv["call_s"]),
-            ),
-            failures_warn_after=int(dm["failures_warn_after"]),
-        ),
-        "nvml": NvmlConfig(call_timeout_s=float(d["nvml"]["call_timeout_s"])),
-        "dcgm": DcgmConfig(
-            bindings_path=d["dcgm"]["bindings_path"], hostengine=d["dcgm"]["hostengine"]
-        ),
-        "state_dir": Path(d["state_dir"]),
-        "spool_dir": Path(d["spool_dir"]),
-        "suites_dir": _opt_path(d["suites_dir"]),
-        "graders_dir": _opt_path(d["graders_dir"]),
-    }
+# -- what the declarations above give: the keys, their schema, defaults and parsing ---------
+
+
+@functools.cache
+def _keys(cls: type) -> tuple[tuple[dataclasses.Field[Any], Any], ...]:
+    """``cls``'s configuration keys and sections, each with its resolved type."""
+    kinds = typing.get_type_hints(cls)
+    return tuple((f, kinds[f.name]) for f in fields(cls) if _RULE in f.metadata)
+
+
+def _is_section(kind: Any) -> bool:
+    return isinstance(kind, type) and dataclasses.is_dataclass(kind)
+
+
+def _optional(kind: Any) -> Any:
+    """X for ``X | None``, else None."""
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) in (typing.Union, types.UnionType) and type(None) in args:
+        (inner,) = (a for a in args if a is not type(None))
+        return inner
+    return None
+
+
+_JSON_TYPE = {str: "string", Path: "string", int: "integer", float: "number", bool: "boolean"}
+
+
+def _schema(kind: Any, rule: dict[str, Any]) -> dict[str, Any]:
+    """The JSON Schema of one key of type ``kind`` within ``rule``'s bounds, or of a section."""
+    if _is_section(kind):
+        props = {f.name: _schema(k, f.metadata[_RULE]) for f, k in _keys(kind)}
+        return {"type": "object", "additionalProperties": False, "properties": props}
+    inner = _optional(kind)
+    if inner is not None:
+        schema = _schema(inner, rule)
+        return schema | {"type": [schema["type"], "null"]} if "type" in schema else schema
+    if typing.get_origin(kind) is tuple:
+        return {"type": "array", "items": _schema(typing.get_args(kind)[0], rule)}
+    return dict(rule) if "enum" in rule else {"type": _JSON_TYPE[kind], **rule}
+
+
+def _parse(kind: Any, value: Any) -> Any:
+    """Validated plain ``value`` as ``kind``: a section, a tuple, a float, a Path."""
+    if _is_section(kind):
+        return kind(**{f.name: _parse(k, value[f.name]) for f, k in _keys(kind)})
+    if value is None:
+        return None
+    kind = _optional(kind) or kind
+    if typing.get_origin(kind) is tuple:
+        return tuple(_parse(typing.get_args(kind)[0], item) for item in value)
+    return kind(value) if kind in (int, float, Path) else value
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_plain(item) for item in value]
+    return str(value) if isinstance(value, Path) else value
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    """Every key of ``cls`` with its default, as plain data (lists, strings)."""
+    return {f.name: _defaults(k) if _is_section(k) else _plain(f.default) for f, k in _keys(cls)}
+
+
+#: every key with its default, as the file would write it
+DEFAULTS: dict[str, Any] = _defaults(Config)
+#: the file's JSON Schema: an unknown key, a wrong type or a value out of bounds names the key
+SCHEMA: dict[str, Any] = _schema(Config, {})
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for name, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(name), dict):
+            merged[name] = _merge(merged[name], value)
+        else:
+            merged[name] = value
+    return merged
 
 
 #: the node's scheduler name where the host's own name is not it (a Kubernetes pod's hostname is
@@ -593,10 +391,8 @@ def load_config(path: str | Path | None) -> Config:
 
 def config_from_dict(data: dict[str, Any], source: str = "(inline)") -> Config:
     """Build a Config from a dict (tests, embedding); validated like a file."""
-    from node_agent.yamlfile import validate
-
     validate(data, SCHEMA, source)
     return Config(_merge(DEFAULTS, data), source)
 
 
-__all__ = ["Config", "ConfigError", "load_config", "config_from_dict", "DEFAULTS"]
+__all__ = ["Config", "ConfigError", "load_config", "config_from_dict", "DEFAULTS", "key", "section"]
