@@ -340,3 +340,65 @@ def synthetic_report(
         agent_version="synthetic",
         sku=sku,
     )
+
+
+#: the ClusterUUID of the synthetic NVL72 rack's NVLink domain (``rack_reports``)
+RACK_UUID = "9f0c2b6e-5a41-4c7e-8d2a-1b3e5f7a9c0d"
+
+
+def gpu_fabric(
+    cluster_uuid: str, clique_id: int, changes: Mapping[str, object] | None = None
+) -> dict[str, object]:
+    """One GPU's ``inventory.gpus[i].fabric`` as the fabric check reports it: completed,
+    success, healthy; ``changes`` overrides keys (``{"clique_id": 3}``, ``{"state":
+    "in_progress"}``)."""
+    fabric: dict[str, object] = {
+        "state": "completed",
+        "status": "success",
+        "cluster_uuid": cluster_uuid,
+        "clique_id": clique_id,
+        "health": [],
+    }
+    fabric.update(changes or {})
+    return fabric
+
+
+def tray_report(
+    hostname: str,
+    *,
+    cluster_uuid: str | None = RACK_UUID,
+    clique_id: int = 2,
+    seed: int = 0,
+    faults: Mapping[int, str] | None = None,
+    fabric: Mapping[int, Mapping[str, object]] | None = None,
+) -> dict[str, object]:
+    """The JSON of a GB200 NVL72 compute tray's report (4 GPUs) with the ``inventory`` the
+    fabric check adds: ``nvlink_domain`` (None with ``cluster_uuid=None``: not multi-node
+    NVLink) and each GPU's ``fabric``. ``faults`` as :func:`synthetic_report`'s (``xid79``
+    FAULT, ``slow`` ERROR); ``fabric`` maps a GPU to overrides of its fabric
+    (``{1: {"clique_id": 3}}``: GPU 1 in another clique)."""
+    report = synthetic_report(hostname, seed=seed, gpus=4, faults=faults, sku="gb200-186gb")
+    data = report.to_dict()
+    gpus = [g.to_dict() for g in report.gpus]
+    for g in gpus:
+        g["fabric"] = (
+            None
+            if cluster_uuid is None
+            else gpu_fabric(cluster_uuid, clique_id, (fabric or {}).get(g["index"]))
+        )
+    domain = (
+        None if cluster_uuid is None else {"cluster_uuid": cluster_uuid, "clique_id": clique_id}
+    )
+    data["inventory"] = {"host": data["host"], "gpus": gpus, "nvlink_domain": domain}
+    return data
+
+
+def rack_reports(bad: int, *, trays: int = 18, clique_id: int = 2) -> dict[str, dict[str, object]]:
+    """Hostname -> report JSON of an NVL72 rack's ``trays`` trays, the first ``bad`` of them
+    graded bad: even ones FAULT (an Xid 79 on GPU 0), odd ones ERROR (a slow GPU 3)."""
+    out = {}
+    for i in range(trays):
+        faults = {} if i >= bad else ({0: "xid79"} if i % 2 == 0 else {3: "slow"})
+        name = f"tray{i + 1:02d}"
+        out[name] = tray_report(name, clique_id=clique_id, seed=i, faults=faults)
+    return out

@@ -8,12 +8,15 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TextIO
 
 from node_agent.commands.reporting import UsageError
 from node_agent.config import Config, load_config
-from node_agent.fleet.analysis import analyse, load_fleet_rules, load_topology
+from node_agent.fleet.analysis import analyse, load_fleet_rules
+from node_agent.fleet.domains import DEFAULT_BAD_SHARE
 from node_agent.fleet.html import write_fleet_html
 from node_agent.fleet.text import render_text
+from node_agent.fleet.topology import load_topology
 from node_agent.report.html import require_matplotlib
 from node_agent.report.terminal import printable
 from node_agent.resources import graders_dir
@@ -30,20 +33,27 @@ def run(
     html: str | None = None,
     topology: str | None = None,
     owners: frozenset[int] | None = None,
-    out=sys.stdout,
-    err=sys.stderr,
+    domain_bad_share: float = DEFAULT_BAD_SHARE,
+    out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
 ) -> int:
     """``node-agent fleet``: 0 nothing found, 3 suspects, fleet stragglers or hung jobs found;
     ConfigError (exit 2) when no report could be read, an input does not exist, or a
-    rules/topology file is invalid. ``owners``: believe only report files owned by these uids
-    (the others are named on stderr and in the output as skipped)."""
+    rules/topology file is invalid, or ``domain_bad_share`` is not in (0, 1]. ``owners``: believe only report files owned by these uids
+    (the others are named on stderr and in the output as skipped). ``domain_bad_share``:
+    an NVLink domain whose share of trays graded ERROR or FAULT reaches it is escalated."""
+    if not 0 < domain_bad_share <= 1:
+        raise ConfigError(
+            f"fleet: --domain-bad-share must be in (0, 1] (a share of the domain's trays), "
+            f"found {domain_bad_share:g}"
+        )
     rules = load_fleet_rules(graders_dir)
     groups = load_topology(topology) if topology else None
     if html:
         require_matplotlib()
     if not inputs:
         raise ConfigError("fleet: name report files or a directory of reports")
-    analysis = analyse(inputs, rules, topology=groups, owners=owners)
+    analysis = analyse(inputs, rules, topology=groups, owners=owners, bad_share=domain_bad_share)
     for path, why in analysis.skipped[:20]:
         print(printable(f"fleet: skipped {path}: {why}"), file=err)
     if len(analysis.skipped) > 20:
@@ -81,6 +91,18 @@ def report_owners(config: Config, euid: int | None = None) -> frozenset[int] | N
     return frozenset(config.fleet.report_owner_uids) if euid == 0 else None
 
 
+def add_options(parser: argparse.ArgumentParser) -> None:
+    """The fleet's options that this module reads (the parser in commands/main.py calls it)."""
+    parser.add_argument(
+        "--domain-bad-share",
+        type=float,
+        default=DEFAULT_BAD_SHARE,
+        metavar="SHARE",
+        help="escalate an NVLink domain (rack) when this share of its trays is graded ERROR "
+        f"or FAULT: its trays drain together (default {DEFAULT_BAD_SHARE:g})",
+    )
+
+
 def cmd_fleet(args: argparse.Namespace) -> int:
     if args.simulate:
         raise UsageError("fleet reads saved reports; --simulate does not apply")
@@ -92,4 +114,6 @@ def cmd_fleet(args: argparse.Namespace) -> int:
         html=args.html,
         topology=args.topology,
         owners=report_owners(config),
+        # the option is added by add_options (see commands/main.py)
+        domain_bad_share=getattr(args, "domain_bad_share", DEFAULT_BAD_SHARE),
     )

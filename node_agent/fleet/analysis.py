@@ -37,6 +37,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple, TypeGuard
 
+from node_agent.fleet.domains import (
+    DEFAULT_BAD_SHARE,
+    NvlinkDomain,
+    TrayFacts,
+    group_domains,
+    tray_facts,
+)
+from node_agent.fleet.topology import load_topology as load_topology
 from node_agent.model import REPORT_SCHEMA, ReportFormatError
 from node_agent.report import json_report
 from node_agent.yamlfile import ConfigError, load_yaml
@@ -75,12 +83,6 @@ FLEET_SCHEMA: dict[str, Any] = {
             },
         },
     },
-}
-
-TOPOLOGY_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "minProperties": 1,
-    "additionalProperties": {"type": "array", "items": {"type": "string"}, "minItems": 1},
 }
 
 #: scaled MAD: 1.4826 x MAD estimates the standard deviation of a normal distribution
@@ -123,12 +125,6 @@ def load_fleet_rules(graders_dir: Path) -> FleetRules:
     )
 
 
-def load_topology(path: str | Path) -> dict[str, list[str]]:
-    """A topology file: YAML mapping a parallel group's name to the nodes in it."""
-    data = load_yaml(path, TOPOLOGY_SCHEMA, what="topology file")
-    return {str(group): [str(n) for n in nodes] for group, nodes in data.items()}
-
-
 # -- reading ---------------------------------------------------------------------------------
 
 #: the check whose per-process results carry a training job's ranks (docs/training_hangs.md);
@@ -162,6 +158,8 @@ class NodeFigures:
     path: str
     rows: list[tuple[str, str, str, str, float]]
     training: list[TrainingRow] = field(default_factory=list)
+    level: str = ""  # the report's grade
+    tray: TrayFacts | None = None  # its NVLink domain and bad GPUs (None: not in a domain)
 
 
 def _is_number(value: object) -> TypeGuard[float]:
@@ -272,6 +270,8 @@ def read_figures(path: str | Path, owners: frozenset[int] | None = None) -> Node
             path=str(path),
             rows=rows,
             training=training,
+            level=str(data["grade"]["level"]),
+            tray=tray_facts(data),
         )
     except OSError as err:
         raise ReportFormatError(f"{path}: cannot read report: {err.strerror or err}") from None
@@ -422,8 +422,8 @@ class MetricGroup:
     kind: str  # gpu | node | disk | hca ... (the target's prefix)
     unit: str
     direction: str
-    values: array = field(default_factory=lambda: array("d"))
-    nodes: array = field(default_factory=lambda: array("i"))
+    values: array[float] = field(default_factory=lambda: array("d"))
+    nodes: array[int] = field(default_factory=lambda: array("i"))
     targets: list[str] = field(default_factory=list)
     median: float = math.nan
     mad: float = math.nan
@@ -578,12 +578,15 @@ class FleetAnalysis:
     jobs_compared: int = 0  # training jobs on at least straggler_min_nodes nodes
     #: (path, why) of report files not believed: a symlink, not a regular file, another owner
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    #: NVLink domains of the reports that name one, escalated first (fleet/domains.py)
+    domains: list[NvlinkDomain] = field(default_factory=list)
 
     @property
     def found(self) -> bool:
-        """Anything to act on: a suspect figure or a hung job. Fleet stragglers are listed but,
-        like a straggler on one node (WARN), do not change the exit code."""
-        return bool(self.suspects or self.hung_jobs)
+        """Anything to act on: a suspect figure, a hung job or an escalated NVLink domain.
+        Fleet stragglers are listed but, like a straggler on one node (WARN), do not change
+        the exit code; nor does a domain's bad tray under the share (its own grade acts)."""
+        return bool(self.suspects or self.hung_jobs or any(d.escalated for d in self.domains))
 
     @property
     def suspect_nodes(self) -> list[str]:
@@ -628,6 +631,7 @@ class FleetAnalysis:
             "training_jobs_compared": self.jobs_compared,
             "stragglers": [s.to_dict() for s in self.stragglers],
             "hung_jobs": [j.to_dict() for j in self.hung_jobs],
+            "nvlink_domains": [d.to_dict() for d in self.domains],
         }
 
 
@@ -824,8 +828,10 @@ def analyse_figures(
     unreadable: list[tuple[str, str]] | None = None,
     topology: dict[str, list[str]] | None = None,
     reports: int | None = None,
+    bad_share: float = DEFAULT_BAD_SHARE,
 ) -> FleetAnalysis:
-    """Outliers of already-read figures (the pure part of :func:`analyse`)."""
+    """Outliers of already-read figures (the pure part of :func:`analyse`); ``bad_share``:
+    the share of an NVLink domain's trays graded ERROR or FAULT that escalates its rack."""
     nodes, superseded = _newest_per_host(figures)
     groups = pool(nodes, rules)
     suspects = [s for g in groups for s in find_outliers(g, rules, nodes)]
@@ -843,6 +849,7 @@ def analyse_figures(
         stragglers=stragglers,
         hung_jobs=group_hangs(nodes),
         jobs_compared=compared,
+        domains=group_domains(((n.hostname, n.level, n.path, n.tray) for n in nodes), bad_share),
     )
 
 
@@ -852,11 +859,14 @@ def analyse(
     topology: dict[str, list[str]] | None = None,
     workers: int | None = None,
     owners: frozenset[int] | None = None,
+    bad_share: float = DEFAULT_BAD_SHARE,
 ) -> FleetAnalysis:
     """Read reports (files, or directories of ``*.json``) and find the fleet's outliers.
 
     ``owners``: believe only report files owned by these uids (``node-agent fleet`` run as
     root passes ``fleet.report_owner_uids``); the others are listed in ``skipped``.
+    ``bad_share``: the share of an NVLink domain's trays graded ERROR or FAULT that
+    escalates its rack (fleet/domains.py).
 
     Example::
 
@@ -866,7 +876,9 @@ def analyse(
     """
     paths = expand_paths(inputs)
     figures, unreadable, skipped = read_all(paths, workers=workers, owners=owners)
-    analysis = analyse_figures(figures, rules, unreadable, topology, reports=len(paths))
+    analysis = analyse_figures(
+        figures, rules, unreadable, topology, reports=len(paths), bad_share=bad_share
+    )
     analysis.skipped = skipped
     return analysis
 

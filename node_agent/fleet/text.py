@@ -50,6 +50,7 @@ def render_text(analysis: FleetAnalysis, limit: int = 50) -> str:
         if len(a.suspects) > limit:
             lines.append(f"  ... and {len(a.suspects) - limit} more (--json lists them all)")
     lines.extend(_training_text(a, limit))
+    lines.extend(_domains_text(a, limit))
     for g in a.flagged_groups():
         lines.append(
             f"group {g['group']} flagged as a whole ({len(g['nodes'])} nodes): "
@@ -114,4 +115,26 @@ def _training_text(a: FleetAnalysis, limit: int) -> list[str]:
         for n in job.nodes[:limit]:
             mark = f" (likely origin: rank {', '.join(n.origin)})" if n.origin else ""
             lines.append(f"  {n.node}: rank {', '.join(n.ranks)}{mark}")
+    return lines
+
+
+def _domains_text(a: FleetAnalysis, limit: int) -> list[str]:
+    """Each NVLink domain: its verdict, then its bad trays and their bad GPUs; nothing when no
+    report names a domain."""
+    if not a.domains:
+        return []
+    escalated = sum(1 for d in a.domains if d.escalated)
+    lines = [
+        f"NVLink domains: {len(a.domains)}, {escalated} escalated (a rack is escalated at "
+        f">= {a.domains[0].bad_share:.0%} of its trays ERROR or FAULT)"
+    ]
+    for d in a.domains[:limit]:
+        lines.append(f"  {d.name} ({len(d.trays)} trays, {d.level}): {d.verdict}")
+        for t in d.trays:
+            if not (t.bad or t.bad_gpus):
+                continue
+            gpus = ", ".join(f"gpu {g.index} {g.level} ({g.why})" for g in t.bad_gpus)
+            lines.append(f"    {t.node}: {t.level}" + (f"; {gpus}" if gpus else ""))
+    if len(a.domains) > limit:
+        lines.append(f"  ... and {len(a.domains) - limit} more (--json lists them all)")
     return lines
