@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ def absolute_path(path: str | os.PathLike[str]) -> str:
     return os.path.abspath(os.fspath(path))
 
 
-def absolute_config(data: Mapping[str, object]) -> dict:
+def absolute_config(data: Mapping[str, object]) -> dict[str, object]:
     """A copy of a configuration's ``data`` whose relative paths (:data:`CONFIG_PATH_KEYS`,
     and program keys that contain a slash) are made absolute, so a child started in
     :data:`CHILD_CWD` with it reads the same files as this process."""
@@ -204,7 +205,7 @@ def run(
 _DRAIN_S = 2.0
 
 
-def _leftover_output(proc: subprocess.Popen) -> tuple[str, str]:
+def _leftover_output(proc: subprocess.Popen[str]) -> tuple[str, str]:
     """What the killed program wrote; pipes still held open by something outside its group
     are closed after ``_DRAIN_S`` rather than waited on for ever."""
     try:
@@ -234,7 +235,7 @@ def _kill_pgid(pgid: int) -> None:
         pass  # nothing left in the group (the common case)
 
 
-def kill_group(proc: subprocess.Popen) -> None:
+def kill_group(proc: subprocess.Popen[Any]) -> None:
     """Kill a process started with ``start_new_session=True`` and everything it started."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)

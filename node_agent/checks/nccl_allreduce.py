@@ -67,7 +67,8 @@ def free_port() -> int:
     """A TCP port on 127.0.0.1 free at the moment of asking (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def worker_argv(
@@ -166,7 +167,8 @@ def _last_json(stdout: str) -> dict[str, Any] | None:
     for line in reversed(stdout.strip().splitlines()):
         if line.startswith("{"):
             try:
-                return json.loads(line)
+                doc: dict[str, Any] = json.loads(line)
+                return doc
             except json.JSONDecodeError:
                 return None
     return None

@@ -359,7 +359,7 @@ _REPORTS = {
 }
 
 
-def _report_results(ctx: CheckContext, groups: dict) -> list[Result]:
+def _report_results(ctx: CheckContext, groups: dict[Any, Any]) -> list[Result]:
     """One WARN per (target, kind) of the reports that are not confirmations to probe."""
     out = []
     for (target, kind), items in sorted(groups.items()):

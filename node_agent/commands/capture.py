@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _capture_simulated(args: argparse.Namespace, skus: dict, argv: list[str]) -> str:
+def _capture_simulated(args: argparse.Namespace, skus: dict[str, Any], argv: list[str]) -> str:
     """A simulated node captured through the same recorder: its NVML as the stand-in would
     answer it (StateNvml over the rendered state), its simulated PCI bus and kernel log."""
     from node_agent.gpu import open_backend

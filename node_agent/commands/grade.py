@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from node_agent.commands.reporting import EXIT_FOR_LEVEL, UsageError
 from node_agent.config import load_config
@@ -57,7 +57,7 @@ class Regraded:
         after = set(self.regraded.reasons)
         return [r for r in self.saved.reasons if r not in after]
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "report": self.path,
             "hostname": self.report.host.hostname,

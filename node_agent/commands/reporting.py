@@ -4,12 +4,15 @@ running a suite to a graded report, and printing it."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 from node_agent import __version__
 from node_agent.environment import Environment, report_dir
 from node_agent.model import Level, Report, utc_iso
 from node_agent.report import json_report
-from node_agent.runner import run_suite
+from node_agent.runner import Progress, run_suite
+from node_agent.suite import Suite
 
 EXIT_OK, EXIT_AGENT_FAILED, EXIT_USAGE, EXIT_ERROR, EXIT_FAULT = 0, 1, 2, 3, 4
 EXIT_FOR_LEVEL = {
@@ -24,7 +27,9 @@ class UsageError(Exception):
     """Arguments that parse but do not make sense together (exit 2)."""
 
 
-def print_report(report: Report, path, note: str | None, as_json: bool, render) -> int:
+def print_report(
+    report: Report, path: Path, note: str | None, as_json: bool, render: Callable[[Report], str]
+) -> int:
     """The end of a run: the note, the report (JSON or ``render(report)``), where it was
     written; returns the contract's exit code for its grade."""
     if note:
@@ -35,7 +40,12 @@ def print_report(report: Report, path, note: str | None, as_json: bool, render) 
 
 
 def run_and_report(
-    env: Environment, suite, out: str | None, as_json: bool, render, progress=None
+    env: Environment,
+    suite: Suite,
+    out: str | None,
+    as_json: bool,
+    render: Callable[[Report], str],
+    progress: Progress | None = None,
 ) -> int:
     """Run ``suite`` on ``env`` (closed afterwards), write the report and print it: the whole
     of a command that runs a suite and does not act on it (``sdc``, ``hang-check``)."""
@@ -48,7 +58,7 @@ def run_and_report(
     return print_report(report, path, note, as_json, render)
 
 
-def execute(suite, env: Environment, progress=None) -> Report:
+def execute(suite: Suite, env: Environment, progress: Progress | None = None) -> Report:
     """Run a suite against an environment and grade it: the whole path to a verdict."""
     started = utc_iso()
     results = run_suite(suite, env, progress=progress)

@@ -34,6 +34,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 _LINE = re.compile(r"^(?:\{(?P<seq>\d{1,10})\})?\[Hardware Error\]: ?(?P<body>.*)$")
 _START = re.compile(r"^Hardware error from APEI Generic Hardware Error Source: (?P<src>\d+)")
@@ -74,7 +75,7 @@ class _Record:
     seq: int | None
     start: int
     event: str | None = None  # the record's event severity
-    sections: list[dict] = field(default_factory=list)
+    sections: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _finish(record: _Record | None, out: list[GhesMemoryError]) -> None:

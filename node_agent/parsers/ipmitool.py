@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from node_agent.parsers import ParseError
 
@@ -301,7 +302,7 @@ def parse_sdr_verbose(text: str) -> list[SdrRow]:
     [('Redundancy Lost',)]
     """
     rows: list[SdrRow] = []
-    current: dict | None = None
+    current: dict[str, Any] | None = None
     in_states = False
     for line in text.splitlines():
         if (m := _V_ID.match(line.strip())) is not None:
@@ -326,7 +327,7 @@ def parse_sdr_verbose(text: str) -> list[SdrRow]:
     return rows
 
 
-def _verbose_row(record: dict) -> SdrRow:
+def _verbose_row(record: dict[str, Any]) -> SdrRow:
     states = tuple(record["states"])
     return SdrRow(
         name=record["name"],

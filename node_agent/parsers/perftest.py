@@ -103,7 +103,7 @@ def _agrees(value: float, scale: float, size: int, rate: float, decimals: int) -
     implied = implied_gbps(size, rate)
     got = value * scale
     rounding = 0.5 * 10**-decimals * scale + implied_gbps(size, 0.5e-6)
-    return abs(got - implied) <= rounding + _SLACK * implied
+    return bool(abs(got - implied) <= rounding + _SLACK * implied)
 
 
 def resolve_unit(

@@ -144,10 +144,10 @@ class Plotter:
         self._figure_cls = Figure
         self._count = 0
 
-    def figure(self, width_in: float, height_in: float, **kwargs: Any):
+    def figure(self, width_in: float, height_in: float, **kwargs: Any) -> Any:
         return self._figure_cls(figsize=(width_in, height_in), layout="constrained", **kwargs)
 
-    def svg(self, fig) -> str:
+    def svg(self, fig: Any) -> str:
         """The figure as an ``<svg>`` element (XML prolog and DOCTYPE removed)."""
         self._count += 1
         # text as <text> (small, selectable); report text is never parsed as mathtext; the hash

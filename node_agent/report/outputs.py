@@ -7,6 +7,7 @@ verdict.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 from typing import TextIO
@@ -53,7 +54,7 @@ def write_outputs(
     return written
 
 
-def add_output_arguments(parser) -> None:
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     """``--html PATH`` and ``--junit PATH`` on an argparse parser."""
     parser.add_argument(
         "--html",

@@ -122,7 +122,8 @@ def _jiterator(device: torch.device, blocks: int) -> torch.Tensor:
     # an elementwise kernel: 128 threads x 4 elements per block, so 512 elements per block
     # (float32: jiterator's documented dtypes are floating; SM ids are small integers, exact)
     x = torch.zeros(blocks * 512, dtype=torch.float32, device=device)
-    return fn(x).cpu().to(torch.int64)
+    ids: torch.Tensor = fn(x).cpu().to(torch.int64)
+    return ids
 
 
 KERNELS: dict[str, Callable[[torch.device, int], torch.Tensor]] = {

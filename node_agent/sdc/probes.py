@@ -106,6 +106,7 @@ __all__ = [
     "default_specs",
     "default_spool_dir",
     "digest_probe",
+    "dtype_unsupported",
     "exact_gemm_probe",
     "fit_whole_gpu",
     "freivalds_check",
@@ -480,7 +481,7 @@ class SdcProbe:
             max_memory_mib,
         )
         self.skipped: dict[str, str] = {}
-        self._stream = torch.cuda.Stream(self.device) if cuda else None
+        self._stream = torch.cuda.Stream(self.device) if cuda else None  # type: ignore[no-untyped-call]
         self._digests: dict[ProbeSpec, str] = {}
         self._digest_specs = (
             [ProbeSpec(*s, dtype=d, seed=seed) for s in DEFAULT_SHAPES for d in ("bf16", "fp32")]
@@ -762,8 +763,8 @@ class SdcProbe:
         t0 = self.clock()
         if self._stream is not None:
             with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
+                start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
                 start.record(self._stream)
                 read = self._queue(kind, spec)
                 end.record(self._stream)
@@ -790,8 +791,8 @@ class SdcProbe:
     def _cost(self, p: _Pending) -> float:
         if self._stream is not None:
             # GPU time (CUDA events report milliseconds) plus the host time queuing it
-            return p.start.elapsed_time(p.end) / 1000.0 + p.host_s
-        return p.end - p.start
+            return float(p.start.elapsed_time(p.end)) / 1000.0 + p.host_s
+        return float(p.end - p.start)
 
     def _evidence(self) -> dict[str, Any]:
         ev = self.coverage.evidence()

@@ -11,7 +11,7 @@ import triton.language as tl
 
 
 @triton.jit
-def record_smid(out_ptr, spin_ns):
+def record_smid(out_ptr, spin_ns):  # type: ignore[no-untyped-def]  # Triton reads the annotations
     """Each program spins ``spin_ns`` on ``%globaltimer`` (so programs overlap as a GEMM's
     CTAs do), then stores the ``%smid`` of the SM it ran on at ``out_ptr[program_id]``."""
     pid = tl.program_id(0)

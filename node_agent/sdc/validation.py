@@ -173,7 +173,8 @@ class _TinyTransformer(torch.nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]
         x = self.blocks(x, mask=self.mask[: tokens.shape[1], : tokens.shape[1]], is_causal=True)
-        return self.norm(x) @ self.embed.weight.t()
+        logits: torch.Tensor = self.norm(x) @ self.embed.weight.t()
+        return logits
 
 
 def _training(
@@ -200,7 +201,7 @@ def _training(
             loss = torch.nn.functional.cross_entropy(
                 logits.float().reshape(-1, vocab), tokens[:, 1:].reshape(-1)
             )
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
 
     def sync() -> None:
