@@ -11,6 +11,14 @@ on their way to trouble. Two rules, each a WARN with the series as evidence (doc
 2. **Rising in k of the last n windows.** NVIDIA's resiliency extension marks a link bad when
    its error counters rise in k of the last n sampling windows; a counter that
    climbs in most recent windows is a bad part even when its slope is small.
+3. **Persistence, per part** (``persist``). A series kept per part of a result (``each``: one
+   NVLink of a GPU) whose counter grew in ``k`` of the last ``n`` short windows (NVIDIA's
+   resiliency extension flags a GPU after 15 of 30 one-minute windows with NVLink replay or
+   recovery growth) is a WARN naming the part; when it did so in each of the last ``spans``
+   runs of ``n`` windows (an hour, by default) the growth persists, and it is a ``fail`` (the
+   rules grade it ERROR). It is judged on every reading from :class:`WindowTracker`, which
+   keeps only which windows rose, not the readings: the history's 5-minute points are too
+   coarse for one-minute windows.
 
 A counter that resets (a reboot, a driver reload, a GPU reset: the value drops) starts a new
 segment. No fit spans a reset, no rate is ever negative, and the step at a reset counts as no
@@ -25,7 +33,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any, NamedTuple, TypeGuard
 
 from node_agent.model import Result, Status
 from node_agent.yamlfile import ConfigError, load_yaml
@@ -69,6 +77,35 @@ class SeriesSpec:
     window_h: float = 24.0
     k: int = 3
     n: int = 4
+    each: str | None = None  # an evidence mapping {part: value}: one series per part
+    part: str = "link"  # what a key of ``each`` names (in targets' details and metric keys)
+    peers: str | None = None  # an evidence mapping {part: peer} naming each part's other end
+    persist: Persist | None = None
+
+    def key(self, part: str = "") -> str:
+        """The metric a series is kept under in the history: the result's metric, with the
+        series' name when the value is not the result's value (two series may read one result),
+        and the part (``link 5``) for a series kept per part."""
+        plain = self.evidence_key is None and self.margin_from is None and self.each is None
+        base = self.metric if plain else f"{self.metric}:{self.name}"
+        return f"{base}:{part}" if part else base
+
+    def values_of(self, result: Result) -> list[tuple[str, float]]:
+        """(part, value) for each series of this spec in ``result``: one with part ``""``, or
+        one per key of the ``each`` mapping (``link 5``); none for a skip or an error."""
+        if self.each is None:
+            value = self.value_of(result)
+            return [] if value is None else [("", value)]
+        if result.status in (Status.SKIP, Status.ERROR):
+            return []
+        mapping = (result.evidence or {}).get(self.each)
+        if not isinstance(mapping, dict):
+            return []
+        return [
+            (f"{self.part} {k}", float(v))
+            for k, v in sorted(mapping.items(), key=lambda kv: _part_order(kv[0]))
+            if _number(v)
+        ]
 
     def value_of(self, result: Result) -> float | None:
         """The series' value in ``result`` (None when it carries none: a skip, a missing key)."""
@@ -90,6 +127,24 @@ class SeriesSpec:
         return self.threshold
 
 
+@dataclass(frozen=True)
+class Persist:
+    """The persistence rule of a per-part series (``persist`` in trends.yaml): grew in ``k``
+    of the last ``n`` windows of ``window_s`` -> WARN; in each of the last ``spans`` runs of
+    ``n`` windows -> persisting (``fail``). Results carry ``metric``."""
+
+    metric: str
+    window_s: float = 60.0
+    k: int = 15
+    n: int = 30
+    spans: int = 2
+
+
+def _part_order(key: object) -> tuple[int, str]:
+    text = str(key)
+    return (int(text), text) if text.isdigit() else (1 << 30, text)
+
+
 def _number(value: object) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
@@ -101,6 +156,18 @@ _WINDOWS = {
         "window_h": {"type": "number", "exclusiveMinimum": 0},
         "k": {"type": "integer", "minimum": 1},
         "n": {"type": "integer", "minimum": 1},
+    },
+}
+_PERSIST = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["metric"],
+    "properties": {
+        "metric": {"type": "string", "pattern": r"^[a-z0-9_]{1,64}$"},
+        "window_s": {"type": "number", "exclusiveMinimum": 0},
+        "k": {"type": "integer", "minimum": 1},
+        "n": {"type": "integer", "minimum": 1},
+        "spans": {"type": "integer", "minimum": 1, "maximum": 24},
     },
 }
 _COMMON = {
@@ -133,12 +200,34 @@ TRENDS_SCHEMA: dict[str, Any] = {
                     "margin_from": {"type": "string", "minLength": 1},
                     "unit": {"type": "string"},
                     "why": {"type": "string", "minLength": 1},
+                    "each": {"type": "string", "minLength": 1},
+                    "part": {"type": "string", "pattern": r"^[a-z]{1,16}$"},
+                    "peers": {"type": "string", "minLength": 1},
+                    "persist": _PERSIST,
                     **_COMMON,
                 },
             },
         },
     },
 }
+
+
+class Sampled(NamedTuple):
+    """A series' value in one result: the series is (spec, target, part); ``peer`` is the
+    part's other end where the result names it."""
+
+    spec: SeriesSpec
+    target: str
+    value: float
+    part: str = ""
+    peer: str | None = None
+
+
+def _peer(peers: object, part: str) -> str | None:
+    if not isinstance(peers, dict) or not part:
+        return None
+    peer = peers.get(part.rsplit(" ", 1)[-1])
+    return str(peer) if peer not in (None, "") else None
 
 
 @dataclass(frozen=True)
@@ -148,14 +237,15 @@ class TrendSpecs:
     series: tuple[SeriesSpec, ...] = ()
     _by_key: dict[tuple[str, str], list[SeriesSpec]] = field(default_factory=dict, compare=False)
 
-    def samples(self, results: Sequence[Result]) -> list[tuple[SeriesSpec, str, float]]:
-        """(spec, target, value) for every result a series takes a value from."""
+    def samples(self, results: Sequence[Result]) -> list[Sampled]:
+        """One :class:`Sampled` for every series value in ``results``."""
         out = []
         for result in results:
             for spec in self._by_key.get((result.check, result.metric), ()):
-                value = spec.value_of(result)
-                if value is not None:
-                    out.append((spec, result.target, value))
+                peers = (result.evidence or {}).get(spec.peers) if spec.peers else None
+                for part, value in spec.values_of(result):
+                    peer = _peer(peers, part)
+                    out.append(Sampled(spec, result.target, value, part, peer))
         return out
 
     def get(self, name: str) -> SeriesSpec | None:
@@ -175,6 +265,11 @@ def load_trend_specs(path: str | Path) -> TrendSpecs:
             raise ConfigError(f"{where}: give 'evidence' or 'margin_from', not both")
         if "threshold" not in raw and "threshold_sku" not in raw:
             raise ConfigError(f"{where}: no threshold; give 'threshold' or 'threshold_sku'")
+        if "each" in raw and ("evidence" in raw or "margin_from" in raw):
+            raise ConfigError(f"{where}: 'each' reads its own mapping; drop 'evidence'")
+        if ("persist" in raw or "peers" in raw) and "each" not in raw:
+            raise ConfigError(f"{where}: 'persist' and 'peers' need 'each' (a per-part series)")
+        persist = _persist(raw.get("persist"), where)
         merged = {**defaults, **raw}
         windows = {**(defaults.get("windows") or {}), **(raw.get("windows") or {})}
         spec = SeriesSpec(
@@ -195,6 +290,10 @@ def load_trend_specs(path: str | Path) -> TrendSpecs:
             window_h=float(windows.get("window_h", 24.0)),
             k=int(windows.get("k", 3)),
             n=int(windows.get("n", 4)),
+            each=raw.get("each"),
+            part=raw.get("part", "link"),
+            peers=raw.get("peers"),
+            persist=persist,
         )
         if spec.k > spec.n:
             raise ConfigError(f"{where}: windows.k {spec.k} is more than windows.n {spec.n}")
@@ -203,6 +302,21 @@ def load_trend_specs(path: str | Path) -> TrendSpecs:
     for spec in specs:
         by_key.setdefault((spec.check, spec.metric), []).append(spec)
     return TrendSpecs(tuple(specs), by_key)
+
+
+def _persist(raw: dict[str, Any] | None, where: str) -> Persist | None:
+    if raw is None:
+        return None
+    p = Persist(
+        metric=raw["metric"],
+        window_s=float(raw.get("window_s", 60.0)),
+        k=int(raw.get("k", 15)),
+        n=int(raw.get("n", 30)),
+        spans=int(raw.get("spans", 2)),
+    )
+    if p.k > p.n:
+        raise ConfigError(f"{where}: persist.k {p.k} is more than persist.n {p.n}")
+    return p
 
 
 # -- the arithmetic ------------------------------------------------------------------------------
@@ -392,5 +506,92 @@ def trend_result(trend: Trend, points: Sequence[Point]) -> Result:
             "segments": trend.segments,
             "points": [[round(p.at, 1), p.value] for p in shown],
             "resets_at": [round(p.at, 1) for p in shown if p.reset],
+        },
+    )
+
+
+# -- persistence, per part -----------------------------------------------------------------------
+
+
+class WindowTracker:
+    """Which windows of ``persist.window_s`` (aligned to the epoch) a counter grew in, fed one
+    reading at a time; a drop (a reset) forgets the windows before it. Holds at most
+    ``n * spans`` window numbers, never the readings."""
+
+    def __init__(self, persist: Persist) -> None:
+        self.persist = persist
+        self.last: float | None = None
+        self.rose: set[int] = set()
+
+    def add(self, at: float, value: float, reset: bool = False) -> None:
+        window = int(at // self.persist.window_s)
+        if self.last is not None:
+            if reset or value < self.last:
+                self.rose.clear()  # a new segment: growth before a reset is not counted
+            elif value > self.last:
+                self.rose.add(window)
+        self.last = value
+        keep = self.persist.n * self.persist.spans
+        if len(self.rose) > keep:
+            self.rose = {w for w in self.rose if w > window - keep}
+
+    def counts(self, now: float) -> list[int]:
+        """Windows that rose in each run of ``n`` windows ending at ``now``, newest first."""
+        p = self.persist
+        current = int(now // p.window_s)
+        return [
+            sum(1 for w in self.rose if current - (j + 1) * p.n < w <= current - j * p.n)
+            for j in range(p.spans)
+        ]
+
+
+def persistence(points: Sequence[Point], now: float, persist: Persist) -> list[int]:
+    """:meth:`WindowTracker.counts` of a series given whole (tests, a replayed history)."""
+    tracker = WindowTracker(persist)
+    for p in points:
+        tracker.add(p.at, p.value, p.reset)
+    return tracker.counts(now)
+
+
+def persistence_result(sampled: Sampled, counts: list[int], latest: float) -> Result | None:
+    """The result of a part whose counter grew in ``k`` of the last ``n`` windows: WARN, or
+    ``fail`` when it did in every one of the last ``spans`` runs; None otherwise."""
+    spec, persist = sampled.spec, sampled.spec.persist
+    if persist is None or not counts or counts[0] < persist.k:
+        return None
+    persists = all(c >= persist.k for c in counts)
+    window = f"{persist.window_s:g}-s"
+    peer = f" (peer {sampled.peer})" if sampled.peer else " (its peer is not reported)"
+    what = f"{spec.check} {spec.metric} on {sampled.target} {sampled.part}{peer}"
+    detail = (
+        f"{what}: grew in {counts[0]} of the last {persist.n} {window} windows "
+        f"(k={persist.k}; now {latest:g})"
+    )
+    if persists:
+        detail += (
+            f", and in at least {persist.k} of {persist.n} in each of the last "
+            f"{persist.spans} runs of {persist.n} windows ({', '.join(map(str, counts))}): "
+            f"the growth persists"
+        )
+    return Result(
+        check="trends",
+        target=sampled.target,
+        metric=persist.metric,
+        status=Status.FAIL if persists else Status.WARN,
+        detail=f"{detail} ({spec.why})",
+        value=counts[0],
+        unit="windows",
+        evidence={
+            "series": spec.name,
+            "check": spec.check,
+            "metric": spec.metric,
+            spec.part: sampled.part.rsplit(" ", 1)[-1],
+            "peer": sampled.peer,
+            "latest": latest,
+            "rising_windows": counts,
+            "window_s": persist.window_s,
+            "k": persist.k,
+            "n": persist.n,
+            "spans": persist.spans,
         },
     )

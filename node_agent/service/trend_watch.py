@@ -5,6 +5,13 @@ What it gives the daemon is results of the check ``trends``: one WARN (metric ``
 series whose trend warns, one WARN (metric ``history``) while the history cannot be used or was
 found corrupt, and one node-level ``trends`` PASS saying how many series are watched, so that
 "no trend" is a statement, not a silence. Graded by rules ``trend-*`` (WARN, never an action).
+
+A series kept per part (``each``: one NVLink of a GPU) with a ``persist`` rule is also judged
+on every reading by a :class:`~node_agent.grading.trends.WindowTracker` (which windows its
+counter grew in): a WARN, or a ``fail`` when the growth persists, with the rule's metric
+(``nvlink_link_errors``; rules ``nvlink-link-*``). A per-part series is written to the history
+from its first reading above zero: a link that never erred has no trend to keep, and an NVL72
+tray has 72 links of 3 counters each.
 """
 
 from __future__ import annotations
@@ -16,10 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from node_agent.grading.trends import (
-    SeriesSpec,
+    Sampled,
     TrendSpecs,
+    WindowTracker,
     evaluate,
     load_trend_specs,
+    persistence_result,
     trend_result,
 )
 from node_agent.model import Result, Status
@@ -57,8 +66,11 @@ class TrendWatch:
         self.history = history
         self._clock = clock
         self._every_s = evaluate_every_s
-        self._evaluated: dict[tuple[str, str], float] = {}
-        self._warns: dict[tuple[str, str], Result] = {}
+        self._evaluated: dict[tuple[str, str, str], float] = {}
+        self._warns: dict[tuple[str, str, str], Result] = {}
+        self._trackers: dict[tuple[str, str, str], WindowTracker] = {}
+        self._persisting: dict[tuple[str, str, str], Result] = {}
+        self._nonzero: set[tuple[str, str, str]] = set()
         self._published: tuple[Result, ...] = ()
         self._publish()
 
@@ -80,19 +92,19 @@ class TrendWatch:
         finally:
             self._publish()
 
-    def _update(
-        self, samples: list[tuple[SeriesSpec, str, float]], sku_limits: dict[str, Any] | None
-    ) -> None:
-        self.history.record(
-            Sample(s.check, target, _metric_key(s), s.kind, value) for s, target, value in samples
-        )
+    def _update(self, samples: list[Sampled], sku_limits: dict[str, Any] | None) -> None:
         now = self._clock()
-        for spec, target, _ in samples:
-            key = (spec.name, target)
+        self._persistence(samples, now)
+        kept = [s for s in samples if self._keeps(s)]
+        self.history.record(
+            Sample(s.spec.check, s.target, s.spec.key(s.part), s.spec.kind, s.value) for s in kept
+        )
+        for spec, target, _, part, _ in kept:
+            key = (spec.name, target, part)
             if now - self._evaluated.get(key, float("-inf")) < self._every_s:
                 continue
             self._evaluated[key] = now
-            points = self.history.points(spec.check, target, _metric_key(spec))
+            points = self.history.points(spec.check, target, spec.key(part))
             trend = evaluate(spec, target, points, now, spec.threshold_for(sku_limits))
             if trend is not None and trend.warn:
                 if key not in self._warns:
@@ -101,12 +113,38 @@ class TrendWatch:
             else:
                 self._warns.pop(key, None)
 
+    def _keeps(self, s: Sampled) -> bool:
+        """Whether the history records ``s``: always, except a per-part series that has not
+        yet read above zero."""
+        if not s.part:
+            return True
+        key = (s.spec.name, s.target, s.part)
+        if s.value > 0:
+            self._nonzero.add(key)
+        return key in self._nonzero
+
+    def _persistence(self, samples: list[Sampled], now: float) -> None:
+        """Feed each per-part series with a persist rule its reading; keep its result."""
+        for s in samples:
+            if s.spec.persist is None:
+                continue
+            key = (s.spec.name, s.target, s.part)
+            tracker = self._trackers.setdefault(key, WindowTracker(s.spec.persist))
+            tracker.add(now, s.value)
+            result = persistence_result(s, tracker.counts(now), s.value)
+            if result is None:
+                self._persisting.pop(key, None)
+                continue
+            if key not in self._persisting or self._persisting[key].status != result.status:
+                log.warning("link errors: %s", result.detail)
+            self._persisting[key] = result
+
     def results(self) -> list[Result]:
         """The current ``trends`` results (never empty: the watch says what it watches)."""
         return list(self._published)
 
     def _publish(self) -> None:
-        out = list(self._warns.values())
+        out = list(self._warns.values()) + list(self._persisting.values())
         problem = self.history.problem or self.history.notice
         if problem:
             out.append(
@@ -138,13 +176,3 @@ class TrendWatch:
 
     def close(self) -> None:
         self.history.close()
-
-
-def _metric_key(spec: SeriesSpec) -> str:
-    """The metric a series is kept under: the result's metric, with the series' name when the
-    value is not the result's value (two series may read one result)."""
-    return (
-        spec.metric
-        if spec.evidence_key is None and spec.margin_from is None
-        else f"{spec.metric}:{spec.name}"
-    )

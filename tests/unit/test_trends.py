@@ -221,7 +221,7 @@ def test_shipped_trends_file_loads_and_names_the_issue_series():
         value=0,
         evidence={"corrected_rows": 3},
     )
-    got = {(s.name, target, v) for s, target, v in specs.samples([result])}
+    got = {(s.spec.name, s.target, s.value) for s in specs.samples([result])}
     assert got == {
         ("remapped_rows_uncorrectable", "gpu:2", 0.0),
         ("remapped_rows_correctable", "gpu:2", 3.0),
@@ -235,7 +235,7 @@ def test_shipped_trends_file_loads_and_names_the_issue_series():
         value=12.0,
         evidence={"symbol_error": 340, "link_downed": 2, "port": 1},
     )
-    got = {(s.name, target, v) for s, target, v in specs.samples([port])}
+    got = {(s.spec.name, s.target, s.value) for s in specs.samples([port])}
     assert got == {
         ("hca_symbol_errors", "hca:mlx5_0", 340.0),
         ("hca_link_downed", "hca:mlx5_0", 2.0),
