@@ -162,13 +162,14 @@ def _state(ctx: CheckContext, index: int, fabric: GpuFabric, applies: Applicabil
 
 
 def _where(applies: Applicability) -> str:
-    return "on a multi-node NVLink tray" if applies.multi_node else "on a single-node NVSwitch"
+    # a tray none of whose GPUs completed has no ClusterUUID yet: it is not called single-node
+    return "on a multi-node NVLink tray" if applies.multi_node else "(no NVLink domain reported)"
 
 
 def _health(ctx: CheckContext, index: int, fabric: GpuFabric) -> Result:
     target, flags = f"gpu:{index}", fabric.health
     said = f"health mask {_evidence(fabric)['health_mask']}, summary {fabric.health_summary}"
-    if fabric.health_mask is None and fabric.health_summary is None:
+    if not fabric.health_mask and fabric.health_summary in (None, "not_supported"):
         return ctx.result(
             target,
             "fabric_health",
@@ -231,6 +232,17 @@ def _domain(
         )
     ]
     for index, fabric in sorted(fabrics.items()):
+        if fabric.state != "completed":
+            out.append(
+                ctx.result(
+                    f"gpu:{index}",
+                    "fabric_clique",
+                    Status.SKIP,
+                    f"GPU {index}: no clique until its fabric registration completes "
+                    "(fabric_state says why)",
+                )
+            )
+            continue
         same = fabric.cluster_uuid == uuid and fabric.clique_id == clique
         detail = (
             f"GPU {index}: in the tray's NVLink domain (clique {clique})"

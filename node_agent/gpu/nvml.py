@@ -722,31 +722,8 @@ class NvmlDevice:
             return False
 
     def fabric(self) -> GpuFabric:
-        """``nvidia-smi -q``'s Fabric section: ``nvmlDeviceGetGpuFabricInfoV`` with the version 3
-        struct (health mask and summary), else the older ``nvmlDeviceGetGpuFabricInfo`` (a
-        driver or nvidia-ml-py without the versioned call). Not Supported: no fabric."""
-        v3 = getattr(self._lib, "c_nvmlGpuFabricInfo_v3_t", None)
-        if v3 is not None:
-            info = v3()
-            if not info.version:
-                info.version = ctypes.sizeof(info) | (3 << _STRUCT_VERSION_SHIFT)
-            try:
-                self._call("nvmlDeviceGetGpuFabricInfoV", ctypes.byref(info))
-                return fabric_info(info, versioned=True)
-            except (DeviceLost, GpuTimeout, NoPermission):
-                raise
-            except GpuError as err:
-                newer: GpuError | None = err  # a driver without V or v3: ask the older call
-        else:
-            newer = None
-        info = self._lib.c_nvmlGpuFabricInfo_t()
-        try:
-            self._call("nvmlDeviceGetGpuFabricInfo", ctypes.byref(info))
-        except NotSupported:
-            if newer is not None and not isinstance(newer, NotSupported):
-                raise newer from None
-            raise
-        return fabric_info(info, versioned=False)
+        """``nvidia-smi -q``'s Fabric section (:func:`query_fabric`)."""
+        return query_fabric(self._call, self._lib)
 
     def compute_processes(self) -> list[GpuProcess]:
         """``nvidia-smi --query-compute-apps=pid,used_memory``: the compute processes on this GPU.
@@ -788,6 +765,34 @@ class NvmlDevice:
         """
         n = int(self._call("nvmlDeviceGetVirtualizationMode"))
         return VIRTUALIZATION_MODES[n] if 0 <= n < len(VIRTUALIZATION_MODES) else f"unknown_{n}"
+
+
+def query_fabric(call: Callable[..., Any], lib: Any) -> GpuFabric:
+    """``nvmlDeviceGetGpuFabricInfoV`` with the version 3 struct (health mask and summary),
+    else the older ``nvmlDeviceGetGpuFabricInfo`` (a driver or nvidia-ml-py without the
+    versioned call or struct). ``call(name, *args)`` calls NVML on the GPU. Not Supported: the
+    GPU has no fabric."""
+    v3 = getattr(lib, "c_nvmlGpuFabricInfo_v3_t", None)
+    newer: GpuError | None = None
+    if v3 is not None:
+        info = v3()
+        if not info.version:
+            info.version = ctypes.sizeof(info) | (3 << _STRUCT_VERSION_SHIFT)
+        try:
+            call("nvmlDeviceGetGpuFabricInfoV", ctypes.byref(info))
+            return fabric_info(info, versioned=True)
+        except (DeviceLost, GpuTimeout, NoPermission):
+            raise
+        except GpuError as err:
+            newer = err  # a driver without the versioned call or struct: ask the older one
+    old = lib.c_nvmlGpuFabricInfo_t()
+    try:
+        call("nvmlDeviceGetGpuFabricInfo", ctypes.byref(old))
+    except NotSupported:
+        if newer is not None and not isinstance(newer, NotSupported):
+            raise newer from None
+        raise
+    return fabric_info(old, versioned=False)
 
 
 def fabric_info(info: Any, versioned: bool) -> GpuFabric:

@@ -35,10 +35,13 @@ from operator import attrgetter
 from typing import Any
 
 from node_agent.gpu.base import (
+    FABRIC_HEALTH_SUMMARIES,
+    FABRIC_STATES,
     RECOVERY_ACTIONS,
     SRAM_UNITS,
     THROTTLE_REASONS,
     VIRTUALIZATION_MODES,
+    GpuFabric,
 )
 
 # nvmlReturn_t codes (nvml.h; part of the C ABI)
@@ -263,6 +266,42 @@ def _ecc_sram(ecc: Any) -> dict[str, Any]:
     if ecc.sram_threshold_exceeded is not None:
         out["ecc_sram.threshold_exceeded"] = int(ecc.sram_threshold_exceeded)
     return out
+
+
+def fabric_value(fabric: GpuFabric) -> str:
+    """A fabric as the state key ``fabric`` holds it: ``<state> <status> <cluster uuid>
+    <clique id> <health mask> <health summary>`` (nvmlGpuFabricInfo_v3_t's members, the state
+    and summary as their nvml.h numbers)."""
+    state = FABRIC_STATES.index(fabric.state) if fabric.state in FABRIC_STATES else 0
+    summary = fabric.health_summary
+    number = FABRIC_HEALTH_SUMMARIES.index(summary) if summary in FABRIC_HEALTH_SUMMARIES else 0
+    return (
+        f"{state} {fabric.status} {fabric.cluster_uuid} {fabric.clique_id} "
+        f"{fabric.health_mask or 0:#x} {number}"
+    )
+
+
+def fabric_members(text: str) -> dict[str, Any]:
+    """The state key ``fabric`` as nvmlGpuFabricInfo_v3_t's members (clusterUuid as 16
+    bytes); NvmlAnswer UNKNOWN when it is not that form, or the value's error code."""
+    _error(text)
+    parts = text.split()
+    try:
+        state, status, uuid, clique, mask, summary = parts
+        raw = bytes.fromhex(uuid.replace("-", ""))
+        numbers = [int(state, 0), int(status, 0), int(clique, 0), int(mask, 0), int(summary, 0)]
+    except ValueError:
+        raise NvmlAnswer(UNKNOWN) from None
+    if len(raw) != 16 or not all(0 <= n <= UINT_MAX for n in numbers) or numbers[0] > 255:
+        raise NvmlAnswer(UNKNOWN)
+    return {
+        "clusterUuid": raw,
+        "status": numbers[1],
+        "cliqueId": numbers[2],
+        "state": numbers[0],
+        "healthMask": numbers[3],
+        "healthSummary": numbers[4] & 0xFF,
+    }
 
 
 def _nvlink(what: Callable[[Any], Any]) -> Callable[[Any], dict[str, Any]]:
@@ -543,6 +582,14 @@ CALLS: tuple[Call, ...] = (
                 ("error.crc_flit", link.crc_errors),
             ]
         ),
+    ),
+    Call(
+        "nvmlDeviceGetGpuFabricInfoV",
+        "fabric",
+        aliases=("nvmlDeviceGetGpuFabricInfo",),
+        custom=True,
+        reading="fabric",
+        to_state=fabric_value,
     ),
     Call(
         "nvmlDeviceGetComputeRunningProcesses",

@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from node_agent.gpu.base import DeviceLost, GpuError, GpuTimeout, NoPermission, NotSupported
-from node_agent.gpu.nvml import NvmlBackend, NvmlUnavailable, open_nvml
-from node_agent.gpu.nvml_calls import CALLS, Call, recorded_value
+from node_agent.gpu.nvml import NvmlBackend, NvmlUnavailable, open_nvml, query_fabric
+from node_agent.gpu.nvml_calls import CALLS, Call, fabric_value, recorded_value
 from node_agent.gpu.replay import recorded_error
 
 _UNKNOWN = 999
@@ -202,6 +202,12 @@ def _record_sram(r: _Recorder, call: Callable[..., Any]) -> None:
     )
 
 
+def _record_fabric(r: _Recorder, call: Callable[..., Any]) -> None:
+    import pynvml
+
+    r.put("fabric", lambda: fabric_value(query_fabric(call, pynvml)))
+
+
 def _record_nvlinks(r: _Recorder, call: Callable[..., Any], link_calls: Sequence[Call]) -> None:
     """Each link index's state (the first NVLink call of the table); where it answers, the
     other NVLink calls on it. An index NVML calls an invalid argument (past the GPU's links) is
@@ -251,6 +257,7 @@ _CUSTOM: dict[str, Callable[[_Recorder, Callable[..., Any]], None]] = {
     "nvmlDeviceGetSramEccErrorStatus": _record_sram,
     "nvmlDeviceGetRetiredPages": _record_retired_pages,
     "nvmlDeviceGetComputeRunningProcesses": _record_processes,
+    "nvmlDeviceGetGpuFabricInfoV": _record_fabric,
 }
 
 

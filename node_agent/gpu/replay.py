@@ -46,6 +46,7 @@ from node_agent.gpu.nvml_calls import (
     NvmlAnswer,
     answer,
     by_name,
+    fabric_members,
     lookup,
     read_numbers,
     read_text,
@@ -60,6 +61,7 @@ _SUCCESS = 0
 _TIMEOUT = 10
 _FUNCTION_NOT_FOUND = 13
 _GPU_IS_LOST = 15
+_ARGUMENT_VERSION_MISMATCH = 22
 #: state keys that are the stand-in's switches or injected events, not an NVML answer: a
 #: capture records what NVML answered, so a capture holding one is refused (scenario schema)
 RESERVED_KEYS = ("hang", "unsupported", "absent", "error", "xid")
@@ -349,6 +351,37 @@ class StateNvml:
             target.aggregateUncBucketOther,
         ) = unit
         target.bThresholdExceeded = int(exceeded != 0)
+        return _SUCCESS
+
+    def nvmlDeviceGetGpuFabricInfoV(self, handle: Any, info: Any) -> int:
+        """The versioned struct: nvmlGpuFabricInfo_v3 (or _v2, without the summary)."""
+        target = info._obj if hasattr(info, "_obj") else info
+        version = int(target.version) >> 24
+        if version not in (2, 3):
+            self._fail(_ARGUMENT_VERSION_MISMATCH)
+        members = self._fabric("nvmlDeviceGetGpuFabricInfoV", handle)
+        if version == 2:
+            del members["healthSummary"]
+        return self._fill(target, members)
+
+    def nvmlDeviceGetGpuFabricInfo(self, handle: Any, info: Any) -> int:
+        """The older struct: no version, health mask or summary."""
+        members = self._fabric("nvmlDeviceGetGpuFabricInfo", handle)
+        del members["healthMask"], members["healthSummary"]
+        return self._fill(info._obj if hasattr(info, "_obj") else info, members)
+
+    def _fabric(self, fn: str, handle: Any) -> dict[str, Any]:
+        section = self._gpu(fn, handle)
+        with self._rules():
+            return fabric_members(read_text(section, "fabric"))
+
+    @staticmethod
+    def _fill(target: Any, members: dict[str, Any]) -> int:
+        for name, value in members.items():
+            if name == "clusterUuid":
+                target.clusterUuid[:] = list(value)
+            else:
+                setattr(target, name, value)
         return _SUCCESS
 
     def nvmlDeviceGetRetiredPages(self, handle: Any, cause: int) -> range:

@@ -404,13 +404,16 @@ class SimGpuDevice:
         if wrong:
             clique = int(wrong.params.get("clique", clique + 1))
         incomplete = self._fault("fabric_incomplete")
+        state = incomplete.params.get("state", "in_progress") if incomplete else "completed"
+        if state != "completed":
+            cluster, clique = _ZERO_UUID, 0  # assigned when the registration completes
         degraded = self._fault("fabric_degraded")
         flags = list(degraded.params.get("mask", ["degraded_bandwidth"])) if degraded else []
         summary = "healthy"
         if flags:
             summary = "limited_capacity" if flags == ["degraded_bandwidth"] else "unhealthy"
         return GpuFabric(
-            state=incomplete.params.get("state", "in_progress") if incomplete else "completed",
+            state=state,
             status=int(incomplete.params.get("status", 0)) if incomplete else 0,
             cluster_uuid=cluster,
             clique_id=clique,
