@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from node_agent.atomic_file import private_dir
 from node_agent.grading.trends import Point
@@ -195,7 +196,7 @@ class History:
             ).fetchall()
             if not rows:
                 continue
-            groups: dict[tuple[int, float], list[tuple]] = {}
+            groups: dict[tuple[int, float], list[tuple[Any, ...]]] = {}
             for row in rows:
                 groups.setdefault((row[0], row[1] // size_s), []).append(row)
             self._db.execute("DELETE FROM points WHERE tier = ? AND at < ?", (tier, cutoff))
@@ -299,7 +300,7 @@ class History:
                 self._conn = None
 
 
-def _merge(sid: int, tier: int, group: list[tuple], kind: str) -> tuple:
+def _merge(sid: int, tier: int, group: list[tuple[Any, ...]], kind: str) -> tuple[Any, ...]:
     """One downsampled point for a bucket's rows (series, at, value, n, reset): the last time,
     the last value (counter) or the weighted mean (gauge), the count, any reset."""
     n = sum(r[3] for r in group)

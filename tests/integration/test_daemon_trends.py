@@ -10,6 +10,7 @@ the rules and the grade are the real code.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import threading
 import time
@@ -17,7 +18,8 @@ import time
 import pytest
 import yaml
 
-from node_agent.model import Level
+from node_agent import resources
+from node_agent.model import Level, Status
 from node_agent.service.daemon import Daemon
 from node_agent.service.history import DB_NAME
 
@@ -55,19 +57,18 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.02):
 def daemon_on(tmp_path):
     started: list[Daemon] = []
 
-    def start(faults, clock) -> Daemon:
+    def start(faults, clock, graders=None) -> Daemon:
         scenario = tmp_path / "scenario.yaml"
         scenario.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 8, "faults": faults}))
         config = tmp_path / "config.yaml"
-        config.write_text(
-            yaml.safe_dump(
-                {
-                    "state_dir": str(tmp_path / "state"),
-                    "spool_dir": str(tmp_path / "spool"),
-                    "daemon": {"listen": f"127.0.0.1:{free_port()}"},
-                }
-            )
-        )
+        settings = {
+            "state_dir": str(tmp_path / "state"),
+            "spool_dir": str(tmp_path / "spool"),
+            "daemon": {"listen": f"127.0.0.1:{free_port()}"},
+        }
+        if graders is not None:
+            settings["graders_dir"] = str(graders)
+        config.write_text(yaml.safe_dump(settings))
         suite = tmp_path / "periodic.yaml"
         suite.write_text(
             yaml.safe_dump(
@@ -93,11 +94,12 @@ def runs(daemon: Daemon) -> int:
     return stats.runs if stats else 0
 
 
-def drive(daemon: Daemon, clock: WallClock, n: int) -> None:
-    """Let the daemon run nvml_health ``n`` times, six simulated hours apart."""
-    for i in range(n):
+def drive(daemon: Daemon, clock: WallClock, n: int, step_s: float = 6 * H, start: int = 0) -> None:
+    """Let the daemon run nvml_health up to ``n`` times (from run ``start + 1``), ``step_s``
+    simulated seconds apart (six hours unless given)."""
+    for i in range(start, n):
         assert wait_for(lambda n=i + 1: runs(daemon) >= n, 15), f"run {i + 1} did not happen"
-        clock.now += 6 * H
+        clock.now += step_s
 
 
 def test_counter_rising_over_simulated_days_grades_trend_warn_with_its_forecast(
@@ -172,3 +174,49 @@ def test_unusable_history_is_a_warn_and_the_daemon_goes_on(daemon_on, tmp_path):
     )
     assert reason is not None and daemon.grade.level is Level.WARN
     assert runs(daemon) >= 2  # the checks go on
+
+
+def test_one_nvlink_growing_in_k_of_n_windows_warns_then_persisting_grades_error(
+    daemon_on, tmp_path
+):
+    """GPU 3's NVLink 5 gains a replay at every nvml_health run, one run per simulated window.
+    The graders directory is the shipped one with the persistence rule made short (k 3 of n 6
+    windows, two runs of 6) so the test needs a dozen runs, not an hour of one-minute windows:
+    k, n and the window are the trends file's to set."""
+    graders = tmp_path / "graders"
+    shutil.copytree(resources.shipped_graders_dir(), graders)
+    trends = yaml.safe_load((graders / "trends.yaml").read_text())
+    for series in trends["series"]:
+        if "persist" in series:
+            series["persist"].update({"window_s": 600, "k": 3, "n": 6, "spans": 2})
+    (graders / "trends.yaml").write_text(yaml.safe_dump(trends))
+    clock = WallClock()
+    fault = {
+        "kind": "counter_series",
+        "gpu": 3,
+        "counter": "nvlink_replay",
+        "link": 5,
+        "values": list(range(40)),
+        "every_h": 600 / H,
+    }
+    daemon = daemon_on([fault], clock, graders)
+    drive(daemon, clock, 4, step_s=600)
+    warn = wait_for(lambda: link_results(daemon), 5)
+    assert warn and warn[0].status is Status.WARN, warn
+    drive(daemon, clock, 12, step_s=600, start=4)
+    reason = wait_for(
+        lambda: next(
+            (r for r in daemon.grade.reasons if r.rule == "nvlink-link-errors-persist"), None
+        ),
+        5,
+    )
+    assert reason is not None, daemon.grade.reasons
+    assert reason.target == "gpu:3" and daemon.grade.level is Level.ERROR
+    (error,) = link_results(daemon)
+    assert error.status is Status.FAIL
+    assert error.evidence["link"] == "5" and error.evidence["series"] == "nvlink_replay"
+    assert "gpu:3 link 5" in error.detail
+
+
+def link_results(daemon: Daemon) -> list:
+    return [r for r in daemon.current_results() if r.metric == "nvlink_link_errors"]
