@@ -667,6 +667,96 @@ EXPORT nvmlReturn_t nvmlDeviceGetSramEccErrorStatus(nvmlDevice_t device, nvmlEcc
     DONE(rc);
 }
 
+/* -- the NVLink fabric ------------------------------------------------------------------------ */
+
+/* fabric "<state> <status> <cluster uuid> <clique id> <health mask> <health summary>"
+ * (nvml_calls.fabric_value): nvmlGpuFabricInfo_v3_t's members, the UUID as 8-4-4-4-12 hex. */
+typedef struct {
+    unsigned char uuid[NVML_GPU_FABRIC_UUID_LEN];
+    unsigned long long state, status, clique, mask, summary;
+} fabric_t;
+
+static int fabric_uuid(const char *text, unsigned char *out)
+{
+    size_t n = 0;
+    for (const char *p = text; *p; p++) {
+        if (*p == '-')
+            continue;
+        unsigned byte;
+        if (n >= NVML_GPU_FABRIC_UUID_LEN || !isxdigit((unsigned char)p[0])
+            || !isxdigit((unsigned char)p[1]) || sscanf(p, "%2x", &byte) != 1)
+            return -1;
+        out[n++] = (unsigned char)byte;
+        p++;
+    }
+    return n == NVML_GPU_FABRIC_UUID_LEN ? 0 : -1;
+}
+
+static nvmlReturn_t get_fabric(const fake_section_t *gpu, fabric_t *f)
+{
+    const char *v = fake_get(gpu, "fabric");
+    nvmlReturn_t rc;
+    if (!v)
+        return NVML_ERROR_NOT_SUPPORTED;
+    if (value_error(v, &rc))
+        return rc;
+    char copy[FAKE_VALUE_MAX], *save = NULL, *word[7];
+    snprintf(copy, sizeof copy, "%s", v);
+    int words = 0;
+    for (char *w = strtok_r(copy, " \t", &save); w && words < 7; w = strtok_r(NULL, " \t", &save))
+        word[words++] = w;
+    if (words != 6 || fabric_uuid(word[2], f->uuid) != 0)
+        return bad_value("fabric", v);
+    unsigned long long *number[] = {&f->state, &f->status, NULL, &f->clique, &f->mask, &f->summary};
+    for (int i = 0; i < 6; i++) {
+        char *end;
+        if (!number[i])
+            continue;
+        errno = 0;
+        *number[i] = strtoull(word[i], &end, 0);
+        if (errno || *end || word[i][0] == '-' || *number[i] > 0xffffffffULL)
+            return bad_value("fabric", v);
+    }
+    return f->state > 0xff || f->summary > 0xff ? bad_value("fabric", v) : NVML_SUCCESS;
+}
+
+/* nvmlGpuFabricInfo_v2_t or _v3_t (the version says which; v2 has no healthSummary) */
+EXPORT nvmlReturn_t nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t device, nvmlGpuFabricInfoV_t *info)
+{
+    DEVICE_CALL(device);
+    REQUIRE(info);
+    if (info->version != nvmlGpuFabricInfo_v3 && info->version != nvmlGpuFabricInfo_v2)
+        DONE(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    fabric_t f;
+    rc = get_fabric(gpu, &f);
+    if (rc == NVML_SUCCESS) {
+        memcpy(info->clusterUuid, f.uuid, sizeof f.uuid);
+        info->status = (nvmlReturn_t)f.status;
+        info->cliqueId = (unsigned)f.clique;
+        info->state = (nvmlGpuFabricState_t)f.state;
+        info->healthMask = (unsigned)f.mask;
+        if (info->version == nvmlGpuFabricInfo_v3)
+            info->healthSummary = (unsigned char)f.summary;
+    }
+    DONE(rc);
+}
+
+/* the older, unversioned struct: no health mask or summary */
+EXPORT nvmlReturn_t nvmlDeviceGetGpuFabricInfo(nvmlDevice_t device, nvmlGpuFabricInfo_t *info)
+{
+    DEVICE_CALL(device);
+    REQUIRE(info);
+    fabric_t f;
+    rc = get_fabric(gpu, &f);
+    if (rc == NVML_SUCCESS) {
+        memcpy(info->clusterUuid, f.uuid, sizeof f.uuid);
+        info->status = (nvmlReturn_t)f.status;
+        info->cliqueId = (unsigned)f.clique;
+        info->state = (nvmlGpuFabricState_t)f.state;
+    }
+    DONE(rc);
+}
+
 /* retired_pages.sbe / retired_pages.dbe: how many pages (their addresses are made up). */
 static nvmlReturn_t retired(const fake_section_t *gpu, nvmlPageRetirementCause_t cause,
                             unsigned int *pageCount, unsigned long long *addresses,
