@@ -358,6 +358,9 @@ class Snapshot:
     nvhcd_served: bool | None = None
     #: the scrape's time (Unix), for the result ages
     now_unix: float = field(default_factory=time.time)
+    #: the node's NVLink domain (ClusterUUID, CliqueID), None where it is not multi-node
+    #: NVLink: :func:`nvlink_domain_of` the environment's inventory
+    nvlink_domain: tuple[str, int] | None = None
 
 
 class DaemonCollector(Collector):
@@ -437,6 +440,7 @@ class DaemonCollector(Collector):
         yield actions
 
         yield from _drained(s)
+        yield from _nvlink_domain(s)
 
 
 def _check_gauge(name: str, documentation: str) -> GaugeMetricFamily:
@@ -513,3 +517,32 @@ def _drained(s: Snapshot) -> Iterator[Metric]:
     value, source = drained_by_agent(s)
     drained.add_metric([s.hostname, source], value)
     yield drained
+
+
+def nvlink_domain_of(inventory: object) -> tuple[str, int] | None:
+    """(ClusterUUID, CliqueID) of an inventory's ``nvlink_domain``; None where it has none
+    (not multi-node NVLink, or an inventory that does not carry the field)."""
+    domain = getattr(inventory, "nvlink_domain", None)
+    uuid = getattr(domain, "cluster_uuid", None)
+    clique = getattr(domain, "clique_id", None)
+    if not isinstance(uuid, str) or not uuid or isinstance(clique, bool):
+        return None
+    if not isinstance(clique, int):
+        return None
+    return uuid, clique
+
+
+def _nvlink_domain(s: Snapshot) -> Iterator[Metric]:
+    """The node's NVLink domain as labels: the fleet's rules group the trays of one domain
+    (packaging/prometheus/, ``fleet:node_agent_nvlink_domain_bad:ratio``). No series on a node
+    that is not multi-node NVLink."""
+    if s.nvlink_domain is None:
+        return
+    info = GaugeMetricFamily(
+        "node_agent_nvlink_domain_info",
+        "1 for the NVLink domain this node is a tray of (the fabric's ClusterUUID and CliqueID)",
+        labels=["hostname", "cluster_uuid", "clique_id"],
+    )
+    uuid, clique = s.nvlink_domain
+    info.add_metric([s.hostname, uuid, str(clique)], 1)
+    yield info

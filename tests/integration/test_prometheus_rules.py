@@ -107,6 +107,7 @@ def exported_series() -> set[str]:
         result_unix={"xid": 1.0},
         intervals={"xid": 30.0},
         nvhcd_served=True,
+        nvlink_domain=("9f0c2b6e-5a41-4c7e-8d2a-1b3e5f7a9c0d", 2),
     )
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DaemonCollector(lambda: snap))
