@@ -8,6 +8,7 @@ shipped trends file and rules.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -49,19 +50,11 @@ def readings(grows: list[bool], start: float = T0, value: float = 0.0) -> list[P
 
 
 def spec() -> SeriesSpec:
-    return SeriesSpec(
-        name="nvlink_replay",
-        check="nvml_health",
-        metric="nvlink_replay_errors",
-        kind="counter",
-        direction="up",
-        threshold=1000.0,
-        threshold_sku=None,
-        unit="replays",
-        why="test",
-        each="per_link",
-        persist=NVRX,
-    )
+    """The shipped per-link replay series: its persistence rule is nvidia-resiliency-ext's."""
+    shipped = load_trend_specs(resources.shipped_graders_dir() / "trends.yaml").get("nvlink_replay")
+    assert shipped is not None and shipped.each == "per_link"
+    assert shipped.persist == NVRX
+    return shipped
 
 
 def grade_of(points: list[Point]) -> Result | None:
@@ -122,7 +115,7 @@ def test_each_link_of_an_nvml_health_result_is_its_own_series_with_its_peer() ->
     ]
     (one,) = [s for s in specs.samples([result]) if s.part == "link 2"]
     assert one.spec.key(one.part) == "nvlink_replay_errors:nvlink_replay:link 2"
-    with_peers = SeriesSpec(**{**spec().__dict__, "peers": "peer_by_link"})
+    with_peers = dataclasses.replace(spec(), peers="peer_by_link")
     sampled = Sampled(with_peers, "gpu:1", 7.0, "link 2", "0000:1b:00.0")
     result = persistence_result(sampled, [15, 0], 7.0)
     assert result is not None and "(peer 0000:1b:00.0)" in result.detail
