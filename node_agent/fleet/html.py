@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from node_agent.fleet.analysis import FleetAnalysis, MetricGroup
+from node_agent.fleet.domains import NvlinkDomain
 from node_agent.report.html import Plotter, esc, page, write_text_atomic
 
 #: at most this many distributions are drawn (the metrics with suspects come first)
@@ -115,11 +116,55 @@ def _training_html(a: FleetAnalysis) -> str:
     return "\n".join(parts)
 
 
-def render_fleet_html(analysis: FleetAnalysis) -> str:
-    plotter = Plotter()
-    a = analysis
-    state = "suspects" if a.suspects else "clean"
-    head = (
+#: a rack's tray grid: one cell per tray, coloured by its grade (the page's verdict colours)
+DOMAIN_CSS = """
+.rack { display: grid; grid-template-columns: repeat(auto-fill, minmax(112px, 1fr)); gap: 4px;
+  max-width: 820px; margin: 6px 0 14px; }
+.tray { border-radius: 4px; padding: 4px 6px; color: #fff; font-size: 12px; min-height: 44px; }
+.tray.level-HEALTHY { background: var(--pass); } .tray.level-WARN { background: #f57f17; }
+.tray.level-ERROR { background: var(--error); } .tray.level-FAULT { background: var(--fail); }
+.tray .gpus { font-size: 11px; opacity: .9; }
+.domain.escalated h3 { color: var(--fail); }
+"""
+
+
+def _rack_html(d: NvlinkDomain) -> str:
+    """One NVLink domain: its verdict and the grid of its trays, each coloured by its grade
+    and naming its bad GPUs."""
+    cells = "".join(
+        f'<div class="tray level-{esc(t.level)}" data-node="{esc(t.node)}" '
+        f'data-level="{esc(t.level)}" title="{esc(t.path)}"><b>{esc(t.node)}</b> '
+        f"{esc(t.level)}"
+        + (
+            '<div class="gpus">'
+            + esc(", ".join(f"gpu {g.index} {g.level}: {g.why}" for g in t.bad_gpus))
+            + "</div>"
+            if t.bad_gpus
+            else ""
+        )
+        + "</div>"
+        for t in d.trays
+    )
+    return (
+        f'<section class="domain{" escalated" if d.escalated else ""}" '
+        f'data-domain="{esc(d.name)}" data-escalated="{str(d.escalated).lower()}">'
+        f"<h3>{esc(d.name)}: {len(d.bad_trays)} of {len(d.trays)} trays ERROR or FAULT</h3>"
+        f'<p class="meta">{esc(d.verdict)}</p><div class="rack">{cells}</div></section>'
+    )
+
+
+def _domains_html(a: FleetAnalysis) -> str:
+    """Each NVLink domain as a rack of its trays; empty when no report names a domain."""
+    if not a.domains:
+        return ""
+    return f"<style>{DOMAIN_CSS}</style><h2>NVLink domains (racks), escalated first</h2>" + "".join(
+        _rack_html(d) for d in a.domains
+    )
+
+
+def _verdict_html(a: FleetAnalysis) -> str:
+    """The page's head: how many suspect nodes and figures, and what was read."""
+    return (
         f'<section id="verdict" class="verdict level-{"ERROR" if a.suspects else "HEALTHY"}"'
         f' data-suspects="{len(a.suspects)}"><span class="level">'
         f'{len(a.suspect_nodes)} suspect node(s)</span><span class="action">'
@@ -129,6 +174,13 @@ def render_fleet_html(analysis: FleetAnalysis) -> str:
         f"{len(a.skipped)} skipped (not believed), {len(a.superseded)} superseded.</div>"
         "</section>"
     )
+
+
+def render_fleet_html(analysis: FleetAnalysis) -> str:
+    plotter = Plotter()
+    a = analysis
+    state = "suspects" if a.suspects else "clean"
+    head = _verdict_html(a)
     rows = "".join(
         f'<tr class="suspect" data-node="{esc(s.node)}" data-target="{esc(s.target)}">'
         f"<td>{esc(s.node)}</td><td>{esc(s.target)}</td><td>{esc(s.check)}/{esc(s.metric)}</td>"
@@ -172,6 +224,7 @@ def render_fleet_html(analysis: FleetAnalysis) -> str:
             "<h2>Suspects, worst first</h2>",
             table,
             _training_html(a),
+            _domains_html(a),
             (
                 f'<h2>Parallel groups flagged as a whole</h2><ul id="groups">{groups_html}</ul>'
                 if groups_html

@@ -206,3 +206,21 @@ def test_a_bad_domain_in_a_topology_file_is_a_clear_error(tmp_path, text, error)
     path.write_text(text)
     with pytest.raises(ConfigError, match=error):
         load_topology(path)
+
+
+def test_html_shows_the_rack_as_a_grid_of_its_trays_coloured_by_grade(tmp_path):
+    pytest.importorskip("matplotlib", reason="the fleet page draws with matplotlib (report extra)")
+    reports = rack_reports(9)
+    reports["tray18"]["host"]["hostname"] = "<img src=x onerror=alert(1)>"  # type: ignore[index]
+    write(tmp_path, reports)
+    page = tmp_path / "fleet.html"
+    fleet_command.run(
+        [str(tmp_path)], GRADERS, html=str(page), out=io.StringIO(), err=io.StringIO()
+    )
+    html = page.read_text()
+    assert f'data-domain="{DOMAIN}" data-escalated="true"' in html
+    assert html.count('<div class="tray level-FAULT"') == 5
+    assert html.count('<div class="tray level-ERROR"') == 4
+    assert html.count('<div class="tray level-HEALTHY"') == 9
+    assert "gpu 0 FAULT: xid" in html and "9 of 18 trays ERROR or FAULT" in html
+    assert "<img src=x" not in html and "&lt;img src=x" in html
