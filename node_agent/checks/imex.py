@@ -2,13 +2,15 @@
 
 IMEX (NVIDIA's Internode Memory Exchange service, ``nvidia-imex``) shares GPU memory across the
 trays of a multi-node NVLink domain (GB200/GB300 NVL72). It is judged only where it is
-configured: the IMEX nodes config (``IMEX_NODE_CONFIG_FILE`` of the daemon's config, default
-``/etc/nvidia-imex/nodes_config.cfg``) exists and lists nodes. Anywhere else (a single-node
-HGX, a PCIe or pass-through GPU VM, a tray whose IMEX was never set up) the check is a ``skip``
-that says so, never a finding: an "IMEX unhealthy" verdict on a host that does not use IMEX is
-the field's commonest false positive (NVSentinel #1471, DCGM #308). An installed
-``nvidia-imex`` service with no nodes config is named in that skip (the package is installed on
-hosts where it never starts).
+configured, the IMEX nodes config (``IMEX_NODE_CONFIG_FILE`` of the daemon's config, default
+``/etc/nvidia-imex/nodes_config.cfg``) existing and listing nodes, and where it applies: the
+node is on multi-node NVLink by NVML's own answers
+(:func:`node_agent.gpu.nvlink_topology.nvlink_applicability`, the one rule every NVLink
+judgment asks). Anywhere else (a single-node HGX, a PCIe or pass-through GPU VM, a tray whose
+IMEX was never set up) the check is a ``skip`` that says why, never a finding: an "IMEX
+unhealthy" verdict on a host that does not use IMEX is the field's commonest false positive
+(NVSentinel #1471, DCGM #308). An installed ``nvidia-imex`` service with no nodes config is
+named in that skip (the package is installed on hosts where it never starts).
 
 Where it is configured, ``nvidia-imex-ctl -N -j`` (run through :func:`node_agent.proc.run`,
 argv only) gives the domain (parsed by :mod:`node_agent.parsers.imex`). Two results on
@@ -44,6 +46,7 @@ from typing import Any
 
 from node_agent import proc
 from node_agent.checks import CheckContext
+from node_agent.gpu.nvlink_topology import nvlink_applicability
 from node_agent.model import Result, Status
 from node_agent.parsers import ParseError
 from node_agent.parsers.imex import UP, ImexDomain, ImexNode, parse, parse_nodes_config
@@ -114,6 +117,18 @@ def run(ctx: CheckContext) -> list[Result]:
         return [ctx.result("node", "imex", Status.ERROR, configured, nodes_config=str(nodes_path))]
     if configured is None:
         return [ctx.skip(_not_configured(params, nodes_path), metric="imex")]
+    applies = nvlink_applicability(ctx.gpu)
+    if not applies.multi_node:
+        return [
+            ctx.result(
+                "node",
+                "imex",
+                Status.SKIP,
+                f"IMEX is configured ({nodes_path}) but does not apply: this node is not on "
+                f"multi-node NVLink ({applies.why})",
+                nvlink=applies.kind,
+            )
+        ]
     argv = [params.tool, "-c", params.config, "-N", "-j"]
     out = proc.run(argv, timeout_s=min(params.timeout_s, max(1.0, ctx.timeout_s - 1.0)))
     if out.not_found:

@@ -2,9 +2,11 @@
 
 No IMEX service can run here (it needs NVLink-connected GPUs and their driver), so the check
 runs a stand-in ``nvidia-imex-ctl``: a script that prints a saved output form from
-tests/data/imex/ (PROVENANCE.md says where each comes from) and exits as the real tool does.
-Everything else is the real code: the check, its typed params, the nodes config it reads, the
-subprocess helper and the shipped grading rules.
+tests/data/imex/ (PROVENANCE.md says where each comes from) and exits as the real tool does;
+and no GPU is here, so NVML's answers (a GB200 tray on multi-node NVLink, an HGX B200 on its own
+NVSwitches) come from the simulated backend. Everything else is the real code: the check, its
+typed params, the nodes config it reads, the applicability rule, the subprocess helper and the
+shipped grading rules.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ from node_agent import resources
 from node_agent.checks import CheckContext, imex
 from node_agent.checks.ports import Ports
 from node_agent.config import config_from_dict
-from node_agent.gpu.absent import AbsentGpuBackend
+from node_agent.gpu.sim import SimGpuBackend
 from node_agent.grading.rules import Grader, load_grader
+from node_agent.hardware.sku import load_skus
 from node_agent.inventory import Inventory
 from node_agent.model import HostInfo, Level, Status
 from node_agent.parsers import ParseError
 from node_agent.parsers import imex as reader
+from node_agent.sim.scenario import Scenario
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "imex"
 
@@ -134,10 +138,20 @@ def stand_in_tool(tmp_path: Path, output: str, rc: int = 0) -> Path:
     return tool
 
 
-def make_ctx(tmp_path: Path, **params: object) -> CheckContext:
+@functools.cache
+def skus() -> dict:
+    return load_skus(resources.shipped_graders_dir())
+
+
+def simulated_gpus(sku: str) -> SimGpuBackend:
+    """Four simulated GPUs of ``sku``: NVML's answers decide whether IMEX applies."""
+    return SimGpuBackend(Scenario(sku=sku, gpus=4, source="test"), skus()[sku])
+
+
+def make_ctx(tmp_path: Path, sku: str = "gb200-186gb", **params: object) -> CheckContext:
     return CheckContext(
         check="imex",
-        gpu=AbsentGpuBackend("no GPU"),
+        gpu=simulated_gpus(sku),
         kernel_log=None,  # type: ignore[arg-type]
         config=config_from_dict({}),
         inventory=Inventory(host=HostInfo(hostname="h", kernel="6.8"), gpus=[], sku=None),
@@ -275,3 +289,16 @@ def test_bad_params_are_an_error_naming_the_key(
     results = imex.run(make_ctx(tmp_path, **params))
     assert [r.status for r in results] == [Status.ERROR]
     assert expected in results[0].detail
+
+
+@pytest.mark.parametrize("sku", ["b200-sxm-180gb", "h100-sxm5-80gb"])
+def test_imex_configured_on_a_node_without_multi_node_nvlink_is_a_skip(
+    tmp_path: Path, sku: str
+) -> None:
+    configure(tmp_path, ["10.0.0.1", "10.0.0.2"])
+    tool = stand_in_tool(tmp_path, sample("json_down_2.json"))
+    results = imex.run(make_ctx(tmp_path, sku=sku, tool=str(tool)))
+    assert [r.status for r in results] == [Status.SKIP]
+    assert "not on multi-node NVLink" in results[0].detail
+    assert not (tmp_path / "argv").exists()
+    assert grader().grade(results, "service").level is Level.HEALTHY
