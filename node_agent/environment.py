@@ -1,9 +1,10 @@
-"""Everything one invocation works against, opened once: config, graders, SKU, GPUs, kernel log,
-and the ports the checks read the node through (:mod:`node_agent.checks.ports`).
+"""Everything one invocation works against, opened once: config, graders, SKU, and the node
+(:mod:`node_agent.node`: its GPUs, kernel log and the ports the checks read it through).
 
-This is the single place where a scenario's stand-in node or the real hardware is chosen:
-``open_environment(config, simulate=path)`` opens the scenario's; without ``simulate``, this
-host's. Checks never ask which; they read ``Environment.ports``.
+This is the single place where a stand-in node or the real hardware is chosen:
+``open_environment(config, simulate=path)`` opens the stand-in a scenario file describes
+(:mod:`node_agent.sim.node`); without ``simulate``, this host. Nothing below asks which; the
+checks read ``Environment.ports``.
 """
 
 from __future__ import annotations
@@ -15,20 +16,15 @@ from pathlib import Path
 
 from node_agent import resources
 from node_agent.atomic_file import private_dir
-from node_agent.checks.ports import Ports, stand_in_ports
+from node_agent.checks.ports import Ports
 from node_agent.config import Config
-from node_agent.gpu import open_backend, open_stand_in
+from node_agent.gpu import open_backend
 from node_agent.gpu.base import GpuBackend
 from node_agent.grading.rules import Grader, load_grader
 from node_agent.hardware.sku import Sku, load_skus
 from node_agent.inventory import Inventory, collect
-from node_agent.kernel_log import (
-    KernelLog,
-    LinesKernelLog,
-    UnavailableKernelLog,
-    open_kernel_log,
-)
-from node_agent.sim.scenario import Scenario, load_scenario
+from node_agent.kernel_log import KernelLog, open_kernel_log
+from node_agent.node import Node
 from node_agent.yamlfile import ConfigError
 
 
@@ -37,28 +33,40 @@ class Environment:
     config: Config
     grader: Grader
     skus: dict[str, Sku]
-    gpu: GpuBackend
-    kernel_log: KernelLog
+    node: Node
     inventory: Inventory
-    scenario: Scenario | None
-    #: what the checks read the node through, chosen with it (this host's unless a scenario's)
+    #: what the checks read the node through, built with it once its SKU is matched
     ports: Ports = Ports()
 
     @property
+    def gpu(self) -> GpuBackend:
+        return self.node.gpu
+
+    @property
+    def kernel_log(self) -> KernelLog:
+        return self.node.kernel_log
+
+    @property
     def simulated(self) -> bool:
-        return self.scenario is not None
+        """The node is a stand-in (``--simulate``): reports say SIMULATED."""
+        return self.node.stand_in
 
     @property
     def sku(self) -> Sku | None:
         return self.inventory.sku
 
     @property
+    def hostname(self) -> str:
+        """The node's name: ``node.name``, else the stand-in's own, else this host's."""
+        return self.inventory.host.hostname
+
+    @property
     def expected_gpus(self) -> int | None:
         configured = self.config.node.expected_gpus
         if configured is not None:
             return configured
-        if self.scenario is not None and not self.scenario.captured:
-            return self.scenario.gpus  # a modelled node's count is its own; a capture's is not
+        if self.node.declared_gpus is not None:
+            return self.node.declared_gpus
         if self.sku is None or not self.sku.fixed_gpu_count:
             return None  # an add-in card's count is the server's build (node.expected_gpus)
         return self.sku.gpus_per_node
@@ -103,44 +111,45 @@ def kernel_log_path(config: Config) -> str | None:
     return config.kernel_log.path or os.environ.get(KERNEL_LOG_ENV) or None
 
 
-def _scenario_kernel_log(scenario: Scenario, lines: list[str]) -> KernelLog:
-    """A scenario's kernel log; for a capture that holds none because none could be read (a
-    conversion from nvidia-smi, a host whose kmsg was not readable: ``capture.kernel_log.
-    unavailable``), a log that says so, so the checks that read it skip with that reason
-    instead of reading an empty log as a clean one. Lines a fault adds are read as given."""
-    missing = ((scenario.capture or {}).get("kernel_log") or {}) if scenario.captured else {}
-    if not lines and isinstance(missing, dict) and missing.get("unavailable"):
-        return UnavailableKernelLog(f"the capture holds no kernel log: {missing['unavailable']}")
-    return LinesKernelLog(lines, source="simulated kernel log")
+def open_node(config: Config, skus: dict[str, Sku], simulate: str | None = None) -> Node:
+    """The node this invocation works against: the stand-in the scenario file ``simulate``
+    describes (ConfigError when it is invalid), else this host."""
+    if simulate:
+        from node_agent.sim.node import open_stand_in
+
+        return open_stand_in(simulate, skus, config.node.sku, config.nvml.call_timeout_s)
+    return Node(
+        gpu=open_backend(call_timeout_s=config.nvml.call_timeout_s),
+        kernel_log=open_kernel_log(kernel_log_path(config)),
+    )
+
+
+def stand_in_hostname(config: Config, simulate: str) -> str:
+    """The host name of the stand-in node a scenario file describes, without opening it
+    (ConfigError when the file does not load): how a node names a peer it never heard from."""
+    from node_agent.sim.node import stand_in_hostname as hostname_of
+
+    _, skus = load_data(config)
+    return hostname_of(simulate, skus)
 
 
 def open_environment(config: Config, simulate: str | None = None) -> Environment:
-    """Validate everything first (ConfigError: nothing has run), then open the hardware."""
+    """Validate everything first (ConfigError: nothing has run), then open the node."""
     grader, skus = load_data(config)
-    scenario = load_scenario(simulate, skus) if simulate else None
-    if scenario is not None:
-        stand_in = open_stand_in(scenario, skus[scenario.sku])
-        backend: GpuBackend = stand_in
-        kernel_log: KernelLog = _scenario_kernel_log(scenario, stand_in.kernel_log_lines())
-        hostname: str | None = config.node.name or scenario.hostname
-        # a captured node is matched to its SKU as the recorded host was (node.sku, else auto)
-        sku_setting = config.node.sku if scenario.captured else scenario.sku
-    else:
-        backend = open_backend(call_timeout_s=config.nvml.call_timeout_s)
-        kernel_log = open_kernel_log(kernel_log_path(config))
-        hostname = config.node.name
-        sku_setting = config.node.sku
-    inventory = collect(backend, skus, sku_setting, hostname=hostname)
-    ports = Ports() if scenario is None else stand_in_ports(scenario, inventory.sku, backend)
+    node = open_node(config, skus, simulate)
+    inventory = collect(
+        node.gpu,
+        skus,
+        node.sku_setting or config.node.sku,
+        hostname=config.node.name or node.hostname,
+    )
     return Environment(
         config=config,
         grader=grader,
         skus=skus,
-        gpu=backend,
-        kernel_log=kernel_log,
+        node=node,
         inventory=inventory,
-        scenario=scenario,
-        ports=ports,
+        ports=node.ports_for(inventory.sku),
     )
 
 

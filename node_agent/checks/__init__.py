@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from node_agent.checks.ports import Ports, stand_in_ports
+from node_agent.checks.ports import Ports
 from node_agent.config import Config
 from node_agent.gpu.base import GpuBackend
 from node_agent.gpu.pci import PciBus
@@ -20,7 +20,6 @@ from node_agent.hardware.sku import Sku
 from node_agent.inventory import Inventory
 from node_agent.kernel_log import KernelLog
 from node_agent.model import Result, Status
-from node_agent.sim.scenario import Scenario
 
 #: this host's ports: the default of a CheckContext given none
 HOST_PORTS = Ports()
@@ -76,20 +75,12 @@ class CheckContext:
     #: where the check reads the node (trees, tools, compute, clock), chosen once with the node
     #: (``open_environment``); this host's unless given
     ports: Ports = field(default=HOST_PORTS, repr=False)
-    #: init-only: a scenario whose stand-in ports are built here when no ``ports`` are given
-    #: (for callers that hold a scenario rather than an Environment). Not kept: a check reads
-    #: its ports, never the scenario
-    scenario: InitVar[Scenario | None] = None
     #: the values this check's declared inputs (``INPUTS``) receive from earlier checks of the
     #: run, and where its declared outputs (``OUTPUTS``) go; read and written only through
     #: ``behaviour.get_input`` / ``put_output``
     handover: dict[str, Any] = field(default_factory=dict)
     #: the NVIDIA GPUs on the PCI bus; read on first use (``pci_bus()``) unless given
     pci: PciBus | None = field(default=None, repr=False)
-
-    def __post_init__(self, scenario: Scenario | None) -> None:
-        if scenario is not None and self.ports is HOST_PORTS:
-            self.ports = stand_in_ports(scenario, self.sku, self.gpu)
 
     def result(
         self,
@@ -188,11 +179,6 @@ class CheckContext:
                 )
             ]
         return [self.skip(reason, metric="compute")]
-
-
-# the scenario is an argument of __init__ only: reading ``ctx.scenario`` fails loudly rather than
-# reading the dataclass default (None) as "this host"
-delattr(CheckContext, "scenario")
 
 
 def driver_not_loaded_detail(reason: str, gpus: tuple[Any, ...]) -> str:

@@ -98,9 +98,8 @@ def thresholds(ctx: CheckContext, section: str) -> dict[str, float]:
 @contextlib.contextmanager
 def host_paths(ctx: CheckContext, parts: tuple[str, ...]) -> Iterator[HostPaths]:
     """The roots and tools to read: a ``sys_root`` param's tree (a test's), else the tree the
-    node's ports build for ``parts`` (a scenario's stand-in host, written to a temporary
-    directory for this run: :mod:`node_agent.sim.host_tools`), else the real host's.
-    StandInFault when a scenario's fault names a part the stand-in lacks."""
+    node's ports build for ``parts`` (a stand-in host's, written to a temporary directory for
+    this run), else the real host's."""
     if ctx.ports.host_tree is not None and "sys_root" not in ctx.params:
         with ctx.ports.host_tree(parts) as paths:
             yield paths

@@ -39,39 +39,36 @@ from node_agent import atomic_file
 from node_agent.checks import CheckContext
 from node_agent.checks.host_common import host_paths, not_recorded, thresholds
 from node_agent.checks.host_log import kernel_messages
-from node_agent.checks.ports import StandInFault
 from node_agent.host.edac import EdacAbsent, MemoryController, read_edac
 from node_agent.host.ghes import GHES_WORDS, GhesMemoryError, ghes_sources, parse_ghes
 from node_agent.host.memory import read_installed
-from node_agent.host.paths import entity_name
+from node_agent.host.paths import HostPaths, entity_name
 from node_agent.model import Result, Status
 
 DAY_S = 86400.0
+
+
+def _controllers(paths: HostPaths) -> tuple[list[MemoryController] | None, str | None]:
+    """The EDAC memory controllers, or None and why they cannot be read."""
+    try:
+        return read_edac(paths.sys), None
+    except EdacAbsent as why:
+        return None, str(why)
+    except PermissionError as err:
+        return None, (
+            f"the EDAC tree cannot be read as this user "
+            f"({err.strerror}: {err.filename}); run as root"
+        )
 
 
 def run(ctx: CheckContext) -> list[Result]:
     if skip := not_recorded(ctx, "edac"):
         return skip
     limits = thresholds(ctx, "memory")
-    try:
-        with host_paths(ctx, ("edac", "memory")) as paths:
-            try:
-                controllers: list[MemoryController] | None = read_edac(paths.sys)
-                absent = None
-            except EdacAbsent as why:
-                controllers, absent = None, str(why)
-            except PermissionError as err:
-                controllers, absent = (
-                    None,
-                    (
-                        f"the EDAC tree cannot be read as this user "
-                        f"({err.strerror}: {err.filename}); run as root"
-                    ),
-                )
-            installed = read_installed(paths.sys, paths.proc)
-            sources = ghes_sources(paths.sys)
-    except StandInFault as err:  # a scenario's fault naming a DIMM the stand-in lacks
-        return [ctx.result("node", "scenario", Status.ERROR, str(err))]
+    with host_paths(ctx, ("edac", "memory")) as paths:
+        controllers, absent = _controllers(paths)
+        installed = read_installed(paths.sys, paths.proc)
+        sources = ghes_sources(paths.sys)
     results: list[Result] = []
     if controllers is None:
         results.append(ctx.skip(f"no EDAC memory error counters: {absent}", metric="edac"))

@@ -34,7 +34,6 @@ from datetime import datetime, timezone
 from node_agent import proc
 from node_agent.checks import CheckContext
 from node_agent.checks.host_common import host_paths, not_recorded, thresholds, tool_timeout_s
-from node_agent.checks.ports import StandInFault
 from node_agent.checks.power_sel import sel_results
 from node_agent.host.paths import HostPaths, entity_name
 from node_agent.model import Result, Status
@@ -63,11 +62,8 @@ MISSING = (
 def run(ctx: CheckContext) -> list[Result]:
     if skip := not_recorded(ctx, "psu"):
         return skip
-    try:
-        with host_paths(ctx, ("ipmi",)) as paths:
-            return _run(ctx, paths)
-    except StandInFault as err:  # a scenario's fault naming a supply the stand-in lacks
-        return [ctx.result("node", "scenario", Status.ERROR, str(err))]
+    with host_paths(ctx, ("ipmi",)) as paths:
+        return _run(ctx, paths)
 
 
 def _tools(paths: HostPaths) -> tuple[str, str] | None:

@@ -35,7 +35,6 @@ from typing import Any
 from node_agent import proc
 from node_agent.checks import CheckContext
 from node_agent.checks.host_common import host_paths, not_recorded, thresholds, tool_timeout_s
-from node_agent.checks.ports import StandInFault
 from node_agent.host.nvme import CONTROLLER, NvmeController, controllers_holding, list_controllers
 from node_agent.host.paths import HostPaths
 from node_agent.model import Result, Status
@@ -56,11 +55,8 @@ ENDURANCE_PERCENT = 100
 def run(ctx: CheckContext) -> list[Result]:
     if skip := not_recorded(ctx, "nvme"):
         return skip
-    try:
-        with host_paths(ctx, ("nvme",)) as paths:
-            return _run(ctx, paths)
-    except StandInFault as err:  # a scenario's fault naming a disk the stand-in lacks
-        return [ctx.result("node", "scenario", Status.ERROR, str(err))]
+    with host_paths(ctx, ("nvme",)) as paths:
+        return _run(ctx, paths)
 
 
 def _reader(paths: HostPaths) -> tuple[str, str] | None:

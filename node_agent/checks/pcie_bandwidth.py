@@ -273,7 +273,7 @@ def _setup(spec: ComputeSpec, size: int, warmup: int, model: CopyModel | None = 
 
 
 def _memory_note(g: _Gpu) -> dict[str, Any]:
-    if g.dev.stand_in:
+    if g.model is not None:  # a modelled figure: the copy ran on the stand-in's memory
         return {"pinned": False, "note": STAND_IN_NOTE}
     return {"pinned": bool(g.host.is_pinned())}
 

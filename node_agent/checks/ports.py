@@ -1,14 +1,14 @@
 """The ports a check reads the node through, chosen once per invocation.
 
-``open_environment`` picks the node (this host, or a scenario's stand-in) and hands every check
+``open_environment`` opens the node (this host, or a stand-in) and hands every check
 the same :class:`Ports`: where the host checks read sysfs, procfs and their tools, where the
 RDMA checks find the HCAs and ``ib_write_bw``, whether DCGM can be asked, where compute runs and
 whether its figures are measured (SKU minima apply) or modelled, what a stand-in host declares
 about itself, extra kernel-log records and pstore dumps, the software a stand-in declares, the
 PCI bus, the clock. A check asks its port and never whether the node is a stand-in: the same
-code reads a scenario's tree and the host's.
+code reads a stand-in's tree and the host's.
 
-``Ports()`` is this host's; :func:`stand_in_ports` builds a scenario's. Ports that cost
+``Ports()`` is this host's; a stand-in node builds its own (``node_agent.sim.node``). Ports that cost
 something to build (a temporary sysfs tree, a perftest stand-in) are context managers built on
 use and removed when the check leaves them.
 """
@@ -16,34 +16,24 @@ use and removed when the check leaves them.
 from __future__ import annotations
 
 import contextlib
-import os
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from node_agent.compute.devices import ComputeSource
-from node_agent.gpu.base import GpuBackend, StandInBackend
 from node_agent.gpu.pci import PciBus
-from node_agent.hardware.sku import Sku
 from node_agent.host.paths import HostPaths
 from node_agent.inventory import read_pci_bus
 from node_agent.kernel_log import LogRecord
-from node_agent.sim import host_tools
-from node_agent.sim import tools as sim_tools
-from node_agent.sim.host_tools import SimFaultError as StandInFault
-from node_agent.sim.scenario import Scenario
 
 __all__ = [
     "DeclaredHost",
     "Ports",
     "PstoreView",
     "RdmaView",
-    "StandInFault",
     "StandInSoftware",
-    "stand_in_ports",
 ]
 
 #: the skip reason of a check whose part of the node a capture did not record
@@ -116,8 +106,7 @@ class Ports:
     host's own roots, or a test's ``params``), compute measured on the node's GPUs."""
 
     #: builds the host tree of ``parts`` (edac, memory, cpu, pci, nvme, ipmi) for one check;
-    #: None: the host's own ``/sys``, ``/proc``, ``/dev`` and the configured tools.
-    #: StandInFault when a scenario's fault names a part the node lacks
+    #: None: the host's own ``/sys``, ``/proc``, ``/dev`` and the configured tools
     host_tree: Callable[[tuple[str, ...]], contextlib.AbstractContextManager[HostPaths]] | None = (
         None
     )
@@ -143,7 +132,7 @@ class Ports:
     pstore_unrecorded: str | None = None
     #: the host software a stand-in declares; None: this host's, read by the check
     software: StandInSoftware | None = None
-    #: who declares the node's GPU count besides the config: "scenario" (a modelled node's
+    #: who declares the node's GPU count besides the config: "scenario" (a modelled stand-in's
     #: count is its own), "capture" (what a recorded host showed), None (the SKU's)
     gpu_count_from: Literal["scenario", "capture"] | None = None
     #: the NVIDIA GPUs on the PCI bus (read on use)
@@ -157,67 +146,3 @@ class Ports:
     load_hint: Callable[[list[int], bool], None] = _no_load_hint
     #: the wall clock, Unix seconds
     clock: Callable[[], float] = time.time
-
-
-def stand_in_ports(scenario: Scenario, sku: Sku | None, backend: GpuBackend) -> Ports:
-    """The ports of a scenario's stand-in node: its host, HCAs, pstore and kernel records
-    written for each check from the scenario, compute on CPU stand-ins with modelled figures.
-
-    A captured node (a recorded host replayed, docs/capture.md) replays its GPUs and PCI bus;
-    what the capture did not record (host hardware, pstore, most software) is a skip."""
-    captured = scenario.captured
-
-    @contextlib.contextmanager
-    def host_tree(parts: tuple[str, ...]) -> Iterator[HostPaths]:
-        with tempfile.TemporaryDirectory(prefix="node-agent-stand-in-host-") as tmp:
-            yield host_tools.build(scenario, sku, Path(tmp), parts)
-
-    @contextlib.contextmanager
-    def rdma_tree(now: float) -> Iterator[RdmaView]:
-        if not scenario.hcas:
-            yield RdmaView(
-                sysfs_root=Path("/nonexistent"),
-                absent="no RDMA device: the stand-in node's scenario lists no hcas",
-            )
-            return
-        with tempfile.TemporaryDirectory(prefix="node-agent-stand-in-rdma-") as tmp:
-            built = sim_tools.rdma_tools(scenario, sku, Path(tmp), now=now)
-            yield RdmaView(
-                sysfs_root=built.sysfs_root,
-                ib_write_bw=str(built.ib_write_bw),
-                uptime_s=built.uptime_s,
-            )
-
-    @contextlib.contextmanager
-    def pstore_tree() -> Iterator[PstoreView]:
-        with tempfile.TemporaryDirectory(prefix="node-agent-stand-in-pstore-") as tmp:
-            host_tools.write_pstore(scenario, Path(tmp))
-            yield PstoreView(roots=(Path(tmp),), label="the stand-in's pstore")
-
-    hint = backend.load_hint if isinstance(backend, StandInBackend) else _no_load_hint
-    return Ports(
-        host_tree=host_tree,
-        host_unrecorded=CAPTURE_HOST_UNRECORDED if captured else None,
-        rdma_tree=rdma_tree,
-        dcgm_absent=STAND_IN_NO_DCGM,
-        compute=ComputeSource(scenario=scenario, sku=sku),
-        declared_host=DeclaredHost(
-            memory_gib=host_tools.expected_memory_gib(),
-            cpus=host_tools.CPUS,
-            declared_by="the stand-in host",
-        ),
-        extra_kernel_records=lambda start_seq: host_tools.mce_records(scenario, start_seq),
-        rasdaemon=False,  # a stand-in's machine checks are its kernel log's (the mce fault)
-        pstore_tree=pstore_tree,
-        pstore_unrecorded=CAPTURE_PSTORE_UNRECORDED if captured else None,
-        software=StandInSoftware(
-            values=host_tools.software_facts(scenario),
-            hcas=tuple(scenario.hcas),
-            virtualized=scenario.virtualization != "none",
-        ),
-        gpu_count_from="capture" if captured else "scenario",
-        pci_bus=lambda: sim_tools.stand_in_pci_bus(scenario, sku),
-        bus_ids_as_printed="bus ids taken as printed (a stand-in node)",
-        reopen_args=("--simulate", os.path.abspath(scenario.source)),
-        load_hint=hint,
-    )

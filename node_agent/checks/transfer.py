@@ -132,7 +132,7 @@ def timed_copy(
     :mod:`node_agent.compute.copy_model`.
     """
     if model is None:
-        if dev.stand_in:
+        if dev.simulated:  # a CPU device's copy times the host's load, never a GPU's link
             raise ValueError(f"{dev.label} is a stand-in but has no copy model")
         return timed(dev, work, min_s)
     work()

@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
                     f"--gpus {args.gpus}: no GPUs visible on this host ({why}); "
                     "use --simulate SCENARIO to run the probes on a simulated node"
                 )
-            node_gpus = env.scenario.gpus if env.scenario else (env.expected_gpus or len(present))
+            node_gpus = env.node.declared_gpus or env.expected_gpus or len(present)
             try:
                 gpus = parse_gpu_list(args.gpus, present, max(node_gpus, len(present)))
             except ValueError as err:

@@ -25,7 +25,7 @@ from node_agent import __version__, atomic_file
 from node_agent.commands import act
 from node_agent.commands.reporting import EXIT_FOR_LEVEL, EXIT_USAGE, execute
 from node_agent.config import load_config
-from node_agent.environment import open_environment, report_dir
+from node_agent.environment import open_environment, report_dir, stand_in_hostname
 from node_agent.model import Report, Result, Status, utc_iso
 from node_agent.report import json_report
 from node_agent.report.terminal import printable, render_summary
@@ -143,30 +143,30 @@ def cmd_stop_check(args: argparse.Namespace) -> int:
         env.close()
 
 
-def _node_name(config: Any, env: Any, simulate: str | None) -> str:
-    from node_agent.remediation.host import node_name
+def _node_name(config: Any, env: Any) -> str:
+    """The scheduler's name for this node: ``node.name``, ``$NODE_AGENT_NODE_NAME``, else the
+    node's own (a stand-in's, or this host's short hostname)."""
+    from node_agent.config import configured_node_name
 
-    return node_name(config, simulate)
+    return configured_node_name(config) or str(env.hostname)
 
 
 def _devices(env: Any) -> tuple[list[Any], str | None]:
-    from node_agent.compute.devices import ComputeUnavailable, compute_specs, open_device
+    from node_agent.compute.devices import ComputeUnavailable, open_device
 
     indices = [g.index for g in env.inventory.gpus]
     if not indices:
         return [], "no GPU on this node"
     try:
-        return [open_device(s) for s in compute_specs(indices, env.scenario, env.sku)], None
+        return [open_device(s) for s in env.ports.compute.specs(indices)], None
     except ComputeUnavailable as err:
         return [], str(err)
 
 
 def _run(args, place, key, config, env, quick, acting, topology) -> int:
     started = utc_iso()
-    simulate = env.scenario.source if env.scenario is not None else None
-    node = _node_name(config, env, simulate)
+    node = _node_name(config, env)
     devices, no_compute = _devices(env)
-    slow = [f for f in (env.scenario.faults if env.scenario else ()) if f.kind == "slow_link"]
     import torch
 
     from node_agent.stopcheck.reference import deterministic
@@ -197,7 +197,7 @@ def _run(args, place, key, config, env, quick, acting, topology) -> int:
         devices,
         stack,
         quick_report=lambda: execute(quick, env),
-        slow_link=float(slow[0].params["factor"]) if slow else 1.0,
+        slow_link=env.node.inter_node_speed,
         backend=backend,
     )
     try:
@@ -266,9 +266,7 @@ def _missing_node(pattern: str | None, rank: int, env: Any) -> str:
     simulated), else ``rank:N``."""
     if pattern:
         try:
-            from node_agent.sim.scenario import load_scenario
-
-            return load_scenario(pattern.replace("{rank}", str(rank)), env.skus).hostname
+            return stand_in_hostname(env.config, pattern.replace("{rank}", str(rank)))
         except ConfigError:
             pass
     return f"rank:{rank}"

@@ -11,7 +11,7 @@ The model, per GPU (figures in GB/s = 10^9 B/s, per direction):
 
 * **PCIe** (``h2d``, ``d2h``): the link's data rate times a copy efficiency. The link is the one
   the simulated NVML reports for the GPU: generation and width from the SKU's ``pcie`` section,
-  the width from the scenario's ``pcie_width`` fault when it has one, so a GPU trained x8 copies
+  the width the stand-in reports for the GPU's link when it is narrower, so a GPU trained x8 copies
   at half the rate of its x16 siblings, as a real one does. Data rate per lane after line
   coding (PCI-SIG base specifications: 8b/10b for Gen1-2, 128b/130b for Gen3-5, Gen6 FLIT
   mode with 242 of 256 bytes payload): Gen1 0.25, Gen2 0.5, Gen3 0.985, Gen4 1.969, Gen5 3.938,
@@ -30,13 +30,11 @@ machine, however busy; a fault still shows, by the factor it carries.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from node_agent.hardware.sku import Sku
-    from node_agent.sim.scenario import Scenario
 
 #: PCIe data rate per lane and direction after line coding, GB/s, by generation (PCI-SIG)
 PCIE_LANE_GBPS = {
@@ -105,18 +103,15 @@ class CopyModel:
 
 
 def copy_model(
-    index: int, slow_factor: float, scenario: Scenario | None, sku: Sku | None
+    index: int, slow_factor: float, sku: Sku | None, lanes: int | None = None
 ) -> CopyModel:
-    """The modeled copy rates of simulated GPU ``index`` (see the module docstring)."""
+    """The modeled copy rates of simulated GPU ``index`` (see the module docstring): its link
+    is the SKU's, trained at ``lanes`` where the stand-in narrowed it (None: the SKU's width)."""
     pcie = dict(DEFAULT_PCIE)
     if sku is not None:
         pcie.update({k: v for k, v in sku.section("pcie").items() if k in ("gen", "width")})
     gen, width = int(pcie["gen"]), int(pcie["width"])
-    lanes = width
-    if scenario is not None:
-        narrowed = scenario.faults_on(index, "pcie_width")
-        if narrowed:
-            lanes = int(narrowed[0].params["lanes"])
+    lanes = width if lanes is None else lanes
     link = pcie_link_gbps(gen, lanes) * PCIE_COPY_EFFICIENCY * slow_factor
     floor = sku.minimum("hbm_bw_gbps_min") if sku is not None else None
     hbm = (floor * HBM_RATE_OVER_MINIMUM if floor else HBM_DEFAULT_GBPS) * slow_factor
@@ -132,23 +127,3 @@ def copy_model(
         ),
     }
     return CopyModel(index=index, h2d_gbps=link, d2h_gbps=link, hbm_copy_gbps=hbm, basis=basis)
-
-
-class _Spec(Protocol):
-    """What a copy model reads of a device spec (``compute.devices.ComputeSpec``)."""
-
-    @property
-    def index(self) -> int: ...
-    @property
-    def slow_factor(self) -> float: ...
-    @property
-    def simulated(self) -> bool: ...
-
-
-def copy_models(
-    specs: Sequence[_Spec], scenario: Scenario | None, sku: Sku | None
-) -> dict[int, CopyModel]:
-    """Models of the simulated specs, by GPU index (real GPUs have none: they are timed)."""
-    return {
-        s.index: copy_model(s.index, s.slow_factor, scenario, sku) for s in specs if s.simulated
-    }

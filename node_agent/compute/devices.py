@@ -1,8 +1,9 @@
 """Compute devices: where the load checks' GEMMs and copies run.
 
 A real node computes on its CUDA GPUs through torch. A simulated node computes on the CPU, one
-stand-in per simulated GPU, with the scenario's compute faults applied here, at the device
-boundary (DESIGN.md, "The simulator"): ``slow`` stretches the device's clock so every throughput
+stand-in per simulated GPU, with its compute faults carried by its :class:`ComputeSpec` and
+applied here, at the device boundary (DESIGN.md, "The simulator"; the specs come from the
+node's :class:`StandInCompute`, built with the node): ``slow`` stretches the device's clock so every throughput
 measured above this layer comes out scaled (GEMM time is modeled from the SKU's rate, see
 :meth:`ComputeDevice.gemm_seconds`), and ``sdc`` makes the device's matmul return corrupted
 elements. The checks' own code (timing, verification, grading) is the same either way.
@@ -13,7 +14,7 @@ gives none) and computes GEMM outputs in tiles assigned to SMs round-robin, as a
 scheduler does (``node_agent.sdc.tiles``; each launch starts on a drawn SM). Every tile SM ``S``
 computes (every SM without ``sm``) is wrong with probability ``R`` per launch (1.0 without
 ``rate``): one element of it has its top mantissa bit flipped. Draws come from a generator
-seeded by the GPU index, so a scenario gives the same verdicts every run while ``R`` holds over
+seeded by the GPU index, so a stand-in node gives the same verdicts every run while ``R`` holds over
 many launches. Every matmul of the device sees it: the SDC probes, the burn, Freivalds.
 
 A :class:`ComputeSpec` is a plain picklable value, so a worker process (one per GPU for the
@@ -22,16 +23,16 @@ burn) rebuilds its device with :func:`open_device` on its side.
 Timing: :meth:`ComputeDevice.clock` is the device's clock in seconds. On CUDA it is the host's
 monotonic clock read after a synchronise. On a simulated device it is this process's CPU time
 divided by the ``slow`` factor: CPU time, not wall time, so that eight simulated GPUs sharing
-two cores each still measure their own work and a healthy scenario does not grade WARN from
+two cores each still measure their own work and a healthy stand-in does not grade WARN from
 scheduler noise.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from node_agent.extras import missing_message
 from node_agent.sdc.tiles import DEFAULT_SM_COUNT, TileModel, gpu_model, sim_model
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
 
     from node_agent.compute.copy_model import CopyModel
     from node_agent.hardware.sku import Sku
-    from node_agent.sim.scenario import Scenario
 
 #: precision name -> torch dtype name; "tf32" is fp32 storage with TF32 tensor-core matmuls
 PRECISION_DTYPES = {
@@ -76,11 +76,6 @@ class ComputeSpec:
     def target(self) -> str:
         return f"gpu:{self.index}"
 
-    @property
-    def stand_in(self) -> bool:
-        """A CPU stand-in for a scenario's GPU (its figures are modelled, not measured)."""
-        return self.simulated
-
 
 def torch_missing_reason() -> str | None:
     """None when torch imports; otherwise the operator's next step."""
@@ -113,50 +108,38 @@ def sim_tflops_for(sku: Sku | None) -> tuple[tuple[str, float], ...]:
 
 def sim_sm_count(sku: Sku | None) -> int:
     """SMs of a simulated GPU of ``sku``: the SKU file's ``sm_count``, else
-    ``DEFAULT_SM_COUNT`` (an H100 SXM5's 132, the scenarios' reference SKU)."""
+    ``DEFAULT_SM_COUNT`` (an H100 SXM5's 132, the stand-in's reference SKU)."""
     count = sku.data.get("sm_count") if sku is not None else None
     return int(count) if count else DEFAULT_SM_COUNT
 
 
+class StandInCompute(Protocol):
+    """The compute of a stand-in node's GPUs, as the node provides it: one CPU stand-in spec
+    per GPU (with the faults the node injects) and the modelled copy rates of those specs."""
+
+    def specs(self, gpu_indices: list[int]) -> list[ComputeSpec]:
+        """One spec per GPU; ComputeUnavailable says why there is none."""
+        ...
+
+    def copy_models(self, specs: Sequence[ComputeSpec]) -> dict[int, CopyModel]:
+        """The modelled copy rates of the simulated specs among ``specs``, by GPU index."""
+        ...
+
+
 def compute_specs(
-    gpu_indices: list[int], scenario: Scenario | None, sku: Sku | None = None
+    gpu_indices: list[int], stand_in: StandInCompute | None = None
 ) -> list[ComputeSpec]:
-    """One spec per GPU: CUDA devices on a real node, CPU stand-ins with faults when simulated.
+    """One spec per GPU: CUDA devices on a real node, the stand-in's CPU devices on a stand-in.
 
     Raises ComputeUnavailable when torch is missing, when a real node's torch cannot see
     CUDA (a CPU build, or a driver torch cannot use) — never falls back to the CPU silently —
-    or when a scenario's ``sdc`` fault names an SM the simulated GPU does not have.
+    or when the stand-in cannot compute (it says why).
     """
     reason = torch_missing_reason()
     if reason:
         raise ComputeUnavailable(reason)
-    if scenario is not None:
-        sms = sim_sm_count(sku)
-        specs = []
-        for index in gpu_indices:
-            slow = scenario.faults_on(index, "slow")
-            factor = float(slow[0].params["factor"]) if slow else 1.0
-            sdc = scenario.faults_on(index, "sdc")
-            sm = sdc[0].params.get("sm") if sdc else None
-            if sm is not None and sm >= sms and sku is not None:
-                raise ComputeUnavailable(
-                    f"{scenario.source}: the sdc fault on gpu {index} names sm {sm}, but a "
-                    f"simulated {sku.id if sku else 'GPU'} has {sms} SMs (0..{sms - 1}, the SKU "
-                    "file's sm_count); fix the scenario's 'sm'"
-                )
-            specs.append(
-                ComputeSpec(
-                    index,
-                    simulated=True,
-                    slow_factor=factor,
-                    corrupt=bool(sdc),
-                    sdc_sm=sm,
-                    sdc_rate=float(sdc[0].params.get("rate", 1.0)) if sdc else 1.0,
-                    sm_count=sms,
-                    sim_tflops=sim_tflops_for(sku),
-                )
-            )
-        return specs
+    if stand_in is not None:
+        return stand_in.specs(gpu_indices)
     import torch
 
     if not torch.cuda.is_available():
@@ -178,30 +161,25 @@ def compute_specs(
 @dataclass(frozen=True)
 class ComputeSource:
     """Where the compute checks run, chosen once with the node: the node's CUDA GPUs (no
-    scenario: figures are measured and held to the SKU's minima), or a scenario's CPU stand-ins
-    (figures are modelled from the SKU and the scenario's faults; only their ratios to the
+    stand-in: figures are measured and held to the SKU's minima), or a stand-in node's CPU
+    devices (figures are modelled from the SKU and the node's faults; only their ratios to the
     siblings are graded)."""
 
-    scenario: Scenario | None = None
-    sku: Sku | None = None
+    stand_in: StandInCompute | None = None
 
     @property
     def measured(self) -> bool:
         """True when figures are measured on the node's GPUs, so the SKU minima apply."""
-        return self.scenario is None
+        return self.stand_in is None
 
     def specs(self, gpu_indices: list[int]) -> list[ComputeSpec]:
         """One spec per GPU (:func:`compute_specs`); ComputeUnavailable says why there is none."""
-        return compute_specs(gpu_indices, self.scenario, self.sku)
+        return compute_specs(gpu_indices, self.stand_in)
 
-    def copy_models(self, specs: list[ComputeSpec]) -> dict[int, CopyModel]:
+    def copy_models(self, specs: Sequence[ComputeSpec]) -> dict[int, CopyModel]:
         """The copy models of the stand-in GPUs among ``specs`` (none for real GPUs: they are
         timed)."""
-        if self.scenario is None:
-            return {}
-        from node_agent.compute.copy_model import copy_models
-
-        return copy_models(specs, self.scenario, self.sku)
+        return {} if self.stand_in is None else self.stand_in.copy_models(specs)
 
 
 class ComputeDevice:
@@ -222,11 +200,6 @@ class ComputeDevice:
         return self.spec.simulated
 
     @property
-    def stand_in(self) -> bool:
-        """A CPU stand-in for a scenario's GPU."""
-        return self.spec.simulated
-
-    @property
     def label(self) -> str:
         if self.spec.simulated:
             return f"simulated {self.spec.target} (CPU)"
@@ -240,7 +213,7 @@ class ComputeDevice:
     @property
     def sm_count(self) -> int:
         """Streaming multiprocessors: ``multi_processor_count`` of a CUDA device (what
-        ``torch.cuda.get_device_properties`` reports), the scenario SKU's for a simulated one."""
+        ``torch.cuda.get_device_properties`` reports), the SKU's for a simulated one."""
         if self.device.type == "cuda":
             import torch
 

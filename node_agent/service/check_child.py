@@ -10,7 +10,7 @@ command line's:
   ``{"check", "params", "timeout_s", "mode", "config", "reopen_args", "params_from_suite"}``
   (``config`` is the caller's configuration data with its paths made absolute;
   ``reopen_args`` the arguments that reopen the caller's node, ``ports.reopen_args``:
-  ``["--simulate", "/abs/scenario.yaml"]`` for a stand-in node, empty for this host;
+  ``["--simulate", "/abs/node.yaml"]`` for a stand-in node, empty for this host;
   ``params_from_suite`` a suite whose entry for the check gives the params that ``params``
   then override, or null).
 - A check that needs a probe of another check (``sdc_spool`` confirming a report with ``sdc``)
@@ -69,8 +69,8 @@ class ChildSpec:
         )
 
     @property
-    def scenario(self) -> str | None:
-        """The stand-in node's scenario file named by ``reopen_args`` (None: this host)."""
+    def stand_in(self) -> str | None:
+        """The file describing the stand-in node ``reopen_args`` names (None: this host)."""
         args = list(self.reopen_args)
         if not args:
             return None
@@ -104,7 +104,7 @@ class ChildSpec:
         if mode not in ("delivery", "service"):
             raise ValueError(f"the check spec's 'mode' must be delivery or service, not {mode!r}")
         spec = cls(check, float(timeout_s), params, mode, config, tuple(reopen), suite)
-        spec.scenario  # noqa: B018 - validates reopen_args now, with the others
+        spec.stand_in  # noqa: B018 - validates reopen_args now, with the others
         return spec
 
 
@@ -121,7 +121,7 @@ def run_spec(spec: ChildSpec) -> list[Result]:
         params = _amended(_suite_params(config, spec.params_from_suite, spec.check), params)
     if spec.check in FORKSERVER_CHECKS:
         proc.start_forkserver_in_child_cwd()
-    env = open_environment(config, spec.scenario)
+    env = open_environment(config, spec.stand_in)
     try:
         return run_check(CheckSpec(spec.check, spec.timeout_s, params), env, spec.mode)
     finally:
@@ -147,11 +147,11 @@ def _amended(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """``base`` with ``overrides`` applied to its params and to its stand-in section, so an
     override holds on this host and on a stand-in node alike."""
     out = {**base, **overrides}
-    from node_agent.runner import STAND_IN_PARAMS
+    from node_agent.node import STAND_IN_OVERLAY
 
-    stand_in = base.get(STAND_IN_PARAMS)
+    stand_in = base.get(STAND_IN_OVERLAY)
     if isinstance(stand_in, dict):
-        out[STAND_IN_PARAMS] = {**stand_in, **overrides}
+        out[STAND_IN_OVERLAY] = {**stand_in, **overrides}
     return out
 
 

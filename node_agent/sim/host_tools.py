@@ -58,10 +58,6 @@ SECONDS_SINCE_RESET = 3600
 PARTS = ("edac", "memory", "cpu", "pci", "nvme", "ipmi")
 
 
-class SimFaultError(ValueError):
-    """A scenario fault names a device the simulated host does not have."""
-
-
 @dataclass(frozen=True)
 class SimDimm:
     mc: int
@@ -85,6 +81,35 @@ def expected_memory_gib() -> float:
     return float(len(dimms()) * DIMM_GIB)
 
 
+def missing_parts(scenario: Scenario) -> list[str]:
+    """What the scenario's faults name that the simulated host does not have (a DIMM, an NVMe
+    controller, a power supply), one sentence each; empty when every named part exists. The
+    node refuses such a scenario when it opens (``node_agent.sim.node``), so no check ever
+    meets a fault on a part that is not there."""
+    population = dimms()
+    labels = {d.label for d in population}
+    out = [
+        f"fault {kind} names DIMM {f.params['dimm']!r}, which the simulated node does not "
+        f"have (its DIMMs: {population[0].label} ... {population[-1].label})"
+        for kind in ("edac_ue", "edac_ce")
+        for f in _faults(scenario, kind)
+        if f.params["dimm"] not in labels
+    ]
+    out += [
+        f"fault nvme_critical_warning names disk {f.params['disk']!r}, which the simulated "
+        f"node does not have (its NVMe controllers: {', '.join(NVME)})"
+        for f in _faults(scenario, "nvme_critical_warning")
+        if f.params["disk"] not in NVME
+    ]
+    out += [
+        f"fault psu_failed names {f.params['psu']!r}, which the simulated node does not "
+        f"have (its supplies: {', '.join(PSUS)})"
+        for f in _faults(scenario, "psu_failed")
+        if f.params["psu"] not in PSUS
+    ]
+    return out
+
+
 def _faults(scenario: Scenario, kind: str) -> list:
     return [f for f in scenario.faults if f.kind == kind]
 
@@ -101,12 +126,8 @@ def write_edac(scenario: Scenario, sys_root: Path) -> None:
     for kind, key in (("edac_ue", "ue"), ("edac_ce", "ce")):
         for fault in _faults(scenario, kind):
             label = fault.params["dimm"]
-            if label not in labels:
-                raise SimFaultError(
-                    f"scenario fault {kind} names DIMM {label!r}, which the simulated node does "
-                    f"not have (its DIMMs: {population[0].label} ... {population[-1].label})"
-                )
-            counts[label][key] += int(fault.params.get("count", 1))
+            if label in labels:  # a DIMM the node lacks is refused when the node opens
+                counts[label][key] += int(fault.params.get("count", 1))
     gone = {d.label for d in population[len(population) - _missing_dimms(scenario) :]}
     base = sys_root / "devices/system/edac/mc"
     for socket in range(SOCKETS):
@@ -284,13 +305,6 @@ def _smart_log(scenario: Scenario, disk: str) -> dict:
 
 
 def write_nvme(scenario: Scenario, paths: HostPaths, bindir: Path) -> str:
-    for fault in _faults(scenario, "nvme_critical_warning"):
-        if fault.params["disk"] not in NVME:
-            raise SimFaultError(
-                f"scenario fault nvme_critical_warning names disk "
-                f"{fault.params['disk']!r}, which the simulated node does not "
-                f"have (its NVMe controllers: {', '.join(NVME)})"
-            )
     mounts = [
         "sysfs /sys sysfs rw,nosuid,nodev,noexec,relatime 0 0",
         "proc /proc proc rw,nosuid,nodev,noexec,relatime 0 0",
@@ -313,13 +327,7 @@ def write_nvme(scenario: Scenario, paths: HostPaths, bindir: Path) -> str:
 
 
 def write_ipmitool(scenario: Scenario, paths: HostPaths, bindir: Path) -> str:
-    failed = {f.params["psu"] for f in _faults(scenario, "psu_failed")}
-    unknown = failed - set(PSUS)
-    if unknown:
-        raise SimFaultError(
-            f"scenario fault psu_failed names {sorted(unknown)[0]!r}, which the "
-            f"simulated node does not have (its supplies: {', '.join(PSUS)})"
-        )
+    failed = {f.params["psu"] for f in _faults(scenario, "psu_failed")} & set(PSUS)
     paths.dev.mkdir(parents=True, exist_ok=True)
     (paths.dev / "ipmi0").write_text("")
     rows = []
@@ -339,8 +347,8 @@ def build(
     scenario: Scenario, sku: Sku | None, workdir: Path, parts: tuple[str, ...] = PARTS
 ) -> HostPaths:
     """Write the simulated host's ``parts`` under ``workdir`` (the caller owns and removes it);
-    the returned paths point the host readers at them. SimFaultError for a fault naming a
-    device the simulated host does not have."""
+    the returned paths point the host readers at them. A fault naming a part the host
+    lacks writes nothing (the node refused it when it opened: :func:`missing_parts`)."""
     paths = HostPaths(
         sys=workdir / "sys", proc=workdir / "proc", dev=workdir / "dev", stand_in=True
     )

@@ -228,7 +228,7 @@ def test_sdc_confirmation_probe_never_imports_the_planted_package(planted, share
             params={"confirm_repeats": 1},
             state_dir=None,
             timeout_s=180,
-            scenario=env.scenario,
+            ports=env.ports,
         )
         outcome = sdc_spool.own_probe(ctx, [0], budget_s=170)
     finally:

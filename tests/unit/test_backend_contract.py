@@ -18,6 +18,7 @@ from node_agent.gpu.nvml import NvmlBackend, open_nvml
 from node_agent.gpu.replay import StateNvml, open_replay
 from node_agent.gpu.sim import SimGpuBackend
 from node_agent.hardware.sku import load_skus
+from node_agent.sim.node import open_gpus
 from node_agent.sim.nvml_state import NVML_FAULT_KINDS, render, write_state
 from node_agent.sim.scenario import ComputeProcess, Fault, Scenario, load_scenario
 from node_agent.yamlfile import ConfigError
@@ -86,7 +87,7 @@ def assert_contract(backend):
 def test_simulator_satisfies_the_backend_contract():
     skus = load_skus(resources.graders_dir(config_from_dict({})))
     for sku in skus.values():
-        backend = open_backend(Scenario(sku=sku.id, gpus=sku.gpus_per_node, source="t"), sku)
+        backend = open_gpus(Scenario(sku=sku.id, gpus=sku.gpus_per_node, source="t"), sku)
         assert_contract(backend)
         assert len(backend.devices()) == sku.gpus_per_node
 
@@ -94,7 +95,7 @@ def test_simulator_satisfies_the_backend_contract():
 def test_simulator_keeps_the_contract_under_load_and_models_the_load():
     skus = load_skus(resources.graders_dir(config_from_dict({})))
     sku = skus["h100-sxm5-80gb"]
-    backend = open_backend(Scenario(sku=sku.id, gpus=2, source="t"), sku)
+    backend = open_gpus(Scenario(sku=sku.id, gpus=2, source="t"), sku)
     idle = backend.devices()[0].power().usage_w
     backend.load_hint([0], True)
     assert_contract(backend)
@@ -115,7 +116,7 @@ def _h100():
 
 def test_spin_fault_reads_fully_busy_with_no_memory_traffic_and_near_idle_power():
     sku = _h100()
-    backend = open_backend(
+    backend = open_gpus(
         Scenario(sku=sku.id, gpus=2, source="t", faults=(Fault(kind="spin", gpu=1, params={}),)),
         sku,
     )
@@ -132,7 +133,7 @@ def test_spin_fault_reads_fully_busy_with_no_memory_traffic_and_near_idle_power(
 
 def test_simulator_lists_the_scenario_compute_processes_per_gpu():
     sku = _h100()
-    backend = open_backend(
+    backend = open_gpus(
         Scenario(
             sku=sku.id,
             gpus=3,
@@ -187,8 +188,9 @@ def test_new_simulated_readings_fail_like_the_others_on_a_lost_or_hung_gpu(fault
 
 
 def test_load_hints_reach_only_a_stand_in_and_are_a_no_op_on_this_host():
-    from node_agent.checks.ports import Ports, stand_in_ports
+    from node_agent.checks.ports import Ports
     from node_agent.gpu.absent import AbsentGpuBackend
+    from node_agent.sim.node import stand_in_ports
 
     absent = AbsentGpuBackend("no NVIDIA driver")
     assert isinstance(absent, base.GpuBackend)
@@ -198,7 +200,7 @@ def test_load_hints_reach_only_a_stand_in_and_are_a_no_op_on_this_host():
     host.load_hint([0, 1], False)
     sku = load_skus(resources.graders_dir(config_from_dict({})))["h100-sxm5-80gb"]
     scenario = Scenario(sku=sku.id, gpus=2, source="t")
-    stand_in = open_backend(scenario, sku)
+    stand_in = open_gpus(scenario, sku)
     assert isinstance(stand_in, base.StandInBackend)
     assert stand_in_ports(scenario, sku, stand_in).load_hint == stand_in.load_hint
 
@@ -512,7 +514,7 @@ def test_the_real_h100_capture_reads_alike_through_simulate_and_the_stand_in(fak
         pytest.skip(f"the real capture is not here: {path}")
     skus = load_skus(resources.graders_dir(config_from_dict({})))
     scenario = load_scenario(path, skus)
-    replay = open_backend(scenario, skus[scenario.sku])
+    replay = open_gpus(scenario, skus[scenario.sku])
     try:
         assert replay.simulated and replay.name == "replay"
         assert_contract(replay)

@@ -9,13 +9,14 @@ import pytest
 from node_agent.checks import CheckContext
 from node_agent.checks.pcie_bandwidth import LinkReading, link_result
 from node_agent.checks.transfer import copy_bytes, gbps, rep_stats, timed, timed_copy
-from node_agent.compute.copy_model import copy_model, copy_models, pcie_link_gbps
+from node_agent.compute.copy_model import copy_model, pcie_link_gbps
 from node_agent.compute.devices import ComputeSpec, open_device
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
 from node_agent.gpu.base import GpuTimeout, NotSupported, PcieLink
 from node_agent.hardware.sku import load_sku
 from node_agent.model import Status
+from node_agent.sim.node import ScenarioCompute
 from node_agent.sim.scenario import Fault, Scenario
 
 REPO = Path(__file__).resolve().parents[2]
@@ -152,7 +153,7 @@ def test_pcie_link_rate_per_direction_after_line_coding(gen, width, expected):
 
 def test_model_of_a_healthy_gpu_follows_the_sku_link_and_memory_floor():
     sku = load_sku(REPO / "graders" / "skus" / "h100-sxm5-80gb.yaml")
-    model = copy_model(0, 1.0, _scenario(), sku)
+    model = copy_model(0, 1.0, sku)
     # Gen5 x16: 63.0 GB/s x 0.83 = 52.3, inside the ~50-55 GB/s pinned copies reach
     assert model.h2d_gbps == model.d2h_gbps == pytest.approx(52.31, abs=0.01)
     assert model.hbm_copy_gbps == pytest.approx(2500 * 1.15)  # the SKU floor x 1.15
@@ -162,9 +163,9 @@ def test_model_of_a_healthy_gpu_follows_the_sku_link_and_memory_floor():
 def test_narrow_link_and_slow_fault_show_in_the_model():
     sku = load_sku(REPO / "graders" / "skus" / "h100-sxm5-80gb.yaml")
     scenario = _scenario(("pcie_width", 4, {"lanes": 8}), ("slow", 3, {"factor": 0.5}))
-    healthy = copy_model(0, 1.0, scenario, sku)
-    narrow = copy_model(4, 1.0, scenario, sku)
-    slow = copy_model(3, 0.5, scenario, sku)
+    specs = ScenarioCompute(scenario, sku).specs([0, 3, 4])
+    models = ScenarioCompute(scenario, sku).copy_models(specs)
+    healthy, slow, narrow = models[0], models[3], models[4]
     assert narrow.h2d_gbps / healthy.h2d_gbps == pytest.approx(0.5)
     assert narrow.hbm_copy_gbps == healthy.hbm_copy_gbps  # a narrow link leaves HBM alone
     assert narrow.basis["pcie_link"] == "Gen5 x8" and narrow.basis["pcie_expected"] == "Gen5 x16"
@@ -178,7 +179,7 @@ def test_narrow_link_and_slow_fault_show_in_the_model():
 def test_every_sku_models_its_healthy_gpus_alike(sku_file):
     sku = load_sku(REPO / "graders" / "skus" / sku_file)
     specs = [ComputeSpec(i, simulated=True) for i in range(sku.gpus_per_node or 8)]
-    models = copy_models(specs, _scenario(sku=sku.id), sku)
+    models = ScenarioCompute(_scenario(sku=sku.id), sku).copy_models(specs)
     figures = {(m.h2d_gbps, m.d2h_gbps, m.hbm_copy_gbps) for m in models.values()}
     assert len(figures) == 1  # the same figure for every healthy GPU: siblings' ratio 1.0
     ((h2d, _, hbm),) = figures
@@ -188,7 +189,7 @@ def test_every_sku_models_its_healthy_gpus_alike(sku_file):
 def test_simulated_copy_time_is_the_model_not_the_cpu_time():
     torch = pytest.importorskip("torch")
     dev = open_device(ComputeSpec(0, simulated=True))
-    model = copy_model(0, 1.0, None, None)
+    model = copy_model(0, 1.0, None)
     src = torch.ones(1 << 16, dtype=torch.uint8)
     dst = torch.empty_like(src)
     ran = []

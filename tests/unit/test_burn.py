@@ -547,6 +547,7 @@ def thermal_ctx(scenario_faults=()):
     from node_agent.checks import CheckContext
     from node_agent.gpu.sim import SimGpuBackend
     from node_agent.hardware.sku import load_skus
+    from node_agent.sim.node import stand_in_ports
     from node_agent.sim.scenario import Fault, Scenario
 
     config = config_from_dict({})
@@ -554,15 +555,16 @@ def thermal_ctx(scenario_faults=()):
     scenario = Scenario(
         sku=sku.id, gpus=2, source="t", faults=tuple(Fault(**f) for f in scenario_faults)
     )
+    gpus = SimGpuBackend(scenario, sku)
     return CheckContext(
         check="thermal_power",
-        gpu=SimGpuBackend(scenario, sku),
+        gpu=gpus,
         kernel_log=None,
         config=config,
         inventory=None,
         sku=sku,
         expected_gpus=2,
-        scenario=scenario,
+        ports=stand_in_ports(scenario, sku, gpus),
     )
 
 

@@ -13,7 +13,6 @@ import pytest
 from node_agent import resources
 from node_agent.checks import HOST_PORTS, CheckContext, nvml_health
 from node_agent.checks import inventory as inventory_check
-from node_agent.checks.ports import stand_in_ports
 from node_agent.config import config_from_dict
 from node_agent.gpu.base import DeviceLost, NvLink
 from node_agent.gpu.pci import PciBus, PciGpu
@@ -23,6 +22,7 @@ from node_agent.hardware.sku import Sku, load_skus, match_sku
 from node_agent.inventory import collect
 from node_agent.kernel_log import LinesKernelLog
 from node_agent.model import Level, Recovery, Status
+from node_agent.sim.node import stand_in_ports
 from node_agent.sim.scenario import Fault, Scenario
 
 CONFIG = config_from_dict({})

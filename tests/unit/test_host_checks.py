@@ -513,3 +513,36 @@ def test_no_throttle_counters_and_no_expectation_are_skips(tmp_path):
         "cpus_online": Status.SKIP,
     }
     assert "node.expected_cpus" in by(results, "cpus_online").detail
+
+
+# -- a stand-in's faults name parts it has ------------------------------------------------------
+
+
+def test_a_scenario_fault_on_a_part_the_stand_in_lacks_is_refused_when_the_node_opens(tmp_path):
+    """A DIMM, disk or supply the stand-in host does not have is the scenario's error, found
+    once when the node opens (exit 2), never an ERROR a check reports in a run."""
+    import re
+
+    import pytest
+    import yaml
+
+    from node_agent.environment import open_environment
+    from node_agent.yamlfile import ConfigError
+
+    config = config_from_dict({"state_dir": str(tmp_path / "state")})
+    wrong = {
+        "edac_ue": ({"dimm": "CPU9_DIMM_Z1"}, r"fault edac_ue names DIMM 'CPU9_DIMM_Z1'"),
+        "nvme_critical_warning": (
+            {"disk": "nvme9", "warning": 1},
+            r"fault nvme_critical_warning names disk 'nvme9'",
+        ),
+        "psu_failed": ({"psu": "PS9"}, r"fault psu_failed names 'PS9'.*its supplies: PS1"),
+    }
+    for kind, (params, message) in wrong.items():
+        path = tmp_path / f"{kind}.yaml"
+        fault = {"kind": kind, **params}
+        path.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "faults": [fault]}))
+        with pytest.raises(
+            ConfigError, match=rf"{re.escape(str(path))}: {message}.*remove the fault"
+        ):
+            open_environment(config, str(path))

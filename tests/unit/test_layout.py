@@ -121,13 +121,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kernel_log", "kernel_log_distress"),  # the kernel log and its readers
     ("hardware",),  # SKU descriptions, the driver-line catalog
     ("inventory",),  # the GPUs and the PCI bus, read through gpu/, matched to a SKU
-    ("sim",),  # the stand-in node (scenarios, tool stand-ins) and the capture of a real one
     ("sdc",),  # the SDC probe library and its spool (imported by training jobs)
     ("compute",),  # the compute boundary, the burn engine, the all-reduce
     ("training",),  # training processes on the node: discovery, signals, verdicts
     ("checks",),  # one module per check -> Result
     ("grading",),  # Results -> Grade
     ("suite",),  # suite definitions naming checks
+    ("node",),  # the node a run works against: GPUs, kernel log, ports (this host's or a stand-in)
+    ("sim",),  # the stand-in node built from a scenario, and the capture of a real one
     ("environment",),  # what a run has: config, GPU backend, inventory, ports; chosen once
     ("runner",),  # a suite run in an environment: each check isolated and time-bounded
     ("report",),  # a run's report: JSON, terminal, JUnit, HTML
@@ -176,6 +177,75 @@ def test_imports_go_down_the_data_path():
             + "\n  ".join(upward),
             pytrace=False,
         )
+
+
+#: The stand-in is outside the code it stands in for (STYLE.md): the wings a run's node is
+#: handed to never import the simulator nor name a scenario; ``open_environment`` alone chooses.
+STAND_IN_BLIND = ("checks", "gpu", "compute", "remediation", "stopcheck", "service")
+#: modules of those wings allowed to, each until it changes: the GPU model (moves to sim/);
+#: gpu/__init__'s open_backend(scenario) (until commands/capture.py opens a stand-in's GPUs
+#: with node_agent.sim.node.open_gpus); remediation/host.py's node_name (until its callers
+#: pass the environment's host name)
+STAND_IN_EXCEPTIONS = frozenset(
+    {"node_agent.gpu.sim", "node_agent.gpu", "node_agent.remediation.host"}
+)
+
+
+def stand_in_leaks(modules: dict[str, Path]) -> list[str]:
+    """Each module of a stand-in-blind wing that imports ``node_agent.sim`` (annotations
+    included) or names ``Scenario``, as "module: what it does"."""
+    found = []
+    for name, path in sorted(modules.items()):
+        if _unit(name) not in STAND_IN_BLIND or name in STAND_IN_EXCEPTIONS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            imported = []
+            if isinstance(node, ast.Import):
+                imported = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            if any(m == "node_agent.sim" or m.startswith("node_agent.sim.") for m in imported):
+                found.append(f"{name}:{node.lineno}: imports the simulator ({imported[0]})")
+            elif isinstance(node, ast.Name) and node.id == "Scenario":
+                found.append(f"{name}:{node.lineno}: names Scenario")
+            elif isinstance(node, ast.Attribute) and node.attr == "Scenario":
+                found.append(f"{name}:{node.lineno}: names Scenario")
+    return found
+
+
+def test_nothing_below_the_environment_knows_a_scenario_exists():
+    leaks = stand_in_leaks(_modules())
+    if leaks:
+        pytest.fail(
+            "the stand-in leaks below the environment (STAND_IN_BLIND in this file; "
+            "docs/architecture.md): let node_agent.sim.node build what the code needs and "
+            "hand it in through the node's ports\n  " + "\n  ".join(leaks),
+            pytrace=False,
+        )
+
+
+def test_stand_in_leaks_sees_an_import_of_the_simulator_and_a_scenario_named(tmp_path):
+    (tmp_path / "checks").mkdir()
+    (tmp_path / "sim").mkdir()
+    files = {
+        "node_agent.checks.leaky": "from node_agent.sim.scenario import load_scenario\n",
+        "node_agent.checks.typed": (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import node_agent.sim\n"
+        ),
+        "node_agent.checks.names": "def f(s: 'x') -> None:\n    Scenario(s)\n",
+        "node_agent.checks.clean": "from node_agent.checks.ports import Ports\n",
+        "node_agent.sim.node": "from node_agent.sim.scenario import Scenario\n",
+    }
+    modules = {}
+    for name, text in files.items():
+        path = tmp_path / (name.replace(".", "_") + ".py")
+        path.write_text(text)
+        modules[name] = path
+    assert stand_in_leaks(modules) == [
+        "node_agent.checks.leaky:1: imports the simulator (node_agent.sim.scenario)",
+        "node_agent.checks.names:2: names Scenario",
+        "node_agent.checks.typed:3: imports the simulator (node_agent.sim)",
+    ]
 
 
 def test_upward_imports_sees_an_import_above_and_allows_its_own_layer_and_below():

@@ -74,7 +74,7 @@ def ctx_for(env, check="sdc", **params) -> CheckContext:
         expected_gpus=env.expected_gpus,
         params=params,
         state_dir=env.writable_state_dir(),
-        scenario=env.scenario,
+        ports=env.ports,
     )
 
 

@@ -76,7 +76,7 @@ def ctx_for(env, timeout_s: float = 120.0, **params) -> CheckContext:
         mode="service",
         params=params,
         state_dir=env.writable_state_dir(),
-        scenario=env.scenario,
+        ports=env.ports,
         timeout_s=timeout_s,
     )
 

@@ -10,7 +10,6 @@ import yaml
 
 from node_agent import proc
 from node_agent.checks import CheckContext, rdma
-from node_agent.checks.ports import stand_in_ports
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
 from node_agent.hardware.sku import load_skus
@@ -18,6 +17,7 @@ from node_agent.host import infiniband
 from node_agent.model import Status
 from node_agent.parsers.perftest import parse_bw_table
 from node_agent.sim import tools as sim_tools
+from node_agent.sim.node import stand_in_ports
 from node_agent.sim.scenario import load_scenario
 from node_agent.yamlfile import ConfigError
 
