@@ -250,7 +250,17 @@ class DcgmConfig:
     hostengine: str = key("localhost")
 
 
+def _parsed_from_data(cls: type[_T]) -> type[_T]:
+    """Leaves ``cls``'s keys out of its ``__init__``, repr and ``==``: they are parsed from its
+    ``data`` (and so equal where the data is), never given."""
+    for value in vars(cls).values():
+        if isinstance(value, dataclasses.Field):
+            value.init = value.repr = value.compare = False
+    return cls
+
+
 @dataclass(frozen=True)
+@_parsed_from_data
 class Config:
     """Validated configuration, read through its typed sections (``config.node.expected_gpus``,
     ``config.adapter.slurm.scontrol``), parsed once when the config is built from ``data``.

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from node_agent.config import DEFAULTS, SCHEMA, config_from_dict
+from node_agent.config import DEFAULTS, SCHEMA, Config, Safety, config_from_dict
 from node_agent.yamlfile import ConfigError
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
@@ -103,3 +103,11 @@ def test_bounds_are_the_declared_ones():
         "items": {"type": "integer", "minimum": 0},
     }
     assert rules["adapter.name"] == {"enum": ["log", "slurm", "kubernetes", "webhook"]}
+
+
+def test_sections_are_parsed_from_the_data_and_never_given_beside_it():
+    config = config_from_dict({"safety": {"opt_out": True}})
+    with pytest.raises(TypeError, match="safety"):
+        Config(config.data, config.source, safety=Safety())
+    rebuilt = Config(config.data, config.source)
+    assert rebuilt == config and rebuilt.safety.opt_out is True
