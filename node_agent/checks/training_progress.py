@@ -55,12 +55,14 @@ from node_agent.heartbeat import remove_stale
 from node_agent.host.infiniband import SYSFS_ROOT
 from node_agent.model import Result, Status
 from node_agent.training import activity
-from node_agent.training.processes import TrainingProcess, discover
+from node_agent.training.processes import Discovery, TrainingProcess, discover
 from node_agent.training.signals import NAMES, Signal
 from node_agent.training.stacks import MAX_CALLS, find_py_spy, sample_stacks
 from node_agent.training.state import HangState, process_key
 from node_agent.training.verdict import (
+    Straggler,
     Thresholds,
+    Verdict,
     heartbeat_signal,
     likely_origin,
     stragglers,
@@ -148,25 +150,103 @@ def run(ctx: CheckContext) -> list[Result]:
         ]
     if "error" in box:
         raise box["error"]
-    return box["results"]
+    results: list[Result] = box["results"]
+    return results
 
 
 def _run(
     ctx: CheckContext, start: float, stage: dict[str, str], cancelled: threading.Event
 ) -> list[Result]:
-    p, th = ctx.params, Thresholds.from_params(ctx.params)
+    th = Thresholds.from_params(ctx.params)
     now = time.time()
     stage["stage"] = "finding the training processes"
     devices = _devices(ctx)
-    pids = [int(x) for x in p["pids"]] if p.get("pids") else None
     spool = spool_dir(ctx)
+    found = _discover(ctx, spool, devices)
+    state = HangState.load(_state_base(ctx) / "hang", now)
+    out = _discovery_results(ctx, found, state)
+    # through directory fds that follow no link: a uid's directory is its owner's to swap
+    remove_stale(spool, found.dead_heartbeats, now, float(ctx.params.get("stale_file_s", 86400)))
+    me = os.getpid()  # the agent's own GPU workers (burn, SDC probes) are not training
+    procs = [pr for pr in found.processes if pr.pid != me and me not in pr.parents]
+    if not procs:
+        state.keep_only(set())
+        _save(state, cancelled)
+        dead = (
+            f"; {len(found.dead_heartbeats)} heartbeat file(s) in {spool} are of exited processes"
+            if found.dead_heartbeats
+            else ""
+        )
+        return out or [ctx.skip(NO_PROCESSES + dead, metric="training_progress")]
+    stage["stage"] = "reading heartbeats, GPU activity and log files"
+    signals = _cheap_signals(ctx, procs, devices, now, th)
+    suspect_jobs = {pr.job for pr in procs if any(s.hang for s in signals[pr.pid].values())}
+    sample_all = bool(ctx.params.get("sample_all"))
+    stage["stage"] = "sampling stacks"
+    suspects = [pr for pr in procs if sample_all or pr.job in suspect_jobs]
+    _sample(ctx, suspects, signals, start)
+    out += _not_sampled(ctx, suspects, signals)
+    stage["stage"] = "deciding"
+
+    keys = {pr.pid: process_key(pr.pid, pr.start_ticks) for pr in procs}
+    state.keep_only(set(keys.values()))
+    verdicts = _verdicts(procs, signals, state, keys, now, th)
+    jobs: dict[str | None, list[TrainingProcess]] = {}
+    for pr in procs:
+        jobs.setdefault(pr.job, []).append(pr)
+    origin: dict[int, bool] = {}
+    for members in jobs.values():
+        origin.update(
+            likely_origin(
+                [(pr.pid, verdicts[pr.pid].hung, signals[pr.pid]["stack"]) for pr in members]
+            )
+        )
+    slow = _stragglers(jobs, verdicts, state, keys, now, th)
+    targets = _targets(jobs)
+
+    if cancelled.is_set():  # the caller gave up on this run: its results go nowhere
+        return out
+    evidence_files = _write_evidence(ctx, state, jobs, verdicts, signals, origin, keys, now)
+    for pr in procs:
+        evidence_file = evidence_files.get(pr.pid) or state.processes[keys[pr.pid]].get("reported")
+        out.append(
+            _process_result(
+                ctx,
+                pr,
+                targets[pr.pid],
+                verdicts[pr.pid],
+                signals[pr.pid],
+                origin.get(pr.pid),
+                evidence_file,
+                slow.get(pr.pid),
+                th,
+            )
+        )
+    _save(state, cancelled)
+    return out
+
+
+def _save(state: HangState, cancelled: threading.Event) -> None:
+    """The hang state, unless the caller gave up on this run (an abandoned run saves nothing)."""
+    if not cancelled.is_set():
+        with contextlib.suppress(OSError):
+            state.save()
+
+
+def _discover(ctx: CheckContext, spool: Path, devices: list[GpuDevice] | None) -> Discovery:
+    """The training processes: ``params.pids``, else heartbeat writers and NVML's list."""
+    p = ctx.params
+    pids = [int(x) for x in p["pids"]] if p.get("pids") else None
     roots = ctx.config.training.slurm_cgroup_roots if ctx.config is not None else None
-    found = discover(spool, devices, pids, slurm_cgroup_roots=roots)
+    return discover(spool, devices, pids, slurm_cgroup_roots=roots)
+
+
+def _discovery_results(ctx: CheckContext, found: Discovery, state: HangState) -> list[Result]:
+    """WARNs for what discovery and the stored state could not use."""
     out = [
         ctx.result("node", "training_discovery", Status.WARN, message, subject=subject)
         for subject, message in found.problems
     ]
-    state = HangState.load(_state_base(ctx) / "hang", now)
     if state.problem:
         out.append(ctx.result("node", "training_state", Status.WARN, state.problem))
     # a spool file that is not a heartbeat is reported once (the spool is every training
@@ -184,33 +264,19 @@ def _run(
         )
         for path, reason in state.new_bad_files(found.bad_files)
     ]
-    # through directory fds that follow no link: a uid's directory is its owner's to swap
-    remove_stale(spool, found.dead_heartbeats, now, float(p.get("stale_file_s", 86400)))
-    me = os.getpid()  # the agent's own GPU workers (burn, SDC probes) are not training
-    procs = [pr for pr in found.processes if pr.pid != me and me not in pr.parents]
-    if not procs:
-        state.keep_only(set())
-        if not cancelled.is_set():
-            with contextlib.suppress(OSError):
-                state.save()
-        dead = (
-            f"; {len(found.dead_heartbeats)} heartbeat file(s) in {spool} are of exited processes"
-            if found.dead_heartbeats
-            else ""
-        )
-        return out or [ctx.skip(NO_PROCESSES + dead, metric="training_progress")]
-    stage["stage"] = "reading heartbeats, GPU activity and log files"
-    signals = _cheap_signals(ctx, procs, devices, now, th)
-    suspect_jobs = {pr.job for pr in procs if any(s.hang for s in signals[pr.pid].values())}
-    sample_all = bool(p.get("sample_all"))
-    stage["stage"] = "sampling stacks"
-    suspects = [pr for pr in procs if sample_all or pr.job in suspect_jobs]
-    _sample(ctx, suspects, signals, start)
-    out += _not_sampled(ctx, suspects, signals)
-    stage["stage"] = "deciding"
+    return out
 
-    keys = {pr.pid: process_key(pr.pid, pr.start_ticks) for pr in procs}
-    state.keep_only(set(keys.values()))
+
+def _verdicts(
+    procs: list[TrainingProcess],
+    signals: dict[int, dict[str, Signal]],
+    state: HangState,
+    keys: dict[int, str],
+    now: float,
+    th: Thresholds,
+) -> dict[int, Verdict]:
+    """pid -> verdict, each process's signals judged with how long they have agreed (kept in
+    the state from run to run)."""
     verdicts = {}
     for pr in procs:
         mem = state.processes.setdefault(keys[pr.pid], {})
@@ -234,94 +300,75 @@ def _run(
         )
         if not verdicts[pr.pid].hung:
             mem.pop("reported", None)
+    return verdicts
 
-    jobs: dict[str | None, list[TrainingProcess]] = {}
-    for pr in procs:
-        jobs.setdefault(pr.job, []).append(pr)
-    origin: dict[int, bool] = {}
-    for members in jobs.values():
-        origin.update(
-            likely_origin(
-                [(pr.pid, verdicts[pr.pid].hung, signals[pr.pid]["stack"]) for pr in members]
-            )
+
+def _process_result(
+    ctx: CheckContext,
+    pr: TrainingProcess,
+    target: str,
+    v: Verdict,
+    sig: dict[str, Signal],
+    origin: bool | None,
+    evidence_file: str | None,
+    slow: Straggler | None,
+    th: Thresholds,
+) -> Result:
+    """The one result of a process: an unverified hang (WARN naming its uid, never a
+    restart), a verified hang (FAIL), a straggler (WARN) or its progress (PASS)."""
+    ev = _evidence(pr, sig, v.agreeing, origin)
+    age = sig["heartbeat"].figures.get("age_s") if sig["heartbeat"].available else None
+    if v.hung and not pr.job_verified:
+        # nothing but the user's word says which job this is (a user's own idle process
+        # with a stale heartbeat looks the same): a WARN naming the uid, never a restart
+        return ctx.result(
+            target,
+            "training_hang",
+            Status.WARN,
+            _unverified_detail(pr, v.why, sig),
+            value=age,
+            unit="s",
+            verified=False,
+            uid=pr.uid,
+            **ev,
         )
-    slow = _stragglers(jobs, verdicts, state, keys, now, th)
-    targets = _targets(jobs)
-
-    if cancelled.is_set():  # the caller gave up on this run: its results go nowhere
-        return out
-    evidence_files = _write_evidence(ctx, state, jobs, verdicts, signals, origin, keys, now)
-    for pr in procs:
-        v, sig = verdicts[pr.pid], signals[pr.pid]
-        ev = _evidence(pr, sig, v.agreeing, origin.get(pr.pid))
-        age = sig["heartbeat"].figures.get("age_s") if sig["heartbeat"].available else None
-        if v.hung and not pr.job_verified:
-            # nothing but the user's word says which job this is (a user's own idle process
-            # with a stale heartbeat looks the same): a WARN naming the uid, never a restart
-            out.append(
-                ctx.result(
-                    targets[pr.pid],
-                    "training_hang",
-                    Status.WARN,
-                    _unverified_detail(pr, v.why, sig),
-                    value=age,
-                    unit="s",
-                    verified=False,
-                    uid=pr.uid,
-                    **ev,
-                )
-            )
-        elif v.hung:
-            ev["evidence_file"] = evidence_files.get(pr.pid) or state.processes[keys[pr.pid]].get(
-                "reported"
-            )
-            out.append(
-                ctx.result(
-                    targets[pr.pid],
-                    "training_hang",
-                    Status.FAIL,
-                    _hang_detail(pr, v.why, sig, origin.get(pr.pid)),
-                    value=age,
-                    unit="s",
-                    verified=True,
-                    uid=pr.uid,
-                    **ev,
-                )
-            )
-        elif pr.pid in slow:
-            s = slow[pr.pid]
-            out.append(
-                ctx.result(
-                    targets[pr.pid],
-                    "training_straggler",
-                    Status.WARN,
-                    f"{_who(pr)}: recent {s.what} {s.step_time_s:.3f} s is {s.ratio:.1f}x the "
-                    f"median of its {s.peers} peer(s) on this node ({s.peers_median_s:.3f} s; "
-                    f"threshold {th.straggler_ratio:g}x, held for {th.straggler_for_s:g} s); it sets "
-                    "the pace of the whole job",
-                    value=round(s.ratio, 2),
-                    unit="x",
-                    peers_median_s=s.peers_median_s,
-                    compared=s.basis,
-                    **ev,
-                )
-            )
-        else:
-            out.append(
-                ctx.result(
-                    targets[pr.pid],
-                    "training_progress",
-                    Status.PASS,
-                    f"{_who(pr)}: {sig['heartbeat'].detail if age is not None else v.why}",
-                    value=age,
-                    unit="s",
-                    **ev,
-                )
-            )
-    if not cancelled.is_set():
-        with contextlib.suppress(OSError):
-            state.save()
-    return out
+    if v.hung:
+        ev["evidence_file"] = evidence_file
+        return ctx.result(
+            target,
+            "training_hang",
+            Status.FAIL,
+            _hang_detail(pr, v.why, sig, origin),
+            value=age,
+            unit="s",
+            verified=True,
+            uid=pr.uid,
+            **ev,
+        )
+    if slow is not None:
+        return ctx.result(
+            target,
+            "training_straggler",
+            Status.WARN,
+            f"{_who(pr)}: recent {slow.what} {slow.step_time_s:.3f} s is {slow.ratio:.1f}x the "
+            f"median of its {slow.peers} peer(s) on this node ({slow.peers_median_s:.3f} s; "
+            f"threshold {th.straggler_ratio:g}x, held for {th.straggler_for_s:g} s); it sets "
+            "the pace of the whole job",
+            value=round(slow.ratio, 2),
+            unit="x",
+            peers_median_s=slow.peers_median_s,
+            compared=slow.basis,
+            **ev,
+        )
+    return ctx.result(
+        target,
+        "training_progress",
+        Status.PASS,
+        f"{_who(pr)}: {sig['heartbeat'].detail if age is not None else v.why}",
+        value=age,
+        unit="s",
+        **ev,
+    )
 
 
 def _cheap_signals(
@@ -502,24 +549,31 @@ def _not_sampled(
     ]
 
 
-def _stragglers(jobs, verdicts, state: HangState, keys, now: float, th: Thresholds):
+def _stragglers(
+    jobs: dict[str | None, list[TrainingProcess]],
+    verdicts: dict[int, Verdict],
+    state: HangState,
+    keys: dict[int, str],
+    now: float,
+    th: Thresholds,
+) -> dict[int, Straggler]:
     """pid -> Straggler for ranks slow for at least ``straggler_for_s`` (kept in the state)."""
     out = {}
     for members in jobs.values():
-        stepping = [
-            pr
+        stepping = {
+            pr.pid: pr.heartbeat
             for pr in members
             if not verdicts[pr.pid].hung
             and pr.heartbeat
             and pr.heartbeat.get("step_time_s")
             and not pr.heartbeat.get("pause")
-        ]
+        }
         basis = (
             "compute_time_s"
-            if stepping and all(pr.heartbeat.get("compute_time_s") for pr in stepping)
+            if stepping and all(hb.get("compute_time_s") for hb in stepping.values())
             else "step_time_s"
         )
-        times = {pr.pid: float(pr.heartbeat[basis]) for pr in stepping}
+        times = {pid: float(hb[basis]) for pid, hb in stepping.items()}
         slow = {s.pid: s for s in stragglers(times, th.straggler_ratio, basis)}
         for pr in members:
             mem = state.processes[keys[pr.pid]]
@@ -558,15 +612,16 @@ def _who(pr: TrainingProcess) -> str:
     return f"{rank} (pid {pr.pid}, job {_clean(pr.job)})"
 
 
+def _stack_note(stack: Signal) -> str:
+    """Where the stack is stuck, or why it is unavailable (empty for a readable stack that
+    names no place)."""
+    if stack.figures.get("stuck_in"):
+        return f"; stuck in {stack.figures['stuck_in']}"
+    return "" if stack.available else f"; stack unavailable ({stack.detail})"
+
+
 def _unverified_detail(pr: TrainingProcess, why: str, sig: dict[str, Signal]) -> str:
-    stack = sig["stack"]
-    stack_note = (
-        f"; stuck in {stack.figures['stuck_in']}"
-        if stack.figures.get("stuck_in")
-        else ""
-        if stack.available
-        else f"; stack unavailable ({stack.detail})"
-    )
+    stack_note = _stack_note(sig["stack"])
     return (
         f"uid {pr.uid}'s {_who(pr)}: no progress ({why}){stack_note}; its job is not one "
         "the kernel vouches for (no slurmd or kubepods cgroup of that job holds it), so "
@@ -576,14 +631,7 @@ def _unverified_detail(pr: TrainingProcess, why: str, sig: dict[str, Signal]) ->
 
 
 def _hang_detail(pr: TrainingProcess, why: str, sig: dict[str, Signal], origin: bool | None) -> str:
-    stack = sig["stack"]
-    stack_note = (
-        f"; stuck in {stack.figures['stuck_in']}"
-        if stack.figures.get("stuck_in")
-        else ""
-        if stack.available
-        else f"; stack unavailable ({stack.detail})"
-    )
+    stack_note = _stack_note(sig["stack"])
     origin_note = (
         {
             True: "; likely origin: its stack is outside a collective while its hung "
@@ -623,7 +671,14 @@ def _evidence(
 
 
 def _write_evidence(
-    ctx, state: HangState, jobs, verdicts, signals, origin, keys, now: float
+    ctx: CheckContext,
+    state: HangState,
+    jobs: dict[str | None, list[TrainingProcess]],
+    verdicts: dict[int, Verdict],
+    signals: dict[int, dict[str, Signal]],
+    origin: dict[int, bool],
+    keys: dict[int, str],
+    now: float,
 ) -> dict[int, str]:
     """One evidence file per job with a newly reported hang; pid -> its path."""
     written: dict[int, str] = {}
