@@ -520,11 +520,15 @@ def _drained(s: Snapshot) -> Iterator[Metric]:
 
 
 def nvlink_domain_of(inventory: object) -> tuple[str, int] | None:
-    """(ClusterUUID, CliqueID) of an inventory's ``nvlink_domain``; None where it has none
-    (not multi-node NVLink, or an inventory that does not carry the field)."""
+    """(ClusterUUID, CliqueID) of an inventory's ``nvlink_domain`` (``Inventory.nvlink_domain``,
+    a pair, or an object with ``cluster_uuid`` and ``clique_id``); None where it has none (not
+    multi-node NVLink, or an inventory without the field)."""
     domain = getattr(inventory, "nvlink_domain", None)
-    uuid = getattr(domain, "cluster_uuid", None)
-    clique = getattr(domain, "clique_id", None)
+    if isinstance(domain, tuple) and len(domain) == 2:
+        uuid, clique = domain
+    else:
+        uuid = getattr(domain, "cluster_uuid", None)
+        clique = getattr(domain, "clique_id", None)
     if not isinstance(uuid, str) or not uuid or isinstance(clique, bool):
         return None
     if not isinstance(clique, int):

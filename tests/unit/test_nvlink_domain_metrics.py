@@ -3,12 +3,15 @@ series the fleet's per-domain Prometheus rules group trays by (packaging/prometh
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from node_agent.config import load_config
+from node_agent.environment import open_environment
 from node_agent.model import Level
 from node_agent.service.metrics import DaemonCollector, Snapshot, nvlink_domain_of
 
@@ -40,6 +43,20 @@ def test_a_node_without_a_domain_exports_no_domain_series():
 def test_the_domain_is_read_from_the_inventory():
     inventory = SimpleNamespace(nvlink_domain=SimpleNamespace(cluster_uuid=UUID, clique_id=2))
     assert nvlink_domain_of(inventory) == (UUID, 2)
+    assert nvlink_domain_of(SimpleNamespace(nvlink_domain=(UUID, 2))) == (UUID, 2)
+
+
+def test_the_domain_of_a_simulated_gb200_tray_is_exported():
+    """The real Inventory of the GB200 scenario (the NVML stand-in answers its fabric)."""
+    scenario = Path(__file__).resolve().parents[2] / "scenarios" / "healthy-gb200-186gb.yaml"
+    env = open_environment(load_config(None), str(scenario))
+    try:
+        domain = nvlink_domain_of(env.inventory)
+    finally:
+        env.close()
+    assert domain == ("6a1c2e8f-3b4d-4e5f-8a9b-0c1d2e3f4a5b", 2)
+    snap = Snapshot("gb200-tray-01", Level.HEALTHY, {}, nvlink_domain=domain)
+    assert scrape(snap)["node_agent_nvlink_domain_info"][0]["clique_id"] == "2"
 
 
 @pytest.mark.parametrize(
