@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -207,7 +208,34 @@ def sample_stacks(
     per_pid = max(1, samples)
     owner = {pid: (uids or {}).get(pid) for pid in pids}
     chosen, skipped = _choose(list(pids), owner, per_pid, max_calls)
-    out: dict[int, Signal] = {
+    out = _skipped_for_budget(skipped, owner, max_calls)
+    if not chosen:
+        return out
+    quota = _quotas(chosen, owner, per_pid, max_calls)
+    sampling = _Sampling(
+        py_spy,
+        owner,
+        per_pid,
+        interval_s,
+        deadline,
+        _Budget(quota, max(1, workers // len(quota)), deadline, clock),
+        dump,
+        retry,
+        native_dump,
+        sleep,
+        clock,
+        clock(),
+    )
+    out.update(_run_workers(sampling, chosen))
+    return {pid: out[pid] for pid in pids}
+
+
+def _skipped_for_budget(
+    skipped: Mapping[int, int], owner: Mapping[int, Any], max_calls: int
+) -> dict[int, Signal]:
+    """pid -> unavailable for the processes :func:`_choose` left out (``skipped``: pid -> how
+    many of its uid's processes took that uid's share)."""
+    return {
         pid: Signal.unavailable(
             "stack",
             f"not sampled: uid {owner[pid]}'s share of this run's {max_calls} py-spy calls "
@@ -218,32 +246,79 @@ def sample_stacks(
         )
         for pid, n in skipped.items()
     }
-    if not chosen:
-        return out
+
+
+def _quotas(
+    chosen: Sequence[int], owner: Mapping[int, Any], per_pid: int, max_calls: int
+) -> dict[Any, int]:
+    """uid -> its py-spy calls: ``per_pid`` for each of its chosen processes plus an equal
+    share of the calls nobody reserved."""
     groups = list(dict.fromkeys(owner[pid] for pid in chosen))
     spare = max(0, max_calls - per_pid * len(chosen))
-    quota = {
+    return {
         uid: per_pid * sum(owner[p] == uid for p in chosen) + spare // len(groups) for uid in groups
     }
-    budget = _Budget(quota, max(1, workers // len(groups)), deadline, clock)
-    start = clock()
 
-    def one(pid: int) -> Signal:
-        uid = owner[pid]
+
+def _run_workers(sampling: _Sampling, chosen: Sequence[int]) -> dict[int, Signal]:
+    """Each chosen process sampled on a :class:`_Worker` of its own, waited on until the
+    sampling deadline (and its margin)."""
+    threads = [_Worker(sampling.one, pid) for pid in chosen]
+    for t in threads:
+        t.start()
+    # every call inside is bounded by the deadline; the margin covers the kill of a py-spy
+    # past its timeout (node_agent.proc kills its process group)
+    end = sampling.deadline + JOIN_MARGIN_S
+    out = {}
+    for t in threads:
+        t.join(max(0.0, end - sampling.clock()))
+        out[t.pid] = (
+            t.result
+            if t.result is not None
+            else Signal.unavailable(
+                "stack",
+                "not sampled: py-spy did not return by the sampling deadline",
+                not_sampled="deadline",
+                uid=sampling.owner[t.pid],
+            )
+        )
+    return out
+
+
+@dataclass
+class _Sampling:
+    """One run of :func:`sample_stacks`: what each process's samples share."""
+
+    py_spy: str
+    owner: dict[int, Any]  # pid -> uid
+    per_pid: int
+    interval_s: float
+    deadline: float
+    budget: _Budget
+    dump: Dump
+    retry: Dump | None  # the stopping sample, for a nonblocking one that failed
+    native_dump: Dump | None
+    sleep: Callable[[float], None]
+    clock: Callable[[], float]
+    start: float
+
+    def one(self, pid: int) -> Signal:
+        """The ``stack`` signal of one process (run on its own :class:`_Worker`)."""
+        uid, budget = self.owner[pid], self.budget
         taken: list[list[dict[str, Any]]] = []
-        for i in range(per_pid):
+        for i in range(self.per_pid):
             if i:
-                sleep(max(0.0, min(interval_s, deadline - clock())))
-            got = budget.call(uid, dump, py_spy, pid, PY_SPY_TIMEOUT_S)
-            if isinstance(got, str) and retry is not None and Path(f"/proc/{pid}").exists():
-                again = budget.call(uid, retry, py_spy, pid, BLOCKING_TIMEOUT_S)
+                self.sleep(max(0.0, min(self.interval_s, self.deadline - self.clock())))
+            got = budget.call(uid, self.dump, self.py_spy, pid, PY_SPY_TIMEOUT_S)
+            if isinstance(got, str) and self.retry is not None and Path(f"/proc/{pid}").exists():
+                again = budget.call(uid, self.retry, self.py_spy, pid, BLOCKING_TIMEOUT_S)
                 got = got if again is None else again
             if got is None:
                 if not taken:
                     return Signal.unavailable(
                         "stack",
                         f"not sampled: {budget.why_not(uid)} "
-                        f"({clock() - start:.1f} s into sampling)",
+                        f"({self.clock() - self.start:.1f} s into sampling)",
                         not_sampled="deadline" if budget.quota[uid] > 0 else "budget",
                         uid=uid,
                     )
@@ -252,31 +327,11 @@ def sample_stacks(
                 return Signal.unavailable("stack", got, samples_taken=len(taken))
             taken.append(got)
         native: list[dict[str, Any]] | str | None = None
-        if native_dump is not None and _stuck(taken) and classify(taken[-1]).kind == "other":
-            native = budget.call(uid, native_dump, py_spy, pid, BLOCKING_TIMEOUT_S)
+        if self.native_dump is not None and _stuck(taken) and classify(taken[-1]).kind == "other":
+            native = budget.call(uid, self.native_dump, self.py_spy, pid, BLOCKING_TIMEOUT_S)
             if native is None:
                 native = f"not taken: {budget.why_not(uid)}"
-        return _signal(taken, native, cut=len(taken) < per_pid)
-
-    threads = [_Worker(one, pid) for pid in chosen]
-    for t in threads:
-        t.start()
-    # every call inside is bounded by the deadline; the margin covers the kill of a py-spy
-    # past its timeout (node_agent.proc kills its process group)
-    end = deadline + JOIN_MARGIN_S
-    for t in threads:
-        t.join(max(0.0, end - clock()))
-        out[t.pid] = (
-            t.result
-            if t.result is not None
-            else Signal.unavailable(
-                "stack",
-                "not sampled: py-spy did not return by the sampling deadline",
-                not_sampled="deadline",
-                uid=owner[t.pid],
-            )
-        )
-    return {pid: out[pid] for pid in pids}
+        return _signal(taken, native, cut=len(taken) < self.per_pid)
 
 
 class _Worker(threading.Thread):
