@@ -96,7 +96,7 @@ def load_suite(name_or_path: str, suites_dir: Path) -> Suite:
                 check=raw["check"],
                 timeout_s=float(raw.get("timeout_s", DEFAULT_TIMEOUT_S)),
                 params=dict(raw.get("params") or {}),
-                every_s=raw.get("every_s"),
+                every_s=None if raw.get("every_s") is None else float(raw["every_s"]),
             )
         )
     return Suite(
