@@ -332,7 +332,11 @@ def _schema(kind: Any, rule: dict[str, Any]) -> dict[str, Any]:
         return schema | {"type": [schema["type"], "null"]} if "type" in schema else schema
     if typing.get_origin(kind) is tuple:
         return {"type": "array", "items": _schema(typing.get_args(kind)[0], rule)}
-    return dict(rule) if "enum" in rule else {"type": _JSON_TYPE[kind], **rule}
+    if "enum" in rule:
+        return dict(rule)
+    if kind not in _JSON_TYPE:
+        raise TypeError(f"a configuration key cannot be a {kind}: use str, int, float, bool, Path")
+    return {"type": _JSON_TYPE[kind], **rule}
 
 
 def _parse(kind: Any, value: Any) -> Any:
