@@ -428,18 +428,83 @@ class Grade:
         )
 
 
+class Word(str, enum.Enum):
+    """A str enum that prints as its value (``f"{StepAction.DRAIN}"`` is ``drain``): the words
+    the journal keeps on disk and the report writes, so ``member == "drain"`` holds."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class StepAction(Word):
+    """What one remediation step does (the journal's ``action`` column, a report's action)."""
+
+    DRAIN = "drain"
+    GPU_RESET = "gpu-reset"
+    RESTART = "restart"  # a reboot request through the scheduler adapter
+    RETEST = "retest"
+    RESUME = "resume"
+    REPLACE = "replace"
+    RESTART_JOB = "restart-job"
+    HOLD = "hold"  # journaled, no adapter call: the node waits for an operator
+
+
+class ActionOutcome(Word):
+    """How one remediation step ended (the journal row's final state)."""
+
+    DONE = "done"  # the adapter acted, or the node already was in that state
+    DRY_RUN = "dry-run"  # recorded only (``--dry-run``, ``adapter.dry_run``)
+    REFUSED = "refused"  # not done, on purpose: ``ActionRecord.refusal`` says why
+    FAILED = "failed"  # the adapter or GPU reset failed; kept in the journal and retried
+
+
+class Refusal(Word):
+    """Why a step was refused: what the daemon and the exit code decide on, never the detail."""
+
+    STATE_UNAVAILABLE = "state-unavailable"  # the agent's own state unreadable: retried
+    GUARD = "guard"  # a safety guard: opt-out, breaker, rate limit, blast radius, a job id
+    FOREIGN_DRAIN = "foreign-drain"  # someone else's drain: left as it is
+    NOT_AVAILABLE = "not-available"  # this command cannot do it (no re-test here)
+
+
 @dataclass
 class ActionRecord:
     """An action taken (or refused, or only logged) on the node through a scheduler adapter."""
 
-    action: str
+    action: StepAction
     adapter: str
-    outcome: str  # done | dry-run | refused | failed
-    detail: str
+    outcome: ActionOutcome
+    detail: str  # for people (the report, the journal, stderr); nothing decides on it
     at: str
+    refusal: Refusal | None = None  # why, when ``outcome`` is refused
+
+    def __post_init__(self) -> None:
+        # a saved report names them by their words
+        self.action = StepAction(self.action)
+        self.outcome = ActionOutcome(self.outcome)
+        if self.refusal is not None:
+            self.refusal = Refusal(self.refusal)
+
+    @property
+    def retryable(self) -> bool:
+        """A failure, or a refusal only because the agent's own state was unavailable: the
+        daemon retries it while the grade stands."""
+        return self.outcome is ActionOutcome.FAILED or self.refusal is Refusal.STATE_UNAVAILABLE
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data: dict[str, Any] = {
+            "action": str(self.action),
+            "adapter": self.adapter,
+            "outcome": str(self.outcome),
+            "detail": self.detail,
+            "at": self.at,
+        }
+        if self.refusal is not None:
+            data["refusal"] = str(self.refusal)
+        return data
 
 
 @dataclass

@@ -10,15 +10,21 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from node_agent.commands.reporting import EXIT_AGENT_FAILED, EXIT_OK, EXIT_USAGE
 from node_agent.config import Config, load_config
 from node_agent.environment import Environment
-from node_agent.model import Grade, Report, utc_iso
+from node_agent.model import ActionOutcome, Grade, Report, utc_iso
 from node_agent.remediation.executor import Outcome
 from node_agent.remediation.guards import sanitise_operator_text
-from node_agent.remediation.host import node_name, open_configured_adapter, open_remediator
+from node_agent.remediation.host import (
+    node_name,
+    open_configured_adapter,
+    open_remediator,
+)
 from node_agent.remediation.plan import (
     REMEDIATION_ACTIONS,
     REMEDIATIONS_CODE,
@@ -61,7 +67,10 @@ def _adapter_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_commands(sub, common) -> None:
+def add_commands(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    common: Callable[[argparse.ArgumentParser], object],
+) -> None:
     """Add ``act``, ``status``, ``set-healthy``, ``breaker`` and ``optout`` to the parser."""
     act = sub.add_parser("act", help="drain/resume/restart/replace this node now (operator)")
     common(act)
@@ -157,7 +166,7 @@ def act_on_report(acting: Acting | None, env: Environment, report: Report) -> No
 # -- commands ---------------------------------------------------------------------------------
 def cmd_act(args: argparse.Namespace) -> int:
     config = load_config(args.config)
-    node = node_name(config, args.simulate)
+    node = _node_name(config, args.simulate)
     adapter = open_configured_adapter(config, args.adapter)
     text = sanitise_operator_text(args.reason)
     store = open_store(config.state_dir)
@@ -179,9 +188,22 @@ def cmd_act(args: argparse.Namespace) -> int:
     return _exit_for(outcome)
 
 
+def _node_name(config: Config, simulate: str | None) -> str:
+    """The node an operator's command is about: ``node.name`` (or ``NODE_AGENT_NODE_NAME``),
+    else the simulated node's host name (its scenario's) under ``--simulate``, else this
+    host's short name. These commands open no environment, so the scenario is read here."""
+    if not simulate:
+        return node_name(config)
+    from node_agent.environment import load_data
+    from node_agent.sim.scenario import load_scenario
+
+    _, skus = load_data(config)
+    return node_name(config, host=str(load_scenario(simulate, skus).hostname))
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     config = load_config(args.config)
-    node = node_name(config, args.simulate)
+    node = _node_name(config, args.simulate)
     store = open_store(config.state_dir)
     try:
         try:
@@ -258,7 +280,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def status_data(
     store: Store, node: str, config: Config, limit: int = 10, now: float | None = None
-) -> dict:
+) -> dict[str, Any]:
     last = store.last_run(node)
     br = store.breaker()
     record = store.node_record(node)
@@ -278,7 +300,7 @@ def status_data(
 
 def cmd_set_healthy(args: argparse.Namespace) -> int:
     config = load_config(args.config)
-    node = node_name(config, args.simulate)
+    node = _node_name(config, args.simulate)
     text = sanitise_operator_text(args.reason) or "set-healthy by an operator"
     store = open_store(config.state_dir)
     try:
@@ -334,7 +356,7 @@ def cmd_breaker(args: argparse.Namespace) -> int:
 
 def cmd_optout(args: argparse.Namespace) -> int:
     config = load_config(args.config)
-    node = node_name(config, args.simulate)
+    node = _node_name(config, args.simulate)
     store = open_store(config.state_dir)
     try:
         store.set_opt_out(
@@ -348,7 +370,7 @@ def cmd_optout(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _history(store: Store, record: NodeRecord, safety: Safety, now: float) -> dict:
+def _history(store: Store, record: NodeRecord, safety: Safety, now: float) -> dict[str, Any]:
     """What the escalation and the 7-day hold count: the automatic restarts of the node in 7
     days, the restarts per fault code in ``safety.restart_window_h`` with each code's limit
     (``restarts_before_fault`` on the code's newest graded reason in the window, else
@@ -415,7 +437,9 @@ def _unavailable(what: str, err: StateUnavailable) -> int:
 
 def _exit_for(outcome: Outcome) -> int:
     worst = outcome.worst
-    return EXIT_AGENT_FAILED if worst == "failed" else EXIT_USAGE if worst == "refused" else EXIT_OK
+    if worst is ActionOutcome.FAILED:
+        return EXIT_AGENT_FAILED
+    return EXIT_USAGE if worst is ActionOutcome.REFUSED else EXIT_OK
 
 
 def _iso(epoch: float | None) -> str:

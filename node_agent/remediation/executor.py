@@ -55,7 +55,16 @@ from typing import Protocol
 
 from node_agent import proc
 from node_agent.kernel_log import KernelLog
-from node_agent.model import ActionRecord, Grade, PlannedEvent, Report, Target, utc_iso
+from node_agent.model import (
+    ActionOutcome,
+    ActionRecord,
+    Grade,
+    PlannedEvent,
+    Refusal,
+    Report,
+    Target,
+    utc_iso,
+)
 from node_agent.remediation import evidence as _evidence
 from node_agent.remediation import guards
 from node_agent.remediation.plan import (
@@ -75,11 +84,17 @@ from node_agent.remediation.plan import (
 from node_agent.remediation.plan import restart_window_start as _window_start
 from node_agent.remediation.states import NodeState, RestartKind, StepAction
 from node_agent.remediation.store import JournalRow, NodeRecord, StateUnavailable, Store
-from node_agent.schedulers.base import AdapterError, SchedulerAdapter, check_job_id
+from node_agent.schedulers.base import (
+    AdapterError,
+    AdapterOutcome,
+    AdapterStatus,
+    SchedulerAdapter,
+    check_job_id,
+)
 
 GPU_RESET_TIMEOUT_S = 120.0
 #: the restart each restarting step action is (the node record keeps it while restarting)
-_RESTART_KIND_OF: dict[str, RestartKind] = {
+_RESTART_KIND_OF: dict[StepAction, RestartKind] = {
     StepAction.RESTART: RestartKind.REBOOT,
     StepAction.GPU_RESET: RestartKind.GPU_RESET,
 }
@@ -122,12 +137,18 @@ class Outcome:
     notes: list[str] = field(default_factory=list)
 
     @property
-    def worst(self) -> str | None:
+    def worst(self) -> ActionOutcome | None:
+        """``failed`` if any step failed, else ``refused`` if any was refused, else None."""
         outcomes = {r.outcome for r in self.records}
-        for o in ("failed", "refused"):
+        for o in (ActionOutcome.FAILED, ActionOutcome.REFUSED):
             if o in outcomes:
                 return o
         return None
+
+    @property
+    def wants_retry(self) -> bool:
+        """A step failed, or was refused only because the agent's own state was unavailable."""
+        return any(r.retryable for r in self.records)
 
 
 def _stderr(message: str) -> None:
@@ -236,7 +257,7 @@ class Remediator:
         )
         out.notes.append(f"state unavailable: {p.note}")
         for step in p.steps:
-            if step.action == "retest":
+            if step.action is StepAction.RETEST:
                 continue
             detail = (
                 f"state unavailable ({why}): opt-out, breaker and journal cannot be read "
@@ -245,7 +266,7 @@ class Remediator:
                 "scheduler's own tools"
             )
             self.warn(f"{step.action} REFUSED: {detail}")
-            out.records.append(self._record(step.action, "refused", detail))
+            out.records.append(self._refused(step.action, Refusal.STATE_UNAVAILABLE, detail))
         return out
 
     def act(self, action: str, text: str) -> Outcome:
@@ -284,7 +305,7 @@ class Remediator:
             "by hand with the scheduler's own tools"
         )
         self.warn(f"{step.action} REFUSED: {detail}")
-        out.records.append(self._record(step.action, "refused", detail))
+        out.records.append(self._refused(step.action, Refusal.STATE_UNAVAILABLE, detail))
 
     # -- planning ------------------------------------------------------------------------------
     def _plan(self, grade: Grade, gpu_reset_tried: bool) -> Plan:
@@ -316,22 +337,29 @@ class Remediator:
         """Run the steps in order; stop at the first one not done. Returns (re-test grade,
         whether a GPU reset failed)."""
         for step in p.steps:
-            if step.action == "retest":
+            if step.action is StepAction.RETEST:
                 return self._retest(step, out), False
             if not self._step(step, "auto", out):
-                return None, step.action == "gpu-reset" and out.records[-1].outcome == "failed"
+                return None, (
+                    step.action is StepAction.GPU_RESET
+                    and out.records[-1].outcome is ActionOutcome.FAILED
+                )
         return None, False
 
     def _retest(self, step: Step, out: Outcome) -> Grade | None:
         if self.dry_run or self.retest is None:
-            why = "dry run" if self.dry_run else "no re-test available in this command"
-            out.records.append(
-                self._record(
-                    "retest",
-                    "dry-run" if self.dry_run else "refused",
-                    f"would re-test with the quick suite ({why})",
+            detail = "would re-test with the quick suite ({})"
+            if self.dry_run:
+                record = self._record(
+                    StepAction.RETEST, ActionOutcome.DRY_RUN, detail.format("dry run")
                 )
-            )
+            else:
+                record = self._refused(
+                    StepAction.RETEST,
+                    Refusal.NOT_AVAILABLE,
+                    detail.format("no re-test available in this command"),
+                )
+            out.records.append(record)
             return None
         grade = self.retest()
         detail = f"quick suite after {step.restart_kind or 'restart'} graded {grade.level.name}" + (
@@ -343,11 +371,11 @@ class Remediator:
             step.key(self.node),
             "auto",
             now,
-            side_action="retest",
-            state="done",
+            side_action=StepAction.RETEST,
+            state=ActionOutcome.DONE,
             detail=detail,
         )
-        out.records.append(self._record("retest", "done", detail))
+        out.records.append(self._record(StepAction.RETEST, ActionOutcome.DONE, detail))
         return grade
 
     # -- one step ------------------------------------------------------------------------------
@@ -366,16 +394,18 @@ class Remediator:
         if trigger == "auto":
             refusal = self._guard(step, now)
             if refusal:
-                self._close_new(step, key, trigger, "refused", refusal, now, out)
+                self._close_new(
+                    step, key, trigger, ActionOutcome.REFUSED, refusal, now, out, Refusal.GUARD
+                )
                 return False
             decided, retry = self._seen_before(step, key, now, out)
             if decided is not None:
                 return decided
         if self.dry_run:
             detail = f"dry run: would {step.action} {self.node} ({step.reason})"
-            if step.action == "replace":
+            if step.action is StepAction.REPLACE:
                 detail += f"; would first collect {self._bug_report_plan()}"
-            self._close_new(step, key, trigger, "dry-run", detail, now, out)
+            self._close_new(step, key, trigger, ActionOutcome.DRY_RUN, detail, now, out)
             return True
         # evidence once per fault: the first attempt took it, a retry does not copy it again;
         # a planned drain has nothing broken to show
@@ -400,21 +430,28 @@ class Remediator:
         if self.after_journal is not None:
             self.after_journal(step)
         row = self.store.journal_update(row.id, "started", row.detail, now, count_try=True)
-        outcome, detail = self._act(step, row)
-        if evidence_note and outcome == "done":
+        result = self._act(step, row)
+        detail = result.detail
+        if evidence_note and result.status is not AdapterStatus.FAILED:
             detail = f"{detail}; {evidence_note}"
         if retry is not None:
             detail = f"retry {row.tries} of {step.action} (after journal #{retry.id}): {detail}"
         try:
-            self._finish(row, outcome, detail, out, trigger)
+            record = self._finish(row, AdapterOutcome(result.status, detail), out)
         except StateUnavailable as err:
             # the adapter acted; only its record failed: say so (the row stays "started",
             # and the next run with a working state re-reads the scheduler and closes it)
+            outcome, refusal = _OUTCOME_OF[result.status]
             out.records.append(
-                self._record(row.action, outcome, f"{detail}; not recorded in the journal: {err}")
+                self._record(
+                    StepAction(row.action),
+                    outcome,
+                    f"{detail}; not recorded in the journal: {err}",
+                    refusal,
+                )
             )
             return False
-        return outcome == "done"
+        return record.outcome is ActionOutcome.DONE
 
     def _seen_before(
         self, step: Step, key: str, now: float, out: Outcome
@@ -449,26 +486,28 @@ class Remediator:
             return False, None
         return None, existing if existing.state == "failed" else None
 
-    def _act(self, step: Step, row: JournalRow) -> tuple[str, str]:
+    def _act(self, step: Step, row: JournalRow) -> AdapterOutcome:
         """Perform a started row with what goes with its step: the driver's bug report before
         a replace request (named in it), the acknowledgement of a planned drain's event."""
-        bug = self._take_bug_report(row) if step.action == "replace" else None
-        outcome, detail = self._perform(row, evidence=str(bug.path) if bug and bug.path else None)
+        bug = self._take_bug_report(row) if step.action is StepAction.REPLACE else None
+        result = self._perform(row, evidence=str(bug.path) if bug and bug.path else None)
+        detail = result.detail
         if bug is not None:
             detail = f"{detail}; {bug.note}"
-        if outcome == "done" and step.planned is not None and step.planned.acknowledge:
+        done = result.status in (AdapterStatus.DONE, AdapterStatus.ALREADY)
+        if done and step.planned is not None and step.planned.acknowledge:
             detail = f"{detail}; {self._acknowledge(step.planned)}"
-        return outcome, detail
+        return AdapterOutcome(result.status, detail)
 
     def _guard(self, step: Step, now: float) -> str | None:
         refusal = guards.opt_out(self.safety.opt_out, self.store.opted_out(self.node), self.node)
         if refusal:
             return refusal
-        if step.action == "restart-job":
+        if step.action is StepAction.RESTART_JOB:
             return self._job_guard(step, now)
         br = self.store.breaker()
         drains = 0
-        if step.action == "drain" and not br.open:
+        if step.action is StepAction.DRAIN and not br.open:
             since = max(now - self.safety.breaker_window_h * 3600.0, br.reset_at or 0.0)
             drains = self.store.count_done(None, ("drain",), since, trigger="auto")
         refusal, trip = guards.breaker(
@@ -478,7 +517,7 @@ class Remediator:
             self.store.open_breaker(now, refusal)
         if refusal:
             return refusal
-        if step.action != "drain":
+        if step.action is not StepAction.DRAIN:
             return None
         if self.store.node_record(self.node).state == "in-service":
             refusal = guards.rate_limit(
@@ -545,83 +584,117 @@ class Remediator:
         first = row.created_at if first is None else min(first, row.created_at)
         return hashlib.sha256(f"{row.key}|{first:.6f}".encode()).hexdigest()
 
-    def _perform(self, row: JournalRow, evidence: str | None = None) -> tuple[str, str]:
-        """Call the adapter (or the GPU resetter) for one started row: (outcome, detail).
-        ``evidence``: the driver bug report a replace request names."""
+    def _perform(self, row: JournalRow, evidence: str | None = None) -> AdapterOutcome:
+        """Call the adapter (or the GPU resetter) for one started row. ``evidence``: the driver
+        bug report a replace request names. An AdapterError, a failed reset or an adapter bug
+        is ``failed`` (the executor's own state failing is raised: StateUnavailable)."""
+        action = StepAction(row.action)
         try:
-            key = self.action_key(row)
-            if row.action in ("drain", "resume", "replace"):
-                state = self.adapter.node_state(self.node)
-                refusal = guards.foreign_drain(state)
-                if refusal:
-                    return "refused", refusal
-                if row.action == "drain" and state.drained:
-                    return "done", f"already drained by node-agent ({state.reason}); not repeated"
-                if row.action == "resume" and not state.drained:
-                    return "done", (
-                        f"{self.adapter.name}: {self.node} is not drained "
-                        f"({state.state}); nothing to resume"
-                    )
-            if row.action == "gpu-reset":
-                if self.gpu_resetter is None:
-                    return "failed", "no GPU reset available in this command; the next run re-plans"
-                index = Target.parse(row.target or "").gpu_index
-                if index is None:
-                    return "failed", f"a GPU reset needs a GPU target, found {row.target!r}"
-                return "done", self.gpu_resetter.reset(index)
-            if row.action == "hold" and row.fault_code == REMEDIATIONS_CODE:
-                return "done", (
-                    f"held for an operator: node-agent restarted {self.node} {row.attempt} "
-                    "time(s) in 7 days (safety.max_remediations_7d="
-                    f"{self.safety.max_remediations_7d}) and it needs another: a node that keeps "
-                    "needing restarts is not restarted again; it stays drained, with no further "
-                    "restart (a FAULT is still replaced). Find the cause (`node-agent status` "
-                    "lists the restarts per fault code), then run `node-agent set-healthy` and "
-                    "`node-agent act resume`"
-                )
-            if row.action == "hold":  # bookkeeping: the node is already drained, nothing to call
-                return "done", (
-                    f"needs an operator: {row.fault_code} on {row.target} is still there after "
-                    f"{row.attempt} restart(s) and every ERROR is a software cause (remedy "
-                    "software in graders/rules.yaml), which new hardware does not fix; the node "
-                    "stays drained, with no further restart or replacement. Fix the cause (e.g. "
-                    "rebuild or reinstall the driver for the running kernel), then run "
-                    "`node-agent set-healthy` and `node-agent act resume`"
-                )
-            if row.action == "restart-job":
-                job = (row.target or "").removeprefix("job:")
-                return "done", self.adapter.restart_job(self.node, job, row.reason, key=key)
-            if row.action == "replace":
-                return "done", self.adapter.replace(
-                    self.node, row.reason, key=key, evidence=evidence
-                )
-            call = {
-                "drain": self.adapter.drain,
-                "resume": self.adapter.resume,
-                "restart": self.adapter.restart,
-            }[row.action]
-            return "done", call(self.node, row.reason, key=key)
+            if action in (StepAction.DRAIN, StepAction.RESUME, StepAction.REPLACE):
+                settled = self._settled(action)
+                if settled is not None:
+                    return settled
+            if action is StepAction.GPU_RESET:
+                return self._gpu_reset(row)
+            if action is StepAction.HOLD:  # bookkeeping: the node is already drained
+                return AdapterOutcome.done(self._hold_detail(row))
+            return _checked_outcome(self.adapter.name, self._call_adapter(action, row, evidence))
         except StateUnavailable:
             raise
         except (AdapterError, GpuResetError) as err:
-            return "failed", str(err)
+            return AdapterOutcome.failed(str(err))
         except Exception as err:  # noqa: BLE001 - an adapter bug is a failed action, not a crash
-            return "failed", f"{self.adapter.name} adapter raised {type(err).__name__}: {err}"
-
-    def _finish(
-        self, row: JournalRow, outcome: str, detail: str, out: Outcome, trigger: str
-    ) -> None:
-        now = self.clock()
-        record = self._next_record(row, now) if outcome == "done" else None
-        self.store.journal_finish(row.id, outcome, detail, now, record)
-        if outcome == "done" and row.action == "hold":
-            self.warn(f"{self.node} NEEDS AN OPERATOR: {detail}")
-        if outcome in ("failed", "refused"):
-            self.warn(
-                f"{row.action} {outcome.upper()}: {detail}"
-                + (" (kept in the journal; the next run retries it)" if outcome == "failed" else "")
+            return AdapterOutcome.failed(
+                f"{self.adapter.name} adapter raised {type(err).__name__}: {err}"
             )
-        out.records.append(self._record(row.action, outcome, detail))
+
+    def _settled(self, action: StepAction) -> AdapterOutcome | None:
+        """What the scheduler already says before a drain, resume or replace: someone else's
+        drain (refused), a drain already in place or a node already in service (already)."""
+        state = self.adapter.node_state(self.node)
+        refusal = guards.foreign_drain(state)
+        if refusal:
+            return AdapterOutcome.refused(refusal)
+        if action is StepAction.DRAIN and state.drained:
+            return AdapterOutcome.already(
+                f"already drained by node-agent ({state.reason}); not repeated"
+            )
+        if action is StepAction.RESUME and not state.drained:
+            return AdapterOutcome.already(
+                f"{self.adapter.name}: {self.node} is not drained ({state.state}); "
+                "nothing to resume"
+            )
+        return None
+
+    def _gpu_reset(self, row: JournalRow) -> AdapterOutcome:
+        if self.gpu_resetter is None:
+            return AdapterOutcome.failed(
+                "no GPU reset available in this command; the next run re-plans"
+            )
+        index = Target.parse(row.target or "").gpu_index
+        if index is None:
+            return AdapterOutcome.failed(f"a GPU reset needs a GPU target, found {row.target!r}")
+        return AdapterOutcome.done(self.gpu_resetter.reset(index))
+
+    def _hold_detail(self, row: JournalRow) -> str:
+        if row.fault_code == REMEDIATIONS_CODE:
+            return (
+                f"held for an operator: node-agent restarted {self.node} {row.attempt} "
+                "time(s) in 7 days (safety.max_remediations_7d="
+                f"{self.safety.max_remediations_7d}) and it needs another: a node that keeps "
+                "needing restarts is not restarted again; it stays drained, with no further "
+                "restart (a FAULT is still replaced). Find the cause (`node-agent status` "
+                "lists the restarts per fault code), then run `node-agent set-healthy` and "
+                "`node-agent act resume`"
+            )
+        return (
+            f"needs an operator: {row.fault_code} on {row.target} is still there after "
+            f"{row.attempt} restart(s) and every ERROR is a software cause (remedy "
+            "software in graders/rules.yaml), which new hardware does not fix; the node "
+            "stays drained, with no further restart or replacement. Fix the cause (e.g. "
+            "rebuild or reinstall the driver for the running kernel), then run "
+            "`node-agent set-healthy` and `node-agent act resume`"
+        )
+
+    def _call_adapter(
+        self, action: StepAction, row: JournalRow, evidence: str | None
+    ) -> AdapterOutcome:
+        """The adapter call of a drain, resume, restart, replace or job restart, with the
+        step's idempotency key."""
+        key = self.action_key(row)
+        if action is StepAction.RESTART_JOB:
+            job = (row.target or "").removeprefix("job:")
+            return self.adapter.restart_job(self.node, job, row.reason, key=key)
+        if action is StepAction.REPLACE:
+            return self.adapter.replace(self.node, row.reason, key=key, evidence=evidence)
+        call = {
+            StepAction.DRAIN: self.adapter.drain,
+            StepAction.RESUME: self.adapter.resume,
+            StepAction.RESTART: self.adapter.restart,
+        }[action]
+        return call(self.node, row.reason, key=key)
+
+    def _finish(self, row: JournalRow, result: AdapterOutcome, out: Outcome) -> ActionRecord:
+        """Close a started row with the adapter's outcome; the node's state moves with it."""
+        outcome, refusal = _OUTCOME_OF[result.status]
+        detail = result.detail
+        now = self.clock()
+        record = self._next_record(row, now) if outcome is ActionOutcome.DONE else None
+        self.store.journal_finish(row.id, outcome, detail, now, record)
+        if outcome is ActionOutcome.DONE and row.action == StepAction.HOLD:
+            self.warn(f"{self.node} NEEDS AN OPERATOR: {detail}")
+        if outcome in (ActionOutcome.FAILED, ActionOutcome.REFUSED):
+            self.warn(
+                f"{row.action} {str(outcome).upper()}: {detail}"
+                + (
+                    " (kept in the journal; the next run retries it)"
+                    if outcome is ActionOutcome.FAILED
+                    else ""
+                )
+            )
+        action_record = self._record(StepAction(row.action), outcome, detail, refusal)
+        out.records.append(action_record)
+        return action_record
 
     def _journal(
         self,
@@ -660,15 +733,16 @@ class Remediator:
         step: Step,
         key: str,
         trigger: str,
-        outcome: str,
+        outcome: ActionOutcome,
         detail: str,
         now: float,
         out: Outcome,
+        refusal: Refusal | None = None,
     ) -> None:
         self._journal(step, key, trigger, now, state=outcome, detail=detail)
-        if outcome == "refused":
+        if outcome is ActionOutcome.REFUSED:
             self.warn(f"{step.action} REFUSED: {detail}")
-        out.records.append(self._record(step.action, outcome, detail))
+        out.records.append(self._record(step.action, outcome, detail, refusal))
 
     def _next_record(self, row: JournalRow, now: float) -> NodeRecord | None:
         if row.to_state is None:
@@ -683,7 +757,7 @@ class Remediator:
                 cleared_at=old.cleared_at,
                 detail=row.reason,
             )
-        restart_kind = _RESTART_KIND_OF.get(row.action)
+        restart_kind = _RESTART_KIND_OF.get(StepAction(row.action))
         return NodeRecord(
             node=self.node,
             state=state,
@@ -697,14 +771,24 @@ class Remediator:
             detail=row.reason,
         )
 
-    def _record(self, action: str, outcome: str, detail: str) -> ActionRecord:
+    def _record(
+        self,
+        action: StepAction,
+        outcome: ActionOutcome,
+        detail: str,
+        refusal: Refusal | None = None,
+    ) -> ActionRecord:
         return ActionRecord(
             action=action,
             adapter=self.adapter.name,
             outcome=outcome,
             detail=detail,
             at=utc_iso(self.clock()),
+            refusal=refusal,
         )
+
+    def _refused(self, action: StepAction, refusal: Refusal, detail: str) -> ActionRecord:
+        return self._record(action, ActionOutcome.REFUSED, detail, refusal)
 
     # -- recovery, evidence --------------------------------------------------------
     def _recover_row(self, row: JournalRow, out: Outcome) -> None:
@@ -713,17 +797,22 @@ class Remediator:
             f"completing journal #{row.id} ({row.action} {row.fault_code} {row.target}) "
             f"left {row.state} at {utc_iso(row.updated_at)} by an interrupted run"
         )
-        if row.action in ("retest", "gpu-reset"):
+        action = StepAction(row.action)
+        if action in (StepAction.RETEST, StepAction.GPU_RESET):
             detail = (
                 f"interrupted {row.action} is not replayed (the GPU state is unknown); "
                 "the next graded run re-plans"
             )
-            self.store.journal_finish(row.id, "failed", detail, now)
-            out.records.append(self._record(row.action, "failed", f"recovered #{row.id}: {detail}"))
+            self.store.journal_finish(row.id, ActionOutcome.FAILED, detail, now)
+            out.records.append(
+                self._record(action, ActionOutcome.FAILED, f"recovered #{row.id}: {detail}")
+            )
             return
         row = self.store.journal_update(row.id, "started", row.detail, now, count_try=True)
-        outcome, detail = self._perform(row)
-        self._finish(row, outcome, f"recovered journal #{row.id}: {detail}", out, row.trigger)
+        result = self._perform(row)
+        self._finish(
+            row, AdapterOutcome(result.status, f"recovered journal #{row.id}: {result.detail}"), out
+        )
 
     def _take_evidence(self, action: str, now: float) -> str | None:
         if action not in EVIDENCE_ACTIONS or self._evidence_taken or self.state_dir is None:
@@ -775,6 +864,27 @@ class Remediator:
             note = f"{event.provider} event {event.event_id} not acknowledged: {err}"
             self.warn(note)
             return note
+
+
+#: the step's outcome (and why it was refused) for each adapter status: a node already in the
+#: state asked for is a step done; an adapter refuses only someone else's drain
+_OUTCOME_OF: dict[AdapterStatus, tuple[ActionOutcome, Refusal | None]] = {
+    AdapterStatus.DONE: (ActionOutcome.DONE, None),
+    AdapterStatus.ALREADY: (ActionOutcome.DONE, None),
+    AdapterStatus.REFUSED: (ActionOutcome.REFUSED, Refusal.FOREIGN_DRAIN),
+    AdapterStatus.FAILED: (ActionOutcome.FAILED, None),
+}
+
+
+def _checked_outcome(adapter: str, result: object) -> AdapterOutcome:
+    """An adapter's answer, which must be an AdapterOutcome (an adapter written for an older
+    agent returned a bare detail line: it is a failed action, with what to change)."""
+    if isinstance(result, AdapterOutcome):
+        return result
+    return AdapterOutcome.failed(
+        f"the {adapter} adapter returned {type(result).__name__}, not an AdapterOutcome "
+        "(node_agent.schedulers.base); update the adapter: nothing is assumed done"
+    )
 
 
 def _acknowledge_event(event: PlannedEvent) -> str:

@@ -21,18 +21,16 @@ from node_agent.schedulers import AdapterError, SchedulerAdapter, open_adapter
 from node_agent.yamlfile import ConfigError
 
 
-def node_name(config: Config, simulate: str | None = None) -> str:
-    """``node.name`` from the config, else ``$NODE_AGENT_NODE_NAME`` (Kubernetes: the node a
-    pod runs on), else the scenario's host name, else the short hostname."""
-    configured = configured_node_name(config)
-    if configured:
-        return configured
-    if simulate:
-        from node_agent.environment import load_data
-        from node_agent.sim.scenario import load_scenario
+def node_name(config: Config, *, host: str | None = None) -> str:
+    """The scheduler's name for this node: ``node.name`` from the config, else
+    ``$NODE_AGENT_NODE_NAME`` (Kubernetes: the node a pod runs on), else ``host``, the host name
+    the caller's environment has (``env.inventory.host.hostname``: a simulated node's is its
+    scenario's), else this host's short name (:func:`short_hostname`)."""
+    return configured_node_name(config) or host or short_hostname()
 
-        _, skus = load_data(config)
-        return str(load_scenario(simulate, skus).hostname)
+
+def short_hostname() -> str:
+    """This host's name up to the first dot (what Slurm and Kubernetes name a node by)."""
     return socket.gethostname().split(".")[0]
 
 

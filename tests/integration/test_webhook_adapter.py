@@ -27,7 +27,7 @@ from node_agent.remediation.evidence import BugReportCollector
 from node_agent.remediation.executor import Remediator
 from node_agent.remediation.plan import Safety
 from node_agent.remediation.store import open_store
-from node_agent.schedulers import AdapterError, open_adapter
+from node_agent.schedulers import AdapterError, AdapterStatus, open_adapter
 from node_agent.schedulers.webhook import (
     NONCE_HEADER,
     SIGNATURE_HEADER,
@@ -147,8 +147,8 @@ def adapter_for(url: str, tmp_path, retries=3, secret=SECRET, **extra):
 
 def test_drain_posts_signed_json_with_idempotency_key(receiver, tmp_path):
     adapter, sleeps = adapter_for(receiver.url, tmp_path)
-    detail = adapter.drain("gpu-01", "FAULT xid79 gpu:5")
-    assert "HTTP 200" in detail
+    outcome = adapter.drain("gpu-01", "FAULT xid79 gpu:5")
+    assert outcome.status is AdapterStatus.DONE and "HTTP 200" in outcome.detail
     [got] = receiver.received
     assert got["valid"], "the receiver must verify the HMAC-SHA256 signature"
     assert got["content_type"] == "application/json"
@@ -180,7 +180,7 @@ def test_500_is_retried_with_exponential_backoff_then_succeeds(tmp_path):
     rcv = Receiver(statuses=[500, 503])
     try:
         adapter, sleeps = adapter_for(rcv.url, tmp_path, retries=3)
-        assert "HTTP 200" in adapter.restart("gpu-01", "ERROR xid48 gpu:3")
+        assert "HTTP 200" in adapter.restart("gpu-01", "ERROR xid48 gpu:3").detail
         assert len(rcv.received) == 3
         assert sleeps == [1.0, 2.0]
         assert len({r["body"]["idempotency_key"] for r in rcv.received}) == 1
@@ -233,7 +233,7 @@ def test_missing_url_is_adapter_error_naming_the_key():
 def test_restart_job_posts_signed_event_with_the_job_and_a_per_job_key(receiver, tmp_path):
     adapter, _ = adapter_for(receiver.url, tmp_path)
     reason = "node-agent: ERROR training-hang job slurm:1234 rank:3"
-    detail = adapter.restart_job("gpu-01", "slurm:1234@uid:1001", reason)
+    detail = adapter.restart_job("gpu-01", "slurm:1234@uid:1001", reason).detail
     assert detail.startswith("webhook: restart-job slurm:1234@uid:1001 on gpu-01 accepted")
     adapter.restart_job("gpu-01", "slurm:1234@uid:1001", reason)
     adapter.restart_job("gpu-01", "slurm:1235@uid:1001", reason)  # another job, same words
@@ -399,7 +399,7 @@ def test_https_with_a_ca_bundle_and_a_client_certificate(pki, tmp_path):
             client_cert=str(pki / "client.pem"),
             client_key=str(pki / "client.key"),
         )
-        assert "HTTP 200" in adapter.drain("gpu-01", "FAULT xid79 gpu:5")
+        assert "HTTP 200" in adapter.drain("gpu-01", "FAULT xid79 gpu:5").detail
         assert [r["valid"] for r in rcv.received] == [True]
         # without the CA the server is not trusted; without the client certificate the
         # receiver does not talk: both fail, nothing is accepted

@@ -22,7 +22,18 @@ from node_agent.config import config_from_dict
 from node_agent.grading.rules import load_grader
 from node_agent.host import cloud_metadata
 from node_agent.kernel_log import SxidLine, scan_lines
-from node_agent.model import Action, Grade, Level, PlannedEvent, Reason, Result, Status
+from node_agent.model import (
+    Action,
+    ActionOutcome,
+    ActionRecord,
+    Grade,
+    Level,
+    PlannedEvent,
+    Reason,
+    Refusal,
+    Result,
+    Status,
+)
 from node_agent.remediation.evidence import BugReportCollector
 from node_agent.remediation.executor import GpuResetError, Remediator
 from node_agent.remediation.guards import blast_radius, sanitise_operator_text
@@ -36,7 +47,14 @@ from node_agent.remediation.plan import (
     short_message,
 )
 from node_agent.remediation.store import NodeRecord, open_store
-from node_agent.schedulers.base import REASON_PREFIX, AdapterError, NodeState, check_job_id
+from node_agent.schedulers.base import (
+    REASON_PREFIX,
+    AdapterError,
+    AdapterOutcome,
+    AdapterStatus,
+    NodeState,
+    check_job_id,
+)
 
 T0 = 1_700_000_000.0
 NODE = "gpu-01"
@@ -62,7 +80,7 @@ class FakeAdapter:
     def node_state(self, node: str) -> NodeState:
         return self.state
 
-    def _do(self, action: str, node: str, reason: str, drained: bool | None) -> str:
+    def _do(self, action: str, node: str, reason: str, drained: bool | None) -> AdapterOutcome:
         if self.fail is not None:
             raise self.fail
         self.calls.append((action, node, reason))
@@ -70,7 +88,7 @@ class FakeAdapter:
             self.state = NodeState(
                 node, "DRAIN" if drained else "IDLE", drained, reason if drained else None
             )
-        return f"fake {action} {node}"
+        return AdapterOutcome.done(f"fake {action} {node}")
 
     def drain(self, node, reason, *, key=None):
         self.keys.append(key)
@@ -95,7 +113,7 @@ class FakeAdapter:
             raise self.fail
         self.calls.append(("restart-job", node, reason))
         self.jobs.append(job)
-        return f"fake restart-job {job} on {node}"
+        return AdapterOutcome.done(f"fake restart-job {job} on {node}")
 
     def list_nodes(self):
         return [self.state, *self.others]
@@ -598,6 +616,7 @@ def test_node_drained_by_hand_is_never_resumed(store):
     assert adapter.calls == []
     (rec,) = out.records
     assert (rec.action, rec.outcome) == ("resume", "refused")
+    assert rec.refusal is Refusal.FOREIGN_DRAIN and not out.wants_retry
     assert "drained by someone else" in rec.detail and "ticket 1234" in rec.detail
 
 
@@ -623,7 +642,7 @@ def test_blast_radius_refuses_and_records(store):
     out = make(store, adapter, warnings=warnings).remediate(FakeReport(FAULT79))
     assert adapter.calls == []
     (rec,) = out.records
-    assert (rec.action, rec.outcome) == ("drain", "refused")
+    assert (rec.action, rec.outcome, rec.refusal) == ("drain", "refused", Refusal.GUARD)
     assert "blast radius" in rec.detail and "2 of 10" in rec.detail and "gpu-02" in rec.detail
     assert any("REFUSED" in w for w in warnings)
     assert store.journal_tail(NODE)[-1].state == "refused"
@@ -1229,8 +1248,9 @@ def test_log_adapter_records_a_job_restart_and_refuses_a_hostile_job(tmp_path):
     from node_agent.schedulers.log import LogAdapter
 
     adapter = LogAdapter(tmp_path / "actions.log", clock=lambda: "T")
-    detail = adapter.restart_job(NODE, "slurm:7", "ERROR training-hang job slurm:7")
-    assert "would restart-job slurm:7 on gpu-01" in detail
+    outcome = adapter.restart_job(NODE, "slurm:7", "ERROR training-hang job slurm:7")
+    assert outcome.status is AdapterStatus.DONE
+    assert "would restart-job slurm:7 on gpu-01" in outcome.detail
     with pytest.raises(AdapterError, match="refusing job id"):
         adapter.restart_job(NODE, "slurm:7;reboot", "x")
     assert adapter.records() == [
@@ -1284,6 +1304,9 @@ def test_an_unavailable_store_refuses_every_step_and_calls_no_adapter(tmp_path):
             ("replace", "refused"),
         ]
         assert all("state unavailable" in r.detail for r in out.records)
+        # the daemon retries these (the disk may be freed): decided on the typed refusal
+        assert {r.refusal for r in out.records} == {Refusal.STATE_UNAVAILABLE}
+        assert out.wants_retry
         assert adapter.calls == [] and len(warnings) == 2
         op = make(store, adapter).act("drain", "by hand")
         assert [(r.action, r.outcome) for r in op.records] == [("drain", "refused")]
@@ -1492,3 +1515,29 @@ def test_only_the_newest_bug_reports_are_kept_and_each_is_capped(tmp_path):
     assert kept == ["nvidia-bug-report-3.log.gz", "nvidia-bug-report-4.log.gz"]
     capped = BugReportCollector(bug_script(tmp_path, WRITES), max_bytes=64).collect(state, 5)
     assert capped.path is not None and capped.path.stat().st_size <= 64
+
+
+def test_an_adapter_that_answers_a_bare_string_is_a_failed_action_not_assumed_done(store):
+    """An adapter written for an older agent returned a detail line; the executor decides on
+    the typed AdapterOutcome only, so a bare string is a failure kept for retry."""
+
+    class OldAdapter(FakeAdapter):
+        def drain(self, node, reason, *, key=None):
+            super().drain(node, reason, key=key)
+            return "old-style: drained"
+
+    out = make(store, OldAdapter()).act("drain", "by hand")
+    (rec,) = out.records
+    assert rec.outcome is ActionOutcome.FAILED and rec.retryable
+    assert "not an AdapterOutcome" in rec.detail
+    assert store.journal_tail(NODE)[-1].state == "failed"
+
+
+def test_an_action_record_round_trips_through_a_saved_report_with_its_enums():
+    record = ActionRecord("drain", "slurm", "refused", "left as is", "T", "foreign-drain")
+    again = ActionRecord(**record.to_dict())
+    assert again == record and again.refusal is Refusal.FOREIGN_DRAIN
+    assert again.outcome is ActionOutcome.REFUSED and not again.retryable
+    assert "refusal" not in ActionRecord("drain", "log", "done", "ok", "T").to_dict()
+    with pytest.raises(ValueError):
+        ActionRecord("drain", "log", "maybe", "?", "T")
