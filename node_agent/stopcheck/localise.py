@@ -11,8 +11,9 @@ Each phase of ``node-agent stop-check`` (docs/stop_check.md) ends in one of thes
 - :func:`grid` and :func:`cross`: the dual-phase replay. Nodes sit in a grid; their results are
   reduced along rows, then along columns, and compared bit for bit across groups; the suspects are
   where a disagreeing row crosses a disagreeing column (ByteRobust, SOSP 2025, section 5).
-- :func:`evict`: the suspects widened to their parallel groups (the fleet topology format), as
-  ByteRobust over-evicts by parallel group rather than diagnose slowly.
+- :func:`evict`: the suspects widened to their parallel groups (the fleet topology format,
+  NVLink domains among them: node_agent/fleet/topology.py), as ByteRobust over-evicts by
+  parallel group rather than diagnose slowly.
 """
 
 from __future__ import annotations
@@ -197,7 +198,11 @@ def cross(rows: Sequence[GroupResult], columns: Sequence[GroupResult]) -> set[in
 
 
 def evict(suspects: Iterable[Suspect], topology: Mapping[str, Sequence[str]] | None) -> list[str]:
-    """The nodes to take out: every suspect, widened to every parallel group it belongs to."""
+    """The nodes to take out: every suspect, widened to every parallel group it belongs to.
+
+    An NVLink domain is such a group (``nvlink:<cluster_uuid>/<clique_id>``): a job laid out
+    over a GB200/GB300 NVL72 rack cannot run on part of it, so one bad tray takes its domain's
+    trays out with it."""
     named = {s.node for s in suspects}
     out = set(named)
     for members in (topology or {}).values():

@@ -187,6 +187,13 @@ def test_an_eviction_widens_to_the_whole_nvlink_domain(tmp_path):
     assert evict([Suspect("elsewhere", "neighbours")], topology) == ["elsewhere"]
 
 
+def test_stop_check_reads_topology_files_with_the_domains():
+    """commands/stop_check.py loads --topology through node_agent.fleet.analysis."""
+    from node_agent.fleet import analysis, topology
+
+    assert analysis.load_topology is topology.load_topology
+
+
 @pytest.mark.parametrize(
     ("text", "error"),
     [
