@@ -84,23 +84,7 @@ def run(ctx: CheckContext) -> list[Result]:
 
     log = ctx.kernel_log
     nvidia = None if ctx.ports.bus_ids_as_printed else nvidia_buses(log)
-    if log.unavailable_reason:
-        results.append(ctx.skip(log.unavailable_reason, metric="kernel_log"))
-        records: list[LogRecord] = []
-    else:
-        try:
-            records = log.read()
-        except OSError as err:
-            results.append(
-                ctx.result(
-                    "node",
-                    "kernel_log",
-                    Status.ERROR,
-                    f"cannot read the kernel log ({log.source}): {err}",
-                    error=str(err),
-                )
-            )
-            records = []
+    records = _read_records(ctx, log, results)
     cursor = log_cursor.load(_cursor_path(ctx), log.source) if since == "last_run" else None
     scanner = KernelLogScanner()
     for record in records:
@@ -128,31 +112,12 @@ def run(ctx: CheckContext) -> list[Result]:
 
     watch_s = float(ctx.params.get("watch_s", 0))
     if watch_s > 0 and not unavailable:
-        try:
-            events = ctx.gpu.wait_xid_events(watch_s)
-        except GpuError as err:  # no NVML events here, or a hung driver (nvml_health grades
-            # that); the kernel log still carries the Xids
-            results.append(ctx.skip(f"NVML Xid events not watched: {err}", metric="nvml_events"))
-            events, watch_s = [], 0
-        for nvml_event in events:
-            target = f"gpu:{nvml_event.gpu_index}" if nvml_event.gpu_index is not None else "node"
-            folder.fold("xid", target, nvml_event.code).add_nvml(nvml_event.message)
+        watch_s = _watch_nvml(ctx, folder, watch_s, results)
 
     window = "since boot" if since == "boot" else "since the last run"
     boot_epoch = time.time() - time.monotonic() if log.live else None
     results.extend(fold.result(window=window, boot_epoch=boot_epoch) for fold in folder.sorted())
-    if driver_folds:
-        kinds = driver_line_kinds(ctx)
-        for key in sorted(driver_folds):
-            fold, kind = driver_folds[key], kinds[key[1]]
-            if fold.pci_bus is None:  # the line names no GPU: never more than a WARN
-                results.append(
-                    fold.result(NO_GPU_METRIC, Status.WARN, kind.name, window, boot_epoch)
-                )
-                continue
-            results.append(
-                fold.result(kind.metric, Status(kind.status), kind.name, window, boot_epoch)
-            )
+    results.extend(_driver_results(ctx, driver_folds, window, boot_epoch))
     for result in results:  # every finding says whether its bus ids were checked
         if result.status is not Status.SKIP and result.metric != "kernel_log":
             result.evidence.setdefault("bus_ids", _bus_check(ctx, nvidia))
@@ -183,6 +148,62 @@ def run(ctx: CheckContext) -> list[Result]:
             )
         )
     return results
+
+
+def _read_records(ctx: CheckContext, log: KernelLog, results: list[Result]) -> list[LogRecord]:
+    """The kernel log's records; none, with a skip or an error appended to ``results``, when
+    the log is unavailable or unreadable."""
+    if log.unavailable_reason:
+        results.append(ctx.skip(log.unavailable_reason, metric="kernel_log"))
+        return []
+    try:
+        return log.read()
+    except OSError as err:
+        results.append(
+            ctx.result(
+                "node",
+                "kernel_log",
+                Status.ERROR,
+                f"cannot read the kernel log ({log.source}): {err}",
+                error=str(err),
+            )
+        )
+        return []
+
+
+def _watch_nvml(ctx: CheckContext, folder: Folder, watch_s: float, results: list[Result]) -> float:
+    """NVML's Xid events for ``watch_s`` folded in; the seconds watched (0 when NVML cannot
+    watch, with a skip appended to ``results``)."""
+    try:
+        events = ctx.gpu.wait_xid_events(watch_s)
+    except GpuError as err:  # no NVML events here, or a hung driver (nvml_health grades
+        # that); the kernel log still carries the Xids
+        results.append(ctx.skip(f"NVML Xid events not watched: {err}", metric="nvml_events"))
+        return 0
+    for nvml_event in events:
+        target = f"gpu:{nvml_event.gpu_index}" if nvml_event.gpu_index is not None else "node"
+        folder.fold("xid", target, nvml_event.code).add_nvml(nvml_event.message)
+    return watch_s
+
+
+def _driver_results(
+    ctx: CheckContext,
+    driver_folds: dict[tuple[str, str], DriverFold],
+    window: str,
+    boot_epoch: float | None,
+) -> list[Result]:
+    """One result per (bus, kind) of the driver's other error lines, graded by its kind."""
+    if not driver_folds:
+        return []
+    kinds = driver_line_kinds(ctx)
+    out = []
+    for key in sorted(driver_folds):
+        fold, kind = driver_folds[key], kinds[key[1]]
+        if fold.pci_bus is None:  # the line names no GPU: never more than a WARN
+            out.append(fold.result(NO_GPU_METRIC, Status.WARN, kind.name, window, boot_epoch))
+            continue
+        out.append(fold.result(kind.metric, Status(kind.status), kind.name, window, boot_epoch))
+    return out
 
 
 def nvidia_buses(log: KernelLog, root: Path | None = None) -> frozenset[str] | None:
