@@ -392,6 +392,7 @@ class Trend:
     segments: int
     forecast_warns: bool
     windows_warn: bool
+    part: str = ""  # the part of a per-part series (``link 5``); "" for a whole result
 
     @property
     def warn(self) -> bool:
@@ -401,7 +402,8 @@ class Trend:
         s = self.spec
         unit = f" {s.unit}" if s.unit else ""
         named = f" ({s.name})" if s.evidence_key or s.margin_from else ""
-        what = f"{s.check} {s.metric}{named} on {self.target}"
+        part = f" {self.part}" if self.part else ""
+        what = f"{s.check} {s.metric}{named} on {self.target}{part}"
         parts = []
         if self.slope_per_day is not None:
             verb = "rising" if self.slope_per_day >= 0 else "falling"
@@ -435,9 +437,15 @@ class Trend:
 
 
 def evaluate(
-    spec: SeriesSpec, target: str, points: Sequence[Point], now: float, threshold: float | None
+    spec: SeriesSpec,
+    target: str,
+    points: Sequence[Point],
+    now: float,
+    threshold: float | None,
+    part: str = "",
 ) -> Trend | None:
-    """Grade one series' trend at ``now``; None for an empty series."""
+    """Grade one series' trend at ``now`` (``part``: of a per-part series); None for an empty
+    series."""
     if not points:
         return None
     segs = segments(points, spec.kind)
@@ -473,6 +481,7 @@ def evaluate(
         segments=len(segs),
         forecast_warns=forecast,
         windows_warn=windows,
+        part=part,
     )
 
 
@@ -493,6 +502,7 @@ def trend_result(trend: Trend, points: Sequence[Point]) -> Result:
             "series": s.name,
             "check": s.check,
             "metric": s.metric,
+            **({s.part: trend.part.rsplit(" ", 1)[-1]} if trend.part else {}),
             "kind": s.kind,
             "slope_per_day": None if trend.slope_per_day is None else round(trend.slope_per_day, 6),
             "threshold": trend.threshold,

@@ -105,7 +105,7 @@ class TrendWatch:
                 continue
             self._evaluated[key] = now
             points = self.history.points(spec.check, target, spec.key(part))
-            trend = evaluate(spec, target, points, now, spec.threshold_for(sku_limits))
+            trend = evaluate(spec, target, points, now, spec.threshold_for(sku_limits), part)
             if trend is not None and trend.warn:
                 if key not in self._warns:
                     log.warning("trend: %s", trend.message())

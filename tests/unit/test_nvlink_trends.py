@@ -21,9 +21,11 @@ from node_agent.grading.trends import (
     Point,
     Sampled,
     SeriesSpec,
+    evaluate,
     load_trend_specs,
     persistence,
     persistence_result,
+    trend_result,
 )
 from node_agent.model import Level, Result, Status
 from node_agent.service.history import Bound, open_history
@@ -173,3 +175,12 @@ def test_a_bad_persist_block_is_refused(tmp_path: Path, persist: str, expected: 
     )
     with pytest.raises(ConfigError, match=expected):
         load_trend_specs(path)
+
+
+def test_a_links_forecast_names_the_link() -> None:
+    points = [Point(T0 + h * 3600.0, 10.0 * h) for h in range(48)]  # 240 replays a day
+    trend = evaluate(spec(), "gpu:1", points, points[-1].at, 1000.0, "link 2")
+    assert trend is not None and trend.forecast_warns
+    result = trend_result(trend, points)
+    assert "nvlink_replay_errors on gpu:1 link 2:" in result.detail
+    assert result.evidence["link"] == "2" and result.target == "gpu:1"
