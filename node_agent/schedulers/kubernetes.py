@@ -397,16 +397,17 @@ class KubernetesAdapter:
     def restart_job(
         self, node: str, job: str, reason: str, *, key: str | None = None
     ) -> AdapterOutcome:
-        """Delete the hung pod ``job`` (``pod:[<ns>/]<name>``) on ``node``; its controller
-        recreates it. Raises AdapterError for another kind of job, a pod on another node, a
-        pod without a controller, or an API error."""
+        """Delete the hung pod ``job`` (``pod:[<ns>/]<name>@<uid>``) on ``node``; its controller
+        recreates it. Raises AdapterError for another kind of job, a pod on another node or of
+        another uid, a pod without a controller, or an API error; a pod that no longer runs
+        is ``already`` (detail ``job-not-running:``)."""
         from kubernetes import client
 
         node, reason = self._only_own(node, "restart a job on"), sanitise_reason(reason)
         _, ident = check_job_id(
             job, accepts=(POD_JOB,), adapter="Kubernetes", node=node, what="pods"
         )
-        ident, _, kernel_uid = ident.partition("@")
+        ident, _, uid = ident.partition("@")
         namespace, _, name = ident.rpartition("/")
         namespace = namespace or self.pod_namespace
         if len(name) > 253:
@@ -426,39 +427,10 @@ class KubernetesAdapter:
                 "pod:<name> ids"
             },
         )
-        meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
-        if meta.get("uid") != kernel_uid:
-            raise AdapterError(
-                f"refusing to delete {where}: its uid is {meta.get('uid')!r}, but "
-                f"the hung process runs in pod uid {kernel_uid} (its kubepods "
-                "cgroup); the name came from the process's environment, which "
-                "named another pod: nothing deleted, check the evidence"
-            )
-        on = spec.get("nodeName")
-        if on != node:
-            raise AdapterError(
-                f"the Kubernetes adapter restarts only pods running on {node}; "
-                f"job {job} is {where} on {on or 'no node (not scheduled)'}; "
-                "not deleted"
-            )
-        phase = (pod.get("status") or {}).get("phase") or "Unknown"
-        if meta.get("deletionTimestamp"):
-            return AdapterOutcome.already(
-                f"{JOB_NOT_RUNNING} {where} is already being deleted (since "
-                f"{meta['deletionTimestamp']}); nothing deleted; {reason}"
-            )
-        if phase != "Running":
-            return AdapterOutcome.already(
-                f"{JOB_NOT_RUNNING} {where} is {phase}, not Running; nothing deleted; {reason}"
-            )
-        owner = next((o for o in meta.get("ownerReferences") or [] if o.get("controller")), None)
-        if owner is None:
-            raise AdapterError(
-                f"refusing to delete {where}: it has no controller "
-                "(metadata.ownerReferences), so deleting it would end the job "
-                "for good instead of restarting it; restart it by hand"
-            )
-        uid = kernel_uid
+        not_running = _pod_not_running(pod, where, reason, uid, node, job)
+        if not_running is not None:
+            return not_running
+        owner = _controller(pod, where)
         body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid))
         self._call(
             f"DELETE {where}",
@@ -475,3 +447,51 @@ class KubernetesAdapter:
             f"kubernetes: deleted {where} on {node} (uid {uid}); its controller "
             f"{owner.get('kind')}/{owner.get('name')} creates it again; {reason}"
         )
+
+
+def _pod_not_running(
+    pod: dict[str, Any], where: str, reason: str, uid: str, node: str, job: str
+) -> AdapterOutcome | None:
+    """``already`` for a pod being deleted or not Running; None for a running pod of ``uid``
+    on ``node``; AdapterError for a pod of another uid (the environment named someone else's
+    pod) or one on another node."""
+    meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+    if meta.get("uid") != uid:
+        raise AdapterError(
+            f"refusing to delete {where}: its uid is {meta.get('uid')!r}, but "
+            f"the hung process runs in pod uid {uid} (its kubepods "
+            "cgroup); the name came from the process's environment, which "
+            "named another pod: nothing deleted, check the evidence"
+        )
+    on = spec.get("nodeName")
+    if on != node:
+        raise AdapterError(
+            f"the Kubernetes adapter restarts only pods running on {node}; "
+            f"job {job} is {where} on {on or 'no node (not scheduled)'}; "
+            "not deleted"
+        )
+    phase = (pod.get("status") or {}).get("phase") or "Unknown"
+    if meta.get("deletionTimestamp"):
+        return AdapterOutcome.already(
+            f"{JOB_NOT_RUNNING} {where} is already being deleted (since "
+            f"{meta['deletionTimestamp']}); nothing deleted; {reason}"
+        )
+    if phase != "Running":
+        return AdapterOutcome.already(
+            f"{JOB_NOT_RUNNING} {where} is {phase}, not Running; nothing deleted; {reason}"
+        )
+    return None
+
+
+def _controller(pod: dict[str, Any], where: str) -> dict[str, Any]:
+    """The pod's controller (its ``ownerReferences`` entry with ``controller``), which recreates
+    it; AdapterError for a bare pod, which deleting would end for good."""
+    owners = (pod.get("metadata") or {}).get("ownerReferences") or []
+    owner = next((o for o in owners if isinstance(o, dict) and o.get("controller")), None)
+    if owner is None:
+        raise AdapterError(
+            f"refusing to delete {where}: it has no controller "
+            "(metadata.ownerReferences), so deleting it would end the job "
+            "for good instead of restarting it; restart it by hand"
+        )
+    return owner
