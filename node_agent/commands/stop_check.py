@@ -24,15 +24,18 @@ from typing import Any
 from node_agent import __version__, atomic_file
 from node_agent.commands import act
 from node_agent.commands.reporting import EXIT_FOR_LEVEL, EXIT_USAGE, execute
-from node_agent.config import load_config
-from node_agent.environment import open_environment, report_dir, stand_in_hostname
+from node_agent.config import Config, load_config
+from node_agent.environment import Environment, open_environment, report_dir, stand_in_hostname
 from node_agent.model import Report, Result, Status, utc_iso
 from node_agent.report import json_report
 from node_agent.report.terminal import printable, render_summary
 from node_agent.resources import suites_dir
 from node_agent.stopcheck import localise, phases, ranks, signed
-from node_agent.suite import load_suite
+from node_agent.suite import Suite, load_suite
 from node_agent.yamlfile import ConfigError
+
+#: each parallel group's name -> its nodes (``node_agent.fleet.topology.load_topology``)
+Topology = dict[str, list[str]]
 
 SCHEMA = "node-agent.stop-check/1"
 CHECK = "stop_check"
@@ -143,7 +146,7 @@ def cmd_stop_check(args: argparse.Namespace) -> int:
         env.close()
 
 
-def _node_name(config: Any, env: Any) -> str:
+def _node_name(config: Config, env: Environment) -> str:
     """The scheduler's name for this node: ``node.name``, ``$NODE_AGENT_NODE_NAME``, else the
     node's own (a stand-in's, or this host's short hostname)."""
     from node_agent.config import configured_node_name
@@ -151,7 +154,7 @@ def _node_name(config: Any, env: Any) -> str:
     return configured_node_name(config) or str(env.hostname)
 
 
-def _devices(env: Any) -> tuple[list[Any], str | None]:
+def _devices(env: Environment) -> tuple[list[Any], str | None]:
     from node_agent.compute.devices import ComputeUnavailable, open_device
 
     indices = [g.index for g in env.inventory.gpus]
@@ -163,7 +166,16 @@ def _devices(env: Any) -> tuple[list[Any], str | None]:
         return [], str(err)
 
 
-def _run(args, place, key, config, env, quick, acting, topology) -> int:
+def _run(
+    args: argparse.Namespace,
+    place: ranks.Place,
+    key: bytes,
+    config: Config,
+    env: Environment,
+    quick: Suite,
+    acting: act.Acting | None,
+    topology: Topology | None,
+) -> int:
     started = utc_iso()
     node = _node_name(config, env)
     devices, no_compute = _devices(env)
@@ -227,7 +239,14 @@ def _run(args, place, key, config, env, quick, acting, topology) -> int:
     return EXIT_FOR_LEVEL[report.grade.level]
 
 
-def _not_all_joined(args, env, place, joined: ranks.Joined, topology, started: str) -> int:
+def _not_all_joined(
+    args: argparse.Namespace,
+    env: Environment,
+    place: ranks.Place,
+    joined: ranks.Joined,
+    topology: Topology | None,
+    started: str,
+) -> int:
     """Some ranks never joined: rank 0 names them (their nodes where known) and every rank
     stops with exit 2, before any collective could hang on them."""
     names = ", ".join(f"rank {r}" for r in joined.missing)
@@ -261,7 +280,7 @@ def _not_all_joined(args, env, place, joined: ranks.Joined, topology, started: s
     return EXIT_USAGE
 
 
-def _missing_node(pattern: str | None, rank: int, env: Any) -> str:
+def _missing_node(pattern: str | None, rank: int, env: Environment) -> str:
     """A rank that never joined, by its node's name where it can be known (its scenario when
     simulated), else ``rank:N``."""
     if pattern:
@@ -297,7 +316,9 @@ def _stack(env: Any, torch_version: str) -> str:
     )
 
 
-def _phases(args, side: phases.NodeSide, no_compute: str | None) -> dict[str, phases.PhaseOutcome]:
+def _phases(
+    args: argparse.Namespace, side: phases.NodeSide, no_compute: str | None
+) -> dict[str, phases.PhaseOutcome]:
     out: dict[str, phases.PhaseOutcome] = {}
     # whether every node can compute decides the compute phases for all ranks alike
     can = side.exchange.gather("can", {"no_compute": no_compute}, {"no_compute": signed.Maybe(str)})
@@ -328,7 +349,15 @@ def _phases(args, side: phases.NodeSide, no_compute: str | None) -> dict[str, ph
 
 
 def _write_summary(
-    args, env, place, nodes, outcomes, suspects, topology, started, note: str | None = None
+    args: argparse.Namespace,
+    env: Environment,
+    place: ranks.Place,
+    nodes: dict[int, str],
+    outcomes: dict[str, phases.PhaseOutcome],
+    suspects: list[localise.Suspect],
+    topology: Topology | None,
+    started: str,
+    note: str | None = None,
 ) -> Path:
     out_dir, _ = report_dir(env, args.out)
     data = {

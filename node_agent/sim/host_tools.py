@@ -40,7 +40,7 @@ from node_agent.gpu.sim import pci_bus_id
 from node_agent.hardware.sku import Sku
 from node_agent.host.paths import HostPaths, format_cpu_list
 from node_agent.kernel_log import LogRecord
-from node_agent.sim.scenario import Scenario
+from node_agent.sim.scenario import Fault, Scenario
 from node_agent.sim.tools import simulated_pci, write_executable
 
 GIB = 1 << 30
@@ -110,7 +110,7 @@ def missing_parts(scenario: Scenario) -> list[str]:
     return out
 
 
-def _faults(scenario: Scenario, kind: str) -> list:
+def _faults(scenario: Scenario, kind: str) -> list[Fault]:
     return [f for f in scenario.faults if f.kind == kind]
 
 
@@ -243,8 +243,10 @@ def write_pci(scenario: Scenario, sku: Sku | None, sys_root: Path) -> None:
     for fault in _faults(scenario, "aer"):
         if fault.hca is not None:
             bdf = hca_bdf[fault.hca]
+        elif fault.gpu is not None:
+            bdf = normalise_bus_id(pci_bus_id(fault.gpu))
         else:
-            bdf = normalise_bus_id(pci_bus_id(int(fault.gpu)))
+            continue  # the schema gives every aer fault a gpu or an hca
         if fault.params.get("bridge"):
             bdf = upstream.get(bdf, bdf)
         severity = fault.params["severity"]
@@ -276,7 +278,7 @@ def write_pci(scenario: Scenario, sku: Sku | None, sys_root: Path) -> None:
         os.symlink(places[bdf], ib / name / "device")
 
 
-def _smart_log(scenario: Scenario, disk: str) -> dict:
+def _smart_log(scenario: Scenario, disk: str) -> dict[str, Any]:
     warning = 0
     for fault in _faults(scenario, "nvme_critical_warning"):
         if fault.params["disk"] == disk:
