@@ -179,6 +179,11 @@ def several_faults(module_agent):
     return run, out
 
 
+# the readers of the module's one ``several_faults`` run: on one xdist worker, so it runs once
+SEVERAL_FAULTS = pytest.mark.xdist_group("cli_simulated_several_faults")
+
+
+@SEVERAL_FAULTS
 def test_several_faults_worst_decides_and_every_fault_is_a_reason(several_faults):
     run, _ = several_faults
     assert run.code == 4, run.stderr
@@ -221,6 +226,7 @@ def test_only_runs_the_named_checks(agent, scenario):
     assert {r["check"] for r in report["results"]} == {"xid"}
 
 
+@SEVERAL_FAULTS
 def test_report_is_written_to_out_and_regrades_identically(module_agent, several_faults):
     run, out = several_faults
     assert run.code == 4, run.stderr

@@ -33,7 +33,8 @@ TAG = "localhost/node-agent:test"
 SCENARIOS = "/scenarios"  # REPO/scenarios, mounted read-only
 UNBUILDABLE = 3  # build-image's exit status for "this host cannot build an image"
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+# one build (the module's ``image``) for every test, on one xdist worker
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.xdist_group("image")]
 
 
 class Image:

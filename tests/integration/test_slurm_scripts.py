@@ -27,6 +27,9 @@ XID79 = [{"kind": "xid", "gpu": 5, "code": 79}]
 ONLY_FINDERS = ("--only", "inventory,nvml_health,xid")
 IDLE_HOOK = "#!/bin/sh\nexit 0\n"
 
+# the real Slurm test cluster: one xdist worker runs every test that uses one
+pytestmark = pytest.mark.xdist_group("slurm")
+
 
 class HookedCluster(_slurm.SlurmCluster):
     """The test cluster with a Prolog and an Epilog, each a script the test rewrites."""

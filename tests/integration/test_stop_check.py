@@ -213,6 +213,7 @@ def test_replay_names_the_node_whose_sm_corrupts_now_and_then(job, tmp_path):
     assert data["phases"]["replay"]["figures"] == {"rounds": 4, "rows": 2, "columns": 3}
 
 
+@pytest.mark.xdist_group("slurm")
 def test_a_slurm_step_names_the_bad_node_and_evicts_its_parallel_group(job, slurm, tmp_path):
     """The same stop-check as one step of the real test cluster: srun starts one task per
     simulated node (SLURM_PROCID, SLURM_NTASKS) on the loopback slurmd."""
@@ -331,6 +332,7 @@ def test_a_missing_or_loose_key_file_is_exit_2_naming_it_with_nothing_run(job, t
     assert not job.out.exists()
 
 
+@pytest.mark.xdist_group("slurm")
 @pytest.mark.parametrize("how", ["sourced", "run"])
 def test_the_slurm_step_script_makes_the_key_and_leaves_the_callers_shell_alone(
     slurm, tmp_path, how

@@ -107,6 +107,10 @@ def _state(pid: int) -> str:
     return "?"
 
 
+#: the readers of the module's one ``vfork_blocked`` set: on one xdist worker, so it is made once
+VFORK_BLOCKED = pytest.mark.xdist_group("attacks_hang_vfork_blocked")
+
+
 @pytest.fixture(scope="module")
 def vfork_blocked(attacker):
     """The attacker's ATTACK_PROCESSES processes, blocked in vfork() with hour-old heartbeats
@@ -149,6 +153,7 @@ def vfork_blocked(attacker):
         shutil.rmtree(base, ignore_errors=True)
 
 
+@VFORK_BLOCKED
 def test_80_processes_blocked_in_vfork_with_stale_heartbeats_are_a_warn_never_a_drain(
     attacker, shared_dir, vfork_blocked
 ):
@@ -203,6 +208,7 @@ def test_80_processes_blocked_in_vfork_with_stale_heartbeats_are_a_warn_never_a_
     assert 0 < len(sampled) <= 64 // entry["params"]["stack_samples"]
 
 
+@VFORK_BLOCKED
 def test_the_daemon_watching_80_vfork_blocked_processes_stays_at_warn_and_never_acts(
     shared_dir, vfork_blocked
 ):

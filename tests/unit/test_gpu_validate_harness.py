@@ -422,6 +422,10 @@ def _copy_of_the_tree(dest: Path) -> Path:
     return dest
 
 
+#: the readers of the module's one ``bare_tree`` copy: on one xdist worker, so it is made once
+BARE_TREE = pytest.mark.xdist_group("gpu_validate_bare_tree")
+
+
 @pytest.fixture(scope="module")
 def bare_tree(tmp_path_factory):
     if shutil.which("git") is None or not (REPO / ".git").exists():
@@ -455,6 +459,7 @@ def test_the_harness_puts_the_work_tree_first_on_its_steps_path(monkeypatch):
     assert gv._child_env()["PYTHONPATH"].split(os.pathsep) == [str(REPO), "/elsewhere"]
 
 
+@BARE_TREE
 def test_the_work_tree_runs_without_an_install_of_node_agent(bare_tree):
     """The GPU host's failure, replayed: its python3 had torch and pytest but no install of
     node_agent, so ``node_agent.graders`` (a package only pyproject's package-dir makes) did
@@ -500,6 +505,7 @@ def test_the_work_tree_runs_without_an_install_of_node_agent(bare_tree):
     assert seen["shipped"] == str(tree / "graders")
 
 
+@BARE_TREE
 def test_pytest_gpu_collects_every_test_from_the_bare_work_tree(bare_tree):
     """``pytest -m gpu`` as the pytest_gpu step runs it: a collection error (the GPU host's
     tests/unit/test_hardware_model.py) is a failed figure, so there must be none."""
@@ -531,6 +537,7 @@ def test_pytest_gpu_collects_every_test_from_the_bare_work_tree(bare_tree):
     assert "tests/unit/test_backend_contract.py::test_nvml_satisfies_the_backend_contract" in out
 
 
+@BARE_TREE
 def test_the_simulator_contract_and_the_agent_cli_run_from_the_bare_work_tree(bare_tree, tmp_path):
     """The nvml_contract step's simulator tests (six of them failed on the GPU host), and the
     agent's CLI with its checks, each run by the agent in a child ``python -P -m`` in ``/``
