@@ -12,6 +12,7 @@ from synthetic_reports import MINIMUM_TFLOPS, synthetic_report  # tests/syntheti
 
 from node_agent.commands import fleet as fleet_command
 from node_agent.fleet import analysis as fleet
+from node_agent.fleet import reports as fleet_reports
 from node_agent.fleet.analysis import analyse, analyse_figures, load_fleet_rules, load_topology
 from node_agent.fleet.text import render_text
 from node_agent.model import Result, Status
@@ -201,9 +202,9 @@ def test_evidence_cut_keeps_every_figure_of_a_report(tmp_path):
     report = synthetic_report("n1", seed=5, trace_points=30)
     path = json_report.write(report, tmp_path)
     text = path.read_text()
-    cut = json.loads(fleet._without_evidence(text))
+    cut = json.loads(fleet_reports._without_evidence(text))
     full = json.loads(text)
-    assert len(fleet._without_evidence(text)) < len(text)
+    assert len(fleet_reports._without_evidence(text)) < len(text)
     assert [{**r, "evidence": {}} for r in full["results"]] == cut["results"]
 
 
@@ -477,7 +478,7 @@ def test_evidence_cut_keeps_training_progress_evidence_only(tmp_path):
     report.results.append(progress("slurm:1", 0, 10, 0.5, "training_hang", likely_origin=True))
     text = json_report.dumps(report)
     full = json.loads(text)
-    cut = json.loads(fleet._without_evidence(text, keep="training_progress"))
+    cut = json.loads(fleet_reports._without_evidence(text, keep="training_progress"))
     assert [
         r if r["check"] == "training_progress" else {**r, "evidence": {}} for r in full["results"]
     ] == cut["results"]
