@@ -34,12 +34,15 @@ from node_agent.checks.behaviour import ServiceBehaviour
 from node_agent.checks.nvml_metrics import NvmlReadings
 from node_agent.gpu.base import (
     DeviceLost,
+    EccCounts,
     GpuDevice,
     GpuError,
     GpuTimeout,
     NoPermission,
     NotSupported,
+    NvLink,
 )
+from node_agent.gpu.nvlink_topology import HIDDEN, Applicability, classify
 from node_agent.gpu.pci import compare
 from node_agent.gpu.throttle import ABNORMAL_THROTTLE
 from node_agent.model import Result, Status
@@ -54,6 +57,10 @@ _RESET_ACTIONS = {
     "drain_p2p",
     "recover_imex_domain",
 }
+
+
+#: ``reading(metric, query)``: the query's value, or None after recording why there is none
+_Reading = Callable[[str, Callable[[], Any]], Any]
 
 
 class _Abort(Exception):
@@ -337,7 +344,9 @@ def _check_gpu(ctx: CheckContext, dev: GpuDevice) -> list[Result]:
     return out
 
 
-def _ecc(ctx, dev, target, reading, out) -> None:
+def _ecc(
+    ctx: CheckContext, dev: GpuDevice, target: str, reading: _Reading, out: list[Result]
+) -> None:
     ecc = reading("ecc", dev.ecc)
     if ecc is None:
         return
@@ -386,7 +395,7 @@ def _ecc(ctx, dev, target, reading, out) -> None:
     _sram(ctx, ecc, target, out)
 
 
-def _sram(ctx, ecc, target, out) -> None:
+def _sram(ctx: CheckContext, ecc: EccCounts, target: str, out: list[Result]) -> None:
     """SRAM (L2, SM register files and caches, on-chip buffers) uncorrectable errors over the
     GPU's life, and the driver's flag that they meet NVIDIA's RMA criteria."""
     sram = (
@@ -396,7 +405,7 @@ def _sram(ctx, ecc, target, out) -> None:
     )
     units = {k: v for k, v in ecc.sram_uncorrectable_by_unit.items() if v}
     where = f" ({', '.join(f'{k} {v}' for k, v in units.items())})" if units else ""
-    evidence = {"threshold_exceeded": ecc.sram_threshold_exceeded, "by_unit": units}
+    evidence: dict[str, Any] = {"threshold_exceeded": ecc.sram_threshold_exceeded, "by_unit": units}
     if ecc.sram_threshold_exceeded:
         out.append(
             ctx.result(
@@ -442,7 +451,9 @@ def _sram(ctx, ecc, target, out) -> None:
     )
 
 
-def _retired_pages(ctx, dev, target, reading, out) -> None:
+def _retired_pages(
+    ctx: CheckContext, dev: GpuDevice, target: str, reading: _Reading, out: list[Result]
+) -> None:
     pages = reading("retired_pages", dev.retired_pages)
     if pages is None:
         return
@@ -475,7 +486,9 @@ def _retired_pages(ctx, dev, target, reading, out) -> None:
         )
 
 
-def _row_remap(ctx, dev, target, reading, out) -> None:
+def _row_remap(
+    ctx: CheckContext, dev: GpuDevice, target: str, reading: _Reading, out: list[Result]
+) -> None:
     rows = reading("row_remap", dev.row_remap)
     if rows is None:
         return
@@ -518,7 +531,9 @@ def _row_remap(ctx, dev, target, reading, out) -> None:
         )
 
 
-def _pcie(ctx, dev, target, reading, out) -> None:
+def _pcie(
+    ctx: CheckContext, dev: GpuDevice, target: str, reading: _Reading, out: list[Result]
+) -> None:
     link = reading("pcie", dev.pcie)
     if link is None:
         return
@@ -597,7 +612,9 @@ def _pcie(ctx, dev, target, reading, out) -> None:
         )
 
 
-def _throttle(ctx, dev, target, reading, out) -> None:
+def _throttle(
+    ctx: CheckContext, dev: GpuDevice, target: str, reading: _Reading, out: list[Result]
+) -> None:
     reasons = reading("throttle", dev.throttle_reasons)
     if reasons is None:
         return
@@ -615,7 +632,9 @@ def _throttle(ctx, dev, target, reading, out) -> None:
     )
 
 
-def _temperature(ctx, dev, target, reading, out) -> None:
+def _temperature(
+    ctx: CheckContext, dev: GpuDevice, target: str, reading: _Reading, out: list[Result]
+) -> None:
     temp = reading("temperature", dev.temperature_c)
     if temp is None:
         return
@@ -665,7 +684,9 @@ def _temperature(ctx, dev, target, reading, out) -> None:
         )
 
 
-def _power(ctx, dev, target, reading, out) -> None:
+def _power(
+    ctx: CheckContext, dev: GpuDevice, target: str, reading: _Reading, out: list[Result]
+) -> None:
     power = reading("power", dev.power)
     if power is None:
         return
@@ -704,7 +725,9 @@ def _power(ctx, dev, target, reading, out) -> None:
     )
 
 
-def _persistence(ctx, dev, target, reading, out) -> None:
+def _persistence(
+    ctx: CheckContext, dev: GpuDevice, target: str, reading: _Reading, out: list[Result]
+) -> None:
     enabled = reading("persistence_mode", dev.persistence_mode)
     if enabled is None:
         return
@@ -722,7 +745,9 @@ def _persistence(ctx, dev, target, reading, out) -> None:
     )
 
 
-def _recovery(ctx, dev, target, reading, out) -> None:
+def _recovery(
+    ctx: CheckContext, dev: GpuDevice, target: str, reading: _Reading, out: list[Result]
+) -> None:
     action = reading("recovery_action", dev.recovery_action)
     if action is None:
         return
@@ -740,7 +765,9 @@ def _recovery(ctx, dev, target, reading, out) -> None:
     out.append(result)
 
 
-def _nvlink(ctx, dev, target, reading, out) -> None:
+def _nvlink(
+    ctx: CheckContext, dev: GpuDevice, target: str, reading: _Reading, out: list[Result]
+) -> None:
     links = reading("nvlink", dev.nvlinks)
     if links is None:
         return
@@ -785,7 +812,7 @@ NVLINK_COUNTERS = (
 )
 
 
-def _nvlink_counters(ctx: CheckContext, target: str, links: list) -> list[Result]:
+def _nvlink_counters(ctx: CheckContext, target: str, links: list[NvLink]) -> list[Result]:
     out = []
     for field, metric, unit in NVLINK_COUNTERS:
         per_link = {
@@ -810,130 +837,144 @@ def _nvlink_counters(ctx: CheckContext, target: str, links: list) -> list[Result
     return out
 
 
-def _nvlink_state(ctx: CheckContext, target: str, links: list, mode: str = "none") -> Result:
+def _nvlink_state(
+    ctx: CheckContext, target: str, links: list[NvLink], mode: str = "none"
+) -> Result:
     """NVLinks against ``node.expected_nvlinks``, else the SKU file's count, else what the
     GPU can use. ``mode`` is the GPU's NVML virtualization mode (``"none"`` on bare metal).
 
-    A FAULT needs a link NVML reports and reports down. Where NVML answers for no link at
-    all (every link call Not Supported: ``nvlinks()`` is []) nothing shows a broken link: on
-    a virtualized GPU the links are not this host's to see (skip), on bare metal a WARN
-    naming ``node.expected_nvlinks``. Inside a VM, links that answer but are all inactive
-    are a GPU given to the VM without its NVLink peers (NVIDIA Fabric Manager user guide,
-    virtualization models: a VM or GPU partition of one GPU has no NVLink interconnect), a WARN.
-    A declared ``node.expected_nvlinks`` is the operator's word: fewer active is a FAIL.
+    Whether NVLink is there to judge is asked first, of the one rule every NVLink judgment
+    shares (:func:`node_agent.gpu.nvlink_topology.classify`): a virtualized GPU for which NVML
+    answers no link index has its links hidden behind the hypervisor (a skip, unless the
+    operator declared a count). A FAULT needs a link NVML reports and reports down. On bare
+    metal, NVML answering for no link where the SKU has some is a WARN naming
+    ``node.expected_nvlinks`` (nothing shows a broken link). Inside a VM, links that answer but
+    are all inactive are a GPU given to the VM without its NVLink peers (NVIDIA Fabric Manager
+    user guide, virtualization models: a VM or GPU partition of one GPU has no NVLink
+    interconnect), a WARN. A declared ``node.expected_nvlinks`` is the operator's word: fewer
+    active is a FAIL.
     """
+    applies = classify(links, None, mode)
     active = [link.link for link in links if link.active]
     usable = [link for link in links if link.p2p_supported is not False]
-    idle = [link.link for link in usable if not link.active]
     evidence: dict[str, Any] = {
         "active": active,
         "indices": len(links),
-        "inactive": idle,
+        "inactive": [link.link for link in usable if not link.active],
         "not_p2p_capable": [link.link for link in links if link.p2p_supported is False],
         "virtualization": mode,
+        "nvlink": applies.kind,
     }
     declared = ctx.config.node.expected_nvlinks
     if declared is not None:
         return _nvlink_against(ctx, target, links, declared, "node.expected_nvlinks", evidence)
-    sku_id = ctx.sku.id if ctx.sku else None
     expected = ctx.sku.section("nvlink").get("links") if ctx.sku else None
     if expected:
-        where = f"SKU {sku_id}"
-        if not links and mode != "none":
-            return ctx.result(
-                target,
-                "nvlink_state",
-                Status.SKIP,
-                "NVLinks are not exposed to this host: NVML answers Not "
-                "Supported on every link and the GPU is "
-                f"{host_view.describe_mode(mode)} ({where} has {expected}; set "
-                "node.expected_nvlinks to require them)",
-                expected=expected,
-                **evidence,
-            )
-        if not links:
-            return ctx.result(
-                target,
-                "nvlink_state",
-                Status.WARN,
-                f"NVML answers for none of this GPU's NVLinks (every link call "
-                f"Not Supported), where {where} has {expected}: nothing shows a "
-                "broken link, and nothing shows a working one. Set "
-                f"node.expected_nvlinks ({expected} where the board's links must "
-                "be checked, 0 where this host has none)",
-                value=0,
-                unit="links",
-                expected=expected,
-                **evidence,
-            )
-        if not active and mode in host_view.GUEST_MODES:
-            return ctx.result(
-                target,
-                "nvlink_state",
-                Status.WARN,
-                f"0 of {expected} NVLinks active ({where}), and the GPU is "
-                f"{host_view.describe_mode(mode)}: a GPU given to a VM without "
-                "its NVLink peers has its links down by design. Set "
-                "node.expected_nvlinks to the links this VM should have to "
-                "check them",
-                value=0,
-                unit="links",
-                expected=expected,
-                **evidence,
-            )
-        return _nvlink_against(ctx, target, links, expected, where, evidence)
-    if expected == 0:
-        bridged = f"{len(active)} active through a bridge" if active else "none in use"
+        return _nvlink_sku(ctx, target, links, expected, applies, evidence)
+    return _nvlink_own(ctx, target, links, expected, evidence)
+
+
+def _nvlink_sku(
+    ctx: CheckContext,
+    target: str,
+    links: list[NvLink],
+    expected: int,
+    applies: Applicability,
+    evidence: dict[str, Any],
+) -> Result:
+    """Links against the SKU file's count, where NVLink is there to judge."""
+    where, mode = f"SKU {ctx.sku.id if ctx.sku else None}", evidence["virtualization"]
+    if applies.kind == HIDDEN:
         return ctx.result(
             target,
             "nvlink_state",
-            Status.PASS,
-            f"SKU {sku_id} expects no NVLink ({bridged}; {len(links)} link "
-            "indices answer, inactive ones are not wired)",
-            value=len(active),
-            unit="links",
-            expected=0,
+            Status.SKIP,
+            "NVLinks are not exposed to this host: NVML answers Not Supported on every link "
+            f"and the GPU is {host_view.describe_mode(mode)} ({where} has {expected}; set "
+            "node.expected_nvlinks to require them)",
+            expected=expected,
             **evidence,
         )
-    if not usable:
-        return ctx.result(
-            target,
-            "nvlink_state",
-            Status.PASS,
-            "no NVLink: no link index answers with P2P capability",
-            value=0,
-            unit="links",
-            expected=0,
-            **evidence,
-        )
-    if idle:
+    if not links:
         return ctx.result(
             target,
             "nvlink_state",
             Status.WARN,
-            f"{len(active)} of {len(usable)} NVLinks this GPU reports are active "
-            f"(inactive: {idle}); without a SKU file a down link cannot be told "
-            "from one this board does not wire (a PCIe card without a bridge): "
-            "add a SKU file or set node.sku",
-            value=len(active),
+            "NVML answers for none of this GPU's NVLinks (every link call Not Supported), "
+            f"where {where} has {expected}: nothing shows a broken link, and nothing shows a "
+            "working one. Set node.expected_nvlinks "
+            f"({expected} where the board's links must be checked, 0 where this host has none)",
+            value=0,
             unit="links",
-            expected=len(usable),
+            expected=expected,
             **evidence,
         )
+    if not evidence["active"] and mode in host_view.GUEST_MODES:
+        return ctx.result(
+            target,
+            "nvlink_state",
+            Status.WARN,
+            f"0 of {expected} NVLinks active ({where}), and the GPU is "
+            f"{host_view.describe_mode(mode)}: a GPU given to a VM without its NVLink peers "
+            "has its links down by design. Set node.expected_nvlinks to the links this VM "
+            "should have to check them",
+            value=0,
+            unit="links",
+            expected=expected,
+            **evidence,
+        )
+    return _nvlink_against(ctx, target, links, expected, where, evidence)
+
+
+def _nvlink_own(
+    ctx: CheckContext,
+    target: str,
+    links: list[NvLink],
+    expected: int | None,
+    evidence: dict[str, Any],
+) -> Result:
+    """Links where the SKU file expects none (0) or gives no count: what the GPU can use."""
+    active, idle = evidence["active"], evidence["inactive"]
+    usable = len(links) - len(evidence["not_p2p_capable"])
+    if expected == 0:
+        bridged = f"{len(active)} active through a bridge" if active else "none in use"
+        detail = (
+            f"SKU {ctx.sku.id if ctx.sku else None} expects no NVLink ({bridged}; "
+            f"{len(links)} link indices answer, inactive ones are not wired)"
+        )
+        status, value, wanted = Status.PASS, len(active), 0
+    elif not usable:
+        detail = "no NVLink: no link index answers with P2P capability"
+        status, value, wanted = Status.PASS, 0, 0
+    elif idle:
+        detail = (
+            f"{len(active)} of {usable} NVLinks this GPU reports are active (inactive: "
+            f"{idle}); without a SKU file a down link cannot be told from one this board does "
+            "not wire (a PCIe card without a bridge): add a SKU file or set node.sku"
+        )
+        status, value, wanted = Status.WARN, len(active), usable
+    else:
+        detail = f"{len(active)} NVLinks active (every link this GPU reports)"
+        status, value, wanted = Status.PASS, len(active), usable
     return ctx.result(
         target,
         "nvlink_state",
-        Status.PASS,
-        f"{len(active)} NVLinks active (every link this GPU reports)",
-        value=len(active),
+        status,
+        detail,
+        value=value,
         unit="links",
-        expected=len(usable),
+        expected=wanted,
         **evidence,
     )
 
 
 def _nvlink_against(
-    ctx: CheckContext, target: str, links: list, expected: int, where: str, evidence: dict[str, Any]
+    ctx: CheckContext,
+    target: str,
+    links: list[NvLink],
+    expected: int,
+    where: str,
+    evidence: dict[str, Any],
 ) -> Result:
     """Active links against ``expected`` (from ``where``: the SKU file or the operator)."""
     active = evidence["active"]

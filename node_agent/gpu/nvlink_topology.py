@@ -9,8 +9,8 @@ says why (:attr:`Applicability.why`), never a finding. The kinds, from NVML's an
   own: the fabric manager registers its GPUs, but no multi-node domain exists);
 - ``nvlink``: links answer and are usable, no fabric (direct NVLink pairs, bridges, and
   NVSwitch boards older than Hopper, which report no fabric);
-- ``hidden``: NVML answers for no link on a virtualized GPU (a pass-through or vGPU guest that
-  does not see what sits behind the hypervisor);
+- ``hidden``: NVML answers for no link index at all on a virtualized GPU (a pass-through or
+  vGPU guest that does not see what sits behind the hypervisor);
 - ``pcie``: NVML answers for no usable link on bare metal (PCIe only).
 
 The virtualization mode only names *why* links are missing; it never decides by itself: the
@@ -43,8 +43,6 @@ PCIE = "pcie"
 UNKNOWN = "unknown"
 #: most NVLink first: a node is the most NVLink any of its GPUs shows
 KINDS = (MULTI_NODE, NVSWITCH, NVLINK, HIDDEN, PCIE, UNKNOWN)
-#: the virtualization modes of a guest (``VIRTUALIZATION_MODES``; ``host_*`` are hypervisors)
-_GUEST = ("pass_through", "vgpu")
 
 
 @dataclass(frozen=True)
@@ -94,19 +92,21 @@ def classify(
         )
     usable = [link for link in links or [] if link.p2p_supported is not False]
     if usable:
+        active = sum(link.active for link in usable)
         return Applicability(
             NVLINK,
-            f"NVLink without a fabric: {len(usable)} links answer and no fabric is reported "
-            "(direct NVLink, a bridge, or NVSwitches before Hopper): no multi-node domain",
+            f"NVLink without a fabric: {len(usable)} links answer ({active} active) and no "
+            "fabric is reported (direct NVLink, a bridge, or NVSwitches before Hopper): no "
+            "multi-node NVLink domain",
         )
     if links is None:
         return Applicability(UNKNOWN, "NVML did not answer for the GPU's NVLinks")
-    if mode in _GUEST:
+    if not links and mode != "none":
         return Applicability(
             HIDDEN,
-            f"NVLinks are not exposed to this host: NVML answers for none of them and no "
-            f"fabric, and the GPU is virtualized ({mode}): what sits behind the hypervisor is "
-            "not this host's to see",
+            "NVLinks are not exposed to this host: NVML answers for none of them and reports "
+            f"no fabric, and the GPU is virtualized ({mode}): what sits behind the hypervisor "
+            "is not this host's to see",
         )
     return Applicability(
         PCIE,
