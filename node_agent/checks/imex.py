@@ -109,60 +109,79 @@ def run(ctx: CheckContext) -> list[Result]:
         params = Params.parse(ctx.params)
     except ValueError as err:
         return [ctx.result("node", "imex", Status.ERROR, str(err))]
-    if ctx.ports.software is not None:
-        return [ctx.skip(f"{ctx.ports.software.source} models no IMEX service", metric="imex")]
-    nodes_path = _nodes_config_path(params)
-    configured = _configured_nodes(nodes_path)
-    if isinstance(configured, str):
-        return [ctx.result("node", "imex", Status.ERROR, configured, nodes_config=str(nodes_path))]
-    if configured is None:
-        return [ctx.skip(_not_configured(params, nodes_path), metric="imex")]
-    applies = nvlink_applicability(ctx.gpu)
-    if not applies.multi_node:
-        return [
-            ctx.result(
-                "node",
-                "imex",
-                Status.SKIP,
-                f"IMEX is configured ({nodes_path}) but does not apply: this node is not on "
-                f"multi-node NVLink ({applies.why})",
-                nvlink=applies.kind,
-            )
-        ]
-    argv = [params.tool, "-c", params.config, "-N", "-j"]
-    out = proc.run(argv, timeout_s=min(params.timeout_s, max(1.0, ctx.timeout_s - 1.0)))
-    if out.not_found:
-        return [
-            ctx.result(
-                "node",
-                "imex",
-                Status.ERROR,
-                f"IMEX is configured ({nodes_path} lists {len(configured)} nodes) but "
-                f"{params.tool} is not found; install the {PACKAGE} package (the IMEX service "
-                f"and its control tool) or set the check's tool param",
-                nodes_config=str(nodes_path),
-            )
-        ]
-    try:
-        if not out.ok:
-            raise ParseError(out.describe_failure())
-        domain = parse(out.stdout)
-    except ParseError as err:
-        return [
-            ctx.result(
-                "node",
-                "imex",
-                Status.ERROR,
-                f"could not read the IMEX domain: {err} (expected `{' '.join(argv)}` to print "
-                f"the domain's nodes and its state)",
-                command=argv,
-            )
-        ]
+    gate = _configured(ctx, params)
+    if isinstance(gate, Result):
+        return [gate]
+    nodes_path, configured = gate
+    domain = _read_domain(ctx, params, nodes_path, len(configured))
+    if isinstance(domain, Result):
+        return [domain]
     local = _local_node(domain, params.local)
     return [
         _node_result(ctx, domain, local, configured),
         _domain_result(ctx, domain, configured),
     ]
+
+
+def _configured(ctx: CheckContext, params: Params) -> Result | tuple[Path, list[str]]:
+    """(the nodes config, its addresses) where IMEX is configured and applies; else the skip
+    (or, for a nodes config that cannot be read, the error) that says why."""
+    if ctx.ports.software is not None:  # a stand-in: NVML's answers are modelled, IMEX is not
+        applies = nvlink_applicability(ctx.gpu)
+        why = (
+            f"{ctx.ports.software.source} models no IMEX service"
+            if applies.multi_node
+            else f"IMEX does not apply: this node is not on multi-node NVLink ({applies.why})"
+        )
+        return ctx.result("node", "imex", Status.SKIP, why, nvlink=applies.kind)
+    nodes_path = _nodes_config_path(params)
+    configured = _configured_nodes(nodes_path)
+    if isinstance(configured, str):
+        return ctx.result("node", "imex", Status.ERROR, configured, nodes_config=str(nodes_path))
+    if configured is None:
+        return ctx.skip(_not_configured(params, nodes_path), metric="imex")
+    applies = nvlink_applicability(ctx.gpu)
+    if not applies.multi_node:
+        return ctx.result(
+            "node",
+            "imex",
+            Status.SKIP,
+            f"IMEX is configured ({nodes_path}) but does not apply: this node is not on "
+            f"multi-node NVLink ({applies.why})",
+            nvlink=applies.kind,
+        )
+    return nodes_path, configured
+
+
+def _read_domain(
+    ctx: CheckContext, params: Params, nodes_path: Path, configured: int
+) -> ImexDomain | Result:
+    """``nvidia-imex-ctl -N -j`` parsed; the error result when it cannot be had."""
+    argv = [params.tool, "-c", params.config, "-N", "-j"]
+    out = proc.run(argv, timeout_s=min(params.timeout_s, max(1.0, ctx.timeout_s - 1.0)))
+    if out.not_found:
+        return ctx.result(
+            "node",
+            "imex",
+            Status.ERROR,
+            f"IMEX is configured ({nodes_path} lists {configured} nodes) but {params.tool} is "
+            f"not found; install the {PACKAGE} package (the IMEX service and its control "
+            f"tool) or set the check's tool param",
+            nodes_config=str(nodes_path),
+        )
+    try:
+        if not out.ok:
+            raise ParseError(out.describe_failure())
+        return parse(out.stdout)
+    except ParseError as err:
+        return ctx.result(
+            "node",
+            "imex",
+            Status.ERROR,
+            f"could not read the IMEX domain: {err} (expected `{' '.join(argv)}` to print the "
+            f"domain's nodes and its state)",
+            command=argv,
+        )
 
 
 def _nodes_config_path(params: Params) -> Path:
