@@ -34,6 +34,8 @@ from typing import Any
 from xml.parsers import expat
 
 from node_agent.atomic_file import FOREIGN_MAX_BYTES, ForeignFileRefused, read_foreign
+from node_agent.gpu.base import FABRIC_HEALTH_SUMMARIES, FABRIC_STATES, GpuFabric
+from node_agent.gpu.nvml_calls import ERROR_NAMES, fabric_value
 from node_agent.gpu.pci import NVIDIA_VENDOR_ID, normalise_bus_id
 from node_agent.gpu.replay import recorded_error
 from node_agent.hardware.sku import Sku
@@ -430,6 +432,7 @@ def gpu_keys(smi: _Smi, tree: Tree, assumed: dict[str, str]) -> dict[str, Any]:
         _joined(smi, tree, keys, key, parts)
     _ecc(smi, tree, keys, assumed)
     _retired_pages(smi, tree, keys)
+    _fabric(smi, tree, keys)
     return keys
 
 
@@ -655,6 +658,59 @@ def _retired_pages(smi: _Smi, tree: Tree, keys: dict[str, Any]) -> None:
             keys[key] = _enabled(reading)
         else:
             keys[key] = _int(reading)
+
+
+#: the Fabric section's words for nvmlGpuFabricState_t and the health summary (nvidia-smi -q)
+_FABRIC_STATES = {"not supported": 0, "not started": 1, "in progress": 2, "completed": 3}
+_FABRIC_SUMMARIES = {"healthy": 1, "unhealthy": 2, "limited capacity": 3}
+#: the health mask's two-bit fields as nvidia-smi prints them: (XML tag, text label, shift, the
+#: word that means TRUE (1); the other words of a known form are FALSE (2), N/A is 0)
+_FABRIC_FLAGS = (
+    ("bandwidth", "Bandwidth", 0, "degraded"),
+    ("route_recovery_in_progress", "Route Recovery in progress", 2, "true"),
+    ("route_unhealthy", "Route Unhealthy", 4, "true"),
+    ("access_timeout_recovery", "Access Timeout Recovery", 6, "true"),
+)
+_FABRIC_FALSE = {"full", "false"}
+
+
+def _fabric(smi: _Smi, tree: Tree, keys: dict[str, Any]) -> None:
+    """The Fabric section (``nvmlDeviceGetGpuFabricInfoV``): state, status, CliqueId,
+    ClusterUUID and the health flags, as the state key ``fabric``; a state of N/A or Not
+    Supported leaves the key out (the GPU has no fabric)."""
+
+    def read(xml: str, text: str) -> str:
+        return (smi.get(tree, f"fabric/{xml}", f"Fabric/{text}") or "").strip()
+
+    state = _FABRIC_STATES.get(read("state", "State").lower(), 0)
+    if not state:
+        return
+    status_word = read("status", "Status").lower()
+    codes = {name.lower(): code for code, name in ERROR_NAMES.items()}
+    mask = 0
+    for xml, text, shift, true in _FABRIC_FLAGS:
+        word = read(f"health/{xml}", f"Health/{text}").lower()
+        mask |= (1 if word == true else 2 if word in _FABRIC_FALSE else 0) << shift
+    summary = read("health/summary", "Health/Summary").lower()
+    uuid = read("clusterUuid", "ClusterUUID").lower()
+    clique = read("cliqueId", "CliqueId")
+    try:
+        keys["fabric"] = fabric_value(
+            GpuFabric(
+                state=FABRIC_STATES[state],
+                status=0 if status_word in ("success", "n/a", "") else codes.get(status_word, 999),
+                cluster_uuid=uuid if _CLUSTER_UUID.match(uuid) else _ZERO_UUID,
+                clique_id=_int(clique) if clique and clique != "N/A" else 0,
+                health_mask=mask,
+                health_summary=FABRIC_HEALTH_SUMMARIES[_FABRIC_SUMMARIES.get(summary, 0)],
+            )
+        )
+    except ValueError:
+        keys["fabric"] = recorded_error(999)  # printed, but not as any known form
+
+
+_CLUSTER_UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+_ZERO_UUID = "00000000-0000-0000-0000-000000000000"
 
 
 # -- the scenario --------------------------------------------------------------------------------
