@@ -53,7 +53,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from node_agent.atomic_file import write_json
 from node_agent.checks import CheckContext
@@ -61,6 +61,9 @@ from node_agent.checks.behaviour import ServiceBehaviour
 from node_agent.checks.sdc_metrics import SdcVerdicts
 from node_agent.gpu.base import GpuError
 from node_agent.model import Result, Status, utc_iso
+
+if TYPE_CHECKING:
+    from node_agent.sdc.spool import SpooledVerdict
 
 #: in the daemon: a confirmed or cleared report counts in node_agent_sdc_probes_total, with the
 #: sdc check's own verdicts (checks/sdc_metrics.py)
@@ -264,65 +267,8 @@ def run(ctx: CheckContext) -> list[Result]:
         cursor["ingested"] = {k: v for k, v in cursor["ingested"].items() if k in present}
         errors: list[tuple[Path, str]] = []
         new = sdc_lib.read_verdicts(spool, errors, skip=cursor["ingested"])
-        users, users_problem = (
-            gpu_users(ctx) if any(s.verdict.status == "confirmed" for s in new) else ({}, None)
-        )
-        groups: dict[tuple[str, str], list[tuple[Any, str, str | None]]] = {}
-        passes = 0
-        for sv in new:
-            v = sv.verdict
-            target, uuid, note = map_target(ctx, v.device, v.evidence)
-            cursor["ingested"][sv.path.name] = {
-                "status": v.status,
-                "target": target,
-                "at": now,
-                "uid": sv.uid,
-            }
-            if v.status == "pass":
-                passes += 1
-                continue
-            if v.status == "confirmed":
-                pids, why = _vouch(sv.uid, target, users, users_problem)
-                if pids:
-                    cursor["pending"][target] = {
-                        "gpu_uuid": uuid,
-                        "uid": sv.uid,
-                        "pids": pids,
-                        "file": sv.path.name,
-                        "detail": v.detail[:500] + note,
-                        "verdict_at": v.timestamp,
-                        "reported_at": now,
-                        "next_try": 0.0,
-                        "tries": 0,
-                    }
-                    continue
-                groups.setdefault((target, "unverified"), []).append((sv, note + f"; {why}", uuid))
-                continue
-            groups.setdefault((target, v.status), []).append((sv, note, uuid))
-        for file, reason in errors:
-            if file == spool:  # about the directory (too many files): said, nothing ingested
-                out.append(
-                    ctx.result(
-                        "node",
-                        "sdc_spool_unreadable",
-                        Status.WARN,
-                        f"SDC spool {spool}: {reason}",
-                        file=str(file),
-                    )
-                )
-                continue
-            cursor["ingested"][file.name] = {"status": "unreadable", "target": "node", "at": now}
-            out.append(
-                ctx.result(
-                    "node",
-                    "sdc_spool_unreadable",
-                    Status.WARN,
-                    f"SDC spool file {file} is not a valid verdict ({reason}); "
-                    "it was not written by node_agent.sdc.write_verdict, or was "
-                    "damaged: inspect and remove it (reported once)",
-                    file=str(file),
-                )
-            )
+        groups, passes = _ingest(ctx, cursor, new, now)
+        out.extend(_unreadable_results(ctx, spool, errors, cursor, now))
         out.extend(_report_results(ctx, groups))
         confirmed = _confirm(ctx, cursor, now, started, out)
         out.extend(_standing_results(ctx, cursor, confirmed))
@@ -339,6 +285,90 @@ def run(ctx: CheckContext) -> list[Result]:
                 unit="verdicts",
                 spool_dir=str(spool),
                 cursor=str(path),
+            )
+        )
+    return out
+
+
+_Groups = dict[tuple[str, str], list[tuple[Any, str, str | None]]]
+
+
+def _ingest(
+    ctx: CheckContext, cursor: dict[str, Any], new: list[SpooledVerdict], now: float
+) -> tuple[_Groups, int]:
+    """The new verdicts recorded in the cursor: a confirmed one whose writer runs on its GPU
+    becomes pending (for the agent's own probe), the others are grouped by (target, kind) for
+    their reports; also how many passed."""
+    users, users_problem = (
+        gpu_users(ctx) if any(s.verdict.status == "confirmed" for s in new) else ({}, None)
+    )
+    groups: _Groups = {}
+    passes = 0
+    for sv in new:
+        v = sv.verdict
+        target, uuid, note = map_target(ctx, v.device, v.evidence)
+        cursor["ingested"][sv.path.name] = {
+            "status": v.status,
+            "target": target,
+            "at": now,
+            "uid": sv.uid,
+        }
+        if v.status == "pass":
+            passes += 1
+            continue
+        if v.status == "confirmed":
+            pids, why = _vouch(sv.uid, target, users, users_problem)
+            if pids:
+                cursor["pending"][target] = {
+                    "gpu_uuid": uuid,
+                    "uid": sv.uid,
+                    "pids": pids,
+                    "file": sv.path.name,
+                    "detail": v.detail[:500] + note,
+                    "verdict_at": v.timestamp,
+                    "reported_at": now,
+                    "next_try": 0.0,
+                    "tries": 0,
+                }
+                continue
+            groups.setdefault((target, "unverified"), []).append((sv, note + f"; {why}", uuid))
+            continue
+        groups.setdefault((target, v.status), []).append((sv, note, uuid))
+    return groups, passes
+
+
+def _unreadable_results(
+    ctx: CheckContext,
+    spool: Path,
+    errors: list[tuple[Path, str]],
+    cursor: dict[str, Any],
+    now: float,
+) -> list[Result]:
+    """A WARN for each spool file (or the spool itself) that could not be read; a file is
+    marked ingested so that it is reported once."""
+    out = []
+    for file, reason in errors:
+        if file == spool:  # about the directory (too many files): said, nothing ingested
+            out.append(
+                ctx.result(
+                    "node",
+                    "sdc_spool_unreadable",
+                    Status.WARN,
+                    f"SDC spool {spool}: {reason}",
+                    file=str(file),
+                )
+            )
+            continue
+        cursor["ingested"][file.name] = {"status": "unreadable", "target": "node", "at": now}
+        out.append(
+            ctx.result(
+                "node",
+                "sdc_spool_unreadable",
+                Status.WARN,
+                f"SDC spool file {file} is not a valid verdict ({reason}); "
+                "it was not written by node_agent.sdc.write_verdict, or was "
+                "damaged: inspect and remove it (reported once)",
+                file=str(file),
             )
         )
     return out
@@ -423,20 +453,6 @@ def _confirm(
         result, detail = outcome.get(
             target, ("pending", f"the next probe is due at {_when(report.get('next_try'))}")
         )
-        who = (
-            f"a training job of uid {report.get('uid')} (pid "
-            f"{', '.join(map(str, report.get('pids') or [])) or '?'}, running on {target})"
-        )
-        said = (
-            f"{who} reported silent data corruption confirmed by its probe at "
-            f"{_when(report.get('verdict_at'))}: {report.get('detail', '')[:300]}"
-        )
-        common = dict(
-            gpu_uuid=report.get("gpu_uuid"),
-            reporter_uid=report.get("uid"),
-            reporter_pids=report.get("pids"),
-            file=report.get("file"),
-        )
         if result == "confirmed":
             confirmed.add(target)
             cursor["standing"].append(
@@ -452,54 +468,69 @@ def _confirm(
                     "graded_at": now,
                 }
             )
+        if result in ("confirmed", "clean"):
             del cursor["pending"][target]
-            out.append(
-                ctx.result(
-                    target,
-                    "sdc_confirmed",
-                    Status.FAIL,
-                    f"{target}: silent data corruption confirmed by the agent's "
-                    f"own probe ({detail}), after {said}",
-                    value=1,
-                    unit="verdicts",
-                    source="agent probe",
-                    **common,
-                )
-            )
-        elif result == "clean":
-            del cursor["pending"][target]
-            out.append(
-                ctx.result(
-                    target,
-                    "sdc_reported",
-                    Status.WARN,
-                    f"{target}: {said}; the agent's own probe did not confirm it "
-                    f"({detail}): not acted on, kept as evidence",
-                    value=1,
-                    unit="verdicts",
-                    source="spool (not confirmed)",
-                    **common,
-                )
-            )
-        else:
-            if target in outcome:
-                report["tries"] = int(report.get("tries", 0)) + 1
-                report["next_try"] = now + retry_s
-            out.append(
-                ctx.result(
-                    target,
-                    "sdc_reported",
-                    Status.WARN,
-                    f"{target}: {said}; awaiting the agent's own probe before "
-                    f"any action ({detail})",
-                    value=1,
-                    unit="verdicts",
-                    source="spool (awaiting the agent's probe)",
-                    tries=report.get("tries", 0),
-                    **common,
-                )
-            )
+        elif target in outcome:
+            report["tries"] = int(report.get("tries", 0)) + 1
+            report["next_try"] = now + retry_s
+        out.append(_confirmation_result(ctx, target, report, result, detail))
     return confirmed
+
+
+def _confirmation_result(
+    ctx: CheckContext, target: str, report: dict[str, Any], result: str, detail: str
+) -> Result:
+    """What the agent's own probe made of a training job's report on ``target``: confirmed
+    (FAIL), clean (a WARN kept as evidence, not acted on) or still awaited (WARN)."""
+    who = (
+        f"a training job of uid {report.get('uid')} (pid "
+        f"{', '.join(map(str, report.get('pids') or [])) or '?'}, running on {target})"
+    )
+    said = (
+        f"{who} reported silent data corruption confirmed by its probe at "
+        f"{_when(report.get('verdict_at'))}: {report.get('detail', '')[:300]}"
+    )
+    common: dict[str, Any] = dict(
+        gpu_uuid=report.get("gpu_uuid"),
+        reporter_uid=report.get("uid"),
+        reporter_pids=report.get("pids"),
+        file=report.get("file"),
+    )
+    if result == "confirmed":
+        return ctx.result(
+            target,
+            "sdc_confirmed",
+            Status.FAIL,
+            f"{target}: silent data corruption confirmed by the agent's "
+            f"own probe ({detail}), after {said}",
+            value=1,
+            unit="verdicts",
+            source="agent probe",
+            **common,
+        )
+    if result == "clean":
+        return ctx.result(
+            target,
+            "sdc_reported",
+            Status.WARN,
+            f"{target}: {said}; the agent's own probe did not confirm it "
+            f"({detail}): not acted on, kept as evidence",
+            value=1,
+            unit="verdicts",
+            source="spool (not confirmed)",
+            **common,
+        )
+    return ctx.result(
+        target,
+        "sdc_reported",
+        Status.WARN,
+        f"{target}: {said}; awaiting the agent's own probe before any action ({detail})",
+        value=1,
+        unit="verdicts",
+        source="spool (awaiting the agent's probe)",
+        tries=report.get("tries", 0),
+        **common,
+    )
 
 
 def own_probe(ctx: CheckContext, indices: list[int], budget_s: float) -> dict[str, tuple[str, str]]:
