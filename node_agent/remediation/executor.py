@@ -82,8 +82,14 @@ from node_agent.remediation.plan import (
     remediation_window_start,
 )
 from node_agent.remediation.plan import restart_window_start as _window_start
-from node_agent.remediation.states import NodeState, RestartKind, StepAction
-from node_agent.remediation.store import JournalRow, NodeRecord, StateUnavailable, Store
+from node_agent.remediation.states import JournalState, NodeState, RestartKind, StepAction, Trigger
+from node_agent.remediation.store import (
+    OPEN_STATES,
+    JournalRow,
+    NodeRecord,
+    StateUnavailable,
+    Store,
+)
 from node_agent.schedulers.base import (
     AdapterError,
     AdapterOutcome,
@@ -283,7 +289,7 @@ class Remediator:
             self._unavailable(step, self.store.unavailable, out)
             return out
         out = self.recover()
-        self._step(step, "operator", out)
+        self._step(step, Trigger.OPERATOR, out)
         return out
 
     def recover(self) -> Outcome:
@@ -319,7 +325,10 @@ class Remediator:
         }
         # the node's own automatic restarts, any code: a node that keeps needing them is held
         remediations = self.store.count_done(
-            self.node, REMEDIATION_ACTIONS, remediation_window_start(record, now), trigger="auto"
+            self.node,
+            REMEDIATION_ACTIONS,
+            remediation_window_start(record, now),
+            trigger=Trigger.AUTO,
         )
         return plan(
             grade,
@@ -339,7 +348,7 @@ class Remediator:
         for step in p.steps:
             if step.action is StepAction.RETEST:
                 return self._retest(step, out), False
-            if not self._step(step, "auto", out):
+            if not self._step(step, Trigger.AUTO, out):
                 return None, (
                     step.action is StepAction.GPU_RESET
                     and out.records[-1].outcome is ActionOutcome.FAILED
@@ -369,7 +378,7 @@ class Remediator:
         self._journal(
             step,
             step.key(self.node),
-            "auto",
+            Trigger.AUTO,
             now,
             side_action=StepAction.RETEST,
             state=ActionOutcome.DONE,
@@ -379,7 +388,7 @@ class Remediator:
         return grade
 
     # -- one step ------------------------------------------------------------------------------
-    def _step(self, step: Step, trigger: str, out: Outcome) -> bool:
+    def _step(self, step: Step, trigger: Trigger, out: Outcome) -> bool:
         """Guard, journal, act, close. True when the plan may go on to its next step."""
         try:
             return self._guarded_step(step, trigger, out)
@@ -387,11 +396,12 @@ class Remediator:
             self._unavailable(step, str(err), out)
             return False
 
-    def _guarded_step(self, step: Step, trigger: str, out: Outcome) -> bool:
+    def _guarded_step(self, step: Step, trigger: Trigger, out: Outcome) -> bool:
         now = self.clock()
-        key = step.key(self.node) if trigger == "auto" else f"{step.key(self.node)}|{now:.6f}"
+        auto = trigger is Trigger.AUTO
+        key = step.key(self.node) if auto else f"{step.key(self.node)}|{now:.6f}"
         retry: JournalRow | None = None
-        if trigger == "auto":
+        if auto:
             refusal = self._guard(step, now)
             if refusal:
                 self._close_new(
@@ -429,7 +439,9 @@ class Remediator:
         )
         if self.after_journal is not None:
             self.after_journal(step)
-        row = self.store.journal_update(row.id, "started", row.detail, now, count_try=True)
+        row = self.store.journal_update(
+            row.id, JournalState.STARTED, row.detail, now, count_try=True
+        )
         result = self._act(step, row)
         detail = result.detail
         if evidence_note and result.status is not AdapterStatus.FAILED:
@@ -468,7 +480,7 @@ class Remediator:
             self.store.last_done_at(self.node, ("resume",)) or 0.0,
         )
         if (
-            existing.state == "done"
+            existing.state is JournalState.DONE
             and existing.updated_at > episode_start
             and now - existing.updated_at < self.safety.dedup_window_s
         ):
@@ -479,12 +491,12 @@ class Remediator:
                 f"{self.safety.dedup_window_s:g}); not repeated"
             )
             return True, None
-        if existing.state in ("planned", "started"):
+        if existing.state in OPEN_STATES:
             out.notes.append(
                 f"{step.action} is in progress elsewhere (journal #{existing.id}); not started twice"
             )
             return False, None
-        return None, existing if existing.state == "failed" else None
+        return None, existing if existing.state is JournalState.FAILED else None
 
     def _act(self, step: Step, row: JournalRow) -> AdapterOutcome:
         """Perform a started row with what goes with its step: the driver's bug report before
@@ -509,7 +521,7 @@ class Remediator:
         drains = 0
         if step.action is StepAction.DRAIN and not br.open:
             since = max(now - self.safety.breaker_window_h * 3600.0, br.reset_at or 0.0)
-            drains = self.store.count_done(None, ("drain",), since, trigger="auto")
+            drains = self.store.count_done(None, (StepAction.DRAIN,), since, trigger=Trigger.AUTO)
         refusal, trip = guards.breaker(
             br, drains, self.safety.breaker_max_drains, self.safety.breaker_window_h
         )
@@ -519,7 +531,7 @@ class Remediator:
             return refusal
         if step.action is not StepAction.DRAIN:
             return None
-        if self.store.node_record(self.node).state == "in-service":
+        if self.store.node_record(self.node).state is NodeState.IN_SERVICE:
             refusal = guards.rate_limit(
                 self.store.last_done_at(self.node, (*DISRUPTIVE, "resume")),
                 now,
@@ -554,7 +566,7 @@ class Remediator:
         same = self.store.journal_by_key(step.key(self.node))
         if (
             same is not None
-            and same.state == "done"
+            and same.state is JournalState.DONE
             and now - same.updated_at < self.safety.dedup_window_s
         ):
             return None  # this very job again: dedup says so, quietly (not a refusal)
@@ -700,11 +712,11 @@ class Remediator:
         self,
         step: Step,
         key: str,
-        trigger: str,
+        trigger: Trigger,
         now: float,
         *,
         side_action: str | None = None,
-        state: str = "planned",
+        state: JournalState | ActionOutcome = JournalState.PLANNED,
         detail: str = "",
         tries: int = 0,
     ) -> JournalRow:
@@ -732,7 +744,7 @@ class Remediator:
         self,
         step: Step,
         key: str,
-        trigger: str,
+        trigger: Trigger,
         outcome: ActionOutcome,
         detail: str,
         now: float,
@@ -808,7 +820,9 @@ class Remediator:
                 self._record(action, ActionOutcome.FAILED, f"recovered #{row.id}: {detail}")
             )
             return
-        row = self.store.journal_update(row.id, "started", row.detail, now, count_try=True)
+        row = self.store.journal_update(
+            row.id, JournalState.STARTED, row.detail, now, count_try=True
+        )
         result = self._perform(row)
         self._finish(
             row, AdapterOutcome(result.status, f"recovered journal #{row.id}: {result.detail}"), out

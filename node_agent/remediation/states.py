@@ -12,7 +12,14 @@ from __future__ import annotations
 from node_agent.model import Recovery, StepAction
 from node_agent.model import Word as _Word
 
-__all__ = ["RESTART_FOR_RECOVERY", "NodeState", "RestartKind", "StepAction"]
+__all__ = [
+    "RESTART_FOR_RECOVERY",
+    "JournalState",
+    "NodeState",
+    "RestartKind",
+    "StepAction",
+    "Trigger",
+]
 
 
 class NodeState(_Word):
@@ -33,6 +40,25 @@ class NodeState(_Word):
     AWAITING_REPLACEMENT = "awaiting-replacement"
     NEEDS_OPERATOR = "needs-operator"
     PLANNED = "planned"  # drained ahead of an announced maintenance (remedy planned)
+
+
+class JournalState(_Word):
+    """Where one journal row is: ``planned`` and ``started`` are the ones a crash can leave
+    behind (completed once by the next run); the rest are a step's final ``ActionOutcome``."""
+
+    PLANNED = "planned"
+    STARTED = "started"
+    DONE = "done"
+    FAILED = "failed"
+    REFUSED = "refused"
+    DRY_RUN = "dry-run"
+
+
+class Trigger(_Word):
+    """Who asked for a step: the agent's own grading, or an operator's ``node-agent act``."""
+
+    AUTO = "auto"  # every guard applies
+    OPERATOR = "operator"  # the automatic guards are skipped: a person decided
 
 
 class RestartKind(_Word):

@@ -42,7 +42,13 @@ from urllib.parse import quote
 
 from node_agent.atomic_file import private_dir
 from node_agent.model import utc_stamp
-from node_agent.remediation.states import NodeState, RestartKind
+from node_agent.remediation.states import (
+    JournalState,
+    NodeState,
+    RestartKind,
+    StepAction,
+    Trigger,
+)
 
 DB_NAME = "node-agent.db"
 SCHEMA_VERSION = 1
@@ -64,8 +70,8 @@ RUN_REASONS_MAX_BYTES = 8192
 COMPACT_FREE_BYTES = 64 << 20
 
 #: journal states; ``planned`` and ``started`` are the ones a crash can leave behind
-JOURNAL_STATES = ("planned", "started", "done", "failed", "refused", "dry-run")
-OPEN_STATES = ("planned", "started")
+JOURNAL_STATES = tuple(JournalState)
+OPEN_STATES = (JournalState.PLANNED, JournalState.STARTED)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
@@ -100,19 +106,25 @@ class JournalRow:
     id: int
     key: str
     node: str
-    action: str  # drain | resume | restart | gpu-reset | replace | retest
+    action: StepAction
     reason: str
     fault_code: str | None
     target: str | None
     attempt: int
-    state: str  # one of JOURNAL_STATES
+    state: JournalState
     detail: str
     to_state: str | None  # the node's remediation state once this action is done
-    trigger: str  # auto | operator
+    trigger: Trigger
     adapter: str
     tries: int
     created_at: float
     updated_at: float
+
+    def __post_init__(self) -> None:
+        # the database keeps their words; the agent wrote every one of them from these enums
+        object.__setattr__(self, "action", StepAction(self.action))
+        object.__setattr__(self, "state", JournalState(self.state))
+        object.__setattr__(self, "trigger", Trigger(self.trigger))
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -93,17 +93,23 @@ class Harness:
 
 
 # -- the four adapters ----------------------------------------------------------------------
-def _log(tmp_path: Path) -> Harness:
-    adapter = LogAdapter(tmp_path / "actions.log", node="gpu-01")
+def _recorder(
+    adapter: SchedulerAdapter,
+    requests: Callable[[], list[dict[str, Any]]],
+    silent: Callable[[], SchedulerAdapter],
+) -> Harness:
+    """An adapter that tells its scheduler each action and cannot read the node's state (log,
+    webhook): ``requests`` are what the scheduler received, each with its reason, key
+    (``key`` or ``idempotency_key``), evidence and action."""
 
     def effects() -> list[Effect]:
         return [
-            Effect(r["reason"], r.get("key"), r.get("evidence"), r["action"])
-            for r in adapter.records()
+            Effect(
+                r["reason"], r.get("key", r.get("idempotency_key")), r.get("evidence"), r["action"]
+            )
+            for r in requests()
         ]
 
-    blocker = tmp_path / "not-a-directory"
-    blocker.write_text("")
     return Harness(
         adapter=adapter,
         node="gpu-01",
@@ -113,7 +119,16 @@ def _log(tmp_path: Path) -> Harness:
         holds_evidence=True,
         drain_by_hand=None,
         held_reason=lambda: (effects() or [Effect(None)])[-1].reason,
-        silent=lambda: LogAdapter(blocker / "actions.log", node="gpu-01"),
+        silent=silent,
+    )
+
+
+def _log(tmp_path: Path) -> Harness:
+    adapter = LogAdapter(tmp_path / "actions.log", node="gpu-01")
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    return _recorder(
+        adapter, adapter.records, lambda: LogAdapter(blocker / "actions.log", node="gpu-01")
     )
 
 
@@ -124,29 +139,15 @@ def _webhook(tmp_path: Path) -> Iterator[Harness]:
     receiver = Receiver()
     adapter, _ = webhook_for(receiver.url, tmp_path)
 
-    def effects() -> list[Effect]:
-        bodies = [r["body"] for r in receiver.received if r["valid"]]
-        return [
-            Effect(b["reason"], b["idempotency_key"], b.get("evidence"), b["action"])
-            for b in bodies
-        ]
-
     def silent() -> SchedulerAdapter:
         closed = f"http://127.0.0.1:{_closed_port()}/node-agent"
         return webhook_for(closed, tmp_path, retries=1)[0]
 
+    def bodies() -> list[dict[str, Any]]:
+        return [r["body"] for r in receiver.received if r["valid"]]
+
     try:
-        yield Harness(
-            adapter=adapter,
-            node="gpu-01",
-            effects=effects,
-            reads_state=False,
-            holds_key=True,
-            holds_evidence=True,
-            drain_by_hand=None,
-            held_reason=lambda: (effects() or [Effect(None)])[-1].reason,
-            silent=silent,
-        )
+        yield _recorder(adapter, bodies, silent)
     finally:
         receiver.close()
 
