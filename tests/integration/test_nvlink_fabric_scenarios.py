@@ -197,3 +197,48 @@ def test_a_gpu_without_a_fabric_has_a_null_domain_and_fabric(nvml_fake_lib, tmp_
     )
     assert inventory["nvlink_domain"] is None
     assert all(gpu["fabric"] is None for gpu in inventory["gpus"])
+
+
+def test_a_domain_the_operator_declares_is_the_one_each_gpu_is_held_to(tmp_path, setup):
+    config, _suite = setup
+    declared = {"cluster_uuid": "6a1c2e8f-3b4d-4e5f-8a9b-0c1d2e3f4a5b", "clique_id": 3}
+    suite = tmp_path / "declared.yaml"
+    checks = [
+        {**c, "params": declared} if c["check"] == "nvlink_fabric" else c for c in SUITE["checks"]
+    ]
+    suite.write_text(yaml.safe_dump({**SUITE, "checks": checks}))
+    argv = ["check", "--json", "--config", str(config), "--suite", str(suite)]
+    argv += ["--out", str(tmp_path / "out")]
+    report = _run(tmp_path, argv, SCENARIOS / "healthy-gb200-186gb.yaml", "simulate")
+    assert report["grade"]["level"] == "ERROR"
+    wrong = [r for r in _fabric(report) if r["status"] == "fail"]
+    assert {r["target"] for r in wrong} == {f"gpu:{i}" for i in range(4)}
+    assert all("suite's params" in r["detail"] and "clique 3" in r["detail"] for r in wrong)
+
+
+def test_the_stand_in_answers_the_older_call_for_a_driver_without_the_versioned_one(
+    nvml_fake_lib, tmp_path, setup
+):
+    """nvidia-ml-py's c_nvmlGpuFabricInfo_t through the stand-in's nvmlDeviceGetGpuFabricInfo:
+    the domain is read, the health (the versioned struct's) is a skip saying why."""
+    from node_agent.hardware.sku import load_skus
+    from node_agent.sim.nvml_state import Switch, render
+    from node_agent.sim.scenario import load_scenario
+
+    skus = load_skus(harness.REPO / "graders")
+    scenario = load_scenario(SCENARIOS / "healthy-gb200-186gb.yaml", skus)
+    state = tmp_path / "state.txt"
+    state.write_text(
+        render(scenario, skus[scenario.sku], [Switch("absent", "nvmlDeviceGetGpuFabricInfoV")])
+    )
+    config, suite = setup
+    argv = [sys.executable, "-m", "node_agent.commands.main", "check", "--json"]
+    argv += ["--config", str(config), "--suite", str(suite), "--out", str(tmp_path / "out")]
+    env = harness.agent_env(state=state)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    report = json.loads(proc.stdout)
+    assert report["grade"]["level"] == "HEALTHY", report["grade"]
+    by = {(r["target"], r["metric"]): r for r in _fabric(report)}
+    assert by[("node", "nvlink_domain")]["value"] == 2
+    health = by[("gpu:0", "fabric_health")]
+    assert health["status"] == "skip" and "no fabric health" in health["detail"]
