@@ -37,6 +37,9 @@ from typing import Any
 from node_agent.parsers import ParseError, json_document
 
 TOOL = "nvidia-imex-ctl"
+#: the longest name, address, state or version kept (a DNS name is at most 253 characters):
+#: a peer's host name reaches the reports, and no report carries an unbounded field
+MAX_NAME = 255
 READY = "READY"
 UP = "UP"
 #: the text form's one-letter connection states and the JSON form's words for them
@@ -183,9 +186,9 @@ def parse_json(text: str) -> ImexDomain:
         nodes.append(
             ImexNode(
                 index=index,
-                host=str(raw.get("host") or ""),
-                state=raw["status"],
-                version=str(raw.get("version") or ""),
+                host=str(raw.get("host") or "")[:MAX_NAME],
+                state=raw["status"][:MAX_NAME],
+                version=str(raw.get("version") or "")[:MAX_NAME],
                 hostname=_hostname(raw.get("hostName")),
             )
         )
@@ -202,7 +205,7 @@ def _index(key: str) -> int:
 
 
 def _hostname(value: Any) -> str:
-    return value if isinstance(value, str) and value != "N/A" else ""
+    return value[:MAX_NAME] if isinstance(value, str) and value != "N/A" else ""
 
 
 def _connections(raw: Any, node: str) -> dict[int, str]:

@@ -302,3 +302,10 @@ def test_imex_configured_on_a_node_without_multi_node_nvlink_is_a_skip(
     assert "not on multi-node NVLink" in results[0].detail
     assert not (tmp_path / "argv").exists()
     assert grader().grade(results, "service").level is Level.HEALTHY
+
+
+def test_an_overlong_host_name_from_a_peer_is_cut() -> None:
+    doc = json.loads(sample("json_up_2.json"))
+    doc["nodes"]["1"]["hostName"] = "x" * 5000
+    domain = reader.parse(json.dumps(doc))
+    assert len(domain.nodes[1].hostname) == reader.MAX_NAME
