@@ -131,9 +131,9 @@ def parse_text(text: str) -> ImexDomain:
             nodes.append(
                 ImexNode(
                     index=int(m["index"]),
-                    host=m["host"],
+                    host=m["host"][:MAX_NAME],
                     state=m["state"],
-                    version=m["version"] or "",
+                    version=(m["version"] or "")[:MAX_NAME],
                     local=True if m["mark"] == "*" else None,
                 )
             )
