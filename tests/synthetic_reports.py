@@ -371,13 +371,17 @@ def tray_report(
     seed: int = 0,
     faults: Mapping[int, str] | None = None,
     fabric: Mapping[int, Mapping[str, object]] | None = None,
+    gpu_factors: Mapping[int, float] | None = None,
 ) -> dict[str, object]:
     """The JSON of a GB200 NVL72 compute tray's report (4 GPUs) with the ``inventory`` the
     fabric check adds: ``nvlink_domain`` (None with ``cluster_uuid=None``: not multi-node
     NVLink) and each GPU's ``fabric``. ``faults`` as :func:`synthetic_report`'s (``xid79``
     FAULT, ``slow`` ERROR); ``fabric`` maps a GPU to overrides of its fabric
-    (``{1: {"clique_id": 3}}``: GPU 1 in another clique)."""
-    report = synthetic_report(hostname, seed=seed, gpus=4, faults=faults, sku="gb200-186gb")
+    (``{1: {"clique_id": 3}}``: GPU 1 in another clique); ``gpu_factors`` as
+    :func:`synthetic_report`'s (a slow GPU)."""
+    report = synthetic_report(
+        hostname, seed=seed, gpus=4, faults=faults, sku="gb200-186gb", gpu_factors=gpu_factors
+    )
     data = report.to_dict()
     gpus = [g.to_dict() for g in report.gpus]
     for g in gpus:

@@ -27,7 +27,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from node_agent.fleet.domains import DEFAULT_BAD_SHARE, NvlinkDomain, group_domains
+from node_agent.fleet.domains import (
+    DEFAULT_BAD_SHARE,
+    NvlinkDomain,
+    domain_groups,
+    group_domains,
+)
 from node_agent.fleet.reports import HUNG, STEPPING, NodeFigures, TrainingRow, read_all
 from node_agent.fleet.reports import expand_paths as expand_paths
 from node_agent.fleet.topology import load_topology as load_topology
@@ -312,12 +317,13 @@ class FleetAnalysis:
         return list(seen)
 
     def flagged_groups(self) -> list[dict[str, Any]]:
-        """Topology groups that contain a suspect node: the group is flagged as a whole."""
-        if not self.topology:
-            return []
+        """Topology groups that contain a suspect node: the group is flagged as a whole. The
+        NVLink domains the reports name are such groups too (a slow tray slows every job laid
+        out over its domain), unless the topology file lists them already."""
+        groups = {**domain_groups(self.domains), **(self.topology or {})}
         bad = set(self.suspect_nodes)
         out = []
-        for group, members in self.topology.items():
+        for group, members in groups.items():
             hit = [n for n in members if n in bad]
             if hit:
                 out.append({"group": group, "nodes": members, "suspect_nodes": hit})

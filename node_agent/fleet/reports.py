@@ -176,7 +176,7 @@ def read_figures(path: str | Path, owners: frozenset[int] | None = None) -> Node
             path=str(path),
             rows=rows,
             training=training,
-            level=str(data["grade"]["level"]),
+            level=str((data.get("grade") or {}).get("level", "")),
             tray=tray_facts(data),
         )
     except OSError as err:

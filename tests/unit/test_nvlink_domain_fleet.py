@@ -87,6 +87,16 @@ def test_the_default_share_escalates_at_five_of_18_trays(tmp_path, bad, escalate
     assert domain.escalated is escalated
 
 
+def test_a_slow_tray_flags_its_nvlink_domain_as_a_whole(tmp_path):
+    reports = rack_reports(0)
+    reports["tray05"] = tray_report("tray05", seed=4, gpu_factors={2: 0.85})
+    analysis = analyse([write(tmp_path, reports)], RULES)
+    assert {s.node for s in analysis.suspects} == {"tray05"}
+    (group,) = analysis.flagged_groups()
+    assert group["group"] == DOMAIN and group["suspect_nodes"] == ["tray05"]
+    assert len(group["nodes"]) == 18
+
+
 def test_the_share_is_a_flag_two_bad_trays_escalate_at_a_tenth(tmp_path):
     write(tmp_path, rack_reports(2))
     out = io.StringIO()
