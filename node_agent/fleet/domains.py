@@ -12,11 +12,12 @@ trays drain together.
 Why 0.25 by default: trays fail independently at a low rate, so several bad trays in one rack at
 once point to something they share (an NVSwitch tray, a power shelf, the rack's cooling or its
 fabric). Even at a pessimistic 5 % of trays bad at any time, 5 or more of 18 (the first count
-at or over 0.25) are bad together by chance in 0.15 % of racks (binomial, n = 18, p = 0.05),
-at 2 % in 0.002 %; 2 or more of 18 in 23 % of racks at 5 % (5 % at 2 %). Two bad trays are what the two
-spare trays of the usual 16 + 2 layout absorb; by NVSentinel #367's 50 % (9 trays) half the
-rack is already lost. A quarter escalates a common cause early, and never a rack whose
-spares still cover it.
+at or over 0.25) are bad together by chance in 0.15 % of racks (binomial, n = 18, p = 0.05;
+0.002 % at p = 0.02). Two bad trays (23 % of racks at 5 %) are what the two spare trays of a
+common 16 + 2 layout absorb; three or four leave such a job short too, but happen by chance in
+6 % of racks at 5 % (0.5 % at 2 %), too often to drain 18 trays for each. NVSentinel #367's
+50 % (9 trays) waits until half the rack is lost. The share is a flag
+(``node-agent fleet --domain-bad-share``) for a fleet whose rates or layout differ.
 
 Nodes without a domain are left out: their grade is their own.
 """
