@@ -8,7 +8,6 @@ shipped trends file and rules.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from pathlib import Path
 
@@ -117,10 +116,12 @@ def test_each_link_of_an_nvml_health_result_is_its_own_series_with_its_peer() ->
     ]
     (one,) = [s for s in specs.samples([result]) if s.part == "link 2"]
     assert one.spec.key(one.part) == "nvlink_replay_errors:nvlink_replay:link 2"
-    with_peers = dataclasses.replace(spec(), peers="peer_by_link")
-    sampled = Sampled(with_peers, "gpu:1", 7.0, "link 2", "0000:1b:00.0")
-    result = persistence_result(sampled, [15, 0], 7.0)
-    assert result is not None and "(peer 0000:1b:00.0)" in result.detail
+    result.evidence["peer_by_link"] = {"2": "GPU 0000:1b:00.0"}
+    (named,) = [s for s in specs.samples([result]) if s.part == "link 2"]
+    assert named.peer == "GPU 0000:1b:00.0"
+    warn = persistence_result(named, [15, 0], 7.0)
+    assert warn is not None and "link 2 (peer GPU 0000:1b:00.0)" in warn.detail
+    assert warn.evidence["peer"] == "GPU 0000:1b:00.0"
 
 
 def nvlink_result(gpu: int, per_link: dict[str, int]) -> Result:
