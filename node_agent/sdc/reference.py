@@ -256,9 +256,8 @@ def freivalds_check(
         )
     if blocks < 1:
         raise ValueError(f"freivalds_check: blocks must be >= 1, got {blocks}")
-    dev = C.device
     k = A.shape[1]
-    m, n = C.shape
+    n = C.shape[1]
     a64, b64, c64 = (t.to(torch.float64) for t in (A, B, C))
     bad = ~torch.isfinite(c64).all(dim=1)
     g = torch.Generator().manual_seed(seed)
@@ -268,17 +267,50 @@ def freivalds_check(
     if exact and cbound * 1024 * max(n, 1) >= 2**53:
         exact = False
     if exact:
-        finite = torch.where(torch.isfinite(c64), c64, torch.zeros_like(c64))
-        # A C element that is not an integer, or larger than any product of A and B can be,
-        # is wrong for sure; the rest is compared exactly.
-        wild = (finite != torch.round(finite)) | (finite.abs() > cbound)
-        bad |= wild.any(dim=1)
-        ci = torch.where(wild, torch.zeros_like(finite), finite)
-        for _ in range(rounds):
-            x = torch.randint(1, 1025, (n, 1), generator=g, dtype=torch.int64)
-            x = (x * (torch.randint(0, 2, x.shape, generator=g) * 2 - 1)).to(torch.float64).to(dev)
-            bad |= (ci @ x != a64 @ (b64 @ x)).squeeze(1)
-        return int(bad.sum())
+        bad |= _exact_disagreements(a64, b64, c64, cbound, rounds, g)
+    else:
+        bad |= _float_disagreements(A, C, a64, b64, c64, rounds, rtol, g, tf32, blocks)
+    return int(bad.sum())
+
+
+def _exact_disagreements(
+    a64: torch.Tensor,
+    b64: torch.Tensor,
+    c64: torch.Tensor,
+    cbound: float,
+    rounds: int,
+    g: torch.Generator,
+) -> torch.Tensor:
+    """:func:`freivalds_check`'s exact mode: the rows of C (float64) that are not A·B."""
+    dev, n = c64.device, c64.shape[1]
+    finite = torch.where(torch.isfinite(c64), c64, torch.zeros_like(c64))
+    # A C element that is not an integer, or larger than any product of A and B can be,
+    # is wrong for sure; the rest is compared exactly.
+    wild = (finite != torch.round(finite)) | (finite.abs() > cbound)
+    bad = wild.any(dim=1)
+    ci = torch.where(wild, torch.zeros_like(finite), finite)
+    for _ in range(rounds):
+        x = torch.randint(1, 1025, (n, 1), generator=g, dtype=torch.int64)
+        x = (x * (torch.randint(0, 2, x.shape, generator=g) * 2 - 1)).to(torch.float64).to(dev)
+        bad |= (ci @ x != a64 @ (b64 @ x)).squeeze(1)
+    return bad
+
+
+def _float_disagreements(
+    A: torch.Tensor,
+    C: torch.Tensor,
+    a64: torch.Tensor,
+    b64: torch.Tensor,
+    c64: torch.Tensor,
+    rounds: int,
+    rtol: float | None,
+    g: torch.Generator,
+    tf32: bool,
+    blocks: int,
+) -> torch.Tensor:
+    """:func:`freivalds_check`'s float mode: the rows of C whose blocks differ from A·B by
+    more than :func:`freivalds_bound` allows (or ``rtol``)."""
+    dev, k, n = c64.device, a64.shape[1], c64.shape[1]
     nb = max(1, min(blocks, n))
     # block J holds columns [edges[J], edges[J+1]); the columns' block index as a one-hot
     # (n × nb) matrix turns every blockwise sum into one float64 product
@@ -290,6 +322,7 @@ def freivalds_check(
     c0 = torch.where(torch.isfinite(c64), c64, torch.zeros_like(c64))
     abs_a, abs_b, abs_c = a64.abs(), b64.abs(), c0.abs()
     u_c, g_ab, eta = freivalds_bound(A, C, k, tf32)
+    bad = torch.zeros(c64.shape[0], dtype=torch.bool, device=dev)
     for _ in range(rounds):
         # |x_j| in [0.5, 1.5): a changed element of C moves its block by at least half the change.
         x = torch.rand(n, 1, generator=g, dtype=torch.float64) + 0.5
@@ -303,7 +336,7 @@ def freivalds_check(
         else:
             tol = u_c * (abs_c @ ax) + g_ab * (abs_a @ (abs_b @ ax)) + eta * ax.sum(0)
         bad |= ~((lhs - rhs).abs() <= tol).all(dim=1)
-    return int(bad.sum())
+    return bad
 
 
 def freivalds_probe(
