@@ -1,7 +1,8 @@
 """The remediation side of the ``node-agent`` command: ``act``, ``status``, ``set-healthy``,
 ``breaker reset``, ``optout`` and ``--act``/``--adapter``/``--dry-run`` on ``accept``/``check``.
 
-``commands.main`` only wires these in; the logic lives in :mod:`node_agent.remediation.executor` and friends.
+``commands.main`` only wires these in; the logic lives in
+:mod:`node_agent.remediation.executor` and friends.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
-"""The remediation vocabulary: a node's states, the actions of a plan step, the kinds of restart.
+"""The remediation vocabulary: a node's states, the actions of a plan step, a journal row's
+state, who asked for a step, the kinds of restart.
 
-Each is a ``str`` enum (:class:`~node_agent.model.Word`; :class:`StepAction` lives in the model,
-beside the ``ActionRecord`` that names it) whose values are the strings the store keeps on disk (``remediation.db``
-columns ``state``, ``action``, ``restart_kind``) and that ``status`` shows, so an existing
-database reads unchanged and ``member == "drained"`` holds. :mod:`node_agent.remediation.plan`
-decides with them; :mod:`node_agent.remediation.store` reads and writes them.
+Each is a ``str`` enum (:class:`~node_agent.model.Word`; :class:`StepAction` lives in the
+model, beside the ``ActionRecord`` that names it) whose values are the strings the store keeps
+on disk (``remediation.db`` columns ``state``, ``action``, ``trigger``, ``restart_kind``) and
+that ``status`` shows, so an existing database reads unchanged and ``member == "drained"``
+holds. :mod:`node_agent.remediation.plan` and the executor decide with them;
+:mod:`node_agent.remediation.store` reads and writes them.
 """
 
 from __future__ import annotations

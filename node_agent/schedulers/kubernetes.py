@@ -101,7 +101,8 @@ POD_JOB = JobKind(
 
 
 def taint_value(reason: str) -> str:
-    """The taint value: the grade named in the reason (a label value: <=63 chars, [A-Za-z0-9._-])."""
+    """The taint value: the grade named in the reason (a label value: at most 63 characters of
+    ``[A-Za-z0-9._-]``)."""
     match = _GRADE_RE.search(reason)
     return match.group(1) if match else "unhealthy"
 

@@ -43,8 +43,9 @@ fields users cannot set
 (``scontrol show job -o`` prints the user's JobName, WorkDir and Command among its
 ``Key=Value`` fields, where ``x NodeList=gpu-01`` could pass for a field). A job that is not
 running (already requeued, by another node's agent for the same hang, or ended) is left alone
-(``already``): the detail starts with ``job-not-running:``. ``scontrol requeue`` kills the job and puts it
-back in the queue (``Restarts`` counts up; Slurm holds it back for a short BeginTime).
+(``already``): the detail starts with ``job-not-running:``. ``scontrol requeue`` kills the job
+and puts it back in the queue (``Restarts`` counts up; Slurm holds it back for a short
+BeginTime).
 """
 
 from __future__ import annotations

@@ -100,122 +100,127 @@ def make_pod(
     }
 
 
+class NodeApiHandler(BaseHTTPRequestHandler):
+    """The stand-in API server's requests: it records each one and answers as the API server
+    would for nodes (GET, strategic-merge PATCH) and pods (GET, DELETE with a uid precondition)."""
+
+    @property
+    def api(self) -> FakeNodeApi:
+        return self.server.api  # type: ignore[attr-defined, no-any-return]
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, code: int, body: dict):
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _record(self, body=None):
+        self.api.requests.append(
+            {
+                "method": self.command,
+                "path": self.path.split("?")[0],
+                "content_type": self.headers.get("Content-Type"),
+                "body": body,
+            }
+        )
+
+    def do_GET(self):
+        self._record()
+        if self.api.fail_status:
+            return self._send(self.api.fail_status, {"kind": "Status", "message": "boom"})
+        parts = self.path.split("?")[0].strip("/").split("/")
+        if parts[2:3] == ["namespaces"] and parts[4:5] == ["pods"]:
+            pod = self.api.pods.get((parts[3], parts[5]))
+            if pod is None:
+                return self._send(
+                    404,
+                    {
+                        "kind": "Status",
+                        "reason": "NotFound",
+                        "message": f'pods "{parts[5]}" not found',
+                    },
+                )
+            return self._send(200, pod)
+        if parts == ["api", "v1", "nodes"]:
+            return self._send(
+                200,
+                {"kind": "NodeList", "apiVersion": "v1", "items": list(self.api.nodes.values())},
+            )
+        node = self.api.nodes.get(parts[-1])
+        if node is None:
+            return self._send(
+                404,
+                {
+                    "kind": "Status",
+                    "reason": "NotFound",
+                    "message": f'nodes "{parts[-1]}" not found',
+                },
+            )
+        return self._send(200, node)
+
+    def do_PATCH(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self._record(body)
+        parts = self.path.split("?")[0].strip("/").split("/")
+        node = self.api.nodes[parts[3]]
+        rv = (body.get("metadata") or {}).get("resourceVersion")
+        if rv is not None and rv != node["metadata"]["resourceVersion"]:
+            return self._send(
+                409,
+                {
+                    "kind": "Status",
+                    "reason": "Conflict",
+                    "message": "the object has been modified",
+                },
+            )
+        strategic_merge(node, body)
+        node["metadata"]["resourceVersion"] = str(int(node["metadata"]["resourceVersion"]) + 1)
+        return self._send(200, node)
+
+    def do_DELETE(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(length)) if length else None
+        self._record(body)
+        parts = self.path.split("?")[0].strip("/").split("/")
+        pod = self.api.pods.get((parts[3], parts[5]))
+        if pod is None:
+            return self._send(
+                404,
+                {
+                    "kind": "Status",
+                    "reason": "NotFound",
+                    "message": f'pods "{parts[5]}" not found',
+                },
+            )
+        uid = ((body or {}).get("preconditions") or {}).get("uid")
+        if uid is not None and uid != pod["metadata"]["uid"]:
+            return self._send(
+                409,
+                {
+                    "kind": "Status",
+                    "reason": "Conflict",
+                    "message": "Precondition failed: UID in precondition"
+                    f": {uid}, UID in object meta: "
+                    f"{pod['metadata']['uid']}",
+                },
+            )
+        del self.api.pods[(parts[3], parts[5])]
+        return self._send(200, pod)
+
+
 class FakeNodeApi:
     def __init__(self, nodes: dict[str, dict], pods: dict[tuple[str, str], dict] | None = None):
         self.nodes = nodes
         self.pods = pods if pods is not None else {}
         self.requests: list[dict] = []
         self.fail_status: int | None = None
-        api = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, code: int, body: dict):
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def _record(self, body=None):
-                api.requests.append(
-                    {
-                        "method": self.command,
-                        "path": self.path.split("?")[0],
-                        "content_type": self.headers.get("Content-Type"),
-                        "body": body,
-                    }
-                )
-
-            def do_GET(self):
-                self._record()
-                if api.fail_status:
-                    return self._send(api.fail_status, {"kind": "Status", "message": "boom"})
-                parts = self.path.split("?")[0].strip("/").split("/")
-                if parts[2:3] == ["namespaces"] and parts[4:5] == ["pods"]:
-                    pod = api.pods.get((parts[3], parts[5]))
-                    if pod is None:
-                        return self._send(
-                            404,
-                            {
-                                "kind": "Status",
-                                "reason": "NotFound",
-                                "message": f'pods "{parts[5]}" not found',
-                            },
-                        )
-                    return self._send(200, pod)
-                if parts == ["api", "v1", "nodes"]:
-                    return self._send(
-                        200,
-                        {"kind": "NodeList", "apiVersion": "v1", "items": list(api.nodes.values())},
-                    )
-                node = api.nodes.get(parts[-1])
-                if node is None:
-                    return self._send(
-                        404,
-                        {
-                            "kind": "Status",
-                            "reason": "NotFound",
-                            "message": f'nodes "{parts[-1]}" not found',
-                        },
-                    )
-                return self._send(200, node)
-
-            def do_PATCH(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                self._record(body)
-                parts = self.path.split("?")[0].strip("/").split("/")
-                node = api.nodes[parts[3]]
-                rv = (body.get("metadata") or {}).get("resourceVersion")
-                if rv is not None and rv != node["metadata"]["resourceVersion"]:
-                    return self._send(
-                        409,
-                        {
-                            "kind": "Status",
-                            "reason": "Conflict",
-                            "message": "the object has been modified",
-                        },
-                    )
-                strategic_merge(node, body)
-                node["metadata"]["resourceVersion"] = str(
-                    int(node["metadata"]["resourceVersion"]) + 1
-                )
-                return self._send(200, node)
-
-            def do_DELETE(self):
-                length = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(length)) if length else None
-                self._record(body)
-                parts = self.path.split("?")[0].strip("/").split("/")
-                pod = api.pods.get((parts[3], parts[5]))
-                if pod is None:
-                    return self._send(
-                        404,
-                        {
-                            "kind": "Status",
-                            "reason": "NotFound",
-                            "message": f'pods "{parts[5]}" not found',
-                        },
-                    )
-                uid = ((body or {}).get("preconditions") or {}).get("uid")
-                if uid is not None and uid != pod["metadata"]["uid"]:
-                    return self._send(
-                        409,
-                        {
-                            "kind": "Status",
-                            "reason": "Conflict",
-                            "message": "Precondition failed: UID in precondition"
-                            f": {uid}, UID in object meta: "
-                            f"{pod['metadata']['uid']}",
-                        },
-                    )
-                del api.pods[(parts[3], parts[5])]
-                return self._send(200, pod)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), NodeApiHandler)
+        self.server.api = self  # type: ignore[attr-defined]
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
