@@ -517,12 +517,28 @@ def results_for(
     }
     if bad:
         evidence["sm_pattern"] = sm_pattern(bad)
-    n = len(run.verdicts)
-    notes = "".join(f"; note: {x}" for x in run.notes)
+    out = _mismatch_results(ctx, target, run.verdicts, bad, evidence)
+    if not out:
+        out.append(_clean_result(ctx, target, run, evidence))
+    for r in out:
+        r.duration_s = sum(v.duration_s for v in run.verdicts)
+    return out
+
+
+def _mismatch_results(
+    ctx: CheckContext,
+    target: str,
+    verdicts: list[sdc_lib.Verdict],
+    bad: list[sdc_lib.Verdict],
+    evidence: dict[str, Any],
+) -> list[Result]:
+    """A GPU's findings: confirmed corruption (FAIL) or else a transient mismatch (WARN), and
+    probes that could not run (ERROR)."""
+    n = len(verdicts)
     out: list[Result] = []
-    confirmed = [v for v in run.verdicts if v.status == "confirmed"]
-    transient = [v for v in run.verdicts if v.status == "transient"]
-    errors = [v for v in run.verdicts if v.status == "error"]
+    confirmed = [v for v in verdicts if v.status == "confirmed"]
+    transient = [v for v in verdicts if v.status == "transient"]
+    errors = [v for v in verdicts if v.status == "error"]
     if confirmed:
         # An exact-probe verdict says how many elements were wrong; prefer it as the headline.
         first = next((v for v in confirmed if v.probe == "exact_gemm"), confirmed[0])
@@ -536,10 +552,7 @@ def results_for(
                 f"{_where(bad)}; replace the GPU",
                 value=len(confirmed),
                 unit="probes",
-                probe=first.probe,
-                shape=list(first.shape),
-                dtype=first.dtype,
-                mismatched_elements=first.mismatched_elements,
+                **first.headline(),
                 **evidence,
             )
         )
@@ -554,10 +567,7 @@ def results_for(
                 f"(transient; kept as evidence): {first.detail}",
                 value=len(transient),
                 unit="probes",
-                probe=first.probe,
-                shape=list(first.shape),
-                dtype=first.dtype,
-                mismatched_elements=first.mismatched_elements,
+                **first.headline(),
                 **evidence,
             )
         )
@@ -573,27 +583,28 @@ def results_for(
                 **evidence,
             )
         )
-    if not out:
-        cov = run.coverage
-        reach = (
-            f"; exact probes reached {cov.value:.0%} of {cov.sm_count} SMs ({cov.method})"
-            if cov is not None and cov.sm_count
-            else ""
-        )
-        out.append(
-            ctx.result(
-                target,
-                "sdc_probes",
-                Status.PASS,
-                f"{target}: {n} SDC probes in {run.rounds} round(s), no mismatch{reach}{notes}",
-                value=n,
-                unit="probes",
-                **evidence,
-            )
-        )
-    for r in out:
-        r.duration_s = sum(v.duration_s for v in run.verdicts)
     return out
+
+
+def _clean_result(ctx: CheckContext, target: str, run: GpuRun, evidence: dict[str, Any]) -> Result:
+    """The pass of a GPU whose probes all matched, with how much of it they reached."""
+    n = len(run.verdicts)
+    notes = "".join(f"; note: {x}" for x in run.notes)
+    cov = run.coverage
+    reach = (
+        f"; exact probes reached {cov.value:.0%} of {cov.sm_count} SMs ({cov.method})"
+        if cov is not None and cov.sm_count
+        else ""
+    )
+    return ctx.result(
+        target,
+        "sdc_probes",
+        Status.PASS,
+        f"{target}: {n} SDC probes in {run.rounds} round(s), no mismatch{reach}{notes}",
+        value=n,
+        unit="probes",
+        **evidence,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -690,6 +701,37 @@ def _no_coverage(results: list[Result]) -> list[Result]:
     return results
 
 
+def _open_for_probe(
+    ctx: CheckContext, spec: compute.ComputeSpec, min_free: float
+) -> ComputeDevice | Result:
+    """The GPU's compute device; else the result that says why it is not probed: it cannot
+    open (error), or in the service mode it has less than ``min_free`` MiB free (skip, so a
+    probe cannot push a running job out of memory)."""
+    target = spec.target
+    try:
+        dev = compute.open_device(spec)
+    except Exception as err:  # noqa: BLE001 - a device that cannot open is an error result
+        return ctx.result(
+            target,
+            "sdc_probe_error",
+            Status.ERROR,
+            f"{target}: cannot open the compute device: {type(err).__name__}: {err}",
+        )
+    if ctx.mode == "service":
+        mem = _free_mib(dev)
+        if mem is not None and mem[0] < min_free:
+            return ctx.result(
+                target,
+                "sdc_probes",
+                Status.SKIP,
+                f"{target}: {mem[0]:.0f} MiB free of {mem[1]:.0f} MiB, below "
+                f"min_free_mib {min_free:g}: probe skipped so it cannot push a "
+                "running job out of memory",
+                free_mib=round(mem[0]),
+            )
+    return dev
+
+
 def run(ctx: CheckContext) -> list[Result]:
     unavailable = ctx.gpus_unavailable()
     if unavailable:
@@ -727,34 +769,10 @@ def run(ctx: CheckContext) -> list[Result]:
     software: dict[int, dict[str, Any]] = {}
     out: list[Result] = []
     for spec in specs:
-        target = spec.target
-        try:
-            dev = compute.open_device(spec)
-        except Exception as err:  # noqa: BLE001 - a device that cannot open is an error result
-            out.append(
-                ctx.result(
-                    target,
-                    "sdc_probe_error",
-                    Status.ERROR,
-                    f"{target}: cannot open the compute device: {type(err).__name__}: {err}",
-                )
-            )
+        dev = _open_for_probe(ctx, spec, min_free)
+        if isinstance(dev, Result):
+            out.append(dev)
             continue
-        if ctx.mode == "service":
-            mem = _free_mib(dev)
-            if mem is not None and mem[0] < min_free:
-                out.append(
-                    ctx.result(
-                        target,
-                        "sdc_probes",
-                        Status.SKIP,
-                        f"{target}: {mem[0]:.0f} MiB free of {mem[1]:.0f} MiB, below "
-                        f"min_free_mib {min_free:g}: probe skipped so it cannot push a "
-                        "running job out of memory",
-                        free_mib=round(mem[0]),
-                    )
-                )
-                continue
         info = gpus.get(spec.index)
         run = runs[spec.index] = GpuRun(spec.index, dev, uuid=info.uuid if info else None)
         run.notes.extend(plan_notes)

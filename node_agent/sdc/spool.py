@@ -64,6 +64,16 @@ class Verdict:
     #: longest text field a spooled verdict may carry (the writer's details are < 300)
     TEXT_MAX = 4096
 
+    def headline(self) -> dict[str, Any]:
+        """What a result that names this verdict as its headline carries of it: the probe,
+        its shape and dtype, and how many elements were wrong."""
+        return {
+            "probe": self.probe,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "mismatched_elements": self.mismatched_elements,
+        }
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["shape"] = list(self.shape)
