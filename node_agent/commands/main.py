@@ -34,6 +34,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
 
 
+_Sub = argparse._SubParsersAction  # the subcommands of the ``node-agent`` parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="node-agent",
@@ -42,11 +45,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"node-agent {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_inventory(sub)
+    _add_suite_commands(sub)
+    _add_grade(sub)
+    _add_daemon(sub)
+    _add_fleet(sub)
+    act.add_commands(sub, _common)
+    sdc.add_parser(sub, _common)
+    hang_check.add_parser(sub, _common)
+    capture.add_parser(sub, _common)
+    stop_check.add_parser(sub, _common)
+    return parser
 
+
+def _add_inventory(sub: _Sub[argparse.ArgumentParser]) -> None:
     inv = sub.add_parser("inventory", help="host, driver and GPU inventory")
     _common(inv)
     inv.add_argument("--json", action="store_true", help="print the inventory as JSON")
 
+
+def _add_suite_commands(sub: _Sub[argparse.ArgumentParser]) -> None:
+    """``accept`` and ``check``: run a suite, report, and act on the grade if asked."""
     for name, default_suite, helptext in (
         ("accept", "delivery", "run the delivery (acceptance) suite"),
         ("check", "quick", "run the quick suite (Slurm HealthCheckProgram)"),
@@ -73,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_output_arguments(p)
         act.add_act_options(p)
 
+
+def _add_grade(sub: _Sub[argparse.ArgumentParser]) -> None:
     grade = sub.add_parser(
         "grade",
         help="re-grade saved reports with the current rules, or "
@@ -91,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_output_arguments(grade)
 
+
+def _add_daemon(sub: _Sub[argparse.ArgumentParser]) -> None:
     daemon = sub.add_parser(
         "daemon",
         help="run in the background: XID watch, periodic checks, "
@@ -109,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
 
+
+def _add_fleet(sub: _Sub[argparse.ArgumentParser]) -> None:
     fleet = sub.add_parser(
         "fleet",
         help="cross-node outliers, stragglers and hung jobs over "
@@ -127,12 +152,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="YAML mapping parallel groups to node names; flags whole groups",
     )
-    act.add_commands(sub, _common)
-    sdc.add_parser(sub, _common)
-    hang_check.add_parser(sub, _common)
-    capture.add_parser(sub, _common)
-    stop_check.add_parser(sub, _common)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
