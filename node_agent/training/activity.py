@@ -132,6 +132,27 @@ def gpu_activity_signal(
         "idle_memory_pct": idle_memory_pct,
         "idle_power_fraction": idle_power_fraction,
     }
+    gpus, incomplete = _gpu_figures(readings)
+    if incomplete:
+        return Signal.unavailable(
+            "gpu_activity",
+            "cannot judge GPU activity: " + "; ".join(incomplete),
+            gpus=gpus,
+            **thresholds,
+        )
+    for r, gpu in zip(readings, gpus, strict=True):
+        assert r.gpu_pct is not None and r.memory_pct is not None  # checked above
+        assert r.power_w is not None and r.power_limit_w is not None
+        gpu["spinning"] = (
+            r.gpu_pct >= busy_pct
+            and r.memory_pct <= idle_memory_pct
+            and r.power_w <= idle_power_fraction * r.power_limit_w
+        )
+    return _spin_signal(gpus, {"gpus": gpus, **thresholds}, busy_pct, idle_memory_pct)
+
+
+def _gpu_figures(readings: Sequence[GpuActivity]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Each reading as a figure, and what the readings lack for a judgement (one line a GPU)."""
     gpus: list[dict[str, Any]] = []
     incomplete: list[str] = []
     for r in readings:
@@ -148,23 +169,14 @@ def gpu_activity_signal(
         if missing:
             why = f" ({'; '.join(r.errors)})" if r.errors else ""
             incomplete.append(f"GPU {r.index} did not report {', '.join(missing)}{why}")
-    if incomplete:
-        return Signal.unavailable(
-            "gpu_activity",
-            "cannot judge GPU activity: " + "; ".join(incomplete),
-            gpus=gpus,
-            **thresholds,
-        )
-    for r, gpu in zip(readings, gpus, strict=True):
-        assert r.gpu_pct is not None and r.memory_pct is not None  # checked above
-        assert r.power_w is not None and r.power_limit_w is not None
-        gpu["spinning"] = (
-            r.gpu_pct >= busy_pct
-            and r.memory_pct <= idle_memory_pct
-            and r.power_w <= idle_power_fraction * r.power_limit_w
-        )
+    return gpus, incomplete
+
+
+def _spin_signal(
+    gpus: list[dict[str, Any]], figures: dict[str, Any], busy_pct: float, idle_memory_pct: float
+) -> Signal:
+    """``hang`` when every GPU (marked ``spinning``) shows the spin signature."""
     spinning = [g for g in gpus if g["spinning"]]
-    figures = {"gpus": gpus, **thresholds}
     if len(spinning) == len(gpus):
         worst = max(g["power_w"] / g["power_limit_w"] for g in gpus)
         return Signal(
@@ -274,30 +286,7 @@ def rdma_traffic_signal(
         )
     common = sorted(set(before) & set(after))
     changed = sorted(set(before) ^ set(after))
-    ports: dict[str, dict[str, int | None]] = {}
-    reset: list[str] = []
-    saturated: list[str] = []
-    moved: list[str] = []
-    watched = 0
-    for key in common:
-        ports[key] = {}
-        for name, label, old, new in zip(
-            DATA_COUNTERS, ("xmit_bytes", "rcv_bytes"), before[key], after[key], strict=True
-        ):
-            if old == new == SATURATED_32:
-                saturated.append(f"{key} {name}")
-                ports[key][label] = None
-                continue
-            watched += 1
-            if new < old:
-                reset.append(f"{key} {name}")
-                ports[key][label] = None
-                moved.append(key)
-                continue
-            moved_bytes = (new - old) * WORD_BYTES
-            ports[key][label] = moved_bytes
-            if moved_bytes > min_bytes:
-                moved.append(key)
+    ports, reset, saturated, moved, watched = _movement(before, after, common, min_bytes)
     figures: dict[str, Any] = {"ports": ports, "window_s": window_s, "min_bytes": min_bytes}
     for name, items in (("reset", reset), ("saturated", saturated), ("ports_changed", changed)):
         if items:
@@ -335,6 +324,42 @@ def rdma_traffic_signal(
         f"port ({', '.join(common)}): the job exchanges no data with its peers",
         figures,
     )
+
+
+def _movement(
+    before: Mapping[str, tuple[int, int]],
+    after: Mapping[str, tuple[int, int]],
+    common: list[str],
+    min_bytes: int,
+) -> tuple[dict[str, dict[str, int | None]], list[str], list[str], list[str], int]:
+    """Per port of ``common``, the bytes each data counter moved (None where it reset or is
+    saturated); the counters that reset and that are saturated; the ports that moved more than
+    ``min_bytes`` (a reset counts); how many counters were watched."""
+    ports: dict[str, dict[str, int | None]] = {}
+    reset: list[str] = []
+    saturated: list[str] = []
+    moved: list[str] = []
+    watched = 0
+    for key in common:
+        ports[key] = {}
+        for name, label, old, new in zip(
+            DATA_COUNTERS, ("xmit_bytes", "rcv_bytes"), before[key], after[key], strict=True
+        ):
+            if old == new == SATURATED_32:
+                saturated.append(f"{key} {name}")
+                ports[key][label] = None
+                continue
+            watched += 1
+            if new < old:
+                reset.append(f"{key} {name}")
+                ports[key][label] = None
+                moved.append(key)
+                continue
+            moved_bytes = (new - old) * WORD_BYTES
+            ports[key][label] = moved_bytes
+            if moved_bytes > min_bytes:
+                moved.append(key)
+    return ports, reset, saturated, moved, watched
 
 
 # -- log silence ---------------------------------------------------------------------------------
