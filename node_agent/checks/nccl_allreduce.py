@@ -47,7 +47,7 @@ from node_agent.extras import install_command
 from node_agent.gpu.base import GpuError
 from node_agent.model import Result, Status
 from node_agent.parsers import ParseError
-from node_agent.parsers.nccl_tests import parse_all_reduce_perf
+from node_agent.parsers.nccl_tests import NcclTable, parse_all_reduce_perf
 
 DEFAULT_SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 24)  # 1 KiB .. 16 MiB: seconds on CPU
 DEFAULT_TIMEOUT_S = 120.0
@@ -408,23 +408,7 @@ def _run_nccl_tests(
     ctx: CheckContext, world_size: int, sizes: list[int], iters: int, warmup: int, timeout_s: float
 ) -> list[Result]:
     """nccl-tests' ``all_reduce_perf`` on ``world_size`` GPUs of this node, parsed."""
-    argv = [
-        proc.which("all_reduce_perf") or "all_reduce_perf",
-        "-b",
-        str(min(sizes)),
-        "-e",
-        str(max(sizes)),
-        "-f",
-        "2",
-        "-g",
-        str(world_size),
-        "-n",
-        str(iters),
-        "-w",
-        str(warmup),
-        "-c",
-        "1",
-    ]
+    argv = _all_reduce_argv(world_size, sizes, iters, warmup)
     res = proc.run(argv, timeout_s)
     if not res.ok:
         return [
@@ -477,8 +461,38 @@ def _run_nccl_tests(
         ungraded=_not_graded_because(ctx, "nccl", world_size),
         duration=res.duration_s,
     )
+    out.extend(_validation_results(ctx, table, rows, evidence))
+    return out
+
+
+def _all_reduce_argv(world_size: int, sizes: list[int], iters: int, warmup: int) -> list[str]:
+    """``all_reduce_perf`` over ``sizes`` (doubling) on ``world_size`` GPUs, validating."""
+    return [
+        proc.which("all_reduce_perf") or "all_reduce_perf",
+        "-b",
+        str(min(sizes)),
+        "-e",
+        str(max(sizes)),
+        "-f",
+        "2",
+        "-g",
+        str(world_size),
+        "-n",
+        str(iters),
+        "-w",
+        str(warmup),
+        "-c",
+        "1",
+    ]
+
+
+def _validation_results(
+    ctx: CheckContext, table: NcclTable, rows: list[dict[str, Any]], evidence: dict[str, Any]
+) -> list[Result]:
+    """What all_reduce_perf's own validation says where no per-size count does: a skip when it
+    did not validate, the out-of-bounds total of an older nccl-tests."""
     if table.validated is False:
-        out.append(
+        return [
             ctx.result(
                 "node",
                 "wrong_elements",
@@ -486,10 +500,10 @@ def _run_nccl_tests(
                 "all_reduce_perf ran without validation (#wrong N/A): the results were not checked",
                 **evidence,
             )
-        )
-    elif all(r["wrong"] is None for r in rows) and table.out_of_bounds is not None:
+        ]
+    if all(r["wrong"] is None for r in rows) and table.out_of_bounds is not None:
         # older nccl-tests: no per-size count, only the run's out-of-bounds total
-        out.append(
+        return [
             ctx.result(
                 "node",
                 "wrong_elements",
@@ -499,8 +513,8 @@ def _run_nccl_tests(
                 unit="elements",
                 **evidence,
             )
-        )
-    return out
+        ]
+    return []
 
 
 class BusbwMetrics(LatestResults):
