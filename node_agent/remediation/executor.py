@@ -51,9 +51,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
-from node_agent import proc
 from node_agent.kernel_log import KernelLog
 from node_agent.model import (
     ActionOutcome,
@@ -67,6 +65,7 @@ from node_agent.model import (
 )
 from node_agent.remediation import evidence as _evidence
 from node_agent.remediation import guards
+from node_agent.remediation.gpu_reset import GpuResetError, GpuResetter
 from node_agent.remediation.plan import (
     DISRUPTIVE,
     EVIDENCE_ACTIONS,
@@ -98,43 +97,12 @@ from node_agent.schedulers.base import (
     check_job_id,
 )
 
-GPU_RESET_TIMEOUT_S = 120.0
 #: the restart each restarting step action is (the node record keeps it while restarting)
 _RESTART_KIND_OF: dict[StepAction, RestartKind] = {
     StepAction.RESTART: RestartKind.REBOOT,
     StepAction.GPU_RESET: RestartKind.GPU_RESET,
 }
 MAX_REPLANS = 4  # drain -> GPU reset -> re-test -> reboot: a run never loops further
-
-
-class GpuResetError(Exception):
-    """A GPU reset that did not happen (busy GPU, no permission, tool missing)."""
-
-
-class GpuResetter(Protocol):
-    def reset(self, index: int) -> str: ...  # detail line; raises GpuResetError
-
-
-class NvidiaSmiReset:
-    """``nvidia-smi --gpu-reset -i N``: needs root and no process on the GPU."""
-
-    def reset(self, index: int) -> str:
-        result = proc.run(
-            ["nvidia-smi", "--gpu-reset", "-i", str(index)], timeout_s=GPU_RESET_TIMEOUT_S
-        )
-        if not result.ok:
-            raise GpuResetError(f"GPU reset of gpu:{index} failed: {result.describe_failure()}")
-        return f"GPU reset of gpu:{index} (nvidia-smi --gpu-reset -i {index})"
-
-
-class SimulatedReset:
-    """Stand-in under ``--simulate``: nothing to reset, the scenario's faults persist."""
-
-    def reset(self, index: int) -> str:
-        return (
-            f"simulated GPU reset of gpu:{index} (stand-in: the simulator's injected "
-            "faults persist, so the re-test sees them again)"
-        )
 
 
 @dataclass

@@ -14,7 +14,8 @@ from node_agent.environment import Environment, kernel_log_path
 from node_agent.kernel_log import KernelLog, open_kernel_log
 from node_agent.model import Grade
 from node_agent.remediation import evidence
-from node_agent.remediation.executor import GpuResetter, NvidiaSmiReset, Remediator, SimulatedReset
+from node_agent.remediation.executor import Remediator
+from node_agent.remediation.gpu_reset import GpuResetter, NvidiaSmiReset, SimulatedReset
 from node_agent.remediation.plan import Step
 from node_agent.remediation.store import Store
 from node_agent.schedulers import AdapterError, SchedulerAdapter, open_adapter

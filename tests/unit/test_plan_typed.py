@@ -33,7 +33,7 @@ from node_agent.model import (
     Status,
     Target,
 )
-from node_agent.remediation.executor import SimulatedReset
+from node_agent.remediation.gpu_reset import SimulatedReset
 from node_agent.remediation.host import open_remediator
 from node_agent.remediation.plan import (
     STEPS_FOR_ACTION,

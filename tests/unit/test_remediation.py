@@ -35,7 +35,8 @@ from node_agent.model import (
     Status,
 )
 from node_agent.remediation.evidence import BugReportCollector
-from node_agent.remediation.executor import GpuResetError, Remediator
+from node_agent.remediation.executor import Remediator
+from node_agent.remediation.gpu_reset import GpuResetError
 from node_agent.remediation.guards import blast_radius, sanitise_operator_text
 from node_agent.remediation.plan import (
     JOB_RULES,
