@@ -20,13 +20,16 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import node_agent.sdc.coverage as sdc_coverage
 from node_agent.sdc.coverage import Coverage
 from node_agent.sdc.exact import tile_model_for, whole_gpu_specs
+
+if TYPE_CHECKING:
+    from node_agent.sdc.probes import SdcProbe
 
 
 def _cuda_device(device: torch.device | str | int | None) -> torch.device:
@@ -233,6 +236,49 @@ def _warm_up(
     return max(10, round(block_s / max(step_s, 1e-6)))
 
 
+def _block(
+    train_step: Callable[[], None],
+    sync: Callable[[], None],
+    steps: int,
+    probe: SdcProbe | None,
+) -> float:
+    """The mean step time of ``steps`` training steps, each followed by ``probe.step()``."""
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        train_step()
+        if probe is not None:
+            probe.step()
+    sync()
+    if probe is not None:
+        probe.collect()  # a probe that completed in the block's last step is counted too
+    return (time.perf_counter() - t0) / steps
+
+
+def _alternate(
+    train_step: Callable[[], None],
+    sync: Callable[[], None],
+    steps: int,
+    pairs: int,
+    probe: SdcProbe,
+    clock: PausableClock,
+) -> tuple[list[float], list[float], list[float]]:
+    """``pairs`` blocks without and with the probe (its clock running in the "on" blocks
+    only): their mean step times, and each pair's ratio less one."""
+    off: list[float] = []
+    on: list[float] = []
+    ratios: list[float] = []
+    for _ in range(pairs):
+        t_off = _block(train_step, sync, steps, None)
+        clock.resume()
+        t_on = _block(train_step, sync, steps, probe)
+        clock.pause()
+        off.append(t_off)
+        on.append(t_on)
+        ratios.append(t_on / t_off - 1.0)
+    return off, on, ratios
+
+
 def measure_training_overhead(
     device: torch.device | str | int | None = None,
     *,
@@ -274,18 +320,6 @@ def measure_training_overhead(
     dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
     train_step, sync = _training(dev, vocab, d_model, heads, layers, seq, batch)
 
-    def block(probe: SdcProbe | None) -> float:
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(steps_per_block):
-            train_step()
-            if probe is not None:
-                probe.step()
-        sync()
-        if probe is not None:
-            probe.collect()  # a probe that completed in the block's last step is counted too
-        return (time.perf_counter() - t0) / steps_per_block
-
     clock = PausableClock()
     counts: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="sdc-overhead-") as spool:
@@ -297,17 +331,7 @@ def measure_training_overhead(
             **(probe_kwargs or {}),
         )
         steps_per_block = _warm_up(train_step, sync, warmup_steps, block_s, steps_per_block)
-        off: list[float] = []
-        on: list[float] = []
-        ratios: list[float] = []
-        for _ in range(pairs):
-            t_off = block(None)
-            clock.resume()
-            t_on = block(probe)
-            clock.pause()
-            off.append(t_off)
-            on.append(t_on)
-            ratios.append(t_on / t_off - 1.0)
+        off, on, ratios = _alternate(train_step, sync, steps_per_block, pairs, probe, clock)
         for v in probe.verdicts:
             counts[v.status] = counts.get(v.status, 0) + 1
         elapsed = clock()
