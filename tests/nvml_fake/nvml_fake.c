@@ -720,6 +720,15 @@ static nvmlReturn_t get_fabric(const fake_section_t *gpu, fabric_t *f)
     return f->state > 0xff || f->summary > 0xff ? bad_value("fabric", v) : NVML_SUCCESS;
 }
 
+/* the members every fabric struct has (the older one, v2, v3) */
+#define FABRIC_COMMON(info, f)                                      \
+    do {                                                            \
+        memcpy((info)->clusterUuid, (f).uuid, sizeof (f).uuid);     \
+        (info)->status = (nvmlReturn_t)(f).status;                  \
+        (info)->cliqueId = (unsigned)(f).clique;                    \
+        (info)->state = (nvmlGpuFabricState_t)(f).state;            \
+    } while (0)
+
 /* nvmlGpuFabricInfo_v2_t or _v3_t (the version says which; v2 has no healthSummary) */
 EXPORT nvmlReturn_t nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t device, nvmlGpuFabricInfoV_t *info)
 {
@@ -730,10 +739,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t device, nvmlGpuFabr
     fabric_t f;
     rc = get_fabric(gpu, &f);
     if (rc == NVML_SUCCESS) {
-        memcpy(info->clusterUuid, f.uuid, sizeof f.uuid);
-        info->status = (nvmlReturn_t)f.status;
-        info->cliqueId = (unsigned)f.clique;
-        info->state = (nvmlGpuFabricState_t)f.state;
+        FABRIC_COMMON(info, f);
         info->healthMask = (unsigned)f.mask;
         if (info->version == nvmlGpuFabricInfo_v3)
             info->healthSummary = (unsigned char)f.summary;
@@ -748,12 +754,8 @@ EXPORT nvmlReturn_t nvmlDeviceGetGpuFabricInfo(nvmlDevice_t device, nvmlGpuFabri
     REQUIRE(info);
     fabric_t f;
     rc = get_fabric(gpu, &f);
-    if (rc == NVML_SUCCESS) {
-        memcpy(info->clusterUuid, f.uuid, sizeof f.uuid);
-        info->status = (nvmlReturn_t)f.status;
-        info->cliqueId = (unsigned)f.clique;
-        info->state = (nvmlGpuFabricState_t)f.state;
-    }
+    if (rc == NVML_SUCCESS)
+        FABRIC_COMMON(info, f);
     DONE(rc);
 }
 
