@@ -37,13 +37,14 @@ def run(
     out: TextIO | None = None,
     err: TextIO | None = None,
 ) -> int:
-    """``node-agent fleet``: 0 nothing found, 3 suspects, fleet stragglers or hung jobs found;
-    ConfigError (exit 2) when no report could be read, an input does not exist, or a
-    rules/topology file is invalid, or ``domain_bad_share`` is not in (0, 1]. ``owners``: believe only report files owned by these uids
-    (the others are named on stderr and in the output as skipped). ``domain_bad_share``:
-    an NVLink domain whose share of trays graded ERROR or FAULT reaches it is escalated.
-    ``out``/``err``: where the analysis and the notes go (default: this process's stdout and
-    stderr at the time of the call)."""
+    """``node-agent fleet``: 0 nothing found, 3 suspects, fleet stragglers, hung jobs or an
+    escalated NVLink domain found; ConfigError (exit 2) when no report could be read, an input
+    does not exist, a rules/topology file is invalid, or ``domain_bad_share`` is not in (0, 1].
+
+    ``owners``: believe only report files owned by these uids (the others are named on stderr
+    and in the output as skipped). ``domain_bad_share``: an NVLink domain whose share of trays
+    graded ERROR or FAULT reaches it is escalated. ``out``/``err``: where the analysis and the
+    notes go (default: this process's stdout and stderr at the time of the call)."""
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     if not 0 < domain_bad_share <= 1:

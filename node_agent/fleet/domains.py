@@ -164,7 +164,8 @@ class NvlinkDomain:
     cluster_uuid: str
     clique_id: int
     trays: list[Tray]
-    bad_share: float = DEFAULT_BAD_SHARE
+    #: the share of bad trays that escalates the rack (``--domain-bad-share``)
+    threshold: float = DEFAULT_BAD_SHARE
 
     @property
     def name(self) -> str:
@@ -182,8 +183,8 @@ class NvlinkDomain:
 
     @property
     def escalated(self) -> bool:
-        """At least ``bad_share`` of the trays are bad: the rack is escalated."""
-        return bool(self.bad_trays) and self.share >= self.bad_share
+        """At least ``threshold`` of the trays are bad: the rack is escalated."""
+        return bool(self.bad_trays) and self.share >= self.threshold
 
     @property
     def level(self) -> str:
@@ -197,14 +198,14 @@ class NvlinkDomain:
         if self.escalated:
             return (
                 f"escalate the rack: {bad} of {n} trays ERROR or FAULT ({self.share:.0%}, at or "
-                f"over {self.bad_share:.0%}); drain the domain's {n} trays together (an NVLink "
+                f"over {self.threshold:.0%}); drain the domain's {n} trays together (an NVLink "
                 "job cannot run on a partial domain) and look for a cause they share "
                 "(NVSwitch tray, power shelf, cooling, fabric)"
             )
         if bad:
             return (
                 f"{bad} of {n} trays ERROR or FAULT ({self.share:.0%}, under "
-                f"{self.bad_share:.0%}): each drains on its own grade; a job that needs all "
+                f"{self.threshold:.0%}): each drains on its own grade; a job that needs all "
                 f"{n} trays cannot run until they are back"
             )
         return f"all {n} trays healthy or WARN"
@@ -216,8 +217,8 @@ class NvlinkDomain:
             "clique_id": self.clique_id,
             "trays": len(self.trays),
             "bad_trays": [t.node for t in self.bad_trays],
-            "bad_share": round(self.share, 4),
-            "threshold": self.bad_share,
+            "bad_tray_share": round(self.share, 4),
+            "threshold": self.threshold,
             "escalated": self.escalated,
             "level": self.level,
             "action": "drain-domain" if self.escalated else "per-tray",

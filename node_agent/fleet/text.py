@@ -126,7 +126,7 @@ def _domains_text(a: FleetAnalysis, limit: int) -> list[str]:
     escalated = sum(1 for d in a.domains if d.escalated)
     lines = [
         f"NVLink domains: {len(a.domains)}, {escalated} escalated (a rack is escalated at "
-        f">= {a.domains[0].bad_share:.0%} of its trays ERROR or FAULT)"
+        f">= {a.domains[0].threshold:.0%} of its trays ERROR or FAULT)"
     ]
     for d in a.domains[:limit]:
         lines.append(f"  {d.name} ({len(d.trays)} trays, {d.level}): {d.verdict}")

@@ -57,7 +57,7 @@ def test_two_bad_trays_of_18_are_named_with_their_gpus_but_do_not_escalate_the_r
     (domain,) = data["nvlink_domains"]
     assert domain["bad_trays"] == ["tray01", "tray02"]
     assert domain["escalated"] is False and domain["action"] == "per-tray"
-    assert domain["bad_share"] == pytest.approx(2 / 18, abs=1e-4)
+    assert domain["bad_tray_share"] == pytest.approx(2 / 18, abs=1e-4)
     grades = {t["node"]: t for t in domain["tray_grades"]}
     assert grades["tray01"]["level"] == "FAULT"
     assert grades["tray01"]["bad_gpus"] == [{"gpu": 0, "level": "FAULT", "why": "xid"}]
