@@ -415,24 +415,8 @@ def discover(
     """
     out = Discovery()
     wanted = None if pids is None else list(dict.fromkeys(int(p) for p in pids))
-    live: dict[int, list[SpoolFile]] = {}
-    for beat in read_heartbeat_files(spool_dir, out.bad_files, proc_root=proc_root):
-        pid = beat.data["pid"]
-        if alive(pid, beat.data.get("start_ticks"), proc_root):
-            live.setdefault(pid, []).append(beat)
-        else:
-            out.dead_heartbeats.append(beat.path)
-    beats: dict[int, tuple[Path, dict[str, Any]]] = {}
-    for pid, entries in live.items():
-        if wanted is not None and pid not in wanted:
-            continue
-        try:
-            uid = _effective_uid(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            continue  # exited since it was seen alive
-        picked = _trusted_heartbeat(pid, uid, entries, out.problems)
-        if picked is not None:
-            beats[pid] = picked
+    live = _live_heartbeats(spool_dir, out, proc_root)
+    beats = _trusted_heartbeats(live, wanted, out.problems)
     on_gpus = _nvml_pids(gpus or [], out.problems)
     candidates = sorted(set(beats) | set(on_gpus)) if wanted is None else list(wanted)
     _drop_invisible(candidates, on_gpus, gpus or [], proc_root, out.problems)
@@ -471,6 +455,41 @@ def discover(
                 )
             )
     return out
+
+
+def _live_heartbeats(
+    spool_dir: Path, out: Discovery, proc_root: Path
+) -> dict[int, list[SpoolFile]]:
+    """pid -> the spool's heartbeat files of that live process; those of exited processes go
+    to ``out.dead_heartbeats``, unreadable ones to ``out.bad_files``."""
+    live: dict[int, list[SpoolFile]] = {}
+    for beat in read_heartbeat_files(spool_dir, out.bad_files, proc_root=proc_root):
+        pid = beat.data["pid"]
+        if alive(pid, beat.data.get("start_ticks"), proc_root):
+            live.setdefault(pid, []).append(beat)
+        else:
+            out.dead_heartbeats.append(beat.path)
+    return live
+
+
+def _trusted_heartbeats(
+    live: dict[int, list[SpoolFile]],
+    wanted: list[int] | None,
+    problems: list[tuple[str, str]],
+) -> dict[int, tuple[Path, dict[str, Any]]]:
+    """pid -> the heartbeat believed for it (its writer's own), of the pids ``wanted``."""
+    beats: dict[int, tuple[Path, dict[str, Any]]] = {}
+    for pid, entries in live.items():
+        if wanted is not None and pid not in wanted:
+            continue
+        try:
+            uid = _effective_uid(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue  # exited since it was seen alive
+        picked = _trusted_heartbeat(pid, uid, entries, problems)
+        if picked is not None:
+            beats[pid] = picked
+    return beats
 
 
 @dataclass(frozen=True)
@@ -618,36 +637,8 @@ def _inspect(
         env, env_error = None, f"{type(err).__name__}: {err.strerror or err}"
     path, record = beat if beat is not None else (None, None)
     pod_uid = read_pod_uid(pid, proc_root)
-    if env is not None:
-        identity, source = _identity_from_environ(env, ppid, record, pod_uid), "environ"
-    elif record is not None:
-        identity, source = {k: record.get(k) for k in _IDENTITY_KEYS}, "heartbeat"
-        identity["pod_namespace"] = record.get("pod_namespace")
-    else:
-        identity, source = {k: None for k in (*_IDENTITY_KEYS, "pod_namespace")}, "none"
-        problems.append(
-            (
-                f"pid:{pid}",
-                f"pid {pid}: cannot read {proc_root}/{pid}/environ "
-                f"({env_error}) and no trusted heartbeat names it, so its rank and job "
-                f"are unknown: {_PRIVILEGE_ADVICE}",
-            )
-        )
-    log_file = (env or {}).get("NODE_AGENT_TRAIN_LOG") or (record or {}).get("log_file")
-    if log_file:
-        try:
-            check_log_file(
-                log_file, f"pid {pid}'s log file (NODE_AGENT_TRAIN_LOG or its heartbeat's log_file)"
-            )
-        except ValueError as err:
-            problems.append(
-                (
-                    f"pid:{pid}",
-                    f"{err}: not read, so the log-silence signal is "
-                    "unavailable for it; give an absolute path",
-                )
-            )
-            log_file = None
+    identity, source = _identity(pid, env, env_error, ppid, record, pod_uid, proc_root, problems)
+    log_file = _log_file(pid, env, record, problems)
     cgroups = cgroups or _CgroupReading(None, CGROUP_FS)
     return TrainingProcess(
         pid=pid,
@@ -666,7 +657,7 @@ def _inspect(
         gpus=tuple(sorted(gpus)),
         heartbeat=record,
         heartbeat_path=None if path is None else str(path),
-        log_file=str(log_file) if log_file else None,
+        log_file=log_file,
         parents=tree.parents(ppid),
         children=tree.children(pid),
         sources=sources,
@@ -675,6 +666,62 @@ def _inspect(
         ),
         pod_uid=pod_uid,
     )
+
+
+def _identity(
+    pid: int,
+    env: dict[str, str] | None,
+    env_error: str,
+    ppid: int,
+    record: dict[str, Any] | None,
+    pod_uid: str | None,
+    proc_root: Path,
+    problems: list[tuple[str, str]],
+) -> tuple[dict[str, Any], str]:
+    """Its rank, job and pod, and where they came from: its environment, else its trusted
+    heartbeat, else nowhere (``none``, with a problem saying so)."""
+    if env is not None:
+        identity, source = _identity_from_environ(env, ppid, record, pod_uid), "environ"
+    elif record is not None:
+        identity, source = {k: record.get(k) for k in _IDENTITY_KEYS}, "heartbeat"
+        identity["pod_namespace"] = record.get("pod_namespace")
+    else:
+        identity, source = {k: None for k in (*_IDENTITY_KEYS, "pod_namespace")}, "none"
+        problems.append(
+            (
+                f"pid:{pid}",
+                f"pid {pid}: cannot read {proc_root}/{pid}/environ "
+                f"({env_error}) and no trusted heartbeat names it, so its rank and job "
+                f"are unknown: {_PRIVILEGE_ADVICE}",
+            )
+        )
+    return identity, source
+
+
+def _log_file(
+    pid: int,
+    env: dict[str, str] | None,
+    record: dict[str, Any] | None,
+    problems: list[tuple[str, str]],
+) -> str | None:
+    """Its log file (``NODE_AGENT_TRAIN_LOG`` or its heartbeat's ``log_file``); None, with a
+    problem saying why, for one that is not an absolute path."""
+    log_file = (env or {}).get("NODE_AGENT_TRAIN_LOG") or (record or {}).get("log_file")
+    if log_file:
+        try:
+            check_log_file(
+                log_file, f"pid {pid}'s log file (NODE_AGENT_TRAIN_LOG or its heartbeat's log_file)"
+            )
+        except ValueError as err:
+            problems.append(
+                (
+                    f"pid:{pid}",
+                    f"{err}: not read, so the log-silence signal is "
+                    "unavailable for it; give an absolute path",
+                )
+            )
+            log_file = None
+    return str(log_file) if log_file else None
 
 
 def _identity_from_environ(
