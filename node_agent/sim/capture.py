@@ -194,7 +194,7 @@ def _host_key(hostname: str) -> str:
     return hostname if hostname else "captured-node"
 
 
-class _Flow(dict):
+class _Flow(dict[str, Any]):
     """A recorded NVML error, written on one line: ``{error: Not Supported, code: 3}``."""
 
 

@@ -29,7 +29,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +167,9 @@ def _value(reading: Any) -> Any:
     return reading
 
 
-def _put(keys: dict[str, Any], key: str, reading: Any, convert=lambda v: v) -> None:
+def _put(
+    keys: dict[str, Any], key: str, reading: Any, convert: Callable[[Any], Any] = lambda v: v
+) -> None:
     value = _value(reading)
     if value is None:
         return
