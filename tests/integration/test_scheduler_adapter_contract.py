@@ -277,6 +277,7 @@ def stateful(harness: Harness) -> Harness:
 
 # -- 1. idempotency -------------------------------------------------------------------------
 def test_a_drain_twice_is_one_effect(harness: Harness) -> None:
+    assert isinstance(harness.adapter, SchedulerAdapter)  # the Protocol, every method
     first = harness.adapter.drain(harness.node, GRADE, key=KEY)
     second = harness.adapter.drain(harness.node, GRADE, key=KEY)
     assert first.status is AdapterStatus.DONE, first
