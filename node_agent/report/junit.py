@@ -55,6 +55,43 @@ def build_junit(report: Report) -> ET.Element:
         timestamp=_text(report.started_at.rstrip("Z")),
         package="node-agent",
     )
+    _add_properties(suite, report)
+
+    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    total_time = 0.0
+    for (check, target), results in cases.items():
+        seconds = max((r.duration_s for r in results), default=0.0)
+        total_time += seconds
+        case = ET.SubElement(
+            suite, "testcase", classname=_text(check), name=_text(target), time=f"{seconds:.3f}"
+        )
+        counts["tests"] += 1
+        outcome = _add_outcome(case, check, results, reasons_by_target.get(target, []))
+        if outcome:
+            counts[outcome] += 1
+        out = ET.SubElement(case, "system-out")
+        out.text = _text("\n".join(_line(r) for r in results))
+
+    suite.set("tests", str(counts["tests"]))
+    suite.set("failures", str(counts["failures"]))
+    suite.set("errors", str(counts["errors"]))
+    suite.set("skipped", str(counts["skipped"]))
+    suite.set("time", f"{total_time:.3f}")
+    root = ET.Element(
+        "testsuites",
+        name="node-agent",
+        tests=str(counts["tests"]),
+        failures=str(counts["failures"]),
+        errors=str(counts["errors"]),
+        skipped=str(counts["skipped"]),
+        time=f"{total_time:.3f}",
+    )
+    root.append(suite)
+    return root
+
+
+def _add_properties(suite: ET.Element, report: Report) -> None:
+    """The report's grade, action, suite, node and the grade's reasons as ``<properties>``."""
     props = ET.SubElement(suite, "properties")
     for name, value in (
         ("grade", report.grade.level.name),
@@ -75,53 +112,28 @@ def build_junit(report: Report) -> ET.Element:
             value=_text(f"{reason.level.name} {reason.target} [{reason.rule}] {reason.message}"),
         )
 
-    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
-    total_time = 0.0
-    for (check, target), results in cases.items():
-        seconds = max((r.duration_s for r in results), default=0.0)
-        total_time += seconds
-        case = ET.SubElement(
-            suite, "testcase", classname=_text(check), name=_text(target), time=f"{seconds:.3f}"
-        )
-        counts["tests"] += 1
-        statuses = {r.status for r in results}
-        failed = [r for r in results if r.status is Status.FAIL]
-        errored = [r for r in results if r.status is Status.ERROR]
-        reasons = reasons_by_target.get(target, [])
-        if failed:
-            counts["failures"] += 1
-            el = ET.SubElement(
-                case, "failure", type="fail", message=_text(_message(failed, reasons, check))
-            )
-            el.text = _text("\n".join(_line(r) for r in failed + errored))
-        elif errored:
-            counts["errors"] += 1
-            el = ET.SubElement(
-                case, "error", type="error", message=_text(_message(errored, reasons, check))
-            )
-            el.text = _text("\n".join(_line(r) for r in errored))
-        elif statuses == {Status.SKIP}:
-            counts["skipped"] += 1
-            ET.SubElement(case, "skipped", message=_text(results[0].detail))
-        out = ET.SubElement(case, "system-out")
-        out.text = _text("\n".join(_line(r) for r in results))
 
-    suite.set("tests", str(counts["tests"]))
-    suite.set("failures", str(counts["failures"]))
-    suite.set("errors", str(counts["errors"]))
-    suite.set("skipped", str(counts["skipped"]))
-    suite.set("time", f"{total_time:.3f}")
-    root = ET.Element(
-        "testsuites",
-        name="node-agent",
-        tests=str(counts["tests"]),
-        failures=str(counts["failures"]),
-        errors=str(counts["errors"]),
-        skipped=str(counts["skipped"]),
-        time=f"{total_time:.3f}",
-    )
-    root.append(suite)
-    return root
+def _add_outcome(case: ET.Element, check: str, results: list[Result], reasons: list[str]) -> str:
+    """A test case's ``<failure>``, ``<error>`` or ``<skipped>``; which of the counts it adds
+    to (``failures``, ``errors``, ``skipped``), or "" for a case that passed."""
+    failed = [r for r in results if r.status is Status.FAIL]
+    errored = [r for r in results if r.status is Status.ERROR]
+    if failed:
+        el = ET.SubElement(
+            case, "failure", type="fail", message=_text(_message(failed, reasons, check))
+        )
+        el.text = _text("\n".join(_line(r) for r in failed + errored))
+        return "failures"
+    if errored:
+        el = ET.SubElement(
+            case, "error", type="error", message=_text(_message(errored, reasons, check))
+        )
+        el.text = _text("\n".join(_line(r) for r in errored))
+        return "errors"
+    if {r.status for r in results} == {Status.SKIP}:
+        ET.SubElement(case, "skipped", message=_text(results[0].detail))
+        return "skipped"
+    return ""
 
 
 def _message(results: list[Result], reasons: list[str], check: str) -> str:
