@@ -16,6 +16,7 @@ parameter so that no test sleeps.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,13 +27,13 @@ from node_agent.checks import CheckContext
 from node_agent.checks import xid as xid_check
 from node_agent.commands.act import status_data
 from node_agent.config import config_from_dict, load_config
-from node_agent.environment import open_environment
+from node_agent.environment import Environment, open_environment
 from node_agent.grading.rules import Grader, load_grader
 from node_agent.kernel_log import LinesKernelLog, normalise_bus
-from node_agent.model import Grade, HostInfo, Level, Reason, Report
+from node_agent.model import ActionRecord, Grade, HostInfo, Level, Reason, Report, Result
 from node_agent.remediation.executor import Remediator
 from node_agent.remediation.plan import REMEDIATIONS_CODE, Safety
-from node_agent.remediation.store import open_store
+from node_agent.remediation.store import Store, open_store
 from node_agent.schedulers.log import LogAdapter
 from node_agent.yamlfile import ConfigError
 
@@ -52,7 +53,7 @@ class Clock:
 
 
 @pytest.fixture
-def env(tmp_path):
+def env(tmp_path: Path) -> Iterator[Environment]:
     """A simulated 8-GPU H100 node (no faults of its own: the kernel log is the test's)."""
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state")}))
@@ -64,7 +65,7 @@ def env(tmp_path):
 
 
 @pytest.fixture
-def store(tmp_path):
+def store(tmp_path: Path) -> Iterator[Store]:
     s = open_store(tmp_path / "state")
     yield s
     s.close()
@@ -86,7 +87,7 @@ def graders_with(tmp_path: Path, code: int, name: str, extra: str) -> Grader:
     return load_grader(target)
 
 
-def line(env, gpu: int, code: int, at_s: float | None = None) -> str:
+def line(env: Environment, gpu: int, code: int, at_s: float | None = None) -> str:
     """A driver 535+ Xid line for ``gpu`` (as the kernel prints its bus), with a dmesg time."""
     bus = normalise_bus(env.inventory.gpus[gpu].pci_bus_id)
     text = {
@@ -99,7 +100,7 @@ def line(env, gpu: int, code: int, at_s: float | None = None) -> str:
     return text if at_s is None else f"[{at_s:12.6f}] {text}"
 
 
-def xid_results(env, lines: list[str]):
+def xid_results(env: Environment, lines: list[str]) -> list[Result]:
     ctx = CheckContext(
         check="xid",
         gpu=env.gpu,
@@ -114,7 +115,7 @@ def xid_results(env, lines: list[str]):
     return xid_check.run(ctx)
 
 
-def report_of(results, grade: Grade) -> Report:
+def report_of(results: list[Result], grade: Grade) -> Report:
     return Report(
         host=HostInfo(hostname=NODE, kernel="test"),
         gpus=[],
@@ -127,7 +128,13 @@ def report_of(results, grade: Grade) -> Report:
     )
 
 
-def remediator(store, tmp_path, clock, safety: Safety | None = None, warn=None) -> Remediator:
+def remediator(
+    store: Store,
+    tmp_path: Path,
+    clock: Clock,
+    safety: Safety | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> Remediator:
     """The real remediator with the real ``log`` adapter; every run comes after the reboot the
     previous one requested (boot time far ahead of the clock), as a reboot hook would see it."""
     return Remediator(
@@ -142,17 +149,21 @@ def remediator(store, tmp_path, clock, safety: Safety | None = None, warn=None) 
     )
 
 
-def run_once(env, grader: Grader, rem: Remediator, lines: list[str]) -> tuple[Grade, list]:
+def run_once(
+    env: Environment, grader: Grader, rem: Remediator, lines: list[str]
+) -> tuple[Grade, list[ActionRecord]]:
     results = xid_results(env, lines)
     grade = grader.grade(results, "service")
     return grade, rem.remediate(report_of(results, grade)).records
 
 
-def acted(store) -> list[tuple[str, str]]:
+def acted(store: Store) -> list[tuple[str, str]]:
     return [(r.action, r.state) for r in store.journal_tail(NODE, 100)]
 
 
-def restarts_until_replaced(env, grader, store, tmp_path, code: int, runs: int) -> list[str]:
+def restarts_until_replaced(
+    env: Environment, grader: Grader, store: Store, tmp_path: Path, code: int, runs: int
+) -> list[str]:
     """Grade the same Xid on gpu:3 run after run (10 minutes apart) and remediate each time;
     the actions done, in order."""
     clock = Clock()
@@ -164,7 +175,9 @@ def restarts_until_replaced(env, grader, store, tmp_path, code: int, runs: int) 
 
 
 # -- the same Xid after its restarts: FAULT, per code -------------------------------------------
-def test_same_xid_after_its_third_restart_grades_fault(env, store, tmp_path):
+def test_same_xid_after_its_third_restart_grades_fault(
+    env: Environment, store: Store, tmp_path: Path
+) -> None:
     """An operator's catalog gives Xid 95 three restarts (safety.max_restarts stays 2): the
     fourth sighting, after the third restart, is replaced."""
     grader = graders_with(
@@ -188,7 +201,9 @@ def test_same_xid_after_its_third_restart_grades_fault(env, store, tmp_path):
     assert logged.count('"action": "restart"') == 3 and '"action": "replace"' in logged
 
 
-def test_without_a_catalog_value_the_same_xid_gets_safety_max_restarts(env, store, tmp_path):
+def test_without_a_catalog_value_the_same_xid_gets_safety_max_restarts(
+    env: Environment, store: Store, tmp_path: Path
+) -> None:
     grader = load_grader(shipped())
     assert grader.xid.codes[95].restarts_before_fault is None
     assert restarts_until_replaced(env, grader, store, tmp_path, 95, 4) == [
@@ -208,8 +223,8 @@ def test_without_a_catalog_value_the_same_xid_gets_safety_max_restarts(env, stor
     ],
 )
 def test_shipped_restarts_before_fault_decide_when_the_same_xid_is_replaced(
-    env, store, tmp_path, code, restarts
-):
+    env: Environment, store: Store, tmp_path: Path, code: int, restarts: int
+) -> None:
     grader = load_grader(shipped())
     assert grader.xid.codes[code].restarts_before_fault == restarts
     done = restarts_until_replaced(env, grader, store, tmp_path, code, restarts + 2)
@@ -220,10 +235,13 @@ def test_shipped_restarts_before_fault_decide_when_the_same_xid_is_replaced(
 ERROR_CODES = (95, 46, 109, 119, 120, 143)  # each ERROR, each with restarts of its own left
 
 
-def test_node_remediated_five_times_in_7_days_is_held_not_restarted(env, store, tmp_path):
+def test_node_remediated_five_times_in_7_days_is_held_not_restarted(
+    env: Environment, store: Store, tmp_path: Path
+) -> None:
     """Five different Xids, one restart each (no code spends its own restarts); the sixth
     ERROR is held for an operator: no restart, a hold row in the journal, loud on stderr."""
-    grader, clock, said = load_grader(shipped()), Clock(), []
+    grader, clock = load_grader(shipped()), Clock()
+    said: list[str] = []
     rem = remediator(store, tmp_path, clock, warn=said.append)
     for code in ERROR_CODES:
         run_once(env, grader, rem, [line(env, 3, code)])
@@ -250,7 +268,9 @@ def test_node_remediated_five_times_in_7_days_is_held_not_restarted(env, store, 
     assert [a for a, _ in acted(store)][-1] == "replace"
 
 
-def test_held_node_stays_held_after_its_remediations_leave_the_7_day_window(env, store, tmp_path):
+def test_held_node_stays_held_after_its_remediations_leave_the_7_day_window(
+    env: Environment, store: Store, tmp_path: Path
+) -> None:
     grader, clock = load_grader(shipped()), Clock()
     rem = remediator(store, tmp_path, clock, Safety(max_remediations_7d=2))
     for code in (95, 46, 109):
@@ -262,7 +282,9 @@ def test_held_node_stays_held_after_its_remediations_leave_the_7_day_window(env,
     assert [a for a, _ in acted(store)][-1] == "hold"  # an operator releases it, not time
 
 
-def test_remediations_older_than_7_days_or_before_set_healthy_do_not_count(env, store, tmp_path):
+def test_remediations_older_than_7_days_or_before_set_healthy_do_not_count(
+    env: Environment, store: Store, tmp_path: Path
+) -> None:
     grader, clock = load_grader(shipped()), Clock()
     rem = remediator(store, tmp_path, clock, Safety(max_remediations_7d=2))
     run_once(env, grader, rem, [line(env, 3, 95)])
@@ -278,7 +300,9 @@ def test_remediations_older_than_7_days_or_before_set_healthy_do_not_count(env, 
     assert store.node_record(NODE).state == "restarting"
 
 
-def test_xid94_never_escalates_by_restarts_and_the_7_day_limit_holds_it(env, store, tmp_path):
+def test_xid94_never_escalates_by_restarts_and_the_7_day_limit_holds_it(
+    env: Environment, store: Store, tmp_path: Path
+) -> None:
     """gpud never escalates a contained memory error (94) by reboots; the node's own limit
     stops the restart loop."""
     grader, clock = load_grader(shipped()), Clock()
@@ -292,7 +316,9 @@ def test_xid94_never_escalates_by_restarts_and_the_7_day_limit_holds_it(env, sto
     assert "replace" not in done
 
 
-def test_status_shows_restarts_per_code_the_7_day_count_and_the_hold(env, store, tmp_path):
+def test_status_shows_restarts_per_code_the_7_day_count_and_the_hold(
+    env: Environment, store: Store, tmp_path: Path
+) -> None:
     grader, clock = load_grader(shipped()), Clock()
     rem = remediator(store, tmp_path, clock, Safety(max_remediations_7d=3))
     for code in (109, 109, 95, 46):
@@ -309,7 +335,9 @@ def test_status_shows_restarts_per_code_the_7_day_count_and_the_hold(env, store,
 
 
 # -- application-class Xids: the job's when spread, the GPU's when repeated on one ---------------
-def test_xid31_on_gpus_0_to_7_is_a_warn_for_the_job_and_takes_no_action(env, store, tmp_path):
+def test_xid31_on_gpus_0_to_7_is_a_warn_for_the_job_and_takes_no_action(
+    env: Environment, store: Store, tmp_path: Path
+) -> None:
     """The same MMU fault on every GPU, three times each: the application's (WORKFLOW_XID_31),
     never a drain, although each GPU alone would pass the recurrence threshold."""
     lines = [line(env, gpu, 31, t) for t in (100.0, 2000.0, 4000.0) for gpu in range(8)]
@@ -323,7 +351,9 @@ def test_xid31_on_gpus_0_to_7_is_a_warn_for_the_job_and_takes_no_action(env, sto
     assert not (tmp_path / "actions.log").exists()
 
 
-def test_xid31_repeated_on_gpu3_with_the_others_clean_is_an_error_for_gpu3(env, store, tmp_path):
+def test_xid31_repeated_on_gpu3_with_the_others_clean_is_an_error_for_gpu3(
+    env: Environment, store: Store, tmp_path: Path
+) -> None:
     lines = [line(env, 3, 31, t) for t in (100.0, 2000.0, 4000.0)]
     grader, clock = load_grader(shipped()), Clock()
     grade, _records = run_once(env, grader, remediator(store, tmp_path, clock), lines)
@@ -333,7 +363,9 @@ def test_xid31_repeated_on_gpu3_with_the_others_clean_is_an_error_for_gpu3(env, 
     assert [a for a, _ in acted(store)][:2] == ["drain", "restart"]
 
 
-def test_xid13_spread_across_gpus_stays_warn_and_repeated_on_one_gpu_is_error(env):
+def test_xid13_spread_across_gpus_stays_warn_and_repeated_on_one_gpu_is_error(
+    env: Environment,
+) -> None:
     grader = load_grader(shipped())
     times = [100.0 + 1000.0 * i for i in range(5)]  # 5 bursts: 13's recurrence threshold
     spread = grader.grade(
@@ -344,7 +376,9 @@ def test_xid13_spread_across_gpus_stays_warn_and_repeated_on_one_gpu_is_error(en
     assert (one.level, one.reasons[0].target) == (Level.ERROR, "gpu:4")
 
 
-def test_the_same_code_on_another_gpu_outside_the_window_does_not_make_it_the_jobs(env):
+def test_the_same_code_on_another_gpu_outside_the_window_does_not_make_it_the_jobs(
+    env: Environment,
+) -> None:
     grader = load_grader(shipped())
     old = [line(env, 0, 31, 100.0)]  # two days before gpu:3's faults: another job's crash
     recent = [line(env, 3, 31, 2 * DAY_S + t) for t in (0.0, 2000.0, 4000.0)]
@@ -353,7 +387,7 @@ def test_the_same_code_on_another_gpu_outside_the_window_does_not_make_it_the_jo
     assert by_target == {"gpu:0": Level.WARN, "gpu:3": Level.ERROR}
 
 
-def test_a_hardware_xid_on_every_gpu_is_not_the_jobs(env):
+def test_a_hardware_xid_on_every_gpu_is_not_the_jobs(env: Environment) -> None:
     """Only the application class is judged by spread: Xid 95 on every GPU is still ERROR."""
     grade = load_grader(shipped()).grade(
         xid_results(env, [line(env, g, 95, 100.0) for g in range(8)]), "service"
@@ -362,7 +396,7 @@ def test_a_hardware_xid_on_every_gpu_is_not_the_jobs(env):
 
 
 # -- the catalog fields and the typed reason ----------------------------------------------------
-def test_reason_carries_catalog_code_and_restarts_through_a_saved_report(env):
+def test_reason_carries_catalog_code_and_restarts_through_a_saved_report(env: Environment) -> None:
     grade = load_grader(shipped()).grade(xid_results(env, [line(env, 2, 109)]), "service")
     (reason,) = grade.reasons
     assert (reason.catalog, reason.code, reason.restarts_before_fault) == ("xid", 109, 4)
@@ -381,12 +415,14 @@ def test_reason_carries_catalog_code_and_restarts_through_a_saved_report(env):
         ("    class: firmware\n", "class"),
     ],
 )
-def test_a_broken_restarts_before_fault_or_class_is_a_config_error(tmp_path, extra, key):
+def test_a_broken_restarts_before_fault_or_class_is_a_config_error(
+    tmp_path: Path, extra: str, key: str
+) -> None:
     with pytest.raises(ConfigError, match=rf"xid.yaml.*{key}"):
         graders_with(tmp_path, 95, "Uncontained memory error", extra)
 
 
-def test_the_application_class_is_marked_where_nvidia_leaves_the_code_to_the_application():
+def test_the_application_class_is_marked_where_nvidia_leaves_the_code_to_the_application() -> None:
     codes = load_grader(shipped()).xid.codes
     assert {c for c, e in codes.items() if e.cls == "application"} >= {13, 31, 43, 45}
     assert all(codes[c].level <= Level.WARN for c in codes if codes[c].cls == "application")

@@ -15,7 +15,7 @@ from node_agent.schedulers.slurm import SlurmAdapter, parse_show_node
 DATA = Path(__file__).resolve().parents[1] / "data" / "slurm"
 
 
-def test_show_node_parses_every_node_with_state_and_reason():
+def test_show_node_parses_every_node_with_state_and_reason() -> None:
     nodes = {n.name: n for n in parse_show_node((DATA / "show_node_22.05.txt").read_text())}
     assert set(nodes) == {"na-node1", "na-fake1", "na-fake2", "na-fake3"}
     agent = nodes["na-node1"]
@@ -27,12 +27,12 @@ def test_show_node_parses_every_node_with_state_and_reason():
     assert by_hand.reason == "bad DIMM, ticket 4711"
     failed = nodes["na-fake2"]
     assert failed.state == "UNKNOWN+FAIL" and failed.drained and failed.drained_by_agent
-    assert failed.reason.startswith("node-agent: replace:")
+    assert (failed.reason or "").startswith("node-agent: replace:")
     idle = nodes["na-fake3"]
     assert not idle.drained and idle.reason is None
 
 
-def test_show_node_of_one_node_without_reason():
+def test_show_node_of_one_node_without_reason() -> None:
     [node] = parse_show_node((DATA / "show_node_one_idle_22.05.txt").read_text())
     assert node.name == "na-fake3" and node.state == "UNKNOWN" and node.reason is None
 
@@ -54,12 +54,12 @@ def test_show_node_of_one_node_without_reason():
         ("DOWN+REBOOT_ISSUED", False),
     ],
 )
-def test_drain_and_fail_flags_mean_drained(state, drained):
+def test_drain_and_fail_flags_mean_drained(state: str, drained: bool) -> None:
     [node] = parse_show_node(f"NodeName=n1 Arch=x86_64 State={state} Partitions=gpu")
     assert node.drained is drained
 
 
-def test_lines_that_are_not_node_records_are_ignored():
+def test_lines_that_are_not_node_records_are_ignored() -> None:
     assert parse_show_node("Node n1 not found\n\n") == []
 
 
@@ -73,33 +73,33 @@ def test_lines_that_are_not_node_records_are_ignored():
         ("nul\x00esc\x1b é", "node-agent: nul?esc? ?"),
     ],
 )
-def test_reason_is_printable_ascii_without_quotes_or_newlines(raw, expected):
+def test_reason_is_printable_ascii_without_quotes_or_newlines(raw: str, expected: str) -> None:
     assert sanitise_reason(raw) == expected
 
 
-def test_reason_is_capped_and_keeps_its_prefix():
+def test_reason_is_capped_and_keeps_its_prefix() -> None:
     text = sanitise_reason("x" * 5000)
     assert len(text) == MAX_REASON_LEN
     assert text.startswith(REASON_PREFIX) and text.endswith("...")
 
 
 @pytest.mark.parametrize("name", ["gpu-01", "node1.cluster", "a_b", "N0"])
-def test_valid_node_names_pass(name):
+def test_valid_node_names_pass(name: str) -> None:
     assert check_node_name(name) == name
 
 
 @pytest.mark.parametrize("name", ["", "-h", "a b", "a;b", "../x", "n1\n", "x" * 64, ".hidden"])
-def test_unsafe_node_names_are_refused(name):
+def test_unsafe_node_names_are_refused(name: str) -> None:
     with pytest.raises(AdapterError, match="node name"):
         check_node_name(name)
 
 
-def test_scontrol_argv_is_a_list_with_one_reason_argument():
+def test_scontrol_argv_is_a_list_with_one_reason_argument() -> None:
     """Injected runner (pure test of the argv the adapter builds; the real scontrol runs in
     tests/integration/test_slurm_adapter.py)."""
-    calls = []
+    calls: list[tuple[tuple[str, ...], float]] = []
 
-    def runner(argv, timeout_s, env=None):
+    def runner(argv: list[str], timeout_s: float, env: object = None) -> ProcResult:
         calls.append((tuple(argv), timeout_s))
         out = "NodeName=n1 State=IDLE Partitions=gpu\n" if argv[1] == "show" else ""
         return ProcResult(tuple(argv), 0, out, "", 0.01)
