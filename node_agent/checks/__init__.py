@@ -208,4 +208,5 @@ def resolve(name: str) -> Callable[[CheckContext], list[Result]]:
         raise KeyError(
             f"unknown check {name!r}; known checks: {', '.join(sorted(REGISTRY))}"
         ) from None
-    return importlib.import_module(module_name).run
+    run: Callable[[CheckContext], list[Result]] = importlib.import_module(module_name).run
+    return run

@@ -24,6 +24,7 @@ from node_agent.checks.host_common import Counters, host_paths, not_recorded, th
 from node_agent.checks.host_log import kernel_messages
 from node_agent.host.cpu import (
     THROTTLE_WORDS,
+    CpuState,
     parse_throttle_message,
     read_cpus,
     throttle_from_lines,
@@ -48,7 +49,7 @@ def _log_counters(ctx: CheckContext) -> tuple[dict[int, tuple[int | None, int | 
     return throttle_from_lines(lines), said
 
 
-def _throttle(ctx: CheckContext, state) -> Result:
+def _throttle(ctx: CheckContext, state: CpuState) -> Result:
     throttle, source = state.throttle, "sysfs"
     if not throttle:
         throttle, said = _log_counters(ctx)
@@ -103,7 +104,7 @@ def _throttle(ctx: CheckContext, state) -> Result:
     )
 
 
-def _online(ctx: CheckContext, state) -> Result:
+def _online(ctx: CheckContext, state: CpuState) -> Result:
     expected = ctx.config.node.expected_cpus
     declared_by = "node.expected_cpus"
     if expected is None and ctx.ports.declared_host is not None:

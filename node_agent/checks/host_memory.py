@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 from node_agent import atomic_file
 from node_agent.checks import CheckContext
@@ -41,8 +42,9 @@ from node_agent.checks.host_common import host_paths, not_recorded, thresholds
 from node_agent.checks.host_log import kernel_messages
 from node_agent.host.edac import EdacAbsent, MemoryController, read_edac
 from node_agent.host.ghes import GHES_WORDS, GhesMemoryError, ghes_sources, parse_ghes
-from node_agent.host.memory import read_installed
+from node_agent.host.memory import InstalledMemory, read_installed
 from node_agent.host.paths import HostPaths, entity_name
+from node_agent.kernel_log import Stamp
 from node_agent.model import Result, Status
 
 DAY_S = 86400.0
@@ -122,7 +124,7 @@ def _ghes_target(
     ctx: CheckContext,
     target: str,
     errs: list[GhesMemoryError],
-    stamps: list,
+    stamps: list[Stamp | None],
     ce_max: float,
 ) -> list[Result]:
     first = errs[0]
@@ -179,7 +181,7 @@ def _ghes_target(
     return results
 
 
-def _ghes_rate(corrected: list[GhesMemoryError], stamps: list) -> tuple[float, str]:
+def _ghes_rate(corrected: list[GhesMemoryError], stamps: list[Stamp | None]) -> tuple[float, str]:
     """Corrected records per 24 h: over the span of their boot-clock times where that is a day
     or more, else the count itself (all of it within a day)."""
     times = [
@@ -354,7 +356,7 @@ def _save_history(ctx: CheckContext, kept: dict[str, list[list[float]]]) -> None
 
 def _installed(
     ctx: CheckContext,
-    installed,
+    installed: InstalledMemory | None,
     controllers: list[MemoryController] | None,
     limits: dict[str, float],
 ) -> Result:
@@ -369,7 +371,7 @@ def _installed(
             "/proc/meminfo could be read",
             metric="memory_installed",
         )
-    evidence = {
+    evidence: dict[str, Any] = {
         "source": installed.source,
         "blocks": installed.blocks,
         "block_bytes": installed.block_bytes,

@@ -22,13 +22,15 @@ the log prints, so the log is not read twice. Params: ``sys_root``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from node_agent.checks import CheckContext
 from node_agent.checks.host_common import Counters, host_paths, not_recorded, thresholds
 from node_agent.checks.pcie_aer_log import log_results
 from node_agent.gpu.pci import normalise_bus_id
 from node_agent.host.aer import PciFunction, read_functions, read_hca_functions
 from node_agent.host.nvme import read_nvme_functions
-from node_agent.model import Result, Status
+from node_agent.model import GpuInfo, Result, Status
 
 _SEVERITY = {
     "fatal": ("aer_fatal", Status.FAIL, "fatal uncorrectable"),
@@ -36,7 +38,7 @@ _SEVERITY = {
 }
 
 
-def _gpus(ctx: CheckContext) -> list:
+def _gpus(ctx: CheckContext) -> list[GpuInfo]:
     """The GPUs NVML enumerated (none when the inventory could not be taken)."""
     return list(ctx.inventory.gpus) if ctx.inventory is not None else []
 
@@ -177,7 +179,7 @@ def run(ctx: CheckContext) -> list[Result]:
 
 
 def _counters(
-    ctx: CheckContext, functions: list[PciFunction], hcas: dict[str, str], sys_root
+    ctx: CheckContext, functions: list[PciFunction], hcas: dict[str, str], sys_root: Path
 ) -> list[Result]:
     """The sysfs AER counters' results (see the module's docstring)."""
     limit = thresholds(ctx, "pcie_aer")["correctable_growth_max"]

@@ -108,12 +108,12 @@ class _Gpu:
     model: CopyModel | None = None  # a stand-in GPU's modelled copy rates
     times: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in ALONE})
 
-    def stream_context(self):
+    def stream_context(self) -> contextlib.AbstractContextManager[Any]:
         if self.stream is None:
             return contextlib.nullcontext()
         import torch
 
-        return torch.cuda.stream(self.stream)
+        return torch.cuda.stream(self.stream)  # type: ignore[no-any-return]
 
     def h2d(self) -> None:
         with self.stream_context():
@@ -262,7 +262,7 @@ def _setup(spec: ComputeSpec, size: int, warmup: int, model: CopyModel | None = 
         dev=dev,
         host=host,
         device_buf=torch.empty(size, dtype=torch.uint8, device=dev.device),
-        stream=torch.cuda.Stream(dev.device) if cuda else None,
+        stream=torch.cuda.Stream(dev.device) if cuda else None,  # type: ignore[no-untyped-call]
         model=model,
     )
     for _ in range(warmup):

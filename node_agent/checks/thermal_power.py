@@ -132,7 +132,9 @@ def gpu_findings(ctx: CheckContext, index: int, trace: dict[str, Any], source: s
     return out
 
 
-def _temperature(ctx, target, trace, limits, span) -> Result:
+def _temperature(
+    ctx: CheckContext, target: str, trace: dict[str, Any], limits: dict[str, Any], span: float
+) -> Result:
     temps = trace.get("temp_c") or []
     present = _present(temps)
     if not present:
@@ -186,7 +188,15 @@ def _temperature(ctx, target, trace, limits, span) -> Result:
     )
 
 
-def _power(ctx, target, trace, limits, loaded, full_load, load_note) -> Result:
+def _power(
+    ctx: CheckContext,
+    target: str,
+    trace: dict[str, Any],
+    limits: dict[str, Any],
+    loaded: list[int],
+    full_load: bool,
+    load_note: str,
+) -> Result:
     limit = trace.get("power_limit_w")
     powers = _present(trace.get("power_w") or [], loaded)
     if not powers or not limit:
@@ -241,7 +251,9 @@ def _power(ctx, target, trace, limits, loaded, full_load, load_note) -> Result:
     )
 
 
-def _clock_drop(ctx, target, trace, limits, loaded) -> Result:
+def _clock_drop(
+    ctx: CheckContext, target: str, trace: dict[str, Any], limits: dict[str, Any], loaded: list[int]
+) -> Result:
     clocks = _present(trace.get("sm_clock_mhz") or [], loaded)
     if not clocks:
         return ctx.result(
@@ -268,7 +280,7 @@ def _clock_drop(ctx, target, trace, limits, loaded) -> Result:
     return ctx.result(target, "sm_clock_drop", status, detail, value=round(drop, 4), **evidence)
 
 
-def _throttle(ctx, target, trace) -> Result:
+def _throttle(ctx: CheckContext, target: str, trace: dict[str, Any]) -> Result:
     readings = _present(trace.get("throttle") or [])
     if not readings:
         return ctx.result(
@@ -279,7 +291,7 @@ def _throttle(ctx, target, trace) -> Result:
         )
     seen = Counter(reason for reasons in readings for reason in reasons)
     abnormal = sorted(r for r in seen if r in ABNORMAL_THROTTLE)
-    evidence = {"reasons_seen": dict(sorted(seen.items())), "readings": len(readings)}
+    evidence: dict[str, Any] = {"reasons_seen": dict(sorted(seen.items())), "readings": len(readings)}
     if abnormal:
         words = ", ".join(f"{r} in {seen[r]} of {len(readings)} readings" for r in abnormal)
         return ctx.result(
@@ -303,7 +315,9 @@ def _throttle(ctx, target, trace) -> Result:
     )
 
 
-def _memory_temperature(ctx, target, trace, limits) -> Result:
+def _memory_temperature(
+    ctx: CheckContext, target: str, trace: dict[str, Any], limits: dict[str, Any]
+) -> Result:
     present = _present(trace.get("mem_temp_c") or [])
     if not present:
         return ctx.result(

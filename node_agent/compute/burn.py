@@ -288,7 +288,7 @@ class DeviceWaits:
             return None
         import torch
 
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(torch.cuda.current_stream(self.device))
         return event
 
@@ -358,14 +358,18 @@ class BurnEngine:
         return _Job(a, b, matmul, verifier)
 
     def run_phase(
-        self, precision: str, t_end: float, t_zero: float, send: Callable[[tuple], None]
+        self, precision: str, t_end: float, t_zero: float, send: Callable[[tuple[Any, ...]], None]
     ) -> None:
         """GEMMs back to back until monotonic time ``t_end``, one sample message per window."""
         while (now := time.monotonic()) < t_end:
             self.run_window(precision, min(now + self.plan.sample_s, t_end), t_zero, send)
 
     def run_window(
-        self, precision: str, window_end: float, t_zero: float, send: Callable[[tuple], None]
+        self,
+        precision: str,
+        window_end: float,
+        t_zero: float,
+        send: Callable[[tuple[Any, ...]], None],
     ) -> None:
         """One sample window: products until monotonic ``window_end``, then one message.
 
@@ -424,7 +428,7 @@ class BurnEngine:
         return _Check(c, host, self.waits.record(), t_s)
 
     def _settle(
-        self, precision: str, job: _Job, check: _Check, send: Callable[[tuple], None]
+        self, precision: str, job: _Job, check: _Check, send: Callable[[tuple[Any, ...]], None]
     ) -> int:
         """Read one check's verdict (waiting for it if it is not done); recompute flagged rows."""
         if not self.waits.done(check.event):
@@ -442,7 +446,7 @@ class BurnEngine:
         c: Any,
         rows: list[int],
         t_s: float,
-        send: Callable[[tuple], None],
+        send: Callable[[tuple[Any, ...]], None],
     ) -> int:
         """Flagged rows of ``c``: recompute them on the CPU; re-run the product once when
         wrong (a finding, so this path may wait on the device)."""
@@ -500,7 +504,7 @@ def worker_main(spec: ComputeSpec, plan: BurnPlan, conn: Any) -> None:
         conn.send(("ready", device.info(), skipped))
         msg = conn.recv()
 
-        def send(message: tuple) -> None:
+        def send(message: tuple[Any, ...]) -> None:
             nonlocal sent
             conn.send(message)
             if message[0] == "sample":
@@ -838,7 +842,7 @@ def _drain(h: _Handle) -> None:
         pass
 
 
-def _handle(h: _Handle, msg: tuple) -> None:
+def _handle(h: _Handle, msg: tuple[Any, ...]) -> None:
     h.last_s = time.monotonic()
     kind, rep = msg[0], h.report
     if kind == "ready":

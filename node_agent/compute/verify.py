@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -109,7 +109,7 @@ def fp8_matmul(device: torch.device) -> Callable[[torch.Tensor, torch.Tensor], t
 
 
 @contextlib.contextmanager
-def numerics(precision: str):
+def numerics(precision: str) -> Iterator[None]:
     """TF32 on exactly for ``tf32``, off otherwise; no reduced-precision reductions."""
     from node_agent.sdc.probes import strict_matmul
 
