@@ -52,7 +52,7 @@ from node_agent.checks import CheckContext, log_cursor
 from node_agent.checks.behaviour import ServiceBehaviour
 from node_agent.checks.hca_metrics import HcaPortErrors
 from node_agent.host import infiniband
-from node_agent.kernel_log import kernel_message
+from node_agent.kernel_log import LogRecord, kernel_message
 from node_agent.model import Result, Status
 from node_agent.yamlfile import load_yaml
 
@@ -361,7 +361,6 @@ def link_results(
     ctx: CheckContext, readings: list[PortReading], expect: Expectation
 ) -> list[Result]:
     """``link_state`` and ``port_rate_gbps`` per port, ``port_count`` for the node."""
-    out: list[Result] = []
     active = [r.port for r in readings if r.port.state == "ACTIVE"]
     fast = [
         p
@@ -370,78 +369,90 @@ def link_results(
         or (p.rate_gbps is not None and p.rate_gbps >= expect.min_rate_gbps)
     ]
     short = expect.ports is not None and len(fast) < expect.ports
-    if expect.ports is not None:
-        rate_text = (
-            f"{expect.min_rate_gbps:g} Gb/s or faster"
-            if expect.min_rate_gbps is not None
-            else "any rate"
-        )
-        if not short:
-            tail = ""
-        elif expect.declared:
-            tail = ": an HCA is missing, down or trained at a lower rate"
-        else:
-            tail = (
-                " in its reference build; this server has fewer (set the check's `ports` "
-                "param to this server's count to grade a missing one)"
-            )
-        out.append(
-            ctx.result(
-                "node",
-                "port_count",
-                Status.FAIL if short and expect.declared else Status.PASS,
-                f"{len(fast)} HCA port(s) ACTIVE at {rate_text}, {expect.source} "
-                f"{'expects' if expect.declared else 'has'} at least {expect.ports}{tail}",
-                value=len(fast),
-                unit="ports",
-                expected=expect.ports,
-                declared=expect.declared,
-                min_rate_gbps=expect.min_rate_gbps,
-                source=expect.source,
-                ports=sorted(f"{p.device}/{p.port}" for p in fast),
-            )
-        )
+    out: list[Result] = [] if expect.ports is None else [_port_count(ctx, fast, expect, short)]
     majority = _majority_rates(active)
     for reading in readings:
-        port = reading.port
-        ev = {
-            "device": port.device,
-            "port": port.port,
-            "link_layer": port.link_layer,
-            "phys_state": port.phys_state,
-        }
-        up = port.state == "ACTIVE"
-        out.append(
+        out.extend(_port_results(ctx, reading.port, expect, short, majority))
+    return out
+
+
+def _port_count(
+    ctx: CheckContext, fast: list[infiniband.Port], expect: Expectation, short: bool
+) -> Result:
+    """``port_count``: the ports ACTIVE at the expected rate against the count expected."""
+    rate_text = (
+        f"{expect.min_rate_gbps:g} Gb/s or faster"
+        if expect.min_rate_gbps is not None
+        else "any rate"
+    )
+    if not short:
+        tail = ""
+    elif expect.declared:
+        tail = ": an HCA is missing, down or trained at a lower rate"
+    else:
+        tail = (
+            " in its reference build; this server has fewer (set the check's `ports` "
+            "param to this server's count to grade a missing one)"
+        )
+    return ctx.result(
+        "node",
+        "port_count",
+        Status.FAIL if short and expect.declared else Status.PASS,
+        f"{len(fast)} HCA port(s) ACTIVE at {rate_text}, {expect.source} "
+        f"{'expects' if expect.declared else 'has'} at least {expect.ports}{tail}",
+        value=len(fast),
+        unit="ports",
+        expected=expect.ports,
+        declared=expect.declared,
+        min_rate_gbps=expect.min_rate_gbps,
+        source=expect.source,
+        ports=sorted(f"{p.device}/{p.port}" for p in fast),
+    )
+
+
+def _port_results(
+    ctx: CheckContext,
+    port: infiniband.Port,
+    expect: Expectation,
+    short: bool,
+    majority: dict[str, float],
+) -> list[Result]:
+    """One port's ``link_state`` and, when it is up, its ``port_rate_gbps``."""
+    ev = {
+        "device": port.device,
+        "port": port.port,
+        "link_layer": port.link_layer,
+        "phys_state": port.phys_state,
+    }
+    up = port.state == "ACTIVE"
+    state = ctx.result(
+        port.target,
+        "link_state",
+        Status.PASS if up else Status.FAIL,
+        f"{port.device} port {port.port} is {port.state or 'unknown'} ({port.phys_state})"
+        + (
+            ""
+            if up
+            else ": no traffic passes; check the cable, the switch port and the "
+            "subnet manager (list the port under the check's `ignore` if it is unused)"
+        ),
+        value=port.state,
+        **ev,
+    )
+    if not up:
+        return [state]
+    if port.rate_gbps is None:
+        return [
+            state,
             ctx.result(
                 port.target,
-                "link_state",
-                Status.PASS if up else Status.FAIL,
-                f"{port.device} port {port.port} is {port.state or 'unknown'} ({port.phys_state})"
-                + (
-                    ""
-                    if up
-                    else ": no traffic passes; check the cable, the switch port and the "
-                    "subnet manager (list the port under the check's `ignore` if it is unused)"
-                ),
-                value=port.state,
+                "port_rate_gbps",
+                Status.ERROR,
+                f"cannot read the rate of {port.device} port {port.port}: {port.rate_text!r}",
                 **ev,
-            )
-        )
-        if not up:
-            continue
-        if port.rate_gbps is None:
-            out.append(
-                ctx.result(
-                    port.target,
-                    "port_rate_gbps",
-                    Status.ERROR,
-                    f"cannot read the rate of {port.device} port {port.port}: {port.rate_text!r}",
-                    **ev,
-                )
-            )
-            continue
-        out.append(_rate_result(ctx, port, expect, short, majority.get(port.link_layer), ev))
-    return out
+            ),
+        ]
+    return [state, _rate_result(ctx, port, expect, short, majority.get(port.link_layer), ev)]
 
 
 def missing_results(
@@ -572,19 +583,17 @@ def _rate_result(
 # --- flaps -------------------------------------------------------------------------------------
 
 
-def flap_result(
-    ctx: CheckContext,
+def _cycles(
     reading: PortReading,
     previous: dict[str, Any] | None,
     now: float,
     uptime: float | None,
-    table: HcaGrading,
-) -> tuple[Result, dict[str, Any]]:
-    """The port's ``flaps`` result and its new state (last state and link_downed, the times of
-    its down-up cycles in the window, when the flap WARN was first raised)."""
-    port = reading.port
-    window = table.flap_window_s
-    value = reading.link_downed
+    window: float,
+) -> tuple[list[float], str]:
+    """The times of the port's down-up cycles: the stored ones and those since the last
+    reading (on a first reading, those since boot where boot is inside the window), and a note
+    on how they were counted."""
+    port, value = reading.port, reading.link_downed
     cycles = [float(t) for t in (previous or {}).get("cycles", [])]
     note = ""
     if previous is None:
@@ -599,16 +608,31 @@ def flap_result(
                     f"first reading: link_downed is {value} since the counters were cleared, "
                     "too long ago to place in the window; growth from now on is counted"
                 )
-    else:
-        before = previous.get("link_downed")
-        grown = (
-            value - before if value is not None and before is not None and value >= before else 0
-        )
-        came_up = previous.get("state") not in (None, "ACTIVE") and port.state == "ACTIVE"
-        new = min(max(grown, int(came_up)), MAX_CYCLES_PER_RUN)
-        cycles += [now] * new
-        if value is not None and before is not None and value < before:
-            note = f"link_downed went from {before} to {value}: the counters were reset"
+        return cycles, note
+    before = previous.get("link_downed")
+    grown = value - before if value is not None and before is not None and value >= before else 0
+    came_up = previous.get("state") not in (None, "ACTIVE") and port.state == "ACTIVE"
+    new = min(max(grown, int(came_up)), MAX_CYCLES_PER_RUN)
+    cycles += [now] * new
+    if value is not None and before is not None and value < before:
+        note = f"link_downed went from {before} to {value}: the counters were reset"
+    return cycles, note
+
+
+def flap_result(
+    ctx: CheckContext,
+    reading: PortReading,
+    previous: dict[str, Any] | None,
+    now: float,
+    uptime: float | None,
+    table: HcaGrading,
+) -> tuple[Result, dict[str, Any]]:
+    """The port's ``flaps`` result and its new state (last state and link_downed, the times of
+    its down-up cycles in the window, when the flap WARN was first raised)."""
+    port = reading.port
+    window = table.flap_window_s
+    value = reading.link_downed
+    cycles, note = _cycles(reading, previous, now, uptime, window)
     cycles = sorted(t for t in cycles if t > now - window)
     warned_at = (previous or {}).get("warned_at")
     status = Status.PASS
@@ -917,16 +941,7 @@ def kernel_line_results(
                 f"cannot read the kernel log {log.source}: {err}",
             )
         ]
-    found: dict[tuple[str, str], list[Mlx5Line]] = {}
-    for record in records:
-        if cursor is not None and record.seq <= cursor:
-            continue
-        if not record.from_kernel:
-            continue
-        line = parse_mlx5_line(record.text.split("\n", 1)[0])
-        if line is not None:
-            target = f"hca:{buses.get(line.bdf, line.bdf)}"
-            found.setdefault((target, line.kind.metric), []).append(line)
+    found = _mlx5_lines(records, cursor, buses)
     if since == "last_run" and records:
         state["kernel_cursor"] = {
             "boot_id": log_cursor.boot_id(),
@@ -944,24 +959,37 @@ def kernel_line_results(
                 source=log.source,
             )
         ]
-    out = []
-    for (target, metric), lines in sorted(found.items()):
-        kind = lines[0].kind
-        out.append(
-            ctx.result(
-                target,
-                metric,
-                kind.status,
-                f"{target}: {len(lines)} mlx5 line(s) {window}: {kind.meaning} — {lines[-1].text[:200]}",
-                value=len(lines),
-                unit="lines",
-                bus_id=lines[0].bdf,
-                source=log.source,
-                lines=[x.raw[:300] for x in lines[:_KEPT_LINES]],
-                last=lines[-1].raw[:300] if len(lines) > _KEPT_LINES else None,
-            )
+    return [
+        ctx.result(
+            target,
+            metric,
+            lines[0].kind.status,
+            f"{target}: {len(lines)} mlx5 line(s) {window}: {lines[0].kind.meaning} — "
+            f"{lines[-1].text[:200]}",
+            value=len(lines),
+            unit="lines",
+            bus_id=lines[0].bdf,
+            source=log.source,
+            lines=[x.raw[:300] for x in lines[:_KEPT_LINES]],
+            last=lines[-1].raw[:300] if len(lines) > _KEPT_LINES else None,
         )
-    return out
+        for (target, metric), lines in sorted(found.items())
+    ]
+
+
+def _mlx5_lines(
+    records: list[LogRecord], cursor: int | None, buses: dict[str, str]
+) -> dict[tuple[str, str], list[Mlx5Line]]:
+    """The mlx5 driver's graded lines after ``cursor``, by (HCA target, metric)."""
+    found: dict[tuple[str, str], list[Mlx5Line]] = {}
+    for record in records:
+        if (cursor is not None and record.seq <= cursor) or not record.from_kernel:
+            continue
+        line = parse_mlx5_line(record.text.split("\n", 1)[0])
+        if line is not None:
+            target = f"hca:{buses.get(line.bdf, line.bdf)}"
+            found.setdefault((target, line.kind.metric), []).append(line)
+    return found
 
 
 # --- state -------------------------------------------------------------------------------------
