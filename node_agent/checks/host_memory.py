@@ -197,6 +197,32 @@ def _ghes_rate(corrected: list[GhesMemoryError], stamps: list[Stamp | None]) -> 
     return float(count), f"{count} in the kernel log"
 
 
+def _unplaced_ue(ctx: CheckContext, mc: MemoryController) -> list[Result]:
+    """The controller's uncorrected errors EDAC could not place on a DIMM (none: no result)."""
+    unplaced = mc.ue_noinfo or 0
+    placed = sum(d.ue or 0 for d in mc.dimms)
+    if not mc.dimms and mc.ue:
+        unplaced = max(unplaced, mc.ue)
+    elif mc.ue and mc.ue > placed:
+        unplaced = max(unplaced, mc.ue - placed)
+    if not unplaced:
+        return []
+    return [
+        ctx.result(
+            f"memory:{mc.name}",
+            "edac_ue",
+            Status.FAIL,
+            f"memory controller {mc.name} has {unplaced} uncorrected memory error(s) EDAC "
+            "could not place on a DIMM: find the DIMM from the BMC's event log "
+            "(ipmitool sel elist) or rasdaemon (ras-mc-ctl --errors)",
+            value=unplaced,
+            unit="errors",
+            ue_count=mc.ue,
+            ue_noinfo_count=mc.ue_noinfo,
+        )
+    ]
+
+
 def _edac(
     ctx: CheckContext, controllers: list[MemoryController], limits: dict[str, float]
 ) -> list[Result]:
@@ -251,27 +277,7 @@ def _edac(
                         **evidence,
                     )
                 )
-        unplaced = mc.ue_noinfo or 0
-        placed = sum(d.ue or 0 for d in mc.dimms)
-        if not mc.dimms and mc.ue:
-            unplaced = max(unplaced, mc.ue)
-        elif mc.ue and mc.ue > placed:
-            unplaced = max(unplaced, mc.ue - placed)
-        if unplaced:
-            results.append(
-                ctx.result(
-                    f"memory:{mc.name}",
-                    "edac_ue",
-                    Status.FAIL,
-                    f"memory controller {mc.name} has {unplaced} uncorrected memory error(s) EDAC "
-                    "could not place on a DIMM: find the DIMM from the BMC's event log "
-                    "(ipmitool sel elist) or rasdaemon (ras-mc-ctl --errors)",
-                    value=unplaced,
-                    unit="errors",
-                    ue_count=mc.ue,
-                    ue_noinfo_count=mc.ue_noinfo,
-                )
-            )
+        results.extend(_unplaced_ue(ctx, mc))
     _save_history(ctx, kept)
     dimms = sum(len(mc.dimms) for mc in controllers)
     if not any(r.metric == "edac_ue" for r in results):
