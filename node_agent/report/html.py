@@ -346,38 +346,8 @@ def _burn_plots(report: Report, plotter: Plotter, levels: dict[str, Level]) -> s
         fig = plotter.figure(12, 2.3)
         axes = fig.subplots(1, 4)
         drawn = False
-        for ax, (key, label, limit_key, limit_label) in zip(axes, _TRACE_PANELS, strict=True):
-            ys = _series(ev, key)
-            ax.set_title(label, fontsize=9)
-            ax.tick_params(labelsize=8)
-            ax.grid(alpha=0.3)
-            if ys is None:
-                ax.text(
-                    0.5,
-                    0.5,
-                    "not recorded",
-                    ha="center",
-                    va="center",
-                    transform=ax.transAxes,
-                    fontsize=8,
-                    color="#757575",
-                )
-                continue
-            xs = t_s if t_s and len(t_s) == len(ys) else list(range(len(ys)))
-            ax.plot(xs, ys, color="#1565c0", linewidth=1.2)
-            drawn = True
-            limit = ev.get(limit_key) if limit_key else (minimum if key == "tflops" else None)
-            if _number(limit):
-                ax.axhline(float(limit), color="#c62828", linestyle="--", linewidth=1)
-                ax.annotate(
-                    limit_label or "minimum",
-                    xy=(0.01, float(limit)),
-                    xycoords=("axes fraction", "data"),
-                    fontsize=7,
-                    color="#c62828",
-                    va="bottom",
-                )
-            ax.set_xlabel("time (s)" if xs is t_s else "sample", fontsize=8)
+        for ax, panel in zip(axes, _TRACE_PANELS, strict=True):
+            drawn = _trace_panel(ax, ev, panel, t_s, minimum) or drawn
         level = levels.get(target, Level.HEALTHY)
         fig.suptitle(f"{target} over the burn", fontsize=10)
         if drawn:
@@ -386,23 +356,76 @@ def _burn_plots(report: Report, plotter: Plotter, levels: dict[str, Level]) -> s
                 f'data-target="{esc(target)}">{plotter.svg(fig)}</div>'
             )
     if samples and not traces:
-        fig = plotter.figure(8, 3)
-        ax = fig.subplots()
-        for target in sorted(samples, key=lambda t: _gpu_index(t) or 0):
-            ax.plot(
-                samples[target],
-                linewidth=1.2,
-                label=target,
-                color="#c62828" if levels.get(target, Level.HEALTHY) > Level.HEALTHY else None,
-            )
-        if minimum is not None:
-            ax.axhline(minimum, color="#c62828", linestyle="--", linewidth=1)
-        ax.set_title("bf16 TFLOP/s samples per GPU (no thermal trace recorded)", fontsize=10)
-        ax.set_xlabel("sample", fontsize=8)
-        ax.legend(fontsize=7, ncols=4)
-        ax.grid(alpha=0.3)
-        out.append(f'<div class="plot">{plotter.svg(fig)}</div>')
+        out.append(_samples_plot(samples, levels, minimum, plotter))
     return "".join(out)
+
+
+def _trace_panel(
+    ax: Any,
+    ev: dict[str, Any],
+    panel: tuple[str, str, str | None, str | None],
+    t_s: list[float] | None,
+    minimum: float | None,
+) -> bool:
+    """One panel of a GPU's burn trace (``_TRACE_PANELS``) with its limit; whether it drew a
+    series ("not recorded" otherwise)."""
+    key, label, limit_key, limit_label = panel
+    ys = _series(ev, key)
+    ax.set_title(label, fontsize=9)
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3)
+    if ys is None:
+        ax.text(
+            0.5,
+            0.5,
+            "not recorded",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+            fontsize=8,
+            color="#757575",
+        )
+        return False
+    xs = t_s if t_s and len(t_s) == len(ys) else list(range(len(ys)))
+    ax.plot(xs, ys, color="#1565c0", linewidth=1.2)
+    limit = ev.get(limit_key) if limit_key else (minimum if key == "tflops" else None)
+    if _number(limit):
+        ax.axhline(float(limit), color="#c62828", linestyle="--", linewidth=1)
+        ax.annotate(
+            limit_label or "minimum",
+            xy=(0.01, float(limit)),
+            xycoords=("axes fraction", "data"),
+            fontsize=7,
+            color="#c62828",
+            va="bottom",
+        )
+    ax.set_xlabel("time (s)" if xs is t_s else "sample", fontsize=8)
+    return True
+
+
+def _samples_plot(
+    samples: dict[str, list[float]],
+    levels: dict[str, Level],
+    minimum: float | None,
+    plotter: Plotter,
+) -> str:
+    """The bf16 TFLOP/s samples of every GPU in one plot (when no thermal trace was recorded)."""
+    fig = plotter.figure(8, 3)
+    ax = fig.subplots()
+    for target in sorted(samples, key=lambda t: _gpu_index(t) or 0):
+        ax.plot(
+            samples[target],
+            linewidth=1.2,
+            label=target,
+            color="#c62828" if levels.get(target, Level.HEALTHY) > Level.HEALTHY else None,
+        )
+    if minimum is not None:
+        ax.axhline(minimum, color="#c62828", linestyle="--", linewidth=1)
+    ax.set_title("bf16 TFLOP/s samples per GPU (no thermal trace recorded)", fontsize=10)
+    ax.set_xlabel("sample", fontsize=8)
+    ax.legend(fontsize=7, ncols=4)
+    ax.grid(alpha=0.3)
+    return f'<div class="plot">{plotter.svg(fig)}</div>'
 
 
 #: (section title, check, metrics) of the bar charts, in the order people read them
