@@ -232,25 +232,16 @@ def _run_fio(
             )
         ]
     runtime_s = float(p.get("runtime_s", 3))
-    filename = private / "fio.dat"
     argv = fio_argv(
         fio,
-        filename,
+        private / "fio.dat",
         str(p.get("size", "64M")),
         runtime_s,
         direct,
         str(p.get("ioengine", "libaio")),
         int(p.get("iodepth", 16)),
     )
-    evidence: dict[str, Any] = {
-        "direct": direct,
-        "argv": argv,
-        "path_note": label,
-        "scratch_dir": scratch_dir,
-        "io_mode": "O_DIRECT"
-        if direct
-        else "buffered: the filesystem refuses O_DIRECT, figures include the page cache",
-    }
+    evidence = _fio_evidence(argv, direct, label, scratch_dir)
     # three timed jobs plus layout and fsync; the runner's timeout still bounds the check
     timeout_s = float(p.get("fio_timeout_s", 3 * runtime_s + 60))
     res = proc.run(argv, timeout_s, cwd=proc.CHILD_CWD)
@@ -293,10 +284,39 @@ def _run_fio(
                 **evidence,
             )
         ]
+    out = _figure_results(ctx, path, target, jobs, values, direct, evidence)
+    for r in out:
+        r.duration_s = res.duration_s
+    return out
+
+
+def _fio_evidence(argv: list[str], direct: bool, label: str, scratch_dir: str) -> dict[str, Any]:
+    """What every fio result carries: how fio ran, and where."""
+    return {
+        "direct": direct,
+        "argv": argv,
+        "path_note": label,
+        "scratch_dir": scratch_dir,
+        "io_mode": "O_DIRECT"
+        if direct
+        else "buffered: the filesystem refuses O_DIRECT, figures include the page cache",
+    }
+
+
+def _figure_results(
+    ctx: CheckContext,
+    path: Path,
+    target: str,
+    jobs: dict[str, FioJob],
+    values: dict[str, float],
+    direct: bool,
+    evidence: dict[str, Any],
+) -> list[Result]:
+    """One result per fio figure, held to its minimum param where one is set."""
     out = []
     for metric, (job, unit, min_key, words) in METRICS.items():
         value = values[metric]
-        minimum = p.get(min_key)
+        minimum = ctx.params.get(min_key)
         low = minimum is not None and value < float(minimum)
         detail = (
             f"{path}: {words} {value:.1f} {unit}"
@@ -317,8 +337,6 @@ def _run_fio(
                 **evidence,
             )
         )
-    for r in out:
-        r.duration_s = res.duration_s
     return out
 
 
