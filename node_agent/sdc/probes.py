@@ -373,6 +373,20 @@ class _Pending:
     first_cost_s: float = 0.0
 
 
+def _probe_device(device: torch.device | str | int | None) -> torch.device:
+    """``device`` as a torch device: default the current CUDA device, else the CPU; an int is
+    a CUDA device index."""
+    if device is None:
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    return torch.device(device)
+
+
 class SdcProbe:
     """Run SDC probes from inside a training loop within a time budget.
 
@@ -455,15 +469,7 @@ class SdcProbe:
     ) -> None:
         if not 0 < budget_fraction < 1:
             raise ValueError(f"budget_fraction must be in (0, 1), got {budget_fraction}")
-        if device is None:
-            device = (
-                torch.device("cuda", torch.cuda.current_device())
-                if torch.cuda.is_available()
-                else torch.device("cpu")
-            )
-        elif isinstance(device, int):
-            device = torch.device("cuda", device)
-        self.device = torch.device(device)
+        self.device = _probe_device(device)
         self.budget_fraction = budget_fraction
         self.spool_dir = Path(spool_dir) if spool_dir is not None else default_spool_dir()
         self.raise_errors = raise_errors
@@ -482,6 +488,21 @@ class SdcProbe:
         )
         self.skipped: dict[str, str] = {}
         self._stream = torch.cuda.Stream(self.device) if cuda else None  # type: ignore[no-untyped-call]
+        self._init_digests(seed, digests)
+        self._states: dict[ProbeSpec, ExactState] = {}
+        self._workspace: Workspace | None = None
+        self._readback: Readback | None = None
+        self._warm: dict[tuple[str, ProbeSpec], float] = {}
+        self._prepare()
+        self.coverage = self._coverage(measure_coverage and cuda)
+        self._build_plan()
+        self._init_accounting(clock, confirm_window)
+        #: optional progress heartbeat (node_agent.heartbeat): ``step()`` beats it, so a job
+        #: that already calls ``step()`` per training step gets hang detection for free
+        self.heartbeat = heartbeat
+
+    def _init_digests(self, seed: int, digests: bool) -> None:
+        """The digest probes' specs and rotation (none unless ``digests``)."""
         self._digests: dict[ProbeSpec, str] = {}
         self._digest_specs = (
             [ProbeSpec(*s, dtype=d, seed=seed) for s in DEFAULT_SHAPES for d in ("bf16", "fp32")]
@@ -490,13 +511,9 @@ class SdcProbe:
         )
         self._digest_plan = itertools.cycle(self._digest_specs) if digests else None
         self._digest_host: dict[ProbeSpec, torch.Tensor] = {}
-        self._states: dict[ProbeSpec, ExactState] = {}
-        self._workspace: Workspace | None = None
-        self._readback: Readback | None = None
-        self._warm: dict[tuple[str, ProbeSpec], float] = {}
-        self._prepare()
-        self.coverage = self._coverage(measure_coverage and cuda)
-        self._build_plan()
+
+    def _init_accounting(self, clock: Clock, confirm_window: int | None) -> None:
+        """The budget's and the verdicts' bookkeeping, from the warm-up's costs on."""
         self._window = Window(confirm_window or max(1, len(self.specs)))
         self._expected: dict[tuple[str, ProbeSpec], float] = dict(self._warm)
         self._pending: _Pending | None = None
@@ -515,9 +532,6 @@ class SdcProbe:
         self._idle_calls: collections.deque[float] = collections.deque(maxlen=IDLE_CALLS)
         self.probes_run = 0
         self.verdicts: list[Verdict] = []
-        #: optional progress heartbeat (node_agent.heartbeat): ``step()`` beats it, so a job
-        #: that already calls ``step()`` per training step gets hang detection for free
-        self.heartbeat = heartbeat
 
     # -- set-up (construction only: uploads and allocations happen here, not in step()) ------
 
