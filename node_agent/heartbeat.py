@@ -573,7 +573,31 @@ def _read_dir(
     :func:`read_spool_json`. The uids of subdirectories named by their owner's uid go to
     ``subdirs``. ``owner``: the directory is that uid's alone, so its names are taken in order
     without a stat each (the owner each file really has is still read from ``fstat``)."""
-    done = set(skip)
+    entries = _list_dir(dir_fd, d, errs, set(skip), subdirs, owner)
+    names = _pick_fairly(entries, max_files)
+    if len(entries) > len(names):
+        errs.append(
+            (
+                d,
+                f"{len(entries) - len(names)} file(s) not read in this run (at "
+                f"most {max_files} per run, taken in turn from each owner); the "
+                "next run reads them",
+            )
+        )
+    return _read_files(dir_fd, d, names, errs, max_bytes, max_depth)
+
+
+def _list_dir(
+    dir_fd: int,
+    d: Path,
+    errs: list[tuple[Path, str]],
+    done: set[str],
+    subdirs: set[int] | None,
+    owner: int | None,
+) -> list[tuple[str, int]]:
+    """(name, owner uid) of the ``*.json`` files of ``dir_fd`` not in ``done``, at most
+    :data:`SPOOL_MAX_LISTED` entries looked at; the uids of its uid-named subdirectories go to
+    ``subdirs`` (see :func:`_read_dir`)."""
     entries: list[tuple[str, int]] = []
     listed = 0
     with os.scandir(dir_fd) as it:
@@ -606,16 +630,18 @@ def _read_dir(
                 entries.append((name, entry.stat(follow_symlinks=False).st_uid))
             except OSError:
                 continue  # removed since it was listed
-    names = _pick_fairly(entries, max_files)
-    if len(entries) > len(names):
-        errs.append(
-            (
-                d,
-                f"{len(entries) - len(names)} file(s) not read in this run (at "
-                f"most {max_files} per run, taken in turn from each owner); the "
-                "next run reads them",
-            )
-        )
+    return entries
+
+
+def _read_files(
+    dir_fd: int,
+    d: Path,
+    names: list[str],
+    errs: list[tuple[Path, str]],
+    max_bytes: int,
+    max_depth: int,
+) -> list[SpoolFile]:
+    """The files ``names`` of ``dir_fd`` read and parsed; what cannot be goes to ``errs``."""
     out = []
     for name in names:
         path = d / name
