@@ -113,7 +113,7 @@ class _Gpu:
             return contextlib.nullcontext()
         import torch
 
-        return torch.cuda.stream(self.stream)  # type: ignore[no-any-return]
+        return torch.cuda.stream(self.stream)
 
     def h2d(self) -> None:
         with self.stream_context():
@@ -144,34 +144,8 @@ def run(ctx: CheckContext) -> list[Result]:
     worker_timeout = float(p.get("worker_timeout_s", 120.0 + 2 * window_s))
 
     models = open_models(ctx, specs)
-    out: list[Result] = []
-    gpus: dict[int, _Gpu] = {}
-    for spec in specs:
-        try:
-            gpus[spec.index] = _setup(spec, size, warmup, models.get(spec.index))
-        except Exception as err:  # noqa: BLE001 - one GPU's failure is that GPU's result
-            out.extend(
-                error_results(
-                    ctx,
-                    [*ALONE, *TOGETHER],
-                    spec.index,
-                    err,
-                    f"allocating 2 x {size} B and warming up",
-                )
-            )
     # 1. one at a time, round-robin per repetition
-    for _ in range(reps):
-        for index, g in list(gpus.items()):
-            try:
-                g.times["h2d_gbps"].append(g.timed("h2d", sample_min_s))
-                g.times["d2h_gbps"].append(g.timed("d2h", sample_min_s))
-            except Exception as err:  # noqa: BLE001
-                del gpus[index]
-                out.extend(
-                    error_results(
-                        ctx, [*ALONE, *TOGETHER], index, err, "a timed host<->device copy"
-                    )
-                )
+    gpus, out = _alone(ctx, specs, models, size, warmup, reps, sample_min_s)
     # 2. the link, read while the GPU copies
     nvml = {d.index: d for d in ctx.gpu.devices()}
     links = {i: _link_under_load(g, nvml.get(i), link_timeout) for i, g in gpus.items()}
@@ -198,40 +172,119 @@ def run(ctx: CheckContext) -> list[Result]:
             evidence[metric][index] = {**stats.evidence(), **info}
     together_figures: dict[str, dict[int, float]] = {m: {} for m in TOGETHER}
     for metric, alone_metric in zip(TOGETHER, ALONE, strict=True):
-        per_gpu = together[metric]
-        ok = {i: v[0] for i, v in per_gpu.items() if isinstance(v, tuple)}
-        aggregate = sum(ok.values())
-        alone_sum = sum(alone_figures[alone_metric].get(i, 0.0) for i in ok)
-        node = {
-            "node_aggregate_gbps": round(aggregate, 4),
-            "gpus_together": len(ok),
-            "ratio_to_sum_alone": round(aggregate / alone_sum, 4) if alone_sum else None,
-        }
-        for index, value in sorted(per_gpu.items()):
-            if isinstance(value, tuple):
-                together_figures[metric][index] = value[0]
-                evidence[metric][index] = {
-                    **common,
-                    "p90_gbps": round(value[0], 4),
-                    "median_gbps": round(value[1], 4),
-                    "copies": value[2],
-                    "window_s": window_s,
-                    **node,
-                    **infos[index],
-                }
-            else:
+        shared = {**common, "window_s": window_s}
+        out.extend(
+            _together_metric(
+                ctx,
+                metric,
+                together[metric],
+                alone_figures[alone_metric],
+                shared,
+                infos,
+                together_figures[metric],
+                evidence[metric],
+            )
+        )
+    out.extend(_graded(ctx, alone_figures, together_figures, evidence))
+    out.extend(link_result(ctx, index, links[index]) for index in sorted(links))
+    return out
+
+
+def _alone(
+    ctx: CheckContext,
+    specs: list[ComputeSpec],
+    models: dict[int, CopyModel],
+    size: int,
+    warmup: int,
+    reps: int,
+    sample_min_s: float,
+) -> tuple[dict[int, _Gpu], list[Result]]:
+    """Each GPU set up, then timed alone ``reps`` times, round-robin; a GPU that fails is
+    dropped with its error results."""
+    out: list[Result] = []
+    gpus: dict[int, _Gpu] = {}
+    for spec in specs:
+        try:
+            gpus[spec.index] = _setup(spec, size, warmup, models.get(spec.index))
+        except Exception as err:  # noqa: BLE001 - one GPU's failure is that GPU's result
+            out.extend(
+                error_results(
+                    ctx,
+                    [*ALONE, *TOGETHER],
+                    spec.index,
+                    err,
+                    f"allocating 2 x {size} B and warming up",
+                )
+            )
+    for _ in range(reps):
+        for index, g in list(gpus.items()):
+            try:
+                g.times["h2d_gbps"].append(g.timed("h2d", sample_min_s))
+                g.times["d2h_gbps"].append(g.timed("d2h", sample_min_s))
+            except Exception as err:  # noqa: BLE001
+                del gpus[index]
                 out.extend(
                     error_results(
-                        ctx, [metric], index, value, "the concurrent host<->device copies"
+                        ctx, [*ALONE, *TOGETHER], index, err, "a timed host<->device copy"
                     )
                 )
+    return gpus, out
+
+
+def _together_metric(
+    ctx: CheckContext,
+    metric: str,
+    per_gpu: dict[int, Any],
+    alone: dict[int, float],
+    shared: dict[str, Any],
+    infos: dict[int, dict[str, Any]],
+    figures: dict[int, float],
+    evidence: dict[int, dict[str, Any]],
+) -> list[Result]:
+    """One concurrent metric's figures and evidence, filled in per GPU (with the node's
+    aggregate against the sum alone); the error results of the GPUs whose workers failed."""
+    ok = {i: v[0] for i, v in per_gpu.items() if isinstance(v, tuple)}
+    aggregate = sum(ok.values())
+    alone_sum = sum(alone.get(i, 0.0) for i in ok)
+    node = {
+        "node_aggregate_gbps": round(aggregate, 4),
+        "gpus_together": len(ok),
+        "ratio_to_sum_alone": round(aggregate / alone_sum, 4) if alone_sum else None,
+    }
+    out: list[Result] = []
+    for index, value in sorted(per_gpu.items()):
+        if not isinstance(value, tuple):
+            out.extend(
+                error_results(ctx, [metric], index, value, "the concurrent host<->device copies")
+            )
+            continue
+        figures[index] = value[0]
+        evidence[index] = {
+            "size_bytes": shared["size_bytes"],
+            "warmup": shared["warmup"],
+            "p90_gbps": round(value[0], 4),
+            "median_gbps": round(value[1], 4),
+            "copies": value[2],
+            "window_s": shared["window_s"],
+            **node,
+            **infos[index],
+        }
+    return out
+
+
+def _graded(
+    ctx: CheckContext,
+    alone: dict[str, dict[int, float]],
+    together: dict[str, dict[int, float]],
+    evidence: dict[str, dict[int, dict[str, Any]]],
+) -> list[Result]:
+    """The figures held to the SKU's minima (alone) and to the siblings (together)."""
+    out: list[Result] = []
     for metric, what, minimum_key in (
         ("h2d_gbps", "PCIe host-to-device", "pcie_h2d_gbps_min"),
         ("d2h_gbps", "PCIe device-to-host", "pcie_d2h_gbps_min"),
     ):
-        out.extend(
-            grade_figures(ctx, metric, what, alone_figures[metric], evidence[metric], minimum_key)
-        )
+        out.extend(grade_figures(ctx, metric, what, alone[metric], evidence[metric], minimum_key))
     for metric, what in (
         ("h2d_gbps_concurrent", "PCIe host-to-device with all GPUs together"),
         ("d2h_gbps_concurrent", "PCIe device-to-host with all GPUs together"),
@@ -241,14 +294,12 @@ def run(ctx: CheckContext) -> list[Result]:
                 ctx,
                 metric,
                 what,
-                together_figures[metric],
+                together[metric],
                 evidence[metric],
                 None,
                 None if ctx.ports.compute.measured else STAND_IN_TOGETHER,
             )
         )
-    for index in sorted(links):
-        out.append(link_result(ctx, index, links[index]))
     return out
 
 
@@ -406,6 +457,26 @@ def link_result(ctx: CheckContext, index: int, reading: LinkReading) -> Result:
 _Together = dict[str, dict[int, "tuple[float, float, int] | BaseException"]]
 
 
+def _worker_figure(result: Any, metric: str) -> tuple[float, float, int] | Exception:
+    """A worker's answer for one metric: its (p90, median, copies), or the error it sent."""
+    value = result.get(metric) if isinstance(result, dict) else None
+    if value is not None:
+        p90, median, copies = value
+        return (p90, median, copies)
+    return RuntimeError(
+        result.get("error", "no figure") if isinstance(result, dict) else str(result)
+    )
+
+
+def _stop(workers: list[Any], deadline: float) -> None:
+    """Wait for each worker until the deadline; kill those still running."""
+    for w in workers:
+        w.join(timeout=max(0.0, deadline - time.monotonic()) if w.is_alive() else 0)
+        if w.is_alive():
+            w.kill()
+            w.join(timeout=5)
+
+
 def _concurrent(
     specs: list[ComputeSpec],
     size: int,
@@ -471,22 +542,9 @@ def _concurrent(
                 continue
             pending.discard(index)
             for metric in TOGETHER:
-                value = result.get(metric) if isinstance(result, dict) else None
-                out[metric][index] = (
-                    tuple(value)
-                    if value is not None
-                    else RuntimeError(
-                        result.get("error", "no figure")
-                        if isinstance(result, dict)
-                        else str(result)
-                    )
-                )
+                out[metric][index] = _worker_figure(result, metric)
     finally:
-        for w in workers:
-            w.join(timeout=max(0.0, deadline - time.monotonic()) if w.is_alive() else 0)
-            if w.is_alive():
-                w.kill()
-                w.join(timeout=5)
+        _stop(workers, deadline)
         queue.close()
     for index in pending:
         for metric in TOGETHER:
