@@ -76,6 +76,12 @@ def owned_kernel_log(tmp_path_factory, monkeypatch):
     return path
 
 
+#: how long a test's ``node-agent`` may run before it counts as hung: a bound on a hang, not on
+#: speed (``make test`` runs several xdist workers per core, and a full simulated delivery run
+#: takes over 40 s on one idle core of a small machine)
+AGENT_TIMEOUT_S = 240.0  # under the 300 s a whole test may take (pyproject.toml)
+
+
 @dataclass
 class Run:
     code: int
@@ -86,7 +92,7 @@ class Run:
         return json.loads(self.stdout)
 
 
-def run_agent(args: tuple[str, ...], home: Path, timeout: float = 120, env=None) -> Run:
+def run_agent(args: tuple[str, ...], home: Path, timeout: float = AGENT_TIMEOUT_S, env=None) -> Run:
     """Run ``node-agent ARGS`` in ``home`` through its console entry point; ``accept``,
     ``check``, ``inventory`` and ``grade`` without ``--config`` get one with its state in
     ``home``."""
@@ -109,7 +115,7 @@ def run_agent(args: tuple[str, ...], home: Path, timeout: float = 120, env=None)
 def agent(tmp_path):
     """Run ``node-agent ARGS`` as a subprocess through its console entry point."""
 
-    def run(*args: str, timeout: float = 120) -> Run:
+    def run(*args: str, timeout: float = AGENT_TIMEOUT_S) -> Run:
         return run_agent(args, tmp_path, timeout)
 
     return run
@@ -123,7 +129,7 @@ class ModuleAgent:
 
     home: Path
 
-    def __call__(self, *args: str, timeout: float = 120) -> Run:
+    def __call__(self, *args: str, timeout: float = AGENT_TIMEOUT_S) -> Run:
         log = self.home / "owned-kernel-log.txt"
         if not log.exists():
             log.write_text("")
