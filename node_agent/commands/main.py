@@ -58,9 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command(sub: _Sub[argparse.ArgumentParser], name: str, help: str) -> argparse.ArgumentParser:
+    """A subcommand with the options every command takes (:func:`_common`)."""
+    p = sub.add_parser(name, help=help)
+    _common(p)
+    return p
+
+
 def _add_inventory(sub: _Sub[argparse.ArgumentParser]) -> None:
-    inv = sub.add_parser("inventory", help="host, driver and GPU inventory")
-    _common(inv)
+    inv = _command(sub, "inventory", help="host, driver and GPU inventory")
     inv.add_argument("--json", action="store_true", help="print the inventory as JSON")
 
 
@@ -70,8 +76,7 @@ def _add_suite_commands(sub: _Sub[argparse.ArgumentParser]) -> None:
         ("accept", "delivery", "run the delivery (acceptance) suite"),
         ("check", "quick", "run the quick suite (Slurm HealthCheckProgram)"),
     ):
-        p = sub.add_parser(name, help=helptext)
-        _common(p)
+        p = _command(sub, name, help=helptext)
         p.add_argument(
             "--suite",
             default=default_suite,
@@ -94,12 +99,12 @@ def _add_suite_commands(sub: _Sub[argparse.ArgumentParser]) -> None:
 
 
 def _add_grade(sub: _Sub[argparse.ArgumentParser]) -> None:
-    grade = sub.add_parser(
+    grade = _command(
+        sub,
         "grade",
         help="re-grade saved reports with the current rules, or "
         "with --rules DIR and a diff of the grades that changed",
     )
-    _common(grade)
     grade.add_argument(
         "report", metavar="REPORT.json", nargs="+", help="saved report(s), or directories of them"
     )
@@ -114,12 +119,12 @@ def _add_grade(sub: _Sub[argparse.ArgumentParser]) -> None:
 
 
 def _add_daemon(sub: _Sub[argparse.ArgumentParser]) -> None:
-    daemon = sub.add_parser(
+    daemon = _command(
+        sub,
         "daemon",
         help="run in the background: XID watch, periodic checks, "
         "Prometheus metrics, remediation (systemd Type=notify)",
     )
-    _common(daemon)
     daemon.add_argument(
         "--suite", metavar="NAME|PATH", help="periodic suite (default: daemon.suite, i.e. periodic)"
     )
@@ -134,12 +139,12 @@ def _add_daemon(sub: _Sub[argparse.ArgumentParser]) -> None:
 
 
 def _add_fleet(sub: _Sub[argparse.ArgumentParser]) -> None:
-    fleet = sub.add_parser(
+    fleet = _command(
+        sub,
         "fleet",
         help="cross-node outliers, stragglers and hung jobs over "
         "many reports (exit 3 on suspects or hung jobs)",
     )
-    _common(fleet)
     fleet.add_argument("reports", metavar="REPORT.json|DIR", nargs="+")
     fleet.add_argument("--json", action="store_true", help="print the analysis as JSON")
     fleet.add_argument(
