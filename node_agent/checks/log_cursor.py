@@ -11,8 +11,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from node_agent import atomic_file
+from node_agent.model import Result, Status
+
+if TYPE_CHECKING:
+    from node_agent.checks import CheckContext
+    from node_agent.kernel_log import LogRecord
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
@@ -48,3 +54,22 @@ def save(path: Path | None, source: str, seq: int) -> None:
         )
     except OSError:
         pass
+
+
+def read_log(ctx: CheckContext) -> tuple[list[LogRecord] | None, Result | None]:
+    """The check's kernel log (``ctx.kernel_log``) read whole; None when it could not be, with
+    the result that says why: a skip where the node has no kernel log to read, an ERROR where
+    reading it failed."""
+    log = ctx.kernel_log
+    if log.unavailable_reason:
+        return None, ctx.skip(log.unavailable_reason, metric="kernel_log")
+    try:
+        return log.read(), None
+    except OSError as err:
+        return None, ctx.result(
+            "node",
+            "kernel_log",
+            Status.ERROR,
+            f"cannot read the kernel log ({log.source}): {err}",
+            error=str(err),
+        )

@@ -45,7 +45,6 @@ from node_agent.kernel_log import (
     DriverLine,
     KernelLog,
     KernelLogScanner,
-    LogRecord,
     SxidLine,
     Unreadable,
     normalise_bus,
@@ -84,7 +83,10 @@ def run(ctx: CheckContext) -> list[Result]:
 
     log = ctx.kernel_log
     nvidia = None if ctx.ports.bus_ids_as_printed else nvidia_buses(log)
-    records = _read_records(ctx, log, results)
+    read, problem = log_cursor.read_log(ctx)
+    records = read or []
+    if problem is not None:
+        results.append(problem)
     cursor = log_cursor.load(_cursor_path(ctx), log.source) if since == "last_run" else None
     scanner = KernelLogScanner()
     for record in records:
@@ -148,27 +150,6 @@ def run(ctx: CheckContext) -> list[Result]:
             )
         )
     return results
-
-
-def _read_records(ctx: CheckContext, log: KernelLog, results: list[Result]) -> list[LogRecord]:
-    """The kernel log's records; none, with a skip or an error appended to ``results``, when
-    the log is unavailable or unreadable."""
-    if log.unavailable_reason:
-        results.append(ctx.skip(log.unavailable_reason, metric="kernel_log"))
-        return []
-    try:
-        return log.read()
-    except OSError as err:
-        results.append(
-            ctx.result(
-                "node",
-                "kernel_log",
-                Status.ERROR,
-                f"cannot read the kernel log ({log.source}): {err}",
-                error=str(err),
-            )
-        )
-        return []
 
 
 def _watch_nvml(ctx: CheckContext, folder: Folder, watch_s: float, results: list[Result]) -> float:
