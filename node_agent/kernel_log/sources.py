@@ -10,6 +10,7 @@ import os
 import re
 import select
 import stat
+from collections.abc import Iterator
 from typing import Protocol
 
 from node_agent import proc
@@ -153,21 +154,28 @@ class KmsgFollower:
 def _read_available(fd: int) -> list[LogRecord]:
     """Every record a non-blocking ``/dev/kmsg`` fd has ready (one record per read)."""
     records: list[LogRecord] = []
+    for chunk in kmsg_chunks(fd):
+        record = _parse_kmsg_record(chunk.decode("utf-8", "replace"))
+        if record is not None:
+            records.append(record)
+    return records
+
+
+def kmsg_chunks(fd: int) -> Iterator[bytes]:
+    """The records a non-blocking ``/dev/kmsg`` fd has ready, one read each, until none is
+    (EAGAIN); a record overwritten while reading (EPIPE) is skipped; other errors raise."""
     while True:
         try:
             chunk = os.read(fd, 8192)
         except OSError as err:
             if err.errno == errno.EAGAIN:
-                break
+                return
             if err.errno == errno.EPIPE:  # overwritten while reading: skip ahead
                 continue
             raise
         if not chunk:
-            break
-        record = _parse_kmsg_record(chunk.decode("utf-8", "replace"))
-        if record is not None:
-            records.append(record)
-    return records
+            return
+        yield chunk
 
 
 _KMSG_LINE = re.compile(r"^\d+,\d+,\d+,[^;]*;")
