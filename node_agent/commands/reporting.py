@@ -7,10 +7,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from node_agent import __version__
 from node_agent.environment import Environment, report_dir
 from node_agent.model import Level, Report, utc_iso
 from node_agent.report import json_report
+from node_agent.report.build import build_report
 from node_agent.runner import Progress, run_suite
 from node_agent.suite import Suite
 
@@ -63,16 +63,4 @@ def execute(suite: Suite, env: Environment, progress: Progress | None = None) ->
     started = utc_iso()
     results = run_suite(suite, env, progress=progress)
     grade = env.grader.grade(results, suite.mode)
-    return Report(
-        host=env.inventory.host,
-        gpus=env.inventory.gpus,
-        suite=suite.name,
-        mode=suite.mode,
-        started_at=started,
-        finished_at=utc_iso(),
-        results=results,
-        grade=grade,
-        simulated=env.simulated,
-        agent_version=__version__,
-        sku=env.sku.id if env.sku else None,
-    )
+    return build_report(env, suite.name, suite.mode, started, results, grade)
