@@ -206,9 +206,7 @@ def stand_in_leaks(modules: dict[str, Path]) -> list[str]:
                 imported = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
             if any(m == "node_agent.sim" or m.startswith("node_agent.sim.") for m in imported):
                 found.append(f"{name}:{node.lineno}: imports the simulator ({imported[0]})")
-            elif isinstance(node, ast.Name) and node.id == "Scenario":
-                found.append(f"{name}:{node.lineno}: names Scenario")
-            elif isinstance(node, ast.Attribute) and node.attr == "Scenario":
+            elif "Scenario" in (getattr(node, "id", None), getattr(node, "attr", None)):
                 found.append(f"{name}:{node.lineno}: names Scenario")
     return found
 
