@@ -562,10 +562,10 @@ def _read_dir(
     d: Path,
     errs: list[tuple[Path, str]],
     *,
-    skip: Collection[str],
-    max_files: int,
-    max_bytes: int,
-    max_depth: int,
+    skip: Collection[str] = (),
+    max_files: int = SPOOL_MAX_FILES,
+    max_bytes: int = SPOOL_MAX_BYTES,
+    max_depth: int = SPOOL_MAX_DEPTH,
     subdirs: set[int] | None = None,
     owner: int | None = None,
 ) -> list[SpoolFile]:
@@ -883,32 +883,14 @@ def read_heartbeat_files(
     if top_fd is not None:
         try:
             listed: set[int] = set()
-            found += _read_dir(
-                top_fd,
-                d,
-                errs,
-                skip=(),
-                max_files=SPOOL_MAX_FILES,
-                max_bytes=SPOOL_MAX_BYTES,
-                max_depth=SPOOL_MAX_DEPTH,
-                subdirs=listed,
-            )
+            found += _read_dir(top_fd, d, errs, subdirs=listed)
             wanted = listed | set(live_uids(proc_root) if uids is None else uids)
             for uid in sorted(wanted):
                 fd = _user_dir(top_fd, d, uid, errs)
                 if fd is None:
                     continue
                 try:
-                    found += _read_dir(
-                        fd,
-                        d / str(uid),
-                        errs,
-                        skip=(),
-                        max_files=SPOOL_MAX_FILES,
-                        max_bytes=SPOOL_MAX_BYTES,
-                        max_depth=SPOOL_MAX_DEPTH,
-                        owner=uid,
-                    )
+                    found += _read_dir(fd, d / str(uid), errs, owner=uid)
                 finally:
                     os.close(fd)
         finally:
