@@ -291,7 +291,10 @@ def _throttle(ctx: CheckContext, target: str, trace: dict[str, Any]) -> Result:
         )
     seen = Counter(reason for reasons in readings for reason in reasons)
     abnormal = sorted(r for r in seen if r in ABNORMAL_THROTTLE)
-    evidence: dict[str, Any] = {"reasons_seen": dict(sorted(seen.items())), "readings": len(readings)}
+    evidence: dict[str, Any] = {
+        "reasons_seen": dict(sorted(seen.items())),
+        "readings": len(readings),
+    }
     if abnormal:
         words = ", ".join(f"{r} in {seen[r]} of {len(readings)} readings" for r in abnormal)
         return ctx.result(
