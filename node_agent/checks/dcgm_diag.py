@@ -4,7 +4,7 @@ Runs a level (``params.level`` 1-4; 1 takes seconds, 2 about two minutes, 3 abou
 hour or more) or named tests (``params.tests``: ``[memory, pcie]``) through DCGM's Python
 bindings (:mod:`node_agent.gpu.dcgm`), or through ``dcgmi diag -r N -j`` when only the
 command-line tool is installed. Neither: ``skip`` naming the paths searched and the package.
-A node whose ports have no DCGM (a scenario's stand-in): ``skip``.
+A node whose ports have no DCGM (a stand-in's): ``skip``.
 
 Each test that did not pass on an entity becomes one result on that entity (``gpu:2``; ``node``
 for tests that name none), keeping DCGM's error code, category and severity as evidence. The

@@ -15,7 +15,7 @@ are the GPU's and the lower ones the host's (docs/load_tests.md). Graded against
 siblings (graders/performance.yaml) and, where the figures are measured
 (``ports.compute.measured``), the SKU's ``hbm_bw_gbps_min``.
 
-On a scenario's node each GPU is a CPU stand-in (``node_agent.compute.devices``): the same code
+On a stand-in node each GPU is a CPU stand-in (``node_agent.compute.devices``): the same code
 copies CPU tensors at the suite's stand-in size, but a copy's time is modelled, not measured
 (:mod:`node_agent.compute.copy_model`: 1.15 x the SKU's ``hbm_bw_gbps_min``, times a ``slow``
 GPU's factor), because CPU memcpys time the host's load rather than a GPU's memory; a healthy

@@ -283,8 +283,8 @@ def uptime_s(path: Path = UPTIME) -> float | None:
 def run(ctx: CheckContext) -> list[Result]:
     now = ctx.ports.clock()
     if ctx.ports.rdma_tree is not None and "sysfs_root" not in ctx.params:
-        # The HCAs the node's ports build (a scenario's: the sysfs tree node_agent.sim.tools
-        # writes for this run), read below exactly as the real one is.
+        # The HCAs the node's ports build (a stand-in's: a sysfs tree written for this run),
+        # read below exactly as the real one is.
         with ctx.ports.rdma_tree(now) as view:
             if view.absent is not None:
                 return [ctx.skip(view.absent)]

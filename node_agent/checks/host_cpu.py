@@ -12,7 +12,7 @@ Reads ``/sys/devices/system/cpu`` (:mod:`node_agent.host.cpu`):
   their printed totals; :mod:`node_agent.host.cpu`). Neither (not x86, most VMs): a ``skip``
   saying so.
 * ``cpus_online`` (``node``) — ``fail`` (graded ERROR) when fewer CPUs are online than
-  ``node.expected_cpus`` (without it, what the node's ports declare: a scenario's host's), naming the
+  ``node.expected_cpus`` (without it, what the node's ports declare: a stand-in host's), naming the
   missing ones; a ``skip`` when nothing declares what to expect.
 Params: ``sys_root``.
 """

@@ -12,7 +12,7 @@ Reads the EDAC tree (:mod:`node_agent.host.edac`) and the memory blocks or MemTo
   count since the controller's ``seconds_since_reset``, per 24 h (all of it when the reset was
   less than a day ago).
 * ``memory_installed`` (``node``) — installed memory against ``node.expected_memory_gib``
-  (without it, what the node's ports declare: a scenario's host's own): ``fail`` (``memory_missing``)
+  (without it, what the node's ports declare: a stand-in host's own): ``fail`` (``memory_missing``)
   when more than ``missing_dimm_fraction`` of a DIMM is missing; a ``skip`` saying so when
   nothing declares what to expect.
 * ``ghes_ue`` (``dimm:<label>``, else ``memory:ghes``) — ``fail`` (graded ERROR: drain, reboot,

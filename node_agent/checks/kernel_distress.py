@@ -553,7 +553,7 @@ def pstore_results(ctx: CheckContext) -> list[Result]:
     if ctx.ports.pstore_unrecorded is not None:
         return [ctx.skip(ctx.ports.pstore_unrecorded, metric="pstore")]
     if ctx.ports.pstore_tree is not None:
-        # the node's ports build its pstore (a scenario's pstore_panic faults as the files the
+        # the node's ports build its pstore (a stand-in's pstore_panic faults as the files the
         # efi backend keeps), read by the same reader
         with ctx.ports.pstore_tree() as view:
             results = _grade_pstore(ctx, list(view.roots), max_age_s)

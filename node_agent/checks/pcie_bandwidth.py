@@ -32,10 +32,10 @@ the one-at-a-time figures also against the SKU's ``pcie_h2d_gbps_min``/``pcie_d2
 node's compute port models its figures (CPU stand-ins), the concurrent figures are reported,
 not graded (``STAND_IN_TOGETHER``).
 
-On a scenario's node each GPU is a CPU stand-in (``node_agent.compute.devices``): pinned memory
+On a stand-in node each GPU is a CPU stand-in (``node_agent.compute.devices``): pinned memory
 is skipped (``pin_memory`` needs CUDA) and the "transfers" are CPU-to-CPU tensor copies — the
 evidence says so. Their time is modelled, not measured (:mod:`node_agent.compute.copy_model`):
-the link's data rate (the SKU's generation, the scenario's ``pcie_width`` lanes) x 0.83 x a
+the link's data rate (the SKU's generation, the stand-in's ``pcie_width`` lanes) x 0.83 x a
 ``slow`` GPU's factor (why modelled: docs/load_tests.md). The link under load comes from the
 stand-in's NVML.
 In the daemon the latest figures are exported by :class:`PcieMetrics` (``SERVICE``).

@@ -19,10 +19,9 @@ Params: ``sysfs_root``, ``ib_write_bw`` (path of the perftest binary; default: f
 ``perftest`` (default true), ``duration_s`` (5), ``gid_index`` (RoCE), ``tcp_port`` (18515),
 ``server_start_s`` (1.0: how long the server gets to listen).
 
-On a scenario's node (the environment's ports carry an RDMA tree, ``ctx.ports.rdma_tree``) and
-no ``sysfs_root`` param, the scenario's ``hcas`` become a sysfs tree and an ``ib_write_bw``
-stand-in in a temporary directory (:mod:`node_agent.sim.tools`), with the scenario's RDMA faults
-applied there; this module reads them exactly as it reads real ones.
+On a stand-in node (the node's ports carry an RDMA tree, ``ctx.ports.rdma_tree``) and no
+``sysfs_root`` param, the stand-in's HCAs are a sysfs tree and an ``ib_write_bw`` stand-in
+written to a temporary directory, with its RDMA faults applied there; this module reads them exactly as it reads real ones.
 
 In the daemon the ports' error counters are exported by the collector this check shares with
 ``hca_ports`` (:mod:`node_agent.checks.hca_metrics`).
@@ -51,8 +50,8 @@ WARN_COUNTERS = ("link_downed", "symbol_error")
 
 def run(ctx: CheckContext) -> list[Result]:
     if ctx.ports.rdma_tree is not None and "sysfs_root" not in ctx.params:
-        # The HCAs the node's ports build (a scenario's: a sysfs tree and an ib_write_bw
-        # stand-in written for this run, node_agent.sim.tools); read as the real ones are.
+        # The HCAs the node's ports build (a stand-in's: a sysfs tree and an ib_write_bw
+        # stand-in written for this run); read as the real ones are.
         with ctx.ports.rdma_tree(ctx.ports.clock()) as view:
             if view.absent is not None:
                 return [ctx.skip(view.absent)]

@@ -87,7 +87,7 @@ ACS_P2P_BREAKING = (1 << 2) | (1 << 3)
 
 def run(ctx: CheckContext) -> list[Result]:
     declared = ctx.config.node.software.as_dict()
-    # the software a stand-in declares (a scenario's); empty: this host's, read here
+    # the software a stand-in declares; empty: this host's, read here
     sim: dict[str, Any] = dict(ctx.ports.software.values) if ctx.ports.software else {}
     results: list[Result] = []
     host = ctx.inventory.host

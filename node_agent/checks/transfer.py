@@ -5,12 +5,12 @@ Units: GB/s is 10^9 bytes per second, as nvidia-smi, bandwidthTest and nccl-test
 Grading follows DESIGN.md: every figure is compared with the median of its siblings on the same
 node (``graders/performance.yaml``: WARN clearly below, ``fail`` far below); the SKU's absolute
 minimum (``graders/skus/*.yaml`` ``performance``) applies where the node's compute port measures
-(``ports.compute.measured``: real GPUs), not to a scenario's CPU stand-ins, whose absolute
+(``ports.compute.measured``: real GPUs), not to a stand-in node's CPU devices, whose absolute
 figures mean nothing.
 
 Timing: a real GPU's copies are timed on its clock (:func:`timed`); a stand-in GPU's copies
 run on the CPU but their time is modelled from the SKU's link and memory figures and the
-scenario's faults (:func:`timed_copy`, :mod:`node_agent.compute.copy_model`).
+stand-in's faults (:func:`timed_copy`, :mod:`node_agent.compute.copy_model`).
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def open_specs(ctx: CheckContext) -> tuple[list[ComputeSpec], list[Result] | Non
     """The compute specs of the node's GPUs, or the results that say why there are none.
 
     Where compute is measured on the node's GPUs, a node without a driver skips
-    (``ctx.gpus_unavailable``); a scenario's node computes on CPU stand-ins; torch missing or
+    (``ctx.gpus_unavailable``); a stand-in node computes on CPU stand-ins; torch missing or
     unable to use CUDA skips with the operator's next step."""
     if ctx.ports.compute.measured:
         unavailable = ctx.gpus_unavailable()
