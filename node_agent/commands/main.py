@@ -58,15 +58,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _command(sub: _Sub[argparse.ArgumentParser], name: str, help: str) -> argparse.ArgumentParser:
+#: the one-line help of the subcommands made here
+_HELP = {
+    "inventory": "host, driver and GPU inventory",
+    "grade": "re-grade saved reports with the current rules, or "
+    "with --rules DIR and a diff of the grades that changed",
+    "daemon": "run in the background: XID watch, periodic checks, "
+    "Prometheus metrics, remediation (systemd Type=notify)",
+    "fleet": "cross-node outliers, stragglers and hung jobs over "
+    "many reports (exit 3 on suspects or hung jobs)",
+}
+
+
+def _command(
+    sub: _Sub[argparse.ArgumentParser], name: str, help: str | None = None
+) -> argparse.ArgumentParser:
     """A subcommand with the options every command takes (:func:`_common`)."""
-    p = sub.add_parser(name, help=help)
+    p = sub.add_parser(name, help=help or _HELP[name])
     _common(p)
     return p
 
 
 def _add_inventory(sub: _Sub[argparse.ArgumentParser]) -> None:
-    inv = _command(sub, "inventory", help="host, driver and GPU inventory")
+    inv = _command(sub, "inventory")
     inv.add_argument("--json", action="store_true", help="print the inventory as JSON")
 
 
@@ -99,12 +113,7 @@ def _add_suite_commands(sub: _Sub[argparse.ArgumentParser]) -> None:
 
 
 def _add_grade(sub: _Sub[argparse.ArgumentParser]) -> None:
-    grade = _command(
-        sub,
-        "grade",
-        help="re-grade saved reports with the current rules, or "
-        "with --rules DIR and a diff of the grades that changed",
-    )
+    grade = _command(sub, "grade")
     grade.add_argument(
         "report", metavar="REPORT.json", nargs="+", help="saved report(s), or directories of them"
     )
@@ -119,12 +128,7 @@ def _add_grade(sub: _Sub[argparse.ArgumentParser]) -> None:
 
 
 def _add_daemon(sub: _Sub[argparse.ArgumentParser]) -> None:
-    daemon = _command(
-        sub,
-        "daemon",
-        help="run in the background: XID watch, periodic checks, "
-        "Prometheus metrics, remediation (systemd Type=notify)",
-    )
+    daemon = _command(sub, "daemon")
     daemon.add_argument(
         "--suite", metavar="NAME|PATH", help="periodic suite (default: daemon.suite, i.e. periodic)"
     )
@@ -139,12 +143,7 @@ def _add_daemon(sub: _Sub[argparse.ArgumentParser]) -> None:
 
 
 def _add_fleet(sub: _Sub[argparse.ArgumentParser]) -> None:
-    fleet = _command(
-        sub,
-        "fleet",
-        help="cross-node outliers, stragglers and hung jobs over "
-        "many reports (exit 3 on suspects or hung jobs)",
-    )
+    fleet = _command(sub, "fleet")
     fleet.add_argument("reports", metavar="REPORT.json|DIR", nargs="+")
     fleet.add_argument("--json", action="store_true", help="print the analysis as JSON")
     fleet.add_argument(
