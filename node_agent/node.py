@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from node_agent.checks.ports import Ports
 from node_agent.gpu.base import GpuBackend
@@ -20,6 +21,13 @@ from node_agent.kernel_log import KernelLog
 #: the key of a suite entry's params that apply over its others on a stand-in node
 #: (DESIGN.md: load checks run their real code on the CPU at small sizes)
 STAND_IN_OVERLAY = "simulated"
+
+
+class GpuReset(Protocol):
+    """Resets one GPU: a detail line, or an exception saying why it did not happen (the
+    remediation's ``GpuResetter``)."""
+
+    def reset(self, index: int) -> str: ...
 
 
 def _host_ports(sku: Sku | None) -> Ports:
@@ -45,6 +53,9 @@ class Node:
     stand_in: bool = False
     #: when the node booted, Unix seconds; None: this host's (``psutil.boot_time``)
     boot_time: float | None = None
+    #: how the node's GPUs are reset (a stand-in's answers for itself); None: this host's
+    #: (``nvidia-smi --gpu-reset``, where the remediation finds it)
+    gpu_reset: GpuReset | None = None
     #: the key of a suite entry's params applied over its others on this node (None: none)
     param_overlay: str | None = None
     #: speed of the node's transfers to other nodes, as a factor (1.0: as measured)

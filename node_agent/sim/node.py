@@ -169,6 +169,16 @@ def _pstore_tree(scenario: Scenario) -> Iterator[PstoreView]:
         yield PstoreView(roots=(Path(tmp),), label="the stand-in's pstore")
 
 
+class StandInReset:
+    """A stand-in GPU's reset: nothing to reset, the scenario's faults persist."""
+
+    def reset(self, index: int) -> str:
+        return (
+            f"simulated GPU reset of gpu:{index} (stand-in: the simulator's injected "
+            "faults persist, so the re-test sees them again)"
+        )
+
+
 def open_gpus(scenario: Scenario, sku: Sku | None, call_timeout_s: float = 10.0) -> StandInBackend:
     """A scenario's GPUs: a capture's recorded NVML replayed through the real NVML backend, or
     the model of its SKU."""
@@ -230,6 +240,7 @@ def open_stand_in(
         declared_gpus=None if scenario.captured else scenario.gpus,
         stand_in=True,
         boot_time=time.time(),  # a stand-in node has just booted: its faults persist
+        gpu_reset=StandInReset(),
         param_overlay=STAND_IN_OVERLAY,
         inter_node_speed=float(slow[0].params["factor"]) if slow else 1.0,
     )
