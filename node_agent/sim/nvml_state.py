@@ -48,7 +48,10 @@ FORMAT = "nvml-fake-state 1"
 DRIVER_DOWN_INIT_ERRORS = {"not_loaded": 9, "not_installed": 12}
 # The fault kinds this module turns into NVML answers. All others act elsewhere: compute,
 # RDMA, the kernel log (``kernel_log``), the PCI bus (``pci_only``'s bus entry; the GPU itself
-# is not enumerated here, as ``missing_gpu``).
+# is not enumerated here, as ``missing_gpu``). The fabric faults (``fabric_degraded``,
+# ``fabric_incomplete``, ``wrong_clique``) render through the model too, on a SKU with a fabric;
+# their parity is tests/integration/test_nvlink_fabric_scenarios.py's (not yet listed here: the
+# backend contract's parity cases run on an H100, which has no fabric).
 NVML_FAULT_KINDS = frozenset(
     {
         "xid",
