@@ -550,6 +550,8 @@ class Report:
     agent_version: str = ""
     sku: str | None = None
     actions: list[ActionRecord] = field(default_factory=list)
+    #: ``Inventory.to_dict()``: the host, GPUs with their fabric, the NVLink domain (fleet)
+    inventory: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -566,6 +568,7 @@ class Report:
             "results": [r.to_dict() for r in self.results],
             "grade": self.grade.to_dict(),
             "actions": [a.to_dict() for a in self.actions],
+            **({} if self.inventory is None else {"inventory": self.inventory}),
         }
 
     @classmethod
@@ -592,6 +595,7 @@ class Report:
                 agent_version=data.get("agent_version", ""),
                 sku=data.get("sku"),
                 actions=[ActionRecord(**a) for a in data.get("actions", [])],
+                inventory=data.get("inventory"),
             )
         except ReportFormatError:
             raise

@@ -24,14 +24,12 @@ from node_agent.checks import CheckContext, resolve
 from node_agent.checks.behaviour import Handover
 from node_agent.environment import Environment
 from node_agent.model import Result, Status
+from node_agent.node import STAND_IN_OVERLAY
 from node_agent.suite import CheckSpec, Suite
 
 #: checks whose workers come from multiprocessing's forkserver (compute/burn.py, pcie_bandwidth)
 FORKSERVER_CHECKS = frozenset({"gpu_burn", "thermal_power", "pcie_bandwidth"})
 
-#: a suite entry's params for a stand-in node, applied over its others when the node is one
-#: (DESIGN.md: load checks run their real code on the CPU at small sizes)
-STAND_IN_PARAMS = "simulated"
 
 #: progress(event, spec, index, total, results) — event is "start" or "done"
 Progress = Callable[[str, CheckSpec, int, int, list[Result]], None]
@@ -53,9 +51,11 @@ def run_check(
     declared inputs, and takes this one's outputs when it finished in time."""
     given = handover.inputs_for(spec.check) if handover is not None else {}
     params = dict(spec.params)
-    stand_in_params = params.pop(STAND_IN_PARAMS, None) or {}
-    if env.simulated:
-        params.update(stand_in_params)
+    # a stand-in node's overlay applies over the entry's other params (DESIGN.md: load checks
+    # run their real code on the CPU at small sizes); on this host it is dropped
+    overlay = params.pop(STAND_IN_OVERLAY, None) or {}
+    if env.node.param_overlay == STAND_IN_OVERLAY:
+        params.update(overlay)
     ctx = CheckContext(
         check=spec.check,
         gpu=env.gpu,

@@ -109,8 +109,8 @@ def run(args: argparse.Namespace) -> int:
 def _capture_simulated(args: argparse.Namespace, skus: dict[str, Any], argv: list[str]) -> str:
     """A simulated node captured through the same recorder: its NVML as the stand-in would
     answer it (StateNvml over the rendered state), its simulated PCI bus and kernel log."""
-    from node_agent.gpu import open_backend
     from node_agent.gpu.replay import StateNvml
+    from node_agent.sim.node import open_gpus
     from node_agent.sim.nvml_state import render
     from node_agent.sim.scenario import load_scenario
     from node_agent.sim.tools import simulated_pci, write_pci_sysfs
@@ -118,9 +118,9 @@ def _capture_simulated(args: argparse.Namespace, skus: dict[str, Any], argv: lis
     scenario = load_scenario(args.simulate, skus)
     sku = skus[scenario.sku]
     lib = StateNvml(render(scenario, sku).splitlines())
-    backend = open_backend(scenario, sku)
+    backend = open_gpus(scenario, sku)
     try:
-        log = list(backend.kernel_log_lines())  # type: ignore[attr-defined]
+        log = list(backend.kernel_log_lines())
     finally:
         backend.close()
     with tempfile.TemporaryDirectory(prefix="node-agent-capture-") as tmp:

@@ -12,6 +12,7 @@ from node_agent import __version__
 from node_agent.commands import act, capture, hang_check, sdc, stop_check
 from node_agent.commands.accept import cmd_run_suite
 from node_agent.commands.daemon import cmd_daemon
+from node_agent.commands.fleet import add_options as add_fleet_options
 from node_agent.commands.fleet import cmd_fleet
 from node_agent.commands.grade import cmd_grade
 from node_agent.commands.inventory import cmd_inventory
@@ -154,8 +155,10 @@ def _add_fleet(sub: _Sub[argparse.ArgumentParser]) -> None:
     fleet.add_argument(
         "--topology",
         metavar="FILE",
-        help="YAML mapping parallel groups to node names; flags whole groups",
+        help="YAML mapping parallel groups to node names (NVLink domains under "
+        "nvlink_domains, or the JSON fleet --json printed); flags whole groups",
     )
+    add_fleet_options(fleet)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,6 +1,7 @@
-"""GPU resets for the remediation: ``nvidia-smi --gpu-reset`` on a real node, nothing on a
-simulated one. A reset that does not happen raises :class:`GpuResetError`, which the executor
-records as a failed step (the next run re-plans, towards a reboot)."""
+"""GPU resets for the remediation: ``nvidia-smi --gpu-reset`` on a real node (a stand-in node
+brings its own, ``Node.gpu_reset``). A reset that does not happen raises
+:class:`GpuResetError`, which the executor records as a failed step (the next run re-plans,
+towards a reboot)."""
 
 from __future__ import annotations
 
@@ -29,13 +30,3 @@ class NvidiaSmiReset:
         if not result.ok:
             raise GpuResetError(f"GPU reset of gpu:{index} failed: {result.describe_failure()}")
         return f"GPU reset of gpu:{index} (nvidia-smi --gpu-reset -i {index})"
-
-
-class SimulatedReset:
-    """Stand-in under ``--simulate``: nothing to reset, the scenario's faults persist."""
-
-    def reset(self, index: int) -> str:
-        return (
-            f"simulated GPU reset of gpu:{index} (stand-in: the simulator's injected "
-            "faults persist, so the re-test sees them again)"
-        )

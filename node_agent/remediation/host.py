@@ -15,7 +15,7 @@ from node_agent.kernel_log import KernelLog, open_kernel_log
 from node_agent.model import Grade
 from node_agent.remediation import evidence
 from node_agent.remediation.executor import Remediator
-from node_agent.remediation.gpu_reset import GpuResetter, NvidiaSmiReset, SimulatedReset
+from node_agent.remediation.gpu_reset import GpuResetter, NvidiaSmiReset
 from node_agent.remediation.plan import Step
 from node_agent.remediation.store import Store
 from node_agent.schedulers import AdapterError, SchedulerAdapter, open_adapter
@@ -53,8 +53,10 @@ def boot_time() -> float:
 
 
 def gpu_resetter(env: Environment) -> GpuResetter | None:
-    if env.simulated:
-        return SimulatedReset()
+    """The node's own reset where it has one (a stand-in answers for itself), else
+    ``nvidia-smi --gpu-reset`` where the tool and GPUs are there."""
+    if env.node.gpu_reset is not None:
+        return env.node.gpu_reset
     from node_agent import proc
 
     return NvidiaSmiReset() if proc.which("nvidia-smi") and env.inventory.gpus else None
@@ -95,7 +97,13 @@ def open_remediator(
         config.safety,
         state_dir=state_dir_of(store),
         dry_run=dry_run or config.adapter.dry_run,
-        boot_time=time.time() if sim else boot_time(),
+        boot_time=(
+            env.node.boot_time or boot_time()
+            if env is not None
+            else time.time()
+            if sim
+            else boot_time()
+        ),
         gpu_resetter=gpu_resetter(env) if env is not None else None,
         retest=retest,
         kernel_log=kernel_log,

@@ -29,4 +29,5 @@ def build_report(
         simulated=env.simulated,
         agent_version=__version__,
         sku=env.sku.id if env.sku else None,
+        inventory=env.inventory.to_dict(),
     )

@@ -26,10 +26,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
-from node_agent import __version__
 from node_agent.config import Config
 from node_agent.environment import Environment
-from node_agent.model import Grade, Report, Result, utc_iso
+from node_agent.model import Grade, Result, utc_iso
+from node_agent.report.build import build_report
 from node_agent.report.terminal import printable
 
 if TYPE_CHECKING:
@@ -45,10 +45,7 @@ _Item = tuple[Grade, list[Result], Environment]  # a grade change, with its resu
 class DaemonRemediation:
     """Callable as the daemon's ``on_grade`` hook; ``record`` counts actions for /metrics."""
 
-    def __init__(
-        self, config: Config, simulate: str | None, record: Callable[[str, str], None]
-    ) -> None:
-        """``simulate`` is not read: the node's name comes from the environment (``start``)."""
+    def __init__(self, config: Config, record: Callable[[str, str], None]) -> None:
         from node_agent.remediation.host import open_configured_adapter
 
         self._config = config
@@ -156,19 +153,7 @@ class DaemonRemediation:
                 outcome = remediator.recover()
             else:
                 grade, results, _ = item
-                report = Report(
-                    host=env.inventory.host,
-                    gpus=env.inventory.gpus,
-                    suite="daemon",
-                    mode="service",
-                    started_at=utc_iso(),
-                    finished_at=utc_iso(),
-                    results=results,
-                    grade=grade,
-                    simulated=env.simulated,
-                    agent_version=__version__,
-                    sku=env.sku.id if env.sku else None,
-                )
+                report = build_report(env, "daemon", "service", utc_iso(), results, grade)
                 outcome = remediator.remediate(report, record_run=not retry)
         except Exception:  # noqa: BLE001 - the daemon outlives a remediation bug; logged loudly
             log.exception("remediation failed; the action stays in the journal for retry")

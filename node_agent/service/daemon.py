@@ -9,7 +9,8 @@ Threads, each with one job:
 - HTTP: ``/metrics`` (Prometheus) and ``/healthz`` on loopback.
 After each check run its numeric results named in ``graders/trends.yaml`` go into the counter
 history (``<state_dir>/history.db``) and their trends are graded as ``trends`` results
-(``service.trend_watch``, docs/trends.md): WARNs, never an action.
+(``service.trend_watch``, docs/trends.md): WARNs, never an action, except one NVLink whose
+counters keep growing for an hour (ERROR, graders/trends.yaml ``persist``).
 Every change of results is re-graded at once; a changed grade goes to ``on_grade`` (the
 remediation hook) and the log. Nothing here exits on a check's failure: a check that raises or
 hangs is an ``error`` result and a rising ``node_agent_check_errors_total``; one that does so
@@ -64,7 +65,13 @@ from node_agent.report.terminal import printable
 from node_agent.resources import graders_dir, shipped_graders_dir, suites_dir
 from node_agent.runner import FORKSERVER_CHECKS, run_check
 from node_agent.service.check_child import ChildSpec, run_in_child
-from node_agent.service.metrics import CheckStats, DaemonCollector, MetricsServer, Snapshot
+from node_agent.service.metrics import (
+    CheckStats,
+    DaemonCollector,
+    MetricsServer,
+    Snapshot,
+    nvlink_domain_of,
+)
 from node_agent.service.node_state import (
     CheckResults,
     NodeView,
@@ -157,7 +164,7 @@ class Daemon:
         if on_grade is None and self.config.daemon.act:
             from node_agent.service.actions import DaemonRemediation
 
-            self._remediation = DaemonRemediation(self.config, simulate, self.record_action)
+            self._remediation = DaemonRemediation(self.config, self.record_action)
             self._on_grade = self._remediation
         # counter history and trends, in wall-clock time (a test advances simulated days)
         self._trends = TrendWatch.open(
@@ -721,6 +728,7 @@ class Daemon:
                 nvhcd_served=(
                     None if not self.config.daemon.nvhcd.socket else self._nvhcd is not None
                 ),
+                nvlink_domain=nvlink_domain_of(self.env.inventory),
             )
 
 

@@ -20,12 +20,13 @@ import yaml
 
 from node_agent import resources
 from node_agent.config import config_from_dict
-from node_agent.gpu import base, open_backend
+from node_agent.gpu import base
 from node_agent.gpu.pci import read_functions
 from node_agent.gpu.record import record_nvml
 from node_agent.gpu.replay import StateNvml
 from node_agent.hardware.sku import load_skus
 from node_agent.sim.capture import build_scenario, capture_node, dump, read_kmsg_tail
+from node_agent.sim.node import open_gpus
 from node_agent.sim.nvml_state import render
 from node_agent.sim.scenario import Scenario, load_scenario
 from node_agent.sim.tools import SimPciDevice, stand_in_pci_bus, write_pci_sysfs
@@ -120,7 +121,7 @@ def test_not_supported_stays_not_supported_in_the_replay(tmp_path, skus):
         record_nvml(call_timeout_s=2, lib=lib), [], [], skus, {"kind": "test"}, "node-1"
     )
     loaded = _save_and_load(tmp_path, scenario, skus)
-    backend = open_backend(loaded, skus[loaded.sku])
+    backend = open_gpus(loaded, skus[loaded.sku])
     try:
         (dev,) = backend.devices()
         assert dev.identity().serial is None
@@ -142,7 +143,7 @@ def test_a_captured_gpu_under_the_agents_load_does_not_pass_off_its_snapshot_as_
     --simulate), power, clocks and temperatures answer Not Supported saying why, so the
     thermal and power checks skip instead of grading an idle reading as a weak GPU."""
     loaded = load_scenario(REPO / "scenarios" / "real" / "h100-sxm5-vm.yaml", skus)
-    backend = open_backend(loaded, skus[loaded.sku])
+    backend = open_gpus(loaded, skus[loaded.sku])
     try:
         (dev,) = backend.devices()
         assert dev.power().usage_w == 70.361
@@ -199,7 +200,7 @@ def test_odd_and_hostile_values_are_data_never_a_crash(tmp_path, skus):
     )
     loaded = _save_and_load(tmp_path, scenario, skus)
     assert loaded.kernel_log == (record,)
-    backend = open_backend(loaded, skus[loaded.sku])
+    backend = open_gpus(loaded, skus[loaded.sku])
     try:
         assert backend.devices()[0].identity().name == name
     finally:
@@ -233,7 +234,7 @@ def test_a_hostile_capture_replays_without_hanging_or_crashing(tmp_path, skus):
         }
     )
     loaded = _save_and_load(tmp_path, scenario, skus)
-    backend = open_backend(loaded, skus[loaded.sku])
+    backend = open_gpus(loaded, skus[loaded.sku])
     try:
         (dev,) = backend.devices()
         started = time.monotonic()
@@ -362,7 +363,7 @@ def test_nvml_that_did_not_load_is_recorded_and_fails_the_same_way_in_the_replay
     scenario = build_scenario(nvml, [], [], skus, {"kind": "test"}, "n", sku="h100-sxm5-80gb")
     loaded = _save_and_load(tmp_path, scenario, skus)
     assert loaded.driver == "not_loaded"
-    backend = open_backend(loaded, skus[loaded.sku])
+    backend = open_gpus(loaded, skus[loaded.sku])
     assert backend.devices() == [] and backend.broken
     assert "nvidia kernel module is not loaded" in backend.unavailable_reason
 

@@ -182,13 +182,8 @@ def test_imports_go_down_the_data_path():
 #: The stand-in is outside the code it stands in for (STYLE.md): the wings a run's node is
 #: handed to never import the simulator nor name a scenario; ``open_environment`` alone chooses.
 STAND_IN_BLIND = ("checks", "gpu", "compute", "remediation", "stopcheck", "service")
-#: modules of those wings allowed to, each until it changes: the GPU model (moves to sim/);
-#: gpu/__init__'s open_backend(scenario) (until commands/capture.py opens a stand-in's GPUs
-#: with node_agent.sim.node.open_gpus); remediation/host.py's node_name (until its callers
-#: pass the environment's host name)
-STAND_IN_EXCEPTIONS = frozenset(
-    {"node_agent.gpu.sim", "node_agent.gpu", "node_agent.remediation.host"}
-)
+#: modules of those wings allowed to, each until it changes: the GPU model (moves to sim/)
+STAND_IN_EXCEPTIONS = frozenset({"node_agent.gpu.sim"})
 
 
 def stand_in_leaks(modules: dict[str, Path]) -> list[str]:

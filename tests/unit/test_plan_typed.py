@@ -11,6 +11,7 @@ simulator's or the host's ports from the environment once.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +19,7 @@ import pytest
 from node_agent import resources
 from node_agent.checks.xid_fold import Folder
 from node_agent.config import config_from_dict
+from node_agent.environment import load_data, open_node
 from node_agent.grading.rules import Grader, load_grader
 from node_agent.kernel_log import SxidLine, scan_lines
 from node_agent.model import (
@@ -33,7 +35,6 @@ from node_agent.model import (
     Status,
     Target,
 )
-from node_agent.remediation.gpu_reset import SimulatedReset
 from node_agent.remediation.host import open_remediator
 from node_agent.remediation.plan import (
     STEPS_FOR_ACTION,
@@ -54,6 +55,8 @@ from node_agent.schedulers.log import LogAdapter
 
 T0 = 1_700_000_000.0
 NODE = "gpu-01"
+
+SCENARIOS = Path(__file__).resolve().parents[2] / "scenarios"
 
 
 @pytest.fixture(scope="module")
@@ -342,9 +345,11 @@ def test_open_remediator_chooses_the_simulators_ports_from_the_environment(tmp_p
     config = config_from_dict({"state_dir": str(tmp_path / "state")})
     store = open_store(config.state_dir)
     try:
-        env = SimpleNamespace(simulated=True, kernel_log=None, inventory=None)
+        config0 = config_from_dict({})
+        stand_in = open_node(config0, load_data(config0)[1], str(SCENARIOS / "healthy-h100.yaml"))
+        env = SimpleNamespace(simulated=True, kernel_log=None, inventory=None, node=stand_in)
         remediator = open_remediator(env, config, store, LogAdapter(tmp_path / "a.log"), NODE)
-        assert isinstance(remediator.gpu_resetter, SimulatedReset)
+        assert remediator.gpu_resetter is stand_in.gpu_reset is not None
         assert remediator.gpu_pids is None and remediator.boot_time > T0
         assert remediator.safety == config.safety and not remediator.dry_run
         operator = open_remediator(

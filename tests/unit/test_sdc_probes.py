@@ -99,15 +99,16 @@ def test_old_fixed_probe_shapes_reach_one_to_three_of_an_h100s_132_sms():
 
 
 def test_sm_count_comes_from_the_sku_file_on_a_simulated_node():
-    from node_agent.compute.devices import compute_specs, open_device
+    from node_agent.compute.devices import open_device
     from node_agent.hardware.sku import load_sku
     from node_agent.resources import _shipped
+    from node_agent.sim.node import ScenarioCompute
 
     sku = load_sku(_shipped("node_agent.graders") / "skus" / "b200-sxm-180gb.yaml")
-    (spec,) = compute_specs([0], _scenario(), sku)
+    (spec,) = ScenarioCompute(_scenario(), sku).specs([0])
     dev = open_device(spec)
     assert dev.sm_count == 148 and dev.tile_model == TileModel(148, 16, 16)
-    (default,) = compute_specs([0], _scenario(), None)
+    (default,) = ScenarioCompute(_scenario(), None).specs([0])
     assert open_device(default).sm_count == 132
 
 
@@ -125,13 +126,14 @@ def _scenario(faults=()):
 
 
 def test_scenario_sm_outside_the_sku_is_refused_with_the_fix():
-    from node_agent.compute.devices import ComputeUnavailable, compute_specs
+    from node_agent.compute.devices import ComputeUnavailable
     from node_agent.hardware.sku import load_sku
     from node_agent.resources import _shipped
+    from node_agent.sim.node import ScenarioCompute
 
     sku = load_sku(_shipped("node_agent.graders") / "skus" / "h100-sxm5-80gb.yaml")
     with pytest.raises(ComputeUnavailable, match=r"names sm 140.*has 132 SMs.*fix the scenario"):
-        compute_specs([6], _scenario([{"gpu": 6, "sm": 140}]), sku)
+        ScenarioCompute(_scenario([{"gpu": 6, "sm": 140}]), sku).specs([6])
 
 
 # -- exact inputs and goldens --------------------------------------------------------------
