@@ -155,24 +155,11 @@ def run(ctx: CheckContext) -> list[Result]:
     window = "since boot" if since == "boot" else "since the last run"
     log = ctx.kernel_log
     results: list[Result] = []
-    records: list[LogRecord] = []
-    read_ok = False
-    if log.unavailable_reason:
-        results.append(ctx.skip(log.unavailable_reason, metric="kernel_log"))
-    else:
-        try:
-            records = log.read()
-            read_ok = True
-        except OSError as err:
-            results.append(
-                ctx.result(
-                    "node",
-                    "kernel_log",
-                    Status.ERROR,
-                    f"cannot read the kernel log ({log.source}): {err}",
-                    error=str(err),
-                )
-            )
+    read, problem = log_cursor.read_log(ctx)
+    records: list[LogRecord] = read or []
+    read_ok = read is not None
+    if problem is not None:
+        results.append(problem)
     records = records + ctx.ports.extra_kernel_records(len(records) + 1)
     cursor = log_cursor.load(_cursor_path(ctx), log.source) if since == "last_run" else None
     fresh = [r for r in records if cursor is None or r.seq > cursor]

@@ -28,6 +28,7 @@ from node_agent.config import Config, load_config
 from node_agent.environment import Environment, open_environment, report_dir, stand_in_hostname
 from node_agent.model import Report, Result, Status, utc_iso
 from node_agent.report import json_report
+from node_agent.report.build import build_report
 from node_agent.report.terminal import printable, render_summary
 from node_agent.resources import suites_dir
 from node_agent.stopcheck import localise, phases, ranks, signed
@@ -389,19 +390,7 @@ def _node_report(
     for name in PHASE_ORDER:
         results.extend(_phase_results(name, outcomes.get(name), node))
     grade = env.grader.grade(results, "service")
-    return Report(
-        host=env.inventory.host,
-        gpus=env.inventory.gpus,
-        suite="stop-check",
-        mode="service",
-        started_at=started,
-        finished_at=utc_iso(),
-        results=results,
-        grade=grade,
-        simulated=env.simulated,
-        agent_version=__version__,
-        sku=env.sku.id if env.sku else None,
-    )
+    return build_report(env, "stop-check", "service", started, results, grade)
 
 
 def _phase_results(name: str, outcome: phases.PhaseOutcome | None, node: str) -> list[Result]:
