@@ -173,13 +173,7 @@ def _remove_tree_at(name: str, dir_fd: int) -> None:
     except OSError:
         return
     try:
-        for entry in os.listdir(fd):
-            try:
-                os.unlink(entry, dir_fd=fd)
-            except IsADirectoryError:
-                _remove_tree_at(entry, fd)
-            except OSError:
-                pass
+        _empty_dir(fd)
     finally:
         os.close(fd)
     try:
@@ -188,17 +182,23 @@ def _remove_tree_at(name: str, dir_fd: int) -> None:
         pass
 
 
+def _empty_dir(fd: int) -> None:
+    """Remove everything in the directory open as ``fd``, by name relative to it (a
+    subdirectory through :func:`_remove_tree_at`); what cannot be removed stays."""
+    for name in os.listdir(fd):
+        try:
+            os.unlink(name, dir_fd=fd)
+        except IsADirectoryError:
+            _remove_tree_at(name, fd)
+        except OSError:
+            pass
+
+
 def _remove_private(made: str, fd: int) -> None:
     """Empty the directory we made (through its descriptor), then remove it by name only if
     the name is still that directory."""
     try:
-        for name in os.listdir(fd):
-            try:
-                os.unlink(name, dir_fd=fd)
-            except IsADirectoryError:
-                _remove_tree_at(name, fd)
-            except OSError:
-                pass
+        _empty_dir(fd)
         st, named = os.fstat(fd), os.lstat(made)
         if (st.st_dev, st.st_ino) == (named.st_dev, named.st_ino):
             os.rmdir(made)

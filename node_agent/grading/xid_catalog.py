@@ -81,69 +81,49 @@ _DECODE_ROW = {
     },
 }
 
-XID_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["default", "codes"],
-    "properties": {
-        "default": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["level"],
-            "properties": {"level": {"enum": _LEVELS}, "description": {"type": "string"}},
-        },
-        "codes": {
-            "type": "object",
-            "additionalProperties": {
-                "type": "object",
-                "additionalProperties": False,
-                "required": ["name", "level"],
-                "properties": {
-                    "name": {"type": "string"},
-                    "level": {"enum": _LEVELS},
-                    "why": {"type": "string"},
-                    "decode": {"type": "array", "items": _DECODE_ROW, "minItems": 1},
-                    "recurrence": _RECURRENCE,
-                    "restarts_before_fault": {"type": "integer", "minimum": 0, "maximum": 1000},
-                    "class": {"enum": list(XID_CLASSES)},
-                },
-            },
-        },
-    },
-}
 
-SXID_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["default", "codes"],
-    "properties": {
-        "default": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["level"],
-            "properties": {
-                "level": {"enum": _LEVELS},
-                "nonfatal_level": {"enum": _LEVELS},
-                "description": {"type": "string"},
-            },
-        },
-        "codes": {
-            "type": "object",
-            "additionalProperties": {
+def _catalog_schema(default: dict[str, Any], code: dict[str, Any]) -> dict[str, Any]:
+    """A code catalog's schema: a ``default`` with its level, and ``codes`` keyed by code,
+    each with a name and a level; ``default`` and ``code`` are their further properties."""
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["default", "codes"],
+        "properties": {
+            "default": {
                 "type": "object",
                 "additionalProperties": False,
-                "required": ["name", "level"],
-                "properties": {
-                    "name": {"type": "string"},
-                    "level": {"enum": _LEVELS},
-                    "nonfatal_level": {"enum": _LEVELS},
-                    "why": {"type": "string"},
-                    "recurrence": _RECURRENCE,
+                "required": ["level"],
+                "properties": {"level": {"enum": _LEVELS}, **default},
+            },
+            "codes": {
+                "type": "object",
+                "additionalProperties": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["name", "level"],
+                    "properties": {"name": {"type": "string"}, "level": {"enum": _LEVELS}, **code},
                 },
             },
         },
+    }
+
+
+XID_SCHEMA: dict[str, Any] = _catalog_schema(
+    {"description": {"type": "string"}},
+    {
+        "why": {"type": "string"},
+        "decode": {"type": "array", "items": _DECODE_ROW, "minItems": 1},
+        "recurrence": _RECURRENCE,
+        "restarts_before_fault": {"type": "integer", "minimum": 0, "maximum": 1000},
+        "class": {"enum": list(XID_CLASSES)},
     },
-}
+)
+
+SXID_SCHEMA: dict[str, Any] = _catalog_schema(
+    {"nonfatal_level": {"enum": _LEVELS}, "description": {"type": "string"}},
+    {"nonfatal_level": {"enum": _LEVELS}, "why": {"type": "string"}, "recurrence": _RECURRENCE},
+)
 
 _MATCH_KEYS = ("unit", "severity", "error_status", "subcode", "recovery_action")
 

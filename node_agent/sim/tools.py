@@ -272,16 +272,21 @@ def simulated_pci(scenario: Scenario, sku: Sku | None = None) -> tuple[SimPciDev
                     driver=None if scenario.driver_down else "nvidia-nvswitch",
                 )
             )
-    for n, _hca in enumerate(scenario.hcas):
-        devices.append(
-            SimPciDevice(
-                bus_id=hca_bus_id(n),
-                vendor=_MELLANOX_VENDOR_ID,
-                class_code=_INFINIBAND_CLASS,
-                driver="mlx5_core",
-            )
-        )
+    devices.extend(_hca_devices(scenario))
     return tuple(devices)
+
+
+def _hca_devices(scenario: Scenario) -> list[SimPciDevice]:
+    """The PCI functions of the scenario's HCAs (mlx5_core bound), one per HCA."""
+    return [
+        SimPciDevice(
+            bus_id=hca_bus_id(n),
+            vendor=_MELLANOX_VENDOR_ID,
+            class_code=_INFINIBAND_CLASS,
+            driver="mlx5_core",
+        )
+        for n in range(len(scenario.hcas))
+    ]
 
 
 def captured_pci(scenario: Scenario) -> tuple[SimPciDevice, ...]:
@@ -305,15 +310,7 @@ def captured_pci(scenario: Scenario) -> tuple[SimPciDevice, ...]:
                 physfn=None if physfn is None else normalise_bus_id(physfn),
             )
         )
-    for n, _hca in enumerate(scenario.hcas):
-        devices.append(
-            SimPciDevice(
-                bus_id=hca_bus_id(n),
-                vendor=_MELLANOX_VENDOR_ID,
-                class_code=_INFINIBAND_CLASS,
-                driver="mlx5_core",
-            )
-        )
+    devices.extend(_hca_devices(scenario))
     return tuple(devices)
 
 
