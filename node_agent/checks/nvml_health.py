@@ -884,46 +884,35 @@ def _nvlink_sku(
 ) -> Result:
     """Links against the SKU file's count, where NVLink is there to judge."""
     where, mode = f"SKU {ctx.sku.id if ctx.sku else None}", evidence["virtualization"]
+    host = host_view.describe_mode(mode)
     if applies.kind == HIDDEN:
-        return ctx.result(
-            target,
-            "nvlink_state",
-            Status.SKIP,
-            "NVLinks are not exposed to this host: NVML answers Not Supported on every link "
-            f"and the GPU is {host_view.describe_mode(mode)} ({where} has {expected}; set "
-            "node.expected_nvlinks to require them)",
-            expected=expected,
-            **evidence,
+        status, value = Status.SKIP, None
+        detail = (
+            f"NVLinks are not exposed to this host: NVML answers Not Supported on every link "
+            f"and the GPU is {host} ({where} has {expected}; set node.expected_nvlinks to "
+            "require them)"
         )
-    if not links:
-        return ctx.result(
-            target,
-            "nvlink_state",
-            Status.WARN,
+    elif not links:
+        status, value = Status.WARN, 0
+        detail = (
             "NVML answers for none of this GPU's NVLinks (every link call Not Supported), "
             f"where {where} has {expected}: nothing shows a broken link, and nothing shows a "
-            "working one. Set node.expected_nvlinks "
-            f"({expected} where the board's links must be checked, 0 where this host has none)",
-            value=0,
-            unit="links",
-            expected=expected,
-            **evidence,
+            f"working one. Set node.expected_nvlinks ({expected} where the board's links must "
+            "be checked, 0 where this host has none)"
         )
-    if not evidence["active"] and mode in host_view.GUEST_MODES:
-        return ctx.result(
-            target,
-            "nvlink_state",
-            Status.WARN,
-            f"0 of {expected} NVLinks active ({where}), and the GPU is "
-            f"{host_view.describe_mode(mode)}: a GPU given to a VM without its NVLink peers "
-            "has its links down by design. Set node.expected_nvlinks to the links this VM "
-            "should have to check them",
-            value=0,
-            unit="links",
-            expected=expected,
-            **evidence,
+    elif not evidence["active"] and mode in host_view.GUEST_MODES:
+        status, value = Status.WARN, 0
+        detail = (
+            f"0 of {expected} NVLinks active ({where}), and the GPU is {host}: a GPU given to "
+            "a VM without its NVLink peers has its links down by design. Set "
+            "node.expected_nvlinks to the links this VM should have to check them"
         )
-    return _nvlink_against(ctx, target, links, expected, where, evidence)
+    else:
+        return _nvlink_against(ctx, target, links, expected, where, evidence)
+    unit = "" if value is None else "links"
+    return ctx.result(
+        target, "nvlink_state", status, detail, value, unit, expected=expected, **evidence
+    )
 
 
 def _nvlink_own(
@@ -936,35 +925,27 @@ def _nvlink_own(
     """Links where the SKU file expects none (0) or gives no count: what the GPU can use."""
     active, idle = evidence["active"], evidence["inactive"]
     usable = len(links) - len(evidence["not_p2p_capable"])
+    status, value, wanted = Status.PASS, len(active), usable
     if expected == 0:
         bridged = f"{len(active)} active through a bridge" if active else "none in use"
         detail = (
             f"SKU {ctx.sku.id if ctx.sku else None} expects no NVLink ({bridged}; "
             f"{len(links)} link indices answer, inactive ones are not wired)"
         )
-        status, value, wanted = Status.PASS, len(active), 0
+        wanted = 0
     elif not usable:
         detail = "no NVLink: no link index answers with P2P capability"
-        status, value, wanted = Status.PASS, 0, 0
     elif idle:
+        status = Status.WARN
         detail = (
             f"{len(active)} of {usable} NVLinks this GPU reports are active (inactive: "
             f"{idle}); without a SKU file a down link cannot be told from one this board does "
             "not wire (a PCIe card without a bridge): add a SKU file or set node.sku"
         )
-        status, value, wanted = Status.WARN, len(active), usable
     else:
         detail = f"{len(active)} NVLinks active (every link this GPU reports)"
-        status, value, wanted = Status.PASS, len(active), usable
     return ctx.result(
-        target,
-        "nvlink_state",
-        status,
-        detail,
-        value=value,
-        unit="links",
-        expected=wanted,
-        **evidence,
+        target, "nvlink_state", status, detail, value, "links", expected=wanted, **evidence
     )
 
 
@@ -978,28 +959,16 @@ def _nvlink_against(
 ) -> Result:
     """Active links against ``expected`` (from ``where``: the SKU file or the operator)."""
     active = evidence["active"]
+    status, detail = Status.PASS, f"{len(active)} of {expected} NVLinks active ({where})"
     if len(active) < expected:
         down = [link.link for link in links if not link.active and link.link < expected]
-        return ctx.result(
-            target,
-            "nvlink_state",
-            Status.FAIL,
+        status = Status.FAIL
+        detail = (
             f"{len(active)} of {expected} NVLinks active ({where}; "
-            f"down: {down or 'links missing'}): a degraded NVLink",
-            value=len(active),
-            unit="links",
-            expected=expected,
-            **evidence,
+            f"down: {down or 'links missing'}): a degraded NVLink"
         )
     return ctx.result(
-        target,
-        "nvlink_state",
-        Status.PASS,
-        f"{len(active)} of {expected} NVLinks active ({where})",
-        value=len(active),
-        unit="links",
-        expected=expected,
-        **evidence,
+        target, "nvlink_state", status, detail, len(active), "links", expected=expected, **evidence
     )
 
 
