@@ -137,6 +137,41 @@ class SchedulerAdapter(Protocol):
         ...
 
 
+class ActionByName:
+    """The five actions of an adapter that does each one the same way, told the action's
+    name (``log`` records it, ``webhook`` posts it): the adapter gives :meth:`_act`."""
+
+    def _act(
+        self,
+        action: str,
+        node: str,
+        reason: str,
+        job: str | None = None,
+        key: str | None = None,
+        evidence: str | None = None,
+    ) -> AdapterOutcome:
+        raise NotImplementedError
+
+    def drain(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome:
+        return self._act("drain", node, reason, key=key)
+
+    def resume(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome:
+        return self._act("resume", node, reason, key=key)
+
+    def restart(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome:
+        return self._act("restart", node, reason, key=key)
+
+    def replace(
+        self, node: str, reason: str, *, key: str | None = None, evidence: str | None = None
+    ) -> AdapterOutcome:
+        return self._act("replace", node, reason, key=key, evidence=evidence)
+
+    def restart_job(
+        self, node: str, job: str, reason: str, *, key: str | None = None
+    ) -> AdapterOutcome:
+        return self._act("restart-job", node, reason, job=job, key=key)
+
+
 @dataclass(frozen=True)
 class JobKind:
     """A job kind an adapter restarts: ``<kind>:<id>`` with ``id`` matching ``id_re``.

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from node_agent.atomic_file import create_private
 from node_agent.model import utc_iso
 from node_agent.schedulers.base import (
+    ActionByName,
     AdapterError,
     AdapterOutcome,
     NodeState,
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from node_agent.config import Config
 
 
-class LogAdapter:
+class LogAdapter(ActionByName):
     name = "log"
 
     def __init__(
@@ -47,7 +48,7 @@ class LogAdapter:
     def from_config(cls, config: Config) -> LogAdapter:
         return cls(config.state_dir / "actions.log", node=config.node.name)
 
-    def _record(
+    def _act(
         self,
         action: str,
         node: str,
@@ -91,25 +92,6 @@ class LogAdapter:
 
     def node_state(self, node: str) -> NodeState:
         return NodeState(name=check_node_name(node), state="in-service", drained=False, reason=None)
-
-    def drain(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome:
-        return self._record("drain", node, reason, key=key)
-
-    def resume(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome:
-        return self._record("resume", node, reason, key=key)
-
-    def restart(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome:
-        return self._record("restart", node, reason, key=key)
-
-    def replace(
-        self, node: str, reason: str, *, key: str | None = None, evidence: str | None = None
-    ) -> AdapterOutcome:
-        return self._record("replace", node, reason, key=key, evidence=evidence)
-
-    def restart_job(
-        self, node: str, job: str, reason: str, *, key: str | None = None
-    ) -> AdapterOutcome:
-        return self._record("restart-job", node, reason, job=job, key=key)
 
     def list_nodes(self) -> list[NodeState]:
         """Only this node (when known): the log adapter manages nothing else."""

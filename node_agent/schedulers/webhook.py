@@ -64,6 +64,7 @@ from urllib.parse import urlsplit
 
 from node_agent.model import utc_iso
 from node_agent.schedulers.base import (
+    ActionByName,
     AdapterError,
     AdapterOutcome,
     NodeState,
@@ -120,7 +121,7 @@ def check_url(url: str) -> str:
     )
 
 
-class WebhookAdapter:
+class WebhookAdapter(ActionByName):
     name = "webhook"
 
     def __init__(
@@ -234,7 +235,7 @@ class WebhookAdapter:
             raise box["error"]
         return box["answer"]
 
-    def _post(
+    def _act(
         self,
         action: str,
         node: str,
@@ -311,22 +312,3 @@ class WebhookAdapter:
 
     def list_nodes(self) -> list[NodeState]:
         return []
-
-    def drain(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome:
-        return self._post("drain", node, reason, key=key)
-
-    def resume(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome:
-        return self._post("resume", node, reason, key=key)
-
-    def restart(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome:
-        return self._post("restart", node, reason, key=key)
-
-    def replace(
-        self, node: str, reason: str, *, key: str | None = None, evidence: str | None = None
-    ) -> AdapterOutcome:
-        return self._post("replace", node, reason, key=key, evidence=evidence)
-
-    def restart_job(
-        self, node: str, job: str, reason: str, *, key: str | None = None
-    ) -> AdapterOutcome:
-        return self._post("restart-job", node, reason, job=job, key=key)
