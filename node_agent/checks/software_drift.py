@@ -162,55 +162,20 @@ def compare(
     """One declared value against the found one: pass, or warn naming both."""
     setting = f"node.software.{key}"
     where = f" ({found_from})" if found_from else ""
-    if found is None:
-        if declared is None:
-            return ctx.result(
-                target,
-                metric,
-                Status.PASS,
-                f"{key}: none found{where}; nothing declared ({setting})",
-                value=None,
-                expected=None,
-                found=None,
-            )
-        return ctx.result(
-            target,
-            metric,
-            Status.WARN,
-            f"{key} drift on {target}: expected {declared} ({setting}), found none{where}",
-            value=None,
-            expected=declared,
-            found=None,
+    status = Status.PASS
+    if found is None and declared is None:
+        detail = f"{key}: none found{where}; nothing declared ({setting})"
+    elif declared is None:
+        detail = f"{key} {found}{where}; nothing declared ({setting})"
+    elif found is not None and matches(declared, found):
+        detail = f"{key} {found}{where} as declared ({setting}: {declared})"
+    else:
+        status = Status.WARN
+        detail = (
+            f"{key} drift on {target}: expected {declared} ({setting}), "
+            f"found {'none' if found is None else found}{where}"
         )
-    if declared is None:
-        return ctx.result(
-            target,
-            metric,
-            Status.PASS,
-            f"{key} {found}{where}; nothing declared ({setting})",
-            value=found,
-            expected=None,
-            found=found,
-        )
-    if matches(declared, found):
-        return ctx.result(
-            target,
-            metric,
-            Status.PASS,
-            f"{key} {found}{where} as declared ({setting}: {declared})",
-            value=found,
-            expected=declared,
-            found=found,
-        )
-    return ctx.result(
-        target,
-        metric,
-        Status.WARN,
-        f"{key} drift on {target}: expected {declared} ({setting}), found {found}{where}",
-        value=found,
-        expected=declared,
-        found=found,
-    )
+    return ctx.result(target, metric, status, detail, value=found, expected=declared, found=found)
 
 
 # --- NCCL -------------------------------------------------------------------------------------
