@@ -191,5 +191,8 @@ def test_periodic_suite_gives_each_check_a_cadence():
         "nvme_health": 3600,
         # what the cloud announced (docs/cloud.md)
         "cloud_maintenance": 60,
+        # the NVLink fabric and its IMEX domain (docs/nvlink.md, docs/imex.md)
+        "nvlink_fabric": 60,
+        "imex": 60,
     }
     assert suite.mode == "service"
