@@ -10,32 +10,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
+from delivery_suite import PATIENT_AGENT_TIMEOUT_S, delivery_suite  # tests/delivery_suite.py
 
 from node_agent.gpu import open_backend
 
 ONLY = ("--only", "gpu_burn,thermal_power")
-REPO = Path(__file__).resolve().parents[2]
-#: the stand-in burns' bounds on a hang in these tests: 8 workers importing torch on a machine
-#: that runs other tests at once (make test's xdist workers) may take longer than the shipped
-#: suite's 60 s to get ready, or a turn longer than its 15 s; the burn itself is as shipped
-PATIENT = {"startup_timeout_s": 150, "stall_s": 60}
-AGENT_TIMEOUT_S = 270  # the burn's bounds above and its run, under the test's own 300 s
-
-
-def patient_suite(directory: Path) -> str:
-    """The shipped delivery suite with the stand-in burns' hang bounds at ``PATIENT``."""
-    suite = yaml.safe_load((REPO / "suites" / "delivery.yaml").read_text())
-    for check in suite["checks"]:
-        if check["check"] in ("gpu_burn", "thermal_power"):
-            check["params"]["simulated"].update(PATIENT)
-    path = directory / "delivery-patient-burn.yaml"
-    path.write_text(yaml.safe_dump(suite, sort_keys=False))
-    return str(path)
 
 
 def accept(agent, scenario_path):
-    suite = patient_suite(Path(scenario_path).parent)
+    suite = delivery_suite(Path(scenario_path).parent)
     run = agent(
         "accept",
         "--simulate",
@@ -44,7 +27,7 @@ def accept(agent, scenario_path):
         suite,
         *ONLY,
         "--json",
-        timeout=AGENT_TIMEOUT_S,
+        timeout=PATIENT_AGENT_TIMEOUT_S,
     )
     assert run.code in (0, 3, 4), run.stderr
     return run.json()
@@ -157,7 +140,7 @@ def test_heat_or_hw_throttle_under_load_names_the_gpu_and_reason(
 
 def test_thermal_power_runs_its_own_burn_when_gpu_burn_did_not_run(agent, scenario):
     path = scenario(gpus=4)
-    suite = patient_suite(Path(path).parent)
+    suite = delivery_suite(Path(path).parent)
     run = agent(
         "accept",
         "--simulate",
@@ -167,7 +150,7 @@ def test_thermal_power_runs_its_own_burn_when_gpu_burn_did_not_run(agent, scenar
         "--only",
         "thermal_power",
         "--json",
-        timeout=AGENT_TIMEOUT_S,
+        timeout=PATIENT_AGENT_TIMEOUT_S,
     )
     assert run.code == 0, run.stderr
     report = run.json()

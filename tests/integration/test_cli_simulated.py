@@ -3,9 +3,11 @@
 Each fault kind of a scenario is injected at the hardware boundary (what NVML and the kernel
 log report); checks, grading and the CLI above it are the real code.
 
-A healthy node runs the shipped delivery suite as it ships. A faulty node's delivery runs,
-which are about grading, run it with a shorter stand-in burn (``short_burn_suite``); the tests
-that read the same faulty node's report share one run (``several_faults``).
+A healthy node runs the shipped delivery suite as it ships, but for the stand-in burns' longer
+bounds on a hang (``tests/delivery_suite.py``: other tests run at once). A faulty node's
+delivery runs, which are about grading, run it with a shorter stand-in burn
+(``short_burn_suite``); the tests that read the same faulty node's report share one run
+(``several_faults``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from delivery_suite import PATIENT_AGENT_TIMEOUT_S, delivery_suite  # tests/delivery_suite.py
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,23 +27,18 @@ def reasons(report, level=None):
 
 
 def short_burn_suite(directory: Path) -> str:
-    """The shipped delivery suite, every check in it, with a 1 s stand-in burn instead of 6 s:
-    for delivery runs that test something other than the burn (docs/load_tests.md has the
-    burn's own tests)."""
-    suite = yaml.safe_load((REPO / "suites" / "delivery.yaml").read_text())
-    (burn,) = [c for c in suite["checks"] if c["check"] == "gpu_burn"]
-    # the stand-in's overrides: the one mapping among the burn's params
-    (stand_in,) = [v for v in burn["params"].values() if isinstance(v, dict)]
-    assert stand_in["duration_s"] > 1
-    stand_in["duration_s"] = 1
-    path = directory / "delivery-short-burn.yaml"
-    path.write_text(yaml.safe_dump(suite, sort_keys=False))
-    return str(path)
+    """The delivery suite with a 1 s stand-in burn instead of 6 s: for delivery runs that test
+    something other than the burn (docs/load_tests.md has the burn's own tests)."""
+    return delivery_suite(directory, burn_s=1)
 
 
 @pytest.mark.parametrize("attempt", range(3))
-def test_healthy_h100_node_grades_healthy_every_time(agent, scenario, attempt):
-    run = agent("accept", "--simulate", scenario(), "--json")
+def test_healthy_h100_node_grades_healthy_every_time(agent, scenario, attempt, tmp_path):
+    suite = delivery_suite(tmp_path)
+    run = agent(
+        "accept", "--simulate", scenario(), "--suite", suite, "--json",
+        timeout=PATIENT_AGENT_TIMEOUT_S,
+    )  # fmt: skip
     assert run.code == 0, run.stderr
     report = run.json()
     assert report["grade"] == {"level": "HEALTHY", "action": "none", "reasons": []}
@@ -63,6 +61,7 @@ def test_xid79_grades_fault_naming_gpu_and_code(agent, scenario, tmp_path):
         "--suite",
         short_burn_suite(tmp_path),
         "--json",
+        timeout=PATIENT_AGENT_TIMEOUT_S,
     )
     assert run.code == 4, run.stderr
     report = run.json()
@@ -175,6 +174,7 @@ def several_faults(module_agent):
         "--out",
         str(out),
         "--json",
+        timeout=PATIENT_AGENT_TIMEOUT_S,
     )
     return run, out
 
