@@ -18,7 +18,7 @@ size protocols, events): the table still names its keys and its model.
 
 Adding a simple call (one key, numbers or a string out, arguments that pick the key): one entry
 here, the reading in ``gpu/base.py``, its use in ``gpu/nvml.py`` (and the simulator's model in
-``gpu/sim.py``). Nothing else: the stand-ins follow this table.
+``sim/gpu_model.py``). Nothing else: the stand-ins follow this table.
 
 Rules every stand-in keeps (nvml.h's codes): a key the state does not give answers
 NVML_ERROR_NOT_SUPPORTED (or the call's ``missing`` value); a value ``error <code>`` answers

@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from node_agent.gpu.pci import normalise_bus_id
-from node_agent.gpu.sim import pci_bus_id
 from node_agent.hardware.sku import Sku
 from node_agent.host.paths import HostPaths, format_cpu_list
 from node_agent.kernel_log import LogRecord
+from node_agent.sim.gpu_model import pci_bus_id
 from node_agent.sim.scenario import Fault, Scenario
 from node_agent.sim.tools import simulated_pci, write_executable
 

@@ -5,7 +5,7 @@
 
 - **GPUs**: a captured node (``node-agent capture``, docs/capture.md) replays its recorded
   NVML through the real NVML backend (:mod:`node_agent.gpu.replay`); any other scenario is the
-  model of its SKU (:mod:`node_agent.gpu.sim`), faults injected where NVML answers.
+  model of its SKU (:mod:`node_agent.sim.gpu_model`), faults injected where NVML answers.
 - **Kernel log**: the model's lines (boot records, one NVRM line per ``xid`` fault, the
   ``kernel_log`` faults), or the capture's.
 - **Ports** (:func:`stand_in_ports`): the host, HCAs, pstore and machine checks written for
@@ -188,7 +188,7 @@ def open_gpus(scenario: Scenario, sku: Sku | None, call_timeout_s: float = 10.0)
         return open_replay(
             scenario.nvml, scenario.kernel_log, scenario.source, call_timeout_s=call_timeout_s
         )
-    from node_agent.gpu.sim import SimGpuBackend
+    from node_agent.sim.gpu_model import SimGpuBackend
 
     if sku is None:
         raise ValueError("a scenario's node needs its SKU")

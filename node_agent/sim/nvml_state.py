@@ -6,7 +6,7 @@ real nvidia-ml-py, runs against a simulated node. YAML stays in Python: this mod
 scenario with the same loader as ``--simulate`` (same validation) and writes what the GPUs
 report, in NVML's own units (mW, bytes, °C, MHz, bit masks).
 
-What a healthy GPU reports is the simulator's model (:mod:`node_agent.gpu.sim`) read through
+What a healthy GPU reports is the simulator's model (:mod:`node_agent.sim.gpu_model`) read through
 its idle readings, so both ways of simulating show the same node; NVML-level faults become
 what NVML would answer: ``missing_gpu`` and ``pci_only`` GPUs are not enumerated (NVML numbers
 the others 0..n-1), ``gpu_lost`` answers NVML_ERROR_GPU_IS_LOST, ``driver_hang`` makes every
@@ -35,8 +35,8 @@ from node_agent import atomic_file
 from node_agent.gpu.base import GpuDevice, NotSupported
 from node_agent.gpu.nvml_calls import CALLS, FIELDS, Call, model_values
 from node_agent.gpu.replay import CaptureFormatError, capture_state_lines
-from node_agent.gpu.sim import SimGpuBackend
 from node_agent.hardware.sku import Sku, load_skus
+from node_agent.sim.gpu_model import SimGpuBackend
 from node_agent.sim.scenario import Scenario, load_scenario
 from node_agent.yamlfile import ConfigError
 

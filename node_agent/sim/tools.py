@@ -54,8 +54,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from node_agent.gpu.pci import NVIDIA_VENDOR_ID, PciBus, normalise_bus_id, read_bus
-from node_agent.gpu.sim import pci_bus_id
 from node_agent.hardware.sku import Sku
+from node_agent.sim.gpu_model import pci_bus_id
 from node_agent.sim.scenario import Scenario
 
 #: InfiniBand 4X link rates (Gb/s) and the names sysfs prints after them (IBTA; kernel

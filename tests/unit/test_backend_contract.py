@@ -16,8 +16,8 @@ from node_agent.config import config_from_dict
 from node_agent.gpu import base, open_backend
 from node_agent.gpu.nvml import NvmlBackend, open_nvml
 from node_agent.gpu.replay import StateNvml, open_replay
-from node_agent.gpu.sim import SimGpuBackend
 from node_agent.hardware.sku import load_skus
+from node_agent.sim.gpu_model import SimGpuBackend
 from node_agent.sim.node import open_gpus
 from node_agent.sim.nvml_state import NVML_FAULT_KINDS, render, write_state
 from node_agent.sim.scenario import ComputeProcess, Fault, Scenario, load_scenario

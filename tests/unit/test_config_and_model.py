@@ -187,8 +187,8 @@ def test_a_gpu_cannot_be_both_off_the_bus_and_on_it(tmp_path):
 
 
 def test_kernel_log_lines_keep_scenario_order_and_take_the_kernels_bus_form(tmp_path):
-    from node_agent.gpu.sim import SimGpuBackend
     from node_agent.hardware.sku import load_sku
+    from node_agent.sim.gpu_model import SimGpuBackend
     from node_agent.sim.scenario import load_scenario
 
     path = tmp_path / "s.yaml"

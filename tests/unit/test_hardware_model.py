@@ -16,12 +16,12 @@ from node_agent.checks import inventory as inventory_check
 from node_agent.config import config_from_dict
 from node_agent.gpu.base import DeviceLost, NvLink
 from node_agent.gpu.pci import PciBus, PciGpu
-from node_agent.gpu.sim import SimGpuBackend
 from node_agent.grading.rules import load_grader
 from node_agent.hardware.sku import Sku, load_skus, match_sku
 from node_agent.inventory import collect
 from node_agent.kernel_log import LinesKernelLog
 from node_agent.model import Level, Recovery, Status
+from node_agent.sim.gpu_model import SimGpuBackend
 from node_agent.sim.node import stand_in_ports
 from node_agent.sim.scenario import Fault, Scenario
 

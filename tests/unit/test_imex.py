@@ -22,13 +22,13 @@ from node_agent import resources
 from node_agent.checks import CheckContext, imex
 from node_agent.checks.ports import Ports
 from node_agent.config import config_from_dict
-from node_agent.gpu.sim import SimGpuBackend
 from node_agent.grading.rules import Grader, load_grader
 from node_agent.hardware.sku import load_skus
 from node_agent.inventory import Inventory
 from node_agent.model import HostInfo, Level, Status
 from node_agent.parsers import ParseError
 from node_agent.parsers import imex as reader
+from node_agent.sim.gpu_model import SimGpuBackend
 from node_agent.sim.scenario import Scenario
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "imex"

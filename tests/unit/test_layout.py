@@ -182,8 +182,6 @@ def test_imports_go_down_the_data_path():
 #: The stand-in is outside the code it stands in for (STYLE.md): the wings a run's node is
 #: handed to never import the simulator nor name a scenario; ``open_environment`` alone chooses.
 STAND_IN_BLIND = ("checks", "gpu", "compute", "remediation", "stopcheck", "service")
-#: modules of those wings allowed to, each until it changes: the GPU model (moves to sim/)
-STAND_IN_EXCEPTIONS = frozenset({"node_agent.gpu.sim"})
 
 
 def stand_in_leaks(modules: dict[str, Path]) -> list[str]:
@@ -191,7 +189,7 @@ def stand_in_leaks(modules: dict[str, Path]) -> list[str]:
     included) or names ``Scenario``, as "module: what it does"."""
     found = []
     for name, path in sorted(modules.items()):
-        if _unit(name) not in STAND_IN_BLIND or name in STAND_IN_EXCEPTIONS:
+        if _unit(name) not in STAND_IN_BLIND:
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             imported = []

@@ -3,7 +3,7 @@ faulty SM, sm_coverage in every result, cross-GPU odd one out, each GPU's earlie
 the state dir, software changes, transient vs confirmed (and confirmed by a second mismatch).
 Spool ingestion (``sdc_spool``) is tested in ``tests/unit/test_sdc_spool.py``.
 
-Nodes are simulated (``node_agent.gpu.sim`` + ``node_agent.compute.devices`` CPU stand-ins): the probe
+Nodes are simulated (``node_agent.sim.gpu_model`` + ``node_agent.compute.devices`` CPU stand-ins): the probe
 code, digests, history and grading are the real code. Where a fault the scenario language
 cannot express is needed (a mismatch on the first call only), a CPU ``ComputeDevice`` is built
 with the library's ``corrupting_matmul(times=1)``: that is the compute boundary itself, not a

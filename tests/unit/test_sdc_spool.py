@@ -1,7 +1,7 @@
 """The ``sdc_spool`` check: training jobs' verdicts are reports; only the agent's own probe
 makes a FAULT (DESIGN.md, "Trust boundary" and "SDC probes").
 
-Nodes are simulated (``node_agent.gpu.sim``): its NVML lists the compute processes the
+Nodes are simulated (``node_agent.sim.gpu_model``): its NVML lists the compute processes the
 scenario names, here real processes of the test (so ``/proc`` gives their uid), and its
 compute devices are CPU stand-ins that a scenario's ``sdc`` fault corrupts. The agent's
 confirming probe is the real ``node-agent check`` child process running the real ``sdc`` check.

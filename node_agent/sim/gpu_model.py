@@ -36,7 +36,7 @@ from node_agent.gpu.base import (
     fabric_mask,
 )
 
-if TYPE_CHECKING:  # the scenario is handed in; importing it would make a circle through gpu/
+if TYPE_CHECKING:  # annotations only
     from node_agent.hardware.sku import Sku
     from node_agent.sim.scenario import Fault, Scenario
 
