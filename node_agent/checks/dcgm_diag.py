@@ -79,12 +79,18 @@ def diag_timeout_s(ctx: CheckContext) -> float:
     return min(float(wanted), ceiling) if wanted else ceiling
 
 
-def run(ctx: CheckContext, opener: Opener = open_dcgm) -> list[Result]:
+def dcgm_unready(ctx: CheckContext, on_real_hardware: str) -> list[Result] | None:
+    """What a DCGM check reports when it cannot ask DCGM: a skip naming why the node has no
+    DCGM (``ports.dcgm_absent``, then ``on_real_hardware``), or why its GPUs cannot be
+    queried (:meth:`CheckContext.gpus_unavailable`); None when it can ask."""
     if ctx.ports.dcgm_absent is not None:
-        return [ctx.skip(f"{ctx.ports.dcgm_absent}; {ON_REAL_HARDWARE}")]
-    unavailable = ctx.gpus_unavailable()
-    if unavailable:
-        return unavailable
+        return [ctx.skip(f"{ctx.ports.dcgm_absent}; {on_real_hardware}")]
+    return ctx.gpus_unavailable()
+
+
+def run(ctx: CheckContext, opener: Opener = open_dcgm) -> list[Result]:
+    if unready := dcgm_unready(ctx, ON_REAL_HARDWARE):
+        return unready
     try:
         request = request_from_params(ctx.params)
     except ValueError as err:

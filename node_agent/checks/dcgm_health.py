@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from node_agent.checks import CheckContext
+from node_agent.checks.dcgm_diag import dcgm_unready
 from node_agent.gpu.dcgm import (
     DcgmError,
     DcgmSource,
@@ -125,11 +126,8 @@ def incident_results(ctx: CheckContext, report: HealthReport, via: str) -> list[
 
 
 def run(ctx: CheckContext, opener: Opener = open_dcgm) -> list[Result]:
-    if ctx.ports.dcgm_absent is not None:
-        return [ctx.skip(f"{ctx.ports.dcgm_absent}; {ON_REAL_HARDWARE}")]
-    unavailable = ctx.gpus_unavailable()
-    if unavailable:
-        return unavailable
+    if unready := dcgm_unready(ctx, ON_REAL_HARDWARE):
+        return unready
     systems = ctx.params.get("systems") or DEFAULT_SYSTEMS
     try:
         health_mask(systems)

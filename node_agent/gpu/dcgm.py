@@ -593,35 +593,33 @@ def _legacy_errors(result: Any) -> list[DiagWarning]:
 
 
 def _results_legacy(resp: Any, iteration: int | None) -> list[DiagEntityResult]:
-    out = []
-    for i, result in enumerate(list(resp.levelOneResults)[: int(resp.levelOneTestCount)]):
-        made = _entity_result(
+    """The level-one tests (the node's) and each GPU's tests of a v2/v3 response."""
+    rows: list[tuple[str, str, str, int | None, Any]] = [
+        (
             _LEVEL_ONE_TESTS[i] if i < len(_LEVEL_ONE_TESTS) else f"test {i}",
             "Deployment",
             "node",
             None,
-            int(result.status),
-            _legacy_errors(result),
-            [_text(result.info)],
-            iteration,
+            r,
         )
-        if made is not None:
-            out.append(made)
+        for i, r in enumerate(list(resp.levelOneResults)[: int(resp.levelOneTestCount)])
+    ]
     for gpu in resp.perGpuResponses:
         gpu_id = int(gpu.gpuId)
-        if gpu_id >= _MAX_DEVICES:
-            continue
-        for j, result in enumerate(list(gpu.results)[: len(_PER_GPU_TESTS)]):
-            made = _entity_result(
-                _PER_GPU_TESTS[j],
-                "",
-                "GPU",
-                gpu_id,
-                int(result.status),
-                _legacy_errors(result),
-                [_text(result.info)],
-                iteration,
-            )
-            if made is not None:
-                out.append(made)
-    return out
+        if gpu_id < _MAX_DEVICES:
+            tests = zip(_PER_GPU_TESTS, list(gpu.results), strict=False)  # the tests named
+            rows.extend((test, "", "GPU", gpu_id, r) for test, r in tests)
+    made = (
+        _entity_result(
+            test,
+            category,
+            group,
+            entity,
+            int(r.status),
+            _legacy_errors(r),
+            [_text(r.info)],
+            iteration,
+        )
+        for test, category, group, entity, r in rows
+    )
+    return [m for m in made if m is not None]
