@@ -73,6 +73,9 @@ NVML_FAULT_KINDS = frozenset(
         "persistence_off",
         "driver_hang",
         "spin",
+        "fabric_degraded",
+        "fabric_incomplete",
+        "wrong_clique",
     }
 )
 _FLAG_FAULTS = ("gpu_lost", "driver_hang")  # NVML answers, not readings: rendered as switches

@@ -44,6 +44,7 @@ READINGS = {
     "compute_processes": list,
     "utilization": base.Utilization,
     "virtualization_mode": str,
+    "fabric": base.GpuFabric,
 }
 
 
@@ -362,7 +363,13 @@ NVML_FAULTS = {
     "persistence_off": {"kind": "persistence_off", "gpu": 0},
     "driver_hang": {"kind": "driver_hang", "gpu": 2},
     "spin": {"kind": "spin", "gpu": 3},
+    # the NVLink fabric, on a GB200 tray (an H100 has none to register)
+    "fabric_degraded": {"kind": "fabric_degraded", "gpu": 2, "mask": ["route_unhealthy"]},
+    "fabric_incomplete": {"kind": "fabric_incomplete", "gpu": 1, "state": "in_progress"},
+    "wrong_clique": {"kind": "wrong_clique", "gpu": 0, "clique": 5},
 }
+#: the SKU each fault's parity case runs on (the rest: an H100)
+FAULT_SKU = {k: "gb200-186gb" for k in ("fabric_degraded", "fabric_incomplete", "wrong_clique")}
 
 
 def test_every_nvml_level_fault_kind_has_a_parity_case():
@@ -374,7 +381,7 @@ def test_nvml_backend_reads_each_fault_as_the_simulator_shows_it(fake_nvml, kind
     raw = dict(NVML_FAULTS[kind])
     fault = Fault(kind=raw.pop("kind"), gpu=raw.pop("gpu"), params=raw)
     scenario = Scenario(
-        sku="h100-sxm5-80gb",
+        sku=FAULT_SKU.get(kind, "h100-sxm5-80gb"),
         gpus=4,
         source="t",
         faults=(fault,),
@@ -468,7 +475,7 @@ def test_the_python_replay_answers_nvml_as_the_stand_in_library_does(fake_nvml, 
     raw = dict(NVML_FAULTS[kind])
     fault = Fault(kind=raw.pop("kind"), gpu=raw.pop("gpu"), params=raw)
     scenario = Scenario(
-        sku="h100-sxm5-80gb",
+        sku=FAULT_SKU.get(kind, "h100-sxm5-80gb"),
         gpus=4,
         source="t",
         faults=(fault,),
