@@ -137,11 +137,33 @@ class SchedulerAdapter(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class AdapterAction:
+    """One action as :class:`ActionByName` hands it on: the node, reason and job checked."""
+
+    action: str  # drain | resume | restart | replace | restart-job
+    node: str  # check_node_name
+    reason: str  # sanitise_reason
+    job: str | None = None  # check_job_id
+    key: str | None = None
+    evidence: str | None = None
+
+    @property
+    def what(self) -> str:
+        """``drain gpu-01``, ``restart-job slurm:42 on gpu-01``: the action in a detail."""
+        on = f"{self.job} on {self.node}" if self.job is not None else self.node
+        return f"{self.action} {on}"
+
+
 class ActionByName:
     """The five actions of an adapter that does each one the same way, told the action's
-    name (``log`` records it, ``webhook`` posts it): the adapter gives :meth:`_act`."""
+    name (``log`` records it, ``webhook`` posts it): the node name, the reason and the job id
+    are checked here, and the adapter gives :meth:`_act`."""
 
-    def _act(
+    def _act(self, act: AdapterAction) -> AdapterOutcome:
+        raise NotImplementedError
+
+    def _checked(
         self,
         action: str,
         node: str,
@@ -150,26 +172,29 @@ class ActionByName:
         key: str | None = None,
         evidence: str | None = None,
     ) -> AdapterOutcome:
-        raise NotImplementedError
+        node, reason = check_node_name(node), sanitise_reason(reason)
+        if job is not None:
+            check_job_id(job)
+        return self._act(AdapterAction(action, node, reason, job, key, evidence))
 
     def drain(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome:
-        return self._act("drain", node, reason, key=key)
+        return self._checked("drain", node, reason, key=key)
 
     def resume(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome:
-        return self._act("resume", node, reason, key=key)
+        return self._checked("resume", node, reason, key=key)
 
     def restart(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome:
-        return self._act("restart", node, reason, key=key)
+        return self._checked("restart", node, reason, key=key)
 
     def replace(
         self, node: str, reason: str, *, key: str | None = None, evidence: str | None = None
     ) -> AdapterOutcome:
-        return self._act("replace", node, reason, key=key, evidence=evidence)
+        return self._checked("replace", node, reason, key=key, evidence=evidence)
 
     def restart_job(
         self, node: str, job: str, reason: str, *, key: str | None = None
     ) -> AdapterOutcome:
-        return self._act("restart-job", node, reason, job=job, key=key)
+        return self._checked("restart-job", node, reason, job=job, key=key)
 
 
 @dataclass(frozen=True)

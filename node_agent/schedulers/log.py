@@ -22,12 +22,11 @@ from node_agent.atomic_file import create_private
 from node_agent.model import utc_iso
 from node_agent.schedulers.base import (
     ActionByName,
+    AdapterAction,
     AdapterError,
     AdapterOutcome,
     NodeState,
-    check_job_id,
     check_node_name,
-    sanitise_reason,
 )
 
 if TYPE_CHECKING:
@@ -48,29 +47,17 @@ class LogAdapter(ActionByName):
     def from_config(cls, config: Config) -> LogAdapter:
         return cls(config.state_dir / "actions.log", node=config.node.name)
 
-    def _act(
-        self,
-        action: str,
-        node: str,
-        reason: str,
-        job: str | None = None,
-        key: str | None = None,
-        evidence: str | None = None,
-    ) -> AdapterOutcome:
-        node = check_node_name(node)
-        reason = sanitise_reason(reason)
+    def _act(self, act: AdapterAction) -> AdapterOutcome:
         entry: dict[str, str] = {
             "at": self._clock(),
             "adapter": self.name,
-            "action": action,
-            "node": node,
-            "reason": reason,
-            **({"key": key} if key else {}),
-            **({"evidence": evidence} if evidence else {}),
+            "action": act.action,
+            "node": act.node,
+            "reason": act.reason,
+            **({"key": act.key} if act.key else {}),
+            **({"evidence": act.evidence} if act.evidence else {}),
+            **({"job": act.job} if act.job is not None else {}),
         }
-        if job is not None:
-            check_job_id(job)
-            entry["job"] = job
         line = json.dumps(entry, sort_keys=True)
         try:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -87,8 +74,7 @@ class LogAdapter(ActionByName):
                 f"log adapter cannot write {self.path}: {err}; "
                 "check state_dir in the config and its permissions"
             ) from err
-        what = f"{action} {job} on {node}" if job is not None else f"{action} {node}"
-        return AdapterOutcome.done(f"log: would {what} ({reason}); recorded in {self.path}")
+        return AdapterOutcome.done(f"log: would {act.what} ({act.reason}); recorded in {self.path}")
 
     def node_state(self, node: str) -> NodeState:
         return NodeState(name=check_node_name(node), state="in-service", drained=False, reason=None)

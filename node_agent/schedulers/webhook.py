@@ -65,12 +65,11 @@ from urllib.parse import urlsplit
 from node_agent.model import utc_iso
 from node_agent.schedulers.base import (
     ActionByName,
+    AdapterAction,
     AdapterError,
     AdapterOutcome,
     NodeState,
-    check_job_id,
     check_node_name,
-    sanitise_reason,
     split_job_uid,
 )
 
@@ -235,24 +234,14 @@ class WebhookAdapter(ActionByName):
             raise box["error"]
         return box["answer"]
 
-    def _act(
-        self,
-        action: str,
-        node: str,
-        reason: str,
-        job: str | None = None,
-        key: str | None = None,
-        evidence: str | None = None,
-    ) -> AdapterOutcome:
+    def _act(self, act: AdapterAction) -> AdapterOutcome:
         import requests
 
-        node, reason = check_node_name(node), sanitise_reason(reason)
-        extra: dict[str, Any] = {"evidence": evidence} if evidence else {}
+        action, node, reason, job, what = act.action, act.node, act.reason, act.job, act.what
+        extra: dict[str, Any] = {"evidence": act.evidence} if act.evidence else {}
         if job is not None:
-            check_job_id(job)
             bare, uid = split_job_uid(job)
             extra.update(job=bare, uid=uid)
-        what = f"{action} {job} on {node}" if job is not None else f"{action} {node}"
         start = self._monotonic()
         last = "no attempt made"
         attempts = self.retries + 1
@@ -273,7 +262,7 @@ class WebhookAdapter(ActionByName):
                 "action": action,
                 "node": node,
                 "reason": reason,
-                "idempotency_key": key or idempotency_key(node, action, reason, job),
+                "idempotency_key": act.key or idempotency_key(node, action, reason, job),
                 "at": self._clock(),
                 "timestamp": timestamp,
                 "nonce": nonce,
