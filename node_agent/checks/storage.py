@@ -135,14 +135,7 @@ def _run_path(ctx: CheckContext, fio: str, path: Path, label: str = "") -> list[
         made = tempfile.mkdtemp(prefix=".node-agent-fio-", dir=path)
         fd = os.open(made, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as err:
-        return [
-            ctx.result(
-                target,
-                "fio",
-                Status.ERROR,
-                f"cannot make a directory in {path}: {err} (config storage.paths)",
-            )
-        ]
+        return _path_error(ctx, target, "make a directory", path, err)
     try:
         st = os.fstat(fd)
         if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700:
@@ -163,6 +156,17 @@ def _run_path(ctx: CheckContext, fio: str, path: Path, label: str = "") -> list[
         )
     finally:
         _remove_private(made, fd)
+
+
+def _path_error(
+    ctx: CheckContext, target: str, doing: str, path: Path, err: OSError
+) -> list[Result]:
+    """The error when the storage path itself fails us: fix it in the config."""
+    return [
+        ctx.result(
+            target, "fio", Status.ERROR, f"cannot {doing} in {path}: {err} (config storage.paths)"
+        )
+    ]
 
 
 def _remove_tree_at(name: str, dir_fd: int) -> None:
@@ -223,14 +227,7 @@ def _run_fio(
     try:
         direct = supports_o_direct(private)
     except OSError as err:
-        return [
-            ctx.result(
-                target,
-                "fio",
-                Status.ERROR,
-                f"cannot write a file in {path}: {err} (config storage.paths)",
-            )
-        ]
+        return _path_error(ctx, target, "write a file", path, err)
     runtime_s = float(p.get("runtime_s", 3))
     argv = fio_argv(
         fio,
