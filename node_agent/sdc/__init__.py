@@ -37,6 +37,7 @@ _PROBE_NAMES = (
     "cublas_workspace_bytes",
     "default_specs",
     "digest_probe",
+    "dtype_unsupported",
     "exact_gemm_probe",
     "fit_whole_gpu",
     "freivalds_check",
