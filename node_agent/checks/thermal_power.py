@@ -218,36 +218,24 @@ def _power(
         "full_load": full_load,
         "rule": "DCGM targeted_power: target_power_min_ratio 0.75",
     }
-    value = round(fraction, 4)
     if not full_load:
-        return ctx.result(
-            target,
-            "power_reached_fraction",
-            Status.SKIP,
-            f"{target}: power not graded, the GPU did not run at full load ({load_note})",
-            value=value,
-            **evidence,
-        )
-    if fraction < minimum:
-        return ctx.result(
-            target,
-            "power_reached_fraction",
-            Status.FAIL,
+        status = Status.SKIP
+        detail = f"{target}: power not graded, the GPU did not run at full load ({load_note})"
+    elif fraction < minimum:
+        status = Status.FAIL
+        detail = (
             f"{target} drew {reached:.0f} W under full load (90th percentile), "
             f"{fraction:.0%} of its {limit:.0f} W enforced limit, below "
-            f"{minimum:.0%}: check power delivery, power-brake and clock "
-            "settings",
-            value=value,
-            **evidence,
+            f"{minimum:.0%}: check power delivery, power-brake and clock settings"
+        )
+    else:
+        status = Status.PASS
+        detail = (
+            f"{target} drew {reached:.0f} W under full load, {fraction:.0%} of its "
+            f"{limit:.0f} W enforced limit"
         )
     return ctx.result(
-        target,
-        "power_reached_fraction",
-        Status.PASS,
-        f"{target} drew {reached:.0f} W under full load, {fraction:.0%} of its "
-        f"{limit:.0f} W enforced limit",
-        value=value,
-        **evidence,
+        target, "power_reached_fraction", status, detail, value=round(fraction, 4), **evidence
     )
 
 
