@@ -70,6 +70,21 @@ _NVML_KEYS = {
 }
 
 
+#: The error counters a simulated port has, zero unless an ``hca_errors`` fault says otherwise:
+#: ``counters/`` (IBTA PortCounters, drivers/infiniband/core/sysfs.c) and mlx5's
+#: ``hw_counters/``, as the stand-in's sysfs tree writes them (:mod:`node_agent.sim.tools`).
+PORT_COUNTERS = (
+    "link_downed",
+    "symbol_error",
+    "port_rcv_errors",
+    "link_error_recovery",
+    "excessive_buffer_overrun_errors",
+    "local_link_integrity_errors",
+    "port_xmit_discards",
+)
+HW_COUNTERS = ("local_ack_timeout_err", "rnr_nak_retry_err")
+
+
 def _fault(
     kind: str, props: dict[str, Any], required: tuple[str, ...] = ("gpu",)
 ) -> dict[str, Any]:
@@ -215,19 +230,7 @@ FAULT_SCHEMAS: dict[str, dict[str, Any]] = {
     "hca_errors": _hca_fault(
         "hca_errors",
         {
-            "counter": {
-                "enum": [
-                    "link_downed",
-                    "symbol_error",
-                    "port_rcv_errors",
-                    "link_error_recovery",
-                    "excessive_buffer_overrun_errors",
-                    "local_link_integrity_errors",
-                    "port_xmit_discards",
-                    "local_ack_timeout_err",
-                    "rnr_nak_retry_err",
-                ]
-            },
+            "counter": {"enum": [*PORT_COUNTERS, *HW_COUNTERS]},
             "per_hour": {"type": "number", "exclusiveMinimum": 0},
         },
         ("hca", "counter", "per_hour"),

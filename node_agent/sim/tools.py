@@ -56,7 +56,7 @@ from pathlib import Path
 from node_agent.gpu.pci import NVIDIA_VENDOR_ID, PciBus, normalise_bus_id, read_bus
 from node_agent.hardware.sku import Sku
 from node_agent.sim.gpu_model import pci_bus_id
-from node_agent.sim.scenario import Scenario
+from node_agent.sim.scenario import HW_COUNTERS, PORT_COUNTERS, Scenario
 
 #: InfiniBand 4X link rates (Gb/s) and the names sysfs prints after them (IBTA; kernel
 #: ``ib_rate_to_mbps``): what ``/sys/class/infiniband/*/ports/*/rate`` reads.
@@ -127,18 +127,6 @@ def healthy_rate_gbps(sku: Sku | None) -> float:
     return float(max(IB_4X_RATES))
 
 
-#: The error counters a simulated port has, zero unless a fault says otherwise: ``counters/``
-#: (IBTA PortCounters, drivers/infiniband/core/sysfs.c) and mlx5's ``hw_counters/``.
-PORT_COUNTERS = (
-    "link_downed",
-    "symbol_error",
-    "port_rcv_errors",
-    "link_error_recovery",
-    "excessive_buffer_overrun_errors",
-    "local_link_integrity_errors",
-    "port_xmit_discards",
-)
-HW_COUNTERS = ("local_ack_timeout_err", "rnr_nak_retry_err")
 #: the simulated node's uptime when its scenario file was written
 BOOTED_BEFORE_SCENARIO_S = 3600.0
 
