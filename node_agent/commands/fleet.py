@@ -12,12 +12,8 @@ from typing import TextIO
 
 from node_agent.commands.reporting import UsageError
 from node_agent.config import Config, load_config
-from node_agent.fleet.analysis import analyse, load_fleet_rules
 from node_agent.fleet.domains import DEFAULT_BAD_SHARE
-from node_agent.fleet.html import write_fleet_html
-from node_agent.fleet.text import render_text
 from node_agent.fleet.topology import load_topology
-from node_agent.report.html import require_matplotlib
 from node_agent.report.terminal import printable
 from node_agent.resources import graders_dir
 from node_agent.yamlfile import ConfigError
@@ -52,6 +48,12 @@ def run(
             f"fleet: --domain-bad-share must be in (0, 1] (a share of the domain's trays), "
             f"found {domain_bad_share:g}"
         )
+    # the analysis needs numpy: imported here, not by every node-agent command's start
+    from node_agent.fleet.analysis import analyse, load_fleet_rules
+    from node_agent.fleet.html import write_fleet_html
+    from node_agent.fleet.text import render_text
+    from node_agent.report.html import require_matplotlib
+
     rules = load_fleet_rules(graders_dir)
     groups = load_topology(topology) if topology else None
     if html:

@@ -23,7 +23,7 @@ from typing import Any, TextIO
 from node_agent.commands.reporting import EXIT_FOR_LEVEL, UsageError
 from node_agent.config import load_config
 from node_agent.environment import load_data
-from node_agent.fleet.analysis import expand_paths
+from node_agent.fleet.reports import expand_paths
 from node_agent.grading.rules import Grader
 from node_agent.model import Grade, Level, Reason, Report, ReportFormatError
 from node_agent.report import json_report

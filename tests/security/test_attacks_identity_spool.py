@@ -339,6 +339,7 @@ def slurm_cluster(tmp_path_factory):
         cluster.stop()
 
 
+@pytest.mark.xdist_group("slurm")
 def test_a_verified_job_of_another_user_is_never_requeued(
     user, shared_dir, cgroups, slurm_cluster, tmp_path
 ):

@@ -158,9 +158,7 @@ def test_a_report_without_a_usable_domain_is_not_in_one(domain):
 def test_main_takes_the_share_from_the_command_line(tmp_path, capsys):
     """The flag reaches the command through the real parser (commands/main.py)."""
     write(tmp_path, rack_reports(2))
-    parser_has_it = "--domain-bad-share" in _fleet_help(capsys)
-    if not parser_has_it:
-        pytest.skip("commands/main.py does not call commands.fleet.add_options yet")
+    assert "--domain-bad-share" in _fleet_help(capsys)
     assert main(["fleet", str(tmp_path), "--json", "--domain-bad-share", "0.1"]) == 3
     assert json.loads(capsys.readouterr().out)["nvlink_domains"][0]["escalated"] is True
 
