@@ -92,9 +92,16 @@ XID_WATCH = {"check": "xid", "timeout_s": 15, "params": {"since": "boot", "watch
 
 
 def test_every_nvml_level_fault_kind_is_compared():
+    """Here on an HGX H100, or (the NVLink fabric's faults, which need a GB200 tray) in
+    test_nvlink_fabric_scenarios.py, which grades those scenarios both ways."""
+    from test_nvlink_fabric_scenarios import GRADED
+
     kinds = {f["kind"] for faults, _ in SCENARIOS.values() for f in faults}
     kinds |= {f["kind"] for keys, *_ in BUS_SCENARIOS.values() for f in keys.get("faults", [])}
-    assert NVML_FAULT_KINDS <= kinds
+    for name in GRADED:
+        data = yaml.safe_load((harness.REPO / "scenarios" / name).read_text())
+        kinds |= {f["kind"] for f in data.get("faults") or []}
+    assert NVML_FAULT_KINDS <= kinds, NVML_FAULT_KINDS - kinds
 
 
 @pytest.fixture(scope="module")

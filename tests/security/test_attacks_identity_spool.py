@@ -529,7 +529,7 @@ def test_a_squatted_name_nested_1500_deep_is_removed_and_hang_detection_keeps_wo
     user.py(NEST, str(hb), str(victim.uid), "1500", timeout=300)
     hung = victim.popen(STALE_BEATER, str(hb), env={"RANK": "0"})
     assert Path(hung.first_line).parent == hb  # its directory's name was taken
-    shadow = os.stat("/etc/shadow")
+    shadow = _shadow()
     rep = report(run_agent(*hang_check(shared_dir, hb), timeout=600))
     errors = [r for r in rep["results"] if r["status"] == "error"]
     assert not errors, errors
@@ -541,7 +541,17 @@ def test_a_squatted_name_nested_1500_deep_is_removed_and_hang_detection_keeps_wo
     assert sorted(p.name for p in hb.iterdir() if p.name.startswith(".")) == []
     st = os.lstat(hb / str(victim.uid))
     assert (st.st_uid, st.st_mode & 0o777) == (victim.uid, 0o700)
-    assert os.stat("/etc/shadow") == shadow
+    assert _shadow() == shadow
+
+
+def _shadow() -> tuple[int, int, int, str]:
+    """What the squat aims at in /etc/shadow: its owner, group, mode and root's entry. (Not its
+    inode or times: another test's useradd, on another worker, rewrites the file.)"""
+    st = os.lstat("/etc/shadow")
+    root = next(
+        line for line in Path("/etc/shadow").read_text().splitlines() if line.startswith("root:")
+    )
+    return st.st_uid, st.st_gid, st.st_mode, root
 
 
 FLOOD = r"""

@@ -76,6 +76,7 @@ def test_through_the_runner_the_same_stall_is_never_the_runners_timeout(tmp_path
         expected_gpus=None,
         ports=Ports(),
         simulated=False,
+        node=SimpleNamespace(param_overlay=None),
         config=None,
         writable_state_dir=lambda: tmp_path / "state",
     )
