@@ -82,8 +82,8 @@ nvml-fake: venv
 
 # The claims the code makes are checked first (lint: ruff, the format, mypy), then the tests,
 # every one of them, on TEST_WORKERS pytest-xdist workers (one per core of a 2-core CI machine:
-# four were 10 % faster there, and timing tests of the daemon, the hang sampler and gloo's time
-# limit failed under their load). --dist loadgroup keeps the tests of one xdist_group on one
+# on four, timing tests of the daemon, the hang sampler and gloo's time limit failed under
+# their load). --dist loadgroup keeps the tests of one xdist_group on one
 # worker (the Slurm test cluster, a module's shared run; pyproject.toml). TEST_WORKERS=0: one
 # process, as plain `pytest` runs.
 TEST_WORKERS ?= 2
