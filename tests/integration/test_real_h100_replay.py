@@ -3,7 +3,8 @@ oracles say: the first (scenarios/real/h100-sxm5-vm.yaml, converted from
 ../shared/realworld/gpu-h100-vm/: one H100 SXM5 passed through to a VM, every NVLink call Not
 Supported, healthy; the agent once graded it FAULT, replace) and an H200 captured by
 ``node-agent capture`` (../shared/realworld/gpu-h200-vm/capture.yaml, read where it lies: one
-H200 passed through to a VM, healthy; its oracle is its PROVENANCE.md's, written out below).
+H200 passed through to a VM, healthy; its oracle is its PROVENANCE.md's, written out below),
+and a second H200, captured by this round's recorder (scenarios/real/h200-sxm-vm.yaml, its oracle in it).
 
 Both ways: ``--simulate`` (the capture's NVML replayed through the real NVML backend in
 Python) and the stand-in ``libnvidia-ml.so.1`` serving it (``NVML_FAKE_SCENARIO``: the real
@@ -40,10 +41,15 @@ H200_ORACLE = {
     "declared": {"node.expected_gpus": 1, "grade": "HEALTHY"},
     "undeclared": {"at_most": "WARN", "never": ["ERROR", "FAULT"]},
 }
+#: another H200, captured with this round's recorder (the fabric and the per-link calls included)
+#: and kept in the repository with its oracle (scenarios/real/h200-sxm-vm.yaml)
+H200_TODAY = harness.REPO / "scenarios" / "real" / "h200-sxm-vm.yaml"
+H200_TODAY_ORACLE = yaml.safe_load(H200_TODAY.read_text())["capture"]["oracle"]
 #: name -> (scenario, oracle, the GPU's NVML name)
 CAPTURES = {
     "h100": (SCENARIO, ORACLE, "NVIDIA H100 80GB HBM3"),
     "h200": (H200_CAPTURE, H200_ORACLE, "NVIDIA H200"),
+    "h200-today": (H200_TODAY, H200_TODAY_ORACLE, "NVIDIA H200"),
 }
 ORDER = ["HEALTHY", "WARN", "ERROR", "FAULT"]
 EXIT = {"HEALTHY": 0, "WARN": 0, "ERROR": 3, "FAULT": 4}
