@@ -24,8 +24,7 @@ from node_agent.checks import CheckContext, resolve
 from node_agent.checks.behaviour import Handover
 from node_agent.environment import Environment
 from node_agent.model import Result, Status
-from node_agent.node import STAND_IN_OVERLAY
-from node_agent.suite import CheckSpec, Suite
+from node_agent.suite import STAND_IN_OVERLAY, CheckSpec, Suite
 
 #: checks whose workers come from multiprocessing's forkserver (compute/burn.py, pcie_bandwidth)
 FORKSERVER_CHECKS = frozenset({"gpu_burn", "thermal_power", "pcie_bandwidth"})
@@ -50,12 +49,7 @@ def run_check(
     ``handover`` carries the suite run's declared outputs from earlier checks to this one's
     declared inputs, and takes this one's outputs when it finished in time."""
     given = handover.inputs_for(spec.check) if handover is not None else {}
-    params = dict(spec.params)
-    # a stand-in node's overlay applies over the entry's other params (DESIGN.md: load checks
-    # run their real code on the CPU at small sizes); on this host it is dropped
-    overlay = params.pop(STAND_IN_OVERLAY, None) or {}
-    if env.node.param_overlay == STAND_IN_OVERLAY:
-        params.update(overlay)
+    stand_in = env.node.param_overlay == STAND_IN_OVERLAY
     ctx = CheckContext(
         check=spec.check,
         gpu=env.gpu,
@@ -65,7 +59,8 @@ def run_check(
         sku=env.sku,
         expected_gpus=env.expected_gpus,
         mode=mode,
-        params=params,
+        params=spec.params_for(stand_in),
+        typed=spec.typed_for(stand_in),
         state_dir=env.writable_state_dir(),
         timeout_s=spec.timeout_s,
         ports=env.ports,

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from node_agent.checks import REGISTRY
+from node_agent.checks import REGISTRY, parse_params
 from node_agent.yamlfile import ConfigError, load_yaml
 
 SUITE_SCHEMA: dict[str, Any] = {
@@ -37,14 +37,45 @@ SUITE_SCHEMA: dict[str, Any] = {
 }
 
 DEFAULT_TIMEOUT_S = 60.0
+#: the params key whose values apply over the others on a stand-in node (DESIGN.md: load checks
+#: run their real code on the CPU at small sizes); on a real host it is dropped
+STAND_IN_OVERLAY = "simulated"
 
 
 @dataclass(frozen=True)
 class CheckSpec:
+    """One entry of a suite. Its ``params`` are parsed through the check's ``Params``
+    (checks/params.py) when the entry is made, for a real host and for a stand-in node (the
+    ``simulated`` overlay applied): a bad value is a ConfigError naming the check and the key,
+    before anything runs."""
+
     check: str
     timeout_s: float = DEFAULT_TIMEOUT_S
     params: dict[str, Any] = field(default_factory=dict)
     every_s: float | None = None  # daemon cadence; None: the daemon's default_every_s
+    typed: object | None = field(default=None, init=False, compare=False, repr=False)
+    typed_stand_in: object | None = field(default=None, init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for attr, stand_in in (("typed", False), ("typed_stand_in", True)):
+            try:
+                parsed = parse_params(self.check, self.params_for(stand_in))
+            except ValueError as err:
+                overlay = f" (with its {STAND_IN_OVERLAY!r} overlay)" if stand_in else ""
+                raise ConfigError(f"check {self.check!r}{overlay}: {err}") from None
+            object.__setattr__(self, attr, parsed)
+
+    def params_for(self, stand_in: bool) -> dict[str, Any]:
+        """The params the check gets on a real host, or on a stand-in node (the overlay over
+        the others)."""
+        params = dict(self.params)
+        overlay = params.pop(STAND_IN_OVERLAY, None) or {}
+        if stand_in:
+            params.update(overlay)
+        return params
+
+    def typed_for(self, stand_in: bool) -> object | None:
+        return self.typed_stand_in if stand_in else self.typed
 
 
 @dataclass(frozen=True)
@@ -91,14 +122,18 @@ def load_suite(name_or_path: str, suites_dir: Path) -> Suite:
                 f"{path}: key 'checks.{i}.check': unknown check {raw['check']!r}; "
                 f"known checks: {', '.join(sorted(REGISTRY))}"
             )
-        checks.append(
-            CheckSpec(
+        try:
+            spec = CheckSpec(
                 check=raw["check"],
                 timeout_s=float(raw.get("timeout_s", DEFAULT_TIMEOUT_S)),
                 params=dict(raw.get("params") or {}),
                 every_s=None if raw.get("every_s") is None else float(raw["every_s"]),
             )
-        )
+        except ConfigError as err:
+            raise ConfigError(
+                f"{path}: suite {data['name']!r}, key 'checks.{i}.params': {err}"
+            ) from None
+        checks.append(spec)
     return Suite(
         name=data["name"],
         mode=data["mode"],

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from node_agent.checks.params import P
 from node_agent.checks.ports import Ports
 from node_agent.config import Config
 from node_agent.gpu.base import GpuBackend
@@ -81,6 +82,15 @@ class CheckContext:
     handover: dict[str, Any] = field(default_factory=dict)
     #: the NVIDIA GPUs on the PCI bus; read on first use (``pci_bus()``) unless given
     pci: PciBus | None = field(default=None, repr=False)
+    #: ``params`` parsed through the check's ``Params`` at the suite's load (checks/params.py)
+    typed: object | None = field(default=None, repr=False)
+
+    def typed_params(self, cls: type[P]) -> P:
+        """This check's typed parameters: those the suite's load parsed, or (a context made by
+        hand, as unit tests do) ``params`` parsed now; ValueError names a bad key."""
+        if isinstance(self.typed, cls):
+            return self.typed
+        return cls.parse(self.params)
 
     def result(
         self,
@@ -198,6 +208,16 @@ def driver_not_loaded_detail(reason: str, gpus: tuple[Any, ...]) -> str:
         f"(nvidia.ko) is not loaded or holds none of them, so no GPU can be used: "
         f"{advice} [NVML: {reason}]"
     )
+
+
+def parse_params(name: str, raw: dict[str, Any]) -> object | None:
+    """``raw`` parsed through the check's ``Params`` (checks/params.py); None when the check
+    has none or is not registered (the runner reports an unknown check). ValueError names a bad
+    key. Importing a check module imports no compute library (those load inside the check)."""
+    if name not in REGISTRY:
+        return None
+    params = getattr(importlib.import_module(REGISTRY[name]), "Params", None)
+    return None if params is None else params.parse(raw)
 
 
 def resolve(name: str) -> Callable[[CheckContext], list[Result]]:

@@ -40,12 +40,13 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from node_agent import proc
 from node_agent.checks import CheckContext
+from node_agent.checks.params import Reader
 from node_agent.gpu.nvlink_topology import nvlink_applicability
 from node_agent.model import Result, Status
 from node_agent.parsers import ParseError
@@ -83,32 +84,19 @@ class Params:
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> Params:
         """ValueError naming the key and what was expected."""
-        where = "suite params of imex"
-        known = [f.name for f in fields(cls)]
-        unknown = sorted(set(raw) - set(known))
-        if unknown:
-            raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {known}")
-        for key in ("tool", "config", "nodes_config", "local"):
-            if key in raw and not isinstance(raw[key], str):
-                raise ValueError(f"{where}: {key} must be a string, found {raw[key]!r}")
-        for key in ("tool", "config", "nodes_config"):
-            if key in raw and not raw[key]:
-                raise ValueError(f"{where}: {key} must not be empty")
-        timeout = raw.get("timeout_s", cls.timeout_s)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ValueError(f"{where}: timeout_s must be a number above 0, found {timeout!r}")
-        units = raw.get("service_units", list(SERVICE_UNITS))
-        if not isinstance(units, list) or not all(isinstance(u, str) for u in units):
-            raise ValueError(f"{where}: service_units must be a list of paths")
-        scalars = {k: raw[k] for k in ("tool", "config", "nodes_config", "local") if k in raw}
-        return cls(**scalars, timeout_s=float(timeout), service_units=tuple(units))
+        r = Reader("imex", raw, cls)
+        return cls(
+            tool=r.string("tool"),
+            config=r.string("config"),
+            nodes_config=r.string("nodes_config"),
+            local=r.string("local", empty=True),
+            timeout_s=r.positive("timeout_s"),
+            service_units=r.strings("service_units"),
+        )
 
 
 def run(ctx: CheckContext) -> list[Result]:
-    try:
-        params = Params.parse(ctx.params)
-    except ValueError as err:
-        return [ctx.result("node", "imex", Status.ERROR, str(err))]
+    params = ctx.typed_params(Params)
     gate = _configured(ctx, params)
     if isinstance(gate, Result):
         return [gate]

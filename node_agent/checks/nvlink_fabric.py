@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from node_agent.checks import CheckContext
+from node_agent.checks.params import Reader
 from node_agent.gpu.base import GpuError, GpuFabric
 from node_agent.gpu.nvlink_topology import (
     Applicability,
@@ -46,7 +47,6 @@ from node_agent.gpu.nvlink_topology import (
 from node_agent.model import Result, Status
 
 _UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
-_KEYS = ("cluster_uuid", "clique_id")
 
 
 @dataclass(frozen=True)
@@ -59,32 +59,24 @@ class Params:
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> Params:
         """ValueError naming the key and what was expected."""
-        where = "suite params of nvlink_fabric"
-        unknown = sorted(set(raw) - set(_KEYS))
-        if unknown:
-            raise ValueError(
-                f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(_KEYS)}"
+        r = Reader("nvlink_fabric", raw, cls)
+        uuid = r.optional_string("cluster_uuid")
+        if uuid is not None and not _UUID.match(uuid.lower()):
+            r.fail(
+                "cluster_uuid",
+                uuid,
+                "a UUID as nvidia-smi -q prints the fabric's ClusterUUID (8-4-4-4-12 hex digits)",
             )
-        uuid, clique = raw.get("cluster_uuid"), raw.get("clique_id")
-        if uuid is not None and (not isinstance(uuid, str) or not _UUID.match(uuid.lower())):
-            raise ValueError(
-                f"{where}: cluster_uuid {uuid!r}: expected a UUID as nvidia-smi -q prints the "
-                "fabric's ClusterUUID (8-4-4-4-12 hex digits)"
-            )
-        if clique is not None and (
-            isinstance(clique, bool) or not isinstance(clique, int) or not 0 <= clique < 2**32
-        ):
-            raise ValueError(f"{where}: clique_id {clique!r}: expected a whole number >= 0")
-        return cls(cluster_uuid=uuid.lower() if uuid else None, clique_id=clique)
+        return cls(
+            cluster_uuid=uuid.lower() if uuid else None,
+            clique_id=r.optional_integer("clique_id", 0, 2**32 - 1),
+        )
 
 
 def run(ctx: CheckContext) -> list[Result]:
     if unavailable := ctx.gpus_unavailable():
         return unavailable
-    try:
-        params = Params.parse(ctx.params)
-    except ValueError as err:
-        return [ctx.result("node", "params", Status.ERROR, str(err))]
+    params = ctx.typed_params(Params)
     applies = nvlink_applicability(ctx.gpu)
     if not applies.fabric:
         return [

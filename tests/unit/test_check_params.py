@@ -1,0 +1,188 @@
+"""A check's typed parameters (checks/params.py): parsed once, when the suite loads, through the
+check's ``Params``; a bad value is a configuration error naming the suite, the check and the key
+(exit 2) and nothing runs. Every shipped suite loads, on a real host and on a stand-in node (its
+``simulated`` overlay applied)."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from node_agent.checks import REGISTRY, CheckContext
+from node_agent.checks.params import Reader
+from node_agent.commands.main import main
+from node_agent.suite import CheckSpec, load_suite
+from node_agent.yamlfile import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+SUITES = REPO / "suites"
+HEALTHY = str(REPO / "scenarios" / "healthy-h100.yaml")
+
+#: one bad value per check with a ``Params``: (check, params, the key the error names)
+BAD = [
+    ("nvlink_fabric", {"clique_id": -1}, "clique_id"),
+    ("nvlink_fabric", {"cluster_uuid": "rack-7"}, "cluster_uuid"),
+    ("imex", {"timeout_s": 0}, "timeout_s"),
+    ("imex", {"service_units": "x"}, "service_units"),
+]
+
+
+def _typed_checks() -> list[str]:
+    return [
+        name
+        for name, module in REGISTRY.items()
+        if hasattr(importlib.import_module(module), "Params")
+    ]
+
+
+def _suite(tmp_path: Path, check: str, params: dict[str, object]) -> Path:
+    path = tmp_path / "bad-suite.yaml"
+    suite = {"name": "bad", "mode": "delivery", "checks": [{"check": check, "params": params}]}
+    path.write_text(yaml.safe_dump(suite))
+    return path
+
+
+@pytest.fixture
+def umask():
+    """``main`` sets the agent's umask; the test process gets its own back."""
+    old = os.umask(0o022)
+    os.umask(old)
+    yield
+    os.umask(old)
+
+
+# -- the shipped suites -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suite", sorted(p.stem for p in SUITES.glob("*.yaml")))
+def test_every_shipped_suite_parses_on_a_host_and_on_a_stand_in(suite):
+    loaded = load_suite(suite, SUITES)
+    typed = set(_typed_checks())
+    for spec in loaded.checks:
+        if spec.check in typed:
+            params = importlib.import_module(REGISTRY[spec.check]).Params
+            assert isinstance(spec.typed_for(False), params), spec.check
+            assert isinstance(spec.typed_for(True), params), spec.check
+        else:
+            assert spec.typed_for(False) is None and spec.typed_for(True) is None
+
+
+def test_the_stand_in_overlay_reaches_the_typed_params():
+    """Scenarios carry no check params of their own: the suite's ``simulated`` overlay is what a
+    stand-in node's checks get on top."""
+    spec = CheckSpec("imex", params={"timeout_s": 5, "simulated": {"timeout_s": 1}})
+    assert (spec.typed_for(False).timeout_s, spec.typed_for(True).timeout_s) == (5.0, 1.0)
+
+
+# -- a bad value: exit 2, the key named, nothing run ----------------------------------------------
+
+
+@pytest.mark.parametrize(("check", "params", "key"), BAD)
+def test_a_bad_param_is_exit_2_naming_suite_check_and_key(
+    tmp_path, capsys, umask, check, params, key
+):
+    suite = _suite(tmp_path, check, params)
+    out = tmp_path / "reports"
+    code = main(["check", "--simulate", HEALTHY, "--suite", str(suite), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "suite 'bad'" in err and f"params of {check}: {key} " in err
+    assert not out.exists()
+
+
+def test_the_cli_refuses_a_bad_param_before_running_anything(tmp_path):
+    suite = _suite(tmp_path, "nvlink_fabric", {"clique_id": "two"})
+    out = tmp_path / "reports"
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state")}))
+    argv = ["check", "--simulate", HEALTHY, "--suite", str(suite), "--out", str(out)]
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from node_agent.commands.main import main; sys.exit(main())",
+            *argv,
+            "--config",
+            str(config),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert run.returncode == 2, run.stderr
+    assert "params of nvlink_fabric: clique_id 'two': expected a whole number" in run.stderr
+    assert not out.exists()
+
+
+def test_a_bad_value_in_the_stand_in_overlay_is_refused_too(tmp_path):
+    suite = _suite(tmp_path, "imex", {"simulated": {"timeout_s": -1}})
+    with pytest.raises(ConfigError, match="'simulated' overlay.*timeout_s -1"):
+        load_suite(str(suite), SUITES)
+
+
+@pytest.mark.parametrize("check", _typed_checks())
+def test_unknown_keys_are_refused(check):
+    with pytest.raises(ConfigError, match=rf"params of {check}: unknown key\(s\) colour"):
+        CheckSpec(check, params={"colour": "red"})
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (math.nan, "a finite number above 0"),
+        (math.inf, "a finite number above 0"),
+        (True, "a finite number above 0"),
+        ("5", "a finite number above 0"),
+    ],
+)
+def test_nan_infinity_bool_and_text_are_not_numbers(value, expected):
+    with pytest.raises(ConfigError, match=f"timeout_s {value!r}: expected {expected}"):
+        CheckSpec("imex", params={"timeout_s": value})
+
+
+# -- the contract -------------------------------------------------------------------------------
+
+
+def test_the_check_reads_the_params_parsed_at_load(tmp_path):
+    spec = CheckSpec("imex", params={"tool": "imex-ctl"})
+    ctx = CheckContext(
+        check="imex",
+        gpu=None,  # type: ignore[arg-type]  # not read: the check reads only its params here
+        kernel_log=None,  # type: ignore[arg-type]
+        config=None,  # type: ignore[arg-type]
+        inventory=None,  # type: ignore[arg-type]
+        sku=None,
+        expected_gpus=None,
+        params={"tool": "never-parsed"},
+        typed=spec.typed_for(False),
+    )
+    params = importlib.import_module("node_agent.checks.imex").Params
+    assert ctx.typed_params(params) is spec.typed_for(False)
+    assert ctx.typed_params(params).tool == "imex-ctl"
+
+
+def test_a_reader_takes_its_defaults_from_the_dataclass():
+    params = importlib.import_module("node_agent.checks.imex").Params
+    r = Reader("imex", {"timeout_s": None}, params)
+    assert r.positive("timeout_s") == params.timeout_s  # null reads as not given
+
+
+def test_importing_every_check_for_its_params_imports_no_compute_library():
+    code = (
+        "import importlib, sys\n"
+        "from node_agent.checks import REGISTRY\n"
+        "for m in REGISTRY.values(): importlib.import_module(m)\n"
+        "print(sorted(h for h in ('torch', 'numpy', 'cupy') if h in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True
+    )
+    assert out.stdout.strip() == "[]"
