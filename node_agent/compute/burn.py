@@ -12,7 +12,7 @@ a worker killed while writing to a shared queue can leave the queue's lock held 
 every other worker. Messages (tuples, first item the kind)::
 
     ("ready", device_info, {precision: skip_reason})
-    ("sample", t0_s, t1_s, precision, flops, busy_s, verified, wrong)
+    ("sample", t0_s, t1_s, precision, flops, busy_s, verified, wrong, verify_interval)
     ("wrong", event)            # a wrong-element finding with its confirmation re-run
     ("error", text, traceback)  # the worker's last words before it exits non-zero
     ("done",)
@@ -31,14 +31,26 @@ factor when simulated), so TFLOP/s = flops / busy_s / 1e12. Every message is a h
 worker silent for ``stall_s`` is killed and reported ``worker_stalled``; one that exits early
 is ``worker_died`` with its exit code and last words; the others' results stand.
 
-**Verification** (:mod:`node_agent.compute.verify`): every ``verify_every``-th product is
+**Verification** (:mod:`node_agent.compute.verify`): one product in ``verify_interval`` is
 checked on the device in O(n²) by a block Freivalds test, its verdict read back behind an event
 without stalling the stream; flagged rows are recomputed in float64 on the CPU against a
 rigorous bound and a wrong product is re-run once (confirmed or transient). The host waits for
 a check only when more than ``verify_lag`` are in flight, so it stays at most
-``verify_lag`` × ``verify_every`` products ahead and the device always has GEMMs queued; the
+``verify_lag`` × ``verify_interval`` products ahead and the device always has GEMMs queued; the
 end of a sample window is the one full synchronisation. Every such wait goes through
 :class:`DeviceWaits`, which tests replace to count them.
+
+**Verification's share of the device is bounded by construction.** A check is memory-bound
+work on the GEMMs' stream (at n = 8192 it reads C once and the n²/``verify_block`` block sums a
+few times, about 0.3 GB): device time taken from the GEMMs, the same per product whatever the
+precision, so it costs the short products most (an H200's fp8 product takes 0.9 ms). At each
+precision's warm-up, untimed, the engine times one product and one check on the device (CUDA
+events, the check queued behind a product so that only device time counts) and verifies one
+product in ``verify_interval = max(verify_every, ceil(check_s / (verify_budget × product_s)))``
+(:func:`verify_interval`), so checks take at most ``verify_budget`` (1 %) of the device's time.
+Every sample reports the interval it used. A stand-in GPU's GEMM time is modelled from its
+FLOPs (:meth:`ComputeDevice.gemm_seconds`), so its checks cost that time nothing and it keeps
+``verify_every``.
 """
 
 from __future__ import annotations
@@ -98,6 +110,7 @@ __all__ = [
     "make_inputs",
     "numerics",
     "run_burn",
+    "verify_interval",
 ]
 
 
@@ -113,9 +126,12 @@ class BurnPlan:
     precisions: tuple[str, ...] = ("bf16", "fp16", "tf32", "fp32")
     max_precisions: int | None = None  # run only the first N precisions every GPU supports
     sample_s: float = 1.0  # length of one throughput sample (also the heartbeat)
-    verify_every: int = 8  # verify one product in this many
+    verify_every: int = 8  # verify one product in this many, or in more (verify_budget)
     verify_block: int = 8  # columns per Freivalds block
     verify_lag: int = 2  # verified products whose check may still be in flight
+    #: the most of the device's time the checks may take (a fraction; None: no bound, one
+    #: product in ``verify_every`` whatever a check costs); see :func:`verify_interval`
+    verify_budget: float | None = 0.01
     k_sigma: float = 6.0  # flagging threshold in noise standard deviations
     stall_s: float = 60.0  # no message for this long: the worker is stalled
     startup_timeout_s: float = 180.0  # spawn + import torch + open device + prepare inputs
@@ -124,6 +140,27 @@ class BurnPlan:
     #: after each one; it must pickle (a module-level function): the workers are processes.
     #: Tests inject one that makes a worker exit, hang or raise.
     after_sample: Callable[[int, int], None] | None = None
+
+    def __post_init__(self) -> None:
+        budget = self.verify_budget
+        if budget is not None and not (isinstance(budget, int | float) and 0 < budget <= 1):
+            raise ValueError(
+                f"verify_budget must be the fraction of the device's time verification may "
+                f"take, above 0 and at most 1 (0.01 is 1 %), or null for no bound; got "
+                f"{budget!r}: fix params.verify_budget in the suite file"
+            )
+
+
+def verify_interval(
+    verify_every: int, budget: float | None, product_s: float, check_s: float
+) -> int:
+    """Verify one product in this many: ``verify_every``, or more where a check costs more
+    than ``budget`` of the device's time at that rate (``check_s`` and ``product_s`` are one
+    check's and one product's device time)."""
+    every = max(1, int(verify_every))
+    if budget is None or check_s <= 0 or product_s <= 0:  # nothing measured: the plan's
+        return every
+    return max(every, math.ceil(check_s / (budget * product_s)))
 
 
 @dataclass(frozen=True)
@@ -135,6 +172,7 @@ class Sample:
     busy_s: float
     verified: int
     wrong: int
+    verify_interval: int = 0  # one product in this many was verified (0: not reported)
 
     @property
     def tflops(self) -> float:
@@ -240,6 +278,11 @@ class _Job:
     b: Any
     matmul: Callable[[Any, Any], Any]
     verifier: Verifier
+    #: host buffers for the checks' verdicts, allocated once (pinned on a GPU), used in turn:
+    #: ``verify_lag`` + 1 of them, since at most ``verify_lag`` checks are in flight when the
+    #: next one is enqueued
+    ring: list[Any] = field(default_factory=list)
+    checks: int = 0  # checks enqueued so far (the next one's buffer is ring[checks % len])
     b64_cpu: Any = None
     b64_abs_cpu: Any = None
 
@@ -256,31 +299,57 @@ class _Check:
 
 
 class DeviceWaits:
-    """Every point where the burn's host waits on, or reads from, its device.
+    """Every point where the burn's host waits on, reads from, or times its device.
 
     The engine never calls ``.item()``, ``.tolist()``, ``.cpu()`` or ``synchronize`` on a
-    device tensor in its loop: each check's small per-row verdict is copied into pinned host
-    memory without blocking (:meth:`to_host`), an event recorded behind it (:meth:`record`),
-    and read once the event has passed (:meth:`done`), or waited for (:meth:`wait`) only when
-    the checks in flight exceed the plan's ``verify_lag``; :meth:`synchronize` ends a sample
-    window. On the CPU every operation has finished when it returns, so these are immediate.
-    A constructor parameter of :class:`BurnEngine`: tests pass one that counts.
+    device tensor in its loop: each check's small per-row verdict is copied into a host buffer
+    (:meth:`host_buffer`: pinned memory, allocated once per precision) without blocking
+    (:meth:`to_host`), an event recorded behind it (:meth:`record`), and read once the event
+    has passed (:meth:`done`), or waited for (:meth:`wait`) only when the checks in flight
+    exceed the plan's ``verify_lag``; :meth:`synchronize` ends a sample window. On the CPU
+    every operation has finished when it returns, so these are immediate.
+
+    ``timed``: whether verification's device time is measured (:meth:`mark`,
+    :meth:`seconds`) to bound its share (``BurnPlan.verify_budget``). By default on a GPU
+    only: a stand-in's GEMM time is modelled from its FLOPs, which its checks do not slow.
+    A constructor parameter of :class:`BurnEngine`: tests pass one that counts, or whose
+    clock they set.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, timed: bool | None = None) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
+        self.timed = self.cuda if timed is None else timed
 
-    def to_host(self, t: torch.Tensor) -> torch.Tensor:
-        """A host copy of ``t``, enqueued behind the work that produces it (pinned memory,
-        non-blocking); valid once an event recorded after this call is done."""
-        if not self.cuda:
-            return t
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor for :meth:`to_host` to copy into (pinned on a GPU's host)."""
         import torch
 
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        return host
+        return torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
+
+    def to_host(self, t: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        """Copy ``t`` into the host buffer ``into``, enqueued behind the work that produces
+        it (non-blocking); ``into`` is valid once an event recorded after this call is done,
+        and must not be handed out again before it has been read."""
+        into.copy_(t, non_blocking=self.cuda)
+        return into
+
+    def mark(self) -> Any:
+        """A point on the device's timeline behind everything enqueued so far (a timing
+        event on a GPU, the host clock on the CPU), for :meth:`seconds`."""
+        if not self.cuda:
+            return time.perf_counter()
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        """Device seconds between two marks; both must have passed (after a synchronise)."""
+        if not self.cuda:
+            return float(end - start)
+        return float(start.elapsed_time(end)) / 1e3
 
     def record(self) -> Any:
         """An event behind everything enqueued so far (None on the CPU)."""
@@ -322,7 +391,8 @@ class BurnEngine:
         self.plan = plan
         self.waits = waits or DeviceWaits(device.device)
         self.jobs: dict[str, _Job] = {}
-        self._warm: set[str] = set()
+        #: per precision, after its warm-up: one product in this many is verified
+        self.intervals: dict[str, int] = {}
 
     def prepare(self) -> dict[str, str]:
         """Build every supported precision's inputs; returns {precision: why not} for the rest."""
@@ -346,6 +416,8 @@ class BurnEngine:
         return skipped
 
     def _job(self, precision: str) -> _Job:
+        import torch
+
         n = self.plan.size
         a, b = make_inputs(precision, n, self.device.device, self.plan.seed)
         matmul = fp8_matmul(self.device.device) if precision == "fp8" else self.device.matmul
@@ -354,8 +426,11 @@ class BurnEngine:
         verifier = Verifier(
             a, b, c0, precision, self.plan.verify_block, self.plan.k_sigma, self.plan.seed
         )
+        rows = verifier.shape[0]
+        lag = max(1, int(self.plan.verify_lag))
+        ring = [self.waits.host_buffer((rows,), torch.bool) for _ in range(lag + 1)]
         self.waits.synchronize()
-        return _Job(a, b, matmul, verifier)
+        return _Job(a, b, matmul, verifier, ring)
 
     def run_phase(
         self, precision: str, t_end: float, t_zero: float, send: Callable[[tuple[Any, ...]], None]
@@ -373,22 +448,20 @@ class BurnEngine:
     ) -> None:
         """One sample window: products until monotonic ``window_end``, then one message.
 
-        Every ``verify_every``-th product is checked on the device, enqueued behind it, and
-        read back when done; the host waits for a check only when more than ``verify_lag``
-        are in flight, so it runs at most ``verify_lag`` × ``verify_every`` products ahead of
-        the device and the device always has work queued. The window's end is the one full
-        synchronisation."""
+        One product in the precision's interval (:func:`verify_interval`, set at its
+        warm-up) is checked on the device, enqueued behind it, and read back when done; the
+        host waits for a check only when more than ``verify_lag`` are in flight, so it runs
+        at most ``verify_lag`` × that interval products ahead of the device and the device
+        always has work queued. The window's end is the one full synchronisation."""
         job = self.jobs[precision]
         m, k, n = job.verifier.shape
-        group = max(1, int(self.plan.verify_every))
         lag = max(1, int(self.plan.verify_lag))
         waits = self.waits
         in_flight: deque[_Check] = deque()
         with numerics(precision):
-            if precision not in self._warm:  # kernel selection and first-touch, untimed
-                job.matmul(job.a, job.b)
-                waits.synchronize()
-                self._warm.add(precision)
+            if precision not in self.intervals:  # untimed: kernel selection, first touch
+                self.intervals[precision] = self._warm_up(job)
+            group = self.intervals[precision]
             w0 = time.monotonic()
             c_start = self.device.clock()
             products = verified = wrong = 0
@@ -418,13 +491,40 @@ class BurnEngine:
                 busy,
                 verified,
                 wrong,
+                group,
             )
         )
 
+    def _warm_up(self, job: _Job) -> int:
+        """A first product in the window's numerics (kernel selection, first touch), and the
+        verification interval: on a timed device one product and one check are timed, the
+        check queued behind the product so that the host's launch time is not counted."""
+        waits, plan = self.waits, self.plan
+        c = job.matmul(job.a, job.b)
+        if plan.verify_budget is None or not waits.timed:
+            waits.synchronize()
+            return verify_interval(plan.verify_every, None, 0.0, 0.0)
+        waits.to_host(job.verifier.ok_rows(c), job.ring[0])  # the check's first launch
+        start = waits.mark()
+        c = job.matmul(job.a, job.b)
+        product = waits.mark()
+        waits.to_host(job.verifier.ok_rows(c), job.ring[0])
+        check = waits.mark()
+        waits.synchronize()
+        return verify_interval(
+            plan.verify_every,
+            plan.verify_budget,
+            waits.seconds(start, product),
+            waits.seconds(product, check),
+        )
+
     def _enqueue(self, job: _Job, c: Any, t_s: float) -> _Check:
-        """Enqueue the check of ``c`` on the device and its verdict's copy to the host."""
-        ok = job.verifier.ok_rows(c)
-        host = self.waits.to_host(ok)
+        """Enqueue the check of ``c`` on the device and its verdict's copy to the host, into
+        the job's next host buffer (at most ``verify_lag`` checks are in flight, so the
+        buffer's last check has been read)."""
+        host = job.ring[job.checks % len(job.ring)]
+        job.checks += 1
+        self.waits.to_host(job.verifier.ok_rows(c), host)
         return _Check(c, host, self.waits.record(), t_s)
 
     def _settle(

@@ -191,6 +191,11 @@ class Verifier:
         self.bias = torch.zeros_like(self.noise)
         self.tol = self.noise.float()
         self._learn(self.deviation(c0), element_ok.reshape(m, nb, block).all(-1))
+        # the check's own buffers, allocated once: ok_rows writes into them in place (stream
+        # order keeps a check's verdict intact until its copy to the host has read it)
+        self._dev = torch.empty_like(self.ref)
+        self._within = torch.empty(m, nb, dtype=torch.bool, device=self.ref.device)
+        self._ok = torch.empty(m, dtype=torch.bool, device=self.ref.device)
 
     def _element_bound(self, exact: torch.Tensor, ab_abs: torch.Tensor, k: int) -> torch.Tensor:
         import torch
@@ -225,8 +230,20 @@ class Verifier:
 
     def ok_rows(self, c: torch.Tensor) -> torch.Tensor:
         """Boolean per row, on C's device, enqueued without waiting: True where every block of
-        the row agrees with A·B within the tolerance. Non-finite entries never agree."""
-        return (self.deviation(c) <= self.tol).all(1)
+        the row agrees with A·B within the tolerance. Non-finite entries never agree.
+
+        The same arithmetic as :meth:`deviation` compared with the tolerance, but into this
+        verifier's own buffers, so a check allocates nothing: the tensor returned is one of
+        them, overwritten by the next call (copy it, as ``DeviceWaits.to_host`` does, before
+        it is needed again)."""
+        import torch
+
+        m, _, _ = self.shape
+        dev = self._dev
+        torch.sum(c.reshape(m, self.nb, self.block), -1, dtype=torch.float32, out=dev)
+        torch.sub(dev, self.ref, out=dev).abs_()
+        torch.le(dev, self.tol, out=self._within)
+        return torch.all(self._within, 1, out=self._ok)
 
     def flags(self, c: torch.Tensor) -> torch.Tensor:
         """Boolean (rows × blocks): where C·x disagrees with A·(B·x) beyond the tolerance."""
