@@ -378,6 +378,125 @@ def test_a_wrong_product_is_reported_a_bounded_number_of_products_later():
     assert 6 < seen_at[0] <= 6 + plan.verify_lag + 1
 
 
+# -- verification's share of the device ---------------------------------------------------------
+#
+# On an H200 the burn ran at 0.94 of a plain matmul loop in fp8 (0.97 in bf16): each check is
+# memory-bound work on the GEMMs' stream, about the same device time whatever the precision, so
+# one check in 8 products cost the short fp8 products 6 %. The interval is now set at warm-up from
+# a timed product and check. No GPU runs here: a stub clock stands in for the CUDA events.
+
+
+class StubClock(CountingWaits):
+    """The engine's waits on a device whose clock the test sets: at warm-up a product takes
+    ``product_s`` and a check ``check_s`` (the marks are read in that order)."""
+
+    def __init__(self, launched, product_s, check_s):
+        super().__init__(launched)
+        self.timed = True
+        self.times = iter([0.0, product_s, product_s + check_s])
+        self.marks = 0
+
+    def mark(self):
+        self.marks += 1
+        return next(self.times)
+
+    def seconds(self, start, end):
+        return end - start
+
+
+def windows_with_clock(product_s, check_s, budget=0.01, verify_every=2, products=200):
+    """Sample windows of a stand-in timed by a stub clock, until ``products`` have run;
+    returns the engine, its waits, and (sample, products in it) per window."""
+    matmul = CountedMatmul()
+    waits = StubClock(lambda: matmul.calls, product_s, check_s)
+    device = ComputeDevice(ComputeSpec(0, simulated=True), CPU, matmul)
+    plan = BurnPlan(size=64, precisions=("fp32",), verify_every=verify_every, verify_budget=budget)
+    engine = BurnEngine(device, plan, waits=waits)
+    assert engine.prepare() == {}
+    sent = []
+    while sum(m[4] for m in sent) < products * 2.0 * 64**3 and len(sent) < 100:
+        engine.run_window("fp32", burn.time.monotonic() + 0.1, 0.0, sent.append)
+    windows = [(Sample(*m[1:]), round(m[4] / (2.0 * 64**3))) for m in sent]
+    assert sum(n for _, n in windows) >= products, "the windows should have run enough products"
+    return engine, waits, windows
+
+
+def test_a_check_dearer_than_the_budget_allows_is_run_on_fewer_products():
+    # a check costs half a product: at 1 % of the device's time, one product in 50
+    engine, waits, windows = windows_with_clock(product_s=1e-3, check_s=0.5e-3)
+    assert waits.marks == 3  # one product and one check timed, once per precision
+    assert engine.intervals == {"fp32": 50}
+    for sample, products in windows:  # every 50th product, and each window's last one
+        assert sample.verify_interval == 50
+        assert sample.verified == products // 50 + (products % 50 != 0)
+
+
+def test_a_cheap_check_keeps_the_plans_interval():
+    engine, _, windows = windows_with_clock(product_s=1e-3, check_s=1e-6, products=20)
+    assert engine.intervals == {"fp32": 2}
+    for sample, products in windows:
+        assert sample.verify_interval == 2
+        assert sample.verified == products // 2 + (products % 2)
+
+
+def test_without_a_budget_every_verify_every_th_product_is_checked_whatever_it_costs():
+    _, waits, windows = windows_with_clock(1e-3, check_s=1.0, budget=None, products=1)
+    assert waits.marks == 0 and {s.verify_interval for s, _ in windows} == {2}
+
+
+def test_a_stand_in_gpu_keeps_the_plans_interval_its_checks_cost_its_modelled_time_nothing():
+    engine = engine_with(torch.matmul)  # a stand-in: its GEMM time is modelled from FLOPs
+    assert not engine.waits.timed
+    sent = []
+    engine.run_window("fp32", 0.0, 0.0, sent.append)
+    assert Sample(*sent[-1][1:]).verify_interval == 1 == engine.plan.verify_every
+
+
+@pytest.mark.parametrize(
+    "every, budget, product_s, check_s, interval",
+    [
+        (8, 0.01, 0.89e-3, 0.40e-3, 45),  # an H200's fp8 product and an unbuffered check
+        (8, 0.01, 1.67e-3, 0.10e-3, 8),  # bf16 with a cheap check: the plan's
+        (8, 0.01, 0.0, 0.40e-3, 8),  # nothing measured: the plan's
+        (8, None, 1e-3, 1.0, 8),
+        (0, 0.5, 1.0, 0.1, 1),
+    ],
+)
+def test_verify_interval(every, budget, product_s, check_s, interval):
+    assert burn.verify_interval(every, budget, product_s, check_s) == interval
+
+
+@pytest.mark.parametrize("budget", [0, -0.1, 1.5, "1%", float("nan")])
+def test_a_verify_budget_outside_zero_to_one_is_refused_with_what_to_fix(budget):
+    with pytest.raises(ValueError, match="verify_budget .* above 0 and at most 1"):
+        BurnPlan(verify_budget=budget)
+
+
+def test_checks_reuse_the_host_buffers_made_for_them_and_the_verifiers_own():
+    matmul = CountedMatmul()
+    waits = CountingWaits(lambda: matmul.calls)
+    device = ComputeDevice(ComputeSpec(0, simulated=True), CPU, matmul)
+    plan = BurnPlan(size=64, precisions=("fp32",), verify_every=1, verify_lag=2)
+    engine = BurnEngine(device, plan, waits=waits)
+    assert engine.prepare() == {}
+    ring = list(waits.host)
+    assert len(ring) == plan.verify_lag + 1  # made once, at preparation
+    used = []
+    real = waits.to_host
+    waits.to_host = lambda t, into: used.append(into.data_ptr()) or real(t, into)
+    sent = []
+    engine.run_window("fp32", burn.time.monotonic() + 0.1, 0.0, sent.append)
+    assert len(used) >= 12 and set(used) == set(ring) == waits.host  # no buffer made since
+    # in turn: a buffer comes back only after verify_lag other checks
+    assert all(used[i] == used[i + len(ring)] for i in range(len(used) - len(ring)))
+    job = engine.jobs["fp32"]
+    a, b, c = job.a, job.b, matmul(job.a, job.b)
+    verdict = job.verifier.ok_rows(c)
+    c[3, 5] += 1e3
+    assert job.verifier.ok_rows(c).data_ptr() == verdict.data_ptr()  # no tensor allocated
+    assert job.verifier.flagged_rows(c) == [3] and (a, b) == (job.a, job.b)
+
+
 def test_join_trace_pairs_each_reading_with_the_sample_window_around_it():
     tel = GpuTelemetry(
         t_s=[0.0, 0.5, 1.5, 2.5, 3.5],
