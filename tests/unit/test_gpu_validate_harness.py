@@ -329,6 +329,8 @@ def test_the_sdc_overhead_figure_is_null_with_the_reason_when_no_probe_ran(monke
     got = steps.step_sdc_overhead(60)["sdc_probe_overhead_pct"]
     assert got["value"] is None and got["reason"].startswith("no probe ran: 0 probes in 24.0 s")
     assert asked["pairs"] == steps.SDC_OVERHEAD_PAIRS and asked["block_s"] <= 60 / 16
+    # a GPU-bound model: a launch-bound one measures the host's jitter, not the probe
+    assert asked["d_model"] == 2048 and asked["layers"] == 6
     monkeypatch.setattr(steps, "_validation", lambda name: (fake(3, 0.087), None))
     got = steps.step_sdc_overhead(100)["sdc_probe_overhead_pct"]
     assert got["value"] == 5.66 and asked["block_s"] == steps.SDC_OVERHEAD_BLOCK_S
