@@ -784,9 +784,9 @@ def _nvlink(
     noisy = []
     for link in links:
         if replay_max is not None and (link.replay_errors or 0) > replay_max:
-            noisy.append(f"link {link.link}: {link.replay_errors} replays")
+            noisy.append(f"{_link_name(link)}: {link.replay_errors} replays")
         if recovery_max is not None and (link.recovery_errors or 0) > recovery_max:
-            noisy.append(f"link {link.link}: {link.recovery_errors} recoveries")
+            noisy.append(f"{_link_name(link)}: {link.recovery_errors} recoveries")
     if noisy:
         out.append(
             ctx.result(
@@ -802,36 +802,58 @@ def _nvlink(
     out.extend(_nvlink_counters(ctx, target, links))
 
 
-#: NVLink DL error counters reported as readings (the worst link of a GPU, every link in the
+#: NVLink error counters reported as readings (the worst link of a GPU, every link in the
 #: evidence), so the daemon's counter history can see one rise (graders/trends.yaml): an NVLink
-#: with 505 recovery events was visible five days before it failed with Xid 149 (issue 28)
+#: with 505 recovery events was visible five days before it failed with Xid 149 (issue 28).
+#: (NvLink attribute, metric, unit, the BER attribute shown beside it: NVLink 5's field values)
 NVLINK_COUNTERS = (
-    ("replay_errors", "nvlink_replay_errors", "replays"),
-    ("recovery_errors", "nvlink_recovery_errors", "recoveries"),
-    ("crc_errors", "nvlink_crc_errors", "errors"),
+    ("replay_errors", "nvlink_replay_errors", "replays", ""),
+    ("recovery_errors", "nvlink_recovery_errors", "recoveries", ""),
+    ("crc_errors", "nvlink_crc_errors", "errors", ""),
+    ("effective_errors", "nvlink_effective_errors", "errors", "effective_ber"),
+    ("symbol_errors", "nvlink_symbol_errors", "errors", "symbol_ber"),
 )
 
 
+def _link_name(link: NvLink) -> str:
+    """``link 7 (to NVSwitch 0000:05:00.0)``: the link and, where NVML says, its other end."""
+    return f"link {link.link}" + (f" (to {link.peer})" if link.peer else "")
+
+
 def _nvlink_counters(ctx: CheckContext, target: str, links: list[NvLink]) -> list[Result]:
+    """One PASS reading per counter a link reports (never one NVML answers Not Supported for:
+    NVLink 5's effective and symbol errors appear on Blackwell only), with ``per_link`` and
+    ``peer_by_link`` (the trend history's series and their links' other ends) as evidence."""
     out = []
-    for field, metric, unit in NVLINK_COUNTERS:
+    peers = {str(link.link): link.peer for link in links if link.peer}
+    for field, metric, unit, ber in NVLINK_COUNTERS:
         per_link = {
             link.link: getattr(link, field) for link in links if getattr(link, field) is not None
         }
         if not per_link:
             continue  # the GPU reports no such counter: nothing to follow
         worst = max(per_link, key=lambda k: (per_link[k], -k))
+        by_link = {link.link: link for link in links}
+        evidence: dict[str, Any] = {"peer_by_link": peers} if peers else {}
+        if ber:
+            evidence["ber_by_link"] = {
+                str(k): getattr(by_link[k], ber)
+                for k in sorted(per_link)
+                if getattr(by_link[k], ber) is not None
+            }
         out.append(
             ctx.result(
                 target,
                 metric,
                 Status.PASS,
-                f"NVLink {unit}: at most {per_link[worst]} on one link (link "
-                f"{worst}), {sum(per_link.values())} on {len(per_link)} links",
+                f"NVLink {unit}{' (' + field.split('_')[0] + ')' if ber else ''}: at most "
+                f"{per_link[worst]} on one link ({_link_name(by_link[worst])}), "
+                f"{sum(per_link.values())} on {len(per_link)} links",
                 value=per_link[worst],
                 unit=unit,
                 worst_link=worst,
                 per_link={str(k): v for k, v in sorted(per_link.items())},
+                **evidence,
             )
         )
     return out

@@ -156,6 +156,50 @@ class NvLink:
     recovery_errors: int | None = None
     crc_errors: int | None = None
     p2p_supported: bool | None = None
+    #: the other end (``nvmlDeviceGetNvLinkRemoteDeviceType``: a name of
+    #: :data:`NVLINK_REMOTE_TYPES`, and ``nvmlDeviceGetNvLinkRemotePciInfo_v2``'s bus id);
+    #: None where NVML answers Not Supported
+    remote_type: str | None = None
+    remote_pci_bus_id: str | None = None
+    #: NVLink5 field values (NVML_FI_DEV_NVLINK_COUNT_EFFECTIVE_ERRORS, _SYMBOL_ERRORS,
+    #: _EFFECTIVE_BER, _SYMBOL_BER, scope the link): None where NVML answers Not Supported
+    #: (every GPU before Blackwell)
+    effective_errors: int | None = None
+    symbol_errors: int | None = None
+    effective_ber: float | None = None
+    symbol_ber: float | None = None
+
+    @property
+    def peer(self) -> str | None:
+        """What the link goes to, as a person names it (``NVSwitch 0000:05:00.0``), or None
+        where NVML says neither what nor where."""
+        if self.remote_type is None and self.remote_pci_bus_id is None:
+            return None
+        what = _REMOTE_NAMES.get(self.remote_type or "", "peer")
+        return f"{what} {self.remote_pci_bus_id}" if self.remote_pci_bus_id else what
+
+
+#: ``nvmlIntNvLinkDeviceType_t`` (NVML_NVLINK_DEVICE_TYPE_GPU 0, IBMNPU 1, SWITCH 2; 0xFF unknown)
+NVLINK_REMOTE_TYPES = {0: "gpu", 1: "ibmnpu", 2: "switch", 0xFF: "unknown"}
+_REMOTE_NAMES = {"gpu": "GPU", "ibmnpu": "IBM NPU", "switch": "NVSwitch"}
+
+
+def nvlink_ber(encoded: int) -> float:
+    """An NVLink5 BER field's value (nvml.h NVML_NVLINK_ERROR_COUNTER_BER_GET: the mantissa in
+    bits 8-11, the exponent in bits 0-7) as a number: mantissa x 10^-exponent."""
+    mantissa = (encoded >> 8) & 0xF
+    exponent = encoded & 0xFF
+    return mantissa * 10.0**-exponent
+
+
+def nvlink_ber_encoded(ber: float) -> int:
+    """The inverse of :func:`nvlink_ber` (the simulator's answers): the nearest mantissa 1-15."""
+    if ber <= 0:
+        return 0
+    exponent = 0
+    while ber * 10.0**exponent < 1 and exponent < 0xFF:
+        exponent += 1
+    return (min(15, round(ber * 10.0**exponent)) << 8) | exponent
 
 
 #: ``nvmlGpuFabricState_t`` as names (NVML_GPU_FABRIC_STATE_NOT_SUPPORTED = 0 ... COMPLETED = 3)

@@ -13,6 +13,7 @@ Only the Xid event wait runs elsewhere (its own thread), so a long wait never bl
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import queue
 import threading
@@ -22,6 +23,7 @@ from typing import Any, TypeVar
 from node_agent.gpu.base import (
     FABRIC_HEALTH_SUMMARIES,
     FABRIC_STATES,
+    NVLINK_REMOTE_TYPES,
     RECOVERY_ACTIONS,
     THROTTLE_REASONS,
     VIRTUALIZATION_MODES,
@@ -45,7 +47,9 @@ from node_agent.gpu.base import (
     TemperatureThresholds,
     Utilization,
     XidEvent,
+    nvlink_ber,
 )
+from node_agent.gpu.nvml_calls import CALLS, FIELD_IDS
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +76,21 @@ _LOST_CODES = {_GPU_IS_LOST, _GPU_NOT_FOUND}
 # ACTION), and a missing name must read "not supported", not crash the check.
 _FI_DEV_MEMORY_TEMP = 82
 _FI_DEV_GET_GPU_RECOVERY_ACTION = 230
+#: NvLink attribute -> its NVLink5 field (NVML_FI_DEV_NVLINK_COUNT_*; scope the link)
+_NVLINK5_FIELDS = {
+    "effective_errors": FIELD_IDS["NVML_FI_DEV_NVLINK_COUNT_EFFECTIVE_ERRORS"],
+    "effective_ber": FIELD_IDS["NVML_FI_DEV_NVLINK_COUNT_EFFECTIVE_BER"],
+    "symbol_errors": FIELD_IDS["NVML_FI_DEV_NVLINK_COUNT_SYMBOL_ERRORS"],
+    "symbol_ber": FIELD_IDS["NVML_FI_DEV_NVLINK_COUNT_SYMBOL_BER"],
+}
+#: the remote-end calls by what they answer, each with every name of its table row
+NVML_LINK_REMOTE = {
+    what: next(c.names for c in CALLS if c.function.startswith(function))
+    for what, function in (
+        ("type", "nvmlDeviceGetNvLinkRemoteDeviceType"),
+        ("pci", "nvmlDeviceGetNvLinkRemotePciInfo"),
+    )
+}
 # nvmlNvLinkCapability_t (nvml.h): NVML_NVLINK_CAP_P2P_SUPPORTED "P2P over NVLink is
 # supported"; NVML_NVLINK_CAP_VALID "link is supported on this device"
 _NVLINK_CAP_P2P_SUPPORTED = 0
@@ -700,9 +719,54 @@ class NvmlDevice:
                     recovery_errors=counter(lib.NVML_NVLINK_ERROR_DL_RECOVERY),
                     crc_errors=counter(lib.NVML_NVLINK_ERROR_DL_CRC_FLIT),
                     p2p_supported=self._nvlink_p2p(link),
+                    **self._nvlink_remote(link),
                 )
             )
-        return links
+        return self._nvlink5(links)
+
+    def _nvlink_remote(self, link: int) -> dict[str, Any]:
+        """What is at the link's other end (``nvidia-smi nvlink -R``): the remote device type
+        and its PCI bus id, each None where NVML answers Not Supported."""
+
+        def ask(name: str) -> Any:
+            try:
+                return self._call(NVML_LINK_REMOTE[name], link)
+            except (NotSupported, NvmlInvalidArgument):
+                return None
+
+        kind, pci = ask("type"), ask("pci")
+        return {
+            "remote_type": None
+            if kind is None
+            else NVLINK_REMOTE_TYPES.get(int(kind), f"unknown_{int(kind)}"),
+            "remote_pci_bus_id": None if pci is None else _text(pci.busId) or None,
+        }
+
+    def _nvlink5(self, links: list[NvLink]) -> list[NvLink]:
+        """The NVLink5 error counts and BERs of ``links`` (field values, scope the link), in one
+        ``nvmlDeviceGetFieldValues`` call; a field NVML answers Not Supported for (every GPU
+        before Blackwell) stays None."""
+        if not links:
+            return links
+        asked = [(fid, link.link) for link in links for fid in _NVLINK5_FIELDS.values()]
+        try:
+            values = self._call("nvmlDeviceGetFieldValues", asked)
+        except NotSupported:
+            return links
+        got: dict[tuple[int, int], Any] = {}
+        for (fid, link_id), value in zip(asked, values, strict=False):
+            if value.nvmlReturn == _SUCCESS and 0 <= value.valueType < len(_FIELD_VALUE_MEMBERS):
+                got[fid, link_id] = getattr(value.value, _FIELD_VALUE_MEMBERS[value.valueType])
+
+        def read(link: NvLink) -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            for attr, fid in _NVLINK5_FIELDS.items():
+                raw = got.get((fid, link.link))
+                if raw is not None:
+                    out[attr] = nvlink_ber(int(raw)) if attr.endswith("_ber") else int(raw)
+            return out
+
+        return [dataclasses.replace(link, **read(link)) for link in links]
 
     def _nvlink_p2p(self, link: int) -> bool:
         """Whether link ``link`` can carry peer-to-peer traffic (NVML_NVLINK_CAP_P2P_SUPPORTED);

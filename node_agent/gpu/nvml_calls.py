@@ -37,11 +37,13 @@ from typing import Any
 from node_agent.gpu.base import (
     FABRIC_HEALTH_SUMMARIES,
     FABRIC_STATES,
+    NVLINK_REMOTE_TYPES,
     RECOVERY_ACTIONS,
     SRAM_UNITS,
     THROTTLE_REASONS,
     VIRTUALIZATION_MODES,
     GpuFabric,
+    nvlink_ber_encoded,
 )
 
 # nvmlReturn_t codes (nvml.h; part of the C ABI)
@@ -168,6 +170,8 @@ class Call:
 
     @property
     def text(self) -> bool:
+        """One string out: the call's own ``char *`` and length, or with ``struct`` a
+        ``char[]`` member of the struct (``nvmlPciInfo_t.busId``)."""
         return len(self.outs) == 1 and self.outs[0].c_type == "char"
 
     def keys(self) -> Iterator[tuple[tuple[int, ...], str]]:
@@ -187,12 +191,16 @@ class Call:
 @dataclass(frozen=True)
 class Field:
     """An ``nvmlDeviceGetFieldValues`` field (``NVML_FI_*``) the simulator models: state key
-    ``field.<id>``, value ``uint <n>``."""
+    ``field.<id>``, value ``<value_type> <n>``. ``per_link``: the field is asked per NVLink
+    (``scopeId`` the link): state keys ``field.<id>.<link>``, ``to_state`` gives {link: n},
+    and the recorder asks it for each link the GPU answers for."""
 
     field_id: int
     name: str
     reading: str
-    to_state: Callable[[Any], int | None]
+    to_state: Callable[[Any], Any]
+    value_type: str = "uint"
+    per_link: bool = False
 
 
 def _uint(name: str) -> tuple[Out, ...]:
@@ -306,6 +314,18 @@ def fabric_members(text: str) -> dict[str, Any]:
 
 def _nvlink(what: Callable[[Any], Any]) -> Callable[[Any], dict[str, Any]]:
     return lambda links: {f"nvlink.{link.link}.{k}": v for link in links for k, v in what(link)}
+
+
+def _remote_type(link: Any) -> list[tuple[str, Any]]:
+    number = {v: k for k, v in NVLINK_REMOTE_TYPES.items()}.get(link.remote_type or "")
+    return [] if number is None else [("remote_type", number)]
+
+
+def _per_link(attr: str, convert: Callable[[Any], int] = int) -> Callable[[Any], dict[int, int]]:
+    """A per-link field's state values from the simulator's links ({link: n})."""
+    return lambda links: {
+        link.link: convert(getattr(link, attr)) for link in links if getattr(link, attr) is not None
+    }
 
 
 #: the calls, in the order the recorder asks them
@@ -584,6 +604,31 @@ CALLS: tuple[Call, ...] = (
         ),
     ),
     Call(
+        "nvmlDeviceGetNvLinkRemoteDeviceType",
+        "nvlink.{link}.remote_type",
+        (Out("nvmlIntNvLinkDeviceType_t", "pNvLinkDeviceType"),),
+        args=(_LINK,),
+        omit=(INVALID_ARGUMENT,),
+        reading="nvlinks",
+        to_state=_nvlink(_remote_type),
+    ),
+    Call(
+        # nvidia-ml-py's nvmlDeviceGetNvLinkRemotePciInfo calls the _v2 symbol
+        "nvmlDeviceGetNvLinkRemotePciInfo_v2",
+        "nvlink.{link}.remote_pci",
+        (Out("char", "busId"),),
+        args=(_LINK,),
+        aliases=("nvmlDeviceGetNvLinkRemotePciInfo",),
+        struct="nvmlPciInfo_t",
+        omit=(INVALID_ARGUMENT,),
+        reading="nvlinks",
+        to_state=_nvlink(
+            lambda link: (
+                [] if link.remote_pci_bus_id is None else [("remote_pci", link.remote_pci_bus_id)]
+            )
+        ),
+    ),
+    Call(
         "nvmlDeviceGetGpuFabricInfoV",
         "fabric",
         aliases=("nvmlDeviceGetGpuFabricInfo",),
@@ -615,7 +660,40 @@ FIELDS: tuple[Field, ...] = (
         RECOVERY_ACTIONS.index,
     ),
     Field(91, "NVML_FI_DEV_NVLINK_LINK_COUNT", "nvlinks", lambda links: len(links) or None),
+    # NVLink5 (Blackwell): per link; Not Supported before
+    Field(
+        219,
+        "NVML_FI_DEV_NVLINK_COUNT_EFFECTIVE_ERRORS",
+        "nvlinks",
+        _per_link("effective_errors"),
+        "ulonglong",
+        per_link=True,
+    ),
+    Field(
+        220,
+        "NVML_FI_DEV_NVLINK_COUNT_EFFECTIVE_BER",
+        "nvlinks",
+        _per_link("effective_ber", nvlink_ber_encoded),
+        per_link=True,
+    ),
+    Field(
+        221,
+        "NVML_FI_DEV_NVLINK_COUNT_SYMBOL_ERRORS",
+        "nvlinks",
+        _per_link("symbol_errors"),
+        "ulonglong",
+        per_link=True,
+    ),
+    Field(
+        222,
+        "NVML_FI_DEV_NVLINK_COUNT_SYMBOL_BER",
+        "nvlinks",
+        _per_link("symbol_ber", nvlink_ber_encoded),
+        per_link=True,
+    ),
 )
+#: field ids by name (the backend asks these)
+FIELD_IDS = {f.name: f.field_id for f in FIELDS}
 #: keys of the calls that list several items, one state line each
 REPEATED_KEYS = frozenset({"process", "xid"})
 
@@ -706,7 +784,8 @@ def answer(call: Call, section: list[tuple[str, str]], values: tuple[int, ...]) 
     if call.missing is not None and lookup(section, key) is None:
         return call.missing
     if call.text:
-        return read_text(section, key)
+        text = read_text(section, key)
+        return {call.outs[0].c_name: text} if call.struct else text
     numbers = [
         int(bool(n)) if o.c_type == "nvmlEnableState_t" else n
         for n, o in zip(read_numbers(section, key, call.limit()), call.outs, strict=True)
@@ -722,6 +801,8 @@ def answer(call: Call, section: list[tuple[str, str]], values: tuple[int, ...]) 
 def recorded_value(call: Call, value: Any) -> Any:
     """A call's answer as a capture records it (the state file's form)."""
     if call.text:
+        if call.struct:
+            value = getattr(value, call.outs[0].c_name)
         return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
     if call.struct:
         return " ".join(str(int(getattr(value, o.c_name))) for o in call.outs)

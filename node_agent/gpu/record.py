@@ -20,7 +20,7 @@ from typing import Any
 
 from node_agent.gpu.base import DeviceLost, GpuError, GpuTimeout, NoPermission, NotSupported
 from node_agent.gpu.nvml import NvmlBackend, NvmlUnavailable, open_nvml, query_fabric
-from node_agent.gpu.nvml_calls import CALLS, Call, fabric_value, recorded_value
+from node_agent.gpu.nvml_calls import CALLS, FIELDS, Call, fabric_value, recorded_value
 from node_agent.gpu.replay import recorded_error
 
 _UNKNOWN = 999
@@ -264,20 +264,38 @@ _CUSTOM: dict[str, Callable[[_Recorder, Callable[..., Any]], None]] = {
 def _record_fields(r: _Recorder, call: Callable[..., Any], lib: Any, field_max: int) -> None:
     """Every field id below NVML_FI_MAX is asked, each with its own value or nvmlReturn. Ids
     answering Not Supported are left out (most of the ~300, on any GPU): in a scan of every
-    id, an absent one answered Not Supported, which is what the replay answers for it."""
-    ids = list(range(1, field_max))
-    for start in range(0, len(ids), _FIELD_BATCH):
-        batch = ids[start : start + _FIELD_BATCH]
+    id, an absent one answered Not Supported, which is what the replay answers for it. The
+    table's per-link fields are asked again for each link that answers (``field.ID.LINK``),
+    Not Supported kept: an absent scoped key would read the unscoped one."""
+    _record_field_values(r, call, list(range(1, field_max)), keep_unsupported=False)
+    links = sorted(
+        int(key.split(".")[1])
+        for key, value in r.keys.items()
+        if key.startswith("nvlink.") and key.endswith(".state") and not isinstance(value, dict)
+    )
+    scoped = [(f.field_id, link) for link in links for f in FIELDS if f.per_link]
+    _record_field_values(r, call, scoped, keep_unsupported=True)
+
+
+def _record_field_values(
+    r: _Recorder,
+    call: Callable[..., Any],
+    asked: Sequence[int | tuple[int, int]],
+    keep_unsupported: bool,
+) -> None:
+    """``asked`` (field ids, or (id, scope)) in batches, under ``field.ID[.SCOPE]``."""
+    for start in range(0, len(asked), _FIELD_BATCH):
+        batch = list(asked[start : start + _FIELD_BATCH])
+        keys = [f"field.{f[0]}.{f[1]}" if isinstance(f, tuple) else f"field.{f}" for f in batch]
         try:
             values = call("nvmlDeviceGetFieldValues", batch)
         except Exception as err:  # noqa: BLE001 - the whole call failed: each field says so
             failure = _failure(err)
-            for field_id in batch:
-                r.keys[f"field.{field_id}"] = failure
+            for key in keys:
+                r.keys[key] = failure
             continue
-        for field_id, value in zip(batch, values, strict=False):
-            key = f"field.{field_id}"
-            if value.nvmlReturn == _NOT_SUPPORTED:
+        for key, value in zip(keys, values, strict=False):
+            if value.nvmlReturn == _NOT_SUPPORTED and not keep_unsupported:
                 continue
             if value.nvmlReturn != 0:
                 r.keys[key] = recorded_error(int(value.nvmlReturn))

@@ -571,7 +571,7 @@ def persistence_result(sampled: Sampled, counts: list[int], latest: float) -> Re
         return None
     persists = all(c >= persist.k for c in counts)
     window = f"{persist.window_s:g}-s"
-    peer = f" (peer {sampled.peer})" if sampled.peer else " (its peer is not reported)"
+    peer = f" (to {sampled.peer})" if sampled.peer else " (its peer is not reported)"
     what = f"{spec.check} {spec.metric} on {sampled.target} {sampled.part}{peer}"
     detail = (
         f"{what}: grew in {counts[0]} of the last {persist.n} {window} windows "

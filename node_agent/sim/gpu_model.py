@@ -11,7 +11,7 @@ import math
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from node_agent.gpu.base import (
     SRAM_UNITS,
@@ -34,6 +34,8 @@ from node_agent.gpu.base import (
     Utilization,
     XidEvent,
     fabric_mask,
+    nvlink_ber,
+    nvlink_ber_encoded,
 )
 
 if TYPE_CHECKING:  # annotations only
@@ -381,9 +383,45 @@ class SimGpuDevice:
                 recovery_errors=self._counter("nvlink_recovery", 0, i),
                 crc_errors=self._counter("nvlink_crc", 0, i),
                 p2p_supported=True,
+                **(self._nvlink_far_end(i, wired) if i < wired else {}),
             )
             for i in range(count)
         ]
+
+    def _nvlink_far_end(self, link: int, wired: int) -> dict[str, Any]:
+        """A wired link's other end and, on NVLink 5, its error counts and BERs (the model's
+        figures: a BER of one error in 10^15 bits per error counted).
+
+        Where a link goes: on a multi-node tray (GB200/GB300) to one NVSwitch chip of the
+        rack's 9 switch trays (2 chips each; the simulator addresses chip c of tray t as
+        ``0000000t:0c:00.0``, made up: the switch trays are not on the tray's PCI bus); on a
+        board of 12 or more links (HGX) to its NVSwitches (Blackwell's 2, Hopper's 4, Ampere's
+        6: the links split evenly, in order); with fewer, to the GPU it is bridged to (its
+        neighbour). NVLink 5 (a SKU that declares its ``nvlink.fabric``) answers the
+        effective and symbol error counters (``counter_series`` ``nvlink_effective``,
+        ``nvlink_symbol``); earlier NVLink answers Not Supported."""
+        fabric = self._sku.section("nvlink").get("fabric")
+        if fabric == "multi_node":
+            tray, chip = divmod(link, 2)
+            peer = {"remote_type": "switch", "remote_pci_bus_id": f"{tray + 1:08X}:{chip:02X}:00.0"}
+        elif wired >= 12:
+            switches = 2 if fabric else 4 if wired >= 18 else 6
+            switch = link * switches // wired
+            peer = {"remote_type": "switch", "remote_pci_bus_id": f"00000000:{5 + switch:02X}:00.0"}
+        else:
+            peer = {"remote_type": "gpu", "remote_pci_bus_id": pci_bus_id(self.index ^ 1)}
+        if not fabric:
+            return peer
+        effective = self._counter("nvlink_effective", 0, link)
+        symbol = self._counter("nvlink_symbol", 0, link)
+        return {
+            **peer,
+            "effective_errors": effective,
+            "symbol_errors": symbol,
+            # as NVML can say it: a mantissa of 0-15 and a power of ten
+            "effective_ber": nvlink_ber(nvlink_ber_encoded(effective * 1e-15)),
+            "symbol_ber": nvlink_ber(nvlink_ber_encoded(symbol * 1e-15)),
+        }
 
     def fabric(self) -> GpuFabric:
         """What the SKU's ``nvlink.fabric`` says the hardware reports: ``multi_node`` (a

@@ -147,8 +147,10 @@ def _device_lines(dev: GpuDevice, calls: Sequence[Call] = CALLS) -> list[str]:
     for field in FIELDS:
         reading = read(field.reading)
         value = None if reading is NotSupported else field.to_state(reading)
-        if value is not None:
-            out.append(f"field.{field.field_id} uint {value}")
+        if isinstance(value, Mapping):  # a per-link field: {link: value}
+            out += [f"field.{field.field_id}.{k} {field.value_type} {v}" for k, v in value.items()]
+        elif value is not None:
+            out.append(f"field.{field.field_id} {field.value_type} {value}")
     return out
 
 

@@ -202,7 +202,8 @@ FAULT_SCHEMAS: dict[str, dict[str, Any]] = {
     # a counter that moves over simulated days (docs/trends.md): the GPU's ``counter`` reads
     # values[0] at its first read, values[1] at the next, ...; the last value stays. ``every_h``
     # is the simulated hours between values (what a test or bench advances its clock by between
-    # reads); ``link`` names the NVLink of an nvlink_* counter (default 0)
+    # reads); ``link`` names the NVLink of an nvlink_* counter (default 0; nvlink_effective and
+    # nvlink_symbol: NVLink 5's effective and symbol error counts)
     "counter_series": _fault(
         "counter_series",
         {
@@ -216,6 +217,8 @@ FAULT_SCHEMAS: dict[str, dict[str, Any]] = {
                     "nvlink_replay",
                     "nvlink_recovery",
                     "nvlink_crc",
+                    "nvlink_effective",
+                    "nvlink_symbol",
                 ]
             },
             "values": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},

@@ -43,10 +43,10 @@ def load_table(path: str | Path) -> ModuleType:
 def _params(call: Any) -> list[str]:
     params = [] if call.system else ["nvmlDevice_t device"]
     params += [f"{a.c_type} {a.c_name}" for a in call.args]
-    if call.text:
-        params += [f"char *{call.outs[0].c_name}", "unsigned int length"]
-    elif call.struct:
+    if call.struct:
         params.append(f"{call.struct} *out")
+    elif call.text:
+        params += [f"char *{call.outs[0].c_name}", "unsigned int length"]
     else:
         params += [f"{o.c_type} *{o.c_name}" for o in call.outs]
     return params
@@ -114,7 +114,7 @@ def _body(call: Any) -> list[str]:
         if a.names is not None and not a.link
     ]
     lines.append("    SYSTEM_CALL();" if call.system else "    DEVICE_CALL(device);")
-    if not call.text:
+    if call.struct or not call.text:
         pointers = ["out"] if call.struct else [o.c_name for o in call.outs]
         lines.append(f"    REQUIRE({' && '.join(pointers)});")
     lines += _arg_checks(call, section)
@@ -123,6 +123,13 @@ def _body(call: Any) -> list[str]:
         lines += [f"    if (!fake_get({section}, key)) {{"]
         lines += [f"        {_assign(call, i, str(call.missing))}" for i in range(len(call.outs))]
         lines += ["        DONE(NVML_SUCCESS);", "    }"]
+    if call.text and call.struct:  # a char[] member (nvmlPciInfo_t.busId); the rest zero
+        member = _out(call, 0)
+        return [
+            *lines,
+            "    memset(out, 0, sizeof *out);",
+            f"    DONE(get_str({section}, key, {member}, sizeof {member}));",
+        ]
     if call.text:
         return [*lines, f"    DONE(get_str({section}, key, {call.outs[0].c_name}, length));"]
     n = len(call.outs)

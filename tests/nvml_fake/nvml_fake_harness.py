@@ -46,6 +46,8 @@ SPARSE_SWITCHES = (
             "nvmlDeviceGetRemappedRows",
             "nvmlDeviceGetNvLinkErrorCounter",
             "nvmlDeviceGetNvLinkCapability",
+            "nvmlDeviceGetNvLinkRemoteDeviceType",
+            "nvmlDeviceGetNvLinkRemotePciInfo",
             "nvmlDeviceGetComputeRunningProcesses",
             "nvmlDeviceGetUtilizationRates",
             "nvmlDeviceRegisterEvents",

@@ -332,6 +332,10 @@ def test_nvml_backend_keeps_the_contract_where_optional_functions_are_unsupporte
     assert [link.link for link in dev.nvlinks()] == list(range(18))
     assert {(link.replay_errors, link.recovery_errors) for link in dev.nvlinks()} == {(None, None)}
     assert {link.p2p_supported for link in dev.nvlinks()} == {False}  # not reported: not usable
+    # nor is the far end: Not Supported stays None, no peer named
+    assert {(link.remote_type, link.remote_pci_bus_id, link.peer) for link in dev.nvlinks()} == {
+        (None, None, None)
+    }
     with pytest.raises(base.NotSupported, match="Xid events"):
         backend.wait_xid_events(0.05)
 
@@ -405,6 +409,60 @@ def test_nvml_backend_reads_each_fault_as_the_simulator_shows_it(fake_nvml, kind
     assert [(e.gpu_index, e.code) for e in nvml.wait_xid_events(0.2)] == expected
     assert expected == ([(2, 79)] if kind == "xid" else [])
     assert nvml.wait_xid_events(0.05) == []  # each event once
+
+
+# -- NVLink: each link's far end and NVLink 5's error counts and BERs --------------------------
+
+#: (SKU, where its links go, whether it answers NVLink 5's fields)
+NVLINK_BOARDS = {
+    "gb200-186gb": ("switch", "00000004:01:00.0", True),  # link 7: switch tray 4, chip 1
+    "b200-sxm-180gb": ("switch", "00000000:05:00.0", True),  # HGX B200: 2 NVSwitches
+    "h100-sxm5-80gb": ("switch", "00000000:06:00.0", False),  # HGX H100: 4 NVSwitches
+    "a100-sxm4-80gb": ("switch", "00000000:08:00.0", False),  # HGX A100: 6
+}
+
+
+@pytest.mark.parametrize("sku", sorted(NVLINK_BOARDS))
+def test_nvlink_peers_and_nvlink5_fields_read_alike_through_sim_stand_in_and_replay(fake_nvml, sku):
+    """A link's far end (nvmlDeviceGetNvLinkRemoteDeviceType, ...RemotePciInfo_v2) and NVLink
+    5's per-link field values (effective and symbol errors and their BERs) read the same from
+    the simulator, the real backend on the C stand-in, and the Python replay; before NVLink 5
+    the fields answer Not Supported and stay None."""
+    symbol = Fault("counter_series", 1, {"counter": "nvlink_symbol", "values": [40], "link": 7})
+    scenario = Scenario(sku=sku, gpus=4, source="t", faults=(symbol,))
+    sim = SimGpuBackend(scenario, _sku(sku))
+    python, c = _state_nvml(scenario), fake_nvml(scenario)
+    try:
+        links = [dev.nvlinks() for dev in sim.devices()]
+        assert [dev.nvlinks() for dev in c.devices()] == links
+        assert [dev.nvlinks() for dev in python.devices()] == links
+    finally:
+        python.close()
+    kind, bus, nvlink5 = NVLINK_BOARDS[sku]
+    link7 = links[1][7]
+    assert (link7.remote_type, link7.remote_pci_bus_id) == (kind, bus)
+    assert link7.peer == f"NVSwitch {bus}"
+    if nvlink5:
+        assert (link7.symbol_errors, link7.symbol_ber, link7.effective_errors) == (40, 4e-14, 0)
+        assert links[0][7].symbol_errors == 0 and links[0][7].symbol_ber == 0.0
+    else:
+        assert {(link.symbol_errors, link.effective_ber) for gpu in links for link in gpu} == {
+            (None, None)
+        }
+
+
+def test_nvlink5_fields_and_the_far_end_answer_not_supported_on_the_real_h100_capture():
+    """The real H100 VM recorded fields 219-222 as Not Supported (and no link answers):
+    replayed, the backend asks for none of them and reports no link, nothing invented."""
+    skus = load_skus(resources.graders_dir(config_from_dict({})))
+    scenario = load_scenario(harness.REPO / "scenarios" / "real" / "h100-sxm5-vm.yaml", skus)
+    gpu = scenario.nvml["gpus"][0]
+    assert {gpu[f"field.{i}"]["code"] for i in (219, 220, 221, 222)} == {3}
+    replay = open_gpus(scenario, skus[scenario.sku])
+    try:
+        assert [dev.nvlinks() for dev in replay.devices()] == [[]]
+    finally:
+        replay.close()
 
 
 def test_the_faults_read_through_nvml_are_the_ones_injected(fake_nvml):

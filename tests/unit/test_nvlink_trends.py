@@ -120,7 +120,7 @@ def test_each_link_of_an_nvml_health_result_is_its_own_series_with_its_peer() ->
     (named,) = [s for s in specs.samples([result]) if s.part == "link 2"]
     assert named.peer == "GPU 0000:1b:00.0"
     warn = persistence_result(named, [15, 0], 7.0)
-    assert warn is not None and "link 2 (peer GPU 0000:1b:00.0)" in warn.detail
+    assert warn is not None and "link 2 (to GPU 0000:1b:00.0)" in warn.detail
     assert warn.evidence["peer"] == "GPU 0000:1b:00.0"
 
 
