@@ -6,19 +6,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from node_agent import __version__
-from node_agent.commands import act, capture, hang_check, sdc, stop_check
-from node_agent.commands.accept import cmd_run_suite
-from node_agent.commands.daemon import cmd_daemon
-from node_agent.commands.fleet import add_options as add_fleet_options
-from node_agent.commands.fleet import cmd_fleet
-from node_agent.commands.grade import cmd_grade
-from node_agent.commands.inventory import cmd_inventory
 from node_agent.commands.reporting import EXIT_AGENT_FAILED, EXIT_USAGE, UsageError
 from node_agent.model import ReportFormatError
-from node_agent.report.outputs import add_output_arguments
 from node_agent.yamlfile import ConfigError
 
 
@@ -38,7 +30,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
 _Sub = argparse._SubParsersAction  # the subcommands of the ``node-agent`` parser
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(daemon_only: bool = False) -> argparse.ArgumentParser:
+    """The ``node-agent`` parser; with ``daemon_only``, the ``daemon`` subcommand alone.
+
+    The other commands' modules import what they run (remediation, fleet analysis, the
+    simulator's capture, report writers); the daemon, a long-lived process, parses its
+    arguments without importing them and keeps its memory for its own work (docs/daemon.md)."""
     parser = argparse.ArgumentParser(
         prog="node-agent",
         description="Decide whether this GPU node is fit for service; grade it "
@@ -46,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"node-agent {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    if daemon_only:
+        _add_daemon(sub)
+        return parser
+    from node_agent.commands import act, capture, hang_check, sdc, stop_check
+
     _add_inventory(sub)
     _add_suite_commands(sub)
     _add_grade(sub)
@@ -87,6 +89,9 @@ def _add_inventory(sub: _Sub[argparse.ArgumentParser]) -> None:
 
 def _add_suite_commands(sub: _Sub[argparse.ArgumentParser]) -> None:
     """``accept`` and ``check``: run a suite, report, and act on the grade if asked."""
+    from node_agent.commands import act
+    from node_agent.report.outputs import add_output_arguments
+
     for name, default_suite, helptext in (
         ("accept", "delivery", "run the delivery (acceptance) suite"),
         ("check", "quick", "run the quick suite (Slurm HealthCheckProgram)"),
@@ -114,6 +119,8 @@ def _add_suite_commands(sub: _Sub[argparse.ArgumentParser]) -> None:
 
 
 def _add_grade(sub: _Sub[argparse.ArgumentParser]) -> None:
+    from node_agent.report.outputs import add_output_arguments
+
     grade = _command(sub, "grade")
     grade.add_argument(
         "report", metavar="REPORT.json", nargs="+", help="saved report(s), or directories of them"
@@ -144,6 +151,8 @@ def _add_daemon(sub: _Sub[argparse.ArgumentParser]) -> None:
 
 
 def _add_fleet(sub: _Sub[argparse.ArgumentParser]) -> None:
+    from node_agent.commands.fleet import add_options as add_fleet_options
+
     fleet = _command(sub, "fleet")
     fleet.add_argument("reports", metavar="REPORT.json|DIR", nargs="+")
     fleet.add_argument("--json", action="store_true", help="print the analysis as JSON")
@@ -165,9 +174,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # what the agent creates is private unless it says otherwise (reports, evidence, state),
     # also where the scheduler starts it with a loose umask (Slurm's HealthCheckProgram)
     os.umask(0o077)
-    args = build_parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(daemon_only=words[:1] == ["daemon"]).parse_args(words)
     try:
-        return COMMANDS[args.command](args)
+        return command(args.command)(args)
     except (ConfigError, ReportFormatError, UsageError) as err:
         print(f"node-agent: error: {err}", file=sys.stderr)
         return EXIT_USAGE
@@ -185,19 +195,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_AGENT_FAILED
 
 
-COMMANDS = {
-    "inventory": cmd_inventory,
-    "accept": cmd_run_suite,
-    "check": cmd_run_suite,
-    "grade": cmd_grade,
-    "daemon": cmd_daemon,
-    "fleet": cmd_fleet,
-    "sdc": sdc.run,
-    "hang-check": hang_check.run,
-    "capture": capture.run,
-    "stop-check": stop_check.cmd_stop_check,
-    **act.COMMANDS,
-}
+def command(name: str) -> Callable[[argparse.Namespace], int]:
+    """The function that runs subcommand ``name``, its module imported only now."""
+    if name == "daemon":
+        from node_agent.commands.daemon import cmd_daemon
+
+        return cmd_daemon
+    from node_agent.commands import act, capture, hang_check, sdc, stop_check
+    from node_agent.commands.accept import cmd_run_suite
+    from node_agent.commands.fleet import cmd_fleet
+    from node_agent.commands.grade import cmd_grade
+    from node_agent.commands.inventory import cmd_inventory
+
+    commands: dict[str, Callable[[argparse.Namespace], int]] = {
+        "inventory": cmd_inventory,
+        "accept": cmd_run_suite,
+        "check": cmd_run_suite,
+        "grade": cmd_grade,
+        "fleet": cmd_fleet,
+        "sdc": sdc.run,
+        "hang-check": hang_check.run,
+        "capture": capture.run,
+        "stop-check": stop_check.cmd_stop_check,
+        **act.COMMANDS,
+    }
+    return commands[name]
+
 
 if __name__ == "__main__":
     sys.exit(main())
