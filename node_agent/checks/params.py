@@ -84,8 +84,12 @@ class Reader:
         """A finite number above 0 (a duration, a size)."""
         return self.number(key, above=0)
 
-    def optional_number(self, key: str, *, above: float | None = None) -> float | None:
-        return self.number(key, above=above) if self.value(key) is not None else None
+    def optional_number(
+        self, key: str, *, above: float | None = None, at_least: float | None = None
+    ) -> float | None:
+        if self.value(key) is None:
+            return None
+        return self.number(key, above=above, at_least=at_least)
 
     def integer(self, key: str, low: int | None = None, high: int | None = None) -> int:
         """A whole number (not a bool) in ``[low, high]``, each bound when given."""

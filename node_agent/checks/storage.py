@@ -20,11 +20,14 @@ import errno
 import os
 import stat
 import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from node_agent import proc
 from node_agent.checks import CheckContext
+from node_agent.checks.params import Reader
 from node_agent.model import Result, Status
 from node_agent.parsers import ParseError
 from node_agent.parsers.fio import FioJob, parse_fio_json
@@ -37,6 +40,38 @@ METRICS = {
     "read_bw_mbps": ("seqread", "MB/s", "read_bw_mbps_min", "sequential 1 MiB read"),
     "randread_iops": ("randread", "IOPS", "randread_iops_min", "random 4 KiB read"),
 }
+
+
+@dataclass(frozen=True)
+class Params:
+    """The check's parameters (a suite's ``params``), validated by :meth:`parse`; a ``*_min``
+    holds its figure to a minimum (``METRICS``)."""
+
+    size: str = "64M"  # fio's --size: bytes, or with a K/M/G suffix
+    runtime_s: float = 3.0
+    ioengine: str = "libaio"
+    iodepth: int = 16
+    fio_timeout_s: float | None = None  # None: three timed jobs, 3 * runtime_s + 60
+    write_bw_mbps_min: float | None = None
+    read_bw_mbps_min: float | None = None
+    randread_iops_min: float | None = None
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> Params:
+        """ValueError naming the key and what was expected."""
+        r = Reader("storage", raw, cls)
+        size = r.value("size")
+        whole = isinstance(size, int) and not isinstance(size, bool) and size > 0
+        return cls(
+            size=str(size) if whole else r.string("size"),
+            runtime_s=r.positive("runtime_s"),
+            ioengine=r.string("ioengine"),
+            iodepth=r.integer("iodepth", 1),
+            fio_timeout_s=r.optional_number("fio_timeout_s", above=0),
+            write_bw_mbps_min=r.optional_number("write_bw_mbps_min", at_least=0),
+            read_bw_mbps_min=r.optional_number("read_bw_mbps_min", at_least=0),
+            randread_iops_min=r.optional_number("randread_iops_min", at_least=0),
+        )
 
 
 def supports_o_direct(directory: Path) -> bool:
@@ -223,24 +258,15 @@ def _run_fio(
 ) -> list[Result]:
     """fio in ``private`` (our own 0700 directory inside the storage path ``path``, reached
     through its descriptor; ``scratch_dir`` is its name, for the evidence)."""
-    p = ctx.params
+    p = ctx.typed_params(Params)
     try:
         direct = supports_o_direct(private)
     except OSError as err:
         return _path_error(ctx, target, "write a file", path, err)
-    runtime_s = float(p.get("runtime_s", 3))
-    argv = fio_argv(
-        fio,
-        private / "fio.dat",
-        str(p.get("size", "64M")),
-        runtime_s,
-        direct,
-        str(p.get("ioengine", "libaio")),
-        int(p.get("iodepth", 16)),
-    )
+    argv = fio_argv(fio, private / "fio.dat", p.size, p.runtime_s, direct, p.ioengine, p.iodepth)
     evidence = _fio_evidence(argv, direct, label, scratch_dir)
     # three timed jobs plus layout and fsync; the runner's timeout still bounds the check
-    timeout_s = float(p.get("fio_timeout_s", 3 * runtime_s + 60))
+    timeout_s = p.fio_timeout_s or 3 * p.runtime_s + 60
     res = proc.run(argv, timeout_s, cwd=proc.CHILD_CWD)
     if not res.ok:
         return [
@@ -313,8 +339,8 @@ def _figure_results(
     out = []
     for metric, (job, unit, min_key, words) in METRICS.items():
         value = values[metric]
-        minimum = ctx.params.get(min_key)
-        low = minimum is not None and value < float(minimum)
+        minimum: float | None = getattr(ctx.typed_params(Params), min_key)
+        low = minimum is not None and value < minimum
         detail = (
             f"{path}: {words} {value:.1f} {unit}"
             + (f", below the minimum {minimum:g} {unit} ({min_key})" if low else "")

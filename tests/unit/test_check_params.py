@@ -31,6 +31,8 @@ BAD = [
     ("nvlink_fabric", {"cluster_uuid": "rack-7"}, "cluster_uuid"),
     ("imex", {"timeout_s": 0}, "timeout_s"),
     ("imex", {"service_units": "x"}, "service_units"),
+    ("storage", {"runtime_s": -1}, "runtime_s"),
+    ("storage", {"read_bw_mbps_min": "fast"}, "read_bw_mbps_min"),
 ]
 
 
