@@ -41,11 +41,14 @@ Every drift is a WARN at delivery and in service (graders/rules.yaml, ``software
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from node_agent import proc
 from node_agent.checks import CheckContext
+from node_agent.checks.params import Reader
 from node_agent.gpu.base import GpuError
 from node_agent.model import Result, Status
 
@@ -217,6 +220,25 @@ def system_nccl(timeout_s: float = 10.0) -> tuple[str | None, str]:
     return ", ".join(versions), f"ldconfig -p: {paths[0]}"
 
 
+@dataclass(frozen=True)
+class Params:
+    """The check's parameters (a suite's ``params``), validated by :meth:`parse`: ``needs``
+    overrides what the SKU needs (``{fabricmanager: bool, peermem: bool}``)."""
+
+    needs: tuple[tuple[str, bool], ...] = ()
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> Params:
+        """ValueError naming the key and what was expected."""
+        r = Reader("software_drift", raw, cls)
+        needs = r.value("needs") or {}
+        if not isinstance(needs, Mapping) or not all(
+            k in ("fabricmanager", "peermem") and isinstance(v, bool) for k, v in needs.items()
+        ):
+            r.fail("needs", needs, "a mapping of fabricmanager and/or peermem to true or false")
+        return cls(needs=tuple(needs.items()))
+
+
 # --- what the SKU needs -----------------------------------------------------------------------
 
 
@@ -225,7 +247,7 @@ def _needs(ctx: CheckContext) -> dict[str, bool]:
     needs = dict(NEEDS.get(sku or "", {"fabricmanager": False, "peermem": False}))
     if ctx.sku is not None:  # a SKU file's own ``needs`` section, where its schema allows one
         needs.update({k: bool(v) for k, v in ctx.sku.section("needs").items()})
-    needs.update({k: bool(v) for k, v in (ctx.params.get("needs") or {}).items()})
+    needs.update(ctx.typed_params(Params).needs)
     return needs
 
 

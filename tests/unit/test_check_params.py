@@ -33,6 +33,7 @@ BAD = [
     ("imex", {"service_units": "x"}, "service_units"),
     ("storage", {"runtime_s": -1}, "runtime_s"),
     ("storage", {"read_bw_mbps_min": "fast"}, "read_bw_mbps_min"),
+    ("software_drift", {"needs": {"peermem": "no"}}, "needs"),
 ]
 
 
