@@ -5,7 +5,12 @@ throughput and correctness; ``thermal_power`` runs a short one when the suite ra
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
 from node_agent.checks import CheckContext
+from node_agent.checks.params import Reader
 from node_agent.compute.burn import BurnOutcome, BurnPlan, run_burn
 from node_agent.compute.devices import ComputeUnavailable
 from node_agent.model import Result, Status
@@ -13,36 +18,76 @@ from node_agent.model import Result, Status
 DEFAULT_PRECISIONS = ("bf16", "fp16", "tf32", "fp32")
 
 
-def sku_precisions(ctx: CheckContext) -> tuple[str, ...]:
+B = TypeVar("B", bound="BurnParams")
+
+
+@dataclass(frozen=True)
+class BurnParams:
+    """The burn's parameters (a suite's ``params``), validated by :meth:`parse`; ``gpu_burn``
+    and ``thermal_power`` each subclass it as their ``Params`` with their own duration."""
+
+    CHECK: ClassVar[str] = "gpu_burn"
+
+    duration_s: float = 300.0
+    precisions: tuple[str, ...] = ()  # empty: the SKU's, else DEFAULT_PRECISIONS
+    size: int = 8192
+    sample_s: float = 1.0
+    verify_every: int = 8
+    verify_block: int = 8
+    verify_lag: int = 2
+    verify_budget: float | None = BurnPlan.verify_budget  # null: no bound
+    stall_s: float = 60.0
+    startup_timeout_s: float = 180.0
+    sample_interval_s: float = 1.0
+
+    @classmethod
+    def parse(cls: type[B], raw: Mapping[str, Any]) -> B:
+        """ValueError naming the key and what was expected."""
+        r = Reader(cls.CHECK, raw, cls)
+        # null is "no bound" here, not the default
+        budget = None if raw.get("verify_budget", 0) is None else r.number("verify_budget", above=0)
+        if budget is not None and budget > 1:
+            r.fail("verify_budget", budget, "a fraction above 0 and at most 1, or null")
+        return cls(
+            duration_s=r.positive("duration_s"),
+            precisions=r.strings("precisions"),
+            size=r.integer("size", 1),
+            sample_s=r.positive("sample_s"),
+            verify_every=r.integer("verify_every", 1),
+            verify_block=r.integer("verify_block", 1),
+            verify_lag=r.integer("verify_lag", 0),
+            verify_budget=budget,
+            stall_s=r.positive("stall_s"),
+            startup_timeout_s=r.positive("startup_timeout_s"),
+            sample_interval_s=r.positive("sample_interval_s"),
+        )
+
+
+def sku_precisions(ctx: CheckContext, p: BurnParams) -> tuple[str, ...]:
     """The precisions to burn: ``params.precisions``, else the SKU's, else a safe default."""
-    if ctx.params.get("precisions"):
-        return tuple(ctx.params["precisions"])
+    if p.precisions:
+        return p.precisions
     listed = ctx.sku.section("burn").get("precisions") if ctx.sku else None
     return tuple(listed) if listed else DEFAULT_PRECISIONS
 
 
-def make_plan(
-    ctx: CheckContext,
-    precisions: tuple[str, ...],
-    duration_s: float,
-    max_precisions: int | None = None,
-) -> BurnPlan:
-    p = ctx.params
+def make_plan(ctx: CheckContext, p: BurnParams, max_precisions: int | None = None) -> BurnPlan:
     return BurnPlan(
-        size=int(p.get("size", 8192)),
-        duration_s=float(duration_s),
-        precisions=precisions,
+        size=p.size,
+        duration_s=p.duration_s,
+        precisions=sku_precisions(ctx, p),
         max_precisions=max_precisions,
-        sample_s=float(p.get("sample_s", 1.0)),
-        verify_every=int(p.get("verify_every", 8)),
-        verify_block=int(p.get("verify_block", 8)),
-        verify_lag=int(p.get("verify_lag", 2)),
-        stall_s=float(p.get("stall_s", 60.0)),
-        startup_timeout_s=float(p.get("startup_timeout_s", 180.0)),
+        sample_s=p.sample_s,
+        verify_every=p.verify_every,
+        verify_block=p.verify_block,
+        verify_lag=p.verify_lag,
+        verify_budget=p.verify_budget,
+        stall_s=p.stall_s,
+        startup_timeout_s=p.startup_timeout_s,
     )
 
 
-def burn(ctx: CheckContext, plan: BurnPlan) -> BurnOutcome | list[Result]:
+def burn(ctx: CheckContext, plan: BurnPlan, sample_interval_s: float) -> BurnOutcome | list[Result]:
     """Run the burn on every GPU of the node, or say why it cannot run (skip/error results).
 
     Finishes within the check's ``timeout_s``: the engine's deadline leaves a margin for
@@ -76,7 +121,7 @@ def burn(ctx: CheckContext, plan: BurnPlan) -> BurnOutcome | list[Result]:
         specs,
         plan,
         ctx.gpu,
-        sample_interval_s=float(ctx.params.get("sample_interval_s", 1.0)),
+        sample_interval_s=sample_interval_s,
         deadline_s=deadline_s,
         load_hint=ctx.ports.load_hint,
     )

@@ -37,7 +37,8 @@ without torch, or on a host where torch cannot use CUDA, the check skips with th
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
@@ -51,7 +52,7 @@ from node_agent.checks.behaviour import (
     label,
     put_output,
 )
-from node_agent.checks.burn_common import burn, make_plan, sku_precisions, worker_failures
+from node_agent.checks.burn_common import BurnParams, burn, make_plan, worker_failures
 from node_agent.checks.siblings import compare_with_siblings, load_thresholds
 from node_agent.compute.burn import BurnOutcome, BurnPlan, WorkerReport
 from node_agent.model import Result, Status
@@ -60,9 +61,16 @@ from node_agent.model import Result, Status
 OUTPUTS = ("trace",)
 
 
+@dataclass(frozen=True)
+class Params(BurnParams):
+    """The burn's parameters (checks/burn_common.py), 300 s by default."""
+
+    CHECK: ClassVar[str] = "gpu_burn"
+
+
 def run(ctx: CheckContext) -> list[Result]:
-    plan = make_plan(ctx, sku_precisions(ctx), float(ctx.params.get("duration_s", 300.0)))
-    outcome = burn(ctx, plan)
+    params = ctx.typed_params(Params)
+    outcome = burn(ctx, make_plan(ctx, params), params.sample_interval_s)
     if isinstance(outcome, list):
         return outcome
     put_output(ctx, "trace", outcome.trace())

@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from node_agent.checks import CheckContext
 from node_agent.checks.behaviour import get_input
-from node_agent.checks.burn_common import burn, make_plan, sku_precisions, worker_failures
+from node_agent.checks.burn_common import BurnParams, burn, make_plan, worker_failures
 from node_agent.gpu.base import GpuError
 from node_agent.gpu.throttle import ABNORMAL_THROTTLE
 from node_agent.model import Result, Status
@@ -46,15 +47,24 @@ DEFAULT_CLOCK_DROP_MAX = 0.30
 INPUTS = {"trace": "gpu_burn"}
 
 
+@dataclass(frozen=True)
+class Params(BurnParams):
+    """The burn's parameters (checks/burn_common.py) for its own short burn, when the suite ran
+    no ``gpu_burn`` before it: 60 s by default, the first precision only."""
+
+    CHECK: ClassVar[str] = "thermal_power"
+
+    duration_s: float = 60.0
+
+
 def run(ctx: CheckContext) -> list[Result]:
     trace = get_input(ctx, "trace")
     source = "gpu_burn earlier in this suite"
     results: list[Result] = []
     if trace is None:
-        plan = make_plan(
-            ctx, sku_precisions(ctx), float(ctx.params.get("duration_s", 60.0)), max_precisions=1
-        )
-        outcome = burn(ctx, plan)
+        params = ctx.typed_params(Params)
+        plan = make_plan(ctx, params, max_precisions=1)
+        outcome = burn(ctx, plan, params.sample_interval_s)
         if isinstance(outcome, list):
             return outcome
         results += worker_failures(ctx, outcome)

@@ -34,6 +34,9 @@ BAD = [
     ("storage", {"runtime_s": -1}, "runtime_s"),
     ("storage", {"read_bw_mbps_min": "fast"}, "read_bw_mbps_min"),
     ("software_drift", {"needs": {"peermem": "no"}}, "needs"),
+    ("gpu_burn", {"duration_s": True}, "duration_s"),
+    ("gpu_burn", {"precisions": "bf16"}, "precisions"),
+    ("thermal_power", {"size": 8192.5}, "size"),
 ]
 
 
