@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from node_agent import resources
-from node_agent.checks import HOST_PORTS, CheckContext, nvml_health
+from node_agent.checks import HOST_PORTS, CheckContext, nvml_health, nvml_nvlink
 from node_agent.checks import inventory as inventory_check
 from node_agent.config import config_from_dict
 from node_agent.gpu.base import DeviceLost, NvLink
@@ -110,7 +110,7 @@ def test_without_a_sku_file_a_baseboard_with_every_link_up_passes():
 def test_link_indices_that_deny_p2p_capability_are_not_links():
     ctx = context("nvml_health", "l40s-48gb", no_sku=True)
     links = [NvLink(link=i, active=False, p2p_supported=False) for i in range(18)]
-    result = nvml_health._nvlink_state(ctx, "gpu:0", links)
+    result = nvml_nvlink.nvlink_state(ctx, "gpu:0", links)
     assert result.status is Status.PASS and result.evidence["not_p2p_capable"] == list(range(18))
 
 
@@ -121,6 +121,7 @@ def test_a_sku_link_count_still_catches_a_down_link():
     down = [r for r in by_metric(results, "nvlink_state") if r.status is Status.FAIL]
     assert [(r.target, r.value, r.evidence["expected"]) for r in down] == [("gpu:5", 17, 18)]
     assert "17 of 18" in down[0].detail
+    assert "down: link 17 (to NVSwitch 00000000:06:00.0)" in down[0].detail  # HGX B200's 2nd
     assert GRADER.grade(results).level is Level.FAULT
 
 
