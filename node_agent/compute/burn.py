@@ -40,16 +40,17 @@ a check only when more than ``verify_lag`` are in flight, so it stays at most
 end of a sample window is the one full synchronisation. Every such wait goes through
 :class:`DeviceWaits`, which tests replace to count them.
 
-**Verification's share of the device is bounded by construction.** A check is memory-bound
-work on the GEMMs' stream (at n = 8192 it reads C once and the n²/``verify_block`` block sums a
-few times, about 0.3 GB): device time taken from the GEMMs, the same per product whatever the
-precision, so it costs the short products most (an H200's fp8 product takes 0.9 ms). At each
-precision's warm-up, untimed, the engine times one product and one check on the device (CUDA
-events, the check queued behind a product so that only device time counts) and verifies one
-product in ``verify_interval = max(verify_every, ceil(check_s / (verify_budget × product_s)))``
-(:func:`verify_interval`), so checks take at most ``verify_budget`` (1 %) of the device's time.
-Every sample reports the interval it used. A stand-in GPU's GEMM time is modelled from its
-FLOPs (:meth:`ComputeDevice.gemm_seconds`), so its checks cost that time nothing and it keeps
+**Verification's share of the device is bounded by construction.** A check runs on the GEMMs'
+stream and takes about the same device time whatever the precision (on an H200 at n = 8192,
+about 0.55 ms, nearly all of it the block sums: :mod:`node_agent.compute.verify`), so at one
+check in 8 products it cost the short products most: the burn ran at 0.94 of a plain matmul
+loop in fp8 (0.77 ms a product) and 0.97 in bf16 (1.8 ms). At each precision's warm-up,
+untimed, the engine times one product and one check on the device (CUDA events, the check
+queued behind a product so that only device time counts) and verifies one product in
+``max(verify_every, ceil(check_s / (verify_budget × product_s)))`` (:func:`verify_interval`),
+so checks take at most ``verify_budget`` (1 %) of the device's time. Every sample reports the
+interval it used. A stand-in GPU's GEMM time is modelled from its FLOPs
+(:meth:`ComputeDevice.gemm_seconds`), so its checks cost that time nothing and it keeps
 ``verify_every``.
 """
 

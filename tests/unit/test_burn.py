@@ -340,14 +340,16 @@ def test_a_window_synchronises_once_and_waits_only_on_checks_well_behind(precisi
     engine = BurnEngine(device, plan, waits=waits)
     assert engine.prepare() == {}
     engine.run_window(precision, 0.0, 0.0, lambda m: None)  # warm-up and one product, untimed
-    waits.synchronizes, waits.waits = 0, []
-    sent = []
-    reads = HostReads(waits.host)
-    end = burn.time.monotonic() + 0.3
-    with reads:
-        engine.run_window(precision, end, 0.0, sent.append)
-    (sample,) = sent
-    products = sample[4] / (2.0 * 64**3)
+    for _ in range(10):  # a loaded machine may run too few products in one window
+        waits.synchronizes, waits.waits = 0, []
+        sent = []
+        reads = HostReads(waits.host)
+        with reads:
+            engine.run_window(precision, burn.time.monotonic() + 0.3, 0.0, sent.append)
+        (sample,) = sent
+        products = sample[4] / (2.0 * 64**3)
+        if products >= 12:
+            break
     assert products >= 12, "the window should have run a dozen products"
     assert waits.synchronizes == 1  # the window's end, nothing else drains the device
     assert reads.reads == []  # no .item()/.tolist()/.cpu()/nonzero on a device tensor
