@@ -7,12 +7,16 @@ expected, so the CLI can print it and exit 2 without a traceback.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+import numbers
+import re
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jsonschema
 import yaml
+
+if TYPE_CHECKING:
+    import jsonschema
 
 
 class ConfigError(Exception):
@@ -84,11 +88,145 @@ def validate(data: Any, schema: dict[str, Any], source: str) -> None:
             f"{source}: key '{bad[0]}': {bad[1]!r} is not a finite number; "
             "expected a number (.nan and .inf are not accepted)"
         )
+    try:
+        if conforms(data, schema):
+            return
+    except _Undecided:
+        pass
+    import jsonschema  # the error message, or a schema keyword conforms() leaves to it
+
     validator = jsonschema.Draft202012Validator(schema)
     errors = list(validator.iter_errors(data))
     if errors:
         best = jsonschema.exceptions.best_match(errors)
         raise ConfigError(f"{source}: {_explain(best)}")
+
+
+# -- a valid file without jsonschema ------------------------------------------------------------
+# jsonschema with what it imports (attrs, referencing, rpds, decimal) holds about 4 MiB for the
+# life of a process; the daemon loads valid files at start and at each reload and would keep it
+# only to hear "valid". conforms() answers that for the keywords the agent's schemas use, with
+# Draft 2020-12's meaning (jsonschema's own type and equality rules); a file it finds wrong, or a
+# schema with any other keyword, goes to jsonschema, whose best match is the error message.
+# tests/unit/test_yamlfile_conforms.py holds it to jsonschema's verdict on every shipped file and
+# on broken copies of them.
+
+
+class _Undecided(Exception):
+    """The schema has a keyword :func:`conforms` leaves to jsonschema."""
+
+
+#: keywords that only annotate (no verdict of their own)
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "$schema"})
+
+
+def _is_type(value: Any, name: str) -> bool:
+    if name == "object":
+        return isinstance(value, dict)
+    if name == "array":
+        return isinstance(value, list)
+    if name == "string":
+        return isinstance(value, str)
+    if name == "boolean":
+        return isinstance(value, bool)
+    if name == "null":
+        return value is None
+    if isinstance(value, bool):
+        return False
+    if name == "number":
+        return isinstance(value, numbers.Number)
+    if name == "integer":
+        return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    raise _Undecided(f"type {name!r}")
+
+
+def _equal(one: Any, two: Any) -> bool:
+    """JSON equality as jsonschema has it: true and 1 differ, 1 and 1.0 do not."""
+    if one is two:
+        return True
+    if isinstance(one, str) or isinstance(two, str):
+        return bool(one == two)
+    if isinstance(one, (list, tuple)) and isinstance(two, (list, tuple)):
+        return len(one) == len(two) and all(map(_equal, one, two))
+    if isinstance(one, dict) and isinstance(two, dict):
+        return one.keys() == two.keys() and all(_equal(one[k], two[k]) for k in one)
+    if isinstance(one, bool) or isinstance(two, bool):
+        return False  # `one is two` answered two equal booleans
+    return bool(one == two)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, numbers.Number) and not isinstance(value, bool)
+
+
+def _additional(value: dict[Any, Any], schema: dict[str, Any]) -> list[Any]:
+    """The values of ``value``'s keys that neither properties nor patternProperties name."""
+    named = schema.get("properties") or {}
+    patterns = schema.get("patternProperties") or {}
+    return [
+        v for k, v in value.items() if k not in named and not any(re.search(p, k) for p in patterns)
+    ]
+
+
+_Keyword = Callable[[Any, Any, dict[str, Any]], bool]
+#: keyword -> (value, the keyword's argument, the whole schema) -> whether value satisfies it;
+#: each applies only to the JSON type it is about, as in the specification
+_KEYWORDS: dict[str, _Keyword] = {
+    "type": lambda v, r, s: any(_is_type(v, t) for t in (r if isinstance(r, list) else [r])),
+    "enum": lambda v, r, s: any(_equal(v, each) for each in r),
+    "const": lambda v, r, s: _equal(v, r),
+    "minimum": lambda v, r, s: not _number(v) or v >= r,
+    "maximum": lambda v, r, s: not _number(v) or v <= r,
+    "exclusiveMinimum": lambda v, r, s: not _number(v) or v > r,
+    "exclusiveMaximum": lambda v, r, s: not _number(v) or v < r,
+    "pattern": lambda v, r, s: not isinstance(v, str) or re.search(r, v) is not None,
+    "minLength": lambda v, r, s: not isinstance(v, str) or len(v) >= r,
+    "maxLength": lambda v, r, s: not isinstance(v, str) or len(v) <= r,
+    "items": lambda v, r, s: not isinstance(v, list) or all(conforms(x, r) for x in v),
+    "minItems": lambda v, r, s: not isinstance(v, list) or len(v) >= r,
+    "maxItems": lambda v, r, s: not isinstance(v, list) or len(v) <= r,
+    "uniqueItems": lambda v, r, s: (
+        not r
+        or not isinstance(v, list)
+        or not any(_equal(a, b) for i, a in enumerate(v) for b in v[i + 1 :])
+    ),
+    "required": lambda v, r, s: not isinstance(v, dict) or all(k in v for k in r),
+    "minProperties": lambda v, r, s: not isinstance(v, dict) or len(v) >= r,
+    "maxProperties": lambda v, r, s: not isinstance(v, dict) or len(v) <= r,
+    "properties": lambda v, r, s: (
+        not isinstance(v, dict) or all(conforms(v[k], sub) for k, sub in r.items() if k in v)
+    ),
+    "patternProperties": lambda v, r, s: (
+        not isinstance(v, dict)
+        or all(conforms(x, sub) for p, sub in r.items() for k, x in v.items() if re.search(p, k))
+    ),
+    "additionalProperties": lambda v, r, s: (
+        not isinstance(v, dict) or all(conforms(x, r) for x in _additional(v, s))
+    ),
+    "propertyNames": lambda v, r, s: not isinstance(v, dict) or all(conforms(k, r) for k in v),
+    "allOf": lambda v, r, s: all(conforms(v, sub) for sub in r),
+    "anyOf": lambda v, r, s: any(conforms(v, sub) for sub in r),
+    "oneOf": lambda v, r, s: sum(conforms(v, sub) for sub in r) == 1,
+    "not": lambda v, r, s: not conforms(v, r),
+}
+
+
+def conforms(value: Any, schema: Any) -> bool:
+    """Whether ``value`` is valid against ``schema`` (JSON Schema Draft 2020-12), without
+    jsonschema; raises _Undecided for a keyword outside :data:`_KEYWORDS`."""
+    if schema is True or schema is False:
+        return schema
+    if not isinstance(schema, dict):
+        raise _Undecided(f"a schema that is a {type(schema).__name__}")
+    for key, rule in schema.items():
+        if key in _ANNOTATIONS:
+            continue
+        keyword = _KEYWORDS.get(key)
+        if keyword is None:
+            raise _Undecided(f"keyword {key!r}")
+        if not keyword(value, rule, schema):
+            return False
+    return True
 
 
 def parse_yaml_text(text: str, source: str) -> Any:
