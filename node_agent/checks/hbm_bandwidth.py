@@ -28,7 +28,8 @@ per repetition on a real GPU; ignored where copies are modelled).
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -41,6 +42,7 @@ from node_agent.checks.behaviour import (
     figure,
     gpu_labels,
 )
+from node_agent.checks.params import Reader
 from node_agent.checks.transfer import (
     copy_bytes,
     error_results,
@@ -59,14 +61,33 @@ DEFAULT_WARMUP = 2
 METRIC = "copy_gbps"
 
 
+@dataclass(frozen=True)
+class Params:
+    """The check's parameters (a suite's ``params``), validated by :meth:`parse`."""
+
+    size_bytes: int = DEFAULT_SIZE_BYTES
+    reps: int = DEFAULT_REPS
+    warmup: int = DEFAULT_WARMUP
+    sample_min_s: float = 0.0
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> Params:
+        """ValueError naming the key and what was expected."""
+        r = Reader("hbm_bandwidth", raw, cls)
+        return cls(
+            size_bytes=r.integer("size_bytes", 1),
+            reps=r.integer("reps", 1),
+            warmup=r.integer("warmup", 0),
+            sample_min_s=r.number("sample_min_s", at_least=0),
+        )
+
+
 def run(ctx: CheckContext) -> list[Result]:
     specs, unavailable = open_specs(ctx)
     if unavailable:
         return unavailable
-    size = int(ctx.params.get("size_bytes", DEFAULT_SIZE_BYTES))
-    reps = max(1, int(ctx.params.get("reps", DEFAULT_REPS)))
-    warmup = max(0, int(ctx.params.get("warmup", DEFAULT_WARMUP)))
-    sample_min_s = float(ctx.params.get("sample_min_s", 0.0))
+    p = ctx.typed_params(Params)
+    size, reps, warmup, sample_min_s = p.size_bytes, p.reps, p.warmup, p.sample_min_s
     models = open_models(ctx, specs)
     import torch
 
