@@ -32,6 +32,8 @@ from __future__ import annotations
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ from node_agent import proc
 from node_agent.checks import CheckContext
 from node_agent.checks.behaviour import ServiceBehaviour
 from node_agent.checks.hca_metrics import HcaPortErrors
+from node_agent.checks.params import Reader
 from node_agent.host.infiniband import SYSFS_ROOT, Port, discover
 from node_agent.model import Result, Status
 from node_agent.parsers import ParseError
@@ -48,15 +51,43 @@ PERFTEST_MISSING = "ib_write_bw not installed (Debian package `perftest`: apt-ge
 WARN_COUNTERS = ("link_downed", "symbol_error")
 
 
+@dataclass(frozen=True)
+class Params:
+    """The check's parameters (a suite's ``params``), validated by :meth:`parse`."""
+
+    sysfs_root: str | None = None  # None: the node's (this host's SYSFS_ROOT, or a stand-in's)
+    ib_write_bw: str | None = None  # None: ``ib_write_bw`` on PATH
+    perftest: bool = True  # measure ib_write_bw on each ACTIVE port
+    duration_s: float = 5.0
+    tcp_port: int = 18515
+    gid_index: int | None = None
+    server_start_s: float = 1.0  # the server's head start before the client connects
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> Params:
+        """ValueError naming the key and what was expected."""
+        r = Reader("rdma", raw, cls)
+        return cls(
+            sysfs_root=r.optional_string("sysfs_root"),
+            ib_write_bw=r.optional_string("ib_write_bw"),
+            perftest=r.flag("perftest"),
+            duration_s=r.positive("duration_s"),
+            tcp_port=r.integer("tcp_port", 1, 65535),
+            gid_index=r.optional_integer("gid_index", 0),
+            server_start_s=r.number("server_start_s", at_least=0),
+        )
+
+
 def run(ctx: CheckContext) -> list[Result]:
-    if ctx.ports.rdma_tree is not None and "sysfs_root" not in ctx.params:
+    params = ctx.typed_params(Params)
+    if ctx.ports.rdma_tree is not None and params.sysfs_root is None:
         # The HCAs the node's ports build (a stand-in's: a sysfs tree and an ib_write_bw
         # stand-in written for this run); read as the real ones are.
         with ctx.ports.rdma_tree(ctx.ports.clock()) as view:
             if view.absent is not None:
                 return [ctx.skip(view.absent)]
             return _run(ctx, view.sysfs_root, view.ib_write_bw)
-    return _run(ctx, Path(ctx.params.get("sysfs_root", SYSFS_ROOT)), ctx.params.get("ib_write_bw"))
+    return _run(ctx, Path(params.sysfs_root or SYSFS_ROOT), params.ib_write_bw)
 
 
 def _run(ctx: CheckContext, root: Path, ib_write_bw: str | None) -> list[Result]:
@@ -72,7 +103,7 @@ def _run(ctx: CheckContext, root: Path, ib_write_bw: str | None) -> list[Result]
     results: list[Result] = []
     for port in ports:
         results.extend(port_results(ctx, port, minimum))
-    if ctx.params.get("perftest", True):
+    if ctx.typed_params(Params).perftest:
         results.extend(
             _bandwidth(ctx, [p for p in ports if p.state == "ACTIVE"], minimum, ib_write_bw)
         )
@@ -201,10 +232,8 @@ def perftest_argv(
 def _write_bw(
     ctx: CheckContext, binary: str, port: Port, minimum: float | None, json_ok: bool
 ) -> Result:
-    p = ctx.params
-    duration = float(p.get("duration_s", 5))
-    tcp_port = int(p.get("tcp_port", 18515))
-    gid = p.get("gid_index")
+    p = ctx.typed_params(Params)
+    duration, tcp_port, gid = p.duration_s, p.tcp_port, p.gid_index
     timeout = duration + 30
     with tempfile.TemporaryDirectory(prefix="node-agent-perftest-") as tmp:
         json_file = Path(tmp) / "client.json" if json_ok else None
@@ -217,7 +246,7 @@ def _write_bw(
             target=lambda: server.update(r=proc.run(server_argv, timeout)), daemon=True
         )
         thread.start()
-        time.sleep(float(p.get("server_start_s", 1.0)))  # let the server listen first
+        time.sleep(p.server_start_s)  # let the server listen first
         client = proc.run(client_argv, timeout)
         thread.join()
         json_text = json_file.read_text() if json_file and json_file.exists() else None

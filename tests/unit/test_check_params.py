@@ -37,6 +37,9 @@ BAD = [
     ("gpu_burn", {"duration_s": True}, "duration_s"),
     ("gpu_burn", {"precisions": "bf16"}, "precisions"),
     ("thermal_power", {"size": 8192.5}, "size"),
+    ("hbm_bandwidth", {"reps": 0}, "reps"),
+    ("rdma", {"tcp_port": 70000}, "tcp_port"),
+    ("rdma", {"perftest": "no"}, "perftest"),
 ]
 
 
