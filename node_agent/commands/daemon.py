@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
 import sys
 
@@ -34,7 +35,31 @@ def missing_core_message(name: str | None) -> str:
     )
 
 
+#: glibc's mallopt() parameter M_ARENA_MAX (malloc.h)
+_M_ARENA_MAX = -8
+#: malloc arenas the daemon's threads share (glibc gives each new thread its own, up to 8 per
+#: core, and each keeps the memory it once held); the daemon's threads allocate little
+ARENAS = 2
+
+
+def limit_malloc_arenas(arenas: int = ARENAS) -> bool:
+    """Cap glibc's malloc arenas before any thread starts (docs/daemon.md, Memory); whether it
+    was done. Not on another C library, nor where the environment sets MALLOC_ARENA_MAX (the
+    operator's choice stands); a failure only leaves glibc's default."""
+    if "MALLOC_ARENA_MAX" in os.environ:
+        return False
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION"):
+            return False
+        import ctypes
+
+        return bool(ctypes.CDLL(None).mallopt(_M_ARENA_MAX, arenas))
+    except (ValueError, OSError, AttributeError):
+        return False
+
+
 def cmd_daemon(args: argparse.Namespace) -> int:
+    limit_malloc_arenas()
     try:
         from node_agent.service.daemon import Daemon
     except ImportError as err:
