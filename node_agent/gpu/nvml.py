@@ -458,6 +458,10 @@ class NvmlDevice:
         self._nvml = backend
         self._lib = backend._lib
         self._handle: Any = None
+        #: each active link's far end, read once: the wiring does not change while NVML runs
+        self._far_ends: dict[int, dict[str, Any]] = {}
+        #: False once NVML answered Not Supported for every NVLink 5 field of every link
+        self._nvlink5_answers = True
 
     def handle(self) -> Any:
         """The NVML device handle, fetched once (a lost GPU raises DeviceLost here)."""
@@ -719,14 +723,18 @@ class NvmlDevice:
                     recovery_errors=counter(lib.NVML_NVLINK_ERROR_DL_RECOVERY),
                     crc_errors=counter(lib.NVML_NVLINK_ERROR_DL_CRC_FLIT),
                     p2p_supported=self._nvlink_p2p(link),
-                    **self._nvlink_remote(link),
+                    **self._nvlink_remote(link, active == lib.NVML_FEATURE_ENABLED),
                 )
             )
         return self._nvlink5(links)
 
-    def _nvlink_remote(self, link: int) -> dict[str, Any]:
+    def _nvlink_remote(self, link: int, active: bool) -> dict[str, Any]:
         """What is at the link's other end (``nvidia-smi nvlink -R``): the remote device type
-        and its PCI bus id, each None where NVML answers Not Supported."""
+        and its PCI bus id, each None where NVML answers Not Supported. Read once for an active
+        link (two calls a link: every 10 s on an 8-GPU HGX board they doubled the cost of
+        reading the links), again each time for one that is down."""
+        if link in self._far_ends:
+            return self._far_ends[link]
 
         def ask(name: str) -> Any:
             try:
@@ -735,38 +743,37 @@ class NvmlDevice:
                 return None
 
         kind, pci = ask("type"), ask("pci")
-        return {
+        far_end = {
             "remote_type": None
             if kind is None
             else NVLINK_REMOTE_TYPES.get(int(kind), f"unknown_{int(kind)}"),
             "remote_pci_bus_id": None if pci is None else _text(pci.busId) or None,
         }
+        if active:
+            self._far_ends[link] = far_end
+        return far_end
 
     def _nvlink5(self, links: list[NvLink]) -> list[NvLink]:
         """The NVLink5 error counts and BERs of ``links`` (field values, scope the link), in one
         ``nvmlDeviceGetFieldValues`` call; a field NVML answers Not Supported for (every GPU
-        before Blackwell) stays None."""
-        if not links:
+        before Blackwell) stays None. A GPU that answered Not Supported for all of them is not
+        asked again (that is its driver's answer until it reloads)."""
+        if not links or not self._nvlink5_answers:
             return links
-        asked = [(fid, link.link) for link in links for fid in _NVLINK5_FIELDS.values()]
+        asked = [(attr, link.link) for link in links for attr in _NVLINK5_FIELDS]
+        ids = [(_NVLINK5_FIELDS[attr], link) for attr, link in asked]
         try:
-            values = self._call("nvmlDeviceGetFieldValues", asked)
+            values = self._call("nvmlDeviceGetFieldValues", ids)
         except NotSupported:
+            self._nvlink5_answers = False
             return links
-        got: dict[tuple[int, int], Any] = {}
-        for (fid, link_id), value in zip(asked, values, strict=False):
+        found: dict[int, dict[str, Any]] = {link.link: {} for link in links}
+        for (attr, link_id), value in zip(asked, values, strict=False):
             if value.nvmlReturn == _SUCCESS and 0 <= value.valueType < len(_FIELD_VALUE_MEMBERS):
-                got[fid, link_id] = getattr(value.value, _FIELD_VALUE_MEMBERS[value.valueType])
-
-        def read(link: NvLink) -> dict[str, Any]:
-            out: dict[str, Any] = {}
-            for attr, fid in _NVLINK5_FIELDS.items():
-                raw = got.get((fid, link.link))
-                if raw is not None:
-                    out[attr] = nvlink_ber(int(raw)) if attr.endswith("_ber") else int(raw)
-            return out
-
-        return [dataclasses.replace(link, **read(link)) for link in links]
+                raw = int(getattr(value.value, _FIELD_VALUE_MEMBERS[value.valueType]))
+                found[link_id][attr] = nvlink_ber(raw) if attr.endswith("_ber") else raw
+        self._nvlink5_answers = any(v.nvmlReturn != _NOT_SUPPORTED for v in values)
+        return [dataclasses.replace(link, **found[link.link]) for link in links]
 
     def _nvlink_p2p(self, link: int) -> bool:
         """Whether link ``link`` can carry peer-to-peer traffic (NVML_NVLINK_CAP_P2P_SUPPORTED);

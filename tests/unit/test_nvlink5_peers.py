@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from node_agent import resources
 from node_agent.checks import CheckContext, nvml_health
 from node_agent.config import config_from_dict
+from node_agent.gpu.nvml import NvmlBackend
 from node_agent.gpu.record import record_nvml
 from node_agent.gpu.replay import StateNvml, open_replay
 from node_agent.grading.rules import load_grader
@@ -156,3 +159,43 @@ def test_a_capture_keeps_a_links_not_supported_nvlink5_field_as_not_supported() 
         assert (links[0].symbol_errors, links[7].symbol_errors) == (9, None)
     finally:
         replay.close()
+
+
+def test_an_active_links_far_end_is_read_once_and_unsupported_nvlink5_fields_are_not_asked_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The daemon reads the links every 10 s: the far end of an active link is wired, read
+    once; a down link's is asked again; a GPU that answered every NVLink 5 field Not Supported
+    (Hopper) is not asked for them again."""
+    down = Fault("nvlink_down", 0, {"link": 3})
+    scenario = Scenario(sku="h100-sxm5-80gb", gpus=1, source="t", faults=(down,))
+    asked: list[str] = []
+    answer, fields = StateNvml._answer, StateNvml.nvmlDeviceGetFieldValues
+
+    def counting(self, call, name, *args):
+        asked.append(name)
+        return answer(self, call, name, *args)
+
+    def counting_fields(self, handle, ids):
+        asked.append("nvmlDeviceGetFieldValues")
+        return fields(self, handle, ids)
+
+    monkeypatch.setattr(StateNvml, "_answer", counting)
+    monkeypatch.setattr(StateNvml, "nvmlDeviceGetFieldValues", counting_fields)
+    backend = NvmlBackend(StateNvml(render(scenario, SKUS[scenario.sku]).splitlines()), 5.0)
+    backend.init()
+    try:
+        (dev,) = backend.devices()
+        first = dev.nvlinks()
+        assert "nvmlDeviceGetFieldValues" in asked and asked.count(
+            "nvmlDeviceGetNvLinkRemoteDeviceType"
+        ) == len(first)
+        asked.clear()
+        assert dev.nvlinks() == first
+        assert [n for n in asked if "Remote" in n or "Field" in n] == [
+            "nvmlDeviceGetNvLinkRemoteDeviceType",  # link 3, down: asked again
+            "nvmlDeviceGetNvLinkRemotePciInfo_v2",
+        ]
+        assert first[3].peer == "NVSwitch 00000000:05:00.0" and first[3].symbol_errors is None
+    finally:
+        backend.close()
