@@ -72,23 +72,25 @@ from multiprocessing.connection import wait as wait_any
 from typing import TYPE_CHECKING, Any
 
 from node_agent.compute.devices import ComputeDevice, ComputeSpec, open_device
-from node_agent.compute.verify import (  # the burn's numerics, re-exported
+from node_agent.compute.verify import (  # the burn's numerics and device waits, re-exported
     MAX_ROWS_RECOMPUTED,
     PRECISIONS,
     U_ACC,
     U_ACC_BOUND,
     U_OUT,
+    DeviceWaits,
     RowCheck,
     Verifier,
     count_wrong,
     fp8_matmul,
     make_inputs,
     numerics,
+    verify_interval,
 )
 from node_agent.gpu.base import GpuBackend, GpuError
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 MAX_EVENTS_KEPT = 20  # wrong-element events kept per GPU (the count keeps going)
 
@@ -150,18 +152,6 @@ class BurnPlan:
                 f"take, above 0 and at most 1 (0.01 is 1 %), or null for no bound; got "
                 f"{budget!r}: fix params.verify_budget in the suite file"
             )
-
-
-def verify_interval(
-    verify_every: int, budget: float | None, product_s: float, check_s: float
-) -> int:
-    """Verify one product in this many: ``verify_every``, or more where a check costs more
-    than ``budget`` of the device's time at that rate (``check_s`` and ``product_s`` are one
-    check's and one product's device time)."""
-    every = max(1, int(verify_every))
-    if budget is None or check_s <= 0 or product_s <= 0:  # nothing measured: the plan's
-        return every
-    return max(every, math.ceil(check_s / (budget * product_s)))
 
 
 @dataclass(frozen=True)
@@ -297,86 +287,6 @@ class _Check:
     ok_host: Any
     event: Any
     t_s: float
-
-
-class DeviceWaits:
-    """Every point where the burn's host waits on, reads from, or times its device.
-
-    The engine never calls ``.item()``, ``.tolist()``, ``.cpu()`` or ``synchronize`` on a
-    device tensor in its loop: each check's small per-row verdict is copied into a host buffer
-    (:meth:`host_buffer`: pinned memory, allocated once per precision) without blocking
-    (:meth:`to_host`), an event recorded behind it (:meth:`record`), and read once the event
-    has passed (:meth:`done`), or waited for (:meth:`wait`) only when the checks in flight
-    exceed the plan's ``verify_lag``; :meth:`synchronize` ends a sample window. On the CPU
-    every operation has finished when it returns, so these are immediate.
-
-    ``timed``: whether verification's device time is measured (:meth:`mark`,
-    :meth:`seconds`) to bound its share (``BurnPlan.verify_budget``). By default on a GPU
-    only: a stand-in's GEMM time is modelled from its FLOPs, which its checks do not slow.
-    A constructor parameter of :class:`BurnEngine`: tests pass one that counts, or whose
-    clock they set.
-    """
-
-    def __init__(self, device: torch.device, timed: bool | None = None) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.timed = self.cuda if timed is None else timed
-
-    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A host tensor for :meth:`to_host` to copy into (pinned on a GPU's host)."""
-        import torch
-
-        return torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
-
-    def to_host(self, t: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
-        """Copy ``t`` into the host buffer ``into``, enqueued behind the work that produces
-        it (non-blocking); ``into`` is valid once an event recorded after this call is done,
-        and must not be handed out again before it has been read."""
-        into.copy_(t, non_blocking=self.cuda)
-        return into
-
-    def mark(self) -> Any:
-        """A point on the device's timeline behind everything enqueued so far (a timing
-        event on a GPU, the host clock on the CPU), for :meth:`seconds`."""
-        if not self.cuda:
-            return time.perf_counter()
-        import torch
-
-        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    def seconds(self, start: Any, end: Any) -> float:
-        """Device seconds between two marks; both must have passed (after a synchronise)."""
-        if not self.cuda:
-            return float(end - start)
-        return float(start.elapsed_time(end)) / 1e3
-
-    def record(self) -> Any:
-        """An event behind everything enqueued so far (None on the CPU)."""
-        if not self.cuda:
-            return None
-        import torch
-
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    def done(self, event: Any) -> bool:
-        """Whether the device has passed ``event``; never blocks."""
-        return event is None or bool(event.query())
-
-    def wait(self, event: Any) -> None:
-        """Block until the device has passed ``event`` (the work after it keeps running)."""
-        if event is not None:
-            event.synchronize()
-
-    def synchronize(self) -> None:
-        """Block until the device has finished everything (the end of a sample window)."""
-        if self.cuda:
-            import torch
-
-            torch.cuda.synchronize(self.device)
 
 
 class BurnEngine:

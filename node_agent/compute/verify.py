@@ -29,7 +29,7 @@ event recorded behind it, and read when the event has passed; the host waits for
 when more than ``verify_lag`` are in flight, so it stays at most ``verify_lag`` × the interval
 products ahead and the device always has GEMMs queued. The end of a sample window is the one
 full synchronisation. Every such wait goes through
-:class:`node_agent.compute.burn.DeviceWaits`, which tests replace to count them.
+:class:`DeviceWaits`, which tests replace to count them.
 
 A check allocates nothing: it writes into the verifier's own device buffers
 (:meth:`Verifier.ok_rows`) and a ring of host buffers made once per precision. Its device time
@@ -53,9 +53,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from node_agent.compute.devices import PRECISION_DTYPES
 
@@ -266,6 +267,98 @@ class Verifier:
         rigorous bound are the kernel's rounding too (so a kernel whose rounding changed
         between products, e.g. another cuBLAS algorithm, is not recomputed again)."""
         self._learn(self.deviation(c))
+
+
+def verify_interval(
+    verify_every: int, budget: float | None, product_s: float, check_s: float
+) -> int:
+    """Verify one product in this many: ``verify_every``, or more where a check costs more
+    than ``budget`` of the device's time at that rate (``check_s`` and ``product_s`` are one
+    check's and one product's device time)."""
+    every = max(1, int(verify_every))
+    if budget is None or check_s <= 0 or product_s <= 0:  # nothing measured: the plan's
+        return every
+    return max(every, math.ceil(check_s / (budget * product_s)))
+
+
+class DeviceWaits:
+    """Every point where the burn's host waits on, reads from, or times its device.
+
+    The engine never calls ``.item()``, ``.tolist()``, ``.cpu()`` or ``synchronize`` on a
+    device tensor in its loop: each check's small per-row verdict is copied into a host buffer
+    (:meth:`host_buffer`: pinned memory, allocated once per precision) without blocking
+    (:meth:`to_host`), an event recorded behind it (:meth:`record`), and read once the event
+    has passed (:meth:`done`), or waited for (:meth:`wait`) only when the checks in flight
+    exceed the plan's ``verify_lag``; :meth:`synchronize` ends a sample window. On the CPU
+    every operation has finished when it returns, so these are immediate.
+
+    ``timed``: whether verification's device time is measured (:meth:`mark`,
+    :meth:`seconds`) to bound its share (``BurnPlan.verify_budget``). By default on a GPU
+    only: a stand-in's GEMM time is modelled from its FLOPs, which its checks do not slow.
+    A constructor parameter of :class:`BurnEngine`: tests pass one that counts, or whose
+    clock they set.
+    """
+
+    def __init__(self, device: torch.device, timed: bool | None = None) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.timed = self.cuda if timed is None else timed
+
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor for :meth:`to_host` to copy into (pinned on a GPU's host)."""
+        import torch
+
+        return torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
+
+    def to_host(self, t: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        """Copy ``t`` into the host buffer ``into``, enqueued behind the work that produces
+        it (non-blocking); ``into`` is valid once an event recorded after this call is done,
+        and must not be handed out again before it has been read."""
+        into.copy_(t, non_blocking=self.cuda)
+        return into
+
+    def mark(self) -> Any:
+        """A point on the device's timeline behind everything enqueued so far (a timing
+        event on a GPU, the host clock on the CPU), for :meth:`seconds`."""
+        if not self.cuda:
+            return time.perf_counter()
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        """Device seconds between two marks; both must have passed (after a synchronise)."""
+        if not self.cuda:
+            return float(end - start)
+        return float(start.elapsed_time(end)) / 1e3
+
+    def record(self) -> Any:
+        """An event behind everything enqueued so far (None on the CPU)."""
+        if not self.cuda:
+            return None
+        import torch
+
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def done(self, event: Any) -> bool:
+        """Whether the device has passed ``event``; never blocks."""
+        return event is None or bool(event.query())
+
+    def wait(self, event: Any) -> None:
+        """Block until the device has passed ``event`` (the work after it keeps running)."""
+        if event is not None:
+            event.synchronize()
+
+    def synchronize(self) -> None:
+        """Block until the device has finished everything (the end of a sample window)."""
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
 
 
 @dataclass

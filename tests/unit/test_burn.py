@@ -486,8 +486,10 @@ def test_checks_reuse_the_host_buffers_made_for_them_and_the_verifiers_own():
     used = []
     real = waits.to_host
     waits.to_host = lambda t, into: used.append(into.data_ptr()) or real(t, into)
-    sent = []
-    engine.run_window("fp32", burn.time.monotonic() + 0.1, 0.0, sent.append)
+    for _ in range(30):  # windows until a dozen checks (a loaded machine runs few per window)
+        engine.run_window("fp32", burn.time.monotonic() + 0.1, 0.0, lambda m: None)
+        if len(used) >= 12:
+            break
     assert len(used) >= 12 and set(used) == set(ring) == waits.host  # no buffer made since
     # in turn: a buffer comes back only after verify_lag other checks
     assert all(used[i] == used[i + len(ring)] for i in range(len(used) - len(ring)))
