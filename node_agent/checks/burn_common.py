@@ -44,8 +44,7 @@ class BurnParams:
     def parse(cls: type[B], raw: Mapping[str, Any]) -> B:
         """ValueError naming the key and what was expected."""
         r = Reader(cls.CHECK, raw, cls)
-        # null is "no bound" here, not the default
-        budget = None if raw.get("verify_budget", 0) is None else r.number("verify_budget", above=0)
+        budget = r.nullable_number("verify_budget", above=0)
         if budget is not None and budget > 1:
             r.fail("verify_budget", budget, "a fraction above 0 and at most 1, or null")
         return cls(

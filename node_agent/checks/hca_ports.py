@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ from node_agent import atomic_file, resources
 from node_agent.checks import CheckContext, log_cursor
 from node_agent.checks.behaviour import ServiceBehaviour
 from node_agent.checks.hca_metrics import HcaPortErrors
+from node_agent.checks.params import Reader
 from node_agent.host import infiniband
 from node_agent.kernel_log import LogRecord
 from node_agent.kernel_log.mlx5_lines import Mlx5Line, parse_mlx5_line
@@ -198,18 +200,36 @@ class Expectation:
     declared: bool = False
 
 
+@dataclass(frozen=True)
+class Params:
+    """The check's parameters (a suite's ``params``), validated by :meth:`parse`."""
+
+    sysfs_root: str | None = None  # None: the node's (this host's SYSFS_ROOT, or a stand-in's)
+    since: str = "boot"  # the mlx5 kernel lines read: since boot, or since the last run
+    ports: int | None = None  # with min_rate_gbps: this node's expectation, over the SKU's
+    min_rate_gbps: float | None = None
+    ignore: tuple[str, ...] = ()  # HCAs (mlx5_1) or ports (mlx5_1/2) not judged
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> Params:
+        """ValueError naming the key and what was expected."""
+        r = Reader("hca_ports", raw, cls)
+        return cls(
+            sysfs_root=r.optional_string("sysfs_root"),
+            since=r.choice("since", ("boot", "last_run")),
+            ports=r.optional_integer("ports", 0),
+            min_rate_gbps=r.optional_number("min_rate_gbps", at_least=0),
+            ignore=r.strings("ignore", lone=True),
+        )
+
+
 def expectation(ctx: CheckContext, table: HcaGrading) -> Expectation:
     """The suite's ``ports``/``min_rate_gbps`` params, else the SKU's ``hca`` section, else
     ``graders/hca.yaml``'s entry for the SKU, else nothing declared."""
-    p = ctx.params
-    if "ports" in p or "min_rate_gbps" in p:
-        ports = p.get("ports")
-        rate = p.get("min_rate_gbps")
+    p = ctx.typed_params(Params)
+    if p.ports is not None or p.min_rate_gbps is not None:
         return Expectation(
-            None if ports is None else int(ports),
-            None if rate is None else float(rate),
-            "the suite's params",
-            declared=ports is not None,
+            p.ports, p.min_rate_gbps, "the suite's params", declared=p.ports is not None
         )
     if ctx.sku is None:
         return Expectation(None, None, "no SKU")
@@ -282,14 +302,15 @@ def uptime_s(path: Path = UPTIME) -> float | None:
 
 def run(ctx: CheckContext) -> list[Result]:
     now = ctx.ports.clock()
-    if ctx.ports.rdma_tree is not None and "sysfs_root" not in ctx.params:
+    root = ctx.typed_params(Params).sysfs_root
+    if ctx.ports.rdma_tree is not None and root is None:
         # The HCAs the node's ports build (a stand-in's: a sysfs tree written for this run),
         # read below exactly as the real one is.
         with ctx.ports.rdma_tree(now) as view:
             if view.absent is not None:
                 return [ctx.skip(view.absent)]
             return check(ctx, view.sysfs_root, now=now, uptime=view.uptime_s)
-    return check(ctx, Path(ctx.params.get("sysfs_root", SYSFS_ROOT)), now=now, uptime=uptime_s())
+    return check(ctx, Path(root or SYSFS_ROOT), now=now, uptime=uptime_s())
 
 
 def check(
@@ -316,8 +337,7 @@ def check(
                 "its driver is not loaded)"
             )
         ]
-    ignore_param = ctx.params.get("ignore") or ()
-    ignore = {str(i) for i in ([ignore_param] if isinstance(ignore_param, str) else ignore_param)}
+    ignore = set(ctx.typed_params(Params).ignore)
     watched = [r for r in readings if r.port.device not in ignore and r.key not in ignore]
     results = [
         ctx.skip(
@@ -797,16 +817,7 @@ def kernel_line_results(
                 metric="kernel_lines",
             )
         ]
-    since = ctx.params.get("since", "boot")
-    if since not in ("boot", "last_run"):
-        return [
-            ctx.result(
-                "node",
-                "kernel_lines",
-                Status.ERROR,
-                f"params.since is {since!r}; expected 'boot' or 'last_run'",
-            )
-        ]
+    since = ctx.typed_params(Params).since
     cursor = None
     if since == "last_run":
         saved = state.get("kernel_cursor") or {}

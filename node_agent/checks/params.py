@@ -91,6 +91,13 @@ class Reader:
             return None
         return self.number(key, above=above, at_least=at_least)
 
+    def nullable_number(self, key: str, *, above: float | None = None) -> float | None:
+        """A number, or None where the suite sets ``null`` (meaning "no bound"; an absent key
+        takes the default)."""
+        if key in self.raw and self.raw[key] is None:
+            return None
+        return self.number(key, above=above) if self.value(key) is not None else None
+
     def integer(self, key: str, low: int | None = None, high: int | None = None) -> int:
         """A whole number (not a bool) in ``[low, high]``, each bound when given."""
         v = self.value(key)
@@ -130,11 +137,12 @@ class Reader:
             self.fail(key, v, "true or false")
         return v
 
-    def strings(self, key: str, *, empty: bool = True) -> tuple[str, ...]:
-        """A list of non-empty strings (``empty``: the list may be empty)."""
+    def strings(self, key: str, *, empty: bool = True, lone: bool = False) -> tuple[str, ...]:
+        """A list of non-empty strings (``empty``: the list may be empty; ``lone``: one string
+        may stand alone)."""
         v = self.value(key)
-        if isinstance(v, tuple):  # the dataclass default
-            v = list(v)
+        if isinstance(v, tuple) or (lone and isinstance(v, str)):  # the default; one string
+            v = list(v) if isinstance(v, tuple) else [v]
         if (
             not isinstance(v, list)
             or not all(isinstance(s, str) and s for s in v)

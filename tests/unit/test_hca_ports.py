@@ -524,10 +524,10 @@ def test_shipped_hca_grading_file_loads_and_names_known_skus():
     }
 
 
-def test_a_bad_since_param_is_an_error_that_says_what_is_expected(tree, tmp_path):
-    eight_ports(tree)
-    bad = by(run(make_ctx(tree, tmp_path / "state", since="yesterday"), T0), "node", "kernel_lines")
-    assert bad.status is Status.ERROR and "'boot' or 'last_run'" in bad.detail
+def test_a_bad_since_param_is_refused_saying_what_is_expected():
+    """Parsed when the suite loads (tests/unit/test_check_params.py: exit 2, nothing run)."""
+    with pytest.raises(ValueError, match="since 'yesterday': expected one of boot, last_run"):
+        hca_ports.Params.parse({"since": "yesterday"})
 
 
 def test_ignore_may_name_one_port_as_a_string(tree, tmp_path):
