@@ -32,11 +32,15 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from node_agent import resources
 from node_agent.checks import CheckContext, log_cursor
 from node_agent.checks.behaviour import ServiceBehaviour
+from node_agent.checks.params import Reader
 from node_agent.checks.xid_fold import DriverFold, Folder, keep_fuller
 from node_agent.gpu.base import GpuError
 from node_agent.gpu.pci import NVIDIA_VENDOR_ID, SYSFS_PCI_DEVICES
@@ -71,9 +75,27 @@ def sticky_key(result: Result) -> tuple[str, int] | None:
 SERVICE = ServiceBehaviour(sticky=sticky_key, fold=keep_fuller)
 
 
+@dataclass(frozen=True)
+class Params:
+    """The check's parameters (a suite's ``params``), validated by :meth:`parse`."""
+
+    since: str = "boot"  # the kernel lines read: since boot, or since the last run
+    watch_s: float = 0.0  # above 0: also wait this long for NVML's Xid events
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> Params:
+        """ValueError naming the key and what was expected."""
+        r = Reader("xid", raw, cls)
+        return cls(
+            since=r.choice("since", ("boot", "last_run")),
+            watch_s=r.number("watch_s", at_least=0),
+        )
+
+
 def run(ctx: CheckContext) -> list[Result]:
     unavailable = ctx.gpus_unavailable()
-    since = ctx.params.get("since", "boot")
+    params = ctx.typed_params(Params)
+    since = params.since
     gpus = ctx.inventory.gpus if ctx.inventory is not None else []
     bus_to_target = {normalise_bus(g.pci_bus_id): f"gpu:{g.index}" for g in gpus}
     folder = Folder()
@@ -112,7 +134,7 @@ def run(ctx: CheckContext) -> list[Result]:
     if since == "last_run" and records:
         log_cursor.save(_cursor_path(ctx), log.source, records[-1].seq)
 
-    watch_s = float(ctx.params.get("watch_s", 0))
+    watch_s = params.watch_s
     if watch_s > 0 and not unavailable:
         watch_s = _watch_nvml(ctx, folder, watch_s, results)
 
