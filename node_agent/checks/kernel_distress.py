@@ -49,12 +49,14 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from node_agent import proc
 from node_agent.checks import CheckContext, log_cursor
+from node_agent.checks.params import Reader
 from node_agent.checks.xid_fold import BURST_GAP_S, MAX_BURST_STARTS, Fold
 from node_agent.kernel_log import LogRecord
 from node_agent.kernel_log_distress import DistressLine, scan_distress
@@ -150,8 +152,41 @@ class DistressFold:
         }
 
 
+#: where the kernel keeps crash dumps, and where systemd-pstore archives them at boot
+PSTORE_ROOT = Path("/sys/fs/pstore")
+PSTORE_ARCHIVE = Path("/var/lib/systemd/pstore")
+
+
+@dataclass(frozen=True)
+class Params:
+    """The check's parameters (a suite's ``params``), validated by :meth:`parse`."""
+
+    since: str = "boot"  # the kernel lines read: since boot, or since the last run
+    rasdaemon: bool = True  # read rasdaemon's MCE records
+    nvme_repeat: int = 3  # this many NVMe timeouts of one disk fail it
+    mce_corrected_warn: int = 1  # fewer corrected machine checks than this pass
+    pstore_max_age_h: float | None = 168.0  # older dumps are not judged; null: any age
+    pstore_root: str | None = None  # None: PSTORE_ROOT, its archive when nothing is mounted
+    pstore_archive: str = str(PSTORE_ARCHIVE)
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> Params:
+        """ValueError naming the key and what was expected."""
+        r = Reader("kernel_distress", raw, cls)
+        return cls(
+            since=r.choice("since", ("boot", "last_run")),
+            rasdaemon=r.flag("rasdaemon"),
+            nvme_repeat=r.integer("nvme_repeat", 1),
+            mce_corrected_warn=r.integer("mce_corrected_warn", 0),
+            pstore_max_age_h=r.nullable_number("pstore_max_age_h", above=0),
+            pstore_root=r.optional_string("pstore_root"),
+            pstore_archive=r.string("pstore_archive"),
+        )
+
+
 def run(ctx: CheckContext) -> list[Result]:
-    since = ctx.params.get("since", "boot")
+    params = ctx.typed_params(Params)
+    since = params.since
     window = "since boot" if since == "boot" else "since the last run"
     log = ctx.kernel_log
     results: list[Result] = []
@@ -169,7 +204,7 @@ def run(ctx: CheckContext) -> list[Result]:
     boot_epoch = time.time() - time.monotonic() if log.live else None
     findings = grade_lines(ctx, lines, window, boot_epoch, log.source)
     results.extend(findings)
-    if ctx.params.get("rasdaemon", True):
+    if params.rasdaemon:
         results.extend(rasdaemon_results(ctx))
     results.extend(pstore_results(ctx))
     if read_ok and not findings:
@@ -293,13 +328,13 @@ def _result(
     if f.kind in ("soft_lockup", "hard_lockup", "fs_readonly", "mce_uncorrected", "mce_fatal"):
         status = Status.FAIL
     elif f.kind == "nvme":
-        repeat = int(ctx.params.get("nvme_repeat", 3))
+        repeat = ctx.typed_params(Params).nvme_repeat
         if f.count >= repeat or f.facts.get("nvme_failed"):
             status = Status.FAIL
             f.facts["repeated"] = True
         f.facts["nvme_repeat"] = repeat
     elif f.kind == "mce_corrected":
-        least = int(ctx.params.get("mce_corrected_warn", 1))
+        least = ctx.typed_params(Params).mce_corrected_warn
         f.facts["mce_corrected_warn"] = least
         if f.count < least:
             status = Status.PASS
@@ -437,8 +472,6 @@ def rasdaemon_results(ctx: CheckContext) -> list[Result]:
 
 # --- pstore -----------------------------------------------------------------------------------
 
-PSTORE_ROOT = Path("/sys/fs/pstore")
-PSTORE_ARCHIVE = Path("/var/lib/systemd/pstore")
 #: fs/pstore/platform.c, pstore_dump: each dump part begins "<reason>#<count> Part<n>"
 _PSTORE_HEADER = re.compile(
     r"^(?P<why>Panic|Oops|Emergency|Shutdown|Unknown)#(?P<n>\d+) "
@@ -535,8 +568,8 @@ def pstore_results(ctx: CheckContext) -> list[Result]:
     more panics kept: fail (ERROR). One panic can be a kernel bug every node of the fleet
     shares; a second on the same node before its dumps were cleared is the node's (its memory,
     CPU or firmware), and the node is drained and re-tested, as a repeated Xid is."""
-    max_age_h = ctx.params.get("pstore_max_age_h", 168)
-    max_age_s = None if max_age_h is None else float(max_age_h) * 3600
+    params = ctx.typed_params(Params)
+    max_age_s = None if params.pstore_max_age_h is None else params.pstore_max_age_h * 3600
     if ctx.ports.pstore_unrecorded is not None:
         return [ctx.skip(ctx.ports.pstore_unrecorded, metric="pstore")]
     if ctx.ports.pstore_tree is not None:
@@ -547,9 +580,9 @@ def pstore_results(ctx: CheckContext) -> list[Result]:
         for r in results:
             r.evidence["roots"] = [view.label or str(root) for root in view.roots]
         return results
-    root = Path(ctx.params.get("pstore_root", PSTORE_ROOT))
-    archive = Path(ctx.params.get("pstore_archive", PSTORE_ARCHIVE))
-    if "pstore_root" not in ctx.params and not pstore_mounted(root):
+    root = Path(params.pstore_root or PSTORE_ROOT)
+    archive = Path(params.pstore_archive)
+    if params.pstore_root is None and not pstore_mounted(root):
         # no pstore now; dumps systemd-pstore archived from an earlier boot still count
         kept = _grade_pstore(ctx, [archive], max_age_s)
         if any(r.status in (Status.WARN, Status.FAIL) for r in kept):

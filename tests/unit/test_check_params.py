@@ -40,6 +40,11 @@ BAD = [
     ("hbm_bandwidth", {"reps": 0}, "reps"),
     ("rdma", {"tcp_port": 70000}, "tcp_port"),
     ("rdma", {"perftest": "no"}, "perftest"),
+    ("hca_ports", {"since": "yesterday"}, "since"),
+    ("hca_ports", {"ignore": [1]}, "ignore"),
+    ("xid", {"watch_s": -1}, "watch_s"),
+    ("kernel_distress", {"nvme_repeat": 0}, "nvme_repeat"),
+    ("kernel_distress", {"rasdaemon": 1}, "rasdaemon"),
 ]
 
 
