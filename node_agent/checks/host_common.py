@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 from node_agent import atomic_file
 from node_agent.checks import CheckContext
+from node_agent.checks.params import Reader
 from node_agent.host.paths import HostPaths
 from node_agent.model import Result
 from node_agent.resources import graders_dir, shipped_graders_dir
@@ -95,24 +96,54 @@ def thresholds(ctx: CheckContext, section: str) -> dict[str, float]:
     return {**DEFAULTS[section], **(data.get(section) or {})}
 
 
+H = TypeVar("H", bound="HostParams")
+
+
+@dataclass(frozen=True)
+class HostParams:
+    """The roots and tools a host check reads (a suite's ``params``, for tests: a tree of
+    their own), validated by :meth:`parse`; each host check's ``Params`` subclasses it.
+    None: the node's (this host's ``/sys``, ``/proc``, ``/dev`` and config ``host.*`` tools,
+    or a stand-in's tree)."""
+
+    CHECK: ClassVar[str] = "host"
+
+    sys_root: str | None = None
+    proc_root: str | None = None
+    dev_root: str | None = None
+    ipmitool: str | None = None
+    nvme: str | None = None
+    smartctl: str | None = None
+    ipmi_sensors: str | None = None
+    ipmi_sel: str | None = None
+
+    @classmethod
+    def parse(cls: type[H], raw: Mapping[str, Any]) -> H:
+        """ValueError naming the key and what was expected."""
+        r = Reader(cls.CHECK, raw, cls)
+        return cls(**{f.name: r.optional_string(f.name) for f in fields(cls)})
+
+
 @contextlib.contextmanager
 def host_paths(ctx: CheckContext, parts: tuple[str, ...]) -> Iterator[HostPaths]:
     """The roots and tools to read: a ``sys_root`` param's tree (a test's), else the tree the
     node's ports build for ``parts`` (a stand-in host's, written to a temporary directory for
     this run), else the real host's."""
-    if ctx.ports.host_tree is not None and "sys_root" not in ctx.params:
+    p = ctx.typed_params(HostParams)
+    if ctx.ports.host_tree is not None and p.sys_root is None:
         with ctx.ports.host_tree(parts) as paths:
             yield paths
         return
+    tools = ctx.config.host
     yield HostPaths(
-        sys=Path(ctx.params.get("sys_root", "/sys")),
-        proc=Path(ctx.params.get("proc_root", "/proc")),
-        dev=Path(ctx.params.get("dev_root", "/dev")),
-        ipmitool=str(ctx.params.get("ipmitool") or ctx.config.host.ipmitool),
-        nvme=str(ctx.params.get("nvme") or ctx.config.host.nvme),
-        smartctl=str(ctx.params.get("smartctl") or ctx.config.host.smartctl),
-        ipmi_sensors=str(ctx.params.get("ipmi_sensors") or ctx.config.host.ipmi_sensors),
-        ipmi_sel=str(ctx.params.get("ipmi_sel") or ctx.config.host.ipmi_sel),
+        sys=Path(p.sys_root or "/sys"),
+        proc=Path(p.proc_root or "/proc"),
+        dev=Path(p.dev_root or "/dev"),
+        ipmitool=p.ipmitool or tools.ipmitool,
+        nvme=p.nvme or tools.nvme,
+        smartctl=p.smartctl or tools.smartctl,
+        ipmi_sensors=p.ipmi_sensors or tools.ipmi_sensors,
+        ipmi_sel=p.ipmi_sel or tools.ipmi_sel,
     )
 
 
@@ -120,7 +151,7 @@ def not_recorded(ctx: CheckContext, metric: str) -> list[Result] | None:
     """For a node whose host hardware cannot be judged (a captured node replayed through
     ``--simulate``, docs/capture.md: its host was not recorded), the skip that says so, rather
     than a judgment of a model of it; None where the host checks read it."""
-    if ctx.ports.host_unrecorded is not None and "sys_root" not in ctx.params:
+    if ctx.ports.host_unrecorded is not None and ctx.typed_params(HostParams).sys_root is None:
         return [ctx.skip(ctx.ports.host_unrecorded, metric=metric)]
     return None
 

@@ -19,8 +19,11 @@ Params: ``sys_root``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from node_agent.checks import CheckContext
-from node_agent.checks.host_common import Counters, host_paths, not_recorded, thresholds
+from node_agent.checks.host_common import Counters, HostParams, host_paths, not_recorded, thresholds
 from node_agent.checks.host_log import kernel_messages
 from node_agent.host.cpu import (
     THROTTLE_WORDS,
@@ -31,6 +34,13 @@ from node_agent.host.cpu import (
 )
 from node_agent.host.paths import format_cpu_list
 from node_agent.model import Result, Status
+
+
+@dataclass(frozen=True)
+class Params(HostParams):
+    """The roots and tools it reads (checks/host_common.py)."""
+
+    CHECK: ClassVar[str] = "host_cpu"
 
 
 def run(ctx: CheckContext) -> list[Result]:

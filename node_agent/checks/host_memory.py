@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from node_agent import atomic_file
 from node_agent.checks import CheckContext
-from node_agent.checks.host_common import host_paths, not_recorded, thresholds
+from node_agent.checks.host_common import HostParams, host_paths, not_recorded, thresholds
 from node_agent.checks.host_log import kernel_messages
 from node_agent.host.edac import EdacAbsent, MemoryController, read_edac
 from node_agent.host.ghes import GHES_WORDS, GhesMemoryError, ghes_sources, parse_ghes
@@ -61,6 +62,13 @@ def _controllers(paths: HostPaths) -> tuple[list[MemoryController] | None, str |
             f"the EDAC tree cannot be read as this user "
             f"({err.strerror}: {err.filename}); run as root"
         )
+
+
+@dataclass(frozen=True)
+class Params(HostParams):
+    """The roots and tools it reads (checks/host_common.py)."""
+
+    CHECK: ClassVar[str] = "host_memory"
 
 
 def run(ctx: CheckContext) -> list[Result]:

@@ -29,11 +29,19 @@ Params: ``dev_root``, ``ipmitool`` (the program; default ``host.ipmitool``), ``i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import ClassVar
 
 from node_agent import proc
 from node_agent.checks import CheckContext
-from node_agent.checks.host_common import host_paths, not_recorded, thresholds, tool_timeout_s
+from node_agent.checks.host_common import (
+    HostParams,
+    host_paths,
+    not_recorded,
+    thresholds,
+    tool_timeout_s,
+)
 from node_agent.checks.power_sel import sel_results
 from node_agent.host.paths import HostPaths, entity_name
 from node_agent.model import Result, Status
@@ -57,6 +65,13 @@ MISSING = (
     "neither ipmitool nor FreeIPMI is installed (Debian/Ubuntu package `ipmitool`, or "
     "`freeipmi-tools`)"
 )
+
+
+@dataclass(frozen=True)
+class Params(HostParams):
+    """The roots and tools it reads (checks/host_common.py)."""
+
+    CHECK: ClassVar[str] = "host_power"
 
 
 def run(ctx: CheckContext) -> list[Result]:

@@ -30,11 +30,18 @@ Params: ``sys_root``, ``proc_root`` (its ``self/mounts``), ``dev_root``, ``nvme`
 from __future__ import annotations
 
 import json
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from node_agent import proc
 from node_agent.checks import CheckContext
-from node_agent.checks.host_common import host_paths, not_recorded, thresholds, tool_timeout_s
+from node_agent.checks.host_common import (
+    HostParams,
+    host_paths,
+    not_recorded,
+    thresholds,
+    tool_timeout_s,
+)
 from node_agent.host.nvme import CONTROLLER, NvmeController, controllers_holding, list_controllers
 from node_agent.host.paths import HostPaths
 from node_agent.model import Result, Status
@@ -50,6 +57,13 @@ MISSING = (
 SMARTCTL_FATAL_BITS = 0x03
 #: NVMe Base Specification: Percentage Used 100 = the rated endurance reached
 ENDURANCE_PERCENT = 100
+
+
+@dataclass(frozen=True)
+class Params(HostParams):
+    """The roots and tools it reads (checks/host_common.py)."""
+
+    CHECK: ClassVar[str] = "nvme_health"
 
 
 def run(ctx: CheckContext) -> list[Result]:

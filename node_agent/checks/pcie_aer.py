@@ -22,10 +22,12 @@ the log prints, so the log is not read twice. Params: ``sys_root``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from node_agent.checks import CheckContext
-from node_agent.checks.host_common import Counters, host_paths, not_recorded, thresholds
+from node_agent.checks.host_common import Counters, HostParams, host_paths, not_recorded, thresholds
 from node_agent.checks.pcie_aer_log import log_results
 from node_agent.gpu.pci import normalise_bus_id
 from node_agent.host.aer import PciFunction, read_functions, read_hca_functions
@@ -148,6 +150,13 @@ def _owners(
     for key in [k for k in own if k.startswith("bridge:")]:
         own[key[7:]] = own.pop(key)
     return own
+
+
+@dataclass(frozen=True)
+class Params(HostParams):
+    """The roots and tools it reads (checks/host_common.py)."""
+
+    CHECK: ClassVar[str] = "pcie_aer"
 
 
 def run(ctx: CheckContext) -> list[Result]:

@@ -45,6 +45,11 @@ BAD = [
     ("xid", {"watch_s": -1}, "watch_s"),
     ("kernel_distress", {"nvme_repeat": 0}, "nvme_repeat"),
     ("kernel_distress", {"rasdaemon": 1}, "rasdaemon"),
+    ("host_cpu", {"sys_root": 7}, "sys_root"),
+    ("host_memory", {"sys_root": ""}, "sys_root"),
+    ("host_power", {"ipmitool": ["ipmitool"]}, "ipmitool"),
+    ("nvme_health", {"nvme": False}, "nvme"),
+    ("pcie_aer", {"sys_root": 1.5}, "sys_root"),
 ]
 
 
