@@ -25,11 +25,13 @@ all), ``iterations`` (1), ``timeout_s`` (default: the check's timeout less a mar
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from node_agent import proc
 from node_agent.checks import CheckContext
+from node_agent.checks.params import Reader
 from node_agent.gpu.dcgm import DcgmError, DcgmSource, DcgmUnavailable, DiagRequest, open_dcgm
 from node_agent.model import Result, Status
 from node_agent.parsers import ParseError
@@ -54,29 +56,58 @@ _SEV_RANK = {"ISOLATE": 6, "RESET": 5, "TRIAGE": 4, "UNKNOWN": 3, "CONFIG": 2, "
 Opener = Callable[[Any], DcgmSource]
 
 
-def request_from_params(params: dict[str, Any]) -> DiagRequest:
-    """The diagnostic a suite asks for; ValueError says which param is wrong."""
-    tests = params.get("tests") or ()
-    if isinstance(tests, str):
-        tests = [t.strip() for t in tests.split(",") if t.strip()]
-    gpus = params.get("gpus") or ()
-    try:
-        return DiagRequest(
-            level=None if tests else int(params.get("level", 3)),
-            tests=tuple(str(t) for t in tests),
-            gpus=tuple(int(g) for g in gpus),
-            iterations=int(params.get("iterations", 1)),
+@dataclass(frozen=True)
+class Params:
+    """The check's parameters (a suite's ``params``), validated by :meth:`parse`."""
+
+    level: int = 3  # 1-4, unless ``tests`` names tests
+    tests: tuple[str, ...] = ()  # a list, or one comma-separated string
+    gpus: tuple[int, ...] = ()  # empty: every GPU
+    iterations: int = 1
+    timeout_s: float | None = None  # None: the check's own timeout, less a margin
+    dcgmi: str | None = None  # None: ``dcgmi`` on PATH when DCGM's bindings are missing
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> Params:
+        """ValueError naming the key and what was expected."""
+        r = Reader("dcgm_diag", raw, cls)
+        listed = r.strings("tests", lone=True)  # "memory, pcie" or [memory, pcie]
+        tests = tuple(t.strip() for item in listed for t in item.split(",") if t.strip())
+        gpus = r.value("gpus")
+        if not isinstance(gpus, list | tuple) or not all(
+            isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus
+        ):
+            r.fail("gpus", gpus, "a list of GPU indices")
+        params = cls(
+            level=r.integer("level", 1, 4),
+            tests=tests,
+            gpus=tuple(gpus),
+            iterations=r.integer("iterations", 1),
+            timeout_s=r.optional_number("timeout_s", above=0),
+            dcgmi=r.optional_string("dcgmi"),
         )
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"dcgm_diag params {params}: {err}") from err
+        try:
+            params.request()
+        except ValueError as err:
+            r.fail("tests", list(listed), str(err))
+        return params
+
+    def request(self) -> DiagRequest:
+        """The diagnostic the suite asks for."""
+        return DiagRequest(
+            level=None if self.tests else self.level,
+            tests=self.tests,
+            gpus=self.gpus,
+            iterations=self.iterations,
+        )
 
 
 def diag_timeout_s(ctx: CheckContext) -> float:
     """How long DCGM may take: ``params.timeout_s``, within the runner's limit for the check
     (leaving it time to read and report what came back)."""
     ceiling = max(1.0, ctx.timeout_s - min(30.0, ctx.timeout_s * 0.1))
-    wanted = ctx.params.get("timeout_s")
-    return min(float(wanted), ceiling) if wanted else ceiling
+    wanted = ctx.typed_params(Params).timeout_s
+    return min(wanted, ceiling) if wanted else ceiling
 
 
 def dcgm_unready(ctx: CheckContext, on_real_hardware: str) -> list[Result] | None:
@@ -91,15 +122,13 @@ def dcgm_unready(ctx: CheckContext, on_real_hardware: str) -> list[Result] | Non
 def run(ctx: CheckContext, opener: Opener = open_dcgm) -> list[Result]:
     if unready := dcgm_unready(ctx, ON_REAL_HARDWARE):
         return unready
-    try:
-        request = request_from_params(ctx.params)
-    except ValueError as err:
-        return [ctx.result("node", "diag", Status.ERROR, f"{err} (fix the suite file)")]
+    params = ctx.typed_params(Params)
+    request = params.request()
     timeout_s = diag_timeout_s(ctx)
     try:
         source = opener(ctx.config)
     except DcgmUnavailable as err:
-        dcgmi = ctx.params.get("dcgmi") or proc.which("dcgmi")
+        dcgmi = params.dcgmi or proc.which("dcgmi")
         if not dcgmi:
             return [ctx.skip(f"{err}; {DCGMI_MISSING}")]
         return run_cli(ctx, str(dcgmi), request, timeout_s)
