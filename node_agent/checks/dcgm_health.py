@@ -19,11 +19,13 @@ names).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from node_agent.checks import CheckContext
 from node_agent.checks.dcgm_diag import dcgm_unready
+from node_agent.checks.params import Reader
 from node_agent.gpu.dcgm import (
     DcgmError,
     DcgmSource,
@@ -125,14 +127,28 @@ def incident_results(ctx: CheckContext, report: HealthReport, via: str) -> list[
     ]
 
 
+@dataclass(frozen=True)
+class Params:
+    """The check's parameters (a suite's ``params``), validated by :meth:`parse`."""
+
+    systems: tuple[str, ...] = DEFAULT_SYSTEMS  # the health watches set (HEALTH_SYSTEMS)
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> Params:
+        """ValueError naming the key and what was expected."""
+        r = Reader("dcgm_health", raw, cls)
+        systems = r.strings("systems")
+        try:
+            health_mask(systems)
+        except ValueError as err:
+            r.fail("systems", list(systems), str(err))
+        return cls(systems=systems or DEFAULT_SYSTEMS)
+
+
 def run(ctx: CheckContext, opener: Opener = open_dcgm) -> list[Result]:
     if unready := dcgm_unready(ctx, ON_REAL_HARDWARE):
         return unready
-    systems = ctx.params.get("systems") or DEFAULT_SYSTEMS
-    try:
-        health_mask(systems)
-    except ValueError as err:
-        return [ctx.result("node", "health", Status.ERROR, f"{err} (fix the suite file)")]
+    systems = ctx.typed_params(Params).systems
     try:
         source = opener(ctx.config)
     except DcgmUnavailable as err:

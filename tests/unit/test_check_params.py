@@ -50,6 +50,9 @@ BAD = [
     ("host_power", {"ipmitool": ["ipmitool"]}, "ipmitool"),
     ("nvme_health", {"nvme": False}, "nvme"),
     ("pcie_aer", {"sys_root": 1.5}, "sys_root"),
+    ("dcgm_diag", {"level": 7}, "level"),
+    ("dcgm_diag", {"gpus": [0, -1]}, "gpus"),
+    ("dcgm_health", {"systems": ["gpu_vibes"]}, "systems"),
 ]
 
 

@@ -255,12 +255,10 @@ def test_diag_timeout_stays_inside_the_checks_own_timeout():
 @pytest.mark.parametrize(
     "params", [{"level": 7}, {"level": "three"}, {"iterations": 0}, {"tests": ["memory;rm"]}]
 )
-def test_bad_suite_params_are_an_error_naming_the_param(params):
-    (err,) = dcgm_diag.run(
-        ctx_for("dcgm_diag", **params), opener=opener_of(FakeDcgm(fixture("dcgm4_r3_pass.json")))
-    )
-    assert err.status is Status.ERROR
-    assert "suite" in err.detail
+def test_bad_suite_params_are_refused_naming_the_param(params):
+    """Parsed when the suite loads (tests/unit/test_check_params.py: exit 2, nothing run)."""
+    with pytest.raises(ValueError, match=f"params of dcgm_diag: {next(iter(params))} "):
+        dcgm_diag.Params.parse(params)
 
 
 # -- skips ---------------------------------------------------------------------------------------
@@ -459,12 +457,10 @@ def test_health_watch_as_periodic_source_sets_watches_once_and_polls_each_time()
     assert report.systems == ("mem", "nvlink")
 
 
-def test_unknown_health_system_param_is_an_error_before_dcgm_is_opened():
-    (err,) = dcgm_health.run(
-        ctx_for("dcgm_health", systems=["mem", "gpu_vibes"]),
-        opener=lambda c: pytest.fail("must not open DCGM"),
-    )
-    assert err.status is Status.ERROR and "gpu_vibes" in err.detail
+def test_unknown_health_system_param_is_refused_before_dcgm_is_opened():
+    """Parsed when the suite loads (tests/unit/test_check_params.py: exit 2, nothing run)."""
+    with pytest.raises(ValueError, match="params of dcgm_health: systems .*gpu_vibes"):
+        dcgm_health.Params.parse({"systems": ["mem", "gpu_vibes"]})
 
 
 def test_health_call_failure_is_an_error_result():
