@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 
 from node_agent import atomic_file
 from node_agent.checks import CheckContext
+from node_agent.checks.params import Reader
 from node_agent.host import cloud_metadata as cm
 from node_agent.model import PlannedEvent, Result, Status
 
@@ -46,16 +47,6 @@ from node_agent.model import PlannedEvent, Result, Status
 LEAD_TIME_S = 1800.0
 #: one request to the link-local service: it answers in milliseconds on a cloud instance
 TIMEOUT_S = 2.0
-_KEYS = (
-    "provider",
-    "lead_time_s",
-    "timeout_s",
-    "command",
-    "wait_s",
-    "acknowledge",
-    "dmi_root",
-    "metadata_url",
-)
 
 
 @dataclass(frozen=True)
@@ -74,32 +65,23 @@ class Params:
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> Params:
         """ValueError naming the key and what was expected."""
-        where = "suite params of cloud_maintenance"
-        unknown = sorted(set(raw) - set(_KEYS))
-        if unknown:
-            raise ValueError(
-                f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(_KEYS)}"
-            )
-        p = cls(**{k: raw[k] for k in _KEYS if k in raw and k != "command"})
-        if p.provider not in ("auto", "none", *cm.PROVIDERS):
-            raise ValueError(
-                f"{where}: provider {p.provider!r}: expected auto, none, {', '.join(cm.PROVIDERS)}"
-            )
-        for key in ("lead_time_s", "timeout_s", "wait_s"):
-            value = getattr(p, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{where}: {key} must be a number >= 0, found {value!r}")
-        if p.timeout_s <= 0:
-            raise ValueError(f"{where}: timeout_s must be above 0")
-        if not isinstance(p.acknowledge, bool):
-            raise ValueError(f"{where}: acknowledge must be true or false")
-        command = raw.get("command", [])
-        if not isinstance(command, list) or not all(isinstance(a, str) for a in command):
-            raise ValueError(f"{where}: command must be a list of strings (an argv)")
-        if p.provider == "command" and not command:
-            raise ValueError(f"{where}: provider command needs command (an argv)")
-        _check_url(p.metadata_url, where)
-        return cls(**{**p.__dict__, "command": tuple(command)})
+        r = Reader("cloud_maintenance", raw, cls)
+        provider = r.choice("provider", ("auto", "none", *cm.PROVIDERS))
+        command = r.strings("command")
+        if provider == "command" and not command:
+            r.fail("command", list(command), "an argv: provider command needs command")
+        url = r.string("metadata_url")
+        _check_url(url, "params of cloud_maintenance")
+        return cls(
+            provider=provider,
+            lead_time_s=r.number("lead_time_s", at_least=0),
+            timeout_s=r.positive("timeout_s"),
+            command=command,
+            wait_s=r.number("wait_s", at_least=0),
+            acknowledge=r.flag("acknowledge"),
+            dmi_root=r.string("dmi_root"),
+            metadata_url=url,
+        )
 
 
 def _check_url(url: Any, where: str) -> None:
@@ -122,10 +104,7 @@ def _check_url(url: Any, where: str) -> None:
 
 
 def run(ctx: CheckContext) -> list[Result]:
-    try:
-        params = Params.parse(ctx.params)
-    except (TypeError, ValueError) as err:
-        return [ctx.result("node", "maintenance_event", Status.ERROR, str(err))]
+    params = ctx.typed_params(Params)
     provider, why = _provider(ctx, params)
     if provider is None:
         return [ctx.skip(why, metric="maintenance_event")]
