@@ -433,7 +433,11 @@ def test_a_vm_with_some_links_up_and_one_down_still_faults():
         context(devices=[CapturedGpu(links=links)], config={"node": {"expected_gpus": 1}})
     )
     state = one(results, "nvlink_state")
-    assert state.status is Status.FAIL and "17 of 18" in state.detail and "down: link 7)" in state.detail
+    assert (
+        state.status is Status.FAIL
+        and "17 of 18" in state.detail
+        and "down: link 7)" in state.detail
+    )
     assert GRADER.grade(results).level is Level.FAULT
 
 
