@@ -142,6 +142,28 @@ def module_agent(tmp_path_factory) -> ModuleAgent:
     return ModuleAgent(tmp_path_factory.mktemp("module-agent"))
 
 
+@pytest.fixture(scope="session")
+def healthy_delivery(tmp_path_factory) -> Run:
+    """One ``node-agent accept`` of a healthy simulated H100 node (8 GPUs) with every check of
+    the shipped delivery suite, as the tests run it (``tests/delivery_suite.py``), ``--json``.
+
+    A whole delivery run is one of the dearest things the tests do (the burn alone starts 8
+    torch workers), so the tests that assert different things on a healthy node's delivery
+    read this one run: ``test_cli_simulated`` its grade, ``test_burn_simulated`` the burn's
+    figures and load traces. They carry ``delivery_suite.HEALTHY_DELIVERY``, one xdist group,
+    so ``make test`` runs it once."""
+    from delivery_suite import PATIENT_AGENT_TIMEOUT_S, delivery_suite
+
+    agent = ModuleAgent(tmp_path_factory.mktemp("healthy-delivery"))
+    node = agent.home / "healthy-h100.yaml"
+    node.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 8, "faults": []}))
+    suite = delivery_suite(agent.home)
+    return agent(
+        "accept", "--simulate", str(node), "--suite", suite, "--json",
+        timeout=PATIENT_AGENT_TIMEOUT_S,
+    )  # fmt: skip
+
+
 @pytest.fixture
 def scenario(tmp_path):
     """Write a scenario file: ``scenario(faults=[...], gpus=8, sku=...)`` -> its path."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -18,6 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 PATIENT_BURN = {"startup_timeout_s": 150, "stall_s": 60}
 #: an agent running such a suite: the bounds above and the run, under a test's own 300 s
 PATIENT_AGENT_TIMEOUT_S = 270
+#: the readers of ``healthy_delivery`` (tests/conftest.py), whatever their module: on one
+#: pytest-xdist worker, so ``make test`` makes that run once
+HEALTHY_DELIVERY = pytest.mark.xdist_group("healthy_delivery")
 
 
 def delivery_suite(directory: Path, burn_s: float | None = None) -> str:

@@ -4,7 +4,8 @@ Each fault kind of a scenario is injected at the hardware boundary (what NVML an
 log report); checks, grading and the CLI above it are the real code.
 
 A healthy node runs the shipped delivery suite as it ships, but for the stand-in burns' longer
-bounds on a hang (``tests/delivery_suite.py``: other tests run at once). A faulty node's
+bounds on a hang (``tests/delivery_suite.py``: other tests run at once): one run that other
+modules' tests read too (``healthy_delivery``, tests/conftest.py). A faulty node's
 delivery runs, which are about grading, run it with a shorter stand-in burn
 (``short_burn_suite``); the tests that read the same faulty node's report share one run
 (``several_faults``).
@@ -17,7 +18,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from delivery_suite import PATIENT_AGENT_TIMEOUT_S, delivery_suite  # tests/delivery_suite.py
+from delivery_suite import (  # tests/delivery_suite.py
+    HEALTHY_DELIVERY,
+    PATIENT_AGENT_TIMEOUT_S,
+    delivery_suite,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,19 +37,17 @@ def short_burn_suite(directory: Path) -> str:
     return delivery_suite(directory, burn_s=1)
 
 
-@pytest.mark.parametrize("attempt", range(3))
-def test_healthy_h100_node_grades_healthy_every_time(agent, scenario, attempt, tmp_path):
-    suite = delivery_suite(tmp_path)
-    run = agent(
-        "accept", "--simulate", scenario(), "--suite", suite, "--json",
-        timeout=PATIENT_AGENT_TIMEOUT_S,
-    )  # fmt: skip
+@HEALTHY_DELIVERY
+def test_healthy_h100_node_grades_healthy_at_delivery(healthy_delivery):
+    run = healthy_delivery
     assert run.code == 0, run.stderr
     report = run.json()
     assert report["grade"] == {"level": "HEALTHY", "action": "none", "reasons": []}
     assert report["simulated"] is True
     assert len(report["gpus"]) == 8
     assert not [r for r in report["results"] if r["status"] in ("fail", "error", "warn")]
+    shipped = yaml.safe_load((REPO / "suites" / "delivery.yaml").read_text())
+    assert {r["check"] for r in report["results"]} == {c["check"] for c in shipped["checks"]}
 
 
 def test_quick_check_on_healthy_node_exits_0(agent, scenario):

@@ -5,6 +5,12 @@ joined by real torch.distributed (gloo) on loopback, started by torchrun, by a r
 Each node is a scenario (``--simulate DIR/n{rank}.yaml``): its GPUs are simulated, and its
 faults act at the compute boundary (``sdc``) and the transport boundary (``slow_link``); the
 phases, the localisation, the grading and the remediation are the real code. No GPU is needed.
+
+Slow on purpose: a six-rank test starts six agents that each import torch and run the quick
+suite before the phases, CPU-bound work that the CI machine's cores share. Each such test is
+the only one of its launcher (torchrun, a launcher's RANK and WORLD_SIZE, a Slurm step) or of
+its fault (a phase naming its node, the replay), so none can share another's run; the tests of
+a refusal (a key, a rank, a scenario) start one to three ranks.
 """
 
 from __future__ import annotations
