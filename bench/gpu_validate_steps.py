@@ -518,7 +518,9 @@ def burn_vs_plain(
                 f"{p} n={size}: burn engine median {statistics.median(ours):.4g} TFLOP/s, plain "
                 f"matmul median {statistics.median(plain):.4g} TFLOP/s; per-pair ratios "
                 f"{', '.join(f'{r:.3f}' for r in ratios)} ({pairs} pairs of {block:g} s, order "
-                f"alternating; the engine verifies 1 product in {plan.verify_every}); device "
+                f"alternating; the engine verifies 1 product in "
+                f"{engine.intervals.get(p, plan.verify_every)}, its checks held to "
+                f"{plan.verify_budget} of the device's time); device "
                 f"{cdev.device}"
             ),
         )
