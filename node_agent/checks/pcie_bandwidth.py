@@ -49,7 +49,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +63,7 @@ from node_agent.checks.behaviour import (
     figure,
     gpu_labels,
 )
+from node_agent.checks.params import Reader
 from node_agent.checks.transfer import (
     error_results,
     grade_figures,
@@ -129,19 +130,42 @@ class _Gpu:
         return timed_copy(self.dev, work, kind, int(self.host.numel()), self.model, min_s)
 
 
+@dataclass(frozen=True)
+class Params:
+    """The check's parameters (a suite's ``params``), validated by :meth:`parse`."""
+
+    size_bytes: int = DEFAULT_SIZE_BYTES
+    reps: int = DEFAULT_REPS
+    warmup: int = DEFAULT_WARMUP
+    sample_min_s: float = 0.0
+    link_timeout_s: float = DEFAULT_LINK_TIMEOUT_S
+    concurrent_s: float = DEFAULT_CONCURRENT_S
+    worker_timeout_s: float | None = None  # None: 120 s plus two concurrent windows
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> Params:
+        """ValueError naming the key and what was expected."""
+        r = Reader("pcie_bandwidth", raw, cls)
+        return cls(
+            size_bytes=r.integer("size_bytes", 1),
+            reps=r.integer("reps", 1),
+            warmup=r.integer("warmup", 0),
+            sample_min_s=r.number("sample_min_s", at_least=0),
+            link_timeout_s=r.positive("link_timeout_s"),
+            concurrent_s=r.positive("concurrent_s"),
+            worker_timeout_s=r.optional_number("worker_timeout_s", above=0),
+        )
+
+
 def run(ctx: CheckContext) -> list[Result]:
     specs, unavailable = open_specs(ctx)
     if unavailable:
         return unavailable
-    p = ctx.params
-    size = int(p.get("size_bytes", DEFAULT_SIZE_BYTES))
-    reps = max(1, int(p.get("reps", DEFAULT_REPS)))
-    warmup = max(0, int(p.get("warmup", DEFAULT_WARMUP)))
-    link_timeout = float(p.get("link_timeout_s", DEFAULT_LINK_TIMEOUT_S))
-    window_s = float(p.get("concurrent_s", DEFAULT_CONCURRENT_S))
-    sample_min_s = float(p.get("sample_min_s", 0.0))
+    p = ctx.typed_params(Params)
+    size, reps, warmup, sample_min_s = p.size_bytes, p.reps, p.warmup, p.sample_min_s
+    link_timeout, window_s = p.link_timeout_s, p.concurrent_s
     # workers start, allocate and warm up, then copy for two windows
-    worker_timeout = float(p.get("worker_timeout_s", 120.0 + 2 * window_s))
+    worker_timeout = p.worker_timeout_s or 120.0 + 2 * window_s
 
     models = open_models(ctx, specs)
     # 1. one at a time, round-robin per repetition

@@ -38,6 +38,7 @@ BAD = [
     ("gpu_burn", {"precisions": "bf16"}, "precisions"),
     ("thermal_power", {"size": 8192.5}, "size"),
     ("hbm_bandwidth", {"reps": 0}, "reps"),
+    ("pcie_bandwidth", {"concurrent_s": 0}, "concurrent_s"),
     ("rdma", {"tcp_port": 70000}, "tcp_port"),
     ("rdma", {"perftest": "no"}, "perftest"),
     ("hca_ports", {"since": "yesterday"}, "since"),
