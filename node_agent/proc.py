@@ -99,6 +99,12 @@ CONFIG_PATH_KEYS = (
 CONFIG_PROGRAM_KEYS = ("adapter.slurm.scontrol", "adapter.slurm.squeue")
 
 
+#: what the forkserver imports once, when it starts, for every worker it forks: without it
+#: each burn and PCIe worker imports torch itself (8 workers, 8 imports of several seconds).
+#: The forkserver skips a module that does not import (a host without torch).
+FORKSERVER_PRELOAD = ["torch", "node_agent.compute.devices"]
+
+
 def start_forkserver_in_child_cwd() -> None:
     """Start multiprocessing's forkserver (one per process, shared by every ``forkserver``
     context) from :data:`CHILD_CWD`, once, before checks that use it run.
@@ -111,6 +117,8 @@ def start_forkserver_in_child_cwd() -> None:
     at once)."""
     from multiprocessing import forkserver
 
+    # before it starts: a context's set_forkserver_preload once it runs changes nothing
+    forkserver.set_forkserver_preload(FORKSERVER_PRELOAD)
     try:
         here: str | None = os.getcwd()
     except OSError:  # the working directory was removed

@@ -158,3 +158,31 @@ def test_only_proc_spells_the_child_python_flags():
         if '"-P"' in path.read_text(encoding="utf-8") and path.name != "proc.py"
     ]
     assert spelled == []
+
+
+FORKSERVER_PRELOAD = """
+import multiprocessing
+from node_agent.proc import start_forkserver_in_child_cwd
+start_forkserver_in_child_cwd()
+with multiprocessing.get_context("forkserver").Pool(1) as pool:
+    print(pool.apply(eval, ("'torch' in __import__('sys').modules",)))
+"""
+
+
+def test_the_forkserver_has_imported_torch_before_it_forks_a_worker(tmp_path):
+    """The burn's and the PCIe check's 8 workers each fork from it: with torch imported once
+    there, none imports it again (several seconds of CPU each)."""
+    import subprocess
+
+    import pytest
+
+    pytest.importorskip("torch", reason="the load checks' workers need torch: make deps-test")
+    done = subprocess.run(
+        proc.python_code_argv(FORKSERVER_PRELOAD),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True"]
