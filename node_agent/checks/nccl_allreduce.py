@@ -43,6 +43,7 @@ import node_agent
 from node_agent import proc
 from node_agent.checks import CheckContext, host_view
 from node_agent.checks.behaviour import LatestResults, ServiceBehaviour, add_once, figure
+from node_agent.checks.params import Reader
 from node_agent.extras import install_command
 from node_agent.gpu.base import GpuError
 from node_agent.model import Result, Status
@@ -185,25 +186,56 @@ def _has_real_gpus(ctx: CheckContext) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class Params:
+    """The check's parameters (a suite's ``params``), validated by :meth:`parse`."""
+
+    sizes: tuple[int, ...] = DEFAULT_SIZES  # bytes
+    iters: int = 20
+    warmup: int = 5
+    timeout_s: float | None = None  # None: DEFAULT_TIMEOUT_S, inside the check's own timeout
+    world_size: int | None = None  # None: one rank per GPU
+    use_nccl_tests: bool = False  # all_reduce_perf where it is installed
+    cpu_ranks: int | None = None  # set: gloo across this many CPU processes (else 2 off GPUs)
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> Params:
+        """ValueError naming the key and what was expected."""
+        r = Reader("nccl_allreduce", raw, cls)
+        sizes = r.value("sizes")
+        if not isinstance(sizes, list | tuple) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes
+        ):
+            r.fail("sizes", sizes, "a list of sizes in bytes (whole numbers above 0)")
+        return cls(
+            sizes=tuple(sizes),
+            iters=r.integer("iters", 1),
+            warmup=r.integer("warmup", 0),
+            timeout_s=r.optional_number("timeout_s", above=0),
+            world_size=r.optional_integer("world_size", 0),
+            use_nccl_tests=r.flag("use_nccl_tests"),
+            cpu_ranks=r.optional_integer("cpu_ranks", 0),
+        )
+
+
 def run(ctx: CheckContext) -> list[Result]:
     if not torch_available():
         return [ctx.skip(TORCH_MISSING)]
-    p = ctx.params
-    sizes = [int(s) for s in p.get("sizes", DEFAULT_SIZES)]
-    iters, warmup = int(p.get("iters", 20)), int(p.get("warmup", 5))
+    p = ctx.typed_params(Params)
+    sizes, iters, warmup = list(p.sizes), p.iters, p.warmup
     # finish (and kill stragglers) before the runner abandons the check
-    timeout_s = float(p.get("timeout_s", max(5.0, min(DEFAULT_TIMEOUT_S, ctx.timeout_s - 10))))
+    timeout_s = p.timeout_s or max(5.0, min(DEFAULT_TIMEOUT_S, ctx.timeout_s - 10))
     if _has_real_gpus(ctx):
         backend = "nccl"
-        world_size = int(p.get("world_size", len(ctx.gpu.devices())))
+        world_size = len(ctx.gpu.devices()) if p.world_size is None else p.world_size
         if world_size < 2:
             return [one_rank_skip(ctx, world_size, backend)]
-        if p.get("use_nccl_tests") and proc.which("all_reduce_perf"):
+        if p.use_nccl_tests and proc.which("all_reduce_perf"):
             return _run_nccl_tests(ctx, world_size, sizes, iters, warmup, timeout_s)
-    elif not ctx.ports.compute.measured or "cpu_ranks" in p:
+    elif not ctx.ports.compute.measured or p.cpu_ranks is not None:
         # the same code path across real processes on the CPU (stand-in GPUs, CI)
         backend = "gloo"
-        world_size = int(p.get("cpu_ranks", 2))
+        world_size = 2 if p.cpu_ranks is None else p.cpu_ranks
     else:
         return ctx.gpus_unavailable() or [ctx.skip("no GPUs visible: nothing to all-reduce")]
     if world_size < 2:
