@@ -51,13 +51,15 @@ import fcntl
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from node_agent.atomic_file import write_json
 from node_agent.checks import CheckContext
 from node_agent.checks.behaviour import ServiceBehaviour
+from node_agent.checks.params import Reader
 from node_agent.checks.sdc_metrics import SdcVerdicts
 from node_agent.gpu.base import GpuError
 from node_agent.model import Result, Status, utc_iso
@@ -81,10 +83,32 @@ MIN_CONFIRM_BUDGET_S = 8.0
 _BUDGET_SHARE = 0.8
 
 
+@dataclass(frozen=True)
+class Params:
+    """The check's parameters (a suite's ``params``), validated by :meth:`parse`."""
+
+    spool_dir: str | None = None  # None: config spool_dir's sdc/
+    confirm: bool = True  # confirm a job's report with the agent's own probe
+    confirm_repeats: int = DEFAULT_CONFIRM_REPEATS
+    confirm_timeout_s: float = DEFAULT_CONFIRM_TIMEOUT_S
+    confirm_retry_s: float = DEFAULT_CONFIRM_RETRY_S
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> Params:
+        """ValueError naming the key and what was expected."""
+        r = Reader("sdc_spool", raw, cls)
+        return cls(
+            spool_dir=r.optional_string("spool_dir"),
+            confirm=r.flag("confirm"),
+            confirm_repeats=r.integer("confirm_repeats", 1),
+            confirm_timeout_s=r.positive("confirm_timeout_s"),
+            confirm_retry_s=r.number("confirm_retry_s", at_least=0),
+        )
+
+
 def spool_dir(ctx: CheckContext) -> Path:
-    if ctx.params.get("spool_dir"):
-        return Path(ctx.params["spool_dir"])
-    return ctx.config.spool_dir / "sdc"
+    given = ctx.typed_params(Params).spool_dir
+    return Path(given) if given else ctx.config.spool_dir / "sdc"
 
 
 def cursor_path(state_dir: Path) -> Path:
@@ -434,18 +458,19 @@ def _confirm(
     due = sorted(t for t, p in cursor["pending"].items() if p.get("next_try", 0.0) <= now)
     if not cursor["pending"]:
         return set()
-    if not ctx.params.get("confirm", True):
+    params = ctx.typed_params(Params)
+    if not params.confirm:
         outcome = {t: ("pending", "confirmation is off (params.confirm: false)") for t in due}
     elif due:
         budget = min(
-            float(ctx.params.get("confirm_timeout_s", DEFAULT_CONFIRM_TIMEOUT_S)),
+            params.confirm_timeout_s,
             _BUDGET_SHARE * ctx.timeout_s - (time.monotonic() - started),
         )
         outcome = own_probe(ctx, [int(t[4:]) for t in due], budget)
     else:
         outcome = {}
     confirmed = set()
-    retry_s = float(ctx.params.get("confirm_retry_s", DEFAULT_CONFIRM_RETRY_S))
+    retry_s = params.confirm_retry_s
     for target, report in sorted(cursor["pending"].items()):
         result, detail = outcome.get(
             target, ("pending", f"the next probe is due at {_when(report.get('next_try'))}")
@@ -554,7 +579,7 @@ def own_probe(ctx: CheckContext, indices: list[int], budget_s: float) -> dict[st
         "check": "sdc",
         "params": {
             "gpus": list(indices),
-            "repeats": int(ctx.params.get("confirm_repeats", DEFAULT_CONFIRM_REPEATS)),
+            "repeats": ctx.typed_params(Params).confirm_repeats,
         },
         "params_from_suite": "periodic",
         "timeout_s": max(1.0, budget_s - 5.0),

@@ -40,6 +40,7 @@ BAD = [
     ("hbm_bandwidth", {"reps": 0}, "reps"),
     ("pcie_bandwidth", {"concurrent_s": 0}, "concurrent_s"),
     ("nccl_allreduce", {"sizes": [1024, "1M"]}, "sizes"),
+    ("sdc_spool", {"confirm": "yes"}, "confirm"),
     ("rdma", {"tcp_port": 70000}, "tcp_port"),
     ("rdma", {"perftest": "no"}, "perftest"),
     ("hca_ports", {"since": "yesterday"}, "since"),
