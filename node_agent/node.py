@@ -18,10 +18,6 @@ from node_agent.gpu.base import GpuBackend
 from node_agent.hardware.sku import Sku
 from node_agent.kernel_log import KernelLog
 
-#: the key of a suite entry's params that apply over its others on a stand-in node
-#: (DESIGN.md: load checks run their real code on the CPU at small sizes)
-STAND_IN_OVERLAY = "simulated"
-
 
 class GpuReset(Protocol):
     """Resets one GPU: a detail line, or an exception saying why it did not happen (the

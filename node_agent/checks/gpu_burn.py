@@ -54,7 +54,7 @@ from node_agent.checks.behaviour import (
 )
 from node_agent.checks.burn_common import BurnParams, burn, make_plan, worker_failures
 from node_agent.checks.siblings import compare_with_siblings, load_thresholds
-from node_agent.compute.burn import BurnOutcome, BurnPlan, WorkerReport
+from node_agent.compute.burn import BurnOutcome, BurnPlan, Sample, WorkerReport
 from node_agent.model import Result, Status
 
 #: what the burn hands to later checks of the suite run (checks/behaviour.py)
@@ -161,10 +161,23 @@ def _throughput(ctx: CheckContext, outcome: BurnOutcome) -> list[Result]:
                     median_tflops=_sig(w.median_tflops(precision) or 0.0),
                     products_verified=sum(s.verified for s in samples),
                     verify_every=plan.verify_every,
+                    verify_interval=_interval(samples, plan),
                     **verdict.evidence(),
                 )
             )
     return out
+
+
+def _interval(samples: list[Sample], plan: BurnPlan) -> int:
+    """One product in this many was verified: the largest interval the samples report (the
+    engine widens ``verify_every`` to keep checks within ``verify_budget``)."""
+    return max((s.verify_interval for s in samples), default=0) or plan.verify_every
+
+
+def _intervals_text(intervals: dict[str, int], plan: BurnPlan) -> str:
+    if len(set(intervals.values())) <= 1:
+        return str(next(iter(intervals.values()), plan.verify_every))
+    return ", ".join(f"{n} ({p})" for p, n in intervals.items())
 
 
 def _wrong_elements(
@@ -174,11 +187,16 @@ def _wrong_elements(
         return None  # never ran: its failure or the node-level skip says why
     target = f"gpu:{index}"
     verified = sum(s.verified for s in w.samples)
+    intervals = {
+        p: _interval([s for s in w.samples if s.precision == p], plan)
+        for p in dict.fromkeys(s.precision for s in w.samples)
+    }
     evidence: dict[str, Any] = {
         "events": w.wrong_events,
         "events_total": w.wrong_events_total,
         "products_verified": verified,
         "verify_every": plan.verify_every,
+        "verify_interval": intervals,
         "method": "block Freivalds on the device, read back without "
         "stalling it; flagged rows recomputed in float64 "
         "on the CPU, re-run once to confirm",
@@ -191,7 +209,7 @@ def _wrong_elements(
             "wrong_elements",
             Status.PASS,
             f"gpu:{index}: no wrong elements in {verified} verified products "
-            f"(one in {plan.verify_every} verified)",
+            f"(one in {_intervals_text(intervals, plan)} verified)",
             value=0,
             unit="elements",
             **evidence,

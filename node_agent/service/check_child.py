@@ -147,7 +147,7 @@ def _amended(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """``base`` with ``overrides`` applied to its params and to its stand-in section, so an
     override holds on this host and on a stand-in node alike."""
     out = {**base, **overrides}
-    from node_agent.node import STAND_IN_OVERLAY
+    from node_agent.suite import STAND_IN_OVERLAY
 
     stand_in = base.get(STAND_IN_OVERLAY)
     if isinstance(stand_in, dict):

@@ -48,10 +48,11 @@ from node_agent.gpu.base import GpuBackend, StandInBackend
 from node_agent.hardware.sku import Sku
 from node_agent.host.paths import HostPaths
 from node_agent.kernel_log import KernelLog, LinesKernelLog, UnavailableKernelLog
-from node_agent.node import STAND_IN_OVERLAY, Node
+from node_agent.node import Node
 from node_agent.sim import host_tools
 from node_agent.sim import tools as sim_tools
 from node_agent.sim.scenario import Scenario, load_scenario
+from node_agent.suite import STAND_IN_OVERLAY
 from node_agent.yamlfile import ConfigError
 
 

@@ -829,3 +829,18 @@ def test_burn_vs_plain_names_the_precisions_its_time_box_leaves_out():
     assert got["burn_vs_plain_matmul_fp32"]["reason"].startswith("not run: the step's time box")
     assert got["burn_vs_plain_matmul"]["value"] is None
     assert "fp32: not run: the step's time box" in got["burn_vs_plain_matmul"]["reason"]
+
+
+def test_the_burn_check_reports_the_interval_the_engine_verified_at():
+    """The engine widens ``verify_every`` to keep checks within ``verify_budget``; the check's
+    evidence and detail say how many products one verified one stood for, per precision."""
+    from node_agent.checks.gpu_burn import _interval, _intervals_text
+    from node_agent.compute.burn import Sample
+
+    plan = BurnPlan(size=64, precisions=("fp8", "bf16"), verify_every=8)
+    fp8 = [Sample(0, 1, "fp8", 1.0, 1.0, 2, 0, 71), Sample(1, 2, "fp8", 1.0, 1.0, 2, 0, 71)]
+    bf16 = [Sample(2, 3, "bf16", 1.0, 1.0, 3, 0, 38)]
+    assert _interval(fp8, plan) == 71 and _interval(bf16, plan) == 38
+    assert _interval([Sample(0, 1, "fp8", 1.0, 1.0, 2, 0)], plan) == 8  # none reported
+    assert _intervals_text({"fp8": 71, "bf16": 38}, plan) == "71 (fp8), 38 (bf16)"
+    assert _intervals_text({"fp8": 8, "bf16": 8}, plan) == "8"
