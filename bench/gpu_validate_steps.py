@@ -72,7 +72,7 @@ SDC_OVERHEAD_PAIRS, SDC_OVERHEAD_BLOCK_S, SDC_OVERHEAD_SETUP_S = 8, 3.0, 25.0
 #: 4 layers, ~11 ms steps on an H200) is bound by the host's kernel launches, and there two
 #: blocks *without* the probe differed by -7.6 % to +20.2 % (median +5.6 %, 6 pairs of 2.5 s):
 #: the host's jitter, not the probe. A bf16 loop of d_model 2048 and 6 layers (37 ms steps, on
-#: an H200 in an earlier session) had its pairs agree within 0.3 %; this size is not yet timed
+#: an H200, measured earlier) had its pairs agree within 0.3 %; this size is not yet timed
 #: through this step.
 SDC_OVERHEAD_MODEL = {"d_model": 2048, "heads": 16, "layers": 6}
 DAEMON_WINDOW_S = 60.0
