@@ -45,6 +45,7 @@ from node_agent.checks.behaviour import (
 from node_agent.checks.params import Reader
 from node_agent.checks.transfer import (
     copy_bytes,
+    copy_params,
     error_results,
     grade_figures,
     open_models,
@@ -75,10 +76,7 @@ class Params:
         """ValueError naming the key and what was expected."""
         r = Reader("hbm_bandwidth", raw, cls)
         return cls(
-            size_bytes=r.integer("size_bytes", 1),
-            reps=r.integer("reps", 1),
-            warmup=r.integer("warmup", 0),
-            sample_min_s=r.number("sample_min_s", at_least=0),
+            **copy_params(r),
         )
 
 

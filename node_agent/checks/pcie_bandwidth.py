@@ -65,6 +65,7 @@ from node_agent.checks.behaviour import (
 )
 from node_agent.checks.params import Reader
 from node_agent.checks.transfer import (
+    copy_params,
     error_results,
     grade_figures,
     open_models,
@@ -147,10 +148,7 @@ class Params:
         """ValueError naming the key and what was expected."""
         r = Reader("pcie_bandwidth", raw, cls)
         return cls(
-            size_bytes=r.integer("size_bytes", 1),
-            reps=r.integer("reps", 1),
-            warmup=r.integer("warmup", 0),
-            sample_min_s=r.number("sample_min_s", at_least=0),
+            **copy_params(r),
             link_timeout_s=r.positive("link_timeout_s"),
             concurrent_s=r.positive("concurrent_s"),
             worker_timeout_s=r.optional_number("worker_timeout_s", above=0),

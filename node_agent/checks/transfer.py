@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from node_agent.checks import CheckContext
+from node_agent.checks.params import Reader
 from node_agent.checks.siblings import compare_with_siblings, load_thresholds
 from node_agent.compute.copy_model import CopyModel
 from node_agent.compute.devices import ComputeDevice, ComputeSpec, ComputeUnavailable
@@ -246,3 +247,14 @@ def error_results(
         )
         for metric in metrics
     ]
+
+
+def copy_params(r: Reader) -> dict[str, Any]:
+    """The copy measurement's parameters both checks take (``size_bytes``, ``reps``,
+    ``warmup``, ``sample_min_s``), read from a check's :class:`Reader` for its ``Params``."""
+    return {
+        "size_bytes": r.integer("size_bytes", 1),
+        "reps": r.integer("reps", 1),
+        "warmup": r.integer("warmup", 0),
+        "sample_min_s": r.number("sample_min_s", at_least=0),
+    }
