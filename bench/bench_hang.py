@@ -41,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from node_agent.checks import CheckContext  # noqa: E402
+from node_agent.checking.context import CheckContext  # noqa: E402
 from node_agent.checks.training_progress import run  # noqa: E402
 from node_agent.heartbeat import Heartbeat  # noqa: E402
 from node_agent.suite import load_suite  # noqa: E402

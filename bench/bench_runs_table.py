@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, os.environ.get("PYTHONPATH") or str(ROOT))
 
 import node_agent  # noqa: E402
-from node_agent.checks import CheckContext  # noqa: E402
+from node_agent.checking.context import CheckContext  # noqa: E402
 from node_agent.checks.training_progress import run  # noqa: E402
 from node_agent.grading.rules import load_grader  # noqa: E402
 from node_agent.remediation.store import DB_NAME, open_store  # noqa: E402

@@ -17,7 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from node_agent.checks import CheckContext, storage
+from node_agent.checking.context import CheckContext
+from node_agent.checks import storage
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
 from node_agent.parsers.fio import parse_fio_json

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from node_agent import resources
 from node_agent.atomic_file import private_dir
-from node_agent.checks.ports import Ports
+from node_agent.checking.ports import Ports
 from node_agent.config import Config
 from node_agent.gpu import open_backend
 from node_agent.gpu.base import GpuBackend

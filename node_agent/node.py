@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from node_agent.checks.ports import Ports
+from node_agent.checking.ports import Ports
 from node_agent.gpu.base import GpuBackend
 from node_agent.hardware.sku import Sku
 from node_agent.kernel_log import KernelLog

@@ -6,8 +6,8 @@ hang for good; the thread is then abandoned (it cannot be killed) and the result
 Subprocesses started by checks carry their own timeouts (``node_agent.proc``).
 
 A check hands a value to a later check only as a declared output (``OUTPUTS`` in the producer,
-``INPUTS`` in the consumer: :mod:`node_agent.checks.behaviour`); the runner keeps one
-:class:`~node_agent.checks.behaviour.Handover` per suite run and gives each check only the
+``INPUTS`` in the consumer: :mod:`node_agent.checking.behaviour`); the runner keeps one
+:class:`~node_agent.checking.behaviour.Handover` per suite run and gives each check only the
 inputs it declares.
 """
 
@@ -20,8 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from node_agent import proc
-from node_agent.checks import CheckContext, resolve
-from node_agent.checks.behaviour import Handover
+from node_agent.checking.behaviour import Handover
+from node_agent.checking.context import CheckContext
+from node_agent.checking.registry import resolve
 from node_agent.environment import Environment
 from node_agent.model import Result, Status
 from node_agent.suite import STAND_IN_OVERLAY, CheckSpec, Suite

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from node_agent.checks import REGISTRY, parse_params
+from node_agent.checking.registry import REGISTRY, parse_params
 from node_agent.yamlfile import ConfigError, load_yaml
 
 SUITE_SCHEMA: dict[str, Any] = {
@@ -45,7 +45,7 @@ STAND_IN_OVERLAY = "simulated"
 @dataclass(frozen=True)
 class CheckSpec:
     """One entry of a suite. Its ``params`` are parsed through the check's ``Params``
-    (checks/params.py) when the entry is made, for a real host and for a stand-in node (the
+    (checking/params.py) when the entry is made, for a real host and for a stand-in node (the
     ``simulated`` overlay applied): a bad value is a ConfigError naming the check and the key,
     before anything runs."""
 

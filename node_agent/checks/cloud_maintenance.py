@@ -36,8 +36,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from node_agent import atomic_file
-from node_agent.checks import CheckContext
-from node_agent.checks.params import Reader
+from node_agent.checking.context import CheckContext
+from node_agent.checking.params import Reader
 from node_agent.host import cloud_metadata as cm
 from node_agent.model import PlannedEvent, Result, Status
 

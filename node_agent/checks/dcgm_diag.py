@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from node_agent import proc
-from node_agent.checks import CheckContext
-from node_agent.checks.params import Reader
+from node_agent.checking.context import CheckContext
+from node_agent.checking.params import Reader
 from node_agent.gpu.dcgm import DcgmError, DcgmSource, DcgmUnavailable, DiagRequest, open_dcgm
 from node_agent.model import Result, Status
 from node_agent.parsers import ParseError

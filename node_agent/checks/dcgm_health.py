@@ -23,9 +23,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from node_agent.checks import CheckContext
+from node_agent.checking.context import CheckContext
+from node_agent.checking.params import Reader
 from node_agent.checks.dcgm_diag import dcgm_unready
-from node_agent.checks.params import Reader
 from node_agent.gpu.dcgm import (
     DcgmError,
     DcgmSource,

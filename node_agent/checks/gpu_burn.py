@@ -42,8 +42,7 @@ from typing import Any, ClassVar
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from node_agent.checks import CheckContext
-from node_agent.checks.behaviour import (
+from node_agent.checking.behaviour import (
     LatestResults,
     ServiceBehaviour,
     add_once,
@@ -52,18 +51,19 @@ from node_agent.checks.behaviour import (
     label,
     put_output,
 )
-from node_agent.checks.burn_common import BurnParams, burn, make_plan, worker_failures
-from node_agent.checks.siblings import compare_with_siblings, load_thresholds
+from node_agent.checking.burn_run import BurnParams, burn, make_plan, worker_failures
+from node_agent.checking.context import CheckContext
+from node_agent.checking.siblings import compare_with_siblings, load_thresholds
 from node_agent.compute.burn import BurnOutcome, BurnPlan, Sample, WorkerReport
 from node_agent.model import Result, Status
 
-#: what the burn hands to later checks of the suite run (checks/behaviour.py)
+#: what the burn hands to later checks of the suite run (checking/behaviour.py)
 OUTPUTS = ("trace",)
 
 
 @dataclass(frozen=True)
 class Params(BurnParams):
-    """The burn's parameters (checks/burn_common.py), 300 s by default."""
+    """The burn's parameters (checking/burn_run.py), 300 s by default."""
 
     CHECK: ClassVar[str] = "gpu_burn"
 

@@ -35,7 +35,7 @@ No RDMA device: skip with the reason. Params: ``sysfs_root`` (default
 (``["mlx5_9", "mlx5_4/2"]``: ports not cabled on purpose), ``since`` (``boot``, default, or
 ``last_run``: kernel lines after the previous run's cursor). In the daemon the ports' error
 counters are exported by the collector this check shares with ``rdma``
-(:mod:`node_agent.checks.hca_metrics`).
+(:mod:`node_agent.checking.hca_metrics`).
 """
 
 from __future__ import annotations
@@ -48,10 +48,11 @@ from pathlib import Path
 from typing import Any
 
 from node_agent import atomic_file, resources
-from node_agent.checks import CheckContext, log_cursor
-from node_agent.checks.behaviour import ServiceBehaviour
-from node_agent.checks.hca_metrics import HcaPortErrors
-from node_agent.checks.params import Reader
+from node_agent.checking import log_cursor
+from node_agent.checking.behaviour import ServiceBehaviour
+from node_agent.checking.context import CheckContext
+from node_agent.checking.hca_metrics import HcaPortErrors
+from node_agent.checking.params import Reader
 from node_agent.host import infiniband
 from node_agent.kernel_log import LogRecord
 from node_agent.kernel_log.mlx5_lines import Mlx5Line, parse_mlx5_line

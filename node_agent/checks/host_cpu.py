@@ -22,9 +22,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from node_agent.checks import CheckContext
-from node_agent.checks.host_common import Counters, HostParams, host_paths, not_recorded, thresholds
-from node_agent.checks.host_log import kernel_messages
+from node_agent.checking.context import CheckContext
+from node_agent.checking.host_checks import (
+    Counters,
+    HostParams,
+    host_paths,
+    not_recorded,
+    thresholds,
+)
+from node_agent.checking.host_log import kernel_messages
 from node_agent.host.cpu import (
     THROTTLE_WORDS,
     CpuState,
@@ -38,7 +44,7 @@ from node_agent.model import Result, Status
 
 @dataclass(frozen=True)
 class Params(HostParams):
-    """The roots and tools it reads (checks/host_common.py)."""
+    """The roots and tools it reads (checking/host_checks.py)."""
 
     CHECK: ClassVar[str] = "host_cpu"
 

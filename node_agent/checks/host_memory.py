@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from node_agent import atomic_file
-from node_agent.checks import CheckContext
-from node_agent.checks.host_common import HostParams, host_paths, not_recorded, thresholds
-from node_agent.checks.host_log import kernel_messages
+from node_agent.checking.context import CheckContext
+from node_agent.checking.host_checks import HostParams, host_paths, not_recorded, thresholds
+from node_agent.checking.host_log import kernel_messages
 from node_agent.host.edac import EdacAbsent, MemoryController, read_edac
 from node_agent.host.ghes import GHES_WORDS, GhesMemoryError, ghes_sources, parse_ghes
 from node_agent.host.memory import InstalledMemory, read_installed
@@ -66,7 +66,7 @@ def _controllers(paths: HostPaths) -> tuple[list[MemoryController] | None, str |
 
 @dataclass(frozen=True)
 class Params(HostParams):
-    """The roots and tools it reads (checks/host_common.py)."""
+    """The roots and tools it reads (checking/host_checks.py)."""
 
     CHECK: ClassVar[str] = "host_memory"
 

@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from node_agent import proc
-from node_agent.checks import CheckContext
-from node_agent.checks.params import Reader
+from node_agent.checking.context import CheckContext
+from node_agent.checking.params import Reader
 from node_agent.gpu.nvlink_topology import nvlink_applicability
 from node_agent.model import Result, Status
 from node_agent.parsers import ParseError

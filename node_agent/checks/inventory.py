@@ -9,7 +9,8 @@ inside a VM the SKU's GPU count and NVLinks are not this host's (docs/hosts.md).
 
 from __future__ import annotations
 
-from node_agent.checks import CheckContext, host_view
+from node_agent.checking import host_view
+from node_agent.checking.context import CheckContext
 from node_agent.gpu.base import DeviceLost, GpuTimeout
 from node_agent.model import Result, Status
 

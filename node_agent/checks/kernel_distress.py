@@ -55,9 +55,10 @@ from pathlib import Path
 from typing import Any
 
 from node_agent import proc
-from node_agent.checks import CheckContext, log_cursor
-from node_agent.checks.params import Reader
-from node_agent.checks.xid_fold import BURST_GAP_S, MAX_BURST_STARTS, Fold
+from node_agent.checking import log_cursor
+from node_agent.checking.context import CheckContext
+from node_agent.checking.params import Reader
+from node_agent.checking.xid_fold import BURST_GAP_S, MAX_BURST_STARTS, Fold
 from node_agent.kernel_log import LogRecord
 from node_agent.kernel_log_distress import DistressLine, scan_distress
 from node_agent.model import Result, Status

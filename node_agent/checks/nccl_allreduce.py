@@ -41,9 +41,10 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 import node_agent
 from node_agent import proc
-from node_agent.checks import CheckContext, host_view
-from node_agent.checks.behaviour import LatestResults, ServiceBehaviour, add_once, figure
-from node_agent.checks.params import Reader
+from node_agent.checking import host_view
+from node_agent.checking.behaviour import LatestResults, ServiceBehaviour, add_once, figure
+from node_agent.checking.context import CheckContext
+from node_agent.checking.params import Reader
 from node_agent.extras import install_command
 from node_agent.gpu.base import GpuError
 from node_agent.model import Result, Status

@@ -33,8 +33,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from node_agent.checks import CheckContext
-from node_agent.checks.params import Reader
+from node_agent.checking.context import CheckContext
+from node_agent.checking.params import Reader
 from node_agent.gpu.base import GpuError, GpuFabric
 from node_agent.gpu.nvlink_topology import (
     Applicability,

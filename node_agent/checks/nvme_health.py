@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from node_agent import proc
-from node_agent.checks import CheckContext
-from node_agent.checks.host_common import (
+from node_agent.checking.context import CheckContext
+from node_agent.checking.host_checks import (
     HostParams,
     host_paths,
     not_recorded,
@@ -61,7 +61,7 @@ ENDURANCE_PERCENT = 100
 
 @dataclass(frozen=True)
 class Params(HostParams):
-    """The roots and tools it reads (checks/host_common.py)."""
+    """The roots and tools it reads (checking/host_checks.py)."""
 
     CHECK: ClassVar[str] = "nvme_health"
 

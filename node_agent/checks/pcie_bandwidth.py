@@ -55,16 +55,16 @@ from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from node_agent.checks import CheckContext
-from node_agent.checks.behaviour import (
+from node_agent.checking.behaviour import (
     LatestResults,
     ServiceBehaviour,
     add_once,
     figure,
     gpu_labels,
 )
-from node_agent.checks.params import Reader
-from node_agent.checks.transfer import (
+from node_agent.checking.context import CheckContext
+from node_agent.checking.params import Reader
+from node_agent.checking.transfer import (
     copy_params,
     error_results,
     grade_figures,

@@ -24,7 +24,7 @@ On a stand-in node (the node's ports carry an RDMA tree, ``ctx.ports.rdma_tree``
 written to a temporary directory, with its RDMA faults applied there; this module reads them exactly as it reads real ones.
 
 In the daemon the ports' error counters are exported by the collector this check shares with
-``hca_ports`` (:mod:`node_agent.checks.hca_metrics`).
+``hca_ports`` (:mod:`node_agent.checking.hca_metrics`).
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from node_agent import proc
-from node_agent.checks import CheckContext
-from node_agent.checks.behaviour import ServiceBehaviour
-from node_agent.checks.hca_metrics import HcaPortErrors
-from node_agent.checks.params import Reader
+from node_agent.checking.behaviour import ServiceBehaviour
+from node_agent.checking.context import CheckContext
+from node_agent.checking.hca_metrics import HcaPortErrors
+from node_agent.checking.params import Reader
 from node_agent.host.infiniband import SYSFS_ROOT, Port, discover
 from node_agent.model import Result, Status
 from node_agent.parsers import ParseError

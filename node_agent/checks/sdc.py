@@ -59,9 +59,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from node_agent.atomic_file import write_json
-from node_agent.checks import CheckContext
-from node_agent.checks.behaviour import ServiceBehaviour
-from node_agent.checks.sdc_metrics import SdcVerdicts
+from node_agent.checking.behaviour import ServiceBehaviour
+from node_agent.checking.context import CheckContext
+from node_agent.checking.sdc_metrics import SdcVerdicts
 from node_agent.compute import devices as compute
 from node_agent.model import Result, Status
 
@@ -71,7 +71,7 @@ if TYPE_CHECKING:
     from node_agent.sdc.coverage import Coverage
     from node_agent.sdc.verdicts import Window
 
-#: in the daemon: each GPU's verdict counts in node_agent_sdc_probes_total (checks/sdc_metrics.py)
+#: in the daemon: each GPU's verdict counts in node_agent_sdc_probes_total (checking/sdc_metrics.py)
 SERVICE = ServiceBehaviour(metrics=SdcVerdicts)
 HISTORY_SCHEMA = "node-agent.sdc-digests/1"
 DEFAULT_REPEATS = 2

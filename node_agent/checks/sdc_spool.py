@@ -57,10 +57,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from node_agent.atomic_file import write_json
-from node_agent.checks import CheckContext
-from node_agent.checks.behaviour import ServiceBehaviour
-from node_agent.checks.params import Reader
-from node_agent.checks.sdc_metrics import SdcVerdicts
+from node_agent.checking.behaviour import ServiceBehaviour
+from node_agent.checking.context import CheckContext
+from node_agent.checking.params import Reader
+from node_agent.checking.sdc_metrics import SdcVerdicts
 from node_agent.gpu.base import GpuError
 from node_agent.model import Result, Status, utc_iso
 
@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     from node_agent.sdc.spool import SpooledVerdict
 
 #: in the daemon: a confirmed or cleared report counts in node_agent_sdc_probes_total, with the
-#: sdc check's own verdicts (checks/sdc_metrics.py)
+#: sdc check's own verdicts (checking/sdc_metrics.py)
 SERVICE = ServiceBehaviour(metrics=SdcVerdicts)
 CURSOR_SCHEMA = "node-agent.sdc-spool-cursor/1"
 DEFAULT_CONFIRM_REPEATS = 3

@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from node_agent import proc
-from node_agent.checks import CheckContext
-from node_agent.checks.params import Reader
+from node_agent.checking.context import CheckContext
+from node_agent.checking.params import Reader
 from node_agent.gpu.base import GpuError
 from node_agent.model import Result, Status
 

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from node_agent import proc
-from node_agent.checks import CheckContext
-from node_agent.checks.params import Reader
+from node_agent.checking.context import CheckContext
+from node_agent.checking.params import Reader
 from node_agent.model import Result, Status
 from node_agent.parsers import ParseError
 from node_agent.parsers.fio import FioJob, parse_fio_json

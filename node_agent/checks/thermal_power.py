@@ -33,9 +33,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from node_agent.checks import CheckContext
-from node_agent.checks.behaviour import get_input
-from node_agent.checks.burn_common import BurnParams, burn, make_plan, worker_failures
+from node_agent.checking.behaviour import get_input
+from node_agent.checking.burn_run import BurnParams, burn, make_plan, worker_failures
+from node_agent.checking.context import CheckContext
 from node_agent.gpu.base import GpuError
 from node_agent.gpu.throttle import ABNORMAL_THROTTLE
 from node_agent.model import Result, Status
@@ -43,13 +43,13 @@ from node_agent.model import Result, Status
 FULL_LOAD_FRACTION = 0.5  # readings with the burn's throughput in them, of all readings
 DEFAULT_POWER_FRACTION_MIN = 0.75  # used only without a SKU file; see graders/skus/*.yaml
 DEFAULT_CLOCK_DROP_MAX = 0.30
-#: the burn's telemetry trace, from gpu_burn earlier in the suite run (checks/behaviour.py)
+#: the burn's telemetry trace, from gpu_burn earlier in the suite run (checking/behaviour.py)
 INPUTS = {"trace": "gpu_burn"}
 
 
 @dataclass(frozen=True)
 class Params(BurnParams):
-    """The burn's parameters (checks/burn_common.py) for its own short burn, when the suite ran
+    """The burn's parameters (checking/burn_run.py) for its own short burn, when the suite ran
     no ``gpu_burn`` before it: 60 s by default, the first precision only."""
 
     CHECK: ClassVar[str] = "thermal_power"

@@ -48,8 +48,8 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from node_agent.checks import CheckContext
-from node_agent.checks.behaviour import NodeLabels, ServiceBehaviour, label, number
+from node_agent.checking.behaviour import NodeLabels, ServiceBehaviour, label, number
+from node_agent.checking.context import CheckContext
 from node_agent.gpu.base import GpuDevice, GpuError
 from node_agent.heartbeat import remove_stale
 from node_agent.host.infiniband import SYSFS_ROOT
@@ -717,7 +717,7 @@ def _write_evidence(
     return written
 
 
-# -- in the daemon (checks/behaviour.py) ---------------------------------------------------------
+# -- in the daemon (checking/behaviour.py) ---------------------------------------------------------
 
 
 #: per-process result metrics -> 1 when the result is a hang suspicion

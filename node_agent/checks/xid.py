@@ -2,7 +2,7 @@
 
 Every (GPU, code) becomes one ``fail`` result (metric ``xid``) and every (NVSwitch, code) one
 (metric ``sxid``, target ``nvswitch:N``), however many lines the driver printed: count, first and
-last time, rate, bursts and the distinct things the lines said (``checks/xid_fold.py``). The
+last time, rate, bursts and the distinct things the lines said (``checking/xid_fold.py``). The
 grader gives each its level from ``graders/xid.yaml`` / ``sxid.yaml``, reading the lines where
 NVIDIA's catalog decodes them (Xid 144-150, 154). ``since: boot`` (default) reads everything the
 kernel still holds for this boot; ``since: last_run`` keeps a cursor in the state directory and
@@ -38,10 +38,11 @@ from pathlib import Path
 from typing import Any
 
 from node_agent import resources
-from node_agent.checks import CheckContext, log_cursor
-from node_agent.checks.behaviour import ServiceBehaviour
-from node_agent.checks.params import Reader
-from node_agent.checks.xid_fold import DriverFold, Folder, keep_fuller
+from node_agent.checking import log_cursor
+from node_agent.checking.behaviour import ServiceBehaviour
+from node_agent.checking.context import CheckContext
+from node_agent.checking.params import Reader
+from node_agent.checking.xid_fold import DriverFold, Folder, keep_fuller
 from node_agent.gpu.base import GpuError
 from node_agent.gpu.pci import NVIDIA_VENDOR_ID, SYSFS_PCI_DEVICES
 from node_agent.hardware.driver_lines import DriverLineKind, load_driver_lines

@@ -1,6 +1,6 @@
 """The XID and SXid catalogs (``graders/xid.yaml``, ``graders/sxid.yaml``): a finding -> a level.
 
-An ``xid`` result is one folded finding (``checks/xid_fold.py``): a code on a GPU, its count,
+An ``xid`` result is one folded finding (``checking/xid_fold.py``): a code on a GPU, its count,
 bursts and the *variants* its lines printed. Its level comes from, in order:
 
 1. the code's entry (or ``default`` for a code the catalog does not list);

@@ -22,7 +22,7 @@ SKU_SCHEMA: dict[str, Any] = {
         "match": {"type": "array", "items": {"type": "string"}, "minItems": 1},
         # the board's GPUs (an HGX baseboard: 8). A VM given part of a board sees fewer: there
         # the count is checked only against node.expected_gpus or a trace of a lost GPU
-        # (checks/nvml_health.py, docs/hosts.md)
+        # (checks/nvml_health/__init__.py, docs/hosts.md)
         "gpus_per_node": {"type": "integer", "minimum": 1},
         # false for add-in cards: a server carries as many as its build has, so gpus_per_node
         # is only the common full build (and a simulated node's default); the agent then

@@ -25,7 +25,7 @@ ERROR/FAULT or UNKNOWN (:func:`~node_agent.service.node_state.answered`): in NVR
 ``/healthz`` and ``node_agent_grade_unknown``.
 
 The daemon names no check: what a check does in service it declares beside its ``run()``
-(``SERVICE``, :mod:`node_agent.checks.behaviour`): which results stay part of the grade for
+(``SERVICE``, :mod:`node_agent.checking.behaviour`): which results stay part of the grade for
 the daemon's life and how two of them fold into one (the xid check's findings), and the
 Prometheus collector of its own (one per factory, registered at start, fed each run's
 results). Checks listed in ``daemon.subprocess_checks`` run in a child process
@@ -48,8 +48,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from node_agent import proc
 from node_agent.atomic_file import ensure_spool_dirs, private_dir
-from node_agent.checks import REGISTRY
-from node_agent.checks.behaviour import (
+from node_agent.checking.behaviour import (
     PLAIN,
     CheckMetrics,
     Handover,
@@ -58,6 +57,7 @@ from node_agent.checks.behaviour import (
     ServiceBehaviour,
     behaviour,
 )
+from node_agent.checking.registry import REGISTRY
 from node_agent.config import Config, load_config
 from node_agent.environment import Environment, open_environment
 from node_agent.model import Action, Grade, Level, Result, Status
@@ -153,7 +153,7 @@ class Daemon:
         self._scenario_mtime = self._mtime(simulate)
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(DaemonCollector(self.snapshot))
-        #: the checks' own collectors, one per factory (checks/behaviour.py)
+        #: the checks' own collectors, one per factory (checking/behaviour.py)
         self._check_metrics: dict[MetricsFactory, CheckMetrics] = {}
         self._broken_hooks: set[str] = set()
         for check in REGISTRY:

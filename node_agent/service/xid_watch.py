@@ -6,7 +6,7 @@ Two threads, each blocking on its source with a short timeout so it notices a st
 - Kernel log: ``/dev/kmsg`` followed from an open fd (``KmsgFollower``); other sources (the
   journal, the simulator's lines) are re-read every ``poll_s``.
 
-Every sighting is folded (``checks/xid_fold.py``): the same code on the same GPU or NVSwitch is
+Every sighting is folded (``checking/xid_fold.py``): the same code on the same GPU or NVSwitch is
 one finding with its count, first/last time, rate, bursts and the variants its lines printed.
 ``on_xid`` is called with the whole finding, and only when a grader could conclude something new
 (the first line, a new variant such as a Fatal line after Nonfatal ones, a new burst) or, while
@@ -51,9 +51,9 @@ from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from node_agent.checks.behaviour import NodeLabels
+from node_agent.checking.behaviour import NodeLabels
+from node_agent.checking.xid_fold import Fold, Folder
 from node_agent.checks.xid import nvidia_buses
-from node_agent.checks.xid_fold import Fold, Folder
 from node_agent.gpu.base import GpuBackend, GpuError, NotSupported
 from node_agent.kernel_log import (
     DriverLine,

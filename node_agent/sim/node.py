@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from node_agent.checks.ports import (
+from node_agent.checking.ports import (
     CAPTURE_HOST_UNRECORDED,
     CAPTURE_PSTORE_UNRECORDED,
     STAND_IN_NO_DCGM,

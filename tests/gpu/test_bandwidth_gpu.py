@@ -9,7 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from node_agent.checks import CheckContext, hbm_bandwidth, pcie_bandwidth  # noqa: E402
+from node_agent.checking.context import CheckContext  # noqa: E402
+from node_agent.checks import hbm_bandwidth, pcie_bandwidth  # noqa: E402
 from node_agent.config import config_from_dict  # noqa: E402
 from node_agent.gpu import open_backend  # noqa: E402
 from node_agent.model import Status  # noqa: E402

@@ -11,7 +11,8 @@ import time
 import psutil
 import pytest
 
-from node_agent.checks import CheckContext, nccl_allreduce
+from node_agent.checking.context import CheckContext
+from node_agent.checks import nccl_allreduce
 from node_agent.compute import allreduce
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend

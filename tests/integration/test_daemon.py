@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from node_agent import checks
+from node_agent.checking import registry
 from node_agent.service.daemon import Daemon
 from node_agent.service.sd_notify import Notifier
 
@@ -172,7 +172,7 @@ def test_check_that_raises_every_time_does_not_stop_the_others(
     boom = tmp_path / "boom_check.py"
     boom.write_text("def run(ctx):\n    raise RuntimeError('broken on purpose')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(checks.REGISTRY, "boom", "boom_check")
+    monkeypatch.setitem(registry.REGISTRY, "boom", "boom_check")
     suite = dict(
         PERIODIC, checks=[{"check": "boom", "every_s": 0.2, "timeout_s": 5}, *PERIODIC["checks"]]
     )
@@ -304,7 +304,7 @@ def test_hung_training_process_is_exported_and_counted_once(node, running, monke
     check: stepping on the first run, hung on every later one -> one suspicion."""
     (tmp_path / "fake_training_check.py").write_text(FAKE_TRAINING_CHECK)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(checks.REGISTRY, "training_progress", "fake_training_check")
+    monkeypatch.setitem(registry.REGISTRY, "training_progress", "fake_training_check")
     suite = dict(
         PERIODIC,
         checks=[
@@ -490,7 +490,7 @@ def test_a_check_module_that_does_not_import_leaves_the_daemon_running(tmp_path,
     is a plain check (its runs report the crash), never a daemon that cannot start."""
     from node_agent.model import Result, Status
 
-    monkeypatch.setitem(checks.REGISTRY, "broken", "node_agent_no_such_module")
+    monkeypatch.setitem(registry.REGISTRY, "broken", "node_agent_no_such_module")
     scenario, config = tmp_path / "scenario.yaml", tmp_path / "config.yaml"
     scenario.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 2, "faults": []}))
     config.write_text(

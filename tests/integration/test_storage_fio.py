@@ -7,7 +7,8 @@ import os
 import shutil
 from pathlib import Path
 
-from node_agent.checks import CheckContext, storage
+from node_agent.checking.context import CheckContext
+from node_agent.checks import storage
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
 from node_agent.model import Status

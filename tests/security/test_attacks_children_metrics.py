@@ -34,7 +34,7 @@ import pytest
 import yaml
 from synthetic_reports import synthetic_report  # tests/synthetic_reports.py
 
-from node_agent.checks import CheckContext
+from node_agent.checking.context import CheckContext
 from node_agent.config import load_config
 from node_agent.environment import open_environment
 from node_agent.model import Result, Status

@@ -430,7 +430,7 @@ def test_a_surrogate_job_or_a_nul_log_file_leaves_metrics_and_hang_detection_wor
 ):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from node_agent.checks.behaviour import NodeLabels, behaviour
+    from node_agent.checking.behaviour import NodeLabels, behaviour
     from node_agent.model import Result
 
     hb = heartbeat_spool(shared_dir)

@@ -189,7 +189,7 @@ def test_new_simulated_readings_fail_like_the_others_on_a_lost_or_hung_gpu(fault
 
 
 def test_load_hints_reach_only_a_stand_in_and_are_a_no_op_on_this_host():
-    from node_agent.checks.ports import Ports
+    from node_agent.checking.ports import Ports
     from node_agent.gpu.absent import AbsentGpuBackend
     from node_agent.sim.node import stand_in_ports
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.checks import CheckContext
+from node_agent.checking.context import CheckContext
+from node_agent.checking.transfer import copy_bytes, gbps, rep_stats, timed, timed_copy
 from node_agent.checks.pcie_bandwidth import LinkReading, link_result
-from node_agent.checks.transfer import copy_bytes, gbps, rep_stats, timed, timed_copy
 from node_agent.compute.copy_model import copy_model, pcie_link_gbps
 from node_agent.compute.devices import ComputeSpec, open_device
 from node_agent.config import config_from_dict

@@ -671,7 +671,7 @@ def test_precisions_no_gpu_supports_are_skipped_with_the_reason():
 
 def thermal_ctx(scenario_faults=()):
     from node_agent import resources
-    from node_agent.checks import CheckContext
+    from node_agent.checking.context import CheckContext
     from node_agent.hardware.sku import load_skus
     from node_agent.sim.gpu_model import SimGpuBackend
     from node_agent.sim.node import stand_in_ports

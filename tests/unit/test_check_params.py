@@ -1,4 +1,4 @@
-"""A check's typed parameters (checks/params.py): parsed once, when the suite loads, through the
+"""A check's typed parameters (checking/params.py): parsed once, when the suite loads, through the
 check's ``Params``; a bad value is a configuration error naming the suite, the check and the key
 (exit 2) and nothing runs. Every shipped suite loads, on a real host and on a stand-in node (its
 ``simulated`` overlay applied)."""
@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from node_agent.checks import REGISTRY, CheckContext
-from node_agent.checks.params import Reader
+from node_agent.checking.context import CheckContext
+from node_agent.checking.params import Reader
+from node_agent.checking.registry import REGISTRY
 from node_agent.commands.main import main
 from node_agent.suite import CheckSpec, load_suite
 from node_agent.yamlfile import ConfigError
@@ -203,7 +204,7 @@ def test_a_reader_takes_its_defaults_from_the_dataclass():
 def test_importing_every_check_for_its_params_imports_no_compute_library():
     code = (
         "import importlib, sys\n"
-        "from node_agent.checks import REGISTRY\n"
+        "from node_agent.checking.registry import REGISTRY\n"
         "for m in REGISTRY.values(): importlib.import_module(m)\n"
         "print(sorted(h for h in ('torch', 'numpy', 'cupy') if h in sys.modules))\n"
     )

@@ -20,8 +20,9 @@ import pytest
 from cloud_metadata_standin import MetadataStandIn  # tests/cloud_metadata_standin.py
 
 from node_agent import resources
-from node_agent.checks import CheckContext, cloud_maintenance
-from node_agent.checks.ports import Ports
+from node_agent.checking.context import CheckContext
+from node_agent.checking.ports import Ports
+from node_agent.checks import cloud_maintenance
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
 from node_agent.grading.rules import Grader, load_grader

@@ -16,8 +16,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from node_agent.checks import HOST_PORTS, CheckContext, dcgm_diag, dcgm_health
-from node_agent.checks.ports import STAND_IN_NO_DCGM, Ports
+from node_agent.checking.context import HOST_PORTS, CheckContext
+from node_agent.checking.ports import STAND_IN_NO_DCGM, Ports
+from node_agent.checks import dcgm_diag, dcgm_health
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
 from node_agent.gpu.dcgm import (

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from node_agent import resources
-from node_agent.checks.xid_fold import Folder
+from node_agent.checking.xid_fold import Folder
 from node_agent.config import config_from_dict
 from node_agent.grading.rules import load_grader
 from node_agent.kernel_log import SxidLine, XidLine, scan_lines

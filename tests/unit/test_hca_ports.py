@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.checks import CheckContext, hca_ports
+from node_agent.checking.context import CheckContext
+from node_agent.checks import hca_ports
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
 from node_agent.hardware.sku import load_sku

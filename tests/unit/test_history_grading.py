@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from node_agent import resources
-from node_agent.checks import CheckContext
+from node_agent.checking.context import CheckContext
 from node_agent.checks import xid as xid_check
 from node_agent.commands.act import status_data
 from node_agent.config import config_from_dict, load_config

@@ -15,7 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from node_agent.checks import CheckContext, host_cpu, host_memory, host_power, nvme_health, pcie_aer
+from node_agent.checking.context import CheckContext
+from node_agent.checks import host_cpu, host_memory, host_power, nvme_health, pcie_aer
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
 from node_agent.inventory import Inventory

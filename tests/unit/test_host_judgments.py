@@ -29,15 +29,10 @@ from typing import Any
 import pytest
 
 from node_agent import resources
-from node_agent.checks import (
-    CheckContext,
-    host_view,
-    nccl_allreduce,
-    nvml_health,
-    thermal_power,
-    xid,
-)
+from node_agent.checking import host_view
+from node_agent.checking.context import CheckContext
 from node_agent.checks import inventory as inventory_check
+from node_agent.checks import nccl_allreduce, nvml_health, thermal_power, xid
 from node_agent.config import config_from_dict
 from node_agent.gpu.base import (
     VIRTUALIZATION_MODES,

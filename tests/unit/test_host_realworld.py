@@ -17,7 +17,7 @@ import pytest
 
 from node_agent import resources
 from node_agent.checks import host_cpu, host_memory, host_power, nvme_health, pcie_aer
-from node_agent.checks.power_sel import sel_results
+from node_agent.checks.host_power.sel import sel_results
 from node_agent.config import config_from_dict
 from node_agent.grading.rules import load_grader
 from node_agent.kernel_log import LinesKernelLog

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from node_agent import resources
-from node_agent.checks import CheckContext, imex
-from node_agent.checks.ports import Ports
+from node_agent.checking.context import CheckContext
+from node_agent.checking.ports import Ports
+from node_agent.checks import imex
 from node_agent.config import config_from_dict
 from node_agent.grading.rules import Grader, load_grader
 from node_agent.hardware.sku import load_skus

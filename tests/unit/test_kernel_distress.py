@@ -46,7 +46,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from node_agent.checks import CheckContext
+from node_agent.checking.context import CheckContext
 from node_agent.checks import kernel_distress as kd
 from node_agent.config import Config, load_config
 from node_agent.environment import open_environment

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from node_agent.checks import CheckContext
+from node_agent.checking.context import CheckContext
 from node_agent.checks import kernel_distress as kd
 from node_agent.checks import xid as xid_check
 from node_agent.config import load_config

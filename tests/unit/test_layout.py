@@ -124,7 +124,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("sdc",),  # the SDC probe library and its spool (imported by training jobs)
     ("compute",),  # the compute boundary, the burn engine, the all-reduce
     ("training",),  # training processes on the node: discovery, signals, verdicts
-    ("checks",),  # one module per check -> Result
+    ("checking",),  # what checks are made of: the context, the registry, their shared parts
+    ("checks",),  # one module (or folder) per check -> Result
     ("grading",),  # Results -> Grade
     ("suite",),  # suite definitions naming checks
     ("node",),  # the node a run works against: GPUs, kernel log, ports (this host's or a stand-in)
@@ -181,7 +182,7 @@ def test_imports_go_down_the_data_path():
 
 #: The stand-in is outside the code it stands in for (STYLE.md): the wings a run's node is
 #: handed to never import the simulator nor name a scenario; ``open_environment`` alone chooses.
-STAND_IN_BLIND = ("checks", "gpu", "compute", "remediation", "stopcheck", "service")
+STAND_IN_BLIND = ("checking", "checks", "gpu", "compute", "remediation", "stopcheck", "service")
 
 
 def stand_in_leaks(modules: dict[str, Path]) -> list[str]:
@@ -224,7 +225,7 @@ def test_stand_in_leaks_sees_an_import_of_the_simulator_and_a_scenario_named(tmp
             "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import node_agent.sim\n"
         ),
         "node_agent.checks.names": "def f(s: 'x') -> None:\n    Scenario(s)\n",
-        "node_agent.checks.clean": "from node_agent.checks.ports import Ports\n",
+        "node_agent.checks.clean": "from node_agent.checking.ports import Ports\n",
         "node_agent.sim.node": "from node_agent.sim.scenario import Scenario\n",
     }
     modules = {}

@@ -8,10 +8,10 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from node_agent.checks import REGISTRY
-from node_agent.checks.behaviour import MAX_LABEL_CHARS, CheckMetrics, NodeLabels, behaviour
-from node_agent.checks.hca_metrics import HcaPortErrors
-from node_agent.checks.nvml_metrics import NvmlReadings
+from node_agent.checking.behaviour import MAX_LABEL_CHARS, CheckMetrics, NodeLabels, behaviour
+from node_agent.checking.hca_metrics import HcaPortErrors
+from node_agent.checking.registry import REGISTRY
+from node_agent.checks.nvml_health.metrics import NvmlReadings
 from node_agent.checks.training_progress import TrainingMetrics
 from node_agent.model import Level, Result, Status
 from node_agent.service.metrics import DaemonCollector, Snapshot

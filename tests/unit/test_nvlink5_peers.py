@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from node_agent import resources
-from node_agent.checks import CheckContext, nvml_health
+from node_agent.checking.context import CheckContext
+from node_agent.checks import nvml_health
 from node_agent.config import config_from_dict
 from node_agent.gpu.nvml import NvmlBackend
 from node_agent.gpu.record import record_nvml

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from node_agent import resources
-from node_agent.checks.xid_fold import Folder
+from node_agent.checking.xid_fold import Folder
 from node_agent.config import config_from_dict
 from node_agent.environment import load_data, open_node
 from node_agent.grading.rules import Grader, load_grader

@@ -17,7 +17,7 @@ import pytest
 from cloud_metadata_standin import MetadataStandIn  # tests/cloud_metadata_standin.py
 
 from node_agent import resources
-from node_agent.checks.xid_fold import Folder
+from node_agent.checking.xid_fold import Folder
 from node_agent.config import config_from_dict
 from node_agent.grading.rules import load_grader
 from node_agent.host import cloud_metadata

@@ -19,7 +19,7 @@ import yaml
 
 torch = pytest.importorskip("torch")
 
-from node_agent.checks import CheckContext  # noqa: E402
+from node_agent.checking.context import CheckContext  # noqa: E402
 from node_agent.checks import sdc as sdc_check  # noqa: E402
 from node_agent.compute.devices import ComputeDevice, ComputeSpec, open_device  # noqa: E402
 from node_agent.config import load_config  # noqa: E402

@@ -19,7 +19,8 @@ import sys
 import pytest
 import yaml
 
-from node_agent.checks import CheckContext, sdc_spool
+from node_agent.checking.context import CheckContext
+from node_agent.checks import sdc_spool
 from node_agent.config import load_config
 from node_agent.environment import open_environment
 from node_agent.model import Status

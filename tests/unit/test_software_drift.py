@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from node_agent.checks import CheckContext
+from node_agent.checking.context import CheckContext
 from node_agent.checks import software_drift as sd
 from node_agent.config import load_config
 from node_agent.environment import open_environment

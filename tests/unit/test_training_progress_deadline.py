@@ -13,9 +13,9 @@ import threading
 from pathlib import Path
 from types import SimpleNamespace
 
-from node_agent.checks import CheckContext
+from node_agent.checking.context import CheckContext
+from node_agent.checking.ports import Ports
 from node_agent.checks import training_progress as tp
-from node_agent.checks.ports import Ports
 from node_agent.model import Status
 from node_agent.runner import run_check
 from node_agent.suite import CheckSpec

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from node_agent.checks import CheckContext
+from node_agent.checking.context import CheckContext
 from node_agent.checks import xid as xid_check
 from node_agent.config import load_config
 from node_agent.environment import open_environment
@@ -386,7 +386,7 @@ def test_watch_drops_a_line_whose_bus_sysfs_shows_is_no_nvidia_device(env, sysfs
 
 
 def test_every_driver_line_kind_grades_at_its_catalog_level_through_the_shipped_rules(env):
-    from node_agent.checks.xid_fold import DriverFold
+    from node_agent.checking.xid_fold import DriverFold
     from node_agent.kernel_log import DriverLine
 
     kinds = xid_check.driver_line_kinds(

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from node_agent.checks import CheckContext
+from node_agent.checking.context import CheckContext
 from node_agent.gpu.base import GpuDevice, GpuError, NoPermission, NotSupported
 from node_agent.gpu.pci import compare
 from node_agent.kernel_log import XidLine, scan

@@ -12,7 +12,7 @@ index whose state answers and that does not deny P2P capability). A PCIe card an
 die's link indices whether or not a bridge is fitted, so without a SKU file an inactive link is
 a WARN (a down link cannot be told from an unwired one), never a FAULT.
 
-Judgments fit the host (``checks/host_view.py``, docs/hosts.md): inside a VM the SKU's GPU
+Judgments fit the host (``checking/host_view.py``, docs/hosts.md): inside a VM the SKU's GPU
 count and NVLinks are the board's, not the VM's. Fewer GPUs than the SKU's count in a VM, with
 nothing declared and no trace of a lost GPU, is a WARN naming ``node.expected_gpus``; NVLinks
 NVML does not answer for on a virtualized GPU are a skip with the reason. A FAULT needs
@@ -20,7 +20,7 @@ positive evidence of a broken part: a link NVML reports down, a GPU the bus or t
 shows lost.
 
 In the daemon the readings are exported by the check's collector,
-:class:`node_agent.checks.nvml_metrics.NvmlReadings`.
+:class:`node_agent.checks.nvml_health.metrics.NvmlReadings`.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ from collections.abc import Callable
 from typing import Any
 
 from node_agent import model
-from node_agent.checks import CheckContext, host_view
-from node_agent.checks.behaviour import ServiceBehaviour
-from node_agent.checks.nvml_metrics import NvmlReadings
-from node_agent.checks.nvml_nvlink import nvlink
+from node_agent.checking import host_view
+from node_agent.checking.behaviour import ServiceBehaviour
+from node_agent.checking.context import CheckContext
+from node_agent.checks.nvml_health.metrics import NvmlReadings
+from node_agent.checks.nvml_health.nvlink import nvlink
 from node_agent.gpu.base import (
     DeviceLost,
     EccCounts,

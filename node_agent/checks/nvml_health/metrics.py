@@ -1,7 +1,7 @@
 """The ``nvml_health`` check's Prometheus collector: its latest per-GPU readings.
 
 ``nvml_health`` declares ``SERVICE = ServiceBehaviour(metrics=NvmlReadings)``
-(checks/behaviour.py); the daemon builds the collector, feeds it every run of the check and
+(checking/behaviour.py); the daemon builds the collector, feeds it every run of the check and
 registers it beside its own. Each scrape renders the latest run:
 
 - the readings of :data:`GPU_READINGS` (temperatures, power, volatile ECC counts, PCIe
@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from node_agent.checks.behaviour import LatestResults, add_once, gpu_labels, number
+from node_agent.checking.behaviour import LatestResults, add_once, gpu_labels, number
 
 #: result metric -> (Prometheus name, help); the sample is the result's value
 GPU_READINGS: dict[str, tuple[str, str]] = {

@@ -20,9 +20,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from node_agent.checks import CheckContext
-from node_agent.checks.params import Reader
-from node_agent.checks.siblings import compare_with_siblings, load_thresholds
+from node_agent.checking.context import CheckContext
+from node_agent.checking.params import Reader
+from node_agent.checking.siblings import compare_with_siblings, load_thresholds
 from node_agent.compute.copy_model import CopyModel
 from node_agent.compute.devices import ComputeDevice, ComputeSpec, ComputeUnavailable
 from node_agent.model import Result, Status

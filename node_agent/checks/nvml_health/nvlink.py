@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from node_agent.checks import CheckContext, host_view
+from node_agent.checking import host_view
+from node_agent.checking.context import CheckContext
 from node_agent.gpu.base import GpuDevice, NvLink
 from node_agent.gpu.nvlink_topology import HIDDEN, Applicability, classify
 from node_agent.model import Result, Status

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from datetime import datetime, timedelta
 
-from node_agent.checks import CheckContext
+from node_agent.checking.context import CheckContext
 from node_agent.host.paths import entity_name
 from node_agent.model import Result, Status
 from node_agent.parsers.sel import SelEvent

@@ -1,7 +1,7 @@
 """The SDC probes' Prometheus counter, shared by the two checks that reach an SDC verdict: ``sdc``
 (the agent's own probe) and ``sdc_spool`` (a training job's report, confirmed by a probe).
 
-Both declare ``metrics=SdcVerdicts`` in their ``SERVICE`` (checks/behaviour.py); the daemon
+Both declare ``metrics=SdcVerdicts`` in their ``SERVICE`` (checking/behaviour.py); the daemon
 builds one collector for the factory, so their verdicts add up in one family,
 ``node_agent_sdc_probes_total{gpu, outcome}``.
 """
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from node_agent.checks.behaviour import NodeLabels
+from node_agent.checking.behaviour import NodeLabels
 from node_agent.model import Result, Status
 
 #: a GPU result's status -> the outcome label

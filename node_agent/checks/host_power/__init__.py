@@ -19,7 +19,7 @@ Lost": ipmitool issue 176), or where ipmitool is absent FreeIPMI's ``ipmi-sensor
 * ``psu_redundancy`` (``node``) — ``fail`` when the BMC says redundancy is lost, ``warn`` when
   degraded.
 * ``sel_power``/``sel`` — the event log's power events (``ipmitool sel elist``, or FreeIPMI's
-  ``ipmi-sel``): :mod:`node_agent.checks.power_sel`.
+  ``ipmi-sel``): :mod:`node_agent.checks.host_power.sel`.
 Neither tool (Debian packages ``ipmitool``, ``freeipmi-tools``), no BMC device (``/dev/ipmi0``,
 ``/dev/ipmi/0``, ``/dev/ipmidev/0``: the ``ipmi_si``/``ipmi_devintf`` modules not loaded, or no
 BMC), or a BMC that lists no power-supply sensor: a ``skip`` with the reason.
@@ -34,15 +34,15 @@ from datetime import datetime, timezone
 from typing import ClassVar
 
 from node_agent import proc
-from node_agent.checks import CheckContext
-from node_agent.checks.host_common import (
+from node_agent.checking.context import CheckContext
+from node_agent.checking.host_checks import (
     HostParams,
     host_paths,
     not_recorded,
     thresholds,
     tool_timeout_s,
 )
-from node_agent.checks.power_sel import sel_results
+from node_agent.checks.host_power.sel import sel_results
 from node_agent.host.paths import HostPaths, entity_name
 from node_agent.model import Result, Status
 from node_agent.parsers import ParseError
@@ -69,7 +69,7 @@ MISSING = (
 
 @dataclass(frozen=True)
 class Params(HostParams):
-    """The roots and tools it reads (checks/host_common.py)."""
+    """The roots and tools it reads (checking/host_checks.py)."""
 
     CHECK: ClassVar[str] = "host_power"
 
@@ -184,7 +184,7 @@ def _judged(
 
 
 def _sel(ctx: CheckContext, paths: HostPaths, kind: str, program: str) -> list[Result]:
-    """The BMC's event log (:mod:`node_agent.checks.power_sel`); a skip where it cannot be read."""
+    """The BMC's event log (:mod:`node_agent.checks.host_power.sel`); a skip where it cannot be read."""
     if kind == "ipmitool":
         argv = [program, "sel", "elist"]
     elif (ipmi_sel := proc.which(paths.ipmi_sel)) is not None:

@@ -37,7 +37,7 @@ from node_agent.model import Result, Status, Target
 if TYPE_CHECKING:
     from prometheus_client.core import GaugeMetricFamily
 
-    from node_agent.checks import CheckContext
+    from node_agent.checking.context import CheckContext
 
 #: prefix under which the runner hands declared values over (``CheckContext.handover``)
 _IO_PREFIX = "io:"
@@ -171,7 +171,7 @@ PLAIN = ServiceBehaviour()
 
 
 def _module(check: str) -> Any:
-    from node_agent.checks import REGISTRY
+    from node_agent.checking.registry import REGISTRY
 
     try:
         return importlib.import_module(REGISTRY[check])
@@ -240,6 +240,6 @@ class Handover:
 
 
 def check_known(check: str) -> bool:
-    from node_agent.checks import REGISTRY
+    from node_agent.checking.registry import REGISTRY
 
     return check in REGISTRY

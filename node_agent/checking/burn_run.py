@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-from node_agent.checks import CheckContext
-from node_agent.checks.params import Reader
+from node_agent.checking.context import CheckContext
+from node_agent.checking.params import Reader
 from node_agent.compute.burn import BurnOutcome, BurnPlan, run_burn
 from node_agent.compute.devices import ComputeUnavailable
 from node_agent.model import Result, Status

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from node_agent.checks import CheckContext
+from node_agent.checking.context import CheckContext
 from node_agent.kernel_log import Stamp, believed_messages, line_stamp
 
 

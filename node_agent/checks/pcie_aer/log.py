@@ -30,9 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from node_agent.checks import CheckContext
-from node_agent.checks.host_common import thresholds
-from node_agent.checks.host_log import KernelMessage, kernel_messages
+from node_agent.checking.context import CheckContext
+from node_agent.checking.host_checks import thresholds
+from node_agent.checking.host_log import KernelMessage, kernel_messages
 from node_agent.host.aer import PciFunction
 from node_agent.host.aer_lines import AER_WORDS, AerLine, parse_aer_message
 from node_agent.model import Result, Status

@@ -1,7 +1,7 @@
 """The HCA port error counters' Prometheus collector, shared by the two checks that read them:
 ``rdma`` and ``hca_ports``.
 
-Both declare ``metrics=HcaPortErrors`` in their ``SERVICE`` (checks/behaviour.py); the daemon
+Both declare ``metrics=HcaPortErrors`` in their ``SERVICE`` (checking/behaviour.py); the daemon
 builds one collector for the factory, so the exposition has the family
 ``node_agent_hca_port_errors{hca, port, counter}`` once. Each scrape renders the latest run of
 each check: the counters of :data:`HCA_COUNTERS` that an ``hca:`` result carries in its
@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from node_agent.checks.behaviour import LatestResults, add_once, label, number
+from node_agent.checking.behaviour import LatestResults, add_once, label, number
 from node_agent.model import Target
 
 #: HCA port counters (sysfs ``counters/`` names) that the rdma and hca_ports results carry

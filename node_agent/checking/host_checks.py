@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from node_agent import atomic_file
-from node_agent.checks import CheckContext
-from node_agent.checks.params import Reader
+from node_agent.checking.context import CheckContext
+from node_agent.checking.params import Reader
 from node_agent.host.paths import HostPaths
 from node_agent.model import Result
 from node_agent.resources import graders_dir, shipped_graders_dir
@@ -72,7 +72,7 @@ DEFAULTS: dict[str, dict[str, float]] = {
     "nvme": {"percent_used_max": 90},
     # corrected AER errors per hour in the kernel log above which a link is reported (WARN): a
     # healthy link replays a handful at most, and links that retrain at boot are left out
-    # (checks/pcie_aer_log.py); a sustained 10 an hour is a link that keeps failing its CRC
+    # (checks/pcie_aer/log.py); a sustained 10 an hour is a link that keeps failing its CRC
     "pcie_aer": {"correctable_growth_max": 0, "correctable_per_hour_max": 10},
     "cpu": {"throttle_growth_max": 0},
     # a power event in the BMC's log younger than this many hours is the node's present (ERROR);

@@ -16,7 +16,7 @@ errors); anything else is ``pci:<bdf>``.
   ``state_dir``/``pcie_aer.json``; a first run counts from boot; a drop is a reset).
 No device with AER counters (a kernel without ``CONFIG_PCIEAER``, firmware-first AER, a VM):
 one ``skip`` saying so, and the kernel log's AER messages are read instead
-(:mod:`node_agent.checks.pcie_aer_log`); where the counters exist they already count every error
+(:mod:`node_agent.checks.pcie_aer.log`); where the counters exist they already count every error
 the log prints, so the log is not read twice. Params: ``sys_root``.
 """
 
@@ -26,9 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from node_agent.checks import CheckContext
-from node_agent.checks.host_common import Counters, HostParams, host_paths, not_recorded, thresholds
-from node_agent.checks.pcie_aer_log import log_results
+from node_agent.checking.context import CheckContext
+from node_agent.checking.host_checks import (
+    Counters,
+    HostParams,
+    host_paths,
+    not_recorded,
+    thresholds,
+)
+from node_agent.checks.pcie_aer.log import log_results
 from node_agent.gpu.pci import normalise_bus_id
 from node_agent.host.aer import PciFunction, read_functions, read_hca_functions
 from node_agent.host.nvme import read_nvme_functions
@@ -154,7 +160,7 @@ def _owners(
 
 @dataclass(frozen=True)
 class Params(HostParams):
-    """The roots and tools it reads (checks/host_common.py)."""
+    """The roots and tools it reads (checking/host_checks.py)."""
 
     CHECK: ClassVar[str] = "pcie_aer"
 

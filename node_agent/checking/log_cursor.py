@@ -17,7 +17,7 @@ from node_agent import atomic_file
 from node_agent.model import Result, Status
 
 if TYPE_CHECKING:
-    from node_agent.checks import CheckContext
+    from node_agent.checking.context import CheckContext
     from node_agent.kernel_log import LogRecord
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
