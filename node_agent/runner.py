@@ -1,9 +1,12 @@
 """Run a suite: each check isolated and time-bounded; a check that hangs or crashes becomes an
 ``error`` result and the run goes on.
 
-Checks run on a daemon thread the runner waits on with the check's timeout. A driver call can
-hang for good; the thread is then abandoned (it cannot be killed) and the result says so.
-Subprocesses started by checks carry their own timeouts (``node_agent.proc``).
+Checks run on a daemon thread the runner waits on until the check's deadline: its start plus the
+spec's ``timeout_s``, set here and only here and handed to the check (``CheckContext.deadline``).
+A driver call can hang for good; the thread is then abandoned (it cannot be killed) and the
+result says so. Subprocesses started by checks carry their own timeouts (``node_agent.proc``),
+within that deadline (``ctx.remaining_s()``); a check that must report a stage that did not
+return, rather than be abandoned, bounds it with :mod:`node_agent.checking.deadline`.
 
 A check hands a value to a later check only as a declared output (``OUTPUTS`` in the producer,
 ``INPUTS`` in the consumer: :mod:`node_agent.checking.behaviour`); the runner keeps one
@@ -45,12 +48,14 @@ class _Outcome:
 def run_check(
     spec: CheckSpec, env: Environment, mode: str, handover: Handover | None = None
 ) -> list[Result]:
-    """Run one check within its timeout; always returns at least one result.
+    """Run one check until its deadline (now plus its timeout); always returns at least one
+    result.
 
     ``handover`` carries the suite run's declared outputs from earlier checks to this one's
     declared inputs, and takes this one's outputs when it finished in time."""
     given = handover.inputs_for(spec.check) if handover is not None else {}
     stand_in = env.node.param_overlay == STAND_IN_OVERLAY
+    start = time.monotonic()
     ctx = CheckContext(
         check=spec.check,
         gpu=env.gpu,
@@ -64,6 +69,7 @@ def run_check(
         typed=spec.typed_for(stand_in),
         state_dir=env.writable_state_dir(),
         timeout_s=spec.timeout_s,
+        deadline=start + spec.timeout_s,
         ports=env.ports,
         handover=given,
     )
@@ -76,10 +82,9 @@ def run_check(
             outcome.error = err
             outcome.trace = traceback.format_exc(limit=6)
 
-    start = time.monotonic()
     thread = threading.Thread(target=target, name=f"check-{spec.check}", daemon=True)
     thread.start()
-    thread.join(spec.timeout_s)
+    thread.join(max(0.0, ctx.deadline - time.monotonic()))
     duration = time.monotonic() - start
     if thread.is_alive():
         return [

@@ -3,10 +3,12 @@ ports, its parameters) and the results it makes with it."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from node_agent.checking.deadline import return_margin_s
 from node_agent.checking.params import P
 from node_agent.checking.ports import Ports
 from node_agent.config import Config
@@ -35,7 +37,11 @@ class CheckContext:
     mode: str = "delivery"  # delivery | service
     params: dict[str, Any] = field(default_factory=dict)
     state_dir: Path | None = None  # writable directory for cursors, or None
-    timeout_s: float = 60.0  # the runner abandons the check after this; bound subprocesses below it
+    timeout_s: float = 60.0  # the spec's; the runner abandons the check at ``deadline``
+    #: the monotonic time by which the check must have returned: the runner's (``run_check``,
+    #: its start plus ``timeout_s``), which abandons the check there; a context made by hand (as
+    #: unit tests do) gets its creation plus ``timeout_s``. Bound waits by ``stage_end()``
+    deadline: float = 0.0
     #: where the check reads the node (trees, tools, compute, clock), chosen once with the node
     #: (``open_environment``); this host's unless given
     ports: Ports = field(default=HOST_PORTS, repr=False)
@@ -47,6 +53,21 @@ class CheckContext:
     pci: PciBus | None = field(default=None, repr=False)
     #: ``params`` parsed through the check's ``Params`` at the suite's load (checking/params.py)
     typed: object | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.deadline:
+            self.deadline = time.monotonic() + self.timeout_s
+
+    def stage_end(self, margin_s: float | None = None) -> float:
+        """The monotonic time by which a stage of the check (a subprocess, a wait) must end for
+        the check to report and return before its ``deadline``: ``margin_s`` before it, by
+        default :func:`~node_agent.checking.deadline.return_margin_s` of the timeout."""
+        return self.deadline - (return_margin_s(self.timeout_s) if margin_s is None else margin_s)
+
+    def remaining_s(self, margin_s: float | None = None) -> float:
+        """Seconds left until :meth:`stage_end` (``margin_s=0``: until the deadline), never
+        below 0: the timeout to give a subprocess that must end before the check does."""
+        return max(0.0, self.stage_end(margin_s) - time.monotonic())
 
     def typed_params(self, cls: type[P]) -> P:
         """This check's typed parameters: those the suite's load parsed, or (a context made by

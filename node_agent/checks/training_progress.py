@@ -21,10 +21,12 @@ restarted: a user's own idle process with a stale heartbeat looks the same); ``t
 (``/pid:<pid>`` when the rank is unknown or not unique in the job). The first report of a hang
 writes the job's full evidence to ``<state_dir>/hang/evidence/`` (a verified job's only).
 
-Everything read here is the training users' to shape, so the check keeps its own deadline
-(:func:`own_deadline_s`, before the runner's timeout): stack sampling ends by
-``SAMPLING_SHARE`` of the timeout with at most ``stack_max_calls`` py-spy calls shared fairly
-between uids (:func:`~node_agent.training.stacks.sample_stacks`), log files are stat'ed within
+Everything read here is the training users' to shape, so the check must return before the
+runner's deadline (``ctx.deadline``; past it the check is ``check-hang``): each stage that reads
+what users control runs through :func:`~node_agent.checking.deadline.call_before` and ends by
+``ctx.stage_end()``; stack sampling ends by ``SAMPLING_SHARE`` of the timeout with at most
+``stack_max_calls`` py-spy calls shared fairly between uids
+(:func:`~node_agent.training.stacks.sample_stacks`), log files are stat'ed within
 ``LOG_STAT_S``, and what was not sampled is a ``training_discovery`` WARN saying why.
 
 Params: the :class:`~node_agent.training.verdict.Thresholds` fields, ``stack_samples`` (3),
@@ -50,6 +52,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from node_agent.checking.behaviour import NodeLabels, ServiceBehaviour, label, number
 from node_agent.checking.context import CheckContext
+from node_agent.checking.deadline import Overdue, call_before
 from node_agent.gpu.base import GpuDevice, GpuError
 from node_agent.heartbeat import remove_stale
 from node_agent.host.infiniband import SYSFS_ROOT
@@ -101,68 +104,52 @@ def _devices(ctx: CheckContext) -> list[GpuDevice] | None:
         return None
 
 
-def own_deadline_s(timeout_s: float) -> float:
-    """Seconds after its start by which the check returns, whatever it is waiting on: before
-    the runner's ``timeout_s`` (which the grader takes for a hung check, ``check-hang``), by
-    a tenth of it and at least 2 s."""
-    return max(0.5 * timeout_s, timeout_s - max(2.0, 0.1 * timeout_s))
+def sampling_end(ctx: CheckContext) -> float:
+    """The monotonic time by which stack sampling ends: ``SAMPLING_SHARE`` of the timeout."""
+    return ctx.deadline - (1.0 - SAMPLING_SHARE) * ctx.timeout_s
 
 
 def run(ctx: CheckContext) -> list[Result]:
-    """The check, on a thread of its own that it waits on until :func:`own_deadline_s`.
+    """The check, within the runner's deadline.
 
     Everything this check reads is the training users' to shape (their processes, heartbeats,
-    log files), so it must never reach the runner's timeout: each stage is bounded itself
-    (stack sampling by its deadline and budget, log files by :data:`LOG_STAT_S`), and should
-    one still block (``/proc`` of a process stuck in the kernel), this returns a WARN naming the
-    stage, and the abandoned run neither saves state nor writes evidence."""
-    start = time.monotonic()
-    stage = {"stage": "starting"}
-    cancelled = threading.Event()
-    box: dict[str, Any] = {}
-
-    def work() -> None:
-        try:
-            box["results"] = _run(ctx, start, stage, cancelled)
-        except BaseException as err:  # noqa: BLE001 - handed to the runner's thread below
-            box["error"] = err
-
-    thread = threading.Thread(target=work, name="training_progress", daemon=True)
-    thread.start()
-    limit_s = own_deadline_s(ctx.timeout_s)
-    thread.join(max(0.0, start + limit_s - time.monotonic()))
-    if thread.is_alive():
-        cancelled.set()
+    log files), so it must never be abandoned by the runner: each stage that reads them ends by
+    ``ctx.stage_end()`` (stack sampling sooner, by its deadline and budget; log files by
+    :data:`LOG_STAT_S`), and should one still block (``/proc`` of a process stuck in the
+    kernel), this returns a WARN naming the stage, having saved no state and written no
+    evidence."""
+    try:
+        return _run(ctx)
+    except Overdue as late:
+        waited_s = late.until - (ctx.deadline - ctx.timeout_s)
         return [
             ctx.result(
                 "node",
                 "training_discovery",
                 Status.WARN,
-                f"training_progress stopped waiting after {limit_s:.0f} s of its {ctx.timeout_s:g} s "
-                f"timeout while {stage['stage']}: something a training process controls (its /proc "
-                "entries, its log file's file system) did not answer; no hang is reported this run "
-                "and the next run tries again",
+                f"training_progress stopped waiting after {waited_s:.0f} s of its "
+                f"{ctx.timeout_s:g} s timeout while {late.stage}: something a training process "
+                "controls (its /proc entries, its log file's file system) did not answer; no "
+                "hang is reported this run and the next run tries again",
                 subject="node",
                 cause="deadline",
-                stage=stage["stage"],
-                deadline_s=round(limit_s, 1),
+                stage=late.stage,
+                deadline_s=round(waited_s, 1),
             )
         ]
-    if "error" in box:
-        raise box["error"]
-    results: list[Result] = box["results"]
-    return results
 
 
-def _run(
-    ctx: CheckContext, start: float, stage: dict[str, str], cancelled: threading.Event
-) -> list[Result]:
+def _run(ctx: CheckContext) -> list[Result]:
     th = Thresholds.from_params(ctx.params)
     now = time.time()
-    stage["stage"] = "finding the training processes"
-    devices = _devices(ctx)
+    until = ctx.stage_end()
     spool = spool_dir(ctx)
-    found = _discover(ctx, spool, devices)
+
+    def find() -> tuple[list[GpuDevice] | None, Discovery]:
+        devices = _devices(ctx)
+        return devices, _discover(ctx, spool, devices)
+
+    devices, found = call_before(until, "finding the training processes", find)
     state = HangState.load(_state_base(ctx) / "hang", now)
     out = _discovery_results(ctx, found, state)
     # through directory fds that follow no link: a uid's directory is its owner's to swap
@@ -171,22 +158,23 @@ def _run(
     procs = [pr for pr in found.processes if pr.pid != me and me not in pr.parents]
     if not procs:
         state.keep_only(set())
-        _save(state, cancelled)
+        _save(ctx, state)
         dead = (
             f"; {len(found.dead_heartbeats)} heartbeat file(s) in {spool} are of exited processes"
             if found.dead_heartbeats
             else ""
         )
         return out or [ctx.skip(NO_PROCESSES + dead, metric="training_progress")]
-    stage["stage"] = "reading heartbeats, GPU activity and log files"
-    signals = _cheap_signals(ctx, procs, devices, now, th)
+    signals = call_before(
+        until,
+        "reading heartbeats, GPU activity and log files",
+        lambda: _cheap_signals(ctx, procs, devices, now, th),
+    )
     suspect_jobs = {pr.job for pr in procs if any(s.hang for s in signals[pr.pid].values())}
     sample_all = bool(ctx.params.get("sample_all"))
-    stage["stage"] = "sampling stacks"
     suspects = [pr for pr in procs if sample_all or pr.job in suspect_jobs]
-    _sample(ctx, suspects, signals, start)
+    call_before(until, "sampling stacks", lambda: _sample(ctx, suspects, signals))
     out += _not_sampled(ctx, suspects, signals)
-    stage["stage"] = "deciding"
 
     keys = {pr.pid: process_key(pr.pid, pr.start_ticks) for pr in procs}
     state.keep_only(set(keys.values()))
@@ -204,7 +192,7 @@ def _run(
     slow = _stragglers(jobs, verdicts, state, keys, now, th)
     targets = _targets(jobs)
 
-    if cancelled.is_set():  # the caller gave up on this run: its results go nowhere
+    if time.monotonic() >= ctx.deadline:  # the runner gave up on this run: its results go nowhere
         return out
     evidence_files = _write_evidence(ctx, state, jobs, verdicts, signals, origin, keys, now)
     for pr in procs:
@@ -222,13 +210,13 @@ def _run(
                 th,
             )
         )
-    _save(state, cancelled)
+    _save(ctx, state)
     return out
 
 
-def _save(state: HangState, cancelled: threading.Event) -> None:
-    """The hang state, unless the caller gave up on this run (an abandoned run saves nothing)."""
-    if not cancelled.is_set():
+def _save(ctx: CheckContext, state: HangState) -> None:
+    """The hang state, unless the runner gave up on this run (an abandoned run saves nothing)."""
+    if time.monotonic() < ctx.deadline:
         with contextlib.suppress(OSError):
             state.save()
 
@@ -472,7 +460,6 @@ def _sample(
     ctx: CheckContext,
     suspects: list[TrainingProcess],
     signals: dict[int, dict[str, Signal]],
-    start: float,
 ) -> None:
     """Stacks of every process in a suspect job, with the RDMA counters before and after."""
     if not suspects:
@@ -495,7 +482,7 @@ def _sample(
         [pr.pid for pr in order],
         int(p.get("stack_samples", 3)),
         float(p.get("stack_interval_s", 1.0)),
-        start + SAMPLING_SHARE * ctx.timeout_s,
+        sampling_end(ctx),
         uids={pr.pid: pr.uid for pr in order},
         max_calls=int(p.get("stack_max_calls", MAX_CALLS)),
     )

@@ -88,3 +88,18 @@ def test_progress_is_reported_for_each_check(env, fake_checks):
 def test_every_result_carries_a_duration(env, fake_checks):
     (result,) = runner.run_suite(suite_of(CheckSpec("fine")), env)
     assert isinstance(result, Result) and result.duration_s > 0
+
+
+def test_the_runner_gives_each_check_its_deadline_and_abandons_it_there(env, monkeypatch):
+    seen = {}
+
+    def reads_its_deadline(ctx):
+        seen["deadline"], seen["left"] = ctx.deadline, ctx.remaining_s(margin_s=0.0)
+        return [ctx.result("node", "x", Status.PASS, "ok")]
+
+    monkeypatch.setattr(runner, "resolve", lambda name: reads_its_deadline)
+    before = time.monotonic()
+    runner.run_check(CheckSpec("reads", timeout_s=30.0), env, "delivery")
+    after = time.monotonic()
+    assert before + 30.0 <= seen["deadline"] <= after + 30.0
+    assert 0.0 < seen["left"] <= 30.0

@@ -1,7 +1,8 @@
-"""``training_progress`` keeps its own deadline (issue 29): what a training user controls can
-keep a read waiting (``/proc`` of a process stuck in the kernel, a log file on a FUSE or NFS
-mount that never answers), and a check the runner abandons grades ``check-hang`` ERROR. So the
-check returns a WARN before the runner's timeout, and a log file's ``stat`` is bounded.
+"""``training_progress`` returns before the runner's deadline (issue 29): what a training user
+controls can keep a read waiting (``/proc`` of a process stuck in the kernel, a log file on a
+FUSE or NFS mount that never answers), and a check the runner abandons grades ``check-hang``
+ERROR. So each stage ends before the deadline the runner gives the check (``ctx.deadline``), a
+stage that does not is a WARN naming it, and a log file's ``stat`` is bounded.
 
 The blocking reads are stood in for by functions that wait on an event: a FUSE file system or a
 process stuck in the kernel cannot be made here without privileges the tests do not assume.
@@ -12,6 +13,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 from node_agent.checking.context import CheckContext
 from node_agent.checking.ports import Ports
@@ -37,11 +40,14 @@ def _ctx(tmp_path: Path, timeout_s: float, **params) -> CheckContext:
     )
 
 
-def test_the_checks_own_deadline_comes_before_the_runners_timeout():
+def test_the_checks_stages_end_before_the_runners_deadline(tmp_path):
     for timeout_s in (5.0, 45.0, 60.0, 600.0):
-        own = tp.own_deadline_s(timeout_s)
-        assert timeout_s * 0.5 <= own <= timeout_s - 2.0
-        assert own >= tp.SAMPLING_SHARE * timeout_s  # sampling ends before it
+        ctx = _ctx(tmp_path, timeout_s)
+        started = ctx.deadline - timeout_s
+        stages_end = ctx.stage_end() - started
+        assert timeout_s * 0.5 <= stages_end <= timeout_s - 2.0
+        assert stages_end >= tp.sampling_end(ctx) - started  # sampling ends before it
+        assert tp.sampling_end(ctx) - started == pytest.approx(tp.SAMPLING_SHARE * timeout_s)
 
 
 def test_a_discovery_that_never_returns_is_a_warn_naming_the_stage_not_a_check_hang(
