@@ -2,7 +2,7 @@
 
 A check module may declare, next to ``run(ctx)``:
 
-``SERVICE = ServiceBehaviour(sticky=..., fold=..., metrics=...)``
+``SERVICE = ServiceBehaviour(sticky=..., fold=..., metrics=..., watcher=...)``
     - ``sticky(result)``: the key under which a result stays part of the grade for the
       daemon's life, whatever window a later run reads (``None``: not sticky). The xid check's
       Xid/SXid findings are sticky, one per ``(target, code)``.
@@ -11,9 +11,20 @@ A check module may declare, next to ``run(ctx)``:
     - ``metrics``: a :class:`MetricsFactory`; the daemon builds one collector per factory
       (two checks that report one thing, ``sdc`` and ``sdc_spool``, share one) and registers it
       in its Prometheus registry. ``observe(results)`` is called with every run's results
-      (and, for the xid check, with the XID watch's findings); ``collect()`` renders the
+      (a watcher's findings feed its own collector, below); ``collect()`` renders the
       families fresh at each scrape, client_python style. A collector that renders the
       latest run (a reading, a throughput figure) subclasses :class:`LatestResults`.
+    - ``watcher``: a :data:`WatcherFactory`, for a check that is event-driven as well as
+      periodic. The daemon builds one watcher per factory at its start, for every registered
+      check (whether its suite schedules the check or not), with a :class:`WatchContext`: the
+      node as the daemon has it now (:class:`WatchedNode`, read through a getter because the
+      daemon swaps its environment on a driver reload, a scenario change or a config reload),
+      the node's labels, and ``report``, through which the watcher hands back each
+      :class:`Sighting` to be graded at once. A sighting's result is its check's and stays part
+      of the grade under the check's ``sticky`` key, replacing what is kept there (a watcher
+      folds its own findings, so its latest is its fullest). The watcher is also a Prometheus
+      collector (its ``collect()``, which may yield nothing). The xid check's watcher follows
+      NVML's Xid events and the kernel log (``checks/xid/watch.py``).
 
 ``OUTPUTS = ("trace",)`` and ``INPUTS = {"trace": "gpu_burn"}``
     A value one check hands to a later one in the same suite run: the producer declares the
@@ -38,6 +49,11 @@ if TYPE_CHECKING:
     from prometheus_client.core import GaugeMetricFamily
 
     from node_agent.checking.context import CheckContext
+    from node_agent.checking.ports import Ports
+    from node_agent.config import Config
+    from node_agent.gpu.base import GpuBackend
+    from node_agent.inventory import Inventory
+    from node_agent.kernel_log import KernelLog
 
 #: prefix under which the runner hands declared values over (``CheckContext.handover``)
 _IO_PREFIX = "io:"
@@ -55,7 +71,7 @@ class CheckMetrics(Protocol):
     """One check's own Prometheus collector (``prometheus_client`` calls ``collect()``)."""
 
     def observe(self, results: Sequence[Result]) -> None:
-        """Take one run's results (or the XID watch's findings) into the collector's state."""
+        """Take one run's results into the collector's state."""
 
     def forget(self, check: str) -> None:
         """``check`` left the daemon's schedule (a reload dropped it): its gauges go, so a scrape
@@ -150,6 +166,52 @@ class LatestResults:
             return node, [r for run in self._runs.values() for r in run]
 
 
+class WatchedNode(Protocol):
+    """The node a watcher watches, as the daemon has it (its environment)."""
+
+    @property
+    def config(self) -> Config: ...
+    @property
+    def gpu(self) -> GpuBackend: ...
+    @property
+    def kernel_log(self) -> KernelLog: ...
+    @property
+    def ports(self) -> Ports: ...
+    @property
+    def inventory(self) -> Inventory: ...
+
+
+@dataclass(frozen=True)
+class Sighting:
+    """What a watcher hands back: one finding of its check, to be graded at once."""
+
+    result: Result  # the check's result, kept under the check's SERVICE.sticky key
+    why: str  # what made the watcher report it now: "first", "new variant or burst", "update"
+    headline: str  # for the daemon's log: "Xid 79 on gpu:5 from nvml-event"
+
+
+@dataclass(frozen=True)
+class WatchContext:
+    """What a watcher is started with (see the module docstring)."""
+
+    node: Callable[[], WatchedNode]  # read at each use: the daemon swaps its environment
+    labels: Callable[[], NodeLabels]  # the node's labels, for the watcher's own metrics
+    report: Callable[[Sighting], None]  # graded at once; never raises into the watcher
+
+
+class Watcher(Protocol):
+    """A check's event-driven part in the daemon: threads of its own between ``start()`` and
+    ``stop()``, and a Prometheus collector (``collect()``, which may yield nothing)."""
+
+    def start(self) -> None: ...
+    def stop(self, timeout_s: float = 2.0) -> None: ...
+    def collect(self) -> Iterable[Any]: ...
+
+
+#: builds a check's watcher (not yet started) from what the daemon gives it
+WatcherFactory = Callable[[WatchContext], Watcher]
+
+
 def keep_new(kept: Result, new: Result) -> Result:
     """The default fold: the newer result replaces the kept one."""
     return new
@@ -162,6 +224,14 @@ class ServiceBehaviour:
     sticky: Callable[[Result], Hashable | None] | None = None
     fold: Callable[[Result, Result], Result] = keep_new
     metrics: MetricsFactory | None = None
+    watcher: WatcherFactory | None = None
+
+    def __post_init__(self) -> None:
+        if self.watcher is not None and self.sticky is None:
+            raise TypeError(
+                "a check with a watcher declares sticky: its watcher's findings are kept under "
+                "the check's sticky key"
+            )
 
     def sticky_key(self, result: Result) -> Hashable | None:
         return None if self.sticky is None else self.sticky(result)

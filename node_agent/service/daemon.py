@@ -5,7 +5,8 @@ Threads, each with one job:
   changed simulation scenario, reopening NVML after the driver went away;
 - checks: runs ``suites/periodic.yaml`` by each check's ``every_s`` cadence, one check at a
   time (never two heavy checks at once), each bounded by its timeout (``runner.run_check``);
-- XID watch: NVML events and the kernel log (``service.xid_watch``), graded the moment they arrive;
+- watchers: the event-driven part of a check (its ``SERVICE.watcher``; the xid check's follows
+  NVML events and the kernel log), each finding graded the moment it is handed back;
 - HTTP: ``/metrics`` (Prometheus) and ``/healthz`` on loopback.
 After each check run its numeric results named in ``graders/trends.yaml`` go into the counter
 history (``<state_dir>/history.db``) and their trends are graded as ``trends`` results
@@ -26,8 +27,10 @@ ERROR/FAULT or UNKNOWN (:func:`~node_agent.service.node_state.answered`): in NVR
 
 The daemon names no check: what a check does in service it declares beside its ``run()``
 (``SERVICE``, :mod:`node_agent.checking.behaviour`): which results stay part of the grade for
-the daemon's life and how two of them fold into one (the xid check's findings), and the
+the daemon's life and how two of them fold into one (the xid check's findings), the
 Prometheus collector of its own (one per factory, registered at start, fed each run's
+results), and the watcher of an event-driven check (one per factory, built for every
+registered check and started with the daemon, its findings kept as the check's sticky
 results). Checks listed in ``daemon.subprocess_checks`` run in a child process
 (:mod:`node_agent.service.check_child`).
 """
@@ -55,6 +58,10 @@ from node_agent.checking.behaviour import (
     MetricsFactory,
     NodeLabels,
     ServiceBehaviour,
+    Sighting,
+    WatchContext,
+    Watcher,
+    WatcherFactory,
     behaviour,
 )
 from node_agent.checking.registry import REGISTRY
@@ -83,7 +90,6 @@ from node_agent.service.node_state import (
 )
 from node_agent.service.sd_notify import Notifier
 from node_agent.service.trend_watch import TrendWatch, trends_file
-from node_agent.service.xid_watch import XidSighting, XidWatch
 from node_agent.suite import CheckSpec, Suite, load_suite
 from node_agent.yamlfile import ConfigError
 
@@ -155,9 +161,12 @@ class Daemon:
         self._registry.register(DaemonCollector(self.snapshot))
         #: the checks' own collectors, one per factory (checking/behaviour.py)
         self._check_metrics: dict[MetricsFactory, CheckMetrics] = {}
+        #: the checks' watchers, one per factory, started with the daemon (checking/behaviour.py)
+        self._watchers: dict[WatcherFactory, Watcher] = {}
         self._broken_hooks: set[str] = set()
         for check in REGISTRY:
             self._metrics_of(check)
+            self._watcher_of(check)
         self._server: MetricsServer | None = None
         self.listen_address: tuple[str, int] | None = None
         self._remediation: DaemonRemediation | None = None
@@ -172,16 +181,6 @@ class Daemon:
             self.config.state_dir,
             wall_clock,
         )
-        self._watch = XidWatch(
-            lambda: self.env.gpu,
-            lambda: self.env.kernel_log,
-            self._on_xid,
-            poll_s=self.config.daemon.xid_poll_s,
-            report_sxid=True,
-            gpus=lambda: self.env.inventory.gpus,
-            labels=self._labels,
-        )
-        self._registry.register(self._watch)
         self._stored_grade = self._restore()
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -276,7 +275,8 @@ class Daemon:
             self._remediation.start(self.env)
         self._regrade("start (stored state read back)")
         threading.Thread(target=self._save_loop, name="state", daemon=True).start()
-        self._watch.start()
+        for watcher in self._watchers.values():
+            watcher.start()
         threading.Thread(target=self._checks_loop, name="checks", daemon=True).start()
         host, port = self.listen_address or ("?", 0)
         log.info(
@@ -317,7 +317,8 @@ class Daemon:
     def _shutdown(self) -> None:
         self._notifier.stopping()
         log.info("node-agent daemon stopping")
-        self._watch.stop(timeout_s=1.5)
+        for watcher in self._watchers.values():
+            watcher.stop(timeout_s=1.5)
         if self._nvhcd is not None:
             self._nvhcd.stop()
         if self._remediation is not None:
@@ -467,7 +468,7 @@ class Daemon:
 
     def _record(self, check: str, results: list[Result], started: float, duration: float) -> None:
         worst = max((r.status for r in results), key=lambda s: s.severity, default=None)
-        # the counter history (SQLite; outside the lock, which the XID watch and /metrics need)
+        # the counter history (SQLite; outside the lock, which the watchers and /metrics need)
         try:
             self._trends.update(results, _sku_limits(self.env))
         except Exception:  # noqa: BLE001 - trends must never stop the checks
@@ -501,7 +502,7 @@ class Daemon:
 
     def _stick(self, result: Result, live: bool = False) -> bool:
         """Keep ``result`` if its check calls it sticky (under the lock); True when it is.
-        ``live``: the XID watch's own fold of the same finding, which always replaces what is
+        ``live``: a watcher's own fold of the same finding, which always replaces what is
         kept (its count grows with every line it folds)."""
         hooks = self._hooks(result.check)
         key = hooks.sticky_key(result)
@@ -525,6 +526,21 @@ class Daemon:
             self._registry.register(collector)
         return collector
 
+    def _watcher_of(self, check: str) -> None:
+        """Build the check's watcher (its SERVICE.watcher), once per factory, and register it as
+        a collector; it starts with the daemon. One that cannot be built is logged, never fatal."""
+        factory = self._hooks(check).watcher
+        if factory is None or factory in self._watchers:
+            return
+        context = WatchContext(lambda: self.env, self._labels, self._on_sighting)
+        try:
+            watcher = factory(context)
+        except Exception as err:  # noqa: BLE001 - a broken watcher must not stop the daemon
+            log.error("check %s: its watcher cannot be built: %s", check, printable(str(err)))
+            return
+        self._watchers[factory] = watcher
+        self._registry.register(watcher)
+
     def _hooks(self, check: str) -> ServiceBehaviour:
         """The check's SERVICE; PLAIN for a name the registry lacks or a module that does not
         import (its runs report that themselves), logged once."""
@@ -547,29 +563,35 @@ class Daemon:
                 {g.index: g.uuid for g in self.env.inventory.gpus},
             )
 
-    # -- XIDs -----------------------------------------------------------------------------------
-    def _on_xid(self, sighting: XidSighting) -> None:
-        """One folded finding from the watch, named (its target set): a first line, a new
-        variant or burst, or a count update (at most once a minute). It is kept as its check's
-        sticky result under the same key as that check's own findings, replacing what is kept
-        there (the watch's fold only grows)."""
-        result = sighting.result()
+    # -- watchers -------------------------------------------------------------------------------
+    def _on_sighting(self, sighting: Sighting) -> None:
+        """One folded finding from a check's watcher: a first line, a new variant or burst, or a
+        count update (at most once a minute). It is kept as its check's sticky result under the
+        same key as that check's own findings, replacing what is kept there (the watcher's fold
+        only grows), and graded at once."""
+        result = sighting.result
         with self._lock:
             env = self.env
             first = (result.check, self._hooks(result.check).sticky_key(result)) not in self._sticky
-            self._stick(result, live=True)
-        if first:
-            level, name = sighting.catalog_entry(env.grader)
-            log.warning(
-                "%s %d (%s) on %s from %s: %s",
-                sighting.noun,
-                sighting.code,
-                printable(name),
-                printable(result.target),
-                printable(sighting.source),
-                level.name,
+            kept = self._stick(result, live=True)
+        if not kept:
+            log.error(
+                "check %s: its watcher reported a finding its SERVICE.sticky does not keep, so it "
+                "is not graded: %s",
+                printable(result.check),
+                printable(result.detail[:300]),
             )
-        self._regrade(f"{sighting.noun} {sighting.code} on {result.target} ({sighting.why})")
+            return
+        if first:
+            alone = env.grader.grade([result], "service")
+            name = next((r.name for r in alone.reasons if r.name), None)
+            log.warning(
+                "%s: %s%s",
+                printable(sighting.headline),
+                alone.level.name,
+                f" ({printable(name)})" if name else "",
+            )
+        self._regrade(f"{sighting.headline} ({sighting.why})")
 
     # -- grading --------------------------------------------------------------------------------
     def current_results(self) -> list[Result]:

@@ -21,9 +21,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from node_agent.checking.behaviour import NodeLabels, behaviour
+from node_agent.checks.xid.watch import XidWatch
 from node_agent.model import Level, Result, Status
 from node_agent.service.metrics import CheckStats, DaemonCollector, Snapshot
-from node_agent.service.xid_watch import XidWatch
 
 PACKAGING = Path(__file__).resolve().parents[2] / "packaging" / "prometheus"
 RULES = PACKAGING / "node-agent.rules.yml"

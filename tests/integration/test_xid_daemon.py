@@ -1,4 +1,4 @@
-"""The daemon's XID watch under a flood, run for real: ``Daemon`` on a thread in this process
+"""The xid check's watcher in the daemon under a flood, run for real: ``Daemon`` on a thread in this process
 against the simulator, whose kernel log carries raw driver lines (``kind: kernel_log``).
 
 A flood of one code must make one reason and a handful of calls into the daemon, not one per
@@ -19,7 +19,7 @@ import urllib.request
 import pytest
 import yaml
 
-from node_agent.service import daemon as daemon_module
+from node_agent.checks.xid import watch as watch_module
 from node_agent.service.daemon import Daemon
 
 NONFATAL_149 = (
@@ -54,15 +54,15 @@ def flood(gpu: int, n: int, line: str = NONFATAL_149):
 @pytest.fixture
 def daemon(tmp_path, monkeypatch, request):
     """A running daemon on a simulated GB200 tray; ``.write(faults)`` changes its scenario and
-    ``.calls`` counts the watch's calls into the daemon. Indirect parameters: ``sku``, and
+    ``.calls`` keeps the watcher's sightings handed to the daemon. Indirect parameters: ``sku``, and
     ``update_s`` for the watch's count updates (default: the watch's own, once a minute)."""
     options = getattr(request, "param", {})
     sku = options.get("sku", "gb200-186gb")
     if "update_s" in options:
         monkeypatch.setattr(
-            daemon_module,
+            watch_module,
             "XidWatch",
-            functools.partial(daemon_module.XidWatch, update_s=options["update_s"]),
+            functools.partial(watch_module.XidWatch, update_s=options["update_s"]),
         )
     scenario = tmp_path / "scenario.yaml"
     config = tmp_path / "config.yaml"
@@ -98,13 +98,13 @@ def daemon(tmp_path, monkeypatch, request):
         )
     )
     calls: list[object] = []
-    original = Daemon._on_xid
+    original = Daemon._on_sighting
 
     def counting(self, sighting):
         calls.append(sighting)
         original(self, sighting)
 
-    monkeypatch.setattr(Daemon, "_on_xid", counting)
+    monkeypatch.setattr(Daemon, "_on_sighting", counting)
     d = Daemon(str(config), str(scenario), suite=str(suite))
     thread = threading.Thread(target=lambda: d.run(install_signals=False), daemon=True)
     thread.start()
@@ -177,11 +177,11 @@ def test_watch_reports_an_sxid_as_a_node_level_finding_on_its_nvswitch(daemon):
     assert wait_for(lambda: daemon.grade.level.name == "ERROR", 10), daemon.grade
     (reason,) = [r for r in daemon.grade.reasons if r.rule == "sxid"]
     assert reason.target == "nvswitch:1" and "SXid 20034: LTSSM Fault Up" in reason.message
-    assert wait_for(lambda: [s for s in daemon.calls if s.kind == "sxid"], 5), (
+    assert wait_for(lambda: [s for s in daemon.calls if s.result.metric == "sxid"], 5), (
         "the watch never reported the SXid"
     )
-    sighting = next(s for s in daemon.calls if s.kind == "sxid")
-    assert (sighting.target, sighting.code) == ("nvswitch:1", 20034)
+    sighting = next(s.result for s in daemon.calls if s.result.metric == "sxid")
+    assert (sighting.check, sighting.target, sighting.value) == ("xid", "nvswitch:1", 20034)
     # an NVSwitch is not a GPU: the GPU Xid counter has no series for it
     assert scraped_xid_lines(daemon) == []
 

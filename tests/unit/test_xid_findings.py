@@ -17,12 +17,13 @@ import yaml
 
 from node_agent.checking.context import CheckContext
 from node_agent.checks import xid as xid_check
+from node_agent.checks.xid import buses as xid_buses
+from node_agent.checks.xid.watch import XidWatch
 from node_agent.config import load_config
 from node_agent.environment import open_environment
 from node_agent.gpu.absent import AbsentGpuBackend
 from node_agent.kernel_log import KernelLogScanner, LinesKernelLog, LogRecord, normalise_bus
 from node_agent.model import Level, Status
-from node_agent.service.xid_watch import XidWatch
 
 SAMPLES = Path(__file__).resolve().parents[2] / ".." / "shared" / "realworld" / "xid"
 needs_samples = pytest.mark.skipif(
@@ -287,7 +288,7 @@ def sysfs(tmp_path, monkeypatch):
     """A /sys/bus/pci/devices tree of our own: ``add(bdf, vendor)`` makes a device."""
     root = tmp_path / "sys-bus-pci-devices"
     root.mkdir()
-    monkeypatch.setattr(xid_check, "SYSFS_PCI_DEVICES", root)
+    monkeypatch.setattr(xid_buses, "SYSFS_PCI_DEVICES", root)
 
     def add(bdf: str, vendor: str) -> None:
         (root / bdf).mkdir()
@@ -365,15 +366,8 @@ def test_watch_reports_corroboration_when_nvml_and_the_line_agree(env):
     assert reports[-1].evidence["corroborated_by_nvml"] is True
 
 
-def test_watch_drops_a_line_whose_bus_sysfs_shows_is_no_nvidia_device(env, sysfs, monkeypatch):
-    from node_agent.service import xid_watch
-
+def test_watch_drops_a_line_whose_bus_sysfs_shows_is_no_nvidia_device(env, sysfs):
     sysfs("0000:e9:00.0", "0x8086")
-    monkeypatch.setattr(
-        xid_watch,
-        "nvidia_buses",
-        lambda log: xid_check.nvidia_buses(log, xid_check.SYSFS_PCI_DEVICES),
-    )
     live = LinesKernelLog([], source="/dev/kmsg", live=True)
     reports = []
     watch = XidWatch(lambda: env.gpu, lambda: live, reports.append, clock=FakeClock())

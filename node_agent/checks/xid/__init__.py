@@ -8,6 +8,10 @@ NVIDIA's catalog decodes them (Xid 144-150, 154). ``since: boot`` (default) read
 kernel still holds for this boot; ``since: last_run`` keeps a cursor in the state directory and
 reads only what is new.
 
+In the daemon the check is event-driven as well: its watcher (``watch.py``, declared in
+``SERVICE``) follows NVML's Xid events and the kernel log as they happen, and the daemon grades
+each finding it hands back at once, under the same sticky key as this run's findings.
+
 Only what the driver wrote is believed (``kernel_log``'s rules of belief: kernel facility, the
 message starting with the driver's prefix, never a user's fault report). On this host's own log
 (kmsg, the journal) a bus id that the PCI bus in sysfs shows is no NVIDIA device (vendor
@@ -30,7 +34,6 @@ not be queried (skip or error), never a pass.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,12 +46,12 @@ from node_agent.checking.behaviour import ServiceBehaviour
 from node_agent.checking.context import CheckContext
 from node_agent.checking.params import Reader
 from node_agent.checking.xid_fold import DriverFold, Folder, keep_fuller
+from node_agent.checks.xid.buses import nvidia_buses
+from node_agent.checks.xid.watch import watcher
 from node_agent.gpu.base import GpuError
-from node_agent.gpu.pci import NVIDIA_VENDOR_ID, SYSFS_PCI_DEVICES
 from node_agent.hardware.driver_lines import DriverLineKind, load_driver_lines
 from node_agent.kernel_log import (
     DriverLine,
-    KernelLog,
     KernelLogScanner,
     SxidLine,
     Unreadable,
@@ -65,15 +68,15 @@ NO_GPU_METRIC = "driver_line_no_gpu"
 
 def sticky_key(result: Result) -> tuple[str, int] | None:
     """An Xid or SXid finding stays part of the daemon's grade for its life, whichever window a
-    later run reads: one per (target, code). The daemon's XID watch files its findings under
-    the same key."""
+    later run reads: one per (target, code). The check's watcher (``watch.py``) files its
+    findings under the same key."""
     if result.metric in ("xid", "sxid") and result.status is Status.FAIL:
         if isinstance(result.value, (int, float)) and not isinstance(result.value, bool):
             return (result.target, int(result.value))
     return None
 
 
-SERVICE = ServiceBehaviour(sticky=sticky_key, fold=keep_fuller)
+SERVICE = ServiceBehaviour(sticky=sticky_key, fold=keep_fuller, watcher=watcher)
 
 
 @dataclass(frozen=True)
@@ -208,28 +211,6 @@ def _driver_results(
             continue
         out.append(fold.result(kind.metric, Status(kind.status), kind.name, window, boot_epoch))
     return out
-
-
-def nvidia_buses(log: KernelLog, root: Path | None = None) -> frozenset[str] | None:
-    """The bus ids (``0000:3b:00``) of every NVIDIA PCI function on this host (sysfs ``vendor``
-    0x10de, any class: GPUs and NVSwitches), when ``log`` is this host's own log and sysfs can be
-    listed; None otherwise (a saved log, or no sysfs): then bus ids are taken as printed."""
-    if not log.live:
-        return None
-    root = root if root is not None else SYSFS_PCI_DEVICES
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return None
-    found = set()
-    for name in names:
-        try:
-            vendor = int((root / name / "vendor").read_text().strip(), 16)
-            if vendor == NVIDIA_VENDOR_ID:
-                found.add(normalise_bus(name))
-        except (OSError, ValueError):
-            continue
-    return frozenset(found)
 
 
 def driver_line_kinds(ctx: CheckContext) -> dict[str, DriverLineKind]:

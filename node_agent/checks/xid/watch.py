@@ -1,10 +1,12 @@
-"""Event-driven XID and SXid detection for the daemon: NVML events and the kernel log, as they happen.
+"""The xid check's watcher: XIDs and SXids as they happen, from NVML events and the kernel log.
 
-Two threads, each blocking on its source with a short timeout so it notices a stop request:
+The daemon starts it (the check's ``SERVICE.watcher``, ``checking/behaviour.py``) and grades
+each finding it hands back at once, as the check's own sticky result. Two threads, each blocking
+on its source with a short timeout so it notices a stop request:
 - NVML: ``GpuBackend.wait_xid_events`` (``nvmlEventSetWait``); a backend that does not report
   events (NotSupported) is logged once and left to the kernel log.
 - Kernel log: ``/dev/kmsg`` followed from an open fd (``KmsgFollower``); other sources (the
-  journal, the simulator's lines) are re-read every ``poll_s``.
+  journal, a stand-in node's lines) are re-read every ``poll_s`` (``daemon.xid_poll_s``).
 
 Every sighting is folded (``checking/xid_fold.py``): the same code on the same GPU or NVSwitch is
 one finding with its count, first/last time, rate, bursts and the variants its lines printed.
@@ -17,25 +19,25 @@ An NVML event carries the code but not the line, and the line is what decides Xi
 154. When the kernel log is readable, an NVML-only finding waits ``nvml_grace_s`` for its kernel
 line before it is reported (graded by its code if the line never comes), so a Nonfatal 149 is
 never graded by its code first. The sources are read through getters because the daemon swaps
-its environment (driver reload, scenario change).
+its node (driver reload, scenario change).
 
 The kernel log is believed only where the driver wrote it (``kernel_log``'s rules of belief:
 kernel facility, the message starting with ``NVRM: ``/``nvidia-nvswitchN: ``, never a user's
 fault report). On this host's own log, a line whose bus the PCI bus in sysfs shows is no NVIDIA
-device is logged and dropped, never reported as a GPU's. The driver's lines without an Xid and
-PCIe AER errors are left to the periodic ``xid`` check, which grades them
+device is logged and dropped, never reported as a GPU's (``buses.py``). The driver's lines
+without an Xid and PCIe AER errors are left to the periodic check, which grades them
 (``graders/driver_lines.yaml``). When NVML's event and the kernel's line report the same Xid on
 the same GPU, the finding's evidence says it is corroborated.
 
-SXids are reported only with ``report_sxid=True``: a handler that names targets from
-``sighting.target`` (``nvswitch:N``) passes it; one that does not would file an SXid under a PCI
-address as an Xid, so without the flag SXids are left to the periodic ``xid`` check.
+SXids are reported only with ``report_sxid=True`` (the daemon's watcher passes it: its findings
+are named ``nvswitch:N``); without it an SXid would be filed under a PCI address as an Xid, so
+SXids are then left to the periodic check.
 
 With ``gpus`` (a getter of the inventory's GPUs) every sighting reaches the handler named: a
 GPU's index found from its bus where the source printed only the bus, its ``target``
 (``gpu:N``, else ``pci:<bus>``). The watch is also a Prometheus collector
-(``node_agent_gpu_xid_errors_total``: occurrences per GPU and code, following the fold's count)
-once the daemon gives it its labels (``labels``).
+(``node_agent_gpu_xid_errors_total``: occurrences per GPU and code, following the fold's count),
+labelled by ``labels``.
 """
 
 from __future__ import annotations
@@ -51,9 +53,9 @@ from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from node_agent.checking.behaviour import NodeLabels
+from node_agent.checking.behaviour import NodeLabels, Sighting, WatchContext
 from node_agent.checking.xid_fold import Fold, Folder
-from node_agent.checks.xid import nvidia_buses
+from node_agent.checks.xid.buses import nvidia_buses
 from node_agent.gpu.base import GpuBackend, GpuError, NotSupported
 from node_agent.kernel_log import (
     DriverLine,
@@ -67,7 +69,7 @@ from node_agent.kernel_log import (
     Unreadable,
     normalise_bus,
 )
-from node_agent.model import Level, Result, Status
+from node_agent.model import Result, Status
 
 log = logging.getLogger(__name__)
 
@@ -77,19 +79,6 @@ class _InventoryGpu(Protocol):
     def index(self) -> int: ...
     @property
     def pci_bus_id(self) -> str: ...
-
-
-class _Catalog(Protocol):
-    def level(self, code: int) -> tuple[Level, str]: ...
-
-
-class _Catalogs(Protocol):
-    """What the watch reads of the grader: its XID and SXid catalogs."""
-
-    @property
-    def xid(self) -> _Catalog: ...
-    @property
-    def sxid(self) -> _Catalog: ...
 
 
 _GPU_TARGET = re.compile(r"^gpu:(\d+)$")
@@ -105,7 +94,7 @@ class XidSighting:
     source: str  # "nvml-event" and/or the kernel-log source
     line: str  # the line most likely to decide (a Fatal one when there is one)
     kind: str = "xid"  # "xid" | "sxid"
-    target: str | None = None  # "nvswitch:N" for an SXid; GPUs are named by the daemon
+    target: str | None = None  # "nvswitch:N" for an SXid; a GPU's is set by named()
     count: int = 1  # occurrences folded so far
     evidence: dict[str, Any] = field(default_factory=dict, compare=False)  # the fold's evidence
     why: str = "first"  # first | new variant | new burst | update | nvml event without a line
@@ -127,9 +116,10 @@ class XidSighting:
         )
         return dataclasses.replace(self, gpu_index=index, target=target)
 
-    def catalog_entry(self, grader: _Catalogs) -> tuple[Level, str]:
-        """(level, name) of the code in the grader's XID or SXid catalog."""
-        return (grader.sxid if self.kind == "sxid" else grader.xid).level(self.code)
+    @property
+    def headline(self) -> str:
+        """``Xid 79 on gpu:5 from nvml-event``, for the daemon's log."""
+        return f"{self.noun} {self.code} on {self.target or self.pci_bus} from {self.source}"
 
     def result(self, target: str | None = None) -> Result:
         """The finding as the ``xid`` check reports it (metric ``xid`` or ``sxid``), for the
@@ -155,6 +145,8 @@ class XidSighting:
 
 
 class XidWatch:
+    """The watch (see the module docstring); :func:`watcher` builds the daemon's."""
+
     def __init__(
         self,
         gpu: Callable[[], GpuBackend],
@@ -426,7 +418,7 @@ class XidWatch:
     # -- metrics --------------------------------------------------------------------------------
     def collect(self) -> Iterator[Metric]:
         """``node_agent_gpu_xid_errors_total{gpu, uuid, code}`` (a Prometheus collector; the
-        daemon registers the watch when it gives it ``labels``)."""
+        daemon registers every check's watcher in its registry)."""
         node = self._labels() if self._labels is not None else NodeLabels("", {})
         family = CounterMetricFamily(
             "node_agent_gpu_xid_errors",
@@ -443,3 +435,22 @@ class XidWatch:
                 [node.hostname, "" if gpu is None else str(gpu), uuid, str(code)], count
             )
         yield family
+
+
+def watcher(ctx: WatchContext) -> XidWatch:
+    """The xid check's watcher in the daemon (its ``SERVICE.watcher``): NVML's events and the
+    kernel log of the node the daemon has now, SXids included, every finding named and handed
+    back as the check's result."""
+
+    def report(sighting: XidSighting) -> None:
+        ctx.report(Sighting(sighting.result(), sighting.why, sighting.headline))
+
+    return XidWatch(
+        lambda: ctx.node().gpu,
+        lambda: ctx.node().kernel_log,
+        report,
+        poll_s=ctx.node().config.daemon.xid_poll_s,
+        report_sxid=True,
+        gpus=lambda: ctx.node().inventory.gpus,
+        labels=ctx.labels,
+    )
