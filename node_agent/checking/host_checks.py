@@ -123,6 +123,12 @@ class HostParams:
         r = Reader(cls.CHECK, raw, cls)
         return cls(**{f.name: r.optional_string(f.name) for f in fields(cls)})
 
+    @classmethod
+    def of(cls, check: str) -> type[HostParams]:
+        """The ``Params`` of the host check ``check``: these fields, its errors naming it."""
+        named = type("Params", (cls,), {"CHECK": check, "__doc__": cls.__doc__})
+        return dataclass(frozen=True)(named)
+
 
 @contextlib.contextmanager
 def host_paths(ctx: CheckContext, parts: tuple[str, ...]) -> Iterator[HostPaths]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 from node_agent.checking.context import CheckContext
 from node_agent.checking.params import Reader
@@ -249,12 +249,33 @@ def error_results(
     ]
 
 
-def copy_params(r: Reader) -> dict[str, Any]:
-    """The copy measurement's parameters both checks take (``size_bytes``, ``reps``,
-    ``warmup``, ``sample_min_s``), read from a check's :class:`Reader` for its ``Params``."""
-    return {
-        "size_bytes": r.integer("size_bytes", 1),
-        "reps": r.integer("reps", 1),
-        "warmup": r.integer("warmup", 0),
-        "sample_min_s": r.number("sample_min_s", at_least=0),
-    }
+C = TypeVar("C", bound="CopyParams")
+
+
+@dataclass(frozen=True)
+class CopyParams:
+    """The copy measurement's parameters both bandwidth checks take (a suite's ``params``),
+    validated by :meth:`parse`; each check's ``Params`` subclasses it, with its own
+    ``size_bytes`` default and name."""
+
+    CHECK: ClassVar[str] = "copy"
+
+    size_bytes: int = 256 << 20
+    reps: int = 10
+    warmup: int = 2
+    sample_min_s: float = 0.0
+
+    @classmethod
+    def parse(cls: type[C], raw: Mapping[str, Any]) -> C:
+        """ValueError naming the key and what was expected."""
+        return cls(**cls.read(Reader(cls.CHECK, raw, cls)))
+
+    @classmethod
+    def read(cls, r: Reader) -> dict[str, Any]:
+        """The copy fields read by ``r``; a subclass's ``parse`` adds its own."""
+        return {
+            "size_bytes": r.integer("size_bytes", 1),
+            "reps": r.integer("reps", 1),
+            "warmup": r.integer("warmup", 0),
+            "sample_min_s": r.number("sample_min_s", at_least=0),
+        }

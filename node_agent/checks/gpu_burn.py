@@ -36,23 +36,17 @@ without torch, or on a host where torch cannot use CUDA, the check skips with th
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from prometheus_client.core import GaugeMetricFamily, Metric
-
 from node_agent.checking.behaviour import (
-    LatestResults,
     ServiceBehaviour,
-    add_once,
-    figure,
-    gpu_labels,
     label,
     put_output,
 )
 from node_agent.checking.burn_run import BurnParams, burn, make_plan, worker_failures
 from node_agent.checking.context import CheckContext
+from node_agent.checking.figure_gauge import figure_gauge
 from node_agent.checking.siblings import compare_with_siblings, load_thresholds
 from node_agent.compute.burn import BurnOutcome, BurnPlan, Sample, WorkerReport
 from node_agent.model import Result, Status
@@ -236,26 +230,20 @@ def _wrong_elements(
     )
 
 
-class BurnMetrics(LatestResults):
-    """``node_agent_gpu_burn_flops_per_second{gpu,uuid,precision}``: the latest run's
-    ``tflops_<precision>`` per GPU in FLOP/s (base units), for the fleet's outlier rules
-    (packaging/prometheus/). A slow (failing) figure is exported; a skip or an error is none."""
+def _precision(result: Result) -> list[str] | None:
+    return (
+        [label(result.metric.removeprefix("tflops_"))]
+        if result.metric.startswith("tflops_")
+        else None
+    )
 
-    def collect(self) -> Iterator[Metric]:
-        node, results = self.latest()
-        family = GaugeMetricFamily(
-            "node_agent_gpu_burn_flops_per_second",
-            "Sustained GEMM throughput of the GPU in the latest gpu_burn run (FLOP/s), "
-            "per precision",
-            labels=["hostname", "gpu", "uuid", "precision"],
-        )
-        seen: set[tuple[str, ...]] = set()
-        for r in results:
-            value, gpu = figure(r), gpu_labels(node, r.target)
-            if value is not None and gpu is not None and r.metric.startswith("tflops_"):
-                precision = label(r.metric.removeprefix("tflops_"))
-                add_once(family, [*gpu, precision], value * 1e12, seen)
-        yield family
+
+#: ``node_agent_gpu_burn_flops_per_second{gpu,uuid,precision}``: the latest run's
+#: ``tflops_<precision>`` per GPU in FLOP/s, for the fleet's outlier rules (packaging/prometheus/)
+BurnMetrics = figure_gauge(
+    "node_agent_gpu_burn_flops_per_second",
+    "Sustained GEMM throughput of the GPU in the latest gpu_burn run (FLOP/s), per precision",
+    ("precision",), 1e12, _precision)  # fmt: skip
 
 
 SERVICE = ServiceBehaviour(metrics=BurnMetrics)

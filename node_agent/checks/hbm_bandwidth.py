@@ -28,24 +28,17 @@ per repetition on a real GPU; ignored where copies are modelled).
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
-
-from prometheus_client.core import GaugeMetricFamily, Metric
+from typing import Any, ClassVar
 
 from node_agent.checking.behaviour import (
-    LatestResults,
     ServiceBehaviour,
-    add_once,
-    figure,
-    gpu_labels,
 )
 from node_agent.checking.context import CheckContext
-from node_agent.checking.params import Reader
+from node_agent.checking.figure_gauge import figure_gauge
 from node_agent.checking.transfer import (
+    CopyParams,
     copy_bytes,
-    copy_params,
     error_results,
     grade_figures,
     open_models,
@@ -57,27 +50,15 @@ from node_agent.compute.devices import ComputeDevice, open_device
 from node_agent.model import Result
 
 DEFAULT_SIZE_BYTES = 4 << 30
-DEFAULT_REPS = 10
-DEFAULT_WARMUP = 2
 METRIC = "copy_gbps"
 
 
 @dataclass(frozen=True)
-class Params:
+class Params(CopyParams):
     """The check's parameters (a suite's ``params``), validated by :meth:`parse`."""
 
+    CHECK: ClassVar[str] = "hbm_bandwidth"
     size_bytes: int = DEFAULT_SIZE_BYTES
-    reps: int = DEFAULT_REPS
-    warmup: int = DEFAULT_WARMUP
-    sample_min_s: float = 0.0
-
-    @classmethod
-    def parse(cls, raw: Mapping[str, Any]) -> Params:
-        """ValueError naming the key and what was expected."""
-        r = Reader("hbm_bandwidth", raw, cls)
-        return cls(
-            **copy_params(r),
-        )
 
 
 def run(ctx: CheckContext) -> list[Result]:
@@ -148,24 +129,12 @@ def run(ctx: CheckContext) -> list[Result]:
     return out
 
 
-class HbmMetrics(LatestResults):
-    """``node_agent_gpu_hbm_copy_bytes_per_second{gpu,uuid}``: the latest run's ``copy_gbps``
-    per GPU in bytes/s (a skip or an error makes no series)."""
-
-    def collect(self) -> Iterator[Metric]:
-        node, results = self.latest()
-        family = GaugeMetricFamily(
-            "node_agent_gpu_hbm_copy_bytes_per_second",
-            "Device-to-device copy bandwidth of the GPU's memory in the latest hbm_bandwidth "
-            "run (bytes/s, the p90 of its repetitions)",
-            labels=["hostname", "gpu", "uuid"],
-        )
-        seen: set[tuple[str, ...]] = set()
-        for r in results:
-            value, gpu = figure(r), gpu_labels(node, r.target)
-            if value is not None and gpu is not None and r.metric == METRIC:
-                add_once(family, gpu, value * 1e9, seen)
-        yield family
+#: ``node_agent_gpu_hbm_copy_bytes_per_second{gpu,uuid}``: the latest run's ``copy_gbps`` per GPU
+HbmMetrics = figure_gauge(
+    "node_agent_gpu_hbm_copy_bytes_per_second",
+    "Device-to-device copy bandwidth of the GPU's memory in the latest hbm_bandwidth run "
+    "(bytes/s, the p90 of its repetitions)",
+    (), 1e9, lambda r: [] if r.metric == METRIC else None)  # fmt: skip
 
 
 SERVICE = ServiceBehaviour(metrics=HbmMetrics)

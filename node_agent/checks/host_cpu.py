@@ -19,9 +19,6 @@ Params: ``sys_root``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 from node_agent.checking.context import CheckContext
 from node_agent.checking.host_checks import (
     Counters,
@@ -41,12 +38,8 @@ from node_agent.host.cpu import (
 from node_agent.host.paths import format_cpu_list
 from node_agent.model import Result, Status
 
-
-@dataclass(frozen=True)
-class Params(HostParams):
-    """The roots and tools it reads (checking/host_checks.py)."""
-
-    CHECK: ClassVar[str] = "host_cpu"
+#: the roots and tools it reads (checking/host_checks.py)
+Params = HostParams.of("host_cpu")
 
 
 def run(ctx: CheckContext) -> list[Result]:

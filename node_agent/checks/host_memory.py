@@ -34,8 +34,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from node_agent import atomic_file
 from node_agent.checking.context import CheckContext
@@ -64,11 +63,8 @@ def _controllers(paths: HostPaths) -> tuple[list[MemoryController] | None, str |
         )
 
 
-@dataclass(frozen=True)
-class Params(HostParams):
-    """The roots and tools it reads (checking/host_checks.py)."""
-
-    CHECK: ClassVar[str] = "host_memory"
+#: the roots and tools it reads (checking/host_checks.py)
+Params = HostParams.of("host_memory")
 
 
 def run(ctx: CheckContext) -> list[Result]:

@@ -32,18 +32,17 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.core import GaugeMetricFamily, Metric
-
 import node_agent
 from node_agent import proc
 from node_agent.checking import host_view
-from node_agent.checking.behaviour import LatestResults, ServiceBehaviour, add_once, figure
+from node_agent.checking.behaviour import ServiceBehaviour
 from node_agent.checking.context import CheckContext
+from node_agent.checking.figure_gauge import node_gauge
 from node_agent.checking.params import Reader
 from node_agent.extras import install_command
 from node_agent.gpu.base import GpuError
@@ -550,24 +549,13 @@ def _validation_results(
     return []
 
 
-class BusbwMetrics(LatestResults):
-    """``node_agent_allreduce_busbw_bytes_per_second``: the latest run's ``busbw_peak_gbps``
-    (the node's peak, not each message size) in bytes/s; a skip or an error makes no series."""
-
-    def collect(self) -> Iterator[Metric]:
-        node, results = self.latest()
-        family = GaugeMetricFamily(
-            "node_agent_allreduce_busbw_bytes_per_second",
-            "Peak all-reduce bus bandwidth of the node in the latest nccl_allreduce run "
-            "(bytes/s, nccl-tests' busbw)",
-            labels=["hostname"],
-        )
-        seen: set[tuple[str, ...]] = set()
-        for r in results:
-            value = figure(r)
-            if value is not None and r.metric == "busbw_peak_gbps" and r.target == "node":
-                add_once(family, [node.hostname], value * 1e9, seen)
-        yield family
+#: ``node_agent_allreduce_busbw_bytes_per_second``: the latest run's ``busbw_peak_gbps`` (the
+#: node's peak, not each message size)
+BusbwMetrics = node_gauge(
+    "node_agent_allreduce_busbw_bytes_per_second",
+    "Peak all-reduce bus bandwidth of the node in the latest nccl_allreduce run "
+    "(bytes/s, nccl-tests' busbw)",
+    1e9, lambda r: [] if r.metric == "busbw_peak_gbps" else None)  # fmt: skip
 
 
 SERVICE = ServiceBehaviour(metrics=BusbwMetrics)

@@ -30,8 +30,7 @@ Params: ``sys_root``, ``proc_root`` (its ``self/mounts``), ``dev_root``, ``nvme`
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from node_agent import proc
 from node_agent.checking.context import CheckContext
@@ -59,11 +58,8 @@ SMARTCTL_FATAL_BITS = 0x03
 ENDURANCE_PERCENT = 100
 
 
-@dataclass(frozen=True)
-class Params(HostParams):
-    """The roots and tools it reads (checking/host_checks.py)."""
-
-    CHECK: ClassVar[str] = "nvme_health"
+#: the roots and tools it reads (checking/host_checks.py)
+Params = HostParams.of("nvme_health")
 
 
 def run(ctx: CheckContext) -> list[Result]:

@@ -49,23 +49,18 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-from prometheus_client.core import GaugeMetricFamily, Metric
+from typing import Any, ClassVar
 
 from node_agent.checking.behaviour import (
-    LatestResults,
     ServiceBehaviour,
-    add_once,
-    figure,
-    gpu_labels,
 )
 from node_agent.checking.context import CheckContext
+from node_agent.checking.figure_gauge import figure_gauge
 from node_agent.checking.params import Reader
 from node_agent.checking.transfer import (
-    copy_params,
+    CopyParams,
     error_results,
     grade_figures,
     open_models,
@@ -78,9 +73,6 @@ from node_agent.compute.devices import ComputeDevice, ComputeSpec, open_device
 from node_agent.gpu.base import GpuDevice, GpuError, NoPermission, NotSupported, PcieLink
 from node_agent.model import Result, Status
 
-DEFAULT_SIZE_BYTES = 256 << 20
-DEFAULT_REPS = 10
-DEFAULT_WARMUP = 2
 DEFAULT_LINK_TIMEOUT_S = 10.0
 DEFAULT_CONCURRENT_S = 2.0
 ALONE = ("h2d_gbps", "d2h_gbps")
@@ -132,13 +124,10 @@ class _Gpu:
 
 
 @dataclass(frozen=True)
-class Params:
+class Params(CopyParams):
     """The check's parameters (a suite's ``params``), validated by :meth:`parse`."""
 
-    size_bytes: int = DEFAULT_SIZE_BYTES
-    reps: int = DEFAULT_REPS
-    warmup: int = DEFAULT_WARMUP
-    sample_min_s: float = 0.0
+    CHECK: ClassVar[str] = "pcie_bandwidth"
     link_timeout_s: float = DEFAULT_LINK_TIMEOUT_S
     concurrent_s: float = DEFAULT_CONCURRENT_S
     worker_timeout_s: float | None = None  # None: 120 s plus two concurrent windows
@@ -146,9 +135,9 @@ class Params:
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> Params:
         """ValueError naming the key and what was expected."""
-        r = Reader("pcie_bandwidth", raw, cls)
+        r = Reader(cls.CHECK, raw, cls)
         return cls(
-            **copy_params(r),
+            **cls.read(r),
             link_timeout_s=r.positive("link_timeout_s"),
             concurrent_s=r.positive("concurrent_s"),
             worker_timeout_s=r.optional_number("worker_timeout_s", above=0),
@@ -620,24 +609,14 @@ PCIE_FIGURES = {
 }
 
 
-class PcieMetrics(LatestResults):
-    """``node_agent_gpu_pcie_bytes_per_second{gpu,uuid,direction,mode}``: the latest run's four
-    figures per GPU in bytes/s (a skip or an error makes no series)."""
-
-    def collect(self) -> Iterator[Metric]:
-        node, results = self.latest()
-        family = GaugeMetricFamily(
-            "node_agent_gpu_pcie_bytes_per_second",
-            "Host-device copy bandwidth over PCIe in the latest pcie_bandwidth run (bytes/s): "
-            "direction h2d|d2h, mode alone|concurrent",
-            labels=["hostname", "gpu", "uuid", "direction", "mode"],
-        )
-        seen: set[tuple[str, ...]] = set()
-        for r in results:
-            value, gpu = figure(r), gpu_labels(node, r.target)
-            if value is not None and gpu is not None and r.metric in PCIE_FIGURES:
-                add_once(family, [*gpu, *PCIE_FIGURES[r.metric]], value * 1e9, seen)
-        yield family
+#: ``node_agent_gpu_pcie_bytes_per_second{gpu,uuid,direction,mode}``: the latest run's four
+#: figures per GPU
+PcieMetrics = figure_gauge(
+    "node_agent_gpu_pcie_bytes_per_second",
+    "Host-device copy bandwidth over PCIe in the latest pcie_bandwidth run (bytes/s): "
+    "direction h2d|d2h, mode alone|concurrent",
+    ("direction", "mode"), 1e9,
+    lambda r: list(PCIE_FIGURES[r.metric]) if r.metric in PCIE_FIGURES else None)  # fmt: skip
 
 
 SERVICE = ServiceBehaviour(metrics=PcieMetrics)

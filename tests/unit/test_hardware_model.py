@@ -14,7 +14,7 @@ from node_agent import resources
 from node_agent.checking.context import HOST_PORTS, CheckContext
 from node_agent.checks import inventory as inventory_check
 from node_agent.checks import nvml_health
-from node_agent.checks.nvml_health import nvlink as nvml_nvlink
+from node_agent.checks.nvml_health import links as nvml_nvlink
 from node_agent.config import config_from_dict
 from node_agent.gpu.base import DeviceLost, NvLink
 from node_agent.gpu.pci import PciBus, PciGpu

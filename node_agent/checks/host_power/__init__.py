@@ -29,9 +29,7 @@ Params: ``dev_root``, ``ipmitool`` (the program; default ``host.ipmitool``), ``i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import ClassVar
 
 from node_agent import proc
 from node_agent.checking.context import CheckContext
@@ -67,11 +65,8 @@ MISSING = (
 )
 
 
-@dataclass(frozen=True)
-class Params(HostParams):
-    """The roots and tools it reads (checking/host_checks.py)."""
-
-    CHECK: ClassVar[str] = "host_power"
+#: the roots and tools it reads (checking/host_checks.py)
+Params = HostParams.of("host_power")
 
 
 def run(ctx: CheckContext) -> list[Result]:

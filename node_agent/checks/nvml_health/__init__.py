@@ -33,7 +33,7 @@ from node_agent.checking import host_view
 from node_agent.checking.behaviour import ServiceBehaviour
 from node_agent.checking.context import CheckContext
 from node_agent.checks.nvml_health.metrics import NvmlReadings
-from node_agent.checks.nvml_health.nvlink import nvlink
+from node_agent.checks.nvml_health.links import nvlink
 from node_agent.gpu.base import (
     DeviceLost,
     EccCounts,

@@ -22,9 +22,7 @@ the log prints, so the log is not read twice. Params: ``sys_root``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 from node_agent.checking.context import CheckContext
 from node_agent.checking.host_checks import (
@@ -158,11 +156,8 @@ def _owners(
     return own
 
 
-@dataclass(frozen=True)
-class Params(HostParams):
-    """The roots and tools it reads (checking/host_checks.py)."""
-
-    CHECK: ClassVar[str] = "pcie_aer"
+#: the roots and tools it reads (checking/host_checks.py)
+Params = HostParams.of("pcie_aer")
 
 
 def run(ctx: CheckContext) -> list[Result]:
