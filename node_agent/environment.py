@@ -4,11 +4,14 @@
 This is the single place where a stand-in node or the real hardware is chosen:
 ``open_environment(config, simulate=path)`` opens the stand-in a scenario file describes
 (:mod:`node_agent.sim.node`); without ``simulate``, this host. Nothing below asks which; the
-checks read ``Environment.ports``.
+checks read ``Environment.ports``. The node keeps how it was chosen as a typed spec
+(``Node.spec``, :class:`~node_agent.checking.child.NodeSpec`), and a check child opens the same
+node from it with :func:`open_environment_for`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from dataclasses import dataclass
@@ -16,6 +19,7 @@ from pathlib import Path
 
 from node_agent import resources
 from node_agent.atomic_file import private_dir
+from node_agent.checking.child import NodeSpec
 from node_agent.checking.ports import Ports
 from node_agent.config import Config
 from node_agent.gpu import open_backend
@@ -117,7 +121,8 @@ def open_node(config: Config, skus: dict[str, Sku], simulate: str | None = None)
     if simulate:
         from node_agent.sim.node import open_stand_in
 
-        return open_stand_in(simulate, skus, config.node.sku, config.nvml.call_timeout_s)
+        node = open_stand_in(simulate, skus, config.node.sku, config.nvml.call_timeout_s)
+        return dataclasses.replace(node, spec=NodeSpec.scenario(simulate))
     return Node(
         gpu=open_backend(call_timeout_s=config.nvml.call_timeout_s),
         kernel_log=open_kernel_log(kernel_log_path(config)),
@@ -151,6 +156,12 @@ def open_environment(config: Config, simulate: str | None = None) -> Environment
         inventory=inventory,
         ports=node.ports_for(inventory.sku),
     )
+
+
+def open_environment_for(config: Config, node: NodeSpec) -> Environment:
+    """The environment of the node a typed spec names (a check child's request,
+    checking/child.py): this host, or the stand-in its scenario file describes."""
+    return open_environment(config, node.scenario_path)
 
 
 def report_dir(env: Environment, out: str | None) -> tuple[Path, str | None]:

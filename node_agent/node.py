@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from node_agent.checking.child import HOST, NodeSpec
 from node_agent.checking.ports import Ports
 from node_agent.gpu.base import GpuBackend
 from node_agent.hardware.sku import Sku
@@ -56,3 +57,6 @@ class Node:
     param_overlay: str | None = None
     #: speed of the node's transfers to other nodes, as a factor (1.0: as measured)
     inter_node_speed: float = 1.0
+    #: how a child process opens this same node (checking/child.py): this host, or the
+    #: scenario file's absolute path; set where the node is opened (``open_environment``)
+    spec: NodeSpec = HOST

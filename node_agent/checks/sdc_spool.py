@@ -10,7 +10,7 @@ capped), learns each file's owner from ``fstat``, and:
 - ``confirmed`` by a uid that runs a compute process on the GPU the verdict names (NVML's
   process list, each pid's uid from ``/proc``): a **report** (``sdc_reported`` warn) that makes
   the agent run *its own* ``sdc`` probe on that GPU, in a child process (the periodic suite's
-  ``sdc`` params, ``confirm_repeats`` rounds, the GPU and ``--simulate`` of this run). Only the
+  ``sdc`` params, ``confirm_repeats`` rounds, the GPU and the node of this run). Only the
   agent's own confirmation grades FAULT (``sdc_confirmed`` fail, ``source: agent probe``); a
   clean probe leaves a WARN naming the reporter; a probe that could not run (no time left, too
   little free GPU memory, no compute) keeps the report pending, retried after
@@ -56,7 +56,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from node_agent import proc
 from node_agent.atomic_file import write_json
+from node_agent.checking import child
 from node_agent.checking.behaviour import ServiceBehaviour
 from node_agent.checking.context import CheckContext
 from node_agent.checking.params import Reader
@@ -74,8 +76,6 @@ CURSOR_SCHEMA = "node-agent.sdc-spool-cursor/1"
 DEFAULT_CONFIRM_REPEATS = 3
 DEFAULT_CONFIRM_TIMEOUT_S = 300.0
 DEFAULT_CONFIRM_RETRY_S = 600.0  # the periodic suite's sdc cadence: no more probing than that
-#: the child that runs one check for a caller (its JSON interface: service/check_child.py)
-CHECK_CHILD = "node_agent.service.check_child"
 #: a child probe needs this much of the check's time to be worth starting: torch's import,
 #: CUDA start-up and one round of the periodic probe (docs/sdc.md, "The confirming probe's time")
 MIN_CONFIRM_BUDGET_S = 8.0
@@ -237,12 +237,12 @@ def gpu_users(ctx: CheckContext) -> tuple[dict[int, dict[int, list[int]]], str |
             problems.append(f"gpu:{dev.index}: {type(err).__name__}: {err}")
             continue
         users = out.setdefault(dev.index, {})
-        for proc in listed:
+        for listed_proc in listed:
             try:
-                uid = psutil.Process(proc.pid).uids().effective
+                uid = psutil.Process(listed_proc.pid).uids().effective
             except (psutil.Error, ValueError):
                 continue  # exited, or a pid of another PID namespace: nobody to vouch for
-            users.setdefault(uid, []).append(proc.pid)
+            users.setdefault(uid, []).append(listed_proc.pid)
     return out, "; ".join(problems) or None
 
 
@@ -559,15 +559,9 @@ def own_probe(ctx: CheckContext, indices: list[int], budget_s: float) -> dict[st
     """Run the agent's ``sdc`` check on ``indices`` in a child process (torch stays out of this
     process) within ``budget_s``; target -> ("confirmed"|"clean"|"pending", detail).
 
-    The child is the daemon's check child (``python -P -m node_agent.service.check_child``,
-    started by its module name: a check imports nothing above it), given the check spec as
-    JSON: this run's configuration and node (``ports.reopen_args``), and the periodic suite's
-    ``sdc`` params (so ``min_free_mib`` keeps it from pushing a job out of GPU memory) with
-    this check's GPUs and ``confirm_repeats``. It runs in / as python -P (never importing from
-    this process's working directory, which others may write to), so every path it gets is
-    absolute."""
-    from node_agent import proc
-
+    The child is the check child (``checking/child.py``: the daemon's too), given this run's
+    configuration and node, and the periodic suite's ``sdc`` params (so ``min_free_mib`` keeps
+    it from pushing a job out of GPU memory) with this check's GPUs and ``confirm_repeats``."""
     targets = [f"gpu:{i}" for i in indices]
     if budget_s < MIN_CONFIRM_BUDGET_S:
         why = (
@@ -575,46 +569,38 @@ def own_probe(ctx: CheckContext, indices: list[int], budget_s: float) -> dict[st
             "for a probe: raise sdc_spool's timeout_s in the suite"
         )
         return {t: ("pending", why) for t in targets}
-    spec = {
-        "check": "sdc",
-        "params": {
-            "gpus": list(indices),
-            "repeats": ctx.typed_params(Params).confirm_repeats,
-        },
-        "params_from_suite": "periodic",
-        "timeout_s": max(1.0, budget_s - 5.0),
-        "mode": "service",
-        "config": proc.absolute_config(ctx.config.data),
-        "reopen_args": list(ctx.ports.reopen_args),
-    }
-    done = proc.run(
-        proc.python_module_argv(CHECK_CHILD),
-        timeout_s=budget_s,
-        cwd=proc.CHILD_CWD,
-        input_text=json.dumps(spec),
+    timeout_s = max(1.0, budget_s - 5.0)
+    spec = child.ChildSpec(
+        check="sdc",
+        timeout_s=timeout_s,
+        params={"gpus": list(indices), "repeats": ctx.typed_params(Params).confirm_repeats},
+        mode="service",
+        config=proc.absolute_config(ctx.config.data),
+        params_from_suite="periodic",
+        # the node this run works against (transitional: as Ports names it, until Ports
+        # carries its NodeSpec and this reads node=ctx.ports.node)
+        reopen_args=ctx.ports.reopen_args,
     )
-    if not done.ok:
-        why = f"the probe did not run: {done.describe_failure()}"
+    answer = child.call_child(spec, grace_s=budget_s - timeout_s)
+    if answer.results is None:
+        why = f"the probe did not run: {answer.failure}"
         return {t: ("pending", why) for t in targets}
-    try:
-        results = json.loads(done.stdout)["results"]
-    except (ValueError, KeyError, TypeError) as err:
-        return {t: ("pending", f"the probe's answer is unreadable ({err})") for t in targets}
-    out = {}
-    for target in targets:
-        mine = [r for r in results if r.get("target") == target and r.get("check") == "sdc"]
-        bad = next(
-            (r for r in mine if r.get("metric") == "sdc_confirmed" and r.get("status") == "fail"),
-            None,
-        )
-        if bad is not None:
-            out[target] = ("confirmed", str(bad.get("detail", ""))[:500])
-        elif mine and all(r.get("status") in ("pass", "warn") for r in mine):
-            out[target] = ("clean", "; ".join(str(r.get("detail", "")) for r in mine)[:500])
-        else:
-            why = "; ".join(str(r.get("detail", "")) for r in mine) or "no result for it"
-            out[target] = ("pending", f"the probe could not run on {target}: {why[:400]}")
-    return out
+    return {t: _probe_outcome(t, answer.results) for t in targets}
+
+
+def _probe_outcome(target: str, results: list[Result]) -> tuple[str, str]:
+    """What the agent's ``sdc`` probe found on ``target``."""
+    mine = [r for r in results if r.target == target and r.check == "sdc"]
+    bad = next(
+        (r for r in mine if r.metric == "sdc_confirmed" and r.status is Status.FAIL),
+        None,
+    )
+    if bad is not None:
+        return "confirmed", bad.detail[:500]
+    if mine and all(r.status in (Status.PASS, Status.WARN) for r in mine):
+        return "clean", "; ".join(r.detail for r in mine)[:500]
+    why = "; ".join(r.detail for r in mine) or "no result for it"
+    return "pending", f"the probe could not run on {target}: {why[:400]}"
 
 
 def _standing_results(ctx: CheckContext, cursor: dict[str, Any], fresh: set[str]) -> list[Result]:
