@@ -1,4 +1,5 @@
-"""The daemon, run for real: its HTTP endpoint, its XID watch, its cadence and its survival.
+"""The daemon, run for real: its HTTP endpoint, the checks' watchers (the xid check's XID watch),
+its cadence and its survival.
 
 Most tests run ``Daemon`` in this process (on a thread, signals not installed) against the
 simulator, so they can change the scenario and look at state; the signal and Prometheus tests
@@ -164,6 +165,91 @@ def test_xid_injected_while_running_is_graded_and_exported_within_two_seconds(no
     assert daemon.grade.level.name == "FAULT"
     assert any(r.target == "gpu:5" and "79" in r.message for r in daemon.grade.reasons)
     print(f"xid injection -> metric latency {latency:.3f} s")
+
+
+WATCHED_CHECK = """
+import threading
+from prometheus_client.core import GaugeMetricFamily
+from node_agent.checking.behaviour import ServiceBehaviour, Sighting
+from node_agent.model import Result, Status
+
+STOPPED = threading.Event()
+
+
+class DoorWatch:
+    def __init__(self, ctx):
+        self.ctx = ctx
+
+    def start(self):
+        gpus = len(self.ctx.node().inventory.gpus)
+        found = Result("watched", "gpu:3", "door_open", Status.FAIL, f"door open (1 of {gpus})",
+                       value=1)
+        sighting = Sighting(found, "first", "door open on gpu:3")
+        threading.Thread(target=self.ctx.report, args=(sighting,), daemon=True).start()
+
+    def stop(self, timeout_s=2.0):
+        STOPPED.set()
+
+    def collect(self):
+        family = GaugeMetricFamily("node_agent_test_watched_gpus", "GPUs the watcher saw")
+        family.add_metric([], len(self.ctx.node().inventory.gpus))
+        yield family
+
+
+def run(ctx):
+    return [ctx.result("node", "door_open", Status.PASS, "closed")]
+
+
+def sticky(result):
+    return result.target if result.status is Status.FAIL else None
+
+
+SERVICE = ServiceBehaviour(sticky=sticky, watcher=DoorWatch)
+"""
+
+UNBUILDABLE_CHECK = """
+from node_agent.checking.behaviour import ServiceBehaviour
+
+
+def run(ctx):
+    return []
+
+
+def watcher(ctx):
+    raise RuntimeError("broken on purpose")
+
+
+SERVICE = ServiceBehaviour(sticky=lambda result: None, watcher=watcher)
+"""
+
+
+def test_a_watcher_a_check_declares_is_started_graded_at_once_and_stopped(
+    node, running, monkeypatch, tmp_path, caplog
+):
+    """The daemon starts the watcher of every registered check (here one no suite schedules)
+    with the node it has, grades what it hands back as that check's sticky finding, serves its
+    series and stops it at shutdown; a watcher that cannot be built is logged, and the daemon
+    runs on. The checks are stand-ins registered for the test, so nothing in the daemon names
+    them."""
+    (tmp_path / "watched_check.py").write_text(WATCHED_CHECK)
+    (tmp_path / "unbuildable_check.py").write_text(UNBUILDABLE_CHECK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(registry.REGISTRY, "watched", "watched_check")
+    monkeypatch.setitem(registry.REGISTRY, "unbuildable", "unbuildable_check")
+    with caplog.at_level("ERROR", logger="node_agent.service.daemon"):
+        daemon = running()
+    assert wait_for(lambda: daemon.grade.level.name == "ERROR", 10), daemon.grade
+    assert [(r.rule, r.target) for r in daemon.grade.reasons if r.target == "gpu:3"]
+    (kept,) = [r for r in daemon.current_results() if r.check == "watched"]
+    assert (kept.metric, kept.detail) == ("door_open", "door open (1 of 8)")
+    text = get(f"http://127.0.0.1:{node.port}/metrics")[1]
+    assert metric_value(text, "node_agent_test_watched_gpus") == 8
+    assert any(
+        "unbuildable: its watcher cannot be built: broken on purpose" in r.getMessage()
+        for r in caplog.records
+    )
+    daemon.stop()
+    assert wait_for(sys.modules["watched_check"].STOPPED.is_set, 10), "the watcher was not stopped"
 
 
 def test_check_that_raises_every_time_does_not_stop_the_others(

@@ -263,6 +263,33 @@ def test_watch_leaves_sxids_to_the_check_unless_the_handler_names_nvswitches(env
     assert env.grader.grade([report.result(report.target)]).level is Level.ERROR
 
 
+def test_the_xid_checks_watcher_hands_the_daemon_its_named_finding_as_the_checks_result(env):
+    """What the daemon gets from the check's SERVICE.watcher: the node's GPUs named from the
+    inventory, SXids reported, each finding the xid check's own sticky result."""
+    from node_agent.checking.behaviour import NodeLabels, WatchContext, behaviour
+
+    service = behaviour("xid")
+    assert service.watcher is not None
+    handed = []
+    watch = service.watcher(WatchContext(lambda: env, lambda: NodeLabels("n", {}), handed.append))
+    xid = f"NVRM: Xid (PCI:{bus(env, 5)}): 79, pid=1, GPU has fallen off the bus."
+    sxid = "nvidia-nvswitch1: SXid (PCI:0000:06:00.0): 20034, Fatal, Link 48 LTSSM Fault Up"
+    watch.kernel_records(records([xid, sxid]), KernelLogScanner(), "/dev/kmsg")
+    assert [(s.result.check, s.result.target, s.result.value, s.why) for s in handed] == [
+        ("xid", "gpu:5", 79, "first"),
+        ("xid", "nvswitch:1", 20034, "first"),
+    ]
+    assert handed[0].headline == "Xid 79 on gpu:5 from /dev/kmsg"
+    assert [service.sticky_key(s.result) for s in handed] == [("gpu:5", 79), ("nvswitch:1", 20034)]
+
+
+def test_a_watcher_whose_findings_would_not_be_kept_is_refused():
+    from node_agent.checking.behaviour import ServiceBehaviour
+
+    with pytest.raises(TypeError, match="declares sticky"):
+        ServiceBehaviour(watcher=lambda ctx: None)
+
+
 # -- rules of belief: the host's PCI bus, NVML's corroboration ----------------------------------
 
 
