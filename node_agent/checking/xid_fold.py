@@ -8,7 +8,8 @@ burst) and the distinct things the lines said (*variants*: the unit/severity/sta
 Xid, the recovery action of a 154, the severity of an SXid), which the grader decodes. Memory
 per fold is bounded whatever the flood.
 
-Used by the ``xid`` check (one read of the log) and the daemon's XID watch (events as they come).
+Used by the ``xid`` check (one read of the log) and its watcher in the daemon (events as they
+come, ``checks/xid/watch.py``), and by ``kernel_distress`` for its bursts.
 """
 
 from __future__ import annotations

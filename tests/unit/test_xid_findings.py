@@ -1,6 +1,7 @@
-"""The ``xid`` check and the daemon's XID watch: kernel-log lines become one finding per (GPU or
-NVSwitch, code), however many the driver printed; a GPU that fell off the bus is found even when
-the driver cannot load; NVML events never pre-empt the line that decides their grade.
+"""The ``xid`` check and its watcher in the daemon (the XID watch): kernel-log lines become one
+finding per (GPU or NVSwitch, code), however many the driver printed; a GPU that fell off the bus
+is found even when the driver cannot load; NVML events never pre-empt the line that decides their
+grade.
 
 Nodes are simulated (``--simulate`` scenarios: the simulated NVML backend); the kernel log is a
 list of real-format lines (``LinesKernelLog``, as the simulator provides it) or, where named, the
