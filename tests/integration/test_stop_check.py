@@ -6,11 +6,14 @@ Each node is a scenario (``--simulate DIR/n{rank}.yaml``): its GPUs are simulate
 faults act at the compute boundary (``sdc``) and the transport boundary (``slow_link``); the
 phases, the localisation, the grading and the remediation are the real code. No GPU is needed.
 
-Slow on purpose: a six-rank test starts six agents that each import torch and run the quick
-suite before the phases, CPU-bound work that the CI machine's cores share. Each such test is
-the only one of its launcher (torchrun, a launcher's RANK and WORLD_SIZE, a Slurm step) or of
-its fault (a phase naming its node, the replay), so none can share another's run; the tests of
-a refusal (a key, a rank, a scenario) start one to three ranks.
+Slow on purpose: a six-rank test starts six agents that each run the quick suite before the
+phases, CPU-bound work that the CI machine's cores share. Each such test is the only one of its
+launcher (torchrun, a launcher's RANK and WORLD_SIZE, a Slurm step) or of its fault (a phase
+naming its node, the replay), so none can share another's run; the tests of a refusal (a key, a
+rank, a scenario) start one to three ranks. Where the launcher is not what a test is about, its
+ranks are forks of one interpreter that imported torch once (:func:`run_ranks`), not six
+interpreters importing it each; the torchrun and Slurm tests, and those that read what a rank
+prints before it sets torch's log level, start the real ``node-agent``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from preloaded_agent import Invocation, run_forked
 
 pytest.importorskip("torch", reason="stop-check computes with torch: make deps-test")
 
@@ -85,17 +89,22 @@ def job(tmp_path):
     return make
 
 
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """A rank's environment as a launcher sets it (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    return {
+        **os.environ,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
 def spawn(ranks, world: int, args: list[str], port: int, cwd: Path) -> dict[int, subprocess.Popen]:
-    """Start the given ranks as a launcher would (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    """Start the given ranks as a launcher would, each ``node-agent`` its own interpreter."""
     procs = {}
     for rank in ranks:
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
+        env = rank_env(rank, world, port)
         procs[rank] = subprocess.Popen(
             [AGENT, "stop-check", *args],
             env=env,
@@ -118,6 +127,18 @@ def finish(procs: dict[int, subprocess.Popen]) -> dict[int, tuple[int, str]]:
             raise
         out[rank] = (proc.returncode, err)
     return out
+
+
+def run_ranks(
+    ranks, world: int, args: list[str], port: int, cwd: Path
+) -> dict[int, tuple[int, str]]:
+    """The given ranks run to their end, as :func:`spawn` and :func:`finish` run them, but each
+    a fork of one interpreter that imported torch once (tests/preloaded_agent.py): every rank
+    is still a process of its own joined by real gloo; only the imports are shared."""
+    ranks = list(ranks)
+    invocations = [Invocation(["stop-check", *args], rank_env(r, world, port), cwd) for r in ranks]
+    done = run_forked(invocations, cwd / "ranks", RUN_TIMEOUT_S, "stop-check")
+    return {r: (code, err) for r, (code, _, err) in zip(ranks, done, strict=True)}
 
 
 def summary(out: Path) -> dict:
@@ -187,7 +208,7 @@ def test_each_phase_names_exactly_its_bad_node_and_act_drains_them(job, tmp_path
         "--adapter",
         "log",
     ]
-    codes = finish(spawn(range(NODES), NODES, args, free_port(), tmp_path))
+    codes = run_ranks(range(NODES), NODES, args, free_port(), tmp_path)
     data = summary(job.out)
     assert named(data, "self") == {("node1", None)}
     assert named(data, "neighbours") == {("node3", None)}
@@ -212,7 +233,7 @@ def test_replay_names_the_node_whose_sm_corrupts_now_and_then(job, tmp_path):
         "--rounds",
         "4",
     ]
-    finish(spawn(range(NODES), NODES, args, free_port(), tmp_path))
+    run_ranks(range(NODES), NODES, args, free_port(), tmp_path)
     data = summary(job.out)
     assert named(data, "replay") == {("node2", None)}
     assert named(data) <= {("node2", None), ("node2", 6)}
@@ -266,7 +287,7 @@ def test_a_rank_that_never_joins_is_named_by_rank_0_and_the_others_exit_2(job, t
         "--join-timeout-s",
         "5",
     ]
-    codes = finish(spawn(range(2), 3, args, free_port(), tmp_path))
+    codes = run_ranks(range(2), 3, args, free_port(), tmp_path)
     assert {r: c for r, (c, _) in codes.items()} == {0: 2, 1: 2}
     assert "rank 2 did not join" in codes[0][1]
     data = summary(job.out)
