@@ -14,17 +14,9 @@ from node_agent.checking.deadline import Overdue, call_before, return_margin_s
 
 
 def _ctx(timeout_s: float, deadline: float) -> CheckContext:
-    return CheckContext(
-        check="c",
-        gpu=None,
-        kernel_log=None,
-        config=None,
-        inventory=None,
-        sku=None,
-        expected_gpus=None,
-        timeout_s=timeout_s,
-        deadline=deadline,
-    )
+    """A context for a check that reads no part of the node (no GPU, config or inventory)."""
+    nothing = (None,) * 6
+    return CheckContext("c", *nothing, timeout_s=timeout_s, deadline=deadline)
 
 
 def test_stages_end_a_margin_before_the_deadline_and_what_is_left_never_goes_negative():

@@ -29,6 +29,8 @@ what users control runs through :func:`~node_agent.checking.deadline.call_before
 (:func:`~node_agent.training.stacks.sample_stacks`), log files are stat'ed within
 ``LOG_STAT_S``, and what was not sampled is a ``training_discovery`` WARN saying why.
 
+What it says of each process is :mod:`.report`'s; its Prometheus series are :mod:`.metrics`'s.
+
 Params: the :class:`~node_agent.training.verdict.Thresholds` fields, ``stack_samples`` (3),
 ``stack_interval_s`` (1), ``log_silence_s`` (60), ``log_file`` (for processes that name
 none), ``stale_file_s`` (86400), ``spool_dir``, ``py_spy``, ``sysfs_root`` (RDMA), ``pids``,
@@ -40,26 +42,24 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
-import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-
-from node_agent.checking.behaviour import NodeLabels, ServiceBehaviour, label, number
+from node_agent.checking.behaviour import ServiceBehaviour
 from node_agent.checking.context import CheckContext
 from node_agent.checking.deadline import Overdue, call_before
+from node_agent.checks.training_progress import report
+from node_agent.checks.training_progress.metrics import TrainingMetrics
 from node_agent.gpu.base import GpuDevice, GpuError
 from node_agent.heartbeat import remove_stale
 from node_agent.host.infiniband import SYSFS_ROOT
 from node_agent.model import Result, Status
 from node_agent.training import activity
 from node_agent.training.processes import Discovery, TrainingProcess, discover
-from node_agent.training.signals import NAMES, Signal
+from node_agent.training.signals import Signal
 from node_agent.training.stacks import MAX_CALLS, find_py_spy, sample_stacks
 from node_agent.training.state import HangState, process_key
 from node_agent.training.verdict import (
@@ -78,7 +78,6 @@ NO_PROCESSES = (
 )
 NOT_SAMPLED = "not sampled: no other signal of its job suggests a hang"
 SAMPLING_SHARE = 0.6  # stack sampling ends by this share of the check's timeout
-_UNSAFE_TARGET = re.compile(r"[^A-Za-z0-9_.:/@+=-]+")
 
 
 def spool_dir(ctx: CheckContext) -> Path:
@@ -147,13 +146,15 @@ def _run(ctx: CheckContext) -> list[Result]:
 
     def find() -> tuple[list[GpuDevice] | None, Discovery]:
         devices = _devices(ctx)
-        return devices, _discover(ctx, spool, devices)
+        found = _discover(ctx, spool, devices)
+        # through directory fds that follow no link: a uid's directory is its owner's to swap
+        stale_s = float(ctx.params.get("stale_file_s", 86400))
+        remove_stale(spool, found.dead_heartbeats, now, stale_s)
+        return devices, found
 
     devices, found = call_before(until, "finding the training processes", find)
     state = HangState.load(_state_base(ctx) / "hang", now)
     out = _discovery_results(ctx, found, state)
-    # through directory fds that follow no link: a uid's directory is its owner's to swap
-    remove_stale(spool, found.dead_heartbeats, now, float(ctx.params.get("stale_file_s", 86400)))
     me = os.getpid()  # the agent's own GPU workers (burn, SDC probes) are not training
     procs = [pr for pr in found.processes if pr.pid != me and me not in pr.parents]
     if not procs:
@@ -190,15 +191,15 @@ def _run(ctx: CheckContext) -> list[Result]:
             )
         )
     slow = _stragglers(jobs, verdicts, state, keys, now, th)
-    targets = _targets(jobs)
+    targets = report.targets(jobs)
 
     if time.monotonic() >= ctx.deadline:  # the runner gave up on this run: its results go nowhere
         return out
-    evidence_files = _write_evidence(ctx, state, jobs, verdicts, signals, origin, keys, now)
+    evidence_files = report.write_evidence(ctx, state, jobs, verdicts, signals, origin, keys, now)
     for pr in procs:
         evidence_file = evidence_files.get(pr.pid) or state.processes[keys[pr.pid]].get("reported")
         out.append(
-            _process_result(
+            report.process_result(
                 ctx,
                 pr,
                 targets[pr.pid],
@@ -289,74 +290,6 @@ def _verdicts(
         if not verdicts[pr.pid].hung:
             mem.pop("reported", None)
     return verdicts
-
-
-def _process_result(
-    ctx: CheckContext,
-    pr: TrainingProcess,
-    target: str,
-    v: Verdict,
-    sig: dict[str, Signal],
-    origin: bool | None,
-    evidence_file: str | None,
-    slow: Straggler | None,
-    th: Thresholds,
-) -> Result:
-    """The one result of a process: an unverified hang (WARN naming its uid, never a
-    restart), a verified hang (FAIL), a straggler (WARN) or its progress (PASS)."""
-    ev = _evidence(pr, sig, v.agreeing, origin)
-    age = sig["heartbeat"].figures.get("age_s") if sig["heartbeat"].available else None
-    if v.hung and not pr.job_verified:
-        # nothing but the user's word says which job this is (a user's own idle process
-        # with a stale heartbeat looks the same): a WARN naming the uid, never a restart
-        return ctx.result(
-            target,
-            "training_hang",
-            Status.WARN,
-            _unverified_detail(pr, v.why, sig),
-            value=age,
-            unit="s",
-            verified=False,
-            uid=pr.uid,
-            **ev,
-        )
-    if v.hung:
-        ev["evidence_file"] = evidence_file
-        return ctx.result(
-            target,
-            "training_hang",
-            Status.FAIL,
-            _hang_detail(pr, v.why, sig, origin),
-            value=age,
-            unit="s",
-            verified=True,
-            uid=pr.uid,
-            **ev,
-        )
-    if slow is not None:
-        return ctx.result(
-            target,
-            "training_straggler",
-            Status.WARN,
-            f"{_who(pr)}: recent {slow.what} {slow.step_time_s:.3f} s is {slow.ratio:.1f}x the "
-            f"median of its {slow.peers} peer(s) on this node ({slow.peers_median_s:.3f} s; "
-            f"threshold {th.straggler_ratio:g}x, held for {th.straggler_for_s:g} s); it sets "
-            "the pace of the whole job",
-            value=round(slow.ratio, 2),
-            unit="x",
-            peers_median_s=slow.peers_median_s,
-            compared=slow.basis,
-            **ev,
-        )
-    return ctx.result(
-        target,
-        "training_progress",
-        Status.PASS,
-        f"{_who(pr)}: {sig['heartbeat'].detail if age is not None else v.why}",
-        value=age,
-        unit="s",
-        **ev,
-    )
 
 
 def _cheap_signals(
@@ -571,234 +504,6 @@ def _stragglers(
             if now - since >= th.straggler_for_s:
                 out[pr.pid] = slow[pr.pid]
     return out
-
-
-def _clean(text: Any) -> str:
-    return _UNSAFE_TARGET.sub("_", str(text))[:128]
-
-
-def _targets(jobs: dict[str | None, list[TrainingProcess]]) -> dict[int, str]:
-    out = {}
-    for job, members in jobs.items():
-        ranks = [pr.rank for pr in members]
-        for pr in members:
-            who = (
-                f"rank:{pr.rank}"
-                if pr.rank is not None and ranks.count(pr.rank) == 1
-                else f"pid:{pr.pid}"
-            )
-            # a job the kernel does not vouch for is named so that no adapter restarts it; a
-            # pod's carries its UID from the cgroup, which the Kubernetes adapter checks
-            name = pr.restart_job_id if pr.job_verified else f"unverified:{job or 'unknown'}"
-            out[pr.pid] = f"job:{_clean(name)}/{who}"
-    return out
-
-
-def _who(pr: TrainingProcess) -> str:
-    rank = "rank ?" if pr.rank is None else f"rank {pr.rank}"
-    return f"{rank} (pid {pr.pid}, job {_clean(pr.job)})"
-
-
-def _stack_note(stack: Signal) -> str:
-    """Where the stack is stuck, or why it is unavailable (empty for a readable stack that
-    names no place)."""
-    if stack.figures.get("stuck_in"):
-        return f"; stuck in {stack.figures['stuck_in']}"
-    return "" if stack.available else f"; stack unavailable ({stack.detail})"
-
-
-def _unverified_detail(pr: TrainingProcess, why: str, sig: dict[str, Signal]) -> str:
-    stack_note = _stack_note(sig["stack"])
-    return (
-        f"uid {pr.uid}'s {_who(pr)}: no progress ({why}){stack_note}; its job is not one "
-        "the kernel vouches for (no slurmd or kubepods cgroup of that job holds it), so "
-        "nothing is restarted and the node is not drained: WARN for the job's owner to "
-        "look at"
-    )
-
-
-def _hang_detail(pr: TrainingProcess, why: str, sig: dict[str, Signal], origin: bool | None) -> str:
-    stack_note = _stack_note(sig["stack"])
-    origin_note = (
-        {
-            True: "; likely origin: its stack is outside a collective while its hung "
-            "peers' are inside one",
-            False: "; waiting in a collective on a peer",
-        }.get(origin, "")
-        if origin is not None
-        else ""
-    )
-    return (
-        f"{_who(pr)}: training hang suspected ({why}){stack_note}{origin_note}; the job "
-        f"needs a restart (evidence in the state dir; py-spy dump --pid {pr.pid})"
-    )
-
-
-def _evidence(
-    pr: TrainingProcess, sig: dict[str, Signal], agreeing: Sequence[str], origin: bool | None
-) -> dict[str, Any]:
-    hb = pr.heartbeat or {}
-    beat = sig["heartbeat"]
-    return {
-        "pid": pr.pid,
-        "rank": pr.rank,
-        "local_rank": pr.local_rank,
-        "world_size": pr.world_size,
-        "job": pr.job,
-        "step": hb.get("step"),
-        "step_time_s": hb.get("step_time_s"),
-        "compute_time_s": hb.get("compute_time_s"),
-        "heartbeat_age_s": beat.figures.get("age_s") if beat.available else None,
-        "gpus": list(pr.gpus),
-        "agreeing": list(agreeing),
-        "likely_origin": origin,
-        "signals": {name: sig[name].to_dict() for name in NAMES},
-        "process": pr.to_evidence(),
-    }
-
-
-def _write_evidence(
-    ctx: CheckContext,
-    state: HangState,
-    jobs: dict[str | None, list[TrainingProcess]],
-    verdicts: dict[int, Verdict],
-    signals: dict[int, dict[str, Signal]],
-    origin: dict[int, bool],
-    keys: dict[int, str],
-    now: float,
-) -> dict[int, str]:
-    """One evidence file per job with a newly reported hang; pid -> its path."""
-    written: dict[int, str] = {}
-    for job, members in jobs.items():
-        # only a verified job's hang: anyone can make unverified ones, and the newest 200
-        # files are kept, so theirs could push a real hang's evidence out
-        new = [
-            pr
-            for pr in members
-            if verdicts[pr.pid].hung
-            and pr.job_verified
-            and not state.processes[keys[pr.pid]].get("reported")
-        ]
-        if not new:
-            continue
-        evidence = {
-            "job": job,
-            "host": ctx.inventory.host.hostname if ctx.inventory else socket.gethostname(),
-            "reported_at": now,
-            "processes": [
-                {
-                    **_evidence(pr, signals[pr.pid], verdicts[pr.pid].agreeing, origin.get(pr.pid)),
-                    "hung": verdicts[pr.pid].hung,
-                    "why": verdicts[pr.pid].why,
-                }
-                for pr in members
-            ],
-        }
-        try:
-            path = str(state.write_evidence(job, now, evidence))
-        except OSError:
-            continue  # no writable state dir: the result itself still carries the evidence
-        for pr in new:
-            state.processes[keys[pr.pid]]["reported"] = path
-            written[pr.pid] = path
-    return written
-
-
-# -- in the daemon (checking/behaviour.py) ---------------------------------------------------------
-
-
-#: per-process result metrics -> 1 when the result is a hang suspicion
-_PROCESS_METRICS = {"training_progress": 0, "training_straggler": 0, "training_hang": 1}
-
-
-class TrainingMetrics:
-    """The check's Prometheus series (docs/training_hangs.md).
-
-    Per training process (labels job, rank, pid), from the latest run: heartbeat age, step
-    time, hang suspected. A process with several results (a straggler also reports its
-    progress) is one series: hung if any says so, the first known figures.
-
-    ``node_agent_training_hang_suspicions_total``: processes (job, pid) seen going from not
-    hung to hung. A process hung across many runs counts once, one that recovers and hangs
-    again counts twice. A run that could not complete (only ``error`` results) says nothing
-    about the processes and leaves the state as it was.
-    """
-
-    def __init__(self, labels: Callable[[], NodeLabels]) -> None:
-        self._labels = labels
-        self._lock = threading.Lock()
-        self.total = 0
-        self._hung: set[tuple[str, str]] = set()
-        self._latest: list[Result] = []
-
-    def observe(self, results: Sequence[Result]) -> None:
-        with self._lock:
-            self._latest = list(results)
-            if results and all(r.status is Status.ERROR for r in results):
-                return
-            hung = {_process_key(r) for r in results if r.metric == "training_hang"}
-            self.total += len(hung - self._hung)
-            self._hung = hung
-
-    def forget(self, check: str) -> None:
-        """The per-process gauges go; the suspicions counter keeps its total."""
-        with self._lock:
-            self._latest = []
-            self._hung = set()
-
-    def collect(self) -> Iterator[Metric]:
-        hostname = self._labels().hostname
-        with self._lock:
-            latest, total = list(self._latest), self.total
-        names = ["hostname", "job", "rank", "pid"]
-        age = GaugeMetricFamily(
-            "node_agent_training_heartbeat_age_seconds",
-            "Seconds since the training process's last heartbeat (node_agent.heartbeat)",
-            labels=names,
-        )
-        step = GaugeMetricFamily(
-            "node_agent_training_step_time_seconds",
-            "The training process's recent mean step time, from its heartbeats",
-            labels=names,
-        )
-        hang = GaugeMetricFamily(
-            "node_agent_training_hang_suspected",
-            "1 while training_progress calls the process hung, 0 while it steps",
-            labels=names,
-        )
-        processes: dict[tuple[str, str, str], dict[str, float | None]] = {}
-        for r in latest:
-            if r.metric not in _PROCESS_METRICS:
-                continue
-            ev = r.evidence
-            key = (label(ev.get("job")), label(ev.get("rank")), label(ev.get("pid")))
-            p = processes.setdefault(key, {"hang": 0, "age": None, "step": None})
-            p["hang"] = max(p["hang"] or 0, _PROCESS_METRICS[r.metric])
-            p["age"] = p["age"] if p["age"] is not None else number(ev.get("heartbeat_age_s"))
-            p["step"] = p["step"] if p["step"] is not None else number(ev.get("step_time_s"))
-        for key, p in sorted(processes.items()):
-            values = [hostname, *key]
-            hang.add_metric(values, p["hang"] or 0)
-            if p["age"] is not None:
-                age.add_metric(values, p["age"])
-            if p["step"] is not None:
-                step.add_metric(values, p["step"])
-        suspicions = CounterMetricFamily(
-            "node_agent_training_hang_suspicions",
-            "Training processes the daemon saw go from stepping (or unseen) to hung",
-            labels=["hostname"],
-        )
-        suspicions.add_metric([hostname], total)
-        yield from (age, step, hang, suspicions)
-
-
-def _process_key(r: Result) -> tuple[str, str]:
-    """(job, pid) of a per-process result; the target when both are missing, so two
-    unidentified processes are never one."""
-    job, pid = r.evidence.get("job"), r.evidence.get("pid")
-    if job is None and pid is None:
-        return (r.target, "")
-    return (str(job), str(pid))
 
 
 SERVICE = ServiceBehaviour(metrics=TrainingMetrics)
