@@ -26,6 +26,22 @@ from realworld_ci import pytest_make_collect_report, pytest_runtest_makereport  
 
 REPO = Path(__file__).resolve().parents[1]
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Compile the agent's modules to bytecode once, before any test starts an agent.
+
+    Where ``PYTHONDONTWRITEBYTECODE`` is set (as on some CI hosts) no process writes a ``.pyc``,
+    and every ``node-agent`` a test starts (hundreds in ``make test``) compiled the package's
+    modules from source again; a ``.pyc`` that exists is still read. Once per run, by the xdist
+    controller (or the only process), before its workers start; a module edited later is
+    compiled again by whoever imports it, as Python checks each ``.pyc`` against its source."""
+    if hasattr(config, "workerinput"):
+        return
+    import compileall
+
+    compileall.compile_dir(str(REPO / "node_agent"), quiet=2)
+
+
 #: the environment variable the agent reads its kernel log from where a config leaves
 #: ``kernel_log.path`` null (node_agent.environment.KERNEL_LOG_ENV)
 KERNEL_LOG_ENV = "NODE_AGENT_KERNEL_LOG"
