@@ -154,7 +154,7 @@ def open_environment(config: Config, simulate: str | None = None) -> Environment
         skus=skus,
         node=node,
         inventory=inventory,
-        ports=node.ports_for(inventory.sku),
+        ports=dataclasses.replace(node.ports_for(inventory.sku), node=node.spec),
     )
 
 

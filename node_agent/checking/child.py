@@ -38,7 +38,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 from node_agent import proc
@@ -132,15 +132,6 @@ class ChildSpec:
     config: dict[str, Any] = field(default_factory=dict)  # Config.data, paths absolute
     node: NodeSpec = HOST
     params_from_suite: str | None = None  # the suite whose entry for the check ``params`` amend
-    #: transitional, for the daemon's call until it passes ``node``: ``("--simulate", path)``
-    #: or empty, turned into ``node`` here; never on the wire
-    reopen_args: InitVar[tuple[str, ...]] = ()
-
-    def __post_init__(self, reopen_args: tuple[str, ...]) -> None:
-        if reopen_args:
-            if len(reopen_args) != 2 or reopen_args[0] != "--simulate":
-                raise ValueError(f"reopen_args must be ('--simulate', path), not {reopen_args!r}")
-            object.__setattr__(self, "node", NodeSpec.scenario(reopen_args[1]))
 
     def to_json(self) -> str:
         return json.dumps(

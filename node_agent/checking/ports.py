@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from node_agent.checking.child import HOST, NodeSpec
 from node_agent.compute.devices import ComputeSource
 from node_agent.gpu.pci import PciBus
 from node_agent.host.paths import HostPaths
@@ -140,8 +141,9 @@ class Ports:
     #: why a kernel log's PCI bus ids cannot be checked against this host's sysfs (None: they
     #: can be, where the log is this host's live one)
     bus_ids_as_printed: str | None = None
-    #: command-line arguments that reopen this node in a child ``node-agent`` process
-    reopen_args: tuple[str, ...] = ()
+    #: how a check child opens this same node (checking/child.py); ``open_environment``
+    #: sets it from ``Node.spec``
+    node: NodeSpec = HOST
     #: tells the GPUs' model that compute load started or stopped (a no-op on real GPUs)
     load_hint: Callable[[list[int], bool], None] = _no_load_hint
     #: the wall clock, Unix seconds

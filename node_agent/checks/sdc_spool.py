@@ -576,10 +576,8 @@ def own_probe(ctx: CheckContext, indices: list[int], budget_s: float) -> dict[st
         params={"gpus": list(indices), "repeats": ctx.typed_params(Params).confirm_repeats},
         mode="service",
         config=proc.absolute_config(ctx.config.data),
+        node=ctx.ports.node,
         params_from_suite="periodic",
-        # the node this run works against (transitional: as Ports names it, until Ports
-        # carries its NodeSpec and this reads node=ctx.ports.node)
-        reopen_args=ctx.ports.reopen_args,
     )
     answer = child.call_child(spec, grace_s=budget_s - timeout_s)
     if answer.results is None:

@@ -1,1 +1,1 @@
-"""The daemon: cadence, XID watch, Prometheus metrics, sd_notify and its action thread."""
+"""The daemon: cadence, the checks' watchers, Prometheus metrics, sd_notify and its action thread."""

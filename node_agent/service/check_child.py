@@ -16,12 +16,8 @@ import sys
 from typing import Any
 
 from node_agent import proc
-
-# the daemon's names for the protocol, until it imports them from checking.child
-from node_agent.checking.child import ChildSpec, run_in_child, serve
+from node_agent.checking.child import ChildSpec, serve
 from node_agent.model import Result
-
-__all__ = ["ChildSpec", "main", "run_in_child", "run_spec"]
 
 
 def run_spec(spec: ChildSpec) -> list[Result]:

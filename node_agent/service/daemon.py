@@ -64,6 +64,7 @@ from node_agent.checking.behaviour import (
     WatcherFactory,
     behaviour,
 )
+from node_agent.checking.child import ChildSpec, run_in_child
 from node_agent.checking.registry import REGISTRY
 from node_agent.config import Config, load_config
 from node_agent.environment import Environment, open_environment
@@ -71,7 +72,6 @@ from node_agent.model import Action, Grade, Level, Result, Status
 from node_agent.report.terminal import printable
 from node_agent.resources import graders_dir, shipped_graders_dir, suites_dir
 from node_agent.runner import FORKSERVER_CHECKS, run_check
-from node_agent.service.check_child import ChildSpec, run_in_child
 from node_agent.service.metrics import (
     CheckStats,
     DaemonCollector,
@@ -452,7 +452,7 @@ class Daemon:
         runs in / as python -P (never importing from the daemon's working directory, which
         others may write to): every path it gets is absolute, the config's own included."""
         with self._lock:
-            config = self.config
+            config, node = self.config, self.env.node.spec
         return run_in_child(
             ChildSpec(
                 check=spec.check,
@@ -460,9 +460,7 @@ class Daemon:
                 params=spec.params,
                 mode="service",
                 config=proc.absolute_config(config.data),
-                reopen_args=("--simulate", proc.absolute_path(self._simulate))
-                if self._simulate
-                else (),
+                node=node,
             )
         )
 

@@ -4,7 +4,7 @@ Here are only the node-wide series: the grade, each check's status, runs and run
 remediation actions and whether the agent has the node drained. What a check measures is
 exported by the check's own collector, declared beside its ``run()`` (``SERVICE.metrics``,
 checking/behaviour.py: GPU readings, throughput figures, HCA port counters, SDC verdicts,
-training processes), and the XID watch is the collector of the Xid counter; the daemon
+training processes), and the xid check's watcher is the collector of the Xid counter; the daemon
 registers them beside this one.
 
 Naming follows Prometheus' conventions (base units in names, ``_total`` for counters,

@@ -19,7 +19,6 @@ refused here, when the node opens (ConfigError, exit 2), so no check ever meets 
 from __future__ import annotations
 
 import contextlib
-import os
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -135,7 +134,6 @@ def stand_in_ports(scenario: Scenario, sku: Sku | None, backend: GpuBackend) -> 
         gpu_count_from="capture" if captured else "scenario",
         pci_bus=lambda: sim_tools.stand_in_pci_bus(scenario, sku),
         bus_ids_as_printed="bus ids taken as printed (a stand-in node)",
-        reopen_args=("--simulate", os.path.abspath(scenario.source)),
         load_hint=hint,
     )
 

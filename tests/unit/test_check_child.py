@@ -145,19 +145,6 @@ def test_the_node_travels_as_a_typed_spec_never_as_arguments(node, scenario):
     assert "reopen_args" not in wire and "--simulate" not in node.to_json()
 
 
-def test_the_old_reopen_args_call_still_names_the_same_node(node, scenario):
-    """Until the daemon passes ``node``, its ``reopen_args`` call builds the same spec."""
-    old = ChildSpec(
-        check=node.check,
-        timeout_s=node.timeout_s,
-        config=node.config,
-        reopen_args=("--simulate", str(scenario)),
-    )
-    assert old == node
-    with pytest.raises(ValueError, match="reopen_args"):
-        ChildSpec(check="xid", timeout_s=5, reopen_args=("--scenario", str(scenario)))
-
-
 @pytest.mark.parametrize(
     "request_text, why",
     [

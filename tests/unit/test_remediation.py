@@ -338,7 +338,7 @@ def grader():
 
 def graded_kernel_lines(grader, lines: list[str]) -> Grade:
     """What the ``xid`` check and the shipped grader make of these kernel-log lines (the same
-    folding as ``checks/xid.py``; an Xid's bus stands for gpu:0)."""
+    folding as ``checks/xid/``; an Xid's bus stands for gpu:0)."""
     folder = Folder()
     for event in scan_lines(lines):
         folder.add(event, event.target if isinstance(event, SxidLine) else "gpu:0", "test")

@@ -32,8 +32,8 @@ from node_agent import model
 from node_agent.checking import host_view
 from node_agent.checking.behaviour import ServiceBehaviour
 from node_agent.checking.context import CheckContext
-from node_agent.checks.nvml_health.metrics import NvmlReadings
 from node_agent.checks.nvml_health.links import nvlink
+from node_agent.checks.nvml_health.metrics import NvmlReadings
 from node_agent.gpu.base import (
     DeviceLost,
     EccCounts,
