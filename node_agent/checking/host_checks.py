@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -160,6 +160,20 @@ def not_recorded(ctx: CheckContext, metric: str) -> list[Result] | None:
     if ctx.ports.host_unrecorded is not None and ctx.typed_params(HostParams).sys_root is None:
         return [ctx.skip(ctx.ports.host_unrecorded, metric=metric)]
     return None
+
+
+def read_host(
+    ctx: CheckContext,
+    metric: str,
+    parts: tuple[str, ...],
+    judge: Callable[[CheckContext, HostPaths], list[Result]],
+) -> list[Result]:
+    """A host check's ``run``: on a node whose host was not recorded, the skip that says so
+    (reported as ``metric``); else ``judge`` over the paths of ``parts`` (:func:`host_paths`)."""
+    if skip := not_recorded(ctx, metric):
+        return skip
+    with host_paths(ctx, parts) as paths:
+        return judge(ctx, paths)
 
 
 def tool_timeout_s(ctx: CheckContext) -> float:

@@ -23,8 +23,7 @@ from node_agent.checking.context import CheckContext
 from node_agent.checking.host_checks import (
     Counters,
     HostParams,
-    host_paths,
-    not_recorded,
+    read_host,
     thresholds,
 )
 from node_agent.checking.host_log import kernel_messages
@@ -35,7 +34,7 @@ from node_agent.host.cpu import (
     read_cpus,
     throttle_from_lines,
 )
-from node_agent.host.paths import format_cpu_list
+from node_agent.host.paths import HostPaths, format_cpu_list
 from node_agent.model import Result, Status
 
 #: the roots and tools it reads (checking/host_checks.py)
@@ -43,10 +42,11 @@ Params = HostParams.of("host_cpu")
 
 
 def run(ctx: CheckContext) -> list[Result]:
-    if skip := not_recorded(ctx, "cpus_online"):
-        return skip
-    with host_paths(ctx, ("cpu",)) as paths:
-        state = read_cpus(paths.sys)
+    return read_host(ctx, "cpus_online", ("cpu",), _judge)
+
+
+def _judge(ctx: CheckContext, paths: HostPaths) -> list[Result]:
+    state = read_cpus(paths.sys)
     return [_throttle(ctx, state), _online(ctx, state)]
 
 

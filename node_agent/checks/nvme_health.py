@@ -36,8 +36,7 @@ from node_agent import proc
 from node_agent.checking.context import CheckContext
 from node_agent.checking.host_checks import (
     HostParams,
-    host_paths,
-    not_recorded,
+    read_host,
     thresholds,
     tool_timeout_s,
 )
@@ -63,10 +62,7 @@ Params = HostParams.of("nvme_health")
 
 
 def run(ctx: CheckContext) -> list[Result]:
-    if skip := not_recorded(ctx, "nvme"):
-        return skip
-    with host_paths(ctx, ("nvme",)) as paths:
-        return _run(ctx, paths)
+    return read_host(ctx, "nvme", ("nvme",), _run)
 
 
 def _reader(paths: HostPaths) -> tuple[str, str] | None:

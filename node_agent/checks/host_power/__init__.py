@@ -35,8 +35,7 @@ from node_agent import proc
 from node_agent.checking.context import CheckContext
 from node_agent.checking.host_checks import (
     HostParams,
-    host_paths,
-    not_recorded,
+    read_host,
     thresholds,
     tool_timeout_s,
 )
@@ -70,10 +69,7 @@ Params = HostParams.of("host_power")
 
 
 def run(ctx: CheckContext) -> list[Result]:
-    if skip := not_recorded(ctx, "psu"):
-        return skip
-    with host_paths(ctx, ("ipmi",)) as paths:
-        return _run(ctx, paths)
+    return read_host(ctx, "psu", ("ipmi",), _run)
 
 
 def _tools(paths: HostPaths) -> tuple[str, str] | None:
