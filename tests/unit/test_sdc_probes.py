@@ -600,14 +600,16 @@ def test_sdc_probe_step_respects_the_budget_with_an_injected_clock(tmp_path) -> 
         matmul=_timed_matmul(clock, 0.01),
     )
     ran = 0
-    for _ in range(100_000):  # 100 ms steps: 10,000 s of training
+    # each probe is a real product on the CPU: the budget's arithmetic does not depend on how
+    # long training runs, so 2,000 s of it (about 200 probes) show it as well as 10,000 s
+    for _ in range(20_000):  # 100 ms steps: 2,000 s of training
         clock.advance(0.1)
         if probe.step() is not None:
             ran += 1
         if ran > 1:
             assert probe.overhead() <= 0.001 + 1e-12
-    # 10 ms probes at 0.1 % of 10,000 s = 10 s of probe time: about 1,000 probes.
-    assert 900 <= ran <= 1001, ran
+    # 10 ms probes at 0.1 % of 2,000 s = 2 s of probe time: about 200 probes.
+    assert 180 <= ran <= 201, ran
     assert 0.0009 <= probe.overhead() <= 0.001
     assert {v.status for v in probe.verdicts} == {"pass"}
     assert list(tmp_path.iterdir()) == []  # passes are not spooled by default
