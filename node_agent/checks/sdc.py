@@ -36,7 +36,8 @@ retaken. A GPU that differs from its own history but agrees with a strict majori
 node's other GPUs (3 or more compared) had a stale baseline (a software change the fingerprint
 does not see), not SDC: its baseline is replaced and the result says so.
 
-Params: ``dtypes`` (of fp32, tf32, bf16, fp16, fp8; those the device lacks are dropped, with a
+Params (:class:`Params`, parsed when the suite loads: a bad value is a configuration error
+naming the key): ``dtypes`` (of fp32, tf32, bf16, fp16, fp8; those the device lacks are dropped, with a
 note when asked for by name), ``tiles_per_sm`` (output tiles per SM of a whole-GPU exact probe;
 default 4 on a GPU, 2 on a CPU stand-in), ``shapes`` ([[M, K, N], ...]: explicit exact shapes instead of
 whole-GPU ones, and the digest shapes unless ``digest_shapes`` is given), ``digest_shapes``
@@ -61,6 +62,7 @@ from typing import TYPE_CHECKING, Any
 from node_agent.atomic_file import write_json
 from node_agent.checking.behaviour import ServiceBehaviour
 from node_agent.checking.context import CheckContext
+from node_agent.checking.params import Reader
 from node_agent.checking.sdc_metrics import SdcVerdicts
 from node_agent.compute import devices as compute
 from node_agent.model import Result, Status
@@ -78,10 +80,74 @@ DEFAULT_REPEATS = 2
 DEFAULT_SEEDS = 4
 DEFAULT_MIN_FREE_MIB = 2048
 ALL_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+Shape = tuple[int, int, int]  # M, K, N
 #: dtypes the digest and Freivalds probes run in (random fp8 inputs have no digest baseline yet)
 DIGEST_DTYPES = ("fp32", "tf32", "bf16", "fp16")
 #: digest comparison across GPUs needs a strict majority that means something
 MIN_GPUS_FOR_MAJORITY = 3
+
+
+def _shapes(r: Reader, key: str) -> tuple[Shape, ...] | None:
+    """``[[M, K, N], ...]`` of positive whole numbers, or None where the suite sets none."""
+    raw = r.value(key)
+    if raw is None:
+        return None
+    want = "a list of [M, K, N], each a positive whole number"
+    if not isinstance(raw, list | tuple) or not raw:
+        r.fail(key, raw, want)
+    for s in raw:
+        if not (
+            isinstance(s, list | tuple)
+            and len(s) == 3
+            and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in s)
+        ):
+            r.fail(key, s, want)
+    return tuple((s[0], s[1], s[2]) for s in raw)
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    """The check's parameters (a suite's ``params``), validated by :meth:`parse`; what each
+    means is in the module's docstring."""
+
+    dtypes: tuple[str, ...] | None = None  # None: every dtype the device has, no note
+    tiles_per_sm: int | None = None  # None: 4 on a GPU, 2 on a CPU stand-in
+    shapes: tuple[Shape, ...] | None = None  # None: whole-GPU shapes
+    digest_shapes: tuple[Shape, ...] | None = None  # None: ``shapes``, else DEFAULT_SHAPES
+    repeats: int = DEFAULT_REPEATS
+    duration_s: float | None = None
+    seeds: int = DEFAULT_SEEDS
+    freivalds_n: int | None = None  # None: 1024 on CUDA, 256 on the CPU; 0: off
+    gpus: tuple[int, ...] | None = None  # None: every GPU
+    digest_history: bool = True
+    min_free_mib: float = DEFAULT_MIN_FREE_MIB
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> Params:
+        """ValueError naming the key and what was expected."""
+        r = Reader("sdc", raw, cls)
+        dtypes = r.strings("dtypes", empty=False) if r.given("dtypes") else None
+        if dtypes is not None and not set(dtypes) <= set(ALL_DTYPES):
+            r.fail("dtypes", list(dtypes), "a list of dtypes among " + ", ".join(ALL_DTYPES))
+        gpus = r.value("gpus")
+        if gpus is not None and (
+            not isinstance(gpus, list | tuple)
+            or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus)
+        ):
+            r.fail("gpus", gpus, "a list of GPU indices")
+        return cls(
+            dtypes=dtypes,
+            tiles_per_sm=r.optional_integer("tiles_per_sm", 1),
+            shapes=_shapes(r, "shapes"),
+            digest_shapes=_shapes(r, "digest_shapes"),
+            repeats=r.integer("repeats", 1),
+            duration_s=r.optional_number("duration_s", above=0),
+            seeds=r.integer("seeds", 1),
+            freivalds_n=r.optional_integer("freivalds_n", 0),
+            gpus=None if gpus is None else tuple(gpus),
+            digest_history=r.flag("digest_history"),
+            min_free_mib=r.number("min_free_mib", at_least=0),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +157,7 @@ class Plan:
 
     dtypes: tuple[str, ...]
     digest_specs: tuple[sdc_lib.ProbeSpec, ...]
-    shapes: tuple[tuple[int, int, int], ...] | None = None
+    shapes: tuple[Shape, ...] | None = None
     tiles_per_sm: int | None = None
     repeats: int = DEFAULT_REPEATS
     duration_s: float | None = None
@@ -611,31 +677,15 @@ def _clean_result(ctx: CheckContext, target: str, run: GpuRun, evidence: dict[st
 # The check
 
 
-def _shapes(p: Mapping[str, Any], key: str = "shapes") -> tuple[tuple[int, int, int], ...] | None:
-    raw = p.get(key)
-    if raw is None:
-        return None
-    shapes = []
-    for s in raw:
-        if not (
-            isinstance(s, (list, tuple))
-            and len(s) == 3
-            and all(isinstance(x, int) and x > 0 for x in s)
-        ):
-            raise ValueError(f"params.{key}: {s!r} is not [M, K, N] of positive integers")
-        shapes.append(tuple(s))
-    return tuple(shapes)
-
-
-def make_plan(p: Mapping[str, Any], on_cuda: bool) -> tuple[Plan, list[str]]:
-    """The plan from a suite's params (ValueError naming the bad param); notes for the result."""
+def make_plan(p: Params | Mapping[str, Any], on_cuda: bool) -> tuple[Plan, list[str]]:
+    """The plan from the check's params (a suite's raw params are parsed first); ValueError
+    names a bad param (a shape too large for an exact golden among them); notes for the
+    result."""
     from node_agent.sdc import probes as sdc_lib
 
+    params = p if isinstance(p, Params) else Params.parse(p)
     notes = []
-    dtypes = list(p.get("dtypes", ALL_DTYPES))
-    unknown = [d for d in dtypes if d not in ALL_DTYPES]
-    if unknown:
-        raise ValueError(f"params.dtypes: {unknown} not among {list(ALL_DTYPES)}")
+    dtypes = list(params.dtypes or ALL_DTYPES)
     if not on_cuda:
         for name, why in (
             ("tf32", "the CPU has no TF32 tensor cores"),
@@ -643,35 +693,32 @@ def make_plan(p: Mapping[str, Any], on_cuda: bool) -> tuple[Plan, list[str]]:
         ):
             if name in dtypes:
                 dtypes.remove(name)
-                if name in p.get("dtypes", ()):
+                if params.dtypes is not None:
                     notes.append(f"{name} not probed: {why}")
-    shapes = _shapes(p)
-    if shapes is not None:
-        for shape in shapes:
-            for d in dtypes:
-                sdc_lib.golden(
-                    sdc_lib.ProbeSpec(*shape, dtype=d)
-                )  # said up front, as a suite error
-    digest_shapes = _shapes(p, "digest_shapes") or shapes or sdc_lib.DEFAULT_SHAPES
+    shapes = params.shapes
+    for shape in shapes or ():
+        for d in dtypes:
+            sdc_lib.golden(sdc_lib.ProbeSpec(*shape, dtype=d))  # said up front, as a suite error
+    digest_shapes = params.digest_shapes or shapes or sdc_lib.DEFAULT_SHAPES
     digest_specs = tuple(
         sdc_lib.ProbeSpec(*shape, dtype=d)
         for shape in digest_shapes
         for d in dtypes
         if d in DIGEST_DTYPES
     )
-    tiles_per_sm = p.get("tiles_per_sm")
-    if tiles_per_sm is not None and not (isinstance(tiles_per_sm, int) and tiles_per_sm >= 1):
-        raise ValueError(f"params.tiles_per_sm: {tiles_per_sm!r} is not a positive integer")
-    duration = p.get("duration_s")
     plan = Plan(
         dtypes=tuple(dtypes),
         digest_specs=digest_specs,
         shapes=shapes,
-        tiles_per_sm=tiles_per_sm,
-        repeats=max(1, int(p.get("repeats", DEFAULT_REPEATS))),
-        duration_s=float(duration) if duration is not None else None,
-        seeds=max(1, int(p.get("seeds", DEFAULT_SEEDS))),
-        freivalds_n=int(p.get("freivalds_n", 1024 if on_cuda else 256)),
+        tiles_per_sm=params.tiles_per_sm,
+        repeats=params.repeats,
+        duration_s=params.duration_s,
+        seeds=params.seeds,
+        freivalds_n=params.freivalds_n
+        if params.freivalds_n is not None
+        else 1024
+        if on_cuda
+        else 256,
         freivalds_dtypes=tuple(d for d in ("fp32", "bf16", "tf32") if d in dtypes),
     )
     return plan, notes
@@ -680,7 +727,7 @@ def make_plan(p: Mapping[str, Any], on_cuda: bool) -> tuple[Plan, list[str]]:
 def gpu_indices(ctx: CheckContext) -> list[int]:
     """The GPUs to probe: ``params.gpus`` or every GPU the inventory read."""
     have = [g.index for g in ctx.inventory.gpus]
-    wanted = ctx.params.get("gpus")
+    wanted = ctx.typed_params(Params).gpus
     return have if wanted is None else [i for i in have if i in set(wanted)]
 
 
@@ -736,6 +783,7 @@ def run(ctx: CheckContext) -> list[Result]:
     unavailable = ctx.gpus_unavailable()
     if unavailable:
         return _no_coverage(unavailable)
+    params = ctx.typed_params(Params)
     indices = gpu_indices(ctx)
     if not indices:
         return _no_coverage(
@@ -747,7 +795,7 @@ def run(ctx: CheckContext) -> list[Result]:
         return _no_coverage(ctx.compute_unavailable(str(err)))
     on_cuda = ctx.ports.compute.measured
     try:
-        plan, plan_notes = make_plan(ctx.params, on_cuda)
+        plan, plan_notes = make_plan(params, on_cuda)
     except ValueError as err:
         return _no_coverage(
             [
@@ -760,16 +808,13 @@ def run(ctx: CheckContext) -> list[Result]:
             ]
         )
     gpus = {g.index: g for g in ctx.inventory.gpus}
-    history = DigestHistory(
-        history_path(ctx.state_dir) if ctx.params.get("digest_history", True) else None
-    )
-    min_free = float(ctx.params.get("min_free_mib", DEFAULT_MIN_FREE_MIB))
+    history = DigestHistory(history_path(ctx.state_dir) if params.digest_history else None)
     runs: dict[int, GpuRun] = {}
     baselines: dict[int, dict[str, str]] = {}
     software: dict[int, dict[str, Any]] = {}
     out: list[Result] = []
     for spec in specs:
-        dev = _open_for_probe(ctx, spec, min_free)
+        dev = _open_for_probe(ctx, spec, params.min_free_mib)
         if isinstance(dev, Result):
             out.append(dev)
             continue

@@ -57,6 +57,23 @@ BAD = [
     ("dcgm_diag", {"level": 7}, "level"),
     ("dcgm_diag", {"gpus": [0, -1]}, "gpus"),
     ("dcgm_health", {"systems": ["gpu_vibes"]}, "systems"),
+    ("nvml_health", {"under_load": "true"}, "under_load"),
+    ("sdc", {"repeats": 0}, "repeats"),
+    ("sdc", {"duration_s": -5}, "duration_s"),
+    ("sdc", {"dtypes": ["fp32", "fp64"]}, "dtypes"),
+    ("sdc", {"shapes": [[16, 0, 16]]}, "shapes"),
+    ("sdc", {"digest_shapes": [[16, 16]]}, "digest_shapes"),
+    ("sdc", {"gpus": [0, "1"]}, "gpus"),
+    ("sdc", {"digest_history": "yes"}, "digest_history"),
+    ("sdc", {"freivalds_n": -1}, "freivalds_n"),
+    ("training_progress", {"stale_file_s": -1}, "stale_file_s"),
+    ("training_progress", {"stall_after_s": 0}, "stall_after_s"),
+    ("training_progress", {"agree": 2.5}, "agree"),
+    ("training_progress", {"straggler_ratio": 1}, "straggler_ratio"),
+    ("training_progress", {"sample_all": 1}, "sample_all"),
+    ("training_progress", {"stack_max_calls": 0}, "stack_max_calls"),
+    ("training_progress", {"pids": [0]}, "pids"),
+    ("training_progress", {"spool_dir": ""}, "spool_dir"),
 ]
 
 
@@ -105,6 +122,60 @@ def test_the_stand_in_overlay_reaches_the_typed_params():
     stand-in node's checks get on top."""
     spec = CheckSpec("imex", params={"timeout_s": 5, "simulated": {"timeout_s": 1}})
     assert (spec.typed_for(False).timeout_s, spec.typed_for(True).timeout_s) == (5.0, 1.0)
+
+
+def test_the_delivery_suites_null_in_the_overlay_takes_the_sdc_default():
+    """``duration_s: null`` in the ``simulated`` overlay: no duration on a stand-in node (the
+    default), the suite's 180 s on a host."""
+    (spec,) = [c for c in load_suite("delivery", SUITES).checks if c.check == "sdc"]
+    assert spec.typed_for(False).duration_s == 180.0
+    assert spec.typed_for(True).duration_s is None
+    assert spec.typed_for(True).freivalds_n == 64
+
+
+def test_the_sdc_and_hang_check_commands_build_suites_whose_params_parse(tmp_path):
+    """``node-agent sdc`` and ``hang-check`` amend a shipped suite's entry (the GPUs, a
+    duration, pids, sampling); what they add is typed like the rest."""
+    from node_agent.checks.sdc import Params as SdcParams
+    from node_agent.checks.training_progress import Params as TrainingParams
+    from node_agent.commands import hang_check, sdc
+    from node_agent.config import load_config
+
+    config = load_config(None)
+    (probe,) = sdc.build_suite(config, SUITES, [0, 2], 30.0).checks
+    for stand_in in (False, True):
+        typed = probe.typed_for(stand_in)
+        assert isinstance(typed, SdcParams)
+        assert (typed.gpus, typed.duration_s) == ((0, 2), 30.0)
+    (hang,) = hang_check.build_suite(config, SUITES, [4242], 2, 0.0).checks
+    typed = hang.typed_for(False)
+    assert isinstance(typed, TrainingParams)
+    assert (typed.pids, typed.sample_all, typed.confirm_s) == ((4242,), True, 0.0)
+    assert (typed.stack_samples, typed.stack_interval_s) == (2, 0.0)
+
+
+def test_a_check_without_params_reads_its_old_defaults():
+    """Typing the params kept every default: the training thresholds are
+    :class:`Thresholds`'s, the SDC plan's sizes those the check always used."""
+    from node_agent.checks import sdc
+    from node_agent.checks.nvml_health import Params as NvmlParams
+    from node_agent.checks.training_progress import Params as TrainingParams
+    from node_agent.training.verdict import Thresholds
+
+    training = TrainingParams.parse({})
+    assert training.thresholds() == Thresholds()
+    assert (training.stack_samples, training.log_silence_s, training.stale_file_s) == (
+        3,
+        60.0,
+        86400.0,
+    )
+    assert TrainingParams.parse({"agree": 1, "stall_after_s": 10}).thresholds() == Thresholds(
+        agree=1, stall_after_s=10.0
+    )
+    assert sdc.Params.parse({}) == sdc.Params()
+    assert (sdc.Params().repeats, sdc.Params().seeds, sdc.Params().min_free_mib) == (2, 4, 2048)
+    assert sdc.Params().digest_history and sdc.Params().gpus is None
+    assert NvmlParams.parse({}).under_load is False
 
 
 # -- a bad value: exit 2, the key named, nothing run ----------------------------------------------
@@ -172,6 +243,23 @@ def test_unknown_keys_are_refused(check):
 def test_nan_infinity_bool_and_text_are_not_numbers(value, expected):
     with pytest.raises(ConfigError, match=f"timeout_s {value!r}: expected {expected}"):
         CheckSpec("imex", params={"timeout_s": value})
+
+
+@pytest.mark.parametrize(
+    ("check", "key"),
+    [
+        ("sdc", "min_free_mib"),
+        ("sdc", "duration_s"),
+        ("training_progress", "log_silence_s"),
+        ("training_progress", "stale_file_s"),
+        ("training_progress", "stack_interval_s"),
+    ],
+)
+def test_nan_is_refused_naming_the_key(check, key):
+    """A suite file's YAML refuses .nan before the params see it; a suite built in code (the
+    ``sdc`` and ``hang-check`` commands) reaches the check's own refusal."""
+    with pytest.raises(ConfigError, match=rf"check '{check}': params of {check}: {key} nan"):
+        CheckSpec(check, params={key: math.nan})
 
 
 # -- the contract -------------------------------------------------------------------------------

@@ -21,17 +21,22 @@ shows lost.
 
 In the daemon the readings are exported by the check's collector,
 :class:`node_agent.checks.nvml_health.metrics.NvmlReadings`.
+
+Params (:class:`Params`): ``under_load`` (false: an idle GPU lowers its PCIe generation to save
+power, so the generation is judged only where a suite runs this check during a load).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from node_agent import model
 from node_agent.checking import host_view
 from node_agent.checking.behaviour import ServiceBehaviour
 from node_agent.checking.context import CheckContext
+from node_agent.checking.params import Reader
 from node_agent.checks.nvml_health.links import nvlink
 from node_agent.checks.nvml_health.metrics import NvmlReadings
 from node_agent.gpu.base import (
@@ -57,6 +62,18 @@ _RESET_ACTIONS = {
     "drain_p2p",
     "recover_imex_domain",
 }
+
+
+@dataclass(frozen=True)
+class Params:
+    """The check's parameters (a suite's ``params``), validated by :meth:`parse`."""
+
+    under_load: bool = False  # the check runs while the GPUs are loaded: judge the PCIe gen
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> Params:
+        """ValueError naming the key and what was expected."""
+        return cls(under_load=Reader("nvml_health", raw, cls).flag("under_load"))
 
 
 #: ``reading(metric, query)``: the query's value, or None after recording why there is none
@@ -571,8 +588,8 @@ def _pcie(
             )
         )
     # An idle GPU lowers its link generation to save power, so the generation is only a
-    # finding when the check runs under load (the burn passes under_load: true).
-    if link.gen_current < link.gen_max and ctx.params.get("under_load"):
+    # finding when the check runs under load (a suite sets under_load: true).
+    if link.gen_current < link.gen_max and ctx.typed_params(Params).under_load:
         out.append(
             ctx.result(
                 target,

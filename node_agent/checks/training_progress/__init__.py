@@ -31,11 +31,12 @@ what users control runs through :func:`~node_agent.checking.deadline.call_before
 
 What it says of each process is :mod:`.report`'s; its Prometheus series are :mod:`.metrics`'s.
 
-Params: the :class:`~node_agent.training.verdict.Thresholds` fields, ``stack_samples`` (3),
-``stack_interval_s`` (1), ``log_silence_s`` (60), ``log_file`` (for processes that name
-none), ``stale_file_s`` (86400), ``spool_dir``, ``py_spy``, ``sysfs_root`` (RDMA), ``pids``,
-``sample_all`` (false: sample stacks of every process, as ``hang-check`` does),
-``stack_max_calls`` (64: py-spy calls per run).
+Params (:class:`Params`, parsed when the suite loads: a bad value is a configuration error
+naming the key): the :class:`~node_agent.training.verdict.Thresholds` fields (their defaults
+are its), ``stack_samples`` (3), ``stack_interval_s`` (1), ``log_silence_s`` (60), ``log_file``
+(for processes that name none), ``stale_file_s`` (86400), ``spool_dir``, ``py_spy``,
+``sysfs_root`` (RDMA), ``pids``, ``sample_all`` (false: sample stacks of every process, as
+``hang-check`` does), ``stack_max_calls`` (64: py-spy calls per run).
 """
 
 from __future__ import annotations
@@ -44,13 +45,15 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from node_agent.checking.behaviour import ServiceBehaviour
 from node_agent.checking.context import CheckContext
 from node_agent.checking.deadline import Overdue, call_before
+from node_agent.checking.params import Reader
 from node_agent.checks.training_progress import report
 from node_agent.checks.training_progress.metrics import TrainingMetrics
 from node_agent.gpu.base import GpuDevice, GpuError
@@ -80,12 +83,70 @@ NOT_SAMPLED = "not sampled: no other signal of its job suggests a hang"
 SAMPLING_SHARE = 0.6  # stack sampling ends by this share of the check's timeout
 
 
+@dataclass(frozen=True)
+class Params:
+    """The check's parameters (a suite's ``params``), validated by :meth:`parse`; the
+    thresholds' defaults are :class:`~node_agent.training.verdict.Thresholds`'s."""
+
+    stall_after_s: float = Thresholds.stall_after_s
+    hang_after_s: float = Thresholds.hang_after_s
+    hang_step_multiple: float = Thresholds.hang_step_multiple
+    agree: int = Thresholds.agree
+    confirm_s: float = Thresholds.confirm_s
+    straggler_ratio: float = Thresholds.straggler_ratio
+    straggler_for_s: float = Thresholds.straggler_for_s
+    stack_samples: int = 3
+    stack_interval_s: float = 1.0
+    stack_max_calls: int = MAX_CALLS  # py-spy calls per run, shared equally between uids
+    log_silence_s: float = 60.0
+    log_file: str | None = None  # for processes that name none
+    stale_file_s: float = 86400.0  # a dead process's heartbeat file is removed after this
+    spool_dir: str | None = None  # None: ``<config spool_dir>/heartbeat``
+    py_spy: str | None = None  # None: ``py-spy`` on PATH, else beside the running Python
+    sysfs_root: str | None = None  # None: the RDMA ports of this host's sysfs
+    pids: tuple[int, ...] = ()  # empty: heartbeat writers and NVML's compute processes
+    sample_all: bool = False  # sample every process's stack, suspect or not
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> Params:
+        """ValueError naming the key and what was expected."""
+        r = Reader("training_progress", raw, cls)
+        pids = r.value("pids")
+        if not isinstance(pids, list | tuple) or not all(
+            isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in pids
+        ):
+            r.fail("pids", pids, "a list of process ids (positive whole numbers)")
+        return cls(
+            stall_after_s=r.positive("stall_after_s"),
+            hang_after_s=r.positive("hang_after_s"),
+            hang_step_multiple=r.number("hang_step_multiple", at_least=0),
+            agree=r.integer("agree", 1),
+            confirm_s=r.number("confirm_s", at_least=0),
+            straggler_ratio=r.number("straggler_ratio", above=1),
+            straggler_for_s=r.number("straggler_for_s", at_least=0),
+            stack_samples=r.integer("stack_samples", 1),
+            stack_interval_s=r.number("stack_interval_s", at_least=0),
+            stack_max_calls=r.integer("stack_max_calls", 1),
+            log_silence_s=r.positive("log_silence_s"),
+            log_file=r.optional_string("log_file"),
+            stale_file_s=r.positive("stale_file_s"),
+            spool_dir=r.optional_string("spool_dir"),
+            py_spy=r.optional_string("py_spy"),
+            sysfs_root=r.optional_string("sysfs_root"),
+            pids=tuple(pids),
+            sample_all=r.flag("sample_all"),
+        )
+
+    def thresholds(self) -> Thresholds:
+        """The thresholds the verdicts judge by."""
+        return Thresholds(**{f.name: getattr(self, f.name) for f in fields(Thresholds)})
+
+
 def spool_dir(ctx: CheckContext) -> Path:
     """``params.spool_dir``, else ``<config spool_dir>/heartbeat`` (default
     ``/var/spool/node-agent/heartbeat``), where ``node_agent.heartbeat`` writes by default."""
-    if ctx.params.get("spool_dir"):
-        return Path(ctx.params["spool_dir"])
-    return ctx.config.spool_dir / "heartbeat"
+    given = ctx.typed_params(Params).spool_dir
+    return Path(given) if given else ctx.config.spool_dir / "heartbeat"
 
 
 def _state_base(ctx: CheckContext) -> Path:
@@ -139,17 +200,17 @@ def run(ctx: CheckContext) -> list[Result]:
 
 
 def _run(ctx: CheckContext) -> list[Result]:
-    th = Thresholds.from_params(ctx.params)
+    params = ctx.typed_params(Params)
+    th = params.thresholds()
     now = time.time()
     until = ctx.stage_end()
     spool = spool_dir(ctx)
 
     def find() -> tuple[list[GpuDevice] | None, Discovery]:
         devices = _devices(ctx)
-        found = _discover(ctx, spool, devices)
+        found = _discover(ctx, spool, devices, params.pids)
         # through directory fds that follow no link: a uid's directory is its owner's to swap
-        stale_s = float(ctx.params.get("stale_file_s", 86400))
-        remove_stale(spool, found.dead_heartbeats, now, stale_s)
+        remove_stale(spool, found.dead_heartbeats, now, params.stale_file_s)
         return devices, found
 
     devices, found = call_before(until, "finding the training processes", find)
@@ -169,13 +230,12 @@ def _run(ctx: CheckContext) -> list[Result]:
     signals = call_before(
         until,
         "reading heartbeats, GPU activity and log files",
-        lambda: _cheap_signals(ctx, procs, devices, now, th),
+        lambda: _cheap_signals(procs, devices, now, th, params),
     )
     suspect_jobs = {pr.job for pr in procs if any(s.hang for s in signals[pr.pid].values())}
-    sample_all = bool(ctx.params.get("sample_all"))
-    suspects = [pr for pr in procs if sample_all or pr.job in suspect_jobs]
-    call_before(until, "sampling stacks", lambda: _sample(ctx, suspects, signals))
-    out += _not_sampled(ctx, suspects, signals)
+    suspects = [pr for pr in procs if params.sample_all or pr.job in suspect_jobs]
+    call_before(until, "sampling stacks", lambda: _sample(ctx, params, suspects, signals))
+    out += _not_sampled(ctx, suspects, signals, params.stack_max_calls)
 
     keys = {pr.pid: process_key(pr.pid, pr.start_ticks) for pr in procs}
     state.keep_only(set(keys.values()))
@@ -222,12 +282,12 @@ def _save(ctx: CheckContext, state: HangState) -> None:
             state.save()
 
 
-def _discover(ctx: CheckContext, spool: Path, devices: list[GpuDevice] | None) -> Discovery:
+def _discover(
+    ctx: CheckContext, spool: Path, devices: list[GpuDevice] | None, pids: tuple[int, ...]
+) -> Discovery:
     """The training processes: ``params.pids``, else heartbeat writers and NVML's list."""
-    p = ctx.params
-    pids = [int(x) for x in p["pids"]] if p.get("pids") else None
     roots = ctx.config.training.slurm_cgroup_roots if ctx.config is not None else None
-    return discover(spool, devices, pids, slurm_cgroup_roots=roots)
+    return discover(spool, devices, list(pids) or None, slurm_cgroup_roots=roots)
 
 
 def _discovery_results(ctx: CheckContext, found: Discovery, state: HangState) -> list[Result]:
@@ -293,18 +353,19 @@ def _verdicts(
 
 
 def _cheap_signals(
-    ctx: CheckContext,
     procs: list[TrainingProcess],
     devices: list[GpuDevice] | None,
     now: float,
     th: Thresholds,
+    params: Params,
 ) -> dict[int, dict[str, Signal]]:
     """heartbeat, gpu_activity and log_silence of every process (no waiting, no ptrace)."""
     readings: dict[int, activity.GpuActivity] = {}
     by_index = {d.index: d for d in devices or []}
-    silence_s = float(ctx.params.get("log_silence_s", 60))
     logs = bounded_log_signals(
-        [pr.log_file or ctx.params.get("log_file") for pr in procs], now=now, silence_s=silence_s
+        [pr.log_file or params.log_file for pr in procs],
+        now=now,
+        silence_s=params.log_silence_s,
     )
     out = {}
     for pr, log_signal in zip(procs, logs, strict=True):
@@ -391,14 +452,14 @@ def bounded_log_signals(
 
 def _sample(
     ctx: CheckContext,
+    p: Params,
     suspects: list[TrainingProcess],
     signals: dict[int, dict[str, Signal]],
 ) -> None:
     """Stacks of every process in a suspect job, with the RDMA counters before and after."""
     if not suspects:
         return
-    p = ctx.params
-    root = Path(p.get("sysfs_root") or SYSFS_ROOT)
+    root = Path(p.sysfs_root or SYSFS_ROOT)
     before, t0 = activity.read_port_counters(root), time.monotonic()
     # a verified job first, then the processes more signals accuse; sample_stacks takes them
     # in turn from each uid, so one user's many processes cannot crowd out another's hang
@@ -411,13 +472,13 @@ def _sample(
         ),
     )
     stacks = sample_stacks(
-        find_py_spy(p.get("py_spy")),
+        find_py_spy(p.py_spy),
         [pr.pid for pr in order],
-        int(p.get("stack_samples", 3)),
-        float(p.get("stack_interval_s", 1.0)),
+        p.stack_samples,
+        p.stack_interval_s,
         sampling_end(ctx),
         uids={pr.pid: pr.uid for pr in order},
-        max_calls=int(p.get("stack_max_calls", MAX_CALLS)),
+        max_calls=p.stack_max_calls,
     )
     window = time.monotonic() - t0
     rdma_signal = activity.rdma_traffic_signal(before, activity.read_port_counters(root), window)
@@ -427,7 +488,10 @@ def _sample(
 
 
 def _not_sampled(
-    ctx: CheckContext, suspects: list[TrainingProcess], signals: dict[int, dict[str, Signal]]
+    ctx: CheckContext,
+    suspects: list[TrainingProcess],
+    signals: dict[int, dict[str, Signal]],
+    max_calls: int,
 ) -> list[Result]:
     """One WARN naming, per uid, the suspects whose stacks were not sampled and why."""
     missed: dict[tuple[Any, str], list[int]] = {}
@@ -458,7 +522,7 @@ def _not_sampled(
             + "; ".join(parts[:10])
             + (f"; +{len(parts) - 10} more" if len(parts) > 10 else "")
             + f". py-spy calls are capped per run (stack_max_calls="
-            f"{int(ctx.params.get('stack_max_calls', MAX_CALLS))}) and shared equally "
+            f"{max_calls}) and shared equally "
             "between uids, within the check's deadline; their other signals were still read",
             subject="node",
             cause="stack-sampling",
