@@ -73,31 +73,32 @@ def chromium(url: str, tmp_path: Path, *extra: str) -> subprocess.CompletedProce
     )
 
 
-def load(path: Path, tmp_path: Path) -> Page:
-    proc = chromium(path.resolve().as_uri(), tmp_path, "--dump-dom")
+def load(path: Path, tmp_path: Path, screenshot: str | None = None) -> Page:
+    """The page as Chromium loaded it: its DOM and console; with ``screenshot`` (a file name),
+    the same load also takes a screenshot of it into ``tmp_path`` (one browser start, not two:
+    the report page has no script, so its DOM does not depend on the window's size)."""
+    extra = ["--dump-dom"]
+    png = tmp_path / screenshot if screenshot else None
+    if png is not None:
+        extra += [f"--screenshot={png}", "--window-size=1300,2000", "--hide-scrollbars"]
+    proc = chromium(path.resolve().as_uri(), tmp_path, *extra)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    if png is not None:
+        keep_screenshot(png, proc)
     parser = _Collect()
     parser.feed(proc.stdout)
     console = [ln for ln in proc.stderr.splitlines() if ":CONSOLE" in ln or "Uncaught" in ln]
     return Page(dom=proc.stdout, console=console, elements=parser.elements)
 
 
-def screenshot(path: Path, tmp_path: Path, name: str) -> Path:
-    png = tmp_path / name
-    proc = chromium(
-        path.resolve().as_uri(),
-        tmp_path,
-        f"--screenshot={png}",
-        "--window-size=1300,2000",
-        "--hide-scrollbars",
-    )
-    assert proc.returncode == 0 and png.exists(), proc.stderr[-2000:]
+def keep_screenshot(png: Path, proc: subprocess.CompletedProcess) -> None:
+    """The screenshot is a PNG, copied under $NODE_AGENT_ARTIFACTS when set."""
+    assert png.exists(), proc.stderr[-2000:]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     artefacts = os.environ.get("NODE_AGENT_ARTIFACTS")
     if artefacts:
         Path(artefacts).mkdir(parents=True, exist_ok=True)
-        shutil.copy(png, Path(artefacts) / name)
-    return png
+        shutil.copy(png, Path(artefacts) / png.name)
 
 
 @needs_chromium
@@ -133,7 +134,7 @@ def test_fault_node_html_in_chromium_shows_fault_and_highlights_the_faulty_gpu(
     )
     assert run.code == 4, run.stderr
     assert f"html: {html}" in run.stderr
-    page = load(html, tmp_path)
+    page = load(html, tmp_path, screenshot="fault-node-report.png")
     assert page.console == []
     (verdict,) = page.find("section", id="verdict")
     assert verdict["data-level"] == "FAULT" and verdict["data-action"] == "replace"
@@ -145,7 +146,6 @@ def test_fault_node_html_in_chromium_shows_fault_and_highlights_the_faulty_gpu(
     (xid_cell,) = [a for a in page.find("td", data_check="xid") if a.get("data-status") == "fail"]
     assert xid_cell["class"] == "s-fail"
     assert page.find("details", data_check="xid")[0].get("open") is not None
-    screenshot(html, tmp_path, "fault-node-report.png")
 
 
 @needs_chromium
@@ -154,7 +154,7 @@ def test_report_with_burn_traces_draws_plots_with_thresholds_and_bandwidth_bars(
         "node-traces", seed=7, trace_points=90, gpu_factors={3: 0.88}, faults={3: "slow"}
     )
     html = write_html(report, tmp_path / "traces.html")
-    page = load(html, tmp_path)
+    page = load(html, tmp_path, screenshot="burn-traces-report.png")
     assert page.console == []
     burn = page.find("div", **{"data_target": "gpu:3"})
     assert burn and "flagged" in burn[0]["class"].split()
@@ -171,7 +171,6 @@ def test_report_with_burn_traces_draws_plots_with_thresholds_and_bandwidth_bars(
         assert page.find("div", data_check=check), check
     text = html.read_text()
     assert "power limit" in text and "slowdown" in text and "minimum 2500" in text
-    screenshot(html, tmp_path, "burn-traces-report.png")
 
 
 def test_report_text_is_escaped_not_markup(tmp_path):
