@@ -101,7 +101,8 @@ def burn(ctx: CheckContext, plan: BurnPlan, sample_interval_s: float) -> BurnOut
         specs = ctx.ports.compute.specs(indices)
     except ComputeUnavailable as err:
         return ctx.compute_unavailable(str(err))
-    deadline_s = ctx.timeout_s - max(10.0, 0.1 * ctx.timeout_s)
+    margin_s = max(10.0, 0.1 * ctx.timeout_s)  # for killing stragglers and reporting
+    deadline_s = ctx.remaining_s(margin_s)  # from now: the runner's deadline, less the margin
     if plan.duration_s + plan.stall_s > deadline_s:
         return [
             ctx.result(
@@ -110,7 +111,7 @@ def burn(ctx: CheckContext, plan: BurnPlan, sample_interval_s: float) -> BurnOut
                 Status.ERROR,
                 f"params.duration_s {plan.duration_s:g} s plus stall_s "
                 f"{plan.stall_s:g} s does not fit in the check's timeout_s "
-                f"{ctx.timeout_s:g} s (less a {ctx.timeout_s - deadline_s:g} s "
+                f"{ctx.timeout_s:g} s (less a {margin_s:g} s "
                 "margin): raise timeout_s in the suite file or shorten the burn",
                 duration_s=plan.duration_s,
                 timeout_s=ctx.timeout_s,

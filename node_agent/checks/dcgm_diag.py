@@ -103,9 +103,9 @@ class Params:
 
 
 def diag_timeout_s(ctx: CheckContext) -> float:
-    """How long DCGM may take: ``params.timeout_s``, within the runner's limit for the check
-    (leaving it time to read and report what came back)."""
-    ceiling = max(1.0, ctx.timeout_s - min(30.0, ctx.timeout_s * 0.1))
+    """How long DCGM may take: ``params.timeout_s``, within the time left before the runner's
+    deadline for the check (leaving it time to read and report what came back)."""
+    ceiling = max(1.0, ctx.remaining_s(min(30.0, ctx.timeout_s * 0.1)))
     wanted = ctx.typed_params(Params).timeout_s
     return min(wanted, ceiling) if wanted else ceiling
 

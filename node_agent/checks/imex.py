@@ -146,7 +146,7 @@ def _read_domain(
 ) -> ImexDomain | Result:
     """``nvidia-imex-ctl -N -j`` parsed; the error result when it cannot be had."""
     argv = [params.tool, "-c", params.config, "-N", "-j"]
-    out = proc.run(argv, timeout_s=min(params.timeout_s, max(1.0, ctx.timeout_s - 1.0)))
+    out = proc.run(argv, timeout_s=min(params.timeout_s, max(1.0, ctx.remaining_s(1.0))))
     if out.not_found:
         return ctx.result(
             "node",

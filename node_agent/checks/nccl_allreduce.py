@@ -224,7 +224,7 @@ def run(ctx: CheckContext) -> list[Result]:
     p = ctx.typed_params(Params)
     sizes, iters, warmup = list(p.sizes), p.iters, p.warmup
     # finish (and kill stragglers) before the runner abandons the check
-    timeout_s = p.timeout_s or max(5.0, min(DEFAULT_TIMEOUT_S, ctx.timeout_s - 10))
+    timeout_s = p.timeout_s or max(5.0, min(DEFAULT_TIMEOUT_S, ctx.remaining_s(10)))
     if _has_real_gpus(ctx):
         backend = "nccl"
         world_size = len(ctx.gpu.devices()) if p.world_size is None else p.world_size

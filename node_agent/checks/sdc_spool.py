@@ -79,7 +79,8 @@ DEFAULT_CONFIRM_RETRY_S = 600.0  # the periodic suite's sdc cadence: no more pro
 #: a child probe needs this much of the check's time to be worth starting: torch's import,
 #: CUDA start-up and one round of the periodic probe (docs/sdc.md, "The confirming probe's time")
 MIN_CONFIRM_BUDGET_S = 8.0
-#: of the check's own timeout, the share a confirmation may use (the rest: reading, writing)
+#: a confirmation ends by this share of the check's timeout, counted from the runner's start
+#: (``ctx.remaining_s``; the rest, before the deadline, is for reading and writing)
 _BUDGET_SHARE = 0.8
 
 
@@ -271,7 +272,6 @@ def _vouch(
 def run(ctx: CheckContext) -> list[Result]:
     from node_agent.sdc import spool as sdc_lib
 
-    started = time.monotonic()
     if ctx.state_dir is None:
         return [
             ctx.skip(
@@ -294,7 +294,7 @@ def run(ctx: CheckContext) -> list[Result]:
         groups, passes = _ingest(ctx, cursor, new, now)
         out.extend(_unreadable_results(ctx, spool, errors, cursor, now))
         out.extend(_report_results(ctx, groups))
-        confirmed = _confirm(ctx, cursor, now, started, out)
+        confirmed = _confirm(ctx, cursor, now, out)
         out.extend(_standing_results(ctx, cursor, confirmed))
         write_json(path, cursor)
     if not out:
@@ -445,9 +445,7 @@ def _report_results(ctx: CheckContext, groups: dict[Any, Any]) -> list[Result]:
 # -- the agent's own probe ------------------------------------------------------------------------
 
 
-def _confirm(
-    ctx: CheckContext, cursor: dict[str, Any], now: float, started: float, out: list[Result]
-) -> set[str]:
+def _confirm(ctx: CheckContext, cursor: dict[str, Any], now: float, out: list[Result]) -> set[str]:
     """Probe the GPUs with pending reports; move confirmed ones to ``standing``; the targets
     the agent confirmed in this run."""
     current = {f"gpu:{g.index}": g.uuid for g in ctx.inventory.gpus}
@@ -464,7 +462,7 @@ def _confirm(
     elif due:
         budget = min(
             params.confirm_timeout_s,
-            _BUDGET_SHARE * ctx.timeout_s - (time.monotonic() - started),
+            ctx.remaining_s((1.0 - _BUDGET_SHARE) * ctx.timeout_s),
         )
         outcome = own_probe(ctx, [int(t[4:]) for t in due], budget)
     else:

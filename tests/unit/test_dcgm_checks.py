@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -251,6 +252,17 @@ def test_diag_timeout_stays_inside_the_checks_own_timeout():
     dcgm_diag.run(ctx_for("dcgm_diag", timeout_s=3600), opener=opener_of(source))
     ((_, timeout_s),) = source.requests
     assert 0 < timeout_s < 3600
+
+
+def test_diag_timeout_is_what_is_left_before_the_runners_deadline():
+    """A check started 3500 s into its 3600 s (the runner's deadline is 100 s away) gives DCGM
+    those 100 s less the margin, never the whole timeout again."""
+    source = FakeDcgm(fixture("dcgm4_r3_pass.json"))
+    ctx = ctx_for("dcgm_diag", timeout_s=3600)
+    ctx.deadline = time.monotonic() + 100.0
+    dcgm_diag.run(ctx, opener=opener_of(source))
+    ((_, timeout_s),) = source.requests
+    assert 0 < timeout_s <= 100.0 - 30.0
 
 
 @pytest.mark.parametrize(
