@@ -243,12 +243,13 @@ def test_replay_names_the_node_whose_sm_corrupts_now_and_then(job, tmp_path):
 @pytest.mark.xdist_group("slurm")
 def test_a_slurm_step_names_the_bad_node_and_evicts_its_parallel_group(job, slurm, tmp_path):
     """The same stop-check as one step of the real test cluster: srun starts one task per
-    simulated node (SLURM_PROCID, SLURM_NTASKS) on the loopback slurmd."""
-    scen = job({4: [{"kind": "sdc", "gpu": 1}]})
+    simulated node (SLURM_PROCID, SLURM_NTASKS) on the loopback slurmd. Four nodes in two
+    parallel groups: the launcher and the widening to a group are what is new here (the phases
+    have six nodes in the tests above), and four name one node and keep the other group."""
+    nodes = 4
+    scen = job({3: [{"kind": "sdc", "gpu": 1}]}, nodes=nodes)
     topology = tmp_path / "topology.yaml"
-    topology.write_text(
-        yaml.safe_dump({"pp0": ["node0", "node1", "node2"], "pp1": ["node3", "node4", "node5"]})
-    )
+    topology.write_text(yaml.safe_dump({"pp0": ["node0", "node1"], "pp1": ["node2", "node3"]}))
     srun = shutil.which("srun")
     if srun is None:
         pytest.skip("srun is not installed (Debian package slurm-client)")
@@ -260,7 +261,7 @@ def test_a_slurm_step_names_the_bad_node_and_evicts_its_parallel_group(job, slur
             srun,
             "--overcommit",
             "-N1",
-            f"-n{NODES}",
+            f"-n{nodes}",
             "--kill-on-bad-exit=0",
             AGENT,
             "stop-check",
@@ -276,8 +277,8 @@ def test_a_slurm_step_names_the_bad_node_and_evicts_its_parallel_group(job, slur
     )
     assert (job.out / "stop-check.json").exists(), (proc.returncode, proc.stderr[-3000:])
     data = summary(job.out)
-    assert named(data) == {("node4", 1)}
-    assert data["evict"] == ["node3", "node4", "node5"]
+    assert named(data) == {("node3", 1)}
+    assert data["evict"] == ["node2", "node3"]
 
 
 def test_a_rank_that_never_joins_is_named_by_rank_0_and_the_others_exit_2(job, tmp_path):
