@@ -1,6 +1,7 @@
-"""``node-agent stop-check`` over six simulated nodes: six real processes, one rank per node,
-joined by real torch.distributed (gloo) on loopback, started by torchrun, by a real Slurm step
-(srun on the test cluster's slurmd) or as a launcher would set RANK/WORLD_SIZE.
+"""``node-agent stop-check`` over six simulated nodes (four in the Slurm step): a real process
+per node, one rank each, joined by real torch.distributed (gloo) on loopback, started by
+torchrun, by a real Slurm step (srun on the test cluster's slurmd) or as a launcher would set
+RANK/WORLD_SIZE.
 
 Each node is a scenario (``--simulate DIR/n{rank}.yaml``): its GPUs are simulated, and its
 faults act at the compute boundary (``sdc``) and the transport boundary (``slow_link``); the
