@@ -110,21 +110,25 @@ class Run:
         return json.loads(self.stdout)
 
 
-def run_agent(args: tuple[str, ...], home: Path, timeout: float = AGENT_TIMEOUT_S, env=None) -> Run:
-    """Run ``node-agent ARGS`` in ``home`` through its console entry point; ``accept``,
-    ``check``, ``inventory`` and ``grade`` without ``--config`` get one with its state in
-    ``home``."""
-    argv = [
-        sys.executable,
-        "-c",
-        "import sys; from node_agent.commands.main import main; sys.exit(main())",
-        *args,
-    ]
+def agent_args(args: tuple[str, ...], home: Path) -> list[str]:
+    """``args``, where ``accept``, ``check``, ``inventory`` and ``grade`` have no ``--config``
+    with one added that keeps its state in ``home``."""
     if "--config" not in args and args and args[0] in ("accept", "check", "inventory", "grade"):
         config = home / "agent-config.yaml"
         if not config.exists():
             config.write_text(yaml.safe_dump({"state_dir": str(home / "state")}))
-        argv += ["--config", str(config)]
+        return [*args, "--config", str(config)]
+    return list(args)
+
+
+def run_agent(args: tuple[str, ...], home: Path, timeout: float = AGENT_TIMEOUT_S, env=None) -> Run:
+    """Run ``node-agent ARGS`` in ``home`` through its console entry point (``agent_args``)."""
+    argv = [
+        sys.executable,
+        "-c",
+        "import sys; from node_agent.commands.main import main; sys.exit(main())",
+        *agent_args(args, home),
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=home, env=env)
     return Run(proc.returncode, proc.stdout, proc.stderr)
 
@@ -135,6 +139,44 @@ def agent(tmp_path):
 
     def run(*args: str, timeout: float = AGENT_TIMEOUT_S) -> Run:
         return run_agent(args, tmp_path, timeout)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def agent_zygote(tmp_path_factory):
+    """This worker's zygote (tests/preloaded_agent.py): an interpreter that imported torch and
+    the agent's commands once, forking each ``preloaded_agent`` run; started at first use, and
+    again if a run's timeout killed it."""
+    from preloaded_agent import Zygote
+
+    holder: dict[str, Zygote] = {}
+    base = tmp_path_factory.mktemp("zygote")
+
+    def get() -> Zygote:
+        if "z" not in holder or not holder["z"].alive:
+            holder["z"] = Zygote(base / f"z{len(list(base.iterdir()))}", ("accept",))
+        return holder["z"]
+
+    yield get
+    if "z" in holder:
+        holder["z"].close()
+
+
+@pytest.fixture
+def preloaded_agent(tmp_path, agent_zygote):
+    """``agent``, but each ``node-agent`` a fork of this worker's zygote (``agent_zygote``),
+    which imported torch once, rather than a fresh interpreter importing it again: for the
+    tests whose runs compute with torch (the burn, the bandwidth and SDC checks), where that
+    import is most of a run's start. The run is the same ``main(argv)`` as ``agent``'s in a
+    process of its own (its environment, working directory, stdout and stderr); what it does
+    not show is the console script's start, which ``agent``'s tests show."""
+    from preloaded_agent import Invocation
+
+    def run(*args: str, timeout: float = AGENT_TIMEOUT_S) -> Run:
+        inv = Invocation(agent_args(args, tmp_path), dict(os.environ), tmp_path, argv0="-c")
+        [(code, out, err)] = agent_zygote().run([inv], timeout)
+        return Run(code, out, err)
 
     return run
 

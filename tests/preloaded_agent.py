@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-#: the zygote: imports, then reads one JSON list of invocations on stdin, forks one child per
-#: invocation, waits for them all and prints ``{"<index>": exit code}``
+#: the zygote: imports, then reads JSON lists of invocations on stdin, one list a line; for each
+#: it forks one child per invocation, waits for them all and prints ``{"<index>": exit code}``
 ZYGOTE = r"""
 import json, os, sys
 import torch  # noqa: F401 - imported once, for every child
@@ -33,28 +34,25 @@ import torch.distributed  # noqa: F401
 from node_agent.commands.main import command, main
 for name in sys.argv[1:]:
     command(name)  # the subcommand's modules imported too
-jobs = json.loads(sys.stdin.readline())
-pids = {}
-for i, job in enumerate(jobs):
-    pid = os.fork()
-    if pid == 0:
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        for fd, path in ((1, job["stdout"]), (2, job["stderr"])):
-            out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.dup2(out, fd)
-            os.close(out)
-        os.chdir(job["cwd"])
-        os.environ.clear()
-        os.environ.update(job["env"])
-        sys.argv = ["node-agent", *job["argv"]]
-        sys.exit(main(job["argv"]))
-    pids[pid] = i
-codes = {}
-while pids:
-    pid, status = os.wait()
-    codes[pids.pop(pid)] = os.waitstatus_to_exitcode(status)
-print(json.dumps(codes))
+for line in sys.stdin:
+    pids = {}
+    for i, job in enumerate(json.loads(line)):
+        pid = os.fork()
+        if pid == 0:
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            for fd, path in ((1, job["stdout"]), (2, job["stderr"])):
+                out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                os.dup2(out, fd)
+                os.close(out)
+            os.chdir(job["cwd"])
+            os.environ.clear()
+            os.environ.update(job["env"])
+            sys.argv = [job["argv0"], *job["argv"]]
+            sys.exit(main(job["argv"]))
+        pids[pid] = i
+    codes = {i: os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid, i in pids.items()}
+    print(json.dumps(codes), flush=True)
 """
 
 
@@ -65,49 +63,97 @@ class Invocation:
     argv: list[str]
     env: dict[str, str]
     cwd: Path
+    argv0: str = "node-agent"  # sys.argv[0]: the console script's, or "-c" as run_agent's
+
+
+class Zygote:
+    """One zygote (see :data:`ZYGOTE`), kept for several batches of invocations: the tests of
+    a module that each run ``node-agent`` share its imports. Close it when done (a
+    module-scoped fixture); on a timeout it is killed with every child."""
+
+    def __init__(self, tmp: Path, subcommands: tuple[str, ...]) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.tmp = tmp
+        self.batches = 0
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", ZYGOTE, *subcommands],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=tmp,
+            start_new_session=True,  # its own process group: killed with its children
+        )
+
+    def run(self, invocations: list[Invocation], timeout: float) -> list[tuple[int, str, str]]:
+        """Run every invocation at once, each a fork of the zygote; (exit code, stdout,
+        stderr) per invocation, in order. ``subprocess.TimeoutExpired`` after ``timeout``,
+        the zygote and its children killed."""
+        self.batches += 1
+        base = self.tmp / f"batch-{self.batches}"
+        base.mkdir()
+        jobs = [
+            {
+                "argv": inv.argv,
+                "argv0": inv.argv0,
+                "env": inv.env,
+                "cwd": str(inv.cwd),
+                "stdout": str(base / f"{i}.out"),
+                "stderr": str(base / f"{i}.err"),
+            }
+            for i, inv in enumerate(invocations)
+        ]
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(jobs) + "\n")
+        self.proc.stdin.flush()
+        line = _readline(self.proc, timeout)
+        assert line.strip(), f"the zygote ended (exit {self.proc.poll()}): see its stderr"
+        codes = json.loads(line)
+        return [
+            (
+                int(codes[str(i)]),
+                (base / f"{i}.out").read_text(),
+                (base / f"{i}.err").read_text(),
+            )
+            for i in range(len(invocations))
+        ]
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def _readline(proc: subprocess.Popen[str], timeout: float) -> str:
+    """A line of ``proc``'s stdout, or its group killed and TimeoutExpired after ``timeout``."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not ready:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise subprocess.TimeoutExpired(proc.args, timeout)
+    return proc.stdout.readline()
 
 
 def run_forked(
     invocations: list[Invocation], tmp: Path, timeout: float, subcommand: str
 ) -> list[tuple[int, str, str]]:
-    """Run every invocation at once, each a fork of one zygote that imported torch and the
-    agent's ``subcommand``; returns (exit code, stdout, stderr) per invocation, in order.
-
-    On ``timeout`` the zygote's process group (it and every child) is killed and
-    ``subprocess.TimeoutExpired`` raised."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    jobs = []
-    for i, inv in enumerate(invocations):
-        jobs.append(
-            {
-                "argv": inv.argv,
-                "env": inv.env,
-                "cwd": str(inv.cwd),
-                "stdout": str(tmp / f"{i}.out"),
-                "stderr": str(tmp / f"{i}.err"),
-            }
-        )
-    zygote = subprocess.Popen(
-        [sys.executable, "-c", ZYGOTE, subcommand],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=tmp,
-        start_new_session=True,  # its own process group: killed with its children on timeout
-    )
+    """Run every invocation at once, each a fork of a zygote that imported torch and the
+    agent's ``subcommand``, made for them alone; (exit code, stdout, stderr) per invocation."""
+    zygote = Zygote(tmp, (subcommand,))
     try:
-        out, _ = zygote.communicate(json.dumps(jobs) + "\n", timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(zygote.pid, signal.SIGKILL)
-        zygote.wait()
-        raise
-    assert zygote.returncode == 0 and out.strip(), f"the zygote failed (exit {zygote.returncode})"
-    codes = json.loads(out.strip().splitlines()[-1])
-    return [
-        (
-            int(codes[str(i)]),
-            (tmp / f"{i}.out").read_text(),
-            (tmp / f"{i}.err").read_text(),
-        )
-        for i in range(len(invocations))
-    ]
+        return zygote.run(invocations, timeout)
+    finally:
+        zygote.close()
