@@ -61,6 +61,16 @@ class Reader:
     def value(self, key: str) -> Any:
         return self.raw[key] if self.given(key) else self.defaults.get(key)
 
+    def integers(self, key: str, low: int, what: str) -> tuple[int, ...]:
+        """A list of whole numbers (not bools), each at least ``low``; ``what`` says what the
+        list is in the error."""
+        v = self.value(key)
+        if not isinstance(v, list | tuple) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= low for n in v
+        ):
+            self.fail(key, v, what)
+        return tuple(v)
+
     def number(
         self, key: str, *, above: float | None = None, at_least: float | None = None
     ) -> float:

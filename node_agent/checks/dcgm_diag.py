@@ -73,15 +73,11 @@ class Params:
         r = Reader("dcgm_diag", raw, cls)
         listed = r.strings("tests", lone=True)  # "memory, pcie" or [memory, pcie]
         tests = tuple(t.strip() for item in listed for t in item.split(",") if t.strip())
-        gpus = r.value("gpus")
-        if not isinstance(gpus, list | tuple) or not all(
-            isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus
-        ):
-            r.fail("gpus", gpus, "a list of GPU indices")
+        gpus = r.integers("gpus", 0, "a list of GPU indices")
         params = cls(
             level=r.integer("level", 1, 4),
             tests=tests,
-            gpus=tuple(gpus),
+            gpus=gpus,
             iterations=r.integer("iterations", 1),
             timeout_s=r.optional_number("timeout_s", above=0),
             dcgmi=r.optional_string("dcgmi"),

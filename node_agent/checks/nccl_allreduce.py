@@ -202,13 +202,9 @@ class Params:
     def parse(cls, raw: Mapping[str, Any]) -> Params:
         """ValueError naming the key and what was expected."""
         r = Reader("nccl_allreduce", raw, cls)
-        sizes = r.value("sizes")
-        if not isinstance(sizes, list | tuple) or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes
-        ):
-            r.fail("sizes", sizes, "a list of sizes in bytes (whole numbers above 0)")
+        sizes = r.integers("sizes", 1, "a list of sizes in bytes (whole numbers above 0)")
         return cls(
-            sizes=tuple(sizes),
+            sizes=sizes,
             iters=r.integer("iters", 1),
             warmup=r.integer("warmup", 0),
             timeout_s=r.optional_number("timeout_s", above=0),

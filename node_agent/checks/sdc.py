@@ -129,12 +129,7 @@ class Params:
         dtypes = r.strings("dtypes", empty=False) if r.given("dtypes") else None
         if dtypes is not None and not set(dtypes) <= set(ALL_DTYPES):
             r.fail("dtypes", list(dtypes), "a list of dtypes among " + ", ".join(ALL_DTYPES))
-        gpus = r.value("gpus")
-        if gpus is not None and (
-            not isinstance(gpus, list | tuple)
-            or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus)
-        ):
-            r.fail("gpus", gpus, "a list of GPU indices")
+        gpus = r.integers("gpus", 0, "a list of GPU indices") if r.given("gpus") else None
         return cls(
             dtypes=dtypes,
             tiles_per_sm=r.optional_integer("tiles_per_sm", 1),
@@ -144,7 +139,7 @@ class Params:
             duration_s=r.optional_number("duration_s", above=0),
             seeds=r.integer("seeds", 1),
             freivalds_n=r.optional_integer("freivalds_n", 0),
-            gpus=None if gpus is None else tuple(gpus),
+            gpus=gpus,
             digest_history=r.flag("digest_history"),
             min_free_mib=r.number("min_free_mib", at_least=0),
         )

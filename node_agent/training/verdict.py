@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from node_agent.training.blocking import OWN_REASON, WAITING_ON_PEERS
@@ -32,13 +32,6 @@ class Thresholds:
     straggler_ratio: float = 2.0  # issue 10: "a rank 2x slower than its peers"
     straggler_for_s: float = 30.0  # ... persistently: for this long
 
-    @classmethod
-    def from_params(cls, params: Mapping[str, Any]) -> Thresholds:
-        known = {f.name for f in fields(cls)}
-        given: dict[str, Any] = {
-            k: (int(v) if k == "agree" else float(v)) for k, v in params.items() if k in known
-        }
-        return cls(**given)
 
 
 def heartbeat_signal(record: Mapping[str, Any] | None, now: float, th: Thresholds) -> Signal:

@@ -96,7 +96,7 @@ def test_unavailable_signals_neither_accuse_nor_clear():
 
 
 def test_agree_is_configurable():
-    th = Thresholds.from_params({"agree": 1, "stall_after_s": 10, "unknown": 3})
+    th = Thresholds(agree=1, stall_after_s=10)
     assert th.agree == 1 and th.stall_after_s == 10
     assert verdict(
         [heartbeat_signal(_beat(11), NOW, th)], th, agreeing_since_s=None, has_heartbeat=True

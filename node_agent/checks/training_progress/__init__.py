@@ -111,11 +111,7 @@ class Params:
     def parse(cls, raw: Mapping[str, Any]) -> Params:
         """ValueError naming the key and what was expected."""
         r = Reader("training_progress", raw, cls)
-        pids = r.value("pids")
-        if not isinstance(pids, list | tuple) or not all(
-            isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in pids
-        ):
-            r.fail("pids", pids, "a list of process ids (positive whole numbers)")
+        pids = r.integers("pids", 1, "a list of process ids (positive whole numbers)")
         return cls(
             stall_after_s=r.positive("stall_after_s"),
             hang_after_s=r.positive("hang_after_s"),
@@ -133,7 +129,7 @@ class Params:
             spool_dir=r.optional_string("spool_dir"),
             py_spy=r.optional_string("py_spy"),
             sysfs_root=r.optional_string("sysfs_root"),
-            pids=tuple(pids),
+            pids=pids,
             sample_all=r.flag("sample_all"),
         )
 
