@@ -28,12 +28,13 @@ from pathlib import Path
 #: the zygote: imports, then reads JSON lists of invocations on stdin, one list a line; for each
 #: it forks one child per invocation, waits for them all and prints ``{"<index>": exit code}``
 ZYGOTE = r"""
-import json, os, sys
+import gc, json, os, sys
 import torch  # noqa: F401 - imported once, for every child
 import torch.distributed  # noqa: F401
 from node_agent.commands.main import command, main
 for name in sys.argv[1:]:
     command(name)  # the subcommand's modules imported too
+gc.freeze()  # what is loaded stays shared: no child's collection walks or copies it
 for line in sys.stdin:
     pids = {}
     for i, job in enumerate(json.loads(line)):
