@@ -56,8 +56,9 @@ def test_quick_check_on_healthy_node_exits_0(agent, scenario):
     assert run.json()["suite"] == "quick"
 
 
-def test_xid79_grades_fault_naming_gpu_and_code(agent, scenario, tmp_path):
-    run = agent(
+def test_xid79_grades_fault_naming_gpu_and_code(preloaded_agent, scenario, tmp_path):
+    # a delivery run, which burns with torch: a fork of the preloaded interpreter (conftest.py)
+    run = preloaded_agent(
         "accept",
         "--simulate",
         scenario([{"kind": "xid", "gpu": 5, "code": 79}]),
