@@ -29,8 +29,10 @@ from pathlib import Path
 #: it forks one child per invocation, waits for them all and prints ``{"<index>": exit code}``
 ZYGOTE = r"""
 import gc, json, os, sys
-import torch  # noqa: F401 - imported once, for every child
-import torch.distributed  # noqa: F401
+try:  # imported once, for every child; a host without torch runs the agent without it
+    import torch.distributed  # noqa: F401
+except ImportError:
+    pass
 from node_agent.commands.main import command, main
 for name in sys.argv[1:]:
     command(name)  # the subcommand's modules imported too
