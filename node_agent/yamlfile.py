@@ -229,9 +229,14 @@ def conforms(value: Any, schema: Any) -> bool:
     return True
 
 
+#: libyaml's safe loader where PyYAML was built with it (ten times faster on the graders and
+#: suites every agent process reads at start), else PyYAML's own; both are safe loaders
+_SAFE_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def parse_yaml_text(text: str, source: str) -> Any:
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_SAFE_LOADER)  # noqa: S506 - a safe loader
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1} column {mark.column + 1}" if mark else ""

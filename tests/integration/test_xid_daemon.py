@@ -134,7 +134,9 @@ def test_daemon_turns_error_when_a_fatal_line_follows_a_nonfatal_flood(daemon):
     daemon.write(flood(gpu=1, n=FLOOD))
     assert wait_for(lambda: daemon.grade.level.name == "WARN", 15)
     daemon.write(flood(gpu=1, n=FLOOD) + flood(gpu=1, n=1, line=FATAL_149))
-    assert wait_for(lambda: daemon.grade.level.name == "ERROR", 10), daemon.grade
+    # a bound, not a latency claim (bench/bench_daemon.py measures that): the flood is read
+    # line by line on a machine other tests load
+    assert wait_for(lambda: daemon.grade.level.name == "ERROR", 30), daemon.grade
     (reason,) = xid_reasons(daemon)
     assert reason.target == "gpu:1" and "NETIR_LINK_EVT Fatal -> RESET_GPU" in reason.message
 
