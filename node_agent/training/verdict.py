@@ -33,7 +33,6 @@ class Thresholds:
     straggler_for_s: float = 30.0  # ... persistently: for this long
 
 
-
 def heartbeat_signal(record: Mapping[str, Any] | None, now: float, th: Thresholds) -> Signal:
     """The ``heartbeat`` signal of one process's heartbeat record at wall time ``now``.
 
