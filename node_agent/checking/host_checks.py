@@ -20,10 +20,9 @@ from typing import Any, ClassVar, TypeVar
 from node_agent import atomic_file
 from node_agent.checking.context import CheckContext
 from node_agent.checking.params import Reader
+from node_agent.checking.thresholds import load_topic
 from node_agent.host.paths import HostPaths
 from node_agent.model import Result
-from node_agent.resources import graders_dir, shipped_graders_dir
-from node_agent.yamlfile import load_yaml
 
 _NUM = {"type": "number", "minimum": 0}
 HOST_SCHEMA: dict[str, Any] = {
@@ -62,38 +61,15 @@ HOST_SCHEMA: dict[str, Any] = {
         },
     },
 }
-DEFAULTS: dict[str, dict[str, float]] = {
-    "memory": {
-        "ce_per_24h_max": 10,
-        "missing_dimm_fraction": 0.5,
-        "dimm_gib_default": 32,
-        "memtotal_reserved_fraction": 0.03,
-    },
-    "nvme": {"percent_used_max": 90},
-    # corrected AER errors per hour in the kernel log above which a link is reported (WARN): a
-    # healthy link replays a handful at most, and links that retrain at boot are left out
-    # (checks/pcie_aer/log.py); a sustained 10 an hour is a link that keeps failing its CRC
-    "pcie_aer": {"correctable_growth_max": 0, "correctable_per_hour_max": 10},
-    "cpu": {"throttle_growth_max": 0},
-    # a power event in the BMC's log younger than this many hours is the node's present (ERROR);
-    # older, history (WARN): a day covers the cadence of every suite, and a supply or feed that
-    # failed today is one to look at before the node runs on its last supply
-    "power": {"sel_recent_h": 24},
-}
 
 
 def thresholds(ctx: CheckContext, section: str) -> dict[str, float]:
-    """``graders/host.yaml``'s ``section`` (the operator's graders_dir, else the shipped one),
-    over the built-in defaults. ConfigError when the file is malformed."""
-    path = graders_dir(ctx.config) / "host.yaml"
-    if not path.is_file():
-        path = shipped_graders_dir() / "host.yaml"
-    data: dict[str, Any] = (
-        load_yaml(path, HOST_SCHEMA, what="host grading file", empty_ok=True)
-        if path.is_file()
-        else {}
-    )
-    return {**DEFAULTS[section], **(data.get(section) or {})}
+    """``graders/host.yaml``'s ``section``: the operator's keys over the shipped file's
+    (:func:`~node_agent.checking.thresholds.load_topic`; the shipped file holds every key and
+    its source). ConfigError when a file is malformed."""
+    data = load_topic(ctx.config, "host", HOST_SCHEMA, "host grading file")
+    values: dict[str, float] = data[section]
+    return values
 
 
 H = TypeVar("H", bound="HostParams")

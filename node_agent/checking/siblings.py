@@ -1,7 +1,8 @@
 """Node-relative grading: a GPU's figure against the median of its siblings on the same node.
 
-Thresholds come from ``graders/performance.yaml`` (``siblings``); the check that measured the
-figures applies them, so the result's status already says warn/fail and the detail names both
+Thresholds come from ``graders/performance.yaml`` (``siblings``; their one home, read through
+:func:`~node_agent.checking.thresholds.load_topic`); the check that measured the figures applies
+them, so the result's status already says warn/fail and the detail names both
 the GPU's figure and its siblings' median.
 """
 
@@ -12,21 +13,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from node_agent.checking.thresholds import load_topic
 from node_agent.config import Config
 from node_agent.model import Status
-from node_agent.resources import graders_dir
-from node_agent.yamlfile import load_yaml
 
 _RATIO = {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
 PERFORMANCE_SCHEMA: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
-    "required": ["siblings"],
     "properties": {
         "siblings": {
             "type": "object",
             "additionalProperties": False,
-            "required": ["warn_below", "error_below"],
             "properties": {
                 "warn_below": _RATIO,
                 "error_below": _RATIO,
@@ -39,19 +37,22 @@ PERFORMANCE_SCHEMA: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class SiblingThresholds:
-    warn_below: float = 0.92
-    error_below: float = 0.80
-    min_gpus: int = 3
+    """``graders/performance.yaml``'s ``siblings`` (no defaults here: the file is their home)."""
+
+    warn_below: float
+    error_below: float
+    min_gpus: int
 
 
 def load_thresholds(config: Config) -> SiblingThresholds:
-    """The ``siblings`` thresholds of the configured graders directory (ConfigError if bad)."""
-    path = graders_dir(config) / "performance.yaml"
-    data = load_yaml(path, PERFORMANCE_SCHEMA, what="performance grading file")["siblings"]
+    """The ``siblings`` thresholds: the operator's keys over the shipped file's (ConfigError if
+    either is bad)."""
+    data = load_topic(config, "performance", PERFORMANCE_SCHEMA, "performance grading file")
+    siblings = data["siblings"]
     return SiblingThresholds(
-        warn_below=data["warn_below"],
-        error_below=data["error_below"],
-        min_gpus=data.get("min_gpus", 3),
+        warn_below=siblings["warn_below"],
+        error_below=siblings["error_below"],
+        min_gpus=siblings["min_gpus"],
     )
 
 
@@ -74,7 +75,8 @@ def compare_with_siblings(
 ) -> dict[int, SiblingVerdict]:
     """Each GPU's figure (higher is better) against the median of the other GPUs.
 
-    >>> v = compare_with_siblings({0: 100, 1: 101, 2: 99, 3: 50}, SiblingThresholds(), "bf16", "TFLOP/s")
+    >>> th = SiblingThresholds(warn_below=0.92, error_below=0.80, min_gpus=3)
+    >>> v = compare_with_siblings({0: 100, 1: 101, 2: 99, 3: 50}, th, "bf16", "TFLOP/s")
     >>> v[3].status.value, v[3].siblings_median
     ('fail', 100)
     """
