@@ -562,56 +562,37 @@ def _pcie(
         "width_max": link.width_max,
         "width_expected": expected_width,
     }
-    if link.width_current < expected_width:
-        out.append(
-            ctx.result(
-                target,
-                "pcie_width",
-                Status.FAIL,
-                f"PCIe link trained at x{link.width_current} of x{expected_width}: "
-                "a degraded link (reseat or replace the GPU or riser)",
-                value=link.width_current,
-                unit="lanes",
-                **evidence,
-            )
+    degraded = link.width_current < expected_width
+    out.append(
+        ctx.result(
+            target,
+            "pcie_width",
+            Status.FAIL if degraded else Status.PASS,
+            f"PCIe link trained at x{link.width_current} of x{expected_width}: "
+            "a degraded link (reseat or replace the GPU or riser)"
+            if degraded
+            else f"PCIe x{link.width_current}",
+            value=link.width_current,
+            unit="lanes",
+            **evidence,
         )
-    else:
-        out.append(
-            ctx.result(
-                target,
-                "pcie_width",
-                Status.PASS,
-                f"PCIe x{link.width_current}",
-                value=link.width_current,
-                unit="lanes",
-                **evidence,
-            )
-        )
+    )
     # An idle GPU lowers its link generation to save power, so the generation is only a
     # finding when the check runs under load (a suite sets under_load: true).
-    if link.gen_current < link.gen_max and ctx.typed_params(Params).under_load:
-        out.append(
-            ctx.result(
-                target,
-                "pcie_gen",
-                Status.FAIL,
-                f"PCIe Gen{link.gen_current} under load, Gen{link.gen_max} possible",
-                value=link.gen_current,
-                **evidence,
-            )
+    slow = link.gen_current < link.gen_max and ctx.typed_params(Params).under_load
+    out.append(
+        ctx.result(
+            target,
+            "pcie_gen",
+            Status.FAIL if slow else Status.PASS,
+            f"PCIe Gen{link.gen_current} under load, Gen{link.gen_max} possible"
+            if slow
+            else f"PCIe Gen{link.gen_current} (max Gen{link.gen_max}; an idle GPU "
+            "may run below max)",
+            value=link.gen_current,
+            **evidence,
         )
-    else:
-        out.append(
-            ctx.result(
-                target,
-                "pcie_gen",
-                Status.PASS,
-                f"PCIe Gen{link.gen_current} (max Gen{link.gen_max}; an idle GPU "
-                "may run below max)",
-                value=link.gen_current,
-                **evidence,
-            )
-        )
+    )
     if link.replay_count is not None:
         limit = ctx.sku.limit("pcie_replay_max") if ctx.sku else None
         over = limit is not None and link.replay_count > limit
