@@ -10,6 +10,7 @@ directory without the file uses the shipped one.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -72,3 +73,16 @@ def _read(path: Path, schema: dict[str, Any], what: str) -> dict[str, Any]:
     if st is not None:
         _READ[str(path)] = ((st.st_mtime_ns, st.st_size), loaded)
     return loaded
+
+
+def refuse_thresholds(check: str, raw: Mapping[str, Any], keys: Iterable[str], home: str) -> None:
+    """ValueError when a suite's ``params`` for ``check`` carry one of ``keys``: judging numbers
+    that moved to ``home`` (a suite says how to run, never how to judge). The suite's loader
+    turns it into exit 2 naming the suite, the check and the key; nothing runs."""
+    moved = sorted(set(raw) & set(keys))
+    if moved:
+        raise ValueError(
+            f"params of {check}: {', '.join(moved)} judge the check's figures and are read "
+            f"from {home} (an operator's graders_dir holds the keys it changes), never from a "
+            f"suite: move {'them' if len(moved) > 1 else 'it'} there"
+        )

@@ -7,10 +7,11 @@ filesystem supports O_DIRECT (tested by opening a file with it); elsewhere (tmpf
 kernels, some FUSE/overlay mounts) fio runs buffered and the evidence says so, since buffered
 figures measure memory as much as the disk. Paths default to a temporary directory.
 
-Params (suite): ``size`` (fio size, default ``64M``), ``runtime_s`` (per job, default 3),
-``ioengine`` (default ``libaio``), ``iodepth`` (default 16), minima ``read_bw_mbps_min``,
-``write_bw_mbps_min`` (MB/s = 10^6 B/s) and ``randread_iops_min``; a figure below its minimum
-fails. Results per path, target ``disk:<path>``: ``read_bw_mbps``, ``write_bw_mbps``,
+Params (suite, how to run): ``size`` (fio size, default ``64M``), ``runtime_s`` (per job,
+default 3), ``ioengine`` (default ``libaio``), ``iodepth`` (default 16). Minima (how to judge)
+are ``graders/storage.yaml``'s ``read_bw_mbps_min``, ``write_bw_mbps_min`` (MB/s = 10^6 B/s)
+and ``randread_iops_min`` (none shipped); a figure below its minimum fails. A suite that still
+carries a minimum is refused when it loads, naming the file. Results per path, target ``disk:<path>``: ``read_bw_mbps``, ``write_bw_mbps``,
 ``randread_iops``, computed from fio's ``bw_bytes`` and ``iops``.
 """
 
@@ -28,37 +29,45 @@ from typing import Any
 from node_agent import proc
 from node_agent.checking.context import CheckContext
 from node_agent.checking.params import Reader
+from node_agent.checking.thresholds import load_topic, refuse_thresholds
 from node_agent.model import Result, Status
 from node_agent.parsers import ParseError
 from node_agent.parsers.fio import FioJob, parse_fio_json
 
 FIO_MISSING = "fio not installed (Debian package `fio`: apt-get install fio)"
 
-#: metric -> (fio job, unit, param holding the minimum, words for the detail)
+#: metric -> (fio job, unit, the key of graders/storage.yaml holding its minimum, words)
 METRICS = {
     "write_bw_mbps": ("seqwrite", "MB/s", "write_bw_mbps_min", "sequential 1 MiB write"),
     "read_bw_mbps": ("seqread", "MB/s", "read_bw_mbps_min", "sequential 1 MiB read"),
     "randread_iops": ("randread", "IOPS", "randread_iops_min", "random 4 KiB read"),
 }
+#: the topic file of the minima (checking/thresholds.py), and its keys
+TOPIC = "storage"
+MINIMA = tuple(key for _, _, key, _ in METRICS.values())
+_MINIMUM = {"type": ["number", "null"], "minimum": 0}
+STORAGE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {key: _MINIMUM for key in MINIMA},
+}
 
 
 @dataclass(frozen=True)
 class Params:
-    """The check's parameters (a suite's ``params``), validated by :meth:`parse`; a ``*_min``
-    holds its figure to a minimum (``METRICS``)."""
+    """The check's parameters (a suite's ``params``: how fio runs), validated by :meth:`parse`;
+    the minima are ``graders/storage.yaml``'s (``METRICS``)."""
 
     size: str = "64M"  # fio's --size: bytes, or with a K/M/G suffix
     runtime_s: float = 3.0
     ioengine: str = "libaio"
     iodepth: int = 16
     fio_timeout_s: float | None = None  # None: three timed jobs, 3 * runtime_s + 60
-    write_bw_mbps_min: float | None = None
-    read_bw_mbps_min: float | None = None
-    randread_iops_min: float | None = None
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> Params:
-        """ValueError naming the key and what was expected."""
+        """ValueError naming the key and what was expected (for a minimum: its home)."""
+        refuse_thresholds("storage", raw, MINIMA, f"graders/{TOPIC}.yaml")
         r = Reader("storage", raw, cls)
         size = r.value("size")
         whole = isinstance(size, int) and not isinstance(size, bool) and size > 0
@@ -68,9 +77,6 @@ class Params:
             ioengine=r.string("ioengine"),
             iodepth=r.integer("iodepth", 1),
             fio_timeout_s=r.optional_number("fio_timeout_s", above=0),
-            write_bw_mbps_min=r.optional_number("write_bw_mbps_min", at_least=0),
-            read_bw_mbps_min=r.optional_number("read_bw_mbps_min", at_least=0),
-            randread_iops_min=r.optional_number("randread_iops_min", at_least=0),
         )
 
 
@@ -335,15 +341,16 @@ def _figure_results(
     direct: bool,
     evidence: dict[str, Any],
 ) -> list[Result]:
-    """One result per fio figure, held to its minimum param where one is set."""
+    """One result per fio figure, held to its minimum (graders/storage.yaml) where one is set."""
+    minima = load_topic(ctx.config, TOPIC, STORAGE_SCHEMA, "storage grading file")
     out = []
     for metric, (job, unit, min_key, words) in METRICS.items():
         value = values[metric]
-        minimum: float | None = getattr(ctx.typed_params(Params), min_key)
+        minimum: float | None = minima[min_key]
         low = minimum is not None and value < minimum
         detail = (
             f"{path}: {words} {value:.1f} {unit}"
-            + (f", below the minimum {minimum:g} {unit} ({min_key})" if low else "")
+            + (f", below the minimum {minimum:g} {unit} ({TOPIC}.yaml {min_key})" if low else "")
             + ("" if direct else " (buffered I/O)")
         )
         out.append(

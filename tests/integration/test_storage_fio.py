@@ -16,12 +16,16 @@ from node_agent.model import Status
 SMALL = {"size": "16M", "runtime_s": 1, "iodepth": 8}
 
 
-def make_ctx(paths: list[str], **params) -> CheckContext:
+def make_ctx(paths: list[str], graders: Path | None = None, **params) -> CheckContext:
+    """A context for ``paths``; ``graders``: an operator's graders directory (minima)."""
+    config = {"storage": {"paths": paths}}
+    if graders is not None:
+        config["graders_dir"] = str(graders)
     return CheckContext(
         check="storage",
         gpu=AbsentGpuBackend("no GPU on CI"),
         kernel_log=None,
-        config=config_from_dict({"storage": {"paths": paths}}),
+        config=config_from_dict(config),
         inventory=None,
         sku=None,
         expected_gpus=None,
@@ -49,12 +53,19 @@ def test_real_fio_reports_positive_bandwidth_and_iops_per_path(tmp_path):
     assert not list(Path(tmp_path).iterdir()), "the fio data file must be removed"
 
 
-def test_figure_below_minimum_fails(tmp_path):
-    results = storage.run(make_ctx([str(tmp_path)], read_bw_mbps_min=1e12))
+def test_figure_below_its_graders_minimum_fails(tmp_path):
+    graders = tmp_path / "graders"
+    graders.mkdir()
+    (graders / "storage.yaml").write_text("read_bw_mbps_min: 1.0e+12\n")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    results = storage.run(make_ctx([str(scratch)], graders=graders))
     by_metric = {r.metric: r for r in results}
     assert by_metric["read_bw_mbps"].status is Status.FAIL
     assert "below the minimum" in by_metric["read_bw_mbps"].detail
-    assert by_metric["write_bw_mbps"].status is Status.PASS
+    assert "storage.yaml read_bw_mbps_min" in by_metric["read_bw_mbps"].detail
+    assert by_metric["read_bw_mbps"].evidence["minimum"] == 1e12
+    assert by_metric["write_bw_mbps"].status is Status.PASS  # the shipped file sets none
 
 
 def test_fio_nonzero_exit_is_error_with_stderr_not_crash(tmp_path):
