@@ -4,13 +4,12 @@ probes' names itself. These tests hold that list to the probes module's own ``__
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import importlib.util
 
 import pytest
 
 needs_torch = pytest.mark.skipif(
-    subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode != 0,
+    importlib.util.find_spec("torch") is None,
     reason="torch is not installed: node_agent.sdc.probes cannot be imported",
 )
 

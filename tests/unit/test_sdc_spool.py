@@ -11,6 +11,7 @@ set with ``chown`` (root runs the tests).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -27,7 +28,7 @@ from node_agent.model import Status
 from node_agent.sdc import spool as sdc_lib
 
 needs_torch = pytest.mark.skipif(
-    subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode != 0,
+    importlib.util.find_spec("torch") is None,
     reason="torch is not installed: the agent's own SDC probe cannot run",
 )
 
