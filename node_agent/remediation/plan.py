@@ -571,22 +571,22 @@ def _restart_jobs(c: _Case) -> Plan:
     )
 
 
-def _note_repair(c: _Case) -> Plan:
+def _held_note(c: _Case, held: str, when: str) -> Plan:
+    """The note of a node held out of service: ``held`` (why, with its fault), and that only an
+    operator returns it, ``when`` the cause is gone."""
     r = c.record
     return Plan(
-        note=f"node is {r.state} ({r.fault_code} {r.target}); a passing "
-        "run does not return it: after the repair run `node-agent "
-        "set-healthy` and `node-agent act resume`"
+        note=f"{held} ({r.fault_code} {r.target}); a passing run does not return it: "
+        f"{when} run `node-agent set-healthy` and `node-agent act resume`"
     )
+
+
+def _note_repair(c: _Case) -> Plan:
+    return _held_note(c, f"node is {c.record.state}", "after the repair")
 
 
 def _note_needs_operator(c: _Case) -> Plan:
-    r = c.record
-    return Plan(
-        note=f"node needs an operator ({r.fault_code} {r.target}); a "
-        "passing run does not return it: once the cause is fixed run "
-        "`node-agent set-healthy` and `node-agent act resume`"
-    )
+    return _held_note(c, "node needs an operator", "once the cause is fixed")
 
 
 def _note_operator_drain(c: _Case) -> Plan:
