@@ -91,8 +91,9 @@ def line_stamp(prefix: str) -> Stamp | None:
 
 
 # -- the framing grammar: what a log puts in front of the kernel's message -----------------------
-_BUS = r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}"
-_BDF = _BUS + r"\.[0-7]"
+#: a PCI bus, domain:bus:device (``0000:3b:00``, NVML's ``00000000:3B:00``); BDF adds ``.fn``
+BUS = r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}"
+BDF = BUS + r"\.[0-7]"
 _ISO = (
     r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[,.]\d{1,9})?(?: ?(?:Z|[+-]\d\d:?\d\d|UTC|[A-Z]{3,5}))?"
 )
@@ -145,7 +146,7 @@ _P_5424 = re.compile(r"^(?P<host>\S{1,255}) (?P<app>\S{1,48}) \S{1,128} \S{1,32}
 _P_KERNEL = re.compile(r"^kernel: ")
 DRIVER_START = re.compile(r"^(?:NVRM: |nvidia-nvswitch\d+:? )")
 #: the kernel's device prefix, dev_printk's "<driver> <domain:bus:dev.fn>: "
-DEVICE_START = re.compile(rf"^(?P<drv>[A-Za-z0-9_.-]+) (?P<bdf>{_BDF}): ")
+DEVICE_START = re.compile(rf"^(?P<drv>[A-Za-z0-9_.-]+) (?P<bdf>{BDF}): ")
 #: kernel messages of the distress forms that look like a syslog "<host> <ident>: " after a dmesg
 #: time ("[ 5.1] nvme nvme0: ...", "[ 5.1] XFS (dm-0): ..."): the device's driver and name
 _DISTRESS_START = re.compile(
