@@ -45,6 +45,7 @@ callable run with each step once it is journaled ``started``, before the adapter
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import sys
 import time
@@ -729,26 +730,19 @@ class Remediator:
             return None
         old = self.store.node_record(self.node)
         state = NodeState(row.to_state)
+        record = NodeRecord(
+            node=self.node, state=state, since=now, cleared_at=old.cleared_at, detail=row.reason
+        )
         if state is NodeState.IN_SERVICE:
-            return NodeRecord(
-                node=self.node,
-                state=state,
-                since=now,
-                cleared_at=old.cleared_at,
-                detail=row.reason,
-            )
+            return record  # back in service: the episode's fault, target and restart are gone
         restart_kind = _RESTART_KIND_OF.get(StepAction(row.action))
-        return NodeRecord(
-            node=self.node,
-            state=state,
-            since=now,
+        return dataclasses.replace(
+            record,
             fault_code=row.fault_code,
             target=row.target,
             trigger=row.trigger,
             restart_kind=restart_kind or old.restart_kind,
             requested_at=now if restart_kind else old.requested_at,
-            cleared_at=old.cleared_at,
-            detail=row.reason,
         )
 
     def _record(
