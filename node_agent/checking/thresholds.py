@@ -81,8 +81,9 @@ def refuse_thresholds(check: str, raw: Mapping[str, Any], keys: Iterable[str], h
     turns it into exit 2 naming the suite, the check and the key; nothing runs."""
     moved = sorted(set(raw) & set(keys))
     if moved:
+        one = len(moved) == 1
         raise ValueError(
-            f"params of {check}: {', '.join(moved)} judge the check's figures and are read "
-            f"from {home} (an operator's graders_dir holds the keys it changes), never from a "
-            f"suite: move {'them' if len(moved) > 1 else 'it'} there"
+            f"params of {check}: {', '.join(moved)} {'judges' if one else 'judge'} the check's "
+            f"figures and {'is' if one else 'are'} read from {home} (an operator's graders_dir "
+            f"holds the keys it changes), never from a suite: move {'it' if one else 'them'} there"
         )
