@@ -134,13 +134,18 @@ class DriverLine:
 
 Event = XidLine | SxidLine
 
+#: a PCI bus with or without its function (``0000:3b:00``, ``00000000:3B:00.0``)
+_BUS_FN = rf"{BUS}(?:\.[0-7])?"
+#: "NVRM: " and the GPU a driver message is about, by the RM's number or by bus, if it names one
+_NVRM_GPU = rf"^NVRM: (?:GPU(?P<n>\d{{1,3}}) |GPU (?P<bdf>{_BUS_FN}): )?"
+
 _XID = re.compile(r"^NVRM: Xid \((?P<inner>[^()\n]*)\)(?P<after>.*)$")
 _SXID = re.compile(r"^nvidia-nvswitch(?P<sw>\d+):?\s*SXid \((?P<inner>[^()\n]*)\)(?P<after>.*)$")
 _XID_ADDRESS = re.compile(
     rf"^(?:PCI:)?(?P<bus>{BUS})(?:\.[0-7])?"
     r"(?:\s+GPU-I:(?P<gi>\d{1,3}))?(?:\s+GPU-CI:(?P<ci>\d{1,3}))?\s*$"
 )
-_SXID_ADDRESS = re.compile(rf"^(?:PCI:)?(?P<bus>{BUS}(?:\.[0-7])?)\s*$")
+_SXID_ADDRESS = re.compile(rf"^(?:PCI:)?(?P<bus>{_BUS_FN})\s*$")
 _CODE = re.compile(r"^:\s*(?P<code>\d{1,6})(?=$|[,\s])(?:,\s*(?P<rest>.*))?$")
 _PID = re.compile(r"^pid=(?P<pid>[^,]*),\s*")
 _NAME = re.compile(r"^name=(?P<name>[^,]*),\s*")
@@ -156,8 +161,8 @@ _CAUSED_BY = re.compile(r"caused by previous Xid (?P<code>\d{1,4})")
 _SXID_HEADLINE = re.compile(
     r"^(?P<sev>Non-?fatal|Fatal)\s*,\s*(?:Link\s+(?P<link>\d+)\s*)?(?P<name>.*)$"
 )
-_THE_GPU = re.compile(rf"^NVRM: The NVIDIA GPU (?P<bdf>{BUS}(?:\.[0-7])?)")
-_GPU_FALLEN = re.compile(rf"^NVRM: GPU (?P<bdf>{BUS}(?:\.[0-7])?): GPU has fallen off the bus")
+_THE_GPU = re.compile(rf"^NVRM: The NVIDIA GPU (?P<bdf>{_BUS_FN})")
+_GPU_FALLEN = re.compile(rf"^NVRM: GPU (?P<bdf>{_BUS_FN}): GPU has fallen off the bus")
 _PCI_ID = re.compile(r"PCI ID: (?P<id>[0-9A-Fa-f]{4}:[0-9A-Fa-f]{4})")
 
 #: the driver's assertion forms (src/nvidia/src/libraries/utils/nvassert.c: NV_ASSERT_OK and
@@ -166,8 +171,7 @@ _PCI_ID = re.compile(r"PCI ID: (?P<id>[0-9A-Fa-f]{4}:[0-9A-Fa-f]{4})")
 #: src/common/sdk/nvidia/inc/nvstatuscodes.h), under "NVRM: " and the GPU's number or bus id.
 #: Read only whole and anchored: the name, its text and its code must agree.
 _ASSERTION = re.compile(
-    rf"^NVRM: (?:GPU(?P<n>\d{{1,3}}) |GPU (?P<bdf>{BUS}(?:\.[0-7])?): )?"
-    r"(?:nv(?:Assert|Check)(?:Ok)?Failed(?:NoLog)?: )?(?:Assertion|Check) failed: "
+    _NVRM_GPU + r"(?:nv(?:Assert|Check)(?:Ok)?Failed(?:NoLog)?: )?(?:Assertion|Check) failed: "
     r"(?P<text>[A-Za-z ]{1,40}) \[(?P<name>NV_ERR_[A-Z_]{1,40})\]"
     r"(?: \(0x(?P<hex>[0-9A-Fa-f]{8})\)(?: returned from \S.*)?)?$"
 )
@@ -181,13 +185,12 @@ _ASSERTED = {
 #: up by a workload, each followed by "Assertion failed: Out of memory [NV_ERR_NO_MEMORY]" and in
 #: the field by an RC watchdog "GPU is probably locked"). The line names no GPU.
 _VA_SPACE = re.compile(
-    rf"^NVRM: (?:GPU(?P<n>\d{{1,3}}) |GPU (?P<bdf>{BUS}(?:\.[0-7])?): )?"
-    r"dmaAllocMapping_[A-Z0-9]{2,8}: can't alloc VA space for mapping\.?$"
+    _NVRM_GPU + r"dmaAllocMapping_[A-Z0-9]{2,8}: can't alloc VA space for mapping\.?$"
 )
 #: osinit.c, RmInitAdapter: NV_DEV_PRINTF(..., "RmInitAdapter failed! (0x%x:0x%x:%d)") under
 #: "NVRM: GPU <domain:bus:dev.fn>: " (init status, RM status, source line)
 _INIT_FAILED = re.compile(
-    rf"^NVRM: (?:GPU (?P<bdf>{BUS}(?:\.[0-7])?): )?RmInitAdapter failed! "
+    rf"^NVRM: (?:GPU (?P<bdf>{_BUS_FN}): )?RmInitAdapter failed! "
     r"\(0x(?P<hex>[0-9A-Fa-f]{1,8}):0x[0-9A-Fa-f]{1,8}:\d{1,6}\)$"
 )
 _AER_ERROR = re.compile(
