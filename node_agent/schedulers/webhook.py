@@ -74,7 +74,7 @@ from node_agent.schedulers.base import (
 )
 
 if TYPE_CHECKING:
-    from node_agent.config import Config
+    from node_agent.config import Config, WebhookConfig
 
 SIGNATURE_HEADER = "X-Node-Agent-Signature"
 TIMESTAMP_HEADER = "X-Node-Agent-Timestamp"
@@ -125,38 +125,34 @@ class WebhookAdapter(ActionByName):
 
     def __init__(
         self,
-        url: str,
+        web: WebhookConfig,
         secret: bytes,
-        timeout_s: float = 5,
-        retries: int = 3,
+        *,
         backoff_s: float = 1.0,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], str] = utc_iso,
         session: Any = None,
-        *,
-        deadline_s: float = 30.0,
-        ca_file: str | None = None,
-        client_cert: str | None = None,
-        client_key: str | None = None,
         unix_time: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``web``: the ``adapter.webhook`` section (its url, timeout, retries, deadline and TLS
+        files), ``secret``: the HMAC key read from its ``secret_file`` (:meth:`from_config`)."""
         import requests
 
-        self.url = check_url(url)
+        self.url = check_url(web.url or "")
+        self.web = web
         self._secret = secret
-        self.timeout_s = float(timeout_s)
-        self.deadline_s = float(deadline_s)
-        self.retries = int(retries)
         self.backoff_s = backoff_s
         self._sleep = sleep
         self._clock = clock
         self._unix_time = unix_time
         self._monotonic = monotonic
         self._session = session or requests.Session()
-        self._verify: bool | str = ca_file or True
+        self._verify: bool | str = web.ca_file or True
         self._cert: tuple[str, str] | str | None = (
-            (client_cert, client_key) if client_cert and client_key else client_cert or None
+            (web.client_cert, web.client_key)
+            if web.client_cert and web.client_key
+            else web.client_cert or None
         )
 
     @classmethod
@@ -190,16 +186,7 @@ class WebhookAdapter(ActionByName):
             raise AdapterError(f"{w}client_key is set without {w}client_cert")
         if not url.startswith("https://") and (web.ca_file or web.client_cert):
             raise AdapterError(f"{w}ca_file/client_cert apply to an https:// url only")
-        return cls(
-            url,
-            secret,
-            timeout_s=web.timeout_s,
-            retries=web.retries,
-            deadline_s=web.deadline_s,
-            ca_file=web.ca_file,
-            client_cert=web.client_cert,
-            client_key=web.client_key,
-        )
+        return cls(web, secret)
 
     def _send(self, body: bytes, headers: dict[str, str], timeout_s: float) -> Any:
         """One POST, abandoned at ``timeout_s`` whatever the receiver does (a slow drip of
@@ -244,15 +231,15 @@ class WebhookAdapter(ActionByName):
             extra.update(job=bare, uid=uid)
         start = self._monotonic()
         last = "no attempt made"
-        attempts = self.retries + 1
+        attempts = self.web.retries + 1
         made = 0
         for attempt in range(attempts):
             if attempt:
                 pause = self.backoff_s * 2 ** (attempt - 1)
-                if self._monotonic() - start + pause >= self.deadline_s:
+                if self._monotonic() - start + pause >= self.web.deadline_s:
                     break
                 self._sleep(pause)
-            left = self.deadline_s - (self._monotonic() - start)
+            left = self.web.deadline_s - (self._monotonic() - start)
             if left <= 0:
                 break
             timestamp = int(self._unix_time())
@@ -277,7 +264,7 @@ class WebhookAdapter(ActionByName):
             }
             made += 1
             try:
-                status, answer = self._send(body, headers, min(self.timeout_s, left))
+                status, answer = self._send(body, headers, min(self.web.timeout_s, left))
             except (requests.RequestException, TimeoutError, OSError) as err:
                 last = f"{type(err).__name__}: {err}"
                 continue
@@ -292,7 +279,7 @@ class WebhookAdapter(ActionByName):
                 raise AdapterError(f"webhook {self.url} refused {what}: {last}")
         raise AdapterError(
             f"webhook {self.url}: {what} failed after {made} attempt(s) within "
-            f"the {self.deadline_s:g} s deadline (adapter.webhook.deadline_s); "
+            f"the {self.web.deadline_s:g} s deadline (adapter.webhook.deadline_s); "
             f"last: {last}; check the receiver and adapter.webhook.url"
         )
 

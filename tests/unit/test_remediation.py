@@ -1267,6 +1267,7 @@ def test_log_adapter_records_a_job_restart_and_refuses_a_hostile_job(tmp_path):
 
 
 def test_every_adapter_and_the_fake_implement_restart_job_of_the_protocol(tmp_path):
+    from node_agent.config import WebhookConfig
     from node_agent.schedulers import SchedulerAdapter
     from node_agent.schedulers.log import LogAdapter
     from node_agent.schedulers.slurm import SlurmAdapter
@@ -1276,7 +1277,7 @@ def test_every_adapter_and_the_fake_implement_restart_job_of_the_protocol(tmp_pa
         FakeAdapter(),
         LogAdapter(tmp_path / "a.log"),
         SlurmAdapter(),
-        WebhookAdapter("http://127.0.0.1:9/x", b"s"),
+        WebhookAdapter(WebhookConfig(url="http://127.0.0.1:9/x"), b"s"),
     ]
     for adapter in adapters:
         assert isinstance(adapter, SchedulerAdapter), type(adapter).__name__
