@@ -361,3 +361,23 @@ def test_a_sku_file_still_setting_a_thermal_limit_is_an_error_naming_its_new_hom
     assert result.status is Status.ERROR
     assert "limits.power_reached_fraction_min" in result.detail
     assert "graders/thermal_power.yaml" in result.detail
+
+
+# -- the table a check author reads ----------------------------------------------------------------
+
+
+def checks_missing_from_the_table(doc: str, checks: list[str]) -> list[str]:
+    """The checks that no row of docs/thresholds.md's per-check table names (as `name`)."""
+    table = doc.split("## Each check's thresholds", 1)[-1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
+    return [c for c in checks if not any(f"`{c}`" in row for row in rows)]
+
+
+def test_docs_thresholds_table_names_every_registered_check():
+    doc = (REPO / "docs" / "thresholds.md").read_text()
+    assert checks_missing_from_the_table(doc, sorted(REGISTRY)) == []
+
+
+def test_a_check_left_out_of_the_docs_table_is_found():
+    doc = (REPO / "docs" / "thresholds.md").read_text().replace("| `rdma` |", "| rdma |")
+    assert checks_missing_from_the_table(doc, sorted(REGISTRY)) == ["rdma"]
