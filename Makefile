@@ -18,7 +18,7 @@ WHEELS  ?= .whl
 GPU_HOST_PACKAGES ?=
 GPU_HOST_PYTHON ?=
 
-.PHONY: accept check demo test test-gpu lint clean venv deps-test deps-demo nvml-fake \
+.PHONY: accept check demo test test-gpu lint lint-style clean venv deps-test deps-demo nvml-fake \
 	gpu-wheels gpu-validate image
 
 # The default install runs everything the README documents (the daemon, its metrics, the
@@ -68,10 +68,13 @@ demo: deps-demo
 		     "(exit 4)" >&2; exit 1; \
 	fi
 
+# The system packages (apt) and the Python ones (pip) download at once: neither needs the other.
 $(VENV)/.test-deps: $(BIN)/node-agent scripts/install-test-system-deps
-	scripts/install-test-system-deps
-	$(BIN)/pip install --quiet "$(TORCH_TEST_SPEC)"
-	$(BIN)/pip install --quiet -e '.[dev,k8s]'
+	scripts/install-test-system-deps & apt=$$!; \
+	$(BIN)/pip install --quiet "$(TORCH_TEST_SPEC)" -e '.[dev,k8s]'; pip=$$?; \
+	wait $$apt; apt=$$?; \
+	if [ $$apt -ne 0 ]; then echo "make: scripts/install-test-system-deps failed" >&2; exit $$apt; fi; \
+	exit $$pip
 	touch $@
 
 deps-test: $(VENV)/.test-deps
@@ -80,23 +83,32 @@ deps-test: $(VENV)/.test-deps
 nvml-fake: venv
 	PYTHON="$(abspath $(BIN)/python)" scripts/build-nvml-fake
 
-# The claims the code makes are checked first (lint: ruff, the format, mypy), then the tests,
-# every one of them, on TEST_WORKERS pytest-xdist workers (one per core of a 2-core CI machine:
-# on four, timing tests of the daemon, the hang sampler and gloo's time limit failed under
-# their load). --dist loadgroup keeps the tests of one xdist_group on one
-# worker (the Slurm test cluster, a module's shared run; pyproject.toml). TEST_WORKERS=0: one
-# process, as plain `pytest` runs.
+# The claims the code makes are checked (lint: ruff and the format first, mypy beside the tests,
+# its output after theirs), and the tests, every one of them, on TEST_WORKERS pytest-xdist
+# workers (one per core of a 2-core CI machine: on four, timing tests of the daemon, the hang
+# sampler and gloo's time limit failed under their load). mypy reads about 3,000 modules (torch's
+# and the Kubernetes client's types too): a minute of one core, spent while the workers start
+# and wait on their children. --dist loadgroup keeps the tests of one xdist_group on one worker
+# (the Slurm test cluster, a module's shared run; pyproject.toml). TEST_WORKERS=0: one process,
+# as plain `pytest` runs. make test fails when either fails.
 TEST_WORKERS ?= 2
-test: lint nvml-fake
-	$(BIN)/python -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
+test: lint-style nvml-fake
+	@$(BIN)/mypy > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
+	echo "$(BIN)/python -m pytest -q -m \"not gpu\" -n $(TEST_WORKERS) --dist loadgroup $(ARGS)"; \
+	$(BIN)/python -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadgroup $(ARGS); tests=$$?; \
+	wait $$mypy; typed=$$?; echo "$(BIN)/mypy"; cat $(VENV)/mypy.log; \
+	if [ $$typed -ne 0 ]; then echo "make test: mypy found the type errors above" >&2; exit $$typed; fi; \
+	exit $$tests
 
 test-gpu: deps-test nvml-fake
 	$(BIN)/python -m pytest -q -m gpu $(ARGS)
 
-lint: deps-test
+lint: lint-style
+	$(BIN)/mypy
+
+lint-style: deps-test
 	$(BIN)/ruff check --no-cache .
 	$(BIN)/ruff format --check --no-cache .
-	$(BIN)/mypy
 
 # The wheels for a GPU host that reaches no package index, downloaded here.
 gpu-wheels: venv
