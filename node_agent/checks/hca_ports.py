@@ -8,8 +8,8 @@ the ``rdma`` check names them; device and port in the evidence):
 
 * ``link_state`` — fail unless ``ACTIVE`` (``/sys/class/infiniband/<dev>/ports/<n>/state``).
 * ``port_rate_gbps`` — the signalling rate (``rate``: ``400 Gb/sec (4X NDR)``) against the
-  node's expectation: the SKU's ``ports`` of at least ``min_rate_gbps`` (``graders/hca.yaml``,
-  from NVIDIA's DGX user guides, as gpud holds them), or where the SKU says nothing, the rate
+  node's expectation: the SKU's ``ports`` of at least ``min_rate_gbps`` (the SKU file's ``hca``
+  section, from NVIDIA's DGX user guides, as gpud holds them), or where the SKU says nothing, the rate
   most ACTIVE ports of the same link layer run at. ``port_count`` (target ``node``) fails when
   fewer ports are ACTIVE at that rate than the ``ports`` param declares; the SKU's count is its
   reference build (a DGX's 8), evidence only: the NICs belong to the server.
@@ -57,7 +57,7 @@ from node_agent.host import infiniband
 from node_agent.kernel_log import LogRecord
 from node_agent.kernel_log.mlx5_lines import Mlx5Line, parse_mlx5_line
 from node_agent.model import Result, Status
-from node_agent.yamlfile import load_yaml
+from node_agent.yamlfile import ConfigError, load_yaml, validate
 
 SYSFS_ROOT = infiniband.SYSFS_ROOT
 STATE_FILE = "hca_ports.json"
@@ -72,18 +72,6 @@ HCA_SCHEMA: dict[str, Any] = {
     "additionalProperties": False,
     "required": ["flaps", "min_window_h", "counters"],
     "properties": {
-        "skus": {
-            "type": "object",
-            "additionalProperties": {
-                "type": "object",
-                "additionalProperties": False,
-                "required": ["ports", "min_rate_gbps"],
-                "properties": {
-                    "ports": {"type": "integer", "minimum": 1},
-                    "min_rate_gbps": {"type": "number", "exclusiveMinimum": 0},
-                },
-            },
-        },
         "flaps": {
             "type": "object",
             "additionalProperties": False,
@@ -135,7 +123,6 @@ class CounterRule:
 class HcaGrading:
     """``graders/hca.yaml``."""
 
-    skus: dict[str, dict[str, Any]]
     flap_count: int
     flap_window_s: float
     min_window_s: float
@@ -143,10 +130,18 @@ class HcaGrading:
 
 
 def load_grading(path: Path) -> HcaGrading:
-    """Read and validate ``hca.yaml``; ConfigError on any problem."""
-    data = load_yaml(path, HCA_SCHEMA, what="HCA grading file")
+    """Read and validate ``hca.yaml``; ConfigError on any problem (an older file's ``skus``
+    table included: its numbers are the SKU files' now, and a file that still has it must not
+    be read as if they counted)."""
+    data = load_yaml(path, what="HCA grading file")
+    if isinstance(data, dict) and "skus" in data:
+        raise ConfigError(
+            f"{path}: the HCA grading file's `skus` table moved to the SKU files: give each "
+            "graders/skus/<sku>.yaml an `hca: {ports, min_rate_gbps}` section with that SKU's "
+            "entry, and delete `skus` from this file"
+        )
+    validate(data, HCA_SCHEMA, str(path))
     return HcaGrading(
-        skus=dict(data.get("skus") or {}),
         flap_count=data["flaps"]["count"],
         flap_window_s=float(data["flaps"]["window_h"]) * 3600,
         min_window_s=float(data["min_window_h"]) * 3600,
@@ -224,9 +219,9 @@ class Params:
         )
 
 
-def expectation(ctx: CheckContext, table: HcaGrading) -> Expectation:
+def expectation(ctx: CheckContext) -> Expectation:
     """The suite's ``ports``/``min_rate_gbps`` params, else the SKU's ``hca`` section, else
-    ``graders/hca.yaml``'s entry for the SKU, else nothing declared."""
+    nothing declared."""
     p = ctx.typed_params(Params)
     if p.ports is not None or p.min_rate_gbps is not None:
         return Expectation(
@@ -234,7 +229,7 @@ def expectation(ctx: CheckContext, table: HcaGrading) -> Expectation:
         )
     if ctx.sku is None:
         return Expectation(None, None, "no SKU")
-    entry = ctx.sku.section("hca") or table.skus.get(ctx.sku.id)
+    entry = ctx.sku.section("hca")
     if not entry:
         return Expectation(None, None, f"SKU {ctx.sku.id} declares no HCA ports")
     return Expectation(int(entry["ports"]), float(entry["min_rate_gbps"]), f"SKU {ctx.sku.id}")
@@ -349,7 +344,7 @@ def check(
         for r in readings
         if r not in watched
     ]
-    results += link_results(ctx, watched, expectation(ctx, table))
+    results += link_results(ctx, watched, expectation(ctx))
     state = load_state(ctx)
     kept = state.get("ports") or {}
     # a port no longer in sysfs keeps only when it went missing; one that comes back starts a

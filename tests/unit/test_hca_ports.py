@@ -24,6 +24,7 @@ from node_agent.gpu.absent import AbsentGpuBackend
 from node_agent.hardware.sku import load_sku
 from node_agent.kernel_log import LinesKernelLog, UnavailableKernelLog
 from node_agent.model import Status
+from node_agent.yamlfile import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 HOUR = 3600.0
@@ -513,16 +514,40 @@ def test_an_unreadable_kernel_log_skips_only_the_kernel_lines(tree, tmp_path):
     assert by(results, "hca:mlx5_0", "link_state").status is Status.PASS
 
 
-def test_shipped_hca_grading_file_loads_and_names_known_skus():
+def test_shipped_hca_grading_file_loads():
     table = hca_ports.load_grading(REPO / "graders" / "hca.yaml")
-    skus = {p.stem for p in (REPO / "graders" / "skus").glob("*.yaml")}
-    assert set(table.skus) <= skus
     assert table.flap_count == 3 and table.flap_window_s == 12 * HOUR
     assert {c.name for c in table.counters} >= {
         "symbol_error",
         "port_rcv_errors",
         "excessive_buffer_overrun_errors",
     }
+
+
+def test_an_old_hca_file_with_a_skus_table_is_a_config_error_naming_the_sku_files(tmp_path):
+    """The per-SKU ports moved to the SKU files' ``hca`` sections: an operator's older file
+    that still has them fails saying where they go, never read as if they counted."""
+    old = (REPO / "graders" / "hca.yaml").read_text()
+    path = tmp_path / "hca.yaml"
+    path.write_text(old + "skus:\n  h100-sxm5-80gb: {ports: 8, min_rate_gbps: 400}\n")
+    with pytest.raises(ConfigError) as err:
+        hca_ports.load_grading(path)
+    assert "`skus` table moved to the SKU files" in str(err.value)
+    assert "hca: {ports, min_rate_gbps}" in str(err.value)
+
+
+def test_an_old_hca_file_in_graders_dir_stops_the_check_instead_of_passing(tree, tmp_path):
+    eight_ports(tree)
+    graders = tmp_path / "graders"
+    graders.mkdir()
+    old = (REPO / "graders" / "hca.yaml").read_text()
+    (graders / "hca.yaml").write_text(
+        old + "skus: {h100-sxm5-80gb: {ports: 8, min_rate_gbps: 400}}\n"
+    )
+    ctx = make_ctx(tree, tmp_path / "state")
+    ctx.config = config_from_dict({"graders_dir": str(graders)})
+    with pytest.raises(ConfigError, match="skus"):
+        run(ctx, T0)
 
 
 def test_a_bad_since_param_is_refused_saying_what_is_expected():
