@@ -6,9 +6,10 @@ reads GCP, AWS IMDSv2 and Azure Scheduled Events on the link-local address, or a
 command for any other cloud). One result, ``maintenance_event`` (``node``):
 
 * ``pass`` — nothing announced;
-* ``warn`` — an event announced further ahead than ``lead_time_s``: its kind and start time, so
+* ``warn`` — an event announced further ahead than the lead time (``lead_time_s`` of
+  ``graders/cloud.yaml``, its one home: 30 min shipped): its kind and start time, so
   the operator sees it coming (graded WARN: never a drain);
-* ``fail`` — an event inside ``lead_time_s`` (default 30 min), begun, or announced with no start
+* ``fail`` — an event inside the lead time, begun, or announced with no start
   time (GCP's ``maintenance-event`` is set about 60 min ahead for GPU VMs): graded ERROR with
   ``remedy: planned`` (graders/rules.yaml), which drains the node with no restart and no
   replacement; the result carries the event (``Result.planned``) for the drain reason, and the
@@ -18,12 +19,13 @@ command for any other cloud). One result, ``maintenance_event`` (``node``):
 * ``error`` — the service answered something other than its documented API (never a pass).
 
 Params (:class:`Params`, validated): ``provider`` (``auto``: from DMI; ``gcp``, ``aws``,
-``azure``, ``command``, ``none``), ``lead_time_s`` (1800), ``timeout_s`` (2), ``command`` (argv
+``azure``, ``command``, ``none``), ``timeout_s`` (2), ``command`` (argv
 of a program printing ``{"events": [...]}``, for ``provider: command``), ``wait_s`` (GCP only:
 ``wait_for_change`` for up to this long, for a daemon suite that watches; 0: a plain read),
 ``acknowledge`` (Azure only: acknowledge the event once the agent drained the node, so the
 platform starts it at once), ``dmi_root`` and ``metadata_url`` (for tests only: a tree of their
-own, and a metadata stand-in on a loopback address; the link-local address otherwise).
+own, and a metadata stand-in on a loopback address; the link-local address otherwise). A
+suite that still carries ``lead_time_s`` is refused when it loads, naming graders/cloud.yaml.
 """
 
 from __future__ import annotations
@@ -38,13 +40,18 @@ from urllib.parse import urlsplit
 from node_agent import atomic_file
 from node_agent.checking.context import CheckContext
 from node_agent.checking.params import Reader
+from node_agent.checking.thresholds import load_topic, refuse_thresholds
 from node_agent.host import cloud_metadata as cm
 from node_agent.model import PlannedEvent, Result, Status
 
-#: how long before an announced event the node is drained: long enough for the scheduler to
-#: stop placing jobs and for short jobs to finish (NVSentinel's csp-health-monitor quarantines
-#: on the announcement; GCP gives GPU VMs about 60 min notice)
-LEAD_TIME_S = 1800.0
+#: the topic file of the lead time (checking/thresholds.py): how long before an announced event
+#: the node is drained, with its source
+TOPIC = "cloud"
+CLOUD_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {"lead_time_s": {"type": "number", "minimum": 0}},
+}
 #: one request to the link-local service: it answers in milliseconds on a cloud instance
 TIMEOUT_S = 2.0
 
@@ -54,7 +61,6 @@ class Params:
     """The check's parameters (a suite's ``params``), validated by :meth:`parse`."""
 
     provider: str = "auto"
-    lead_time_s: float = LEAD_TIME_S
     timeout_s: float = TIMEOUT_S
     command: tuple[str, ...] = ()
     wait_s: float = 0.0
@@ -64,7 +70,8 @@ class Params:
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> Params:
-        """ValueError naming the key and what was expected."""
+        """ValueError naming the key and what was expected (for the lead time: its home)."""
+        refuse_thresholds("cloud_maintenance", raw, ("lead_time_s",), f"graders/{TOPIC}.yaml")
         r = Reader("cloud_maintenance", raw, cls)
         provider = r.choice("provider", ("auto", "none", *cm.PROVIDERS))
         command = r.strings("command")
@@ -74,7 +81,6 @@ class Params:
         _check_url(url, "params of cloud_maintenance")
         return cls(
             provider=provider,
-            lead_time_s=r.number("lead_time_s", at_least=0),
             timeout_s=r.positive("timeout_s"),
             command=command,
             wait_s=r.number("wait_s", at_least=0),
@@ -183,11 +189,14 @@ def judge(
 ) -> Result:
     """The one result for the events read: pass, warn (ahead), or fail (inside the lead time)."""
     now = ctx.ports.clock()
+    lead_time_s = float(
+        load_topic(ctx.config, TOPIC, CLOUD_SCHEMA, "cloud grading file")["lead_time_s"]
+    )
     current = [e for e in events if e.ends_at is None or e.ends_at > now]
     evidence = {
         "provider": provider,
         "events": [e.to_dict() for e in events],
-        "lead_time_s": params.lead_time_s,
+        "lead_time_s": lead_time_s,
         **notes,
     }
     if not current:
@@ -213,7 +222,7 @@ def judge(
     )
     ends = f", until {planned.ends_at}" if planned.ends_at else ""
     more = f" (and {len(current) - 1} more)" if len(current) > 1 else ""
-    if lead is None or lead <= params.lead_time_s:
+    if lead is None or lead <= lead_time_s:
         when = (
             f"starting at {planned.starts_at}, in {lead / 60:.0f} min"
             if lead is not None and lead > 0
@@ -223,7 +232,7 @@ def judge(
             Status.FAIL,
             (
                 f"{provider} maintenance {event.kind} {when}{ends}{more}: inside the "
-                f"{params.lead_time_s / 60:g} min lead time; drain the node (no restart, no "
+                f"{lead_time_s / 60:g} min lead time; drain the node (no restart, no "
                 "replacement) and resume it after the event"
             ),
         )
@@ -232,7 +241,7 @@ def judge(
             Status.WARN,
             (
                 f"{provider} maintenance {event.kind} announced, starting at {planned.starts_at} "
-                f"(in {lead / 3600:.1f} h){ends}{more}; drained {params.lead_time_s / 60:g} min ahead"
+                f"(in {lead / 3600:.1f} h){ends}{more}; drained {lead_time_s / 60:g} min ahead"
             ),
         )
     result = ctx.result(

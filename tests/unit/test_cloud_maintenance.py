@@ -54,14 +54,17 @@ def rfc1123(minutes: float) -> str:
     return at(minutes).strftime("%a, %d %b %Y %H:%M:%S GMT")
 
 
-def make_ctx(tmp_path: Path, ctx_timeout_s: float = 10.0, **params) -> CheckContext:
+def make_ctx(
+    tmp_path: Path, ctx_timeout_s: float = 10.0, graders: Path | None = None, **params
+) -> CheckContext:
+    """``graders``: an operator's graders directory (its cloud.yaml holds the lead time)."""
     state = tmp_path / "state"
     state.mkdir(exist_ok=True)
     return CheckContext(
         check="cloud_maintenance",
         gpu=AbsentGpuBackend("no GPU"),
         kernel_log=None,  # type: ignore[arg-type]
-        config=config_from_dict({}),
+        config=config_from_dict({} if graders is None else {"graders_dir": str(graders)}),
         inventory=Inventory(host=HostInfo(hostname="h", kernel="6.8"), gpus=[], sku=None),
         sku=None,
         expected_gpus=None,
@@ -79,9 +82,9 @@ def standin():
         yield server
 
 
-def check(tmp_path, standin, provider, **params):
+def check(tmp_path, standin, provider, graders=None, **params):
     (result,) = cloud_maintenance.run(
-        make_ctx(tmp_path, provider=provider, metadata_url=standin.url, **params)
+        make_ctx(tmp_path, graders=graders, provider=provider, metadata_url=standin.url, **params)
     )
     return result
 
@@ -205,10 +208,22 @@ def test_a_maintenance_inside_the_lead_time_is_an_error_with_the_planned_remedy(
     assert graded.reasons[0].planned == result.planned
 
 
-def test_the_lead_time_is_a_param(tmp_path, standin):
+def test_the_lead_time_is_graders_cloud_yamls(tmp_path, standin):
     announce(standin, "aws", minutes=90)
-    assert check(tmp_path, standin, "aws").status is Status.WARN
-    assert check(tmp_path, standin, "aws", lead_time_s=2 * 3600).status is Status.FAIL
+    assert check(tmp_path, standin, "aws").status is Status.WARN  # the shipped 30 min
+    graders = tmp_path / "graders"
+    graders.mkdir()
+    (graders / "cloud.yaml").write_text("lead_time_s: 7200\n")
+    result = check(tmp_path, standin, "aws", graders=graders)
+    assert result.status is Status.FAIL
+    assert "inside the 120 min lead time" in result.detail
+    assert result.evidence["lead_time_s"] == 7200
+
+
+def test_a_suite_carrying_the_lead_time_is_refused_naming_graders_cloud_yaml():
+    with pytest.raises(ValueError, match="lead_time_s judges") as err:
+        cloud_maintenance.Params.parse({"lead_time_s": 3600})
+    assert "graders/cloud.yaml" in str(err.value)
 
 
 def test_gcp_maintenance_event_without_a_window_is_imminent(tmp_path, standin):
@@ -314,7 +329,7 @@ def test_a_node_without_a_metadata_service_skips(tmp_path):
     ("params", "words"),
     [
         ({"provider": "oci"}, "provider 'oci'"),
-        ({"lead_time_s": "30m"}, "lead_time_s '30m': expected a finite number"),
+        ({"timeout_s": "2s"}, "timeout_s '2s': expected a finite number"),
         ({"metadata_url": "http://metadata.example.com"}, "169.254.169.254 only"),
         ({"metadata_url": "https://127.0.0.1:1"}, "169.254.169.254 only"),
         ({"provider": "command"}, "needs command"),
@@ -364,4 +379,4 @@ def test_the_shipped_suites_run_the_check_with_valid_params():
         data = yaml.safe_load((resources.shipped_suites_dir() / f"{name}.yaml").read_text())
         (spec,) = [c for c in data["checks"] if c["check"] == "cloud_maintenance"]
         params = cloud_maintenance.Params.parse(spec.get("params") or {})
-        assert params.lead_time_s == 1800 and params.metadata_url == cm.LINK_LOCAL
+        assert params.metadata_url == cm.LINK_LOCAL

@@ -30,7 +30,7 @@ from node_agent.checking.context import CheckContext
 from node_agent.checking.host_checks import HOST_SCHEMA
 from node_agent.checking.registry import REGISTRY
 from node_agent.checking.siblings import PERFORMANCE_SCHEMA, load_thresholds
-from node_agent.checks import storage, thermal_power
+from node_agent.checks import cloud_maintenance, storage, thermal_power
 from node_agent.commands.main import main
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
@@ -73,7 +73,6 @@ NAMED = frozenset().union(*NAMED_JUDGING.values())
 #: that no longer takes the key fails this test until its line goes.
 PARAMS_STILL_JUDGING: dict[str, frozenset[str]] = {
     "training_progress": NAMED_JUDGING["training_progress"],
-    "cloud_maintenance": NAMED_JUDGING["cloud_maintenance"],
     "hca_ports": NAMED_JUDGING["hca_ports"],
     "kernel_distress": NAMED_JUDGING["kernel_distress"],
 }
@@ -287,6 +286,7 @@ def test_a_planted_code_default_for_a_sku_limit_is_found(tmp_path):
 
 #: topic file -> its schema: code reads each key without a default, so the shipped file holds all
 TOPIC_SCHEMAS = {
+    "cloud": cloud_maintenance.CLOUD_SCHEMA,
     "host": HOST_SCHEMA,
     "performance": PERFORMANCE_SCHEMA,
     "storage": storage.STORAGE_SCHEMA,
