@@ -38,10 +38,12 @@ kernel's facility whose message *starts* with the form; the task and process nam
 quotes are their users' to choose, kept as names and never believed as anything else.
 
 ``since: boot`` (default) reads all the kernel still holds; ``since: last_run`` keeps a cursor in
-the state directory (``kernel_distress_cursor.json``). Parameters: ``nvme_repeat``,
-``mce_corrected_warn``, ``pstore_root`` (default ``/sys/fs/pstore``), ``pstore_archive``
-(systemd-pstore's ``/var/lib/systemd/pstore``), ``pstore_max_age_h`` (168: older dumps were
-seen before), ``rasdaemon`` (default true). Config ``host.ras_mc_ctl``, ``host.timeout_s``.
+the state directory (``kernel_distress_cursor.json``). Parameters: ``pstore_root`` (default
+``/sys/fs/pstore``), ``pstore_archive`` (systemd-pstore's ``/var/lib/systemd/pstore``),
+``rasdaemon`` (default true). Config ``host.ras_mc_ctl``, ``host.timeout_s``. Thresholds:
+``graders/kernel.yaml``'s ``nvme_repeat`` (3), ``mce_corrected_warn`` (1) and
+``pstore_max_age_h`` (168: older dumps were seen before), their one home; a suite that still
+carries one is refused when it loads, naming the file.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from node_agent import proc
 from node_agent.checking import log_cursor
 from node_agent.checking.context import CheckContext
 from node_agent.checking.params import Reader
+from node_agent.checking.thresholds import load_topic, refuse_thresholds
 from node_agent.checking.xid_fold import BURST_GAP_S, MAX_BURST_STARTS, Fold
 from node_agent.kernel_log import LogRecord
 from node_agent.kernel_log_distress import DistressLine, scan_distress
@@ -157,6 +160,23 @@ class DistressFold:
 PSTORE_ROOT = Path("/sys/fs/pstore")
 PSTORE_ARCHIVE = Path("/var/lib/systemd/pstore")
 
+#: the topic file of the check's thresholds (checking/thresholds.py)
+TOPIC = "kernel"
+KERNEL_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "nvme_repeat": {"type": "integer", "minimum": 1},  # this many timeouts of a disk fail it
+        "mce_corrected_warn": {"type": "integer", "minimum": 0},  # fewer corrected MCEs pass
+        "pstore_max_age_h": {"type": ["number", "null"], "exclusiveMinimum": 0},  # null: any
+    },
+}
+
+
+def thresholds(ctx: CheckContext) -> dict[str, Any]:
+    """``graders/kernel.yaml``: the operator's keys over the shipped file's."""
+    return load_topic(ctx.config, TOPIC, KERNEL_SCHEMA, "kernel grading file")
+
 
 @dataclass(frozen=True)
 class Params:
@@ -164,22 +184,19 @@ class Params:
 
     since: str = "boot"  # the kernel lines read: since boot, or since the last run
     rasdaemon: bool = True  # read rasdaemon's MCE records
-    nvme_repeat: int = 3  # this many NVMe timeouts of one disk fail it
-    mce_corrected_warn: int = 1  # fewer corrected machine checks than this pass
-    pstore_max_age_h: float | None = 168.0  # older dumps are not judged; null: any age
     pstore_root: str | None = None  # None: PSTORE_ROOT, its archive when nothing is mounted
     pstore_archive: str = str(PSTORE_ARCHIVE)
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> Params:
-        """ValueError naming the key and what was expected."""
+        """ValueError naming the key and what was expected (for a threshold: its home)."""
+        refuse_thresholds(
+            "kernel_distress", raw, KERNEL_SCHEMA["properties"], f"graders/{TOPIC}.yaml"
+        )
         r = Reader("kernel_distress", raw, cls)
         return cls(
             since=r.choice("since", ("boot", "last_run")),
             rasdaemon=r.flag("rasdaemon"),
-            nvme_repeat=r.integer("nvme_repeat", 1),
-            mce_corrected_warn=r.integer("mce_corrected_warn", 0),
-            pstore_max_age_h=r.nullable_number("pstore_max_age_h", above=0),
             pstore_root=r.optional_string("pstore_root"),
             pstore_archive=r.string("pstore_archive"),
         )
@@ -329,13 +346,13 @@ def _result(
     if f.kind in ("soft_lockup", "hard_lockup", "fs_readonly", "mce_uncorrected", "mce_fatal"):
         status = Status.FAIL
     elif f.kind == "nvme":
-        repeat = ctx.typed_params(Params).nvme_repeat
+        repeat = int(thresholds(ctx)["nvme_repeat"])
         if f.count >= repeat or f.facts.get("nvme_failed"):
             status = Status.FAIL
             f.facts["repeated"] = True
         f.facts["nvme_repeat"] = repeat
     elif f.kind == "mce_corrected":
-        least = ctx.typed_params(Params).mce_corrected_warn
+        least = int(thresholds(ctx)["mce_corrected_warn"])
         f.facts["mce_corrected_warn"] = least
         if f.count < least:
             status = Status.PASS
@@ -570,7 +587,8 @@ def pstore_results(ctx: CheckContext) -> list[Result]:
     shares; a second on the same node before its dumps were cleared is the node's (its memory,
     CPU or firmware), and the node is drained and re-tested, as a repeated Xid is."""
     params = ctx.typed_params(Params)
-    max_age_s = None if params.pstore_max_age_h is None else params.pstore_max_age_h * 3600
+    max_age_h = thresholds(ctx)["pstore_max_age_h"]
+    max_age_s = None if max_age_h is None else float(max_age_h) * 3600
     if ctx.ports.pstore_unrecorded is not None:
         return [ctx.skip(ctx.ports.pstore_unrecorded, metric="pstore")]
     if ctx.ports.pstore_tree is not None:

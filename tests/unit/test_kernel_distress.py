@@ -48,7 +48,7 @@ import yaml
 
 from node_agent.checking.context import CheckContext
 from node_agent.checks import kernel_distress as kd
-from node_agent.config import Config, load_config
+from node_agent.config import Config, config_from_dict, load_config
 from node_agent.environment import open_environment
 from node_agent.kernel_log import FileKernelLog, LinesKernelLog, LogRecord
 from node_agent.kernel_log_distress import parse_distress, scan_distress
@@ -216,15 +216,25 @@ def env(tmp_path):
     environment.close()
 
 
-def run_check(env, lines=None, log=None, state_dir=None, **params):
-    """The check on this host's path (no scenario): pstore at a directory of the test's own."""
+def run_check(env, lines=None, log=None, state_dir=None, graders=None, **params):
+    """The check on this host's path (no scenario): pstore at a directory of the test's own;
+    ``graders``: an operator's graders directory (its kernel.yaml holds the thresholds)."""
     params.setdefault("pstore_root", "/nonexistent/pstore")
     params.setdefault("pstore_archive", "/nonexistent/pstore-archive")
+    config = env.config
+    if graders is not None:  # the env's config with the operator's graders directory
+        config = config_from_dict(
+            {
+                "state_dir": str(config.state_dir),
+                "host": {"ras_mc_ctl": config.host.ras_mc_ctl},
+                "graders_dir": str(graders),
+            }
+        )
     ctx = CheckContext(
         check="kernel_distress",
         gpu=env.gpu,
         kernel_log=log if log is not None else LinesKernelLog(lines or []),
-        config=env.config,
+        config=config,
         inventory=env.inventory,
         sku=env.sku,
         expected_gpus=env.expected_gpus,
@@ -415,12 +425,15 @@ def test_nfs_and_lustre_lost_grade_warn_naming_the_server(env):
     assert grade(env, results).level is Level.WARN
 
 
-def test_corrected_machine_checks_warn_and_fatal_ones_grade_error(env):
+def test_corrected_machine_checks_warn_and_fatal_ones_grade_error(env, tmp_path):
     corrected = run_check(env, [FORMS[22][0], FORMS[21][0]])
     assert finding(corrected, "mce_corrected").status is Status.WARN
     assert grade(env, corrected).level is Level.WARN
-    below = run_check(env, [FORMS[21][0]], mce_corrected_warn=5)
-    assert finding(below, "mce_corrected").status is Status.PASS
+    graders = tmp_path / "graders"
+    graders.mkdir()
+    (graders / "kernel.yaml").write_text("mce_corrected_warn: 5\n")
+    below = finding(run_check(env, [FORMS[21][0]], graders=graders), "mce_corrected")
+    assert below.status is Status.PASS and below.evidence["mce_corrected_warn"] == 5
     fatal = run_check(env, [FORMS[23][0], FORMS[24][0], FORMS[25][0]])
     assert finding(fatal, "mce_fatal").status is Status.FAIL
     assert grade(env, fatal).level is Level.ERROR
@@ -530,6 +543,28 @@ def test_old_dumps_and_systemd_pstore_archives_are_read_by_age(env, tmp_path):
     )
     assert (result.status, result.value) == (Status.WARN, 1)
     assert result.evidence["dumps"][0]["directory"].endswith("1732500000")
+
+
+def test_a_dump_older_than_kernel_yamls_max_age_is_left_out(env, tmp_path):
+    root = tmp_path / "pstore"
+    root.mkdir()
+    write_dump(root, "dmesg-ramoops-0", 1)
+    two_days_ago = time.time() - 48 * 3600
+    os.utime(root / "dmesg-ramoops-0", (two_days_ago, two_days_ago))
+    shipped = finding(run_check(env, [], pstore_root=str(root)), "pstore_panic")
+    assert shipped.status is Status.WARN  # a week (168 h) shipped
+    graders = tmp_path / "graders"
+    graders.mkdir()
+    (graders / "kernel.yaml").write_text("pstore_max_age_h: 24\n")
+    short = finding(run_check(env, [], graders=graders, pstore_root=str(root)), "pstore_panic")
+    assert short.status is Status.PASS
+
+
+@pytest.mark.parametrize("key", ["nvme_repeat", "mce_corrected_warn", "pstore_max_age_h"])
+def test_a_suite_carrying_a_kernel_threshold_is_refused_naming_graders_kernel_yaml(key):
+    with pytest.raises(ValueError, match=f"{key} judges") as err:
+        kd.Params.parse({key: 3})
+    assert "graders/kernel.yaml" in str(err.value)
 
 
 def test_an_empty_pstore_passes(env, tmp_path):

@@ -30,7 +30,7 @@ from node_agent.checking.context import CheckContext
 from node_agent.checking.host_checks import HOST_SCHEMA
 from node_agent.checking.registry import REGISTRY
 from node_agent.checking.siblings import PERFORMANCE_SCHEMA, load_thresholds
-from node_agent.checks import cloud_maintenance, storage, thermal_power
+from node_agent.checks import cloud_maintenance, kernel_distress, storage, thermal_power
 from node_agent.commands.main import main
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
@@ -74,7 +74,6 @@ NAMED = frozenset().union(*NAMED_JUDGING.values())
 PARAMS_STILL_JUDGING: dict[str, frozenset[str]] = {
     "training_progress": NAMED_JUDGING["training_progress"],
     "hca_ports": NAMED_JUDGING["hca_ports"],
-    "kernel_distress": NAMED_JUDGING["kernel_distress"],
 }
 #: Keys written in two kinds of file today, and why (the same may-only-shrink rule).
 KNOWN_SECOND_HOMES: dict[str, frozenset[str]] = {
@@ -288,6 +287,7 @@ def test_a_planted_code_default_for_a_sku_limit_is_found(tmp_path):
 TOPIC_SCHEMAS = {
     "cloud": cloud_maintenance.CLOUD_SCHEMA,
     "host": HOST_SCHEMA,
+    "kernel": kernel_distress.KERNEL_SCHEMA,
     "performance": PERFORMANCE_SCHEMA,
     "storage": storage.STORAGE_SCHEMA,
     "thermal_power": thermal_power.THERMAL_SCHEMA,
