@@ -44,6 +44,24 @@ def pytest_configure(config: pytest.Config) -> None:
     compileall.compile_dir(str(REPO / "node_agent"), quiet=2)
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Under ``--dist loadgroup`` (``make test``), a test of an ``xdist_group`` that pytest-xdist
+    did not group fails before it starts: it would run beside the rest of its group on another
+    worker, racing for what the group keeps to one (the Slurm test cluster, users made with
+    fixed names, one expensive shared run). pytest 9.2 drops xdist's group suffix from the
+    nodeid (pytest-dev/pytest-xdist#1386)."""
+    if not getattr(item.config.option, "loadgroup", False):
+        return  # not an xdist worker under --dist loadgroup (xdist sets the option there)
+    nodeid = item.nodeid
+    if item.get_closest_marker("xdist_group") and "@" not in nodeid[nodeid.rfind("]") + 1 :]:
+        pytest.fail(
+            "pytest-xdist did not group this xdist_group test: this pytest and pytest-xdist do "
+            "not work together under --dist loadgroup (pytest-dev/pytest-xdist#1386); install "
+            "the pytest that pyproject.toml's dev extra names (make test does)",
+            pytrace=False,
+        )
+
+
 #: the environment variable the agent reads its kernel log from where a config leaves
 #: ``kernel_log.path`` null (node_agent.environment.KERNEL_LOG_ENV)
 KERNEL_LOG_ENV = "NODE_AGENT_KERNEL_LOG"
