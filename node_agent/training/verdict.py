@@ -22,15 +22,17 @@ from node_agent.training.signals import Signal
 
 @dataclass(frozen=True)
 class Thresholds:
-    """The check's params (see docs/training_hangs.md for the reason behind each default)."""
+    """What the verdicts judge by: ``graders/training.yaml``, their one home, where each has
+    its reason (read by the ``training_progress`` check; no defaults here)."""
 
-    stall_after_s: float = 30.0  # no step this long: the heartbeat signal says hang
-    hang_after_s: float = 300.0  # no step this long: a hang on the heartbeat alone
-    hang_step_multiple: float = 5.0  # ... and never before 5 of the process's own steps
-    agree: int = 2  # signals that must agree to suspect a hang sooner
-    confirm_s: float = 20.0  # processes without heartbeats: agreement held this long
-    straggler_ratio: float = 2.0  # issue 10: "a rank 2x slower than its peers"
-    straggler_for_s: float = 30.0  # ... persistently: for this long
+    stall_after_s: float  # no step this long: the heartbeat signal says hang
+    hang_after_s: float  # no step this long: a hang on the heartbeat alone
+    hang_step_multiple: float  # ... and never before this many of the process's own steps
+    agree: int  # signals that must agree to suspect a hang sooner
+    confirm_s: float  # processes without heartbeats: agreement held this long
+    straggler_ratio: float  # a rank this many times its peers' median step time ...
+    straggler_for_s: float  # ... persistently: for this long
+    log_silence_s: float  # the job's log unwritten this long: the log_silence signal
 
 
 def heartbeat_signal(record: Mapping[str, Any] | None, now: float, th: Thresholds) -> Signal:

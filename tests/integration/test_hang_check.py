@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 from slurm_cgroup import slurm_job_fixture  # noqa: F401 - the slurm_job fixture
+from training_graders import split_thresholds, use_training_thresholds
 
 from node_agent.training.stacks import find_py_spy
 
@@ -106,6 +107,9 @@ def _scenario(tmp_path: Path, pids_on_gpu: dict[int, int], spinning: list[int]) 
 
 
 def _suite(tmp_path: Path, **params) -> str:
+    """training_progress alone; its thresholds through the run's graders directory."""
+    params, thresholds = split_thresholds(params)
+    use_training_thresholds(tmp_path, thresholds)
     path = tmp_path / "suite.yaml"
     path.write_text(
         yaml.safe_dump(

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 from slurm_cgroup import slurm_job_fixture  # noqa: F401 - the slurm_job fixture
+from training_graders import split_thresholds, use_training_thresholds
 
 from node_agent.training.stacks import find_py_spy
 
@@ -112,8 +113,11 @@ while True:
 
 
 def _suite(tmp_path: Path, **params) -> str:
-    """A suite of training_progress alone; ``params`` override the check's defaults."""
+    """A suite of training_progress alone; ``params`` override the check's defaults, its
+    thresholds among them through the run's graders directory (tests/training_graders.py)."""
     path = tmp_path / "progress-suite.yaml"
+    params, thresholds = split_thresholds(params)
+    use_training_thresholds(tmp_path, thresholds)
     params = {"spool_dir": str(_spool(tmp_path)), **params}
     path.write_text(
         yaml.safe_dump(

@@ -712,8 +712,6 @@ def test_a_pod_name_in_the_environment_never_makes_another_pod_a_restart_target(
             "timeout_s": 60,
             "params": {
                 "spool_dir": str(hb),
-                "stall_after_s": 30,
-                "hang_after_s": 60,
                 "stack_samples": 1,
             },
         },

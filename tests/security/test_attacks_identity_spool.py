@@ -108,8 +108,6 @@ def hang_check(base: Path, hb: Path) -> list[str]:
                     "timeout_s": 60,
                     "params": {
                         "spool_dir": str(hb),
-                        "stall_after_s": 30,
-                        "hang_after_s": 60,
                         "stack_samples": 1,
                     },
                 }

@@ -155,22 +155,18 @@ def test_the_sdc_and_hang_check_commands_build_suites_whose_params_parse(tmp_pat
 
 
 def test_a_check_without_params_reads_its_old_defaults():
-    """Typing the params kept every default: the training thresholds are
-    :class:`Thresholds`'s, the SDC plan's sizes those the check always used."""
+    """Typing the params kept every default: the training check's (its thresholds are
+    graders/training.yaml's: tests/unit/test_hang_verdict.py), the SDC plan's sizes those the
+    check always used."""
     from node_agent.checks import sdc
     from node_agent.checks.nvml_health import Params as NvmlParams
     from node_agent.checks.training_progress import Params as TrainingParams
-    from node_agent.training.verdict import Thresholds
 
     training = TrainingParams.parse({})
-    assert training.thresholds() == Thresholds()
-    assert (training.stack_samples, training.log_silence_s, training.stale_file_s) == (
+    assert (training.stack_samples, training.stale_file_s, training.one_shot) == (
         3,
-        60.0,
         86400.0,
-    )
-    assert TrainingParams.parse({"agree": 1, "stall_after_s": 10}).thresholds() == Thresholds(
-        agree=1, stall_after_s=10.0
+        False,
     )
     assert sdc.Params.parse({}) == sdc.Params()
     assert (sdc.Params().repeats, sdc.Params().seeds, sdc.Params().min_free_mib) == (2, 4, 2048)
@@ -250,7 +246,6 @@ def test_nan_infinity_bool_and_text_are_not_numbers(value, expected):
     [
         ("sdc", "min_free_mib"),
         ("sdc", "duration_s"),
-        ("training_progress", "log_silence_s"),
         ("training_progress", "stale_file_s"),
         ("training_progress", "stack_interval_s"),
     ],

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
+import yaml
 
 from node_agent.training.signals import Signal
 from node_agent.training.verdict import Thresholds, heartbeat_signal, stragglers, verdict
 
 NOW = 1_000_000.0
-TH = Thresholds()
+#: the shipped thresholds (graders/training.yaml, their one home)
+TH = Thresholds(
+    **yaml.safe_load((Path(__file__).parents[2] / "graders" / "training.yaml").read_text())
+)
+
+
+def test_the_shipped_training_thresholds_are_the_checks_old_defaults():
+    """Moving them from code defaults to graders/training.yaml judged nothing differently."""
+    assert dataclasses.astuple(TH) == (30, 300, 5, 2, 20, 2.0, 30, 60)
 
 
 def _beat(age_s: float, step_time_s: float | None = 0.1, pause=None) -> dict:
@@ -96,7 +108,7 @@ def test_unavailable_signals_neither_accuse_nor_clear():
 
 
 def test_agree_is_configurable():
-    th = Thresholds(agree=1, stall_after_s=10)
+    th = dataclasses.replace(TH, agree=1, stall_after_s=10)
     assert th.agree == 1 and th.stall_after_s == 10
     assert verdict(
         [heartbeat_signal(_beat(11), NOW, th)], th, agreeing_since_s=None, has_heartbeat=True

@@ -30,7 +30,13 @@ from node_agent.checking.context import CheckContext
 from node_agent.checking.host_checks import HOST_SCHEMA
 from node_agent.checking.registry import REGISTRY
 from node_agent.checking.siblings import PERFORMANCE_SCHEMA, load_thresholds
-from node_agent.checks import cloud_maintenance, kernel_distress, storage, thermal_power
+from node_agent.checks import (
+    cloud_maintenance,
+    kernel_distress,
+    storage,
+    thermal_power,
+    training_progress,
+)
 from node_agent.commands.main import main
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
@@ -72,7 +78,9 @@ NAMED = frozenset().union(*NAMED_JUDGING.values())
 #: next changed (docs/thresholds.md, "Not yet in one home"); the list may only shrink: a check
 #: that no longer takes the key fails this test until its line goes.
 PARAMS_STILL_JUDGING: dict[str, frozenset[str]] = {
-    "training_progress": NAMED_JUDGING["training_progress"],
+    # hang-check (commands/hang_check.py) sets confirm_s to 0 for its one-shot run; it goes
+    # when that passes the check's one_shot param instead
+    "training_progress": frozenset({"confirm_s"}),
     "hca_ports": NAMED_JUDGING["hca_ports"],
 }
 #: Keys written in two kinds of file today, and why (the same may-only-shrink rule).
@@ -81,9 +89,8 @@ KNOWN_SECOND_HOMES: dict[str, frozenset[str]] = {
     # per-node expectation, which belongs beside node.expected_gpus in the config
     "ports": frozenset({"sku", "suite params"}),
     "min_rate_gbps": frozenset({"sku", "suite params"}),
-    # the fleet's cross-node straggler ratio (graders/fleet.yaml) and training_progress's own
-    # node-level one: two judgments that share a number until the check reads a graders file
-    "straggler_ratio": frozenset({"topic", "suite params"}),
+    # hang-check's one-shot override (PARAMS_STILL_JUDGING) of graders/training.yaml's
+    "confirm_s": frozenset({"topic", "suite params"}),
 }
 
 
@@ -156,6 +163,24 @@ def test_a_suite_carrying_a_storage_minimum_is_refused_naming_its_home(tmp_path)
         load_suite(str(_suite(tmp_path, {"read_bw_mbps_min": 500})), SUITES)
     assert "read_bw_mbps_min judges" in str(err.value)
     assert "graders/storage.yaml" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("check", "key", "home"),
+    [
+        ("training_progress", "hang_after_s", "graders/training.yaml"),
+        ("training_progress", "log_silence_s", "graders/training.yaml"),
+        ("cloud_maintenance", "lead_time_s", "graders/cloud.yaml"),
+        ("kernel_distress", "nvme_repeat", "graders/kernel.yaml"),
+    ],
+)
+def test_a_suite_carrying_a_moved_threshold_is_refused_naming_its_home(tmp_path, check, key, home):
+    path = tmp_path / "mine.yaml"
+    entry = {"check": check, "params": {key: 3}}
+    path.write_text(yaml.safe_dump({"name": "mine", "mode": "service", "checks": [entry]}))
+    with pytest.raises(ConfigError) as err:
+        load_suite(str(path), SUITES)
+    assert f"{key} judges" in str(err.value) and home in str(err.value)
 
 
 def test_the_cli_exits_2_on_a_suite_with_a_storage_minimum_and_runs_nothing(
@@ -291,6 +316,7 @@ TOPIC_SCHEMAS = {
     "performance": PERFORMANCE_SCHEMA,
     "storage": storage.STORAGE_SCHEMA,
     "thermal_power": thermal_power.THERMAL_SCHEMA,
+    "training": training_progress.TRAINING_SCHEMA,
 }
 
 

@@ -19,6 +19,7 @@ import pytest
 from node_agent.checking.context import CheckContext
 from node_agent.checking.ports import Ports
 from node_agent.checks import training_progress as tp
+from node_agent.config import config_from_dict
 from node_agent.model import Status
 from node_agent.runner import run_check
 from node_agent.suite import CheckSpec
@@ -29,7 +30,7 @@ def _ctx(tmp_path: Path, timeout_s: float, **params) -> CheckContext:
         check="training_progress",
         gpu=None,
         kernel_log=None,
-        config=None,
+        config=config_from_dict({}),  # the shipped graders/training.yaml
         inventory=None,
         sku=None,
         expected_gpus=None,
@@ -73,7 +74,7 @@ def test_a_discovery_that_never_returns_is_a_warn_naming_the_stage_not_a_check_h
 def test_through_the_runner_the_same_stall_is_never_the_runners_timeout(tmp_path, monkeypatch):
     release = threading.Event()
     monkeypatch.setattr(tp, "discover", lambda *a, **k: release.wait(30))
-    # what the runner reads of an Environment, for a node with no GPU and no config
+    # what the runner reads of an Environment, for a node with no GPU and the default config
     env = SimpleNamespace(
         gpu=None,
         kernel_log=None,
@@ -83,7 +84,7 @@ def test_through_the_runner_the_same_stall_is_never_the_runners_timeout(tmp_path
         ports=Ports(),
         simulated=False,
         node=SimpleNamespace(param_overlay=None),
-        config=None,
+        config=config_from_dict({}),
         writable_state_dir=lambda: tmp_path / "state",
     )
     try:

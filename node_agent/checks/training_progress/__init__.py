@@ -31,12 +31,17 @@ what users control runs through :func:`~node_agent.checking.deadline.call_before
 
 What it says of each process is :mod:`.report`'s; its Prometheus series are :mod:`.metrics`'s.
 
-Params (:class:`Params`, parsed when the suite loads: a bad value is a configuration error
-naming the key): the :class:`~node_agent.training.verdict.Thresholds` fields (their defaults
-are its), ``stack_samples`` (3), ``stack_interval_s`` (1), ``log_silence_s`` (60), ``log_file``
-(for processes that name none), ``stale_file_s`` (86400), ``spool_dir``, ``py_spy``,
-``sysfs_root`` (RDMA), ``pids``, ``sample_all`` (false: sample stacks of every process, as
-``hang-check`` does), ``stack_max_calls`` (64: py-spy calls per run).
+Thresholds (how to judge: ``stall_after_s``, ``hang_after_s``, ``hang_step_multiple``,
+``agree``, ``confirm_s``, ``straggler_ratio``, ``straggler_for_s``, ``log_silence_s``) are
+``graders/training.yaml``'s, their one home (:func:`thresholds`); a suite that carries one is
+refused when it loads, naming the file.
+
+Params (:class:`Params`, how to run, parsed when the suite loads: a bad value is a
+configuration error naming the key): ``stack_samples`` (3), ``stack_interval_s`` (1),
+``log_file`` (for processes that name none), ``stale_file_s`` (86400), ``spool_dir``,
+``py_spy``, ``sysfs_root`` (RDMA), ``pids``, ``sample_all`` (false: sample stacks of every
+process, as ``hang-check`` does), ``stack_max_calls`` (64: py-spy calls per run), ``one_shot``
+(false; true: a run with no earlier one to compare with, so ``confirm_s`` is not applied).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +59,7 @@ from node_agent.checking.behaviour import ServiceBehaviour
 from node_agent.checking.context import CheckContext
 from node_agent.checking.deadline import Overdue, call_before
 from node_agent.checking.params import Reader
+from node_agent.checking.thresholds import load_topic, refuse_thresholds
 from node_agent.checks.training_progress import report
 from node_agent.checks.training_progress.metrics import TrainingMetrics
 from node_agent.gpu.base import GpuDevice, GpuError
@@ -82,23 +88,59 @@ NO_PROCESSES = (
 NOT_SAMPLED = "not sampled: no other signal of its job suggests a hang"
 SAMPLING_SHARE = 0.6  # stack sampling ends by this share of the check's timeout
 
+#: the topic file of the verdicts' thresholds (checking/thresholds.py): each with its reason
+TOPIC = "training"
+_SECONDS = {"type": "number", "minimum": 0}
+_POSITIVE = {"type": "number", "exclusiveMinimum": 0}
+TRAINING_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "stall_after_s": _POSITIVE,
+        "hang_after_s": _POSITIVE,
+        "hang_step_multiple": _SECONDS,
+        "agree": {"type": "integer", "minimum": 1},
+        "confirm_s": _SECONDS,
+        "straggler_ratio": {"type": "number", "exclusiveMinimum": 1},
+        "straggler_for_s": _SECONDS,
+        "log_silence_s": _POSITIVE,
+    },
+}
+#: the thresholds a suite may not carry; ``confirm_s`` aside, which ``hang-check`` still sets
+#: to 0 for its one-shot run until it passes ``one_shot: true`` (docs/thresholds.md)
+REFUSED = tuple(k for k in TRAINING_SCHEMA["properties"] if k != "confirm_s")
+
+
+def thresholds(ctx: CheckContext) -> Thresholds:
+    """``graders/training.yaml`` (the operator's keys over the shipped file's); a one-shot run
+    (``one_shot``, or ``hang-check``'s ``confirm_s: 0``) applies no ``confirm_s``."""
+    data = load_topic(ctx.config, TOPIC, TRAINING_SCHEMA, "training grading file")
+    th = Thresholds(
+        stall_after_s=float(data["stall_after_s"]),
+        hang_after_s=float(data["hang_after_s"]),
+        hang_step_multiple=float(data["hang_step_multiple"]),
+        agree=int(data["agree"]),
+        confirm_s=float(data["confirm_s"]),
+        straggler_ratio=float(data["straggler_ratio"]),
+        straggler_for_s=float(data["straggler_for_s"]),
+        log_silence_s=float(data["log_silence_s"]),
+    )
+    params = ctx.typed_params(Params)
+    if params.one_shot:
+        return replace(th, confirm_s=0.0)
+    if params.confirm_s is not None:
+        return replace(th, confirm_s=params.confirm_s)
+    return th
+
 
 @dataclass(frozen=True)
 class Params:
-    """The check's parameters (a suite's ``params``), validated by :meth:`parse`; the
-    thresholds' defaults are :class:`~node_agent.training.verdict.Thresholds`'s."""
+    """The check's parameters (a suite's ``params``: how it runs), validated by :meth:`parse`;
+    the thresholds are ``graders/training.yaml``'s (:func:`thresholds`)."""
 
-    stall_after_s: float = Thresholds.stall_after_s
-    hang_after_s: float = Thresholds.hang_after_s
-    hang_step_multiple: float = Thresholds.hang_step_multiple
-    agree: int = Thresholds.agree
-    confirm_s: float = Thresholds.confirm_s
-    straggler_ratio: float = Thresholds.straggler_ratio
-    straggler_for_s: float = Thresholds.straggler_for_s
     stack_samples: int = 3
     stack_interval_s: float = 1.0
     stack_max_calls: int = MAX_CALLS  # py-spy calls per run, shared equally between uids
-    log_silence_s: float = 60.0
     log_file: str | None = None  # for processes that name none
     stale_file_s: float = 86400.0  # a dead process's heartbeat file is removed after this
     spool_dir: str | None = None  # None: ``<config spool_dir>/heartbeat``
@@ -106,24 +148,19 @@ class Params:
     sysfs_root: str | None = None  # None: the RDMA ports of this host's sysfs
     pids: tuple[int, ...] = ()  # empty: heartbeat writers and NVML's compute processes
     sample_all: bool = False  # sample every process's stack, suspect or not
+    one_shot: bool = False  # no earlier run to hold agreement across: confirm_s not applied
+    confirm_s: float | None = None  # hang-check's 0 until it passes one_shot (then removed)
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> Params:
-        """ValueError naming the key and what was expected."""
+        """ValueError naming the key and what was expected (for a threshold: its home)."""
+        refuse_thresholds("training_progress", raw, REFUSED, f"graders/{TOPIC}.yaml")
         r = Reader("training_progress", raw, cls)
         pids = r.integers("pids", 1, "a list of process ids (positive whole numbers)")
         return cls(
-            stall_after_s=r.positive("stall_after_s"),
-            hang_after_s=r.positive("hang_after_s"),
-            hang_step_multiple=r.number("hang_step_multiple", at_least=0),
-            agree=r.integer("agree", 1),
-            confirm_s=r.number("confirm_s", at_least=0),
-            straggler_ratio=r.number("straggler_ratio", above=1),
-            straggler_for_s=r.number("straggler_for_s", at_least=0),
             stack_samples=r.integer("stack_samples", 1),
             stack_interval_s=r.number("stack_interval_s", at_least=0),
             stack_max_calls=r.integer("stack_max_calls", 1),
-            log_silence_s=r.positive("log_silence_s"),
             log_file=r.optional_string("log_file"),
             stale_file_s=r.positive("stale_file_s"),
             spool_dir=r.optional_string("spool_dir"),
@@ -131,11 +168,9 @@ class Params:
             sysfs_root=r.optional_string("sysfs_root"),
             pids=pids,
             sample_all=r.flag("sample_all"),
+            one_shot=r.flag("one_shot"),
+            confirm_s=r.optional_number("confirm_s", at_least=0),
         )
-
-    def thresholds(self) -> Thresholds:
-        """The thresholds the verdicts judge by."""
-        return Thresholds(**{f.name: getattr(self, f.name) for f in fields(Thresholds)})
 
 
 def spool_dir(ctx: CheckContext) -> Path:
@@ -197,7 +232,7 @@ def run(ctx: CheckContext) -> list[Result]:
 
 def _run(ctx: CheckContext) -> list[Result]:
     params = ctx.typed_params(Params)
-    th = params.thresholds()
+    th = thresholds(ctx)
     now = time.time()
     until = ctx.stage_end()
     spool = spool_dir(ctx)
@@ -361,7 +396,7 @@ def _cheap_signals(
     logs = bounded_log_signals(
         [pr.log_file or params.log_file for pr in procs],
         now=now,
-        silence_s=params.log_silence_s,
+        silence_s=th.log_silence_s,
     )
     out = {}
     for pr, log_signal in zip(procs, logs, strict=True):
