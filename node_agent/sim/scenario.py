@@ -476,10 +476,65 @@ class Scenario:
         return [f for f in self.faults if f.hca == hca and f.kind == kind]
 
 
-def load_scenario(path: str | Path, known_skus: dict[str, Any] | None = None) -> Scenario:
-    """Read and validate a scenario file; ConfigError (exit 2) on any problem."""
+def _checked_fault(
+    raw: dict[str, Any],
+    where: str,
+    gpus: int,
+    hcas: tuple[str, ...],
+    earlier: list[Fault],
+    *,
+    replay: bool,
+) -> Fault:
+    """One entry of a scenario's ``faults``, validated against the node it acts on (``gpus``,
+    ``hcas``, the faults before it; ``replay``: the scenario replays a capture's NVML);
+    ConfigError naming ``where`` and the key."""
     from node_agent.yamlfile import validate
 
+    validate(raw, FAULT_SCHEMAS[raw["kind"]], where)
+    if replay and raw["kind"] not in CAPTURE_FAULT_KINDS:
+        raise ConfigError(
+            f"{where}: kind {raw['kind']!r} acts on NVML, which "
+            "a capture replays as recorded; edit the recorded value under "
+            "'nvml' instead (a capture takes only: "
+            f"{', '.join(sorted(CAPTURE_FAULT_KINDS))})"
+        )
+    if "gpu" in raw and raw["gpu"] >= gpus:
+        raise ConfigError(
+            f"{where}: key 'gpu': {raw['gpu']} is out of range "
+            f"for a node of {gpus} GPUs (0..{gpus - 1})"
+        )
+    if "hca" in raw and raw["hca"] not in hcas:
+        raise ConfigError(
+            f"{where}: key 'hca': {raw['hca']!r} is not one of "
+            f"the scenario's hcas ({', '.join(hcas) or 'none listed'}); add it "
+            "to 'hcas'"
+        )
+    if raw["kind"] == "kernel_log" and ("\n" in raw["line"] or "\r" in raw["line"]):
+        raise ConfigError(
+            f"{where}: key 'line': one kernel-log line, "
+            "without line breaks; expected one kernel_log fault per line"
+        )
+    if raw["kind"] == "kernel_log" and "{bus}" in raw["line"] and "gpu" not in raw:
+        raise ConfigError(
+            f"{where}: key 'line' uses {{bus}} but the fault "
+            "names no gpu; add 'gpu: N' (whose bus id replaces {bus}) or "
+            "write the bus id into the line"
+        )
+    if raw["kind"] in ("pci_only", "missing_gpu") and any(
+        f.gpu == raw["gpu"] and f.kind in ("pci_only", "missing_gpu") and f.kind != raw["kind"]
+        for f in earlier
+    ):
+        raise ConfigError(
+            f"{where}: gpu {raw['gpu']} cannot be both "
+            "missing_gpu (gone from the PCI bus) and pci_only (on the bus, "
+            "not in NVML); keep one"
+        )
+    params = {k: v for k, v in raw.items() if k not in ("kind", "gpu", "hca")}
+    return Fault(kind=raw["kind"], gpu=raw.get("gpu"), params=params, hca=raw.get("hca"))
+
+
+def load_scenario(path: str | Path, known_skus: dict[str, Any] | None = None) -> Scenario:
+    """Read and validate a scenario file; ConfigError (exit 2) on any problem."""
     data = load_yaml(path, SCENARIO_SCHEMA, what="scenario file")
     source = str(path)
     if known_skus is not None and data["sku"] not in known_skus:
@@ -503,48 +558,10 @@ def load_scenario(path: str | Path, known_skus: dict[str, Any] | None = None) ->
     hcas = tuple(data.get("hcas", []))
     faults: list[Fault] = []
     for i, raw in enumerate(data.get("faults") or []):
-        validate(raw, FAULT_SCHEMAS[raw["kind"]], f"{source}: faults[{i}]")
-        if nvml is not None and raw["kind"] not in CAPTURE_FAULT_KINDS:
-            raise ConfigError(
-                f"{source}: faults[{i}]: kind {raw['kind']!r} acts on NVML, which "
-                "a capture replays as recorded; edit the recorded value under "
-                "'nvml' instead (a capture takes only: "
-                f"{', '.join(sorted(CAPTURE_FAULT_KINDS))})"
-            )
-        if "gpu" in raw and raw["gpu"] >= gpus:
-            raise ConfigError(
-                f"{source}: faults[{i}]: key 'gpu': {raw['gpu']} is out of range "
-                f"for a node of {gpus} GPUs (0..{gpus - 1})"
-            )
-        if "hca" in raw and raw["hca"] not in hcas:
-            raise ConfigError(
-                f"{source}: faults[{i}]: key 'hca': {raw['hca']!r} is not one of "
-                f"the scenario's hcas ({', '.join(hcas) or 'none listed'}); add it "
-                "to 'hcas'"
-            )
-        if raw["kind"] == "kernel_log" and ("\n" in raw["line"] or "\r" in raw["line"]):
-            raise ConfigError(
-                f"{source}: faults[{i}]: key 'line': one kernel-log line, "
-                "without line breaks; expected one kernel_log fault per line"
-            )
-        if raw["kind"] == "kernel_log" and "{bus}" in raw["line"] and "gpu" not in raw:
-            raise ConfigError(
-                f"{source}: faults[{i}]: key 'line' uses {{bus}} but the fault "
-                "names no gpu; add 'gpu: N' (whose bus id replaces {bus}) or "
-                "write the bus id into the line"
-            )
-        if raw["kind"] in ("pci_only", "missing_gpu") and any(
-            f.gpu == raw["gpu"] and f.kind in ("pci_only", "missing_gpu") and f.kind != raw["kind"]
-            for f in faults
-        ):
-            raise ConfigError(
-                f"{source}: faults[{i}]: gpu {raw['gpu']} cannot be both "
-                "missing_gpu (gone from the PCI bus) and pci_only (on the bus, "
-                "not in NVML); keep one"
-            )
-        params = {k: v for k, v in raw.items() if k not in ("kind", "gpu", "hca")}
         faults.append(
-            Fault(kind=raw["kind"], gpu=raw.get("gpu"), params=params, hca=raw.get("hca"))
+            _checked_fault(
+                raw, f"{source}: faults[{i}]", gpus, hcas, faults, replay=nvml is not None
+            )
         )
     processes = []
     for i, raw in enumerate(data.get("compute_processes") or []):
