@@ -79,7 +79,7 @@ def build_suite(
     except ConfigError:
         base = None  # an operator's suites dir without a periodic suite: the check's defaults
     params: dict[str, Any] = dict(base.params) if base else {}
-    params["confirm_s"] = 0.0
+    params["one_shot"] = True  # no earlier run: confirm_s is not applied
     params["sample_all"] = True  # an operator asking wants every stack, suspect or not
     if pids:
         params["pids"] = pids

@@ -150,7 +150,7 @@ def test_the_sdc_and_hang_check_commands_build_suites_whose_params_parse(tmp_pat
     (hang,) = hang_check.build_suite(config, SUITES, [4242], 2, 0.0).checks
     typed = hang.typed_for(False)
     assert isinstance(typed, TrainingParams)
-    assert (typed.pids, typed.sample_all, typed.confirm_s) == ((4242,), True, 0.0)
+    assert (typed.pids, typed.sample_all, typed.one_shot) == ((4242,), True, True)
     assert (typed.stack_samples, typed.stack_interval_s) == (2, 0.0)
 
 

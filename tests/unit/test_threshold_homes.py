@@ -78,9 +78,6 @@ NAMED = frozenset().union(*NAMED_JUDGING.values())
 #: next changed (docs/thresholds.md, "Not yet in one home"); the list may only shrink: a check
 #: that no longer takes the key fails this test until its line goes.
 PARAMS_STILL_JUDGING: dict[str, frozenset[str]] = {
-    # hang-check (commands/hang_check.py) sets confirm_s to 0 for its one-shot run; it goes
-    # when that passes the check's one_shot param instead
-    "training_progress": frozenset({"confirm_s"}),
     "hca_ports": NAMED_JUDGING["hca_ports"],
 }
 #: Keys written in two kinds of file today, and why (the same may-only-shrink rule).
@@ -89,8 +86,6 @@ KNOWN_SECOND_HOMES: dict[str, frozenset[str]] = {
     # per-node expectation, which belongs beside node.expected_gpus in the config
     "ports": frozenset({"sku", "suite params"}),
     "min_rate_gbps": frozenset({"sku", "suite params"}),
-    # hang-check's one-shot override (PARAMS_STILL_JUDGING) of graders/training.yaml's
-    "confirm_s": frozenset({"topic", "suite params"}),
 }
 
 

@@ -106,14 +106,13 @@ TRAINING_SCHEMA: dict[str, Any] = {
         "log_silence_s": _POSITIVE,
     },
 }
-#: the thresholds a suite may not carry; ``confirm_s`` aside, which ``hang-check`` still sets
-#: to 0 for its one-shot run until it passes ``one_shot: true`` (docs/thresholds.md)
-REFUSED = tuple(k for k in TRAINING_SCHEMA["properties"] if k != "confirm_s")
+#: the thresholds a suite may not carry (docs/thresholds.md)
+REFUSED = tuple(TRAINING_SCHEMA["properties"])
 
 
 def thresholds(ctx: CheckContext) -> Thresholds:
     """``graders/training.yaml`` (the operator's keys over the shipped file's); a one-shot run
-    (``one_shot``, or ``hang-check``'s ``confirm_s: 0``) applies no ``confirm_s``."""
+    (``one_shot``: ``hang-check``'s) applies no ``confirm_s``."""
     data = load_topic(ctx.config, TOPIC, TRAINING_SCHEMA, "training grading file")
     th = Thresholds(
         stall_after_s=float(data["stall_after_s"]),
@@ -126,11 +125,7 @@ def thresholds(ctx: CheckContext) -> Thresholds:
         log_silence_s=float(data["log_silence_s"]),
     )
     params = ctx.typed_params(Params)
-    if params.one_shot:
-        return replace(th, confirm_s=0.0)
-    if params.confirm_s is not None:
-        return replace(th, confirm_s=params.confirm_s)
-    return th
+    return replace(th, confirm_s=0.0) if params.one_shot else th
 
 
 @dataclass(frozen=True)
@@ -149,7 +144,6 @@ class Params:
     pids: tuple[int, ...] = ()  # empty: heartbeat writers and NVML's compute processes
     sample_all: bool = False  # sample every process's stack, suspect or not
     one_shot: bool = False  # no earlier run to hold agreement across: confirm_s not applied
-    confirm_s: float | None = None  # hang-check's 0 until it passes one_shot (then removed)
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> Params:
@@ -169,7 +163,6 @@ class Params:
             pids=pids,
             sample_all=r.flag("sample_all"),
             one_shot=r.flag("one_shot"),
-            confirm_s=r.optional_number("confirm_s", at_least=0),
         )
 
 
