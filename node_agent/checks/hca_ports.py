@@ -8,9 +8,9 @@ the ``rdma`` check names them; device and port in the evidence):
 
 * ``link_state`` — fail unless ``ACTIVE`` (``/sys/class/infiniband/<dev>/ports/<n>/state``).
 * ``port_rate_gbps`` — the signalling rate (``rate``: ``400 Gb/sec (4X NDR)``) against the
-  node's expectation: the SKU's ``ports`` of at least ``min_rate_gbps`` (the SKU file's ``hca``
-  section, from NVIDIA's DGX user guides, as gpud holds them), or where the SKU says nothing, the rate
-  most ACTIVE ports of the same link layer run at. ``port_count`` (target ``node``) fails when
+  node's expectation: the SKU's ``ports`` of at least ``min_rate_gbps`` (the SKU file's
+  ``hca`` section, from NVIDIA's DGX user guides, as gpud holds them), or where the SKU says
+  nothing, the rate most ACTIVE ports of the same link layer run at. ``port_count`` (target ``node``) fails when
   fewer ports are ACTIVE at that rate than the ``ports`` param declares; the SKU's count is its
   reference build (a DGX's 8), evidence only: the NICs belong to the server.
 * ``port_missing`` — a port an earlier run saw is gone from sysfs (its HCA fell off the bus or

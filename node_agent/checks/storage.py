@@ -11,8 +11,9 @@ Params (suite, how to run): ``size`` (fio size, default ``64M``), ``runtime_s`` 
 default 3), ``ioengine`` (default ``libaio``), ``iodepth`` (default 16). Minima (how to judge)
 are ``graders/storage.yaml``'s ``read_bw_mbps_min``, ``write_bw_mbps_min`` (MB/s = 10^6 B/s)
 and ``randread_iops_min`` (none shipped); a figure below its minimum fails. A suite that still
-carries a minimum is refused when it loads, naming the file. Results per path, target ``disk:<path>``: ``read_bw_mbps``, ``write_bw_mbps``,
-``randread_iops``, computed from fio's ``bw_bytes`` and ``iops``.
+carries a minimum is refused when it loads, naming the file. Results per path, target
+``disk:<path>``: ``read_bw_mbps``, ``write_bw_mbps``, ``randread_iops``, computed from fio's
+``bw_bytes`` and ``iops``.
 """
 
 from __future__ import annotations
