@@ -96,6 +96,8 @@ class NodeConfig:
     expected_nvlinks: int | None = key(None, ge=0)
     expected_memory_gib: float | None = key(None, gt=0)
     expected_cpus: int | None = key(None, ge=1)
+    expected_hca_ports: int | None = key(None, ge=0)
+    expected_hca_rate_gbps: float | None = key(None, ge=0)
     software: Software = section(Software)
 
 

@@ -82,8 +82,13 @@ def refuse_thresholds(check: str, raw: Mapping[str, Any], keys: Iterable[str], h
     moved = sorted(set(raw) & set(keys))
     if moved:
         one = len(moved) == 1
+        where = home + (
+            " (an operator's graders_dir holds the keys it changes)"
+            if home.startswith("graders/")
+            else ""
+        )
         raise ValueError(
             f"params of {check}: {', '.join(moved)} {'judges' if one else 'judge'} the check's "
-            f"figures and {'is' if one else 'are'} read from {home} (an operator's graders_dir "
-            f"holds the keys it changes), never from a suite: move {'it' if one else 'them'} there"
+            f"figures and {'is' if one else 'are'} read from {where}, never from a suite: move "
+            f"{'it' if one else 'them'} there"
         )

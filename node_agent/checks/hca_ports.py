@@ -10,9 +10,11 @@ the ``rdma`` check names them; device and port in the evidence):
 * ``port_rate_gbps`` — the signalling rate (``rate``: ``400 Gb/sec (4X NDR)``) against the
   node's expectation: the SKU's ``ports`` of at least ``min_rate_gbps`` (the SKU file's
   ``hca`` section, from NVIDIA's DGX user guides, as gpud holds them), or where the SKU says
-  nothing, the rate most ACTIVE ports of the same link layer run at. ``port_count`` (target ``node``) fails when
-  fewer ports are ACTIVE at that rate than the ``ports`` param declares; the SKU's count is its
-  reference build (a DGX's 8), evidence only: the NICs belong to the server.
+  nothing, the rate most ACTIVE ports of the same link layer run at. ``port_count`` (target
+  ``node``) fails when fewer ports are ACTIVE at that rate than the config's
+  ``node.expected_hca_ports`` declares (and ``node.expected_hca_rate_gbps``, over the SKU's
+  rate); the SKU's count is its reference build (a DGX's 8), evidence only: the NICs belong to
+  the server.
 * ``port_missing`` — a port an earlier run saw is gone from sysfs (its HCA fell off the bus or
   lost its driver): fail until it is back.
 * ``flaps`` — down-up cycles (growth of ``counters/link_downed``, or a run that found the port
@@ -31,7 +33,7 @@ message *starts* with ``mlx5_core <domain:bus:dev.fn>: `` are believed (docs/xid
 belief"); the bus id becomes ``hca:<dev>`` through ``/sys/class/infiniband/<dev>/device``.
 
 No RDMA device: skip with the reason. Params: ``sysfs_root`` (default
-``/sys/class/infiniband``), ``ports`` / ``min_rate_gbps`` (override the SKU's), ``ignore``
+``/sys/class/infiniband``), ``ignore``
 (``["mlx5_9", "mlx5_4/2"]``: ports not cabled on purpose), ``since`` (``boot``, default, or
 ``last_run``: kernel lines after the previous run's cursor). In the daemon the ports' error
 counters are exported by the collector this check shares with ``rdma``
@@ -53,6 +55,7 @@ from node_agent.checking.behaviour import ServiceBehaviour
 from node_agent.checking.context import CheckContext
 from node_agent.checking.hca_metrics import HcaPortErrors
 from node_agent.checking.params import Reader
+from node_agent.checking.thresholds import refuse_thresholds
 from node_agent.host import infiniband
 from node_agent.kernel_log import LogRecord
 from node_agent.kernel_log.mlx5_lines import Mlx5Line, parse_mlx5_line
@@ -61,6 +64,9 @@ from node_agent.yamlfile import ConfigError, load_yaml, validate
 
 SYSFS_ROOT = infiniband.SYSFS_ROOT
 STATE_FILE = "hca_ports.json"
+#: params that held this node's expectation before it moved to the config (node.expected_hca_*)
+MOVED_TO_NODE = ("ports", "min_rate_gbps")
+NODE_KEYS = "the config's node.expected_hca_ports and node.expected_hca_rate_gbps"
 UPTIME = Path("/proc/uptime")
 #: the most down-up cycles one run adds to a port's history (a saturated or huge jump is still
 #: "many"; the history stays small)
@@ -184,9 +190,9 @@ def grading(ctx: CheckContext) -> HcaGrading:
 class Expectation:
     """At least ``ports`` ports ACTIVE at ``min_rate_gbps`` or faster; None: not declared.
 
-    ``declared``: the count is this node's (the suite's params), not the SKU's reference build
-    (a DGX's 8): only a declared count that is short fails by itself; the NICs belong to the
-    server, and a server built with fewer is not broken. A port that was there and is gone
+    ``declared``: the count is this node's (``node.expected_hca_ports``), not the SKU's reference
+    build (a DGX's 8): only a declared count that is short fails by itself; the NICs belong to
+    the server, and a server built with fewer is not broken. A port that was there and is gone
     fails either way (``port_missing``).
     """
 
@@ -202,30 +208,30 @@ class Params:
 
     sysfs_root: str | None = None  # None: the node's (this host's SYSFS_ROOT, or a stand-in's)
     since: str = "boot"  # the mlx5 kernel lines read: since boot, or since the last run
-    ports: int | None = None  # with min_rate_gbps: this node's expectation, over the SKU's
-    min_rate_gbps: float | None = None
     ignore: tuple[str, ...] = ()  # HCAs (mlx5_1) or ports (mlx5_1/2) not judged
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> Params:
-        """ValueError naming the key and what was expected."""
+        """ValueError naming the key and what was expected (for a threshold: its home)."""
+        refuse_thresholds("hca_ports", raw, MOVED_TO_NODE, NODE_KEYS)
         r = Reader("hca_ports", raw, cls)
         return cls(
             sysfs_root=r.optional_string("sysfs_root"),
             since=r.choice("since", ("boot", "last_run")),
-            ports=r.optional_integer("ports", 0),
-            min_rate_gbps=r.optional_number("min_rate_gbps", at_least=0),
             ignore=r.strings("ignore", lone=True),
         )
 
 
 def expectation(ctx: CheckContext) -> Expectation:
-    """The suite's ``ports``/``min_rate_gbps`` params, else the SKU's ``hca`` section, else
-    nothing declared."""
-    p = ctx.typed_params(Params)
-    if p.ports is not None or p.min_rate_gbps is not None:
+    """This node's ``node.expected_hca_ports``/``expected_hca_rate_gbps``, else the SKU's
+    ``hca`` section, else nothing declared."""
+    node = ctx.config.node
+    if node.expected_hca_ports is not None or node.expected_hca_rate_gbps is not None:
         return Expectation(
-            p.ports, p.min_rate_gbps, "the suite's params", declared=p.ports is not None
+            node.expected_hca_ports,
+            node.expected_hca_rate_gbps,
+            "node.expected_hca_ports in the config",
+            declared=node.expected_hca_ports is not None,
         )
     if ctx.sku is None:
         return Expectation(None, None, "no SKU")
@@ -407,8 +413,8 @@ def _port_count(
         tail = ": an HCA is missing, down or trained at a lower rate"
     else:
         tail = (
-            " in its reference build; this server has fewer (set the check's `ports` "
-            "param to this server's count to grade a missing one)"
+            " in its reference build; this server has fewer (set the config's "
+            "node.expected_hca_ports to this server's count to grade a missing one)"
         )
     return ctx.result(
         "node",

@@ -144,7 +144,9 @@ def test_port_down_is_a_fail_naming_the_hca_and_port(tree, tmp_path):
 def test_fewer_ports_than_a_declared_count_fail(tree, tmp_path):
     eight_ports(tree)
     set_state(tree, "mlx5_3", "1: DOWN")
-    count = by(run(make_ctx(tree, tmp_path / "state", ports=8), T0), "node", "port_count")
+    ctx = make_ctx(tree, tmp_path / "state")
+    ctx.config = config_from_dict({"node": {"expected_hca_ports": 8}})
+    count = by(run(ctx, T0), "node", "port_count")
     assert count.status is Status.FAIL and count.value == 7
 
 
@@ -155,7 +157,8 @@ def test_fewer_ports_than_the_skus_reference_build_is_evidence_not_a_fail(tree, 
         make_port(tree, f"mlx5_{n}")
     count = by(run(make_ctx(tree, tmp_path / "state"), T0), "node", "port_count")
     assert count.status is Status.PASS and count.evidence["declared"] is False
-    assert "has at least 8 in its reference build" in count.detail and "`ports`" in count.detail
+    assert "has at least 8 in its reference build" in count.detail
+    assert "node.expected_hca_ports" in count.detail
 
 
 def test_a_port_that_vanished_since_the_last_run_fails_until_it_is_back(tree, tmp_path):
@@ -202,14 +205,17 @@ def test_without_a_sku_expectation_a_port_below_its_peers_fails(tree, tmp_path):
     assert not [r for r in results if r.metric == "port_count"]
 
 
-def test_params_override_the_sku_and_ignore_an_unused_port(tree, tmp_path):
+def test_the_nodes_declared_ports_override_the_sku_and_ignore_skips_an_unused_port(tree, tmp_path):
     for n in range(4):
         make_port(tree, f"mlx5_{n}")
     make_port(tree, "mlx5_1", port="2", state="1: DOWN", phys="3: Disabled")
-    results = run(
-        make_ctx(tree, tmp_path / "state", ports=4, min_rate_gbps=400, ignore=["mlx5_1/2"]), T0
+    ctx = make_ctx(tree, tmp_path / "state", ignore=["mlx5_1/2"])
+    ctx.config = config_from_dict(
+        {"node": {"expected_hca_ports": 4, "expected_hca_rate_gbps": 400}}
     )
-    assert by(results, "node", "port_count").status is Status.PASS
+    results = run(ctx, T0)
+    count = by(results, "node", "port_count")
+    assert count.status is Status.PASS and "node.expected_hca_ports" in count.detail
     ignored = by(results, "hca:mlx5_1/2", "link_state")
     assert ignored.status is Status.SKIP and "ignore" in ignored.detail
 
@@ -548,6 +554,20 @@ def test_an_old_hca_file_in_graders_dir_stops_the_check_instead_of_passing(tree,
     ctx.config = config_from_dict({"graders_dir": str(graders)})
     with pytest.raises(ConfigError, match="skus"):
         run(ctx, T0)
+
+
+def test_a_declared_port_count_short_of_active_ports_fails_naming_the_config_key(tree, tmp_path):
+    for n in range(3):
+        make_port(tree, f"mlx5_{n}")
+    ctx = make_ctx(tree, tmp_path / "state")
+    ctx.config = config_from_dict({"node": {"expected_hca_ports": 4}})
+    count = by(run(ctx, T0), "node", "port_count")
+    assert count.status is Status.FAIL and "node.expected_hca_ports" in count.detail
+
+
+def test_a_suite_that_still_declares_ports_is_refused_naming_the_config_key():
+    with pytest.raises(ValueError, match="node.expected_hca_ports"):
+        hca_ports.Params.parse({"ports": 8, "min_rate_gbps": 400})
 
 
 def test_a_bad_since_param_is_refused_saying_what_is_expected():

@@ -77,16 +77,9 @@ NAMED = frozenset().union(*NAMED_JUDGING.values())
 #: carry one (none of the shipped suites does). Each moves to a graders file when its module is
 #: next changed (docs/thresholds.md, "Not yet in one home"); the list may only shrink: a check
 #: that no longer takes the key fails this test until its line goes.
-PARAMS_STILL_JUDGING: dict[str, frozenset[str]] = {
-    "hca_ports": NAMED_JUDGING["hca_ports"],
-}
+PARAMS_STILL_JUDGING: dict[str, frozenset[str]] = {}
 #: Keys written in two kinds of file today, and why (the same may-only-shrink rule).
-KNOWN_SECOND_HOMES: dict[str, frozenset[str]] = {
-    # hca_ports' params override the SKU's hca section "for a server built otherwise": a
-    # per-node expectation, which belongs beside node.expected_gpus in the config
-    "ports": frozenset({"sku", "suite params"}),
-    "min_rate_gbps": frozenset({"sku", "suite params"}),
-}
+KNOWN_SECOND_HOMES: dict[str, frozenset[str]] = {}
 
 
 def is_judging(key: str, check: str | None = None) -> bool:
