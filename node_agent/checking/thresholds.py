@@ -23,12 +23,6 @@ from node_agent.yamlfile import ConfigError, load_yaml
 _READ: dict[str, tuple[tuple[int, int], Any]] = {}
 
 
-def topic_path(config: Config, topic: str) -> Path:
-    """Where ``topic``'s thresholds are read: the operator's file, else the shipped one."""
-    own = graders_dir(config) / f"{topic}.yaml"
-    return own if own.is_file() else shipped_graders_dir() / f"{topic}.yaml"
-
-
 def load_topic(config: Config, topic: str, schema: dict[str, Any], what: str) -> dict[str, Any]:
     """``graders/<topic>.yaml``: the operator's keys (``config.graders_dir``) over the shipped
     file's. ConfigError naming the file and key when either does not validate against
