@@ -29,6 +29,7 @@ scheduler noise.
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -78,10 +79,12 @@ class ComputeSpec:
 
 
 def torch_missing_reason() -> str | None:
-    """None when torch imports; otherwise the operator's next step."""
-    try:
-        import torch  # noqa: F401
-    except ImportError:
+    """None when torch is installed; otherwise the operator's next step.
+
+    Asks the import system rather than importing: on a stand-in node only the workers compute,
+    and an import here would cost this process seconds of CPU for nothing. A torch that is
+    installed but does not import fails in the worker, which reports it as the check's error."""
+    if importlib.util.find_spec("torch") is None:
         return (
             missing_message("torch", "torch", "the load tests (burn, thermal, HBM, PCIe, SDC)")
             + " (a CUDA build on GPU hosts)"
@@ -276,7 +279,8 @@ class ComputeDevice:
         out: dict[str, Any] = {
             "device": str(self.device),
             "simulated": self.spec.simulated,
-            "torch": torch.__version__,
+            # a str: torch's version is a TorchVersion, and unpickling one imports torch
+            "torch": str(torch.__version__),
         }
         if self.device.type == "cuda":
             out["cuda_name"] = torch.cuda.get_device_name(self.device)

@@ -61,7 +61,16 @@ def deterministic() -> None:
     import torch
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=False)
+    # torch.use_deterministic_algorithms also sets Inductor's deterministic mode, importing
+    # Inductor, Dynamo and sympy (seconds of CPU in every rank) for a compiler the agent never
+    # runs; the eager kernels' switch is the flag it sets underneath, read back publicly below
+    eager_switch = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if eager_switch is None:
+        torch.use_deterministic_algorithms(True, warn_only=False)
+    else:
+        eager_switch(True, warn_only=False)
+    if not torch.are_deterministic_algorithms_enabled():
+        raise RuntimeError("torch did not take deterministic algorithms; stop-check cannot run")
     m = torch.backends.cuda.matmul
     m.allow_tf32 = False
     m.allow_bf16_reduced_precision_reduction = False
