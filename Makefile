@@ -68,10 +68,18 @@ demo: deps-demo
 		     "(exit 4)" >&2; exit 1; \
 	fi
 
-# The system packages (apt) and the Python ones (pip) download at once: neither needs the other.
+# The system packages (apt) and the Python ones download at once: neither needs the other.
+# torch comes through pip, whose settings on the host (an index of CPU builds, say) choose its
+# build; the rest through uv, which resolves and installs them in seconds where pip took a
+# minute (pip does it where uv cannot). Neither compiles bytecode ahead (pip spent half a minute
+# of one core on torch's 2,300 files): the tests' processes write it for the modules they
+# import (tests/conftest.py).
 $(VENV)/.test-deps: $(BIN)/node-agent scripts/install-test-system-deps
 	scripts/install-test-system-deps & apt=$$!; \
-	$(BIN)/pip install --quiet "$(TORCH_TEST_SPEC)" -e '.[dev,k8s]'; pip=$$?; \
+	$(BIN)/pip install --quiet --no-compile "$(TORCH_TEST_SPEC)" uv \
+		&& { $(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[dev,k8s]' \
+			|| { echo "make: uv could not install the test dependencies (above); pip does" >&2; \
+				$(BIN)/pip install --quiet --no-compile -e '.[dev,k8s]'; }; }; pip=$$?; \
 	wait $$apt; apt=$$?; \
 	if [ $$apt -ne 0 ]; then echo "make: scripts/install-test-system-deps failed" >&2; exit $$apt; fi; \
 	exit $$pip

@@ -28,20 +28,20 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Compile the agent's modules to bytecode once, before any test starts an agent.
+    """Let every process of the run write the bytecode of what it imports.
 
     Where ``PYTHONDONTWRITEBYTECODE`` is set (as on some CI hosts) no process writes a ``.pyc``,
-    and every ``node-agent`` a test starts (hundreds in ``make test``) compiled the package's
-    modules from source again; a ``.pyc`` that exists is still read. Once per run, by the xdist
-    controller (or the only process), before its workers start; a module edited later is
-    compiled again by whoever imports it, as Python checks each ``.pyc`` against its source.
-    About 1 CPU-second; a ``node-agent check`` of a simulated node then takes 1.8 CPU-seconds
-    instead of 2.2."""
-    if hasattr(config, "workerinput") or not sys.dont_write_bytecode:
-        return  # a worker, or Python writes each module's .pyc itself (once, for everyone)
-    import compileall
-
-    compileall.compile_dir(str(REPO / "node_agent"), quiet=2)
+    and every ``node-agent``, rank and stand-in a test starts (hundreds in ``make test``)
+    compiled its modules from source again: the agent's, and the dependencies' that the
+    installer left uncompiled (``make deps-test`` installs without compiling, so that only the
+    modules a test imports are ever compiled, once). Set by the xdist controller (or the only
+    process) before its workers start, so they and every child inherit it. Python checks each
+    ``.pyc`` against its source, and writes it atomically beside it, so processes that import
+    a module at once still read whole files."""
+    if hasattr(config, "workerinput"):
+        return  # a worker: the controller's environment, already without the variable
+    sys.dont_write_bytecode = False
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
