@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import shlex
 import sys
-from importlib import metadata
 
 DISTRIBUTION = "node-agent"
 
@@ -29,6 +28,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
 
 def _agent_installed() -> bool:
     """Whether this environment has node-agent's own metadata (pip can then add an extra)."""
+    from importlib import metadata  # 20 ms of imports (email's parsers), for a message only
+
     try:
         metadata.distribution(DISTRIBUTION)
     except metadata.PackageNotFoundError:

@@ -11,8 +11,7 @@ a skip or an error gives none; a failing figure, a slow GPU's, does) and the gau
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-
-from prometheus_client.core import GaugeMetricFamily, Metric
+from typing import TYPE_CHECKING
 
 from node_agent.checking.behaviour import (
     LatestResults,
@@ -23,6 +22,9 @@ from node_agent.checking.behaviour import (
     gpu_labels,
 )
 from node_agent.model import Result
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 #: a result's extra label values in the gauge, or None where the result is not its figure
 Select = Callable[[Result], list[str] | None]
@@ -55,6 +57,8 @@ def _factory(
 ) -> MetricsFactory:
     class FigureGauge(LatestResults):
         def collect(self) -> Iterator[Metric]:
+            from prometheus_client.core import GaugeMetricFamily  # the daemon's alone
+
             node, results = self.latest()
             family = GaugeMetricFamily(name, help_text, labels=["hostname", *labels])
             seen: set[tuple[str, ...]] = set()

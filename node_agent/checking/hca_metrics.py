@@ -13,11 +13,13 @@ daemon started gives the sample. An unreadable counter (None) is no series, neve
 from __future__ import annotations
 
 from collections.abc import Iterator
-
-from prometheus_client.core import GaugeMetricFamily, Metric
+from typing import TYPE_CHECKING
 
 from node_agent.checking.behaviour import LatestResults, add_once, label, number
 from node_agent.model import Target
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 #: HCA port counters (sysfs ``counters/`` names) that the rdma and hca_ports results carry
 HCA_COUNTERS = (
@@ -35,6 +37,8 @@ class HcaPortErrors(LatestResults):
     read as the hardware reports them and fall back to 0 when the driver reloads."""
 
     def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import GaugeMetricFamily  # the daemon's alone
+
         node, results = self.latest()
         family = GaugeMetricFamily(
             "node_agent_hca_port_errors",

@@ -11,11 +11,13 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-
-from prometheus_client.core import CounterMetricFamily, Metric
+from typing import TYPE_CHECKING
 
 from node_agent.checking.behaviour import NodeLabels
 from node_agent.model import Result, Status
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 #: a GPU result's status -> the outcome label
 OUTCOME = {
@@ -45,6 +47,8 @@ class SdcVerdicts:
         """Nothing to drop: a verdict count is a counter, and a counter never goes back."""
 
     def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily  # the daemon's alone
+
         hostname = self._labels().hostname
         family = CounterMetricFamily(
             "node_agent_sdc_probes",

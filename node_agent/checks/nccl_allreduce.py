@@ -52,7 +52,6 @@ from node_agent.parsers.nccl_tests import NcclTable, parse_all_reduce_perf
 
 DEFAULT_SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 24)  # 1 KiB .. 16 MiB: seconds on CPU
 DEFAULT_TIMEOUT_S = 120.0
-TORCH_MISSING = f"torch not installed ({install_command('torch')})"
 
 
 @dataclass(frozen=True)
@@ -216,7 +215,7 @@ class Params:
 
 def run(ctx: CheckContext) -> list[Result]:
     if not torch_available():
-        return [ctx.skip(TORCH_MISSING)]
+        return [ctx.skip(f"torch not installed ({install_command('torch')})")]
     p = ctx.typed_params(Params)
     sizes, iters, warmup = list(p.sizes), p.iters, p.warmup
     # finish (and kill stragglers) before the runner abandons the check

@@ -411,15 +411,6 @@ def _history(store: Store, record: NodeRecord, safety: Safety, now: float) -> di
     }
 
 
-COMMANDS = {
-    "act": cmd_act,
-    "status": cmd_status,
-    "set-healthy": cmd_set_healthy,
-    "breaker": cmd_breaker,
-    "optout": cmd_optout,
-}
-
-
 # -- helpers ----------------------------------------------------------------------------------
 def _print_escaped(text: str = "") -> None:
     """One line for the terminal: targets, reasons and details may hold text a training job

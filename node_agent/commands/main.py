@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
+from importlib import import_module
 
 from node_agent import __version__
 from node_agent.commands.reporting import EXIT_AGENT_FAILED, EXIT_USAGE, UsageError
@@ -30,12 +31,15 @@ def _common(parser: argparse.ArgumentParser) -> None:
 _Sub = argparse._SubParsersAction  # the subcommands of the ``node-agent`` parser
 
 
-def build_parser(daemon_only: bool = False) -> argparse.ArgumentParser:
-    """The ``node-agent`` parser; with ``daemon_only``, the ``daemon`` subcommand alone.
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``node-agent`` parser; where ``only`` names a command, that command's alone.
 
-    The other commands' modules import what they run (remediation, fleet analysis, the
-    simulator's capture, report writers); the daemon, a long-lived process, parses its
-    arguments without importing them and keeps its memory for its own work (docs/daemon.md)."""
+    Each command's module imports what it runs (remediation, fleet analysis, the simulator's
+    capture, stop-check's ranks, report writers): a process that runs one command parses its
+    arguments without importing the others'. The daemon, a long-lived process, keeps its memory
+    for its own work (docs/daemon.md); a short one (``check`` from Slurm's HealthCheckProgram,
+    hundreds of them in the tests) saves their imports' time. An unknown first word builds the
+    whole parser, whose error lists every command."""
     parser = argparse.ArgumentParser(
         prog="node-agent",
         description="Decide whether this GPU node is fit for service; grade it "
@@ -43,22 +47,23 @@ def build_parser(daemon_only: bool = False) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"node-agent {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    if daemon_only:
-        _add_daemon(sub)
-        return parser
-    from node_agent.commands import act, capture, hang_check, sdc, stop_check
-
-    _add_inventory(sub)
-    _add_suite_commands(sub)
-    _add_grade(sub)
-    _add_daemon(sub)
-    _add_fleet(sub)
-    act.add_commands(sub, _common)
-    sdc.add_parser(sub, _common)
-    hang_check.add_parser(sub, _common)
-    capture.add_parser(sub, _common)
-    stop_check.add_parser(sub, _common)
+    adders = [_PARSERS[only]] if only in _PARSERS else list(dict.fromkeys(_PARSERS.values()))
+    for add in adders:
+        add(sub)
     return parser
+
+
+def _module_parser(module: str) -> Callable[[_Sub[argparse.ArgumentParser]], None]:
+    """The adder of a command whose module makes its own subparser (``add_parser``)."""
+
+    def add(sub: _Sub[argparse.ArgumentParser]) -> None:
+        import_module(f"node_agent.commands.{module}").add_parser(sub, _common)
+
+    return add
+
+
+def _add_act_commands(sub: _Sub[argparse.ArgumentParser]) -> None:
+    import_module("node_agent.commands.act").add_commands(sub, _common)
 
 
 #: the one-line help of the subcommands made here
@@ -175,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # also where the scheduler starts it with a loose umask (Slurm's HealthCheckProgram)
     os.umask(0o077)
     words = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(daemon_only=words[:1] == ["daemon"]).parse_args(words)
+    args = build_parser(only=words[0] if words else None).parse_args(words)
     try:
         return command(args.command)(args)
     except (ConfigError, ReportFormatError, UsageError) as err:
@@ -197,29 +202,46 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def command(name: str) -> Callable[[argparse.Namespace], int]:
     """The function that runs subcommand ``name``, its module imported only now."""
-    if name == "daemon":
-        from node_agent.commands.daemon import cmd_daemon
+    module, function = _COMMANDS[name]
+    run: Callable[[argparse.Namespace], int] = getattr(
+        import_module(f"node_agent.commands.{module}"), function
+    )
+    return run
 
-        return cmd_daemon
-    from node_agent.commands import act, capture, hang_check, sdc, stop_check
-    from node_agent.commands.accept import cmd_run_suite
-    from node_agent.commands.fleet import cmd_fleet
-    from node_agent.commands.grade import cmd_grade
-    from node_agent.commands.inventory import cmd_inventory
 
-    commands: dict[str, Callable[[argparse.Namespace], int]] = {
-        "inventory": cmd_inventory,
-        "accept": cmd_run_suite,
-        "check": cmd_run_suite,
-        "grade": cmd_grade,
-        "fleet": cmd_fleet,
-        "sdc": sdc.run,
-        "hang-check": hang_check.run,
-        "capture": capture.run,
-        "stop-check": stop_check.cmd_stop_check,
-        **act.COMMANDS,
-    }
-    return commands[name]
+#: command -> the function that adds its subparser (one adder may add several commands)
+_PARSERS: dict[str, Callable[[_Sub[argparse.ArgumentParser]], None]] = {
+    "inventory": _add_inventory,
+    "accept": _add_suite_commands,
+    "check": _add_suite_commands,
+    "grade": _add_grade,
+    "daemon": _add_daemon,
+    "fleet": _add_fleet,
+    **dict.fromkeys(("act", "status", "set-healthy", "breaker", "optout"), _add_act_commands),
+    "sdc": _module_parser("sdc"),
+    "hang-check": _module_parser("hang_check"),
+    "capture": _module_parser("capture"),
+    "stop-check": _module_parser("stop_check"),
+}
+
+#: command -> (its module under node_agent.commands, the function there that runs it)
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "inventory": ("inventory", "cmd_inventory"),
+    "accept": ("accept", "cmd_run_suite"),
+    "check": ("accept", "cmd_run_suite"),
+    "grade": ("grade", "cmd_grade"),
+    "daemon": ("daemon", "cmd_daemon"),
+    "fleet": ("fleet", "cmd_fleet"),
+    "act": ("act", "cmd_act"),
+    "status": ("act", "cmd_status"),
+    "set-healthy": ("act", "cmd_set_healthy"),
+    "breaker": ("act", "cmd_breaker"),
+    "optout": ("act", "cmd_optout"),
+    "sdc": ("sdc", "run"),
+    "hang-check": ("hang_check", "run"),
+    "capture": ("capture", "run"),
+    "stop-check": ("stop_check", "cmd_stop_check"),
+}
 
 
 if __name__ == "__main__":

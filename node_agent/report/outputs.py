@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from node_agent.extras import install_command
 from node_agent.model import Report
 from node_agent.yamlfile import ConfigError
 
@@ -59,8 +58,8 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--html",
         metavar="PATH",
-        help="also write a self-contained HTML report with plots "
-        f"(needs the `report` extra: {install_command('report')})",
+        help="also write a self-contained HTML report with plots (needs the `report` extra; "
+        "without it, the error names the command that installs it)",
     )
     parser.add_argument(
         "--junit", metavar="PATH", help="also write JUnit XML: one test case per check and target"

@@ -73,7 +73,7 @@ def test_importing_the_daemon_loads_none_of_what_it_never_runs():
         """
         import json, sys
         from node_agent.commands.main import build_parser, command
-        build_parser(daemon_only=True)
+        build_parser(only="daemon")
         command("daemon")
         import node_agent.service.daemon
         print(json.dumps(sorted(sys.modules)))

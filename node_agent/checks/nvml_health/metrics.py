@@ -18,10 +18,12 @@ could not read a GPU takes that GPU's series away until a run reads it again.
 from __future__ import annotations
 
 from collections.abc import Iterator
-
-from prometheus_client.core import GaugeMetricFamily, Metric
+from typing import TYPE_CHECKING
 
 from node_agent.checking.behaviour import LatestResults, add_once, gpu_labels, number
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 #: result metric -> (Prometheus name, help); the sample is the result's value
 GPU_READINGS: dict[str, tuple[str, str]] = {
@@ -55,6 +57,8 @@ class NvmlReadings(LatestResults):
     """The readings of the latest ``nvml_health`` run (see the module docstring)."""
 
     def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import GaugeMetricFamily  # the daemon's alone
+
         node, results = self.latest()
         readings = {
             metric: GaugeMetricFamily(name, help_, labels=_LABELS)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
-
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from typing import TYPE_CHECKING
 
 from node_agent.checking.behaviour import NodeLabels, label, number
 from node_agent.model import Result, Status
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 #: per-process result metrics -> 1 when the result is a hang suspicion
 _PROCESS_METRICS = {"training_progress": 0, "training_straggler": 0, "training_hang": 1}
@@ -55,6 +57,11 @@ class TrainingMetrics:
             self._hung = set()
 
     def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+        )  # the daemon's alone
+
         hostname = self._labels().hostname
         with self._lock:
             latest, total = list(self._latest), self.total

@@ -49,9 +49,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-from prometheus_client.core import CounterMetricFamily, Metric
+from typing import TYPE_CHECKING, Any, Protocol
 
 from node_agent.checking.behaviour import NodeLabels, Sighting, WatchContext
 from node_agent.checking.xid_fold import Fold, Folder
@@ -70,6 +68,9 @@ from node_agent.kernel_log import (
     normalise_bus,
 )
 from node_agent.model import Result, Status
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 log = logging.getLogger(__name__)
 
@@ -419,6 +420,8 @@ class XidWatch:
     def collect(self) -> Iterator[Metric]:
         """``node_agent_gpu_xid_errors_total{gpu, uuid, code}`` (a Prometheus collector; the
         daemon registers every check's watcher in its registry)."""
+        from prometheus_client.core import CounterMetricFamily  # the daemon's alone
+
         node = self._labels() if self._labels is not None else NodeLabels("", {})
         family = CounterMetricFamily(
             "node_agent_gpu_xid_errors",
