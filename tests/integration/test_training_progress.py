@@ -249,7 +249,7 @@ def test_rank_that_stops_stepping_is_reported_hung_and_grades_error(agent, tmp_p
             f"{VERIFIED}/rank:0",
             f"{VERIFIED}/rank:1",
             f"{VERIFIED}/rank:2",
-        }
+        }, [(r["metric"], r["target"], r["status"], r["detail"]) for r in before.json()["results"]]
 
         (tmp_path / "stop.rank2").touch()  # rank 2 stops stepping; it stays alive
         seen = _poll(agent, suite, lambda rep: _by_metric(rep, "training_hang"))
