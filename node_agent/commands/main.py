@@ -47,7 +47,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"node-agent {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    adders = [_PARSERS[only]] if only in _PARSERS else list(dict.fromkeys(_PARSERS.values()))
+    every = dict.fromkeys(add for add, _, _ in _COMMANDS.values())
+    adders = [_COMMANDS[only][0]] if only in _COMMANDS else list(every)
     for add in adders:
         add(sub)
     return parser
@@ -202,45 +203,31 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def command(name: str) -> Callable[[argparse.Namespace], int]:
     """The function that runs subcommand ``name``, its module imported only now."""
-    module, function = _COMMANDS[name]
+    _, module, function = _COMMANDS[name]
     run: Callable[[argparse.Namespace], int] = getattr(
         import_module(f"node_agent.commands.{module}"), function
     )
     return run
 
 
-#: command -> the function that adds its subparser (one adder may add several commands)
-_PARSERS: dict[str, Callable[[_Sub[argparse.ArgumentParser]], None]] = {
-    "inventory": _add_inventory,
-    "accept": _add_suite_commands,
-    "check": _add_suite_commands,
-    "grade": _add_grade,
-    "daemon": _add_daemon,
-    "fleet": _add_fleet,
-    **dict.fromkeys(("act", "status", "set-healthy", "breaker", "optout"), _add_act_commands),
-    "sdc": _module_parser("sdc"),
-    "hang-check": _module_parser("hang_check"),
-    "capture": _module_parser("capture"),
-    "stop-check": _module_parser("stop_check"),
-}
-
-#: command -> (its module under node_agent.commands, the function there that runs it)
-_COMMANDS: dict[str, tuple[str, str]] = {
-    "inventory": ("inventory", "cmd_inventory"),
-    "accept": ("accept", "cmd_run_suite"),
-    "check": ("accept", "cmd_run_suite"),
-    "grade": ("grade", "cmd_grade"),
-    "daemon": ("daemon", "cmd_daemon"),
-    "fleet": ("fleet", "cmd_fleet"),
-    "act": ("act", "cmd_act"),
-    "status": ("act", "cmd_status"),
-    "set-healthy": ("act", "cmd_set_healthy"),
-    "breaker": ("act", "cmd_breaker"),
-    "optout": ("act", "cmd_optout"),
-    "sdc": ("sdc", "run"),
-    "hang-check": ("hang_check", "run"),
-    "capture": ("capture", "run"),
-    "stop-check": ("stop_check", "cmd_stop_check"),
+#: command -> (the function that adds its subparser, one for several commands where they share
+#: it; its module under node_agent.commands; the function there that runs it)
+_COMMANDS: dict[str, tuple[Callable[[_Sub[argparse.ArgumentParser]], None], str, str]] = {
+    "inventory": (_add_inventory, "inventory", "cmd_inventory"),
+    "accept": (_add_suite_commands, "accept", "cmd_run_suite"),
+    "check": (_add_suite_commands, "accept", "cmd_run_suite"),
+    "grade": (_add_grade, "grade", "cmd_grade"),
+    "daemon": (_add_daemon, "daemon", "cmd_daemon"),
+    "fleet": (_add_fleet, "fleet", "cmd_fleet"),
+    "act": (_add_act_commands, "act", "cmd_act"),
+    "status": (_add_act_commands, "act", "cmd_status"),
+    "set-healthy": (_add_act_commands, "act", "cmd_set_healthy"),
+    "breaker": (_add_act_commands, "act", "cmd_breaker"),
+    "optout": (_add_act_commands, "act", "cmd_optout"),
+    "sdc": (_module_parser("sdc"), "sdc", "run"),
+    "hang-check": (_module_parser("hang_check"), "hang_check", "run"),
+    "capture": (_module_parser("capture"), "capture", "run"),
+    "stop-check": (_module_parser("stop_check"), "stop_check", "cmd_stop_check"),
 }
 
 
