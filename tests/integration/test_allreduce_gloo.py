@@ -120,9 +120,15 @@ def _left_behind(before: set[int], within_s: float = 5.0) -> set[int]:
 
 
 def _worker_pids() -> set[int]:
+    """This test's rank processes: ``run_ranks`` starts them as children of this process, so
+    the other xdist worker's ranks (an agent's all-reduce check running meanwhile) are not
+    counted."""
     pids = set()
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info["cmdline"] or []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = p.cmdline()
+        except psutil.Error:  # ended, or a zombie: not left running
+            continue
         if "node_agent.compute.allreduce" in cmd:
             pids.add(p.pid)
     return pids
