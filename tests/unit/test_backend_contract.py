@@ -374,6 +374,10 @@ NVML_FAULTS = {
 }
 #: the SKU each fault's parity case runs on (the rest: an H100)
 FAULT_SKU = {k: "gb200-186gb" for k in ("fabric_degraded", "fabric_incomplete", "wrong_clique")}
+#: how long a parity case's NVML call may take before it counts as hung: what ``driver_hang``
+#: costs its case, and long enough that a loaded test machine (three xdist workers on two
+#: cores) never makes a healthy call look hung (0.3 s did once)
+HUNG_CALL_S = 1.0
 
 
 def test_every_nvml_level_fault_kind_has_a_parity_case():
@@ -391,8 +395,8 @@ def test_nvml_backend_reads_each_fault_as_the_simulator_shows_it(fake_nvml, kind
         faults=(fault,),
         compute_processes=(ComputeProcess(gpu=0, pid=4242, used_memory_mib=512),),
     )
-    sim = SimGpuBackend(scenario, _sku(scenario.sku), call_timeout_s=0.3)
-    nvml = fake_nvml(scenario, call_timeout_s=0.3)
+    sim = SimGpuBackend(scenario, _sku(scenario.sku), call_timeout_s=HUNG_CALL_S)
+    nvml = fake_nvml(scenario, call_timeout_s=HUNG_CALL_S)
     sim_readings, nvml_readings = _node_readings(sim), _node_readings(nvml)
     if kind in ("missing_gpu", "pci_only"):  # the same GPUs, numbered by NVML without the gap
         for reading in sim_readings:
@@ -517,7 +521,7 @@ def test_a_scenario_virtualization_key_reads_the_same_through_the_simulator_and_
     assert bare.devices()[0].virtualization_mode() == "none"
 
 
-def _state_nvml(scenario, switches=(), call_timeout_s=0.3):
+def _state_nvml(scenario, switches=(), call_timeout_s=HUNG_CALL_S):
     backend = NvmlBackend(
         StateNvml(render(scenario, _sku(scenario.sku), switches).splitlines()), call_timeout_s
     )
@@ -540,7 +544,7 @@ def test_the_python_replay_answers_nvml_as_the_stand_in_library_does(fake_nvml, 
         virtualization="pass_through",
         compute_processes=(ComputeProcess(gpu=0, pid=4242, used_memory_mib=512),),
     )
-    python, c = _state_nvml(scenario), fake_nvml(scenario, call_timeout_s=0.3)
+    python, c = _state_nvml(scenario), fake_nvml(scenario, call_timeout_s=HUNG_CALL_S)
     try:
         assert _node_readings(python) == _node_readings(c)
         assert python.driver() == c.driver()
