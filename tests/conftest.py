@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +20,8 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from preloaded_agent import Invocation, Zygote  # noqa: E402  (tests/preloaded_agent.py)
 
 # hooks: pytest finds them by name in this module
 from realworld_ci import pytest_make_collect_report, pytest_runtest_makereport  # noqa: E402, F401
@@ -139,41 +141,26 @@ def agent_args(args: tuple[str, ...], home: Path) -> list[str]:
     return list(args)
 
 
-def run_agent(args: tuple[str, ...], home: Path, timeout: float = AGENT_TIMEOUT_S, env=None) -> Run:
-    """Run ``node-agent ARGS`` in ``home`` through its console entry point (``agent_args``)."""
-    argv = [
-        sys.executable,
-        "-c",
-        "import sys; from node_agent.commands.main import main; sys.exit(main())",
-        *agent_args(args, home),
-    ]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=home, env=env)
-    return Run(proc.returncode, proc.stdout, proc.stderr)
-
-
-@pytest.fixture
-def agent(tmp_path):
-    """Run ``node-agent ARGS`` as a subprocess through its console entry point."""
-
-    def run(*args: str, timeout: float = AGENT_TIMEOUT_S) -> Run:
-        return run_agent(args, tmp_path, timeout)
-
-    return run
+def run_agent(zygote: Zygote, args: tuple[str, ...], home: Path, timeout: float, env=None) -> Run:
+    """``node-agent ARGS`` (``agent_args``) run in ``home`` with ``env`` (by default this
+    process's environment), a fork of ``zygote``."""
+    inv = Invocation(agent_args(args, home), dict(os.environ if env is None else env), home, "-c")
+    [(code, out, err)] = zygote.run([inv], timeout)
+    return Run(code, out, err)
 
 
 @pytest.fixture(scope="session")
 def agent_zygote(tmp_path_factory):
-    """This worker's zygote (tests/preloaded_agent.py): an interpreter that imported torch and
-    the agent's commands once, forking each ``preloaded_agent`` run; started at first use, and
-    again if a run's timeout killed it."""
-    from preloaded_agent import Zygote
-
+    """This worker's zygote (tests/preloaded_agent.py, which says what its forks do not show):
+    an interpreter that imported torch, every command and every check once. Each test's
+    ``node-agent`` is a fork of it, not a fresh interpreter importing them again (hundreds of
+    runs in ``make test``). Started at first use, and again if a run's timeout killed it."""
     holder: dict[str, Zygote] = {}
     base = tmp_path_factory.mktemp("zygote")
 
     def get() -> Zygote:
         if "z" not in holder or not holder["z"].alive:
-            holder["z"] = Zygote(base / f"z{len(list(base.iterdir()))}", ("accept",))
+            holder["z"] = Zygote(base / f"z{len(list(base.iterdir()))}")
         return holder["z"]
 
     yield get
@@ -182,19 +169,13 @@ def agent_zygote(tmp_path_factory):
 
 
 @pytest.fixture
-def preloaded_agent(tmp_path, agent_zygote):
-    """``agent``, but each ``node-agent`` a fork of this worker's zygote (``agent_zygote``),
-    which imported torch once, rather than a fresh interpreter importing it again: for the
-    tests whose runs compute with torch (the burn, the bandwidth and SDC checks), where that
-    import is most of a run's start. The run is the same ``main(argv)`` as ``agent``'s in a
-    process of its own (its environment, working directory, stdout and stderr); what it does
-    not show is the console script's start, which ``agent``'s tests show."""
-    from preloaded_agent import Invocation
+def agent(tmp_path, agent_zygote):
+    """Run ``node-agent ARGS`` in ``tmp_path``: ``main(argv)`` as the console script runs it, in
+    a process of its own (its environment, working directory, stdout and stderr) forked from
+    this worker's zygote (``agent_zygote``)."""
 
     def run(*args: str, timeout: float = AGENT_TIMEOUT_S) -> Run:
-        inv = Invocation(agent_args(args, tmp_path), dict(os.environ), tmp_path, argv0="-c")
-        [(code, out, err)] = agent_zygote().run([inv], timeout)
-        return Run(code, out, err)
+        return run_agent(agent_zygote(), args, tmp_path, timeout)
 
     return run
 
@@ -206,22 +187,24 @@ class ModuleAgent:
     (function fixtures, that one included, start after a module's)."""
 
     home: Path
+    zygote: Callable[[], Zygote]  # agent_zygote
 
     def __call__(self, *args: str, timeout: float = AGENT_TIMEOUT_S) -> Run:
         log = self.home / "owned-kernel-log.txt"
         if not log.exists():
             log.write_text("")
             log.chmod(0o644)
-        return run_agent(args, self.home, timeout, env={**os.environ, KERNEL_LOG_ENV: str(log)})
+        env = {**os.environ, KERNEL_LOG_ENV: str(log)}
+        return run_agent(self.zygote(), args, self.home, timeout, env)
 
 
 @pytest.fixture(scope="module")
-def module_agent(tmp_path_factory) -> ModuleAgent:
-    return ModuleAgent(tmp_path_factory.mktemp("module-agent"))
+def module_agent(tmp_path_factory, agent_zygote) -> ModuleAgent:
+    return ModuleAgent(tmp_path_factory.mktemp("module-agent"), agent_zygote)
 
 
 @pytest.fixture(scope="session")
-def healthy_delivery(tmp_path_factory) -> Run:
+def healthy_delivery(tmp_path_factory, agent_zygote) -> Run:
     """One ``node-agent accept`` of a healthy simulated H100 node (8 GPUs) with every check of
     the shipped delivery suite, as the tests run it (``tests/delivery_suite.py``), ``--json``.
 
@@ -232,7 +215,7 @@ def healthy_delivery(tmp_path_factory) -> Run:
     so ``make test`` runs it once."""
     from delivery_suite import PATIENT_AGENT_TIMEOUT_S, delivery_suite
 
-    agent = ModuleAgent(tmp_path_factory.mktemp("healthy-delivery"))
+    agent = ModuleAgent(tmp_path_factory.mktemp("healthy-delivery"), agent_zygote)
     node = agent.home / "healthy-h100.yaml"
     node.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 8, "faults": []}))
     suite = delivery_suite(agent.home)

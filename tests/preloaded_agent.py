@@ -1,17 +1,21 @@
-"""Run several ``node-agent`` processes as forks of one interpreter that imported torch once.
+"""Run ``node-agent`` processes as forks of one interpreter that imported the agent once.
 
-A multi-rank test (six stop-check ranks, say) otherwise starts six interpreters that each import
-torch, several CPU-seconds apiece on a small CI machine, before the ranks do anything the test
-is about. Here one Python process (the *zygote*) imports torch and the agent's commands, then
-forks one child per invocation; each child is a real process of its own (its pid, environment,
-working directory, stdout and stderr), runs ``node_agent.commands.main.main(argv)`` exactly as
-the ``node-agent`` console script does, and exits with its code through the interpreter's
-normal shutdown. Nothing in the zygote runs torch before it forks (no thread pool, no process
-group): the children start torch.distributed themselves.
+Every test that runs ``node-agent`` would otherwise start an interpreter that imports the
+agent (a third of a simulated ``check``'s CPU) and, for the compute checks and the stop-check
+ranks, torch (several CPU-seconds on a small CI machine), hundreds of times in ``make test``.
+Here one Python process (the *zygote*) imports torch, every command and every registered check
+once, then forks one child per invocation; each child is a real process of its own (its pid,
+environment, working directory, stdout and stderr), runs ``node_agent.commands.main.main(argv)``
+exactly as the ``node-agent`` console script does, and exits with its code through the
+interpreter's normal shutdown. Nothing in the zygote runs torch before it forks (no thread pool,
+no process group): the children start torch.distributed themselves.
 
-What this does not prove: how a launcher starts the console script. Tests of the launchers
-(torchrun, srun) and of what torch prints before the agent can set its log level start real
-``node-agent`` processes instead.
+What this does not prove: how the console script starts (what an import prints before the
+agent sets its log level, what the dynamic loader reads from the environment at exec, such as
+``LD_LIBRARY_PATH``), and how a launcher (torchrun, srun, Slurm's scripts, the image) starts
+it. The tests of those start real ``node-agent`` processes instead: tests/integration/
+test_image.py, test_slurm_scripts.py, test_nvml_fake.py, the bare work tree's in
+tests/unit/test_gpu_validate_harness.py, and the security tests' own ``run_agent``.
 """
 
 from __future__ import annotations
@@ -22,20 +26,24 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 #: the zygote: imports, then reads JSON lists of invocations on stdin, one list a line; for each
 #: it forks one child per invocation, waits for them all and prints ``{"<index>": exit code}``
 ZYGOTE = r"""
-import gc, json, os, sys
+import gc, importlib, json, os, sys
 try:  # imported once, for every child; a host without torch runs the agent without it
     import torch.distributed  # noqa: F401
 except ImportError:
     pass
-from node_agent.commands.main import command, main
-for name in sys.argv[1:]:
-    command(name)  # the subcommand's modules imported too
+from node_agent.checking.registry import REGISTRY
+from node_agent.commands.main import _COMMANDS, command, main
+for name in _COMMANDS:
+    command(name)  # each subcommand's module imported too
+for module in REGISTRY.values():
+    importlib.import_module(module)  # and each check's
 gc.freeze()  # what is loaded stays shared: no child's collection walks or copies it
 for line in sys.stdin:
     pids = {}
@@ -70,16 +78,17 @@ class Invocation:
 
 
 class Zygote:
-    """One zygote (see :data:`ZYGOTE`), kept for several batches of invocations: the tests of
-    a module that each run ``node-agent`` share its imports. Close it when done (a
-    module-scoped fixture); on a timeout it is killed with every child."""
+    """One zygote (see :data:`ZYGOTE`), kept for many batches of invocations: the tests that
+    each run ``node-agent`` share its imports. Close it when done (the session's fixture); on a
+    timeout it is killed with every child."""
 
-    def __init__(self, tmp: Path, subcommands: tuple[str, ...]) -> None:
+    def __init__(self, tmp: Path) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         self.tmp = tmp
         self.batches = 0
+        self.lock = threading.Lock()  # one batch at a time: a test's threads may each run one
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", ZYGOTE, *subcommands],
+            [sys.executable, "-c", ZYGOTE],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -91,6 +100,10 @@ class Zygote:
         """Run every invocation at once, each a fork of the zygote; (exit code, stdout,
         stderr) per invocation, in order. ``subprocess.TimeoutExpired`` after ``timeout``,
         the zygote and its children killed."""
+        with self.lock:
+            return self._run(invocations, timeout)
+
+    def _run(self, invocations: list[Invocation], timeout: float) -> list[tuple[int, str, str]]:
         self.batches += 1
         base = self.tmp / f"batch-{self.batches}"
         base.mkdir()
@@ -148,15 +161,3 @@ def _readline(proc: subprocess.Popen[str], timeout: float) -> str:
         proc.wait()
         raise subprocess.TimeoutExpired(proc.args, timeout)
     return proc.stdout.readline()
-
-
-def run_forked(
-    invocations: list[Invocation], tmp: Path, timeout: float, subcommand: str
-) -> list[tuple[int, str, str]]:
-    """Run every invocation at once, each a fork of a zygote that imported torch and the
-    agent's ``subcommand``, made for them alone; (exit code, stdout, stderr) per invocation."""
-    zygote = Zygote(tmp, (subcommand,))
-    try:
-        return zygote.run(invocations, timeout)
-    finally:
-        zygote.close()

@@ -18,13 +18,6 @@ from node_agent.gpu import open_backend
 ONLY = ("--only", "hbm_bandwidth,pcie_bandwidth")
 
 
-@pytest.fixture
-def agent(preloaded_agent):
-    """The checks here copy on torch's CPU stand-ins: each ``node-agent`` is a fork of an interpreter that imported
-    it once (``preloaded_agent``, tests/conftest.py), not a fresh import per run."""
-    return preloaded_agent
-
-
 METRICS = {
     "hbm_bandwidth": {"copy_gbps"},
     "pcie_bandwidth": {

@@ -21,13 +21,6 @@ from node_agent.gpu import open_backend
 ONLY = ("--only", "gpu_burn,thermal_power")
 
 
-@pytest.fixture
-def agent(preloaded_agent):
-    """The checks here burn with torch: each ``node-agent`` is a fork of an interpreter that imported
-    it once (``preloaded_agent``, tests/conftest.py), not a fresh import per run."""
-    return preloaded_agent
-
-
 def accept(agent, scenario_path, burn_s=None):
     """``accept`` of the burn and thermal_power as the delivery suite ships them; ``burn_s``
     shortens the stand-in burn whose load thermal_power reads (tests/delivery_suite.py)."""

@@ -17,13 +17,6 @@ SDC6 = [{"kind": "sdc", "gpu": 6}]
 SCENARIOS = Path(__file__).resolve().parents[2] / "scenarios"
 
 
-@pytest.fixture
-def agent(preloaded_agent):
-    """Every run here probes with torch: each ``node-agent`` is a fork of an interpreter that
-    imported it once (``preloaded_agent``, tests/conftest.py), not a fresh import per run."""
-    return preloaded_agent
-
-
 def config(tmp_path) -> str:
     path = tmp_path / "agent-config.yaml"  # the same file the agent fixture writes
     if not path.exists():

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from preloaded_agent import Invocation, run_forked
+from preloaded_agent import Invocation, Zygote
 
 pytest.importorskip("torch", reason="stop-check computes with torch: make deps-test")
 
@@ -131,14 +131,15 @@ def finish(procs: dict[int, subprocess.Popen]) -> dict[int, tuple[int, str]]:
 
 
 def run_ranks(
-    ranks, world: int, args: list[str], port: int, cwd: Path
+    zygote: Zygote, ranks, world: int, args: list[str], port: int, cwd: Path
 ) -> dict[int, tuple[int, str]]:
     """The given ranks run to their end, as :func:`spawn` and :func:`finish` run them, but each
-    a fork of one interpreter that imported torch once (tests/preloaded_agent.py): every rank
-    is still a process of its own joined by real gloo; only the imports are shared."""
+    a fork of this worker's zygote, which imported torch once (``agent_zygote``,
+    tests/preloaded_agent.py): every rank is still a process of its own joined by real gloo;
+    only the imports are shared."""
     ranks = list(ranks)
     invocations = [Invocation(["stop-check", *args], rank_env(r, world, port), cwd) for r in ranks]
-    done = run_forked(invocations, cwd / "ranks", RUN_TIMEOUT_S, "stop-check")
+    done = zygote.run(invocations, RUN_TIMEOUT_S)
     return {r: (code, err) for r, (code, _, err) in zip(ranks, done, strict=True)}
 
 
@@ -193,7 +194,7 @@ def test_a_healthy_six_node_job_under_torchrun_names_no_suspect(job, tmp_path):
         assert node_report(job.out, f"node{r}")["grade"]["level"] == "HEALTHY"
 
 
-def test_each_phase_names_exactly_its_bad_node_and_act_drains_them(job, tmp_path):
+def test_each_phase_names_exactly_its_bad_node_and_act_drains_them(job, tmp_path, agent_zygote):
     """node1 fails its quick suite (Xid 79), node3's link is slow, node4's GPU 1 corrupts every
     product: each phase names exactly its node, and --act drains each through the remediation."""
     scen = job(
@@ -209,7 +210,7 @@ def test_each_phase_names_exactly_its_bad_node_and_act_drains_them(job, tmp_path
         "--adapter",
         "log",
     ]
-    codes = run_ranks(range(NODES), NODES, args, free_port(), tmp_path)
+    codes = run_ranks(agent_zygote(), range(NODES), NODES, args, free_port(), tmp_path)
     data = summary(job.out)
     assert named(data, "self") == {("node1", None)}
     assert named(data, "neighbours") == {("node3", None)}
@@ -226,7 +227,7 @@ def test_each_phase_names_exactly_its_bad_node_and_act_drains_them(job, tmp_path
         assert report["grade"]["level"] == "HEALTHY" and report["actions"] == []
 
 
-def test_replay_names_the_node_whose_sm_corrupts_now_and_then(job, tmp_path):
+def test_replay_names_the_node_whose_sm_corrupts_now_and_then(job, tmp_path, agent_zygote):
     scen = job({2: [{"kind": "sdc", "gpu": 6, "sm": 17, "rate": 0.3}]})
     args = [
         *job.args(scen),
@@ -234,7 +235,7 @@ def test_replay_names_the_node_whose_sm_corrupts_now_and_then(job, tmp_path):
         "--rounds",
         "4",
     ]
-    run_ranks(range(NODES), NODES, args, free_port(), tmp_path)
+    run_ranks(agent_zygote(), range(NODES), NODES, args, free_port(), tmp_path)
     data = summary(job.out)
     assert named(data, "replay") == {("node2", None)}
     assert named(data) <= {("node2", None), ("node2", 6)}
@@ -282,14 +283,16 @@ def test_a_slurm_step_names_the_bad_node_and_evicts_its_parallel_group(job, slur
     assert data["evict"] == ["node2", "node3"]
 
 
-def test_a_rank_that_never_joins_is_named_by_rank_0_and_the_others_exit_2(job, tmp_path):
+def test_a_rank_that_never_joins_is_named_by_rank_0_and_the_others_exit_2(
+    job, tmp_path, agent_zygote
+):
     scen = job(nodes=3)
     args = [
         *job.args(scen),
         "--join-timeout-s",
         "5",
     ]
-    codes = run_ranks(range(2), 3, args, free_port(), tmp_path)
+    codes = run_ranks(agent_zygote(), range(2), 3, args, free_port(), tmp_path)
     assert {r: c for r, (c, _) in codes.items()} == {0: 2, 1: 2}
     assert "rank 2 did not join" in codes[0][1]
     data = summary(job.out)
