@@ -93,13 +93,14 @@ nvml-fake: venv
 
 # The claims the code makes are checked (lint: ruff and the format first, mypy beside the tests,
 # its output after theirs), and the tests, every one of them, on TEST_WORKERS pytest-xdist
-# workers (one per core of a 2-core CI machine: on four, timing tests of the daemon, the hang
+# workers: three on a 2-core CI machine, where a quarter of the CPU idled under two while tests
+# waited on daemons, Slurm and stall timers (on four, timing tests of the daemon, the hang
 # sampler and gloo's time limit failed under their load). mypy reads about 3,000 modules (torch's
 # and the Kubernetes client's types too): a minute of one core, spent while the workers start
 # and wait on their children. --dist loadgroup keeps the tests of one xdist_group on one worker
 # (the Slurm test cluster, a module's shared run; pyproject.toml). TEST_WORKERS=0: one process,
 # as plain `pytest` runs. make test fails when either fails.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 test: lint-style nvml-fake
 	@$(BIN)/mypy > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
 	echo "$(BIN)/python -m pytest -q -m \"not gpu\" -n $(TEST_WORKERS) --dist loadgroup $(ARGS)"; \
