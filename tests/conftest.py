@@ -21,16 +21,21 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import tmpfs_tmpdir  # noqa: E402  (tests/tmpfs_tmpdir.py)
 from preloaded_agent import Invocation, Zygote  # noqa: E402  (tests/preloaded_agent.py)
 
 # hooks: pytest finds them by name in this module
 from realworld_ci import pytest_make_collect_report, pytest_runtest_makereport  # noqa: E402, F401
 
 REPO = Path(__file__).resolve().parents[1]
+#: the directory on a tmpfs that the run's TMPDIR names, where the controller made one
+TMPFS_RUN = pytest.StashKey[Path | None]()
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's tmp_path plugin reads --basetemp
 def pytest_configure(config: pytest.Config) -> None:
-    """Let every process of the run write the bytecode of what it imports.
+    """Let every process of the run write the bytecode of what it imports, and put its
+    temporary files on a tmpfs where the host has one (tests/tmpfs_tmpdir.py says why).
 
     Where ``PYTHONDONTWRITEBYTECODE`` is set (as on some CI hosts) no process writes a ``.pyc``,
     and every ``node-agent``, rank and stand-in a test starts (hundreds in ``make test``)
@@ -44,6 +49,17 @@ def pytest_configure(config: pytest.Config) -> None:
         return  # a worker: the controller's environment, already without the variable
     sys.dont_write_bytecode = False
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    run = config.stash[TMPFS_RUN] = tmpfs_tmpdir.use_tmpfs()
+    if run is not None and config.option.basetemp is None:
+        # tmp_path there too, shorter than /tmp/pytest-of-root/pytest-N: the sockets tests
+        # make under it stay within AF_UNIX's 107 bytes
+        config.option.basetemp = str(run / "p")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    run = config.stash.get(TMPFS_RUN, None)
+    if run is not None:
+        tmpfs_tmpdir.remove(run)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
