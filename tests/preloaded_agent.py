@@ -8,8 +8,9 @@ once, then forks one child per invocation; each child is a real process of its o
 environment, working directory, stdout and stderr), runs ``node_agent.commands.main.main(argv)``
 exactly as the ``node-agent`` console script does, and exits with its code as the
 interpreter's shutdown would (its threads waited for, its exit handlers run, its output
-flushed; :data:`ZYGOTE`'s ``finish`` says what is left out and why). Nothing in the zygote runs torch before it forks (no thread pool,
-no process group): the children start torch.distributed themselves.
+flushed; :data:`ZYGOTE`'s ``finish`` says what is left out and why). Nothing in the zygote
+runs torch before it forks (no thread pool, no process group): the children start
+torch.distributed themselves.
 
 What this does not prove: how the console script starts (what an import prints before the
 agent sets its log level, what the dynamic loader reads from the environment at exec, such as
