@@ -586,13 +586,12 @@ def test_a_user_owned_directory_between_the_job_and_slurmds_root_is_refused(tmp_
     assert read_slurm_cgroup_job(2, proc, uid=1000, roots=roots, cgroup_fs=fs) is None
 
 
-def test_a_verified_slurm_job_carries_the_processes_uid_to_the_adapter():
-    from node_agent.training.processes import TrainingProcess
-
-    base = dict(
+def slurm_rank(**overrides: object) -> tp.TrainingProcess:
+    """Rank 0 of Slurm job 42, named by its environment and confirmed by its cgroup."""
+    fields: dict = dict(
         pid=1,
         start_ticks=1,
-        uid=1000,
+        uid=0,
         cmdline=[],
         rank=0,
         local_rank=0,
@@ -612,48 +611,24 @@ def test_a_verified_slurm_job_carries_the_processes_uid_to_the_adapter():
         sources=("pid",),
         slurm_cgroup_job="42",
     )
-    assert TrainingProcess(**base).restart_job_id == "slurm:42@uid:1000"
-    unknown = TrainingProcess(**{**base, "uid": None})  # whose it is cannot be said
+    return tp.TrainingProcess(**{**fields, **overrides})
+
+
+def test_a_verified_slurm_job_carries_the_processes_uid_to_the_adapter():
+    assert slurm_rank(uid=1000).restart_job_id == "slurm:42@uid:1000"
+    unknown = slurm_rank(uid=None)  # whose it is cannot be said
     assert not unknown.job_verified and unknown.restart_job_id is None
 
 
 def test_only_an_environment_job_with_a_matching_cgroup_may_be_acted_on():
-    from node_agent.training.processes import TrainingProcess
-
-    def proc(**kw):
-        base = dict(
-            pid=1,
-            start_ticks=1,
-            uid=0,
-            cmdline=[],
-            rank=0,
-            local_rank=0,
-            world_size=1,
-            job="slurm:42",
-            job_source="slurm",
-            slurm_job_id="42",
-            pod=None,
-            pod_namespace=None,
-            identity_source="environ",
-            gpus=(),
-            heartbeat=None,
-            heartbeat_path=None,
-            log_file=None,
-            parents=[],
-            children=[],
-            sources=("pid",),
-            slurm_cgroup_job="42",
-        )
-        return TrainingProcess(**{**base, **kw})
-
-    assert proc().job_verified
-    assert not proc(slurm_cgroup_job="41").job_verified  # SLURM_JOB_ID set by hand
-    assert not proc(slurm_cgroup_job=None).job_verified  # not in a Slurm job at all
-    assert not proc(identity_source="heartbeat").job_verified  # only a file said so
-    assert not proc(job="label", job_source="argument").job_verified
-    assert not proc(job="ppid:7", job_source="ppid").job_verified
+    assert slurm_rank().job_verified
+    assert not slurm_rank(slurm_cgroup_job="41").job_verified  # SLURM_JOB_ID set by hand
+    assert not slurm_rank(slurm_cgroup_job=None).job_verified  # not in a Slurm job at all
+    assert not slurm_rank(identity_source="heartbeat").job_verified  # only a file said so
+    assert not slurm_rank(job="label", job_source="argument").job_verified
+    assert not slurm_rank(job="ppid:7", job_source="ppid").job_verified
     # a torchelastic run id is whatever the user exported: no kernel witness, never acted on
-    assert not proc(job="torchelastic:x", job_source="torchelastic").job_verified
+    assert not slurm_rank(job="torchelastic:x", job_source="torchelastic").job_verified
     pod = dict(
         job="pod:ml/trainer-0",
         job_source="pod",
@@ -663,10 +638,10 @@ def test_only_an_environment_job_with_a_matching_cgroup_may_be_acted_on():
         slurm_cgroup_job=None,
     )
     uid = "0f3c6b0e-2f6a-4b7c-9a7e-1234567890ab"
-    assert not proc(**pod).job_verified  # KUBERNETES_POD_NAME alone
-    assert proc(**pod, pod_uid=uid).job_verified  # the kubepods cgroup agrees
-    assert proc(**pod, pod_uid=uid).restart_job_id == f"pod:ml/trainer-0@{uid}"
-    assert proc(job="torchelastic:x", job_source="torchelastic").restart_job_id is None
+    assert not slurm_rank(**pod).job_verified  # KUBERNETES_POD_NAME alone
+    assert slurm_rank(**pod, pod_uid=uid).job_verified  # the kubepods cgroup agrees
+    assert slurm_rank(**pod, pod_uid=uid).restart_job_id == f"pod:ml/trainer-0@{uid}"
+    assert slurm_rank(job="torchelastic:x", job_source="torchelastic").restart_job_id is None
 
 
 UID = "0f3c6b0e-2f6a-4b7c-9a7e-1234567890ab"
