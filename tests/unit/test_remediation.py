@@ -777,21 +777,34 @@ def test_adapter_bug_is_a_failed_action_not_a_crash(store):
     assert out.records[0].outcome == "failed" and "RuntimeError: boom" in out.records[0].detail
 
 
-def test_recovery_completes_a_started_drain_once(store):
+def interrupted(
+    store,
+    action: str,
+    reason: str,
+    fault_code: str,
+    target: str,
+    key: str | None = None,
+    to_state: str | None = None,
+) -> None:
+    """A plan journaled as ``started`` 5 s ago by a run that died before it finished."""
     store.journal_plan(
-        key=f"{NODE}|drain|xid-79@gpu:5|0",
+        key=key or f"{NODE}|{action}|{fault_code}@{target}|0",
         node=NODE,
-        action="drain",
-        reason=f"{REASON_PREFIX} FAULT xid-79 gpu:5",
-        fault_code="xid-79",
-        target="gpu:5",
+        action=action,
+        reason=f"{REASON_PREFIX} {reason}",
+        fault_code=fault_code,
+        target=target,
         attempt=0,
-        to_state="fault",
+        to_state=to_state,
         trigger="auto",
         adapter="fake",
         now=T0 - 5,
         state="started",
     )
+
+
+def test_recovery_completes_a_started_drain_once(store):
+    interrupted(store, "drain", "FAULT xid-79 gpu:5", "xid-79", "gpu:5", to_state="fault")
     adapter = FakeAdapter()
     out = make(store, adapter).recover()
     assert adapter.actions() == ["drain"] and out.records[0].outcome == "done"
@@ -801,20 +814,7 @@ def test_recovery_completes_a_started_drain_once(store):
 
 
 def test_recovery_does_not_repeat_a_drain_already_in_place(store):
-    store.journal_plan(
-        key="k",
-        node=NODE,
-        action="drain",
-        reason=f"{REASON_PREFIX} x",
-        fault_code="xid-79",
-        target="gpu:5",
-        attempt=0,
-        to_state="fault",
-        trigger="auto",
-        adapter="fake",
-        now=T0 - 5,
-        state="started",
-    )
+    interrupted(store, "drain", "x", "xid-79", "gpu:5", key="k", to_state="fault")
     adapter = FakeAdapter()
     adapter.state = NodeState(NODE, "DRAIN", True, f"{REASON_PREFIX} x")
     out = make(store, adapter).recover()
@@ -1182,19 +1182,8 @@ def test_failed_job_restart_is_kept_and_retried(store):
 
 
 def test_recovery_sends_an_interrupted_job_restart_again(store):
-    store.journal_plan(
-        key=f"{NODE}|restart-job|training-hang@job:slurm:42|0",
-        node=NODE,
-        action="restart-job",
-        reason=f"{REASON_PREFIX} ERROR training-hang job slurm:42",
-        fault_code="training-hang",
-        target="job:slurm:42",
-        attempt=0,
-        to_state=None,
-        trigger="auto",
-        adapter="fake",
-        now=T0 - 5,
-        state="started",
+    interrupted(
+        store, "restart-job", "ERROR training-hang job slurm:42", "training-hang", "job:slurm:42"
     )
     adapter = FakeAdapter()
     out = make(store, adapter).recover()
