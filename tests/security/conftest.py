@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -205,3 +206,33 @@ def shared_dir():
             subprocess.run(["umount", "-l", str(mounted)], capture_output=True)
         with contextlib.suppress(OSError):
             shutil.rmtree(path)
+
+
+@pytest.fixture
+def attack_dir(shared_dir, user):
+    """A directory in ``shared_dir`` that the attacker owns."""
+    """A directory the user owns, where its files are named."""
+    path = shared_dir / "user-files"
+    path.mkdir()
+    os.chown(path, user.uid, user.gid)
+    return path
+
+
+@pytest.fixture
+def node(shared_dir):
+    """Root's agent on this host (real mode, no --simulate): its config, and the kernel log
+    it reads (root's file, 0644: records appended to it are what the kernel logged)."""
+    kernel_log = shared_dir / "kmsg-records.txt"
+    kernel_log.write_text("")
+    kernel_log.chmod(0o644)
+    config = shared_dir / "config.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "state_dir": str(shared_dir / "state"),
+                "spool_dir": str(shared_dir / "spool"),
+                "kernel_log": {"path": str(kernel_log)},
+            }
+        )
+    )
+    return config, kernel_log

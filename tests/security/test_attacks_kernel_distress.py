@@ -30,14 +30,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
-import yaml
-from test_attacks_kernel_log import _kmsg_records, segfault_record  # tests/security, same dir
+from test_attacks_kernel_log import (  # tests/security, same dir
+    _kmsg_records,
+    run_agent,
+    segfault_record,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 NAME = "BUG: soft lockup"  # what the user names its process; the kernel keeps 15 characters
@@ -70,43 +72,6 @@ held = []
 while True:
     held.append(bytearray(1 << 20))
 """
-
-
-@pytest.fixture
-def node(shared_dir):
-    kernel_log = shared_dir / "kmsg-records.txt"
-    kernel_log.write_text("")
-    kernel_log.chmod(0o644)
-    config = shared_dir / "config.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "state_dir": str(shared_dir / "state"),
-                "spool_dir": str(shared_dir / "spool"),
-                "kernel_log": {"path": str(kernel_log)},
-            }
-        )
-    )
-    return config, kernel_log
-
-
-@pytest.fixture
-def attack_dir(shared_dir, user):
-    path = shared_dir / "user-files"
-    path.mkdir()
-    os.chown(path, user.uid, user.gid)
-    return path
-
-
-def run_agent(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "node_agent.commands.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd="/",
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
 
 
 def check(config: Path, *extra: str) -> tuple[int, dict]:

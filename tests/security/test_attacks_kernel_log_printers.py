@@ -29,7 +29,6 @@ from test_attacks_kernel_log import (  # tests/security, same dir
     assert_daemon_healthy_then_reads_a_genuine_line,
     check_act,
     daemon_on,
-    node,  # noqa: F401 (the fixture: root's agent reading a kernel log the test writes)
     run_agent,
 )
 
@@ -92,7 +91,7 @@ RECORDS = {
 
 
 @pytest.mark.parametrize("attack", sorted(RECORDS))
-def test_a_user_text_printer_record_leaves_check_act_healthy(node, attack):  # noqa: F811
+def test_a_user_text_printer_record_leaves_check_act_healthy(node, attack):
     config, kernel_log = node
     assert all(len(s) <= 63 for s in (GPU_LOST, NEWLINE_79))  # the driver's string length
     kernel_log.write_text("\n".join(RECORDS[attack]) + "\n")
@@ -118,7 +117,7 @@ def test_a_user_text_printer_record_leaves_check_act_healthy(node, attack):  # n
 
 
 def test_the_daemon_takes_no_action_on_any_user_text_printer_record(
-    node,  # noqa: F811
+    node,
     shared_dir,
     monkeypatch,
 ):
