@@ -42,6 +42,7 @@ from node_agent.proc import python_module_argv
 from node_agent.report import json_report
 from node_agent.service.daemon import Daemon
 from node_agent.suite import CheckSpec
+from tests.unit.test_metrics import HOLD_IDLE
 
 # what the attacker plants: each module, imported by root, leaves a marker naming itself
 PLANTED = {
@@ -61,22 +62,6 @@ for rel, name in modules.items():
     with open(path, "w") as f:
         f.write(f"import os\\nopen(os.path.join({marks!r}, {name!r} + '.' + str(os.getuid())), 'w')"
                 f".close()\\n")
-"""
-# keeps n idle connections open at all times: one the server closes is opened again at once
-HOLD_IDLE = """
-import select, socket, sys
-port, n = int(sys.argv[1]), int(sys.argv[2])
-socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(n)]
-print("ready", flush=True)
-while True:
-    readable, _, _ = select.select(socks, [], [], 0.2)
-    for s in readable:
-        s.close()
-        socks.remove(s)
-        try:
-            socks.append(socket.create_connection(("127.0.0.1", port)))
-        except OSError:
-            pass
 """
 # n idle connections from n addresses of 127/8, each reopened (from its own address) once the
 # server closes it: a cap per source address caps none of them
