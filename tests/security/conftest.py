@@ -105,6 +105,28 @@ class Attacker:
         self.children.clear()
 
 
+def new_system_user(label: str) -> str:
+    """A new system user ``na-<label>-<8 hex>``: its own group, no home, no login shell. The
+    test is skipped, saying why, when useradd refuses."""
+    name = f"na-{label}-{uuid.uuid4().hex[:8]}"
+    made = subprocess.run(
+        [
+            "useradd",
+            "--system",
+            "--no-create-home",
+            "--user-group",
+            "--shell",
+            "/usr/sbin/nologin",
+            name,
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if made.returncode != 0:
+        pytest.skip(f"useradd {name} failed: {made.stderr.strip()}")
+    return name
+
+
 def _drop_prefix(user: str, uid: int, gid: int) -> list[str] | None:
     if shutil.which("setpriv"):
         return [
@@ -149,22 +171,7 @@ def attacker():
         )
     if not (shutil.which("useradd") and shutil.which("userdel")):
         pytest.skip("useradd/userdel are not installed (Debian package passwd)")
-    name = f"na-attk-{uuid.uuid4().hex[:8]}"
-    made = subprocess.run(
-        [
-            "useradd",
-            "--system",
-            "--no-create-home",
-            "--user-group",
-            "--shell",
-            "/usr/sbin/nologin",
-            name,
-        ],
-        capture_output=True,
-        text=True,
-    )
-    if made.returncode != 0:
-        pytest.skip(f"useradd {name} failed: {made.stderr.strip()}")
+    name = new_system_user("attk")
     try:
         entry = pwd.getpwnam(name)
         prefix = _drop_prefix(name, entry.pw_uid, entry.pw_gid)
@@ -181,6 +188,22 @@ def attacker():
             )
         yield Attacker(name, entry.pw_uid, entry.pw_gid, prefix, python)
     finally:
+        subprocess.run(["userdel", name], capture_output=True)
+
+
+@pytest.fixture
+def victim(attacker):
+    """A second unprivileged user, made like the attacker: the one whose files or processes
+    the attacker tries to block or hide."""
+    name = new_system_user("vict")
+    entry = pwd.getpwnam(name)
+    drop = _drop_prefix(name, entry.pw_uid, entry.pw_gid)
+    assert drop is not None  # the attacker was made with the same tools
+    who = Attacker(name, entry.pw_uid, entry.pw_gid, drop, attacker.python)
+    try:
+        yield who
+    finally:
+        who.stop_children()
         subprocess.run(["userdel", name], capture_output=True)
 
 

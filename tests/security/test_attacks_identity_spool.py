@@ -1,7 +1,7 @@
 """Issue 29's attacks on job identity and the heartbeat spool, each replayed by real users.
 
-The attackers are users made with ``useradd`` (``conftest.py``; a second one, the victim, is
-made here the same way); the agent runs as root, as the real ``node-agent`` command or through
+The attackers are users made with ``useradd`` (``conftest.py``, as is the second one, the
+victim); the agent runs as root, as the real ``node-agent`` command or through
 its library functions where the command adds nothing. The GPUs are simulated (none here).
 
 - **A job cgroup of the user's own.** systemd's user manager (``user@<uid>.service``, with
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import subprocess
 import sys
 import time
@@ -129,46 +128,6 @@ def results(rep: dict, metric: str) -> list[dict]:
 
 def of_pid(rep: dict, metric: str, pid: int) -> list[dict]:
     return [r for r in results(rep, metric) if (r.get("evidence") or {}).get("pid") == pid]
-
-
-@pytest.fixture
-def victim(attacker):
-    """A second unprivileged user, made like the attacker: the one whose heartbeats the
-    attacker tries to block or hide."""
-    name = f"na-vict-{uuid.uuid4().hex[:8]}"
-    made = subprocess.run(
-        [
-            "useradd",
-            "--system",
-            "--no-create-home",
-            "--user-group",
-            "--shell",
-            "/usr/sbin/nologin",
-            name,
-        ],
-        capture_output=True,
-        text=True,
-    )
-    if made.returncode != 0:
-        pytest.skip(f"useradd {name} failed: {made.stderr.strip()}")
-    entry = pwd.getpwnam(name)
-    if attacker.drop[0] == "setpriv":
-        drop = [
-            "setpriv",
-            f"--reuid={entry.pw_uid}",
-            f"--regid={entry.pw_gid}",
-            "--clear-groups",
-            "--inh-caps=-all",
-            "--",
-        ]
-    else:
-        drop = ["runuser", "-u", name, "--"]
-    who = type(attacker)(name, entry.pw_uid, entry.pw_gid, drop, attacker.python)
-    try:
-        yield who
-    finally:
-        who.stop_children()
-        subprocess.run(["userdel", name], capture_output=True)
 
 
 # -- High 2: a job_N cgroup in the user's own delegated subtree -----------------------------------
