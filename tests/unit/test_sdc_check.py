@@ -15,15 +15,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import yaml
 
 torch = pytest.importorskip("torch")
 
 from node_agent.checking.context import CheckContext  # noqa: E402
 from node_agent.checks import sdc as sdc_check  # noqa: E402
 from node_agent.compute.devices import ComputeDevice, ComputeSpec, open_device  # noqa: E402
-from node_agent.config import load_config  # noqa: E402
-from node_agent.environment import open_environment  # noqa: E402
 from node_agent.model import Status  # noqa: E402
 from node_agent.runner import run_check  # noqa: E402
 from node_agent.sdc import probes as sdc_lib  # noqa: E402
@@ -35,28 +32,6 @@ SMALL = {
     "repeats": 1,
     "freivalds_n": 32,
 }
-
-
-@pytest.fixture
-def node(tmp_path):
-    """``node(gpus=4, faults=(), **scenario)`` -> an opened simulated Environment whose state
-    dir is ``tmp_path/state`` (shared by every node of one test: runs see each other's state)."""
-    config_path = tmp_path / "config.yaml"
-    config_path.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state")}))
-    envs = []
-
-    def make(gpus=4, faults=(), **extra):
-        path = tmp_path / f"scenario-{len(envs)}.yaml"
-        path.write_text(
-            yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": gpus, "faults": list(faults), **extra})
-        )
-        env = open_environment(load_config(config_path), str(path))
-        envs.append(env)
-        return env
-
-    yield make
-    for env in envs:
-        env.close()
 
 
 def run_sdc(env, mode="delivery", **params):

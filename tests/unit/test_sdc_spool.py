@@ -18,12 +18,9 @@ import subprocess
 import sys
 
 import pytest
-import yaml
 
 from node_agent.checking.context import CheckContext
 from node_agent.checks import sdc_spool
-from node_agent.config import load_config
-from node_agent.environment import open_environment
 from node_agent.model import Status
 from node_agent.sdc import spool as sdc_lib
 
@@ -31,30 +28,6 @@ needs_torch = pytest.mark.skipif(
     importlib.util.find_spec("torch") is None,
     reason="torch is not installed: the agent's own SDC probe cannot run",
 )
-
-
-@pytest.fixture
-def node(tmp_path):
-    """``node(gpus=8, faults=(), **scenario)`` -> an opened simulated Environment whose state
-    dir is ``tmp_path/state`` (shared by every node of one test)."""
-    config_path = tmp_path / "config.yaml"
-    config_path.write_text(
-        yaml.safe_dump({"state_dir": str(tmp_path / "state"), "spool_dir": str(tmp_path / "spool")})
-    )
-    envs = []
-
-    def make(gpus=8, faults=(), **extra):
-        path = tmp_path / f"scenario-{len(envs)}.yaml"
-        path.write_text(
-            yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": gpus, "faults": list(faults), **extra})
-        )
-        env = open_environment(load_config(config_path), str(path))
-        envs.append(env)
-        return env
-
-    yield make
-    for env in envs:
-        env.close()
 
 
 @pytest.fixture
