@@ -466,34 +466,42 @@ def small_fs(shared_dir):
     subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
-def test_a_disk_another_user_filled_keeps_the_opt_out_and_refuses_every_action(
-    user, shared_dir, small_fs
-):
+def opted_out_fault(shared_dir: Path, small_fs: Path) -> tuple[str, str]:
+    """(config, scenario): a node with an Xid 79 whose state lives on ``small_fs`` and whose
+    operator has opted it out of actions ("maintenance")."""
     cfg = config(
         shared_dir, state_dir=str(small_fs / "state"), safety={"max_drained_fraction": 1.0}
     )
     xid79 = node(shared_dir, "xid79.yaml", faults=[{"kind": "xid", "gpu": 5, "code": 79}])
-    assert (
-        run_agent(
-            "optout", "on", "--reason", "maintenance", "--config", cfg, "--simulate", xid79
-        ).returncode
-        == 0
+    optout = run_agent(
+        "optout", "on", "--reason", "maintenance", "--config", cfg, "--simulate", xid79
     )
+    assert optout.returncode == 0, optout.stderr
+    return cfg, xid79
+
+
+def check_act(cfg: str, scenario: str, shared_dir: Path) -> subprocess.CompletedProcess:
+    """``node-agent check --act --json`` with a private TMPDIR."""
+    return run_agent(
+        "check",
+        "--act",
+        "--json",
+        "--config",
+        cfg,
+        "--simulate",
+        scenario,
+        env=private_tmp(shared_dir),
+    )
+
+
+def test_a_disk_another_user_filled_keeps_the_opt_out_and_refuses_every_action(
+    user, shared_dir, small_fs
+):
+    cfg, xid79 = opted_out_fault(shared_dir, small_fs)
     db = small_fs / "state" / "node-agent.db"
     before = db.read_bytes()
     assert "full:" in user.py(FILL, str(small_fs / "filler")).stdout
-    rep = report(
-        run_agent(
-            "check",
-            "--act",
-            "--json",
-            "--config",
-            cfg,
-            "--simulate",
-            xid79,
-            env=private_tmp(shared_dir),
-        )
-    )
+    rep = report(check_act(cfg, xid79, shared_dir))
     assert rep["grade"]["level"] == "FAULT"  # the checks and the report go on
     assert rep["actions"] and {a["outcome"] for a in rep["actions"]} == {"refused"}
     assert all(
@@ -514,16 +522,7 @@ def test_a_read_only_disk_still_shows_status_and_refuses_every_action(
 
     from node_agent.remediation.store import open_store
 
-    cfg = config(
-        shared_dir, state_dir=str(small_fs / "state"), safety={"max_drained_fraction": 1.0}
-    )
-    xid79 = node(shared_dir, "xid79.yaml", faults=[{"kind": "xid", "gpu": 5, "code": 79}])
-    assert (
-        run_agent(
-            "optout", "on", "--reason", "maintenance", "--config", cfg, "--simulate", xid79
-        ).returncode
-        == 0
-    )
+    cfg, xid79 = opted_out_fault(shared_dir, small_fs)
     if leftovers:  # a crash left the -wal and -shm files (SQLite then opens read-only silently)
         scratch = shared_dir / "scratch"
         store = open_store(scratch)
@@ -538,18 +537,7 @@ def test_a_read_only_disk_still_shows_status_and_refuses_every_action(
     status = run_agent("status", "--config", cfg, "--simulate", xid79)
     assert status.returncode == 0, status.stderr
     assert "opt-out: maintenance" in status.stdout and "UNAVAILABLE" in status.stdout
-    rep = report(
-        run_agent(
-            "check",
-            "--act",
-            "--json",
-            "--config",
-            cfg,
-            "--simulate",
-            xid79,
-            env=private_tmp(shared_dir),
-        )
-    )
+    rep = report(check_act(cfg, xid79, shared_dir))
     assert rep["grade"]["level"] == "FAULT" and rep["actions"]
     assert {a["outcome"] for a in rep["actions"]} == {"refused"}
     assert all("state unavailable" in a["detail"] for a in rep["actions"])
