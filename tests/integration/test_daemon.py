@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from waiting import wait_for  # tests/waiting.py
 
 from node_agent.checking import registry
 from node_agent.service.daemon import Daemon
@@ -51,16 +52,6 @@ def get(url: str, timeout: float = 5) -> tuple[int, str]:
         return err.code, err.read().decode()
     except OSError:  # not listening (yet)
         return 0, ""
-
-
-def wait_for(predicate, timeout_s: float, interval_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    return predicate()
 
 
 def metric_value(text: str, name: str, **labels: str) -> float | None:

@@ -25,6 +25,7 @@ pytest.importorskip("grpc", reason="grpcio is not installed: make deps-test")
 pytest.importorskip("grpc_tools", reason="grpcio-tools is not installed: make deps-test")
 
 from nvrx_client import DEFAULT_ARGS, NodeHealthCheck, stall_calls  # noqa: E402
+from waiting import wait_for  # tests/waiting.py
 
 AGENT = str(Path(sys.executable).with_name("node-agent"))
 FAULTS = [
@@ -39,16 +40,6 @@ SUITE = {
         for c in ("nvml_health", "sdc_spool", "inventory", "hca_ports", "host_memory")
     ],
 }
-
-
-def wait_for(predicate, timeout_s: float):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    return predicate()
 
 
 def write_scenario(path: Path, faults: list[dict]) -> None:
@@ -190,7 +181,9 @@ def test_two_stalled_calls_do_not_delay_a_third(node):
     """Two calls that send their headers and never their message (same uid: under the cap)."""
 
     node.start()
-    assert wait_for(node.sock.exists, 120)  # a bound on a hang: other tests run at once
+    assert wait_for(
+        node.sock.exists, 120, interval_s=0.1
+    )  # a bound on a hang: other tests run at once
     release = threading.Event()
     stalled = stall_calls(node.sock, 2, release)
     try:

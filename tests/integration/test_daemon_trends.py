@@ -13,10 +13,10 @@ import os
 import shutil
 import socket
 import threading
-import time
 
 import pytest
 import yaml
+from waiting import wait_for  # tests/waiting.py
 
 from node_agent import resources
 from node_agent.model import Level, Status
@@ -41,16 +41,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_for(predicate, timeout_s: float, interval_s: float = 0.02):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    return predicate()
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import urllib.request
 
 import pytest
 import yaml
+from waiting import wait_for  # tests/waiting.py
 
 from node_agent.checks.xid import watch as watch_module
 from node_agent.service.daemon import Daemon
@@ -32,16 +33,6 @@ FATAL_149 = (
 )
 FATAL_SXID = "nvidia-nvswitch1: SXid (PCI:0000:06:00.0): 20034, Fatal, Link 48 LTSSM Fault Up"
 FLOOD = 3000
-
-
-def wait_for(predicate, timeout_s: float, interval_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    return predicate()
 
 
 def flood(gpu: int, n: int, line: str = NONFATAL_149):

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from waiting import wait_for  # tests/waiting.py
 
 REPO = Path(__file__).resolve().parents[2]
 GPU_LESS = "0000:18:00"  # the bus the fake lines name: no NVIDIA device needs to be there
@@ -217,15 +218,6 @@ def test_a_users_write_to_dev_kmsg_is_refused_or_not_believed(user, node):
     kernel_log.write_text(record + "\n")
     code, report = check_act(config)
     assert (code, report["grade"]["level"], report["actions"]) == (0, "HEALTHY", [])
-
-
-def wait_for(predicate, timeout_s: float):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return bool(predicate())
 
 
 def daemon_on(node, shared_dir, monkeypatch):
