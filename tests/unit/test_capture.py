@@ -70,6 +70,19 @@ H100 = [
 ]
 
 
+def h100_capture(skus) -> dict:
+    """The scenario ``node-agent capture`` makes of the stand-in's one healthy H100."""
+    return build_scenario(
+        record_nvml(call_timeout_s=2, lib=_lib(H100)),
+        [],
+        [],
+        skus,
+        {"kind": "test"},
+        "n",
+        sku="h100-sxm5-80gb",
+    )
+
+
 def _save_and_load(tmp_path: Path, scenario: dict, skus) -> Scenario:
     path = tmp_path / "captured.yaml"
     path.write_text(dump(scenario, ["a test capture"]))
@@ -213,15 +226,7 @@ def test_odd_and_hostile_values_are_data_never_a_crash(tmp_path, skus):
 def test_a_hostile_capture_replays_without_hanging_or_crashing(tmp_path, skus):
     """A capture is a file someone else wrote (a bug report's attachment): absurd counts and
     text where numbers belong are errors of the reading they belong to, never a hang."""
-    scenario = build_scenario(
-        record_nvml(call_timeout_s=2, lib=_lib(H100)),
-        [],
-        [],
-        skus,
-        {"kind": "test"},
-        "n",
-        sku="h100-sxm5-80gb",
-    )
+    scenario = h100_capture(skus)
     gpu = scenario["nvml"]["gpus"][0]
     gpu.update(
         {
@@ -269,15 +274,7 @@ def test_a_capture_whose_pci_or_kernel_log_entries_are_not_what_sysfs_and_kmsg_g
 ):
     """The replayed PCI bus is written as a sysfs tree: a bus id or link that is a path is
     refused before anything is written; a kernel-log record is one line (kmsg escapes breaks)."""
-    scenario = build_scenario(
-        record_nvml(call_timeout_s=2, lib=_lib(H100)),
-        [],
-        [],
-        skus,
-        {"kind": "test"},
-        "n",
-        sku="h100-sxm5-80gb",
-    )
+    scenario = h100_capture(skus)
     scenario[key] = [entry]
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(scenario))
@@ -291,15 +288,7 @@ def test_a_capture_holding_a_stand_in_switch_instead_of_an_nvml_answer_is_refuse
 ):
     """``hang *`` would hang every call through the stand-in; ``xid`` would inject events only
     one way: a capture records what NVML answered, nothing else."""
-    scenario = build_scenario(
-        record_nvml(call_timeout_s=2, lib=_lib(H100)),
-        [],
-        [],
-        skus,
-        {"kind": "test"},
-        "n",
-        sku="h100-sxm5-80gb",
-    )
+    scenario = h100_capture(skus)
     scenario["nvml"]["gpus"][0][key] = "*"
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(scenario))
@@ -308,15 +297,7 @@ def test_a_capture_holding_a_stand_in_switch_instead_of_an_nvml_answer_is_refuse
 
 
 def test_a_capture_refuses_an_nvml_fault_and_a_gpu_count_that_disagrees(tmp_path, skus):
-    scenario = build_scenario(
-        record_nvml(call_timeout_s=2, lib=_lib(H100)),
-        [],
-        [],
-        skus,
-        {"kind": "test"},
-        "n",
-        sku="h100-sxm5-80gb",
-    )
+    scenario = h100_capture(skus)
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({**scenario, "faults": [{"kind": "xid", "gpu": 0, "code": 79}]}))
     with pytest.raises(ConfigError, match="acts on NVML, which a capture replays as recorded"):
