@@ -119,6 +119,11 @@ class NodeApiHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _not_found(self, kind: str, name: str):
+        return self._send(
+            404, {"kind": "Status", "reason": "NotFound", "message": f'{kind} "{name}" not found'}
+        )
+
     def _record(self, body=None):
         self.api.requests.append(
             {
@@ -137,14 +142,7 @@ class NodeApiHandler(BaseHTTPRequestHandler):
         if parts[2:3] == ["namespaces"] and parts[4:5] == ["pods"]:
             pod = self.api.pods.get((parts[3], parts[5]))
             if pod is None:
-                return self._send(
-                    404,
-                    {
-                        "kind": "Status",
-                        "reason": "NotFound",
-                        "message": f'pods "{parts[5]}" not found',
-                    },
-                )
+                return self._not_found("pods", parts[5])
             return self._send(200, pod)
         if parts == ["api", "v1", "nodes"]:
             return self._send(
@@ -153,14 +151,7 @@ class NodeApiHandler(BaseHTTPRequestHandler):
             )
         node = self.api.nodes.get(parts[-1])
         if node is None:
-            return self._send(
-                404,
-                {
-                    "kind": "Status",
-                    "reason": "NotFound",
-                    "message": f'nodes "{parts[-1]}" not found',
-                },
-            )
+            return self._not_found("nodes", parts[-1])
         return self._send(200, node)
 
     def do_PATCH(self):
@@ -189,14 +180,7 @@ class NodeApiHandler(BaseHTTPRequestHandler):
         parts = self.path.split("?")[0].strip("/").split("/")
         pod = self.api.pods.get((parts[3], parts[5]))
         if pod is None:
-            return self._send(
-                404,
-                {
-                    "kind": "Status",
-                    "reason": "NotFound",
-                    "message": f'pods "{parts[5]}" not found',
-                },
-            )
+            return self._not_found("pods", parts[5])
         uid = ((body or {}).get("preconditions") or {}).get("uid")
         if uid is not None and uid != pod["metadata"]["uid"]:
             return self._send(
