@@ -8,11 +8,12 @@ import ctypes.util
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from node_agent.sim.nvml_state import Switch
+from node_agent.sim.nvml_state import Switch, write_state
 
 REPO = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO / "scripts" / "build-nvml-fake"
@@ -121,3 +122,14 @@ def agent_env(
     if python is not None:
         env["NVML_FAKE_PYTHON"] = python
     return env
+
+
+def close_backends(state: Path, backends: list) -> None:
+    """Close the backends a test opened on the stand-in, first letting the calls it left hanging
+    (``hang`` lines in the state file) return: NVML must not be shut down under them."""
+    if state.exists():
+        kept = [line for line in state.read_text().splitlines(True) if not line.startswith("hang ")]
+        write_state(state, "".join(kept))
+        time.sleep(0.05)
+    for backend in backends:
+        backend.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -245,16 +244,7 @@ def fake_nvml(nvml_fake_lib, tmp_path, monkeypatch):
 
     open_.state = state
     yield open_
-    if state.exists():  # let calls a test left hanging return before the library is shut down
-        write_state(
-            state,
-            "".join(
-                line for line in state.read_text().splitlines(True) if not line.startswith("hang ")
-            ),
-        )
-        time.sleep(0.05)
-    for backend in opened:
-        backend.close()
+    harness.close_backends(state, opened)
 
 
 def _sku(sku_id):
