@@ -19,32 +19,10 @@ from node_agent.gpu.absent import AbsentGpuBackend
 from node_agent.hardware.sku import load_sku
 from node_agent.host import infiniband
 from node_agent.model import Status
+from tests.unit.test_hca_ports import make_port  # the sysfs tree of an HCA port
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "tests" / "data" / "perftest"
-
-
-def make_port(
-    root: Path,
-    dev: str,
-    port: str = "1",
-    state: str = "4: ACTIVE",
-    phys: str = "5: LinkUp",
-    rate: str = "400 Gb/sec (4X NDR)",
-    layer: str = "InfiniBand",
-    **counters: int,
-) -> None:
-    d = root / dev / "ports" / port
-    (d / "counters").mkdir(parents=True)
-    for name, text in (
-        ("state", state),
-        ("phys_state", phys),
-        ("rate", rate),
-        ("link_layer", layer),
-    ):
-        (d / name).write_text(text + "\n")
-    for name in infiniband.COUNTERS:
-        (d / "counters" / name).write_text(f"{counters.get(name, 0)}\n")
 
 
 def make_ctx(root: Path, **params) -> CheckContext:
