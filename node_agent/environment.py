@@ -16,10 +16,12 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from node_agent import resources
 from node_agent.atomic_file import private_dir
 from node_agent.checking.child import NodeSpec
+from node_agent.checking.context import CheckContext
 from node_agent.checking.ports import Ports
 from node_agent.config import Config
 from node_agent.gpu import open_backend
@@ -84,6 +86,28 @@ class Environment:
         except OSError:
             return None
         return path if os.access(path, os.W_OK) else None
+
+    def check_context(
+        self, check: str, mode: str, params: dict[str, Any], **fields: Any
+    ) -> CheckContext:
+        """A context for ``check`` on this node: its GPUs, kernel log, config, inventory, SKU,
+        expected GPU count and ports. ``fields`` set the rest of :class:`CheckContext` (the
+        deadline, the state dir, ...) or replace any of these."""
+        return CheckContext(
+            **{
+                "check": check,
+                "gpu": self.gpu,
+                "kernel_log": self.kernel_log,
+                "config": self.config,
+                "inventory": self.inventory,
+                "sku": self.sku,
+                "expected_gpus": self.expected_gpus,
+                "mode": mode,
+                "params": params,
+                "ports": self.ports,
+                **fields,
+            }
+        )
 
     def close(self) -> None:
         self.gpu.close()

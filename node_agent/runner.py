@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 from node_agent import proc
 from node_agent.checking.behaviour import Handover
-from node_agent.checking.context import CheckContext
 from node_agent.checking.registry import resolve
 from node_agent.environment import Environment
 from node_agent.model import Result, Status
@@ -56,21 +55,14 @@ def run_check(
     given = handover.inputs_for(spec.check) if handover is not None else {}
     stand_in = env.node.param_overlay == STAND_IN_OVERLAY
     start = time.monotonic()
-    ctx = CheckContext(
-        check=spec.check,
-        gpu=env.gpu,
-        kernel_log=env.kernel_log,
-        config=env.config,
-        inventory=env.inventory,
-        sku=env.sku,
-        expected_gpus=env.expected_gpus,
-        mode=mode,
-        params=spec.params_for(stand_in),
+    ctx = env.check_context(
+        spec.check,
+        mode,
+        spec.params_for(stand_in),
         typed=spec.typed_for(stand_in),
         state_dir=env.writable_state_dir(),
         timeout_s=spec.timeout_s,
         deadline=start + spec.timeout_s,
-        ports=env.ports,
         handover=given,
     )
     outcome = _Outcome()

@@ -201,19 +201,13 @@ def test_sdc_confirmation_probe_never_imports_the_planted_package(planted, share
     env = open_environment(config, scenario(shared_dir))
     monkeypatch.chdir(work)
     try:
-        ctx = CheckContext(
-            check="sdc_spool",
-            gpu=env.gpu,
-            kernel_log=env.kernel_log,
+        ctx = env.check_context(
+            "sdc_spool",
+            "service",
+            {"confirm_repeats": 1},
             config=config,
-            inventory=env.inventory,
-            sku=env.sku,
-            expected_gpus=env.expected_gpus,
-            mode="service",
-            params={"confirm_repeats": 1},
             state_dir=None,
             timeout_s=180,
-            ports=env.ports,
         )
         outcome = sdc_spool.own_probe(ctx, [0], budget_s=170)
     finally:

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from node_agent import resources
-from node_agent.checking.context import CheckContext
+from node_agent.checking.context import HOST_PORTS
 from node_agent.checks import xid as xid_check
 from node_agent.commands.act import status_data
 from node_agent.config import config_from_dict, load_config
@@ -101,16 +101,12 @@ def line(env: Environment, gpu: int, code: int, at_s: float | None = None) -> st
 
 
 def xid_results(env: Environment, lines: list[str]) -> list[Result]:
-    ctx = CheckContext(
-        check="xid",
-        gpu=env.gpu,
+    ctx = env.check_context(
+        "xid",
+        "service",
+        {},
         kernel_log=LinesKernelLog(lines),
-        config=env.config,
-        inventory=env.inventory,
-        sku=env.sku,
-        expected_gpus=env.expected_gpus,
-        mode="service",
-        params={},
+        ports=HOST_PORTS,
     )
     return xid_check.run(ctx)
 

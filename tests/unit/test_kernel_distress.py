@@ -46,7 +46,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from node_agent.checking.context import CheckContext
+from node_agent.checking.context import HOST_PORTS
 from node_agent.checks import kernel_distress as kd
 from node_agent.config import Config, config_from_dict, load_config
 from node_agent.environment import open_environment
@@ -230,17 +230,14 @@ def run_check(env, lines=None, log=None, state_dir=None, graders=None, **params)
                 "graders_dir": str(graders),
             }
         )
-    ctx = CheckContext(
-        check="kernel_distress",
-        gpu=env.gpu,
+    ctx = env.check_context(
+        "kernel_distress",
+        "service",
+        params,
         kernel_log=log if log is not None else LinesKernelLog(lines or []),
         config=config,
-        inventory=env.inventory,
-        sku=env.sku,
-        expected_gpus=env.expected_gpus,
-        mode="service",
-        params=params,
         state_dir=state_dir,
+        ports=HOST_PORTS,
     )
     return kd.run(ctx)
 
@@ -577,16 +574,12 @@ def test_an_empty_pstore_passes(env, tmp_path):
     kd.pstore_mounted(kd.PSTORE_ROOT), reason="this host has pstore mounted at /sys/fs/pstore"
 )
 def test_without_pstore_mounted_the_check_skips_it_with_the_reason(env):
-    ctx = CheckContext(
-        check="kernel_distress",
-        gpu=env.gpu,
+    ctx = env.check_context(
+        "kernel_distress",
+        "service",
+        {"pstore_archive": "/nonexistent/pstore-archive"},
         kernel_log=LinesKernelLog([]),
-        config=env.config,
-        inventory=env.inventory,
-        sku=env.sku,
-        expected_gpus=env.expected_gpus,
-        mode="service",
-        params={"pstore_archive": "/nonexistent/pstore-archive"},
+        ports=HOST_PORTS,
     )
     (pstore,) = [r for r in kd.run(ctx) if r.metric == "pstore"]
     assert pstore.status is Status.SKIP and "mount -t pstore" in pstore.detail
@@ -613,15 +606,11 @@ def test_a_captured_node_skips_pstore_it_did_not_record(tmp_path):
     real = Path(__file__).resolve().parents[2] / "scenarios" / "real" / "h100-sxm5-vm.yaml"
     env = open_environment(load_config(config), str(real))
     try:
-        ctx = CheckContext(
-            check="kernel_distress",
-            gpu=env.gpu,
-            kernel_log=env.kernel_log,
-            config=env.config,
-            inventory=env.inventory,
-            sku=env.sku,
+        ctx = env.check_context(
+            "kernel_distress",
+            "delivery",
+            {},
             expected_gpus=None,
-            ports=env.ports,
         )
         results = kd.run(ctx)
     finally:

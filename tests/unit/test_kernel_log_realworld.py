@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from node_agent.checking.context import CheckContext
+from node_agent.checking.context import HOST_PORTS
 from node_agent.checks import kernel_distress as kd
 from node_agent.checks import xid as xid_check
 from node_agent.config import load_config
@@ -51,16 +51,12 @@ def graded(env, name: str):
             {"pstore_root": "/nonexistent/pstore", "pstore_archive": "/nonexistent/archive"},
         ),
     ):
-        ctx = CheckContext(
-            check=check,
-            gpu=env.gpu,
+        ctx = env.check_context(
+            check,
+            "service",
+            params,
             kernel_log=log,
-            config=env.config,
-            inventory=env.inventory,
-            sku=env.sku,
-            expected_gpus=env.expected_gpus,
-            mode="service",
-            params=params,
+            ports=HOST_PORTS,
         )
         results += module.run(ctx)
     findings = [

@@ -39,17 +39,11 @@ def run_sdc(env, mode="delivery", **params):
 
 
 def ctx_for(env, check="sdc", **params) -> CheckContext:
-    return CheckContext(
-        check=check,
-        gpu=env.gpu,
-        kernel_log=env.kernel_log,
-        config=env.config,
-        inventory=env.inventory,
-        sku=env.sku,
-        expected_gpus=env.expected_gpus,
-        params=params,
+    return env.check_context(
+        check,
+        "delivery",
+        params,
         state_dir=env.writable_state_dir(),
-        ports=env.ports,
     )
 
 

@@ -40,18 +40,11 @@ def job():
 
 
 def ctx_for(env, timeout_s: float = 120.0, **params) -> CheckContext:
-    return CheckContext(
-        check="sdc_spool",
-        gpu=env.gpu,
-        kernel_log=env.kernel_log,
-        config=env.config,
-        inventory=env.inventory,
-        sku=env.sku,
-        expected_gpus=env.expected_gpus,
-        mode="service",
-        params=params,
+    return env.check_context(
+        "sdc_spool",
+        "service",
+        params,
         state_dir=env.writable_state_dir(),
-        ports=env.ports,
         timeout_s=timeout_s,
     )
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from node_agent.checking.context import CheckContext
+from node_agent.checking.context import HOST_PORTS
 from node_agent.checks import software_drift as sd
 from node_agent.config import load_config
 from node_agent.environment import open_environment
@@ -40,17 +40,11 @@ def node(tmp_path, software=None, faults=(), **scenario):
 
 
 def run(env, **params):
-    ctx = CheckContext(
-        check="software_drift",
-        gpu=env.gpu,
+    ctx = env.check_context(
+        "software_drift",
+        "delivery",
+        params,
         kernel_log=LinesKernelLog([]),
-        config=env.config,
-        inventory=env.inventory,
-        sku=env.sku,
-        expected_gpus=env.expected_gpus,
-        mode="delivery",
-        params=params,
-        ports=env.ports,
     )
     return sd.run(ctx)
 
@@ -220,14 +214,13 @@ def test_on_this_host_without_gpus_the_check_skips_what_it_cannot_see(tmp_path):
         if env.inventory.gpus:
             pytest.skip("this host has GPUs")
         results = sd.run(
-            CheckContext(
-                check="software_drift",
-                gpu=env.gpu,
+            env.check_context(
+                "software_drift",
+                "delivery",
+                {},
                 kernel_log=LinesKernelLog([]),
-                config=env.config,
-                inventory=env.inventory,
-                sku=env.sku,
                 expected_gpus=None,
+                ports=HOST_PORTS,
             )
         )
     finally:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from node_agent.checking.context import CheckContext
+from node_agent.checking.context import HOST_PORTS
 from node_agent.checks import xid as xid_check
 from node_agent.checks.xid import buses as xid_buses
 from node_agent.checks.xid.watch import XidWatch
@@ -50,16 +50,13 @@ def bus(env, index: int) -> str:
 
 
 def run_xid(env, lines, gpu=None, **params):
-    ctx = CheckContext(
-        check="xid",
+    ctx = env.check_context(
+        "xid",
+        "service",
+        params,
         gpu=gpu or env.gpu,
         kernel_log=LinesKernelLog(lines),
-        config=env.config,
-        inventory=env.inventory,
-        sku=env.sku,
-        expected_gpus=env.expected_gpus,
-        mode="service",
-        params=params,
+        ports=HOST_PORTS,
     )
     return xid_check.run(ctx)
 
@@ -297,16 +294,12 @@ def test_a_watcher_whose_findings_would_not_be_kept_is_refused():
 def run_live(env, lines, **params):
     """The check on lines read as *this host's own* log (kmsg/the journal), whose bus ids the
     host's sysfs can confirm."""
-    ctx = CheckContext(
-        check="xid",
-        gpu=env.gpu,
+    ctx = env.check_context(
+        "xid",
+        "service",
+        params,
         kernel_log=LinesKernelLog(lines, live=True),
-        config=env.config,
-        inventory=env.inventory,
-        sku=env.sku,
-        expected_gpus=env.expected_gpus,
-        mode="service",
-        params=params,
+        ports=HOST_PORTS,
     )
     return xid_check.run(ctx)
 
@@ -412,14 +405,13 @@ def test_every_driver_line_kind_grades_at_its_catalog_level_through_the_shipped_
     from node_agent.kernel_log import DriverLine
 
     kinds = xid_check.driver_line_kinds(
-        CheckContext(
-            check="xid",
-            gpu=env.gpu,
+        env.check_context(
+            "xid",
+            "delivery",
+            {},
             kernel_log=LinesKernelLog([]),
-            config=env.config,
-            inventory=env.inventory,
-            sku=env.sku,
             expected_gpus=8,
+            ports=HOST_PORTS,
         )
     )
     assert set(kinds) == {
