@@ -228,11 +228,16 @@ class Remedy(str, enum.Enum):
     as hardware. ``planned`` marks an event announced ahead (a cloud's host maintenance,
     :class:`PlannedEvent`): an ERROR of such findings only drains the node, with no restart and
     no replacement, and a passing re-test after the event resumes it (docs/cloud.md).
+    ``application`` marks an error a user's own code can make the driver report (an Xid of
+    ``class: application`` in graders/xid.yaml, repeated on one GPU): it is restarted like any
+    ERROR but never proves the hardware bad, so once its restarts are spent it too waits for an
+    operator, who runs the GPU's field diagnostics, instead of being escalated to a replacement.
     """
 
     SOFTWARE = "software"
     HARDWARE = "hardware"
     PLANNED = "planned"
+    APPLICATION = "application"
 
     def __str__(self) -> str:
         return self.value

@@ -159,7 +159,7 @@ class Grader:
             level=verdict.level,
             target=result.target,
             message=message,
-            remedy=rule.remedy,
+            remedy=Remedy.APPLICATION if verdict.application else rule.remedy,
             catalog=catalog.kind,
             code=code,
             restarts_before_fault=verdict.restarts_before_fault,

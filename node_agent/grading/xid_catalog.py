@@ -183,6 +183,7 @@ class Verdict:
     name: str  # the catalog's name, with the decoded variant that decided
     note: str  # recurrence, or why a line could not be decoded ("" when nothing to add)
     restarts_before_fault: int | None = None
+    application: bool = False  # the code's class is application: a user's code can cause it
 
 
 class Catalog:
@@ -248,7 +249,13 @@ class Catalog:
                         "this GPU's, not the job's"
                     )
                 verdict = Verdict(rec.level, verdict.name, _join(verdict.note, note))
-        return Verdict(verdict.level, verdict.name, verdict.note, entry.restarts_before_fault)
+        return Verdict(
+            verdict.level,
+            verdict.name,
+            verdict.note,
+            entry.restarts_before_fault,
+            application=entry.cls == APPLICATION,
+        )
 
     def _xid(self, entry: CodeEntry | None, variants: list[dict[str, Any]]) -> Verdict:
         if entry is None:

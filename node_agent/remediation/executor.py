@@ -630,10 +630,12 @@ class Remediator:
             )
         return (
             f"needs an operator: {row.fault_code} on {row.target} is still there after "
-            f"{row.attempt} restart(s) and every ERROR is a software cause (remedy "
-            "software in graders/rules.yaml), which new hardware does not fix; the node "
-            "stays drained, with no further restart or replacement. Fix the cause (e.g. "
-            "rebuild or reinstall the driver for the running kernel), then run "
+            f"{row.attempt} restart(s) and every ERROR is one that new hardware is not known "
+            "to fix (a software cause, remedy software in graders/rules.yaml, or an error a "
+            "user's code can make the driver report, an Xid of class application in "
+            "graders/xid.yaml); the node stays drained, with no further restart or "
+            "replacement. Fix the cause (e.g. rebuild or reinstall the driver for the running "
+            "kernel; for an application Xid, run the GPU's field diagnostics), then run "
             "`node-agent set-healthy` and `node-agent act resume`"
         )
 

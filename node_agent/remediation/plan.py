@@ -26,9 +26,11 @@ The rules (DESIGN.md, "Remediation and safety"):
 
 * Restarts are counted per fault code within ``safety.restart_window_h``; a fault code that is
   still there after its restarts (the catalog's ``restarts_before_fault`` carried on the Reason,
-  else ``safety.max_restarts``) is escalated to FAULT, unless every ERROR reason is a software
-  cause (``remedy: software`` in graders/rules.yaml: no driver, NVML broken, a check that could
-  not run): then the node stays drained as ``needs-operator`` (a ``hold`` step, no adapter
+  else ``safety.max_restarts``) is escalated to FAULT, unless every ERROR reason is one that new
+  hardware is not known to fix (:data:`NO_SWAP`): a software cause (``remedy: software`` in
+  graders/rules.yaml: no driver, NVML broken, a check that could not run) or an error a user's
+  code can make the driver report (``remedy: application``: an application-class Xid repeated
+  on one GPU). Then the node stays drained as ``needs-operator`` (a ``hold`` step, no adapter
   call) and no further restart or replacement is planned until an operator's ``set-healthy`` /
   ``act resume``.
 * A node the agent already restarted ``safety.max_remediations_7d`` times in 7 days (GPU resets
@@ -56,7 +58,7 @@ in :mod:`node_agent.remediation.guards` and journals each step before acting.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -335,6 +337,10 @@ class Move(enum.Enum):
     NOTE_PLANNED = "say it waits for the announced maintenance to end"
 
 
+#: the remedies of findings that new hardware is not known to fix: an ERROR made only of these
+#: is held for an operator when its restarts are spent, never escalated to a replacement
+NO_SWAP = frozenset({Remedy.SOFTWARE, Remedy.APPLICATION})
+
 _ERRORS = (Verdict.ERROR, Verdict.SOFTWARE)
 _OVERUSED = (Verdict.OVERUSED, Verdict.SOFTWARE_OVERUSED)
 _SOFTWARE = (Verdict.SOFTWARE, Verdict.SOFTWARE_OVERUSED, Verdict.SOFTWARE_SPENT)
@@ -440,7 +446,7 @@ def _verdict(c: _Case) -> Verdict:
         return Verdict.JOBS
     if c.node_serious and all(r.remedy is Remedy.PLANNED for r in c.node_serious):
         return Verdict.PLANNED
-    software = bool(c.node_serious) and all(r.remedy is Remedy.SOFTWARE for r in c.node_serious)
+    software = bool(c.node_serious) and all(r.remedy in NO_SWAP for r in c.node_serious)
     if c.restarts >= c.limit:
         return Verdict.SOFTWARE_SPENT if software else Verdict.SPENT
     if c.remediations_7d >= c.safety.max_remediations_7d:
@@ -650,13 +656,40 @@ def _escalate(c: _Case) -> Plan:
     why = _spent_why(c)
     code, target = c.code, c.worst.target
     # a software cause beside a hardware one: the hardware finding is what gets replaced
-    hardware = next((r for r in c.node_serious if r.remedy is not Remedy.SOFTWARE), c.worst)
+    hardware = next((r for r in c.node_serious if r.remedy not in NO_SWAP), c.worst)
     if hardware is not c.worst:
         why += f"; with {fault_code(hardware)} on {hardware.target}, not a software cause"
         code, target = fault_code(hardware), hardware.target
     p = _replace_plan(code, target, c.drained, Level.FAULT, note="escalated", why=why)
     return Plan(
         p.steps, note=f"escalated to FAULT: {why}", escalated=True, fault_code=code, target=target
+    )
+
+
+def no_swap_why(reasons: Sequence[Reason], causes: str) -> str:
+    """Why a node whose every ERROR is in :data:`NO_SWAP` is held, not replaced, and what the
+    operator does: the wording follows the remedies present."""
+    remedies = {r.remedy for r in reasons}
+    kinds = []
+    if Remedy.SOFTWARE in remedies:
+        kinds.append("a software cause (remedy software in graders/rules.yaml)")
+    if Remedy.APPLICATION in remedies:
+        kinds.append(
+            "an error a user's code can make the driver report (an Xid of class application "
+            "in graders/xid.yaml)"
+        )
+    fixes = []
+    if Remedy.SOFTWARE in remedies:
+        fixes.append("fix the cause (e.g. rebuild or reinstall the driver for the running kernel)")
+    if Remedy.APPLICATION in remedies:
+        fixes.append(
+            "run the GPU's field diagnostics (DCGM's `dcgmi diag -r 3`, or NVIDIA's field "
+            "diagnostic) and look at the jobs that ran on it"
+        )
+    return (
+        f"every ERROR ({causes}) is {' or '.join(kinds)}, which new hardware is not known to "
+        "fix, so the node stays drained with no further restart or replacement; "
+        f"{' and '.join(fixes)}, then run `node-agent set-healthy` and `node-agent act resume`"
     )
 
 
@@ -674,13 +707,7 @@ def _hold_software(c: _Case) -> Plan:
     )
     steps = [] if c.drained else [_drain(reason, code, target, restarts)]
     steps.append(Step(StepAction.HOLD, reason, NodeState.NEEDS_OPERATOR, code, target, restarts))
-    note = (
-        f"needs an operator: {_spent_why(c)}; every ERROR is a software cause ({causes}: remedy "
-        "software in graders/rules.yaml), which new hardware does not fix, so the node stays "
-        "drained with no further restart or replacement; fix the cause (e.g. rebuild or "
-        "reinstall the driver for the running kernel), then run `node-agent set-healthy` and "
-        "`node-agent act resume`"
-    )
+    note = f"needs an operator: {_spent_why(c)}; {no_swap_why(c.node_serious, causes)}"
     return Plan(tuple(steps), note=note, fault_code=code, target=target)
 
 

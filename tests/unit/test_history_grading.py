@@ -359,6 +359,34 @@ def test_xid31_repeated_on_gpu3_with_the_others_clean_is_an_error_for_gpu3(
     assert [a for a, _ in acted(store)][:2] == ["drain", "restart"]
 
 
+def test_xid31_that_outlives_its_restarts_is_held_for_an_operator_never_replaced(
+    env: Environment, store: Store, tmp_path: Path
+) -> None:
+    """A user's own code can make the driver print a real Xid 31 on the GPU its job holds, and
+    land on the node again after each reboot. Run after run with two bursts on gpu:3 (an
+    ERROR), the node is restarted until safety.max_restarts is spent, then held for an operator
+    who runs the field diagnostics: an error a user can cause never proves the GPU bad, so it
+    is never escalated to a replacement."""
+    grader, clock = load_grader(shipped()), Clock()
+    said: list[str] = []
+    rem = remediator(store, tmp_path, clock, warn=said.append)
+    lines = [line(env, 3, 31, t) for t in (100.0, 2000.0)]
+    for _ in range(4):
+        grade, _records = run_once(env, grader, rem, lines)
+        (reason,) = grade.reasons
+        assert (reason.level, reason.target, reason.remedy) == (Level.ERROR, "gpu:3", "application")
+        clock.t += 6 * 3600
+    done = [a for a, state in acted(store) if state == "done"]
+    assert done == ["drain", "restart", "restart", "hold"]
+    record = store.node_record(NODE)
+    assert (record.state, record.fault_code, record.target) == ("needs-operator", "xid-31", "gpu:3")
+    hold = store.journal_tail(NODE, 1)[0]
+    assert "class application" in hold.detail and "field diagnostics" in hold.detail
+    # a hardware Xid on the held node is still replaced
+    run_once(env, grader, rem, [line(env, 5, 79)])
+    assert [a for a, _ in acted(store)][-1] == "replace"
+
+
 def test_xid13_spread_across_gpus_stays_warn_and_repeated_on_one_gpu_is_error(
     env: Environment,
 ) -> None:
