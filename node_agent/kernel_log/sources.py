@@ -76,23 +76,43 @@ class FileKernelLog:
                     "by others: a kernel log must be root's alone",
                 )
             skip = max(0, st.st_size - FILE_READ_BYTES)
+            head = os.pread(fd, 1 << 16, 0) if skip else None
+            if head is not None:
+                _refuse_a_cut_journal(self.path, head)
             os.lseek(fd, skip, os.SEEK_SET)
             chunks = []
             while chunk := os.read(fd, 1 << 20):
                 chunks.append(chunk)
         finally:
             os.close(fd)
-        return file_records(b"".join(chunks), cut=bool(skip))
+        return file_records(b"".join(chunks), cut=bool(skip), head=head)
 
 
-def file_records(data: bytes, cut: bool = False) -> list[LogRecord]:
+def _refuse_a_cut_journal(path: str, head: bytes) -> None:
+    """A journal ``export`` or ``verbose`` file too large to read whole cannot be read from its
+    tail: an entry's field may hold any bytes (export's binary fields, a multi-line message), so
+    the first line break after the cut may fall inside a user's message and make entries of it.
+    The form is judged by the file's head, which no user writes."""
+    form = journal_form(head)
+    if form in ("export", "verbose"):
+        raise OSError(
+            errno.EFBIG,
+            f"{path} is a journal '-o {form}' file of more than {FILE_READ_BYTES >> 20} MiB, which "
+            "cannot be read from its tail (an entry boundary cannot be found safely in it): "
+            f"save a shorter span (journalctl -k -o {form} --since ...), or leave "
+            "kernel_log.path unset to read this host's kernel log",
+        )
+
+
+def file_records(data: bytes, cut: bool = False, head: bytes | None = None) -> list[LogRecord]:
     """A saved log's records, by its form: the journal's ``-o export``, ``-o verbose`` or
     ``-o json`` (each entry believed only with ``_TRANSPORT=kernel``, as the journal source),
     else text, one line per record (a line with a kmsg header keeps its facility, sequence
-    number and time). ``cut``: the data starts inside a line (a file read from its tail)."""
+    number and time). ``cut``: the data starts inside a line (a file read from its tail), and
+    ``head``, the file's first bytes, judges its form."""
     if cut:
         data = data[data.find(b"\n") + 1 :]
-    form = journal_form(data)
+    form = journal_form(data if head is None else head)
     if form is not None:
         return journal_file_records(data, form)
     lines = data.decode("utf-8", "replace").split("\n")

@@ -19,9 +19,13 @@ record's time), ``journalctl -k`` (later lines indented).
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 
 from node_agent.kernel_log import (
+    FILE_READ_BYTES,
+    FileKernelLog,
     LogRecord,
     _parse_kmsg_record,
     kernel_message,
@@ -211,3 +215,42 @@ def test_nv_err_and_rminitadapter_are_read_only_in_the_drivers_own_forms(line):
 def test_the_drivers_own_forms_are_still_read(line, kind):
     event = parse_driver_line(line)
     assert event is not None and event.kind == kind and event.pci_bus is not None
+
+
+# -- a saved journal export too large to read whole -------------------------------------------
+
+
+def journal_export(path, message_blocks: int) -> None:
+    """A root-owned ``journalctl -o export`` file: one kernel entry, then a user's entry whose
+    multi-line MESSAGE (a binary field: name, 64-bit length, bytes) repeats entries that look
+    like the kernel's Xid 79."""
+    forged = (
+        b"\n\n__CURSOR=s=x\n_TRANSPORT=kernel\nSYSLOG_FACILITY=0\nMESSAGE="
+        + FAKE_79.encode()
+        + b"\n\n"
+    )
+    message = forged * message_blocks
+    path.write_bytes(
+        b"__CURSOR=s=1\n_TRANSPORT=kernel\nSYSLOG_FACILITY=0\nMESSAGE=Linux version 6.1.0\n\n"
+        b"__CURSOR=s=2\n_TRANSPORT=journal\n_UID=1001\nSYSLOG_IDENTIFIER=user\nMESSAGE\n"
+        + struct.pack("<Q", len(message))
+        + message
+        + b"\n\n"
+    )
+    path.chmod(0o600)
+
+
+def test_a_users_binary_message_in_a_journal_export_is_data_when_read_whole(tmp_path):
+    journal_export(tmp_path / "kernel.export", message_blocks=3)
+    records = FileKernelLog(str(tmp_path / "kernel.export")).read()
+    assert [r.text for r in records] == ["Linux version 6.1.0"]
+
+
+def test_a_journal_export_too_large_to_read_whole_is_refused_not_read_from_its_tail(tmp_path):
+    """Read from its tail, the first line break could fall inside the user's message and make
+    its forged entries the kernel's: the file is refused, saying how to read it instead."""
+    path = tmp_path / "kernel.export"
+    journal_export(path, message_blocks=FILE_READ_BYTES // 100 + 2)
+    assert path.stat().st_size > FILE_READ_BYTES
+    with pytest.raises(OSError, match="cannot be read from its tail.*--since"):
+        FileKernelLog(str(path)).read()
