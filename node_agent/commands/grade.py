@@ -164,10 +164,15 @@ def cmd_grade(args: argparse.Namespace) -> int:
     if args.simulate:
         raise UsageError("grade reads a saved report; --simulate does not apply")
     grader, _ = load_data(config)
-    if args.rules or len(args.report) > 1 or os.path.isdir(args.report[0]):
-        if args.html or args.junit:
-            raise UsageError("--html/--junit write one report's page; name a single report")
-        grader, label = rules_grader(args.rules, grader)
+    several = len(args.report) > 1 or os.path.isdir(args.report[0])
+    pages = bool(args.html or args.junit)
+    if several and pages:
+        raise UsageError(
+            "--html/--junit write one report's page; name a single report, not several or a "
+            "directory"
+        )
+    grader, label = rules_grader(args.rules, grader)
+    if several or (args.rules and not pages):
         worst, _ = run(args.report, grader, label, as_json=args.json)
         return EXIT_FOR_LEVEL[worst]
     check_outputs(args.html, args.junit)
@@ -175,8 +180,9 @@ def cmd_grade(args: argparse.Namespace) -> int:
     regraded = grader.grade(saved.results, saved.mode)
     if regraded.level != saved.grade.level:
         print(
-            f"node-agent: note: the saved grade was {saved.grade.level.name}; with the current "
-            f"rules it is {regraded.level.name}",
+            f"node-agent: note: the saved grade was {saved.grade.level.name}; with the "
+            f"{'current rules' if args.rules is None else 'rules in ' + label} it is "
+            f"{regraded.level.name}",
             file=sys.stderr,
         )
     saved.grade = regraded

@@ -52,6 +52,18 @@ def test_grade_rules_shows_the_grade_a_threshold_change_would_give(agent, scenar
     assert json_report.read(path).grade.level.name == "WARN", "the saved report is not modified"
 
 
+def test_grade_rules_writes_the_page_of_the_grade_the_new_rules_give(agent, scenario, tmp_path):
+    _, path = saved_report(agent, scenario, tmp_path, [{"kind": "xid", "gpu": 0, "code": 13}])
+    rules = rules_with_xid13_as_error(tmp_path)
+    junit = tmp_path / "j.xml"
+    run = agent("grade", "--rules", str(rules), str(path), "--junit", str(junit))
+    assert run.code == 3, run.stderr
+    assert f"the saved grade was WARN; with the rules in {rules} it is ERROR" in run.stderr
+    assert ET.parse(junit).getroot().get("failures") == "1"
+    several = agent("grade", str(path), str(path), "--junit", str(junit))
+    assert several.code == 2 and "name a single report" in several.stderr
+
+
 def test_grade_rules_over_a_directory_lists_only_changed_grades_and_unreadable_files(
     agent, scenario, tmp_path
 ):
