@@ -8,10 +8,12 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from importlib import import_module
+from typing import NoReturn
 
 from node_agent import __version__
 from node_agent.commands.reporting import EXIT_AGENT_FAILED, EXIT_USAGE, UsageError
 from node_agent.model import ReportFormatError
+from node_agent.report.terminal import printable
 from node_agent.yamlfile import ConfigError
 
 
@@ -31,6 +33,14 @@ def _common(parser: argparse.ArgumentParser) -> None:
 _Sub = argparse._SubParsersAction  # the subcommands of the ``node-agent`` parser
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line on stderr and exit 2, as the command's other errors are; what
+    the caller typed is printed with its control characters escaped."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {printable(message)} (`{self.prog} --help`)\n")
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The ``node-agent`` parser; where ``only`` names a command, that command's alone.
 
@@ -40,7 +50,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     for its own work (docs/daemon.md); a short one (``check`` from Slurm's HealthCheckProgram,
     hundreds of them in the tests) saves their imports' time. An unknown first word builds the
     whole parser, whose error lists every command."""
-    parser = argparse.ArgumentParser(
+    parser: argparse.ArgumentParser = _Parser(
         prog="node-agent",
         description="Decide whether this GPU node is fit for service; grade it "
         "HEALTHY, WARN, ERROR (restart) or FAULT (replace).",

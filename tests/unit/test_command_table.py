@@ -39,3 +39,15 @@ def test_an_unknown_command_gets_the_whole_parser_whose_error_lists_every_comman
     assert "invalid choice: 'chek'" in err
     for name in ("check", "accept", "daemon", "stop-check", "optout"):
         assert f"'{name}'" in err
+
+
+@pytest.mark.parametrize(
+    "words", [["check", "--bogus"], ["check", "--simulate"], ["act", "drain\x1b[2J"], ["chek"]]
+)
+def test_a_usage_error_is_one_line_on_stderr_with_what_was_typed_escaped(capsys, words):
+    with pytest.raises(SystemExit) as stop:
+        build_parser(only=words[0]).parse_args(words)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.endswith("--help`)\n"), err
+    assert "\x1b" not in err
