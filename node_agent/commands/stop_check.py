@@ -224,7 +224,7 @@ def _run(
     if place.rank == 0:
         path = _write_summary(args, env, place, joined.nodes, outcomes, suspects, topology, started)
         print(f"stop-check: {len(suspects)} suspect(s); {path}", file=sys.stderr)
-    report = _node_report(env, node, outcomes, started)
+    report = _node_report(env, node, outcomes, started, no_compute)
     act.act_on_report(acting, env, report)
     out_dir, note = report_dir(env, args.out)
     path = json_report.write(report, out_dir)
@@ -380,15 +380,32 @@ def _write_summary(
 
 
 def _node_report(
-    env: Any, node: str, outcomes: dict[str, phases.PhaseOutcome], started: str
+    env: Any,
+    node: str,
+    outcomes: dict[str, phases.PhaseOutcome],
+    started: str,
+    no_compute: str | None = None,
 ) -> Report:
-    """This node's share as a report the normal grading and remediation act on."""
+    """This node's share as a report the normal grading and remediation act on. A node whose
+    GPUs could not compute (``no_compute``: why) was compared with nothing: a WARN says so, so
+    that it is never HEALTHY on the strength of phases it did not run."""
     results: list[Result] = []
     self_phase = outcomes.get("self")
     if self_phase is not None and self_phase.report is not None:
         results.extend(self_phase.report.results)
     for name in PHASE_ORDER:
         results.extend(_phase_results(name, outcomes.get(name), node))
+    if no_compute is not None:
+        results.append(
+            Result(
+                CHECK,
+                "node",
+                f"{CHECK}_compute",
+                Status.WARN,
+                f"this node's GPUs could not compute here ({no_compute}), so its GPUs were "
+                "compared with no other node's; the compute phases were skipped on every node",
+            )
+        )
     grade = env.grader.grade(results, "service")
     return build_report(env, "stop-check", "service", started, results, grade)
 

@@ -227,6 +227,27 @@ def test_each_phase_names_exactly_its_bad_node_and_act_drains_them(job, tmp_path
         assert report["grade"]["level"] == "HEALTHY" and report["actions"] == []
 
 
+def test_a_node_that_cannot_compute_is_warn_and_the_others_say_the_phases_were_skipped(
+    job, tmp_path, agent_zygote
+):
+    """node2's GPUs cannot compute (its scenario names an SM its GPU does not have, as a node
+    whose torch cannot use its GPUs would say): the compute phases are skipped on every node,
+    each report saying why, and node2 is WARN, never HEALTHY on phases it did not run."""
+    scen = job({2: [{"kind": "sdc", "gpu": 1, "sm": 100000}]}, nodes=3)
+    run_ranks(agent_zygote(), range(3), 3, job.args(scen), free_port(), tmp_path)
+    assert summary(job.out)["suspects"] == []
+    for node in ("node0", "node1", "node2"):
+        results = {r["metric"]: r for r in node_report(job.out, node)["results"]}
+        skipped = results["stop_check_alignment"]
+        assert skipped["status"] == "skip" and "no compute on node2" in skipped["detail"]
+    mine = node_report(job.out, "node2")
+    assert mine["grade"]["level"] == "WARN"
+    (warn,) = [r for r in mine["results"] if r["metric"] == "stop_check_compute"]
+    assert warn["status"] == "warn" and "names sm 100000" in warn["detail"]
+    for node in ("node0", "node1"):
+        assert node_report(job.out, node)["grade"]["level"] == "HEALTHY"
+
+
 def test_replay_names_the_node_whose_sm_corrupts_now_and_then(job, tmp_path, agent_zygote):
     scen = job({2: [{"kind": "sdc", "gpu": 6, "sm": 17, "rate": 0.3}]})
     args = [
