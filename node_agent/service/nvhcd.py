@@ -51,8 +51,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from node_agent.remediation.plan import JOB_RULES
 from node_agent.report.terminal import printable
-from node_agent.service.node_state import NodeView
+from node_agent.service.node_state import UNKNOWN, NodeView, ViewReason
 from node_agent.service.peers import unix_peer
 
 if TYPE_CHECKING:
@@ -77,6 +78,7 @@ _PEER_PREFIX = "node-agent-nvhcd-"
 MAX_REQUEST_BYTES = 64 << 10
 
 _EXIT = {"HEALTHY": 0, "WARN": 0, "ERROR": 3, "FAULT": 4}
+_UNFIT = ("ERROR", "FAULT")
 
 
 def message_classes() -> tuple[type[Message], type[Message]]:
@@ -136,11 +138,15 @@ class HealthAnswerer:
         )
         view, now = self._view(), self._clock()
         common: dict[str, Any] = {"source": "node-agent", "args_received": shown}
-        if view is None or view.unknown:
+        level = _node_level(view, uid) if view is not None else UNKNOWN
+        if view is None or level == UNKNOWN:
             why = (
-                view.why_unknown()
-                if view is not None
-                else "node-agent has not graded this node yet; ask again shortly"
+                "node-agent has not graded this node yet; ask again shortly"
+                if view is None
+                else view.why_unknown()
+                if view.missing
+                else "node-agent's only ERRORs are other users' training jobs' and its checks of "
+                "the node itself are not all in yet; ask again shortly"
             )
             output = {
                 **common,
@@ -151,12 +157,12 @@ class HealthAnswerer:
                 "reasons": view.reasons_for(uid)[:20] if view else [],
             }
             return {"success": False, "exit_code": 1, "output": _json(output), "error": why}
-        failed = [r for r in view.reasons if r.level in ("ERROR", "FAULT")]
+        failed = [r for r in view.reasons if r.level in _UNFIT and _counts_for(r, uid)]
         output = {
             **common,
             "fail_count": len(failed),
             "failed_checks": sorted({r.rule for r in failed}),
-            "level": view.level,
+            "level": level,
             "reasons": view.reasons_for(uid)[:20],
             "graded_at": view.graded_at,
             "age_s": round(max(0.0, now - view.graded_at), 1),
@@ -166,15 +172,36 @@ class HealthAnswerer:
             "restored_checks": sorted(view.restored),
             "suite": view.suite,
         }
-        success = view.level in ("HEALTHY", "WARN")
+        success = level in ("HEALTHY", "WARN")
         if not success and not failed:  # a level without its reasons still fails the check
             output["fail_count"] = 1
         return {
             "success": success,
-            "exit_code": _EXIT.get(view.level, 1),
+            "exit_code": _EXIT.get(level, 1),
             "output": _json(output),
             "error": "",
         }
+
+
+def _counts_for(reason: ViewReason, uid: int | None) -> bool:
+    """Whether an ERROR or FAULT reason makes the node unfit for ``uid``: every finding about
+    the node does; a training job's (``JOB_RULES``: a hung job, for which the node is not
+    drained either) only for that job's user and root, whose restart it is."""
+    return reason.rule not in JOB_RULES or (
+        uid is not None and (uid == 0 or reason.owner_uid == uid)
+    )
+
+
+def _node_level(view: NodeView, uid: int | None) -> str:
+    """The view's level as the node's fitness for ``uid``: an ERROR or FAULT made only of other
+    users' jobs' findings is theirs, not the node's: WARN where every check is in, UNKNOWN
+    while they are not (the node's own checks could still find it unfit)."""
+    if view.level not in _UNFIT:
+        return view.level
+    counted = [r.level for r in view.reasons if r.level in _UNFIT and _counts_for(r, uid)]
+    if counted:
+        return "FAULT" if "FAULT" in counted else "ERROR"
+    return "WARN" if view.complete and not view.stored_grade else UNKNOWN
 
 
 def _json(data: dict[str, Any]) -> str:
@@ -446,12 +473,14 @@ class NvhcdServer:
 
 def _make_parent(directory: Path, gid: int) -> list[str]:
     """Make the socket's directory if missing (0755, or 0750 and ``gid``'s); return a note for
-    each directory on the way that keeps the job's users from reaching the socket."""
+    each directory on the way that keeps the job's users from reaching the socket. OSError when
+    another user could take the path (:func:`_refuse_a_shared_directory`)."""
     if not directory.exists():
         directory.mkdir(parents=True, mode=0o755)
         if gid != -1:
             os.chown(directory, -1, gid)
         os.chmod(directory, 0o750 if gid != -1 else 0o755)  # whatever the umask
+    _refuse_a_shared_directory(directory)
     notes = []
     for d in (directory, *directory.parents):
         st = os.stat(d)
@@ -464,6 +493,26 @@ def _make_parent(directory: Path, gid: int) -> list[str]:
             )
             break
     return notes
+
+
+def _refuse_a_shared_directory(directory: Path) -> None:
+    """OSError unless only root (or this daemon's user) can change what ``directory`` holds:
+    a user who can write there could bind the socket's name first and answer NVRx as the
+    daemon, or swap the socket for a link between its bind and its chmod. Above it, a
+    directory others can write must be sticky (others then cannot rename what is not theirs)."""
+    owners = {0, os.geteuid()}
+    for d in (directory, *directory.parents):
+        st = os.stat(d)
+        others_write = st.st_mode & 0o002 or (st.st_mode & 0o020 and st.st_gid != 0)
+        sticky_above = d != directory and st.st_mode & stat.S_ISVTX
+        if st.st_uid not in owners or (others_write and not sticky_above):
+            raise OSError(
+                f"the NVRx socket's directory {directory} is not root's alone ({d}: uid "
+                f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}): another user could put "
+                "their own socket at its path and answer NVRx as node-agent; set "
+                "daemon.nvhcd.socket in a directory only root can write (the default "
+                f"{DEFAULT_SOCKET})"
+            )
 
 
 def _clear_stale_socket(path: Path) -> None:

@@ -186,3 +186,43 @@ def test_the_server_refuses_to_replace_a_file_it_did_not_leave(tmp_path):
     with pytest.raises(OSError, match="not a socket this daemon left behind"):
         NvhcdServer(answerer(HEALTHY), planted).start()
     assert planted.is_symlink()
+
+
+def test_another_users_hung_job_alone_leaves_the_node_fit_for_nvrx():
+    """A hung job is its job's ERROR (the node is not drained for it either): its user and root
+    are told the node is unfit (their restart decides), anyone else WARN with no failure; while
+    the node's own checks are not all in, UNKNOWN; beside a FAULT, unfit for everyone."""
+    complete = answerer(NodeView("ERROR", (HANG,), graded_at=1000.0, complete=True))
+    answer = complete.answer([], uid=2000)
+    output = json.loads(answer["output"])
+    assert (answer["success"], answer["exit_code"]) == (True, 0)
+    assert (output["level"], output["fail_count"], output["failed_checks"]) == ("WARN", 0, [])
+    assert output["reasons"][0]["rule"] == "training-hang"
+    for owner in (1234, 0):
+        answer = complete.answer([], uid=owner)
+        assert (answer["success"], json.loads(answer["output"])["fail_count"]) == (False, 1)
+    early = answerer(NodeView("ERROR", (HANG,), graded_at=1000.0, missing=("nvml_health",)))
+    answer = early.answer([], uid=2000)
+    assert answer["success"] is False and json.loads(answer["output"])["level"] == "UNKNOWN"
+    stored = answerer(NodeView("ERROR", (HANG,), graded_at=1000.0, stored_grade=True))
+    assert stored.answer([], uid=2000)["success"] is False
+    both = answerer(NodeView("FAULT", (HANG, XID79), graded_at=1000.0, complete=True))
+    output = json.loads(both.answer([], uid=2000)["output"])
+    assert (output["level"], output["failed_checks"]) == ("FAULT", ["xid"])
+
+
+@pytest.mark.parametrize("mode, owner", [(0o777, 0), (0o775, 0), (0o755, 65534)])
+def test_a_socket_directory_another_user_can_write_is_refused(tmp_path, mode, owner):
+    """A user who can write the socket's directory could bind its name first and answer NVRx
+    as the daemon, or swap the socket for a link before it is chmod'ed: nothing is served."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("giving the directory to another user takes root (chown)")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chown(shared, owner, 1234 if mode == 0o775 else 0)
+    shared.chmod(mode)
+    with pytest.raises(OSError, match="not root's alone"):
+        NvhcdServer(answerer(HEALTHY), shared / "nvhcd.sock").start()
+    assert not (shared / "nvhcd.sock").exists()
