@@ -242,9 +242,13 @@ def _publish(raw: Any, store: Any, place: Place, key: bytes, deadline_s: float) 
     record = {"members": members, "missing": missing, "refused": sorted(refused)}
     wire = signed.seal(key, JOIN_SESSION, "joined", 0, 0, record)
     store.set("joined", wire)
-    if refused:  # every rank is told before rank 0 (and the store it hosts) goes
+    # every rank that can be told is, before rank 0 (and the store it hosts) goes: all of them
+    # when the run stops, those that joined when some never did
+    told = place.world_size - 1 if refused else len(members) - 1
+    if refused:
         raw.set(STOPPED, "1")
-        while raw.add(SEEN, 0) < place.world_size - 1 and time.monotonic() < end + 30:
+    if refused or missing:
+        while raw.add(SEEN, 0) < told and time.monotonic() < end + 30:
             time.sleep(0.1)
     return wire
 

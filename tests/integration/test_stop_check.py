@@ -316,6 +316,7 @@ def test_a_rank_that_never_joins_is_named_by_rank_0_and_the_others_exit_2(
     codes = run_ranks(agent_zygote(), range(2), 3, args, free_port(), tmp_path)
     assert {r: c for r, (c, _) in codes.items()} == {0: 2, 1: 2}
     assert "rank 2 did not join" in codes[0][1]
+    assert "rank 2 did not join; rank 0 names them" in codes[1][1]  # told before rank 0 went
     data = summary(job.out)
     assert [(s["node"], s["phase"]) for s in data["suspects"]] == [("node2", "join")]
     assert data["suspects"][0]["evidence"]["did_not_join"] is True
