@@ -11,6 +11,7 @@ process stuck in the kernel cannot be made here without privileges the tests do 
 from __future__ import annotations
 
 import threading
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +21,7 @@ from node_agent.checking.context import CheckContext
 from node_agent.checking.ports import Ports
 from node_agent.checks import training_progress as tp
 from node_agent.config import config_from_dict
+from node_agent.environment import Environment
 from node_agent.model import Status
 from node_agent.runner import run_check
 from node_agent.suite import CheckSpec
@@ -87,6 +89,7 @@ def test_through_the_runner_the_same_stall_is_never_the_runners_timeout(tmp_path
         config=config_from_dict({}),
         writable_state_dir=lambda: tmp_path / "state",
     )
+    env.check_context = partial(Environment.check_context, env)  # the real one, on these fields
     try:
         results = run_check(
             CheckSpec("training_progress", 3.0, {"spool_dir": str(tmp_path / "spool")}),
