@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from agent_daemon import agent_daemon  # tests/agent_daemon.py
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -620,44 +621,26 @@ def test_the_daemon_retries_a_failed_action_while_the_fault_stands_under_one_key
     checks = suite(
         shared_dir, {"check": "nvml_health", "timeout_s": 30, "every_s": 600}, name="periodic-small"
     )
-    log = open(shared_dir / "daemon.log", "w")
-    daemon = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "node_agent.commands.main",
-            "daemon",
-            "--config",
-            cfg,
-            "--simulate",
-            xid79,
-            "--suite",
-            checks,
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=REPO,
-    )
     try:
-        failed = _until(
-            "three failed drains",
-            lambda: [
-                r for r in _journal(cfg, xid79) if r["action"] == "drain" and r["state"] == "failed"
-            ][2:],
-        )
-        assert all("HTTP 503" in r["detail"] for r in failed)
-        receiver.up.set()  # the outage ends; nothing else changes
-        rows = _until(
-            "the drain and the replace",
-            lambda: (
-                [r for r in _journal(cfg, xid79) if r["state"] == "done"][1:]
-                and _journal(cfg, xid79)
-            ),
-        )
+        with agent_daemon(cfg, xid79, checks, shared_dir / "daemon.log"):
+            failed = _until(
+                "three failed drains",
+                lambda: [
+                    r
+                    for r in _journal(cfg, xid79)
+                    if r["action"] == "drain" and r["state"] == "failed"
+                ][2:],
+            )
+            assert all("HTTP 503" in r["detail"] for r in failed)
+            receiver.up.set()  # the outage ends; nothing else changes
+            rows = _until(
+                "the drain and the replace",
+                lambda: (
+                    [r for r in _journal(cfg, xid79) if r["state"] == "done"][1:]
+                    and _journal(cfg, xid79)
+                ),
+            )
     finally:
-        daemon.terminate()
-        daemon.wait(timeout=60)
-        log.close()
         receiver.close()
     drains = [r for r in rows if r["action"] == "drain"]
     assert len({r["key"] for r in drains}) == 1 and drains[-1]["state"] == "done"

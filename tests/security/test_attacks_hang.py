@@ -21,13 +21,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+from agent_daemon import agent_daemon  # tests/agent_daemon.py
 from test_attacks import config, node, report, results, run_agent, spool, suite
 
 from node_agent.remediation.store import open_store
@@ -219,25 +219,7 @@ def test_the_daemon_watching_80_vfork_blocked_processes_stays_at_warn_and_never_
     cfg = config(shared_dir, daemon={"listen": "127.0.0.1:0"})
     scen = node(shared_dir)
     checks = suite(shared_dir, {**periodic_entry(hb), "every_s": 5}, name="periodic-hang")
-    log = open(shared_dir / "daemon.log", "w")
-    daemon = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "node_agent.commands.main",
-            "daemon",
-            "--config",
-            cfg,
-            "--simulate",
-            scen,
-            "--suite",
-            checks,
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=REPO,
-    )
-    try:
+    with agent_daemon(cfg, scen, checks, shared_dir / "daemon.log"):
         time.sleep(1)
         status = _until_status(
             cfg,
@@ -249,10 +231,6 @@ def test_the_daemon_watching_80_vfork_blocked_processes_stays_at_warn_and_never_
         status = _until_status(
             cfg, scen, lambda st: st["last_run"]["at"] > first, log=shared_dir / "daemon.log"
         )
-    finally:
-        daemon.terminate()
-        daemon.wait(timeout=60)
-        log.close()
     assert status["last_run"]["level"] == "WARN", status["last_run"]
     assert status["remediation"]["state"] == "in-service" and status["journal"] == []
     assert not any(r["rule"] == "check-hang" for r in status["last_run"]["reasons"])

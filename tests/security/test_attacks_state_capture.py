@@ -16,11 +16,11 @@ import os
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from agent_daemon import agent_daemon  # tests/agent_daemon.py
 from test_attacks import config, node, report, results, run_agent, spool, suite
 
 from node_agent.remediation.store import (
@@ -175,33 +175,12 @@ def _daemon_until_spool(shared_dir: Path, base: Path) -> str:
     )
     entry = {"check": "training_progress", "timeout_s": 30, "every_s": 300, "params": {}}
     log_path = shared_dir / "daemon.log"
-    with open(log_path, "w") as log:
-        daemon = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "node_agent.commands.main",
-                "daemon",
-                "--config",
-                cfg,
-                "--simulate",
-                node(shared_dir),
-                "--suite",
-                suite(shared_dir, entry, name="spool-parent"),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-            umask=0o077,
-        )
-        try:
-            deadline = time.monotonic() + 90
-            while not (base / "spool" / "sdc").is_dir() and time.monotonic() < deadline:
-                assert daemon.poll() is None, log_path.read_text()[-3000:]
-                time.sleep(0.2)
-        finally:
-            daemon.terminate()
-            daemon.wait(timeout=60)
+    checks = suite(shared_dir, entry, name="spool-parent")
+    with agent_daemon(cfg, node(shared_dir), checks, log_path, umask=0o077) as daemon:
+        deadline = time.monotonic() + 90
+        while not (base / "spool" / "sdc").is_dir() and time.monotonic() < deadline:
+            assert daemon.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(0.2)
     return log_path.read_text()
 
 

@@ -1,0 +1,45 @@
+"""Root's ``node-agent daemon`` as a process of its own, for tests that need the real command
+(its signals, its exit, its files as another user finds them)."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def agent_daemon(
+    config: str | Path, scenario: str | Path, suite: str | Path, log_path: Path, **popen: Any
+) -> Iterator[subprocess.Popen]:
+    """``node-agent daemon --config --simulate --suite`` from the checkout, stdout and stderr
+    in ``log_path``; terminated (SIGTERM, then waited for) when the block ends."""
+    with open(log_path, "w") as log:
+        daemon = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "node_agent.commands.main",
+                "daemon",
+                "--config",
+                str(config),
+                "--simulate",
+                str(scenario),
+                "--suite",
+                str(suite),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            **popen,
+        )
+        try:
+            yield daemon
+        finally:
+            daemon.terminate()
+            daemon.wait(timeout=60)
