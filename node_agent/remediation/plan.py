@@ -666,30 +666,31 @@ def _escalate(c: _Case) -> Plan:
     )
 
 
+#: for each remedy in :data:`NO_SWAP`: what such a finding is, and what the operator does
+_NO_SWAP_WORDS = {
+    Remedy.SOFTWARE: (
+        "a software cause (remedy software in graders/rules.yaml)",
+        "fix the cause (e.g. rebuild or reinstall the driver for the running kernel)",
+    ),
+    Remedy.APPLICATION: (
+        "an error a user's code can make the driver report (an Xid of class application in "
+        "graders/xid.yaml)",
+        "run the GPU's field diagnostics (DCGM's `dcgmi diag -r 3`, or NVIDIA's field "
+        "diagnostic) and look at the jobs that ran on it",
+    ),
+}
+
+
 def no_swap_why(reasons: Sequence[Reason], causes: str) -> str:
     """Why a node whose every ERROR is in :data:`NO_SWAP` is held, not replaced, and what the
     operator does: the wording follows the remedies present."""
-    remedies = {r.remedy for r in reasons}
-    kinds = []
-    if Remedy.SOFTWARE in remedies:
-        kinds.append("a software cause (remedy software in graders/rules.yaml)")
-    if Remedy.APPLICATION in remedies:
-        kinds.append(
-            "an error a user's code can make the driver report (an Xid of class application "
-            "in graders/xid.yaml)"
-        )
-    fixes = []
-    if Remedy.SOFTWARE in remedies:
-        fixes.append("fix the cause (e.g. rebuild or reinstall the driver for the running kernel)")
-    if Remedy.APPLICATION in remedies:
-        fixes.append(
-            "run the GPU's field diagnostics (DCGM's `dcgmi diag -r 3`, or NVIDIA's field "
-            "diagnostic) and look at the jobs that ran on it"
-        )
+    present = {r.remedy for r in reasons}
+    words = [w for remedy, w in _NO_SWAP_WORDS.items() if remedy in present]
+    kinds, fixes = " or ".join(k for k, _ in words), " and ".join(f for _, f in words)
     return (
-        f"every ERROR ({causes}) is {' or '.join(kinds)}, which new hardware is not known to "
-        "fix, so the node stays drained with no further restart or replacement; "
-        f"{' and '.join(fixes)}, then run `node-agent set-healthy` and `node-agent act resume`"
+        f"every ERROR ({causes}) is {kinds}, which new hardware is not known to fix, so the "
+        f"node stays drained with no further restart or replacement; {fixes}, then run "
+        "`node-agent set-healthy` and `node-agent act resume`"
     )
 
 
