@@ -90,6 +90,7 @@ from node_agent.remediation.store import (
     StateUnavailable,
     Store,
 )
+from node_agent.report.terminal import printable
 from node_agent.schedulers.base import (
     AdapterError,
     AdapterOutcome,
@@ -127,7 +128,8 @@ class Outcome:
 
 
 def _stderr(message: str) -> None:
-    print(f"node-agent: {message}", file=sys.stderr)
+    # the message can quote a scheduler's or a webhook's answer: escaped like stdout's
+    print(f"node-agent: {printable(message)}", file=sys.stderr)
 
 
 class Remediator:
@@ -509,7 +511,8 @@ class Remediator:
             if refusal:
                 return refusal
         try:
-            nodes = self.adapter.list_nodes()
+            known = self.adapter.node_state(self.node).known
+            nodes = self.adapter.list_nodes() if known else None
         except Exception as err:  # noqa: BLE001 - any adapter failure refuses, never crashes
             return (
                 f"blast radius: cannot read the drained share from the {self.adapter.name} "
@@ -593,6 +596,8 @@ class Remediator:
         """What the scheduler already says before a drain, resume or replace: someone else's
         drain (refused), a drain already in place or a node already in service (already)."""
         state = self.adapter.node_state(self.node)
+        if not state.known:  # nothing to decide from: the action is sent (the journal dedups)
+            return None
         refusal = guards.foreign_drain(state)
         if refusal:
             return AdapterOutcome.refused(refusal)
@@ -834,9 +839,22 @@ class Remediator:
         return report
 
     def _acknowledge(self, event: PlannedEvent) -> str:
-        """Acknowledge the announced maintenance after its drain; a failure is a note (the
-        event then starts at its announced time, as it would have anyway)."""
+        """Acknowledge the announced maintenance after its drain, which may start it at once:
+        only where the scheduler says the node is drained (a log or webhook drain says nothing
+        of it). Otherwise, or when it fails, a note: the event then starts at its announced
+        time, as it would have anyway."""
         try:
+            state = self.adapter.node_state(self.node)
+            if not (state.known and state.drained):
+                why = (
+                    f"the {self.adapter.name} adapter cannot tell that {self.node} is drained"
+                    if not state.known
+                    else f"the scheduler says {self.node} is {state.state}, not drained"
+                )
+                return (
+                    f"{event.provider} event {event.event_id} not acknowledged: {why}; it "
+                    "starts at its own time, or acknowledge it once the node is drained"
+                )
             return self.acknowledge_event(event)
         except Exception as err:  # noqa: BLE001 - the drain is done; the ack is a courtesy
             note = f"{event.provider} event {event.event_id} not acknowledged: {err}"

@@ -84,16 +84,32 @@ def breaker(
     return None, False
 
 
-def blast_radius(nodes: list[NodeState], node: str, max_fraction: float) -> str | None:
+def blast_radius(nodes: list[NodeState] | None, node: str, max_fraction: float) -> str | None:
     """Refuse a drain of ``node`` when the agent-drained share would exceed ``max_fraction``.
 
     The share counts nodes whose drain reason carries the agent's prefix (drains by people do
     not count against the agent). The limit is ``floor(max_fraction * total)`` nodes, but at
     least one when ``max_fraction > 0``, so a small partition can still isolate one sick node;
-    ``max_fraction: 0`` forbids every automatic drain.
+    ``max_fraction: 0`` forbids every automatic drain. ``nodes`` None: the adapter cannot read
+    the fleet (log drains nothing; a webhook's receiver keeps the fleet), and only
+    ``max_fraction: 0`` refuses. A list that does not name ``node`` (an empty or cut answer,
+    another partition's) cannot say the share: refused, never read as none drained.
     """
+    if nodes is None:
+        if max_fraction <= 0:
+            return (
+                f"blast radius: safety.max_drained_fraction=0 forbids every automatic drain; "
+                f"{node} is not drained"
+            )
+        return None
     names = {n.name for n in nodes}
-    total = len(names | {node})
+    if node not in names:
+        return (
+            f"blast radius: the scheduler's node list ({len(names)} node(s)) does not name "
+            f"{node}, so the drained share cannot be read from it; not draining blind. Check "
+            "that node.name is the scheduler's name for this node"
+        )
+    total = len(names)
     drained_by_agent = {n.name for n in nodes if n.drained_by_agent and n.name != node}
     after = len(drained_by_agent) + 1
     allowed = 0 if max_fraction <= 0 else max(1, math.floor(max_fraction * total + 1e-9))

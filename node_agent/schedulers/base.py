@@ -47,6 +47,9 @@ class NodeState:
     state: str  # scheduler's words, e.g. "IDLE", "DRAIN", "Ready"
     drained: bool
     reason: str | None  # drain reason as the scheduler stores it
+    #: False where the adapter cannot read the scheduler (log: nothing is drained; webhook: the
+    #: receiver does not say): ``drained`` then says nothing, and nothing is decided from it
+    known: bool = True
 
     @property
     def drained_by_agent(self) -> bool:

@@ -7,7 +7,7 @@ Each call appends one JSON line to ``<state_dir>/actions.log`` (or the path give
 
 ``restart_job`` adds ``"job": "slurm:1234"`` (action ``restart-job``); any job id that passes
 :func:`~node_agent.schedulers.base.check_job_id` is recorded, since nothing is restarted.
-The node always reads as in service: nothing was really drained.
+The node's state is unknown (``NodeState.known`` False): nothing was really drained.
 """
 
 from __future__ import annotations
@@ -77,7 +77,9 @@ class LogAdapter(ActionByName):
         return AdapterOutcome.done(f"log: would {act.what} ({act.reason}); recorded in {self.path}")
 
     def node_state(self, node: str) -> NodeState:
-        return NodeState(name=check_node_name(node), state="in-service", drained=False, reason=None)
+        return NodeState(
+            name=check_node_name(node), state="unknown", drained=False, reason=None, known=False
+        )
 
     def list_nodes(self) -> list[NodeState]:
         """Only this node (when known): the log adapter manages nothing else."""

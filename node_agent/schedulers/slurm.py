@@ -91,7 +91,8 @@ Runner = Callable[..., proc.ProcResult]
 
 
 def parse_show_node(text: str) -> list[NodeState]:
-    """Parse ``scontrol show node -o`` output (one node per line) into NodeStates.
+    """Parse ``scontrol show node -o`` output (one node per line) into NodeStates; AdapterError
+    for a node line without its ``State=`` (a cut or foreign answer is never read as in service).
 
     ``Reason=`` is the last field and may hold spaces and ``=``; Slurm appends
     ``[user@time]`` to it, which is removed so that the reason reads as it was written.
@@ -106,7 +107,12 @@ def parse_show_node(text: str) -> list[NodeState]:
         if sep:
             reason = _REASON_SUFFIX_RE.sub("", tail).strip() or None
         fields = {m.group(1): m.group(2).strip() for m in _FIELD_RE.finditer(head)}
-        state = fields.get("State", "UNKNOWN")
+        state = fields.get("State")
+        if not state:
+            raise AdapterError(
+                f"scontrol show node -o: a line without State= ({line[:120]!r}): the answer is "
+                "cut or not Slurm's; the node's state cannot be read"
+            )
         flags = set(state.upper().rstrip("*").split("+")[1:])
         base = state.upper().split("+")[0].rstrip("*~#!%$@^-")
         drained = bool(flags & _DRAIN_FLAGS) or base in {"DRAINED", "DRAINING", "DRAIN", "FAIL"}

@@ -36,7 +36,8 @@ another user's job in its environment; only the cgroup and the uid are the kerne
 
 Transport: ``https`` (verified against ``adapter.webhook.ca_file``, else the system CAs, with an
 optional client certificate ``client_cert``/``client_key``); plain ``http`` only to a loopback
-address, where nothing crosses a network. Anything else is a configuration error.
+address, where nothing crosses a network (so no proxy of the environment's is used for it).
+Anything else is a configuration error.
 
 The receiver's answer decides: any 2xx is success. A connection error, a timeout, 408, 429 or
 5xx is retried ``adapter.webhook.retries`` times with exponential backoff (1 s, 2 s, 4 s ...);
@@ -148,6 +149,10 @@ class WebhookAdapter(ActionByName):
         self._unix_time = unix_time
         self._monotonic = monotonic
         self._session = session or requests.Session()
+        if urlsplit(self.url).scheme == "http":
+            # loopback: nothing may cross a network, so no proxy from the environment (its
+            # answer would decide the outcome) and no ~/.netrc credentials
+            self._session.trust_env = False
         self._verify: bool | str = web.ca_file or True
         self._cert: tuple[str, str] | str | None = (
             (web.client_cert, web.client_key)
@@ -284,7 +289,9 @@ class WebhookAdapter(ActionByName):
         )
 
     def node_state(self, node: str) -> NodeState:
-        return NodeState(name=check_node_name(node), state="unknown", drained=False, reason=None)
+        return NodeState(
+            name=check_node_name(node), state="unknown", drained=False, reason=None, known=False
+        )
 
     def list_nodes(self) -> list[NodeState]:
         return []

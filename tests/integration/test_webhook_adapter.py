@@ -314,6 +314,25 @@ def test_plain_http_is_refused_unless_the_receiver_is_on_loopback(tmp_path, url)
         adapter_for(url, tmp_path)
 
 
+def test_a_proxy_in_the_environment_never_carries_a_loopback_request(
+    receiver, monkeypatch, tmp_path
+):
+    """Plain http is allowed to loopback only, where nothing crosses a network: a proxy named
+    by the environment would carry the signed body off the host and its answer would decide
+    the outcome. The request goes to the receiver itself."""
+    proxy = Receiver()
+    try:
+        for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY"):
+            monkeypatch.setenv(name, proxy.url.rsplit("/", 1)[0])
+        for name in ("NO_PROXY", "no_proxy"):
+            monkeypatch.delenv(name, raising=False)
+        adapter, _ = adapter_for(receiver.url, tmp_path)
+        assert adapter.drain("gpu-01", "FAULT xid79 gpu:5").status is AdapterStatus.DONE
+        assert len(receiver.received) == 1 and proxy.received == []
+    finally:
+        proxy.close()
+
+
 def test_http_to_loopback_is_allowed():
     from node_agent.schedulers.webhook import check_url
 

@@ -661,6 +661,66 @@ def test_blast_radius_lets_a_small_partition_isolate_one_node_but_zero_forbids()
     assert "blast radius" in blast_radius([NodeState("a", "IDLE", False, None)], "a", 0.0)
 
 
+@pytest.mark.parametrize(
+    "listed",
+    [[], [NodeState("gpu-02", "IDLE", False, None)]],
+    ids=["an empty answer", "a list without this node"],
+)
+def test_a_node_list_that_does_not_name_this_node_refuses_the_drain(store, listed):
+    """An empty or cut answer cannot say how many nodes are drained: never read as none."""
+
+    class Partial(FakeAdapter):
+        def list_nodes(self):
+            return listed
+
+    adapter = Partial()
+    out = make(store, adapter).remediate(FakeReport(FAULT79))
+    (rec,) = out.records
+    assert adapter.calls == [] and (rec.outcome, rec.refusal) == ("refused", Refusal.GUARD)
+    assert f"does not name {NODE}" in rec.detail and "not draining blind" in rec.detail
+
+
+class Unseeing(FakeAdapter):
+    """An adapter that cannot read the node's state (as log and webhook): ``known`` False."""
+
+    def node_state(self, node: str) -> NodeState:
+        return NodeState(node, "unknown", False, None, known=False)
+
+    def list_nodes(self):
+        return []
+
+
+def test_an_adapter_that_cannot_read_the_node_is_sent_every_step_resume_included(store):
+    """Its "not drained" says nothing: a resume is sent, never settled as "already" (a
+    webhook's receiver kept the node drained while the agent's record said in service)."""
+    adapter = Unseeing()
+    rem = make(store, adapter, gpu_resetter=FakeReset(), retest=lambda: HEALTHY)
+    rem.remediate(FakeReport(ERR_REMAP))  # drain, reset, retest, resume
+    assert adapter.actions() == ["drain", "resume"]  # the blast radius is the receiver's
+    assert store.node_record(NODE).state == "in-service"
+
+
+def test_max_drained_fraction_zero_still_forbids_a_drain_through_an_unseeing_adapter(store):
+    adapter = Unseeing()
+    out = make(store, adapter, safety=Safety(max_drained_fraction=0.0)).remediate(
+        FakeReport(FAULT79)
+    )
+    assert adapter.calls == [] and "max_drained_fraction=0" in out.records[0].detail
+
+
+def test_a_schedulers_answer_on_stderr_is_escaped(store, capsys):
+    """A failed drain quotes the scheduler's (or a webhook receiver's) answer: its control
+    characters reach the operator's terminal escaped, as on stdout."""
+    answer = "HTTP 403: \x1b]0;owned\x07\x1b[31mFAKE: drain DONE\x1b[0m \u202eevil"
+    adapter = FakeAdapter(fail=AdapterError(answer))
+    Remediator(store, adapter, NODE, Safety(), state_dir=None, clock=Clock()).remediate(
+        FakeReport(FAULT79)
+    )
+    err = capsys.readouterr().err
+    assert "drain FAILED" in err and "\\x1b[31mFAKE" in err
+    assert "\x1b" not in err and "\x07" not in err and "\u202e" not in err
+
+
 def test_unreadable_cluster_state_refuses_the_drain(store):
     class Blind(FakeAdapter):
         """A scheduler that answers node state but not the node list."""
@@ -1396,6 +1456,16 @@ def test_a_planned_maintenance_drains_acknowledges_waits_and_resumes_after(store
     rem.remediate(FakeReport(HEALTHY))
     assert adapter.actions() == ["drain", "resume"]
     assert store.node_record(NODE).state == "in-service"
+
+
+def test_an_event_is_acknowledged_only_once_the_scheduler_says_the_node_is_drained(store):
+    """The acknowledgement may start the maintenance at once: a drain the adapter cannot
+    confirm (log, webhook) acknowledges nothing; the event starts at its own time."""
+    acked: list[str] = []
+    out = make(store, Unseeing(), acknowledge_event=lambda e: acked.append(e.event_id) or "ok")
+    record = out.remediate(FakeReport(PLANNED)).records[0]
+    assert record.outcome == "done" and acked == []
+    assert "not acknowledged: the fake adapter cannot tell that" in record.detail
 
 
 def test_a_failed_acknowledgement_leaves_the_drain_done(store):

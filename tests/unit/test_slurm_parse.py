@@ -59,6 +59,13 @@ def test_drain_and_fail_flags_mean_drained(state: str, drained: bool) -> None:
     assert node.drained is drained
 
 
+def test_a_node_line_without_its_state_is_an_error_never_in_service() -> None:
+    """A cut or foreign answer: read as in service, it would let a resume be "already" and
+    the blast radius count the node as not drained."""
+    with pytest.raises(AdapterError, match="without State="):
+        parse_show_node("NodeName=gpu-01 Arch=x86_64 CoresPerSocket=32\n")
+
+
 def test_lines_that_are_not_node_records_are_ignored() -> None:
     assert parse_show_node("Node n1 not found\n\n") == []
 
