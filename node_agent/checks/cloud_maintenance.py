@@ -8,7 +8,9 @@ command for any other cloud). One result, ``maintenance_event`` (``node``):
 * ``pass`` — nothing announced;
 * ``warn`` — an event announced further ahead than the lead time (``lead_time_s`` of
   ``graders/cloud.yaml``, its one home: 30 min shipped): its kind and start time, so
-  the operator sees it coming (graded WARN: never a drain);
+  the operator sees it coming (graded WARN: never a drain); or Azure events announced while
+  this VM's own name cannot be read, so none can be told to be this VM's (never a drain, never
+  acknowledged: the events and the lookup's error in the detail);
 * ``fail`` — an event inside the lead time, begun, or announced with no start
   time (GCP's ``maintenance-event`` is set about 60 min ahead for GPU VMs): graded ERROR with
   ``remedy: planned`` (graders/rules.yaml), which drains the node with no restart and no
@@ -121,6 +123,8 @@ def run(ctx: CheckContext) -> list[Result]:
         return [
             ctx.skip(f"{provider}: {err}; no maintenance can be read", "node", "maintenance_event")
         ]
+    except cm.AzureEventsUnattributed as err:
+        return [unattributed(ctx, provider, err)]
     except cm.MetadataMalformed as err:
         return [
             ctx.result(
@@ -178,6 +182,23 @@ def _read(
         except OSError:
             pass  # the next wait starts without it: it returns at once, nothing is lost
     return events, {}
+
+
+def unattributed(ctx: CheckContext, provider: str, err: cm.AzureEventsUnattributed) -> Result:
+    """WARN: events that may be another VM's are shown, never drained for nor acknowledged."""
+    return ctx.result(
+        "node",
+        "maintenance_event",
+        Status.WARN,
+        f"{provider}: {err}; not drained and not acknowledged, since they may be another VM's: "
+        "check that this VM's instance metadata (compute/name) answers",
+        value=None,
+        unit="s",
+        provider=provider,
+        events=[{**event.to_dict(), "resources": names} for event, names in err.events],
+        vm_name=None,
+        vm_name_error=err.name_error,
+    )
 
 
 def judge(

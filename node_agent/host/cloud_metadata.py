@@ -17,9 +17,11 @@ One reader per provider, each the provider's documented API on the link-local ad
 * **azure** — Scheduled Events, ``GET metadata/scheduledevents?api-version=2020-07-01`` with
   ``Metadata: true`` (``{"DocumentIncarnation": n, "Events": [{"EventId", "EventType",
   "Resources", "EventStatus" Scheduled/Started, "NotBefore" RFC 1123 or "", "DurationInSeconds"}]}``);
-  events name the VMs they affect (``Resources``), read against this VM's name
-  (``metadata/instance/compute/name``). :func:`acknowledge` POSTs ``{"StartRequests":
-  [{"EventId": ...}]}`` to the same path: the platform may then start the event at once.
+  every event names the VMs it affects (``Resources``), read against this VM's name
+  (``metadata/instance/compute/name``): when that name cannot be read no event can be told to
+  be this VM's or another's (:class:`AzureEventsUnattributed`, never a drain). :func:`acknowledge`
+  POSTs ``{"StartRequests": [{"EventId": ...}]}`` to the same path: the platform may then start
+  the event at once.
 * **command** — any other provider (OCI has no maintenance API in its metadata service): a
   program the operator names prints ``{"events": [{"kind", "id", "starts_at", "ends_at"}]}``.
 
@@ -63,6 +65,25 @@ class MetadataUnreachable(Exception):
 
 class MetadataMalformed(Exception):
     """The service answered something other than its documented API."""
+
+
+class AzureEventsUnattributed(Exception):
+    """Azure announced events, each naming the VMs it affects, and this VM's own name could not
+    be read: none of them can be told to be this VM's or another VM's of the availability set,
+    so none may drain the node or be acknowledged. Carries each event with the names it lists
+    (``events``) and why the name could not be read (``name_error``)."""
+
+    def __init__(self, name_error: str, events: list[tuple[Event, list[str]]]) -> None:
+        seen = "; ".join(
+            f"{event.kind} {event.event_id} for {', '.join(map(repr, names))}"
+            for event, names in events
+        )
+        super().__init__(
+            f"{len(events)} scheduled event(s) ({seen[:400]}) cannot be told to be this VM's: "
+            f"its name could not be read ({name_error})"
+        )
+        self.name_error = name_error
+        self.events = events
 
 
 @dataclass(frozen=True)
@@ -344,19 +365,41 @@ AZURE_EVENTS = "metadata/scheduledevents"
 AZURE_NAME = "metadata/instance/compute/name"
 
 
-def _azure_vm_name(http: Http) -> str | None:
+def _azure_vm_name(http: Http) -> tuple[str | None, str]:
+    """(this VM's name, "") or (None, why it could not be read)."""
+    url = f"{http.base_url}/{AZURE_NAME}"
     try:
         status, text, _ = http.call(
             "GET", AZURE_NAME, AZURE_HEADERS, params={"api-version": "2021-02-01", "format": "text"}
         )
-    except MetadataUnreachable:
-        return None
-    return text.strip() or None if status == 200 else None
+    except (MetadataUnreachable, MetadataMalformed) as err:
+        return None, str(err)
+    if status != 200:
+        return None, str(_http_error(status, text, url))
+    if not text.strip():
+        return None, f"{url} answered an empty name"
+    return text.strip(), ""
+
+
+def _azure_resources(raw: dict[str, Any], url: str) -> list[str]:
+    """The VMs an event affects: Azure lists them in every event (``Resources``)."""
+    resources = raw.get("Resources")
+    if (
+        not isinstance(resources, list)
+        or not resources
+        or not all(isinstance(name, str) and name for name in resources)
+    ):
+        raise MetadataMalformed(
+            f"{url}: event {raw.get('EventId')!r:.60} has Resources {resources!r:.80}, not the "
+            "documented list of the VMs it affects; it cannot be told to be this VM's"
+        )
+    return resources
 
 
 def read_azure(http: Http) -> tuple[list[Event], str | None]:
-    """Azure's Scheduled Events that name this VM (all of them when its name cannot be read);
-    returns (events, this VM's name or None)."""
+    """Azure's Scheduled Events that name this VM; returns (events, this VM's name, or None
+    when no event was announced). AzureEventsUnattributed when events were announced and this
+    VM's name cannot be read."""
     status, text, _ = http.call(
         "GET", AZURE_EVENTS, AZURE_HEADERS, params={"api-version": AZURE_API_VERSION}
     )
@@ -368,33 +411,37 @@ def read_azure(http: Http) -> tuple[list[Event], str | None]:
         raise MetadataMalformed(
             f"{url}: expected an object with an Events list, found {text[:120]!r}"
         )
-    vm = _azure_vm_name(http) if data["Events"] else None
-    events = []
+    announced = []
     for raw in data["Events"]:
         if not isinstance(raw, dict):
             raise MetadataMalformed(f"{url}: an event is not an object: {raw!r:.80}")
-        resources = raw.get("Resources") or []
-        if vm is not None and isinstance(resources, list) and resources and vm not in resources:
-            continue  # an event of another VM of the availability set
-        start = _time(raw.get("NotBefore"), RFC1123, "NotBefore", url)
-        duration = raw.get("DurationInSeconds")
-        ends = (
-            start + duration
-            if start is not None and isinstance(duration, int) and duration > 0
-            else None
-        )
-        events.append(
-            Event(
-                "azure",
-                _word(raw.get("EventType"), "EventType", url),
-                event_id=_word(raw.get("EventId"), "EventId", url),
-                starts_at=start,
-                ends_at=ends,
-                status=str(raw.get("EventStatus") or ""),
-                description=str(raw.get("Description") or ""),
-            )
-        )
-    return events, vm
+        announced.append((_azure_event(raw, url), _azure_resources(raw, url)))
+    if not announced:
+        return [], None
+    vm, name_error = _azure_vm_name(http)
+    if vm is None:
+        raise AzureEventsUnattributed(name_error, announced)
+    # an event that does not name this VM is another VM's of the availability set
+    return [event for event, resources in announced if vm in resources], vm
+
+
+def _azure_event(raw: dict[str, Any], url: str) -> Event:
+    start = _time(raw.get("NotBefore"), RFC1123, "NotBefore", url)
+    duration = raw.get("DurationInSeconds")
+    ends = (
+        start + duration
+        if start is not None and isinstance(duration, int) and duration > 0
+        else None
+    )
+    return Event(
+        "azure",
+        _word(raw.get("EventType"), "EventType", url),
+        event_id=_word(raw.get("EventId"), "EventId", url),
+        starts_at=start,
+        ends_at=ends,
+        status=str(raw.get("EventStatus") or ""),
+        description=str(raw.get("Description") or ""),
+    )
 
 
 def acknowledge(event_id: str, base_url: str = LINK_LOCAL, timeout_s: float = 2.0) -> str:

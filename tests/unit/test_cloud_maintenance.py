@@ -260,6 +260,31 @@ def test_an_azure_event_of_another_vm_is_not_this_nodes(tmp_path, standin):
     assert result.status is Status.PASS and result.evidence["vm_name"] == "gpu-vm-1"
 
 
+@pytest.mark.parametrize(
+    ("answer", "words"),
+    [((500, "Internal Server Error"), "HTTP 500: Internal Server Error"), ((200, ""), "empty")],
+)
+def test_an_azure_event_of_another_vm_is_never_drained_when_this_vms_name_is_unknown(
+    tmp_path, standin, answer, words
+):
+    """The name lookup fails: another VM's event is shown (WARN), never drained for, never
+    acknowledged (which would start that VM's maintenance at once)."""
+    announce(standin, "azure", minutes=0)
+    standin.azure_events[0].update(Resources=["other-vm-7"], EventStatus="Started", NotBefore="")
+    standin.override["/metadata/instance/compute/name"] = answer
+    result = check(tmp_path, standin, "azure", acknowledge=True)
+    assert result.status is Status.WARN, result.detail
+    assert result.planned is None
+    assert "name could not be read" in result.detail and words in result.detail
+    assert "Redeploy" in result.detail and "'other-vm-7'" in result.detail
+    assert result.evidence["vm_name"] is None and words in result.evidence["vm_name_error"]
+    assert result.evidence["events"][0]["resources"] == ["other-vm-7"]
+    graded = grader().grade([result], "service")
+    assert graded.level is Level.WARN and graded.action is Action.NONE
+    assert not any(reason.planned for reason in graded.reasons)
+    assert standin.acks == []
+
+
 def test_a_started_azure_event_is_inside_the_lead_time(tmp_path, standin):
     announce(standin, "azure", minutes=0)
     standin.azure_events[0].update(EventStatus="Started", NotBefore="")
@@ -287,6 +312,12 @@ def test_the_acknowledge_param_rides_on_the_planned_event_for_azure_only(tmp_pat
         ("gcp", "/computeMetadata/v1/instance/upcoming-maintenance", "{not json"),
         ("aws", "/latest/meta-data/events/maintenance/scheduled", '{"Code": "x"}'),
         ("azure", "/metadata/scheduledevents", '{"Events": [{"EventType": "Reboot"}]}'),
+        (  # an event that names no VM cannot be told to be this VM's
+            "azure",
+            "/metadata/scheduledevents",
+            '{"Events": [{"EventId": "E1", "EventType": "Reboot", "EventStatus": "Started", '
+            '"NotBefore": "", "Resources": []}]}',
+        ),
         (
             "aws",
             "/latest/meta-data/events/maintenance/scheduled",
