@@ -39,6 +39,11 @@ restarted). The UID precondition makes the API refuse (409) if the pod was repla
 by one of the same name. A pod already being deleted, or not Running, is left alone (detail
 ``job-not-running:``).
 
+The client never follows a redirect: a 3xx is a failed call (a 303 would turn a PATCH into a GET
+whose 200 reads as done). A node that is not a Node of that ``metadata.name`` with a ``spec``, or a
+node list that is not a ``NodeList`` with ``items``, is an AdapterError, never a node in service
+or an empty cluster.
+
 The adapter acts only on its own node (``own_node``: ``node.name``, else the DaemonSet's
 ``NODE_AGENT_NODE_NAME`` from the downward API, else the short hostname): a drain, resume,
 restart or replace of another node, or a restart of a pod bound elsewhere, is refused before
@@ -53,6 +58,7 @@ ValidatingAdmissionPolicy in packaging/kubernetes/admission-policy.yaml does, in
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import socket
@@ -138,6 +144,36 @@ def _load_api_client(kubeconfig: str | None) -> Any:
         ) from err
 
 
+def _no_redirects(api_client: Any) -> Any:
+    """``api_client``, its HTTP pool set never to follow a redirect: a 3xx is an ApiException.
+
+    urllib3 follows redirects by default, and a 303 turns a PATCH into a GET of the node whose
+    200 would read as done. ``Configuration.retries`` cannot say so for every supported client:
+    it reaches only the connection pools, and urllib3 1.x's PoolManager, which follows the
+    redirects, ignores it; ``redirect=False`` on the pool manager's ``urlopen`` holds on 1.x and
+    2.x."""
+    pool = api_client.rest_client.pool_manager
+    pool.urlopen = functools.partial(pool.urlopen, redirect=False)
+    return api_client
+
+
+def _node(obj: Any, what: str, name: str | None = None) -> dict[str, Any]:
+    """``obj``, checked to be a Node the adapter can read: a ``metadata.name`` (``name`` when
+    given) and a ``spec``. Anything else (``{}``, a ``Status``) is an AdapterError, never a node
+    in service."""
+    meta = obj.get("metadata") if isinstance(obj, dict) else None
+    found = meta.get("name") if isinstance(meta, dict) else None
+    named = isinstance(found, str) and found != "" and found == (name or found)
+    if not named or not isinstance(obj.get("spec"), dict):
+        raise AdapterError(
+            f"Kubernetes API {what}: the answer is not a Node{f' {name}' if name else ''} "
+            f"(metadata.name and spec): {str(obj)[:200]}; check what answers at the API "
+            "server's address"
+        )
+    node: dict[str, Any] = obj
+    return node
+
+
 class KubernetesAdapter:
     name = "kubernetes"
 
@@ -153,7 +189,7 @@ class KubernetesAdapter:
     ) -> None:
         from kubernetes import client
 
-        self.api = client.CoreV1Api(api_client)
+        self.api = client.CoreV1Api(_no_redirects(api_client))
         self.own_node = check_node_name(own_node)
         self.taint_key = taint_key
         self.pod_namespace = pod_namespace
@@ -194,12 +230,13 @@ class KubernetesAdapter:
                 if isinstance(err.body, bytes)
                 else str(err.body or "")
             )
+            status = err.status or 0
             hint = {
                 403: "; the ServiceAccount needs the RBAC of packaging/kubernetes/rbac.yaml",
                 404: "; set node.name to this node's Kubernetes node name",
                 409: "; the node changed meanwhile, the action can be retried",
-            }.get(err.status or 0, "")
-            hint = (hints or {}).get(err.status or 0, hint)
+            }.get(status, "; redirects are not followed" if 300 <= status < 400 else "")
+            hint = (hints or {}).get(status, hint)
             raise AdapterError(
                 f"Kubernetes API {what}: HTTP {err.status} {err.reason}: {body[:500]}{hint}"
             ) from err
@@ -227,8 +264,8 @@ class KubernetesAdapter:
         return node
 
     def _get(self, node: str) -> dict[str, Any]:
-        obj: dict[str, Any] = self._call(f"GET node {node}", self.api.read_node, node)
-        return obj
+        what = f"GET node {node}"
+        return _node(self._call(what, self.api.read_node, node), what, node)
 
     def _our_taint(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         for taint in (obj.get("spec") or {}).get("taints") or []:
@@ -322,7 +359,13 @@ class KubernetesAdapter:
 
     def list_nodes(self) -> list[NodeState]:
         data = self._call("LIST nodes", self.api.list_node)
-        return [self._state(item) for item in data.get("items") or []]
+        items = data.get("items") if isinstance(data, dict) else None
+        if not isinstance(items, list) or data.get("kind") != "NodeList":
+            raise AdapterError(
+                f"Kubernetes API LIST nodes: the answer is not a NodeList: {str(data)[:200]}; "
+                "the share of drained nodes is unknown"
+            )
+        return [self._state(_node(item, "LIST nodes")) for item in items]
 
     def drain(self, node: str, reason: str, *, key: str | None = None) -> AdapterOutcome:
         node = self._only_own(node, "drain")

@@ -8,6 +8,9 @@ API server does): it records every request the real client sends
 these fields (strategic merge: maps merge, ``null`` deletes a key, ``spec.taints`` is replaced
 whole, ``status.conditions`` merge by ``type``; a stale ``metadata.resourceVersion`` is 409).
 The assertions are on the exact requests, which is what a real API server would receive.
+``FakeNodeApi.answers`` makes it answer one request as a misbehaving server or proxy would (a
+redirect, a 200 whose body is not a Node or NodeList), which no real API server here can be made
+to do.
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ kubernetes = pytest.importorskip(
 )
 
 from node_agent.config import config_from_dict  # noqa: E402
+from node_agent.model import Action, ActionOutcome, Grade, Level, Reason  # noqa: E402
+from node_agent.remediation.executor import Remediator  # noqa: E402
+from node_agent.remediation.plan import Safety  # noqa: E402
+from node_agent.remediation.store import open_store  # noqa: E402
 from node_agent.schedulers import AdapterError, AdapterStatus  # noqa: E402
 from node_agent.schedulers.kubernetes import (  # noqa: E402
     ANN_CORDONED,
@@ -111,9 +118,11 @@ class NodeApiHandler(BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
-    def _send(self, code: int, body: dict):
+    def _send(self, code: int, body: dict, headers: dict[str, str] | None = None):
         data = json.dumps(body).encode()
         self.send_response(code)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -134,8 +143,17 @@ class NodeApiHandler(BaseHTTPRequestHandler):
             }
         )
 
+    def _canned(self) -> bool:
+        """Answer from ``api.answers`` (a misbehaving server), if it holds this request."""
+        answer = self.api.answers.get((self.command, self.path.split("?")[0]))
+        if answer is not None:
+            self._send(*answer)
+        return answer is not None
+
     def do_GET(self):
         self._record()
+        if self._canned():
+            return None
         if self.api.fail_status:
             return self._send(self.api.fail_status, {"kind": "Status", "message": "boom"})
         parts = self.path.split("?")[0].strip("/").split("/")
@@ -157,6 +175,8 @@ class NodeApiHandler(BaseHTTPRequestHandler):
     def do_PATCH(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self._record(body)
+        if self._canned():
+            return None
         parts = self.path.split("?")[0].strip("/").split("/")
         node = self.api.nodes[parts[3]]
         rv = (body.get("metadata") or {}).get("resourceVersion")
@@ -203,6 +223,8 @@ class FakeNodeApi:
         self.pods = pods if pods is not None else {}
         self.requests: list[dict] = []
         self.fail_status: int | None = None
+        # (method, path) -> (status, body, headers): that request answered so, whatever it asks
+        self.answers: dict[tuple[str, str], tuple[int, dict, dict[str, str]]] = {}
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), NodeApiHandler)
         self.server.api = self  # type: ignore[attr-defined]
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -390,6 +412,103 @@ def test_conflicting_update_is_adapter_error_not_a_lost_taint(api):
     adapter._get = stale_get
     with pytest.raises(AdapterError, match="409"):
         adapter.drain("gpu-01", "FAULT xid79 gpu:5")
+
+
+class _FaultReport:
+    """The fields of a Report the remediator reads."""
+
+    def __init__(self, grade: Grade):
+        self.grade, self.suite, self.mode = grade, "quick", "service"
+
+    def to_dict(self) -> dict:
+        return {"grade": self.grade.to_dict()}
+
+
+def test_a_patch_answered_with_a_redirect_is_failed_not_followed(api, tmp_path):
+    """A 303 to the PATCH would make urllib3 GET the node, whose 200 read as a drain done: the
+    client follows no redirect, the step is ``failed`` in the journal (the next run retries it)
+    and the node is untouched."""
+    node = "/api/v1/nodes/gpu-01"
+    api.answers[("PATCH", node)] = (303, {}, {"Location": node})
+    store, warnings = open_store(tmp_path / "state"), []
+    try:
+        out = Remediator(
+            store, adapter_for(api), "gpu-01", Safety(), state_dir=None, warn=warnings.append
+        ).act("drain", "node-agent: FAULT xid79 gpu:5")
+        (record,) = out.records
+        assert record.outcome is ActionOutcome.FAILED and out.wants_retry
+        assert "HTTP 303" in record.detail and "redirects are not followed" in record.detail
+        (row,) = store.journal_tail("gpu-01")
+        assert (row.action, row.state) == ("drain", "failed")
+        assert any("kept in the journal" in w for w in warnings)
+    finally:
+        store.close()
+    sent = [(r["method"], r["path"]) for r in api.requests]
+    assert sent[-1] == ("PATCH", node) and sent.count(("PATCH", node)) == 1  # no GET after it
+    assert api.nodes["gpu-01"]["spec"] == {"unschedulable": False, "taints": []}
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {},
+        {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 500},
+        make_node("gpu-02"),
+        {"kind": "Node", "metadata": {"name": "gpu-01"}},
+    ],
+    ids=["empty", "status", "another-node", "no-spec"],
+)
+def test_a_node_answer_that_is_not_this_node_is_an_error_not_in_service(api, answer):
+    """The agent's own drain is on the node; a GET answered 200 with something that is not that
+    Node must not read as "already in service" (which would close the drain's episode)."""
+    api.nodes["gpu-01"] = make_node(
+        "gpu-01",
+        unschedulable=True,
+        taints=[{"key": "node-agent/health", "value": "FAULT", "effect": "NoSchedule"}],
+    )
+    api.answers[("GET", "/api/v1/nodes/gpu-01")] = (200, answer, {})
+    adapter = adapter_for(api)
+    with pytest.raises(AdapterError, match=r"GET node gpu-01: the answer is not a Node gpu-01"):
+        adapter.resume("gpu-01", "re-test passed")
+    with pytest.raises(AdapterError, match="not a Node gpu-01"):
+        adapter.node_state("gpu-01")
+    assert api.patches() == []
+
+
+STATUS = {
+    "kind": "Status",
+    "apiVersion": "v1",
+    "status": "Failure",
+    "message": "etcdserver: timeout",
+}
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [STATUS, {"kind": "NodeList", "apiVersion": "v1"}, {"kind": "NodeList", "items": [{}]}],
+    ids=["status", "no-items", "item-not-a-node"],
+)
+def test_a_node_list_that_is_not_a_node_list_is_an_error_not_an_empty_cluster(api, answer):
+    api.answers[("GET", "/api/v1/nodes")] = (200, answer, {})
+    with pytest.raises(AdapterError, match="LIST nodes: the answer is not a Node"):
+        adapter_for(api).list_nodes()
+
+
+def test_an_unreadable_node_list_refuses_the_automatic_drain(api, tmp_path):
+    """The blast-radius guard reads the drained share from the node list: a LIST answered with a
+    Status is not an empty cluster (nobody drained, drain away) but a refusal."""
+    api.answers[("GET", "/api/v1/nodes")] = (200, STATUS, {})
+    store = open_store(tmp_path / "state")
+    try:
+        reason = Reason("xid", Level.FAULT, "gpu:5", "Xid 79", catalog="xid", code=79)
+        out = Remediator(store, adapter_for(api), "gpu-01", Safety(), state_dir=None).remediate(
+            _FaultReport(Grade(Level.FAULT, Action.DRAIN, (reason,)))
+        )
+    finally:
+        store.close()
+    assert [r.outcome for r in out.records] == [ActionOutcome.REFUSED]
+    assert "not a NodeList" in out.records[0].detail, out.records[0].detail
+    assert api.patches() == []
 
 
 def test_open_adapter_with_missing_kubeconfig_says_what_to_set(tmp_path, monkeypatch):
