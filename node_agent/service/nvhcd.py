@@ -196,9 +196,10 @@ def _node_level(view: NodeView, uid: int | None) -> str:
     """The view's level as the node's fitness for ``uid``: an ERROR or FAULT made only of other
     users' jobs' findings is theirs, not the node's: WARN where every check is in, UNKNOWN
     while they are not (the node's own checks could still find it unfit)."""
-    if view.level not in _UNFIT:
+    unfit = [r for r in view.reasons if r.level in _UNFIT]
+    if view.level not in _UNFIT or not unfit:  # a level without its reasons stands as it is
         return view.level
-    counted = [r.level for r in view.reasons if r.level in _UNFIT and _counts_for(r, uid)]
+    counted = [r.level for r in unfit if _counts_for(r, uid)]
     if counted:
         return "FAULT" if "FAULT" in counted else "ERROR"
     return "WARN" if view.complete and not view.stored_grade else UNKNOWN
