@@ -345,7 +345,13 @@ class KubernetesAdapter:
             },
             "spec": {"unschedulable": True, "taints": taints},
         }
-        self._call(f"PATCH node {node}", self.api.patch_node, node, body)
+        what = f"PATCH node {node}"
+        after = self._state(_node(self._call(what, self.api.patch_node, node, body), what, node))
+        if not after.drained_by_agent:
+            raise AdapterError(
+                f"Kubernetes API {what}: the answer does not show {node} cordoned with the "
+                f"{self.taint_key} taint ({after.state}); not taken as drained"
+            )
         self._set_condition(node, False, condition_reason, reason)
         return AdapterOutcome.done(
             f"kubernetes: cordoned and tainted {node} "

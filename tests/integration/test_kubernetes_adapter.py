@@ -485,6 +485,19 @@ STATUS = {
 
 @pytest.mark.parametrize(
     "answer",
+    [{}, {"metadata": {"name": "gpu-01"}, "spec": {"unschedulable": False}}],
+    ids=["empty", "not-cordoned"],
+)
+def test_a_patch_whose_answer_does_not_show_the_cordon_is_not_a_drain(api, answer):
+    """A 200 is not enough: the answer must be the node, cordoned with the agent's taint (a
+    proxy's or a broken server's 200 would otherwise record a drain that did not happen)."""
+    api.answers[("PATCH", "/api/v1/nodes/gpu-01")] = (200, answer, {})
+    with pytest.raises(AdapterError, match="PATCH node gpu-01"):
+        adapter_for(api).drain("gpu-01", "node-agent: FAULT xid79 gpu:5")
+
+
+@pytest.mark.parametrize(
+    "answer",
     [STATUS, {"kind": "NodeList", "apiVersion": "v1"}, {"kind": "NodeList", "items": [{}]}],
     ids=["status", "no-items", "item-not-a-node"],
 )
