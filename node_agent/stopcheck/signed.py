@@ -221,7 +221,10 @@ def check(value: Any, schema: Any, where: str = "data") -> None:
     elif isinstance(schema, type):
         ok = type(value) is schema
     else:
-        ok = bool(schema(value))
+        try:
+            ok = bool(schema(value))
+        except (TypeError, ValueError):  # a value of the wrong kind for the test (a list)
+            ok = False
     if not ok:
         raise ValueError(f"{where} = {str(value)[:40]!r} is not what was expected")
 

@@ -131,6 +131,15 @@ def test_a_payload_of_the_wrong_shape_is_refused(data):
         opened(wire(data), schema=schema)
 
 
+def test_a_value_a_schema_test_cannot_take_is_refused_not_a_crash():
+    """A peer with the key sends a list where a level name belongs: the membership test
+    raises TypeError (a list is unhashable), which must be a refusal, not a broken phase."""
+    from node_agent.stopcheck.phases import SCHEMAS
+
+    with pytest.raises(PeerUnverified, match="schema"):
+        opened(wire({"level": ["FAULT"], "reasons": []}), schema=SCHEMAS["self"])
+
+
 def test_schemas_take_maps_lists_and_nothing():
     signed.check({"a->b": 1}, MapOf(int, r"\w->\w"))
     signed.check(None, Maybe(str))
