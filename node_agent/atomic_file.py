@@ -143,14 +143,34 @@ def spool_unreachable(root: Path | str) -> list[str]:
     return notes
 
 
+def _refuse_foreign_links(path: Path) -> None:
+    """UnsafeDirectory when ``path`` or a directory above it is a symbolic link another user
+    made: in a sticky /tmp-like directory a user can plant ``state_dir``'s name as a link to a
+    root directory, which root would then chmod 0700 and write its state into."""
+    owners = (0, os.geteuid())
+    for p in (path, *path.parents):
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in owners:
+            raise UnsafeDirectory(
+                f"{p} (on the way to {path}) is a symbolic link made by uid {st.st_uid}: "
+                "another user chose where it leads; remove it, or choose a state_dir under a "
+                "directory root owns (the default is /var/lib/node-agent)"
+            )
+
+
 def private_dir(path: Path | str) -> Path:
     """``path`` as a directory only this user may enter (0700), made with missing parents
     (0755: a parent it shares with the spool must let training users through).
 
     An existing directory of ours with group/other permissions is tightened to 0700 (an older
     agent made it 0755). Raises :class:`UnsafeDirectory` when it belongs to another user or
-    sits in a directory others may rename entries in; OSError when it cannot be made."""
+    sits in a directory others may rename entries in, or when another user's symbolic link
+    leads to it; OSError when it cannot be made."""
     path = Path(path)
+    _refuse_foreign_links(path)
     make_dirs(path, 0o700)
     real = path.resolve()
     _check_parent(real)

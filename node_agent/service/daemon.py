@@ -188,6 +188,7 @@ class Daemon:
         """Read the stored state back: this boot's results of checks still scheduled, and the
         sticky findings; returns the stored grade (the answer's stand-in until complete)."""
         self._state = StateFile(self.config.state_dir)
+        self._state_kept = True
         #: the latest graded state waiting to be written by the "state" thread (a write
         #: fsyncs: never on the path from a finding to the grade)
         self._pending: tuple[dict[str, CheckResults], list[Result], Grade] | None = None
@@ -196,6 +197,7 @@ class Daemon:
             private_dir(self.config.state_dir)
         except OSError as err:
             log.error("state dir %s: %s; the node's state is not kept", self.config.state_dir, err)
+            self._state_kept = False  # never written into a directory that is not the agent's
             return None
         stored: Stored = self._state.load()
         scheduled = {c.check for c in self.suite.checks}
@@ -643,7 +645,7 @@ class Daemon:
         with self._lock:
             pending, self._pending = self._pending, None
             self._dirty.clear()
-        if pending is not None:
+        if pending is not None and self._state_kept:
             self._state.save(*pending)
 
     def _make_view(self, grade: Grade, results: list[Result]) -> NodeView:

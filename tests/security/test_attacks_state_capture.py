@@ -207,3 +207,52 @@ def test_an_existing_parent_users_cannot_pass_is_named_at_the_daemons_start(user
     done = user.py(USER_BEATS, str(base / "spool" / "heartbeat"))
     assert f"make {base / 'spool' / 'heartbeat'} writable for this user" in done.stderr
     assert not (base / "spool" / "heartbeat" / str(user.uid)).exists()
+
+
+def test_a_users_link_at_the_state_dirs_name_leads_root_nowhere(user, shared_dir):
+    """state_dir under a sticky, world-writable directory and not made yet: the user plants
+    its name as a link to a root directory. Root's agent neither chmods that directory 0700
+    nor writes its state into it; it says why and runs on without keeping state."""
+    sticky = shared_dir / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    victim = shared_dir / "victim"
+    victim.mkdir()
+    victim.chmod(0o755)
+    (victim / "tool").write_text("root's\n")
+    state = sticky / "node-agent-state"
+    user.run(["ln", "-s", str(victim), str(state)])
+    cfg = config(shared_dir, state_dir=str(state))
+    done = run_agent("check", "--json", "--config", cfg, "--simulate", node(shared_dir))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert victim.stat().st_mode & 0o777 == 0o755
+    assert sorted(p.name for p in victim.iterdir()) == ["tool"]
+
+
+def test_the_daemon_writes_no_state_into_a_state_dir_a_user_made(user, shared_dir):
+    """The daemon refuses a state_dir another user owns ("the node's state is not kept") and
+    then keeps its word: no state file appears there for the user to read or replace."""
+    import threading
+
+    from node_agent.service.daemon import Daemon
+
+    sticky = shared_dir / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    state = sticky / "state"
+    user.run(["mkdir", "-m", "0777", str(state)])
+    cfg = config(shared_dir, state_dir=str(state), daemon={"listen": "127.0.0.1:0", "act": False})
+    checks = suite(shared_dir, {"check": "inventory", "timeout_s": 10, "every_s": 3600})
+    d = Daemon(cfg, node(shared_dir), suite=checks)
+    thread = threading.Thread(target=d.run, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not (d.view and d.view.complete) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert d.view and d.view.complete, "the daemon did not grade"
+        time.sleep(0.5)  # the state thread's turn
+    finally:
+        d.stop()
+        thread.join(10)
+    assert list(state.iterdir()) == []
