@@ -4,16 +4,20 @@ Never ``shell=True``. Each program runs in a process group of its own (a new ses
 deadline the whole group is killed, and when the program exits on its own, whatever it left
 running in its group (a child that outlived its parent) is killed too: nothing a tool starts
 escapes the timeout. (A grandchild that made a session of its own is outside the group; its
-pipes are then closed after a short grace instead of waited on.)
+pipes are then closed after a short grace instead of waited on.) Its output is kept up to
+``max_output_bytes`` a stream: a program that prints more is killed there (``cut``), so what
+another user's process makes a tool print cannot fill the agent's memory.
 """
 
 from __future__ import annotations
 
 import os
+import selectors
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -29,10 +33,11 @@ class ProcResult:
     duration_s: float
     timed_out: bool = False
     not_found: bool = False
+    cut: bool = False  # it printed more than max_output_bytes and was killed there
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0 and not self.timed_out
+        return self.returncode == 0 and not self.timed_out and not self.cut
 
     def describe_failure(self) -> str:
         """One line for an operator: what ran and how it failed, with the stderr tail."""
@@ -41,6 +46,8 @@ class ProcResult:
             return f"{self.argv[0]}: command not found"
         if self.timed_out:
             return f"`{cmd}` did not finish within {self.duration_s:.0f} s and was killed"
+        if self.cut:
+            return f"`{cmd}` printed more than the agent reads of a program and was killed"
         tail = (self.stderr.strip().splitlines() or [""])[-1][:300]
         return f"`{cmd}` exited {self.returncode}" + (f": {tail}" if tail else "")
 
@@ -172,14 +179,20 @@ def absolute_config(data: Mapping[str, object]) -> dict[str, object]:
     return out
 
 
+#: the most of one stream (stdout, stderr) kept of a program; the program is killed past it
+MAX_OUTPUT_BYTES = 256 << 20
+
+
 def run(
     argv: Sequence[str],
     timeout_s: float,
     env: Mapping[str, str] | None = None,
     cwd: str | None = None,
     input_text: str | None = None,
+    max_output_bytes: int = MAX_OUTPUT_BYTES,
 ) -> ProcResult:
-    """Run ``argv`` with a timeout; never raises for the program's own failures."""
+    """Run ``argv`` with a timeout and at most ``max_output_bytes`` of each stream kept; never
+    raises for the program's own failures."""
     argv = tuple(str(a) for a in argv)
     start = time.monotonic()
     try:
@@ -188,8 +201,6 @@ def run(
             stdin=subprocess.PIPE if input_text is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            text=True,
-            errors="replace",
             env=dict(env) if env is not None else None,
             cwd=cwd,
             start_new_session=True,
@@ -198,42 +209,83 @@ def run(
         return ProcResult(argv, None, "", "", 0.0, not_found=True)
     except OSError as err:
         return ProcResult(argv, None, "", str(err), 0.0)
-    try:
-        out, errout = proc.communicate(input=input_text, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+    if proc.stdin is not None:
+        _feed(proc.stdin, (input_text or "").encode())
+    out, errout, ended = _read(proc, start + timeout_s, max_output_bytes)
+    if ended != "eof":
         kill_group(proc)
-        out, errout = _leftover_output(proc)
-        return ProcResult(argv, None, out, errout, time.monotonic() - start, timed_out=True)
+    if ended == "timeout":  # what it wrote before the kill; pipes held by a stray are let go
+        more_out, more_err, _ = _read(proc, time.monotonic() + _DRAIN_S, max_output_bytes)
+        out, errout = (out + more_out)[:max_output_bytes], (errout + more_err)[:max_output_bytes]
+    _close(proc)
+    code = proc.wait() if ended == "eof" else None
     # it exited; a child it left behind in its group would run on unbounded: end it now
     _kill_pgid(proc.pid)
-    return ProcResult(argv, proc.returncode, out, errout, time.monotonic() - start)
+    return ProcResult(
+        argv,
+        code,
+        out.decode(errors="replace"),
+        errout.decode(errors="replace"),
+        time.monotonic() - start,
+        timed_out=ended == "timeout",
+        cut=ended == "cut",
+    )
+
+
+def _feed(stdin: Any, data: bytes) -> None:
+    """Write the program's input from a thread of its own (a large input must not wait on a
+    program that prints before it reads), then close it."""
+
+    def write() -> None:
+        try:
+            stdin.write(data)
+        except OSError:
+            pass  # it exited without reading: its output says why
+        finally:
+            try:
+                stdin.close()
+            except OSError:
+                pass
+
+    threading.Thread(target=write, name="proc-input", daemon=True).start()
+
+
+def _read(proc: subprocess.Popen[bytes], deadline: float, cap: int) -> tuple[bytes, bytes, str]:
+    """stdout and stderr until both end (``eof``), ``deadline`` passes (``timeout``) or one
+    passes ``cap`` bytes (``cut``)."""
+    kept = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    with selectors.DefaultSelector() as sel:
+        for pipe in kept:
+            if pipe is not None and not pipe.closed:
+                sel.register(pipe, selectors.EVENT_READ)
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return bytes(kept[proc.stdout]), bytes(kept[proc.stderr]), "timeout"
+            for key, _ in sel.select(left):
+                chunk = os.read(key.fd, 1 << 16)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                buf = kept[key.fileobj]  # type: ignore[index]
+                room = cap - len(buf)
+                buf += chunk[:room]
+                if len(chunk) > room:
+                    return bytes(kept[proc.stdout]), bytes(kept[proc.stderr]), "cut"
+    return bytes(kept[proc.stdout]), bytes(kept[proc.stderr]), "eof"
+
+
+def _close(proc: subprocess.Popen[bytes]) -> None:
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None:
+            try:
+                pipe.close()
+            except OSError:
+                pass
 
 
 #: after a kill, how long to read what is left in the pipes before closing them
 _DRAIN_S = 2.0
-
-
-def _leftover_output(proc: subprocess.Popen[str]) -> tuple[str, str]:
-    """What the killed program wrote; pipes still held open by something outside its group
-    are closed after ``_DRAIN_S`` rather than waited on for ever."""
-    try:
-        out, err = proc.communicate(timeout=_DRAIN_S)
-        return out or "", err or ""
-    except subprocess.TimeoutExpired as exc:
-        for pipe in (proc.stdin, proc.stdout, proc.stderr):
-            if pipe is not None:
-                try:
-                    pipe.close()
-                except OSError:
-                    pass
-        proc.wait()
-        return _text(exc.output), _text(exc.stderr)
-
-
-def _text(data: bytes | str | None) -> str:
-    if data is None:
-        return ""
-    return data if isinstance(data, str) else data.decode(errors="replace")
 
 
 def _kill_pgid(pgid: int) -> None:

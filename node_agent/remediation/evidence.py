@@ -51,6 +51,8 @@ EVIDENCE_DEADLINE_S = 12.0
 PY_SPY_TIMEOUT_S = 5.0  # one nonblocking dump (tens of ms; bench_hang.py)
 NVIDIA_SMI_TIMEOUT_S = 5.0
 MAX_STACKS = 32  # GPU processes whose stacks are taken (8 GPUs x a few each)
+#: the most of one process's stack dump kept (a user names its own frames: 32 MB seen)
+MAX_STACK_BYTES = 1 << 20
 JOIN_MARGIN_S = 1.0  # past the deadline, what a py-spy's kill may take
 #: the driver's bug-report script (ships with the NVIDIA driver, in /usr/bin)
 NVIDIA_BUG_REPORT = "nvidia-bug-report.sh"
@@ -161,8 +163,15 @@ def _stacks(
         result = proc.run(
             [py_spy, "dump", "--nonblocking", "--pid", str(pid)],
             timeout_s=min(PY_SPY_TIMEOUT_S, left),
+            max_output_bytes=MAX_STACK_BYTES,
         )
-        got[pid] = result.stdout if result.ok else f"failed: {result.describe_failure()}\n"
+        got[pid] = (
+            result.stdout
+            if result.ok
+            else result.stdout + f"\n[cut at {MAX_STACK_BYTES} bytes]\n"
+            if result.cut
+            else f"failed: {result.describe_failure()}\n"
+        )
 
     threads = [
         threading.Thread(target=dump, args=(pid,), name=f"evidence-{pid}", daemon=True)

@@ -53,6 +53,10 @@ PTRACE_FIX = (
     "or set kernel.yama.ptrace_scope=0"
 )
 MAX_FRAMES = 20
+#: the most of one ``py-spy dump --json`` read: a user's process sets its own function and file
+#: names (a thousand frames of 4,000-character names printed 49 MB), and 16 dumps in flight must
+#: not fill the agent's memory; a bigger dump is no sample
+MAX_DUMP_BYTES = 4 << 20
 
 
 def find_py_spy(configured: str | None = None) -> str | None:
@@ -98,7 +102,7 @@ def dump_once(
     job; py-spy refuses it together with ``native``."""
     argv = [py_spy, "dump", "--pid", str(pid), "--json"]
     argv += ["--native"] if native else ["--nonblocking"] if nonblocking else []
-    done = proc.run(argv, timeout_s=timeout_s)
+    done = proc.run(argv, timeout_s=timeout_s, max_output_bytes=MAX_DUMP_BYTES)
     if not done.ok:
         if not Path(f"/proc/{pid}").exists():
             return f"process {pid} exited during stack sampling"

@@ -186,3 +186,20 @@ def test_the_forkserver_has_imported_torch_before_it_forks_a_worker(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True"]
+
+
+def test_a_program_that_prints_past_the_cap_is_killed_there_and_is_not_ok():
+    """What another user's process makes a tool print (py-spy of a stack with thousand-frame
+    names) cannot fill the agent's memory: past the cap the program is killed."""
+    endless = [sys.executable, "-c", "import sys\nwhile True: sys.stdout.write('x' * 65536)"]
+    result = proc.run(endless, timeout_s=30, max_output_bytes=1 << 20)
+    assert result.cut and not result.ok and not result.timed_out
+    assert len(result.stdout) == 1 << 20
+    assert "printed more than the agent reads" in result.describe_failure()
+
+
+def test_a_large_input_and_output_pass_whole_under_the_cap():
+    data = "y" * (4 << 20)
+    echo = [sys.executable, "-c", "import sys; sys.stdout.write(sys.stdin.read())"]
+    result = proc.run(echo, timeout_s=30, input_text=data)
+    assert result.ok and result.stdout == data
