@@ -1,14 +1,18 @@
 """Load and validate the agent's YAML files (config, scenarios, suites, graders, SKUs).
 
 Every problem becomes one :class:`ConfigError` line naming the file, the key and what was
-expected, so the CLI can print it and exit 2 without a traceback.
+expected, so the CLI can print it and exit 2 without a traceback. Run as root, the agent reads
+these files only where no other user could have written them (:func:`refuse_foreign`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+import os
 import re
+import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -244,6 +248,33 @@ def parse_yaml_text(text: str, source: str) -> Any:
         raise ConfigError(f"{source}:{where}: not valid YAML: {problem}") from err
 
 
+@functools.cache
+def _trusted() -> tuple[frozenset[int], frozenset[int]]:
+    """(uids, gids) whose files root takes its settings from: root, this process, and the
+    owner of the agent's own code, who can change what root runs anyway (a checkout an
+    operator runs with sudo)."""
+    code = os.stat(Path(__file__).resolve().parent)
+    return frozenset({0, os.geteuid(), code.st_uid}), frozenset({0, code.st_gid})
+
+
+def refuse_foreign(path: Path, st: os.stat_result, what: str) -> None:
+    """ConfigError when the agent runs as root and ``path`` (its ``st``) could have been
+    written by another user: owned by someone not trusted (:func:`_trusted`), or writable by
+    others or by a group not trusted. Such a file would let that user choose root's adapter
+    programs, thresholds or checks."""
+    if os.geteuid() != 0:
+        return
+    uids, gids = _trusted()
+    writable = st.st_mode & stat.S_IWOTH or (st.st_mode & stat.S_IWGRP and st.st_gid not in gids)
+    if st.st_uid not in uids or writable:
+        raise ConfigError(
+            f"{path}: {what} is owned by uid {st.st_uid}, mode "
+            f"{stat.S_IMODE(st.st_mode):04o}: another user could have written it, and root "
+            "takes its settings only from files no other user can change; chown root and "
+            "chmod go-w it"
+        )
+
+
 def load_yaml(
     path: str | Path,
     schema: dict[str, Any] | None = None,
@@ -253,7 +284,9 @@ def load_yaml(
     """Read ``path`` as YAML, validate it against ``schema``; ConfigError on any problem."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            refuse_foreign(path, os.fstat(f.fileno()), what)
+            text = f.read().decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: {what} not found") from None
     except IsADirectoryError:

@@ -3,6 +3,7 @@ scenarios, graders): exit 2 with one line naming the file and the key, nothing r
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -74,3 +75,16 @@ def test_a_suite_cadence_of_nan_is_exit_2_with_one_line_before_anything_runs(tmp
     (line,) = done.stderr.strip().splitlines()
     assert "checks.0.every_s" in line and "not a finite number" in line
     assert not (tmp_path / "state" / "reports").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the rule applies to an agent run as root")
+@pytest.mark.parametrize("mode, owner", [(0o666, 0), (0o620, 0), (0o644, 65534)])
+def test_root_takes_no_settings_from_a_file_another_user_could_write(tmp_path, mode, owner):
+    """A config another user owns or can write would let them choose root's scheduler
+    programs (adapter.slurm.scontrol) or thresholds: refused, naming the file and the fix."""
+    path = tmp_path / "config.yaml"
+    path.write_text("adapter: {name: slurm, slurm: {scontrol: /tmp/theirs}}\n")
+    os.chown(path, owner, 1234 if mode == 0o620 else 0)
+    path.chmod(mode)
+    with pytest.raises(ConfigError, match="another user could have written it.*chmod go-w"):
+        load_config(str(path))
