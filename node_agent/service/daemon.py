@@ -163,6 +163,7 @@ class Daemon:
         self._check_metrics: dict[MetricsFactory, CheckMetrics] = {}
         #: the checks' watchers, one per factory, started with the daemon (checking/behaviour.py)
         self._watchers: dict[WatcherFactory, Watcher] = {}
+        self._checks_thread: threading.Thread | None = None  # started by run()
         self._broken_hooks: set[str] = set()
         for check in REGISTRY:
             self._metrics_of(check)
@@ -279,7 +280,8 @@ class Daemon:
         threading.Thread(target=self._save_loop, name="state", daemon=True).start()
         for watcher in self._watchers.values():
             watcher.start()
-        threading.Thread(target=self._checks_loop, name="checks", daemon=True).start()
+        self._checks_thread = threading.Thread(target=self._checks_loop, name="checks", daemon=True)
+        self._checks_thread.start()
         host, port = self.listen_address or ("?", 0)
         log.info(
             "node-agent daemon up: %s, suite %s (%d checks), metrics on http://%s:%d/metrics%s",
@@ -339,6 +341,9 @@ class Daemon:
         age = self._clock() - self.last_tick
         if age > 10:
             return False, f"stalled: main loop last ticked {age:.0f} s ago\n"
+        checks = self._checks_thread
+        if checks is not None and not checks.is_alive() and not self._stop.is_set():
+            return False, "stalled: the checks thread has died (see the log); restart the agent\n"
         view = self.view
         if view is None or view.unknown:
             missing = len(view.missing) if view else len(self.suite.checks)
@@ -443,8 +448,12 @@ class Daemon:
                 ]
             with self._lock:
                 current = any(item is due for item in self._schedule)
-            if current:  # else a reload made a new schedule while it ran: it runs again anew
+            if not current:  # a reload made a new schedule while it ran: it runs again anew
+                continue
+            try:
                 self._record(due.spec.check, results, started, self._clock() - t0)
+            except Exception:  # noqa: BLE001 - one run's grading must not end the watching
+                log.exception("grading the results of %s failed; the checks go on", due.spec.check)
 
     def _run_in_subprocess(self, spec: CheckSpec) -> list[Result]:
         """Run a check in a child process (``daemon.subprocess_checks``; check_child.py).

@@ -116,6 +116,34 @@ def running(node):
         d.stop()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_failure_grading_one_run_neither_ends_the_checks_nor_hides_behind_healthz(
+    node, running, monkeypatch
+):
+    """A run whose grading raises is logged and the checks go on; were the checks thread to
+    die all the same, /healthz would say so (503) instead of serving the last grade for ever."""
+    daemon = running()
+    base = f"http://127.0.0.1:{node.port}"
+    real, failed = daemon._record, []
+
+    def record_once_failing(*args, **kwargs):
+        if not failed:
+            failed.append(args[0])
+            raise RuntimeError("a grading bug")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(daemon, "_record", record_once_failing)
+    runs = lambda: metric_value(  # noqa: E731
+        get(base + "/metrics")[1], "node_agent_check_runs_total", check="nvml_health"
+    )
+    assert wait_for(lambda: failed, 30) and wait_for(lambda: (runs() or 0) >= 2, 30)
+    assert get(base + "/healthz")[0] == 200
+    monkeypatch.setattr(daemon, "_record", lambda *a, **k: (_ for _ in ()).throw(SystemExit))
+    assert wait_for(lambda: not daemon._checks_thread.is_alive(), 30)
+    status, body = get(base + "/healthz")
+    assert status == 503 and "checks thread has died" in body
+
+
 def test_metrics_and_healthz_answer_on_loopback(node, running):
     daemon = running()
     base = f"http://127.0.0.1:{node.port}"
