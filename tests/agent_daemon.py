@@ -43,3 +43,26 @@ def agent_daemon(
         finally:
             daemon.terminate()
             daemon.wait(timeout=60)
+
+
+@contextlib.contextmanager
+def graded_daemon(config: str | Path, scenario: str | Path, suite: str | Path) -> Iterator[Any]:
+    """Root's :class:`~node_agent.service.daemon.Daemon` run in this process on a thread,
+    yielded once every scheduled check has a result; stopped when the block ends."""
+    import threading
+    import time
+
+    from node_agent.service.daemon import Daemon
+
+    daemon = Daemon(str(config), str(scenario), suite=str(suite))
+    thread = threading.Thread(target=daemon.run, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not (daemon.view and daemon.view.complete) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert daemon.view and daemon.view.complete, "the daemon did not grade"
+        yield daemon
+    finally:
+        daemon.stop()
+        thread.join(10)

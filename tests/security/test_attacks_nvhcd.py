@@ -13,12 +13,12 @@ The client the user runs keeps NVRx's contract and behaviour (tests/nvrx_client.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+from agent_daemon import graded_daemon  # tests/agent_daemon.py
 
 pytest.importorskip("grpc", reason="grpcio is not installed: make deps-test")
 pytest.importorskip("grpc_tools", reason="grpcio-tools is not installed: make deps-test")
@@ -26,7 +26,6 @@ pytest.importorskip("grpc_tools", reason="grpcio-tools is not installed: make de
 from nvrx_client import STALL, NodeHealthCheck  # noqa: E402
 
 from node_agent.model import Result, Status  # noqa: E402
-from node_agent.service.daemon import Daemon  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 # NVRx's client, run as the user: prints whether it passed, what it skipped and the output
@@ -85,18 +84,8 @@ def daemon(shared_dir):
             }
         )
     )
-    d = Daemon(str(config), str(node), suite=str(suite))
-    thread = threading.Thread(target=d.run, kwargs={"install_signals": False}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not (d.view and d.view.complete) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert d.view and d.view.complete, "the daemon did not grade"
+    with graded_daemon(config, node, suite) as d:
         yield d, sock
-    finally:
-        d.stop()
-        thread.join(10)
 
 
 def ask_as(user, sock: Path) -> dict:

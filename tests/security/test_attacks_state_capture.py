@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from agent_daemon import agent_daemon  # tests/agent_daemon.py
+from agent_daemon import agent_daemon, graded_daemon  # tests/agent_daemon.py
 from test_attacks import config, node, report, results, run_agent, spool, suite
 
 from node_agent.remediation.store import (
@@ -232,10 +232,6 @@ def test_a_users_link_at_the_state_dirs_name_leads_root_nowhere(user, shared_dir
 def test_the_daemon_writes_no_state_into_a_state_dir_a_user_made(user, shared_dir):
     """The daemon refuses a state_dir another user owns ("the node's state is not kept") and
     then keeps its word: no state file appears there for the user to read or replace."""
-    import threading
-
-    from node_agent.service.daemon import Daemon
-
     sticky = shared_dir / "sticky"
     sticky.mkdir()
     sticky.chmod(0o1777)
@@ -243,16 +239,6 @@ def test_the_daemon_writes_no_state_into_a_state_dir_a_user_made(user, shared_di
     user.run(["mkdir", "-m", "0777", str(state)])
     cfg = config(shared_dir, state_dir=str(state), daemon={"listen": "127.0.0.1:0", "act": False})
     checks = suite(shared_dir, {"check": "inventory", "timeout_s": 10, "every_s": 3600})
-    d = Daemon(cfg, node(shared_dir), suite=checks)
-    thread = threading.Thread(target=d.run, kwargs={"install_signals": False}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not (d.view and d.view.complete) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert d.view and d.view.complete, "the daemon did not grade"
+    with graded_daemon(cfg, node(shared_dir), checks):
         time.sleep(0.5)  # the state thread's turn
-    finally:
-        d.stop()
-        thread.join(10)
     assert list(state.iterdir()) == []
