@@ -218,7 +218,14 @@ def run(
         more_out, more_err, _ = _read(proc, time.monotonic() + _DRAIN_S, max_output_bytes)
         out, errout = (out + more_out)[:max_output_bytes], (errout + more_err)[:max_output_bytes]
     _close(proc)
-    code = proc.wait() if ended == "eof" else None
+    code = None
+    if ended == "eof":  # both pipes closed; the program itself may still run past its deadline
+        try:
+            code = proc.wait(timeout=max(0.0, start + timeout_s - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            kill_group(proc)
+            proc.wait()
+            ended = "timeout"
     # it exited; a child it left behind in its group would run on unbounded: end it now
     _kill_pgid(proc.pid)
     return ProcResult(

@@ -2,7 +2,7 @@
 
 Every problem becomes one :class:`ConfigError` line naming the file, the key and what was
 expected, so the CLI can print it and exit 2 without a traceback. Run as root, the agent reads
-these files only where no other user could have written them (:func:`refuse_foreign`).
+these files only where no other user could have written them (:func:`_refuse_foreign`).
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ def _trusted() -> tuple[frozenset[int], frozenset[int]]:
     return frozenset({0, os.geteuid(), code.st_uid}), frozenset({0, code.st_gid})
 
 
-def refuse_foreign(path: Path, st: os.stat_result, what: str) -> None:
+def _refuse_foreign(path: Path, st: os.stat_result, what: str) -> None:
     """ConfigError when the agent runs as root and ``path`` (its ``st``) could have been
     written by another user: owned by someone not trusted (:func:`_trusted`), or writable by
     others or by a group not trusted. Such a file would let that user choose root's adapter
@@ -285,7 +285,7 @@ def load_yaml(
     path = Path(path)
     try:
         with open(path, "rb") as f:
-            refuse_foreign(path, os.fstat(f.fileno()), what)
+            _refuse_foreign(path, os.fstat(f.fileno()), what)
             text = f.read().decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: {what} not found") from None

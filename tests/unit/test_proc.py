@@ -203,3 +203,14 @@ def test_a_large_input_and_output_pass_whole_under_the_cap():
     echo = [sys.executable, "-c", "import sys; sys.stdout.write(sys.stdin.read())"]
     result = proc.run(echo, timeout_s=30, input_text=data)
     assert result.ok and result.stdout == data
+
+
+def test_a_program_that_closes_its_output_and_runs_on_is_still_held_to_its_timeout():
+    quiet = [
+        sys.executable,
+        "-c",
+        "import os, time\nos.close(1)\nos.close(2)\ntime.sleep(60)",
+    ]
+    started = time.monotonic()
+    result = proc.run(quiet, timeout_s=1.0)
+    assert result.timed_out and not result.ok and time.monotonic() - started < 10
