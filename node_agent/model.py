@@ -622,8 +622,3 @@ def utc_iso(epoch: float | None = None) -> str:
 def utc_stamp(epoch: float | None = None) -> str:
     """The same instant for a file name (no ``:``), e.g. ``20261121T120000Z``."""
     return utc_iso(epoch).replace("-", "").replace(":", "")
-
-
-def utc_now() -> str:
-    """ISO-8601 UTC timestamp with seconds, e.g. ``2026-11-21T12:00:00Z``."""
-    return utc_iso()

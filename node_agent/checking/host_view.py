@@ -28,8 +28,6 @@ from node_agent.kernel_log import XidLine, scan
 #: ``nvmlGpuVirtualizationMode_t`` as ``GpuDevice.virtualization_mode()`` names it.
 #: The GPU is seen from inside a VM: pass-through (the whole GPU) or a vGPU slice of one.
 GUEST_MODES = frozenset({"pass_through", "vgpu"})
-#: The hypervisor host that shares its GPUs out (NVIDIA vGPU manager, vSGA).
-HOST_MODES = frozenset({"host_vgpu", "host_vsga"})
 
 _MODE_WORDS = {
     "none": "on bare metal",

@@ -108,10 +108,6 @@ class Grader:
     xid: Catalog
     sxid: Catalog
 
-    def xid_level(self, code: int) -> tuple[Level, str]:
-        """An XID code's own level and name (before its lines are read)."""
-        return self.xid.level(code)
-
     def grade(self, results: list[Result], mode: str = "delivery") -> Grade:
         """The grade of a run; ``mode`` decides how a check that could not run counts.
 

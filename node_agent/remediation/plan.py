@@ -111,9 +111,6 @@ __all__ = [
 
 #: remediation states of a node (the store's strings)
 STATES = tuple(s.value for s in NodeState)
-#: states in which the agent has drained the node (for a restart, or ahead of an announced
-#: maintenance) and a passing re-test resumes it
-RESUMABLE_STATES = (NodeState.DRAINED, NodeState.RESTARTING, NodeState.RETEST, NodeState.PLANNED)
 #: actions a plan step can take (the journal's ``action`` column)
 ACTIONS = tuple(a.value for a in StepAction)
 #: actions that take the node (or its GPUs) out of work: the rate limit of a drain counts them

@@ -71,7 +71,6 @@ IB_4X_RATES = {
 #: ib_write_bw average / line rate on a healthy port: 388.72 Gb/s on a 400 Gb/s NDR port
 #: (tests/data/perftest/ib_write_bw_gbits.txt, ConnectX-7, 64 KiB messages).
 WRITE_BW_EFFICIENCY = 388.72 / 400
-MSG_SIZE_BYTES = 65536  # ib_write_bw's default message size for a bandwidth run
 
 
 @dataclass(frozen=True)

@@ -83,12 +83,6 @@ def frame_text(frame: dict[str, Any]) -> str:
     return f"{frame.get('name', '?')} ({where}:{frame.get('line', '?')})"
 
 
-def in_collective(frames: list[dict[str, Any]]) -> bool:
-    """Whether a stack waits on its peers: blocked in a collective, or on the GPU
-    (:func:`node_agent.training.blocking.classify`)."""
-    return classify(frames).waits_on_peers
-
-
 def dump_once(
     py_spy: str, pid: int, timeout_s: float, native: bool = False, nonblocking: bool = False
 ) -> list[dict[str, Any]] | str:
