@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from node_agent.host.aer_lines import parse_aer_message
 from node_agent.kernel_log.framing import (
     BUS,
     DEVICE_START,
@@ -110,7 +111,9 @@ class DriverLine:
     - ``va-space-exhausted``: ``dmaAllocMapping_GM107: can't alloc VA space for mapping.``
       (the GPU's virtual address space used up; it comes with ``NV_ERR_NO_MEMORY``);
     - ``aer-uncorrectable``: ``<drv> <bdf>: PCIe Bus Error: severity=Uncorrected (Fatal)`` (or
-      ``Uncorrectable``, kernels from 6.10 on; ``drivers/pci/pcie/aer.c``, ``aer_print_error``);
+      ``Uncorrectable``, kernels from 6.10 on; ``AER: `` in front on some;
+      ``drivers/pci/pcie/aer.c``, ``aer_print_error``), read by ``host/aer_lines.py`` as the
+      ``pcie_aer`` check reads it;
     - ``aer-recovery-failed``: ``pcieport <port>: AER: device recovery failed``
       (``drivers/pci/pcie/err.c``, ``pcie_do_recovery``) after an uncorrectable error on a
       device below that port: the event is the *device's* (``pci_bus``), the port in ``port``.
@@ -193,10 +196,8 @@ _INIT_FAILED = re.compile(
     rf"^NVRM: (?:GPU (?P<bdf>{_BUS_FN}): )?RmInitAdapter failed! "
     r"\(0x(?P<hex>[0-9A-Fa-f]{1,8}):0x[0-9A-Fa-f]{1,8}:\d{1,6}\)$"
 )
-_AER_ERROR = re.compile(
-    r"^PCIe Bus Error: severity=Uncorrect(?:ed|able) \((?P<sev>Fatal|Non-Fatal)\)"
-)
-_AER_RECOVERY_FAILED = re.compile(r"^AER: (?:device recovery failed|Device recovery failed)")
+#: the AER forms' names for an uncorrectable error's severity, as ``DriverLine.severity`` says them
+_AER_SEVERITY = {"fatal": "Fatal", "nonfatal": "Non-Fatal"}
 
 
 def normalise_bus(bus: str) -> str:
@@ -291,19 +292,16 @@ def _parse_driver_message(prefix: str, text: str) -> DriverLine | None:
             status=status,
             stamp=stamp,
         )
-    device = DEVICE_START.match(text)
-    if device is None:
-        return None
-    aer = _AER_ERROR.match(text[device.end() :])
-    if aer is None:
+    aer = parse_aer_message(text)
+    if aer is None or aer.kind != "bus_error" or aer.severity not in _AER_SEVERITY:
         return None
     return DriverLine(
         kind="aer-uncorrectable",
-        pci_bus=normalise_bus(device["bdf"]),
+        pci_bus=normalise_bus(aer.bdf),
         message=text,
         raw=line.strip(),
-        severity=aer["sev"],
-        device_driver=device["drv"],
+        severity=_AER_SEVERITY[aer.severity],
+        device_driver=aer.driver,
         stamp=stamp,
     )
 
@@ -490,10 +488,8 @@ class KernelLogScanner:
             if normalise_bus(m["bdf"]) in self._fallen_buses:
                 return []  # the Xid 79 line just before said it
             return [self._fallen(m["bdf"], [line.strip()], record_stamp or line_stamp(prefix))]
-        if (device := DEVICE_START.match(text)) is not None and _AER_RECOVERY_FAILED.match(
-            text[device.end() :]
-        ):
-            return self._aer_failed(device["bdf"], line.strip(), record_stamp or line_stamp(prefix))
+        if (aer := parse_aer_message(text)) is not None and aer.kind == "recovery_failed":
+            return self._aer_failed(aer.bdf, line.strip(), record_stamp or line_stamp(prefix))
         event: Event | Unreadable | DriverLine | None = _parse_message(prefix, text)
         if event is None:
             event = _parse_driver_message(prefix, text)

@@ -714,6 +714,36 @@ def test_aer_uncorrectable_spelling_of_newer_kernels_and_nonfatal():
     assert (event.kind, event.severity) == ("aer-uncorrectable", "Non-Fatal")
 
 
+def test_aer_uncorrectable_with_the_aer_prefix_the_kernel_puts_in_front_of_it():
+    """aer.c sets ``dev_fmt`` to "AER: ", so kernels print "<drv> <bdf>: AER: PCIe Bus Error"
+    (github.com/NVIDIA/nvidia-docker/issues/1553); the xid check and the pcie_aer check read
+    the same line through one parser (host/aer_lines.py) and cannot disagree on it."""
+    (event,) = scan_lines(
+        [
+            "[1086487.61] nvidia 0000:65:00.0: AER: PCIe Bus Error: severity=Uncorrected "
+            "(Fatal), type=Inaccessible, (Unregistered Agent ID)"
+        ]
+    )
+    assert (event.kind, event.pci_bus, event.severity, event.device_driver) == (
+        "aer-uncorrectable",
+        "0000:65:00",
+        "Fatal",
+        "nvidia",
+    )
+
+
+def test_a_corrected_aer_error_is_no_driver_line():
+    assert (
+        scan_lines(
+            [
+                "pcieport 0000:00:01.1: AER: PCIe Bus Error: severity=Corrected, "
+                "type=Data Link Layer, (Receiver ID)"
+            ]
+        )
+        == []
+    )
+
+
 def test_aer_recovery_failed_without_an_uncorrectable_error_before_it_names_no_device():
     assert scan_lines(["pcieport 0000:17:00.0: AER: device recovery failed"]) == []
 
