@@ -67,7 +67,13 @@ class DistressLine:
                               (arch/x86/kernel/cpu/mce/core.c, ``mce_notify_irq``)
     ``mce_record``            ``mce: [Hardware Error]: CPU <n>: Machine Check[ Exception]: <mcg> Bank
                               <b>: <status>`` (``__print_mce``): MCi_STATUS bit 61 (UC) and 57 (PCC)
-                              say uncorrected and processor context corrupt
+                              say uncorrected and processor context corrupt; an EDAC driver that
+                              decodes the memory error prints it instead of the kernel, as ``EDAC
+                              <drv> MC<m>: CPU <n>: Machine Check Event|Exception: <mcg> Bank <b>:
+                              <status>`` (drivers/edac/sb_edac.c, skx_common.c, pnd2_edac.c)
+    ``edac_error``            ``EDAC MC<m>: <count> CE|UE <what> on <DIMM label> (<location> ...)``
+                              (drivers/edac/edac_mc.c, ``edac_ce_error``/``edac_ue_error``): a
+                              memory controller's corrected or uncorrected error and its DIMM
     ``mce_fatal``             ``mce: [Hardware Error]: Machine check: <why>`` (``mce_panic``),
                               ``Kernel panic - not syncing: Fatal machine check``
     ``memory_failure``        ``Memory failure: <pfn>: recovery action for <page>: <result>``
@@ -111,6 +117,7 @@ DISTRESS_KINDS = (
     "lustre_lost",
     "mce_logged",
     "mce_record",
+    "edac_error",
     "mce_fatal",
     "memory_failure",
     "file_max",
@@ -216,9 +223,16 @@ _DISTRESS_FORMS: tuple[tuple[str, re.Pattern[str]], ...] = (
     (
         "mce_record",
         re.compile(
-            r"^mce: (?:\[Hardware Error\]: )?CPU (?P<cpu>\d+): Machine Check"
-            r"(?P<exception> Exception)?: (?P<mcg>[0-9a-fA-F]{1,16}) Bank "
-            r"(?P<bank>\d+): (?P<status>[0-9a-fA-F]{1,16})\b"
+            r"^(?:mce: (?:\[Hardware Error\]: )?|EDAC [a-z0-9_]{1,16} MC\d{1,4}: )CPU (?P<cpu>\d+): "
+            r"Machine Check(?: Event|(?P<exception> Exception))?: (?:0x)?(?P<mcg>[0-9a-fA-F]{1,16}) "
+            r"Bank (?P<bank>\d+): (?:0x)?(?P<status>[0-9a-fA-F]{1,16})\b"
+        ),
+    ),
+    (
+        "edac_error",
+        re.compile(
+            r"^EDAC MC(?P<mc>\d{1,4}): (?P<count>\d{1,10}) (?P<sev>CE|UE) "
+            r"(?P<what>[^\n]{0,160}?)on (?P<dimm>[^()\n]{1,160}?) \("
         ),
     ),
     (
@@ -255,6 +269,7 @@ _DISTRESS_WORDS = (
     "server ",
     "Lustre:",
     "mce:",
+    "EDAC ",
     "Machine check",
     "machine check",
     "Memory failure:",
@@ -297,7 +312,7 @@ def _distress(prefix: str, message: str) -> DistressLine | None:
             or groups.get("server")
         )
         fields: dict[str, Any] = {}
-        for key in ("cpu", "seconds", "uid", "bank", "qid", "tag", "score", "limit"):
+        for key in ("cpu", "seconds", "uid", "bank", "qid", "tag", "score", "limit", "mc", "count"):
             if key in groups:
                 fields[key] = int(groups.pop(key))
         if kind == "oom_kill":
@@ -318,6 +333,12 @@ def _distress(prefix: str, message: str) -> DistressLine | None:
                 uncorrected=bool(status & MCI_STATUS_UC),
                 context_corrupt=bool(status & MCI_STATUS_PCC),
                 exception=bool(groups.get("exception")),
+            )
+        elif kind == "edac_error":
+            fields.update(
+                uncorrected=groups["sev"] == "UE",
+                what=groups["what"].strip(),
+                dimm=groups["dimm"].strip(),
             )
         else:
             for key in (

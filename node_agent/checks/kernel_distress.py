@@ -294,6 +294,9 @@ def grade_lines(
             else:
                 kind = "mce_uncorrected" if line.field("uncorrected") else "mce_corrected"
             fold(kind, "node").add(line, f"CPU{line.field('cpu')} bank {line.field('bank')}")
+        elif k == "edac_error":
+            kind = "mce_uncorrected" if line.field("uncorrected") else "mce_corrected"
+            fold(kind, "node").add(line, f"MC{line.field('mc')} {line.field('dimm')}")
         elif k == "mce_logged":
             fold("mce_corrected", "node").add(line)
         elif k == "mce_fatal":
@@ -327,8 +330,8 @@ _TITLES = {
     "fs_readonly": "filesystem shut down or remounted read-only",
     "nfs_not_responding": "NFS server not responding",
     "lustre_lost": "Lustre server connection lost",
-    "mce_corrected": "corrected machine check(s)",
-    "mce_uncorrected": "uncorrected machine check(s) / memory failure(s)",
+    "mce_corrected": "corrected (or not decoded) machine check(s) / memory error(s)",
+    "mce_uncorrected": "uncorrected machine check(s) / memory error(s) / memory failure(s)",
     "mce_fatal": "fatal machine check(s)",
     "file_max": "the kernel's table of open files full (fs.file-max reached)",
 }

@@ -183,6 +183,37 @@ FORMS = [
     ),
     # fs/file_table.c, alloc_empty_file
     ("VFS: file-max limit 1000000 reached", "file_max", None, None),
+    # an EDAC driver that decodes the memory error prints the bank record itself
+    # (drivers/edac/skx_common.c; github.com/ovro-lwa/lwa-issues/issues/117: UC set)
+    (
+        "EDAC skx MC3: CPU 10: Machine Check Event: 0 Bank 8: fc00010001010092",
+        "mce_record",
+        None,
+        None,
+    ),
+    # drivers/edac/sb_edac.c (github.com/radiasoft/devops/issues/134: UC clear)
+    (
+        "EDAC sbridge MC1: CPU 1: Machine Check Event: 0 Bank 11: 8c00004f000800c2",
+        "mce_record",
+        None,
+        None,
+    ),
+    # drivers/edac/edac_mc.c, edac_ce_error / edac_ue_error
+    (
+        "EDAC MC1: 1 CE memory scrubbing error on CPU_SrcID#1_Ha#0_Chan#0_DIMM#0 (channel:0 "
+        "slot:0 page:0xee30a0 offset:0x0 grain:32 syndrome:0x0 -  area:DRAM err_code:0008:00c2 "
+        "socket:1 ha:0 channel_mask:1 rank:0)",
+        "edac_error",
+        None,
+        None,
+    ),
+    (
+        "EDAC MC3: 1 UE memory read error on CPU_SrcID#1_MC#1_Chan#2_DIMM#0 (channel:2 slot:0 "
+        "page:0xb757589 offset:0xdc0 grain:32 -  err_code:0x0000:0x0090 SystemAddress:0xb757589dc0)",
+        "edac_error",
+        None,
+        None,
+    ),
 ]
 
 #: what a log puts in front of the kernel's message (docs/xid.md, "Rules of belief")
@@ -272,6 +303,40 @@ def test_mce_status_bits_say_corrected_uncorrected_and_context_corrupt():
     assert fatal.field("bank") == 4 and fatal.field("cpu") == 3
 
 
+def test_an_edac_drivers_bank_record_and_the_memory_controllers_ce_and_ue_are_read():
+    skx_uc, sbridge_ce, edac_ce, edac_ue = (parse_distress(f[0]) for f in FORMS[-4:])
+    assert (skx_uc.field("uncorrected"), skx_uc.field("cpu"), skx_uc.field("bank")) == (True, 10, 8)
+    assert skx_uc.field("exception") is False and sbridge_ce.field("uncorrected") is False
+    assert (edac_ce.field("uncorrected"), edac_ce.field("count"), edac_ce.field("mc")) == (
+        False,
+        1,
+        1,
+    )
+    assert edac_ce.field("dimm") == "CPU_SrcID#1_Ha#0_Chan#0_DIMM#0"
+    assert edac_ce.field("what") == "memory scrubbing error"
+    assert (edac_ue.field("uncorrected"), edac_ue.field("dimm")) == (
+        True,
+        "CPU_SrcID#1_MC#1_Chan#2_DIMM#0",
+    )
+
+
+def test_an_uncorrected_memory_error_an_edac_driver_decoded_grades_error_naming_the_dimm(env):
+    """On Intel and AMD servers an EDAC driver decodes a memory machine check, and the kernel's
+    own "CPU n: Machine Check" record is not printed: before, such a log read as a corrected
+    machine check (WARN) though its DIMM had an uncorrected error."""
+    logged = FORMS[21][0]
+    decoded = run_check(env, [logged, FORMS[-4][0]])
+    assert finding(decoded, "mce_uncorrected").status is Status.FAIL
+    assert grade(env, decoded).level is Level.ERROR
+    summary = run_check(env, [logged, FORMS[-1][0]])
+    uncorrected = finding(summary, "mce_uncorrected")
+    assert "MC3 CPU_SrcID#1_MC#1_Chan#2_DIMM#0" in uncorrected.detail
+    assert grade(env, summary).level is Level.ERROR
+    corrected = run_check(env, [FORMS[-2][0]])
+    assert finding(corrected, "mce_corrected").status is Status.WARN
+    assert grade(env, corrected).level is Level.WARN
+
+
 def test_oom_summary_reads_the_uid_the_kernel_printed_not_one_in_the_task_name():
     """The task name (15 characters, the user's) cannot stand in for the tail the kernel writes."""
     line = (
@@ -304,6 +369,9 @@ def test_oom_summary_reads_the_uid_the_kernel_printed_not_one_in_the_task_name()
         # a form in the middle of a line is never searched
         "[ 12.5] sshd: note INFO: task python3:1 blocked for more than 120 seconds.",
         "[ 12.5] x EXT4-fs (sda1): Remounting filesystem read-only",
+        # a memory controller's UE, written by a user's program to syslog or /dev/kmsg
+        "Dec  2 11:38:27 worker4 python3[77]: EDAC MC0: 1 UE memory read error on DIMM_A1 (x)",
+        "12,4001,5000000,-;EDAC MC0: 1 UE memory read error on DIMM_A1 (channel:0 slot:0)",
     ],
 )
 def test_lines_the_kernel_did_not_write_as_distress_are_refused(line):
