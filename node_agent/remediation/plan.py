@@ -24,8 +24,9 @@ or an announced maintenance's (every ERROR ``remedy: planned``: drain alone, no 
 
 The rules (DESIGN.md, "Remediation and safety"):
 
-* Restarts are counted per fault code within ``safety.restart_window_h``; a fault code that is
-  still there after its restarts (the catalog's ``restarts_before_fault`` carried on the Reason,
+* Restarts are counted per fault code within ``safety.restart_window_h``, for the grade's first
+  hardware finding where it has one (never for a software, application or planned one beside
+  it); a fault code that is still there after its own restarts (the catalog's ``restarts_before_fault`` carried on the Reason,
   else ``safety.max_restarts``) is escalated to FAULT, unless every ERROR reason is one that new
   hardware is not known to fix (:data:`NO_SWAP`): a software cause (``remedy: software`` in
   graders/rules.yaml: no driver, NVML broken, a check that could not run) or an error a user's
@@ -337,6 +338,9 @@ class Move(enum.Enum):
 #: the remedies of findings that new hardware is not known to fix: an ERROR made only of these
 #: is held for an operator when its restarts are spent, never escalated to a replacement
 NO_SWAP = frozenset({Remedy.SOFTWARE, Remedy.APPLICATION})
+#: the remedies of findings whose recurring never makes the node's hardware bad: those above and
+#: an announced maintenance (the cloud's, not the node's)
+NOT_HARDWARE = NO_SWAP | {Remedy.PLANNED}
 
 _ERRORS = (Verdict.ERROR, Verdict.SOFTWARE)
 _OVERUSED = (Verdict.OVERUSED, Verdict.SOFTWARE_OVERUSED)
@@ -443,7 +447,7 @@ def _verdict(c: _Case) -> Verdict:
         return Verdict.JOBS
     if c.node_serious and all(r.remedy is Remedy.PLANNED for r in c.node_serious):
         return Verdict.PLANNED
-    software = bool(c.node_serious) and all(r.remedy in NO_SWAP for r in c.node_serious)
+    software = bool(c.node_serious) and all(r.remedy in NOT_HARDWARE for r in c.node_serious)
     if c.restarts >= c.limit:
         return Verdict.SOFTWARE_SPENT if software else Verdict.SPENT
     if c.remediations_7d >= c.safety.max_remediations_7d:
@@ -476,13 +480,21 @@ def plan(
     serious = tuple(r for r in grade.reasons if r.level >= Level.ERROR)
     # the node's own findings decide; a hung job beside them ends with the reboot/replacement
     node_reasons = [r for r in grade.reasons if r.rule not in JOB_RULES] or list(grade.reasons)
-    worst = node_reasons[0] if node_reasons else Reason("ungraded", grade.level, "node", "")
+    node_serious = tuple(r for r in node_reasons if r.level >= Level.ERROR)
+    # Restarts are counted for, and escalate, the node's first hardware finding where it has
+    # one: a code is escalated by its own restarts only, never by those a software cause, an
+    # application Xid or an announced maintenance beside it collected.
+    worst = (
+        next((r for r in node_serious if r.remedy not in NOT_HARDWARE), None)
+        or next((r for r in node_serious if r.remedy is not Remedy.PLANNED), None)
+        or (node_reasons[0] if node_reasons else Reason("ungraded", grade.level, "node", ""))
+    )
     case = _Case(
         grade=grade,
         record=record,
         safety=safety,
         serious=serious,
-        node_serious=tuple(r for r in node_reasons if r.level >= Level.ERROR),
+        node_serious=node_serious,
         worst=worst,
         restarts=restart_counts.get(fault_code(worst), 0),
         limit=restart_limit(worst, safety),
@@ -650,13 +662,10 @@ def _spent_why(c: _Case) -> str:
 
 
 def _escalate(c: _Case) -> Plan:
+    """The hardware finding that outlived its own restarts (``worst``: :func:`plan` puts a
+    hardware finding there whenever the grade has one) is replaced."""
     why = _spent_why(c)
     code, target = c.code, c.worst.target
-    # a software cause beside a hardware one: the hardware finding is what gets replaced
-    hardware = next((r for r in c.node_serious if r.remedy not in NO_SWAP), c.worst)
-    if hardware is not c.worst:
-        why += f"; with {fault_code(hardware)} on {hardware.target}, not a software cause"
-        code, target = fault_code(hardware), hardware.target
     p = _replace_plan(code, target, c.drained, Level.FAULT, note="escalated", why=why)
     return Plan(
         p.steps, note=f"escalated to FAULT: {why}", escalated=True, fault_code=code, target=target

@@ -31,6 +31,7 @@ from node_agent.model import (
     PlannedEvent,
     Reason,
     Refusal,
+    Remedy,
     Result,
     Status,
 )
@@ -452,7 +453,7 @@ def test_hardware_error_surviving_its_restarts_still_escalates_to_replace(grader
     assert "FAULT row-remap-pending gpu:2" in p.steps[0].reason
 
 
-def test_a_mix_of_software_and_hardware_errors_escalates_naming_the_hardware(grader):
+def test_a_mix_of_software_and_hardware_errors_counts_and_escalates_the_hardware(grader):
     hang = Result("gpu_burn", "gpu:0", "timeout", Status.ERROR, "timed out after 900 s")
     g = graded(grader, hang, remap_pending(), no_driver())
     assert [(r.rule, r.remedy) for r in g.reasons] == [
@@ -460,10 +461,52 @@ def test_a_mix_of_software_and_hardware_errors_escalates_naming_the_hardware(gra
         ("row-remap-pending", None),
         ("driver-not-loaded", "software"),
     ]
-    p = plan_for(g, record=AFTER_REBOOTS, counts={"check-hang": 2}, max_restarts=2)
+    first = plan_for(g, counts={})
+    assert first.fault_code == "row-remap-pending" and first.target == "gpu:2"
+    p = plan_for(g, record=AFTER_REBOOTS, counts={"row-remap-pending": 2}, max_restarts=2)
     assert p.escalated and [s.action for s in p.steps] == ["replace"]
     assert "FAULT row-remap-pending gpu:2" in p.steps[0].reason
-    assert "check-hang on gpu:0 is still there" in p.note
+    assert "row-remap-pending on gpu:2 is still there" in p.note
+
+
+def test_restarts_a_software_cause_spent_never_escalate_a_hardware_finding_beside_it(grader):
+    """The audit's case: restarts spent on one code (here a check that hangs) had escalated
+    the first hardware finding of the grade, which had had no restart of its own."""
+    hang = Result("gpu_burn", "gpu:0", "timeout", Status.ERROR, "timed out after 900 s")
+    g = graded(grader, hang, remap_pending())
+    p = plan_for(g, record=AFTER_REBOOTS, counts={"check-hang": 2}, max_restarts=2)
+    assert not p.escalated and [s.action for s in p.steps] == ["restart"]
+    assert p.fault_code == "row-remap-pending"
+
+
+def test_a_first_hardware_finding_beside_a_held_application_xid_is_restarted_not_replaced():
+    """The audit's case: an Xid 31 (class application) on gpu:3 outlived its restarts and was
+    held for an operator; a switch port then flapped once (hca-port-down). The port's code had
+    had no restart, yet the Xid's spent restarts escalated it to a replacement."""
+    xid31 = Reason(
+        "xid", Level.ERROR, "gpu:3", "Xid 31", catalog="xid", code=31, remedy=Remedy.APPLICATION
+    )
+    port = Reason("hca-port-down", Level.ERROR, "hca:mlx5_0", "port mlx5_0/1 is DOWN")
+    g = Grade(Level.ERROR, Action.RESTART, (xid31, port))
+    held = NodeRecord(NODE, "needs-operator", T0, "xid-31", "gpu:3", "auto")
+    for record in (held, AFTER_REBOOTS, NodeRecord(NODE)):
+        p = plan_for(g, record=record, counts={"xid-31": 2}, max_restarts=2)
+        assert not p.escalated and "replace" not in [s.action for s in p.steps], record.state
+
+
+def test_an_announced_maintenance_beside_a_software_cause_is_held_never_replaced():
+    """The audit's case: the planned reason (target node) sorted first and collected the
+    restarts; once spent, escalation took it for the hardware finding and replaced the node."""
+    event = Reason(
+        "cloud-maintenance", Level.ERROR, "node", "Reboot at 12:00", remedy=Remedy.PLANNED
+    )
+    driver = Reason("driver-not-loaded", Level.ERROR, "node", "no driver", remedy=Remedy.SOFTWARE)
+    g = Grade(Level.ERROR, Action.RESTART, (event, driver))
+    for counts in ({"cloud-maintenance": 2}, {"driver-not-loaded": 2}):
+        p = plan_for(g, record=AFTER_REBOOTS, counts=counts, max_restarts=2)
+        assert not p.escalated and "replace" not in [s.action for s in p.steps], counts
+    spent = plan_for(g, record=AFTER_REBOOTS, counts={"driver-not-loaded": 2}, max_restarts=2)
+    assert [(s.action, s.to_state) for s in spent.steps] == [("hold", "needs-operator")]
 
 
 def test_a_check_that_could_not_run_at_delivery_is_a_software_cause(grader):
