@@ -17,7 +17,9 @@ Per port (target ``hca:<dev>``, ``hca:<dev>/<port>`` beyond port 1):
 No device: skip. ``ib_write_bw`` missing: the bandwidth test skips naming Debian's ``perftest``.
 Params: ``sysfs_root``, ``ib_write_bw`` (path of the perftest binary; default: found on PATH),
 ``perftest`` (default true), ``duration_s`` (5), ``gid_index`` (RoCE), ``tcp_port`` (18515),
-``server_start_s`` (1.0: how long the server gets to listen).
+``server_start_s`` (1.0: how long the server gets to listen), ``ignore`` (``["mlx5_9",
+"mlx5_4/2"]``: HCAs or ports not judged, as ``hca_ports`` reads it: unused, uncabled, a
+management or storage NIC).
 
 On a stand-in node (the node's ports carry an RDMA tree, ``ctx.ports.rdma_tree``) and no
 ``sysfs_root`` param, the stand-in's HCAs are a sysfs tree and an ``ib_write_bw`` stand-in
@@ -62,6 +64,7 @@ class Params:
     tcp_port: int = 18515
     gid_index: int | None = None
     server_start_s: float = 1.0  # the server's head start before the client connects
+    ignore: tuple[str, ...] = ()  # HCAs (mlx5_1) or ports (mlx5_1/2) not judged
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> Params:
@@ -75,6 +78,7 @@ class Params:
             tcp_port=r.integer("tcp_port", 1, 65535),
             gid_index=r.optional_integer("gid_index", 0),
             server_start_s=r.number("server_start_s", at_least=0),
+            ignore=r.strings("ignore", lone=True),
         )
 
 
@@ -100,7 +104,18 @@ def _run(ctx: CheckContext, root: Path, ib_write_bw: str | None) -> list[Result]
             )
         ]
     minimum = ctx.sku.minimum("rdma_port_gbps_min") if ctx.sku else None
+    ignore = set(ctx.typed_params(Params).ignore)
     results: list[Result] = []
+    for port in list(ports):
+        if port.device in ignore or f"{port.device}/{port.port}" in ignore:
+            ports.remove(port)
+            results.append(
+                ctx.skip(
+                    f"{port.device} port {port.port} is in the suite's ignore list",
+                    target=port.target,
+                    metric="link_state",
+                )
+            )
     for port in ports:
         results.extend(port_results(ctx, port, minimum))
     if ctx.typed_params(Params).perftest:

@@ -88,6 +88,17 @@ def test_port_down_fails_link_state(tmp_path):
     assert by(results, "hca:mlx5_0", "link_state").status is Status.FAIL
 
 
+def test_an_ignored_hca_or_port_is_skipped_naming_the_list_and_never_judged(tmp_path):
+    make_port(tmp_path, "mlx5_0", state="2: INIT", phys="5: LinkUp")  # the SM has not set it up
+    make_port(tmp_path, "mlx5_9", state="1: DOWN", phys="3: Disabled")  # not cabled on purpose
+    make_port(tmp_path, "mlx5_1")
+    results = rdma.run(make_ctx(tmp_path, perftest=False, ignore=["mlx5_9", "mlx5_0/1"]))
+    for target in ("hca:mlx5_0", "hca:mlx5_9"):
+        (skipped,) = [r for r in results if r.target == target]
+        assert skipped.status is Status.SKIP and "ignore list" in skipped.detail
+    assert by(results, "hca:mlx5_1", "link_state").status is Status.PASS
+
+
 def test_rate_below_sku_minimum_fails(tmp_path):
     make_port(tmp_path, "mlx5_0", rate="200 Gb/sec (4X HDR)")
     make_port(tmp_path, "mlx5_1")
