@@ -24,8 +24,12 @@ SYSFS_PCI_DEVICES = Path("/sys/bus/pci/devices")
 NVIDIA_VENDOR_ID = 0x10DE
 #: PCI base class 03h (display controller), sub-classes 00h (VGA-compatible) and 02h (3D)
 GPU_CLASSES = (0x0300, 0x0302)
-#: drivers that hold a GPU for a virtual machine: such a GPU is not the host's to use
+#: drivers that hold a GPU for a virtual machine: such a GPU is not the host's to use. Beside
+#: these, every VFIO variant driver (a name with ``vfio``: ``nvgrace_gpu_vfio_pci`` for Grace
+#: Hopper/Blackwell, ``mlx5_vfio_pci``) hands its device to a VM as vfio-pci does.
 PASSTHROUGH_DRIVERS = frozenset({"vfio-pci", "pci-stub"})
+#: the host's own NVIDIA driver (the proprietary and the open kernel module both bind as it)
+NVIDIA_DRIVER = "nvidia"
 
 
 class PciUnreadable(Exception):
@@ -44,7 +48,15 @@ class PciGpu:
     @property
     def passthrough(self) -> bool:
         """Bound to a driver that hands it to a VM: not expected in the host's NVML."""
-        return self.driver in PASSTHROUGH_DRIVERS
+        return self.driver is not None and (
+            self.driver in PASSTHROUGH_DRIVERS or "vfio" in self.driver
+        )
+
+    @property
+    def bound_elsewhere(self) -> bool:
+        """Held by a driver of the host that is not NVIDIA's (``nouveau``): unusable for
+        training until it is unbound, and no sign of a failed GPU."""
+        return self.driver is not None and self.driver != NVIDIA_DRIVER and not self.passthrough
 
     def describe(self) -> str:
         """``0000:3b:00.0 (bound to nvidia)`` / ``(no driver bound)``."""

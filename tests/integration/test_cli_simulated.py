@@ -332,6 +332,39 @@ def test_a_gpu_handed_to_a_vm_is_neither_missing_nor_lost(agent, scenario):
     assert "7 of 7" in count["detail"] and "handed to a VM" in count["detail"]
 
 
+def test_a_gpu_another_driver_holds_is_a_software_error_never_a_replacement(agent, scenario):
+    run = agent(
+        "accept",
+        "--simulate",
+        scenario(faults=[{"kind": "pci_only", "gpu": 3, "driver": "nouveau"}]),
+        *LIGHT,
+        "--json",
+    )
+    assert run.code == 3, run.stderr
+    report = run.json()
+    [finding] = [r for r in reasons(report) if r["target"] == "pci:0000:5d:00.0"]
+    assert (finding["rule"], finding["level"], finding["remedy"]) == (
+        "gpu-bound-to-another-driver",
+        "ERROR",
+        "software",
+    )
+    assert "nouveau" in finding["message"] and report["grade"]["action"] != "replace"
+    count = next(r for r in report["results"] if r["metric"] == "gpu_count")
+    assert count["status"] == "warn" and "held by another driver" in count["detail"]
+
+
+def test_a_gpu_a_vfio_variant_driver_holds_is_handed_to_a_vm(agent, scenario):
+    run = agent(
+        "accept",
+        "--simulate",
+        scenario(faults=[{"kind": "pci_only", "gpu": 7, "driver": "nvgrace_gpu_vfio_pci"}]),
+        *LIGHT,
+        "--json",
+    )
+    assert run.code == 0, run.stderr
+    assert run.json()["grade"]["level"] == "HEALTHY", reasons(run.json())
+
+
 # -- raw kernel-log lines ------------------------------------------------------------------------
 
 

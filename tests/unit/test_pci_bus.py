@@ -134,6 +134,23 @@ def test_compare_names_the_gpu_nvml_does_not_list():
     assert [g.bus_id for g in found.passthrough] == ["0000:ab:00.0"]
 
 
+def test_a_vfio_variant_driver_hands_the_gpu_to_a_vm_and_nouveau_holds_it_elsewhere():
+    """nvgrace_gpu_vfio_pci (Grace Hopper/Blackwell pass-through) had read as a GPU the driver
+    lost, which grades FAULT and a replacement."""
+    bus = _bus(
+        ("0000:18:00.0", "nvidia"),
+        ("0009:01:00.0", "nvgrace_gpu_vfio_pci"),
+        ("0000:2a:00.0", "nouveau"),
+        ("0000:3a:00.0", None),
+    )
+    found = compare(bus, ["00000000:18:00.0"])
+    assert [g.bus_id for g in found.passthrough] == ["0009:01:00.0"]
+    assert [(g.bus_id, g.bound_elsewhere) for g in found.not_enumerated] == [
+        ("0000:2a:00.0", True),
+        ("0000:3a:00.0", False),
+    ]
+
+
 def test_compare_leaves_a_gpu_to_the_unreadable_one_nvml_lists():
     # NVML enumerates two GPUs but could not read one's identity (gpu_lost): the bus GPU
     # without a match is that one, reported as lost, not also as missing

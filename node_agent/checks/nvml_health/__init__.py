@@ -161,6 +161,19 @@ def _gpu_count(ctx: CheckContext) -> Result:
         ),
     }
     if seen < expected:
+        elsewhere = [] if bus.unreadable else [g for g in bus.host_gpus if g.bound_elsewhere]
+        if elsewhere and seen + len(elsewhere) >= expected:
+            return ctx.result(
+                "node",
+                "gpu_count",
+                Status.WARN,
+                f"{seen} of {expected} expected GPUs visible{note}; the rest are on the PCI bus "
+                f"held by another driver ({', '.join(g.describe() for g in elsewhere)}): not "
+                "lost, not usable (gpu_bound_elsewhere)",
+                value=seen,
+                unit="GPUs",
+                **evidence,
+            )
         if not declared and not modelled:
             in_vm = _count_in_a_vm(ctx, seen, expected, evidence)
             if in_vm is not None:
@@ -271,6 +284,22 @@ def _pci_bus(ctx: CheckContext) -> list[Result]:
     out = []
     none_listed = not ctx.gpu.devices()
     for gpu in found.not_enumerated:
+        if gpu.bound_elsewhere:
+            out.append(
+                ctx.result(
+                    f"pci:{gpu.bus_id}",
+                    "gpu_bound_elsewhere",
+                    Status.FAIL,
+                    f"NVIDIA GPU {gpu.describe()}: another driver holds it, so the NVIDIA "
+                    "driver cannot, and training cannot use it. A configuration matter, not "
+                    "the GPU's: blacklist that driver (e.g. `modprobe.blacklist=nouveau`), "
+                    "rebuild the initramfs and reboot",
+                    value=gpu.bus_id,
+                    driver=gpu.driver,
+                    **evidence,
+                )
+            )
+            continue
         if none_listed:
             status = Status.ERROR
             detail = (
