@@ -470,7 +470,8 @@ class Refusal(Word):
     """Why a step was refused: what the daemon and the exit code decide on, never the detail."""
 
     STATE_UNAVAILABLE = "state-unavailable"  # the agent's own state unreadable: retried
-    GUARD = "guard"  # a safety guard: opt-out, breaker, rate limit, blast radius, a job id
+    GUARD = "guard"  # a safety guard: opt-out, breaker, blast radius, a job id
+    RATE_LIMIT = "rate-limit"  # too soon after the node's last action: retried after it
     FOREIGN_DRAIN = "foreign-drain"  # someone else's drain: left as it is
     NOT_AVAILABLE = "not-available"  # this command cannot do it (no re-test here)
 
@@ -495,9 +496,12 @@ class ActionRecord:
 
     @property
     def retryable(self) -> bool:
-        """A failure, or a refusal only because the agent's own state was unavailable: the
-        daemon retries it while the grade stands."""
-        return self.outcome is ActionOutcome.FAILED or self.refusal is Refusal.STATE_UNAVAILABLE
+        """A failure, or a refusal only because the agent's own state was unavailable or its
+        last action was too recent: the daemon retries it while the grade stands."""
+        return self.outcome is ActionOutcome.FAILED or self.refusal in (
+            Refusal.STATE_UNAVAILABLE,
+            Refusal.RATE_LIMIT,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {

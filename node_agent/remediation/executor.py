@@ -373,11 +373,10 @@ class Remediator:
         key = step.key(self.node) if auto else f"{step.key(self.node)}|{now:.6f}"
         retry: JournalRow | None = None
         if auto:
-            refusal = self._guard(step, now)
-            if refusal:
-                self._close_new(
-                    step, key, trigger, ActionOutcome.REFUSED, refusal, now, out, Refusal.GUARD
-                )
+            guarded = self._guard(step, now)
+            if guarded is not None:
+                why, kind = guarded
+                self._close_new(step, key, trigger, ActionOutcome.REFUSED, why, now, out, kind)
                 return False
             decided, retry = self._seen_before(step, key, now, out)
             if decided is not None:
@@ -482,7 +481,15 @@ class Remediator:
             detail = f"{detail}; {self._acknowledge(step.planned)}"
         return AdapterOutcome(result.status, detail)
 
-    def _guard(self, step: Step, now: float) -> str | None:
+    def _guard(self, step: Step, now: float) -> tuple[str, Refusal] | None:
+        """The refusal of the first guard that refuses ``step``, and its kind: only a rate
+        limit is retried (by the daemon, while the grade stands) once the interval has passed."""
+        refused = self._refused_by(step, now)
+        if not refused:
+            return None
+        return refused if isinstance(refused, tuple) else (refused, Refusal.GUARD)
+
+    def _refused_by(self, step: Step, now: float) -> str | tuple[str, Refusal] | None:
         refusal = guards.opt_out(self.safety.opt_out, self.store.opted_out(self.node), self.node)
         if refusal:
             return refusal
@@ -509,7 +516,7 @@ class Remediator:
                 self.safety.min_action_interval_s,
             )
             if refusal:
-                return refusal
+                return refusal, Refusal.RATE_LIMIT
         try:
             known = self.adapter.node_state(self.node).known
             nodes = self.adapter.list_nodes() if known else None

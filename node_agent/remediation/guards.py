@@ -129,8 +129,8 @@ def rate_limit(last_action_at: float | None, now: float, min_interval_s: float) 
     if last_action_at is not None and now - last_action_at < min_interval_s:
         return (
             f"rate limit: the last action on this node was {now - last_action_at:.0f} s ago, "
-            f"less than safety.min_action_interval_s={min_interval_s:g}; the next run "
-            "acts if the fault is still there"
+            f"less than safety.min_action_interval_s={min_interval_s:g}; retried once it has "
+            "passed if the fault is still there"
         )
     return None
 

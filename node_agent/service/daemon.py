@@ -12,9 +12,12 @@ After each check run its numeric results named in ``graders/trends.yaml`` go int
 history (``<state_dir>/history.db``) and their trends are graded as ``trends`` results
 (``service.trend_watch``, docs/trends.md): WARNs, never an action, except one NVLink whose
 counters keep growing for an hour (ERROR, graders/trends.yaml ``persist``).
-Every change of results is re-graded at once; a changed grade goes to ``on_grade`` (the
-remediation hook) and the log. Nothing here exits on a check's failure: a check that raises or
-hangs is an ``error`` result and a rising ``node_agent_check_errors_total``; one that does so
+Every change of results is re-graded at once; a changed grade goes to the log, and to
+``on_grade`` (the remediation hook) once every scheduled check has a result, or at once when it
+is ERROR or worse: a partial grade that passes never resumes a node. Nothing here exits on a
+check's failure: a check that raises or hangs is an ``error`` result and a rising
+``node_agent_check_errors_total``, and the failed findings of its last run on what it could
+not read stay, dated (a reading that fails is no evidence the fault went away); one that does so
 ``daemon.failures_warn_after`` runs in a row is a WARN of its own (a source wedged in NVML or
 DCGM), and each check's result age is a metric.
 
@@ -44,7 +47,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -68,7 +71,7 @@ from node_agent.checking.child import ChildSpec, run_in_child
 from node_agent.checking.registry import REGISTRY
 from node_agent.config import Config, load_config
 from node_agent.environment import Environment, open_environment
-from node_agent.model import Action, Grade, Level, Result, Status
+from node_agent.model import Action, Grade, Level, Reason, Result, Status, utc_iso
 from node_agent.report.terminal import printable
 from node_agent.resources import graders_dir, shipped_graders_dir, suites_dir
 from node_agent.runner import FORKSERVER_CHECKS, run_check
@@ -154,6 +157,8 @@ class Daemon:
         self._graded_at: float | None = None  # time.time() of the last grading, None before any
         #: what the daemon answers for the node (NVRx, /healthz); None before the first grading
         self.view: NodeView | None = None
+        #: the grade last handed to ``on_grade`` (level and reasons), None before any
+        self._handed: tuple[Level, tuple[Reason, ...]] | None = None
         self._nvhcd: NvhcdServer | None = None  # NVRx's health-check service (daemon.nvhcd)
         self.last_tick = clock()
         self._scenario_mtime = self._mtime(simulate)
@@ -370,7 +375,10 @@ class Daemon:
             old, self.env, self.config, self.suite = self.env, env, config, suite
             self._schedule = self._make_schedule(suite)
             self._results = {k: v for k, v in self._results.items() if k in scheduled}
-            self._stored_grade = self.grade if self.view and not self.view.unknown else None
+            if self.view is None or not self.view.stored_grade:
+                # the grade answered now stands in until the new schedule's checks have run;
+                # a stored grade that is standing in already stays
+                self._stored_grade = self.grade if self.view and not self.view.unknown else None
             for check in dropped & self._stats.keys():
                 self._stats[check].scheduled = False
         for check in sorted(dropped):
@@ -495,6 +503,7 @@ class Daemon:
             # a sticky result (the check's SERVICE.sticky) is kept apart, folded with the one
             # kept under its key; the others are this run's until the next
             kept = [r for r in results if not self._stick(r)]
+            kept += _unread_findings(self._results.get(check), kept)
             if stats.failing_runs >= self.config.daemon.failures_warn_after:
                 kept.append(_repeated_failure(check, stats.failing_runs, results))
             self._results[check] = CheckResults(kept, started + duration)
@@ -622,10 +631,15 @@ class Daemon:
             env = self.env
             self.view = self._make_view(grade, results)
             self._pending = (dict(self._results), list(self._sticky.values()), grade)
+            # remediation acts on a grade over every scheduled check, or on an ERROR/FAULT
+            # found before then: a partial grade that passes would resume a node drained for a
+            # finding whose check has not run again yet
+            handed = (grade.level, grade.reasons)
+            hand = (self.view.complete or grade.level >= Level.ERROR) and handed != self._handed
+            if hand:
+                self._handed = handed
         self._dirty.set()
-        if not changed:
-            return
-        if grade.level != previous.level:
+        if changed and grade.level != previous.level:
             # reasons quote what users wrote (a heartbeat's job, its pause reason, a process's
             # name): every such text is escaped, one line per reason (docs/security.md)
             log.warning(
@@ -638,7 +652,7 @@ class Daemon:
                     for r in grade.reasons[:10]
                 ),
             )
-        if self._on_grade is not None:
+        if hand and self._on_grade is not None:
             try:
                 self._on_grade(grade, results, env)
             except Exception:  # noqa: BLE001 - remediation trouble must not stop the watch
@@ -746,7 +760,13 @@ class Daemon:
         with self._lock:
             return Snapshot(
                 hostname=self.env.inventory.host.hostname,
-                level=self.grade.level,
+                # the level answered (NVRx, /healthz): a stored ERROR/FAULT stands in for a
+                # partial grade until every scheduled check has run
+                level=(
+                    Level[self.view.level]
+                    if self.view is not None and not self.view.unknown
+                    else self.grade.level
+                ),
                 checks={k: CheckStats(**vars(v)) for k, v in self._stats.items()},
                 actions=dict(self._actions),
                 simulated=self.env.simulated,
@@ -761,6 +781,31 @@ class Daemon:
                 ),
                 nvlink_domain=nvlink_domain_of(self.env.inventory),
             )
+
+
+def _unread_findings(previous: CheckResults | None, results: list[Result]) -> list[Result]:
+    """The failed findings of a check's previous run that this run could not read again: on a
+    target this run errored on (or on any, when it errored on ``node``: the whole check), and
+    not measured anew. A reading that fails is no evidence the fault went away: a row-remap
+    failure whose NVML call starts to fail stays FAULT, and says since when it was not read."""
+    errored = {r.target for r in results if r.status is Status.ERROR}
+    if previous is None or not errored:
+        return []
+    measured = {(r.target, r.metric) for r in results if r.status is not Status.ERROR}
+    return [
+        r
+        if "unread_since" in r.evidence
+        else replace(
+            r,
+            detail=f"{r.detail} (as last read at {utc_iso(previous.finished_unix)}: the check "
+            "could not read it since)",
+            evidence={**r.evidence, "unread_since": utc_iso(previous.finished_unix)},
+        )
+        for r in previous.results
+        if r.status is Status.FAIL
+        and (r.target in errored or "node" in errored)
+        and (r.target, r.metric) not in measured
+    ]
 
 
 def _repeated_failure(check: str, runs: int, results: list[Result]) -> Result:

@@ -828,6 +828,9 @@ def test_rate_limit_refuses_a_new_drain_right_after_an_action(store):
     clock.t += 10
     out = rem.remediate(FakeReport(FAULT79))
     assert out.records[0].outcome == "refused" and "rate limit" in out.records[0].detail
+    # the daemon hands a grade over when it changes; a refusal for being too soon is retried
+    # while the grade stands, or a FAULT found 10 s after a resume would never be drained
+    assert out.records[0].refusal is Refusal.RATE_LIMIT and out.wants_retry
     clock.t += 120
     rem.remediate(FakeReport(FAULT79))
     assert adapter.actions() == ["drain", "resume", "drain", "replace"]

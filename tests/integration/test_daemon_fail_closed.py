@@ -1,0 +1,96 @@
+"""The daemon never answers, or acts on, a node as fitter than what it knows: a check that cannot
+read a fault again keeps it, a partial grade that passes does not resume a drained node, and a
+stored FAULT standing in for a partial grade is what /metrics and a reload keep.
+
+The daemon runs on a simulated node (no GPU here) and is driven through ``_record``, the way
+its checks thread hands over each run, so each step of the timeline is exact."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import yaml
+
+from node_agent.model import Action, Grade, Level, Reason, Result, Status
+from node_agent.service.daemon import Daemon
+
+SUITE = {
+    "name": "fail-closed",
+    "mode": "service",
+    "checks": [
+        {"check": "nvml_health", "timeout_s": 10, "every_s": 30},
+        {"check": "host_power", "timeout_s": 10, "every_s": 30},
+        {"check": "xid", "timeout_s": 10, "every_s": 30},
+    ],
+}
+REMAP_FAILED = Result("nvml_health", "gpu:2", "row_remap_failure", Status.FAIL, "no spare row")
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    scenario, config, suite = tmp_path / "s.yaml", tmp_path / "c.yaml", tmp_path / "p.yaml"
+    scenario.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 4, "faults": []}))
+    suite.write_text(yaml.safe_dump(SUITE))
+    config.write_text(
+        yaml.safe_dump({"state_dir": str(tmp_path / "state"), "spool_dir": str(tmp_path / "sp")})
+    )
+    handed: list[Grade] = []
+    d = Daemon(
+        str(config), str(scenario), suite=str(suite), on_grade=lambda g, r, e: handed.append(g)
+    )
+    d.handed = handed  # type: ignore[attr-defined]
+    yield d
+    d.env.close()
+
+
+def passing(check: str) -> list[Result]:
+    return [Result(check, "node", "ran", Status.PASS, "fine")]
+
+
+def test_a_fault_the_check_can_no_longer_read_stays_a_fault_dated_until_read_again(daemon):
+    """The audit's case: a row-remap failure graded FAULT, then NVML's call for it failed (an
+    error); the error had replaced the finding and the node answered WARN, fit for NVRx."""
+    daemon._record("nvml_health", [REMAP_FAILED], time.time(), 0.1)
+    assert daemon.grade.level is Level.FAULT
+    unreadable = Result("nvml_health", "gpu:2", "row_remap", Status.ERROR, "NVML error 999")
+    daemon._record("nvml_health", [unreadable], time.time(), 0.1)
+    assert daemon.grade.level is Level.FAULT
+    (kept,) = [r for r in daemon.current_results() if r.metric == "row_remap_failure"]
+    assert "could not read it since" in kept.detail and "unread_since" in kept.evidence
+    timed_out = Result("nvml_health", "node", "timeout", Status.ERROR, "no answer in 10 s")
+    daemon._record("nvml_health", [timed_out], time.time(), 10.0)
+    assert daemon.grade.level is Level.FAULT  # the whole check failed: every finding stays
+    read_again = Result("nvml_health", "gpu:2", "row_remap_failure", Status.PASS, "none failed")
+    daemon._record("nvml_health", [read_again], time.time(), 0.1)
+    assert daemon.grade.level is Level.HEALTHY
+
+
+def test_a_partial_grade_that_passes_is_not_acted_on_and_an_error_is_at_once(daemon):
+    """The audit's case: after a reboot the first check's WARN, graded before the check that
+    had found the ERROR ran again, resumed the node the agent had drained for it."""
+    off = Result("nvml_health", "gpu:0", "persistence_mode", Status.WARN, "persistence mode off")
+    daemon._record("nvml_health", [off], time.time(), 0.1)
+    assert daemon.grade.level is Level.WARN
+    assert not daemon.view.complete and daemon.handed == []
+    psu = Result("host_power", "psu:1", "psu_status", Status.FAIL, "PSU 1: failure detected")
+    daemon._record("host_power", [psu], time.time(), 0.1)
+    assert [g.level for g in daemon.handed] == [Level.ERROR]
+    daemon._record("xid", passing("xid"), time.time(), 0.1)
+    assert daemon.view.complete and [g.level for g in daemon.handed] == [Level.ERROR]
+    daemon._record("host_power", passing("host_power"), time.time(), 0.1)
+    assert [g.level for g in daemon.handed] == [Level.ERROR, Level.WARN]
+
+
+def test_a_stored_fault_standing_in_is_what_metrics_say_and_what_a_reload_keeps(daemon):
+    stored = Grade(
+        Level.FAULT,
+        Action.REPLACE,
+        (Reason("row-remap-failure", Level.FAULT, "gpu:2", "no spare row"),),
+    )
+    daemon._stored_grade = stored
+    daemon._record("nvml_health", passing("nvml_health"), time.time(), 0.1)
+    assert daemon.view.level == "FAULT" and daemon.view.stored_grade
+    assert daemon.snapshot().level is Level.FAULT  # was the partial grade's HEALTHY
+    assert daemon.reload_config()
+    assert daemon._stored_grade is stored and daemon.view.level == "FAULT"
