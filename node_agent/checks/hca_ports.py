@@ -58,7 +58,7 @@ from node_agent.checking.params import Reader
 from node_agent.checking.thresholds import refuse_thresholds
 from node_agent.host import infiniband
 from node_agent.kernel_log import LogRecord
-from node_agent.kernel_log.mlx5_lines import Mlx5Line, parse_mlx5_line
+from node_agent.kernel_log.mlx5_lines import KERNEL_LINES, Mlx5Line, parse_mlx5_line
 from node_agent.model import Result, Status
 from node_agent.yamlfile import ConfigError, load_yaml, validate
 
@@ -913,4 +913,29 @@ def save_state(ctx: CheckContext, state: dict[str, Any]) -> None:
         atomic_file.write_json(path, state)
 
 
-SERVICE = ServiceBehaviour(metrics=HcaPortErrors)
+#: the metrics of the mlx5 driver's kernel-line findings
+_KERNEL_LINE_METRICS = frozenset(kind.metric for kind in KERNEL_LINES)
+
+
+def sticky_key(result: Result) -> tuple[str, str] | None:
+    """An mlx5 kernel-line finding (warn or fail) stays part of the daemon's grade for its life
+    in this boot, whichever window a later run reads: the periodic suite reads
+    ``since: last_run``, so a line is read once. One per (metric, HCA target). The sysfs
+    findings (state, rate, flaps, error rates) are read afresh each run and are not kept."""
+    if result.status in (Status.WARN, Status.FAIL) and result.metric in _KERNEL_LINE_METRICS:
+        return (result.metric, result.target)
+    return None
+
+
+def keep_more_lines(kept: Result, new: Result) -> Result:
+    """Of two findings under one key, the one that counted more lines, the newer on a tie
+    (counts are never added: each is one run's window)."""
+
+    def lines(r: Result) -> int:
+        v = r.value
+        return v if isinstance(v, int) and not isinstance(v, bool) else 0
+
+    return new if lines(new) >= lines(kept) else kept
+
+
+SERVICE = ServiceBehaviour(sticky=sticky_key, fold=keep_more_lines, metrics=HcaPortErrors)

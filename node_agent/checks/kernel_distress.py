@@ -58,10 +58,11 @@ from typing import Any
 
 from node_agent import proc
 from node_agent.checking import log_cursor
+from node_agent.checking.behaviour import ServiceBehaviour
 from node_agent.checking.context import CheckContext
 from node_agent.checking.params import Reader
 from node_agent.checking.thresholds import load_topic, refuse_thresholds
-from node_agent.checking.xid_fold import BURST_GAP_S, MAX_BURST_STARTS, Fold
+from node_agent.checking.xid_fold import BURST_GAP_S, MAX_BURST_STARTS, Fold, keep_fuller
 from node_agent.kernel_log import LogRecord
 from node_agent.kernel_log_distress import DistressLine, scan_distress
 from node_agent.model import Result, Status
@@ -340,6 +341,36 @@ _METRIC = {
     "nvme": "nvme_timeout",
     "file_max": "file_max_reached",
 }
+
+
+def sticky_key(result: Result) -> tuple[str, str, str | None] | None:
+    """A finding from the kernel log (warn or fail) stays part of the daemon's grade for its
+    life in this boot, whichever window a later run reads: the periodic suite reads
+    ``since: last_run``, so a line is read once, and a fatal machine check must not be
+    forgotten at the next run. One per (metric, target, subject). A pass (corrected machine
+    checks below ``mce_corrected_warn``) is not kept; nor are rasdaemon's and pstore's
+    findings, which every run reads whole (a dump removed from pstore is gone)."""
+    evidence = result.evidence or {}
+    if result.status in (Status.WARN, Status.FAIL) and evidence.get("kind") in _TITLES:
+        subject = evidence.get("subject")
+        return (result.metric, result.target, subject if isinstance(subject, str) else None)
+    return None
+
+
+_RANK = {Status.PASS: 0, Status.WARN: 1, Status.FAIL: 2}
+
+
+def keep_worse(kept: Result, new: Result) -> Result:
+    """Of two findings under one key, the worse (fail over warn: one run's NVMe controller
+    removal over another's lone timeout), else the one that counted more lines, the newer on
+    a tie. Counts are never added: each is one run's window."""
+    rank_kept, rank_new = _RANK.get(kept.status, 0), _RANK.get(new.status, 0)
+    if rank_new != rank_kept:
+        return new if rank_new > rank_kept else kept
+    return keep_fuller(kept, new)
+
+
+SERVICE = ServiceBehaviour(sticky=sticky_key, fold=keep_worse)
 
 
 def _result(

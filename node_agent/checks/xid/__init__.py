@@ -49,7 +49,12 @@ from node_agent.checking.xid_fold import DriverFold, Folder, keep_fuller
 from node_agent.checks.xid.buses import nvidia_buses
 from node_agent.checks.xid.watch import watcher
 from node_agent.gpu.base import GpuError
-from node_agent.hardware.driver_lines import DriverLineKind, load_driver_lines
+from node_agent.hardware.driver_lines import (
+    DRIVER_LINE_KINDS,
+    OPTIONAL_KINDS,
+    DriverLineKind,
+    load_driver_lines,
+)
 from node_agent.kernel_log import (
     DriverLine,
     KernelLogScanner,
@@ -66,13 +71,22 @@ _UNREADABLE_KEPT = 5  # example lines kept for a person to look at
 NO_GPU_METRIC = "driver_line_no_gpu"
 
 
-def sticky_key(result: Result) -> tuple[str, int] | None:
-    """An Xid or SXid finding stays part of the daemon's grade for its life, whichever window a
-    later run reads: one per (target, code). The check's watcher (``watch.py``) files its
-    findings under the same key."""
+def sticky_key(result: Result) -> tuple[str, int] | tuple[str, str, str] | None:
+    """A finding stays part of the daemon's grade for its life, whichever window a later run
+    reads (the periodic suite reads ``since: last_run``: a line is read once): an Xid or SXid
+    one per (target, code), and a driver line's (gpu-lost, reset-required, init-failed, AER,
+    ...: ``graders/driver_lines.yaml``, fail or warn) one per (metric, target, kind). The
+    check's watcher (``watch.py``) files its Xid findings under the same key."""
     if result.metric in ("xid", "sxid") and result.status is Status.FAIL:
         if isinstance(result.value, (int, float)) and not isinstance(result.value, bool):
             return (result.target, int(result.value))
+    kind = (result.evidence or {}).get("kind")
+    if (
+        result.status in (Status.FAIL, Status.WARN)
+        and isinstance(kind, str)
+        and kind in DRIVER_LINE_KINDS + OPTIONAL_KINDS
+    ):
+        return (result.metric, result.target, kind)
     return None
 
 
