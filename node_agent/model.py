@@ -232,12 +232,16 @@ class Remedy(str, enum.Enum):
     ``class: application`` in graders/xid.yaml, repeated on one GPU): it is restarted like any
     ERROR but never proves the hardware bad, so once its restarts are spent it too waits for an
     operator, who runs the GPU's field diagnostics, instead of being escalated to a replacement.
+    ``record`` marks a finding read from a record that a restart does not clear (the BMC's
+    event log, panics kept in pstore): that it is still there after a restart proves nothing,
+    so once its restarts are spent it too waits for an operator, who reads and clears the record.
     """
 
     SOFTWARE = "software"
     HARDWARE = "hardware"
     PLANNED = "planned"
     APPLICATION = "application"
+    RECORD = "record"
 
     def __str__(self) -> str:
         return self.value

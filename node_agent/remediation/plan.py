@@ -337,7 +337,7 @@ class Move(enum.Enum):
 
 #: the remedies of findings that new hardware is not known to fix: an ERROR made only of these
 #: is held for an operator when its restarts are spent, never escalated to a replacement
-NO_SWAP = frozenset({Remedy.SOFTWARE, Remedy.APPLICATION})
+NO_SWAP = frozenset({Remedy.SOFTWARE, Remedy.APPLICATION, Remedy.RECORD})
 #: the remedies of findings whose recurring never makes the node's hardware bad: those above and
 #: an announced maintenance (the cloud's, not the node's)
 NOT_HARDWARE = NO_SWAP | {Remedy.PLANNED}
@@ -683,6 +683,12 @@ _NO_SWAP_WORDS = {
         "graders/xid.yaml)",
         "run the GPU's field diagnostics (DCGM's `dcgmi diag -r 3`, or NVIDIA's field "
         "diagnostic) and look at the jobs that ran on it",
+    ),
+    Remedy.RECORD: (
+        "a record a restart does not clear (the BMC's event log, panics kept in pstore), "
+        "whose lasting says nothing of the hardware now (remedy record in graders/rules.yaml)",
+        "read the record, check the part it names (`ipmitool sel list`, the supplies; the "
+        "panic's stack), clear it (`ipmitool sel clear`, remove the pstore dumps)",
     ),
 }
 

@@ -509,6 +509,20 @@ def test_an_announced_maintenance_beside_a_software_cause_is_held_never_replaced
     assert [(s.action, s.to_state) for s in spent.steps] == [("hold", "needs-operator")]
 
 
+def test_a_power_event_the_bmc_keeps_is_held_for_an_operator_never_replaced(grader):
+    """The audit's case: the SEL keeps an AC-lost event (asserted, then deasserted) for its
+    24 h window through every reboot, and the supplies read ok: two restarts, then a replace."""
+    sel = Result("host_power", "psu", "sel_power", Status.FAIL, "PS1 AC lost, deasserted")
+    g = graded(grader, sel)
+    assert [(r.rule, r.remedy) for r in g.reasons] == [("sel-power-event", Remedy.RECORD)]
+    record = NodeRecord(NODE, "restarting", T0, "sel-power-event", "psu", "auto", "reboot", T0 - 9)
+    p = plan_for(g, record=record, counts={"sel-power-event": 2}, max_restarts=2)
+    assert not p.escalated and [(s.action, s.to_state) for s in p.steps] == [
+        ("hold", "needs-operator")
+    ]
+    assert "ipmitool sel" in p.note
+
+
 def test_a_check_that_could_not_run_at_delivery_is_a_software_cause(grader):
     broken = Result("storage", "node", "ran", Status.ERROR, "fio not found on PATH")
     g = graded(grader, broken, mode="delivery")
