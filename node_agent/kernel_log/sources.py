@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from node_agent import proc
+from node_agent.kernel_log.framing import kernel_message
 from node_agent.kernel_log.journal import journal_file_records, journal_form, journal_records
 from node_agent.kernel_log.record import LogRecord
 
@@ -53,7 +54,8 @@ class FileKernelLog:
 
     Read with ``O_NOFOLLOW|O_NONBLOCK`` and checked with ``fstat``: a regular file; when the
     agent runs as root, owned by root and writable by nobody else (a file another user can write
-    would let them write "kernel" lines). Re-read whole on every ``read()`` (the daemon polls it).
+    would let them write "kernel" lines). Re-read whole on every ``read()`` (the daemon polls it),
+    and read as this boot's kernel log (:func:`this_boot`), as ``/dev/kmsg`` is.
     """
 
     live = False
@@ -85,7 +87,34 @@ class FileKernelLog:
                 chunks.append(chunk)
         finally:
             os.close(fd)
-        return file_records(b"".join(chunks), cut=bool(skip), head=head)
+        return this_boot(file_records(b"".join(chunks), cut=bool(skip), head=head))
+
+
+#: journalctl's line between two boots in its text output ("-- Boot <id> --"; "-- Reboot --"
+#: before systemd 250)
+_JOURNAL_BOOT = re.compile(r"^-- (?:Boot [0-9a-f]{32}|Reboot) --$")
+#: the banner the kernel prints first at every boot (init/main.c, start_kernel: linux_banner)
+_BANNER = "Linux version "
+
+
+def this_boot(records: list[LogRecord]) -> list[LogRecord]:
+    """The records of the last boot a saved log shows: from the kernel's last banner ("Linux
+    version ...", believed as any kernel line is) or after journalctl's last "-- Boot <id> --".
+
+    A file that spans boots (an rsyslog ``kern.log``, a ``journalctl -k`` of several boots) is
+    then read as ``/dev/kmsg`` is, this boot only: an Xid 79 of a GPU replaced since, or a fault
+    a reboot has cleared, is not graded again after every restart (it had escalated a repaired
+    node to a replacement). A log that shows no boot is read whole."""
+    start = 0
+    for i, record in enumerate(records):
+        text = record.text.split("\n", 1)[0]
+        if _JOURNAL_BOOT.match(text.strip()):
+            start = i + 1
+        elif _BANNER in text and record.from_kernel:
+            found = kernel_message(text)
+            if found is not None and found[1].startswith(_BANNER):
+                start = i
+    return records[start:]
 
 
 def _refuse_a_cut_journal(path: str, head: bytes) -> None:
