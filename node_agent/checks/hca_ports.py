@@ -356,18 +356,24 @@ def check(
     # a port no longer in sysfs keeps only when it went missing; one that comes back starts a
     # new baseline
     ports_state = state["ports"] = {}
-    results += missing_results(ctx, kept, {r.key for r in readings}, ignore, ports_state, now)
+    buses = hca_bus_ids(root)
+    bus_of = {device: bus for bus, device in buses.items()}
+    results += missing_results(
+        ctx, kept, {r.key for r in readings}, ignore, ports_state, now, set(buses)
+    )
     for reading in watched:
         previous = kept.get(reading.key)
         previous = previous if isinstance(previous, dict) else None
         previous = None if previous and previous.get("missing_since") else previous
         flap, ports_state[reading.key] = flap_result(ctx, reading, previous, now, uptime, table)
+        if reading.port.device in bus_of:
+            ports_state[reading.key]["bus"] = bus_of[reading.port.device]
         results.append(flap)
         rates, ports_state[reading.key]["counters"] = rate_result(
             ctx, reading, (previous or {}).get("counters") or {}, now, table
         )
         results.append(rates)
-    results += kernel_line_results(ctx, hca_bus_ids(root), state)
+    results += kernel_line_results(ctx, buses, state)
     if ctx.state_dir is None:
         for r in results:
             if r.metric in ("flaps", "error_rates"):
@@ -484,17 +490,23 @@ def missing_results(
     ignore: set[str],
     ports_state: dict[str, Any],
     now: float,
+    present_buses: set[str],
 ) -> list[Result]:
     """``port_missing`` (fail) for each port the state knew that sysfs no longer lists: its HCA
     fell off the bus or lost its driver. It stays failing until the port is back (its state
-    entry keeps when it went missing)."""
+    entry keeps when it went missing). A port whose HCA's PCI function is still there under
+    another name (udev's or rdma_rename's ``ibp12s0`` for ``mlx5_8``) was renamed, not lost."""
     out = []
     for key, entry in sorted(kept.items()):
         device, _, port = key.partition("/")
         if key in present or device in ignore or key in ignore or not isinstance(entry, dict):
             continue
+        if entry.get("bus") in present_buses:
+            continue
         since = float(entry.get("missing_since") or now)
         ports_state[key] = {"missing_since": since}
+        if isinstance(entry.get("bus"), str):
+            ports_state[key]["bus"] = entry["bus"]
         target = f"hca:{device}" if port == "1" else f"hca:{device}/{port}"
         ago = (now - since) / 60
         out.append(

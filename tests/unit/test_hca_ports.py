@@ -176,6 +176,22 @@ def test_a_port_that_vanished_since_the_last_run_fails_until_it_is_back(tree, tm
     assert by(results, "hca:mlx5_7", "error_rates").evidence["rates_per_hour"] == {}
 
 
+def test_an_hca_renamed_at_boot_is_not_missing_but_one_that_left_the_bus_is(tree, tmp_path):
+    """The audit's case: udev renamed mlx5_8 to ibp12s0 (rdma_rename, the same PCI function);
+    the old name stayed "missing" for ever, an ERROR that outlived every restart."""
+    make_port(tree, "mlx5_0", bus="0000:0c:00.0")
+    make_port(tree, "mlx5_8", bus="0000:12:00.0")
+    ctx = make_ctx(tree, tmp_path / "state")
+    run(ctx, T0)
+    (tree / "mlx5_8").rename(tree / "ibp12s0")
+    results = run(ctx, T0 + 30)
+    assert not [r for r in results if r.metric == "port_missing"]
+    assert by(results, "hca:ibp12s0", "link_state").status is Status.PASS
+    (tree / "ibp12s0").rename(tmp_path / "away")  # now it left the bus
+    missing = by(run(ctx, T0 + 60), "hca:ibp12s0", "port_missing")
+    assert missing.status is Status.FAIL
+
+
 def test_port_trained_at_hdr_on_an_ndr_sku_fails_its_rate(tree, tmp_path):
     eight_ports(tree)
     make_port(tree, "mlx5_5", rate="200 Gb/sec (4X HDR)")  # rewrites its rate
