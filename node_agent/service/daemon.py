@@ -106,6 +106,10 @@ log = logging.getLogger("node_agent.service.daemon")
 GradeHook = Callable[[Grade, list[Result], Environment], None]
 
 
+#: beyond a rotation of the schedule, before a result is stale: a check child's kill grace
+STALE_GRACE_S = 60.0
+
+
 @dataclass
 class _Scheduled:
     spec: CheckSpec
@@ -159,6 +163,8 @@ class Daemon:
         self.view: NodeView | None = None
         #: the grade last handed to ``on_grade`` (level and reasons), None before any
         self._handed: tuple[Level, tuple[Reason, ...]] | None = None
+        #: scheduled checks whose result is too old to stand for the node now (the last view's)
+        self._stale: frozenset[str] = frozenset()
         self._nvhcd: NvhcdServer | None = None  # NVRx's health-check service (daemon.nvhcd)
         self.last_tick = clock()
         self._scenario_mtime = self._mtime(simulate)
@@ -315,6 +321,10 @@ class Daemon:
             ):
                 next_nvml_retry = self.last_tick + self.config.daemon.nvml_retry_s
                 self._reopen("retrying NVML", only_if_gpus=True)
+            with self._lock:
+                stale = self._stale_checks() != self._stale
+            if stale:
+                self._regrade("a check's result went stale, or was renewed")
         self._shutdown()
         return 0
 
@@ -675,7 +685,8 @@ class Daemon:
         """What the daemon answers for the node (under the lock): the grade once every scheduled
         check has a result, else the grade's ERROR/FAULT, the stored one's, or UNKNOWN."""
         scheduled = [c.check for c in self.suite.checks]
-        missing = tuple(c for c in scheduled if c not in self._results)
+        self._stale = self._stale_checks()
+        missing = tuple(c for c in scheduled if c not in self._results or c in self._stale)
         if not missing and self._stored_grade is not None:
             log.info("the node's state is known: every scheduled check has a result")
             self._stored_grade = None
@@ -706,6 +717,19 @@ class Daemon:
             restored=frozenset(k for k, v in self._results.items() if v.restored),
             stored_grade=stored,
             suite=self.suite.name,
+        )
+
+    def _stale_checks(self) -> frozenset[str]:
+        """Scheduled checks whose latest result is older than any rotation of the schedule can
+        make it (twice the check's interval, every check's timeout in turn, and a child's
+        kill grace): the checks loop has stalled, and what the result said is not known now."""
+        now = time.time()
+        rotation = sum(item.spec.timeout_s for item in self._schedule) + STALE_GRACE_S
+        return frozenset(
+            item.spec.check
+            for item in self._schedule
+            if (kept := self._results.get(item.spec.check)) is not None
+            and now - kept.finished_unix > 2 * item.every_s + rotation
         )
 
     # -- NVRx's node health check (docs/daemon.md) ----------------------------------------------

@@ -211,7 +211,7 @@ class NodeView:
     reasons: tuple[ViewReason, ...] = ()
     graded_at: float = 0.0  # time.time() of the grade
     complete: bool = False  # every scheduled check has a result (stored ones count)
-    missing: tuple[str, ...] = ()  # scheduled checks without a result
+    missing: tuple[str, ...] = ()  # scheduled checks without a result, or with a stale one
     finished: Mapping[str, float] = field(default_factory=dict)  # check -> time.time()
     restored: frozenset[str] = frozenset()  # checks whose result an earlier daemon made
     stored_grade: bool = False  # the level is the stored grade's, standing in
@@ -224,7 +224,7 @@ class NodeView:
     def why_unknown(self) -> str:
         return (
             f"node-agent does not know this node's state yet: {len(self.missing)} scheduled "
-            f"check(s) have no result ({', '.join(self.missing[:8])}"
+            f"check(s) have no result, or none recent ({', '.join(self.missing[:8])}"
             f"{', ...' if len(self.missing) > 8 else ''}); ask again after they have run"
         )
 

@@ -94,3 +94,16 @@ def test_a_stored_fault_standing_in_is_what_metrics_say_and_what_a_reload_keeps(
     assert daemon.snapshot().level is Level.FAULT  # was the partial grade's HEALTHY
     assert daemon.reload_config()
     assert daemon._stored_grade is stored and daemon.view.level == "FAULT"
+
+
+def test_a_result_older_than_any_rotation_of_the_schedule_is_not_the_nodes_state_now(daemon):
+    """A checks loop stalled behind a wedged check: its last HEALTHY had been answered for as
+    long as the stall lasted. Past twice its interval and a whole rotation of timeouts, a
+    result no longer counts: the node is UNKNOWN (unfit to NVRx) until the check runs again."""
+    long_ago = time.time() - 3600
+    for check in ("nvml_health", "host_power", "xid"):
+        daemon._record(check, passing(check), long_ago if check == "xid" else time.time(), 0.1)
+    assert daemon.view.unknown and daemon.view.missing == ("xid",)
+    assert "none recent" in daemon.view.why_unknown()
+    daemon._record("xid", passing("xid"), time.time(), 0.1)
+    assert daemon.view.complete and daemon.view.level == "HEALTHY"
