@@ -95,6 +95,7 @@ SCHEMAS: dict[str, Any] = {
         "bandwidth_graded": bool,
     },
     "neighbours": {"seconds": float, "wrong_elements": int},
+    "neighbours-again": {"wrong_elements": int},
     "alignment": {"stack": str, "hashes": _HASHES},
     "alignment-rerun": {"hashes": _HASHES},
     "replay": {"row": (int, str, str), "col": (int, str, str)},
@@ -235,7 +236,9 @@ def _slow_gpus(node: str, pairs: dict[str, float]) -> list[Suspect]:
 def phase_neighbours(side: NodeSide) -> PhaseOutcome:
     """Each rank exchanges with its ring neighbours at once (send right, receive left), timed
     between barriers; a pair's time is the slower end's. A node both of whose pairs are slow is
-    the suspect (:func:`localise.slow_nodes`); every received byte is checked."""
+    the suspect (:func:`localise.slow_nodes`); every received byte is checked, and data that
+    arrived wrong is traced to its sender or its receiver by a second pairing
+    (:func:`_wrong_ends`)."""
     import torch
     import torch.distributed as dist
 
@@ -270,22 +273,70 @@ def phase_neighbours(side: NodeSide) -> PhaseOutcome:
         for a, b in localise.ring_pairs(n)
     }
     suspects = localise.slow_nodes(pair_gbps, [side.nodes[r] for r in range(n)], SLOW_PAIR_SHARE)
-    for r, s in enumerate(shared):
-        if s["wrong_elements"]:
-            suspects.append(
-                Suspect(
-                    side.nodes[r],
-                    "neighbours",
-                    evidence={
-                        "wrong_elements_received": s["wrong_elements"],
-                        "from": side.nodes[(r - 1) % n],
-                    },
-                )
-            )
-    figures = {
-        f"{side.nodes[a]}<->{side.nodes[b]}": round(v, 3) for (a, b), v in sorted(pair_gbps.items())
+    arrived_wrong = {r: s["wrong_elements"] for r, s in enumerate(shared) if s["wrong_elements"]}
+    if arrived_wrong:
+        suspects += _wrong_ends(side, send, recv, where, arrived_wrong)
+    figures: dict[str, Any] = {
+        "pairs_gbps": {
+            f"{side.nodes[a]}<->{side.nodes[b]}": round(v, 3)
+            for (a, b), v in sorted(pair_gbps.items())
+        }
     }
-    return PhaseOutcome("neighbours", suspects=suspects, figures={"pairs_gbps": figures})
+    if arrived_wrong:
+        figures["wrong_elements"] = {
+            f"{side.nodes[(r - 1) % n]}->{side.nodes[r]}": w
+            for r, w in sorted(arrived_wrong.items())
+        }
+    return PhaseOutcome("neighbours", suspects=suspects, figures=figures)
+
+
+def _wrong_ends(
+    side: NodeSide, send: Any, recv: Any, where: Any, wrong: dict[int, int]
+) -> list[Suspect]:
+    """Which end of a transfer that arrived wrong is at fault: data from rank r-1 that rank r
+    received wrong may have been spoilt by the sender, the receiver or the link. Every rank
+    sends its buffer again two ahead and receives from two behind (other partners); a sender
+    whose second transfer arrives wrong too, or a receiver that gets wrong data again from
+    another sender, is named, with both rounds as evidence. Naming the receiver alone had sent
+    the healthy node of the pair to be drained while the sender stayed in service. With fewer
+    than three ranks, or when the second round is clean, no end can be told apart and none is
+    named: the figures say which transfer arrived wrong."""
+    import torch
+    import torch.distributed as dist
+
+    n, rank = side.place.world_size, side.place.rank
+    if n < 3:
+        return []
+    ahead, behind = (rank + 2) % n, (rank - 2) % n
+    again = torch.empty_like(recv)
+    for req in (dist.isend(send, ahead), dist.irecv(again, behind)):
+        if req is not None:
+            req.wait()
+    if where != "cpu":
+        torch.cuda.synchronize(where)
+    mine = {"wrong_elements": int((again != float(behind + 1)).sum())}
+    second = side.exchange.gather("neighbours-again", mine, SCHEMAS["neighbours-again"])
+    suspects = []
+    for receiver, count in sorted(wrong.items()):
+        sender = (receiver - 1) % n
+        evidence = {
+            "wrong_elements_received": count,
+            "from": side.nodes[sender],
+            "to": side.nodes[receiver],
+        }
+        for end, again_wrong, role in (
+            (sender, second[(sender + 2) % n]["wrong_elements"], "sender"),
+            (receiver, second[receiver]["wrong_elements"], "receiver"),
+        ):
+            if again_wrong:
+                suspects.append(
+                    Suspect(
+                        side.nodes[end],
+                        "neighbours",
+                        evidence={**evidence, "end": role, "wrong_again": again_wrong},
+                    )
+                )
+    return suspects
 
 
 # -- 4. bitwise alignment -----------------------------------------------------------------------
