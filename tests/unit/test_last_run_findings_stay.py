@@ -1,7 +1,8 @@
 """Findings read from the kernel log with ``since: last_run`` (the periodic suite's cursor: each
-line read once) stay part of the daemon's grade after the run that read them: ``kernel_distress``
-(a fatal machine check must not fall back to HEALTHY at the next run) and the mlx5 lines of
-``hca_ports``. Run through the real checks on a simulated node and the daemon's own sticky
+line read once) stay part of the daemon's grade after the run that read them: the ``xid``
+check's driver lines (a ``GPU lost from the bus`` line graded FAULT must stay FAULT),
+``kernel_distress`` (a fatal machine check must not fall back to HEALTHY at the next run) and
+the mlx5 lines of ``hca_ports``. Run through the real checks on a simulated node and the daemon's own sticky
 mechanism (``Daemon._record``), without its threads.
 """
 
@@ -18,6 +19,10 @@ from node_agent.service.daemon import Daemon
 from node_agent.suite import CheckSpec
 
 LAST_RUN = {"since": "last_run"}
+LOST = (
+    "NVRM: GPU {bus}.0: nvCheckOkFailedNoLog: Check failed: GPU lost from the bus "
+    "[NV_ERR_GPU_IS_LOST] (0x0000000F)"
+)
 
 
 def daemon(tmp_path, faults, **scenario):
@@ -54,9 +59,10 @@ def test_a_fatal_machine_check_read_once_stays_error_at_the_next_last_run(tmp_pa
         d.env.close()
 
 
-def distress(metric, kind, count, status, subject=None, target="node"):
+def finding(check, metric, kind, count, status, target="node", subject=None):
+    """A folded kernel-log finding as the checks report it (``kind`` and ``count`` in evidence)."""
     return Result(
-        check="kernel_distress",
+        check=check,
         target=target,
         metric=metric,
         status=status,
@@ -65,6 +71,10 @@ def distress(metric, kind, count, status, subject=None, target="node"):
         detail=f"{kind} x{count}",
         evidence={"kind": kind, "count": count, "subject": subject},
     )
+
+
+def distress(metric, kind, count, status, subject=None, target="node"):
+    return finding("kernel_distress", metric, kind, count, status, target, subject)
 
 
 def test_kernel_distress_keeps_warn_and_fail_per_metric_target_subject_and_never_a_pass():
@@ -125,3 +135,46 @@ def test_hca_ports_mlx5_findings_are_kept_per_metric_and_hca():
     assert service.sticky_key(mlx5(0, metric="kernel_lines", status=Status.PASS)) is None
     a, b = mlx5(3), mlx5(1)
     assert service.fold(a, b) is a and service.fold(b, a) is a
+
+
+def test_a_gpu_lost_driver_line_read_once_stays_fault_at_the_next_last_run(tmp_path):
+    d = daemon(tmp_path, [{"kind": "kernel_log", "gpu": 3, "line": LOST}])
+    try:
+        first = run_and_record(d, "xid")
+        assert [(r.metric, r.target, r.status) for r in first if r.metric == "gpu_lost"] == [
+            ("gpu_lost", "gpu:3", Status.FAIL)
+        ]
+        assert d.grade.level.name == "FAULT"
+        second = run_and_record(d, "xid")  # the cursor: nothing new to read
+        assert not [r for r in second if r.metric == "gpu_lost"]
+        assert d.grade.level.name == "FAULT", d.grade
+        kept = [r for r in d.current_results() if r.metric == "gpu_lost"]
+        assert [(r.target, r.evidence["count"]) for r in kept] == [("gpu:3", 1)]
+    finally:
+        d.env.close()
+
+
+def driver_result(metric, target, kind, count, status=Status.FAIL):
+    return finding("xid", metric, kind, count, status, target)
+
+
+def test_driver_line_findings_are_keyed_per_target_and_kind_and_fold_to_the_fuller():
+    service = behaviour("xid")
+    a = driver_result("gpu_lost", "gpu:3", "gpu-lost", 4)
+    b = driver_result("gpu_lost", "gpu:3", "gpu-lost", 1)
+    assert service.sticky_key(a) == service.sticky_key(b) is not None
+    assert service.sticky_key(driver_result("gpu_lost", "gpu:4", "gpu-lost", 1)) != (
+        service.sticky_key(a)
+    )
+    assert service.sticky_key(
+        driver_result("recovery_action", "gpu:3", "reset-required", 1)
+    ) != service.sticky_key(a)
+    # a warn kind (an AER the kernel recovered) is a finding too; a pass is never kept
+    aer = driver_result("pcie_aer_uncorrectable", "gpu:1", "aer-uncorrectable", 1, Status.WARN)
+    assert service.sticky_key(aer) is not None
+    assert service.sticky_key(driver_result("xid", "node", "gpu-lost", 0, Status.PASS)) is None
+    # counts never double: the fuller of the two is kept, whichever came first
+    assert service.fold(a, b) is a and service.fold(b, a) is a
+    # the Xid keys are unchanged
+    xid = Result(check="xid", target="gpu:3", metric="xid", status=Status.FAIL, value=79, detail="")
+    assert service.sticky_key(xid) == ("gpu:3", 79)
