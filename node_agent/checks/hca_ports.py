@@ -56,6 +56,7 @@ from node_agent.checking.context import CheckContext
 from node_agent.checking.hca_metrics import HcaPortErrors
 from node_agent.checking.params import Reader
 from node_agent.checking.thresholds import refuse_thresholds
+from node_agent.checking.xid_fold import keep_fuller
 from node_agent.host import infiniband
 from node_agent.kernel_log import LogRecord
 from node_agent.kernel_log.mlx5_lines import KERNEL_LINES, Mlx5Line, parse_mlx5_line
@@ -875,6 +876,7 @@ def kernel_line_results(
             f"{lines[-1].text[:200]}",
             value=len(lines),
             unit="lines",
+            count=len(lines),
             bus_id=lines[0].bdf,
             source=log.source,
             lines=[x.raw[:300] for x in lines[:_KEPT_LINES]],
@@ -939,15 +941,4 @@ def sticky_key(result: Result) -> tuple[str, str] | None:
     return None
 
 
-def keep_more_lines(kept: Result, new: Result) -> Result:
-    """Of two findings under one key, the one that counted more lines, the newer on a tie
-    (counts are never added: each is one run's window)."""
-
-    def lines(r: Result) -> int:
-        v = r.value
-        return v if isinstance(v, int) and not isinstance(v, bool) else 0
-
-    return new if lines(new) >= lines(kept) else kept
-
-
-SERVICE = ServiceBehaviour(sticky=sticky_key, fold=keep_more_lines, metrics=HcaPortErrors)
+SERVICE = ServiceBehaviour(sticky=sticky_key, fold=keep_fuller, metrics=HcaPortErrors)

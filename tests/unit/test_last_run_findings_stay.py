@@ -124,9 +124,7 @@ def test_hca_ports_mlx5_findings_are_kept_per_metric_and_hca():
     service = behaviour("hca_ports")
 
     def mlx5(count, target="hca:mlx5_0", metric="mlx5_fatal_error", status=Status.FAIL):
-        return Result(
-            check="hca_ports", target=target, metric=metric, status=status, value=count, detail=""
-        )
+        return finding("hca_ports", metric, "fatal", count, status, target)
 
     assert service.sticky_key(mlx5(1)) == service.sticky_key(mlx5(3)) is not None
     assert service.sticky_key(mlx5(1, "hca:mlx5_1")) != service.sticky_key(mlx5(1))
