@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from node_agent.checking import host_view
 from node_agent.checking.context import CheckContext
-from node_agent.gpu.base import DeviceLost, GpuTimeout
+from node_agent.gpu.base import DeviceLost, GpuTimeout, NoPermission, NotSupported
 from node_agent.model import Result, Status
 
 
@@ -44,21 +44,22 @@ def run(ctx: CheckContext) -> list[Result]:
             )
         )
     for index, error in sorted(inv.unreadable.items()):
+        detail = f"GPU {index} identity unreadable: {error}"
         if isinstance(error, GpuTimeout):
             metric, status = "driver_hang", Status.ERROR
         elif isinstance(error, DeviceLost):
             metric, status = "gpu_lost", Status.FAIL
+        elif isinstance(error, (NoPermission, NotSupported)):
+            # the agent's own access (a container without the GPU's device files, a user
+            # without the capability), not the GPU's failure: the check could not run
+            metric, status = "identity", Status.ERROR
+            detail += (
+                ": the agent may not read this GPU, which says nothing of the GPU; run it as "
+                "root, or give its container the GPUs' device files (NVIDIA container toolkit)"
+            )
         else:
             metric, status = "identity", Status.FAIL
-        results.append(
-            ctx.result(
-                f"gpu:{index}",
-                metric,
-                status,
-                f"GPU {index} identity unreadable: {error}",
-                error=str(error),
-            )
-        )
+        results.append(ctx.result(f"gpu:{index}", metric, status, detail, error=str(error)))
     results.extend(_sku(ctx))
     return results
 

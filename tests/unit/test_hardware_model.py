@@ -16,7 +16,7 @@ from node_agent.checks import inventory as inventory_check
 from node_agent.checks import nvml_health
 from node_agent.checks.nvml_health import links as nvml_nvlink
 from node_agent.config import config_from_dict
-from node_agent.gpu.base import DeviceLost, NvLink
+from node_agent.gpu.base import DeviceLost, NoPermission, NotSupported, NvLink
 from node_agent.gpu.pci import PciBus, PciGpu
 from node_agent.grading.rules import load_grader
 from node_agent.hardware.sku import Sku, load_skus, match_sku
@@ -300,6 +300,21 @@ def test_inventory_json_keeps_a_lost_gpu_with_its_error():
     [lost] = data["unreadable_gpus"]
     assert lost["index"] == 3 and lost["status"] == "gpu_lost" and "lost" in lost["error"]
     assert isinstance(ctx.inventory.unreadable[3], DeviceLost)
+
+
+@pytest.mark.parametrize(
+    "error", [NoPermission("nvmlDeviceGetUUID: Insufficient Permissions"), NotSupported("UUID")]
+)
+def test_an_identity_the_agent_may_not_read_is_an_error_never_a_gpu_fault(error):
+    """A container without the GPUs' device files: NVML lists the GPUs and answers No
+    Permission on each. That had graded every GPU gpu-unreadable, FAULT: replace the node."""
+    ctx = context("inventory", "h100-sxm5-80gb")
+    ctx.inventory.gpus[:] = [g for g in ctx.inventory.gpus if g.index != 3]
+    ctx.inventory.unreadable[3] = error
+    results = inventory_check.run(ctx)
+    (unread,) = [r for r in results if r.target == "gpu:3" and r.metric == "identity"]
+    assert unread.status is Status.ERROR and "device files" in unread.detail
+    assert GRADER.grade(results).level is not Level.FAULT
 
 
 def test_nvlink_counters_are_readings_of_the_worst_link_with_every_link_in_the_evidence():
