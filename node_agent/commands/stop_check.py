@@ -425,6 +425,24 @@ def _phase_results(name: str, outcome: phases.PhaseOutcome | None, node: str) ->
     if name == "self":  # the quick suite's own results grade this node already
         return []
     mine = [s for s in outcome.suspects if s.node == node]
+    unresolved = _unresolved_wrong_data(outcome, node)
+    if not mine and unresolved:
+        return [
+            Result(
+                CHECK,
+                "node",
+                metric,
+                Status.WARN,
+                f"data between {', '.join(unresolved)} arrived wrong, and a second pairing "
+                "could not tell which end spoilt it (fewer than three ranks, or it did not "
+                "recur): neither end is evicted; run stop-check again, or the delivery suite's "
+                "RDMA and SDC checks on both",
+                evidence={
+                    "wrong_elements": {k: outcome.figures["wrong_elements"][k] for k in unresolved}
+                },
+                duration_s=took,
+            )
+        ]
     if not mine:
         others = sorted({s.node for s in outcome.suspects})
         said = f"the {name} phase named no fault here" + (
@@ -442,6 +460,17 @@ def _phase_results(name: str, outcome: phases.PhaseOutcome | None, node: str) ->
             duration_s=took,
         )
         for s in mine
+    ]
+
+
+def _unresolved_wrong_data(outcome: phases.PhaseOutcome, node: str) -> list[str]:
+    """The transfers touching ``node`` whose data arrived wrong (``"a->b"``) and neither end of
+    which the phase named: the data was spoilt, by one of the two, and nobody can say which."""
+    named = {s.node for s in outcome.suspects}
+    return [
+        pair
+        for pair in sorted(outcome.figures.get("wrong_elements") or {})
+        if node in pair.split("->") and not named & set(pair.split("->"))
     ]
 
 

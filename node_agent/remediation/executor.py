@@ -645,9 +645,12 @@ class Remediator:
             f"{row.attempt} restart(s) and every ERROR is one that new hardware is not known "
             "to fix (a software cause, remedy software in graders/rules.yaml, or an error a "
             "user's code can make the driver report, an Xid of class application in "
-            "graders/xid.yaml); the node stays drained, with no further restart or "
+            "graders/xid.yaml, or a record a restart does not clear, remedy record: the BMC's "
+            "event log, pstore); the node stays drained, with no further restart or "
             "replacement. Fix the cause (e.g. rebuild or reinstall the driver for the running "
-            "kernel; for an application Xid, run the GPU's field diagnostics), then run "
+            "kernel; for an application Xid, run the GPU's field diagnostics; for a record, "
+            "check the part it names and clear it: `ipmitool sel clear`, the pstore dumps), "
+            "then run "
             "`node-agent set-healthy` and `node-agent act resume`"
         )
 

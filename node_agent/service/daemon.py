@@ -362,7 +362,10 @@ class Daemon:
         view = self.view
         if view is None or view.unknown:
             missing = len(view.missing) if view else len(self.suite.checks)
-            return True, f"ok UNKNOWN ({missing} scheduled check(s) have no result yet)\n"
+            return (
+                True,
+                f"ok UNKNOWN ({missing} scheduled check(s) have no result yet, or none recent)\n",
+            )
         return True, f"ok {view.level}\n"
 
     # -- configuration and environment ----------------------------------------------------------
