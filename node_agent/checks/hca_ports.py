@@ -341,7 +341,7 @@ def check(
             )
         ]
     ignore = set(ctx.typed_params(Params).ignore)
-    watched = [r for r in readings if r.port.device not in ignore and r.key not in ignore]
+    watched = [r for r in readings if not infiniband.ignored(r.port.device, r.port.port, ignore)]
     results = [
         ctx.skip(
             f"{r.port.device} port {r.port.port} is in the suite's ignore list",
@@ -500,7 +500,11 @@ def missing_results(
     out = []
     for key, entry in sorted(kept.items()):
         device, _, port = key.partition("/")
-        if key in present or device in ignore or key in ignore or not isinstance(entry, dict):
+        if (
+            key in present
+            or infiniband.ignored(device, port, ignore)
+            or not isinstance(entry, dict)
+        ):
             continue
         if entry.get("bus") in present_buses:
             continue

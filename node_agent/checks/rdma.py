@@ -44,7 +44,7 @@ from node_agent.checking.behaviour import ServiceBehaviour
 from node_agent.checking.context import CheckContext
 from node_agent.checking.hca_metrics import HcaPortErrors
 from node_agent.checking.params import Reader
-from node_agent.host.infiniband import SYSFS_ROOT, Port, discover
+from node_agent.host.infiniband import SYSFS_ROOT, Port, discover, ignored
 from node_agent.model import Result, Status
 from node_agent.parsers import ParseError
 from node_agent.parsers.perftest import BwRow, parse_bw_json, parse_bw_table
@@ -105,17 +105,16 @@ def _run(ctx: CheckContext, root: Path, ib_write_bw: str | None) -> list[Result]
         ]
     minimum = ctx.sku.minimum("rdma_port_gbps_min") if ctx.sku else None
     ignore = set(ctx.typed_params(Params).ignore)
-    results: list[Result] = []
-    for port in list(ports):
-        if port.device in ignore or f"{port.device}/{port.port}" in ignore:
-            ports.remove(port)
-            results.append(
-                ctx.skip(
-                    f"{port.device} port {port.port} is in the suite's ignore list",
-                    target=port.target,
-                    metric="link_state",
-                )
-            )
+    results = [
+        ctx.skip(
+            f"{p.device} port {p.port} is in the suite's ignore list",
+            target=p.target,
+            metric="link_state",
+        )
+        for p in ports
+        if ignored(p.device, p.port, ignore)
+    ]
+    ports = [p for p in ports if not ignored(p.device, p.port, ignore)]
     for port in ports:
         results.extend(port_results(ctx, port, minimum))
     if ctx.typed_params(Params).perftest:

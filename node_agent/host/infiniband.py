@@ -8,6 +8,7 @@ signals read the data counters of the ACTIVE ones (``training.activity``).
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,12 @@ class Port:
     @property
     def target(self) -> str:
         return f"hca:{self.device}" if self.port == "1" else f"hca:{self.device}/{self.port}"
+
+
+def ignored(device: str, port: str, names: Collection[str]) -> bool:
+    """Whether a check's ``ignore`` list names this HCA (``mlx5_1``) or this port of it
+    (``mlx5_1/2``): unused, uncabled, a management or storage NIC, never judged."""
+    return device in names or f"{device}/{port}" in names
 
 
 def parse_rate_gbps(text: str) -> float | None:

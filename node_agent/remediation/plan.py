@@ -26,9 +26,10 @@ The rules (DESIGN.md, "Remediation and safety"):
 
 * Restarts are counted per fault code within ``safety.restart_window_h``, for the grade's first
   hardware finding where it has one (never for a software, application or planned one beside
-  it); a fault code that is still there after its own restarts (the catalog's ``restarts_before_fault`` carried on the Reason,
-  else ``safety.max_restarts``) is escalated to FAULT, unless every ERROR reason is one that new
-  hardware is not known to fix (:data:`NO_SWAP`): a software cause (``remedy: software`` in
+  it); a fault code that is still there after its own restarts (the catalog's
+  ``restarts_before_fault`` carried on the Reason, else ``safety.max_restarts``) is escalated
+  to FAULT, unless every ERROR reason is one that new hardware is not known to fix
+  (:data:`NO_SWAP`): a software cause (``remedy: software`` in
   graders/rules.yaml: no driver, NVML broken, a check that could not run) or an error a user's
   code can make the driver report (``remedy: application``: an application-class Xid repeated
   on one GPU). Then the node stays drained as ``needs-operator`` (a ``hold`` step, no adapter
