@@ -108,6 +108,10 @@ GradeHook = Callable[[Grade, list[Result], Environment], None]
 
 #: beyond a rotation of the schedule, before a result is stale: a check child's kill grace
 STALE_GRACE_S = 60.0
+#: a check running longer than this many times its last run, and at least BLOCKED_FLOOR_S,
+#: holds up the checks queued behind it: their results are not current while it runs
+BLOCKED_FACTOR = 3.0
+BLOCKED_FLOOR_S = 15.0
 
 
 @dataclass
@@ -165,6 +169,8 @@ class Daemon:
         self._handed: tuple[Level, tuple[Reason, ...]] | None = None
         #: scheduled checks whose result is too old to stand for the node now (the last view's)
         self._stale: frozenset[str] = frozenset()
+        #: the check the checks thread runs now, and since when (its clock); None between runs
+        self._in_flight: tuple[str, float] | None = None
         self._nvhcd: NvhcdServer | None = None  # NVRx's health-check service (daemon.nvhcd)
         self.last_tick = clock()
         self._scenario_mtime = self._mtime(simulate)
@@ -306,6 +312,7 @@ class Daemon:
         self._notifier.ready(f"watching {len(self.env.inventory.gpus)} GPU(s)")
         interval = min(0.25, self._notifier.watchdog_interval_s or 0.25)
         next_nvml_retry = self._clock() + self.config.daemon.nvml_retry_s
+        was_blocked: str | None = None
         while not self._stop.wait(interval):
             self.last_tick = self._clock()
             self._notifier.watchdog()
@@ -323,10 +330,26 @@ class Daemon:
                 self._reopen("retrying NVML", only_if_gpus=True)
             with self._lock:
                 stale = self._stale_checks() != self._stale
+                blocked = self._blocked_by()
+            if blocked != was_blocked:
+                self._log_block(blocked, was_blocked)
+                was_blocked = blocked
             if stale:
                 self._regrade("a check's result went stale, or was renewed")
         self._shutdown()
         return 0
+
+    def _log_block(self, blocked: str | None, was: str | None) -> None:
+        if was is not None:
+            log.warning("check %s ended its overlong run: the checks behind it run again", was)
+        if blocked is not None:
+            log.warning(
+                "check %s has run over %.0f times its last run's time: the checks due behind it "
+                "are late, and until it ends or times out the node is answered from what is "
+                "known (its ERROR/FAULT, else UNKNOWN)",
+                blocked,
+                BLOCKED_FACTOR,
+            )
 
     def stop(self) -> None:
         self._stop.set()
@@ -451,6 +474,8 @@ class Daemon:
             due.next_due = self._clock() + due.every_s
             started = time.time()
             t0 = self._clock()
+            with self._lock:
+                self._in_flight = (due.spec.check, t0)
             try:
                 if due.spec.check in self.config.daemon.subprocess_checks:
                     results = self._run_in_subprocess(due.spec)
@@ -468,6 +493,7 @@ class Daemon:
                     )
                 ]
             with self._lock:
+                self._in_flight = None
                 current = any(item is due for item in self._schedule)
             if not current:  # a reload made a new schedule while it ran: it runs again anew
                 continue
@@ -723,17 +749,36 @@ class Daemon:
         )
 
     def _stale_checks(self) -> frozenset[str]:
-        """Scheduled checks whose latest result is older than any rotation of the schedule can
-        make it (twice the check's interval, every check's timeout in turn, and a child's
-        kill grace): the checks loop has stalled, and what the result said is not known now."""
+        """Scheduled checks whose latest result does not stand for the node now: older than any
+        rotation of the schedule can make it (twice the check's interval, every check's timeout
+        in turn, and a child's kill grace: the checks loop has stalled), or, while a check runs
+        well past its last run's time (:meth:`_blocked_by`), that check and every check due
+        behind it (a child wedged in the driver holds up the NVML reads until its timeout)."""
         now = time.time()
         rotation = sum(item.spec.timeout_s for item in self._schedule) + STALE_GRACE_S
+        blocked = self._blocked_by()
         return frozenset(
             item.spec.check
             for item in self._schedule
             if (kept := self._results.get(item.spec.check)) is not None
-            and now - kept.finished_unix > 2 * item.every_s + rotation
+            and (
+                now - kept.finished_unix > 2 * item.every_s + rotation
+                or (blocked is not None and item.spec.check == blocked)
+                or (blocked is not None and item.next_due <= self._clock())
+            )
         )
+
+    def _blocked_by(self) -> str | None:
+        """The check running now if it has run longer than ``BLOCKED_FACTOR`` times its last
+        run (at least ``BLOCKED_FLOOR_S``); None before its first run, whose time is not known."""
+        if self._in_flight is None:
+            return None
+        check, since = self._in_flight
+        stats = self._stats.get(check)
+        if stats is None or stats.last_duration_s is None:
+            return None
+        allowed = max(BLOCKED_FLOOR_S, BLOCKED_FACTOR * stats.last_duration_s)
+        return check if self._clock() - since > allowed else None
 
     # -- NVRx's node health check (docs/daemon.md) ----------------------------------------------
     def _start_nvhcd(self) -> None:

@@ -36,10 +36,16 @@ def daemon(tmp_path):
         yaml.safe_dump({"state_dir": str(tmp_path / "state"), "spool_dir": str(tmp_path / "sp")})
     )
     handed: list[Grade] = []
+    now = [1000.0]
     d = Daemon(
-        str(config), str(scenario), suite=str(suite), on_grade=lambda g, r, e: handed.append(g)
+        str(config),
+        str(scenario),
+        suite=str(suite),
+        on_grade=lambda g, r, e: handed.append(g),
+        clock=lambda: now[0],
     )
     d.handed = handed  # type: ignore[attr-defined]
+    d.now = now  # type: ignore[attr-defined]
     yield d
     d.env.close()
 
@@ -107,3 +113,42 @@ def test_a_result_older_than_any_rotation_of_the_schedule_is_not_the_nodes_state
     assert "none recent" in daemon.view.why_unknown()
     daemon._record("xid", passing("xid"), time.time(), 0.1)
     assert daemon.view.complete and daemon.view.level == "HEALTHY"
+
+
+def test_a_check_running_far_past_its_usual_time_makes_the_checks_behind_it_not_current(daemon):
+    """The audit's case: the sdc check's child wedged in the driver, and nvml_health, queued
+    behind it, ran again only after the child's timeout; the node was answered HEALTHY all that
+    while, as GPU 2's rows failed. A check running over three times its last run's time (and
+    at least 15 s) now makes itself and every check due behind it not current: UNKNOWN, unfit
+    to NVRx, until it ends; what is known to be wrong stays answered."""
+    for check in ("nvml_health", "host_power", "xid"):
+        daemon._record(check, passing(check), time.time(), 2.0)
+    assert daemon.view.complete and daemon.view.level == "HEALTHY"
+    due = {item.spec.check: item for item in daemon._schedule}
+    due["host_power"].next_due = daemon.now[0] + 10
+    due["nvml_health"].next_due = daemon.now[0] + 30
+    daemon._in_flight = ("xid", daemon.now[0])
+
+    daemon.now[0] += 14  # longer than usual, within the 15 s any check may take
+    daemon._regrade("tick")
+    assert daemon.view.complete and daemon.view.level == "HEALTHY"
+
+    daemon.now[0] += 2
+    daemon._regrade("tick")
+    assert daemon.view.unknown and set(daemon.view.missing) == {"xid", "host_power"}
+
+    daemon._record("nvml_health", [REMAP_FAILED], time.time(), 2.0)
+    assert daemon.view.level == "FAULT"  # what is found meanwhile is answered at once
+
+    daemon._in_flight = None
+    daemon._record("xid", passing("xid"), time.time(), 16.0)
+    assert daemon.view.complete and daemon.view.level == "FAULT"
+    daemon._record("nvml_health", passing("nvml_health"), time.time(), 2.0)
+    assert daemon.view.complete and daemon.view.level == "HEALTHY"
+
+
+def test_a_checks_first_run_is_not_judged_overlong(daemon):
+    """How long a check takes is known from its last run; its first has only its timeout."""
+    daemon._in_flight = ("nvml_health", daemon.now[0])
+    daemon.now[0] += 600
+    assert daemon._blocked_by() is None
