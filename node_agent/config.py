@@ -250,6 +250,8 @@ class DcgmConfig:
 
     bindings_path: str | None = key(None)
     hostengine: str = key("localhost")
+    #: besides root, the accounts whose host engine on this host is believed
+    hostengine_users: tuple[str, ...] = key(("nvidia-dcgm",), min_length=1)
 
 
 def _parsed_from_data(cls: type[_T]) -> type[_T]:

@@ -32,7 +32,14 @@ from typing import Any
 from node_agent import proc
 from node_agent.checking.context import CheckContext
 from node_agent.checking.params import Reader
-from node_agent.gpu.dcgm import DcgmError, DcgmSource, DcgmUnavailable, DiagRequest, open_dcgm
+from node_agent.gpu.dcgm import (
+    DcgmError,
+    DcgmSource,
+    DcgmUnavailable,
+    DiagRequest,
+    open_dcgm,
+    untrusted_hostengine,
+)
 from node_agent.model import Result, Status
 from node_agent.parsers import ParseError
 from node_agent.parsers.dcgm_diag import DiagEntityResult, DiagReport, error_name, parse_diag_json
@@ -166,7 +173,13 @@ def dcgmi_argv(dcgmi: str, request: DiagRequest, host: str | None = None) -> lis
 def run_cli(ctx: CheckContext, dcgmi: str, request: DiagRequest, timeout_s: float) -> list[Result]:
     """Run ``dcgmi diag -j`` and grade its JSON; every way it can break is an ``error``."""
     argv = dcgmi_argv(dcgmi, request, ctx.config.dcgm.hostengine)
+    if distrust := _untrusted(ctx):
+        return [_not_asked(ctx, f"dcgmi diag was not run: {distrust}", argv)]
     res = proc.run(argv, timeout_s)
+    if distrust := _untrusted(ctx):
+        return [
+            _not_asked(ctx, f"dcgmi diag's answer was not read: after it ran, {distrust}", argv)
+        ]
     ev: dict[str, Any] = {"via": "dcgmi", "argv": argv, "returncode": res.returncode}
     if res.timed_out or res.not_found or (res.returncode is None):
         return [
@@ -363,3 +376,23 @@ def _finding(
         + f"); {advice}"
     )
     return ctx.result(f.target, metric, status, detail, value=code, **evidence)
+
+
+def _untrusted(ctx: CheckContext) -> str | None:
+    """dcgmi asks whoever holds the host engine's port: it runs only while root's engine (or
+    ``dcgm.hostengine_users``') holds it, before and after (docs/dcgm.md)."""
+    dcgm = ctx.config.dcgm
+    return untrusted_hostengine(dcgm.hostengine, dcgm.hostengine_users)
+
+
+def _not_asked(ctx: CheckContext, why: str, argv: list[str]) -> Result:
+    return ctx.result(
+        "node",
+        "diag",
+        Status.ERROR,
+        f"{why}; dcgmi asks whatever listens there, even another user's program: start "
+        "nv-hostengine (`systemctl start nvidia-dcgm`), or install DCGM's Python bindings for "
+        "an engine of the agent's own",
+        via="dcgmi",
+        argv=argv,
+    )

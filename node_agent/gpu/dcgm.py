@@ -5,7 +5,8 @@ DCGM's Python bindings ship with the DCGM package, not on PyPI. :func:`find_bind
 (:data:`BINDINGS_PATHS`); :func:`open_dcgm` imports them, connects to the host engine named by
 ``dcgm.hostengine`` (default ``localhost``, the ``nv-hostengine`` daemon) or, when none
 answers, starts an embedded host engine in this process, and says which in
-:attr:`BindingsDcgm.connection`.
+:attr:`BindingsDcgm.connection`. A host engine on this host whose port another user holds is
+never asked (``dcgm.hostengine_users``; :func:`node_agent.peers.why_not_trusted`).
 
 Checks see only the :class:`DcgmSource` protocol; tests pass a fake. Nothing here is imported
 or touched until a DCGM check runs. Every failure of the bindings is translated here into
@@ -38,6 +39,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from node_agent.gpu.base import GpuError
 from node_agent.parsers.dcgm_diag import DiagEntityResult, DiagReport, DiagWarning, error_name
+from node_agent.peers import why_not_trusted
 
 #: where DCGM's packages put the Python bindings, newest first
 BINDINGS_PATHS = (
@@ -54,6 +56,8 @@ INSTALL_HINT = (
 )
 
 #: dcgmHealthSystems_t (dcgm_structs.h): watch name -> bit
+#: the port nv-hostengine listens on unless told otherwise (DCGM_HE_PORT_NUMBER)
+HOSTENGINE_PORT = 5555
 HEALTH_SYSTEMS = {
     "pcie": 0x1,
     "nvlink": 0x2,
@@ -286,6 +290,13 @@ def load_bindings(path: Path, importer: Callable[[str], Any] = importlib.import_
     )
 
 
+def untrusted_hostengine(hostengine: str | None, users: Sequence[str]) -> str | None:
+    """Why the host engine at ``hostengine`` may not be asked (None: it may). No address, or
+    ``embedded``, is ``localhost``, where ``dcgmi`` asks first."""
+    address = hostengine if hostengine and hostengine != "embedded" else "localhost"
+    return why_not_trusted(address, HOSTENGINE_PORT, users)
+
+
 def open_dcgm(
     config: Any,
     candidates: Sequence[Path] | None = None,
@@ -302,7 +313,11 @@ def open_dcgm(
             + ", ".join(str(p) for p in searched)
             + f"): {INSTALL_HINT}"
         )
-    source = BindingsDcgm(loader(path), hostengine=config.dcgm.hostengine)
+    source = BindingsDcgm(
+        loader(path),
+        hostengine=config.dcgm.hostengine,
+        hostengine_users=config.dcgm.hostengine_users,
+    )
     source.connect(connect_timeout_s)
     return source
 
@@ -348,9 +363,15 @@ def _text(value: Any) -> str:
 class BindingsDcgm:
     """DCGM through its Python bindings. Make one with :func:`open_dcgm`."""
 
-    def __init__(self, bindings: Bindings, hostengine: str | None = "localhost") -> None:
+    def __init__(
+        self,
+        bindings: Bindings,
+        hostengine: str | None = "localhost",
+        hostengine_users: Sequence[str] = ("nvidia-dcgm",),
+    ) -> None:
         self._b = bindings
         self._hostengine = hostengine
+        self._hostengine_users = tuple(hostengine_users)
         self._handle: Any = None
         self.connection = "not connected"
         error_cls = getattr(bindings.structs, "DCGMError", None)
@@ -361,21 +382,33 @@ class BindingsDcgm:
         )
 
     def connect(self, timeout_s: float = 15.0) -> None:
-        """The host engine at ``hostengine``, else an embedded one (``"embedded"``: only that)."""
+        """The host engine at ``hostengine``, else an embedded one (``"embedded"``: only that).
+
+        A host engine on this host is asked only while its port is held by root or one of
+        ``hostengine_users`` (:func:`node_agent.peers.why_not_trusted`), read before connecting
+        and again after (the port may change hands in between)."""
         b = self._b
         mode = getattr(b.structs, "DCGM_OPERATION_MODE_AUTO", 1)
         refused = ""
-        if self._hostengine and self._hostengine != "embedded":
-            try:
-                self._handle = _bounded(
-                    lambda: b.pydcgm.DcgmHandle(ipAddress=self._hostengine, opMode=mode),
-                    timeout_s,
-                    "connect",
-                )
-                self.connection = f"host engine at {self._hostengine}"
-                return
-            except (DcgmTimeout, self._dcgm_error) as err:
-                refused = f"; no host engine answered at {self._hostengine}: {err}"
+        engine = self._hostengine
+        if engine and engine != "embedded":
+            if distrust := self._distrust(engine):
+                refused = f"; the host engine at {engine} was not asked: {distrust}"
+            else:
+                try:
+                    self._handle = _bounded(
+                        lambda: b.pydcgm.DcgmHandle(ipAddress=engine, opMode=mode),
+                        timeout_s,
+                        "connect",
+                    )
+                except (DcgmTimeout, self._dcgm_error) as err:
+                    refused = f"; no host engine answered at {engine}: {err}"
+                else:
+                    if not (distrust := self._distrust(engine)):
+                        self.connection = f"host engine at {engine}"
+                        return
+                    self.close()
+                    refused = f"; the host engine at {engine} was left: {distrust}"
         try:
             self._handle = _bounded(
                 lambda: b.pydcgm.DcgmHandle(ipAddress=None, opMode=mode),
@@ -389,6 +422,9 @@ class BindingsDcgm:
                 "`systemctl start nvidia-dcgm` (or nv-hostengine) or run the agent as root"
             ) from err
         self.connection = "embedded host engine" + (refused and f" ({refused[2:]})")
+
+    def _distrust(self, engine: str) -> str | None:
+        return untrusted_hostengine(engine, self._hostengine_users)
 
     def _call(self, what: str, fn: Callable[..., Any], timeout_s: float = 30.0) -> Any:
         if self._handle is None:

@@ -20,7 +20,7 @@ line and headers within ``REQUEST_S`` is closed, none stays longer than ``CONNEC
 peer holds at most ``MAX_PER_PEER`` and all peers ``MAX_CONNECTIONS``; past a cap the *oldest*
 connection still waiting for its request is closed, so the newest (a scrape sends its request
 at once) is always served. A peer is a uid where the other end is on this host (the kernel's
-socket diagnostics say who owns it: :func:`~node_agent.service.peers.tcp_peer_uid`), since a
+socket diagnostics say who owns it: :func:`~node_agent.peers.tcp_peer_uid`), since a
 local user has all of 127/8 to connect from; a remote peer is its address. Errors of a client are logged at debug level.
 """
 
@@ -38,8 +38,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from node_agent.model import Level, Status
+from node_agent.peers import tcp_peer_uid
 from node_agent.remediation.states import NodeState
-from node_agent.service.peers import tcp_peer_uid
 
 STATUSES = [s.value for s in Status]
 #: remediation states in which the agent has the node drained: every state but in-service

@@ -51,10 +51,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from node_agent.peers import unix_peer
 from node_agent.remediation.plan import JOB_RULES
 from node_agent.report.terminal import printable
 from node_agent.service.node_state import UNKNOWN, NodeView, ViewReason
-from node_agent.service.peers import unix_peer
 
 if TYPE_CHECKING:
     from google.protobuf.message import Message

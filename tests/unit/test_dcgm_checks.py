@@ -10,12 +10,15 @@ executable in tmp_path that prints a fixture, exits non-zero, or hangs.
 from __future__ import annotations
 
 import os
+import pwd
+import socket
 import stat
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from dcgm_fakes import FakeDCGMError, fake_bindings  # tests/dcgm_fakes.py
 
 from node_agent.checking.context import HOST_PORTS, CheckContext
 from node_agent.checking.ports import STAND_IN_NO_DCGM, Ports
@@ -24,7 +27,6 @@ from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
 from node_agent.gpu.dcgm import (
     BINDINGS_PATHS,
-    Bindings,
     BindingsDcgm,
     DcgmCallError,
     DcgmConnectError,
@@ -95,13 +97,13 @@ class FakeDcgm:
 
 
 def ctx_for(
-    check: str, gpu=None, timeout_s: float = 60.0, ports: Ports = HOST_PORTS, **params
+    check: str, gpu=None, timeout_s: float = 60.0, ports: Ports = HOST_PORTS, config=None, **params
 ) -> CheckContext:
     return CheckContext(
         check=check,
         gpu=gpu or RealLikeGpus(),
         kernel_log=None,
-        config=config_from_dict({}),
+        config=config or config_from_dict({}),
         inventory=None,
         sku=None,
         expected_gpus=None,
@@ -343,17 +345,44 @@ def stand_in_dcgmi(tmp_path: Path, body: str) -> Path:
     return path
 
 
-def run_cli(tmp_path, body, timeout_s=60.0, **params):
-    dcgmi = stand_in_dcgmi(tmp_path, body)
-    return dcgm_diag.run(
-        ctx_for("dcgm_diag", timeout_s=timeout_s, dcgmi=str(dcgmi), **params), opener=no_bindings
-    )
+@pytest.fixture
+def engine_port():
+    """A port of this host held by the account the tests run as (root in CI), standing for the
+    host engine's: the stand-in bindings, or dcgmi, answer in its place (no DCGM here)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        yield listener.getsockname()[1]
 
 
-def test_dcgmi_cli_json_with_failed_memory_test_grades_fault_on_gpu2(tmp_path):
+def our_engine_config(port):
+    me = pwd.getpwuid(os.getuid()).pw_name
+    return config_from_dict({"dcgm": {"hostengine": f"127.0.0.1:{port}", "hostengine_users": [me]}})
+
+
+@pytest.fixture
+def run_cli(tmp_path, engine_port):
+    """dcgm_diag through a stand-in ``dcgmi`` running ``body``, the host engine's port ours."""
+
+    def run(body, timeout_s=60.0, **params):
+        dcgmi = stand_in_dcgmi(tmp_path, body)
+        ctx = ctx_for(
+            "dcgm_diag",
+            timeout_s=timeout_s,
+            config=our_engine_config(engine_port),
+            dcgmi=str(dcgmi),
+            **params,
+        )
+        return dcgm_diag.run(ctx, opener=no_bindings)
+
+    run.host = ["--host", f"127.0.0.1:{engine_port}"]
+    return run
+
+
+def test_dcgmi_cli_json_with_failed_memory_test_grades_fault_on_gpu2(tmp_path, run_cli):
     # dcgmi exits non-zero whenever a test fails; its JSON is then the finding
-    results = run_cli(tmp_path, f'cat "{DATA / "dcgm4_r3_memory_isolate.json"}"\nexit 226')
-    assert (tmp_path / "argv").read_text().split() == ["diag", "-r", "3", "-j"]
+    results = run_cli(f'cat "{DATA / "dcgm4_r3_memory_isolate.json"}"\nexit 226')
+    assert (tmp_path / "argv").read_text().split() == ["diag", "-r", "3", "-j", *run_cli.host]
     memory = next(r for r in results if r.evidence.get("test") == "memory")
     assert (memory.target, memory.metric, memory.evidence["via"]) == (
         "gpu:2",
@@ -364,42 +393,59 @@ def test_dcgmi_cli_json_with_failed_memory_test_grades_fault_on_gpu2(tmp_path):
     assert GRADER.grade(results).level is Level.FAULT
 
 
-def test_dcgmi_cli_passing_run_is_a_pass(tmp_path):
-    results = run_cli(tmp_path, f'cat "{DATA / "dcgm4_r3_pass.json"}"', level=2, gpus=[0, 1])
-    assert (tmp_path / "argv").read_text().split() == ["diag", "-r", "2", "-j", "-i", "0,1"]
+def test_dcgmi_cli_passing_run_is_a_pass(tmp_path, run_cli):
+    results = run_cli(f'cat "{DATA / "dcgm4_r3_pass.json"}"', level=2, gpus=[0, 1])
+    argv = (tmp_path / "argv").read_text().split()
+    assert argv == ["diag", "-r", "2", "-j", "-i", "0,1", *run_cli.host]
     assert [r.status for r in results] == [Status.PASS]
 
 
-def test_dcgmi_truncated_json_is_an_error_not_a_pass(tmp_path):
-    (err,) = run_cli(tmp_path, f'cat "{DATA / "dcgm4_truncated.json"}"')
+def test_dcgmi_truncated_json_is_an_error_not_a_pass(tmp_path, run_cli):
+    (err,) = run_cli(f'cat "{DATA / "dcgm4_truncated.json"}"')
     assert err.status is Status.ERROR
     assert "truncated or malformed" in err.detail
 
 
-def test_dcgmi_exiting_nonzero_without_json_is_an_error_with_its_stderr(tmp_path):
+def test_dcgmi_exiting_nonzero_without_json_is_an_error_with_its_stderr(tmp_path, run_cli):
     (err,) = run_cli(
-        tmp_path, 'echo "Error: unable to establish a connection to the host engine" >&2\nexit 1'
+        'echo "Error: unable to establish a connection to the host engine" >&2\nexit 1'
     )
     assert err.status is Status.ERROR
     assert "exited 1" in err.detail and "host engine" in err.detail
 
 
-def test_dcgmi_exiting_nonzero_with_a_clean_report_is_still_an_error(tmp_path):
-    (err,) = run_cli(tmp_path, f'cat "{DATA / "dcgm4_r3_pass.json"}"\nexit 3')
+def test_dcgmi_exiting_nonzero_with_a_clean_report_is_still_an_error(tmp_path, run_cli):
+    (err,) = run_cli(f'cat "{DATA / "dcgm4_r3_pass.json"}"\nexit 3')
     assert err.status is Status.ERROR and "exited 3" in err.detail
 
 
-def test_dcgmi_that_hangs_is_killed_at_the_checks_timeout_and_is_an_error(tmp_path):
-    (err,) = run_cli(tmp_path, "exec sleep 60", timeout_s=2.0)
+def test_dcgmi_that_hangs_is_killed_at_the_checks_timeout_and_is_an_error(tmp_path, run_cli):
+    (err,) = run_cli("exec sleep 60", timeout_s=2.0)
     assert err.status is Status.ERROR
     assert "did not finish" in err.detail
 
 
-def test_dcgmi_on_path_is_used_when_no_bindings(tmp_path, monkeypatch):
+def test_dcgmi_on_path_is_used_when_no_bindings(tmp_path, monkeypatch, engine_port):
     stand_in_dcgmi(tmp_path, f'cat "{DATA / "dcgm4_r3_pass.json"}"')
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    (result,) = dcgm_diag.run(ctx_for("dcgm_diag"), opener=no_bindings)
+    ctx = ctx_for("dcgm_diag", config=our_engine_config(engine_port))
+    (result,) = dcgm_diag.run(ctx, opener=no_bindings)
     assert result.status is Status.PASS and result.evidence["via"] == "dcgmi"
+
+
+def test_dcgmi_is_not_run_while_nothing_holds_the_host_engines_port(tmp_path):
+    """dcgmi asks whatever listens on the port first: with nothing there, whoever binds it
+    next would answer the diagnostic."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    dcgmi = stand_in_dcgmi(tmp_path, f'cat "{DATA / "dcgm4_r3_memory_isolate.json"}"')
+    config = config_from_dict({"dcgm": {"hostengine": f"127.0.0.1:{port}"}})
+    ctx = ctx_for("dcgm_diag", config=config, dcgmi=str(dcgmi))
+    (err,) = dcgm_diag.run(ctx, opener=no_bindings)
+    assert err.status is Status.ERROR and not (tmp_path / "argv").exists()
+    assert f"not run: nothing listens on port {port} of this host" in err.detail
+    assert "systemctl start nvidia-dcgm" in err.detail
 
 
 def test_dcgmi_argv_passes_iterations_and_a_remote_host_only():
@@ -490,71 +536,41 @@ def test_health_call_failure_is_an_error_result():
 # -- the real backend's translation, against fake binding modules -------------------------------
 
 
-class FakeDCGMError(Exception):
-    def __init__(self, value):
-        super().__init__(f"DCGM error {value}")
-        self.value = value
+def our_engine(bindings, port):
+    me = pwd.getpwuid(os.getuid()).pw_name
+    return BindingsDcgm(bindings, hostengine=f"127.0.0.1:{port}", hostengine_users=(me,))
 
 
-def fake_bindings(
-    refuse_hostengine=False, refuse_embedded=False, diag_response=None, health_response=None
-):
-    calls = SimpleNamespace(handles=[], health_set=[], shutdowns=0)
-
-    class Handle:
-        def __init__(self, ipAddress=None, opMode=None):  # noqa: N803 - the bindings' names
-            if ipAddress and refuse_hostengine:
-                raise FakeDCGMError(-2)
-            if ipAddress is None and refuse_embedded:
-                raise FakeDCGMError(-6)
-            self.handle = f"h-{ipAddress}"
-            calls.handles.append(ipAddress)
-
-        def Shutdown(self):  # noqa: N802
-            calls.shutdowns += 1
-
-    class Diag:
-        def __init__(self, gpuIds=None, testNamesStr="", paramsStr="", verbose=True):  # noqa: N803
-            calls.diag_args = (gpuIds, testNamesStr)
-
-        def Execute(self, handle):  # noqa: N802
-            return diag_response
-
-    agent = SimpleNamespace(
-        dcgmHealthSet=lambda h, g, s: calls.health_set.append((h, g, s)),
-        dcgmUpdateAllFields=lambda h, wait: None,
-        dcgmHealthCheck=lambda h, g: health_response,
-    )
-    structs = SimpleNamespace(
-        DCGMError=FakeDCGMError, DCGM_OPERATION_MODE_AUTO=1, DCGM_GROUP_ALL_GPUS=0x7FFFFFFF
-    )
-    return Bindings(
-        path=Path("/fake/bindings"),
-        pydcgm=SimpleNamespace(DcgmHandle=Handle),
-        structs=structs,
-        agent=agent,
-        diag=SimpleNamespace(DcgmDiag=Diag),
-    ), calls
-
-
-def test_backend_connects_to_the_host_engine_and_says_so():
+def test_backend_connects_to_the_host_engine_and_says_so(engine_port):
     bindings, calls = fake_bindings()
-    source = BindingsDcgm(bindings, hostengine="localhost")
+    source = our_engine(bindings, engine_port)
     source.connect()
-    assert source.connection == "host engine at localhost"
-    assert calls.handles == ["localhost"]
+    assert source.connection == f"host engine at 127.0.0.1:{engine_port}"
+    assert calls.handles == [f"127.0.0.1:{engine_port}"]
     source.close()
     assert calls.shutdowns == 1
 
 
-def test_backend_starts_embedded_engine_when_no_host_engine_answers_and_says_why():
+def test_backend_starts_embedded_engine_when_no_host_engine_answers_and_says_why(engine_port):
     bindings, calls = fake_bindings(refuse_hostengine=True)
-    source = BindingsDcgm(bindings, hostengine="localhost")
+    source = our_engine(bindings, engine_port)
     source.connect()
     assert source.connection.startswith(
-        "embedded host engine (no host engine answered at localhost"
+        f"embedded host engine (no host engine answered at 127.0.0.1:{engine_port}"
     )
     assert calls.handles == [None]
+
+
+def test_a_port_nothing_listens_on_is_never_asked_for_the_host_engine(engine_port):
+    """Nothing there now, anyone may be there when the bindings connect: embedded, saying so."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    bindings, calls = fake_bindings()
+    source = our_engine(bindings, port)
+    source.connect()
+    assert calls.handles == [None]
+    assert f"nothing listens on port {port} of this host" in source.connection
 
 
 def test_backend_with_neither_engine_raises_connect_error_saying_what_to_do():
@@ -684,10 +700,10 @@ def test_backend_health_sets_watches_on_all_gpus_and_reads_incidents():
         ],
     )
     bindings, calls = fake_bindings(health_response=resp)
-    source = BindingsDcgm(bindings)
+    source = BindingsDcgm(bindings, hostengine="embedded")
     source.connect()
     report = dcgm_health.incidents(source, ["mem"])
-    assert calls.health_set == [("h-localhost", 0x7FFFFFFF, 0x10)]
+    assert calls.health_set == [("h-None", 0x7FFFFFFF, 0x10)]
     assert report.overall == "fail"
     (inc,) = report.incidents
     assert (inc.system, inc.health, inc.error_code, inc.target) == ("mem", "fail", 4, "gpu:3")

@@ -115,6 +115,7 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 LAYERS: tuple[tuple[str, ...], ...] = (
     # the data model, files, config and the one subprocess helper: used by everything
     ("model", "yamlfile", "atomic_file", "extras", "heartbeat", "config", "resources", "proc"),
+    ("peers",),  # who is on the other end of a local socket, or holds a local port
     ("parsers",),  # pure parsers of tools' output
     ("gpu",),  # the one GPU interface and its backends
     ("host",),  # the host's own files (sysfs, procfs) and tools

@@ -1,0 +1,134 @@
+"""A local user holds the DCGM host engine's port, and the agent believes whatever answers there.
+
+Where ``nv-hostengine`` is not running, any user may listen on its port first (5555 is above
+1023) and answer the agent's health watches in its name: a watch's failure is
+``dcgm-health-hardware-fail``, FAULT, a replacement. The user here is a real ``useradd`` user
+holding a real port; what its program would answer is played by stand-in DCGM bindings (DCGM
+cannot run without NVIDIA GPUs): the host engine's handle reports a double-bit ECC error, the
+embedded engine none. The agent must never ask the user's port: it starts its own engine and
+says whose the port was; without the bindings, it does not run ``dcgmi`` (which would ask the
+port) at all.
+"""
+
+from __future__ import annotations
+
+import socket
+from types import SimpleNamespace as ns
+
+from dcgm_fakes import fake_bindings  # tests/dcgm_fakes.py
+
+from node_agent.checking.context import HOST_PORTS, CheckContext
+from node_agent.checks import dcgm_diag, dcgm_health
+from node_agent.config import config_from_dict
+from node_agent.gpu.dcgm import open_dcgm
+from node_agent.model import Status
+
+LISTEN = r"""
+import socket, sys, time
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen()
+print("listening", flush=True)
+time.sleep(600)
+"""
+
+
+class PresentGpus:
+    """A GPU backend that is present: the DCGM checks ask only that."""
+
+    name = "stand-in"
+    simulated = False
+    unavailable_reason = None
+    broken = False
+
+    def devices(self):
+        return []
+
+
+def squatters_word(handle):
+    """The host engine's handle answers a double-bit ECC error; the embedded one, nothing."""
+    if handle == "h-None":
+        return ns(overallHealth=0, incidentCount=0, incidents=[])
+    dbe = ns(
+        system=0x10,
+        health=20,
+        error=ns(code=4, msg=b"Detected 1 volatile DBE in GPU 0\0"),
+        entityInfo=ns(entityGroupId=1, entityId=0),
+    )
+    return ns(overallHealth=20, incidentCount=1, incidents=[dbe])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def context(check: str, port: int, **params) -> CheckContext:
+    return CheckContext(
+        check=check,
+        gpu=PresentGpus(),
+        kernel_log=None,
+        config=config_from_dict({"dcgm": {"hostengine": f"127.0.0.1:{port}"}}),
+        inventory=None,
+        sku=None,
+        expected_gpus=None,
+        params=params,
+        timeout_s=60.0,
+        ports=HOST_PORTS,
+    )
+
+
+def health_check(port: int, tmp_path, **fakes):
+    (tmp_path / "pydcgm.py").write_text("")
+    bindings, calls = fake_bindings(health_response=squatters_word, **fakes)
+    results = dcgm_health.run(
+        context("dcgm_health", port),
+        opener=lambda c: open_dcgm(c, candidates=[tmp_path], loader=lambda p: bindings),
+    )
+    return results, calls
+
+
+def test_a_users_program_on_the_host_engines_port_is_never_asked(user, tmp_path):
+    port = free_port()
+    user.popen(LISTEN, str(port))
+    results, calls = health_check(port, tmp_path)
+    assert calls.handles == [None]  # its own engine; the user's port was never connected to
+    assert all(r.status is not Status.FAIL for r in results), results
+    (via,) = {r.evidence.get("via") for r in results}
+    assert f"held by uid {user.uid} ({user.name})" in via
+
+
+def test_a_port_that_changes_hands_while_connecting_is_left(user, tmp_path):
+    """Root's engine held the port when it was read; by the time the bindings connected, the
+    user's program did. The port is read again after connecting, and the engine is left."""
+    port = free_port()
+    engine = socket.socket()
+    engine.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    engine.bind(("127.0.0.1", port))
+    engine.listen()
+
+    def hand_over(address):
+        engine.close()
+        user.popen(LISTEN, str(port))
+
+    results, calls = health_check(port, tmp_path, on_connect=hand_over)
+    assert calls.handles == [f"127.0.0.1:{port}", None] and calls.shutdowns >= 1
+    assert all(r.status is not Status.FAIL for r in results), results
+    (via,) = {r.evidence.get("via") for r in results}
+    assert "was left" in via and f"uid {user.uid}" in via
+
+
+def test_dcgmi_is_not_run_against_a_users_program_on_the_port(user, tmp_path):
+    """Without the bindings the diagnostic runs through ``dcgmi``, which asks whatever listens
+    on the port; a stand-in ``dcgmi`` here would print DCGM's "isolate GPU 2" report."""
+    port = free_port()
+    user.popen(LISTEN, str(port))
+    dcgmi = tmp_path / "dcgmi"
+    dcgmi.write_text(f'#!/bin/sh\ntouch "{tmp_path}/ran"\n')
+    dcgmi.chmod(0o755)
+    ctx = context("dcgm_diag", port, dcgmi=str(dcgmi))
+    (err,) = dcgm_diag.run(ctx, opener=lambda c: open_dcgm(c, candidates=[tmp_path / "none"]))
+    assert err.status is Status.ERROR and not (tmp_path / "ran").exists()
+    assert f"held by uid {user.uid} ({user.name})" in err.detail
