@@ -22,6 +22,7 @@ from __future__ import annotations
 import ipaddress
 import pwd
 import socket
+import stat
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -188,6 +189,23 @@ def why_not_trusted(
         f"{', '.join(accounts) or 'an account named in the config'}: another user's program "
         "may be answering there"
     )
+
+
+def why_socket_not_trusted(path: Path, accounts: Sequence[str]) -> str | None:
+    """Why the Unix socket at ``path`` may not be asked (None: it may): it must be a socket,
+    and root's or one of ``accounts``'."""
+    try:
+        st = path.lstat()
+    except OSError as err:
+        return f"{path} cannot be read ({err.strerror or err})"
+    if not stat.S_ISSOCK(st.st_mode):
+        return f"{path} is not a socket"
+    if st.st_uid not in trusted_uids(accounts):
+        return (
+            f"{path} belongs to uid {st.st_uid} ({_name(st.st_uid)}), not to root or "
+            f"{', '.join(accounts) or 'an account named in the config'}"
+        )
+    return None
 
 
 def _name(uid: int) -> str:

@@ -24,6 +24,10 @@ argv only) gives the domain (parsed by :mod:`node_agent.parsers.imex`). Two resu
   ``fail`` (rule ``imex-domain-incomplete``, ERROR) otherwise, naming each node that is not
   READY with its state, and each configured address the tool did not list.
 
+The tool asks the daemon's command service on this host (``IMEX_CMD_PORT``, or its
+``IMEX_CMD_UNIX_DOMAIN_PATH``), which any user may hold where the daemon is not running: the
+tool runs only while root (or a ``service_users`` account) holds it, before and after, else an
+``error`` names the holder (:mod:`node_agent.peers`).
 The tool missing where IMEX is configured is an ``error`` naming the package (``nvidia-imex``);
 the tool failing, timing out, or printing something truncated or unreadable is an ``error``
 naming what was expected. A stand-in node (a scenario or a replayed capture) models no IMEX:
@@ -33,7 +37,8 @@ Params (:class:`Params`): ``tool`` (``nvidia-imex-ctl``), ``config``
 (``/etc/nvidia-imex/config.cfg``, passed to the tool with ``-c``), ``nodes_config`` (the nodes
 config when the daemon's config names none), ``local`` (this node's address as the nodes
 config writes it; empty: found from the host), ``timeout_s`` (10), ``service_units`` (where an
-installed ``nvidia-imex`` unit is looked for).
+installed ``nvidia-imex`` unit is looked for), ``service_users`` (accounts besides root whose
+command service is believed).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from node_agent.gpu.nvlink_topology import nvlink_applicability
 from node_agent.model import Result, Status
 from node_agent.parsers import ParseError
 from node_agent.parsers.imex import UP, ImexDomain, ImexNode, parse, parse_nodes_config
+from node_agent.peers import why_not_trusted, why_socket_not_trusted
 
 PACKAGE = "nvidia-imex"
 DEFAULT_CONFIG = "/etc/nvidia-imex/config.cfg"
@@ -64,6 +70,10 @@ SERVICE_UNITS = (
 FIB_TRIE = Path("/proc/net/fib_trie")
 #: the config key that names the nodes config (NVIDIA IMEX guide, "IMEX Service Config Options")
 NODE_CONFIG_KEY = "IMEX_NODE_CONFIG_FILE"
+#: the daemon's command service, which nvidia-imex-ctl asks: its TCP port (the guide's
+#: examples and NVIDIA's shipped config set 50005), or its Unix socket where one is configured
+CMD_PORT_KEY, CMD_PORT = "IMEX_CMD_PORT", 50005
+CMD_SOCKET_KEY = "IMEX_CMD_UNIX_DOMAIN_PATH"
 #: the most a nodes config may list (an NVL72 domain has 18 trays; a larger NVL576 is 144);
 #: a bigger file is not a nodes config
 MAX_NODES = 1024
@@ -80,6 +90,7 @@ class Params:
     local: str = ""
     timeout_s: float = 10.0
     service_units: tuple[str, ...] = SERVICE_UNITS
+    service_users: tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> Params:
@@ -92,6 +103,7 @@ class Params:
             local=r.string("local", empty=True),
             timeout_s=r.positive("timeout_s"),
             service_units=r.strings("service_units"),
+            service_users=r.strings("service_users"),
         )
 
 
@@ -146,7 +158,11 @@ def _read_domain(
 ) -> ImexDomain | Result:
     """``nvidia-imex-ctl -N -j`` parsed; the error result when it cannot be had."""
     argv = [params.tool, "-c", params.config, "-N", "-j"]
+    if distrust := _untrusted_command_service(params):
+        return _not_asked(ctx, f"the IMEX domain was not read: {distrust}", argv)
     out = proc.run(argv, timeout_s=min(params.timeout_s, max(1.0, ctx.remaining_s(1.0))))
+    if not out.not_found and (distrust := _untrusted_command_service(params)):
+        return _not_asked(ctx, f"the IMEX domain's answer was not read: then {distrust}", argv)
     if out.not_found:
         return ctx.result(
             "node",
@@ -172,17 +188,51 @@ def _read_domain(
         )
 
 
-def _nodes_config_path(params: Params) -> Path:
-    """The daemon config's ``IMEX_NODE_CONFIG_FILE`` where it sets one, else the param's."""
+def _untrusted_command_service(params: Params) -> str | None:
+    """Why the command service the tool asks on this host may not be believed (None: it may):
+    its Unix socket, where configured, and its TCP port (where configured, or where no socket
+    is) must be root's or ``service_users'``. Where nothing holds the port, anyone could."""
+    values = _daemon_config(params)
+    socket_path = values.get(CMD_SOCKET_KEY)
+    if socket_path:
+        if distrust := why_socket_not_trusted(Path(socket_path), params.service_users):
+            return distrust
+        if CMD_PORT_KEY not in values:
+            return None
+    port = values.get(CMD_PORT_KEY, "")
+    number = int(port) if port.isdigit() and 0 < int(port) < 65536 else CMD_PORT
+    return why_not_trusted(f"localhost:{number}", number, params.service_users)
+
+
+def _not_asked(ctx: CheckContext, why: str, argv: list[str]) -> Result:
+    return ctx.result(
+        "node",
+        "imex",
+        Status.ERROR,
+        f"{why}; nvidia-imex-ctl asks whatever holds it, even another user's program: start "
+        f"the IMEX service (`systemctl start {PACKAGE}`), or name the account it runs as in the "
+        "check's service_users param",
+        command=argv,
+    )
+
+
+def _daemon_config(params: Params) -> dict[str, str]:
+    """The IMEX daemon config's ``KEY=value`` lines (empty when it cannot be read)."""
     try:
         text = Path(params.config).read_text(errors="replace")[:MAX_CONFIG_BYTES]
     except OSError:
-        return Path(params.nodes_config)
+        return {}
+    values: dict[str, str] = {}
     for line in text.splitlines():
         key, sep, value = line.partition("=")
-        if sep and key.strip() == NODE_CONFIG_KEY and value.strip():
-            return Path(value.strip())
-    return Path(params.nodes_config)
+        if sep and not key.lstrip().startswith("#") and value.strip():
+            values[key.strip()] = value.strip()
+    return values
+
+
+def _nodes_config_path(params: Params) -> Path:
+    """The daemon config's ``IMEX_NODE_CONFIG_FILE`` where it sets one, else the param's."""
+    return Path(_daemon_config(params).get(NODE_CONFIG_KEY) or params.nodes_config)
 
 
 def _configured_nodes(path: Path) -> list[str] | str | None:

@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import pwd
 import shlex
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -149,6 +153,18 @@ def simulated_gpus(sku: str) -> SimGpuBackend:
     return SimGpuBackend(Scenario(sku=sku, gpus=4, source="test"), skus()[sku])
 
 
+@pytest.fixture(autouse=True)
+def command_service(tmp_path: Path) -> Iterator[int]:
+    """The IMEX daemon's command port, held by the account the tests run as (root in CI) and
+    named in the daemon config; the stand-in tool answers in the daemon's place."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        (tmp_path / "config.cfg").write_text(f"IMEX_CMD_ENABLED=1\nIMEX_CMD_PORT={port}\n")
+        yield port
+
+
 def make_ctx(tmp_path: Path, sku: str = "gb200-186gb", **params: object) -> CheckContext:
     return CheckContext(
         check="imex",
@@ -163,6 +179,7 @@ def make_ctx(tmp_path: Path, sku: str = "gb200-186gb", **params: object) -> Chec
             "config": str(tmp_path / "config.cfg"),
             "nodes_config": str(tmp_path / "nodes_config.cfg"),
             "service_units": [str(tmp_path / "nvidia-imex.service")],
+            "service_users": [pwd.getpwuid(os.getuid()).pw_name],
             **params,
         },
         timeout_s=10.0,
@@ -234,10 +251,26 @@ def test_no_nodes_config_is_a_skip_even_with_the_service_installed(tmp_path: Pat
 def test_the_daemon_config_names_the_nodes_config(tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere.cfg"
     elsewhere.write_text("10.0.0.1\n10.0.0.2\n")
-    (tmp_path / "config.cfg").write_text(f"SERVER_PORT=50000\nIMEX_NODE_CONFIG_FILE={elsewhere}\n")
+    with (tmp_path / "config.cfg").open("a") as config:
+        config.write(f"SERVER_PORT=50000\nIMEX_NODE_CONFIG_FILE={elsewhere}\n")
     tool = stand_in_tool(tmp_path, sample("json_up_2.json"))
     results = imex.run(make_ctx(tmp_path, tool=str(tool), local="10.0.0.1"))
     assert by_metric(results)["imex_domain"].status is Status.PASS
+
+
+def test_the_command_port_nothing_holds_is_never_asked(tmp_path: Path) -> None:
+    """Where nothing holds the daemon's command port, whoever binds it next would answer for
+    this node: the tool is not run, and the error says what to start."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    (tmp_path / "config.cfg").write_text(f"IMEX_CMD_ENABLED=1\nIMEX_CMD_PORT={port}\n")
+    configure(tmp_path, ["10.0.0.1", "10.0.0.2"])
+    tool = stand_in_tool(tmp_path, sample("json_up_2.json"))
+    (err,) = imex.run(make_ctx(tmp_path, tool=str(tool), local="10.0.0.2"))
+    assert err.status is Status.ERROR and not (tmp_path / "argv").exists()
+    assert f"not read: nothing listens on port {port} of this host" in err.detail
+    assert "systemctl start nvidia-imex" in err.detail
 
 
 def test_tool_absent_where_imex_is_configured_is_an_error_naming_the_package(

@@ -1,13 +1,14 @@
-"""A local user holds the DCGM host engine's port, and the agent believes whatever answers there.
+"""A local user holds the port (or socket) of a service the agent asks, and answers in its name.
 
 Where ``nv-hostengine`` is not running, any user may listen on its port first (5555 is above
-1023) and answer the agent's health watches in its name: a watch's failure is
-``dcgm-health-hardware-fail``, FAULT, a replacement. The user here is a real ``useradd`` user
-holding a real port; what its program would answer is played by stand-in DCGM bindings (DCGM
-cannot run without NVIDIA GPUs): the host engine's handle reports a double-bit ECC error, the
-embedded engine none. The agent must never ask the user's port: it starts its own engine and
-says whose the port was; without the bindings, it does not run ``dcgmi`` (which would ask the
-port) at all.
+1023) and answer the agent's health watches: a watch's failure is ``dcgm-health-hardware-fail``,
+FAULT, a replacement. Likewise the IMEX daemon's command port (``IMEX_CMD_PORT``), which
+``nvidia-imex-ctl`` asks for this node's state in its NVLink domain (not READY: ERROR, a drain).
+The user here is a real ``useradd`` user holding a real port or socket; what its program would
+answer is played by stand-ins (DCGM and IMEX cannot run without NVIDIA GPUs): DCGM bindings whose
+host-engine handle reports a double-bit ECC error (the embedded engine none), and a ``dcgmi`` and
+``nvidia-imex-ctl`` that record being run. The agent must never ask the user's port: it starts
+its own DCGM engine and says whose the port was, and runs neither tool.
 """
 
 from __future__ import annotations
@@ -18,16 +19,29 @@ from types import SimpleNamespace as ns
 from dcgm_fakes import fake_bindings  # tests/dcgm_fakes.py
 
 from node_agent.checking.context import HOST_PORTS, CheckContext
-from node_agent.checks import dcgm_diag, dcgm_health
+from node_agent.checks import dcgm_diag, dcgm_health, imex
 from node_agent.config import config_from_dict
 from node_agent.gpu.dcgm import open_dcgm
+from node_agent.hardware.sku import load_skus
 from node_agent.model import Status
+from node_agent.resources import shipped_graders_dir
+from node_agent.sim.gpu_model import SimGpuBackend
+from node_agent.sim.scenario import Scenario
 
 LISTEN = r"""
 import socket, sys, time
 s = socket.socket()
 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen()
+print("listening", flush=True)
+time.sleep(600)
+"""
+
+SOCKET = r"""
+import socket, sys, time
+s = socket.socket(socket.AF_UNIX)
+s.bind(sys.argv[1])
 s.listen()
 print("listening", flush=True)
 time.sleep(600)
@@ -65,10 +79,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def context(check: str, port: int, **params) -> CheckContext:
+def context(check: str, port: int, gpu=None, **params) -> CheckContext:
     return CheckContext(
         check=check,
-        gpu=PresentGpus(),
+        gpu=gpu or PresentGpus(),
         kernel_log=None,
         config=config_from_dict({"dcgm": {"hostengine": f"127.0.0.1:{port}"}}),
         inventory=None,
@@ -132,3 +146,40 @@ def test_dcgmi_is_not_run_against_a_users_program_on_the_port(user, tmp_path):
     (err,) = dcgm_diag.run(ctx, opener=lambda c: open_dcgm(c, candidates=[tmp_path / "none"]))
     assert err.status is Status.ERROR and not (tmp_path / "ran").exists()
     assert f"held by uid {user.uid} ({user.name})" in err.detail
+
+
+def imex_node(tmp_path, command_service: str):
+    """A GB200 tray (simulated NVML: IMEX applies) in a two-node domain whose daemon config
+    names ``command_service``; a stand-in nvidia-imex-ctl that records being run."""
+    (tmp_path / "config.cfg").write_text(f"IMEX_CMD_ENABLED=1\n{command_service}\n")
+    (tmp_path / "nodes_config.cfg").write_text("10.0.0.1\n10.0.0.2\n")
+    tool = tmp_path / "nvidia-imex-ctl"
+    tool.write_text(f'#!/bin/sh\ntouch "{tmp_path}/ran"\n')
+    tool.chmod(0o755)
+    gb200 = load_skus(shipped_graders_dir())["gb200-186gb"]
+    tray = SimGpuBackend(Scenario(sku="gb200-186gb", gpus=4, source="test"), gb200)
+    return context(
+        "imex",
+        0,
+        gpu=tray,
+        tool=str(tool),
+        config=str(tmp_path / "config.cfg"),
+        nodes_config=str(tmp_path / "nodes_config.cfg"),
+    )
+
+
+def test_imex_ctl_is_not_run_against_a_users_program_on_the_command_port(user, tmp_path):
+    port = free_port()
+    user.popen(LISTEN, str(port))
+    (err,) = imex.run(imex_node(tmp_path, f"IMEX_CMD_PORT={port}"))
+    assert err.status is Status.ERROR and not (tmp_path / "ran").exists()
+    assert f"held by uid {user.uid} ({user.name})" in err.detail
+
+
+def test_imex_ctl_is_not_run_against_a_users_command_socket(user, attack_dir, tmp_path):
+    """The command service on a Unix socket: one the user made where the config points."""
+    path = attack_dir / "imex.sock"
+    user.popen(SOCKET, str(path))
+    (err,) = imex.run(imex_node(tmp_path, f"IMEX_CMD_UNIX_DOMAIN_PATH={path}"))
+    assert err.status is Status.ERROR and not (tmp_path / "ran").exists()
+    assert f"belongs to uid {user.uid} ({user.name})" in err.detail
