@@ -179,8 +179,30 @@ def why_not_trusted(
         return f"who listens on port {port} of this host cannot be read ({err})"
     if not uids:
         return f"nothing listens on port {port} of this host"
-    allowed = trusted_uids(accounts)
-    strangers = sorted(uids - allowed)
+    return _strangers(port, uids, accounts)
+
+
+def held_by_another(port: int, accounts: Sequence[str] = (), net: Path = NET) -> str | None:
+    """Why the agent's own programs may not meet on ``port`` of this host (None: no one but
+    root or ``accounts`` listens there): another user's program would answer one of them."""
+    try:
+        uids = listener_uids(port, net)
+    except OSError as err:
+        return f"who listens on port {port} of this host cannot be read ({err})"
+    return _strangers(port, uids, accounts)
+
+
+def free_loopback_port() -> int:
+    """A TCP port on 127.0.0.1 free at the moment of asking (the kernel picks it): one no other
+    user can know in advance, unlike a fixed one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _strangers(port: int, uids: set[int], accounts: Sequence[str]) -> str | None:
+    strangers = sorted(uids - trusted_uids(accounts))
     if not strangers:
         return None
     names = ", ".join(f"uid {uid} ({_name(uid)})" for uid in strangers)

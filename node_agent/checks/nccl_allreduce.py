@@ -28,7 +28,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -49,6 +48,7 @@ from node_agent.gpu.base import GpuError
 from node_agent.model import Result, Status
 from node_agent.parsers import ParseError
 from node_agent.parsers.nccl_tests import NcclTable, parse_all_reduce_perf
+from node_agent.peers import free_loopback_port
 
 DEFAULT_SIZES = (1 << 10, 1 << 16, 1 << 20, 1 << 24)  # 1 KiB .. 16 MiB: seconds on CPU
 DEFAULT_TIMEOUT_S = 120.0
@@ -61,14 +61,6 @@ class RankRun:
     rank: int
     proc: proc.ProcResult
     doc: dict[str, Any] | None
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 free at the moment of asking (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def worker_argv(
@@ -138,7 +130,7 @@ def run_ranks(
         dict(
             os.environ,
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(master_port or free_port()),
+            MASTER_PORT=str(master_port or free_loopback_port()),
             PYTHONUNBUFFERED="1",
         )
     )

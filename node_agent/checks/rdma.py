@@ -16,8 +16,10 @@ Per port (target ``hca:<dev>``, ``hca:<dev>/<port>`` beyond port 1):
     against ``rdma_port_gbps_min``.
 No device: skip. ``ib_write_bw`` missing: the bandwidth test skips naming Debian's ``perftest``.
 Params: ``sysfs_root``, ``ib_write_bw`` (path of the perftest binary; default: found on PATH),
-``perftest`` (default true), ``duration_s`` (5), ``gid_index`` (RoCE), ``tcp_port`` (18515),
-``server_start_s`` (1.0: how long the server gets to listen), ``ignore`` (``["mlx5_9",
+``perftest`` (default true), ``duration_s`` (5), ``gid_index`` (RoCE), ``tcp_port`` (0: a port
+free at the run, which no other user can know in advance; a fixed one, perftest's 18515, any
+user could hold first and answer the client), ``server_start_s`` (1.0: how long the server gets
+to listen), ``ignore`` (``["mlx5_9",
 "mlx5_4/2"]``: HCAs or ports not judged, as ``hca_ports`` reads it: unused, uncabled, a
 management or storage NIC).
 
@@ -48,6 +50,7 @@ from node_agent.host.infiniband import SYSFS_ROOT, Port, discover, ignored
 from node_agent.model import Result, Status
 from node_agent.parsers import ParseError
 from node_agent.parsers.perftest import BwRow, parse_bw_json, parse_bw_table
+from node_agent.peers import free_loopback_port, held_by_another
 
 PERFTEST_MISSING = "ib_write_bw not installed (Debian package `perftest`: apt-get install perftest)"
 WARN_COUNTERS = ("link_downed", "symbol_error")
@@ -61,7 +64,7 @@ class Params:
     ib_write_bw: str | None = None  # None: ``ib_write_bw`` on PATH
     perftest: bool = True  # measure ib_write_bw on each ACTIVE port
     duration_s: float = 5.0
-    tcp_port: int = 18515
+    tcp_port: int = 0  # 0: a port free at the run
     gid_index: int | None = None
     server_start_s: float = 1.0  # the server's head start before the client connects
     ignore: tuple[str, ...] = ()  # HCAs (mlx5_1) or ports (mlx5_1/2) not judged
@@ -75,7 +78,7 @@ class Params:
             ib_write_bw=r.optional_string("ib_write_bw"),
             perftest=r.flag("perftest"),
             duration_s=r.positive("duration_s"),
-            tcp_port=r.integer("tcp_port", 1, 65535),
+            tcp_port=r.integer("tcp_port", 0, 65535),
             gid_index=r.optional_integer("gid_index", 0),
             server_start_s=r.number("server_start_s", at_least=0),
             ignore=r.strings("ignore", lone=True),
@@ -247,7 +250,8 @@ def _write_bw(
     ctx: CheckContext, binary: str, port: Port, minimum: float | None, json_ok: bool
 ) -> Result:
     p = ctx.typed_params(Params)
-    duration, tcp_port, gid = p.duration_s, p.tcp_port, p.gid_index
+    duration, gid = p.duration_s, p.gid_index
+    tcp_port = p.tcp_port or free_loopback_port()
     timeout = duration + 30
     with tempfile.TemporaryDirectory(prefix="node-agent-perftest-") as tmp:
         json_file = Path(tmp) / "client.json" if json_ok else None
@@ -261,6 +265,16 @@ def _write_bw(
         )
         thread.start()
         time.sleep(p.server_start_s)  # let the server listen first
+        if taken := held_by_another(tcp_port):
+            thread.join()
+            return ctx.result(
+                port.target,
+                "write_bw_gbps",
+                Status.ERROR,
+                f"ib_write_bw on {port.device} was not measured: {taken}; its client would "
+                "have measured against it (leave the rdma check's tcp_port unset: a free port)",
+                argv=client_argv,
+            )
         client = proc.run(client_argv, timeout)
         thread.join()
         json_text = json_file.read_text() if json_file and json_file.exists() else None

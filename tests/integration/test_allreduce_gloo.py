@@ -17,6 +17,7 @@ from node_agent.compute import allreduce
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
 from node_agent.model import Status
+from node_agent.peers import free_loopback_port
 from node_agent.proc import python_module_argv
 
 SIZES = [4096, 65536, 1048576]
@@ -79,7 +80,7 @@ def test_corrupted_rank_contribution_is_counted_wrong(monkeypatch):
     real = nccl_allreduce.run_ranks
 
     def rank_1_here(world_size, backend, sizes, iters, warmup, timeout_s, **kw):
-        port = nccl_allreduce.free_port()
+        port = free_loopback_port()
         monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
         monkeypatch.setenv("MASTER_PORT", str(port))
         argv = nccl_allreduce.worker_argv(1, world_size, backend, sizes, iters, warmup, 30.0)

@@ -25,6 +25,7 @@ import yaml
 from waiting import wait_for  # tests/waiting.py
 
 from node_agent.checking import registry
+from node_agent.peers import free_loopback_port
 from node_agent.service.daemon import Daemon
 from node_agent.service.sd_notify import Notifier
 
@@ -36,12 +37,6 @@ PERIODIC = {
         {"check": "xid", "timeout_s": 10, "every_s": 2, "params": {"since": "boot"}},
     ],
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(url: str, timeout: float = 5) -> tuple[int, str]:
@@ -71,7 +66,7 @@ def node(tmp_path):
         scenario = tmp_path / "scenario.yaml"
         config = tmp_path / "config.yaml"
         suite = tmp_path / "periodic.yaml"
-        port = free_port()
+        port = free_loopback_port()
 
         def write(self, faults=()):
             tmp = self.scenario.with_suffix(".tmp")
@@ -474,7 +469,7 @@ def test_prometheus_server_scrapes_the_daemon(node, running, promtool, tmp_path)
     if prometheus is None:
         pytest.skip("prometheus server not installed (Debian package prometheus)")
     running()
-    prom_port = free_port()
+    prom_port = free_loopback_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(
         yaml.safe_dump(

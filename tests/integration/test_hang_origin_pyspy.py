@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from node_agent.peers import free_loopback_port
 from node_agent.training.stacks import dump_once, find_py_spy, sample_stacks
 from node_agent.training.verdict import likely_origin
 
@@ -60,16 +60,10 @@ else:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _job(tmp_path, mode: str) -> list[subprocess.Popen]:
     script = tmp_path / "rank.py"
     script.write_text(RANK)
-    port = str(_free_port())
+    port = str(free_loopback_port())
     return [
         subprocess.Popen(
             [sys.executable, str(script), mode],

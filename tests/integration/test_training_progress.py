@@ -13,7 +13,6 @@ import contextlib
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import yaml
 from slurm_cgroup import slurm_job_fixture  # noqa: F401 - the slurm_job fixture
 from training_graders import split_thresholds, use_training_thresholds
 
+from node_agent.peers import free_loopback_port
 from node_agent.training.stacks import find_py_spy
 
 WORKER = '''
@@ -378,12 +378,6 @@ def test_hang_without_py_spy_says_the_stack_signal_is_unavailable(agent, tmp_pat
         _stop(procs)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 #: the periodic suite's default ``stall_after_s``; the slack covers the ranks' last step (a
 #: rank already in a step when the stop file appears finishes it) and the stack samples
 STALL_S, STALL_SLACK_S = 30.0, 5.0
@@ -400,7 +394,7 @@ def test_gloo_allreduce_hang_is_reported_within_60_s_naming_the_stopped_rank_as_
     1 s apart) and the check run every 15 s as the daemon does: three real ranks all-reduce
     over gloo; rank 2 stops joining (sleeps outside the collective), then resumes."""
     spool, stop = _spool(tmp_path), tmp_path / "stop"
-    port = str(_free_port())
+    port = str(free_loopback_port())
     procs = _start(
         tmp_path,
         GLOO_WORKER,
@@ -484,7 +478,7 @@ def test_straggler_in_a_synchronous_job_is_found_from_the_compute_time_before_th
     """In a synchronous all-reduce job every rank's step time is the slowest rank's; the rank
     that is slow shows only in the time it spends before the collective (``compute_s``)."""
     spool = _spool(tmp_path)
-    port = str(_free_port())
+    port = str(free_loopback_port())
     procs = _start(
         tmp_path,
         SYNC_WORKER,

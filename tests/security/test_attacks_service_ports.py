@@ -8,25 +8,33 @@ The user here is a real ``useradd`` user holding a real port or socket; what its
 answer is played by stand-ins (DCGM and IMEX cannot run without NVIDIA GPUs): DCGM bindings whose
 host-engine handle reports a double-bit ECC error (the embedded engine none), and a ``dcgmi`` and
 ``nvidia-imex-ctl`` that record being run. The agent must never ask the user's port: it starts
-its own DCGM engine and says whose the port was, and runs neither tool.
+its own DCGM engine and says whose the port was, and runs neither tool. And the ports the
+agent's own programs meet on (perftest's server and client): a user who holds perftest's fixed
+18515 first would have the client measure against its server (a slow figure: ERROR, a drain).
 """
 
 from __future__ import annotations
 
+import os
 import socket
+from pathlib import Path
 from types import SimpleNamespace as ns
 
 from dcgm_fakes import fake_bindings  # tests/dcgm_fakes.py
 
 from node_agent.checking.context import HOST_PORTS, CheckContext
-from node_agent.checks import dcgm_diag, dcgm_health, imex
+from node_agent.checks import dcgm_diag, dcgm_health, imex, rdma
 from node_agent.config import config_from_dict
 from node_agent.gpu.dcgm import open_dcgm
-from node_agent.hardware.sku import load_skus
+from node_agent.hardware.sku import load_sku, load_skus
 from node_agent.model import Status
 from node_agent.resources import shipped_graders_dir
 from node_agent.sim.gpu_model import SimGpuBackend
 from node_agent.sim.scenario import Scenario
+from tests.unit.test_hca_ports import make_port  # the sysfs tree of an HCA port
+
+REPO = Path(__file__).resolve().parents[2]
+PERFTEST = REPO / "tests" / "data" / "perftest"
 
 LISTEN = r"""
 import socket, sys, time
@@ -183,3 +191,51 @@ def test_imex_ctl_is_not_run_against_a_users_command_socket(user, attack_dir, tm
     (err,) = imex.run(imex_node(tmp_path, f"IMEX_CMD_UNIX_DOMAIN_PATH={path}"))
     assert err.status is Status.ERROR and not (tmp_path / "ran").exists()
     assert f"belongs to uid {user.uid} ({user.name})" in err.detail
+
+
+def rdma_node(tmp_path, monkeypatch, **params):
+    """One ACTIVE NDR port in a sysfs tree (no RDMA device here) and a stand-in ib_write_bw
+    that records its argv and prints a slow run (what a client measuring against a user's
+    throttled server would see)."""
+    make_port(tmp_path / "sys", "mlx5_0")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    stub = bindir / "ib_write_bw"
+    stub.write_text(
+        f'#!/bin/sh\necho "$@" >> "{tmp_path}/runs"\ncat "{PERFTEST / "ib_write_bw_mib_roce.txt"}"\n'
+    )
+    stub.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    ctx = CheckContext(
+        check="rdma",
+        gpu=PresentGpus(),
+        kernel_log=None,
+        config=config_from_dict({}),
+        inventory=None,
+        sku=load_sku(REPO / "graders" / "skus" / "h100-sxm5-80gb.yaml"),
+        expected_gpus=None,
+        params={"sysfs_root": str(tmp_path / "sys"), "server_start_s": 0.2, **params},
+    )
+    results = rdma.run(ctx)
+    (bw,) = [r for r in results if r.metric == "write_bw_gbps"]
+    runs = (tmp_path / "runs").read_text().splitlines() if (tmp_path / "runs").exists() else []
+    return bw, runs
+
+
+def test_rdma_client_never_measures_against_a_users_program_on_its_port(
+    user, tmp_path, monkeypatch
+):
+    port = free_port()
+    user.popen(LISTEN, str(port))
+    bw, runs = rdma_node(tmp_path, monkeypatch, tcp_port=port)
+    assert bw.status is Status.ERROR and "not measured" in bw.detail
+    assert f"held by uid {user.uid} ({user.name})" in bw.detail
+    assert not [r for r in runs if r.endswith("127.0.0.1")]  # the client never ran
+
+
+def test_rdma_meets_on_a_port_no_user_can_know_in_advance(user, tmp_path, monkeypatch):
+    """perftest's fixed 18515 is what a user would hold; the check's default is a free port."""
+    user.popen(LISTEN, "18515")
+    bw, runs = rdma_node(tmp_path, monkeypatch)
+    assert bw.status is not Status.ERROR, bw.detail  # measured (the stand-in's slow figure)
+    assert runs and all("-p 18515" not in r for r in runs)
