@@ -72,6 +72,7 @@ from node_agent.checking.registry import REGISTRY
 from node_agent.config import Config, load_config
 from node_agent.environment import Environment, open_environment
 from node_agent.model import Action, Grade, Level, Reason, Result, Status, utc_iso
+from node_agent.peers import held_by_another
 from node_agent.report.terminal import printable
 from node_agent.resources import graders_dir, shipped_graders_dir, suites_dir
 from node_agent.runner import FORKSERVER_CHECKS, run_check
@@ -112,6 +113,8 @@ STALE_GRACE_S = 60.0
 #: holds up the checks queued behind it: their results are not current while it runs
 BLOCKED_FACTOR = 3.0
 BLOCKED_FLOOR_S = 15.0
+#: how often the daemon tries again to listen on daemon.listen while it cannot
+HTTP_RETRY_S = 30.0
 
 
 @dataclass
@@ -186,6 +189,7 @@ class Daemon:
             self._metrics_of(check)
             self._watcher_of(check)
         self._server: MetricsServer | None = None
+        self._http_note: str | None = None  # why /metrics is not served, while it is not
         self.listen_address: tuple[str, int] | None = None
         self._remediation: DaemonRemediation | None = None
         if on_grade is None and self.config.daemon.act:
@@ -264,12 +268,36 @@ class Daemon:
                 (host, int(port)), {"/metrics": metrics, "/healthz": healthz}
             )
         except OSError as err:
-            raise ConfigError(
-                f"daemon.listen {host}:{port}: cannot listen: {err.strerror}; "
-                "choose another address in the config (daemon.listen)"
-            ) from err
+            # the watch, NVRx's answer and remediation go on without it: a daemon that exited
+            # here would leave NVRx no socket (healthy to it), so whoever held the port first
+            # would have switched the agent off
+            held = held_by_another(int(port)) or "another of root's programs may hold it"
+            note = (
+                f"/metrics and /healthz are NOT served on {host}:{port}: {err.strerror} ({held}); "
+                f"retried every {HTTP_RETRY_S:g} s, or choose another daemon.listen"
+            )
+            if self._http_note != note:
+                log.error("%s", printable(note))
+            self._http_note = note
+            with self._lock:
+                self._own["http"] = [
+                    Result(
+                        check="daemon",
+                        target="node",
+                        metric="metrics_unserved",
+                        status=Status.WARN,
+                        detail=note,
+                        evidence={"listen": f"{host}:{port}"},
+                    )
+                ]
+            return
         self.listen_address = self._server.server_address[:2]
         threading.Thread(target=self._server.serve_forever, name="http", daemon=True).start()
+        if self._http_note is not None:
+            log.warning("/metrics and /healthz are served on %s:%s again", host, port)
+            self._http_note = None
+            with self._lock:
+                self._own.pop("http", None)
 
     # -- running --------------------------------------------------------------------------------
     def run(self, install_signals: bool = True) -> int:
@@ -287,6 +315,7 @@ class Daemon:
             # before any other thread runs: never from a working directory others may write to
             proc.start_forkserver_in_child_cwd()
         self._start_http()
+        next_http_retry = self._clock() + HTTP_RETRY_S
         if install_signals:
             signal.signal(signal.SIGTERM, lambda *_: self.stop())
             signal.signal(signal.SIGINT, lambda *_: self.stop())
@@ -299,14 +328,13 @@ class Daemon:
             watcher.start()
         self._checks_thread = threading.Thread(target=self._checks_loop, name="checks", daemon=True)
         self._checks_thread.start()
-        host, port = self.listen_address or ("?", 0)
+        host, port = self.listen_address or ("", 0)
         log.info(
-            "node-agent daemon up: %s, suite %s (%d checks), metrics on http://%s:%d/metrics%s",
+            "node-agent daemon up: %s, suite %s (%d checks), metrics %s%s",
             self.env.inventory.host.hostname,
             self.suite.name,
             len(self.suite.checks),
-            host,
-            port,
+            f"on http://{host}:{port}/metrics" if port else "NOT served (see above)",
             " (SIMULATED)" if self.env.simulated else "",
         )
         self._notifier.ready(f"watching {len(self.env.inventory.gpus)} GPU(s)")
@@ -328,6 +356,11 @@ class Daemon:
             ):
                 next_nvml_retry = self.last_tick + self.config.daemon.nvml_retry_s
                 self._reopen("retrying NVML", only_if_gpus=True)
+            if self._server is None and self.last_tick >= next_http_retry:
+                next_http_retry = self.last_tick + HTTP_RETRY_S
+                self._start_http()
+                if self._server is not None:
+                    self._regrade("/metrics served again")
             with self._lock:
                 stale = self._stale_checks() != self._stale
                 blocked = self._blocked_by()

@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import os
 import socket
+import urllib.request
 from pathlib import Path
 from types import SimpleNamespace as ns
 
+import yaml
+from agent_daemon import graded_daemon  # tests/agent_daemon.py
 from dcgm_fakes import fake_bindings  # tests/dcgm_fakes.py
+from waiting import wait_for  # tests/waiting.py
 
 from node_agent.checking.context import HOST_PORTS, CheckContext
 from node_agent.checks import dcgm_diag, dcgm_health, imex, rdma
@@ -29,6 +33,7 @@ from node_agent.gpu.dcgm import open_dcgm
 from node_agent.hardware.sku import load_sku, load_skus
 from node_agent.model import Status
 from node_agent.resources import shipped_graders_dir
+from node_agent.service import daemon as daemon_module
 from node_agent.sim.gpu_model import SimGpuBackend
 from node_agent.sim.scenario import Scenario
 from tests.unit.test_hca_ports import make_port  # the sysfs tree of an HCA port
@@ -239,3 +244,39 @@ def test_rdma_meets_on_a_port_no_user_can_know_in_advance(user, tmp_path, monkey
     bw, runs = rdma_node(tmp_path, monkeypatch)
     assert bw.status is not Status.ERROR, bw.detail  # measured (the stand-in's slow figure)
     assert runs and all("-p 18515" not in r for r in runs)
+
+
+def test_a_user_holding_the_metrics_port_does_not_switch_the_daemon_off(
+    user, tmp_path, monkeypatch
+):
+    """The daemon had exited when it could not listen on ``daemon.listen``: a user who held
+    127.0.0.1:9847 first (say across a restart) left NVRx no socket (healthy, to NVRx), no watch
+    and no remediation. It now watches on, with a WARN naming the port's holder, and takes the
+    port back once it is free."""
+    port = free_port()
+    squatter = user.popen(LISTEN, str(port))
+    monkeypatch.setattr(daemon_module, "HTTP_RETRY_S", 0.5)
+    scenario, suite, config = tmp_path / "s.yaml", tmp_path / "p.yaml", tmp_path / "c.yaml"
+    scenario.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 2, "faults": []}))
+    suite.write_text(
+        yaml.safe_dump(
+            {"name": "p", "mode": "service", "checks": [{"check": "nvml_health", "every_s": 1}]}
+        )
+    )
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "state_dir": str(tmp_path / "state"),
+                "spool_dir": str(tmp_path / "spool"),
+                "daemon": {"listen": f"127.0.0.1:{port}"},
+            }
+        )
+    )
+    with graded_daemon(config, scenario, suite) as daemon:
+        (reason,) = [r for r in daemon.grade.reasons if "NOT served" in r.message]
+        assert f"held by uid {user.uid} ({user.name})" in reason.message
+        assert daemon.view.level == "WARN" and daemon.listen_address is None
+        squatter.kill()
+        assert wait_for(lambda: daemon.listen_address == ("127.0.0.1", port), 10)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as answer:
+            assert answer.read().decode().startswith("ok HEALTHY")
