@@ -155,6 +155,9 @@ class WebhookConfig:
     ca_file: str | None = key(None)
     client_cert: str | None = key(None)
     client_key: str | None = key(None)
+    #: besides root, the accounts whose receiver on this host (an http:// loopback url) is
+    #: believed
+    receiver_users: tuple[str, ...] = key((), min_length=1)
 
 
 @dataclass(frozen=True)

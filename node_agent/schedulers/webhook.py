@@ -37,7 +37,10 @@ another user's job in its environment; only the cgroup and the uid are the kerne
 Transport: ``https`` (verified against ``adapter.webhook.ca_file``, else the system CAs, with an
 optional client certificate ``client_cert``/``client_key``); plain ``http`` only to a loopback
 address, where nothing crosses a network (so no proxy of the environment's is used for it).
-Anything else is a configuration error.
+Anything else is a configuration error. A loopback receiver has no certificate to show, and any
+user may listen on its port where it is not running: a request is sent only while the port is
+held by root or an account in ``adapter.webhook.receiver_users``, and its answer believed only
+if that is still so after it (:func:`node_agent.peers.why_not_trusted`).
 
 The receiver's answer decides: any 2xx is success. A connection error, a timeout, 408, 429 or
 5xx is retried ``adapter.webhook.retries`` times with exponential backoff (1 s, 2 s, 4 s ...);
@@ -64,6 +67,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from node_agent.model import utc_iso
+from node_agent.peers import why_not_trusted
 from node_agent.schedulers.base import (
     ActionByName,
     AdapterAction,
@@ -267,6 +271,9 @@ class WebhookAdapter(ActionByName):
                 NONCE_HEADER: nonce,
                 SIGNATURE_HEADER: sign(self._secret, body, timestamp),
             }
+            if distrust := self._receiver_distrust():
+                last = f"not sent: {distrust}"
+                continue
             made += 1
             try:
                 status, answer = self._send(body, headers, min(self.web.timeout_s, left))
@@ -274,6 +281,9 @@ class WebhookAdapter(ActionByName):
                 last = f"{type(err).__name__}: {err}"
                 continue
             text = " ".join(answer.split())[:_MAX_ANSWER_CHARS]
+            if 200 <= status < 300 and (distrust := self._receiver_distrust()):
+                last = f"HTTP {status}, not believed: after it, {distrust}"
+                continue
             if 200 <= status < 300:
                 return AdapterOutcome.done(
                     f"webhook: {what} accepted by {self.url} (HTTP {status}"
@@ -286,6 +296,18 @@ class WebhookAdapter(ActionByName):
             f"webhook {self.url}: {what} failed after {made} attempt(s) within "
             f"the {self.web.deadline_s:g} s deadline (adapter.webhook.deadline_s); "
             f"last: {last}; check the receiver and adapter.webhook.url"
+        )
+
+    def _receiver_distrust(self) -> str | None:
+        """Why a receiver on this host may not be asked (None: it may, or it is https)."""
+        parts = urlsplit(self.url)
+        if parts.scheme != "http" or not parts.hostname:
+            return None
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        distrust = why_not_trusted(f"{host}:{parts.port or 80}", 80, self.web.receiver_users)
+        return distrust and (
+            f"{distrust}; a receiver on this host must run as root or an account in "
+            "adapter.webhook.receiver_users"
         )
 
     def node_state(self, node: str) -> NodeState:

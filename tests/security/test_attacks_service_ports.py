@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 from types import SimpleNamespace as ns
 
+import pytest
 import yaml
 from agent_daemon import graded_daemon  # tests/agent_daemon.py
 from dcgm_fakes import fake_bindings  # tests/dcgm_fakes.py
@@ -33,6 +34,8 @@ from node_agent.gpu.dcgm import open_dcgm
 from node_agent.hardware.sku import load_sku, load_skus
 from node_agent.model import Status
 from node_agent.resources import shipped_graders_dir
+from node_agent.schedulers.base import AdapterError
+from node_agent.schedulers.webhook import WebhookAdapter
 from node_agent.service import daemon as daemon_module
 from node_agent.sim.gpu_model import SimGpuBackend
 from node_agent.sim.scenario import Scenario
@@ -280,3 +283,35 @@ def test_a_user_holding_the_metrics_port_does_not_switch_the_daemon_off(
         assert wait_for(lambda: daemon.listen_address == ("127.0.0.1", port), 10)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as answer:
             assert answer.read().decode().startswith("ok HEALTHY")
+
+
+HTTP_OK = r"""
+import http.server, sys
+log = sys.argv[2]
+class Ok(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        with open(log, "a") as f:
+            f.write(self.path + "\n")
+        self.send_response(200)
+        self.end_headers()
+server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Ok)
+print("listening", flush=True)
+server.serve_forever()
+"""
+
+
+def test_a_webhook_receiver_a_user_runs_on_loopback_is_never_sent_an_action(
+    user, attack_dir, tmp_path
+):
+    """A loopback receiver shows no certificate: a user's server on its port, answering 200,
+    had the agent record a drain as delivered that no scheduler ever saw."""
+    port, posts = free_port(), attack_dir / "posts"
+    user.popen(HTTP_OK, str(port), str(posts))
+    (tmp_path / "secret").write_text("s3cret\n")
+    webhook = {"url": f"http://127.0.0.1:{port}/hook", "secret_file": str(tmp_path / "secret")}
+    adapter = WebhookAdapter.from_config(
+        config_from_dict({"adapter": {"webhook": {**webhook, "retries": 0}}})
+    )
+    with pytest.raises(AdapterError, match=f"not sent: .*held by uid {user.uid} \\({user.name}\\)"):
+        adapter.drain("gpu-01", "node-agent: FAULT xid79 gpu:5")
+    assert not posts.exists()
