@@ -39,7 +39,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from node_agent.gpu.base import GpuError
 from node_agent.parsers.dcgm_diag import DiagEntityResult, DiagReport, DiagWarning, error_name
-from node_agent.peers import why_not_trusted
+from node_agent.peers import held_by_another, on_this_host, split_host_port, why_not_trusted
 
 #: where DCGM's packages put the Python bindings, newest first
 BINDINGS_PATHS = (
@@ -386,12 +386,16 @@ class BindingsDcgm:
 
         A host engine on this host is asked only while its port is held by root or one of
         ``hostengine_users`` (:func:`node_agent.peers.why_not_trusted`), read before connecting
-        and again after (the port may change hands in between)."""
+        and again after (the port may change hands in between). Where another account holds
+        it, neither it nor an embedded engine is asked (two engines on one node can deadlock
+        in the driver, DCGM's maintainers say): DcgmConnectError names the holder."""
         b = self._b
         mode = getattr(b.structs, "DCGM_OPERATION_MODE_AUTO", 1)
         refused = ""
         engine = self._hostengine
         if engine and engine != "embedded":
+            if held := self._held_by_another(engine):
+                raise DcgmConnectError(self._not_asked(engine, held))
             if distrust := self._distrust(engine):
                 refused = f"; the host engine at {engine} was not asked: {distrust}"
             else:
@@ -408,7 +412,7 @@ class BindingsDcgm:
                         self.connection = f"host engine at {engine}"
                         return
                     self.close()
-                    refused = f"; the host engine at {engine} was left: {distrust}"
+                    raise DcgmConnectError(self._not_asked(engine, f"after connecting, {distrust}"))
         try:
             self._handle = _bounded(
                 lambda: b.pydcgm.DcgmHandle(ipAddress=None, opMode=mode),
@@ -425,6 +429,17 @@ class BindingsDcgm:
 
     def _distrust(self, engine: str) -> str | None:
         return untrusted_hostengine(engine, self._hostengine_users)
+
+    def _held_by_another(self, engine: str) -> str | None:
+        host, port = split_host_port(engine, HOSTENGINE_PORT)
+        return held_by_another(port, self._hostengine_users) if on_this_host(host) else None
+
+    def _not_asked(self, engine: str, why: str) -> str:
+        return (
+            f"the DCGM host engine at {engine} was not asked, nor an embedded one started beside "
+            f"it: {why}; if it is DCGM's own nv-hostengine, name its account in "
+            "dcgm.hostengine_users"
+        )
 
     def _call(self, what: str, fn: Callable[..., Any], timeout_s: float = 30.0) -> Any:
         if self._handle is None:
