@@ -279,25 +279,14 @@ class Daemon:
             if self._http_note != note:
                 log.error("%s", printable(note))
             self._http_note = note
-            with self._lock:
-                self._own["http"] = [
-                    Result(
-                        check="daemon",
-                        target="node",
-                        metric="metrics_unserved",
-                        status=Status.WARN,
-                        detail=note,
-                        evidence={"listen": f"{host}:{port}"},
-                    )
-                ]
+            self._own_warnings("daemon", "metrics_unserved", [note], listen=f"{host}:{port}")
             return
         self.listen_address = self._server.server_address[:2]
         threading.Thread(target=self._server.serve_forever, name="http", daemon=True).start()
         if self._http_note is not None:
             log.warning("/metrics and /healthz are served on %s:%s again", host, port)
             self._http_note = None
-            with self._lock:
-                self._own.pop("http", None)
+            self._own_warnings("daemon", "metrics_unserved", [])
 
     # -- running --------------------------------------------------------------------------------
     def run(self, install_signals: bool = True) -> int:
@@ -842,18 +831,23 @@ class Daemon:
             log.info("NVRx node health check served on unix://%s", printable(path))
         for note in notes:
             log.warning("%s", printable(note))
-        with self._lock:
-            self._own["nvhcd"] = [
-                Result(
-                    check="nvhcd",
-                    target="node",
-                    metric="nvhcd_unreachable",
-                    status=Status.WARN,
-                    detail=f"{note}; NVRx treats a missing or unreachable service as healthy, "
-                    "so its restarts do not ask this node (docs/daemon.md)",
-                    evidence={"socket": path},
-                )
+        self._own_warnings(
+            "nvhcd",
+            "nvhcd_unreachable",
+            [
+                f"{note}; NVRx treats a missing or unreachable service as healthy, so its "
+                "restarts do not ask this node (docs/daemon.md)"
                 for note in notes
+            ],
+            socket=path,
+        )
+
+    def _own_warnings(self, check: str, metric: str, details: list[str], **evidence: str) -> None:
+        """The daemon's findings about itself from one source (``check``), replacing the last."""
+        with self._lock:
+            self._own[check] = [
+                Result(check, "node", metric, Status.WARN, detail, evidence=evidence)
+                for detail in details
             ]
 
     def record_action(self, action: str, outcome: str) -> None:
