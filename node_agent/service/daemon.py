@@ -173,7 +173,7 @@ class Daemon:
         #: scheduled checks whose result is too old to stand for the node now (the last view's)
         self._stale: frozenset[str] = frozenset()
         #: the check the checks thread runs now, and since when (its clock); None between runs
-        self._in_flight: tuple[str, float] | None = None
+        self._in_flight: tuple[str, float, float] | None = None
         self._nvhcd: NvhcdServer | None = None  # NVRx's health-check service (daemon.nvhcd)
         self.last_tick = clock()
         self._scenario_mtime = self._mtime(simulate)
@@ -497,7 +497,7 @@ class Daemon:
             started = time.time()
             t0 = self._clock()
             with self._lock:
-                self._in_flight = (due.spec.check, t0)
+                self._in_flight = (due.spec.check, t0, due.spec.timeout_s)
             try:
                 if due.spec.check in self.config.daemon.subprocess_checks:
                     results = self._run_in_subprocess(due.spec)
@@ -792,14 +792,14 @@ class Daemon:
 
     def _blocked_by(self) -> str | None:
         """The check running now if it has run longer than ``BLOCKED_FACTOR`` times its last
-        run (at least ``BLOCKED_FLOOR_S``); None before its first run, whose time is not known."""
+        run (at least ``BLOCKED_FLOOR_S``), or, on its first run, whose time is not known yet,
+        longer than its timeout (a child's kill grace comes after it)."""
         if self._in_flight is None:
             return None
-        check, since = self._in_flight
+        check, since, timeout_s = self._in_flight
         stats = self._stats.get(check)
-        if stats is None or stats.last_duration_s is None:
-            return None
-        allowed = max(BLOCKED_FLOOR_S, BLOCKED_FACTOR * stats.last_duration_s)
+        last = stats.last_duration_s if stats is not None else None
+        allowed = timeout_s if last is None else max(BLOCKED_FLOOR_S, BLOCKED_FACTOR * last)
         return check if self._clock() - since > allowed else None
 
     # -- NVRx's node health check (docs/daemon.md) ----------------------------------------------

@@ -127,7 +127,7 @@ def test_a_check_running_far_past_its_usual_time_makes_the_checks_behind_it_not_
     due = {item.spec.check: item for item in daemon._schedule}
     due["host_power"].next_due = daemon.now[0] + 10
     due["nvml_health"].next_due = daemon.now[0] + 30
-    daemon._in_flight = ("xid", daemon.now[0])
+    daemon._in_flight = ("xid", daemon.now[0], 10.0)
 
     daemon.now[0] += 14  # longer than usual, within the 15 s any check may take
     daemon._regrade("tick")
@@ -147,8 +147,11 @@ def test_a_check_running_far_past_its_usual_time_makes_the_checks_behind_it_not_
     assert daemon.view.complete and daemon.view.level == "HEALTHY"
 
 
-def test_a_checks_first_run_is_not_judged_overlong(daemon):
-    """How long a check takes is known from its last run; its first has only its timeout."""
-    daemon._in_flight = ("nvml_health", daemon.now[0])
-    daemon.now[0] += 600
+def test_a_checks_first_run_holds_up_the_others_once_past_its_timeout(daemon):
+    """How long a check takes is known from its last run; its first has only its timeout (a
+    child's kill grace of 60 s comes after it, and the checks behind it wait that long too)."""
+    daemon._in_flight = ("nvml_health", daemon.now[0], 10.0)
+    daemon.now[0] += 10
     assert daemon._blocked_by() is None
+    daemon.now[0] += 0.5
+    assert daemon._blocked_by() == "nvml_health"
