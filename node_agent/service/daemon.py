@@ -828,7 +828,11 @@ class Daemon:
             notes = [f"NVRx's node health check is NOT served on {path}: {err}"]
         else:
             self._nvhcd = server
-            log.info("NVRx node health check served on unix://%s", printable(path))
+            log.info(
+                "NVRx node health check served on unix://%s%s",
+                printable(path),
+                " (held by systemd across restarts)" if server.held_by_systemd else "",
+            )
         for note in notes:
             log.warning("%s", printable(note))
         self._own_warnings(

@@ -55,6 +55,7 @@ from node_agent.peers import unix_peer
 from node_agent.remediation.plan import JOB_RULES
 from node_agent.report.terminal import printable
 from node_agent.service.node_state import UNKNOWN, NodeView, ViewReason
+from node_agent.service.sd_notify import inherited_unix_listener
 
 if TYPE_CHECKING:
     from google.protobuf.message import Message
@@ -244,7 +245,9 @@ class _Gate:
         max_calls: int,
         call_s: float,
         clock: Callable[[], float] = time.monotonic,
+        listener: socket.socket | None = None,
     ) -> None:
+        """``listener``: the public socket already listening (systemd's), else one is bound."""
         self.public, self.backend = public, backend
         self.max_per_uid, self.max_calls, self.call_s = max_per_uid, max_calls, call_s
         self._clock = clock
@@ -252,9 +255,11 @@ class _Gate:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.evicted = 0
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(str(public))
-        self.listener.listen(128)
+        if listener is None:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(str(public))
+            listener.listen(128)
+        self.listener = listener
         self.listener.settimeout(0.25)
 
     def serve(self) -> None:
@@ -383,13 +388,17 @@ class NvhcdServer:
         self._server: Any = None
         self._gate: _Gate | None = None
         self._private: str | None = None
+        #: the listening socket systemd passed for ``socket_path`` (socket activation), if any
+        self._held: socket.socket | None = None
 
     def start(self) -> list[str]:
         import grpc
 
         gid = grp.getgrnam(self.group).gr_gid if self.group else -1
         notes = _make_parent(self.path.parent, gid)
-        _clear_stale_socket(self.path)
+        self._held = inherited_unix_listener(str(self.path))
+        if self._held is None:
+            _clear_stale_socket(self.path)
         self._private = tempfile.mkdtemp(prefix="node-agent-nvhcd-")  # 0700, root's
         backend = os.path.join(self._private, "grpc.sock")
         server = grpc.server(
@@ -412,6 +421,7 @@ class NvhcdServer:
                 max_per_uid=self.max_per_uid,
                 max_calls=self.max_calls,
                 call_s=self.call_s,
+                listener=self._held,
             )
             if gid != -1:
                 os.chown(self.path, -1, gid)
@@ -451,6 +461,11 @@ class NvhcdServer:
         )
 
     @property
+    def held_by_systemd(self) -> bool:
+        """The public socket is systemd's (socket activation): it outlives this daemon."""
+        return self._held is not None
+
+    @property
     def evicted(self) -> int:
         """Calls the gate closed to make room (a cap)."""
         return self._gate.evicted if self._gate is not None else 0
@@ -465,6 +480,8 @@ class NvhcdServer:
         if self._private is not None:
             shutil.rmtree(self._private, ignore_errors=True)
             self._private = None
+        if self._held is not None:
+            return  # systemd's socket: it keeps listening, and callers wait for the next daemon
         try:
             if stat.S_ISSOCK(os.lstat(self.path).st_mode):
                 os.unlink(self.path)

@@ -1,8 +1,14 @@
-"""systemd's notify protocol (``Type=notify``): readiness, watchdog pings, stopping.
+"""systemd's notify protocol (``Type=notify``): readiness, watchdog pings, stopping; and the
+sockets systemd holds for the daemon (socket activation).
 
 The protocol is one datagram per message to the unix socket named by ``$NOTIFY_SOCKET``
 (sd_notify(3)); a name starting with ``@`` is in the abstract namespace. Outside systemd the
 variable is unset and every call is a no-op, so the daemon runs the same under a terminal.
+
+Socket activation (sd_listen_fds(3)): a ``.socket`` unit's listening sockets are passed as file
+descriptors 3, 4, ... with ``$LISTEN_FDS`` their count and ``$LISTEN_PID`` the process they are
+for. systemd keeps them open across restarts of the service, so a client that connects while
+the daemon restarts waits in the backlog instead of finding no socket.
 """
 
 from __future__ import annotations
@@ -65,3 +71,33 @@ class Notifier:
 
     def stopping(self) -> bool:
         return self.send("STOPPING=1")
+
+
+#: the first file descriptor systemd passes (SD_LISTEN_FDS_START)
+LISTEN_FDS_START = 3
+
+
+def inherited_unix_listener(
+    path: str, environ: dict[str, str] | None = None
+) -> socket.socket | None:
+    """The listening Unix stream socket systemd passed this process bound to ``path``, or None
+    (not socket-activated, or no passed socket is that one)."""
+    env = os.environ if environ is None else environ
+    count, pid = env.get("LISTEN_FDS", ""), env.get("LISTEN_PID", "")
+    if not count.isdigit() or pid != str(os.getpid()):
+        return None
+    for fd in range(LISTEN_FDS_START, LISTEN_FDS_START + int(count)):
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        if sock.family == socket.AF_UNIX and sock.type == socket.SOCK_STREAM:
+            try:
+                bound = sock.getsockname()
+                listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+            except OSError:
+                bound, listening = None, 0
+            if bound == path and listening:
+                return sock
+        sock.detach()  # not ours to close
+    return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -82,6 +83,22 @@ class Node:
         argv = [AGENT, "daemon", "--config", str(self.config), "--simulate", str(self.scenario)]
         self.proc = subprocess.Popen(
             [*argv, "--suite", str(self.suite)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        return self.proc
+
+    def start_activated(self, held: socket.socket) -> subprocess.Popen:
+        """The daemon as systemd starts it for a ``.socket`` unit: ``held`` as fd 3, with
+        ``LISTEN_FDS=1`` and ``LISTEN_PID`` its own pid (bash, which takes any fd number in a
+        redirection, then execs the agent)."""
+        argv = [AGENT, "daemon", "--config", str(self.config), "--simulate", str(self.scenario)]
+        self.proc = subprocess.Popen(
+            ["bash", "-c", 'LISTEN_FDS=1 LISTEN_PID=$$ exec "$@" 3<&"$FD"', "bash", *argv]
+            + ["--suite", str(self.suite)],
+            env={**os.environ, "FD": str(held.fileno())},
+            pass_fds=(held.fileno(),),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -229,3 +246,33 @@ def test_a_service_that_cannot_be_served_is_a_warn_in_the_grade(tmp_path):
     finally:
         daemon.stop()
         thread.join(10)
+
+
+def test_a_socket_systemd_holds_keeps_a_call_made_across_a_restart_waiting_not_healthy(node):
+    """Under the shipped ``node-agent-nvhcd.socket`` systemd holds the listening socket across
+    restarts of the daemon and passes it in (socket activation). Here the test plays systemd: it
+    binds the socket, keeps it, and hands it to each daemon as fd 3 with ``LISTEN_FDS`` and
+    ``LISTEN_PID``. A call made while the daemon is down had found no socket (healthy, to NVRx);
+    now it waits in the backlog, and the next daemon answers it: not healthy."""
+    node.sock.parent.mkdir(mode=0o755)
+    held = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    held.bind(str(node.sock))
+    held.listen(16)
+    os.chmod(node.sock, 0o666)
+    node.start_activated(held)
+    served = check_never_healthy(poll(node.sock, schedule_done))
+    assert served[-1]["level"] == "FAULT"
+    assert "held by systemd" in node.stop()
+    assert node.sock.exists()  # the daemon leaves systemd's socket alone
+
+    gap: dict = {}
+    client = NodeHealthCheck(f"unix://{node.sock}")  # made while the socket exists, as NVRx does
+    call = threading.Thread(target=lambda: gap.update(healthy=client(), skipped=client.skipped))
+    call.start()
+    time.sleep(2)  # the daemon is down: the call waits in the socket's backlog
+    assert call.is_alive(), gap
+    node.start_activated(held)
+    call.join(60)
+    assert gap == {"healthy": False, "skipped": None}, gap
+    assert client.last_output["level"] in ("UNKNOWN", "FAULT")
+    held.close()

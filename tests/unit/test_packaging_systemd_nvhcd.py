@@ -22,11 +22,29 @@ UNIT = REPO / "packaging" / "systemd" / "node-agent.service"
 TMPFILES = REPO / "packaging" / "systemd" / "node-agent-tmpfiles.conf"
 
 
-def service_section() -> dict[str, str]:
+SOCKET_UNIT = REPO / "packaging" / "systemd" / "node-agent-nvhcd.socket"
+
+
+def section(unit: Path, name: str) -> dict[str, str]:
     parser = configparser.ConfigParser(strict=False, interpolation=None)
     parser.optionxform = str  # keys are case-sensitive in systemd
-    parser.read_string(UNIT.read_text())
-    return dict(parser["Service"])
+    parser.read_string(unit.read_text())
+    return dict(parser[name])
+
+
+def service_section() -> dict[str, str]:
+    return section(UNIT, "Service")
+
+
+def test_the_socket_unit_holds_the_daemons_socket_in_a_directory_a_stop_keeps():
+    """systemd holds the socket across restarts (tests/integration/test_daemon_nvhcd.py plays
+    its part); a service stop that removed the runtime directory would take the socket's path
+    with it, and NVRx would find no socket."""
+    sock = section(SOCKET_UNIT, "Socket")
+    assert sock["ListenStream"] == DEFAULT_SOCKET
+    assert (sock["SocketMode"], sock["Service"]) == ("0666", UNIT.name)
+    assert service_section()["RuntimeDirectoryPreserve"] == "yes"
+    assert "node-agent-nvhcd.socket" in section(UNIT, "Unit")["Wants"]
 
 
 def test_the_unit_gives_the_daemon_a_runtime_directory_users_can_reach():
