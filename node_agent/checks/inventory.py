@@ -58,7 +58,10 @@ def run(ctx: CheckContext) -> list[Result]:
                 "root, or give its container the GPUs' device files (NVIDIA container toolkit)"
             )
         else:
-            metric, status = "identity", Status.FAIL
+            # NVML's Unknown Error, reset required, blocked by the OS or cgroups, a library
+            # and driver version mismatch: the driver's or the container's state, which a
+            # restart of the driver (or the container) clears; only a lost GPU is the GPU's
+            metric, status = "identity_error", Status.FAIL
         results.append(ctx.result(f"gpu:{index}", metric, status, detail, error=str(error)))
     results.extend(_sku(ctx))
     return results

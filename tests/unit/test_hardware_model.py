@@ -16,7 +16,7 @@ from node_agent.checks import inventory as inventory_check
 from node_agent.checks import nvml_health
 from node_agent.checks.nvml_health import links as nvml_nvlink
 from node_agent.config import config_from_dict
-from node_agent.gpu.base import DeviceLost, NoPermission, NotSupported, NvLink
+from node_agent.gpu.base import DeviceLost, GpuError, NoPermission, NotSupported, NvLink
 from node_agent.gpu.pci import PciBus, PciGpu
 from node_agent.grading.rules import load_grader
 from node_agent.hardware.sku import Sku, load_skus, match_sku
@@ -315,6 +315,29 @@ def test_an_identity_the_agent_may_not_read_is_an_error_never_a_gpu_fault(error)
     (unread,) = [r for r in results if r.target == "gpu:3" and r.metric == "identity"]
     assert unread.status is Status.ERROR and "device files" in unread.detail
     assert GRADER.grade(results).level is not Level.FAULT
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "nvmlDeviceGetUUID: Unknown Error",  # a container that lost its device access
+        "nvmlDeviceGetUUID: Reset Required",
+        "nvmlDeviceGetUUID: Operating System has blocked the request",
+        "nvmlDeviceGetUUID: RM has detected an NVML/RM version mismatch",
+    ],
+)
+def test_an_identity_error_that_is_not_a_lost_gpu_drains_and_is_never_replaced(message):
+    """NVML's Unknown Error on a GPU's identity (and reset required, blocked by the OS, a
+    version mismatch) had graded gpu-unreadable, FAULT: a replacement of a GPU whose other
+    readings all passed. The driver's or the container's state: drained, never replaced."""
+    ctx = context("inventory", "h100-sxm5-80gb")
+    ctx.inventory.gpus[:] = [g for g in ctx.inventory.gpus if g.index != 3]
+    ctx.inventory.unreadable[3] = GpuError(message)
+    results = inventory_check.run(ctx)
+    grade = GRADER.grade(results)
+    assert grade.level is Level.ERROR
+    (reason,) = [r for r in grade.reasons if r.target == "gpu:3"]
+    assert reason.rule == "gpu-identity-error" and reason.remedy is not None
 
 
 def test_nvlink_counters_are_readings_of_the_worst_link_with_every_link_in_the_evidence():
