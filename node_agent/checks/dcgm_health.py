@@ -4,8 +4,11 @@ Sets DCGM health watches (``params.systems``, default PCIe, memory, InfoROM, the
 NVLink, driver) on all GPUs and asks DCGM for incidents (``dcgmi health -s ... ; dcgmi health
 -c`` does the same). Each incident is one result on its entity: metric ``health_<system>``
 (``health_mem``, ``health_pcie``, ...), status ``warn`` or ``fail`` as DCGM says, evidence with
-DCGM's error code and message. Pending row remaps and page retirements (DCGM_FR codes 6, 83,
-85) are ``health_reset_pending``: a GPU reset applies them. No incident: one ``pass``.
+DCGM's error code and message. Where the code says more than the subsystem it names the metric
+(:func:`incident_metric`): pending row remaps and page retirements (DCGM_FR codes 6, 83, 85) are
+``health_reset_pending`` (a GPU reset applies them); Fabric Manager's and IMEX's state, which
+DCGM raises under the NVLink watch (122, 123), ``health_fabric_service``; counted NVLink errors,
+a FAIL from one replay (13, 70, 71), ``health_nvlink_errors``. No incident: one ``pass``.
 
 The watches need data: rate-based ones (PCIe replays, thermal, power) need about a minute of it
 (dcgm_structs.h), so a one-shot check on a fresh embedded host engine sees only the immediate
@@ -43,6 +46,14 @@ ON_REAL_HARDWARE = "on real hardware this reads DCGM's health watches"
 #: DCGM_FR_PENDING_PAGE_RETIREMENTS, DCGM_FR_DBE_PENDING_PAGE_RETIREMENTS,
 #: DCGM_FR_PENDING_ROW_REMAP: the fix is a GPU reset (NVIDIA GPU memory error management)
 RESET_PENDING_CODES = frozenset({6, 83, 85})
+#: DCGM_FR_IMEX_UNHEALTHY, DCGM_FR_FABRIC_PROBE_STATE: raised under the NVLink watch for the
+#: IMEX daemon's or Fabric Manager's state (DCGM's advice: "Ensure that the FabricManager is
+#: running", "Check IMEX installation, configuration"): a service, not a part
+FABRIC_SERVICE_CODES = frozenset({122, 123})
+#: DCGM_FR_NVLINK_ERROR_THRESHOLD, DCGM_FR_NVLINK_CRC_ERROR_THRESHOLD,
+#: DCGM_FR_NVLINK_ERROR_CRITICAL: counted link errors, FAIL from one replay or recovery error
+#: (DCGM_LIMIT_MAX_NVLINK_ERROR 1); the counters' trend decides, as for NVML's (trends.yaml)
+NVLINK_COUNTER_CODES = frozenset({13, 70, 71})
 
 Opener = Callable[[Any], DcgmSource]
 
@@ -78,9 +89,16 @@ def incidents(source: DcgmSource, systems: Sequence[str] = DEFAULT_SYSTEMS) -> H
 
 
 def incident_metric(incident: HealthIncident) -> str:
-    """``health_<system>``, or ``health_reset_pending`` for what a GPU reset fixes."""
-    if incident.error_code in RESET_PENDING_CODES:
+    """``health_<system>``, or by DCGM's error code where it says more than the subsystem:
+    ``health_reset_pending`` (what a GPU reset applies), ``health_fabric_service`` (Fabric
+    Manager or IMEX), ``health_nvlink_errors`` (counted link errors)."""
+    code = incident.error_code
+    if code in RESET_PENDING_CODES:
         return "health_reset_pending"
+    if code in FABRIC_SERVICE_CODES:
+        return "health_fabric_service"
+    if code in NVLINK_COUNTER_CODES:
+        return "health_nvlink_errors"
     return f"health_{incident.system}"
 
 

@@ -137,6 +137,8 @@ ERROR_NAMES = {
     111: "NAN_VALUE",
     112: "FABRIC_MANAGER_TRAINING_ERROR",
     117: "TEST_SKIPPED",
+    122: "IMEX_UNHEALTHY",
+    123: "FABRIC_PROBE_STATE",
 }
 
 _STATUSES = {"pass": "pass", "fail": "fail", "warn": "warn", "warning": "warn", "skip": "skip"}

@@ -507,6 +507,39 @@ def test_health_incidents_grade_by_subsystem_and_keep_dcgm_code_and_message():
     }
 
 
+@pytest.mark.parametrize(
+    "system, code, message, metric, level",
+    [
+        (
+            "nvlink",
+            123,
+            "GPU 0: Fabric State is Not Started (2).",
+            "health_fabric_service",
+            "ERROR",
+        ),
+        ("nvlink", 123, "GPU 0: Fabric State is NvmlTooOld (5).", "health_fabric_service", "ERROR"),
+        ("nvlink", 122, "IMEX domain status is DEGRADED", "health_fabric_service", "ERROR"),
+        ("nvlink", 71, "Detected 1 NvLink recovery error(s)", "health_nvlink_errors", "WARN"),
+        ("nvlink", 14, "GPU 0's NvLink link 3 is currently down", "health_nvlink", "ERROR"),
+        ("mem", 4, "Detected 1 volatile double-bit ECC error(s)", "health_mem", "FAULT"),
+    ],
+)
+def test_one_health_fail_is_graded_by_dcgms_error_code_and_only_a_part_is_faulted(
+    system, code, message, metric, level
+):
+    """One poll's FAIL under the NVLink watch was FAULT, a replacement: Fabric Manager not
+    started (DCGM's own advice: start it), the IMEX domain degraded, one recovery error (DCGM
+    fails on one). By DCGM's error code: a service is an ERROR held for an operator, counted
+    link errors a WARN, a link down an ERROR; a double-bit ECC error stays FAULT."""
+    report = HealthReport(overall="fail", incidents=(incident(system, "fail", code, 0, message),))
+    results = dcgm_health.run(ctx_for("dcgm_health"), opener=opener_of(FakeDcgm(health=report)))
+    (found,) = results
+    grade = GRADER.grade(results, mode="service")
+    assert (found.metric, grade.level.name) == (metric, level)
+    if metric == "health_fabric_service":
+        assert grade.reasons[0].remedy is not None  # held for an operator, never replaced
+
+
 def test_health_watch_as_periodic_source_sets_watches_once_and_polls_each_time():
     source = FakeDcgm(health=HealthReport(overall="pass"))
     watch = dcgm_health.HealthWatch(source, ["mem", "nvlink"])
