@@ -11,6 +11,8 @@ Results, per GPU (``gpu:N``):
 
 * ``fabric_state``: ``pass`` when the registration completed with status Success; ``fail``
   (rule ``nvlink-fabric-incomplete``, ERROR) when it did not, naming the state and status;
+  where no GPU of the node has completed it, ``fabric_unregistered`` instead (rule
+  ``nvlink-fabric-unregistered``, ERROR held for an operator): the fabric manager's state;
 * ``fabric_health``: ``pass`` when the mask flags nothing; ``warn`` (``nvlink-fabric-degraded``)
   for degraded bandwidth alone; ``fail`` (``nvlink-fabric-unhealthy``, ERROR) naming each other
   flag (route recovery, route unhealthy, access timeout recovery, a refused configuration, the
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from node_agent.checking.context import CheckContext
@@ -113,7 +115,36 @@ def run(ctx: CheckContext) -> list[Result]:
         out.append(_state(ctx, dev.index, fabric, applies))
         out.append(_health(ctx, dev.index, fabric))
     out.extend(_domain(ctx, fabrics, applies, params))
-    return out
+    return _tray_wide(out)
+
+
+def _tray_wide(out: list[Result]) -> list[Result]:
+    """Every GPU of the node waiting for the fabric manager (registration not started or in
+    progress) is the fabric manager's state, not each GPU's: their findings become
+    ``fabric_unregistered`` (rule ``nvlink-fabric-unregistered``: held for an operator, never
+    a GPU or a tray replaced). One GPU alone short of it stays its own ``fabric_state``."""
+    states = [r for r in out if r.metric == "fabric_state"]
+    waiting = [
+        r
+        for r in states
+        if r.status is Status.FAIL
+        and (r.evidence.get("fabric") or {}).get("state") != "completed"
+        and r.evidence.get("fabric") is not None
+    ]
+    if len(states) < 2 or len(waiting) != len(states):
+        return out
+    return [
+        replace(
+            r,
+            metric="fabric_unregistered",
+            detail=f"{r.detail}; so are all {len(states)} GPUs of the node: the fabric manager "
+            "has not registered them (on an NVL72 rack it runs on the NVSwitch trays; on an "
+            "NVSwitch board, nvidia-fabricmanager here)",
+        )
+        if r in waiting
+        else r
+        for r in out
+    ]
 
 
 def _evidence(fabric: GpuFabric) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import pytest
 from node_agent import resources
 from node_agent.checking.context import HOST_PORTS, CheckContext
 from node_agent.checks import inventory as inventory_check
-from node_agent.checks import nvml_health
+from node_agent.checks import nvlink_fabric, nvml_health
 from node_agent.checks.nvml_health import links as nvml_nvlink
 from node_agent.config import config_from_dict
 from node_agent.gpu.base import DeviceLost, GpuError, NoPermission, NotSupported, NvLink
@@ -338,6 +338,43 @@ def test_an_identity_error_that_is_not_a_lost_gpu_drains_and_is_never_replaced(m
     assert grade.level is Level.ERROR
     (reason,) = [r for r in grade.reasons if r.target == "gpu:3"]
     assert reason.rule == "gpu-identity-error" and reason.remedy is not None
+
+
+def test_every_nvlink_of_every_gpu_down_is_the_fabric_not_brought_up_never_eight_gpus():
+    """An HGX board whose nvidia-fabricmanager is not running: NVML shows every link of every
+    GPU inactive. That had been eight nvlink-down FAULTs, a replacement; it is the fabric (the
+    fabric manager, or the switch board), held for an operator. One GPU's links stay its own."""
+    every = [Fault("nvlink_down", g, {"link": n}) for g in range(8) for n in range(18)]
+    results = nvml_health.run(context("nvml_health", "h100-sxm5-80gb", faults=every))
+    assert not by_metric(results, "nvlink_state")
+    (fabric,) = by_metric(results, "nvlink_fabric_down")
+    assert fabric.target == "node" and len(fabric.evidence["per_gpu"]) == 8
+    grade = GRADER.grade(results)
+    assert grade.level is Level.ERROR and {r.rule for r in grade.reasons} == {"nvlink-fabric-down"}
+    assert all(r.remedy is not None for r in grade.reasons)
+
+    one = [Fault("nvlink_down", 3, {"link": n}) for n in range(18)]
+    grade = GRADER.grade(nvml_health.run(context("nvml_health", "h100-sxm5-80gb", faults=one)))
+    assert grade.level is Level.FAULT and [r.target for r in grade.reasons] == ["gpu:3"]
+
+
+def test_a_tray_none_of_whose_gpus_registered_with_the_fabric_is_held_never_replaced():
+    """A GB200 tray whose fabric manager (on the NVSwitch trays) is not up: every GPU's
+    registration Not Started. It had been ERROR with no remedy: two reboots, then the compute
+    tray replaced. One GPU alone short of it is still that GPU's."""
+    waiting = [Fault("fabric_incomplete", g, {"state": "not_started"}) for g in range(4)]
+    results = nvlink_fabric.run(context("nvlink_fabric", "gb200-186gb", gpus=4, faults=waiting))
+    grade = GRADER.grade(results, "service")
+    assert {r.rule for r in grade.reasons} == {"nvlink-fabric-unregistered"}
+    assert all(r.remedy is not None for r in grade.reasons)
+    alone = [Fault("fabric_incomplete", 2, {"state": "not_started"})]
+    results = nvlink_fabric.run(context("nvlink_fabric", "gb200-186gb", gpus=4, faults=alone))
+    (reason,) = GRADER.grade(results, "service").reasons
+    assert (reason.rule, reason.target, reason.remedy) == (
+        "nvlink-fabric-incomplete",
+        "gpu:2",
+        None,
+    )
 
 
 def test_nvlink_counters_are_readings_of_the_worst_link_with_every_link_in_the_evidence():

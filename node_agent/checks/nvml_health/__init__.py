@@ -37,7 +37,7 @@ from node_agent.checking import host_view
 from node_agent.checking.behaviour import ServiceBehaviour
 from node_agent.checking.context import CheckContext
 from node_agent.checking.params import Reader
-from node_agent.checks.nvml_health.links import nvlink
+from node_agent.checks.nvml_health.links import fabric_wide_loss, nvlink
 from node_agent.checks.nvml_health.metrics import NvmlReadings
 from node_agent.gpu.base import (
     DeviceLost,
@@ -94,7 +94,7 @@ def run(ctx: CheckContext) -> list[Result]:
     results = [_gpu_count(ctx), *_pci_bus(ctx)]
     for device in ctx.gpu.devices():
         results.extend(_check_gpu(ctx, device))
-    return results
+    return fabric_wide_loss(ctx, results)
 
 
 def _expected_gpus(ctx: CheckContext) -> tuple[int | None, str]:
@@ -126,16 +126,13 @@ def _gpu_count(ctx: CheckContext) -> Result:
     bus = ctx.pci_bus()
     on_bus = None if bus.unreadable else len(bus.host_gpus)
     if expected is None:
-        return ctx.result(
-            "node",
-            "gpu_count",
+        return _count_result(
+            ctx,
             Status.PASS,
             f"{seen} GPUs visible (no expected count: {why_none}; "
             f"{on_bus if on_bus is not None else '?'} on the PCI bus)",
-            value=seen,
-            unit="GPUs",
-            visible=visible,
-            pci_gpus=on_bus,
+            seen,
+            {"visible": visible, "pci_gpus": on_bus},
         )
     # a GPU handed to a VM (vfio-pci) is the VM's, not a GPU the host lost
     handed = 0 if bus.unreadable else len(bus.gpus) - len(bus.host_gpus)
@@ -163,50 +160,44 @@ def _gpu_count(ctx: CheckContext) -> Result:
     if seen < expected:
         elsewhere = [] if bus.unreadable else [g for g in bus.host_gpus if g.bound_elsewhere]
         if elsewhere and seen + len(elsewhere) >= expected:
-            return ctx.result(
-                "node",
-                "gpu_count",
+            return _count_result(
+                ctx,
                 Status.WARN,
                 f"{seen} of {expected} expected GPUs visible{note}; the rest are on the PCI bus "
                 f"held by another driver ({', '.join(g.describe() for g in elsewhere)}): not "
                 "lost, not usable (gpu_bound_elsewhere)",
-                value=seen,
-                unit="GPUs",
-                **evidence,
+                seen,
+                evidence,
             )
         if not declared and not modelled:
             in_vm = _count_in_a_vm(ctx, seen, expected, evidence)
             if in_vm is not None:
                 return in_vm
-        return ctx.result(
-            "node",
-            "gpu_count",
+        return _count_result(
+            ctx,
             Status.FAIL,
             f"{seen} of {expected} expected GPUs visible{note} (visible indices "
             f"{visible}); a missing GPU has fallen off the bus or is not powered",
-            value=seen,
-            unit="GPUs",
-            **evidence,
+            seen,
+            evidence,
         )
     if seen > expected:
-        return ctx.result(
-            "node",
-            "gpu_count",
+        return _count_result(
+            ctx,
             Status.WARN,
             f"{seen} GPUs visible, {expected} expected{note}: check node.expected_gpus",
-            value=seen,
-            unit="GPUs",
-            **evidence,
+            seen,
+            evidence,
         )
-    return ctx.result(
-        "node",
-        "gpu_count",
-        Status.PASS,
-        f"{seen} of {expected} GPUs visible{note}",
-        value=seen,
-        unit="GPUs",
-        **evidence,
+    return _count_result(
+        ctx, Status.PASS, f"{seen} of {expected} GPUs visible{note}", seen, evidence
     )
+
+
+def _count_result(
+    ctx: CheckContext, status: Status, detail: str, seen: int, evidence: dict[str, Any]
+) -> Result:
+    return ctx.result("node", "gpu_count", status, detail, value=seen, unit="GPUs", **evidence)
 
 
 def _count_in_a_vm(
@@ -223,20 +214,17 @@ def _count_in_a_vm(
     evidence = {**evidence, "virtualization": view.modes, "lost_gpu_traces": lost.traces}
     modes = ", ".join(view.guest_modes)
     if lost.traces:
-        return ctx.result(
-            "node",
-            "gpu_count",
+        return _count_result(
+            ctx,
             Status.FAIL,
             f"{seen} of {expected} expected GPUs visible in this VM (NVML "
             f"virtualization mode {modes}), and a GPU was lost: " + "; ".join(lost.traces),
-            value=seen,
-            unit="GPUs",
-            **evidence,
+            seen,
+            evidence,
         )
     looked = "; ".join(lost.looked_at) or "neither the PCI bus nor the kernel log could be read"
-    return ctx.result(
-        "node",
-        "gpu_count",
+    return _count_result(
+        ctx,
         Status.WARN,
         f"{seen} of {expected} GPUs visible, {expected} being the count per node of "
         f"{evidence['expected_from']}, and this host is a virtual machine (NVML "
@@ -244,9 +232,8 @@ def _count_in_a_vm(
         "share of it. Nothing shows a lost GPU "
         f"({looked}). Set node.expected_gpus to the number of GPUs this VM should have to "
         "check its count",
-        value=seen,
-        unit="GPUs",
-        **evidence,
+        seen,
+        evidence,
     )
 
 
@@ -284,23 +271,16 @@ def _pci_bus(ctx: CheckContext) -> list[Result]:
     out = []
     none_listed = not ctx.gpu.devices()
     for gpu in found.not_enumerated:
+        metric = "gpu_not_enumerated"
         if gpu.bound_elsewhere:
-            out.append(
-                ctx.result(
-                    f"pci:{gpu.bus_id}",
-                    "gpu_bound_elsewhere",
-                    Status.FAIL,
-                    f"NVIDIA GPU {gpu.describe()}: another driver holds it, so the NVIDIA "
-                    "driver cannot, and training cannot use it. A configuration matter, not "
-                    "the GPU's: blacklist that driver (e.g. `modprobe.blacklist=nouveau`), "
-                    "rebuild the initramfs and reboot",
-                    value=gpu.bus_id,
-                    driver=gpu.driver,
-                    **evidence,
-                )
+            metric, status = "gpu_bound_elsewhere", Status.FAIL
+            detail = (
+                f"NVIDIA GPU {gpu.describe()}: another driver holds it, so the NVIDIA "
+                "driver cannot, and training cannot use it. A configuration matter, not "
+                "the GPU's: blacklist that driver (e.g. `modprobe.blacklist=nouveau`), "
+                "rebuild the initramfs and reboot"
             )
-            continue
-        if none_listed:
+        elif none_listed:
             status = Status.ERROR
             detail = (
                 f"NVIDIA GPU {gpu.describe()} is on the PCI bus, but the driver "
@@ -326,7 +306,7 @@ def _pci_bus(ctx: CheckContext) -> list[Result]:
         out.append(
             ctx.result(
                 f"pci:{gpu.bus_id}",
-                "gpu_not_enumerated",
+                metric,
                 status,
                 detail,
                 value=gpu.bus_id,
@@ -465,32 +445,20 @@ def _sram(ctx: CheckContext, ecc: EccCounts, target: str, out: list[Result]) -> 
                 **evidence,
             )
         )
-    if sram is None:
-        return
-    if sram:
-        if not ecc.sram_threshold_exceeded:
-            out.append(
-                ctx.result(
-                    target,
-                    "ecc_dbe_sram_aggregate",
-                    Status.WARN,
-                    f"{sram} uncorrectable SRAM ECC errors over the GPU's life{where}, below the "
-                    "driver's RMA threshold (SRAM Threshold Exceeded: "
-                    f"{'no' if ecc.sram_threshold_exceeded is False else 'not reported'}); more "
-                    "in the same bank will trip it",
-                    value=sram,
-                    unit="errors",
-                    **evidence,
-                )
-            )
+    if sram is None or (sram and ecc.sram_threshold_exceeded):
         return
     out.append(
         ctx.result(
             target,
             "ecc_dbe_sram_aggregate",
-            Status.PASS,
-            "no uncorrectable SRAM ECC errors over the GPU's life",
-            value=0,
+            Status.WARN if sram else Status.PASS,
+            f"{sram} uncorrectable SRAM ECC errors over the GPU's life{where}, below the "
+            "driver's RMA threshold (SRAM Threshold Exceeded: "
+            f"{'no' if ecc.sram_threshold_exceeded is False else 'not reported'}); more "
+            "in the same bank will trip it"
+            if sram
+            else "no uncorrectable SRAM ECC errors over the GPU's life",
+            value=sram,
             unit="errors",
             **evidence,
         )
@@ -539,29 +507,17 @@ def _row_remap(
     if rows is None:
         return
     evidence = {"corrected_rows": rows.corrected, "uncorrected_rows": rows.uncorrected}
-    if rows.failed:
-        out.append(
-            ctx.result(
-                target,
-                "row_remap_failure",
-                Status.FAIL,
-                "row remapping failed: no spare row for an uncorrectable memory "
-                "error (NVIDIA: replace the GPU)",
-                value=True,
-                **evidence,
-            )
-        )
-    if rows.pending:
-        out.append(
-            ctx.result(
-                target,
-                "row_remap_pending",
-                Status.FAIL,
-                "a row remap is pending: reset the GPU to apply it",
-                value=True,
-                **evidence,
-            )
-        )
+    for flagged, metric, detail in (
+        (
+            rows.failed,
+            "row_remap_failure",
+            "row remapping failed: no spare row for an uncorrectable memory "
+            "error (NVIDIA: replace the GPU)",
+        ),
+        (rows.pending, "row_remap_pending", "a row remap is pending: reset the GPU to apply it"),
+    ):
+        if flagged:
+            out.append(ctx.result(target, metric, Status.FAIL, detail, value=True, **evidence))
     if not rows.failed and not rows.pending:
         out.append(
             ctx.result(

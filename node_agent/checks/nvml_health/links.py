@@ -248,3 +248,31 @@ def _nvlink_against(
     return ctx.result(
         target, "nvlink_state", status, detail, len(active), "links", expected=expected, **evidence
     )
+
+
+def fabric_wide_loss(ctx: CheckContext, results: list[Result]) -> list[Result]:
+    """Every NVLink of every GPU down at once is not that many failed parts: an NVSwitch board's
+    links stay untrained until nvidia-fabricmanager runs (or while it fails, or its version is
+    not the driver's), and its switches are one board. The GPUs' ``nvlink_state`` FAILs give way
+    to one node ``nvlink_fabric_down`` (ERROR, held for an operator: never a GPU replaced), with
+    each GPU's reading as evidence. Fewer links down, or one GPU's, stay each GPU's own."""
+    states = [r for r in results if r.metric == "nvlink_state"]
+    if len(states) < 2 or any(r.status is not Status.FAIL or r.value for r in states):
+        return results
+    per_gpu = {r.target: r.detail for r in states}
+    kept = [r for r in results if r.metric != "nvlink_state"]
+    return kept + [
+        ctx.result(
+            "node",
+            "nvlink_fabric_down",
+            Status.FAIL,
+            f"every NVLink of all {len(states)} GPUs is down: the fabric was not brought up, "
+            "not a GPU failing (on an NVSwitch board, nvidia-fabricmanager trains the links: "
+            "`systemctl status nvidia-fabricmanager`, its version must be the driver's; else the "
+            "NVSwitches); start it and re-test",
+            0,
+            "links",
+            gpus=len(states),
+            per_gpu=per_gpu,
+        )
+    ]
