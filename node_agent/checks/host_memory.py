@@ -385,6 +385,7 @@ def _installed(
         "source": installed.source,
         "blocks": installed.blocks,
         "block_bytes": installed.block_bytes,
+        "gpu_node_gib": installed.gpu_node_gib,
     }
     if expected is None:
         return ctx.skip(
@@ -405,6 +406,27 @@ def _installed(
         margin_gib=round(margin, 2),
         declared_by=declared_by,
     )
+    if missing > margin and not sizes:
+        # no DIMM the firmware reports (Grace's LPDDR5X is soldered, no EDAC DIMMs): nothing
+        # to reseat, and an expectation that counted a GPU's memory reads short of it
+        return ctx.result(
+            "node",
+            "memory_short",
+            Status.FAIL,
+            f"{installed.gib:g} GiB of host memory in NUMA nodes with CPUs, {expected:g} GiB "
+            f"expected ({declared_by}): {missing:g} GiB short, and no DIMM is reported to name"
+            + (
+                f" ({installed.gpu_node_gib:g} GiB more is GPU memory the driver onlined, not "
+                "counted)"
+                if installed.gpu_node_gib
+                else ""
+            )
+            + "; check that the expectation counts the CPUs' memory only, and the BMC's log",
+            value=installed.gib,
+            unit="GiB",
+            missing_gib=round(missing, 2),
+            **evidence,
+        )
     if missing > margin:
         dimms_missing = max(1, round(missing / dimm_gib))
         return ctx.result(

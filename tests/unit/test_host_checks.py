@@ -19,8 +19,12 @@ from node_agent.checking.context import CheckContext
 from node_agent.checks import host_cpu, host_memory, host_power, nvme_health, pcie_aer
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
+from node_agent.grading.rules import load_grader
 from node_agent.inventory import Inventory
-from node_agent.model import GpuInfo, HostInfo, Status
+from node_agent.model import GpuInfo, HostInfo, Level, Status
+from node_agent.resources import shipped_graders_dir
+
+GRADER = load_grader(shipped_graders_dir())
 
 
 def make_ctx(
@@ -190,7 +194,35 @@ def test_memtotal_fallback_allows_for_the_kernels_reservations(tmp_path):
     ctx = make_ctx(tmp_path, "host_memory", {"node": {"expected_memory_gib": 2048}})
     assert by(host_memory.run(ctx), "memory_installed").status is Status.PASS
     write(tmp_path / "proc/meminfo", "MemTotal:       1912010000 kB\n")  # ~1823 GiB
-    assert by(host_memory.run(ctx), "memory_missing").status is Status.FAIL
+    assert by(host_memory.run(ctx), "memory_short").status is Status.FAIL  # no DIMM to name
+
+
+def grace_tray(tmp_path, grace_gib: int, gpu_gib: int) -> None:
+    """A GB200 tray's memory blocks (1 GiB each): two Grace NUMA nodes with CPUs, and the GPUs'
+    memory the driver onlined (CDMM off) as CPU-less nodes 2-5; no EDAC DIMMs (LPDDR5X)."""
+    base, nodes = tmp_path / "sys/devices/system/memory", tmp_path / "sys/devices/system/node"
+    write(base / "block_size_bytes", "40000000\n")
+    for n, cpus in enumerate(["0-71", "72-143", "", "", "", ""]):
+        write(nodes / f"node{n}" / "cpulist", f"{cpus}\n")
+    for i in range(grace_gib + gpu_gib):
+        node = i % 2 if i < grace_gib else 2 + i % 4
+        (base / f"memory{i}" / f"node{node}").mkdir(parents=True)
+
+
+def test_a_grace_trays_gpu_memory_is_not_host_memory_and_a_shortfall_is_never_a_dimm(tmp_path):
+    """The driver onlines each GPU's memory as a CPU-less NUMA node (CDMM off) or not (CDMM on,
+    R580): an expectation taken with it read a healthy tray as 740 GiB short, "about 23
+    DIMM(s)", FAULT. Only CPU nodes' blocks count; with no DIMM to name, a shortfall is held."""
+    grace_tray(tmp_path, grace_gib=880, gpu_gib=740)
+    expected = {"node": {"expected_memory_gib": 880}}
+    installed = by(host_memory.run(make_ctx(tmp_path, "host_memory", expected)), "memory_installed")
+    assert installed.status is Status.PASS and installed.evidence["gpu_node_gib"] == 740
+    counted_gpus = {"node": {"expected_memory_gib": 880 + 740}}
+    results = host_memory.run(make_ctx(tmp_path, "host_memory", counted_gpus))
+    short = by(results, "memory_short")
+    assert short.status is Status.FAIL and "DIMM(s)" not in short.detail
+    (reason,) = [r for r in GRADER.grade(results).reasons if r.rule == "memory-short"]
+    assert reason.level is Level.ERROR and reason.remedy is not None
 
 
 # -- host_power -------------------------------------------------------------------------------
