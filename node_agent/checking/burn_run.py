@@ -128,7 +128,31 @@ def burn(ctx: CheckContext, plan: BurnPlan, sample_interval_s: float) -> BurnOut
 
 
 def worker_failures(ctx: CheckContext, outcome: BurnOutcome) -> list[Result]:
-    """One ``error`` result per GPU whose worker died or stalled."""
+    """One ``error`` result per GPU whose worker died or stalled; but where every GPU's worker
+    failed the same way (one error, or none ever got running), one ``node`` result
+    ``workers_all_failed`` (rule ``burn-workers-all-failed``: software, held, never a GPU
+    replaced): a torch built without this GPU's architecture, a CUDA or driver mismatch, memory
+    another process holds. Eight GPUs do not fail alike at once; a software stack does."""
+    workers = outcome.workers
+    failed = {i: w for i, w in workers.items() if w.failure}
+    alike = len({w.last_words for w in failed.values()}) == 1
+    never_ran = not any(w.samples for w in failed.values())
+    if len(workers) >= 2 and len(failed) == len(workers) and (alike or never_ran):
+        first = failed[min(failed)]
+        return [
+            ctx.result(
+                "node",
+                "workers_all_failed",
+                Status.ERROR,
+                f"every GPU's burn worker failed ({len(failed)} of {len(workers)}"
+                + (f", each with: {first.last_words}" if alike else ", none got running")
+                + "): the software stack, not the GPUs (a torch build without this GPU's "
+                "architecture, a CUDA or driver mismatch, memory another process holds); check "
+                "`python -c 'import torch; print(torch.cuda.get_arch_list())'` and the driver",
+                per_gpu={f"gpu:{i}": w.failure_detail for i, w in sorted(failed.items())},
+                traceback=first.traceback[-2000:],
+            )
+        ]
     out = []
     for index, w in sorted(outcome.workers.items()):
         if w.failure:

@@ -28,7 +28,12 @@ from node_agent.compute.burn import (  # noqa: E402
 from node_agent.compute.devices import ComputeDevice, ComputeSpec  # noqa: E402
 from node_agent.config import config_from_dict  # noqa: E402
 from node_agent.gpu.base import GpuTimeout, NotSupported  # noqa: E402
+from node_agent.grading.rules import load_grader  # noqa: E402
+from node_agent.model import Status  # noqa: E402
+from node_agent.resources import shipped_graders_dir  # noqa: E402
 from node_agent.sdc.probes import corrupting_matmul  # noqa: E402
+
+GRADER = load_grader(shipped_graders_dir())
 
 CPU = torch.device("cpu")
 PRECISIONS = ["bf16", "fp16", "tf32", "fp32"]
@@ -592,13 +597,13 @@ class Fault:
     exits with ``code``, hangs or raises once it has sent ``after_samples`` samples. A
     module-level class, so it pickles into the worker processes."""
 
-    gpu: int
+    gpu: int | None  # None: every GPU's worker
     action: str  # exit | hang | raise
     after_samples: int = 0
     code: int = 7
 
     def __call__(self, index: int, samples_sent: int) -> None:
-        if index != self.gpu or samples_sent != self.after_samples:
+        if self.gpu not in (None, index) or samples_sent != self.after_samples:
             return
         if self.action == "exit":
             os._exit(self.code)
@@ -642,6 +647,29 @@ def test_a_worker_that_raises_reports_its_exception_text():
     assert dead.failure == "worker_died" and dead.exitcode == 3
     assert "injected failure" in dead.last_words and "injected failure" in dead.failure_detail
     assert out.workers[1].failure is None
+
+
+def test_every_worker_failing_alike_is_the_software_stack_held_never_a_gpu_replaced():
+    """Every GPU's worker raising the same error at start (a torch without the GPU's
+    architecture says "no kernel image is available"): eight worker_died ERRORs, with no
+    software marker, had gone drain, reboot, reboot, replace. One GPU's death stays its own."""
+    from node_agent.checking.burn_run import worker_failures
+
+    ctx = thermal_ctx()
+    everyone = run_burn(sim_specs(3), tiny_plan(gpu=None, action="raise"), deadline_s=150)
+    (alike,) = worker_failures(ctx, everyone)
+    assert (alike.target, alike.metric, alike.status) == (
+        "node",
+        "workers_all_failed",
+        Status.ERROR,
+    )
+    assert "injected failure" in alike.detail and len(alike.evidence["per_gpu"]) == 3
+    (reason,) = GRADER.grade([alike]).reasons
+    assert (reason.rule, reason.remedy is not None) == ("burn-workers-all-failed", True)
+
+    one = run_burn(sim_specs(3), tiny_plan(gpu=1, action="raise"), deadline_s=150)
+    (own,) = worker_failures(ctx, one)
+    assert (own.target, own.metric) == ("gpu:1", "worker_died")
 
 
 def test_a_worker_that_stops_sending_is_killed_as_stalled_and_the_run_ends():
