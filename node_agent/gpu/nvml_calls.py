@@ -746,27 +746,6 @@ def _error(text: str) -> None:
         raise NvmlAnswer(int(code) if code.lstrip("-").isdigit() else UNKNOWN)
 
 
-def _numbers(text: str, limits: list[int]) -> list[int]:
-    _error(text)
-    try:
-        numbers = [int(v, 0) for v in text.split()]
-    except ValueError:
-        raise NvmlAnswer(UNKNOWN) from None
-    if len(numbers) != len(limits) or not all(
-        0 <= n <= m for n, m in zip(numbers, limits, strict=True)
-    ):
-        raise NvmlAnswer(UNKNOWN)
-    return numbers
-
-
-def read_numbers(section: list[tuple[str, str]], key: str, limits: list[int]) -> list[int]:
-    """``len(limits)`` numbers from ``key``, each at most its limit (the table's rules)."""
-    text = lookup(section, key)
-    if text is None:
-        raise NvmlAnswer(NOT_SUPPORTED)
-    return _numbers(text, limits)
-
-
 def read_text(section: list[tuple[str, str]], key: str) -> str:
     """The text of ``key`` (the table's rules)."""
     text = lookup(section, key)
@@ -774,6 +753,19 @@ def read_text(section: list[tuple[str, str]], key: str) -> str:
         raise NvmlAnswer(NOT_SUPPORTED)
     _error(text)
     return text
+
+
+def read_numbers(section: list[tuple[str, str]], key: str, limits: list[int]) -> list[int]:
+    """``len(limits)`` numbers from ``key``, each at most its limit (the table's rules)."""
+    try:
+        numbers = [int(v, 0) for v in read_text(section, key).split()]
+    except ValueError:
+        raise NvmlAnswer(UNKNOWN) from None
+    if len(numbers) != len(limits) or not all(
+        0 <= n <= m for n, m in zip(numbers, limits, strict=True)
+    ):
+        raise NvmlAnswer(UNKNOWN)
+    return numbers
 
 
 def answer(call: Call, section: list[tuple[str, str]], values: tuple[int, ...]) -> Any:

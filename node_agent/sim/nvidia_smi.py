@@ -258,6 +258,18 @@ def _error(text: str) -> dict[str, Any] | None:
     return recorded_error(code) if code is not None else None
 
 
+def _state_value(reading: str, convert: Callable[[str], Any]) -> Any:
+    """A printed reading as its key's value: the NVML error it names, its conversion, or
+    Unknown where it is printed in no known form (an error is a dict, a value never is)."""
+    error = _error(reading)
+    if error is not None:
+        return error
+    try:
+        return convert(reading)
+    except (ValueError, KeyError):
+        return recorded_error(999)
+
+
 def _number(text: str) -> float:
     """The leading number of a reading (``81559 MiB``, ``35 C``, ``16x``, ``72.79 W``)."""
     m = re.match(r"\s*(-?\d+(?:\.\d+)?)", text)
@@ -413,16 +425,8 @@ def gpu_keys(smi: _Smi, tree: Tree, assumed: dict[str, str]) -> dict[str, Any]:
     keys: dict[str, Any] = {}
     for key, xml, text, convert in _FIELDS:
         reading = smi.get(tree, xml, text)
-        if reading is None:
-            continue
-        error = _error(reading)
-        if error is not None:
-            keys[key] = error
-            continue
-        try:
-            keys[key] = convert(reading)
-        except (ValueError, KeyError):
-            keys[key] = recorded_error(999)  # printed, but not as any known form
+        if reading is not None:
+            keys[key] = _state_value(reading, convert)
     if any(isinstance(v, dict) and v.get("code") == 15 for v in keys.values()):
         return {"lost": 1, **{k: keys[k] for k in ("pci.bus_id",) if isinstance(keys.get(k), str)}}
     _memory(smi, tree, keys, assumed)
@@ -482,15 +486,11 @@ def _joined(
         reading = smi.get(tree, xml, text)
         if reading is None:
             return
-        error = _error(reading)
-        if error is not None:
-            keys[key] = error
+        value = _state_value(reading, convert)
+        if isinstance(value, dict):
+            keys[key] = value
             return
-        try:
-            values.append(str(convert(reading)))
-        except (ValueError, KeyError):
-            keys[key] = recorded_error(999)
-            return
+        values.append(str(value))
     keys[key] = " ".join(values)
 
 
