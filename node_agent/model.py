@@ -235,6 +235,9 @@ class Remedy(str, enum.Enum):
     ``record`` marks a finding read from a record that a restart does not clear (the BMC's
     event log, panics kept in pstore): that it is still there after a restart proves nothing,
     so once its restarts are spent it too waits for an operator, who reads and clears the record.
+    ``elsewhere`` marks a link error several GPUs report at once (an Xid of ``class: link``):
+    it points at the far end of the links (an NVSwitch; on an NVL72 rack, in another tray), not
+    at the GPU that reports it, so it too waits for an operator instead of a replacement.
     """
 
     SOFTWARE = "software"
@@ -242,6 +245,7 @@ class Remedy(str, enum.Enum):
     PLANNED = "planned"
     APPLICATION = "application"
     RECORD = "record"
+    ELSEWHERE = "elsewhere"
 
     def __str__(self) -> str:
         return self.value

@@ -155,7 +155,13 @@ class Grader:
             level=verdict.level,
             target=result.target,
             message=message,
-            remedy=Remedy.APPLICATION if verdict.application else rule.remedy,
+            remedy=(
+                Remedy.APPLICATION
+                if verdict.application
+                else Remedy.ELSEWHERE
+                if verdict.elsewhere
+                else rule.remedy
+            ),
             catalog=catalog.kind,
             code=code,
             restarts_before_fault=verdict.restarts_before_fault,

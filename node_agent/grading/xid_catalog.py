@@ -39,9 +39,12 @@ _STR_OR_LIST = {
 }
 
 #: ``class`` values of an XID entry: ``application`` marks a code that is the job's when it is
-#: spread across GPUs and the GPU's when it repeats on one (NVIDIA's WORKFLOW_XID_13/31)
-XID_CLASSES = ("application",)
+#: spread across GPUs and the GPU's when it repeats on one (NVIDIA's WORKFLOW_XID_13/31);
+#: ``link`` a link error the GPU at either end reports (WORKFLOW_NVLINK_ERR), which points at
+#: the far end when several GPUs report it at once
+XID_CLASSES = ("application", "link")
 APPLICATION = "application"
+LINK = "link"
 #: the window in which an application-class code without a ``recurrence`` counts as spread
 SPREAD_WINDOW_S = 24 * 3600.0
 
@@ -184,6 +187,7 @@ class Verdict:
     note: str  # recurrence, or why a line could not be decoded ("" when nothing to add)
     restarts_before_fault: int | None = None
     application: bool = False  # the code's class is application: a user's code can cause it
+    elsewhere: bool = False  # a link error several GPUs report: the far end's (Remedy.ELSEWHERE)
 
 
 class Catalog:
@@ -221,14 +225,26 @@ class Catalog:
             verdict = self._xid(entry, variants)
         if entry is None:
             return verdict
-        spread = _spread(entry, evidence, elsewhere or []) if entry.cls == APPLICATION else []
+        spread = _spread(entry, evidence, elsewhere or []) if entry.cls else []
+        if spread and entry.cls == LINK:
+            # WORKFLOW_NVLINK_ERR: the GPUs at both ends report it; several GPUs at once point
+            # at what they share, the far end (an NVSwitch)
+            note = (
+                f"also on {_shown(spread)} within {_window_h(entry):g} h: a link error several "
+                "GPUs report points at the far end of their links (an NVSwitch), not at this "
+                "GPU; held for an operator, never this GPU replaced for it"
+            )
+            return Verdict(
+                verdict.level,
+                verdict.name,
+                _join(verdict.note, note),
+                entry.restarts_before_fault,
+                elsewhere=True,
+            )
         if spread:
             # WORKFLOW_XID_13/31: the same fault on different GPUs is the application's
-            shown = ", ".join(spread[:8]) + (
-                f" and {len(spread) - 8} more" if len(spread) > 8 else ""
-            )
             note = (
-                f"also on {shown} within {_window_h(entry):g} h: an application error "
+                f"also on {_shown(spread)} within {_window_h(entry):g} h: an application error "
                 "spread across GPUs is the job's, not the node's (no drain)"
             )
             level = min(verdict.level, Level.WARN)
@@ -311,6 +327,11 @@ def _said(fields: dict[str, Any]) -> str:
     if "recovery_action" in fields:
         parts.append(f"to {fields['recovery_action']}")
     return " ".join(parts) or "a line without unit or severity"
+
+
+def _shown(targets: list[str]) -> str:
+    more = f" and {len(targets) - 8} more" if len(targets) > 8 else ""
+    return ", ".join(targets[:8]) + more
 
 
 def _window_h(entry: CodeEntry) -> float:

@@ -338,7 +338,7 @@ class Move(enum.Enum):
 
 #: the remedies of findings that new hardware is not known to fix: an ERROR made only of these
 #: is held for an operator when its restarts are spent, never escalated to a replacement
-NO_SWAP = frozenset({Remedy.SOFTWARE, Remedy.APPLICATION, Remedy.RECORD})
+NO_SWAP = frozenset({Remedy.SOFTWARE, Remedy.APPLICATION, Remedy.RECORD, Remedy.ELSEWHERE})
 #: the remedies of findings whose recurring never makes the node's hardware bad: those above and
 #: an announced maintenance (the cloud's, not the node's)
 NOT_HARDWARE = NO_SWAP | {Remedy.PLANNED}
@@ -690,6 +690,12 @@ _NO_SWAP_WORDS = {
         "whose lasting says nothing of the hardware now (remedy record in graders/rules.yaml)",
         "read the record, check the part it names (`ipmitool sel list`, the supplies; the "
         "panic's stack), clear it (`ipmitool sel clear`, remove the pstore dumps)",
+    ),
+    Remedy.ELSEWHERE: (
+        "a link error several GPUs report at once, which points at the far end of their links "
+        "(an NVSwitch; on an NVL72 rack, in another tray), not at a GPU of this node",
+        "check the far end first (`nvidia-smi nvlink -e` on each GPU, the NVSwitches' SXids, "
+        "the fabric manager's log)",
     ),
 }
 

@@ -509,6 +509,31 @@ def test_an_announced_maintenance_beside_a_software_cause_is_held_never_replaced
     assert [(s.action, s.to_state) for s in spent.steps] == [("hold", "needs-operator")]
 
 
+XID_74 = (
+    "NVRM: Xid (PCI:{bus}): 74, pid='<unknown>', name=<unknown>, NVLink: fatal error detected on "
+    "link 14(0x0, 0x0, 0x10000, 0x0, 0x0, 0x0, 0x0)"
+)  # the line of tests/data and NVSentinel's NVLink workflow (realworld/xid/x25)
+
+
+def test_an_nvlink_error_several_gpus_report_is_the_far_ends_never_a_gpu_replaced(grader):
+    """Xid 74 on all eight GPUs (the GPUs at every end report it): the restarts were counted on
+    gpu:0's and, seen again after the reboot, gpu:0 was replaced; the NVSwitch they share, the
+    far end, was never named. Several GPUs at once: held for an operator. One GPU: its own."""
+    buses = ["0000:18:00", "0000:2a:00", "0000:3a:00", "0000:5d:00"]
+    folder = Folder()
+    for i, event in enumerate(scan_lines([XID_74.format(bus=b) for b in buses])):
+        folder.add(event, f"gpu:{i}", "test")
+    g = grader.grade([fold.result() for fold in folder.sorted()], "service")
+    assert g.level is Level.ERROR and {r.remedy for r in g.reasons} == {Remedy.ELSEWHERE}
+    assert "far end" in g.reasons[0].message
+    spent = plan_for(g, record=AFTER_REBOOTS, counts={"xid-74": 2}, max_restarts=2)
+    assert not spent.escalated and [s.action for s in spent.steps] == ["hold"]
+
+    alone = graded_kernel_lines(grader, [XID_74.format(bus=buses[0])])
+    (reason,) = alone.reasons
+    assert reason.remedy is None  # the GPU's own: escalated once its restart is spent
+
+
 def test_a_power_event_the_bmc_keeps_is_held_for_an_operator_never_replaced(grader):
     """The audit's case: the SEL keeps an AC-lost event (asserted, then deasserted) for its
     24 h window through every reboot, and the supplies read ok: two restarts, then a replace."""
