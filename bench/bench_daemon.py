@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,11 +25,7 @@ from pathlib import Path
 import psutil
 import yaml
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from node_agent.peers import free_loopback_port
 
 
 def metrics(port: int) -> str:
@@ -42,7 +37,7 @@ def metrics(port: int) -> str:
 
 
 def start(tmp: Path, name: str, scenario: Path, suite: str | None) -> tuple[subprocess.Popen, int]:
-    port = free_port()
+    port = free_loopback_port()
     config = tmp / f"config-{name}.yaml"
     config.write_text(
         yaml.safe_dump(

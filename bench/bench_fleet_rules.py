@@ -34,7 +34,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,8 @@ import urllib.request
 from pathlib import Path
 
 import yaml
+
+from node_agent.peers import free_loopback_port
 
 RULES = Path(__file__).resolve().parents[1] / "packaging" / "prometheus" / "node-agent.rules.yml"
 NODES_PER_TARGET = 100
@@ -93,12 +94,6 @@ def node_text(i: int, gpus: int, hcas: int, rng: random.Random) -> str:
         f"{480e9 * slow * rng.uniform(0.99, 1.01):.6g}"
     )
     return "\n".join(lines) + "\n"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve(pages: dict[str, bytes]) -> tuple[http.server.ThreadingHTTPServer, int]:
@@ -195,7 +190,7 @@ def fleet(args, n: int) -> dict:
             }
         ],
     }
-    prom_port = free_port()
+    prom_port = free_loopback_port()
     with tempfile.TemporaryDirectory(prefix="bench-rules-") as tmp:
         work = Path(tmp)
         proc = start_prometheus(args.prometheus, work, config, prom_port, {"groups": []})
@@ -273,7 +268,7 @@ def window(args) -> dict:
             timeout=3600,
         )
         om.unlink()
-        port = free_port()
+        port = free_loopback_port()
         proc = start_prometheus(args.prometheus, work, {"global": {}}, port, None)
         try:
             expr = (

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,13 +32,9 @@ from pathlib import Path
 
 import yaml
 
+from node_agent.peers import free_loopback_port
+
 AGENT = str(Path(sys.executable).with_name("node-agent"))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def one_run(nodes: int, gpus: int, replay: bool, workdir: Path) -> dict:
@@ -60,7 +55,7 @@ def one_run(nodes: int, gpus: int, replay: bool, workdir: Path) -> dict:
         yaml.safe_dump({"state_dir": str(workdir / "state"), "kernel_log": {"path": os.devnull}})
     )
     out = workdir / f"out-{time.time_ns()}"
-    port = free_port()
+    port = free_loopback_port()
     args = [
         "stop-check",
         "--config",

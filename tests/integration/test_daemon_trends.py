@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import threading
 
 import pytest
@@ -20,6 +19,7 @@ from waiting import wait_for  # tests/waiting.py
 
 from node_agent import resources
 from node_agent.model import Level, Status
+from node_agent.peers import free_loopback_port
 from node_agent.service.daemon import Daemon
 from node_agent.service.history import DB_NAME
 
@@ -37,12 +37,6 @@ class WallClock:
         return self.now
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def daemon_on(tmp_path):
     started: list[Daemon] = []
@@ -54,7 +48,7 @@ def daemon_on(tmp_path):
         settings = {
             "state_dir": str(tmp_path / "state"),
             "spool_dir": str(tmp_path / "spool"),
-            "daemon": {"listen": f"127.0.0.1:{free_port()}"},
+            "daemon": {"listen": f"127.0.0.1:{free_loopback_port()}"},
         }
         if graders is not None:
             settings["graders_dir"] = str(graders)

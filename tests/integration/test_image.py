@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from node_agent.peers import free_loopback_port
 
 REPO = Path(__file__).resolve().parents[2]
 BUILD = REPO / "packaging" / "container" / "build-image"
@@ -103,12 +104,6 @@ def image():
         built_image.cleanup()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def poll(predicate, timeout_s: float):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -148,7 +143,7 @@ def test_daemon_in_the_image_serves_metrics_a_real_prometheus_scrapes(image, tmp
     prometheus = shutil.which("prometheus")
     if prometheus is None:
         pytest.skip("prometheus server not installed (Debian package prometheus)")
-    port, prom_port = free_port(), free_port()
+    port, prom_port = free_loopback_port(), free_loopback_port()
     etc = tmp_path / "etc"
     etc.mkdir()
     (etc / "config.yaml").write_text(yaml.safe_dump({"daemon": {"listen": f"127.0.0.1:{port}"}}))

@@ -23,7 +23,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,17 +31,13 @@ import pytest
 import yaml
 from preloaded_agent import Invocation, Zygote
 
+from node_agent.peers import free_loopback_port
+
 pytest.importorskip("torch", reason="stop-check computes with torch: make deps-test")
 
 AGENT = str(Path(sys.executable).with_name("node-agent"))
 NODES = 6
 RUN_TIMEOUT_S = 300
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def make_key(path: Path, mode: int = 0o600) -> Path:
@@ -171,7 +166,7 @@ def test_a_healthy_six_node_job_under_torchrun_names_no_suspect(job, tmp_path):
             "--nproc-per-node",
             str(NODES),
             "--master-port",
-            str(free_port()),
+            str(free_loopback_port()),
             "--no-python",
             AGENT,
             "stop-check",
@@ -210,7 +205,7 @@ def test_each_phase_names_exactly_its_bad_node_and_act_drains_them(job, tmp_path
         "--adapter",
         "log",
     ]
-    codes = run_ranks(agent_zygote(), range(NODES), NODES, args, free_port(), tmp_path)
+    codes = run_ranks(agent_zygote(), range(NODES), NODES, args, free_loopback_port(), tmp_path)
     data = summary(job.out)
     assert named(data, "self") == {("node1", None)}
     assert named(data, "neighbours") == {("node3", None)}
@@ -234,7 +229,7 @@ def test_a_node_that_cannot_compute_is_warn_and_the_others_say_the_phases_were_s
     whose torch cannot use its GPUs would say): the compute phases are skipped on every node,
     each report saying why, and node2 is WARN, never HEALTHY on phases it did not run."""
     scen = job({2: [{"kind": "sdc", "gpu": 1, "sm": 100000}]}, nodes=3)
-    run_ranks(agent_zygote(), range(3), 3, job.args(scen), free_port(), tmp_path)
+    run_ranks(agent_zygote(), range(3), 3, job.args(scen), free_loopback_port(), tmp_path)
     assert summary(job.out)["suspects"] == []
     for node in ("node0", "node1", "node2"):
         results = {r["metric"]: r for r in node_report(job.out, node)["results"]}
@@ -256,7 +251,7 @@ def test_replay_names_the_node_whose_sm_corrupts_now_and_then(job, tmp_path, age
         "--rounds",
         "4",
     ]
-    run_ranks(agent_zygote(), range(NODES), NODES, args, free_port(), tmp_path)
+    run_ranks(agent_zygote(), range(NODES), NODES, args, free_loopback_port(), tmp_path)
     data = summary(job.out)
     assert named(data, "replay") == {("node2", None)}
     assert named(data) <= {("node2", None), ("node2", 6)}
@@ -276,7 +271,7 @@ def test_a_slurm_step_names_the_bad_node_and_evicts_its_parallel_group(job, slur
     srun = shutil.which("srun")
     if srun is None:
         pytest.skip("srun is not installed (Debian package slurm-client)")
-    env = {**slurm.env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env = {**slurm.env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_loopback_port())}
     for key in ("RANK", "WORLD_SIZE"):
         env.pop(key, None)
     proc = subprocess.run(
@@ -313,7 +308,7 @@ def test_a_rank_that_never_joins_is_named_by_rank_0_and_the_others_exit_2(
         "--join-timeout-s",
         "5",
     ]
-    codes = run_ranks(agent_zygote(), range(2), 3, args, free_port(), tmp_path)
+    codes = run_ranks(agent_zygote(), range(2), 3, args, free_loopback_port(), tmp_path)
     assert {r: c for r, (c, _) in codes.items()} == {0: 2, 1: 2}
     assert "rank 2 did not join" in codes[0][1]
     assert "rank 2 did not join; rank 0 names them" in codes[1][1]  # told before rank 0 went
@@ -326,7 +321,7 @@ def test_a_rank_without_its_scenario_exits_2_with_one_line(job, tmp_path):
     scen = job(nodes=2)
     (scen / "n1.yaml").unlink()
     args = job.args(scen, out=False)
-    codes = finish(spawn([1], 2, args, free_port(), tmp_path))
+    codes = finish(spawn([1], 2, args, free_loopback_port(), tmp_path))
     code, err = codes[1]
     assert code == 2
     assert err.strip().splitlines() == [
@@ -338,7 +333,11 @@ def test_a_rank_without_its_scenario_exits_2_with_one_line(job, tmp_path):
 def test_a_one_node_job_is_a_usage_error(job, tmp_path):
     codes = finish(
         spawn(
-            [0], 1, ["--config", str(job.config), "--key-file", str(job.key)], free_port(), tmp_path
+            [0],
+            1,
+            ["--config", str(job.config), "--key-file", str(job.key)],
+            free_loopback_port(),
+            tmp_path,
         )
     )
     code, err = codes[0]
@@ -349,7 +348,7 @@ def test_a_rank_with_the_wrong_key_stops_every_rank_with_exit_2_and_names_nobody
     scen = job(nodes=3)
     wrong = make_key(tmp_path / "other.key")
     common = [*job.args(scen), "--act", "--adapter", "log", "--join-timeout-s", "60"]
-    port = free_port()
+    port = free_loopback_port()
     procs = spawn([0, 1], 3, common, port, tmp_path)
     procs.update(spawn([2], 3, [*common, "--key-file", str(wrong)], port, tmp_path))
     codes = finish(procs)
@@ -375,7 +374,7 @@ def test_a_missing_or_loose_key_file_is_exit_2_naming_it_with_nothing_run(job, t
         link = tmp_path / "link.key"
         link.symlink_to(job.key)
         args += ["--key-file", str(link)]
-    code, err = finish(spawn([1], 2, args, free_port(), tmp_path))[1]
+    code, err = finish(spawn([1], 2, args, free_loopback_port(), tmp_path))[1]
     assert code == 2
     [line] = err.strip().splitlines()
     assert {
@@ -453,7 +452,7 @@ def test_a_rank_that_cannot_verify_a_message_stops_the_others_too(tmp_path):
     """Two real gloo ranks: the first exchange verifies on both; in the second only rank 1
     refuses what it got (it expects another type), and rank 0, which verified everything,
     stops as well instead of going on alone."""
-    port = free_port()
+    port = free_loopback_port()
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", EXCHANGE_RANK, str(r), str(port), "strict" if r else "lax"],

@@ -35,6 +35,7 @@ from node_agent.config import config_from_dict
 from node_agent.gpu.dcgm import open_dcgm
 from node_agent.hardware.sku import load_sku, load_skus
 from node_agent.model import Status
+from node_agent.peers import free_loopback_port
 from node_agent.resources import shipped_graders_dir
 from node_agent.schedulers.base import AdapterError
 from node_agent.schedulers.webhook import WebhookAdapter
@@ -91,12 +92,6 @@ def squatters_word(handle):
     return ns(overallHealth=20, incidentCount=1, incidents=[dbe])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def context(check: str, port: int, gpu=None, **params) -> CheckContext:
     return CheckContext(
         check=check,
@@ -123,7 +118,7 @@ def health_check(port: int, tmp_path, **fakes):
 
 
 def test_a_users_program_on_the_host_engines_port_is_never_asked(user, tmp_path):
-    port = free_port()
+    port = free_loopback_port()
     user.popen(LISTEN, str(port))
     (err,), calls = health_check(port, tmp_path)
     # neither the user's port nor an engine of the agent's own beside it (two engines on one
@@ -136,7 +131,7 @@ def test_a_users_program_on_the_host_engines_port_is_never_asked(user, tmp_path)
 def test_a_port_that_changes_hands_while_connecting_is_left(user, tmp_path):
     """Root's engine held the port when it was read; by the time the bindings connected, the
     user's program did. The port is read again after connecting, and the engine is left."""
-    port = free_port()
+    port = free_loopback_port()
     engine = socket.socket()
     engine.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     engine.bind(("127.0.0.1", port))
@@ -155,7 +150,7 @@ def test_a_port_that_changes_hands_while_connecting_is_left(user, tmp_path):
 def test_dcgmi_is_not_run_against_a_users_program_on_the_port(user, tmp_path):
     """Without the bindings the diagnostic runs through ``dcgmi``, which asks whatever listens
     on the port; a stand-in ``dcgmi`` here would print DCGM's "isolate GPU 2" report."""
-    port = free_port()
+    port = free_loopback_port()
     user.popen(LISTEN, str(port))
     dcgmi = tmp_path / "dcgmi"
     dcgmi.write_text(f'#!/bin/sh\ntouch "{tmp_path}/ran"\n')
@@ -187,7 +182,7 @@ def imex_node(tmp_path, command_service: str):
 
 
 def test_imex_ctl_is_not_run_against_a_users_program_on_the_command_port(user, tmp_path):
-    port = free_port()
+    port = free_loopback_port()
     user.popen(LISTEN, str(port))
     (err,) = imex.run(imex_node(tmp_path, f"IMEX_CMD_PORT={port}"))
     assert err.status is Status.ERROR and not (tmp_path / "ran").exists()
@@ -235,7 +230,7 @@ def rdma_node(tmp_path, monkeypatch, **params):
 def test_rdma_client_never_measures_against_a_users_program_on_its_port(
     user, tmp_path, monkeypatch
 ):
-    port = free_port()
+    port = free_loopback_port()
     user.popen(LISTEN, str(port))
     bw, runs = rdma_node(tmp_path, monkeypatch, tcp_port=port)
     assert bw.status is Status.ERROR and "not measured" in bw.detail
@@ -258,7 +253,7 @@ def test_a_user_holding_the_metrics_port_does_not_switch_the_daemon_off(
     127.0.0.1:9847 first (say across a restart) left NVRx no socket (healthy, to NVRx), no watch
     and no remediation. It now watches on, with a WARN naming the port's holder, and takes the
     port back once it is free."""
-    port = free_port()
+    port = free_loopback_port()
     squatter = user.popen(LISTEN, str(port))
     monkeypatch.setattr(daemon_module, "HTTP_RETRY_S", 0.5)
     scenario, suite, config = tmp_path / "s.yaml", tmp_path / "p.yaml", tmp_path / "c.yaml"
@@ -307,7 +302,7 @@ def test_a_webhook_receiver_a_user_runs_on_loopback_is_never_sent_an_action(
 ):
     """A loopback receiver shows no certificate: a user's server on its port, answering 200,
     had the agent record a drain as delivered that no scheduler ever saw."""
-    port, posts = free_port(), attack_dir / "posts"
+    port, posts = free_loopback_port(), attack_dir / "posts"
     user.popen(HTTP_OK, str(port), str(posts))
     (tmp_path / "secret").write_text("s3cret\n")
     webhook = {"url": f"http://127.0.0.1:{port}/hook", "secret_file": str(tmp_path / "secret")}

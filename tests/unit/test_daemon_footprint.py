@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -20,6 +19,7 @@ import pytest
 import yaml
 
 from node_agent.commands.daemon import limit_malloc_arenas
+from node_agent.peers import free_loopback_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,12 +46,6 @@ NEVER = (
 def _held(modules: list[str]) -> list[str]:
     """The modules of ``modules`` that are, or are inside, one of NEVER."""
     return sorted(m for m in modules if any(m == n or m.startswith(n + ".") for n in NEVER))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run_python(code: str, timeout: float) -> list[str]:
@@ -89,7 +83,7 @@ def test_a_daemon_that_ran_every_periodic_check_still_holds_none_of_them(tmp_pat
     periodic suite, stopped by SIGTERM once every scheduled check has a result (the grade is
     no longer UNKNOWN): the modules its checks, reloads and scrapes imported are all it holds.
     A simulated node because there is no GPU here; the simulator's own modules are allowed."""
-    port = _free_port()
+    port = free_loopback_port()
     config = tmp_path / "config.yaml"
     config.write_text(
         yaml.safe_dump(

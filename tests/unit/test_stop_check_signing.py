@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from node_agent.peers import free_loopback_port
 from node_agent.stopcheck import signed
 from node_agent.stopcheck.signed import MapOf, Maybe, PeerUnverified, seal, unseal
 from node_agent.yamlfile import ConfigError
@@ -209,12 +210,6 @@ dist = pytest.importorskip("torch.distributed", reason="the rendezvous uses torc
 from node_agent.stopcheck import ranks  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def place(rank: int, port: int, world: int = 2) -> ranks.Place:
     return ranks.Place(rank, world, "127.0.0.1", port, agent_store=False)
 
@@ -230,7 +225,7 @@ def test_a_port_someone_else_holds_fails_closed_before_anyone_joins():
 
 @pytest.mark.parametrize("addr", ["127.0.0.1", "0.0.0.0"])
 def test_no_second_socket_binds_beside_rank_0s_listener(addr):
-    fd = ranks.listen(place(0, free_port()))
+    fd = ranks.listen(place(0, free_loopback_port()))
     try:
         port = socket.socket(fileno=os.dup(fd)).getsockname()[1]
         with socket.socket() as second:
