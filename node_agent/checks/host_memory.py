@@ -73,7 +73,7 @@ def run(ctx: CheckContext) -> list[Result]:
     limits = thresholds(ctx, "memory")
     with host_paths(ctx, ("edac", "memory")) as paths:
         controllers, absent = _controllers(paths)
-        installed = read_installed(paths.sys, paths.proc)
+        installed = read_installed(paths.sys, paths.proc, gpu_nodes=_grace(ctx))
         sources = ghes_sources(paths.sys)
     results: list[Result] = []
     if controllers is None:
@@ -364,6 +364,10 @@ def _save_history(ctx: CheckContext, kept: dict[str, list[list[float]]]) -> None
         pass  # next run estimates from the reset time again
 
 
+def _grace(ctx: CheckContext) -> bool:
+    return ctx.sku is not None and ctx.sku.grace_host
+
+
 def _installed(
     ctx: CheckContext,
     installed: InstalledMemory | None,
@@ -406,15 +410,16 @@ def _installed(
         margin_gib=round(margin, 2),
         declared_by=declared_by,
     )
-    if missing > margin and not sizes:
-        # no DIMM the firmware reports (Grace's LPDDR5X is soldered, no EDAC DIMMs): nothing
-        # to reseat, and an expectation that counted a GPU's memory reads short of it
+    if missing > margin and _grace(ctx):
+        # Grace's LPDDR5X is soldered: no DIMM to reseat, and an expectation that counted a
+        # GPU's memory reads short of it
         return ctx.result(
             "node",
             "memory_short",
             Status.FAIL,
             f"{installed.gib:g} GiB of host memory in NUMA nodes with CPUs, {expected:g} GiB "
-            f"expected ({declared_by}): {missing:g} GiB short, and no DIMM is reported to name"
+            f"expected ({declared_by}): {missing:g} GiB short of a Grace host's soldered "
+            "memory, with no DIMM to name"
             + (
                 f" ({installed.gpu_node_gib:g} GiB more is GPU memory the driver onlined, not "
                 "counted)"

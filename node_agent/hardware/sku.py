@@ -33,6 +33,9 @@ SKU_SCHEMA: dict[str, Any] = {
         "memory_total_mib_max": {"type": "integer", "minimum": 1},
         # streaming multiprocessors per GPU: SDC probe shapes are sized so every SM runs tiles
         "sm_count": {"type": "integer", "minimum": 1},
+        # the node's CPUs where they shape a judgment: "grace" (GB200, GB300) has soldered
+        # LPDDR5X (no DIMM to name) and may see its GPUs' memory as CPU-less NUMA nodes
+        "host_cpu": {"enum": ["grace"]},
         "pcie": {
             "type": "object",
             "additionalProperties": False,
@@ -117,6 +120,12 @@ class Sku:
 
     def section(self, key: str) -> dict[str, Any]:
         return dict(self.data.get(key) or {})
+
+    @property
+    def grace_host(self) -> bool:
+        """The node's CPUs are Grace (``host_cpu: grace``): soldered memory, and the GPUs'
+        memory possibly onlined as CPU-less NUMA nodes (host/memory.py)."""
+        return self.data.get("host_cpu") == "grace"
 
     @property
     def fixed_gpu_count(self) -> bool:

@@ -6,10 +6,11 @@ memory-hotplug.rst``): their total is the installed RAM to a block, struct-page 
 firmware reservations included. MemTotal leaves those out (about 1.6 % for the page array
 alone: 64 bytes per 4 KiB page), so it is the fallback, read with that allowance.
 
-Only blocks of NUMA nodes that have CPUs are the host's RAM: on a Grace host (GB200, GB300) the
-NVIDIA driver may hot-add each GPU's memory as a CPU-less NUMA node (with CDMM off, the default
-before R580), and those blocks come and go with the driver. They are counted apart
-(``gpu_node_gib``). A block names its node by a ``nodeN`` entry; where the kernel shows no
+On a Grace host (GB200, GB300; ``gpu_nodes=True``) only blocks of NUMA nodes that have CPUs are
+the host's RAM: the NVIDIA driver may hot-add each GPU's memory as a CPU-less NUMA node (with
+CDMM off, the default before R580), and those blocks come and go with the driver. They are
+counted apart (``gpu_node_gib``). Elsewhere a CPU-less node is RAM too (a CXL expander, HBM in
+flat mode) and counts. A block names its node by a ``nodeN`` entry; where the kernel shows no
 NUMA nodes every block counts.
 """
 
@@ -38,13 +39,14 @@ class InstalledMemory:
 
 
 def read_installed(
-    sys_root: Path = Path("/sys"), proc_root: Path = Path("/proc")
+    sys_root: Path = Path("/sys"), proc_root: Path = Path("/proc"), gpu_nodes: bool = False
 ) -> InstalledMemory | None:
-    """The node's installed memory, or None when neither source can be read."""
+    """The node's installed memory, or None when neither source can be read. ``gpu_nodes``:
+    CPU-less NUMA nodes are the GPUs' memory (a Grace host), counted apart."""
     base = sys_root / "devices/system/memory"
     size_text = read_text(base / "block_size_bytes")
     if size_text:
-        cpuless = _cpuless_nodes(sys_root / "devices/system/node")
+        cpuless = _cpuless_nodes(sys_root / "devices/system/node") if gpu_nodes else set()
         count = elsewhere = 0
         try:
             block = int(size_text, 16)

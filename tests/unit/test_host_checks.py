@@ -20,6 +20,7 @@ from node_agent.checks import host_cpu, host_memory, host_power, nvme_health, pc
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
 from node_agent.grading.rules import load_grader
+from node_agent.hardware.sku import load_skus
 from node_agent.inventory import Inventory
 from node_agent.model import GpuInfo, HostInfo, Level, Status
 from node_agent.resources import shipped_graders_dir
@@ -28,7 +29,7 @@ GRADER = load_grader(shipped_graders_dir())
 
 
 def make_ctx(
-    tmp_path: Path, check: str, config: dict | None = None, gpus=(), state=True, **params
+    tmp_path: Path, check: str, config: dict | None = None, gpus=(), state=True, sku=None, **params
 ) -> CheckContext:
     inventory = Inventory(
         host=HostInfo(hostname="h", kernel="6.8"),
@@ -52,7 +53,7 @@ def make_ctx(
         kernel_log=None,
         config=config_from_dict(config or {}),
         inventory=inventory,
-        sku=None,
+        sku=sku,
         expected_gpus=None,
         state_dir=state_dir,
         params={**base, **params},
@@ -194,35 +195,51 @@ def test_memtotal_fallback_allows_for_the_kernels_reservations(tmp_path):
     ctx = make_ctx(tmp_path, "host_memory", {"node": {"expected_memory_gib": 2048}})
     assert by(host_memory.run(ctx), "memory_installed").status is Status.PASS
     write(tmp_path / "proc/meminfo", "MemTotal:       1912010000 kB\n")  # ~1823 GiB
-    assert by(host_memory.run(ctx), "memory_short").status is Status.FAIL  # no DIMM to name
+    assert by(host_memory.run(ctx), "memory_missing").status is Status.FAIL
 
 
-def grace_tray(tmp_path, grace_gib: int, gpu_gib: int) -> None:
-    """A GB200 tray's memory blocks (1 GiB each): two Grace NUMA nodes with CPUs, and the GPUs'
-    memory the driver onlined (CDMM off) as CPU-less nodes 2-5; no EDAC DIMMs (LPDDR5X)."""
-    base, nodes = tmp_path / "sys/devices/system/memory", tmp_path / "sys/devices/system/node"
+def numa_blocks(tmp_path, nodes: list[tuple[str, int]]) -> None:
+    """1 GiB memory blocks in NUMA nodes given as (cpulist, GiB): "" for a node with no CPU."""
+    base, numa = tmp_path / "sys/devices/system/memory", tmp_path / "sys/devices/system/node"
     write(base / "block_size_bytes", "40000000\n")
-    for n, cpus in enumerate(["0-71", "72-143", "", "", "", ""]):
-        write(nodes / f"node{n}" / "cpulist", f"{cpus}\n")
-    for i in range(grace_gib + gpu_gib):
-        node = i % 2 if i < grace_gib else 2 + i % 4
-        (base / f"memory{i}" / f"node{node}").mkdir(parents=True)
+    block = 0
+    for n, (cpus, gib) in enumerate(nodes):
+        write(numa / f"node{n}" / "cpulist", f"{cpus}\n")
+        for _ in range(gib):
+            (base / f"memory{block}" / f"node{n}").mkdir(parents=True)
+            block += 1
+
+
+GRACE_TRAY = [("0-71", 440), ("72-143", 440)] + [("", 185)] * 4  # GPU memory onlined (CDMM off)
 
 
 def test_a_grace_trays_gpu_memory_is_not_host_memory_and_a_shortfall_is_never_a_dimm(tmp_path):
     """The driver onlines each GPU's memory as a CPU-less NUMA node (CDMM off) or not (CDMM on,
     R580): an expectation taken with it read a healthy tray as 740 GiB short, "about 23
-    DIMM(s)", FAULT. Only CPU nodes' blocks count; with no DIMM to name, a shortfall is held."""
-    grace_tray(tmp_path, grace_gib=880, gpu_gib=740)
+    DIMM(s)", FAULT. On a Grace SKU only CPU nodes count, and a shortfall (soldered LPDDR5X:
+    no DIMM to name) is held for an operator."""
+    numa_blocks(tmp_path, GRACE_TRAY)
+    gb200 = load_skus(shipped_graders_dir())["gb200-186gb"]
     expected = {"node": {"expected_memory_gib": 880}}
-    installed = by(host_memory.run(make_ctx(tmp_path, "host_memory", expected)), "memory_installed")
+    results = host_memory.run(make_ctx(tmp_path, "host_memory", expected, sku=gb200))
+    installed = by(results, "memory_installed")
     assert installed.status is Status.PASS and installed.evidence["gpu_node_gib"] == 740
     counted_gpus = {"node": {"expected_memory_gib": 880 + 740}}
-    results = host_memory.run(make_ctx(tmp_path, "host_memory", counted_gpus))
+    results = host_memory.run(make_ctx(tmp_path, "host_memory", counted_gpus, sku=gb200))
     short = by(results, "memory_short")
     assert short.status is Status.FAIL and "DIMM(s)" not in short.detail
     (reason,) = [r for r in GRADER.grade(results).reasons if r.rule == "memory-short"]
     assert reason.level is Level.ERROR and reason.remedy is not None
+
+
+def test_a_cpuless_numa_node_elsewhere_is_ram_and_a_missing_dimm_stays_a_fault(tmp_path):
+    """A CXL expander (or HBM in flat mode) is a CPU-less node too, and RAM: counted. Off a
+    Grace SKU a shortfall is a missing DIMM, as before."""
+    numa_blocks(tmp_path, [("0-63", 256), ("64-127", 256), ("", 256)])
+    with_cxl = {"node": {"expected_memory_gib": 768}}
+    assert by(host_memory.run(make_ctx(tmp_path, "host_memory", with_cxl)), "memory_installed")
+    more = {"node": {"expected_memory_gib": 832}}
+    assert by(host_memory.run(make_ctx(tmp_path, "host_memory", more)), "memory_missing")
 
 
 # -- host_power -------------------------------------------------------------------------------
