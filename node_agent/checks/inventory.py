@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from node_agent.checking import host_view
 from node_agent.checking.context import CheckContext
-from node_agent.gpu.base import DeviceLost, GpuTimeout, NoPermission, NotSupported
+from node_agent.gpu.base import (
+    DeviceLost,
+    DriverStateError,
+    GpuTimeout,
+    NoPermission,
+    NotSupported,
+)
 from node_agent.model import Result, Status
 
 
@@ -57,11 +63,15 @@ def run(ctx: CheckContext) -> list[Result]:
                 ": the agent may not read this GPU, which says nothing of the GPU; run it as "
                 "root, or give its container the GPUs' device files (NVIDIA container toolkit)"
             )
-        else:
+        elif isinstance(error, DriverStateError):
             # NVML's Unknown Error, reset required, blocked by the OS or cgroups, a library
             # and driver version mismatch: the driver's or the container's state, which a
-            # restart of the driver (or the container) clears; only a lost GPU is the GPU's
+            # reset, a reboot or a new container clears
             metric, status = "identity_error", Status.FAIL
+        else:
+            # any other code (insufficient power, an IRQ issue, a corrupted InfoROM, a
+            # memory error): the GPU's own, as before
+            metric, status = "identity", Status.FAIL
         results.append(ctx.result(f"gpu:{index}", metric, status, detail, error=str(error)))
     results.extend(_sku(ctx))
     return results

@@ -34,6 +34,12 @@ class GpuTimeout(GpuError):
     """A driver call did not return in time; the driver may be hung. Further calls fail fast."""
 
 
+class DriverStateError(GpuError):
+    """The driver's or the container's state refused the query (NVML's Unknown Error, reset
+    required, blocked by the operating system, a library and driver version mismatch), not
+    proof of a bad GPU: a reset, a reboot or a new container clears it."""
+
+
 # -- readings ------------------------------------------------------------------------------------
 
 

@@ -30,6 +30,7 @@ from node_agent.gpu.base import (
     Clocks,
     DeviceLost,
     DriverInfo,
+    DriverStateError,
     EccCounts,
     GpuDevice,
     GpuError,
@@ -65,11 +66,15 @@ _TIMEOUT = 10
 _LIBRARY_NOT_FOUND = 12
 _FUNCTION_NOT_FOUND = 13
 _GPU_IS_LOST = 15
+_RESET_REQUIRED = 16
+_OPERATING_SYSTEM = 17
 _LIB_RM_VERSION_MISMATCH = 18
+_UNKNOWN = 999
 _GPU_NOT_FOUND = 28
 
 _UNSUPPORTED_CODES = {_NOT_SUPPORTED, _FUNCTION_NOT_FOUND, _NOT_FOUND}
 _LOST_CODES = {_GPU_IS_LOST, _GPU_NOT_FOUND}
+_DRIVER_STATE_CODES = {_RESET_REQUIRED, _OPERATING_SYSTEM, _LIB_RM_VERSION_MISMATCH, _UNKNOWN}
 
 # Field ids (nvml.h NVML_FI_*; part of the C ABI). Ours, not the binding's: nvidia-ml-py
 # releases older than the driver lack newer names (12.535 has no NVML_FI_DEV_GET_GPU_RECOVERY_
@@ -292,6 +297,8 @@ class NvmlBackend:
             return GpuTimeout(f"{what}: {_HUNG_ADVICE}")
         if code == _INVALID_ARGUMENT:
             return NvmlInvalidArgument(what)
+        if code in _DRIVER_STATE_CODES:
+            return DriverStateError(what)
         return GpuError(what)
 
     def _field_value(self, field_id: int, field_name: str, handle: Any, gpu: int) -> Any:

@@ -16,7 +16,14 @@ from node_agent.checks import inventory as inventory_check
 from node_agent.checks import nvlink_fabric, nvml_health
 from node_agent.checks.nvml_health import links as nvml_nvlink
 from node_agent.config import config_from_dict
-from node_agent.gpu.base import DeviceLost, GpuError, NoPermission, NotSupported, NvLink
+from node_agent.gpu.base import (
+    DeviceLost,
+    DriverStateError,
+    GpuError,
+    NoPermission,
+    NotSupported,
+    NvLink,
+)
 from node_agent.gpu.pci import PciBus, PciGpu
 from node_agent.grading.rules import load_grader
 from node_agent.hardware.sku import Sku, load_skus, match_sku
@@ -332,12 +339,29 @@ def test_an_identity_error_that_is_not_a_lost_gpu_drains_and_is_never_replaced(m
     readings all passed. The driver's or the container's state: drained, never replaced."""
     ctx = context("inventory", "h100-sxm5-80gb")
     ctx.inventory.gpus[:] = [g for g in ctx.inventory.gpus if g.index != 3]
-    ctx.inventory.unreadable[3] = GpuError(message)
+    ctx.inventory.unreadable[3] = DriverStateError(message)
     results = inventory_check.run(ctx)
     grade = GRADER.grade(results)
     assert grade.level is Level.ERROR
     (reason,) = [r for r in grade.reasons if r.target == "gpu:3"]
     assert reason.rule == "gpu-identity-error" and reason.remedy is not None
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "nvmlDeviceGetHandleByIndex: Insufficient External Power",
+        "nvmlDeviceGetUUID: Interrupt request issue",
+        "nvmlDeviceGetUUID: Corrupted infoROM",
+    ],
+)
+def test_an_identity_error_of_the_gpus_own_stays_a_fault(message):
+    """Insufficient power, an IRQ issue, a corrupted InfoROM: the GPU's own errors."""
+    ctx = context("inventory", "h100-sxm5-80gb")
+    ctx.inventory.gpus[:] = [g for g in ctx.inventory.gpus if g.index != 3]
+    ctx.inventory.unreadable[3] = GpuError(message)
+    (reason,) = [r for r in GRADER.grade(inventory_check.run(ctx)).reasons if r.target == "gpu:3"]
+    assert (reason.rule, reason.level) == ("gpu-unreadable", Level.FAULT)
 
 
 def test_every_nvlink_of_every_gpu_down_is_the_fabric_not_brought_up_never_eight_gpus():

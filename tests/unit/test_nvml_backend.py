@@ -19,6 +19,7 @@ import pytest
 
 from node_agent.gpu.base import (
     DeviceLost,
+    DriverStateError,
     GpuBackend,
     GpuDevice,
     GpuError,
@@ -668,10 +669,18 @@ def test_no_permission_becomes_no_permission(backend, lib):
 
 
 def test_other_nvml_errors_become_gpu_error(backend, lib):
-    lib.errors[("nvmlDeviceGetPowerUsage", 0)] = 999
+    lib.errors[("nvmlDeviceGetPowerUsage", 0)] = 8  # insufficient power: the GPU's own
     with pytest.raises(GpuError, match="nvmlDeviceGetPowerUsage on GPU 0") as caught:
         gpu(backend, 0).power()
     assert type(caught.value) is GpuError
+
+
+@pytest.mark.parametrize("code", [999, 16, 17, 18])
+def test_the_drivers_or_containers_state_is_a_driver_state_error(backend, lib, code):
+    """Unknown Error, reset required, blocked by the OS, a version mismatch: not the GPU's."""
+    lib.errors[("nvmlDeviceGetPowerUsage", 0)] = code
+    with pytest.raises(DriverStateError, match="nvmlDeviceGetPowerUsage on GPU 0"):
+        gpu(backend, 0).power()
 
 
 def test_missing_function_is_not_supported(backend, lib):
