@@ -135,7 +135,8 @@ def worker_failures(ctx: CheckContext, outcome: BurnOutcome) -> list[Result]:
     another process holds. Eight GPUs do not fail alike at once; a software stack does."""
     workers = outcome.workers
     failed = {i: w for i, w in workers.items() if w.failure}
-    alike = len({w.last_words for w in failed.values()}) == 1
+    words = {w.last_words for w in failed.values()}
+    alike = len(words) == 1 and bool(next(iter(words)))  # one error, said by every worker
     never_ran = not any(w.samples for w in failed.values())
     if len(workers) >= 2 and len(failed) == len(workers) and (alike or never_ran):
         first = failed[min(failed)]

@@ -671,6 +671,12 @@ def test_every_worker_failing_alike_is_the_software_stack_held_never_a_gpu_repla
     (own,) = worker_failures(ctx, one)
     assert (own.target, own.metric) == ("gpu:1", "worker_died")
 
+    # workers that ran and then all stalled say nothing: no error in common, each its own
+    stalled = run_burn(
+        sim_specs(2), tiny_plan(gpu=None, action="hang", after_samples=1), deadline_s=150
+    )
+    assert [r.metric for r in worker_failures(ctx, stalled)] == ["worker_stalled"] * 2
+
 
 def test_a_worker_that_stops_sending_is_killed_as_stalled_and_the_run_ends():
     out = run_burn(sim_specs(2), tiny_plan(gpu=1, action="hang", after_samples=1), deadline_s=150)
