@@ -341,15 +341,23 @@ def _window_h(entry: CodeEntry) -> float:
 def _spread(entry: CodeEntry, evidence: dict[str, Any], elsewhere: list[Result]) -> list[str]:
     """The other targets whose finding of this code falls in this finding's window: within the
     recurrence's ``within_h`` (else 24 h) before this finding's newest burst, on the same clock.
-    A finding without times (a saved log without stamps, an NVML event) counts: the run saw it."""
+    A finding without times (a saved log without stamps, an NVML event) counts: the run saw it.
+    For a ``link`` code the window is both ways (each GPU of a pair judges the other alike), and
+    only findings with times on the same clock count: one that cannot be placed in time never
+    turns another GPU's own link error into the far end's."""
     window_s = entry.recurrence.within_s if entry.recurrence else SPREAD_WINDOW_S
     newest = _newest(evidence)
     clock = evidence.get("clock")
+    link = entry.cls == LINK
     targets = []
     for other in elsewhere:
         theirs = other.evidence or {}
         last = _newest(theirs)
-        if (
+        if link:
+            placed = newest is not None and last is not None and theirs.get("clock") == clock
+            if not placed or abs(last - newest) > window_s:  # type: ignore[operator]
+                continue
+        elif (
             newest is not None
             and last is not None
             and theirs.get("clock") == clock

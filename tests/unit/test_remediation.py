@@ -510,26 +510,35 @@ def test_an_announced_maintenance_beside_a_software_cause_is_held_never_replaced
 
 
 XID_74 = (
-    "NVRM: Xid (PCI:{bus}): 74, pid='<unknown>', name=<unknown>, NVLink: fatal error detected on "
-    "link 14(0x0, 0x0, 0x10000, 0x0, 0x0, 0x0, 0x0)"
-)  # the line of tests/data and NVSentinel's NVLink workflow (realworld/xid/x25)
+    "[{t}] NVRM: Xid (PCI:{bus}): 74, pid='<unknown>', name=<unknown>, NVLink: fatal error "
+    "detected on link 14(0x0, 0x0, 0x10000, 0x0, 0x0, 0x0, 0x0)"
+)  # the line of NVSentinel's NVLink workflow (realworld/xid/x25), at seconds since boot {t}
 
 
 def test_an_nvlink_error_several_gpus_report_is_the_far_ends_never_a_gpu_replaced(grader):
     """Xid 74 on all eight GPUs (the GPUs at every end report it): the restarts were counted on
     gpu:0's and, seen again after the reboot, gpu:0 was replaced; the NVSwitch they share, the
     far end, was never named. Several GPUs at once: held for an operator. One GPU: its own."""
-    buses = ["0000:18:00", "0000:2a:00", "0000:3a:00", "0000:5d:00"]
-    folder = Folder()
-    for i, event in enumerate(scan_lines([XID_74.format(bus=b) for b in buses])):
-        folder.add(event, f"gpu:{i}", "test")
-    g = grader.grade([fold.result() for fold in folder.sorted()], "service")
+
+    def graded_74(seconds: list[float]) -> Grade:
+        folder = Folder()
+        lines = [
+            XID_74.format(t=f"{t:.6f}", bus=f"0000:{18 + i:02x}:00") for i, t in enumerate(seconds)
+        ]
+        for i, event in enumerate(scan_lines(lines)):
+            folder.add(event, f"gpu:{i}", "test")
+        return grader.grade([fold.result() for fold in folder.sorted()], "service")
+
+    g = graded_74([449410.3, 449410.4, 449410.5, 449411.0])
     assert g.level is Level.ERROR and {r.remedy for r in g.reasons} == {Remedy.ELSEWHERE}
     assert "far end" in g.reasons[0].message
     spent = plan_for(g, record=AFTER_REBOOTS, counts={"xid-74": 2}, max_restarts=2)
     assert not spent.escalated and [s.action for s in spent.steps] == ["hold"]
 
-    alone = graded_kernel_lines(grader, [XID_74.format(bus=buses[0])])
+    # days apart, each GPU's own, whichever is older (the window is both ways)
+    apart = graded_74([3600.0, 92 * 3600.0])
+    assert [r.remedy for r in apart.reasons] == [None, None]
+    alone = graded_kernel_lines(grader, [XID_74.format(t="449410.332316", bus="0000:18:00")])
     (reason,) = alone.reasons
     assert reason.remedy is None  # the GPU's own: escalated once its restart is spent
 
