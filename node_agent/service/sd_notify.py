@@ -84,7 +84,7 @@ def inherited_unix_listener(
     (not socket-activated, or no passed socket is that one)."""
     env = os.environ if environ is None else environ
     count, pid = env.get("LISTEN_FDS", ""), env.get("LISTEN_PID", "")
-    if not count.isdigit() or pid != str(os.getpid()):
+    if not count.isdigit() or int(count) == 0 or pid != str(os.getpid()):
         return None
     for fd in range(LISTEN_FDS_START, LISTEN_FDS_START + int(count)):
         try:
@@ -97,7 +97,24 @@ def inherited_unix_listener(
                 listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
             except OSError:
                 bound, listening = None, 0
-            if bound == path and listening:
+            if listening and isinstance(bound, str) and _same_file(bound, path):
                 return sock
         sock.detach()  # not ours to close
+    log.warning(
+        "systemd passed %s socket(s), none of them bound to %s: check the socket unit's "
+        "ListenStream= against daemon.nvhcd.socket; serving a socket of the daemon's own",
+        count,
+        path,
+    )
     return None
+
+
+def _same_file(a: str, b: str) -> bool:
+    """The same path, or two paths to one file (``/var/run`` is ``/run``)."""
+    if a == b:
+        return True
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)

@@ -249,7 +249,7 @@ def test_a_service_that_cannot_be_served_is_a_warn_in_the_grade(tmp_path):
 
 
 def test_a_socket_systemd_holds_keeps_a_call_made_across_a_restart_waiting_not_healthy(node):
-    """Under the shipped ``node-agent-nvhcd.socket`` systemd holds the listening socket across
+    """Under the shipped ``node-agent.socket`` systemd holds the listening socket across
     restarts of the daemon and passes it in (socket activation). Here the test plays systemd: it
     binds the socket, keeps it, and hands it to each daemon as fd 3 with ``LISTEN_FDS`` and
     ``LISTEN_PID``. A call made while the daemon is down had found no socket (healthy, to NVRx);
