@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +26,9 @@ import psutil
 import yaml
 
 from node_agent.peers import free_loopback_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from agent_daemon import agent_daemon  # noqa: E402 - tests/agent_daemon.py
 
 HEALTHY = {"sku": "h100-sxm5-80gb", "gpus": 8, "faults": []}
 FAULTY = {**HEALTHY, "faults": [{"kind": "row_remap_failure", "gpu": 2}]}
@@ -101,21 +103,7 @@ def main() -> None:
             }
         )
     )
-    argv = [
-        sys.executable,
-        "-m",
-        "node_agent.commands.main",
-        "daemon",
-        "--config",
-        str(config),
-        "--simulate",
-        str(scenario),
-        "--suite",
-        str(suite),
-    ]
-    with open(tmp / "daemon.log", "w") as log:
-        daemon = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    try:
+    with agent_daemon(config, scenario, suite, tmp / "daemon.log") as daemon:
         wait_for(lambda: healthz(port).startswith("ok HEALTHY"), 120)
         daemon.send_signal(signal.SIGHUP)
 
@@ -146,9 +134,6 @@ def main() -> None:
             f"sdc child stopped (timeout_s {args.timeout_s:g}): first answer not HEALTHY "
             f"after {unfit}, FAULT after {fault:.1f} s"
         )
-    finally:
-        daemon.terminate()
-        daemon.wait(timeout=60)
 
 
 if __name__ == "__main__":
