@@ -324,13 +324,6 @@ def vfork_attack(n: int, py_spy: str | None) -> None:
                     os.kill(pid, signal.SIGKILL)
 
 
-def _range(start: float, stop: float, step: float):
-    t = start
-    while t < stop:
-        yield t
-        t += step
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--every-s", type=float, default=15.0)
