@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ipaddress
 import pwd
+import secrets
 import socket
 import stat
 import struct
@@ -192,13 +193,31 @@ def held_by_another(port: int, accounts: Sequence[str] = (), net: Path = NET) ->
     return _strangers(port, uids, accounts)
 
 
-def free_loopback_port() -> int:
-    """A TCP port on 127.0.0.1 free at the moment of asking (the kernel picks it): one no other
-    user can know in advance, unlike a fixed one."""
+#: the lowest port free_loopback_port draws from; below the kernel's ephemeral range
+PORTS_FROM = 10000
+
+
+def free_loopback_port(ports_range: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> int:
+    """A TCP port on 127.0.0.1 free at the moment of asking, drawn at random below the
+    kernel's ephemeral range: no other user can know it in advance (unlike a fixed one), and
+    no outgoing connection is given it meanwhile (a port the kernel picked from that range can
+    be, before the program it is for listens on it)."""
+    try:
+        ephemeral = int(ports_range.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    for _ in range(64):
+        port = PORTS_FROM + secrets.randbelow(max(1, ephemeral - PORTS_FROM))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+        picked: int = sock.getsockname()[1]
+        return picked
 
 
 def _strangers(port: int, uids: set[int], accounts: Sequence[str]) -> str | None:
