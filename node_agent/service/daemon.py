@@ -40,6 +40,7 @@ results). Checks listed in ``daemon.subprocess_checks`` run in a child process
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -267,10 +268,12 @@ class Daemon:
             # the watch, NVRx's answer and remediation go on without it: a daemon that exited
             # here would leave NVRx no socket (healthy to it), so whoever held the port first
             # would have switched the agent off
-            held = held_by_another(int(port)) or "another of root's programs may hold it"
+            why = err.strerror or str(err)
+            if err.errno == errno.EADDRINUSE:
+                why += f" ({held_by_another(int(port)) or 'another of root's programs holds it'})"
             note = (
-                f"/metrics and /healthz are NOT served on {host}:{port}: {err.strerror} ({held}); "
-                f"retried every {HTTP_RETRY_S:g} s, or choose another daemon.listen"
+                f"/metrics and /healthz are NOT served on {host}:{port}: {why}; retried every "
+                f"{HTTP_RETRY_S:g} s, or choose another daemon.listen"
             )
             if self._http_note != note:
                 log.error("%s", printable(note))
