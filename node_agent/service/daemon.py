@@ -270,7 +270,8 @@ class Daemon:
             # would have switched the agent off
             why = err.strerror or str(err)
             if err.errno == errno.EADDRINUSE:
-                why += f" ({held_by_another(int(port)) or 'another of root's programs holds it'})"
+                holder = held_by_another(int(port)) or "another of root's programs holds it"
+                why += f" ({holder})"
             note = (
                 f"/metrics and /healthz are NOT served on {host}:{port}: {why}; retried every "
                 f"{HTTP_RETRY_S:g} s, or choose another daemon.listen"
