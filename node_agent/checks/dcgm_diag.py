@@ -10,7 +10,10 @@ Each test that did not pass on an entity becomes one result on that entity (``gp
 for tests that name none), keeping DCGM's error code, category and severity as evidence. The
 metric says the worst DCGM severity, which ``graders/rules.yaml`` grades:
 ``diag_isolate``, ``diag_reset``, ``diag_triage``, ``diag_config``, ``diag_monitor``, and
-``diag_fail`` when DCGM gave no usable severity (before DCGM 3.3, or NONE/UNKNOWN). The status
+``diag_fail`` when DCGM gave no usable severity (before DCGM 3.3, or NONE/UNKNOWN). An ISOLATE
+whose every error is a volatile double-bit or uncontained memory error (DCGM codes 4, 81) is
+``diag_reset``: DCGM's own next step for those is "drain the GPU and reset it or reboot the
+node", and the reset applies the row remap the driver recorded (evidence ``graded_as``). The status
 is DCGM's (``fail`` or ``warn``; a WARN that dcgmi 3.x printed as "Fail" is ``warn``). A clean
 run gives one ``pass`` result, ``diag`` on ``node``.
 
@@ -42,7 +45,13 @@ from node_agent.gpu.dcgm import (
 )
 from node_agent.model import Result, Status
 from node_agent.parsers import ParseError
-from node_agent.parsers.dcgm_diag import DiagEntityResult, DiagReport, error_name, parse_diag_json
+from node_agent.parsers.dcgm_diag import (
+    RESET_FIRST_MEMORY_CODES,
+    DiagEntityResult,
+    DiagReport,
+    error_name,
+    parse_diag_json,
+)
 
 #: said after the reason the node has no DCGM (``ports.dcgm_absent``)
 ON_REAL_HARDWARE = "on real hardware this runs `dcgmi diag`"
@@ -319,14 +328,25 @@ def _rank(f: DiagEntityResult) -> tuple[int, int]:
     return (_SEV_RANK.get(f.worst_severity or "", 0), _RANK.get(f.status, 0))
 
 
+def _graded_severity(f: DiagEntityResult) -> str | None:
+    """DCGM's worst severity, but RESET where every ISOLATE error is an uncorrectable memory
+    error: DCGM's own next step for those is a reset, which applies the recorded row remap."""
+    severity = f.worst_severity
+    isolating = {w.error_id for w in f.warnings if w.severity_name == "ISOLATE"}
+    if severity == "ISOLATE" and isolating <= RESET_FIRST_MEMORY_CODES:
+        return "RESET"
+    return severity
+
+
 def _finding(
     ctx: CheckContext, f: DiagEntityResult, iterations: list[int], base: dict[str, Any]
 ) -> Result:
     severity = f.worst_severity
-    metric, advice = _BY_SEVERITY.get(severity or "", _UNRATED)
     lead = next((w for w in f.warnings if w.severity_name == severity), None) or (
         f.warnings[0] if f.warnings else None
     )
+    graded = _graded_severity(f)
+    metric, advice = _BY_SEVERITY.get(graded or "", _UNRATED)
     code = lead.error_id if lead else None
     evidence = {
         **base,
@@ -349,6 +369,8 @@ def _finding(
         ],
         "info": list(f.info),
     }
+    if graded != severity:
+        evidence["graded_as"] = graded
     if f.warn_printed_as_fail:
         evidence["note"] = (
             "dcgmi printed this WARN as 'Fail' (DCGM 3.x prints only Pass, "

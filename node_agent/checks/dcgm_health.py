@@ -6,7 +6,9 @@ NVLink, driver) on all GPUs and asks DCGM for incidents (``dcgmi health -s ... ;
 (``health_mem``, ``health_pcie``, ...), status ``warn`` or ``fail`` as DCGM says, evidence with
 DCGM's error code and message. Where the code says more than the subsystem it names the metric
 (:func:`incident_metric`): pending row remaps and page retirements (DCGM_FR codes 6, 83, 85) are
-``health_reset_pending`` (a GPU reset applies them); Fabric Manager's and IMEX's state, which
+``health_reset_pending`` (a GPU reset applies them); a volatile double-bit or an uncontained
+memory error (4, 81), ``health_mem_uncorrectable`` (drain and restart, as DCGM advises, not a
+part to replace on one sighting); Fabric Manager's and IMEX's state, which
 DCGM raises under the NVLink watch (122, 123), ``health_fabric_service``; counted NVLink errors,
 a FAIL from one replay (13, 70, 71), ``health_nvlink_errors``. No incident: one ``pass``.
 
@@ -39,6 +41,7 @@ from node_agent.gpu.dcgm import (
     open_dcgm,
 )
 from node_agent.model import Result, Status
+from node_agent.parsers.dcgm_diag import RESET_FIRST_MEMORY_CODES
 
 DEFAULT_SYSTEMS = ("pcie", "mem", "inforom", "thermal", "power", "nvlink", "driver")
 #: said after the reason the node has no DCGM (``ports.dcgm_absent``)
@@ -90,11 +93,14 @@ def incidents(source: DcgmSource, systems: Sequence[str] = DEFAULT_SYSTEMS) -> H
 
 def incident_metric(incident: HealthIncident) -> str:
     """``health_<system>``, or by DCGM's error code where it says more than the subsystem:
-    ``health_reset_pending`` (what a GPU reset applies), ``health_fabric_service`` (Fabric
+    ``health_reset_pending`` (what a GPU reset applies), ``health_mem_uncorrectable`` (a
+    double-bit or uncontained memory error: restart first), ``health_fabric_service`` (Fabric
     Manager or IMEX), ``health_nvlink_errors`` (counted link errors)."""
     code = incident.error_code
     if code in RESET_PENDING_CODES:
         return "health_reset_pending"
+    if code in RESET_FIRST_MEMORY_CODES:
+        return "health_mem_uncorrectable"
     if code in FABRIC_SERVICE_CODES:
         return "health_fabric_service"
     if code in NVLINK_COUNTER_CODES:

@@ -65,6 +65,11 @@ CATEGORIES = {
     16: "INTERNAL_OTHER",
 }
 
+#: DCGM_FR_VOLATILE_DBE_DETECTED, DCGM_FR_UNCONTAINED_ERROR: uncorrectable memory errors, for which
+#: DCGM's own next step is "drain the GPU and reset it or reboot the node" (the reset applies the
+#: row remap the driver recorded), though it rates the first ISOLATE
+RESET_FIRST_MEMORY_CODES = frozenset({4, 81})
+
 #: dcgmError_t codes (DCGM_FR_*, dcgm_errors.h) that diagnostics and health watches report most;
 #: a code not listed here is still reported by number.
 ERROR_NAMES = {

@@ -39,7 +39,7 @@ SCENARIOS = {
     "xid_software": ([{"kind": "xid", "gpu": 1, "code": 13}], "WARN"),
     "row_remap_pending": ([{"kind": "row_remap_pending", "gpu": 2}], "ERROR"),
     "row_remap_failure": ([{"kind": "row_remap_failure", "gpu": 2}], "FAULT"),
-    "ecc_dbe_volatile": ([{"kind": "ecc_dbe_volatile", "gpu": 1, "count": 2}], "FAULT"),
+    "ecc_dbe_volatile": ([{"kind": "ecc_dbe_volatile", "gpu": 1, "count": 2}], "ERROR"),
     "ecc_sbe_volatile": ([{"kind": "ecc_sbe_volatile", "gpu": 1, "count": 5000}], "WARN"),
     "ecc_sram_uncorrectable": (
         [{"kind": "ecc_sram_uncorrectable", "gpu": 1, "count": 2, "unit": "sm"}],

@@ -42,7 +42,12 @@ from node_agent.gpu.dcgm import (
 )
 from node_agent.grading.rules import load_grader
 from node_agent.model import Level, Status
-from node_agent.parsers.dcgm_diag import DiagReport, parse_diag_json
+from node_agent.parsers.dcgm_diag import (
+    DiagEntityResult,
+    DiagReport,
+    DiagWarning,
+    parse_diag_json,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "tests" / "data" / "dcgm"
@@ -154,6 +159,42 @@ def test_failed_memory_test_on_gpu2_grades_fault_naming_gpu_test_and_dcgm_error_
     assert "GPU Memory" in reason.message and "DCGM error 58" in reason.message
     assert source.closed
     assert source.requests[0][0] == DiagRequest(level=3)
+
+
+ISOLATE, RESET = 2, 6  # dcgm_errors.h severities
+
+
+@pytest.mark.parametrize(
+    ("errors", "metric", "level"),
+    [
+        ([(4, ISOLATE)], "diag_reset", Level.ERROR),
+        ([(81, ISOLATE), (4, ISOLATE)], "diag_reset", Level.ERROR),
+        ([(4, ISOLATE), (58, ISOLATE)], "diag_isolate", Level.FAULT),
+        ([(80, ISOLATE)], "diag_isolate", Level.FAULT),
+    ],
+)
+def test_a_diagnostic_that_isolates_for_a_double_bit_error_alone_resets_first(
+    errors, metric, level
+):
+    """DCGM rates a volatile double-bit (4) or uncontained (81) memory error ISOLATE, and its
+    own next step for it is "drain the GPU and reset it or reboot the node": the reset applies
+    the row remap the driver recorded. One such error was a replacement. A memory miscompare
+    (58) or a row-remap failure (80) beside it still isolates the GPU."""
+    found = DiagEntityResult(
+        test="GPU Memory",
+        category="Hardware",
+        entity_group="GPU",
+        entity_id=1,
+        status="fail",
+        printed_status="Fail",
+        warnings=tuple(DiagWarning(f"DCGM error {c}", error_id=c, severity=v) for c, v in errors),
+    )
+    source = FakeDcgm(DiagReport(results=(found,), format="dcgm4"))
+    results = dcgm_diag.run(ctx_for("dcgm_diag", level=3), opener=opener_of(source))
+    (finding,) = results
+    assert finding.metric == metric and finding.evidence["error_severity"] == "ISOLATE"
+    assert finding.evidence.get("graded_as") == ("RESET" if level is Level.ERROR else None)
+    assert GRADER.grade(results).level is level
 
 
 def test_failed_memory_test_without_severity_dcgm2_grades_error_on_gpu2():
@@ -493,14 +534,18 @@ def test_health_incidents_grade_by_subsystem_and_keep_dcgm_code_and_message():
     by_target = {r.target: r for r in results}
     assert set(by_target) == {"gpu:3", "gpu:1", "gpu:5", "gpu:0"}  # the PASS is not a finding
     dbe = by_target["gpu:3"]
-    assert (dbe.metric, dbe.status, dbe.evidence["error_code"]) == ("health_mem", Status.FAIL, 4)
+    assert (dbe.metric, dbe.status, dbe.evidence["error_code"]) == (
+        "health_mem_uncorrectable",
+        Status.FAIL,
+        4,
+    )
     assert dbe.evidence["error_name"] == "DCGM_FR_VOLATILE_DBE_DETECTED"
     assert "double-bit" in dbe.detail
     assert by_target["gpu:1"].metric == "health_reset_pending"
     grade = GRADER.grade(results, mode="service")
     levels = {r.target: (r.rule, r.level) for r in grade.reasons}
     assert levels == {
-        "gpu:3": ("dcgm-health-hardware-fail", Level.FAULT),
+        "gpu:3": ("dcgm-health-uncorrectable-memory", Level.ERROR),
         "gpu:1": ("dcgm-health-reset-pending", Level.ERROR),
         "gpu:5": ("dcgm-health-warn", Level.WARN),
         "gpu:0": ("dcgm-health-fail", Level.ERROR),
@@ -521,7 +566,16 @@ def test_health_incidents_grade_by_subsystem_and_keep_dcgm_code_and_message():
         ("nvlink", 122, "IMEX domain status is DEGRADED", "health_fabric_service", "ERROR"),
         ("nvlink", 71, "Detected 1 NvLink recovery error(s)", "health_nvlink_errors", "WARN"),
         ("nvlink", 14, "GPU 0's NvLink link 3 is currently down", "health_nvlink", "ERROR"),
-        ("mem", 4, "Detected 1 volatile double-bit ECC error(s)", "health_mem", "FAULT"),
+        (
+            "mem",
+            4,
+            "Detected 1 volatile double-bit ECC error(s)",
+            "health_mem_uncorrectable",
+            "ERROR",
+        ),
+        ("mem", 81, "GPU 0 had an uncontained error", "health_mem_uncorrectable", "ERROR"),
+        ("mem", 80, "GPU 0 had a row remap failure", "health_mem", "FAULT"),
+        ("mem", 8, "Retired pages DBE limit reached", "health_mem", "FAULT"),
     ],
 )
 def test_one_health_fail_is_graded_by_dcgms_error_code_and_only_a_part_is_faulted(
@@ -530,7 +584,11 @@ def test_one_health_fail_is_graded_by_dcgms_error_code_and_only_a_part_is_faulte
     """One poll's FAIL under the NVLink watch was FAULT, a replacement: Fabric Manager not
     started (DCGM's own advice: start it), the IMEX domain degraded, one recovery error (DCGM
     fails on one). By DCGM's error code: a service is an ERROR held for an operator, counted
-    link errors a WARN, a link down an ERROR; a double-bit ECC error stays FAULT."""
+    link errors a WARN, a link down an ERROR. A double-bit or uncontained memory error was FAULT
+    too, where DCGM's own advice is "drain the GPU and reset it or reboot the node" (the reset
+    applies the row remap the driver recorded): an ERROR, restarted, escalated if it comes back.
+    A row-remap failure and retired pages at their limit, NVIDIA's memory RMA criteria, stay
+    FAULT."""
     report = HealthReport(overall="fail", incidents=(incident(system, "fail", code, 0, message),))
     results = dcgm_health.run(ctx_for("dcgm_health"), opener=opener_of(FakeDcgm(health=report)))
     (found,) = results

@@ -34,7 +34,7 @@ def res(metric, status="fail", check="nvml_health", target="gpu:0", value=None, 
     "code, level",
     [
         (79, Level.FAULT),
-        (48, Level.FAULT),
+        (48, Level.ERROR),
         (64, Level.FAULT),
         (63, Level.ERROR),
         (94, Level.ERROR),
@@ -60,7 +60,7 @@ def test_unknown_xid_is_not_ignored(grader):
 @pytest.mark.parametrize(
     "metric, level, action",
     [
-        ("ecc_dbe_volatile", Level.FAULT, Action.REPLACE),
+        ("ecc_dbe_volatile", Level.ERROR, Action.RESTART),
         ("row_remap_failure", Level.FAULT, Action.REPLACE),
         ("row_remap_pending", Level.ERROR, Action.RESTART),
         ("pcie_width", Level.FAULT, Action.REPLACE),

@@ -453,6 +453,32 @@ def test_hardware_error_surviving_its_restarts_still_escalates_to_replace(grader
     assert "FAULT row-remap-pending gpu:2" in p.steps[0].reason
 
 
+@pytest.mark.parametrize(
+    ("result", "rule"),
+    [
+        (Result("nvml_health", "gpu:1", "ecc_dbe_volatile", Status.FAIL, "2", value=2), None),
+        (Result("dcgm_health", "gpu:1", "health_mem_uncorrectable", Status.FAIL, "4"), None),
+        (None, "NVRM: Xid (PCI:0000:18:00): 48, pid=1234, name=python, An uncorrectable ECC error"),
+    ],
+)
+def test_a_double_bit_ecc_error_restarts_first_and_is_replaced_only_when_it_comes_back(
+    grader, result, rule
+):
+    """A first uncorrectable memory error was a replacement. NVIDIA's memory error management:
+    the page is offlined and a row remap recorded that the next GPU reset applies, after which
+    the memory is whole; DCGM's advice is "drain the GPU and reset it or reboot the node". So the
+    node is drained and restarted; the error seen again after its restarts replaces the GPU."""
+    g = graded_kernel_lines(grader, [rule]) if rule else graded(grader, result)
+    (reason,) = g.reasons
+    assert g.level is Level.ERROR and reason.remedy is None
+    first = plan_for(g, counts={})
+    assert "replace" not in [s.action for s in first.steps] and not first.escalated
+    code = first.fault_code
+    record = NodeRecord(NODE, "restarting", T0, code, reason.target, "auto", "reboot", T0)
+    again = plan_for(g, record=record, counts={code: 2}, max_restarts=2)
+    assert again.escalated and [s.action for s in again.steps] == ["replace"]
+
+
 def test_a_mix_of_software_and_hardware_errors_counts_and_escalates_the_hardware(grader):
     hang = Result("gpu_burn", "gpu:0", "timeout", Status.ERROR, "timed out after 900 s")
     g = graded(grader, hang, remap_pending(), no_driver())

@@ -395,7 +395,12 @@ def _ecc(
             "ecc_dbe_volatile",
             Status.FAIL if dbe else Status.PASS,
             f"{dbe} uncorrectable (double-bit) ECC errors since the driver loaded"
-            + (" — uncorrectable memory errors mean failing HBM" if dbe else ""),
+            + (
+                ": drain and reset the GPU (the reset applies a row remap the driver recorded); "
+                "errors that come back after that mean failing memory"
+                if dbe
+                else ""
+            ),
             value=dbe,
             unit="errors",
             aggregate_dbe=ecc.aggregate_dbe,
