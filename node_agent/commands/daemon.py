@@ -70,4 +70,31 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if args.keep_socket:
+        return _keep_socket(args)
     return Daemon(args.config, args.simulate, suite=args.suite, listen=args.listen).run()
+
+
+def _keep_socket(args: argparse.Namespace) -> int:
+    from node_agent.config import load_config
+    from node_agent.proc import python_module_argv
+    from node_agent.service.socket_keeper import keep_socket_and_run
+
+    nvhcd = load_config(args.config).daemon.nvhcd
+    if nvhcd.socket is None:
+        raise UsageError("--keep-socket holds daemon.nvhcd.socket, which the config does not set")
+    argv = ["daemon", "--log-level", args.log_level]
+    for flag, value in (
+        ("--config", args.config),
+        ("--simulate", args.simulate),
+        ("--suite", args.suite),
+        ("--listen", args.listen),
+    ):
+        if value is not None:
+            argv += [flag, value]
+    try:
+        return keep_socket_and_run(
+            nvhcd.socket, nvhcd.group, python_module_argv("node_agent.commands.main", *argv)
+        )
+    except (OSError, KeyError) as err:
+        raise UsageError(f"cannot hold {nvhcd.socket}: {err}") from err

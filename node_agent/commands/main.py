@@ -164,6 +164,12 @@ def _add_daemon(sub: _Sub[argparse.ArgumentParser]) -> None:
     daemon.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
+    daemon.add_argument(
+        "--keep-socket",
+        action="store_true",
+        help="hold daemon.nvhcd.socket and restart the daemon under it when it exits, so NVRx's "
+        "calls wait for it (a container; under systemd the socket unit does this)",
+    )
 
 
 def _add_fleet(sub: _Sub[argparse.ArgumentParser]) -> None:

@@ -828,7 +828,7 @@ class Daemon:
             log.info(
                 "NVRx node health check served on unix://%s%s",
                 printable(path),
-                " (held by systemd across restarts)" if server.held_by_systemd else "",
+                " (held across restarts)" if server.held_across_restarts else "",
             )
         for note in notes:
             log.warning("%s", printable(note))

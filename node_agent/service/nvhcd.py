@@ -245,9 +245,9 @@ class _Gate:
         max_calls: int,
         call_s: float,
         clock: Callable[[], float] = time.monotonic,
-        listener: socket.socket | None = None,
+        listener: socket.socket,
     ) -> None:
-        """``listener``: the public socket already listening (systemd's), else one is bound."""
+        """``listener``: the public socket, listening."""
         self.public, self.backend = public, backend
         self.max_per_uid, self.max_calls, self.call_s = max_per_uid, max_calls, call_s
         self._clock = clock
@@ -255,10 +255,6 @@ class _Gate:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.evicted = 0
-        if listener is None:
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            listener.bind(str(public))
-            listener.listen(128)
         self.listener = listener
         self.listener.settimeout(0.25)
 
@@ -394,11 +390,11 @@ class NvhcdServer:
     def start(self) -> list[str]:
         import grpc
 
-        gid = grp.getgrnam(self.group).gr_gid if self.group else -1
-        notes = _make_parent(self.path.parent, gid)
         self._held = inherited_unix_listener(str(self.path))
-        if self._held is None:
-            _clear_stale_socket(self.path)
+        if self._held is not None:
+            listener, notes = self._held, _make_parent(self.path.parent, _gid(self.group))
+        else:
+            listener, notes = public_listener(self.path, self.group)
         self._private = tempfile.mkdtemp(prefix="node-agent-nvhcd-")  # 0700, root's
         backend = os.path.join(self._private, "grpc.sock")
         server = grpc.server(
@@ -411,6 +407,8 @@ class NvhcdServer:
         )
         if server.add_insecure_port(f"unix:{backend}") == 0:
             shutil.rmtree(self._private, ignore_errors=True)
+            if self._held is None:
+                listener.close()
             raise OSError(f"cannot listen on {backend}")
         server.start()
         self._server = server
@@ -421,11 +419,9 @@ class NvhcdServer:
                 max_per_uid=self.max_per_uid,
                 max_calls=self.max_calls,
                 call_s=self.call_s,
-                listener=self._held,
+                listener=listener,
             )
-            if gid != -1:
-                os.chown(self.path, -1, gid)
-            os.chmod(self.path, 0o660 if self.group else 0o666)
+            _open_to_callers(self.path, self.group)
         except OSError:
             self.stop()
             raise
@@ -461,8 +457,9 @@ class NvhcdServer:
         )
 
     @property
-    def held_by_systemd(self) -> bool:
-        """The public socket is systemd's (socket activation): it outlives this daemon."""
+    def held_across_restarts(self) -> bool:
+        """The public socket was passed to this daemon (by systemd's socket unit, or by
+        ``daemon --keep-socket``): it outlives this daemon."""
         return self._held is not None
 
     @property
@@ -481,12 +478,40 @@ class NvhcdServer:
             shutil.rmtree(self._private, ignore_errors=True)
             self._private = None
         if self._held is not None:
-            return  # systemd's socket: it keeps listening, and callers wait for the next daemon
+            return  # the holder's socket: it keeps listening, and callers wait for the next daemon
         try:
             if stat.S_ISSOCK(os.lstat(self.path).st_mode):
                 os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+def public_listener(path: Path, group: str | None) -> tuple[socket.socket, list[str]]:
+    """The public socket bound at ``path`` and listening, open to NVRx's callers (0666, or
+    0660 and ``group``'s), with :func:`_make_parent`'s notes. OSError where the directory is
+    not root's alone or something not ours is at the path."""
+    notes = _make_parent(path.parent, _gid(group))
+    _clear_stale_socket(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(str(path))
+        listener.listen(128)
+        _open_to_callers(path, group)
+    except OSError:
+        listener.close()
+        raise
+    return listener, notes
+
+
+def _gid(group: str | None) -> int:
+    return grp.getgrnam(group).gr_gid if group else -1
+
+
+def _open_to_callers(path: Path, group: str | None) -> None:
+    gid = _gid(group)
+    if gid != -1:
+        os.chown(path, -1, gid)
+    os.chmod(path, 0o660 if group else 0o666)
 
 
 def _make_parent(directory: Path, gid: int) -> list[str]:

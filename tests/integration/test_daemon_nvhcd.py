@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -99,6 +100,17 @@ class Node:
             + ["--suite", str(self.suite)],
             env={**os.environ, "FD": str(held.fileno())},
             pass_fds=(held.fileno(),),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        return self.proc
+
+    def start_kept(self) -> subprocess.Popen:
+        """``node-agent daemon --keep-socket``, as the DaemonSet runs it."""
+        argv = [AGENT, "daemon", "--keep-socket", "--config", str(self.config)]
+        self.proc = subprocess.Popen(
+            [*argv, "--simulate", str(self.scenario), "--suite", str(self.suite)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -262,7 +274,7 @@ def test_a_socket_systemd_holds_keeps_a_call_made_across_a_restart_waiting_not_h
     node.start_activated(held)
     served = check_never_healthy(poll(node.sock, schedule_done))
     assert served[-1]["level"] == "FAULT"
-    assert "held by systemd" in node.stop()
+    assert "held across restarts" in node.stop()
     assert node.sock.exists()  # the daemon leaves systemd's socket alone
 
     gap: dict = {}
@@ -276,3 +288,30 @@ def test_a_socket_systemd_holds_keeps_a_call_made_across_a_restart_waiting_not_h
     assert gap == {"healthy": False, "skipped": None}, gap
     assert client.last_output["level"] in ("UNKNOWN", "FAULT")
     held.close()
+
+
+def test_a_daemon_that_crashes_in_a_container_leaves_its_socket_held_and_the_call_answered(node):
+    """In a container no systemd holds the socket: ``daemon --keep-socket`` (the DaemonSet's
+    command) binds it and runs the daemon under it. The daemon killed outright (a crash, the
+    OOM killer): the socket stays, a call made meanwhile waits, and the daemon the keeper starts
+    next answers it, not healthy. SIGTERM then stops both and removes the socket."""
+    proc = node.start_kept()
+    keeper = psutil.Process(proc.pid)
+    served = check_never_healthy(poll(node.sock, schedule_done))
+    assert served[-1]["level"] == "FAULT"
+    (daemon,) = keeper.children()
+    daemon.kill()
+    daemon.wait(10)
+    client = NodeHealthCheck(f"unix://{node.sock}")
+    assert node.sock.exists()
+    gap: dict = {}
+    call = threading.Thread(target=lambda: gap.update(healthy=client(), skipped=client.skipped))
+    call.start()
+    call.join(60)
+    assert gap == {"healthy": False, "skipped": None}, (gap, node.stop())
+    assert client.last_output["level"] in ("UNKNOWN", "FAULT")
+    (again,) = keeper.children()
+    assert again.pid != daemon.pid
+    err = node.stop()
+    assert proc.returncode == 0 and not again.is_running(), err
+    assert "a new daemon in" in err and not node.sock.exists(), err

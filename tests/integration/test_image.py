@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -58,11 +59,18 @@ class Image:
         ).stdout  # fmt: skip
         return json.loads(out)[0]["Config"]
 
-    def argv(self, args: list[str], mounts: dict[Path, str], user: str | None) -> list[str]:
+    def argv(
+        self,
+        args: list[str],
+        mounts: dict[Path, str],
+        user: str | None,
+        writable: dict[Path, str] | None = None,
+    ) -> list[str]:
         """The command line that runs the image's entrypoint with ``args`` on the host's
-        network (as ``hostNetwork: true``), ``mounts`` read-only, as ``user`` (None: the
-        image's own)."""
+        network (as ``hostNetwork: true``), ``mounts`` read-only and ``writable`` not, as
+        ``user`` (None: the image's own)."""
         volumes = [f"--volume={host}:{inside}:ro" for host, inside in mounts.items()]
+        volumes += [f"--volume={host}:{inside}" for host, inside in (writable or {}).items()]
         as_user = [f"--user={user}"] if user else []
         if self.builder == "buildah":
             # buildah run runs a command, not the entrypoint: take the image's own
@@ -144,14 +152,25 @@ def test_daemon_in_the_image_serves_metrics_a_real_prometheus_scrapes(image, tmp
     if prometheus is None:
         pytest.skip("prometheus server not installed (Debian package prometheus)")
     port, prom_port = free_loopback_port(), free_loopback_port()
-    etc = tmp_path / "etc"
+    etc, run = tmp_path / "etc", tmp_path / "run"
     etc.mkdir()
-    (etc / "config.yaml").write_text(yaml.safe_dump({"daemon": {"listen": f"127.0.0.1:{port}"}}))
-    argv = image.argv(
-        ["daemon", "--config", "/etc/node-agent/config.yaml",
+    run.mkdir(mode=0o755)
+    (etc / "config.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "daemon": {
+                    "listen": f"127.0.0.1:{port}",
+                    "nvhcd": {"socket": "/run/node-agent/nvhcd.sock"},
+                }
+            }
+        )
+    )
+    argv = image.argv(  # the DaemonSet's command, its NVRx socket on a host directory
+        ["daemon", "--keep-socket", "--config", "/etc/node-agent/config.yaml",
          "--simulate", f"{SCENARIOS}/healthy-h100.yaml"],
         {REPO / "scenarios": SCENARIOS, etc: "/etc/node-agent"},
         user="0:0",  # the DaemonSet's runAsUser
+        writable={run: "/run/node-agent"},
     )  # fmt: skip
     daemon = subprocess.Popen(
         argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
@@ -193,12 +212,14 @@ def test_daemon_in_the_image_serves_metrics_a_real_prometheus_scrapes(image, tmp
         result = poll(scraped, 60)
         assert result, "Prometheus did not scrape the daemon in the image"
         assert result[0]["value"][1] == "0"  # HEALTHY
+        assert stat.S_ISSOCK((run / "nvhcd.sock").stat().st_mode)  # where a training pod finds it
     finally:
         server.terminate()
         server.wait(timeout=30)
-        os.killpg(daemon.pid, signal.SIGTERM)
-        try:
-            daemon.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(daemon.pid, signal.SIGKILL)
-            daemon.wait(timeout=30)
+        if daemon.poll() is None:
+            os.killpg(daemon.pid, signal.SIGTERM)
+            try:
+                daemon.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(daemon.pid, signal.SIGKILL)
+                daemon.wait(timeout=30)
