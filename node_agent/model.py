@@ -235,9 +235,11 @@ class Remedy(str, enum.Enum):
     ``record`` marks a finding read from a record that a restart does not clear (the BMC's
     event log, panics kept in pstore): that it is still there after a restart proves nothing,
     so once its restarts are spent it too waits for an operator, who reads and clears the record.
-    ``elsewhere`` marks a link error several GPUs report at once (an Xid of ``class: link``):
-    it points at the far end of the links (an NVSwitch; on an NVL72 rack, in another tray), not
-    at the GPU that reports it, so it too waits for an operator instead of a replacement.
+    ``elsewhere`` marks a finding whose cause is outside the parts a replacement swaps: a link
+    error several GPUs report at once (an Xid of ``class: link``) or the same links down on
+    every GPU (the far end, an NVSwitch; on an NVL72 rack, in another tray), an HCA port the
+    switch or the subnet manager holds down, the fabric manager's partition, a PSU's feed. It
+    too waits for an operator instead of a replacement.
     """
 
     SOFTWARE = "software"

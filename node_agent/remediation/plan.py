@@ -692,10 +692,11 @@ _NO_SWAP_WORDS = {
         "panic's stack), clear it (`ipmitool sel clear`, remove the pstore dumps)",
     ),
     Remedy.ELSEWHERE: (
-        "a link error several GPUs report at once, which points at the far end of their links "
-        "(an NVSwitch; on an NVL72 rack, in another tray), not at a GPU of this node",
+        "a cause outside the parts a replacement swaps: the far end of the node's links (an "
+        "NVSwitch, on an NVL72 rack in another tray; a switch port, a cable, the subnet "
+        "manager), the fabric manager's partition, or the node's power feed",
         "check the far end first (`nvidia-smi nvlink -e` on each GPU, the NVSwitches' SXids, "
-        "the fabric manager's log)",
+        "the fabric manager's log; `ibstat` and the switch port; the PSUs' cords and PDUs)",
     ),
 }
 

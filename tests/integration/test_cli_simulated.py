@@ -76,7 +76,6 @@ def test_xid79_grades_fault_naming_gpu_and_code(agent, scenario):
         ({"kind": "missing_gpu", "gpu": 7}, "gpu-missing"),
         ({"kind": "pcie_width", "gpu": 4, "lanes": 8}, "pcie-width-degraded"),
         ({"kind": "gpu_lost", "gpu": 3}, "gpu-lost"),
-        ({"kind": "nvlink_down", "gpu": 6, "link": 3}, "nvlink-down"),
     ],
 )
 def test_hardware_faults_grade_fault_with_replace(agent, scenario, fault, rule):

@@ -59,7 +59,7 @@ SCENARIOS = {
     "temperature": ([{"kind": "temperature", "gpu": 0, "celsius": 95}], "FAULT"),
     "pcie_width": ([{"kind": "pcie_width", "gpu": 4, "lanes": 8}], "FAULT"),
     "throttle": ([{"kind": "throttle", "gpu": 2, "reasons": ["hw_slowdown"]}], "WARN"),
-    "nvlink_down": ([{"kind": "nvlink_down", "gpu": 6, "link": 3}], "FAULT"),
+    "nvlink_down": ([{"kind": "nvlink_down", "gpu": 6, "link": 3}], "ERROR"),
     "recovery_action": ([{"kind": "recovery_action", "gpu": 1, "action": "gpu_reset"}], "ERROR"),
     "persistence_off": ([{"kind": "persistence_off", "gpu": 0}], "WARN"),
     "spin": ([{"kind": "spin", "gpu": 4}], "HEALTHY"),

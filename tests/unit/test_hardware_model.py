@@ -131,7 +131,7 @@ def test_a_sku_link_count_still_catches_a_down_link():
     assert [(r.target, r.value, r.evidence["expected"]) for r in down] == [("gpu:5", 17, 18)]
     assert "17 of 18" in down[0].detail
     assert "down: link 17 (to NVSwitch 00000000:06:00.0)" in down[0].detail  # HGX B200's 2nd
-    assert GRADER.grade(results).level is Level.FAULT
+    assert GRADER.grade(results).level is Level.ERROR  # restarted first, replaced if it stays
 
 
 # -- SKU matching --------------------------------------------------------------------------------
@@ -294,7 +294,7 @@ def test_a_vm_that_sees_its_nvlinks_grades_them_as_bare_metal_does():
     )
     down = [r for r in by_metric(results, "nvlink_state") if r.status is not Status.PASS]
     assert [(r.target, r.status) for r in down] == [("gpu:2", Status.FAIL)]
-    assert GRADER.grade(results).level is Level.FAULT
+    assert GRADER.grade(results).level is Level.ERROR
 
 
 # -- the inventory keeps what it could not read -------------------------------------------------
@@ -379,7 +379,33 @@ def test_every_nvlink_of_every_gpu_down_is_the_fabric_not_brought_up_never_eight
 
     one = [Fault("nvlink_down", 3, {"link": n}) for n in range(18)]
     grade = GRADER.grade(nvml_health.run(context("nvml_health", "h100-sxm5-80gb", faults=one)))
-    assert grade.level is Level.FAULT and [r.target for r in grade.reasons] == ["gpu:3"]
+    assert [(r.rule, r.target, r.remedy) for r in grade.reasons] == [("nvlink-down", "gpu:3", None)]
+
+
+def test_the_same_links_down_on_every_gpu_are_the_switch_they_share_never_every_gpu():
+    """An NVL72 rack with one of its nine switch trays out (an NVOS upgrade, a reboot): every
+    GPU of every compute tray has the same 2 of its 18 links down. That was a FAULT per GPU, each
+    tray replaced; it is the far end they share, held for an operator. One GPU's down link is
+    restarted first (a reset retrains it) and replaced only if it stays down."""
+    tray_out = [Fault("nvlink_down", g, {"link": n}) for g in range(4) for n in (6, 7)]
+    results = nvml_health.run(context("nvml_health", "gb200-186gb", gpus=4, faults=tray_out))
+    assert not by_metric(results, "nvlink_state")
+    (alike,) = by_metric(results, "nvlink_down_alike")
+    assert (alike.target, alike.evidence["links_down"], alike.evidence["gpus"]) == (
+        "node",
+        [6, 7],
+        4,
+    )
+    grade = GRADER.grade(results, "service")
+    assert [(r.rule, r.level, r.remedy) for r in grade.reasons] == [
+        ("nvlink-down-alike", Level.ERROR, "elsewhere")
+    ]
+    other = [*tray_out[:-1], Fault("nvlink_down", 3, {"link": 8})]  # gpu:3: links 6 and 8
+    grade = GRADER.grade(
+        nvml_health.run(context("nvml_health", "gb200-186gb", gpus=4, faults=other))
+    )
+    assert {(r.rule, r.level) for r in grade.reasons} == {("nvlink-down", Level.ERROR)}
+    assert {r.remedy for r in grade.reasons} == {None} and len(grade.reasons) == 4
 
 
 def test_a_tray_none_of_whose_gpus_registered_with_the_fabric_is_held_never_replaced():

@@ -131,7 +131,7 @@ class CapturedGpu:
             index=self.index,
             uuid=g["UUID"],
             name=g["Name"],
-            pci_bus_id=g["PciInfo"]["busId"],
+            pci_bus_id=f"00000000:00:{6 + self.index:02X}.0",  # recorded: 06.0, _bus()'s slots
             serial=g["Serial"],
             vbios=g["VbiosVersion"],
             memory_total_mib=g["MemoryInfo"]["total"] >> 20,
@@ -401,7 +401,7 @@ def test_declared_nvlinks_are_graded_even_in_a_vm(declared, status):
     assert state.status is status and state.evidence["expected"] == declared
     if status is Status.FAIL:
         assert "0 of 18 NVLinks active (node.expected_nvlinks" in state.detail
-        assert GRADER.grade(results).level is Level.FAULT
+        assert GRADER.grade(results).level is Level.ERROR
 
 
 def test_bare_metal_sku_with_links_where_nvml_answers_none_warns_naming_the_setting():
@@ -421,7 +421,7 @@ def test_a_vm_whose_links_answer_but_are_all_inactive_warns():
     assert state.status is Status.WARN and "node.expected_nvlinks" in state.detail
 
 
-def test_a_vm_with_some_links_up_and_one_down_still_faults():
+def test_a_vm_with_some_links_up_and_one_down_still_fails():
     # positive evidence: the links answer, most are up, one is reported down
     links = [NvLink(link=i, active=i != 7, p2p_supported=True) for i in range(18)]
     results = nvml_health.run(
@@ -433,10 +433,10 @@ def test_a_vm_with_some_links_up_and_one_down_still_faults():
         and "17 of 18" in state.detail
         and "down: link 7)" in state.detail
     )
-    assert GRADER.grade(results).level is Level.FAULT
+    assert GRADER.grade(results).level is Level.ERROR
 
 
-def test_an_hgx_link_reported_inactive_on_bare_metal_still_faults():
+def test_an_hgx_link_reported_inactive_on_bare_metal_is_that_gpus_error():
     links = [NvLink(link=i, active=i != 3, p2p_supported=True) for i in range(18)]
     devices = [
         CapturedGpu(
@@ -449,7 +449,10 @@ def test_an_hgx_link_reported_inactive_on_bare_metal_still_faults():
     results = nvml_health.run(context(devices=devices, bus=_bus(8)))
     failed = [r for r in results if r.metric == "nvlink_state" and r.status is Status.FAIL]
     assert [r.target for r in failed] == ["gpu:5"]
-    assert GRADER.grade(results).level is Level.FAULT
+    grade = GRADER.grade(results)
+    assert [(r.rule, r.level, r.target) for r in grade.reasons] == [
+        ("nvlink-down", Level.ERROR, "gpu:5")
+    ]
 
 
 # -- GPU count ----------------------------------------------------------------------------------

@@ -442,6 +442,36 @@ def test_software_cause_on_a_node_back_in_service_is_drained_again_then_held(gra
     ]
 
 
+@pytest.mark.parametrize(
+    ("check", "target", "metric", "rule"),
+    [
+        ("hca_ports", "hca:mlx5_3", "link_state", "hca-port-down"),
+        ("hca_ports", "hca:mlx5_3", "port_rate_gbps", "hca-port-rate"),
+        ("rdma", "hca:mlx5_3", "link_state", "rdma-port-down"),
+        ("rdma", "hca:mlx5_3", "port_rate_gbps", "rdma-port-rate-degraded"),
+        ("host_power", "psu:PS2", "psu_status", "psu-failed"),
+        ("host_power", "node", "psu_redundancy", "psu-redundancy-lost"),
+        ("nvlink_fabric", "gpu:1", "fabric_health", "nvlink-fabric-unhealthy"),
+        ("nvlink_fabric", "gpu:1", "fabric_clique", "nvlink-fabric-wrong-clique"),
+        ("nvml_health", "node", "nvlink_down_alike", "nvlink-down-alike"),
+    ],
+)
+def test_a_cause_outside_the_parts_a_replacement_swaps_is_held_never_replaced(
+    grader, check, target, metric, rule
+):
+    """An IB port the subnet manager has not configured (INIT) or the switch holds down, a PSU
+    whose feed is lost, a fabric manager that gave the tray no partition, a switch tray out:
+    no reboot fixes them, and after two reboots the node was replaced. Held for an operator."""
+    g = graded(grader, Result(check, target, metric, Status.FAIL, "down"))
+    (reason,) = g.reasons
+    assert (reason.rule, reason.level, reason.remedy) == (rule, Level.ERROR, "elsewhere")
+    first = plan_for(g, counts={})
+    record = NodeRecord(NODE, "restarting", T0, first.fault_code, target, "auto", "reboot", T0)
+    p = plan_for(g, record=record, counts={first.fault_code: 2}, max_restarts=2)
+    assert [(s.action, s.to_state) for s in p.steps] == [("hold", "needs-operator")]
+    assert not p.escalated and "far end" in p.note
+
+
 def test_hardware_error_surviving_its_restarts_still_escalates_to_replace(grader):
     g = graded(grader, remap_pending())
     assert g.reasons[0].remedy is None

@@ -251,28 +251,51 @@ def _nvlink_against(
 
 
 def fabric_wide_loss(ctx: CheckContext, results: list[Result]) -> list[Result]:
-    """Every NVLink of every GPU down at once is not that many failed parts: an NVSwitch board's
-    links stay untrained until nvidia-fabricmanager runs (or while it fails, or its version is
-    not the driver's), and its switches are one board. The GPUs' ``nvlink_state`` FAILs give way
-    to one node ``nvlink_fabric_down`` (ERROR, held for an operator: never a GPU replaced), with
-    each GPU's reading as evidence. Fewer links down, or one GPU's, stay each GPU's own."""
+    """Links down on every GPU at once are not that many failed parts. Every NVLink of every
+    GPU down: an NVSwitch board's links stay untrained until nvidia-fabricmanager runs (or while
+    it fails, or its version is not the driver's). The same links down on every GPU: the far end
+    they share, an NVSwitch (on an NVL72 rack, a switch tray out for an upgrade or a reboot, which
+    takes the same two links from every GPU of every compute tray). The GPUs' ``nvlink_state``
+    FAILs give way to one node ``nvlink_fabric_down`` or ``nvlink_down_alike`` (ERROR, held for
+    an operator: never a GPU replaced), with each GPU's reading as evidence. Other links down,
+    or one GPU's, stay each GPU's own."""
     states = [r for r in results if r.metric == "nvlink_state"]
-    if len(states) < 2 or any(r.status is not Status.FAIL or r.value for r in states):
+    if len(states) < 2 or any(r.status is not Status.FAIL for r in states):
         return results
     per_gpu = {r.target: r.detail for r in states}
     kept = [r for r in results if r.metric != "nvlink_state"]
+    if not any(r.value for r in states):
+        return kept + [
+            ctx.result(
+                "node",
+                "nvlink_fabric_down",
+                Status.FAIL,
+                f"every NVLink of all {len(states)} GPUs is down: the fabric was not brought up, "
+                "not a GPU failing (on an NVSwitch board, nvidia-fabricmanager trains the links: "
+                "`systemctl status nvidia-fabricmanager`, its version must be the driver's; else "
+                "the NVSwitches); start it and re-test",
+                0,
+                "links",
+                gpus=len(states),
+                per_gpu=per_gpu,
+            )
+        ]
+    down = {tuple(r.evidence.get("inactive") or ()) for r in states}
+    if len(down) != 1 or not (links := next(iter(down))):
+        return results
     return kept + [
         ctx.result(
             "node",
-            "nvlink_fabric_down",
+            "nvlink_down_alike",
             Status.FAIL,
-            f"every NVLink of all {len(states)} GPUs is down: the fabric was not brought up, "
-            "not a GPU failing (on an NVSwitch board, nvidia-fabricmanager trains the links: "
-            "`systemctl status nvidia-fabricmanager`, its version must be the driver's; else the "
-            "NVSwitches); start it and re-test",
-            0,
+            f"NVLink(s) {', '.join(map(str, links))} are down on all {len(states)} GPUs alike: "
+            "the far end they share, not every GPU failing (an NVSwitch; on an NVL72 rack a "
+            "switch tray, being upgraded or rebooted, or its cable cartridge); check the switches "
+            "(`nvidia-smi nvlink -s`, the switch trays' state) and re-test",
+            len(links),
             "links",
             gpus=len(states),
+            links_down=list(links),
             per_gpu=per_gpu,
         )
     ]
