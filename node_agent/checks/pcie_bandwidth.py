@@ -405,7 +405,8 @@ def _link_evidence(reading: LinkReading) -> dict[str, Any]:
 
 def link_result(ctx: CheckContext, index: int, reading: LinkReading) -> Result:
     """``pcie_link_under_load`` of one GPU: fail when the loaded link is below the SKU's
-    generation or width (or, without a SKU, below the link's own maximum)."""
+    generation or width (or, without a SKU, below the link's own maximum) where the system
+    gives it that; warn where the system cannot (:meth:`PcieLink.shortfall`)."""
     target = f"gpu:{index}"
     if reading.link is None:
         err = reading.error
@@ -435,19 +436,26 @@ def link_result(ctx: CheckContext, index: int, reading: LinkReading) -> Result:
         "copies_in_flight": reading.copies_in_flight,
     }
     value = f"Gen{link.gen_current} x{link.width_current}"
-    short = []
-    if link.gen_current < want_gen:
-        short.append(f"Gen{link.gen_current} of Gen{want_gen}")
-    if link.width_current < want_width:
-        short.append(f"x{link.width_current} of x{want_width}")
-    if short:
+    degraded, platform = link.shortfall(want_gen, want_width)
+    if degraded:
         return ctx.result(
             target,
             LINK,
             Status.FAIL,
-            f"gpu:{index} PCIe link at {' and '.join(short)} ({source}) while "
-            "copying: a degraded link (reseat or replace the GPU, riser or "
-            "cable; check the slot)",
+            f"gpu:{index} PCIe link at {' and '.join(degraded)} ({source}, within what the "
+            "system gives) while copying: a degraded link (reboot to retrain it; if it stays, "
+            "reseat or replace the GPU, riser or cable)",
+            value=value,
+            **evidence,
+        )
+    if platform:
+        return ctx.result(
+            target,
+            LINK,
+            Status.WARN,
+            f"gpu:{index} PCIe link at {value} while copying, all the system gives this GPU "
+            f"({' and '.join(platform)}; NVML's maximum for this device and system): the slot "
+            "or platform, not the GPU",
             value=value,
             **evidence,
         )

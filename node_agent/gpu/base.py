@@ -94,6 +94,25 @@ class PcieLink:
     width_max: int
     replay_count: int | None
 
+    def shortfall(self, gen: int | None, width: int | None) -> tuple[list[str], list[str]]:
+        """Against the wanted ``gen`` and ``width`` (a SKU's; None: not judged): what the link
+        trained below what it and the system can do (a degraded link), and what the system
+        cannot give at all. NVML's maxima are "possible with this device and system" (an x16
+        GPU in an x8 slot reads 8, a Gen5 GPU in a Gen4 server 4): short of the SKU there is
+        the platform's, not the GPU's."""
+        degraded, platform = [], []
+        for name, current, most, wanted in (
+            ("Gen", self.gen_current, self.gen_max, gen),
+            ("x", self.width_current, self.width_max, width),
+        ):
+            if wanted is None:
+                continue
+            if current < min(wanted, most):
+                degraded.append(f"{name}{current} of {name}{min(wanted, most)}")
+            if most < wanted:
+                platform.append(f"{name}{most} of the SKU's {name}{wanted}")
+        return degraded, platform
+
 
 @dataclass(frozen=True)
 class EccCounts:

@@ -57,7 +57,7 @@ SCENARIOS = {
     "gpu_lost": ([{"kind": "gpu_lost", "gpu": 3}], "FAULT"),
     "driver_hang": ([{"kind": "driver_hang", "gpu": 3}], "ERROR"),
     "temperature": ([{"kind": "temperature", "gpu": 0, "celsius": 95}], "FAULT"),
-    "pcie_width": ([{"kind": "pcie_width", "gpu": 4, "lanes": 8}], "FAULT"),
+    "pcie_width": ([{"kind": "pcie_width", "gpu": 4, "lanes": 8}], "ERROR"),
     "throttle": ([{"kind": "throttle", "gpu": 2, "reasons": ["hw_slowdown"]}], "WARN"),
     "nvlink_down": ([{"kind": "nvlink_down", "gpu": 6, "link": 3}], "ERROR"),
     "recovery_action": ([{"kind": "recovery_action", "gpu": 1, "action": "gpu_reset"}], "ERROR"),

@@ -14,8 +14,10 @@ from node_agent.compute.devices import ComputeSpec, open_device
 from node_agent.config import config_from_dict
 from node_agent.gpu.absent import AbsentGpuBackend
 from node_agent.gpu.base import GpuTimeout, NotSupported, PcieLink
+from node_agent.grading.rules import load_grader
 from node_agent.hardware.sku import load_sku
-from node_agent.model import Status
+from node_agent.model import Level, Status
+from node_agent.resources import graders_dir
 from node_agent.sim.node import ScenarioCompute
 from node_agent.sim.scenario import Fault, Scenario
 
@@ -116,6 +118,27 @@ def test_link_without_sku_is_graded_against_its_own_maximum():
     assert link_result(_ctx(sku=None), 0, _link(4, 16, gen_max=4)).status is Status.PASS
     bad = link_result(_ctx(sku=None), 0, _link(4, 8, gen_max=4))
     assert bad.status is Status.FAIL and "the link's maximum" in bad.detail
+
+
+@pytest.mark.parametrize(
+    ("gen", "width", "gen_max", "width_max", "status", "words"),
+    [
+        (4, 16, 4, 16, Status.WARN, "Gen4 of the SKU's Gen5"),  # a Gen5 GPU in a Gen4 server
+        (5, 8, 5, 8, Status.WARN, "x8 of the SKU's x16"),  # an x16 GPU in a slot wired x8
+        (3, 16, 4, 16, Status.FAIL, "Gen3 of Gen4"),  # below what this server gives it
+        (4, 8, 4, 16, Status.FAIL, "x8 of x16"),
+    ],
+)
+def test_a_link_short_of_the_sku_only_where_the_system_cannot_give_more_is_the_platforms(
+    gen, width, gen_max, width_max, status, words
+):
+    """NVML's maxima are "possible with this device and system". An H100 in a Gen4 server, or
+    in a slot wired x8, trains as far as it can and was a FAULT on every GPU: a replacement of
+    hardware that is fine. A WARN naming the platform; below what the system gives, a FAIL."""
+    result = link_result(_ctx(), 1, _link(gen, width, gen_max, width_max))
+    assert result.status is status and words in result.detail, result.detail
+    grade = load_grader(graders_dir(config_from_dict({}))).grade([result])
+    assert grade.level is (Level.WARN if status is Status.WARN else Level.ERROR)
 
 
 def test_link_not_readable_is_skip_and_a_hung_read_is_error():

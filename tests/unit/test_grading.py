@@ -63,7 +63,7 @@ def test_unknown_xid_is_not_ignored(grader):
         ("ecc_dbe_volatile", Level.ERROR, Action.RESTART),
         ("row_remap_failure", Level.FAULT, Action.REPLACE),
         ("row_remap_pending", Level.ERROR, Action.RESTART),
-        ("pcie_width", Level.FAULT, Action.REPLACE),
+        ("pcie_width", Level.ERROR, Action.RESTART),
         ("recovery_action", Level.ERROR, Action.RESTART),
     ],
 )

@@ -552,19 +552,24 @@ def _pcie(
         "width_max": link.width_max,
         "width_expected": expected_width,
     }
-    degraded = link.width_current < expected_width
+    degraded, platform = link.shortfall(None, expected_width)
+    if degraded:
+        status, detail = (
+            Status.FAIL,
+            f"PCIe link trained at {degraded[0]}: a degraded link (reboot to retrain it; if "
+            "it stays, reseat or replace the GPU or riser)",
+        )
+    elif platform:
+        status, detail = (
+            Status.WARN,
+            f"PCIe x{link.width_current}, all the system gives this GPU ({platform[0]}; "
+            "NVML's maximum for this device and system): the slot or platform, not the GPU",
+        )
+    else:
+        status, detail = Status.PASS, f"PCIe x{link.width_current}"
     out.append(
         ctx.result(
-            target,
-            "pcie_width",
-            Status.FAIL if degraded else Status.PASS,
-            f"PCIe link trained at x{link.width_current} of x{expected_width}: "
-            "a degraded link (reseat or replace the GPU or riser)"
-            if degraded
-            else f"PCIe x{link.width_current}",
-            value=link.width_current,
-            unit="lanes",
-            **evidence,
+            target, "pcie_width", status, detail, value=link.width_current, unit="lanes", **evidence
         )
     )
     # An idle GPU lowers its link generation to save power, so the generation is only a
