@@ -575,6 +575,8 @@ def test_health_incidents_grade_by_subsystem_and_keep_dcgm_code_and_message():
         ),
         ("mem", 81, "GPU 0 had an uncontained error", "health_mem_uncorrectable", "ERROR"),
         ("mem", 80, "GPU 0 had a row remap failure", "health_mem", "FAULT"),
+        ("inforom", 9, "A corrupt InfoROM has been detected in GPU 0.", "health_inforom", "ERROR"),
+        ("nvswitch_fatal", 15, "Detected a fatal NVSwitch error", "health_nvswitch_fatal", "ERROR"),
         ("mem", 8, "Retired pages DBE limit reached", "health_mem", "FAULT"),
     ],
 )
@@ -588,13 +590,14 @@ def test_one_health_fail_is_graded_by_dcgms_error_code_and_only_a_part_is_faulte
     too, where DCGM's own advice is "drain the GPU and reset it or reboot the node" (the reset
     applies the row remap the driver recorded): an ERROR, restarted, escalated if it comes back.
     A row-remap failure and retired pages at their limit, NVIDIA's memory RMA criteria, stay
-    FAULT."""
+    FAULT. A corrupt InfoROM was FAULT too, where DCGM's next step is to flash it (held for an
+    operator), and a fatal NVSwitch error, which the SXid catalog grades ERROR."""
     report = HealthReport(overall="fail", incidents=(incident(system, "fail", code, 0, message),))
     results = dcgm_health.run(ctx_for("dcgm_health"), opener=opener_of(FakeDcgm(health=report)))
     (found,) = results
     grade = GRADER.grade(results, mode="service")
     assert (found.metric, grade.level.name) == (metric, level)
-    if metric == "health_fabric_service":
+    if metric in ("health_fabric_service", "health_inforom"):
         assert grade.reasons[0].remedy is not None  # held for an operator, never replaced
 
 

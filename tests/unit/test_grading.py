@@ -64,6 +64,7 @@ def test_unknown_xid_is_not_ignored(grader):
         ("row_remap_failure", Level.FAULT, Action.REPLACE),
         ("row_remap_pending", Level.ERROR, Action.RESTART),
         ("pcie_width", Level.ERROR, Action.RESTART),
+        ("gpu_not_enumerated", Level.ERROR, Action.RESTART),
         ("recovery_action", Level.ERROR, Action.RESTART),
     ],
 )

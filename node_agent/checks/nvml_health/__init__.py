@@ -48,7 +48,7 @@ from node_agent.gpu.base import (
     NoPermission,
     NotSupported,
 )
-from node_agent.gpu.pci import compare
+from node_agent.gpu.pci import PciBus, PciGpu, compare
 from node_agent.gpu.throttle import ABNORMAL_THROTTLE
 from node_agent.model import Result, Status
 
@@ -169,6 +169,17 @@ def _gpu_count(ctx: CheckContext) -> Result:
                 seen,
                 evidence,
             )
+        stuck = _on_the_bus_not_initialised(ctx, bus)
+        if stuck and seen + len(stuck) >= expected:
+            return _count_result(
+                ctx,
+                Status.WARN,
+                f"{seen} of {expected} expected GPUs visible{note}; the rest are on the PCI bus "
+                f"but the driver did not initialise them ({', '.join(g.bus_id for g in stuck)}): "
+                "not lost, graded as gpu_not_enumerated",
+                seen,
+                evidence,
+            )
         if not declared and not modelled:
             in_vm = _count_in_a_vm(ctx, seen, expected, evidence)
             if in_vm is not None:
@@ -192,6 +203,15 @@ def _gpu_count(ctx: CheckContext) -> Result:
     return _count_result(
         ctx, Status.PASS, f"{seen} of {expected} GPUs visible{note}", seen, evidence
     )
+
+
+def _on_the_bus_not_initialised(ctx: CheckContext, bus: PciBus) -> list[PciGpu]:
+    """The NVIDIA GPUs on the PCI bus, bound to no other driver, that NVML does not list."""
+    if bus.unreadable or ctx.inventory is None:
+        return []
+    ids = [g.pci_bus_id for g in ctx.inventory.gpus]
+    found = compare(bus, ids, unidentified=len(ctx.inventory.unreadable))
+    return [g for g in found.not_enumerated if not g.bound_elsewhere]
 
 
 def _count_result(
@@ -295,7 +315,7 @@ def _pci_bus(ctx: CheckContext) -> list[Result]:
                 f"NVIDIA GPU {gpu.describe()} is on the PCI bus but NVML does not "
                 "enumerate it: the driver could not initialise it (see `dmesg | grep -i "
                 f"nvrm` for {gpu.bus_id[:-2]}: RmInitAdapter failed, fallen off the bus); "
-                "reseat or replace the GPU"
+                "a power cycle re-initialises it; reseat or replace the GPU if it stays"
                 + (
                     f" ({found.unidentified} enumerated GPU(s) could not be identified "
                     "and may be among these)"
