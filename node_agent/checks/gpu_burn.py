@@ -121,12 +121,22 @@ def _throughput(ctx: CheckContext, outcome: BurnOutcome) -> list[Result]:
             verdict = verdicts[index]
             status, details = verdict.status, [verdict.detail] if verdict.detail else []
             if minimum is not None and value < minimum:
-                status = Status.FAIL
                 sku = ctx.sku.display_name if ctx.sku else "the SKU file"
                 details.append(
                     f"gpu:{index} {precision} GEMM {value:.4g} TFLOP/s is below the "
                     f"SKU minimum {minimum:g} TFLOP/s ({sku})"
                 )
+                tel = outcome.telemetry.get(index)
+                if tel is not None and tel.power_capped:
+                    status = max(status, Status.WARN, key=lambda s: s.severity)
+                    details.append(
+                        f"its power limit is capped at {tel.power_limit_w:.0f} W of the "
+                        f"board's default {tel.power_default_w:.0f} W, and the SKU minimum "
+                        "assumes the default: the setting, not the GPU (restore it with "
+                        "nvidia-smi -pl to test the GPU)"
+                    )
+                else:
+                    status = Status.FAIL
             samples = w.samples_of(precision)
             if not details:
                 sib = (

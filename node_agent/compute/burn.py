@@ -205,8 +205,16 @@ class GpuTelemetry:
     sm_clock_mhz: list[float | None] = field(default_factory=list)
     throttle: list[list[str] | None] = field(default_factory=list)
     power_limit_w: float | None = None
+    power_default_w: float | None = None  # the board's default limit: below it, a cap is set
     slowdown_temp_c: float | None = None
     errors: dict[str, str] = field(default_factory=dict)  # reading -> first error message
+
+    @property
+    def power_capped(self) -> bool:
+        """The enforced limit is below the board's default: someone capped it (``nvidia-smi
+        -pl``, a power policy), and the GPU computes less for it."""
+        limit, default = self.power_limit_w, self.power_default_w
+        return limit is not None and default is not None and limit < 0.98 * default
 
 
 @dataclass
@@ -618,6 +626,8 @@ class TelemetrySampler:
                 tel.throttle.append(sorted(throttle) if throttle is not None else None)
                 if power and power.enforced_limit_w is not None:
                     tel.power_limit_w = power.enforced_limit_w
+                if power and power.default_limit_w is not None:
+                    tel.power_default_w = power.default_limit_w
 
     def stop(self, wait_s: float = 15.0) -> dict[int, GpuTelemetry]:
         self._stop.set()
@@ -638,6 +648,7 @@ def _copy(tel: GpuTelemetry) -> GpuTelemetry:
         list(tel.sm_clock_mhz),
         list(tel.throttle),
         tel.power_limit_w,
+        tel.power_default_w,
         tel.slowdown_temp_c,
         dict(tel.errors),
     )

@@ -878,3 +878,49 @@ def test_the_burn_check_reports_the_interval_the_engine_verified_at():
     assert _interval([Sample(0, 1, "fp8", 1.0, 1.0, 2, 0)], plan) == 8  # none reported
     assert _intervals_text({"fp8": 71, "bf16": 38}, plan) == "71 (fp8), 38 (bf16)"
     assert _intervals_text({"fp8": 8, "bf16": 8}, plan) == "8"
+
+
+@pytest.mark.parametrize(
+    ("limit_w", "status", "words"),
+    [
+        (700.0, Status.FAIL, "below the SKU minimum"),  # the default limit: the GPU's own
+        (450.0, Status.WARN, "capped at 450 W of the board's default 700 W"),
+    ],
+)
+def test_every_gpu_below_the_sku_minimum_under_a_power_cap_is_the_setting_not_eight_gpus(
+    limit_w, status, words
+):
+    """An operator capped every GPU's power (``nvidia-smi -pl 450``, a facility's policy): the
+    burn computes below the SKU minimum, which assumes the default limit, on every GPU alike.
+    Each was an ERROR, two reboots, then every GPU replaced. Under a cap it is a WARN naming
+    it; at the default limit a GPU below the minimum is still a finding."""
+    from node_agent.checking.context import CheckContext
+    from node_agent.checking.ports import Ports
+    from node_agent.checks.gpu_burn import _throughput
+    from node_agent.compute.burn import BurnOutcome, GpuTelemetry, Sample, WorkerReport
+    from node_agent.gpu.absent import AbsentGpuBackend
+    from node_agent.hardware.sku import load_skus
+    from node_agent.model import Level
+
+    config = config_from_dict({})
+    sku = load_skus(shipped_graders_dir())["h100-sxm5-80gb"]
+    ctx = CheckContext(
+        check="gpu_burn",
+        gpu=AbsentGpuBackend("test"),
+        kernel_log=None,
+        config=config,
+        inventory=None,
+        sku=sku,
+        expected_gpus=8,
+        ports=Ports(),  # compute measured on the node's GPUs: the SKU minima apply
+    )
+    low = 0.6 * sku.minimum("tflops_bf16_min")
+    workers = {i: WorkerReport(i, samples=[Sample(0, 1, "bf16", 1.0, low, 1, 0)]) for i in range(8)}
+    capped = {i: GpuTelemetry(power_limit_w=limit_w, power_default_w=700.0) for i in range(8)}
+    plan = BurnPlan(size=64, precisions=("bf16",), verify_every=8)
+    outcome = BurnOutcome(plan, workers, ["bf16"], {}, capped, 1.0)
+    results = _throughput(ctx, outcome)
+    assert {r.status for r in results} == {status}
+    assert all(words in r.detail for r in results), results[0].detail
+    level = load_grader(shipped_graders_dir()).grade(results).level
+    assert level is (Level.WARN if status is Status.WARN else Level.ERROR)
