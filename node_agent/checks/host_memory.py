@@ -432,6 +432,24 @@ def _installed(
             missing_gib=round(missing, 2),
             **evidence,
         )
+    edac_gib = sum(sizes) / 1024
+    if missing > margin and edac_gib >= expected - margin:
+        # every DIMM is there to the memory controllers: the kernel does not online it all
+        return ctx.result(
+            "node",
+            "memory_not_online",
+            Status.FAIL,
+            f"{installed.gib:g} GiB of memory online, {expected:g} GiB expected "
+            f"({declared_by}), but EDAC lists {len(sizes)} DIMM(s) holding {edac_gib:g} GiB: "
+            "no DIMM is missing; the kernel keeps the rest out (a mem= or memmap= boot "
+            "argument, the firmware's memory mirroring or sparing, a hot-plug policy); check "
+            "/proc/cmdline and the BIOS memory RAS mode",
+            value=installed.gib,
+            unit="GiB",
+            missing_gib=round(missing, 2),
+            edac_gib=round(edac_gib, 2),
+            **evidence,
+        )
     if missing > margin:
         dimms_missing = max(1, round(missing / dimm_gib))
         return ctx.result(

@@ -189,6 +189,25 @@ def test_a_missing_dimm_fails_against_expected_memory(tmp_path):
     assert "about 1 DIMM(s) of 64 GiB" in missing.detail
 
 
+def test_memory_every_dimm_of_which_edac_lists_is_a_setting_never_a_missing_dimm(tmp_path):
+    """The firmware's memory mirroring halves what the kernel sees; a mem= boot argument cuts
+    it: "1024 GiB missing, about 16 DIMM(s)", FAULT, a replacement. EDAC still lists every
+    DIMM: no DIMM is missing, and the finding says what keeps the memory out."""
+    memory_blocks(tmp_path, 512)  # 1024 GiB online of 2048: mirrored
+    edac_mc(tmp_path, "mc0")
+    for n in range(32):
+        edac_dimm(tmp_path, "mc0", n, f"A{n}", size=65536)
+    results = host_memory.run(
+        make_ctx(tmp_path, "host_memory", {"node": {"expected_memory_gib": 2048}})
+    )
+    assert not [r for r in results if r.metric == "memory_missing"]
+    offline = by(results, "memory_not_online")
+    assert offline.status is Status.FAIL and offline.evidence["edac_gib"] == 2048
+    assert "no DIMM is missing" in offline.detail and "mirroring" in offline.detail
+    (reason,) = [r for r in GRADER.grade(results).reasons if r.rule == "memory-not-online"]
+    assert (reason.level, reason.remedy) == (Level.ERROR, "software")
+
+
 def test_memtotal_fallback_allows_for_the_kernels_reservations(tmp_path):
     (tmp_path / "sys").mkdir()
     write(tmp_path / "proc/meminfo", "MemTotal:       2113336744 kB\nMemFree: 1 kB\n")  # 2015 GiB
