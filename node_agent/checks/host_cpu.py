@@ -134,6 +134,20 @@ def _online(ctx: CheckContext, state: CpuState) -> Result:
         "declared_by": declared_by,
         "present": format_cpu_list(state.present) if state.present is not None else None,
     }
+    if online < expected and state.smt in ("off", "forceoff") and 2 * online >= expected:
+        return ctx.result(
+            "node",
+            "cpus_online",
+            Status.WARN,
+            f"{online} CPUs online, {expected} expected ({declared_by}), and SMT is "
+            f"{state.smt} (/sys/devices/system/cpu/smt/control): the sibling threads are "
+            "offline by that setting (nosmt, a hardening policy), not lost; turn SMT on or "
+            "set node.expected_cpus to the count without it",
+            value=online,
+            unit="CPUs",
+            smt=state.smt,
+            **evidence,
+        )
     if online < expected:
         seen = set(state.online)
         missing = [c for c in range(expected) if c not in seen]

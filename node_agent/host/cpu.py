@@ -27,6 +27,8 @@ class CpuState:
     present: list[int] | None
     #: cpu -> (core_throttle_count, package_throttle_count); empty without therm_throt
     throttle: dict[int, tuple[int | None, int | None]] = field(default_factory=dict)
+    #: ``smt/control``: on, off, forceoff, notsupported, notimplemented; None unreadable
+    smt: str | None = None
 
 
 def _cpu_list(path: Path) -> list[int] | None:
@@ -61,6 +63,7 @@ def read_cpus(sys_root: Path = Path("/sys")) -> CpuState:
         online=_cpu_list(base / "online"),
         present=_cpu_list(base / "present"),
         throttle=dict(sorted(throttle.items())),
+        smt=(read_text(base / "smt" / "control") or "").strip() or None,
     )
 
 

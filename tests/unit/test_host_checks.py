@@ -564,6 +564,22 @@ def test_fewer_cpus_online_than_expected_fails_naming_the_missing(tmp_path):
     assert (fail.status, fail.value, fail.evidence["missing"]) == (Status.FAIL, 223, "111")
 
 
+def test_sibling_threads_offline_because_smt_is_off_are_a_setting_not_lost_cpus(tmp_path):
+    """nosmt (or a hardening policy) leaves half the declared CPUs offline: an ERROR that two
+    reboots could not clear, escalated to a replacement. SMT off is named as the cause, a WARN;
+    more CPUs gone than SMT explains stay a finding."""
+    cpus(tmp_path, "0-111", "0-223")
+    write(tmp_path / "sys/devices/system/cpu/smt/control", "off\n")
+    ctx = make_ctx(tmp_path, "host_cpu", {"node": {"expected_cpus": 224}})
+    warn = by(host_cpu.run(ctx), "cpus_online")
+    assert (warn.status, warn.evidence["smt"]) == (
+        Status.WARN,
+        "off",
+    ) and "SMT is off" in warn.detail
+    cpus(tmp_path, "0-99", "0-223")
+    assert by(host_cpu.run(ctx), "cpus_online").status is Status.FAIL
+
+
 def test_throttle_growth_between_runs_warns(tmp_path):
     cpus(tmp_path, "0-1", "0-1", {0: 0, 1: 0})
     ctx = make_ctx(tmp_path, "host_cpu")
