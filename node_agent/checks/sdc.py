@@ -32,9 +32,11 @@ where a kernel can be built, the tile model's figure otherwise; 0.0 where nothin
 
 A stored digest taken with other software (torch, its CUDA, the driver, the GPU name) is not
 compared: digests are bit-exact only within one stack, so the result says the baseline was
-retaken. A GPU that differs from its own history but agrees with a strict majority of the
-node's other GPUs (3 or more compared) had a stale baseline (a software change the fingerprint
-does not see), not SDC: its baseline is replaced and the result says so.
+retaken; the fingerprint names the cuBLAS wheel too (pip upgrades it apart from torch). A GPU
+that differs from its own history but agrees with a strict majority of the node's other GPUs
+(3 or more compared), or with every other GPU (two GPUs drifting to one new digest), had a stale
+baseline (a software change the fingerprint does not see), not SDC: its baseline is replaced
+and the result says so.
 
 Params (:class:`Params`, parsed when the suite loads: a bad value is a configuration error
 naming the key): ``dtypes`` (of fp32, tf32, bf16, fp16, fp8; those the device lacks are dropped, with a
@@ -282,9 +284,24 @@ def software_fingerprint(
         "gpu_name": gpu_name,
         "device": device.device.type,
     }
+    if cublas := _cublas_wheel():
+        fp["cublas"] = cublas
     if device.device.type == "cpu":
         fp["cpu_threads"] = torch.get_num_threads()
     return fp
+
+
+def _cublas_wheel() -> str | None:
+    """The cuBLAS wheel torch loads (pip upgrades it apart from torch: ``nvidia-cublas-cu12``),
+    as ``name version``; None where torch carries its own or uses the system's."""
+    from importlib import metadata
+
+    for name in ("nvidia-cublas-cu12", "nvidia-cublas-cu13", "nvidia-cublas"):
+        try:
+            return f"{name} {metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -464,7 +481,9 @@ def probe_node(
 
 def _forgive_stale_history(runs: Mapping[int, GpuRun]) -> None:
     """A GPU that differs from its own earlier digest but agrees with a strict majority of the
-    node's GPUs (>= MIN_GPUS_FOR_MAJORITY compared) has a stale baseline, not SDC."""
+    node's GPUs (>= MIN_GPUS_FOR_MAJORITY compared), or with every other GPU (two GPUs that
+    drift to one new digest together), has a stale baseline, not SDC: no two GPUs corrupt a
+    product into the same bits."""
     from node_agent.sdc import probes as sdc_lib
 
     for run in runs.values():
@@ -475,7 +494,8 @@ def _forgive_stale_history(runs: Mapping[int, GpuRun]) -> None:
             spec = sdc_lib.ProbeSpec(rows, inner, cols, dtype=v.dtype)
             key = spec_key(spec)
             digests = {i: r.digests[key] for i, r in runs.items() if key in r.digests}
-            if len(digests) < MIN_GPUS_FOR_MAJORITY:
+            every_gpu_alike = len(digests) >= 2 and len(set(digests.values())) == 1
+            if len(digests) < MIN_GPUS_FOR_MAJORITY and not every_gpu_alike:
                 continue
             value, count = Counter(digests.values()).most_common(1)[0]
             if count * 2 > len(digests) and digests.get(run.index) == value:

@@ -107,10 +107,11 @@ def _tamper(env, index: int) -> None:
 
 
 def test_stored_digest_mismatch_with_same_software_is_confirmed(node):
-    env = node(gpus=2)
+    """One GPU: nothing to compare with but its own history."""
+    env = node(gpus=1)
     run_sdc(env)
     _tamper(env, 0)
-    got = by_target(run_sdc(node(gpus=2)))
+    got = by_target(run_sdc(node(gpus=1)))
     assert got["gpu:0"].metric == "sdc_confirmed"
     assert "earlier digest" in got["gpu:0"].detail or any(
         "earlier digest" in f["detail"] for f in got["gpu:0"].evidence["findings"]
@@ -136,6 +137,39 @@ def test_stale_history_is_replaced_when_the_gpu_agrees_with_the_node_majority(no
     got = by_target(run_sdc(node(gpus=4)))
     assert got["gpu:3"].status is Status.PASS
     assert "earlier digest was stale" in got["gpu:3"].detail
+
+
+def test_two_gpus_that_drift_from_their_history_to_one_new_digest_are_a_software_change(node):
+    """A cuBLAS wheel upgraded without torch's version changing: both GPUs of a two-GPU node
+    compute new bits, the same ones. Without a majority (3 GPUs) each was "confirmed", a
+    replacement of both. No two GPUs corrupt a product into the same bits: stale baselines.
+    One GPU drifting alone, its sibling unchanged, stays confirmed."""
+    env = node(gpus=2)
+    run_sdc(env)
+    _tamper(env, 0)
+    _tamper(env, 1)
+    got = by_target(run_sdc(node(gpus=2)))
+    assert {got["gpu:0"].status, got["gpu:1"].status} == {Status.PASS}
+    assert all("earlier digest was stale" in got[t].detail for t in ("gpu:0", "gpu:1"))
+
+
+@pytest.mark.parametrize("installed", [{"nvidia-cublas-cu12": "12.8.4.1"}, {}])
+def test_the_software_fingerprint_names_the_cublas_wheel_torch_loads(monkeypatch, installed):
+    """pip upgrades nvidia-cublas-cu12 apart from torch, and new cuBLAS kernels give new bits:
+    a fingerprint without it kept a stale baseline, and each GPU's new digest was "confirmed"."""
+    from importlib import metadata
+
+    from node_agent.checks.sdc import software_fingerprint
+
+    def version(name):
+        if name not in installed:
+            raise metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(metadata, "version", version)
+    fp = software_fingerprint(_device(0), "NVIDIA H100", "580.1")
+    wheel = next((f"{k} {v}" for k, v in installed.items()), None)
+    assert fp.get("cublas") == wheel  # absent where torch carries its own
 
 
 def test_service_mode_result_is_the_same_grade_path(node):
