@@ -159,24 +159,20 @@ def _gpu_count(ctx: CheckContext) -> Result:
     }
     if seen < expected:
         elsewhere = [] if bus.unreadable else [g for g in bus.host_gpus if g.bound_elsewhere]
-        if elsewhere and seen + len(elsewhere) >= expected:
-            return _count_result(
-                ctx,
-                Status.WARN,
-                f"{seen} of {expected} expected GPUs visible{note}; the rest are on the PCI bus "
-                f"held by another driver ({', '.join(g.describe() for g in elsewhere)}): not "
-                "lost, not usable (gpu_bound_elsewhere)",
-                seen,
-                evidence,
-            )
         stuck = _on_the_bus_not_initialised(ctx, bus)
-        if stuck and seen + len(stuck) >= expected:
+        if (elsewhere or stuck) and seen + len(elsewhere) + len(stuck) >= expected:
+            on_bus = []
+            if elsewhere:
+                held = ", ".join(g.describe() for g in elsewhere)
+                on_bus.append(f"held by another driver ({held}; gpu_bound_elsewhere)")
+            if stuck:
+                ids = ", ".join(g.bus_id for g in stuck)
+                on_bus.append(f"not initialised by the driver ({ids}; gpu_not_enumerated)")
             return _count_result(
                 ctx,
                 Status.WARN,
-                f"{seen} of {expected} expected GPUs visible{note}; the rest are on the PCI bus "
-                f"but the driver did not initialise them ({', '.join(g.bus_id for g in stuck)}): "
-                "not lost, graded as gpu_not_enumerated",
+                f"{seen} of {expected} expected GPUs visible{note}; the rest are on the PCI bus, "
+                f"{' and '.join(on_bus)}: not lost, graded there",
                 seen,
                 evidence,
             )
