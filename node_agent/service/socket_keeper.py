@@ -10,7 +10,7 @@ default) and is answered by the next daemon.
 
 A daemon that exits with a usage or configuration error (exit 2) is not restarted: the keeper
 exits with it, so the container's restarts show it. SIGTERM or SIGINT stops the daemon and then
-the keeper, with the daemon's exit status.
+the keeper, with the daemon's exit status; SIGHUP is passed on (the daemon reloads).
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ FIRST_RESTART_S = 1.0
 LONGEST_RESTART_S = 30.0
 #: a daemon that ran this long before it exited restarts after the shortest wait again
 STEADY_S = 60.0
+#: what the keeper passes on to the daemon (SIGHUP: reload its configuration); the first two
+#: also stop the keeper
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STOPPING = (signal.SIGTERM, signal.SIGINT)
 
 
 def keep_socket_and_run(
@@ -49,20 +53,26 @@ def keep_socket_and_run(
     stopping: list[int] = []
     child = 0
 
-    def stop(signum: int, _frame: object) -> None:
-        stopping.append(signum)
+    def forward(signum: int, _frame: object) -> None:
+        if signum in STOPPING:
+            stopping.append(signum)
         if child:
             _signal(child, signum)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    wait_s = first_restart_s
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
+    wait_s, status = first_restart_s, 0
     try:
         while True:
             started = time.monotonic()
-            child = _start(argv, listener.fileno())
-            if stopping:  # a signal between the fork and knowing the child's pid
-                _signal(child, stopping[0])
+            # held back until the child's pid is known: one sent meanwhile reaches it after
+            signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+            try:
+                if stopping:
+                    return status
+                child = _start(argv, listener.fileno())
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
             log.info("daemon started (pid %d), holding %s for it", child, path)
             status = _exit_status(_wait(child))
             child = 0
@@ -96,8 +106,9 @@ def _start(argv: Sequence[str], fd: int) -> int:
     if pid:
         return pid
     try:  # the child: the socket as systemd passes it, then the daemon
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        for signum in FORWARDED:
+            signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         if fd == LISTEN_FDS_START:
             os.set_inheritable(fd, True)
         else:

@@ -161,18 +161,18 @@ def _gpu_count(ctx: CheckContext) -> Result:
         elsewhere = [] if bus.unreadable else [g for g in bus.host_gpus if g.bound_elsewhere]
         stuck = _on_the_bus_not_initialised(ctx, bus)
         if (elsewhere or stuck) and seen + len(elsewhere) + len(stuck) >= expected:
-            on_bus = []
+            kinds = []
             if elsewhere:
                 held = ", ".join(g.describe() for g in elsewhere)
-                on_bus.append(f"held by another driver ({held}; gpu_bound_elsewhere)")
+                kinds.append(f"held by another driver ({held}; gpu_bound_elsewhere)")
             if stuck:
                 ids = ", ".join(g.bus_id for g in stuck)
-                on_bus.append(f"not initialised by the driver ({ids}; gpu_not_enumerated)")
+                kinds.append(f"not initialised by the driver ({ids}; gpu_not_enumerated)")
             return _count_result(
                 ctx,
                 Status.WARN,
                 f"{seen} of {expected} expected GPUs visible{note}; the rest are on the PCI bus, "
-                f"{' and '.join(on_bus)}: not lost, graded there",
+                f"{' and '.join(kinds)}: not lost, graded there",
                 seen,
                 evidence,
             )
