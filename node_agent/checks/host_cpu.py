@@ -113,6 +113,14 @@ def _throttle(ctx: CheckContext, state: CpuState) -> Result:
     )
 
 
+def _smt_off_explains(state: CpuState, online: int, expected: int) -> bool:
+    """SMT off, and exactly one thread of each core online: every CPU the kernel has is
+    present, as declared, and half of them (the sibling threads) offline. A core or a socket
+    lost beside it breaks the equality and stays a finding."""
+    present = len(state.present or ())
+    return state.smt in ("off", "forceoff") and present == expected and 2 * online == present
+
+
 def _online(ctx: CheckContext, state: CpuState) -> Result:
     expected = ctx.config.node.expected_cpus
     declared_by = "node.expected_cpus"
@@ -134,7 +142,7 @@ def _online(ctx: CheckContext, state: CpuState) -> Result:
         "declared_by": declared_by,
         "present": format_cpu_list(state.present) if state.present is not None else None,
     }
-    if online < expected and state.smt in ("off", "forceoff") and 2 * online >= expected:
+    if _smt_off_explains(state, online, expected):
         return ctx.result(
             "node",
             "cpus_online",

@@ -292,16 +292,18 @@ def software_fingerprint(
 
 
 def _cublas_wheel() -> str | None:
-    """The cuBLAS wheel torch loads (pip upgrades it apart from torch: ``nvidia-cublas-cu12``),
-    as ``name version``; None where torch carries its own or uses the system's."""
+    """Every cuBLAS wheel installed (pip upgrades them apart from torch, and leaves a cu12 one
+    behind when torch moves to a cu13 build), as ``name version, ...``: whichever torch loads,
+    its upgrade changes this. None where torch carries its own or uses the system's."""
     from importlib import metadata
 
+    found = []
     for name in ("nvidia-cublas-cu12", "nvidia-cublas-cu13", "nvidia-cublas"):
         try:
-            return f"{name} {metadata.version(name)}"
+            found.append(f"{name} {metadata.version(name)}")
         except metadata.PackageNotFoundError:
             continue
-    return None
+    return ", ".join(found) or None
 
 
 # --------------------------------------------------------------------------------------------

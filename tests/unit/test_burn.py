@@ -881,19 +881,21 @@ def test_the_burn_check_reports_the_interval_the_engine_verified_at():
 
 
 @pytest.mark.parametrize(
-    ("limit_w", "status", "words"),
+    ("share", "limit_w", "status", "words"),
     [
-        (700.0, Status.FAIL, "below the SKU minimum"),  # the default limit: the GPU's own
-        (450.0, Status.WARN, "capped at 450 W of the board's default 700 W"),
+        (0.6, 700.0, Status.FAIL, "below the SKU minimum"),  # the default limit: the GPU's own
+        (0.7, 450.0, Status.WARN, "capped below the board's default"),  # 450/700 explains 0.64
+        (0.1, 680.0, Status.FAIL, "below the SKU minimum"),  # more than a 3 % cap explains
     ],
 )
 def test_every_gpu_below_the_sku_minimum_under_a_power_cap_is_the_setting_not_eight_gpus(
-    limit_w, status, words
+    share, limit_w, status, words
 ):
     """An operator capped every GPU's power (``nvidia-smi -pl 450``, a facility's policy): the
     burn computes below the SKU minimum, which assumes the default limit, on every GPU alike.
-    Each was an ERROR, two reboots, then every GPU replaced. Under a cap it is a WARN naming
-    it; at the default limit a GPU below the minimum is still a finding."""
+    Each was an ERROR, two reboots, then every GPU replaced. A shortfall the cap explains (no
+    more than in proportion to it) is a WARN naming it; at the default limit, or further below
+    than the cap explains, it is still a finding."""
     from node_agent.checking.context import CheckContext
     from node_agent.checking.ports import Ports
     from node_agent.checks.gpu_burn import _throughput
@@ -914,12 +916,13 @@ def test_every_gpu_below_the_sku_minimum_under_a_power_cap_is_the_setting_not_ei
         expected_gpus=8,
         ports=Ports(),  # compute measured on the node's GPUs: the SKU minima apply
     )
-    low = 0.6 * sku.minimum("tflops_bf16_min")
-    workers = {i: WorkerReport(i, samples=[Sample(0, 1, "bf16", 1.0, low, 1, 0)]) for i in range(8)}
-    capped = {i: GpuTelemetry(power_limit_w=limit_w, power_default_w=700.0) for i in range(8)}
+    tflops = share * sku.minimum("tflops_bf16_min")
+    one_second = [Sample(0, 1, "bf16", tflops * 1e12, 1.0, 1, 0)]
+    workers = {i: WorkerReport(i, samples=list(one_second)) for i in range(8)}
+    telemetry = {i: GpuTelemetry(power_limit_w=limit_w, power_default_w=700.0) for i in range(8)}
     plan = BurnPlan(size=64, precisions=("bf16",), verify_every=8)
-    outcome = BurnOutcome(plan, workers, ["bf16"], {}, capped, 1.0)
-    results = _throughput(ctx, outcome)
+    results = _throughput(ctx, BurnOutcome(plan, workers, ["bf16"], {}, telemetry, 1.0))
+    assert [round(r.value / tflops, 3) for r in results] == [1.0] * 8
     assert {r.status for r in results} == {status}
     assert all(words in r.detail for r in results), results[0].detail
     level = load_grader(shipped_graders_dir()).grade(results).level

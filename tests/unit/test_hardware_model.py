@@ -406,6 +406,12 @@ def test_the_same_links_down_on_every_gpu_are_the_switch_they_share_never_every_
     )
     assert {(r.rule, r.level) for r in grade.reasons} == {("nvlink-down", Level.ERROR)}
     assert {r.remedy for r in grade.reasons} == {None} and len(grade.reasons) == 4
+    # two GPUs see one link between them down at both ends: each GPU's own, not a far end
+    pair = [Fault("nvlink_down", g, {"link": 3}) for g in range(2)]
+    grade = GRADER.grade(
+        nvml_health.run(context("nvml_health", "h100-sxm5-80gb", gpus=2, faults=pair))
+    )
+    assert {(r.rule, r.remedy) for r in grade.reasons} == {("nvlink-down", None)}
 
 
 def test_a_tray_none_of_whose_gpus_registered_with_the_fabric_is_held_never_replaced():

@@ -576,8 +576,13 @@ def test_sibling_threads_offline_because_smt_is_off_are_a_setting_not_lost_cpus(
         Status.WARN,
         "off",
     ) and "SMT is off" in warn.detail
-    cpus(tmp_path, "0-99", "0-223")
-    assert by(host_cpu.run(ctx), "cpus_online").status is Status.FAIL
+    for online in ("0-99", "0-110"):  # a socket, a core, gone beside SMT off
+        cpus(tmp_path, online, "0-223")
+        assert by(host_cpu.run(ctx), "cpus_online").status is Status.FAIL
+    # declared as the count without SMT, as the WARN says: a lost socket is a finding again
+    cores = make_ctx(tmp_path, "host_cpu", {"node": {"expected_cpus": 112}})
+    cpus(tmp_path, "0-55", "0-223")
+    assert by(host_cpu.run(cores), "cpus_online").status is Status.FAIL
 
 
 def test_throttle_growth_between_runs_warns(tmp_path):

@@ -143,7 +143,8 @@ def test_two_gpus_that_drift_from_their_history_to_one_new_digest_are_a_software
     """A cuBLAS wheel upgraded without torch's version changing: both GPUs of a two-GPU node
     compute new bits, the same ones. Without a majority (3 GPUs) each was "confirmed", a
     replacement of both. No two GPUs corrupt a product into the same bits: stale baselines.
-    One GPU drifting alone, its sibling unchanged, stays confirmed."""
+    A GPU whose new digest differs from its sibling's stays confirmed
+    (test_gpu_that_changes_from_its_earlier_digest_is_confirmed_on_the_next_run)."""
     env = node(gpus=2)
     run_sdc(env)
     _tamper(env, 0)
@@ -153,7 +154,14 @@ def test_two_gpus_that_drift_from_their_history_to_one_new_digest_are_a_software
     assert all("earlier digest was stale" in got[t].detail for t in ("gpu:0", "gpu:1"))
 
 
-@pytest.mark.parametrize("installed", [{"nvidia-cublas-cu12": "12.8.4.1"}, {}])
+@pytest.mark.parametrize(
+    "installed",
+    [
+        {"nvidia-cublas-cu12": "12.8.4.1"},
+        {"nvidia-cublas-cu12": "12.4.5.8", "nvidia-cublas-cu13": "13.1.0.3"},  # cu12 left behind
+        {},
+    ],
+)
 def test_the_software_fingerprint_names_the_cublas_wheel_torch_loads(monkeypatch, installed):
     """pip upgrades nvidia-cublas-cu12 apart from torch, and new cuBLAS kernels give new bits:
     a fingerprint without it kept a stale baseline, and each GPU's new digest was "confirmed"."""
@@ -168,7 +176,7 @@ def test_the_software_fingerprint_names_the_cublas_wheel_torch_loads(monkeypatch
 
     monkeypatch.setattr(metadata, "version", version)
     fp = software_fingerprint(_device(0), "NVIDIA H100", "580.1")
-    wheel = next((f"{k} {v}" for k, v in installed.items()), None)
+    wheel = ", ".join(f"{k} {v}" for k, v in installed.items()) or None
     assert fp.get("cublas") == wheel  # absent where torch carries its own
 
 

@@ -255,7 +255,8 @@ def fabric_wide_loss(ctx: CheckContext, results: list[Result]) -> list[Result]:
     GPU down: an NVSwitch board's links stay untrained until nvidia-fabricmanager runs (or while
     it fails, or its version is not the driver's). The same links down on every GPU: the far end
     they share, an NVSwitch (on an NVL72 rack, a switch tray out for an upgrade or a reboot, which
-    takes the same two links from every GPU of every compute tray). The GPUs' ``nvlink_state``
+    takes the same two links from every GPU of every compute tray; three GPUs or more, since
+    two GPUs linked to each other see one broken link at both ends). The GPUs' ``nvlink_state``
     FAILs give way to one node ``nvlink_fabric_down`` or ``nvlink_down_alike`` (ERROR, held for
     an operator: never a GPU replaced), with each GPU's reading as evidence. Other links down,
     or one GPU's, stay each GPU's own."""
@@ -281,7 +282,9 @@ def fabric_wide_loss(ctx: CheckContext, results: list[Result]) -> list[Result]:
             )
         ]
     down = {tuple(r.evidence.get("inactive") or ()) for r in states}
-    if len(down) != 1 or not (links := next(iter(down))):
+    # two GPUs linked to each other see one broken link from both ends: a far end they share
+    # takes at least three
+    if len(states) < 3 or len(down) != 1 or not (links := next(iter(down))):
         return results
     return kept + [
         ctx.result(
