@@ -66,3 +66,26 @@ def graded_daemon(config: str | Path, scenario: str | Path, suite: str | Path) -
     finally:
         daemon.stop()
         thread.join(10)
+
+
+@contextlib.contextmanager
+def unstarted_daemon(directory: Path) -> Iterator[Any]:
+    """Root's :class:`~node_agent.service.daemon.Daemon` on a healthy simulated two-GPU H100,
+    its files in ``directory``, never run: the test records results into it itself. Its
+    environment is closed when the block ends."""
+    import yaml
+
+    from node_agent.service.daemon import Daemon
+
+    scenario, config = directory / "scenario.yaml", directory / "config.yaml"
+    scenario.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 2, "faults": []}))
+    config.write_text(
+        yaml.safe_dump(
+            {"state_dir": str(directory / "state"), "spool_dir": str(directory / "spool")}
+        )
+    )
+    daemon = Daemon(str(config), str(scenario))
+    try:
+        yield daemon
+    finally:
+        daemon.env.close()

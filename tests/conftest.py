@@ -21,6 +21,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import slurm_cluster as _slurm  # noqa: E402  (tests/slurm_cluster.py)
 import tmpfs_tmpdir  # noqa: E402  (tests/tmpfs_tmpdir.py)
 from preloaded_agent import Invocation, Zygote  # noqa: E402  (tests/preloaded_agent.py)
 
@@ -252,3 +253,27 @@ def scenario(tmp_path):
         return str(path)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    """A real munge + slurmctld + slurmd on loopback for this test module (tests/slurm_cluster.py).
+
+    Client commands reach it through ``SLURM_CONF``: use ``slurm_cluster.env()``. Skips, with
+    the reason, only where Slurm cannot run here (packages missing, not root).
+    """
+    reason = _slurm.missing_reason()
+    if reason:
+        pytest.skip(reason)
+    cluster = _slurm.start_cluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def slurm(slurm_cluster):
+    """The module's Slurm cluster with every node back in service before the test."""
+    _slurm.reset_cluster(slurm_cluster)
+    return slurm_cluster

@@ -118,6 +118,13 @@ class SlurmCluster:
             raise AssertionError(f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr}")
         return proc
 
+    def drain(self, reason: str, node: str | None = None) -> None:
+        """Drain ``node`` (default: the real one) with ``reason``, as an admin by hand, or an
+        earlier agent run, would."""
+        self.run(
+            "scontrol", "update", f"NodeName={node or self.node}", "State=DRAIN", f"Reason={reason}"
+        )
+
     def show_node(self, node: str | None = None) -> dict[str, str]:
         """``scontrol show node -o NODE`` as a dict of its Key=Value fields."""
         out = self.run("scontrol", "show", "node", "-o", node or self.node).stdout

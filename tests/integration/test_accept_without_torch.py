@@ -19,16 +19,11 @@ import pytest
 import yaml
 
 from node_agent.config import load_config
-from node_agent.gpu import open_backend
-from node_agent.gpu.pci import read_bus
 from node_agent.proc import python_code_argv, python_module_argv
 from node_agent.resources import suites_dir
 from node_agent.suite import load_suite
+from tests.integration.test_cli_no_gpu import GPUS_ON_BUS, HAS_DRIVER
 
-_backend = open_backend()
-HAS_DRIVER = _backend.unavailable_reason is None
-_backend.close()
-GPUS_ON_BUS = read_bus().host_gpus
 pytestmark = pytest.mark.skipif(
     HAS_DRIVER or bool(GPUS_ON_BUS),
     reason="this host has a working NVIDIA driver (GPU checks run, not skip)"

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from agent_daemon import unstarted_daemon  # tests/agent_daemon.py
 from waiting import wait_for  # tests/waiting.py
 
 from node_agent.checking import registry
@@ -591,19 +592,11 @@ def test_a_check_module_that_does_not_import_leaves_the_daemon_running(tmp_path,
     from node_agent.model import Result, Status
 
     monkeypatch.setitem(registry.REGISTRY, "broken", "node_agent_no_such_module")
-    scenario, config = tmp_path / "scenario.yaml", tmp_path / "config.yaml"
-    scenario.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 2, "faults": []}))
-    config.write_text(
-        yaml.safe_dump({"state_dir": str(tmp_path / "state"), "spool_dir": str(tmp_path / "spool")})
-    )
-    d = Daemon(str(config), str(scenario))
-    try:
+    with unstarted_daemon(tmp_path) as d:
         failed = Result("broken", "node", "crashed", Status.ERROR, "ModuleNotFoundError")
         d._record("broken", [failed], time.time(), 0.1)
         assert [r.metric for r in d.current_results() if r.check == "broken"] == ["crashed"]
         assert d.grade.level.name != "HEALTHY"
-    finally:
-        d.env.close()
 
 
 def test_a_corrupt_state_file_is_set_aside_and_the_grade_is_unknown_until_checks_ran(

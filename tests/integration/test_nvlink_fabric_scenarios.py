@@ -80,14 +80,7 @@ def setup(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def _run(tmp_path: Path, argv: list[str], scenario: Path, way: str) -> dict[str, Any]:
-    argv = [sys.executable, "-m", "node_agent.commands.main", *argv]
-    if way == "simulate":
-        env = harness.agent_env()
-        env.pop("LD_LIBRARY_PATH")
-        argv += ["--simulate", str(scenario)]
-    else:
-        env = harness.agent_env(scenario=scenario)
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    proc = harness.run_agent(argv, scenario, simulate=way == "simulate", cwd=tmp_path)
     assert proc.stdout.strip(), proc.stderr
     report: dict[str, Any] = json.loads(proc.stdout)
     return report

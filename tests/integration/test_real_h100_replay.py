@@ -22,7 +22,6 @@ suite's host checks; its load tests are simulated on the CPU and have their own 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -92,24 +91,10 @@ def _config(tmp_path: Path, oracle: dict, declared: bool) -> Path:
 
 def _graded(tmp_path: Path, capture: tuple, command: str, config: Path, simulate: bool) -> tuple:
     scenario, _oracle, gpu_name = capture
-    argv = [
-        sys.executable,
-        "-m",
-        "node_agent.commands.main",
-        *COMMANDS[command],
-        "--json",
-        "--config",
-        str(config),
-    ]
+    args = [*COMMANDS[command], "--json", "--config", str(config)]
     if command == "accept":
-        argv += ["--out", str(tmp_path / "out")]
-    if simulate:
-        env = harness.agent_env()
-        env.pop("LD_LIBRARY_PATH")
-        argv += ["--simulate", str(scenario)]
-    else:
-        env = harness.agent_env(scenario=scenario)
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+        args += ["--out", str(tmp_path / "out")]
+    proc = harness.run_agent(args, scenario, simulate=simulate, cwd=tmp_path)
     assert proc.stdout.strip(), proc.stderr
     report = json.loads(proc.stdout)
     assert len(report["gpus"]) == 1 and report["gpus"][0]["name"] == gpu_name

@@ -257,16 +257,21 @@ def test_act_dry_run_prints_and_records_nothing(agent, config, logged):
     assert "would first collect" in run.stdout and "nvidia-bug-report.sh" in run.stdout
 
 
-def _agent_process(args, tmp_path, **env):
-    argv = [
-        sys.executable,
-        "-c",
-        "import sys; from node_agent.commands.main import main; sys.exit(main())",
-        *args,
-    ]
+def _python_process(code, args, tmp_path, **env):
+    """``python -c code args...`` in ``tmp_path``, its output captured."""
     return subprocess.run(
-        argv, capture_output=True, text=True, timeout=120, cwd=tmp_path, env={**os.environ, **env}
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, **env},
     )
+
+
+def _agent_process(args, tmp_path, **env):
+    run_main = "import sys; from node_agent.commands.main import main; sys.exit(main())"
+    return _python_process(run_main, args, tmp_path, **env)
 
 
 # The agent's command line in a child Python whose remediators SIGKILL the process once the step
@@ -296,13 +301,7 @@ def test_kill_9_between_journal_and_act_completes_the_action_exactly_once(
 ):
     cfg = config()
     args = ["check", "--simulate", scenario(XID79), "--act", "--json", "--config", cfg]
-    crashed = subprocess.run(
-        [sys.executable, "-c", _CRASHING_AGENT, "drain", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
+    crashed = _python_process(_CRASHING_AGENT, ["drain", *args], tmp_path)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     assert logged() == []
     again = _agent_process(args, tmp_path)
@@ -371,13 +370,7 @@ def test_kill_9_before_a_job_restart_sends_it_once_and_status_shows_it(
     agent, scenario, config, logged, tmp_path
 ):
     cfg = config()
-    crashed = subprocess.run(
-        [sys.executable, "-c", _HUNG_JOB_RUN, cfg, NODE],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
+    crashed = _python_process(_HUNG_JOB_RUN, [cfg, NODE], tmp_path)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     assert logged() == []
     journal = agent("status", "--json", "--config", cfg).json()["journal"]

@@ -185,9 +185,7 @@ def _slurm_harness(cluster: Any, tmp_path: Path) -> Harness:
         reads_state=True,
         holds_key=False,
         holds_evidence=False,
-        drain_by_hand=lambda reason: cluster.run(
-            "scontrol", "update", f"NodeName={cluster.node}", "State=DRAIN", f"Reason={reason}"
-        ),
+        drain_by_hand=cluster.drain,
         held_reason=lambda: cluster.show_node().get("Reason"),
         silent=silent,
     )

@@ -40,13 +40,7 @@ def adapter_for(cluster, **slurm_cfg) -> SlurmAdapter:
 
 
 def test_node_drained_by_hand_reports_its_own_reason_not_the_agents(slurm):
-    slurm.run(
-        "scontrol",
-        "update",
-        f"NodeName={slurm.node}",
-        "State=DRAIN",
-        "Reason=bad DIMM, ticket 4711",
-    )
+    slurm.drain("bad DIMM, ticket 4711")
     state = adapter_for(slurm).node_state(slurm.node)
     assert state.drained
     assert state.reason == "bad DIMM, ticket 4711"
@@ -55,16 +49,8 @@ def test_node_drained_by_hand_reports_its_own_reason_not_the_agents(slurm):
 
 
 def test_list_nodes_reports_every_node_with_its_drain_state(slurm):
-    slurm.run(
-        "scontrol",
-        "update",
-        f"NodeName={slurm.fake_nodes[0]}",
-        "State=DRAIN",
-        "Reason=node-agent: FAULT xid79 gpu:1",
-    )
-    slurm.run(
-        "scontrol", "update", f"NodeName={slurm.fake_nodes[1]}", "State=DRAIN", "Reason=maintenance"
-    )
+    slurm.drain("node-agent: FAULT xid79 gpu:1", slurm.fake_nodes[0])
+    slurm.drain("maintenance", slurm.fake_nodes[1])
     nodes = {n.name: n for n in adapter_for(slurm).list_nodes()}
     assert set(nodes) == set(slurm.all_nodes)
     assert nodes[slurm.fake_nodes[0]].drained_by_agent

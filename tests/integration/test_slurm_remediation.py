@@ -16,6 +16,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -96,13 +97,7 @@ def test_xid79_accept_act_leaves_node_drained_with_reason_naming_the_fault(
 
 
 def test_node_drained_by_hand_is_never_resumed_by_the_agent(slurm, node_agent, scenario):
-    slurm.run(
-        "scontrol",
-        "update",
-        f"NodeName={slurm.node}",
-        "State=DRAIN",
-        "Reason=bad DIMM, ticket 4711",
-    )
+    slurm.drain("bad DIMM, ticket 4711")
     for faults in (ROW_REMAP_PENDING, []):  # an ERROR to remediate, then a clean node
         node_agent("check", "--simulate", scenario(faults), "--act", "--adapter", "slurm")
         fields = slurm.show_node()
@@ -136,13 +131,7 @@ def test_blast_radius_refuses_drain_when_share_already_drained_by_agent(
     slurm, node_agent, scenario
 ):
     for fake in slurm.fake_nodes[:2]:  # 2 of 4 nodes already drained by the agent
-        slurm.run(
-            "scontrol",
-            "update",
-            f"NodeName={fake}",
-            "State=DRAIN",
-            "Reason=node-agent: FAULT xid79 gpu:0",
-        )
+        slurm.drain("node-agent: FAULT xid79 gpu:0", fake)
     node_agent.configure(max_drained_fraction=0.25)
     proc = node_agent(
         "accept", "--simulate", scenario(XID79), *ONLY_FINDERS, "--act", "--adapter", "slurm"
@@ -163,6 +152,18 @@ class _Report:
 
     def to_dict(self) -> dict:
         return {"grade": self.grade.to_dict()}
+
+
+def slurm_remediator(store, slurm, state_dir: Path | None) -> Remediator:
+    """The remediator of ``slurm``'s real node, through the Slurm adapter, default safety."""
+    return Remediator(
+        store,
+        SlurmAdapter(env=slurm.env()),
+        slurm.node,
+        Safety(),
+        state_dir=state_dir,
+        warn=lambda _m: None,
+    )
 
 
 def _hang(job: str, uid: int = 0) -> Grade:
@@ -187,10 +188,7 @@ def test_hung_job_is_requeued_through_slurm_and_the_node_stays_in_service(slurm,
     slurm.wait_job(job, "RUNNING")
     store = open_store(tmp_path / "state")
     try:
-        adapter = SlurmAdapter(env=slurm.env())
-        rem = Remediator(
-            store, adapter, slurm.node, Safety(), state_dir=tmp_path / "state", warn=lambda _m: None
-        )
+        rem = slurm_remediator(store, slurm, tmp_path / "state")
         out = rem.remediate(_Report(_hang(job)))
         assert [(r.action, r.outcome) for r in out.records] == [("restart-job", "done")], out
         assert slurm.show_job(job)["Restarts"] == "1"
@@ -212,14 +210,7 @@ def test_a_hung_process_naming_another_users_job_gets_no_requeue(slurm, tmp_path
     slurm.wait_job(job, "RUNNING")
     store = open_store(tmp_path / "state")
     try:
-        rem = Remediator(
-            store,
-            SlurmAdapter(env=slurm.env()),
-            slurm.node,
-            Safety(),
-            state_dir=tmp_path / "state",
-            warn=lambda _m: None,
-        )
+        rem = slurm_remediator(store, slurm, tmp_path / "state")
         out = rem.remediate(_Report(_hang(job, uid=1001)))
         (rec,) = out.records
         assert (rec.action, rec.outcome) == ("restart-job", "failed"), rec
@@ -252,14 +243,7 @@ def test_recovered_job_restart_after_the_requeue_happened_is_not_repeated(slurm,
             now=0.0,
             state="started",
         )
-        out = Remediator(
-            store,
-            SlurmAdapter(env=slurm.env()),
-            slurm.node,
-            Safety(),
-            state_dir=None,
-            warn=lambda _m: None,
-        ).recover()
+        out = slurm_remediator(store, slurm, None).recover()
         (rec,) = out.records
         assert rec.outcome == "done" and JOB_NOT_RUNNING in rec.detail, rec.detail
         assert slurm.show_job(job)["Restarts"] == "1"

@@ -18,6 +18,7 @@ import urllib.request
 
 import pytest
 import yaml
+from agent_daemon import unstarted_daemon  # tests/agent_daemon.py
 from waiting import wait_for  # tests/waiting.py
 
 from node_agent.checks.xid import watch as watch_module
@@ -184,13 +185,7 @@ def test_kept_xid_result_is_the_one_that_counted_more_lines(tmp_path):
     result that counted fewer lines (a shorter window) does not replace a fuller one."""
     from node_agent.model import Result, Status
 
-    scenario, config = tmp_path / "scenario.yaml", tmp_path / "config.yaml"
-    scenario.write_text(yaml.safe_dump({"sku": "h100-sxm5-80gb", "gpus": 2, "faults": []}))
-    config.write_text(
-        yaml.safe_dump({"state_dir": str(tmp_path / "state"), "spool_dir": str(tmp_path / "spool")})
-    )
-    d = Daemon(str(config), str(scenario))
-    try:
+    with unstarted_daemon(tmp_path) as d:
 
         def xid(count, metric="xid", target="gpu:0", code=79):
             return Result(
@@ -216,5 +211,3 @@ def test_kept_xid_result_is_the_one_that_counted_more_lines(tmp_path):
         d._record("xid", [xid(60)], time.time(), 0.1)
         assert kept() == {("gpu:0", "xid"): 60, ("nvswitch:1", "sxid"): 2}
         assert [r.rule for r in d.grade.reasons if r.target == "nvswitch:1"] == ["sxid"]
-    finally:
-        d.env.close()

@@ -8,7 +8,9 @@ import ctypes.util
 import os
 import shutil
 import subprocess
+import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -122,6 +124,21 @@ def agent_env(
     if python is not None:
         env["NVML_FAKE_PYTHON"] = python
     return env
+
+
+def run_agent(
+    args: Sequence[str], scenario: str | Path, *, simulate: bool, cwd: Path
+) -> subprocess.CompletedProcess:
+    """``node-agent args...`` on the scenario's node, either simulated (``--simulate``, the
+    stand-in off the library path) or through the stand-in library (``NVML_FAKE_SCENARIO``)."""
+    argv = [sys.executable, "-m", "node_agent.commands.main", *args]
+    if simulate:
+        env = agent_env()
+        env.pop("LD_LIBRARY_PATH")
+        argv += ["--simulate", str(scenario)]
+    else:
+        env = agent_env(scenario=scenario)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=cwd, env=env)
 
 
 def close_backends(state: Path, backends: list) -> None:

@@ -293,6 +293,23 @@ def make_victim(base: Path) -> Path:
     return victim
 
 
+def fio_context(scratch: Path) -> CheckContext:
+    """The storage check's context for a short fio run in ``scratch``, on a node without GPUs."""
+    from node_agent.config import config_from_dict
+    from node_agent.gpu.absent import AbsentGpuBackend
+
+    return CheckContext(
+        check="storage",
+        gpu=AbsentGpuBackend("no GPU"),
+        kernel_log=None,
+        config=config_from_dict({"storage": {"paths": [str(scratch)]}}),
+        inventory=None,
+        sku=None,
+        expected_gpus=None,
+        params={"size": "4M", "runtime_s": 1, "iodepth": 4},
+    )
+
+
 @pytest.fixture
 def followable_symlinks():
     """``fs.protected_symlinks=0`` for the test (restored after); skips where the sysctl
@@ -320,8 +337,6 @@ def test_fio_never_writes_through_sprayed_symlinks(user, shared_dir, mode, reque
         request.getfixturevalue("followable_symlinks")
 
     from node_agent.checks import storage
-    from node_agent.config import config_from_dict
-    from node_agent.gpu.absent import AbsentGpuBackend
 
     if not shutil.which("fio"):
         pytest.skip("fio is not installed (Debian package fio)")
@@ -332,17 +347,7 @@ def test_fio_never_writes_through_sprayed_symlinks(user, shared_dir, mode, reque
     link = scratch / f".node-agent-fio-{os.getpid()}.dat"
     # the control: root follows the user's link to the victim (the attack's precondition)
     assert link.read_bytes()[:64] == PRECIOUS[:64]
-    ctx = CheckContext(
-        check="storage",
-        gpu=AbsentGpuBackend("no GPU"),
-        kernel_log=None,
-        config=config_from_dict({"storage": {"paths": [str(scratch)]}}),
-        inventory=None,
-        sku=None,
-        expected_gpus=None,
-        params={"size": "4M", "runtime_s": 1, "iodepth": 4},
-    )
-    results = storage.run(ctx)
+    results = storage.run(fio_context(scratch))
     assert {r.status for r in results} == {Status.PASS}, [r.detail for r in results]
     assert victim.read_bytes() == PRECIOUS
     assert link.is_symlink()  # the user's links are left as they were
@@ -366,8 +371,6 @@ def test_fio_never_writes_through_a_directory_swapped_in_after_it_was_made(user,
     import shutil
 
     from node_agent.checks import storage
-    from node_agent.config import config_from_dict
-    from node_agent.gpu.absent import AbsentGpuBackend
 
     if not shutil.which("fio"):
         pytest.skip("fio is not installed (Debian package fio)")
@@ -379,19 +382,9 @@ def test_fio_never_writes_through_a_directory_swapped_in_after_it_was_made(user,
         user.py(SWAP_DIR, str(scratch), str(victim))
         return real_run(argv, timeout_s, **kw)
 
-    ctx = CheckContext(
-        check="storage",
-        gpu=AbsentGpuBackend("no GPU"),
-        kernel_log=None,
-        config=config_from_dict({"storage": {"paths": [str(scratch)]}}),
-        inventory=None,
-        sku=None,
-        expected_gpus=None,
-        params={"size": "4M", "runtime_s": 1, "iodepth": 4},
-    )
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(storage.proc, "run", swap_then_run)
-        results = storage.run(ctx)
+        results = storage.run(fio_context(scratch))
     assert {r.status for r in results} == {Status.PASS}, [r.detail for r in results]
     assert victim.read_bytes() == PRECIOUS
     swapped = next(scratch.glob(".node-agent-fio-*"))

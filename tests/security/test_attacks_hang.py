@@ -278,19 +278,14 @@ def test_a_users_idle_process_with_a_stale_heartbeat_is_a_warn_and_never_blocks_
         {"check": "xid", "timeout_s": 15, "params": {"since": "boot"}},
         periodic_entry(hb),
     )
+
+    def check_and_act(scenario: str) -> dict:
+        argv = ("check", "--act", "--suite", checks, "--config", cfg, "--json", "--simulate")
+        return report(run_agent(*argv, scenario))
+
     # an Xid 119 (GSP RPC timeout, ERROR) on the simulated node: drained, reboot requested
-    sick = report(
-        run_agent(
-            "check",
-            "--act",
-            "--suite",
-            checks,
-            "--config",
-            cfg,
-            "--json",
-            "--simulate",
-            node(shared_dir, "sick.yaml", faults=[{"kind": "xid", "gpu": 2, "code": 119}]),
-        )
+    sick = check_and_act(
+        node(shared_dir, "sick.yaml", faults=[{"kind": "xid", "gpu": 2, "code": 119}])
     )
     assert [(a["action"], a["outcome"]) for a in sick["actions"]] == [
         ("drain", "done"),
@@ -298,19 +293,7 @@ def test_a_users_idle_process_with_a_stale_heartbeat_is_a_warn_and_never_blocks_
     ]
     # after the reboot (the simulated node boots at once) the re-test is clean but for the
     # user's stale heartbeat
-    retest = report(
-        run_agent(
-            "check",
-            "--act",
-            "--suite",
-            checks,
-            "--config",
-            cfg,
-            "--json",
-            "--simulate",
-            node(shared_dir),
-        )
-    )
+    retest = check_and_act(node(shared_dir))
     (hang,) = results(retest, "training_hang")
     assert hang["evidence"]["pid"] == idle.pid and hang["status"] == "warn"
     assert f"uid {user.uid}'s" in hang["detail"]

@@ -281,40 +281,19 @@ def test_slurmds_job_cgroup_is_believed_and_a_root_wide_enough_to_hold_the_users
 # -- High 2, the adapter: another user's real Slurm job ------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def slurm_cluster(tmp_path_factory):
-    sys.path.insert(0, str(REPO / "tests"))
-    import slurm_cluster as _slurm  # tests/slurm_cluster.py, not an installed module
-
-    reason = _slurm.missing_reason()
-    if reason:
-        pytest.skip(reason)
-    cluster = _slurm.start_cluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-
-
 @pytest.mark.xdist_group("slurm")
 def test_a_verified_job_of_another_user_is_never_requeued(
-    user, shared_dir, cgroups, slurm_cluster, tmp_path
+    user, shared_dir, cgroups, slurm, tmp_path
 ):
     """A real Slurm job runs as root. The attacker's process sits in a job cgroup of that id
     under a root slurmd's (the kernel's word: a job of the user's own would look so; here
     root put it there) and names the job: the identity check passes, and the adapter still
     refuses, because Slurm says the job is uid 0's and the process is the attacker's."""
-    import slurm_cluster as _slurm
-
     from node_agent.model import Action, Grade, Level, Reason
-    from node_agent.remediation.executor import Remediator
-    from node_agent.remediation.plan import Safety
     from node_agent.remediation.store import open_store
-    from node_agent.schedulers.slurm import SlurmAdapter
     from node_agent.training.processes import discover
+    from tests.integration.test_slurm_remediation import slurm_remediator
 
-    slurm = slurm_cluster
-    _slurm.reset_cluster(slurm)
     job = slurm.submit()
     slurm.wait_job(job, "RUNNING")
     hb = heartbeat_spool(shared_dir)
@@ -346,14 +325,7 @@ def test_a_verified_job_of_another_user_is_never_requeued(
 
     store = open_store(tmp_path / "state")
     try:
-        out = Remediator(
-            store,
-            SlurmAdapter(env=slurm.env()),
-            slurm.node,
-            Safety(),
-            state_dir=tmp_path / "state",
-            warn=lambda _m: None,
-        ).remediate(Hung())
+        out = slurm_remediator(store, slurm, tmp_path / "state").remediate(Hung())
     finally:
         store.close()
     (rec,) = out.records

@@ -32,18 +32,10 @@ from test_attacks_kernel_log import (  # tests/security, same dir
     run_agent,
 )
 
+from tests.unit.test_kernel_log_never_sources import api_mismatch_r535
+
 GPU_LESS = "0000:18:00"
 FAKE_79 = f"NVRM: Xid (PCI:{GPU_LESS}): 79, GPU has fallen off the bus."
-
-
-def api_mismatch(client: str, module: str) -> list[str]:
-    """osapi.c RmCheckVersion in 535.179 and 550.90.12 (open-gpu-kernel-modules)."""
-    return (
-        f"NVRM: API mismatch: the client has the version {client}, but\n"
-        f"NVRM: this kernel module has the version {module}.  Please\n"
-        "NVRM: make sure that this kernel module and all NVIDIA driver\n"
-        "NVRM: components have the same version."
-    ).split("\n")
 
 
 def nf_log(prefix: str) -> str:
@@ -74,11 +66,11 @@ def syslog(lines: list[str]) -> list[str]:
 GPU_LOST = "GPU lost from the bus [NV_ERR_GPU_IS_LOST] (0x0000000F)"
 NEWLINE_79 = "x\n" + FAKE_79
 RECORDS = {
-    "api-mismatch-r535-kmsg": kmsg(3, 91001, api_mismatch(GPU_LOST, "535.161.08")),
-    "api-mismatch-r550-kmsg": kmsg(3, 91002, api_mismatch(NEWLINE_79, "550.90.12")),
-    "api-mismatch-r535-dmesg": dmesg(api_mismatch(NEWLINE_79, "535.161.08")),
-    "api-mismatch-r550-syslog": syslog(api_mismatch(GPU_LOST, "550.90.12")),
-    "api-mismatch-r550-syslog-newline": syslog(api_mismatch(NEWLINE_79, "550.90.12")),
+    "api-mismatch-r535-kmsg": kmsg(3, 91001, api_mismatch_r535(GPU_LOST, "535.161.08")),
+    "api-mismatch-r550-kmsg": kmsg(3, 91002, api_mismatch_r535(NEWLINE_79, "550.90.12")),
+    "api-mismatch-r535-dmesg": dmesg(api_mismatch_r535(NEWLINE_79, "535.161.08")),
+    "api-mismatch-r550-syslog": syslog(api_mismatch_r535(GPU_LOST, "550.90.12")),
+    "api-mismatch-r550-syslog-newline": syslog(api_mismatch_r535(NEWLINE_79, "550.90.12")),
     "netfilter-xid79-kmsg": kmsg(4, 91003, [nf_log(FAKE_79 + " ")]),
     "netfilter-lockup-kmsg": kmsg(
         4, 91004, [nf_log("watchdog: BUG: soft lockup - CPU#3 stuck for 23s! [kworker:311] ")]

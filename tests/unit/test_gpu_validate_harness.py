@@ -442,6 +442,19 @@ def _bare_env(tree: Path) -> dict[str, str]:
     return {**env, "PYTHONPATH": str(tree)}
 
 
+def _bare_pytest(bare_tree: tuple[Path, Path], *args: str) -> subprocess.CompletedProcess:
+    """``pytest -q args...`` as the bare Python runs it in the copy of the tree."""
+    python, tree = bare_tree
+    return subprocess.run(
+        [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        cwd=tree,
+        env=_bare_env(tree),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 #: what the steps import, and what the agent's own children import (the checks, the CLI)
 STEP_IMPORTS = (
     "node_agent.gpu",
@@ -511,26 +524,7 @@ def test_the_work_tree_runs_without_an_install_of_node_agent(bare_tree):
 def test_pytest_gpu_collects_every_test_from_the_bare_work_tree(bare_tree):
     """``pytest -m gpu`` as the pytest_gpu step runs it: a collection error (the GPU host's
     tests/unit/test_hardware_model.py) is a failed figure, so there must be none."""
-    python, tree = bare_tree
-    proc = subprocess.run(
-        [
-            str(python),
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-m",
-            "gpu",
-            "--collect-only",
-            "tests",
-        ],
-        cwd=tree,
-        env=_bare_env(tree),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _bare_pytest(bare_tree, "-m", "gpu", "--collect-only", "tests")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert " error" not in out.lower(), out[-4000:]
@@ -545,25 +539,7 @@ def test_the_simulator_contract_and_the_agent_cli_run_from_the_bare_work_tree(ba
     agent's CLI with its checks, each run by the agent in a child ``python -P -m`` in ``/``
     (they find node_agent through PYTHONPATH alone)."""
     python, tree = bare_tree
-    env = _bare_env(tree)
-    contract = subprocess.run(
-        [
-            str(python),
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "tests/unit/test_backend_contract.py",
-            "-k",
-            "simulator",
-        ],
-        cwd=tree,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    contract = _bare_pytest(bare_tree, "tests/unit/test_backend_contract.py", "-k", "simulator")
     assert contract.returncode == 0, (contract.stdout + contract.stderr)[-4000:]
     assert re.search(r"\b[4-9]\d* passed|\b\d{2,} passed", contract.stdout), contract.stdout
     config = tmp_path / "config.yaml"
@@ -579,7 +555,7 @@ def test_the_simulator_contract_and_the_agent_cli_run_from_the_bare_work_tree(ba
             str(config),
         ],
         cwd="/",
-        env=env,
+        env=_bare_env(tree),
         capture_output=True,
         text=True,
         timeout=300,

@@ -24,6 +24,7 @@ from node_agent.gpu.absent import AbsentGpuBackend
 from node_agent.hardware.sku import load_sku
 from node_agent.kernel_log import LinesKernelLog, UnavailableKernelLog
 from node_agent.model import Status
+from node_agent.sim.scenario import HW_COUNTERS, PORT_COUNTERS
 from node_agent.yamlfile import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,17 +53,9 @@ def make_port(
         ("link_layer", layer),
     ):
         (d / name).write_text(text + "\n")
-    for name in (
-        "link_downed",
-        "symbol_error",
-        "port_rcv_errors",
-        "link_error_recovery",
-        "excessive_buffer_overrun_errors",
-        "local_link_integrity_errors",
-        "port_xmit_discards",
-    ):
+    for name in PORT_COUNTERS:
         (d / "counters" / name).write_text(f"{counters.get(name, 0)}\n")
-    for name in ("local_ack_timeout_err", "rnr_nak_retry_err"):
+    for name in HW_COUNTERS:
         (d / "hw_counters" / name).write_text(f"{counters.get(name, 0)}\n")
     if bus and not (root / dev / "device").exists():
         function = root.parent / "devices" / bus

@@ -54,6 +54,18 @@ def _costing(clock: Clock, cost_s: dict[str, float]):
     return matmul
 
 
+def _cpu_probe(spool_dir, clock, matmul, budget_fraction: float = BUDGET) -> SdcProbe:
+    """A probe of ``SHAPES`` on the CPU, on ``clock``, its products made by ``matmul``."""
+    return SdcProbe(
+        "cpu",
+        budget_fraction=budget_fraction,
+        spool_dir=spool_dir,
+        clock=clock,
+        shapes=SHAPES,
+        matmul=matmul,
+    )
+
+
 def _train(probe: SdcProbe, clock: Clock, steps: int, checked: list[float]) -> int:
     """``steps`` training steps with ``probe.step()`` after each; the overhead after every probe
     that completed goes to ``checked``. Returns how many probes completed."""
@@ -73,14 +85,7 @@ def test_a_probe_costlier_in_training_than_at_warm_up_does_not_overspend_the_bud
     overspend (by its excess), and after it the budget holds at every completion."""
     clock = Clock()
     cost = {"now": 0.001}
-    probe = SdcProbe(
-        "cpu",
-        budget_fraction=BUDGET,
-        spool_dir=tmp_path,
-        clock=clock,
-        shapes=SHAPES,
-        matmul=_costing(clock, cost),
-    )
+    probe = _cpu_probe(tmp_path, clock, _costing(clock, cost))
     warm: list[float] = []
     assert _train(probe, clock, 400, warm) >= 2 * len(probe.specs)  # every spec known at 1 ms
     assert all(share <= BUDGET + 1e-12 for share in warm[1:])
@@ -98,14 +103,7 @@ def test_every_step_calls_host_time_counts_against_the_budget(tmp_path):
     """step() is called at every training step, probe or not: its host time is the probe's
     cost too, so the probes run less often and probe plus bookkeeping stay within budget."""
     clock = Clock(tick_s=2e-6)  # each clock read: 2 us of the training thread's time
-    probe = SdcProbe(
-        "cpu",
-        budget_fraction=BUDGET,
-        spool_dir=tmp_path,
-        clock=clock,
-        shapes=SHAPES,
-        matmul=_costing(clock, {"now": 0.005}),
-    )
+    probe = _cpu_probe(tmp_path, clock, _costing(clock, {"now": 0.005}))
     before = probe.cost_s
     clock.advance(STEP_S)
     assert probe.step() is not None  # injected matmul: the first probe runs at once
@@ -123,14 +121,7 @@ def test_every_step_calls_host_time_counts_against_the_budget(tmp_path):
 
 def test_collect_reads_nothing_back_and_starts_nothing_when_no_probe_is_in_flight(tmp_path):
     clock = Clock()
-    probe = SdcProbe(
-        "cpu",
-        budget_fraction=0.5,
-        spool_dir=tmp_path,
-        clock=clock,
-        shapes=SHAPES,
-        matmul=_costing(clock, {"now": 0.001}),
-    )
+    probe = _cpu_probe(tmp_path, clock, _costing(clock, {"now": 0.001}), budget_fraction=0.5)
     clock.advance(100.0)  # the budget would allow a probe now
     assert probe.collect() is None and probe.probes_run == 0
     assert probe.step() is not None and probe.probes_run == 1  # on the CPU a probe completes
@@ -165,14 +156,8 @@ def _harness_pairs(probe: SdcProbe, source: Clock, clock: PausableClock) -> None
 def test_the_harness_clock_completes_probes_in_300_step_blocks_of_11_ms(tmp_path):
     source = Clock(tick_s=3e-6)  # each clock read: 3 us of the training thread (a VM's clock)
     clock = PausableClock(source)
-    probe = SdcProbe(
-        "cpu",
-        budget_fraction=BUDGET,
-        spool_dir=tmp_path,
-        clock=clock,
-        shapes=SHAPES,
-        matmul=_costing(source, {"now": 0.0014}),  # 1.4 ms a probe, as in training on an H100
-    )
+    # 1.4 ms a probe, as in training on an H100
+    probe = _cpu_probe(tmp_path, clock, _costing(source, {"now": 0.0014}))
     gate = {"computed": 0}
     expected = probe.expected_cost_s
 
