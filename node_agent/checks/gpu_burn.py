@@ -48,7 +48,7 @@ from node_agent.checking.burn_run import BurnParams, burn, make_plan, worker_fai
 from node_agent.checking.context import CheckContext
 from node_agent.checking.figure_gauge import figure_gauge
 from node_agent.checking.siblings import compare_with_siblings, load_thresholds
-from node_agent.compute.burn import BurnOutcome, BurnPlan, GpuTelemetry, Sample, WorkerReport
+from node_agent.compute.burn import BurnOutcome, BurnPlan, Sample, WorkerReport
 from node_agent.model import Result, Status
 
 #: what the burn hands to later checks of the suite run (checking/behaviour.py)
@@ -126,7 +126,11 @@ def _throughput(ctx: CheckContext, outcome: BurnOutcome) -> list[Result]:
                     f"gpu:{index} {precision} GEMM {value:.4g} TFLOP/s is below the "
                     f"SKU minimum {minimum:g} TFLOP/s ({sku})"
                 )
-                capped = _capped_minimum(outcome.telemetry.get(index), minimum)
+                tel = outcome.telemetry.get(index)
+                cap = tel.power_cap if tel is not None else None
+                # a GPU loses less throughput than power under a cap (its clocks drop, its
+                # work per watt rises): below the minimum scaled by the cap is more than it
+                capped = minimum * cap if cap is not None else None
                 if capped is not None and value >= capped:
                     status = max(status, Status.WARN, key=lambda s: s.severity)
                     details.append(
@@ -170,16 +174,6 @@ def _throughput(ctx: CheckContext, outcome: BurnOutcome) -> list[Result]:
                 )
             )
     return out
-
-
-def _capped_minimum(tel: GpuTelemetry | None, minimum: float) -> float | None:
-    """The SKU minimum scaled down by the power cap (enforced / default limit), or None
-    without a cap. A GPU loses less throughput than power under a cap (its clocks drop, its
-    work per watt rises), so a GPU below even this is short of more than the cap explains."""
-    if tel is None or not tel.power_capped:
-        return None
-    assert tel.power_limit_w is not None and tel.power_default_w  # power_capped says so
-    return minimum * tel.power_limit_w / tel.power_default_w
 
 
 def _interval(samples: list[Sample], plan: BurnPlan) -> int:

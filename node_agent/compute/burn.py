@@ -210,11 +210,13 @@ class GpuTelemetry:
     errors: dict[str, str] = field(default_factory=dict)  # reading -> first error message
 
     @property
-    def power_capped(self) -> bool:
-        """The enforced limit is below the board's default: someone capped it (``nvidia-smi
-        -pl``, a power policy), and the GPU computes less for it."""
+    def power_cap(self) -> float | None:
+        """Enforced / default limit where the enforced one is below the board's default
+        (someone capped it: ``nvidia-smi -pl``, a power policy), else None."""
         limit, default = self.power_limit_w, self.power_default_w
-        return limit is not None and default is not None and limit < 0.98 * default
+        if limit is None or not default or limit >= 0.98 * default:
+            return None
+        return limit / default
 
 
 @dataclass
