@@ -23,10 +23,11 @@ DAEMON = textwrap.dedent(
     import os, signal, socket, sys, time
     passed = os.environ.get("LISTEN_PID") == str(os.getpid()) and os.environ.get("LISTEN_FDS") == "1"
     listening = passed and socket.socket(fileno=3).getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-    print(f"daemon {os.getpid()} socket={bool(listening)}", file=sys.stderr, flush=True)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     signal.signal(signal.SIGHUP, lambda *_: print("daemon reload", file=sys.stderr, flush=True))
+    # announced only once it can take a reload: a SIGHUP before that ends it, as SIG_DFL does
+    print(f"daemon {os.getpid()} socket={bool(listening)}", file=sys.stderr, flush=True)
     while not stop:
         time.sleep(0.02)
     """
