@@ -239,7 +239,10 @@ class Remedy(str, enum.Enum):
     error several GPUs report at once (an Xid of ``class: link``) or the same links down on
     every GPU (the far end, an NVSwitch; on an NVL72 rack, in another tray), an HCA port the
     switch or the subnet manager holds down, the fabric manager's partition, a PSU's feed. It
-    too waits for an operator instead of a replacement.
+    too waits for an operator instead of a replacement. ``unclassified`` marks a FAIL no rule
+    classifies (the ``unclassified-fail`` fallback, a check's metric graders/rules.yaml does not
+    know): restarted like any ERROR, and then held for an operator, because nothing says a
+    replacement fixes it.
     """
 
     SOFTWARE = "software"
@@ -248,6 +251,7 @@ class Remedy(str, enum.Enum):
     APPLICATION = "application"
     RECORD = "record"
     ELSEWHERE = "elsewhere"
+    UNCLASSIFIED = "unclassified"
 
     def __str__(self) -> str:
         return self.value

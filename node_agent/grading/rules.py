@@ -208,6 +208,7 @@ class Grader:
             level=level,
             target=result.target,
             message=f"{result.check}/{result.metric}: {result.detail}",
+            remedy=Remedy.UNCLASSIFIED,
             recovery=recovery_of(result),
         )
 

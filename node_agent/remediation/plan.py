@@ -338,7 +338,9 @@ class Move(enum.Enum):
 
 #: the remedies of findings that new hardware is not known to fix: an ERROR made only of these
 #: is held for an operator when its restarts are spent, never escalated to a replacement
-NO_SWAP = frozenset({Remedy.SOFTWARE, Remedy.APPLICATION, Remedy.RECORD, Remedy.ELSEWHERE})
+NO_SWAP = frozenset(
+    {Remedy.SOFTWARE, Remedy.APPLICATION, Remedy.RECORD, Remedy.ELSEWHERE, Remedy.UNCLASSIFIED}
+)
 #: the remedies of findings whose recurring never makes the node's hardware bad: those above and
 #: an announced maintenance (the cloud's, not the node's)
 NOT_HARDWARE = NO_SWAP | {Remedy.PLANNED}
@@ -697,6 +699,12 @@ _NO_SWAP_WORDS = {
         "manager), the fabric manager's partition, or the node's power feed",
         "check the far end first (`nvidia-smi nvlink -e` on each GPU, the NVSwitches' SXids, "
         "the fabric manager's log; `ibstat` and the switch port; the PSUs' cords and PDUs)",
+    ),
+    Remedy.UNCLASSIFIED: (
+        "a failure no rule in graders/rules.yaml classifies (unclassified-fail), which nothing "
+        "says a replacement fixes",
+        "read the check's detail, run the part's own diagnostics, and give the metric a rule "
+        "(without a remedy if new hardware fixes it)",
     ),
 }
 

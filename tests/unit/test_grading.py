@@ -113,9 +113,13 @@ def test_an_unverified_hang_is_a_warn_and_a_verified_one_an_error(grader):
     assert verified.level is Level.ERROR and verified.reasons[0].rule == "training-hang"
 
 
-def test_unclassified_failure_is_error_not_ignored(grader):
-    grade = grader.grade([res("something_new")])
-    assert grade.level is Level.ERROR and grade.reasons[0].rule == "unclassified-fail"
+def test_unclassified_failure_is_error_not_ignored_nor_taken_for_hardware(grader):
+    (reason,) = grader.grade([res("something_new")]).reasons
+    assert (reason.rule, reason.level, reason.remedy) == (
+        "unclassified-fail",
+        Level.ERROR,
+        "unclassified",
+    )
 
 
 def test_passes_and_skips_never_make_reasons(grader):
@@ -473,7 +477,6 @@ def test_software_causes_carry_their_remedy_on_the_reason(grader, result, rule):
         ("row_remap_pending", "fail"),
         ("driver_hang", "error"),
         ("worker_died", "error"),
-        ("something_new", "fail"),
     ],
 )
 def test_hardware_looking_errors_have_no_remedy(grader, metric, status):

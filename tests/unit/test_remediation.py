@@ -472,6 +472,25 @@ def test_a_cause_outside_the_parts_a_replacement_swaps_is_held_never_replaced(
     assert not p.escalated and "far end" in p.note
 
 
+def test_a_failure_no_rule_classifies_is_restarted_and_then_held_never_replaced(grader):
+    """A FAIL that no rule in graders/rules.yaml knows (a new metric, a check the rules never
+    heard of) fell back to a plain ERROR, taken for hardware: after its restarts the node was
+    replaced on a finding nobody had classified. It is restarted, then held for an operator."""
+    g = graded(grader, Result("gpu_burn", "gpu:5", "something_new", Status.FAIL, "odd"))
+    (reason,) = g.reasons
+    assert (reason.rule, reason.level, reason.remedy) == (
+        "unclassified-fail",
+        Level.ERROR,
+        "unclassified",
+    )
+    first = plan_for(g, counts={})
+    assert [s.action for s in first.steps] == ["drain", "restart"]
+    record = NodeRecord(NODE, "restarting", T0, first.fault_code, "gpu:5", "auto", "reboot", T0)
+    p = plan_for(g, record=record, counts={first.fault_code: 2}, max_restarts=2)
+    assert [(s.action, s.to_state) for s in p.steps] == [("hold", "needs-operator")]
+    assert not p.escalated and "no rule" in p.note
+
+
 def test_hardware_error_surviving_its_restarts_still_escalates_to_replace(grader):
     g = graded(grader, remap_pending())
     assert g.reasons[0].remedy is None
