@@ -27,6 +27,9 @@ where a kernel can be built, the tile model's figure otherwise; 0.0 where nothin
 - ``sdc_confirmed`` ``fail`` (grade FAULT): names the probe, shape, dtype and how many elements
   differed, with every non-pass verdict in the evidence and where the wrong tiles ran;
 - ``sdc_transient`` ``warn`` (grade WARN): a mismatch nothing repeated, kept as evidence;
+- ``sdc_digest_drift`` ``warn`` (grade WARN): only digests unlike the GPU's own history, which
+  no other GPU ran, while every exact probe came out right (a stale history cannot be told from
+  a defect there);
 - ``sdc_probe_error`` ``error``: a probe that could not run (never a pass);
 - ``sdc_probes`` ``pass``: how many probes ran, all clean; or ``skip`` with the reason.
 
@@ -496,6 +499,8 @@ def _forgive_stale_history(runs: Mapping[int, GpuRun]) -> None:
             spec = sdc_lib.ProbeSpec(rows, inner, cols, dtype=v.dtype)
             key = spec_key(spec)
             digests = {i: r.digests[key] for i, r in runs.items() if key in r.digests}
+            if len(digests) == 1:  # no other GPU ran it: nothing corroborates the history
+                v.evidence["uncorroborated"] = True
             every_gpu_alike = len(digests) >= 2 and len(set(digests.values())) == 1
             if len(digests) < MIN_GPUS_FOR_MAJORITY and not every_gpu_alike:
                 continue
@@ -622,6 +627,27 @@ def _mismatch_results(
     confirmed = [v for v in verdicts if v.status == "confirmed"]
     transient = [v for v in verdicts if v.status == "transient"]
     errors = [v for v in verdicts if v.status == "error"]
+    if _history_drift_alone(verdicts, confirmed):
+        first = confirmed[0]
+        out.append(
+            ctx.result(
+                target,
+                "sdc_digest_drift",
+                Status.WARN,
+                f"{target}: {len(confirmed)} digest(s) differ from this GPU's own earlier ones, "
+                f"repeatably, while every exact probe on it came out right and no other GPU ran "
+                f"them to compare: {first.detail}. A software change the fingerprint does not "
+                "see, or a defect only this GEMM reaches: run the sdc check on every GPU of the "
+                "node (siblings that agree with it make it software), or the GPU's field "
+                "diagnostics; after a software change, remove this GPU's entry from the digest "
+                "history (sdc/digests.json under the state directory) to take a new baseline",
+                value=len(confirmed),
+                unit="probes",
+                **first.headline(),
+                **evidence,
+            )
+        )
+        confirmed = []
     if confirmed:
         # An exact-probe verdict says how many elements were wrong; prefer it as the headline.
         first = next((v for v in confirmed if v.probe == "exact_gemm"), confirmed[0])
@@ -667,6 +693,19 @@ def _mismatch_results(
             )
         )
     return out
+
+
+def _history_drift_alone(verdicts: list[sdc_lib.Verdict], confirmed: list[sdc_lib.Verdict]) -> bool:
+    """Whether a GPU's only confirmed findings are digests unlike its own history that no other
+    GPU ran, while its exact probes (known answers) all came out right: the history is then the
+    only witness, and a stale history cannot be told from a defect."""
+    exact = [v for v in verdicts if v.probe == "exact_gemm"]
+    return (
+        bool(confirmed)
+        and all(v.probe == "digest_gemm" and v.evidence.get("uncorroborated") for v in confirmed)
+        and bool(exact)
+        and all(v.status == "pass" for v in exact)
+    )
 
 
 def _clean_result(ctx: CheckContext, target: str, run: GpuRun, evidence: dict[str, Any]) -> Result:

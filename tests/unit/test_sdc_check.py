@@ -18,10 +18,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from node_agent import resources  # noqa: E402
 from node_agent.checking.context import CheckContext  # noqa: E402
 from node_agent.checks import sdc as sdc_check  # noqa: E402
 from node_agent.compute.devices import ComputeDevice, ComputeSpec, open_device  # noqa: E402
-from node_agent.model import Status  # noqa: E402
+from node_agent.config import config_from_dict  # noqa: E402
+from node_agent.grading.rules import load_grader  # noqa: E402
+from node_agent.model import Level, Status  # noqa: E402
 from node_agent.runner import run_check  # noqa: E402
 from node_agent.sdc import probes as sdc_lib  # noqa: E402
 from node_agent.suite import CheckSpec  # noqa: E402
@@ -106,16 +109,29 @@ def _tamper(env, index: int) -> None:
     path.write_text(json.dumps(data))
 
 
-def test_stored_digest_mismatch_with_same_software_is_confirmed(node):
-    """One GPU: nothing to compare with but its own history."""
+def test_a_lone_gpu_unlike_its_history_with_every_known_answer_right_is_a_warning_not_sdc(node):
+    """One GPU: nothing to compare with but its own history, which a software change the
+    fingerprint misses moves as a defect would. Its exact probes all came out right, so the
+    stale history alone made it "confirmed" and replaced. A warning that says how to tell; the
+    old baseline stays, so the warning stays until an operator acts."""
     env = node(gpus=1)
     run_sdc(env)
     _tamper(env, 0)
-    got = by_target(run_sdc(node(gpus=1)))
-    assert got["gpu:0"].metric == "sdc_confirmed"
-    assert "earlier digest" in got["gpu:0"].detail or any(
-        "earlier digest" in f["detail"] for f in got["gpu:0"].evidence["findings"]
-    )
+    for _ in range(2):
+        (result,) = run_sdc(node(gpus=1))
+        assert (result.metric, result.status) == ("sdc_digest_drift", Status.WARN)
+        assert "earlier ones" in result.detail and "run the sdc check on every GPU" in result.detail
+    grade = load_grader(resources.graders_dir(config_from_dict({}))).grade([result], "delivery")
+    assert (grade.level, grade.reasons[0].rule) == (Level.WARN, "sdc-digest-drift")
+
+
+def test_a_lone_gpu_whose_known_answers_come_out_wrong_is_still_confirmed(node):
+    env = node(gpus=1)
+    run_sdc(env)
+    _tamper(env, 0)
+    (result,) = run_sdc(node(gpus=1, faults=[{"kind": "sdc", "gpu": 0}]))
+    assert (result.metric, result.status) == ("sdc_confirmed", Status.FAIL)
+    assert "exact_gemm" in result.detail
 
 
 def test_software_change_invalidates_stored_digest_and_says_so(node):
