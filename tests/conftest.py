@@ -88,6 +88,18 @@ HOST_KERNEL_LOGS = ("/dev/kmsg",)
 
 
 @pytest.fixture(autouse=True)
+def umask_of_the_worker():
+    """Each test ends with the umask it started with. ``node-agent``'s ``main`` sets the agent's
+    umask (077); a test that calls it in-process left it on the xdist worker, and a later test
+    that made directories as root for another user (the delegated cgroup attack) made them 0700,
+    which that user could not enter."""
+    before = os.umask(0o022)
+    os.umask(before)
+    yield
+    os.umask(before)
+
+
+@pytest.fixture(autouse=True)
 def owned_kernel_log(tmp_path_factory, monkeypatch):
     """Every test's agent reads a kernel log the test owns: an empty file, root's, 0644.
 
