@@ -93,7 +93,8 @@ def synthetic_report(
     ``node_factors`` scales node-level metrics by name (``{"busbw_peak_gbps": 0.8}``);
     ``rel_sd`` is the relative standard deviation of the noise (0.01 = 1%);
     ``trace_points`` > 0 adds ``load_trace`` results with that many samples per GPU;
-    ``faults`` maps a GPU index to ``"xid79"`` (FAULT) or ``"slow"`` (a failed burn).
+    ``faults`` maps a GPU index to ``"xid64"`` (a row remap that failed: FAULT) or ``"slow"`` (a
+    failed burn).
     """
     rng = random.Random(seed)
     gpu_factors = dict(gpu_factors or {})
@@ -291,15 +292,15 @@ def synthetic_report(
         )
     reasons: list[Reason] = []
     for i, kind in sorted(faults.items()):
-        if kind == "xid79":
+        if kind == "xid64":
             results.append(
                 Result(
                     "xid",
                     f"gpu:{i}",
                     "xid",
                     Status.FAIL,
-                    f"Xid 79 on gpu:{i}: GPU has fallen off the bus",
-                    value=79,
+                    f"Xid 64 on gpu:{i}: GPU memory remapping failure",
+                    value=64,
                 )
             )
             reasons.append(
@@ -307,7 +308,7 @@ def synthetic_report(
                     "xid",
                     Level.FAULT,
                     f"gpu:{i}",
-                    f"Xid 79 on gpu:{i} [Xid 79: GPU has fallen off the bus]",
+                    f"Xid 64 on gpu:{i} [Xid 64: GPU memory remapping failure]",
                 )
             )
         elif kind == "slow":
@@ -375,7 +376,7 @@ def tray_report(
 ) -> dict[str, object]:
     """The JSON of a GB200 NVL72 compute tray's report (4 GPUs) with the ``inventory`` the
     fabric check adds: ``nvlink_domain`` (None with ``cluster_uuid=None``: not multi-node
-    NVLink) and each GPU's ``fabric``. ``faults`` as :func:`synthetic_report`'s (``xid79``
+    NVLink) and each GPU's ``fabric``. ``faults`` as :func:`synthetic_report`'s (``xid64``
     FAULT, ``slow`` ERROR); ``fabric`` maps a GPU to overrides of its fabric
     (``{1: {"clique_id": 3}}``: GPU 1 in another clique); ``gpu_factors`` as
     :func:`synthetic_report`'s (a slow GPU)."""
@@ -399,10 +400,10 @@ def tray_report(
 
 def rack_reports(bad: int, *, trays: int = 18, clique_id: int = 2) -> dict[str, dict[str, object]]:
     """Hostname -> report JSON of an NVL72 rack's ``trays`` trays, the first ``bad`` of them
-    graded bad: even ones FAULT (an Xid 79 on GPU 0), odd ones ERROR (a slow GPU 3)."""
+    graded bad: even ones FAULT (an Xid 64 on GPU 0), odd ones ERROR (a slow GPU 3)."""
     out = {}
     for i in range(trays):
-        faults = {} if i >= bad else ({0: "xid79"} if i % 2 == 0 else {3: "slow"})
+        faults = {} if i >= bad else ({0: "xid64"} if i % 2 == 0 else {3: "slow"})
         name = f"tray{i + 1:02d}"
         out[name] = tray_report(name, clique_id=clique_id, seed=i, faults=faults)
     return out

@@ -56,34 +56,36 @@ def test_quick_check_on_healthy_node_exits_0(agent, scenario):
     assert run.json()["suite"] == "quick"
 
 
-def test_xid79_grades_fault_naming_gpu_and_code(agent, scenario):
-    """The quick suite: an Xid 79 alone is the one reason. (The several-faults delivery run
-    below has it too, among others: the delivery suite grades it the same.)"""
+def test_xid79_grades_error_for_a_reboot_naming_gpu_and_code(agent, scenario):
+    """The quick suite: an Xid 79 alone is the one reason, an ERROR (the catalog's RESTART_BM:
+    drained and rebooted, replaced only if it falls off again). (The several-faults delivery
+    run below has it too, among others: the delivery suite grades it the same.)"""
     run = agent("check", "--simulate", scenario([{"kind": "xid", "gpu": 5, "code": 79}]), "--json")
-    assert run.code == 4, run.stderr
+    assert run.code == 3, run.stderr
     report = run.json()
-    assert report["grade"]["level"] == "FAULT"
-    assert report["grade"]["action"] == "replace"
+    assert report["grade"]["level"] == "ERROR"
+    assert report["grade"]["action"] == "restart"
     (reason,) = reasons(report)
     assert reason["target"] == "gpu:5"
     assert "Xid 79" in reason["message"]
 
 
 @pytest.mark.parametrize(
-    "fault, rule",
+    "fault, rule, graded",
     [
-        ({"kind": "row_remap_failure", "gpu": 2}, "row-remap-failure"),
-        ({"kind": "missing_gpu", "gpu": 7}, "gpu-missing"),
-        ({"kind": "gpu_lost", "gpu": 3}, "gpu-lost"),
+        ({"kind": "row_remap_failure", "gpu": 2}, "row-remap-failure", (4, "FAULT", "replace")),
+        # off the bus: rebooted first (Xid 79's RESTART_BM), replaced if it stays gone
+        ({"kind": "missing_gpu", "gpu": 7}, "gpu-missing", (3, "ERROR", "restart")),
+        ({"kind": "gpu_lost", "gpu": 3}, "gpu-lost", (3, "ERROR", "restart")),
     ],
 )
-def test_hardware_faults_grade_fault_with_replace(agent, scenario, fault, rule):
+def test_hardware_faults_grade_with_their_action(agent, scenario, fault, rule, graded):
     run = agent("check", "--simulate", scenario([fault]), "--json")
-    assert run.code == 4, run.stderr
+    code, level, action = graded
+    assert run.code == code, run.stderr
     report = run.json()
-    assert report["grade"]["level"] == "FAULT"
-    assert report["grade"]["action"] == "replace"
-    fired = {r["rule"]: r for r in reasons(report, "FAULT")}
+    assert (report["grade"]["level"], report["grade"]["action"]) == (level, action)
+    fired = {r["rule"]: r for r in reasons(report, level)}
     assert rule in fired, fired
     expected_target = "node" if fault["kind"] == "missing_gpu" else f"gpu:{fault['gpu']}"
     assert fired[rule]["target"] == expected_target
@@ -93,7 +95,7 @@ def test_missing_gpu_reason_says_how_many_are_visible(agent, scenario):
     report = agent(
         "check", "--simulate", scenario([{"kind": "missing_gpu", "gpu": 7}]), "--json"
     ).json()
-    (reason,) = reasons(report, "FAULT")
+    (reason,) = reasons(report, "ERROR")
     assert "7 of 8" in reason["message"]
 
 
@@ -151,7 +153,7 @@ def several_faults(module_agent):
     """One delivery run of a node with four faults, its report saved under ``--out``: (the run,
     the reports directory)."""
     faults = [
-        {"kind": "xid", "gpu": 5, "code": 79},
+        {"kind": "xid", "gpu": 5, "code": 64},
         {"kind": "row_remap_pending", "gpu": 2},
         {"kind": "temperature", "gpu": 0, "celsius": 91},
         {"kind": "ecc_dbe_volatile", "gpu": 1, "count": 1},
@@ -184,7 +186,7 @@ def test_several_faults_worst_decides_and_every_fault_is_a_reason(several_faults
     report = run.json()
     found = {(r["target"], r["level"]) for r in reasons(report)}
     assert found == {("gpu:5", "FAULT"), ("gpu:1", "ERROR"), ("gpu:2", "ERROR"), ("gpu:0", "WARN")}
-    assert any("Xid 79" in r["message"] for r in reasons(report) if r["target"] == "gpu:5")
+    assert any("Xid 64" in r["message"] for r in reasons(report) if r["target"] == "gpu:5")
     levels = [r["level"] for r in reasons(report)]
     assert levels == sorted(levels, key=["FAULT", "ERROR", "WARN"].index), "worst first"
 
@@ -366,8 +368,8 @@ def test_a_raw_kernel_log_line_reaches_the_xid_check_with_the_gpus_bus_id(agent,
         *LIGHT,
         "--json",
     )
-    assert run.code == 4, run.stderr
-    xid = [r for r in reasons(run.json(), "FAULT") if r["rule"] == "xid"]
+    assert run.code == 3, run.stderr
+    xid = [r for r in reasons(run.json(), "ERROR") if r["rule"] == "xid"]
     assert [r["target"] for r in xid] == ["gpu:2"]
 
 

@@ -165,20 +165,20 @@ def test_xid_injected_while_running_is_graded_and_exported_within_two_seconds(no
     daemon = running()
     base = f"http://127.0.0.1:{node.port}"
     wait_for(lambda: daemon.snapshot().checks.get("xid"), 10)
-    node.write([{"kind": "xid", "gpu": 5, "code": 79}])
+    node.write([{"kind": "xid", "gpu": 5, "code": 64}])
     injected = time.monotonic()
 
     def exported():
         text = get(base + "/metrics")[1]
         return (
-            metric_value(text, "node_agent_gpu_xid_errors_total", gpu="5", code="79")
+            metric_value(text, "node_agent_gpu_xid_errors_total", gpu="5", code="64")
             and metric_value(text, "node_agent_health_level") == 3
         )
 
-    assert wait_for(exported, 2.0, interval_s=0.02), "Xid 79 not in /metrics within 2 s"
+    assert wait_for(exported, 2.0, interval_s=0.02), "Xid 64 not in /metrics within 2 s"
     latency = time.monotonic() - injected
     assert daemon.grade.level.name == "FAULT"
-    assert any(r.target == "gpu:5" and "79" in r.message for r in daemon.grade.reasons)
+    assert any(r.target == "gpu:5" and "64" in r.message for r in daemon.grade.reasons)
     print(f"xid injection -> metric latency {latency:.3f} s")
 
 
@@ -547,7 +547,7 @@ def test_fault_is_acted_on_once_even_across_kill_9_and_restart(node):
     restart neither repeat the actions it finished nor lose the history. (A kill between an
     adapter call and its journal row closing sends that action again on restart, at least once
     by design: docs/remediation.md; so the kill waits for the journal.)"""
-    node.write([{"kind": "xid", "gpu": 5, "code": 79}])
+    node.write([{"kind": "xid", "gpu": 5, "code": 64}])
     proc = _start_subprocess(node)
     try:
         assert wait_for(lambda: len(_actions_log(node)) >= 2 and _journal_done(node) >= 2, 60), (

@@ -124,7 +124,7 @@ def test_fault_node_html_in_chromium_shows_fault_and_highlights_the_faulty_gpu(
     run = agent(
         "accept",
         "--simulate",
-        scenario([{"kind": "xid", "gpu": 5, "code": 79}]),
+        scenario([{"kind": "xid", "gpu": 5, "code": 64}]),
         "--only",
         "inventory,nvml_health,xid",
         "--out",
@@ -138,7 +138,7 @@ def test_fault_node_html_in_chromium_shows_fault_and_highlights_the_faulty_gpu(
     assert page.console == []
     (verdict,) = page.find("section", id="verdict")
     assert verdict["data-level"] == "FAULT" and verdict["data-action"] == "replace"
-    assert ">FAULT<" in page.dom and "Xid 79" in page.dom
+    assert ">FAULT<" in page.dom and "Xid 64" in page.dom
     rows = {a["data-gpu"]: a for a in page.find("tr") if "data-gpu" in a}
     assert sorted(rows) == [str(i) for i in range(8)]
     assert "flagged" in rows["5"]["class"].split() and rows["5"]["data-level"] == "FAULT"
@@ -174,7 +174,7 @@ def test_report_with_burn_traces_draws_plots_with_thresholds_and_bandwidth_bars(
 
 
 def test_report_text_is_escaped_not_markup(tmp_path):
-    report = synthetic_report("<script>alert(1)</script>", faults={2: "xid79"})
+    report = synthetic_report("<script>alert(1)</script>", faults={2: "xid64"})
     report.results[0].detail = "<img src=x onerror=alert(2)> & done"
     report.results[0].evidence = {"stdout": "</pre><script>alert(3)</script>"}
     text = write_html(report, tmp_path / "x.html").read_text()

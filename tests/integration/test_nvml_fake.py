@@ -35,7 +35,7 @@ import nvml_fake_harness as harness  # noqa: E402  (tests/nvml_fake, not an inst
 # docs/simulation.md's NVML-level faults on an 8-GPU HGX H100, with the level each must grade
 SCENARIOS = {
     "healthy": ([], "HEALTHY"),
-    "xid": ([{"kind": "xid", "gpu": 5, "code": 79}], "FAULT"),
+    "xid": ([{"kind": "xid", "gpu": 5, "code": 79}], "ERROR"),
     "xid_software": ([{"kind": "xid", "gpu": 1, "code": 13}], "WARN"),
     "row_remap_pending": ([{"kind": "row_remap_pending", "gpu": 2}], "ERROR"),
     "row_remap_failure": ([{"kind": "row_remap_failure", "gpu": 2}], "FAULT"),
@@ -53,8 +53,8 @@ SCENARIOS = {
         "FAULT",
     ),
     "memory_total": ([{"kind": "memory_total", "gpu": 6, "mib": 40960}], "WARN"),
-    "missing_gpu": ([{"kind": "missing_gpu", "gpu": 7}], "FAULT"),
-    "gpu_lost": ([{"kind": "gpu_lost", "gpu": 3}], "FAULT"),
+    "missing_gpu": ([{"kind": "missing_gpu", "gpu": 7}], "ERROR"),
+    "gpu_lost": ([{"kind": "gpu_lost", "gpu": 3}], "ERROR"),
     "driver_hang": ([{"kind": "driver_hang", "gpu": 3}], "ERROR"),
     "temperature": ([{"kind": "temperature", "gpu": 0, "celsius": 95}], "FAULT"),
     "pcie_width": ([{"kind": "pcie_width", "gpu": 4, "lanes": 8}], "ERROR"),
@@ -76,12 +76,12 @@ BUS_SCENARIOS = {
     # it is missing altogether
     "pci_only": (
         {"faults": [{"kind": "pci_only", "gpu": 3}]},
-        ("ERROR", "FAULT"),
+        "ERROR",
         {
             ("gpu-not-enumerated", "pci:0000:5d:00.0", "ERROR"),
             ("gpu-count-unconfirmed", "node", "WARN"),
         },
-        {("gpu-missing", "node", "FAULT")},
+        {("gpu-missing", "node", "ERROR")},
     ),
     # nvmlInit fails with NVML_ERROR_DRIVER_NOT_LOADED both ways; GPUs on the simulated bus
     # make it driver-not-loaded, a bus without them a broken driver: ERROR either way
@@ -400,7 +400,7 @@ def test_daemon_on_the_stand_in_library_sees_an_xid_and_a_lost_gpu_injected_whil
             lambda: _metric(_scrape(port), "node_agent_gpu_xid_errors_total", gpu="5", code="79"),
             10,
         ), _scrape(port)
-        assert _wait(lambda: _metric(_scrape(port), "node_agent_health_level") == 3, 10)
+        assert _wait(lambda: _metric(_scrape(port), "node_agent_health_level") == 2, 10)  # ERROR
         inject([{"kind": "xid", "gpu": 5, "code": 79}, {"kind": "gpu_lost", "gpu": 3}])
         assert _wait(
             lambda: (

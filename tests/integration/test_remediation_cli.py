@@ -46,7 +46,7 @@ def logged(tmp_path):
     return read
 
 
-XID79 = [{"kind": "xid", "gpu": 5, "code": 79}]
+XID64 = [{"kind": "xid", "gpu": 5, "code": 64}]
 REMAP = [{"kind": "row_remap_pending", "gpu": 2}]
 HANG = [{"kind": "driver_hang", "gpu": 3}]
 
@@ -55,7 +55,7 @@ def outcomes(report) -> list[tuple[str, str]]:
     return [(a["action"], a["outcome"]) for a in report["actions"]]
 
 
-def test_xid79_accept_with_act_drains_and_replaces_naming_the_fault(
+def test_xid64_accept_with_act_drains_and_replaces_naming_the_fault(
     agent, scenario, config, logged
 ):
     run = agent(
@@ -63,7 +63,7 @@ def test_xid79_accept_with_act_drains_and_replaces_naming_the_fault(
         "--only",
         "xid",
         "--simulate",
-        scenario(XID79),
+        scenario(XID64),
         "--act",
         "--json",
         "--config",
@@ -74,13 +74,13 @@ def test_xid79_accept_with_act_drains_and_replaces_naming_the_fault(
     assert outcomes(report) == [("drain", "done"), ("replace", "done")]
     assert all(a["adapter"] == "log" for a in report["actions"])
     assert [a for a, _ in logged()] == ["drain", "replace"]
-    assert logged()[0][1] == "node-agent: FAULT xid-79 gpu:5 Xid 79: GPU has fallen off the bus"
+    assert logged()[0][1] == "node-agent: FAULT xid-64 gpu:5 Xid 64: GPU memory remapping failure"
 
 
 def test_report_written_to_disk_carries_the_actions(agent, scenario, config, tmp_path):
     out = tmp_path / "reports"
     run = agent(
-        "check", "--simulate", scenario(XID79), "--act", "--out", str(out), "--config", config()
+        "check", "--simulate", scenario(XID64), "--act", "--out", str(out), "--config", config()
     )
     assert run.code == 4
     (saved,) = out.glob("report-*.json")
@@ -103,7 +103,7 @@ def test_warn_with_act_takes_no_action(agent, scenario, config, logged):
 
 def test_dry_run_records_dry_run_and_the_adapter_is_not_called(agent, scenario, config, logged):
     run = agent(
-        "check", "--simulate", scenario(XID79), "--act", "--dry-run", "--json", "--config", config()
+        "check", "--simulate", scenario(XID64), "--act", "--dry-run", "--json", "--config", config()
     )
     assert run.code == 4
     assert outcomes(run.json()) == [("drain", "dry-run"), ("replace", "dry-run")]
@@ -183,7 +183,7 @@ def test_node_restarted_too_often_in_7_days_is_held_and_status_says_so(
 
 def test_status_shows_state_last_grade_journal_and_breaker(agent, scenario, config):
     cfg = config()
-    agent("check", "--simulate", scenario(XID79), "--act", "--config", cfg)
+    agent("check", "--simulate", scenario(XID64), "--act", "--config", cfg)
     data = agent("status", "--json", "--config", cfg).json()
     assert data["node"] == NODE
     assert data["remediation"]["state"] == "awaiting-replacement"
@@ -197,7 +197,7 @@ def test_status_shows_state_last_grade_journal_and_breaker(agent, scenario, conf
 
 def test_set_healthy_then_act_resume_returns_the_node(agent, scenario, config, logged):
     cfg = config()
-    agent("check", "--simulate", scenario(XID79), "--act", "--config", cfg)
+    agent("check", "--simulate", scenario(XID64), "--act", "--config", cfg)
     run = agent("set-healthy", "--reason", "GPU 5 replaced, RMA 77", "--config", cfg)
     assert run.code == 0 and "act resume" in run.stdout
     assert agent("status", "--json", "--config", cfg).json()["remediation"]["state"] == "in-service"
@@ -207,22 +207,22 @@ def test_set_healthy_then_act_resume_returns_the_node(agent, scenario, config, l
 
 def test_breaker_trips_refuses_loudly_and_reset_reopens_actions(agent, scenario, config, logged):
     cfg = config(breaker_max_drains=1, min_action_interval_s=0)
-    assert agent("check", "--simulate", scenario(XID79), "--act", "--config", cfg).code == 4
+    assert agent("check", "--simulate", scenario(XID64), "--act", "--config", cfg).code == 4
     agent("set-healthy", "--config", cfg)
-    tripped = agent("check", "--simulate", scenario(XID79), "--act", "--json", "--config", cfg)
+    tripped = agent("check", "--simulate", scenario(XID64), "--act", "--json", "--config", cfg)
     assert outcomes(tripped.json()) == [("drain", "refused")]
     assert "REFUSED" in tripped.stderr and "breaker reset" in tripped.stderr
     assert agent("status", "--json", "--config", cfg).json()["breaker"]["open"] is True
     reset = agent("breaker", "reset", "--config", cfg)
     assert reset.code == 0 and "was open" in reset.stdout
-    after = agent("check", "--simulate", scenario(XID79), "--act", "--json", "--config", cfg)
+    after = agent("check", "--simulate", scenario(XID64), "--act", "--json", "--config", cfg)
     assert outcomes(after.json()) == [("drain", "done"), ("replace", "done")]
     assert [a for a, _ in logged()].count("drain") == 2
 
 
 def test_blast_radius_zero_refuses_and_records(agent, scenario, config, logged):
     cfg = config(max_drained_fraction=0.0)
-    run = agent("check", "--simulate", scenario(XID79), "--act", "--json", "--config", cfg)
+    run = agent("check", "--simulate", scenario(XID64), "--act", "--json", "--config", cfg)
     assert outcomes(run.json()) == [("drain", "refused")]
     assert "blast radius" in run.json()["actions"][0]["detail"] and logged() == []
     journal = agent("status", "--json", "--config", cfg).json()["journal"]
@@ -232,10 +232,10 @@ def test_blast_radius_zero_refuses_and_records(agent, scenario, config, logged):
 def test_optout_stops_automatic_actions_until_turned_off(agent, scenario, config, logged):
     cfg = config(min_action_interval_s=0)
     assert agent("optout", "on", "--reason", "vendor burn-in", "--config", cfg).code == 0
-    run = agent("check", "--simulate", scenario(XID79), "--act", "--json", "--config", cfg)
+    run = agent("check", "--simulate", scenario(XID64), "--act", "--json", "--config", cfg)
     assert outcomes(run.json()) == [("drain", "refused")] and logged() == []
     agent("optout", "off", "--config", cfg)
-    run = agent("check", "--simulate", scenario(XID79), "--act", "--json", "--config", cfg)
+    run = agent("check", "--simulate", scenario(XID64), "--act", "--json", "--config", cfg)
     assert outcomes(run.json()) == [("drain", "done"), ("replace", "done")]
 
 
@@ -300,7 +300,7 @@ def test_kill_9_between_journal_and_act_completes_the_action_exactly_once(
     scenario, config, logged, tmp_path
 ):
     cfg = config()
-    args = ["check", "--simulate", scenario(XID79), "--act", "--json", "--config", cfg]
+    args = ["check", "--simulate", scenario(XID64), "--act", "--json", "--config", cfg]
     crashed = _python_process(_CRASHING_AGENT, ["drain", *args], tmp_path)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     assert logged() == []
@@ -320,7 +320,7 @@ def test_corrupt_state_database_is_moved_aside_and_the_run_goes_on(
     state = tmp_path / "state"
     state.mkdir()
     (state / "node-agent.db").write_bytes(os.urandom(4096))
-    run = agent("check", "--simulate", scenario(XID79), "--act", "--json", "--config", config())
+    run = agent("check", "--simulate", scenario(XID64), "--act", "--json", "--config", config())
     assert run.code == 4
     assert "moved it aside" in run.stderr
     assert list(state.glob("node-agent.db.corrupt-*"))

@@ -81,7 +81,7 @@ def test_grade_rules_over_a_directory_lists_only_changed_grades_and_unreadable_f
 
 
 def test_grade_rules_with_unchanged_rules_reports_no_change(agent, scenario, tmp_path):
-    _, path = saved_report(agent, scenario, tmp_path, [{"kind": "xid", "gpu": 5, "code": 79}])
+    _, path = saved_report(agent, scenario, tmp_path, [{"kind": "xid", "gpu": 5, "code": 64}])
     run = agent("grade", "--rules", str(REPO / "graders"), str(path))
     assert run.code == 4 and "0 changed" in run.stdout
 
@@ -93,7 +93,7 @@ def test_grade_rules_naming_a_missing_directory_is_a_usage_error(agent, tmp_path
 
 
 def test_grade_writes_html_and_junit_of_a_saved_report(agent, tmp_path):
-    path = json_report.write(synthetic_report("n", faults={1: "xid79"}), tmp_path)
+    path = json_report.write(synthetic_report("n", faults={1: "xid64"}), tmp_path)
     run = agent(
         "grade", str(path), "--junit", str(tmp_path / "j.xml"), "--html", str(tmp_path / "r.html")
     )

@@ -28,7 +28,7 @@ from node_agent.remediation.plan import Safety
 from node_agent.remediation.store import open_store
 from node_agent.schedulers.slurm import JOB_NOT_RUNNING, SlurmAdapter
 
-XID79 = [{"kind": "xid", "gpu": 5, "code": 79}]
+XID64 = [{"kind": "xid", "gpu": 5, "code": 64}]
 ROW_REMAP_PENDING = [{"kind": "row_remap_pending", "gpu": 2}]
 
 #: one Slurm cluster per worker: its tests share it (pytest-xdist)
@@ -73,27 +73,27 @@ def node_agent(slurm, tmp_path):
 
 
 # The delivery runs here are about what the agent does through Slurm, not the load tests: the
-# checks that find these faults (an Xid 79 in the kernel log, a pending row remap in NVML) are
+# checks that find these faults (an Xid 64 in the kernel log, a pending row remap in NVML) are
 # enough, and the other checks would pass on the stand-in node anyway.
 ONLY_FINDERS = ("--only", "inventory,nvml_health,xid")
 
 
-def test_xid79_accept_act_leaves_node_drained_with_reason_naming_the_fault(
+def test_xid64_accept_act_leaves_node_drained_with_reason_naming_the_fault(
     slurm, node_agent, scenario
 ):
     proc = node_agent(
-        "accept", "--simulate", scenario(XID79), *ONLY_FINDERS, "--act", "--adapter", "slurm"
+        "accept", "--simulate", scenario(XID64), *ONLY_FINDERS, "--act", "--adapter", "slurm"
     )
     assert proc.returncode == 4, proc.stderr  # FAULT
     fields = slurm.show_node()
     assert "DRAIN" in fields["State"] or "FAIL" in fields["State"], fields
     reason = fields["Reason"]
     assert reason.startswith("node-agent:")
-    assert "FAULT" in reason and "79" in reason and "gpu:5" in reason, reason
+    assert "FAULT" in reason and "64" in reason and "gpu:5" in reason, reason
     listed = [
         line for line in slurm.sinfo_reasons().splitlines() if line.startswith(f"{slurm.node}|")
     ]
-    assert listed and "79" in listed[0] and "gpu:5" in listed[0], slurm.sinfo_reasons()
+    assert listed and "64" in listed[0] and "gpu:5" in listed[0], slurm.sinfo_reasons()
 
 
 def test_node_drained_by_hand_is_never_resumed_by_the_agent(slurm, node_agent, scenario):
@@ -131,10 +131,10 @@ def test_blast_radius_refuses_drain_when_share_already_drained_by_agent(
     slurm, node_agent, scenario
 ):
     for fake in slurm.fake_nodes[:2]:  # 2 of 4 nodes already drained by the agent
-        slurm.drain("node-agent: FAULT xid79 gpu:0", fake)
+        slurm.drain("node-agent: FAULT xid64 gpu:0", fake)
     node_agent.configure(max_drained_fraction=0.25)
     proc = node_agent(
-        "accept", "--simulate", scenario(XID79), *ONLY_FINDERS, "--act", "--adapter", "slurm"
+        "accept", "--simulate", scenario(XID64), *ONLY_FINDERS, "--act", "--adapter", "slurm"
     )
     out = proc.stdout + proc.stderr
     assert "refused" in out, out

@@ -23,7 +23,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "packaging" / "slurm"
 AGENT = Path(sys.executable).with_name("node-agent")
-XID79 = [{"kind": "xid", "gpu": 5, "code": 79}]
+XID64 = [{"kind": "xid", "gpu": 5, "code": 64}]
 ONLY_FINDERS = ("--only", "inventory,nvml_health,xid")
 IDLE_HOOK = "#!/bin/sh\nexit 0\n"
 
@@ -119,7 +119,7 @@ def run_empty_env(script: str, settings, cluster, **overrides) -> subprocess.Com
 
 
 def agent_drains(settings, cluster) -> None:
-    """The agent's own state: out of service after an Xid 79 (its log adapter: Slurm's node is
+    """The agent's own state: out of service after an Xid 64 (its log adapter: Slurm's node is
     left as it is, as when the agent's drain could not reach slurmctld)."""
     proc = subprocess.run(
         [str(AGENT), "accept", *ONLY_FINDERS, "--act", "--adapter", "log",
@@ -142,16 +142,16 @@ def wait_requeued(cluster, job: str, timeout_s: float = 30) -> dict[str, str]:
 
 
 def is_agents_fault_drain(node: dict[str, str]) -> bool:
-    """Out of service by the agent's hand (its ``node-agent:`` reason) for the simulated Xid 79
+    """Out of service by the agent's hand (its ``node-agent:`` reason) for the simulated Xid 64
     on gpu:5: drained, or FAIL (the agent's replace)."""
     reason, state = node.get("Reason", ""), node["State"]
     out = "DRAIN" in state or "FAIL" in state
-    return out and reason.startswith("node-agent:") and "xid-79 gpu:5" in reason
+    return out and reason.startswith("node-agent:") and "xid-64 gpu:5" in reason
 
 
 @pytest.fixture
 def drained_by_agent(settings, cluster, scenario):
-    settings["last_scenario"] = scenario(XID79)
+    settings["last_scenario"] = scenario(XID64)
     agent_drains(settings, cluster)
     return settings
 
@@ -197,8 +197,8 @@ def test_prolog_with_nohold_on_prolog_fail_requeues_the_refused_job_without_a_ho
         cluster.run("scontrol", "reconfigure")
 
 
-def test_epilog_under_slurmd_drains_node_a_job_left_with_xid79(cluster, settings):
-    settings["simulate"](XID79)
+def test_epilog_under_slurmd_drains_node_a_job_left_with_xid64(cluster, settings):
+    settings["simulate"](XID64)
     hook(cluster, "epilog", "node-agent-epilog", settings)
     job = cluster.submit(wrap="true")
     deadline = time.monotonic() + 60
@@ -213,7 +213,7 @@ def test_epilog_under_slurmd_drains_node_a_job_left_with_xid79(cluster, settings
 
 
 def test_healthcheck_under_env_i_drains_with_node_agent_reason_and_exits_0(cluster, settings):
-    settings["simulate"](XID79)
+    settings["simulate"](XID64)
     proc = run_empty_env("node-agent-healthcheck", settings, cluster)
     assert proc.returncode == 0, (proc.stderr, (settings["logs"] / "node-agent-healthcheck.log"))
     node = cluster.show_node()

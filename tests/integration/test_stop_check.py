@@ -190,11 +190,11 @@ def test_a_healthy_six_node_job_under_torchrun_names_no_suspect(job, tmp_path):
 
 
 def test_each_phase_names_exactly_its_bad_node_and_act_drains_them(job, tmp_path, agent_zygote):
-    """node1 fails its quick suite (Xid 79), node3's link is slow, node4's GPU 1 corrupts every
+    """node1 fails its quick suite (Xid 64), node3's link is slow, node4's GPU 1 corrupts every
     product: each phase names exactly its node, and --act drains each through the remediation."""
     scen = job(
         {
-            1: [{"kind": "xid", "gpu": 5, "code": 79}],
+            1: [{"kind": "xid", "gpu": 5, "code": 64}],
             3: [{"kind": "slow_link", "factor": 0.2}],
             4: [{"kind": "sdc", "gpu": 1}],
         }

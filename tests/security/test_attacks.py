@@ -338,8 +338,8 @@ for path in sys.argv[1:]:
 
 def test_reports_evidence_journal_and_actions_log_are_private(user, shared_dir):
     cfg = config(shared_dir, safety={"max_drained_fraction": 1.0})
-    xid79 = node(shared_dir, "xid79.yaml", faults=[{"kind": "xid", "gpu": 5, "code": 79}])
-    rep = report(run_agent("check", "--act", "--json", "--config", cfg, "--simulate", xid79))
+    xid64 = node(shared_dir, "xid64.yaml", faults=[{"kind": "xid", "gpu": 5, "code": 64}])
+    rep = report(run_agent("check", "--act", "--json", "--config", cfg, "--simulate", xid64))
     assert [a["outcome"] for a in rep["actions"]] == ["done", "done"]  # drain, replace (log)
     state = shared_dir / "state"
     made = [p for p in state.rglob("*") if p.is_file()]
@@ -468,17 +468,17 @@ def small_fs(shared_dir):
 
 
 def opted_out_fault(shared_dir: Path, small_fs: Path) -> tuple[str, str]:
-    """(config, scenario): a node with an Xid 79 whose state lives on ``small_fs`` and whose
+    """(config, scenario): a node with an Xid 64 (a row remap that failed) whose state lives on ``small_fs`` and whose
     operator has opted it out of actions ("maintenance")."""
     cfg = config(
         shared_dir, state_dir=str(small_fs / "state"), safety={"max_drained_fraction": 1.0}
     )
-    xid79 = node(shared_dir, "xid79.yaml", faults=[{"kind": "xid", "gpu": 5, "code": 79}])
+    xid64 = node(shared_dir, "xid64.yaml", faults=[{"kind": "xid", "gpu": 5, "code": 64}])
     optout = run_agent(
-        "optout", "on", "--reason", "maintenance", "--config", cfg, "--simulate", xid79
+        "optout", "on", "--reason", "maintenance", "--config", cfg, "--simulate", xid64
     )
     assert optout.returncode == 0, optout.stderr
-    return cfg, xid79
+    return cfg, xid64
 
 
 def check_act(cfg: str, scenario: str, shared_dir: Path) -> subprocess.CompletedProcess:
@@ -498,11 +498,11 @@ def check_act(cfg: str, scenario: str, shared_dir: Path) -> subprocess.Completed
 def test_a_disk_another_user_filled_keeps_the_opt_out_and_refuses_every_action(
     user, shared_dir, small_fs
 ):
-    cfg, xid79 = opted_out_fault(shared_dir, small_fs)
+    cfg, xid64 = opted_out_fault(shared_dir, small_fs)
     db = small_fs / "state" / "node-agent.db"
     before = db.read_bytes()
     assert "full:" in user.py(FILL, str(small_fs / "filler")).stdout
-    rep = report(check_act(cfg, xid79, shared_dir))
+    rep = report(check_act(cfg, xid64, shared_dir))
     assert rep["grade"]["level"] == "FAULT"  # the checks and the report go on
     assert rep["actions"] and {a["outcome"] for a in rep["actions"]} == {"refused"}
     assert all(
@@ -511,7 +511,7 @@ def test_a_disk_another_user_filled_keeps_the_opt_out_and_refuses_every_action(
     assert db.read_bytes() == before and not list(db.parent.glob("*.corrupt-*"))
     assert not (small_fs / "state" / "actions.log").exists()
     (small_fs / "filler").unlink()
-    status = json.loads(run_agent("status", "--json", "--config", cfg, "--simulate", xid79).stdout)
+    status = json.loads(run_agent("status", "--json", "--config", cfg, "--simulate", xid64).stdout)
     assert status["opt_out"] == "maintenance" and status["journal"] == []
 
 
@@ -523,7 +523,7 @@ def test_a_read_only_disk_still_shows_status_and_refuses_every_action(
 
     from node_agent.remediation.store import open_store
 
-    cfg, xid79 = opted_out_fault(shared_dir, small_fs)
+    cfg, xid64 = opted_out_fault(shared_dir, small_fs)
     if leftovers:  # a crash left the -wal and -shm files (SQLite then opens read-only silently)
         scratch = shared_dir / "scratch"
         store = open_store(scratch)
@@ -535,14 +535,14 @@ def test_a_read_only_disk_still_shows_status_and_refuses_every_action(
         ["mount", "-o", "remount,ro", str(small_fs)], capture_output=True, text=True
     )
     assert ro.returncode == 0, ro.stderr
-    status = run_agent("status", "--config", cfg, "--simulate", xid79)
+    status = run_agent("status", "--config", cfg, "--simulate", xid64)
     assert status.returncode == 0, status.stderr
     assert "opt-out: maintenance" in status.stdout and "UNAVAILABLE" in status.stdout
-    rep = report(check_act(cfg, xid79, shared_dir))
+    rep = report(check_act(cfg, xid64, shared_dir))
     assert rep["grade"]["level"] == "FAULT" and rep["actions"]
     assert {a["outcome"] for a in rep["actions"]} == {"refused"}
     assert all("state unavailable" in a["detail"] for a in rep["actions"])
-    optout = run_agent("optout", "off", "--config", cfg, "--simulate", xid79)
+    optout = run_agent("optout", "off", "--config", cfg, "--simulate", xid64)
     assert optout.returncode == 1 and len(optout.stderr.strip().splitlines()) >= 1
     assert "optout off not done: state unavailable" in optout.stderr
 
@@ -617,17 +617,17 @@ def test_the_daemon_retries_a_failed_action_while_the_fault_stands_under_one_key
         safety={"max_drained_fraction": 1.0},
         daemon={"listen": "127.0.0.1:0", "retry_initial_s": 0.5, "retry_max_s": 2},
     )
-    xid79 = node(shared_dir, "xid79.yaml", faults=[{"kind": "xid", "gpu": 5, "code": 79}])
+    xid64 = node(shared_dir, "xid64.yaml", faults=[{"kind": "xid", "gpu": 5, "code": 64}])
     checks = suite(
         shared_dir, {"check": "nvml_health", "timeout_s": 30, "every_s": 600}, name="periodic-small"
     )
     try:
-        with agent_daemon(cfg, xid79, checks, shared_dir / "daemon.log"):
+        with agent_daemon(cfg, xid64, checks, shared_dir / "daemon.log"):
             failed = _until(
                 "three failed drains",
                 lambda: [
                     r
-                    for r in _journal(cfg, xid79)
+                    for r in _journal(cfg, xid64)
                     if r["action"] == "drain" and r["state"] == "failed"
                 ][2:],
             )
@@ -636,8 +636,8 @@ def test_the_daemon_retries_a_failed_action_while_the_fault_stands_under_one_key
             rows = _until(
                 "the drain and the replace",
                 lambda: (
-                    [r for r in _journal(cfg, xid79) if r["state"] == "done"][1:]
-                    and _journal(cfg, xid79)
+                    [r for r in _journal(cfg, xid64) if r["state"] == "done"][1:]
+                    and _journal(cfg, xid64)
                 ),
             )
     finally:

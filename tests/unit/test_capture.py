@@ -461,8 +461,9 @@ def test_a_healthy_h100_captured_through_nvidia_ml_py_replays_healthy_with_8_gpu
 
 
 def test_a_simulated_node_captured_with_simulate_grades_as_the_node_did(tmp_path, config):
-    """faulty-h100 (Xid 79, a pending row remap, 91 °C, a PCIe x8 link) captured through the
-    recorder from its simulation: its replay grades as its simulation, reason for reason."""
+    """faulty-h100 (Xid 79, a pending and a failed row remap, 91 °C, a PCIe x8 link) captured
+    through the recorder from its simulation: its replay grades as its simulation, reason for
+    reason."""
     env = harness.agent_env()
     env.pop("LD_LIBRARY_PATH")
     source = REPO / "scenarios" / "faulty-h100.yaml"

@@ -170,18 +170,24 @@ def test_the_real_gb200_tray_replays_healthy(tmp_path):
 @pytest.mark.parametrize(
     ("name", "faults"),
     [
-        ("lost.xml", {("FAULT", "gpu-lost", "gpu:1"), ("ERROR", "ecc-dbe-volatile", "gpu:0")}),
+        (
+            "lost.xml",
+            {
+                ("ERROR", "gpu-lost", "gpu:1"),
+                ("FAULT", "row-remap-failure", "gpu:0"),
+                ("ERROR", "ecc-dbe-volatile", "gpu:0"),
+            },
+        ),
         (
             "ecc-injected.xml",
             {("FAULT", "row-remap-failure", "gpu:0"), ("ERROR", "ecc-dbe-volatile", "gpu:0")},
         ),
     ],
 )
-def test_a_lost_gpu_and_a_failed_row_remap_as_nvidia_smi_prints_them_grade_fault(
-    tmp_path, skus, name, faults
-):
-    """The volatile double-bit errors beside them are ERRORs (a reset applies the row remap);
-    the lost GPU and the row remap that failed are the replacements."""
+def test_a_lost_gpu_and_a_failed_row_remap_as_nvidia_smi_prints_them(tmp_path, skus, name, faults):
+    """The volatile double-bit errors are ERRORs (a reset applies the row remap), and so is the
+    lost GPU (Xid 79's RESTART_BM: rebooted first); the row remap that failed is the
+    replacement."""
     out = tmp_path / "node.yaml"
     out.write_text(convert(DATA / "gb200-mock-faults" / name, skus, "test", sku="gb200-186gb"))
     code, report = check(out, tmp_path)

@@ -33,7 +33,7 @@ def res(metric, status="fail", check="nvml_health", target="gpu:0", value=None, 
 @pytest.mark.parametrize(
     "code, level",
     [
-        (79, Level.FAULT),
+        (79, Level.ERROR),
         (48, Level.ERROR),
         (64, Level.FAULT),
         (63, Level.ERROR),
@@ -132,7 +132,7 @@ def test_worst_reason_decides_and_all_are_kept(grader):
         [
             res("temperature", status="warn", target="gpu:0"),
             res("row_remap_pending", target="gpu:2"),
-            res("xid", check="xid", value=79, target="gpu:5"),
+            res("xid", check="xid", value=64, target="gpu:5"),
         ]
     )
     assert grade.level is Level.FAULT
@@ -305,7 +305,7 @@ def test_sxid_20034_ltssm_fault_up_grades_error_per_nvswitch(grader):
         (f"nvswitch:{n}", Level.ERROR) for n in (0, 1, 2)
     }
     assert all("[SXid 20034: LTSSM Fault Up" in r.message for r in sxid)
-    assert grade.level is Level.FAULT  # the Xid 79 that came before them
+    assert grade.level is Level.ERROR  # the Xid 79 that came before them: a reboot first
 
 
 @pytest.mark.parametrize(
@@ -511,7 +511,7 @@ def test_a_rules_file_with_an_unknown_remedy_is_a_config_error(tmp_path):
         ("pcie_aer_recovery_failed", "fail", Level.ERROR, "pcie-aer-recovery-failed"),
         ("pcie_aer_uncorrectable", "warn", Level.WARN, "pcie-aer-uncorrectable"),
         ("recovery_action", "fail", Level.ERROR, "recovery-action"),
-        ("gpu_lost", "fail", Level.FAULT, "gpu-lost"),
+        ("gpu_lost", "fail", Level.ERROR, "gpu-lost"),
     ],
 )
 def test_driver_lines_without_an_xid_grade_by_their_own_rules(grader, metric, status, level, rule):

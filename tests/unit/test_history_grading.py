@@ -260,7 +260,7 @@ def test_node_remediated_five_times_in_7_days_is_held_not_restarted(
     clock.t += 3600
     run_once(env, grader, rem, [line(env, 3, 95)])
     assert len(store.journal_tail(NODE, 100)) == rows
-    run_once(env, grader, rem, [line(env, 5, 79)])
+    run_once(env, grader, rem, [line(env, 5, 64)])
     assert [a for a, _ in acted(store)][-1] == "replace"
 
 
@@ -383,7 +383,7 @@ def test_xid31_that_outlives_its_restarts_is_held_for_an_operator_never_replaced
     hold = store.journal_tail(NODE, 1)[0]
     assert "class application" in hold.detail and "field diagnostics" in hold.detail
     # a hardware Xid on the held node is still replaced
-    run_once(env, grader, rem, [line(env, 5, 79)])
+    run_once(env, grader, rem, [line(env, 5, 64)])
     assert [a for a, _ in acted(store)][-1] == "replace"
 
 

@@ -36,12 +36,12 @@ def case(root: ET.Element, classname: str, name: str) -> ET.Element:
     return found
 
 
-def test_xid79_is_a_failure_on_its_gpu_case_carrying_the_grade_reason():
-    root = parse(synthetic_report("n1", faults={5: "xid79"}))
+def test_a_fault_xid_is_a_failure_on_its_gpu_case_carrying_the_grade_reason():
+    root = parse(synthetic_report("n1", faults={5: "xid64"}))
     failure = case(root, "xid", "gpu:5").find("failure")
     assert failure is not None and failure.get("type") == "fail"
-    assert "FAULT" in failure.get("message") and "Xid 79" in failure.get("message")
-    assert "Xid 79" in failure.text
+    assert "FAULT" in failure.get("message") and "Xid 64" in failure.get("message")
+    assert "Xid 64" in failure.text
     suite = root.find("testsuite")
     assert suite.get("failures") == "1" and root.get("failures") == "1"
     props = {p.get("name"): p.get("value") for p in suite.iter("property")}
@@ -74,7 +74,7 @@ def test_check_that_could_not_run_is_an_error_and_all_skipped_is_skipped():
 
 
 def test_untrusted_text_with_markup_and_control_characters_stays_well_formed(tmp_path):
-    report = synthetic_report('evil<host>&"', faults={1: "xid79"})
+    report = synthetic_report('evil<host>&"', faults={1: "xid64"})
     report.results.append(
         Result(
             "xid",
@@ -82,7 +82,7 @@ def test_untrusted_text_with_markup_and_control_characters_stays_well_formed(tmp
             "xid",
             Status.FAIL,
             "</failure><injected/>\x00\x1b[31m ]]> bell\x07",
-            value=79,
+            value=64,
         )
     )
     path = write_junit(report, tmp_path / "junit.xml")
@@ -93,7 +93,7 @@ def test_untrusted_text_with_markup_and_control_characters_stays_well_formed(tmp
 
 
 def test_output_follows_the_jenkins_gitlab_schema_shape():
-    report = synthetic_report("n1", faults={2: "xid79"})
+    report = synthetic_report("n1", faults={2: "xid64"})
     report.results.append(Result("storage", "disk:/x", "fio", Status.ERROR, "fio crashed"))
     root = parse(report)
     assert root.tag == "testsuites"

@@ -135,17 +135,17 @@ def test_hca_ports_mlx5_findings_are_kept_per_metric_and_hca():
     assert service.fold(a, b) is a and service.fold(b, a) is a
 
 
-def test_a_gpu_lost_driver_line_read_once_stays_fault_at_the_next_last_run(tmp_path):
+def test_a_gpu_lost_driver_line_read_once_stays_at_the_next_last_run(tmp_path):
     d = daemon(tmp_path, [{"kind": "kernel_log", "gpu": 3, "line": LOST}])
     try:
         first = run_and_record(d, "xid")
         assert [(r.metric, r.target, r.status) for r in first if r.metric == "gpu_lost"] == [
             ("gpu_lost", "gpu:3", Status.FAIL)
         ]
-        assert d.grade.level.name == "FAULT"
+        assert d.grade.level.name == "ERROR"
         second = run_and_record(d, "xid")  # the cursor: nothing new to read
         assert not [r for r in second if r.metric == "gpu_lost"]
-        assert d.grade.level.name == "FAULT", d.grade
+        assert d.grade.level.name == "ERROR", d.grade
         kept = [r for r in d.current_results() if r.metric == "gpu_lost"]
         assert [(r.target, r.evidence["count"]) for r in kept] == [("gpu:3", 1)]
     finally:

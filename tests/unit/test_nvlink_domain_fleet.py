@@ -118,7 +118,7 @@ def test_a_share_outside_0_to_1_is_a_clear_error(tmp_path, share):
 def test_nodes_without_a_domain_are_left_out_of_every_domain(tmp_path):
     reports = rack_reports(0, trays=4)
     reports["h100-a"] = synthetic_report("h100-a", seed=90).to_dict()  # a report before the field
-    reports["pcie-b"] = tray_report("pcie-b", cluster_uuid=None, faults={0: "xid79"})
+    reports["pcie-b"] = tray_report("pcie-b", cluster_uuid=None, faults={0: "xid64"})
     analysis = analyse([write(tmp_path, reports)], RULES)
     (domain,) = analysis.domains
     assert [t.node for t in domain.trays] == ["tray01", "tray02", "tray03", "tray04"]

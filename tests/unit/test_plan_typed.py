@@ -72,7 +72,7 @@ def kernel_findings(lines: list[str]) -> list[Result]:
     return [fold.result() for fold in folder.sorted()]
 
 
-XID79 = "NVRM: Xid (PCI:0000:3b:00): 79, pid=1, GPU has fallen off the bus."
+XID64 = "NVRM: Xid (PCI:0000:3b:00): 64, pid='<unknown>', name=<unknown>, Row remapper failure"
 XID94 = "NVRM: Xid (PCI:0000:3b:00): 94, pid=1, Contained ECC error."
 SXID_20034 = "nvidia-nvswitch0: SXid (PCI:0000:c3:00.0): 20034, Fatal, Link 28 LTSSM Fault Up"
 NO_DRIVER = Result(
@@ -118,7 +118,7 @@ def hung(target: str) -> Result:
 
 #: one set of findings per case the plan must decide from typed facts
 FINDINGS: dict[str, list[Result]] = {
-    "xid-fault": kernel_findings([XID79]),
+    "xid-fault": kernel_findings([XID64]),
     "xid-error": kernel_findings([XID94]),
     "sxid-error": kernel_findings([SXID_20034]),
     "recovery-reset": [recovery("gpu_reset")],
@@ -128,7 +128,7 @@ FINDINGS: dict[str, list[Result]] = {
     "hung-jobs": [hung("job:slurm:77/rank:3"), hung("job:pod:ml/trainer-0/pid:42")],
     "software": [NO_DRIVER],
     "software-beside-hardware": [NO_DRIVER, recovery("gpu_reset")],
-    "hang-beside-fault": [hung("job:slurm:77/rank:3"), *kernel_findings([XID79])],
+    "hang-beside-fault": [hung("job:slurm:77/rank:3"), *kernel_findings([XID64])],
     "cloud-maintenance": [maintenance()],
     "maintenance-beside-error": [maintenance(), recovery("node_reboot")],
 }
@@ -147,7 +147,7 @@ CONTEXTS: dict[str, dict] = {
     },
     "remediations-7d reached": {"remediations_7d": 5},
     "needs an operator": {"record": NodeRecord(NODE, "needs-operator", T0, "driver-not-loaded")},
-    "drained for a fault": {"record": NodeRecord(NODE, "fault", T0, "xid-79", "gpu:5", "auto")},
+    "drained for a fault": {"record": NodeRecord(NODE, "fault", T0, "xid-64", "gpu:5", "auto")},
     "drained for maintenance": {
         "record": NodeRecord(NODE, "planned", T0, "cloud-maintenance", "node", "auto")
     },
@@ -238,8 +238,8 @@ def test_what_the_renamed_findings_still_decide(grader):
     assert steps_of(grader, "recovery-reboot") == reboot
     assert steps_of(grader, "recovery-system-reboot") == reboot
     assert steps_of(grader, "xid-fault") == [
-        ("drain", None, None, None, "xid-79"),
-        ("replace", None, None, None, "xid-79"),
+        ("drain", None, None, None, "xid-64"),
+        ("replace", None, None, None, "xid-64"),
     ]
     assert [s[0] for s in steps_of(grader, "xid-error")] == ["drain", "restart"]
     assert steps_of(grader, "sxid-error")[0][4] == "sxid-20034"
@@ -257,7 +257,7 @@ def test_what_the_renamed_findings_still_decide(grader):
 
 def test_the_grader_fills_the_typed_fields_the_plan_reads(grader):
     (xid,) = grader.grade(FINDINGS["xid-fault"], "service").reasons
-    assert (xid.catalog, xid.code, xid.name) == ("xid", 79, "GPU has fallen off the bus")
+    assert (xid.catalog, xid.code, xid.name) == ("xid", 64, "GPU memory remapping failure")
     assert (xid.entity.kind, xid.gpu_index, xid.job) == ("gpu", 5, None)
     (sxid,) = grader.grade(FINDINGS["sxid-error"], "service").reasons
     assert (sxid.catalog, sxid.code, sxid.entity) == ("sxid", 20034, Target("nvswitch", "0"))
@@ -407,7 +407,7 @@ def test_a_node_drained_for_maintenance_waits_while_it_stands_and_resumes_after(
 
 def test_a_broken_node_after_the_maintenance_takes_the_fault_path(grader):
     drained = CONTEXTS["drained for maintenance"]
-    fault = plan_in(grader.grade(kernel_findings([XID79]), "service"), drained)
+    fault = plan_in(grader.grade(kernel_findings([XID64]), "service"), drained)
     assert [s.action for s in fault.steps] == [StepAction.REPLACE]
     error = plan_in(grader.grade([recovery("node_reboot")], "service"), drained)
     assert [s.action for s in error.steps] == [StepAction.RESTART]

@@ -528,6 +528,47 @@ def test_a_double_bit_ecc_error_restarts_first_and_is_replaced_only_when_it_come
     assert again.escalated and [s.action for s in again.steps] == ["replace"]
 
 
+@pytest.mark.parametrize(
+    ("result", "line", "restarts"),
+    [
+        (
+            None,
+            "NVRM: Xid (PCI:0000:18:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.",
+            1,
+        ),
+        (
+            Result("nvml_health", "gpu:1", "gpu_lost", Status.FAIL, "NVML_ERROR_GPU_IS_LOST"),
+            None,
+            2,
+        ),
+        (
+            Result("nvml_health", "node", "gpu_count", Status.FAIL, "7 of 8 expected GPUs visible"),
+            None,
+            2,
+        ),
+    ],
+)
+def test_a_gpu_that_fell_off_the_bus_is_rebooted_first_and_replaced_when_it_stays_gone(
+    grader, result, line, restarts
+):
+    """A GPU that fell off the bus was a replacement at first sight. NVIDIA's catalog says
+    RESTART_BM for Xid 79 (CONTACT_SUPPORT if it persists), and a link that failed to retrain
+    comes back with the power cycle: the node is drained and rebooted; Xid 79 again after one
+    reboot, or a GPU still lost or missing after the node's restarts, is the replacement."""
+    g = graded_kernel_lines(grader, [line]) if line else graded(grader, result)
+    (reason,) = g.reasons
+    assert g.level is Level.ERROR and reason.remedy is None
+    first = plan_for(g, counts={})
+    assert [s.action for s in first.steps] == ["drain", "restart"]
+    assert first.steps[1].restart_kind == "reboot"
+    code = first.fault_code
+    record = NodeRecord(NODE, "restarting", T0, code, reason.target, "auto", "reboot", T0)
+    if restarts > 1:
+        assert not plan_for(g, record=record, counts={code: restarts - 1}, max_restarts=2).escalated
+    again = plan_for(g, record=record, counts={code: restarts}, max_restarts=2)
+    assert again.escalated and [s.action for s in again.steps] == ["replace"]
+
+
 def test_a_mix_of_software_and_hardware_errors_counts_and_escalates_the_hardware(grader):
     hang = Result("gpu_burn", "gpu:0", "timeout", Status.ERROR, "timed out after 900 s")
     g = graded(grader, hang, remap_pending(), no_driver())

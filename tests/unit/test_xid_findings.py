@@ -99,9 +99,9 @@ def test_flood_of_sxid_lines_is_one_finding_per_nvswitch(env):
 
 
 @needs_samples
-def test_xid79_fallen_off_bus_without_xid_line_grades_fault(env):
+def test_xid79_fallen_off_bus_without_xid_line_grades_error_for_a_reboot(env):
     """x19: the GPU fell off the bus during the driver's probe, so NVML cannot load: the log is
-    still read and the node grades FAULT, with the reason NVML was not queried kept."""
+    still read and the node grades ERROR (RESTART_BM: drained and rebooted first), with the reason NVML was not queried kept."""
     (path,) = SAMPLES.glob("x19_*.log")
     no_driver = AbsentGpuBackend("NVIDIA driver not loaded (NVML: driver not loaded)")
     results = run_xid(env, path.read_text().splitlines(), gpu=no_driver)
@@ -110,7 +110,7 @@ def test_xid79_fallen_off_bus_without_xid_line_grades_fault(env):
     assert (finding.target, finding.value) == ("pci:0000:b3:00", 79)
     grade = env.grader.grade(results, "service")
     assert (
-        grade.level is Level.FAULT
+        grade.level is Level.ERROR
         and "[Xid 79: GPU has fallen off the bus]" in grade.reasons[0].message
     )
 
@@ -123,7 +123,7 @@ def test_fallen_off_bus_message_names_the_gpu_it_came_from(env):
     ]
     (finding,) = findings(run_xid(env, lines))
     assert (finding.target, finding.value) == ("gpu:6", 79)
-    assert env.grader.grade([finding]).level is Level.FAULT
+    assert env.grader.grade([finding]).level is Level.ERROR
 
 
 def test_without_a_driver_a_clean_log_is_a_skip_not_a_pass(env):
@@ -246,7 +246,7 @@ def test_watch_nvml_event_without_a_kernel_line_is_graded_by_its_code_after_the_
         79,
         "nvml event without a kernel-log line",
     )
-    assert env.grader.grade([report.result("gpu:4")]).level is Level.FAULT
+    assert env.grader.grade([report.result("gpu:4")]).level is Level.ERROR
 
 
 def test_watch_leaves_sxids_to_the_check_unless_the_handler_names_nvswitches(env):
@@ -448,7 +448,7 @@ def test_every_driver_line_kind_grades_at_its_catalog_level_through_the_shipped_
             "NVRM: GPU {bus}.0: nvCheckOkFailedNoLog: Check failed: GPU lost from the bus "
             "[NV_ERR_GPU_IS_LOST] (0x0000000F)",
             "gpu_lost",
-            Level.FAULT,
+            Level.ERROR,
         ),
     ],
 )
