@@ -61,7 +61,7 @@ demo: deps-demo
 		$(ARGS) || code=$$?; \
 	if [ $$code -eq 4 ]; then \
 		echo "make demo: exit code 4 is the FAULT verdict above, which scenarios/faulty-h100.yaml" \
-		     "is built to get (an XID 79, a pending row remap, a hot GPU, a x8 PCIe link): the" \
+		     "is built to get (a failed row remap, beside an XID 79, a pending row remap, a hot GPU and a x8 PCIe link): the" \
 		     "demo worked."; \
 	else \
 		echo "make demo: node-agent exited $$code, but the faulty scenario must grade FAULT" \

@@ -290,6 +290,10 @@ class Daemon:
 
     # -- running --------------------------------------------------------------------------------
     def run(self, install_signals: bool = True) -> int:
+        if install_signals:  # before anything answers: a stop sent once it does is never lost
+            signal.signal(signal.SIGTERM, lambda *_: self.stop())
+            signal.signal(signal.SIGINT, lambda *_: self.stop())
+            signal.signal(signal.SIGHUP, lambda *_: self._reload.set())
         # first: NVRx treats a missing socket as healthy; until the first grading the service
         # answers "not graded yet" (success false), and its own trouble is graded at start
         self._start_nvhcd()
@@ -305,10 +309,6 @@ class Daemon:
             proc.start_forkserver_in_child_cwd()
         self._start_http()
         next_http_retry = self._clock() + HTTP_RETRY_S
-        if install_signals:
-            signal.signal(signal.SIGTERM, lambda *_: self.stop())
-            signal.signal(signal.SIGINT, lambda *_: self.stop())
-            signal.signal(signal.SIGHUP, lambda *_: self._reload.set())
         if self._remediation is not None:
             self._remediation.start(self.env)
         self._regrade("start (stored state read back)")

@@ -47,9 +47,6 @@ def keep_socket_and_run(
     first_restart_s: float = FIRST_RESTART_S,
 ) -> int:
     """Bind ``path`` and run ``argv`` with it until told to stop; the daemon's exit status."""
-    listener, notes = public_listener(Path(path), group)
-    for note in notes:
-        log.warning("%s", note)
     stopping: list[int] = []
     child = 0
 
@@ -59,8 +56,11 @@ def keep_socket_and_run(
         if child:
             _signal(child, signum)
 
-    for signum in FORWARDED:
+    for signum in FORWARDED:  # before the socket exists: a stop sent once it does is kept
         signal.signal(signum, forward)
+    listener, notes = public_listener(Path(path), group)
+    for note in notes:
+        log.warning("%s", note)
     wait_s, status = first_restart_s, 0
     try:
         while True:

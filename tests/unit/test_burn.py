@@ -11,6 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from waiting import wait_for  # noqa: E402  (tests/waiting.py)
+
 from node_agent.compute import burn  # noqa: E402
 from node_agent.compute.burn import (  # noqa: E402
     BurnEngine,
@@ -582,7 +584,7 @@ def test_telemetry_keeps_sampling_when_readings_are_unsupported_or_time_out():
         backend, [0], interval_s=0.01, t_zero=burn.time.monotonic(), load_hint=backend.load_hint
     )
     sampler.start()
-    burn.time.sleep(0.05)
+    assert wait_for(lambda: len(sampler.telemetry[0].t_s) >= 2, 10), "no second sample in 10 s"
     tel = sampler.stop()[0]
     assert backend.hints == [([0], True), ([0], False)]
     assert len(tel.t_s) >= 2 and set(tel.temp_c) == {55}
