@@ -8,11 +8,12 @@ real daemon under the keeper).
 
 from __future__ import annotations
 
-import select
+import queue
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -64,15 +65,27 @@ def keeper(tmp_path: Path, delay_s: float = 0.0) -> tuple[subprocess.Popen, Path
     return proc, sock
 
 
+#: each keeper's stderr, line by line, read in a thread: select() on the pipe missed a line the
+#: buffered reader had already taken in with the one before it
+_READERS: dict[int, queue.Queue[str]] = {}
+
+
 def lines(proc: subprocess.Popen, count: int, within_s: float = 10.0) -> list[str]:
     """The next ``count`` lines the daemon wrote (a daemon the keeper left behind may hold the
     pipe open after the keeper is gone: the wait is bounded)."""
+    if proc.pid not in _READERS:
+        q: queue.Queue[str] = queue.Queue()
+        _READERS[proc.pid] = q
+        threading.Thread(target=lambda: [q.put(x) for x in proc.stderr], daemon=True).start()
     got: list[str] = []
     deadline = time.monotonic() + within_s
     while len(got) < count:
-        ready, _, _ = select.select([proc.stderr], [], [], max(0.0, deadline - time.monotonic()))
-        line = proc.stderr.readline() if ready else ""
-        assert line, f"no line from the daemon within {within_s} s (keeper: {proc.poll()}): {got}"
+        try:
+            line = _READERS[proc.pid].get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(
+                f"no line from the daemon within {within_s} s (keeper: {proc.poll()}): {got}"
+            ) from None
         if line.startswith("daemon"):
             got.append(line.strip())
     return got
