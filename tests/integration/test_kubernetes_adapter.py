@@ -513,7 +513,7 @@ def test_an_unreadable_node_list_refuses_the_automatic_drain(api, tmp_path):
     api.answers[("GET", "/api/v1/nodes")] = (200, STATUS, {})
     store = open_store(tmp_path / "state")
     try:
-        reason = Reason("xid", Level.FAULT, "gpu:5", "Xid 79", catalog="xid", code=79)
+        reason = Reason("xid", Level.FAULT, "gpu:5", "Xid 64", catalog="xid", code=64)
         out = Remediator(store, adapter_for(api), "gpu-01", Safety(), state_dir=None).remediate(
             _FaultReport(Grade(Level.FAULT, Action.DRAIN, (reason,)))
         )

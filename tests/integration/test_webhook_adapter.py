@@ -469,7 +469,7 @@ def test_a_replace_request_names_the_driver_bug_report_for_the_receiver(receiver
             warn=lambda _m: None,
             bug_report=BugReportCollector(str(script)),
         )
-        reason = Reason("xid", Level.FAULT, "gpu:5", "Xid 79", catalog="xid", code=79)
+        reason = Reason("xid", Level.FAULT, "gpu:5", "Xid 64", catalog="xid", code=64)
         rem.remediate(_FaultReport(Grade(Level.FAULT, Action.REPLACE, (reason,))))
     finally:
         store.close()
