@@ -95,6 +95,7 @@ SCHEMAS: dict[str, Any] = {
         "bandwidth_graded": bool,
     },
     "neighbours": {"seconds": float, "wrong_elements": int},
+    "neighbours-retimed": {"seconds": float},
     "neighbours-again": {"wrong_elements": int},
     "alignment": {"stack": str, "hashes": _HASHES},
     "alignment-rerun": {"hashes": _HASHES},
@@ -233,21 +234,15 @@ def _slow_gpus(node: str, pairs: dict[str, float]) -> list[Suspect]:
 # -- 3. neighbours ------------------------------------------------------------------------------
 
 
-def phase_neighbours(side: NodeSide) -> PhaseOutcome:
-    """Each rank exchanges with its ring neighbours at once (send right, receive left), timed
-    between barriers; a pair's time is the slower end's. A node both of whose pairs are slow is
-    the suspect (:func:`localise.slow_nodes`); every received byte is checked, and data that
-    arrived wrong is traced to its sender or its receiver by a second pairing
-    (:func:`_wrong_ends`)."""
+def _timed_ring(side: NodeSide, send: Any, recv: Any, where: Any) -> tuple[float, int]:
+    """This rank's median time to send right and receive left at once over the timed exchanges
+    (each between barriers; the first, which connects the pair, is not timed), and how many
+    elements arrived other than the left neighbour's."""
     import torch
     import torch.distributed as dist
 
     n, rank = side.place.world_size, side.place.rank
     right, left = (rank + 1) % n, (rank - 1) % n
-    where = side.devices[0].device if side.backend == "nccl" and side.devices else "cpu"
-    elements = NEIGHBOUR_BYTES // 4
-    send = torch.full((elements,), float(rank + 1), device=where)
-    recv = torch.empty(elements, device=where)
     times: list[float] = []
     wrong = 0
     for it in range(NEIGHBOUR_ITERS + 1):
@@ -263,31 +258,66 @@ def phase_neighbours(side: NodeSide) -> PhaseOutcome:
             time.sleep(elapsed * (1.0 / side.slow_link - 1.0))
             elapsed /= side.slow_link
         wrong += int((recv != float(left + 1)).sum())
-        if it:  # the first exchange connects the pair: not timed
+        if it:
             times.append(elapsed)
-    mine = {"seconds": statistics.median(times), "wrong_elements": wrong}
-    shared = side.exchange.gather("neighbours", mine, SCHEMAS["neighbours"])
+    return statistics.median(times), wrong
+
+
+def _pair_gbps(shared: list[dict[str, Any]], n: int) -> dict[tuple[int, int], float]:
+    """Each ring pair's bandwidth, from the slower end's time."""
     seconds = {r: s["seconds"] for r, s in enumerate(shared)}
-    pair_gbps = {
+    return {
         (a, b): NEIGHBOUR_BYTES / max(seconds[a], seconds[b], 1e-9) / 1e9
         for a, b in localise.ring_pairs(n)
     }
-    suspects = localise.slow_nodes(pair_gbps, [side.nodes[r] for r in range(n)], SLOW_PAIR_SHARE)
+
+
+def phase_neighbours(side: NodeSide) -> PhaseOutcome:
+    """Each rank exchanges with its ring neighbours at once (send right, receive left), timed
+    between barriers; a pair's time is the slower end's. A node both of whose pairs are slow is
+    the suspect (:func:`localise.slow_nodes`) only if a second timing names it again: one
+    timing is also slow when the node's process was merely descheduled, and naming a node on it
+    would drain a healthy machine. Every received byte is checked, and data that arrived wrong
+    is traced to its sender or its receiver by a second pairing (:func:`_wrong_ends`)."""
+    import torch
+
+    n, rank = side.place.world_size, side.place.rank
+    where = side.devices[0].device if side.backend == "nccl" and side.devices else "cpu"
+    elements = NEIGHBOUR_BYTES // 4
+    send = torch.full((elements,), float(rank + 1), device=where)
+    recv = torch.empty(elements, device=where)
+    nodes = [side.nodes[r] for r in range(n)]
+    seconds, wrong = _timed_ring(side, send, recv, where)
+    shared = side.exchange.gather(
+        "neighbours", {"seconds": seconds, "wrong_elements": wrong}, SCHEMAS["neighbours"]
+    )
+    pair_gbps = _pair_gbps(shared, n)
+    suspects = localise.slow_nodes(pair_gbps, nodes, SLOW_PAIR_SHARE)
+    figures: dict[str, Any] = {"pairs_gbps": _named_pairs(pair_gbps, nodes)}
+    if suspects:  # every rank holds the same figures, so every rank times again, or none does
+        seconds, _ = _timed_ring(side, send, recv, where)
+        again = side.exchange.gather(
+            "neighbours-retimed", {"seconds": seconds}, SCHEMAS["neighbours-retimed"]
+        )
+        retimed = _pair_gbps(again, n)
+        figures["pairs_gbps_retimed"] = _named_pairs(retimed, nodes)
+        slow_again = {s.node for s in localise.slow_nodes(retimed, nodes, SLOW_PAIR_SHARE)}
+        figures["slow_once_not_again"] = [s.node for s in suspects if s.node not in slow_again]
+        suspects = [s for s in suspects if s.node in slow_again]
+        for s in suspects:
+            s.evidence["pairs_gbps_retimed"] = figures["pairs_gbps_retimed"]
     arrived_wrong = {r: s["wrong_elements"] for r, s in enumerate(shared) if s["wrong_elements"]}
     if arrived_wrong:
         suspects += _wrong_ends(side, send, recv, where, arrived_wrong)
-    figures: dict[str, Any] = {
-        "pairs_gbps": {
-            f"{side.nodes[a]}<->{side.nodes[b]}": round(v, 3)
-            for (a, b), v in sorted(pair_gbps.items())
-        }
-    }
-    if arrived_wrong:
         figures["wrong_elements"] = {
             f"{side.nodes[(r - 1) % n]}->{side.nodes[r]}": w
             for r, w in sorted(arrived_wrong.items())
         }
     return PhaseOutcome("neighbours", suspects=suspects, figures=figures)
+
+
+def _named_pairs(pair_gbps: dict[tuple[int, int], float], nodes: list[str]) -> dict[str, float]:
+    return {f"{nodes[a]}<->{nodes[b]}": round(v, 3) for (a, b), v in sorted(pair_gbps.items())}
 
 
 def _wrong_ends(

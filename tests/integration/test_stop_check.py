@@ -142,6 +142,14 @@ def summary(out: Path) -> dict:
     return json.loads((out / "stop-check.json").read_text())
 
 
+def suspects_or_nothing(out: Path) -> object:
+    """What a failed run's summary names, for the assertion's message (it may not exist)."""
+    try:
+        return summary(out)["suspects"]
+    except (OSError, ValueError, KeyError) as err:
+        return f"no summary: {err}"
+
+
 def named(data: dict, phase: str | None = None) -> set[tuple[str, int | None]]:
     return {
         (s["node"], s.get("gpu")) for s in data["suspects"] if phase is None or s["phase"] == phase
@@ -177,7 +185,7 @@ def test_a_healthy_six_node_job_under_torchrun_names_no_suspect(job, tmp_path):
         timeout=RUN_TIMEOUT_S,
         cwd=tmp_path,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, (suspects_or_nothing(job.out), proc.stderr[-3000:])
     data = summary(job.out)
     assert data["schema"] == "node-agent.stop-check/1"
     assert data["suspects"] == [] and data["evict"] == []
