@@ -166,7 +166,8 @@ print(hb.path, flush=True)
 
 def _daemon_until_spool(shared_dir: Path, base: Path) -> str:
     """Root's real daemon, under the systemd unit's umask 077, with state_dir and spool_dir
-    side by side in ``base``; stopped once it made the spool. Returns its log."""
+    side by side in ``base``; stopped once it logged the spool's last directory made (after
+    every note on the way to it). Returns its log."""
     cfg = config(
         shared_dir,
         state_dir=str(base / "state"),
@@ -178,7 +179,8 @@ def _daemon_until_spool(shared_dir: Path, base: Path) -> str:
     checks = suite(shared_dir, entry, name="spool-parent")
     with agent_daemon(cfg, node(shared_dir), checks, log_path, umask=0o077) as daemon:
         deadline = time.monotonic() + 90
-        while not (base / "spool" / "sdc").is_dir() and time.monotonic() < deadline:
+        last = f"made spool {base / 'spool' / 'sdc'}"
+        while last not in log_path.read_text() and time.monotonic() < deadline:
             assert daemon.poll() is None, log_path.read_text()[-3000:]
             time.sleep(0.2)
     return log_path.read_text()
