@@ -76,6 +76,7 @@ from node_agent.remediation.plan import (
     Plan,
     Safety,
     Step,
+    counted_with,
     fault_code,
     operator_step,
     plan,
@@ -292,7 +293,9 @@ class Remediator:
         # job restarts are not node restarts: they never count towards the node's escalation
         counts = {
             code: self.store.count_done(self.node, REMEDIATION_ACTIONS, since, fault_code=code)
-            for code in {fault_code(r) for r in grade.reasons if r.rule not in JOB_RULES}
+            for r in grade.reasons
+            if r.rule not in JOB_RULES
+            for code in counted_with(fault_code(r))
         }
         # the node's own automatic restarts, any code: a node that keeps needing them is held
         remediations = self.store.count_done(

@@ -24,7 +24,8 @@ or an announced maintenance's (every ERROR ``remedy: planned``: drain alone, no 
 
 The rules (DESIGN.md, "Remediation and safety"):
 
-* Restarts are counted per fault code within ``safety.restart_window_h``, for the grade's first
+* Restarts are counted per fault code (codes that are one fault seen by different witnesses
+  together: :data:`ONE_FAULT`) within ``safety.restart_window_h``, for the grade's first
   hardware finding where it has one (never for a software, application or planned one beside
   it); a fault code that is still there after its own restarts (the catalog's
   ``restarts_before_fault`` carried on the Reason, else ``safety.max_restarts``) is escalated
@@ -216,6 +217,25 @@ def fault_code(reason: Reason) -> str:
     'driver-hang'
     """
     return f"{reason.rule}-{reason.code}" if reason.code is not None else reason.rule
+
+
+#: fault codes that are one fault seen by different witnesses: a GPU gone from the bus is Xid 79
+#: in the driver's log, NVML's GPU_IS_LOST, and a GPU short in the count once the node rebooted.
+#: Their restarts count together, so a GPU that stays gone after the reboot its Xid asked for is
+#: not rebooted again from nought under its next witness's name.
+ONE_FAULT: tuple[frozenset[str], ...] = (frozenset({"xid-79", "gpu-lost", "gpu-missing"}),)
+
+
+def counted_with(code: str) -> frozenset[str]:
+    """The fault codes whose restarts count towards ``code``'s (itself, and its :data:`ONE_FAULT`
+    set).
+
+    >>> sorted(counted_with("gpu-missing"))
+    ['gpu-lost', 'gpu-missing', 'xid-79']
+    >>> counted_with("xid-31")
+    frozenset({'xid-31'})
+    """
+    return next((same for same in ONE_FAULT if code in same), frozenset({code}))
 
 
 def restart_limit(reason: Reason, safety: Safety) -> int:
@@ -474,7 +494,7 @@ def plan(
     ``TRANSITIONS[(phase_of(record), verdict)]``.
 
     ``restart_counts`` maps a fault code to the restarts already done for it in the window
-    (:func:`restart_window_start`); ``boot_time`` (epoch s) tells whether a requested reboot
+    (:func:`restart_window_start`), for each code :func:`counted_with` a reason's code; ``boot_time`` (epoch s) tells whether a requested reboot
     has happened; ``gpu_reset_tried`` is True after a GPU reset in this run, so that the next
     restart is a reboot; ``remediations_7d`` is the automatic restarts of the node, any code,
     since :func:`remediation_window_start`. ``now`` is part of the pure interface (the plan's
@@ -499,7 +519,7 @@ def plan(
         serious=serious,
         node_serious=node_serious,
         worst=worst,
-        restarts=restart_counts.get(fault_code(worst), 0),
+        restarts=sum(restart_counts.get(code, 0) for code in counted_with(fault_code(worst))),
         limit=restart_limit(worst, safety),
         remediations_7d=remediations_7d,
         gpu_reset_available=gpu_reset_available,

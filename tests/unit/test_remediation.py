@@ -528,24 +528,24 @@ def test_a_double_bit_ecc_error_restarts_first_and_is_replaced_only_when_it_come
     assert again.escalated and [s.action for s in again.steps] == ["replace"]
 
 
+XID_79 = (
+    "NVRM: Xid (PCI:0000:18:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
+)
+SHORT_A_GPU = Result(
+    "nvml_health", "node", "gpu_count", Status.FAIL, "7 of 8 expected GPUs visible"
+)
+
+
 @pytest.mark.parametrize(
     ("result", "line", "restarts"),
     [
-        (
-            None,
-            "NVRM: Xid (PCI:0000:18:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.",
-            1,
-        ),
+        (None, XID_79, 1),
         (
             Result("nvml_health", "gpu:1", "gpu_lost", Status.FAIL, "NVML_ERROR_GPU_IS_LOST"),
             None,
             2,
         ),
-        (
-            Result("nvml_health", "node", "gpu_count", Status.FAIL, "7 of 8 expected GPUs visible"),
-            None,
-            2,
-        ),
+        (SHORT_A_GPU, None, 2),
     ],
 )
 def test_a_gpu_that_fell_off_the_bus_is_rebooted_first_and_replaced_when_it_stays_gone(
@@ -567,6 +567,23 @@ def test_a_gpu_that_fell_off_the_bus_is_rebooted_first_and_replaced_when_it_stay
         assert not plan_for(g, record=record, counts={code: restarts - 1}, max_restarts=2).escalated
     again = plan_for(g, record=record, counts={code: restarts}, max_restarts=2)
     assert again.escalated and [s.action for s in again.steps] == ["replace"]
+
+
+def test_a_gpu_still_gone_after_the_reboot_its_xid_asked_for_spends_that_reboot(grader):
+    """Xid 79, then the same GPU missing from the count once the node rebooted: one fault seen by
+    two witnesses. The reboot Xid 79 asked for counts towards gpu-missing's restarts, where it
+    had started gpu-missing's count from nought: three reboots before the replacement."""
+    missing = graded(grader, SHORT_A_GPU)
+    after_reboot = NodeRecord(NODE, "restarting", T0, "xid-79", "gpu:0", "auto", "reboot", T0)
+    once = plan_for(missing, record=after_reboot, counts={"xid-79": 1}, max_restarts=2)
+    assert not once.escalated and [s.action for s in once.steps] == ["restart"]
+    twice = plan_for(
+        missing, record=after_reboot, counts={"xid-79": 1, "gpu-missing": 1}, max_restarts=2
+    )
+    assert twice.escalated and [s.action for s in twice.steps] == ["replace"]
+    # another code's restarts are its own
+    other = plan_for(missing, record=after_reboot, counts={"xid-31": 5}, max_restarts=2)
+    assert not other.escalated
 
 
 def test_a_mix_of_software_and_hardware_errors_counts_and_escalates_the_hardware(grader):
@@ -783,6 +800,17 @@ def test_error_after_reboot_counts_restarts_then_escalates(store):
     for _ in range(3):
         rem.remediate(FakeReport(ERR_HANG))
         clock.t += 600
+    assert adapter.actions() == ["drain", "restart", "restart", "replace"]
+    assert store.node_record(NODE).state == "awaiting-replacement"
+
+
+def test_a_gpu_off_the_bus_then_missing_is_replaced_after_two_reboots_not_three(store, grader):
+    adapter, clock = FakeAdapter(), Clock()
+    rem = make(store, adapter, clock, boot_time=T0 + 10_000)  # every run is "after the reboot"
+    rem.remediate(FakeReport(graded_kernel_lines(grader, [XID_79])))
+    for _ in range(2):
+        clock.t += 600
+        rem.remediate(FakeReport(graded(grader, SHORT_A_GPU)))
     assert adapter.actions() == ["drain", "restart", "restart", "replace"]
     assert store.node_record(NODE).state == "awaiting-replacement"
 
