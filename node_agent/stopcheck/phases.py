@@ -90,6 +90,7 @@ SCHEMAS: dict[str, Any] = {
     "self": {"level": lambda v: v in Level.__members__, "reasons": [str]},
     "intra_node": {
         "pairs": MapOf(float, _PAIR),
+        "pairs_retimed": MapOf(float, _PAIR),
         "bad_bytes": MapOf(int, _PAIR),
         "copies": int,
         "bandwidth_graded": bool,
@@ -149,11 +150,31 @@ def _pattern(size: int, src: int, dst: int, device: Any) -> Any:
     return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g).to(device)
 
 
+def _timed_copy(src: ComputeDevice, dst: ComputeDevice, size: int) -> tuple[float, int]:
+    """One copy of a pattern from ``src`` to ``dst``: its seconds, and the bytes that arrived
+    wrong."""
+    buf = _pattern(size, src.spec.index, dst.spec.index, src.device)
+    src.synchronize()
+    start = time.perf_counter()
+    out = buf.to(dst.device, copy=True)
+    dst.synchronize()
+    elapsed = max(time.perf_counter() - start, 1e-9)
+    return elapsed, int((out.cpu() != buf.cpu()).sum())
+
+
 def phase_intra_node(side: NodeSide) -> PhaseOutcome:
     """An all-to-all among the node's GPUs, pair by pair: every byte checked, bandwidth compared
-    with the node's other pairs (GPUs only: simulated GPUs share the host's memory)."""
+    with the node's other pairs (GPUs only: simulated GPUs share the host's memory). A GPU every
+    pair of which is slow is timed again, pair by pair, and named only if it is slow again (a
+    first copy also pays for setting the pair up, and a host busy elsewhere slows one timing)."""
     devices = side.devices
-    mine: dict[str, Any] = {"pairs": {}, "bad_bytes": {}, "copies": 0, "bandwidth_graded": False}
+    mine: dict[str, Any] = {
+        "pairs": {},
+        "pairs_retimed": {},
+        "bad_bytes": {},
+        "copies": 0,
+        "bandwidth_graded": False,
+    }
     if len(devices) >= 2:
         simulated = devices[0].simulated
         size = SIM_INTRA_NODE_BYTES if simulated else INTRA_NODE_BYTES
@@ -161,20 +182,21 @@ def phase_intra_node(side: NodeSide) -> PhaseOutcome:
             for dst in devices:
                 if src is dst:
                     continue
-                buf = _pattern(size, src.spec.index, dst.spec.index, src.device)
-                src.synchronize()
-                start = time.perf_counter()
-                out = buf.to(dst.device, copy=True)
-                dst.synchronize()
-                elapsed = max(time.perf_counter() - start, 1e-9)
+                elapsed, bad = _timed_copy(src, dst, size)
                 key = f"{src.spec.index}->{dst.spec.index}"
                 if not simulated:  # simulated GPUs share the host's memory: no link to time
                     mine["pairs"][key] = round(size / elapsed / 1e9, 3)
                 mine["copies"] += 1
-                bad = int((out.cpu() != buf.cpu()).sum())
                 if bad:
                     mine["bad_bytes"][key] = bad
         mine["bandwidth_graded"] = not simulated
+        slow = {s.gpu for s in _slow_gpus(side.node, mine["pairs"])} if not simulated else set()
+        by_index = {dev.spec.index: dev for dev in devices}
+        for key in mine["pairs"]:
+            a, b = (int(x) for x in key.split("->"))
+            if a in slow or b in slow:
+                elapsed, _ = _timed_copy(by_index[a], by_index[b], size)
+                mine["pairs_retimed"][key] = round(size / elapsed / 1e9, 3)
     shared = side.exchange.gather("intra_node", mine, SCHEMAS["intra_node"])
     suspects: list[Suspect] = []
     for rank, data in enumerate(shared):
@@ -194,7 +216,7 @@ def phase_intra_node(side: NodeSide) -> PhaseOutcome:
                 )
             )
         if data.get("bandwidth_graded") and len(data["pairs"]) >= 2:
-            suspects.extend(_slow_gpus(node, data["pairs"]))
+            suspects.extend(_slow_twice(node, data["pairs"], data["pairs_retimed"]))
     outcome = PhaseOutcome(
         "intra_node",
         suspects=suspects,
@@ -207,6 +229,18 @@ def phase_intra_node(side: NodeSide) -> PhaseOutcome:
             else None
         )
     return outcome
+
+
+def _slow_twice(node: str, pairs: dict[str, float], retimed: dict[str, float]) -> list[Suspect]:
+    """The GPUs slow in the first timing that are slow again with their pairs timed anew."""
+    first = {s.gpu for s in _slow_gpus(node, pairs)}
+    again = _slow_gpus(node, {**pairs, **retimed}) if retimed else []
+    out = []
+    for s in again:
+        if s.gpu in first:
+            theirs = {k: v for k, v in pairs.items() if str(s.gpu) in k.split("->")}
+            out.append(Suspect(node, s.phase, {"pairs_gbps_first": theirs, **s.evidence}, s.gpu))
+    return out
 
 
 def _slow_gpus(node: str, pairs: dict[str, float]) -> list[Suspect]:
