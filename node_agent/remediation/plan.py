@@ -494,11 +494,12 @@ def plan(
     ``TRANSITIONS[(phase_of(record), verdict)]``.
 
     ``restart_counts`` maps a fault code to the restarts already done for it in the window
-    (:func:`restart_window_start`), for each code :func:`counted_with` a reason's code; ``boot_time`` (epoch s) tells whether a requested reboot
-    has happened; ``gpu_reset_tried`` is True after a GPU reset in this run, so that the next
-    restart is a reboot; ``remediations_7d`` is the automatic restarts of the node, any code,
-    since :func:`remediation_window_start`. ``now`` is part of the pure interface (the plan's
-    clock); the windows are applied by the caller.
+    (:func:`restart_window_start`), for every code :func:`counted_with` a reason's code;
+    ``boot_time`` (epoch s) tells whether a requested reboot has happened; ``gpu_reset_tried``
+    is True after a GPU reset in this run, so that the next restart is a reboot;
+    ``remediations_7d`` is the automatic restarts of the node, any code, since
+    :func:`remediation_window_start`. ``now`` is part of the pure interface (the plan's clock);
+    the windows are applied by the caller.
     """
     serious = tuple(r for r in grade.reasons if r.level >= Level.ERROR)
     # the node's own findings decide; a hung job beside them ends with the reboot/replacement

@@ -292,7 +292,7 @@ def _timed_ring(side: NodeSide, send: Any, recv: Any, where: Any) -> tuple[float
             time.sleep(elapsed * (1.0 / side.slow_link - 1.0))
             elapsed /= side.slow_link
         wrong += int((recv != float(left + 1)).sum())
-        if it:
+        if it:  # the first exchange connects the pair: not timed
             times.append(elapsed)
     return statistics.median(times), wrong
 
@@ -304,6 +304,10 @@ def _pair_gbps(shared: list[dict[str, Any]], n: int) -> dict[tuple[int, int], fl
         (a, b): NEIGHBOUR_BYTES / max(seconds[a], seconds[b], 1e-9) / 1e9
         for a, b in localise.ring_pairs(n)
     }
+
+
+def _named_pairs(pair_gbps: dict[tuple[int, int], float], nodes: list[str]) -> dict[str, float]:
+    return {f"{nodes[a]}<->{nodes[b]}": round(v, 3) for (a, b), v in sorted(pair_gbps.items())}
 
 
 def phase_neighbours(side: NodeSide) -> PhaseOutcome:
@@ -348,10 +352,6 @@ def phase_neighbours(side: NodeSide) -> PhaseOutcome:
             for r, w in sorted(arrived_wrong.items())
         }
     return PhaseOutcome("neighbours", suspects=suspects, figures=figures)
-
-
-def _named_pairs(pair_gbps: dict[tuple[int, int], float], nodes: list[str]) -> dict[str, float]:
-    return {f"{nodes[a]}<->{nodes[b]}": round(v, 3) for (a, b), v in sorted(pair_gbps.items())}
 
 
 def _wrong_ends(
