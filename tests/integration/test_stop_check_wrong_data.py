@@ -25,6 +25,10 @@ import torch.multiprocessing as mp  # noqa: E402
 from node_agent.stopcheck import phases  # noqa: E402
 
 RANKS = 4
+#: a slow node's link speed: its two pairs of the four are half the pairs, so the median pair lies
+#: between slow and fast; a twentieth keeps the slow pairs below half of it even when the host's
+#: load slows the fast pairs several times over (at a fifth, one loaded run missed it)
+SLOW_LINK = 0.05
 
 
 class _Gather:
@@ -52,12 +56,12 @@ def _rank(rank: int, init: str, faults: dict[int, str], out: str) -> None:
         exchange=_Gather(RANKS),
     )
     if faults.get(rank) == "slow":
-        side.slow_link = 0.2
+        side.slow_link = SLOW_LINK
     if faults.get(rank) == "slow once":
         first_timing = phases._timed_ring
 
         def slow_once(side, *args):
-            side.slow_link = 0.2
+            side.slow_link = SLOW_LINK
             try:
                 return first_timing(side, *args)
             finally:
