@@ -30,7 +30,7 @@ from node_agent.hardware.sku import Sku, load_skus, match_sku
 from node_agent.inventory import collect
 from node_agent.kernel_log import LinesKernelLog
 from node_agent.model import Level, Recovery, Status
-from node_agent.sim.gpu_model import SimGpuBackend
+from node_agent.sim.gpu_model import SimGpuBackend, SimGpuDevice
 from node_agent.sim.node import stand_in_ports
 from node_agent.sim.scenario import Fault, Scenario
 
@@ -132,6 +132,42 @@ def test_a_sku_link_count_still_catches_a_down_link():
     assert "17 of 18" in down[0].detail
     assert "down: link 17 (to NVSwitch 00000000:06:00.0)" in down[0].detail  # HGX B200's 2nd
     assert GRADER.grade(results).level is Level.ERROR  # restarted first, replaced if it stays
+
+
+# -- temperature -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def quick_rereads(monkeypatch):
+    monkeypatch.setattr(nvml_health, "SHUTDOWN_REREAD_S", 0.0)
+
+
+def test_a_gpu_at_its_shutdown_threshold_in_every_reading_is_failed_cooling(quick_rereads):
+    hot = [Fault("temperature", 3, {"celsius": 95})]
+    results = by_metric(
+        nvml_health.run(context("nvml_health", "h100-sxm5-80gb", faults=hot)), "temperature"
+    )
+    (failed,) = [r for r in results if r.status is Status.FAIL]
+    assert failed.target == "gpu:3" and failed.evidence["readings_c"] == [95, 95, 95]
+    assert GRADER.grade(results).level is Level.FAULT
+
+
+def test_one_reading_at_the_shutdown_threshold_not_read_again_is_a_warning(
+    quick_rereads, monkeypatch
+):
+    """A spike or a sensor's glitch in one sample of the daemon's ten-second watch asked for the
+    node's replacement; the GPU is read again and the other readings decide."""
+    series = iter([95, 61, 60])
+    real = SimGpuDevice.temperature_c
+    monkeypatch.setattr(
+        SimGpuDevice, "temperature_c", lambda dev: next(series) if dev.index == 3 else real(dev)
+    )
+    results = by_metric(nvml_health.run(context("nvml_health", "h100-sxm5-80gb")), "temperature")
+    (spike,) = [r for r in results if r.target == "gpu:3"]
+    assert spike.status is Status.WARN and spike.evidence["readings_c"] == [95, 61, 60]
+    assert "once" in spike.detail
+    grade = GRADER.grade(results)
+    assert grade.level is Level.WARN and {r.rule for r in grade.reasons} == {"temperature-slowdown"}
 
 
 # -- SKU matching --------------------------------------------------------------------------------
