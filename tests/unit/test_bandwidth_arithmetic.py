@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 
 import pytest
 
 from node_agent.checking.context import CheckContext
 from node_agent.checking.transfer import copy_bytes, gbps, rep_stats, timed, timed_copy
+from node_agent.checks import pcie_bandwidth
 from node_agent.checks.pcie_bandwidth import LinkReading, link_result
 from node_agent.compute.copy_model import copy_model, pcie_link_gbps
 from node_agent.compute.devices import ComputeSpec, open_device
@@ -112,6 +114,54 @@ def test_link_under_load_graded_against_sku_gen_and_width(gen, width, status, wo
     assert result.status is status and result.target == "gpu:2"
     assert words in result.detail
     assert result.evidence["gen_expected"] == 5 and result.evidence["width_expected"] == 16
+
+
+class _Copying:
+    """A GPU that copies (no GPU here: its copies do nothing) for ``_link_under_load``."""
+
+    def __init__(self) -> None:
+        self.dev = types.SimpleNamespace(
+            spec=types.SimpleNamespace(index=0), synchronize=lambda: None
+        )
+
+    def h2d(self) -> None:
+        pass
+
+    def d2h(self) -> None:
+        pass
+
+
+class _Nvml:
+    """NVML's PCIe link answers, one per call (the last repeated): a stand-in for the driver."""
+
+    def __init__(self, *gens: int) -> None:
+        self.gens, self.calls = list(gens), 0
+
+    def pcie(self) -> PcieLink:
+        gen = self.gens[min(self.calls, len(self.gens) - 1)]
+        self.calls += 1
+        return PcieLink(gen, 5, 16, 16, 0)
+
+
+def test_a_link_still_training_up_when_first_read_is_read_again_and_passes(monkeypatch):
+    """The first reading under load caught the link at its idle Gen1 (it trains up as the copies
+    start), and one reading drained the node as a degraded link."""
+    monkeypatch.setattr(pcie_bandwidth, "LINK_READ_GAP_S", 0.0)
+    nvml = _Nvml(1, 5)
+    reading = pcie_bandwidth._link_under_load(_Copying(), nvml, timeout_s=10)
+    assert (reading.link.gen_current, reading.reads, nvml.calls) == (5, 2, 2)
+    assert link_result(_ctx(), 0, reading).status is Status.PASS
+
+
+def test_a_link_low_in_every_reading_fails_and_a_full_one_is_read_once(monkeypatch):
+    monkeypatch.setattr(pcie_bandwidth, "LINK_READ_GAP_S", 0.0)
+    low = pcie_bandwidth._link_under_load(_Copying(), _Nvml(1), timeout_s=10)
+    assert low.reads == pcie_bandwidth.LINK_READS and low.link.gen_current == 1
+    result = link_result(_ctx(), 0, low)
+    assert result.status is Status.FAIL and result.evidence["link_reads"] == 3
+    full = _Nvml(5)
+    assert pcie_bandwidth._link_under_load(_Copying(), full, timeout_s=10).reads == 1
+    assert full.calls == 1
 
 
 def test_link_without_sku_is_graded_against_its_own_maximum():
