@@ -380,7 +380,7 @@ def _link_under_load(g: _Gpu, nvml: GpuDevice | None, timeout_s: float) -> LinkR
                 best = got.get("link")
                 if best is None or _rank(link) > _rank(best):
                     got["link"] = best = link
-                if (best.gen_current, best.width_current) >= (best.gen_max, best.width_max):
+                if _rank(best) >= (best.gen_max, best.width_max):
                     break
                 time.sleep(LINK_READ_GAP_S)
         except GpuError as err:
@@ -471,8 +471,8 @@ def link_result(ctx: CheckContext, index: int, reading: LinkReading) -> Result:
             LINK,
             Status.FAIL,
             f"gpu:{index} PCIe link at {' and '.join(degraded)} ({source}, within what the "
-            f"system gives) while copying, best of {reading.reads} reading(s): a degraded link (reboot to retrain it; if it stays, "
-            "reseat or replace the GPU, riser or cable)",
+            f"system gives) while copying, best of {reading.reads} reading(s): a degraded "
+            "link (reboot to retrain it; if it stays, reseat or replace the GPU, riser or cable)",
             value=value,
             **evidence,
         )

@@ -338,12 +338,14 @@ def phase_neighbours(side: NodeSide) -> PhaseOutcome:
             "neighbours-retimed", {"seconds": seconds}, SCHEMAS["neighbours-retimed"]
         )
         retimed = _pair_gbps(again, n)
-        figures["pairs_gbps_retimed"] = _named_pairs(retimed, nodes)
+        figures["pairs_gbps_retimed"] = retimed_named = _named_pairs(retimed, nodes)
         slow_again = {s.node for s in localise.slow_nodes(retimed, nodes, SLOW_PAIR_SHARE)}
         figures["slow_once_not_again"] = [s.node for s in suspects if s.node not in slow_again]
-        suspects = [s for s in suspects if s.node in slow_again]
-        for s in suspects:
-            s.evidence["pairs_gbps_retimed"] = figures["pairs_gbps_retimed"]
+        suspects = [
+            Suspect(s.node, s.phase, {**s.evidence, "pairs_gbps_retimed": retimed_named}, s.gpu)
+            for s in suspects
+            if s.node in slow_again
+        ]
     arrived_wrong = {r: s["wrong_elements"] for r, s in enumerate(shared) if s["wrong_elements"]}
     if arrived_wrong:
         suspects += _wrong_ends(side, send, recv, where, arrived_wrong)
